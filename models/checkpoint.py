@@ -1,0 +1,35 @@
+"""Resume points of long-running operations, one row per (operation, fingerprint, page)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import DateTime, Integer, Text, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.base import Base
+
+
+class OpCheckpoint(Base):
+    """Where an operation stands on one page.
+
+    ``completed_key`` holds the seed's entry ``sourceId|slug|endIso`` (see
+    ``worker.extraction.encode_checkpoint_entry``). The original kept every entry of a
+    fingerprint in one jsonb list; that row became a hot spot rewritten in full by every
+    segment commit of every page of the source, so here each page has its own row.
+    ``messages_done`` and ``prefix_hash`` let a run tell "new messages appended" (resume)
+    from "messages already extracted were edited" (re-extract the page).
+    """
+
+    __tablename__ = "op_checkpoints"
+
+    op: Mapped[str] = mapped_column(Text, primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(Text, primary_key=True)
+    page_key: Mapped[str] = mapped_column(Text, primary_key=True)
+    completed_key: Mapped[str] = mapped_column(Text, nullable=False)
+    messages_done: Mapped[int] = mapped_column(Integer, nullable=False)
+    prefix_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    next_row_num: Mapped[int] = mapped_column(Integer, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
+    )

@@ -1,0 +1,64 @@
+"""Seed twins: extractConversationFactsFingerprint and checkpoint entry encoding."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from worker.extraction import (
+    PER_SEGMENT_SOURCE_PREFIX,
+    TERMINAL_AUDIT_SOURCE,
+    decode_checkpoint_entry,
+    encode_checkpoint_entry,
+    extract_conversation_facts_fingerprint,
+)
+
+
+def test_same_source_id_yields_same_fingerprint():
+    assert extract_conversation_facts_fingerprint("default") == extract_conversation_facts_fingerprint("default")
+
+
+def test_different_source_id_yields_different_fingerprint():
+    assert extract_conversation_facts_fingerprint("a") != extract_conversation_facts_fingerprint("b")
+
+
+def test_fingerprint_is_first_8_hex_of_sha256_of_the_json():
+    expected = hashlib.sha256(b'{"sourceId":"default"}').hexdigest()[:8]
+    assert extract_conversation_facts_fingerprint("default") == expected
+
+
+def test_round_trips_source_id_slug_iso():
+    entry = encode_checkpoint_entry("default", "conversations/imessage/alice-example", "2024-03-16T08:05:00Z")
+    decoded = decode_checkpoint_entry(entry)
+    assert decoded is not None
+    assert (decoded.source_id, decoded.slug, decoded.end_iso) == (
+        "default", "conversations/imessage/alice-example", "2024-03-16T08:05:00Z")
+
+
+def test_decodes_null_for_malformed_entries():
+    assert decode_checkpoint_entry("no-pipes-here") is None
+    assert decode_checkpoint_entry("only-one|pipe") is None
+    assert decode_checkpoint_entry("||") is None
+    assert decode_checkpoint_entry("a||2024") is None
+
+
+def test_slug_with_forward_slashes_survives_encoding():
+    entry = encode_checkpoint_entry("src-a", "conversations/group/2024/march/team-x", "2024-03-16T08:05:00Z")
+    decoded = decode_checkpoint_entry(entry)
+    assert decoded is not None and decoded.slug == "conversations/group/2024/march/team-x"
+
+
+def test_slug_with_a_pipe_survives_encoding():
+    decoded = decode_checkpoint_entry(encode_checkpoint_entry("s", "odd|slug", "2024-03-16T08:05:00Z"))
+    assert decoded is not None and (decoded.source_id, decoded.slug) == ("s", "odd|slug")
+
+
+def test_source_id_with_a_pipe_is_refused():
+    with pytest.raises(ValueError):
+        encode_checkpoint_entry("a|b", "slug", "2024-03-16T08:05:00Z")
+
+
+def test_source_names():
+    assert PER_SEGMENT_SOURCE_PREFIX == "cli:extract-conversation-facts"
+    assert TERMINAL_AUDIT_SOURCE == "cli:extract-conversation-facts:terminal"

@@ -1,0 +1,95 @@
+"""The config table: kill switches and tunables, read by workers through a short cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ConfigEntry
+
+EXTRACTION_ENABLED = "facts.extraction_enabled"
+COMPACTION_ENABLED = "compaction.enabled"
+CALIBRATION_ENABLED = "calibration.enabled"
+EXTRACTION_PAGE_TYPES = "extraction.page_types"
+EXTRACTION_MAX_FACTS = "extraction.max_facts"
+
+KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED)
+DISABLED_VALUES = frozenset({"false", "0", "no", "off"})
+ENABLED_VALUES = frozenset({"true", "1", "yes", "on"})
+
+
+def is_enabled(value: str | None) -> bool:
+    """A missing switch means enabled; false/0/no/off (any case, any padding) means disabled."""
+    return value is None or value.strip().lower() not in DISABLED_VALUES
+
+
+def validate_value(key: str, value: str) -> str:
+    """Reject values that would silently mean something else; returns the value to store."""
+    cleaned = value.strip()
+    if key in KILL_SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
+        raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
+    if key == EXTRACTION_MAX_FACTS:
+        if not cleaned.isdigit() or not 1 <= int(cleaned) <= 25:
+            raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
+    return cleaned
+
+
+def get_config(session: Session, key: str) -> str | None:
+    return session.scalar(select(ConfigEntry.value).where(ConfigEntry.key == key))
+
+
+def set_config(session: Session, key: str, value: str, updated_by: str | None = None) -> str:
+    cleaned = validate_value(key, value)
+    stmt = insert(ConfigEntry).values(key=key, value=cleaned, updated_by=updated_by)
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[ConfigEntry.key],
+            set_={
+                "value": stmt.excluded.value,
+                "updated_by": stmt.excluded.updated_by,
+                "updated_at": stmt.excluded.updated_at,
+            },
+        )
+    )
+    return cleaned
+
+
+def list_config(session: Session) -> list[ConfigEntry]:
+    return list(session.scalars(select(ConfigEntry).order_by(ConfigEntry.key)))
+
+
+class ConfigReader:
+    """Reads config keys through a cache at most ``ttl`` seconds old (0 = always fresh).
+
+    Workers consult kill switches before every LLM call; the cache keeps that to one query
+    per key per ``ttl`` while still making a flipped switch take effect within ``ttl``.
+    """
+
+    def __init__(
+        self, factory: sessionmaker[Session], ttl: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._factory = factory
+        self._ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, str | None]] = {}
+
+    def get(self, key: str) -> str | None:
+        now = self._clock()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and now - hit[0] < self._ttl:
+                return hit[1]
+        with self._factory() as session:
+            value = get_config(session, key)
+        with self._lock:
+            self._cache[key] = (now, value)
+        return value
+
+    def enabled(self, key: str) -> bool:
+        return is_enabled(self.get(key))

@@ -1,0 +1,656 @@
+"""Extraction runs over the store: pages → segments → LLM → facts, resumable and exactly-once per segment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
+from worker.config_store import EXTRACTION_ENABLED, EXTRACTION_MAX_FACTS, EXTRACTION_PAGE_TYPES, ConfigReader
+from worker.core.conversation import (
+    MAX_PAGE_BODY_BYTES,
+    Message,
+    Segment,
+    parse_conversation_messages,
+    render_segment_for_extraction,
+    split_into_segments,
+)
+from worker.core.facts import (
+    ExtractedFact,
+    MalformedReplyError,
+    extraction_system_prompt,
+    facts_json_schema,
+    parse_facts_reply,
+    repair_user_message,
+    segment_user_message,
+)
+from worker.llm.errors import LLMError
+from worker.llm.pricing import cost_usd
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient
+
+logger = logging.getLogger(__name__)
+
+OP_NAME = "extract-conversation-facts"
+PER_SEGMENT_SOURCE_PREFIX = "cli:extract-conversation-facts"
+TERMINAL_AUDIT_SOURCE = "cli:extract-conversation-facts:terminal"
+TERMINAL_AUDIT_FACT = "EXTRACTION_COMPLETE"
+TERMINAL_ROW_NUM = -1
+CONVERSATION_PAGE_TYPES = ("conversation", "meeting", "slack", "email", "imessage")
+LLM_PURPOSE = "extraction"
+# A truncated reply is retried once with this many times the output cap, up to the ceiling.
+TRUNCATION_RETRY_FACTOR = 2
+MAX_OUTPUT_TOKENS_CEILING = 8192
+
+
+class ExtractionDisabledError(RuntimeError):
+    """The kill switch is off; nothing was sent to the LLM."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"fact extraction is disabled ({EXTRACTION_ENABLED}=false). Turn it on with "
+            f"`factmill config set {EXTRACTION_ENABLED} true`, or pass --override-disabled "
+            "(override_disabled=True) for a one-off run."
+        )
+
+
+# ---------------------------------------------------------------------------
+# Fingerprint and checkpoint entries (the seed's contract).
+# ---------------------------------------------------------------------------
+
+
+def extract_conversation_facts_fingerprint(source_id: str) -> str:
+    """First 8 hex digits of sha256 of ``{"sourceId":"<id>"}``: one resume namespace per source."""
+    payload = json.dumps({"sourceId": source_id}, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    source_id: str
+    slug: str
+    end_iso: str
+
+
+def encode_checkpoint_entry(source_id: str, slug: str, end_iso: str) -> str:
+    """``sourceId|slug|endIso``; the slug may hold ``/`` and even ``|``, the other two may not."""
+    if "|" in source_id or "|" in end_iso:
+        raise ValueError(f"source_id and end_iso must not contain '|': {source_id!r}, {end_iso!r}")
+    return f"{source_id}|{slug}|{end_iso}"
+
+
+def decode_checkpoint_entry(entry: str) -> CheckpointEntry | None:
+    """The entry's parts, or None when it is not of the form ``sourceId|slug|endIso``."""
+    source_id, sep, rest = entry.partition("|")
+    slug, sep2, end_iso = rest.rpartition("|")
+    if not sep or not sep2 or not source_id or not slug or not end_iso:
+        return None
+    return CheckpointEntry(source_id=source_id, slug=slug, end_iso=end_iso)
+
+
+def _page_key(source_id: str, slug: str) -> str:
+    return f"{source_id}|{slug}"
+
+
+def messages_hash(messages: Sequence[Message]) -> str:
+    """A digest of the messages already extracted, to tell an append from an edit."""
+    digest = hashlib.sha256()
+    for message in messages:
+        for part in (message.speaker, message.timestamp, message.text):
+            digest.update(part.encode("utf-8", "surrogatepass"))
+            digest.update(b"\x1f")
+        digest.update(b"\x1e")
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Options, counters, reports.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    source_id: str = "default"
+    slug: str | None = None
+    dry_run: bool = False
+    force: bool = False
+    since_iso: str | None = None
+    override_disabled: bool = False
+    max_facts: int | None = None  # None: config extraction.max_facts, else 10
+    max_output_tokens: int = 1024
+    job_id: int | None = None
+
+
+@dataclass
+class PageReport:
+    slug: str
+    status: str  # processed | skipped | skipped_too_large | failed | dry_run
+    reason: str = ""
+    segments: int = 0
+    facts: int = 0
+
+
+@dataclass
+class ExtractionCounters:
+    pages_considered: int = 0
+    pages_processed: int = 0
+    pages_skipped: int = 0
+    pages_skipped_too_large: int = 0
+    pages_failed: int = 0
+    segments_processed: int = 0
+    segments_failed: int = 0
+    facts_extracted: int = 0
+    facts_inserted: int = 0
+    llm_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    pages: list[PageReport] = field(default_factory=list)
+
+    def as_dict(self, with_pages: bool = True) -> dict[str, Any]:
+        data = asdict(self)
+        if not with_pages:
+            data.pop("pages")
+        return data
+
+
+class ExtractionProgress(Protocol):
+    def pages_listed(self, count: int) -> None: ...
+    def page_started(self, slug: str, segments: int) -> None: ...
+    def segment_finished(self, slug: str, outcome: str) -> None: ...
+    def page_finished(self, report: PageReport) -> None: ...
+
+
+class _NoProgress:
+    def pages_listed(self, count: int) -> None:
+        pass
+
+    def page_started(self, slug: str, segments: int) -> None:
+        pass
+
+    def segment_finished(self, slug: str, outcome: str) -> None:
+        pass
+
+    def page_finished(self, report: PageReport) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# One segment: LLM attempts with repair/retry, never "0 facts" on failure.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Attempt:
+    outcome: str
+    response: ChatResponse | None
+    facts: list[ExtractedFact]
+    error: str | None = None
+    provider: str = ""
+    model: str = ""
+    latency_ms: int = 0
+
+
+@dataclass
+class SegmentResult:
+    attempts: list[Attempt]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].outcome == "ok"
+
+    @property
+    def facts(self) -> list[ExtractedFact]:
+        return self.attempts[-1].facts if self.ok else []
+
+    @property
+    def outcome(self) -> str:
+        return self.attempts[-1].outcome
+
+
+def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_tokens: int) -> SegmentResult:
+    """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one."""
+    system = extraction_system_prompt(max_facts)
+    schema = facts_json_schema(max_facts)
+    turns: list[tuple[str, str]] = [("user", segment_user_message(rendered))]
+    cap = max_output_tokens
+    attempts: list[Attempt] = []
+    repaired = retried_truncation = False
+    while True:
+        request = ChatRequest(
+            purpose=LLM_PURPOSE, system=system, messages=tuple(turns), max_tokens=cap,
+            json_schema=schema, schema_name="facts", cache_key=f"factmill-extraction-v1-{max_facts}",
+        )
+        try:
+            response = llm.chat(request)
+        except LLMError as exc:
+            attempts.append(Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms))
+            return SegmentResult(attempts)
+        base = {"response": response, "provider": response.provider, "model": response.model,
+                "latency_ms": response.latency_ms}
+        if response.finish == "refusal":
+            reason = response.refusal or "the model refused"
+            attempts.append(Attempt("refusal", facts=[], error=reason, **base))
+            return SegmentResult(attempts)
+        if response.finish == "truncated":
+            attempts.append(Attempt("truncated_output", facts=[], error=f"output hit the {cap}-token cap", **base))
+            if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
+                return SegmentResult(attempts)
+            retried_truncation = True
+            cap = min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
+            continue
+        try:
+            facts = parse_facts_reply(response.text, max_facts)
+        except MalformedReplyError as exc:
+            attempts.append(Attempt("malformed_output", facts=[], error=str(exc), **base))
+            if repaired:
+                return SegmentResult(attempts)
+            repaired = True
+            turns = [*turns, ("assistant", response.text), ("user", repair_user_message(response.text, str(exc)))]
+            continue
+        attempts.append(Attempt("ok", facts=facts, **base))
+        return SegmentResult(attempts)
+
+
+# ---------------------------------------------------------------------------
+# Writing: one transaction per segment (facts + audit + llm_calls + checkpoint).
+# ---------------------------------------------------------------------------
+
+
+class CheckpointConflictError(RuntimeError):
+    """Another run advanced this page's checkpoint first; this run's segment was rolled back."""
+
+
+def _iso_to_datetime(iso: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _segment_context(segment: Segment) -> str:
+    return f"conversation segment {segment.start_iso} to {segment.end_iso}"
+
+
+def _write_attempts(
+    session: Session, attempts: Sequence[Attempt], *, options: ExtractOptions, slug: str,
+    index: int, segment: Segment,
+) -> None:
+    for number, attempt in enumerate(attempts, start=1):
+        usage = attempt.response.usage if attempt.response else None
+        call = LLMCall(
+            job_id=options.job_id, provider=attempt.provider, model=attempt.model, purpose=LLM_PURPOSE,
+            input_tokens=usage.input_tokens if usage else 0, output_tokens=usage.output_tokens if usage else 0,
+            cache_read_tokens=usage.cache_read_tokens if usage else 0,
+            cache_write_tokens=usage.cache_write_tokens if usage else 0,
+            latency_ms=attempt.latency_ms, outcome=attempt.outcome,
+            cost_usd=cost_usd(attempt.model, usage) if usage else 0, error=attempt.error,
+        )
+        session.add(call)
+        session.flush()
+        session.add(ExtractionAudit(
+            job_id=options.job_id, source_id=options.source_id, page_slug=slug, segment_index=index,
+            segment_start=segment.start_iso, segment_end=segment.end_iso, attempt=number,
+            outcome=attempt.outcome, facts_count=len(attempt.facts), error=attempt.error, llm_call_id=call.id,
+        ))
+
+
+def _fact_rows(
+    facts: Sequence[ExtractedFact], *, source_id: str, slug: str, segment: Segment, first_row: int
+) -> list[dict[str, Any]]:
+    valid_from = _iso_to_datetime(segment.start_iso)
+    context = _segment_context(segment)
+    return [
+        {
+            "source_id": source_id, "fact": f.fact, "kind": f.kind, "entity_slug": f.entity,
+            "confidence": f.confidence, "notability": f.notability, "context": context,
+            "valid_from": valid_from, "source": PER_SEGMENT_SOURCE_PREFIX,
+            "source_session": f"{PER_SEGMENT_SOURCE_PREFIX}:{slug}", "source_markdown_slug": slug,
+            "row_num": first_row + offset, "is_audit": False, "claim_metric": f.metric,
+            "claim_value": f.value, "claim_unit": f.unit, "claim_period": f.period,
+        }
+        for offset, f in enumerate(facts)
+    ]
+
+
+def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
+    if not rows:
+        return 0
+    result = session.execute(
+        insert(Fact).values(rows).on_conflict_do_nothing(
+            index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num]
+        )
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def _terminal_row(source_id: str, slug: str) -> dict[str, Any]:
+    return {
+        "source_id": source_id, "fact": TERMINAL_AUDIT_FACT, "kind": "fact", "entity_slug": None,
+        "confidence": 1.0, "notability": "low", "context": "", "valid_from": None,
+        "source": TERMINAL_AUDIT_SOURCE, "source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}",
+        "source_markdown_slug": slug, "row_num": TERMINAL_ROW_NUM, "is_audit": True,
+    }
+
+
+def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
+    stmt = insert(Fact).values(_terminal_row(source_id, slug))
+    session.execute(stmt.on_conflict_do_update(
+        index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num],
+        set_={"created_at": func.now()},
+    ))
+
+
+def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
+    session.execute(delete(Fact).where(
+        Fact.source_id == source_id, Fact.source_markdown_slug == slug, Fact.row_num == TERMINAL_ROW_NUM,
+    ))
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """Where a page's checkpoint stands (None: never extracted)."""
+
+    messages_done: int
+    prefix_hash: str
+    next_row_num: int
+
+
+def _advance_checkpoint(
+    session: Session, *, fingerprint: str, options: ExtractOptions, slug: str, expected: _Progress | None,
+    new: _Progress, end_iso: str,
+) -> None:
+    """Move the checkpoint from ``expected`` to ``new`` or raise: the guard against two runs on one page."""
+    key = _page_key(options.source_id, slug)
+    values = {
+        "completed_key": encode_checkpoint_entry(options.source_id, slug, end_iso),
+        "messages_done": new.messages_done, "prefix_hash": new.prefix_hash, "next_row_num": new.next_row_num,
+    }
+    if expected is None:
+        result = session.execute(
+            insert(OpCheckpoint).values(op=OP_NAME, fingerprint=fingerprint, page_key=key, **values)
+            .on_conflict_do_nothing()
+        )
+    else:
+        result = session.execute(
+            update(OpCheckpoint)
+            .where(
+                OpCheckpoint.op == OP_NAME, OpCheckpoint.fingerprint == fingerprint, OpCheckpoint.page_key == key,
+                OpCheckpoint.messages_done == expected.messages_done,
+                OpCheckpoint.prefix_hash == expected.prefix_hash,
+                OpCheckpoint.next_row_num == expected.next_row_num,
+            )
+            .values(**values, updated_at=func.now())
+        )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise CheckpointConflictError(f"another run advanced the checkpoint of {slug!r} first")
+
+
+# ---------------------------------------------------------------------------
+# The run.
+# ---------------------------------------------------------------------------
+
+
+def _page_types(config: ConfigReader) -> tuple[str, ...]:
+    narrowed = config.get(EXTRACTION_PAGE_TYPES)
+    if not narrowed or not narrowed.strip():
+        return CONVERSATION_PAGE_TYPES
+    wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}
+    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted)
+
+
+def _max_facts(options: ExtractOptions, config: ConfigReader) -> int:
+    if options.max_facts is not None:
+        value = options.max_facts
+    else:
+        raw = config.get(EXTRACTION_MAX_FACTS)
+        value = int(raw) if raw and raw.strip().isdigit() else 10
+    if not 1 <= value <= 25:
+        raise ValueError(f"max_facts must be between 1 and 25, got {value}")
+    return value
+
+
+def _validate_since(since_iso: str | None) -> None:
+    if since_iso is not None and _iso_to_datetime(since_iso) is None:
+        raise ValueError(f"--since must be an ISO-8601 time such as 2024-03-15T00:00:00Z, got {since_iso!r}")
+
+
+def _segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Segment]) -> list[int]:
+    """For each segment, the index just past its last message in ``messages``."""
+    ends: list[int] = []
+    cursor = start
+    for segment in segments:
+        last = segment.messages[-1]
+        while messages[cursor] is not last:
+            cursor += 1
+        cursor += 1
+        ends.append(cursor)
+    return ends
+
+
+class _Run:
+    def __init__(
+        self, factory: sessionmaker[Session], llm: LLMClient | None, options: ExtractOptions,
+        config: ConfigReader, progress: ExtractionProgress,
+    ) -> None:
+        self.factory = factory
+        self.llm = llm
+        self.options = options
+        self.config = config
+        self.progress = progress
+        self.counters = ExtractionCounters()
+        self.fingerprint = extract_conversation_facts_fingerprint(options.source_id)
+        self.max_facts = _max_facts(options, config)
+
+    def check_switch(self) -> None:
+        if not self.options.override_disabled and not self.config.enabled(EXTRACTION_ENABLED):
+            raise ExtractionDisabledError()
+
+    def list_pages(self) -> list[tuple[int, str, int]]:
+        types = _page_types(self.config)
+        size = func.octet_length(Page.compiled_truth) + func.octet_length(Page.timeline)
+        query = select(Page.id, Page.slug, size).where(
+            Page.source_id == self.options.source_id, Page.type.in_(types)
+        )
+        if self.options.slug is not None:
+            query = query.where(Page.slug == self.options.slug)
+        with self.factory() as session:
+            return [(row[0], row[1], int(row[2])) for row in session.execute(query.order_by(Page.slug))]
+
+    def finish(self, report: PageReport) -> None:
+        c = self.counters
+        if report.status in ("processed", "dry_run"):
+            c.pages_processed += 1
+        elif report.status == "skipped":
+            c.pages_skipped += 1
+        elif report.status == "skipped_too_large":
+            c.pages_skipped_too_large += 1
+        else:
+            c.pages_failed += 1
+        c.pages.append(report)
+        self.progress.page_finished(report)
+
+    def run(self) -> ExtractionCounters:
+        _validate_since(self.options.since_iso)
+        if not self.options.dry_run:
+            self.check_switch()
+            if self.llm is None:
+                raise ValueError("an LLM client is required unless dry_run is set")
+        pages = self.list_pages()
+        self.counters.pages_considered = len(pages)
+        self.progress.pages_listed(len(pages))
+        for page_id, slug, size in pages:
+            if size > MAX_PAGE_BODY_BYTES:
+                self.finish(PageReport(slug, "skipped_too_large",
+                                       f"body is {size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap"))
+                continue
+            self.finish(self.extract_page(page_id, slug))
+        return self.counters
+
+    def load_checkpoint(self, session: Session, slug: str) -> _Progress | None:
+        row = session.get(OpCheckpoint, (OP_NAME, self.fingerprint, _page_key(self.options.source_id, slug)))
+        if row is None:
+            return None
+        return _Progress(row.messages_done, row.prefix_hash, row.next_row_num)
+
+    def extract_page(self, page_id: int, slug: str) -> PageReport:
+        with self.factory() as session:
+            page = session.get(Page, page_id)
+            if page is None:
+                return PageReport(slug, "skipped", "the page was deleted before it could be extracted")
+            body = page.compiled_truth + ("\n" + page.timeline if page.timeline else "")
+            label = f"{page.type}: {page.title}" if page.title else slug
+            checkpoint = None if self.options.force else self.load_checkpoint(session, slug)
+        messages = parse_conversation_messages(body)
+        del body
+        if not messages:
+            return PageReport(slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)")
+        replace = self.options.force
+        start = 0
+        if checkpoint is not None:
+            done = checkpoint.messages_done
+            if done <= len(messages) and messages_hash(messages[:done]) == checkpoint.prefix_hash:
+                start = done
+            else:
+                replace = True  # messages already extracted were edited: re-extract the whole page
+        segments = split_into_segments(messages[start:], since_iso=self.options.since_iso)
+        if not segments:
+            return PageReport(slug, "skipped", "nothing new since the last extraction")
+        ends = _segment_ends(messages, start, segments)
+        if self.options.dry_run:
+            self.counters.segments_processed += len(segments)
+            return PageReport(slug, "dry_run", "", segments=len(segments))
+        self.progress.page_started(slug, len(segments))
+        if replace:
+            return self.extract_replacing(slug, label, messages, segments, ends, checkpoint)
+        return self.extract_incremental(slug, label, messages, segments, ends, checkpoint)
+
+    def call(self, label: str, segment: Segment) -> SegmentResult:
+        self.check_switch()
+        assert self.llm is not None
+        result = extract_segment(
+            self.llm, render_segment_for_extraction(label, segment), self.max_facts,
+            self.options.max_output_tokens,
+        )
+        c = self.counters
+        c.llm_calls += len(result.attempts)
+        for attempt in result.attempts:
+            if attempt.response is not None:
+                c.input_tokens += attempt.response.usage.input_tokens
+                c.output_tokens += attempt.response.usage.output_tokens
+        return result
+
+    def extract_incremental(
+        self, slug: str, label: str, messages: Sequence[Message], segments: Sequence[Segment],
+        ends: Sequence[int], checkpoint: _Progress | None,
+    ) -> PageReport:
+        report = PageReport(slug, "processed")
+        expected = checkpoint
+        next_row = checkpoint.next_row_num if checkpoint else 0
+        for index, (segment, end) in enumerate(zip(segments, ends, strict=True)):
+            result = self.call(label, segment)
+            with self.factory.begin() as session:
+                _write_attempts(session, result.attempts, options=self.options, slug=slug, index=index,
+                                segment=segment)
+                if not result.ok:
+                    self.counters.segments_failed += 1
+                    self.progress.segment_finished(slug, result.outcome)
+                    report.status, report.reason = "failed", f"segment {index + 1}: {result.outcome}: " + (
+                        result.attempts[-1].error or "")
+                    return report
+                rows = _fact_rows(result.facts, source_id=self.options.source_id, slug=slug, segment=segment,
+                                  first_row=next_row)
+                inserted = _insert_facts(session, rows)
+                new = _Progress(end, messages_hash(messages[:end]), next_row + len(rows))
+                _advance_checkpoint(session, fingerprint=self.fingerprint, options=self.options, slug=slug,
+                                    expected=expected, new=new, end_iso=segment.end_iso)
+                if index == len(segments) - 1:
+                    _upsert_terminal(session, self.options.source_id, slug)
+                else:
+                    _delete_terminal(session, self.options.source_id, slug)
+            expected, next_row = new, new.next_row_num
+            self.counters.segments_processed += 1
+            self.counters.facts_extracted += len(result.facts)
+            self.counters.facts_inserted += inserted
+            report.segments += 1
+            report.facts += inserted
+            self.progress.segment_finished(slug, "ok")
+        return report
+
+    def extract_replacing(
+        self, slug: str, label: str, messages: Sequence[Message], segments: Sequence[Segment],
+        ends: Sequence[int], checkpoint: _Progress | None,
+    ) -> PageReport:
+        """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
+        report = PageReport(slug, "processed")
+        all_rows: list[dict[str, Any]] = []
+        extracted = 0
+        for index, segment in enumerate(segments):
+            result = self.call(label, segment)
+            with self.factory.begin() as session:
+                _write_attempts(session, result.attempts, options=self.options, slug=slug, index=index,
+                                segment=segment)
+            self.progress.segment_finished(slug, result.outcome)
+            if not result.ok:
+                self.counters.segments_failed += 1
+                report.status = "failed"
+                report.reason = (f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}; "
+                                 "the page's earlier facts were kept")
+                return report
+            all_rows += _fact_rows(result.facts, source_id=self.options.source_id, slug=slug, segment=segment,
+                                   first_row=len(all_rows))
+            extracted += len(result.facts)
+            report.segments += 1
+        end = ends[-1]
+        with self.factory.begin() as session:
+            # Lock this page's checkpoint row (if any) so a concurrent run cannot interleave with the swap.
+            current = session.execute(
+                select(OpCheckpoint).where(
+                    OpCheckpoint.op == OP_NAME, OpCheckpoint.fingerprint == self.fingerprint,
+                    OpCheckpoint.page_key == _page_key(self.options.source_id, slug),
+                ).with_for_update()
+            ).scalar_one_or_none()
+            session.execute(delete(Fact).where(
+                Fact.source_id == self.options.source_id, Fact.source_markdown_slug == slug,
+                Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
+            ))
+            inserted = 0
+            for chunk_start in range(0, len(all_rows), 1000):
+                inserted += _insert_facts(session, all_rows[chunk_start:chunk_start + 1000])
+            expected = None
+            if current is not None:
+                expected = _Progress(current.messages_done, current.prefix_hash, current.next_row_num)
+            new = _Progress(end, messages_hash(messages[:end]), len(all_rows))
+            _advance_checkpoint(session, fingerprint=self.fingerprint, options=self.options, slug=slug,
+                                expected=expected, new=new, end_iso=segments[-1].end_iso)
+            _upsert_terminal(session, self.options.source_id, slug)
+        self.counters.segments_processed += len(segments)
+        self.counters.facts_extracted += extracted
+        self.counters.facts_inserted += inserted
+        report.facts = inserted
+        return report
+
+
+def run_extract_conversation_facts(
+    factory: sessionmaker[Session],
+    llm: LLMClient | None,
+    options: ExtractOptions | None = None,
+    *,
+    config: ConfigReader | None = None,
+    progress: ExtractionProgress | None = None,
+) -> ExtractionCounters:
+    """Extract facts from the conversation pages of one source (or one page), resuming from checkpoints.
+
+    Raises ExtractionDisabledError when the kill switch is off (unless ``override_disabled``),
+    ValueError on bad options. Per-page problems never raise: they are counted and reported.
+    """
+    options = options or ExtractOptions()
+    config = config or ConfigReader(factory, ttl=0)
+    return _Run(factory, llm, options, config, progress or _NoProgress()).run()

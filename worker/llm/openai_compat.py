@@ -1,0 +1,88 @@
+"""OpenAI and OpenAI-compatible chat providers (vLLM, Ollama, llama.cpp, the bundled simulator)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import openai
+
+from worker.llm.errors import to_llm_error
+from worker.llm.types import ChatRequest, ChatResponse, Finish, Usage
+
+JsonMode = Literal["json_schema", "json_object", "none"]
+
+
+class OpenAIChatClient:
+    """Chat Completions through the official SDK; its own retries are off (one retry layer, ours)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        json_mode: JsonMode = "json_schema",
+        provider: str = "openai",
+        default_headers: dict[str, str] | None = None,
+    ) -> None:
+        self.provider = provider
+        self.model = model
+        self.json_mode = json_mode
+        self._client = openai.OpenAI(
+            base_url=base_url, api_key=api_key or "not-needed", timeout=timeout, max_retries=0,
+            default_headers=default_headers,
+        )
+
+    def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
+        if request.json_schema is None or self.json_mode == "none":
+            return None
+        if self.json_mode == "json_object":
+            return {"type": "json_object"}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": request.schema_name, "schema": request.json_schema, "strict": True},
+        }
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        messages: list[dict[str, str]] = [{"role": "system", "content": request.system}]
+        messages += [{"role": role, "content": content} for role, content in request.messages]
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": request.max_tokens}
+        response_format = self._response_format(request)
+        if response_format is not None:
+            kwargs["response_format"] = response_format
+        if request.cache_key:
+            kwargs["extra_body"] = {"prompt_cache_key": request.cache_key}
+        started = time.perf_counter()
+        try:
+            completion = self._client.chat.completions.create(**kwargs)
+        except Exception as exc:
+            raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
+        latency_ms = int((time.perf_counter() - started) * 1000)
+        choice = completion.choices[0]
+        message = choice.message
+        refusal = getattr(message, "refusal", None)
+        finish: Finish = "end"
+        if refusal or choice.finish_reason == "content_filter":
+            finish = "refusal"
+        elif choice.finish_reason == "length":
+            finish = "truncated"
+        usage = completion.usage
+        cached = 0
+        if usage is not None and usage.prompt_tokens_details is not None:
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+        return ChatResponse(
+            text=message.content or "",
+            finish=finish,
+            usage=Usage(
+                input_tokens=usage.prompt_tokens if usage else 0,
+                output_tokens=usage.completion_tokens if usage else 0,
+                cache_read_tokens=cached,
+            ),
+            provider=self.provider,
+            model=completion.model or self.model,
+            latency_ms=latency_ms,
+            refusal=refusal,
+            raw_finish_reason=choice.finish_reason,
+        )

@@ -1,0 +1,50 @@
+"""The gateway's small vocabulary: a chat request, its response, its usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Finish = Literal["end", "truncated", "refusal"]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    purpose: str
+    system: str
+    # (role, content) turns after the system prompt; roles are "user" and "assistant".
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    json_schema: dict[str, Any] | None = None
+    schema_name: str = "response"
+    # Stable key for provider-side prompt caching (OpenAI prompt_cache_key).
+    cache_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ChatResponse:
+    text: str
+    finish: Finish
+    usage: Usage
+    provider: str
+    model: str
+    latency_ms: int
+    refusal: str | None = None
+    raw_finish_reason: str | None = field(default=None, compare=False)
+
+
+class LLMClient(Protocol):
+    """What the rest of Factmill calls; providers implement it."""
+
+    provider: str
+    model: str
+
+    def chat(self, request: ChatRequest) -> ChatResponse: ...
