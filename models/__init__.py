@@ -9,6 +9,7 @@ from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, Extract
 from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall
 from models.page import Page
+from models.webhook import WebhookDelivery
 
 __all__ = [
     "FACT_KINDS",
@@ -24,4 +25,5 @@ __all__ = [
     "LLMCall",
     "OpCheckpoint",
     "Page",
+    "WebhookDelivery",
 ]

@@ -46,7 +46,9 @@ class Fact(Base):
         CheckConstraint("confidence >= 0 AND confidence <= 1", name="confidence"),
         # Audit rows (the terminal EXTRACTION_COMPLETE marker) take negative row numbers so they never
         # collide with a page's facts; search filters them out with is_audit.
-        CheckConstraint("(is_audit AND row_num < 0) OR (NOT is_audit AND row_num >= 0)", name="audit_row_num"),
+        CheckConstraint(
+            "(is_audit AND row_num < 0) OR (NOT is_audit AND row_num >= 0)", name="audit_row_num"
+        ),
         Index("ix_facts_source_session", "source_session"),
         Index("ix_facts_entity_slug", "entity_slug"),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, DateTime, Index, Integer, Text, func
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, DateTime, Index, Integer, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -20,6 +20,15 @@ class Job(Base):
         CheckConstraint(f"status IN ({', '.join(repr(s) for s in JOB_STATUSES)})", name="status"),
         Index("ix_jobs_status_kind", "status", "kind"),
         Index("ix_jobs_subject", "kind", "subject"),
+        # At most one pending job per subject: a second delivery for a page that already has one
+        # marks that job for a rerun instead of queueing a duplicate.
+        Index(
+            "uq_jobs_pending_subject",
+            "kind",
+            "subject",
+            unique=True,
+            postgresql_where=text("status IN ('queued', 'running', 'paused')"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -31,6 +40,11 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     last_error: Mapped[str | None] = mapped_column(Text)
+    # The page changed while this job was running: run it again when it finishes.
+    rerun_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    # Last time a message for this job was handed to the broker (the sweeper re-sends lost ones).
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    worker: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False

@@ -25,7 +25,9 @@ LOCAL_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 def _reachable(url: str) -> bool:
     try:
-        with psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(False), connect_timeout=3):
+        with psycopg.connect(
+            make_url(url).set(drivername="postgresql").render_as_string(False), connect_timeout=3
+        ):
             return True
     except psycopg.Error:
         return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ def embedded_postgres_url(data_dir: Path) -> str:
     pgdata = (data_dir / "pg").resolve()
     pgdata.mkdir(parents=True, exist_ok=True)
     try:
-        server = pgserver.get_server(pgdata, cleanup_mode=None)
+        with warnings.catch_warnings():
+            # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); harmless here.
+            warnings.simplefilter("ignore")
+            server = pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:
         raise EmbeddedUnavailableError(
             f"could not start the embedded Postgres in {pgdata}: {exc}; "

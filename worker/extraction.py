@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from itertools import islice
 from typing import Any, Protocol
 
 from sqlalchemy import delete, func, select, update
@@ -127,6 +130,7 @@ class ExtractOptions:
     max_facts: int | None = None  # None: config extraction.max_facts, else 10
     max_output_tokens: int = 1024
     job_id: int | None = None
+    segment_concurrency: int = 1  # LLM calls in flight per page; results still commit in order
 
 
 @dataclass
@@ -225,22 +229,35 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
     repaired = retried_truncation = False
     while True:
         request = ChatRequest(
-            purpose=LLM_PURPOSE, system=system, messages=tuple(turns), max_tokens=cap,
-            json_schema=schema, schema_name="facts", cache_key=f"factmill-extraction-v1-{max_facts}",
+            purpose=LLM_PURPOSE,
+            system=system,
+            messages=tuple(turns),
+            max_tokens=cap,
+            json_schema=schema,
+            schema_name="facts",
+            cache_key=f"factmill-extraction-v1-{max_facts}",
         )
         try:
             response = llm.chat(request)
         except LLMError as exc:
-            attempts.append(Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms))
+            attempts.append(
+                Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
+            )
             return SegmentResult(attempts)
-        base = {"response": response, "provider": response.provider, "model": response.model,
-                "latency_ms": response.latency_ms}
+        base = {
+            "response": response,
+            "provider": response.provider,
+            "model": response.model,
+            "latency_ms": response.latency_ms,
+        }
         if response.finish == "refusal":
             reason = response.refusal or "the model refused"
             attempts.append(Attempt("refusal", facts=[], error=reason, **base))
             return SegmentResult(attempts)
         if response.finish == "truncated":
-            attempts.append(Attempt("truncated_output", facts=[], error=f"output hit the {cap}-token cap", **base))
+            attempts.append(
+                Attempt("truncated_output", facts=[], error=f"output hit the {cap}-token cap", **base)
+            )
             if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
                 return SegmentResult(attempts)
             retried_truncation = True
@@ -253,7 +270,11 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
             if repaired:
                 return SegmentResult(attempts)
             repaired = True
-            turns = [*turns, ("assistant", response.text), ("user", repair_user_message(response.text, str(exc)))]
+            turns = [
+                *turns,
+                ("assistant", response.text),
+                ("user", repair_user_message(response.text, str(exc))),
+            ]
             continue
         attempts.append(Attempt("ok", facts=facts, **base))
         return SegmentResult(attempts)
@@ -280,26 +301,49 @@ def _segment_context(segment: Segment) -> str:
 
 
 def _write_attempts(
-    session: Session, attempts: Sequence[Attempt], *, options: ExtractOptions, slug: str,
-    index: int, segment: Segment,
+    session: Session,
+    attempts: Sequence[Attempt],
+    *,
+    options: ExtractOptions,
+    slug: str,
+    index: int,
+    segment: Segment,
+    note: str | None = None,
 ) -> None:
     for number, attempt in enumerate(attempts, start=1):
+        error = "; ".join(part for part in (attempt.error, note) if part) or None
         usage = attempt.response.usage if attempt.response else None
         call = LLMCall(
-            job_id=options.job_id, provider=attempt.provider, model=attempt.model, purpose=LLM_PURPOSE,
-            input_tokens=usage.input_tokens if usage else 0, output_tokens=usage.output_tokens if usage else 0,
+            job_id=options.job_id,
+            provider=attempt.provider,
+            model=attempt.model,
+            purpose=LLM_PURPOSE,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
             cache_read_tokens=usage.cache_read_tokens if usage else 0,
             cache_write_tokens=usage.cache_write_tokens if usage else 0,
-            latency_ms=attempt.latency_ms, outcome=attempt.outcome,
-            cost_usd=cost_usd(attempt.model, usage) if usage else 0, error=attempt.error,
+            latency_ms=attempt.latency_ms,
+            outcome=attempt.outcome,
+            cost_usd=cost_usd(attempt.model, usage) if usage else 0,
+            error=error,
         )
         session.add(call)
         session.flush()
-        session.add(ExtractionAudit(
-            job_id=options.job_id, source_id=options.source_id, page_slug=slug, segment_index=index,
-            segment_start=segment.start_iso, segment_end=segment.end_iso, attempt=number,
-            outcome=attempt.outcome, facts_count=len(attempt.facts), error=attempt.error, llm_call_id=call.id,
-        ))
+        session.add(
+            ExtractionAudit(
+                job_id=options.job_id,
+                source_id=options.source_id,
+                page_slug=slug,
+                segment_index=index,
+                segment_start=segment.start_iso,
+                segment_end=segment.end_iso,
+                attempt=number,
+                outcome=attempt.outcome,
+                facts_count=len(attempt.facts),
+                error=error,
+                llm_call_id=call.id,
+            )
+        )
 
 
 def _fact_rows(
@@ -309,12 +353,23 @@ def _fact_rows(
     context = _segment_context(segment)
     return [
         {
-            "source_id": source_id, "fact": f.fact, "kind": f.kind, "entity_slug": f.entity,
-            "confidence": f.confidence, "notability": f.notability, "context": context,
-            "valid_from": valid_from, "source": PER_SEGMENT_SOURCE_PREFIX,
-            "source_session": f"{PER_SEGMENT_SOURCE_PREFIX}:{slug}", "source_markdown_slug": slug,
-            "row_num": first_row + offset, "is_audit": False, "claim_metric": f.metric,
-            "claim_value": f.value, "claim_unit": f.unit, "claim_period": f.period,
+            "source_id": source_id,
+            "fact": f.fact,
+            "kind": f.kind,
+            "entity_slug": f.entity,
+            "confidence": f.confidence,
+            "notability": f.notability,
+            "context": context,
+            "valid_from": valid_from,
+            "source": PER_SEGMENT_SOURCE_PREFIX,
+            "source_session": f"{PER_SEGMENT_SOURCE_PREFIX}:{slug}",
+            "source_markdown_slug": slug,
+            "row_num": first_row + offset,
+            "is_audit": False,
+            "claim_metric": f.metric,
+            "claim_value": f.value,
+            "claim_unit": f.unit,
+            "claim_period": f.period,
         }
         for offset, f in enumerate(facts)
     ]
@@ -323,35 +378,51 @@ def _fact_rows(
 def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
     if not rows:
         return 0
-    result = session.execute(
-        insert(Fact).values(rows).on_conflict_do_nothing(
-            index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num]
-        )
+    inserted = session.execute(
+        insert(Fact)
+        .values(rows)
+        .on_conflict_do_nothing(index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num])
+        .returning(Fact.id)
     )
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+    return len(inserted.all())
 
 
 def _terminal_row(source_id: str, slug: str) -> dict[str, Any]:
     return {
-        "source_id": source_id, "fact": TERMINAL_AUDIT_FACT, "kind": "fact", "entity_slug": None,
-        "confidence": 1.0, "notability": "low", "context": "", "valid_from": None,
-        "source": TERMINAL_AUDIT_SOURCE, "source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}",
-        "source_markdown_slug": slug, "row_num": TERMINAL_ROW_NUM, "is_audit": True,
+        "source_id": source_id,
+        "fact": TERMINAL_AUDIT_FACT,
+        "kind": "fact",
+        "entity_slug": None,
+        "confidence": 1.0,
+        "notability": "low",
+        "context": "",
+        "valid_from": None,
+        "source": TERMINAL_AUDIT_SOURCE,
+        "source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}",
+        "source_markdown_slug": slug,
+        "row_num": TERMINAL_ROW_NUM,
+        "is_audit": True,
     }
 
 
 def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
     stmt = insert(Fact).values(_terminal_row(source_id, slug))
-    session.execute(stmt.on_conflict_do_update(
-        index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num],
-        set_={"created_at": func.now()},
-    ))
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num],
+            set_={"created_at": func.now()},
+        )
+    )
 
 
 def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
-    session.execute(delete(Fact).where(
-        Fact.source_id == source_id, Fact.source_markdown_slug == slug, Fact.row_num == TERMINAL_ROW_NUM,
-    ))
+    session.execute(
+        delete(Fact).where(
+            Fact.source_id == source_id,
+            Fact.source_markdown_slug == slug,
+            Fact.row_num == TERMINAL_ROW_NUM,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -364,32 +435,45 @@ class _Progress:
 
 
 def _advance_checkpoint(
-    session: Session, *, fingerprint: str, options: ExtractOptions, slug: str, expected: _Progress | None,
-    new: _Progress, end_iso: str,
+    session: Session,
+    *,
+    fingerprint: str,
+    options: ExtractOptions,
+    slug: str,
+    expected: _Progress | None,
+    new: _Progress,
+    end_iso: str,
 ) -> None:
     """Move the checkpoint from ``expected`` to ``new`` or raise: the guard against two runs on one page."""
     key = _page_key(options.source_id, slug)
     values = {
         "completed_key": encode_checkpoint_entry(options.source_id, slug, end_iso),
-        "messages_done": new.messages_done, "prefix_hash": new.prefix_hash, "next_row_num": new.next_row_num,
+        "messages_done": new.messages_done,
+        "prefix_hash": new.prefix_hash,
+        "next_row_num": new.next_row_num,
     }
     if expected is None:
         result = session.execute(
-            insert(OpCheckpoint).values(op=OP_NAME, fingerprint=fingerprint, page_key=key, **values)
+            insert(OpCheckpoint)
+            .values(op=OP_NAME, fingerprint=fingerprint, page_key=key, **values)
             .on_conflict_do_nothing()
+            .returning(OpCheckpoint.op)
         )
     else:
         result = session.execute(
             update(OpCheckpoint)
             .where(
-                OpCheckpoint.op == OP_NAME, OpCheckpoint.fingerprint == fingerprint, OpCheckpoint.page_key == key,
+                OpCheckpoint.op == OP_NAME,
+                OpCheckpoint.fingerprint == fingerprint,
+                OpCheckpoint.page_key == key,
                 OpCheckpoint.messages_done == expected.messages_done,
                 OpCheckpoint.prefix_hash == expected.prefix_hash,
                 OpCheckpoint.next_row_num == expected.next_row_num,
             )
             .values(**values, updated_at=func.now())
+            .returning(OpCheckpoint.op)
         )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if len(result.all()) != 1:
         raise CheckpointConflictError(f"another run advanced the checkpoint of {slug!r} first")
 
 
@@ -437,10 +521,16 @@ def _segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Se
 
 class _Run:
     def __init__(
-        self, factory: sessionmaker[Session], llm: LLMClient | None, options: ExtractOptions,
-        config: ConfigReader, progress: ExtractionProgress,
+        self,
+        factory: sessionmaker[Session],
+        llm: LLMClient | None,
+        options: ExtractOptions,
+        config: ConfigReader,
+        progress: ExtractionProgress,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         self.factory = factory
+        self.guard = guard
         self.llm = llm
         self.options = options
         self.config = config
@@ -488,8 +578,13 @@ class _Run:
         self.progress.pages_listed(len(pages))
         for page_id, slug, size in pages:
             if size > MAX_PAGE_BODY_BYTES:
-                self.finish(PageReport(slug, "skipped_too_large",
-                                       f"body is {size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap"))
+                self.finish(
+                    PageReport(
+                        slug,
+                        "skipped_too_large",
+                        f"body is {size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap",
+                    )
+                )
                 continue
             self.finish(self.extract_page(page_id, slug))
         return self.counters
@@ -511,7 +606,9 @@ class _Run:
         messages = parse_conversation_messages(body)
         del body
         if not messages:
-            return PageReport(slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)")
+            return PageReport(
+                slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)"
+            )
         replace = self.options.force
         start = 0
         if checkpoint is not None:
@@ -533,103 +630,221 @@ class _Run:
         return self.extract_incremental(slug, label, messages, segments, ends, checkpoint)
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
+        """One segment's LLM attempts; runs on pool threads, so it touches no shared state."""
         self.check_switch()
+        if self.guard is not None:
+            self.guard()
         assert self.llm is not None
-        result = extract_segment(
-            self.llm, render_segment_for_extraction(label, segment), self.max_facts,
+        return extract_segment(
+            self.llm,
+            render_segment_for_extraction(label, segment),
+            self.max_facts,
             self.options.max_output_tokens,
         )
+
+    def count_calls(self, result: SegmentResult) -> None:
         c = self.counters
         c.llm_calls += len(result.attempts)
         for attempt in result.attempts:
             if attempt.response is not None:
                 c.input_tokens += attempt.response.usage.input_tokens
                 c.output_tokens += attempt.response.usage.output_tokens
-        return result
+
+    def ordered_results(
+        self, slug: str, label: str, segments: Sequence[Segment]
+    ) -> Iterator[tuple[int, Segment, SegmentResult]]:
+        """Segment results in page order, with up to ``segment_concurrency`` LLM calls in flight.
+
+        Committing strictly in order keeps the checkpoint monotonic. When the consumer stops
+        early (a failed segment, the kill switch), calls already in flight still finish and are
+        recorded (they cost money) but their facts are discarded; calls not yet started never are.
+        """
+        width = max(1, self.options.segment_concurrency)
+        if width == 1:
+            for index, segment in enumerate(segments):
+                result = self.call(label, segment)
+                self.count_calls(result)
+                yield index, segment, result
+            return
+        pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix="segment")
+        pending: deque[tuple[int, Segment, Future[SegmentResult]]] = deque()
+        upcoming = iter(enumerate(segments))
+        try:
+            for index, segment in islice(upcoming, width):
+                pending.append((index, segment, pool.submit(self.call, label, segment)))
+            while pending:
+                index, segment, future = pending.popleft()
+                result = future.result()
+                self.count_calls(result)
+                yield index, segment, result
+                for next_index, next_segment in islice(upcoming, 1):
+                    pending.append((next_index, next_segment, pool.submit(self.call, label, next_segment)))
+        finally:
+            for _, _, future in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
+            for index, segment, future in pending:
+                if future.cancelled() or future.exception() is not None:
+                    continue
+                result = future.result()
+                self.count_calls(result)
+                with self.factory.begin() as session:
+                    _write_attempts(
+                        session,
+                        result.attempts,
+                        options=self.options,
+                        slug=slug,
+                        index=index,
+                        segment=segment,
+                        note="discarded: an earlier segment did not complete",
+                    )
 
     def extract_incremental(
-        self, slug: str, label: str, messages: Sequence[Message], segments: Sequence[Segment],
-        ends: Sequence[int], checkpoint: _Progress | None,
+        self,
+        slug: str,
+        label: str,
+        messages: Sequence[Message],
+        segments: Sequence[Segment],
+        ends: Sequence[int],
+        checkpoint: _Progress | None,
     ) -> PageReport:
         report = PageReport(slug, "processed")
         expected = checkpoint
         next_row = checkpoint.next_row_num if checkpoint else 0
-        for index, (segment, end) in enumerate(zip(segments, ends, strict=True)):
-            result = self.call(label, segment)
-            with self.factory.begin() as session:
-                _write_attempts(session, result.attempts, options=self.options, slug=slug, index=index,
-                                segment=segment)
-                if not result.ok:
-                    self.counters.segments_failed += 1
-                    self.progress.segment_finished(slug, result.outcome)
-                    report.status, report.reason = "failed", f"segment {index + 1}: {result.outcome}: " + (
-                        result.attempts[-1].error or "")
-                    return report
-                rows = _fact_rows(result.facts, source_id=self.options.source_id, slug=slug, segment=segment,
-                                  first_row=next_row)
-                inserted = _insert_facts(session, rows)
-                new = _Progress(end, messages_hash(messages[:end]), next_row + len(rows))
-                _advance_checkpoint(session, fingerprint=self.fingerprint, options=self.options, slug=slug,
-                                    expected=expected, new=new, end_iso=segment.end_iso)
-                if index == len(segments) - 1:
-                    _upsert_terminal(session, self.options.source_id, slug)
-                else:
-                    _delete_terminal(session, self.options.source_id, slug)
-            expected, next_row = new, new.next_row_num
-            self.counters.segments_processed += 1
-            self.counters.facts_extracted += len(result.facts)
-            self.counters.facts_inserted += inserted
-            report.segments += 1
-            report.facts += inserted
-            self.progress.segment_finished(slug, "ok")
+        results = self.ordered_results(slug, label, segments)
+        try:
+            for index, segment, result in results:
+                end = ends[index]
+                with self.factory.begin() as session:
+                    _write_attempts(
+                        session,
+                        result.attempts,
+                        options=self.options,
+                        slug=slug,
+                        index=index,
+                        segment=segment,
+                    )
+                    if not result.ok:
+                        self.counters.segments_failed += 1
+                        self.progress.segment_finished(slug, result.outcome)
+                        report.status = "failed"
+                        report.reason = (
+                            f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}"
+                        )
+                        return report
+                    rows = _fact_rows(
+                        result.facts,
+                        source_id=self.options.source_id,
+                        slug=slug,
+                        segment=segment,
+                        first_row=next_row,
+                    )
+                    inserted = _insert_facts(session, rows)
+                    new = _Progress(end, messages_hash(messages[:end]), next_row + len(rows))
+                    _advance_checkpoint(
+                        session,
+                        fingerprint=self.fingerprint,
+                        options=self.options,
+                        slug=slug,
+                        expected=expected,
+                        new=new,
+                        end_iso=segment.end_iso,
+                    )
+                    if index == len(segments) - 1:
+                        _upsert_terminal(session, self.options.source_id, slug)
+                    else:
+                        _delete_terminal(session, self.options.source_id, slug)
+                expected, next_row = new, new.next_row_num
+                self.counters.segments_processed += 1
+                self.counters.facts_extracted += len(result.facts)
+                self.counters.facts_inserted += inserted
+                report.segments += 1
+                report.facts += inserted
+                self.progress.segment_finished(slug, "ok")
+        finally:
+            results.close()
         return report
 
     def extract_replacing(
-        self, slug: str, label: str, messages: Sequence[Message], segments: Sequence[Segment],
-        ends: Sequence[int], checkpoint: _Progress | None,
+        self,
+        slug: str,
+        label: str,
+        messages: Sequence[Message],
+        segments: Sequence[Segment],
+        ends: Sequence[int],
+        checkpoint: _Progress | None,
     ) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(slug, "processed")
         all_rows: list[dict[str, Any]] = []
         extracted = 0
-        for index, segment in enumerate(segments):
-            result = self.call(label, segment)
-            with self.factory.begin() as session:
-                _write_attempts(session, result.attempts, options=self.options, slug=slug, index=index,
-                                segment=segment)
-            self.progress.segment_finished(slug, result.outcome)
-            if not result.ok:
-                self.counters.segments_failed += 1
-                report.status = "failed"
-                report.reason = (f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}; "
-                                 "the page's earlier facts were kept")
-                return report
-            all_rows += _fact_rows(result.facts, source_id=self.options.source_id, slug=slug, segment=segment,
-                                   first_row=len(all_rows))
-            extracted += len(result.facts)
-            report.segments += 1
-        end = ends[-1]
+        results = self.ordered_results(slug, label, segments)
+        try:
+            for index, segment, result in results:
+                with self.factory.begin() as session:
+                    _write_attempts(
+                        session,
+                        result.attempts,
+                        options=self.options,
+                        slug=slug,
+                        index=index,
+                        segment=segment,
+                    )
+                self.progress.segment_finished(slug, result.outcome)
+                if not result.ok:
+                    self.counters.segments_failed += 1
+                    report.status = "failed"
+                    report.reason = (
+                        f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}; "
+                        "the page's earlier facts were kept"
+                    )
+                    return report
+                all_rows += _fact_rows(
+                    result.facts,
+                    source_id=self.options.source_id,
+                    slug=slug,
+                    segment=segment,
+                    first_row=len(all_rows),
+                )
+                extracted += len(result.facts)
+                report.segments += 1
+        finally:
+            results.close()
         with self.factory.begin() as session:
             # Lock this page's checkpoint row (if any) so a concurrent run cannot interleave with the swap.
             current = session.execute(
-                select(OpCheckpoint).where(
-                    OpCheckpoint.op == OP_NAME, OpCheckpoint.fingerprint == self.fingerprint,
+                select(OpCheckpoint)
+                .where(
+                    OpCheckpoint.op == OP_NAME,
+                    OpCheckpoint.fingerprint == self.fingerprint,
                     OpCheckpoint.page_key == _page_key(self.options.source_id, slug),
-                ).with_for_update()
+                )
+                .with_for_update()
             ).scalar_one_or_none()
-            session.execute(delete(Fact).where(
-                Fact.source_id == self.options.source_id, Fact.source_markdown_slug == slug,
-                Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
-            ))
+            session.execute(
+                delete(Fact).where(
+                    Fact.source_id == self.options.source_id,
+                    Fact.source_markdown_slug == slug,
+                    Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
+                )
+            )
             inserted = 0
             for chunk_start in range(0, len(all_rows), 1000):
-                inserted += _insert_facts(session, all_rows[chunk_start:chunk_start + 1000])
+                inserted += _insert_facts(session, all_rows[chunk_start : chunk_start + 1000])
             expected = None
             if current is not None:
                 expected = _Progress(current.messages_done, current.prefix_hash, current.next_row_num)
+            end = ends[-1]
             new = _Progress(end, messages_hash(messages[:end]), len(all_rows))
-            _advance_checkpoint(session, fingerprint=self.fingerprint, options=self.options, slug=slug,
-                                expected=expected, new=new, end_iso=segments[-1].end_iso)
+            _advance_checkpoint(
+                session,
+                fingerprint=self.fingerprint,
+                options=self.options,
+                slug=slug,
+                expected=expected,
+                new=new,
+                end_iso=segments[-1].end_iso,
+            )
             _upsert_terminal(session, self.options.source_id, slug)
         self.counters.segments_processed += len(segments)
         self.counters.facts_extracted += extracted
@@ -645,12 +860,14 @@ def run_extract_conversation_facts(
     *,
     config: ConfigReader | None = None,
     progress: ExtractionProgress | None = None,
+    guard: Callable[[], None] | None = None,
 ) -> ExtractionCounters:
     """Extract facts from the conversation pages of one source (or one page), resuming from checkpoints.
 
     Raises ExtractionDisabledError when the kill switch is off (unless ``override_disabled``),
-    ValueError on bad options. Per-page problems never raise: they are counted and reported.
+    ValueError on bad options, and whatever ``guard`` raises (it is called before every LLM call,
+    e.g. to stop a job whose lease was lost). Per-page problems never raise: they are counted and reported.
     """
     options = options or ExtractOptions()
     config = config or ConfigReader(factory, ttl=0)
-    return _Run(factory, llm, options, config, progress or _NoProgress()).run()
+    return _Run(factory, llm, options, config, progress or _NoProgress(), guard).run()

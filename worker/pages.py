@@ -92,8 +92,11 @@ def upsert_page(session: Session, page: PageIn) -> UpsertResult:
     page_id = session.execute(
         stmt.on_conflict_do_update(
             index_elements=[Page.source_id, Page.slug],
-            set_={k: stmt.excluded[k] for k in ("type", "title", "compiled_truth", "timeline", "frontmatter",
-                                                 "content_hash")} | {"updated_at": func.now()},
+            set_={
+                k: stmt.excluded[k]
+                for k in ("type", "title", "compiled_truth", "timeline", "frontmatter", "content_hash")
+            }
+            | {"updated_at": func.now()},
         ).returning(Page.id)
     ).scalar_one()
     return UpsertResult(page_id, changed=True)

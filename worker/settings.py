@@ -49,8 +49,22 @@ class Settings(BaseSettings):
     # Workers read the config table (kill switches, tunables) through a cache this old at most.
     config_cache_seconds: float = Field(default=2.0, ge=0)
 
+    # Jobs and workers.
+    segment_concurrency: int = Field(default=8, ge=1, le=64)  # LLM calls in flight per page
+    job_max_attempts: int = Field(default=5, ge=1)
+    job_heartbeat_seconds: float = Field(default=10.0, gt=0)
+    job_stale_after_seconds: float = Field(default=60.0, gt=0)  # running with an older heartbeat = lost
+    job_requeue_after_seconds: float = Field(default=60.0, gt=0)  # queued this long = message lost
+    sweep_interval_seconds: float = Field(default=30.0, gt=0)
+    task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
+    task_time_limit_seconds: int = Field(default=3600, gt=0)
+    # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
+    broker_key_prefix: str = ""
+
     # Service.
     webhook_secret: str = "dev-secret"
+    webhook_tolerance_seconds: int = Field(default=300, gt=0)
+    max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     admin_token: str = "dev-admin-token"
 
     @field_validator("webhook_secret", "admin_token")

@@ -22,11 +22,28 @@ def reply(*facts: dict) -> str:
 
 
 def test_valid_reply_is_parsed():
-    [fact] = parse_facts_reply(reply({"fact": "Alice joined Acme.", "kind": "event", "entity": "people/alice",
-                                       "confidence": 0.9, "notability": "high", "metric": None, "value": None,
-                                       "unit": None, "period": None}))
+    [fact] = parse_facts_reply(
+        reply(
+            {
+                "fact": "Alice joined Acme.",
+                "kind": "event",
+                "entity": "people/alice",
+                "confidence": 0.9,
+                "notability": "high",
+                "metric": None,
+                "value": None,
+                "unit": None,
+                "period": None,
+            }
+        )
+    )
     assert (fact.fact, fact.kind, fact.entity, fact.confidence, fact.notability) == (
-        "Alice joined Acme.", "event", "people/alice", 0.9, "high")
+        "Alice joined Acme.",
+        "event",
+        "people/alice",
+        0.9,
+        "high",
+    )
 
 
 def test_unknown_kind_becomes_fact_and_unknown_notability_medium():
@@ -34,7 +51,9 @@ def test_unknown_kind_becomes_fact_and_unknown_notability_medium():
     assert (fact.kind, fact.notability) == ("fact", "medium")
 
 
-@pytest.mark.parametrize(("raw", "clamped"), [(1.7, 1.0), (-3, 0.0), ("0.25", 0.25), ("high", 0.5), (None, 0.5)])
+@pytest.mark.parametrize(
+    ("raw", "clamped"), [(1.7, 1.0), (-3, 0.0), ("0.25", 0.25), ("high", 0.5), (None, 0.5)]
+)
 def test_confidence_is_clamped(raw, clamped):
     [fact] = parse_facts_reply(reply({"fact": "x", "confidence": raw}))
     assert fact.confidence == clamped
@@ -46,13 +65,16 @@ def test_at_most_max_facts_are_kept():
 
 
 def test_facts_without_text_are_dropped_and_entities_slugified():
-    facts = parse_facts_reply(reply({"fact": "  "}, {"kind": "event"}, "nope", {"fact": "ok", "entity": "Acme Corp!"}))
+    facts = parse_facts_reply(
+        reply({"fact": "  "}, {"kind": "event"}, "nope", {"fact": "ok", "entity": "Acme Corp!"})
+    )
     assert [(f.fact, f.entity) for f in facts] == [("ok", "acme-corp")]
 
 
 def test_metric_claims_are_kept():
-    [fact] = parse_facts_reply(reply({"fact": "Ran 10 km", "metric": "distance", "value": "10", "unit": "km",
-                                       "period": "week"}))
+    [fact] = parse_facts_reply(
+        reply({"fact": "Ran 10 km", "metric": "distance", "value": "10", "unit": "km", "period": "week"})
+    )
     assert (fact.metric, fact.value, fact.unit, fact.period) == ("distance", 10.0, "km", "week")
 
 

@@ -50,8 +50,15 @@ def facts_json_schema(max_facts: int = DEFAULT_MAX_FACTS) -> dict[str, Any]:
                     "type": "object",
                     "additionalProperties": False,
                     "required": [
-                        "fact", "kind", "entity", "confidence", "notability",
-                        "metric", "value", "unit", "period",
+                        "fact",
+                        "kind",
+                        "entity",
+                        "confidence",
+                        "notability",
+                        "metric",
+                        "value",
+                        "unit",
+                        "period",
                     ],
                     "properties": {
                         "fact": {"type": "string"},

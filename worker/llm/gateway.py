@@ -42,30 +42,39 @@ def open_llm_client(settings: Settings) -> Iterator[LLMClient]:
     timeout = settings.llm_timeout_seconds
     if provider == "simulator":
         if settings.simulator_url:
-            yield OpenAIChatClient(model=model, base_url=settings.simulator_url, timeout=timeout,
-                                   provider="simulator")
+            yield OpenAIChatClient(
+                model=model, base_url=settings.simulator_url, timeout=timeout, provider="simulator"
+            )
             return
         from worker.llm.simulator import Simulator, SimulatorConfig
 
         simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))
         simulator.start()
         try:
-            yield OpenAIChatClient(model=model, base_url=simulator.base_url, timeout=timeout,
-                                   provider="simulator")
+            yield OpenAIChatClient(
+                model=model, base_url=simulator.base_url, timeout=timeout, provider="simulator"
+            )
         finally:
             simulator.stop()
         return
     if provider == "openai":
         if not settings.openai_api_key:
             raise LLMConfigurationError("FACTMILL_LLM=openai needs OPENAI_API_KEY")
-        yield OpenAIChatClient(model=model, base_url=settings.llm_base_url, api_key=settings.openai_api_key,
-                               timeout=timeout)
+        yield OpenAIChatClient(
+            model=model, base_url=settings.llm_base_url, api_key=settings.openai_api_key, timeout=timeout
+        )
         return
     if provider == "openai-compatible":
         if not settings.llm_base_url:
             raise LLMConfigurationError("FACTMILL_LLM=openai-compatible needs FACTMILL_LLM_BASE_URL")
-        yield OpenAIChatClient(model=model, base_url=settings.llm_base_url, api_key=settings.openai_api_key,
-                               timeout=timeout, json_mode="json_object", provider="openai-compatible")
+        yield OpenAIChatClient(
+            model=model,
+            base_url=settings.llm_base_url,
+            api_key=settings.openai_api_key,
+            timeout=timeout,
+            json_mode="json_object",
+            provider="openai-compatible",
+        )
         return
     raise LLMConfigurationError(
         f"FACTMILL_LLM={provider} is not available yet in this build; use openai, openai-compatible or simulator"

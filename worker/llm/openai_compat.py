@@ -31,7 +31,10 @@ class OpenAIChatClient:
         self.model = model
         self.json_mode = json_mode
         self._client = openai.OpenAI(
-            base_url=base_url, api_key=api_key or "not-needed", timeout=timeout, max_retries=0,
+            base_url=base_url,
+            api_key=api_key or "not-needed",
+            timeout=timeout,
+            max_retries=0,
             default_headers=default_headers,
         )
 

@@ -1,0 +1,480 @@
+"""Extraction runs against a real Postgres and the LLM simulator through the real openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
+from worker.config_store import set_config
+from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.extraction import (
+    OP_NAME,
+    PER_SEGMENT_SOURCE_PREFIX,
+    TERMINAL_AUDIT_SOURCE,
+    ExtractionDisabledError,
+    ExtractOptions,
+    PageReport,
+    decode_checkpoint_entry,
+    extract_conversation_facts_fingerprint,
+    run_extract_conversation_facts,
+)
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.pages import PageIn, upsert_page
+
+pytestmark = pytest.mark.integration
+
+SLUG = "conversations/imessage/alice-example"
+
+
+def fmt(name: str, date: str, time: str, body: str) -> str:
+    return f"**{name}** ({date} {time}): {body}"
+
+
+SAMPLE_LINES = [
+    fmt("Alice Example", "2024-03-15", "9:00 AM", "Hi, I just signed the offer letter for Acme Corp."),
+    fmt("Bob Demo", "2024-03-15", "9:01 AM", "Congrats! What's the title?"),
+    fmt("Alice Example", "2024-03-15", "9:02 AM", "Staff engineer on the platform team."),
+    fmt("Bob Demo", "2024-03-15", "9:03 AM", "Nice."),
+    # Big time gap → new segment.
+    fmt("Alice Example", "2024-03-16", "8:00 AM", "Update: I started at Acme Corp this morning."),
+    fmt("Bob Demo", "2024-03-16", "8:05 AM", "Day one! How is it?"),
+]
+SAMPLE_BODY = "\n".join(SAMPLE_LINES)
+
+
+def put_page(
+    factory: sessionmaker[Session],
+    slug: str = SLUG,
+    body: str = SAMPLE_BODY,
+    type: str = "conversation",
+    title: str = "iMessage: Alice Example",
+    source_id: str = "default",
+) -> int:
+    with factory.begin() as session:
+        return upsert_page(
+            session, PageIn(source_id=source_id, slug=slug, type=type, title=title, compiled_truth=body)
+        ).page_id
+
+
+@pytest.fixture
+def pages(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    put_page(factory)
+    put_page(
+        factory,
+        "people/alice-example",
+        "Profile content for Alice Example.",
+        type="person",
+        title="Alice Example",
+    )
+    return factory
+
+
+@pytest.fixture
+def llm(simulator: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+
+
+def faulty_llm(simulator: Any, fault: str) -> OpenAIChatClient:
+    return OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": fault},
+    )
+
+
+def run(factory: sessionmaker[Session], llm: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+    return run_extract_conversation_facts(factory, llm, ExtractOptions(**{"slug": SLUG, **kwargs}))
+
+
+def count(factory: sessionmaker[Session], model: Any, *where: Any) -> int:
+    with factory() as session:
+        return int(session.scalar(select(func.count()).select_from(model).where(*where)) or 0)
+
+
+def page_facts(factory: sessionmaker[Session], slug: str = SLUG) -> list[Fact]:
+    with factory() as session:
+        return list(
+            session.scalars(
+                select(Fact)
+                .where(Fact.source == PER_SEGMENT_SOURCE_PREFIX, Fact.source_markdown_slug == slug)
+                .order_by(Fact.row_num)
+            )
+        )
+
+
+def terminal_rows(factory: sessionmaker[Session], slug: str = SLUG) -> int:
+    return count(
+        factory,
+        Fact,
+        Fact.source == TERMINAL_AUDIT_SOURCE,
+        Fact.source_session == f"{TERMINAL_AUDIT_SOURCE}:{slug}",
+    )
+
+
+def sim_requests(simulator: Any) -> int:
+    return int(simulator.stats()["requests_total"])
+
+
+# ---------------------------------------------------------------------------
+# Seed twins: runExtractConversationFactsCore.
+# ---------------------------------------------------------------------------
+
+
+def test_dry_run_reports_segmentation_without_writing_facts(pages, llm, simulator):
+    before = sim_requests(simulator)
+    result = run(pages, llm, dry_run=True)
+    assert result.pages_considered == 1
+    assert result.pages_processed == 1
+    assert result.facts_inserted == 0
+    assert result.segments_processed == 2
+    # Better than the original: a dry run makes no LLM call and writes nothing at all.
+    assert sim_requests(simulator) == before
+    assert result.llm_calls == 0
+    for model in (Fact, ExtractionAudit, LLMCall, OpCheckpoint):
+        assert count(pages, model) == 0
+
+
+def test_non_conversation_pages_are_skipped(pages, llm):
+    result = run_extract_conversation_facts(
+        pages, llm, ExtractOptions(slug="people/alice-example", dry_run=True)
+    )
+    assert result.pages_considered == 0
+
+
+def test_since_iso_filters_already_processed_history(pages, llm):
+    result = run(pages, llm, dry_run=True, since_iso="2099-01-01T00:00:00Z")
+    assert result.pages_processed == 0
+    assert result.pages_skipped == 1
+
+
+def test_writes_facts_with_per_segment_source_session_and_terminal_audit_row(pages, llm):
+    result = run(pages, llm)
+    assert result.pages_processed == 1
+    assert result.facts_inserted > 0
+    assert (
+        count(
+            pages,
+            Fact,
+            Fact.source == PER_SEGMENT_SOURCE_PREFIX,
+            Fact.source_session == f"{PER_SEGMENT_SOURCE_PREFIX}:{SLUG}",
+        )
+        > 0
+    )
+    assert terminal_rows(pages) == 1
+
+
+def test_row_num_accumulator_segment_2_facts_start_after_segment_1(pages, llm):
+    run(pages, llm)
+    facts = page_facts(pages)
+    nums = [f.row_num for f in facts]
+    assert nums == list(range(len(nums)))
+    # Both segments contributed, so the accumulator really crossed a segment boundary.
+    assert len({f.context for f in facts}) == 2
+
+
+def test_force_clears_resume_entry_allowing_re_run(pages, llm):
+    first = run(pages, llm)
+    assert first.pages_processed == 1
+    second = run(pages, llm)
+    assert second.pages_skipped == 1
+    third = run(pages, llm, force=True)
+    assert third.pages_processed == 1
+    assert third.segments_processed >= 1
+
+
+def test_honors_facts_extraction_enabled_kill_switch(pages, llm, simulator):
+    with pages.begin() as session:
+        set_config(session, "facts.extraction_enabled", "false")
+    before = sim_requests(simulator)
+    with pytest.raises(ExtractionDisabledError, match=r"extraction_enabled=false") as info:
+        run(pages, llm)
+    assert "override" in str(info.value)
+    assert sim_requests(simulator) == before
+
+
+def test_override_disabled_bypasses_kill_switch(pages, llm):
+    with pages.begin() as session:
+        set_config(session, "facts.extraction_enabled", "false")
+    result = run(pages, llm, override_disabled=True)
+    assert result.pages_processed == 1
+
+
+# ---------------------------------------------------------------------------
+# Beyond the seed.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "no", "OFF", " False "])
+def test_every_disabled_spelling_stops_the_run(pages, llm, value):
+    with pages.begin() as session:
+        session.execute(
+            text("UPDATE config SET value = :v WHERE key = 'facts.extraction_enabled'"), {"v": value}
+        )
+    with pytest.raises(ExtractionDisabledError):
+        run(pages, llm)
+
+
+def test_missing_kill_switch_means_enabled(factory, llm):
+    put_page(factory)
+    assert run(factory, llm).pages_processed == 1
+
+
+def test_page_types_considered_and_narrowed_by_config(factory, llm):
+    for page_type in ("conversation", "meeting", "slack", "email", "imessage", "person", "note"):
+        put_page(factory, f"p/{page_type}", type=page_type)
+    all_types = run_extract_conversation_facts(factory, llm, ExtractOptions(dry_run=True))
+    assert all_types.pages_considered == 5
+    with factory.begin() as session:
+        set_config(session, "extraction.page_types", "slack, email")
+    narrowed = run_extract_conversation_facts(factory, llm, ExtractOptions(dry_run=True))
+    assert narrowed.pages_considered == 2
+    assert sorted(p.slug for p in narrowed.pages) == ["p/email", "p/slack"]
+
+
+def test_fact_rows_carry_provenance(pages, llm):
+    run(pages, llm)
+    facts = page_facts(pages)
+    assert facts
+    for fact in facts:
+        assert fact.source_session == f"{PER_SEGMENT_SOURCE_PREFIX}:{SLUG}"
+        assert fact.source_markdown_slug == SLUG
+        assert fact.source_id == "default"
+        assert fact.is_audit is False
+        assert fact.kind in ("event", "preference", "commitment", "belief", "fact")
+        assert 0.0 <= fact.confidence <= 1.0
+    contexts = sorted({f.context for f in facts})
+    assert contexts == [
+        "conversation segment 2024-03-15T09:00:00Z to 2024-03-15T09:03:00Z",
+        "conversation segment 2024-03-16T08:00:00Z to 2024-03-16T08:05:00Z",
+    ]
+
+
+def test_each_segment_commits_audit_llm_call_and_checkpoint_together(pages, llm):
+    result = run(pages, llm)
+    with pages() as session:
+        audits = list(session.scalars(select(ExtractionAudit).order_by(ExtractionAudit.id)))
+        calls = {c.id: c for c in session.scalars(select(LLMCall))}
+        checkpoint = session.scalars(select(OpCheckpoint)).one()
+    assert [a.outcome for a in audits] == ["ok", "ok"]
+    assert [a.segment_start for a in audits] == ["2024-03-15T09:00:00Z", "2024-03-16T08:00:00Z"]
+    assert sum(a.facts_count for a in audits) == result.facts_inserted
+    for audit in audits:
+        call = calls[audit.llm_call_id]
+        assert (call.outcome, call.purpose, call.provider) == ("ok", "extraction", "simulator")
+        assert call.input_tokens > 0 and call.output_tokens > 0
+    assert result.llm_calls == 2
+    assert result.input_tokens == sum(c.input_tokens for c in calls.values())
+    assert checkpoint.op == OP_NAME
+    assert checkpoint.fingerprint == extract_conversation_facts_fingerprint("default")
+    entry = decode_checkpoint_entry(checkpoint.completed_key)
+    assert entry is not None
+    assert (entry.source_id, entry.slug, entry.end_iso) == ("default", SLUG, "2024-03-16T08:05:00Z")
+
+
+def test_second_run_with_nothing_new_skips_and_calls_nothing(pages, llm, simulator):
+    run(pages, llm)
+    before_facts = [(f.row_num, f.fact) for f in page_facts(pages)]
+    before = sim_requests(simulator)
+    again = run(pages, llm)
+    assert again.pages_skipped == 1 and again.pages_processed == 0
+    assert sim_requests(simulator) == before
+    assert [(f.row_num, f.fact) for f in page_facts(pages)] == before_facts
+
+
+def test_appended_messages_extract_only_the_new_segments(pages, llm):
+    run(pages, llm)
+    before = page_facts(pages)
+    appended = SAMPLE_LINES + [
+        fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon last weekend."),
+        fmt("Bob Demo", "2024-03-20", "7:02 PM", "I love Lisbon, I will visit you in May."),
+    ]
+    put_page(pages, body="\n".join(appended))
+    result = run(pages, llm)
+    assert (result.pages_processed, result.segments_processed, result.llm_calls) == (1, 1, 1)
+    after = page_facts(pages)
+    assert [(f.row_num, f.fact) for f in after[: len(before)]] == [(f.row_num, f.fact) for f in before]
+    assert [f.row_num for f in after] == list(range(len(after)))
+    assert len(after) > len(before)
+    assert terminal_rows(pages) == 1
+
+
+def test_trailing_single_message_is_picked_up_once_it_has_company(pages, llm):
+    lone = SAMPLE_LINES + [fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon.")]
+    put_page(pages, body="\n".join(lone))
+    run(pages, llm)
+    put_page(pages, body="\n".join(lone + [fmt("Bob Demo", "2024-03-20", "7:01 PM", "Great, I will visit.")]))
+    result = run(pages, llm)
+    assert result.segments_processed == 1
+    assert any("Lisbon" in f.fact for f in page_facts(pages))
+
+
+def test_edit_to_extracted_messages_re_extracts_the_page(pages, llm):
+    run(pages, llm)
+    edited = [SAMPLE_LINES[0].replace("Acme Corp", "Globex Inc"), *SAMPLE_LINES[1:]]
+    put_page(pages, body="\n".join(edited))
+    result = run(pages, llm)
+    assert (result.pages_processed, result.segments_processed) == (1, 2)
+    facts = page_facts(pages)
+    assert [f.row_num for f in facts] == list(range(len(facts)))
+    assert any("Globex" in f.fact for f in facts)
+    assert not any("signed the offer letter for Acme" in f.fact for f in facts)
+    assert terminal_rows(pages) == 1
+
+
+def test_force_yields_the_same_facts_without_duplicates(pages, llm):
+    run(pages, llm)
+    first = [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)]
+    result = run(pages, llm, force=True)
+    assert result.facts_inserted == len(first)
+    assert [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)] == first
+    assert terminal_rows(pages) == 1
+
+
+def test_forced_run_failing_part_way_keeps_the_earlier_facts(pages, llm, simulator):
+    run(pages, llm)
+    first = [(f.row_num, f.fact) for f in page_facts(pages)]
+    result = run(pages, faulty_llm(simulator, "500"), force=True)
+    assert result.pages_failed == 1
+    assert [(f.row_num, f.fact) for f in page_facts(pages)] == first
+    assert terminal_rows(pages) == 1
+
+
+# ---------------------------------------------------------------------------
+# LLM failures are never "0 facts".
+# ---------------------------------------------------------------------------
+
+
+def _audit_outcomes(factory: sessionmaker[Session]) -> list[str]:
+    with factory() as session:
+        return list(session.scalars(select(ExtractionAudit.outcome).order_by(ExtractionAudit.id)))
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcomes"),
+    [
+        ("malformed", ["malformed_output", "malformed_output"]),  # one repair turn, then give up
+        ("truncated", ["truncated_output", "truncated_output"]),  # one retry with a larger cap
+        ("refusal", ["refusal"]),
+        ("500", ["provider_error"]),
+        ("429", ["provider_error"]),
+    ],
+)
+def test_llm_failure_gets_its_outcome_and_moves_nothing(pages, simulator, fault, outcomes):
+    result = run(pages, faulty_llm(simulator, fault))
+    assert result.pages_failed == 1 and result.pages_processed == 0
+    assert result.facts_inserted == 0 and result.segments_failed == 1
+    assert _audit_outcomes(pages) == outcomes
+    assert count(pages, LLMCall) == len(outcomes)
+    with pages() as session:
+        assert [c.outcome for c in session.scalars(select(LLMCall).order_by(LLMCall.id))] == outcomes
+    assert count(pages, OpCheckpoint) == 0
+    assert count(pages, Fact) == 0
+    report = result.pages[0]
+    assert report.status == "failed" and outcomes[-1] in report.reason
+
+
+def test_failure_in_second_segment_keeps_first_and_resumes_later(pages, llm, simulator):
+    # Let the first segment through, then fail: the checkpoint must stop at segment one.
+    class FailSecond:
+        provider, model = llm.provider, llm.model
+
+        def __init__(self) -> None:
+            self.calls = 0
+            self.bad = faulty_llm(simulator, "500")
+
+        def chat(self, request):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return (llm if self.calls == 1 else self.bad).chat(request)
+
+    result = run(pages, FailSecond())
+    assert (result.pages_failed, result.segments_processed) == (1, 1)
+    kept = page_facts(pages)
+    assert kept and terminal_rows(pages) == 0
+    with pages() as session:
+        entry = decode_checkpoint_entry(session.scalars(select(OpCheckpoint.completed_key)).one())
+    assert entry is not None and entry.end_iso == "2024-03-15T09:03:00Z"
+    resumed = run(pages, llm)
+    assert (resumed.pages_processed, resumed.segments_processed) == (1, 1)
+    facts = page_facts(pages)
+    assert [f.row_num for f in facts] == list(range(len(facts)))
+    assert [(f.row_num, f.fact) for f in facts[: len(kept)]] == [(f.row_num, f.fact) for f in kept]
+    assert terminal_rows(pages) == 1
+
+
+# ---------------------------------------------------------------------------
+# Bad input: counted and reported, the run goes on, nothing written is lost.
+# ---------------------------------------------------------------------------
+
+
+def test_too_large_page_is_skipped_and_never_sent(factory, llm, simulator):
+    line = fmt("Alice Example", "2024-03-15", "9:00 AM", "x" * 1000)
+    put_page(factory, "big/page", body="\n".join([line] * (MAX_PAGE_BODY_BYTES // len(line) + 2)))
+    put_page(factory)
+    before = sim_requests(simulator)
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions())
+    assert (result.pages_considered, result.pages_skipped_too_large, result.pages_processed) == (2, 1, 1)
+    assert sim_requests(simulator) - before == 2  # only the normal page's two segments
+    report = next(p for p in result.pages if p.slug == "big/page")
+    assert "over the" in report.reason
+
+
+def test_garbage_pages_are_reported_and_the_run_goes_on(factory, llm):
+    put_page(factory, "junk/no-messages", body="just some notes\nwithout any message lines")
+    put_page(factory, "junk/binary", body="\x01\x02\ufffd\x7f" * 500)
+    put_page(factory, "junk/one-huge-line", body="y" * 10_000_000)
+    put_page(
+        factory,
+        "junk/huge-message",
+        body=fmt("A", "2024-01-01", "9:00", "z" * 10_000_000) + "\n" + fmt("B", "2024-01-01", "9:01", "ok"),
+    )
+    put_page(factory)
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions())
+    by_slug = {p.slug: p for p in result.pages}
+    assert result.pages_considered == 5
+    for slug in ("junk/no-messages", "junk/binary", "junk/one-huge-line"):
+        assert by_slug[slug].status == "skipped" and "no message lines" in by_slug[slug].reason
+    assert by_slug["junk/huge-message"].status == "processed"  # rendered and truncated to the char limit
+    assert by_slug[SLUG].status == "processed"
+    assert result.pages_processed == 2 and result.pages_skipped == 3
+
+
+def test_page_deleted_between_listing_and_extraction(factory, llm):
+    put_page(factory)
+    put_page(factory, "conversations/other")
+
+    class DeleteOnList:
+        def pages_listed(self, count: int) -> None:
+            with factory.begin() as session:
+                session.execute(text("DELETE FROM pages WHERE slug = 'conversations/other'"))
+
+        def page_started(self, slug: str, segments: int) -> None:
+            pass
+
+        def segment_finished(self, slug: str, outcome: str) -> None:
+            pass
+
+        def page_finished(self, report: PageReport) -> None:
+            pass
+
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions(), progress=DeleteOnList())
+    assert (result.pages_considered, result.pages_processed, result.pages_skipped) == (2, 1, 1)
+    assert "deleted" in next(p for p in result.pages if p.slug == "conversations/other").reason
+
+
+def test_bad_since_is_a_clear_error(pages, llm):
+    with pytest.raises(ValueError, match="ISO-8601"):
+        run(pages, llm, since_iso="last tuesday")
+
+
+def test_pages_of_other_sources_are_untouched(factory, llm):
+    put_page(factory, source_id="other")
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="default"))
+    assert result.pages_considered == 0
+    assert count(factory, Page) == 1

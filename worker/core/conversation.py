@@ -1,0 +1,291 @@
+"""Parse conversation pages into messages, split them into segments, and render segments for extraction."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from itertools import compress, count, islice, pairwise, repeat
+from operator import add, attrgetter, itemgetter, lt, sub
+from typing import Final
+
+DEFAULT_SEGMENT_GAP_MINUTES: Final = 30
+DEFAULT_SEGMENT_MAX_MESSAGES: Final = 30
+MIN_SEGMENT_MESSAGES: Final = 2
+SEGMENT_TEXT_CHAR_LIMIT: Final = 6500
+MAX_PAGE_BODY_BYTES: Final = 25 * 1024 * 1024
+TRUNCATION_MARKER: Final = "\n…(truncated)"
+
+__all__ = [
+    "DEFAULT_SEGMENT_GAP_MINUTES",
+    "DEFAULT_SEGMENT_MAX_MESSAGES",
+    "MAX_PAGE_BODY_BYTES",
+    "MIN_SEGMENT_MESSAGES",
+    "SEGMENT_TEXT_CHAR_LIMIT",
+    "TRUNCATION_MARKER",
+    "Message",
+    "Segment",
+    "parse_conversation_messages",
+    "render_segment_for_extraction",
+    "split_into_segments",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message; `timestamp` is its wall-clock time written as `YYYY-MM-DDTHH:MM:00Z`."""
+
+    speaker: str
+    timestamp: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of consecutive messages that is extracted as one unit.
+
+    `participants` holds the speakers in first-seen order as a tuple, so a segment is
+    immutable and hashable; compare it with `list(segment.participants)` where a list
+    is expected.
+    """
+
+    messages: tuple[Message, ...]
+    participants: tuple[str, ...]
+    start_iso: str
+    end_iso: str
+
+
+# --- message lines -------------------------------------------------------------------
+#
+# A message line is `**Name** (YYYY-MM-DD H:MM AM): text`, matched against the whole
+# body with one MULTILINE pattern rather than line by line: `_MESSAGE_LINE.split`
+# then hands back every field in C, and the Python work is per column, not per line.
+#
+# The pattern is written so that matching it is the same as "strip the line, then
+# match": `_WS` is whitespace other than a newline (Python's `\s` and `str.isspace`
+# agree), so leading and trailing whitespace is skipped without crossing into the
+# next line. `[0-9]` rather than `\d`, which would also accept non-ASCII digits.
+#
+# The pattern only accepts dates and times that exist, so a line such as
+# `**A** (2024-13-01 9:00 AM): x` is not a message and stays a continuation line
+# without any second pass. `_DATE` was checked against `datetime.date` for every
+# YYYY-MM-DD with years 0000-9999, months 00-13 and days 00-32.
+#
+# A name may not contain `*`, and it starts and ends with a non-space character;
+# this keeps matching linear in the line length (no backtracking between the
+# name and the whitespace around it) on hostile input.
+_WS: Final = r"[^\S\n]"
+_LEAP_YEAR: Final = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+_DATE: Final = (
+    r"(?!0000)(?:"
+    r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])"
+    r"|[0-9]{4}-(?:0[13-9]|1[0-2])-(?:29|30)"
+    r"|[0-9]{4}-(?:0[13578]|1[02])-31"
+    rf"|{_LEAP_YEAR}-02-29)"
+)
+# 12-hour clock: hours 1-12 with AM/PM in any case; 24-hour clock: hours 0-23.
+_CLOCK: Final = rf"(?:(?:0?[1-9]|1[0-2]):[0-5][0-9]{_WS}*[AaPp][Mm]|(?:[01]?[0-9]|2[0-3]):[0-5][0-9])"
+_MESSAGE_LINE: Final = re.compile(
+    rf"^{_WS}*\*\*{_WS}*(?P<speaker>[^\s*](?:[^*\n]*[^\s*])?){_WS}*\*\*{_WS}*"
+    rf"\({_WS}*(?P<date>{_DATE}){_WS}+(?P<clock>{_CLOCK}){_WS}*\)"
+    rf"{_WS}*:{_WS}*(?P<text>[^\n]*)",
+    re.MULTILINE,
+)
+# `_MESSAGE_LINE.split(body)` returns [before, speaker, date, clock, text, after, speaker, ...]:
+# the groups of each message line, then whatever follows the line up to the next one
+# (text is the last group, so that chunk sits right after it).
+_STRIDE: Final = _MESSAGE_LINE.groups + 1
+_SPEAKER, _DAY, _CLOCK_READING, _TEXT = (
+    _MESSAGE_LINE.groupindex[name] for name in ("speaker", "date", "clock", "text")
+)
+
+
+def _clock_to_time(clock: str) -> str:
+    """`6:07 PM` → `T18:07:00Z`, for a clock the pattern has already validated."""
+    hour_text, _, rest = clock.partition(":")
+    minute_text, meridiem = rest[:2], rest[2:].strip().upper()
+    hour = int(hour_text)
+    if meridiem:
+        hour = hour % 12 + (12 if meridiem == "PM" else 0)
+    return f"T{hour:02d}:{minute_text}:00Z"
+
+
+def _continuation_lines(chunk: str) -> list[str]:
+    return [stripped for line in chunk.split("\n") if (stripped := line.strip())]
+
+
+def parse_conversation_messages(body: str) -> list[Message]:
+    """Parse `**Name** (YYYY-MM-DD H:MM AM): text` lines into messages.
+
+    Without AM/PM the time is read as 24-hour. Every other non-blank line (including a
+    message line whose date or time does not exist) continues the previous message,
+    joined with a newline; lines before the first message are dropped.
+    """
+    parts = _MESSAGE_LINE.split(body)
+    # Fold continuation lines into the text of the message they follow, in place.
+    for text_at in range(_TEXT, len(parts), _STRIDE):
+        after = parts[text_at + 1]
+        if after != "\n":  # more than the newline that ends the message line
+            extra = _continuation_lines(after)
+            if extra:
+                text = parts[text_at].rstrip()
+                parts[text_at] = "\n".join([text, *extra] if text else extra)
+
+    # Columns are read straight out of `parts` (no per-column lists): fewer live
+    # references keeps the garbage collector's full passes cheap on a 25 MiB page.
+    def column(group: int) -> Iterator[str]:
+        return islice(parts, group, None, _STRIDE)
+
+    # A page repeats the same few thousand clock readings; convert each one once.
+    times = {clock: _clock_to_time(clock) for clock in set(column(_CLOCK_READING))}
+    timestamps = map(add, column(_DAY), map(times.__getitem__, column(_CLOCK_READING)))
+    return list(map(Message, column(_SPEAKER), timestamps, map(str.rstrip, column(_TEXT))))
+
+
+# --- segments ------------------------------------------------------------------------
+
+_ONE_MICROSECOND: Final = timedelta(microseconds=1)
+_UNIX_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROS_PER_MINUTE: Final = 60_000_000
+# Tail of every timestamp this module writes ("THH:MM:00Z") → microseconds into the
+# day, so a canonical timestamp becomes an instant with two dict look-ups.
+_MICROS_INTO_DAY: Final[dict[str, int]] = {
+    f"T{hour:02d}:{minute:02d}:00Z": (hour * 60 + minute) * _MICROS_PER_MINUTE
+    for hour in range(24)
+    for minute in range(60)
+}
+_timestamp_of: Final = attrgetter("timestamp")
+_speaker_of: Final = attrgetter("speaker")
+_day_part: Final = itemgetter(slice(0, 10))
+_CANONICAL_DAY: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+_time_part: Final = itemgetter(slice(10, None))
+
+
+def _instant_micros(iso: str) -> int:
+    """Microseconds since the Unix epoch for an ISO-8601 string; a naive time is UTC."""
+    moment = datetime.fromisoformat(iso)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return (moment - _UNIX_EPOCH) // _ONE_MICROSECOND
+
+
+def _day_micros(day: str) -> int | None:
+    if not _CANONICAL_DAY.fullmatch(day):
+        return None
+    try:
+        return _instant_micros(day)
+    except ValueError:
+        return None
+
+
+def _message_instants(messages: Sequence[Message]) -> list[int]:
+    """Each message's instant in µs since the Unix epoch, exact (so comparisons never round)."""
+    timestamps = list(map(_timestamp_of, messages))
+    days = list(map(_day_part, timestamps))
+    times = list(map(_time_part, timestamps))
+    day_micros = {day: _day_micros(day) for day in set(days)}
+    if None not in day_micros.values() and _MICROS_INTO_DAY.keys() >= set(times):
+        # Every timestamp has the canonical shape parse_conversation_messages writes.
+        return list(map(add, map(day_micros.__getitem__, days), map(_MICROS_INTO_DAY.__getitem__, times)))
+    instants = []
+    for index, timestamp in enumerate(timestamps):
+        try:
+            instants.append(_instant_micros(timestamp))
+        except ValueError:
+            raise ValueError(
+                f"message {index} has timestamp {timestamp!r}, which is not ISO-8601; "
+                "expected e.g. '2024-03-15T09:00:00Z'"
+            ) from None
+    return instants
+
+
+def _segment(messages: Sequence[Message]) -> Segment:
+    return Segment(
+        messages=tuple(messages),
+        participants=tuple(dict.fromkeys(map(_speaker_of, messages))),
+        start_iso=messages[0].timestamp,
+        end_iso=messages[-1].timestamp,
+    )
+
+
+def split_into_segments(
+    messages: Sequence[Message],
+    *,
+    gap_minutes: float = DEFAULT_SEGMENT_GAP_MINUTES,
+    max_messages: int = DEFAULT_SEGMENT_MAX_MESSAGES,
+    since_iso: str | None = None,
+) -> list[Segment]:
+    """Split messages into segments, cutting where the gap to the previous message exceeds `gap_minutes`.
+
+    Only messages strictly after `since_iso` (any ISO-8601 form; naive means UTC) take
+    part. A message earlier than the one before it (out of order) never cuts. A segment
+    that reaches `max_messages` is closed and the next message opens a new one whatever
+    its gap. Segments with fewer than MIN_SEGMENT_MESSAGES messages are dropped.
+    """
+    if max_messages < 1:
+        raise ValueError(f"max_messages must be at least 1, got {max_messages}")
+    if gap_minutes < 0:
+        raise ValueError(f"gap_minutes must not be negative, got {gap_minutes}")
+    instants = _message_instants(messages)
+    if since_iso is not None:
+        try:
+            since = _instant_micros(since_iso.strip())
+        except ValueError:
+            raise ValueError(
+                f"since_iso {since_iso!r} is not an ISO-8601 timestamp; "
+                "use e.g. '2024-03-15T23:00:00Z' or '2024-03-15T23:00:00+02:00'"
+            ) from None
+        after_since = list(map(lt, repeat(since), instants))
+        messages = list(compress(messages, after_since))
+        instants = list(compress(instants, after_since))
+
+    # Runs are maximal stretches with no gap over the limit. Closing a full segment
+    # restarts the gap clock, so within a run segments are simply consecutive
+    # max_messages-sized chunks counted from the run's first message.
+    gap = gap_minutes * _MICROS_PER_MINUTE
+    long_gap_before = map(lt, repeat(gap), map(sub, islice(instants, 1, None), instants))
+    run_starts = [0, *compress(count(1), long_gap_before), len(instants)]
+    segments: list[Segment] = []
+    for run_start, run_end in pairwise(run_starts):
+        for start in range(run_start, run_end, max_messages):
+            end = min(start + max_messages, run_end)
+            if end - start >= MIN_SEGMENT_MESSAGES:
+                segments.append(_segment(messages[start:end]))
+    return segments
+
+
+# --- rendering -----------------------------------------------------------------------
+
+
+def _join_names(names: Sequence[str]) -> str:
+    if len(names) <= 1:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def render_segment_for_extraction(page_label: str, segment: Segment) -> str:
+    """Render a segment as extractor input: a context header, then one line per message.
+
+    Past SEGMENT_TEXT_CHAR_LIMIT characters the message lines are cut (at a line break
+    when one fits) and TRUNCATION_MARKER is appended. The header is always kept whole,
+    so only a header that is itself over the limit makes the result longer than
+    SEGMENT_TEXT_CHAR_LIMIT + len(TRUNCATION_MARKER).
+    """
+    if segment.participants:
+        between = f"Conversation between {_join_names(segment.participants)}"
+    else:
+        between = "Conversation"
+    header = f"Page: {page_label}\n{between} from {segment.start_iso} to {segment.end_iso}\n---\n"
+    body = "\n".join(
+        f"{message.speaker} ({message.timestamp}): {message.text}" for message in segment.messages
+    )
+    if len(header) + len(body) <= SEGMENT_TEXT_CHAR_LIMIT:
+        return header + body
+    budget = max(0, SEGMENT_TEXT_CHAR_LIMIT - len(header))
+    kept = body[:budget]
+    # Prefer ending on a whole line: a message cut mid-sentence can read as a
+    # different claim ("I will not sign" → "I will").
+    if budget < len(body) and body[budget] != "\n" and (last_break := kept.rfind("\n")) > 0:
+        kept = kept[:last_break]
+    return header + kept + TRUNCATION_MARKER
