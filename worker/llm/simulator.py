@@ -820,7 +820,8 @@ async def messages_route(request: Request) -> Response:
                     "text": _malformed(reply.text)
                 }
             elif draw.fault is Fault.TRUNCATED:
-                tool_input = _fit_facts(tool_input, estimate_tokens(json.dumps(tool_input)) // 2)
+                half = estimate_tokens(json.dumps(tool_input)) // 2
+                tool_input = _fit_facts(tool_input, half) if "facts" in tool_input else {}
                 stop_reason = "max_tokens"
             if estimate_tokens(json.dumps(tool_input, ensure_ascii=False)) > max_tokens:
                 tool_input = _fit_facts(tool_input, max_tokens) if "facts" in tool_input else {}
@@ -884,6 +885,16 @@ async def messages_route(request: Request) -> Response:
         return JSONResponse(payload, headers={"request-id": _sim_id("req_")})
     finally:
         state.end()
+
+
+async def count_tokens_route(request: Request) -> Response:
+    """POST /v1/messages/count_tokens (Anthropic): the same estimate the messages route bills."""
+    try:
+        body = await _read_json(request)
+        prompt = _flatten_anthropic(body)
+    except _BadRequest as exc:
+        return _anthropic_error(400, "invalid_request_error", exc.message)
+    return JSONResponse({"input_tokens": estimate_tokens(prompt.text)})
 
 
 def _embedding_inputs(raw: Any) -> list[str]:
@@ -1017,6 +1028,7 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/messages", messages_route, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/_simulator/stats", stats_route, methods=["GET"]),
