@@ -1,0 +1,511 @@
+"""Twins of the seed 002 quality-gate cases, multilingual lexing, and density against a naive reference."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from uniseg.wordbreak import words as uax29_segments
+
+from worker.core.quality import (
+    COVERAGE_THRESHOLD,
+    CoverageScore,
+    _words_from_segments,
+    calibrate_threshold,
+    coverage,
+    density,
+    density_from_tokens,
+    gate_summary,
+    lex_words,
+)
+
+EPS = sys.float_info.epsilon
+
+
+def naive_density_tokens(src: Sequence[str], comp: Sequence[str]) -> float:
+    """The seed's greedy fragment matching, literally: O(|comp|·|src|·fragment) per call.
+
+    The reference the linear-time ``density`` is checked against (here and in bench/quality.py).
+    """
+    if not src or not comp:
+        return 0.0
+    fragments: list[int] = []
+    i = 0
+    while i < len(comp):
+        best = 0
+        for s in range(len(src)):
+            if src[s] != comp[i]:
+                continue
+            length = 0
+            while s + length < len(src) and i + length < len(comp) and src[s + length] == comp[i + length]:
+                length += 1
+            best = max(best, length)
+        if best == 0:
+            fragments.append(0)
+            i += 1
+        else:
+            fragments.append(best)
+            i += best
+    return sum(fragments) / len(fragments)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seed cases: coverage
+# ---------------------------------------------------------------------------------------------------------
+
+VAULT = "The vault access code is 7741 and the door is on the left."
+
+
+def test_coverage_high_when_query_content_survives() -> None:
+    c = coverage(VAULT, "vault access code is 7741", ["vault", "code", "7741"])
+    # The boundary bigrams the→vault and 7741→and are trimmed at the cut: 7 of 9 units kept.
+    assert c == pytest.approx(7 / 9)
+    assert c >= 0.75
+    assert c > COVERAGE_THRESHOLD
+
+
+def test_coverage_drops_when_answer_removed() -> None:
+    c = coverage(VAULT, "the door is on the left", ["vault", "code", "7741"])
+    assert c < COVERAGE_THRESHOLD
+    assert c == 0.0
+
+
+def test_coverage_empty_source_is_one() -> None:
+    assert coverage("", "anything", ["x"]) == 1.0
+    assert coverage("", "", []) == 1.0
+    assert coverage(" ¡!… ", "anything", ["x"]) == 1.0  # punctuation only: no words, nothing to lose
+
+
+def test_coverage_empty_compressed_is_zero_when_relevant() -> None:
+    assert coverage("the code is 7741", "", ["code", "7741"]) == 0.0
+
+
+def test_coverage_no_query_falls_back_to_bigram_coverage() -> None:
+    source = "alpha beta gamma delta epsilon"
+    half = coverage(source, "alpha beta gamma", [])
+    assert 0.0 < half < 1.0
+    assert half == pytest.approx(2 / 4)  # alpha→beta, beta→gamma of four distinct bigrams
+    assert coverage(source, source, []) == 1.0
+    assert coverage(source, "totally unrelated words here", []) == 0.0
+
+
+def test_coverage_offtopic_query_is_full() -> None:
+    assert coverage("a calm bright morning by the sea", "morning", ["zebra", "xyzzy"]) == 1.0
+
+
+def test_coverage_is_unicode_aware_cjk() -> None:
+    source = "金库的访问密码是 七七四一 然后门在左边"
+    q = ["密码", "七七四一"]
+    keep = coverage(source, "访问密码是 七七四一", q)
+    drop = coverage(source, "然后门在左边", q)
+    assert keep > drop
+    assert keep >= 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seed cases: density
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_density_matches_hand_computed_fragments() -> None:
+    # Fragments over "a b c x e f": "a b c" (3), "x" (0, unmatched), "e f" (2) → 5/3.
+    assert density("a b c d e f", "a b c x e f") == pytest.approx(5 / 3)
+
+
+def test_density_full_copy_equals_length() -> None:
+    assert density("one two three four", "one two three four") == pytest.approx(4.0)
+
+
+def test_density_empty_is_zero() -> None:
+    assert density("", "abc") == 0.0
+    assert density("abc", "") == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seed cases: calibration
+# ---------------------------------------------------------------------------------------------------------
+
+
+def synthetic_cases() -> list[CoverageScore]:
+    """The seed fixture: good ≥ 0.58, bad ≤ 0.50 with the top of the bad cluster repeated at 0.50."""
+    good = [0.95, 0.90, 0.86, 0.82, 0.78, 0.74, 0.72, 0.70, 0.66, 0.62, 0.60, 0.58]
+    bad = [0.10, 0.15, 0.20, 0.25, 0.30, 0.36, 0.42, 0.46, 0.50, 0.50, 0.50, 0.50]
+    return [CoverageScore(c, True) for c in good] + [CoverageScore(c, False) for c in bad]
+
+
+def test_calibrate_returns_threshold_in_the_gap() -> None:
+    tau = calibrate_threshold(synthetic_cases(), 0.9, 0.1)
+    assert 0.49 < tau < 0.58
+    assert tau == 0.5 + EPS  # rank ceil(13·0.9) = 12 of 12 bad → 0.50, bumped by ε
+
+
+def test_calibrate_holds_on_held_out() -> None:
+    cases = synthetic_cases()
+    calibration, held_out = cases[0::2], cases[1::2]
+    target = 0.9
+    tau = calibrate_threshold(calibration, target, 0.1)
+    accepted = [s for s in held_out if s.coverage >= tau]
+    assert accepted, "the threshold must admit some held-out cases"
+    rate = sum(s.answer_kept for s in accepted) / len(accepted)
+    assert rate >= target - 1e-9, f"held-out acceptance keeps the answer ≥ {target}: got {rate} at τ={tau}"
+
+
+def test_calibrate_all_good_accepts_everything() -> None:
+    assert calibrate_threshold([CoverageScore(0.9, True), CoverageScore(0.3, True)], 0.9, 0.1) == 0.0
+
+
+def test_shipped_threshold_matches_calibration() -> None:
+    tau = calibrate_threshold(synthetic_cases(), 0.9, 0.1)
+    assert tau + 1e-9 >= COVERAGE_THRESHOLD, "the shipped threshold must not be stronger than calibrated"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seed pipeline cases, as the pure gate a compaction worker calls (see gate_summary)
+# ---------------------------------------------------------------------------------------------------------
+
+ANSWER = "The logistics division reported quarterly revenue of 4.2 million dollars this period."
+QUESTION = "what was the quarterly revenue for the logistics division?"
+DROPPED_ANSWER = "Weather was pleasant. The cafeteria served pasta today."
+
+
+def long_context_with_answer() -> str:
+    note = "the cafeteria menu rotates weekly and parking is available out back."
+    notes = [f"Note {i}: {note}" for i in range(10)]
+    context = "\n\n".join([ANSWER, *notes])
+    assert len(context) >= 600  # the seed's floor for bulk context, as opposed to a question
+    return context
+
+
+def test_quality_gate_reverts_a_cut_that_deletes_the_answer() -> None:
+    context = long_context_with_answer()
+    assert len(lex_words(DROPPED_ANSWER)) < len(lex_words(context)), "the cut saves tokens"
+    assert coverage(context, DROPPED_ANSWER, [QUESTION]) == pytest.approx(2 / 22)
+    assert gate_summary(context, DROPPED_ANSWER, [QUESTION]) is False
+
+
+def test_quality_gate_reverts_only_the_offending_stage_in_a_chain() -> None:
+    # Each stage is judged against the state before it, as the seed's pipeline does.
+    state = long_context_with_answer()
+    drop_filler = f"{ANSWER}\n\n[filler omitted]"
+    outcome = []
+    for candidate in (drop_filler, DROPPED_ANSWER):
+        applied = gate_summary(state, candidate, [QUESTION])
+        outcome.append(applied)
+        if applied:
+            state = candidate
+    assert outcome == [True, False]
+    assert "4.2 million" in state
+    assert "omitted" in state
+    # The filler drop sits exactly on the threshold (11 of 22 units): a cut at τ stands.
+    assert coverage(long_context_with_answer(), drop_filler, [QUESTION]) == COVERAGE_THRESHOLD
+
+
+def test_quality_gate_keeps_a_prune_that_retains_the_answer() -> None:
+    answer = "The logistics division quarterly revenue was 4.2 million dollars this period."
+    filler = [f"Paragraph {i}: the cat sat quietly on the warm windowsill at dawn." for i in range(8)]
+    context = "\n\n".join([answer, *filler])
+    # Stand-in for the seed's retrieve stage at keep_ratio 0.3: the answer and two paragraphs stay.
+    pruned = "\n\n".join([answer, *filler[:2], "[… 6 paragraphs omitted …]"])
+    assert len(lex_words(pruned)) < len(lex_words(context))
+    assert gate_summary(context, pruned, [QUESTION]) is True
+    assert "4.2 million" in pruned
+
+
+def test_quality_gate_skipped_without_a_distinct_question() -> None:
+    context = long_context_with_answer()
+    assert coverage(context, DROPPED_ANSWER, []) < COVERAGE_THRESHOLD  # the fallback would revert...
+    assert gate_summary(context, DROPPED_ANSWER, []) is True  # ...but with no question the gate abstains
+    assert gate_summary(context, DROPPED_ANSWER, ["?!", " "]) is True  # terms with no words: no question
+
+
+def test_gate_summary_threshold_is_inclusive_and_tunable() -> None:
+    drop_filler = f"{ANSWER}\n\n[filler omitted]"
+    assert gate_summary(long_context_with_answer(), drop_filler, QUESTION, threshold=0.5) is True
+    assert gate_summary(long_context_with_answer(), drop_filler, QUESTION, threshold=0.5 + EPS) is False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lex_words across scripts
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Hello, World! The QUICK brown fox.", ["hello", "world", "the", "quick", "brown", "fox"]),
+        ("Revenue was 4.2 million, up 3,5 %.", ["revenue", "was", "4.2", "million", "up", "3,5"]),
+        ("I can't; you can’t.", ["i", "can't", "you", "can’t"]),
+        ("call run_sql now", ["call", "run_sql", "now"]),
+        ("a well-known state-of-the-art fix", ["a", "well", "known", "state", "of", "the", "art", "fix"]),
+        ("e-mail: bob@example.com", ["e", "mail", "bob", "example.com"]),
+        ("Café naïve ÉCOLE", ["café", "naïve", "école"]),
+    ],
+)
+def test_lex_words_latin(text: str, expected: list[str]) -> None:
+    assert lex_words(text) == expected
+
+
+def test_lex_words_cyrillic() -> None:
+    assert lex_words("Привет, МИР! Это — тест №5.") == ["привет", "мир", "это", "тест", "5"]
+
+
+def test_lex_words_greek_lowercases_final_sigma() -> None:
+    assert lex_words("ΣΊΣΥΦΟΣ ΟΔΟΣ") == ["σίσυφος", "οδος"]
+
+
+def test_lex_words_arabic() -> None:
+    assert lex_words("مرحبا بالعالم، هذا اختبار؟") == ["مرحبا", "بالعالم", "هذا", "اختبار"]
+    # Harakat are combining marks and stay inside their word.
+    assert lex_words("كَتَبَ الوَلَدُ") == ["كَتَبَ", "الوَلَدُ"]
+
+
+def test_lex_words_hebrew() -> None:
+    assert lex_words("שלום, עולם") == ["שלום", "עולם"]
+
+
+def test_lex_words_chinese_one_token_per_ideograph() -> None:
+    assert lex_words("金库的密码，是七七四一。") == list("金库的密码是七七四一")
+
+
+def test_lex_words_japanese_one_token_per_kana() -> None:
+    assert lex_words("東京でコーヒーを飲みます。") == [
+        "東", "京", "で", "コ", "ー", "ヒ", "ー", "を", "飲", "み", "ま", "す",
+    ]  # fmt: skip
+    assert lex_words("ｶﾞｰﾃﾞﾝ") == ["ｶﾞ", "ｰ", "ﾃﾞ", "ﾝ"]  # half-width: voiced marks stay on their kana
+    assert lex_words("が") == ["が"]  # decomposed か + combining dakuten is one kana
+
+
+def test_lex_words_katakana_joined_to_latin_by_underscore() -> None:
+    # UAX #29 joins abc_カタ into one segment (WB13a/b); the kana still come out one by one.
+    assert lex_words("abc_カタ") == ["abc", "カ", "タ"]
+
+
+def test_lex_words_korean_keeps_words() -> None:
+    assert lex_words("한국어 텍스트입니다.") == ["한국어", "텍스트입니다"]
+
+
+def test_lex_words_mixed_scripts() -> None:
+    assert lex_words("Order #42 für 東京 — доставка") == ["order", "42", "für", "東", "京", "доставка"]
+
+
+def test_lex_words_drops_emoji_keeps_words_around_them() -> None:
+    text = "I ❤️ pizza 🍕! Family: 👩‍👩‍👧‍👦, flags 🇫🇷🇩🇪, thumbs 👍🏽"
+    assert lex_words(text) == ["i", "pizza", "family", "flags", "thumbs"]
+
+
+def test_lex_words_keycap_emoji_is_its_digit_word() -> None:
+    # A keycap is a digit with combining marks: it holds a digit, so it is a word (as in the seed).
+    assert lex_words("press 1️⃣ now") == ["press", "1️⃣", "now"]
+
+
+def test_lex_words_punctuation_and_whitespace_only() -> None:
+    assert lex_words("") == []
+    assert lex_words(" \t\n ... !!! — ¿? ") == []
+
+
+def test_lex_words_leading_combining_mark_matches_whole_text_segmentation() -> None:
+    # A chunk starting with a combining mark makes lex_words segment the whole text (see _CHUNK).
+    text = "x \u0301a b"
+    assert lex_words(text) == _words_from_segments(uax29_segments(text)) == ["x", "a", "b"]
+    # WB3d joins an ASCII space to a following ideographic space, and WB4 glues a letter-like mark on.
+    text = "a \u3000\uff9e"
+    assert lex_words(text) == _words_from_segments(uax29_segments(text)) == ["a", " \u3000\uff9e"]
+
+
+LEX_ALPHABET = [
+    *"aZ7.',_-:\"",
+    " ", "\t", "\n", "\r", "\u00a0", "\u3000", "\u202f", "\u0301", "\u200d", "\u00ad", "\u2019",
+    "カ", "ー", "の", "金", "ｶ", "ﾞ", "\u05d0", "😀", "🇫", "🇷", "\u20e3", "\ufe0f", "я", "ع",
+]  # fmt: skip
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(LEX_ALPHABET), max_size=24).map("".join))
+def test_lex_words_chunking_equals_whole_text_segmentation(text: str) -> None:
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# coverage details
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_coverage_query_terms_are_lexed_like_the_text() -> None:
+    # Case and punctuation do not matter; a phrase contributes each of its words; a bare string is a phrase.
+    assert coverage(VAULT, "vault access code is 7741", ["VAULT!", "Code 7741"]) == pytest.approx(7 / 9)
+    assert coverage(VAULT, "vault access code is 7741", "vault code 7741") == pytest.approx(7 / 9)
+
+
+def test_coverage_counts_distinct_units_not_occurrences() -> None:
+    source = " ".join(["the code is 7741."] * 10)
+    assert coverage(source, "the code is 7741", ["code"]) == 1.0  # deduplication loses nothing
+
+
+def test_coverage_single_word_source_without_query_uses_unigrams() -> None:
+    assert coverage("hello", "well hello there", []) == 1.0
+    assert coverage("hello", "goodbye", []) == 0.0
+
+
+def test_coverage_bigram_with_query_word_on_either_side_counts() -> None:
+    # Units: {code} ∪ {(the, code), (code, is)}; only (code, is) and code survive.
+    assert coverage("the code is", "code is", ["code"]) == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# density: the linear algorithm equals the greedy definition
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_naive_reference_matches_the_seed_hand_computation() -> None:
+    assert naive_density_tokens(list("abcdef"), list("abcxef")) == pytest.approx(5 / 3)
+
+
+def test_density_prefers_the_longest_match_not_the_first() -> None:
+    # At "a" the first source match is "a b" (2) but "a b c d" (4) exists later.
+    assert density("a b x a b c d", "a b c d") == 4.0
+
+
+def test_density_greedy_is_not_optimal_segmentation() -> None:
+    # Greedy takes "a b" then "c d"; the definition is greedy by fragment start, not a best cover.
+    assert density("a b z b c d", "a b c d") == density_from_tokens(list("abzbcd"), list("abcd")) == 2.0
+
+
+def test_density_on_long_repetitive_input() -> None:
+    # The naive walk is quadratic here; the automaton does one pass.
+    n = 20_000
+    assert density_from_tokens(["a"] * n, ["a"] * n) == n
+    # "b a b a …" matches the source from its second token for n − 1 tokens; the last "a" is a fragment of 1.
+    assert density_from_tokens(["a", "b"] * (n // 2), ["b", "a"] * (n // 2)) == n / 2
+
+
+@pytest.mark.parametrize(("alphabet", "max_len"), [("ab", 7), ("abc", 4)])
+def test_density_exhaustive_over_small_universe(alphabet: str, max_len: int) -> None:
+    strings = [s for k in range(max_len + 1) for s in itertools.product(alphabet, repeat=k)]
+    for src, comp in itertools.product(strings, repeat=2):
+        assert density_from_tokens(src, comp) == naive_density_tokens(src, comp), (src, comp)
+
+
+token_lists = st.integers(min_value=1, max_value=4).flatmap(
+    lambda k: st.tuples(
+        st.lists(st.sampled_from("abcd"[:k]), max_size=40),
+        st.lists(st.sampled_from("abcde"[: k + 1]), max_size=40),
+    )
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(token_lists)
+def test_density_equals_naive_reference(pair: tuple[list[str], list[str]]) -> None:
+    src, comp = pair
+    assert density_from_tokens(src, comp) == naive_density_tokens(src, comp)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(["yes", "no", "4.2", "can't", "東", "Да"]), max_size=30), st.data())
+def test_density_on_text_equals_naive_on_lexed_text(src: list[str], data: st.DataObject) -> None:
+    comp = data.draw(st.lists(st.sampled_from(["yes", "no", "4.2", "can't", "東", "Да", "new"]), max_size=30))
+    source, compressed = " ".join(src), ", ".join(comp)
+    assert density(source, compressed) == naive_density_tokens(lex_words(source), lex_words(compressed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# calibrate_threshold details and bad input
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_calibrate_uses_the_finite_sample_rank() -> None:
+    # n = 19 bad cases, alpha 0.1: rank ceil(20·0.9) = 18, so τ sits just above the 18th smallest.
+    bad = [CoverageScore(i / 100, False) for i in range(1, 20)]
+    good = [CoverageScore(0.9, True)] * 200
+    assert calibrate_threshold(bad + good, 0.5, 0.1) == 0.18 + EPS
+    # n = 9: rank ceil(10·0.9) = 9 = n, the largest.
+    assert calibrate_threshold(bad[:9] + good, 0.5, 0.1) == 0.09 + EPS
+    # A large alpha gives a low rank: n = 4, alpha 0.6 → ceil(5·0.4) = 2.
+    assert calibrate_threshold(bad[:4] + good, 0.5, 0.6) == 0.02 + EPS
+
+
+def test_calibrate_rejects_a_bad_case_exactly_at_the_quantile() -> None:
+    cases = [CoverageScore(0.4, False), CoverageScore(0.4, True), CoverageScore(0.8, True)]
+    tau = calibrate_threshold(cases, 0.9, 0.1)
+    assert tau > 0.4
+    assert [s.coverage >= tau for s in cases] == [False, False, True]
+
+
+def test_calibrate_caps_the_threshold_at_one() -> None:
+    assert calibrate_threshold([CoverageScore(1.0, False), CoverageScore(0.2, True)], 0.5, 0.1) == 1.0
+
+
+def test_calibrate_falls_back_above_every_bad_case_when_target_is_missed() -> None:
+    # 10 bad cases, alpha 0.5: rank ceil(11·0.5) = 6 → τ above 0.6 still accepts 0.7…1.0-ish bad cases,
+    # so only 1 of 5 accepted cases keeps the answer: the target is missed and τ moves above the worst bad.
+    bad = [CoverageScore(c / 10, False) for c in range(1, 11) if c != 10] + [CoverageScore(0.95, False)]
+    cases = [*bad, CoverageScore(0.99, True)]
+    tau = calibrate_threshold(cases, 0.9, 0.5)
+    assert tau == 0.95 + EPS
+    accepted = [s for s in cases if s.coverage >= tau]
+    assert accepted == [CoverageScore(0.99, True)]
+
+
+def test_calibrate_only_bad_cases_rejects_them_all() -> None:
+    cases = [CoverageScore(c, False) for c in (0.1, 0.2, 0.3)]
+    tau = calibrate_threshold(cases, 0.9, 0.1)
+    assert tau == 0.3 + EPS
+    assert not [s for s in cases if s.coverage >= tau]
+
+
+def test_calibrate_empty_is_zero() -> None:
+    assert calibrate_threshold([], 0.9, 0.1) == 0.0
+
+
+def test_calibrate_accepts_any_iterable() -> None:
+    assert calibrate_threshold(iter(synthetic_cases()), 0.9, 0.1) == 0.5 + EPS
+
+
+@pytest.mark.parametrize("value", [math.nan, -0.01, 1.01, math.inf, -math.inf])
+def test_coverage_score_rejects_values_outside_unit_interval(value: float) -> None:
+    with pytest.raises(ValueError, match=r"coverage must be a number in \[0, 1\]"):
+        CoverageScore(value, True)
+
+
+@pytest.mark.parametrize("value", ["0.5", None, True])
+def test_coverage_score_rejects_non_numbers(value: object) -> None:
+    with pytest.raises(TypeError, match="coverage must be a number"):
+        CoverageScore(value, True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("label", ["false", 0, None])
+def test_coverage_score_rejects_non_bool_labels(label: object) -> None:
+    with pytest.raises(TypeError, match="answer_kept must be True or False"):
+        CoverageScore(0.5, label)  # type: ignore[arg-type]
+
+
+def test_coverage_score_is_frozen_and_normalises_ints() -> None:
+    score = CoverageScore(1, True)  # type: ignore[arg-type]
+    assert score.coverage == 1.0
+    assert isinstance(score.coverage, float)
+    with pytest.raises(AttributeError):
+        score.coverage = 0.2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, -0.1, 1.5, math.nan])
+def test_calibrate_rejects_alpha_outside_open_unit_interval(alpha: float) -> None:
+    with pytest.raises(ValueError, match="alpha must be strictly between 0 and 1"):
+        calibrate_threshold(synthetic_cases(), 0.9, alpha)
+
+
+@pytest.mark.parametrize("target", [0.0, 1.0, -0.1, 2.0, math.nan])
+def test_calibrate_rejects_target_outside_open_unit_interval(target: float) -> None:
+    with pytest.raises(ValueError, match="target_recall must be strictly between 0 and 1"):
+        calibrate_threshold(synthetic_cases(), target, 0.1)
+
+
+def test_calibrate_rejects_an_invalid_observation_that_bypassed_construction() -> None:
+    broken = CoverageScore(0.5, False)
+    object.__setattr__(broken, "coverage", math.nan)
+    with pytest.raises(ValueError, match=r"scores\[1\]\.coverage must be a number in \[0, 1\], got nan"):
+        calibrate_threshold([CoverageScore(0.2, True), broken], 0.9, 0.1)
