@@ -140,7 +140,10 @@ def parse_conversation_messages(body: str) -> list[Message]:
     # A page repeats the same few thousand clock readings; convert each one once.
     times = {clock: _clock_to_time(clock) for clock in set(column(_CLOCK_READING))}
     timestamps = map(add, column(_DAY), map(times.__getitem__, column(_CLOCK_READING)))
-    return list(map(Message, column(_SPEAKER), timestamps, map(str.rstrip, column(_TEXT))))
+    # and the same few speakers: share one string per name rather than one per message.
+    names: dict[str, str] = {}
+    speakers = map(names.setdefault, column(_SPEAKER), column(_SPEAKER))
+    return list(map(Message, speakers, timestamps, map(str.rstrip, column(_TEXT))))
 
 
 # --- segments ------------------------------------------------------------------------
@@ -158,8 +161,8 @@ _MICROS_INTO_DAY: Final[dict[str, int]] = {
 _timestamp_of: Final = attrgetter("timestamp")
 _speaker_of: Final = attrgetter("speaker")
 _day_part: Final = itemgetter(slice(0, 10))
-_CANONICAL_DAY: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _time_part: Final = itemgetter(slice(10, None))
+_CANONICAL_DAY: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 def _instant_micros(iso: str) -> int:

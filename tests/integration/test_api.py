@@ -1,0 +1,734 @@
+"""The HTTP API against a real Postgres (and Redis for readiness and the real Celery sender)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import typing
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
+from worker import jobs
+from worker.api.app import JobKind, JobStatus, create_app, store_pages
+from worker.api.signing import sign
+from worker.config_store import ConfigReader
+from worker.pages import PageIn
+from worker.runtime import Runtime
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+SECRET = "test-secret"
+ADMIN = "test-admin"
+REDIS_URL = "redis://127.0.0.1:6379/15"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+CONVERSATION = "**Alice** (2024-03-15 9:00 AM): I signed the offer.\n**Bob** (2024-03-15 9:01 AM): Congrats!"
+
+
+class Recorder:
+    """A sender that records hand-offs and whether the job row was visible (committed) at that moment."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+        self.calls: list[tuple[str, int, str]] = []
+        self.committed: list[bool] = []
+
+    def __call__(self, task_name: str, job_id: int, queue: str) -> None:
+        with self.factory() as session:  # a separate connection: sees only committed rows
+            self.committed.append(session.get(Job, job_id) is not None)
+        self.calls.append((task_name, job_id, queue))
+
+    @property
+    def job_ids(self) -> list[int]:
+        return [job_id for _, job_id, _ in self.calls]
+
+
+def make_runtime(database_url: str, factory: sessionmaker[Session], **settings: Any) -> Runtime:
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "webhook_secret": SECRET,
+        "admin_token": ADMIN,
+        "broker_url": REDIS_URL,
+    }
+    return Runtime(
+        settings=Settings(**(values | settings)), factory=factory, config=ConfigReader(factory, ttl=0)
+    )
+
+
+@pytest.fixture
+def recorder(factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(factory)
+
+
+@pytest.fixture
+def client(database_url: str, factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    with TestClient(create_app(make_runtime(database_url, factory), sender=recorder)) as test_client:
+        yield test_client
+
+
+def page(slug: str, body: str = CONVERSATION, **fields: Any) -> dict[str, Any]:
+    return {"slug": slug, "type": "conversation", "title": slug, "compiled_truth": body, **fields}
+
+
+def post(
+    client: TestClient,
+    payload: Any = None,
+    *,
+    raw: bytes | None = None,
+    key: str | None = None,
+    secret: str = SECRET,
+    timestamp: int | None = None,
+    signature: str | None = "sign",
+) -> Any:
+    body = raw if raw is not None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    if signature == "sign":
+        headers["Factmill-Signature"] = sign(body, secret, timestamp)
+    elif signature is not None:
+        headers["Factmill-Signature"] = signature
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return client.post("/v1/pages", content=body, headers=headers)
+
+
+def count(factory: sessionmaker[Session], model: Any) -> int:
+    with factory() as session:
+        return session.scalar(select(func.count()).select_from(model)) or 0
+
+
+def set_job(factory: sessionmaker[Session], job_id: int, **values: Any) -> None:
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+# ---------------------------------------------------------------------------
+# POST /v1/pages
+# ---------------------------------------------------------------------------
+
+
+def test_signed_webhook_stores_page_and_job_and_sends_after_commit(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    response = post(client, page("conversations/alice"))
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["unchanged"] == []
+    [job] = body["jobs"]
+    assert job == {
+        "job_id": job["job_id"],
+        "source_id": "default",
+        "slug": "conversations/alice",
+        "created": True,
+    }
+    assert recorder.calls == [("tasks.extraction.extract_page", job["job_id"], "extraction")]
+    assert recorder.committed == [True]  # the row was committed before the hand-off
+    with factory() as session:
+        stored = session.get(Job, job["job_id"])
+        assert stored is not None
+        assert (stored.kind, stored.subject, stored.status) == (
+            "extraction",
+            "default|conversations/alice",
+            "queued",
+        )
+        assert stored.enqueued_at is not None
+        assert (
+            session.scalar(select(Page.title).where(Page.slug == "conversations/alice"))
+            == "conversations/alice"
+        )
+
+
+@pytest.mark.parametrize("shape", ["wrapped", "list"])
+def test_batch_of_pages(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder, shape: str
+) -> None:
+    pages = [page(f"batch/p{i}", source_id="src-b" if i % 2 else "default") for i in range(5)]
+    response = post(client, {"pages": pages} if shape == "wrapped" else pages)
+    assert response.status_code == 202, response.text
+    accepted = response.json()["jobs"]
+    assert [(j["source_id"], j["slug"]) for j in accepted] == [
+        (p.get("source_id", "default"), p["slug"]) for p in pages
+    ]
+    assert all(j["created"] for j in accepted)
+    assert sorted(recorder.job_ids) == sorted(j["job_id"] for j in accepted)
+    assert count(factory, Page) == 5 and count(factory, Job) == 5
+
+
+def test_duplicate_delivery_replays_the_original_answer(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    payload = {"pages": [page("dup/a"), page("dup/b")]}
+    first = post(client, payload, key="delivery-1")
+    assert first.status_code == 202
+    # The signature is checked before any replay: a stale copy of the delivery gets nothing.
+    assert post(client, payload, key="delivery-1", timestamp=1).status_code == 401
+    # A retried delivery is signed again (new timestamp) but carries the same body and key.
+    second = post(client, payload, key="delivery-1")
+    assert second.status_code == 202
+    assert second.json() == first.json()
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    assert count(factory, Job) == 2 and count(factory, Page) == 2 and count(factory, WebhookDelivery) == 1
+    assert len(recorder.calls) == 2  # nothing sent again
+
+
+def test_same_key_with_a_different_body_is_refused(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    assert post(client, page("reuse/a"), key="k-1").status_code == 202
+    response = post(client, page("reuse/b"), key="k-1")
+    assert response.status_code == 422
+    assert "Idempotency-Key reused with a different body" in response.json()["detail"]
+    assert count(factory, Page) == 1
+
+
+def test_concurrent_duplicate_delivery_returns_the_stored_answer(factory: sessionmaker[Session]) -> None:
+    """The delivery row is inserted by a concurrent request that commits while ours waits on its key."""
+    pages = [PageIn(slug="race/a", type="conversation", compiled_truth=CONVERSATION)]
+    body_hash = hashlib.sha256(b"same body").hexdigest()
+    stored = {
+        "jobs": [{"job_id": 42, "source_id": "default", "slug": "race/a", "created": True}],
+        "unchanged": [],
+    }
+    other = factory()
+    other.begin()
+    other.add(WebhookDelivery(idempotency_key="race-key", body_hash=body_hash, response=stored))
+    other.flush()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(store_pages, factory, pages, "race-key", body_hash)
+            with pytest.raises(TimeoutError):
+                future.result(timeout=0.5)  # blocked on the other transaction's key
+            other.commit()
+            response, pending, replayed = future.result(timeout=10)
+    finally:
+        other.close()
+    assert (response, pending, replayed) == (stored, [], True)
+    assert count(factory, Page) == 0 and count(factory, Job) == 0  # our work was rolled back
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"secret": "wrong-secret"}, "does not match"),
+        ({"signature": None}, "missing Factmill-Signature"),
+        ({"signature": "v1=abc"}, "malformed"),
+        ({"timestamp": "stale"}, "too old"),
+    ],
+)
+def test_unsigned_or_badly_signed_webhook_is_401(
+    client: TestClient,
+    factory: sessionmaker[Session],
+    recorder: Recorder,
+    kwargs: dict[str, Any],
+    reason: str,
+) -> None:
+    if kwargs.get("timestamp") == "stale":
+        kwargs = {"timestamp": int(time.time()) - 6 * 60}
+    response = post(client, page("unsigned/a"), **kwargs)
+    assert response.status_code == 401
+    assert reason in response.json()["detail"]
+    assert count(factory, Page) == 0 and recorder.calls == []
+
+
+def test_altered_body_is_401(client: TestClient) -> None:
+    body = json.dumps(page("altered/a")).encode()
+    header = sign(body, SECRET)
+    response = client.post(
+        "/v1/pages", content=body.replace(b"altered", b"tampered"), headers={"Factmill-Signature": header}
+    )
+    assert response.status_code == 401 and "does not match" in response.json()["detail"]
+
+
+# ---------------------------------------------------------------------------
+# Size cap
+# ---------------------------------------------------------------------------
+
+CAP = 4096
+
+
+@pytest.fixture
+def small_client(
+    database_url: str, factory: sessionmaker[Session], recorder: Recorder
+) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, factory, max_body_bytes=CAP)
+    with TestClient(create_app(runtime, sender=recorder)) as test_client:
+        yield test_client
+
+
+def big_body() -> bytes:
+    return json.dumps(page("big/a", body="x" * (CAP * 2))).encode()
+
+
+def test_declared_length_over_the_cap_is_413(
+    small_client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    body = big_body()
+    response = small_client.post(
+        "/v1/pages", content=body, headers={"Factmill-Signature": sign(body, SECRET)}
+    )
+    assert response.status_code == 413
+    assert f"{CAP}-byte limit" in response.json()["detail"]
+    assert count(factory, Page) == 0
+
+
+def test_chunked_body_without_length_over_the_cap_is_413(
+    small_client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    body = big_body()
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(body), 1000):
+            yield body[start : start + 1000]
+
+    response = small_client.post(
+        "/v1/pages", content=chunks(), headers={"Factmill-Signature": sign(body, SECRET)}
+    )
+    assert response.status_code == 413
+    assert count(factory, Page) == 0
+
+
+def test_lying_content_length_is_413(small_client: TestClient) -> None:
+    body = big_body()
+    headers = {"Factmill-Signature": sign(body, SECRET), "Content-Length": "100"}
+    response = small_client.post("/v1/pages", content=body, headers=headers)
+    assert response.status_code == 413
+
+
+def test_body_under_the_cap_is_accepted(small_client: TestClient) -> None:
+    assert post(small_client, page("small/a", body="short")).status_code == 202
+
+
+def run_asgi(app: Any, headers: list[tuple[bytes, bytes]], chunk: bytes, chunks: int) -> tuple[int, int]:
+    """Drive the app at the ASGI level so the body really streams; returns (status, chunks read)."""
+    pulled = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": chunk, "more_body": pulled < chunks}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/pages", "raw_path": b"/v1/pages", "root_path": "", "query_string": b"",
+        "headers": headers, "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+    }  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], pulled
+
+
+def test_streaming_stops_reading_at_the_cap(database_url: str, factory: sessionmaker[Session]) -> None:
+    app = create_app(make_runtime(database_url, factory, max_body_bytes=CAP), sender=Recorder(factory))
+    status, pulled = run_asgi(app, [(b"factmill-signature", b"t=1,v1=00")], b"x" * 1000, chunks=1000)
+    assert status == 413
+    assert pulled == CAP // 1000 + 1  # stopped at the first chunk past the cap, not at the end
+    declared = [(b"content-length", str(CAP * 100).encode())]
+    status, pulled = run_asgi(app, declared, b"x" * 1000, chunks=1000)
+    assert (status, pulled) == (413, 0)  # refused on the header alone
+
+
+# ---------------------------------------------------------------------------
+# 422s
+# ---------------------------------------------------------------------------
+
+
+def test_malformed_json_is_422(client: TestClient) -> None:
+    response = post(client, raw=b'{"slug": "a", ')
+    assert response.status_code == 422
+    assert "not valid JSON" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"type": "conversation"}, "slug: Field required"),
+        (
+            {"pages": [page("ok/a"), page("ok/b"), page("ok/c"), {"type": "conversation"}]},
+            "pages[3].slug: Field required",
+        ),
+        ([page("bad slug!")], "pages[0].slug"),
+        (page("ok/a", colour="blue"), "colour: Extra inputs are not permitted"),
+        ({"pages": "nope"}, "pages: must be a list"),
+        ({"pages": []}, "empty"),
+        ("just a string", "body must be a page object"),
+        ({"pages": [page("x/a")], "extra": 1}, "unexpected field"),
+    ],
+)
+def test_invalid_pages_are_422_naming_the_field(
+    client: TestClient, factory: sessionmaker[Session], payload: Any, expected: str
+) -> None:
+    response = post(client, payload)
+    assert response.status_code == 422, response.text
+    assert expected in response.json()["detail"]
+    assert count(factory, Page) == 0
+
+
+def test_more_than_1000_pages_is_422(client: TestClient, factory: sessionmaker[Session]) -> None:
+    response = post(client, {"pages": [page(f"many/p{i}", body="x") for i in range(1001)]})
+    assert response.status_code == 422
+    assert "1001 pages" in response.json()["detail"] and "at most 1000" in response.json()["detail"]
+    assert count(factory, Page) == 0
+
+
+def test_bad_idempotency_key_is_422(client: TestClient) -> None:
+    response = post(client, page("key/a"), key="x" * 300)
+    assert response.status_code == 422 and "Idempotency-Key" in response.json()["detail"]
+
+
+# ---------------------------------------------------------------------------
+# Unchanged and pending pages
+# ---------------------------------------------------------------------------
+
+
+def test_unchanged_content_creates_no_job(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    assert post(client, page("same/a")).status_code == 202
+    set_job(factory, recorder.job_ids[0], status="succeeded")
+    response = post(client, page("same/a"))
+    assert response.status_code == 202
+    assert response.json() == {"jobs": [], "unchanged": [{"source_id": "default", "slug": "same/a"}]}
+    assert count(factory, Job) == 1 and len(recorder.calls) == 1
+
+
+def test_page_changed_while_its_job_is_pending_reuses_the_job(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    first = post(client, page("pending/a", body="v1")).json()["jobs"][0]
+    second = post(client, page("pending/a", body="v2")).json()["jobs"][0]
+    assert second == first | {"created": False}
+    set_job(factory, first["job_id"], status="running")
+    third = post(client, page("pending/a", body="v3")).json()["jobs"][0]
+    assert third["job_id"] == first["job_id"]
+    with factory() as session:
+        job = session.get(Job, first["job_id"])
+        assert job is not None and job.rerun_requested  # the running worker read old content
+    assert count(factory, Job) == 1
+
+
+# ---------------------------------------------------------------------------
+# Jobs
+# ---------------------------------------------------------------------------
+
+
+def test_job_literals_match_the_models() -> None:
+    assert typing.get_args(JobStatus) == JOB_STATUSES
+    assert set(typing.get_args(JobKind)) == set(jobs.JOB_KINDS)
+
+
+def test_jobs_list_filter_get_and_404(client: TestClient, factory: sessionmaker[Session]) -> None:
+    ids = [j["job_id"] for j in post(client, [page(f"list/p{i}") for i in range(3)]).json()["jobs"]]
+    set_job(factory, ids[0], status="failed", last_error="boom")
+
+    listed = client.get("/v1/jobs").json()["jobs"]
+    assert [j["id"] for j in listed] == sorted(ids, reverse=True)
+    failed = client.get("/v1/jobs", params={"status": "failed"}).json()["jobs"]
+    assert [(j["id"], j["last_error"]) for j in failed] == [(ids[0], "boom")]
+    assert len(client.get("/v1/jobs", params={"kind": "extraction", "status": "queued"}).json()["jobs"]) == 2
+    assert client.get("/v1/jobs", params={"kind": "compaction"}).json()["jobs"] == []
+    assert len(client.get("/v1/jobs", params={"limit": 1}).json()["jobs"]) == 1
+    assert [j["id"] for j in client.get("/v1/jobs", params={"before_id": ids[1]}).json()["jobs"]] == [ids[0]]
+
+    for params, field in (
+        ({"status": "bogus"}, "status"),
+        ({"kind": "bogus"}, "kind"),
+        ({"limit": 0}, "limit"),
+    ):
+        response = client.get("/v1/jobs", params=params)
+        assert response.status_code == 422
+        assert f"query.{field}" in response.json()["detail"]
+
+    one = client.get(f"/v1/jobs/{ids[1]}")
+    assert one.status_code == 200
+    assert one.json()["source_id"] == "default" and one.json()["slug"] == "list/p1"
+    assert one.json()["status"] == "queued"
+    missing = client.get("/v1/jobs/999999")
+    assert missing.status_code == 404 and missing.json() == {"detail": "no job 999999"}
+
+
+def test_retry_a_failed_job(client: TestClient, factory: sessionmaker[Session], recorder: Recorder) -> None:
+    job_id = post(client, page("retry/a")).json()["jobs"][0]["job_id"]
+    # Queued (or running): already on its way, so a retry is refused rather than duplicated.
+    assert client.post(f"/v1/jobs/{job_id}/retry").status_code == 409
+    set_job(factory, job_id, status="failed", attempts=5, last_error="provider down")
+    recorder.calls.clear()
+    response = client.post(f"/v1/jobs/{job_id}/retry")
+    assert response.status_code == 202, response.text
+    assert (response.json()["status"], response.json()["attempts"], response.json()["last_error"]) == (
+        "queued",
+        0,
+        None,
+    )
+    assert recorder.calls == [("tasks.extraction.extract_page", job_id, "extraction")]
+    assert recorder.committed == [True, True]
+    assert client.post("/v1/jobs/999999/retry").status_code == 404
+
+
+def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    old = post(client, page("retry/b", body="v1")).json()["jobs"][0]["job_id"]
+    set_job(factory, old, status="failed")
+    new = post(client, page("retry/b", body="v2")).json()["jobs"][0]["job_id"]
+    assert new != old
+    response = client.post(f"/v1/jobs/{old}/retry")
+    assert response.status_code == 409
+    assert response.json()["pending_job_id"] == new
+    with factory() as session:
+        assert session.scalar(select(Job.status).where(Job.id == old)) == "failed"
+
+
+# ---------------------------------------------------------------------------
+# Facts
+# ---------------------------------------------------------------------------
+
+
+def fact_row(slug: str, row_num: int, text: str, *, is_audit: bool = False) -> Fact:
+    return Fact(
+        source_id="default", fact=text, kind="fact", confidence=0.9, notability="medium", context="",
+        source="cli:extract-conversation-facts", source_session=f"cli:extract-conversation-facts:{slug}",
+        source_markdown_slug=slug, row_num=row_num, is_audit=is_audit,
+    )  # fmt: skip
+
+
+def test_facts_endpoint_excludes_audit_rows(client: TestClient, factory: sessionmaker[Session]) -> None:
+    slug = "conversations/imessage/alice"
+    assert post(client, page(slug)).status_code == 202
+    with factory.begin() as session:
+        session.add_all(
+            [
+                fact_row(slug, 1, "Bob congratulated Alice."),
+                fact_row(slug, 0, "Alice signed the offer."),
+                fact_row(slug, -1, "EXTRACTION_COMPLETE", is_audit=True),
+                fact_row("conversations/other", 0, "Unrelated."),
+            ]
+        )
+    response = client.get(f"/v1/pages/default/{slug}/facts")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["source_id"], body["slug"], body["total"]) == ("default", slug, 2)
+    assert [(f["row_num"], f["fact"]) for f in body["facts"]] == [
+        (0, "Alice signed the offer."),
+        (1, "Bob congratulated Alice."),
+    ]
+    paged = client.get(f"/v1/pages/default/{slug}/facts", params={"offset": 1, "limit": 1}).json()
+    assert [f["row_num"] for f in paged["facts"]] == [1] and paged["total"] == 2
+
+
+def test_facts_of_an_unknown_page_is_404(client: TestClient) -> None:
+    response = client.get("/v1/pages/default/no/such/page/facts")
+    assert response.status_code == 404
+    assert "no/such/page" in response.json()["detail"]
+
+
+# ---------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ({}, "missing"),
+        ({"Authorization": "Bearer nope"}, "wrong admin token"),
+        ({"Authorization": "Basic eDp5"}, "missing"),
+    ],
+)
+def test_config_requires_the_admin_token(client: TestClient, headers: dict[str, str], reason: str) -> None:
+    for response in (
+        client.get("/v1/config/facts.extraction_enabled", headers=headers),
+        client.put("/v1/config/facts.extraction_enabled", json={"value": "false"}, headers=headers),
+    ):
+        assert response.status_code == 401
+        assert reason in response.json()["detail"]
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_config_get_and_put(client: TestClient) -> None:
+    key = "/v1/config/facts.extraction_enabled"
+    unset = client.get(key, headers=ADMIN_HEADERS)
+    assert unset.status_code == 200
+    assert (unset.json()["value"], unset.json()["enabled"]) == (None, True)
+
+    put = client.put(key, json={"value": " OFF "}, headers=ADMIN_HEADERS)
+    assert put.status_code == 200, put.text
+    assert (put.json()["value"], put.json()["enabled"], put.json()["resumed"]) == ("OFF", False, 0)
+    got = client.get(key, headers=ADMIN_HEADERS).json()
+    assert (got["value"], got["enabled"], got["updated_by"]) == ("OFF", False, "api")
+
+    assert client.put(key, json={"value": True}, headers=ADMIN_HEADERS).json()["value"] == "true"
+    assert (
+        client.put("/v1/config/extraction.max_facts", json={"value": 7}, headers=ADMIN_HEADERS).status_code
+        == 200
+    )
+    assert client.get("/v1/config/extraction.max_facts", headers=ADMIN_HEADERS).json()["value"] == "7"
+    missing = client.get("/v1/config/no.such.key", headers=ADMIN_HEADERS)
+    assert missing.status_code == 404
+
+
+def test_invalid_kill_switch_value_is_422(client: TestClient) -> None:
+    response = client.put(
+        "/v1/config/facts.extraction_enabled", json={"value": "maybe"}, headers=ADMIN_HEADERS
+    )
+    assert response.status_code == 422
+    assert "facts.extraction_enabled must be one of" in response.json()["detail"]
+    assert client.get("/v1/config/facts.extraction_enabled", headers=ADMIN_HEADERS).json()["value"] is None
+    no_value = client.put("/v1/config/facts.extraction_enabled", json={}, headers=ADMIN_HEADERS)
+    assert no_value.status_code == 422 and "body.value" in no_value.json()["detail"]
+
+
+def test_turning_a_kill_switch_on_resumes_paused_jobs(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    with factory.begin() as session:
+        paused = Job(
+            kind="extraction", subject="default|paused/a", status="paused", last_error="extraction disabled"
+        )
+        other = Job(kind="compaction", subject="transcript-1", status="paused")
+        session.add_all([paused, other])
+        session.flush()
+        paused_id, other_id = paused.id, other.id
+    client.put("/v1/config/facts.extraction_enabled", json={"value": "false"}, headers=ADMIN_HEADERS)
+    assert recorder.calls == []
+    response = client.put(
+        "/v1/config/facts.extraction_enabled", json={"value": "true"}, headers=ADMIN_HEADERS
+    )
+    assert response.status_code == 200
+    assert response.json()["resumed"] == 1
+    assert recorder.calls == [("tasks.extraction.extract_page", paused_id, "extraction")]
+    assert recorder.committed == [True]
+    with factory() as session:
+        assert session.scalar(select(Job.status).where(Job.id == paused_id)) == "queued"
+        assert session.scalar(select(Job.status).where(Job.id == other_id)) == "paused"  # other switch
+
+
+# ---------------------------------------------------------------------------
+# Operations
+# ---------------------------------------------------------------------------
+
+
+def test_healthz(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_readyz_with_database_and_redis(client: TestClient) -> None:
+    response = client.get("/readyz")
+    assert response.status_code == 200, response.text
+    assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
+
+
+def test_readyz_names_the_unreachable_broker(database_url: str, factory: sessionmaker[Session]) -> None:
+    runtime = make_runtime(database_url, factory, broker_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(runtime, sender=Recorder(factory))) as test_client:
+        response = test_client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["checks"]["database"] == "ok"
+    assert response.json()["detail"].startswith("not ready: broker unreachable")
+
+
+def test_unreachable_database_is_503_on_readyz_and_a_json_500_elsewhere(database_url: str) -> None:
+    dead = sessionmaker(create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
+    runtime = make_runtime(database_url, dead)
+    with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as test_client:
+        ready = test_client.get("/readyz")
+        assert ready.status_code == 503 and "database unreachable" in ready.json()["detail"]
+        broken = test_client.get("/v1/jobs")
+        assert broken.status_code == 500
+        assert broken.json() == {"detail": "internal error; the server log has the details"}
+        metrics = test_client.get("/metrics")
+        assert metrics.status_code == 200 and "factmill_store_up 0.0" in metrics.text
+
+
+def test_metrics_exposes_jobs_facts_llm_and_requests(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    job_id = post(client, page("metrics/a")).json()["jobs"][0]["job_id"]
+    with factory.begin() as session:
+        session.add_all(
+            [fact_row("metrics/a", 0, "A fact."), fact_row("metrics/a", -1, "DONE", is_audit=True)]
+        )
+        from models import LLMCall
+
+        session.add_all(
+            [
+                LLMCall(job_id=job_id, provider="sim", model="sim", purpose="extraction", input_tokens=100,
+                        output_tokens=20, latency_ms=120, outcome="ok"),
+                LLMCall(job_id=job_id, provider="sim", model="sim", purpose="extraction", input_tokens=50,
+                        output_tokens=0, latency_ms=3000, outcome="provider_error"),
+            ]
+        )  # fmt: skip
+    client.get(f"/v1/jobs/{job_id}")
+    text = client.get("/metrics").text
+    assert 'factmill_jobs{kind="extraction",status="queued"} 1.0' in text
+    assert 'factmill_jobs{kind="compaction",status="failed"} 0.0' in text
+    assert "factmill_facts 1.0" in text  # the audit row is not a fact
+    assert 'factmill_segments_total{outcome="ok"} 0.0' in text
+    assert 'factmill_llm_calls_total{outcome="ok",purpose="extraction"} 1.0' in text
+    assert 'factmill_llm_tokens_total{direction="in",purpose="extraction"} 150.0' in text
+    assert 'factmill_llm_latency_seconds_bucket{le="0.25",purpose="extraction"} 1.0' in text
+    assert 'factmill_llm_latency_seconds_bucket{le="+Inf",purpose="extraction"} 2.0' in text
+    assert 'factmill_llm_latency_seconds_sum{purpose="extraction"} 3.12' in text
+    assert 'factmill_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="200"} 1.0' in text
+    assert 'factmill_http_requests_total{method="POST",route="/v1/pages",status="202"} 1.0' in text
+    assert "factmill_http_request_duration_seconds_bucket" in text
+
+
+def test_openapi_lists_the_routes(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    assert spec["info"]["title"] == "Factmill" and spec["info"]["version"]
+    assert {tag["name"] for tag in spec["tags"]} >= {"pages", "jobs", "facts", "config", "operations"}
+    assert set(spec["paths"]) >= {
+        "/v1/pages",
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/retry",
+        "/v1/pages/{source_id}/{slug}/facts",
+        "/v1/config/{key}",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    }
+    post_pages = spec["paths"]["/v1/pages"]["post"]
+    assert {p["name"] for p in post_pages["parameters"]} == {"Factmill-Signature", "Idempotency-Key"}
+    assert "requestBody" in post_pages
+
+
+# ---------------------------------------------------------------------------
+# The real Celery sender
+# ---------------------------------------------------------------------------
+
+
+def test_webhook_sends_through_the_real_celery_sender(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    runtime = make_runtime(database_url, factory, broker_key_prefix=prefix)
+    broker = redis.Redis.from_url(REDIS_URL)
+    try:
+        with TestClient(create_app(runtime)) as test_client:  # no sender: Celery on runtime.settings
+            job_id = post(test_client, page("celery/a")).json()["jobs"][0]["job_id"]
+        raw = broker.lrange(f"{prefix}extraction", 0, -1)
+        assert len(raw) == 1
+        message = json.loads(raw[0])
+        assert message["headers"]["task"] == "tasks.extraction.extract_page"
+        assert message["headers"]["argsrepr"] == f"[{job_id}]"
+        with factory() as session:
+            assert session.scalar(select(Job.enqueued_at).where(Job.id == job_id)) is not None
+    finally:
+        for key in broker.scan_iter(f"{prefix}*"):
+            broker.delete(key)
+        broker.close()

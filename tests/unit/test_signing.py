@@ -1,0 +1,106 @@
+"""Webhook signatures: sign and verify, tolerance window, malformed headers, secret rotation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import pytest
+
+from worker.api.signing import SignatureError, compute_signature, sign, verify
+
+SECRET = "whsec-test"
+BODY = b'{"slug": "a", "type": "conversation"}'
+NOW = 1_700_000_000
+
+
+def reason(header: str | None, body: bytes = BODY, secret: str = SECRET, now: float = NOW) -> str:
+    with pytest.raises(SignatureError) as info:
+        verify(header, body, secret, 300, now=now)
+    return info.value.reason
+
+
+def test_sign_produces_t_and_v1_hmac_of_timestamp_dot_body() -> None:
+    header = sign(BODY, SECRET, timestamp=NOW)
+    expected = hmac.new(SECRET.encode(), f"{NOW}.".encode() + BODY, hashlib.sha256).hexdigest()
+    assert header == f"t={NOW},v1={expected}"
+    assert compute_signature(BODY, SECRET, NOW) == expected
+
+
+def test_sign_defaults_to_now() -> None:
+    header = sign(BODY, SECRET)
+    verify(header, BODY, SECRET, 300)  # no exception
+
+
+def test_round_trip_within_tolerance() -> None:
+    verify(sign(BODY, SECRET, timestamp=NOW), BODY, SECRET, 300, now=NOW)
+    verify(sign(BODY, SECRET, timestamp=NOW - 300), BODY, SECRET, 300, now=NOW)  # exactly at the edge
+    verify(sign(BODY, SECRET, timestamp=NOW + 300), BODY, SECRET, 300, now=NOW)
+
+
+@pytest.mark.parametrize("header", [None, "", "   "])
+def test_missing_header(header: str | None) -> None:
+    assert "missing" in reason(header)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "garbage",
+        "t=123",
+        "v1=abc",
+        "t=abc,v1=def",
+        "t=-5,v1=def",
+        "t=1,t=2,v1=def",
+        "t=1,,v1=def",
+        "t=,v1=def",
+        "t=١٢٣,v1=def",  # non-ASCII digits
+    ],
+)
+def test_malformed_header(header: str) -> None:
+    assert "malformed" in reason(header)
+
+
+def test_stale_timestamp_is_rejected_with_its_age() -> None:
+    message = reason(sign(BODY, SECRET, timestamp=NOW - 360))
+    assert "too old" in message and "360" in message
+
+
+def test_future_timestamp_is_rejected() -> None:
+    assert "future" in reason(sign(BODY, SECRET, timestamp=NOW + 301))
+
+
+def test_wrong_secret_and_altered_body() -> None:
+    assert "does not match" in reason(sign(BODY, "other-secret", timestamp=NOW))
+    assert "does not match" in reason(sign(BODY, SECRET, timestamp=NOW), body=BODY + b" ")
+
+
+def test_timestamp_is_part_of_the_signature() -> None:
+    signature = compute_signature(BODY, SECRET, NOW)
+    assert "does not match" in reason(f"t={NOW + 1},v1={signature}")
+
+
+def test_several_v1_entries_allow_secret_rotation() -> None:
+    old = compute_signature(BODY, "old-secret", NOW)
+    new = compute_signature(BODY, "new-secret", NOW)
+    header = f"t={NOW},v1={old},v1={new}"
+    verify(header, BODY, "new-secret", 300, now=NOW)
+    verify(header, BODY, "old-secret", 300, now=NOW)
+    assert "does not match" in reason(header, secret="third-secret")
+
+
+def test_unknown_schemes_are_ignored_and_spaces_tolerated() -> None:
+    signature = compute_signature(BODY, SECRET, NOW)
+    verify(f"t={NOW}, v0=deadbeef, v1={signature.upper()}", BODY, SECRET, 300, now=NOW)
+
+
+def test_non_ascii_signature_is_a_mismatch_not_a_crash() -> None:
+    assert "does not match" in reason(f"t={NOW},v1=é")
+
+
+def test_empty_secret_is_refused() -> None:
+    assert "not configured" in reason(sign(BODY, "", timestamp=NOW), secret="")
+
+
+def test_signature_error_is_a_value_error() -> None:
+    assert issubclass(SignatureError, ValueError)
