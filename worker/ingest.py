@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.jobs import EXTRACTION, page_subject, request_job
 from worker.pages import PageIn, upsert_page
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class IngestReport:
     unchanged: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     page_ids: list[int] = field(default_factory=list)
+    jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) to enqueue after commit
 
 
 def _jsonable(value: Any) -> Any:
@@ -114,7 +116,8 @@ def iter_page_files(paths: Iterable[Path]) -> Iterator[tuple[Path, Path | None]]
 def ingest_paths(
     factory: sessionmaker[Session], paths: Iterable[Path], source_id: str = "default"
 ) -> IngestReport:
-    """Store every readable page; a bad file is reported and the rest still go in."""
+    """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
+    path); a bad file is reported and the rest still go in. The caller enqueues ``report.jobs``."""
     report = IngestReport()
     for path, root in iter_page_files(paths):
         try:
@@ -127,6 +130,9 @@ def ingest_paths(
             continue
         with factory.begin() as session:
             result = upsert_page(session, page)
+            if result.changed:
+                job = request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
+                report.jobs.append((job.job_id, EXTRACTION))
         (report.ingested if result.changed else report.unchanged).append(page.slug)
         report.page_ids.append(result.page_id)
     return report

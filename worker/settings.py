@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     job_max_attempts: int = Field(default=5, ge=1)
     job_heartbeat_seconds: float = Field(default=10.0, gt=0)
     job_stale_after_seconds: float = Field(default=60.0, gt=0)  # running with an older heartbeat = lost
-    job_requeue_after_seconds: float = Field(default=60.0, gt=0)  # queued this long = message lost
+    job_requeue_after_seconds: float = Field(default=300.0, gt=0)  # queued this long = message lost
     sweep_interval_seconds: float = Field(default=30.0, gt=0)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)

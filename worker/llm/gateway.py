@@ -43,7 +43,11 @@ def open_llm_client(settings: Settings) -> Iterator[LLMClient]:
     if provider == "simulator":
         if settings.simulator_url:
             yield OpenAIChatClient(
-                model=model, base_url=settings.simulator_url, timeout=timeout, provider="simulator"
+                model=model,
+                base_url=settings.simulator_url,
+                timeout=timeout,
+                provider="simulator",
+                embedding_model="simulator-embedding-1",
             )
             return
         from worker.llm.simulator import Simulator, SimulatorConfig
@@ -52,7 +56,11 @@ def open_llm_client(settings: Settings) -> Iterator[LLMClient]:
         simulator.start()
         try:
             yield OpenAIChatClient(
-                model=model, base_url=simulator.base_url, timeout=timeout, provider="simulator"
+                model=model,
+                base_url=simulator.base_url,
+                timeout=timeout,
+                provider="simulator",
+                embedding_model="simulator-embedding-1",
             )
         finally:
             simulator.stop()

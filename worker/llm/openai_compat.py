@@ -8,7 +8,7 @@ from typing import Any, Literal
 import openai
 
 from worker.llm.errors import to_llm_error
-from worker.llm.types import ChatRequest, ChatResponse, Finish, Usage
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, Usage
 
 JsonMode = Literal["json_schema", "json_object", "none"]
 
@@ -26,7 +26,11 @@ class OpenAIChatClient:
         json_mode: JsonMode = "json_schema",
         provider: str = "openai",
         default_headers: dict[str, str] | None = None,
+        embedding_model: str = "text-embedding-3-small",
+        embedding_dimensions: int | None = 256,
     ) -> None:
+        self.embedding_model = embedding_model
+        self.embedding_dimensions = embedding_dimensions
         self.provider = provider
         self.model = model
         self.json_mode = json_mode
@@ -88,4 +92,23 @@ class OpenAIChatClient:
             latency_ms=latency_ms,
             refusal=refusal,
             raw_finish_reason=choice.finish_reason,
+        )
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        """Embeddings through the OpenAI embeddings API (the simulator returns deterministic vectors)."""
+        kwargs: dict[str, Any] = {"model": self.embedding_model, "input": texts}
+        if self.embedding_dimensions is not None:
+            kwargs["dimensions"] = self.embedding_dimensions
+        started = time.perf_counter()
+        try:
+            result = self._client.embeddings.create(**kwargs)
+        except Exception as exc:
+            raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
+        vectors = [list(item.embedding) for item in sorted(result.data, key=lambda d: d.index)]
+        return EmbeddingResponse(
+            vectors=vectors,
+            usage=Usage(input_tokens=result.usage.prompt_tokens if result.usage else 0),
+            provider=self.provider,
+            model=result.model or self.embedding_model,
+            latency_ms=int((time.perf_counter() - started) * 1000),
         )

@@ -48,3 +48,14 @@ class LLMClient(Protocol):
     model: str
 
     def chat(self, request: ChatRequest) -> ChatResponse: ...
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse: ...
+
+
+@dataclass(frozen=True)
+class EmbeddingResponse:
+    vectors: list[list[float]]
+    usage: Usage
+    provider: str
+    model: str
+    latency_ms: int

@@ -1,0 +1,207 @@
+"""The job queue end to end: real Celery worker processes, real Redis, real Postgres, the simulator."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Fact, Job, LLMCall
+from tests.conftest import fresh_database
+from tests.service import (
+    broker_url_for_tests,
+    redis_reachable,
+    running,
+    service_env,
+    start_beat,
+    start_worker,
+    wait_for,
+)
+from worker import db
+from worker.celery_app import create_app
+from worker.config_store import set_config
+from worker.extraction import PER_SEGMENT_SOURCE_PREFIX, ExtractOptions, run_extract_conversation_facts
+from worker.jobs import EXTRACTION, apply_switch_change, enqueue, page_subject, request_job
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.pages import PageIn, upsert_page
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+BROKER = broker_url_for_tests()
+if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
+    pytest.skip(f"no Redis at {BROKER}", allow_module_level=True)
+
+
+def conversation(pages_seed: int, segments: int, per_segment: int = 3) -> str:
+    """A page with ``segments`` segments: messages a minute apart, segments two hours apart."""
+    lines = []
+    for s in range(segments):
+        for m in range(per_segment):
+            hour, minute = 8 + (2 * s) % 12, m
+            day = 1 + (2 * s) // 12
+            who = ("Alice Example", "Bob Demo", "Zoë Ångström")[(s + m) % 3]
+            lines.append(
+                f"**{who}** (2024-05-{day:02d} {hour:02d}:{minute:02d}): I moved to Lisbon in {2000 + pages_seed} "
+                f"and I love running {5 + s} km on Sundays; I will call Acme Corp about order {s}-{m}."
+            )
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def env(database_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(database_url, BROKER, simulator.base_url)
+
+
+@pytest.fixture
+def sender(env: dict[str, str]) -> Iterator[Any]:
+    """Hands jobs to the same broker (and key prefix) as the worker processes."""
+    celery: Celery = create_app(Settings(broker_url=env["FACTMILL_BROKER_URL"],
+                                         broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"]))
+
+    def send(task_name: str, job_id: int, queue: str) -> None:
+        celery.send_task(task_name, args=[job_id], queue=queue)
+
+    yield send
+    celery.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_simulator(simulator: Any) -> Iterator[None]:
+    yield
+    simulator.reset()
+
+
+def add_pages(factory: sessionmaker[Session], pages: dict[str, str], sender: Any) -> list[int]:
+    jobs: list[tuple[int, str]] = []
+    for slug, body in pages.items():
+        with factory.begin() as session:
+            upsert_page(session, PageIn(slug=slug, type="conversation", title=slug, compiled_truth=body))
+            jobs.append((request_job(session, EXTRACTION, page_subject("default", slug)).job_id, EXTRACTION))
+    enqueue(factory, jobs, sender)
+    return [job_id for job_id, _ in jobs]
+
+
+def statuses(factory: sessionmaker[Session]) -> dict[str, int]:
+    with factory() as session:
+        return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())  # type: ignore[arg-type]
+
+
+def all_succeeded(factory: sessionmaker[Session], n: int) -> bool:
+    return statuses(factory).get("succeeded", 0) == n
+
+
+def fact_rows(factory: sessionmaker[Session]) -> list[tuple[str, int, str]]:
+    with factory() as session:
+        rows = session.execute(
+            select(Fact.source_markdown_slug, Fact.row_num, Fact.fact)
+            .where(Fact.source == PER_SEGMENT_SOURCE_PREFIX).order_by(Fact.source_markdown_slug, Fact.row_num)
+        )
+        return [(slug, num, fact) for slug, num, fact in rows]
+
+
+def expected_facts(server_url: str, pages: dict[str, str], simulator: Any) -> list[tuple[str, int, str]]:
+    """The facts of an uninterrupted, sequential run of the same pages in a database of its own."""
+    with fresh_database(server_url, "expected") as url:
+        db.upgrade(url)
+        factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
+        with factory.begin() as session:
+            for slug, body in pages.items():
+                upsert_page(session, PageIn(slug=slug, type="conversation", title=slug, compiled_truth=body))
+        llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+        counters = run_extract_conversation_facts(factory, llm, ExtractOptions())
+        assert counters.pages_processed == len(pages)
+        rows = fact_rows(factory)
+        db.get_engine(url).dispose()
+        return rows
+
+
+def test_worker_process_extracts_every_queued_page(factory, env, sender, server_url, simulator):
+    pages = {f"conversations/p{i}": conversation(i, segments=3) for i in range(6)}
+    worker = start_worker(env)
+    with running(worker):
+        add_pages(factory, pages, sender)
+        wait_for(lambda: all_succeeded(factory, len(pages)), 90, "every job to succeed",
+                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}")
+    assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
+    with factory() as session:
+        job = session.scalars(select(Job).limit(1)).one()
+    assert job.counters["segments_processed"] == 3 and job.attempts == 1 and job.finished_at is not None
+
+
+def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, sender, simulator):
+    # ~300 calls at 500 ms with 24 in flight: about 6 s of work, so the switch lands mid-run.
+    simulator.configure(latency_ms=500)
+    pages = {f"conversations/k{i}": conversation(i, segments=10) for i in range(30)}
+    worker = start_worker(env, concurrency=6)
+    with running(worker):
+        add_pages(factory, pages, sender)
+        wait_for(lambda: statuses(factory).get("running", 0) > 0, 60, "jobs to start")
+        time.sleep(0.5)
+        with factory.begin() as session:
+            set_config(session, "facts.extraction_enabled", "false", updated_by="test")
+        switched_off = time.monotonic()
+        wait_for(lambda: statuses(factory).get("running", 0) == 0, 30, "running jobs to stop",
+                 diagnostics=lambda: str(statuses(factory)))
+        # Within 5 s of the switch no new LLM call may start; in-flight ones may finish.
+        time.sleep(max(0.0, 5.0 - (time.monotonic() - switched_off)))
+        calls_at_5s = simulator.stats()["requests_total"]
+        time.sleep(2.0)
+        assert simulator.stats()["requests_total"] == calls_at_5s, "LLM calls continued after the kill switch"
+        state = statuses(factory)
+        assert state.get("failed", 0) == 0 and state.get("running", 0) == 0
+        assert state.get("paused", 0) > 0, state
+        assert state.get("paused", 0) + state.get("succeeded", 0) + state.get("queued", 0) == len(pages)
+        # Queued jobs are paused by the worker as it reaches them (the switch is checked at claim).
+        wait_for(lambda: statuses(factory).get("queued", 0) == 0, 30, "queued jobs to be paused")
+        with factory.begin() as session:
+            set_config(session, "facts.extraction_enabled", "true", updated_by="test")
+        resumed = apply_switch_change(factory, "facts.extraction_enabled", "true", sender)
+        assert resumed > 0
+        wait_for(lambda: all_succeeded(factory, len(pages)), 120, "every job to succeed after resume",
+                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}")
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(LLMCall).where(LLMCall.outcome != "ok")) == 0
+
+
+def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, server_url, simulator):
+    simulator.configure(latency_ms=100)
+    pages = {f"conversations/f{i}": conversation(i, segments=4) for i in range(16)}
+    worker = start_worker(env, concurrency=4)
+    beat = start_beat(env, tmp_path)
+    with running(worker, beat):
+        add_pages(factory, pages, sender)
+        wait_for(lambda: statuses(factory).get("succeeded", 0) >= 2, 60, "some jobs to finish")
+        redis.Redis.from_url(BROKER).flushdb()
+        wait_for(lambda: all_succeeded(factory, len(pages)), 150, "every job to succeed after the flush",
+                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}\n{beat.tail(20)}")
+    assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
+
+
+def test_sigkilled_worker_loses_and_duplicates_nothing(factory, env, sender, tmp_path: Path, server_url, simulator):
+    simulator.configure(latency_ms=120)
+    pages = {f"conversations/s{i}": conversation(i, segments=12) for i in range(6)}
+    beat = start_beat(env, tmp_path)
+    with running(beat):
+        add_pages(factory, pages, sender)
+        for round_ in range(2):  # kill mid-page, twice
+            worker = start_worker(env, concurrency=3, name=f"victim{round_}-{uuid.uuid4().hex[:4]}@%h")
+            before = len(fact_rows(factory))
+            wait_for(lambda b=before: len(fact_rows(factory)) > b + 5, 60, "some segments to commit")  # type: ignore[misc]
+            worker.kill()
+            assert statuses(factory).get("running", 0) > 0, "the kill should have interrupted running jobs"
+        survivor = start_worker(env, concurrency=6)
+        with running(survivor):
+            wait_for(lambda: all_succeeded(factory, len(pages)), 150, "every job to succeed after the kills",
+                     diagnostics=lambda: f"{statuses(factory)}\n{survivor.tail()}\n{beat.tail(20)}")
+    rows = fact_rows(factory)
+    assert len(rows) == len(set((slug, num) for slug, num, _ in rows))
+    assert rows == expected_facts(server_url, pages, simulator)

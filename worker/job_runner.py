@@ -1,0 +1,120 @@
+"""Running one extraction job: lease, kill switch, extraction, retry policy, final status."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy.exc import OperationalError
+
+from worker.config_store import EXTRACTION_ENABLED
+from worker.extraction import (
+    CheckpointConflictError,
+    ExtractionDisabledError,
+    ExtractOptions,
+    run_extract_conversation_facts,
+)
+from worker.jobs import (
+    EXTRACTION,
+    Heartbeat,
+    LeaseLostError,
+    claim,
+    enqueue,
+    finish,
+    new_lease_token,
+    now,
+    split_page_subject,
+)
+from worker.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+PAUSED_REASON = f"paused: {EXTRACTION_ENABLED} is off; it resumes when the switch is turned on"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter, bounded; a small value object so it can be tested alone."""
+
+    base_seconds: float = 5.0
+    max_seconds: float = 300.0
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        ceiling = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempt - 1))
+        return (rng or random).uniform(ceiling / 2, ceiling)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    status: str  # succeeded | failed | paused | retry | skipped | lost
+    retry_in: float | None = None
+    detail: str = ""
+
+
+def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = None) -> JobOutcome:
+    policy = policy or RetryPolicy()
+    settings = rt.settings
+    token = new_lease_token()
+    job = claim(rt.factory, job_id, token, settings.job_stale_after_seconds)
+    if job is None:
+        return JobOutcome("skipped", detail="already finished, or held by another worker")
+    if job.kind != EXTRACTION:
+        finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not an extraction")
+        return JobOutcome("failed")
+    if not rt.config.enabled(EXTRACTION_ENABLED):
+        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
+        return JobOutcome("paused")
+    source_id, slug = split_page_subject(job.subject)
+    options = ExtractOptions(
+        source_id=source_id,
+        slug=slug,
+        force=bool(job.options.get("force", False)),
+        job_id=job.id,
+        segment_concurrency=settings.segment_concurrency,
+        max_output_tokens=settings.llm_max_output_tokens,
+    )
+
+    def retry(reason: str) -> JobOutcome:
+        if job.attempts >= settings.job_max_attempts:
+            finish(rt.factory, job_id, token, "failed", counters=counters_dict, last_error=reason)
+            return JobOutcome("failed", detail=reason)
+        delay = policy.delay(job.attempts)
+        # enqueued_at in the future keeps the sweeper from re-sending before the retry is due.
+        requeue_at = now() + timedelta(seconds=delay)
+        finish(
+            rt.factory,
+            job_id,
+            token,
+            "queued",
+            counters=counters_dict,
+            last_error=reason,
+            requeue_at=requeue_at,
+        )
+        return JobOutcome("retry", retry_in=delay, detail=reason)
+
+    counters_dict: dict[str, object] | None = None
+    with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
+        try:
+            counters = run_extract_conversation_facts(
+                rt.factory, rt.llm, options, config=rt.config, guard=beat.check
+            )
+        except ExtractionDisabledError:
+            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
+            return JobOutcome("paused")
+        except LeaseLostError as exc:
+            return JobOutcome("lost", detail=str(exc))
+        except (CheckpointConflictError, OperationalError) as exc:
+            return retry(f"{type(exc).__name__}: {exc}")
+    counters_dict = counters.as_dict()
+    if counters.pages_failed:
+        reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
+        return retry(reason)
+    note = None
+    if counters.pages_considered == 0:
+        note = "nothing to extract: the page is gone or is not a conversation type"
+    rerun = finish(rt.factory, job_id, token, "succeeded", counters=counters_dict, last_error=note)
+    if rerun is not None:
+        enqueue(rt.factory, [rerun])
+    return JobOutcome("succeeded")
