@@ -19,6 +19,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
+from worker.cli_calibration import calibration_app
+from worker.cli_search import embed_command, search_command
 from worker.config_store import get_config, list_config, set_config
 from worker.extraction import (
     PER_SEGMENT_SOURCE_PREFIX,
@@ -43,6 +45,9 @@ app.add_typer(config_app, name="config")
 app.add_typer(facts_app, name="facts")
 jobs_app = typer.Typer(help="Jobs: the outbox and its history.", no_args_is_help=True)
 app.add_typer(jobs_app, name="jobs")
+app.add_typer(calibration_app, name="calibration")
+app.command("search")(search_command)
+app.command("embed")(embed_command)
 
 out = Console()
 err = Console(stderr=True)
@@ -73,12 +78,9 @@ def _factory(settings: Settings, *, migrate: bool = False) -> sessionmaker[Sessi
     if migrate:
         db.upgrade(url)
     else:
-        from alembic.script import ScriptDirectory
-
-        head = ScriptDirectory.from_config(db.alembic_config(url)).get_current_head()
-        current = db.current_revision(url)
-        if current != head:
-            state = "has no Factmill schema" if current is None else f"is at revision {current}, not {head}"
+        current, heads = db.schema_state(url)
+        if current != heads:
+            state = f"is at {sorted(current)}, not {sorted(heads)}" if current else "has no Factmill schema"
             raise fail(f"the database {state}; run `factmill db upgrade` first")
     return db.session_factory(url)
 

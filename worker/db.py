@@ -68,6 +68,17 @@ def upgrade(url: str, revision: str = "heads") -> None:
     command.upgrade(alembic_config(url), revision)
 
 
+def schema_state(url: str) -> tuple[set[str], set[str]]:
+    """(revisions the database is at, head revisions of the migrations)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+    with get_engine(url).connect() as conn:
+        current = set(MigrationContext.configure(conn).get_current_heads())
+    return current, heads
+
+
 def current_revision(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

@@ -6,18 +6,18 @@ import hashlib
 import json
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from itertools import islice
 from typing import Any, Protocol
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Table, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
+from models import Fact, OpCheckpoint, Page
 from worker.config_store import EXTRACTION_ENABLED, EXTRACTION_MAX_FACTS, EXTRACTION_PAGE_TYPES, ConfigReader
 from worker.core.conversation import (
     MAX_PAGE_BODY_BYTES,
@@ -38,7 +38,7 @@ from worker.core.facts import (
 )
 from worker.llm.errors import LLMError
 from worker.llm.pricing import cost_usd
-from worker.llm.types import ChatRequest, ChatResponse, LLMClient
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +103,31 @@ def _page_key(source_id: str, slug: str) -> str:
     return f"{source_id}|{slug}"
 
 
+class PrefixHasher:
+    """sha256 over a growing prefix of the messages: digest(k) costs only the messages added since the
+    last call, so checkpointing every segment of a long page stays linear, not quadratic."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+        self._digest = hashlib.sha256()
+        self._done = 0
+
+    def digest(self, count: int) -> str:
+        if count < self._done:  # going back (an edited page): start over
+            self._digest, self._done = hashlib.sha256(), 0
+        update = self._digest.update
+        for message in self._messages[self._done : count]:
+            for part in (message.speaker, message.timestamp, message.text):
+                update(part.encode("utf-8", "surrogatepass"))
+                update(b"\x1f")
+            update(b"\x1e")
+        self._done = count
+        return self._digest.copy().hexdigest()
+
+
 def messages_hash(messages: Sequence[Message]) -> str:
     """A digest of the messages already extracted, to tell an append from an edit."""
-    digest = hashlib.sha256()
-    for message in messages:
-        for part in (message.speaker, message.timestamp, message.text):
-            digest.update(part.encode("utf-8", "surrogatepass"))
-            digest.update(b"\x1f")
-        digest.update(b"\x1e")
-    return digest.hexdigest()
+    return PrefixHasher(messages).digest(len(messages))
 
 
 # ---------------------------------------------------------------------------
@@ -201,6 +217,19 @@ class Attempt:
     model: str = ""
     latency_ms: int = 0
 
+    @classmethod
+    def of(
+        cls,
+        response: ChatResponse,
+        outcome: str,
+        *,
+        facts: list[ExtractedFact] | None = None,
+        error: str | None = None,
+    ) -> Attempt:
+        return cls(
+            outcome, response, facts or [], error, response.provider, response.model, response.latency_ms
+        )
+
 
 @dataclass
 class SegmentResult:
@@ -244,20 +273,12 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
                 Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
             )
             return SegmentResult(attempts)
-        base = {
-            "response": response,
-            "provider": response.provider,
-            "model": response.model,
-            "latency_ms": response.latency_ms,
-        }
         if response.finish == "refusal":
             reason = response.refusal or "the model refused"
-            attempts.append(Attempt("refusal", facts=[], error=reason, **base))
+            attempts.append(Attempt.of(response, "refusal", error=reason))
             return SegmentResult(attempts)
         if response.finish == "truncated":
-            attempts.append(
-                Attempt("truncated_output", facts=[], error=f"output hit the {cap}-token cap", **base)
-            )
+            attempts.append(Attempt.of(response, "truncated_output", error=f"output hit the {cap}-token cap"))
             if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
                 return SegmentResult(attempts)
             retried_truncation = True
@@ -266,7 +287,7 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
         try:
             facts = parse_facts_reply(response.text, max_facts)
         except MalformedReplyError as exc:
-            attempts.append(Attempt("malformed_output", facts=[], error=str(exc), **base))
+            attempts.append(Attempt.of(response, "malformed_output", error=str(exc)))
             if repaired:
                 return SegmentResult(attempts)
             repaired = True
@@ -276,7 +297,7 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
                 ("user", repair_user_message(response.text, str(exc))),
             ]
             continue
-        attempts.append(Attempt("ok", facts=facts, **base))
+        attempts.append(Attempt.of(response, "ok", facts=facts))
         return SegmentResult(attempts)
 
 
@@ -300,6 +321,25 @@ def _segment_context(segment: Segment) -> str:
     return f"conversation segment {segment.start_iso} to {segment.end_iso}"
 
 
+# One round trip per attempt: the llm_calls row and the extraction_audit row that points at it.
+_INSERT_ATTEMPT = text(
+    """
+    WITH call AS (
+        INSERT INTO llm_calls (job_id, provider, model, purpose, input_tokens, output_tokens,
+                               cache_read_tokens, cache_write_tokens, latency_ms, outcome, cost_usd, error)
+        VALUES (:job_id, :provider, :model, :purpose, :input_tokens, :output_tokens,
+                :cache_read_tokens, :cache_write_tokens, :latency_ms, :outcome, :cost_usd, :error)
+        RETURNING id
+    )
+    INSERT INTO extraction_audit (job_id, source_id, page_slug, segment_index, segment_start, segment_end,
+                                  attempt, outcome, facts_count, error, llm_call_id)
+    SELECT :job_id, :source_id, :page_slug, :segment_index, :segment_start, :segment_end,
+           :attempt, :outcome, :facts_count, :error, call.id
+    FROM call
+    """
+)
+
+
 def _write_attempts(
     session: Session,
     attempts: Sequence[Attempt],
@@ -311,38 +351,30 @@ def _write_attempts(
     note: str | None = None,
 ) -> None:
     for number, attempt in enumerate(attempts, start=1):
-        error = "; ".join(part for part in (attempt.error, note) if part) or None
-        usage = attempt.response.usage if attempt.response else None
-        call = LLMCall(
-            job_id=options.job_id,
-            provider=attempt.provider,
-            model=attempt.model,
-            purpose=LLM_PURPOSE,
-            input_tokens=usage.input_tokens if usage else 0,
-            output_tokens=usage.output_tokens if usage else 0,
-            cache_read_tokens=usage.cache_read_tokens if usage else 0,
-            cache_write_tokens=usage.cache_write_tokens if usage else 0,
-            latency_ms=attempt.latency_ms,
-            outcome=attempt.outcome,
-            cost_usd=cost_usd(attempt.model, usage) if usage else 0,
-            error=error,
-        )
-        session.add(call)
-        session.flush()
-        session.add(
-            ExtractionAudit(
-                job_id=options.job_id,
-                source_id=options.source_id,
-                page_slug=slug,
-                segment_index=index,
-                segment_start=segment.start_iso,
-                segment_end=segment.end_iso,
-                attempt=number,
-                outcome=attempt.outcome,
-                facts_count=len(attempt.facts),
-                error=error,
-                llm_call_id=call.id,
-            )
+        usage = attempt.response.usage if attempt.response else Usage()
+        session.execute(
+            _INSERT_ATTEMPT,
+            {
+                "job_id": options.job_id,
+                "provider": attempt.provider,
+                "model": attempt.model,
+                "purpose": LLM_PURPOSE,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "cache_read_tokens": usage.cache_read_tokens,
+                "cache_write_tokens": usage.cache_write_tokens,
+                "latency_ms": attempt.latency_ms,
+                "outcome": attempt.outcome,
+                "cost_usd": cost_usd(attempt.model, usage),
+                "error": "; ".join(part for part in (attempt.error, note) if part) or None,
+                "source_id": options.source_id,
+                "page_slug": slug,
+                "segment_index": index,
+                "segment_start": segment.start_iso,
+                "segment_end": segment.end_iso,
+                "attempt": number,
+                "facts_count": len(attempt.facts),
+            },
         )
 
 
@@ -375,16 +407,22 @@ def _fact_rows(
     ]
 
 
+_FACTS: Table = Fact.__table__  # type: ignore[assignment]
+# One statement object, so SQLAlchemy compiles it once; rows go in executemany form (one round trip).
+_INSERT_FACTS = (
+    insert(_FACTS)
+    .on_conflict_do_nothing(
+        index_elements=[_FACTS.c.source_id, _FACTS.c.source_markdown_slug, _FACTS.c.row_num]
+    )
+    .returning(_FACTS.c.row_num)
+)
+
+
 def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
+    """Insert a segment's facts; returns how many went in (SQLAlchemy gives no INSERT rowcount here)."""
     if not rows:
         return 0
-    inserted = session.execute(
-        insert(Fact)
-        .values(rows)
-        .on_conflict_do_nothing(index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num])
-        .returning(Fact.id)
-    )
-    return len(inserted.all())
+    return len(session.execute(_INSERT_FACTS, rows).all())
 
 
 def _terminal_row(source_id: str, slug: str) -> dict[str, Any]:
@@ -452,28 +490,30 @@ def _advance_checkpoint(
         "prefix_hash": new.prefix_hash,
         "next_row_num": new.next_row_num,
     }
+    table: Table = OpCheckpoint.__table__  # type: ignore[assignment]
     if expected is None:
-        result = session.execute(
-            insert(OpCheckpoint)
+        inserted = session.execute(
+            insert(table)
             .values(op=OP_NAME, fingerprint=fingerprint, page_key=key, **values)
             .on_conflict_do_nothing()
-            .returning(OpCheckpoint.op)
+            .returning(table.c.op)
         )
+        moved = len(inserted.all())  # SQLAlchemy reports no rowcount for INSERT here
     else:
-        result = session.execute(
-            update(OpCheckpoint)
+        updated = session.execute(
+            update(table)
             .where(
-                OpCheckpoint.op == OP_NAME,
-                OpCheckpoint.fingerprint == fingerprint,
-                OpCheckpoint.page_key == key,
-                OpCheckpoint.messages_done == expected.messages_done,
-                OpCheckpoint.prefix_hash == expected.prefix_hash,
-                OpCheckpoint.next_row_num == expected.next_row_num,
+                table.c.op == OP_NAME,
+                table.c.fingerprint == fingerprint,
+                table.c.page_key == key,
+                table.c.messages_done == expected.messages_done,
+                table.c.prefix_hash == expected.prefix_hash,
+                table.c.next_row_num == expected.next_row_num,
             )
             .values(**values, updated_at=func.now())
-            .returning(OpCheckpoint.op)
         )
-    if len(result.all()) != 1:
+        moved = updated.rowcount  # type: ignore[attr-defined]
+    if moved != 1:
         raise CheckpointConflictError(f"another run advanced the checkpoint of {slug!r} first")
 
 
@@ -604,6 +644,7 @@ class _Run:
             label = f"{page.type}: {page.title}" if page.title else slug
             checkpoint = None if self.options.force else self.load_checkpoint(session, slug)
         messages = parse_conversation_messages(body)
+        hasher = PrefixHasher(messages)
         del body
         if not messages:
             return PageReport(
@@ -613,7 +654,7 @@ class _Run:
         start = 0
         if checkpoint is not None:
             done = checkpoint.messages_done
-            if done <= len(messages) and messages_hash(messages[:done]) == checkpoint.prefix_hash:
+            if done <= len(messages) and hasher.digest(done) == checkpoint.prefix_hash:
                 start = done
             else:
                 replace = True  # messages already extracted were edited: re-extract the whole page
@@ -626,8 +667,8 @@ class _Run:
             return PageReport(slug, "dry_run", "", segments=len(segments))
         self.progress.page_started(slug, len(segments))
         if replace:
-            return self.extract_replacing(slug, label, messages, segments, ends, checkpoint)
-        return self.extract_incremental(slug, label, messages, segments, ends, checkpoint)
+            return self.extract_replacing(slug, label, hasher, segments, ends)
+        return self.extract_incremental(slug, label, hasher, segments, ends, checkpoint)
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
         """One segment's LLM attempts; runs on pool threads, so it touches no shared state."""
@@ -652,7 +693,7 @@ class _Run:
 
     def ordered_results(
         self, slug: str, label: str, segments: Sequence[Segment]
-    ) -> Iterator[tuple[int, Segment, SegmentResult]]:
+    ) -> Generator[tuple[int, Segment, SegmentResult], None, None]:
         """Segment results in page order, with up to ``segment_concurrency`` LLM calls in flight.
 
         Committing strictly in order keeps the checkpoint monotonic. When the consumer stops
@@ -703,7 +744,7 @@ class _Run:
         self,
         slug: str,
         label: str,
-        messages: Sequence[Message],
+        hasher: PrefixHasher,
         segments: Sequence[Segment],
         ends: Sequence[int],
         checkpoint: _Progress | None,
@@ -740,7 +781,7 @@ class _Run:
                         first_row=next_row,
                     )
                     inserted = _insert_facts(session, rows)
-                    new = _Progress(end, messages_hash(messages[:end]), next_row + len(rows))
+                    new = _Progress(end, hasher.digest(end), next_row + len(rows))
                     _advance_checkpoint(
                         session,
                         fingerprint=self.fingerprint,
@@ -752,7 +793,8 @@ class _Run:
                     )
                     if index == len(segments) - 1:
                         _upsert_terminal(session, self.options.source_id, slug)
-                    else:
+                    elif index == 0 and checkpoint is not None:
+                        # Appended messages: the page is incomplete again until its last new segment.
                         _delete_terminal(session, self.options.source_id, slug)
                 expected, next_row = new, new.next_row_num
                 self.counters.segments_processed += 1
@@ -769,10 +811,9 @@ class _Run:
         self,
         slug: str,
         label: str,
-        messages: Sequence[Message],
+        hasher: PrefixHasher,
         segments: Sequence[Segment],
         ends: Sequence[int],
-        checkpoint: _Progress | None,
     ) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(slug, "processed")
@@ -835,7 +876,7 @@ class _Run:
             if current is not None:
                 expected = _Progress(current.messages_done, current.prefix_hash, current.next_row_num)
             end = ends[-1]
-            new = _Progress(end, messages_hash(messages[:end]), len(all_rows))
+            new = _Progress(end, hasher.digest(end), len(all_rows))
             _advance_checkpoint(
                 session,
                 fingerprint=self.fingerprint,
