@@ -40,6 +40,9 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     last_error: Mapped[str | None] = mapped_column(Text)
+    # Why a paused job waits: "kill_switch" (resumes when its switch is on) or "budget" (resumes when
+    # the LLM budget has room again).
+    pause_reason: Mapped[str | None] = mapped_column(Text)
     # The page changed while this job was running: run it again when it finishes.
     rerun_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # Last time a message for this job was handed to the broker (the sweeper re-sends lost ones).

@@ -284,15 +284,16 @@ def config_set(
 ) -> None:
     """Set a config value; kill switches take effect in running workers within seconds."""
     factory = _factory(get_settings())
-    from worker.jobs import apply_switch_change
+    from worker.jobs import enqueue, resume_for_config_change
 
     try:
         with factory.begin() as session:
             stored = set_config(session, key, value, updated_by=by)
+            resumed = resume_for_config_change(session, key, stored)
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
-    resumed = apply_switch_change(factory, key, stored)
-    out.print(f"{key} = {stored}" + (f" ({resumed} paused job(s) resumed)" if resumed else ""))
+    enqueue(factory, resumed)
+    out.print(f"{key} = {stored}" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
 
 
 @config_app.command("list")
@@ -351,6 +352,93 @@ def facts_list(
     table = Table("#", "kind", "fact", "entity", "conf", title=slug)
     for f in facts:
         table.add_row(str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}")
+    out.print(table)
+
+
+@app.command()
+def costs(
+    since: Annotated[str | None, typer.Option(help="ISO date/time; default: the last 30 days.")] = None,
+    by: Annotated[str, typer.Option(help="Group by model, purpose or day.")] = "model",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import func
+
+    from models import LLMCall
+
+    groups = {
+        "model": LLMCall.model,
+        "purpose": LLMCall.purpose,
+        "day": func.to_char(func.date_trunc("day", LLMCall.created_at), "YYYY-MM-DD"),
+    }
+    if by not in groups:
+        raise fail("--by must be model, purpose or day", code=2)
+    try:
+        start = datetime.fromisoformat(since.replace("Z", "+00:00")) if since else None
+    except ValueError as exc:
+        raise fail(f"--since must be an ISO date such as 2026-11-01, got {since!r}", code=2) from exc
+    start = start or datetime.now(UTC) - timedelta(days=30)
+    if start.tzinfo is None:
+        start = start.replace(tzinfo=UTC)
+    key = groups[by].label("key")
+    query = (
+        select(
+            key,
+            func.count(),
+            func.sum(LLMCall.input_tokens),
+            func.sum(LLMCall.cache_read_tokens),
+            func.sum(LLMCall.output_tokens),
+            func.sum(LLMCall.cost_usd),
+        )
+        .where(LLMCall.created_at >= start)
+        .group_by(key)
+        .order_by(key)
+    )
+    with _factory(get_settings())() as session:
+        rows = [
+            {
+                "key": k,
+                "calls": n,
+                "input_tokens": int(i or 0),
+                "cached_tokens": int(c or 0),
+                "output_tokens": int(o or 0),
+                "cost_usd": float(usd or 0),
+                "cached_share": round(int(c or 0) / int(i), 4) if i else 0.0,
+            }
+            for k, n, i, c, o, usd in session.execute(query)
+        ]
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table(
+        by,
+        "calls",
+        "input tokens",
+        "cached",
+        "output tokens",
+        "USD",
+        title=f"LLM spend since {start.date().isoformat()}",
+    )
+    for r in rows:
+        table.add_row(
+            str(r["key"]),
+            str(r["calls"]),
+            str(r["input_tokens"]),
+            f"{r['cached_share']:.0%}",
+            str(r["output_tokens"]),
+            f"{r['cost_usd']:.4f}",
+        )
+    total_in = sum(r["input_tokens"] for r in rows)
+    table.add_row(
+        "total",
+        str(sum(r["calls"] for r in rows)),
+        str(total_in),
+        f"{sum(r['cached_tokens'] for r in rows) / total_in:.0%}" if total_in else "0%",
+        str(sum(r["output_tokens"] for r in rows)),
+        f"{sum(r['cost_usd'] for r in rows):.4f}",
+    )
     out.print(table)
 
 

@@ -36,6 +36,9 @@ def validate_value(key: str, value: str) -> str:
     if key == EXTRACTION_MAX_FACTS:
         if not cleaned.isdigit() or not 1 <= int(cleaned) <= 25:
             raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
+    from worker.llm.budget import validate_config_value
+
+    validate_config_value(key, cleaned)
     return cleaned
 
 

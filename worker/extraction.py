@@ -36,8 +36,9 @@ from worker.core.facts import (
     repair_user_message,
     segment_user_message,
 )
+from worker.llm.budget import Budget, BudgetExhaustedError
 from worker.llm.errors import LLMError
-from worker.llm.pricing import cost_usd
+from worker.llm.pricing import Price, cost_usd
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class PageReport:
     reason: str = ""
     segments: int = 0
     facts: int = 0
+    outcome: str | None = None  # for a failed page: the outcome of the segment that failed
 
 
 @dataclass
@@ -216,6 +218,7 @@ class Attempt:
     provider: str = ""
     model: str = ""
     latency_ms: int = 0
+    called: bool = True  # False: refused before any request (budget), so no llm_calls row
 
     @classmethod
     def of(
@@ -248,7 +251,13 @@ class SegmentResult:
         return self.attempts[-1].outcome
 
 
-def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_tokens: int) -> SegmentResult:
+def extract_segment(
+    llm: LLMClient,
+    rendered: str,
+    max_facts: int,
+    max_output_tokens: int,
+    before_call: Callable[[], None] | None = None,
+) -> SegmentResult:
     """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one."""
     system = extraction_system_prompt(max_facts)
     schema = facts_json_schema(max_facts)
@@ -266,6 +275,14 @@ def extract_segment(llm: LLMClient, rendered: str, max_facts: int, max_output_to
             schema_name="facts",
             cache_key=f"factmill-extraction-v1-{max_facts}",
         )
+        try:
+            if before_call is not None:
+                before_call()
+        except BudgetExhaustedError as exc:
+            attempts.append(
+                Attempt("budget_exhausted", None, [], str(exc), llm.provider, llm.model, called=False)
+            )
+            return SegmentResult(attempts)
         try:
             response = llm.chat(request)
         except LLMError as exc:
@@ -338,6 +355,15 @@ _INSERT_ATTEMPT = text(
     FROM call
     """
 )
+# An attempt refused before any request (budget exhausted) has an audit row but no llm_calls row.
+_INSERT_AUDIT_ONLY = text(
+    """
+    INSERT INTO extraction_audit (job_id, source_id, page_slug, segment_index, segment_start, segment_end,
+                                  attempt, outcome, facts_count, error)
+    VALUES (:job_id, :source_id, :page_slug, :segment_index, :segment_start, :segment_end,
+            :attempt, :outcome, :facts_count, :error)
+    """
+)
 
 
 def _write_attempts(
@@ -349,11 +375,12 @@ def _write_attempts(
     index: int,
     segment: Segment,
     note: str | None = None,
+    prices: dict[str, Price] | None = None,
 ) -> None:
     for number, attempt in enumerate(attempts, start=1):
         usage = attempt.response.usage if attempt.response else Usage()
         session.execute(
-            _INSERT_ATTEMPT,
+            _INSERT_ATTEMPT if attempt.called else _INSERT_AUDIT_ONLY,
             {
                 "job_id": options.job_id,
                 "provider": attempt.provider,
@@ -365,7 +392,7 @@ def _write_attempts(
                 "cache_write_tokens": usage.cache_write_tokens,
                 "latency_ms": attempt.latency_ms,
                 "outcome": attempt.outcome,
-                "cost_usd": cost_usd(attempt.model, usage),
+                "cost_usd": cost_usd(attempt.model, usage, prices),
                 "error": "; ".join(part for part in (attempt.error, note) if part) or None,
                 "source_id": options.source_id,
                 "page_slug": slug,
@@ -568,9 +595,12 @@ class _Run:
         config: ConfigReader,
         progress: ExtractionProgress,
         guard: Callable[[], None] | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.factory = factory
         self.guard = guard
+        self.budget = budget or Budget(factory, config.get)
+        self.prices = self.budget.prices()
         self.llm = llm
         self.options = options
         self.config = config
@@ -681,11 +711,12 @@ class _Run:
             render_segment_for_extraction(label, segment),
             self.max_facts,
             self.options.max_output_tokens,
+            before_call=lambda: self.budget.check(self.options.job_id),
         )
 
     def count_calls(self, result: SegmentResult) -> None:
         c = self.counters
-        c.llm_calls += len(result.attempts)
+        c.llm_calls += sum(attempt.called for attempt in result.attempts)
         for attempt in result.attempts:
             if attempt.response is not None:
                 c.input_tokens += attempt.response.usage.input_tokens
@@ -737,6 +768,7 @@ class _Run:
                         slug=slug,
                         index=index,
                         segment=segment,
+                        prices=self.prices,
                         note="discarded: an earlier segment did not complete",
                     )
 
@@ -764,11 +796,12 @@ class _Run:
                         slug=slug,
                         index=index,
                         segment=segment,
+                        prices=self.prices,
                     )
                     if not result.ok:
                         self.counters.segments_failed += 1
                         self.progress.segment_finished(slug, result.outcome)
-                        report.status = "failed"
+                        report.status, report.outcome = "failed", result.outcome
                         report.reason = (
                             f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}"
                         )
@@ -830,11 +863,12 @@ class _Run:
                         slug=slug,
                         index=index,
                         segment=segment,
+                        prices=self.prices,
                     )
                 self.progress.segment_finished(slug, result.outcome)
                 if not result.ok:
                     self.counters.segments_failed += 1
-                    report.status = "failed"
+                    report.status, report.outcome = "failed", result.outcome
                     report.reason = (
                         f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}; "
                         "the page's earlier facts were kept"
@@ -902,6 +936,7 @@ def run_extract_conversation_facts(
     config: ConfigReader | None = None,
     progress: ExtractionProgress | None = None,
     guard: Callable[[], None] | None = None,
+    budget: Budget | None = None,
 ) -> ExtractionCounters:
     """Extract facts from the conversation pages of one source (or one page), resuming from checkpoints.
 
@@ -911,4 +946,4 @@ def run_extract_conversation_facts(
     """
     options = options or ExtractOptions()
     config = config or ConfigReader(factory, ttl=0)
-    return _Run(factory, llm, options, config, progress or _NoProgress(), guard).run()
+    return _Run(factory, llm, options, config, progress or _NoProgress(), guard, budget).run()

@@ -17,7 +17,9 @@ from worker.extraction import (
     run_extract_conversation_facts,
 )
 from worker.jobs import (
+    BUDGET,
     EXTRACTION,
+    KILL_SWITCH,
     Heartbeat,
     LeaseLostError,
     claim,
@@ -64,7 +66,7 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
         finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not an extraction")
         return JobOutcome("failed")
     if not rt.config.enabled(EXTRACTION_ENABLED):
-        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
+        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON, pause_reason=KILL_SWITCH)
         return JobOutcome("paused")
     source_id, slug = split_page_subject(job.subject)
     options = ExtractOptions(
@@ -101,13 +103,26 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
                 rt.factory, rt.llm, options, config=rt.config, guard=beat.check
             )
         except ExtractionDisabledError:
-            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
+            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON, pause_reason=KILL_SWITCH)
             return JobOutcome("paused")
         except LeaseLostError as exc:
             return JobOutcome("lost", detail=str(exc))
         except (CheckpointConflictError, OperationalError) as exc:
             return retry(f"{type(exc).__name__}: {exc}")
     counters_dict = counters.as_dict()
+    waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]
+    if waiting:
+        # Not a failure: the job waits (paused) and resumes when the budget has room again.
+        finish(
+            rt.factory,
+            job_id,
+            token,
+            "paused",
+            counters=counters_dict,
+            last_error=waiting[0].reason,
+            pause_reason=BUDGET,
+        )
+        return JobOutcome("paused", detail="waiting for LLM budget")
     if counters.pages_failed:
         reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
         return retry(reason)

@@ -25,6 +25,8 @@ COMPACTION = "compaction"
 CALIBRATION = "calibration"
 
 PENDING = ("queued", "running", "paused")
+KILL_SWITCH = "kill_switch"  # pause reasons
+BUDGET = "budget"
 # Literal SQL so Postgres can match ON CONFLICT to the partial unique index uq_jobs_pending_subject.
 PENDING_PREDICATE = text("status IN ('queued', 'running', 'paused')")
 FINISHED = ("succeeded", "failed")
@@ -230,13 +232,19 @@ def finish(
     counters: dict[str, Any] | None = None,
     last_error: str | None = None,
     requeue_at: datetime | None = None,
+    pause_reason: str | None = None,
 ) -> tuple[int, str] | None:
     """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
 
     Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran.
     Writes nothing if the lease is no longer ours.
     """
-    values: dict[str, Any] = {"status": status, "heartbeat_at": None, "worker": None}
+    values: dict[str, Any] = {
+        "status": status,
+        "heartbeat_at": None,
+        "worker": None,
+        "pause_reason": pause_reason if status == "paused" else None,
+    }
     if counters is not None:
         values["counters"] = counters
     values["last_error"] = last_error
@@ -283,12 +291,15 @@ def retry_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def resume_paused(session: Session, kinds: Sequence[str]) -> list[tuple[int, str]]:
-    """Turn paused jobs of these kinds back into queued ones; returns them for enqueueing."""
+def resume_paused(session: Session, kinds: Sequence[str], reason: str = KILL_SWITCH) -> list[tuple[int, str]]:
+    """Turn jobs of these kinds paused for ``reason`` back into queued ones; returns them for enqueueing."""
+    matches = Job.pause_reason == reason
+    if reason == KILL_SWITCH:
+        matches = or_(matches, Job.pause_reason.is_(None))  # paused before reasons were recorded
     rows = session.execute(
         update(Job)
-        .where(Job.status == "paused", Job.kind.in_(kinds))
-        .values(status="queued", last_error=None)
+        .where(Job.status == "paused", Job.kind.in_(kinds), matches)
+        .values(status="queued", last_error=None, pause_reason=None)
         .returning(Job.id, Job.kind)
     ).all()
     return [(row.id, row.kind) for row in rows]
@@ -315,6 +326,7 @@ def sweep(
     stale_after: float,
     requeue_after: float,
     enabled: Callable[[str], bool],
+    budget_has_room: Callable[[], bool] | None = None,
     sender: Sender | None = None,
 ) -> SweepReport:
     """Re-send what the broker lost: running jobs whose worker died, queued jobs whose message
@@ -337,6 +349,8 @@ def sweep(
         ).all()
         switched_on = [k for k, (_, _, switch) in JOB_KINDS.items() if enabled(switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
+        if budget_has_room is not None and budget_has_room():
+            resumed += resume_paused(session, switched_on, reason=BUDGET)
     stale_pairs = [(r.id, r.kind) for r in stale]
     lost_pairs = [(r.id, r.kind) for r in lost if r.id not in {i for i, _ in stale_pairs}]
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
@@ -346,15 +360,25 @@ def sweep(
     return report
 
 
+def resume_for_config_change(session: Session, key: str, value: str) -> list[tuple[int, str]]:
+    """In the transaction that changes ``key``: a kill switch turned on resumes its paused jobs, and a
+    budget change resumes the jobs waiting for budget (they pause again if there is still no room).
+    Returns the resumed (job id, kind) pairs to enqueue after the commit."""
+    from worker.config_store import KILL_SWITCHES, is_enabled
+    from worker.llm.budget import BUDGET_KEYS
+
+    if key in KILL_SWITCHES and is_enabled(value):
+        return resume_paused(session, kinds_for_switch(key))
+    if key in BUDGET_KEYS:
+        return resume_paused(session, list(JOB_KINDS), reason=BUDGET)
+    return []
+
+
 def apply_switch_change(
     factory: sessionmaker[Session], key: str, value: str, sender: Sender | None = None
 ) -> int:
-    """After a config change commits: a kill switch turned on resumes its paused jobs. Returns how many."""
-    from worker.config_store import KILL_SWITCHES, is_enabled
-
-    if key not in KILL_SWITCHES or not is_enabled(value):
-        return 0
+    """After a config change committed elsewhere: resume what it unblocks and enqueue it."""
     with factory.begin() as session:
-        resumed = resume_paused(session, kinds_for_switch(key))
+        resumed = resume_for_config_change(session, key, value)
     enqueue(factory, resumed, sender)
     return len(resumed)

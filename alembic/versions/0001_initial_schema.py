@@ -80,6 +80,7 @@ def upgrade() -> None:
         sa.Column("idempotency_key", sa.Text(), nullable=True),
         sa.Column("counters", postgresql.JSONB(astext_type=sa.Text()), server_default="{}", nullable=False),
         sa.Column("last_error", sa.Text(), nullable=True),
+        sa.Column("pause_reason", sa.Text(), nullable=True),
         sa.Column("rerun_requested", sa.Boolean(), server_default="false", nullable=False),
         sa.Column("enqueued_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("worker", sa.Text(), nullable=True),

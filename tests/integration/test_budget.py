@@ -1,0 +1,167 @@
+"""LLM budgets: exhaustion is its own outcome (never "0 facts"), jobs wait and resume; spend reports."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from models import ExtractionAudit, Fact, Job, LLMCall
+from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
+from worker.config_store import ConfigReader, set_config
+from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.job_runner import run_extraction_job
+from worker.jobs import EXTRACTION, page_subject, request_job, resume_for_config_change
+from worker.llm.budget import Budget, BudgetExhaustedError, parse_prices, parse_usd
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.runtime import Runtime
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+# The simulator's model has no list price; give it one so calls cost money: 1 USD per 1k tokens.
+PRICES = json.dumps({"simulator-1": {"input": 1000, "output": 1000}})
+
+
+@pytest.fixture
+def llm(simulator: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+
+
+def set_(factory, key: str, value: str) -> None:
+    with factory.begin() as session:
+        set_config(session, key, value, updated_by="test")
+
+
+def test_parse_usd_and_prices():
+    assert parse_usd(None) is None and parse_usd(" ") is None
+    assert parse_usd("2.50") == Decimal("2.50")
+    for bad in ("-1", "lots", "nan", "inf"):
+        with pytest.raises(ValueError, match="US dollars"):
+            parse_usd(bad)
+    prices = parse_prices('{"m": {"input": 1, "output": 2}}')
+    assert prices["m"].cache_read == Decimal("0.1") and prices["m"].cache_write == Decimal(1)
+    for bad in ("[1]", '{"m": {"input": 1}}', '{"m": {"input": -1, "output": 1}}', "{nope"):
+        with pytest.raises(ValueError):
+            parse_prices(bad)
+
+
+def test_bad_budget_values_are_refused_at_config_set(factory):
+    with pytest.raises(ValueError, match="US dollars"), factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "a lot")
+    with pytest.raises(ValueError, match="llm.prices"), factory.begin() as session:
+        set_config(session, "llm.prices", '{"m": {"input": 1}}')
+
+
+def test_price_override_is_what_llm_calls_record(factory, llm):
+    set_(factory, "llm.prices", PRICES)
+    put_page(factory)
+    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
+    with factory() as session:
+        calls = list(session.scalars(select(LLMCall)))
+    assert calls
+    for call in calls:
+        # Cached input tokens cost a tenth of the input price unless the override says otherwise.
+        uncached = call.input_tokens - call.cache_read_tokens
+        expected = (
+            Decimal(uncached * 1000 + call.cache_read_tokens * 100 + call.output_tokens * 1000) / 1_000_000
+        )
+        assert call.cost_usd == expected.quantize(Decimal("0.000001"))
+
+
+def test_exhausted_daily_budget_is_its_own_outcome_and_calls_nothing(factory, llm, simulator):
+    set_(factory, "llm.prices", PRICES)
+    set_(factory, "llm.budget_daily_usd", "0")
+    put_page(factory)
+    before = simulator.stats()["requests_total"]
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
+    assert simulator.stats()["requests_total"] == before
+    assert (result.pages_failed, result.facts_inserted, result.llm_calls) == (1, 0, 0)
+    assert result.pages[0].outcome == "budget_exhausted"
+    assert "budget" in result.pages[0].reason and "llm.budget_daily_usd" in result.pages[0].reason
+    with factory() as session:
+        [audit] = session.scalars(select(ExtractionAudit))
+        assert (audit.outcome, audit.llm_call_id, audit.facts_count) == ("budget_exhausted", None, 0)
+        assert session.scalar(select(func.count()).select_from(LLMCall)) == 0
+
+
+def test_budget_spent_part_way_stops_before_the_next_call(factory, llm):
+    set_(factory, "llm.prices", PRICES)
+    put_page(factory)
+    # One segment costs well under 2 USD at these prices; allow about one call's worth.
+    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG, dry_run=True))
+    set_(factory, "llm.budget_daily_usd", "0.01")
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    budget.check()  # nothing spent yet
+    result = run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG), budget=budget)
+    assert result.segments_processed == 1 and result.pages[0].outcome == "budget_exhausted"
+    with pytest.raises(BudgetExhaustedError, match="day LLM budget is exhausted"):
+        budget.check()
+
+
+def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_url, simulator):
+    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    set_(factory, "llm.prices", PRICES)
+    set_(factory, "llm.budget_daily_usd", "0")
+    put_page(factory, body=SAMPLE_BODY)
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, page_subject("default", SLUG)).job_id
+    try:
+        outcome = run_extraction_job(rt, job_id)
+        with factory() as session:
+            job = session.get(Job, job_id)
+            assert (outcome.status, job.status, job.pause_reason) == ("paused", "paused", "budget")
+            assert "budget" in job.last_error
+        with factory.begin() as session:
+            set_config(session, "llm.budget_daily_usd", "100")
+            resumed = resume_for_config_change(session, "llm.budget_daily_usd", "100")
+        assert resumed == [(job_id, EXTRACTION)]
+        assert run_extraction_job(rt, job_id).status == "succeeded"
+        with factory() as session:
+            assert session.get(Job, job_id).status == "succeeded"
+            assert session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit)) == 1
+    finally:
+        rt.close()
+
+
+def test_kill_switch_resume_does_not_wake_budget_waiters(factory):
+    with factory.begin() as session:
+        session.add_all(
+            [
+                Job(kind=EXTRACTION, subject="a", status="paused", pause_reason="budget"),
+                Job(kind=EXTRACTION, subject="b", status="paused", pause_reason="kill_switch"),
+            ]
+        )
+    with factory.begin() as session:
+        resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
+    with factory() as session:
+        statuses = dict(session.execute(select(Job.subject, Job.status)).all())
+    assert len(resumed) == 1 and statuses == {"a": "paused", "b": "queued"}
+
+
+def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url, monkeypatch):
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    set_(factory, "llm.prices", PRICES)
+    put_page(factory)
+    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["costs", "--by", "purpose", "--json"])
+        assert result.exit_code == 0, result.output
+        [row] = json.loads(result.output)
+        assert row["key"] == "extraction" and row["calls"] == 2 and row["cost_usd"] > 0
+        assert 0 <= row["cached_share"] <= 1
+        table = CliRunner().invoke(app, ["costs", "--by", "day"])
+        assert table.exit_code == 0 and "total" in table.output
+        bad = CliRunner().invoke(app, ["costs", "--by", "colour"])
+        assert bad.exit_code == 2
+    finally:
+        get_settings.cache_clear()
