@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.jobs import EXTRACTION, page_subject, request_job
-from worker.pages import PageIn, upsert_page
+from worker.jobs import EXTRACTION
+from worker.pages import PageIn, store_page
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ class IngestReport:
     ingested: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
-    page_ids: list[int] = field(default_factory=list)
     jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) to enqueue after commit
 
 
@@ -129,10 +128,10 @@ def ingest_paths(
             report.errors.append((str(path), str(exc)))
             continue
         with factory.begin() as session:
-            result = upsert_page(session, page)
-            if result.changed:
-                job = request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
-                report.jobs.append((job.job_id, EXTRACTION))
-        (report.ingested if result.changed else report.unchanged).append(page.slug)
-        report.page_ids.append(result.page_id)
+            job = store_page(session, page)
+        if job is None:
+            report.unchanged.append(page.slug)
+        else:
+            report.ingested.append(page.slug)
+            report.jobs.append((job.job_id, EXTRACTION))
     return report

@@ -6,12 +6,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from worker.jobs import JobRequest
 
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
@@ -102,4 +105,14 @@ def upsert_page(session: Session, page: PageIn) -> UpsertResult:
     return UpsertResult(page_id, changed=True)
 
 
-__all__ = ["MAX_PAGE_BODY_BYTES", "PageIn", "UpsertResult", "content_hash", "upsert_page"]
+def store_page(session: Session, page: PageIn) -> JobRequest | None:
+    """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
+    changed, request its extraction job in the same transaction. None when nothing changed."""
+    from worker.jobs import EXTRACTION, page_subject, request_job
+
+    if not upsert_page(session, page).changed:
+        return None
+    return request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
+
+
+__all__ = ["MAX_PAGE_BODY_BYTES", "PageIn", "UpsertResult", "content_hash", "store_page", "upsert_page"]
