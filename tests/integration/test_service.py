@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Fact, Job, LLMCall
 from tests.conftest import fresh_database
 from tests.service import (
+    ServiceProcess,
     broker_url_for_tests,
     redis_reachable,
     running,
@@ -50,7 +51,8 @@ def conversation(pages_seed: int, segments: int, per_segment: int = 3) -> str:
             day = 1 + (2 * s) // 12
             who = ("Alice Example", "Bob Demo", "Zoë Ångström")[(s + m) % 3]
             lines.append(
-                f"**{who}** (2024-05-{day:02d} {hour:02d}:{minute:02d}): I moved to Lisbon in {2000 + pages_seed} "
+                f"**{who}** (2024-05-{day:02d} {hour:02d}:{minute:02d}): "
+                f"I moved to Lisbon in {2000 + pages_seed} "
                 f"and I love running {5 + s} km on Sundays; I will call Acme Corp about order {s}-{m}."
             )
     return "\n".join(lines)
@@ -64,8 +66,9 @@ def env(database_url: str, simulator: Any) -> dict[str, str]:
 @pytest.fixture
 def sender(env: dict[str, str]) -> Iterator[Any]:
     """Hands jobs to the same broker (and key prefix) as the worker processes."""
-    celery: Celery = create_app(Settings(broker_url=env["FACTMILL_BROKER_URL"],
-                                         broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"]))
+    celery: Celery = create_app(
+        Settings(broker_url=env["FACTMILL_BROKER_URL"], broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"])
+    )
 
     def send(task_name: str, job_id: int, queue: str) -> None:
         celery.send_task(task_name, args=[job_id], queue=queue)
@@ -103,7 +106,8 @@ def fact_rows(factory: sessionmaker[Session]) -> list[tuple[str, int, str]]:
     with factory() as session:
         rows = session.execute(
             select(Fact.source_markdown_slug, Fact.row_num, Fact.fact)
-            .where(Fact.source == PER_SEGMENT_SOURCE_PREFIX).order_by(Fact.source_markdown_slug, Fact.row_num)
+            .where(Fact.source == PER_SEGMENT_SOURCE_PREFIX)
+            .order_by(Fact.source_markdown_slug, Fact.row_num)
         )
         return [(slug, num, fact) for slug, num, fact in rows]
 
@@ -129,8 +133,12 @@ def test_worker_process_extracts_every_queued_page(factory, env, sender, server_
     worker = start_worker(env)
     with running(worker):
         add_pages(factory, pages, sender)
-        wait_for(lambda: all_succeeded(factory, len(pages)), 90, "every job to succeed",
-                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}")
+        wait_for(
+            lambda: all_succeeded(factory, len(pages)),
+            90,
+            "every job to succeed",
+            diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}",
+        )
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
     with factory() as session:
         job = session.scalars(select(Job).limit(1)).one()
@@ -149,8 +157,12 @@ def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, se
         with factory.begin() as session:
             set_config(session, "facts.extraction_enabled", "false", updated_by="test")
         switched_off = time.monotonic()
-        wait_for(lambda: statuses(factory).get("running", 0) == 0, 30, "running jobs to stop",
-                 diagnostics=lambda: str(statuses(factory)))
+        wait_for(
+            lambda: statuses(factory).get("running", 0) == 0,
+            30,
+            "running jobs to stop",
+            diagnostics=lambda: str(statuses(factory)),
+        )
         # Within 5 s of the switch no new LLM call may start; in-flight ones may finish.
         time.sleep(max(0.0, 5.0 - (time.monotonic() - switched_off)))
         calls_at_5s = simulator.stats()["requests_total"]
@@ -166,8 +178,12 @@ def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, se
             set_config(session, "facts.extraction_enabled", "true", updated_by="test")
         resumed = apply_switch_change(factory, "facts.extraction_enabled", "true", sender)
         assert resumed > 0
-        wait_for(lambda: all_succeeded(factory, len(pages)), 120, "every job to succeed after resume",
-                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}")
+        wait_for(
+            lambda: all_succeeded(factory, len(pages)),
+            120,
+            "every job to succeed after resume",
+            diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}",
+        )
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(LLMCall).where(LLMCall.outcome != "ok")) == 0
 
@@ -181,12 +197,18 @@ def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, serv
         add_pages(factory, pages, sender)
         wait_for(lambda: statuses(factory).get("succeeded", 0) >= 2, 60, "some jobs to finish")
         redis.Redis.from_url(BROKER).flushdb()
-        wait_for(lambda: all_succeeded(factory, len(pages)), 150, "every job to succeed after the flush",
-                 diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}\n{beat.tail(20)}")
+        wait_for(
+            lambda: all_succeeded(factory, len(pages)),
+            150,
+            "every job to succeed after the flush",
+            diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}\n{beat.tail(20)}",
+        )
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
 
 
-def test_sigkilled_worker_loses_and_duplicates_nothing(factory, env, sender, tmp_path: Path, server_url, simulator):
+def test_sigkilled_worker_loses_and_duplicates_nothing(
+    factory, env, sender, tmp_path: Path, server_url, simulator
+):
     simulator.configure(latency_ms=120)
     pages = {f"conversations/s{i}": conversation(i, segments=12) for i in range(6)}
     beat = start_beat(env, tmp_path)
@@ -200,8 +222,62 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(factory, env, sender, tmp
             assert statuses(factory).get("running", 0) > 0, "the kill should have interrupted running jobs"
         survivor = start_worker(env, concurrency=6)
         with running(survivor):
-            wait_for(lambda: all_succeeded(factory, len(pages)), 150, "every job to succeed after the kills",
-                     diagnostics=lambda: f"{statuses(factory)}\n{survivor.tail()}\n{beat.tail(20)}")
+            wait_for(
+                lambda: all_succeeded(factory, len(pages)),
+                150,
+                "every job to succeed after the kills",
+                diagnostics=lambda: f"{statuses(factory)}\n{survivor.tail()}\n{beat.tail(20)}",
+            )
     rows = fact_rows(factory)
     assert len(rows) == len(set((slug, num) for slug, num, _ in rows))
     assert rows == expected_facts(server_url, pages, simulator)
+
+
+def test_prefork_pool_runs_jobs_too(factory, env, sender, server_url, simulator):
+    pages = {f"conversations/pf{i}": conversation(i, segments=2) for i in range(3)}
+    worker = ServiceProcess(
+        [
+            "worker",
+            "--queues",
+            "extraction",
+            "--concurrency",
+            "2",
+            "--pool",
+            "prefork",
+            "--hostname",
+            f"prefork-{uuid.uuid4().hex[:4]}@%h",
+        ],
+        env,
+        ready_marker="ready.",
+        name="worker",
+    ).start()
+    with running(worker):
+        add_pages(factory, pages, sender)
+        wait_for(
+            lambda: all_succeeded(factory, len(pages)),
+            90,
+            "every job to succeed",
+            diagnostics=lambda: f"{statuses(factory)}\n{worker.tail()}",
+        )
+    assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
+
+
+def test_flower_watches_the_same_broker(env):
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flower = ServiceProcess(["flower", "--port", str(port)], env, ready_marker=None, name="flower").start()
+    with running(flower):
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=2).text == "OK"
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "Flower to answer", diagnostics=flower.tail)
+        assert "redis" in flower.tail(200).lower()
