@@ -70,8 +70,13 @@ class ServiceProcess:
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *self.args], env=self.env, cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [sys.executable, "-m", "worker.cli", *self.args],
+            env=self.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         threading.Thread(target=self._pump, daemon=True).start()
         if self.ready_marker is not None and not self._ready.wait(timeout):
@@ -105,19 +110,34 @@ class ServiceProcess:
             self.kill()
 
 
-def start_worker(env: dict[str, str], queues: str = "extraction,maintenance", concurrency: int = 8,
-                 name: str | None = None) -> ServiceProcess:
+def start_worker(
+    env: dict[str, str], queues: str = "extraction,maintenance", concurrency: int = 8, name: str | None = None
+) -> ServiceProcess:
     node = name or f"w{uuid.uuid4().hex[:6]}@%h"
     return ServiceProcess(
-        ["worker", "--queues", queues, "--concurrency", str(concurrency), "--pool", "threads",
-         "--loglevel", "info", "--hostname", node],
-        env, ready_marker="ready.", name="worker",
+        [
+            "worker",
+            "--queues",
+            queues,
+            "--concurrency",
+            str(concurrency),
+            "--pool",
+            "threads",
+            "--loglevel",
+            "info",
+            "--hostname",
+            node,
+        ],
+        env,
+        ready_marker="ready.",
+        name="worker",
     ).start()
 
 
 def start_beat(env: dict[str, str], data_dir: Path) -> ServiceProcess:
-    return ServiceProcess(["beat"], {**env, "FACTMILL_DATA_DIR": str(data_dir)}, ready_marker="beat: Starting",
-                          name="beat").start()
+    return ServiceProcess(
+        ["beat"], {**env, "FACTMILL_DATA_DIR": str(data_dir)}, ready_marker="beat: Starting", name="beat"
+    ).start()
 
 
 @contextmanager
@@ -129,8 +149,13 @@ def running(*processes: ServiceProcess) -> Iterator[None]:
             process.stop()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2,
-             diagnostics: Callable[[], str] | None = None) -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    interval: float = 0.2,
+    diagnostics: Callable[[], str] | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -1,4 +1,4 @@
-"""The service as a user drives it: `factmill serve` + `factmill worker` processes, signed webhooks over HTTP."""
+"""The service as a user drives it: `factmill serve` and `factmill worker` processes, signed webhooks."""
 
 from __future__ import annotations
 

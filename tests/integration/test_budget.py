@@ -53,7 +53,7 @@ def test_parse_usd_and_prices():
 def test_bad_budget_values_are_refused_at_config_set(factory):
     with pytest.raises(ValueError, match="US dollars"), factory.begin() as session:
         set_config(session, "llm.budget_daily_usd", "a lot")
-    with pytest.raises(ValueError, match="llm.prices"), factory.begin() as session:
+    with pytest.raises(ValueError, match=r"llm\.prices"), factory.begin() as session:
         set_config(session, "llm.prices", '{"m": {"input": 1}}')
 
 

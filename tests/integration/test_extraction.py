@@ -291,7 +291,8 @@ def test_second_run_with_nothing_new_skips_and_calls_nothing(pages, llm, simulat
 def test_appended_messages_extract_only_the_new_segments(pages, llm):
     run(pages, llm)
     before = page_facts(pages)
-    appended = SAMPLE_LINES + [
+    appended = [
+        *SAMPLE_LINES,
         fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon last weekend."),
         fmt("Bob Demo", "2024-03-20", "7:02 PM", "I love Lisbon, I will visit you in May."),
     ]
@@ -306,10 +307,10 @@ def test_appended_messages_extract_only_the_new_segments(pages, llm):
 
 
 def test_trailing_single_message_is_picked_up_once_it_has_company(pages, llm):
-    lone = SAMPLE_LINES + [fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon.")]
+    lone = [*SAMPLE_LINES, fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon.")]
     put_page(pages, body="\n".join(lone))
     run(pages, llm)
-    put_page(pages, body="\n".join(lone + [fmt("Bob Demo", "2024-03-20", "7:01 PM", "Great, I will visit.")]))
+    put_page(pages, body="\n".join([*lone, fmt("Bob Demo", "2024-03-20", "7:01 PM", "Great, I will visit.")]))
     result = run(pages, llm)
     assert result.segments_processed == 1
     assert any("Lisbon" in f.fact for f in page_facts(pages))

@@ -19,7 +19,9 @@ def test_migrations_match_models(server_url: str) -> None:
         db.upgrade(url)
         engine = create_engine(url, poolclass=pool.NullPool)
         with engine.connect() as conn:
-            context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            context = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": True}
+            )
             diff = compare_metadata(context, models.Base.metadata)
         engine.dispose()
     assert diff == [], f"models and migrations differ; write a migration: {diff}"

@@ -16,7 +16,9 @@ from worker.extraction import (
 
 
 def test_same_source_id_yields_same_fingerprint():
-    assert extract_conversation_facts_fingerprint("default") == extract_conversation_facts_fingerprint("default")
+    assert extract_conversation_facts_fingerprint("default") == extract_conversation_facts_fingerprint(
+        "default"
+    )
 
 
 def test_different_source_id_yields_different_fingerprint():
@@ -33,7 +35,10 @@ def test_round_trips_source_id_slug_iso():
     decoded = decode_checkpoint_entry(entry)
     assert decoded is not None
     assert (decoded.source_id, decoded.slug, decoded.end_iso) == (
-        "default", "conversations/imessage/alice-example", "2024-03-16T08:05:00Z")
+        "default",
+        "conversations/imessage/alice-example",
+        "2024-03-16T08:05:00Z",
+    )
 
 
 def test_decodes_null_for_malformed_entries():

@@ -35,7 +35,9 @@ def _commands() -> list[list[str]]:
     for manifest in ("factmill.yaml",):
         for doc in yaml.safe_load_all((REPO / "deploy" / "k8s" / manifest).read_text()):
             spec = (doc.get("spec") or {}).get("template", {}).get("spec", {})
-            commands += [c["args"] for c in spec.get("containers", []) if c.get("image", "").startswith("factmill")]
+            commands += [
+                c["args"] for c in spec.get("containers", []) if c.get("image", "").startswith("factmill")
+            ]
     return [c for c in commands if c and c[0] in {"serve", "worker", "beat", "flower", "db"}]
 
 
