@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
 from worker.cli_calibration import calibration_app
+from worker.cli_compaction import compact_command, transcripts_app
 from worker.cli_search import embed_command, search_command
 from worker.config_store import get_config, list_config, set_config
 from worker.extraction import (
@@ -48,6 +49,8 @@ app.add_typer(jobs_app, name="jobs")
 app.add_typer(calibration_app, name="calibration")
 app.command("search")(search_command)
 app.command("embed")(embed_command)
+app.add_typer(transcripts_app, name="transcripts")
+app.command("compact")(compact_command)
 
 out = Console()
 err = Console(stderr=True)
@@ -368,7 +371,7 @@ def costs(
 
     from models import LLMCall
 
-    groups = {
+    groups: dict[str, Any] = {
         "model": LLMCall.model,
         "purpose": LLMCall.purpose,
         "day": func.to_char(func.date_trunc("day", LLMCall.created_at), "YYYY-MM-DD"),

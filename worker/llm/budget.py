@@ -126,15 +126,15 @@ class Budget:
                 select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.created_at >= midnight)
             )
         with self._lock:
-            self._day = (now, Decimal(spent))
-        return Decimal(spent)
+            self._day = (now, Decimal(spent or 0))
+        return Decimal(spent or 0)
 
     def spent_by_job(self, job_id: int) -> Decimal:
         with self._factory() as session:
             spent = session.scalar(
                 select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id == job_id)
             )
-        return Decimal(spent)
+        return Decimal(spent or 0)
 
     def check(self, job_id: int | None = None) -> None:
         """Raise BudgetExhaustedError if the day's (or this job's) budget is spent."""
