@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from models.base import NAMING_CONVENTION, Base
+from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
+from models.compaction import COMPACTION_STATUSES, MESSAGE_ROLES, Compaction, Transcript, TranscriptMessageRow
 from models.config import ConfigEntry
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job
@@ -12,12 +14,17 @@ from models.page import Page
 from models.webhook import WebhookDelivery
 
 __all__ = [
+    "COMPACTION_STATUSES",
     "FACT_KINDS",
     "JOB_STATUSES",
+    "MESSAGE_ROLES",
     "NAMING_CONVENTION",
     "NOTABILITY_LEVELS",
     "SEGMENT_OUTCOMES",
     "Base",
+    "CalibrationObservation",
+    "CalibrationThreshold",
+    "Compaction",
     "ConfigEntry",
     "ExtractionAudit",
     "Fact",
@@ -25,5 +32,7 @@ __all__ = [
     "LLMCall",
     "OpCheckpoint",
     "Page",
+    "Transcript",
+    "TranscriptMessageRow",
     "WebhookDelivery",
 ]

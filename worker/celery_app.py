@@ -16,7 +16,7 @@ from worker.settings import Settings, get_settings
 logger = logging.getLogger(__name__)
 
 QUEUES = ("extraction", "compaction", "calibration", "maintenance")
-TASK_MODULES = ("tasks.extraction", "tasks.maintenance")
+TASK_MODULES = ("tasks.extraction", "tasks.maintenance", "tasks.calibration", "tasks.compaction")
 
 
 def broker_url(settings: Settings) -> str:
@@ -67,6 +67,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "task": "tasks.maintenance.sweep",
                 "schedule": settings.sweep_interval_seconds,
                 "options": {"queue": "maintenance", "expires": settings.sweep_interval_seconds},
+            },
+            "calibration-recompute": {
+                "task": "tasks.calibration.schedule",
+                "schedule": settings.calibration_schedule_seconds,
+                "options": {"queue": "calibration", "expires": settings.calibration_schedule_seconds},
             },
         },
         "timezone": "UTC",

@@ -33,9 +33,8 @@ def validate_value(key: str, value: str) -> str:
     cleaned = value.strip()
     if key in KILL_SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
-    if key == EXTRACTION_MAX_FACTS:
-        if not cleaned.isdigit() or not 1 <= int(cleaned) <= 25:
-            raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
+    if key == EXTRACTION_MAX_FACTS and (not cleaned.isdigit() or not 1 <= int(cleaned) <= 25):
+        raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
     from worker.llm.budget import validate_config_value
 
     validate_config_value(key, cleaned)
@@ -82,11 +81,11 @@ class ConfigReader:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, str | None]] = {}
 
-    def get(self, key: str) -> str | None:
+    def get(self, key: str, *, fresh: bool = False) -> str | None:
         now = self._clock()
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None and now - hit[0] < self._ttl:
+            if not fresh and hit is not None and now - hit[0] < self._ttl:
                 return hit[1]
         with self._factory() as session:
             value = get_config(session, key)
@@ -95,4 +94,6 @@ class ConfigReader:
         return value
 
     def enabled(self, key: str) -> bool:
-        return is_enabled(self.get(key))
+        """A switch's state. "Off" is always confirmed against the table, so a switch turned back on is
+        seen at once (resumed jobs are not paused again by a stale cache); "on" may be ``ttl`` old."""
+        return is_enabled(self.get(key)) or is_enabled(self.get(key, fresh=True))

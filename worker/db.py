@@ -61,7 +61,7 @@ def alembic_config(url: str):  # type: ignore[no-untyped-def]
     return config
 
 
-def upgrade(url: str, revision: str = "heads") -> None:
+def upgrade(url: str, revision: str = "head") -> None:
     """Build or update the schema with the migrations (never create_all)."""
     from alembic import command
 

@@ -39,6 +39,7 @@ from worker.core.facts import (
 from worker.llm.budget import Budget, BudgetExhaustedError
 from worker.llm.errors import LLMError
 from worker.llm.pricing import Price, cost_usd
+from worker.llm.retry import AttemptRecord
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,25 @@ class SegmentResult:
         return self.attempts[-1].outcome
 
 
+def _retried_failures(records: Sequence[AttemptRecord]) -> list[Attempt]:
+    """The gateway's failed tries (429, 5xx, timeouts it retried) as attempts: each cost a request and is
+    recorded in llm_calls and extraction_audit like any other."""
+    return [
+        Attempt("provider_error", None, [], str(r.error), r.provider, r.model, r.latency_ms)
+        for r in records
+        if r.error is not None
+    ]
+
+
+def _chat_recording_retries(llm: LLMClient, request: ChatRequest, attempts: list[Attempt]) -> ChatResponse:
+    traced = getattr(llm, "chat_traced", None)
+    if traced is None:
+        return llm.chat(request)
+    result = traced(request)
+    attempts.extend(_retried_failures(result.failed_attempts))
+    return result.value  # type: ignore[no-any-return]
+
+
 def extract_segment(
     llm: LLMClient,
     rendered: str,
@@ -284,8 +304,9 @@ def extract_segment(
             )
             return SegmentResult(attempts)
         try:
-            response = llm.chat(request)
+            response = _chat_recording_retries(llm, request, attempts)
         except LLMError as exc:
+            attempts.extend(_retried_failures(getattr(exc, "attempts", ())[:-1]))
             attempts.append(
                 Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
             )

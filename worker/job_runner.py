@@ -126,6 +126,12 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
     if counters.pages_failed:
         reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
         return retry(reason)
+    if counters.facts_inserted:
+        # Make the new facts findable by vector search too; never fails the job (`factmill embed`
+        # fills in whatever this misses).
+        from worker.search import embed_new_facts
+
+        embed_new_facts(rt.factory, rt.llm, source_id, slug, settings.search_embed_batch_size)
     note = None
     if counters.pages_considered == 0:
         note = "nothing to extract: the page is gone or is not a conversation type"

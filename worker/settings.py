@@ -44,6 +44,18 @@ class Settings(BaseSettings):
     simulator_url: str | None = None
     simulator_latency_ms: int = Field(default=0, ge=0)
 
+    # LLM gateway: retries and rate limits
+    llm_max_attempts: int = Field(default=5, ge=1, le=50)  # every try of one call, the first included
+    llm_max_total_wait_seconds: float = Field(default=120.0, ge=0)  # sleeping between tries, per call
+    llm_backoff_base_seconds: float = Field(default=0.5, ge=0)
+    llm_backoff_max_seconds: float = Field(default=20.0, ge=0)
+    llm_rpm: int = Field(default=0, ge=0)  # requests per minute per provider+model; 0 = unlimited
+    llm_tpm: int = Field(default=0, ge=0)  # tokens per minute per provider+model; 0 = unlimited
+    # Redis shared by every worker for the limits; None: the broker when it is Redis, else in-process.
+    ratelimit_redis_url: str | None = None
+    # Which wire format the bundled simulator is spoken to in (both official SDKs are supported).
+    simulator_api: Literal["openai", "anthropic"] = "openai"
+
     # Extraction.
     extraction_max_facts: int = Field(default=10, ge=1, le=25)
     # Workers read the config table (kill switches, tunables) through a cache this old at most.
@@ -67,6 +79,25 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     admin_token: str = "dev-admin-token"
 
+    # Calibration
+    calibration_alpha: float = Field(default=0.1, gt=0, lt=1)  # share of lost-answer cases a τ may let by
+    calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate
+    calibration_recompute_every: int = Field(default=50, ge=1)  # new observations that trigger a recompute
+    calibration_schedule_seconds: float = Field(default=3600.0, gt=0)  # beat recompute interval
+    calibration_min_observations: int = Field(default=20, ge=4)  # fewer: no threshold is computed
+    threshold_cache_seconds: float = Field(default=30.0, ge=0)  # gates re-read the active τ this often
+
+    # Search
+    search_expand: bool = True  # let the LLM expand plain queries (off: lexical + vector of the query only)
+    search_default_limit: int = Field(default=10, ge=1, le=100)
+    search_embed_batch_size: int = Field(default=64, ge=1, le=2048)  # facts per embedding call
+
+    # Compaction
+    compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap
+    compaction_intent_messages: int = Field(default=3, ge=0, le=50)  # latest user messages giving the intent
+    # After a rejected or failed compaction, appends wait this long before triggering another one.
+    compaction_retrigger_seconds: float = Field(default=300.0, ge=0)
+
     @field_validator("webhook_secret", "admin_token")
     @classmethod
     def _strip(cls, value: str) -> str:
@@ -87,9 +118,11 @@ class Settings(BaseSettings):
         if self.environment != "production":
             return
         for name in ("webhook_secret", "admin_token"):
-            if getattr(self, name).lower() in PLACEHOLDER_SECRETS or getattr(self, name).startswith("dev-"):
+            value = getattr(self, name)
+            if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"):
                 raise ValueError(
-                    f"FACTMILL_{name.upper()} is a placeholder; set a real secret before running in production"
+                    f"FACTMILL_{name.upper()} is a placeholder; set a real secret before running "
+                    "with FACTMILL_ENVIRONMENT=production"
                 )
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import op
 from sqlalchemy.dialects import postgresql
+
+from alembic import op
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -182,7 +183,8 @@ def upgrade() -> None:
         sa.Column("llm_call_id", sa.BigInteger(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
         sa.CheckConstraint(
-            "outcome IN ('ok', 'malformed_output', 'truncated_output', 'refusal', 'provider_error', 'budget_exhausted')",
+            "outcome IN ('ok', 'malformed_output', 'truncated_output', 'refusal', 'provider_error', "
+            "'budget_exhausted')",
             name=op.f("ck_extraction_audit_outcome"),
         ),
         sa.ForeignKeyConstraint(

@@ -142,7 +142,11 @@ def test_worker_process_extracts_every_queued_page(factory, env, sender, server_
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
     with factory() as session:
         job = session.scalars(select(Job).limit(1)).one()
+        unembedded = session.scalar(
+            select(func.count()).select_from(Fact).where(Fact.embedding.is_(None), Fact.is_audit.is_(False))
+        )
     assert job.counters["segments_processed"] == 3 and job.attempts == 1 and job.finished_at is not None
+    assert unembedded == 0, "a finished job leaves its facts embedded for vector search"
 
 
 def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, sender, simulator):

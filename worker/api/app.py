@@ -53,7 +53,7 @@ from models import (
 from worker import jobs
 from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.config_store import KILL_SWITCHES, is_enabled, set_config
-from worker.pages import PageIn, upsert_page
+from worker.pages import PageIn, store_page
 from worker.runtime import Runtime
 from worker.settings import Settings
 
@@ -76,6 +76,9 @@ TAGS = [
     {"name": "jobs", "description": "The job history: status, counters, errors; retry."},
     {"name": "facts", "description": "Facts extracted from a page (audit rows are never returned)."},
     {"name": "config", "description": "Kill switches and tunables (bearer FACTMILL_ADMIN_TOKEN)."},
+    {"name": "search", "description": "Intent-aware search over facts: lex, vec and hyde lines, fused."},
+    {"name": "transcripts", "description": "Agent transcripts and their gated compaction summaries."},
+    {"name": "calibration", "description": "Feedback on summaries and the calibrated coverage threshold."},
     {"name": "operations", "description": "Liveness, readiness and Prometheus metrics."},
 ]
 
@@ -330,10 +333,7 @@ def store_pages(
                 if prior is not None:
                     return _replay(prior, body_hash), [], True
             for index in order:
-                page = pages[index]
-                if upsert_page(session, page).changed:
-                    subject = jobs.page_subject(page.source_id, page.slug)
-                    results[index] = jobs.request_job(session, jobs.EXTRACTION, subject, idempotency_key=None)
+                results[index] = store_page(session, pages[index])
             response = {
                 "jobs": [
                     {"job_id": r.job_id, "source_id": p.source_id, "slug": p.slug, "created": r.created}
@@ -695,9 +695,7 @@ def put_config_value(ctx: Context, key: ConfigKey, body: ConfigSet) -> ConfigSet
             cleaned = set_config(session, key, value, updated_by="api")
         except ValueError as exc:
             raise ApiError(422, f"value: {exc}") from None
-        resumed: list[tuple[int, str]] = []
-        if key in KILL_SWITCHES and is_enabled(cleaned):
-            resumed = jobs.resume_paused(session, jobs.kinds_for_switch(key))
+        resumed = jobs.resume_for_config_change(session, key, cleaned)
         session.flush()
         out = _config_out(session, key)
         assert out is not None
@@ -951,7 +949,10 @@ def create_app(runtime: Runtime | None = None, sender: jobs.Sender | None = None
         ["method", "route"],
         registry=registry,
     )
+    from worker.api.compaction_routes import CompactionCollector
+
     registry.register(StoreCollector(runtime.factory))  # type: ignore[arg-type]
+    registry.register(CompactionCollector(runtime.factory))  # type: ignore[arg-type]
     ProcessCollector(registry=registry)
     app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
 
@@ -960,7 +961,20 @@ def create_app(runtime: Runtime | None = None, sender: jobs.Sender | None = None
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    for router in (pages_router, jobs_router, facts_router, config_router, ops_router):
+    from worker.api.calibration_routes import calibration_router  # imports this module: import it late
+    from worker.api.compaction_routes import compaction_router
+    from worker.api.search_routes import search_router
+
+    for router in (
+        pages_router,
+        jobs_router,
+        facts_router,
+        config_router,
+        calibration_router,
+        search_router,
+        compaction_router,
+        ops_router,
+    ):
         app.include_router(router)
     return app
 

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import email.utils
+import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx
 import openai
 
+if TYPE_CHECKING:
+    from worker.llm.retry import AttemptRecord
+
+try:  # the SDKs may ride on httpx2; their own exceptions wrap it, but a raw one may still escape
+    import httpx2
+
+    _TIMEOUTS: tuple[type[BaseException], ...] = (httpx.TimeoutException, httpx2.TimeoutException)
+    _TRANSPORT: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError)
+except ImportError:  # pragma: no cover - depends on the installed SDK generation
+    _TIMEOUTS = (httpx.TimeoutException,)
+    _TRANSPORT = (httpx.TransportError,)
+
+# Status codes worth another try: throttling, a request timeout, and every server-side failure
+# (500, 502, 503, 504, and Anthropic's 529 overloaded).
+RETRYABLE_STATUS = frozenset({408, 429})
+
 
 class LLMError(Exception):
-    """A call that produced no usable response. ``retryable`` says whether trying again may help."""
+    """A call that produced no usable response. ``retryable`` says whether trying again may help.
+
+    ``attempts`` is filled in by the retry layer when it gives up: every attempt it made, in order.
+    """
 
     def __init__(
         self,
@@ -26,6 +50,7 @@ class LLMError(Exception):
         self.status = status
         self.retry_after = retry_after
         self.latency_ms = latency_ms
+        self.attempts: tuple[AttemptRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,28 +61,65 @@ class Classification:
     message: str
 
 
-def _retry_after(response: httpx.Response | None) -> float | None:
-    if response is None:
+def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
+    """Seconds the server asked to wait: ``retry-after-ms``, else ``Retry-After`` (seconds or HTTP date)."""
+    if headers is None:
         return None
-    value = response.headers.get("retry-after")
-    if value is None:
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            value = float(millis) / 1000
+            if math.isfinite(value):
+                return max(0.0, value)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if raw is None:
         return None
     try:
-        return max(0.0, float(value))
+        value = float(raw)
+        return max(0.0, value) if math.isfinite(value) else None
     except ValueError:
+        pass
+    try:
+        parsed = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
         return None
+    return max(0.0, parsed.timestamp() - (time.time() if now is None else now))
+
+
+def _headers(exc: BaseException) -> Mapping[str, str] | None:
+    response: Any = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    return headers if isinstance(headers, Mapping) else None
+
+
+def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
+    """The provider's own words (``error.message`` in either wire format), else the SDK's summary."""
+    body: Any = exc.body
+    if isinstance(body, Mapping):
+        inner = body.get("error")
+        if isinstance(inner, Mapping) and isinstance(inner.get("message"), str):
+            return str(inner["message"])
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    return str(exc.message)
 
 
 def classify(exc: BaseException) -> Classification:
-    """Sort an SDK or transport exception into retry (429, 5xx, 529, timeouts, connection) or fail."""
-    if isinstance(exc, openai.APITimeoutError | anthropic.APITimeoutError | httpx.TimeoutException):
+    """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
+    if isinstance(exc, LLMError):
+        return Classification(exc.retryable, exc.status, exc.retry_after, str(exc))
+    if isinstance(exc, (openai.APITimeoutError, anthropic.APITimeoutError, *_TIMEOUTS)):
         return Classification(True, None, None, f"the provider timed out: {exc}")
-    if isinstance(exc, openai.APIConnectionError | anthropic.APIConnectionError | httpx.TransportError):
+    if isinstance(exc, (openai.APIConnectionError, anthropic.APIConnectionError, *_TRANSPORT)):
         return Classification(True, None, None, f"could not reach the provider: {exc}")
     if isinstance(exc, openai.APIStatusError | anthropic.APIStatusError):
         status = exc.status_code
-        retryable = status == 429 or status >= 500
-        return Classification(retryable, status, _retry_after(exc.response), f"HTTP {status}: {exc.message}")
+        retryable = status in RETRYABLE_STATUS or status >= 500
+        return Classification(
+            retryable, status, retry_after_seconds(_headers(exc)), f"HTTP {status}: {_provider_message(exc)}"
+        )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
 

@@ -1,18 +1,27 @@
-"""Build the configured LLM client; start the bundled simulator when no real provider is configured."""
+"""Build the configured LLM client; start the bundled simulator when no real provider is configured.
+
+Every client comes wrapped the same way: ``RetryingClient(RateLimitedClient(provider))``: the one
+retry layer outside, and inside it the shared rate limiter (only when a limit is configured), so each
+retry waits its turn like any other call. The SDKs' own retries are off in every provider.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
+from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.ratelimit import RateLimitedClient, build_rate_limiter
+from worker.llm.retry import AttemptListener, RetryingClient, RetryPolicy
 from worker.llm.types import LLMClient
 from worker.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 SIMULATOR_MODEL = "simulator-1"
+SIMULATOR_EMBEDDING_MODEL = "simulator-embedding-1"
 DEFAULT_MODELS = {
     "openai": "gpt-4o-mini",
     "anthropic": "claude-3-5-haiku-latest",
@@ -29,61 +38,106 @@ def describe(settings: Settings) -> str:
     """One line for humans: which provider and model a run uses (the simulator says so)."""
     provider = settings.resolved_llm()
     model = settings.llm_model or DEFAULT_MODELS[provider]
+    limits = []
+    if settings.llm_rpm:
+        limits.append(f"{settings.llm_rpm} requests/min")
+    if settings.llm_tpm:
+        limits.append(f"{settings.llm_tpm} tokens/min")
+    suffix = f"; limited to {', '.join(limits)}" if limits else ""
     if provider == "simulator":
-        return f"LLM: bundled simulator ({model}) — not a real model; set OPENAI_API_KEY to use OpenAI"
-    return f"LLM: {provider} ({model})"
+        return (
+            f"LLM: bundled simulator ({model}, {settings.simulator_api} wire format) — not a real model; "
+            f"set OPENAI_API_KEY or ANTHROPIC_API_KEY to use a real one{suffix}"
+        )
+    return f"LLM: {provider} ({model}){suffix}"
 
 
-@contextmanager
-def open_llm_client(settings: Settings) -> Iterator[LLMClient]:
-    """Yield a ready client for the configured provider, and stop anything started for it."""
+def wrap(
+    provider: LLMClient, settings: Settings, *, on_attempt: AttemptListener | None = None
+) -> RetryingClient:
+    """The gateway's layers around a provider: retries outside, the rate limiter (if any) inside."""
+    limiter = build_rate_limiter(settings)
+    inner: LLMClient = provider if limiter is None else RateLimitedClient(provider, limiter)
+    return RetryingClient(inner, RetryPolicy.from_settings(settings), on_attempt=on_attempt)
+
+
+def _simulator_client(settings: Settings, model: str, root_url: str) -> LLMClient:
+    """A provider speaking to the simulator at ``root_url`` through the SDK FACTMILL_SIMULATOR_API names."""
+    root_url = root_url.rstrip("/").removesuffix("/v1")
+    openai_client = OpenAIChatClient(
+        model=model,
+        base_url=f"{root_url}/v1",
+        timeout=settings.llm_timeout_seconds,
+        provider="simulator",
+        embedding_model=SIMULATOR_EMBEDDING_MODEL,
+    )
+    if settings.simulator_api == "openai":
+        return openai_client
+    return AnthropicChatClient(
+        model=model,
+        base_url=root_url,
+        timeout=settings.llm_timeout_seconds,
+        provider="simulator",
+        embeddings=openai_client,  # the simulator embeds on its OpenAI route, like a real deployment would
+    )
+
+
+def _provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     provider = settings.resolved_llm()
     model = settings.llm_model or DEFAULT_MODELS[provider]
     timeout = settings.llm_timeout_seconds
     if provider == "simulator":
         if settings.simulator_url:
-            yield OpenAIChatClient(
-                model=model,
-                base_url=settings.simulator_url,
-                timeout=timeout,
-                provider="simulator",
-                embedding_model="simulator-embedding-1",
-            )
-            return
+            return _simulator_client(settings, model, settings.simulator_url)
         from worker.llm.simulator import Simulator, SimulatorConfig
 
         simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))
         simulator.start()
-        try:
-            yield OpenAIChatClient(
-                model=model,
-                base_url=simulator.base_url,
-                timeout=timeout,
-                provider="simulator",
-                embedding_model="simulator-embedding-1",
-            )
-        finally:
-            simulator.stop()
-        return
+        stack.callback(simulator.stop)
+        return _simulator_client(settings, model, simulator.url)
     if provider == "openai":
         if not settings.openai_api_key:
             raise LLMConfigurationError("FACTMILL_LLM=openai needs OPENAI_API_KEY")
-        yield OpenAIChatClient(
+        return OpenAIChatClient(
             model=model, base_url=settings.llm_base_url, api_key=settings.openai_api_key, timeout=timeout
         )
-        return
+    if provider == "anthropic":
+        if not settings.anthropic_api_key:
+            raise LLMConfigurationError("FACTMILL_LLM=anthropic needs ANTHROPIC_API_KEY")
+        embeddings = None
+        if settings.openai_api_key:
+            embeddings = OpenAIChatClient(model=model, api_key=settings.openai_api_key, timeout=timeout)
+        return AnthropicChatClient(
+            model=model,
+            base_url=settings.llm_base_url,
+            api_key=settings.anthropic_api_key,
+            timeout=timeout,
+            embeddings=embeddings,
+        )
     if provider == "openai-compatible":
         if not settings.llm_base_url:
             raise LLMConfigurationError("FACTMILL_LLM=openai-compatible needs FACTMILL_LLM_BASE_URL")
-        yield OpenAIChatClient(
+        return OpenAIChatClient(
             model=model,
             base_url=settings.llm_base_url,
             api_key=settings.openai_api_key,
             timeout=timeout,
             json_mode="json_object",
             provider="openai-compatible",
+            send_prompt_cache_key=False,
         )
-        return
     raise LLMConfigurationError(
-        f"FACTMILL_LLM={provider} is not available yet in this build; use openai, openai-compatible or simulator"
+        f"FACTMILL_LLM={provider} is not a provider; use openai, anthropic, openai-compatible or simulator"
     )
+
+
+@contextmanager
+def open_llm_client(
+    settings: Settings, *, on_attempt: AttemptListener | None = None
+) -> Iterator[RetryingClient]:
+    """Yield a ready client for the configured provider, and stop anything started for it.
+
+    ``on_attempt`` hears about every try of every call (see ``RetryingClient``), e.g. to record it.
+    """
+    with ExitStack() as stack:
+        yield wrap(_provider_client(settings, stack), settings, on_attempt=on_attempt)

@@ -39,7 +39,8 @@ def cost_usd(model: str, usage: Usage, prices: dict[str, Price] | None = None) -
     price = (prices or PRICES).get(model)
     if price is None:
         return Decimal(0)
-    uncached = max(0, usage.input_tokens - usage.cache_read_tokens)
+    # input_tokens counts every prompt token, cached ones included (both providers, as the gateway reports).
+    uncached = max(0, usage.input_tokens - usage.cache_read_tokens - usage.cache_write_tokens)
     total = (
         uncached * price.input
         + usage.cache_read_tokens * price.cache_read

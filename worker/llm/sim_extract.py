@@ -734,13 +734,52 @@ def compaction_summary(transcript: str, max_chars: int | None = None) -> str:
     return head_text + "\n" + _fit(context, room, "\n")
 
 
+SEARCH_QUERY_OPEN = "<search-query>"
+SEARCH_QUERY_CLOSE = "</search-query>"
+SEARCH_INTENT_OPEN = "<search-intent>"
+SEARCH_INTENT_CLOSE = "</search-intent>"
+
+
+def _between(text: str, open_tag: str, close_tag: str) -> str | None:
+    start = text.find(open_tag)
+    end = text.rfind(close_tag)
+    if start < 0 or end < start + len(open_tag):
+        return None
+    return text[start + len(open_tag) : end].strip()
+
+
+def search_expansion_reply(query: str, intent: str | None = None) -> str:
+    """What the simulator says to a search query-expansion prompt: one lex:, one vec: and one hyde: line.
+
+    The lex line keeps the query's content words (stop words dropped), the vec line restates the query
+    with its intent, and the hyde line is a "hypothetical fact" built from the same words. Not a model:
+    it only gives search a deterministic expansion to fuse.
+    """
+    from worker.core.intent import extract_intent_terms
+
+    words = extract_intent_terms(query) or query.lower().split() or ["nothing"]
+    focus = extract_intent_terms(intent) if intent else []
+    lex = " ".join(dict.fromkeys(words + focus))
+    vec = query.strip() + (f" ({intent.strip()})" if intent and intent.strip() else "")
+    hyde = " ".join(words).capitalize() + "."
+    return f"lex: {lex}\nvec: {vec}\nhyde: {hyde}"
+
+
 def text_reply(messages: Sequence[PromptMessage], max_tokens: int | None = None) -> str:
     """A short deterministic reply to a prompt that is not a fact extraction.
 
-    Compaction prompts (transcript inside <untrusted-data>) get a summary under the compaction headings;
-    anything else gets the first sentences of the last user message. The reply aims to fit max_tokens.
+    Search query-expansion prompts (a last user message opening with <search-query>) get lex:/vec:/hyde:
+    lines; compaction prompts (transcript inside <untrusted-data>) get a summary under the compaction
+    headings; anything else gets the first sentences of the last user message. The reply aims to fit
+    max_tokens.
     """
     max_chars = None if max_tokens is None else max(1, max_tokens) * CHARACTERS_PER_TOKEN
+    last = next((m.text for m in reversed(messages) if m.role == "user" and m.text.strip()), "")
+    if last.lstrip().startswith(SEARCH_QUERY_OPEN):
+        query = _between(last, SEARCH_QUERY_OPEN, SEARCH_QUERY_CLOSE)
+        if query is not None:
+            intent = _between(last, SEARCH_INTENT_OPEN, SEARCH_INTENT_CLOSE)
+            return search_expansion_reply(query, intent)
     for message in reversed(messages):
         start = message.text.find(UNTRUSTED_OPEN)
         end = message.text.rfind(UNTRUSTED_CLOSE)

@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -48,6 +48,14 @@ SIMULATOR_MODEL = "simulator-1"
 SIMULATOR_EMBEDDING_MODEL = "simulator-embedding-1"
 SYSTEM_FINGERPRINT = "sim-fp-factmill-1"
 REFUSAL_TEXT = "I'm sorry, but I can't help with that request. (simulated refusal)"
+# How many recent chat prompts the simulator keeps for inspection (GET /_simulator/requests).
+RECENT_REQUESTS = 32
+# What a summarizer that lost everything would say: the compaction headings and nothing specific.
+LOSSY_SUMMARY = (
+    "## Goal\nContinue the task.\n\n## Constraints & Preferences\n- (none)\n\n## Progress\n"
+    "### Done\n- (none)\n### In Progress\n- (none)\n### Blocked\n- (none)\n\n## Key Decisions\n"
+    "- (none)\n\n## Next Steps\n- Continue.\n\n## Critical Context\n- (none)"
+)
 
 
 class Fault(StrEnum):
@@ -109,6 +117,10 @@ class SimulatorConfig(BaseModel):
     )
     cache_min_tokens: int = Field(
         default=0, ge=0, description="shorter prefixes are never cached (real APIs: 1024)"
+    )
+    lossy_summary: bool = Field(
+        default=False,
+        description="compaction prompts (transcript in <untrusted-data>) get a content-free summary",
     )
     model: str = SIMULATOR_MODEL
     embedding_model: str = SIMULATOR_EMBEDDING_MODEL
@@ -177,6 +189,7 @@ class SimulatorState:
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self.max_in_flight = 0
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
     def reset(self) -> None:
         """Zero the stats, forget cached prefixes and restart the seeded streams."""
@@ -200,6 +213,16 @@ class SimulatorState:
             if new_config.cache_capacity == 0:
                 self._prefixes.clear()
             return new_config
+
+    def remember(self, route: str, messages: Sequence[PromptMessage]) -> None:
+        """Keep a chat prompt as the simulator saw it (the newest RECENT_REQUESTS), for tests to inspect."""
+        entry = {"route": route, "messages": [{"role": m.role, "text": m.text} for m in messages]}
+        with self._lock:
+            self._recent.append(entry)
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._recent)
 
     def begin(self) -> None:
         with self._lock:
@@ -625,6 +648,7 @@ async def chat_completions(request: Request) -> Response:
             if not isinstance(model, str) or not model:
                 raise _BadRequest("you must provide a model parameter", "model")
             prompt = _flatten_openai(body)
+            state.remember(route, prompt.messages)
             max_tokens = _positive_int(body.get("max_completion_tokens"), "max_completion_tokens")
             max_tokens = max_tokens or _positive_int(body.get("max_tokens"), "max_tokens")
             choices_n = _positive_int(body.get("n"), "n") or 1
@@ -649,6 +673,8 @@ async def chat_completions(request: Request) -> Response:
         reply = sim_extract.reply_to(
             prompt.messages, max_tokens=cap, default_max_facts=config.default_max_facts
         )
+        if config.lossy_summary:
+            reply = _lossy(reply, prompt.messages)
         response_format = body.get("response_format")
         wants_json = isinstance(response_format, Mapping) and response_format.get("type") in (
             "json_object",
@@ -721,6 +747,21 @@ async def chat_completions(request: Request) -> Response:
         state.end()
 
 
+def _is_compaction_prompt(messages: Sequence[PromptMessage]) -> bool:
+    for message in messages:
+        start = message.text.find(sim_extract.UNTRUSTED_OPEN)
+        if start >= 0 and message.text.rfind(sim_extract.UNTRUSTED_CLOSE) > start:
+            return True
+    return False
+
+
+def _lossy(reply: SimReply, messages: Sequence[PromptMessage]) -> SimReply:
+    """With lossy_summary on, a compaction prompt's summary keeps the headings and loses the content."""
+    if reply.kind == "text" and _is_compaction_prompt(messages):
+        return SimReply("text", LOSSY_SUMMARY)
+    return reply
+
+
 def _pick_tool(body: Mapping[str, Any], reply: SimReply) -> Mapping[str, Any] | None:
     tools = [t for t in body.get("tools") or [] if isinstance(t, Mapping) and isinstance(t.get("name"), str)]
     if not tools:
@@ -767,6 +808,7 @@ async def messages_route(request: Request) -> Response:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise _BadRequest("max_tokens: Field required (a positive integer)")
             prompt = _flatten_anthropic(body)
+            state.remember(route, prompt.messages)
             tool_choice = body.get("tool_choice")
             if tool_choice is not None and not isinstance(tool_choice, Mapping):
                 raise _BadRequest("tool_choice: Input should be an object")
@@ -794,6 +836,8 @@ async def messages_route(request: Request) -> Response:
         reply = sim_extract.reply_to(
             prompt.messages, max_tokens=max_tokens, default_max_facts=config.default_max_facts
         )
+        if config.lossy_summary:
+            reply = _lossy(reply, prompt.messages)
         tool = _pick_tool(body, reply)
         outcome = OUTCOME_OK if draw.fault is None else draw.fault.value
         content: list[dict[str, Any]]
@@ -997,6 +1041,11 @@ async def stats_route(request: Request) -> Response:
     return JSONResponse(_state(request).snapshot())
 
 
+async def requests_route(request: Request) -> Response:
+    """The newest chat prompts as the simulator flattened them (role + text per message), oldest first."""
+    return JSONResponse({"simulator": True, "requests": _state(request).recent_requests()})
+
+
 async def config_route(request: Request) -> Response:
     state = _state(request)
     if request.method == "GET":
@@ -1032,6 +1081,7 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/_simulator/stats", stats_route, methods=["GET"]),
+            Route("/_simulator/requests", requests_route, methods=["GET"]),
             Route("/_simulator/config", config_route, methods=["GET", "POST"]),
             Route("/_simulator/reset", reset_route, methods=["POST"]),
             Route("/_simulator/health", health_route, methods=["GET"]),
@@ -1155,6 +1205,10 @@ class Simulator:
 
     def stats(self) -> dict[str, Any]:
         return self.state.snapshot()
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        """The newest chat prompts received (same as GET /_simulator/requests); reset() clears them."""
+        return self.state.recent_requests()
 
     def configure(self, **changes: Any) -> SimulatorConfig:
         """Change knobs at runtime (same as POST /_simulator/config)."""

@@ -1,0 +1,302 @@
+"""Compaction benchmark: plan a 1M-token transcript (cut + serialize, pure and through Postgres), and
+summaries per second through the compaction queue against the ideal, measured in the same run.
+
+    .venv/bin/python bench/compaction.py [--tokens 1000000] [--transcripts 320] [--concurrency 32]
+                                         [--latency-ms 500]
+
+Part 1 builds the deterministic ~1M-token agent session of bench/compaction_core.py (imported, not
+copied) and times what a compaction job does before its LLM call: ``plan_compaction`` (cut_index +
+serialize_transcript of the head + token sums), the quality gate's lexing of that head, and, through
+the store, appending the transcript to Postgres once and ``load_timeline`` + plan as the job does.
+Baselines in the same run: the copy floor (one join of every message's text) and the core's bare
+cut + serialize.
+
+Part 2 stores N transcripts, each just past its window, starts one real worker process
+(``factmill worker --queues compaction --pool threads --concurrency C``) against the bundled
+simulator at 500 ms latency, sends the N jobs, and times until every job finished. The ideal is the
+calls in flight over the latency: C / 0.5 s.
+
+Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
+database and uses its own Redis key prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+
+import psutil
+import psycopg
+from sqlalchemy.orm import sessionmaker
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
+from pipeline import SERVER, free_port, spawn, wait_http  # noqa: E402
+
+from worker import db  # noqa: E402
+from worker.compaction import (  # noqa: E402
+    append_messages,
+    judge_summary,
+    load_timeline,
+    plan_compaction,
+)
+from worker.core.compaction import (  # noqa: E402
+    DEFAULT_KEEP_RECENT_TOKENS,
+    DEFAULT_TOOL_RESULT_LIMIT,
+    cut_index,
+    estimate_tokens,
+    serialize_transcript,
+)
+from worker.core.quality import lex_words  # noqa: E402
+
+BROKER = "redis://127.0.0.1:6379/12"
+GOAL = "Deploy the payments service to the Frankfurt region behind the canary flag."
+
+
+def part_one(tokens: int, url: str) -> None:
+    started = time.perf_counter()
+    messages = build_transcript(tokens)
+    total = sum(estimate_tokens(m) for m in messages)
+    characters = sum(
+        len(m.text) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls) for m in messages
+    )
+    print(
+        f"## 1. plan a {total:,}-token transcript ({len(messages):,} messages, {characters / 1e6:.1f} MB; "
+        f"built in {time.perf_counter() - started:.1f} s)"
+    )
+    seqs: list[int | None] = list(range(len(messages)))
+    keep = DEFAULT_KEEP_RECENT_TOKENS
+
+    plan_s, plan = best_of(
+        3,
+        partial(
+            plan_compaction,
+            messages,
+            seqs,
+            keep_recent_tokens=keep,
+            tool_result_limit=DEFAULT_TOOL_RESULT_LIMIT,
+        ),
+    )
+
+    def core() -> str:
+        cut = cut_index(messages, keep)
+        assert cut is not None
+        return serialize_transcript(messages[:cut], DEFAULT_TOOL_RESULT_LIMIT)
+
+    core_s, serialized = best_of(3, core)
+    assert serialized == plan.serialized
+    floor_s, _ = best_of(3, partial(copy_floor, messages[: plan.cut]))
+    print(
+        f"  plan_compaction (cut + serialize + sums) {ms(plan_s):>12}  head "
+        f"{len(plan.serialized) / 1e6:.2f} MB, {plan.kept_tokens:,} tokens kept from seq {plan.cut_seq:,}"
+    )
+    print(f"  core cut + serialize only                {ms(core_s):>12}  plan / core {plan_s / core_s:.2f}x")
+    print(
+        f"  copy floor (join of the head's texts)    {ms(floor_s):>12}  plan / floor {plan_s / floor_s:.1f}x"
+    )
+
+    # The gate: lexing the serialized head is the per-compaction CPU cost after the plan.
+    lex_s, source_tokens = best_of(1, partial(lex_words, plan.serialized))
+    summary = f"## Goal\n{GOAL}\n## Critical Context\n" + plan.serialized[-12_000:]
+    gate_s, gate = best_of(
+        1, partial(judge_summary, source_tokens, summary, ["deploy", "latency", "postgres"], 0.5)
+    )
+    print(
+        f"  gate: lex_words of the head              {ms(lex_s):>12}  ({len(source_tokens):,} words, "
+        f"{len(plan.serialized) / 1e6 / lex_s:.1f} MB/s); coverage + density of a 16k summary {ms(gate_s)} "
+        f"(coverage {gate.coverage:.3f})"
+    )
+
+    # Through the store: the transcript appended once, then what the job reads and plans.
+    factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
+    started = time.perf_counter()
+    with factory.begin() as session:
+        append_messages(session, "bench-1m", messages, settings={"context_window": 2_000_000})
+    append_s = time.perf_counter() - started
+
+    def through_store() -> int:
+        with factory() as session:
+            timeline = load_timeline(session, "bench-1m")
+        return plan_compaction(
+            timeline.messages,
+            timeline.seqs,
+            keep_recent_tokens=keep,
+            tool_result_limit=DEFAULT_TOOL_RESULT_LIMIT,
+        ).cut_seq
+
+    store_s, cut_seq = best_of(3, through_store)
+    assert cut_seq == plan.cut_seq
+    print(
+        f"  append to Postgres (one transaction)     {ms(append_s):>12}  "
+        f"{len(messages) / append_s:,.0f} messages/s"
+    )
+    print(
+        f"  load_timeline + plan from Postgres       {ms(store_s):>12}  "
+        f"store / pure plan {store_s / plan_s:.1f}x"
+    )
+    print()
+
+
+def session_messages(index: int, rounds: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = [{"role": "user", "text": GOAL}]
+    for i in range(rounds):
+        call = f"call-{index}-{i}"
+        out.append(
+            {
+                "role": "assistant",
+                "text": f"Checking namespace staging-{i}.",
+                "tool_calls": [{"id": call, "name": "sh", "arguments": {"cmd": f"kubectl get pods -n s{i}"}}],
+            }
+        )
+        out.append({"role": "tool", "tool_call_id": call, "text": f"pod-{i} Running\n" * 40})
+        out.append(
+            {"role": "assistant", "text": f"Namespace staging-{i} looks healthy; all pods are running."}
+        )
+    out.append({"role": "user", "text": "How is the payments rollout in Frankfurt going?"})
+    return out
+
+
+def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms: int) -> None:
+    from celery import Celery
+
+    from worker.celery_app import create_app
+    from worker.compaction import parse_messages
+    from worker.jobs import COMPACTION
+    from worker.settings import Settings
+
+    logs = Path("/tmp") / name
+    logs.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
+    try:
+        sim_port = free_port()
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+        procs.append(
+            spawn(
+                ["-m", "worker.llm.simulator", "--port", str(sim_port), "--latency-ms", str(latency_ms)],
+                base_env,
+                logs / "simulator.log",
+            )
+        )
+        wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health")
+        env = base_env | {
+            "FACTMILL_DATABASE_URL": url,
+            "FACTMILL_BROKER_URL": BROKER,
+            "FACTMILL_BROKER_KEY_PREFIX": f"{name}:",
+            "FACTMILL_LLM": "simulator",
+            "FACTMILL_SIMULATOR_URL": f"http://127.0.0.1:{sim_port}/v1",
+        }
+        jobs: list[int] = []
+        for index in range(transcripts):
+            with factory.begin() as session:
+                result = append_messages(
+                    session,
+                    f"bench-{index}",
+                    parse_messages(session_messages(index, 25)),
+                    settings={"context_window": 6000, "reserve_tokens": 2000, "keep_recent_tokens": 1500},
+                )
+                assert result.trigger.job is not None
+                jobs.append(result.trigger.job.job_id)
+
+        worker_log = logs / "worker.log"
+        worker = spawn(
+            ["-m", "worker.cli", "worker", "--queues", "compaction", "--concurrency", str(concurrency),
+             "--pool", "threads", "--loglevel", "info"],
+            env,
+            worker_log,
+        )  # fmt: skip
+        procs.append(worker)
+        deadline = time.monotonic() + 60
+        while "ready." not in worker_log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"worker did not start:\n{worker_log.read_text()[-2000:]}")
+            time.sleep(0.02)
+        celery: Celery = create_app(Settings(broker_url=BROKER, broker_key_prefix=f"{name}:"))
+        worker_ps = psutil.Process(worker.pid)
+        cpu_before = worker_ps.cpu_times()
+        started = time.perf_counter()
+        for job_id in jobs:
+            celery.send_task("tasks.compaction.compact_transcript", args=[job_id], queue=COMPACTION)
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+            while True:
+                row = conn.execute(
+                    "SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')"
+                ).fetchone()
+                if row and row[0] >= len(jobs):
+                    break
+                if time.perf_counter() - started > 300:
+                    raise SystemExit("the queue did not drain in 5 minutes")
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - started
+            outcomes = dict(
+                conn.execute("SELECT status, count(*) FROM compactions GROUP BY status").fetchall()
+            )
+            calls = conn.execute("SELECT count(*) FROM llm_calls WHERE purpose = 'compaction'").fetchone()
+        cpu_after = worker_ps.cpu_times()
+        celery.close()
+        worker_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+        n_calls = calls[0] if calls else 0
+        rate = len(jobs) / elapsed
+        ideal = concurrency / (latency_ms / 1000)
+        print(
+            f"## 2. summaries through the queue: {len(jobs)} transcripts (~4,500 tokens each, just past "
+            f"window 6,000 - reserve 2,000), one worker, {concurrency} threads, simulator at {latency_ms} ms"
+        )
+        print(f"  outcomes {outcomes}; {n_calls} summarizer calls")
+        print(f"  summaries/s {rate:8.1f}   in {elapsed:.2f} s")
+        print(
+            f"  ideal       {ideal:8.1f}   ({concurrency} in flight / {latency_ms / 1000:g} s)   "
+            f"ratio {rate / ideal:.2f}"
+        )
+        print(
+            f"  calls/s     {n_calls / elapsed:8.1f}   ratio to ideal {n_calls / elapsed / ideal:.2f}; "
+            f"worker CPU {1000 * worker_cpu / max(len(jobs), 1):.1f} ms per compaction"
+        )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--tokens", type=int, default=1_000_000)
+    parser.add_argument("--transcripts", type=int, default=320)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--latency-ms", type=int, default=500)
+    args = parser.parse_args()
+    print(f"factmill compaction benchmark - Python {platform.python_version()} on {platform.machine()}, "
+          f"{psutil.cpu_count()} cores")  # fmt: skip
+    print()
+    started = time.perf_counter()
+    name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(SERVER, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    try:
+        db.upgrade(url)
+        part_one(args.tokens, url)
+        part_two(url, name, args.transcripts, args.concurrency, args.latency_ms)
+    finally:
+        db.get_engine(url).dispose()
+        with psycopg.connect(SERVER, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    print(f"\ntotal benchmark time {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

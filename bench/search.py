@@ -1,0 +1,249 @@
+"""Search benchmark: lexical query latency over 100k facts, and plain queries expanded through the simulator.
+
+Prints p50/p95 latency of `worker.search.search` for `lex:` queries (Postgres full-text search over
+the GIN-indexed `facts.search_vector`, BM25-style ranking, fusion, snippets) beside a baseline
+measured in the same run on the same data: an ILIKE scan over fact, entity and context (what a
+search without the full-text index does), as ratios. Then plain queries end to end through the LLM
+simulator at --latency-ms: the lexical probe, LLM query expansion where the strong-signal rule does
+not skip it, embeddings of vec/hyde lines when pgvector is installed, fusion.
+
+    .venv/bin/python bench/search.py [--facts 100000] [--queries 300] [--baseline-queries 60]
+                                     [--expansion-queries 30] [--latency-ms 200] [--seed 7]
+
+Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL); creates and drops its own
+database. Goal: lexical p95 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from worker import db  # noqa: E402
+from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
+from worker.llm.simulator import Simulator, SimulatorConfig  # noqa: E402
+from worker.search import search, vector_search_status  # noqa: E402
+
+SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
+GOAL_P95_MS = 50.0
+
+NAMES = ["alice", "bob", "carol", "dmitri", "eve", "frank", "grace", "heidi", "ivan", "judy", "mallory",
+         "niaj", "olivia", "peggy", "rupert", "sybil", "trent", "victor", "walter", "zoe"]  # fmt: skip
+VERBS = ["moved to", "prefers", "promised", "signed", "booked", "owns", "visited", "bought", "started",
+         "finished", "cancelled", "scheduled", "reviewed", "shipped", "planned", "asked about"]  # fmt: skip
+COMMON = ["the", "a", "new", "next", "week", "team", "project", "meeting", "budget", "friday", "trip",
+          "office", "launch", "report", "coffee", "lunch", "plan", "call", "deadline", "review"]  # fmt: skip
+KINDS = ["event", "preference", "commitment", "belief", "fact"]
+
+
+def rare_vocabulary(rng: random.Random, size: int) -> list[str]:
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "ber", "lin", "dor", "gan"]
+    words: set[str] = set()
+    while len(words) < size:
+        words.add("".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))))
+    return sorted(words)
+
+
+def generate_facts(count: int, seed: int) -> tuple[bytes, list[str]]:
+    """COPY text for ``count`` facts (Zipf-like word use) and the rare vocabulary used."""
+    rng = random.Random(seed)
+    rare = rare_vocabulary(rng, 5000)
+    weights = [1.0 / (rank + 1) for rank in range(len(rare))]  # Zipf: a few common, a long tail
+    buffer = io.StringIO()
+    for i in range(count):
+        name = rng.choice(NAMES)
+        words = rng.choices(rare, weights, k=rng.randint(1, 3)) + rng.sample(COMMON, rng.randint(1, 3))
+        rng.shuffle(words)
+        fact = f"{name.capitalize()} {rng.choice(VERBS)} {' '.join(words)}"
+        page = f"page-{i // 40}"
+        row_num = i % 40
+        day = 1 + (i // 400) % 28
+        context = f"conversation segment 2024-03-{day:02d}T09:00:00Z to 2024-03-{day:02d}T09:30:00Z"
+        buffer.write(
+            f"default\t{fact}\t{rng.choice(KINDS)}\t{name}\t{rng.random():.3f}\tmedium\t{context}\t"
+            f"2024-03-{day:02d}T09:00:00Z\tbench\tbench:{page}\t{page}\t{row_num}\tf\n"
+        )
+    return buffer.getvalue().encode(), rare
+
+
+def make_queries(rng: random.Random, rare: list[str], count: int) -> list[str]:
+    """1-3 word queries mixing names, common words, and rare words (head and tail)."""
+    queries = []
+    for _ in range(count):
+        shape = rng.random()
+        if shape < 0.3:
+            words = [rng.choice(rare[:200])]  # a fairly common rare word
+        elif shape < 0.55:
+            words = [rng.choice(NAMES), rng.choice(rare)]
+        elif shape < 0.8:
+            words = [rng.choice(COMMON), rng.choice(rare[:1000])]
+        else:
+            words = [rng.choice(rare), rng.choice(COMMON), rng.choice(NAMES)]
+        queries.append(" ".join(words))
+    return queries
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def timed(fn: Callable[[], object], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--facts", type=int, default=100_000)
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--baseline-queries", type=int, default=60)
+    parser.add_argument("--expansion-queries", type=int, default=30)
+    parser.add_argument("--latency-ms", type=float, default=200.0)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    admin = make_url(db.to_sqlalchemy_url(SERVER)).set(drivername="postgresql").render_as_string(False)
+    name = f"factmill_bench_search_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(db.to_sqlalchemy_url(SERVER)).set(database=name).render_as_string(False)
+    try:
+        return run(url, args)
+    finally:
+        db.get_engine(url).dispose()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run(url: str, args: argparse.Namespace) -> int:
+    db.upgrade(url)
+    factory = db.session_factory(url)
+    started = time.perf_counter()
+    payload, rare = generate_facts(args.facts, args.seed)
+    columns = (
+        "source_id, fact, kind, entity_slug, confidence, notability, context, valid_from, source, "
+        "source_session, source_markdown_slug, row_num, is_audit"
+    )
+    with psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(False)) as conn:
+        with conn.cursor().copy(f"COPY facts ({columns}) FROM STDIN") as copy:
+            copy.write(payload)
+        conn.execute("ANALYZE facts")
+    with factory() as session:
+        vector = vector_search_status(session)
+    print(
+        f"corpus: {args.facts:,} facts loaded and analysed in {time.perf_counter() - started:.1f} s "
+        f"(pgvector store: {'yes' if vector.available else 'no'})"
+    )
+
+    rng = random.Random(args.seed + 1)
+    queries = make_queries(rng, rare, args.queries)
+
+    # Ours: the whole search() call for a lex: line (parse, idf, ranked FTS, fusion, snippets).
+    for query in queries[:20]:  # warm caches and the connection pool
+        search(factory, None, f"lex: {query}")
+    ours: list[float] = []
+    hits = 0
+    for query in queries:
+        t0 = time.perf_counter()
+        outcome = search(factory, None, f"lex: {query}")
+        ours.append((time.perf_counter() - t0) * 1000)
+        hits += bool(outcome.results)
+
+    # Baseline: the same words as substring filters over the same text, no index, first 30 rows.
+    def ilike(query: str) -> Callable[[], object]:
+        words = query.split()
+        clauses = " AND ".join(f"(fact || ' ' || coalesce(entity_slug, '') || ' ' || context) ILIKE :w{i}"
+                               for i in range(len(words)))  # fmt: skip
+        sql = text(f"SELECT id FROM facts WHERE NOT is_audit AND {clauses} LIMIT 30")
+        params = {f"w{i}": f"%{w}%" for i, w in enumerate(words)}
+
+        def go() -> object:
+            with factory() as session:
+                return session.execute(sql, params).all()
+
+        return go
+
+    base: list[float] = []
+    for query in queries[: args.baseline_queries]:
+        base += timed(ilike(query), 1)
+    ours_same = ours[: args.baseline_queries]
+
+    p50, p95 = percentile(ours, 50), percentile(ours, 95)
+    b50, b95 = percentile(base, 50), percentile(base, 95)
+    s50, s95 = percentile(ours_same, 50), percentile(ours_same, 95)
+    print()
+    print(f"lexical search over {args.facts:,} facts ({len(queries)} queries, {hits} with results)")
+    print(f"  {'':34} {'p50 ms':>8} {'p95 ms':>8}")
+    print(f"  {'search() lex: (GIN, ranked)':34} {p50:8.1f} {p95:8.1f}")
+    print(f"  {'  same first ' + str(len(base)) + ' queries':34} {s50:8.1f} {s95:8.1f}")
+    print(f"  {'baseline ILIKE scan (unranked)':34} {b50:8.1f} {b95:8.1f}")
+    print(f"  {'ratio baseline / search()':34} {b50 / s50:7.1f}× {b95 / s95:7.1f}×")
+    verdict = "meets" if p95 <= GOAL_P95_MS else "MISSES"
+    print(f"  goal p95 <= {GOAL_P95_MS:.0f} ms: {verdict} ({p95:.1f} ms)")
+
+    # Plain queries end to end through the simulator (expansion + embeddings at --latency-ms each).
+    config = SimulatorConfig(latency_ms=args.latency_ms)
+    with Simulator(config) as sim:
+        llm = OpenAIChatClient(
+            model="simulator-1",
+            base_url=sim.base_url,
+            provider="simulator",
+            embedding_model="simulator-embedding-1",
+        )
+        plain = queries[-args.expansion_queries :]
+        search(factory, llm, plain[0])  # connect
+        sim.reset()
+        lat: list[float] = []
+        overhead: list[float] = []
+        expanded = strong = 0
+        for query in plain:
+            t0 = time.perf_counter()
+            outcome = search(factory, llm, query)
+            elapsed = (time.perf_counter() - t0) * 1000
+            # LLM round trips this query waited for: the expansion (unless skipped) and one embedding
+            # call for all its vec/hyde lines.
+            trips = (not outcome.strong_signal) + any(line.type != "lex" for line in outcome.lines)
+            lat.append(elapsed)
+            overhead.append(elapsed - trips * args.latency_ms)
+            expanded += outcome.expanded
+            strong += outcome.strong_signal
+        stats = sim.stats()["by_route"]
+    e50, e95 = percentile(lat, 50), percentile(lat, 95)
+    o50, o95 = percentile(overhead, 50), percentile(overhead, 95)
+    print()
+    print(
+        f"plain queries through the simulator at {args.latency_ms:.0f} ms ({len(plain)} queries: "
+        f"{expanded} expanded, {strong} skipped by the strong-signal rule; "
+        f"chat calls {stats.get('chat.completions', 0)}, embedding calls {stats.get('embeddings', 0)})"
+    )
+    print(f"  {'':34} {'p50 ms':>8} {'p95 ms':>8}")
+    print(f"  {'search() plain query':34} {e50:8.1f} {e95:8.1f}")
+    print(f"  {'  minus its LLM round trips':34} {o50:8.1f} {o95:8.1f}")
+    print(f"  {'lexical-only search() (above)':34} {p50:8.1f} {p95:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,936 @@
+"""Calibration against a real Postgres: observations, CSV import, recompute, activation, the API, the CLI,
+and one recompute through a real Celery worker process."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from models import CalibrationObservation, CalibrationThreshold, Job
+from tests.integration.test_api import Recorder, make_runtime
+from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
+from worker import jobs
+from worker.api.app import create_app
+from worker.api.signing import sign
+from worker.calibration import (
+    FALLBACK,
+    PAUSED_REASON,
+    SUBJECT,
+    ActiveThreshold,
+    CsvFormatError,
+    ObservationError,
+    ObservationIn,
+    ThresholdCache,
+    active_threshold,
+    add_observation,
+    add_observations,
+    describe_tau,
+    import_csv,
+    recompute,
+    request_recompute,
+    run_calibration_job,
+    threshold_history,
+)
+from worker.celery_app import create_app as create_celery_app
+from worker.config_store import CALIBRATION_ENABLED, set_config
+from worker.runtime import Runtime
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+SECRET = "test-secret"
+PARAMS: dict[str, Any] = {"alpha": 0.1, "target_recall": 0.9, "min_observations": 20}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def separated(kept: int = 30, lost: int = 30, origin: str = "test") -> list[ObservationIn]:
+    """Kept cases at 0.6 to 1.0, lost ones at 0.0 to 0.45 with the top third pinned at 0.5."""
+    good = [0.6 + 0.4 * i / max(1, kept - 1) for i in range(kept)]
+    pinned = lost // 3
+    bad = [0.45 * i / max(1, lost - pinned - 1) for i in range(lost - pinned)] + [0.5] * pinned
+    return [ObservationIn(c, True, origin) for c in good] + [ObservationIn(c, False, origin) for c in bad]
+
+
+def add(factory: sessionmaker[Session], items: list[ObservationIn], every: int = 10_000) -> Any:
+    return add_observations(factory, items, recompute_every=every)
+
+
+def count(factory: sessionmaker[Session], model: Any) -> int:
+    with factory() as session:
+        return session.scalar(select(func.count()).select_from(model)) or 0
+
+
+def versions(factory: sessionmaker[Session]) -> list[CalibrationThreshold]:
+    with factory() as session:
+        return list(reversed(threshold_history(session, 100)))
+
+
+def current(factory: sessionmaker[Session]) -> ActiveThreshold:
+    with factory() as session:
+        return active_threshold(session)
+
+
+# ---------------------------------------------------------------------------
+# Observations
+# ---------------------------------------------------------------------------
+
+
+def test_add_observations_stores_them(factory: sessionmaker[Session]) -> None:
+    report = add(
+        factory, [ObservationIn(0.8, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
+    )
+    assert [s.duplicate for s in report.stored] == [False, False] and report.conflicts == []
+    with factory() as session:
+        rows = session.scalars(select(CalibrationObservation).order_by(CalibrationObservation.id)).all()
+        assert [(r.coverage, r.answer_kept, r.origin, r.compaction_id) for r in rows] == [
+            (0.8, True, "eval", 3),
+            (0.1, False, "eval", None),
+        ]
+        assert rows[0].dedupe_key is not None and rows[1].dedupe_key is None
+        assert rows[0].created_at is not None
+
+
+@pytest.mark.parametrize("coverage", [math.nan, 1.0000001, -0.5, math.inf])
+def test_nan_and_out_of_range_coverage_is_refused_before_the_store(
+    factory: sessionmaker[Session], coverage: float
+) -> None:
+    with pytest.raises(ValueError, match="coverage must be a number from 0 to 1"):
+        add_observation(factory, ObservationIn(coverage, True, "x"), recompute_every=50)
+    assert count(factory, CalibrationObservation) == 0
+
+
+def test_the_table_refuses_nan_and_out_of_range_too(factory: sessionmaker[Session]) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    for value in (math.nan, 1.5):
+        with (
+            pytest.raises(IntegrityError, match="ck_calibration_observations_coverage"),
+            factory.begin() as s,
+        ):
+            s.add(CalibrationObservation(coverage=value, answer_kept=True, origin="raw"))
+
+
+def test_duplicates_are_reported_not_stored_twice(factory: sessionmaker[Session]) -> None:
+    keyed = ObservationIn(0.7, True, "eval", idempotency_key="k-1")
+    judged = ObservationIn(0.4, False, "eval", compaction_id=9)
+    first = add(factory, [keyed, judged])
+    again = add(factory, [keyed, judged, ObservationIn(0.7, True, "eval", idempotency_key="k-1")])
+    assert [s.duplicate for s in again.stored] == [True, True, True]
+    assert [s.id for s in again.stored] == [first.stored[0].id, first.stored[1].id, first.stored[0].id]
+    assert again.added == [] and again.recompute is None
+    # Without a key or a compaction id, two equal labels are two real cases.
+    add(factory, [ObservationIn(0.5, True, "cli"), ObservationIn(0.5, True, "cli")])
+    assert count(factory, CalibrationObservation) == 4
+
+
+def test_a_key_reused_for_a_different_observation_is_a_conflict(factory: sessionmaker[Session]) -> None:
+    add(factory, [ObservationIn(0.7, True, "eval", idempotency_key="k-2")])
+    report = add(
+        factory, [ObservationIn(0.2, False, "eval", idempotency_key="k-2"), ObservationIn(0.3, True, "e")]
+    )
+    assert [index for index, _ in report.conflicts] == [0]
+    assert "idempotency_key 'k-2' was already used for a different observation" in report.conflicts[0][1]
+    assert [s.index for s in report.added] == [1]  # the good one is still stored
+    with pytest.raises(ObservationError, match="already used"):
+        add_observation(factory, ObservationIn(0.9, True, "eval", idempotency_key="k-2"), recompute_every=50)
+
+
+def test_a_large_batch_in_chunks(factory: sessionmaker[Session]) -> None:
+    items = [ObservationIn(i / 2500, i % 3 != 0, "bulk", idempotency_key=f"b{i}") for i in range(2500)]
+    report = add(factory, items)
+    assert len(report.added) == 2500 and [s.index for s in report.stored] == list(range(2500))
+    assert count(factory, CalibrationObservation) == 2500
+    assert len(add(factory, items[2000:]).duplicates) == 500
+
+
+def test_every_n_observations_request_one_pending_recompute(factory: sessionmaker[Session]) -> None:
+    assert add(factory, separated(2, 2), every=5).recompute is None  # 4 so far
+    fifth = add(factory, [ObservationIn(0.5, True, "t")], every=5)
+    assert fifth.recompute is not None and fifth.recompute.created
+    assert fifth.pending_jobs() == [(fifth.recompute.job_id, "calibration")]
+    sixth = add(factory, [ObservationIn(0.5, True, "t")], every=5)
+    assert sixth.recompute is not None and sixth.recompute.job_id == fifth.recompute.job_id
+    assert not sixth.recompute.created and sixth.pending_jobs() == []
+    with factory() as session:
+        job = session.get(Job, fifth.recompute.job_id)
+        assert job is not None
+        assert (job.kind, job.subject, job.status, job.options) == (
+            "calibration",
+            SUBJECT,
+            "queued",
+            {"trigger": "observations"},
+        )
+    # A version computed from these resets the count.
+    recompute(factory, **PARAMS)
+    assert add(factory, [ObservationIn(0.5, True, "t")], every=5).recompute is None
+
+
+# ---------------------------------------------------------------------------
+# CSV import
+# ---------------------------------------------------------------------------
+
+CSV = """coverage,answer_kept,origin,compaction_id
+0.9,true,eval
+nan,true,eval
+0.2,lost,,17
+
+1.5,false,eval
+# reviewed by hand
+0.6,maybe,eval
+0.7,kept,eval
+"""
+
+
+def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
+    factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    path = tmp_path / "labels.csv"
+    path.write_text(CSV, encoding="utf-8")
+    report = import_csv(factory, path, recompute_every=50)
+    assert report.rows == 6
+    assert [line for line, _ in report.added] == [2, 4, 9]
+    assert [line for line, _ in report.errors] == [3, 6, 8]
+    assert "nan" in dict(report.errors)[3] and "got 1.5" in dict(report.errors)[6]
+    with factory() as session:
+        origins = session.scalars(select(CalibrationObservation.origin).order_by(CalibrationObservation.id))
+        assert list(origins) == ["eval", "csv:labels.csv", "eval"]
+    again = import_csv(factory, path, recompute_every=50)
+    assert again.added == [] and [line for line, _ in again.duplicates] == [2, 4, 9]
+    assert count(factory, CalibrationObservation) == 3
+
+
+def test_import_refuses_an_unreadable_file(factory: sessionmaker[Session], tmp_path: Path) -> None:
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"0.5,true,\xff\xfe\n")
+    with pytest.raises(CsvFormatError, match="not UTF-8"):
+        import_csv(factory, binary, recompute_every=50)
+    header = tmp_path / "header.csv"
+    header.write_text("coverage,kept\n0.5,true\n")
+    with pytest.raises(CsvFormatError, match="unknown column"):
+        import_csv(factory, header, recompute_every=50)
+    assert count(factory, CalibrationObservation) == 0
+
+
+def test_import_with_a_bom_and_crlf(factory: sessionmaker[Session], tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes("\ufeffcoverage,answer_kept\r\n0.5,TRUE\r\n0.25,False\r\n".encode())
+    report = import_csv(factory, path, recompute_every=50)
+    assert [line for line, _ in report.added] == [2, 3] and report.errors == []
+
+
+# ---------------------------------------------------------------------------
+# Recompute
+# ---------------------------------------------------------------------------
+
+
+def test_recompute_activates_a_threshold_earned_on_held_out_data(factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    result = recompute(factory, trigger="manual", **PARAMS)
+    assert result.outcome == "activated", result.reason
+    assert result.tau is not None and 0.5 < result.tau < 0.6
+    assert result.active == ActiveThreshold(result.tau, result.version)
+    assert current(factory) == result.active
+    [row] = versions(factory)
+    assert row.active and row.activated_at is not None and row.tau == result.tau
+    assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
+    assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
+    assert row.max_observation_id == 60 and row.split_method == "stratified-sha256-alternate-v1"
+    assert row.trigger == "manual" and "meets the target" in row.reason
+    assert "no version is active" not in row.reason
+
+
+def test_recompute_refuses_a_threshold_the_held_out_half_does_not_support(
+    factory: sessionmaker[Session],
+) -> None:
+    add(factory, separated())
+    first = recompute(factory, **PARAMS)
+    assert first.activated and first.tau is not None
+    # Now many answers are lost at full coverage: no τ can separate them.
+    add(factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
+    second = recompute(factory, **PARAMS)
+    assert second.outcome == "kept" and not second.activated
+    assert second.held_out_rate is not None and second.held_out_rate < 0.9
+    assert f"version {first.version} (τ={describe_tau(first.tau)}) stays active" in second.reason
+    assert second.active == first.active and current(factory) == first.active
+    old, new = versions(factory)
+    assert old.active and not new.active and new.activated_at is None and new.tau == 1.0
+
+
+def test_a_later_good_version_replaces_the_active_one(factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    first = recompute(factory, **PARAMS)
+    add(factory, separated(origin="more"))
+    second = recompute(factory, **PARAMS)
+    assert second.activated and f"replaces version {first.version}" in second.reason
+    assert [v.active for v in versions(factory)] == [False, True]
+    assert current(factory).version == second.version
+
+
+@pytest.mark.parametrize(
+    ("items", "reason"),
+    [
+        ([], "no observations yet"),
+        (
+            [ObservationIn(0.9, True, "t")] * 5 + [ObservationIn(0.1, False, "t")] * 5,
+            "too few observations: 10",
+        ),
+        ([ObservationIn(0.9, True, "t")] * 30, "no observation lost the answer"),
+        ([ObservationIn(0.1, False, "t")] * 30, "every observation lost the answer"),
+    ],
+    ids=["empty", "too-few", "only-good", "only-bad"],
+)
+def test_data_that_cannot_support_a_threshold_is_recorded_not_activated(
+    factory: sessionmaker[Session], items: list[ObservationIn], reason: str
+) -> None:
+    add(factory, items)
+    result = recompute(factory, **PARAMS)
+    assert result.outcome == "kept" and result.tau is None
+    assert reason in result.reason and "gates keep the fallback τ=0.5" in result.reason
+    assert result.active == FALLBACK and current(factory) == FALLBACK
+    [row] = versions(factory)
+    assert not row.active and row.tau is None and row.n == len(items)
+
+
+def test_nothing_new_writes_nothing_unless_forced(factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    first = recompute(factory, **PARAMS)
+    again = recompute(factory, **PARAMS)
+    assert again.outcome == "unchanged" and again.version == first.version
+    assert again.active == first.active
+    assert len(versions(factory)) == 1
+    other_alpha = recompute(factory, **(PARAMS | {"alpha": 0.2}))
+    assert other_alpha.version == first.version + 1
+    forced = recompute(factory, force=True, **(PARAMS | {"alpha": 0.2}))
+    assert forced.version == first.version + 2
+
+
+def test_recompute_rejects_bad_parameters(factory: sessionmaker[Session]) -> None:
+    with pytest.raises(ValueError, match="alpha must be strictly between 0 and 1"):
+        recompute(factory, **(PARAMS | {"alpha": 1.5}))
+    assert versions(factory) == []
+
+
+def test_concurrent_recomputes_leave_one_active_version(factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            recompute(factory, force=True, **PARAMS)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    rows = versions(factory)
+    assert len(rows) == 6 and sum(r.active for r in rows) == 1 and rows[-1].active
+
+
+def test_the_table_allows_one_active_version_only(factory: sessionmaker[Session]) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    def version(active: bool) -> CalibrationThreshold:
+        return CalibrationThreshold(
+            tau=0.5, alpha=0.1, target_recall=0.9, min_observations=20, n=0, n_bad=0,
+            split_method="x", active=active, reason="test", trigger="test",
+        )  # fmt: skip
+
+    with factory.begin() as session:
+        session.add_all([version(True), version(False), version(False)])
+    with pytest.raises(IntegrityError, match="uq_calibration_thresholds_active"), factory.begin() as session:
+        session.add(version(True))
+
+
+# ---------------------------------------------------------------------------
+# Reading the active threshold
+# ---------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingFactory:
+    """A session factory that counts sessions and can be made to fail."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+        self.calls = 0
+        self.broken = False
+
+    def __call__(self) -> Session:
+        self.calls += 1
+        if self.broken:
+            raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+        return self.factory()
+
+
+def test_active_threshold_falls_back_to_the_shipped_constant(factory: sessionmaker[Session]) -> None:
+    assert current(factory) == ActiveThreshold(0.5, None)
+
+
+def test_threshold_cache_serves_within_ttl_and_refreshes_after(factory: sessionmaker[Session]) -> None:
+    clock = Clock()
+    counting = CountingFactory(factory)
+    cache = ThresholdCache(counting, ttl=30, clock=clock)  # type: ignore[arg-type]
+    assert cache.get() == FALLBACK and counting.calls == 1
+    add(factory, separated())
+    result = recompute(factory, **PARAMS)
+    clock.now += 29
+    assert cache.get() == FALLBACK and counting.calls == 1  # still cached
+    clock.now += 2
+    assert cache.get() == result.active and counting.calls == 2
+    assert cache.tau() == result.tau
+    cache.invalidate()
+    assert cache.get() == result.active and counting.calls == 3
+
+
+def test_threshold_cache_serves_the_last_value_when_the_store_fails(factory: sessionmaker[Session]) -> None:
+    clock = Clock()
+    counting = CountingFactory(factory)
+    cache = ThresholdCache(counting, ttl=5, clock=clock)  # type: ignore[arg-type]
+    counting.broken = True
+    with pytest.raises(OperationalError):
+        cache.get()  # nothing known yet: no invented threshold
+    counting.broken = False
+    known = cache.get()
+    counting.broken = True
+    clock.now += 10
+    assert cache.get() == known
+
+
+def test_threshold_cache_is_thread_safe_and_queries_once_per_ttl(factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    expected = recompute(factory, **PARAMS).active
+    counting = CountingFactory(factory)
+    cache = ThresholdCache(counting, ttl=60)  # type: ignore[arg-type]
+    seen: list[ActiveThreshold] = []
+    barrier = threading.Barrier(16)
+
+    def gate() -> None:
+        barrier.wait()
+        for _ in range(200):
+            seen.append(cache.get())
+
+    threads = [threading.Thread(target=gate) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counting.calls == 1 and len(seen) == 3200 and set(seen) == {expected}
+
+
+# ---------------------------------------------------------------------------
+# The job: kill switch, provenance on the job
+# ---------------------------------------------------------------------------
+
+
+def runtime(database_url: str, factory: sessionmaker[Session], **settings: Any) -> Runtime:
+    from worker.config_store import ConfigReader
+
+    values: dict[str, Any] = {"database_url": database_url, "calibration_min_observations": 20} | settings
+    return Runtime(settings=Settings(**values), factory=factory, config=ConfigReader(factory, ttl=0))
+
+
+def test_the_job_records_its_version_and_counters(database_url: str, factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    rt = runtime(database_url, factory)
+    request = request_recompute(factory, "manual", sender=Recorder(factory))
+    outcome = run_calibration_job(rt, request.job_id)
+    assert outcome.status == "succeeded"
+    with factory() as session:
+        job = session.get(Job, request.job_id)
+        assert job is not None and job.status == "succeeded" and job.finished_at is not None
+        assert job.counters["outcome"] == "activated" and job.counters["held_out_rate"] == 1.0
+        row = session.scalars(select(CalibrationThreshold)).one()
+        assert (row.job_id, row.trigger, row.active) == (request.job_id, "manual", True)
+    assert run_calibration_job(rt, request.job_id).status == "skipped"  # a redelivered message
+
+
+def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    add(factory, separated())
+    rt = runtime(database_url, factory)
+    with factory.begin() as session:
+        set_config(session, CALIBRATION_ENABLED, "false", updated_by="test")
+    recorder = Recorder(factory)
+    request = request_recompute(factory, "schedule", sender=recorder)
+    assert recorder.calls == [("tasks.calibration.recompute", request.job_id, "calibration")]
+    assert run_calibration_job(rt, request.job_id).status == "paused"
+    with factory() as session:
+        job = session.get(Job, request.job_id)
+        assert job is not None and (job.status, job.last_error) == ("paused", PAUSED_REASON)
+    assert versions(factory) == [] and current(factory) == FALLBACK
+    # One pending recompute at a time: the paused one is reused, not duplicated.
+    assert request_recompute(factory, "schedule", sender=recorder).job_id == request.job_id
+    with factory.begin() as session:
+        set_config(session, CALIBRATION_ENABLED, "true", updated_by="test")
+    assert jobs.apply_switch_change(factory, CALIBRATION_ENABLED, "true", recorder) == 1
+    assert recorder.calls[-1] == ("tasks.calibration.recompute", request.job_id, "calibration")
+    assert run_calibration_job(rt, request.job_id).status == "succeeded"
+    assert current(factory).version == 1
+
+
+def test_a_job_of_another_kind_fails(database_url: str, factory: sessionmaker[Session]) -> None:
+    with factory.begin() as session:
+        job_id = jobs.request_job(session, jobs.EXTRACTION, "default|x").job_id
+    assert run_calibration_job(runtime(database_url, factory), job_id).status == "failed"
+
+
+def test_bad_settings_fail_the_job_with_the_reason(database_url: str, factory: sessionmaker[Session]) -> None:
+    rt = runtime(database_url, factory)
+    object.__setattr__(rt.settings, "calibration_alpha", 2.0)  # bypass validation: a corrupted setting
+    request = request_recompute(factory, "manual", sender=Recorder(factory))
+    assert run_calibration_job(rt, request.job_id).status == "failed"
+    with factory() as session:
+        job = session.get(Job, request.job_id)
+        assert job is not None and "alpha must be strictly between 0 and 1" in (job.last_error or "")
+
+
+# ---------------------------------------------------------------------------
+# API
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recorder(factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(factory)
+
+
+@pytest.fixture
+def client(database_url: str, factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    rt = make_runtime(database_url, factory, calibration_recompute_every=3)
+    with TestClient(create_app(rt, sender=recorder)) as test_client:
+        yield test_client
+
+
+def post_feedback(
+    client: TestClient,
+    payload: Any = None,
+    *,
+    raw: bytes | None = None,
+    signed: bool = True,
+    secret: str = SECRET,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    body = raw if raw is not None else json.dumps(payload).encode()
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if signed:
+        all_headers["Factmill-Signature"] = sign(body, secret)
+    return client.post("/v1/feedback", content=body, headers=all_headers)
+
+
+FEEDBACK = {"coverage": 0.82, "answer_kept": True, "origin": "eval:nightly", "compaction_id": 5}
+
+
+def test_signed_feedback_is_stored(client: TestClient, factory: sessionmaker[Session]) -> None:
+    response = post_feedback(client, FEEDBACK)
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body == {
+        "id": body["id"],
+        "duplicate": False,
+        "coverage": 0.82,
+        "answer_kept": True,
+        "origin": "eval:nightly",
+        "compaction_id": 5,
+        "recompute_job_id": None,
+    }
+    with factory() as session:
+        row = session.get(CalibrationObservation, body["id"])
+        assert row is not None and (row.coverage, row.answer_kept, row.compaction_id) == (0.82, True, 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"signed": False}, "missing Factmill-Signature"),
+        ({"secret": "wrong"}, "does not match"),
+        ({"headers": {"Factmill-Signature": "v1=abc"}, "signed": False}, "malformed"),
+    ],
+)
+def test_unsigned_feedback_is_401(
+    client: TestClient, factory: sessionmaker[Session], kwargs: dict[str, Any], reason: str
+) -> None:
+    response = post_feedback(client, FEEDBACK, **kwargs)
+    assert response.status_code == 401 and reason in response.json()["detail"]
+    assert count(factory, CalibrationObservation) == 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (FEEDBACK | {"coverage": 1.5}, "coverage: Input should be less than or equal to 1"),
+        (FEEDBACK | {"coverage": -0.1}, "coverage: Input should be greater than or equal to 0"),
+        (FEEDBACK | {"coverage": True}, "coverage: Input should be a valid number"),
+        (FEEDBACK | {"coverage": "0.5"}, "coverage: Input should be a valid number"),
+        (FEEDBACK | {"answer_kept": "yes"}, "answer_kept: Input should be a valid boolean"),
+        ({"coverage": 0.5, "answer_kept": True}, "origin: Field required"),
+        (FEEDBACK | {"origin": ""}, "origin: String should have at least 1 character"),
+        (FEEDBACK | {"compaction_id": 0}, "compaction_id: Input should be greater than or equal to 1"),
+        (FEEDBACK | {"colour": "blue"}, "colour: Extra inputs are not permitted"),
+        ([FEEDBACK], "body must be a JSON object"),
+    ],
+)
+def test_invalid_feedback_is_422(
+    client: TestClient, factory: sessionmaker[Session], payload: Any, expected: str
+) -> None:
+    response = post_feedback(client, payload)
+    assert response.status_code == 422, response.text
+    assert expected in response.json()["detail"]
+    assert count(factory, CalibrationObservation) == 0
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinite_coverage_is_422(
+    client: TestClient, factory: sessionmaker[Session], literal: bytes
+) -> None:
+    raw = b'{"coverage": ' + literal + b', "answer_kept": false, "origin": "x"}'
+    response = post_feedback(client, raw=raw)
+    assert (
+        response.status_code == 422
+        and "coverage: Input should be a finite number" in response.json()["detail"]
+    )
+    assert count(factory, CalibrationObservation) == 0
+
+
+def test_malformed_and_oversized_feedback(client: TestClient) -> None:
+    assert "not valid JSON" in post_feedback(client, raw=b'{"coverage": ').json()["detail"]
+    big = json.dumps(FEEDBACK | {"origin": "x" * 70_000}).encode()
+    response = post_feedback(client, raw=big)
+    assert response.status_code == 413 and "65536-byte limit" in response.json()["detail"]
+
+
+def test_duplicate_feedback_is_200_and_stored_once(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    keyed = {"coverage": 0.3, "answer_kept": False, "origin": "ui", "idempotency_key": "fb-1"}
+    first = post_feedback(client, keyed)
+    again = post_feedback(client, keyed)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["duplicate"] is True and again.json()["id"] == first.json()["id"]
+    # The key may come as the Idempotency-Key header instead.
+    unkeyed = {k: v for k, v in keyed.items() if k != "idempotency_key"}
+    header = post_feedback(client, unkeyed, headers={"Idempotency-Key": "fb-1"})
+    assert header.status_code == 200 and header.json()["duplicate"] is True
+    # A judgement of a known compaction is its own key.
+    assert post_feedback(client, FEEDBACK).status_code == 201
+    assert post_feedback(client, FEEDBACK).json()["duplicate"] is True
+    assert count(factory, CalibrationObservation) == 2
+    assert recorder.calls == []  # two observations: no recompute due yet (every 3)
+
+
+def test_feedback_key_conflicts_are_422(client: TestClient, factory: sessionmaker[Session]) -> None:
+    keyed = {"coverage": 0.3, "answer_kept": False, "origin": "ui", "idempotency_key": "fb-2"}
+    assert post_feedback(client, keyed).status_code == 201
+    changed = post_feedback(client, keyed | {"answer_kept": True})
+    assert (
+        changed.status_code == 422 and "already used for a different observation" in changed.json()["detail"]
+    )
+    both = post_feedback(client, keyed, headers={"Idempotency-Key": "other"})
+    assert both.status_code == 422 and "differ" in both.json()["detail"]
+    assert count(factory, CalibrationObservation) == 1
+
+
+def test_every_n_feedbacks_enqueue_a_recompute_after_commit(
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+) -> None:
+    answers = [
+        post_feedback(client, {"coverage": 0.1 * i, "answer_kept": i > 1, "origin": "ui"}) for i in range(4)
+    ]
+    assert [a.status_code for a in answers] == [201] * 4
+    job_ids = [a.json()["recompute_job_id"] for a in answers]
+    assert job_ids[:2] == [None, None] and job_ids[2] is not None and job_ids[3] == job_ids[2]
+    assert recorder.calls == [("tasks.calibration.recompute", job_ids[2], "calibration")]  # sent once
+    assert recorder.committed == [True]
+
+
+def test_get_calibration_shows_the_fallback_then_the_active_version(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    empty = client.get("/v1/calibration")
+    assert empty.status_code == 200
+    assert empty.json() == {
+        "tau": 0.5,
+        "version": None,
+        "fallback": True,
+        "active": None,
+        "observations": {"n": 0, "kept": 0, "lost": 0, "since_last_version": 0, "last_at": None},
+        "history": [],
+    }
+    add(factory, separated())
+    first = recompute(factory, **PARAMS)
+    add(factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
+    recompute(factory, **PARAMS)
+    body = client.get("/v1/calibration").json()
+    assert (body["tau"], body["version"], body["fallback"]) == (first.tau, first.version, False)
+    assert body["active"]["version"] == first.version and body["active"]["active"] is True
+    assert [v["version"] for v in body["history"]] == [2, 1]
+    assert body["history"][0]["active"] is False and "stays active" in body["history"][0]["reason"]
+    assert body["history"][0]["held_out_rate"] < 0.9
+    assert body["observations"] | {"last_at": None} == {
+        "n": 100, "kept": 30, "lost": 70, "since_last_version": 0, "last_at": None,
+    }  # fmt: skip
+    assert [v["version"] for v in client.get("/v1/calibration", params={"limit": 1}).json()["history"]] == [2]
+    assert client.get("/v1/calibration", params={"limit": 0}).status_code == 422
+
+
+def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert "post" in paths["/v1/feedback"] and "get" in paths["/v1/calibration"]
+    assert {p["name"] for p in paths["/v1/feedback"]["post"]["parameters"]} == {
+        "Factmill-Signature",
+        "Idempotency-Key",
+    }
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Runs `factmill calibration ...` against the test database; jobs go to a recorder, not a broker."""
+    from worker import jobs as jobs_module
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
+    monkeypatch.setenv("FACTMILL_CALIBRATION_RECOMPUTE_EVERY", "1000")
+    recorder = Recorder(factory)
+    monkeypatch.setattr(jobs_module, "celery_sender", recorder)
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        return runner.invoke(app, ["calibration", *args], catch_exceptions=False)
+
+    invoke.recorder = recorder  # type: ignore[attr-defined]
+    try:
+        yield invoke
+    finally:
+        get_settings.cache_clear()
+
+
+def test_cli_add(cli: Any, factory: sessionmaker[Session]) -> None:
+    result = cli("add", "--coverage", "0.7", "--kept", "--origin", "reviewer")
+    assert result.exit_code == 0, result.output
+    assert "observation 1 added (coverage 0.7, answer kept)" in result.output
+    result = cli("add", "--coverage", "0.2", "--lost", "--key", "k", "--json")
+    assert json.loads(result.stdout) == {"id": 2, "duplicate": False, "recompute_job_id": None, "enqueued": 0}
+    assert "duplicate" in cli("add", "--coverage", "0.2", "--lost", "--key", "k").output
+    with factory() as session:
+        rows = session.execute(
+            select(
+                CalibrationObservation.coverage,
+                CalibrationObservation.answer_kept,
+                CalibrationObservation.origin,
+            )
+        ).all()
+        assert sorted(rows) == [(0.2, False, "cli"), (0.7, True, "reviewer")]
+
+
+@pytest.mark.parametrize("value", ["nan", "1.5", "-1"])
+def test_cli_add_refuses_bad_coverage(cli: Any, factory: sessionmaker[Session], value: str) -> None:
+    result = cli("add", "--coverage", value, "--kept")
+    assert result.exit_code == 2
+    assert "coverage must be a number from 0 to 1" in result.output
+    assert count(factory, CalibrationObservation) == 0
+
+
+def test_cli_add_needs_a_label(cli: Any) -> None:
+    result = cli("add", "--coverage", "0.5")
+    assert result.exit_code == 2 and "--kept" in result.output
+
+
+def test_cli_import_reports_bad_rows_by_line(cli: Any, tmp_path: Path) -> None:
+    path = tmp_path / "labels.csv"
+    path.write_text(CSV)
+    result = cli("import", str(path))
+    assert result.exit_code == 0, result.output
+    assert "6 row(s): 3 added, 0 duplicate(s), 3 error(s)" in result.output
+    assert "line 3:" in result.output and "line 6:" in result.output and "line 8:" in result.output
+    report = json.loads(cli("import", str(path), "--json").stdout)
+    assert (report["added"], report["duplicates"], [e["line"] for e in report["errors"]]) == (0, 3, [3, 6, 8])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("nan,true\n2,false\n")
+    assert cli("import", str(bad)).exit_code == 1  # nothing usable
+    missing = cli("import", str(tmp_path / "missing.csv"))
+    assert missing.exit_code == 2 and "no such file" in missing.output
+
+
+def test_cli_recompute_now_show_history_and_plot(
+    cli: Any, factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    shown = cli("show")
+    assert shown.exit_code == 0 and "τ = 0.5 (fallback" in shown.output
+    assert "no threshold versions yet" in cli("history").output
+    add(factory, separated())
+    result = cli("recompute", "--now")
+    assert result.exit_code == 0, result.output
+    assert "version 1 activated" in result.output and "meets the target" in result.output
+    assert "nothing new since version 1" in cli("recompute", "--now").output
+    assert "version 2" in cli("recompute", "--now", "--force").output
+    show = json.loads(cli("show", "--json").stdout)
+    assert show["version"] == 2 and show["fallback"] is False and show["observations"]["n"] == 60
+    history = json.loads(cli("history", "--json").stdout)
+    assert [h["version"] for h in history] == [2, 1] and history[0]["active"]
+    listing = cli("history").output
+    assert "held-out" in listing and "version 1: held-out answer-kept rate 1 (15 of 15" in listing
+    plot = tmp_path / "calibration.png"
+    result = cli("show", "--plot", str(plot))
+    assert result.exit_code == 0, result.output
+    data = plot.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    from PIL import Image
+
+    with Image.open(plot) as image:
+        image.verify()
+
+
+def test_cli_recompute_now_honours_the_kill_switch(cli: Any, factory: sessionmaker[Session]) -> None:
+    add(factory, separated())
+    with factory.begin() as session:
+        set_config(session, CALIBRATION_ENABLED, "off", updated_by="test")
+    refused = cli("recompute", "--now")
+    assert refused.exit_code == 3 and "calibration is disabled" in refused.output
+    assert versions(factory) == []
+    assert cli("recompute", "--now", "--override-disabled").exit_code == 0
+    assert len(versions(factory)) == 1
+    assert cli("recompute", "--override-disabled").exit_code == 2  # only with --now
+
+
+def test_cli_recompute_queues_one_job(cli: Any, factory: sessionmaker[Session]) -> None:
+    first = cli("recompute")
+    assert first.exit_code == 0 and "recompute job 1 queued" in first.output
+    assert "recompute job 1 is already pending" in cli("recompute").output
+    assert cli.recorder.calls == [("tasks.calibration.recompute", 1, "calibration")]
+    assert cli("recompute", "--force").exit_code == 2
+
+
+def test_cli_plot_without_matplotlib_or_data(
+    cli: Any, factory: sessionmaker[Session], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = cli("show", "--plot", str(tmp_path / "none.png"))
+    assert empty.exit_code == 1 and "no observations to plot" in empty.output
+    add(factory, separated(4, 4))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    result = cli("show", "--plot", str(tmp_path / "x.png"))
+    assert result.exit_code == 2 and "the plot needs matplotlib" in result.output
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_refuses_a_database_without_the_schema(
+    cli: Any, server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import fresh_database
+    from worker.settings import get_settings
+
+    with fresh_database(server_url, "noschema") as url:
+        monkeypatch.setenv("FACTMILL_DATABASE_URL", url)
+        get_settings.cache_clear()
+        result = cli("history")
+    assert result.exit_code == 1 and "factmill db upgrade" in result.output
+
+
+# ---------------------------------------------------------------------------
+# A real Celery worker on the calibration queue
+# ---------------------------------------------------------------------------
+
+BROKER = broker_url_for_tests()
+
+
+@pytest.fixture
+def worker_env(database_url: str, simulator: Any) -> dict[str, str]:
+    if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
+        pytest.skip(f"no Redis at {BROKER}")
+    return service_env(database_url, BROKER, simulator.base_url, calibration_min_observations=20)
+
+
+@pytest.fixture
+def celery_client(worker_env: dict[str, str]) -> Iterator[Celery]:
+    celery = create_celery_app(
+        Settings(
+            broker_url=worker_env["FACTMILL_BROKER_URL"],
+            broker_key_prefix=worker_env["FACTMILL_BROKER_KEY_PREFIX"],
+        )
+    )
+    yield celery
+    celery.close()
+
+
+def job_status(factory: sessionmaker[Session], job_id: int) -> str | None:
+    with factory() as session:
+        return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+@pytest.mark.timeout(180)
+def test_a_real_worker_recomputes_and_beat_schedules(
+    factory: sessionmaker[Session], worker_env: dict[str, str], celery_client: Celery
+) -> None:
+    add(factory, separated())
+
+    def send(task_name: str, job_id: int, queue: str) -> None:
+        celery_client.send_task(task_name, args=[job_id], queue=queue)
+
+    worker = start_worker(worker_env, queues="calibration", concurrency=2)
+    with running(worker):
+        request = request_recompute(factory, "manual", sender=send)
+        wait_for(
+            lambda: job_status(factory, request.job_id) == "succeeded",
+            60,
+            "the recompute job to succeed",
+            diagnostics=lambda: f"{job_status(factory, request.job_id)}\n{worker.tail()}",
+        )
+        assert current(factory).version == 1
+        # What beat sends: the schedule task requests a job itself and the worker runs it.
+        add(factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
+        celery_client.send_task("tasks.calibration.schedule", queue="calibration")
+        wait_for(lambda: len(versions(factory)) == 2, 60, "the scheduled recompute",
+                 diagnostics=worker.tail)  # fmt: skip
+    with factory() as session:
+        scheduled = session.scalars(select(Job).where(Job.id != request.job_id)).one()
+        assert (scheduled.kind, scheduled.status, scheduled.options) == (
+            "calibration",
+            "succeeded",
+            {"trigger": "schedule"},
+        )
+    first, second = versions(factory)
+    assert first.active and first.job_id == request.job_id
+    assert not second.active and second.trigger == "schedule" and "stays active" in second.reason
+    assert "tasks.calibration.recompute" in "".join(worker.output)
+
+
+def test_the_beat_schedule_has_the_calibration_entry() -> None:
+    from worker.celery_app import celery_config
+
+    schedule = celery_config(Settings(broker_url="redis://x", calibration_schedule_seconds=120))[
+        "beat_schedule"
+    ]
+    entry = schedule["calibration-recompute"]
+    assert entry["task"] == "tasks.calibration.schedule" and entry["schedule"] == 120
+    assert entry["options"]["queue"] == "calibration"

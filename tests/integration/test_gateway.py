@@ -1,0 +1,537 @@
+"""The LLM gateway through the real openai and anthropic SDKs over HTTP against the simulator.
+
+Faults are injected by the simulator (a forcing header or seeded rates), never by patching an SDK.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ExtractionAudit, Fact, LLMCall
+from tests.service import broker_url_for_tests, redis_reachable
+from worker.core.facts import extraction_system_prompt, facts_json_schema, segment_user_message
+from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.errors import LLMError
+from worker.llm.gateway import open_llm_client
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.ratelimit import RateLimitedClient, RateLimits, RedisRateLimiter
+from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
+from worker.llm.simulator import Simulator, SimulatorConfig
+from worker.llm.types import ChatRequest, LLMClient
+from worker.pages import PageIn, upsert_page
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+APIS = ["openai", "anthropic"]
+SEGMENT = (
+    "Page: imessage: Alice Example\n"
+    "Conversation between Alice Example and Bob Demo from 2024-03-15T09:00:00Z to 2024-03-15T09:02:00Z\n"
+    "---\n"
+    "Alice Example (2024-03-15T09:00:00Z): Hi, I just signed the offer letter for Acme Corp.\n"
+    "Bob Demo (2024-03-15T09:01:00Z): Congrats! What's the title?\n"
+    "Alice Example (2024-03-15T09:02:00Z): Staff engineer. I will start on April 1st."
+)
+FAST = RetryPolicy(
+    max_attempts=4, max_total_wait_seconds=10, backoff_base_seconds=0.01, backoff_max_seconds=0.05
+)
+
+
+def facts_request(segment: str = SEGMENT, max_tokens: int = 1024) -> ChatRequest:
+    return ChatRequest(
+        purpose="extraction",
+        system=extraction_system_prompt(10),
+        messages=(("user", segment_user_message(segment)),),
+        max_tokens=max_tokens,
+        json_schema=facts_json_schema(10),
+        schema_name="facts",
+        cache_key="factmill-extraction-v1-10",
+    )
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[Simulator]:
+    with Simulator() as sim:
+        yield sim
+
+
+@pytest.fixture
+def sim(running: Simulator) -> Simulator:
+    """The module's simulator with default knobs, zeroed stats and an empty prefix cache."""
+    running.configure(**SimulatorConfig().model_dump())
+    running.reset()
+    return running
+
+
+def provider(api: str, sim: Simulator, *, timeout: float = 10.0, fault: str | None = None) -> LLMClient:
+    """A bare provider (no retries) speaking to ``sim`` through the SDK ``api`` names."""
+    headers = {"x-simulator-fault": fault} if fault else None
+    if api == "openai":
+        return OpenAIChatClient(
+            model="simulator-1",
+            base_url=sim.base_url,
+            timeout=timeout,
+            provider="simulator",
+            default_headers=headers,
+            embedding_model="simulator-embedding-1",
+        )
+    return AnthropicChatClient(
+        model="simulator-1",
+        base_url=sim.anthropic_base_url,
+        timeout=timeout,
+        provider="simulator",
+        default_headers=headers,
+    )
+
+
+def settled_stats(sim: Simulator, expected_requests: int, timeout: float = 5.0) -> dict[str, Any]:
+    """Stats once ``expected_requests`` were recorded: a hung request is counted when the simulator
+    notices the client hung up, a moment after the client raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = sim.stats()
+        if stats["requests_total"] >= expected_requests or time.monotonic() > deadline:
+            time.sleep(0.1)  # anything beyond the expectation would show up by now
+            return sim.stats()
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------------------------------
+# Each fault class through each SDK
+# --------------------------------------------------------------------------------------------------
+
+TRANSPORT_FAULTS = ["429", "500", "529", "timeout"]
+EXPECTED_STATUS = {
+    ("openai", "429"): 429,
+    ("openai", "500"): 500,
+    ("openai", "529"): 503,  # the OpenAI routes answer overload with 503
+    ("anthropic", "429"): 429,
+    ("anthropic", "500"): 500,
+    ("anthropic", "529"): 529,
+}
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("fault", TRANSPORT_FAULTS)
+def test_transport_faults_are_retried_until_the_attempts_run_out(
+    sim: Simulator, api: str, fault: str
+) -> None:
+    sim.configure(hang_seconds=2.0, retry_after_seconds=0.05)
+    client = RetryingClient(provider(api, sim, timeout=0.3, fault=fault), FAST)
+    with pytest.raises(LLMError) as caught:
+        client.chat(facts_request())
+    error = caught.value
+    assert error.retryable
+    assert error.status == EXPECTED_STATUS.get((api, fault))
+    if fault == "timeout":
+        assert "timed out" in str(error)
+    assert [a.number for a in error.attempts] == [1, 2, 3, 4]
+    assert all(a.error is not None for a in error.attempts)
+    assert [a.retry_in_seconds is not None for a in error.attempts] == [True, True, True, False]
+    stats = settled_stats(sim, 4)
+    assert stats["by_outcome"] == {fault: 4}, stats["by_outcome"]
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("fault", TRANSPORT_FAULTS)
+def test_the_sdks_own_retries_are_off(sim: Simulator, api: str, fault: str) -> None:
+    sim.configure(hang_seconds=2.0, retry_after_seconds=0.05)
+    client = RetryingClient(provider(api, sim, timeout=0.3, fault=fault), RetryPolicy(max_attempts=1))
+    with pytest.raises(LLMError) as caught:
+        client.chat(facts_request())
+    assert len(caught.value.attempts) == 1
+    stats = settled_stats(sim, 1)
+    assert stats["requests_total"] == 1 and stats["by_outcome"] == {fault: 1}
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("fault", TRANSPORT_FAULTS)
+def test_a_transient_fault_is_retried_and_the_call_succeeds(sim: Simulator, api: str, fault: str) -> None:
+    rate = {"429": "rate_429", "500": "rate_500", "529": "rate_529", "timeout": "rate_timeout"}[fault]
+    sim.configure(hang_seconds=2.0, retry_after_seconds=0.05, **{rate: 1.0})
+    seen: list[AttemptRecord] = []
+
+    def heal(record: AttemptRecord) -> None:
+        seen.append(record)
+        sim.configure(**{rate: 0.0})  # the provider recovers after the first failure
+
+    client = RetryingClient(provider(api, sim, timeout=0.3), FAST, on_attempt=heal)
+    traced = client.chat_traced(facts_request())
+    assert traced.value.finish == "end" and json.loads(traced.value.text)["facts"]
+    assert [a.ok for a in traced.attempts] == [False, True]
+    assert [a.ok for a in seen] == [False, True]
+    assert settled_stats(sim, 2)["by_outcome"] == {fault: 1, "ok": 1}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_retry_after_is_honoured(sim: Simulator, api: str) -> None:
+    sim.configure(retry_after_seconds=0.4)  # sent as retry-after-ms: 400 (and Retry-After: 1)
+    policy = RetryPolicy(max_attempts=3, max_total_wait_seconds=30, backoff_base_seconds=0.001)
+    client = RetryingClient(provider(api, sim, fault="429"), policy)
+    started = time.perf_counter()
+    with pytest.raises(LLMError) as caught:
+        client.chat(facts_request())
+    elapsed = time.perf_counter() - started
+    assert caught.value.status == 429 and caught.value.retry_after == pytest.approx(0.4)
+    assert [a.retry_in_seconds for a in caught.value.attempts][:2] == [
+        pytest.approx(0.4, abs=0.01),
+        pytest.approx(0.4, abs=0.01),
+    ]
+    assert elapsed >= 0.8  # two waits of at least Retry-After each (no upper bound: CI machines vary)
+    assert sim.stats()["by_outcome"] == {"429": 3}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_retry_after_is_capped_by_the_remaining_total_wait(sim: Simulator, api: str) -> None:
+    sim.configure(retry_after_seconds=30)
+    policy = RetryPolicy(max_attempts=5, max_total_wait_seconds=0.3, backoff_base_seconds=0.001)
+    client = RetryingClient(provider(api, sim, fault="429"), policy)
+    with pytest.raises(LLMError) as caught:
+        client.chat(facts_request())
+    waits = [a.retry_in_seconds for a in caught.value.attempts]
+    assert waits == [pytest.approx(0.3), None]  # the whole budget once, then no more tries
+    assert sim.stats()["by_outcome"] == {"429": 2}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_client_errors_fail_fast_with_the_providers_message(sim: Simulator, api: str) -> None:
+    client = RetryingClient(provider(api, sim, fault="teapot"), FAST)
+    with pytest.raises(LLMError) as caught:
+        client.chat(facts_request())
+    error = caught.value
+    assert not error.retryable and error.status == 400
+    assert "x-simulator-fault must be one of" in str(error)  # the provider's words, not a stack trace
+    assert len(error.attempts) == 1
+    assert sim.stats()["by_outcome"] == {"invalid_request": 1}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_content_faults_are_answers_not_retries(sim: Simulator, api: str) -> None:
+    """Malformed, truncated and refused replies come back as responses: extraction decides (repair,
+    a bigger cap, or a recorded refusal), the transport retry layer never repeats them."""
+    seen: list[AttemptRecord] = []
+    for fault in ("malformed", "truncated", "refusal"):
+        client = RetryingClient(provider(api, sim, fault=fault), FAST, on_attempt=seen.append)
+        response = client.chat(facts_request())
+        if fault == "malformed":
+            assert response.finish == "end"
+            with pytest.raises(Exception):  # noqa: B017 - the JSON or its shape is wrong, either will do
+                facts = json.loads(response.text)["facts"]
+                assert isinstance(facts, list)
+        elif fault == "truncated":
+            assert response.finish == "truncated"
+        else:
+            assert response.finish == "refusal" and response.refusal
+            assert response.text == ""
+    assert [a.number for a in seen] == [1, 1, 1]
+    assert sim.stats()["by_outcome"] == {"malformed": 1, "truncated": 1, "refusal": 1}
+
+
+# --------------------------------------------------------------------------------------------------
+# Providers: JSON, caching, usage, embeddings
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_structured_facts_and_prompt_caching(sim: Simulator, api: str) -> None:
+    client = provider(api, sim)
+    first = client.chat(facts_request())
+    second = client.chat(facts_request(SEGMENT.replace("Acme Corp", "Globex")))
+    facts = json.loads(second.text)["facts"]
+    assert any("Globex" in fact["fact"] for fact in facts)
+    assert (first.finish, second.finish) == ("end", "end")
+    assert first.usage.cache_read_tokens == 0
+    # The instructions come first and are the cached prefix on the second call.
+    system_tokens = len(extraction_system_prompt(10)) // 4
+    assert second.usage.cache_read_tokens >= system_tokens * 0.9
+    assert second.usage.input_tokens > second.usage.cache_read_tokens
+    if api == "anthropic":
+        assert first.usage.cache_write_tokens >= system_tokens * 0.9
+        assert second.usage.cache_write_tokens == 0
+        assert sim.stats()["by_route"] == {"messages": 2}
+    else:
+        assert sim.stats()["by_route"] == {"chat.completions": 2}
+
+
+def test_anthropic_embeddings_are_refused_clearly_without_an_embedding_provider(sim: Simulator) -> None:
+    with pytest.raises(LLMError, match="Anthropic has no embeddings API") as caught:
+        provider("anthropic", sim).embed(["hello"])
+    assert not caught.value.retryable
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_gateway_from_settings(sim: Simulator, api: str) -> None:
+    settings = Settings(
+        llm="simulator",
+        simulator_url=sim.base_url,
+        simulator_api=api,  # type: ignore[arg-type]
+        llm_rpm=6000,
+        broker_url=None,  # in-process limits here; the Redis limiter is tested below
+        ratelimit_redis_url=None,
+        llm_max_attempts=3,
+        llm_backoff_base_seconds=0.01,
+    )
+    with open_llm_client(settings) as client:
+        assert isinstance(client, RetryingClient) and isinstance(client.inner, RateLimitedClient)
+        assert (client.provider, client.model) == ("simulator", "simulator-1")
+        assert client.policy.max_attempts == 3
+        assert json.loads(client.chat(facts_request()).text)["facts"]
+        vectors = client.embed(["Alice loves hiking", "revenue grew"]).vectors
+        assert len(vectors) == 2 and len(vectors[0]) == 256
+    route = "messages" if api == "anthropic" else "chat.completions"
+    assert sim.stats()["by_route"] == {route: 1, "embeddings": 1}
+
+
+def test_gateway_without_limits_has_no_limiter_and_starts_its_own_simulator() -> None:
+    settings = Settings(llm="simulator", simulator_url=None, simulator_api="anthropic", llm_rpm=0, llm_tpm=0)
+    with open_llm_client(settings) as client:
+        assert isinstance(client, RetryingClient)
+        assert isinstance(client.inner, AnthropicChatClient)
+        assert json.loads(client.chat(facts_request()).text)["facts"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Extraction with 30% injected faults across every class
+# --------------------------------------------------------------------------------------------------
+
+PAGES = 10
+SEGMENTS_PER_PAGE = 8
+
+
+def conversation(page: int) -> str:
+    """A page of SEGMENTS_PER_PAGE segments (messages a minute apart, segments two hours apart)."""
+    lines = []
+    for s in range(SEGMENTS_PER_PAGE):
+        for m in range(3):
+            who = ("Alice Example", "Bob Demo")[(s + m) % 2]
+            lines.append(
+                f"**{who}** (2024-05-{page + 1:02d} {8 + 2 * s:02d}:{m:02d}): I moved to Lisbon in "
+                f"{2000 + page} and I run {5 + s} km on Sundays; I will call Acme Corp about order {s}-{m}."
+            )
+    return "\n".join(lines)
+
+
+def audit_outcomes(factory: sessionmaker[Session]) -> tuple[Counter[str], Counter[str]]:
+    with factory() as session:
+        audit = Counter(
+            dict(
+                session.execute(
+                    select(ExtractionAudit.outcome, func.count()).group_by(ExtractionAudit.outcome)
+                ).all()
+            )
+        )
+        calls = Counter(
+            dict(session.execute(select(LLMCall.outcome, func.count()).group_by(LLMCall.outcome)).all())
+        )
+    return audit, calls
+
+
+def transport_kind(record: AttemptRecord, api: str) -> str:
+    assert record.error is not None
+    status = record.error.status
+    if status is None:
+        assert "timed out" in str(record.error), record.error
+        return "timeout"
+    overloaded = 529 if api == "anthropic" else 503
+    return {429: "429", 500: "500", overloaded: "529"}[status]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_thirty_percent_faults_still_extract_every_page(factory: sessionmaker[Session], api: str) -> None:
+    config = SimulatorConfig.with_error_rate(0.3, seed=20240515, hang_seconds=3.0, retry_after_seconds=0.05)
+    with factory.begin() as session:
+        for page in range(PAGES):
+            upsert_page(
+                session,
+                PageIn(
+                    slug=f"conversations/p{page:02d}", type="conversation", compiled_truth=conversation(page)
+                ),
+            )
+    records: list[AttemptRecord] = []
+    lock = threading.Lock()
+
+    def record(attempt: AttemptRecord) -> None:
+        with lock:
+            records.append(attempt)
+
+    policy = RetryPolicy(
+        max_attempts=6, max_total_wait_seconds=10, backoff_base_seconds=0.01, backoff_max_seconds=0.1
+    )
+    runs = []
+    with Simulator(config) as sim:
+        client = RetryingClient(provider(api, sim, timeout=1.0), policy, on_attempt=record)
+        options = ExtractOptions(override_disabled=True, segment_concurrency=4)
+        for _ in range(12):  # a refused or twice-malformed segment fails its page; the next run resumes it
+            counters = run_extract_conversation_facts(factory, client, options)
+            runs.append(counters)
+            if counters.pages_failed == 0:
+                break
+        stats = settled_stats(sim, len(records))
+
+    assert runs[-1].pages_failed == 0, [r.as_dict(with_pages=False) for r in runs]
+    assert sum(r.pages_failed for r in runs) > 0, "30% faults should have failed some page on the way"
+    with factory() as session:
+        per_page = dict(
+            session.execute(
+                select(Fact.source_markdown_slug, func.count())
+                .where(Fact.is_audit.is_(False))
+                .group_by(Fact.source_markdown_slug)
+            ).all()
+        )
+        terminal = session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit.is_(True)))
+    assert len(per_page) == PAGES and all(count > 0 for count in per_page.values()), per_page
+    assert terminal == PAGES
+
+    faults = stats["by_outcome"]
+    assert (
+        sum(count for outcome, count in faults.items() if outcome != "ok") >= 0.15 * stats["requests_total"]
+    )
+    # Every content fault the simulator served is a recorded attempt in extraction_audit and llm_calls.
+    audit, calls = audit_outcomes(factory)
+    for fault, outcome in (
+        ("malformed", "malformed_output"),
+        ("truncated", "truncated_output"),
+        ("refusal", "refusal"),
+    ):
+        assert faults.get(fault, 0) > 0, faults
+        assert audit[outcome] == calls[outcome] == faults[fault], (fault, audit, faults)
+    assert audit["ok"] == calls["ok"] >= PAGES * SEGMENTS_PER_PAGE
+    # Every transport fault was retried by the gateway, seen by its attempt listener, and recorded as a
+    # provider_error attempt in both tables (retried or not: each one cost a request).
+    failed = [r for r in records if r.error is not None]
+    kinds = Counter(transport_kind(r, api) for r in failed)
+    for fault in TRANSPORT_FAULTS:
+        assert faults.get(fault, 0) > 0, faults
+        assert kinds[fault] == faults[fault], (fault, kinds, faults)
+    assert audit["provider_error"] == calls["provider_error"] == len(failed)
+    assert len(failed) == sum(faults[fault] for fault in TRANSPORT_FAULTS)
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared rate limiter across processes
+# --------------------------------------------------------------------------------------------------
+
+REDIS_URL = broker_url_for_tests()
+needs_redis = pytest.mark.skipif(not redis_reachable(REDIS_URL), reason=f"no Redis at {REDIS_URL}")
+
+LIMITED_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from worker.llm.ratelimit import RateLimits, RedisRateLimiter
+
+    url, prefix, calls, rpm, tpm, tokens, start_at = sys.argv[1:8]
+    limits = RateLimits(requests_per_minute=int(rpm), tokens_per_minute=int(tpm), burst_seconds=0)
+    limiter = RedisRateLimiter.from_url(url, limits, prefix=prefix)
+    time.sleep(max(0.0, float(start_at) - time.time()))
+    stamps = []
+    for _ in range(int(calls)):
+        limiter.acquire("simulator:simulator-1", int(tokens))
+        stamps.append(time.time())
+    print(json.dumps(stamps))
+    """
+)
+
+
+def run_limited_processes(
+    processes: int, calls: int, *, rpm: int = 0, tpm: int = 0, tokens: int = 0
+) -> list[list[float]]:
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    start_at = time.time() + 3.0  # every child has imported and connected by then
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LIMITED_CHILD,
+                REDIS_URL,
+                prefix,
+                str(calls),
+                str(rpm),
+                str(tpm),
+                str(tokens),
+                str(start_at),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        results.append(json.loads(out))
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+    return results
+
+
+def achieved_rate(stamps: list[float]) -> float:
+    stamps = sorted(stamps)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+@needs_redis
+def test_shared_rpm_limit_holds_across_two_processes() -> None:
+    rpm = 1200  # 20 requests a second, shared
+    per_process = 30
+    first, second = run_limited_processes(2, per_process, rpm=rpm)
+    limit = rpm / 60
+    rate = achieved_rate(first + second)
+    assert rate <= limit * 1.1, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
+    assert rate >= limit * 0.7, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
+    # Both processes ran at the same time and split the budget: neither had it to itself.
+    assert max(first[0], second[0]) < min(first[-1], second[-1])
+    for stamps in (first, second):
+        assert achieved_rate(stamps) <= limit * 0.5 * 1.3
+
+
+@needs_redis
+def test_shared_tpm_limit_holds_across_two_processes() -> None:
+    tpm = 120_000  # 2,000 tokens a second, shared
+    tokens = 100
+    first, second = run_limited_processes(2, 30, tpm=tpm, tokens=tokens)
+    limit = tpm / 60
+    rate = achieved_rate(first + second) * tokens
+    assert limit * 0.7 <= rate <= limit * 1.1, f"{rate:.0f} tokens/s against {limit:.0f}"
+
+
+@needs_redis
+def test_rate_limited_client_reconciles_tokens_with_actual_usage(sim: Simulator) -> None:
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(REDIS_URL)
+    limiter = RedisRateLimiter(client, RateLimits(tokens_per_minute=600_000), prefix=prefix)
+    limited = RateLimitedClient(provider("openai", sim), limiter)
+    key = f"{prefix}factmill:llm-ratelimit:simulator:simulator-1:tpm"
+    try:
+        request = facts_request(max_tokens=4000)  # the estimate counts the whole output cap
+        response = limited.chat(request)
+        # The key holds the bucket's end: now + the tokens charged. After reconciling with the real
+        # usage it is far less than the estimate (4,000 output tokens were never used).
+        seconds, micros = client.time()
+        ahead = (int(client.get(key) or 0) - (seconds * 1_000_000 + micros)) / 1_000_000
+        used = response.usage.input_tokens + response.usage.output_tokens
+        assert ahead <= used * 60 / 600_000 + 0.05
+    finally:
+        for stale in client.scan_iter(f"{prefix}*"):
+            client.delete(stale)

@@ -1,0 +1,774 @@
+"""Search over a seeded corpus with known answers: lexical, vector, hyde, expansion, fusion, snippets,
+filters, audit rows, bad query documents; through the Python API, HTTP and the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import warnings
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert, select, text
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from models import Fact
+from tests.conftest import fresh_database
+from worker import db
+from worker.config_store import ConfigReader
+from worker.core.intent import QueryParseError
+from worker.embedded import to_sqlalchemy_url
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.runtime import Runtime
+from worker.search import (
+    SearchError,
+    SearchFilters,
+    VectorSearchUnavailableError,
+    embed_facts,
+    embed_new_facts,
+    normalise_score,
+    parse_expansion,
+    parse_lex_query,
+    search,
+    vector_search_status,
+)
+from worker.settings import Settings, get_settings
+
+pytestmark = pytest.mark.integration
+
+SEGMENT = {
+    "alice-chat": "conversation segment 2024-03-01T09:00:00Z to 2024-03-01T09:40:00Z",
+    "bob-chat": "conversation segment 2024-04-02T18:00:00Z to 2024-04-02T18:25:00Z",
+    "team-sync": "conversation segment 2024-05-10T14:00:00Z to 2024-05-10T14:50:00Z",
+    "travel": "conversation segment 2023-11-20T08:00:00Z to 2023-11-20T08:15:00Z",
+}
+VALID_FROM = {
+    "alice-chat": datetime(2024, 3, 1, 9, tzinfo=UTC),
+    "bob-chat": datetime(2024, 4, 2, 18, tzinfo=UTC),
+    "team-sync": datetime(2024, 5, 10, 14, tzinfo=UTC),
+    "travel": datetime(2023, 11, 20, 8, tzinfo=UTC),
+}
+# (page, fact, kind, entity); row numbers follow the order within a page.
+CORPUS: list[tuple[str, str, str, str]] = [
+    ("alice-chat", "Alice moved to Lisbon in March 2024", "event", "alice"),
+    ("alice-chat", "Alice prefers oat milk in her coffee", "preference", "alice"),
+    ("alice-chat", "Alice promised to send the quarterly budget deck by Friday", "commitment", "alice"),
+    ("alice-chat", "Alice believes the launch should slip by one week", "belief", "alice"),
+    ("alice-chat", "Alice signed the offer letter from Acme Corp", "event", "alice"),
+    ("bob-chat", "Bob adopted a greyhound named Pixel", "event", "bob"),
+    ("bob-chat", "Bob is allergic to peanuts", "fact", "bob"),
+    ("bob-chat", "Bob committed to running the Berlin marathon in September", "commitment", "bob"),
+    ("bob-chat", "Bob prefers aisle seats on long flights", "preference", "bob"),
+    ("team-sync", "The performance review cycle starts in June", "fact", "hr"),
+    (
+        "team-sync",
+        "Web page load performance regressed to three seconds after the redesign",
+        "event",
+        "web-team",
+    ),
+    ("team-sync", "Carol owns the database migration to Postgres 16", "commitment", "carol"),
+    ("team-sync", "The staging cluster runs out of disk every Tuesday", "fact", "infra"),
+    ("travel", "Dmitri booked a cabin in Norway for the winter holidays", "event", "dmitri"),
+    ("travel", "Priya's passport expires in January 2025", "fact", "priya"),
+]
+FILLER_WORDS = ("groceries", "laundry", "standup", "lunch", "errands", "emails", "calendar", "gym")
+
+
+def seed(factory: sessionmaker[Session], *, filler: int = 60) -> dict[str, int]:
+    """Write the corpus (plus filler facts and audit rows) straight into facts; fact text → id."""
+    rows: list[dict[str, Any]] = []
+    per_page: dict[str, int] = {}
+    for page, fact, kind, entity in CORPUS:
+        row_num = per_page.get(page, 0)
+        per_page[page] = row_num + 1
+        rows.append(_row("default", page, row_num, fact, kind, entity, SEGMENT[page], VALID_FROM[page]))
+    for i in range(filler):
+        word = FILLER_WORDS[i % len(FILLER_WORDS)]
+        context = (
+            f"conversation segment 2024-02-{1 + i // 10:02d}T10:00:00Z to 2024-02-{1 + i // 10:02d}T10:30:00Z"
+        )
+        rows.append(
+            _row(
+                "default",
+                f"eve-diary-{i // 10}",
+                i % 10,
+                f"Eve mentioned the team {word} plan for week {i}",
+                "fact",
+                "eve",
+                context,
+                datetime(2024, 2, 1 + i // 10, 10, tzinfo=UTC),
+            )
+        )
+    # Another source with a Lisbon fact, for the source_id filter.
+    rows.append(
+        _row("work", "work-notes", 0, "Frank opened the Lisbon office", "event", "frank", "notes", None)
+    )
+    # Audit rows: the terminal markers. Their text matches queries on purpose; they must never show.
+    for page in SEGMENT:
+        audit = _row(
+            "default", page, -1, "EXTRACTION_COMPLETE Lisbon greyhound marathon", "fact", "", "", None
+        )
+        audit |= {"is_audit": True, "entity_slug": None, "source": "cli:extract-conversation-facts:terminal"}
+        rows.append(audit)
+    with factory.begin() as session:
+        session.execute(insert(Fact), rows)
+        ids = {
+            r.fact: r.id for r in session.execute(select(Fact.fact, Fact.id).where(Fact.is_audit.is_(False)))
+        }
+    return ids
+
+
+def _row(
+    source_id: str,
+    page: str,
+    row_num: int,
+    fact: str,
+    kind: str,
+    entity: str,
+    context: str,
+    valid_from: datetime | None,
+) -> dict[str, Any]:
+    return {
+        "source_id": source_id,
+        "fact": fact,
+        "kind": kind,
+        "entity_slug": entity,
+        "confidence": 0.9,
+        "notability": "high" if row_num == 0 else "medium",
+        "context": context,
+        "valid_from": valid_from,
+        "source": "cli:extract-conversation-facts",
+        "source_session": f"cli:extract-conversation-facts:{page}",
+        "source_markdown_slug": page,
+        "row_num": row_num,
+        "is_audit": False,
+    }
+
+
+def sim_client(simulator: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        embedding_model="simulator-embedding-1",
+    )
+
+
+def chat_calls(simulator: Any) -> int:
+    return int(simulator.stats()["by_route"].get("chat.completions", 0))
+
+
+def facts_of(outcome: Any) -> list[str]:
+    return [r.fact for r in outcome.results]
+
+
+# ------------------------------------------------------------------ databases with and without pgvector
+
+
+def _has_store(url: str) -> bool:
+    with db.get_engine(url).connect() as conn:
+        return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
+
+
+def _empty(url: str) -> sessionmaker[Session]:
+    engine = db.get_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE facts, llm_calls RESTART IDENTITY CASCADE"))
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@pytest.fixture(scope="session")
+def vector_database_url(database_url: str) -> Iterator[str]:
+    """A database with the pgvector store: the test database when its server has pgvector, else one on
+    the embedded pgserver (which bundles pgvector)."""
+    if _has_store(database_url):
+        yield database_url
+        return
+    try:
+        import pgserver
+    except ImportError:
+        pytest.skip(
+            "no pgvector: the test server lacks it (deploy/install-pgvector.sh) and pgserver is missing"
+        )
+    with tempfile.TemporaryDirectory(prefix="factmill-test-pgvector-") as tmp:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            pytest.skip(f"no pgvector: the test server lacks it and the embedded pgserver failed: {exc}")
+        try:
+            with fresh_database(to_sqlalchemy_url(server.get_uri()), "vec") as url:
+                db.upgrade(url)
+                if not _has_store(url):
+                    pytest.skip("no pgvector on the test server nor in the embedded pgserver")
+                yield url
+        finally:
+            server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def plain_database_url(server_url: str, database_url: str) -> Iterator[str]:
+    """A database without the pgvector store: the test database when its server lacks pgvector,
+    else a fresh one whose store and extension were dropped (what a server without pgvector has)."""
+    if not _has_store(database_url):
+        yield database_url
+        return
+    with fresh_database(server_url, "novec") as url:
+        db.upgrade(url)
+        with db.get_engine(url).begin() as conn:
+            conn.execute(text("DROP SCHEMA search CASCADE"))
+            conn.execute(text("DROP EXTENSION IF EXISTS vector"))
+        yield url
+
+
+@pytest.fixture
+def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    return _empty(vector_database_url)
+
+
+@pytest.fixture
+def plain_factory(plain_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    return _empty(plain_database_url)
+
+
+@pytest.fixture
+def llm(simulator: Any) -> OpenAIChatClient:
+    return sim_client(simulator)
+
+
+# --------------------------------------------------------------------------- lexical: known answers
+
+
+@pytest.mark.parametrize(
+    ("query", "answer"),
+    [
+        ("lex: greyhound", "Bob adopted a greyhound named Pixel"),
+        ("lex: lisbon", "Alice moved to Lisbon in March 2024"),
+        ('lex: "oat milk"', "Alice prefers oat milk in her coffee"),
+        ("lex: berlin marathon", "Bob committed to running the Berlin marathon in September"),
+        ("lex: passport", "Priya's passport expires in January 2025"),
+        ("lex: postgres", "Carol owns the database migration to Postgres 16"),
+        ("lex: norway cabin", "Dmitri booked a cabin in Norway for the winter holidays"),
+    ],
+)
+def test_lexical_top_1(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, query: str, answer: str
+) -> None:
+    seed(plain_factory)
+    outcome = search(plain_factory, llm, query, filters=SearchFilters(source_id="default"))
+    assert outcome.results[0].fact == answer
+    assert 0 < outcome.results[0].lex_score < 1  # type: ignore[operator]
+
+
+def test_lexical_top_5_are_the_entitys_facts(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    seed(plain_factory)
+    outcome = search(plain_factory, llm, "lex: alice", limit=5)
+    alice = {fact for page, fact, _, _ in CORPUS if page == "alice-chat"}
+    assert set(facts_of(outcome)) == alice
+
+
+def test_lexical_prefix_phrase_and_exclusion(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    seed(plain_factory)
+    # Prefix: "perform" finds both performance facts.
+    found = facts_of(search(plain_factory, llm, "lex: perform"))
+    assert sum("performance" in f for f in found) == 2
+    # Exclusion removes one of them.
+    found = facts_of(search(plain_factory, llm, "lex: performance -review"))
+    assert found == ["Web page load performance regressed to three seconds after the redesign"]
+    # A phrase keeps its word order: "milk oat" is not "oat milk".
+    assert search(plain_factory, llm, 'lex: "milk oat"').results == ()
+
+
+def test_lexical_scores_are_normalised_and_ordered(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    seed(plain_factory)
+    outcome = search(plain_factory, llm, "lex: team")
+    scores = [r.lex_score for r in outcome.results]
+    assert all(s is not None and 0 < s < 1 for s in scores)
+    assert scores == sorted(scores, reverse=True)  # type: ignore[type-var]
+    assert normalise_score(-3.0) == normalise_score(3.0) == 0.75
+    assert normalise_score(0.0) == 0.0
+
+
+def test_parse_lex_query() -> None:
+    parsed = parse_lex_query('where does "oat milk" -coffee alice live')
+    assert parsed.terms == ("alice", "live")  # stop words drop out of plain words
+    assert parsed.phrases == ("oat milk",)
+    assert parsed.excluded == ("coffee",)
+    assert parse_lex_query("where is it").terms == ("where", "is", "it")  # nothing but stop words
+
+
+# --------------------------------------------------------------------------- strong signal and expansion
+
+
+def test_strong_signal_skips_expansion(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    seed(plain_factory)
+    before = chat_calls(simulator)
+    outcome = search(plain_factory, llm, "greyhound pixel")
+    assert outcome.strong_signal is True
+    assert outcome.expanded is False
+    assert chat_calls(simulator) == before  # no LLM call at all
+    assert outcome.results[0].fact == "Bob adopted a greyhound named Pixel"
+    assert outcome.results[0].lex_score >= 0.85  # type: ignore[operator]
+
+
+def test_weak_signal_expands_once(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    seed(plain_factory)
+    before = chat_calls(simulator)
+    outcome = search(plain_factory, llm, "what does alice drink with coffee")
+    assert outcome.strong_signal is False
+    assert chat_calls(simulator) == before + 1
+    assert outcome.expanded is True
+    # No pgvector here: the vec/hyde expansions are dropped; the simulator's lex line repeats the
+    # query's own words, so the probe's search is not run twice.
+    assert [(line.type, line.origin) for line in outcome.lines] == [("lex", "query")]
+    assert outcome.vector_search == "unavailable"
+    assert "Alice prefers oat milk in her coffee" in facts_of(outcome)[:5]
+    # The expansion call is accounted for in llm_calls.
+    with plain_factory() as session:
+        purposes = session.scalars(text("SELECT purpose FROM llm_calls")).all()
+    assert "search_expansion" in purposes
+
+
+def test_an_intent_always_expands(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    seed(plain_factory)
+    before = chat_calls(simulator)
+    outcome = search(plain_factory, llm, "greyhound pixel", intent="pets and animals")
+    assert outcome.strong_signal is False
+    assert chat_calls(simulator) == before + 1
+    assert outcome.results[0].fact == "Bob adopted a greyhound named Pixel"
+
+
+def test_expansion_off_and_no_llm(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    seed(plain_factory)
+    before = chat_calls(simulator)
+    assert search(plain_factory, llm, "team lunch", expand=False).expanded is False
+    assert search(plain_factory, None, "team lunch").expanded is False
+    assert chat_calls(simulator) == before
+
+
+def test_parse_expansion_keeps_typed_lines_only() -> None:
+    reply = (
+        "Here you go:\nlex: oat milk\n- vec: what alice drinks\nhyde: Alice drinks oat milk.\nlex: oat milk\n"
+    )
+    reply += "LEX: coffee\nlex: tea\nlex: third lex line\nbanana: no"
+    assert parse_expansion(reply, "alice drink") == [
+        ("lex", "oat milk"),
+        ("vec", "what alice drinks"),
+        ("hyde", "Alice drinks oat milk."),
+        ("lex", "coffee"),
+    ]
+
+
+def test_user_lines_outweigh_expansions(plain_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(plain_factory)
+    outcome = search(plain_factory, llm, "what does alice drink with coffee", intent="oat milk")
+    lines = {(line.type, line.query, line.origin, line.weight) for line in outcome.lines}
+    assert lines == {
+        ("lex", "what does alice drink with coffee", "query", 2.0),
+        ("lex", "alice drink coffee oat milk", "expansion", 1.0),  # the simulator adds the intent's words
+    }
+    # The query's own words match nothing together; the expansion finds the answer.
+    assert outcome.results[0].fact == "Alice prefers oat milk in her coffee"
+    assert outcome.results[0].matched_by == ("lex:1", "lex:2")
+
+
+# --------------------------------------------------------------------------- intent and snippets
+
+
+def test_intent_changes_which_snippet_is_shown(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    seed(plain_factory)
+    review = "The performance review cycle starts in June"
+    plain = search(plain_factory, llm, "lex: performance")
+    result = next(r for r in plain.results if r.fact == review)
+    assert (
+        "review cycle" in result.snippet.splitlines()[1 + (result.snippet_line - 1 - _start(result.snippet))]
+    )
+    steered = search(plain_factory, llm, "lex: performance\nintent: web page load times")
+    result_with_intent = next(r for r in steered.results if r.fact == review)
+    assert steered.intent == "web page load times"
+    assert result_with_intent.snippet_line != result.snippet_line
+    best = result_with_intent.snippet.splitlines()[
+        1 + (result_with_intent.snippet_line - 1 - _start(result_with_intent.snippet))
+    ]
+    assert "Web page load" in best
+    # Provenance stays the result's own.
+    assert (result_with_intent.page_slug, result_with_intent.row_num) == ("team-sync", 0)
+
+
+def _start(snippet: str) -> int:
+    header = snippet.splitlines()[0]  # "@@ -<start>,<count> @@ (...)"
+    return int(header.split()[1].split(",")[0].lstrip("-")) - 1
+
+
+def test_results_carry_provenance(plain_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(plain_factory)
+    top = search(plain_factory, llm, "lex: greyhound").results[0]
+    assert top.page_slug == "bob-chat"
+    assert top.source_id == "default"
+    assert top.row_num == 0
+    assert top.segment == SEGMENT["bob-chat"]
+    assert (top.segment_start, top.segment_end) == ("2024-04-02T18:00:00Z", "2024-04-02T18:25:00Z")
+    assert top.confidence == 0.9 and top.notability == "high"
+    assert top.snippet.startswith("@@ -1,")
+    assert top.matched_by == ("lex:1",)
+    as_dict = top.as_dict()
+    assert as_dict["valid_from"] == "2024-04-02T18:00:00+00:00"
+
+
+# --------------------------------------------------------------------------- filters and audit rows
+
+
+def test_filters(plain_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(plain_factory)
+    assert set(facts_of(search(plain_factory, llm, "lex: lisbon"))) == {
+        "Alice moved to Lisbon in March 2024",
+        "Frank opened the Lisbon office",
+    }
+    only_work = search(plain_factory, llm, "lex: lisbon", filters=SearchFilters(source_id="work"))
+    assert facts_of(only_work) == ["Frank opened the Lisbon office"]
+    bob = search(plain_factory, llm, "lex: prefers", filters=SearchFilters(entity="bob"))
+    assert facts_of(bob) == ["Bob prefers aisle seats on long flights"]
+    commitments = search(plain_factory, llm, "lex: the", filters=SearchFilters(kind="commitment"))
+    assert {r.kind for r in commitments.results} == {"commitment"} and len(commitments.results) >= 2
+    recent = search(
+        plain_factory, llm, "lex: in", filters=SearchFilters(since=datetime(2024, 4, 1, tzinfo=UTC))
+    )
+    assert recent.results and all(r.page_slug in {"bob-chat", "team-sync"} for r in recent.results)
+    with pytest.raises(SearchError, match="kind must be one of"):
+        SearchFilters(kind="rumour")
+
+
+def test_audit_rows_never_appear(plain_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(plain_factory)
+    for query in ("lex: extraction_complete", "lex: greyhound", "EXTRACTION_COMPLETE", "lex: marathon"):
+        assert all("EXTRACTION_COMPLETE" not in r.fact for r in search(plain_factory, llm, query).results)
+    assert search(plain_factory, llm, "lex: extraction_complete").results == ()
+
+
+# --------------------------------------------------------------------------- bad documents
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ("lex: a\nexpand: b", "Line 2 starts with expand:"),
+        ("lex: a\nintent: x\nintent: y", "Line 3: only one intent: line is allowed per query document."),
+        ("intent: x", "intent: cannot appear alone. Add at least one lex:, vec:, or hyde: line."),
+        ("lex: a\nsomething else", "Line 2 is missing a lex:/vec:/hyde:/intent: prefix."),
+        ("lex: a\n\nvec:", "Line 3 (vec:) must include text."),
+    ],
+)
+def test_bad_documents_raise_the_parsers_error(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, document: str, message: str
+) -> None:
+    with pytest.raises(QueryParseError) as caught:
+        search(plain_factory, llm, document)
+    assert message in str(caught.value)
+
+
+def test_other_bad_requests(plain_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    with pytest.raises(SearchError, match="empty"):
+        search(plain_factory, llm, "   ")
+    with pytest.raises(SearchError, match="limit"):
+        search(plain_factory, llm, "x", limit=0)
+    with pytest.raises(SearchError, match="give it once"):
+        search(plain_factory, llm, "lex: a\nintent: one", intent="two")
+
+
+# --------------------------------------------------------------------------- vector search
+
+
+def test_vec_and_hyde_without_pgvector_give_a_clear_error(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    seed(plain_factory)
+    for document in ("vec: a dog as a pet", "hyde: Bob has a greyhound.", "lex: greyhound\nvec: dog"):
+        with pytest.raises(VectorSearchUnavailableError, match="vector search unavailable"):
+            search(plain_factory, llm, document)
+    # Lexical search still works on the same database.
+    assert (
+        search(plain_factory, llm, "lex: greyhound").results[0].fact == "Bob adopted a greyhound named Pixel"
+    )
+    # Embedding still fills facts.embedding (the store arrives with pgvector).
+    report = embed_facts(plain_factory, llm, batch_size=16, set_up_vector_store=False)
+    assert report.vector_search == "unavailable"
+    assert report.embedded == len(CORPUS) + 61
+
+
+def test_embed_facts_fills_the_vector_store(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    ids = seed(vector_factory)
+    report = embed_facts(vector_factory, llm, batch_size=25)
+    assert report.vector_search == "available"
+    assert report.embedded == len(ids) and report.batches == 4
+    with vector_factory() as session:
+        assert vector_search_status(session).available
+        stored = session.scalar(text("SELECT count(*) FROM search.fact_embeddings"))
+        audit_embedded = session.scalar(
+            text("SELECT count(*) FROM facts WHERE is_audit AND embedding IS NOT NULL")
+        )
+    assert stored == len(ids) and audit_embedded == 0
+    assert embed_facts(vector_factory, llm).embedded == 0  # nothing left to do
+
+
+def test_new_facts_hook_embeds_one_page(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(vector_factory)
+    assert embed_new_facts(vector_factory, llm, "default", "bob-chat") == 4
+    with vector_factory() as session:
+        assert session.scalar(text("SELECT count(*) FROM search.fact_embeddings")) == 4
+    # A failing gateway is logged, not raised: the facts are already stored.
+    broken = OpenAIChatClient(model="m", base_url="http://127.0.0.1:9/v1", timeout=1)
+    assert embed_new_facts(vector_factory, broken, "default", "alice-chat") == 0
+
+
+@pytest.mark.parametrize(
+    ("document", "answer"),
+    [
+        ("vec: greyhound pet", "Bob adopted a greyhound named Pixel"),
+        ("vec: peanuts allergy", "Bob is allergic to peanuts"),
+        ("hyde: Alice lives in Lisbon now.", "Alice moved to Lisbon in March 2024"),
+        (
+            "hyde: Dmitri has booked a cabin in Norway.",
+            "Dmitri booked a cabin in Norway for the winter holidays",
+        ),
+    ],
+)
+def test_vec_and_hyde_top_1(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient, document: str, answer: str
+) -> None:
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    outcome = search(vector_factory, llm, document)
+    assert outcome.vector_search == "available"
+    assert outcome.results[0].fact == answer
+    assert 0 < outcome.results[0].vec_score <= 1  # type: ignore[operator]
+
+
+def test_plain_query_fuses_lex_vec_and_expansions(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    before = chat_calls(simulator)
+    outcome = search(vector_factory, llm, "where does alice live")
+    assert chat_calls(simulator) == before + 1
+    kinds = {(line.type, line.origin) for line in outcome.lines}
+    assert {("lex", "query"), ("vec", "query"), ("hyde", "expansion")} <= kinds
+    assert "Alice moved to Lisbon in March 2024" in facts_of(outcome)[:5]
+    top = outcome.results[0]
+    assert top.vec_score is not None
+
+
+def test_vector_filters_and_audit(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(vector_factory)
+    with vector_factory.begin() as session:  # an audit row with an embedding still never shows
+        session.execute(text("UPDATE facts SET embedding = NULL"))
+    embed_facts(vector_factory, llm)
+    with vector_factory.begin() as session:
+        session.execute(
+            text(
+                "UPDATE facts SET embedding = (SELECT embedding FROM facts WHERE fact LIKE 'Bob adopted%') "
+                "WHERE is_audit"
+            )
+        )
+    outcome = search(vector_factory, llm, "vec: greyhound pet alice", filters=SearchFilters(entity="alice"))
+    assert outcome.results and all(r.entity == "alice" for r in outcome.results)
+    outcome = search(vector_factory, llm, "vec: greyhound pet")
+    assert all(not r.fact.startswith("EXTRACTION_COMPLETE") for r in outcome.results)
+
+
+def test_fusion_rewards_agreement(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    outcome = search(vector_factory, llm, "lex: marathon\nvec: running the Berlin marathon")
+    top = outcome.results[0]
+    assert top.fact == "Bob committed to running the Berlin marathon in September"
+    assert top.matched_by == ("lex:1", "vec:2")
+    # Two first places, weight 2 each: 2 * 2/61 plus the first-place bonus.
+    assert top.score == pytest.approx(4 / 61 + 0.05)
+
+
+# --------------------------------------------------------------------------- HTTP API
+
+
+def _runtime(url: str, factory: sessionmaker[Session], simulator: Any) -> Runtime:
+    settings = Settings(database_url=url, llm="simulator", simulator_url=simulator.base_url)
+    return Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+
+
+@pytest.fixture
+def api(
+    plain_database_url: str, plain_factory: sessionmaker[Session], simulator: Any
+) -> Iterator[TestClient]:
+    from worker.api.app import create_app
+
+    runtime = _runtime(plain_database_url, plain_factory, simulator)
+    with TestClient(create_app(runtime, sender=lambda *_: None)) as client:
+        yield client
+    runtime.close()
+
+
+def test_api_get_and_post(api: TestClient, plain_factory: sessionmaker[Session]) -> None:
+    seed(plain_factory)
+    got = api.get("/v1/search", params={"q": "lex: greyhound", "limit": 3})
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert body["results"][0]["fact"] == "Bob adopted a greyhound named Pixel"
+    assert body["results"][0]["page_slug"] == "bob-chat" and body["results"][0]["row_num"] == 0
+    assert body["searches"] == [
+        {"type": "lex", "query": "greyhound", "origin": "user", "weight": 2.0, "line": 1, "hits": 1}
+    ]
+    posted = api.post(
+        "/v1/search",
+        json={
+            "q": "lex: performance review\nintent: web page load times",
+            "source_id": "default",
+            "limit": 5,
+        },
+    )
+    assert posted.status_code == 200, posted.text
+    assert posted.json()["intent"] == "web page load times"
+    filtered = api.get("/v1/search", params={"q": "lex: lisbon", "source_id": "work"}).json()
+    assert [r["fact"] for r in filtered["results"]] == ["Frank opened the Lisbon office"]
+    kinds = api.get("/v1/search", params={"q": "lex: the", "kind": "commitment"}).json()["results"]
+    assert {r["kind"] for r in kinds} == {"commitment"}
+    since = api.get("/v1/search", params={"q": "lex: in", "since": "2024-04-01T00:00:00Z"}).json()["results"]
+    assert since and all(r["page_slug"] in {"bob-chat", "team-sync"} for r in since)
+
+
+def test_api_bad_document_is_400_with_the_parsers_message(api: TestClient) -> None:
+    response = api.get("/v1/search", params={"q": "lex: a\nintent: x\nintent: y"})
+    assert response.status_code == 400
+    assert response.json() == {"detail": "Line 3: only one intent: line is allowed per query document."}
+    response = api.post("/v1/search", json={"q": "lex: a\nnope"})
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith("Line 2 is missing a lex:/vec:/hyde:/intent: prefix.")
+    assert api.get("/v1/search", params={"q": "x", "kind": "rumour"}).status_code == 422
+    assert api.post("/v1/search", json={"q": "x", "unknown": 1}).status_code == 422
+
+
+def test_api_vec_without_pgvector_is_501(api: TestClient) -> None:
+    response = api.get("/v1/search", params={"q": "vec: dogs"})
+    assert response.status_code == 501
+    assert response.json()["detail"].startswith("vector search unavailable")
+
+
+def test_api_is_in_the_openapi_document(api: TestClient) -> None:
+    paths = api.get("/openapi.json").json()["paths"]
+    assert {"get", "post"} <= set(paths["/v1/search"])
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@contextlib.contextmanager
+def cli_env(monkeypatch: pytest.MonkeyPatch, url: str, simulator: Any) -> Iterator[None]:
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", url)
+    monkeypatch.setenv("FACTMILL_LLM", "simulator")
+    monkeypatch.setenv("FACTMILL_SIMULATOR_URL", simulator.base_url)
+    get_settings.cache_clear()
+    try:
+        yield
+    finally:
+        get_settings.cache_clear()
+
+
+def test_cli_search_and_embed(
+    monkeypatch: pytest.MonkeyPatch,
+    vector_database_url: str,
+    vector_factory: sessionmaker[Session],
+    simulator: Any,
+) -> None:
+    from worker.cli import app
+
+    seed(vector_factory)
+    runner = CliRunner()
+    with cli_env(monkeypatch, vector_database_url, simulator):
+        embedded = runner.invoke(app, ["embed", "--batch-size", "50"])
+        assert embedded.exit_code == 0, embedded.output
+        assert f"embedded {len(CORPUS) + 61} fact(s); vector search available" in embedded.output
+        result = runner.invoke(app, ["search", "lex: greyhound\\nvec: pet dog", "--json"])
+        assert result.exit_code == 0, result.output
+        body = json.loads(result.stdout)
+        assert body["results"][0]["fact"] == "Bob adopted a greyhound named Pixel"
+        table = runner.invoke(app, ["search", "greyhound pixel", "--entity", "bob", "--limit", "3"])
+        assert table.exit_code == 0, table.output
+        assert "greyhound" in table.output
+        intent = runner.invoke(app, ["search", "performance", "--intent", "web page load", "--json"])
+        assert json.loads(intent.stdout)["intent"] == "web page load"
+
+
+def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, simulator: Any) -> None:
+    from worker.cli import app
+
+    runner = CliRunner()
+    with cli_env(monkeypatch, plain_database_url, simulator):
+        bad = runner.invoke(app, ["search", "lex: a\\nintent: x\\nintent: y"])
+        assert bad.exit_code == 2
+        assert "only one intent: line is allowed" in bad.output
+        unavailable = runner.invoke(app, ["search", "vec: dogs"])
+        assert unavailable.exit_code == 3
+        assert "vector search unavailable" in unavailable.output
+
+
+def test_embed_sets_up_a_missing_store(server_url: str, llm: OpenAIChatClient) -> None:
+    """pgvector installed after migration 0003 ran: `factmill embed` creates the store and fills it."""
+    with fresh_database(server_url, "late") as url:
+        db.upgrade(url)
+        engine = db.get_engine(url)
+        with engine.begin() as conn:
+            if not conn.execute(text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first():
+                pytest.skip("the test server has no pgvector; the late set-up needs it")
+            conn.execute(text("DROP SCHEMA IF EXISTS search CASCADE"))
+            conn.execute(text("DROP EXTENSION IF EXISTS vector"))
+        factory = sessionmaker(engine, expire_on_commit=False)
+        seed(factory, filler=0)
+        with factory() as session:
+            assert "has pgvector but this database" in (vector_search_status(session).reason or "")
+        report = embed_facts(factory, llm)
+        assert report.vector_search == "available" and report.embedded == len(CORPUS) + 1
+        assert (
+            search(factory, llm, "vec: greyhound pet").results[0].fact
+            == "Bob adopted a greyhound named Pixel"
+        )
+
+
+def test_simulator_answers_the_expansion_prompt() -> None:
+    from worker.llm.sim_extract import PromptMessage, text_reply
+    from worker.search import expansion_request
+
+    request = expansion_request("where does Alice live", "moving house")
+    messages = [PromptMessage("system", request.system)] + [PromptMessage(r, t) for r, t in request.messages]
+    reply = text_reply(messages)
+    assert (
+        reply == "lex: alice live moving house\nvec: where does Alice live (moving house)\nhyde: Alice live."
+    )
+    assert parse_expansion(reply, "where does Alice live") == [
+        ("lex", "alice live moving house"),
+        ("vec", "where does Alice live (moving house)"),
+        ("hyde", "Alice live."),
+    ]

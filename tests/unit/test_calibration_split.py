@@ -1,0 +1,337 @@
+"""Calibration's pure parts: the stratified split, the activation rule, observation checks, CSV rows."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.calibration import (
+    Observation,
+    ObservationIn,
+    describe_tau,
+    evaluate,
+    parse_observations_csv,
+    split_observations,
+)
+from worker.core.quality import calibrate_threshold
+
+
+def observations(kept: list[float], lost: list[float], start: int = 1) -> list[Observation]:
+    values = [(c, True) for c in kept] + [(c, False) for c in lost]
+    return [Observation(start + i, c, k) for i, (c, k) in enumerate(values)]
+
+
+def separated(kept: int = 30, lost: int = 30) -> list[Observation]:
+    """Kept cases at 0.6 to 1.0, lost ones at 0.0 to 0.45 with the top third pinned at 0.5."""
+    good = [0.6 + 0.4 * i / max(1, kept - 1) for i in range(kept)]
+    pinned = lost // 3
+    bad = [0.45 * i / max(1, lost - pinned - 1) for i in range(lost - pinned)] + [0.5] * pinned
+    return observations(good, bad)
+
+
+# ---------------------------------------------------------------------------
+# split_observations
+# ---------------------------------------------------------------------------
+
+
+def test_split_is_stratified_by_label() -> None:
+    data = observations([0.9] * 11, [0.1] * 7)
+    calibration, held_out = split_observations(data)
+    assert sum(o.answer_kept for o in calibration) == 6 and sum(o.answer_kept for o in held_out) == 5
+    assert sum(not o.answer_kept for o in calibration) == 4 and sum(not o.answer_kept for o in held_out) == 3
+
+
+def test_split_halves_partition_the_input_and_come_back_sorted_by_id() -> None:
+    data = separated()
+    calibration, held_out = split_observations(data)
+    assert sorted(calibration + held_out, key=lambda o: o.id) == data
+    assert not {o.id for o in calibration} & {o.id for o in held_out}
+    assert calibration == sorted(calibration, key=lambda o: o.id)
+    assert held_out == sorted(held_out, key=lambda o: o.id)
+
+
+def test_split_is_deterministic_whatever_the_input_order() -> None:
+    data = separated()
+    shuffled = data[:]
+    random.Random(7).shuffle(shuffled)
+    assert split_observations(shuffled) == split_observations(data)
+    assert split_observations(data) == split_observations(data)
+
+
+def test_split_does_not_follow_arrival_order() -> None:
+    data = observations([0.9] * 40, [])
+    calibration, _ = split_observations(data)
+    assert [o.id for o in calibration] != [o.id for o in data[0::2]]
+
+
+def test_split_salt_changes_the_split() -> None:
+    data = separated()
+    assert split_observations(data, salt="a") != split_observations(data, salt="b")
+
+
+def test_split_of_nothing_is_two_empty_halves() -> None:
+    assert split_observations([]) == ([], [])
+
+
+def test_split_refuses_repeated_ids() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        split_observations([Observation(1, 0.5, True), Observation(1, 0.2, False)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), max_size=60))
+def test_split_properties(cases: list[tuple[float, bool]]) -> None:
+    data = [Observation(i + 1, c, k) for i, (c, k) in enumerate(cases)]
+    calibration, held_out = split_observations(data)
+    for label in (True, False):
+        total = sum(o.answer_kept is label for o in data)
+        assert sum(o.answer_kept is label for o in calibration) == math.ceil(total / 2)
+        assert sum(o.answer_kept is label for o in held_out) == total // 2
+
+
+# ---------------------------------------------------------------------------
+# evaluate: the activation rule
+# ---------------------------------------------------------------------------
+
+PARAMS: dict[str, Any] = {"alpha": 0.1, "target_recall": 0.9, "min_observations": 20}
+
+
+def test_separated_data_activates_with_tau_in_the_gap() -> None:
+    result = evaluate(separated(), **PARAMS)
+    assert result.activate, result.reason
+    assert result.tau is not None and 0.5 < result.tau < 0.6
+    assert result.held_out_rate == 1.0
+    assert (result.n, result.n_bad) == (60, 30)
+    assert (result.calibration_n, result.calibration_n_bad, result.held_out_n, result.held_out_n_bad) == (
+        30,
+        15,
+        30,
+        15,
+    )
+    assert result.held_out_accepted == 15
+    assert "meets the target 0.9" in result.reason
+
+
+def test_the_tau_is_the_one_calibrate_threshold_gives_on_the_calibration_half() -> None:
+    data = separated()
+    calibration, _ = split_observations(data)
+    expected = calibrate_threshold([o.score() for o in calibration], 0.9, 0.1)
+    assert evaluate(data, **PARAMS).tau == expected
+
+
+def test_coverage_that_does_not_separate_is_refused() -> None:
+    # Every lost case scored full coverage: no τ in [0, 1] can reject it, whatever the split.
+    data = observations([0.7 + 0.01 * i for i in range(20)], [1.0] * 20)
+    result = evaluate(data, **PARAMS)
+    assert not result.activate
+    assert result.tau == 1.0
+    assert result.held_out_rate == 0.0 and result.held_out_accepted == 10
+    assert "below the target 0.9" in result.reason
+
+
+def test_no_accepted_held_out_case_is_refused_as_unmeasurable() -> None:
+    data = observations([0.9] * 20, [0.9] * 20)  # τ lands just above 0.9: nothing is accepted
+    result = evaluate(data, **PARAMS)
+    assert not result.activate and result.held_out_rate is None and result.held_out_accepted == 0
+    assert "cannot be measured" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        ([], "no observations yet"),
+        (observations([0.9] * 10, [0.1] * 9), "too few observations: 19 (10 kept, 9 lost); at least 20"),
+        (observations([0.9] * 30, []), "no observation lost the answer (all 30 kept)"),
+        (observations([], [0.2] * 30), "every observation lost the answer (30 lost)"),
+        (observations([0.9] * 29, [0.2]), "only 1 observation lost the answer"),
+    ],
+)
+def test_data_that_cannot_support_a_threshold_gets_none(data: list[Observation], reason: str) -> None:
+    result = evaluate(data, **PARAMS)
+    assert result.tau is None and not result.activate
+    assert reason in result.reason
+    assert result.held_out_rate is None
+
+
+def test_few_lost_cases_note_the_clamped_conformal_rank() -> None:
+    data = observations([0.6 + 0.01 * i for i in range(30)], [0.1, 0.2, 0.3, 0.4])
+    result = evaluate(data, **PARAMS)
+    assert "fewer than the 9 the conformal rank at alpha=0.1 needs" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"alpha": 0.0}, "alpha must be strictly between 0 and 1"),
+        ({"alpha": math.nan}, "alpha must be strictly between 0 and 1"),
+        ({"target_recall": 1.0}, "target_recall must be strictly between 0 and 1"),
+        ({"min_observations": 3}, "min_observations must be an integer of at least 4"),
+    ],
+)
+def test_bad_parameters_raise(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        evaluate(separated(), **(PARAMS | kwargs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=20, max_size=80))
+def test_activation_means_the_held_out_rate_met_the_target(cases: list[tuple[float, bool]]) -> None:
+    data = [Observation(i + 1, c, k) for i, (c, k) in enumerate(cases)]
+    result = evaluate(data, **PARAMS)
+    if result.activate:
+        assert result.tau is not None and result.held_out_rate is not None
+        assert result.held_out_rate + 1e-9 >= 0.9 and result.held_out_accepted > 0
+        _, held_out = split_observations(data)
+        accepted = [o for o in held_out if o.coverage >= result.tau]
+        assert len(accepted) == result.held_out_accepted
+        assert sum(o.answer_kept for o in accepted) / len(accepted) == result.held_out_rate
+    if result.tau is None:
+        assert not result.activate
+
+
+# ---------------------------------------------------------------------------
+# ObservationIn
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"coverage": math.nan}, "coverage must be a number from 0 to 1"),
+        ({"coverage": 1.5}, "coverage must be a number from 0 to 1"),
+        ({"coverage": -0.1}, "coverage must be a number from 0 to 1"),
+        ({"coverage": math.inf}, "coverage must be a number from 0 to 1"),
+        ({"coverage": True}, "coverage must be a number from 0 to 1"),
+        ({"coverage": "0.5"}, "coverage must be a number from 0 to 1"),
+        ({"answer_kept": 1}, "answer_kept must be true or false"),
+        ({"origin": "  "}, "origin must be 1 to 200 printable characters"),
+        ({"origin": "x" * 201}, "origin must be 1 to 200 printable characters"),
+        ({"compaction_id": 0}, "compaction_id must be a positive integer"),
+        ({"compaction_id": True}, "compaction_id must be a positive integer"),
+        ({"idempotency_key": "a\nb"}, "idempotency_key must be 1 to 255 printable characters"),
+    ],
+)
+def test_invalid_observations_raise_a_clear_value_error(kwargs: dict[str, object], message: str) -> None:
+    values: dict[str, object] = {"coverage": 0.5, "answer_kept": True, "origin": "test"} | kwargs
+    with pytest.raises(ValueError, match=message):
+        ObservationIn(**values)  # type: ignore[arg-type]
+
+
+def test_dedupe_keys() -> None:
+    assert ObservationIn(0.5, True, "a").dedupe_key() is None
+    assert ObservationIn(0.5, True, "a", idempotency_key=" k1 ").dedupe_key() == "key:k1"
+    judged = ObservationIn(0.5, True, "a", compaction_id=7).dedupe_key()
+    assert judged is not None and judged.startswith("compaction:")
+    assert judged == ObservationIn(0.5, True, " a ", compaction_id=7).dedupe_key()
+    assert judged != ObservationIn(0.5, False, "a", compaction_id=7).dedupe_key()
+    assert judged != ObservationIn(0.5, True, "b", compaction_id=7).dedupe_key()
+
+
+def test_integer_coverage_is_a_float() -> None:
+    observation = ObservationIn(1, False, "a")
+    assert observation.coverage == 1.0 and isinstance(observation.coverage, float)
+
+
+# ---------------------------------------------------------------------------
+# CSV rows
+# ---------------------------------------------------------------------------
+
+
+def parse(content: str) -> tuple[list[tuple[int, ObservationIn]], list[tuple[int, str]], int]:
+    return parse_observations_csv(content, default_origin="csv:test.csv", file_digest="d1")
+
+
+def test_csv_positional_rows_with_blank_and_comment_lines() -> None:
+    good, errors, rows = parse("0.8,true,eval\n\n# a comment\n0.2,lost,,42\n0.4,kept\n")
+    assert errors == [] and rows == 3
+    assert [(line, o.coverage, o.answer_kept, o.origin, o.compaction_id) for line, o in good] == [
+        (1, 0.8, True, "eval", None),
+        (4, 0.2, False, "csv:test.csv", 42),
+        (5, 0.4, True, "csv:test.csv", None),
+    ]
+    assert good[0][1].idempotency_key == "csv:d1:1"
+    assert good[1][1].idempotency_key is None  # a judged compaction is identified by itself
+
+
+def test_csv_header_maps_columns_by_name() -> None:
+    good, errors, _ = parse("answer_kept,coverage,idempotency_key\nyes,0.7,k-1\nno,0.3,\n")
+    assert errors == []
+    assert [(line, o.coverage, o.answer_kept, o.idempotency_key) for line, o in good] == [
+        (2, 0.7, True, "k-1"),
+        (3, 0.3, False, "csv:d1:3"),
+    ]
+
+
+def test_csv_bad_rows_are_reported_by_line_and_good_rows_kept() -> None:
+    content = "\n".join(
+        [
+            "coverage,answer_kept,origin,compaction_id",  # 1
+            "0.9,true,a",  # 2
+            "nan,true,a",  # 3
+            "1.5,false,a",  # 4
+            "abc,true,a",  # 5
+            "0.5,maybe,a",  # 6
+            "0.5,true,a,x",  # 7
+            "0.5,true,a,1,extra",  # 8
+            '0.1,false,"multi',  # 9
+            'line origin"',  # 10
+            "0.3",  # 11 (one column: answer_kept is missing)
+        ]
+    )
+    good, errors, rows = parse(content)
+    assert rows == 9  # the quoted record on lines 9-10 is one row, reported at its first line
+    assert [(line, o.coverage) for line, o in good] == [(2, 0.9)]
+    messages = dict(errors)
+    assert sorted(messages) == [3, 4, 5, 6, 7, 8, 9, 11]
+    assert "origin must be 1 to 200 printable characters" in messages[9]
+    assert "coverage must be a number from 0 to 1" in messages[3] and "nan" in messages[3]
+    assert "got 1.5" in messages[4]
+    assert messages[5] == "coverage 'abc' is not a number"
+    assert "answer_kept 'maybe' is not one of" in messages[6]
+    assert "compaction_id 'x' is not a positive integer" in messages[7]
+    assert "at most 4 columns" in messages[8]
+    assert "answer_kept '' is not one of" in messages[11]
+
+
+def test_csv_without_header_checks_the_column_count() -> None:
+    _, errors, _ = parse("0.5,true,a,1,2\n")
+    assert errors == [(1, "expected 2 to 4 columns (coverage,answer_kept,origin[,compaction_id]), got 5")]
+
+
+def test_csv_unknown_header_column_is_a_file_error() -> None:
+    with pytest.raises(ValueError, match="line 1: unknown column"):
+        parse("coverage,answer_kept,colour\n0.5,true,red\n")
+    with pytest.raises(ValueError, match="no answer_kept column"):
+        parse("coverage,origin\n0.5,a\n")
+
+
+def test_describe_tau_marks_the_epsilon_bump() -> None:
+    assert describe_tau(0.5 + sys.float_info.epsilon) == "0.5+ε"
+    assert describe_tau(0.5) == "0.5"
+    assert describe_tau(0.0) == "0"
+    assert describe_tau(1.0) == "1"
+    assert describe_tau(0.123456) == "0.1235"
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.5 + sys.float_info.epsilon, 0.4237, 0.999, 1.0])
+def test_plot_bins_put_tau_on_an_edge(tau: float) -> None:
+    import numpy as np
+
+    from worker.cli_calibration import plot_bins
+
+    edges = plot_bins(tau)
+    assert edges[0] == 0.0 and edges[-1] == 1.0
+    assert all(a < b for a, b in itertools.pairwise(edges))
+    assert tau in edges
+    if 0 < tau < 1:
+        # A case just below τ is drawn left of the τ line, a case at τ right of it.
+        below, _ = np.histogram([tau - 1e-12 if tau > 0.01 else 0.0, tau], bins=edges)
+        index = edges.index(tau)
+        assert below[index - 1] == 1 and below[index] == 1

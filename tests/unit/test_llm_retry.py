@@ -1,0 +1,397 @@
+"""The gateway's retry policy, error classification and rate limiters, alone (no network, no Redis)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+import pytest
+
+from worker.llm.errors import LLMError, classify, retry_after_seconds, to_llm_error
+from worker.llm.ratelimit import (
+    LocalRateLimiter,
+    RateLimitedClient,
+    RateLimits,
+    estimate_request_tokens,
+    ratelimit_redis_url,
+    redis_py_url,
+)
+from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
+from worker.settings import Settings
+
+REQUEST = ChatRequest(purpose="test", system="s" * 400, messages=(("user", "u" * 200),), max_tokens=100)
+
+
+def ok_response(text: str = "{}", tokens: tuple[int, int] = (150, 20)) -> ChatResponse:
+    return ChatResponse(
+        text=text,
+        finish="end",
+        usage=Usage(input_tokens=tokens[0], output_tokens=tokens[1]),
+        provider="fake",
+        model="fake-1",
+        latency_ms=3,
+    )
+
+
+class ScriptedClient:
+    """Answers each call with the next item of ``script``: an exception to raise or a response."""
+
+    provider = "fake"
+    model = "fake-1"
+
+    def __init__(self, *script: Any) -> None:
+        self.script = list(script)
+        self.calls = 0
+
+    def _next(self) -> Any:
+        self.calls += 1
+        item = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        result: ChatResponse = self._next()
+        return result
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        self._next()
+        return EmbeddingResponse([[1.0] for _ in texts], Usage(input_tokens=len(texts)), "fake", "e", 1)
+
+
+def retryable(status: int | None = 500, retry_after: float | None = None) -> LLMError:
+    return LLMError(f"HTTP {status}", retryable=True, status=status, retry_after=retry_after, latency_ms=7)
+
+
+class Sleeps(list[float]):
+    def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
+def client(inner: Any, policy: RetryPolicy, **kwargs: Any) -> tuple[RetryingClient, Sleeps]:
+    sleeps = Sleeps()
+    return RetryingClient(inner, policy, sleep=sleeps, rng=random.Random(1), **kwargs), sleeps
+
+
+# --------------------------------------------------------------------------------------------------
+# RetryPolicy
+# --------------------------------------------------------------------------------------------------
+
+
+def test_policy_defaults_and_settings() -> None:
+    assert RetryPolicy() == RetryPolicy.from_settings(Settings())
+    policy = RetryPolicy.from_settings(Settings(llm_max_attempts=2, llm_backoff_base_seconds=0.1))
+    assert (policy.max_attempts, policy.backoff_base_seconds) == (2, 0.1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_attempts": 0},
+        {"max_total_wait_seconds": -1},
+        {"backoff_base_seconds": -0.1},
+        {"jitter": 1.5},
+    ],
+)
+def test_policy_refuses_nonsense(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**bad)
+
+
+def test_backoff_is_exponential_capped_and_jittered() -> None:
+    policy = RetryPolicy(backoff_base_seconds=0.5, backoff_max_seconds=4, jitter=0.5)
+    rng = random.Random(7)
+    for retry in range(1, 10):
+        ceiling = min(4.0, 0.5 * 2 ** (retry - 1))
+        draws = [policy.backoff(retry, rng) for _ in range(200)]
+        assert all(ceiling * 0.5 <= d <= ceiling for d in draws)
+        assert max(draws) - min(draws) > ceiling * 0.3  # really jittered
+    assert RetryPolicy(jitter=0).backoff(3) == 2.0
+    assert RetryPolicy(backoff_max_seconds=20).backoff(10_000) <= 20  # no overflow for huge counts
+
+
+def test_delay_honours_retry_after_within_the_remaining_budget() -> None:
+    policy = RetryPolicy(max_total_wait_seconds=10, backoff_base_seconds=0.5, jitter=0.5)
+    rng = random.Random(3)
+    assert 3.0 <= policy.delay(1, 3.0, 0.0, rng) <= 3.25  # never sooner than asked, a little jitter on top
+    assert policy.delay(1, 30.0, 4.0, rng) == 6.0  # capped by what is left of the total wait
+    assert policy.delay(1, None, 10.0, rng) == 0.0
+    assert policy.wait_budget_spent(10.0) and not policy.wait_budget_spent(9.9)
+
+
+# --------------------------------------------------------------------------------------------------
+# RetryingClient
+# --------------------------------------------------------------------------------------------------
+
+
+def test_retryable_errors_are_retried_until_success() -> None:
+    inner = ScriptedClient(retryable(500), retryable(None), ok_response())
+    retrying, sleeps = client(inner, RetryPolicy(backoff_base_seconds=1, jitter=0))
+    traced = retrying.chat_traced(REQUEST)
+    assert traced.value.text == "{}"
+    assert inner.calls == 3 and sleeps == [1.0, 2.0]
+    assert [(a.number, a.ok, a.retry_in_seconds) for a in traced.attempts] == [
+        (1, False, 1.0),
+        (2, False, 2.0),
+        (3, True, None),
+    ]
+    assert [a.error.status for a in traced.failed_attempts if a.error] == [500, None]
+    assert traced.attempts[0].latency_ms == 7
+    # Each record says what a recorder needs: purpose, provider, model, and the response of the success.
+    assert {(a.purpose, a.provider, a.model) for a in traced.attempts} == {("test", "fake", "fake-1")}
+    assert traced.attempts[-1].response is traced.value and traced.attempts[0].response is None
+    assert (retrying.provider, retrying.model) == ("fake", "fake-1")
+
+
+def test_non_retryable_errors_are_raised_at_once() -> None:
+    inner = ScriptedClient(LLMError("HTTP 400: bad schema", retryable=False, status=400), ok_response())
+    retrying, sleeps = client(inner, RetryPolicy())
+    with pytest.raises(LLMError, match="bad schema") as caught:
+        retrying.chat(REQUEST)
+    assert inner.calls == 1 and sleeps == []
+    assert len(caught.value.attempts) == 1
+
+
+def test_attempts_are_bounded_and_reported() -> None:
+    inner = ScriptedClient(retryable(503))
+    seen: list[AttemptRecord] = []
+    retrying, sleeps = client(
+        inner, RetryPolicy(max_attempts=4, backoff_base_seconds=0.1), on_attempt=seen.append
+    )
+    with pytest.raises(LLMError) as caught:
+        retrying.chat(REQUEST)
+    assert inner.calls == 4 and len(sleeps) == 3
+    assert [a.number for a in caught.value.attempts] == [1, 2, 3, 4]
+    assert caught.value.attempts[-1].retry_in_seconds is None
+    assert seen == list(caught.value.attempts)
+
+
+def test_total_wait_is_bounded() -> None:
+    inner = ScriptedClient(retryable(429, retry_after=4.0))
+    retrying, sleeps = client(inner, RetryPolicy(max_attempts=50, max_total_wait_seconds=10))
+    with pytest.raises(LLMError):
+        retrying.chat(REQUEST)
+    assert sum(sleeps) == pytest.approx(10.0)
+    assert all(s >= 4.0 for s in sleeps[:-1])  # Retry-After honoured until the budget ran short
+    assert inner.calls == len(sleeps) + 1 == 4
+
+
+def test_embeddings_are_retried_too() -> None:
+    inner = ScriptedClient(retryable(502), ok_response())
+    retrying, _ = client(inner, RetryPolicy(backoff_base_seconds=0))
+    assert retrying.embed(["a", "b"]).vectors == [[1.0], [1.0]]
+    assert inner.calls == 2
+
+
+def test_bugs_are_not_retried_and_a_broken_listener_changes_nothing() -> None:
+    inner = ScriptedClient(KeyError("oops"))
+    retrying, sleeps = client(inner, RetryPolicy())
+    with pytest.raises(KeyError):
+        retrying.chat(REQUEST)
+    assert inner.calls == 1 and sleeps == []
+
+    def broken(record: AttemptRecord) -> None:
+        raise RuntimeError("listener bug")
+
+    retrying, _ = client(ScriptedClient(retryable(), ok_response()), RetryPolicy(), on_attempt=broken)
+    assert retrying.chat(REQUEST).text == "{}"
+
+
+def test_each_retry_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    retrying, _ = client(ScriptedClient(retryable(529), ok_response()), RetryPolicy())
+    with caplog.at_level("WARNING", logger="worker.llm.retry"):
+        retrying.chat(REQUEST)
+    assert "attempt 1 of 5" in caplog.text and "HTTP 529" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------------
+# classify(): the one place exceptions are sorted
+# --------------------------------------------------------------------------------------------------
+
+HTTP_REQUEST = httpx2.Request("POST", "https://provider.example/v1/chat/completions")
+
+
+def status_error(sdk: Any, status: int, headers: dict[str, str] | None = None) -> Exception:
+    response = httpx2.Response(status, headers=headers or {}, request=HTTP_REQUEST)
+    body = {"error": {"message": f"provider says {status}", "type": "x"}}
+    error: Exception = sdk.APIStatusError(f"Error code: {status}", response=response, body=body)
+    return error
+
+
+@pytest.mark.parametrize("sdk", [openai, anthropic])
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 529])
+def test_throttling_and_server_errors_retry(sdk: Any, status: int) -> None:
+    c = classify(status_error(sdk, status))
+    assert c.retryable and c.status == status
+    assert f"provider says {status}" in c.message
+
+
+@pytest.mark.parametrize("sdk", [openai, anthropic])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422])
+def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, status: int) -> None:
+    c = classify(status_error(sdk, status))
+    assert not c.retryable
+    assert c.message == f"HTTP {status}: provider says {status}"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        openai.APITimeoutError(request=HTTP_REQUEST),
+        anthropic.APITimeoutError(request=HTTP_REQUEST),
+        openai.APIConnectionError(request=HTTP_REQUEST),
+        anthropic.APIConnectionError(request=HTTP_REQUEST),
+        httpx2.ConnectError("refused"),
+        httpx2.ReadTimeout("slow"),
+    ],
+)
+def test_timeouts_and_connection_errors_retry(exc: Exception) -> None:
+    assert classify(exc).retryable
+
+
+def test_anything_else_fails() -> None:
+    assert not classify(ValueError("bad")).retryable
+    error = to_llm_error(status_error(openai, 429, {"retry-after": "3"}), latency_ms=12)
+    assert (error.retryable, error.status, error.retry_after, error.latency_ms) == (True, 429, 3.0, 12)
+    assert classify(error).retry_after == 3.0  # an LLMError keeps its own classification
+
+
+def test_retry_after_headers() -> None:
+    assert retry_after_seconds({"retry-after-ms": "250", "retry-after": "1"}) == 0.25
+    assert retry_after_seconds({"retry-after": "2.5"}) == 2.5
+    assert retry_after_seconds({"retry-after": "-4"}) == 0.0
+    assert retry_after_seconds({"retry-after": "soon"}) is None
+    assert retry_after_seconds({}) is None and retry_after_seconds(None) is None
+    now = datetime(2024, 3, 15, 9, 0, tzinfo=UTC)
+    later = format_datetime(now + timedelta(seconds=30), usegmt=True)
+    assert retry_after_seconds({"retry-after": later}, now=now.timestamp()) == pytest.approx(30)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rate limits (in-process; the Redis limiter across processes is in tests/integration/test_gateway.py)
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_local_limiter_spaces_requests_at_the_rpm() -> None:
+    clock = FakeClock()
+    limiter = LocalRateLimiter(
+        RateLimits(requests_per_minute=120, burst_seconds=0), clock=clock, sleep=clock.sleep
+    )
+    start = clock.now
+    for _ in range(61):
+        limiter.acquire("p:m", 0)
+    assert clock.now - start == pytest.approx(30.0)  # 60 intervals of 0.5 s
+    other = LocalRateLimiter(
+        RateLimits(requests_per_minute=120, burst_seconds=0), clock=clock, sleep=clock.sleep
+    )
+    assert other.acquire("p:m", 0) == 0.0  # keys and limiters are independent
+
+
+def test_local_limiter_allows_a_burst_then_holds_the_rate() -> None:
+    clock = FakeClock()
+    limiter = LocalRateLimiter(
+        RateLimits(requests_per_minute=600, burst_seconds=1), clock=clock, sleep=clock.sleep
+    )
+    waits = [limiter.acquire("p:m", 0) for _ in range(30)]
+    assert waits[:10] == [0.0] * 10  # one second's worth at once
+    assert sum(waits) == pytest.approx(2.0)  # then 10 a second
+
+
+def test_local_limiter_holds_tokens_per_minute_and_lets_big_calls_through() -> None:
+    clock = FakeClock()
+    limiter = LocalRateLimiter(RateLimits(tokens_per_minute=6000), clock=clock, sleep=clock.sleep)  # 100/s
+    start = clock.now
+    for _ in range(10):
+        limiter.acquire("p:m", 50)
+    assert clock.now - start == pytest.approx(4.0)  # 500 tokens at 100/s, the first second's 100 at once
+    # A call bigger than the burst still goes once the bucket is empty, and runs it into debt.
+    assert limiter.acquire("p:m", 1000) == pytest.approx(1.0)  # the burst allowance drains first
+    assert limiter.acquire("p:m", 1) == pytest.approx(9.01)  # 10 s of debt, less the 1 s burst
+
+
+def test_reconcile_gives_back_unused_tokens() -> None:
+    clock = FakeClock()
+    limiter = LocalRateLimiter(
+        RateLimits(tokens_per_minute=6000, burst_seconds=0), clock=clock, sleep=clock.sleep
+    )
+    limiter.acquire("p:m", 500)  # 5 s of budget
+    limiter.reconcile("p:m", estimated=500, actual=100)
+    assert limiter.acquire("p:m", 100) == pytest.approx(1.0)  # only the 100 really used were held
+    limiter.reconcile("p:m", estimated=100, actual=300)  # used more than estimated: charged later
+    assert limiter.acquire("p:m", 1) == pytest.approx(3.0, abs=0.02)
+
+
+def test_in_process_limiter_holds_its_rate_across_threads() -> None:
+    limiter = LocalRateLimiter(RateLimits(requests_per_minute=1200, burst_seconds=0))  # 20/s
+    stamps: list[float] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(6):
+            limiter.acquire("p:m", 0)
+            with lock:
+                stamps.append(time.monotonic())
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stamps.sort()
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    assert 20 * 0.7 <= rate <= 20 * 1.1, rate
+
+
+class RecordingLimiter:
+    def __init__(self) -> None:
+        self.limits = RateLimits(requests_per_minute=1)
+        self.calls: list[tuple[Any, ...]] = []
+
+    def acquire(self, key: str, tokens: int) -> float:
+        self.calls.append(("acquire", key, tokens))
+        return 0.0
+
+    def reconcile(self, key: str, estimated: int, actual: int) -> None:
+        self.calls.append(("reconcile", key, estimated, actual))
+
+
+def test_rate_limited_client_estimates_then_reconciles() -> None:
+    limiter = RecordingLimiter()
+    limited = RateLimitedClient(ScriptedClient(ok_response(tokens=(150, 20))), limiter)
+    assert (limited.provider, limited.model) == ("fake", "fake-1")
+    limited.chat(REQUEST)
+    estimate = estimate_request_tokens(REQUEST)
+    assert estimate == 600 // 4 + 100
+    assert limiter.calls == [
+        ("acquire", "fake:fake-1", estimate),
+        ("reconcile", "fake:fake-1", estimate, 170),
+    ]
+
+
+def test_limiter_redis_url_resolution() -> None:
+    assert ratelimit_redis_url(Settings(broker_url=None, ratelimit_redis_url=None)) is None
+    assert ratelimit_redis_url(Settings(broker_url="redis://h:6379/0")) == "redis://h:6379/0"
+    assert ratelimit_redis_url(Settings(broker_url="amqp://h//")) is None
+    explicit = Settings(broker_url="amqp://h//", ratelimit_redis_url="redis://r/1")
+    assert ratelimit_redis_url(explicit) == "redis://r/1"
+    assert redis_py_url("redis+socket:///tmp/r.sock") == "unix:///tmp/r.sock"
+    assert redis_py_url("redis://h") == "redis://h"

@@ -1,0 +1,288 @@
+"""Calibration API: signed feedback (did a compaction keep the answer?) and the threshold versions.
+
+``POST /v1/feedback`` is signed exactly like the page webhooks (``Factmill-Signature`` over the raw
+body). It stores one observation and, every ``FACTMILL_CALIBRATION_RECOMPUTE_EVERY`` new ones,
+requests a recompute on the calibration queue, sent only after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from models import CalibrationThreshold
+from worker.api.app import (
+    IDEMPOTENCY_HEADER,
+    ApiContext,
+    ApiError,
+    Context,
+    _check_idempotency_key,
+    _errors,
+    _location,
+    _read_capped,
+    _summarize,
+    _too_large,
+)
+from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.calibration import (
+    MAX_KEY_LENGTH,
+    MAX_ORIGIN_LENGTH,
+    ObservationError,
+    ObservationIn,
+    active_threshold,
+    add_observation,
+    observation_stats,
+    threshold_history,
+)
+
+logger = logging.getLogger(__name__)
+
+# A feedback body is a handful of fields; anything near this size is not one.
+MAX_FEEDBACK_BYTES = 64 * 1024
+
+calibration_router = APIRouter(tags=["calibration"])
+
+
+class FeedbackIn(BaseModel):
+    """One labelled case: the coverage a compaction scored and whether the answer survived it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coverage: Annotated[
+        float,
+        Field(
+            ge=0, le=1, allow_inf_nan=False, strict=True, description="Coverage the summary scored, 0 to 1"
+        ),
+    ]
+    answer_kept: Annotated[StrictBool, Field(description="Did the compressed context still hold the answer?")]
+    origin: Annotated[
+        str,
+        Field(min_length=1, max_length=MAX_ORIGIN_LENGTH, description="Who judged it, e.g. 'eval:nightly'"),
+    ]
+    compaction_id: Annotated[StrictInt | None, Field(ge=1, description="The compaction judged")] = None
+    idempotency_key: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_KEY_LENGTH,
+            description="A resubmission with this key is answered as a duplicate and stored once",
+        ),
+    ] = None
+
+
+class FeedbackOut(BaseModel):
+    id: int
+    duplicate: bool  # True: this key (or this exact compaction judgement) was already stored
+    coverage: float
+    answer_kept: bool
+    origin: str
+    compaction_id: int | None
+    recompute_job_id: int | None  # set when this observation made a recompute due
+
+
+def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(
+            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, "body must be a JSON object with coverage, answer_kept and origin")
+    try:
+        feedback = FeedbackIn.model_validate(data)
+    except ValidationError as exc:
+        problems = [{"loc": _location(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
+        raise ApiError(422, _summarize(problems), errors=problems) from None
+    key = feedback.idempotency_key
+    if header_key is not None:
+        if key is not None and key.strip() != header_key:
+            raise ApiError(
+                422,
+                f"{IDEMPOTENCY_HEADER} header and idempotency_key differ; send one key, or the same in both",
+            )
+        key = header_key
+    try:
+        return ObservationIn(
+            coverage=feedback.coverage,
+            answer_kept=feedback.answer_kept,
+            origin=feedback.origin,
+            compaction_id=feedback.compaction_id,
+            idempotency_key=key,
+        )
+    except ObservationError as exc:
+        raise ApiError(422, str(exc)) from None
+
+
+def accept_feedback(
+    ctx: ApiContext, body: bytes, signature: str | None, header_key: str | None
+) -> JSONResponse:
+    """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
+    settings = ctx.settings
+    try:
+        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
+    except SignatureError as exc:
+        raise ApiError(401, exc.reason) from None
+    observation = _parse_feedback(body, _check_idempotency_key(header_key))
+    try:
+        report = add_observation(
+            ctx.factory, observation, recompute_every=settings.calibration_recompute_every
+        )
+    except ObservationError as exc:  # the key was used before for a different observation
+        raise ApiError(422, str(exc)) from None
+    [stored] = report.stored
+    pending = report.pending_jobs()
+    ctx.enqueue(pending)
+    out = FeedbackOut(
+        id=stored.id,
+        duplicate=stored.duplicate,
+        coverage=observation.coverage,
+        answer_kept=observation.answer_kept,
+        origin=observation.origin,
+        compaction_id=observation.compaction_id,
+        recompute_job_id=report.recompute.job_id if report.recompute is not None else None,
+    )
+    if stored.duplicate:
+        logger.info("duplicate feedback for observation %s (%s)", stored.id, observation.origin)
+    else:
+        logger.info(
+            "feedback stored as observation %s (coverage %.4f, kept %s, %s); %s recompute(s) sent",
+            stored.id,
+            observation.coverage,
+            observation.answer_kept,
+            observation.origin,
+            len(pending),
+        )
+    return JSONResponse(out.model_dump(mode="json"), 200 if stored.duplicate else 201)
+
+
+@calibration_router.post(
+    "/v1/feedback",
+    status_code=201,
+    response_model=FeedbackOut,
+    summary="Record whether a compaction kept the answer (signed webhook)",
+    responses={
+        200: {"model": FeedbackOut, "description": "A duplicate: stored before"},
+        **_errors(401, 413, 422),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": FeedbackIn.model_json_schema()}},
+        }
+    },
+)
+async def post_feedback(
+    request: Request,
+    ctx: Context,
+    factmill_signature: Annotated[
+        str | None,
+        Header(
+            alias=SIGNATURE_HEADER,
+            description="t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'> under FACTMILL_WEBHOOK_SECRET",
+        ),
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias=IDEMPOTENCY_HEADER, description="Same as the body's idempotency_key"),
+    ] = None,
+) -> Response:
+    """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
+
+    Coverage must be a number from 0 to 1 (NaN and infinities are refused with 422). A resubmission is
+    recognised by its `idempotency_key` (body or header), or, for a judgement of a known compaction,
+    by its identical origin, compaction_id, coverage and answer_kept.
+    """
+    cap = min(ctx.settings.max_body_bytes, MAX_FEEDBACK_BYTES)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError(400, "Content-Length must be a non-negative integer")
+        if int(declared) > cap:
+            raise _too_large(cap)
+    body = await _read_capped(request, cap)
+    return await run_in_threadpool(accept_feedback, ctx, body, factmill_signature, idempotency_key)
+
+
+class ThresholdOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    version: int
+    tau: float | None  # None: no threshold was computed (see reason)
+    active: bool
+    reason: str
+    alpha: float
+    target_recall: float
+    min_observations: int
+    n: int
+    n_bad: int
+    calibration_n: int
+    calibration_n_bad: int
+    held_out_n: int
+    held_out_n_bad: int
+    held_out_accepted: int
+    held_out_rate: float | None
+    split_method: str
+    max_observation_id: int | None
+    trigger: str
+    job_id: int | None
+    computed_at: datetime
+    activated_at: datetime | None
+
+
+class ObservationsOut(BaseModel):
+    n: int
+    kept: int
+    lost: int
+    since_last_version: int
+    last_at: datetime | None
+
+
+class CalibrationOut(BaseModel):
+    tau: float  # what gates use now
+    version: int | None  # the active version; None: no version is active and tau is the fallback
+    fallback: bool
+    active: ThresholdOut | None
+    observations: ObservationsOut
+    history: list[ThresholdOut]  # newest first
+
+
+@calibration_router.get(
+    "/v1/calibration", response_model=CalibrationOut, summary="The active threshold and its history"
+)
+def get_calibration(
+    ctx: Context, limit: Annotated[int, Query(ge=1, le=1000, description="History versions to list")] = 50
+) -> CalibrationOut:
+    with ctx.factory() as session:
+        current = active_threshold(session)
+        history = [ThresholdOut.model_validate(row) for row in threshold_history(session, limit)]
+        active_row = (
+            session.get(CalibrationThreshold, current.version) if current.version is not None else None
+        )
+        stats = observation_stats(session)
+        active = ThresholdOut.model_validate(active_row) if active_row is not None else None
+    return CalibrationOut(
+        tau=current.tau,
+        version=current.version,
+        fallback=current.version is None,
+        active=active,
+        observations=ObservationsOut(
+            n=stats.n,
+            kept=stats.kept,
+            lost=stats.lost,
+            since_last_version=stats.since_last_version,
+            last_at=stats.last_at,
+        ),
+        history=history,
+    )

@@ -1,0 +1,168 @@
+"""GET and POST /v1/search: intent-aware search over the facts (worker.search behind HTTP)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.core.intent import QueryParseError
+from worker.runtime import Runtime
+from worker.search import (
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    SearchError,
+    SearchFilters,
+    VectorSearchUnavailableError,
+    search,
+)
+
+logger = logging.getLogger(__name__)
+
+KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+
+
+def _runtime(request: Request) -> Runtime:
+    # The app keeps its ApiContext on app.state.factmill (worker.api.app); only its runtime is needed.
+    runtime: Runtime = request.app.state.factmill.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(_runtime)]
+
+
+class SearchBody(BaseModel):
+    """A search: a plain query or a query document of lex:/vec:/hyde:/intent: lines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    q: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document.")
+    intent: str | None = Field(default=None, max_length=500, description="What the user is after.")
+    source_id: str | None = None
+    entity: str | None = Field(default=None, description="Only facts about this entity slug.")
+    kind: KindName | None = None
+    since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
+    limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
+    expand: bool = Field(default=True, description="Let the LLM expand a plain query.")
+
+
+class SearchLineOut(BaseModel):
+    type: str
+    query: str
+    origin: str
+    weight: float
+    line: int | None
+    hits: int
+
+
+class SearchResultOut(BaseModel):
+    fact_id: int
+    fact: str
+    kind: str
+    entity: str | None
+    score: float
+    lex_score: float | None
+    vec_score: float | None
+    source_id: str
+    page_slug: str
+    segment: str
+    segment_start: str | None
+    segment_end: str | None
+    row_num: int
+    confidence: float
+    notability: str
+    valid_from: str | None
+    snippet: str
+    snippet_line: int
+    matched_by: list[str]
+
+
+class SearchOut(BaseModel):
+    query: str
+    intent: str | None
+    structured: bool
+    expanded: bool
+    strong_signal: bool
+    vector_search: str
+    searches: list[SearchLineOut]
+    results: list[SearchResultOut]
+    took_ms: float
+    notes: list[str]
+
+
+class SearchErrorOut(BaseModel):
+    detail: str
+
+
+search_router = APIRouter(tags=["search"])
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": SearchErrorOut, "description": "A bad query document or filter; detail says what to fix."},
+    501: {"model": SearchErrorOut, "description": "vec:/hyde: lines on a server without pgvector."},
+}
+
+
+def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
+    settings = runtime.settings
+    try:
+        outcome = search(
+            runtime.factory,
+            lambda: runtime.llm,  # opened only when a line needs it
+            body.q,
+            intent=body.intent,
+            filters=SearchFilters(
+                source_id=body.source_id, entity=body.entity, kind=body.kind, since=body.since
+            ),
+            limit=body.limit or settings.search_default_limit,
+            expand=body.expand and settings.search_expand,
+        )
+    except QueryParseError as exc:
+        raise HTTPException(400, detail=str(exc)) from None
+    except VectorSearchUnavailableError as exc:
+        raise HTTPException(501, detail=str(exc)) from None
+    except SearchError as exc:
+        raise HTTPException(400, detail=str(exc)) from None
+    return outcome.as_dict()
+
+
+@search_router.get(
+    "/v1/search",
+    response_model=SearchOut,
+    responses=_RESPONSES,
+    summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
+)
+def search_get(
+    runtime: RuntimeDep,
+    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS)],
+    intent: Annotated[str | None, Query(max_length=500)] = None,
+    source_id: str | None = None,
+    entity: str | None = None,
+    kind: KindName | None = None,
+    since: datetime | None = None,
+    limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None,
+    expand: bool = True,
+) -> dict[str, Any]:
+    body = SearchBody(
+        q=q,
+        intent=intent,
+        source_id=source_id,
+        entity=entity,
+        kind=kind,
+        since=since,
+        limit=limit,
+        expand=expand,
+    )
+    return run_search(runtime, body)
+
+
+@search_router.post(
+    "/v1/search",
+    response_model=SearchOut,
+    responses=_RESPONSES,
+    summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
+)
+def search_post(runtime: RuntimeDep, body: SearchBody) -> dict[str, Any]:
+    return run_search(runtime, body)

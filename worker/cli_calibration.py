@@ -1,0 +1,454 @@
+"""`factmill calibration`: add and import observations, show and plot the threshold, history, recompute."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from models import CalibrationThreshold
+from worker.calibration import (
+    ActiveThreshold,
+    CsvFormatError,
+    ObservationError,
+    ObservationIn,
+    ObservationStats,
+    active_threshold,
+    add_observation,
+    coverages_by_label,
+    describe_tau,
+    import_csv,
+    observation_stats,
+    recompute,
+    request_recompute,
+    threshold_history,
+)
+from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
+from worker.settings import get_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+calibration_app = typer.Typer(
+    help="Calibration of the summary quality gate: observations, thresholds, history, plot.",
+    no_args_is_help=True,
+)
+
+# Soft wrap: reasons are long sentences that people copy and tests match; the terminal wraps them.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    from worker.cli import fail  # late: worker.cli imports this module to register it
+
+    return fail(message, code)
+
+
+def _factory() -> sessionmaker[Session]:
+    from worker.cli import _factory as checked_factory
+
+    return checked_factory(get_settings())
+
+
+def _send(factory: sessionmaker[Session], pairs: list[tuple[int, str]]) -> int:
+    from worker.jobs import enqueue
+
+    return enqueue(factory, pairs) if pairs else 0
+
+
+def _tau(value: float | None) -> str:
+    return "—" if value is None else describe_tau(value)
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _version_dict(row: CalibrationThreshold) -> dict[str, Any]:
+    return {
+        "version": row.version,
+        "tau": row.tau,
+        "active": row.active,
+        "reason": row.reason,
+        "alpha": row.alpha,
+        "target_recall": row.target_recall,
+        "min_observations": row.min_observations,
+        "n": row.n,
+        "n_bad": row.n_bad,
+        "calibration_n": row.calibration_n,
+        "calibration_n_bad": row.calibration_n_bad,
+        "held_out_n": row.held_out_n,
+        "held_out_n_bad": row.held_out_n_bad,
+        "held_out_accepted": row.held_out_accepted,
+        "held_out_rate": row.held_out_rate,
+        "split_method": row.split_method,
+        "max_observation_id": row.max_observation_id,
+        "trigger": row.trigger,
+        "job_id": row.job_id,
+        "computed_at": row.computed_at.isoformat(),
+        "activated_at": row.activated_at.isoformat() if row.activated_at else None,
+    }
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# add / import
+# ---------------------------------------------------------------------------
+
+
+@calibration_app.command("add")
+def add(
+    coverage: Annotated[float, typer.Option(help="Coverage the summary scored, from 0 to 1.")],
+    kept: Annotated[bool, typer.Option("--kept/--lost", help="Did the summary keep the answer?")],
+    origin: Annotated[str, typer.Option(help="Who judged it.")] = "cli",
+    compaction_id: Annotated[int | None, typer.Option(min=1, help="The compaction judged.")] = None,
+    key: Annotated[str | None, typer.Option(help="Idempotency key: adding it again is a no-op.")] = None,
+    enqueue: Annotated[bool, typer.Option(help="Send a due recompute to the broker now.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+) -> None:
+    """Record one observation: the coverage a compaction scored and whether it kept the answer."""
+    try:
+        observation = ObservationIn(coverage, kept, origin, compaction_id, key)
+    except ObservationError as exc:
+        raise _fail(str(exc), code=2) from exc
+    factory = _factory()
+    settings = get_settings()
+    try:
+        report = add_observation(factory, observation, recompute_every=settings.calibration_recompute_every)
+    except ObservationError as exc:
+        raise _fail(str(exc), code=2) from exc
+    sent = _send(factory, report.pending_jobs()) if enqueue else 0
+    [stored] = report.stored
+    job = report.recompute.job_id if report.recompute is not None else None
+    if as_json:
+        _print_json(
+            {"id": stored.id, "duplicate": stored.duplicate, "recompute_job_id": job, "enqueued": sent}
+        )
+        return
+    if stored.duplicate:
+        out.print(f"duplicate: observation {stored.id} already records this; nothing added")
+    else:
+        out.print(f"observation {stored.id} added (coverage {observation.coverage:g}, {_label(kept)})")
+    if job is not None:
+        out.print(f"recompute job {job} requested")
+
+
+def _label(kept: bool) -> str:
+    return "answer kept" if kept else "answer lost"
+
+
+@calibration_app.command("import")
+def import_file(
+    file: Annotated[
+        Path, typer.Argument(help="CSV: coverage,answer_kept,origin[,compaction_id], optional header.")
+    ],
+    origin: Annotated[str | None, typer.Option(help="Origin for rows that leave it blank.")] = None,
+    enqueue: Annotated[bool, typer.Option(help="Send a due recompute to the broker now.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+) -> None:
+    """Import observations from a CSV file; bad rows are reported by line and the good ones kept.
+
+    answer_kept accepts true/false, 1/0, yes/no or kept/lost. Importing the same file again adds nothing.
+    """
+    if not file.is_file():
+        raise _fail(f"no such file: {file}", code=2)
+    factory = _factory()
+    try:
+        report = import_csv(
+            factory, file, origin=origin, recompute_every=get_settings().calibration_recompute_every
+        )
+    except (CsvFormatError, OSError) as exc:
+        raise _fail(f"{file}: {exc}", code=2) from exc
+    sent = _send(factory, report.pending_jobs()) if enqueue else 0
+    job = report.recompute.job_id if report.recompute is not None else None
+    if as_json:
+        _print_json(
+            {
+                "rows": report.rows,
+                "added": len(report.added),
+                "duplicates": len(report.duplicates),
+                "errors": [{"line": line, "error": message} for line, message in report.errors],
+                "recompute_job_id": job,
+                "enqueued": sent,
+            }
+        )
+    else:
+        out.print(
+            f"{report.rows} row(s): {len(report.added)} added, {len(report.duplicates)} duplicate(s), "
+            f"{len(report.errors)} error(s)"
+        )
+        for line, message in report.errors:
+            err.print(f"[yellow]line {line}:[/] {message}", highlight=False)
+        if job is not None:
+            out.print(f"recompute job {job} requested")
+    if report.errors and not report.added and not report.duplicates:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------
+# show / history / recompute
+# ---------------------------------------------------------------------------
+
+
+@calibration_app.command("show")
+def show(
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG of kept vs lost coverage and the chosen τ here.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The threshold gates use now, where it came from, and the observations behind it."""
+    factory = _factory()
+    with factory() as session:
+        current = active_threshold(session)
+        stats = observation_stats(session)
+        newest = threshold_history(session, 1)
+        latest = newest[0] if newest else None
+        active_row = (
+            session.get(CalibrationThreshold, current.version) if current.version is not None else None
+        )
+        kept, lost = coverages_by_label(session) if plot is not None else ([], [])
+    if plot is not None:
+        if not kept and not lost:
+            raise _fail("no observations to plot yet; add some with `factmill calibration add` or `import`")
+        try:
+            render_plot(plot, kept, lost, current, active_row, latest)
+        except MissingMatplotlibError as exc:
+            raise _fail(str(exc), code=2) from exc
+        except OSError as exc:
+            raise _fail(f"could not write {plot}: {exc}") from exc
+    if as_json:
+        _print_json(
+            {
+                "tau": current.tau,
+                "version": current.version,
+                "fallback": current.version is None,
+                "observations": _stats_dict(stats),
+                "active": _version_dict(active_row) if active_row is not None else None,
+                "latest": _version_dict(latest) if latest is not None else None,
+                "plot": str(plot) if plot is not None else None,
+            }
+        )
+        return
+    if current.version is None:
+        out.print(f"τ = {current.tau:g} (fallback: no calibrated version is active)")
+    else:
+        out.print(f"τ = {describe_tau(current.tau)} (version {current.version})")
+        if active_row is not None:
+            out.print(f"  {active_row.reason}", highlight=False)
+    out.print(
+        f"observations: {stats.n} ({stats.kept} kept, {stats.lost} lost); "
+        f"{stats.since_last_version} since the last version"
+    )
+    if latest is not None and latest.version != current.version:
+        out.print(
+            f"latest version {latest.version} (not active, τ {_tau(latest.tau)}): {latest.reason}",
+            highlight=False,
+        )
+    if plot is not None:
+        out.print(f"plot written to {plot}")
+
+
+def _stats_dict(stats: ObservationStats) -> dict[str, Any]:
+    return {
+        "n": stats.n,
+        "kept": stats.kept,
+        "lost": stats.lost,
+        "since_last_version": stats.since_last_version,
+        "last_at": stats.last_at.isoformat() if stats.last_at else None,
+    }
+
+
+@calibration_app.command("history")
+def history(
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="Versions to list.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Threshold versions, newest first: τ, data, held-out rate, and why each was activated or not."""
+    with _factory()() as session:
+        rows = threshold_history(session, limit)
+    if as_json:
+        _print_json([_version_dict(row) for row in rows])
+        return
+    if not rows:
+        out.print("no threshold versions yet; run `factmill calibration recompute`")
+        return
+    # The reasons are sentences: listed under the table rather than squeezed into a column.
+    table = Table("version", "active", "τ", "n", "lost", "held-out", "trigger", "computed (UTC)")
+    for row in rows:
+        table.add_row(
+            str(row.version),
+            "yes" if row.active else "",
+            _tau(row.tau),
+            str(row.n),
+            str(row.n_bad),
+            _rate(row.held_out_rate),
+            row.trigger,
+            row.computed_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+        )
+    out.print(table)
+    for row in rows:
+        out.print(f"version {row.version}: {row.reason}", highlight=False)
+
+
+@calibration_app.command("recompute")
+def recompute_command(
+    now: Annotated[bool, typer.Option("--now", help="Compute here instead of queueing a job.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="With --now: write a version even if nothing changed since the last.")
+    ] = False,
+    override_disabled: Annotated[
+        bool, typer.Option(help=f"With --now: run even if {CALIBRATION_ENABLED} is off.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Recompute the threshold: queue a job on the calibration queue, or run it now with --now.
+
+    A queued job is paused while the calibration.enabled kill switch is off, and runs when it is
+    turned back on; --now refuses to run then unless --override-disabled.
+    """
+    factory = _factory()
+    settings = get_settings()
+    if not now:
+        if force or override_disabled:
+            raise _fail("--force and --override-disabled need --now", code=2)
+        request = request_recompute(factory, trigger="manual")
+        if as_json:
+            _print_json({"job_id": request.job_id, "created": request.created})
+        elif request.created:
+            out.print(f"recompute job {request.job_id} queued")
+        else:
+            out.print(f"recompute job {request.job_id} is already pending")
+        return
+    with factory() as session:
+        enabled = is_enabled(get_config(session, CALIBRATION_ENABLED))
+    if not enabled and not override_disabled:
+        raise _fail(
+            f"calibration is disabled ({CALIBRATION_ENABLED}=false). Turn it on with "
+            f"`factmill config set {CALIBRATION_ENABLED} true`, "
+            "or pass --override-disabled for a one-off run.",
+            code=3,
+        )
+    try:
+        result = recompute(
+            factory,
+            alpha=settings.calibration_alpha,
+            target_recall=settings.calibration_target_recall,
+            min_observations=settings.calibration_min_observations,
+            trigger="manual",
+            force=force,
+        )
+    except ValueError as exc:
+        raise _fail(str(exc), code=2) from exc
+    if as_json:
+        _print_json(result.as_dict())
+        return
+    headline = {
+        "activated": f"version {result.version} activated: τ = {_tau(result.tau)}",
+        "kept": f"version {result.version} recorded, not activated (τ {_tau(result.tau)})",
+        "unchanged": f"nothing new since version {result.version}; nothing written (--force to recompute)",
+    }[result.outcome]
+    out.print(headline)
+    out.print(f"  {result.reason}", highlight=False)
+    out.print(f"gates use τ = {describe_tau(result.active.tau)}" + _version_note(result.active))
+
+
+def _version_note(active: ActiveThreshold) -> str:
+    return f" (version {active.version})" if active.version is not None else " (fallback)"
+
+
+# ---------------------------------------------------------------------------
+# The plot
+# ---------------------------------------------------------------------------
+
+
+class MissingMatplotlibError(RuntimeError):
+    pass
+
+
+def plot_bins(tau: float, width: float = 0.05) -> list[float]:
+    """Histogram edges over [0, 1] with ``tau`` as one edge.
+
+    Bins are closed on the left, so with τ on an edge every case left of the τ line is one the gate
+    reverts (coverage < τ) and every case right of it one it accepts, even when τ sits one epsilon
+    above a pile of cases (fixed edges would draw those on the accepted side).
+    """
+    below = [tau - k * width for k in range(1, int(tau / width) + 1) if tau - k * width > 1e-9]
+    above = [tau + k * width for k in range(1, int((1 - tau) / width) + 1) if tau + k * width < 1 - 1e-9]
+    inner = [*reversed(below), tau, *above] if 0.0 < tau < 1.0 else [*reversed(below), *above]
+    return [0.0, *inner, 1.0]
+
+
+def render_plot(
+    path: Path,
+    kept: list[float],
+    lost: list[float],
+    active: ActiveThreshold,
+    active_row: CalibrationThreshold | None,
+    latest: CalibrationThreshold | None,
+) -> None:
+    """A PNG: the coverage of kept and of lost cases, the active τ (shading what it reverts), and a newer
+    candidate τ that was not activated."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MissingMatplotlibError(
+            "the plot needs matplotlib; install it with `pip install 'factmill[bench]'`"
+        ) from None
+
+    figure = Figure(figsize=(8, 4.8), dpi=120)  # no pyplot: no global state, no display needed
+    axes = figure.subplots()
+    if active.tau > 0:
+        axes.axvspan(0, active.tau, color="#8d99ae", alpha=0.15, label="reverted (coverage < τ)")
+    bins = plot_bins(active.tau)
+    for values, colour, label in (
+        (kept, "#2a9d8f", f"answer kept ({len(kept)})"),
+        (lost, "#e76f51", f"answer lost ({len(lost)})"),
+    ):
+        axes.hist(values, bins=bins, histtype="stepfilled", color=colour, alpha=0.55, label=label)
+        axes.hist(values, bins=bins, histtype="step", color=colour, linewidth=1.2)
+    if active.version is None:
+        label = f"fallback τ = {active.tau:g} (no version active)"
+    else:
+        label = f"active τ = {describe_tau(active.tau)} (version {active.version})"
+    axes.axvline(active.tau, color="#264653", linewidth=2, label=label)
+    if latest is not None and latest.tau is not None and latest.version != active.version:
+        axes.axvline(
+            latest.tau,
+            color="#264653",
+            linestyle="--",
+            linewidth=1.5,
+            label=f"candidate τ = {describe_tau(latest.tau)} (version {latest.version}, not activated)",
+        )
+    axes.set_xlim(0, 1)
+    axes.set_ylim(0, axes.get_ylim()[1] * 1.45)  # headroom: the legend and the provenance box sit on top
+    axes.set_xlabel("coverage")
+    axes.set_ylabel("observations")
+    axes.set_title("Summary quality gate: coverage of kept vs lost cases")
+    if active_row is not None:
+        rate = "—" if active_row.held_out_rate is None else f"{active_row.held_out_rate:.3g}"
+        axes.text(
+            0.99,
+            0.98,
+            f"version {active_row.version}: n={active_row.n} ({active_row.n_bad} lost), "
+            f"α={active_row.alpha:g}, target {active_row.target_recall:g}\n"
+            f"held-out answer-kept rate {rate} over {active_row.held_out_accepted} accepted",
+            transform=axes.transAxes,
+            ha="right",
+            va="top",
+            fontsize="small",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8, "edgecolor": "#cccccc"},
+        )
+    axes.legend(loc="upper left", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, format="png")

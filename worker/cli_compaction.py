@@ -1,0 +1,288 @@
+"""`factmill compact` (force a compaction) and `factmill transcripts` (a transcript's before/after tokens)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import func, select
+
+from models import Compaction, Transcript, TranscriptMessageRow
+from worker.calibration import describe_tau
+from worker.compaction import (
+    CompactionOutcome,
+    TranscriptNotFoundError,
+    TranscriptStats,
+    list_compactions,
+    request_compaction,
+    transcript_stats,
+)
+from worker.settings import get_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+transcripts_app = typer.Typer(
+    help="Agent transcripts: settings, tokens before/after compaction, compactions.", no_args_is_help=True
+)
+
+out = Console(soft_wrap=True)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    from worker.cli import fail  # late: worker.cli imports this module to register it
+
+    return fail(message, code)
+
+
+def _factory() -> sessionmaker[Session]:
+    from worker.cli import _factory as checked_factory
+
+    return checked_factory(get_settings())
+
+
+def _tau(value: float | None, version: int | None) -> str:
+    if value is None:
+        return "—"
+    return f"{describe_tau(value)} {'v' + str(version) if version is not None else 'fallback'}"
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _print_outcome(outcome: CompactionOutcome) -> None:
+    name = f"compaction {outcome.compaction_id}" if outcome.compaction_id is not None else "compaction"
+    out.print(f"{name} of {outcome.transcript_id}: {outcome.status}")
+    table = Table(
+        "compaction", "status", "cut seq", "tokens before → after", "saved", "coverage", "τ", "attempts"
+    )
+    table.add_row(
+        str(outcome.compaction_id) if outcome.compaction_id is not None else "—",
+        outcome.status,
+        str(outcome.cut_seq) if outcome.cut_seq is not None else "—",
+        f"{outcome.tokens_before if outcome.tokens_before is not None else '—'} → "
+        f"{outcome.tokens_after if outcome.tokens_after is not None else '—'}",
+        str(outcome.tokens_saved),
+        _number(outcome.coverage),
+        _tau(outcome.threshold_tau, outcome.threshold_version),
+        str(outcome.attempts),
+    )
+    out.print(table)
+    if outcome.missed_terms:
+        out.print(f"missed terms: {', '.join(outcome.missed_terms)}")
+    if outcome.detail:
+        out.print(outcome.detail)
+
+
+def compact_command(
+    transcript_id: Annotated[str, typer.Argument(help="The transcript to compact.")],
+    now: Annotated[
+        bool, typer.Option("--now", help="Compact in this process instead of queueing a job.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
+) -> None:
+    """Force a compaction of TRANSCRIPT_ID, even under its threshold: queue a job, or run it --now."""
+    from worker.jobs import COMPACTION, enqueue
+
+    factory = _factory()
+    if not now:
+        try:
+            with factory.begin() as session:
+                job = request_compaction(session, transcript_id, force=True, trigger="manual")
+        except TranscriptNotFoundError as exc:
+            raise _fail(str(exc)) from exc
+        sent = enqueue(factory, [(job.job_id, COMPACTION)]) if job.created else 0
+        if as_json:
+            sys.stdout.write(json.dumps({"job_id": job.job_id, "created": job.created, "sent": sent}) + "\n")
+        elif job.created:
+            out.print(f"compaction job {job.job_id} queued for transcript {transcript_id}")
+        else:
+            out.print(
+                f"compaction job {job.job_id} was already pending for {transcript_id}; it is now forced"
+            )
+        return
+
+    from worker.calibration import ThresholdCache
+    from worker.compaction import CompactionDisabledError, compact_transcript
+    from worker.config_store import COMPACTION_ENABLED, ConfigReader
+    from worker.runtime import Runtime
+
+    settings = get_settings()
+    config = ConfigReader(factory, ttl=0)
+    if not config.enabled(COMPACTION_ENABLED):
+        raise _fail(
+            f"{COMPACTION_ENABLED} is off, so nothing is compacted; "
+            f"turn it on with `factmill config set {COMPACTION_ENABLED} true`"
+        )
+    runtime = Runtime(settings=settings, factory=factory, config=config)
+    try:
+        outcome = compact_transcript(
+            factory,
+            runtime.llm,
+            transcript_id,
+            threshold=ThresholdCache(factory, ttl=0).get,
+            force=True,
+            enabled=lambda: config.enabled(COMPACTION_ENABLED),
+            max_output_tokens=settings.compaction_max_output_tokens,
+            intent_messages=settings.compaction_intent_messages,
+        )
+    except TranscriptNotFoundError as exc:
+        raise _fail(str(exc)) from exc
+    except CompactionDisabledError as exc:
+        raise _fail(str(exc)) from exc
+    finally:
+        runtime.close()
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.as_dict(), indent=2) + "\n")
+    else:
+        _print_outcome(outcome)
+    if outcome.status == "failed":
+        raise typer.Exit(1)
+
+
+def _compaction_dict(row: Compaction) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "status": row.status,
+        "cut_seq": row.cut_seq,
+        "previous_id": row.previous_id,
+        "tokens_before": row.tokens_before,
+        "tokens_after": row.tokens_after,
+        "coverage": row.coverage,
+        "density": row.density,
+        "threshold_tau": row.threshold_tau,
+        "threshold_version": row.threshold_version,
+        "attempts": row.attempts,
+        "missed_terms": row.missed_terms,
+        "error": row.error,
+        "job_id": row.job_id,
+        "created_at": row.created_at.isoformat(),
+        "summary": row.summary,
+    }
+
+
+def _token_table(stats: TranscriptStats) -> Table:
+    table = Table("", "messages", "tokens", title=f"transcript {stats.transcript_id}")
+    table.add_row("full history", str(stats.messages), f"{stats.history_tokens:,}")
+    if stats.compaction_id is not None:
+        kept = stats.messages - (stats.cut_seq or 0)
+        table.add_row(
+            f"context now: summary of compaction {stats.compaction_id} + messages from seq {stats.cut_seq}",
+            f"1 + {kept}",
+            f"{stats.context_tokens:,} ({stats.summary_tokens:,} summary)",
+        )
+    else:
+        table.add_row("context now: not compacted", str(stats.messages), f"{stats.context_tokens:,}")
+    saved = stats.saved_tokens
+    share = f" ({saved / stats.history_tokens:.0%})" if stats.history_tokens else ""
+    table.add_row("saved", "", f"{saved:,}{share}")
+    trigger = stats.settings.trigger_tokens
+    table.add_row(
+        "compacts above",
+        "",
+        "never (no context window)" if trigger is None else f"{trigger:,} (window − reserve)",
+    )
+    return table
+
+
+@transcripts_app.command("show")
+def transcripts_show(
+    transcript_id: str,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="Compactions to list.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Tokens before and after compaction, the settings, and the newest compactions."""
+    with _factory()() as session:
+        try:
+            stats = transcript_stats(session, transcript_id)
+        except TranscriptNotFoundError as exc:
+            raise _fail(str(exc)) from exc
+        compactions = [_compaction_dict(row) for row in list_compactions(session, transcript_id, limit=limit)]
+    if as_json:
+        sys.stdout.write(json.dumps({**stats.as_dict(), "compactions": compactions}, indent=2) + "\n")
+        return
+    out.print(_token_table(stats))
+    s = stats.settings
+    out.print(
+        f"window {s.context_window if s.context_window is not None else 'unknown'}, "
+        f"reserve {s.reserve_tokens:,}, "
+        f"keep recent {s.keep_recent_tokens:,}, tool results clipped at {s.tool_result_limit:,} characters"
+        + (f"; instructions: {s.instructions!r}" if s.instructions else "")
+    )
+    if stats.pending_job_id is not None:
+        out.print(f"compaction job {stats.pending_job_id} is pending")
+    if not compactions:
+        out.print("no compactions yet")
+        return
+    table = Table("id", "status", "cut at", "tokens before → after", "coverage", "τ", "tries")
+    notes = []
+    for c in compactions:
+        after = c["tokens_after"]
+        table.add_row(
+            str(c["id"]),
+            c["status"],
+            f"seq {c['cut_seq']}",
+            f"{c['tokens_before']:,} → {after:,}" if after is not None else f"{c['tokens_before']:,} → —",
+            _number(c["coverage"]),
+            _tau(c["threshold_tau"], c["threshold_version"]),
+            str(c["attempts"]),
+        )
+        note = c["error"] or (f"missed: {', '.join(c['missed_terms'])}" if c["missed_terms"] else "")
+        if note:
+            notes.append(f"  {c['id']} ({c['created_at'][:19].replace('T', ' ')}): {note}")
+    out.print(table)
+    for note in notes:
+        out.print(note)
+
+
+@transcripts_app.command("list")
+def transcripts_list(
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Transcripts, most recently changed first, with their message and token counts."""
+    query = (
+        select(
+            Transcript.id,
+            Transcript.context_window,
+            func.count(TranscriptMessageRow.id),
+            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
+            Transcript.updated_at,
+        )
+        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == Transcript.id)
+        .group_by(Transcript.id)
+        .order_by(Transcript.updated_at.desc(), Transcript.id)
+        .limit(limit)
+    )
+    with _factory()() as session:
+        rows: list[dict[str, Any]] = [
+            {
+                "transcript_id": tid,
+                "context_window": window,
+                "messages": int(count),
+                "history_tokens": int(tokens),
+                "updated_at": updated.isoformat(),
+            }
+            for tid, window, count, tokens, updated in session.execute(query)
+        ]
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table("transcript", "window", "messages", "history tokens", "updated")
+    for r in rows:
+        table.add_row(
+            r["transcript_id"],
+            str(r["context_window"] or "—"),
+            str(r["messages"]),
+            f"{r['history_tokens']:,}",
+            r["updated_at"][:19].replace("T", " "),
+        )
+    out.print(table)
+
+
+__all__ = ["compact_command", "transcripts_app"]

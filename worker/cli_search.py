@@ -1,0 +1,165 @@
+"""`factmill search` and `factmill embed`: search the facts, and backfill their embeddings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker import db
+from worker.core.intent import QueryParseError
+from worker.search import (
+    MAX_LIMIT,
+    EmbedReport,
+    SearchError,
+    SearchFilters,
+    SearchOutcome,
+    VectorSearchUnavailableError,
+    embed_facts,
+    search,
+)
+from worker.settings import Settings, get_settings
+
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _factory(settings: Settings) -> sessionmaker[Session]:
+    """Sessions on the configured database, after checking that every migration head is applied."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    try:
+        url = db.database_url(settings)
+        heads = set(ScriptDirectory.from_config(db.alembic_config(url)).get_heads())
+        with db.get_engine(url).connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    except Exception as exc:
+        raise _fail(f"cannot reach the database: {exc}") from exc
+    if not heads <= current:
+        state = "has no Factmill schema" if not current else f"is at {', '.join(sorted(current))}"
+        raise _fail(f"the database {state}, not {', '.join(sorted(heads))}; run `factmill db upgrade` first")
+    return db.session_factory(url)
+
+
+def _print_outcome(outcome: SearchOutcome) -> None:
+    how = "query document" if outcome.structured else "plain query"
+    if outcome.strong_signal:
+        how += ", strong lexical signal: not expanded"
+    elif outcome.expanded:
+        how += ", expanded by the LLM"
+    intent = f" · intent: {outcome.intent}" if outcome.intent else ""
+    err.print(
+        f"{len(outcome.results)} result(s) in {outcome.took_ms:.0f} ms ({how}; vector search "
+        f"{outcome.vector_search}){intent}",
+        highlight=False,
+    )
+    for note in outcome.notes:
+        err.print(f"note: {note}", highlight=False)
+    if not outcome.results:
+        return
+    table = Table("#", "score", "fact", "kind", "page · row", "conf", show_lines=True)
+    for rank, result in enumerate(outcome.results, start=1):
+        snippet = result.snippet.split("\n", 1)
+        shown = f"{result.fact}\n[dim]{snippet[0]}\n{snippet[1] if len(snippet) > 1 else ''}[/]"
+        table.add_row(
+            str(rank),
+            f"{result.score:.3f}",
+            shown,
+            result.kind,
+            f"{result.page_slug} · {result.row_num}",
+            f"{result.confidence:.2f}",
+        )
+    out.print(table)
+
+
+def search_command(
+    query: Annotated[
+        str,
+        typer.Argument(
+            help="A plain query, or a document of lex:/vec:/hyde:/intent: lines (a literal \\n separates "
+            "lines; - reads the document from standard input)."
+        ),
+    ],
+    intent: Annotated[
+        str | None, typer.Option(help="What you are after; steers expansion and snippets.")
+    ] = None,
+    source_id: Annotated[str | None, typer.Option(help="Only facts from this source.")] = None,
+    entity: Annotated[str | None, typer.Option(help="Only facts about this entity slug.")] = None,
+    kind: Annotated[str | None, typer.Option(help="event, preference, commitment, belief or fact.")] = None,
+    since: Annotated[
+        datetime | None, typer.Option(help="Only facts valid (or written) since then (ISO date/time).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, max=MAX_LIMIT, help="Results to show.")] = None,
+    no_expand: Annotated[bool, typer.Option("--no-expand", help="Never ask the LLM to expand.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
+) -> None:
+    """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
+    from worker.runtime import build_runtime
+
+    settings = get_settings()
+    factory = _factory(settings)
+    runtime = build_runtime(settings)
+    try:
+        outcome = search(
+            factory,
+            lambda: runtime.llm,
+            sys.stdin.read() if query == "-" else query.replace("\\n", "\n"),
+            intent=intent,
+            filters=SearchFilters(source_id=source_id, entity=entity, kind=kind, since=since),
+            limit=limit or settings.search_default_limit,
+            expand=settings.search_expand and not no_expand,
+        )
+    except QueryParseError as exc:
+        raise _fail(str(exc), code=2) from exc
+    except VectorSearchUnavailableError as exc:
+        raise _fail(str(exc), code=3) from exc
+    except SearchError as exc:
+        raise _fail(str(exc), code=2) from exc
+    finally:
+        runtime.close()
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.as_dict(), indent=2, ensure_ascii=False) + "\n")
+        return
+    _print_outcome(outcome)
+
+
+def embed_command(
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, max=2048, help="Facts per embedding call (default from settings).")
+    ] = None,
+) -> None:
+    """Embed every fact that has no embedding yet (and set up the pgvector store when the server has it)."""
+    from worker.runtime import build_runtime
+
+    settings = get_settings()
+    factory = _factory(settings)
+    runtime = build_runtime(settings)
+
+    def progress(report: EmbedReport) -> None:
+        err.print(f"embedded {report.embedded} fact(s) in {report.batches} batch(es)", highlight=False)
+
+    try:
+        report = embed_facts(
+            factory, runtime.llm, batch_size or settings.search_embed_batch_size, progress=progress
+        )
+    except SearchError as exc:
+        raise _fail(str(exc)) from exc
+    finally:
+        runtime.close()
+    out.print(
+        f"embedded {report.embedded} fact(s); vector search {report.vector_search}"
+        + ("" if report.vector_search == "available" else " (pgvector is not installed on the server)"),
+        highlight=False,
+    )

@@ -1,0 +1,126 @@
+"""Anthropic chat provider: the Messages API through the official SDK, JSON through a forced tool."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import anthropic
+
+from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, LLMClient, Usage
+
+# Stop reasons as the gateway names them. pause_turn (server tools) and stop_sequence end a turn normally.
+STOP_REASONS: dict[str, Finish] = {
+    "end_turn": "end",
+    "tool_use": "end",
+    "stop_sequence": "end",
+    "pause_turn": "end",
+    "max_tokens": "truncated",
+    "model_context_window_exceeded": "truncated",
+    "refusal": "refusal",
+}
+NO_EMBEDDINGS = (
+    "Anthropic has no embeddings API. Factmill embeds through the OpenAI embeddings API: set "
+    "OPENAI_API_KEY (chat stays on Anthropic), or use FACTMILL_LLM=openai or simulator."
+)
+
+
+class AnthropicChatClient:
+    """Messages API through the official SDK; its own retries are off (one retry layer, ours).
+
+    The system prompt is one block marked ``cache_control: ephemeral``: with the tool definition ahead
+    of it, the stable part of every extraction prompt (tool schema + instructions) is a cached prefix.
+    ``embeddings``, when given, answers ``embed()`` (Anthropic has no embeddings API of its own).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        provider: str = "anthropic",
+        default_headers: dict[str, str] | None = None,
+        embeddings: LLMClient | None = None,
+    ) -> None:
+        self.provider = provider
+        self.model = model
+        self.embeddings = embeddings
+        self._client = anthropic.Anthropic(
+            base_url=base_url,
+            api_key=api_key or "not-needed",
+            timeout=timeout,
+            max_retries=0,
+            default_headers=default_headers,
+        )
+
+    def _kwargs(self, request: ChatRequest) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": request.max_tokens,
+            "system": [{"type": "text", "text": request.system, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": role, "content": content} for role, content in request.messages],
+        }
+        if request.json_schema is not None:
+            kwargs["tools"] = [
+                {
+                    "name": request.schema_name,
+                    "description": f"Record the {request.schema_name} answer as structured data.",
+                    "input_schema": request.json_schema,
+                }
+            ]
+            kwargs["tool_choice"] = {"type": "tool", "name": request.schema_name}
+        return kwargs
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        kwargs = self._kwargs(request)
+        started = time.perf_counter()
+        try:
+            message = self._client.messages.create(**kwargs)
+        except Exception as exc:
+            raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
+        latency_ms = int((time.perf_counter() - started) * 1000)
+
+        texts: list[str] = []
+        tool_input: object | None = None
+        for block in message.content:
+            if block.type == "tool_use" and block.name == request.schema_name and tool_input is None:
+                tool_input = block.input
+            elif block.type == "text":
+                texts.append(block.text)
+        reason = message.stop_reason or "end_turn"
+        finish: Finish = STOP_REASONS.get(reason, "end")
+        refusal: str | None = None
+        if finish == "refusal":
+            refusal = "".join(texts) or "the model refused"
+        # The forced tool's input is the JSON answer; a cut-off tool call still says what it got so far.
+        text = json.dumps(tool_input, ensure_ascii=False) if tool_input is not None else "".join(texts)
+
+        usage = message.usage
+        cache_read = usage.cache_read_input_tokens or 0
+        cache_write = usage.cache_creation_input_tokens or 0
+        return ChatResponse(
+            text=text if finish != "refusal" else "",
+            finish=finish,
+            # Anthropic's input_tokens leaves out the cached parts; ours counts every prompt token, as
+            # OpenAI's prompt_tokens does, with the cached parts broken out beside it.
+            usage=Usage(
+                input_tokens=usage.input_tokens + cache_read + cache_write,
+                output_tokens=usage.output_tokens,
+                cache_read_tokens=cache_read,
+                cache_write_tokens=cache_write,
+            ),
+            provider=self.provider,
+            model=message.model or self.model,
+            latency_ms=latency_ms,
+            refusal=refusal,
+            raw_finish_reason=reason,
+        )
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        if self.embeddings is None:
+            raise LLMError(NO_EMBEDDINGS, retryable=False)
+        return self.embeddings.embed(texts, purpose=purpose)

@@ -1,0 +1,339 @@
+"""Requests- and tokens-per-minute limits per provider+model, shared by every worker through Redis.
+
+Both limits are GCRA (the generic cell rate algorithm, a leaky bucket kept as one timestamp per key):
+each unit (a request, a token) pushes the key's "theoretical arrival time" (TAT) forward by
+``60 s / limit``; a call may go when the TAT it would leave is at most ``burst`` units ahead of now.
+In Redis one Lua script checks and charges both limits atomically on the server's clock, so any number
+of worker processes share one budget (Celery's ``rate_limit`` is per worker, which is not enough).
+Without Redis the same arithmetic runs in-process behind a lock. Waiting is never an error: ``acquire``
+sleeps until the call may go.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis
+
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4
+MICROS = 1_000_000
+KEY_NAMESPACE = "factmill:llm-ratelimit"
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """Limits for one provider+model. 0 means unlimited.
+
+    ``burst_seconds`` is how much of a minute's allowance may go at once (at least one request, and
+    one call's tokens): 1 s keeps the flow smooth, so a fleet never trips the provider's own limiter.
+    """
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    burst_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.requests_per_minute < 0 or self.tokens_per_minute < 0:
+            raise ValueError("rate limits must not be negative (0 means unlimited)")
+        if self.burst_seconds < 0:
+            raise ValueError("burst_seconds must not be negative")
+
+    @property
+    def enabled(self) -> bool:
+        return self.requests_per_minute > 0 or self.tokens_per_minute > 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RateLimits:
+        return cls(requests_per_minute=settings.llm_rpm, tokens_per_minute=settings.llm_tpm)
+
+    def interval_us(self, per_minute: int) -> float:
+        """Microseconds one unit holds the bucket (0: unlimited)."""
+        return 60 * MICROS / per_minute if per_minute > 0 else 0.0
+
+    def tolerance_us(self, per_minute: int) -> float:
+        """How far ahead of now the TAT may run: the burst, in microseconds (at least one unit)."""
+        interval = self.interval_us(per_minute)
+        return max(interval, self.burst_seconds * MICROS) if interval else 0.0
+
+
+def estimate_request_tokens(request: ChatRequest) -> int:
+    """What a call may use before it is made: ~4 characters a token of the prompt, plus the output cap."""
+    chars = len(request.system) + sum(len(content) for _, content in request.messages)
+    return math.ceil(chars / CHARS_PER_TOKEN) + request.max_tokens
+
+
+def estimate_embedding_tokens(texts: list[str]) -> int:
+    return sum(math.ceil(len(text) / CHARS_PER_TOKEN) for text in texts)
+
+
+class RateLimiter(Protocol):
+    limits: RateLimits
+
+    def acquire(self, key: str, tokens: int) -> float:
+        """Block until one request of ``tokens`` tokens may go under ``key``; return the seconds waited."""
+        ...
+
+    def reconcile(self, key: str, estimated: int, actual: int) -> None:
+        """Correct the tokens charged for a call once its real usage is known."""
+        ...
+
+
+def _gcra_wait(tat: float, now: float, cost: float, tolerance: float) -> tuple[float, float]:
+    """(seconds-or-micros to wait, the new TAT if it goes now) for one limit. Same units in, same out.
+
+    A call that costs more than the whole burst may go once the bucket is empty (and runs it into debt),
+    so a large request is delayed, never refused forever.
+    """
+    start = max(tat, now)
+    new_tat = start + cost
+    return max(0.0, new_tat - now - max(tolerance, cost)), new_tat
+
+
+class LocalRateLimiter:
+    """The limits within one process (all its threads), for when no Redis is configured."""
+
+    def __init__(
+        self,
+        limits: RateLimits,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._tats: dict[str, float] = {}  # key -> TAT in microseconds on `clock`
+
+    def _try(self, key: str, tokens: int) -> float:
+        limits = self.limits
+        with self._lock:
+            now = self._clock() * MICROS
+            wait = 0.0
+            updates: dict[str, float] = {}
+            for suffix, per_minute, units in (
+                ("rpm", limits.requests_per_minute, 1),
+                ("tpm", limits.tokens_per_minute, tokens),
+            ):
+                if per_minute <= 0:
+                    continue
+                name = f"{key}:{suffix}"
+                interval = limits.interval_us(per_minute)
+                need, new_tat = _gcra_wait(
+                    self._tats.get(name, now), now, units * interval, limits.tolerance_us(per_minute)
+                )
+                wait = max(wait, need)
+                updates[name] = new_tat
+            if wait == 0.0:
+                self._tats.update(updates)
+            return wait / MICROS
+
+    def acquire(self, key: str, tokens: int) -> float:
+        waited = 0.0
+        while (wait := self._try(key, tokens)) > 0:
+            self._sleep(wait)
+            waited += wait
+        return waited
+
+    def reconcile(self, key: str, estimated: int, actual: int) -> None:
+        per_minute = self.limits.tokens_per_minute
+        if per_minute <= 0 or actual == estimated:
+            return
+        delta = (actual - estimated) * self.limits.interval_us(per_minute)
+        name = f"{key}:tpm"
+        with self._lock:
+            now = self._clock() * MICROS
+            tat = self._tats.get(name, now)
+            self._tats[name] = max(tat, now) + delta if delta > 0 else max(tat + delta, now)
+
+
+# KEYS[1] rpm key, KEYS[2] tpm key. ARGV: rpm interval µs, rpm tolerance µs, tpm interval µs,
+# tpm tolerance µs, tokens. Interval 0 = that limit is off. Returns 0 (charged) or the µs to wait.
+# The clock is the Redis server's, so every worker measures against the same time.
+_ACQUIRE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local costs = {tonumber(ARGV[1]), tonumber(ARGV[3]) * tonumber(ARGV[5])}
+local tolerances = {tonumber(ARGV[2]), tonumber(ARGV[4])}
+local wait = 0
+local new_tats = {}
+for i = 1, 2 do
+  if costs[i] > 0 then
+    local tat = tonumber(redis.call('GET', KEYS[i])) or now
+    if tat < now then tat = now end
+    local new_tat = tat + costs[i]
+    local allowed = math.max(tolerances[i], costs[i])
+    local need = new_tat - now - allowed
+    if need > wait then wait = need end
+    new_tats[i] = new_tat
+  end
+end
+if wait > 0 then
+  return math.ceil(wait)
+end
+for i = 1, 2 do
+  if new_tats[i] then
+    local ttl = math.ceil((new_tats[i] - now) / 1000) + 1000
+    redis.call('SET', KEYS[i], string.format('%.0f', new_tats[i]), 'PX', ttl)
+  end
+end
+return 0
+"""
+
+# KEYS[1] tpm key. ARGV[1]: µs to add (negative: give back). Never moves the TAT behind now.
+_RECONCILE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local delta = tonumber(ARGV[1])
+local tat = tonumber(redis.call('GET', KEYS[1]))
+if tat == nil then
+  if delta <= 0 then return 0 end
+  tat = now
+end
+local new_tat
+if delta > 0 then
+  new_tat = math.max(tat, now) + delta
+else
+  new_tat = math.max(tat + delta, now)
+end
+local ttl = math.ceil((new_tat - now) / 1000) + 1000
+redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', ttl)
+return 0
+"""
+
+
+class RedisRateLimiter:
+    """The limits across every process that shares the Redis (and key prefix)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        limits: RateLimits,
+        *,
+        prefix: str = "",
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.limits = limits
+        self._redis = client
+        self._prefix = f"{prefix}{KEY_NAMESPACE}"
+        self._sleep = sleep
+        self._acquire = client.register_script(_ACQUIRE_LUA)
+        self._reconcile = client.register_script(_RECONCILE_LUA)
+        self._warned = False
+
+    @classmethod
+    def from_url(cls, url: str, limits: RateLimits, *, prefix: str = "") -> RedisRateLimiter:
+        return cls(redis.Redis.from_url(redis_py_url(url)), limits, prefix=prefix)
+
+    def _keys(self, key: str) -> list[str]:
+        return [f"{self._prefix}:{key}:rpm", f"{self._prefix}:{key}:tpm"]
+
+    def _redis_failed(self, exc: redis.RedisError) -> None:
+        # Fail open: the provider's own 429s (retried with Retry-After) still hold the line, and a Redis
+        # outage must not stop extraction. Said once per process, not once per call.
+        if not self._warned:
+            self._warned = True
+            logger.warning("rate limiter Redis unavailable, calls go unthrottled until it is back: %s", exc)
+
+    def acquire(self, key: str, tokens: int) -> float:
+        limits = self.limits
+        args = [
+            limits.interval_us(limits.requests_per_minute),
+            limits.tolerance_us(limits.requests_per_minute),
+            limits.interval_us(limits.tokens_per_minute),
+            limits.tolerance_us(limits.tokens_per_minute),
+            max(0, tokens),
+        ]
+        keys = self._keys(key)
+        waited = 0.0
+        while True:
+            try:
+                wait_us = int(self._acquire(keys=keys, args=args))
+            except redis.RedisError as exc:
+                self._redis_failed(exc)
+                return waited
+            self._warned = False
+            if wait_us <= 0:
+                return waited
+            self._sleep(wait_us / MICROS)
+            waited += wait_us / MICROS
+
+    def reconcile(self, key: str, estimated: int, actual: int) -> None:
+        per_minute = self.limits.tokens_per_minute
+        if per_minute <= 0 or actual == estimated:
+            return
+        delta = round((actual - estimated) * self.limits.interval_us(per_minute))
+        try:
+            self._reconcile(keys=[self._keys(key)[1]], args=[delta])
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+
+
+def redis_py_url(url: str) -> str:
+    """Kombu's ``redis+socket://PATH`` (the embedded broker) as redis-py spells it: ``unix://PATH``."""
+    if url.startswith("redis+socket://"):
+        return "unix://" + url.removeprefix("redis+socket://")
+    return url
+
+
+def ratelimit_redis_url(settings: Settings) -> str | None:
+    """FACTMILL_RATELIMIT_REDIS_URL, else the broker when it is Redis, else None (in-process limits)."""
+    if settings.ratelimit_redis_url:
+        return settings.ratelimit_redis_url
+    broker = settings.broker_url
+    if broker and broker.split("://", 1)[0] in ("redis", "rediss", "redis+socket", "unix"):
+        return broker
+    return None
+
+
+def build_rate_limiter(settings: Settings) -> RateLimiter | None:
+    """The limiter the settings ask for: None when no limit is set, Redis-backed when Redis is known."""
+    limits = RateLimits.from_settings(settings)
+    if not limits.enabled:
+        return None
+    url = ratelimit_redis_url(settings)
+    if url is None:
+        logger.info("LLM rate limits are per process (no Redis configured): %s", limits)
+        return LocalRateLimiter(limits)
+    return RedisRateLimiter.from_url(url, limits, prefix=settings.broker_key_prefix)
+
+
+class RateLimitedClient:
+    """An LLMClient that waits for the limiter before each call of ``inner`` (waiting is not an error)."""
+
+    def __init__(self, inner: LLMClient, limiter: RateLimiter) -> None:
+        self.inner = inner
+        self.limiter = limiter
+        self.provider = inner.provider
+        self.model = inner.model
+        self._chat_key = f"{inner.provider}:{inner.model}"
+        embedding_model = getattr(inner, "embedding_model", None) or inner.model
+        self._embed_key = f"{inner.provider}:{embedding_model}"
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        estimated = estimate_request_tokens(request)
+        waited = self.limiter.acquire(self._chat_key, estimated)
+        if waited > 0:
+            logger.debug("waited %.3fs for the %s rate limit", waited, self._chat_key)
+        response = self.inner.chat(request)
+        usage = response.usage
+        self.limiter.reconcile(self._chat_key, estimated, usage.input_tokens + usage.output_tokens)
+        return response
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        estimated = estimate_embedding_tokens(texts)
+        self.limiter.acquire(self._embed_key, estimated)
+        response = self.inner.embed(texts, purpose=purpose)
+        self.limiter.reconcile(self._embed_key, estimated, response.usage.input_tokens)
+        return response
