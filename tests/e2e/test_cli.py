@@ -1,0 +1,126 @@
+"""The `factmill` command line as a user runs it, as subprocesses, against the test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.service import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture
+def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    env.update(
+        {
+            "FACTMILL_DATABASE_URL": database_url,
+            "FACTMILL_LLM": "simulator",
+            "FACTMILL_SIMULATOR_URL": simulator.base_url,
+            "FACTMILL_BROKER_URL": "redis://127.0.0.1:1/0",  # unreachable on purpose: ingest must not need it
+        }
+    )
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        if check:
+            assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+    return run
+
+
+def as_json(result: subprocess.CompletedProcess[str]) -> Any:
+    return json.loads(result.stdout)
+
+
+def test_ingest_extract_rerun_and_force_on_the_examples(cli):
+    ingested = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
+    assert len(ingested["ingested"]) == 21 and ingested["errors"] == []
+    dry = as_json(cli("extract", "--dry-run", "--json"))
+    assert (dry["pages_considered"], dry["pages_processed"], dry["llm_calls"]) == (20, 20, 0)
+    first = as_json(cli("extract", "--json"))
+    assert (first["pages_processed"], first["pages_failed"]) == (20, 0)
+    assert first["facts_inserted"] > 0 and first["segments_processed"] == dry["segments_processed"]
+    slug = "conversations/imessage/alice-and-bob-new-job"
+    facts = as_json(cli("facts", "list", "--slug", slug, "--json"))
+    assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
+    rerun = as_json(cli("extract", "--json"))
+    assert (rerun["pages_skipped"], rerun["facts_inserted"], rerun["llm_calls"]) == (20, 0, 0)
+    forced = as_json(cli("extract", "--force", "--json"))
+    assert forced["facts_inserted"] == first["facts_inserted"]
+    assert as_json(cli("facts", "list", "--slug", slug, "--json")) == facts
+    unchanged = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
+    assert len(unchanged["unchanged"]) == 21 and unchanged["ingested"] == []
+
+
+def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
+    good = "---\nslug: conversations/ok\ntype: conversation\n---\n**A** (2024-01-01 9:00 AM): hi\n"
+    (tmp_path / "ok.md").write_text(good)
+    (tmp_path / "latin1.md").write_bytes("---\ntype: conversation\n---\ncaf\xe9".encode("latin-1"))
+    (tmp_path / "binary.md").write_bytes(b"\x00\x01\x02 junk")
+    (tmp_path / "no-type.md").write_text("---\nslug: x\n---\nbody")
+    (tmp_path / "bad-yaml.md").write_text("---\ntype: [unclosed\n---\nbody")
+    (tmp_path / "bad-slug.md").write_text("---\nslug: /../etc\ntype: conversation\n---\nbody")
+    result = cli("ingest", str(tmp_path), "--no-enqueue", "--json")
+    report = as_json(result)
+    assert report["ingested"] == ["conversations/ok"]
+    reasons = {Path(e["path"]).name: e["reason"] for e in report["errors"]}
+    assert "not valid UTF-8" in reasons["latin1.md"]
+    assert "binary" in reasons["binary.md"]
+    assert "no 'type'" in reasons["no-type.md"]
+    assert "not valid YAML" in reasons["bad-yaml.md"]
+    assert "slug" in reasons["bad-slug.md"]
+    missing = cli("ingest", str(tmp_path / "nope.md"), check=False)
+    assert missing.returncode == 1 and "no such file" in missing.stderr
+
+
+def test_config_commands_and_the_kill_switch(cli):
+    cli("ingest", str(EXAMPLES / "conversations" / "imessage"), "--no-enqueue")
+    assert "(not set)" in cli("config", "get", "facts.extraction_enabled").stdout
+    cli("config", "set", "facts.extraction_enabled", "off")
+    listed = cli("config", "list").stdout
+    assert "facts.extraction_enabled" in listed and "off" in listed
+    refused = cli("extract", check=False)
+    assert refused.returncode == 3 and "facts.extraction_enabled=false" in refused.stderr
+    assert "--override-disabled" in refused.stderr
+    overridden = as_json(cli("extract", "--override-disabled", "--json"))
+    assert overridden["pages_processed"] > 0
+    bad = cli("config", "set", "facts.extraction_enabled", "maybe", check=False)
+    assert bad.returncode == 2 and "must be one of" in bad.stderr
+
+
+def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
+    bad_since = cli("extract", "--since", "yesterday", check=False)
+    assert bad_since.returncode == 2 and "ISO-8601" in bad_since.stderr
+    from tests.conftest import fresh_database
+
+    with fresh_database(server_url, "noschema") as empty:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+        env["FACTMILL_DATABASE_URL"] = empty
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "extract"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1 and "factmill db upgrade" in result.stderr
+    assert "Traceback" not in result.stderr
