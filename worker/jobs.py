@@ -125,13 +125,22 @@ def enqueue(
     """
     send = sender or celery_sender
     sent: list[int] = []
-    for job_id, kind in jobs:
+    pending = list(jobs)
+    for index, (job_id, kind) in enumerate(pending):
         task_name, queue, _ = JOB_KINDS[kind]
         try:
             send(task_name, job_id, queue)
         except Exception as exc:
-            logger.warning("could not enqueue job %s (%s); the sweeper will retry: %s", job_id, kind, exc)
-            continue
+            # The broker is down: the rest would fail the same way (slowly). They stay queued in
+            # Postgres, and the sweeper sends them once the broker is back.
+            logger.warning(
+                "could not enqueue %s job(s) from job %s on (the broker said: %s); they stay queued and "
+                "the sweeper will send them",
+                len(pending) - index,
+                job_id,
+                exc,
+            )
+            break
         sent.append(job_id)
     if sent:
         with factory.begin() as session:
