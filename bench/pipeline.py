@@ -107,8 +107,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=16, help="worker threads (pages in flight)")
     parser.add_argument("--segment-concurrency", type=int, default=4, help="LLM calls in flight per page")
     parser.add_argument("--baseline-samples", type=int, default=12)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
+    parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
     args = parser.parse_args()
-    in_flight = args.jobs * args.segment_concurrency
+    in_flight = args.jobs * args.segment_concurrency * args.workers
     name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(SERVER, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -136,6 +138,7 @@ def main() -> None:
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_WEBHOOK_SECRET": SECRET,
             "FACTMILL_SEGMENT_CONCURRENCY": str(args.segment_concurrency),
+            "FACTMILL_EMBED_AFTER_EXTRACTION": "false" if args.no_embed else "true",
         }
         procs.append(spawn(["-m", "worker.cli", "serve", "--port", str(api_port)], env, logs / "api.log"))
         wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health")
@@ -166,34 +169,43 @@ def main() -> None:
                 assert response.status_code == 202, response.text
         webhook_seconds = time.perf_counter() - started
 
-        # Phase 2: a worker drains the queue; timed from the moment it is ready.
-        worker_log = logs / "worker.log"
-        worker = spawn(
-            [
-                "-m",
-                "worker.cli",
-                "worker",
-                "--queues",
-                "extraction",
-                "--concurrency",
-                str(args.jobs),
-                "--pool",
-                "threads",
-                "--loglevel",
-                "info",
-            ],
-            env,
-            worker_log,
-        )
-        procs.append(worker)
+        # Phase 2: worker processes drain the queue; timed from the moment they are all ready.
+        workers = []
+        for n in range(args.workers):
+            log = logs / f"worker{n}.log"
+            workers.append(
+                (
+                    spawn(
+                        [
+                            "-m",
+                            "worker.cli",
+                            "worker",
+                            "--queues",
+                            "extraction",
+                            "--concurrency",
+                            str(args.jobs),
+                            "--pool",
+                            "threads",
+                            "--loglevel",
+                            "info",
+                            "--hostname",
+                            f"bench{n}@%h",
+                        ],
+                        env,
+                        log,
+                    ),
+                    log,
+                )
+            )
+        procs += [w for w, _ in workers]
         deadline = time.monotonic() + 60
-        while "ready." not in worker_log.read_text(errors="replace"):
+        while not all("ready." in log.read_text(errors="replace") for _, log in workers):
             if time.monotonic() > deadline:
-                raise SystemExit(f"worker did not start:\n{worker_log.read_text()[-2000:]}")
+                raise SystemExit("workers did not start; see " + str(logs))
             time.sleep(0.02)
         started = time.perf_counter()
-        worker_ps = psutil.Process(worker.pid)
-        cpu_before = worker_ps.cpu_times()
+        worker_ps = [psutil.Process(w.pid) for w, _ in workers]
+        cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
         total_segments = args.pages * args.segments
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
             while True:
@@ -210,14 +222,14 @@ def main() -> None:
             segments_done = conn.execute(
                 "SELECT count(*) FROM extraction_audit WHERE outcome = 'ok'"
             ).fetchone()
-        cpu_after = worker_ps.cpu_times()
-        worker_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+        worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
         elapsed = finished - started
         rate = total_segments / elapsed
         ideal = in_flight / (args.latency_ms / 1000)
         print(
             f"pages {args.pages} × {args.segments} segments = {total_segments} segments; "
-            f"{in_flight} LLM calls in flight ({args.jobs} jobs × {args.segment_concurrency}); "
+            f"{in_flight} LLM calls in flight ({args.workers} worker(s) × {args.jobs} jobs × "
+            f"{args.segment_concurrency}); "
             f"simulator latency {args.latency_ms} ms; failed jobs {failed[0] if failed else '?'}; "
             f"ok segments {segments_done[0] if segments_done else '?'}"
         )

@@ -203,18 +203,32 @@ def print_counters(counters: ExtractionCounters, seconds: float | None = None) -
         table.add_row("seconds", f"{seconds:.2f}")
     out.print(table)
     for report in counters.pages:
-        if report.status in ("failed", "skipped_too_large") or (
+        if report.status in ("failed", "skipped_too_large", "incomplete") or (
             report.status == "skipped" and report.reason and "nothing new" not in report.reason
         ):
             err.print(f"[yellow]{report.status}[/] {report.slug}: {report.reason}")
 
 
 def run_extraction(
-    settings: Settings, factory: sessionmaker[Session], options: ExtractOptions, show_progress: bool
+    settings: Settings,
+    factory: sessionmaker[Session],
+    options: ExtractOptions,
+    show_progress: bool,
+    batch_poll_seconds: float | None = None,
 ) -> ExtractionCounters:
+    """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API."""
+    from worker.llm.errors import LLMError
     from worker.llm.gateway import LLMConfigurationError, open_llm_client
 
     try:
+        if batch_poll_seconds is not None and not options.dry_run:
+            from worker.batch import run_batch_extraction
+            from worker.llm.batches import open_batch_client
+
+            with open_batch_client(settings) as client, extraction_progress(show_progress) as progress:
+                return run_batch_extraction(
+                    factory, client, options, poll_seconds=batch_poll_seconds, progress=progress
+                )
         if options.dry_run:
             with extraction_progress(show_progress) as progress:
                 return run_extract_conversation_facts(factory, None, options, progress=progress)
@@ -224,6 +238,8 @@ def run_extraction(
         raise fail(str(exc), code=3) from exc
     except (ValueError, LLMConfigurationError) as exc:
         raise fail(str(exc), code=2) from exc
+    except LLMError as exc:  # only batch management calls get here (online calls are per-page outcomes)
+        raise fail(f"the batch could not be submitted or read: {exc}", code=5) from exc
 
 
 @app.command()
@@ -240,6 +256,14 @@ def extract(
     ] = False,
     max_facts: Annotated[int | None, typer.Option(min=1, max=25, help="Facts per segment (1-25).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the counters as JSON.")] = False,
+    batch: Annotated[
+        bool,
+        typer.Option(
+            help="Send the pending segments as one OpenAI/Anthropic batch (half price, results within "
+            "24 h); waits for it, then commits like an online run. For backfills."
+        ),
+    ] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.0, help="With --batch: seconds between polls.")] = 30.0,
 ) -> None:
     """Extract facts from conversation pages, resuming where the last run stopped."""
     settings = get_settings()
@@ -259,7 +283,13 @@ def extract(
 
         err.print(describe(settings))
     started = time.perf_counter()
-    counters = run_extraction(settings, factory, options, show_progress=not as_json)
+    counters = run_extraction(
+        settings,
+        factory,
+        options,
+        show_progress=not as_json,
+        batch_poll_seconds=poll_seconds if batch else None,
+    )
     if as_json:
         sys.stdout.write(json.dumps(counters.as_dict(), indent=2) + "\n")
     else:

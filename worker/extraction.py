@@ -154,7 +154,7 @@ class ExtractOptions:
 @dataclass
 class PageReport:
     slug: str
-    status: str  # processed | skipped | skipped_too_large | failed | dry_run
+    status: str  # processed | skipped | skipped_too_large | failed | dry_run | incomplete (batch mode)
     reason: str = ""
     segments: int = 0
     facts: int = 0
@@ -220,6 +220,7 @@ class Attempt:
     model: str = ""
     latency_ms: int = 0
     called: bool = True  # False: refused before any request (budget), so no llm_calls row
+    batch: bool = False  # answered through a provider's batch API: billed at the batch discount
 
     @classmethod
     def of(
@@ -271,6 +272,34 @@ def _chat_recording_retries(llm: LLMClient, request: ChatRequest, attempts: list
     return result.value  # type: ignore[no-any-return]
 
 
+def extraction_request(
+    turns: Sequence[tuple[str, str]], max_facts: int, max_output_tokens: int
+) -> ChatRequest:
+    """The chat request for a segment's turns (the first turn is ``segment_user_message(rendered)``)."""
+    return ChatRequest(
+        purpose=LLM_PURPOSE,
+        system=extraction_system_prompt(max_facts),
+        messages=tuple(turns),
+        max_tokens=max_output_tokens,
+        json_schema=facts_json_schema(max_facts),
+        schema_name="facts",
+        cache_key=f"factmill-extraction-v1-{max_facts}",
+    )
+
+
+def classify_reply(response: ChatResponse, max_facts: int, cap: int) -> Attempt:
+    """One reply as an attempt: refusal, truncated_output, malformed_output, or ok with its facts."""
+    if response.finish == "refusal":
+        return Attempt.of(response, "refusal", error=response.refusal or "the model refused")
+    if response.finish == "truncated":
+        return Attempt.of(response, "truncated_output", error=f"output hit the {cap}-token cap")
+    try:
+        facts = parse_facts_reply(response.text, max_facts)
+    except MalformedReplyError as exc:
+        return Attempt.of(response, "malformed_output", error=str(exc))
+    return Attempt.of(response, "ok", facts=facts)
+
+
 def extract_segment(
     llm: LLMClient,
     rendered: str,
@@ -279,22 +308,12 @@ def extract_segment(
     before_call: Callable[[], None] | None = None,
 ) -> SegmentResult:
     """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one."""
-    system = extraction_system_prompt(max_facts)
-    schema = facts_json_schema(max_facts)
     turns: list[tuple[str, str]] = [("user", segment_user_message(rendered))]
     cap = max_output_tokens
     attempts: list[Attempt] = []
     repaired = retried_truncation = False
     while True:
-        request = ChatRequest(
-            purpose=LLM_PURPOSE,
-            system=system,
-            messages=tuple(turns),
-            max_tokens=cap,
-            json_schema=schema,
-            schema_name="facts",
-            cache_key=f"factmill-extraction-v1-{max_facts}",
-        )
+        request = extraction_request(turns, max_facts, cap)
         try:
             if before_call is not None:
                 before_call()
@@ -311,31 +330,24 @@ def extract_segment(
                 Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
             )
             return SegmentResult(attempts)
-        if response.finish == "refusal":
-            reason = response.refusal or "the model refused"
-            attempts.append(Attempt.of(response, "refusal", error=reason))
-            return SegmentResult(attempts)
-        if response.finish == "truncated":
-            attempts.append(Attempt.of(response, "truncated_output", error=f"output hit the {cap}-token cap"))
+        attempt = classify_reply(response, max_facts, cap)
+        attempts.append(attempt)
+        if attempt.outcome == "truncated_output":
             if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
                 return SegmentResult(attempts)
             retried_truncation = True
             cap = min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
             continue
-        try:
-            facts = parse_facts_reply(response.text, max_facts)
-        except MalformedReplyError as exc:
-            attempts.append(Attempt.of(response, "malformed_output", error=str(exc)))
+        if attempt.outcome == "malformed_output":
             if repaired:
                 return SegmentResult(attempts)
             repaired = True
             turns = [
                 *turns,
                 ("assistant", response.text),
-                ("user", repair_user_message(response.text, str(exc))),
+                ("user", repair_user_message(response.text, attempt.error or "")),
             ]
             continue
-        attempts.append(Attempt.of(response, "ok", facts=facts))
         return SegmentResult(attempts)
 
 
@@ -413,7 +425,7 @@ def _write_attempts(
                 "cache_write_tokens": usage.cache_write_tokens,
                 "latency_ms": attempt.latency_ms,
                 "outcome": attempt.outcome,
-                "cost_usd": cost_usd(attempt.model, usage, prices),
+                "cost_usd": cost_usd(attempt.model, usage, prices, batch=attempt.batch),
                 "error": "; ".join(part for part in (attempt.error, note) if part) or None,
                 "source_id": options.source_id,
                 "page_slug": slug,
@@ -518,6 +530,20 @@ class _Progress:
     messages_done: int
     prefix_hash: str
     next_row_num: int
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """One page's pending work: the segments after its checkpoint, and how to commit them."""
+
+    page_id: int
+    slug: str
+    label: str
+    hasher: PrefixHasher
+    segments: Sequence[Segment]
+    ends: Sequence[int]  # per segment, the message index just past it (the checkpoint it advances to)
+    checkpoint: _Progress | None
+    replace: bool  # force, or an edited page: all segments must succeed, then the facts are swapped
 
 
 def _advance_checkpoint(
@@ -668,16 +694,11 @@ class _Run:
         self.counters.pages_considered = len(pages)
         self.progress.pages_listed(len(pages))
         for page_id, slug, size in pages:
-            if size > MAX_PAGE_BODY_BYTES:
-                self.finish(
-                    PageReport(
-                        slug,
-                        "skipped_too_large",
-                        f"body is {size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap",
-                    )
-                )
+            plan = self.plan_page(page_id, slug, size)
+            if isinstance(plan, PageReport):
+                self.finish(plan)
                 continue
-            self.finish(self.extract_page(page_id, slug))
+            self.finish(self.commit_page(plan, self.ordered_results(plan.slug, plan.label, plan.segments)))
         return self.counters
 
     def load_checkpoint(self, session: Session, slug: str) -> _Progress | None:
@@ -686,7 +707,23 @@ class _Run:
             return None
         return _Progress(row.messages_done, row.prefix_hash, row.next_row_num)
 
-    def extract_page(self, page_id: int, slug: str) -> PageReport:
+    def commit_page(
+        self, plan: PagePlan, results: Generator[tuple[int, Segment, SegmentResult], None, None]
+    ) -> PageReport:
+        """Commit a planned page's segment results (in page order) through the per-segment transaction."""
+        self.progress.page_started(plan.slug, len(plan.segments))
+        if plan.replace:
+            return self.extract_replacing(plan.slug, plan.hasher, plan.segments, plan.ends, results)
+        return self.extract_incremental(
+            plan.slug, plan.hasher, plan.segments, plan.ends, plan.checkpoint, results
+        )
+
+    def plan_page(self, page_id: int, slug: str, size: int) -> PagePlan | PageReport:
+        """The page's segments after its checkpoint, or a report saying why there is nothing to do."""
+        if size > MAX_PAGE_BODY_BYTES:
+            return PageReport(
+                slug, "skipped_too_large", f"body is {size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap"
+            )
         with self.factory() as session:
             page = session.get(Page, page_id)
             if page is None:
@@ -716,10 +753,7 @@ class _Run:
         if self.options.dry_run:
             self.counters.segments_processed += len(segments)
             return PageReport(slug, "dry_run", "", segments=len(segments))
-        self.progress.page_started(slug, len(segments))
-        if replace:
-            return self.extract_replacing(slug, label, hasher, segments, ends)
-        return self.extract_incremental(slug, label, hasher, segments, ends, checkpoint)
+        return PagePlan(page_id, slug, label, hasher, segments, ends, checkpoint, replace)
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
         """One segment's LLM attempts; runs on pool threads, so it touches no shared state."""
@@ -796,16 +830,16 @@ class _Run:
     def extract_incremental(
         self,
         slug: str,
-        label: str,
         hasher: PrefixHasher,
         segments: Sequence[Segment],
         ends: Sequence[int],
         checkpoint: _Progress | None,
+        results: Generator[tuple[int, Segment, SegmentResult], None, None],
     ) -> PageReport:
+        """Commit results as they come, one transaction each; if they end early the rest wait for later."""
         report = PageReport(slug, "processed")
         expected = checkpoint
         next_row = checkpoint.next_row_num if checkpoint else 0
-        results = self.ordered_results(slug, label, segments)
         try:
             for index, segment, result in results:
                 end = ends[index]
@@ -864,16 +898,15 @@ class _Run:
     def extract_replacing(
         self,
         slug: str,
-        label: str,
         hasher: PrefixHasher,
         segments: Sequence[Segment],
         ends: Sequence[int],
+        results: Generator[tuple[int, Segment, SegmentResult], None, None],
     ) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(slug, "processed")
         all_rows: list[dict[str, Any]] = []
         extracted = 0
-        results = self.ordered_results(slug, label, segments)
         try:
             for index, segment, result in results:
                 with self.factory.begin() as session:
@@ -906,6 +939,13 @@ class _Run:
                 report.segments += 1
         finally:
             results.close()
+        if report.segments < len(segments):
+            # The results ran out (a batch that expired): swapping now would drop the page's later facts.
+            report.status = "incomplete"
+            report.reason = (
+                f"{len(segments) - report.segments} segment(s) had no result; the earlier facts were kept"
+            )
+            return report
         with self.factory.begin() as session:
             # Lock this page's checkpoint row (if any) so a concurrent run cannot interleave with the swap.
             current = session.execute(

@@ -126,7 +126,7 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
     if counters.pages_failed:
         reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
         return retry(reason)
-    if counters.facts_inserted:
+    if counters.facts_inserted and settings.embed_after_extraction:
         # Make the new facts findable by vector search too; never fails the job (`factmill embed`
         # fills in whatever this misses).
         from worker.search import embed_new_facts

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     search_expand: bool = True  # let the LLM expand plain queries (off: lexical + vector of the query only)
     search_default_limit: int = Field(default=10, ge=1, le=100)
     search_embed_batch_size: int = Field(default=64, ge=1, le=2048)  # facts per embedding call
+    # Extraction jobs embed their new facts before they finish (vector search sees them at once); off
+    # leaves that to `factmill embed`, e.g. to give a large backfill every cycle of the workers.
+    embed_after_extraction: bool = True
 
     # Compaction
     compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap

@@ -500,10 +500,14 @@ def test_shared_rpm_limit_holds_across_two_processes() -> None:
     rate = achieved_rate(first + second)
     assert rate <= limit * 1.1, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
     assert rate >= limit * 0.7, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
-    # Both processes ran at the same time and split the budget: neither had it to itself.
-    assert max(first[0], second[0]) < min(first[-1], second[-1])
+    # Both processes ran at the same time and shared the budget while they did (one may start a little
+    # later and have it to itself at first, so only the overlap is compared).
+    start, end = max(first[0], second[0]), min(first[-1], second[-1])
+    assert start < end
+    overlap = [t for t in first + second if start <= t <= end]
+    assert len(overlap) >= 4 and achieved_rate(overlap) <= limit * 1.15
     for stamps in (first, second):
-        assert achieved_rate(stamps) <= limit * 0.5 * 1.3
+        assert sum(start <= t <= end for t in stamps) >= 0.25 * len(overlap)
 
 
 @needs_redis

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import anthropic
+from anthropic.types import Message
 
 from worker.llm.errors import LLMError, to_llm_error
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, LLMClient, Usage
@@ -57,6 +58,15 @@ class AnthropicChatClient:
             default_headers=default_headers,
         )
 
+    @property
+    def sdk(self) -> anthropic.Anthropic:
+        """The SDK client underneath (the batch APIs use it directly)."""
+        return self._client
+
+    def message_params(self, request: ChatRequest) -> dict[str, Any]:
+        """The Messages API parameters (also one request's params in a Message Batch)."""
+        return self._kwargs(request)
+
     def _kwargs(self, request: ChatRequest) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "model": self.model,
@@ -82,8 +92,10 @@ class AnthropicChatClient:
             message = self._client.messages.create(**kwargs)
         except Exception as exc:
             raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
-        latency_ms = int((time.perf_counter() - started) * 1000)
+        return self.response_from(message, request, int((time.perf_counter() - started) * 1000))
 
+    def response_from(self, message: Message, request: ChatRequest, latency_ms: int) -> ChatResponse:
+        """A Message (online, or one succeeded result of a Message Batch) in the gateway's terms."""
         texts: list[str] = []
         tool_input: object | None = None
         for block in message.content:

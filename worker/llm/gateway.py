@@ -82,7 +82,7 @@ def _simulator_client(settings: Settings, model: str, root_url: str) -> LLMClien
     )
 
 
-def _provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
+def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     provider = settings.resolved_llm()
     model = settings.llm_model or DEFAULT_MODELS[provider]
     timeout = settings.llm_timeout_seconds
@@ -140,4 +140,4 @@ def open_llm_client(
     ``on_attempt`` hears about every try of every call (see ``RetryingClient``), e.g. to record it.
     """
     with ExitStack() as stack:
-        yield wrap(_provider_client(settings, stack), settings, on_attempt=on_attempt)
+        yield wrap(provider_client(settings, stack), settings, on_attempt=on_attempt)

@@ -57,7 +57,13 @@ class OpenAIChatClient:
             "json_schema": {"name": request.schema_name, "schema": request.json_schema, "strict": True},
         }
 
-    def chat(self, request: ChatRequest) -> ChatResponse:
+    @property
+    def sdk(self) -> openai.OpenAI:
+        """The SDK client underneath (the batch APIs use it directly)."""
+        return self._client
+
+    def chat_body(self, request: ChatRequest) -> dict[str, Any]:
+        """The /chat/completions request body (also one line's body in a Batch API input file)."""
         messages: list[dict[str, str]] = [{"role": "system", "content": request.system}]
         messages += [{"role": role, "content": content} for role, content in request.messages]
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": request.max_tokens}
@@ -66,6 +72,10 @@ class OpenAIChatClient:
             body["response_format"] = response_format
         if request.cache_key and self.send_prompt_cache_key:
             body["prompt_cache_key"] = request.cache_key
+        return body
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        body = self.chat_body(request)
         started = time.perf_counter()
         try:
             # The body is plain JSON already, so it goes through the SDK's own post() (same client, auth,
@@ -75,7 +85,10 @@ class OpenAIChatClient:
             completion = self._client.post("/chat/completions", body=body, cast_to=ChatCompletion)
         except Exception as exc:
             raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
-        latency_ms = int((time.perf_counter() - started) * 1000)
+        return self.response_from(completion, int((time.perf_counter() - started) * 1000))
+
+    def response_from(self, completion: ChatCompletion, latency_ms: int) -> ChatResponse:
+        """A ChatCompletion (online, or one line of a batch's output file) in the gateway's terms."""
         choice = completion.choices[0]
         message = choice.message
         refusal = getattr(message, "refusal", None)

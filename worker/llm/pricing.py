@@ -33,9 +33,13 @@ PRICES: dict[str, Price] = {
 }
 
 MILLION = Decimal(1_000_000)
+# The OpenAI Batch API and Anthropic Message Batches both bill every token class at half the list price.
+BATCH_DISCOUNT = Decimal("0.5")
 
 
-def cost_usd(model: str, usage: Usage, prices: dict[str, Price] | None = None) -> Decimal:
+def cost_usd(
+    model: str, usage: Usage, prices: dict[str, Price] | None = None, *, batch: bool = False
+) -> Decimal:
     price = (prices or PRICES).get(model)
     if price is None:
         return Decimal(0)
@@ -47,4 +51,6 @@ def cost_usd(model: str, usage: Usage, prices: dict[str, Price] | None = None) -
         + usage.cache_write_tokens * price.cache_write
         + usage.output_tokens * price.output
     ) / MILLION
+    if batch:
+        total *= BATCH_DISCOUNT
     return total.quantize(Decimal("0.000001"))

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Self
@@ -122,6 +122,12 @@ class SimulatorConfig(BaseModel):
         default=False,
         description="compaction prompts (transcript in <untrusted-data>) get a content-free summary",
     )
+    batch_delay_seconds: float = Field(
+        default=0.5, ge=0, description="how long a batch takes, from creation to ended"
+    )
+    batch_expire: bool = Field(
+        default=False, description="batches end expired, with results for only the first half of requests"
+    )
     model: str = SIMULATOR_MODEL
     embedding_model: str = SIMULATOR_EMBEDDING_MODEL
 
@@ -171,6 +177,9 @@ class SimulatorState:
         self._lock = threading.Lock()
         self.config = config
         self._prefixes: OrderedDict[str, int] = OrderedDict()
+        # Uploaded files and batches live as long as the simulator (a reset only zeroes the stats).
+        self.files: dict[str, _StoredFile] = {}
+        self.batches: dict[str, _Batch] = {}
         self._reset_unlocked()
 
     def _reseed(self) -> None:
@@ -634,6 +643,12 @@ def _structured_text(reply: SimReply, schema: Mapping[str, Any] | None) -> str:
     return json.dumps(sim_extract.fill_json_schema(schema, reply.text), ensure_ascii=False)
 
 
+# A hung upstream, for the online routes: sleeps, and says whether the client went away meanwhile.
+# Batched requests have no connection to hang, so they pass None and a timeout fault errors the request.
+Hang = Callable[[float], Awaitable[bool]]
+BATCH_TIMEOUT_MESSAGE = "The request timed out while the batch was processed (simulated)."
+
+
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions (OpenAI)."""
     state = _state(request)
@@ -642,109 +657,119 @@ async def chat_completions(request: Request) -> Response:
     try:
         try:
             body = await _read_json(request)
-            config = state.config
-            forced = _forced_fault(request, config)
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise _BadRequest("you must provide a model parameter", "model")
-            prompt = _flatten_openai(body)
-            state.remember(route, prompt.messages)
-            max_tokens = _positive_int(body.get("max_completion_tokens"), "max_completion_tokens")
-            max_tokens = max_tokens or _positive_int(body.get("max_tokens"), "max_tokens")
-            choices_n = _positive_int(body.get("n"), "n") or 1
-            if body.get("stream"):
-                raise _BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
+            forced = _forced_fault(request, state.config)
         except _BadRequest as exc:
             state.record(route, OUTCOME_INVALID)
             return _openai_error(400, exc.message, "invalid_request_error", param=exc.param)
-
-        draw = state.draw(forced)
-        if draw.delay_seconds:
-            await asyncio.sleep(draw.delay_seconds)
-        if draw.fault in _HTTP_FAULTS:
-            assert draw.fault is not None
-            state.record(route, draw.fault.value)
-            return _openai_fault_response(draw.fault, config, model)
-        if draw.fault is Fault.TIMEOUT and await _hang(request, config.hang_seconds):
-            state.record(route, Fault.TIMEOUT.value, client_disconnects=1)
-            return Response(status_code=499)  # nobody is listening any more; this only ends the task
-
-        cap = max_tokens or config.default_max_tokens
-        reply = sim_extract.reply_to(
-            prompt.messages, max_tokens=cap, default_max_facts=config.default_max_facts
-        )
-        if config.lossy_summary:
-            reply = _lossy(reply, prompt.messages)
-        response_format = body.get("response_format")
-        wants_json = isinstance(response_format, Mapping) and response_format.get("type") in (
-            "json_object",
-            "json_schema",
-        )
-        content: str | None = (
-            _structured_text(reply, _json_schema_of(response_format)) if wants_json else reply.text
-        )
-        refusal: str | None = None
-        finish_reason = "stop"
-        outcome = OUTCOME_OK if draw.fault is None else draw.fault.value
-        assert content is not None
-        if draw.fault is Fault.REFUSAL:
-            content, refusal = None, REFUSAL_TEXT
-        elif draw.fault is Fault.MALFORMED:
-            content = _malformed(content)
-        elif draw.fault is Fault.TRUNCATED:
-            content, finish_reason = _truncated(content, cap), "length"
-        if content is not None:
-            content, matched = _apply_stop_sequences(content, _stop_list(body.get("stop")))
-            if matched is None and estimate_tokens(content) > cap:
-                content, finish_reason, outcome = (
-                    _cut_to_tokens(content, cap),
-                    "length",
-                    Fault.TRUNCATED.value,
-                )
-
-        prompt_tokens = estimate_tokens(prompt.text)
-        prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
-        cache_key = _cache_key(
-            "openai", str(body.get("prompt_cache_key") or ""), model, prompt.cacheable_prefix
-        )
-        cached = prefix_tokens if state.cache_lookup(cache_key, prefix_tokens) else 0
-        completion_tokens = estimate_tokens(content if content is not None else refusal or "") * choices_n
-        state.record(
-            route, outcome, input=prompt_tokens, output=completion_tokens, cache_read=cached, cache_creation=0
-        )
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": content,
-            "refusal": refusal,
-            "annotations": [],
-        }
-        payload = {
-            "id": _sim_id("chatcmpl-"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "service_tier": "default",
-            "choices": [
-                {"index": i, "message": message, "logprobs": None, "finish_reason": finish_reason}
-                for i in range(choices_n)
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
-                "completion_tokens_details": {
-                    "reasoning_tokens": 0,
-                    "audio_tokens": 0,
-                    "accepted_prediction_tokens": 0,
-                    "rejected_prediction_tokens": 0,
-                },
-            },
-        }
-        return JSONResponse(payload, headers={"x-request-id": _sim_id("req_")})
+        return await _answer_chat_completion(state, route, body, forced, lambda s: _hang(request, s))
     finally:
         state.end()
+
+
+async def _answer_chat_completion(
+    state: SimulatorState, route: str, body: Mapping[str, Any], forced: Fault | None, hang: Hang | None
+) -> Response:
+    """A chat completion for a parsed body: what the online route answers, and each batched request."""
+    try:
+        config = state.config
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _BadRequest("you must provide a model parameter", "model")
+        prompt = _flatten_openai(body)
+        state.remember(route, prompt.messages)
+        max_tokens = _positive_int(body.get("max_completion_tokens"), "max_completion_tokens")
+        max_tokens = max_tokens or _positive_int(body.get("max_tokens"), "max_tokens")
+        choices_n = _positive_int(body.get("n"), "n") or 1
+        if body.get("stream"):
+            raise _BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
+    except _BadRequest as exc:
+        state.record(route, OUTCOME_INVALID)
+        return _openai_error(400, exc.message, "invalid_request_error", param=exc.param)
+
+    draw = state.draw(forced)
+    if draw.delay_seconds and hang is not None:
+        await asyncio.sleep(draw.delay_seconds)
+    if draw.fault in _HTTP_FAULTS:
+        assert draw.fault is not None
+        state.record(route, draw.fault.value)
+        return _openai_fault_response(draw.fault, config, model)
+    if draw.fault is Fault.TIMEOUT and hang is None:
+        state.record(route, Fault.TIMEOUT.value)
+        return _openai_error(500, BATCH_TIMEOUT_MESSAGE, "server_error", "timeout")
+    if draw.fault is Fault.TIMEOUT and hang is not None and await hang(config.hang_seconds):
+        state.record(route, Fault.TIMEOUT.value, client_disconnects=1)
+        return Response(status_code=499)  # nobody is listening any more; this only ends the task
+
+    cap = max_tokens or config.default_max_tokens
+    reply = sim_extract.reply_to(prompt.messages, max_tokens=cap, default_max_facts=config.default_max_facts)
+    if config.lossy_summary:
+        reply = _lossy(reply, prompt.messages)
+    response_format = body.get("response_format")
+    wants_json = isinstance(response_format, Mapping) and response_format.get("type") in (
+        "json_object",
+        "json_schema",
+    )
+    content: str | None = (
+        _structured_text(reply, _json_schema_of(response_format)) if wants_json else reply.text
+    )
+    refusal: str | None = None
+    finish_reason = "stop"
+    outcome = OUTCOME_OK if draw.fault is None else draw.fault.value
+    assert content is not None
+    if draw.fault is Fault.REFUSAL:
+        content, refusal = None, REFUSAL_TEXT
+    elif draw.fault is Fault.MALFORMED:
+        content = _malformed(content)
+    elif draw.fault is Fault.TRUNCATED:
+        content, finish_reason = _truncated(content, cap), "length"
+    if content is not None:
+        content, matched = _apply_stop_sequences(content, _stop_list(body.get("stop")))
+        if matched is None and estimate_tokens(content) > cap:
+            content, finish_reason, outcome = (
+                _cut_to_tokens(content, cap),
+                "length",
+                Fault.TRUNCATED.value,
+            )
+
+    prompt_tokens = estimate_tokens(prompt.text)
+    prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
+    cache_key = _cache_key("openai", str(body.get("prompt_cache_key") or ""), model, prompt.cacheable_prefix)
+    cached = prefix_tokens if state.cache_lookup(cache_key, prefix_tokens) else 0
+    completion_tokens = estimate_tokens(content if content is not None else refusal or "") * choices_n
+    state.record(
+        route, outcome, input=prompt_tokens, output=completion_tokens, cache_read=cached, cache_creation=0
+    )
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": refusal,
+        "annotations": [],
+    }
+    payload = {
+        "id": _sim_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "service_tier": "default",
+        "choices": [
+            {"index": i, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            for i in range(choices_n)
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+    }
+    return JSONResponse(payload, headers={"x-request-id": _sim_id("req_")})
 
 
 def _is_compaction_prompt(messages: Sequence[PromptMessage]) -> bool:
@@ -799,136 +824,148 @@ async def messages_route(request: Request) -> Response:
     try:
         try:
             body = await _read_json(request)
-            config = state.config
-            forced = _forced_fault(request, config)
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise _BadRequest("model: Field required")
-            max_tokens = body.get("max_tokens")
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise _BadRequest("max_tokens: Field required (a positive integer)")
-            prompt = _flatten_anthropic(body)
-            state.remember(route, prompt.messages)
-            tool_choice = body.get("tool_choice")
-            if tool_choice is not None and not isinstance(tool_choice, Mapping):
-                raise _BadRequest("tool_choice: Input should be an object")
-            if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "tool":
-                names = {t.get("name") for t in body.get("tools") or [] if isinstance(t, Mapping)}
-                if tool_choice.get("name") not in names:
-                    raise _BadRequest(f"tool_choice: tool {tool_choice.get('name')!r} is not in tools")
-            if body.get("stream"):
-                raise _BadRequest("stream: the Factmill LLM simulator does not stream; send stream=false")
+            forced = _forced_fault(request, state.config)
         except _BadRequest as exc:
             state.record(route, OUTCOME_INVALID)
             return _anthropic_error(400, "invalid_request_error", exc.message)
-
-        draw = state.draw(forced)
-        if draw.delay_seconds:
-            await asyncio.sleep(draw.delay_seconds)
-        if draw.fault in _HTTP_FAULTS:
-            assert draw.fault is not None
-            state.record(route, draw.fault.value)
-            return _anthropic_fault_response(draw.fault, config)
-        if draw.fault is Fault.TIMEOUT and await _hang(request, config.hang_seconds):
-            state.record(route, Fault.TIMEOUT.value, client_disconnects=1)
-            return Response(status_code=499)  # nobody is listening any more; this only ends the task
-
-        reply = sim_extract.reply_to(
-            prompt.messages, max_tokens=max_tokens, default_max_facts=config.default_max_facts
-        )
-        if config.lossy_summary:
-            reply = _lossy(reply, prompt.messages)
-        tool = _pick_tool(body, reply)
-        outcome = OUTCOME_OK if draw.fault is None else draw.fault.value
-        content: list[dict[str, Any]]
-        stop_reason = "end_turn"
-        stop_sequence: str | None = None
-        stop_details: dict[str, Any] | None = None
-
-        if draw.fault is Fault.REFUSAL:
-            content = [{"type": "text", "text": REFUSAL_TEXT}]
-            stop_reason = "refusal"
-            stop_details = {"type": "refusal", "category": None, "explanation": "Simulated refusal."}
-        elif tool is not None:
-            tool_input: dict[str, Any]
-            if reply.kind == "facts" and reply.payload is not None:
-                tool_input = dict(reply.payload)
-            else:
-                filled = sim_extract.fill_json_schema(tool.get("input_schema"), reply.text)
-                tool_input = filled if isinstance(filled, dict) else {"text": reply.text}
-            stop_reason = "tool_use"
-            if draw.fault is Fault.MALFORMED:
-                # Forced tool input is always a JSON object on the real API; the realistic failure is an
-                # object of the wrong shape: a string where the schema wants an array.
-                tool_input = {key: _malformed(json.dumps(value)) for key, value in tool_input.items()} or {
-                    "text": _malformed(reply.text)
-                }
-            elif draw.fault is Fault.TRUNCATED:
-                half = estimate_tokens(json.dumps(tool_input)) // 2
-                tool_input = _fit_facts(tool_input, half) if "facts" in tool_input else {}
-                stop_reason = "max_tokens"
-            if estimate_tokens(json.dumps(tool_input, ensure_ascii=False)) > max_tokens:
-                tool_input = _fit_facts(tool_input, max_tokens) if "facts" in tool_input else {}
-                stop_reason, outcome = "max_tokens", Fault.TRUNCATED.value
-            content = [
-                {"type": "tool_use", "id": _sim_id("toolu_"), "name": tool["name"], "input": tool_input}
-            ]
-        else:
-            text = reply.text
-            if draw.fault is Fault.MALFORMED:
-                text = _malformed(text)
-            elif draw.fault is Fault.TRUNCATED:
-                text, stop_reason = _truncated(text, max_tokens), "max_tokens"
-            text, stop_sequence = _apply_stop_sequences(text, _stop_list(body.get("stop_sequences")))
-            if stop_sequence is not None:
-                stop_reason = "stop_sequence"
-            elif estimate_tokens(text) > max_tokens:
-                text, stop_reason, outcome = (
-                    _cut_to_tokens(text, max_tokens),
-                    "max_tokens",
-                    Fault.TRUNCATED.value,
-                )
-            content = [{"type": "text", "text": text}]
-
-        total_tokens = estimate_tokens(prompt.text)
-        prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
-        seen = state.cache_lookup(_cache_key("anthropic", model, prompt.cacheable_prefix), prefix_tokens)
-        cacheable = prefix_tokens if prefix_tokens >= config.cache_min_tokens and config.cache_capacity else 0
-        cache_read = cacheable if seen else 0
-        cache_creation = 0 if seen else cacheable
-        input_tokens = max(0, total_tokens - cache_read - cache_creation)
-        output_tokens = sum(
-            estimate_tokens(block["text"] if block["type"] == "text" else json.dumps(block["input"]))
-            for block in content
-        )
-        state.record(
-            route,
-            outcome,
-            input=total_tokens,
-            output=output_tokens,
-            cache_read=cache_read,
-            cache_creation=cache_creation,
-        )
-        payload = {
-            "id": _sim_id("msg_"),
-            "type": "message",
-            "role": "assistant",
-            "model": model,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence,
-            "stop_details": stop_details,
-            "usage": {
-                "input_tokens": input_tokens,
-                "output_tokens": output_tokens,
-                "cache_creation_input_tokens": cache_creation,
-                "cache_read_input_tokens": cache_read,
-                "service_tier": "standard",
-            },
-        }
-        return JSONResponse(payload, headers={"request-id": _sim_id("req_")})
+        return await _answer_message(state, route, body, forced, lambda s: _hang(request, s))
     finally:
         state.end()
+
+
+async def _answer_message(
+    state: SimulatorState, route: str, body: Mapping[str, Any], forced: Fault | None, hang: Hang | None
+) -> Response:
+    """A Messages API reply for a parsed body: what the online route answers, and each batched request."""
+    try:
+        config = state.config
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _BadRequest("model: Field required")
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise _BadRequest("max_tokens: Field required (a positive integer)")
+        prompt = _flatten_anthropic(body)
+        state.remember(route, prompt.messages)
+        tool_choice = body.get("tool_choice")
+        if tool_choice is not None and not isinstance(tool_choice, Mapping):
+            raise _BadRequest("tool_choice: Input should be an object")
+        if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "tool":
+            names = {t.get("name") for t in body.get("tools") or [] if isinstance(t, Mapping)}
+            if tool_choice.get("name") not in names:
+                raise _BadRequest(f"tool_choice: tool {tool_choice.get('name')!r} is not in tools")
+        if body.get("stream"):
+            raise _BadRequest("stream: the Factmill LLM simulator does not stream; send stream=false")
+    except _BadRequest as exc:
+        state.record(route, OUTCOME_INVALID)
+        return _anthropic_error(400, "invalid_request_error", exc.message)
+
+    draw = state.draw(forced)
+    if draw.delay_seconds and hang is not None:
+        await asyncio.sleep(draw.delay_seconds)
+    if draw.fault in _HTTP_FAULTS:
+        assert draw.fault is not None
+        state.record(route, draw.fault.value)
+        return _anthropic_fault_response(draw.fault, config)
+    if draw.fault is Fault.TIMEOUT and hang is None:
+        state.record(route, Fault.TIMEOUT.value)
+        return _anthropic_error(500, "api_error", BATCH_TIMEOUT_MESSAGE)
+    if draw.fault is Fault.TIMEOUT and hang is not None and await hang(config.hang_seconds):
+        state.record(route, Fault.TIMEOUT.value, client_disconnects=1)
+        return Response(status_code=499)  # nobody is listening any more; this only ends the task
+
+    reply = sim_extract.reply_to(
+        prompt.messages, max_tokens=max_tokens, default_max_facts=config.default_max_facts
+    )
+    if config.lossy_summary:
+        reply = _lossy(reply, prompt.messages)
+    tool = _pick_tool(body, reply)
+    outcome = OUTCOME_OK if draw.fault is None else draw.fault.value
+    content: list[dict[str, Any]]
+    stop_reason = "end_turn"
+    stop_sequence: str | None = None
+    stop_details: dict[str, Any] | None = None
+
+    if draw.fault is Fault.REFUSAL:
+        content = [{"type": "text", "text": REFUSAL_TEXT}]
+        stop_reason = "refusal"
+        stop_details = {"type": "refusal", "category": None, "explanation": "Simulated refusal."}
+    elif tool is not None:
+        tool_input: dict[str, Any]
+        if reply.kind == "facts" and reply.payload is not None:
+            tool_input = dict(reply.payload)
+        else:
+            filled = sim_extract.fill_json_schema(tool.get("input_schema"), reply.text)
+            tool_input = filled if isinstance(filled, dict) else {"text": reply.text}
+        stop_reason = "tool_use"
+        if draw.fault is Fault.MALFORMED:
+            # Forced tool input is always a JSON object on the real API; the realistic failure is an
+            # object of the wrong shape: a string where the schema wants an array.
+            tool_input = {key: _malformed(json.dumps(value)) for key, value in tool_input.items()} or {
+                "text": _malformed(reply.text)
+            }
+        elif draw.fault is Fault.TRUNCATED:
+            half = estimate_tokens(json.dumps(tool_input)) // 2
+            tool_input = _fit_facts(tool_input, half) if "facts" in tool_input else {}
+            stop_reason = "max_tokens"
+        if estimate_tokens(json.dumps(tool_input, ensure_ascii=False)) > max_tokens:
+            tool_input = _fit_facts(tool_input, max_tokens) if "facts" in tool_input else {}
+            stop_reason, outcome = "max_tokens", Fault.TRUNCATED.value
+        content = [{"type": "tool_use", "id": _sim_id("toolu_"), "name": tool["name"], "input": tool_input}]
+    else:
+        text = reply.text
+        if draw.fault is Fault.MALFORMED:
+            text = _malformed(text)
+        elif draw.fault is Fault.TRUNCATED:
+            text, stop_reason = _truncated(text, max_tokens), "max_tokens"
+        text, stop_sequence = _apply_stop_sequences(text, _stop_list(body.get("stop_sequences")))
+        if stop_sequence is not None:
+            stop_reason = "stop_sequence"
+        elif estimate_tokens(text) > max_tokens:
+            text, stop_reason, outcome = (
+                _cut_to_tokens(text, max_tokens),
+                "max_tokens",
+                Fault.TRUNCATED.value,
+            )
+        content = [{"type": "text", "text": text}]
+
+    total_tokens = estimate_tokens(prompt.text)
+    prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
+    seen = state.cache_lookup(_cache_key("anthropic", model, prompt.cacheable_prefix), prefix_tokens)
+    cacheable = prefix_tokens if prefix_tokens >= config.cache_min_tokens and config.cache_capacity else 0
+    cache_read = cacheable if seen else 0
+    cache_creation = 0 if seen else cacheable
+    input_tokens = max(0, total_tokens - cache_read - cache_creation)
+    output_tokens = sum(
+        estimate_tokens(block["text"] if block["type"] == "text" else json.dumps(block["input"]))
+        for block in content
+    )
+    state.record(
+        route,
+        outcome,
+        input=total_tokens,
+        output=output_tokens,
+        cache_read=cache_read,
+        cache_creation=cache_creation,
+    )
+    payload = {
+        "id": _sim_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "stop_details": stop_details,
+        "usage": {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "cache_creation_input_tokens": cache_creation,
+            "cache_read_input_tokens": cache_read,
+            "service_tier": "standard",
+        },
+    }
+    return JSONResponse(payload, headers={"request-id": _sim_id("req_")})
 
 
 async def count_tokens_route(request: Request) -> Response:
@@ -1010,6 +1047,423 @@ async def embeddings(request: Request) -> Response:
         state.end()
 
 
+# --------------------------------------------------------------------------------------------------
+# Batches: the OpenAI Batch API (files + batches) and Anthropic Message Batches
+# --------------------------------------------------------------------------------------------------
+
+BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+BATCH_CANCELLED_MESSAGE = "This request was not executed because the batch was cancelled."
+BATCH_COMPLETION_WINDOW_SECONDS = 24 * 3600
+
+
+@dataclass
+class _StoredFile:
+    id: str
+    filename: str
+    purpose: str
+    content: bytes
+    created_at: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": len(self.content),
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+@dataclass
+class _BatchItem:
+    custom_id: str
+    status: int  # the HTTP status the online route answered with
+    body: dict[str, Any]
+
+
+@dataclass
+class _Batch:
+    """One batch. Every request is answered when the batch is created (that is when the seeded faults are
+    drawn, in request order); the clock only decides how much of that the batch shows."""
+
+    id: str
+    wire: str  # "openai" | "anthropic"
+    created_at: float
+    delay: float
+    custom_ids: list[str]
+    items: list[_BatchItem]  # answered requests, in order: fewer than custom_ids when the batch expires
+    expire: bool
+    input_file_id: str | None = None
+    endpoint: str = "/v1/chat/completions"
+    cancelled_at: float | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+
+    def ended(self, now: float) -> bool:
+        return self.cancelled_at is not None or now - self.created_at >= self.delay
+
+    def kept(self) -> list[_BatchItem]:
+        """The answered requests the batch ends with: all, or (cancelled) the share done by then."""
+        if self.cancelled_at is None:
+            return self.items
+        share = 1.0 if self.delay <= 0 else min(1.0, (self.cancelled_at - self.created_at) / self.delay)
+        return self.items[: int(len(self.custom_ids) * share)]
+
+    def final_status(self) -> str:
+        if self.cancelled_at is not None:
+            return "cancelled"
+        return "expired" if self.expire else "completed"
+
+
+async def _answer_batch(
+    state: SimulatorState, wire: str, requests: list[tuple[str, Mapping[str, Any]]]
+) -> tuple[list[_BatchItem], bool]:
+    """Answer each batched request exactly as the online route would (seeded faults included)."""
+    expire = state.config.batch_expire
+    answered = requests[: len(requests) // 2] if expire else requests
+    items = []
+    for custom_id, body in answered:
+        if wire == "openai":
+            response = await _answer_chat_completion(state, "batch.chat.completions", body, None, None)
+        else:
+            response = await _answer_message(state, "batch.messages", body, None, None)
+        items.append(_BatchItem(custom_id, response.status_code, json.loads(bytes(response.body))))
+    return items, expire
+
+
+def _iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def _parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """Form fields of a multipart/form-data body: name → (filename, bytes). (Stdlib only: Starlette's own
+    form parser needs python-multipart, which the service does not otherwise need.)"""
+    from email.parser import BytesParser
+    from email.policy import HTTP
+
+    message = BytesParser(policy=HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+    )
+    if not message.is_multipart():
+        raise _BadRequest("The body must be multipart/form-data with a file and a purpose.")
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, str):
+            payload = part.get_payload(decode=True)
+            fields[name] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
+    return fields
+
+
+async def upload_file(request: Request) -> Response:
+    """POST /v1/files (OpenAI): multipart upload; only purpose=batch is of use here."""
+    state = _state(request)
+    try:
+        fields = _parse_multipart(request.headers.get("content-type", ""), await request.body())
+        if "file" not in fields:
+            raise _BadRequest("file: a file is required.", "file")
+        purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
+        if purpose != "batch":
+            raise _BadRequest(f"purpose must be 'batch' on the simulator, not {purpose!r}.", "purpose")
+    except _BadRequest as exc:
+        return _openai_error(400, exc.message, "invalid_request_error", param=exc.param)
+    filename, content = fields["file"]
+    stored = _StoredFile(_sim_id("file-"), filename or "upload.jsonl", purpose, content, int(time.time()))
+    with state._lock:
+        state.files[stored.id] = stored
+    return JSONResponse(stored.as_json())
+
+
+async def file_content(request: Request) -> Response:
+    """GET /v1/files/{file_id}/content (OpenAI)."""
+    state = _state(request)
+    _settle_batches(state)
+    stored = state.files.get(request.path_params["file_id"])
+    if stored is None:
+        return _openai_error(404, "No such File object.", "invalid_request_error", param="id")
+    return Response(stored.content, media_type="application/octet-stream")
+
+
+def _openai_input_lines(content: bytes) -> list[tuple[str, Mapping[str, Any]]]:
+    requests: list[tuple[str, Mapping[str, Any]]] = []
+    seen: set[str] = set()
+    for number, line in enumerate(content.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise _BadRequest(f"line {number} of the input file is not JSON: {exc}") from exc
+        if not isinstance(entry, dict) or not isinstance(entry.get("body"), dict):
+            raise _BadRequest(f"line {number}: each line needs custom_id, method, url and a body object.")
+        custom_id = entry.get("custom_id")
+        if not isinstance(custom_id, str) or custom_id in seen:
+            raise _BadRequest(f"line {number}: custom_id must be a string, unique in the batch.")
+        if entry.get("method") != "POST" or entry.get("url") != "/v1/chat/completions":
+            raise _BadRequest(f"line {number}: only POST /v1/chat/completions is batched by the simulator.")
+        seen.add(custom_id)
+        requests.append((custom_id, entry["body"]))
+    if not requests:
+        raise _BadRequest("The input file holds no requests.")
+    return requests
+
+
+def _settle_batches(state: SimulatorState) -> None:
+    """Write the output and error files of OpenAI batches that have ended (once each)."""
+    now = time.monotonic()
+    for batch in list(state.batches.values()):
+        if batch.wire != "openai" or not batch.ended(now) or batch.output_file_id or batch.error_file_id:
+            continue
+        kept = batch.kept()
+        output: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+        for item in kept:
+            line = {
+                "id": _sim_id("batch_req_"),
+                "custom_id": item.custom_id,
+                "response": {"status_code": item.status, "request_id": _sim_id("req_"), "body": item.body},
+                "error": None,
+            }
+            (output if item.status == 200 else errors).append(line)
+        code, message = (
+            ("batch_cancelled", BATCH_CANCELLED_MESSAGE)
+            if batch.cancelled_at is not None
+            else ("batch_expired", BATCH_EXPIRED_MESSAGE)
+        )
+        for custom_id in batch.custom_ids[len(kept) :]:
+            errors.append(
+                {
+                    "id": _sim_id("batch_req_"),
+                    "custom_id": custom_id,
+                    "response": None,
+                    "error": {"code": code, "message": message},
+                }
+            )
+        for lines, attr in ((output, "output_file_id"), (errors, "error_file_id")):
+            if lines:
+                text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+                stored = _StoredFile(
+                    _sim_id("file-"),
+                    f"{batch.id}_{attr}.jsonl",
+                    "batch_output",
+                    text.encode(),
+                    int(time.time()),
+                )
+                state.files[stored.id] = stored
+                setattr(batch, attr, stored.id)
+
+
+def _openai_batch_json(batch: _Batch) -> dict[str, Any]:
+    now = time.monotonic()
+    wall = time.time() - (now - batch.created_at)  # the creation time on the wall clock
+    ended = batch.ended(now)
+    status = (
+        batch.final_status()
+        if ended
+        else ("validating" if now - batch.created_at < 0.2 * batch.delay else "in_progress")
+    )
+    kept = batch.kept() if ended else []
+    completed = sum(1 for item in kept if item.status == 200)
+    end_time = wall + (batch.delay if batch.cancelled_at is None else batch.cancelled_at - batch.created_at)
+    return {
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": None,
+        "input_file_id": batch.input_file_id,
+        "completion_window": "24h",
+        "status": status,
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": int(wall),
+        "in_progress_at": int(wall),
+        "expires_at": int(wall) + BATCH_COMPLETION_WINDOW_SECONDS,
+        "finalizing_at": int(end_time) if ended else None,
+        "completed_at": int(end_time) if status == "completed" else None,
+        "failed_at": None,
+        "expired_at": int(end_time) if status == "expired" else None,
+        "cancelling_at": int(end_time) if status == "cancelled" else None,
+        "cancelled_at": int(end_time) if status == "cancelled" else None,
+        "request_counts": {
+            "total": len(batch.custom_ids),
+            "completed": completed,
+            "failed": len(batch.custom_ids) - completed if ended else 0,
+        },
+        "metadata": None,
+    }
+
+
+async def create_openai_batch(request: Request) -> Response:
+    """POST /v1/batches (OpenAI): every line of the input file is answered like /v1/chat/completions."""
+    state = _state(request)
+    try:
+        body = await _read_json(request)
+        if body.get("endpoint") != "/v1/chat/completions":
+            raise _BadRequest("endpoint: the simulator batches /v1/chat/completions only.", "endpoint")
+        if body.get("completion_window") != "24h":
+            raise _BadRequest("completion_window must be '24h'.", "completion_window")
+        stored = state.files.get(str(body.get("input_file_id")))
+        if stored is None or stored.purpose != "batch":
+            raise _BadRequest(
+                "input_file_id: no uploaded file with purpose 'batch' has that id.", "input_file_id"
+            )
+        requests = _openai_input_lines(stored.content)
+    except (_BadRequest, UnicodeDecodeError) as exc:
+        message = exc.message if isinstance(exc, _BadRequest) else "the input file is not UTF-8"
+        return _openai_error(400, message, "invalid_request_error")
+    items, expire = await _answer_batch(state, "openai", requests)
+    batch = _Batch(
+        id=_sim_id("batch_"),
+        wire="openai",
+        created_at=time.monotonic(),
+        delay=state.config.batch_delay_seconds,
+        custom_ids=[custom_id for custom_id, _ in requests],
+        items=items,
+        expire=expire,
+        input_file_id=stored.id,
+    )
+    with state._lock:
+        state.batches[batch.id] = batch
+    return JSONResponse(_openai_batch_json(batch))
+
+
+def _find_batch(request: Request, wire: str) -> _Batch | None:
+    state = _state(request)
+    _settle_batches(state)
+    batch = state.batches.get(request.path_params["batch_id"])
+    return batch if batch is not None and batch.wire == wire else None
+
+
+async def retrieve_openai_batch(request: Request) -> Response:
+    """GET /v1/batches/{batch_id} (OpenAI)."""
+    batch = _find_batch(request, "openai")
+    if batch is None:
+        return _openai_error(404, "No such Batch object.", "invalid_request_error", param="batch_id")
+    return JSONResponse(_openai_batch_json(batch))
+
+
+async def cancel_openai_batch(request: Request) -> Response:
+    """POST /v1/batches/{batch_id}/cancel (OpenAI): it ends at once with the requests done so far."""
+    batch = _find_batch(request, "openai")
+    if batch is None:
+        return _openai_error(404, "No such Batch object.", "invalid_request_error", param="batch_id")
+    if not batch.ended(time.monotonic()):
+        batch.cancelled_at = time.monotonic()
+        _settle_batches(_state(request))
+    return JSONResponse(_openai_batch_json(batch))
+
+
+def _anthropic_batch_json(batch: _Batch, request: Request) -> dict[str, Any]:
+    now = time.monotonic()
+    wall = time.time() - (now - batch.created_at)
+    ended = batch.ended(now)
+    counts = {"processing": len(batch.custom_ids), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+    if ended:
+        kept = batch.kept()
+        succeeded = sum(1 for item in kept if item.status == 200)
+        missing = len(batch.custom_ids) - len(kept)
+        counts = {
+            "processing": 0,
+            "succeeded": succeeded,
+            "errored": len(kept) - succeeded,
+            "canceled": missing if batch.cancelled_at is not None else 0,
+            "expired": missing if batch.cancelled_at is None else 0,
+        }
+    end_time = wall + (batch.delay if batch.cancelled_at is None else batch.cancelled_at - batch.created_at)
+    results_url = f"{str(request.base_url).rstrip('/')}/v1/messages/batches/{batch.id}/results"
+    return {
+        "id": batch.id,
+        "type": "message_batch",
+        "processing_status": "ended" if ended else "in_progress",
+        "request_counts": counts,
+        "created_at": _iso(wall),
+        "expires_at": _iso(wall + BATCH_COMPLETION_WINDOW_SECONDS),
+        "ended_at": _iso(end_time) if ended else None,
+        "archived_at": None,
+        "cancel_initiated_at": _iso(end_time) if batch.cancelled_at is not None else None,
+        "results_url": results_url if ended else None,
+    }
+
+
+async def create_anthropic_batch(request: Request) -> Response:
+    """POST /v1/messages/batches (Anthropic): each request's params are answered like /v1/messages."""
+    state = _state(request)
+    try:
+        body = await _read_json(request)
+        raw = body.get("requests")
+        if not isinstance(raw, list) or not raw:
+            raise _BadRequest("requests: at least one request is required")
+        requests: list[tuple[str, Mapping[str, Any]]] = []
+        for index, entry in enumerate(raw):
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
+                raise _BadRequest(f"requests.{index}: custom_id and params are required")
+            custom_id = entry.get("custom_id")
+            if not isinstance(custom_id, str) or any(custom_id == c for c, _ in requests):
+                raise _BadRequest(f"requests.{index}.custom_id: must be a string, unique in the batch")
+            requests.append((custom_id, entry["params"]))
+    except _BadRequest as exc:
+        return _anthropic_error(400, "invalid_request_error", exc.message)
+    items, expire = await _answer_batch(state, "anthropic", requests)
+    batch = _Batch(
+        id=_sim_id("msgbatch_"),
+        wire="anthropic",
+        created_at=time.monotonic(),
+        delay=state.config.batch_delay_seconds,
+        custom_ids=[custom_id for custom_id, _ in requests],
+        items=items,
+        expire=expire,
+    )
+    with state._lock:
+        state.batches[batch.id] = batch
+    return JSONResponse(_anthropic_batch_json(batch, request))
+
+
+async def retrieve_anthropic_batch(request: Request) -> Response:
+    """GET /v1/messages/batches/{batch_id} (Anthropic)."""
+    batch = _find_batch(request, "anthropic")
+    if batch is None:
+        return _anthropic_error(404, "not_found_error", "No message batch has that id.")
+    return JSONResponse(_anthropic_batch_json(batch, request))
+
+
+async def cancel_anthropic_batch(request: Request) -> Response:
+    """POST /v1/messages/batches/{batch_id}/cancel (Anthropic): it ends at once with the requests done."""
+    batch = _find_batch(request, "anthropic")
+    if batch is None:
+        return _anthropic_error(404, "not_found_error", "No message batch has that id.")
+    if not batch.ended(time.monotonic()):
+        batch.cancelled_at = time.monotonic()
+    return JSONResponse(_anthropic_batch_json(batch, request))
+
+
+async def anthropic_batch_results(request: Request) -> Response:
+    """GET /v1/messages/batches/{batch_id}/results (Anthropic): JSONL, one result per request."""
+    batch = _find_batch(request, "anthropic")
+    if batch is None:
+        return _anthropic_error(404, "not_found_error", "No message batch has that id.")
+    if not batch.ended(time.monotonic()):
+        return _anthropic_error(400, "invalid_request_error", "The batch is still processing.")
+    lines = []
+    kept = batch.kept()
+    for item in kept:
+        result: dict[str, Any]
+        if item.status == 200:
+            result = {"type": "succeeded", "message": item.body}
+        else:
+            error = {k: v for k, v in item.body.items() if k in ("type", "error", "request_id")}
+            result = {"type": "errored", "error": error}
+        lines.append({"custom_id": item.custom_id, "result": result})
+    missing = "canceled" if batch.cancelled_at is not None else "expired"
+    lines += [{"custom_id": c, "result": {"type": missing}} for c in batch.custom_ids[len(kept) :]]
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    return Response(text, media_type="application/binary")
+
+
 async def list_models(request: Request) -> Response:
     """GET /v1/models: one list both SDKs can parse (each ignores the other's fields)."""
     config = _state(request).config
@@ -1080,6 +1534,15 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/files", upload_file, methods=["POST"]),
+            Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+            Route("/v1/batches", create_openai_batch, methods=["POST"]),
+            Route("/v1/batches/{batch_id}", retrieve_openai_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", cancel_openai_batch, methods=["POST"]),
+            Route("/v1/messages/batches", create_anthropic_batch, methods=["POST"]),
+            Route("/v1/messages/batches/{batch_id}", retrieve_anthropic_batch, methods=["GET"]),
+            Route("/v1/messages/batches/{batch_id}/cancel", cancel_anthropic_batch, methods=["POST"]),
+            Route("/v1/messages/batches/{batch_id}/results", anthropic_batch_results, methods=["GET"]),
             Route("/_simulator/stats", stats_route, methods=["GET"]),
             Route("/_simulator/requests", requests_route, methods=["GET"]),
             Route("/_simulator/config", config_route, methods=["GET", "POST"]),

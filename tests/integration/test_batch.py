@@ -1,0 +1,267 @@
+"""Batch-mode extraction through the real openai/anthropic SDKs against the simulator's batch endpoints."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from models import ExtractionAudit, Fact, LLMCall
+from tests.integration.test_extraction import put_page
+from worker.batch import BatchExtractionCounters, run_batch_extraction
+from worker.config_store import set_config
+from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.pricing import Price, cost_usd
+from worker.llm.simulator import Simulator, SimulatorConfig
+from worker.llm.types import Usage
+
+pytestmark = pytest.mark.integration
+
+POLL = 0.02
+PRICES = '{"simulator-1": {"input": 1000, "output": 1000}}'
+
+
+def fmt(name: str, day: int, time: str, body: str) -> str:
+    return f"**{name}** (2024-03-{day:02d} {time}): {body}"
+
+
+def page_body(person: str, company: str) -> str:
+    """Four segments (a day apart), each with a fact-worthy line."""
+    lines = []
+    for offset, (what, reply) in enumerate(
+        [
+            (f"I just signed the offer letter for {company}.", "Congrats!"),
+            (f"Update: I started at {company} this morning.", "Day one!"),
+            ("I moved to Lisbon last weekend with my partner.", "Nice city."),
+            ("I will run the Berlin marathon in September.", "Good luck."),
+        ]
+    ):
+        day = 10 + offset
+        lines += [fmt(person, day, "9:00 AM", what), fmt("Bob Demo", day, "9:01 AM", reply)]
+    return "\n".join(lines)
+
+
+PAGES = [
+    ("conversations/alice", "Alice Example", "Acme Corp"),
+    ("conversations/carol", "Carol Sample", "Globex"),
+    ("conversations/dave", "Dave Tester", "Initech"),
+]
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Simulator]:
+    """A simulator of our own: these tests change its batch and fault knobs."""
+    with Simulator(SimulatorConfig(batch_delay_seconds=0.05)) as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def clean_sim(sim: Simulator) -> Simulator:
+    sim.configure(**SimulatorConfig(batch_delay_seconds=0.05).model_dump())
+    sim.reset()
+    return sim
+
+
+@pytest.fixture
+def store(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    for source in ("online", "batch"):
+        for slug, person, company in PAGES:
+            put_page(factory, slug, page_body(person, company), title=f"chat: {person}", source_id=source)
+    return factory
+
+
+def openai_chat(sim: Simulator) -> OpenAIChatClient:
+    return OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+
+
+def openai_batch(sim: Simulator) -> OpenAIBatchClient:
+    return OpenAIBatchClient(openai_chat(sim))
+
+
+def facts_of(factory: sessionmaker[Session], source: str) -> list[tuple[str, int, str]]:
+    with factory() as session:
+        rows = session.execute(
+            select(Fact.source_markdown_slug, Fact.row_num, Fact.fact)
+            .where(Fact.source_id == source, Fact.source != TERMINAL_AUDIT_SOURCE)
+            .order_by(Fact.source_markdown_slug, Fact.row_num)
+        ).all()
+    return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+def terminal_slugs(factory: sessionmaker[Session], source: str) -> set[str]:
+    with factory() as session:
+        return set(
+            session.scalars(
+                select(Fact.source_markdown_slug).where(
+                    Fact.source_id == source, Fact.source == TERMINAL_AUDIT_SOURCE
+                )
+            )
+        )
+
+
+def audit_outcomes(factory: sessionmaker[Session], source: str) -> list[str]:
+    with factory() as session:
+        return list(
+            session.scalars(select(ExtractionAudit.outcome).where(ExtractionAudit.source_id == source))
+        )
+
+
+def run_online(factory: sessionmaker[Session], sim: Simulator, source: str = "online") -> Any:
+    return run_extract_conversation_facts(factory, openai_chat(sim), ExtractOptions(source_id=source))
+
+
+def run_batch(factory: sessionmaker[Session], client: Any, source: str = "batch") -> BatchExtractionCounters:
+    return run_batch_extraction(factory, client, ExtractOptions(source_id=source), poll_seconds=POLL)
+
+
+def assert_complete_like_online(factory: sessionmaker[Session]) -> None:
+    online = facts_of(factory, "online")
+    batch = facts_of(factory, "batch")
+    assert online and batch == online
+    for slug, _, _ in PAGES:  # row_num runs 0..n-1 per page: no gaps, no duplicates
+        nums = [row for s, row, _ in batch if s == slug]
+        assert nums == list(range(len(nums)))
+    assert terminal_slugs(factory, "batch") == {slug for slug, _, _ in PAGES}
+
+
+def test_batch_extracts_the_same_facts_as_an_online_run(store, clean_sim):
+    online = run_online(store, clean_sim)
+    counters = run_batch(store, openai_batch(clean_sim))
+
+    assert counters.batch_id and counters.batch_id.startswith("sim-batch_")
+    assert counters.batch_status == "completed"
+    assert counters.segments_submitted == 12 and counters.segments_missing == 0
+    assert counters.pages_processed == 3 and counters.pages_failed == counters.pages_incomplete == 0
+    assert counters.segments_processed == online.segments_processed == 12
+    assert counters.facts_inserted == online.facts_inserted > 0
+    assert counters.llm_calls == 12
+    assert_complete_like_online(store)
+    assert set(audit_outcomes(store, "batch")) == {"ok"}
+    # The batched requests went through the simulator's batch route, not the online one.
+    assert clean_sim.stats()["by_route"]["batch.chat.completions"] == 12
+
+    again = run_batch(store, openai_batch(clean_sim))  # nothing new: no batch at all
+    assert again.batch_id is None and again.pages_skipped == 3
+
+
+def test_batch_calls_cost_half_the_online_price(store, clean_sim):
+    clean_sim.configure(cache_capacity=0)  # no cache hits, so both runs see identical usage
+    with store.begin() as session:
+        set_config(session, "llm.prices", PRICES)
+    run_online(store, clean_sim)
+    run_batch(store, openai_batch(clean_sim))
+    with store() as session:
+        calls = session.execute(
+            select(LLMCall.id, LLMCall.input_tokens, LLMCall.output_tokens, LLMCall.cost_usd, LLMCall.purpose)
+            .join(ExtractionAudit, ExtractionAudit.llm_call_id == LLMCall.id)
+            .add_columns(ExtractionAudit.source_id)
+        ).all()
+    price = Price(Decimal(1000), Decimal(1000), Decimal(100), Decimal(1000))
+    by_source: dict[str, Decimal] = {"online": Decimal(0), "batch": Decimal(0)}
+    for _, tokens_in, tokens_out, cost, purpose, source in calls:
+        assert purpose == "extraction"
+        full = cost_usd("simulator-1", Usage(tokens_in, tokens_out), {"simulator-1": price})
+        assert cost == (full / 2 if source == "batch" else full)
+        by_source[source] += cost
+    assert by_source["online"] > 0 and by_source["batch"] * 2 == by_source["online"]
+
+
+def test_expired_batch_commits_a_prefix_and_a_rerun_completes_it(store, clean_sim):
+    run_online(store, clean_sim)
+    clean_sim.configure(batch_expire=True)
+    first = run_batch(store, openai_batch(clean_sim))
+    assert first.batch_status == "expired"
+    assert first.segments_submitted == 12 and first.segments_missing == 6
+    # Requests go in page order: the first page is whole, the second half done, the third untouched.
+    reports = {report.slug: report for report in first.pages}
+    assert reports["conversations/alice"].status == "processed"
+    assert reports["conversations/carol"].status == "incomplete"
+    assert reports["conversations/carol"].segments == 2
+    assert reports["conversations/dave"].status == "incomplete"
+    assert "no result" in reports["conversations/dave"].reason
+    assert first.pages_incomplete == 2 and first.pages_failed == 0
+    assert terminal_slugs(store, "batch") == {"conversations/alice"}
+    partial = facts_of(store, "batch")
+    assert partial == [f for f in facts_of(store, "online") if f[0] != "conversations/dave"][: len(partial)]
+    # Missing results leave no rows: 6 ok audits, 6 llm_calls.
+    assert audit_outcomes(store, "batch") == ["ok"] * 6
+
+    clean_sim.configure(batch_expire=False)
+    second = run_online(store, clean_sim, source="batch")  # an online rerun picks up where it stopped
+    assert second.segments_processed == 6
+    assert_complete_like_online(store)
+
+
+def test_faulted_requests_leave_pages_incomplete_and_recorded_then_a_rerun_finishes(store, clean_sim):
+    run_online(store, clean_sim)
+    clean_sim.configure(seed=7, rate_500=0.2, rate_malformed=0.1, rate_refusal=0.05, rate_truncated=0.05)
+    first = run_batch(store, openai_batch(clean_sim))
+    assert first.batch_status == "completed" and first.segments_missing == 0
+    assert first.pages_failed >= 1
+    failed = [report for report in first.pages if report.status == "failed"]
+    assert all(
+        report.outcome in {"provider_error", "malformed_output", "refusal", "truncated_output"}
+        for report in failed
+    )
+    outcomes = audit_outcomes(store, "batch")
+    assert set(outcomes) - {"ok"}, outcomes  # every failure is in extraction_audit (and llm_calls)
+    with store() as session:
+        recorded = session.scalars(select(LLMCall.outcome)).all()
+    assert set(outcomes) - {"ok"} <= set(recorded)
+    assert len(terminal_slugs(store, "batch")) < 3
+
+    clean_sim.configure(rate_500=0, rate_malformed=0, rate_refusal=0, rate_truncated=0)
+    second = run_batch(store, openai_batch(clean_sim))
+    assert second.pages_failed == 0 and second.pages_incomplete == 0
+    assert_complete_like_online(store)
+
+
+def test_anthropic_message_batches_match_an_online_anthropic_run(store, clean_sim):
+    chat = AnthropicChatClient(model="simulator-1", base_url=clean_sim.url, provider="simulator")
+    run_extract_conversation_facts(store, chat, ExtractOptions(source_id="online"))
+    counters = run_batch(store, AnthropicBatchClient(chat))
+    assert counters.batch_id and counters.batch_id.startswith("sim-msgbatch_")
+    assert counters.batch_status == "ended" and counters.pages_processed == 3
+    assert_complete_like_online(store)
+
+    clean_sim.configure(batch_expire=True)
+    put_page(
+        store, "conversations/erin", page_body("Erin Case", "Hooli"), title="chat: Erin", source_id="batch"
+    )
+    partial = run_batch(store, AnthropicBatchClient(chat))
+    assert partial.segments_submitted == 4 and partial.segments_missing == 2 and partial.pages_incomplete == 1
+
+
+def test_cli_extract_batch_json(store, clean_sim, database_url, monkeypatch):
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
+    monkeypatch.setenv("FACTMILL_LLM", "simulator")
+    monkeypatch.setenv("FACTMILL_SIMULATOR_URL", clean_sim.url)
+    get_settings.cache_clear()
+    try:
+        args = ["extract", "--source-id", "batch", "--batch", "--poll-seconds", "0.02", "--json"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        counters = json.loads(result.output)
+        assert counters["batch_id"].startswith("sim-batch_") and counters["batch_status"] == "completed"
+        assert counters["pages_processed"] == 3 and counters["segments_submitted"] == 12
+        monkeypatch.setenv("FACTMILL_LLM", "openai-compatible")
+        monkeypatch.setenv("FACTMILL_LLM_BASE_URL", clean_sim.base_url)
+        get_settings.cache_clear()
+        refused = CliRunner().invoke(app, ["extract", "--batch", "--json"])
+        assert refused.exit_code == 2 and "no batch API" in refused.output
+    finally:
+        get_settings.cache_clear()

@@ -1,0 +1,224 @@
+"""Provider batch APIs (OpenAI Batch API, Anthropic Message Batches): submit, poll, read results."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from openai.types.chat import ChatCompletion
+
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.retry import RetryPolicy
+from worker.llm.types import ChatRequest, ChatResponse
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OPENAI_ENDED = frozenset({"completed", "expired", "cancelled", "failed"})
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One request's result: a response, or the error the provider answered it with."""
+
+    response: ChatResponse | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    id: str
+    status: str  # the provider's word: completed, expired, cancelled, failed, in_progress, ended, ...
+    ended: bool
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class BatchLLMClient(Protocol):
+    """What batch extraction needs from a provider. ``results`` leaves out requests that never ran
+    (the batch expired or was cancelled first): their custom ids are simply missing."""
+
+    provider: str
+    model: str
+
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str: ...
+    def status(self, batch_id: str) -> BatchStatus: ...
+    def cancel(self, batch_id: str) -> None: ...
+    def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]: ...
+
+
+def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
+    """A batch-management call (upload, create, poll, download) with the gateway's retry policy."""
+    waited = 0.0
+    for attempt in range(1, policy.max_attempts + 1):
+        started = time.perf_counter()
+        try:
+            return fn()
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, LLMError)
+                else to_llm_error(exc, int((time.perf_counter() - started) * 1000))
+            )
+            if not error.retryable or attempt == policy.max_attempts or policy.wait_budget_spent(waited):
+                raise error from exc
+            pause = policy.delay(attempt, error.retry_after, waited)
+            logger.warning("batch %s failed (%s); retrying in %.1fs", what, error, pause)
+            time.sleep(pause)
+            waited += pause
+    raise AssertionError("unreachable")
+
+
+class OpenAIBatchClient:
+    """The OpenAI Batch API over /v1/chat/completions (the simulator speaks it too)."""
+
+    def __init__(self, chat: OpenAIChatClient, policy: RetryPolicy | None = None) -> None:
+        self.chat = chat
+        self.provider = chat.provider
+        self.model = chat.model
+        self.policy = policy or RetryPolicy()
+        self._sdk = chat.sdk
+
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
+        lines = [
+            json.dumps(
+                {
+                    "custom_id": custom_id,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": self.chat.chat_body(request),
+                },
+                ensure_ascii=False,
+            )
+            for custom_id, request in requests
+        ]
+        data = ("\n".join(lines) + "\n").encode("utf-8")
+        uploaded = _call(
+            "upload",
+            lambda: self._sdk.files.create(file=("factmill-extraction.jsonl", data), purpose="batch"),
+            self.policy,
+        )
+        batch = _call(
+            "create",
+            lambda: self._sdk.batches.create(
+                input_file_id=uploaded.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata={"factmill": "extraction"},
+            ),
+            self.policy,
+        )
+        return batch.id
+
+    def status(self, batch_id: str) -> BatchStatus:
+        batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
+        counts = batch.request_counts.model_dump() if batch.request_counts else {}
+        return BatchStatus(batch.id, batch.status, batch.status in OPENAI_ENDED, counts)
+
+    def cancel(self, batch_id: str) -> None:
+        _call("cancel", lambda: self._sdk.batches.cancel(batch_id), self.policy)
+
+    def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
+        batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
+        items: dict[str, BatchItem] = {}
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if not file_id:
+                continue
+            text = _call("download", functools.partial(self._download, file_id), self.policy)
+            for line in text.splitlines():
+                if line.strip():
+                    self._read_line(json.loads(line), items)
+        return items
+
+    def _download(self, file_id: str) -> str:
+        return self._sdk.files.content(file_id).text
+
+    def _read_line(self, line: Mapping[str, Any], items: dict[str, BatchItem]) -> None:
+        custom_id = line.get("custom_id")
+        response = line.get("response")
+        if not isinstance(custom_id, str) or not isinstance(response, Mapping):
+            return  # never ran (batch_expired, batch_cancelled): no result, the segment waits for a rerun
+        body = response.get("body") or {}
+        if response.get("status_code") == 200:
+            completion = ChatCompletion.model_validate(body)
+            # Per-request latency is not reported by the Batch API; the batch's turnaround is in the log.
+            items[custom_id] = BatchItem(self.chat.response_from(completion, 0))
+            return
+        error = body.get("error") if isinstance(body, Mapping) else None
+        message = error.get("message") if isinstance(error, Mapping) else None
+        items[custom_id] = BatchItem(None, f"HTTP {response.get('status_code')}: {message or body}")
+
+
+class AnthropicBatchClient:
+    """Anthropic Message Batches over the Messages API."""
+
+    def __init__(self, chat: AnthropicChatClient, policy: RetryPolicy | None = None) -> None:
+        self.chat = chat
+        self.provider = chat.provider
+        self.model = chat.model
+        self.policy = policy or RetryPolicy()
+        self._sdk = chat.sdk
+
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
+        entries: Any = [
+            {"custom_id": custom_id, "params": self.chat.message_params(request)}
+            for custom_id, request in requests
+        ]
+        batch = _call("create", lambda: self._sdk.messages.batches.create(requests=entries), self.policy)
+        return batch.id
+
+    def status(self, batch_id: str) -> BatchStatus:
+        batch = _call("poll", lambda: self._sdk.messages.batches.retrieve(batch_id), self.policy)
+        counts = batch.request_counts.model_dump()
+        return BatchStatus(batch.id, batch.processing_status, batch.processing_status == "ended", counts)
+
+    def cancel(self, batch_id: str) -> None:
+        _call("cancel", lambda: self._sdk.messages.batches.cancel(batch_id), self.policy)
+
+    def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
+        results = _call("download", lambda: list(self._sdk.messages.batches.results(batch_id)), self.policy)
+        items: dict[str, BatchItem] = {}
+        for entry in results:
+            request = requests.get(entry.custom_id)
+            result = entry.result
+            if request is None:
+                continue
+            if result.type == "succeeded":
+                items[entry.custom_id] = BatchItem(self.chat.response_from(result.message, request, 0))
+            elif result.type == "errored":
+                error = result.error.error
+                items[entry.custom_id] = BatchItem(None, f"{error.type}: {error.message}")
+            # expired / canceled: no result, the segment waits for a rerun
+        return items
+
+
+def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> BatchLLMClient:
+    """The batch API of a gateway provider; openai-compatible servers have none."""
+    if isinstance(provider, AnthropicChatClient):
+        return AnthropicBatchClient(provider, policy)
+    if isinstance(provider, OpenAIChatClient) and provider.provider in ("openai", "simulator"):
+        return OpenAIBatchClient(provider, policy)
+    from worker.llm.gateway import LLMConfigurationError
+
+    name = getattr(provider, "provider", type(provider).__name__)
+    raise LLMConfigurationError(
+        f"batch mode needs FACTMILL_LLM=openai, anthropic or simulator; {name} has no batch API "
+        "(run `factmill extract` without --batch)"
+    )
+
+
+@contextmanager
+def open_batch_client(settings: Settings) -> Iterator[BatchLLMClient]:
+    """The configured provider's batch API (starting the bundled simulator if that is the provider)."""
+    from worker.llm.gateway import provider_client
+
+    with ExitStack() as stack:
+        yield batch_client_for(provider_client(settings, stack), RetryPolicy.from_settings(settings))
