@@ -1006,5 +1006,5 @@ def run_extract_conversation_facts(
     e.g. to stop a job whose lease was lost). Per-page problems never raise: they are counted and reported.
     """
     options = options or ExtractOptions()
-    config = config or ConfigReader(factory, ttl=0)
+    config = config or ConfigReader(factory, ttl=2.0)
     return _Run(factory, llm, options, config, progress or _NoProgress(), guard, budget).run()
