@@ -34,17 +34,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import CalibrationObservation, CalibrationThreshold
 from worker.config_store import CALIBRATION_ENABLED
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
-from worker.job_runner import JobOutcome, RetryPolicy
+from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason
 from worker.jobs import (
     CALIBRATION,
     Heartbeat,
     JobRequest,
     LeaseLostError,
     Sender,
-    claim,
     enqueue,
     finish,
-    new_lease_token,
     now,
     request_job,
 )
@@ -62,7 +60,7 @@ INSERT_CHUNK = 1000
 # Serializes recomputes (a job and a `factmill calibration recompute --now` may overlap).
 RECOMPUTE_LOCK_ID = 0x46_4D_43_41_4C  # "FMCAL"
 RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
-PAUSED_REASON = f"paused: {CALIBRATION_ENABLED} is off; it resumes when the switch is turned on"
+PAUSED_REASON = paused_reason(CALIBRATION_ENABLED)
 
 Trigger = Literal["schedule", "observations", "manual", "api"]
 
@@ -947,16 +945,10 @@ def run_calibration_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = N
     """Lease the job, honour the kill switch, recompute, record the outcome on the job."""
     policy = policy or RetryPolicy()
     settings = rt.settings
-    token = new_lease_token()
-    job = claim(rt.factory, job_id, token, settings.job_stale_after_seconds)
-    if job is None:
-        return JobOutcome("skipped", detail="already finished, or held by another worker")
-    if job.kind != CALIBRATION:
-        finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not a calibration")
-        return JobOutcome("failed")
-    if not rt.config.enabled(CALIBRATION_ENABLED):
-        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
-        return JobOutcome("paused")
+    lease = begin_job(rt, job_id, CALIBRATION)
+    if isinstance(lease, JobOutcome):
+        return lease
+    job, token = lease.job, lease.token
 
     with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
         try:

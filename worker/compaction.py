@@ -52,17 +52,16 @@ from worker.core.compaction import (
 )
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
-from worker.job_runner import JobOutcome, RetryPolicy
+from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason
 from worker.jobs import (
     COMPACTION,
+    KILL_SWITCH,
     PENDING,
     Heartbeat,
     JobRequest,
     LeaseLostError,
-    claim,
     enqueue,
     finish,
-    new_lease_token,
     now,
     request_job,
 )
@@ -86,7 +85,7 @@ MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not wor
 # A first summary below the threshold gets one retry that names what it missed (seed 002's revert rule,
 # with a second chance): two attempts in all.
 MAX_ATTEMPTS: Final = 2
-PAUSED_REASON: Final = f"paused: {COMPACTION_ENABLED} is off; it resumes when the switch is turned on"
+PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
 SETTING_NAMES: Final = (
     "context_window",
     "reserve_tokens",
@@ -1251,16 +1250,10 @@ def run_compaction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
     """Lease the job, honour the kill switch, compact, record the outcome on the job."""
     policy = policy or RetryPolicy()
     settings = rt.settings
-    token = new_lease_token()
-    job = claim(rt.factory, job_id, token, settings.job_stale_after_seconds)
-    if job is None:
-        return JobOutcome("skipped", detail="already finished, or held by another worker")
-    if job.kind != COMPACTION:
-        finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not a compaction")
-        return JobOutcome("failed")
-    if not rt.config.enabled(COMPACTION_ENABLED):
-        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
-        return JobOutcome("paused")
+    lease = begin_job(rt, job_id, COMPACTION)
+    if isinstance(lease, JobOutcome):
+        return lease
+    job, token = lease.job, lease.token
 
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
     with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
@@ -1278,7 +1271,7 @@ def run_compaction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
                 intent_messages=settings.compaction_intent_messages,
             )
         except CompactionDisabledError:
-            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON)
+            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON, pause_reason=KILL_SWITCH)
             return JobOutcome("paused")
         except LeaseLostError as exc:
             return JobOutcome("lost", detail=str(exc))

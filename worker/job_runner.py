@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from sqlalchemy.exc import OperationalError
 
+from models import Job
 from worker.config_store import EXTRACTION_ENABLED
 from worker.extraction import (
     CheckpointConflictError,
@@ -19,6 +20,7 @@ from worker.extraction import (
 from worker.jobs import (
     BUDGET,
     EXTRACTION,
+    JOB_KINDS,
     KILL_SWITCH,
     Heartbeat,
     LeaseLostError,
@@ -32,8 +34,6 @@ from worker.jobs import (
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
-
-PAUSED_REASON = f"paused: {EXTRACTION_ENABLED} is off; it resumes when the switch is turned on"
 
 
 @dataclass(frozen=True)
@@ -55,19 +55,46 @@ class JobOutcome:
     detail: str = ""
 
 
+def paused_reason(switch: str) -> str:
+    return f"paused: {switch} is off; it resumes when the switch is turned on"
+
+
+PAUSED_REASON = paused_reason(EXTRACTION_ENABLED)
+
+
+@dataclass(frozen=True)
+class Lease:
+    job: Job
+    token: str
+
+
+def begin_job(rt: Runtime, job_id: int, kind: str) -> Lease | JobOutcome:
+    """What every job runner does first: take the lease, check the kind, honour the kill switch.
+
+    Returns the lease to work under, or the outcome when there is nothing to run.
+    """
+    token = new_lease_token()
+    job = claim(rt.factory, job_id, token, rt.settings.job_stale_after_seconds)
+    if job is None:
+        return JobOutcome("skipped", detail="already finished, or held by another worker")
+    if job.kind != kind:
+        finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not {kind!r}")
+        return JobOutcome("failed")
+    switch = JOB_KINDS[kind][2]
+    if not rt.config.enabled(switch):
+        reason = paused_reason(switch)
+        finish(rt.factory, job_id, token, "paused", last_error=reason, pause_reason=KILL_SWITCH)
+        return JobOutcome("paused")
+    return Lease(job, token)
+
+
 def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = None) -> JobOutcome:
     policy = policy or RetryPolicy()
     settings = rt.settings
-    token = new_lease_token()
-    job = claim(rt.factory, job_id, token, settings.job_stale_after_seconds)
-    if job is None:
-        return JobOutcome("skipped", detail="already finished, or held by another worker")
-    if job.kind != EXTRACTION:
-        finish(rt.factory, job_id, token, "failed", last_error=f"job kind {job.kind!r} is not an extraction")
-        return JobOutcome("failed")
-    if not rt.config.enabled(EXTRACTION_ENABLED):
-        finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON, pause_reason=KILL_SWITCH)
-        return JobOutcome("paused")
+    lease = begin_job(rt, job_id, EXTRACTION)
+    if isinstance(lease, JobOutcome):
+        return lease
+    job, token = lease.job, lease.token
     source_id, slug = split_page_subject(job.subject)
     options = ExtractOptions(
         source_id=source_id,
