@@ -257,8 +257,8 @@ async def _read_capped(request: Request, cap: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_pages(body: bytes) -> list[PageIn]:
-    """The pages in a webhook body: one page object, a list of them, or ``{"pages": [...]}``."""
+def load_json_body(body: bytes) -> Any:
+    """A request body as JSON, or a 422 that says what is wrong with it (shared by every signed route)."""
     try:
         data = json.loads(body)
     except UnicodeDecodeError as exc:
@@ -269,6 +269,12 @@ def parse_pages(body: bytes) -> list[PageIn]:
         ) from None
     except RecursionError:
         raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    return data
+
+
+def parse_pages(body: bytes) -> list[PageIn]:
+    """The pages in a webhook body: one page object, a list of them, or ``{"pages": [...]}``."""
+    data = load_json_body(body)
 
     batch = True
     if isinstance(data, list):

@@ -7,7 +7,6 @@ requests a recompute on the calibration queue, sent only after the commit.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime
 from typing import Annotated
@@ -29,6 +28,7 @@ from worker.api.app import (
     _read_capped,
     _summarize,
     _too_large,
+    load_json_body,
 )
 from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.calibration import (
@@ -88,16 +88,7 @@ class FeedbackOut(BaseModel):
 
 
 def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
-    try:
-        data = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ApiError(
-            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    except RecursionError:
-        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    data = load_json_body(body)
     if not isinstance(data, dict):
         raise ApiError(422, "body must be a JSON object with coverage, answer_kept and origin")
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from datetime import datetime
 from typing import Annotated, Any
@@ -38,6 +37,7 @@ from worker.api.app import (
     _errors,
     _read_capped,
     _too_large,
+    load_json_body,
 )
 from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.compaction import (
@@ -237,16 +237,7 @@ class CompactionsOut(BaseModel):
 
 
 def _load_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ApiError(
-            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    except RecursionError:
-        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    data = load_json_body(body)
     if not isinstance(data, dict):
         raise ApiError(422, "body must be a JSON object")
     return data
