@@ -1163,7 +1163,7 @@ def compact_transcript(
                 model=llm.model,
                 usage=Usage(),
                 latency_ms=exc.latency_ms,
-                outcome="provider_error",
+                outcome=getattr(exc, "outcome", "provider_error"),
                 error=str(exc),
             )
             log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})

@@ -324,6 +324,11 @@ def extract_segment(
             return SegmentResult(attempts)
         try:
             response = _chat_recording_retries(llm, request, attempts)
+        except BudgetExhaustedError as exc:  # refused by a budget check inside the client: no request made
+            attempts.append(
+                Attempt("budget_exhausted", None, [], str(exc), llm.provider, llm.model, called=False)
+            )
+            return SegmentResult(attempts)
         except LLMError as exc:
             attempts.extend(_retried_failures(getattr(exc, "attempts", ())[:-1]))
             attempts.append(

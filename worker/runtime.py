@@ -32,9 +32,11 @@ class Runtime:
         if self._llm is None:
             with self._lock:
                 if self._llm is None:
+                    from worker.llm.budget import Budget, BudgetedClient
                     from worker.llm.gateway import describe, open_llm_client
 
-                    self._llm = self._llm_stack.enter_context(open_llm_client(self.settings))
+                    client = self._llm_stack.enter_context(open_llm_client(self.settings))
+                    self._llm = BudgetedClient(client, Budget(self.factory, self.config.get))
                     logger.info(describe(self.settings))
         return self._llm
 

@@ -749,7 +749,7 @@ def expand_query(
             model=getattr(llm, "model", "unknown"),
             usage=None,
             latency_ms=latency,
-            outcome="provider_error",
+            outcome=getattr(exc, "outcome", "provider_error"),
             error=str(exc)[:500],
         )
         return [], f"query expansion failed ({exc}); searched the query alone"
@@ -781,7 +781,7 @@ def _embed(
             model=getattr(llm, "model", "unknown"),
             usage=None,
             latency_ms=int((time.perf_counter() - started) * 1000),
-            outcome="provider_error",
+            outcome=getattr(exc, "outcome", "provider_error"),
             error=str(exc)[:500],
         )
         raise

@@ -165,3 +165,32 @@ def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url
         assert bad.exit_code == 2
     finally:
         get_settings.cache_clear()
+
+
+def test_every_runtime_call_is_budgeted(factory, database_url, simulator):
+    """The runtime's client (used by extraction, compaction, search and embeddings) checks the day's
+    budget before each call: a refusal is an LLMError with outcome budget_exhausted, and no request."""
+    from worker.llm.errors import LLMError
+    from worker.llm.types import ChatRequest
+
+    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    request = ChatRequest(purpose="test", system="be brief", messages=(("user", "hello"),), max_tokens=16)
+    try:
+        assert rt.llm.chat(request).text
+        assert len(rt.llm.embed(["hello"]).vectors) == 1
+        set_(factory, "llm.prices", PRICES)
+        set_(factory, "llm.budget_daily_usd", "0")
+        before = simulator.stats()["requests_total"]
+        for call in (
+            lambda: rt.llm.chat(request),
+            lambda: rt.llm.embed(["x"]),
+            lambda: rt.llm.chat_traced(request),
+        ):
+            with pytest.raises(LLMError) as info:
+                call()
+            assert isinstance(info.value, BudgetExhaustedError) and info.value.outcome == "budget_exhausted"
+            assert not info.value.retryable
+        assert simulator.stats()["requests_total"] == before
+    finally:
+        rt.close()

@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
+from worker.llm.errors import LLMError
 from worker.llm.pricing import PRICES, Price
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 
 DAILY_BUDGET_KEY = "llm.budget_daily_usd"
 JOB_BUDGET_KEY = "llm.budget_job_usd"
@@ -21,14 +24,17 @@ PRICES_KEY = "llm.prices"
 BUDGET_KEYS = (DAILY_BUDGET_KEY, JOB_BUDGET_KEY)
 
 
-class BudgetExhaustedError(RuntimeError):
+class BudgetExhaustedError(LLMError):
     """No LLM call was made: a budget is spent. Work waits (paused) until the budget has room."""
+
+    outcome = "budget_exhausted"
 
     def __init__(self, scope: str, limit: Decimal, spent: Decimal) -> None:
         key = DAILY_BUDGET_KEY if scope == "day" else JOB_BUDGET_KEY
         super().__init__(
             f"the {scope} LLM budget is exhausted (spent ${spent:.4f} of ${limit:.4f}); raise it with "
-            f"`factmill config set {key} <usd>`; waiting jobs resume by themselves"
+            f"`factmill config set {key} <usd>`; waiting jobs resume by themselves",
+            retryable=False,
         )
         self.scope, self.limit, self.spent = scope, limit, spent
 
@@ -161,3 +167,32 @@ class Budget:
             return parse_usd(self._get(key))
         except ValueError:
             return None
+
+
+class BudgetedClient:
+    """Checks the day's budget before every call any part of Factmill makes through this client
+    (extraction also checks its job's budget). A refused call raises BudgetExhaustedError."""
+
+    def __init__(self, inner: LLMClient, budget: Budget) -> None:
+        self.inner, self.budget = inner, budget
+        self.provider, self.model = inner.provider, inner.model
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        self.budget.check()
+        return self.inner.chat(request)
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        self.budget.check()
+        return self.inner.embed(texts, purpose=purpose)
+
+    def __getattr__(self, name: str) -> Any:
+        # chat_traced / embed_traced of the retry layer, provider-specific helpers: checked, then passed on.
+        attribute = getattr(self.inner, name)
+        if name in ("chat_traced", "embed_traced"):
+
+            def checked(*args: Any, **kwargs: Any) -> Any:
+                self.budget.check()
+                return attribute(*args, **kwargs)
+
+            return checked
+        return attribute

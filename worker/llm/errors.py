@@ -34,7 +34,10 @@ class LLMError(Exception):
     """A call that produced no usable response. ``retryable`` says whether trying again may help.
 
     ``attempts`` is filled in by the retry layer when it gives up: every attempt it made, in order.
+    ``outcome`` is what llm_calls and audit rows record for it.
     """
+
+    outcome = "provider_error"
 
     def __init__(
         self,
