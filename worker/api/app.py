@@ -379,13 +379,30 @@ def _check_idempotency_key(key: str | None) -> str | None:
     return cleaned
 
 
-def accept_pages(ctx: ApiContext, body: bytes, signature: str | None, key: str | None) -> JSONResponse:
-    """Verify, parse, store, commit, then enqueue (runs on a worker thread: all of it blocks)."""
+def verify_signature(ctx: ApiContext, body: bytes, signature: str | None) -> None:
+    """The webhook signature check every signed route runs first: 401 with the reason."""
     settings = ctx.settings
     try:
         verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
     except SignatureError as exc:
         raise ApiError(401, exc.reason) from None
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The body, refused with 413 past ``cap``: at once when the declared length says so, else as soon as
+    the stream passes it (the declared length may be absent, chunked, or wrong)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError(400, "Content-Length must be a non-negative integer")
+        if int(declared) > cap:
+            raise _too_large(cap)
+    return await _read_capped(request, cap)
+
+
+def accept_pages(ctx: ApiContext, body: bytes, signature: str | None, key: str | None) -> JSONResponse:
+    """Verify, parse, store, commit, then enqueue (runs on a worker thread: all of it blocks)."""
+    verify_signature(ctx, body, signature)
     key = _check_idempotency_key(key)
     pages = parse_pages(body)
     body_hash = hashlib.sha256(body).hexdigest()
@@ -433,15 +450,7 @@ async def post_pages(
     ] = None,
 ) -> Response:
     """One page, a list of pages, or `{"pages": [...]}` (at most 1,000). Unchanged pages queue nothing."""
-    cap = ctx.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise ApiError(400, "Content-Length must be a non-negative integer")
-        if int(declared) > cap:
-            raise _too_large(cap)
-    # The declared length may be absent (chunked) or wrong, so the stream is counted as it arrives.
-    body = await _read_capped(request, cap)
+    body = await read_body(request, ctx.settings.max_body_bytes)
     return await run_in_threadpool(accept_pages, ctx, body, factmill_signature, idempotency_key)
 
 

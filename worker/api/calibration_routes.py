@@ -25,12 +25,12 @@ from worker.api.app import (
     _check_idempotency_key,
     _errors,
     _location,
-    _read_capped,
     _summarize,
-    _too_large,
     load_json_body,
+    read_body,
+    verify_signature,
 )
-from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.api.signing import SIGNATURE_HEADER
 from worker.calibration import (
     MAX_KEY_LENGTH,
     MAX_ORIGIN_LENGTH,
@@ -120,15 +120,11 @@ def accept_feedback(
     ctx: ApiContext, body: bytes, signature: str | None, header_key: str | None
 ) -> JSONResponse:
     """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
-    settings = ctx.settings
-    try:
-        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
-    except SignatureError as exc:
-        raise ApiError(401, exc.reason) from None
+    verify_signature(ctx, body, signature)
     observation = _parse_feedback(body, _check_idempotency_key(header_key))
     try:
         report = add_observation(
-            ctx.factory, observation, recompute_every=settings.calibration_recompute_every
+            ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every
         )
     except ObservationError as exc:  # the key was used before for a different observation
         raise ApiError(422, str(exc)) from None
@@ -195,14 +191,7 @@ async def post_feedback(
     recognised by its `idempotency_key` (body or header), or, for a judgement of a known compaction,
     by its identical origin, compaction_id, coverage and answer_kept.
     """
-    cap = min(ctx.settings.max_body_bytes, MAX_FEEDBACK_BYTES)
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise ApiError(400, "Content-Length must be a non-negative integer")
-        if int(declared) > cap:
-            raise _too_large(cap)
-    body = await _read_capped(request, cap)
+    body = await read_body(request, min(ctx.settings.max_body_bytes, MAX_FEEDBACK_BYTES))
     return await run_in_threadpool(accept_feedback, ctx, body, factmill_signature, idempotency_key)
 
 

@@ -35,11 +35,11 @@ from worker.api.app import (
     Context,
     _check_idempotency_key,
     _errors,
-    _read_capped,
-    _too_large,
     load_json_body,
+    read_body,
+    verify_signature,
 )
-from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.api.signing import SIGNATURE_HEADER
 from worker.compaction import (
     MAX_MESSAGES_PER_REQUEST,
     MessageError,
@@ -243,14 +243,6 @@ def _load_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _verify(ctx: ApiContext, body: bytes, signature: str | None) -> None:
-    settings = ctx.settings
-    try:
-        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
-    except SignatureError as exc:
-        raise ApiError(401, exc.reason) from None
-
-
 def _unprocessable(exc: TranscriptError) -> ApiError:
     if isinstance(exc, MessageError):
         loc = f"messages[{exc.index}]"
@@ -259,14 +251,7 @@ def _unprocessable(exc: TranscriptError) -> ApiError:
 
 
 async def _read_body(request: Request, ctx: ApiContext) -> bytes:
-    cap = ctx.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise ApiError(400, "Content-Length must be a non-negative integer")
-        if int(declared) > cap:
-            raise _too_large(cap)
-    return await _read_capped(request, cap)
+    return await read_body(request, ctx.settings.max_body_bytes)
 
 
 def _delivery_key(transcript_id: str, key: str) -> str:
@@ -278,7 +263,7 @@ def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    _verify(ctx, body, signature)
+    verify_signature(ctx, body, signature)
     key = _check_idempotency_key(key)
     data = _load_json_object(body)
     unknown = sorted(set(data) - {"messages", "settings"})
@@ -370,7 +355,7 @@ def _transcript_out(ctx: ApiContext, transcript_id: str) -> TranscriptOut:
 
 
 def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None) -> JSONResponse:
-    _verify(ctx, body, signature)
+    verify_signature(ctx, body, signature)
     data = _load_json_object(body)
     try:
         with ctx.factory.begin() as session:
