@@ -55,8 +55,10 @@ def stop_embedded_postgres(data_dir: Path) -> bool:
     pgdata = (data_dir / "pg").resolve()
     if not (pgdata / "postmaster.pid").exists():
         return False
-    server = pgserver.get_server(pgdata, cleanup_mode="stop")
-    server.cleanup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # XDG_RUNTIME_DIR, as in embedded_postgres_url
+        server = pgserver.get_server(pgdata, cleanup_mode="stop")
+        server.cleanup()
     return True
 
 
