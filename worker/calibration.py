@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import CalibrationObservation, CalibrationThreshold
 from worker.config_store import CALIBRATION_ENABLED
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
-from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason
+from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason, retry_or_fail
 from worker.jobs import (
     CALIBRATION,
     Heartbeat,
@@ -43,7 +43,6 @@ from worker.jobs import (
     Sender,
     enqueue,
     finish,
-    now,
     request_job,
 )
 from worker.runtime import Runtime
@@ -964,14 +963,7 @@ def run_calibration_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = N
         except LeaseLostError as exc:
             return JobOutcome("lost", detail=str(exc))
         except OperationalError as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if job.attempts >= settings.job_max_attempts:
-                finish(rt.factory, job_id, token, "failed", last_error=reason)
-                return JobOutcome("failed", detail=reason)
-            delay = policy.delay(job.attempts)
-            requeue_at = now() + timedelta(seconds=delay)
-            finish(rt.factory, job_id, token, "queued", last_error=reason, requeue_at=requeue_at)
-            return JobOutcome("retry", retry_in=delay, detail=reason)
+            return retry_or_fail(rt, lease, f"{type(exc).__name__}: {exc}", policy)
         except ValueError as exc:  # bad settings: retrying cannot help
             finish(rt.factory, job_id, token, "failed", last_error=str(exc))
             return JobOutcome("failed", detail=str(exc))

@@ -52,7 +52,7 @@ from worker.core.compaction import (
 )
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
-from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason
+from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason, retry_or_fail
 from worker.jobs import (
     COMPACTION,
     KILL_SWITCH,
@@ -1279,14 +1279,7 @@ def run_compaction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
             finish(rt.factory, job_id, token, "failed", last_error=str(exc))
             return JobOutcome("failed", detail=str(exc))
         except OperationalError as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if job.attempts >= settings.job_max_attempts:
-                finish(rt.factory, job_id, token, "failed", last_error=reason)
-                return JobOutcome("failed", detail=reason)
-            delay = policy.delay(job.attempts)
-            requeue_at = now() + timedelta(seconds=delay)
-            finish(rt.factory, job_id, token, "queued", last_error=reason, requeue_at=requeue_at)
-            return JobOutcome("retry", retry_in=delay, detail=reason)
+            return retry_or_fail(rt, lease, f"{type(exc).__name__}: {exc}", policy)
     counters = outcome.as_dict()
     if outcome.status == "failed":
         finish(rt.factory, job_id, token, "failed", counters=counters, last_error=outcome.detail)

@@ -6,6 +6,7 @@ import logging
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy.exc import OperationalError
 
@@ -88,6 +89,21 @@ def begin_job(rt: Runtime, job_id: int, kind: str) -> Lease | JobOutcome:
     return Lease(job, token)
 
 
+def retry_or_fail(
+    rt: Runtime, lease: Lease, reason: str, policy: RetryPolicy, counters: dict[str, Any] | None = None
+) -> JobOutcome:
+    """The one job retry decision: queue the job again after a backoff, or fail it once its attempts
+    are spent. ``enqueued_at`` in the future keeps the sweeper from re-sending it before it is due."""
+    job_id, token = lease.job.id, lease.token
+    if lease.job.attempts >= rt.settings.job_max_attempts:
+        finish(rt.factory, job_id, token, "failed", counters=counters, last_error=reason)
+        return JobOutcome("failed", detail=reason)
+    delay = policy.delay(lease.job.attempts)
+    requeue_at = now() + timedelta(seconds=delay)
+    finish(rt.factory, job_id, token, "queued", counters=counters, last_error=reason, requeue_at=requeue_at)
+    return JobOutcome("retry", retry_in=delay, detail=reason)
+
+
 def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = None) -> JobOutcome:
     policy = policy or RetryPolicy()
     settings = rt.settings
@@ -105,25 +121,6 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
         max_output_tokens=settings.llm_max_output_tokens,
     )
 
-    def retry(reason: str) -> JobOutcome:
-        if job.attempts >= settings.job_max_attempts:
-            finish(rt.factory, job_id, token, "failed", counters=counters_dict, last_error=reason)
-            return JobOutcome("failed", detail=reason)
-        delay = policy.delay(job.attempts)
-        # enqueued_at in the future keeps the sweeper from re-sending before the retry is due.
-        requeue_at = now() + timedelta(seconds=delay)
-        finish(
-            rt.factory,
-            job_id,
-            token,
-            "queued",
-            counters=counters_dict,
-            last_error=reason,
-            requeue_at=requeue_at,
-        )
-        return JobOutcome("retry", retry_in=delay, detail=reason)
-
-    counters_dict: dict[str, object] | None = None
     with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
         try:
             counters = run_extract_conversation_facts(
@@ -135,7 +132,7 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
         except LeaseLostError as exc:
             return JobOutcome("lost", detail=str(exc))
         except (CheckpointConflictError, OperationalError) as exc:
-            return retry(f"{type(exc).__name__}: {exc}")
+            return retry_or_fail(rt, lease, f"{type(exc).__name__}: {exc}", policy)
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]
     if waiting:
@@ -152,7 +149,7 @@ def run_extraction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = No
         return JobOutcome("paused", detail="waiting for LLM budget")
     if counters.pages_failed:
         reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
-        return retry(reason)
+        return retry_or_fail(rt, lease, reason, policy, counters=counters_dict)
     if counters.facts_inserted and settings.embed_after_extraction:
         # Make the new facts findable by vector search too; never fails the job (`factmill embed`
         # fills in whatever this misses).

@@ -145,3 +145,36 @@ def test_jobs_table_refuses_unknown_statuses(factory):
         session.execute(update(Job).where(Job.id == job_id).values(status="exploded"))
     with factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == job_id)) == "queued"
+
+
+def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_url, simulator):
+    """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed."""
+    from tests.integration.test_extraction import put_page
+    from worker.config_store import ConfigReader
+    from worker.job_runner import run_extraction_job
+    from worker.jobs import page_subject
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    settings = Settings(
+        database_url=database_url,
+        simulator_url=simulator.base_url,
+        llm="simulator",
+        llm_max_attempts=1,
+        job_max_attempts=2,
+    )
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    put_page(factory)
+    job_id = new_job(factory, page_subject("default", "conversations/imessage/alice-example"))
+    simulator.configure(rate_500=1.0)
+    try:
+        first = run_extraction_job(rt, job_id, RetryPolicy(base_seconds=30, max_seconds=60))
+        queued = job(factory, job_id)
+        assert first.status == "retry" and 15 <= first.retry_in <= 30
+        assert queued.status == "queued" and queued.enqueued_at > now() + timedelta(seconds=10)
+        assert "provider_error" in queued.last_error and queued.counters["pages_failed"] == 1
+        second = run_extraction_job(rt, job_id)
+        assert second.status == "failed" and job(factory, job_id).status == "failed"
+    finally:
+        simulator.reset()
+        rt.close()
