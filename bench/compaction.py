@@ -170,7 +170,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
 
     from worker.celery_app import create_app
     from worker.compaction import parse_messages
-    from worker.jobs import COMPACTION
+    from worker.jobs.outbox import COMPACTION
     from worker.settings import Settings
 
     logs = Path("/tmp") / name

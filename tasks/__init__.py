@@ -1,0 +1,24 @@
+"""Celery entry points. Each job kind's task is made from its registry entry by ``job_task``; the task
+only rebuilds the job id and hands it to the one lifecycle (worker.jobs.lifecycle.run_job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.celery_app import app
+from worker.jobs.lifecycle import run_job
+from worker.jobs.registry import get_kind
+
+
+def job_task(kind_name: str) -> Any:
+    """The Celery task for a job kind: its registered name and queue, retried when the job asks."""
+    kind = get_kind(kind_name)
+
+    @app.task(name=kind.task_name, bind=True, queue=kind.queue, max_retries=None)
+    def run(self: Any, job_id: int) -> str:
+        outcome = run_job(self.resources, int(job_id), kind)
+        if outcome.retry_in is not None:
+            raise self.retry(countdown=outcome.retry_in)
+        return outcome.status
+
+    return run

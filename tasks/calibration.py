@@ -1,20 +1,18 @@
-"""Celery entry points for the calibration queue."""
+"""Celery entry points for the calibration queue: the recompute job, and beat's schedule."""
 
 from __future__ import annotations
 
-from worker.calibration import request_recompute, run_calibration_job
+from typing import Any
+
+from tasks import job_task
+from worker.calibration import request_recompute
 from worker.celery_app import app
+from worker.jobs.outbox import CALIBRATION
+
+recompute = job_task(CALIBRATION)
 
 
-@app.task(name="tasks.calibration.recompute", bind=True, queue="calibration", max_retries=None)
-def recompute(self, job_id: int) -> str:  # type: ignore[no-untyped-def]
-    outcome = run_calibration_job(self.resources, int(job_id))
-    if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in)
-    return outcome.status
-
-
-@app.task(name="tasks.calibration.schedule", bind=True, queue="calibration", ignore_result=True)
-def schedule(self) -> int:  # type: ignore[no-untyped-def]
+@app.task(name="tasks.calibration.schedule", bind=True, ignore_result=True)
+def schedule(self: Any) -> int:
     """Run by beat: request a recompute job (one pending at a time) and send it after the commit."""
     return request_recompute(self.resources.factory, trigger="schedule").job_id

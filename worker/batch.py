@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from worker.accounting import Budget
 from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction
 from worker.core.facts import segment_user_message
@@ -40,8 +41,7 @@ from worker.extraction import (
     extraction_request,
 )
 from worker.llm.batches import BatchItem, BatchLLMClient, BatchStatus
-from worker.llm.budget import Budget, BudgetExhaustedError
-from worker.llm.errors import LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 
 logger = logging.getLogger(__name__)

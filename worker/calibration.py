@@ -28,24 +28,15 @@ from typing import Any, Literal
 
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationObservation, CalibrationThreshold
 from worker.config_store import CALIBRATION_ENABLED
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
-from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason, retry_or_fail
-from worker.jobs import (
-    CALIBRATION,
-    Heartbeat,
-    JobRequest,
-    LeaseLostError,
-    Sender,
-    enqueue,
-    finish,
-    request_job,
-)
-from worker.runtime import Runtime
+from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
+from worker.jobs.outbox import CALIBRATION, JobRequest, Sender, enqueue, request_job
+from worker.jobs.registry import ErrorRule, JobKind, register
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +49,8 @@ MAX_KEY_LENGTH = 255
 INSERT_CHUNK = 1000
 # Serializes recomputes (a job and a `factmill calibration recompute --now` may overlap).
 RECOMPUTE_LOCK_ID = 0x46_4D_43_41_4C  # "FMCAL"
-RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
 PAUSED_REASON = paused_reason(CALIBRATION_ENABLED)
+RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
 
 Trigger = Literal["schedule", "observations", "manual", "api"]
 
@@ -940,37 +931,31 @@ class ThresholdCache:
 # ---------------------------------------------------------------------------
 
 
-def run_calibration_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = None) -> JobOutcome:
-    """Lease the job, honour the kill switch, recompute, record the outcome on the job."""
-    policy = policy or RetryPolicy()
-    settings = rt.settings
-    lease = begin_job(rt, job_id, CALIBRATION)
-    if isinstance(lease, JobOutcome):
-        return lease
-    job, token = lease.job, lease.token
+def recompute_job(ctx: JobContext) -> WorkResult:
+    """The calibration job kind's work: recompute τ from the observations and activate it if it holds."""
+    settings = ctx.rt.settings
+    result = recompute(
+        ctx.rt.factory,
+        alpha=settings.calibration_alpha,
+        target_recall=settings.calibration_target_recall,
+        min_observations=settings.calibration_min_observations,
+        trigger=str(ctx.option("trigger", "manual")),
+        job_id=ctx.job.id,
+        guard=ctx.guard,
+    )
+    return WorkResult("succeeded", counters=result.as_dict(), detail=result.reason)
 
-    with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
-        try:
-            result = recompute(
-                rt.factory,
-                alpha=settings.calibration_alpha,
-                target_recall=settings.calibration_target_recall,
-                min_observations=settings.calibration_min_observations,
-                trigger=str(job.options.get("trigger", "manual")),
-                job_id=job.id,
-                guard=beat.check,
-            )
-        except LeaseLostError as exc:
-            return JobOutcome("lost", detail=str(exc))
-        except OperationalError as exc:
-            return retry_or_fail(rt, lease, f"{type(exc).__name__}: {exc}", policy)
-        except ValueError as exc:  # bad settings: retrying cannot help
-            finish(rt.factory, job_id, token, "failed", last_error=str(exc))
-            return JobOutcome("failed", detail=str(exc))
-    rerun = finish(rt.factory, job_id, token, "succeeded", counters=result.as_dict())
-    if rerun is not None:
-        enqueue(rt.factory, [rerun])
-    return JobOutcome("succeeded", detail=result.reason)
+
+KIND = register(
+    JobKind(
+        name=CALIBRATION,
+        task_name="tasks.calibration.recompute",
+        queue="calibration",
+        switch=CALIBRATION_ENABLED,
+        work=recompute_job,
+        errors=(ErrorRule(ValueError, "fail"),),  # bad settings: retrying cannot help
+    )
+)
 
 
 __all__ = [
@@ -995,9 +980,9 @@ __all__ = [
     "import_csv",
     "parse_observations_csv",
     "recompute",
+    "recompute_job",
     "request_recompute",
     "request_recompute_if_due",
-    "run_calibration_job",
     "split_observations",
     "threshold_history",
 ]

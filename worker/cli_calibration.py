@@ -58,7 +58,7 @@ def _factory() -> sessionmaker[Session]:
 
 
 def _send(factory: sessionmaker[Session], pairs: list[tuple[int, str]]) -> int:
-    from worker.jobs import enqueue
+    from worker.jobs.outbox import enqueue
 
     return enqueue(factory, pairs) if pairs else 0
 

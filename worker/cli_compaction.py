@@ -87,7 +87,7 @@ def compact_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
 ) -> None:
     """Force a compaction of TRANSCRIPT_ID, even under its threshold: queue a job, or run it --now."""
-    from worker.jobs import COMPACTION, enqueue
+    from worker.jobs.outbox import COMPACTION, enqueue
 
     factory = _factory()
     if not now:

@@ -26,10 +26,10 @@ from typing import Any, Final, Literal, cast
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Compaction, Job, LLMCall, Transcript, TranscriptMessageRow
+from worker.accounting import cost_usd
 from worker.calibration import ActiveThreshold, ThresholdCache
 from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import (
@@ -52,23 +52,12 @@ from worker.core.compaction import (
 )
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
-from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason, retry_or_fail
-from worker.jobs import (
-    COMPACTION,
-    KILL_SWITCH,
-    PENDING,
-    Heartbeat,
-    JobRequest,
-    LeaseLostError,
-    enqueue,
-    finish,
-    now,
-    request_job,
-)
+from worker.jobs.leases import now
+from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
+from worker.jobs.outbox import COMPACTION, PENDING, JobRequest, request_job
+from worker.jobs.registry import ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.errors import LLMError
-from worker.llm.pricing import cost_usd
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
-from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +74,6 @@ MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not wor
 # A first summary below the threshold gets one retry that names what it missed (seed 002's revert rule,
 # with a second chance): two attempts in all.
 MAX_ATTEMPTS: Final = 2
-PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
 SETTING_NAMES: Final = (
     "context_window",
     "reserve_tokens",
@@ -93,6 +81,8 @@ SETTING_NAMES: Final = (
     "tool_result_limit",
     "instructions",
 )
+
+PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
 
 CompactionStatus = Literal["accepted", "rejected", "failed", "not_needed", "nothing_to_compact"]
 
@@ -120,7 +110,7 @@ class TranscriptNotFoundError(LookupError):
         self.transcript_id = transcript_id
 
 
-class CompactionDisabledError(RuntimeError):
+class CompactionDisabledError(KillSwitchOffError):
     """The compaction kill switch was turned off; the run stops before its next LLM call."""
 
 
@@ -1246,49 +1236,40 @@ def threshold_cache(factory: sessionmaker[Session], ttl: float) -> ThresholdCach
         return entry[1]
 
 
-def run_compaction_job(rt: Runtime, job_id: int, policy: RetryPolicy | None = None) -> JobOutcome:
-    """Lease the job, honour the kill switch, compact, record the outcome on the job."""
-    policy = policy or RetryPolicy()
+def compact_job(ctx: JobContext) -> WorkResult:
+    """The compaction job kind's work: compact the job's transcript under the active threshold."""
+    rt, job = ctx.rt, ctx.job
     settings = rt.settings
-    lease = begin_job(rt, job_id, COMPACTION)
-    if isinstance(lease, JobOutcome):
-        return lease
-    job, token = lease.job, lease.token
-
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
-    with Heartbeat(rt.factory, job_id, token, settings.job_heartbeat_seconds) as beat:
-        try:
-            outcome = compact_transcript(
-                rt.factory,
-                rt.llm,
-                job.subject,
-                threshold=gate.get,
-                force=bool(job.options.get("force", False)),
-                job_id=job.id,
-                guard=beat.check,
-                enabled=lambda: rt.config.enabled(COMPACTION_ENABLED),
-                max_output_tokens=settings.compaction_max_output_tokens,
-                intent_messages=settings.compaction_intent_messages,
-            )
-        except CompactionDisabledError:
-            finish(rt.factory, job_id, token, "paused", last_error=PAUSED_REASON, pause_reason=KILL_SWITCH)
-            return JobOutcome("paused")
-        except LeaseLostError as exc:
-            return JobOutcome("lost", detail=str(exc))
-        except TranscriptNotFoundError as exc:
-            finish(rt.factory, job_id, token, "failed", last_error=str(exc))
-            return JobOutcome("failed", detail=str(exc))
-        except OperationalError as exc:
-            return retry_or_fail(rt, lease, f"{type(exc).__name__}: {exc}", policy)
+    outcome = compact_transcript(
+        rt.factory,
+        rt.llm,
+        job.subject,
+        threshold=gate.get,
+        force=bool(ctx.option("force", False)),
+        job_id=job.id,
+        guard=ctx.guard,
+        enabled=ctx.enabled,
+        max_output_tokens=settings.compaction_max_output_tokens,
+        intent_messages=settings.compaction_intent_messages,
+    )
     counters = outcome.as_dict()
     if outcome.status == "failed":
-        finish(rt.factory, job_id, token, "failed", counters=counters, last_error=outcome.detail)
-        return JobOutcome("failed", detail=outcome.detail)
+        return WorkResult("failed", counters=counters, note=outcome.detail, detail=outcome.detail)
     note = outcome.detail if outcome.status in ("not_needed", "nothing_to_compact") else None
-    rerun = finish(rt.factory, job_id, token, "succeeded", counters=counters, last_error=note)
-    if rerun is not None:
-        enqueue(rt.factory, [rerun])
-    return JobOutcome("succeeded", detail=outcome.detail)
+    return WorkResult("succeeded", counters=counters, note=note, detail=outcome.detail)
+
+
+KIND = register(
+    JobKind(
+        name=COMPACTION,
+        task_name="tasks.compaction.compact_transcript",
+        queue="compaction",
+        switch=COMPACTION_ENABLED,
+        work=compact_job,
+        errors=(ErrorRule(TranscriptNotFoundError, "fail"),),
+    )
+)
 
 
 __all__ = [
@@ -1314,6 +1295,7 @@ __all__ = [
     "check_transcript_id",
     "check_trigger",
     "clean_settings",
+    "compact_job",
     "compact_transcript",
     "context_tokens",
     "context_view",
@@ -1328,7 +1310,6 @@ __all__ = [
     "parse_messages",
     "plan_compaction",
     "request_compaction",
-    "run_compaction_job",
     "summarizer_request",
     "threshold_cache",
     "transcript_stats",

@@ -11,6 +11,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConfigEntry
+from worker.accounting import validate_config_value
 
 EXTRACTION_ENABLED = "facts.extraction_enabled"
 COMPACTION_ENABLED = "compaction.enabled"
@@ -35,8 +36,6 @@ def validate_value(key: str, value: str) -> str:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
     if key == EXTRACTION_MAX_FACTS and (not cleaned.isdigit() or not 1 <= int(cleaned) <= 25):
         raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
-    from worker.llm.budget import validate_config_value
-
     validate_config_value(key, cleaned)
     return cleaned
 

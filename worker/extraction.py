@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact, OpCheckpoint, Page
+from worker.accounting import Budget, Ledger, Price, cost_usd
 from worker.config_store import EXTRACTION_ENABLED, EXTRACTION_MAX_FACTS, EXTRACTION_PAGE_TYPES, ConfigReader
 from worker.core.conversation import (
     MAX_PAGE_BODY_BYTES,
@@ -36,9 +37,8 @@ from worker.core.facts import (
     repair_user_message,
     segment_user_message,
 )
-from worker.llm.budget import Budget, BudgetExhaustedError
-from worker.llm.errors import LLMError
-from worker.llm.pricing import Price, cost_usd
+from worker.jobs.registry import KillSwitchOffError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
@@ -56,7 +56,7 @@ TRUNCATION_RETRY_FACTOR = 2
 MAX_OUTPUT_TOKENS_CEILING = 8192
 
 
-class ExtractionDisabledError(RuntimeError):
+class ExtractionDisabledError(KillSwitchOffError):
     """The kill switch is off; nothing was sent to the LLM."""
 
     def __init__(self) -> None:
@@ -652,7 +652,7 @@ class _Run:
         self.factory = factory
         self.guard = guard
         self.budget = budget or Budget(factory, config.get)
-        self.prices = self.budget.prices()
+        self.prices = Ledger(config.get).prices()
         self.llm = llm
         self.options = options
         self.config = config

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.jobs import EXTRACTION
+from worker.jobs.outbox import EXTRACTION
 from worker.pages import PageIn, store_page
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 if TYPE_CHECKING:
-    from worker.jobs import JobRequest
+    from worker.jobs.outbox import JobRequest
 
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
@@ -108,7 +108,7 @@ def upsert_page(session: Session, page: PageIn) -> UpsertResult:
 def store_page(session: Session, page: PageIn) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
     changed, request its extraction job in the same transaction. None when nothing changed."""
-    from worker.jobs import EXTRACTION, page_subject, request_job
+    from worker.jobs.outbox import EXTRACTION, page_subject, request_job
 
     if not upsert_page(session, page).changed:
         return None

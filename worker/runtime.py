@@ -1,4 +1,5 @@
-"""Per-process resources a worker (or the API) shares between tasks: settings, sessions, LLM, config."""
+"""Per-process resources a worker (or the API, or the CLI) shares: settings, sessions, config, the
+ledger and budget, and the one LLM client."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
+from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
+from worker.llm.gateway import describe, open_llm_client
 from worker.llm.types import LLMClient
 from worker.settings import Settings, get_settings
 
@@ -23,20 +26,34 @@ class Runtime:
     factory: sessionmaker[Session]
     config: ConfigReader
     _llm: LLMClient | None = None
+    _ledger: Ledger | None = None
+    _budget: Budget | None = None
     _llm_stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
+    def ledger(self) -> Ledger:
+        """The one writer of llm_calls rows for this process (prices read live from `llm.prices`)."""
+        if self._ledger is None:
+            self._ledger = Ledger(self.config.get)
+        return self._ledger
+
+    @property
+    def budget(self) -> Budget:
+        """The one budget for this process: every client and runner shares its cache."""
+        if self._budget is None:
+            self._budget = Budget(self.factory, self.config.get)
+        return self._budget
+
+    @property
     def llm(self) -> LLMClient:
-        """The configured LLM client, opened on first use and kept for the life of the process."""
+        """The configured LLM client (budgeted), opened on first use and kept for the life of the process."""
         if self._llm is None:
             with self._lock:
                 if self._llm is None:
-                    from worker.llm.budget import Budget, BudgetedClient
-                    from worker.llm.gateway import describe, open_llm_client
-
-                    client = self._llm_stack.enter_context(open_llm_client(self.settings))
-                    self._llm = BudgetedClient(client, Budget(self.factory, self.config.get))
+                    self._llm = self._llm_stack.enter_context(
+                        open_llm_client(self.settings, budget=self.budget)
+                    )
                     logger.info(describe(self.settings))
         return self._llm
 
@@ -49,11 +66,13 @@ _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
 
 
-def build_runtime(settings: Settings) -> Runtime:
-    factory = db.session_factory(db.database_url(settings))
-    return Runtime(
-        settings=settings, factory=factory, config=ConfigReader(factory, ttl=settings.config_cache_seconds)
-    )
+def build_runtime(
+    settings: Settings, factory: sessionmaker[Session] | None = None, llm: LLMClient | None = None
+) -> Runtime:
+    """The resources for one process; ``factory`` and ``llm`` let a test or the CLI supply their own."""
+    factory = factory or db.session_factory(db.database_url(settings))
+    config = ConfigReader(factory, ttl=settings.config_cache_seconds)
+    return Runtime(settings=settings, factory=factory, config=config, _llm=llm)
 
 
 def get_runtime() -> Runtime:

@@ -35,6 +35,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import FACT_KINDS, LLMCall
+from worker.accounting import cost_usd
 from worker.core.intent import (
     INTENT_STOP_WORDS,
     QueryParseError,
@@ -710,8 +711,6 @@ def _record_llm_call(
 ) -> None:
     """Account for a search-time LLM call in llm_calls (cost reports read it); never fails a search."""
     try:
-        from worker.llm.pricing import cost_usd
-
         with factory.begin() as session:
             session.add(
                 LLMCall(

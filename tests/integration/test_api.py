@@ -19,10 +19,10 @@ from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
-from worker import jobs
 from worker.api.app import JobKind, JobStatus, create_app, store_pages
 from worker.api.signing import sign
 from worker.config_store import ConfigReader
+from worker.jobs.registry import kind_names
 from worker.pages import PageIn
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -426,7 +426,7 @@ def test_page_changed_while_its_job_is_pending_reuses_the_job(
 
 def test_job_literals_match_the_models() -> None:
     assert typing.get_args(JobStatus) == JOB_STATUSES
-    assert set(typing.get_args(JobKind)) == set(jobs.JOB_KINDS)
+    assert set(typing.get_args(JobKind)) == set(kind_names())
 
 
 def test_jobs_list_filter_get_and_404(client: TestClient, factory: sessionmaker[Session]) -> None:

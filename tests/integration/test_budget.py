@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
+from worker.accounting import Budget, parse_prices, parse_usd
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
-from worker.job_runner import run_extraction_job
-from worker.jobs import EXTRACTION, page_subject, request_job, resume_for_config_change
-from worker.llm.budget import Budget, BudgetExhaustedError, parse_prices, parse_usd
+from worker.jobs.lifecycle import run_job
+from worker.jobs.outbox import EXTRACTION, page_subject, request_job, resume_for_config_change
+from worker.llm.errors import BudgetExhaustedError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -112,7 +113,7 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
     with factory.begin() as session:
         job_id = request_job(session, EXTRACTION, page_subject("default", SLUG)).job_id
     try:
-        outcome = run_extraction_job(rt, job_id)
+        outcome = run_job(rt, job_id, EXTRACTION)
         with factory() as session:
             job = session.get(Job, job_id)
             assert (outcome.status, job.status, job.pause_reason) == ("paused", "paused", "budget")
@@ -121,7 +122,7 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
             set_config(session, "llm.budget_daily_usd", "100")
             resumed = resume_for_config_change(session, "llm.budget_daily_usd", "100")
         assert resumed == [(job_id, EXTRACTION)]
-        assert run_extraction_job(rt, job_id).status == "succeeded"
+        assert run_job(rt, job_id, EXTRACTION).status == "succeeded"
         with factory() as session:
             assert session.get(Job, job_id).status == "succeeded"
             assert session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit)) == 1

@@ -22,7 +22,6 @@ from typer.testing import CliRunner
 from models import CalibrationObservation, CalibrationThreshold, Job
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
-from worker import jobs
 from worker.api.app import create_app
 from worker.api.signing import sign
 from worker.calibration import (
@@ -41,11 +40,12 @@ from worker.calibration import (
     import_csv,
     recompute,
     request_recompute,
-    run_calibration_job,
     threshold_history,
 )
 from worker.celery_app import create_app as create_celery_app
 from worker.config_store import CALIBRATION_ENABLED, set_config
+from worker.jobs import outbox as jobs
+from worker.jobs.lifecycle import run_job
 from worker.runtime import Runtime
 from worker.settings import Settings
 
@@ -457,7 +457,7 @@ def test_the_job_records_its_version_and_counters(database_url: str, factory: se
     add(factory, separated())
     rt = runtime(database_url, factory)
     request = request_recompute(factory, "manual", sender=Recorder(factory))
-    outcome = run_calibration_job(rt, request.job_id)
+    outcome = run_job(rt, request.job_id, jobs.CALIBRATION)
     assert outcome.status == "succeeded"
     with factory() as session:
         job = session.get(Job, request.job_id)
@@ -465,7 +465,7 @@ def test_the_job_records_its_version_and_counters(database_url: str, factory: se
         assert job.counters["outcome"] == "activated" and job.counters["held_out_rate"] == 1.0
         row = session.scalars(select(CalibrationThreshold)).one()
         assert (row.job_id, row.trigger, row.active) == (request.job_id, "manual", True)
-    assert run_calibration_job(rt, request.job_id).status == "skipped"  # a redelivered message
+    assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "skipped"  # a redelivered message
 
 
 def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
@@ -478,7 +478,7 @@ def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
     recorder = Recorder(factory)
     request = request_recompute(factory, "schedule", sender=recorder)
     assert recorder.calls == [("tasks.calibration.recompute", request.job_id, "calibration")]
-    assert run_calibration_job(rt, request.job_id).status == "paused"
+    assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "paused"
     with factory() as session:
         job = session.get(Job, request.job_id)
         assert job is not None and (job.status, job.last_error) == ("paused", PAUSED_REASON)
@@ -489,21 +489,21 @@ def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
         set_config(session, CALIBRATION_ENABLED, "true", updated_by="test")
     assert jobs.apply_switch_change(factory, CALIBRATION_ENABLED, "true", recorder) == 1
     assert recorder.calls[-1] == ("tasks.calibration.recompute", request.job_id, "calibration")
-    assert run_calibration_job(rt, request.job_id).status == "succeeded"
+    assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "succeeded"
     assert current(factory).version == 1
 
 
 def test_a_job_of_another_kind_fails(database_url: str, factory: sessionmaker[Session]) -> None:
     with factory.begin() as session:
         job_id = jobs.request_job(session, jobs.EXTRACTION, "default|x").job_id
-    assert run_calibration_job(runtime(database_url, factory), job_id).status == "failed"
+    assert run_job(runtime(database_url, factory), job_id, jobs.CALIBRATION).status == "failed"
 
 
 def test_bad_settings_fail_the_job_with_the_reason(database_url: str, factory: sessionmaker[Session]) -> None:
     rt = runtime(database_url, factory)
     object.__setattr__(rt.settings, "calibration_alpha", 2.0)  # bypass validation: a corrupted setting
     request = request_recompute(factory, "manual", sender=Recorder(factory))
-    assert run_calibration_job(rt, request.job_id).status == "failed"
+    assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "failed"
     with factory() as session:
         job = session.get(Job, request.job_id)
         assert job is not None and "alpha must be strictly between 0 and 1" in (job.last_error or "")
@@ -714,8 +714,8 @@ def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
 @pytest.fixture
 def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Runs `factmill calibration ...` against the test database; jobs go to a recorder, not a broker."""
-    from worker import jobs as jobs_module
     from worker.cli import app
+    from worker.jobs import outbox as jobs_module
     from worker.settings import get_settings
 
     monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)

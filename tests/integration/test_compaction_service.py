@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMessageRow
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
-from worker import jobs
 from worker.api.app import create_app
 from worker.api.compaction_routes import CompactionCollector
 from worker.api.signing import sign
@@ -36,11 +35,12 @@ from worker.compaction import (
     context_view,
     parse_messages,
     request_compaction,
-    run_compaction_job,
     transcript_stats,
 )
 from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
+from worker.jobs import outbox as jobs
+from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.simulator import LOSSY_SUMMARY
@@ -515,7 +515,7 @@ def test_an_empty_reply_an_error_or_a_refusal_is_a_failed_compaction_and_changes
     job_id = request.trigger.job.job_id
     with factory() as session:
         before = [v.as_dict() for v in context_view(session, "fail").messages]
-    outcome = run_compaction_job(runtime(database_url, factory, ScriptedLLM(reply)), job_id)
+    outcome = run_job(runtime(database_url, factory, ScriptedLLM(reply)), job_id, jobs.COMPACTION)
     assert outcome.status == "failed"
     [row] = compactions(factory)
     assert row.status == "failed" and row.summary is None and row.tokens_after is None
@@ -574,7 +574,7 @@ def test_the_job_gates_on_the_active_calibrated_threshold(
     version = activate_threshold(factory, 1.0)  # nothing short of a copy passes
     llm = ScriptedLLM(summary, summary)
     assert (
-        run_compaction_job(runtime(database_url, factory, llm), request.trigger.job.job_id).status
+        run_job(runtime(database_url, factory, llm), request.trigger.job.job_id, jobs.COMPACTION).status
         == "succeeded"
     )
     [row] = compactions(factory)
@@ -650,7 +650,7 @@ def test_forced_compaction_under_the_threshold_and_nothing_to_compact(
     append(factory, "tiny", [{"role": "user", "text": "hello"}])
     with factory.begin() as session:
         job = request_compaction(session, "tiny", force=True)
-    outcome = run_compaction_job(runtime(database_url, factory, llm), job.job_id)
+    outcome = run_job(runtime(database_url, factory, llm), job.job_id, jobs.COMPACTION)
     assert outcome.status == "succeeded"
     with factory() as session:
         row = session.get(Job, job.job_id)
@@ -699,7 +699,7 @@ def test_the_kill_switch_stops_before_the_retry(database_url: str, factory: sess
         return "lossy"
 
     rt._llm = ScriptedLLM(switch_off)  # type: ignore[assignment]
-    assert run_compaction_job(rt, request.trigger.job.job_id).status == "paused"
+    assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "paused"
     with factory() as session:
         job = session.get(Job, request.trigger.job.job_id)
         assert job is not None and (job.status, job.last_error) == ("paused", PAUSED_REASON)
@@ -716,12 +716,12 @@ def test_a_job_of_another_kind_or_a_vanished_transcript_fails(
     with factory.begin() as session:
         other = jobs.request_job(session, jobs.EXTRACTION, "default|x").job_id
         orphan = jobs.request_job(session, jobs.COMPACTION, "no-such-transcript").job_id
-    assert run_compaction_job(rt, other).status == "failed"
-    assert run_compaction_job(rt, orphan).status == "failed"
+    assert run_job(rt, other, jobs.COMPACTION).status == "failed"
+    assert run_job(rt, orphan, jobs.COMPACTION).status == "failed"
     with factory() as session:
         job = session.get(Job, orphan)
         assert job is not None and "no transcript 'no-such-transcript'" in (job.last_error or "")
-    assert run_compaction_job(rt, orphan).status == "skipped"  # a redelivered message
+    assert run_job(rt, orphan, jobs.COMPACTION).status == "skipped"  # a redelivered message
 
 
 def test_concurrent_appends_get_distinct_consecutive_seqs(factory: sessionmaker[Session]) -> None:

@@ -9,18 +9,9 @@ import pytest
 from sqlalchemy import select, update
 
 from models import Job
-from worker.job_runner import RetryPolicy
-from worker.jobs import (
-    EXTRACTION,
-    claim,
-    enqueue,
-    finish,
-    heartbeat,
-    now,
-    request_job,
-    retry_job,
-    sweep,
-)
+from worker.jobs.leases import claim, finish, heartbeat, now
+from worker.jobs.outbox import EXTRACTION, enqueue, request_job, retry_job, sweep
+from worker.jobs.registry import Backoff
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +119,7 @@ def test_retry_job_requeues_finished_work_only(factory):
 
 
 def test_retry_policy_backs_off_exponentially_with_jitter_and_a_cap():
-    policy = RetryPolicy(base_seconds=5, max_seconds=60)
+    policy = Backoff(base_seconds=5, max_seconds=60)
     rng = random.Random(7)
     delays = [policy.delay(attempt, rng) for attempt in range(1, 8)]
     for attempt, delay in enumerate(delays, start=1):
@@ -151,8 +142,8 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
     """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed."""
     from tests.integration.test_extraction import put_page
     from worker.config_store import ConfigReader
-    from worker.job_runner import run_extraction_job
-    from worker.jobs import page_subject
+    from worker.jobs.lifecycle import run_job
+    from worker.jobs.outbox import page_subject
     from worker.runtime import Runtime
     from worker.settings import Settings
 
@@ -168,12 +159,12 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
     job_id = new_job(factory, page_subject("default", "conversations/imessage/alice-example"))
     simulator.configure(rate_500=1.0)
     try:
-        first = run_extraction_job(rt, job_id, RetryPolicy(base_seconds=30, max_seconds=60))
+        first = run_job(rt, job_id, EXTRACTION, Backoff(base_seconds=30, max_seconds=60))
         queued = job(factory, job_id)
         assert first.status == "retry" and 15 <= first.retry_in <= 30
         assert queued.status == "queued" and queued.enqueued_at > now() + timedelta(seconds=10)
         assert "provider_error" in queued.last_error and queued.counters["pages_failed"] == 1
-        second = run_extraction_job(rt, job_id)
+        second = run_job(rt, job_id, EXTRACTION)
         assert second.status == "failed" and job(factory, job_id).status == "failed"
     finally:
         simulator.configure(rate_500=0.0)  # the simulator is shared by the whole session

@@ -8,8 +8,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from worker.celery_app import QUEUES
 from worker.cli import app
+from worker.jobs.registry import queues
+
+QUEUES = queues()
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())

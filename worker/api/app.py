@@ -50,9 +50,10 @@ from models import (
     Page,
     WebhookDelivery,
 )
-from worker import jobs
 from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.config_store import KILL_SWITCHES, is_enabled, set_config
+from worker.jobs import outbox as jobs
+from worker.jobs.registry import kind_names
 from worker.pages import PageIn, store_page
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -841,7 +842,7 @@ class StoreCollector:
 
         up = GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)
         jobs_gauge = GaugeMetricFamily("factmill_jobs", "Jobs by status and kind", labels=["status", "kind"])
-        kinds = sorted(set(jobs.JOB_KINDS) | {kind for _, kind in job_counts})
+        kinds = sorted(set(kind_names()) | {kind for _, kind in job_counts})
         for status in JOB_STATUSES:
             for kind in kinds:  # zeros included, so a series never vanishes when its last job moves on
                 jobs_gauge.add_metric([status, kind], job_counts.get((status, kind), 0))

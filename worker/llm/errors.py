@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import anthropic
@@ -54,6 +55,20 @@ class LLMError(Exception):
         self.retry_after = retry_after
         self.latency_ms = latency_ms
         self.attempts: tuple[AttemptRecord, ...] = ()
+
+
+class BudgetExhaustedError(LLMError):
+    """No LLM call was made: a budget is spent. Work waits (paused) until the budget has room."""
+
+    outcome = "budget_exhausted"
+
+    def __init__(self, scope: str, limit: Decimal, spent: Decimal, *, key: str) -> None:
+        super().__init__(
+            f"the {scope} LLM budget is exhausted (spent ${spent:.4f} of ${limit:.4f}); raise it with "
+            f"`factmill config set {key} <usd>`; waiting jobs resume by themselves",
+            retryable=False,
+        )
+        self.scope, self.limit, self.spent = scope, limit, spent
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Build the configured LLM client; start the bundled simulator when no real provider is configured.
 
-Every client comes wrapped the same way: ``RetryingClient(RateLimitedClient(provider))``: the one
-retry layer outside, and inside it the shared rate limiter (only when a limit is configured), so each
-retry waits its turn like any other call. The SDKs' own retries are off in every provider.
+Every client comes wrapped the same way: ``BudgetedClient(RetryingClient(RateLimitedClient(provider)))``:
+the budget check outside (when a budget is given), then the one retry layer, and inside it the shared
+rate limiter (only when a limit is configured), so each retry waits its turn like any other call. The
+SDKs' own retries are off in every provider.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.budgeted import BudgetCheck, BudgetedClient
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, build_rate_limiter
 from worker.llm.retry import AttemptListener, RetryingClient, RetryPolicy
@@ -133,11 +135,14 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
 
 @contextmanager
 def open_llm_client(
-    settings: Settings, *, on_attempt: AttemptListener | None = None
-) -> Iterator[RetryingClient]:
-    """Yield a ready client for the configured provider, and stop anything started for it.
+    settings: Settings, *, budget: BudgetCheck | None = None, on_attempt: AttemptListener | None = None
+) -> Iterator[LLMClient]:
+    """Yield a ready client for the configured provider, and stop anything started for it: the one
+    assembly of the gateway, used by workers, the API and the CLI alike.
 
-    ``on_attempt`` hears about every try of every call (see ``RetryingClient``), e.g. to record it.
+    ``budget`` is checked before every call; ``on_attempt`` hears about every try of every call (see
+    ``RetryingClient``), e.g. to record it.
     """
     with ExitStack() as stack:
-        yield wrap(provider_client(settings, stack), settings, on_attempt=on_attempt)
+        client: LLMClient = wrap(provider_client(settings, stack), settings, on_attempt=on_attempt)
+        yield client if budget is None else BudgetedClient(client, budget)

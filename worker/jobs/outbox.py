@@ -1,22 +1,22 @@
-"""Jobs: the Postgres outbox (create, enqueue after commit), leases, heartbeats, pause/resume, sweeping."""
+"""The Postgres outbox: request a job inside the caller's transaction, send it after the commit, and
+sweep what the broker lost. Operators' retry and resume live here too."""
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, text, update
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
-from worker.config_store import CALIBRATION_ENABLED, COMPACTION_ENABLED, EXTRACTION_ENABLED
+from worker.celery_app import app
+from worker.config_store import KILL_SWITCHES, is_enabled
+from worker.jobs.registry import KIND_MODULES, UnknownJobKindError, get_kind, kind_names
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +29,8 @@ KILL_SWITCH = "kill_switch"  # pause reasons
 BUDGET = "budget"
 # Literal SQL so Postgres can match ON CONFLICT to the partial unique index uq_jobs_pending_subject.
 PENDING_PREDICATE = text("status IN ('queued', 'running', 'paused')")
-FINISHED = ("succeeded", "failed")
-
-# kind → (Celery task name, queue, kill switch). The one table every sender reads.
-JOB_KINDS: dict[str, tuple[str, str, str]] = {
-    EXTRACTION: ("tasks.extraction.extract_page", "extraction", EXTRACTION_ENABLED),
-    COMPACTION: ("tasks.compaction.compact_transcript", "compaction", COMPACTION_ENABLED),
-    CALIBRATION: ("tasks.calibration.recompute", "calibration", CALIBRATION_ENABLED),
-}
-
-
-class UnknownJobKindError(ValueError):
-    pass
+# The config keys whose change resumes jobs waiting for budget (worker.accounting owns their meaning).
+BUDGET_KEYS = ("llm.budget_daily_usd", "llm.budget_job_usd")
 
 
 def page_subject(source_id: str, slug: str) -> str:
@@ -50,10 +40,6 @@ def page_subject(source_id: str, slug: str) -> str:
 def split_page_subject(subject: str) -> tuple[str, str]:
     source_id, _, slug = subject.partition("|")
     return source_id, slug
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 # ---------------------------------------------------------------------------
@@ -80,8 +66,8 @@ def request_job(
     A job that is already running may have read the old content, so it is marked to run again
     when it finishes; a queued or paused one will read the new content anyway.
     """
-    if kind not in JOB_KINDS:
-        raise UnknownJobKindError(f"unknown job kind {kind!r}; expected one of {sorted(JOB_KINDS)}")
+    if kind not in KIND_MODULES:
+        raise UnknownJobKindError(f"unknown job kind {kind!r}; expected one of {sorted(KIND_MODULES)}")
     stmt = (
         insert(Job)
         .values(
@@ -111,8 +97,6 @@ Sender = Callable[[str, int, str], None]  # (task name, job id, queue)
 
 
 def celery_sender(task_name: str, job_id: int, queue: str) -> None:
-    from worker.celery_app import app
-
     app.send_task(task_name, args=[job_id], queue=queue)
 
 
@@ -127,9 +111,9 @@ def enqueue(
     sent: list[int] = []
     pending = list(jobs)
     for index, (job_id, kind) in enumerate(pending):
-        task_name, queue, _ = JOB_KINDS[kind]
+        spec = get_kind(kind)
         try:
-            send(task_name, job_id, queue)
+            send(spec.task_name, job_id, spec.queue)
         except Exception as exc:
             # The broker is down: the rest would fail the same way (slowly). They stay queued in
             # Postgres, and the sweeper sends them once the broker is back.
@@ -146,140 +130,6 @@ def enqueue(
         with factory.begin() as session:
             session.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=func.now()))
     return len(sent)
-
-
-# ---------------------------------------------------------------------------
-# Leases: one worker per job, kept alive by heartbeats.
-# ---------------------------------------------------------------------------
-
-
-class LeaseLostError(RuntimeError):
-    """Another worker took this job over (our heartbeat went stale); stop without writing more."""
-
-
-def new_lease_token() -> str:
-    return f"{socket.gethostname()}:{uuid.uuid4().hex[:12]}"
-
-
-def claim(factory: sessionmaker[Session], job_id: int, token: str, stale_after: float) -> Job | None:
-    """Take the job if it is queued (or paused, or running with a stale heartbeat); None otherwise.
-
-    A redelivered message for a job another worker holds, or one that already finished, gets None.
-    """
-    stale = func.now() - timedelta(seconds=stale_after)
-    with factory.begin() as session:
-        return session.execute(
-            update(Job)
-            .where(
-                Job.id == job_id,
-                or_(
-                    Job.status.in_(("queued", "paused")),
-                    and_(Job.status == "running", or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale)),
-                ),
-            )
-            .values(
-                status="running",
-                worker=token,
-                attempts=Job.attempts + 1,
-                heartbeat_at=func.now(),
-                started_at=func.coalesce(Job.started_at, func.now()),
-                last_error=None,
-            )
-            .returning(Job)
-        ).scalar_one_or_none()
-
-
-def heartbeat(factory: sessionmaker[Session], job_id: int, token: str) -> bool:
-    """Refresh the lease; False when it is no longer ours."""
-    with factory.begin() as session:
-        row = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.worker == token, Job.status == "running")
-            .values(heartbeat_at=func.now())
-            .returning(Job.id)
-        ).scalar_one_or_none()
-    return row is not None
-
-
-class Heartbeat:
-    """Refreshes a job's lease on a background thread; ``check()`` raises once the lease is lost."""
-
-    def __init__(self, factory: sessionmaker[Session], job_id: int, token: str, interval: float) -> None:
-        self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
-        self._stop = threading.Event()
-        self._lost = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                if not heartbeat(self.factory, self.job_id, self.token):
-                    self._lost.set()
-                    return
-            except Exception as exc:  # a database blip must not kill the job; the next beat retries
-                logger.warning("heartbeat for job %s failed: %s", self.job_id, exc)
-
-    def check(self) -> None:
-        if self._lost.is_set():
-            raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval + 5)
-
-
-def finish(
-    factory: sessionmaker[Session],
-    job_id: int,
-    token: str,
-    status: str,
-    *,
-    counters: dict[str, Any] | None = None,
-    last_error: str | None = None,
-    requeue_at: datetime | None = None,
-    pause_reason: str | None = None,
-) -> tuple[int, str] | None:
-    """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
-
-    Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran.
-    Writes nothing if the lease is no longer ours.
-    """
-    values: dict[str, Any] = {
-        "status": status,
-        "heartbeat_at": None,
-        "worker": None,
-        "pause_reason": pause_reason if status == "paused" else None,
-    }
-    if counters is not None:
-        values["counters"] = counters
-    values["last_error"] = last_error
-    if status in FINISHED:
-        values["finished_at"] = func.now()
-    if requeue_at is not None:
-        values["enqueued_at"] = requeue_at
-    with factory.begin() as session:
-        job = session.execute(
-            update(Job).where(Job.id == job_id, Job.worker == token).values(**values).returning(Job)
-        ).scalar_one_or_none()
-        if job is None:
-            return None
-        if status == "succeeded" and job.rerun_requested:
-            session.execute(
-                update(Job)
-                .where(Job.id == job_id)
-                .values(status="queued", rerun_requested=False, finished_at=None)
-            )
-            return job_id, job.kind
-    return None
-
-
-def release_for_retry(factory: sessionmaker[Session], job_id: int, token: str, last_error: str) -> None:
-    """Give a claimed job back to the queue without running it (e.g. the page is busy)."""
-    finish(factory, job_id, token, "queued", last_error=last_error)
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +165,7 @@ def resume_paused(session: Session, kinds: Sequence[str], reason: str = KILL_SWI
 
 
 def kinds_for_switch(key: str) -> list[str]:
-    return [kind for kind, (_, _, switch) in JOB_KINDS.items() if switch == key]
+    return [name for name in kind_names() if get_kind(name).switch == key]
 
 
 @dataclass
@@ -356,7 +206,7 @@ def sweep(
                 ),
             )
         ).all()
-        switched_on = [k for k, (_, _, switch) in JOB_KINDS.items() if enabled(switch)]
+        switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
         if budget_has_room is not None and budget_has_room():
             resumed += resume_paused(session, switched_on, reason=BUDGET)
@@ -373,13 +223,10 @@ def resume_for_config_change(session: Session, key: str, value: str) -> list[tup
     """In the transaction that changes ``key``: a kill switch turned on resumes its paused jobs, and a
     budget change resumes the jobs waiting for budget (they pause again if there is still no room).
     Returns the resumed (job id, kind) pairs to enqueue after the commit."""
-    from worker.config_store import KILL_SWITCHES, is_enabled
-    from worker.llm.budget import BUDGET_KEYS
-
     if key in KILL_SWITCHES and is_enabled(value):
         return resume_paused(session, kinds_for_switch(key))
     if key in BUDGET_KEYS:
-        return resume_paused(session, list(JOB_KINDS), reason=BUDGET)
+        return resume_paused(session, list(kind_names()), reason=BUDGET)
     return []
 
 

@@ -1,0 +1,101 @@
+"""LLM spending limits per day and per job, read live from the config table, checked before each call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import LLMCall
+from worker.llm.errors import BudgetExhaustedError
+
+DAILY_BUDGET_KEY = "llm.budget_daily_usd"
+JOB_BUDGET_KEY = "llm.budget_job_usd"
+BUDGET_KEYS = (DAILY_BUDGET_KEY, JOB_BUDGET_KEY)
+
+
+def parse_usd(value: str | None) -> Decimal | None:
+    """A budget value: a non-negative number of dollars; None/empty means no limit."""
+    if value is None or not value.strip():
+        return None
+    try:
+        amount = Decimal(value.strip())
+    except InvalidOperation as exc:
+        raise ValueError(
+            f"a budget must be a number of US dollars such as 25 or 2.50, got {value!r}"
+        ) from exc
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"a budget must be a non-negative number of US dollars, got {value!r}")
+    return amount
+
+
+class Budget:
+    """Checks spend (from llm_calls) against the live budgets before each call.
+
+    The day total is cached for ``ttl`` seconds, so a check costs one query per ttl; concurrent
+    calls may overshoot a budget by the calls already in flight, never by more. One per process:
+    every client and runner shares its cache.
+    """
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        get_config: Callable[[str], str | None],
+        ttl: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._factory, self._get, self._ttl, self._clock = factory, get_config, ttl, clock
+        self._lock = threading.Lock()
+        self._day: tuple[float, Decimal] | None = None
+
+    def spent_today(self) -> Decimal:
+        now = self._clock()
+        with self._lock:
+            if self._day is not None and now - self._day[0] < self._ttl:
+                return self._day[1]
+        midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        with self._factory() as session:
+            spent = session.scalar(
+                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.created_at >= midnight)
+            )
+        with self._lock:
+            self._day = (now, Decimal(spent or 0))
+        return Decimal(spent or 0)
+
+    def spent_by_job(self, job_id: int) -> Decimal:
+        with self._factory() as session:
+            spent = session.scalar(
+                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id == job_id)
+            )
+        return Decimal(spent or 0)
+
+    def check(self, job_id: int | None = None) -> None:
+        """Raise BudgetExhaustedError if the day's (or this job's) budget is spent."""
+        daily = self._limit(DAILY_BUDGET_KEY)
+        if daily is not None:
+            spent = self.spent_today()
+            if spent >= daily:
+                raise BudgetExhaustedError("day", daily, spent, key=DAILY_BUDGET_KEY)
+        per_job = self._limit(JOB_BUDGET_KEY)
+        if per_job is not None and job_id is not None:
+            spent = self.spent_by_job(job_id)
+            if spent >= per_job:
+                raise BudgetExhaustedError("job", per_job, spent, key=JOB_BUDGET_KEY)
+
+    def has_room(self, job_id: int | None = None) -> bool:
+        try:
+            self.check(job_id)
+        except BudgetExhaustedError:
+            return False
+        return True
+
+    def _limit(self, key: str) -> Decimal | None:
+        try:
+            return parse_usd(self._get(key))
+        except ValueError:
+            return None

@@ -1,0 +1,81 @@
+"""The only writer of llm_calls rows: every purpose is costed here, with the same prices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from models import LLMCall
+from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
+from worker.llm.types import Usage
+
+
+@dataclass(frozen=True)
+class LLMCallRecord:
+    """One try of one LLM call, as the llm_calls table keeps it."""
+
+    purpose: str
+    provider: str
+    model: str
+    usage: Usage | None
+    latency_ms: int
+    outcome: str
+    job_id: int | None = None
+    error: str | None = None
+    batch: bool = False  # billed through a provider batch (half price)
+
+
+class Ledger:
+    """Costs and records LLM calls; the price table is the list prices plus the live `llm.prices`."""
+
+    def __init__(self, get_config: Callable[[str], str | None]) -> None:
+        self._get = get_config
+
+    def prices(self) -> dict[str, Price]:
+        try:
+            return {**PRICES, **parse_prices(self._get(PRICES_KEY))}
+        except ValueError:
+            return dict(PRICES)  # a bad override was refused at `config set`; never fail a call over it
+
+    def cost(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> Decimal:
+        if call.usage is None:
+            return Decimal(0)
+        return cost_usd(
+            call.model, call.usage, prices if prices is not None else self.prices(), batch=call.batch
+        )
+
+    def row(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> dict[str, object]:
+        usage = call.usage or Usage()
+        return {
+            "job_id": call.job_id,
+            "provider": call.provider,
+            "model": call.model,
+            "purpose": call.purpose,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cache_read_tokens": usage.cache_read_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+            "latency_ms": call.latency_ms,
+            "outcome": call.outcome,
+            "cost_usd": self.cost(call, prices),
+            "error": call.error,
+        }
+
+    def record(self, session: Session, call: LLMCallRecord) -> int:
+        """Insert one llm_calls row in the caller's transaction; returns its id."""
+        return self.record_many(session, [call])[0]
+
+    def record_many(self, session: Session, calls: Sequence[LLMCallRecord]) -> list[int]:
+        """Insert the rows in one statement, in the caller's transaction; ids in the same order."""
+        if not calls:
+            return []
+        prices = self.prices()
+        rows = [self.row(call, prices) for call in calls]
+        # insertmanyvalues with sort_by_parameter_order: one round trip, ids guaranteed in input order.
+        stmt = insert(LLMCall).returning(LLMCall.id, sort_by_parameter_order=True)
+        ids = session.execute(stmt, rows).scalars().all()
+        return [int(i) for i in ids]

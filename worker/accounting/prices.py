@@ -1,0 +1,95 @@
+"""USD prices per million tokens (list prices plus the `llm.prices` override), and one call's cost."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from worker.llm.types import Usage
+
+
+@dataclass(frozen=True)
+class Price:
+    input: Decimal
+    output: Decimal
+    cache_read: Decimal
+    cache_write: Decimal
+
+
+def _p(inp: str, out: str, read: str | None = None, write: str | None = None) -> Price:
+    i = Decimal(inp)
+    return Price(i, Decimal(out), Decimal(read) if read else i / 10, Decimal(write) if write else i)
+
+
+PRICES_KEY = "llm.prices"
+
+# Published list prices (USD per 1M tokens) at the time of writing; a deployment overrides them with
+# the `llm.prices` config key. Unknown models cost 0.
+PRICES: dict[str, Price] = {
+    "gpt-4o-mini": _p("0.15", "0.60", "0.075"),
+    "gpt-4o": _p("2.50", "10.00", "1.25"),
+    "gpt-4.1-mini": _p("0.40", "1.60", "0.10"),
+    "gpt-4.1": _p("2.00", "8.00", "0.50"),
+    "claude-3-5-haiku-latest": _p("0.80", "4.00", "0.08", "1.00"),
+    "claude-sonnet-4-5": _p("3.00", "15.00", "0.30", "3.75"),
+}
+
+MILLION = Decimal(1_000_000)
+# The OpenAI Batch API and Anthropic Message Batches both bill every token class at half the list price.
+BATCH_DISCOUNT = Decimal("0.5")
+
+
+def cost_usd(
+    model: str, usage: Usage, prices: dict[str, Price] | None = None, *, batch: bool = False
+) -> Decimal:
+    price = (prices or PRICES).get(model)
+    if price is None:
+        return Decimal(0)
+    # input_tokens counts every prompt token, cached ones included (both providers, as the gateway reports).
+    uncached = max(0, usage.input_tokens - usage.cache_read_tokens - usage.cache_write_tokens)
+    total = (
+        uncached * price.input
+        + usage.cache_read_tokens * price.cache_read
+        + usage.cache_write_tokens * price.cache_write
+        + usage.output_tokens * price.output
+    ) / MILLION
+    if batch:
+        total *= BATCH_DISCOUNT
+    return total.quantize(Decimal("0.000001"))
+
+
+def parse_prices(value: str | None) -> dict[str, Price]:
+    """``{"model": {"input": 0.15, "output": 0.6, "cache_read": 0.075, "cache_write": 0.15}}`` (USD per
+    1M tokens) → prices; cache prices default to a tenth / the full input price."""
+    if value is None or not value.strip():
+        return {}
+    try:
+        raw = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices: {exc.msg}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices")
+    prices: dict[str, Price] = {}
+    for model, entry in raw.items():
+        if not isinstance(entry, dict) or "input" not in entry or "output" not in entry:
+            raise ValueError(
+                f"{PRICES_KEY}[{model!r}] needs at least 'input' and 'output' (USD per 1M tokens)"
+            )
+        try:
+            numbers = {
+                k: Decimal(str(v))
+                for k, v in entry.items()
+                if k in ("input", "output", "cache_read", "cache_write")
+            }
+        except InvalidOperation as exc:
+            raise ValueError(f"{PRICES_KEY}[{model!r}] prices must be numbers") from exc
+        if any(not n.is_finite() or n < 0 for n in numbers.values()):
+            raise ValueError(f"{PRICES_KEY}[{model!r}] prices must be non-negative numbers")
+        prices[str(model)] = Price(
+            numbers["input"],
+            numbers["output"],
+            numbers.get("cache_read", numbers["input"] / 10),
+            numbers.get("cache_write", numbers["input"]),
+        )
+    return prices

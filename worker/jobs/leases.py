@@ -1,0 +1,147 @@
+"""Leases: one worker per job, kept alive by heartbeats, released by ``finish``."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Job
+
+logger = logging.getLogger(__name__)
+
+FINISHED = ("succeeded", "failed")
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class LeaseLostError(RuntimeError):
+    """Another worker took this job over (our heartbeat went stale); stop without writing more."""
+
+
+def new_lease_token() -> str:
+    return f"{socket.gethostname()}:{uuid.uuid4().hex[:12]}"
+
+
+def claim(factory: sessionmaker[Session], job_id: int, token: str, stale_after: float) -> Job | None:
+    """Take the job if it is queued (or paused, or running with a stale heartbeat); None otherwise.
+
+    A redelivered message for a job another worker holds, or one that already finished, gets None.
+    """
+    stale = func.now() - timedelta(seconds=stale_after)
+    with factory.begin() as session:
+        return session.execute(
+            update(Job)
+            .where(
+                Job.id == job_id,
+                or_(
+                    Job.status.in_(("queued", "paused")),
+                    and_(Job.status == "running", or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale)),
+                ),
+            )
+            .values(
+                status="running",
+                worker=token,
+                attempts=Job.attempts + 1,
+                heartbeat_at=func.now(),
+                started_at=func.coalesce(Job.started_at, func.now()),
+                last_error=None,
+            )
+            .returning(Job)
+        ).scalar_one_or_none()
+
+
+def heartbeat(factory: sessionmaker[Session], job_id: int, token: str) -> bool:
+    """Refresh the lease; False when it is no longer ours."""
+    with factory.begin() as session:
+        row = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.worker == token, Job.status == "running")
+            .values(heartbeat_at=func.now())
+            .returning(Job.id)
+        ).scalar_one_or_none()
+    return row is not None
+
+
+class Heartbeat:
+    """Refreshes a job's lease on a background thread; ``check()`` raises once the lease is lost."""
+
+    def __init__(self, factory: sessionmaker[Session], job_id: int, token: str, interval: float) -> None:
+        self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
+        self._stop = threading.Event()
+        self._lost = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if not heartbeat(self.factory, self.job_id, self.token):
+                    self._lost.set()
+                    return
+            except Exception as exc:  # a database blip must not kill the job; the next beat retries
+                logger.warning("heartbeat for job %s failed: %s", self.job_id, exc)
+
+    def check(self) -> None:
+        if self._lost.is_set():
+            raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 5)
+
+
+def finish(
+    factory: sessionmaker[Session],
+    job_id: int,
+    token: str,
+    status: str,
+    *,
+    counters: dict[str, Any] | None = None,
+    last_error: str | None = None,
+    requeue_at: datetime | None = None,
+    pause_reason: str | None = None,
+) -> tuple[int, str] | None:
+    """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
+
+    Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran.
+    Writes nothing if the lease is no longer ours.
+    """
+    values: dict[str, Any] = {
+        "status": status,
+        "heartbeat_at": None,
+        "worker": None,
+        "pause_reason": pause_reason if status == "paused" else None,
+        "last_error": last_error,
+    }
+    if counters is not None:
+        values["counters"] = counters
+    if status in FINISHED:
+        values["finished_at"] = func.now()
+    if requeue_at is not None:
+        values["enqueued_at"] = requeue_at
+    with factory.begin() as session:
+        job = session.execute(
+            update(Job).where(Job.id == job_id, Job.worker == token).values(**values).returning(Job)
+        ).scalar_one_or_none()
+        if job is None:
+            return None
+        if status == "succeeded" and job.rerun_requested:
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(status="queued", rerun_requested=False, finished_at=None)
+            )
+            return job_id, job.kind
+    return None

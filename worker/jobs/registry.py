@@ -1,0 +1,121 @@
+"""The job-kind registry: each kind of job declares itself once (task, queue, switch, work, backoff)."""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from worker.jobs.lifecycle import JobContext, WorkResult
+
+# Where each kind declares itself. The registry imports these by name when a kind is first needed (as
+# Celery's ``include`` does), so the outbox can route a kind without importing every feature up front.
+# A new kind is one module that calls ``register`` plus one line here.
+KIND_MODULES: dict[str, str] = {
+    "extraction": "worker.job_runner",
+    "compaction": "worker.compaction",
+    "calibration": "worker.calibration",
+}
+
+Action = Literal["retry", "pause", "fail", "lost"]
+
+
+class UnknownJobKindError(ValueError):
+    pass
+
+
+class KillSwitchOffError(RuntimeError):
+    """A kind's kill switch was turned off mid-run: stop before the next LLM call; the job pauses."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter, bounded: how long a job waits before its next attempt."""
+
+    base_seconds: float = 5.0
+    max_seconds: float = 300.0
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        ceiling = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempt - 1))
+        return (rng or random).uniform(ceiling / 2, ceiling)
+
+
+@dataclass(frozen=True)
+class ErrorRule:
+    """One row of the table that sorts a job's exceptions: this class (and its subclasses) → action."""
+
+    error: type[BaseException]
+    action: Action
+    pause_reason: str | None = None  # for action "pause": kill_switch | budget
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    task_name: str
+    queue: str
+    switch: str  # the kill switch (config key) that pauses this kind
+    work: Callable[[JobContext], WorkResult]
+    backoff: Backoff = field(default_factory=Backoff)
+    # Consulted before the lifecycle's common rules; first match wins.
+    errors: tuple[ErrorRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """A task beat sends on a schedule (not a job row): its name, queue and interval setting."""
+
+    name: str  # the beat schedule entry
+    task_name: str
+    queue: str
+    interval_setting: str  # the Settings field holding the interval in seconds
+
+
+MAINTENANCE_QUEUE = "maintenance"
+PERIODIC: tuple[Periodic, ...] = (
+    Periodic("sweep", "tasks.maintenance.sweep", MAINTENANCE_QUEUE, "sweep_interval_seconds"),
+    Periodic(
+        "calibration-recompute", "tasks.calibration.schedule", "calibration", "calibration_schedule_seconds"
+    ),
+)
+
+_kinds: dict[str, JobKind] = {}
+
+
+def register(kind: JobKind) -> JobKind:
+    if kind.name not in KIND_MODULES:
+        raise UnknownJobKindError(f"job kind {kind.name!r} is not listed in KIND_MODULES")
+    _kinds[kind.name] = kind
+    return kind
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(KIND_MODULES)
+
+
+def get_kind(name: str) -> JobKind:
+    if name not in _kinds:
+        module = KIND_MODULES.get(name)
+        if module is None:
+            raise UnknownJobKindError(f"unknown job kind {name!r}; expected one of {sorted(KIND_MODULES)}")
+        importlib.import_module(module)
+    return _kinds[name]
+
+
+def all_kinds() -> list[JobKind]:
+    return [get_kind(name) for name in KIND_MODULES]
+
+
+def queues() -> tuple[str, ...]:
+    """Every queue a worker can serve, in a stable order."""
+    names = [kind.queue for kind in all_kinds()] + [p.queue for p in PERIODIC]
+    return tuple(dict.fromkeys(names))
+
+
+def task_routes() -> dict[str, dict[str, Any]]:
+    routes = {kind.task_name: {"queue": kind.queue} for kind in all_kinds()}
+    routes.update({p.task_name: {"queue": p.queue} for p in PERIODIC})
+    return routes
