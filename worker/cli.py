@@ -404,17 +404,10 @@ def costs(
     """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD."""
     from datetime import UTC, datetime, timedelta
 
-    from sqlalchemy import func
+    from worker.accounting import reports
 
-    from models import LLMCall
-
-    groups: dict[str, Any] = {
-        "model": LLMCall.model,
-        "purpose": LLMCall.purpose,
-        "day": func.to_char(func.date_trunc("day", LLMCall.created_at), "YYYY-MM-DD"),
-    }
-    if by not in groups:
-        raise fail("--by must be model, purpose or day", code=2)
+    if by not in reports.GROUPS:
+        raise fail(f"--by must be one of {', '.join(reports.GROUPS)}", code=2)
     try:
         start = datetime.fromisoformat(since.replace("Z", "+00:00")) if since else None
     except ValueError as exc:
@@ -422,63 +415,22 @@ def costs(
     start = start or datetime.now(UTC) - timedelta(days=30)
     if start.tzinfo is None:
         start = start.replace(tzinfo=UTC)
-    key = groups[by].label("key")
-    query = (
-        select(
-            key,
-            func.count(),
-            func.sum(LLMCall.input_tokens),
-            func.sum(LLMCall.cache_read_tokens),
-            func.sum(LLMCall.output_tokens),
-            func.sum(LLMCall.cost_usd),
-        )
-        .where(LLMCall.created_at >= start)
-        .group_by(key)
-        .order_by(key)
-    )
     with _factory(get_settings())() as session:
-        rows = [
-            {
-                "key": k,
-                "calls": n,
-                "input_tokens": int(i or 0),
-                "cached_tokens": int(c or 0),
-                "output_tokens": int(o or 0),
-                "cost_usd": float(usd or 0),
-                "cached_share": round(int(c or 0) / int(i), 4) if i else 0.0,
-            }
-            for k, n, i, c, o, usd in session.execute(query)
-        ]
+        rows = reports.spend(session, by=by, since=start)
     if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        sys.stdout.write(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
         return
-    table = Table(
-        by,
-        "calls",
-        "input tokens",
-        "cached",
-        "output tokens",
-        "USD",
-        title=f"LLM spend since {start.date().isoformat()}",
-    )
-    for r in rows:
+    title = f"LLM spend since {start.date().isoformat()}"
+    table = Table(by, "calls", "input tokens", "cached", "output tokens", "USD", title=title)
+    for r in [*rows, reports.total(rows)]:
         table.add_row(
-            str(r["key"]),
-            str(r["calls"]),
-            str(r["input_tokens"]),
-            f"{r['cached_share']:.0%}",
-            str(r["output_tokens"]),
-            f"{r['cost_usd']:.4f}",
+            r.key,
+            str(r.calls),
+            str(r.input_tokens),
+            f"{r.cached_share:.0%}",
+            str(r.output_tokens),
+            f"{r.cost_usd:.4f}",
         )
-    total_in = sum(r["input_tokens"] for r in rows)
-    table.add_row(
-        "total",
-        str(sum(r["calls"] for r in rows)),
-        str(total_in),
-        f"{sum(r['cached_tokens'] for r in rows) / total_in:.0%}" if total_in else "0%",
-        str(sum(r["output_tokens"] for r in rows)),
-        f"{sum(r['cost_usd'] for r in rows):.4f}",
-    )
     out.print(table)
 
 
@@ -591,17 +543,13 @@ def jobs_list(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Recent jobs, newest first."""
-    from models import JOB_STATUSES, Job
+    from models import JOB_STATUSES
+    from worker.jobs import queries
 
     if status is not None and status not in JOB_STATUSES:
         raise fail(f"--status must be one of {', '.join(JOB_STATUSES)}", code=2)
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
-    if status:
-        query = query.where(Job.status == status)
-    if kind:
-        query = query.where(Job.kind == kind)
     with _factory(get_settings())() as session:
-        jobs = [_job_dict(j) for j in session.scalars(query)]
+        jobs = [_job_dict(j) for j in queries.list_jobs(session, status=status, kind=kind, limit=limit)]
     if as_json:
         sys.stdout.write(json.dumps(jobs, indent=2) + "\n")
         return
@@ -633,19 +581,18 @@ def jobs_show(job_id: int) -> None:
 @jobs_app.command("retry")
 def jobs_retry(job_id: int) -> None:
     """Queue a failed or paused job again."""
+    from worker.jobs import queries
     from worker.jobs.outbox import enqueue as send_jobs
-    from worker.jobs.outbox import retry_job
 
     factory = _factory(get_settings())
     try:
         with factory.begin() as session:
-            job = retry_job(session, job_id)
-            pair = (job.id, job.kind) if job.status == "queued" else None
-            status = job.status
-    except LookupError as exc:
+            job = queries.retry(session, job_id)
+            pair = (job.id, job.kind)
+    except queries.JobNotFoundError as exc:
         raise fail(str(exc)) from exc
-    if pair is None:
-        raise fail(f"job {job_id} is {status}; only failed, paused or succeeded jobs can be retried", code=2)
+    except (queries.JobNotRetryableError, queries.JobAlreadyPendingError) as exc:
+        raise fail(str(exc), code=2) from exc
     send_jobs(factory, [pair])
     out.print(f"job {job_id} queued")
 

@@ -33,7 +33,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -53,6 +53,7 @@ from models import (
 from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.config_store import KILL_SWITCHES, is_enabled, set_config
 from worker.jobs import outbox as jobs
+from worker.jobs import queries
 from worker.jobs.registry import kind_names
 from worker.pages import PageIn, store_page
 from worker.runtime import Runtime
@@ -506,15 +507,9 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     before_id: Annotated[int | None, Query(ge=1, description="Only jobs with a smaller id (paging)")] = None,
 ) -> JobList:
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
-    if status is not None:
-        query = query.where(Job.status == status)
-    if kind is not None:
-        query = query.where(Job.kind == kind)
-    if before_id is not None:
-        query = query.where(Job.id < before_id)
     with ctx.factory() as session:
-        return JobList(jobs=[JobOut.of(job) for job in session.scalars(query)])
+        found = queries.list_jobs(session, status=status, kind=kind, limit=limit, before_id=before_id)
+        return JobList(jobs=[JobOut.of(job) for job in found])
 
 
 @jobs_router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_errors(404), summary="One job")
@@ -539,33 +534,15 @@ def retry(ctx: Context, job_id: JobId) -> JobOut:
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
     """
-    with ctx.factory() as session:
-        try:
-            with session.begin():
-                job = jobs.retry_job(session, job_id)
-                if not inspect(job).attrs.status.history.has_changes():
-                    raise ApiError(
-                        409,
-                        f"job {job_id} is {job.status}; "
-                        "only a failed, paused or succeeded job can be retried",
-                    )
-                session.flush()
-                out = JobOut.of(job)
-        except LookupError:
-            raise ApiError(404, f"no job {job_id}") from None
-        except IntegrityError:
-            # Only one pending job per subject: a newer delivery already queued this page again.
-            other = session.scalar(
-                select(Job.id).where(
-                    Job.subject == select(Job.subject).where(Job.id == job_id).scalar_subquery(),
-                    Job.status.in_(jobs.PENDING),
-                )
-            )
-            raise ApiError(
-                409,
-                f"job {other} for the same subject is already pending; follow that job instead",
-                pending_job_id=other,
-            ) from None
+    try:
+        with ctx.factory.begin() as session:
+            out = JobOut.of(queries.retry(session, job_id))
+    except queries.JobNotFoundError as exc:
+        raise ApiError(404, str(exc)) from None
+    except queries.JobNotRetryableError as exc:
+        raise ApiError(409, str(exc)) from None
+    except queries.JobAlreadyPendingError as exc:
+        raise ApiError(409, str(exc), pending_job_id=exc.pending_job_id) from None
     ctx.enqueue([(out.id, out.kind)])
     logger.info("job %s re-queued by the API", job_id)
     return out

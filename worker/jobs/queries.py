@@ -1,0 +1,79 @@
+"""What operators ask of jobs, shared by the API and the CLI: list them, and retry one (one 409 rule)."""
+
+from __future__ import annotations
+
+from sqlalchemy import inspect, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from models import Job
+from worker.jobs.outbox import PENDING, retry_job
+
+
+class JobNotFoundError(LookupError):
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"no job {job_id}")
+        self.job_id = job_id
+
+
+class JobNotRetryableError(ValueError):
+    """A queued or running job is already on its way; retrying it would only duplicate it."""
+
+    def __init__(self, job_id: int, status: str) -> None:
+        super().__init__(f"job {job_id} is {status}; only a failed, paused or succeeded job can be retried")
+        self.job_id, self.status = job_id, status
+
+
+class JobAlreadyPendingError(ValueError):
+    """Another job for the same subject is pending (one pending job per subject)."""
+
+    def __init__(self, job_id: int, pending_job_id: int | None) -> None:
+        super().__init__(
+            f"job {pending_job_id} for the same subject is already pending; follow that job instead"
+        )
+        self.job_id, self.pending_job_id = job_id, pending_job_id
+
+
+def list_jobs(
+    session: Session,
+    *,
+    status: str | None = None,
+    kind: str | None = None,
+    limit: int = 50,
+    before_id: int | None = None,
+) -> list[Job]:
+    """Jobs newest first, optionally filtered; ``before_id`` pages backwards."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if kind is not None:
+        query = query.where(Job.kind == kind)
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    return list(session.scalars(query))
+
+
+def retry(session: Session, job_id: int) -> Job:
+    """Queue a failed, paused or succeeded job again (attempts reset), in the caller's transaction.
+
+    Raises JobNotFoundError, JobNotRetryableError (queued or running: already on its way; the sweeper
+    re-sends a queued job whose message was lost) or JobAlreadyPendingError. The caller enqueues the
+    job after its commit.
+    """
+    try:
+        with session.begin_nested():
+            job = retry_job(session, job_id)
+            if not inspect(job).attrs.status.history.has_changes():
+                raise JobNotRetryableError(job_id, job.status)
+            session.flush()
+    except LookupError:
+        raise JobNotFoundError(job_id) from None
+    except IntegrityError:
+        other = session.scalar(
+            select(Job.id).where(
+                Job.subject == select(Job.subject).where(Job.id == job_id).scalar_subquery(),
+                Job.status.in_(PENDING),
+            )
+        )
+        raise JobAlreadyPendingError(job_id, other) from None
+    return job
