@@ -10,7 +10,15 @@ import anthropic
 from anthropic.types import Message
 
 from worker.llm.errors import LLMError, to_llm_error
-from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, LLMClient, Usage
+from worker.llm.types import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingResponse,
+    Finish,
+    LLMClient,
+    Usage,
+    sdk_options,
+)
 
 # Stop reasons as the gateway names them. pause_turn (server tools) and stop_sequence end a turn normally.
 STOP_REASONS: dict[str, Finish] = {
@@ -50,13 +58,7 @@ class AnthropicChatClient:
         self.provider = provider
         self.model = model
         self.embeddings = embeddings
-        self._client = anthropic.Anthropic(
-            base_url=base_url,
-            api_key=api_key or "not-needed",
-            timeout=timeout,
-            max_retries=0,
-            default_headers=default_headers,
-        )
+        self._client = anthropic.Anthropic(**sdk_options(base_url, api_key, timeout, default_headers))
 
     @property
     def sdk(self) -> anthropic.Anthropic:

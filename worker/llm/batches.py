@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from openai.types.chat import ChatCompletion
 
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.gateway import LLMConfigurationError, provider_client
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy
 from worker.llm.types import ChatRequest, ChatResponse
@@ -23,6 +24,7 @@ from worker.settings import Settings
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+C = TypeVar("C", OpenAIChatClient, AnthropicChatClient)
 OPENAI_ENDED = frozenset({"completed", "expired", "cancelled", "failed"})
 
 
@@ -77,15 +79,19 @@ def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     raise AssertionError("unreachable")
 
 
-class OpenAIBatchClient:
-    """The OpenAI Batch API over /v1/chat/completions (the simulator speaks it too)."""
+class _ProviderBatches(Generic[C]):
+    """What both batch clients hold: the chat provider whose SDK they use, and the retry policy."""
 
-    def __init__(self, chat: OpenAIChatClient, policy: RetryPolicy | None = None) -> None:
-        self.chat = chat
+    def __init__(self, chat: C, policy: RetryPolicy | None = None) -> None:
+        self.chat: C = chat
         self.provider = chat.provider
         self.model = chat.model
         self.policy = policy or RetryPolicy()
-        self._sdk = chat.sdk
+        self._sdk: Any = chat.sdk
+
+
+class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
+    """The OpenAI Batch API over /v1/chat/completions (the simulator speaks it too)."""
 
     def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
         lines = [
@@ -157,15 +163,8 @@ class OpenAIBatchClient:
         items[custom_id] = BatchItem(None, f"HTTP {response.get('status_code')}: {message or body}")
 
 
-class AnthropicBatchClient:
+class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
     """Anthropic Message Batches over the Messages API."""
-
-    def __init__(self, chat: AnthropicChatClient, policy: RetryPolicy | None = None) -> None:
-        self.chat = chat
-        self.provider = chat.provider
-        self.model = chat.model
-        self.policy = policy or RetryPolicy()
-        self._sdk = chat.sdk
 
     def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
         entries: Any = [
@@ -206,8 +205,6 @@ def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> Bat
         return AnthropicBatchClient(provider, policy)
     if isinstance(provider, OpenAIChatClient) and provider.provider in ("openai", "simulator"):
         return OpenAIBatchClient(provider, policy)
-    from worker.llm.gateway import LLMConfigurationError
-
     name = getattr(provider, "provider", type(provider).__name__)
     raise LLMConfigurationError(
         f"batch mode needs FACTMILL_LLM=openai, anthropic or simulator; {name} has no batch API "
@@ -218,7 +215,5 @@ def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> Bat
 @contextmanager
 def open_batch_client(settings: Settings) -> Iterator[BatchLLMClient]:
     """The configured provider's batch API (starting the bundled simulator if that is the provider)."""
-    from worker.llm.gateway import provider_client
-
     with ExitStack() as stack:
         yield batch_client_for(provider_client(settings, stack), RetryPolicy.from_settings(settings))

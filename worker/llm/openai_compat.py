@@ -9,7 +9,7 @@ import openai
 from openai.types.chat import ChatCompletion
 
 from worker.llm.errors import to_llm_error
-from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, Usage
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, Usage, sdk_options
 
 JsonMode = Literal["json_schema", "json_object", "none"]
 
@@ -39,13 +39,7 @@ class OpenAIChatClient:
         self.provider = provider
         self.model = model
         self.json_mode = json_mode
-        self._client = openai.OpenAI(
-            base_url=base_url,
-            api_key=api_key or "not-needed",
-            timeout=timeout,
-            max_retries=0,
-            default_headers=default_headers,
-        )
+        self._client = openai.OpenAI(**sdk_options(base_url, api_key, timeout, default_headers))
 
     def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
         if request.json_schema is None or self.json_mode == "none":

@@ -59,3 +59,16 @@ class EmbeddingResponse:
     provider: str
     model: str
     latency_ms: int
+
+
+def sdk_options(
+    base_url: str | None, api_key: str | None, timeout: float, default_headers: dict[str, str] | None
+) -> dict[str, Any]:
+    """Constructor options shared by both SDK clients: our one retry layer, so the SDK's own is off."""
+    return {
+        "base_url": base_url,
+        "api_key": api_key or "not-needed",  # local servers and the simulator need no key
+        "timeout": timeout,
+        "max_retries": 0,
+        "default_headers": default_headers,
+    }
