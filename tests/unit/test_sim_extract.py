@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from worker.llm import sim_extract
-from worker.llm.sim_extract import (
+from worker.simulator import (
     FACT_KINDS,
+    MAX_FACTS_CEILING,
     NOTABILITIES,
+    ExtractedFact,
     PromptMessage,
     embed_text,
     extract_facts,
@@ -57,7 +58,7 @@ def prompt(seg: str, system: str = SYSTEM) -> list[PromptMessage]:
     return [PromptMessage("system", system), PromptMessage("user", f"<segment>\n{seg}\n</segment>")]
 
 
-def by_text(facts: list[sim_extract.ExtractedFact]) -> dict[str, sim_extract.ExtractedFact]:
+def by_text(facts: list[ExtractedFact]) -> dict[str, ExtractedFact]:
     return {f.fact: f for f in facts}
 
 
@@ -133,7 +134,7 @@ def test_caps_at_n_keeping_the_most_notable_in_conversation_order() -> None:
         ("return AT MOST 25 facts", 25),
         ("Return up to 1 fact.", 1),
         ("No cap mentioned here.", 10),
-        ("at most 100000 facts", sim_extract.MAX_FACTS_CEILING),
+        ("at most 100000 facts", MAX_FACTS_CEILING),
     ],
 )
 def test_requested_max_facts(instructions: str, expected: int) -> None:

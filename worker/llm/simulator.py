@@ -3,7 +3,7 @@
 The real `openai` and `anthropic` SDKs talk to it over HTTP, so the demo, the tests and the benchmarks
 exercise the same client path production uses. It never pretends to be a real model: every response
 carries `x-factmill-simulator: true`, ids and fingerprints start with `sim-`, and it advertises the
-model `simulator-1`. What it answers comes from `worker.llm.sim_extract` (pure, deterministic).
+model `simulator-1`. What it answers comes from `worker.simulator.replies` (pure, deterministic).
 """
 
 from __future__ import annotations
@@ -37,8 +37,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from worker.llm import sim_extract
-from worker.llm.sim_extract import PromptMessage, SimReply, estimate_tokens
+from worker.simulator.embeddings import DEFAULT_EMBEDDING_DIMENSIONS, embed_text
+from worker.simulator.prompt import (
+    CHARACTERS_PER_TOKEN,
+    DEFAULT_MAX_FACTS,
+    MAX_FACTS_CEILING,
+    UNTRUSTED_CLOSE,
+    UNTRUSTED_OPEN,
+    PromptMessage,
+    estimate_tokens,
+    find_segment,
+)
+from worker.simulator.replies import SimReply, fill_json_schema, reply_to
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +115,11 @@ class SimulatorConfig(BaseModel):
         default=DEFAULT_FAULT_HEADER,
         description="request header that forces a fault; None turns the escape hatch off",
     )
-    default_max_facts: int = Field(
-        default=sim_extract.DEFAULT_MAX_FACTS, ge=0, le=sim_extract.MAX_FACTS_CEILING
-    )
+    default_max_facts: int = Field(default=DEFAULT_MAX_FACTS, ge=0, le=MAX_FACTS_CEILING)
     default_max_tokens: int = Field(
         default=4096, ge=1, description="OpenAI replies when the request sets no cap"
     )
-    embedding_dimensions: int = Field(default=sim_extract.DEFAULT_EMBEDDING_DIMENSIONS, ge=1, le=8192)
+    embedding_dimensions: int = Field(default=DEFAULT_EMBEDDING_DIMENSIONS, ge=1, le=8192)
     cache_capacity: int = Field(
         default=4096, ge=0, description="prompt-prefix LRU entries (0 disables caching)"
     )
@@ -430,7 +438,7 @@ async def _hang(request: Request, seconds: float) -> bool:
 
 
 def _cut_to_tokens(text: str, max_tokens: int) -> str:
-    return text[: max(0, max_tokens) * sim_extract.CHARACTERS_PER_TOKEN]
+    return text[: max(0, max_tokens) * CHARACTERS_PER_TOKEN]
 
 
 def _malformed(text: str) -> str:
@@ -440,7 +448,7 @@ def _malformed(text: str) -> str:
 
 def _truncated(text: str, max_tokens: int) -> str:
     half = max(1, len(text) // 2)
-    return text[: min(half, max(1, max_tokens) * sim_extract.CHARACTERS_PER_TOKEN)]
+    return text[: min(half, max(1, max_tokens) * CHARACTERS_PER_TOKEN)]
 
 
 def _apply_stop_sequences(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -551,7 +559,7 @@ def _flatten_openai(body: Mapping[str, Any]) -> _FlatPrompt:
 
     # OpenAI caches the longest previously seen prefix. The simulator treats as stable what an extraction
     # prompt puts before the segment, or, for any other prompt, everything before the last message.
-    segment = sim_extract.find_segment(messages)
+    segment = find_segment(messages)
     if segment is not None:
         before = sum(len(p) for p in pieces[: segment.message_index + 1])
         prefix_len = before + len(headers[segment.message_index]) + segment.open_offset
@@ -640,7 +648,7 @@ def _structured_text(reply: SimReply, schema: Mapping[str, Any] | None) -> str:
     """The reply as a JSON document: facts as they are, plain text fitted into the requested schema."""
     if reply.kind == "facts":
         return reply.text
-    return json.dumps(sim_extract.fill_json_schema(schema, reply.text), ensure_ascii=False)
+    return json.dumps(fill_json_schema(schema, reply.text), ensure_ascii=False)
 
 
 # A hung upstream, for the online routes: sleeps, and says whether the client went away meanwhile.
@@ -701,7 +709,7 @@ async def _answer_chat_completion(
         return Response(status_code=499)  # nobody is listening any more; this only ends the task
 
     cap = max_tokens or config.default_max_tokens
-    reply = sim_extract.reply_to(prompt.messages, max_tokens=cap, default_max_facts=config.default_max_facts)
+    reply = reply_to(prompt.messages, max_tokens=cap, default_max_facts=config.default_max_facts)
     if config.lossy_summary:
         reply = _lossy(reply, prompt.messages)
     response_format = body.get("response_format")
@@ -774,8 +782,8 @@ async def _answer_chat_completion(
 
 def _is_compaction_prompt(messages: Sequence[PromptMessage]) -> bool:
     for message in messages:
-        start = message.text.find(sim_extract.UNTRUSTED_OPEN)
-        if start >= 0 and message.text.rfind(sim_extract.UNTRUSTED_CLOSE) > start:
+        start = message.text.find(UNTRUSTED_OPEN)
+        if start >= 0 and message.text.rfind(UNTRUSTED_CLOSE) > start:
             return True
     return False
 
@@ -874,9 +882,7 @@ async def _answer_message(
         state.record(route, Fault.TIMEOUT.value, client_disconnects=1)
         return Response(status_code=499)  # nobody is listening any more; this only ends the task
 
-    reply = sim_extract.reply_to(
-        prompt.messages, max_tokens=max_tokens, default_max_facts=config.default_max_facts
-    )
+    reply = reply_to(prompt.messages, max_tokens=max_tokens, default_max_facts=config.default_max_facts)
     if config.lossy_summary:
         reply = _lossy(reply, prompt.messages)
     tool = _pick_tool(body, reply)
@@ -895,7 +901,7 @@ async def _answer_message(
         if reply.kind == "facts" and reply.payload is not None:
             tool_input = dict(reply.payload)
         else:
-            filled = sim_extract.fill_json_schema(tool.get("input_schema"), reply.text)
+            filled = fill_json_schema(tool.get("input_schema"), reply.text)
             tool_input = filled if isinstance(filled, dict) else {"text": reply.text}
         stop_reason = "tool_use"
         if draw.fault is Fault.MALFORMED:
@@ -1028,7 +1034,7 @@ async def embeddings(request: Request) -> Response:
 
         data = []
         for index, text in enumerate(inputs):
-            vector = sim_extract.embed_text(text, dimensions)
+            vector = embed_text(text, dimensions)
             encoded: list[float] | str = vector
             if encoding == "base64":
                 encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
