@@ -93,7 +93,7 @@ def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture(scope="session")
 def simulator() -> Iterator[object]:
     """The bundled LLM simulator on a free port, spoken to through the real SDKs over HTTP."""
-    from worker.llm.simulator import Simulator
+    from worker.simulator import Simulator
 
     sim = Simulator()
     sim.start()

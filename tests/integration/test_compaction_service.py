@@ -43,10 +43,10 @@ from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.llm.simulator import LOSSY_SUMMARY
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
 from worker.runtime import Runtime
 from worker.settings import Settings
+from worker.simulator import LOSSY_SUMMARY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -32,10 +32,10 @@ from worker.llm.gateway import open_llm_client
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, RateLimits, RedisRateLimiter
 from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
-from worker.llm.simulator import Simulator, SimulatorConfig
 from worker.llm.types import ChatRequest, LLMClient
 from worker.pages import PageIn, upsert_page
 from worker.settings import Settings
+from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from worker.llm.simulator import Simulator, SimulatorConfig
+from worker.simulator import Simulator, SimulatorConfig
 
 HEADER = (
     "Page: imessage: Alice Example\n"
