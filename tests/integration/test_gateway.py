@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +63,6 @@ def facts_request(segment: str = SEGMENT, max_tokens: int = 1024) -> ChatRequest
         schema_name="facts",
         cache_key="factmill-extraction-v1-10",
     )
-
-
-@pytest.fixture(scope="module")
-def running() -> Iterator[Simulator]:
-    with Simulator() as sim:
-        yield sim
-
-
-@pytest.fixture
-def sim(running: Simulator) -> Simulator:
-    """The module's simulator with default knobs, zeroed stats and an empty prefix cache."""
-    running.configure(**SimulatorConfig().model_dump())
-    running.reset()
-    return running
 
 
 def provider(api: str, sim: Simulator, *, timeout: float = 10.0, fault: str | None = None) -> LLMClient:
