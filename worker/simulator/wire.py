@@ -96,7 +96,7 @@ def forced_fault(request: Request, config: SimulatorConfig) -> Fault | None:
         raise BadRequest(f"{config.fault_header} must be one of {allowed}, not {raw!r}.") from None
 
 
-async def hang(request: Request, seconds: float) -> bool:
+async def _hang(request: Request, seconds: float) -> bool:
     """Sleep like a hung upstream; True if the client gave up meanwhile (so the task ends early)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -118,7 +118,7 @@ async def serve_online(request: Request, route: str, wire: WireFormat, answer: A
         except BadRequest as exc:
             state.record(route, OUTCOME_INVALID)
             return wire.invalid(exc)
-        return await answer(state, route, body, forced, lambda seconds: hang(request, seconds))
+        return await answer(state, route, body, forced, lambda seconds: _hang(request, seconds))
     finally:
         state.end()
 
