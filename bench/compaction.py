@@ -182,7 +182,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
         procs.append(
             spawn(
-                ["-m", "worker.llm.simulator", "--port", str(sim_port), "--latency-ms", str(latency_ms)],
+                ["-m", "worker.simulator", "--port", str(sim_port), "--latency-ms", str(latency_ms)],
                 base_env,
                 logs / "simulator.log",
             )

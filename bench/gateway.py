@@ -66,13 +66,13 @@ def free_port() -> int:
 
 
 class SimulatorProcess:
-    """`python -m worker.llm.simulator` in its own process, so its CPU is not counted as the client's."""
+    """`python -m worker.simulator` in its own process, so its CPU is not counted as the client's."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "worker.llm.simulator", "--port", str(self.port)],
+            [sys.executable, "-m", "worker.simulator", "--port", str(self.port)],
             cwd=Path(__file__).resolve().parents[1],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -124,7 +124,7 @@ def main() -> None:
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
         procs.append(
             spawn(
-                ["-m", "worker.llm.simulator", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)],
+                ["-m", "worker.simulator", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)],
                 base_env,
                 logs / "simulator.log",
             )

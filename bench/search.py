@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
-from worker.llm.simulator import Simulator, SimulatorConfig  # noqa: E402
 from worker.search import search, vector_search_status  # noqa: E402
+from worker.simulator import Simulator, SimulatorConfig  # noqa: E402
 
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
 GOAL_P95_MS = 50.0

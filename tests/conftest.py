@@ -8,6 +8,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -19,6 +20,9 @@ import models
 from worker import db
 from worker.embedded import to_sqlalchemy_url
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from worker.simulator import Simulator
 
 LOCAL_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -93,9 +97,28 @@ def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture(scope="session")
 def simulator() -> Iterator[object]:
     """The bundled LLM simulator on a free port, spoken to through the real SDKs over HTTP."""
-    from worker.llm.simulator import Simulator
+    from worker.simulator import Simulator
 
     sim = Simulator()
     sim.start()
     yield sim
     sim.stop()
+
+
+@pytest.fixture(scope="module")
+def module_simulator() -> Iterator[Simulator]:
+    """A simulator of the test module's own (one per module), for tests that change its knobs."""
+    from worker.simulator import Simulator
+
+    with Simulator() as sim:
+        yield sim
+
+
+@pytest.fixture
+def sim(module_simulator: Simulator) -> Simulator:
+    """The module's simulator with default knobs, zeroed stats and an empty prefix cache."""
+    from worker.simulator import SimulatorConfig
+
+    module_simulator.configure(**SimulatorConfig().model_dump())
+    module_simulator.reset()
+    return module_simulator

@@ -612,7 +612,7 @@ def simulator(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Run the LLM simulator (OpenAI and Anthropic wire formats; not a real model)."""
-    from worker.llm.simulator import SimulatorConfig, serve
+    from worker.simulator import SimulatorConfig, serve
 
     config = SimulatorConfig.with_error_rate(
         error_rate, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed

@@ -161,7 +161,7 @@ def run_demo(
             }
         )
         if settings.resolved_llm() == "simulator" and not settings.simulator_url:
-            from worker.llm.simulator import Simulator, SimulatorConfig
+            from worker.simulator import Simulator, SimulatorConfig
 
             simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))
             simulator.start()

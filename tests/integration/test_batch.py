@@ -21,8 +21,8 @@ from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.llm.simulator import Simulator, SimulatorConfig
 from worker.llm.types import Usage
+from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = pytest.mark.integration
 

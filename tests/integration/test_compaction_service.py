@@ -43,10 +43,10 @@ from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.llm.simulator import LOSSY_SUMMARY
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
 from worker.runtime import Runtime
 from worker.settings import Settings
+from worker.simulator import LOSSY_SUMMARY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,10 @@ from worker.llm.gateway import open_llm_client
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, RateLimits, RedisRateLimiter
 from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
-from worker.llm.simulator import Simulator, SimulatorConfig
 from worker.llm.types import ChatRequest, LLMClient
 from worker.pages import PageIn, upsert_page
 from worker.settings import Settings
+from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -64,20 +63,6 @@ def facts_request(segment: str = SEGMENT, max_tokens: int = 1024) -> ChatRequest
         schema_name="facts",
         cache_key="factmill-extraction-v1-10",
     )
-
-
-@pytest.fixture(scope="module")
-def running() -> Iterator[Simulator]:
-    with Simulator() as sim:
-        yield sim
-
-
-@pytest.fixture
-def sim(running: Simulator) -> Simulator:
-    """The module's simulator with default knobs, zeroed stats and an empty prefix cache."""
-    running.configure(**SimulatorConfig().model_dump())
-    running.reset()
-    return running
 
 
 def provider(api: str, sim: Simulator, *, timeout: float = 10.0, fault: str | None = None) -> LLMClient:

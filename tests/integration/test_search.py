@@ -758,8 +758,8 @@ def test_embed_sets_up_a_missing_store(server_url: str, llm: OpenAIChatClient) -
 
 
 def test_simulator_answers_the_expansion_prompt() -> None:
-    from worker.llm.sim_extract import PromptMessage, text_reply
     from worker.search import expansion_request
+    from worker.simulator import PromptMessage, text_reply
 
     request = expansion_request("where does Alice live", "moving house")
     messages = [PromptMessage("system", request.system)] + [PromptMessage(r, t) for r, t in request.messages]

@@ -6,7 +6,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -15,7 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from worker.llm.simulator import Simulator, SimulatorConfig
+from worker.core.facts import FACT_KINDS, facts_json_schema
+from worker.simulator import Simulator, SimulatorConfig
 
 HEADER = (
     "Page: imessage: Alice Example\n"
@@ -36,64 +37,14 @@ SYSTEM = (
     'ONE JSON object {"facts":[...]}. Return at most 10 facts. ' * 3
 )
 USER = f"<segment>\n{SEGMENT}\n</segment>"
-KINDS = {"event", "preference", "commitment", "belief", "fact"}
-
-
-def facts_schema() -> dict[str, Any]:
-    nullable = {"type": ["string", "null"]}
-    fact = {
-        "type": "object",
-        "additionalProperties": False,
-        "required": [
-            "fact",
-            "kind",
-            "entity",
-            "confidence",
-            "notability",
-            "metric",
-            "value",
-            "unit",
-            "period",
-        ],
-        "properties": {
-            "fact": {"type": "string"},
-            "kind": {"type": "string", "enum": sorted(KINDS)},
-            "entity": nullable,
-            "confidence": {"type": "number"},
-            "notability": {"type": "string", "enum": ["high", "medium", "low"]},
-            "metric": nullable,
-            "value": {"type": ["number", "null"]},
-            "unit": nullable,
-            "period": nullable,
-        },
-    }
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["facts"],
-        "properties": {"facts": {"type": "array", "items": fact}},
-    }
+KINDS = set(FACT_KINDS)
 
 
 FACTS_TOOL = {
     "name": "record_facts",
     "description": "Record the extracted facts.",
-    "input_schema": facts_schema(),
+    "input_schema": facts_json_schema(),
 }
-
-
-@pytest.fixture(scope="module")
-def running() -> Iterator[Simulator]:
-    with Simulator() as sim:
-        yield sim
-
-
-@pytest.fixture
-def sim(running: Simulator) -> Simulator:
-    """The module's simulator with default knobs, zeroed stats and an empty prefix cache."""
-    running.configure(**SimulatorConfig().model_dump())
-    running.reset()
-    return running
 
 
 @pytest.fixture
@@ -144,7 +95,7 @@ def assert_facts(document: dict[str, Any]) -> list[dict[str, Any]]:
 def test_chat_completion_with_json_schema_returns_parseable_facts(oai: openai.OpenAI) -> None:
     response_format: Any = {
         "type": "json_schema",
-        "json_schema": {"name": "facts", "schema": facts_schema(), "strict": True},
+        "json_schema": {"name": "facts", "schema": facts_json_schema(), "strict": True},
     }
     raw = oai.chat.completions.with_raw_response.create(
         model="simulator-1",

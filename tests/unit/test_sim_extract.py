@@ -8,10 +8,12 @@ import re
 
 import pytest
 
-from worker.llm import sim_extract
-from worker.llm.sim_extract import (
+from worker.core.facts import facts_json_schema
+from worker.simulator import (
     FACT_KINDS,
+    MAX_FACTS_CEILING,
     NOTABILITIES,
+    ExtractedFact,
     PromptMessage,
     embed_text,
     extract_facts,
@@ -23,6 +25,8 @@ from worker.llm.sim_extract import (
     text_reply,
 )
 
+# The fields production's facts schema requires of every fact: the simulator must answer with exactly these.
+FACT_FIELDS = facts_json_schema()["properties"]["facts"]["items"]["required"]
 HEADER = (
     "Page: imessage: Alice Example\n"
     "Conversation between Alice Example and Bob Demo from 2024-03-15T09:00:00Z to 2024-03-15T09:30:00Z\n"
@@ -57,7 +61,7 @@ def prompt(seg: str, system: str = SYSTEM) -> list[PromptMessage]:
     return [PromptMessage("system", system), PromptMessage("user", f"<segment>\n{seg}\n</segment>")]
 
 
-def by_text(facts: list[sim_extract.ExtractedFact]) -> dict[str, sim_extract.ExtractedFact]:
+def by_text(facts: list[ExtractedFact]) -> dict[str, ExtractedFact]:
     return {f.fact: f for f in facts}
 
 
@@ -102,17 +106,7 @@ def test_every_fact_is_well_formed() -> None:
         assert 0.0 <= fact.confidence <= 1.0
         assert re.fullmatch(r"(people|companies|places)/[\w-]+", fact.entity), fact.entity
         assert fact.fact.strip()
-        assert set(fact.to_json()) == {
-            "fact",
-            "kind",
-            "entity",
-            "confidence",
-            "notability",
-            "metric",
-            "value",
-            "unit",
-            "period",
-        }
+        assert set(fact.to_json()) == set(FACT_FIELDS)
 
 
 def test_caps_at_n_keeping_the_most_notable_in_conversation_order() -> None:
@@ -133,7 +127,7 @@ def test_caps_at_n_keeping_the_most_notable_in_conversation_order() -> None:
         ("return AT MOST 25 facts", 25),
         ("Return up to 1 fact.", 1),
         ("No cap mentioned here.", 10),
-        ("at most 100000 facts", sim_extract.MAX_FACTS_CEILING),
+        ("at most 100000 facts", MAX_FACTS_CEILING),
     ],
 )
 def test_requested_max_facts(instructions: str, expected: int) -> None:

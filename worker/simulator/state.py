@@ -1,0 +1,144 @@
+"""The mutable state of one running simulator: config, seeded draws, prompt-prefix cache, stats, batches."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from worker.simulator.batches import BatchStore
+from worker.simulator.config import Draw, Fault, SeededDraws, SimulatorConfig
+from worker.simulator.prompt import PromptMessage
+
+# How many recent chat prompts the simulator keeps for inspection (GET /_simulator/requests).
+RECENT_REQUESTS = 32
+
+
+class SimulatorState:
+    """Mutable state of one simulator app. Guarded by a lock: the Python API reads it from other threads."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self._lock = threading.Lock()
+        self.config = config
+        self._prefixes: OrderedDict[str, int] = OrderedDict()
+        self.store = BatchStore()
+        self._reset_unlocked()
+
+    def _reseed(self) -> None:
+        self._draws = SeededDraws(self.config.seed)
+
+    def _reset_unlocked(self) -> None:
+        self._reseed()
+        self._prefixes.clear()
+        self.requests = 0
+        self.by_route: Counter[str] = Counter()
+        self.by_outcome: Counter[str] = Counter()
+        self.by_route_outcome: dict[str, Counter[str]] = {}
+        self.counters: Counter[str] = Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+
+    def reset(self) -> None:
+        """Zero the stats, forget cached prefixes and restart the seeded streams."""
+        with self._lock:
+            self._reset_unlocked()
+
+    def update_config(self, changes: Mapping[str, Any]) -> SimulatorConfig:
+        """Apply a partial config (validated as a whole); a new seed restarts the seeded streams."""
+        changes = dict(changes)
+        if "error_rate" in changes:
+            error_rate = float(changes.pop("error_rate"))
+            spread = SimulatorConfig.with_error_rate(error_rate).fault_rates()
+            for fault, rate in spread.items():
+                changes.setdefault(f"rate_{fault.value}", rate)
+        with self._lock:
+            merged = {**self.config.model_dump(), **changes}
+            new_config = SimulatorConfig.model_validate(merged)
+            self.config = new_config
+            if "seed" in changes:
+                self._reseed()
+            if new_config.cache_capacity == 0:
+                self._prefixes.clear()
+            return new_config
+
+    def remember(self, route: str, messages: Sequence[PromptMessage]) -> None:
+        """Keep a chat prompt as the simulator saw it (the newest RECENT_REQUESTS), for tests to inspect."""
+        entry = {"route": route, "messages": [{"role": m.role, "text": m.text} for m in messages]}
+        with self._lock:
+            self._recent.append(entry)
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._recent)
+
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def draw(self, forced: Fault | None) -> Draw:
+        """One seeded draw per request, even when a header forces the fault, so sequences stay aligned."""
+        with self._lock:
+            config = self.config
+            roll, jitter = self._draws.next(config.jitter_ms)
+        fault = forced if forced is not None else config.fault_for(roll)
+        return Draw(fault, (config.latency_ms + jitter) / 1000.0)
+
+    def cache_lookup(self, key: str, prefix_tokens: int) -> bool:
+        """Whether this prefix was seen before (and remember it now). Too-short prefixes are never cached."""
+        with self._lock:
+            if self.config.cache_capacity == 0 or prefix_tokens <= 0:
+                return False
+            if prefix_tokens < self.config.cache_min_tokens:
+                return False
+            if key in self._prefixes:
+                self._prefixes.move_to_end(key)
+                return True
+            self._prefixes[key] = prefix_tokens
+            while len(self._prefixes) > self.config.cache_capacity:
+                self._prefixes.popitem(last=False)
+            return False
+
+    def record(self, route: str, outcome: str, **counts: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.by_route[route] += 1
+            self.by_outcome[outcome] += 1
+            self.by_route_outcome.setdefault(route, Counter())[outcome] += 1
+            for name, count in counts.items():
+                self.counters[name] += count
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "simulator": True,
+                "requests_total": self.requests,
+                "by_route": dict(self.by_route),
+                "by_outcome": dict(self.by_outcome),
+                "by_route_outcome": {route: dict(c) for route, c in self.by_route_outcome.items()},
+                "tokens": {
+                    "input": self.counters["input"],
+                    "output": self.counters["output"],
+                    "cache_read": self.counters["cache_read"],
+                    "cache_creation": self.counters["cache_creation"],
+                },
+                "client_disconnects": self.counters["client_disconnects"],
+                "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight,
+                "cached_prefixes": len(self._prefixes),
+                "config": self.config.model_dump(),
+            }
+
+
+def state_of(request: Request) -> SimulatorState:
+    """The state of the simulator app serving `request`."""
+    state: SimulatorState = request.app.state.simulator
+    return state
