@@ -387,7 +387,7 @@ def latest_user_texts(session: Session, transcript_id: str, count: int) -> list[
 
 @dataclass(frozen=True)
 class CompactionRecord:
-    """One compaction run as its row keeps it: what was cut, the summary (if any), the gate, the attempts."""
+    """One compaction run as its row keeps it (the fields are the compactions columns, ``attempts`` aside)."""
 
     transcript_id: str
     status: str
@@ -432,24 +432,8 @@ def save_compaction(session: Session, record: CompactionRecord) -> SavedCompacti
                 "summary (of an older timeline) was not applied"
             )
     tokens_after = record.tokens_after if status != "failed" else None
-    row = Compaction(
-        transcript_id=record.transcript_id,
-        status=status,
-        cut_seq=record.cut_seq,
-        previous_id=record.previous_id,
-        summary=record.summary,
-        tokens_before=record.tokens_before,
-        tokens_after=tokens_after,
-        coverage=record.coverage,
-        density=record.density,
-        threshold_tau=record.threshold_tau,
-        threshold_version=record.threshold_version,
-        attempts=len(record.attempt_log),
-        missed_terms=record.missed_terms,
-        attempt_log=record.attempt_log,
-        error=error,
-        job_id=record.job_id,
-    )
+    columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
+    row = Compaction(**columns, attempts=len(record.attempt_log))
     session.add(row)
     session.flush()
     return SavedCompaction(int(row.id), status, error, tokens_after)

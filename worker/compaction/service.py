@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, TypedDict, Unpack, cast
 
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
@@ -40,6 +40,9 @@ from worker.llm.types import ChatResponse, LLMClient, Usage
 logger = logging.getLogger(__name__)
 
 PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
+
+DEFAULT_MAX_OUTPUT_TOKENS: Final = 4096
+DEFAULT_INTENT_MESSAGES: Final = 3
 
 CompactionStatus = Literal["accepted", "rejected", "failed", "not_needed", "nothing_to_compact"]
 
@@ -78,30 +81,39 @@ class CompactionOutcome:
         return data
 
 
+class CompactOptions(TypedDict, total=False):
+    """How one compaction runs; every key may be left out (the defaults are in brackets)."""
+
+    force: bool  # compact even while the context is within window - reserve [False]
+    job_id: int | None  # the job its rows belong to [None]
+    guard: Callable[[], None] | None  # called before every LLM call and write: a job's lease check [None]
+    enabled: Callable[[], bool] | None  # the kill switch, read before every LLM call [None: always on]
+    max_output_tokens: int  # the summarizer's output cap [DEFAULT_MAX_OUTPUT_TOKENS]
+    intent_messages: int  # how many latest user messages the intent is read from [DEFAULT_INTENT_MESSAGES]
+
+
 def compact(
     store: TranscriptStore,
     llm: LLMClient,
     transcript_id: str,
     *,
     threshold: Callable[[], ActiveThreshold],
-    force: bool = False,
-    job_id: int | None = None,
-    guard: Callable[[], None] | None = None,
-    enabled: Callable[[], bool] | None = None,
-    max_output_tokens: int = 4096,
-    intent_messages: int = 3,
+    **options: Unpack[CompactOptions],
 ) -> CompactionOutcome:
     """Summarize the head of a transcript and apply the summary if it passes the quality gate.
 
-    Unless ``force``, nothing happens while the context is within window - reserve. ``guard`` is
-    called before every LLM call and write (a job passes its lease check); ``enabled`` before every
-    LLM call (the kill switch: CompactionDisabledError when off). Raises TranscriptNotFoundError.
+    ``threshold`` gives the active τ. A kill switch turned off raises CompactionDisabledError before
+    the next LLM call; an unknown transcript raises TranscriptNotFoundError.
     """
-    timeline, user_texts = store.compaction_input(transcript_id, intent_messages)
+    timeline, user_texts = store.compaction_input(
+        transcript_id, options.get("intent_messages", DEFAULT_INTENT_MESSAGES)
+    )
     settings = timeline.settings
     tokens_before = timeline.tokens
     outcome = CompactionOutcome("not_needed", transcript_id, tokens_before=tokens_before)
-    if not force and not should_compact(tokens_before, settings.context_window, settings.reserve_tokens):
+    if not options.get("force", False) and not should_compact(
+        tokens_before, settings.context_window, settings.reserve_tokens
+    ):
         trigger = settings.trigger_tokens
         outcome.detail = (
             f"the context holds {tokens_before} tokens, within the threshold "
@@ -126,10 +138,10 @@ def compact(
         terms=intent_terms(settings.instructions, user_texts),
         gate_on=threshold(),
         outcome=outcome,
-        job_id=job_id,
-        guard=guard,
-        enabled=enabled,
-        max_output_tokens=max_output_tokens,
+        job_id=options.get("job_id"),
+        guard=options.get("guard"),
+        enabled=options.get("enabled"),
+        max_output_tokens=options.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
     )
     outcome.cut_seq = plan.cut_seq
     outcome.threshold_tau, outcome.threshold_version = run.gate_on.tau, run.gate_on.version
@@ -150,8 +162,9 @@ class CompactionRun:
     job_id: int | None = None
     guard: Callable[[], None] | None = None
     enabled: Callable[[], bool] | None = None
-    max_output_tokens: int = 4096
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     log: list[dict[str, Any]] = field(default_factory=list)
+    source_tokens: list[str] = field(init=False)  # the lexed head every attempt is judged against
 
     def __post_init__(self) -> None:
         self.source_tokens = lex_words(self.plan.serialized)
@@ -223,18 +236,8 @@ class CompactionRun:
     def _record_call(
         self, provider: str, model: str, usage: Usage, latency_ms: int, outcome: str, error: str | None
     ) -> int:
-        return self.store.record_llm_call(
-            LLMCallRecord(
-                purpose=LLM_PURPOSE,
-                provider=provider,
-                model=model,
-                usage=usage,
-                latency_ms=latency_ms,
-                outcome=outcome,
-                job_id=self.job_id,
-                error=error,
-            )
-        )
+        record = LLMCallRecord(LLM_PURPOSE, provider, model, usage, latency_ms, outcome, self.job_id, error)
+        return self.store.record_llm_call(record)
 
     def _judge(
         self, attempt: int, entry: dict[str, Any], summary: str, *, truncated: bool

@@ -32,6 +32,8 @@ def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[st
 
 @dataclass(frozen=True)
 class GateResult:
+    """How a summary fared at the gate: coverage and density against the head, the query words it lost."""
+
     coverage: float
     density: float
     passed: bool
