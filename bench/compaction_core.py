@@ -35,6 +35,7 @@ from worker.core.compaction import (
     ToolCall,
     TranscriptMessage,
     clip_tool_result,
+    cut_at_crossing,
     cut_index,
     estimate_tokens,
     serialize_transcript,
@@ -110,18 +111,7 @@ def naive_cut_index(messages: Sequence[TranscriptMessage], keep: int, cap_s: flo
             break
     if crossing < 0:
         return None
-    if messages[crossing].role != "tool":
-        cut = crossing
-    else:
-        start = crossing
-        while start > 0 and messages[start].role == "tool":
-            start -= 1
-        end = crossing + 1
-        while messages[end].role == "tool":
-            end += 1
-        unit = sum(estimate_tokens(m) for m in messages[start:end])
-        cut = end if unit > keep else start
-    return cut if cut > 0 else None
+    return cut_at_crossing(messages, crossing, keep)  # the tool-unit rule is linear: shared, not copied
 
 
 def naive_serialize(messages: Sequence[TranscriptMessage], limit: int) -> str:

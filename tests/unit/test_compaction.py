@@ -16,6 +16,7 @@ from worker.core.compaction import (
     DEFAULT_TOOL_RESULT_LIMIT,
     NOT_ENOUGH_HISTORY,
     SUMMARY_CHAR_LIMIT,
+    SUMMARY_HEADINGS,
     UNANSWERED_TOOL_CALL_TEXT,
     ToolCall,
     TranscriptMessage,
@@ -526,17 +527,8 @@ def test_the_prompt_headings_come_in_order() -> None:
     lines = summarizer_system_prompt().splitlines()
     headings = [line for line in lines if line.startswith("#")]
 
-    assert headings == [
-        "## Goal",
-        "## Constraints & Preferences",
-        "## Progress",
-        "### Done",
-        "### In Progress",
-        "### Blocked",
-        "## Key Decisions",
-        "## Next Steps",
-        "## Critical Context",
-    ]
+    assert headings == list(SUMMARY_HEADINGS)
+    assert (headings[0], headings[-1]) == ("## Goal", "## Critical Context")
 
 
 def test_the_prompt_says_the_transcript_is_untrusted_data() -> None:

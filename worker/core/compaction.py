@@ -51,6 +51,7 @@ __all__ = [
     "TranscriptMessage",
     "clip_tool_result",
     "compacted_history",
+    "cut_at_crossing",
     "cut_index",
     "estimate_tokens",
     "insert_compaction_marker",
@@ -176,7 +177,17 @@ def cut_index(messages: Sequence[TranscriptMessage], keep_recent_tokens: int) ->
             break
     if crossing < 0:
         return None
+    return cut_at_crossing(messages, crossing, budget)
 
+
+def cut_at_crossing(
+    messages: Sequence[TranscriptMessage], crossing: int, keep_recent_tokens: int
+) -> int | None:
+    """The cut once the kept tail, walked back from the newest message, reached the budget at `crossing`.
+
+    A crossing inside a tool unit keeps the whole unit, or summarizes it when the unit alone is
+    larger than the budget (see `cut_index`). The newest message must not be a tool result.
+    """
     if messages[crossing].role != "tool":
         cut = crossing
     else:
@@ -184,11 +195,11 @@ def cut_index(messages: Sequence[TranscriptMessage], keep_recent_tokens: int) ->
         while start > 0 and messages[start].role == "tool":
             start -= 1
         end = crossing + 1
-        # Terminates: the newest message is not a tool result (checked above).
+        # Terminates: the newest message is not a tool result (the caller checked).
         while messages[end].role == "tool":
             end += 1
         unit_tokens = sum(estimate_tokens(messages[index]) for index in range(start, end))
-        cut = end if unit_tokens > budget else start
+        cut = end if unit_tokens > keep_recent_tokens else start
     return cut if cut > 0 else None
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # A new kind is one module that calls ``register`` plus one line here.
 KIND_MODULES: dict[str, str] = {
     "extraction": "worker.job_runner",
-    "compaction": "worker.compaction",
+    "compaction": "worker.compaction.job",
     "calibration": "worker.calibration",
 }
 

@@ -1,0 +1,65 @@
+"""The compaction job kind: compact the job's transcript under the active threshold (the compaction queue)."""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.calibration import ThresholdCache
+from worker.compaction.queries import TranscriptNotFoundError
+from worker.compaction.service import compact
+from worker.compaction.store import TranscriptStore
+from worker.config_store import COMPACTION_ENABLED
+from worker.jobs.lifecycle import JobContext, WorkResult
+from worker.jobs.outbox import COMPACTION
+from worker.jobs.registry import ErrorRule, JobKind, register
+
+_threshold_caches: dict[int, tuple[sessionmaker[Session], ThresholdCache]] = {}
+_threshold_lock = threading.Lock()
+
+
+def threshold_cache(factory: sessionmaker[Session], ttl: float) -> ThresholdCache:
+    """One ThresholdCache per session factory (per worker process), so gates share one τ read."""
+    with _threshold_lock:
+        entry = _threshold_caches.get(id(factory))
+        if entry is None or entry[0] is not factory:
+            entry = (factory, ThresholdCache(factory, ttl))
+            _threshold_caches[id(factory)] = entry
+        return entry[1]
+
+
+def compact_job(ctx: JobContext) -> WorkResult:
+    """The compaction job kind's work: compact the job's transcript under the active threshold."""
+    rt, job = ctx.rt, ctx.job
+    settings = rt.settings
+    gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
+    outcome = compact(
+        TranscriptStore(rt.factory, rt.ledger),
+        rt.llm,
+        job.subject,
+        threshold=gate.get,
+        force=bool(ctx.option("force", False)),
+        job_id=job.id,
+        guard=ctx.guard,
+        enabled=ctx.enabled,
+        max_output_tokens=settings.compaction_max_output_tokens,
+        intent_messages=settings.compaction_intent_messages,
+    )
+    counters = outcome.as_dict()
+    if outcome.status == "failed":
+        return WorkResult("failed", counters=counters, note=outcome.detail, detail=outcome.detail)
+    note = outcome.detail if outcome.status in ("not_needed", "nothing_to_compact") else None
+    return WorkResult("succeeded", counters=counters, note=note, detail=outcome.detail)
+
+
+KIND = register(
+    JobKind(
+        name=COMPACTION,
+        task_name="tasks.compaction.compact_transcript",
+        queue="compaction",
+        switch=COMPACTION_ENABLED,
+        work=compact_job,
+        errors=(ErrorRule(TranscriptNotFoundError, "fail"),),
+    )
+)

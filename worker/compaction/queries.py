@@ -1,0 +1,439 @@
+"""Transcript reads and writes inside the caller's transaction: every function takes a Session, never commits.
+
+The API and the CLI call these inside their own transaction (an append shares it with its webhook
+delivery row, and its compaction job is sent after the commit); TranscriptStore wraps them in
+transactions of its own for the compaction service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from models import Compaction, Job, Transcript, TranscriptMessageRow
+from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
+from worker.core.timeline import AppliedSummary, ContextView, Timeline, view_of
+from worker.core.transcripts import (
+    ToolUnit,
+    TranscriptError,
+    TranscriptSettings,
+    check_transcript_id,
+    clean_settings,
+    link_tool_results,
+    stored_message,
+    tool_calls_json,
+)
+from worker.jobs.leases import now
+from worker.jobs.outbox import COMPACTION, PENDING, JobRequest, request_job
+
+
+class TranscriptNotFoundError(LookupError):
+    def __init__(self, transcript_id: str) -> None:
+        super().__init__(f"no transcript {transcript_id!r}; append messages to it first")
+        self.transcript_id = transcript_id
+
+
+def lock_transcript(session: Session, transcript_id: str, *, create: bool) -> Transcript:
+    """The transcript row, locked for this transaction (appends and applies serialize on it)."""
+    if create:
+        session.execute(
+            insert(Transcript).values(id=transcript_id).on_conflict_do_nothing(index_elements=["id"])
+        )
+    row = session.scalars(
+        select(Transcript)
+        .where(Transcript.id == transcript_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one_or_none()
+    if row is None:
+        raise TranscriptNotFoundError(transcript_id)
+    return row
+
+
+def get_transcript(session: Session, transcript_id: str) -> Transcript:
+    row = session.get(Transcript, transcript_id)
+    if row is None:
+        raise TranscriptNotFoundError(transcript_id)
+    return row
+
+
+def applied_summary(session: Session, transcript_id: str) -> AppliedSummary | None:
+    row = session.execute(
+        select(Compaction.id, Compaction.cut_seq, Compaction.summary)
+        .where(Compaction.transcript_id == transcript_id, Compaction.status == "accepted")
+        .order_by(Compaction.id.desc())
+        .limit(1)
+    ).first()
+    if row is None or row.summary is None:
+        return None
+    return AppliedSummary(int(row.id), int(row.cut_seq), str(row.summary))
+
+
+def load_timeline(session: Session, transcript_id: str) -> Timeline:
+    transcript = get_transcript(session, transcript_id)
+    summary = applied_summary(session, transcript_id)
+    start = summary.cut_seq if summary is not None else 0
+    rows = session.execute(
+        select(
+            TranscriptMessageRow.seq,
+            TranscriptMessageRow.role,
+            TranscriptMessageRow.text,
+            TranscriptMessageRow.tool_calls,
+            TranscriptMessageRow.tool_call_id,
+            TranscriptMessageRow.tool_name,
+        )
+        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq >= start)
+        .order_by(TranscriptMessageRow.seq)
+    ).all()
+    messages: list[TranscriptMessage] = []
+    seqs: list[int | None] = []
+    if summary is not None:
+        messages.append(summary.marker())
+        seqs.append(None)
+    for seq, role, text, calls, call_id, name in rows:
+        messages.append(stored_message(role, text, calls, call_id, name))
+        seqs.append(seq)
+    return Timeline(transcript_id, TranscriptSettings.of(transcript), summary, messages, seqs)
+
+
+def context_tokens(session: Session, transcript_id: str, summary: AppliedSummary | None = None) -> int:
+    """Estimated tokens of the context view (summary + messages after its cut), without reading texts."""
+    start = summary.cut_seq if summary is not None else 0
+    total = session.scalar(
+        select(func.coalesce(func.sum(TranscriptMessageRow.tokens), 0)).where(
+            TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq >= start
+        )
+    )
+    return int(total or 0) + (estimate_tokens(summary.marker()) if summary is not None else 0)
+
+
+def context_view(session: Session, transcript_id: str) -> ContextView:
+    """What to send a model now: the newest accepted summary plus the messages after its cut, repaired."""
+    return view_of(load_timeline(session, transcript_id))
+
+
+def list_messages(
+    session: Session, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
+) -> list[TranscriptMessageRow]:
+    """The full history in seq order (compaction never deletes a message), paged by seq."""
+    get_transcript(session, transcript_id)
+    query = (
+        select(TranscriptMessageRow)
+        .where(TranscriptMessageRow.transcript_id == transcript_id)
+        .order_by(TranscriptMessageRow.seq)
+        .limit(limit)
+    )
+    if after_seq is not None:
+        query = query.where(TranscriptMessageRow.seq > after_seq)
+    return list(session.scalars(query))
+
+
+def list_compactions(
+    session: Session, transcript_id: str, *, limit: int = 50, before_id: int | None = None
+) -> list[Compaction]:
+    """Compactions of a transcript, newest first (accepted, rejected and failed alike)."""
+    get_transcript(session, transcript_id)
+    query = (
+        select(Compaction)
+        .where(Compaction.transcript_id == transcript_id)
+        .order_by(Compaction.id.desc())
+        .limit(limit)
+    )
+    if before_id is not None:
+        query = query.where(Compaction.id < before_id)
+    return list(session.scalars(query))
+
+
+@dataclass(frozen=True)
+class TranscriptStats:
+    """Before/after in tokens: the full history against what the context view sends now."""
+
+    transcript_id: str
+    settings: TranscriptSettings
+    messages: int
+    history_tokens: int
+    context_tokens: int
+    summary_tokens: int
+    compaction_id: int | None
+    cut_seq: int | None
+    pending_job_id: int | None
+    created_at: Any = None
+    updated_at: Any = None
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.history_tokens - self.context_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["settings"] = asdict(self.settings)
+        data["trigger_tokens"] = self.settings.trigger_tokens
+        data["saved_tokens"] = self.saved_tokens
+        for key in ("created_at", "updated_at"):
+            if data[key] is not None:
+                data[key] = data[key].isoformat()
+        return data
+
+
+def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
+    transcript = get_transcript(session, transcript_id)
+    count, history = session.execute(
+        select(func.count(), func.coalesce(func.sum(TranscriptMessageRow.tokens), 0)).where(
+            TranscriptMessageRow.transcript_id == transcript_id
+        )
+    ).one()
+    summary = applied_summary(session, transcript_id)
+    pending = session.scalar(
+        select(Job.id).where(Job.kind == COMPACTION, Job.subject == transcript_id, Job.status.in_(PENDING))
+    )
+    return TranscriptStats(
+        transcript_id=transcript_id,
+        settings=TranscriptSettings.of(transcript),
+        messages=int(count),
+        history_tokens=int(history),
+        context_tokens=context_tokens(session, transcript_id, summary),
+        summary_tokens=estimate_tokens(summary.marker()) if summary else 0,
+        compaction_id=summary.compaction_id if summary else None,
+        cut_seq=summary.cut_seq if summary else None,
+        pending_job_id=pending,
+        created_at=transcript.created_at,
+        updated_at=transcript.updated_at,
+    )
+
+
+def _stored_tool_unit(session: Session, transcript_id: str) -> tuple[int, ToolUnit | None]:
+    """(next seq, the open tool unit at the end of the stored history, if it ends in one)."""
+    last_seq = session.scalar(
+        select(func.max(TranscriptMessageRow.seq)).where(TranscriptMessageRow.transcript_id == transcript_id)
+    )
+    if last_seq is None:
+        return 0, None
+    turn = session.execute(
+        select(TranscriptMessageRow.seq, TranscriptMessageRow.tool_calls)
+        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.role != "tool")
+        .order_by(TranscriptMessageRow.seq.desc())
+        .limit(1)
+    ).first()
+    if turn is None or not turn.tool_calls:
+        return last_seq + 1, None
+    answered = session.scalars(
+        select(TranscriptMessageRow.tool_call_id).where(
+            TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq > turn.seq
+        )
+    ).all()
+    unit = ToolUnit({c["id"]: c["name"] for c in turn.tool_calls}, {a for a in answered if a is not None})
+    return last_seq + 1, unit
+
+
+@dataclass(frozen=True)
+class TriggerCheck:
+    context_tokens: int
+    trigger_tokens: int | None
+    job: JobRequest | None = None
+    note: str | None = None  # why no job was requested although the threshold was passed
+
+    @property
+    def over(self) -> bool:
+        return self.trigger_tokens is not None and self.context_tokens > self.trigger_tokens
+
+
+def _recent_miss(session: Session, transcript_id: str, within_seconds: float) -> Compaction | None:
+    """The newest compaction, if it was rejected or failed less than ``within_seconds`` ago."""
+    if within_seconds <= 0:
+        return None
+    newest = session.scalars(
+        select(Compaction)
+        .where(Compaction.transcript_id == transcript_id)
+        .order_by(Compaction.id.desc())
+        .limit(1)
+    ).first()
+    if newest is None or newest.status == "accepted":
+        return None
+    if newest.created_at < now() - timedelta(seconds=within_seconds):
+        return None
+    return newest
+
+
+def request_compaction(
+    session: Session, transcript_id: str, *, force: bool = False, trigger: str = "manual"
+) -> JobRequest:
+    """Request a compaction job (one pending per transcript) in the caller's transaction.
+
+    A forced request marks a pending job as forced too, so it compacts even under the threshold.
+    """
+    get_transcript(session, transcript_id)
+    job = request_job(session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger})
+    if force and not job.created:
+        session.execute(
+            update(Job)
+            .where(Job.id == job.job_id)
+            .values(options=Job.options.op("||")(func.jsonb_build_object("force", True)))
+        )
+    return job
+
+
+def check_trigger(session: Session, transcript_id: str, *, retrigger_seconds: float = 0.0) -> TriggerCheck:
+    """Request a compaction when the context passed window - reserve (inside the caller's transaction)."""
+    transcript = get_transcript(session, transcript_id)
+    settings = TranscriptSettings.of(transcript)
+    tokens = context_tokens(session, transcript_id, applied_summary(session, transcript_id))
+    check = TriggerCheck(tokens, settings.trigger_tokens)
+    if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
+        return check
+    missed = _recent_miss(session, transcript_id, retrigger_seconds)
+    if missed is not None:
+        note = (
+            f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
+            f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
+        )
+        return TriggerCheck(tokens, settings.trigger_tokens, None, note)
+    job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
+    misfit: str | None = None
+    if settings.trigger_tokens is not None and settings.keep_recent_tokens >= settings.trigger_tokens:
+        misfit = (
+            f"keep_recent_tokens ({settings.keep_recent_tokens}) is not below window - reserve "
+            f"({settings.trigger_tokens}), so no compaction can bring this context under its threshold; "
+            "lower keep_recent_tokens"
+        )
+    return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    transcript_id: str
+    first_seq: int
+    last_seq: int
+    trigger: TriggerCheck
+
+    def pending_jobs(self) -> list[tuple[int, str]]:
+        """Jobs to hand to the broker after the commit (a newly requested compaction only)."""
+        job = self.trigger.job
+        return [(job.job_id, COMPACTION)] if job is not None and job.created else []
+
+
+def append_messages(
+    session: Session,
+    transcript_id: str,
+    messages: Sequence[TranscriptMessage],
+    *,
+    settings: Mapping[str, Any] | None = None,
+    retrigger_seconds: float = 0.0,
+) -> AppendResult:
+    """Store messages at the end of a transcript (created on first use), in the caller's transaction.
+
+    Tool results must answer a call of the assistant turn right before them, counting what is
+    already stored. Optional ``settings`` are applied first. When the context passes its threshold
+    a compaction job is requested; send ``result.pending_jobs()`` after the commit.
+    """
+    check_transcript_id(transcript_id)
+    if not messages:
+        raise TranscriptError("messages is empty; send at least one message")
+    changes = clean_settings(settings or {})
+    transcript = lock_transcript(session, transcript_id, create=True)
+    for name, value in changes.items():
+        setattr(transcript, name, value)
+    transcript.updated_at = func.now()  # type: ignore[assignment]
+    next_seq, unit = _stored_tool_unit(session, transcript_id)
+    linked = link_tool_results(messages, unit)
+    rows = [
+        {
+            "transcript_id": transcript_id,
+            "seq": next_seq + offset,
+            "role": message.role,
+            "text": message.text,
+            "tool_calls": tool_calls_json(message.tool_calls),
+            "tool_call_id": message.tool_call_id,
+            "tool_name": message.tool_name,
+            "tokens": estimate_tokens(message),
+        }
+        for offset, message in enumerate(linked)
+    ]
+    session.execute(insert(TranscriptMessageRow), rows)
+    session.flush()
+    trigger = check_trigger(session, transcript_id, retrigger_seconds=retrigger_seconds)
+    return AppendResult(transcript_id, next_seq, next_seq + len(rows) - 1, trigger)
+
+
+def update_settings(
+    session: Session, transcript_id: str, changes: Mapping[str, Any], *, retrigger_seconds: float = 0.0
+) -> tuple[Transcript, TriggerCheck]:
+    """Create or change a transcript's settings; a smaller window may pass the threshold (checked)."""
+    check_transcript_id(transcript_id)
+    cleaned = clean_settings(changes)
+    transcript = lock_transcript(session, transcript_id, create=True)
+    for name, value in cleaned.items():
+        setattr(transcript, name, value)
+    session.flush()
+    return transcript, check_trigger(session, transcript_id, retrigger_seconds=retrigger_seconds)
+
+
+def latest_user_texts(session: Session, transcript_id: str, count: int) -> list[str]:
+    if count <= 0:
+        return []
+    texts = session.scalars(
+        select(TranscriptMessageRow.text)
+        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.role == "user")
+        .order_by(TranscriptMessageRow.seq.desc())
+        .limit(count)
+    ).all()
+    return list(reversed(texts))
+
+
+@dataclass(frozen=True)
+class CompactionRecord:
+    """One compaction run as its row keeps it (the fields are the compactions columns, ``attempts`` aside)."""
+
+    transcript_id: str
+    status: str
+    cut_seq: int
+    previous_id: int | None
+    tokens_before: int
+    threshold_tau: float
+    threshold_version: int | None
+    attempt_log: list[dict[str, Any]]
+    summary: str | None = None
+    tokens_after: int | None = None
+    coverage: float | None = None
+    density: float | None = None
+    missed_terms: list[str] = field(default_factory=list)
+    error: str | None = None
+    job_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SavedCompaction:
+    """The stored row's id and final status: an accepted summary may have been superseded meanwhile."""
+
+    compaction_id: int
+    status: str
+    error: str | None
+    tokens_after: int | None
+
+
+def save_compaction(session: Session, record: CompactionRecord) -> SavedCompaction:
+    """Insert a compaction row; an accepted one is applied only over the summary it was computed from."""
+    status, error = record.status, record.error
+    if status == "accepted":
+        # Appends and applies serialize on the transcript row; a summary computed from a timeline
+        # that another compaction replaced meanwhile must not be applied over it.
+        lock_transcript(session, record.transcript_id, create=False)
+        current = applied_summary(session, record.transcript_id)
+        current_id = current.compaction_id if current else None
+        if current_id != record.previous_id:
+            status = "failed"
+            error = (
+                f"superseded: compaction {current_id} was accepted while this one ran, so this "
+                "summary (of an older timeline) was not applied"
+            )
+    tokens_after = record.tokens_after if status != "failed" else None
+    columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
+    row = Compaction(**columns, attempts=len(record.attempt_log))
+    session.add(row)
+    session.flush()
+    return SavedCompaction(int(row.id), status, error, tokens_after)

@@ -1,0 +1,331 @@
+"""One compaction of a transcript: cut, summarize the head, gate the summary, record it (through the store).
+
+The head is serialized (a previous summary is folded into the new one) and sent to the LLM inside
+``<untrusted-data>``. Coverage of the summary against the serialized head, on the query terms of the
+transcript's intent, must reach the active calibrated threshold. Below it the summarizer gets one
+retry that names the missed terms; still below, the summary is stored as ``rejected`` and never
+applied. An LLM error, a refusal or an empty reply is stored as ``failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final, Literal, TypedDict, Unpack, cast
+
+from worker.accounting import LLMCallRecord
+from worker.calibration import ActiveThreshold
+from worker.compaction.prompts import LLM_PURPOSE, summarizer_request
+from worker.compaction.queries import CompactionRecord
+from worker.compaction.store import TranscriptStore
+from worker.config_store import COMPACTION_ENABLED
+from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact
+from worker.core.compaction_gate import (
+    MAX_ATTEMPTS,
+    GateResult,
+    ResponseOutcome,
+    intent_terms,
+    judge_summary,
+    response_outcome,
+    retry_terms,
+)
+from worker.core.quality import lex_words
+from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
+from worker.jobs.lifecycle import paused_reason
+from worker.jobs.registry import KillSwitchOffError
+from worker.llm.errors import LLMError
+from worker.llm.types import ChatResponse, LLMClient, Usage
+
+logger = logging.getLogger(__name__)
+
+PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
+
+DEFAULT_MAX_OUTPUT_TOKENS: Final = 4096
+DEFAULT_INTENT_MESSAGES: Final = 3
+
+CompactionStatus = Literal["accepted", "rejected", "failed", "not_needed", "nothing_to_compact"]
+
+
+class CompactionDisabledError(KillSwitchOffError):
+    """The compaction kill switch was turned off; the run stops before its next LLM call."""
+
+
+@dataclass
+class CompactionOutcome:
+    """What one compaction run did; ``compaction_id`` is what POST /v1/feedback labels."""
+
+    status: CompactionStatus
+    transcript_id: str
+    detail: str = ""
+    compaction_id: int | None = None
+    cut_seq: int | None = None
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    coverage: float | None = None
+    density: float | None = None
+    threshold_tau: float | None = None
+    threshold_version: int | None = None
+    attempts: int = 0
+    missed_terms: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_saved(self) -> int:
+        if self.status != "accepted" or self.tokens_before is None or self.tokens_after is None:
+            return 0
+        return self.tokens_before - self.tokens_after
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tokens_saved"] = self.tokens_saved
+        return data
+
+
+class CompactOptions(TypedDict, total=False):
+    """How one compaction runs; every key may be left out (the defaults are in brackets)."""
+
+    force: bool  # compact even while the context is within window - reserve [False]
+    job_id: int | None  # the job its rows belong to [None]
+    guard: Callable[[], None] | None  # called before every LLM call and write: a job's lease check [None]
+    enabled: Callable[[], bool] | None  # the kill switch, read before every LLM call [None: always on]
+    max_output_tokens: int  # the summarizer's output cap [DEFAULT_MAX_OUTPUT_TOKENS]
+    intent_messages: int  # how many latest user messages the intent is read from [DEFAULT_INTENT_MESSAGES]
+
+
+def compact(
+    store: TranscriptStore,
+    llm: LLMClient,
+    transcript_id: str,
+    *,
+    threshold: Callable[[], ActiveThreshold],
+    **options: Unpack[CompactOptions],
+) -> CompactionOutcome:
+    """Summarize the head of a transcript and apply the summary if it passes the quality gate.
+
+    ``threshold`` gives the active τ. A kill switch turned off raises CompactionDisabledError before
+    the next LLM call; an unknown transcript raises TranscriptNotFoundError.
+    """
+    timeline, user_texts = store.compaction_input(
+        transcript_id, options.get("intent_messages", DEFAULT_INTENT_MESSAGES)
+    )
+    settings = timeline.settings
+    tokens_before = timeline.tokens
+    outcome = CompactionOutcome("not_needed", transcript_id, tokens_before=tokens_before)
+    if not options.get("force", False) and not should_compact(
+        tokens_before, settings.context_window, settings.reserve_tokens
+    ):
+        trigger = settings.trigger_tokens
+        outcome.detail = (
+            f"the context holds {tokens_before} tokens, within the threshold "
+            f"({'none: no context window is set' if trigger is None else trigger})"
+        )
+        return outcome
+    try:
+        plan = plan_compaction(
+            timeline.messages,
+            timeline.seqs,
+            keep_recent_tokens=settings.keep_recent_tokens,
+            tool_result_limit=settings.tool_result_limit,
+        )
+    except NothingToCompactError as exc:
+        outcome.status, outcome.detail = "nothing_to_compact", str(exc)
+        return outcome
+    run = CompactionRun(
+        store,
+        llm,
+        timeline,
+        plan,
+        terms=intent_terms(settings.instructions, user_texts),
+        gate_on=threshold(),
+        outcome=outcome,
+        job_id=options.get("job_id"),
+        guard=options.get("guard"),
+        enabled=options.get("enabled"),
+        max_output_tokens=options.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
+    )
+    outcome.cut_seq = plan.cut_seq
+    outcome.threshold_tau, outcome.threshold_version = run.gate_on.tau, run.gate_on.version
+    return run.summarize()
+
+
+@dataclass
+class CompactionRun:
+    """The attempts of one compaction over a planned cut, and the row that records how they ended."""
+
+    store: TranscriptStore
+    llm: LLMClient
+    timeline: Timeline
+    plan: CompactionPlan
+    terms: list[str]
+    gate_on: ActiveThreshold
+    outcome: CompactionOutcome
+    job_id: int | None = None
+    guard: Callable[[], None] | None = None
+    enabled: Callable[[], bool] | None = None
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+    log: list[dict[str, Any]] = field(default_factory=list)
+    source_tokens: list[str] = field(init=False)  # the lexed head every attempt is judged against
+
+    def __post_init__(self) -> None:
+        self.source_tokens = lex_words(self.plan.serialized)
+
+    @property
+    def transcript_id(self) -> str:
+        return self.timeline.transcript_id
+
+    def summarize(self) -> CompactionOutcome:
+        missed: list[str] = []
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            step = self._attempt(attempt, missed)
+            if isinstance(step, CompactionOutcome):
+                return step
+            missed = step
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_lease(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
+    def _attempt(self, attempt: int, missed: list[str]) -> CompactionOutcome | list[str]:
+        """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""
+        if self.enabled is not None and not self.enabled():
+            raise CompactionDisabledError(PAUSED_REASON)
+        self._check_lease()
+        request = summarizer_request(
+            self.plan.serialized,
+            self.timeline.settings.instructions,
+            max_tokens=self.max_output_tokens,
+            missed_terms=missed,
+            cache_key=f"compaction:{self.transcript_id}",
+        )
+        entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
+        try:
+            response = self.llm.chat(request)
+        except LLMError as exc:
+            call_id = self._record_call(
+                self.llm.provider,
+                self.llm.model,
+                Usage(),
+                exc.latency_ms,
+                getattr(exc, "outcome", "provider_error"),
+                str(exc),
+            )
+            self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
+            return self._finish("failed", error=f"the summarizer call failed: {exc}")
+        result = response_outcome(response.finish, response.text)
+        entry["llm_call_id"] = self._record_response(response, result)
+        if result == "refusal":
+            self.log.append({**entry, "outcome": result})
+            return self._finish(
+                "failed", error=f"the summarizer refused: {response.refusal or response.text.strip()[:300]}"
+            )
+        summary = response.text.strip()[:SUMMARY_CHAR_LIMIT].strip()
+        if not summary:
+            self.log.append({**entry, "outcome": "empty_output"})
+            return self._finish(
+                "failed", error="the summarizer returned an empty reply; the history was left as it was"
+            )
+        return self._judge(attempt, entry, summary, truncated=result == "truncated_output")
+
+    def _record_response(self, response: ChatResponse, result: ResponseOutcome) -> int:
+        error = response.refusal if result == "refusal" else None
+        return self._record_call(
+            response.provider, response.model, response.usage, response.latency_ms, result, error
+        )
+
+    def _record_call(
+        self, provider: str, model: str, usage: Usage, latency_ms: int, outcome: str, error: str | None
+    ) -> int:
+        record = LLMCallRecord(LLM_PURPOSE, provider, model, usage, latency_ms, outcome, self.job_id, error)
+        return self.store.record_llm_call(record)
+
+    def _judge(
+        self, attempt: int, entry: dict[str, Any], summary: str, *, truncated: bool
+    ) -> CompactionOutcome | list[str]:
+        """Gate a summary: accept it, reject it after the last attempt, or name what the next one keeps."""
+        tau = self.gate_on.tau
+        gate = judge_summary(self.source_tokens, summary, self.terms, tau)
+        self.log.append(
+            {
+                **entry,
+                "outcome": "passed" if gate.passed else "below_threshold",
+                "coverage": gate.coverage,
+                "density": gate.density,
+                "threshold_tau": tau,
+                "threshold_version": self.gate_on.version,
+                "judged": gate.judged,
+                "missed_terms": gate.missed_terms,
+                "summary_chars": len(summary),
+                "truncated": truncated,
+            }
+        )
+        if gate.passed:
+            return self._finish("accepted", summary=summary, gate=gate)
+        if attempt == MAX_ATTEMPTS:
+            return self._finish(
+                "rejected",
+                summary=summary,
+                gate=gate,
+                error=(
+                    f"coverage {gate.coverage:.3f} stayed below τ={tau:.4g} after {MAX_ATTEMPTS} "
+                    "attempts; the summary was not applied"
+                ),
+            )
+        return retry_terms(gate, self.terms)
+
+    def _finish(
+        self,
+        status: str,
+        *,
+        summary: str | None = None,
+        error: str | None = None,
+        gate: GateResult | None = None,
+    ) -> CompactionOutcome:
+        """Store the compaction row and fill in the outcome from what was stored."""
+        self._check_lease()
+        summary_info = self.timeline.summary
+        saved = self.store.save_compaction(
+            CompactionRecord(
+                transcript_id=self.transcript_id,
+                status=status,
+                cut_seq=self.plan.cut_seq,
+                previous_id=summary_info.compaction_id if summary_info else None,
+                tokens_before=self.plan.tokens_before,
+                threshold_tau=self.gate_on.tau,
+                threshold_version=self.gate_on.version,
+                attempt_log=self.log,
+                summary=summary,
+                tokens_after=self.plan.tokens_after(summary) if summary is not None else None,
+                coverage=gate.coverage if gate else None,
+                density=gate.density if gate else None,
+                missed_terms=gate.missed_terms if gate else [],
+                error=error,
+                job_id=self.job_id,
+            )
+        )
+        outcome = self.outcome
+        outcome.status = cast(CompactionStatus, saved.status)
+        outcome.compaction_id = saved.compaction_id
+        outcome.attempts = len(self.log)
+        outcome.tokens_after = saved.tokens_after
+        if gate is not None:
+            outcome.coverage, outcome.density, outcome.missed_terms = (
+                gate.coverage,
+                gate.density,
+                gate.missed_terms,
+            )
+        outcome.detail = saved.error or (
+            f"coverage {gate.coverage:.3f} against τ={self.gate_on.tau:.4g}" if gate is not None else ""
+        )
+        logger.info(
+            "transcript %s: compaction %s %s (cut at seq %s, %s -> %s tokens, %s attempt(s)) %s",
+            self.transcript_id,
+            saved.compaction_id,
+            saved.status,
+            self.plan.cut_seq,
+            self.plan.tokens_before,
+            outcome.tokens_after,
+            len(self.log),
+            outcome.detail,
+        )
+        return outcome

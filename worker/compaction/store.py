@@ -1,0 +1,108 @@
+"""The transcripts store for the compaction service: each method opens and commits its own transaction.
+
+Methods take no Session: a write runs in ``factory.begin()`` and is committed when the method returns,
+a read runs in a plain session. Callers that must share a transaction with other rows (the API's
+webhook deliveries) use the Session-level functions of ``worker.compaction.queries`` instead.
+Every llm_calls row goes through the Ledger, so the live ``llm.prices`` override costs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Compaction, Transcript, TranscriptMessageRow
+from worker.accounting import Ledger, LLMCallRecord
+from worker.compaction import queries
+from worker.compaction.queries import (
+    AppendResult,
+    CompactionRecord,
+    SavedCompaction,
+    TranscriptStats,
+    TriggerCheck,
+)
+from worker.core.compaction import TranscriptMessage
+from worker.core.timeline import ContextView, Timeline
+from worker.jobs.outbox import JobRequest
+
+
+class TranscriptStore:
+    """Transcripts, their messages, timelines, context views, stats and compaction rows."""
+
+    def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
+        self._factory = factory
+        self._ledger = ledger
+
+    # -- reads --------------------------------------------------------------
+
+    def timeline(self, transcript_id: str) -> Timeline:
+        with self._factory() as session:
+            return queries.load_timeline(session, transcript_id)
+
+    def compaction_input(self, transcript_id: str, intent_messages: int) -> tuple[Timeline, list[str]]:
+        """The timeline to compact and the latest user texts its intent is read from, in one read."""
+        with self._factory() as session:
+            timeline = queries.load_timeline(session, transcript_id)
+            return timeline, queries.latest_user_texts(session, transcript_id, intent_messages)
+
+    def context_view(self, transcript_id: str) -> ContextView:
+        with self._factory() as session:
+            return queries.context_view(session, transcript_id)
+
+    def stats(self, transcript_id: str) -> TranscriptStats:
+        with self._factory() as session:
+            return queries.transcript_stats(session, transcript_id)
+
+    def messages(
+        self, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
+    ) -> list[TranscriptMessageRow]:
+        with self._factory() as session:
+            return queries.list_messages(session, transcript_id, after_seq=after_seq, limit=limit)
+
+    def compactions(
+        self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
+    ) -> list[Compaction]:
+        with self._factory() as session:
+            return queries.list_compactions(session, transcript_id, limit=limit, before_id=before_id)
+
+    # -- writes -------------------------------------------------------------
+
+    def append(
+        self,
+        transcript_id: str,
+        messages: Sequence[TranscriptMessage],
+        *,
+        settings: Mapping[str, Any] | None = None,
+        retrigger_seconds: float = 0.0,
+    ) -> AppendResult:
+        """Append and check the trigger; send ``result.pending_jobs()`` (committed by now) to the broker."""
+        with self._factory.begin() as session:
+            return queries.append_messages(
+                session, transcript_id, messages, settings=settings, retrigger_seconds=retrigger_seconds
+            )
+
+    def update_settings(
+        self, transcript_id: str, changes: Mapping[str, Any], *, retrigger_seconds: float = 0.0
+    ) -> tuple[Transcript, TriggerCheck]:
+        with self._factory.begin() as session:
+            return queries.update_settings(
+                session, transcript_id, changes, retrigger_seconds=retrigger_seconds
+            )
+
+    def request_compaction(
+        self, transcript_id: str, *, force: bool = False, trigger: str = "manual"
+    ) -> JobRequest:
+        with self._factory.begin() as session:
+            return queries.request_compaction(session, transcript_id, force=force, trigger=trigger)
+
+    def record_llm_call(self, call: LLMCallRecord) -> int:
+        """One llm_calls row, costed by the Ledger (list prices plus the live override); its id."""
+        with self._factory.begin() as session:
+            return self._ledger.record(session, call)
+
+    def save_compaction(self, record: CompactionRecord) -> SavedCompaction:
+        """The compaction row; an accepted summary computed from a replaced timeline is stored as failed."""
+        with self._factory.begin() as session:
+            return queries.save_compaction(session, record)

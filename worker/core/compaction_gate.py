@@ -1,0 +1,110 @@
+"""The compaction quality gate: intent query terms, coverage against the threshold, what a retry names."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from worker.core.intent import extract_intent_terms
+from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
+
+# Each latest user message contributes the intent terms of at most this many characters.
+INTENT_TEXT_LIMIT: Final = 4_000
+MAX_MISSED_TERMS: Final = 40
+MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not worth naming
+# A first summary below the threshold gets one retry that names what it missed (seed 002's revert rule,
+# with a second chance): two attempts in all.
+MAX_ATTEMPTS: Final = 2
+
+ResponseOutcome = Literal["refusal", "empty_output", "truncated_output", "ok"]
+
+
+def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
+    """Query terms of a transcript's intent: extract_intent_terms over the instructions and the latest
+    user messages (each capped at INTENT_TEXT_LIMIT characters), first occurrence order, no repeats."""
+    terms: list[str] = []
+    for text in (instructions or "", *user_texts):
+        terms.extend(extract_intent_terms(text[:INTENT_TEXT_LIMIT]))
+    return list(dict.fromkeys(terms))
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """How a summary fared at the gate: coverage and density against the head, the query words it lost."""
+
+    coverage: float
+    density: float
+    passed: bool
+    missed_terms: list[str]
+    judged: bool  # False: the intent has no lexable query words, so the gate let the summary stand
+
+
+def missed_query_terms(
+    source_tokens: Sequence[str], summary_tokens: Sequence[str], query_words: Sequence[str]
+) -> list[str]:
+    """Query words whose coverage units (the word, and source bigrams holding it) mostly did not survive.
+
+    In query order; only words that occur in the source. These are what a retry is told to keep.
+    """
+    query = set(query_words)
+    summary_unigrams = set(summary_tokens)
+    summary_bigrams = set(itertools.pairwise(summary_tokens))
+    total: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    for word in set(source_tokens) & query:
+        total[word] = 1
+        kept[word] = int(word in summary_unigrams)
+    for bigram in set(itertools.pairwise(source_tokens)):
+        survived = bigram in summary_bigrams
+        for word in {bigram[0], bigram[1]} & query:
+            total[word] += 1
+            kept[word] += survived
+    missed = [
+        w
+        for w in dict.fromkeys(query_words)
+        if w in total and kept[w] * 2 < total[w] and len(w) <= MAX_TERM_LENGTH
+    ]
+    return missed[:MAX_MISSED_TERMS]
+
+
+def judge_summary(
+    source_tokens: Sequence[str], summary: str, query_terms: Sequence[str], tau: float
+) -> GateResult:
+    """Coverage of ``summary`` against the lexed head on the intent's query terms, gated on ``tau``.
+
+    With no lexable query words the gate does not judge (worker.core.quality.gate_summary's rule):
+    the summary stands, and coverage falls back to the share of source bigrams kept.
+    """
+    summary_tokens = lex_words(summary)
+    query_words = [w for term in query_terms for w in lex_words(term)]
+    score = coverage_from_tokens(source_tokens, summary_tokens, query_terms)
+    dens = density_from_tokens(source_tokens, summary_tokens)
+    if not query_words:
+        return GateResult(score, dens, True, [], judged=False)
+    passed = score >= tau
+    missed = [] if passed else missed_query_terms(source_tokens, summary_tokens, query_words)
+    return GateResult(score, dens, passed, missed, judged=True)
+
+
+def retry_terms(gate: GateResult, query_terms: Sequence[str]) -> list[str]:
+    """The words a retry is told to keep: the missed ones, or every query word when none was missed.
+
+    Coverage can fall short on bigrams while every word survives: then every query word is named.
+    """
+    if gate.missed_terms:
+        return gate.missed_terms
+    words = dict.fromkeys(w for term in query_terms for w in lex_words(term))
+    return [w for w in words if len(w) <= MAX_TERM_LENGTH][:MAX_MISSED_TERMS]
+
+
+def response_outcome(finish: str, text: str) -> ResponseOutcome:
+    """How a summarizer reply ended, as its llm_calls row records it."""
+    if finish == "refusal":
+        return "refusal"
+    if not text.strip():
+        return "empty_output"
+    if finish == "truncated":
+        return "truncated_output"  # still usable: the summary is capped at SUMMARY_CHAR_LIMIT anyway
+    return "ok"

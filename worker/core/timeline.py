@@ -1,0 +1,148 @@
+"""The compaction timeline: the applied summary, the context view a model gets, the cut plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.core.compaction import (
+    NOT_ENOUGH_HISTORY,
+    TranscriptMessage,
+    compacted_history,
+    cut_index,
+    estimate_tokens,
+    serialize_transcript,
+)
+from worker.core.transcripts import TranscriptSettings, tool_calls_json
+
+
+@dataclass(frozen=True)
+class AppliedSummary:
+    """The newest accepted compaction: its summary stands in for every message before ``cut_seq``."""
+
+    compaction_id: int
+    cut_seq: int
+    summary: str
+
+    def marker(self) -> TranscriptMessage:
+        return TranscriptMessage(role="user", text=self.summary, is_compaction=True)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What the next compaction works on: the applied summary (as a marker) and every message after its cut.
+
+    ``seqs[i]`` is the stored seq of ``messages[i]`` (None for the summary marker).
+    """
+
+    transcript_id: str
+    settings: TranscriptSettings
+    summary: AppliedSummary | None
+    messages: list[TranscriptMessage]
+    seqs: list[int | None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(estimate_tokens(m) for m in self.messages)
+
+
+@dataclass(frozen=True)
+class ViewMessage:
+    """One message of a context view; ``seq`` None for the summary and for repair placeholders."""
+
+    message: TranscriptMessage
+    seq: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.message
+        return {
+            "seq": self.seq,
+            "role": m.role,
+            "text": m.text,
+            "tool_calls": tool_calls_json(m.tool_calls),
+            "tool_call_id": m.tool_call_id,
+            "tool_name": m.tool_name,
+            "is_compaction": m.is_compaction,
+            "tokens": estimate_tokens(m),
+        }
+
+
+@dataclass(frozen=True)
+class ContextView:
+    transcript_id: str
+    compaction_id: int | None
+    cut_seq: int | None
+    messages: list[ViewMessage]
+
+    @property
+    def tokens(self) -> int:
+        return sum(estimate_tokens(v.message) for v in self.messages)
+
+
+def view_of(timeline: Timeline) -> ContextView:
+    """The timeline as a model should receive it: repaired so every tool call has its results, in place."""
+    seq_of = {id(message): seq for message, seq in zip(timeline.messages, timeline.seqs, strict=True)}
+    repaired = compacted_history(timeline.messages)
+    summary = timeline.summary
+    return ContextView(
+        transcript_id=timeline.transcript_id,
+        compaction_id=summary.compaction_id if summary else None,
+        cut_seq=summary.cut_seq if summary else None,
+        messages=[ViewMessage(m, seq_of.get(id(m))) for m in repaired],
+    )
+
+
+class NothingToCompactError(Exception):
+    """The timeline has nothing worth summarizing yet; the message says why."""
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    cut: int  # index into the timeline of the first message kept verbatim
+    cut_seq: int
+    head: list[TranscriptMessage]
+    serialized: str
+    tokens_before: int
+    kept_tokens: int
+
+    def tokens_after(self, summary: str) -> int:
+        """Estimated tokens of the context once ``summary`` replaces the head."""
+        return (
+            estimate_tokens(TranscriptMessage(role="user", text=summary, is_compaction=True))
+            + self.kept_tokens
+        )
+
+
+def plan_compaction(
+    messages: Sequence[TranscriptMessage],
+    seqs: Sequence[int | None],
+    *,
+    keep_recent_tokens: int,
+    tool_result_limit: int,
+) -> CompactionPlan:
+    """Cut the timeline (summary marker first, if any) and serialize its head for the summarizer.
+
+    The cut runs on the stored timeline before any repair, so it never lands between a tool call and
+    its results. Raises NothingToCompactError when the cut would keep everything, or would summarize
+    only the previous summary, or while the newest message is a tool result (a turn in flight).
+    """
+    if messages and messages[-1].role == "tool":
+        raise NothingToCompactError(
+            "the newest message is a tool result: the agent's turn is still in flight; compact after it ends"
+        )
+    cut = cut_index(messages, keep_recent_tokens)
+    if cut is None or (cut == 1 and messages[0].is_compaction):
+        raise NothingToCompactError(NOT_ENOUGH_HISTORY)
+    cut_seq = seqs[cut]
+    assert cut_seq is not None  # the marker is only ever at index 0, and cut >= 1
+    head = list(messages[:cut])
+    token_counts = [estimate_tokens(m) for m in messages]
+    return CompactionPlan(
+        cut=cut,
+        cut_seq=cut_seq,
+        head=head,
+        serialized=serialize_transcript(head, tool_result_limit),
+        tokens_before=sum(token_counts),
+        kept_tokens=sum(token_counts[cut:]),
+    )
