@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 KIND_MODULES: dict[str, str] = {
     "extraction": "worker.job_runner",
     "compaction": "worker.compaction.job",
-    "calibration": "worker.calibration",
+    "calibration": "worker.calibration.job",
 }
 
 Action = Literal["retry", "pause", "fail", "lost"]

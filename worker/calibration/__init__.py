@@ -1,0 +1,96 @@
+"""Calibration: labelled observations in, split-conformal threshold versions out, τ read back by gates.
+
+The pure parts live in ``worker.core.calibration``; ``store`` owns the transactions, ``service`` the
+flow (described there), ``job`` the recompute job kind. The names below are the ones callers import
+from ``worker.calibration``; the factory-taking functions come from ``entrypoints``.
+"""
+
+from __future__ import annotations
+
+from worker.calibration.entrypoints import (
+    ThresholdCache,
+    add_observation,
+    add_observations,
+    import_csv,
+    recompute,
+    request_recompute,
+)
+from worker.calibration.job import KIND, PAUSED_REASON, recompute_job
+from worker.calibration.queries import (
+    RECOMPUTE_LOCK_ID,
+    SUBJECT,
+    AddReport,
+    ObservationStats,
+    StoredObservation,
+    active_threshold,
+    coverages_by_label,
+    load_observations,
+    observation_stats,
+    observations_since_last_version,
+    request_recompute_if_due,
+    store_observations,
+    threshold_history,
+)
+from worker.calibration.service import ImportReport, ThresholdResult, Trigger
+from worker.calibration.store import CalibrationStore
+from worker.core.calibration import (
+    FALLBACK,
+    MAX_KEY_LENGTH,
+    MAX_ORIGIN_LENGTH,
+    SPLIT_METHOD,
+    SPLIT_SALT,
+    ActiveThreshold,
+    CsvFormatError,
+    Evaluation,
+    Observation,
+    ObservationError,
+    ObservationIn,
+    describe_tau,
+    evaluate,
+    parse_observations_csv,
+    split_observations,
+)
+
+__all__ = [
+    "FALLBACK",
+    "KIND",
+    "MAX_KEY_LENGTH",
+    "MAX_ORIGIN_LENGTH",
+    "PAUSED_REASON",
+    "RECOMPUTE_LOCK_ID",
+    "SPLIT_METHOD",
+    "SPLIT_SALT",
+    "SUBJECT",
+    "ActiveThreshold",
+    "AddReport",
+    "CalibrationStore",
+    "CsvFormatError",
+    "Evaluation",
+    "ImportReport",
+    "Observation",
+    "ObservationError",
+    "ObservationIn",
+    "ObservationStats",
+    "StoredObservation",
+    "ThresholdCache",
+    "ThresholdResult",
+    "Trigger",
+    "active_threshold",
+    "add_observation",
+    "add_observations",
+    "coverages_by_label",
+    "describe_tau",
+    "evaluate",
+    "import_csv",
+    "load_observations",
+    "observation_stats",
+    "observations_since_last_version",
+    "parse_observations_csv",
+    "recompute",
+    "recompute_job",
+    "request_recompute",
+    "request_recompute_if_due",
+    "split_observations",
+    "store_observations",
+    "threshold_history",
+]

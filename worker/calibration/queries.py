@@ -1,0 +1,248 @@
+"""Calibration's SQL inside the caller's Session: none of these commits (the caller owns the transaction).
+
+The API and the CLI read with these in their own session; ``CalibrationStore`` wraps them in the
+transactions it owns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from models import CalibrationObservation, CalibrationThreshold
+from worker.core.calibration import FALLBACK, ActiveThreshold, Observation, ObservationIn
+from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
+
+# One pending recompute at a time: every request uses this job subject (jobs.uq_jobs_pending_subject).
+SUBJECT = "calibration"
+INSERT_CHUNK = 1000
+# Serializes recomputes (a job and a `factmill calibration recompute --now` may overlap).
+RECOMPUTE_LOCK_ID = 0x46_4D_43_41_4C  # "FMCAL"
+
+
+# ---------------------------------------------------------------------------
+# Observations in
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredObservation:
+    index: int  # position in the submitted sequence
+    id: int
+    duplicate: bool  # True: an earlier submission with the same key was found; nothing new was stored
+
+
+@dataclass
+class AddReport:
+    stored: list[StoredObservation] = field(default_factory=list)
+    conflicts: list[tuple[int, str]] = field(default_factory=list)  # (index, message)
+    recompute: JobRequest | None = None
+
+    @property
+    def added(self) -> list[StoredObservation]:
+        return [s for s in self.stored if not s.duplicate]
+
+    @property
+    def duplicates(self) -> list[StoredObservation]:
+        return [s for s in self.stored if s.duplicate]
+
+    def pending_jobs(self) -> list[tuple[int, str]]:
+        """Jobs to hand to the broker after the commit (only a newly created recompute)."""
+        return pending_recompute(self.recompute)
+
+
+def pending_recompute(request: JobRequest | None) -> list[tuple[int, str]]:
+    """The (job id, kind) to send after the commit: only a recompute this transaction created."""
+    if request is not None and request.created:
+        return [(request.job_id, CALIBRATION)]
+    return []
+
+
+def _conflict_message(obs: ObservationIn, row: CalibrationObservation) -> str:
+    return (
+        f"idempotency_key {obs.idempotency_key!r} was already used for a different observation "
+        f"(id {row.id}: coverage {row.coverage}, answer_kept {str(row.answer_kept).lower()}, "
+        f"origin {row.origin!r}); send a new key for a new observation"
+    )
+
+
+def _says_the_same(obs: ObservationIn, row: CalibrationObservation) -> bool:
+    return all(getattr(row, name) == value for name, value in obs.recorded().items())
+
+
+def store_observations(session: Session, observations: Sequence[ObservationIn]) -> AddReport:
+    """Insert the observations in the caller's transaction; a repeated key is reported, not stored twice.
+
+    Ids follow the submitted order.
+    """
+    report = AddReport()
+    indexed = list(enumerate(observations))
+    # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids
+    # in submission order.
+    for unkeyed, run in itertools.groupby(indexed, key=lambda item: item[1].dedupe_key() is None):
+        items = list(run)
+        for start in range(0, len(items), INSERT_CHUNK):
+            chunk = items[start : start + INSERT_CHUNK]
+            (_store_unkeyed if unkeyed else _store_keyed)(session, chunk, report)
+    report.stored.sort(key=lambda s: s.index)
+    report.conflicts.sort()
+    return report
+
+
+def _row(obs: ObservationIn) -> dict[str, Any]:
+    return obs.recorded() | {"dedupe_key": obs.dedupe_key()}
+
+
+def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
+    ids = session.scalars(
+        insert(CalibrationObservation).returning(CalibrationObservation.id, sort_by_parameter_order=True),
+        [_row(obs) for _, obs in chunk],
+    ).all()
+    report.stored.extend(StoredObservation(i, id_, False) for (i, _), id_ in zip(chunk, ids, strict=True))
+
+
+def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
+    result = session.execute(
+        insert(CalibrationObservation)
+        .values([_row(obs) for _, obs in chunk])
+        .on_conflict_do_nothing(index_elements=[CalibrationObservation.dedupe_key])
+        .returning(CalibrationObservation.dedupe_key, CalibrationObservation.id)
+    )
+    inserted: dict[str | None, int] = {key: id_ for key, id_ in result}
+    keys = {obs.dedupe_key() for _, obs in chunk}
+    existing = {
+        row.dedupe_key: row
+        for row in session.scalars(
+            select(CalibrationObservation).where(CalibrationObservation.dedupe_key.in_(keys))
+        )
+    }
+    claimed: set[str] = set()
+    for index, obs in chunk:
+        key = obs.dedupe_key()
+        assert key is not None
+        if key in inserted and key not in claimed:  # the first submission with a key is the one stored
+            claimed.add(key)
+            report.stored.append(StoredObservation(index, inserted[key], False))
+            continue
+        stored = existing[key]
+        if _says_the_same(obs, stored):
+            report.stored.append(StoredObservation(index, stored.id, True))
+        else:
+            report.conflicts.append((index, _conflict_message(obs, stored)))
+
+
+def observations_since_last_version(session: Session) -> int:
+    """Observations newer than the ones the latest threshold version was computed from."""
+    last = session.scalar(
+        select(CalibrationThreshold.max_observation_id).order_by(CalibrationThreshold.version.desc()).limit(1)
+    )
+    query = select(func.count()).select_from(CalibrationObservation)
+    if last is not None:
+        query = query.where(CalibrationObservation.id > last)
+    return session.scalar(query) or 0
+
+
+def request_recompute_if_due(session: Session, every: int) -> JobRequest | None:
+    """Request a recompute once ``every`` observations are newer than the last version (one pending)."""
+    if observations_since_last_version(session) < every:
+        return None
+    return request_job(session, CALIBRATION, SUBJECT, options={"trigger": "observations"})
+
+
+def request_recompute(session: Session, trigger: str) -> JobRequest:
+    """Request a recompute job, or reuse the pending one (send it after the commit)."""
+    return request_job(session, CALIBRATION, SUBJECT, options={"trigger": trigger})
+
+
+# ---------------------------------------------------------------------------
+# Threshold versions
+# ---------------------------------------------------------------------------
+
+
+def lock_recompute(session: Session) -> None:
+    """Hold the recompute lock until the caller's transaction ends (one recompute at a time)."""
+    session.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": RECOMPUTE_LOCK_ID})
+
+
+def active_threshold(session: Session) -> ActiveThreshold:
+    """The active version's τ, or COVERAGE_THRESHOLD (version None) while none is active."""
+    row = session.execute(
+        select(CalibrationThreshold.tau, CalibrationThreshold.version).where(
+            CalibrationThreshold.active.is_(True)
+        )
+    ).first()
+    if row is None or row.tau is None:
+        return FALLBACK
+    return ActiveThreshold(float(row.tau), int(row.version))
+
+
+def deactivate_versions(session: Session) -> None:
+    """Retire the active version (a new one is about to take its place)."""
+    session.execute(
+        update(CalibrationThreshold).where(CalibrationThreshold.active.is_(True)).values(active=False)
+    )
+
+
+def load_observations(session: Session) -> list[Observation]:
+    rows = session.execute(
+        select(
+            CalibrationObservation.id, CalibrationObservation.coverage, CalibrationObservation.answer_kept
+        ).order_by(CalibrationObservation.id)
+    )
+    return [Observation(int(id_), float(coverage), bool(kept)) for id_, coverage, kept in rows]
+
+
+def threshold_history(session: Session, limit: int = 50) -> list[CalibrationThreshold]:
+    """Threshold versions, newest first."""
+    return list(
+        session.scalars(
+            select(CalibrationThreshold).order_by(CalibrationThreshold.version.desc()).limit(limit)
+        )
+    )
+
+
+def latest_version(session: Session) -> CalibrationThreshold | None:
+    """The newest threshold version, active or not."""
+    history = threshold_history(session, 1)
+    return history[0] if history else None
+
+
+# ---------------------------------------------------------------------------
+# Reading it back
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObservationStats:
+    n: int
+    kept: int
+    lost: int
+    since_last_version: int
+    last_at: datetime | None
+
+
+def observation_stats(session: Session) -> ObservationStats:
+    n, kept, last_at = session.execute(
+        select(
+            func.count(),
+            func.count().filter(CalibrationObservation.answer_kept.is_(True)),
+            func.max(CalibrationObservation.created_at),
+        )
+    ).one()
+    return ObservationStats(n, kept, n - kept, observations_since_last_version(session), last_at)
+
+
+def coverages_by_label(session: Session) -> tuple[list[float], list[float]]:
+    """(coverages of cases that kept the answer, of cases that lost it)."""
+    kept: list[float] = []
+    lost: list[float] = []
+    for observation in load_observations(session):
+        (kept if observation.answer_kept else lost).append(observation.coverage)
+    return kept, lost

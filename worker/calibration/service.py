@@ -1,0 +1,278 @@
+"""Calibration's service over a CalibrationStore: observations in, split-conformal versions out, τ read back.
+
+The flow: observations (coverage a compression scored, whether it kept the answer) arrive through the
+API, the CLI or a CSV import. A recompute splits them into a calibration half and a held-out half
+(deterministic, stratified by label), computes τ on the calibration half with
+``worker.core.quality.calibrate_threshold``, measures the answer-kept rate of the held-out cases τ
+accepts, and writes a new ``calibration_thresholds`` version with that provenance. The version becomes
+the active one only if the held-out rate meets the target; otherwise the current one stays and the
+row says why. Gates read the active τ through ``ThresholdCache`` and fall back to
+``COVERAGE_THRESHOLD`` until a version is active.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from models import CalibrationThreshold
+from worker.calibration.queries import AddReport, pending_recompute
+from worker.calibration.store import CalibrationStore
+from worker.core.calibration import (
+    COUNT_FIELDS,
+    MAX_ORIGIN_LENGTH,
+    ActiveThreshold,
+    ObservationError,
+    ObservationIn,
+    SplitCounts,
+    check_parameters,
+    decode_csv,
+    describe_succession,
+    evaluate,
+    parse_observations_csv,
+)
+from worker.jobs.outbox import CALIBRATION, JobRequest, Sender
+
+logger = logging.getLogger(__name__)
+
+Trigger = Literal["schedule", "observations", "manual", "api"]
+
+
+# ---------------------------------------------------------------------------
+# Observations in
+# ---------------------------------------------------------------------------
+
+
+def add_observations(
+    store: CalibrationStore, observations: Sequence[ObservationIn], *, recompute_every: int
+) -> AddReport:
+    """Store the observations in one transaction, requesting a recompute when one is due.
+
+    The caller hands ``report.pending_jobs()`` to the broker after this returns (the commit is done).
+    """
+    return store.add(observations, recompute_every=recompute_every)
+
+
+def add_observation(
+    store: CalibrationStore, observation: ObservationIn, *, recompute_every: int
+) -> AddReport:
+    """``add_observations`` for one; a reused key with different values raises ObservationError."""
+    report = add_observations(store, [observation], recompute_every=recompute_every)
+    if report.conflicts:
+        raise ObservationError(report.conflicts[0][1])
+    return report
+
+
+def request_recompute(store: CalibrationStore, trigger: Trigger, sender: Sender | None = None) -> JobRequest:
+    """Request a recompute job (or reuse the pending one) and send it after the commit."""
+    request = store.request_recompute(trigger)
+    if request.created:
+        store.enqueue([(request.job_id, CALIBRATION)], sender)
+    return request
+
+
+@dataclass
+class ImportReport:
+    rows: int = 0  # data rows seen (blank and comment lines excluded)
+    added: list[tuple[int, int]] = field(default_factory=list)  # (line, observation id)
+    duplicates: list[tuple[int, int]] = field(default_factory=list)  # (line, id of the earlier copy)
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (line, message)
+    recompute: JobRequest | None = None
+
+    def pending_jobs(self) -> list[tuple[int, str]]:
+        return pending_recompute(self.recompute)
+
+
+def import_csv(
+    store: CalibrationStore, path: Path, *, recompute_every: int, origin: str | None = None
+) -> ImportReport:
+    """Import a CSV of observations: bad rows are reported by line, good rows are stored.
+
+    Raises CsvFormatError when the file cannot be read at all (OSError for a missing file).
+    The caller sends ``report.pending_jobs()`` after this returns.
+    """
+    data = path.read_bytes()
+    content = decode_csv(data, str(path))
+    default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    good, errors, rows = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
+    report = ImportReport(rows=rows, errors=errors)
+    if good:
+        stored = add_observations(store, [obs for _, obs in good], recompute_every=recompute_every)
+        lines = [line for line, _ in good]
+        for item in stored.stored:
+            (report.duplicates if item.duplicate else report.added).append((lines[item.index], item.id))
+        report.errors.extend((lines[index], message) for index, message in stored.conflicts)
+        report.errors.sort()
+        report.recompute = stored.recompute
+    return report
+
+
+# ---------------------------------------------------------------------------
+# Recompute
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThresholdResult(SplitCounts):
+    """What one recompute did.
+
+    outcome: ``activated`` (a new version gates from now on), ``kept`` (a new version was recorded but
+    the previous active one, or the fallback, stays; ``reason`` says why), ``unchanged`` (nothing new
+    since version ``version``; nothing was written).
+    """
+
+    outcome: Literal["activated", "kept", "unchanged"]
+    version: int
+    tau: float | None
+    reason: str
+    active: ActiveThreshold
+
+    @property
+    def activated(self) -> bool:
+        return self.outcome == "activated"
+
+    def as_dict(self) -> dict[str, Any]:
+        head = {"outcome": self.outcome, "version": self.version, "tau": self.tau, "reason": self.reason}
+        return head | {"active": {"tau": self.active.tau, "version": self.active.version}} | self.counts()
+
+
+def _result(
+    outcome: Literal["activated", "kept", "unchanged"], row: CalibrationThreshold, active: ActiveThreshold
+) -> ThresholdResult:
+    return ThresholdResult(
+        outcome=outcome,
+        version=row.version,
+        tau=row.tau,
+        reason=row.reason,
+        active=active,
+        **{name: getattr(row, name) for name in COUNT_FIELDS},
+    )
+
+
+def _computed_from(row: CalibrationThreshold) -> tuple[Any, ...]:
+    return (row.max_observation_id, row.n, row.alpha, row.target_recall, row.min_observations)
+
+
+def recompute(
+    store: CalibrationStore,
+    *,
+    alpha: float,
+    target_recall: float,
+    min_observations: int,
+    trigger: str = "manual",
+    job_id: int | None = None,
+    force: bool = False,
+    guard: Callable[[], None] | None = None,
+) -> ThresholdResult:
+    """Compute a new threshold version from every observation stored so far, and activate it if earned.
+
+    One transaction, serialized with any concurrent recompute. Unless ``force``, nothing is written
+    when the latest version was computed from the same observations with the same parameters
+    (outcome ``unchanged``), so an hourly schedule does not fill the history with copies.
+    ``guard`` is called before writing (a job passes its lease check). Raises ValueError on bad
+    parameters.
+    """
+    check_parameters(alpha, target_recall, min_observations)
+    with store.recomputing() as versions:
+        observations = versions.observations()
+        max_id = observations[-1].id if observations else None
+        current = versions.active()
+        latest = versions.latest()
+        inputs = (max_id, len(observations), alpha, target_recall, min_observations)
+        if not force and latest is not None and _computed_from(latest) == inputs:
+            logger.info("calibration unchanged since version %s; nothing written", latest.version)
+            return _result("unchanged", latest, current)
+
+        evaluation = evaluate(
+            observations, alpha=alpha, target_recall=target_recall, min_observations=min_observations
+        )
+        if guard is not None:
+            guard()
+        row = versions.record(
+            evaluation,
+            alpha=alpha,
+            target_recall=target_recall,
+            min_observations=min_observations,
+            max_observation_id=max_id,
+            reason=evaluation.reason + describe_succession(evaluation.activate, current),
+            trigger=trigger,
+            job_id=job_id,
+        )
+        if evaluation.activate:
+            assert evaluation.tau is not None
+            result = _result("activated", row, ActiveThreshold(evaluation.tau, row.version))
+        else:
+            result = _result("kept", row, current)
+    logger.info(
+        "calibration version %s: %s (τ=%s, n=%s, lost=%s, held-out rate=%s): %s",
+        result.version,
+        result.outcome,
+        result.tau,
+        result.n,
+        result.n_bad,
+        result.held_out_rate,
+        result.reason,
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Reading τ back
+# ---------------------------------------------------------------------------
+
+
+class ThresholdSource(Protocol):
+    def active(self) -> ActiveThreshold: ...
+
+
+class ThresholdCache:
+    """The active τ for gates, re-read from the store at most every ``ttl`` seconds; thread-safe.
+
+    A compaction worker gates every summary on it, so reads are one dictionary look-up almost always.
+    If the store cannot be read, the last known value is served (and a warning logged) until the next
+    refresh; with no value known yet the error propagates rather than inventing a threshold.
+    """
+
+    def __init__(
+        self, store: ThresholdSource, ttl: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._value: ActiveThreshold | None = None
+        self._read_at = 0.0
+
+    def get(self) -> ActiveThreshold:
+        with self._lock:
+            current = self._clock()
+            if self._value is not None and current - self._read_at < self._ttl:
+                return self._value
+            try:
+                value = self._store.active()
+            except SQLAlchemyError as exc:
+                if self._value is None:
+                    raise
+                logger.warning(
+                    "could not read the active threshold; using version %s: %s", self._value.version, exc
+                )
+                self._read_at = current
+                return self._value
+            self._value, self._read_at = value, current
+            return value
+
+    def tau(self) -> float:
+        return self.get().tau
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._value = None

@@ -1,0 +1,106 @@
+"""Calibration's store: observations and threshold versions, each method owning its transaction.
+
+Every method opens its own session from the factory: writes in ``factory.begin()`` (committed when
+the method returns), reads in a plain session closed without a commit. The recompute's transaction
+is the one ``recomputing()`` holds open for the block the service runs in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from sqlalchemy import func
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import CalibrationThreshold
+from worker.calibration import queries
+from worker.calibration.queries import AddReport
+from worker.core.calibration import SPLIT_METHOD, ActiveThreshold, Evaluation, Observation, ObservationIn
+from worker.jobs.outbox import JobRequest, Sender, enqueue
+
+
+class VersionWriter:
+    """The recompute's view of the store, inside one transaction that holds the recompute lock."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def observations(self) -> list[Observation]:
+        """Every stored observation, by id."""
+        return queries.load_observations(self._session)
+
+    def active(self) -> ActiveThreshold:
+        return queries.active_threshold(self._session)
+
+    def latest(self) -> CalibrationThreshold | None:
+        return queries.latest_version(self._session)
+
+    def record(
+        self,
+        evaluation: Evaluation,
+        *,
+        alpha: float,
+        target_recall: float,
+        min_observations: int,
+        max_observation_id: int | None,
+        reason: str,
+        trigger: str,
+        job_id: int | None,
+    ) -> CalibrationThreshold:
+        """Write the next version; one that activates first retires the version active now."""
+        if evaluation.activate:
+            queries.deactivate_versions(self._session)
+        row = CalibrationThreshold(
+            tau=evaluation.tau,
+            alpha=alpha,
+            target_recall=target_recall,
+            min_observations=min_observations,
+            max_observation_id=max_observation_id,
+            split_method=SPLIT_METHOD,
+            active=evaluation.activate,
+            activated_at=func.now() if evaluation.activate else None,
+            reason=reason,
+            trigger=trigger,
+            job_id=job_id,
+            **evaluation.counts(),
+        )
+        self._session.add(row)
+        self._session.flush()
+        return row
+
+
+class CalibrationStore:
+    """Observations and threshold versions in Postgres; every method owns its transaction."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self._factory = factory
+
+    def add(self, observations: Sequence[ObservationIn], *, recompute_every: int) -> AddReport:
+        """Store the observations and, once a recompute is due, request it, in one transaction."""
+        with self._factory.begin() as session:
+            report = queries.store_observations(session, observations)
+            if report.added:
+                report.recompute = queries.request_recompute_if_due(session, recompute_every)
+        return report
+
+    def request_recompute(self, trigger: str) -> JobRequest:
+        """Request a recompute job (or reuse the pending one), committed; send it with ``enqueue``."""
+        with self._factory.begin() as session:
+            return queries.request_recompute(session, trigger)
+
+    def enqueue(self, jobs: Iterable[tuple[int, str]], sender: Sender | None = None) -> int:
+        """Hand committed jobs to the broker (and note when they went); returns how many went."""
+        return enqueue(self._factory, jobs, sender)
+
+    def active(self) -> ActiveThreshold:
+        """The τ gates use now (read in its own session)."""
+        with self._factory() as session:
+            return queries.active_threshold(session)
+
+    @contextmanager
+    def recomputing(self) -> Iterator[VersionWriter]:
+        """One transaction, serialized with any concurrent recompute, committed when the block ends."""
+        with self._factory.begin() as session:
+            queries.lock_recompute(session)
+            yield VersionWriter(session)

@@ -1,0 +1,455 @@
+"""Calibration's pure logic: observation checks, CSV rows, the deterministic split and the activation rule."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
+
+SPLIT_METHOD = "stratified-sha256-alternate-v1"
+SPLIT_SALT = "factmill-calibration-split-v1"
+MAX_ORIGIN_LENGTH = 200
+MAX_KEY_LENGTH = 255
+RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
+RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
+
+
+def describe_tau(tau: float) -> str:
+    """τ for people: 4 significant digits, and ``+ε`` when it sits just above a round value.
+
+    calibrate_threshold puts τ one machine epsilon above a lost case's coverage so that case is
+    rejected; printing it as plain ``0.5`` would suggest a summary at exactly 0.5 passes.
+    """
+    rounded = round(tau, 4)
+    if tau != rounded and abs(tau - rounded) < 1e-9:
+        return f"{rounded:g}+ε" if tau > rounded else f"{rounded:g}-ε"
+    return f"{tau:.4g}"
+
+
+class ObservationError(ValueError):
+    """An observation a user sent is not usable; the message says which field and why."""
+
+
+# ---------------------------------------------------------------------------
+# Observations in
+# ---------------------------------------------------------------------------
+
+
+def _check_coverage(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ObservationError(f"coverage must be a number from 0 to 1, got {value!r}")
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ObservationError(
+            f"coverage must be a number from 0 to 1 (the share of query units a summary kept), got {value!r}"
+        )
+    return float(value)
+
+
+def _check_text(value: object, name: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise ObservationError(f"{name} must be text, got {value!r}")
+    cleaned = value.strip()
+    if not cleaned or len(cleaned) > limit or not cleaned.isprintable():
+        raise ObservationError(f"{name} must be 1 to {limit} printable characters, got {value!r}")
+    return cleaned
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationIn:
+    """One labelled case to store, validated on construction (ObservationError says what is wrong)."""
+
+    coverage: float
+    answer_kept: bool
+    origin: str
+    compaction_id: int | None = None
+    idempotency_key: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coverage", _check_coverage(self.coverage))
+        if not isinstance(self.answer_kept, bool):
+            raise ObservationError(f"answer_kept must be true or false, got {self.answer_kept!r}")
+        object.__setattr__(self, "origin", _check_text(self.origin, "origin", MAX_ORIGIN_LENGTH))
+        if self.compaction_id is not None and (
+            isinstance(self.compaction_id, bool)
+            or not isinstance(self.compaction_id, int)
+            or self.compaction_id < 1
+        ):
+            raise ObservationError(f"compaction_id must be a positive integer, got {self.compaction_id!r}")
+        if self.idempotency_key is not None:
+            key = _check_text(self.idempotency_key, "idempotency_key", MAX_KEY_LENGTH)
+            object.__setattr__(self, "idempotency_key", key)
+
+    def recorded(self) -> dict[str, Any]:
+        """What the observation says, as stored (the idempotency key only identifies the submission)."""
+        return {name: getattr(self, name) for name in RECORDED_FIELDS}
+
+    def dedupe_key(self) -> str | None:
+        """The key that makes a repeated submission a duplicate; None means never deduplicated.
+
+        A client key wins. Otherwise a judgement of a known compaction is identified by everything it
+        says (origin, compaction, coverage, label), so resending it is a no-op. Without either, two equal
+        labels may be two real cases, and both are kept.
+        """
+        if self.idempotency_key is not None:
+            return f"key:{self.idempotency_key}"
+        if self.compaction_id is not None:
+            said = f"{self.origin}\x1f{self.compaction_id}\x1f{self.coverage!r}\x1f{self.answer_kept}"
+            return "compaction:" + hashlib.sha256(said.encode("utf-8")).hexdigest()
+        return None
+
+
+# ---------------------------------------------------------------------------
+# CSV rows
+# ---------------------------------------------------------------------------
+
+CSV_COLUMNS = ("coverage", "answer_kept", "origin", "compaction_id", "idempotency_key")
+POSITIONAL_COLUMNS = CSV_COLUMNS[:4]
+TRUE_WORDS = frozenset({"true", "t", "1", "yes", "y", "kept"})
+FALSE_WORDS = frozenset({"false", "f", "0", "no", "n", "lost"})
+
+
+class CsvFormatError(ValueError):
+    """The file as a whole cannot be read (encoding, header); nothing was imported."""
+
+
+def decode_csv(data: bytes, source: str) -> str:
+    """The file's text (UTF-8, a byte-order mark dropped); CsvFormatError names ``source`` if it is not."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise CsvFormatError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _parse_label(cell: str) -> bool:
+    word = cell.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ObservationError(f"answer_kept {cell!r} is not one of true/false, 1/0, yes/no, kept/lost")
+
+
+def _parse_row(values: dict[str, str], default_origin: str, line_key: str) -> ObservationIn:
+    raw_coverage = values.get("coverage", "")
+    try:
+        coverage = float(raw_coverage)
+    except ValueError:
+        raise ObservationError(f"coverage {raw_coverage!r} is not a number") from None
+    compaction_id: int | None = None
+    raw_id = values.get("compaction_id", "")
+    if raw_id:
+        if not raw_id.isascii() or not raw_id.isdigit():
+            raise ObservationError(f"compaction_id {raw_id!r} is not a positive integer")
+        compaction_id = int(raw_id)
+    key = values.get("idempotency_key") or None
+    if key is None and compaction_id is None:
+        key = line_key  # re-importing the same file reports its rows as duplicates
+    return ObservationIn(
+        coverage=coverage,
+        answer_kept=_parse_label(values.get("answer_kept", "")),
+        origin=values.get("origin") or default_origin,
+        compaction_id=compaction_id,
+        idempotency_key=key,
+    )
+
+
+def _width_error(cells: list[str], columns: tuple[str, ...] | None) -> str | None:
+    """Why a data row has the wrong number of cells for the header (or, without one, the positions)."""
+    if columns is None and not 2 <= len(cells) <= len(POSITIONAL_COLUMNS):
+        return f"expected 2 to 4 columns (coverage,answer_kept,origin[,compaction_id]), got {len(cells)}"
+    if columns is not None and len(cells) > len(columns):
+        return f"expected at most {len(columns)} columns (as in the header), got {len(cells)}"
+    return None
+
+
+def parse_observations_csv(
+    content: str, *, default_origin: str, file_digest: str
+) -> tuple[list[tuple[int, ObservationIn]], list[tuple[int, str]], int]:
+    """Rows of ``coverage,answer_kept,origin[,compaction_id]`` → (good rows by line, errors by line, rows).
+
+    A first line naming the columns is a header (then columns may come in any order, and an
+    ``idempotency_key`` column is allowed). Blank lines and lines starting with ``#`` are skipped. A
+    blank origin becomes ``default_origin``. Line numbers are the file's, counted from 1.
+    """
+    reader = csv.reader(io.StringIO(content, newline=""))
+    good: list[tuple[int, ObservationIn]] = []
+    errors: list[tuple[int, str]] = []
+    columns: tuple[str, ...] | None = None
+    rows = 0
+    previous_end = 0
+    while True:
+        start = previous_end + 1
+        try:
+            record = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            if reader.line_num == previous_end:  # no progress: stop rather than loop
+                errors.append((start, f"unreadable CSV: {exc}"))
+                break
+            previous_end = reader.line_num
+            rows += 1
+            errors.append((start, f"unreadable CSV: {exc}"))
+            continue
+        previous_end = reader.line_num
+        cells = [cell.strip() for cell in record]
+        if not any(cells) or cells[0].startswith("#"):
+            continue
+        if columns is None and rows == 0 and cells[0].lower() in CSV_COLUMNS and not _is_number(cells[0]):
+            columns = _header(cells, start)
+            continue
+        rows += 1
+        width_error = _width_error(cells, columns)
+        if width_error is not None:
+            errors.append((start, width_error))
+            continue
+        try:
+            values = dict(zip(columns or POSITIONAL_COLUMNS, cells, strict=False))
+            good.append((start, _parse_row(values, default_origin, f"csv:{file_digest}:{start}")))
+        except ObservationError as exc:
+            errors.append((start, str(exc)))
+    return good, errors, rows
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _header(cells: list[str], line: int) -> tuple[str, ...]:
+    names = tuple(cell.lower() for cell in cells)
+    unknown = [name for name in names if name not in CSV_COLUMNS]
+    if unknown:
+        raise CsvFormatError(
+            f"line {line}: unknown column(s) {', '.join(map(repr, unknown))}; "
+            f"expected {', '.join(CSV_COLUMNS)}"
+        )
+    missing = [name for name in ("coverage", "answer_kept") if name not in names]
+    if missing:
+        raise CsvFormatError(f"line {line}: the header has no {' or '.join(missing)} column")
+    if len(set(names)) != len(names):
+        raise CsvFormatError(f"line {line}: the header repeats a column")
+    return names
+
+
+# ---------------------------------------------------------------------------
+# The split and the activation rule
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """A stored observation as the recompute sees it."""
+
+    id: int
+    coverage: float
+    answer_kept: bool
+
+    def score(self) -> CoverageScore:
+        return CoverageScore(self.coverage, self.answer_kept)
+
+
+def _split_rank(salt: str, observation_id: int) -> bytes:
+    return hashlib.sha256(f"{salt}:{observation_id}".encode("ascii")).digest()
+
+
+def split_observations(
+    observations: Iterable[Observation], *, salt: str = SPLIT_SALT
+) -> tuple[list[Observation], list[Observation]]:
+    """Split into (calibration, held-out) halves, stratified by label and deterministic.
+
+    Within each label, observations are ordered by sha256 of ``salt`` and their id (so the halves do
+    not follow arrival order, and the same set always splits the same way whatever order it comes in),
+    then dealt alternately: the calibration half gets ceil(k/2) of each label's k cases, the held-out
+    half floor(k/2). Both halves come back sorted by id.
+    """
+    items = list(observations)
+    if len({o.id for o in items}) != len(items):
+        raise ValueError("observation ids must be unique to split deterministically")
+    calibration: list[Observation] = []
+    held_out: list[Observation] = []
+    for label in (False, True):
+        stratum = sorted((o for o in items if o.answer_kept is label), key=lambda o: _split_rank(salt, o.id))
+        calibration.extend(stratum[0::2])
+        held_out.extend(stratum[1::2])
+    return sorted(calibration, key=lambda o: o.id), sorted(held_out, key=lambda o: o.id)
+
+
+def _conformal_rank_needs(alpha: float) -> int:
+    """Fewest lost-answer cases for which ceil((n+1)(1-alpha)) <= n, i.e. the rank needs no clamping."""
+    n = 1
+    while math.ceil((n + 1) * (1.0 - alpha)) > n:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class SplitCounts:
+    """How many cases a recompute saw, how they split, and how the held-out half fared at τ."""
+
+    n: int
+    n_bad: int
+    calibration_n: int = 0
+    calibration_n_bad: int = 0
+    held_out_n: int = 0
+    held_out_n_bad: int = 0
+    held_out_accepted: int = 0
+    held_out_rate: float | None = None
+
+    def counts(self) -> dict[str, Any]:
+        """These counts by field name (as a threshold version stores them)."""
+        return {name: getattr(self, name) for name in COUNT_FIELDS}
+
+
+COUNT_FIELDS = tuple(f.name for f in fields(SplitCounts))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation(SplitCounts):
+    """What a recompute found: the candidate τ (None: none computed), whether it may gate, and why."""
+
+    tau: float | None
+    activate: bool
+    reason: str
+
+
+def check_parameters(alpha: float, target_recall: float, min_observations: int) -> None:
+    """Raise ValueError, saying which and why, unless the recompute parameters are usable."""
+    for name, value in (("alpha", alpha), ("target_recall", target_recall)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < 1.0:
+            raise ValueError(f"{name} must be strictly between 0 and 1, got {value!r}")
+    if isinstance(min_observations, bool) or not isinstance(min_observations, int) or min_observations < 4:
+        raise ValueError(
+            f"min_observations must be an integer of at least 4 (two kept and two lost cases), "
+            f"got {min_observations!r}"
+        )
+
+
+def _refusal(n: int, n_bad: int, min_observations: int) -> str | None:
+    """Why these counts cannot support any τ, or None when a τ can be computed."""
+    n_good = n - n_bad
+    if n == 0:
+        return "no observations yet; add some with POST /v1/feedback or `factmill calibration add`"
+    if n < min_observations:
+        return (
+            f"too few observations: {n} ({n_good} kept, {n_bad} lost); "
+            f"at least {min_observations} are needed before a threshold is computed"
+        )
+    if n_bad == 0:
+        return (
+            f"no observation lost the answer (all {n} kept): the data cannot tell which coverage is too "
+            "low, so no threshold is claimed"
+        )
+    if n_good == 0:
+        return (
+            f"every observation lost the answer ({n} lost): no coverage is shown to keep it, "
+            "so no threshold is claimed"
+        )
+    if n_bad == 1:
+        return (
+            "only 1 observation lost the answer; at least 2 are needed (one sets the threshold, "
+            "one checks it on the held-out half)"
+        )
+    return None
+
+
+def evaluate(
+    observations: Sequence[Observation],
+    *,
+    alpha: float,
+    target_recall: float,
+    min_observations: int,
+    salt: str = SPLIT_SALT,
+) -> Evaluation:
+    """Compute a candidate τ on the calibration half and decide whether the held-out half supports it.
+
+    No τ is computed (tau None, not activated) when the data cannot support one: fewer than
+    ``min_observations``; no case that lost the answer (τ would be 0, accepting coverages nobody ever
+    observed); no case that kept it; or a single lost case (it cannot both set τ and test it).
+    Otherwise τ = calibrate_threshold(calibration half) and the held-out cases with coverage ≥ τ are
+    the accepted ones: the version activates only if some are accepted and the share of them that kept
+    the answer is at least ``target_recall``.
+    """
+    check_parameters(alpha, target_recall, min_observations)
+    n = len(observations)
+    n_bad = sum(not o.answer_kept for o in observations)
+    refusal = _refusal(n, n_bad, min_observations)
+    if refusal is not None:
+        return Evaluation(tau=None, activate=False, reason=refusal, n=n, n_bad=n_bad)
+    calibration, held_out = split_observations(observations, salt=salt)
+    tau = calibrate_threshold([o.score() for o in calibration], target_recall, alpha)
+    accepted = [o for o in held_out if o.coverage >= tau]
+    kept = sum(o.answer_kept for o in accepted)
+    counts = SplitCounts(
+        n=n,
+        n_bad=n_bad,
+        calibration_n=len(calibration),
+        calibration_n_bad=sum(not o.answer_kept for o in calibration),
+        held_out_n=len(held_out),
+        held_out_n_bad=sum(not o.answer_kept for o in held_out),
+        held_out_accepted=len(accepted),
+        held_out_rate=kept / len(accepted) if accepted else None,
+    )
+    return _judge(tau, kept, counts, alpha=alpha, target_recall=target_recall)
+
+
+def _judge(tau: float, kept: int, counts: SplitCounts, *, alpha: float, target_recall: float) -> Evaluation:
+    """Activate τ only if the held-out cases it accepts kept the answer at the target rate."""
+    note = ""
+    needs = _conformal_rank_needs(alpha)
+    if counts.calibration_n_bad < needs:
+        note = (
+            f" (only {counts.calibration_n_bad} lost-answer case(s) in the calibration half, fewer than the "
+            f"{needs} the conformal rank at alpha={alpha:g} needs, so τ sits just above the highest one)"
+        )
+    rate = counts.held_out_rate
+    if rate is None:
+        reason = (
+            f"no held-out case reaches τ={describe_tau(tau)} ({counts.held_out_n} held out), so the "
+            f"answer-kept rate of accepted cases cannot be measured{note}"
+        )
+        return Evaluation(tau=tau, activate=False, reason=reason, **counts.counts())
+    measured = (
+        f"held-out answer-kept rate {rate:.4g} ({kept} of {counts.held_out_accepted} accepted at "
+        f"τ={describe_tau(tau)})"
+    )
+    activate = rate + RATE_TOLERANCE >= target_recall
+    verdict = "meets" if activate else "is below"
+    reason = f"{measured} {verdict} the target {target_recall:g}{note}"
+    return Evaluation(tau=tau, activate=activate, reason=reason, **counts.counts())
+
+
+# ---------------------------------------------------------------------------
+# The threshold gates use
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActiveThreshold:
+    """The τ gates use now; ``version`` None means no version is active and τ is COVERAGE_THRESHOLD."""
+
+    tau: float
+    version: int | None
+
+
+FALLBACK = ActiveThreshold(COVERAGE_THRESHOLD, None)
+
+
+def describe_succession(activate: bool, current: ActiveThreshold) -> str:
+    """What a new version means for the active one, appended to the version's reason."""
+    if activate:
+        if current.version is None:
+            return ""
+        return f"; replaces version {current.version} (τ={describe_tau(current.tau)})"
+    if current.version is not None:
+        return f"; version {current.version} (τ={describe_tau(current.tau)}) stays active"
+    return f"; no version is active, so gates keep the fallback τ={COVERAGE_THRESHOLD:g}"
