@@ -19,7 +19,9 @@ from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
-from worker.api.app import JobKind, JobStatus, create_app, store_pages
+from worker.api.app import create_app
+from worker.api.routes.jobs import JobKind, JobStatus
+from worker.api.routes.pages import store_pages
 from worker.api.signing import sign
 from worker.config_store import ConfigReader
 from worker.jobs.registry import kind_names

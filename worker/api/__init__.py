@@ -1,0 +1,1 @@
+"""The HTTP API under /v1: ``worker.api.app.create_app`` builds it."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker.api.deps import Context
 from worker.core.intent import QueryParseError
 from worker.runtime import Runtime
 from worker.search import (
@@ -25,15 +27,6 @@ logger = logging.getLogger(__name__)
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
-def _runtime(request: Request) -> Runtime:
-    # The app keeps its ApiContext on app.state.factmill (worker.api.app); only its runtime is needed.
-    runtime: Runtime = request.app.state.factmill.runtime
-    return runtime
-
-
-RuntimeDep = Annotated[Runtime, Depends(_runtime)]
-
-
 class SearchBody(BaseModel):
     """A search: a plain query or a query document of lex:/vec:/hyde:/intent: lines."""
 
@@ -47,6 +40,20 @@ class SearchBody(BaseModel):
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
     expand: bool = Field(default=True, description="Let the LLM expand a plain query.")
+
+
+@dataclass
+class SearchParams:
+    """The query parameters of GET /v1/search: SearchBody's fields."""
+
+    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
+    intent: Annotated[str | None, Query(max_length=500)] = None
+    source_id: str | None = None
+    entity: str | None = None
+    kind: KindName | None = None
+    since: datetime | None = None
+    limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None
+    expand: bool = True
 
 
 class SearchLineOut(BaseModel):
@@ -134,28 +141,8 @@ def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
     responses=_RESPONSES,
     summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
 )
-def search_get(
-    runtime: RuntimeDep,
-    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS)],
-    intent: Annotated[str | None, Query(max_length=500)] = None,
-    source_id: str | None = None,
-    entity: str | None = None,
-    kind: KindName | None = None,
-    since: datetime | None = None,
-    limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None,
-    expand: bool = True,
-) -> dict[str, Any]:
-    body = SearchBody(
-        q=q,
-        intent=intent,
-        source_id=source_id,
-        entity=entity,
-        kind=kind,
-        since=since,
-        limit=limit,
-        expand=expand,
-    )
-    return run_search(runtime, body)
+def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
+    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)))
 
 
 @search_router.post(
@@ -164,5 +151,8 @@ def search_get(
     responses=_RESPONSES,
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
 )
-def search_post(runtime: RuntimeDep, body: SearchBody) -> dict[str, Any]:
-    return run_search(runtime, body)
+def search_post(ctx: Context, body: SearchBody) -> dict[str, Any]:
+    return run_search(ctx.runtime, body)
+
+
+__all__ = ["SearchBody", "run_search", "search_router"]

@@ -17,20 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.concurrency import run_in_threadpool
 
 from models import CalibrationThreshold
-from worker.api.app import (
+from worker.api.deps import (
     IDEMPOTENCY_HEADER,
     ApiContext,
-    ApiError,
     Context,
-    _check_idempotency_key,
-    _errors,
-    _location,
-    _summarize,
-    load_json_body,
+    SignatureHeader,
+    check_idempotency_key,
+    json_request_body,
+    load_json_object,
     read_body,
     verify_signature,
 )
-from worker.api.signing import SIGNATURE_HEADER
+from worker.api.errors import ApiError, error_responses, location, summarize
 from worker.calibration import (
     MAX_KEY_LENGTH,
     MAX_ORIGIN_LENGTH,
@@ -48,6 +46,10 @@ logger = logging.getLogger(__name__)
 MAX_FEEDBACK_BYTES = 64 * 1024
 
 calibration_router = APIRouter(tags=["calibration"])
+
+FeedbackKeyHeader = Annotated[
+    str | None, Header(alias=IDEMPOTENCY_HEADER, description="Same as the body's idempotency_key")
+]
 
 
 class FeedbackIn(BaseModel):
@@ -88,14 +90,12 @@ class FeedbackOut(BaseModel):
 
 
 def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
-    data = load_json_body(body)
-    if not isinstance(data, dict):
-        raise ApiError(422, "body must be a JSON object with coverage, answer_kept and origin")
+    data = load_json_object(body, "a JSON object with coverage, answer_kept and origin")
     try:
         feedback = FeedbackIn.model_validate(data)
     except ValidationError as exc:
-        problems = [{"loc": _location(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
-        raise ApiError(422, _summarize(problems), errors=problems) from None
+        problems = [{"loc": location(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
+        raise ApiError(422, summarize(problems), errors=problems) from None
     key = feedback.idempotency_key
     if header_key is not None:
         if key is not None and key.strip() != header_key:
@@ -121,7 +121,7 @@ def accept_feedback(
 ) -> JSONResponse:
     """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
     verify_signature(ctx, body, signature)
-    observation = _parse_feedback(body, _check_idempotency_key(header_key))
+    observation = _parse_feedback(body, check_idempotency_key(header_key))
     try:
         report = add_observation(
             ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every
@@ -161,29 +161,15 @@ def accept_feedback(
     summary="Record whether a compaction kept the answer (signed webhook)",
     responses={
         200: {"model": FeedbackOut, "description": "A duplicate: stored before"},
-        **_errors(401, 413, 422),
+        **error_responses(401, 413, 422),
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": FeedbackIn.model_json_schema()}},
-        }
-    },
+    openapi_extra=json_request_body(FeedbackIn.model_json_schema()),
 )
 async def post_feedback(
     request: Request,
     ctx: Context,
-    factmill_signature: Annotated[
-        str | None,
-        Header(
-            alias=SIGNATURE_HEADER,
-            description="t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'> under FACTMILL_WEBHOOK_SECRET",
-        ),
-    ] = None,
-    idempotency_key: Annotated[
-        str | None,
-        Header(alias=IDEMPOTENCY_HEADER, description="Same as the body's idempotency_key"),
-    ] = None,
+    factmill_signature: SignatureHeader = None,
+    idempotency_key: FeedbackKeyHeader = None,
 ) -> Response:
     """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
 
@@ -222,6 +208,8 @@ class ThresholdOut(BaseModel):
 
 
 class ObservationsOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
     n: int
     kept: int
     lost: int
@@ -250,19 +238,16 @@ def get_calibration(
         active_row = (
             session.get(CalibrationThreshold, current.version) if current.version is not None else None
         )
-        stats = observation_stats(session)
+        observations = ObservationsOut.model_validate(observation_stats(session))
         active = ThresholdOut.model_validate(active_row) if active_row is not None else None
     return CalibrationOut(
         tau=current.tau,
         version=current.version,
         fallback=current.version is None,
         active=active,
-        observations=ObservationsOut(
-            n=stats.n,
-            kept=stats.kept,
-            lost=stats.lost,
-            since_last_version=stats.since_last_version,
-            last_at=stats.last_at,
-        ),
+        observations=observations,
         history=history,
     )
+
+
+__all__ = ["MAX_FEEDBACK_BYTES", "accept_feedback", "calibration_router"]

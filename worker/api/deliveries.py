@@ -1,0 +1,67 @@
+"""Signed deliveries made idempotent: a repeat with the same Idempotency-Key gets the stored answer.
+
+``deliver_once`` owns its transaction (it takes the sessionmaker): what a delivery writes and the
+answer kept for its key (``webhook_deliveries``) commit together, so either both are kept or neither.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import WebhookDelivery
+from worker.api.deps import IDEMPOTENCY_HEADER
+from worker.api.errors import ApiError
+
+T = TypeVar("T")
+
+REPLAYED_HEADERS = {"Idempotent-Replayed": "true"}
+
+Answer = dict[str, Any]
+
+
+def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
+    prior = session.get(WebhookDelivery, key)
+    if prior is None:
+        return None
+    if not hmac.compare_digest(prior.body_hash, body_hash):
+        raise ApiError(422, f"{IDEMPOTENCY_HEADER} reused with a different body; use a new key per delivery")
+    return dict(prior.response)
+
+
+def deliver_once(
+    factory: sessionmaker[Session],
+    key: str | None,
+    body_hash: str,
+    write: Callable[[Session], tuple[Answer, T]],
+) -> tuple[Answer, T | None]:
+    """Run ``write`` (which returns the answer and anything else the caller needs) in one transaction
+    and keep its answer under ``key``. Returns (answer, what write returned), or (the stored answer,
+    None) when ``key`` was delivered before; 422 when it was delivered with a different body."""
+    try:
+        with factory.begin() as session:
+            if key is not None:
+                prior = _stored_answer(session, key, body_hash)
+                if prior is not None:
+                    return prior, None
+            answer, outcome = write(session)
+            if key is not None:
+                session.add(WebhookDelivery(idempotency_key=key, body_hash=body_hash, response=answer))
+                session.flush()
+    except IntegrityError:
+        # A concurrent delivery with the same key committed first: answer what it answered.
+        if key is None:
+            raise
+        with factory() as session:
+            prior = _stored_answer(session, key, body_hash)
+        if prior is None:
+            raise
+        return prior, None
+    return answer, outcome
+
+
+__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once"]

@@ -1,0 +1,204 @@
+"""What every route depends on: the per-app Context, the admin bearer check, the signed-body reader."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Header, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker import celery_app
+from worker.api.errors import ApiError
+from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.jobs import outbox
+from worker.runtime import Runtime
+from worker.settings import Settings
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
+
+# ---------------------------------------------------------------------------
+# Per-app context.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ApiContext:
+    runtime: Runtime
+    sender: outbox.Sender | None
+    registry: CollectorRegistry
+    _broker_url: str | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        return self.runtime.settings
+
+    @property
+    def factory(self) -> sessionmaker[Session]:
+        return self.runtime.factory
+
+    def broker_url(self) -> str:
+        if self._broker_url is None:
+            # Resolved once: with no FACTMILL_BROKER_URL this starts (or finds) the embedded Redis.
+            self._broker_url = celery_app.broker_url(self.settings)
+        return self._broker_url
+
+    def enqueue(self, pairs: list[tuple[int, str]]) -> int:
+        """Hand (job id, kind) pairs to the broker; call it only after their transaction committed."""
+        return outbox.enqueue(self.factory, pairs, self.sender) if pairs else 0
+
+
+def _context(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.factmill
+    return ctx
+
+
+Context = Annotated[ApiContext, Depends(_context)]
+
+
+def celery_sender_for(settings: Settings) -> outbox.Sender:
+    """A sender over a Celery app configured from ``settings`` (not the process-wide settings)."""
+    celery = celery_app.create_app(settings)  # configured lazily: no broker connection until the first send
+
+    def send(task_name: str, job_id: int, queue: str) -> None:
+        celery.send_task(task_name, args=[job_id], queue=queue)
+
+    return send
+
+
+# ---------------------------------------------------------------------------
+# The admin bearer token.
+# ---------------------------------------------------------------------------
+
+_bearer = HTTPBearer(auto_error=False, description="FACTMILL_ADMIN_TOKEN")
+
+
+def require_admin(
+    ctx: Context, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    challenge = {"WWW-Authenticate": "Bearer"}
+    token = ctx.settings.admin_token
+    if not token:
+        raise ApiError(401, "the admin API is disabled: FACTMILL_ADMIN_TOKEN is not set", headers=challenge)
+    if credentials is None:
+        raise ApiError(401, "missing 'Authorization: Bearer <admin token>' header", headers=challenge)
+    if not hmac.compare_digest(credentials.credentials.encode("utf-8"), token.encode("utf-8")):
+        raise ApiError(401, "wrong admin token", headers=challenge)
+
+
+# ---------------------------------------------------------------------------
+# Signed bodies: read (capped), verify, parse.
+# ---------------------------------------------------------------------------
+
+SignatureHeader = Annotated[
+    str | None,
+    Header(
+        alias=SIGNATURE_HEADER,
+        description="t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'> under FACTMILL_WEBHOOK_SECRET",
+    ),
+]
+IdempotencyHeader = Annotated[
+    str | None,
+    Header(alias=IDEMPOTENCY_HEADER, description="A repeated delivery with this key replays the answer"),
+]
+
+
+def json_request_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its (signed) body itself: the body it documents."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _too_large(cap: int) -> ApiError:
+    return ApiError(
+        413, f"request body is over the {cap}-byte limit; send fewer or smaller pages per request"
+    )
+
+
+async def _read_capped(request: Request, cap: int) -> bytes:
+    """The body, read as it streams in; stops (413) as soon as it passes ``cap`` bytes."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > cap:
+            raise _too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The body, refused with 413 past ``cap``: at once when the declared length says so, else as soon as
+    the stream passes it (the declared length may be absent, chunked, or wrong)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError(400, "Content-Length must be a non-negative integer")
+        if int(declared) > cap:
+            raise _too_large(cap)
+    return await _read_capped(request, cap)
+
+
+def verify_signature(ctx: ApiContext, body: bytes, signature: str | None) -> None:
+    """The webhook signature check every signed route runs first: 401 with the reason."""
+    settings = ctx.settings
+    try:
+        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
+    except SignatureError as exc:
+        raise ApiError(401, exc.reason) from None
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    """The Idempotency-Key header, stripped; 422 unless it is 1 to 255 printable characters."""
+    if key is None:
+        return None
+    cleaned = key.strip()
+    if not cleaned or len(cleaned) > MAX_IDEMPOTENCY_KEY_LENGTH or not cleaned.isprintable():
+        raise ApiError(
+            422, f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters"
+        )
+    return cleaned
+
+
+def load_json_body(body: bytes) -> Any:
+    """A request body as JSON, or a 422 that says what is wrong with it (shared by every signed route)."""
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(
+            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    return data
+
+
+def load_json_object(body: bytes, expected: str = "a JSON object") -> dict[str, Any]:
+    """A request body that must be one JSON object; else 422 ``body must be <expected>``."""
+    data = load_json_body(body)
+    if not isinstance(data, dict):
+        raise ApiError(422, f"body must be {expected}")
+    return data
+
+
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "ApiContext",
+    "Context",
+    "IdempotencyHeader",
+    "SignatureHeader",
+    "celery_sender_for",
+    "check_idempotency_key",
+    "json_request_body",
+    "load_json_body",
+    "load_json_object",
+    "read_body",
+    "require_admin",
+    "verify_signature",
+]

@@ -1,0 +1,95 @@
+"""API errors: ApiError, the one JSON error shape ``{"detail": ...}``, its handlers and OpenAPI entries."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+MAX_LISTED_PROBLEMS = 20
+
+
+class ApiError(Exception):
+    """An error the client caused (or can act on); becomes ``{"detail": ..., **extra}``."""
+
+    def __init__(
+        self, status_code: int, detail: str, *, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
+        super().__init__(detail)
+        self.status_code = status_code
+        self.detail = detail
+        self.headers = headers
+        self.extra = extra
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entries of a route for these error status codes."""
+    return {code: {"model": ErrorOut} for code in codes}
+
+
+def location(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(part) for part in loc) or "body"
+
+
+def summarize(problems: list[dict[str, str]]) -> str:
+    shown = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems[:MAX_LISTED_PROBLEMS])
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        shown += f" (and {len(problems) - MAX_LISTED_PROBLEMS} more)"
+    return shown
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line for a log or a health answer: its type and its first line."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return JSONResponse({"detail": exc.detail, **exc.extra}, exc.status_code, headers=exc.headers)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [{"loc": location(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+    return JSONResponse({"detail": summarize(problems), "errors": problems}, 422)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"detail": "internal error; the server log has the details"}, 500)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answers JSON ``{"detail": ...}``, never a stack trace."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+__all__ = [
+    "ApiError",
+    "ErrorOut",
+    "add_error_handlers",
+    "error_responses",
+    "location",
+    "one_line",
+    "summarize",
+]

@@ -1,0 +1,250 @@
+"""Prometheus metrics: request counts and latency per route, and collectors that read Postgres at scrape
+time (jobs, facts, segments, LLM calls, compactions)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Generic, TypeVar
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import (
+    COMPACTION_STATUSES,
+    JOB_STATUSES,
+    SEGMENT_OUTCOMES,
+    Compaction,
+    ExtractionAudit,
+    Fact,
+    Job,
+    LLMCall,
+)
+from worker.api.errors import one_line
+from worker.jobs.registry import kind_names
+
+logger = logging.getLogger(__name__)
+
+METRICS_STATEMENT_TIMEOUT = "5s"
+# llm_calls.latency_ms buckets for the latency histogram, in milliseconds.
+LLM_LATENCY_BUCKETS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000)
+STORE_UP_HELP = "1 if the metrics query reached Postgres"
+
+R = TypeVar("R")
+
+
+class _ScrapeTimeCollector(Generic[R]):
+    """A Prometheus collector that reads Postgres at scrape time, under a statement timeout.
+
+    Postgres is the source of truth, so the numbers are the same whichever API replica is
+    scraped and survive restarts; there is no in-process counter to keep in step.
+    """
+
+    reads = "the store"  # for the warning when the read fails
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+
+    def describe(self) -> list[Metric]:
+        return []  # keeps registration from querying the database
+
+    def collect(self) -> list[Metric]:
+        try:
+            with self.factory() as session, session.begin():
+                session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
+                rows = self.read(session)
+        except Exception as exc:
+            logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
+            return self.unreadable()
+        return self.metrics(rows)
+
+    def read(self, session: Session) -> R:
+        raise NotImplementedError
+
+    def metrics(self, rows: R) -> list[Metric]:
+        raise NotImplementedError
+
+    def unreadable(self) -> list[Metric]:
+        return []
+
+
+class _StoreRows:
+    """What one scrape read from the job, fact, segment and LLM tables."""
+
+    def __init__(self, session: Session) -> None:
+        job_rows = session.execute(select(Job.status, Job.kind, func.count()).group_by(Job.status, Job.kind))
+        self.job_counts: dict[tuple[str, str], int] = {(status, kind): n for status, kind, n in job_rows}
+        self.facts = session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit.is_(False)))
+        self.segment_rows = session.execute(
+            select(ExtractionAudit.outcome, func.count()).group_by(ExtractionAudit.outcome)
+        ).all()
+        self.llm_rows = session.execute(
+            select(
+                LLMCall.purpose,
+                LLMCall.outcome,
+                func.count(),
+                func.coalesce(func.sum(LLMCall.input_tokens), 0),
+                func.coalesce(func.sum(LLMCall.output_tokens), 0),
+                func.coalesce(func.sum(LLMCall.cost_usd), 0),
+            ).group_by(LLMCall.purpose, LLMCall.outcome)
+        ).all()
+        self.latency_rows = session.execute(
+            select(
+                LLMCall.purpose,
+                *[func.count().filter(LLMCall.latency_ms <= bound) for bound in LLM_LATENCY_BUCKETS_MS],
+                func.count(),
+                func.coalesce(func.sum(LLMCall.latency_ms), 0),
+            ).group_by(LLMCall.purpose)
+        ).all()
+
+
+class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
+    """Jobs by status and kind, facts, segment attempts by outcome, LLM calls, tokens, spend, latency."""
+
+    def read(self, session: Session) -> _StoreRows:
+        return _StoreRows(session)
+
+    def unreadable(self) -> list[Metric]:
+        return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=0)]
+
+    def metrics(self, rows: _StoreRows) -> list[Metric]:
+        up = GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)
+        jobs_gauge = GaugeMetricFamily("factmill_jobs", "Jobs by status and kind", labels=["status", "kind"])
+        kinds = sorted(set(kind_names()) | {kind for _, kind in rows.job_counts})
+        for status in JOB_STATUSES:
+            for kind in kinds:  # zeros included, so a series never vanishes when its last job moves on
+                jobs_gauge.add_metric([status, kind], rows.job_counts.get((status, kind), 0))
+        facts_gauge = GaugeMetricFamily(
+            "factmill_facts", "Facts stored (audit rows excluded)", value=rows.facts or 0
+        )
+        segments = CounterMetricFamily(
+            "factmill_segments", "Segment extraction attempts by outcome", labels=["outcome"]
+        )
+        seen = {outcome: n for outcome, n in rows.segment_rows}
+        for outcome in sorted(set(SEGMENT_OUTCOMES) | set(seen)):
+            segments.add_metric([outcome], seen.get(outcome, 0))
+        return [up, jobs_gauge, facts_gauge, segments, *_llm_metrics(rows), _latency(rows)]
+
+
+def _llm_metrics(rows: _StoreRows) -> list[Metric]:
+    calls = CounterMetricFamily("factmill_llm_calls", "LLM calls by outcome", labels=["purpose", "outcome"])
+    tokens = CounterMetricFamily(
+        "factmill_llm_tokens", "LLM tokens by direction", labels=["purpose", "direction"]
+    )
+    cost = CounterMetricFamily("factmill_llm_cost_usd", "LLM spend in US dollars", labels=["purpose"])
+    token_sums: dict[tuple[str, str], int] = {}
+    cost_sums: dict[str, float] = {}
+    for purpose, outcome, n, tokens_in, tokens_out, spend in rows.llm_rows:
+        calls.add_metric([purpose, outcome], n)
+        token_sums[(purpose, "in")] = token_sums.get((purpose, "in"), 0) + int(tokens_in)
+        token_sums[(purpose, "out")] = token_sums.get((purpose, "out"), 0) + int(tokens_out)
+        cost_sums[purpose] = cost_sums.get(purpose, 0.0) + float(spend)
+    for (purpose, direction), n in sorted(token_sums.items()):
+        tokens.add_metric([purpose, direction], n)
+    for purpose, dollars in sorted(cost_sums.items()):
+        cost.add_metric([purpose], dollars)
+    return [calls, tokens, cost]
+
+
+def _latency(rows: _StoreRows) -> Metric:
+    latency = HistogramMetricFamily(
+        "factmill_llm_latency_seconds", "LLM call latency (from llm_calls.latency_ms)", labels=["purpose"]
+    )
+    for row in rows.latency_rows:
+        purpose, *counts = row
+        *cumulative, total, total_ms = counts
+        buckets = [(str(ms / 1000), n) for ms, n in zip(LLM_LATENCY_BUCKETS_MS, cumulative, strict=True)]
+        latency.add_metric([purpose], [*buckets, ("+Inf", total)], sum_value=float(total_ms) / 1000)
+    return latency
+
+
+class CompactionCollector(_ScrapeTimeCollector[dict[str, tuple[int, int]]]):
+    """Prometheus collector over the compactions table, read at scrape time (Postgres is the truth).
+
+    ``factmill_compactions_total{outcome}``: compactions by outcome (accepted, rejected, failed);
+    ``factmill_compaction_tokens_saved_total``: context tokens the accepted summaries took out
+    (tokens before - tokens after, at the time of each compaction).
+    Register it next to StoreCollector: ``registry.register(CompactionCollector(runtime.factory))``.
+    """
+
+    reads = "the compactions"
+
+    def read(self, session: Session) -> dict[str, tuple[int, int]]:
+        saved = func.sum(Compaction.tokens_before - Compaction.tokens_after).filter(
+            Compaction.status == "accepted"
+        )
+        rows = session.execute(
+            select(Compaction.status, func.count(), func.coalesce(saved, 0)).group_by(Compaction.status)
+        )
+        return {status: (int(n), int(tokens)) for status, n, tokens in rows}
+
+    def metrics(self, rows: dict[str, tuple[int, int]]) -> list[Metric]:
+        outcomes = CounterMetricFamily("factmill_compactions", "Compactions by outcome", labels=["outcome"])
+        for status in sorted(set(COMPACTION_STATUSES) | set(rows)):
+            outcomes.add_metric([status], rows.get(status, (0, 0))[0])
+        saved = CounterMetricFamily(
+            "factmill_compaction_tokens_saved",
+            "Context tokens taken out by accepted compactions (before - after)",
+            value=sum(tokens for _, tokens in rows.values()),
+        )
+        return [outcomes, saved]
+
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class RequestMetricsMiddleware:
+    """Counts API requests and their latency by route template (not raw path: bounded labels)."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app, self.requests, self.latency = app, requests, latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def record_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.requests.labels(scope["method"], route, str(status)).inc()
+            self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+
+
+def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRegistry:
+    """The app's own registry (so two apps in one process never share series), with the request
+    middleware on ``app`` and the scrape-time collectors over ``factory``."""
+    registry = CollectorRegistry(auto_describe=False)
+    requests = Counter(
+        "factmill_http_requests", "API requests", ["method", "route", "status"], registry=registry
+    )
+    latency = Histogram(
+        "factmill_http_request_duration_seconds",
+        "API request latency",
+        ["method", "route"],
+        registry=registry,
+    )
+    registry.register(StoreCollector(factory))  # type: ignore[arg-type]
+    registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
+    ProcessCollector(registry=registry)
+    app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
+    return registry
+
+
+__all__ = ["CompactionCollector", "RequestMetricsMiddleware", "StoreCollector", "install_metrics"]

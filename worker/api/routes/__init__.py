@@ -1,0 +1,1 @@
+"""The API's routes, one module per group; worker.api.app includes every router."""

@@ -1,0 +1,88 @@
+"""GET and PUT /v1/config/{key}: kill switches and tunables, behind the admin bearer token."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
+
+from models import ConfigEntry
+from worker.api.deps import Context, require_admin
+from worker.api.errors import ApiError, error_responses
+from worker.config_store import KILL_SWITCHES, is_enabled, set_config
+from worker.jobs import outbox
+
+logger = logging.getLogger(__name__)
+
+config_router = APIRouter(tags=["config"], dependencies=[Depends(require_admin)])
+ConfigKey = Annotated[str, Path(min_length=1, max_length=200, description="e.g. facts.extraction_enabled")]
+
+
+class ConfigOut(BaseModel):
+    key: str
+    value: str | None  # None: never set (a kill switch then means enabled)
+    enabled: bool | None = None  # kill switches only: what workers act on
+    updated_at: datetime | None = None
+    updated_by: str | None = None
+
+
+class ConfigSet(BaseModel):
+    value: str | bool | int
+
+
+class ConfigSetOut(ConfigOut):
+    resumed: int = 0  # paused jobs queued again because their kill switch was turned on
+
+
+def _config_out(session: Session, key: str) -> ConfigOut | None:
+    entry = session.get(ConfigEntry, key)
+    if entry is None:
+        if key in KILL_SWITCHES:
+            return ConfigOut(key=key, value=None, enabled=True)
+        return None
+    return ConfigOut(
+        key=key,
+        value=entry.value,
+        enabled=is_enabled(entry.value) if key in KILL_SWITCHES else None,
+        updated_at=entry.updated_at,
+        updated_by=entry.updated_by,
+    )
+
+
+@config_router.get("/v1/config/{key}", response_model=ConfigOut, responses=error_responses(401, 404))
+def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
+    with ctx.factory() as session:
+        out = _config_out(session, key)
+    if out is None:
+        raise ApiError(404, f"config key {key!r} is not set")
+    return out
+
+
+@config_router.put("/v1/config/{key}", response_model=ConfigSetOut, responses=error_responses(401, 422))
+def put_config_value(ctx: Context, key: ConfigKey, body: ConfigSet) -> ConfigSetOut:
+    """Set a key. Turning a kill switch on resumes every paused job of its kinds.
+
+    Turning one off needs nothing more: workers read the switch before every LLM call (through
+    a cache at most FACTMILL_CONFIG_CACHE_SECONDS old) and pause their jobs themselves.
+    """
+    raw = body.value
+    value = str(raw).lower() if isinstance(raw, bool) else str(raw)
+    with ctx.factory() as session, session.begin():
+        try:
+            cleaned = set_config(session, key, value, updated_by="api")
+        except ValueError as exc:
+            raise ApiError(422, f"value: {exc}") from None
+        resumed = outbox.resume_for_config_change(session, key, cleaned)
+        session.flush()
+        out = _config_out(session, key)
+        assert out is not None
+    ctx.enqueue(resumed)
+    logger.info("config %s set to %r by the API; %s paused job(s) resumed", key, cleaned, len(resumed))
+    return ConfigSetOut(**out.model_dump(), resumed=len(resumed))
+
+
+__all__ = ["config_router"]

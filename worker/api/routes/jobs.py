@@ -1,0 +1,111 @@
+"""The job history over HTTP: list, one job, retry (worker.jobs.queries has the rules the CLI uses too)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel, ConfigDict
+
+from models import Job
+from worker.api.deps import Context
+from worker.api.errors import ApiError, error_responses
+from worker.jobs import outbox, queries
+
+logger = logging.getLogger(__name__)
+
+JobStatus = Literal["queued", "running", "paused", "succeeded", "failed"]  # = models.JOB_STATUSES
+JobKind = Literal["extraction", "compaction", "calibration"]  # = worker.jobs.JOB_KINDS
+
+jobs_router = APIRouter(tags=["jobs"])
+JobId = Annotated[int, Path(ge=1, description="The job id the webhook answered with")]
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    kind: str
+    subject: str
+    source_id: str | None = None  # page jobs (extraction) only
+    slug: str | None = None
+    status: str
+    attempts: int
+    options: dict[str, Any]
+    counters: dict[str, Any]
+    last_error: str | None
+    rerun_requested: bool
+    worker: str | None
+    created_at: datetime
+    updated_at: datetime
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    heartbeat_at: datetime | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        out = cls.model_validate(job)
+        if job.kind == outbox.EXTRACTION:
+            out.source_id, out.slug = outbox.split_page_subject(job.subject)
+        return out
+
+
+class JobList(BaseModel):
+    jobs: list[JobOut]
+
+
+@jobs_router.get("/v1/jobs", response_model=JobList, summary="List jobs, newest first")
+def list_jobs(
+    ctx: Context,
+    status: Annotated[JobStatus | None, Query(description="Only jobs in this status")] = None,
+    kind: Annotated[JobKind | None, Query(description="Only jobs of this kind")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    before_id: Annotated[int | None, Query(ge=1, description="Only jobs with a smaller id (paging)")] = None,
+) -> JobList:
+    with ctx.factory() as session:
+        found = queries.list_jobs(session, status=status, kind=kind, limit=limit, before_id=before_id)
+        return JobList(jobs=[JobOut.of(job) for job in found])
+
+
+@jobs_router.get(
+    "/v1/jobs/{job_id}", response_model=JobOut, responses=error_responses(404), summary="One job"
+)
+def get_job(ctx: Context, job_id: JobId) -> JobOut:
+    with ctx.factory() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise ApiError(404, f"no job {job_id}")
+        return JobOut.of(job)
+
+
+@jobs_router.post(
+    "/v1/jobs/{job_id}/retry",
+    status_code=202,
+    response_model=JobOut,
+    responses=error_responses(404, 409),
+    summary="Queue a failed, paused or succeeded job again",
+)
+def retry(ctx: Context, job_id: JobId) -> JobOut:
+    """A failed, paused or succeeded job is queued again (attempts reset) and sent to its queue.
+
+    A queued or running job is left alone and answered with 409: it is already on its way (and
+    the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
+    """
+    try:
+        with ctx.factory.begin() as session:
+            out = JobOut.of(queries.retry(session, job_id))
+    except queries.JobNotFoundError as exc:
+        raise ApiError(404, str(exc)) from None
+    except queries.JobNotRetryableError as exc:
+        raise ApiError(409, str(exc)) from None
+    except queries.JobAlreadyPendingError as exc:
+        raise ApiError(409, str(exc), pending_job_id=exc.pending_job_id) from None
+    ctx.enqueue([(out.id, out.kind)])
+    logger.info("job %s re-queued by the API", job_id)
+    return out
+
+
+__all__ = ["JobKind", "JobList", "JobOut", "JobStatus", "jobs_router"]

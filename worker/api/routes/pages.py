@@ -1,0 +1,199 @@
+"""POST /v1/pages: the signed webhook that stores pages and queues their extraction.
+
+A webhook stores its pages and jobs in one transaction and hands the job ids to the broker only
+after that transaction committed, so a worker never looks for a row that is not there yet, and a
+broker outage loses nothing (the sweeper re-sends).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once
+from worker.api.deps import (
+    ApiContext,
+    Context,
+    IdempotencyHeader,
+    SignatureHeader,
+    check_idempotency_key,
+    json_request_body,
+    load_json_body,
+    read_body,
+    verify_signature,
+)
+from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.jobs import outbox
+from worker.pages import PageIn, store_page
+
+logger = logging.getLogger(__name__)
+
+MAX_PAGES_PER_REQUEST = 1000
+
+pages_router = APIRouter(tags=["pages"])
+
+
+class JobAccepted(BaseModel):
+    job_id: int
+    source_id: str
+    slug: str
+    created: bool  # False: a pending job for this page already existed and will read the new content
+
+
+class PageRef(BaseModel):
+    source_id: str
+    slug: str
+
+
+class PagesAccepted(BaseModel):
+    jobs: list[JobAccepted]
+    unchanged: list[PageRef]
+
+
+def _pages_body_schema() -> dict[str, Any]:
+    page = PageIn.model_json_schema()
+    pages = {"type": "array", "items": page, "minItems": 1, "maxItems": MAX_PAGES_PER_REQUEST}
+    return {
+        "oneOf": [
+            page,
+            pages,
+            {
+                "type": "object",
+                "properties": {"pages": pages},
+                "required": ["pages"],
+                "additionalProperties": False,
+            },
+        ]
+    }
+
+
+def _page_items(data: Any) -> tuple[list[Any], bool]:
+    """The page objects of a parsed body, and whether it was a batch (a list or ``{"pages": [...]}``)."""
+    batch = True
+    if isinstance(data, list):
+        items = data
+    elif isinstance(data, dict) and "pages" in data:
+        others = sorted(set(data) - {"pages"})
+        if others:
+            raise ApiError(422, f"unexpected field(s) next to 'pages': {', '.join(others)}")
+        items = data["pages"]
+        if not isinstance(items, list):
+            raise ApiError(422, "pages: must be a list of page objects")
+    elif isinstance(data, dict):
+        items, batch = [data], False
+    else:
+        raise ApiError(422, 'body must be a page object, a list of pages, or {"pages": [...]}')
+    if not items:
+        raise ApiError(422, "pages: the list is empty; send at least one page")
+    if len(items) > MAX_PAGES_PER_REQUEST:
+        raise ApiError(
+            422,
+            f"pages: {len(items)} pages in one request; send at most {MAX_PAGES_PER_REQUEST} per request",
+        )
+    return items, batch
+
+
+def parse_pages(body: bytes) -> list[PageIn]:
+    """The pages in a webhook body: one page object, a list of them, or ``{"pages": [...]}``."""
+    items, batch = _page_items(load_json_body(body))
+    pages: list[PageIn] = []
+    problems: list[dict[str, str]] = []
+    for index, item in enumerate(items):
+        try:
+            pages.append(PageIn.model_validate(item))
+        except ValidationError as exc:
+            prefix = f"pages[{index}]" if batch else ""
+            for error in exc.errors(include_url=False):
+                where = ".".join(part for part in (prefix, location(error["loc"])) if part)
+                if not error["loc"]:
+                    where = prefix or "body"
+                problems.append({"loc": where, "msg": error["msg"]})
+    if problems:
+        raise ApiError(422, summarize(problems), errors=problems[:100])
+    return pages
+
+
+def store_pages(
+    factory: sessionmaker[Session], pages: list[PageIn], key: str | None, body_hash: str
+) -> tuple[dict[str, Any], list[tuple[int, str]], bool]:
+    """Upsert the pages and request their jobs in ONE transaction.
+
+    Returns (response, jobs to enqueue after the commit, replayed). A repeated delivery with the
+    same Idempotency-Key returns the stored response and changes nothing.
+    """
+
+    def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        # Lock pages in a fixed order so two overlapping batches cannot deadlock; answer in request order.
+        order = sorted(range(len(pages)), key=lambda i: (pages[i].source_id, pages[i].slug))
+        results: list[outbox.JobRequest | None] = [None] * len(pages)
+        for index in order:
+            results[index] = store_page(session, pages[index])
+        response = {
+            "jobs": [
+                {"job_id": r.job_id, "source_id": p.source_id, "slug": p.slug, "created": r.created}
+                for p, r in zip(pages, results, strict=True)
+                if r is not None
+            ],
+            "unchanged": [
+                {"source_id": p.source_id, "slug": p.slug}
+                for p, r in zip(pages, results, strict=True)
+                if r is None
+            ],
+        }
+        pending = list(dict.fromkeys((r.job_id, outbox.EXTRACTION) for r in results if r is not None))
+        return response, pending
+
+    response, pending = deliver_once(factory, key, body_hash, write)
+    if pending is None:
+        return response, [], True
+    return response, pending, False
+
+
+def accept_pages(ctx: ApiContext, body: bytes, signature: str | None, key: str | None) -> JSONResponse:
+    """Verify, parse, store, commit, then enqueue (runs on a worker thread: all of it blocks)."""
+    verify_signature(ctx, body, signature)
+    key = check_idempotency_key(key)
+    pages = parse_pages(body)
+    body_hash = hashlib.sha256(body).hexdigest()
+    response, pending, replayed = store_pages(ctx.factory, pages, key, body_hash)
+    if replayed:
+        logger.info("replayed webhook delivery %s", key)
+        return JSONResponse(response, 202, headers=REPLAYED_HEADERS)
+    sent = ctx.enqueue(pending)
+    logger.info(
+        "accepted %s page(s): %s job(s), %s unchanged, %s sent to the broker",
+        len(pages),
+        len(response["jobs"]),
+        len(response["unchanged"]),
+        sent,
+    )
+    return JSONResponse(response, 202)
+
+
+@pages_router.post(
+    "/v1/pages",
+    status_code=202,
+    response_model=PagesAccepted,
+    summary="Store pages and queue their extraction (signed webhook)",
+    responses=error_responses(400, 401, 413, 422),
+    openapi_extra=json_request_body(_pages_body_schema()),
+)
+async def post_pages(
+    request: Request,
+    ctx: Context,
+    factmill_signature: SignatureHeader = None,
+    idempotency_key: IdempotencyHeader = None,
+) -> Response:
+    """One page, a list of pages, or `{"pages": [...]}` (at most 1,000). Unchanged pages queue nothing."""
+    body = await read_body(request, ctx.settings.max_body_bytes)
+    return await run_in_threadpool(accept_pages, ctx, body, factmill_signature, idempotency_key)
+
+
+__all__ = ["MAX_PAGES_PER_REQUEST", "accept_pages", "pages_router", "parse_pages", "store_pages"]

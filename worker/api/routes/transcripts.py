@@ -1,0 +1,324 @@
+"""Transcripts API: signed appends and settings, the context view, the full history, the compactions.
+
+``POST /v1/transcripts/{id}/messages`` and ``PUT /v1/transcripts/{id}`` are signed exactly like the
+page webhooks (``Factmill-Signature`` over the raw body). An append stores its messages and, when the
+context passes ``context_window - reserve_tokens``, requests a compaction job in the same transaction;
+the job is handed to the ``compaction`` queue only after the commit. No LLM call happens in a request.
+
+Each accepted or rejected compaction can be labelled later through ``POST /v1/feedback`` with its
+``compaction_id`` (the integer ``id`` listed by ``GET /v1/transcripts/{id}/compactions``) and the
+``coverage`` it recorded; that feeds the calibration of the threshold the gate uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from models import Compaction, TranscriptMessageRow
+from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once
+from worker.api.deps import (
+    ApiContext,
+    Context,
+    IdempotencyHeader,
+    SignatureHeader,
+    check_idempotency_key,
+    json_request_body,
+    load_json_object,
+    read_body,
+    verify_signature,
+)
+from worker.api.errors import ApiError, error_responses
+from worker.api.schemas.transcripts import (
+    AppendIn,
+    AppendOut,
+    CompactionOut,
+    CompactionRequested,
+    CompactionsOut,
+    ContextMessageOut,
+    ContextOut,
+    MessagesOut,
+    SettingsIn,
+    StoredMessageOut,
+    TranscriptOut,
+)
+from worker.compaction import (
+    MessageError,
+    TranscriptError,
+    TranscriptNotFoundError,
+    append_messages,
+    context_view,
+    list_compactions,
+    list_messages,
+    parse_messages,
+    transcript_stats,
+    update_settings,
+)
+from worker.core.compaction import TranscriptMessage
+from worker.jobs import outbox
+
+logger = logging.getLogger(__name__)
+
+compaction_router = APIRouter(tags=["transcripts"])
+
+TranscriptId = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\s/]+$",
+        description="The client's own id for the transcript (1-200 characters, no whitespace or '/')",
+    ),
+]
+
+
+# ---------------------------------------------------------------------------
+# Signed writes
+# ---------------------------------------------------------------------------
+
+
+def _unprocessable(exc: TranscriptError) -> ApiError:
+    if isinstance(exc, MessageError):
+        loc = f"messages[{exc.index}]"
+        return ApiError(422, str(exc), message_index=exc.index, errors=[{"loc": loc, "msg": str(exc)}])
+    return ApiError(422, str(exc))
+
+
+def _delivery_key(transcript_id: str, key: str) -> str:
+    # Deliveries share one table with the page webhooks; the prefix keeps the two key spaces apart.
+    return f"transcripts/{transcript_id}:{key}"
+
+
+def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[str, Any]]:
+    """The messages and the settings of an append body (422 naming what is wrong)."""
+    unknown = sorted(set(data) - {"messages", "settings"})
+    if unknown:
+        raise ApiError(422, f"unexpected field(s) {', '.join(unknown)}; send messages and optional settings")
+    if "messages" not in data:
+        raise ApiError(422, 'messages: required; send {"messages": [{"role": ..., "text": ...}]}')
+    settings = data.get("settings")
+    if settings is None:
+        settings = {}
+    elif not isinstance(settings, dict):
+        raise ApiError(422, "settings must be an object")
+    try:
+        return parse_messages(data["messages"]), settings
+    except TranscriptError as exc:
+        raise _unprocessable(exc) from None
+
+
+def accept_messages(
+    ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None, key: str | None
+) -> JSONResponse:
+    """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
+    verify_signature(ctx, body, signature)
+    key = check_idempotency_key(key)
+    messages, settings = _parse_append(load_json_object(body))
+
+    def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        result = append_messages(
+            session,
+            transcript_id,
+            messages,
+            settings=settings,
+            retrigger_seconds=ctx.settings.compaction_retrigger_seconds,
+        )
+        trigger = result.trigger
+        response = AppendOut(
+            transcript_id=transcript_id,
+            appended=len(messages),
+            first_seq=result.first_seq,
+            last_seq=result.last_seq,
+            context_tokens=trigger.context_tokens,
+            trigger_tokens=trigger.trigger_tokens,
+            compaction=(
+                CompactionRequested(job_id=trigger.job.job_id, created=trigger.job.created)
+                if trigger.job is not None
+                else None
+            ),
+            note=trigger.note,
+        )
+        return response.model_dump(mode="json"), result.pending_jobs()
+
+    delivery_key = _delivery_key(transcript_id, key) if key is not None else None
+    try:
+        response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
+    except TranscriptError as exc:
+        raise _unprocessable(exc) from None
+    if pending is None:
+        return JSONResponse(response, 201, headers=REPLAYED_HEADERS)
+    sent = ctx.enqueue(pending)
+    logger.info(
+        "transcript %s: %s message(s) appended (seq %s-%s), context %s tokens, %s compaction job(s) sent",
+        transcript_id,
+        len(messages),
+        response["first_seq"],
+        response["last_seq"],
+        response["context_tokens"],
+        sent,
+    )
+    return JSONResponse(response, 201)
+
+
+@contextmanager
+def _transcript_session(ctx: ApiContext) -> Iterator[Session]:
+    """A read session in which a transcript that does not exist is answered 404."""
+    with ctx.factory() as session:
+        try:
+            yield session
+        except TranscriptNotFoundError as exc:
+            raise ApiError(404, str(exc)) from None
+
+
+def _transcript_out(ctx: ApiContext, transcript_id: str) -> TranscriptOut:
+    with _transcript_session(ctx) as session:
+        stats = transcript_stats(session, transcript_id)
+    return TranscriptOut.model_validate(stats.as_dict())
+
+
+def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None) -> JSONResponse:
+    verify_signature(ctx, body, signature)
+    data = load_json_object(body)
+    try:
+        with ctx.factory.begin() as session:
+            _, trigger = update_settings(
+                session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
+            )
+            pending = [(trigger.job.job_id, outbox.COMPACTION)] if trigger.job and trigger.job.created else []
+    except TranscriptError as exc:
+        raise _unprocessable(exc) from None
+    ctx.enqueue(pending)
+    logger.info("transcript %s: settings %s", transcript_id, sorted(data))
+    return JSONResponse(_transcript_out(ctx, transcript_id).model_dump(mode="json"), 200)
+
+
+@compaction_router.post(
+    "/v1/transcripts/{transcript_id}/messages",
+    status_code=201,
+    response_model=AppendOut,
+    summary="Append messages to a transcript (signed webhook); queues a compaction when it is due",
+    responses=error_responses(400, 401, 413, 422),
+    openapi_extra=json_request_body(AppendIn.model_json_schema()),
+)
+async def post_messages(
+    request: Request,
+    ctx: Context,
+    transcript_id: TranscriptId,
+    factmill_signature: SignatureHeader = None,
+    idempotency_key: IdempotencyHeader = None,
+) -> Response:
+    """`{"messages": [{role, text, tool_calls, tool_call_id, tool_name}], "settings": {...}}`.
+
+    The transcript is created on first use. Roles are user, assistant and tool; a tool result must
+    answer a call of the assistant turn right before it (counting what is already stored). An invalid
+    message is answered with 422 naming it (`messages[i]`), and nothing of the request is stored.
+    """
+    body = await read_body(request, ctx.settings.max_body_bytes)
+    return await run_in_threadpool(
+        accept_messages, ctx, transcript_id, body, factmill_signature, idempotency_key
+    )
+
+
+@compaction_router.put(
+    "/v1/transcripts/{transcript_id}",
+    response_model=TranscriptOut,
+    summary="Create a transcript or change its settings (signed)",
+    responses=error_responses(400, 401, 413, 422),
+    openapi_extra=json_request_body(SettingsIn.model_json_schema()),
+)
+async def put_transcript(
+    request: Request, ctx: Context, transcript_id: TranscriptId, factmill_signature: SignatureHeader = None
+) -> Response:
+    """Only the settings sent change. A smaller window can put the context over its threshold at once:
+    then a compaction is queued as for an append."""
+    body = await read_body(request, ctx.settings.max_body_bytes)
+    return await run_in_threadpool(accept_settings, ctx, transcript_id, body, factmill_signature)
+
+
+# ---------------------------------------------------------------------------
+# Reads
+# ---------------------------------------------------------------------------
+
+
+@compaction_router.get(
+    "/v1/transcripts/{transcript_id}",
+    response_model=TranscriptOut,
+    responses=error_responses(404),
+    summary="A transcript's settings and its before/after token counts",
+)
+def get_transcript(ctx: Context, transcript_id: TranscriptId) -> TranscriptOut:
+    return _transcript_out(ctx, transcript_id)
+
+
+@compaction_router.get(
+    "/v1/transcripts/{transcript_id}/context",
+    response_model=ContextOut,
+    responses=error_responses(404),
+    summary="What to send a model now: the newest accepted summary plus the messages after its cut",
+)
+def get_context(ctx: Context, transcript_id: TranscriptId) -> ContextOut:
+    """Repaired for providers: every tool call is followed by its results (a placeholder stands in for
+    one that never came), and no tool result is separated from its call."""
+    with _transcript_session(ctx) as session:
+        view = context_view(session, transcript_id)
+    return ContextOut(
+        transcript_id=transcript_id,
+        compaction_id=view.compaction_id,
+        cut_seq=view.cut_seq,
+        tokens=view.tokens,
+        messages=[ContextMessageOut.model_validate(m.as_dict()) for m in view.messages],
+    )
+
+
+@compaction_router.get(
+    "/v1/transcripts/{transcript_id}/messages",
+    response_model=MessagesOut,
+    responses=error_responses(404),
+    summary="The full history, in order (compaction never deletes a message)",
+)
+def get_messages(
+    ctx: Context,
+    transcript_id: TranscriptId,
+    after_seq: Annotated[
+        int | None, Query(ge=-1, description="Only messages after this seq (paging)")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> MessagesOut:
+    with _transcript_session(ctx) as session:
+        rows: list[TranscriptMessageRow] = list_messages(
+            session, transcript_id, after_seq=after_seq, limit=limit
+        )
+        messages = [StoredMessageOut.model_validate(row) for row in rows]
+    next_after = messages[-1].seq if len(messages) == limit else None
+    return MessagesOut(transcript_id=transcript_id, messages=messages, next_after_seq=next_after)
+
+
+@compaction_router.get(
+    "/v1/transcripts/{transcript_id}/compactions",
+    response_model=CompactionsOut,
+    responses=error_responses(404),
+    summary="Compactions of a transcript, newest first (label one with POST /v1/feedback)",
+)
+def get_compactions(
+    ctx: Context,
+    transcript_id: TranscriptId,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    before_id: Annotated[int | None, Query(ge=1, description="Only compactions with a smaller id")] = None,
+) -> CompactionsOut:
+    """Accepted, rejected and failed alike. To label one for calibration, send its `id` as
+    `compaction_id` and its `coverage` to `POST /v1/feedback` with whether the answer survived."""
+    with _transcript_session(ctx) as session:
+        rows: list[Compaction] = list_compactions(session, transcript_id, limit=limit, before_id=before_id)
+        compactions = [CompactionOut.model_validate(row) for row in rows]
+    return CompactionsOut(transcript_id=transcript_id, compactions=compactions)
+
+
+__all__ = ["accept_messages", "accept_settings", "compaction_router"]

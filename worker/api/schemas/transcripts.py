@@ -1,0 +1,159 @@
+"""Request and response shapes of the transcripts API.
+
+The request bodies are parsed by worker.compaction so the CLI and the API share one rule set; the
+request models here document them in OpenAPI.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.compaction import MAX_MESSAGES_PER_REQUEST
+
+
+class ToolCallIn(BaseModel):
+    id: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] | str = Field(default="{}", description="A JSON object, or its JSON text")
+
+
+class MessageIn(BaseModel):
+    role: str = Field(description="user, assistant or tool")
+    text: str = ""
+    tool_calls: list[ToolCallIn] = Field(default_factory=list, description="Assistant turns only")
+    tool_call_id: str | None = Field(default=None, description="Tool results: the call this answers")
+    tool_name: str | None = Field(default=None, description="Tool results: defaults to the call's name")
+
+
+class SettingsIn(BaseModel):
+    """Per-transcript settings; send only the ones to change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_window: int | None = Field(default=None, ge=1, description="null: unknown, never compact")
+    reserve_tokens: int = Field(default=16_384, ge=0)
+    keep_recent_tokens: int = Field(default=20_000, ge=0)
+    tool_result_limit: int = Field(default=2_000, ge=0)
+    instructions: str | None = Field(default=None, description="Steers the summarizer (quoted as data)")
+
+
+class AppendIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[MessageIn] = Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST)
+    settings: SettingsIn | None = None
+
+
+class CompactionRequested(BaseModel):
+    job_id: int
+    created: bool  # False: a compaction was already pending for this transcript
+
+
+class AppendOut(BaseModel):
+    transcript_id: str
+    appended: int
+    first_seq: int
+    last_seq: int
+    context_tokens: int  # estimated tokens of the context view after the append
+    trigger_tokens: int | None  # context_window - reserve_tokens; None: never compacted automatically
+    compaction: CompactionRequested | None
+    note: str | None = None
+
+
+class TranscriptSettingsOut(BaseModel):
+    context_window: int | None
+    reserve_tokens: int
+    keep_recent_tokens: int
+    tool_result_limit: int
+    instructions: str | None
+
+
+class TranscriptOut(BaseModel):
+    transcript_id: str
+    settings: TranscriptSettingsOut
+    trigger_tokens: int | None
+    messages: int
+    history_tokens: int  # the full history, estimated
+    context_tokens: int  # what the context view sends now
+    saved_tokens: int
+    summary_tokens: int
+    compaction_id: int | None  # the accepted compaction the context view applies
+    cut_seq: int | None
+    pending_job_id: int | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class ContextMessageOut(BaseModel):
+    seq: int | None  # None: the summary, or a placeholder for a tool call that never got its result
+    role: str
+    text: str
+    tool_calls: list[ToolCallOut]
+    tool_call_id: str | None
+    tool_name: str | None
+    is_compaction: bool
+    tokens: int
+
+
+class ContextOut(BaseModel):
+    transcript_id: str
+    compaction_id: int | None
+    cut_seq: int | None
+    tokens: int
+    messages: list[ContextMessageOut]
+
+
+class StoredMessageOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    seq: int
+    role: str
+    text: str
+    tool_calls: list[ToolCallOut]
+    tool_call_id: str | None
+    tool_name: str | None
+    tokens: int
+    created_at: datetime
+
+
+class MessagesOut(BaseModel):
+    transcript_id: str
+    messages: list[StoredMessageOut]
+    next_after_seq: int | None  # pass as after_seq for the next page; None: this was the last page
+
+
+class CompactionOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int  # the compaction_id POST /v1/feedback takes
+    transcript_id: str
+    status: str  # accepted | rejected | failed
+    cut_seq: int
+    previous_id: int | None
+    summary: str | None
+    tokens_before: int
+    tokens_after: int | None
+    coverage: float | None
+    density: float | None
+    threshold_tau: float | None
+    threshold_version: int | None
+    attempts: int
+    missed_terms: list[str]
+    attempt_log: list[dict[str, Any]]
+    error: str | None
+    job_id: int | None
+    created_at: datetime
+
+
+class CompactionsOut(BaseModel):
+    transcript_id: str
+    compactions: list[CompactionOut]
