@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from models import CalibrationObservation, CalibrationThreshold, Job
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
+from tests.service import running, service_env, start_worker, wait_for
 from worker import jobs
 from worker.api.app import create_app
 from worker.api.signing import sign
@@ -861,14 +861,10 @@ def test_cli_refuses_a_database_without_the_schema(
 # A real Celery worker on the calibration queue
 # ---------------------------------------------------------------------------
 
-BROKER = broker_url_for_tests()
-
 
 @pytest.fixture
-def worker_env(database_url: str, simulator: Any) -> dict[str, str]:
-    if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
-        pytest.skip(f"no Redis at {BROKER}")
-    return service_env(database_url, BROKER, simulator.base_url, calibration_min_observations=20)
+def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(database_url, broker_url, simulator.base_url, calibration_min_observations=20)
 
 
 @pytest.fixture
