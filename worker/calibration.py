@@ -31,7 +31,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import CalibrationObservation, CalibrationThreshold
+from models import CalibrationObservation, CalibrationThreshold, Compaction
 from worker.config_store import CALIBRATION_ENABLED
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
 from worker.job_runner import JobOutcome, RetryPolicy, begin_job, paused_reason, retry_or_fail
@@ -162,7 +162,8 @@ class StoredObservation:
 @dataclass
 class AddReport:
     stored: list[StoredObservation] = field(default_factory=list)
-    conflicts: list[tuple[int, str]] = field(default_factory=list)  # (index, message)
+    # (index, message): refused, nothing stored (a reused key, a compaction that does not exist)
+    conflicts: list[tuple[int, str]] = field(default_factory=list)
     recompute: JobRequest | None = None
 
     @property
@@ -191,10 +192,16 @@ def _conflict_message(obs: ObservationIn, row: CalibrationObservation) -> str:
 def store_observations(session: Session, observations: Sequence[ObservationIn]) -> AddReport:
     """Insert the observations in the caller's transaction; a repeated key is reported, not stored twice.
 
-    Ids follow the submitted order.
+    Ids follow the submitted order. One naming a compaction that does not exist is refused (a conflict).
     """
     report = AddReport()
-    indexed = list(enumerate(observations))
+    unknown = _unknown_compactions(session, observations)
+    indexed: list[tuple[int, ObservationIn]] = []
+    for index, obs in enumerate(observations):
+        if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
+            report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
+        else:
+            indexed.append((index, obs))
     # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids
     # in submission order.
     for unkeyed, run in itertools.groupby(indexed, key=lambda item: item[1].dedupe_key() is None):
@@ -205,6 +212,18 @@ def store_observations(session: Session, observations: Sequence[ObservationIn]) 
     report.stored.sort(key=lambda s: s.index)
     report.conflicts.sort()
     return report
+
+
+def _unknown_compactions(session: Session, observations: Sequence[ObservationIn]) -> set[int]:
+    """The judged compaction ids that name no compaction. The ones found are locked FOR KEY SHARE (as
+    the foreign key check itself does), so none can be deleted before this transaction commits."""
+    ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
+    if not ids:
+        return set()
+    found = session.scalars(
+        select(Compaction.id).where(Compaction.id.in_(ids)).with_for_update(key_share=True)
+    )
+    return ids - set(found)
 
 
 def _row(obs: ObservationIn) -> dict[str, Any]:
