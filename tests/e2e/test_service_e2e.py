@@ -65,7 +65,10 @@ PAGE = {
 }
 
 
-def test_signed_webhook_to_facts_through_api_and_worker_processes(database_url, broker_url, simulator):
+def test_signed_webhook_to_facts_through_api_and_worker_processes(
+    database_url, factory, broker_url, simulator
+):
+    # `factory` empties the database first: the job counts below must not include earlier tests' jobs.
     env = service_env(database_url, broker_url, simulator.base_url)
     port = free_port()
     api = ServiceProcess(
