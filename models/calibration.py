@@ -33,8 +33,10 @@ class CalibrationObservation(Base):
     answer_kept: Mapped[bool] = mapped_column(Boolean, nullable=False)
     # Where the label came from: "api", "cli", "csv:<file>", an evaluation run's name...
     origin: Mapped[str] = mapped_column(Text, nullable=False)
-    # The compaction that was judged. No foreign key yet: the compactions table comes later.
-    compaction_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
+    # The compaction that was judged; deleting it keeps the observation (it still calibrates).
+    compaction_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("compactions.id", ondelete="SET NULL"), index=True
+    )
     # A repeated submission carries the same key and is reported as a duplicate, not stored twice.
     # NULL (no client key, no compaction id) never conflicts: two equal labels can be two real cases.
     dedupe_key: Mapped[str | None] = mapped_column(Text, unique=True)

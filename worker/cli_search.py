@@ -26,8 +26,8 @@ from worker.search import (
 )
 from worker.settings import Settings, get_settings
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:

@@ -17,8 +17,6 @@ import pytest
 from tests.service import (
     REPO,
     ServiceProcess,
-    broker_url_for_tests,
-    redis_reachable,
     running,
     service_env,
     start_worker,
@@ -28,7 +26,6 @@ from worker.api.signing import sign
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-BROKER = broker_url_for_tests()
 SECRET = "test-secret"
 
 
@@ -68,9 +65,11 @@ PAGE = {
 }
 
 
-@pytest.mark.skipif(not redis_reachable(BROKER), reason=f"no Redis at {BROKER}")
-def test_signed_webhook_to_facts_through_api_and_worker_processes(database_url, simulator):
-    env = service_env(database_url, BROKER, simulator.base_url)
+def test_signed_webhook_to_facts_through_api_and_worker_processes(
+    database_url, factory, broker_url, simulator
+):
+    # `factory` empties the database first: the job counts below must not include earlier tests' jobs.
+    env = service_env(database_url, broker_url, simulator.base_url)
     port = free_port()
     api = ServiceProcess(
         ["serve", "--port", str(port)], env, ready_marker="Application startup complete", name="api"

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
+from tests.service import SessionBroker
 from worker.api.app import create_app
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.integration
 
 SECRET = "test-secret"
 ADMIN = "test-admin"
-REDIS_URL = "redis://127.0.0.1:6379/15"
+# Tests that talk to Redis pass the session's broker_url; the rest get one that never answers.
+NO_BROKER = "redis://127.0.0.1:1/0"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 CONVERSATION = "**Alice** (2024-03-15 9:00 AM): I signed the offer.\n**Bob** (2024-03-15 9:01 AM): Congrats!"
 
@@ -61,7 +62,7 @@ def make_runtime(database_url: str, factory: sessionmaker[Session], **settings: 
         "database_url": database_url,
         "webhook_secret": SECRET,
         "admin_token": ADMIN,
-        "broker_url": REDIS_URL,
+        "broker_url": NO_BROKER,
     }
     return Runtime(
         settings=Settings(**(values | settings)), factory=factory, config=ConfigReader(factory, ttl=0)
@@ -74,8 +75,11 @@ def recorder(factory: sessionmaker[Session]) -> Recorder:
 
 
 @pytest.fixture
-def client(database_url: str, factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
-    with TestClient(create_app(make_runtime(database_url, factory), sender=recorder)) as test_client:
+def client(
+    database_url: str, broker_url: str, factory: sessionmaker[Session], recorder: Recorder
+) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, factory, broker_url=broker_url)  # /readyz checks the broker
+    with TestClient(create_app(runtime, sender=recorder)) as test_client:
         yield test_client
 
 
@@ -715,15 +719,15 @@ def test_openapi_lists_the_routes(client: TestClient) -> None:
 
 
 def test_webhook_sends_through_the_real_celery_sender(
-    database_url: str, factory: sessionmaker[Session]
+    database_url: str, factory: sessionmaker[Session], broker: SessionBroker
 ) -> None:
     prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
-    runtime = make_runtime(database_url, factory, broker_key_prefix=prefix)
-    broker = redis.Redis.from_url(REDIS_URL)
+    runtime = make_runtime(database_url, factory, broker_url=broker.url, broker_key_prefix=prefix)
+    client = broker.client()
     try:
         with TestClient(create_app(runtime)) as test_client:  # no sender: Celery on runtime.settings
             job_id = post(test_client, page("celery/a")).json()["jobs"][0]["job_id"]
-        raw = broker.lrange(f"{prefix}extraction", 0, -1)
+        raw = client.lrange(f"{prefix}extraction", 0, -1)
         assert len(raw) == 1
         message = json.loads(raw[0])
         assert message["headers"]["task"] == "tasks.extraction.extract_page"
@@ -731,6 +735,6 @@ def test_webhook_sends_through_the_real_celery_sender(
         with factory() as session:
             assert session.scalar(select(Job.enqueued_at).where(Job.id == job_id)) is not None
     finally:
-        for key in broker.scan_iter(f"{prefix}*"):
-            broker.delete(key)
-        broker.close()
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
+        client.close()

@@ -7,21 +7,21 @@ import json
 import math
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from models import CalibrationObservation, CalibrationThreshold, Job
+from models import CalibrationObservation, CalibrationThreshold, Compaction, Job, Transcript
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
+from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
 from worker.api.signing import sign
 from worker.calibration import (
@@ -73,6 +73,27 @@ def count(factory: sessionmaker[Session], model: Any) -> int:
         return session.scalar(select(func.count()).select_from(model)) or 0
 
 
+# The compaction ids the tests below judge: observations may only name compactions that exist.
+JUDGED = (3, 5, 9, 17)
+
+
+def make_compactions(factory: sessionmaker[Session], ids: Iterable[int]) -> None:
+    with factory.begin() as session:
+        if session.get(Transcript, "judged") is None:
+            session.add(Transcript(id="judged"))
+            session.flush()
+        session.add_all(
+            Compaction(id=id_, transcript_id="judged", status="failed", cut_seq=0, tokens_before=0)
+            for id_ in ids
+        )
+
+
+@pytest.fixture
+def judged(factory: sessionmaker[Session]) -> tuple[int, ...]:
+    make_compactions(factory, JUDGED)
+    return JUDGED
+
+
 def versions(factory: sessionmaker[Session]) -> list[CalibrationThreshold]:
     with factory() as session:
         return list(reversed(threshold_history(session, 100)))
@@ -88,7 +109,7 @@ def current(factory: sessionmaker[Session]) -> ActiveThreshold:
 # ---------------------------------------------------------------------------
 
 
-def test_add_observations_stores_them(factory: sessionmaker[Session]) -> None:
+def test_add_observations_stores_them(factory: sessionmaker[Session], judged: tuple[int, ...]) -> None:
     report = add(
         factory, [ObservationIn(0.8, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
     )
@@ -123,7 +144,9 @@ def test_the_table_refuses_nan_and_out_of_range_too(factory: sessionmaker[Sessio
             s.add(CalibrationObservation(coverage=value, answer_kept=True, origin="raw"))
 
 
-def test_duplicates_are_reported_not_stored_twice(factory: sessionmaker[Session]) -> None:
+def test_duplicates_are_reported_not_stored_twice(
+    factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
     keyed = ObservationIn(0.7, True, "eval", idempotency_key="k-1")
     judged = ObservationIn(0.4, False, "eval", compaction_id=9)
     first = add(factory, [keyed, judged])
@@ -146,6 +169,48 @@ def test_a_key_reused_for_a_different_observation_is_a_conflict(factory: session
     assert [s.index for s in report.added] == [1]  # the good one is still stored
     with pytest.raises(ObservationError, match="already used"):
         add_observation(factory, ObservationIn(0.9, True, "eval", idempotency_key="k-2"), recompute_every=50)
+
+
+def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
+    factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    report = add(
+        factory,
+        [
+            ObservationIn(0.6, True, "eval", compaction_id=999),
+            ObservationIn(0.7, True, "eval", compaction_id=judged[0]),
+            ObservationIn(0.2, False, "eval", idempotency_key="k-404", compaction_id=404),
+        ],
+    )
+    assert report.conflicts == [
+        (0, "compaction_id 999: no such compaction"),
+        (2, "compaction_id 404: no such compaction"),
+    ]
+    assert [s.index for s in report.added] == [1]  # the rest of the batch is stored
+    with factory() as session:
+        assert list(session.scalars(select(CalibrationObservation.compaction_id))) == [judged[0]]
+    with pytest.raises(ObservationError, match="no such compaction"):
+        add_observation(factory, ObservationIn(0.6, True, "eval", compaction_id=999), recompute_every=50)
+
+
+def test_deleting_a_compaction_keeps_its_observations_without_the_id(
+    factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    gone, kept = judged[0], judged[1]
+    report = add(
+        factory,
+        [
+            ObservationIn(0.6, True, "eval", compaction_id=gone),
+            ObservationIn(0.3, False, "eval", compaction_id=kept),
+        ],
+    )
+    with factory.begin() as session:
+        session.execute(delete(Compaction).where(Compaction.id == gone))
+    with factory() as session:
+        rows = {r.id: r for r in session.scalars(select(CalibrationObservation))}
+    first, second = (rows[s.id] for s in report.stored)
+    assert first.compaction_id is None and (first.coverage, first.answer_kept) == (0.6, True)
+    assert second.compaction_id == kept
 
 
 def test_a_large_batch_in_chunks(factory: sessionmaker[Session]) -> None:
@@ -195,7 +260,7 @@ nan,true,eval
 
 
 def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
-    factory: sessionmaker[Session], tmp_path: Path
+    factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
 ) -> None:
     path = tmp_path / "labels.csv"
     path.write_text(CSV, encoding="utf-8")
@@ -210,6 +275,16 @@ def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
     again = import_csv(factory, path, recompute_every=50)
     assert again.added == [] and [line for line, _ in again.duplicates] == [2, 4, 9]
     assert count(factory, CalibrationObservation) == 3
+
+
+def test_import_reports_a_row_naming_an_unknown_compaction(
+    factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
+) -> None:
+    path = tmp_path / "judged.csv"
+    path.write_text(f"0.5,true,eval,404\n0.6,true,eval,{judged[0]}\n", encoding="utf-8")
+    report = import_csv(factory, path, recompute_every=50)
+    assert report.errors == [(1, "compaction_id 404: no such compaction")]
+    assert [line for line, _ in report.added] == [2]
 
 
 def test_import_refuses_an_unreadable_file(factory: sessionmaker[Session], tmp_path: Path) -> None:
@@ -545,7 +620,9 @@ def post_feedback(
 FEEDBACK = {"coverage": 0.82, "answer_kept": True, "origin": "eval:nightly", "compaction_id": 5}
 
 
-def test_signed_feedback_is_stored(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_signed_feedback_is_stored(
+    client: TestClient, factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
     response = post_feedback(client, FEEDBACK)
     assert response.status_code == 201, response.text
     body = response.json()
@@ -624,7 +701,7 @@ def test_malformed_and_oversized_feedback(client: TestClient) -> None:
 
 
 def test_duplicate_feedback_is_200_and_stored_once(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, factory: sessionmaker[Session], recorder: Recorder, judged: tuple[int, ...]
 ) -> None:
     keyed = {"coverage": 0.3, "answer_kept": False, "origin": "ui", "idempotency_key": "fb-1"}
     first = post_feedback(client, keyed)
@@ -640,6 +717,14 @@ def test_duplicate_feedback_is_200_and_stored_once(
     assert post_feedback(client, FEEDBACK).json()["duplicate"] is True
     assert count(factory, CalibrationObservation) == 2
     assert recorder.calls == []  # two observations: no recompute due yet (every 3)
+
+
+def test_feedback_on_a_compaction_that_does_not_exist_is_422(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    response = post_feedback(client, FEEDBACK)  # no compaction 5 in this test's database
+    assert response.status_code == 422 and response.json()["detail"] == "compaction_id 5: no such compaction"
+    assert count(factory, CalibrationObservation) == 0
 
 
 def test_feedback_key_conflicts_are_422(client: TestClient, factory: sessionmaker[Session]) -> None:
@@ -766,7 +851,7 @@ def test_cli_add_needs_a_label(cli: Any) -> None:
     assert result.exit_code == 2 and "--kept" in result.output
 
 
-def test_cli_import_reports_bad_rows_by_line(cli: Any, tmp_path: Path) -> None:
+def test_cli_import_reports_bad_rows_by_line(cli: Any, tmp_path: Path, judged: tuple[int, ...]) -> None:
     path = tmp_path / "labels.csv"
     path.write_text(CSV)
     result = cli("import", str(path))
@@ -861,14 +946,10 @@ def test_cli_refuses_a_database_without_the_schema(
 # A real Celery worker on the calibration queue
 # ---------------------------------------------------------------------------
 
-BROKER = broker_url_for_tests()
-
 
 @pytest.fixture
-def worker_env(database_url: str, simulator: Any) -> dict[str, str]:
-    if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
-        pytest.skip(f"no Redis at {BROKER}")
-    return service_env(database_url, BROKER, simulator.base_url, calibration_min_observations=20)
+def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(database_url, broker_url, simulator.base_url, calibration_min_observations=20)
 
 
 @pytest.fixture

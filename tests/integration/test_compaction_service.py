@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMessageRow
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import broker_url_for_tests, redis_reachable, running, service_env, start_worker, wait_for
+from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
 from worker.api.compaction_routes import CompactionCollector
 from worker.api.signing import sign
@@ -51,7 +51,6 @@ from worker.simulator import LOSSY_SUMMARY
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 SECRET = "test-secret"
-BROKER = broker_url_for_tests()
 GOAL = "Deploy the payments service to the Frankfurt region behind the canary flag."
 QUESTION = "How is the payments rollout in Frankfurt going?"
 INJECTION = (
@@ -204,10 +203,8 @@ def _clean_simulator(simulator: Any) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def worker_env(database_url: str, simulator: Any) -> dict[str, str]:
-    if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
-        pytest.skip(f"no Redis at {BROKER}")
-    return service_env(database_url, BROKER, simulator.base_url)
+def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(database_url, broker_url, simulator.base_url)
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, LLMCall
-from tests.service import broker_url_for_tests, redis_reachable
+from tests.service import SessionBroker
 from worker.core.facts import extraction_system_prompt, facts_json_schema, segment_user_message
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.llm.anthropic_provider import AnthropicChatClient
@@ -413,8 +412,6 @@ def test_thirty_percent_faults_still_extract_every_page(factory: sessionmaker[Se
 # The shared rate limiter across processes
 # --------------------------------------------------------------------------------------------------
 
-REDIS_URL = broker_url_for_tests()
-needs_redis = pytest.mark.skipif(not redis_reachable(REDIS_URL), reason=f"no Redis at {REDIS_URL}")
 
 LIMITED_CHILD = textwrap.dedent(
     """
@@ -435,7 +432,7 @@ LIMITED_CHILD = textwrap.dedent(
 
 
 def run_limited_processes(
-    processes: int, calls: int, *, rpm: int = 0, tpm: int = 0, tokens: int = 0
+    broker: SessionBroker, processes: int, calls: int, *, rpm: int = 0, tpm: int = 0, tokens: int = 0
 ) -> list[list[float]]:
     prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
     start_at = time.time() + 3.0  # every child has imported and connected by then
@@ -445,7 +442,7 @@ def run_limited_processes(
                 sys.executable,
                 "-c",
                 LIMITED_CHILD,
-                REDIS_URL,
+                broker.url,
                 prefix,
                 str(calls),
                 str(rpm),
@@ -465,9 +462,9 @@ def run_limited_processes(
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
         results.append(json.loads(out))
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
+    with broker.client() as client:
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
     return results
 
 
@@ -476,11 +473,10 @@ def achieved_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-@needs_redis
-def test_shared_rpm_limit_holds_across_two_processes() -> None:
+def test_shared_rpm_limit_holds_across_two_processes(broker: SessionBroker) -> None:
     rpm = 1200  # 20 requests a second, shared
     per_process = 30
-    first, second = run_limited_processes(2, per_process, rpm=rpm)
+    first, second = run_limited_processes(broker, 2, per_process, rpm=rpm)
     limit = rpm / 60
     rate = achieved_rate(first + second)
     assert rate <= limit * 1.1, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
@@ -495,20 +491,20 @@ def test_shared_rpm_limit_holds_across_two_processes() -> None:
         assert sum(start <= t <= end for t in stamps) >= 0.25 * len(overlap)
 
 
-@needs_redis
-def test_shared_tpm_limit_holds_across_two_processes() -> None:
+def test_shared_tpm_limit_holds_across_two_processes(broker: SessionBroker) -> None:
     tpm = 120_000  # 2,000 tokens a second, shared
     tokens = 100
-    first, second = run_limited_processes(2, 30, tpm=tpm, tokens=tokens)
+    first, second = run_limited_processes(broker, 2, 30, tpm=tpm, tokens=tokens)
     limit = tpm / 60
     rate = achieved_rate(first + second) * tokens
     assert limit * 0.7 <= rate <= limit * 1.1, f"{rate:.0f} tokens/s against {limit:.0f}"
 
 
-@needs_redis
-def test_rate_limited_client_reconciles_tokens_with_actual_usage(sim: Simulator) -> None:
+def test_rate_limited_client_reconciles_tokens_with_actual_usage(
+    sim: Simulator, broker: SessionBroker
+) -> None:
     prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
-    client = redis.Redis.from_url(REDIS_URL)
+    client = broker.client()
     limiter = RedisRateLimiter(client, RateLimits(tokens_per_minute=600_000), prefix=prefix)
     limited = RateLimitedClient(provider("openai", sim), limiter)
     key = f"{prefix}factmill:llm-ratelimit:simulator:simulator-1:tpm"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, pool
+from sqlalchemy import create_engine, inspect, pool, text
 
 import models
 from tests.conftest import fresh_database
@@ -45,3 +45,42 @@ def test_constraint_names_follow_the_convention(database_url: str) -> None:
     assert inspector.get_pk_constraint("facts")["name"] == "pk_facts"
     uniques = {u["name"] for u in inspector.get_unique_constraints("facts")}
     assert "uq_facts_source_id_source_markdown_slug_row_num" in uniques
+
+
+def test_0005_clears_compaction_ids_that_point_nowhere_then_adds_the_key(server_url: str) -> None:
+    """Observations stored before the foreign key may name compactions that never existed or were
+    deleted: 0005 sets those to NULL (keeping the observation) and keeps the ones that exist."""
+    from alembic import command
+
+    with fresh_database(server_url, "fk") as url:
+        db.upgrade(url, "0004")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO transcripts (id) VALUES ('t')"))
+            conn.execute(
+                text(
+                    "INSERT INTO compactions (id, transcript_id, status, cut_seq, tokens_before) "
+                    "VALUES (7, 't', 'failed', 0, 0)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO calibration_observations (id, coverage, answer_kept, origin, compaction_id) "
+                    "VALUES (1, 0.5, true, 'eval', 7), (2, 0.4, false, 'eval', 99), "
+                    "(3, 0.3, true, 'eval', NULL)"
+                )
+            )
+        db.upgrade(url)
+        query = text("SELECT id, compaction_id FROM calibration_observations ORDER BY id")
+        with engine.connect() as conn:
+            assert conn.execute(query).all() == [(1, 7), (2, None), (3, None)]
+        foreign_keys = inspect(engine).get_foreign_keys("calibration_observations")
+        assert [(fk["name"], fk["referred_table"], fk["options"].get("ondelete")) for fk in foreign_keys] == [
+            ("fk_calibration_observations_compaction_id_compactions", "compactions", "SET NULL")
+        ]
+        command.downgrade(db.alembic_config(url), "0004")
+        assert inspect(engine).get_foreign_keys("calibration_observations") == []
+        db.upgrade(url)
+        with engine.connect() as conn:
+            assert conn.execute(query).all() == [(1, 7), (2, None), (3, None)]
+        engine.dispose()

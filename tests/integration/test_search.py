@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from models import Fact
-from tests.conftest import fresh_database
+from tests.conftest import BACKENDS, fresh_database
 from worker import db
 from worker.config_store import ConfigReader
 from worker.core.intent import QueryParseError
@@ -208,6 +208,7 @@ def vector_database_url(database_url: str) -> Iterator[str]:
                 db.upgrade(url)
                 if not _has_store(url):
                     pytest.skip("no pgvector on the test server nor in the embedded pgserver")
+                BACKENDS["pgvector"] = "vector tests on an embedded pgserver (the server has no pgvector)"
                 yield url
         finally:
             server.cleanup()

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,8 +17,6 @@ from models import Fact, Job, LLMCall
 from tests.conftest import fresh_database
 from tests.service import (
     ServiceProcess,
-    broker_url_for_tests,
-    redis_reachable,
     running,
     service_env,
     start_beat,
@@ -36,10 +33,6 @@ from worker.pages import PageIn, upsert_page
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-BROKER = broker_url_for_tests()
-if not redis_reachable(BROKER):  # pragma: no cover - CI always has Redis
-    pytest.skip(f"no Redis at {BROKER}", allow_module_level=True)
 
 
 def conversation(pages_seed: int, segments: int, per_segment: int = 3) -> str:
@@ -59,8 +52,8 @@ def conversation(pages_seed: int, segments: int, per_segment: int = 3) -> str:
 
 
 @pytest.fixture
-def env(database_url: str, simulator: Any) -> dict[str, str]:
-    return service_env(database_url, BROKER, simulator.base_url)
+def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(database_url, broker_url, simulator.base_url)
 
 
 @pytest.fixture
@@ -192,7 +185,7 @@ def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, se
         assert session.scalar(select(func.count()).select_from(LLMCall).where(LLMCall.outcome != "ok")) == 0
 
 
-def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, server_url, simulator):
+def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, server_url, simulator, broker):
     simulator.configure(latency_ms=100)
     pages = {f"conversations/f{i}": conversation(i, segments=4) for i in range(16)}
     worker = start_worker(env, concurrency=4)
@@ -200,7 +193,8 @@ def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, serv
     with running(worker, beat):
         add_pages(factory, pages, sender)
         wait_for(lambda: statuses(factory).get("succeeded", 0) >= 2, 60, "some jobs to finish")
-        redis.Redis.from_url(BROKER).flushdb()
+        with broker.client() as client:
+            client.flushdb()
         wait_for(
             lambda: all_succeeded(factory, len(pages)),
             150,

@@ -16,7 +16,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from models import CalibrationObservation, CalibrationThreshold
+from models import CalibrationObservation, CalibrationThreshold, Compaction
 from worker.core.calibration import FALLBACK, ActiveThreshold, Observation, ObservationIn
 from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
 
@@ -42,7 +42,8 @@ class StoredObservation:
 @dataclass
 class AddReport:
     stored: list[StoredObservation] = field(default_factory=list)
-    conflicts: list[tuple[int, str]] = field(default_factory=list)  # (index, message)
+    # (index, message): refused, nothing stored (a reused key, a compaction that does not exist)
+    conflicts: list[tuple[int, str]] = field(default_factory=list)
     recompute: JobRequest | None = None
 
     @property
@@ -80,10 +81,16 @@ def _says_the_same(obs: ObservationIn, row: CalibrationObservation) -> bool:
 def store_observations(session: Session, observations: Sequence[ObservationIn]) -> AddReport:
     """Insert the observations in the caller's transaction; a repeated key is reported, not stored twice.
 
-    Ids follow the submitted order.
+    Ids follow the submitted order. One naming a compaction that does not exist is refused (a conflict).
     """
     report = AddReport()
-    indexed = list(enumerate(observations))
+    unknown = _unknown_compactions(session, observations)
+    indexed: list[tuple[int, ObservationIn]] = []
+    for index, obs in enumerate(observations):
+        if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
+            report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
+        else:
+            indexed.append((index, obs))
     # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids
     # in submission order.
     for unkeyed, run in itertools.groupby(indexed, key=lambda item: item[1].dedupe_key() is None):
@@ -94,6 +101,18 @@ def store_observations(session: Session, observations: Sequence[ObservationIn]) 
     report.stored.sort(key=lambda s: s.index)
     report.conflicts.sort()
     return report
+
+
+def _unknown_compactions(session: Session, observations: Sequence[ObservationIn]) -> set[int]:
+    """The judged compaction ids that name no compaction. The ones found are locked FOR KEY SHARE (as
+    the foreign key check itself does), so none can be deleted before this transaction commits."""
+    ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
+    if not ids:
+        return set()
+    found = session.scalars(
+        select(Compaction.id).where(Compaction.id.in_(ids)).with_for_update(key_share=True)
+    )
+    return ids - set(found)
 
 
 def _row(obs: ObservationIn) -> dict[str, Any]:

@@ -126,7 +126,7 @@ def accept_feedback(
         report = add_observation(
             ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every
         )
-    except ObservationError as exc:  # the key was used before for a different observation
+    except ObservationError as exc:  # a key reused for a different observation, an unknown compaction
         raise ApiError(422, str(exc)) from None
     [stored] = report.stored
     pending = report.pending_jobs()
@@ -173,7 +173,8 @@ async def post_feedback(
 ) -> Response:
     """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
 
-    Coverage must be a number from 0 to 1 (NaN and infinities are refused with 422). A resubmission is
+    Coverage must be a number from 0 to 1 (NaN and infinities are refused with 422), and a
+    `compaction_id` must name an existing compaction (else 422). A resubmission is
     recognised by its `idempotency_key` (body or header), or, for a judgement of a known compaction,
     by its identical origin, compaction_id, coverage and answer_kept.
     """
