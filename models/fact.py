@@ -22,9 +22,11 @@ from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, utcnow_column
+from worker.core.facts import (  # owned by the pure core, which cannot import models
+    FACT_KINDS,
+    NOTABILITY_LEVELS,
+)
 
-FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
-NOTABILITY_LEVELS = ("high", "medium", "low")
 SEGMENT_OUTCOMES = (
     "ok",
     "malformed_output",

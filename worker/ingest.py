@@ -1,137 +1,21 @@
-"""Reading page files (Markdown with YAML front matter) and storing them as pages."""
+"""Kept for importers outside the extraction package (CLI, demo): ingest is worker.extraction.ingest."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from datetime import date, datetime
-from pathlib import Path
-from typing import Any
+from worker.extraction.ingest import (
+    PAGE_SUFFIXES,
+    IngestReport,
+    PageFileError,
+    ingest_paths,
+    iter_page_files,
+    load_page_file,
+)
 
-import yaml
-from pydantic import ValidationError
-from sqlalchemy.orm import Session, sessionmaker
-
-from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.jobs.outbox import EXTRACTION
-from worker.pages import PageIn, store_page
-
-logger = logging.getLogger(__name__)
-
-PAGE_SUFFIXES = (".md", ".markdown", ".txt")
-FRONT_MATTER_KEYS = ("slug", "type", "title", "source_id")
-
-
-class PageFileError(ValueError):
-    """A file that cannot become a page; the message says why and what to fix."""
-
-
-@dataclass
-class IngestReport:
-    ingested: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-    errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
-    jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) to enqueue after commit
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
-    if not text.startswith("---"):
-        return {}, text
-    lines = text.splitlines(keepends=True)
-    if lines[0].strip() != "---":
-        return {}, text
-    for index in range(1, len(lines)):
-        if lines[index].strip() in ("---", "..."):
-            raw = "".join(lines[1:index])
-            try:
-                data = yaml.safe_load(raw) or {}
-            except yaml.YAMLError as exc:
-                raise PageFileError(f"front matter is not valid YAML: {exc}") from exc
-            if not isinstance(data, dict):
-                raise PageFileError("front matter must be a YAML mapping (key: value lines)")
-            return data, "".join(lines[index + 1 :])
-    raise PageFileError("front matter opened with '---' is never closed")
-
-
-def load_page_file(path: Path, root: Path | None = None, source_id: str = "default") -> PageIn:
-    """Read one page file; the slug defaults to the path below ``root`` without its suffix."""
-    raw = path.read_bytes()
-    if len(raw) > MAX_PAGE_BODY_BYTES + 64 * 1024:
-        raise PageFileError(f"file is {len(raw)} bytes, over the {MAX_PAGE_BODY_BYTES}-byte page cap")
-    if b"\x00" in raw:
-        raise PageFileError("file contains NUL bytes; it looks binary, not a text page")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise PageFileError(f"file is not valid UTF-8 (byte {exc.start}: {exc.reason})") from exc
-    meta, body = _split_front_matter(text)
-    if "type" not in meta:
-        raise PageFileError("front matter has no 'type' (e.g. type: conversation)")
-    slug = meta.get("slug")
-    if slug is None:
-        base = path.relative_to(root) if root and path.is_relative_to(root) else Path(path.name)
-        slug = base.with_suffix("").as_posix()
-    extra = {k: v for k, v in meta.items() if k not in FRONT_MATTER_KEYS}
-    try:
-        return PageIn(
-            source_id=str(meta.get("source_id", source_id)),
-            slug=str(slug),
-            type=str(meta["type"]),
-            title=str(meta.get("title") or ""),
-            compiled_truth=body.lstrip("\n"),
-            frontmatter=_jsonable(extra),
-        )
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise PageFileError(problems) from exc
-
-
-def iter_page_files(paths: Iterable[Path]) -> Iterator[tuple[Path, Path | None]]:
-    """Each file to ingest with the root its slug is relative to; directories are walked recursively."""
-    for path in paths:
-        if path.is_dir():
-            for child in sorted(path.rglob("*")):
-                if (
-                    child.is_file()
-                    and child.suffix.lower() in PAGE_SUFFIXES
-                    and child.name.lower() != "readme.md"
-                ):
-                    yield child, path
-        else:
-            yield path, None
-
-
-def ingest_paths(
-    factory: sessionmaker[Session], paths: Iterable[Path], source_id: str = "default"
-) -> IngestReport:
-    """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
-    path); a bad file is reported and the rest still go in. The caller enqueues ``report.jobs``."""
-    report = IngestReport()
-    for path, root in iter_page_files(paths):
-        try:
-            page = load_page_file(path, root, source_id)
-        except FileNotFoundError:
-            report.errors.append((str(path), "no such file or directory"))
-            continue
-        except (PageFileError, OSError) as exc:
-            report.errors.append((str(path), str(exc)))
-            continue
-        with factory.begin() as session:
-            job = store_page(session, page)
-        if job is None:
-            report.unchanged.append(page.slug)
-        else:
-            report.ingested.append(page.slug)
-            report.jobs.append((job.job_id, EXTRACTION))
-    return report
+__all__ = [
+    "PAGE_SUFFIXES",
+    "IngestReport",
+    "PageFileError",
+    "ingest_paths",
+    "iter_page_files",
+    "load_page_file",
+]

@@ -1,100 +1,89 @@
-"""One accounting path: with an `llm.prices` override set, every purpose's llm_calls rows are costed by it."""
+"""The `llm.prices` override costs every purpose's llm_calls rows: one test per purpose (and mode).
+
+Each test sets the override for a model that also has a list price, makes that purpose call the
+simulator under that model name, and checks every llm_calls row of the purpose against the override
+(never the list price). A feature adds its purpose here as one more test using ``assert_costed_by_override``.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from decimal import Decimal
-from typing import Any
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
-from worker.accounting import PRICES, PRICES_KEY, cost_usd, parse_prices
-from worker.calibration import ActiveThreshold
-from worker.compaction import append_messages, compact_transcript, parse_messages
-from worker.config_store import ConfigReader, set_config
-from worker.jobs import outbox as jobs
-from worker.jobs.lifecycle import run_job
-from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
-from worker.runtime import Runtime
-from worker.settings import Settings
+from tests.integration.test_extraction import put_page
+from worker.accounting import PRICES, cost_usd, parse_prices
+from worker.config_store import set_config
+from worker.extraction import ExtractOptions, run_batch_extraction, run_extract_conversation_facts
+from worker.llm.batches import OpenAIBatchClient
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.types import Usage
+from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = pytest.mark.integration
 
-LISTED_MODEL = "gpt-4o-mini"  # has a list price, so a row costed at list prices would show it
-OVERRIDE = json.dumps({LISTED_MODEL: {"input": 1000, "output": 2000}})
-USAGE = Usage(input_tokens=100, output_tokens=20)
-PASS_ALL = ActiveThreshold(0.0, None)
-# Window 6,000 and reserve 2,000: a compaction is due above 4,000 estimated tokens.
-SETTINGS = {"context_window": 6000, "reserve_tokens": 2000, "keep_recent_tokens": 1500}
+# A model with a list price, so a row costed at list price is told apart from one costed by the override.
+MODEL = "gpt-4o-mini"
+OVERRIDE = json.dumps({MODEL: {"input": 1000, "output": 2000}})
+assert MODEL in PRICES
 
 
-class ListedModelLLM:
-    """Answers every summarizer call with the same short summary, as a listed model."""
-
-    provider = "openai"
-    model = LISTED_MODEL
-
-    def chat(self, request: ChatRequest) -> ChatResponse:
-        return ChatResponse("## Goal\nKeep the disk clean.", "end", USAGE, self.provider, self.model, 5)
-
-    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
-        raise NotImplementedError
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Simulator]:
+    """A simulator of our own with quick batches (the shared one keeps its default batch delay)."""
+    with Simulator(SimulatorConfig(batch_delay_seconds=0.05)) as simulator:
+        yield simulator
 
 
-def long_transcript(factory: sessionmaker[Session], transcript_id: str) -> int:
-    """A transcript past its threshold; the id of the compaction job it requested."""
-    raw: list[dict[str, Any]] = []
-    for i in range(25):
-        raw.append({"role": "user", "text": f"Check volume {i} and clean its logs. " * 20})
-        raw.append({"role": "assistant", "text": f"Volume {i} is clean; the logs were rotated. " * 20})
+@pytest.fixture
+def priced(factory: sessionmaker[Session], sim: Simulator) -> sessionmaker[Session]:
+    """A database with the price override set (and the simulator's counters reset)."""
+    sim.configure(**SimulatorConfig(batch_delay_seconds=0.05).model_dump())
+    sim.reset()
     with factory.begin() as session:
-        result = append_messages(session, transcript_id, parse_messages(raw), settings=SETTINGS)
-    assert result.trigger.job is not None
-    return result.trigger.job.job_id
+        set_config(session, "llm.prices", OVERRIDE, updated_by="test")
+    return factory
 
 
-def set_override(factory: sessionmaker[Session]) -> Decimal:
-    """Set the `llm.prices` override; the cost of one call under it (which list prices would not give)."""
-    with factory.begin() as session:
-        set_config(session, PRICES_KEY, OVERRIDE)
-    expected = cost_usd(LISTED_MODEL, USAGE, {**PRICES, **parse_prices(OVERRIDE)})
-    assert expected != cost_usd(LISTED_MODEL, USAGE)
-    return expected
+def chat_client(sim: Simulator) -> OpenAIChatClient:
+    return OpenAIChatClient(model=MODEL, base_url=sim.base_url, provider="simulator")
 
 
-def compaction_costs(factory: sessionmaker[Session]) -> list[Decimal]:
+def assert_costed_by_override(factory: sessionmaker[Session], purpose: str, *, batch: bool = False) -> None:
+    """Every llm_calls row of ``purpose`` costs what the override says (at the batch discount if batched)."""
+    override = parse_prices(OVERRIDE)
     with factory() as session:
-        return list(
-            session.scalars(
-                select(LLMCall.cost_usd).where(LLMCall.purpose == "compaction").order_by(LLMCall.id)
-            )
-        )
+        calls = list(session.scalars(select(LLMCall).where(LLMCall.purpose == purpose)))
+    assert calls, f"no llm_calls rows for {purpose!r}"
+    for call in calls:
+        assert call.model == MODEL
+        usage = Usage(call.input_tokens, call.output_tokens, call.cache_read_tokens, call.cache_write_tokens)
+        expected = cost_usd(MODEL, usage, override, batch=batch)
+        assert expected > 0
+        assert call.cost_usd == expected, (call.id, call.cost_usd, expected)
+        assert call.cost_usd != cost_usd(MODEL, usage, PRICES, batch=batch)  # not the list price
+    assert sum((call.cost_usd for call in calls), Decimal(0)) > 0
 
 
-def test_a_compaction_job_costs_its_llm_call_with_the_price_override(
-    database_url: str, factory: sessionmaker[Session]
-) -> None:
-    job_id = long_transcript(factory, "priced-job")
-    expected = set_override(factory)
-    rt = Runtime(
-        settings=Settings(database_url=database_url, threshold_cache_seconds=0),
-        factory=factory,
-        config=ConfigReader(factory, ttl=0),
-        _llm=ListedModelLLM(),
+# --- extraction -----------------------------------------------------------------------------------
+
+
+def test_extraction_online_calls_are_costed_by_the_override(priced, sim):
+    put_page(priced)
+    counters = run_extract_conversation_facts(priced, chat_client(sim), ExtractOptions())
+    assert counters.llm_calls > 0
+    assert_costed_by_override(priced, "extraction")
+
+
+def test_extraction_batch_calls_are_costed_by_the_override(priced, sim):
+    put_page(priced)
+    counters = run_batch_extraction(
+        priced, OpenAIBatchClient(chat_client(sim)), ExtractOptions(), poll_seconds=0.02
     )
-    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
-    costs = compaction_costs(factory)
-    assert costs and costs == [expected] * len(costs)  # one row per summarizer attempt
-
-
-def test_compact_transcript_without_a_ledger_still_applies_the_price_override(
-    factory: sessionmaker[Session],
-) -> None:
-    long_transcript(factory, "priced-cli")
-    expected = set_override(factory)
-    outcome = compact_transcript(factory, ListedModelLLM(), "priced-cli", threshold=lambda: PASS_ALL)
-    assert outcome.status == "accepted"
-    assert compaction_costs(factory) == [expected]
+    assert counters.batch_status == "completed" and counters.llm_calls > 0
+    assert_costed_by_override(priced, "extraction", batch=True)

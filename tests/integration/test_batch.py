@@ -15,9 +15,14 @@ from typer.testing import CliRunner
 from models import ExtractionAudit, Fact, LLMCall
 from tests.integration.test_extraction import put_page
 from worker.accounting import Price, cost_usd
-from worker.batch import BatchExtractionCounters, run_batch_extraction
 from worker.config_store import set_config
-from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
+from worker.extraction import (
+    TERMINAL_AUDIT_SOURCE,
+    BatchExtractionCounters,
+    ExtractOptions,
+    run_batch_extraction,
+    run_extract_conversation_facts,
+)
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient

@@ -17,13 +17,14 @@ from worker.extraction import (
     TERMINAL_AUDIT_SOURCE,
     ExtractionDisabledError,
     ExtractOptions,
-    PageReport,
+    NoProgress,
+    PageIn,
     decode_checkpoint_entry,
     extract_conversation_facts_fingerprint,
     run_extract_conversation_facts,
+    upsert_page,
 )
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.pages import PageIn, upsert_page
 
 pytestmark = pytest.mark.integration
 
@@ -450,19 +451,10 @@ def test_page_deleted_between_listing_and_extraction(factory, llm):
     put_page(factory)
     put_page(factory, "conversations/other")
 
-    class DeleteOnList:
+    class DeleteOnList(NoProgress):
         def pages_listed(self, count: int) -> None:
             with factory.begin() as session:
                 session.execute(text("DELETE FROM pages WHERE slug = 'conversations/other'"))
-
-        def page_started(self, slug: str, segments: int) -> None:
-            pass
-
-        def segment_finished(self, slug: str, outcome: str) -> None:
-            pass
-
-        def page_finished(self, report: PageReport) -> None:
-            pass
 
     result = run_extract_conversation_facts(factory, llm, ExtractOptions(), progress=DeleteOnList())
     assert (result.pages_considered, result.pages_processed, result.pages_skipped) == (2, 1, 1)

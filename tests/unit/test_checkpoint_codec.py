@@ -6,6 +6,8 @@ import hashlib
 
 import pytest
 
+from worker.core.checkpoint import CheckpointState, PrefixHasher, messages_hash, resume_point
+from worker.core.conversation import Message
 from worker.extraction import (
     PER_SEGMENT_SOURCE_PREFIX,
     TERMINAL_AUDIT_SOURCE,
@@ -67,3 +69,21 @@ def test_source_id_with_a_pipe_is_refused():
 def test_source_names():
     assert PER_SEGMENT_SOURCE_PREFIX == "cli:extract-conversation-facts"
     assert TERMINAL_AUDIT_SOURCE == "cli:extract-conversation-facts:terminal"
+
+
+MESSAGES = [Message("Alice", f"2024-03-15T09:0{i}:00Z", f"line {i}") for i in range(4)]
+
+
+def test_resume_point_after_an_append_and_from_scratch_after_an_edit():
+    done = CheckpointState(2, messages_hash(MESSAGES[:2]), next_row_num=5)
+    assert resume_point(MESSAGES, PrefixHasher(MESSAGES), None) == (0, False)
+    assert resume_point(MESSAGES, PrefixHasher(MESSAGES), done) == (2, False)
+    edited = [Message("Alice", MESSAGES[0].timestamp, "changed"), *MESSAGES[1:]]
+    assert resume_point(edited, PrefixHasher(edited), done) == (0, True)
+    assert resume_point(MESSAGES[:1], PrefixHasher(MESSAGES[:1]), done) == (0, True)  # the page shrank
+
+
+def test_prefix_hasher_digests_match_a_fresh_hash_going_forward_and_back():
+    hasher = PrefixHasher(MESSAGES)
+    assert hasher.digest(3) == messages_hash(MESSAGES[:3])
+    assert hasher.digest(1) == messages_hash(MESSAGES[:1])

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # Celery's ``include`` does), so the outbox can route a kind without importing every feature up front.
 # A new kind is one module that calls ``register`` plus one line here.
 KIND_MODULES: dict[str, str] = {
-    "extraction": "worker.job_runner",
+    "extraction": "worker.extraction.job",
     "compaction": "worker.compaction.job",
     "calibration": "worker.calibration.job",
 }

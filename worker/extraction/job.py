@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
-from worker.extraction import CheckpointConflictError, ExtractOptions, run_extract_conversation_facts
+from worker.extraction.options import CheckpointConflictError, ExtractOptions
+from worker.extraction.service import extract_conversation_facts
+from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.outbox import BUDGET, EXTRACTION, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
@@ -22,9 +24,8 @@ def extract_page(ctx: JobContext) -> WorkResult:
         segment_concurrency=settings.segment_concurrency,
         max_output_tokens=settings.llm_max_output_tokens,
     )
-    counters = run_extract_conversation_facts(
-        rt.factory, rt.llm, options, config=rt.config, guard=ctx.guard, budget=rt.budget
-    )
+    store = ExtractionStore(rt.factory, rt.ledger)
+    counters = extract_conversation_facts(store, rt.llm, options, rt.config, rt.budget, guard=ctx.guard)
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]
     if waiting:

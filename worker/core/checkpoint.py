@@ -1,0 +1,109 @@
+"""The extraction checkpoint codec and resume arithmetic: fingerprints, entries, prefix hashes (pure)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.core.conversation import Message, Segment
+
+
+def extract_conversation_facts_fingerprint(source_id: str) -> str:
+    """First 8 hex digits of sha256 of ``{"sourceId":"<id>"}``: one resume namespace per source."""
+    payload = json.dumps({"sourceId": source_id}, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    source_id: str
+    slug: str
+    end_iso: str
+
+
+def encode_checkpoint_entry(source_id: str, slug: str, end_iso: str) -> str:
+    """``sourceId|slug|endIso``; the slug may hold ``/`` and even ``|``, the other two may not."""
+    if "|" in source_id or "|" in end_iso:
+        raise ValueError(f"source_id and end_iso must not contain '|': {source_id!r}, {end_iso!r}")
+    return f"{source_id}|{slug}|{end_iso}"
+
+
+def decode_checkpoint_entry(entry: str) -> CheckpointEntry | None:
+    """The entry's parts, or None when it is not of the form ``sourceId|slug|endIso``."""
+    source_id, sep, rest = entry.partition("|")
+    slug, sep2, end_iso = rest.rpartition("|")
+    if not sep or not sep2 or not source_id or not slug or not end_iso:
+        return None
+    return CheckpointEntry(source_id=source_id, slug=slug, end_iso=end_iso)
+
+
+def page_key(source_id: str, slug: str) -> str:
+    """The checkpoint row's key within a fingerprint: one row per page."""
+    return f"{source_id}|{slug}"
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Where a page's checkpoint stands: messages extracted, their digest, the next fact row number."""
+
+    messages_done: int
+    prefix_hash: str
+    next_row_num: int
+
+
+class PrefixHasher:
+    """sha256 over a growing prefix of the messages: digest(k) costs only the messages added since the
+    last call, so checkpointing every segment of a long page stays linear, not quadratic."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+        self._digest = hashlib.sha256()
+        self._done = 0
+
+    def digest(self, count: int) -> str:
+        if count < self._done:  # going back (an edited page): start over
+            self._digest, self._done = hashlib.sha256(), 0
+        update = self._digest.update
+        for message in self._messages[self._done : count]:
+            for part in (message.speaker, message.timestamp, message.text):
+                update(part.encode("utf-8", "surrogatepass"))
+                update(b"\x1f")
+            update(b"\x1e")
+        self._done = count
+        return self._digest.copy().hexdigest()
+
+
+def messages_hash(messages: Sequence[Message]) -> str:
+    """A digest of the messages already extracted, to tell an append from an edit."""
+    return PrefixHasher(messages).digest(len(messages))
+
+
+def resume_point(
+    messages: Sequence[Message], hasher: PrefixHasher, checkpoint: CheckpointState | None
+) -> tuple[int, bool]:
+    """(first message still to extract, whether the page must be re-extracted whole).
+
+    Resume after the checkpoint when the messages it covers are unchanged (an append); when they were
+    edited (or the page shrank), start over and replace the page's facts.
+    """
+    if checkpoint is None:
+        return 0, False
+    done = checkpoint.messages_done
+    if done <= len(messages) and hasher.digest(done) == checkpoint.prefix_hash:
+        return done, False
+    return 0, True
+
+
+def segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Segment]) -> list[int]:
+    """For each segment, the index just past its last message in ``messages``."""
+    ends: list[int] = []
+    cursor = start
+    for segment in segments:
+        last = segment.messages[-1]
+        while messages[cursor] is not last:
+            cursor += 1
+        cursor += 1
+        ends.append(cursor)
+    return ends

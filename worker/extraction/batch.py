@@ -1,0 +1,325 @@
+"""Batch-mode extraction for backfills: pending segments go out as one provider batch (half price).
+
+They come back through the same per-segment transaction as online extraction.
+
+Differences from an online run, on purpose:
+- no repair turn and no bigger-cap retry: a malformed, truncated or refused reply is recorded with its
+  outcome (llm_calls + extraction_audit) and its page stops there; the next run (online or batch) asks again;
+- a request the batch never ran (expired, cancelled) leaves no row at all: its page stops at it, the
+  checkpoint stays before it, and the next run extracts it. Nothing is lost and nothing is duplicated,
+  because a page's segments are committed in order and each commit moves the checkpoint guard.
+- results a page could not use (after its first failed or missing segment) were paid for, so their
+  llm_calls rows are written too, marked as discarded, exactly as online in-flight calls are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.accounting import Budget, Ledger
+from worker.config_store import ConfigReader
+from worker.core.conversation import render_segment_for_extraction
+from worker.extraction.committer import SegmentResults
+from worker.extraction.options import (
+    CheckpointConflictError,
+    ExtractionCounters,
+    ExtractionProgress,
+    ExtractOptions,
+    PageReport,
+    validate_since,
+)
+from worker.extraction.planner import PagePlan
+from worker.extraction.prompts import extraction_request, first_turn
+from worker.extraction.segments import Attempt, SegmentResult, classify_reply
+from worker.extraction.service import ExtractionRun, extract_pages
+from worker.extraction.store import ExtractionStore
+from worker.llm.batches import BatchItem, BatchLLMClient, BatchStatus
+from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.types import ChatRequest
+
+logger = logging.getLogger(__name__)
+
+# Both providers cap a batch (OpenAI 50,000 requests, Anthropic 100,000); pages past the cap wait for
+# the next run rather than splitting one page across two batches.
+MAX_BATCH_REQUESTS = 50_000
+DEFAULT_POLL_SECONDS = 30.0
+# The providers' completion window is 24 h; past it (plus a little) the batch is cancelled.
+DEFAULT_TIMEOUT_SECONDS = 24 * 3600 + 600
+DISCARDED_NOTE = "discarded: an earlier segment of the page did not complete (batch result)"
+
+
+@dataclass
+class BatchExtractionCounters(ExtractionCounters):
+    batch_id: str | None = None
+    batch_status: str | None = None  # the provider's last word on the batch
+    segments_submitted: int = 0
+    segments_missing: int = 0  # submitted, but the batch ended without running them
+    pages_incomplete: int = 0  # pages with segments left for the next run (no result for them)
+
+
+def custom_id(plan: PagePlan, index: int) -> str:
+    """``p<page id>-s<segment index>-m<end message index>`` (Anthropic allows only [A-Za-z0-9_-])."""
+    return f"p{plan.page_id}-s{index}-m{plan.ends[index]}"
+
+
+def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:
+    """One batch result as a segment's single attempt (no repair turn in batch mode)."""
+    if item.response is None:
+        error = item.error or "the batch request failed"
+        return SegmentResult(
+            [Attempt("provider_error", None, [], error, client.provider, client.model, batch=True)]
+        )
+    attempt = classify_reply(item.response, max_facts, cap)
+    attempt.batch = True
+    return SegmentResult([attempt])
+
+
+@dataclass
+class _Submitted:
+    """One submitted batch: its plans and requests, and the client it went to."""
+
+    client: BatchLLMClient
+    plans: list[PagePlan]
+    requests: dict[str, ChatRequest]
+
+
+class BatchExtraction:
+    """The batch path over an ExtractionRun: plan every page, submit one batch, wait, commit page by page."""
+
+    def __init__(self, run: ExtractionRun, counters: BatchExtractionCounters) -> None:
+        self.run = run
+        self.batch = counters
+
+    def finish(self, report: PageReport) -> None:
+        if report.status != "incomplete":
+            self.run.committer.finish(report)
+            return
+        self.batch.pages_incomplete += 1
+        self.batch.pages.append(report)
+        self.run.progress.page_finished(report)
+
+    def plans(self) -> list[PagePlan]:
+        plans: list[PagePlan] = []
+        queued = 0
+        for ref in self.run.list_pages():
+            plan = self.run.plan(ref)
+            if plan is None:
+                continue
+            if queued + len(plan.segments) > MAX_BATCH_REQUESTS and plans:
+                self.finish(
+                    PageReport(ref.slug, "skipped", f"the batch is full ({queued} requests); run again")
+                )
+            else:
+                plans.append(plan)
+                queued += len(plan.segments)
+        return plans
+
+    def requests(self, plans: list[PagePlan]) -> dict[str, ChatRequest]:
+        requests: dict[str, ChatRequest] = {}
+        cap = self.run.options.max_output_tokens
+        for plan in plans:
+            for index, segment in enumerate(plan.segments):
+                turn = first_turn(render_segment_for_extraction(plan.label, segment))
+                requests[custom_id(plan, index)] = extraction_request([turn], self.run.max_facts, cap)
+        return requests
+
+    def wait(
+        self,
+        client: BatchLLMClient,
+        batch_id: str,
+        poll_seconds: float,
+        timeout_seconds: float,
+        sleep: Callable[[float], None],
+    ) -> BatchStatus | None:
+        """Poll until the batch ends; past the timeout, cancel it and give it a grace period to end."""
+        started = time.monotonic()
+        deadline = started + timeout_seconds
+        cancelled = False
+        last: BatchStatus | None = None
+        while True:
+            if self.run.guard is not None:
+                self.run.guard()
+            try:
+                last = client.status(batch_id)
+            except LLMError as exc:
+                if not exc.retryable:
+                    raise
+                logger.warning("polling batch %s failed (%s); polling again", batch_id, exc)
+            if last is not None and last.ended:
+                logger.info(
+                    "batch %s ended %s after %.1fs: %s",
+                    batch_id,
+                    last.status,
+                    time.monotonic() - started,
+                    last.counts,
+                )
+                return last
+            if time.monotonic() >= deadline:
+                if cancelled:
+                    return last
+                logger.warning("batch %s did not end within %.0fs; cancelling it", batch_id, timeout_seconds)
+                client.cancel(batch_id)
+                cancelled = True
+                deadline = time.monotonic() + max(60.0, 10 * poll_seconds)
+            sleep(poll_seconds)
+
+    def result_of(self, item: BatchItem, client: BatchLLMClient) -> SegmentResult:
+        return batch_segment_result(item, client, self.run.max_facts, self.run.options.max_output_tokens)
+
+    def commit(
+        self, plan: PagePlan, items: dict[str, BatchItem], client: BatchLLMClient, batch_label: str
+    ) -> PageReport:
+        consumed: set[int] = set()
+
+        def results() -> SegmentResults:
+            for index, segment in enumerate(plan.segments):
+                item = items.get(custom_id(plan, index))
+                if item is None:
+                    return  # never ran: the page stops here, the next run extracts the rest
+                result = self.result_of(item, client)
+                self.batch.add_calls(result)
+                consumed.add(index)
+                yield index, segment, result
+
+        try:
+            report = self.run.committer.commit_page(plan, results())
+        except CheckpointConflictError as exc:
+            report = PageReport(plan.slug, "failed", str(exc), outcome="checkpoint_conflict")
+        if report.status == "processed" and report.segments < len(plan.segments):
+            report.status = "incomplete"
+            report.reason = (
+                f"segments {report.segments + 1}-{len(plan.segments)} have no result in {batch_label}; "
+                "the next run extracts them"
+            )
+        elif report.status == "incomplete":
+            report.reason += f" ({batch_label})"
+        self.record_discarded(plan, items, client, consumed)
+        return report
+
+    def record_discarded(
+        self, plan: PagePlan, items: dict[str, BatchItem], client: BatchLLMClient, consumed: set[int]
+    ) -> None:
+        """Results after a page's stopping point cost money too: record them, facts unused."""
+        for index, segment in enumerate(plan.segments):
+            item = items.get(custom_id(plan, index))
+            if index not in consumed and item is not None:
+                result = self.result_of(item, client)
+                self.run.committer.record_discarded(plan.slug, index, segment, result, DISCARDED_NOTE)
+
+    def submit(self, client: BatchLLMClient) -> _Submitted | None:
+        """Plan the pages and submit their segments as one batch; None when there is nothing to send
+        (or the budget is spent: every planned page is then finished as budget_exhausted)."""
+        plans = self.plans()
+        requests = self.requests(plans)
+        if not requests:
+            return None
+        try:
+            self.run.budget.check(self.run.options.job_id)
+        except BudgetExhaustedError as exc:
+            for plan in plans:
+                self.finish(PageReport(plan.slug, "failed", str(exc), outcome="budget_exhausted"))
+            return None
+        if self.run.guard is not None:
+            self.run.guard()
+        self.batch.batch_id = client.submit(list(requests.items()))
+        self.batch.segments_submitted = len(requests)
+        logger.info(
+            "submitted batch %s to %s (%s): %d segment(s) from %d page(s)",
+            self.batch.batch_id,
+            client.provider,
+            client.model,
+            len(requests),
+            len(plans),
+        )
+        return _Submitted(client, plans, requests)
+
+    def collect(self, sent: _Submitted, status: BatchStatus | None) -> None:
+        """Commit what the ended batch answered, page by page; a batch that never ended commits nothing."""
+        batch_id = self.batch.batch_id
+        assert batch_id is not None
+        self.batch.batch_status = status.status if status is not None else None
+        label = f"batch {batch_id} ({self.batch.batch_status or 'unknown status'})"
+        if status is None or not status.ended:
+            for plan in sent.plans:
+                reason = f"{label} did not end in time; the next run submits these segments again"
+                self.finish(PageReport(plan.slug, "incomplete", reason, segments=0))
+            self.batch.segments_missing = len(sent.requests)
+            return
+        items = sent.client.results(batch_id, sent.requests)
+        self.batch.segments_missing = sum(1 for key in sent.requests if key not in items)
+        for plan in sent.plans:
+            self.finish(self.commit(plan, items, sent.client, label))
+        logger.info("committed %s: %s", label, self.batch.as_dict(with_pages=False))
+
+
+def batch_extraction(
+    store: ExtractionStore,
+    client: BatchLLMClient | None,
+    options: ExtractOptions,
+    config: ConfigReader,
+    budget: Budget,
+    *,
+    poll_seconds: float = DEFAULT_POLL_SECONDS,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    progress: ExtractionProgress | None = None,
+    guard: Callable[[], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> BatchExtractionCounters:
+    """The batch run over a store: see ``run_batch_extraction``."""
+    counters = BatchExtractionCounters()
+    run = ExtractionRun(store, options, config, budget, counters=counters, progress=progress, guard=guard)
+    validate_since(options.since_iso)
+    if options.dry_run:
+        extract_pages(run, None)  # counts pages and segments; no LLM, no batch
+        return counters
+    if client is None:
+        raise ValueError("a batch LLM client is required unless dry_run is set")
+    run.check_switch()
+    batch = BatchExtraction(run, counters)
+    sent = batch.submit(client)
+    if sent is not None:
+        assert counters.batch_id is not None
+        batch.collect(sent, batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep))
+    return counters
+
+
+def run_batch_extraction(
+    factory: sessionmaker[Session],
+    client: BatchLLMClient | None,
+    options: ExtractOptions | None = None,
+    *,
+    config: ConfigReader | None = None,
+    poll_seconds: float = DEFAULT_POLL_SECONDS,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    progress: ExtractionProgress | None = None,
+    guard: Callable[[], None] | None = None,
+    budget: Budget | None = None,
+    ledger: Ledger | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> BatchExtractionCounters:
+    """Extract the pending segments of one source (or one page) through the provider's batch API.
+
+    Same page selection, kill switch, size cap and resume rules as ``run_extract_conversation_facts``;
+    one batch per run, polled every ``poll_seconds``; results are committed page by page, in segment
+    order, through the online run's per-segment transaction. Blocks until the batch ends (or
+    ``timeout_seconds``, when it is cancelled and whatever finished is committed).
+    """
+    options = options or ExtractOptions()
+    config = config or ConfigReader(factory, ttl=0)
+    return batch_extraction(
+        ExtractionStore(factory, ledger or Ledger(config.get)),
+        client,
+        options,
+        config,
+        budget or Budget(factory, config.get),
+        poll_seconds=poll_seconds,
+        timeout_seconds=timeout_seconds,
+        progress=progress,
+        guard=guard,
+        sleep=sleep,
+    )

@@ -1,0 +1,162 @@
+"""The vocabulary of an extraction run: its constants, options, errors, counters, reports and progress."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from worker.config_store import EXTRACTION_ENABLED, EXTRACTION_MAX_FACTS, EXTRACTION_PAGE_TYPES, ConfigReader
+from worker.extraction.segments import SegmentResult
+from worker.jobs.registry import KillSwitchOffError
+
+OP_NAME = "extract-conversation-facts"
+PER_SEGMENT_SOURCE_PREFIX = "cli:extract-conversation-facts"
+TERMINAL_AUDIT_SOURCE = "cli:extract-conversation-facts:terminal"
+CONVERSATION_PAGE_TYPES = ("conversation", "meeting", "slack", "email", "imessage")
+
+
+class ExtractionDisabledError(KillSwitchOffError):
+    """The kill switch is off; nothing was sent to the LLM."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"fact extraction is disabled ({EXTRACTION_ENABLED}=false). Turn it on with "
+            f"`factmill config set {EXTRACTION_ENABLED} true`, or pass --override-disabled "
+            "(override_disabled=True) for a one-off run."
+        )
+
+
+class CheckpointConflictError(RuntimeError):
+    """Another run advanced this page's checkpoint first; this run's segment was rolled back."""
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    source_id: str = "default"
+    slug: str | None = None
+    dry_run: bool = False
+    force: bool = False
+    since_iso: str | None = None
+    override_disabled: bool = False
+    max_facts: int | None = None  # None: config extraction.max_facts, else 10
+    max_output_tokens: int = 1024
+    job_id: int | None = None
+    segment_concurrency: int = 1  # LLM calls in flight per page; results still commit in order
+
+
+@dataclass
+class PageReport:
+    slug: str
+    status: str  # processed | skipped | skipped_too_large | failed | dry_run | incomplete (batch mode)
+    reason: str = ""
+    segments: int = 0
+    facts: int = 0
+    outcome: str | None = None  # for a failed page: the outcome of the segment that failed
+
+
+@dataclass
+class ExtractionCounters:
+    pages_considered: int = 0
+    pages_processed: int = 0
+    pages_skipped: int = 0
+    pages_skipped_too_large: int = 0
+    pages_failed: int = 0
+    segments_processed: int = 0
+    segments_failed: int = 0
+    facts_extracted: int = 0
+    facts_inserted: int = 0
+    llm_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    pages: list[PageReport] = field(default_factory=list)
+
+    def as_dict(self, with_pages: bool = True) -> dict[str, Any]:
+        data = asdict(self)
+        if not with_pages:
+            data.pop("pages")
+        return data
+
+    def add_page(self, report: PageReport) -> None:
+        """Count one finished page by its status and keep its report."""
+        if report.status == "dry_run":
+            self.segments_processed += report.segments
+        if report.status in ("processed", "dry_run"):
+            self.pages_processed += 1
+        elif report.status == "skipped":
+            self.pages_skipped += 1
+        elif report.status == "skipped_too_large":
+            self.pages_skipped_too_large += 1
+        else:
+            self.pages_failed += 1
+        self.pages.append(report)
+
+    def add_calls(self, result: SegmentResult) -> None:
+        """Count a segment's LLM requests and tokens (every attempt that reached the provider)."""
+        self.llm_calls += sum(attempt.called for attempt in result.attempts)
+        for attempt in result.attempts:
+            if attempt.response is not None:
+                self.input_tokens += attempt.response.usage.input_tokens
+                self.output_tokens += attempt.response.usage.output_tokens
+
+
+class ExtractionProgress(Protocol):
+    def pages_listed(self, count: int) -> None: ...
+    def page_started(self, slug: str, segments: int) -> None: ...
+    def segment_finished(self, slug: str, outcome: str) -> None: ...
+    def page_finished(self, report: PageReport) -> None: ...
+
+
+class NoProgress:
+    """Progress that reports nothing; subclass it to hear only some of the events."""
+
+    def pages_listed(self, count: int) -> None:
+        pass
+
+    def page_started(self, slug: str, segments: int) -> None:
+        pass
+
+    def segment_finished(self, slug: str, outcome: str) -> None:
+        pass
+
+    def page_finished(self, report: PageReport) -> None:
+        pass
+
+
+def iso_to_datetime(iso: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def validate_since(since_iso: str | None) -> None:
+    if since_iso is not None and iso_to_datetime(since_iso) is None:
+        raise ValueError(f"--since must be an ISO-8601 time such as 2024-03-15T00:00:00Z, got {since_iso!r}")
+
+
+def page_types(config: ConfigReader) -> tuple[str, ...]:
+    """The conversation page types to extract, narrowed by `extraction.page_types` when it is set."""
+    narrowed = config.get(EXTRACTION_PAGE_TYPES)
+    if not narrowed or not narrowed.strip():
+        return CONVERSATION_PAGE_TYPES
+    wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}
+    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted)
+
+
+def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:
+    """The cap on facts per segment: the option, else `extraction.max_facts`, else 10 (1..25)."""
+    if options.max_facts is not None:
+        value = options.max_facts
+    else:
+        raw = config.get(EXTRACTION_MAX_FACTS)
+        value = int(raw) if raw and raw.strip().isdigit() else 10
+    if not 1 <= value <= 25:
+        raise ValueError(f"max_facts must be between 1 and 25, got {value}")
+    return value
+
+
+def ensure_enabled(options: ExtractOptions, config: ConfigReader) -> None:
+    """Raise ExtractionDisabledError when the kill switch is off (unless the run overrides it)."""
+    if not options.override_disabled and not config.enabled(EXTRACTION_ENABLED):
+        raise ExtractionDisabledError()

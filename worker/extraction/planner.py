@@ -1,0 +1,86 @@
+"""Which pages a run extracts and, per page, the segments after its checkpoint (the page plan)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.config_store import ConfigReader
+from worker.core.checkpoint import (
+    CheckpointState,
+    PrefixHasher,
+    extract_conversation_facts_fingerprint,
+    resume_point,
+    segment_ends,
+)
+from worker.core.conversation import (
+    MAX_PAGE_BODY_BYTES,
+    Segment,
+    parse_conversation_messages,
+    split_into_segments,
+)
+from worker.extraction.options import ExtractOptions, PageReport, page_types
+from worker.extraction.store import ExtractionStore, PageRef, SegmentPlace
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """One page's pending work: the segments after its checkpoint, and how to commit them."""
+
+    page_id: int
+    slug: str
+    label: str
+    hasher: PrefixHasher
+    segments: Sequence[Segment]
+    ends: Sequence[int]  # per segment, the message index just past it (the checkpoint it advances to)
+    checkpoint: CheckpointState | None
+    replace: bool  # force, or an edited page: all segments must succeed, then the facts are swapped
+
+
+class PagePlanner:
+    """Lists a run's pages and plans each one; reads only, through the store."""
+
+    def __init__(self, store: ExtractionStore, options: ExtractOptions, config: ConfigReader) -> None:
+        self.store = store
+        self.options = options
+        self.config = config
+        self.fingerprint = extract_conversation_facts_fingerprint(options.source_id)
+
+    def pages(self) -> list[PageRef]:
+        """The run's conversation pages (one source, or one page of it), by slug."""
+        return self.store.list_pages(self.options.source_id, page_types(self.config), self.options.slug)
+
+    def place(self, slug: str, index: int, segment: Segment) -> SegmentPlace:
+        return SegmentPlace(self.options.job_id, self.options.source_id, slug, index, segment)
+
+    def plan(self, ref: PageRef) -> PagePlan | PageReport:
+        """The page's segments after its checkpoint, or a report saying why there is nothing to do."""
+        slug = ref.slug
+        if ref.size > MAX_PAGE_BODY_BYTES:
+            return PageReport(
+                slug,
+                "skipped_too_large",
+                f"body is {ref.size} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap",
+            )
+        force = self.options.force
+        stored = self.store.load_page(
+            ref.page_id, self.fingerprint, self.options.source_id, slug, with_checkpoint=not force
+        )
+        if stored is None:
+            return PageReport(slug, "skipped", "the page was deleted before it could be extracted")
+        label, checkpoint = stored.label, stored.checkpoint
+        messages = parse_conversation_messages(stored.body)
+        del stored  # the body may be large: keep only its messages
+        if not messages:
+            return PageReport(
+                slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)"
+            )
+        hasher = PrefixHasher(messages)
+        start, edited = resume_point(messages, hasher, checkpoint)
+        segments = split_into_segments(messages[start:], since_iso=self.options.since_iso)
+        if not segments:
+            return PageReport(slug, "skipped", "nothing new since the last extraction")
+        if self.options.dry_run:
+            return PageReport(slug, "dry_run", "", segments=len(segments))
+        ends = segment_ends(messages, start, segments)
+        return PagePlan(ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited)

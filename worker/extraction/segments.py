@@ -1,0 +1,148 @@
+"""One segment's LLM attempts: the reply classified, one repair turn, one bigger cap, never "0 facts"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_reply, repair_user_message
+from worker.extraction.prompts import extraction_request, first_turn
+from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.retry import AttemptRecord
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient
+
+# A truncated reply is retried once with this many times the output cap, up to the ceiling.
+TRUNCATION_RETRY_FACTOR = 2
+MAX_OUTPUT_TOKENS_CEILING = 8192
+
+
+@dataclass
+class Attempt:
+    outcome: str
+    response: ChatResponse | None
+    facts: list[ExtractedFact]
+    error: str | None = None
+    provider: str = ""
+    model: str = ""
+    latency_ms: int = 0
+    called: bool = True  # False: refused before any request (budget), so no llm_calls row
+    batch: bool = False  # answered through a provider's batch API: billed at the batch discount
+
+    @classmethod
+    def of(
+        cls,
+        response: ChatResponse,
+        outcome: str,
+        *,
+        facts: list[ExtractedFact] | None = None,
+        error: str | None = None,
+    ) -> Attempt:
+        return cls(
+            outcome, response, facts or [], error, response.provider, response.model, response.latency_ms
+        )
+
+
+@dataclass
+class SegmentResult:
+    attempts: list[Attempt]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].outcome == "ok"
+
+    @property
+    def facts(self) -> list[ExtractedFact]:
+        return self.attempts[-1].facts if self.ok else []
+
+    @property
+    def outcome(self) -> str:
+        return self.attempts[-1].outcome
+
+
+def _retried_failures(records: Sequence[AttemptRecord]) -> list[Attempt]:
+    """The gateway's failed tries (429, 5xx, timeouts it retried) as attempts: each cost a request and is
+    recorded in llm_calls and extraction_audit like any other."""
+    return [
+        Attempt("provider_error", None, [], str(r.error), r.provider, r.model, r.latency_ms)
+        for r in records
+        if r.error is not None
+    ]
+
+
+def _chat_recording_retries(llm: LLMClient, request: ChatRequest, attempts: list[Attempt]) -> ChatResponse:
+    traced = getattr(llm, "chat_traced", None)
+    if traced is None:
+        return llm.chat(request)
+    result = traced(request)
+    attempts.extend(_retried_failures(result.failed_attempts))
+    return result.value  # type: ignore[no-any-return]
+
+
+def classify_reply(response: ChatResponse, max_facts: int, cap: int) -> Attempt:
+    """One reply as an attempt: refusal, truncated_output, malformed_output, or ok with its facts."""
+    if response.finish == "refusal":
+        return Attempt.of(response, "refusal", error=response.refusal or "the model refused")
+    if response.finish == "truncated":
+        return Attempt.of(response, "truncated_output", error=f"output hit the {cap}-token cap")
+    try:
+        facts = parse_facts_reply(response.text, max_facts)
+    except MalformedReplyError as exc:
+        return Attempt.of(response, "malformed_output", error=str(exc))
+    return Attempt.of(response, "ok", facts=facts)
+
+
+def _ask(
+    llm: LLMClient, request: ChatRequest, attempts: list[Attempt], before_call: Callable[[], None] | None
+) -> ChatResponse | None:
+    """One request; on a refusal or provider failure, its attempt is recorded and None returned."""
+    try:
+        if before_call is not None:
+            before_call()
+        return _chat_recording_retries(llm, request, attempts)
+    except BudgetExhaustedError as exc:  # refused by a budget check: no request made
+        attempts.append(
+            Attempt("budget_exhausted", None, [], str(exc), llm.provider, llm.model, called=False)
+        )
+    except LLMError as exc:
+        attempts.extend(_retried_failures(getattr(exc, "attempts", ())[:-1]))
+        attempts.append(
+            Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
+        )
+    return None
+
+
+def extract_segment(
+    llm: LLMClient,
+    rendered: str,
+    max_facts: int,
+    max_output_tokens: int,
+    before_call: Callable[[], None] | None = None,
+) -> SegmentResult:
+    """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one."""
+    turns: list[tuple[str, str]] = [first_turn(rendered)]
+    cap = max_output_tokens
+    attempts: list[Attempt] = []
+    repaired = retried_truncation = False
+    while True:
+        response = _ask(llm, extraction_request(turns, max_facts, cap), attempts, before_call)
+        if response is None:
+            return SegmentResult(attempts)
+        attempt = classify_reply(response, max_facts, cap)
+        attempts.append(attempt)
+        if attempt.outcome == "truncated_output":
+            if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
+                return SegmentResult(attempts)
+            retried_truncation = True
+            cap = min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
+            continue
+        if attempt.outcome == "malformed_output":
+            if repaired:
+                return SegmentResult(attempts)
+            repaired = True
+            turns = [
+                *turns,
+                ("assistant", response.text),
+                ("user", repair_user_message(response.text, attempt.error or "")),
+            ]
+            continue
+        return SegmentResult(attempts)
