@@ -356,11 +356,9 @@ def parse_structured_query(text: str) -> StructuredQuery | None:
     return StructuredQuery(searches=tuple(searches), intent=intent) if searches else None
 
 
+_SEARCH_TYPES: dict[str, SearchType] = {"lex": "lex", "vec": "vec", "hyde": "hyde"}
+
+
 def search_type(prefix: str) -> SearchType:
-    """The search type a lex/vec/hyde prefix names (any case)."""
-    lowered = prefix.lower()
-    if lowered == "lex":
-        return "lex"
-    if lowered == "vec":
-        return "vec"
-    return "hyde"
+    """The search type a lex/vec/hyde prefix names (any case; anything else is hyde)."""
+    return _SEARCH_TYPES.get(prefix.lower(), "hyde")

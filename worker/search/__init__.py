@@ -38,8 +38,6 @@ from worker.search.values import (
     SearchFilters,
     SearchOutcome,
     SearchResult,
-    VectorSearchStatus,
-    VectorStatus,
 )
 from worker.search.vector_ddl import VECTOR_STORE_DDL
 
@@ -64,9 +62,7 @@ __all__ = [
     "SearchOutcome",
     "SearchResult",
     "SearchStore",
-    "VectorSearchStatus",
     "VectorSearchUnavailableError",
-    "VectorStatus",
     "best_chunk",
     "embed_facts",
     "embed_new_facts",

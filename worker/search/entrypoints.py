@@ -18,7 +18,14 @@ from worker.llm.types import LLMClient
 from worker.search import service
 from worker.search.service import LLMSource
 from worker.search.store import SearchStore
-from worker.search.values import DEFAULT_LIMIT, EmbedReport, SearchFilters, SearchOutcome, VectorSearchStatus
+from worker.search.values import (
+    DEFAULT_LIMIT,
+    EmbedReport,
+    SearchFilters,
+    SearchOutcome,
+    SearchRequest,
+    VectorSearchStatus,
+)
 
 __all__ = ["embed_facts", "embed_new_facts", "enable_vector_search", "expand_query", "open_store", "search"]
 
@@ -40,8 +47,8 @@ def search(
     ledger: Ledger | None = None,
 ) -> SearchOutcome:
     """Run a plain query or a structured query document over the facts (see worker.search.service)."""
-    store = open_store(factory, ledger)
-    return service.search(store, llm, query, intent=intent, filters=filters, limit=limit, expand=expand)
+    request = SearchRequest(query, intent, filters or SearchFilters(), limit, expand)
+    return service.search(open_store(factory, ledger), llm, request)
 
 
 def expand_query(

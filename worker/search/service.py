@@ -48,13 +48,13 @@ from worker.search.errors import UNAVAILABLE_NO_EXTENSION, SearchError, VectorSe
 from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
 from worker.search.store import FactToEmbed, LineQuery, SearchStore
 from worker.search.values import (
-    DEFAULT_LIMIT,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MIN_CANDIDATES,
     EmbedReport,
     SearchFilters,
     SearchOutcome,
+    SearchRequest,
     SearchResult,
     VectorSearchStatus,
 )
@@ -169,16 +169,7 @@ class _Gathered:
     notes: list[str] = field(default_factory=list)
 
 
-def search(
-    store: SearchStore,
-    llm: LLMSource,
-    query: str,
-    *,
-    intent: str | None = None,
-    filters: SearchFilters | None = None,
-    limit: int = DEFAULT_LIMIT,
-    expand: bool = True,
-) -> SearchOutcome:
+def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> SearchOutcome:
     """Run a plain query or a structured query document over the facts.
 
     ``llm`` (a client, or a callable returning one, so callers can open it lazily) embeds vec/hyde
@@ -187,21 +178,20 @@ def search(
     vec:/hyde: lines without pgvector, and ``SearchError`` for other requests that cannot run.
     """
     started = time.perf_counter()
-    filters = filters or SearchFilters()
+    query, limit, filters = request.query, request.limit, request.filters
     if not 1 <= limit <= MAX_LIMIT:
         raise SearchError(f"limit must be between 1 and {MAX_LIMIT}; got {limit}")
     if len(query) > MAX_QUERY_CHARS:
         raise SearchError(f"the query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}")
-    intent = intent.strip() if intent and intent.strip() else None
+    intent = request.intent.strip() if request.intent and request.intent.strip() else None
     parsed = parse_structured_query(query)
     candidates = max(MIN_CANDIDATES, limit * 3)
     status = store.status()
     if parsed is not None:
         gathered = _structured_lists(store, llm, parsed, intent, filters, candidates, status)
     else:
-        gathered = _plain_lists(store, llm, query, intent, filters, candidates, status, expand)
+        gathered = _plain_lists(store, llm, query, intent, filters, candidates, status, request.expand)
     fused = fuse(gathered.lists)[:limit]
-    results = _build_results(store, fused, gathered.snippet_query, gathered.intent)
     return SearchOutcome(
         query=query,
         intent=gathered.intent,
@@ -210,7 +200,7 @@ def search(
         strong_signal=gathered.strong,
         vector_search="available" if status.available else "unavailable",
         lines=tuple(line for line, _ in gathered.lists),
-        results=tuple(results),
+        results=tuple(_build_results(store, fused, gathered.snippet_query, gathered.intent)),
         took_ms=(time.perf_counter() - started) * 1000,
         notes=tuple(gathered.notes),
     )

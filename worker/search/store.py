@@ -178,22 +178,24 @@ def vector_search_status(session: Session) -> VectorSearchStatus:
 # --------------------------------------------------------------------------- filters
 
 
+# SearchFilters field -> its clause; the value is bound as :f_<field>.
+_FILTER_CLAUSES = (
+    ("source_id", "{a}.source_id = :f_source_id"),
+    ("entity", "{a}.entity_slug = :f_entity"),
+    ("kind", "{a}.kind = :f_kind"),
+    ("since", "COALESCE({a}.valid_from, {a}.created_at) >= :f_since"),
+)
+
+
 def _filter_sql(filters: SearchFilters, alias: str = "f") -> tuple[str, dict[str, Any]]:
     # Audit rows (the terminal EXTRACTION_COMPLETE markers) are bookkeeping: never a search result.
     clauses = [f"NOT {alias}.is_audit"]
     params: dict[str, Any] = {}
-    if filters.source_id is not None:
-        clauses.append(f"{alias}.source_id = :f_source_id")
-        params["f_source_id"] = filters.source_id
-    if filters.entity is not None:
-        clauses.append(f"{alias}.entity_slug = :f_entity")
-        params["f_entity"] = filters.entity
-    if filters.kind is not None:
-        clauses.append(f"{alias}.kind = :f_kind")
-        params["f_kind"] = filters.kind
-    if filters.since is not None:
-        clauses.append(f"COALESCE({alias}.valid_from, {alias}.created_at) >= :f_since")
-        params["f_since"] = filters.since
+    for name, clause in _FILTER_CLAUSES:
+        value = getattr(filters, name)
+        if value is not None:
+            clauses.append(clause.format(a=alias))
+            params[f"f_{name}"] = value
     return " AND ".join(clauses), params
 
 

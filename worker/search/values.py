@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -20,6 +20,7 @@ __all__ = [
     "EmbedReport",
     "SearchFilters",
     "SearchOutcome",
+    "SearchRequest",
     "SearchResult",
     "VectorSearchStatus",
     "VectorStatus",
@@ -59,6 +60,17 @@ class SearchFilters:
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in FACT_KINDS:
             raise SearchError(f"kind must be one of {', '.join(FACT_KINDS)}; got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """One search as asked: a plain query or a query document, with its intent, filters and limit."""
+
+    query: str
+    intent: str | None = None
+    filters: SearchFilters = field(default_factory=SearchFilters)
+    limit: int = DEFAULT_LIMIT
+    expand: bool = True  # let the LLM expand a plain query
 
 
 # The HTTP API's answer uses this class as its schema (worker.api.search_routes), hence IsoDatetime.
@@ -114,13 +126,8 @@ class SearchOutcome:
     notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "query": self.query,
-            "intent": self.intent,
-            "structured": self.structured,
-            "expanded": self.expanded,
-            "strong_signal": self.strong_signal,
-            "vector_search": self.vector_search,
+        plain = ("query", "intent", "structured", "expanded", "strong_signal", "vector_search")
+        return {name: getattr(self, name) for name in plain} | {
             "searches": [line.as_dict() for line in self.lines],
             "results": [result.as_dict() for result in self.results],
             "took_ms": round(self.took_ms, 2),
