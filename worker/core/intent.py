@@ -25,6 +25,7 @@ __all__ = [
     "has_strong_signal",
     "parse_structured_query",
     "score_chunk",
+    "search_type",
 ]
 
 INTENT_WEIGHT_SNIPPET = 0.3
@@ -327,17 +328,17 @@ def parse_structured_query(text: str) -> StructuredQuery | None:
 
         typed = _TYPED_PREFIX.match(line)
         if typed:
-            search_type = _search_type(typed.group(1))
+            kind = search_type(typed.group(1))
             query = _trim(line[typed.end() :])
             if not query:
-                raise QueryParseError(f"Line {number} ({search_type}:) must include text.", number)
+                raise QueryParseError(f"Line {number} ({kind}:) must include text.", number)
             # "\n" already split the lines, but a lone "\r" inside one is still a line break.
             if "\r" in query or "\n" in query:
                 raise QueryParseError(
-                    f"Line {number} ({search_type}:) contains a newline. Keep each query on a single line.",
+                    f"Line {number} ({kind}:) contains a newline. Keep each query on a single line.",
                     number,
                 )
-            searches.append(TypedSearch(type=search_type, query=query, line=number))
+            searches.append(TypedSearch(type=kind, query=query, line=number))
             continue
 
         if len(lines) == 1:
@@ -355,10 +356,9 @@ def parse_structured_query(text: str) -> StructuredQuery | None:
     return StructuredQuery(searches=tuple(searches), intent=intent) if searches else None
 
 
-def _search_type(prefix: str) -> SearchType:
-    lowered = prefix.lower()
-    if lowered == "lex":
-        return "lex"
-    if lowered == "vec":
-        return "vec"
-    return "hyde"
+_SEARCH_TYPES: dict[str, SearchType] = {"lex": "lex", "vec": "vec", "hyde": "hyde"}
+
+
+def search_type(prefix: str) -> SearchType:
+    """The search type a lex/vec/hyde prefix names (any case; anything else is hyde)."""
+    return _SEARCH_TYPES.get(prefix.lower(), "hyde")

@@ -18,6 +18,7 @@ from worker.search import (
     MAX_QUERY_CHARS,
     SearchError,
     SearchFilters,
+    SearchResult,
     VectorSearchUnavailableError,
     search,
 )
@@ -65,26 +66,9 @@ class SearchLineOut(BaseModel):
     hits: int
 
 
-class SearchResultOut(BaseModel):
-    fact_id: int
-    fact: str
-    kind: str
-    entity: str | None
-    score: float
-    lex_score: float | None
-    vec_score: float | None
-    source_id: str
-    page_slug: str
-    segment: str
-    segment_start: str | None
-    segment_end: str | None
-    row_num: int
-    confidence: float
-    notability: str
-    valid_from: str | None
-    snippet: str
-    snippet_line: int
-    matched_by: list[str]
+class SearchResultOut(SearchResult):
+    # The package's result value, under the schema name the API has always published.
+    pass
 
 
 class SearchOut(BaseModel):

@@ -1,0 +1,191 @@
+"""With an `llm.prices` override set, every LLM call is costed by it: here search's expansion, HyDE/vec
+query embeddings and fact embeddings (each purpose records through the one Ledger)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import insert, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Fact
+from tests.conftest import TABLES, fresh_database
+from worker import db
+from worker.accounting import PRICES_KEY, Ledger, cost_usd, parse_prices
+from worker.config_store import ConfigReader, set_config
+from worker.embedded import to_sqlalchemy_url
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.types import Usage
+from worker.search import embed_facts, embed_new_facts, search
+
+pytestmark = pytest.mark.integration
+
+# Neither simulator model has a list price, so without the override every call would cost 0.
+OVERRIDE = {
+    "simulator-1": {"input": 1000, "output": 2000},
+    "simulator-embedding-1": {"input": 500, "output": 0},
+}
+
+
+def _sim_llm(simulator: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        embedding_model="simulator-embedding-1",
+    )
+
+
+def _set_prices(factory: sessionmaker[Session]) -> None:
+    with factory.begin() as session:
+        set_config(session, PRICES_KEY, json.dumps(OVERRIDE))
+
+
+def _assert_costed_by_the_override(factory: sessionmaker[Session], purpose: str) -> int:
+    """Every llm_calls row of ``purpose`` costs what the override says; returns how many there are."""
+    prices = parse_prices(json.dumps(OVERRIDE))
+    with factory() as session:
+        rows = session.execute(
+            text(
+                "SELECT model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, cost_usd, "
+                "outcome FROM llm_calls WHERE purpose = :p"
+            ),
+            {"p": purpose},
+        ).all()
+    assert rows, f"no {purpose} call was recorded"
+    for row in rows:
+        usage = Usage(row.input_tokens, row.output_tokens, row.cache_read_tokens, row.cache_write_tokens)
+        expected = cost_usd(row.model, usage, prices)
+        assert row.outcome == "ok"
+        assert expected > 0
+        assert row.cost_usd == expected, (
+            f"{purpose} call on {row.model} costed {row.cost_usd}, not {expected}"
+        )
+    return len(rows)
+
+
+def _seed_facts(factory: sessionmaker[Session], page: str, facts: list[str]) -> None:
+    rows = [
+        {
+            "source_id": "default",
+            "fact": fact,
+            "kind": "fact",
+            "entity_slug": "bob",
+            "confidence": 0.9,
+            "notability": "medium",
+            "context": "conversation segment 2024-04-02T18:00:00Z to 2024-04-02T18:25:00Z",
+            "valid_from": None,
+            "source": "cli:extract-conversation-facts",
+            "source_session": f"cli:extract-conversation-facts:{page}",
+            "source_markdown_slug": page,
+            "row_num": row_num,
+            "is_audit": False,
+        }
+        for row_num, fact in enumerate(facts)
+    ]
+    with factory.begin() as session:
+        session.execute(insert(Fact), rows)
+
+
+def _has_vector_store(url: str) -> bool:
+    with db.get_engine(url).connect() as conn:
+        return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
+
+
+@pytest.fixture(scope="module")
+def vector_database_url(database_url: str) -> Iterator[str]:
+    """A database with the pgvector store: the test database when its server has pgvector, else one on
+    the embedded pgserver (which bundles pgvector)."""
+    if _has_vector_store(database_url):
+        yield database_url
+        return
+    pgserver = pytest.importorskip("pgserver", reason="no pgvector on the test server and no pgserver")
+    with tempfile.TemporaryDirectory(prefix="factmill-test-accounting-") as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
+        try:
+            with fresh_database(to_sqlalchemy_url(server.get_uri()), "acct") as url:
+                db.upgrade(url)
+                if not _has_vector_store(url):
+                    pytest.skip("no pgvector on the test server nor in the embedded pgserver")
+                yield url
+        finally:
+            server.cleanup()
+
+
+@pytest.fixture
+def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    engine = db.get_engine(vector_database_url)
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def test_search_expansion_is_costed_by_the_price_override(
+    factory: sessionmaker[Session], simulator: Any
+) -> None:
+    _set_prices(factory)
+    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
+    # An intent always expands.
+    outcome = search(factory, _sim_llm(simulator), "who has a dog", intent="pets")
+    assert outcome.expanded
+    assert _assert_costed_by_the_override(factory, "search_expansion") == 1
+
+
+def test_hyde_and_vec_embeddings_are_costed_by_the_price_override(
+    vector_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    _set_prices(vector_factory)
+    llm = _sim_llm(simulator)
+    _seed_facts(
+        vector_factory, "bob-chat", ["Bob adopted a greyhound named Pixel", "Bob is allergic to peanuts"]
+    )
+    ledger = Ledger(ConfigReader(vector_factory, ttl=0).get)  # as the runtime passes its own
+    embed_facts(vector_factory, llm, ledger=ledger)
+    outcome = search(vector_factory, llm, "hyde: Bob has a pet dog\nvec: which pets", ledger=ledger)
+    assert outcome.vector_search == "available"
+    assert [line.type for line in outcome.lines] == ["hyde", "vec"]
+    # Both lines are embedded in one call.
+    assert _assert_costed_by_the_override(vector_factory, "search_embedding") == 1
+    # A plain query's vec probe and its expansion's vec/hyde lines: one more embedding call.
+    search(vector_factory, llm, "who has a dog", intent="pets")
+    assert _assert_costed_by_the_override(vector_factory, "search_embedding") == 2
+    assert _assert_costed_by_the_override(vector_factory, "search_expansion") == 1
+
+
+def test_fact_embeddings_are_costed_by_the_price_override(
+    factory: sessionmaker[Session], simulator: Any
+) -> None:
+    _set_prices(factory)
+    llm = _sim_llm(simulator)
+    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel", "Bob is allergic to peanuts"])
+    report = embed_facts(factory, llm, batch_size=1, set_up_vector_store=False)
+    assert report.embedded == 2
+    _seed_facts(factory, "bob-later", ["Bob prefers aisle seats on long flights"])
+    assert embed_new_facts(factory, llm, "default", "bob-later") == 1
+    assert _assert_costed_by_the_override(factory, "embedding") == 3
+
+
+def test_a_failed_record_never_fails_the_search(
+    factory: sessionmaker[Session], simulator: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_config(key: str) -> str | None:
+        raise RuntimeError("config table unreachable")
+
+    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
+    with caplog.at_level(logging.WARNING, logger="worker.search.service"):
+        outcome = search(
+            factory, _sim_llm(simulator), "who has a dog", intent="pets", ledger=Ledger(broken_config)
+        )
+    assert outcome.expanded
+    assert "could not record a search_expansion LLM call" in caplog.text
+    with factory() as session:
+        assert session.scalar(text("SELECT count(*) FROM llm_calls")) == 0

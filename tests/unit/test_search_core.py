@@ -1,0 +1,98 @@
+"""The pure pieces of search: lex lines into tsquery texts, fusion, snippets' segments, embedding text."""
+
+from __future__ import annotations
+
+import math
+
+from worker.core.embeddings import fact_embedding_text, vector_literal, version_tuple
+from worker.core.fusion import (
+    FIRST_PLACE_BONUS,
+    PODIUM_BONUS,
+    RRF_K,
+    Hit,
+    SearchLine,
+    fuse,
+    segment_range,
+    segment_snippet,
+)
+from worker.core.lexing import (
+    LexItem,
+    idf,
+    lex_items,
+    lex_units,
+    parse_lex_query,
+    plain_text,
+    rarest_first,
+    restrict_weights,
+)
+
+
+def test_lex_items_keep_words_phrases_exclusions_in_order() -> None:
+    items = lex_items(parse_lex_query('bob "oat milk" -coffee'))
+    assert items == [LexItem("w", "bob"), LexItem("p", "oat milk"), LexItem("x", "coffee")]
+
+
+def test_lex_units_prefix_long_words_and_restrict_strong_matches() -> None:
+    items = [LexItem("w", "alice-smith"), LexItem("w", "v1"), LexItem("p", "oat milk"), LexItem("x", "tea")]
+    parsed = ["alice\x1fsmith", "v1", "'oat' <-> 'milk'", "'tea'"]
+    units, excluded = lex_units(items, parsed)
+    assert [u.match for u in units] == ["('alice':* & 'smith':*)", "('v1')", "('oat' <-> 'milk')"]
+    assert [u.strong for u in units] == [
+        "('alice':*AB & 'smith':*AB)",
+        "('v1':AB)",
+        "('oat':AB <-> 'milk':AB)",
+    ]
+    assert excluded == ["!('tea')"]
+
+
+def test_lex_units_skip_what_postgres_found_nothing_in() -> None:
+    assert lex_units([LexItem("w", "!!")], [""]) == ([], [])
+
+
+def test_quotes_inside_lexemes_are_escaped() -> None:
+    units, _ = lex_units([LexItem("w", "o'neil")], ["o'neil"])
+    assert units[0].match == "('o''neil':*)"
+    assert restrict_weights("'o''neil' & 'x'", "AB") == "'o''neil':AB & 'x':AB"
+
+
+def test_rarest_first_puts_absent_words_last() -> None:
+    assert rarest_first([50.0, 0.0, 3.0, 50.0]) == [2, 0, 3, 1]
+
+
+def test_idf_falls_as_a_word_gets_common() -> None:
+    assert idf(1, 1000) > idf(100, 1000) > idf(1000, 1000) > 0
+    assert math.isclose(idf(0, 0), math.log(2.0))
+
+
+def test_plain_text_strips_an_expand_line() -> None:
+    assert plain_text("  expand:  where   did alice move ") == "where did alice move"
+
+
+def test_fusion_sums_reciprocal_ranks_and_rewards_the_top() -> None:
+    lex = SearchLine("lex", "dog", "user", 2.0)
+    vec = SearchLine("vec", "dog", "expansion", 1.0)
+    fused = fuse([(lex, [Hit(1, 0.9), Hit(2, 0.5)]), (vec, [Hit(2, 0.8), Hit(3, 0.7)])])
+    assert [e.fact_id for e in fused] == [2, 1, 3]
+    by_id = {e.fact_id: e for e in fused}
+    assert math.isclose(by_id[2].score, 2.0 / (RRF_K + 2) + 1.0 / (RRF_K + 1) + FIRST_PLACE_BONUS)
+    assert math.isclose(by_id[3].score, 1.0 / (RRF_K + 2) + PODIUM_BONUS)
+    assert by_id[2].matched_by == ["lex:1", "vec:2"]
+    assert (by_id[2].lex_score, by_id[2].vec_score) == (0.5, 0.8)
+    assert (by_id[3].lex_score, by_id[3].vec_score) == (None, 0.7)
+
+
+def test_segment_range_and_snippet() -> None:
+    context = "conversation segment 2024-03-01T09:00:00Z to 2024-03-01T09:40:00Z"
+    assert segment_range(context) == ("2024-03-01T09:00:00Z", "2024-03-01T09:40:00Z")
+    assert segment_range("notes") == (None, None)
+    segment = [(0, "Alice moved to Lisbon"), (1, "Alice prefers oat\nmilk"), (2, "Bob runs")]
+    snippet = segment_snippet(segment, 0, "oat milk", None)
+    assert snippet.line == 2  # the best line, not the result's own
+    assert "Alice prefers oat milk" in snippet.snippet
+
+
+def test_embedding_text_names_the_entity_once() -> None:
+    assert fact_embedding_text("Bob is allergic to peanuts", "bob") == "Bob is allergic to peanuts"
+    assert fact_embedding_text("Moved to Lisbon", "alice-smith") == "Moved to Lisbon (alice smith)"
+    assert vector_literal([1, 0.5]) == "[1.0,0.5]"
+    assert version_tuple("0.8.0") >= (0, 8) > version_tuple("0.7.4")

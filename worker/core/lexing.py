@@ -1,0 +1,183 @@
+"""Search query text: lex lines into tsquery texts, BM25-style idf and normalisation, expansion replies."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.core.intent import INTENT_STOP_WORDS, SearchType, search_type
+
+__all__ = [
+    "BM25_B",
+    "BM25_K1",
+    "CONTEXT_ONLY_WEIGHT",
+    "EXPANSION_MAX_LINES_PER_TYPE",
+    "EXPANSION_MAX_LINE_CHARS",
+    "MIN_PREFIX_CHARS",
+    "TYPICAL_FACT_LEXEMES",
+    "LexItem",
+    "LexQuery",
+    "LexUnit",
+    "idf",
+    "lex_items",
+    "lex_units",
+    "normalise_score",
+    "parse_expansion",
+    "parse_lex_query",
+    "plain_text",
+    "rarest_first",
+    "restrict_weights",
+]
+
+# BM25-style lexical scoring.
+BM25_K1 = 1.2
+BM25_B = 0.75
+# Lexemes in a typical fact row (fact + entity + segment context); the length normalisation's pivot.
+TYPICAL_FACT_LEXEMES = 20
+CONTEXT_ONLY_WEIGHT = 0.5
+MIN_PREFIX_CHARS = 3
+
+EXPANSION_MAX_LINES_PER_TYPE = 2
+EXPANSION_MAX_LINE_CHARS = 300
+
+_LEX_TOKEN = re.compile(r'(-?)"([^"]*)"|(\S+)')
+_TSQUERY_LEXEME = re.compile(r"'((?:[^'\\]|''|\\.)*)'")
+_EXPANSION_LINE = re.compile(r"^\s*(?:[-*]\s*)?(lex|vec|hyde)\s*:\s*(.+?)\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class LexQuery:
+    terms: tuple[str, ...]  # plain words, each ANDed (prefix match)
+    phrases: tuple[str, ...]  # quoted phrases, matched in order
+    excluded: tuple[str, ...]  # -word / -"phrase"
+
+
+def parse_lex_query(query: str) -> LexQuery:
+    """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-character
+    words drop out of the plain words (unless nothing else is left)."""
+    terms: list[str] = []
+    phrases: list[str] = []
+    excluded: list[str] = []
+    for match in _LEX_TOKEN.finditer(query):
+        negated, phrase, word = match.group(1), match.group(2), match.group(3)
+        if phrase is not None:
+            if phrase.strip():
+                (excluded if negated else phrases).append(phrase.strip())
+            continue
+        if word.startswith("-") and len(word) > 1:
+            excluded.append(word[1:])
+        elif word.upper() != "AND":
+            terms.append(word)
+    content = [t for t in terms if len(_bare(t)) > 1 and _bare(t) not in INTENT_STOP_WORDS]
+    # A query made only of stop words still searches for them.
+    return LexQuery(tuple(content or terms), tuple(phrases), tuple(excluded))
+
+
+def plain_text(query: str) -> str:
+    """A plain query's words, one space apart; a single "expand: ..." line is a plain query spelled out
+    (the structured-query parser returns None for it)."""
+    stripped = query.strip()
+    if stripped.lower().startswith("expand:"):
+        stripped = stripped[len("expand:") :].strip()
+    return " ".join(stripped.split())
+
+
+def _bare(word: str) -> str:
+    return re.sub(r"^\W+|\W+$", "", word.lower())
+
+
+def _quote_lexeme(lexeme: str) -> str:
+    return "'" + lexeme.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def restrict_weights(tsquery_text: str, weights: str) -> str:
+    """The tsquery text with every lexeme restricted to the given weights (e.g. 'AB')."""
+    return _TSQUERY_LEXEME.sub(lambda m: f"{m.group(0)}:{weights}", tsquery_text)
+
+
+LexKind = Literal["w", "p", "x"]  # word, phrase, excluded
+
+
+@dataclass(frozen=True)
+class LexItem:
+    """One piece of a lex line for Postgres's parser: a word (its lexemes are wanted) or a phrase or
+    an exclusion (its tsquery text is wanted)."""
+
+    kind: LexKind
+    text: str
+
+
+@dataclass(frozen=True)
+class LexUnit:
+    match: str  # tsquery text matching the unit anywhere
+    strong: str  # the same, restricted to the fact text and the entity (weights A, B)
+
+
+def lex_items(lex: LexQuery) -> list[LexItem]:
+    """Words, then phrases, then exclusions, in the order ``lex_units`` expects their parses."""
+    return (
+        [LexItem("w", t) for t in lex.terms]
+        + [LexItem("p", p) for p in lex.phrases]
+        + [LexItem("x", x) for x in lex.excluded]
+    )
+
+
+def lex_units(items: Sequence[LexItem], parsed: Sequence[str | None]) -> tuple[list[LexUnit], list[str]]:
+    """(units to match, negated tsquery texts) from each item's parse by Postgres: a word's lexemes
+    joined by chr(31), a phrase's or an exclusion's tsquery text (empty: nothing searchable)."""
+    units: list[LexUnit] = []
+    excluded: list[str] = []
+    for item, value in zip(items, parsed, strict=True):
+        if not value:
+            continue  # nothing searchable in it (punctuation only)
+        if item.kind == "w":
+            # Prefix matching ("meet" finds "meetings") only for words long enough to mean something.
+            lexemes = [(_quote_lexeme(x), len(x) >= MIN_PREFIX_CHARS) for x in value.split("\x1f")]
+            match = " & ".join(f"{x}:*" if prefix else x for x, prefix in lexemes)
+            strong = " & ".join(f"{x}:*AB" if prefix else f"{x}:AB" for x, prefix in lexemes)
+            units.append(LexUnit(f"({match})", f"({strong})"))
+        elif item.kind == "p":
+            units.append(LexUnit(f"({value})", f"({restrict_weights(value, 'AB')})"))
+        else:
+            excluded.append(f"!({value})")
+    return units, excluded
+
+
+def rarest_first(dfs: Sequence[float]) -> list[int]:
+    """Unit indexes, the rarest first and words no fact holds last: a match keeps a prefix of this
+    list, so it drops the absent words first, then the most common (the rarer words say more)."""
+    return sorted(range(len(dfs)), key=lambda i: (dfs[i] == 0, dfs[i], i))
+
+
+def idf(df: float, total: float) -> float:
+    return math.log(1.0 + (total - df + 0.5) / (df + 0.5))
+
+
+def normalise_score(raw: float) -> float:
+    """|x| / (1 + |x|): any raw score into [0, 1), order kept."""
+    magnitude = abs(raw)
+    return magnitude / (1.0 + magnitude)
+
+
+def parse_expansion(reply: str, query: str) -> list[tuple[SearchType, str]]:
+    """The usable lex/vec/hyde lines of an expansion reply: at most two of each type, no repeats of
+    the query, anything else ignored."""
+    seen = {("lex", query.strip().lower()), ("vec", query.strip().lower())}
+    per_type: dict[str, int] = {}
+    lines: list[tuple[SearchType, str]] = []
+    for raw in reply.splitlines():
+        match = _EXPANSION_LINE.match(raw)
+        if not match:
+            continue
+        kind = match.group(1).lower()
+        body = match.group(2).strip().strip('"').strip()[:EXPANSION_MAX_LINE_CHARS]
+        key = (kind, body.lower())
+        if not body or key in seen or per_type.get(kind, 0) >= EXPANSION_MAX_LINES_PER_TYPE:
+            continue
+        seen.add(key)
+        per_type[kind] = per_type.get(kind, 0) + 1
+        lines.append((search_type(kind), body))
+    return lines

@@ -1,0 +1,80 @@
+"""Intent-aware search over facts: lexical and vector lists, fused, with snippets; fact embeddings.
+
+The package: ``store`` (the SQL, owning its transactions), ``service`` (search and embeddings on a
+store, every LLM call accounted), ``entrypoints`` (the same from a sessionmaker, as callers use it),
+``prompts`` (query expansion), ``values``, ``errors`` and ``vector_ddl`` (the pgvector store, shared
+with migration 0003). The pure pieces live in ``worker.core.lexing``, ``worker.core.fusion`` and
+``worker.core.embeddings``.
+"""
+
+from __future__ import annotations
+
+from worker.core.embeddings import EMBEDDING_DIMENSIONS, fact_embedding_text
+from worker.core.fusion import RRF_K, SearchLine, best_chunk, fuse
+from worker.core.intent import QueryParseError
+from worker.core.lexing import normalise_score, parse_expansion, parse_lex_query
+from worker.search.entrypoints import (
+    embed_facts,
+    embed_new_facts,
+    enable_vector_search,
+    expand_query,
+    open_store,
+    search,
+)
+from worker.search.errors import (
+    UNAVAILABLE_NO_EXTENSION,
+    UNAVAILABLE_NOT_SET_UP,
+    SearchError,
+    VectorSearchUnavailableError,
+)
+from worker.search.prompts import EXPANSION_PURPOSE, EXPANSION_SYSTEM_PROMPT, expansion_request
+from worker.search.service import EMBEDDING_PURPOSE, LLMSource
+from worker.search.store import SearchStore, vector_search_status
+from worker.search.values import (
+    DEFAULT_LIMIT,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    EmbedReport,
+    SearchFilters,
+    SearchOutcome,
+    SearchResult,
+)
+from worker.search.vector_ddl import VECTOR_STORE_DDL
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "EMBEDDING_DIMENSIONS",
+    "EMBEDDING_PURPOSE",
+    "EXPANSION_PURPOSE",
+    "EXPANSION_SYSTEM_PROMPT",
+    "MAX_LIMIT",
+    "MAX_QUERY_CHARS",
+    "RRF_K",
+    "UNAVAILABLE_NOT_SET_UP",
+    "UNAVAILABLE_NO_EXTENSION",
+    "VECTOR_STORE_DDL",
+    "EmbedReport",
+    "LLMSource",
+    "QueryParseError",
+    "SearchError",
+    "SearchFilters",
+    "SearchLine",
+    "SearchOutcome",
+    "SearchResult",
+    "SearchStore",
+    "VectorSearchUnavailableError",
+    "best_chunk",
+    "embed_facts",
+    "embed_new_facts",
+    "enable_vector_search",
+    "expand_query",
+    "expansion_request",
+    "fact_embedding_text",
+    "fuse",
+    "normalise_score",
+    "open_store",
+    "parse_expansion",
+    "parse_lex_query",
+    "search",
+    "vector_search_status",
+]

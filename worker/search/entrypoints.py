@@ -1,0 +1,97 @@
+"""Search as its callers (API, CLI, jobs, bench, tests) call it: from a sessionmaker, through a SearchStore.
+
+Each entry point builds the store over ``factory`` and calls the service. LLM calls are costed by
+``ledger`` when one is given (pass the runtime's, ``rt.ledger``); without one, by a ledger over the
+config table behind ``factory``, so the `llm.prices` override applies either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.accounting import Ledger
+from worker.config_store import ConfigReader
+from worker.core.intent import SearchType
+from worker.llm.types import LLMClient
+from worker.search import service
+from worker.search.service import LLMSource
+from worker.search.store import SearchStore
+from worker.search.values import (
+    DEFAULT_LIMIT,
+    EmbedReport,
+    SearchFilters,
+    SearchOutcome,
+    SearchRequest,
+    VectorSearchStatus,
+)
+
+__all__ = ["embed_facts", "embed_new_facts", "enable_vector_search", "expand_query", "open_store", "search"]
+
+
+def open_store(factory: sessionmaker[Session], ledger: Ledger | None = None) -> SearchStore:
+    """The store over ``factory``, recording LLM calls through ``ledger`` (default: one over its config)."""
+    return SearchStore(factory, ledger if ledger is not None else Ledger(ConfigReader(factory).get))
+
+
+def search(
+    factory: sessionmaker[Session],
+    llm: LLMSource,
+    query: str,
+    *,
+    intent: str | None = None,
+    filters: SearchFilters | None = None,
+    limit: int = DEFAULT_LIMIT,
+    expand: bool = True,
+    ledger: Ledger | None = None,
+) -> SearchOutcome:
+    """Run a plain query or a structured query document over the facts (see worker.search.service)."""
+    request = SearchRequest(query, intent, filters or SearchFilters(), limit, expand)
+    return service.search(open_store(factory, ledger), llm, request)
+
+
+def expand_query(
+    factory: sessionmaker[Session],
+    llm: LLMClient,
+    query: str,
+    intent: str | None,
+    *,
+    ledger: Ledger | None = None,
+) -> tuple[list[tuple[SearchType, str]], str | None]:
+    """(expansion lines, note): an LLM failure yields no lines and a note, never an error."""
+    return service.expand_query(open_store(factory, ledger), llm, query, intent)
+
+
+def embed_facts(
+    factory: sessionmaker[Session],
+    llm: LLMClient,
+    batch_size: int = 64,
+    *,
+    progress: Callable[[EmbedReport], None] | None = None,
+    set_up_vector_store: bool = True,
+    ledger: Ledger | None = None,
+) -> EmbedReport:
+    """Backfill embeddings for every fact that has none (see worker.search.service.embed_facts)."""
+    store = open_store(factory, ledger)
+    return service.embed_facts(
+        store, llm, batch_size, progress=progress, set_up_vector_store=set_up_vector_store
+    )
+
+
+def embed_new_facts(
+    factory: sessionmaker[Session],
+    llm: LLMClient,
+    source_id: str,
+    slug: str,
+    batch_size: int = 64,
+    *,
+    ledger: Ledger | None = None,
+) -> int:
+    """Embed a page's facts that have none yet; never raises (see worker.search.service.embed_new_facts)."""
+    return service.embed_new_facts(open_store(factory, ledger), llm, source_id, slug, batch_size)
+
+
+def enable_vector_search(factory: sessionmaker[Session]) -> VectorSearchStatus:
+    """Create the pgvector store if the server has the extension and it is missing here (idempotent)."""
+    return open_store(factory).enable_vector_search()

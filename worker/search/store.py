@@ -1,0 +1,355 @@
+"""The SQL of search: lexical (Postgres FTS) and vector (pgvector) lists, result rows, embeddings, accounting.
+
+``SearchStore`` owns its transactions: every method opens (and ends) its own, so no transaction is
+ever held open across an LLM call. The module's functions that take a ``Session`` are the SQL the
+store runs inside them; ``vector_search_status`` is also public for callers that hold a session,
+and like the others it never commits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Row, RowMapping, bindparam, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.accounting import Ledger, LLMCallRecord
+from worker.core.embeddings import EMBEDDING_DIMENSIONS, vector_literal, version_tuple
+from worker.core.fusion import Hit
+from worker.core.lexing import (
+    BM25_B,
+    BM25_K1,
+    CONTEXT_ONLY_WEIGHT,
+    TYPICAL_FACT_LEXEMES,
+    LexItem,
+    LexUnit,
+    idf,
+    lex_items,
+    lex_units,
+    normalise_score,
+    parse_lex_query,
+    rarest_first,
+)
+from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
+from worker.search.values import SearchFilters, VectorSearchStatus
+from worker.search.vector_ddl import VECTOR_STORE_DDL
+
+__all__ = ["FactToEmbed", "LineQuery", "SearchStore", "vector_search_status"]
+
+# Document frequencies are counted exactly up to this many rows; above it the planner's estimate
+# (from the column statistics) is used, so a very common term never costs a long count.
+DF_EXACT_CAP = 1000
+SMALL_TABLE_ROWS = 10_000
+# Facts either side of a result (same page, same segment) that its snippet may show.
+SNIPPET_NEIGHBOURS = 3
+
+# A search line as the store runs it: the text of a lex line, or the embedding of a vec/hyde line.
+LineQuery = str | Sequence[float]
+FactToEmbed = Row[Any]  # .id, .fact, .entity_slug
+
+_STATUS = text(
+    "SELECT to_regclass('search.fact_embeddings') IS NOT NULL, "
+    "(SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
+    "EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
+)
+_PARSE_ITEMS = text(
+    "SELECT u.i, CASE WHEN u.k = 'w' "
+    "THEN array_to_string(tsvector_to_array(to_tsvector('simple', u.t)), chr(31)) "
+    "ELSE phraseto_tsquery('simple', u.t)::text END "
+    "FROM unnest(CAST(:kinds AS text[]), CAST(:texts AS text[])) WITH ORDINALITY AS u(k, t, i) "
+    "ORDER BY u.i"
+)
+# Columns named as SearchResult's fields.
+_RESULT_FACTS = text(
+    "SELECT id AS fact_id, fact, kind, entity_slug AS entity, source_id, source_markdown_slug AS page_slug, "
+    "context AS segment, row_num, confidence, notability, valid_from "
+    "FROM facts WHERE id IN :ids AND NOT is_audit"
+).bindparams(bindparam("ids", expanding=True))
+_RESULT_NEIGHBOURS = text(
+    "SELECT r.id, n.row_num, n.fact FROM facts r JOIN facts n "
+    "ON n.source_id = r.source_id AND n.source_markdown_slug = r.source_markdown_slug "
+    "AND n.context = r.context AND NOT n.is_audit "
+    f"AND n.row_num BETWEEN r.row_num - {SNIPPET_NEIGHBOURS} AND r.row_num + {SNIPPET_NEIGHBOURS} "
+    "WHERE r.id IN :ids ORDER BY r.id, n.row_num"
+).bindparams(bindparam("ids", expanding=True))
+_TO_EMBED = (
+    "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
+)
+_FILL_EMBEDDINGS = text(
+    """
+    UPDATE facts AS f SET embedding = v.embedding
+    FROM jsonb_to_recordset(CAST(:payload AS jsonb)) AS v(id bigint, embedding float8[])
+    WHERE f.id = v.id AND f.embedding IS NULL
+    RETURNING f.id
+    """
+)
+
+
+class SearchStore:
+    """Search's database: each method runs in a transaction of its own."""
+
+    def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
+        self._factory = factory
+        self._ledger = ledger
+
+    def status(self) -> VectorSearchStatus:
+        with self._factory() as session:
+            return vector_search_status(session)
+
+    def enable_vector_search(self) -> VectorSearchStatus:
+        """Create the pgvector store if the server has the extension and it is missing here (idempotent).
+
+        Migration 0003 does this when it runs; this covers pgvector installed after the migration ran.
+        """
+        status = self.status()
+        if status.available or status.reason == UNAVAILABLE_NO_EXTENSION:
+            return status
+        with self._factory.begin() as session:
+            for statement in VECTOR_STORE_DDL:
+                session.connection().exec_driver_sql(statement)
+        return self.status()
+
+    def lexical(self, query: str, filters: SearchFilters, limit: int) -> tuple[list[Hit], bool]:
+        """(hits, whether they hold every word: False when words had to be dropped)."""
+        with self._factory() as session:
+            return _lexical(session, query, filters, limit)
+
+    def search_lines(
+        self, queries: Sequence[LineQuery], filters: SearchFilters, limit: int, extension_version: str
+    ) -> list[list[Hit]]:
+        """The hits of each line, in one transaction: lexical for a text, nearest facts for a vector."""
+        with self._factory() as session:
+            return [
+                _lexical(session, query, filters, limit)[0]
+                if isinstance(query, str)
+                else _vector_search(session, query, filters, limit, extension_version)
+                for query in queries
+            ]
+
+    def result_rows(
+        self, ids: Sequence[int]
+    ) -> tuple[dict[int, RowMapping], dict[int, list[tuple[int, str]]]]:
+        """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num)."""
+        with self._factory() as session:
+            facts = {row["fact_id"]: row for row in session.execute(_RESULT_FACTS, {"ids": ids}).mappings()}
+            neighbours: dict[int, list[tuple[int, str]]] = {}
+            for result_id, row_num, fact in session.execute(_RESULT_NEIGHBOURS, {"ids": ids}):
+                neighbours.setdefault(result_id, []).append((row_num, fact))
+        return facts, neighbours
+
+    def facts_to_embed(self, *, after_id: int, limit: int) -> list[FactToEmbed]:
+        """The next facts (audit rows excluded) with no embedding, in id order."""
+        with self._factory() as session:
+            sql = text(_TO_EMBED.format(where="id > :last") + " LIMIT :n")
+            return list(session.execute(sql, {"last": after_id, "n": limit}).all())
+
+    def page_facts_to_embed(self, source_id: str, slug: str) -> list[FactToEmbed]:
+        """A page's facts with no embedding, in id order."""
+        with self._factory() as session:
+            sql = text(_TO_EMBED.format(where="source_id = :s AND source_markdown_slug = :slug"))
+            return list(session.execute(sql, {"s": source_id, "slug": slug}).all())
+
+    def fill_embeddings(self, ids: Sequence[int], vectors: Sequence[Sequence[float]]) -> int:
+        """Store embeddings where a fact has none yet; returns how many were stored."""
+        payload = json.dumps(
+            [{"id": i, "embedding": list(vector)} for i, vector in zip(ids, vectors, strict=True)]
+        )
+        with self._factory.begin() as session:
+            # One statement for the whole batch (a round trip per fact made embedding dominate a worker's
+            # time). Only fill a gap: a concurrent writer's embedding is as good as ours.
+            return len(session.execute(_FILL_EMBEDDINGS, {"payload": payload}).all())
+
+    def record_llm_call(self, call: LLMCallRecord) -> None:
+        """Account for a search-time LLM call in llm_calls, costed by the ledger (`llm.prices` applies)."""
+        with self._factory.begin() as session:
+            self._ledger.record(session, call)
+
+
+def vector_search_status(session: Session) -> VectorSearchStatus:
+    """Whether this database has the pgvector store (and, if not, why not)."""
+    row = session.execute(_STATUS).one()
+    if row[0] and row[1]:
+        return VectorSearchStatus(True, row[1], None)
+    return VectorSearchStatus(False, row[1], UNAVAILABLE_NOT_SET_UP if row[2] else UNAVAILABLE_NO_EXTENSION)
+
+
+# --------------------------------------------------------------------------- filters
+
+
+# SearchFilters field -> its clause; the value is bound as :f_<field>.
+_FILTER_CLAUSES = (
+    ("source_id", "{a}.source_id = :f_source_id"),
+    ("entity", "{a}.entity_slug = :f_entity"),
+    ("kind", "{a}.kind = :f_kind"),
+    ("since", "COALESCE({a}.valid_from, {a}.created_at) >= :f_since"),
+)
+
+
+def _filter_sql(filters: SearchFilters, alias: str = "f") -> tuple[str, dict[str, Any]]:
+    # Audit rows (the terminal EXTRACTION_COMPLETE markers) are bookkeeping: never a search result.
+    clauses = [f"NOT {alias}.is_audit"]
+    params: dict[str, Any] = {}
+    for name, clause in _FILTER_CLAUSES:
+        value = getattr(filters, name)
+        if value is not None:
+            clauses.append(clause.format(a=alias))
+            params[f"f_{name}"] = value
+    return " AND ".join(clauses), params
+
+
+# --------------------------------------------------------------------------- lexical search
+
+
+def _lexical(session: Session, query: str, filters: SearchFilters, limit: int) -> tuple[list[Hit], bool]:
+    """Facts matching ``query``, best first, with scores in [0, 1), and whether they hold every word.
+
+    Facts holding every word and phrase come first. When no fact holds them all, words no fact
+    holds are dropped, then the most common word, then the next, until some fact matches (the
+    rarer words say more); a dropped word still adds to the score of the facts that hold it.
+    """
+    items = lex_items(parse_lex_query(query))
+    units, excluded = lex_units(items, _parse_items(session, items)) if items else ([], [])
+    if not units:
+        return [], True
+    # The planner prices a tsvector match like any operator and so prefers a sequential scan once a
+    # term is in a few percent of the rows; the GIN bitmap scan is several times faster there.
+    previous = session.execute(
+        text("SELECT current_setting('enable_seqscan'), set_config('enable_seqscan', 'off', true)")
+    ).scalar_one()
+    try:
+        return _ranked_matches(session, units, excluded, filters, limit)
+    finally:
+        session.execute(text("SELECT set_config('enable_seqscan', :v, true)"), {"v": previous})
+
+
+def _parse_items(session: Session, items: Sequence[LexItem]) -> list[str | None]:
+    """Each item through Postgres's own parser (so "v1.2" or "alice-smith" split exactly as the
+    indexed text did): a word's lexemes joined by chr(31), a phrase's tsquery text."""
+    rows = session.execute(
+        _PARSE_ITEMS, {"kinds": [item.kind for item in items], "texts": [item.text for item in items]}
+    ).all()
+    return [value for _, value in rows]
+
+
+def _document_frequencies(session: Session, units: Sequence[LexUnit]) -> tuple[list[float], float]:
+    """(df of each unit, number of facts).
+
+    On a small table every df is counted. On a large one the planner's estimate (from the column
+    statistics ANALYZE keeps) stands for common units, and only units it expects to be rare are
+    counted, so a common word never costs a long count.
+    """
+    estimated_rows = float(
+        session.scalar(text("SELECT reltuples FROM pg_class WHERE oid = 'facts'::regclass")) or -1
+    )
+    small = estimated_rows < SMALL_TABLE_ROWS
+    if small:
+        total = float(session.scalar(text("SELECT count(*) FROM facts WHERE NOT is_audit")) or 0)
+    else:
+        total = estimated_rows
+    dfs: list[float] = []
+    to_count: list[int] = []
+    for i, unit in enumerate(units):
+        if small:
+            dfs.append(0.0)
+            to_count.append(i)
+            continue
+        plan = session.execute(
+            text("EXPLAIN (FORMAT JSON) SELECT 1 FROM facts WHERE search_vector @@ CAST(:q AS tsquery)"),
+            {"q": unit.match},
+        ).scalar_one()
+        estimate = float(plan[0]["Plan"]["Plan Rows"]) if isinstance(plan, list) else 0.0
+        dfs.append(estimate)
+        if estimate <= DF_EXACT_CAP:
+            to_count.append(i)
+    if to_count:
+        parts = [
+            f"(SELECT count(*) FROM (SELECT 1 FROM facts WHERE search_vector @@ CAST(:q{i} AS tsquery) "
+            f"AND NOT is_audit LIMIT {DF_EXACT_CAP}) s{i})"
+            for i in to_count
+        ]
+        counts = session.execute(
+            text(f"SELECT {', '.join(parts)}"), {f"q{i}": units[i].match for i in to_count}
+        ).one()
+        for i, count in zip(to_count, counts, strict=True):
+            dfs[i] = float(count) if count < DF_EXACT_CAP else max(float(count), dfs[i])
+    return dfs, max(total, max(dfs, default=0.0), 1.0)
+
+
+def _f8(value: float) -> str:
+    return f"CAST({float(value)!r} AS float8)"
+
+
+def _ranked_matches(
+    session: Session, units: list[LexUnit], excluded: list[str], filters: SearchFilters, limit: int
+) -> tuple[list[Hit], bool]:
+    dfs, total = _document_frequencies(session, units)
+    where, params = _filter_sql(filters)
+    params["limit"] = limit
+    terms = []
+    for i, unit in enumerate(units):
+        params[f"strong{i}"] = unit.strong
+        params[f"match{i}"] = unit.match
+        params[f"idf{i}"] = idf(dfs[i], total)
+        terms.append(
+            f"(CAST(:idf{i} AS float8) * CASE WHEN f.search_vector @@ CAST(:strong{i} AS tsquery) "
+            f"THEN {_f8(1.0)} WHEN f.search_vector @@ CAST(:match{i} AS tsquery) "
+            f"THEN {_f8(CONTEXT_ONLY_WEIGHT)} ELSE {_f8(0.0)} END)"
+        )
+    length_norm = (
+        f"({_f8(BM25_K1 + 1)} / ({_f8(1.0)} + {_f8(BM25_K1)} * ({_f8(1.0 - BM25_B)} + {_f8(BM25_B)} * "
+        f"length(f.search_vector) / {_f8(TYPICAL_FACT_LEXEMES)})))"
+    )
+    sql = text(
+        f"SELECT f.id, ({' + '.join(terms)}) * {length_norm} AS raw FROM facts f "
+        f"WHERE f.search_vector @@ CAST(:match AS tsquery) AND {where} "
+        "ORDER BY raw DESC, f.id LIMIT :limit"
+    )
+    negation = "".join(f" & {x}" for x in excluded)
+    order = rarest_first(dfs)
+    rows: list[Any] = []
+    keep = len(units)
+    while keep > 0:
+        match = " & ".join(units[i].match for i in sorted(order[:keep])) + negation
+        rows = list(session.execute(sql, params | {"match": match}))
+        if rows:
+            break
+        keep -= 1
+    return [Hit(row[0], normalise_score(row[1])) for row in rows], keep == len(units)
+
+
+# --------------------------------------------------------------------------- vector search
+
+
+def _vector_search(
+    session: Session, vector: Sequence[float], filters: SearchFilters, limit: int, extension_version: str
+) -> list[Hit]:
+    """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]."""
+    if len(vector) != EMBEDDING_DIMENSIONS:
+        raise SearchError(
+            f"the embedding model returned {len(vector)} dimensions; the vector store holds "
+            f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS} dimensions."
+        )
+    where, params = _filter_sql(filters)
+    # Filters are applied after the index scan: look at enough neighbours that a filtered search
+    # still fills its list (pgvector >= 0.8 keeps scanning on its own with iterative scans).
+    session.execute(
+        text("SELECT set_config('hnsw.ef_search', :ef, true)"), {"ef": str(min(1000, max(40, limit * 4)))}
+    )
+    if version_tuple(extension_version) >= (0, 8):
+        session.execute(text("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"))
+    params |= {"qv": vector_literal(vector), "limit": limit}
+    rows = session.execute(
+        text(
+            "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
+            "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
+            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector), f.id LIMIT :limit"
+        ),
+        params,
+    ).all()
+    # Orthogonal or opposite vectors share nothing with the query: not a hit, however near in rank.
+    hits = [Hit(row[0], min(1.0, 1.0 - float(row[1]))) for row in rows if float(row[1]) < 1.0]
+    # relaxed_order may return neighbours slightly out of order.
+    hits.sort(key=lambda h: (-h.score, h.fact_id))
+    return hits

@@ -1,0 +1,150 @@
+"""What a search is asked (filters, limits) and what it answers (results, outcome, embedding report)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import PlainSerializer
+
+from models import FACT_KINDS
+from worker.core.fusion import SearchLine
+from worker.search.errors import SearchError
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "MAX_LIMIT",
+    "MAX_QUERY_CHARS",
+    "MIN_CANDIDATES",
+    "EmbedReport",
+    "SearchFilters",
+    "SearchOutcome",
+    "SearchRequest",
+    "SearchResult",
+    "VectorSearchStatus",
+    "VectorStatus",
+]
+
+DEFAULT_LIMIT = 10
+MAX_LIMIT = 100
+# Each list contributes this many candidates to fusion (at least), so a fact ranked low in one list
+# and high in another can still surface.
+MIN_CANDIDATES = 30
+MAX_QUERY_CHARS = 2000
+
+VectorStatus = Literal["available", "unavailable"]
+
+
+def _isoformat(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+# Python's isoformat ("+00:00"), in as_dict and in the HTTP answer alike (pydantic would write "Z").
+IsoDatetime = Annotated[datetime | None, PlainSerializer(_isoformat, return_type=str | None)]
+
+
+def _rounded(score: float | None) -> float | None:
+    return None if score is None else round(score, 6)
+
+
+@dataclass(frozen=True)
+class SearchFilters:
+    """Restrict results to one source, entity, kind, and/or facts valid (or written) since a moment."""
+
+    source_id: str | None = None
+    entity: str | None = None
+    kind: str | None = None
+    since: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in FACT_KINDS:
+            raise SearchError(f"kind must be one of {', '.join(FACT_KINDS)}; got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """One search as asked: a plain query or a query document, with its intent, filters and limit."""
+
+    query: str
+    intent: str | None = None
+    filters: SearchFilters = field(default_factory=SearchFilters)
+    limit: int = DEFAULT_LIMIT
+    expand: bool = True  # let the LLM expand a plain query
+
+
+# The HTTP API's answer uses this class as its schema (worker.api.search_routes), hence IsoDatetime.
+@dataclass(frozen=True)
+class SearchResult:
+    """A fact with its fused score, its provenance and a snippet of its conversation segment."""
+
+    fact_id: int
+    fact: str
+    kind: str
+    entity: str | None
+    score: float
+    lex_score: float | None
+    vec_score: float | None
+    source_id: str
+    page_slug: str
+    segment: str
+    segment_start: str | None
+    segment_end: str | None
+    row_num: int
+    confidence: float
+    notability: str
+    valid_from: IsoDatetime
+    snippet: str
+    snippet_line: int
+    matched_by: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            score=round(self.score, 6),
+            lex_score=_rounded(self.lex_score),
+            vec_score=_rounded(self.vec_score),
+            valid_from=_isoformat(self.valid_from),
+            matched_by=list(self.matched_by),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """What a search did and found."""
+
+    query: str
+    intent: str | None
+    structured: bool
+    expanded: bool
+    strong_signal: bool
+    vector_search: VectorStatus
+    lines: tuple[SearchLine, ...]
+    results: tuple[SearchResult, ...]
+    took_ms: float
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        plain = ("query", "intent", "structured", "expanded", "strong_signal", "vector_search")
+        return {name: getattr(self, name) for name in plain} | {
+            "searches": [line.as_dict() for line in self.lines],
+            "results": [result.as_dict() for result in self.results],
+            "took_ms": round(self.took_ms, 2),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class VectorSearchStatus:
+    available: bool
+    extension_version: str | None
+    reason: str | None
+
+
+@dataclass
+class EmbedReport:
+    embedded: int = 0
+    batches: int = 0
+    skipped: int = 0
+    vector_search: VectorStatus = "unavailable"
