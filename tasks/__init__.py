@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.celery_app import app
+from worker.jobs.celery_app import app
 from worker.jobs.lifecycle import run_job
 from worker.jobs.registry import get_kind
 

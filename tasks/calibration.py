@@ -6,7 +6,7 @@ from typing import Any
 
 from tasks import job_task
 from worker.calibration import request_recompute
-from worker.celery_app import app
+from worker.jobs.celery_app import app
 from worker.jobs.outbox import CALIBRATION
 
 recompute = job_task(CALIBRATION)

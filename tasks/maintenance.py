@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.celery_app import app
+from worker.jobs.celery_app import app
 from worker.jobs.outbox import sweep as sweep_jobs
 
 

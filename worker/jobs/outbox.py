@@ -14,8 +14,8 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
-from worker.celery_app import app
 from worker.config_store import KILL_SWITCHES, is_enabled
+from worker.jobs.celery_app import app
 from worker.jobs.registry import KIND_MODULES, UnknownJobKindError, get_kind, kind_names
 
 logger = logging.getLogger(__name__)

