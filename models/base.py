@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any, ClassVar
 
-from sqlalchemy import DateTime, MetaData, func
+from sqlalchemy import DateTime, Float, Integer, MetaData, Text, func
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -18,7 +19,20 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    # The column type each annotation means, so a plain ``Mapped[str]`` is TEXT NOT NULL and
+    # ``Mapped[str | None]`` nullable TEXT; only ids (BIGINT), JSONB and the like name their type.
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        str: Text(),
+        int: Integer(),
+        float: Float(),
+        datetime: DateTime(timezone=True),
+    }
 
 
 def utcnow_column() -> Mapped[datetime]:
     return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+def count_column() -> Mapped[int]:
+    """A non-negative tally that starts at 0 (tokens, attempts, counts)."""
+    return mapped_column(Integer, nullable=False, server_default="0")

@@ -8,17 +8,14 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
-    Text,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 
 
 class CalibrationObservation(Base):
@@ -29,17 +26,17 @@ class CalibrationObservation(Base):
     __table_args__ = (CheckConstraint("coverage >= 0 AND coverage <= 1", name="coverage"),)
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    coverage: Mapped[float] = mapped_column(Float, nullable=False)
+    coverage: Mapped[float]
     answer_kept: Mapped[bool] = mapped_column(Boolean, nullable=False)
     # Where the label came from: "api", "cli", "csv:<file>", an evaluation run's name...
-    origin: Mapped[str] = mapped_column(Text, nullable=False)
+    origin: Mapped[str]
     # The compaction that was judged; deleting it keeps the observation (it still calibrates).
     compaction_id: Mapped[int | None] = mapped_column(
         BigInteger, ForeignKey("compactions.id", ondelete="SET NULL"), index=True
     )
     # A repeated submission carries the same key and is reported as a duplicate, not stored twice.
     # NULL (no client key, no compaction id) never conflicts: two equal labels can be two real cases.
-    dedupe_key: Mapped[str | None] = mapped_column(Text, unique=True)
+    dedupe_key: Mapped[str | None] = mapped_column(unique=True)
     created_at: Mapped[datetime] = utcnow_column()
 
 
@@ -66,27 +63,27 @@ class CalibrationThreshold(Base):
 
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     # None: no threshold was computed (too few observations, or the data cannot support one).
-    tau: Mapped[float | None] = mapped_column(Float)
-    alpha: Mapped[float] = mapped_column(Float, nullable=False)
-    target_recall: Mapped[float] = mapped_column(Float, nullable=False)
-    min_observations: Mapped[int] = mapped_column(Integer, nullable=False)
+    tau: Mapped[float | None]
+    alpha: Mapped[float]
+    target_recall: Mapped[float]
+    min_observations: Mapped[int]
     # Provenance: the observations with id <= max_observation_id, split by `split_method`.
-    n: Mapped[int] = mapped_column(Integer, nullable=False)
-    n_bad: Mapped[int] = mapped_column(Integer, nullable=False)
+    n: Mapped[int]
+    n_bad: Mapped[int]
     max_observation_id: Mapped[int | None] = mapped_column(BigInteger)
-    split_method: Mapped[str] = mapped_column(Text, nullable=False)
-    calibration_n: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    calibration_n_bad: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    held_out_n: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    held_out_n_bad: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    split_method: Mapped[str]
+    calibration_n: Mapped[int] = count_column()
+    calibration_n_bad: Mapped[int] = count_column()
+    held_out_n: Mapped[int] = count_column()
+    held_out_n_bad: Mapped[int] = count_column()
     # Held-out cases with coverage >= tau, and the share of them that kept the answer.
-    held_out_accepted: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    held_out_rate: Mapped[float | None] = mapped_column(Float)
+    held_out_accepted: Mapped[int] = count_column()
+    held_out_rate: Mapped[float | None]
     active: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # Why it was activated, or why not.
-    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    reason: Mapped[str]
     # What asked for it: "schedule", "observations", "manual"...
-    trigger: Mapped[str] = mapped_column(Text, nullable=False)
+    trigger: Mapped[str]
     job_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="SET NULL"))
     computed_at: Mapped[datetime] = utcnow_column()
-    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    activated_at: Mapped[datetime | None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import DateTime, Integer, Text, func
+from sqlalchemy import DateTime, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base
@@ -26,10 +26,10 @@ class OpCheckpoint(Base):
     op: Mapped[str] = mapped_column(Text, primary_key=True)
     fingerprint: Mapped[str] = mapped_column(Text, primary_key=True)
     page_key: Mapped[str] = mapped_column(Text, primary_key=True)
-    completed_key: Mapped[str] = mapped_column(Text, nullable=False)
-    messages_done: Mapped[int] = mapped_column(Integer, nullable=False)
-    prefix_hash: Mapped[str] = mapped_column(Text, nullable=False)
-    next_row_num: Mapped[int] = mapped_column(Integer, nullable=False)
+    completed_key: Mapped[str]
+    messages_done: Mapped[int]
+    prefix_hash: Mapped[str]
+    next_row_num: Mapped[int]
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )

@@ -9,10 +9,8 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
-    Float,
     ForeignKey,
     Index,
-    Integer,
     Text,
     UniqueConstraint,
     func,
@@ -20,7 +18,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 
 MESSAGE_ROLES = ("user", "assistant", "tool")
 COMPACTION_STATUSES = ("accepted", "rejected", "failed")
@@ -45,12 +43,12 @@ class Transcript(Base):
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)
     # None: the window is unknown, and nothing is ever compacted automatically (should_compact).
-    context_window: Mapped[int | None] = mapped_column(Integer)
-    reserve_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="16384")
-    keep_recent_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="20000")
-    tool_result_limit: Mapped[int] = mapped_column(Integer, nullable=False, server_default="2000")
+    context_window: Mapped[int | None]
+    reserve_tokens: Mapped[int] = mapped_column(server_default="16384")
+    keep_recent_tokens: Mapped[int] = mapped_column(server_default="20000")
+    tool_result_limit: Mapped[int] = mapped_column(server_default="2000")
     # Steers the summarizer; quoted below its headings as data (summarizer_system_prompt).
-    instructions: Mapped[str | None] = mapped_column(Text)
+    instructions: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
@@ -76,15 +74,15 @@ class TranscriptMessageRow(Base):
     transcript_id: Mapped[str] = mapped_column(
         ForeignKey("transcripts.id", ondelete="CASCADE"), nullable=False
     )
-    seq: Mapped[int] = mapped_column(Integer, nullable=False)
-    role: Mapped[str] = mapped_column(Text, nullable=False)
-    text: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
+    seq: Mapped[int]
+    role: Mapped[str]
+    text: Mapped[str] = mapped_column(server_default="")
     # [{"id", "name", "arguments" (JSON text)}], assistant messages only.
     tool_calls: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default="[]")
-    tool_call_id: Mapped[str | None] = mapped_column(Text)
-    tool_name: Mapped[str | None] = mapped_column(Text)
+    tool_call_id: Mapped[str | None]
+    tool_name: Mapped[str | None]
     # estimate_tokens at append time, so a context's size is one SUM, not a re-read of its text.
-    tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    tokens: Mapped[int]
     created_at: Mapped[datetime] = utcnow_column()
 
 
@@ -111,28 +109,28 @@ class Compaction(Base):
     transcript_id: Mapped[str] = mapped_column(
         ForeignKey("transcripts.id", ondelete="CASCADE"), nullable=False
     )
-    status: Mapped[str] = mapped_column(Text, nullable=False)
+    status: Mapped[str]
     # The first message kept verbatim: everything before it (and the previous summary) was summarized.
-    cut_seq: Mapped[int] = mapped_column(Integer, nullable=False)
+    cut_seq: Mapped[int]
     # The accepted compaction whose summary this one folded in (None: the head began at message 0).
     previous_id: Mapped[int | None] = mapped_column(
         BigInteger, ForeignKey("compactions.id", ondelete="SET NULL")
     )
-    summary: Mapped[str | None] = mapped_column(Text)
+    summary: Mapped[str | None]
     # Estimated tokens of the context view before, and (accepted or rejected) with the summary in place.
-    tokens_before: Mapped[int] = mapped_column(Integer, nullable=False)
-    tokens_after: Mapped[int | None] = mapped_column(Integer)
+    tokens_before: Mapped[int]
+    tokens_after: Mapped[int | None]
     # The last attempt's quality signals and the threshold it was gated on (version None: fallback τ).
-    coverage: Mapped[float | None] = mapped_column(Float)
-    density: Mapped[float | None] = mapped_column(Float)
-    threshold_tau: Mapped[float | None] = mapped_column(Float)
-    threshold_version: Mapped[int | None] = mapped_column(Integer)
-    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    coverage: Mapped[float | None]
+    density: Mapped[float | None]
+    threshold_tau: Mapped[float | None]
+    threshold_version: Mapped[int | None]
+    attempts: Mapped[int] = count_column()
     # Query terms of the transcript's intent the last attempt dropped.
     missed_terms: Mapped[list[str]] = mapped_column(JSONB, nullable=False, server_default="[]")
     # Every attempt: coverage, density, threshold, missed terms, llm_calls id, outcome.
     attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default="[]")
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None]
     job_id: Mapped[int | None] = mapped_column(
         BigInteger, ForeignKey("jobs.id", ondelete="SET NULL"), index=True
     )

@@ -14,8 +14,8 @@ class ConfigEntry(Base):
     __tablename__ = "config"
 
     key: Mapped[str] = mapped_column(Text, primary_key=True)
-    value: Mapped[str] = mapped_column(Text, nullable=False)
+    value: Mapped[str]
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )
-    updated_by: Mapped[str | None] = mapped_column(Text)
+    updated_by: Mapped[str | None]

@@ -10,18 +10,15 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Computed,
-    DateTime,
     Float,
     ForeignKey,
     Index,
-    Integer,
-    Text,
     UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 from worker.core.facts import (  # owned by the pure core, which cannot import models
     FACT_KINDS,
     NOTABILITY_LEVELS,
@@ -68,23 +65,23 @@ class Fact(Base):
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    source_id: Mapped[str] = mapped_column(Text, nullable=False)
-    fact: Mapped[str] = mapped_column(Text, nullable=False)
-    kind: Mapped[str] = mapped_column(Text, nullable=False)
-    entity_slug: Mapped[str | None] = mapped_column(Text)
-    confidence: Mapped[float] = mapped_column(Float, nullable=False)
-    notability: Mapped[str] = mapped_column(Text, nullable=False)
-    context: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
-    valid_from: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    source: Mapped[str] = mapped_column(Text, nullable=False)
-    source_session: Mapped[str] = mapped_column(Text, nullable=False)
-    source_markdown_slug: Mapped[str] = mapped_column(Text, nullable=False)
-    row_num: Mapped[int] = mapped_column(Integer, nullable=False)
+    source_id: Mapped[str]
+    fact: Mapped[str]
+    kind: Mapped[str]
+    entity_slug: Mapped[str | None]
+    confidence: Mapped[float]
+    notability: Mapped[str]
+    context: Mapped[str] = mapped_column(server_default="")
+    valid_from: Mapped[datetime | None]
+    source: Mapped[str]
+    source_session: Mapped[str]
+    source_markdown_slug: Mapped[str]
+    row_num: Mapped[int]
     is_audit: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
-    claim_metric: Mapped[str | None] = mapped_column(Text)
-    claim_value: Mapped[float | None] = mapped_column(Float)
-    claim_unit: Mapped[str | None] = mapped_column(Text)
-    claim_period: Mapped[str | None] = mapped_column(Text)
+    claim_metric: Mapped[str | None]
+    claim_value: Mapped[float | None]
+    claim_unit: Mapped[str | None]
+    claim_period: Mapped[str | None]
     # Filled by the embedding backfill once search lands; a float array keeps the first schema free
     # of the pgvector extension, which not every server has.
     embedding: Mapped[list[float] | None] = mapped_column(ARRAY(Float), nullable=True)
@@ -106,14 +103,14 @@ class ExtractionAudit(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), index=True)
-    source_id: Mapped[str] = mapped_column(Text, nullable=False)
-    page_slug: Mapped[str] = mapped_column(Text, nullable=False)
-    segment_index: Mapped[int] = mapped_column(Integer, nullable=False)
-    segment_start: Mapped[str] = mapped_column(Text, nullable=False)
-    segment_end: Mapped[str] = mapped_column(Text, nullable=False)
-    attempt: Mapped[int] = mapped_column(Integer, nullable=False, server_default="1")
-    outcome: Mapped[str] = mapped_column(Text, nullable=False)
-    facts_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    error: Mapped[str | None] = mapped_column(Text)
+    source_id: Mapped[str]
+    page_slug: Mapped[str]
+    segment_index: Mapped[int]
+    segment_start: Mapped[str]
+    segment_end: Mapped[str]
+    attempt: Mapped[int] = mapped_column(server_default="1")
+    outcome: Mapped[str]
+    facts_count: Mapped[int] = count_column()
+    error: Mapped[str | None]
     llm_call_id: Mapped[int | None] = mapped_column(ForeignKey("llm_calls.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = utcnow_column()

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, DateTime, Index, Integer, Text, func, text
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, DateTime, Index, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 
 JOB_STATUSES = ("queued", "running", "paused", "succeeded", "failed")
 
@@ -32,26 +32,26 @@ class Job(Base):
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    kind: Mapped[str] = mapped_column(Text, nullable=False)
-    subject: Mapped[str] = mapped_column(Text, nullable=False)
+    kind: Mapped[str]
+    subject: Mapped[str]
     options: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
-    status: Mapped[str] = mapped_column(Text, nullable=False, server_default="queued")
-    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
+    status: Mapped[str] = mapped_column(server_default="queued")
+    attempts: Mapped[int] = count_column()
+    idempotency_key: Mapped[str | None] = mapped_column(unique=True)
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
-    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None]
     # Why a paused job waits: "kill_switch" (resumes when its switch is on) or "budget" (resumes when
     # the LLM budget has room again).
-    pause_reason: Mapped[str | None] = mapped_column(Text)
+    pause_reason: Mapped[str | None]
     # The page changed while this job was running: run it again when it finishes.
     rerun_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # Last time a message for this job was handed to the broker (the sweeper re-sends lost ones).
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    worker: Mapped[str | None] = mapped_column(Text)
+    enqueued_at: Mapped[datetime | None]
+    worker: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, Numeric, Text
+from sqlalchemy import BigInteger, ForeignKey, Index, Numeric
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 
 
 class LLMCall(Base):
@@ -17,15 +17,15 @@ class LLMCall(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), index=True)
-    provider: Mapped[str] = mapped_column(Text, nullable=False)
-    model: Mapped[str] = mapped_column(Text, nullable=False)
-    purpose: Mapped[str] = mapped_column(Text, nullable=False)
-    input_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    output_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    cache_read_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    cache_write_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    latency_ms: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    outcome: Mapped[str] = mapped_column(Text, nullable=False)
+    provider: Mapped[str]
+    model: Mapped[str]
+    purpose: Mapped[str]
+    input_tokens: Mapped[int] = count_column()
+    output_tokens: Mapped[int] = count_column()
+    cache_read_tokens: Mapped[int] = count_column()
+    cache_write_tokens: Mapped[int] = count_column()
+    latency_ms: Mapped[int] = count_column()
+    outcome: Mapped[str]
     cost_usd: Mapped[Decimal] = mapped_column(Numeric(12, 6), nullable=False, server_default="0")
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Text, UniqueConstraint, func
+from sqlalchemy import BigInteger, DateTime, UniqueConstraint, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -17,15 +17,15 @@ class Page(Base):
     __table_args__ = (UniqueConstraint("source_id", "slug"),)
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    source_id: Mapped[str] = mapped_column(Text, nullable=False)
-    slug: Mapped[str] = mapped_column(Text, nullable=False)
-    type: Mapped[str] = mapped_column(Text, nullable=False, index=True)
-    title: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
-    compiled_truth: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
-    timeline: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
+    source_id: Mapped[str]
+    slug: Mapped[str]
+    type: Mapped[str] = mapped_column(index=True)
+    title: Mapped[str] = mapped_column(server_default="")
+    compiled_truth: Mapped[str] = mapped_column(server_default="")
+    timeline: Mapped[str] = mapped_column(server_default="")
     frontmatter: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     # sha256 of type, title, compiled_truth, timeline and frontmatter: unchanged content creates no job.
-    content_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    content_hash: Mapped[str]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False

@@ -17,6 +17,6 @@ class WebhookDelivery(Base):
 
     idempotency_key: Mapped[str] = mapped_column(Text, primary_key=True)
     # sha256 of the body: the same key with a different body is a client bug, answered with 422.
-    body_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    body_hash: Mapped[str]
     response: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     created_at: Mapped[datetime] = utcnow_column()
