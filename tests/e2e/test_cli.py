@@ -124,3 +124,30 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         )
     assert result.returncode == 1 and "factmill db upgrade" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
+    """No library warning reaches the terminal: importing pgserver made platformdirs warn that
+    XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_") and k != "XDG_RUNTIME_DIR"}
+    env["FACTMILL_DATA_DIR"] = str(tmp_path / "var")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    try:
+        upgraded = run("db", "upgrade")
+        assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+        result = run("costs")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "LLM spend since" in result.stdout
+        assert "Warning" not in result.stderr, result.stderr
+    finally:
+        run("db", "stop")

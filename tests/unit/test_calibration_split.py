@@ -324,7 +324,7 @@ def test_describe_tau_marks_the_epsilon_bump() -> None:
 def test_plot_bins_put_tau_on_an_edge(tau: float) -> None:
     import numpy as np
 
-    from worker.cli_calibration import plot_bins
+    from worker.cli.calibration import plot_bins
 
     edges = plot_bins(tau)
     assert edges[0] == 0.0 and edges[-1] == 1.0
