@@ -91,6 +91,13 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert missing.returncode == 1 and "no such file" in missing.stderr
 
 
+def test_messages_are_never_broken_across_lines(cli, tmp_path: Path):
+    """The consoles soft-wrap: a long path and its reason stay on one line for people and tests."""
+    missing = tmp_path / ("a-long-folder-name-" * 8) / "nope.md"
+    result = cli("ingest", str(missing), check=False)
+    assert result.returncode == 1 and f"{missing}: no such file or directory" in result.stderr
+
+
 def test_config_commands_and_the_kill_switch(cli):
     cli("ingest", str(EXAMPLES / "conversations" / "imessage"), "--no-enqueue")
     assert "(not set)" in cli("config", "get", "facts.extraction_enabled").stdout
