@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
-from pipeline import SERVER, free_port, spawn, wait_http  # noqa: E402
+from pipeline import SERVER, free_port, spawn, stop, wait_http  # noqa: E402
 
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
@@ -262,14 +262,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
             f"worker CPU {1000 * worker_cpu / max(len(jobs), 1):.1f} ms per compaction"
         )
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+        stop(procs)
 
 
 def main() -> None:

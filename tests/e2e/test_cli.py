@@ -91,6 +91,13 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert missing.returncode == 1 and "no such file" in missing.stderr
 
 
+def test_messages_are_never_broken_across_lines(cli, tmp_path: Path):
+    """The consoles soft-wrap: a long path and its reason stay on one line for people and tests."""
+    missing = tmp_path / ("a-long-folder-name-" * 8) / "nope.md"
+    result = cli("ingest", str(missing), check=False)
+    assert result.returncode == 1 and f"{missing}: no such file or directory" in result.stderr
+
+
 def test_config_commands_and_the_kill_switch(cli):
     cli("ingest", str(EXAMPLES / "conversations" / "imessage"), "--no-enqueue")
     assert "(not set)" in cli("config", "get", "facts.extraction_enabled").stdout
@@ -124,3 +131,30 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         )
     assert result.returncode == 1 and "factmill db upgrade" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
+    """No library warning reaches the terminal: importing pgserver made platformdirs warn that
+    XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_") and k != "XDG_RUNTIME_DIR"}
+    env["FACTMILL_DATA_DIR"] = str(tmp_path / "var")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    try:
+        upgraded = run("db", "upgrade")
+        assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+        result = run("costs")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "LLM spend since" in result.stdout
+        assert "Warning" not in result.stderr, result.stderr
+    finally:
+        run("db", "stop")

@@ -22,7 +22,7 @@ from tests.service import (
     start_worker,
     wait_for,
 )
-from worker.api.signing import sign
+from worker.core.signing import sign
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -22,10 +22,10 @@ from tests.service import SessionBroker
 from worker.api.app import create_app
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
-from worker.api.signing import sign
 from worker.config_store import ConfigReader
+from worker.core.signing import sign
+from worker.extraction.pages import PageIn
 from worker.jobs.registry import kind_names
-from worker.pages import PageIn
 from worker.runtime import Runtime
 from worker.settings import Settings
 

@@ -23,7 +23,6 @@ from models import CalibrationObservation, CalibrationThreshold, Compaction, Job
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
-from worker.api.signing import sign
 from worker.calibration import (
     FALLBACK,
     PAUSED_REASON,
@@ -44,6 +43,7 @@ from worker.calibration import (
 )
 from worker.celery_app import create_app as create_celery_app
 from worker.config_store import CALIBRATION_ENABLED, set_config
+from worker.core.signing import sign
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.runtime import Runtime

@@ -22,8 +22,7 @@ from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMes
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
-from worker.api.compaction_routes import CompactionCollector
-from worker.api.signing import sign
+from worker.api.metrics import CompactionCollector
 from worker.calibration import FALLBACK, ActiveThreshold
 from worker.celery_app import create_app as create_celery_app
 from worker.compaction import (
@@ -39,6 +38,7 @@ from worker.compaction import (
 )
 from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
+from worker.core.signing import sign
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError

@@ -24,6 +24,7 @@ from models import ExtractionAudit, Fact, LLMCall
 from tests.service import SessionBroker
 from worker.core.facts import extraction_system_prompt, facts_json_schema, segment_user_message
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.extraction.pages import PageIn, upsert_page
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.errors import LLMError
 from worker.llm.gateway import open_llm_client
@@ -31,7 +32,6 @@ from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, RateLimits, RedisRateLimiter
 from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, LLMClient
-from worker.pages import PageIn, upsert_page
 from worker.settings import Settings
 from worker.simulator import Simulator, SimulatorConfig
 

@@ -27,9 +27,9 @@ from worker import db
 from worker.celery_app import create_app
 from worker.config_store import set_config
 from worker.extraction import PER_SEGMENT_SOURCE_PREFIX, ExtractOptions, run_extract_conversation_facts
+from worker.extraction.pages import PageIn, upsert_page
 from worker.jobs.outbox import EXTRACTION, apply_switch_change, enqueue, page_subject, request_job
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.pages import PageIn, upsert_page
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -336,7 +336,7 @@ def test_histogram_bin_follows_the_numpy_convention() -> None:
 
 @pytest.mark.parametrize("tau", [0.0, 0.5 + sys.float_info.epsilon, 0.4237, 0.999, 1.0])
 def test_plot_bins_put_tau_on_an_edge(tau: float) -> None:
-    from worker.cli_calibration import plot_bins
+    from worker.cli.calibration import plot_bins
 
     edges = plot_bins(tau)
     assert edges[0] == 0.0 and edges[-1] == 1.0

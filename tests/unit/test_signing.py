@@ -7,7 +7,7 @@ import hmac
 
 import pytest
 
-from worker.api.signing import SignatureError, compute_signature, sign, verify
+from worker.core.signing import SignatureError, compute_signature, sign, verify
 
 SECRET = "whsec-test"
 BODY = b'{"slug": "a", "type": "conversation"}'

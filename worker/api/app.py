@@ -22,7 +22,7 @@ from worker.api.routes.jobs import jobs_router
 from worker.api.routes.pages import pages_router
 from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
-from worker.api.signing import SIGNATURE_HEADER
+from worker.core.signing import SIGNATURE_HEADER
 from worker.jobs.outbox import Sender
 from worker.runtime import Runtime, get_runtime
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
 from worker.api.errors import ApiError
-from worker.api.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.core.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.jobs import outbox
 from worker.runtime import Runtime
 from worker.settings import Settings

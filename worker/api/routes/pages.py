@@ -30,8 +30,8 @@ from worker.api.deps import (
     verify_signature,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.extraction.pages import PageIn, store_page
 from worker.jobs import outbox
-from worker.pages import PageIn, store_page
 
 logger = logging.getLogger(__name__)
 

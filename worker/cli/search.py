@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import datetime
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
+from worker.cli.console import err, fail, out, print_json
 from worker.core.intent import QueryParseError
+from worker.runtime import build_runtime
 from worker.search import (
     MAX_LIMIT,
     EmbedReport,
@@ -26,25 +26,16 @@ from worker.search import (
 )
 from worker.settings import Settings, get_settings
 
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
-
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code)
+    return fail(message, code, highlight=False)
 
 
 def _factory(settings: Settings) -> sessionmaker[Session]:
     """Sessions on the configured database, after checking that every migration head is applied."""
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
     try:
         url = db.database_url(settings)
-        heads = set(ScriptDirectory.from_config(db.alembic_config(url)).get_heads())
-        with db.get_engine(url).connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
+        current, heads = db.schema_state(url)
     except Exception as exc:
         raise _fail(f"cannot reach the database: {exc}") from exc
     if not heads <= current:
@@ -106,8 +97,6 @@ def search_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
 ) -> None:
     """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
-    from worker.runtime import build_runtime
-
     settings = get_settings()
     factory = _factory(settings)
     runtime = build_runtime(settings)
@@ -130,7 +119,7 @@ def search_command(
     finally:
         runtime.close()
     if as_json:
-        sys.stdout.write(json.dumps(outcome.as_dict(), indent=2, ensure_ascii=False) + "\n")
+        print_json(outcome.as_dict(), ensure_ascii=False)
         return
     _print_outcome(outcome)
 
@@ -141,8 +130,6 @@ def embed_command(
     ] = None,
 ) -> None:
     """Embed every fact that has no embedding yet (and set up the pgvector store when the server has it)."""
-    from worker.runtime import build_runtime
-
     settings = get_settings()
     factory = _factory(settings)
     runtime = build_runtime(settings)

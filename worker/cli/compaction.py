@@ -4,45 +4,53 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 
-from models import Compaction, Transcript, TranscriptMessageRow
-from worker.calibration import describe_tau
+from models import Transcript, TranscriptMessageRow
+from worker.calibration import ThresholdCache, describe_tau
+from worker.cli.console import fail, fields, out, print_json
+from worker.cli.sessions import checked_factory
 from worker.compaction import (
+    CompactionDisabledError,
     CompactionOutcome,
     TranscriptNotFoundError,
     TranscriptStats,
+    compact_transcript,
     list_compactions,
     request_compaction,
     transcript_stats,
 )
+from worker.config_store import COMPACTION_ENABLED, ConfigReader
+from worker.jobs.outbox import COMPACTION, enqueue
+from worker.runtime import Runtime
 from worker.settings import get_settings
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
 
 transcripts_app = typer.Typer(
     help="Agent transcripts: settings, tokens before/after compaction, compactions.", no_args_is_help=True
 )
 
-out = Console(soft_wrap=True)
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    from worker.cli import fail  # late: worker.cli imports this module to register it
-
-    return fail(message, code)
-
-
-def _factory() -> sessionmaker[Session]:
-    from worker.cli import _factory as checked_factory
-
-    return checked_factory(get_settings())
+COMPACTION_FIELDS = (
+    "id",
+    "status",
+    "cut_seq",
+    "previous_id",
+    "tokens_before",
+    "tokens_after",
+    "coverage",
+    "density",
+    "threshold_tau",
+    "threshold_version",
+    "attempts",
+    "missed_terms",
+    "error",
+    "job_id",
+    "created_at",
+    "summary",
+)
 
 
 def _tau(value: float | None, version: int | None) -> str:
@@ -87,15 +95,13 @@ def compact_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
 ) -> None:
     """Force a compaction of TRANSCRIPT_ID, even under its threshold: queue a job, or run it --now."""
-    from worker.jobs.outbox import COMPACTION, enqueue
-
-    factory = _factory()
+    factory = checked_factory()
     if not now:
         try:
             with factory.begin() as session:
                 job = request_compaction(session, transcript_id, force=True, trigger="manual")
         except TranscriptNotFoundError as exc:
-            raise _fail(str(exc)) from exc
+            raise fail(str(exc)) from exc
         sent = enqueue(factory, [(job.job_id, COMPACTION)]) if job.created else 0
         if as_json:
             sys.stdout.write(json.dumps({"job_id": job.job_id, "created": job.created, "sent": sent}) + "\n")
@@ -107,15 +113,10 @@ def compact_command(
             )
         return
 
-    from worker.calibration import ThresholdCache
-    from worker.compaction import CompactionDisabledError, compact_transcript
-    from worker.config_store import COMPACTION_ENABLED, ConfigReader
-    from worker.runtime import Runtime
-
     settings = get_settings()
     config = ConfigReader(factory, ttl=0)
     if not config.enabled(COMPACTION_ENABLED):
-        raise _fail(
+        raise fail(
             f"{COMPACTION_ENABLED} is off, so nothing is compacted; "
             f"turn it on with `factmill config set {COMPACTION_ENABLED} true`"
         )
@@ -132,38 +133,17 @@ def compact_command(
             intent_messages=settings.compaction_intent_messages,
         )
     except TranscriptNotFoundError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     except CompactionDisabledError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     finally:
         runtime.close()
     if as_json:
-        sys.stdout.write(json.dumps(outcome.as_dict(), indent=2) + "\n")
+        print_json(outcome.as_dict())
     else:
         _print_outcome(outcome)
     if outcome.status == "failed":
         raise typer.Exit(1)
-
-
-def _compaction_dict(row: Compaction) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "status": row.status,
-        "cut_seq": row.cut_seq,
-        "previous_id": row.previous_id,
-        "tokens_before": row.tokens_before,
-        "tokens_after": row.tokens_after,
-        "coverage": row.coverage,
-        "density": row.density,
-        "threshold_tau": row.threshold_tau,
-        "threshold_version": row.threshold_version,
-        "attempts": row.attempts,
-        "missed_terms": row.missed_terms,
-        "error": row.error,
-        "job_id": row.job_id,
-        "created_at": row.created_at.isoformat(),
-        "summary": row.summary,
-    }
 
 
 def _token_table(stats: TranscriptStats) -> Table:
@@ -197,14 +177,16 @@ def transcripts_show(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Tokens before and after compaction, the settings, and the newest compactions."""
-    with _factory()() as session:
+    with checked_factory()() as session:
         try:
             stats = transcript_stats(session, transcript_id)
         except TranscriptNotFoundError as exc:
-            raise _fail(str(exc)) from exc
-        compactions = [_compaction_dict(row) for row in list_compactions(session, transcript_id, limit=limit)]
+            raise fail(str(exc)) from exc
+        compactions = [
+            fields(row, COMPACTION_FIELDS) for row in list_compactions(session, transcript_id, limit=limit)
+        ]
     if as_json:
-        sys.stdout.write(json.dumps({**stats.as_dict(), "compactions": compactions}, indent=2) + "\n")
+        print_json({**stats.as_dict(), "compactions": compactions})
         return
     out.print(_token_table(stats))
     s = stats.settings
@@ -259,7 +241,7 @@ def transcripts_list(
         .order_by(Transcript.updated_at.desc(), Transcript.id)
         .limit(limit)
     )
-    with _factory()() as session:
+    with checked_factory()() as session:
         rows: list[dict[str, Any]] = [
             {
                 "transcript_id": tid,
@@ -271,7 +253,7 @@ def transcripts_list(
             for tid, window, count, tokens, updated in session.execute(query)
         ]
     if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        print_json(rows)
         return
     table = Table("transcript", "window", "messages", "history tokens", "updated")
     for r in rows:

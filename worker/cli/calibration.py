@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from datetime import UTC
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationThreshold
 from worker.calibration import (
@@ -18,7 +16,6 @@ from worker.calibration import (
     CsvFormatError,
     ObservationError,
     ObservationIn,
-    ObservationStats,
     active_threshold,
     add_observation,
     coverages_by_label,
@@ -29,37 +26,48 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
+from worker.cli.console import err, fail, fields, out, print_json
+from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
+from worker.jobs.outbox import enqueue
 from worker.settings import get_settings
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
 
 calibration_app = typer.Typer(
     help="Calibration of the summary quality gate: observations, thresholds, history, plot.",
     no_args_is_help=True,
 )
 
-# Soft wrap: reasons are long sentences that people copy and tests match; the terminal wraps them.
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+VERSION_FIELDS = (
+    "version",
+    "tau",
+    "active",
+    "reason",
+    "alpha",
+    "target_recall",
+    "min_observations",
+    "n",
+    "n_bad",
+    "calibration_n",
+    "calibration_n_bad",
+    "held_out_n",
+    "held_out_n_bad",
+    "held_out_accepted",
+    "held_out_rate",
+    "split_method",
+    "max_observation_id",
+    "trigger",
+    "job_id",
+    "computed_at",
+    "activated_at",
+)
+STATS_FIELDS = ("n", "kept", "lost", "since_last_version", "last_at")
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    from worker.cli import fail  # late: worker.cli imports this module to register it
-
-    return fail(message, code)
-
-
-def _factory() -> sessionmaker[Session]:
-    from worker.cli import _factory as checked_factory
-
-    return checked_factory(get_settings())
+def _print_json(data: Any) -> None:
+    print_json(data, ensure_ascii=False)  # reasons and τ stay readable
 
 
 def _send(factory: sessionmaker[Session], pairs: list[tuple[int, str]]) -> int:
-    from worker.jobs.outbox import enqueue
-
     return enqueue(factory, pairs) if pairs else 0
 
 
@@ -69,36 +77,6 @@ def _tau(value: float | None) -> str:
 
 def _rate(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
-
-
-def _version_dict(row: CalibrationThreshold) -> dict[str, Any]:
-    return {
-        "version": row.version,
-        "tau": row.tau,
-        "active": row.active,
-        "reason": row.reason,
-        "alpha": row.alpha,
-        "target_recall": row.target_recall,
-        "min_observations": row.min_observations,
-        "n": row.n,
-        "n_bad": row.n_bad,
-        "calibration_n": row.calibration_n,
-        "calibration_n_bad": row.calibration_n_bad,
-        "held_out_n": row.held_out_n,
-        "held_out_n_bad": row.held_out_n_bad,
-        "held_out_accepted": row.held_out_accepted,
-        "held_out_rate": row.held_out_rate,
-        "split_method": row.split_method,
-        "max_observation_id": row.max_observation_id,
-        "trigger": row.trigger,
-        "job_id": row.job_id,
-        "computed_at": row.computed_at.isoformat(),
-        "activated_at": row.activated_at.isoformat() if row.activated_at else None,
-    }
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------
@@ -120,13 +98,13 @@ def add(
     try:
         observation = ObservationIn(coverage, kept, origin, compaction_id, key)
     except ObservationError as exc:
-        raise _fail(str(exc), code=2) from exc
-    factory = _factory()
+        raise fail(str(exc), code=2) from exc
+    factory = checked_factory()
     settings = get_settings()
     try:
         report = add_observation(factory, observation, recompute_every=settings.calibration_recompute_every)
     except ObservationError as exc:
-        raise _fail(str(exc), code=2) from exc
+        raise fail(str(exc), code=2) from exc
     sent = _send(factory, report.pending_jobs()) if enqueue else 0
     [stored] = report.stored
     job = report.recompute.job_id if report.recompute is not None else None
@@ -161,14 +139,14 @@ def import_file(
     answer_kept accepts true/false, 1/0, yes/no or kept/lost. Importing the same file again adds nothing.
     """
     if not file.is_file():
-        raise _fail(f"no such file: {file}", code=2)
-    factory = _factory()
+        raise fail(f"no such file: {file}", code=2)
+    factory = checked_factory()
     try:
         report = import_csv(
             factory, file, origin=origin, recompute_every=get_settings().calibration_recompute_every
         )
     except (CsvFormatError, OSError) as exc:
-        raise _fail(f"{file}: {exc}", code=2) from exc
+        raise fail(f"{file}: {exc}", code=2) from exc
     sent = _send(factory, report.pending_jobs()) if enqueue else 0
     job = report.recompute.job_id if report.recompute is not None else None
     if as_json:
@@ -208,7 +186,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The threshold gates use now, where it came from, and the observations behind it."""
-    factory = _factory()
+    factory = checked_factory()
     with factory() as session:
         current = active_threshold(session)
         stats = observation_stats(session)
@@ -220,22 +198,22 @@ def show(
         kept, lost = coverages_by_label(session) if plot is not None else ([], [])
     if plot is not None:
         if not kept and not lost:
-            raise _fail("no observations to plot yet; add some with `factmill calibration add` or `import`")
+            raise fail("no observations to plot yet; add some with `factmill calibration add` or `import`")
         try:
             render_plot(plot, kept, lost, current, active_row, latest)
         except MissingMatplotlibError as exc:
-            raise _fail(str(exc), code=2) from exc
+            raise fail(str(exc), code=2) from exc
         except OSError as exc:
-            raise _fail(f"could not write {plot}: {exc}") from exc
+            raise fail(f"could not write {plot}: {exc}") from exc
     if as_json:
         _print_json(
             {
                 "tau": current.tau,
                 "version": current.version,
                 "fallback": current.version is None,
-                "observations": _stats_dict(stats),
-                "active": _version_dict(active_row) if active_row is not None else None,
-                "latest": _version_dict(latest) if latest is not None else None,
+                "observations": fields(stats, STATS_FIELDS),
+                "active": fields(active_row, VERSION_FIELDS) if active_row is not None else None,
+                "latest": fields(latest, VERSION_FIELDS) if latest is not None else None,
                 "plot": str(plot) if plot is not None else None,
             }
         )
@@ -259,26 +237,16 @@ def show(
         out.print(f"plot written to {plot}")
 
 
-def _stats_dict(stats: ObservationStats) -> dict[str, Any]:
-    return {
-        "n": stats.n,
-        "kept": stats.kept,
-        "lost": stats.lost,
-        "since_last_version": stats.since_last_version,
-        "last_at": stats.last_at.isoformat() if stats.last_at else None,
-    }
-
-
 @calibration_app.command("history")
 def history(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="Versions to list.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Threshold versions, newest first: τ, data, held-out rate, and why each was activated or not."""
-    with _factory()() as session:
+    with checked_factory()() as session:
         rows = threshold_history(session, limit)
     if as_json:
-        _print_json([_version_dict(row) for row in rows])
+        _print_json([fields(row, VERSION_FIELDS) for row in rows])
         return
     if not rows:
         out.print("no threshold versions yet; run `factmill calibration recompute`")
@@ -317,11 +285,11 @@ def recompute_command(
     A queued job is paused while the calibration.enabled kill switch is off, and runs when it is
     turned back on; --now refuses to run then unless --override-disabled.
     """
-    factory = _factory()
+    factory = checked_factory()
     settings = get_settings()
     if not now:
         if force or override_disabled:
-            raise _fail("--force and --override-disabled need --now", code=2)
+            raise fail("--force and --override-disabled need --now", code=2)
         request = request_recompute(factory, trigger="manual")
         if as_json:
             _print_json({"job_id": request.job_id, "created": request.created})
@@ -333,7 +301,7 @@ def recompute_command(
     with factory() as session:
         enabled = is_enabled(get_config(session, CALIBRATION_ENABLED))
     if not enabled and not override_disabled:
-        raise _fail(
+        raise fail(
             f"calibration is disabled ({CALIBRATION_ENABLED}=false). Turn it on with "
             f"`factmill config set {CALIBRATION_ENABLED} true`, "
             "or pass --override-disabled for a one-off run.",
@@ -349,7 +317,7 @@ def recompute_command(
             force=force,
         )
     except ValueError as exc:
-        raise _fail(str(exc), code=2) from exc
+        raise fail(str(exc), code=2) from exc
     if as_json:
         _print_json(result.as_dict())
         return
@@ -399,7 +367,7 @@ def render_plot(
 ) -> None:
     """A PNG: the coverage of kept and of lost cases, the active τ (shading what it reverts), and a newer
     candidate τ that was not activated."""
-    try:
+    try:  # here, not at the top: matplotlib is an optional extra (factmill[bench]) only the plot needs
         from matplotlib.figure import Figure
     except ImportError:
         raise MissingMatplotlibError(

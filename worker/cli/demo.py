@@ -13,21 +13,26 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from worker import db
-from worker.api.signing import sign
 from worker.celery_app import broker_url
-from worker.ingest import PageFileError, iter_page_files, load_page_file
+from worker.cli.console import err as stderr_console
+from worker.cli.console import fail
+from worker.cli.console import out as stdout_console
+from worker.core.signing import sign
+from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
-from worker.settings import Settings
+from worker.settings import Settings, get_settings
 
 BATCH_SIZE = 50
+EXAMPLES_DIR = db.REPO_ROOT / "examples"
 
 
 class DemoError(RuntimeError):
@@ -161,6 +166,7 @@ def run_demo(
             }
         )
         if settings.resolved_llm() == "simulator" and not settings.simulator_url:
+            # Here, not at the top: the simulator is a test double only this branch of the demo starts.
             from worker.simulator import Simulator, SimulatorConfig
 
             simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))
@@ -271,3 +277,19 @@ def _print_summary(jobs: list[dict[str, Any]], pages: int, seconds: float, conso
     table.add_row("tokens in / out", f"{totals.get('input_tokens', 0)} / {totals.get('output_tokens', 0)}")
     table.add_row("seconds", f"{seconds:.1f}")
     console.print(table)
+
+
+def demo(
+    examples: Annotated[Path, typer.Option(help="Directory of example pages.")] = EXAMPLES_DIR,
+    show: Annotated[int, typer.Option(help="Facts to print per page.")] = 3,
+    concurrency: Annotated[int, typer.Option(min=1, help="Worker threads.")] = 16,
+) -> None:
+    """Boot the service (API, worker, beat) on the embedded default, post the examples as signed
+    webhooks, follow the jobs, and print the facts with a summary."""
+    try:
+        code = run_demo(
+            get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
+        )
+    except DemoError as exc:
+        raise fail(str(exc)) from exc
+    raise typer.Exit(code)

@@ -1,0 +1,50 @@
+"""`factmill config`: read and set kill switches and tunables."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from worker.cli.console import fail, out
+from worker.cli.sessions import checked_factory
+from worker.config_store import get_config, list_config, set_config
+from worker.jobs.outbox import enqueue, resume_for_config_change
+
+config_app = typer.Typer(help="Runtime configuration: kill switches and tunables.", no_args_is_help=True)
+
+
+@config_app.command("get")
+def config_get(key: str) -> None:
+    """Print one config value (nothing set prints the default meaning)."""
+    with checked_factory()() as session:
+        value = get_config(session, key)
+    out.print(value if value is not None else "(not set)")
+
+
+@config_app.command("set")
+def config_set(
+    key: str, value: str, by: Annotated[str, typer.Option(help="Who made the change (recorded).")] = "cli"
+) -> None:
+    """Set a config value; kill switches take effect in running workers within seconds."""
+    factory = checked_factory()
+    try:
+        with factory.begin() as session:
+            stored = set_config(session, key, value, updated_by=by)
+            resumed = resume_for_config_change(session, key, stored)
+    except ValueError as exc:
+        raise fail(str(exc), code=2) from exc
+    enqueue(factory, resumed)
+    out.print(f"{key} = {stored}" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
+
+
+@config_app.command("list")
+def config_list() -> None:
+    """Every config value with who set it and when."""
+    with checked_factory()() as session:
+        rows = list_config(session)
+    table = Table("key", "value", "updated_by", "updated_at")
+    for row in rows:
+        table.add_row(row.key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
+    out.print(table)

@@ -1,0 +1,37 @@
+"""The CLI's one stdout console and one stderr console, the `fail` exit, and JSON output helpers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+import typer
+from rich.console import Console
+
+# Soft wrap: messages are sentences (paths, reasons) that people copy and tests match; Rich must not
+# break them mid-phrase at its guess of the width, the terminal wraps them.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:
+    """Print ``error: message`` on stderr and return the exit to raise: ``raise fail(...)``."""
+    err.print(f"[bold red]error:[/] {message}", highlight=highlight)
+    return typer.Exit(code)
+
+
+def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
+    """Write ``data`` as indented JSON on stdout, untouched by Rich (no wrapping, no colour)."""
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=ensure_ascii) + "\n")
+
+
+def fields(row: object, names: Iterable[str]) -> dict[str, Any]:
+    """The named attributes of a row, in that order, as JSON values (datetimes in ISO 8601)."""
+    return {name: _json_value(getattr(row, name)) for name in names}
+
+
+def _json_value(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value

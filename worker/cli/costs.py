@@ -1,0 +1,51 @@
+"""`factmill costs`: LLM spend from llm_calls, grouped by model, purpose or day."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from worker.accounting import reports
+from worker.cli.console import fail, out, print_json
+from worker.cli.sessions import checked_factory
+
+
+def _since(since: str | None) -> datetime:
+    """The start of the report: ``--since`` (UTC when it names no zone), else 30 days ago."""
+    try:
+        start = datetime.fromisoformat(since.replace("Z", "+00:00")) if since else None
+    except ValueError as exc:
+        raise fail(f"--since must be an ISO date such as 2026-11-01, got {since!r}", code=2) from exc
+    start = start or datetime.now(UTC) - timedelta(days=30)
+    return start.replace(tzinfo=UTC) if start.tzinfo is None else start
+
+
+def costs(
+    since: Annotated[str | None, typer.Option(help="ISO date/time; default: the last 30 days.")] = None,
+    by: Annotated[str, typer.Option(help="Group by model, purpose or day.")] = "model",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD."""
+    if by not in reports.GROUPS:
+        raise fail(f"--by must be one of {', '.join(reports.GROUPS)}", code=2)
+    start = _since(since)
+    with checked_factory()() as session:
+        rows = reports.spend(session, by=by, since=start)
+    if as_json:
+        print_json([r.as_dict() for r in rows])
+        return
+    title = f"LLM spend since {start.date().isoformat()}"
+    table = Table(by, "calls", "input tokens", "cached", "output tokens", "USD", title=title)
+    for r in [*rows, reports.total(rows)]:
+        table.add_row(
+            r.key,
+            str(r.calls),
+            str(r.input_tokens),
+            f"{r.cached_share:.0%}",
+            str(r.output_tokens),
+            f"{r.cost_usd:.4f}",
+        )
+    out.print(table)

@@ -1,0 +1,163 @@
+"""`factmill extract`: extract facts from conversation pages, online or as a provider batch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.cli.console import err, fail, out, print_json
+from worker.cli.sessions import checked_factory
+from worker.extraction import (
+    ExtractionCounters,
+    ExtractionDisabledError,
+    ExtractOptions,
+    PageReport,
+    run_extract_conversation_facts,
+)
+from worker.extraction.batch import run_batch_extraction
+from worker.llm.batches import open_batch_client
+from worker.llm.errors import LLMError
+from worker.llm.gateway import LLMConfigurationError, describe
+from worker.runtime import build_runtime
+from worker.settings import Settings, get_settings
+
+
+class RichProgress:
+    """Extraction progress on stderr: a bar over pages, a counter of segments."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.pages = progress.add_task("pages", total=None)
+        self.segments = progress.add_task("segments", total=0)
+
+    def pages_listed(self, count: int) -> None:
+        self.progress.update(self.pages, total=count)
+
+    def page_started(self, slug: str, segments: int) -> None:
+        task = self.progress.tasks[self.segments]
+        self.progress.update(
+            self.segments, total=(task.total or 0) + segments, description=f"segments · {slug}"
+        )
+
+    def segment_finished(self, slug: str, outcome: str) -> None:
+        self.progress.advance(self.segments)
+
+    def page_finished(self, report: PageReport) -> None:
+        self.progress.advance(self.pages)
+
+
+@contextmanager
+def extraction_progress(enabled: bool) -> Iterator[RichProgress | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        yield RichProgress(progress)
+
+
+def print_counters(counters: ExtractionCounters, seconds: float | None = None) -> None:
+    table = Table(title="extraction", show_header=False)
+    for key, value in counters.as_dict(with_pages=False).items():
+        table.add_row(key, str(value))
+    if seconds is not None:
+        table.add_row("seconds", f"{seconds:.2f}")
+    out.print(table)
+    for report in counters.pages:
+        if report.status in ("failed", "skipped_too_large", "incomplete") or (
+            report.status == "skipped" and report.reason and "nothing new" not in report.reason
+        ):
+            err.print(f"[yellow]{report.status}[/] {report.slug}: {report.reason}")
+
+
+def run_extraction(
+    settings: Settings,
+    factory: sessionmaker[Session],
+    options: ExtractOptions,
+    show_progress: bool,
+    batch_poll_seconds: float | None = None,
+) -> ExtractionCounters:
+    """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API."""
+    try:
+        if batch_poll_seconds is not None and not options.dry_run:
+            with open_batch_client(settings) as client, extraction_progress(show_progress) as progress:
+                return run_batch_extraction(
+                    factory, client, options, poll_seconds=batch_poll_seconds, progress=progress
+                )
+        if options.dry_run:
+            with extraction_progress(show_progress) as progress:
+                return run_extract_conversation_facts(factory, None, options, progress=progress)
+        rt = build_runtime(settings, factory)
+        with extraction_progress(show_progress) as progress:
+            try:
+                return run_extract_conversation_facts(
+                    factory, rt.llm, options, config=rt.config, budget=rt.budget, progress=progress
+                )
+            finally:
+                rt.close()
+    except ExtractionDisabledError as exc:
+        raise fail(str(exc), code=3) from exc
+    except (ValueError, LLMConfigurationError) as exc:
+        raise fail(str(exc), code=2) from exc
+    except LLMError as exc:  # only batch management calls get here (online calls are per-page outcomes)
+        raise fail(f"the batch could not be submitted or read: {exc}", code=5) from exc
+
+
+def extract(
+    slug: Annotated[str | None, typer.Option(help="Only this page.")] = None,
+    source_id: Annotated[str, typer.Option(help="Source to extract.")] = "default",
+    dry_run: Annotated[
+        bool, typer.Option(help="Count pages and segments; write nothing, call no LLM.")
+    ] = False,
+    force: Annotated[bool, typer.Option(help="Re-extract and replace the pages' facts.")] = False,
+    since: Annotated[str | None, typer.Option(help="Only messages strictly after this ISO time.")] = None,
+    override_disabled: Annotated[
+        bool, typer.Option(help="Run even if facts.extraction_enabled is off.")
+    ] = False,
+    max_facts: Annotated[int | None, typer.Option(min=1, max=25, help="Facts per segment (1-25).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the counters as JSON.")] = False,
+    batch: Annotated[
+        bool,
+        typer.Option(
+            help="Send the pending segments as one OpenAI/Anthropic batch (half price, results within "
+            "24 h); waits for it, then commits like an online run. For backfills."
+        ),
+    ] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.0, help="With --batch: seconds between polls.")] = 30.0,
+) -> None:
+    """Extract facts from conversation pages, resuming where the last run stopped."""
+    settings = get_settings()
+    factory = checked_factory(settings)
+    options = ExtractOptions(
+        source_id=source_id,
+        slug=slug,
+        dry_run=dry_run,
+        force=force,
+        since_iso=since,
+        override_disabled=override_disabled,
+        max_facts=max_facts,
+        max_output_tokens=settings.llm_max_output_tokens,
+    )
+    if not as_json and not dry_run:
+        err.print(describe(settings))
+    started = time.perf_counter()
+    counters = run_extraction(
+        settings,
+        factory,
+        options,
+        show_progress=not as_json,
+        batch_poll_seconds=poll_seconds if batch else None,
+    )
+    if as_json:
+        print_json(counters.as_dict())
+    else:
+        print_counters(counters, time.perf_counter() - started)
+    if counters.pages_failed:
+        raise typer.Exit(4)

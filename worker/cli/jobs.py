@@ -1,0 +1,86 @@
+"""`factmill jobs`: list, show and retry jobs (the outbox and its history)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from models import JOB_STATUSES, Job
+from worker.cli.console import fail, fields, out, print_json
+from worker.cli.sessions import checked_factory
+from worker.jobs import queries
+from worker.jobs.outbox import enqueue as send_jobs
+
+jobs_app = typer.Typer(help="Jobs: the outbox and its history.", no_args_is_help=True)
+
+JOB_FIELDS = (
+    "id",
+    "kind",
+    "subject",
+    "status",
+    "attempts",
+    "last_error",
+    "counters",
+    "created_at",
+    "updated_at",
+    "heartbeat_at",
+    "finished_at",
+)
+
+
+@jobs_app.command("list")
+def jobs_list(
+    status: Annotated[str | None, typer.Option(help="queued, running, paused, succeeded or failed.")] = None,
+    kind: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recent jobs, newest first."""
+    if status is not None and status not in JOB_STATUSES:
+        raise fail(f"--status must be one of {', '.join(JOB_STATUSES)}", code=2)
+    with checked_factory()() as session:
+        jobs = [
+            fields(j, JOB_FIELDS) for j in queries.list_jobs(session, status=status, kind=kind, limit=limit)
+        ]
+    if as_json:
+        print_json(jobs)
+        return
+    table = Table("id", "kind", "subject", "status", "attempts", "last_error")
+    for j in jobs:
+        table.add_row(
+            str(j["id"]),
+            j["kind"],
+            j["subject"],
+            j["status"],
+            str(j["attempts"]),
+            (j["last_error"] or "")[:60],
+        )
+    out.print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: int) -> None:
+    """One job with its counters and last error."""
+    with checked_factory()() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise fail(f"no job {job_id}")
+        print_json(fields(job, JOB_FIELDS))
+
+
+@jobs_app.command("retry")
+def jobs_retry(job_id: int) -> None:
+    """Queue a failed or paused job again."""
+    factory = checked_factory()
+    try:
+        with factory.begin() as session:
+            job = queries.retry(session, job_id)
+            pair = (job.id, job.kind)
+    except queries.JobNotFoundError as exc:
+        raise fail(str(exc)) from exc
+    except (queries.JobNotRetryableError, queries.JobAlreadyPendingError) as exc:
+        raise fail(str(exc), code=2) from exc
+    send_jobs(factory, [pair])
+    out.print(f"job {job_id} queued")

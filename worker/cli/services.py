@@ -1,0 +1,77 @@
+"""`factmill serve`, `worker`, `beat` and `flower`: the service processes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from worker.celery_app import app as celery
+from worker.cli.console import fail
+from worker.cli.sessions import checked_factory
+from worker.jobs.registry import queues as known_queues
+from worker.settings import get_settings
+
+POOLS = ("threads", "prefork", "solo")
+
+
+def serve(
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes.")] = 1,
+) -> None:
+    """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
+    settings = get_settings()
+    settings.check_production_secrets()
+    checked_factory(settings)  # fail early, with a clear message, if the schema is missing
+    uvicorn.run(
+        "worker.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info"
+    )
+
+
+def worker(
+    queues: Annotated[
+        str, typer.Option(help="Comma-separated queues to consume.")
+    ] = "extraction,maintenance",
+    concurrency: Annotated[int, typer.Option(min=1, help="Tasks in flight (threads or processes).")] = 64,
+    pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
+    loglevel: Annotated[str, typer.Option()] = "info",
+    hostname: Annotated[str | None, typer.Option(help="Celery node name (default factmill@<host>).")] = None,
+) -> None:
+    """Run a Celery worker for the given queues."""
+    known = known_queues()
+    unknown = sorted(set(q.strip() for q in queues.split(",")) - set(known))
+    if unknown:
+        raise fail(f"unknown queue(s) {', '.join(unknown)}; choose from {', '.join(known)}", code=2)
+    if pool not in POOLS:
+        raise fail("--pool must be threads, prefork or solo", code=2)
+    argv = [
+        "worker",
+        "-Q",
+        queues,
+        "-c",
+        str(concurrency),
+        "-P",
+        pool,
+        "-l",
+        loglevel,
+        "-E",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if hostname:
+        argv += ["-n", hostname]
+    celery.worker_main(argv)
+
+
+def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
+    """Run Celery beat (the sweeper every 30 s, and later schedules)."""
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
+
+
+def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
+    """Run Flower on the same broker to watch workers, queues and tasks."""
+    celery.start(["flower", f"--port={port}"])

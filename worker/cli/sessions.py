@@ -1,0 +1,27 @@
+"""Sessions for commands: the configured database, refused with a clear message until it is migrated."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker import db
+from worker.cli.console import fail
+from worker.settings import Settings, get_settings
+
+
+def database_url(settings: Settings) -> str:
+    """The configured database URL (starting the embedded server if that is the default)."""
+    try:
+        return db.database_url(settings)
+    except Exception as exc:
+        raise fail(str(exc)) from exc
+
+
+def checked_factory(settings: Settings | None = None) -> sessionmaker[Session]:
+    """Sessions on the configured database once its schema is at the migrations' head."""
+    url = database_url(settings or get_settings())
+    current, heads = db.schema_state(url)
+    if current != heads:
+        state = f"is at {sorted(current)}, not {sorted(heads)}" if current else "has no Factmill schema"
+        raise fail(f"the database {state}; run `factmill db upgrade` first")
+    return db.session_factory(url)
