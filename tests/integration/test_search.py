@@ -229,6 +229,7 @@ def plain_database_url(server_url: str, database_url: str) -> Iterator[str]:
         yield url
 
 
+# Truncation: vector_factory / plain_factory may be other databases (own engines from URLs), so is the CLI.
 @pytest.fixture
 def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
     return _empty(vector_database_url)
