@@ -124,8 +124,8 @@ ANY_ROW = text(
 )
 
 
-def _truncate(database_url: str) -> None:
-    with db.get_engine(database_url).begin() as conn:
+def _truncate(url: str) -> None:
+    with db.get_engine(url).begin() as conn:
         conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
 
 
@@ -142,20 +142,19 @@ def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
     yield sessionmaker(db.get_engine(database_url), expire_on_commit=False)
 
 
-@pytest.fixture
-def tx_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
-    """A session factory inside one outer transaction that is rolled back after the test.
+@contextlib.contextmanager
+def rolled_back(url: str) -> Iterator[sessionmaker[Session]]:
+    """A session factory inside one outer transaction on ``url`` that is rolled back at the end.
 
     Every session it makes shares one connection and joins the outer transaction with a SAVEPOINT
     (SQLAlchemy "Joining a Session into an External Transaction"), so ``factory.begin()`` and
     ``session.commit()`` in the code under test only release savepoints and nothing outlives the
-    test. Sequences are not rolled back: compare ids with the ids the code returned. Single-threaded
-    use only (one connection), and invisible to other connections and processes."""
-    engine = db.get_engine(database_url)
+    block. Starts on empty tables (truncating first only if an earlier test committed rows)."""
+    engine = db.get_engine(url)
     with engine.connect() as conn:
         leftovers = conn.scalar(select(ANY_ROW))
     if leftovers:  # an earlier truncating test (or its worker process) committed rows
-        _truncate(database_url)
+        _truncate(url)
     connection = engine.connect()
     outer = connection.begin()
     try:
@@ -163,6 +162,16 @@ def tx_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
     finally:
         outer.rollback()
         connection.close()
+
+
+@pytest.fixture
+def tx_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
+    """The default for tests that use the database: ``rolled_back`` over the test database.
+
+    Sequences are not rolled back: compare ids with the ids the code returned. Single-threaded use
+    only (one connection), and invisible to other connections and processes (use ``factory`` then)."""
+    with rolled_back(database_url) as factory:
+        yield factory
 
 
 @pytest.fixture
