@@ -51,10 +51,10 @@ def test_parse_usd_and_prices():
             parse_prices(bad)
 
 
-def test_bad_budget_values_are_refused_at_config_set(tx_factory):
-    with pytest.raises(ValueError, match="US dollars"), tx_factory.begin() as session:
+def test_bad_budget_values_are_refused_at_config_set(session):
+    with pytest.raises(ValueError, match="US dollars"):
         set_config(session, "llm.budget_daily_usd", "a lot")
-    with pytest.raises(ValueError, match=r"llm\.prices"), tx_factory.begin() as session:
+    with pytest.raises(ValueError, match=r"llm\.prices"):
         set_config(session, "llm.prices", '{"m": {"input": 1}}')
 
 
@@ -131,18 +131,16 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
         rt.close()
 
 
-def test_kill_switch_resume_does_not_wake_budget_waiters(tx_factory):
-    with tx_factory.begin() as session:
-        session.add_all(
-            [
-                Job(kind=EXTRACTION, subject="a", status="paused", pause_reason="budget"),
-                Job(kind=EXTRACTION, subject="b", status="paused", pause_reason="kill_switch"),
-            ]
-        )
-    with tx_factory.begin() as session:
-        resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
-    with tx_factory() as session:
-        statuses = dict(session.execute(select(Job.subject, Job.status)).all())
+def test_kill_switch_resume_does_not_wake_budget_waiters(session):
+    session.add_all(
+        [
+            Job(kind=EXTRACTION, subject="a", status="paused", pause_reason="budget"),
+            Job(kind=EXTRACTION, subject="b", status="paused", pause_reason="kill_switch"),
+        ]
+    )
+    session.flush()
+    resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
+    statuses = dict(session.execute(select(Job.subject, Job.status)).all())
     assert len(resumed) == 1 and statuses == {"a": "paused", "b": "queued"}
 
 
