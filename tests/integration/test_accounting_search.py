@@ -121,7 +121,7 @@ def vector_database_url(database_url: str) -> Iterator[str]:
             server.cleanup()
 
 
-# Truncation: the vector store may be another database (its own engine from a URL); pgvector DDL ran there.
+# Truncation: the vector store may be another database (the embedded pgserver, its own engine from a URL).
 @pytest.fixture
 def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
     engine = db.get_engine(vector_database_url)

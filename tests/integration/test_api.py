@@ -219,7 +219,6 @@ def test_same_key_with_a_different_body_is_refused(
 
 # Truncation: two connections, one blocked on the other's uncommitted idempotency key.
 def test_concurrent_duplicate_delivery_returns_the_stored_answer(factory: sessionmaker[Session]) -> None:
-    # Truncation: two connections, one blocked on the other's uncommitted key.
     """The delivery row is inserted by a concurrent request that commits while ours waits on its key."""
     pages = [PageIn(slug="race/a", type="conversation", compiled_truth=CONVERSATION)]
     body_hash = hashlib.sha256(b"same body").hexdigest()
