@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -119,15 +119,67 @@ def database_url(server_url: str) -> Iterator[str]:
 
 TABLES = ", ".join(sorted(models.Base.metadata.tables))
 
+ANY_ROW = text(
+    " OR ".join(f"EXISTS (SELECT 1 FROM {table})" for table in sorted(models.Base.metadata.tables))
+)
+
+
+def _truncate(url: str) -> None:
+    with db.get_engine(url).begin() as conn:
+        conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+
 
 @pytest.fixture
 def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
-    """A session factory over an emptied database (extraction commits its own transactions, so
-    tests start clean instead of rolling back)."""
-    engine = db.get_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
-    yield sessionmaker(engine, expire_on_commit=False)
+    """A session factory over a TRUNCATEd database whose commits are real (ids restart at 1).
+
+    Only for tests that cannot share one rolled-back connection (prefer ``tx_factory``): they start
+    worker/API/beat processes (tests/e2e, the service tests), run code that opens its own engine from
+    a URL (the CLI), use the factory from several threads at once (segment_concurrency > 1, racing
+    writers), need a second connection to see a commit (row locks, advisory locks, "committed before
+    the hand-off" checks), or assert sequence values."""
+    _truncate(database_url)
+    yield sessionmaker(db.get_engine(database_url), expire_on_commit=False)
+
+
+@contextlib.contextmanager
+def rolled_back(url: str) -> Iterator[sessionmaker[Session]]:
+    """A session factory inside one outer transaction on ``url`` that is rolled back at the end.
+
+    Every session it makes shares one connection and joins the outer transaction with a SAVEPOINT
+    (SQLAlchemy "Joining a Session into an External Transaction"), so ``factory.begin()`` and
+    ``session.commit()`` in the code under test only release savepoints and nothing outlives the
+    block. Starts on empty tables (truncating first only if an earlier test committed rows)."""
+    engine = db.get_engine(url)
+    with engine.connect() as conn:
+        leftovers = conn.scalar(select(ANY_ROW))
+    if leftovers:  # an earlier truncating test (or its worker process) committed rows
+        _truncate(url)
+    connection = engine.connect()
+    outer = connection.begin()
+    try:
+        yield sessionmaker(bind=connection, expire_on_commit=False, join_transaction_mode="create_savepoint")
+    finally:
+        outer.rollback()
+        connection.close()
+
+
+@pytest.fixture
+def tx_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
+    """The default for tests that use the database: ``rolled_back`` over the test database.
+
+    Sequences are not rolled back: compare ids with the ids the code returned. Single-threaded use
+    only (one connection), and invisible to other connections and processes (use ``factory`` then)."""
+    with rolled_back(database_url) as factory:
+        yield factory
+
+
+@pytest.fixture
+def session(tx_factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A Session in the test's outer transaction (rolled back afterwards), for functions that take a
+    session and never commit."""
+    with tx_factory() as active:
+        yield active
 
 
 @pytest.fixture(scope="session")

@@ -41,13 +41,13 @@ def sim() -> Iterator[Simulator]:
 
 
 @pytest.fixture
-def priced(factory: sessionmaker[Session], sim: Simulator) -> sessionmaker[Session]:
+def priced(tx_factory: sessionmaker[Session], sim: Simulator) -> sessionmaker[Session]:
     """A database with the price override set (and the simulator's counters reset)."""
     sim.configure(**SimulatorConfig(batch_delay_seconds=0.05).model_dump())
     sim.reset()
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         set_config(session, "llm.prices", OVERRIDE, updated_by="test")
-    return factory
+    return tx_factory
 
 
 def chat_client(sim: Simulator) -> OpenAIChatClient:

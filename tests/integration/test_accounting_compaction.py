@@ -75,26 +75,26 @@ def compaction_costs(factory: sessionmaker[Session]) -> list[Decimal]:
 
 
 def test_a_compaction_job_costs_its_llm_call_with_the_price_override(
-    database_url: str, factory: sessionmaker[Session]
+    database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
-    job_id = long_transcript(factory, "priced-job")
-    expected = set_override(factory)
+    job_id = long_transcript(tx_factory, "priced-job")
+    expected = set_override(tx_factory)
     rt = Runtime(
         settings=Settings(database_url=database_url, threshold_cache_seconds=0),
-        factory=factory,
-        config=ConfigReader(factory, ttl=0),
+        factory=tx_factory,
+        config=ConfigReader(tx_factory, ttl=0),
         _llm=ListedModelLLM(),
     )
     assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
-    costs = compaction_costs(factory)
+    costs = compaction_costs(tx_factory)
     assert costs and costs == [expected] * len(costs)  # one row per summarizer attempt
 
 
 def test_compact_transcript_without_a_ledger_still_applies_the_price_override(
-    factory: sessionmaker[Session],
+    tx_factory: sessionmaker[Session],
 ) -> None:
-    long_transcript(factory, "priced-cli")
-    expected = set_override(factory)
-    outcome = compact_transcript(factory, ListedModelLLM(), "priced-cli", threshold=lambda: PASS_ALL)
+    long_transcript(tx_factory, "priced-cli")
+    expected = set_override(tx_factory)
+    outcome = compact_transcript(tx_factory, ListedModelLLM(), "priced-cli", threshold=lambda: PASS_ALL)
     assert outcome.status == "accepted"
-    assert compaction_costs(factory) == [expected]
+    assert compaction_costs(tx_factory) == [expected]

@@ -121,6 +121,7 @@ def vector_database_url(database_url: str) -> Iterator[str]:
             server.cleanup()
 
 
+# Truncation: the vector store may be another database (the embedded pgserver, its own engine from a URL).
 @pytest.fixture
 def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
     engine = db.get_engine(vector_database_url)
@@ -130,14 +131,14 @@ def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> 
 
 
 def test_search_expansion_is_costed_by_the_price_override(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
-    _set_prices(factory)
-    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
+    _set_prices(tx_factory)
+    _seed_facts(tx_factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
     # An intent always expands.
-    outcome = search(factory, _sim_llm(simulator), "who has a dog", intent="pets")
+    outcome = search(tx_factory, _sim_llm(simulator), "who has a dog", intent="pets")
     assert outcome.expanded
-    assert _assert_costed_by_the_override(factory, "search_expansion") == 1
+    assert _assert_costed_by_the_override(tx_factory, "search_expansion") == 1
 
 
 def test_hyde_and_vec_embeddings_are_costed_by_the_price_override(
@@ -162,30 +163,30 @@ def test_hyde_and_vec_embeddings_are_costed_by_the_price_override(
 
 
 def test_fact_embeddings_are_costed_by_the_price_override(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
-    _set_prices(factory)
+    _set_prices(tx_factory)
     llm = _sim_llm(simulator)
-    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel", "Bob is allergic to peanuts"])
-    report = embed_facts(factory, llm, batch_size=1, set_up_vector_store=False)
+    _seed_facts(tx_factory, "bob-chat", ["Bob adopted a greyhound named Pixel", "Bob is allergic to peanuts"])
+    report = embed_facts(tx_factory, llm, batch_size=1, set_up_vector_store=False)
     assert report.embedded == 2
-    _seed_facts(factory, "bob-later", ["Bob prefers aisle seats on long flights"])
-    assert embed_new_facts(factory, llm, "default", "bob-later") == 1
-    assert _assert_costed_by_the_override(factory, "embedding") == 3
+    _seed_facts(tx_factory, "bob-later", ["Bob prefers aisle seats on long flights"])
+    assert embed_new_facts(tx_factory, llm, "default", "bob-later") == 1
+    assert _assert_costed_by_the_override(tx_factory, "embedding") == 3
 
 
 def test_a_failed_record_never_fails_the_search(
-    factory: sessionmaker[Session], simulator: Any, caplog: pytest.LogCaptureFixture
+    tx_factory: sessionmaker[Session], simulator: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken_config(key: str) -> str | None:
         raise RuntimeError("config table unreachable")
 
-    _seed_facts(factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
+    _seed_facts(tx_factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
     with caplog.at_level(logging.WARNING, logger="worker.search.service"):
         outcome = search(
-            factory, _sim_llm(simulator), "who has a dog", intent="pets", ledger=Ledger(broken_config)
+            tx_factory, _sim_llm(simulator), "who has a dog", intent="pets", ledger=Ledger(broken_config)
         )
     assert outcome.expanded
     assert "could not record a search_expansion LLM call" in caplog.text
-    with factory() as session:
+    with tx_factory() as session:
         assert session.scalar(text("SELECT count(*) FROM llm_calls")) == 0

@@ -70,16 +70,32 @@ def make_runtime(database_url: str, factory: sessionmaker[Session], **settings: 
 
 
 @pytest.fixture
-def recorder(factory: sessionmaker[Session]) -> Recorder:
-    return Recorder(factory)
+def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(tx_factory)
 
 
 @pytest.fixture
 def client(
-    database_url: str, broker_url: str, factory: sessionmaker[Session], recorder: Recorder
+    database_url: str, broker_url: str, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> Iterator[TestClient]:
-    runtime = make_runtime(database_url, factory, broker_url=broker_url)  # /readyz checks the broker
+    runtime = make_runtime(database_url, tx_factory, broker_url=broker_url)  # /readyz checks the broker
     with TestClient(create_app(runtime, sender=recorder)) as test_client:
+        yield test_client
+
+
+# Tests that assert the job row was committed before the hand-off need real commits: inside a rolled-back
+# outer transaction no other connection ever sees the row. They use these two over the truncating `factory`.
+@pytest.fixture
+def committed_recorder(factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(factory)
+
+
+@pytest.fixture
+def committed_client(
+    database_url: str, broker_url: str, factory: sessionmaker[Session], committed_recorder: Recorder
+) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, factory, broker_url=broker_url)
+    with TestClient(create_app(runtime, sender=committed_recorder)) as test_client:
         yield test_client
 
 
@@ -124,9 +140,9 @@ def set_job(factory: sessionmaker[Session], job_id: int, **values: Any) -> None:
 
 
 def test_signed_webhook_stores_page_and_job_and_sends_after_commit(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
 ) -> None:
-    response = post(client, page("conversations/alice"))
+    response = post(committed_client, page("conversations/alice"))
     assert response.status_code == 202, response.text
     body = response.json()
     assert body["unchanged"] == []
@@ -137,8 +153,8 @@ def test_signed_webhook_stores_page_and_job_and_sends_after_commit(
         "slug": "conversations/alice",
         "created": True,
     }
-    assert recorder.calls == [("tasks.extraction.extract_page", job["job_id"], "extraction")]
-    assert recorder.committed == [True]  # the row was committed before the hand-off
+    assert committed_recorder.calls == [("tasks.extraction.extract_page", job["job_id"], "extraction")]
+    assert committed_recorder.committed == [True]  # the row was committed before the hand-off
     with factory() as session:
         stored = session.get(Job, job["job_id"])
         assert stored is not None
@@ -156,7 +172,7 @@ def test_signed_webhook_stores_page_and_job_and_sends_after_commit(
 
 @pytest.mark.parametrize("shape", ["wrapped", "list"])
 def test_batch_of_pages(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder, shape: str
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder, shape: str
 ) -> None:
     pages = [page(f"batch/p{i}", source_id="src-b" if i % 2 else "default") for i in range(5)]
     response = post(client, {"pages": pages} if shape == "wrapped" else pages)
@@ -167,11 +183,11 @@ def test_batch_of_pages(
     ]
     assert all(j["created"] for j in accepted)
     assert sorted(recorder.job_ids) == sorted(j["job_id"] for j in accepted)
-    assert count(factory, Page) == 5 and count(factory, Job) == 5
+    assert count(tx_factory, Page) == 5 and count(tx_factory, Job) == 5
 
 
 def test_duplicate_delivery_replays_the_original_answer(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> None:
     payload = {"pages": [page("dup/a"), page("dup/b")]}
     first = post(client, payload, key="delivery-1")
@@ -183,20 +199,25 @@ def test_duplicate_delivery_replays_the_original_answer(
     assert second.status_code == 202
     assert second.json() == first.json()
     assert second.headers.get("Idempotent-Replayed") == "true"
-    assert count(factory, Job) == 2 and count(factory, Page) == 2 and count(factory, WebhookDelivery) == 1
+    assert (
+        count(tx_factory, Job) == 2
+        and count(tx_factory, Page) == 2
+        and count(tx_factory, WebhookDelivery) == 1
+    )
     assert len(recorder.calls) == 2  # nothing sent again
 
 
 def test_same_key_with_a_different_body_is_refused(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     assert post(client, page("reuse/a"), key="k-1").status_code == 202
     response = post(client, page("reuse/b"), key="k-1")
     assert response.status_code == 422
     assert "Idempotency-Key reused with a different body" in response.json()["detail"]
-    assert count(factory, Page) == 1
+    assert count(tx_factory, Page) == 1
 
 
+# Truncation: two connections, one blocked on the other's uncommitted idempotency key.
 def test_concurrent_duplicate_delivery_returns_the_stored_answer(factory: sessionmaker[Session]) -> None:
     """The delivery row is inserted by a concurrent request that commits while ours waits on its key."""
     pages = [PageIn(slug="race/a", type="conversation", compiled_truth=CONVERSATION)]
@@ -233,7 +254,7 @@ def test_concurrent_duplicate_delivery_returns_the_stored_answer(factory: sessio
 )
 def test_unsigned_or_badly_signed_webhook_is_401(
     client: TestClient,
-    factory: sessionmaker[Session],
+    tx_factory: sessionmaker[Session],
     recorder: Recorder,
     kwargs: dict[str, Any],
     reason: str,
@@ -243,7 +264,7 @@ def test_unsigned_or_badly_signed_webhook_is_401(
     response = post(client, page("unsigned/a"), **kwargs)
     assert response.status_code == 401
     assert reason in response.json()["detail"]
-    assert count(factory, Page) == 0 and recorder.calls == []
+    assert count(tx_factory, Page) == 0 and recorder.calls == []
 
 
 def test_altered_body_is_401(client: TestClient) -> None:
@@ -264,9 +285,9 @@ CAP = 4096
 
 @pytest.fixture
 def small_client(
-    database_url: str, factory: sessionmaker[Session], recorder: Recorder
+    database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> Iterator[TestClient]:
-    runtime = make_runtime(database_url, factory, max_body_bytes=CAP)
+    runtime = make_runtime(database_url, tx_factory, max_body_bytes=CAP)
     with TestClient(create_app(runtime, sender=recorder)) as test_client:
         yield test_client
 
@@ -276,7 +297,7 @@ def big_body() -> bytes:
 
 
 def test_declared_length_over_the_cap_is_413(
-    small_client: TestClient, factory: sessionmaker[Session]
+    small_client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     body = big_body()
     response = small_client.post(
@@ -284,11 +305,11 @@ def test_declared_length_over_the_cap_is_413(
     )
     assert response.status_code == 413
     assert f"{CAP}-byte limit" in response.json()["detail"]
-    assert count(factory, Page) == 0
+    assert count(tx_factory, Page) == 0
 
 
 def test_chunked_body_without_length_over_the_cap_is_413(
-    small_client: TestClient, factory: sessionmaker[Session]
+    small_client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     body = big_body()
 
@@ -300,7 +321,7 @@ def test_chunked_body_without_length_over_the_cap_is_413(
         "/v1/pages", content=chunks(), headers={"Factmill-Signature": sign(body, SECRET)}
     )
     assert response.status_code == 413
-    assert count(factory, Page) == 0
+    assert count(tx_factory, Page) == 0
 
 
 def test_lying_content_length_is_413(small_client: TestClient) -> None:
@@ -336,8 +357,8 @@ def run_asgi(app: Any, headers: list[tuple[bytes, bytes]], chunk: bytes, chunks:
     return sent[0]["status"], pulled
 
 
-def test_streaming_stops_reading_at_the_cap(database_url: str, factory: sessionmaker[Session]) -> None:
-    app = create_app(make_runtime(database_url, factory, max_body_bytes=CAP), sender=Recorder(factory))
+def test_streaming_stops_reading_at_the_cap(database_url: str, tx_factory: sessionmaker[Session]) -> None:
+    app = create_app(make_runtime(database_url, tx_factory, max_body_bytes=CAP), sender=Recorder(tx_factory))
     status, pulled = run_asgi(app, [(b"factmill-signature", b"t=1,v1=00")], b"x" * 1000, chunks=1000)
     assert status == 413
     assert pulled == CAP // 1000 + 1  # stopped at the first chunk past the cap, not at the end
@@ -374,19 +395,19 @@ def test_malformed_json_is_422(client: TestClient) -> None:
     ],
 )
 def test_invalid_pages_are_422_naming_the_field(
-    client: TestClient, factory: sessionmaker[Session], payload: Any, expected: str
+    client: TestClient, tx_factory: sessionmaker[Session], payload: Any, expected: str
 ) -> None:
     response = post(client, payload)
     assert response.status_code == 422, response.text
     assert expected in response.json()["detail"]
-    assert count(factory, Page) == 0
+    assert count(tx_factory, Page) == 0
 
 
-def test_more_than_1000_pages_is_422(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_more_than_1000_pages_is_422(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
     response = post(client, {"pages": [page(f"many/p{i}", body="x") for i in range(1001)]})
     assert response.status_code == 422
     assert "1001 pages" in response.json()["detail"] and "at most 1000" in response.json()["detail"]
-    assert count(factory, Page) == 0
+    assert count(tx_factory, Page) == 0
 
 
 def test_bad_idempotency_key_is_422(client: TestClient) -> None:
@@ -400,29 +421,29 @@ def test_bad_idempotency_key_is_422(client: TestClient) -> None:
 
 
 def test_unchanged_content_creates_no_job(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> None:
     assert post(client, page("same/a")).status_code == 202
-    set_job(factory, recorder.job_ids[0], status="succeeded")
+    set_job(tx_factory, recorder.job_ids[0], status="succeeded")
     response = post(client, page("same/a"))
     assert response.status_code == 202
     assert response.json() == {"jobs": [], "unchanged": [{"source_id": "default", "slug": "same/a"}]}
-    assert count(factory, Job) == 1 and len(recorder.calls) == 1
+    assert count(tx_factory, Job) == 1 and len(recorder.calls) == 1
 
 
 def test_page_changed_while_its_job_is_pending_reuses_the_job(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> None:
     first = post(client, page("pending/a", body="v1")).json()["jobs"][0]
     second = post(client, page("pending/a", body="v2")).json()["jobs"][0]
     assert second == first | {"created": False}
-    set_job(factory, first["job_id"], status="running")
+    set_job(tx_factory, first["job_id"], status="running")
     third = post(client, page("pending/a", body="v3")).json()["jobs"][0]
     assert third["job_id"] == first["job_id"]
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, first["job_id"])
         assert job is not None and job.rerun_requested  # the running worker read old content
-    assert count(factory, Job) == 1
+    assert count(tx_factory, Job) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -435,9 +456,9 @@ def test_job_literals_match_the_models() -> None:
     assert set(typing.get_args(JobKind)) == set(kind_names())
 
 
-def test_jobs_list_filter_get_and_404(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_jobs_list_filter_get_and_404(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
     ids = [j["job_id"] for j in post(client, [page(f"list/p{i}") for i in range(3)]).json()["jobs"]]
-    set_job(factory, ids[0], status="failed", last_error="boom")
+    set_job(tx_factory, ids[0], status="failed", last_error="boom")
 
     listed = client.get("/v1/jobs").json()["jobs"]
     assert [j["id"] for j in listed] == sorted(ids, reverse=True)
@@ -465,35 +486,37 @@ def test_jobs_list_filter_get_and_404(client: TestClient, factory: sessionmaker[
     assert missing.status_code == 404 and missing.json() == {"detail": "no job 999999"}
 
 
-def test_retry_a_failed_job(client: TestClient, factory: sessionmaker[Session], recorder: Recorder) -> None:
-    job_id = post(client, page("retry/a")).json()["jobs"][0]["job_id"]
+def test_retry_a_failed_job(
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
+) -> None:
+    job_id = post(committed_client, page("retry/a")).json()["jobs"][0]["job_id"]
     # Queued (or running): already on its way, so a retry is refused rather than duplicated.
-    assert client.post(f"/v1/jobs/{job_id}/retry").status_code == 409
+    assert committed_client.post(f"/v1/jobs/{job_id}/retry").status_code == 409
     set_job(factory, job_id, status="failed", attempts=5, last_error="provider down")
-    recorder.calls.clear()
-    response = client.post(f"/v1/jobs/{job_id}/retry")
+    committed_recorder.calls.clear()
+    response = committed_client.post(f"/v1/jobs/{job_id}/retry")
     assert response.status_code == 202, response.text
     assert (response.json()["status"], response.json()["attempts"], response.json()["last_error"]) == (
         "queued",
         0,
         None,
     )
-    assert recorder.calls == [("tasks.extraction.extract_page", job_id, "extraction")]
-    assert recorder.committed == [True, True]
-    assert client.post("/v1/jobs/999999/retry").status_code == 404
+    assert committed_recorder.calls == [("tasks.extraction.extract_page", job_id, "extraction")]
+    assert committed_recorder.committed == [True, True]
+    assert committed_client.post("/v1/jobs/999999/retry").status_code == 404
 
 
 def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     old = post(client, page("retry/b", body="v1")).json()["jobs"][0]["job_id"]
-    set_job(factory, old, status="failed")
+    set_job(tx_factory, old, status="failed")
     new = post(client, page("retry/b", body="v2")).json()["jobs"][0]["job_id"]
     assert new != old
     response = client.post(f"/v1/jobs/{old}/retry")
     assert response.status_code == 409
     assert response.json()["pending_job_id"] == new
-    with factory() as session:
+    with tx_factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == old)) == "failed"
 
 
@@ -510,10 +533,10 @@ def fact_row(slug: str, row_num: int, text: str, *, is_audit: bool = False) -> F
     )  # fmt: skip
 
 
-def test_facts_endpoint_excludes_audit_rows(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_facts_endpoint_excludes_audit_rows(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
     slug = "conversations/imessage/alice"
     assert post(client, page(slug)).status_code == 202
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.add_all(
             [
                 fact_row(slug, 1, "Bob congratulated Alice."),
@@ -597,7 +620,7 @@ def test_invalid_kill_switch_value_is_422(client: TestClient) -> None:
 
 
 def test_turning_a_kill_switch_on_resumes_paused_jobs(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
 ) -> None:
     with factory.begin() as session:
         paused = Job(
@@ -607,15 +630,17 @@ def test_turning_a_kill_switch_on_resumes_paused_jobs(
         session.add_all([paused, other])
         session.flush()
         paused_id, other_id = paused.id, other.id
-    client.put("/v1/config/facts.extraction_enabled", json={"value": "false"}, headers=ADMIN_HEADERS)
-    assert recorder.calls == []
-    response = client.put(
+    committed_client.put(
+        "/v1/config/facts.extraction_enabled", json={"value": "false"}, headers=ADMIN_HEADERS
+    )
+    assert committed_recorder.calls == []
+    response = committed_client.put(
         "/v1/config/facts.extraction_enabled", json={"value": "true"}, headers=ADMIN_HEADERS
     )
     assert response.status_code == 200
     assert response.json()["resumed"] == 1
-    assert recorder.calls == [("tasks.extraction.extract_page", paused_id, "extraction")]
-    assert recorder.committed == [True]
+    assert committed_recorder.calls == [("tasks.extraction.extract_page", paused_id, "extraction")]
+    assert committed_recorder.committed == [True]
     with factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == paused_id)) == "queued"
         assert session.scalar(select(Job.status).where(Job.id == other_id)) == "paused"  # other switch
@@ -637,9 +662,9 @@ def test_readyz_with_database_and_redis(client: TestClient) -> None:
     assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
 
 
-def test_readyz_names_the_unreachable_broker(database_url: str, factory: sessionmaker[Session]) -> None:
-    runtime = make_runtime(database_url, factory, broker_url="redis://127.0.0.1:1/0")
-    with TestClient(create_app(runtime, sender=Recorder(factory))) as test_client:
+def test_readyz_names_the_unreachable_broker(database_url: str, tx_factory: sessionmaker[Session]) -> None:
+    runtime = make_runtime(database_url, tx_factory, broker_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(runtime, sender=Recorder(tx_factory))) as test_client:
         response = test_client.get("/readyz")
     assert response.status_code == 503
     assert response.json()["checks"]["database"] == "ok"
@@ -660,10 +685,10 @@ def test_unreachable_database_is_503_on_readyz_and_a_json_500_elsewhere(database
 
 
 def test_metrics_exposes_jobs_facts_llm_and_requests(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     job_id = post(client, page("metrics/a")).json()["jobs"][0]["job_id"]
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.add_all(
             [fact_row("metrics/a", 0, "A fact."), fact_row("metrics/a", -1, "DONE", is_audit=True)]
         )
@@ -719,10 +744,10 @@ def test_openapi_lists_the_routes(client: TestClient) -> None:
 
 
 def test_webhook_sends_through_the_real_celery_sender(
-    database_url: str, factory: sessionmaker[Session], broker: SessionBroker
+    database_url: str, tx_factory: sessionmaker[Session], broker: SessionBroker
 ) -> None:
     prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
-    runtime = make_runtime(database_url, factory, broker_url=broker.url, broker_key_prefix=prefix)
+    runtime = make_runtime(database_url, tx_factory, broker_url=broker.url, broker_key_prefix=prefix)
     client = broker.client()
     try:
         with TestClient(create_app(runtime)) as test_client:  # no sender: Celery on runtime.settings
@@ -732,7 +757,7 @@ def test_webhook_sends_through_the_real_celery_sender(
         message = json.loads(raw[0])
         assert message["headers"]["task"] == "tasks.extraction.extract_page"
         assert message["headers"]["argsrepr"] == f"[{job_id}]"
-        with factory() as session:
+        with tx_factory() as session:
             assert session.scalar(select(Job.enqueued_at).where(Job.id == job_id)) is not None
     finally:
         for key in client.scan_iter(f"{prefix}*"):

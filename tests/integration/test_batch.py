@@ -76,14 +76,25 @@ def clean_sim(sim: Simulator) -> Simulator:
     return sim
 
 
-@pytest.fixture
-def store(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+def seed(factory: sessionmaker[Session]) -> sessionmaker[Session]:
     with factory.begin() as session:
         set_config(session, "facts.extraction_enabled", "true")
     for source in ("online", "batch"):
         for slug, person, company in PAGES:
             put_page(factory, slug, page_body(person, company), title=f"chat: {person}", source_id=source)
     return factory
+
+
+@pytest.fixture
+def store(tx_factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    return seed(tx_factory)
+
+
+# Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
+@pytest.fixture
+def committed_store(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    """``store`` with real commits, for the CLI (its own engine from FACTMILL_DATABASE_URL)."""
+    return seed(factory)
 
 
 def openai_chat(sim: Simulator) -> OpenAIChatClient:
@@ -248,7 +259,7 @@ def test_anthropic_message_batches_match_an_online_anthropic_run(store, clean_si
     assert partial.segments_submitted == 4 and partial.segments_missing == 2 and partial.pages_incomplete == 1
 
 
-def test_cli_extract_batch_json(store, clean_sim, database_url, monkeypatch):
+def test_cli_extract_batch_json(committed_store, clean_sim, database_url, monkeypatch):
     from worker.cli import app
     from worker.settings import get_settings
 

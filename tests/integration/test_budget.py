@@ -51,18 +51,18 @@ def test_parse_usd_and_prices():
             parse_prices(bad)
 
 
-def test_bad_budget_values_are_refused_at_config_set(factory):
-    with pytest.raises(ValueError, match="US dollars"), factory.begin() as session:
+def test_bad_budget_values_are_refused_at_config_set(session):
+    with pytest.raises(ValueError, match="US dollars"):
         set_config(session, "llm.budget_daily_usd", "a lot")
-    with pytest.raises(ValueError, match=r"llm\.prices"), factory.begin() as session:
+    with pytest.raises(ValueError, match=r"llm\.prices"):
         set_config(session, "llm.prices", '{"m": {"input": 1}}')
 
 
-def test_price_override_is_what_llm_calls_record(factory, llm):
-    set_(factory, "llm.prices", PRICES)
-    put_page(factory)
-    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
-    with factory() as session:
+def test_price_override_is_what_llm_calls_record(tx_factory, llm):
+    set_(tx_factory, "llm.prices", PRICES)
+    put_page(tx_factory)
+    run_extract_conversation_facts(tx_factory, llm, ExtractOptions(slug=SLUG))
+    with tx_factory() as session:
         calls = list(session.scalars(select(LLMCall)))
     assert calls
     for call in calls:
@@ -74,36 +74,37 @@ def test_price_override_is_what_llm_calls_record(factory, llm):
         assert call.cost_usd == expected.quantize(Decimal("0.000001"))
 
 
-def test_exhausted_daily_budget_is_its_own_outcome_and_calls_nothing(factory, llm, simulator):
-    set_(factory, "llm.prices", PRICES)
-    set_(factory, "llm.budget_daily_usd", "0")
-    put_page(factory)
+def test_exhausted_daily_budget_is_its_own_outcome_and_calls_nothing(tx_factory, llm, simulator):
+    set_(tx_factory, "llm.prices", PRICES)
+    set_(tx_factory, "llm.budget_daily_usd", "0")
+    put_page(tx_factory)
     before = simulator.stats()["requests_total"]
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(slug=SLUG))
     assert simulator.stats()["requests_total"] == before
     assert (result.pages_failed, result.facts_inserted, result.llm_calls) == (1, 0, 0)
     assert result.pages[0].outcome == "budget_exhausted"
     assert "budget" in result.pages[0].reason and "llm.budget_daily_usd" in result.pages[0].reason
-    with factory() as session:
+    with tx_factory() as session:
         [audit] = session.scalars(select(ExtractionAudit))
         assert (audit.outcome, audit.llm_call_id, audit.facts_count) == ("budget_exhausted", None, 0)
         assert session.scalar(select(func.count()).select_from(LLMCall)) == 0
 
 
-def test_budget_spent_part_way_stops_before_the_next_call(factory, llm):
-    set_(factory, "llm.prices", PRICES)
-    put_page(factory)
+def test_budget_spent_part_way_stops_before_the_next_call(tx_factory, llm):
+    set_(tx_factory, "llm.prices", PRICES)
+    put_page(tx_factory)
     # One segment costs well under 2 USD at these prices; allow about one call's worth.
-    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG, dry_run=True))
-    set_(factory, "llm.budget_daily_usd", "0.01")
-    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    run_extract_conversation_facts(tx_factory, llm, ExtractOptions(slug=SLUG, dry_run=True))
+    set_(tx_factory, "llm.budget_daily_usd", "0.01")
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
     budget.check()  # nothing spent yet
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG), budget=budget)
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(slug=SLUG), budget=budget)
     assert result.segments_processed == 1 and result.pages[0].outcome == "budget_exhausted"
     with pytest.raises(BudgetExhaustedError, match="day LLM budget is exhausted"):
         budget.check()
 
 
+# Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).
 def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_url, simulator):
     settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
     rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
@@ -130,21 +131,20 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
         rt.close()
 
 
-def test_kill_switch_resume_does_not_wake_budget_waiters(factory):
-    with factory.begin() as session:
-        session.add_all(
-            [
-                Job(kind=EXTRACTION, subject="a", status="paused", pause_reason="budget"),
-                Job(kind=EXTRACTION, subject="b", status="paused", pause_reason="kill_switch"),
-            ]
-        )
-    with factory.begin() as session:
-        resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
-    with factory() as session:
-        statuses = dict(session.execute(select(Job.subject, Job.status)).all())
+def test_kill_switch_resume_does_not_wake_budget_waiters(session):
+    session.add_all(
+        [
+            Job(kind=EXTRACTION, subject="a", status="paused", pause_reason="budget"),
+            Job(kind=EXTRACTION, subject="b", status="paused", pause_reason="kill_switch"),
+        ]
+    )
+    session.flush()
+    resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
+    statuses = dict(session.execute(select(Job.subject, Job.status)).all())
     assert len(resumed) == 1 and statuses == {"a": "paused", "b": "queued"}
 
 
+# Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
 def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url, monkeypatch):
     from worker.cli import app
     from worker.settings import get_settings
@@ -168,20 +168,20 @@ def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url
         get_settings.cache_clear()
 
 
-def test_every_runtime_call_is_budgeted(factory, database_url, simulator):
+def test_every_runtime_call_is_budgeted(tx_factory, database_url, simulator):
     """The runtime's client (used by extraction, compaction, search and embeddings) checks the day's
     budget before each call: a refusal is an LLMError with outcome budget_exhausted, and no request."""
     from worker.llm.errors import LLMError
     from worker.llm.types import ChatRequest
 
     settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
-    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    rt = Runtime(settings=settings, factory=tx_factory, config=ConfigReader(tx_factory, ttl=0))
     request = ChatRequest(purpose="test", system="be brief", messages=(("user", "hello"),), max_tokens=16)
     try:
         assert rt.llm.chat(request).text
         assert len(rt.llm.embed(["hello"]).vectors) == 1
-        set_(factory, "llm.prices", PRICES)
-        set_(factory, "llm.budget_daily_usd", "0")
+        set_(tx_factory, "llm.prices", PRICES)
+        set_(tx_factory, "llm.budget_daily_usd", "0")
         before = simulator.stats()["requests_total"]
         for call in (
             lambda: rt.llm.chat(request),

@@ -89,7 +89,15 @@ def make_compactions(factory: sessionmaker[Session], ids: Iterable[int]) -> None
 
 
 @pytest.fixture
-def judged(factory: sessionmaker[Session]) -> tuple[int, ...]:
+def judged(tx_factory: sessionmaker[Session]) -> tuple[int, ...]:
+    make_compactions(tx_factory, JUDGED)
+    return JUDGED
+
+
+# Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
+@pytest.fixture
+def committed_judged(factory: sessionmaker[Session]) -> tuple[int, ...]:
+    """``judged`` with real commits, for the CLI (its own engine from FACTMILL_DATABASE_URL)."""
     make_compactions(factory, JUDGED)
     return JUDGED
 
@@ -109,12 +117,12 @@ def current(factory: sessionmaker[Session]) -> ActiveThreshold:
 # ---------------------------------------------------------------------------
 
 
-def test_add_observations_stores_them(factory: sessionmaker[Session], judged: tuple[int, ...]) -> None:
+def test_add_observations_stores_them(tx_factory: sessionmaker[Session], judged: tuple[int, ...]) -> None:
     report = add(
-        factory, [ObservationIn(0.8, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
+        tx_factory, [ObservationIn(0.8, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
     )
     assert [s.duplicate for s in report.stored] == [False, False] and report.conflicts == []
-    with factory() as session:
+    with tx_factory() as session:
         rows = session.scalars(select(CalibrationObservation).order_by(CalibrationObservation.id)).all()
         assert [(r.coverage, r.answer_kept, r.origin, r.compaction_id) for r in rows] == [
             (0.8, True, "eval", 3),
@@ -126,56 +134,58 @@ def test_add_observations_stores_them(factory: sessionmaker[Session], judged: tu
 
 @pytest.mark.parametrize("coverage", [math.nan, 1.0000001, -0.5, math.inf])
 def test_nan_and_out_of_range_coverage_is_refused_before_the_store(
-    factory: sessionmaker[Session], coverage: float
+    tx_factory: sessionmaker[Session], coverage: float
 ) -> None:
     with pytest.raises(ValueError, match="coverage must be a number from 0 to 1"):
-        add_observation(factory, ObservationIn(coverage, True, "x"), recompute_every=50)
-    assert count(factory, CalibrationObservation) == 0
+        add_observation(tx_factory, ObservationIn(coverage, True, "x"), recompute_every=50)
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
-def test_the_table_refuses_nan_and_out_of_range_too(factory: sessionmaker[Session]) -> None:
+def test_the_table_refuses_nan_and_out_of_range_too(tx_factory: sessionmaker[Session]) -> None:
     from sqlalchemy.exc import IntegrityError
 
     for value in (math.nan, 1.5):
         with (
             pytest.raises(IntegrityError, match="ck_calibration_observations_coverage"),
-            factory.begin() as s,
+            tx_factory.begin() as s,
         ):
             s.add(CalibrationObservation(coverage=value, answer_kept=True, origin="raw"))
 
 
 def test_duplicates_are_reported_not_stored_twice(
-    factory: sessionmaker[Session], judged: tuple[int, ...]
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
     keyed = ObservationIn(0.7, True, "eval", idempotency_key="k-1")
     judged = ObservationIn(0.4, False, "eval", compaction_id=9)
-    first = add(factory, [keyed, judged])
-    again = add(factory, [keyed, judged, ObservationIn(0.7, True, "eval", idempotency_key="k-1")])
+    first = add(tx_factory, [keyed, judged])
+    again = add(tx_factory, [keyed, judged, ObservationIn(0.7, True, "eval", idempotency_key="k-1")])
     assert [s.duplicate for s in again.stored] == [True, True, True]
     assert [s.id for s in again.stored] == [first.stored[0].id, first.stored[1].id, first.stored[0].id]
     assert again.added == [] and again.recompute is None
     # Without a key or a compaction id, two equal labels are two real cases.
-    add(factory, [ObservationIn(0.5, True, "cli"), ObservationIn(0.5, True, "cli")])
-    assert count(factory, CalibrationObservation) == 4
+    add(tx_factory, [ObservationIn(0.5, True, "cli"), ObservationIn(0.5, True, "cli")])
+    assert count(tx_factory, CalibrationObservation) == 4
 
 
-def test_a_key_reused_for_a_different_observation_is_a_conflict(factory: sessionmaker[Session]) -> None:
-    add(factory, [ObservationIn(0.7, True, "eval", idempotency_key="k-2")])
+def test_a_key_reused_for_a_different_observation_is_a_conflict(tx_factory: sessionmaker[Session]) -> None:
+    add(tx_factory, [ObservationIn(0.7, True, "eval", idempotency_key="k-2")])
     report = add(
-        factory, [ObservationIn(0.2, False, "eval", idempotency_key="k-2"), ObservationIn(0.3, True, "e")]
+        tx_factory, [ObservationIn(0.2, False, "eval", idempotency_key="k-2"), ObservationIn(0.3, True, "e")]
     )
     assert [index for index, _ in report.conflicts] == [0]
     assert "idempotency_key 'k-2' was already used for a different observation" in report.conflicts[0][1]
     assert [s.index for s in report.added] == [1]  # the good one is still stored
     with pytest.raises(ObservationError, match="already used"):
-        add_observation(factory, ObservationIn(0.9, True, "eval", idempotency_key="k-2"), recompute_every=50)
+        add_observation(
+            tx_factory, ObservationIn(0.9, True, "eval", idempotency_key="k-2"), recompute_every=50
+        )
 
 
 def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
-    factory: sessionmaker[Session], judged: tuple[int, ...]
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
     report = add(
-        factory,
+        tx_factory,
         [
             ObservationIn(0.6, True, "eval", compaction_id=999),
             ObservationIn(0.7, True, "eval", compaction_id=judged[0]),
@@ -187,49 +197,49 @@ def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
         (2, "compaction_id 404: no such compaction"),
     ]
     assert [s.index for s in report.added] == [1]  # the rest of the batch is stored
-    with factory() as session:
+    with tx_factory() as session:
         assert list(session.scalars(select(CalibrationObservation.compaction_id))) == [judged[0]]
     with pytest.raises(ObservationError, match="no such compaction"):
-        add_observation(factory, ObservationIn(0.6, True, "eval", compaction_id=999), recompute_every=50)
+        add_observation(tx_factory, ObservationIn(0.6, True, "eval", compaction_id=999), recompute_every=50)
 
 
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(
-    factory: sessionmaker[Session], judged: tuple[int, ...]
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
     gone, kept = judged[0], judged[1]
     report = add(
-        factory,
+        tx_factory,
         [
             ObservationIn(0.6, True, "eval", compaction_id=gone),
             ObservationIn(0.3, False, "eval", compaction_id=kept),
         ],
     )
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.execute(delete(Compaction).where(Compaction.id == gone))
-    with factory() as session:
+    with tx_factory() as session:
         rows = {r.id: r for r in session.scalars(select(CalibrationObservation))}
     first, second = (rows[s.id] for s in report.stored)
     assert first.compaction_id is None and (first.coverage, first.answer_kept) == (0.6, True)
     assert second.compaction_id == kept
 
 
-def test_a_large_batch_in_chunks(factory: sessionmaker[Session]) -> None:
+def test_a_large_batch_in_chunks(tx_factory: sessionmaker[Session]) -> None:
     items = [ObservationIn(i / 2500, i % 3 != 0, "bulk", idempotency_key=f"b{i}") for i in range(2500)]
-    report = add(factory, items)
+    report = add(tx_factory, items)
     assert len(report.added) == 2500 and [s.index for s in report.stored] == list(range(2500))
-    assert count(factory, CalibrationObservation) == 2500
-    assert len(add(factory, items[2000:]).duplicates) == 500
+    assert count(tx_factory, CalibrationObservation) == 2500
+    assert len(add(tx_factory, items[2000:]).duplicates) == 500
 
 
-def test_every_n_observations_request_one_pending_recompute(factory: sessionmaker[Session]) -> None:
-    assert add(factory, separated(2, 2), every=5).recompute is None  # 4 so far
-    fifth = add(factory, [ObservationIn(0.5, True, "t")], every=5)
+def test_every_n_observations_request_one_pending_recompute(tx_factory: sessionmaker[Session]) -> None:
+    assert add(tx_factory, separated(2, 2), every=5).recompute is None  # 4 so far
+    fifth = add(tx_factory, [ObservationIn(0.5, True, "t")], every=5)
     assert fifth.recompute is not None and fifth.recompute.created
     assert fifth.pending_jobs() == [(fifth.recompute.job_id, "calibration")]
-    sixth = add(factory, [ObservationIn(0.5, True, "t")], every=5)
+    sixth = add(tx_factory, [ObservationIn(0.5, True, "t")], every=5)
     assert sixth.recompute is not None and sixth.recompute.job_id == fifth.recompute.job_id
     assert not sixth.recompute.created and sixth.pending_jobs() == []
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, fifth.recompute.job_id)
         assert job is not None
         assert (job.kind, job.subject, job.status, job.options) == (
@@ -239,8 +249,8 @@ def test_every_n_observations_request_one_pending_recompute(factory: sessionmake
             {"trigger": "observations"},
         )
     # A version computed from these resets the count.
-    recompute(factory, **PARAMS)
-    assert add(factory, [ObservationIn(0.5, True, "t")], every=5).recompute is None
+    recompute(tx_factory, **PARAMS)
+    assert add(tx_factory, [ObservationIn(0.5, True, "t")], every=5).recompute is None
 
 
 # ---------------------------------------------------------------------------
@@ -260,49 +270,49 @@ nan,true,eval
 
 
 def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
-    factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
+    tx_factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
 ) -> None:
     path = tmp_path / "labels.csv"
     path.write_text(CSV, encoding="utf-8")
-    report = import_csv(factory, path, recompute_every=50)
+    report = import_csv(tx_factory, path, recompute_every=50)
     assert report.rows == 6
     assert [line for line, _ in report.added] == [2, 4, 9]
     assert [line for line, _ in report.errors] == [3, 6, 8]
     assert "nan" in dict(report.errors)[3] and "got 1.5" in dict(report.errors)[6]
-    with factory() as session:
+    with tx_factory() as session:
         origins = session.scalars(select(CalibrationObservation.origin).order_by(CalibrationObservation.id))
         assert list(origins) == ["eval", "csv:labels.csv", "eval"]
-    again = import_csv(factory, path, recompute_every=50)
+    again = import_csv(tx_factory, path, recompute_every=50)
     assert again.added == [] and [line for line, _ in again.duplicates] == [2, 4, 9]
-    assert count(factory, CalibrationObservation) == 3
+    assert count(tx_factory, CalibrationObservation) == 3
 
 
 def test_import_reports_a_row_naming_an_unknown_compaction(
-    factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
+    tx_factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
 ) -> None:
     path = tmp_path / "judged.csv"
     path.write_text(f"0.5,true,eval,404\n0.6,true,eval,{judged[0]}\n", encoding="utf-8")
-    report = import_csv(factory, path, recompute_every=50)
+    report = import_csv(tx_factory, path, recompute_every=50)
     assert report.errors == [(1, "compaction_id 404: no such compaction")]
     assert [line for line, _ in report.added] == [2]
 
 
-def test_import_refuses_an_unreadable_file(factory: sessionmaker[Session], tmp_path: Path) -> None:
+def test_import_refuses_an_unreadable_file(tx_factory: sessionmaker[Session], tmp_path: Path) -> None:
     binary = tmp_path / "binary.csv"
     binary.write_bytes(b"0.5,true,\xff\xfe\n")
     with pytest.raises(CsvFormatError, match="not UTF-8"):
-        import_csv(factory, binary, recompute_every=50)
+        import_csv(tx_factory, binary, recompute_every=50)
     header = tmp_path / "header.csv"
     header.write_text("coverage,kept\n0.5,true\n")
     with pytest.raises(CsvFormatError, match="unknown column"):
-        import_csv(factory, header, recompute_every=50)
-    assert count(factory, CalibrationObservation) == 0
+        import_csv(tx_factory, header, recompute_every=50)
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
-def test_import_with_a_bom_and_crlf(factory: sessionmaker[Session], tmp_path: Path) -> None:
+def test_import_with_a_bom_and_crlf(tx_factory: sessionmaker[Session], tmp_path: Path) -> None:
     path = tmp_path / "excel.csv"
     path.write_bytes("\ufeffcoverage,answer_kept\r\n0.5,TRUE\r\n0.25,False\r\n".encode())
-    report = import_csv(factory, path, recompute_every=50)
+    report = import_csv(tx_factory, path, recompute_every=50)
     assert [line for line, _ in report.added] == [2, 3] and report.errors == []
 
 
@@ -311,47 +321,48 @@ def test_import_with_a_bom_and_crlf(factory: sessionmaker[Session], tmp_path: Pa
 # ---------------------------------------------------------------------------
 
 
-def test_recompute_activates_a_threshold_earned_on_held_out_data(factory: sessionmaker[Session]) -> None:
-    add(factory, separated())
-    result = recompute(factory, trigger="manual", **PARAMS)
+def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: sessionmaker[Session]) -> None:
+    report = add(tx_factory, separated())
+    result = recompute(tx_factory, trigger="manual", **PARAMS)
     assert result.outcome == "activated", result.reason
     assert result.tau is not None and 0.5 < result.tau < 0.6
     assert result.active == ActiveThreshold(result.tau, result.version)
-    assert current(factory) == result.active
-    [row] = versions(factory)
+    assert current(tx_factory) == result.active
+    [row] = versions(tx_factory)
     assert row.active and row.activated_at is not None and row.tau == result.tau
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
-    assert row.max_observation_id == 60 and row.split_method == "stratified-sha256-alternate-v1"
+    assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
+    assert row.split_method == "stratified-sha256-alternate-v1"
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 
 
 def test_recompute_refuses_a_threshold_the_held_out_half_does_not_support(
-    factory: sessionmaker[Session],
+    tx_factory: sessionmaker[Session],
 ) -> None:
-    add(factory, separated())
-    first = recompute(factory, **PARAMS)
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
     assert first.activated and first.tau is not None
     # Now many answers are lost at full coverage: no τ can separate them.
-    add(factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
-    second = recompute(factory, **PARAMS)
+    add(tx_factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
+    second = recompute(tx_factory, **PARAMS)
     assert second.outcome == "kept" and not second.activated
     assert second.held_out_rate is not None and second.held_out_rate < 0.9
     assert f"version {first.version} (τ={describe_tau(first.tau)}) stays active" in second.reason
-    assert second.active == first.active and current(factory) == first.active
-    old, new = versions(factory)
+    assert second.active == first.active and current(tx_factory) == first.active
+    old, new = versions(tx_factory)
     assert old.active and not new.active and new.activated_at is None and new.tau == 1.0
 
 
-def test_a_later_good_version_replaces_the_active_one(factory: sessionmaker[Session]) -> None:
-    add(factory, separated())
-    first = recompute(factory, **PARAMS)
-    add(factory, separated(origin="more"))
-    second = recompute(factory, **PARAMS)
+def test_a_later_good_version_replaces_the_active_one(tx_factory: sessionmaker[Session]) -> None:
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
+    add(tx_factory, separated(origin="more"))
+    second = recompute(tx_factory, **PARAMS)
     assert second.activated and f"replaces version {first.version}" in second.reason
-    assert [v.active for v in versions(factory)] == [False, True]
-    assert current(factory).version == second.version
+    assert [v.active for v in versions(tx_factory)] == [False, True]
+    assert current(tx_factory).version == second.version
 
 
 @pytest.mark.parametrize(
@@ -368,36 +379,37 @@ def test_a_later_good_version_replaces_the_active_one(factory: sessionmaker[Sess
     ids=["empty", "too-few", "only-good", "only-bad"],
 )
 def test_data_that_cannot_support_a_threshold_is_recorded_not_activated(
-    factory: sessionmaker[Session], items: list[ObservationIn], reason: str
+    tx_factory: sessionmaker[Session], items: list[ObservationIn], reason: str
 ) -> None:
-    add(factory, items)
-    result = recompute(factory, **PARAMS)
+    add(tx_factory, items)
+    result = recompute(tx_factory, **PARAMS)
     assert result.outcome == "kept" and result.tau is None
     assert reason in result.reason and "gates keep the fallback τ=0.5" in result.reason
-    assert result.active == FALLBACK and current(factory) == FALLBACK
-    [row] = versions(factory)
+    assert result.active == FALLBACK and current(tx_factory) == FALLBACK
+    [row] = versions(tx_factory)
     assert not row.active and row.tau is None and row.n == len(items)
 
 
-def test_nothing_new_writes_nothing_unless_forced(factory: sessionmaker[Session]) -> None:
-    add(factory, separated())
-    first = recompute(factory, **PARAMS)
-    again = recompute(factory, **PARAMS)
+def test_nothing_new_writes_nothing_unless_forced(tx_factory: sessionmaker[Session]) -> None:
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
+    again = recompute(tx_factory, **PARAMS)
     assert again.outcome == "unchanged" and again.version == first.version
     assert again.active == first.active
-    assert len(versions(factory)) == 1
-    other_alpha = recompute(factory, **(PARAMS | {"alpha": 0.2}))
+    assert len(versions(tx_factory)) == 1
+    other_alpha = recompute(tx_factory, **(PARAMS | {"alpha": 0.2}))
     assert other_alpha.version == first.version + 1
-    forced = recompute(factory, force=True, **(PARAMS | {"alpha": 0.2}))
+    forced = recompute(tx_factory, force=True, **(PARAMS | {"alpha": 0.2}))
     assert forced.version == first.version + 2
 
 
-def test_recompute_rejects_bad_parameters(factory: sessionmaker[Session]) -> None:
+def test_recompute_rejects_bad_parameters(tx_factory: sessionmaker[Session]) -> None:
     with pytest.raises(ValueError, match="alpha must be strictly between 0 and 1"):
-        recompute(factory, **(PARAMS | {"alpha": 1.5}))
-    assert versions(factory) == []
+        recompute(tx_factory, **(PARAMS | {"alpha": 1.5}))
+    assert versions(tx_factory) == []
 
 
+# Truncation: six threads recompute at once (advisory lock across connections).
 def test_concurrent_recomputes_leave_one_active_version(factory: sessionmaker[Session]) -> None:
     add(factory, separated())
     errors: list[BaseException] = []
@@ -418,7 +430,7 @@ def test_concurrent_recomputes_leave_one_active_version(factory: sessionmaker[Se
     assert len(rows) == 6 and sum(r.active for r in rows) == 1 and rows[-1].active
 
 
-def test_the_table_allows_one_active_version_only(factory: sessionmaker[Session]) -> None:
+def test_the_table_allows_one_active_version_only(tx_factory: sessionmaker[Session]) -> None:
     from sqlalchemy.exc import IntegrityError
 
     def version(active: bool) -> CalibrationThreshold:
@@ -427,9 +439,12 @@ def test_the_table_allows_one_active_version_only(factory: sessionmaker[Session]
             split_method="x", active=active, reason="test", trigger="test",
         )  # fmt: skip
 
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.add_all([version(True), version(False), version(False)])
-    with pytest.raises(IntegrityError, match="uq_calibration_thresholds_active"), factory.begin() as session:
+    with (
+        pytest.raises(IntegrityError, match="uq_calibration_thresholds_active"),
+        tx_factory.begin() as session,
+    ):
         session.add(version(True))
 
 
@@ -461,17 +476,17 @@ class CountingFactory:
         return self.factory()
 
 
-def test_active_threshold_falls_back_to_the_shipped_constant(factory: sessionmaker[Session]) -> None:
-    assert current(factory) == ActiveThreshold(0.5, None)
+def test_active_threshold_falls_back_to_the_shipped_constant(tx_factory: sessionmaker[Session]) -> None:
+    assert current(tx_factory) == ActiveThreshold(0.5, None)
 
 
-def test_threshold_cache_serves_within_ttl_and_refreshes_after(factory: sessionmaker[Session]) -> None:
+def test_threshold_cache_serves_within_ttl_and_refreshes_after(tx_factory: sessionmaker[Session]) -> None:
     clock = Clock()
-    counting = CountingFactory(factory)
+    counting = CountingFactory(tx_factory)
     cache = ThresholdCache(counting, ttl=30, clock=clock)  # type: ignore[arg-type]
     assert cache.get() == FALLBACK and counting.calls == 1
-    add(factory, separated())
-    result = recompute(factory, **PARAMS)
+    add(tx_factory, separated())
+    result = recompute(tx_factory, **PARAMS)
     clock.now += 29
     assert cache.get() == FALLBACK and counting.calls == 1  # still cached
     clock.now += 2
@@ -481,9 +496,11 @@ def test_threshold_cache_serves_within_ttl_and_refreshes_after(factory: sessionm
     assert cache.get() == result.active and counting.calls == 3
 
 
-def test_threshold_cache_serves_the_last_value_when_the_store_fails(factory: sessionmaker[Session]) -> None:
+def test_threshold_cache_serves_the_last_value_when_the_store_fails(
+    tx_factory: sessionmaker[Session],
+) -> None:
     clock = Clock()
-    counting = CountingFactory(factory)
+    counting = CountingFactory(tx_factory)
     cache = ThresholdCache(counting, ttl=5, clock=clock)  # type: ignore[arg-type]
     counting.broken = True
     with pytest.raises(OperationalError):
@@ -495,6 +512,7 @@ def test_threshold_cache_serves_the_last_value_when_the_store_fails(factory: ses
     assert cache.get() == known
 
 
+# Truncation: sixteen threads share the factory.
 def test_threshold_cache_is_thread_safe_and_queries_once_per_ttl(factory: sessionmaker[Session]) -> None:
     add(factory, separated())
     expected = recompute(factory, **PARAMS).active
@@ -528,13 +546,15 @@ def runtime(database_url: str, factory: sessionmaker[Session], **settings: Any) 
     return Runtime(settings=Settings(**values), factory=factory, config=ConfigReader(factory, ttl=0))
 
 
-def test_the_job_records_its_version_and_counters(database_url: str, factory: sessionmaker[Session]) -> None:
-    add(factory, separated())
-    rt = runtime(database_url, factory)
-    request = request_recompute(factory, "manual", sender=Recorder(factory))
+def test_the_job_records_its_version_and_counters(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    add(tx_factory, separated())
+    rt = runtime(database_url, tx_factory)
+    request = request_recompute(tx_factory, "manual", sender=Recorder(tx_factory))
     outcome = run_job(rt, request.job_id, jobs.CALIBRATION)
     assert outcome.status == "succeeded"
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, request.job_id)
         assert job is not None and job.status == "succeeded" and job.finished_at is not None
         assert job.counters["outcome"] == "activated" and job.counters["held_out_rate"] == 1.0
@@ -544,42 +564,45 @@ def test_the_job_records_its_version_and_counters(database_url: str, factory: se
 
 
 def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
-    database_url: str, factory: sessionmaker[Session]
+    database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
-    add(factory, separated())
-    rt = runtime(database_url, factory)
-    with factory.begin() as session:
+    add(tx_factory, separated())
+    rt = runtime(database_url, tx_factory)
+    with tx_factory.begin() as session:
         set_config(session, CALIBRATION_ENABLED, "false", updated_by="test")
-    recorder = Recorder(factory)
-    request = request_recompute(factory, "schedule", sender=recorder)
+    recorder = Recorder(tx_factory)
+    request = request_recompute(tx_factory, "schedule", sender=recorder)
     assert recorder.calls == [("tasks.calibration.recompute", request.job_id, "calibration")]
     assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "paused"
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, request.job_id)
         assert job is not None and (job.status, job.last_error) == ("paused", PAUSED_REASON)
-    assert versions(factory) == [] and current(factory) == FALLBACK
+    assert versions(tx_factory) == [] and current(tx_factory) == FALLBACK
     # One pending recompute at a time: the paused one is reused, not duplicated.
-    assert request_recompute(factory, "schedule", sender=recorder).job_id == request.job_id
-    with factory.begin() as session:
+    assert request_recompute(tx_factory, "schedule", sender=recorder).job_id == request.job_id
+    with tx_factory.begin() as session:
         set_config(session, CALIBRATION_ENABLED, "true", updated_by="test")
-    assert jobs.apply_switch_change(factory, CALIBRATION_ENABLED, "true", recorder) == 1
+    assert jobs.apply_switch_change(tx_factory, CALIBRATION_ENABLED, "true", recorder) == 1
     assert recorder.calls[-1] == ("tasks.calibration.recompute", request.job_id, "calibration")
     assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "succeeded"
-    assert current(factory).version == 1
+    [only] = versions(tx_factory)  # the first version, whatever id the sequence gave it
+    assert current(tx_factory).version == only.version
 
 
-def test_a_job_of_another_kind_fails(database_url: str, factory: sessionmaker[Session]) -> None:
-    with factory.begin() as session:
+def test_a_job_of_another_kind_fails(database_url: str, tx_factory: sessionmaker[Session]) -> None:
+    with tx_factory.begin() as session:
         job_id = jobs.request_job(session, jobs.EXTRACTION, "default|x").job_id
-    assert run_job(runtime(database_url, factory), job_id, jobs.CALIBRATION).status == "failed"
+    assert run_job(runtime(database_url, tx_factory), job_id, jobs.CALIBRATION).status == "failed"
 
 
-def test_bad_settings_fail_the_job_with_the_reason(database_url: str, factory: sessionmaker[Session]) -> None:
-    rt = runtime(database_url, factory)
+def test_bad_settings_fail_the_job_with_the_reason(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    rt = runtime(database_url, tx_factory)
     object.__setattr__(rt.settings, "calibration_alpha", 2.0)  # bypass validation: a corrupted setting
-    request = request_recompute(factory, "manual", sender=Recorder(factory))
+    request = request_recompute(tx_factory, "manual", sender=Recorder(tx_factory))
     assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "failed"
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, request.job_id)
         assert job is not None and "alpha must be strictly between 0 and 1" in (job.last_error or "")
 
@@ -590,14 +613,30 @@ def test_bad_settings_fail_the_job_with_the_reason(database_url: str, factory: s
 
 
 @pytest.fixture
-def recorder(factory: sessionmaker[Session]) -> Recorder:
+def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(tx_factory)
+
+
+@pytest.fixture
+def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    rt = make_runtime(database_url, tx_factory, calibration_recompute_every=3)
+    with TestClient(create_app(rt, sender=recorder)) as test_client:
+        yield test_client
+
+
+# For asserting the job row was committed before the hand-off: real commits over the truncating `factory`
+# (inside a rolled-back outer transaction no other connection ever sees the row).
+@pytest.fixture
+def committed_recorder(factory: sessionmaker[Session]) -> Recorder:
     return Recorder(factory)
 
 
 @pytest.fixture
-def client(database_url: str, factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+def committed_client(
+    database_url: str, factory: sessionmaker[Session], committed_recorder: Recorder
+) -> Iterator[TestClient]:
     rt = make_runtime(database_url, factory, calibration_recompute_every=3)
-    with TestClient(create_app(rt, sender=recorder)) as test_client:
+    with TestClient(create_app(rt, sender=committed_recorder)) as test_client:
         yield test_client
 
 
@@ -621,7 +660,7 @@ FEEDBACK = {"coverage": 0.82, "answer_kept": True, "origin": "eval:nightly", "co
 
 
 def test_signed_feedback_is_stored(
-    client: TestClient, factory: sessionmaker[Session], judged: tuple[int, ...]
+    client: TestClient, tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
     response = post_feedback(client, FEEDBACK)
     assert response.status_code == 201, response.text
@@ -635,7 +674,7 @@ def test_signed_feedback_is_stored(
         "compaction_id": 5,
         "recompute_job_id": None,
     }
-    with factory() as session:
+    with tx_factory() as session:
         row = session.get(CalibrationObservation, body["id"])
         assert row is not None and (row.coverage, row.answer_kept, row.compaction_id) == (0.82, True, 5)
 
@@ -649,11 +688,11 @@ def test_signed_feedback_is_stored(
     ],
 )
 def test_unsigned_feedback_is_401(
-    client: TestClient, factory: sessionmaker[Session], kwargs: dict[str, Any], reason: str
+    client: TestClient, tx_factory: sessionmaker[Session], kwargs: dict[str, Any], reason: str
 ) -> None:
     response = post_feedback(client, FEEDBACK, **kwargs)
     assert response.status_code == 401 and reason in response.json()["detail"]
-    assert count(factory, CalibrationObservation) == 0
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
 @pytest.mark.parametrize(
@@ -672,17 +711,17 @@ def test_unsigned_feedback_is_401(
     ],
 )
 def test_invalid_feedback_is_422(
-    client: TestClient, factory: sessionmaker[Session], payload: Any, expected: str
+    client: TestClient, tx_factory: sessionmaker[Session], payload: Any, expected: str
 ) -> None:
     response = post_feedback(client, payload)
     assert response.status_code == 422, response.text
     assert expected in response.json()["detail"]
-    assert count(factory, CalibrationObservation) == 0
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
 def test_nan_and_infinite_coverage_is_422(
-    client: TestClient, factory: sessionmaker[Session], literal: bytes
+    client: TestClient, tx_factory: sessionmaker[Session], literal: bytes
 ) -> None:
     raw = b'{"coverage": ' + literal + b', "answer_kept": false, "origin": "x"}'
     response = post_feedback(client, raw=raw)
@@ -690,7 +729,7 @@ def test_nan_and_infinite_coverage_is_422(
         response.status_code == 422
         and "coverage: Input should be a finite number" in response.json()["detail"]
     )
-    assert count(factory, CalibrationObservation) == 0
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
 def test_malformed_and_oversized_feedback(client: TestClient) -> None:
@@ -701,7 +740,7 @@ def test_malformed_and_oversized_feedback(client: TestClient) -> None:
 
 
 def test_duplicate_feedback_is_200_and_stored_once(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder, judged: tuple[int, ...]
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder, judged: tuple[int, ...]
 ) -> None:
     keyed = {"coverage": 0.3, "answer_kept": False, "origin": "ui", "idempotency_key": "fb-1"}
     first = post_feedback(client, keyed)
@@ -715,19 +754,19 @@ def test_duplicate_feedback_is_200_and_stored_once(
     # A judgement of a known compaction is its own key.
     assert post_feedback(client, FEEDBACK).status_code == 201
     assert post_feedback(client, FEEDBACK).json()["duplicate"] is True
-    assert count(factory, CalibrationObservation) == 2
+    assert count(tx_factory, CalibrationObservation) == 2
     assert recorder.calls == []  # two observations: no recompute due yet (every 3)
 
 
 def test_feedback_on_a_compaction_that_does_not_exist_is_422(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     response = post_feedback(client, FEEDBACK)  # no compaction 5 in this test's database
     assert response.status_code == 422 and response.json()["detail"] == "compaction_id 5: no such compaction"
-    assert count(factory, CalibrationObservation) == 0
+    assert count(tx_factory, CalibrationObservation) == 0
 
 
-def test_feedback_key_conflicts_are_422(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_feedback_key_conflicts_are_422(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
     keyed = {"coverage": 0.3, "answer_kept": False, "origin": "ui", "idempotency_key": "fb-2"}
     assert post_feedback(client, keyed).status_code == 201
     changed = post_feedback(client, keyed | {"answer_kept": True})
@@ -736,24 +775,27 @@ def test_feedback_key_conflicts_are_422(client: TestClient, factory: sessionmake
     )
     both = post_feedback(client, keyed, headers={"Idempotency-Key": "other"})
     assert both.status_code == 422 and "differ" in both.json()["detail"]
-    assert count(factory, CalibrationObservation) == 1
+    assert count(tx_factory, CalibrationObservation) == 1
 
 
 def test_every_n_feedbacks_enqueue_a_recompute_after_commit(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
 ) -> None:
     answers = [
-        post_feedback(client, {"coverage": 0.1 * i, "answer_kept": i > 1, "origin": "ui"}) for i in range(4)
+        post_feedback(committed_client, {"coverage": 0.1 * i, "answer_kept": i > 1, "origin": "ui"})
+        for i in range(4)
     ]
     assert [a.status_code for a in answers] == [201] * 4
     job_ids = [a.json()["recompute_job_id"] for a in answers]
     assert job_ids[:2] == [None, None] and job_ids[2] is not None and job_ids[3] == job_ids[2]
-    assert recorder.calls == [("tasks.calibration.recompute", job_ids[2], "calibration")]  # sent once
-    assert recorder.committed == [True]
+    assert committed_recorder.calls == [
+        ("tasks.calibration.recompute", job_ids[2], "calibration")
+    ]  # sent once
+    assert committed_recorder.committed == [True]
 
 
 def test_get_calibration_shows_the_fallback_then_the_active_version(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     empty = client.get("/v1/calibration")
     assert empty.status_code == 200
@@ -765,20 +807,22 @@ def test_get_calibration_shows_the_fallback_then_the_active_version(
         "observations": {"n": 0, "kept": 0, "lost": 0, "since_last_version": 0, "last_at": None},
         "history": [],
     }
-    add(factory, separated())
-    first = recompute(factory, **PARAMS)
-    add(factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
-    recompute(factory, **PARAMS)
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
+    add(tx_factory, [ObservationIn(1.0, False, "drift") for _ in range(40)])
+    second = recompute(tx_factory, **PARAMS)
     body = client.get("/v1/calibration").json()
     assert (body["tau"], body["version"], body["fallback"]) == (first.tau, first.version, False)
     assert body["active"]["version"] == first.version and body["active"]["active"] is True
-    assert [v["version"] for v in body["history"]] == [2, 1]
+    assert [v["version"] for v in body["history"]] == [second.version, first.version]
     assert body["history"][0]["active"] is False and "stays active" in body["history"][0]["reason"]
     assert body["history"][0]["held_out_rate"] < 0.9
     assert body["observations"] | {"last_at": None} == {
         "n": 100, "kept": 30, "lost": 70, "since_last_version": 0, "last_at": None,
     }  # fmt: skip
-    assert [v["version"] for v in client.get("/v1/calibration", params={"limit": 1}).json()["history"]] == [2]
+    assert [v["version"] for v in client.get("/v1/calibration", params={"limit": 1}).json()["history"]] == [
+        second.version
+    ]
     assert client.get("/v1/calibration", params={"limit": 0}).status_code == 422
 
 
@@ -796,6 +840,7 @@ def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
 # ---------------------------------------------------------------------------
 
 
+# Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL (so every test_cli_* truncates).
 @pytest.fixture
 def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Runs `factmill calibration ...` against the test database; jobs go to a recorder, not a broker."""
@@ -851,7 +896,9 @@ def test_cli_add_needs_a_label(cli: Any) -> None:
     assert result.exit_code == 2 and "--kept" in result.output
 
 
-def test_cli_import_reports_bad_rows_by_line(cli: Any, tmp_path: Path, judged: tuple[int, ...]) -> None:
+def test_cli_import_reports_bad_rows_by_line(
+    cli: Any, tmp_path: Path, committed_judged: tuple[int, ...]
+) -> None:
     path = tmp_path / "labels.csv"
     path.write_text(CSV)
     result = cli("import", str(path))
@@ -947,6 +994,7 @@ def test_cli_refuses_a_database_without_the_schema(
 # ---------------------------------------------------------------------------
 
 
+# Truncation: a real Celery worker process reads and writes the rows (test_a_real_worker_*).
 @pytest.fixture
 def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
     return service_env(database_url, broker_url, simulator.base_url, calibration_min_observations=20)

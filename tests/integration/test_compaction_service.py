@@ -202,6 +202,7 @@ def _clean_simulator(simulator: Any) -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 
+# Truncation: a real Celery worker process reads and writes the rows (this section's tests and `api`).
 @pytest.fixture(scope="module")
 def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
     return service_env(database_url, broker_url, simulator.base_url)
@@ -419,7 +420,7 @@ def test_the_kill_switch_pauses_compaction_and_turning_it_on_resumes_it(
 
 
 def test_tool_calls_stay_with_their_results_in_every_context_view(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     """Random agent sessions, some with tool units bigger than the kept budget, compacted again and
     again as they grow; after every append and every compaction the view keeps each unit whole."""
@@ -430,7 +431,7 @@ def test_tool_calls_stay_with_their_results_in_every_context_view(
         call = 0
         keep = rng.choice([200, 600, 1200])
         settings = {"context_window": 3000, "reserve_tokens": 1000, "keep_recent_tokens": keep}
-        append(factory, tid, [{"role": "user", "text": GOAL}], settings=settings)
+        append(tx_factory, tid, [{"role": "user", "text": GOAL}], settings=settings)
         for _ in range(12):
             batch: list[dict[str, Any]] = []
             for _ in range(rng.randint(1, 3)):
@@ -448,40 +449,44 @@ def test_tool_calls_stay_with_their_results_in_every_context_view(
                     batch.append({"role": "tool", "tool_call_id": c["id"], "text": "x" * size})
                 batch.append({"role": "assistant", "text": f"Round {call} done; payments in Frankfurt fine."})
             batch.append({"role": "user", "text": QUESTION})
-            append(factory, tid, batch)
-            with factory() as session:
+            append(tx_factory, tid, batch)
+            with tx_factory() as session:
                 assert_tool_units_intact([v.as_dict() for v in context_view(session, tid).messages])
-            outcome = compact_transcript(factory, llm, tid, threshold=lambda: ActiveThreshold(0.0, None))
-            with factory() as session:
+            outcome = compact_transcript(tx_factory, llm, tid, threshold=lambda: ActiveThreshold(0.0, None))
+            with tx_factory() as session:
                 view = [v.as_dict() for v in context_view(session, tid).messages]
             assert_tool_units_intact(view)
             if outcome.status == "accepted":
-                assert view[0]["is_compaction"] and view[0]["text"] == compactions(factory, tid)[-1].summary
+                assert (
+                    view[0]["is_compaction"] and view[0]["text"] == compactions(tx_factory, tid)[-1].summary
+                )
                 assert sum(m["is_compaction"] for m in view) == 1
                 assert view[1]["role"] != "tool"
             placeholders = [m for m in view if m["text"] == UNANSWERED_TOOL_CALL_TEXT]
             assert all(m["seq"] is None for m in placeholders)
-        assert any(c.status == "accepted" for c in compactions(factory, tid))
-        assert message_count(factory, tid) > 0
+        assert any(c.status == "accepted" for c in compactions(tx_factory, tid))
+        assert message_count(tx_factory, tid) > 0
 
 
-def test_the_previous_summary_is_folded_into_the_next(factory: sessionmaker[Session], simulator: Any) -> None:
+def test_the_previous_summary_is_folded_into_the_next(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
     llm = llm_for(simulator)
-    append(factory, "fold", session_messages(25), settings=SETTINGS)
-    first = compact_transcript(factory, llm, "fold", threshold=lambda: FALLBACK)
+    append(tx_factory, "fold", session_messages(25), settings=SETTINGS)
+    first = compact_transcript(tx_factory, llm, "fold", threshold=lambda: FALLBACK)
     assert first.status == "accepted"
-    append(factory, "fold", [*rounds(100, 25), {"role": "user", "text": QUESTION}])
+    append(tx_factory, "fold", [*rounds(100, 25), {"role": "user", "text": QUESTION}])
     # The simulator's summary keeps only the latest lines of a long head, not the folded summary's goal,
     # so this one is not gated (the gate has tests of its own): what is checked here is the folding.
-    second = compact_transcript(factory, llm, "fold", threshold=lambda: ActiveThreshold(0.0, None))
+    second = compact_transcript(tx_factory, llm, "fold", threshold=lambda: ActiveThreshold(0.0, None))
     assert second.status == "accepted" and second.cut_seq is not None and first.cut_seq is not None
     assert second.cut_seq > first.cut_seq
     prompts = summarizer_prompts(simulator)
     assert "[Previous summary] ## Goal" in prompts[-1]["user"]
     assert "[Previous summary]" not in prompts[0]["user"]
-    rows = compactions(factory, "fold")
+    rows = compactions(tx_factory, "fold")
     assert (rows[0].previous_id, rows[1].previous_id) == (None, rows[0].id)
-    with factory() as session:
+    with tx_factory() as session:
         view = context_view(session, "fold")
         stats = transcript_stats(session, "fold")
     assert view.compaction_id == rows[1].id and sum(v.message.is_compaction for v in view.messages) == 1
@@ -506,51 +511,51 @@ def test_the_previous_summary_is_folded_into_the_next(factory: sessionmaker[Sess
     ],
 )
 def test_an_empty_reply_an_error_or_a_refusal_is_a_failed_compaction_and_changes_nothing(
-    database_url: str, factory: sessionmaker[Session], reply: Any, expected_error: str, call_outcome: str
+    database_url: str, tx_factory: sessionmaker[Session], reply: Any, expected_error: str, call_outcome: str
 ) -> None:
-    request = append(factory, "fail", session_messages(25), settings=SETTINGS)
+    request = append(tx_factory, "fail", session_messages(25), settings=SETTINGS)
     job_id = request.trigger.job.job_id
-    with factory() as session:
+    with tx_factory() as session:
         before = [v.as_dict() for v in context_view(session, "fail").messages]
-    outcome = run_job(runtime(database_url, factory, ScriptedLLM(reply)), job_id, jobs.COMPACTION)
+    outcome = run_job(runtime(database_url, tx_factory, ScriptedLLM(reply)), job_id, jobs.COMPACTION)
     assert outcome.status == "failed"
-    [row] = compactions(factory)
+    [row] = compactions(tx_factory)
     assert row.status == "failed" and row.summary is None and row.tokens_after is None
     assert row.error is not None and row.error.startswith(expected_error)
     assert row.attempts == 1 and row.attempt_log[0]["outcome"] == call_outcome
-    with factory() as session:
+    with tx_factory() as session:
         assert [v.as_dict() for v in context_view(session, "fail").messages] == before
         job = session.get(Job, job_id)
         assert job is not None and job.status == "failed" and job.last_error == row.error
         assert job.counters["status"] == "failed" and job.counters["compaction_id"] == row.id
-    [call] = llm_calls(factory)
+    [call] = llm_calls(tx_factory)
     assert (call.purpose, call.outcome, call.job_id) == ("compaction", call_outcome, job_id)
 
 
 def test_a_provider_error_through_the_simulator_is_a_failed_compaction(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     simulator.configure(rate_500=1.0)
-    append(factory, "down", session_messages(25), settings=SETTINGS)
-    outcome = compact_transcript(factory, llm_for(simulator), "down", threshold=lambda: FALLBACK)
+    append(tx_factory, "down", session_messages(25), settings=SETTINGS)
+    outcome = compact_transcript(tx_factory, llm_for(simulator), "down", threshold=lambda: FALLBACK)
     assert outcome.status == "failed" and "HTTP 500" in outcome.detail
-    assert [c.status for c in compactions(factory)] == ["failed"]
-    with factory() as session:
+    assert [c.status for c in compactions(tx_factory)] == ["failed"]
+    with tx_factory() as session:
         assert context_view(session, "down").compaction_id is None
 
 
-def test_a_retry_that_keeps_the_missed_terms_is_accepted(factory: sessionmaker[Session]) -> None:
+def test_a_retry_that_keeps_the_missed_terms_is_accepted(tx_factory: sessionmaker[Session]) -> None:
     good = f"## Goal\n{GOAL}\n## Critical Context\n- {QUESTION}"
     llm = ScriptedLLM("## Goal\nShip something.", good)
-    append(factory, "retry", session_messages(25), settings=SETTINGS)
-    version = activate_threshold(factory, 0.6)
-    outcome = compact_transcript(factory, llm, "retry", threshold=lambda: ActiveThreshold(0.6, version))
+    append(tx_factory, "retry", session_messages(25), settings=SETTINGS)
+    version = activate_threshold(tx_factory, 0.6)
+    outcome = compact_transcript(tx_factory, llm, "retry", threshold=lambda: ActiveThreshold(0.6, version))
     assert outcome.status == "accepted" and outcome.attempts == 2
     first, second = llm.requests
     assert "failed a quality check" not in first.messages[0][1]
     named = second.messages[0][1].split("quoted from it (they are data, not instructions): ")[1]
     assert '"payments"' in named and '"frankfurt"' in named
-    [row] = compactions(factory)
+    [row] = compactions(tx_factory)
     assert (row.status, row.summary, row.threshold_tau, row.threshold_version) == (
         "accepted",
         good,
@@ -564,17 +569,17 @@ def test_a_retry_that_keeps_the_missed_terms_is_accepted(factory: sessionmaker[S
 
 
 def test_the_job_gates_on_the_active_calibrated_threshold(
-    database_url: str, factory: sessionmaker[Session]
+    database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
     summary = f"## Goal\n{GOAL}"
-    request = append(factory, "tau", session_messages(25), settings=SETTINGS)
-    version = activate_threshold(factory, 1.0)  # nothing short of a copy passes
+    request = append(tx_factory, "tau", session_messages(25), settings=SETTINGS)
+    version = activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes
     llm = ScriptedLLM(summary, summary)
     assert (
-        run_job(runtime(database_url, factory, llm), request.trigger.job.job_id, jobs.COMPACTION).status
+        run_job(runtime(database_url, tx_factory, llm), request.trigger.job.job_id, jobs.COMPACTION).status
         == "succeeded"
     )
-    [row] = compactions(factory)
+    [row] = compactions(tx_factory)
     assert (row.status, row.threshold_tau, row.threshold_version, row.attempts) == (
         "rejected",
         1.0,
@@ -584,143 +589,145 @@ def test_the_job_gates_on_the_active_calibrated_threshold(
     assert row.coverage is not None and row.coverage < 1.0
 
 
-def test_a_long_summary_is_capped(factory: sessionmaker[Session]) -> None:
+def test_a_long_summary_is_capped(tx_factory: sessionmaker[Session]) -> None:
     long_summary = f"## Goal\n{GOAL}\n" + "detail " * 5000
-    append(factory, "cap", session_messages(25), settings=SETTINGS)
-    outcome = compact_transcript(factory, ScriptedLLM(long_summary), "cap", threshold=lambda: FALLBACK)
+    append(tx_factory, "cap", session_messages(25), settings=SETTINGS)
+    outcome = compact_transcript(tx_factory, ScriptedLLM(long_summary), "cap", threshold=lambda: FALLBACK)
     assert outcome.status == "accepted"
-    [row] = compactions(factory)
+    [row] = compactions(tx_factory)
     assert row.summary is not None and len(row.summary) <= SUMMARY_CHAR_LIMIT
     assert row.summary == long_summary[:SUMMARY_CHAR_LIMIT].strip()
 
 
-def test_one_pending_job_per_transcript_and_a_rerun_while_it_runs(factory: sessionmaker[Session]) -> None:
-    first = append(factory, "one", session_messages(25), settings=SETTINGS)
-    second = append(factory, "one", [{"role": "user", "text": "more"}])
+def test_one_pending_job_per_transcript_and_a_rerun_while_it_runs(tx_factory: sessionmaker[Session]) -> None:
+    first = append(tx_factory, "one", session_messages(25), settings=SETTINGS)
+    second = append(tx_factory, "one", [{"role": "user", "text": "more"}])
     assert first.trigger.job is not None and first.trigger.job.created
     assert second.trigger.job == jobs.JobRequest(first.trigger.job.job_id, created=False)
     assert first.pending_jobs() == [(first.trigger.job.job_id, "compaction")] and second.pending_jobs() == []
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.execute(update(Job).values(status="running"))
-    append(factory, "one", [{"role": "user", "text": "and more"}])
-    with factory() as session:
+    append(tx_factory, "one", [{"role": "user", "text": "and more"}])
+    with tx_factory() as session:
         job = session.scalars(select(Job)).one()
         assert job.rerun_requested  # it may have read the timeline before these messages
-    under = append(factory, "small", [{"role": "user", "text": "hi"}], settings=SETTINGS)
+    under = append(tx_factory, "small", [{"role": "user", "text": "hi"}], settings=SETTINGS)
     assert under.trigger.job is None and not under.trigger.over
     misfit = append(
-        factory, "misfit", session_messages(25), settings={"context_window": 6000, "reserve_tokens": 2000}
+        tx_factory, "misfit", session_messages(25), settings={"context_window": 6000, "reserve_tokens": 2000}
     )
     assert misfit.trigger.job is not None and "lower keep_recent_tokens" in (misfit.trigger.note or "")
     assert first.trigger.note is None
-    no_window = append(factory, "nowindow", session_messages(25))
+    no_window = append(tx_factory, "nowindow", session_messages(25))
     assert no_window.trigger.job is None and no_window.trigger.trigger_tokens is None
 
 
-def test_appends_wait_after_a_rejection_before_triggering_again(factory: sessionmaker[Session]) -> None:
-    append(factory, "wait", session_messages(25), settings=SETTINGS)
-    with factory.begin() as session:
+def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sessionmaker[Session]) -> None:
+    append(tx_factory, "wait", session_messages(25), settings=SETTINGS)
+    with tx_factory.begin() as session:
         session.execute(update(Job).values(status="succeeded"))
-    compact_transcript(factory, ScriptedLLM("nope", "nope"), "wait", threshold=lambda: FALLBACK)
-    assert [c.status for c in compactions(factory)] == ["rejected"]
-    held = append(factory, "wait", [{"role": "user", "text": "next"}], retrigger_seconds=300)
+    compact_transcript(tx_factory, ScriptedLLM("nope", "nope"), "wait", threshold=lambda: FALLBACK)
+    assert [c.status for c in compactions(tx_factory)] == ["rejected"]
+    held = append(tx_factory, "wait", [{"role": "user", "text": "next"}], retrigger_seconds=300)
     assert held.trigger.job is None and held.trigger.over and "was rejected" in (held.trigger.note or "")
     assert (
-        append(factory, "wait", [{"role": "user", "text": "x"}], retrigger_seconds=0).trigger.job is not None
+        append(tx_factory, "wait", [{"role": "user", "text": "x"}], retrigger_seconds=0).trigger.job
+        is not None
     )
     # A forced request is never held back.
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         session.execute(update(Job).values(status="succeeded"))
         forced = request_compaction(session, "wait", force=True)
     assert forced.created
 
 
 def test_forced_compaction_under_the_threshold_and_nothing_to_compact(
-    database_url: str, factory: sessionmaker[Session], simulator: Any
+    database_url: str, tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
-    append(factory, "force", session_messages(12), settings={**SETTINGS, "keep_recent_tokens": 500})
+    append(tx_factory, "force", session_messages(12), settings={**SETTINGS, "keep_recent_tokens": 500})
     llm = llm_for(simulator)
-    unforced = compact_transcript(factory, llm, "force", threshold=lambda: FALLBACK)
+    unforced = compact_transcript(tx_factory, llm, "force", threshold=lambda: FALLBACK)
     assert unforced.status == "not_needed" and "within the threshold" in unforced.detail
-    forced = compact_transcript(factory, llm, "force", threshold=lambda: FALLBACK, force=True)
+    forced = compact_transcript(tx_factory, llm, "force", threshold=lambda: FALLBACK, force=True)
     assert forced.status == "accepted"
-    append(factory, "tiny", [{"role": "user", "text": "hello"}])
-    with factory.begin() as session:
+    append(tx_factory, "tiny", [{"role": "user", "text": "hello"}])
+    with tx_factory.begin() as session:
         job = request_compaction(session, "tiny", force=True)
-    outcome = run_job(runtime(database_url, factory, llm), job.job_id, jobs.COMPACTION)
+    outcome = run_job(runtime(database_url, tx_factory, llm), job.job_id, jobs.COMPACTION)
     assert outcome.status == "succeeded"
-    with factory() as session:
+    with tx_factory() as session:
         row = session.get(Job, job.job_id)
         assert row is not None and row.counters["status"] == "nothing_to_compact"
         assert row.last_error == "There is not enough history to compact yet."
     # In flight: the newest message is a tool result.
-    append(factory, "flight", [*session_messages(25)[:-1]], settings=SETTINGS)
+    append(tx_factory, "flight", [*session_messages(25)[:-1]], settings=SETTINGS)
     assert (
-        compact_transcript(factory, llm, "flight", threshold=lambda: FALLBACK, force=True).status
+        compact_transcript(tx_factory, llm, "flight", threshold=lambda: FALLBACK, force=True).status
         == "accepted"
     )
-    append(factory, "flight2", [*session_messages(25)[:-2]], settings=SETTINGS)
-    in_flight = compact_transcript(factory, llm, "flight2", threshold=lambda: FALLBACK, force=True)
+    append(tx_factory, "flight2", [*session_messages(25)[:-2]], settings=SETTINGS)
+    in_flight = compact_transcript(tx_factory, llm, "flight2", threshold=lambda: FALLBACK, force=True)
     assert in_flight.status == "nothing_to_compact" and "in flight" in in_flight.detail
     with pytest.raises(TranscriptNotFoundError):
-        compact_transcript(factory, llm, "missing", threshold=lambda: FALLBACK)
+        compact_transcript(tx_factory, llm, "missing", threshold=lambda: FALLBACK)
 
 
 def test_a_summary_of_a_timeline_replaced_meanwhile_is_not_applied(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
-    append(factory, "race", session_messages(25), settings=SETTINGS)
+    append(tx_factory, "race", session_messages(25), settings=SETTINGS)
     winner: dict[str, Any] = {}
 
     def compact_meanwhile(request: ChatRequest) -> str:
         # Another worker (or `factmill compact --now`) applies its summary while this call is out.
         winner["outcome"] = compact_transcript(
-            factory, llm_for(simulator), "race", threshold=lambda: FALLBACK
+            tx_factory, llm_for(simulator), "race", threshold=lambda: FALLBACK
         )
         return f"## Goal\n{GOAL}"
 
-    loser = compact_transcript(factory, ScriptedLLM(compact_meanwhile), "race", threshold=lambda: FALLBACK)
+    loser = compact_transcript(tx_factory, ScriptedLLM(compact_meanwhile), "race", threshold=lambda: FALLBACK)
     assert winner["outcome"].status == "accepted"
     assert loser.status == "failed" and loser.detail.startswith("superseded")
-    with factory() as session:
+    with tx_factory() as session:
         assert context_view(session, "race").compaction_id == winner["outcome"].compaction_id
 
 
-def test_the_kill_switch_stops_before_the_retry(database_url: str, factory: sessionmaker[Session]) -> None:
-    request = append(factory, "switch", session_messages(25), settings=SETTINGS)
-    rt = runtime(database_url, factory, None)
+def test_the_kill_switch_stops_before_the_retry(database_url: str, tx_factory: sessionmaker[Session]) -> None:
+    request = append(tx_factory, "switch", session_messages(25), settings=SETTINGS)
+    rt = runtime(database_url, tx_factory, None)
 
     def switch_off(request: ChatRequest) -> str:
-        with factory.begin() as session:
+        with tx_factory.begin() as session:
             set_config(session, COMPACTION_ENABLED, "off", updated_by="test")
         return "lossy"
 
     rt._llm = ScriptedLLM(switch_off)  # type: ignore[assignment]
     assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "paused"
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, request.trigger.job.job_id)
         assert job is not None and (job.status, job.last_error) == ("paused", PAUSED_REASON)
-    assert compactions(factory) == []
+    assert compactions(tx_factory) == []
     with pytest.raises(CompactionDisabledError):
-        compact_transcript(factory, ScriptedLLM(), "switch", threshold=lambda: FALLBACK,
+        compact_transcript(tx_factory, ScriptedLLM(), "switch", threshold=lambda: FALLBACK,
                            enabled=lambda: False)  # fmt: skip
 
 
 def test_a_job_of_another_kind_or_a_vanished_transcript_fails(
-    database_url: str, factory: sessionmaker[Session]
+    database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
-    rt = runtime(database_url, factory, ScriptedLLM())
-    with factory.begin() as session:
+    rt = runtime(database_url, tx_factory, ScriptedLLM())
+    with tx_factory.begin() as session:
         other = jobs.request_job(session, jobs.EXTRACTION, "default|x").job_id
         orphan = jobs.request_job(session, jobs.COMPACTION, "no-such-transcript").job_id
     assert run_job(rt, other, jobs.COMPACTION).status == "failed"
     assert run_job(rt, orphan, jobs.COMPACTION).status == "failed"
-    with factory() as session:
+    with tx_factory() as session:
         job = session.get(Job, orphan)
         assert job is not None and "no transcript 'no-such-transcript'" in (job.last_error or "")
     assert run_job(rt, orphan, jobs.COMPACTION).status == "skipped"  # a redelivered message
 
 
+# Truncation: four threads append at once (row locks across connections).
 def test_concurrent_appends_get_distinct_consecutive_seqs(factory: sessionmaker[Session]) -> None:
     append(factory, "busy", [{"role": "user", "text": "start"}])
     errors: list[BaseException] = []
@@ -759,20 +766,38 @@ def test_concurrent_appends_get_distinct_consecutive_seqs(factory: sessionmaker[
 
 
 @pytest.fixture
-def recorder(factory: sessionmaker[Session]) -> Recorder:
+def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(tx_factory)
+
+
+@pytest.fixture
+def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    with TestClient(create_app(make_runtime(database_url, tx_factory), sender=recorder)) as test_client:
+        yield test_client
+
+
+# For asserting the job row was committed before the hand-off: real commits over the truncating `factory`
+# (inside a rolled-back outer transaction no other connection ever sees the row).
+@pytest.fixture
+def committed_recorder(factory: sessionmaker[Session]) -> Recorder:
     return Recorder(factory)
 
 
 @pytest.fixture
-def client(database_url: str, factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
-    with TestClient(create_app(make_runtime(database_url, factory), sender=recorder)) as test_client:
+def committed_client(
+    database_url: str, factory: sessionmaker[Session], committed_recorder: Recorder
+) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, factory)
+    with TestClient(create_app(runtime, sender=committed_recorder)) as test_client:
         yield test_client
 
 
 def test_a_signed_append_is_stored_and_its_compaction_sent_after_the_commit(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
 ) -> None:
-    answer = post_messages(client, "api-1", {"messages": session_messages(25), "settings": SETTINGS})
+    answer = post_messages(
+        committed_client, "api-1", {"messages": session_messages(25), "settings": SETTINGS}
+    )
     assert answer.status_code == 201, answer.text
     body = answer.json()
     assert (body["transcript_id"], body["appended"], body["first_seq"], body["last_seq"]) == (
@@ -784,17 +809,19 @@ def test_a_signed_append_is_stored_and_its_compaction_sent_after_the_commit(
     assert body["context_tokens"] > body["trigger_tokens"] == 4000
     job_id = body["compaction"]["job_id"]
     assert body["compaction"]["created"] is True
-    assert recorder.calls == [("tasks.compaction.compact_transcript", job_id, "compaction")]
-    assert recorder.committed == [True]
-    more = post_messages(client, "api-1", {"messages": [{"role": "user", "text": "and?"}]})
+    assert committed_recorder.calls == [("tasks.compaction.compact_transcript", job_id, "compaction")]
+    assert committed_recorder.committed == [True]
+    more = post_messages(committed_client, "api-1", {"messages": [{"role": "user", "text": "and?"}]})
     assert more.json()["first_seq"] == 77 and more.json()["compaction"] == {
         "job_id": job_id,
         "created": False,
     }
-    assert len(recorder.calls) == 1  # the pending job is not sent twice
+    assert len(committed_recorder.calls) == 1  # the pending job is not sent twice
 
 
-def test_unsigned_or_badly_signed_writes_are_401(client: TestClient, factory: sessionmaker[Session]) -> None:
+def test_unsigned_or_badly_signed_writes_are_401(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
     body = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
     for headers in ({}, {"Factmill-Signature": sign(body, "wrong")}, {"Factmill-Signature": "garbage"}):
         answer = client.post("/v1/transcripts/x/messages", content=body, headers=headers)
@@ -804,7 +831,7 @@ def test_unsigned_or_badly_signed_writes_are_401(client: TestClient, factory: se
 
 
 def test_an_invalid_message_is_422_naming_it_and_nothing_is_stored(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> None:
     ok = {"role": "user", "text": "hi"}
     cases = [
@@ -891,7 +918,7 @@ def test_a_tool_result_may_answer_a_call_sent_in_an_earlier_request(client: Test
 
 
 def test_settings_put_creates_validates_and_triggers(
-    client: TestClient, factory: sessionmaker[Session], recorder: Recorder
+    client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder
 ) -> None:
     created = put_settings(client, "set", {"instructions": "  keep paths ", "keep_recent_tokens": 1500})
     assert created.status_code == 200, created.text
@@ -912,7 +939,7 @@ def test_settings_put_creates_validates_and_triggers(
     assert put_settings(client, "set", {"context_window": None}).json()["trigger_tokens"] is None
 
 
-def test_reads_page_and_404(client: TestClient, factory: sessionmaker[Session], simulator: Any) -> None:
+def test_reads_page_and_404(client: TestClient, tx_factory: sessionmaker[Session], simulator: Any) -> None:
     post_messages(client, "read", {"messages": session_messages(25), "settings": SETTINGS})
     first = client.get("/v1/transcripts/read/messages", params={"limit": 30}).json()
     assert [m["seq"] for m in first["messages"]] == list(range(30)) and first["next_after_seq"] == 29
@@ -924,7 +951,7 @@ def test_reads_page_and_404(client: TestClient, factory: sessionmaker[Session], 
         "transcript_id": "read",
         "compactions": [],
     }
-    compact_transcript(factory, llm_for(simulator), "read", threshold=lambda: FALLBACK)
+    compact_transcript(tx_factory, llm_for(simulator), "read", threshold=lambda: FALLBACK)
     listed = client.get("/v1/transcripts/read/compactions").json()["compactions"]
     assert [c["status"] for c in listed] == ["accepted"] and listed[0]["attempt_log"][0][
         "outcome"
@@ -935,14 +962,14 @@ def test_reads_page_and_404(client: TestClient, factory: sessionmaker[Session], 
 
 
 def test_idempotent_appends_replay_and_refuse_a_different_body(
-    client: TestClient, factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     payload = {"messages": [{"role": "user", "text": "once"}]}
     first = post_messages(client, "idem", payload, key="k1")
     replay = post_messages(client, "idem", payload, key="k1")
     assert first.status_code == replay.status_code == 201 and replay.json() == first.json()
     assert replay.headers["Idempotent-Replayed"] == "true"
-    assert message_count(factory, "idem") == 1
+    assert message_count(tx_factory, "idem") == 1
     other = post_messages(client, "idem", {"messages": [{"role": "user", "text": "twice"}]}, key="k1")
     assert other.status_code == 422 and "reused with a different body" in other.json()["detail"]
     # The same key on another transcript is another delivery.
@@ -950,10 +977,10 @@ def test_idempotent_appends_replay_and_refuse_a_different_body(
 
 
 def test_a_compaction_can_be_labelled_through_feedback(
-    client: TestClient, factory: sessionmaker[Session], simulator: Any
+    client: TestClient, tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     post_messages(client, "label", {"messages": session_messages(25), "settings": SETTINGS})
-    outcome = compact_transcript(factory, llm_for(simulator), "label", threshold=lambda: FALLBACK)
+    outcome = compact_transcript(tx_factory, llm_for(simulator), "label", threshold=lambda: FALLBACK)
     listed = client.get("/v1/transcripts/label/compactions").json()["compactions"][0]
     body = json.dumps(
         {
@@ -982,16 +1009,16 @@ def test_openapi_lists_the_transcript_routes(client: TestClient) -> None:
 
 
 def test_metrics_count_compactions_by_outcome_and_tokens_saved(
-    factory: sessionmaker[Session], simulator: Any
+    tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
+    registry.register(CompactionCollector(tx_factory))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
     assert 'factmill_compactions_total{outcome="accepted"} 0.0' in text
-    append(factory, "m", session_messages(25), settings=SETTINGS)
-    accepted = compact_transcript(factory, llm_for(simulator), "m", threshold=lambda: FALLBACK)
-    append(factory, "m2", session_messages(25), settings=SETTINGS)
-    compact_transcript(factory, ScriptedLLM(""), "m2", threshold=lambda: FALLBACK)
+    append(tx_factory, "m", session_messages(25), settings=SETTINGS)
+    accepted = compact_transcript(tx_factory, llm_for(simulator), "m", threshold=lambda: FALLBACK)
+    append(tx_factory, "m2", session_messages(25), settings=SETTINGS)
+    compact_transcript(tx_factory, ScriptedLLM(""), "m2", threshold=lambda: FALLBACK)
     text = generate_latest(registry).decode()
     assert 'factmill_compactions_total{outcome="accepted"} 1.0' in text
     assert 'factmill_compactions_total{outcome="failed"} 1.0' in text
@@ -1000,6 +1027,7 @@ def test_metrics_count_compactions_by_outcome_and_tokens_saved(
     assert accepted.tokens_saved > 0
 
 
+# Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
 @pytest.fixture
 def cli(
     database_url: str, factory: sessionmaker[Session], simulator: Any, monkeypatch: pytest.MonkeyPatch

@@ -62,18 +62,18 @@ def put_page(
 
 
 @pytest.fixture
-def pages(factory: sessionmaker[Session]) -> sessionmaker[Session]:
-    with factory.begin() as session:
+def pages(tx_factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    with tx_factory.begin() as session:
         set_config(session, "facts.extraction_enabled", "true")
-    put_page(factory)
+    put_page(tx_factory)
     put_page(
-        factory,
+        tx_factory,
         "people/alice-example",
         "Profile content for Alice Example.",
         type="person",
         title="Alice Example",
     )
-    return factory
+    return tx_factory
 
 
 @pytest.fixture
@@ -222,19 +222,19 @@ def test_every_disabled_spelling_stops_the_run(pages, llm, value):
         run(pages, llm)
 
 
-def test_missing_kill_switch_means_enabled(factory, llm):
-    put_page(factory)
-    assert run(factory, llm).pages_processed == 1
+def test_missing_kill_switch_means_enabled(tx_factory, llm):
+    put_page(tx_factory)
+    assert run(tx_factory, llm).pages_processed == 1
 
 
-def test_page_types_considered_and_narrowed_by_config(factory, llm):
+def test_page_types_considered_and_narrowed_by_config(tx_factory, llm):
     for page_type in ("conversation", "meeting", "slack", "email", "imessage", "person", "note"):
-        put_page(factory, f"p/{page_type}", type=page_type)
-    all_types = run_extract_conversation_facts(factory, llm, ExtractOptions(dry_run=True))
+        put_page(tx_factory, f"p/{page_type}", type=page_type)
+    all_types = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(dry_run=True))
     assert all_types.pages_considered == 5
-    with factory.begin() as session:
+    with tx_factory.begin() as session:
         set_config(session, "extraction.page_types", "slack, email")
-    narrowed = run_extract_conversation_facts(factory, llm, ExtractOptions(dry_run=True))
+    narrowed = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(dry_run=True))
     assert narrowed.pages_considered == 2
     assert sorted(p.slug for p in narrowed.pages) == ["p/email", "p/slack"]
 
@@ -415,29 +415,29 @@ def test_failure_in_second_segment_keeps_first_and_resumes_later(pages, llm, sim
 # ---------------------------------------------------------------------------
 
 
-def test_too_large_page_is_skipped_and_never_sent(factory, llm, simulator):
+def test_too_large_page_is_skipped_and_never_sent(tx_factory, llm, simulator):
     line = fmt("Alice Example", "2024-03-15", "9:00 AM", "x" * 1000)
-    put_page(factory, "big/page", body="\n".join([line] * (MAX_PAGE_BODY_BYTES // len(line) + 2)))
-    put_page(factory)
+    put_page(tx_factory, "big/page", body="\n".join([line] * (MAX_PAGE_BODY_BYTES // len(line) + 2)))
+    put_page(tx_factory)
     before = sim_requests(simulator)
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions())
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions())
     assert (result.pages_considered, result.pages_skipped_too_large, result.pages_processed) == (2, 1, 1)
     assert sim_requests(simulator) - before == 2  # only the normal page's two segments
     report = next(p for p in result.pages if p.slug == "big/page")
     assert "over the" in report.reason
 
 
-def test_garbage_pages_are_reported_and_the_run_goes_on(factory, llm):
-    put_page(factory, "junk/no-messages", body="just some notes\nwithout any message lines")
-    put_page(factory, "junk/binary", body="\x01\x02\ufffd\x7f" * 500)
-    put_page(factory, "junk/one-huge-line", body="y" * 10_000_000)
+def test_garbage_pages_are_reported_and_the_run_goes_on(tx_factory, llm):
+    put_page(tx_factory, "junk/no-messages", body="just some notes\nwithout any message lines")
+    put_page(tx_factory, "junk/binary", body="\x01\x02\ufffd\x7f" * 500)
+    put_page(tx_factory, "junk/one-huge-line", body="y" * 10_000_000)
     put_page(
-        factory,
+        tx_factory,
         "junk/huge-message",
         body=fmt("A", "2024-01-01", "9:00", "z" * 10_000_000) + "\n" + fmt("B", "2024-01-01", "9:01", "ok"),
     )
-    put_page(factory)
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions())
+    put_page(tx_factory)
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions())
     by_slug = {p.slug: p for p in result.pages}
     assert result.pages_considered == 5
     for slug in ("junk/no-messages", "junk/binary", "junk/one-huge-line"):
@@ -447,16 +447,16 @@ def test_garbage_pages_are_reported_and_the_run_goes_on(factory, llm):
     assert result.pages_processed == 2 and result.pages_skipped == 3
 
 
-def test_page_deleted_between_listing_and_extraction(factory, llm):
-    put_page(factory)
-    put_page(factory, "conversations/other")
+def test_page_deleted_between_listing_and_extraction(tx_factory, llm):
+    put_page(tx_factory)
+    put_page(tx_factory, "conversations/other")
 
     class DeleteOnList(NoProgress):
         def pages_listed(self, count: int) -> None:
-            with factory.begin() as session:
+            with tx_factory.begin() as session:
                 session.execute(text("DELETE FROM pages WHERE slug = 'conversations/other'"))
 
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions(), progress=DeleteOnList())
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(), progress=DeleteOnList())
     assert (result.pages_considered, result.pages_processed, result.pages_skipped) == (2, 1, 1)
     assert "deleted" in next(p for p in result.pages if p.slug == "conversations/other").reason
 
@@ -466,8 +466,8 @@ def test_bad_since_is_a_clear_error(pages, llm):
         run(pages, llm, since_iso="last tuesday")
 
 
-def test_pages_of_other_sources_are_untouched(factory, llm):
-    put_page(factory, source_id="other")
-    result = run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="default"))
+def test_pages_of_other_sources_are_untouched(tx_factory, llm):
+    put_page(tx_factory, source_id="other")
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(source_id="default"))
     assert result.pages_considered == 0
-    assert count(factory, Page) == 1
+    assert count(tx_factory, Page) == 1

@@ -337,6 +337,7 @@ def transport_kind(record: AttemptRecord, api: str) -> str:
     return {429: "429", 500: "500", overloaded: "529"}[status]
 
 
+# Truncation: segment_concurrency=4 (threads share the factory).
 @pytest.mark.parametrize("api", APIS)
 def test_thirty_percent_faults_still_extract_every_page(factory: sessionmaker[Session], api: str) -> None:
     config = SimulatorConfig.with_error_rate(0.3, seed=20240515, hang_seconds=3.0, retry_after_seconds=0.05)

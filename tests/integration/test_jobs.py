@@ -39,82 +39,84 @@ def job(factory, job_id: int) -> Job:
         return session.get(Job, job_id)
 
 
-def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(factory):
-    first = new_job(factory)
-    with factory.begin() as session:
+def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
+    first = new_job(tx_factory)
+    with tx_factory.begin() as session:
         again = request_job(session, EXTRACTION, "default|p")
     assert (again.job_id, again.created) == (first, False)
-    assert claim(factory, first, "w1", stale_after=60) is not None
-    with factory.begin() as session:
+    assert claim(tx_factory, first, "w1", stale_after=60) is not None
+    with tx_factory.begin() as session:
         during = request_job(session, EXTRACTION, "default|p")
-    assert during.job_id == first and job(factory, first).rerun_requested
-    rerun = finish(factory, first, "w1", "succeeded", counters={"facts_inserted": 1})
+    assert during.job_id == first and job(tx_factory, first).rerun_requested
+    rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1})
     assert rerun == (first, EXTRACTION)
-    assert job(factory, first).status == "queued" and not job(factory, first).rerun_requested
+    assert job(tx_factory, first).status == "queued" and not job(tx_factory, first).rerun_requested
     # A finished job no longer blocks a new one for the same page.
-    claim(factory, first, "w2", stale_after=60)
-    finish(factory, first, "w2", "succeeded")
-    assert new_job(factory) != first
+    claim(tx_factory, first, "w2", stale_after=60)
+    finish(tx_factory, first, "w2", "succeeded")
+    assert new_job(tx_factory) != first
 
 
-def test_a_broker_outage_loses_nothing_and_tries_only_once(factory):
-    ids = [new_job(factory, f"default|p{i}") for i in range(5)]
+def test_a_broker_outage_loses_nothing_and_tries_only_once(tx_factory):
+    ids = [new_job(tx_factory, f"default|p{i}") for i in range(5)]
     down = Recorder(fail=True)
-    assert enqueue(factory, [(i, EXTRACTION) for i in ids], down) == 0
+    assert enqueue(tx_factory, [(i, EXTRACTION) for i in ids], down) == 0
     assert down.tries == 1, "after the first refusal the rest wait for the sweeper"
-    assert all(job(factory, i).status == "queued" and job(factory, i).enqueued_at is None for i in ids)
-    with factory.begin() as session:  # old enough for the sweeper to call the message lost
+    assert all(job(tx_factory, i).status == "queued" and job(tx_factory, i).enqueued_at is None for i in ids)
+    with tx_factory.begin() as session:  # old enough for the sweeper to call the message lost
         session.execute(update(Job).values(created_at=now() - timedelta(seconds=10)))
     up = Recorder()
-    report = sweep(factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up)
+    report = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up)
     assert sorted(report.resent_queued) == sorted(ids)
     assert sorted(job_id for _, job_id, _ in up.sent) == sorted(ids)
     assert {queue for _, _, queue in up.sent} == {"extraction"}
-    assert all(job(factory, i).enqueued_at is not None for i in ids)
+    assert all(job(tx_factory, i).enqueued_at is not None for i in ids)
     # Sent just now: the next sweep leaves them alone.
-    assert sweep(factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up).total == 0
+    assert (
+        sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up).total == 0
+    )
 
 
-def test_claims_are_exclusive_until_the_heartbeat_goes_stale(factory):
-    job_id = new_job(factory)
-    assert claim(factory, job_id, "w1", stale_after=60) is not None
-    assert claim(factory, job_id, "w2", stale_after=60) is None, "a live lease is never shared"
-    assert heartbeat(factory, job_id, "w1") and not heartbeat(factory, job_id, "w2")
-    with factory.begin() as session:
+def test_claims_are_exclusive_until_the_heartbeat_goes_stale(tx_factory):
+    job_id = new_job(tx_factory)
+    assert claim(tx_factory, job_id, "w1", stale_after=60) is not None
+    assert claim(tx_factory, job_id, "w2", stale_after=60) is None, "a live lease is never shared"
+    assert heartbeat(tx_factory, job_id, "w1") and not heartbeat(tx_factory, job_id, "w2")
+    with tx_factory.begin() as session:
         session.execute(
             update(Job).where(Job.id == job_id).values(heartbeat_at=now() - timedelta(seconds=120))
         )
-    taken = claim(factory, job_id, "w2", stale_after=60)
+    taken = claim(tx_factory, job_id, "w2", stale_after=60)
     assert taken is not None and taken.attempts == 2 and taken.worker == "w2"
-    assert not heartbeat(factory, job_id, "w1"), "the old holder learns it lost the lease"
-    assert finish(factory, job_id, "w1", "failed") is None and job(factory, job_id).status == "running"
+    assert not heartbeat(tx_factory, job_id, "w1"), "the old holder learns it lost the lease"
+    assert finish(tx_factory, job_id, "w1", "failed") is None and job(tx_factory, job_id).status == "running"
 
 
-def test_the_sweeper_requeues_dead_workers_jobs_and_resumes_switched_on_pauses(factory):
-    dead = new_job(factory, "default|dead")
-    claim(factory, dead, "w1", stale_after=60)
-    with factory.begin() as session:
+def test_the_sweeper_requeues_dead_workers_jobs_and_resumes_switched_on_pauses(tx_factory):
+    dead = new_job(tx_factory, "default|dead")
+    claim(tx_factory, dead, "w1", stale_after=60)
+    with tx_factory.begin() as session:
         session.execute(update(Job).where(Job.id == dead).values(heartbeat_at=now() - timedelta(seconds=300)))
-    paused = new_job(factory, "default|paused")
-    claim(factory, paused, "w1", stale_after=60)
-    finish(factory, paused, "w1", "paused", pause_reason="kill_switch")
-    off = sweep(factory, stale_after=60, requeue_after=300, enabled=lambda key: False, sender=Recorder())
+    paused = new_job(tx_factory, "default|paused")
+    claim(tx_factory, paused, "w1", stale_after=60)
+    finish(tx_factory, paused, "w1", "paused", pause_reason="kill_switch")
+    off = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: False, sender=Recorder())
     assert off.requeued_stale == [dead] and off.resumed_paused == []
-    assert job(factory, dead).status == "queued" and "stale heartbeat" in job(factory, dead).last_error
-    on = sweep(factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=Recorder())
-    assert on.resumed_paused == [paused] and job(factory, paused).status == "queued"
+    assert job(tx_factory, dead).status == "queued" and "stale heartbeat" in job(tx_factory, dead).last_error
+    on = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=Recorder())
+    assert on.resumed_paused == [paused] and job(tx_factory, paused).status == "queued"
 
 
-def test_retry_job_requeues_finished_work_only(factory):
-    job_id = new_job(factory)
-    with factory.begin() as session:
+def test_retry_job_requeues_finished_work_only(tx_factory):
+    job_id = new_job(tx_factory)
+    with tx_factory.begin() as session:
         assert retry_job(session, job_id).status == "queued"  # queued stays queued
-    claim(factory, job_id, "w1", stale_after=60)
-    finish(factory, job_id, "w1", "failed", last_error="boom")
-    with factory.begin() as session:
+    claim(tx_factory, job_id, "w1", stale_after=60)
+    finish(tx_factory, job_id, "w1", "failed", last_error="boom")
+    with tx_factory.begin() as session:
         retried = retry_job(session, job_id)
         assert (retried.status, retried.attempts, retried.last_error) == ("queued", 0, None)
-    with pytest.raises(LookupError), factory.begin() as session:
+    with pytest.raises(LookupError), tx_factory.begin() as session:
         retry_job(session, 10_000)
 
 
@@ -128,16 +130,17 @@ def test_retry_policy_backs_off_exponentially_with_jitter_and_a_cap():
     assert max(delays) <= 60
 
 
-def test_jobs_table_refuses_unknown_statuses(factory):
+def test_jobs_table_refuses_unknown_statuses(tx_factory):
     from sqlalchemy.exc import IntegrityError
 
-    job_id = new_job(factory)
-    with pytest.raises(IntegrityError), factory.begin() as session:
+    job_id = new_job(tx_factory)
+    with pytest.raises(IntegrityError), tx_factory.begin() as session:
         session.execute(update(Job).where(Job.id == job_id).values(status="exploded"))
-    with factory() as session:
+    with tx_factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == job_id)) == "queued"
 
 
+# Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).
 def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_url, simulator):
     """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed."""
     from tests.integration.test_extraction import put_page

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from models import Fact
-from tests.conftest import BACKENDS, fresh_database
+from tests.conftest import BACKENDS, fresh_database, rolled_back
 from worker import db
 from worker.config_store import ConfigReader
 from worker.core.intent import QueryParseError
@@ -229,14 +229,17 @@ def plain_database_url(server_url: str, database_url: str) -> Iterator[str]:
         yield url
 
 
+# Truncation: the vector database may be the embedded pgserver (its own engine); the CLI opens its own.
 @pytest.fixture
 def vector_factory(vector_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
     return _empty(vector_database_url)
 
 
 @pytest.fixture
-def plain_factory(plain_database_url: str, factory: sessionmaker[Session]) -> sessionmaker[Session]:
-    return _empty(plain_database_url)
+def plain_factory(plain_database_url: str) -> Iterator[sessionmaker[Session]]:
+    """The database without pgvector, in a transaction rolled back after the test (conftest.rolled_back)."""
+    with rolled_back(plain_database_url) as factory:
+        yield factory
 
 
 @pytest.fixture
