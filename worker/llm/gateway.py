@@ -91,6 +91,7 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     if provider == "simulator":
         if settings.simulator_url:
             return _simulator_client(settings, model, settings.simulator_url)
+        # Here, not at the top: production never loads the simulator (nor the web server under it).
         from worker.simulator import Simulator, SimulatorConfig
 
         simulator = Simulator(SimulatorConfig(latency_ms=settings.simulator_latency_ms))

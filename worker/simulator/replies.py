@@ -11,6 +11,7 @@ from typing import Any, Literal
 from worker.simulator.extractor import extract_facts, facts_document
 from worker.simulator.heuristics import sentences
 from worker.simulator.prompt import (
+from worker.core.intent import extract_intent_terms
     CHARACTERS_PER_TOKEN,
     DEFAULT_MAX_FACTS,
     UNTRUSTED_CLOSE,
@@ -130,8 +131,6 @@ def search_expansion_reply(query: str, intent: str | None = None) -> str:
     with its intent, and the hyde line is a "hypothetical fact" built from the same words. Not a model:
     it only gives search a deterministic expansion to fuse.
     """
-    from worker.core.intent import extract_intent_terms
-
     words = extract_intent_terms(query) or query.lower().split() or ["nothing"]
     focus = extract_intent_terms(intent) if intent else []
     lex = " ".join(dict.fromkeys(words + focus))
