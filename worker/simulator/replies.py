@@ -8,10 +8,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from worker.core.intent import extract_intent_terms
 from worker.simulator.extractor import extract_facts, facts_document
 from worker.simulator.heuristics import sentences
 from worker.simulator.prompt import (
-from worker.core.intent import extract_intent_terms
     CHARACTERS_PER_TOKEN,
     DEFAULT_MAX_FACTS,
     UNTRUSTED_CLOSE,
