@@ -99,7 +99,10 @@ SignatureHeader = Annotated[
     str | None,
     Header(
         alias=SIGNATURE_HEADER,
-        description="t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'> under FACTMILL_WEBHOOK_SECRET",
+        description=(
+            "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'> under "
+            "FACTMILL_WEBHOOK_SECRET"
+        ),
     ),
 ]
 IdempotencyHeader = Annotated[
@@ -143,11 +146,23 @@ async def read_body(request: Request, cap: int) -> bytes:
     return await _read_capped(request, cap)
 
 
-def verify_signature(ctx: ApiContext, body: bytes, signature: str | None) -> None:
-    """The webhook signature check every signed route runs first: 401 with the reason."""
+def verify_signature(
+    ctx: ApiContext, body: bytes, signature: str | None, method: str | None = None, path: str | None = None
+) -> int:
+    """The webhook signature check every signed route runs first: 401 with the reason; returns the
+    signed timestamp. With ``method`` and ``path`` the signature must be v2 (bound to them), or v1
+    while FACTMILL_ACCEPT_V1_SIGNATURES is on."""
     settings = ctx.settings
     try:
-        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
+        return verify(
+            signature,
+            body,
+            settings.webhook_secret,
+            settings.webhook_tolerance_seconds,
+            method=method,
+            path=path,
+            accept_v1=settings.accept_v1_signatures,
+        )
     except SignatureError as exc:
         raise ApiError(401, exc.reason) from None
 

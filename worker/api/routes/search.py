@@ -10,7 +10,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker.access import Principal
+from worker.api.auth import Reader
 from worker.api.deps import Context
+from worker.api.errors import ApiError
 from worker.core.intent import QueryParseError
 from worker.runtime import Runtime
 from worker.search import (
@@ -96,8 +99,18 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
+def _sources(principal: Principal | None, source_id: str | None) -> tuple[str, ...] | None:
+    """The sources a search may return: all (None), or a source-limited key's (403 for another)."""
+    if principal is None or principal.source_ids is None:
+        return None
+    if source_id is not None and not principal.sees(source_id):
+        raise ApiError(403, f"this key may not read source {source_id!r}")
+    return tuple(sorted(principal.source_ids))
+
+
+def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None = None) -> dict[str, Any]:
     settings = runtime.settings
+    sources = _sources(principal, body.source_id)
     try:
         outcome = search(
             runtime.factory,
@@ -105,7 +118,11 @@ def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
             body.q,
             intent=body.intent,
             filters=SearchFilters(
-                source_id=body.source_id, entity=body.entity, kind=body.kind, since=body.since
+                source_id=body.source_id,
+                entity=body.entity,
+                kind=body.kind,
+                since=body.since,
+                source_ids=sources,
             ),
             limit=body.limit or settings.search_default_limit,
             expand=body.expand and settings.search_expand,
@@ -125,8 +142,8 @@ def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
     responses=_RESPONSES,
     summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
 )
-def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
-    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)))
+def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
+    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
 
 
 @search_router.post(
@@ -135,8 +152,8 @@ def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict
     responses=_RESPONSES,
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
 )
-def search_post(ctx: Context, body: SearchBody) -> dict[str, Any]:
-    return run_search(ctx.runtime, body)
+def search_post(ctx: Context, principal: Reader, body: SearchBody) -> dict[str, Any]:
+    return run_search(ctx.runtime, body, principal)
 
 
 __all__ = ["SearchBody", "run_search", "search_router"]
