@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
+from worker.access.ratelimit import PerKeyLimiter
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.jobs import outbox
@@ -33,6 +34,7 @@ class ApiContext:
     sender: outbox.Sender | None
     registry: CollectorRegistry
     _broker_url: str | None = field(default=None, repr=False)
+    _search_limiter: PerKeyLimiter | None = field(default=None, repr=False)
 
     @property
     def settings(self) -> Settings:
@@ -47,6 +49,12 @@ class ApiContext:
             # Resolved once: with no FACTMILL_BROKER_URL this starts (or finds) the embedded Redis.
             self._broker_url = celery_app.broker_url(self.settings)
         return self._broker_url
+
+    def search_limiter(self) -> PerKeyLimiter:
+        """Searches per minute per key (FACTMILL_SEARCH_RATE_PER_MINUTE), made on first use."""
+        if self._search_limiter is None:
+            self._search_limiter = PerKeyLimiter.from_settings(self.settings)
+        return self._search_limiter
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:
         """Hand (job id, kind) pairs to the broker; call it only after their transaction committed."""

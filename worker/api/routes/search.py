@@ -12,9 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from worker.access import Principal
 from worker.api.auth import Reader
-from worker.api.deps import Context
+from worker.api.deps import ApiContext, Context
 from worker.api.errors import ApiError
 from worker.core.intent import QueryParseError
+from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
     MAX_LIMIT,
@@ -96,6 +97,11 @@ search_router = APIRouter(tags=["search"])
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": SearchErrorOut, "description": "A bad query document or filter; detail says what to fix."},
     501: {"model": SearchErrorOut, "description": "vec:/hyde: lines on a server without pgvector."},
+    429: {
+        "model": SearchErrorOut,
+        "description": "This key's searches per minute are used; see Retry-After.",
+    },
+    503: {"model": SearchErrorOut, "description": "vec:/hyde: lines when the search LLM budget is spent."},
 }
 
 
@@ -114,7 +120,7 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
     try:
         outcome = search(
             runtime.factory,
-            lambda: runtime.llm,  # opened only when a line needs it
+            lambda: runtime.search_llm,  # opened only when a line needs it; the readers' budget
             body.q,
             intent=body.intent,
             filters=SearchFilters(
@@ -133,7 +139,26 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
         raise HTTPException(501, detail=str(exc)) from None
     except SearchError as exc:
         raise HTTPException(400, detail=str(exc)) from None
+    except BudgetExhaustedError:
+        raise ApiError(
+            503,
+            "the search LLM budget for today is spent; lex: lines still work",
+            headers={"Retry-After": "3600"},
+        ) from None
     return outcome.as_dict()
+
+
+def _limited(ctx: ApiContext, principal: Principal) -> None:
+    """429 with Retry-After when this key has used its searches for the minute (each may call the LLM)."""
+    limiter = ctx.search_limiter()
+    who = f"key-{principal.key_id}" if principal.key_id is not None else "admin-token"
+    verdict = limiter.hit(who)
+    if not verdict.allowed:
+        raise ApiError(
+            429,
+            f"too many searches for this key: at most {limiter.per_minute} a minute; retry later",
+            headers={"Retry-After": str(verdict.retry_after)},
+        )
 
 
 @search_router.get(
@@ -143,6 +168,7 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
     summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
 )
 def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
+    _limited(ctx, principal)
     return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
 
 
@@ -153,6 +179,7 @@ def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, 
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
 )
 def search_post(ctx: Context, principal: Reader, body: SearchBody) -> dict[str, Any]:
+    _limited(ctx, principal)
     return run_search(ctx.runtime, body, principal)
 
 
