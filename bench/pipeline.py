@@ -176,7 +176,10 @@ def main() -> None:
                 response = client.post(
                     "/v1/pages",
                     content=body,
-                    headers={"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)},
+                    headers={
+                        "Content-Type": "application/json",
+                        "Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/pages"),
+                    },
                 )
                 assert response.status_code == 202, response.text
         webhook_seconds = time.perf_counter() - started

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.api_key import API_SCOPES, ApiKey
 from models.base import NAMING_CONVENTION, Base
 from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
@@ -14,6 +15,7 @@ from models.page import Page
 from models.webhook import WebhookDelivery
 
 __all__ = [
+    "API_SCOPES",
     "COMPACTION_STATUSES",
     "FACT_KINDS",
     "JOB_STATUSES",
@@ -21,6 +23,7 @@ __all__ = [
     "NAMING_CONVENTION",
     "NOTABILITY_LEVELS",
     "SEGMENT_OUTCOMES",
+    "ApiKey",
     "Base",
     "CalibrationObservation",
     "CalibrationThreshold",

@@ -26,6 +26,8 @@ class Page(Base):
     frontmatter: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     # sha256 of type, title, compiled_truth, timeline and frontmatter: unchanged content creates no job.
     content_hash: Mapped[str]
+    # The signed timestamp of the delivery that stored this content: an older delivery is refused.
+    delivered_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False

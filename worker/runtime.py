@@ -28,6 +28,8 @@ class Runtime:
     _llm: LLMClient | None = None
     _ledger: Ledger | None = None
     _budget: Budget | None = None
+    _search_budget: Budget | None = None
+    _search_llm: LLMClient | None = None
     _llm_stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -46,6 +48,24 @@ class Runtime:
         return self._budget
 
     @property
+    def search_budget(self) -> Budget:
+        """The readers' budget (llm.budget_search_daily_usd), apart from the work budget."""
+        if self._search_budget is None:
+            self._search_budget = Budget(self.factory, self.config.get, search=True)
+        return self._search_budget
+
+    @property
+    def search_llm(self) -> LLMClient:
+        """The LLM client searches use: the same gateway, checked against the readers' budget."""
+        if self._search_llm is None:
+            with self._lock:
+                if self._search_llm is None:
+                    self._search_llm = self._llm_stack.enter_context(
+                        open_llm_client(self.settings, budget=self.search_budget)
+                    )
+        return self._search_llm
+
+    @property
     def llm(self) -> LLMClient:
         """The configured LLM client (budgeted), opened on first use and kept for the life of the process."""
         if self._llm is None:
@@ -60,6 +80,7 @@ class Runtime:
     def close(self) -> None:
         self._llm_stack.close()
         self._llm = None
+        self._search_llm = None
 
 
 _runtime: Runtime | None = None
@@ -72,7 +93,8 @@ def build_runtime(
     """The resources for one process; ``factory`` and ``llm`` let a test or the CLI supply their own."""
     factory = factory or db.session_factory(db.database_url(settings))
     config = ConfigReader(factory, ttl=settings.config_cache_seconds)
-    return Runtime(settings=settings, factory=factory, config=config, _llm=llm)
+    # A supplied client serves searches too: whoever supplies it chose its budget.
+    return Runtime(settings=settings, factory=factory, config=config, _llm=llm, _search_llm=llm)
 
 
 def get_runtime() -> Runtime:

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     admin_token: str = "dev-admin-token"
 
+    # Access control (issue 11).
+    # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.
+    accept_v1_signatures: bool = False
+    # Searches per minute per API key (each may call the LLM); 0 = unlimited.
+    search_rate_per_minute: int = Field(default=60, ge=0)
+
     # Calibration
     calibration_alpha: float = Field(default=0.1, gt=0, lt=1)  # share of lost-answer cases a τ may let by
     calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate

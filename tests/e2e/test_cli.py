@@ -158,3 +158,26 @@ def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path)
         assert "Warning" not in result.stderr, result.stderr
     finally:
         run("db", "stop")
+
+
+def test_keys_create_list_revoke_and_the_key_works_until_revoked(cli, factory, database_url):
+    from fastapi.testclient import TestClient
+
+    from tests.integration.test_api import Recorder, make_runtime
+    from worker.api.app import create_app
+
+    created = cli("keys", "create", "tenant-a", "--scope", "read", "--source", "a")
+    key = created.stdout.strip()
+    assert key.startswith("fm_") and len(key) > 40 and "not shown again" in created.stderr
+    listed = cli("keys", "list", "--json").stdout
+    [row] = [r for r in json.loads(listed) if r["name"] == "tenant-a"]
+    assert key not in listed and key not in cli("keys", "list").stdout  # only prefixes, never the key
+    assert key.startswith(row["prefix"]) and row["scopes"] == ["read"] and row["source_ids"] == ["a"]
+    with TestClient(create_app(make_runtime(database_url, factory), sender=Recorder(factory))) as api:
+        assert api.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert "revoked" in cli("keys", "revoke", str(row["id"])).stdout
+        assert json.loads(cli("keys", "list", "--json").stdout)[-1]["revoked_at"] is not None
+        assert api.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    bad = cli("keys", "create", "x", "--scope", "write", check=False)
+    assert bad.returncode == 2 and "unknown scope" in bad.stderr
+    assert cli("keys", "revoke", "999999", check=False).returncode == 2

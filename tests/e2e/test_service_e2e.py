@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.auth import bearer, new_key
 from tests.service import (
     REPO,
     ServiceProcess,
@@ -44,7 +45,10 @@ def post(
     timestamp: int | None = None,
 ) -> httpx.Response:
     body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", "Factmill-Signature": sign(body, secret, timestamp)}
+    headers = {
+        "Content-Type": "application/json",
+        "Factmill-Signature": sign(body, secret, timestamp, method="POST", path="/v1/pages"),
+    }
     if key:
         headers["Idempotency-Key"] = key
     return client.post("/v1/pages", content=body, headers=headers)
@@ -75,8 +79,10 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
         ["serve", "--port", str(port)], env, ready_marker="Application startup complete", name="api"
     ).start()
     worker = start_worker(env, queues="extraction")
+    reader, admin = bearer(new_key(factory, ["read"])), bearer(new_key(factory, ["admin"]))
     with running(api, worker), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         assert client.get("/readyz").status_code == 200
+        assert client.get("/v1/jobs").status_code == 401  # anonymous reads are refused
         first = post(client, PAGE, key="delivery-1")
         assert first.status_code == 202, first.text
         [job] = first.json()["jobs"]
@@ -88,15 +94,16 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
         assert forged.status_code == 401
 
         def done() -> bool:
-            return client.get(f"/v1/jobs/{job['job_id']}").json()["status"] == "succeeded"
+            return client.get(f"/v1/jobs/{job['job_id']}", headers=reader).json()["status"] == "succeeded"
 
         wait_for(done, 60, "the job to succeed", diagnostics=worker.tail)
-        facts = client.get("/v1/pages/default/conversations/e2e/alice/facts").json()["facts"]
+        facts = client.get("/v1/pages/default/conversations/e2e/alice/facts", headers=reader).json()["facts"]
         assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
         assert any("Acme" in f["fact"] for f in facts)
         unchanged = post(client, PAGE)
         assert unchanged.status_code == 202 and unchanged.json()["jobs"] == []
-        metrics = client.get("/metrics").text
+        assert client.get("/metrics", headers=reader).status_code == 403
+        metrics = client.get("/metrics", headers=admin).text
         assert 'factmill_jobs{kind="extraction",status="succeeded"} 1.0' in metrics
 
 

@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
+from tests.auth import send_key
 from tests.service import SessionBroker
 from worker.api.app import create_app
 from worker.api.routes.jobs import JobKind, JobStatus
@@ -80,6 +81,7 @@ def client(
 ) -> Iterator[TestClient]:
     runtime = make_runtime(database_url, tx_factory, broker_url=broker_url)  # /readyz checks the broker
     with TestClient(create_app(runtime, sender=recorder)) as test_client:
+        send_key(test_client, tx_factory)  # reads send a read-scoped key; writes sign, admin routes say so
         yield test_client
 
 
@@ -96,6 +98,7 @@ def committed_client(
 ) -> Iterator[TestClient]:
     runtime = make_runtime(database_url, factory, broker_url=broker_url)
     with TestClient(create_app(runtime, sender=committed_recorder)) as test_client:
+        send_key(test_client, factory)
         yield test_client
 
 
@@ -116,7 +119,7 @@ def post(
     body = raw if raw is not None else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     if signature == "sign":
-        headers["Factmill-Signature"] = sign(body, secret, timestamp)
+        headers["Factmill-Signature"] = sign(body, secret, timestamp, method="POST", path="/v1/pages")
     elif signature is not None:
         headers["Factmill-Signature"] = signature
     if key is not None:
@@ -269,7 +272,7 @@ def test_unsigned_or_badly_signed_webhook_is_401(
 
 def test_altered_body_is_401(client: TestClient) -> None:
     body = json.dumps(page("altered/a")).encode()
-    header = sign(body, SECRET)
+    header = sign(body, SECRET, method="POST", path="/v1/pages")
     response = client.post(
         "/v1/pages", content=body.replace(b"altered", b"tampered"), headers={"Factmill-Signature": header}
     )
@@ -301,7 +304,9 @@ def test_declared_length_over_the_cap_is_413(
 ) -> None:
     body = big_body()
     response = small_client.post(
-        "/v1/pages", content=body, headers={"Factmill-Signature": sign(body, SECRET)}
+        "/v1/pages",
+        content=body,
+        headers={"Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/pages")},
     )
     assert response.status_code == 413
     assert f"{CAP}-byte limit" in response.json()["detail"]
@@ -318,7 +323,9 @@ def test_chunked_body_without_length_over_the_cap_is_413(
             yield body[start : start + 1000]
 
     response = small_client.post(
-        "/v1/pages", content=chunks(), headers={"Factmill-Signature": sign(body, SECRET)}
+        "/v1/pages",
+        content=chunks(),
+        headers={"Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/pages")},
     )
     assert response.status_code == 413
     assert count(tx_factory, Page) == 0
@@ -326,7 +333,10 @@ def test_chunked_body_without_length_over_the_cap_is_413(
 
 def test_lying_content_length_is_413(small_client: TestClient) -> None:
     body = big_body()
-    headers = {"Factmill-Signature": sign(body, SECRET), "Content-Length": "100"}
+    headers = {
+        "Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/pages"),
+        "Content-Length": "100",
+    }
     response = small_client.post("/v1/pages", content=body, headers=headers)
     assert response.status_code == 413
 
@@ -362,7 +372,7 @@ def test_streaming_stops_reading_at_the_cap(database_url: str, tx_factory: sessi
     status, pulled = run_asgi(app, [(b"factmill-signature", b"t=1,v1=00")], b"x" * 1000, chunks=1000)
     assert status == 413
     assert pulled == CAP // 1000 + 1  # stopped at the first chunk past the cap, not at the end
-    declared = [(b"content-length", str(CAP * 100).encode())]
+    declared = [(b"factmill-signature", b"t=1,v2=00"), (b"content-length", str(CAP * 100).encode())]
     status, pulled = run_asgi(app, declared, b"x" * 1000, chunks=1000)
     assert (status, pulled) == (413, 0)  # refused on the header alone
 
@@ -491,10 +501,10 @@ def test_retry_a_failed_job(
 ) -> None:
     job_id = post(committed_client, page("retry/a")).json()["jobs"][0]["job_id"]
     # Queued (or running): already on its way, so a retry is refused rather than duplicated.
-    assert committed_client.post(f"/v1/jobs/{job_id}/retry").status_code == 409
+    assert committed_client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS).status_code == 409
     set_job(factory, job_id, status="failed", attempts=5, last_error="provider down")
     committed_recorder.calls.clear()
-    response = committed_client.post(f"/v1/jobs/{job_id}/retry")
+    response = committed_client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
     assert response.status_code == 202, response.text
     assert (response.json()["status"], response.json()["attempts"], response.json()["last_error"]) == (
         "queued",
@@ -503,7 +513,7 @@ def test_retry_a_failed_job(
     )
     assert committed_recorder.calls == [("tasks.extraction.extract_page", job_id, "extraction")]
     assert committed_recorder.committed == [True, True]
-    assert committed_client.post("/v1/jobs/999999/retry").status_code == 404
+    assert committed_client.post("/v1/jobs/999999/retry", headers=ADMIN_HEADERS).status_code == 404
 
 
 def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
@@ -513,7 +523,7 @@ def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
     set_job(tx_factory, old, status="failed")
     new = post(client, page("retry/b", body="v2")).json()["jobs"][0]["job_id"]
     assert new != old
-    response = client.post(f"/v1/jobs/{old}/retry")
+    response = client.post(f"/v1/jobs/{old}/retry", headers=ADMIN_HEADERS)
     assert response.status_code == 409
     assert response.json()["pending_job_id"] == new
     with tx_factory() as session:
@@ -677,10 +687,10 @@ def test_unreachable_database_is_503_on_readyz_and_a_json_500_elsewhere(database
     with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as test_client:
         ready = test_client.get("/readyz")
         assert ready.status_code == 503 and "database unreachable" in ready.json()["detail"]
-        broken = test_client.get("/v1/jobs")
+        broken = test_client.get("/v1/jobs", headers=ADMIN_HEADERS)  # the admin token needs no DB
         assert broken.status_code == 500
         assert broken.json() == {"detail": "internal error; the server log has the details"}
-        metrics = test_client.get("/metrics")
+        metrics = test_client.get("/metrics", headers=ADMIN_HEADERS)
         assert metrics.status_code == 200 and "factmill_store_up 0.0" in metrics.text
 
 
@@ -703,7 +713,7 @@ def test_metrics_exposes_jobs_facts_llm_and_requests(
             ]
         )  # fmt: skip
     client.get(f"/v1/jobs/{job_id}")
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_jobs{kind="extraction",status="queued"} 1.0' in text
     assert 'factmill_jobs{kind="compaction",status="failed"} 0.0' in text
     assert "factmill_facts 1.0" in text  # the audit row is not a fact

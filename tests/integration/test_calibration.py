@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction, Job, Transcript
+from tests.auth import send_key
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
@@ -621,6 +622,7 @@ def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
 def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
     rt = make_runtime(database_url, tx_factory, calibration_recompute_every=3)
     with TestClient(create_app(rt, sender=recorder)) as test_client:
+        send_key(test_client, tx_factory)
         yield test_client
 
 
@@ -637,6 +639,7 @@ def committed_client(
 ) -> Iterator[TestClient]:
     rt = make_runtime(database_url, factory, calibration_recompute_every=3)
     with TestClient(create_app(rt, sender=committed_recorder)) as test_client:
+        send_key(test_client, factory)
         yield test_client
 
 
@@ -652,7 +655,7 @@ def post_feedback(
     body = raw if raw is not None else json.dumps(payload).encode()
     all_headers = {"Content-Type": "application/json", **(headers or {})}
     if signed:
-        all_headers["Factmill-Signature"] = sign(body, secret)
+        all_headers["Factmill-Signature"] = sign(body, secret, method="POST", path="/v1/feedback")
     return client.post("/v1/feedback", content=body, headers=all_headers)
 
 

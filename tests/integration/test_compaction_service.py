@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMessageRow
+from tests.auth import send_key
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
@@ -237,21 +238,26 @@ def api(
 ) -> Iterator[TestClient]:
     """The API in-process, handing jobs to the worker's broker (and key prefix)."""
     with TestClient(create_app(make_runtime(database_url, factory), sender=sender)) as client:
+        send_key(client, factory)
         yield client
 
 
 def post_messages(client: TestClient, transcript_id: str, payload: Any, *, key: str | None = None) -> Any:
     body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
+    path = f"/v1/transcripts/{transcript_id}/messages"
+    signature = sign(body, SECRET, method="POST", path=path)
+    headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     if key is not None:
         headers["Idempotency-Key"] = key
-    return client.post(f"/v1/transcripts/{transcript_id}/messages", content=body, headers=headers)
+    return client.post(path, content=body, headers=headers)
 
 
 def put_settings(client: TestClient, transcript_id: str, payload: Any) -> Any:
     body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
-    return client.put(f"/v1/transcripts/{transcript_id}", content=body, headers=headers)
+    path = f"/v1/transcripts/{transcript_id}"
+    signature = sign(body, SECRET, method="PUT", path=path)
+    headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
+    return client.put(path, content=body, headers=headers)
 
 
 def pending_compactions(factory: sessionmaker[Session]) -> int:
@@ -773,6 +779,7 @@ def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
 @pytest.fixture
 def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
     with TestClient(create_app(make_runtime(database_url, tx_factory), sender=recorder)) as test_client:
+        send_key(test_client, tx_factory)
         yield test_client
 
 
@@ -789,6 +796,7 @@ def committed_client(
 ) -> Iterator[TestClient]:
     runtime = make_runtime(database_url, factory)
     with TestClient(create_app(runtime, sender=committed_recorder)) as test_client:
+        send_key(test_client, factory)
         yield test_client
 
 
@@ -823,7 +831,11 @@ def test_unsigned_or_badly_signed_writes_are_401(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     body = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
-    for headers in ({}, {"Factmill-Signature": sign(body, "wrong")}, {"Factmill-Signature": "garbage"}):
+    for headers in (
+        {},
+        {"Factmill-Signature": sign(body, "wrong", method="POST", path="/v1/transcripts/x/messages")},
+        {"Factmill-Signature": "garbage"},
+    ):
         answer = client.post("/v1/transcripts/x/messages", content=body, headers=headers)
         assert answer.status_code == 401, answer.text
         assert client.put("/v1/transcripts/x", content=b"{}", headers=headers).status_code == 401
@@ -875,7 +887,9 @@ def test_an_invalid_message_is_422_naming_it_and_nothing_is_stored(
         assert answer.status_code == 422 and expected in answer.json()["detail"], (payload, answer.text)
     raw = b"{not json"
     answer = client.post(
-        "/v1/transcripts/bad/messages", content=raw, headers={"Factmill-Signature": sign(raw, SECRET)}
+        "/v1/transcripts/bad/messages",
+        content=raw,
+        headers={"Factmill-Signature": sign(raw, SECRET, method="POST", path="/v1/transcripts/bad/messages")},
     )
     assert answer.status_code == 422 and "not valid JSON" in answer.json()["detail"]
     assert post_messages(client, "a%20b", {"messages": [ok]}).status_code == 422
@@ -990,7 +1004,11 @@ def test_a_compaction_can_be_labelled_through_feedback(
             "compaction_id": listed["id"],
         }
     ).encode()
-    answer = client.post("/v1/feedback", content=body, headers={"Factmill-Signature": sign(body, SECRET)})
+    answer = client.post(
+        "/v1/feedback",
+        content=body,
+        headers={"Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/feedback")},
+    )
     assert answer.status_code == 201, answer.text
     assert answer.json()["compaction_id"] == outcome.compaction_id == listed["id"]
 

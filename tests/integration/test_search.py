@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from models import Fact
+from tests.auth import send_key
 from tests.conftest import BACKENDS, fresh_database, rolled_back
 from worker import db
 from worker.config_store import ConfigReader
@@ -632,6 +633,7 @@ def api(
 
     runtime = _runtime(plain_database_url, plain_factory, simulator)
     with TestClient(create_app(runtime, sender=lambda *_: None)) as client:
+        send_key(client, plain_factory)
         yield client
     runtime.close()
 

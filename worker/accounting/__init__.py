@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from worker.accounting.budget import BUDGET_KEYS, DAILY_BUDGET_KEY, JOB_BUDGET_KEY, Budget, parse_usd
+from worker.accounting.budget import (
+    BUDGET_KEYS,
+    DAILY_BUDGET_KEY,
+    JOB_BUDGET_KEY,
+    SEARCH_DAILY_BUDGET_KEY,
+    SEARCH_PURPOSES,
+    Budget,
+    parse_usd,
+)
 from worker.accounting.ledger import Ledger, LLMCallRecord
 from worker.accounting.prices import BATCH_DISCOUNT, PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 
@@ -22,6 +30,8 @@ __all__ = [
     "JOB_BUDGET_KEY",
     "PRICES",
     "PRICES_KEY",
+    "SEARCH_DAILY_BUDGET_KEY",
+    "SEARCH_PURPOSES",
     "Budget",
     "LLMCallRecord",
     "Ledger",

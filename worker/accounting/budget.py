@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
@@ -16,7 +16,12 @@ from worker.llm.errors import BudgetExhaustedError
 
 DAILY_BUDGET_KEY = "llm.budget_daily_usd"
 JOB_BUDGET_KEY = "llm.budget_job_usd"
-BUDGET_KEYS = (DAILY_BUDGET_KEY, JOB_BUDGET_KEY)
+# Readers' LLM use (query expansion, HyDE and query embeddings) has its own day budget, so searches can
+# never pause extraction and a busy extraction day never blocks search.
+SEARCH_DAILY_BUDGET_KEY = "llm.budget_search_daily_usd"
+BUDGET_KEYS = (DAILY_BUDGET_KEY, JOB_BUDGET_KEY, SEARCH_DAILY_BUDGET_KEY)
+# = worker.search's EXPANSION_PURPOSE and EMBEDDING_PURPOSE (tests/integration/test_access_budget.py)
+SEARCH_PURPOSES = ("search_expansion", "search_embedding")
 
 
 def parse_usd(value: str | None) -> Decimal | None:
@@ -48,8 +53,14 @@ class Budget:
         get_config: Callable[[str], str | None],
         ttl: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        search: bool = False,
     ) -> None:
+        """``search``: the readers' budget (search purposes against SEARCH_DAILY_BUDGET_KEY); else the
+        work budget (every other purpose against the day and job budgets)."""
         self._factory, self._get, self._ttl, self._clock = factory, get_config, ttl, clock
+        self._search = search
+        self._daily_key = SEARCH_DAILY_BUDGET_KEY if search else DAILY_BUDGET_KEY
         self._lock = threading.Lock()
         self._day: tuple[float, Decimal] | None = None
 
@@ -61,11 +72,18 @@ class Budget:
         midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
         with self._factory() as session:
             spent = session.scalar(
-                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.created_at >= midnight)
+                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(
+                    LLMCall.created_at >= midnight, self._purposes()
+                )
             )
         with self._lock:
             self._day = (now, Decimal(spent or 0))
         return Decimal(spent or 0)
+
+    def _purposes(self) -> ColumnElement[bool]:
+        if self._search:
+            return LLMCall.purpose.in_(SEARCH_PURPOSES)
+        return LLMCall.purpose.not_in(SEARCH_PURPOSES)
 
     def spent_by_job(self, job_id: int) -> Decimal:
         with self._factory() as session:
@@ -76,11 +94,12 @@ class Budget:
 
     def check(self, job_id: int | None = None) -> None:
         """Raise BudgetExhaustedError if the day's (or this job's) budget is spent."""
-        daily = self._limit(DAILY_BUDGET_KEY)
+        daily = self._limit(self._daily_key)
         if daily is not None:
             spent = self.spent_today()
             if spent >= daily:
-                raise BudgetExhaustedError("day", daily, spent, key=DAILY_BUDGET_KEY)
+                scope = "search day" if self._search else "day"
+                raise BudgetExhaustedError(scope, daily, spent, key=self._daily_key)
         per_job = self._limit(JOB_BUDGET_KEY)
         if per_job is not None and job_id is not None:
             spent = self.spent_by_job(job_id)

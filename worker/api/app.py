@@ -30,7 +30,7 @@ TAGS = [
     {"name": "pages", "description": "Signed webhooks that store pages and queue their extraction."},
     {"name": "jobs", "description": "The job history: status, counters, errors; retry."},
     {"name": "facts", "description": "Facts extracted from a page (audit rows are never returned)."},
-    {"name": "config", "description": "Kill switches and tunables (bearer FACTMILL_ADMIN_TOKEN)."},
+    {"name": "config", "description": "Kill switches and tunables (admin scope)."},
     {"name": "search", "description": "Intent-aware search over facts: lex, vec and hyde lines, fused."},
     {"name": "transcripts", "description": "Agent transcripts and their gated compaction summaries."},
     {"name": "calibration", "description": "Feedback on summaries and the calibrated coverage threshold."},
@@ -75,8 +75,10 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         summary="Turn conversation pages into durable, auditable facts with an LLM.",
         description=(
             "Signed webhooks store pages and queue their extraction; Celery workers do the LLM work. "
-            f"Sign each webhook body with `{SIGNATURE_HEADER}: t=<unix seconds>,v1=<hex HMAC-SHA256 of "
-            "'<t>.<body>'>` under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{\"detail\": ...}`."
+            "Every route but /healthz, /readyz and these docs needs `Authorization: Bearer <API key>` "
+            "with the route's scope (read, ingest, admin). Ingestion routes also take a signature: "
+            f"`{SIGNATURE_HEADER}: t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>` "
+            'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`.'
         ),
         openapi_tags=TAGS,
     )

@@ -33,6 +33,12 @@ def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
     return dict(prior.response)
 
 
+def scoped_key(route: str, subject: str, key: str | None) -> str | None:
+    """The stored key of a delivery: (route, subject, Idempotency-Key), so one key sent to two routes,
+    or to two transcripts, are two deliveries."""
+    return None if key is None else f"{route}|{subject}|{key}"
+
+
 def deliver_once(
     factory: sessionmaker[Session],
     key: str | None,
@@ -64,4 +70,4 @@ def deliver_once(
     return answer, outcome
 
 
-__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once"]
+__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once", "scoped_key"]

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
+from worker.access.ratelimit import PerKeyLimiter
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.jobs import outbox
@@ -33,6 +34,7 @@ class ApiContext:
     sender: outbox.Sender | None
     registry: CollectorRegistry
     _broker_url: str | None = field(default=None, repr=False)
+    _search_limiter: PerKeyLimiter | None = field(default=None, repr=False)
 
     @property
     def settings(self) -> Settings:
@@ -47,6 +49,12 @@ class ApiContext:
             # Resolved once: with no FACTMILL_BROKER_URL this starts (or finds) the embedded Redis.
             self._broker_url = celery_app.broker_url(self.settings)
         return self._broker_url
+
+    def search_limiter(self) -> PerKeyLimiter:
+        """Searches per minute per key (FACTMILL_SEARCH_RATE_PER_MINUTE), made on first use."""
+        if self._search_limiter is None:
+            self._search_limiter = PerKeyLimiter.from_settings(self.settings)
+        return self._search_limiter
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:
         """Hand (job id, kind) pairs to the broker; call it only after their transaction committed."""
@@ -99,7 +107,10 @@ SignatureHeader = Annotated[
     str | None,
     Header(
         alias=SIGNATURE_HEADER,
-        description="t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'> under FACTMILL_WEBHOOK_SECRET",
+        description=(
+            "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'> under "
+            "FACTMILL_WEBHOOK_SECRET"
+        ),
     ),
 ]
 IdempotencyHeader = Annotated[
@@ -143,11 +154,23 @@ async def read_body(request: Request, cap: int) -> bytes:
     return await _read_capped(request, cap)
 
 
-def verify_signature(ctx: ApiContext, body: bytes, signature: str | None) -> None:
-    """The webhook signature check every signed route runs first: 401 with the reason."""
+def verify_signature(
+    ctx: ApiContext, body: bytes, signature: str | None, method: str | None = None, path: str | None = None
+) -> int:
+    """The webhook signature check every signed route runs first: 401 with the reason; returns the
+    signed timestamp. With ``method`` and ``path`` the signature must be v2 (bound to them), or v1
+    while FACTMILL_ACCEPT_V1_SIGNATURES is on."""
     settings = ctx.settings
     try:
-        verify(signature, body, settings.webhook_secret, settings.webhook_tolerance_seconds)
+        return verify(
+            signature,
+            body,
+            settings.webhook_secret,
+            settings.webhook_tolerance_seconds,
+            method=method,
+            path=path,
+            accept_v1=settings.accept_v1_signatures,
+        )
     except SignatureError as exc:
         raise ApiError(401, exc.reason) from None
 

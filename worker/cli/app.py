@@ -15,6 +15,7 @@ from worker.cli.demo import demo
 from worker.cli.extract import extract
 from worker.cli.facts import facts_app
 from worker.cli.jobs import jobs_app
+from worker.cli.keys import keys_app
 from worker.cli.pages import ingest
 from worker.cli.search import embed_command, search_command
 from worker.cli.services import beat, flower, serve, worker
@@ -46,6 +47,7 @@ for name, group in (
     ("config", config_app),
     ("facts", facts_app),
     ("jobs", jobs_app),
+    ("keys", keys_app),
     ("calibration", calibration_app),
     ("transcripts", transcripts_app),
 ):

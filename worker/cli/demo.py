@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker import db
+from worker import access, db
 from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail
@@ -126,7 +126,7 @@ def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[lis
                 content=body,
                 headers={
                     "Content-Type": "application/json",
-                    "Factmill-Signature": sign(body, secret),
+                    "Factmill-Signature": sign(body, secret, method="POST", path="/v1/pages"),
                     "Idempotency-Key": f"demo-{int(time.time())}-{start}",
                 },
             )
@@ -208,13 +208,29 @@ def run_demo(
                 "every page is unchanged since the last demo: nothing new to extract "
                 f"(remove {settings.data_dir}/ to start over)"
             )
-        jobs = _follow_jobs(base, job_ids, children, err) if job_ids else []
-        _print_facts(base, pages, console, show)
+        reader = stack.enter_context(demo_read_key(database_url, err))
+        jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
+        _print_facts(base, reader, pages, console, show)
         _print_summary(jobs, len(pages), time.perf_counter() - started, console)
         failed = [j for j in jobs if j["status"] == "failed"]
         for job in failed:
             err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
         return 1 if failed else 0
+
+
+@contextmanager
+def demo_read_key(database_url: str, err: Console) -> Iterator[dict[str, str]]:
+    """A read-scoped API key for the demo's reads (the Authorization header), revoked when the demo
+    ends. Only its display prefix is printed."""
+    factory = db.session_factory(database_url)
+    with factory.begin() as session:
+        created = access.create_key(session, "demo (read)", ["read"])
+    err.print(f"created API key {created.id} ({created.prefix}…, scope read) for the demo's reads")
+    try:
+        yield {"Authorization": f"Bearer {created.key}"}
+    finally:
+        with factory.begin() as session:
+            access.revoke_key(session, created.id)
 
 
 def _job(client: httpx.Client, job_id: int) -> dict[str, Any]:
@@ -223,11 +239,13 @@ def _job(client: httpx.Client, job_id: int) -> dict[str, Any]:
     return dict(response.json())
 
 
-def _follow_jobs(base: str, job_ids: list[int], children: list[Child], err: Console) -> list[dict[str, Any]]:
+def _follow_jobs(
+    base: str, headers: dict[str, str], job_ids: list[int], children: list[Child], err: Console
+) -> list[dict[str, Any]]:
     columns = (TextColumn("jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     jobs: dict[int, dict[str, Any]] = {}
     with (
-        httpx.Client(base_url=base, timeout=10) as client,
+        httpx.Client(base_url=base, timeout=10, headers=headers) as client,
         Progress(*columns, console=err, transient=True) as bar,
     ):
         task = bar.add_task("jobs", total=len(job_ids))
@@ -249,8 +267,10 @@ def _follow_jobs(base: str, job_ids: list[int], children: list[Child], err: Cons
     return list(jobs.values())
 
 
-def _print_facts(base: str, pages: list[dict[str, Any]], console: Console, show: int) -> None:
-    with httpx.Client(base_url=base, timeout=10) as client:
+def _print_facts(
+    base: str, headers: dict[str, str], pages: list[dict[str, Any]], console: Console, show: int
+) -> None:
+    with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
         for page in pages:
             response = client.get(f"/v1/pages/{page['source_id']}/{page['slug']}/facts")
             if response.status_code != 200:

@@ -1,8 +1,11 @@
-"""Webhook signatures: ``Factmill-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "t.body">``.
+"""Webhook signatures: ``Factmill-Signature: t=<unix seconds>,v2=<hex HMAC-SHA256>``.
 
-The scheme follows Stripe's: the timestamp is signed together with the body, so a captured
-request cannot be replayed after the tolerance window, and a header may carry several ``v1=``
-entries so a sender can sign with the old and the new secret while the secret is rotated.
+``v2`` signs ``"<t>.<METHOD>.<path>.<body>"``: the timestamp, the HTTP method (upper case), the
+request path as sent (no query string) and the raw body, so a body signed for one route or one
+transcript is refused at another. The legacy ``v1`` form signs ``"<t>.<body>"`` only; servers accept
+it only while a rotation needs it (FACTMILL_ACCEPT_V1_SIGNATURES). The scheme follows Stripe's: a
+captured request cannot be replayed after the tolerance window, and a header may carry several
+signatures so a sender can sign with the old and the new secret while the secret is rotated.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import hmac
 import time
 
 SIGNATURE_HEADER = "Factmill-Signature"
-SCHEME = "v1"
-EXPECTED_FORMAT = "t=<unix seconds>,v1=<hex HMAC-SHA256 of '<t>.<body>'>"
+SCHEME = "v2"
+LEGACY_SCHEME = "v1"
+EXPECTED_FORMAT = "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>"
+MAX_TIMESTAMP_DIGITS = 12  # unix seconds until the year 33658; a longer t= is malformed, not a big int
 
 
 class SignatureError(ValueError):
@@ -24,48 +29,66 @@ class SignatureError(ValueError):
         self.reason = reason
 
 
-def compute_signature(body: bytes, secret: str, timestamp: int) -> str:
-    """Hex HMAC-SHA256 of ``b"<timestamp>." + body`` under ``secret``."""
-    message = str(timestamp).encode("ascii") + b"." + body
-    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
+def compute_signature(
+    body: bytes, secret: str, timestamp: int, method: str | None = None, path: str | None = None
+) -> str:
+    """Hex HMAC-SHA256 under ``secret`` of ``"<t>.<METHOD>.<path>.<body>"`` (v2), or of ``"<t>.<body>"``
+    (v1) when neither method nor path is given."""
+    message = str(timestamp).encode("ascii") + b"."
+    if method is not None or path is not None:
+        message += f"{(method or '').upper()}.{path or ''}.".encode()
+    return hmac.new(secret.encode("utf-8"), message + body, hashlib.sha256).hexdigest()
 
 
-def sign(body: bytes, secret: str, timestamp: int | None = None) -> str:
-    """The ``Factmill-Signature`` header value for ``body`` (timestamp defaults to now)."""
+def sign(
+    body: bytes,
+    secret: str,
+    timestamp: int | None = None,
+    *,
+    method: str | None = None,
+    path: str | None = None,
+) -> str:
+    """The ``Factmill-Signature`` header value for ``body`` (timestamp defaults to now): v2 bound to
+    ``method`` and ``path`` when they are given, else the legacy v1."""
     t = int(time.time()) if timestamp is None else int(timestamp)
-    return f"t={t},{SCHEME}={compute_signature(body, secret, t)}"
+    scheme = LEGACY_SCHEME if method is None and path is None else SCHEME
+    return f"t={t},{scheme}={compute_signature(body, secret, t, method, path)}"
 
 
-def _parse(header: str) -> tuple[int, list[str]]:
+def parse_header(header: str | None) -> tuple[int, dict[str, list[str]]]:
+    """(timestamp, signatures by scheme) of a header; SignatureError when it is missing or malformed.
+    Cheap and body-free, so a route can refuse a bad header before it reads the body."""
+    if header is None or not header.strip():
+        raise SignatureError(f"missing {SIGNATURE_HEADER} header")
+    if len(header) > 4096:
+        raise SignatureError(f"malformed {SIGNATURE_HEADER} header: it is over 4096 characters")
     timestamp: int | None = None
-    signatures: list[str] = []
+    signatures: dict[str, list[str]] = {SCHEME: [], LEGACY_SCHEME: []}
     for item in header.split(","):
         key, sep, value = item.strip().partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
             raise SignatureError(f"malformed {SIGNATURE_HEADER} header: expected {EXPECTED_FORMAT}")
         if key == "t":
-            if timestamp is not None or not value.isascii() or not value.isdigit():
+            if (
+                timestamp is not None
+                or not value.isascii()
+                or not value.isdigit()
+                or len(value) > MAX_TIMESTAMP_DIGITS
+            ):
                 raise SignatureError(
                     f"malformed {SIGNATURE_HEADER} header: t must be one integer of unix seconds"
                 )
             timestamp = int(value)
-        elif key == SCHEME:
-            signatures.append(value.lower())
-        # Other schemes (a future v2, say) are ignored so senders can add them before we verify them.
-    if timestamp is None or not signatures:
+        elif key in signatures:
+            signatures[key].append(value.lower())
+        # Other schemes (a future v3, say) are ignored so senders can add them before we verify them.
+    if timestamp is None or not any(signatures.values()):
         raise SignatureError(f"malformed {SIGNATURE_HEADER} header: expected {EXPECTED_FORMAT}")
     return timestamp, signatures
 
 
-def verify(header: str | None, body: bytes, secret: str, tolerance: int, now: float | None = None) -> None:
-    """Raise ``SignatureError`` unless ``header`` signs ``body`` with ``secret`` within ``tolerance`` s."""
-    if header is None or not header.strip():
-        raise SignatureError(f"missing {SIGNATURE_HEADER} header")
-    if not secret:
-        # An empty key would let anyone compute a valid signature.
-        raise SignatureError("webhook signing secret is not configured (set FACTMILL_WEBHOOK_SECRET)")
-    timestamp, signatures = _parse(header)
+def _check_age(timestamp: int, tolerance: int, now: float | None) -> None:
     current = time.time() if now is None else now
     age = current - timestamp
     if age > tolerance:
@@ -78,13 +101,59 @@ def verify(header: str | None, body: bytes, secret: str, tolerance: int, now: fl
             f"signature timestamp is {int(-age)} s in the future (tolerance is {tolerance} s): "
             "check the sender's clock"
         )
-    expected = compute_signature(body, secret, timestamp).encode("ascii")
+
+
+def _any_match(expected: str, candidates: list[str]) -> bool:
     # Compare against every candidate (no early exit) so timing says nothing about which one matched.
     matched = False
-    for candidate in signatures:
-        matched |= hmac.compare_digest(expected, candidate.encode("utf-8", "replace"))
+    for candidate in candidates:
+        matched |= hmac.compare_digest(expected.encode("ascii"), candidate.encode("utf-8", "replace"))
+    return matched
+
+
+def verify(
+    header: str | None,
+    body: bytes,
+    secret: str,
+    tolerance: int,
+    now: float | None = None,
+    *,
+    method: str | None = None,
+    path: str | None = None,
+    accept_v1: bool = False,
+) -> int:
+    """The signed timestamp, or SignatureError unless ``header`` signs the request with ``secret``
+    within ``tolerance`` s. With ``method``/``path`` a v2 signature is required (v1 also passes when
+    ``accept_v1``); without them only v1 is checked (the pure, route-less form)."""
+    if not secret:
+        parse_header(header)  # a missing header is still reported as missing
+        # An empty key would let anyone compute a valid signature.
+        raise SignatureError("webhook signing secret is not configured (set FACTMILL_WEBHOOK_SECRET)")
+    timestamp, signatures = parse_header(header)
+    bound = method is not None or path is not None
+    if bound and not signatures[SCHEME] and not accept_v1:
+        raise SignatureError(
+            f"{SIGNATURE_HEADER} carries no v2 signature (v1 is not accepted): expected {EXPECTED_FORMAT}"
+        )
+    _check_age(timestamp, tolerance, now)
+    matched = False
+    if bound:
+        matched |= _any_match(compute_signature(body, secret, timestamp, method, path), signatures[SCHEME])
+    if not bound or accept_v1:
+        matched |= _any_match(compute_signature(body, secret, timestamp), signatures[LEGACY_SCHEME])
     if not matched:
-        raise SignatureError("signature does not match the body (wrong secret, or the body was altered)")
+        raise SignatureError(
+            "signature does not match the request (wrong secret, or the body, method or path differ "
+            "from what was signed)"
+        )
+    return timestamp
 
 
-__all__ = ["SIGNATURE_HEADER", "SignatureError", "compute_signature", "sign", "verify"]
+__all__ = [
+    "SIGNATURE_HEADER",
+    "SignatureError",
+    "compute_signature",
+    "parse_header",
+    "sign",
+    "verify",
+]

@@ -6,10 +6,11 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -80,35 +81,74 @@ class UpsertResult:
     changed: bool  # False when the stored content already had this hash
 
 
-def upsert_page(session: Session, page: PageIn) -> UpsertResult:
-    """Insert or update a page; an unchanged page (same content hash) is left alone."""
+class StaleDeliveryError(ValueError):
+    """A delivery older than the one that stored the page: it must not roll the page back."""
+
+    def __init__(self, source_id: str, slug: str, delivered_at: datetime, stored_at: datetime | None) -> None:
+        stored = stored_at.isoformat() if stored_at is not None else "a later time"
+        super().__init__(
+            f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
+            f"older than the stored one ({stored}); send the newest content with a fresh signature"
+        )
+        self.source_id, self.slug = source_id, slug
+
+
+def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
+    """Insert or update a page; an unchanged page (same content hash) is left alone.
+
+    ``delivered_at`` (the signed time of the delivery) must not be older than the stored one, else
+    StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency.
+    """
     digest = content_hash(page)
     existing = session.execute(
         select(Page.id, Page.content_hash).where(Page.source_id == page.source_id, Page.slug == page.slug)
     ).one_or_none()
     if existing is not None and existing.content_hash == digest:
         return UpsertResult(existing.id, changed=False)
-    values = page.model_dump() | {"content_hash": digest}
+    values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
     stmt = insert(Page).values(**values)
+    excluded = stmt.excluded
     page_id = session.execute(
         stmt.on_conflict_do_update(
             index_elements=[Page.source_id, Page.slug],
             set_={
-                k: stmt.excluded[k]
+                k: excluded[k]
                 for k in ("type", "title", "compiled_truth", "timeline", "frontmatter", "content_hash")
             }
-            | {"updated_at": func.now()},
+            | {
+                "updated_at": func.now(),
+                "delivered_at": func.coalesce(excluded.delivered_at, Page.delivered_at),
+            },
+            where=or_(
+                excluded.delivered_at.is_(None),
+                Page.delivered_at.is_(None),
+                Page.delivered_at <= excluded.delivered_at,
+            ),
         ).returning(Page.id)
-    ).scalar_one()
+    ).scalar_one_or_none()
+    if page_id is None:
+        assert delivered_at is not None  # only a dated delivery can fail the WHERE
+        stored = session.scalar(
+            select(Page.delivered_at).where(Page.source_id == page.source_id, Page.slug == page.slug)
+        )
+        raise StaleDeliveryError(page.source_id, page.slug, delivered_at, stored)
     return UpsertResult(page_id, changed=True)
 
 
-def store_page(session: Session, page: PageIn) -> JobRequest | None:
+def store_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
     changed, request its extraction job in the same transaction. None when nothing changed."""
-    if not upsert_page(session, page).changed:
+    if not upsert_page(session, page, delivered_at).changed:
         return None
     return request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
 
 
-__all__ = ["MAX_PAGE_BODY_BYTES", "PageIn", "UpsertResult", "content_hash", "store_page", "upsert_page"]
+__all__ = [
+    "MAX_PAGE_BODY_BYTES",
+    "PageIn",
+    "StaleDeliveryError",
+    "UpsertResult",
+    "content_hash",
+    "store_page",
+    "upsert_page",
+]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from sqlalchemy import inspect, select
+from collections.abc import Collection
+
+from sqlalchemy import ColumnElement, func, inspect, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from models import Job
-from worker.jobs.outbox import PENDING, retry_job
+from worker.jobs.outbox import EXTRACTION, PENDING, retry_job
 
 
 class JobNotFoundError(LookupError):
@@ -41,8 +43,10 @@ def list_jobs(
     kind: str | None = None,
     limit: int = 50,
     before_id: int | None = None,
+    source_ids: Collection[str] | None = None,
 ) -> list[Job]:
-    """Jobs newest first, optionally filtered; ``before_id`` pages backwards."""
+    """Jobs newest first, optionally filtered; ``before_id`` pages backwards. ``source_ids`` keeps only
+    the page (extraction) jobs of those sources."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
     if status is not None:
         query = query.where(Job.status == status)
@@ -50,7 +54,14 @@ def list_jobs(
         query = query.where(Job.kind == kind)
     if before_id is not None:
         query = query.where(Job.id < before_id)
+    if source_ids is not None:
+        query = query.where(Job.kind == EXTRACTION, job_source_id(Job.subject).in_(sorted(source_ids)))
     return list(session.scalars(query))
+
+
+def job_source_id(subject: ColumnElement[str] | InstrumentedAttribute[str]) -> ColumnElement[str]:
+    """The source of a page job's subject ``source|slug`` in SQL (source ids never hold '|')."""
+    return func.split_part(subject, "|", 1)
 
 
 def retry(session: Session, job_id: int) -> Job:

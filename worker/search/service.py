@@ -43,6 +43,7 @@ from worker.core.fusion import (
 )
 from worker.core.intent import SearchType, StructuredQuery, has_strong_signal, parse_structured_query
 from worker.core.lexing import parse_expansion, parse_lex_query, plain_text
+from worker.llm.errors import BudgetExhaustedError
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, SearchError, VectorSearchUnavailableError
 from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
@@ -126,10 +127,13 @@ def expand_query(
     started = time.perf_counter()
     try:
         response = llm.chat(expansion_request(query, intent))
+    except BudgetExhaustedError:
+        # No call was made; readers never see spend or budget figures.
+        return [], "query expansion skipped: budget; searched the query alone"
     except Exception as exc:
         logger.warning("query expansion failed: %s", exc)
         _record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
-        return [], f"query expansion failed ({exc}); searched the query alone"
+        return [], "query expansion failed (the LLM did not answer); searched the query alone"
     _record(
         store, _answered(EXPANSION_PURPOSE, response, "ok" if response.finish == "end" else response.finish)
     )
@@ -264,7 +268,13 @@ def _plain_lists(
                 continue  # the probe already ran exactly this search
             extra.append(SearchLine(kind, body, "expansion", EXPANSION_LINE_WEIGHT))
         gathered.expanded = bool(expansion)
-    gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
+    try:
+        gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
+    except BudgetExhaustedError:
+        # The vector lines a plain query adds are a bonus: without budget, the lexical lines still run.
+        gathered.notes.append("vector search skipped: budget")
+        lexical = [line for line in extra if line.type == "lex"]
+        gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
     return gathered
 
 

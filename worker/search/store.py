@@ -184,6 +184,7 @@ _FILTER_CLAUSES = (
     ("entity", "{a}.entity_slug = :f_entity"),
     ("kind", "{a}.kind = :f_kind"),
     ("since", "COALESCE({a}.valid_from, {a}.created_at) >= :f_since"),
+    ("source_ids", "{a}.source_id = ANY(:f_source_ids)"),
 )
 
 
@@ -195,7 +196,7 @@ def _filter_sql(filters: SearchFilters, alias: str = "f") -> tuple[str, dict[str
         value = getattr(filters, name)
         if value is not None:
             clauses.append(clause.format(a=alias))
-            params[f"f_{name}"] = value
+            params[f"f_{name}"] = list(value) if isinstance(value, tuple) else value
     return " AND ".join(clauses), params
 
 

@@ -56,6 +56,8 @@ class SearchFilters:
     entity: str | None = None
     kind: str | None = None
     since: datetime | None = None
+    # The sources a caller may see (a source-limited API key); None: every source.
+    source_ids: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in FACT_KINDS:

@@ -17,16 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.concurrency import run_in_threadpool
 
 from models import CalibrationThreshold
+from worker.api.auth import CalibrationReader, FeedbackIngester, Ingest
 from worker.api.deps import (
     IDEMPOTENCY_HEADER,
     ApiContext,
     Context,
-    SignatureHeader,
     check_idempotency_key,
     json_request_body,
     load_json_object,
     read_body,
-    verify_signature,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
 from worker.calibration import (
@@ -116,11 +115,9 @@ def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
         raise ApiError(422, str(exc)) from None
 
 
-def accept_feedback(
-    ctx: ApiContext, body: bytes, signature: str | None, header_key: str | None
-) -> JSONResponse:
+def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: str | None) -> JSONResponse:
     """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
-    verify_signature(ctx, body, signature)
+    ingest.verify(ctx, body)
     observation = _parse_feedback(body, check_idempotency_key(header_key))
     try:
         report = add_observation(
@@ -161,14 +158,14 @@ def accept_feedback(
     summary="Record whether a compaction kept the answer (signed webhook)",
     responses={
         200: {"model": FeedbackOut, "description": "A duplicate: stored before"},
-        **error_responses(401, 413, 422),
+        **error_responses(401, 403, 413, 422),
     },
     openapi_extra=json_request_body(FeedbackIn.model_json_schema()),
 )
 async def post_feedback(
     request: Request,
     ctx: Context,
-    factmill_signature: SignatureHeader = None,
+    ingest: FeedbackIngester,
     idempotency_key: FeedbackKeyHeader = None,
 ) -> Response:
     """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
@@ -179,7 +176,7 @@ async def post_feedback(
     by its identical origin, compaction_id, coverage and answer_kept.
     """
     body = await read_body(request, min(ctx.settings.max_body_bytes, MAX_FEEDBACK_BYTES))
-    return await run_in_threadpool(accept_feedback, ctx, body, factmill_signature, idempotency_key)
+    return await run_in_threadpool(accept_feedback, ctx, body, ingest, idempotency_key)
 
 
 class ThresholdOut(BaseModel):
@@ -231,7 +228,9 @@ class CalibrationOut(BaseModel):
     "/v1/calibration", response_model=CalibrationOut, summary="The active threshold and its history"
 )
 def get_calibration(
-    ctx: Context, limit: Annotated[int, Query(ge=1, le=1000, description="History versions to list")] = 50
+    ctx: Context,
+    _: CalibrationReader,
+    limit: Annotated[int, Query(ge=1, le=1000, description="History versions to list")] = 50,
 ) -> CalibrationOut:
     with ctx.factory() as session:
         current = active_threshold(session)

@@ -11,14 +11,15 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from models import ConfigEntry
-from worker.api.deps import Context, require_admin
+from worker.api.auth import require
+from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.config_store import KILL_SWITCHES, is_enabled, set_config
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
 
-config_router = APIRouter(tags=["config"], dependencies=[Depends(require_admin)])
+config_router = APIRouter(tags=["config"], dependencies=[Depends(require("admin"))])
 ConfigKey = Annotated[str, Path(min_length=1, max_length=200, description="e.g. facts.extraction_enabled")]
 
 

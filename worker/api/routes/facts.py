@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
 from models import Fact, Page
+from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 
@@ -48,16 +49,19 @@ class PageFacts(BaseModel):
 @facts_router.get(
     "/v1/pages/{source_id}/{slug:path}/facts",
     response_model=PageFacts,
-    responses=error_responses(404),
+    responses=error_responses(401, 403, 404),
     summary="The facts extracted from one page, in row order",
 )
 def page_facts(
     ctx: Context,
+    principal: Reader,
     source_id: str,
     slug: str,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> PageFacts:
+    if not principal.sees(source_id):
+        raise ApiError(403, f"this key may not read source {source_id!r}")
     with ctx.factory() as session:
         page_id = session.scalar(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))
         if page_id is None:

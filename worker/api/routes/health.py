@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from worker.api.auth import Admin
 from worker.api.deps import Context
 from worker.api.errors import error_responses, one_line
 
@@ -74,7 +75,7 @@ def readyz(ctx: Context) -> JSONResponse:
 
 
 @ops_router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics(ctx: Context) -> Response:
+def metrics(ctx: Context, _: Admin) -> Response:
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 

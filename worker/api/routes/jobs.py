@@ -10,6 +10,8 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict
 
 from models import Job
+from worker.access import Principal
+from worker.api.auth import Admin, Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.jobs import outbox, queries
@@ -60,25 +62,40 @@ class JobList(BaseModel):
 @jobs_router.get("/v1/jobs", response_model=JobList, summary="List jobs, newest first")
 def list_jobs(
     ctx: Context,
+    principal: Reader,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status")] = None,
     kind: Annotated[JobKind | None, Query(description="Only jobs of this kind")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     before_id: Annotated[int | None, Query(ge=1, description="Only jobs with a smaller id (paging)")] = None,
 ) -> JobList:
     with ctx.factory() as session:
-        found = queries.list_jobs(session, status=status, kind=kind, limit=limit, before_id=before_id)
+        found = queries.list_jobs(
+            session,
+            status=status,
+            kind=kind,
+            limit=limit,
+            before_id=before_id,
+            source_ids=principal.source_ids,
+        )
         return JobList(jobs=[JobOut.of(job) for job in found])
 
 
 @jobs_router.get(
     "/v1/jobs/{job_id}", response_model=JobOut, responses=error_responses(404), summary="One job"
 )
-def get_job(ctx: Context, job_id: JobId) -> JobOut:
+def get_job(ctx: Context, principal: Reader, job_id: JobId) -> JobOut:
     with ctx.factory() as session:
         job = session.get(Job, job_id)
-        if job is None:
+        if job is None or not _visible(principal, job):
             raise ApiError(404, f"no job {job_id}")
         return JobOut.of(job)
+
+
+def _visible(principal: Principal, job: Job) -> bool:
+    """A source-limited key sees the page jobs of its sources only (another source's job is a 404)."""
+    if principal.source_ids is None:
+        return True
+    return job.kind == outbox.EXTRACTION and principal.sees(outbox.split_page_subject(job.subject)[0])
 
 
 @jobs_router.post(
@@ -88,7 +105,7 @@ def get_job(ctx: Context, job_id: JobId) -> JobOut:
     responses=error_responses(404, 409),
     summary="Queue a failed, paused or succeeded job again",
 )
-def retry(ctx: Context, job_id: JobId) -> JobOut:
+def retry(ctx: Context, _: Admin, job_id: JobId) -> JobOut:
     """A failed, paused or succeeded job is queued again (attempts reset) and sent to its queue.
 
     A queued or running job is left alone and answered with 409: it is already on its way (and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,20 +18,19 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once
+from worker.api.auth import Ingest, PageIngester
+from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
     Context,
     IdempotencyHeader,
-    SignatureHeader,
     check_idempotency_key,
     json_request_body,
     load_json_body,
     read_body,
-    verify_signature,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
-from worker.extraction.pages import PageIn, store_page
+from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -121,12 +121,17 @@ def parse_pages(body: bytes) -> list[PageIn]:
 
 
 def store_pages(
-    factory: sessionmaker[Session], pages: list[PageIn], key: str | None, body_hash: str
+    factory: sessionmaker[Session],
+    pages: list[PageIn],
+    key: str | None,
+    body_hash: str,
+    delivered_at: datetime | None = None,
 ) -> tuple[dict[str, Any], list[tuple[int, str]], bool]:
     """Upsert the pages and request their jobs in ONE transaction.
 
     Returns (response, jobs to enqueue after the commit, replayed). A repeated delivery with the
-    same Idempotency-Key returns the stored response and changes nothing.
+    same Idempotency-Key returns the stored response and changes nothing. A page stored by a newer
+    delivery than ``delivered_at`` raises StaleDeliveryError and nothing of the request is kept.
     """
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
@@ -134,7 +139,7 @@ def store_pages(
         order = sorted(range(len(pages)), key=lambda i: (pages[i].source_id, pages[i].slug))
         results: list[outbox.JobRequest | None] = [None] * len(pages)
         for index in order:
-            results[index] = store_page(session, pages[index])
+            results[index] = store_page(session, pages[index], delivered_at)
         response = {
             "jobs": [
                 {"job_id": r.job_id, "source_id": p.source_id, "slug": p.slug, "created": r.created}
@@ -156,13 +161,21 @@ def store_pages(
     return response, pending, False
 
 
-def accept_pages(ctx: ApiContext, body: bytes, signature: str | None, key: str | None) -> JSONResponse:
+def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue (runs on a worker thread: all of it blocks)."""
-    verify_signature(ctx, body, signature)
+    signed_at = ingest.verify(ctx, body)
     key = check_idempotency_key(key)
     pages = parse_pages(body)
+    ingest.check_sources(page.source_id for page in pages)
     body_hash = hashlib.sha256(body).hexdigest()
-    response, pending, replayed = store_pages(ctx.factory, pages, key, body_hash)
+    # A keyed delivery without a signature is dated when it arrives.
+    delivered_at = datetime.fromtimestamp(signed_at, UTC) if signed_at is not None else datetime.now(UTC)
+    try:
+        response, pending, replayed = store_pages(
+            ctx.factory, pages, scoped_key("POST /v1/pages", "", key), body_hash, delivered_at
+        )
+    except StaleDeliveryError as exc:
+        raise ApiError(409, str(exc), source_id=exc.source_id, slug=exc.slug) from None
     if replayed:
         logger.info("replayed webhook delivery %s", key)
         return JSONResponse(response, 202, headers=REPLAYED_HEADERS)
@@ -182,18 +195,17 @@ def accept_pages(ctx: ApiContext, body: bytes, signature: str | None, key: str |
     status_code=202,
     response_model=PagesAccepted,
     summary="Store pages and queue their extraction (signed webhook)",
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 403, 409, 413, 422),
     openapi_extra=json_request_body(_pages_body_schema()),
 )
 async def post_pages(
-    request: Request,
-    ctx: Context,
-    factmill_signature: SignatureHeader = None,
-    idempotency_key: IdempotencyHeader = None,
+    request: Request, ctx: Context, ingest: PageIngester, idempotency_key: IdempotencyHeader = None
 ) -> Response:
-    """One page, a list of pages, or `{"pages": [...]}` (at most 1,000). Unchanged pages queue nothing."""
+    """One page, a list of pages, or `{"pages": [...]}` (at most 1,000). Unchanged pages queue nothing.
+
+    A page stored by a newer delivery (by signed timestamp) is not overwritten: 409 with the reason."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    return await run_in_threadpool(accept_pages, ctx, body, factmill_signature, idempotency_key)
+    return await run_in_threadpool(accept_pages, ctx, body, ingest, idempotency_key)
 
 
 __all__ = ["MAX_PAGES_PER_REQUEST", "accept_pages", "pages_router", "parse_pages", "store_pages"]

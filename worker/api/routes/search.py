@@ -10,8 +10,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.api.deps import Context
+from worker.access import Principal
+from worker.api.auth import Reader
+from worker.api.deps import ApiContext, Context
+from worker.api.errors import ApiError
 from worker.core.intent import QueryParseError
+from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
     MAX_LIMIT,
@@ -93,19 +97,38 @@ search_router = APIRouter(tags=["search"])
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": SearchErrorOut, "description": "A bad query document or filter; detail says what to fix."},
     501: {"model": SearchErrorOut, "description": "vec:/hyde: lines on a server without pgvector."},
+    429: {
+        "model": SearchErrorOut,
+        "description": "This key's searches per minute are used; see Retry-After.",
+    },
+    503: {"model": SearchErrorOut, "description": "vec:/hyde: lines when the search LLM budget is spent."},
 }
 
 
-def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
+def _sources(principal: Principal | None, source_id: str | None) -> tuple[str, ...] | None:
+    """The sources a search may return: all (None), or a source-limited key's (403 for another)."""
+    if principal is None or principal.source_ids is None:
+        return None
+    if source_id is not None and not principal.sees(source_id):
+        raise ApiError(403, f"this key may not read source {source_id!r}")
+    return tuple(sorted(principal.source_ids))
+
+
+def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None = None) -> dict[str, Any]:
     settings = runtime.settings
+    sources = _sources(principal, body.source_id)
     try:
         outcome = search(
             runtime.factory,
-            lambda: runtime.llm,  # opened only when a line needs it
+            lambda: runtime.search_llm,  # opened only when a line needs it; the readers' budget
             body.q,
             intent=body.intent,
             filters=SearchFilters(
-                source_id=body.source_id, entity=body.entity, kind=body.kind, since=body.since
+                source_id=body.source_id,
+                entity=body.entity,
+                kind=body.kind,
+                since=body.since,
+                source_ids=sources,
             ),
             limit=body.limit or settings.search_default_limit,
             expand=body.expand and settings.search_expand,
@@ -116,7 +139,26 @@ def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
         raise HTTPException(501, detail=str(exc)) from None
     except SearchError as exc:
         raise HTTPException(400, detail=str(exc)) from None
+    except BudgetExhaustedError:
+        raise ApiError(
+            503,
+            "the search LLM budget for today is spent; lex: lines still work",
+            headers={"Retry-After": "3600"},
+        ) from None
     return outcome.as_dict()
+
+
+def _limited(ctx: ApiContext, principal: Principal) -> None:
+    """429 with Retry-After when this key has used its searches for the minute (each may call the LLM)."""
+    limiter = ctx.search_limiter()
+    who = f"key-{principal.key_id}" if principal.key_id is not None else "admin-token"
+    verdict = limiter.hit(who)
+    if not verdict.allowed:
+        raise ApiError(
+            429,
+            f"too many searches for this key: at most {limiter.per_minute} a minute; retry later",
+            headers={"Retry-After": str(verdict.retry_after)},
+        )
 
 
 @search_router.get(
@@ -125,8 +167,9 @@ def run_search(runtime: Runtime, body: SearchBody) -> dict[str, Any]:
     responses=_RESPONSES,
     summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
 )
-def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
-    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)))
+def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
+    _limited(ctx, principal)
+    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
 
 
 @search_router.post(
@@ -135,8 +178,9 @@ def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict
     responses=_RESPONSES,
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
 )
-def search_post(ctx: Context, body: SearchBody) -> dict[str, Any]:
-    return run_search(ctx.runtime, body)
+def search_post(ctx: Context, principal: Reader, body: SearchBody) -> dict[str, Any]:
+    _limited(ctx, principal)
+    return run_search(ctx.runtime, body, principal)
 
 
 __all__ = ["SearchBody", "run_search", "search_router"]

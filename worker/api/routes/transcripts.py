@@ -24,17 +24,16 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from models import Compaction, TranscriptMessageRow
-from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once
+from worker.api.auth import Ingest, TranscriptIngester, TranscriptReader
+from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
     Context,
     IdempotencyHeader,
-    SignatureHeader,
     check_idempotency_key,
     json_request_body,
     load_json_object,
     read_body,
-    verify_signature,
 )
 from worker.api.errors import ApiError, error_responses
 from worker.api.schemas.transcripts import (
@@ -92,11 +91,6 @@ def _unprocessable(exc: TranscriptError) -> ApiError:
     return ApiError(422, str(exc))
 
 
-def _delivery_key(transcript_id: str, key: str) -> str:
-    # Deliveries share one table with the page webhooks; the prefix keeps the two key spaces apart.
-    return f"transcripts/{transcript_id}:{key}"
-
-
 def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[str, Any]]:
     """The messages and the settings of an append body (422 naming what is wrong)."""
     unknown = sorted(set(data) - {"messages", "settings"})
@@ -116,10 +110,10 @@ def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[s
 
 
 def accept_messages(
-    ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None, key: str | None
+    ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    verify_signature(ctx, body, signature)
+    ingest.verify(ctx, body)
     key = check_idempotency_key(key)
     messages, settings = _parse_append(load_json_object(body))
 
@@ -148,7 +142,8 @@ def accept_messages(
         )
         return response.model_dump(mode="json"), result.pending_jobs()
 
-    delivery_key = _delivery_key(transcript_id, key) if key is not None else None
+    # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
+    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key)
     try:
         response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
@@ -184,8 +179,8 @@ def _transcript_out(ctx: ApiContext, transcript_id: str) -> TranscriptOut:
     return TranscriptOut.model_validate(stats.as_dict())
 
 
-def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, signature: str | None) -> JSONResponse:
-    verify_signature(ctx, body, signature)
+def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest) -> JSONResponse:
+    ingest.verify(ctx, body)
     data = load_json_object(body)
     try:
         with ctx.factory.begin() as session:
@@ -205,14 +200,14 @@ def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, signature:
     status_code=201,
     response_model=AppendOut,
     summary="Append messages to a transcript (signed webhook); queues a compaction when it is due",
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 403, 413, 422),
     openapi_extra=json_request_body(AppendIn.model_json_schema()),
 )
 async def post_messages(
     request: Request,
     ctx: Context,
     transcript_id: TranscriptId,
-    factmill_signature: SignatureHeader = None,
+    ingest: TranscriptIngester,
     idempotency_key: IdempotencyHeader = None,
 ) -> Response:
     """`{"messages": [{role, text, tool_calls, tool_call_id, tool_name}], "settings": {...}}`.
@@ -222,25 +217,23 @@ async def post_messages(
     message is answered with 422 naming it (`messages[i]`), and nothing of the request is stored.
     """
     body = await read_body(request, ctx.settings.max_body_bytes)
-    return await run_in_threadpool(
-        accept_messages, ctx, transcript_id, body, factmill_signature, idempotency_key
-    )
+    return await run_in_threadpool(accept_messages, ctx, transcript_id, body, ingest, idempotency_key)
 
 
 @compaction_router.put(
     "/v1/transcripts/{transcript_id}",
     response_model=TranscriptOut,
     summary="Create a transcript or change its settings (signed)",
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 403, 413, 422),
     openapi_extra=json_request_body(SettingsIn.model_json_schema()),
 )
 async def put_transcript(
-    request: Request, ctx: Context, transcript_id: TranscriptId, factmill_signature: SignatureHeader = None
+    request: Request, ctx: Context, transcript_id: TranscriptId, ingest: TranscriptIngester
 ) -> Response:
     """Only the settings sent change. A smaller window can put the context over its threshold at once:
     then a compaction is queued as for an append."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    return await run_in_threadpool(accept_settings, ctx, transcript_id, body, factmill_signature)
+    return await run_in_threadpool(accept_settings, ctx, transcript_id, body, ingest)
 
 
 # ---------------------------------------------------------------------------
@@ -254,7 +247,7 @@ async def put_transcript(
     responses=error_responses(404),
     summary="A transcript's settings and its before/after token counts",
 )
-def get_transcript(ctx: Context, transcript_id: TranscriptId) -> TranscriptOut:
+def get_transcript(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) -> TranscriptOut:
     return _transcript_out(ctx, transcript_id)
 
 
@@ -264,7 +257,7 @@ def get_transcript(ctx: Context, transcript_id: TranscriptId) -> TranscriptOut:
     responses=error_responses(404),
     summary="What to send a model now: the newest accepted summary plus the messages after its cut",
 )
-def get_context(ctx: Context, transcript_id: TranscriptId) -> ContextOut:
+def get_context(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) -> ContextOut:
     """Repaired for providers: every tool call is followed by its results (a placeholder stands in for
     one that never came), and no tool result is separated from its call."""
     with _transcript_session(ctx) as session:
@@ -286,6 +279,7 @@ def get_context(ctx: Context, transcript_id: TranscriptId) -> ContextOut:
 )
 def get_messages(
     ctx: Context,
+    _: TranscriptReader,
     transcript_id: TranscriptId,
     after_seq: Annotated[
         int | None, Query(ge=-1, description="Only messages after this seq (paging)")
@@ -309,6 +303,7 @@ def get_messages(
 )
 def get_compactions(
     ctx: Context,
+    _: TranscriptReader,
     transcript_id: TranscriptId,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     before_id: Annotated[int | None, Query(ge=1, description="Only compactions with a smaller id")] = None,

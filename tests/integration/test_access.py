@@ -1,0 +1,290 @@
+"""Access control against the real API and Postgres: keys, scopes, tenants, bound signatures."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ApiKey, Page
+from tests.auth import bearer, new_key
+from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Recorder, make_runtime, run_asgi
+from tests.integration.test_search import seed
+from worker.access import KeyStoreError, create_key, revoke_key
+from worker.api.app import create_app
+from worker.core.signing import sign
+
+pytestmark = pytest.mark.integration
+
+OPEN = {
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("GET", "/redoc"),
+}
+# Every operation, with the scope it needs (ingest routes also take a signature).
+ROUTES = [
+    ("GET", "/v1/search?q=lisbon", "read"),
+    ("POST", "/v1/search", "read"),
+    ("GET", "/v1/pages/default/alice/facts", "read"),
+    ("GET", "/v1/jobs", "read"),
+    ("GET", "/v1/jobs/1", "read"),
+    ("GET", "/v1/transcripts/t1", "read"),
+    ("GET", "/v1/transcripts/t1/messages", "read"),
+    ("GET", "/v1/transcripts/t1/context", "read"),
+    ("GET", "/v1/transcripts/t1/compactions", "read"),
+    ("GET", "/v1/calibration", "read"),
+    ("POST", "/v1/pages", "ingest"),
+    ("POST", "/v1/transcripts/t1/messages", "ingest"),
+    ("PUT", "/v1/transcripts/t1", "ingest"),
+    ("POST", "/v1/feedback", "ingest"),
+    ("GET", "/v1/config/facts.extraction_enabled", "admin"),
+    ("PUT", "/v1/config/facts.extraction_enabled", "admin"),
+    ("POST", "/v1/jobs/1/retry", "admin"),
+    ("GET", "/metrics", "admin"),
+]
+
+
+@pytest.fixture
+def api(database_url: str, factory: sessionmaker[Session]) -> Iterator[TestClient]:
+    with TestClient(create_app(make_runtime(database_url, factory), sender=Recorder(factory))) as client:
+        yield client
+
+
+def call(client: TestClient, method: str, url: str, headers: dict[str, str] | None = None) -> Any:
+    body = {"q": "lisbon"} if url == "/v1/search" else {"value": "true"}
+    return client.request(method, url, json=body if method in ("POST", "PUT") else None, headers=headers)
+
+
+def page_body(slug: str, source_id: str = "default", body: str = CONVERSATION) -> bytes:
+    return json.dumps(
+        {"source_id": source_id, "slug": slug, "type": "conversation", "compiled_truth": body}
+    ).encode()
+
+
+def signed(body: bytes, path: str = "/v1/pages", method: str = "POST", **kw: Any) -> dict[str, str]:
+    return {
+        "Content-Type": "application/json",
+        "Factmill-Signature": sign(body, SECRET, method=method, path=path, **kw),
+    }
+
+
+def test_every_route_but_the_open_ones_refuses_an_anonymous_caller(api: TestClient) -> None:
+    documented = {
+        (method.upper(), path)
+        for path, ops in api.get("/openapi.json").json()["paths"].items()
+        for method in ops
+    }
+    assert len(documented) == len(ROUTES) + 2  # every operation is listed here, plus /healthz and /readyz
+    for method, url, _ in ROUTES:
+        answer = call(api, method, url)
+        assert answer.status_code == 401, (method, url, answer.text)
+        assert answer.headers.get("WWW-Authenticate") == "Bearer", (method, url)
+    for method, url in OPEN:
+        assert call(api, method, url).status_code in (200, 503), url  # /readyz: 503 without a broker
+
+
+def test_a_key_without_the_scope_is_403_naming_it(api: TestClient, factory: sessionmaker[Session]) -> None:
+    keys = {scope: bearer(new_key(factory, [scope])) for scope in ("read", "ingest")}
+    for method, url, needed in ROUTES:
+        for scope, headers in keys.items():
+            if scope == needed:
+                continue
+            answer = call(api, method, url, headers)
+            assert answer.status_code == 403, (scope, method, url, answer.text)
+            assert f"'{needed}' scope" in answer.json()["detail"]
+
+
+def test_the_right_scope_is_served_as_before(api: TestClient, factory: sessionmaker[Session]) -> None:
+    reader, admin = bearer(new_key(factory, ["read"])), bearer(new_key(factory, ["admin"]))
+    assert api.get("/v1/jobs", headers=reader).json() == {"jobs": []}
+    assert api.get("/v1/calibration", headers=reader).status_code == 200
+    assert api.get("/metrics", headers=admin).status_code == 200
+    assert api.get("/v1/jobs", headers=admin).status_code == 200  # admin implies read
+    assert api.get("/v1/config/facts.extraction_enabled", headers=admin).json()["enabled"] is True
+
+
+def test_a_keyed_delivery_needs_no_signature_but_a_sent_signature_must_hold(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    ingester = bearer(new_key(factory, ["ingest"]))
+    body = page_body("keyed/a")
+    ok = api.post("/v1/pages", content=body, headers=ingester | {"Content-Type": "application/json"})
+    assert ok.status_code == 202, ok.text
+    bad = api.post(
+        "/v1/pages",
+        content=body,
+        headers=ingester | {"Factmill-Signature": sign(body, "wrong", method="POST", path="/v1/pages")},
+    )
+    assert bad.status_code == 401
+
+
+def test_revoked_and_unknown_keys_are_refused(api: TestClient, factory: sessionmaker[Session]) -> None:
+    with factory.begin() as session:
+        created = create_key(session, "soon revoked", ["read"])
+    assert api.get("/v1/jobs", headers=bearer(created.key)).status_code == 200
+    with factory.begin() as session:
+        revoke_key(session, created.id)
+    refused = api.get("/v1/jobs", headers=bearer(created.key))
+    assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
+    assert api.get("/v1/jobs", headers=bearer("fm_" + "x" * 43)).status_code == 401
+    assert (
+        api.get(
+            "/v1/jobs", headers={"Authorization": b"Bearer " + "\u00e9".encode("latin-1") * 5000}
+        ).status_code
+        == 401
+    )
+
+
+def test_only_the_hash_is_stored_and_last_use_is_written_at_most_once_a_minute(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    key = new_key(factory, ["read"])
+    with factory() as session:
+        row = session.scalars(select(ApiKey)).one()
+        assert (
+            key not in (row.key_hash, row.prefix) and key.startswith(row.prefix) and row.last_used_at is None
+        )
+    api.get("/v1/jobs", headers=bearer(key))
+    with factory() as session:
+        first = session.scalars(select(ApiKey)).one().last_used_at
+    assert first is not None
+    api.get("/v1/jobs", headers=bearer(key))
+    with factory() as session:
+        assert session.scalars(select(ApiKey)).one().last_used_at == first  # within the minute: untouched
+    with factory.begin() as session:
+        session.execute(update(ApiKey).values(last_used_at=first - timedelta(minutes=2)))
+    api.get("/v1/jobs", headers=bearer(key))
+    with factory() as session:
+        assert session.scalars(select(ApiKey)).one().last_used_at > first - timedelta(minutes=1)
+
+
+def test_admin_keys_cover_every_source_and_scopes_are_checked(factory: sessionmaker[Session]) -> None:
+    with factory.begin() as session, pytest.raises(KeyStoreError, match="admin key covers every source"):
+        create_key(session, "x", ["admin"], ["default"])
+    with factory.begin() as session, pytest.raises(KeyStoreError, match="unknown scope"):
+        create_key(session, "x", ["write"])
+
+
+def test_a_source_limited_key_sees_and_writes_only_its_sources(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    seed(factory, filler=0)
+    work = bearer(new_key(factory, ["read", "ingest"], ["work"]))
+    found = api.get("/v1/search", params={"q": "lex: Lisbon"}, headers=work).json()["results"]
+    assert [r["fact"] for r in found] == ["Frank opened the Lisbon office"]
+    everyone = api.get("/v1/search", params={"q": "lex: Lisbon"}, headers=ADMIN_HEADERS).json()["results"]
+    assert len(everyone) > 1
+    assert (
+        api.post("/v1/search", json={"q": "lisbon", "source_id": "default"}, headers=work).status_code == 403
+    )
+    assert api.get("/v1/pages/default/alice-chat/facts", headers=work).status_code == 403
+    assert api.get("/v1/pages/work/work-notes/facts", headers=work).status_code in (200, 404)
+    # Pages: its own source is written, another is refused (nothing of the request is stored).
+    other = api.post(
+        "/v1/pages", content=page_body("p", "default"), headers=work | {"Content-Type": "application/json"}
+    )
+    assert other.status_code == 403 and "'default'" in other.json()["detail"]
+    mine = api.post(
+        "/v1/pages", content=page_body("p", "work"), headers=work | {"Content-Type": "application/json"}
+    )
+    assert mine.status_code == 202, mine.text
+    signed_default = api.post(
+        "/v1/pages", content=page_body("q", "default"), headers=signed(page_body("q", "default"))
+    )
+    [default_job] = signed_default.json()["jobs"]
+    # Jobs: only the page jobs of its sources; another source's job is a 404.
+    listed = api.get("/v1/jobs", headers=work).json()["jobs"]
+    assert [j["source_id"] for j in listed] == ["work"]
+    assert api.get(f"/v1/jobs/{default_job['job_id']}", headers=work).status_code == 404
+    assert api.get(f"/v1/jobs/{listed[0]['id']}", headers=work).status_code == 200
+    # Transcripts and calibration are not partitioned by source: refused with the reason.
+    for url in ("/v1/transcripts/t1/messages", "/v1/calibration"):
+        answer = api.get(url, headers=work)
+        assert answer.status_code == 403 and "not partitioned by source" in answer.json()["detail"]
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def test_a_body_signed_for_one_transcript_is_refused_at_another(api: TestClient) -> None:
+    body = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
+    headers = signed(body, "/v1/transcripts/alice/messages")
+    assert api.post("/v1/transcripts/bob/messages", content=body, headers=headers).status_code == 401
+    assert api.put(["/v1/transcripts/alice", "messages"][0], content=body, headers=headers).status_code == 401
+    assert api.post("/v1/transcripts/alice/messages", content=body, headers=headers).status_code == 201
+
+
+def test_v1_signatures_are_refused_unless_the_setting_is_on(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    body = page_body("legacy/a")
+    legacy = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
+    with TestClient(create_app(make_runtime(database_url, factory), sender=Recorder(factory))) as client:
+        refused = client.post("/v1/pages", content=body, headers=legacy)
+        assert refused.status_code == 401 and "no v2 signature" in refused.json()["detail"]
+    runtime = make_runtime(database_url, factory, accept_v1_signatures=True)
+    with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
+        assert client.post("/v1/pages", content=body, headers=legacy).status_code == 202
+
+
+def test_a_missing_or_malformed_signature_is_refused_before_the_body_is_read(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    app = create_app(make_runtime(database_url, factory), sender=Recorder(factory))
+    for headers in (
+        [],
+        [(b"factmill-signature", b"garbage")],
+        [(b"factmill-signature", b"t=" + b"9" * 400 + b",v2=00")],
+    ):
+        status, pulled = run_asgi(app, headers, b"x" * 1000, chunks=1000)
+        assert (status, pulled) == (401, 0), headers
+
+
+def test_an_older_page_delivery_cannot_overwrite_a_newer_one(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    now = int(time.time())
+    newer, older = (
+        page_body("order/a", body=CONVERSATION + "\nnew"),
+        page_body("order/a", body=CONVERSATION + "\nold"),
+    )
+    assert api.post("/v1/pages", content=newer, headers=signed(newer, timestamp=now)).status_code == 202
+    stale = api.post("/v1/pages", content=older, headers=signed(older, timestamp=now - 60))
+    assert stale.status_code == 409 and "older than the stored one" in stale.json()["detail"]
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).one().endswith("new")
+    later = page_body("order/a", body=CONVERSATION + "\nlater")
+    assert api.post("/v1/pages", content=later, headers=signed(later, timestamp=now + 1)).status_code == 202
+
+
+def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) -> None:
+    pages = page_body("idem/a")
+    first = api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"})
+    assert first.status_code == 202
+    messages = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
+    for transcript in ("a", "b"):
+        path = f"/v1/transcripts/{transcript}/messages"
+        answer = api.post(path, content=messages, headers=signed(messages, path) | {"Idempotency-Key": "k1"})
+        assert answer.status_code == 201 and "Idempotent-Replayed" not in answer.headers, answer.text
+    assert (
+        api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"}).headers[
+            "Idempotent-Replayed"
+        ]
+        == "true"
+    )
+
+
+def test_the_openapi_document_shows_the_security_scheme(api: TestClient) -> None:
+    document = api.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["ApiKey"]["scheme"] == "bearer"
+    assert {"ApiKey": []} in document["paths"]["/v1/jobs"]["get"]["security"]
+    assert "security" not in document["paths"]["/healthz"]["get"]

@@ -1,0 +1,122 @@
+"""Readers' LLM use is bounded: its own day budget (apart from extraction's) and a per-key rate limit."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import LLMCall
+from tests.auth import bearer, new_key
+from tests.integration.test_api import Recorder, make_runtime
+from tests.integration.test_search import seed
+from worker.accounting import SEARCH_DAILY_BUDGET_KEY, SEARCH_PURPOSES, Budget
+from worker.api.app import create_app
+from worker.config_store import get_config, set_config
+from worker.llm.errors import BudgetExhaustedError
+from worker.search import EMBEDDING_PURPOSE, EXPANSION_PURPOSE
+
+pytestmark = pytest.mark.integration
+
+
+def spend(factory: sessionmaker[Session], purpose: str, usd: str) -> None:
+    with factory.begin() as session:
+        session.add(LLMCall(provider="p", model="m", purpose=purpose, outcome="ok", cost_usd=Decimal(usd)))
+
+
+def configure(factory: sessionmaker[Session], key: str, value: str) -> None:
+    with factory.begin() as session:
+        set_config(session, key, value)
+
+
+def budgets(factory: sessionmaker[Session]) -> tuple[Budget, Budget]:
+    def get(key: str) -> str | None:
+        with factory() as session:
+            return get_config(session, key)
+
+    return Budget(factory, get, ttl=0), Budget(factory, get, ttl=0, search=True)
+
+
+def test_the_search_purposes_are_the_ones_search_records() -> None:
+    assert set(SEARCH_PURPOSES) == {EXPANSION_PURPOSE, EMBEDDING_PURPOSE}
+
+
+def test_exhausting_the_search_budget_never_pauses_extraction(factory: sessionmaker[Session]) -> None:
+    work, search = budgets(factory)
+    configure(factory, "llm.budget_daily_usd", "5")
+    configure(factory, SEARCH_DAILY_BUDGET_KEY, "1")
+    for _ in range(60):  # sixty searches' worth of expansion spend
+        spend(factory, EXPANSION_PURPOSE, "0.05")
+    with pytest.raises(BudgetExhaustedError):
+        search.check()
+    work.check(job_id=None)  # extraction still has its whole budget
+
+
+def test_extractions_budget_never_blocks_search(factory: sessionmaker[Session]) -> None:
+    work, search = budgets(factory)
+    configure(factory, "llm.budget_daily_usd", "1")
+    spend(factory, "extraction", "2")
+    with pytest.raises(BudgetExhaustedError):
+        work.check()
+    search.check()  # no search budget set, and extraction's spend is not the readers'
+    configure(factory, SEARCH_DAILY_BUDGET_KEY, "1")
+    search.check()
+
+
+@pytest.fixture
+def api(database_url: str, factory: sessionmaker[Session], simulator: Any) -> Iterator[TestClient]:
+    runtime = make_runtime(
+        database_url, factory, llm="simulator", simulator_url=simulator.base_url, search_rate_per_minute=3
+    )
+    with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
+        yield client
+    runtime.close()
+
+
+def chat_calls(simulator: Any) -> int:
+    return int(simulator.stats()["by_route"].get("chat.completions", 0))
+
+
+def test_a_spent_search_budget_skips_expansion_without_figures_and_extraction_runs_on(
+    api: TestClient, factory: sessionmaker[Session], simulator: Any
+) -> None:
+    seed(factory, filler=0)
+    reader = bearer(new_key(factory, ["read"]))
+    configure(factory, SEARCH_DAILY_BUDGET_KEY, "0")
+    before = chat_calls(simulator)
+    reply = api.get("/v1/search", params={"q": "where does alice live"}, headers=reader)
+    assert reply.status_code == 200, reply.text
+    notes = reply.json()["notes"]
+    assert "query expansion skipped: budget; searched the query alone" in notes
+    assert not any(re.search(r"\$|\d", note) for note in notes)  # no spend, no budget figures
+    assert chat_calls(simulator) == before  # no LLM call was made
+    work, _ = budgets(factory)
+    work.check()
+
+
+def test_search_expansion_runs_while_extractions_budget_is_spent(
+    api: TestClient, factory: sessionmaker[Session], simulator: Any
+) -> None:
+    seed(factory, filler=0)
+    configure(factory, "llm.budget_daily_usd", "1")
+    spend(factory, "extraction", "2")
+    before = chat_calls(simulator)
+    reply = api.get("/v1/search", params={"q": "where does alice live"}, headers=bearer(new_key(factory)))
+    assert reply.status_code == 200 and reply.json()["expanded"], reply.text
+    assert chat_calls(simulator) == before + 1
+
+
+def test_searches_per_minute_are_limited_per_key(api: TestClient, factory: sessionmaker[Session]) -> None:
+    first, second = bearer(new_key(factory)), bearer(new_key(factory))
+    # Seven within seconds: even if a minute boundary falls between them, one of them is refused.
+    answers = [api.get("/v1/search", params={"q": "lex: lisbon"}, headers=first) for _ in range(7)]
+    assert [a.status_code for a in answers[:3]] == [200, 200, 200]
+    [limited, *_] = [a for a in answers if a.status_code == 429]
+    assert limited.status_code == 429 and "at most 3 a minute" in limited.json()["detail"]
+    assert 1 <= int(limited.headers["Retry-After"]) <= 60
+    assert api.post("/v1/search", json={"q": "lex: lisbon"}, headers=second).status_code == 200

@@ -1,0 +1,29 @@
+"""Who may do what: API keys (hashed, scoped, optionally limited to sources) and the principal they name."""
+
+from __future__ import annotations
+
+from worker.access.store import (
+    BOOTSTRAP_ADMIN,
+    KEY_PREFIX,
+    SCOPES,
+    CreatedKey,
+    KeyStoreError,
+    Principal,
+    authenticate,
+    create_key,
+    list_keys,
+    revoke_key,
+)
+
+__all__ = [
+    "BOOTSTRAP_ADMIN",
+    "KEY_PREFIX",
+    "SCOPES",
+    "CreatedKey",
+    "KeyStoreError",
+    "Principal",
+    "authenticate",
+    "create_key",
+    "list_keys",
+    "revoke_key",
+]

@@ -1,0 +1,72 @@
+"""Requests per minute per API key for routes that may spend LLM budget (search): a fixed one-minute
+window per key, counted in Redis when one is configured (shared by every API process), else in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from worker.llm.ratelimit import ratelimit_redis_url, redis_py_url
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+KEY_NAMESPACE = "factmill:api-ratelimit"
+WINDOW_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    retry_after: int  # seconds until the window resets (when refused)
+
+
+class PerKeyLimiter:
+    """``hit(who)`` counts one request of ``who`` in the current minute and says whether it may go."""
+
+    def __init__(self, per_minute: int, redis_url: str | None = None, prefix: str = "") -> None:
+        self.per_minute, self.prefix = per_minute, prefix
+        self._redis = redis.Redis.from_url(redis_py_url(redis_url), socket_timeout=1) if redis_url else None
+        self._lock = threading.Lock()
+        self._local: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PerKeyLimiter:
+        return cls(settings.search_rate_per_minute, ratelimit_redis_url(settings), settings.broker_key_prefix)
+
+    def hit(self, who: str, now: float | None = None) -> Verdict:
+        if self.per_minute <= 0:
+            return Verdict(True, 0)
+        current = time.time() if now is None else now
+        window = int(current // WINDOW_SECONDS)
+        retry_after = max(1, math.ceil((window + 1) * WINDOW_SECONDS - current))
+        count = self._count(who, window)
+        return Verdict(count <= self.per_minute, retry_after)
+
+    def _count(self, who: str, window: int) -> int:
+        if self._redis is not None:
+            key = f"{self.prefix}{KEY_NAMESPACE}:{who}:{window}"
+            try:
+                pipe = self._redis.pipeline()
+                pipe.incr(key)
+                pipe.expire(key, WINDOW_SECONDS * 2)
+                count, _ = pipe.execute()
+                return int(count)
+            except redis.RedisError as exc:
+                # Counting per process is weaker but never blocks reads because Redis is away.
+                logger.warning("per-key rate limit falls back to this process: Redis failed (%s)", exc)
+                self._redis = None
+        with self._lock:
+            for stale in [k for k in self._local if k[1] < window]:
+                del self._local[stale]
+            self._local[(who, window)] = self._local.get((who, window), 0) + 1
+            return self._local[(who, window)]
+
+
+__all__ = ["PerKeyLimiter", "Verdict"]

@@ -1,0 +1,163 @@
+"""API keys in Postgres: create (shown once), list (prefixes only), revoke, and authenticate a bearer key.
+
+A key is ``fm_`` + 32 random bytes (urlsafe base64). Only its sha256 is stored: the key has full
+entropy, so a fast hash is as strong as a slow one, and the lookup stays one indexed query.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session
+
+from models import API_SCOPES, ApiKey
+
+KEY_PREFIX = "fm_"
+SCOPES = API_SCOPES
+DISPLAY_PREFIX_CHARS = 10  # "fm_" + 7 characters of the token: enough to tell keys apart in a list
+LAST_USED_RESOLUTION = timedelta(minutes=1)  # last_used_at is written at most once a minute per key
+
+
+class KeyStoreError(ValueError):
+    """A key operation the caller got wrong (unknown scope, unknown id); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a stored key, or the bootstrap admin token (key_id None)."""
+
+    name: str
+    scopes: frozenset[str]
+    source_ids: frozenset[str] | None  # None: every source
+    key_id: int | None = None
+
+    def has(self, scope: str) -> bool:
+        return scope in self.scopes or "admin" in self.scopes
+
+    def sees(self, source_id: str) -> bool:
+        return self.source_ids is None or source_id in self.source_ids
+
+
+BOOTSTRAP_ADMIN = Principal(name="FACTMILL_ADMIN_TOKEN", scopes=frozenset({"admin"}), source_ids=None)
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    id: int
+    name: str
+    key: str  # the only time the key is seen
+    prefix: str
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _check_scopes(scopes: Iterable[str]) -> list[str]:
+    chosen = sorted(set(scopes))
+    unknown = [s for s in chosen if s not in SCOPES]
+    if unknown:
+        raise KeyStoreError(f"unknown scope(s) {', '.join(unknown)}; choose from {', '.join(SCOPES)}")
+    if not chosen:
+        raise KeyStoreError(f"a key needs at least one scope ({', '.join(SCOPES)})")
+    return chosen
+
+
+def create_key(
+    session: Session, name: str, scopes: Iterable[str], source_ids: Iterable[str] | None = None
+) -> CreatedKey:
+    """Store a new key and return it; the caller shows ``key`` once and forgets it."""
+    if not name.strip():
+        raise KeyStoreError("a key needs a name (who or what will use it)")
+    sources = sorted(set(source_ids)) if source_ids is not None else None
+    if sources is not None and not sources:
+        sources = None
+    chosen = _check_scopes(scopes)
+    if sources is not None and "admin" in chosen:
+        # Admin routes (config, retries, keys, metrics) are not partitioned by source.
+        raise KeyStoreError("an admin key covers every source; drop --source or the admin scope")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(
+        name=name.strip(),
+        prefix=key[:DISPLAY_PREFIX_CHARS],
+        key_hash=hash_key(key),
+        scopes=chosen,
+        source_ids=sources,
+    )
+    session.add(row)
+    session.flush()
+    return CreatedKey(id=row.id, name=row.name, key=key, prefix=row.prefix)
+
+
+def list_keys(session: Session, include_revoked: bool = True) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.id)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    return list(session.scalars(query))
+
+
+def revoke_key(session: Session, key_id: int) -> ApiKey:
+    """Revoke a key (it is refused from the next request on); revoking twice keeps the first time."""
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise KeyStoreError(f"no key {key_id}; `factmill keys list` shows the ids")
+    if row.revoked_at is None:
+        row.revoked_at = func.now()  # type: ignore[assignment]
+        session.flush()
+        session.refresh(row)
+    return row
+
+
+def _touch(session: Session, key_id: int, last_used: datetime | None, now: datetime) -> None:
+    if last_used is not None and now - last_used < LAST_USED_RESOLUTION:
+        return
+    # The condition is repeated in SQL so concurrent requests write the row once, not once each.
+    session.execute(
+        update(ApiKey)
+        .where(
+            ApiKey.id == key_id,
+            or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_RESOLUTION),
+        )
+        .values(last_used_at=func.now())
+    )
+
+
+def authenticate(session: Session, key: str) -> Principal | None:
+    """The principal of a live key, or None (unknown, malformed or revoked: the caller says 401)."""
+    if not key.startswith(KEY_PREFIX) or len(key) > 200 or not key.isascii():
+        return None
+    digest = hash_key(key)
+    row = session.execute(
+        select(ApiKey, func.now()).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))
+    ).one_or_none()
+    if row is None:
+        return None
+    found, now = row
+    # The index found the row by hash; comparing again in constant time costs nothing and keeps the
+    # check independent of how the lookup is done.
+    if not hmac.compare_digest(found.key_hash, digest):
+        return None
+    _touch(session, found.id, found.last_used_at, now)
+    sources = frozenset(found.source_ids) if found.source_ids is not None else None
+    return Principal(name=found.name, scopes=frozenset(found.scopes), source_ids=sources, key_id=found.id)
+
+
+__all__ = [
+    "BOOTSTRAP_ADMIN",
+    "KEY_PREFIX",
+    "SCOPES",
+    "CreatedKey",
+    "KeyStoreError",
+    "Principal",
+    "authenticate",
+    "create_key",
+    "hash_key",
+    "list_keys",
+    "revoke_key",
+]

@@ -1,0 +1,156 @@
+"""Who is calling, and may they: API keys with scopes (and source limits) as FastAPI dependencies.
+
+Each route declares the scope it needs in its signature (``Reader``, ``Admin``, ``Ingester``...), so
+the OpenAPI document shows the security scheme per operation. ``Authorization: Bearer <key>`` carries
+a key from ``factmill keys create``, or FACTMILL_ADMIN_TOKEN (the bootstrap admin). Ingestion routes
+also take a webhook signature instead, for senders that hold only the shared secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from worker.access import BOOTSTRAP_ADMIN, Principal, authenticate
+from worker.api.deps import ApiContext, Context, SignatureHeader, verify_signature
+from worker.api.errors import ApiError
+from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
+
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="An API key from `factmill keys create` (scopes read, ingest, admin) or FACTMILL_ADMIN_TOKEN",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def request_path(request: Request) -> str:
+    """The path as the sender wrote it (percent-escapes kept, no query string): what v2 signs."""
+    raw: bytes | None = request.scope.get("raw_path")
+    return raw.decode("latin-1").partition("?")[0] if raw else request.url.path
+
+
+def resolve(ctx: ApiContext, credentials: HTTPAuthorizationCredentials | None) -> Principal | None:
+    """The principal a bearer credential names; None without one; 401 when it is unknown or revoked."""
+    if credentials is None:
+        return None
+    token = credentials.credentials
+    admin = ctx.settings.admin_token
+    if admin and hmac.compare_digest(token.encode("utf-8"), admin.encode("utf-8")):
+        return BOOTSTRAP_ADMIN
+    with ctx.factory.begin() as session:
+        principal = authenticate(session, token)
+    if principal is None:
+        raise ApiError(401, "unknown or revoked API key (or wrong admin token)", headers=CHALLENGE)
+    return principal
+
+
+def _check_scope(principal: Principal, scope: str, all_sources: str | None) -> Principal:
+    if not principal.has(scope):
+        raise ApiError(403, f"this key lacks the {scope!r} scope this route needs")
+    if all_sources is not None and principal.source_ids is not None:
+        raise ApiError(
+            403,
+            f"{all_sources} are not partitioned by source; this key is limited to sources, "
+            "so use a key without --source for them",
+        )
+    return principal
+
+
+def require(scope: str, *, all_sources: str | None = None) -> Callable[..., Principal]:
+    """A dependency: the caller's principal, 401 without a credential, 403 without ``scope``. With
+    ``all_sources`` (what the route serves, e.g. "transcripts") a source-limited key is refused too."""
+
+    def dependency(ctx: Context, credentials: Credentials) -> Principal:
+        principal = resolve(ctx, credentials)
+        if principal is None:
+            raise ApiError(
+                401, f"missing 'Authorization: Bearer <API key>' header (scope {scope!r})", headers=CHALLENGE
+            )
+        return _check_scope(principal, scope, all_sources)
+
+    return dependency
+
+
+@dataclass(frozen=True)
+class Ingest:
+    """Who delivers: a key with the ingest scope, or (principal None) a sender holding the webhook
+    secret, whose ``signature`` the route verifies once it has the body."""
+
+    principal: Principal | None
+    signature: str | None
+    method: str
+    path: str
+
+    def verify(self, ctx: ApiContext, body: bytes) -> int | None:
+        """The signed timestamp when a signature was sent (401 unless it signs this method, path and
+        body); None for a keyed delivery without one."""
+        if self.signature is None:
+            return None
+        return verify_signature(ctx, body, self.signature, self.method, self.path)
+
+    def check_sources(self, source_ids: Iterable[str]) -> None:
+        """403 unless the delivering key may write every one of ``source_ids``."""
+        if self.principal is None:
+            return
+        refused = sorted({s for s in source_ids if not self.principal.sees(s)})
+        if refused:
+            raise ApiError(403, f"this key may not write source(s) {', '.join(map(repr, refused))}")
+
+
+def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
+    """A dependency for ingestion routes: a key with the ingest scope or a signature header that is
+    well formed (checked here, before the body is read). Whatever credential is sent must be valid."""
+
+    def dependency(
+        request: Request, ctx: Context, credentials: Credentials, signature: SignatureHeader = None
+    ) -> Ingest:
+        principal = resolve(ctx, credentials)
+        if principal is not None:
+            _check_scope(principal, "ingest", all_sources)
+        if signature is not None or principal is None:
+            if signature is None:
+                raise ApiError(
+                    401,
+                    f"missing {SIGNATURE_HEADER} header: sign the request, or send "
+                    "'Authorization: Bearer <API key>' with the 'ingest' scope",
+                    headers=CHALLENGE,
+                )
+            try:
+                parse_header(signature)
+            except SignatureError as exc:
+                raise ApiError(401, exc.reason) from None
+        return Ingest(principal, signature, request.method, request_path(request))
+
+    return dependency
+
+
+Reader = Annotated[Principal, Depends(require("read"))]
+Admin = Annotated[Principal, Depends(require("admin"))]
+TranscriptReader = Annotated[Principal, Depends(require("read", all_sources="transcripts"))]
+CalibrationReader = Annotated[Principal, Depends(require("read", all_sources="calibration figures"))]
+PageIngester = Annotated[Ingest, Depends(require_ingest())]
+TranscriptIngester = Annotated[Ingest, Depends(require_ingest(all_sources="transcripts"))]
+FeedbackIngester = Annotated[Ingest, Depends(require_ingest(all_sources="calibration feedback"))]
+
+__all__ = [
+    "Admin",
+    "CalibrationReader",
+    "FeedbackIngester",
+    "Ingest",
+    "PageIngester",
+    "Reader",
+    "TranscriptIngester",
+    "TranscriptReader",
+    "request_path",
+    "require",
+    "require_ingest",
+    "resolve",
+]
