@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +14,8 @@ from sqlalchemy.orm import Session
 
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.core.slugs import normalize_slug
 from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
-
-_SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")
 
 
 class PageIn(BaseModel):
@@ -43,11 +41,7 @@ class PageIn(BaseModel):
     @field_validator("slug")
     @classmethod
     def _slug(cls, value: str) -> str:
-        if not _SLUG.match(value) or "//" in value or value.endswith("/"):
-            raise ValueError(
-                "slug must start with a letter or digit and hold only letters, digits, '.', '_', '-' and '/'"
-            )
-        return value
+        return normalize_slug(value)
 
     @field_validator("type")
     @classmethod
