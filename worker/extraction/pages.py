@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.slugs import normalize_slug
+from worker.extraction.erase import drop_derived, extracted_types, is_extractable, page_body
 from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
 
 
@@ -99,9 +100,17 @@ def upsert_page(session: Session, page: PageIn) -> UpsertResult:
 
 def store_page(session: Session, page: PageIn) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
-    changed, request its extraction job in the same transaction. None when nothing changed."""
+    changed, request its extraction job in the same transaction. None when nothing changed.
+
+    A page that now has nothing to extract (no segment, or a type extraction does not read) loses its
+    facts, their embeddings and its checkpoints in this same transaction: what it said before is no
+    longer what it says, so nothing drawn from it may stay searchable. The job is still requested (it
+    finds nothing and says so), so the answer lists the page like any other change.
+    """
     if not upsert_page(session, page).changed:
         return None
+    if not is_extractable(page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)):
+        drop_derived(session, page.source_id, page.slug)
     return request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
 
 
