@@ -3,6 +3,8 @@
 Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01
+
+Also an index on op_checkpoints.page_key: erasure finds a page's checkpoints by page alone.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_erasures")),
     )
     op.create_index(op.f("ix_erasures_slug_sha256"), "erasures", ["slug_sha256"])
+    # Erasure and store_page look a page's checkpoints up by page_key alone (the key's last column).
+    op.create_index(op.f("ix_op_checkpoints_page_key"), "op_checkpoints", ["page_key"])
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_op_checkpoints_page_key"), table_name="op_checkpoints")
     op.drop_index(op.f("ix_erasures_slug_sha256"), table_name="erasures")
     op.drop_table("erasures")

@@ -67,6 +67,14 @@ def is_extractable(page_type: str, body: str, types: Sequence[str]) -> bool:
     return bool(split_into_segments(parse_conversation_messages(body)))
 
 
+def has_derived(session: Session, source_id: str, slug: str) -> bool:
+    """Whether anything was drawn from the page (facts or a checkpoint): two indexed lookups, so storing
+    a page that never had facts skips parsing it (up to ~2 s for a 25 MiB page)."""
+    facts = select(Fact.id).where(Fact.source_id == source_id, Fact.source_markdown_slug == slug)
+    marks = select(OpCheckpoint.op).where(OpCheckpoint.page_key == page_key(source_id, slug))
+    return bool(session.scalar(select(facts.exists())) or session.scalar(select(marks.exists())))
+
+
 def erased_slug_digest(source_id: str, slug: str) -> str:
     """What the erasures table keeps instead of the slug (which can itself name a person)."""
     return hashlib.sha256(f"{source_id}|{slug}".encode()).hexdigest()
@@ -162,6 +170,7 @@ __all__ = [
     "erase_page",
     "erased_slug_digest",
     "extracted_types",
+    "has_derived",
     "is_extractable",
     "page_body",
 ]

@@ -15,7 +15,13 @@ from sqlalchemy.orm import Session
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.slugs import normalize_slug
-from worker.extraction.erase import drop_derived, extracted_types, is_extractable, page_body
+from worker.extraction.erase import (
+    drop_derived,
+    extracted_types,
+    has_derived,
+    is_extractable,
+    page_body,
+)
 from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
 
 
@@ -109,7 +115,9 @@ def store_page(session: Session, page: PageIn) -> JobRequest | None:
     """
     if not upsert_page(session, page).changed:
         return None
-    if not is_extractable(page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)):
+    if has_derived(session, page.source_id, page.slug) and not is_extractable(
+        page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)
+    ):
         drop_derived(session, page.source_id, page.slug)
     return request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
 
