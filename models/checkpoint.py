@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import DateTime, Text, func
+from sqlalchemy import DateTime, Index, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base
@@ -22,6 +22,8 @@ class OpCheckpoint(Base):
     """
 
     __tablename__ = "op_checkpoints"
+    # Erasure and store_page find a page's checkpoints by page alone, across operations and fingerprints.
+    __table_args__ = (Index("ix_op_checkpoints_page_key", "page_key"),)
 
     op: Mapped[str] = mapped_column(Text, primary_key=True)
     fingerprint: Mapped[str] = mapped_column(Text, primary_key=True)

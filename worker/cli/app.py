@@ -16,7 +16,7 @@ from worker.cli.extract import extract
 from worker.cli.facts import facts_app
 from worker.cli.jobs import jobs_app
 from worker.cli.keys import keys_app
-from worker.cli.pages import ingest
+from worker.cli.pages import ingest, pages_app
 from worker.cli.search import embed_command, search_command
 from worker.cli.services import beat, flower, serve, worker
 from worker.cli.simulator import simulator
@@ -48,6 +48,7 @@ for name, group in (
     ("facts", facts_app),
     ("jobs", jobs_app),
     ("keys", keys_app),
+    ("pages", pages_app),
     ("calibration", calibration_app),
     ("transcripts", transcripts_app),
 ):

@@ -1,14 +1,16 @@
-"""`factmill ingest`: store page files and queue an extraction job per changed page."""
+"""`factmill ingest` (store page files, queue an extraction job per changed page) and `factmill pages`."""
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, out
+from worker.cli.console import err, fail, out, print_json
 from worker.cli.sessions import checked_factory
+from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths
 from worker.jobs.outbox import enqueue as send_jobs
 
@@ -44,3 +46,29 @@ def ingest(
             err.print(f"[yellow]skipped[/] {path}: {reason}")
     if report.errors and not report.ingested and not report.unchanged:
         raise typer.Exit(1)
+
+
+pages_app = typer.Typer(help="Manage stored pages.", no_args_is_help=True)
+
+
+@pages_app.command("erase")
+def pages_erase(
+    source_id: Annotated[str, typer.Argument(help="The source the page belongs to (e.g. default).")],
+    slug: Annotated[str, typer.Argument(help="The page's slug.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+) -> None:
+    """Erase a page and everything drawn from it (facts, embeddings, checkpoints, audit rows) in one
+    transaction; its pending jobs fail with "page erased". One content-free row records the erasure."""
+    slug = unicodedata.normalize("NFC", slug)
+    report = erase_page(checked_factory(), source_id, slug, requested_by="cli")
+    if report is None:
+        raise fail(f"no page {slug!r} in source {source_id!r}; nothing was erased")
+    if as_json:
+        print_json({"source_id": source_id, "slug": slug, **report.as_dict()}, ensure_ascii=False)
+        return
+    out.print(
+        f"erased {slug} ({source_id}): {report.facts_removed} fact(s), {report.embeddings_removed} "
+        f"embedding(s), {report.checkpoints_removed} checkpoint(s), {report.audit_rows_removed} audit "
+        f"row(s); {report.jobs_cancelled} pending job(s) cancelled",
+        highlight=False,
+    )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
+
+from worker.core.delimiters import neutralize_tags
 
 CHARACTERS_PER_TOKEN: Final = 4
 DEFAULT_KEEP_RECENT_TOKENS: Final = 20_000
@@ -217,11 +218,8 @@ def _clip(text: str, limit: int) -> str:
 
 # A transcript or an instruction that writes our own delimiter could close the data
 # block early and speak as the prompt; the opening `<` is escaped so it stays text.
-_DELIMITER_TAG = re.compile(r"<(?=\s*/?\s*(?:untrusted-data|user-instructions)\b)", re.IGNORECASE)
-
-
 def _neutralize_delimiters(text: str) -> str:
-    return _DELIMITER_TAG.sub("&lt;", text)
+    return neutralize_tags(text, (UNTRUSTED_DATA_TAG, USER_INSTRUCTIONS_TAG))
 
 
 def serialize_transcript(

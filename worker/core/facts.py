@@ -8,12 +8,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from worker.core.delimiters import wrap_in_tag
+
 FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
 NOTABILITY_LEVELS = ("high", "medium", "low")
 DEFAULT_MAX_FACTS = 10
 MAX_FACTS_LIMIT = 25
-SEGMENT_OPEN = "<segment>"
-SEGMENT_CLOSE = "</segment>"
+SEGMENT_TAG = "segment"
+SEGMENT_OPEN = f"<{SEGMENT_TAG}>"
+SEGMENT_CLOSE = f"</{SEGMENT_TAG}>"
 
 _SLUG_JUNK = re.compile(r"[^a-z0-9/]+")
 
@@ -98,7 +101,9 @@ def extraction_system_prompt(max_facts: int = DEFAULT_MAX_FACTS) -> str:
 
 
 def segment_user_message(rendered_segment: str) -> str:
-    return f"{SEGMENT_OPEN}\n{rendered_segment}\n{SEGMENT_CLOSE}"
+    """The rendered segment between its delimiters; a ``<segment>`` or ``</segment>`` the page itself
+    writes is escaped, so the block has exactly one end and the page cannot speak as the prompt."""
+    return wrap_in_tag(SEGMENT_TAG, rendered_segment)
 
 
 def repair_user_message(bad_reply: str, problem: str) -> str:

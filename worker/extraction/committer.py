@@ -86,6 +86,7 @@ class SegmentCommitter:
                 expected=expected,
                 new=new,
                 terminal=terminal,
+                page=plan.version,
             )
             expected = new
             self.counters.segments_processed += 1
@@ -122,6 +123,7 @@ class SegmentCommitter:
             last,
             segment_facts,
             CheckpointState(end, plan.hasher.digest(end), total),
+            page=plan.version,
         )
         self.counters.segments_processed += len(plan.segments)
         self.counters.facts_extracted += total

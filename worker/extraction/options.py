@@ -31,6 +31,11 @@ class CheckpointConflictError(RuntimeError):
     """Another run advanced this page's checkpoint first; this run's segment was rolled back."""
 
 
+class PageChangedError(CheckpointConflictError):
+    """The page was erased, emptied or edited while it was extracted; this run's segment was rolled back
+    (a conflict like any other: the job is retried, and the retry plans the page as it is now)."""
+
+
 @dataclass(frozen=True)
 class ExtractOptions:
     source_id: str = "default"
@@ -137,7 +142,11 @@ def validate_since(since_iso: str | None) -> None:
 
 def page_types(config: ConfigReader) -> tuple[str, ...]:
     """The conversation page types to extract, narrowed by `extraction.page_types` when it is set."""
-    narrowed = config.get(EXTRACTION_PAGE_TYPES)
+    return narrow_page_types(config.get(EXTRACTION_PAGE_TYPES))
+
+
+def narrow_page_types(narrowed: str | None) -> tuple[str, ...]:
+    """CONVERSATION_PAGE_TYPES, narrowed by a comma-separated `extraction.page_types` value if any."""
     if not narrowed or not narrowed.strip():
         return CONVERSATION_PAGE_TYPES
     wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}

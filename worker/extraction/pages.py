@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -16,9 +15,15 @@ from sqlalchemy.orm import Session
 
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.core.slugs import normalize_slug
+from worker.extraction.erase import (
+    drop_derived,
+    extracted_types,
+    has_derived,
+    is_extractable,
+    page_body,
+)
 from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
-
-_SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")
 
 
 class PageIn(BaseModel):
@@ -44,11 +49,7 @@ class PageIn(BaseModel):
     @field_validator("slug")
     @classmethod
     def _slug(cls, value: str) -> str:
-        if not _SLUG.match(value) or "//" in value or value.endswith("/"):
-            raise ValueError(
-                "slug must start with a letter or digit and hold only letters, digits, '.', '_', '-' and '/'"
-            )
-        return value
+        return normalize_slug(value)
 
     @field_validator("type")
     @classmethod
@@ -137,9 +138,19 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
 
 def store_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
-    changed, request its extraction job in the same transaction. None when nothing changed."""
+    changed, request its extraction job in the same transaction. None when nothing changed.
+
+    A page that now has nothing to extract (no segment, or a type extraction does not read) loses its
+    facts, their embeddings and its checkpoints in this same transaction: what it said before is no
+    longer what it says, so nothing drawn from it may stay searchable. The job is still requested (it
+    finds nothing and says so), so the answer lists the page like any other change.
+    """
     if not upsert_page(session, page, delivered_at).changed:
         return None
+    if has_derived(session, page.source_id, page.slug) and not is_extractable(
+        page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)
+    ):
+        drop_derived(session, page.source_id, page.slug)
     return request_job(session, EXTRACTION, page_subject(page.source_id, page.slug))
 
 

@@ -20,7 +20,7 @@ from worker.core.conversation import (
     split_into_segments,
 )
 from worker.extraction.options import ExtractOptions, PageReport, page_types
-from worker.extraction.store import ExtractionStore, PageRef, SegmentPlace
+from worker.extraction.store import ExtractionStore, PageRef, PageVersion, SegmentPlace
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class PagePlan:
     ends: Sequence[int]  # per segment, the message index just past it (the checkpoint it advances to)
     checkpoint: CheckpointState | None
     replace: bool  # force, or an edited page: all segments must succeed, then the facts are swapped
+    version: PageVersion | None = None  # what the commits check the page against (None: no check)
 
 
 class PagePlanner:
@@ -69,6 +70,7 @@ class PagePlanner:
         if stored is None:
             return PageReport(slug, "skipped", "the page was deleted before it could be extracted")
         label, checkpoint = stored.label, stored.checkpoint
+        version = PageVersion(ref.page_id, stored.content_hash, page_types(self.config))
         messages = parse_conversation_messages(stored.body)
         del stored  # the body may be large: keep only its messages
         if not messages:
@@ -83,4 +85,6 @@ class PagePlanner:
         if self.options.dry_run:
             return PageReport(slug, "dry_run", "", segments=len(segments))
         ends = segment_ends(messages, start, segments)
-        return PagePlan(ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited)
+        return PagePlan(
+            ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited, version
+        )

@@ -5,7 +5,8 @@ Writes go through ``factory.begin()`` opened here; llm_calls rows go through the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,14 +16,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
 from worker.accounting import Ledger, LLMCallRecord
-from worker.core.checkpoint import CheckpointState, encode_checkpoint_entry, page_key
-from worker.core.conversation import Segment
+from worker.core.checkpoint import CheckpointState, PrefixHasher, encode_checkpoint_entry, page_key
+from worker.core.conversation import Segment, parse_conversation_messages
 from worker.core.facts import ExtractedFact
+from worker.extraction.erase import page_body
 from worker.extraction.options import (
     OP_NAME,
     PER_SEGMENT_SOURCE_PREFIX,
     TERMINAL_AUDIT_SOURCE,
     CheckpointConflictError,
+    PageChangedError,
     iso_to_datetime,
 )
 from worker.extraction.prompts import LLM_PURPOSE
@@ -64,6 +67,17 @@ class StoredPage:
     body: str
     label: str
     checkpoint: CheckpointState | None
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class PageVersion:
+    """The page as a run planned it: a commit stores facts only while the page still says what they
+    were drawn from (erased, emptied or edited since: PageChangedError, nothing stored)."""
+
+    page_id: int
+    content_hash: str
+    types: tuple[str, ...]  # the page types the run extracts
 
 
 @dataclass(frozen=True)
@@ -102,14 +116,14 @@ class ExtractionStore:
             page = session.get(Page, page_id)
             if page is None:
                 return None
-            body = page.compiled_truth + ("\n" + page.timeline if page.timeline else "")
+            body = page_body(page.compiled_truth, page.timeline)
             label = f"{page.type}: {page.title}" if page.title else slug
             checkpoint = None
             if with_checkpoint:
                 row = session.get(OpCheckpoint, (OP_NAME, fingerprint, page_key(source_id, slug)))
                 if row is not None:
                     checkpoint = CheckpointState(row.messages_done, row.prefix_hash, row.next_row_num)
-        return StoredPage(body, label, checkpoint)
+        return StoredPage(body, label, checkpoint, page.content_hash)
 
     def record_attempts(
         self, place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
@@ -128,12 +142,16 @@ class ExtractionStore:
         expected: CheckpointState | None,
         new: CheckpointState,
         terminal: Terminal,
+        page: PageVersion | None = None,
     ) -> int:
         """One transaction: the attempts, the facts (rows from ``expected.next_row_num``), the checkpoint
         moved from ``expected`` to ``new`` (or CheckpointConflictError, rolling back all of it), the
-        terminal row. Returns how many facts went in."""
+        terminal row. Returns how many facts went in. With ``page``, the page row is held ``FOR SHARE``
+        and checked first (see ``_check_page``)."""
         first_row = expected.next_row_num if expected else 0
-        with self._factory.begin() as session:
+        with self._spend_kept_on_page_change(place, attempts), self._factory.begin() as session:
+            if page is not None:
+                _check_page(session, page, place.slug, new)
             self._write_attempts(session, place, attempts)
             inserted = _insert_facts(session, _fact_rows(facts, place, first_row))
             self._advance_checkpoint(session, fingerprint, place, expected, new)
@@ -149,6 +167,7 @@ class ExtractionStore:
         last: SegmentPlace,
         segment_facts: Sequence[tuple[SegmentPlace, Sequence[ExtractedFact]]],
         new: CheckpointState,
+        page: PageVersion | None = None,
     ) -> int:
         """Swap the page's facts for a full re-extraction in one transaction, with the checkpoint row
         locked so a concurrent run cannot interleave; returns how many facts went in."""
@@ -157,6 +176,8 @@ class ExtractionStore:
         for place, facts in segment_facts:
             rows += _fact_rows(facts, place, len(rows))
         with self._factory.begin() as session:
+            if page is not None:
+                _check_page(session, page, slug, new)
             current = session.execute(
                 select(OpCheckpoint)
                 .where(
@@ -183,29 +204,25 @@ class ExtractionStore:
             _upsert_terminal(session, source_id, slug)
         return inserted
 
+    @contextmanager
+    def _spend_kept_on_page_change(self, place: SegmentPlace, attempts: Sequence[Attempt]) -> Iterator[None]:
+        """When a commit is refused because the page changed, its LLM calls were still paid for: keep
+        their llm_calls rows (no audit rows: the page they describe may be gone)."""
+        try:
+            yield
+        except PageChangedError:
+            with self._factory.begin() as session:
+                self._ledger.record_many(session, _call_records(place, attempts))
+            raise
+
     def _write_attempts(
         self, session: Session, place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
     ) -> None:
         """The llm_calls rows (through the ledger, one statement) and the audit rows pointing at them."""
         if not attempts:
             return
-        errors = ["; ".join(part for part in (a.error, note) if part) or None for a in attempts]
-        calls = [
-            LLMCallRecord(
-                purpose=LLM_PURPOSE,
-                provider=a.provider,
-                model=a.model,
-                usage=a.response.usage if a.response else None,
-                latency_ms=a.latency_ms,
-                outcome=a.outcome,
-                job_id=place.job_id,
-                error=error,
-                batch=a.batch,
-            )
-            for a, error in zip(attempts, errors, strict=True)
-            if a.called  # refused before any request (budget): an audit row but no llm_calls row
-        ]
-        call_ids = iter(self._ledger.record_many(session, calls))
+        errors = _errors(attempts, note)
+        call_ids = iter(self._ledger.record_many(session, _call_records(place, attempts, note)))
         rows = [
             {
                 "job_id": place.job_id,
@@ -265,6 +282,56 @@ class ExtractionStore:
             moved = updated.rowcount  # type: ignore[attr-defined]
         if moved != 1:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
+
+
+def _errors(attempts: Sequence[Attempt], note: str | None) -> list[str | None]:
+    return ["; ".join(part for part in (a.error, note) if part) or None for a in attempts]
+
+
+def _call_records(
+    place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
+) -> list[LLMCallRecord]:
+    return [
+        LLMCallRecord(
+            purpose=LLM_PURPOSE,
+            provider=a.provider,
+            model=a.model,
+            usage=a.response.usage if a.response else None,
+            latency_ms=a.latency_ms,
+            outcome=a.outcome,
+            job_id=place.job_id,
+            error=error,
+            batch=a.batch,
+        )
+        for a, error in zip(attempts, _errors(attempts, note), strict=True)
+        if a.called  # refused before any request (budget): an audit row but no llm_calls row
+    ]
+
+
+def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointState) -> None:
+    """Hold the page row ``FOR SHARE`` for the commit and raise PageChangedError unless the facts still
+    describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and
+    still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
+    its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
+    row = session.execute(
+        select(Page.content_hash, Page.type, Page.compiled_truth, Page.timeline)
+        .where(Page.id == page.page_id)
+        .with_for_update(read=True)
+    ).one_or_none()
+    if row is None:
+        raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
+    if row.content_hash == page.content_hash:
+        return
+    messages = parse_conversation_messages(page_body(row.compiled_truth, row.timeline))
+    if (
+        row.type not in page.types
+        or len(messages) < new.messages_done
+        or PrefixHasher(messages).digest(new.messages_done) != new.prefix_hash
+    ):
+        raise PageChangedError(
+            f"{slug!r} changed while it was extracted and no longer holds the messages these facts came "
+            "from; they were not stored"
+        )
 
 
 def _fact_rows(facts: Sequence[ExtractedFact], place: SegmentPlace, first_row: int) -> list[dict[str, Any]]:

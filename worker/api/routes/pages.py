@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import unicodedata
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from worker.api.auth import Ingest, PageIngester
+from worker.api.auth import Admin, Ingest, PageIngester
 from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
@@ -30,6 +31,7 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.extraction.erase import erase_page
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs import outbox
 
@@ -55,6 +57,16 @@ class PageRef(BaseModel):
 class PagesAccepted(BaseModel):
     jobs: list[JobAccepted]
     unchanged: list[PageRef]
+
+
+class PageErased(BaseModel):
+    source_id: str
+    slug: str
+    facts_removed: int
+    embeddings_removed: int
+    checkpoints_removed: int
+    audit_rows_removed: int
+    jobs_cancelled: int  # pending extraction jobs of the page, now failed with "page erased"
 
 
 def _pages_body_schema() -> dict[str, Any]:
@@ -208,4 +220,27 @@ async def post_pages(
     return await run_in_threadpool(accept_pages, ctx, body, ingest, idempotency_key)
 
 
-__all__ = ["MAX_PAGES_PER_REQUEST", "accept_pages", "pages_router", "parse_pages", "store_pages"]
+@pages_router.delete(
+    "/v1/pages/{source_id}/{slug:path}",
+    response_model=PageErased,
+    summary="Erase a page and everything drawn from it (admin)",
+    responses=error_responses(401, 403, 404),
+)
+def delete_page(ctx: Context, _admin: Admin, source_id: str, slug: str) -> PageErased:
+    """Remove the page, its facts, their embeddings, its checkpoints and its extraction audit rows in one
+    transaction, and fail its pending jobs; one row in `erasures` records that it happened (no text)."""
+    slug = unicodedata.normalize("NFC", slug)  # stored slugs are NFC (the slug rule)
+    report = erase_page(ctx.factory, source_id, slug, requested_by="api")
+    if report is None:
+        raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
+    return PageErased(source_id=source_id, slug=slug, **report.as_dict())
+
+
+__all__ = [
+    "MAX_PAGES_PER_REQUEST",
+    "accept_pages",
+    "delete_page",
+    "pages_router",
+    "parse_pages",
+    "store_pages",
+]

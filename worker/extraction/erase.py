@@ -1,0 +1,176 @@
+"""Erasing what was drawn from a page: its facts, their embeddings, its checkpoints (and, for an erasure,
+the page itself), each time inside one transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from sqlalchemy import delete, func, select, text, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Erasure, ExtractionAudit, Fact, Job, OpCheckpoint, Page
+from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
+from worker.core.checkpoint import page_key
+from worker.core.conversation import parse_conversation_messages, split_into_segments
+from worker.extraction.options import narrow_page_types
+from worker.jobs.outbox import EXTRACTION, PENDING, page_subject
+
+logger = logging.getLogger(__name__)
+
+PAGE_ERASED = "page erased"
+_HAS_VECTOR_STORE = text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")
+_DELETE_VECTORS = text(
+    "DELETE FROM search.fact_embeddings e USING facts f WHERE e.fact_id = f.id "
+    "AND f.source_id = :source_id AND f.source_markdown_slug = :slug"
+)
+
+
+@dataclass(frozen=True)
+class DerivedRemoved:
+    """What went with a page's derived data: facts (audit markers not counted), embeddings, checkpoints."""
+
+    facts: int
+    embeddings: int
+    checkpoints: int
+
+
+@dataclass(frozen=True)
+class ErasureReport:
+    facts_removed: int
+    embeddings_removed: int
+    checkpoints_removed: int
+    audit_rows_removed: int
+    jobs_cancelled: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def page_body(compiled_truth: str, timeline: str) -> str:
+    """The text extraction reads from a page: its compiled truth, then its timeline."""
+    return compiled_truth + ("\n" + timeline if timeline else "")
+
+
+def extracted_types(session: Session) -> tuple[str, ...]:
+    """The page types extraction reads now (config `extraction.page_types`), read in this transaction."""
+    return narrow_page_types(get_config(session, EXTRACTION_PAGE_TYPES))
+
+
+def is_extractable(page_type: str, body: str, types: Sequence[str]) -> bool:
+    """Whether extraction would draw anything from the page: an extracted type with at least one segment
+    (message lines, two or more of them close enough in time)."""
+    if page_type not in types:
+        return False
+    return bool(split_into_segments(parse_conversation_messages(body)))
+
+
+def has_derived(session: Session, source_id: str, slug: str) -> bool:
+    """Whether anything was drawn from the page (facts or a checkpoint): two indexed lookups, so storing
+    a page that never had facts skips parsing it (up to ~2 s for a 25 MiB page)."""
+    facts = select(Fact.id).where(Fact.source_id == source_id, Fact.source_markdown_slug == slug)
+    marks = select(OpCheckpoint.op).where(OpCheckpoint.page_key == page_key(source_id, slug))
+    return bool(session.scalar(select(facts.exists())) or session.scalar(select(marks.exists())))
+
+
+def erased_slug_digest(source_id: str, slug: str) -> str:
+    """What the erasures table keeps instead of the slug (which can itself name a person)."""
+    return hashlib.sha256(f"{source_id}|{slug}".encode()).hexdigest()
+
+
+def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
+    """Delete the page's facts, their embeddings and its checkpoints in the caller's transaction.
+
+    The caller holds the page row locked (an upsert or ``FOR UPDATE``); an extraction commit takes it
+    ``FOR SHARE`` first (ExtractionStore), so no commit can slip facts in after this and before the end.
+    """
+    if session.scalar(_HAS_VECTOR_STORE):
+        # ON DELETE CASCADE would do it too; explicit, so nothing depends on how the table was built.
+        session.execute(_DELETE_VECTORS, {"source_id": source_id, "slug": slug})
+    removed = session.execute(
+        delete(Fact)
+        .where(Fact.source_id == source_id, Fact.source_markdown_slug == slug)
+        .returning(Fact.is_audit, Fact.embedding.is_not(None))
+    ).all()
+    checkpoints = session.execute(
+        delete(OpCheckpoint).where(OpCheckpoint.page_key == page_key(source_id, slug))
+    ).rowcount  # type: ignore[attr-defined]
+    return DerivedRemoved(
+        facts=sum(not is_audit for is_audit, _ in removed),
+        embeddings=sum(not is_audit and embedded for is_audit, embedded in removed),
+        checkpoints=checkpoints,
+    )
+
+
+def cancel_page_jobs(session: Session, source_id: str, slug: str, reason: str = PAGE_ERASED) -> int:
+    """Fail the page's pending extraction jobs with ``reason``. A running one loses its lease (worker
+    cleared): its heartbeat stops it before the next LLM call, and its finish writes nothing."""
+    cancelled = session.execute(
+        update(Job)
+        .where(Job.kind == EXTRACTION, Job.subject == page_subject(source_id, slug), Job.status.in_(PENDING))
+        .values(
+            status="failed",
+            last_error=reason,
+            worker=None,
+            heartbeat_at=None,
+            pause_reason=None,
+            rerun_requested=False,
+            finished_at=func.now(),
+        )
+        .returning(Job.id)
+    )
+    return len(cancelled.all())
+
+
+def erase_page(
+    factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
+) -> ErasureReport | None:
+    """Erase the page and everything drawn from it in ONE transaction, leaving one content-free row in
+    ``erasures``; None (nothing written) when there is no such page."""
+    with factory.begin() as session:
+        page_id = session.scalar(
+            select(Page.id).where(Page.source_id == source_id, Page.slug == slug).with_for_update()
+        )
+        if page_id is None:
+            return None
+        derived = drop_derived(session, source_id, slug)
+        audit_rows = session.execute(
+            delete(ExtractionAudit).where(
+                ExtractionAudit.source_id == source_id, ExtractionAudit.page_slug == slug
+            )
+        ).rowcount  # type: ignore[attr-defined]
+        report = ErasureReport(
+            facts_removed=derived.facts,
+            embeddings_removed=derived.embeddings,
+            checkpoints_removed=derived.checkpoints,
+            audit_rows_removed=audit_rows,
+            jobs_cancelled=cancel_page_jobs(session, source_id, slug),
+        )
+        session.execute(delete(Page).where(Page.id == page_id))
+        session.add(
+            Erasure(
+                source_id=source_id,
+                slug_sha256=erased_slug_digest(source_id, slug),
+                requested_by=requested_by,
+                **report.as_dict(),
+            )
+        )
+    logger.info("erased page %s of source %s: %s", page_id, source_id, report.as_dict())
+    return report
+
+
+__all__ = [
+    "PAGE_ERASED",
+    "DerivedRemoved",
+    "ErasureReport",
+    "cancel_page_jobs",
+    "drop_derived",
+    "erase_page",
+    "erased_slug_digest",
+    "extracted_types",
+    "has_derived",
+    "is_extractable",
+    "page_body",
+]
