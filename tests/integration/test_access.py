@@ -50,6 +50,7 @@ ROUTES = [
     ("PUT", "/v1/config/facts.extraction_enabled", "admin"),
     ("POST", "/v1/jobs/1/retry", "admin"),
     ("GET", "/metrics", "admin"),
+    ("DELETE", "/v1/pages/default/alice", "admin"),
 ]
 
 

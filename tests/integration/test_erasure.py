@@ -156,7 +156,7 @@ def test_delete_erases_everything_and_leaves_one_content_free_row(
     assert counted(factory, ExtractionAudit, ExtractionAudit.page_slug == SLUG) == 0
     assert found(factory) == []
     assert vector_rows(factory) == 0
-    assert client.get(f"/v1/pages/default/{SLUG}/facts").status_code == 404
+    assert client.get(f"/v1/pages/default/{SLUG}/facts", headers=ADMIN_HEADERS).status_code == 404
     with factory() as session:
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
