@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
+from worker.api.guards import BodyCapMiddleware, RequestIdMiddleware
 from worker.api.metrics import install_metrics
 from worker.api.routes.calibration import calibration_router
 from worker.api.routes.config import config_router
@@ -80,7 +81,10 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         ),
         openapi_tags=TAGS,
     )
+    # Innermost first: the body cap, then the metrics, then the request id around everything.
+    app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
     registry = install_metrics(app, runtime.factory)
+    app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
     app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
     add_error_handlers(app)
     for router in ROUTERS:

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from models import Fact, Page
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import OffsetQuery, StorableStr
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -53,10 +54,10 @@ class PageFacts(BaseModel):
 )
 def page_facts(
     ctx: Context,
-    source_id: str,
-    slug: str,
+    source_id: StorableStr,
+    slug: StorableStr,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: OffsetQuery = 0,
 ) -> PageFacts:
     with ctx.factory() as session:
         page_id = session.scalar(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))

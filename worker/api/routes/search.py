@@ -7,10 +7,13 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
-from worker.api.deps import Context
+from worker.api.deps import Context, json_request_body, parse_json_model, read_body
+from worker.api.errors import error_responses
+from worker.api.inputs import StorableStr
 from worker.core.intent import QueryParseError
 from worker.runtime import Runtime
 from worker.search import (
@@ -25,6 +28,8 @@ from worker.search import (
 
 logger = logging.getLogger(__name__)
 
+# A search body is a query document of at most MAX_QUERY_CHARS and a few filters.
+MAX_SEARCH_BODY_BYTES = 64 * 1024
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
@@ -33,10 +38,12 @@ class SearchBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    q: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document.")
-    intent: str | None = Field(default=None, max_length=500, description="What the user is after.")
-    source_id: str | None = None
-    entity: str | None = Field(default=None, description="Only facts about this entity slug.")
+    q: StorableStr = Field(
+        min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document."
+    )
+    intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
+    source_id: StorableStr | None = None
+    entity: StorableStr | None = Field(default=None, description="Only facts about this entity slug.")
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
@@ -47,10 +54,10 @@ class SearchBody(BaseModel):
 class SearchParams:
     """The query parameters of GET /v1/search: SearchBody's fields."""
 
-    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
-    intent: Annotated[str | None, Query(max_length=500)] = None
-    source_id: str | None = None
-    entity: str | None = None
+    q: Annotated[StorableStr, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
+    intent: Annotated[StorableStr | None, Query(max_length=500)] = None
+    source_id: StorableStr | None = None
+    entity: StorableStr | None = None
     kind: KindName | None = None
     since: datetime | None = None
     limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None
@@ -132,11 +139,13 @@ def search_get(ctx: Context, params: Annotated[SearchParams, Depends()]) -> dict
 @search_router.post(
     "/v1/search",
     response_model=SearchOut,
-    responses=_RESPONSES,
+    responses={**_RESPONSES, **error_responses(413, 422)},
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
+    openapi_extra=json_request_body(SearchBody.model_json_schema()),
 )
-def search_post(ctx: Context, body: SearchBody) -> dict[str, Any]:
-    return run_search(ctx.runtime, body)
+async def search_post(request: Request, ctx: Context) -> dict[str, Any]:
+    body = parse_json_model(await read_body(request, MAX_SEARCH_BODY_BYTES), SearchBody)
+    return await run_in_threadpool(run_search, ctx.runtime, body)
 
 
 __all__ = ["SearchBody", "run_search", "search_router"]
