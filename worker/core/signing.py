@@ -45,7 +45,9 @@ def _parse(header: str) -> tuple[int, list[str]]:
         if not sep or not key or not value:
             raise SignatureError(f"malformed {SIGNATURE_HEADER} header: expected {EXPECTED_FORMAT}")
         if key == "t":
-            if timestamp is not None or not value.isascii() or not value.isdigit():
+            # At most 12 digits (year 33658): a longer t cannot be a real clock and would overflow
+            # the float arithmetic of the age check.
+            if timestamp is not None or not value.isascii() or not value.isdigit() or len(value) > 12:
                 raise SignatureError(
                     f"malformed {SIGNATURE_HEADER} header: t must be one integer of unix seconds"
                 )
