@@ -197,7 +197,8 @@ def test_an_unexpected_error_logs_one_line_without_page_text(
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
     line = errors[0].getMessage()
-    assert "OperationalError" in line and "req-1" in line and "/v1/pages/{source_id}/{slug:path}/facts" in line
+    assert "OperationalError" in line and "req-1" in line
+    assert "/v1/pages/{source_id}/{slug:path}/facts" in line
     assert secret_text not in caplog.text and errors[0].exc_info is None
 
 

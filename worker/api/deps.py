@@ -187,7 +187,9 @@ def parse_json_model(body: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = [{"loc": location(("body", *e["loc"])), "msg": e["msg"]} for e in exc.errors(include_url=False)]
+        problems = [
+            {"loc": location(("body", *e["loc"])), "msg": e["msg"]} for e in exc.errors(include_url=False)
+        ]
         raise ApiError(422, summarize(problems), errors=problems) from None
 
 
