@@ -15,6 +15,7 @@ from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
 from worker.api.guards import BodyCapMiddleware, RequestIdMiddleware
 from worker.api.metrics import install_metrics
+from worker.api.openapi import install_openapi
 from worker.api.routes.calibration import calibration_router
 from worker.api.routes.config import config_router
 from worker.api.routes.facts import facts_router
@@ -89,6 +90,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app)
     return app
 
 
