@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     webhook_secret: str = "dev-secret"
     webhook_tolerance_seconds: int = Field(default=300, gt=0)
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+    # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
+    # so the event loop (and /healthz on it) keeps answering under load.
+    api_threads: int = Field(default=8, ge=1, le=200)
     admin_token: str = "dev-admin-token"
 
     # Calibration

@@ -8,6 +8,10 @@ queues. The routes live in worker.api.routes, one module per group; this module 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import anyio.to_thread
 
 from fastapi import FastAPI
 
@@ -59,6 +63,15 @@ def _version() -> str:
         return "0.0.0"
 
 
+def _thread_limit(threads: int) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
+    return lifespan
+
+
 def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> FastAPI:
     """The API over ``runtime`` (default: the process runtime from FACTMILL_* settings).
 
@@ -81,6 +94,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
             "'<t>.<body>'>` under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{\"detail\": ...}`."
         ),
         openapi_tags=TAGS,
+        lifespan=_thread_limit(runtime.settings.api_threads),
     )
     # Innermost first: the body cap, then the metrics, then the request id around everything.
     app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
