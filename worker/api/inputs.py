@@ -30,8 +30,15 @@ def text_problem(value: str) -> str | None:
     return None
 
 
+class _NonFinite:
+    """What NaN/Infinity parse to, so the walk can refuse them with the path that holds them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number; send a finite number or null")
+    return _NonFinite(name)
 
 
 def _json_path(path: list[str | int]) -> str:
@@ -47,10 +54,12 @@ def _invalid(path: list[str | int], msg: str) -> ApiError:
 
 
 def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
-    """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate."""
+    """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate, or NaN."""
     stack: list[tuple[Any, list[str | int]]] = [(data, path or [])]
     while stack:
         node, where = stack.pop()
+        if isinstance(node, _NonFinite):
+            raise _invalid(where, f"Input should be a finite number ({node.name} is not a JSON number)")
         if isinstance(node, str):
             problem = text_problem(node)
             if problem:
