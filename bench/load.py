@@ -148,7 +148,8 @@ def main() -> None:
     statuses = result["statuses"]
     assert isinstance(statuses, Counter)
     print(f"{args.requests} signed POST /v1/pages, {args.concurrency} concurrent, in {result['took']:.2f} s")
-    print(f"statuses: {dict(sorted(statuses.items()))}  5xx: {sum(n for s, n in statuses.items() if s >= 500)}")
+    server_errors = sum(n for s, n in statuses.items() if s >= 500)
+    print(f"statuses: {dict(sorted(statuses.items()))}  5xx: {server_errors}")
     print(f"pool errors in the server log: {pool_errors}")
     print(
         f"/healthz baseline (no load, n={len(baseline)}): p50 {statistics.median(baseline):.1f} ms, "

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio.to_thread
-
 from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
