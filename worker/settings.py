@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -10,6 +11,13 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
+
+MIN_PRODUCTION_SECRET_BYTES = 32
+
+
+class InsecureSecretsError(ValueError):
+    """Production settings with a placeholder, short or shared secret; the message is one line."""
+
 
 PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "dev-secret"})
 
@@ -77,6 +85,9 @@ class Settings(BaseSettings):
     webhook_secret: str = "dev-secret"
     webhook_tolerance_seconds: int = Field(default=300, gt=0)
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+    # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
+    # so the event loop (and /healthz on it) keeps answering under load.
+    api_threads: int = Field(default=8, ge=1, le=200)
     admin_token: str = "dev-admin-token"
 
     # Access control (issue 11).
@@ -123,16 +134,26 @@ class Settings(BaseSettings):
         return "simulator"
 
     def check_production_secrets(self) -> None:
-        """Refuse placeholder secrets outside development and tests."""
+        """Refuse placeholder, short or shared secrets in production (InsecureSecretsError, one line)."""
         if self.environment != "production":
             return
         for name in ("webhook_secret", "admin_token"):
             value = getattr(self, name)
             if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"):
-                raise ValueError(
+                raise InsecureSecretsError(
                     f"FACTMILL_{name.upper()} is a placeholder; set a real secret before running "
                     "with FACTMILL_ENVIRONMENT=production"
                 )
+            if len(value.encode("utf-8")) < MIN_PRODUCTION_SECRET_BYTES:
+                raise InsecureSecretsError(
+                    f"FACTMILL_{name.upper()} is {len(value.encode('utf-8'))} bytes; production needs at "
+                    f"least {MIN_PRODUCTION_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"
+                )
+        if hmac.compare_digest(self.webhook_secret.encode("utf-8"), self.admin_token.encode("utf-8")):
+            raise InsecureSecretsError(
+                "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN are the same value; give each its own "
+                "secret (a webhook sender must not hold the admin token)"
+            )
 
 
 @lru_cache(maxsize=1)

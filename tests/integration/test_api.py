@@ -689,7 +689,11 @@ def test_unreachable_database_is_503_on_readyz_and_a_json_500_elsewhere(database
         assert ready.status_code == 503 and "database unreachable" in ready.json()["detail"]
         broken = test_client.get("/v1/jobs", headers=ADMIN_HEADERS)  # the admin token needs no DB
         assert broken.status_code == 500
-        assert broken.json() == {"detail": "internal error; the server log has the details"}
+        request_id = broken.headers["X-Request-ID"]
+        assert broken.json() == {
+            "detail": "internal error; the server log has the details",
+            "request_id": request_id,
+        }
         metrics = test_client.get("/metrics", headers=ADMIN_HEADERS)
         assert metrics.status_code == 200 and "factmill_store_up 0.0" in metrics.text
 

@@ -6,7 +6,7 @@ import random
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from models import Job
 from worker.jobs.leases import claim, finish, heartbeat, now
@@ -172,3 +172,30 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
     finally:
         simulator.configure(rate_500=0.0)  # the simulator is shared by the whole session
         rt.close()
+
+
+def test_request_job_survives_the_pending_job_finishing_between_insert_and_select(factory):
+    """The race of issue 11: the pending job finishes (another connection commits) after the
+    ON CONFLICT DO NOTHING found it but before the SELECT looks for it. It used to raise
+    NoResultFound (a 500 that rolled the page update back); now a new job is requested."""
+    first = new_job(factory)
+    claim(factory, first, "w1", stale_after=60)
+    interleaved: list[str] = []
+
+    def finish_in_between(conn, cursor, statement, parameters, context, executemany):
+        if "ON CONFLICT" in statement and not interleaved:
+            interleaved.append(statement)
+            # A second connection: the worker finishing the job and committing.
+            finish(factory, first, "w1", "succeeded")
+
+    with factory.begin() as session:
+        connection = session.connection()
+        event.listen(connection, "after_cursor_execute", finish_in_between)
+        try:
+            again = request_job(session, EXTRACTION, "default|p")
+        finally:
+            event.remove(connection, "after_cursor_execute", finish_in_between)
+    assert interleaved, "the interleaving did not happen"
+    assert again.created and again.job_id != first
+    assert job(factory, first).status == "succeeded"
+    assert job(factory, again.job_id).status == "queued"

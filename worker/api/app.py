@@ -8,12 +8,17 @@ queues. The routes live in worker.api.routes, one module per group; this module 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
+from worker.api.guards import BodyCapMiddleware, RequestIdMiddleware
 from worker.api.metrics import install_metrics
+from worker.api.openapi import install_openapi
 from worker.api.routes.calibration import calibration_router
 from worker.api.routes.config import config_router
 from worker.api.routes.facts import facts_router
@@ -57,6 +62,15 @@ def _version() -> str:
         return "0.0.0"
 
 
+def _thread_limit(threads: int) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
+    return lifespan
+
+
 def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> FastAPI:
     """The API over ``runtime`` (default: the process runtime from FACTMILL_* settings).
 
@@ -81,12 +95,17 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
             'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`.'
         ),
         openapi_tags=TAGS,
+        lifespan=_thread_limit(runtime.settings.api_threads),
     )
+    # Innermost first: the body cap, then the metrics, then the request id around everything.
+    app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
     registry = install_metrics(app, runtime.factory)
+    app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
     app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app)
     return app
 
 

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
 from worker.access.ratelimit import PerKeyLimiter
-from worker.api.errors import ApiError
+from worker.api.errors import ApiError, location, summarize
+from worker.api.guards import too_large_detail
+from worker.api.inputs import strict_json_loads
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, verify
 from worker.jobs import outbox
 from worker.runtime import Runtime
@@ -125,9 +127,7 @@ def json_request_body(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _too_large(cap: int) -> ApiError:
-    return ApiError(
-        413, f"request body is over the {cap}-byte limit; send fewer or smaller pages per request"
-    )
+    return ApiError(413, too_large_detail(cap))
 
 
 async def _read_capped(request: Request, cap: int) -> bytes:
@@ -188,18 +188,9 @@ def check_idempotency_key(key: str | None) -> str | None:
 
 
 def load_json_body(body: bytes) -> Any:
-    """A request body as JSON, or a 422 that says what is wrong with it (shared by every signed route)."""
-    try:
-        data = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ApiError(
-            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    except RecursionError:
-        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
-    return data
+    """A request body as JSON, or a 422 that says what is wrong with it (shared by every route that reads
+    a body): strict, so NaN, NUL and lone surrogates are refused with the JSON path that holds them."""
+    return strict_json_loads(body)
 
 
 def load_json_object(body: bytes, expected: str = "a JSON object") -> dict[str, Any]:
@@ -208,6 +199,21 @@ def load_json_object(body: bytes, expected: str = "a JSON object") -> dict[str, 
     if not isinstance(data, dict):
         raise ApiError(422, f"body must be {expected}")
     return data
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json_model(body: bytes, model: type[M]) -> M:
+    """A (capped) body loaded strictly and validated as ``model``; 422 naming each field that is wrong."""
+    data = load_json_body(body)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [
+            {"loc": location(("body", *e["loc"])), "msg": e["msg"]} for e in exc.errors(include_url=False)
+        ]
+        raise ApiError(422, summarize(problems), errors=problems) from None
 
 
 __all__ = [
@@ -221,6 +227,7 @@ __all__ = [
     "json_request_body",
     "load_json_body",
     "load_json_object",
+    "parse_json_model",
     "read_body",
     "require_admin",
     "verify_signature",

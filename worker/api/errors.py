@@ -11,6 +11,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from worker.api.guards import (
+    BodyTooLargeError,
+    log_unexpected,
+    request_id_of,
+    route_template,
+    too_large_detail,
+)
+
 logger = logging.getLogger(__name__)
 
 MAX_LISTED_PROBLEMS = 20
@@ -71,9 +79,22 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": summarize(problems), "errors": problems}, 422)
 
 
+async def _body_too_large(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BodyTooLargeError)
+    return JSONResponse({"detail": too_large_detail(exc.cap)}, 413)
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse({"detail": "internal error; the server log has the details"}, 500)
+    # RequestIdMiddleware answers unexpected errors first; this is the fallback outside it.
+    request_id = request_id_of(request.scope)
+    log_unexpected(request.method, route_template(request.scope), request_id, exc)
+    return JSONResponse(
+        {
+            "detail": "internal error; the server log has the details",
+            "request_id": request_id,
+        },
+        500,
+    )
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -81,6 +102,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(BodyTooLargeError, _body_too_large)
     app.add_exception_handler(Exception, _unexpected_error)
 
 

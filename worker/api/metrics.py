@@ -25,6 +25,7 @@ from models import (
     LLMCall,
 )
 from worker.api.errors import one_line
+from worker.api.guards import route_template
 from worker.jobs.registry import kind_names
 
 logger = logging.getLogger(__name__)
@@ -200,8 +201,17 @@ Send = Callable[[Any], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    """The method as a metric label: a known one, else "other" (random methods must not add series)."""
+    return method if method in KNOWN_METHODS else "other"
+
+
 class RequestMetricsMiddleware:
-    """Counts API requests and their latency by route template (not raw path: bounded labels)."""
+    """Counts API requests and their latency by route template and known method (bounded labels:
+    an unmatched path is "unmatched", an unknown method "other")."""
 
     def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
         self.app, self.requests, self.latency = app, requests, latency
@@ -222,9 +232,10 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, record_status)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.requests.labels(scope["method"], route, str(status)).inc()
-            self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+            route = route_template(scope)
+            method = method_label(scope["method"])
+            self.requests.labels(method, route, str(status)).inc()
+            self.latency.labels(method, route).observe(time.perf_counter() - started)
 
 
 def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRegistry:

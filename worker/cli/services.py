@@ -11,9 +11,17 @@ from worker.celery_app import app as celery
 from worker.cli.console import fail
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
-from worker.settings import get_settings
+from worker.settings import InsecureSecretsError, Settings, get_settings
 
 POOLS = ("threads", "prefork", "solo")
+
+
+def refuse_insecure_secrets(settings: Settings) -> None:
+    """Production with a weak secret: one clear line and exit 2, never a traceback."""
+    try:
+        settings.check_production_secrets()
+    except InsecureSecretsError as exc:
+        raise fail(str(exc), code=2) from None
 
 
 def serve(
@@ -23,7 +31,7 @@ def serve(
 ) -> None:
     """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
     settings = get_settings()
-    settings.check_production_secrets()
+    refuse_insecure_secrets(settings)
     checked_factory(settings)  # fail early, with a clear message, if the schema is missing
     uvicorn.run(
         "worker.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info"
@@ -40,6 +48,7 @@ def worker(
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default factmill@<host>).")] = None,
 ) -> None:
     """Run a Celery worker for the given queues."""
+    refuse_insecure_secrets(get_settings())
     known = known_queues()
     unknown = sorted(set(q.strip() for q in queues.split(",")) - set(known))
     if unknown:
@@ -68,6 +77,7 @@ def worker(
 def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     """Run Celery beat (the sweeper every 30 s, and later schedules)."""
     settings = get_settings()
+    refuse_insecure_secrets(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 

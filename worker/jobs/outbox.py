@@ -47,6 +47,13 @@ def split_page_subject(subject: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------
 
 
+REQUEST_JOB_ROUNDS = 5
+
+
+class JobRequestContendedError(RuntimeError):
+    """A subject's pending job appeared and vanished on every round of request_job (never in practice)."""
+
+
 @dataclass(frozen=True)
 class JobRequest:
     job_id: int
@@ -80,17 +87,29 @@ def request_job(
         .on_conflict_do_nothing(index_elements=[Job.kind, Job.subject], index_where=PENDING_PREDICATE)
         .returning(Job.id)
     )
-    job_id = session.execute(stmt).scalar_one_or_none()
-    if job_id is not None:
-        return JobRequest(job_id, created=True)
-    existing = session.execute(
+    find_pending = (
         select(Job.id, Job.status)
         .where(Job.kind == kind, Job.subject == subject, Job.status.in_(PENDING))
         .with_for_update()
-    ).one()
-    if existing.status == "running":
-        session.execute(update(Job).where(Job.id == existing.id).values(rerun_requested=True))
-    return JobRequest(existing.id, created=False)
+    )
+    # Insert-or-find, again until one of them sees a row: the pending job that made the insert a
+    # no-op may finish (committed by its worker) before the SELECT runs, and then there is nothing
+    # to find but room to insert. Each round a competing job must have come and gone, so it ends.
+    for _ in range(REQUEST_JOB_ROUNDS):
+        job_id = session.execute(stmt).scalar_one_or_none()
+        if job_id is not None:
+            return JobRequest(job_id, created=True)
+        existing = session.execute(find_pending).one_or_none()
+        if existing is None:
+            logger.info("the pending %s job for %s finished meanwhile; requesting a new one", kind, subject)
+            continue
+        if existing.status == "running":
+            session.execute(update(Job).where(Job.id == existing.id).values(rerun_requested=True))
+        return JobRequest(existing.id, created=False)
+    raise JobRequestContendedError(
+        f"could not request a {kind} job for {subject!r}: its pending job kept changing "
+        f"({REQUEST_JOB_ROUNDS} rounds); try again"
+    )
 
 
 Sender = Callable[[str, int, str], None]  # (task name, job id, queue)

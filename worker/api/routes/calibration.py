@@ -28,6 +28,7 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.api.inputs import BIGINT_MAX
 from worker.calibration import (
     MAX_KEY_LENGTH,
     MAX_ORIGIN_LENGTH,
@@ -67,7 +68,9 @@ class FeedbackIn(BaseModel):
         str,
         Field(min_length=1, max_length=MAX_ORIGIN_LENGTH, description="Who judged it, e.g. 'eval:nightly'"),
     ]
-    compaction_id: Annotated[StrictInt | None, Field(ge=1, description="The compaction judged")] = None
+    compaction_id: Annotated[
+        StrictInt | None, Field(ge=1, le=BIGINT_MAX, description="The compaction judged")
+    ] = None
     idempotency_key: Annotated[
         str | None,
         Field(

@@ -6,21 +6,27 @@ import logging
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from models import ConfigEntry
 from worker.api.auth import require
-from worker.api.deps import Context
+from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import StorableStr
 from worker.config_store import KILL_SWITCHES, is_enabled, set_config
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
 
 config_router = APIRouter(tags=["config"], dependencies=[Depends(require("admin"))])
-ConfigKey = Annotated[str, Path(min_length=1, max_length=200, description="e.g. facts.extraction_enabled")]
+# Unsigned JSON bodies are a few fields: a small cap, read before anything else.
+MAX_CONFIG_BODY_BYTES = 64 * 1024
+ConfigKey = Annotated[
+    StorableStr, Path(min_length=1, max_length=200, description="e.g. facts.extraction_enabled")
+]
 
 
 class ConfigOut(BaseModel):
@@ -63,13 +69,7 @@ def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
     return out
 
 
-@config_router.put("/v1/config/{key}", response_model=ConfigSetOut, responses=error_responses(401, 422))
-def put_config_value(ctx: Context, key: ConfigKey, body: ConfigSet) -> ConfigSetOut:
-    """Set a key. Turning a kill switch on resumes every paused job of its kinds.
-
-    Turning one off needs nothing more: workers read the switch before every LLM call (through
-    a cache at most FACTMILL_CONFIG_CACHE_SECONDS old) and pause their jobs themselves.
-    """
+def set_config_value(ctx: ApiContext, key: str, body: ConfigSet) -> ConfigSetOut:
     raw = body.value
     value = str(raw).lower() if isinstance(raw, bool) else str(raw)
     with ctx.factory() as session, session.begin():
@@ -86,4 +86,20 @@ def put_config_value(ctx: Context, key: ConfigKey, body: ConfigSet) -> ConfigSet
     return ConfigSetOut(**out.model_dump(), resumed=len(resumed))
 
 
-__all__ = ["config_router"]
+@config_router.put(
+    "/v1/config/{key}",
+    response_model=ConfigSetOut,
+    responses=error_responses(401, 413, 422),
+    openapi_extra=json_request_body(ConfigSet.model_json_schema()),
+)
+async def put_config_value(request: Request, ctx: Context, key: ConfigKey) -> ConfigSetOut:
+    """Set a key. Turning a kill switch on resumes every paused job of its kinds.
+
+    Turning one off needs nothing more: workers read the switch before every LLM call (through
+    a cache at most FACTMILL_CONFIG_CACHE_SECONDS old) and pause their jobs themselves.
+    """
+    body = parse_json_model(await read_body(request, MAX_CONFIG_BODY_BYTES), ConfigSet)
+    return await run_in_threadpool(set_config_value, ctx, key, body)
+
+
+__all__ = ["MAX_CONFIG_BODY_BYTES", "config_router"]

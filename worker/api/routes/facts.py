@@ -13,6 +13,7 @@ from models import Fact, Page
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import OffsetQuery, StorableStr
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -55,10 +56,10 @@ class PageFacts(BaseModel):
 def page_facts(
     ctx: Context,
     principal: Reader,
-    source_id: str,
-    slug: str,
+    source_id: StorableStr,
+    slug: StorableStr,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: OffsetQuery = 0,
 ) -> PageFacts:
     if not principal.sees(source_id):
         raise ApiError(403, f"this key may not read source {source_id!r}")

@@ -14,6 +14,7 @@ from worker.access import Principal
 from worker.api.auth import Admin, Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import BIGINT_MAX
 from worker.jobs import outbox, queries
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ JobStatus = Literal["queued", "running", "paused", "succeeded", "failed"]  # = m
 JobKind = Literal["extraction", "compaction", "calibration"]  # = worker.jobs.JOB_KINDS
 
 jobs_router = APIRouter(tags=["jobs"])
-JobId = Annotated[int, Path(ge=1, description="The job id the webhook answered with")]
+JobId = Annotated[int, Path(ge=1, le=BIGINT_MAX, description="The job id the webhook answered with")]
 
 
 class JobOut(BaseModel):
@@ -66,7 +67,9 @@ def list_jobs(
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status")] = None,
     kind: Annotated[JobKind | None, Query(description="Only jobs of this kind")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    before_id: Annotated[int | None, Query(ge=1, description="Only jobs with a smaller id (paging)")] = None,
+    before_id: Annotated[
+        int | None, Query(ge=1, le=BIGINT_MAX, description="Only jobs with a smaller id (paging)")
+    ] = None,
 ) -> JobList:
     with ctx.factory() as session:
         found = queries.list_jobs(

@@ -7,13 +7,15 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from worker.access import Principal
 from worker.api.auth import Reader
-from worker.api.deps import ApiContext, Context
-from worker.api.errors import ApiError
+from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
+from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import StorableStr
 from worker.core.intent import QueryParseError
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
@@ -29,6 +31,8 @@ from worker.search import (
 
 logger = logging.getLogger(__name__)
 
+# A search body is a query document of at most MAX_QUERY_CHARS and a few filters.
+MAX_SEARCH_BODY_BYTES = 64 * 1024
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
@@ -37,10 +41,12 @@ class SearchBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    q: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document.")
-    intent: str | None = Field(default=None, max_length=500, description="What the user is after.")
-    source_id: str | None = None
-    entity: str | None = Field(default=None, description="Only facts about this entity slug.")
+    q: StorableStr = Field(
+        min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document."
+    )
+    intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
+    source_id: StorableStr | None = None
+    entity: StorableStr | None = Field(default=None, description="Only facts about this entity slug.")
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
@@ -51,10 +57,10 @@ class SearchBody(BaseModel):
 class SearchParams:
     """The query parameters of GET /v1/search: SearchBody's fields."""
 
-    q: Annotated[str, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
-    intent: Annotated[str | None, Query(max_length=500)] = None
-    source_id: str | None = None
-    entity: str | None = None
+    q: Annotated[StorableStr, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
+    intent: Annotated[StorableStr | None, Query(max_length=500)] = None
+    source_id: StorableStr | None = None
+    entity: StorableStr | None = None
     kind: KindName | None = None
     since: datetime | None = None
     limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None
@@ -175,12 +181,14 @@ def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, 
 @search_router.post(
     "/v1/search",
     response_model=SearchOut,
-    responses=_RESPONSES,
+    responses={**_RESPONSES, **error_responses(413, 422)},
     summary="Search the facts, the query in a JSON body (handy for multi-line query documents)",
+    openapi_extra=json_request_body(SearchBody.model_json_schema()),
 )
-def search_post(ctx: Context, principal: Reader, body: SearchBody) -> dict[str, Any]:
-    _limited(ctx, principal)
-    return run_search(ctx.runtime, body, principal)
+async def search_post(request: Request, ctx: Context, principal: Reader) -> dict[str, Any]:
+    body = parse_json_model(await read_body(request, MAX_SEARCH_BODY_BYTES), SearchBody)
+    await run_in_threadpool(_limited, ctx, principal)
+    return await run_in_threadpool(run_search, ctx.runtime, body, principal)
 
 
 __all__ = ["SearchBody", "run_search", "search_router"]

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -36,6 +37,7 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import BIGINT_MAX, INT4_MAX
 from worker.api.schemas.transcripts import (
     AppendIn,
     AppendOut,
@@ -54,6 +56,7 @@ from worker.compaction import (
     TranscriptError,
     TranscriptNotFoundError,
     append_messages,
+    check_transcript_id,
     context_view,
     list_compactions,
     list_messages,
@@ -68,14 +71,28 @@ logger = logging.getLogger(__name__)
 
 compaction_router = APIRouter(tags=["transcripts"])
 
+
+def _transcript_id(value: str) -> str:
+    try:
+        return check_transcript_id(value)
+    except TranscriptError as exc:
+        raise ValueError(str(exc)) from None
+
+
+# The pattern uses only escapes that mean the same in ECMA, Python and Rust regex (no \s); the full rule
+# (str.isprintable, no Unicode whitespace) is the validator's, as the description says.
 TranscriptId = Annotated[
     str,
     Path(
         min_length=1,
         max_length=200,
-        pattern=r"^[^\s/]+$",
-        description="The client's own id for the transcript (1-200 characters, no whitespace or '/')",
+        pattern=r"^[^\x00-\x20\x7f-\x9f/]+$",
+        description=(
+            "The client's own id for the transcript: 1-200 printable characters, no whitespace "
+            "(Unicode White_Space included) and no '/'"
+        ),
     ),
+    AfterValidator(_transcript_id),
 ]
 
 
@@ -282,7 +299,7 @@ def get_messages(
     _: TranscriptReader,
     transcript_id: TranscriptId,
     after_seq: Annotated[
-        int | None, Query(ge=-1, description="Only messages after this seq (paging)")
+        int | None, Query(ge=-1, le=INT4_MAX, description="Only messages after this seq (paging)")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> MessagesOut:
@@ -306,7 +323,9 @@ def get_compactions(
     _: TranscriptReader,
     transcript_id: TranscriptId,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    before_id: Annotated[int | None, Query(ge=1, description="Only compactions with a smaller id")] = None,
+    before_id: Annotated[
+        int | None, Query(ge=1, le=BIGINT_MAX, description="Only compactions with a smaller id")
+    ] = None,
 ) -> CompactionsOut:
     """Accepted, rejected and failed alike. To label one for calibration, send its `id` as
     `compaction_id` and its `coverage` to `POST /v1/feedback` with whether the answer survived."""

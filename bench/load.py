@@ -1,0 +1,165 @@
+"""Load benchmark: 200 concurrent signed webhook deliveries against a real `factmill serve` on loopback.
+
+Prints the status counts (no 5xx, no pool errors in the server log), and /healthz p50/p99 measured
+while the deliveries run, beside a baseline measured in the same run with no load. Goal: healthz
+p99 under 100 ms under load (a liveness probe must never wait on the thread pool).
+
+    .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765]
+
+Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL) and a Redis at
+127.0.0.1:6379 (db 14); creates and drops its own database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psycopg
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from worker import db  # noqa: E402
+from worker.core.signing import SIGNATURE_HEADER, sign  # noqa: E402
+
+SECRET = "bench-webhook-secret-" + "s" * 16
+ADMIN = "bench-admin-token-" + "a" * 16
+SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+CONVERSATION = "**Alice** (2024-03-15 9:00 AM): I signed the offer.\n**Bob** (2024-03-15 9:01 AM): Congrats!"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def probe_healthz(base: str, stop: threading.Event, out: list[float]) -> None:
+    """Poll /healthz from its own thread and connection, so the client's own load does not count."""
+    with httpx.Client(base_url=base, timeout=60) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            response = client.get("/healthz")
+            out.append((time.perf_counter() - started) * 1000)
+            assert response.status_code == 200
+            time.sleep(0.005)
+
+
+def probing(base: str, out: list[float]) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=probe_healthz, args=(base, stop, out), daemon=True)
+    thread.start()
+    return stop, thread
+
+
+async def deliver(client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore) -> int:
+    body = json.dumps(
+        {"slug": f"load/{index}", "type": "conversation", "title": "t", "compiled_truth": CONVERSATION}
+    ).encode()
+    async with gate:
+        try:
+            response = await client.post(
+                "/v1/pages",
+                content=body,
+                headers={"Content-Type": "application/json", SIGNATURE_HEADER: sign(body, SECRET)},
+            )
+        except httpx.HTTPError:
+            return -1
+    return response.status_code
+
+
+async def run(base: str, requests: int, concurrency: int) -> dict[str, object]:
+    limits = httpx.Limits(max_connections=concurrency + 10)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+        baseline: list[float] = []
+        stop, thread = probing(base, baseline)
+        await asyncio.sleep(2.0)
+        stop.set()
+        thread.join()
+        loaded: list[float] = []
+        stop, thread = probing(base, loaded)
+        gate = asyncio.Semaphore(concurrency)
+        started = time.perf_counter()
+        statuses = await asyncio.gather(*(deliver(client, i, gate) for i in range(requests)))
+        took = time.perf_counter() - started
+        stop.set()
+        thread.join()
+    return {"baseline": baseline, "loaded": loaded, "statuses": Counter(statuses), "took": took}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    name = f"factmill_load_{uuid.uuid4().hex[:8]}"
+    admin = make_url(SERVER).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(SERVER).set(database=name).render_as_string(False)
+    server = None
+    try:
+        db.upgrade(url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
+            "FACTMILL_DATABASE_URL": url,
+            "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/14",
+            "FACTMILL_WEBHOOK_SECRET": SECRET,
+            "FACTMILL_ADMIN_TOKEN": ADMIN,
+            "PYTHONPATH": str(REPO),
+        }
+        log = open(f"/tmp/{name}.log", "w")  # noqa: SIM115 - held for the server's lifetime
+        server = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "serve", "--port", str(args.port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{args.port}"
+        for _ in range(200):
+            try:
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        result = asyncio.run(run(base, args.requests, args.concurrency))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=20)
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    server_log = Path(f"/tmp/{name}.log").read_text()
+    pool_errors = server_log.count("QueuePool limit") + server_log.count("TimeoutError")
+    baseline, loaded = result["baseline"], result["loaded"]
+    assert isinstance(baseline, list) and isinstance(loaded, list)
+    statuses = result["statuses"]
+    assert isinstance(statuses, Counter)
+    print(f"{args.requests} signed POST /v1/pages, {args.concurrency} concurrent, in {result['took']:.2f} s")
+    server_errors = sum(n for s, n in statuses.items() if s >= 500)
+    print(f"statuses: {dict(sorted(statuses.items()))}  5xx: {server_errors}")
+    print(f"pool errors in the server log: {pool_errors}")
+    print(
+        f"/healthz baseline (no load, n={len(baseline)}): p50 {statistics.median(baseline):.1f} ms, "
+        f"p99 {percentile(baseline, 0.99):.1f} ms"
+    )
+    print(
+        f"/healthz under load (n={len(loaded)}): p50 {statistics.median(loaded):.1f} ms, "
+        f"p99 {percentile(loaded, 0.99):.1f} ms, max {max(loaded):.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Hostile input against the real API and Postgres: every input that answered 500 in issue 11 now gets a
+422 naming the field (or 413 for a body over its cap), every answer carries a request id, and an
+unexpected error logs one line without page text."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.integration.test_api import ADMIN_HEADERS, SECRET, Recorder, make_runtime, page
+from worker.api.app import create_app
+from worker.api.routes.health import healthz
+from worker.core.signing import sign
+
+pytestmark = pytest.mark.integration
+
+BIG = str(2**63)  # one past bigint
+BIG_INT4 = str(2**31)  # one past int4
+
+
+@pytest.fixture
+def api(database_url: str, factory: sessionmaker[Session]) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, factory, max_body_bytes=1024 * 1024)
+    with TestClient(create_app(runtime, sender=Recorder(factory)), raise_server_exceptions=False) as client:
+        yield client
+
+
+def signed(client: TestClient, path: str, body: bytes, method: str = "POST") -> Any:
+    headers = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
+    return client.request(method, path, content=body, headers=headers)
+
+
+def assert_422(response: Any, field: str) -> None:
+    assert response.status_code == 422, response.text
+    assert field in response.text, response.text
+    assert "X-Request-ID" in response.headers
+
+
+# Raw JSON text, so NaN and lone surrogates reach the server exactly as an attacker sends them.
+SIGNED_BODIES = [
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "title": "x\\u0000"}', "title"),
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"k": "\\ud800"}}', "frontmatter.k"),
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"\\udfff": 1}}', "frontmatter"),
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": NaN}}', "NaN"),
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": Infinity}}', "Infinity"),
+    (
+        "/v1/pages",
+        '[{"slug": "a", "type": "conversation", "compiled_truth": "\\ud83d"}]',
+        "[0].compiled_truth",
+    ),
+    ("/v1/pages", '{"slug": "a\\u0000", "type": "conversation"}', "slug"),
+    (
+        "/v1/transcripts/t1/messages",
+        '{"messages": [{"role": "user", "text": "\\ud800"}]}',
+        "messages[0].text",
+    ),
+    (
+        "/v1/transcripts/t1/messages",
+        '{"messages": [{"role": "user", "text": "a\\u0000"}]}',
+        "messages[0].text",
+    ),
+    (
+        "/v1/transcripts/t1/messages",
+        '{"messages": [{"role": "user", "text": "a", "\\ud800": 1}]}',
+        "messages[0]",
+    ),
+    ("/v1/feedback", '{"coverage": NaN, "answer_kept": true, "origin": "x"}', "NaN"),
+    (
+        "/v1/feedback",
+        f'{{"coverage": 0.5, "answer_kept": true, "origin": "x", "compaction_id": {BIG}}}',
+        "compaction_id",
+    ),
+    ("/v1/feedback", '{"coverage": 0.5, "answer_kept": true, "origin": "\\u0000"}', "origin"),
+    ("/v1/feedback", '{"coverage": 0.5, "answer_kept": true, "origin": 1' + "0" * 5000 + "}", "JSON"),
+]
+
+
+@pytest.mark.parametrize(("path", "text", "field"), SIGNED_BODIES)
+def test_hostile_signed_bodies_are_422_naming_the_field(
+    api: TestClient, path: str, text: str, field: str
+) -> None:
+    assert_422(signed(api, path, text.encode("utf-8")), field)
+
+
+def test_a_lone_surrogate_in_transcript_settings_is_422(api: TestClient) -> None:
+    response = signed(api, "/v1/transcripts/t2", b'{"instructions": "\\udc00"}', method="PUT")
+    assert_422(response, "instructions")
+
+
+UNSIGNED = [
+    ("GET", "/v1/jobs/" + BIG, "job_id"),
+    ("POST", "/v1/jobs/" + BIG + "/retry", "job_id"),
+    ("GET", "/v1/jobs?before_id=" + BIG, "before_id"),
+    ("GET", "/v1/pages/default/a/facts?offset=" + BIG, "offset"),
+    ("GET", "/v1/pages/default%00/a/facts", "source_id"),
+    ("GET", "/v1/pages/default/a%00b/facts", "slug"),
+    ("GET", "/v1/search?q=a%00", "q"),
+    ("GET", "/v1/search?q=a&source_id=%00", "source_id"),
+    ("GET", "/v1/search?q=a&entity=%00", "entity"),
+    ("GET", "/v1/transcripts/t%00", "transcript_id"),
+    ("GET", "/v1/transcripts/t/messages?after_seq=" + BIG_INT4, "after_seq"),
+    ("GET", "/v1/transcripts/t/compactions?before_id=" + BIG, "before_id"),
+    ("GET", "/v1/config/a%00", "key"),
+]
+
+
+@pytest.mark.parametrize(("method", "url", "field"), UNSIGNED)
+def test_hostile_paths_and_queries_are_422_naming_the_field(
+    api: TestClient, method: str, url: str, field: str
+) -> None:
+    assert_422(api.request(method, url, headers=ADMIN_HEADERS), field)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"q": "a\\u0000"}', "q"),
+        ('{"q": "\\ud800"}', "q"),
+        ('{"q": "a", "limit": NaN}', "NaN"),
+        ('{"q": "a", "entity": "\\u0000"}', "entity"),
+    ],
+)
+def test_hostile_search_bodies_are_422(api: TestClient, text: str, field: str) -> None:
+    response = api.post("/v1/search", content=text.encode(), headers={"Content-Type": "application/json"})
+    assert_422(response, field)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"value": "\\u0000"}', "value"),
+        ('{"value": "\\ud800"}', "value"),
+        ('{"value": NaN}', "NaN"),
+        ('{"value": 1' + "0" * 5000 + "}", "JSON"),
+    ],
+)
+def test_hostile_config_bodies_are_422(api: TestClient, text: str, field: str) -> None:
+    response = api.put("/v1/config/search.x", content=text.encode(), headers=ADMIN_HEADERS)
+    assert_422(response, field)
+
+
+def test_a_signature_t_of_400_digits_is_refused_not_a_500(api: TestClient) -> None:
+    body = json.dumps(page("a")).encode()
+    header = "t=" + "9" * 400 + ",v1=" + "0" * 64
+    response = api.post("/v1/pages", content=body, headers={"Factmill-Signature": header})
+    assert response.status_code == 401 and "t must be one integer" in response.json()["detail"]
+
+
+def test_unsigned_json_bodies_are_capped_before_they_are_read(api: TestClient) -> None:
+    big = b'{"q": "' + b"a" * (70 * 1024) + b'"}'
+    search = api.post("/v1/search", content=big, headers={"Content-Type": "application/json"})
+    assert search.status_code == 413 and "65536-byte limit" in search.json()["detail"]
+    config = api.put(
+        "/v1/config/search.x", content=b'{"value": "' + b"a" * (70 * 1024) + b'"}', headers=ADMIN_HEADERS
+    )
+    assert config.status_code == 413 and "65536-byte limit" in config.json()["detail"]
+
+
+def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClient) -> None:
+    # The declared length alone refuses the request (the body is never read), on any route.
+    declared = api.request("GET", "/v1/jobs", content=b"a" * (2 * 1024 * 1024))
+    assert declared.status_code == 413 and "1048576-byte limit" in declared.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked, refused once past the cap
+        for _ in range(40):
+            yield b"a" * 65536
+
+    streamed = api.post("/v1/pages", content=chunks(), headers={"Factmill-Signature": "t=1,v1=00"})
+    assert streamed.status_code == 413 and "1048576-byte limit" in streamed.json()["detail"]
+
+
+def test_every_answer_carries_a_request_id_and_a_sane_one_is_kept(api: TestClient) -> None:
+    assert len(api.get("/healthz").headers["X-Request-ID"]) == 32
+    assert api.get("/healthz", headers={"X-Request-ID": "abc-123"}).headers["X-Request-ID"] == "abc-123"
+    insane = api.get("/healthz", headers={"X-Request-ID": "a b<>" * 100})
+    assert insane.headers["X-Request-ID"] != "a b" and len(insane.headers["X-Request-ID"]) == 32
+    assert "X-Request-ID" in api.get("/nowhere").headers
+
+
+def test_an_unexpected_error_logs_one_line_without_page_text(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = sessionmaker(create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
+    runtime = make_runtime(database_url, dead)
+    secret_text = "Alice's private diagnosis"
+    with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as client:
+        caplog.set_level(logging.INFO)
+        response = client.get(f"/v1/pages/default/{secret_text}/facts", headers={"X-Request-ID": "req-1"})
+    assert response.status_code == 500 and response.json()["request_id"] == "req-1"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    line = errors[0].getMessage()
+    assert "OperationalError" in line and "req-1" in line
+    assert "/v1/pages/{source_id}/{slug:path}/facts" in line
+    assert secret_text not in caplog.text and errors[0].exc_info is None
+
+
+def test_metric_labels_come_from_a_fixed_set(api: TestClient) -> None:
+    for method in ("FOO", "BAR", "PURGE"):
+        api.request(method, "/healthz")
+    api.get("/random/path/" + "x" * 50)
+    text = api.get("/metrics", headers=ADMIN_HEADERS).text
+    series = [line for line in text.splitlines() if line.startswith("factmill_http_requests_total{")]
+    assert any('method="other"' in line for line in series)
+    assert not any("FOO" in line or "PURGE" in line or "random/path" in line for line in series)
+    assert any('route="unmatched"' in line for line in series)
+
+
+def test_healthz_never_waits_on_the_thread_pool() -> None:
+    import inspect
+
+    assert inspect.iscoroutinefunction(healthz)  # served on the event loop, no database

@@ -1,0 +1,127 @@
+"""Bounded input: a strict JSON loader for every body, and path/query types bounded to their columns.
+
+Postgres refuses NUL in text and JSONB, lone surrogates cannot be encoded as UTF-8, NaN and the
+infinities are not JSON, and an integer past its column's range fails inside the query: each of
+these reaches the database as a 500 unless it is refused here, with a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import Path, Query
+from pydantic import AfterValidator
+
+from worker.api.errors import ApiError
+
+BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
+INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
+
+
+def text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be stored as text (NUL, a lone surrogate), or None when it can."""
+    if "\x00" in value:
+        return "must not contain NUL (\\u0000) characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must not contain lone surrogates (\\ud800-\\udfff): it is not valid Unicode text"
+    return None
+
+
+class _NonFinite:
+    """What NaN/Infinity parse to, so the walk can refuse them with the path that holds them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _refuse_constant(name: str) -> Any:
+    return _NonFinite(name)
+
+
+def _json_path(path: list[str | int]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "body"
+
+
+def _invalid(path: list[str | int], msg: str) -> ApiError:
+    loc = _json_path(path)
+    return ApiError(422, f"{loc}: {msg}", errors=[{"loc": loc, "msg": msg}])
+
+
+def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
+    """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate, or NaN."""
+    stack: list[tuple[Any, list[str | int]]] = [(data, path or [])]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, _NonFinite):
+            raise _invalid(where, f"Input should be a finite number ({node.name} is not a JSON number)")
+        if isinstance(node, str):
+            problem = text_problem(node)
+            if problem:
+                raise _invalid(where, problem)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                problem = text_problem(key)
+                if problem:
+                    raise _invalid(where, f"a key {problem}")
+                stack.append((value, [*where, key]))
+        elif isinstance(node, list):
+            stack.extend((item, [*where, index]) for index, item in enumerate(node))
+
+
+def strict_json_loads(body: bytes) -> Any:
+    """``body`` as JSON, refusing what the store cannot hold: 422 with the JSON path of the problem.
+
+    Refused: text that is not UTF-8, invalid JSON, NaN/Infinity, integers over 4,300 digits, nesting
+    too deep for the parser, and NUL or lone surrogates in any string or key.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ApiError(
+            422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise ApiError(422, "body is not usable JSON: it is nested too deeply") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer past Python's digit limit
+        raise ApiError(422, f"body is not usable JSON: {exc}") from None
+    check_json_text(data)
+    return data
+
+
+def _storable(value: str) -> str:
+    problem = text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+# A path or query string the store can hold (no NUL, no lone surrogate).
+StorableStr = Annotated[str, AfterValidator(_storable)]
+
+# Path and query integers bounded to their columns: past them Postgres fails inside the query.
+BigIntIdPath = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
+BigIntIdQuery = Annotated[int | None, Query(ge=1, le=BIGINT_MAX)]
+OffsetQuery = Annotated[int, Query(ge=0, le=BIGINT_MAX)]
+
+
+__all__ = [
+    "BIGINT_MAX",
+    "INT4_MAX",
+    "BigIntIdPath",
+    "BigIntIdQuery",
+    "OffsetQuery",
+    "StorableStr",
+    "check_json_text",
+    "strict_json_loads",
+    "text_problem",
+]
