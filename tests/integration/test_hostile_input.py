@@ -33,7 +33,8 @@ def api(database_url: str, factory: sessionmaker[Session]) -> Iterator[TestClien
 
 
 def signed(client: TestClient, path: str, body: bytes, method: str = "POST") -> Any:
-    headers = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
+    signature = sign(body, SECRET, method=method, path=path.split("?", 1)[0])
+    headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     return client.request(method, path, content=body, headers=headers)
 
 
@@ -128,7 +129,9 @@ def test_hostile_paths_and_queries_are_422_naming_the_field(
     ],
 )
 def test_hostile_search_bodies_are_422(api: TestClient, text: str, field: str) -> None:
-    response = api.post("/v1/search", content=text.encode(), headers={"Content-Type": "application/json"})
+    response = api.post(
+        "/v1/search", content=text.encode(), headers={"Content-Type": "application/json"} | ADMIN_HEADERS
+    )
     assert_422(response, field)
 
 
@@ -155,7 +158,7 @@ def test_a_signature_t_of_400_digits_is_refused_not_a_500(api: TestClient) -> No
 
 def test_unsigned_json_bodies_are_capped_before_they_are_read(api: TestClient) -> None:
     big = b'{"q": "' + b"a" * (70 * 1024) + b'"}'
-    search = api.post("/v1/search", content=big, headers={"Content-Type": "application/json"})
+    search = api.post("/v1/search", content=big, headers={"Content-Type": "application/json"} | ADMIN_HEADERS)
     assert search.status_code == 413 and "65536-byte limit" in search.json()["detail"]
     config = api.put(
         "/v1/config/search.x", content=b'{"value": "' + b"a" * (70 * 1024) + b'"}', headers=ADMIN_HEADERS
@@ -165,7 +168,7 @@ def test_unsigned_json_bodies_are_capped_before_they_are_read(api: TestClient) -
 
 def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClient) -> None:
     # The declared length alone refuses the request (the body is never read), on any route.
-    declared = api.request("GET", "/v1/jobs", content=b"a" * (2 * 1024 * 1024))
+    declared = api.request("GET", "/v1/jobs", content=b"a" * (2 * 1024 * 1024), headers=ADMIN_HEADERS)
     assert declared.status_code == 413 and "1048576-byte limit" in declared.json()["detail"]
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: chunked, refused once past the cap
@@ -192,7 +195,9 @@ def test_an_unexpected_error_logs_one_line_without_page_text(
     secret_text = "Alice's private diagnosis"
     with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as client:
         caplog.set_level(logging.INFO)
-        response = client.get(f"/v1/pages/default/{secret_text}/facts", headers={"X-Request-ID": "req-1"})
+        response = client.get(
+            f"/v1/pages/default/{secret_text}/facts", headers={"X-Request-ID": "req-1"} | ADMIN_HEADERS
+        )
     assert response.status_code == 500 and response.json()["request_id"] == "req-1"
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1

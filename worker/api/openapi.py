@@ -28,6 +28,7 @@ VALIDATION_ERROR = {
 ERROR = {"type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}
 # Answers any route can give: a body over its cap, a bad Content-Length, an unexpected error.
 COMMON_ERRORS = {"400": "Malformed request", "413": "Body over its cap", "500": "Internal error"}
+AUTH_ERRORS = {"401": "No valid credential", "403": "The credential lacks the scope or source"}
 
 
 def _hoist_defs(node: Any, defs: dict[str, Any]) -> Any:
@@ -60,6 +61,9 @@ def fix_openapi(document: dict[str, Any]) -> dict[str, Any]:
             responses = operation.setdefault("responses", {})
             for code, description in COMMON_ERRORS.items():
                 responses.setdefault(code, _error_response(description, ERROR))
+            if operation.get("security"):  # the route needs a credential: say what refusing it looks like
+                for code, description in AUTH_ERRORS.items():
+                    responses.setdefault(code, _error_response(description, ERROR))
             responses["422"] = _error_response(
                 "Validation error", {"$ref": "#/components/schemas/HTTPValidationError"}
             )
