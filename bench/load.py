@@ -73,7 +73,10 @@ async def deliver(client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore
             response = await client.post(
                 "/v1/pages",
                 content=body,
-                headers={"Content-Type": "application/json", SIGNATURE_HEADER: sign(body, SECRET)},
+                headers={
+                    "Content-Type": "application/json",
+                    SIGNATURE_HEADER: sign(body, SECRET, method="POST", path="/v1/pages"),
+                },
             )
         except httpx.HTTPError:
             return -1
