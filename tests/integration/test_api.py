@@ -748,8 +748,39 @@ def test_openapi_lists_the_routes(client: TestClient) -> None:
         "/metrics",
     }
     post_pages = spec["paths"]["/v1/pages"]["post"]
-    assert {p["name"] for p in post_pages["parameters"]} == {"Factmill-Signature", "Idempotency-Key"}
+    assert {p["name"] for p in post_pages["parameters"]} == {"Idempotency-Key"}
+    # Either credential: an ingest key, or the webhook signature (a security scheme, not a parameter).
+    assert post_pages["security"] == [{"ApiKey": []}, {"WebhookSignature": []}]
+    assert spec["components"]["securitySchemes"]["WebhookSignature"] == {
+        "type": "apiKey",
+        "in": "header",
+        "name": "Factmill-Signature",
+        "description": spec["components"]["securitySchemes"]["WebhookSignature"]["description"],
+    }
     assert "requestBody" in post_pages
+
+
+# Keywords pydantic writes when a constraint cannot apply to its type (e.g. ge on an optional
+# field): JSON Schema ignores them, so the document would not state the bound the API enforces.
+PYDANTIC_ONLY = {"ge", "le", "gt", "lt", "min_length", "max_length", "strict"}
+
+
+def test_openapi_holds_only_json_schema_keywords(client: TestClient) -> None:
+    found: list[str] = []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            in_properties = where.endswith(".properties")
+            for key, value in node.items():
+                if key in PYDANTIC_ONLY and not in_properties:
+                    found.append(f"{where}.{key}")
+                walk(value, f"{where}.{key}")
+        elif isinstance(node, list):
+            for index, item in enumerate(node):
+                walk(item, f"{where}[{index}]")
+
+    walk(client.get("/openapi.json").json(), "$")
+    assert not found, found
 
 
 # ---------------------------------------------------------------------------

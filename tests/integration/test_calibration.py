@@ -707,7 +707,7 @@ def test_unsigned_feedback_is_401(
         (FEEDBACK | {"coverage": "0.5"}, "coverage: Input should be a valid number"),
         (FEEDBACK | {"answer_kept": "yes"}, "answer_kept: Input should be a valid boolean"),
         ({"coverage": 0.5, "answer_kept": True}, "origin: Field required"),
-        (FEEDBACK | {"origin": ""}, "origin: String should have at least 1 character"),
+        (FEEDBACK | {"origin": ""}, "origin must be 1 to 200 printable characters"),
         (FEEDBACK | {"compaction_id": 0}, "compaction_id: Input should be greater than or equal to 1"),
         (FEEDBACK | {"colour": "blue"}, "colour: Extra inputs are not permitted"),
         ([FEEDBACK], "body must be a JSON object"),
@@ -761,11 +761,11 @@ def test_duplicate_feedback_is_200_and_stored_once(
     assert recorder.calls == []  # two observations: no recompute due yet (every 3)
 
 
-def test_feedback_on_a_compaction_that_does_not_exist_is_422(
+def test_feedback_on_a_compaction_that_does_not_exist_is_409(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
     response = post_feedback(client, FEEDBACK)  # no compaction 5 in this test's database
-    assert response.status_code == 422 and response.json()["detail"] == "compaction_id 5: no such compaction"
+    assert response.status_code == 409 and response.json()["detail"] == "compaction_id 5: no such compaction"
     assert count(tx_factory, CalibrationObservation) == 0
 
 
@@ -832,10 +832,9 @@ def test_get_calibration_shows_the_fallback_then_the_active_version(
 def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert "post" in paths["/v1/feedback"] and "get" in paths["/v1/calibration"]
-    assert {p["name"] for p in paths["/v1/feedback"]["post"]["parameters"]} == {
-        "Factmill-Signature",
-        "Idempotency-Key",
-    }
+    feedback = paths["/v1/feedback"]["post"]
+    assert {p["name"] for p in feedback["parameters"]} == {"Idempotency-Key"}
+    assert feedback["security"] == [{"ApiKey": []}, {"WebhookSignature": []}]  # a key or a signature
 
 
 # ---------------------------------------------------------------------------

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from worker.access import BOOTSTRAP_ADMIN, Principal, authenticate
-from worker.api.deps import ApiContext, Context, SignatureHeader, verify_signature
+from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
 
@@ -29,6 +29,17 @@ _bearer = HTTPBearer(
     description="An API key from `factmill keys create` (scopes read, ingest, admin) or FACTMILL_ADMIN_TOKEN",
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+# The webhook signature is the ingestion routes' other credential, so the document declares it as a
+# security scheme (an alternative to the key), not as a plain header.
+_signature = APIKeyHeader(
+    name=SIGNATURE_HEADER,
+    auto_error=False,
+    scheme_name="WebhookSignature",
+    description=(
+        "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'> under FACTMILL_WEBHOOK_SECRET"
+    ),
+)
+SignatureHeader = Annotated[str | None, Depends(_signature)]
 
 
 def request_path(request: Request) -> str:
@@ -110,7 +121,7 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
     well formed (checked here, before the body is read). Whatever credential is sent must be valid."""
 
     def dependency(
-        request: Request, ctx: Context, credentials: Credentials, signature: SignatureHeader = None
+        request: Request, ctx: Context, credentials: Credentials, signature: SignatureHeader
     ) -> Ingest:
         principal = resolve(ctx, credentials)
         if principal is not None:

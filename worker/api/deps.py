@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,7 +15,8 @@ from worker.access.ratelimit import PerKeyLimiter
 from worker.api.errors import ApiError, location, summarize
 from worker.api.guards import too_large_detail
 from worker.api.inputs import strict_json_loads
-from worker.core.signing import SIGNATURE_HEADER, SignatureError, verify
+from worker.core.labels import LABEL_PATTERN, clean_label
+from worker.core.signing import SignatureError, verify
 from worker.jobs import outbox
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -82,42 +81,17 @@ def celery_sender_for(settings: Settings) -> outbox.Sender:
 
 
 # ---------------------------------------------------------------------------
-# The admin bearer token.
-# ---------------------------------------------------------------------------
-
-_bearer = HTTPBearer(auto_error=False, description="FACTMILL_ADMIN_TOKEN")
-
-
-def require_admin(
-    ctx: Context, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> None:
-    challenge = {"WWW-Authenticate": "Bearer"}
-    token = ctx.settings.admin_token
-    if not token:
-        raise ApiError(401, "the admin API is disabled: FACTMILL_ADMIN_TOKEN is not set", headers=challenge)
-    if credentials is None:
-        raise ApiError(401, "missing 'Authorization: Bearer <admin token>' header", headers=challenge)
-    if not hmac.compare_digest(credentials.credentials.encode("utf-8"), token.encode("utf-8")):
-        raise ApiError(401, "wrong admin token", headers=challenge)
-
-
-# ---------------------------------------------------------------------------
 # Signed bodies: read (capped), verify, parse.
 # ---------------------------------------------------------------------------
 
-SignatureHeader = Annotated[
-    str | None,
-    Header(
-        alias=SIGNATURE_HEADER,
-        description=(
-            "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'> under "
-            "FACTMILL_WEBHOOK_SECRET"
-        ),
-    ),
-]
 IdempotencyHeader = Annotated[
     str | None,
-    Header(alias=IDEMPOTENCY_HEADER, description="A repeated delivery with this key replays the answer"),
+    Header(
+        alias=IDEMPOTENCY_HEADER,
+        description="A repeated delivery with this key replays the answer",
+        max_length=MAX_IDEMPOTENCY_KEY_LENGTH,
+        json_schema_extra={"pattern": LABEL_PATTERN},
+    ),
 ]
 
 
@@ -179,8 +153,8 @@ def check_idempotency_key(key: str | None) -> str | None:
     """The Idempotency-Key header, stripped; 422 unless it is 1 to 255 printable characters."""
     if key is None:
         return None
-    cleaned = key.strip()
-    if not cleaned or len(cleaned) > MAX_IDEMPOTENCY_KEY_LENGTH or not cleaned.isprintable():
+    cleaned = clean_label(key, MAX_IDEMPOTENCY_KEY_LENGTH)
+    if cleaned is None:
         raise ApiError(
             422, f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters"
         )
@@ -221,7 +195,6 @@ __all__ = [
     "ApiContext",
     "Context",
     "IdempotencyHeader",
-    "SignatureHeader",
     "celery_sender_for",
     "check_idempotency_key",
     "json_request_body",
@@ -229,6 +202,5 @@ __all__ = [
     "load_json_object",
     "parse_json_model",
     "read_body",
-    "require_admin",
     "verify_signature",
 ]

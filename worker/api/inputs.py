@@ -11,9 +11,10 @@ import json
 from typing import Annotated, Any
 
 from fastapi import Path, Query
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from worker.api.errors import ApiError
+from worker.core.jsonvalues import json_integer
 
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
@@ -108,7 +109,12 @@ def _storable(value: str) -> str:
 # A path or query string the store can hold (no NUL, no lone surrogate).
 StorableStr = Annotated[str, AfterValidator(_storable)]
 
+
 # Path and query integers bounded to their columns: past them Postgres fails inside the query.
+# A bigint id in a JSON body, an integer as JSON Schema means it (strict otherwise: no strings, no
+# booleans). The bounds come before the validator so that they reach the document as minimum/maximum.
+JsonBigIntId = Annotated[int, Strict(), Field(ge=1, le=BIGINT_MAX), BeforeValidator(json_integer)]
+
 BigIntIdPath = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 BigIntIdQuery = Annotated[int | None, Query(ge=1, le=BIGINT_MAX)]
 OffsetQuery = Annotated[int, Query(ge=0, le=BIGINT_MAX)]
@@ -119,6 +125,7 @@ __all__ = [
     "INT4_MAX",
     "BigIntIdPath",
     "BigIntIdQuery",
+    "JsonBigIntId",
     "OffsetQuery",
     "StorableStr",
     "check_json_text",

@@ -44,6 +44,7 @@ class AddReport:
     stored: list[StoredObservation] = field(default_factory=list)
     # (index, message): refused, nothing stored (a reused key, a compaction that does not exist)
     conflicts: list[tuple[int, str]] = field(default_factory=list)
+    unknown_compactions: list[int] = field(default_factory=list)  # the indexes of those conflicts
     recompute: JobRequest | None = None
 
     @property
@@ -89,6 +90,7 @@ def store_observations(session: Session, observations: Sequence[ObservationIn]) 
     for index, obs in enumerate(observations):
         if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
             report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
+            report.unknown_compactions.append(index)
         else:
             indexed.append((index, obs))
     # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids

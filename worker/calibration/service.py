@@ -33,6 +33,7 @@ from worker.core.calibration import (
     ObservationError,
     ObservationIn,
     SplitCounts,
+    UnknownCompactionError,
     check_parameters,
     decode_csv,
     describe_succession,
@@ -64,8 +65,11 @@ def add_observations(
 def add_observation(
     store: CalibrationStore, observation: ObservationIn, *, recompute_every: int
 ) -> AddReport:
-    """``add_observations`` for one; a reused key with different values raises ObservationError."""
+    """``add_observations`` for one. A reused key with different values raises ObservationError, a
+    compaction_id naming no compaction UnknownCompactionError."""
     report = add_observations(store, [observation], recompute_every=recompute_every)
+    if report.unknown_compactions:
+        raise UnknownCompactionError(report.conflicts[0][1])
     if report.conflicts:
         raise ObservationError(report.conflicts[0][1])
     return report

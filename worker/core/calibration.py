@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from worker.core.labels import clean_label
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
 
 SPLIT_METHOD = "stratified-sha256-alternate-v1"
@@ -36,6 +37,11 @@ class ObservationError(ValueError):
     """An observation a user sent is not usable; the message says which field and why."""
 
 
+class UnknownCompactionError(ObservationError):
+    """The observation names a compaction that is not stored: a conflict with the stored state, not a
+    malformed observation (the API answers 409)."""
+
+
 # ---------------------------------------------------------------------------
 # Observations in
 # ---------------------------------------------------------------------------
@@ -54,8 +60,8 @@ def _check_coverage(value: object) -> float:
 def _check_text(value: object, name: str, limit: int) -> str:
     if not isinstance(value, str):
         raise ObservationError(f"{name} must be text, got {value!r}")
-    cleaned = value.strip()
-    if not cleaned or len(cleaned) > limit or not cleaned.isprintable():
+    cleaned = clean_label(value, limit)
+    if cleaned is None:
         raise ObservationError(f"{name} must be 1 to {limit} printable characters, got {value!r}")
     return cleaned
 

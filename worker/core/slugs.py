@@ -10,6 +10,10 @@ SLUG_RULE = (
     "control characters, no leading or trailing '/')"
 )
 _PUNCTUATION = frozenset("._-")
+# The same rule as an ECMA-262 regular expression (Unicode property escapes), for the OpenAPI document;
+# tests/unit/test_slugs.py checks that it accepts exactly what ``normalize_slug`` accepts.
+_PART = r"[\p{L}\p{Nd}][\p{L}\p{M}\p{Nd}._-]*"
+SLUG_PATTERN = rf"^{_PART}(?:/{_PART})*$"
 
 
 def _starts_part(char: str) -> bool:
@@ -36,4 +40,4 @@ def normalize_slug(value: str) -> str:
     return slug
 
 
-__all__ = ["SLUG_RULE", "normalize_slug"]
+__all__ = ["SLUG_PATTERN", "SLUG_RULE", "normalize_slug"]

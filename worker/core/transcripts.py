@@ -15,6 +15,8 @@ from worker.core.compaction import (
     ToolCall,
     TranscriptMessage,
 )
+from worker.core.jsonvalues import json_integer
+from worker.core.labels import is_word_label
 
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
 MAX_MESSAGES_PER_REQUEST: Final = 10_000
@@ -46,11 +48,7 @@ def check_transcript_id(transcript_id: object) -> str:
     """A transcript id as clients choose them: 1-200 printable characters, no whitespace or slash."""
     if not isinstance(transcript_id, str):
         raise TranscriptError(f"transcript id must be text, got {transcript_id!r}")
-    if (
-        not 1 <= len(transcript_id) <= MAX_TRANSCRIPT_ID_LENGTH
-        or not transcript_id.isprintable()
-        or any(ch.isspace() or ch == "/" for ch in transcript_id)
-    ):
+    if not 1 <= len(transcript_id) <= MAX_TRANSCRIPT_ID_LENGTH or not is_word_label(transcript_id):
         raise TranscriptError(
             f"transcript id must be 1 to {MAX_TRANSCRIPT_ID_LENGTH} printable characters without "
             f"whitespace or '/', got {transcript_id!r}"
@@ -190,6 +188,7 @@ def link_tool_results(
 
 
 def _count_setting(name: str, value: object, *, minimum: int) -> int:
+    value = json_integer(value)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_TOKEN_SETTING:
         raise TranscriptError(
             f"settings.{name} must be an integer from {minimum} to {MAX_TOKEN_SETTING}, got {value!r}"
@@ -210,11 +209,11 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
         elif name == "instructions":
             if value is not None and not isinstance(value, str):
                 raise TranscriptError(f"settings.instructions must be text or null, got {value!r}")
-            text = (value or "").strip()
-            if len(text) > MAX_INSTRUCTIONS_LENGTH:
+            if value is not None and len(value) > MAX_INSTRUCTIONS_LENGTH:
                 raise TranscriptError(
-                    f"settings.instructions is {len(text)} characters; keep it to {MAX_INSTRUCTIONS_LENGTH}"
+                    f"settings.instructions is {len(value)} characters; keep it to {MAX_INSTRUCTIONS_LENGTH}"
                 )
+            text = (value or "").strip()
             cleaned[name] = text or None
         else:
             if value is None:

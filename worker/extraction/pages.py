@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 
 from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.core.slugs import normalize_slug
+from worker.core.labels import SOURCE_ID_PATTERN, is_source_id
+from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
     extracted_types,
@@ -31,8 +32,12 @@ class PageIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
-    source_id: str = Field(default="default", min_length=1, max_length=200)
-    slug: str = Field(min_length=1, max_length=500)
+    source_id: str = Field(
+        default="default", min_length=1, max_length=200, json_schema_extra={"pattern": SOURCE_ID_PATTERN}
+    )
+    slug: str = Field(
+        min_length=1, max_length=500, description=SLUG_RULE, json_schema_extra={"pattern": SLUG_PATTERN}
+    )
     type: str = Field(min_length=1, max_length=100)
     title: str = Field(default="", max_length=1000)
     compiled_truth: str = ""
@@ -42,7 +47,7 @@ class PageIn(BaseModel):
     @field_validator("source_id")
     @classmethod
     def _source_id(cls, value: str) -> str:
-        if "|" in value or value != value.strip():
+        if not is_source_id(value):
             raise ValueError("source_id must not contain '|' or surrounding whitespace")
         return value
 

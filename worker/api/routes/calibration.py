@@ -13,7 +13,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from models import CalibrationThreshold
@@ -28,17 +28,19 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
-from worker.api.inputs import BIGINT_MAX
+from worker.api.inputs import JsonBigIntId
 from worker.calibration import (
     MAX_KEY_LENGTH,
     MAX_ORIGIN_LENGTH,
     ObservationError,
     ObservationIn,
+    UnknownCompactionError,
     active_threshold,
     add_observation,
     observation_stats,
     threshold_history,
 )
+from worker.core.labels import LABEL_PATTERN
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,13 @@ MAX_FEEDBACK_BYTES = 64 * 1024
 calibration_router = APIRouter(tags=["calibration"])
 
 FeedbackKeyHeader = Annotated[
-    str | None, Header(alias=IDEMPOTENCY_HEADER, description="Same as the body's idempotency_key")
+    str | None,
+    Header(
+        alias=IDEMPOTENCY_HEADER,
+        description="Same as the body's idempotency_key",
+        max_length=MAX_KEY_LENGTH,
+        json_schema_extra={"pattern": LABEL_PATTERN},
+    ),
 ]
 
 
@@ -66,17 +74,19 @@ class FeedbackIn(BaseModel):
     answer_kept: Annotated[StrictBool, Field(description="Did the compressed context still hold the answer?")]
     origin: Annotated[
         str,
-        Field(min_length=1, max_length=MAX_ORIGIN_LENGTH, description="Who judged it, e.g. 'eval:nightly'"),
+        Field(
+            description="Who judged it, e.g. 'eval:nightly' (surrounding whitespace is dropped)",
+            max_length=MAX_ORIGIN_LENGTH,
+            json_schema_extra={"pattern": LABEL_PATTERN},
+        ),
     ]
-    compaction_id: Annotated[
-        StrictInt | None, Field(ge=1, le=BIGINT_MAX, description="The compaction judged")
-    ] = None
+    compaction_id: Annotated[JsonBigIntId | None, Field(description="The compaction judged")] = None
     idempotency_key: Annotated[
         str | None,
         Field(
-            min_length=1,
-            max_length=MAX_KEY_LENGTH,
             description="A resubmission with this key is answered as a duplicate and stored once",
+            max_length=MAX_KEY_LENGTH,
+            json_schema_extra={"pattern": LABEL_PATTERN},
         ),
     ] = None
 
@@ -126,7 +136,9 @@ def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: st
         report = add_observation(
             ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every
         )
-    except ObservationError as exc:  # a key reused for a different observation, an unknown compaction
+    except UnknownCompactionError as exc:
+        raise ApiError(409, str(exc)) from None
+    except ObservationError as exc:  # a key reused for a different observation (as Idempotency-Key: 422)
         raise ApiError(422, str(exc)) from None
     [stored] = report.stored
     pending = report.pending_jobs()
@@ -161,7 +173,7 @@ def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: st
     summary="Record whether a compaction kept the answer (signed webhook)",
     responses={
         200: {"model": FeedbackOut, "description": "A duplicate: stored before"},
-        **error_responses(401, 403, 413, 422),
+        **error_responses(401, 403, 409, 413, 422),
     },
     openapi_extra=json_request_body(FeedbackIn.model_json_schema()),
 )
@@ -174,7 +186,7 @@ async def post_feedback(
     """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
 
     Coverage must be a number from 0 to 1 (NaN and infinities are refused with 422), and a
-    `compaction_id` must name an existing compaction (else 422). A resubmission is
+    `compaction_id` must name an existing compaction (else 409). A resubmission is
     recognised by its `idempotency_key` (body or header), or, for a judgement of a known compaction,
     by its identical origin, compaction_id, coverage and answer_kept.
     """

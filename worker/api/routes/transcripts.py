@@ -65,6 +65,7 @@ from worker.compaction import (
     update_settings,
 )
 from worker.core.compaction import TranscriptMessage
+from worker.core.labels import WORD_LABEL_PATTERN
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -79,14 +80,13 @@ def _transcript_id(value: str) -> str:
         raise ValueError(str(exc)) from None
 
 
-# The pattern uses only escapes that mean the same in ECMA, Python and Rust regex (no \s); the full rule
-# (str.isprintable, no Unicode whitespace) is the validator's, as the description says.
+# The pattern is the rule (worker/core/labels.py); the validator gives the clearer message.
 TranscriptId = Annotated[
     str,
     Path(
         min_length=1,
         max_length=200,
-        pattern=r"^[^\x00-\x20\x7f-\x9f/]+$",
+        pattern=WORD_LABEL_PATTERN,
         description=(
             "The client's own id for the transcript: 1-200 printable characters, no whitespace "
             "(Unicode White_Space included) and no '/'"

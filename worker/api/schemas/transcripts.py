@@ -7,11 +7,11 @@ request models here document them in OpenAPI.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.compaction import MAX_MESSAGES_PER_REQUEST
+from worker.compaction import MAX_INSTRUCTIONS_LENGTH, MAX_MESSAGES_PER_REQUEST, MAX_TOKEN_SETTING
 
 
 class ToolCallIn(BaseModel):
@@ -33,11 +33,15 @@ class SettingsIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    context_window: int | None = Field(default=None, ge=1, description="null: unknown, never compact")
-    reserve_tokens: int = Field(default=16_384, ge=0)
-    keep_recent_tokens: int = Field(default=20_000, ge=0)
-    tool_result_limit: int = Field(default=2_000, ge=0)
-    instructions: str | None = Field(default=None, description="Steers the summarizer (quoted as data)")
+    context_window: Annotated[int, Field(ge=1, le=MAX_TOKEN_SETTING)] | None = Field(
+        default=None, description="null: unknown, never compact"
+    )
+    reserve_tokens: int = Field(default=16_384, ge=0, le=MAX_TOKEN_SETTING)
+    keep_recent_tokens: int = Field(default=20_000, ge=0, le=MAX_TOKEN_SETTING)
+    tool_result_limit: int = Field(default=2_000, ge=0, le=MAX_TOKEN_SETTING)
+    instructions: str | None = Field(
+        default=None, max_length=MAX_INSTRUCTIONS_LENGTH, description="Steers the summarizer (quoted as data)"
+    )
 
 
 class AppendIn(BaseModel):

@@ -1,0 +1,60 @@
+"""Short labels clients choose (an origin, an idempotency key, a transcript id): the rule in Python and
+the same rule as an ECMA-262 pattern for the OpenAPI document.
+
+A label is printable text: no control, format, private-use, surrogate or unassigned characters
+(Unicode category C) and no separators (category Z) but the plain space. That is ``str.isprintable``.
+The patterns say it with Unicode property escapes; tests/unit/test_document_patterns.py checks, on
+every character assigned in both Unicode versions, that each pattern accepts exactly what its Python
+rule accepts (Python 3.11's ``unicodedata`` is Unicode 14; a regex engine may know newer letters).
+"""
+
+from __future__ import annotations
+
+# What str.strip() removes (str.isspace), spelled out: ECMA's \s is a different set.
+_SPACES = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_STRIPPED = rf"[{_SPACES}]"
+_VISIBLE = r"[^\p{C}\p{Z}]"  # printable and not a space
+_PRINTABLE = rf"(?:{_VISIBLE}| )"
+
+
+def clean_label(value: str, limit: int) -> str | None:
+    """``value`` without surrounding whitespace, or None unless ``value`` has at most ``limit``
+    characters (as sent, so the document can state it as maxLength) and what is left after stripping
+    is printable and not empty."""
+    cleaned = value.strip()
+    if not cleaned or len(value) > limit or not cleaned.isprintable():
+        return None
+    return cleaned
+
+
+# What ``clean_label`` accepts, but for the length (maxLength in the document): surrounding whitespace
+# around printable characters that start and end visible. A bounded repetition of these large Unicode
+# classes would exceed validators' regex size limits, hence the separate maxLength.
+LABEL_PATTERN = rf"^{_STRIPPED}*(?:{_VISIBLE}|{_VISIBLE}{_PRINTABLE}*{_VISIBLE}){_STRIPPED}*$"
+
+
+def is_word_label(value: str) -> bool:
+    """Printable, with no whitespace (Unicode White_Space) and no '/': an id that can sit in a path."""
+    return value.isprintable() and not any(ch.isspace() or ch == "/" for ch in value)
+
+
+def is_source_id(value: str) -> bool:
+    """A source id: no '|' (it separates sources in keys) and no surrounding whitespace."""
+    return "|" not in value and value == value.strip()
+
+
+# What ``is_source_id`` accepts (a non-empty value; its length is its own rule).
+SOURCE_ID_PATTERN = rf"^(?:[^|{_SPACES}]|[^|{_SPACES}][^|]*[^|{_SPACES}])$"
+
+# What ``is_word_label`` accepts: every Z character is either whitespace or not printable, and the
+# C characters that are whitespace (tab, newline...) are not printable either.
+WORD_LABEL_PATTERN = r"^[^\p{C}\p{Z}/]+$"
+
+__all__ = [
+    "LABEL_PATTERN",
+    "SOURCE_ID_PATTERN",
+    "WORD_LABEL_PATTERN",
+    "clean_label",
+    "is_source_id",
+    "is_word_label",
+]
