@@ -51,9 +51,10 @@ def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
     with tx_factory.begin() as session:
         during = request_job(session, EXTRACTION, "default|p")
     assert during.job_id == first and job(tx_factory, first).rerun_requested
-    rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1})
+    rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1}, attempt=True)
     assert rerun == (first, EXTRACTION)
     assert job(tx_factory, first).status == "queued" and not job(tx_factory, first).rerun_requested
+    assert job(tx_factory, first).attempts == 0, "a rerun reads new content: its budgets start over"
     # A finished job no longer blocks a new one for the same page.
     claim(tx_factory, first, "w2", stale_after=60, budgets=BUDGETS)
     finish(tx_factory, first, "w2", "succeeded")
