@@ -36,7 +36,10 @@ class Job(Base):
     subject: Mapped[str]
     options: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     status: Mapped[str] = mapped_column(server_default="queued")
+    # Two budgets (worker.jobs.budgets): runs that reached a verdict of their own (capped by
+    # FACTMILL_JOB_MAX_ATTEMPTS) and runs whose worker was lost (FACTMILL_JOB_MAX_WORKER_LOSSES).
     attempts: Mapped[int] = count_column()
+    worker_losses: Mapped[int] = count_column()
     idempotency_key: Mapped[str | None] = mapped_column(unique=True)
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     last_error: Mapped[str | None]

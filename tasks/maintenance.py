@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.outbox import sweep as sweep_jobs
 
@@ -16,6 +17,7 @@ def sweep(self: Any) -> int:
         stale_after=rt.settings.job_stale_after_seconds,
         requeue_after=rt.settings.job_requeue_after_seconds,
         enabled=rt.config.enabled,
+        job_budgets=JobBudgets.from_settings(rt.settings),
         budget_has_room=rt.budget.has_room,
     )
     return report.total

@@ -71,7 +71,10 @@ class Settings(BaseSettings):
 
     # Jobs and workers.
     segment_concurrency: int = Field(default=8, ge=1, le=64)  # LLM calls in flight per page
-    job_max_attempts: int = Field(default=5, ge=1)
+    job_max_attempts: int = Field(default=5, ge=1)  # runs that end on their own (failures spend it)
+    # Runs cut short by infrastructure (SIGKILL, OOM, a stale lease, the database going away): larger,
+    # so faults rarely fail a page, yet a page that kills every worker it touches ends failed.
+    job_max_worker_losses: int = Field(default=20, ge=1)
     job_heartbeat_seconds: float = Field(default=10.0, gt=0)
     job_stale_after_seconds: float = Field(default=60.0, gt=0)  # running with an older heartbeat = lost
     job_requeue_after_seconds: float = Field(default=300.0, gt=0)  # queued this long = message lost

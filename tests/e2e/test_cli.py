@@ -181,3 +181,22 @@ def test_keys_create_list_revoke_and_the_key_works_until_revoked(cli, factory, d
     bad = cli("keys", "create", "x", "--scope", "write", check=False)
     assert bad.returncode == 2 and "unknown scope" in bad.stderr
     assert cli("keys", "revoke", "999999", check=False).returncode == 2
+
+
+def test_jobs_show_and_list_print_both_budgets(cli, factory):
+    from sqlalchemy import update
+
+    from models import Job
+    from worker.jobs.outbox import EXTRACTION, request_job
+
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, "default|conversations/budgets").job_id
+        session.execute(
+            update(Job).where(Job.id == job_id).values(status="failed", attempts=2, worker_losses=20)
+        )
+    shown = as_json(cli("jobs", "show", str(job_id)))
+    assert (shown["status"], shown["attempts"], shown["worker_losses"]) == ("failed", 2, 20)
+    listed = as_json(cli("jobs", "list", "--json"))
+    assert [(j["id"], j["attempts"], j["worker_losses"]) for j in listed] == [(job_id, 2, 20)]
+    table = cli("jobs", "list").stdout
+    assert "worker" in table and "losses" in table  # the header (the table wraps it)

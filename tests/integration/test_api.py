@@ -492,6 +492,10 @@ def test_jobs_list_filter_get_and_404(client: TestClient, tx_factory: sessionmak
     assert one.status_code == 200
     assert one.json()["source_id"] == "default" and one.json()["slug"] == "list/p1"
     assert one.json()["status"] == "queued"
+    assert (one.json()["attempts"], one.json()["worker_losses"]) == (0, 0)
+    set_job(tx_factory, ids[1], attempts=2, worker_losses=3)
+    assert [(j["attempts"], j["worker_losses"]) for j in client.get("/v1/jobs").json()["jobs"]][1] == (2, 3)
+    assert (client.get(f"/v1/jobs/{ids[1]}").json()["worker_losses"]) == 3
     missing = client.get("/v1/jobs/999999")
     assert missing.status_code == 404 and missing.json() == {"detail": "no job 999999"}
 
@@ -502,12 +506,14 @@ def test_retry_a_failed_job(
     job_id = post(committed_client, page("retry/a")).json()["jobs"][0]["job_id"]
     # Queued (or running): already on its way, so a retry is refused rather than duplicated.
     assert committed_client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS).status_code == 409
-    set_job(factory, job_id, status="failed", attempts=5, last_error="provider down")
+    set_job(factory, job_id, status="failed", attempts=5, worker_losses=7, last_error="provider down")
     committed_recorder.calls.clear()
     response = committed_client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
     assert response.status_code == 202, response.text
-    assert (response.json()["status"], response.json()["attempts"], response.json()["last_error"]) == (
+    body = response.json()
+    assert (body["status"], body["attempts"], body["worker_losses"], body["last_error"]) == (
         "queued",
+        0,
         0,
         None,
     )
@@ -716,10 +722,14 @@ def test_metrics_exposes_jobs_facts_llm_and_requests(
                         output_tokens=0, latency_ms=3000, outcome="provider_error"),
             ]
         )  # fmt: skip
+    set_job(tx_factory, job_id, attempts=1, worker_losses=2)
     client.get(f"/v1/jobs/{job_id}")
     text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_jobs{kind="extraction",status="queued"} 1.0' in text
     assert 'factmill_jobs{kind="compaction",status="failed"} 0.0' in text
+    assert 'factmill_job_attempts{kind="extraction",status="queued"} 1.0' in text
+    assert 'factmill_job_worker_losses{kind="extraction",status="queued"} 2.0' in text
+    assert 'factmill_job_worker_losses{kind="extraction",status="failed"} 0.0' in text
     assert "factmill_facts 1.0" in text  # the audit row is not a fact
     assert 'factmill_segments_total{outcome="ok"} 0.0' in text
     assert 'factmill_llm_calls_total{outcome="ok",purpose="extraction"} 1.0' in text

@@ -118,6 +118,7 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
         with factory() as session:
             job = session.get(Job, job_id)
             assert (outcome.status, job.status, job.pause_reason) == ("paused", "paused", "budget")
+            assert job.attempts == 0, "waiting for budget costs no attempt"
             assert "budget" in job.last_error
         with factory.begin() as session:
             set_config(session, "llm.budget_daily_usd", "100")
@@ -125,7 +126,8 @@ def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_ur
         assert resumed == [(job_id, EXTRACTION)]
         assert run_job(rt, job_id, EXTRACTION).status == "succeeded"
         with factory() as session:
-            assert session.get(Job, job_id).status == "succeeded"
+            done = session.get(Job, job_id)
+            assert (done.status, done.attempts, done.worker_losses) == ("succeeded", 1, 0)
             assert session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit)) == 1
     finally:
         rt.close()

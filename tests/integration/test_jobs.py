@@ -9,11 +9,14 @@ import pytest
 from sqlalchemy import event, select, update
 
 from models import Job
+from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import claim, finish, heartbeat, now
 from worker.jobs.outbox import EXTRACTION, enqueue, request_job, retry_job, sweep
 from worker.jobs.registry import Backoff
 
 pytestmark = pytest.mark.integration
+
+BUDGETS = JobBudgets(max_attempts=5, max_worker_losses=20)
 
 
 class Recorder:
@@ -44,15 +47,16 @@ def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
     with tx_factory.begin() as session:
         again = request_job(session, EXTRACTION, "default|p")
     assert (again.job_id, again.created) == (first, False)
-    assert claim(tx_factory, first, "w1", stale_after=60) is not None
+    assert claim(tx_factory, first, "w1", stale_after=60, budgets=BUDGETS) is not None
     with tx_factory.begin() as session:
         during = request_job(session, EXTRACTION, "default|p")
     assert during.job_id == first and job(tx_factory, first).rerun_requested
-    rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1})
+    rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1}, attempt=True)
     assert rerun == (first, EXTRACTION)
     assert job(tx_factory, first).status == "queued" and not job(tx_factory, first).rerun_requested
+    assert job(tx_factory, first).attempts == 0, "a rerun reads new content: its budgets start over"
     # A finished job no longer blocks a new one for the same page.
-    claim(tx_factory, first, "w2", stale_after=60)
+    claim(tx_factory, first, "w2", stale_after=60, budgets=BUDGETS)
     finish(tx_factory, first, "w2", "succeeded")
     assert new_job(tx_factory) != first
 
@@ -66,44 +70,78 @@ def test_a_broker_outage_loses_nothing_and_tries_only_once(tx_factory):
     with tx_factory.begin() as session:  # old enough for the sweeper to call the message lost
         session.execute(update(Job).values(created_at=now() - timedelta(seconds=10)))
     up = Recorder()
-    report = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up)
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=up,
+    )
     assert sorted(report.resent_queued) == sorted(ids)
     assert sorted(job_id for _, job_id, _ in up.sent) == sorted(ids)
     assert {queue for _, _, queue in up.sent} == {"extraction"}
     assert all(job(tx_factory, i).enqueued_at is not None for i in ids)
     # Sent just now: the next sweep leaves them alone.
     assert (
-        sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=up).total == 0
+        sweep(
+            tx_factory,
+            stale_after=60,
+            requeue_after=300,
+            enabled=lambda key: True,
+            job_budgets=BUDGETS,
+            sender=up,
+        ).total
+        == 0
     )
 
 
 def test_claims_are_exclusive_until_the_heartbeat_goes_stale(tx_factory):
     job_id = new_job(tx_factory)
-    assert claim(tx_factory, job_id, "w1", stale_after=60) is not None
-    assert claim(tx_factory, job_id, "w2", stale_after=60) is None, "a live lease is never shared"
+    assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    assert claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS) is None, (
+        "a live lease is never shared"
+    )
     assert heartbeat(tx_factory, job_id, "w1") and not heartbeat(tx_factory, job_id, "w2")
     with tx_factory.begin() as session:
         session.execute(
             update(Job).where(Job.id == job_id).values(heartbeat_at=now() - timedelta(seconds=120))
         )
-    taken = claim(tx_factory, job_id, "w2", stale_after=60)
-    assert taken is not None and taken.attempts == 2 and taken.worker == "w2"
+    taken = claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
+    # The takeover counts the dead holder as a worker loss; no run reached a verdict, so no attempt.
+    assert taken is not None and (taken.attempts, taken.worker_losses, taken.worker) == (0, 1, "w2")
     assert not heartbeat(tx_factory, job_id, "w1"), "the old holder learns it lost the lease"
     assert finish(tx_factory, job_id, "w1", "failed") is None and job(tx_factory, job_id).status == "running"
 
 
 def test_the_sweeper_requeues_dead_workers_jobs_and_resumes_switched_on_pauses(tx_factory):
     dead = new_job(tx_factory, "default|dead")
-    claim(tx_factory, dead, "w1", stale_after=60)
+    claim(tx_factory, dead, "w1", stale_after=60, budgets=BUDGETS)
     with tx_factory.begin() as session:
         session.execute(update(Job).where(Job.id == dead).values(heartbeat_at=now() - timedelta(seconds=300)))
     paused = new_job(tx_factory, "default|paused")
-    claim(tx_factory, paused, "w1", stale_after=60)
+    claim(tx_factory, paused, "w1", stale_after=60, budgets=BUDGETS)
     finish(tx_factory, paused, "w1", "paused", pause_reason="kill_switch")
-    off = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: False, sender=Recorder())
+    off = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: False,
+        job_budgets=BUDGETS,
+        sender=Recorder(),
+    )
     assert off.requeued_stale == [dead] and off.resumed_paused == []
     assert job(tx_factory, dead).status == "queued" and "stale heartbeat" in job(tx_factory, dead).last_error
-    on = sweep(tx_factory, stale_after=60, requeue_after=300, enabled=lambda key: True, sender=Recorder())
+    assert (job(tx_factory, dead).attempts, job(tx_factory, dead).worker_losses) == (0, 1)
+    assert job(tx_factory, paused).attempts == 0, "a pause costs no attempt"
+    on = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=Recorder(),
+    )
     assert on.resumed_paused == [paused] and job(tx_factory, paused).status == "queued"
 
 
@@ -111,7 +149,7 @@ def test_retry_job_requeues_finished_work_only(tx_factory):
     job_id = new_job(tx_factory)
     with tx_factory.begin() as session:
         assert retry_job(session, job_id).status == "queued"  # queued stays queued
-    claim(tx_factory, job_id, "w1", stale_after=60)
+    claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
     finish(tx_factory, job_id, "w1", "failed", last_error="boom")
     with tx_factory.begin() as session:
         retried = retry_job(session, job_id)
@@ -169,6 +207,7 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
         assert "provider_error" in queued.last_error and queued.counters["pages_failed"] == 1
         second = run_job(rt, job_id, EXTRACTION)
         assert second.status == "failed" and job(factory, job_id).status == "failed"
+        assert (job(factory, job_id).attempts, job(factory, job_id).worker_losses) == (2, 0)
     finally:
         simulator.configure(rate_500=0.0)  # the simulator is shared by the whole session
         rt.close()
@@ -179,7 +218,7 @@ def test_request_job_survives_the_pending_job_finishing_between_insert_and_selec
     ON CONFLICT DO NOTHING found it but before the SELECT looks for it. It used to raise
     NoResultFound (a 500 that rolled the page update back); now a new job is requested."""
     first = new_job(factory)
-    claim(factory, first, "w1", stale_after=60)
+    claim(factory, first, "w1", stale_after=60, budgets=BUDGETS)
     interleaved: list[str] = []
 
     def finish_in_between(conn, cursor, statement, parameters, context, executemany):

@@ -91,6 +91,18 @@ def statuses(factory: sessionmaker[Session]) -> dict[str, int]:
         return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())  # type: ignore[arg-type]
 
 
+def job_ids(factory: sessionmaker[Session], status: str) -> set[int]:
+    with factory() as session:
+        return set(session.scalars(select(Job.id).where(Job.status == status)))
+
+
+def spent(factory: sessionmaker[Session]) -> dict[int, tuple[int, int]]:
+    """Each job's two budgets as spent: (attempts, worker losses)."""
+    with factory() as session:
+        rows = session.execute(select(Job.id, Job.attempts, Job.worker_losses))
+        return {job_id: (attempts, losses) for job_id, attempts, losses in rows}
+
+
 def all_succeeded(factory: sessionmaker[Session], n: int) -> bool:
     return statuses(factory).get("succeeded", 0) == n
 
@@ -183,6 +195,8 @@ def test_kill_switch_pauses_within_seconds_and_resume_completes(factory, env, se
         )
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(LLMCall).where(LLMCall.outcome != "ok")) == 0
+    # Paused (at claim or mid-run) and resumed, each job still spent exactly one attempt: its one run.
+    assert set(spent(factory).values()) == {(1, 0)}, spent(factory)
 
 
 def test_flushed_broker_loses_no_page(factory, env, sender, tmp_path: Path, server_url, simulator, broker):
@@ -210,6 +224,7 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(
     simulator.configure(latency_ms=120)
     pages = {f"conversations/s{i}": conversation(i, segments=12) for i in range(6)}
     beat = start_beat(env, tmp_path)
+    interrupted: set[int] = set()
     with running(beat):
         add_pages(factory, pages, sender)
         for round_ in range(2):  # kill mid-page, twice
@@ -218,6 +233,7 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(
             wait_for(lambda b=before: len(fact_rows(factory)) > b + 5, 60, "some segments to commit")  # type: ignore[misc]
             worker.kill()
             assert statuses(factory).get("running", 0) > 0, "the kill should have interrupted running jobs"
+            interrupted |= job_ids(factory, "running")
         survivor = start_worker(env, concurrency=6)
         with running(survivor):
             wait_for(
@@ -229,6 +245,10 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(
     rows = fact_rows(factory)
     assert len(rows) == len(set((slug, num) for slug, num, _ in rows))
     assert rows == expected_facts(server_url, pages, simulator)
+    # A SIGKILL spends a worker loss, never an attempt: each job reached one verdict of its own.
+    budgets = spent(factory)
+    assert {attempts for attempts, _ in budgets.values()} == {1}, budgets
+    assert all(budgets[job_id][1] >= 1 for job_id in interrupted), (interrupted, budgets)
 
 
 def test_prefork_pool_runs_jobs_too(factory, env, sender, server_url, simulator):

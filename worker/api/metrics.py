@@ -77,8 +77,22 @@ class _StoreRows:
     """What one scrape read from the job, fact, segment and LLM tables."""
 
     def __init__(self, session: Session) -> None:
-        job_rows = session.execute(select(Job.status, Job.kind, func.count()).group_by(Job.status, Job.kind))
-        self.job_counts: dict[tuple[str, str], int] = {(status, kind): n for status, kind, n in job_rows}
+        job_rows = session.execute(
+            select(
+                Job.status,
+                Job.kind,
+                func.count(),
+                func.coalesce(func.sum(Job.attempts), 0),
+                func.coalesce(func.sum(Job.worker_losses), 0),
+            ).group_by(Job.status, Job.kind)
+        ).all()
+        self.job_counts: dict[tuple[str, str], int] = {
+            (status, kind): n for status, kind, n, _, _ in job_rows
+        }
+        # The two budgets, summed over the jobs in each (status, kind).
+        self.job_spent: dict[tuple[str, str], tuple[int, int]] = {
+            (status, kind): (int(attempts), int(losses)) for status, kind, _, attempts, losses in job_rows
+        }
         self.facts = session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit.is_(False)))
         self.segment_rows = session.execute(
             select(ExtractionAudit.outcome, func.count()).group_by(ExtractionAudit.outcome)
@@ -115,10 +129,23 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
     def metrics(self, rows: _StoreRows) -> list[Metric]:
         up = GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)
         jobs_gauge = GaugeMetricFamily("factmill_jobs", "Jobs by status and kind", labels=["status", "kind"])
+        attempts = GaugeMetricFamily(
+            "factmill_job_attempts",
+            "Attempts spent by the jobs in each status and kind (runs that reached a verdict of their own)",
+            labels=["status", "kind"],
+        )
+        losses = GaugeMetricFamily(
+            "factmill_job_worker_losses",
+            "Worker losses of the jobs in each status and kind (runs cut short by infrastructure)",
+            labels=["status", "kind"],
+        )
         kinds = sorted(set(kind_names()) | {kind for _, kind in rows.job_counts})
         for status in JOB_STATUSES:
             for kind in kinds:  # zeros included, so a series never vanishes when its last job moves on
                 jobs_gauge.add_metric([status, kind], rows.job_counts.get((status, kind), 0))
+                spent_attempts, spent_losses = rows.job_spent.get((status, kind), (0, 0))
+                attempts.add_metric([status, kind], spent_attempts)
+                losses.add_metric([status, kind], spent_losses)
         facts_gauge = GaugeMetricFamily(
             "factmill_facts", "Facts stored (audit rows excluded)", value=rows.facts or 0
         )
@@ -128,7 +155,7 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
         seen = {outcome: n for outcome, n in rows.segment_rows}
         for outcome in sorted(set(SEGMENT_OUTCOMES) | set(seen)):
             segments.add_metric([outcome], seen.get(outcome, 0))
-        return [up, jobs_gauge, facts_gauge, segments, *_llm_metrics(rows), _latency(rows)]
+        return [up, jobs_gauge, attempts, losses, facts_gauge, segments, *_llm_metrics(rows), _latency(rows)]
 
 
 def _llm_metrics(rows: _StoreRows) -> list[Metric]:

@@ -21,6 +21,7 @@ JOB_FIELDS = (
     "subject",
     "status",
     "attempts",
+    "worker_losses",
     "last_error",
     "counters",
     "created_at",
@@ -47,7 +48,7 @@ def jobs_list(
     if as_json:
         print_json(jobs)
         return
-    table = Table("id", "kind", "subject", "status", "attempts", "last_error")
+    table = Table("id", "kind", "subject", "status", "attempts", "worker losses", "last_error")
     for j in jobs:
         table.add_row(
             str(j["id"]),
@@ -55,6 +56,7 @@ def jobs_list(
             j["subject"],
             j["status"],
             str(j["attempts"]),
+            str(j["worker_losses"]),
             (j["last_error"] or "")[:60],
         )
     out.print(table)
@@ -72,7 +74,7 @@ def jobs_show(job_id: int) -> None:
 
 @jobs_app.command("retry")
 def jobs_retry(job_id: int) -> None:
-    """Queue a failed or paused job again."""
+    """Queue a failed, paused or succeeded job again (attempts and worker losses start over)."""
     factory = checked_factory()
     try:
         with factory.begin() as session:

@@ -9,10 +9,11 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from worker.jobs.budgets import JobBudgets
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,20 @@ def new_lease_token() -> str:
     return f"{socket.gethostname()}:{uuid.uuid4().hex[:12]}"
 
 
-def claim(factory: sessionmaker[Session], job_id: int, token: str, stale_after: float) -> Job | None:
+def claim(
+    factory: sessionmaker[Session], job_id: int, token: str, stale_after: float, budgets: JobBudgets
+) -> Job | None:
     """Take the job if it is queued (or paused, or running with a stale heartbeat); None otherwise.
 
     A redelivered message for a job another worker holds, or one that already finished, gets None.
+    Taking over a stale lease counts a worker loss (its worker died without a word). A job with a
+    spent budget is failed here instead of run, and returned with status "failed". The claim itself
+    costs no attempt: ``finish`` counts one when the run reaches a verdict of its own.
     """
     stale = func.now() - timedelta(seconds=stale_after)
     with factory.begin() as session:
-        return session.execute(
-            update(Job)
+        row = session.execute(
+            select(Job.status, Job.attempts, Job.worker_losses)
             .where(
                 Job.id == job_id,
                 or_(
@@ -47,16 +53,52 @@ def claim(factory: sessionmaker[Session], job_id: int, token: str, stale_after: 
                     and_(Job.status == "running", or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale)),
                 ),
             )
+            .with_for_update()
+        ).one_or_none()
+        if row is None:
+            return None
+        losses = row.worker_losses + (1 if row.status == "running" else 0)
+        spent = fail_if_spent(session, job_id, row.attempts, losses, budgets)
+        if spent is not None:
+            return spent
+        return session.execute(
+            update(Job)
+            .where(Job.id == job_id)
             .values(
                 status="running",
                 worker=token,
-                attempts=Job.attempts + 1,
+                worker_losses=losses,
                 heartbeat_at=func.now(),
                 started_at=func.coalesce(Job.started_at, func.now()),
                 last_error=None,
             )
             .returning(Job)
-        ).scalar_one_or_none()
+        ).scalar_one()
+
+
+def fail_if_spent(
+    session: Session, job_id: int, attempts: int, worker_losses: int, budgets: JobBudgets
+) -> Job | None:
+    """Fail the job (in the caller's transaction, its row locked) when either budget is spent at these
+    counters; None when it may run. The claim and the sweeper both ask, so no path passes a cap."""
+    reason = budgets.spent_reason(attempts, worker_losses)
+    if reason is None:
+        return None
+    logger.warning("job %s failed: %s", job_id, reason)
+    return session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(
+            status="failed",
+            worker_losses=worker_losses,
+            worker=None,
+            heartbeat_at=None,
+            pause_reason=None,
+            finished_at=func.now(),
+            last_error=reason,
+        )
+        .returning(Job)
+    ).scalar_one()
 
 
 def heartbeat(factory: sessionmaker[Session], job_id: int, token: str) -> bool:
@@ -112,11 +154,16 @@ def finish(
     last_error: str | None = None,
     requeue_at: datetime | None = None,
     pause_reason: str | None = None,
+    attempt: bool = False,
+    worker_lost: bool = False,
 ) -> tuple[int, str] | None:
     """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
 
-    Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran.
-    Writes nothing if the lease is no longer ours.
+    ``attempt``: the run reached a verdict of its own (it counts against max_attempts);
+    ``worker_lost``: infrastructure cut it short (it counts against max_worker_losses); a pause is
+    neither. Returns (job id, kind) when the job must be sent again: a rerun was requested while it
+    ran; the rerun reads new content, so it starts with fresh budgets. Writes nothing if the lease is
+    no longer ours.
     """
     values: dict[str, Any] = {
         "status": status,
@@ -127,6 +174,10 @@ def finish(
     }
     if counters is not None:
         values["counters"] = counters
+    if attempt:
+        values["attempts"] = Job.attempts + 1
+    if worker_lost:
+        values["worker_losses"] = Job.worker_losses + 1
     if status in FINISHED:
         values["finished_at"] = func.now()
     if requeue_at is not None:
@@ -141,7 +192,7 @@ def finish(
             session.execute(
                 update(Job)
                 .where(Job.id == job_id)
-                .values(status="queued", rerun_requested=False, finished_at=None)
+                .values(status="queued", rerun_requested=False, finished_at=None, attempts=0, worker_losses=0)
             )
             return job_id, job.kind
     return None

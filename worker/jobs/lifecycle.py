@@ -12,6 +12,7 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError
 
 from models import Job
+from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue
 from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError, get_kind
@@ -20,11 +21,24 @@ from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["succeeded", "failed", "retry", "paused", "lost"]
+Status = Literal["succeeded", "failed", "retry", "requeue", "paused", "lost"]
 
 
 def paused_reason(switch: str) -> str:
     return f"paused: {switch} is off; it resumes when the switch is turned on"
+
+
+# SQLSTATEs of a server going away: connection exceptions (class 08), admin/crash shutdown, starting up.
+DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
+
+
+def database_went_away(exc: BaseException) -> bool:
+    """The database restarted or the connection broke (not a deadlock or a statement timeout, which
+    are the job's own failures). No SQLSTATE at all means the server never answered."""
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in DATABASE_GONE_SQLSTATES
 
 
 # The common rows of the exception table; a kind's own rows (JobKind.errors) are read first.
@@ -32,7 +46,9 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     ErrorRule(LeaseLostError, "lost"),
     ErrorRule(KillSwitchOffError, "pause", KILL_SWITCH),
     ErrorRule(BudgetExhaustedError, "pause", BUDGET),
-    ErrorRule(OperationalError, "retry"),  # the database went away: try again later
+    # The database went away under the run: a worker loss, not the job's fault; try again later.
+    ErrorRule(OperationalError, "requeue", when=database_went_away),
+    ErrorRule(OperationalError, "retry"),
 )
 
 
@@ -72,7 +88,7 @@ class JobContext:
 
 def classify(kind: JobKind, exc: BaseException) -> ErrorRule | None:
     for rule in (*kind.errors, *COMMON_ERRORS):
-        if isinstance(exc, rule.error):
+        if isinstance(exc, rule.error) and (rule.when is None or rule.when(exc)):
             return rule
     return None
 
@@ -87,8 +103,10 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
     if rule.action == "pause":
         note = paused_reason(kind.switch) if rule.pause_reason == KILL_SWITCH else str(exc)
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
-    if rule.action == "retry":
-        return WorkResult("retry", note=f"{type(exc).__name__}: {exc}")
+    if rule.action in ("retry", "requeue"):
+        return WorkResult(
+            "retry" if rule.action == "retry" else "requeue", note=f"{type(exc).__name__}: {exc}"
+        )
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))
     return WorkResult("failed", note=str(exc), detail=str(exc))
@@ -104,9 +122,13 @@ def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | No
     """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
     token = new_lease_token()
-    job = claim(rt.factory, job_id, token, rt.settings.job_stale_after_seconds)
+    job = claim(
+        rt.factory, job_id, token, rt.settings.job_stale_after_seconds, JobBudgets.from_settings(rt.settings)
+    )
     if job is None:
         return JobOutcome("skipped", detail="already finished, or held by another worker")
+    if job.status == "failed":  # a budget was spent: the claim failed it instead of running it
+        return JobOutcome("failed", detail=job.last_error or "")
     lease = Lease(job, token)
     if job.kind != spec.name:
         result = WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
@@ -122,12 +144,20 @@ def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | No
 
 
 def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> JobOutcome:
-    """Record how the run ended: the one place that decides succeeded / failed / paused / retry."""
+    """Record how the run ended: the one place that decides succeeded / failed / paused / retry, and
+    which budget the run spent (a verdict of its own spends an attempt, a pause spends nothing)."""
     job_id, token = lease.job.id, lease.token
-    if result.status == "lost":
+    if result.status == "lost":  # the worker that took the lease over counted the loss
         return JobOutcome("lost", detail=result.detail)
-    if result.status == "retry":
-        return retry_or_fail(rt, lease, result.note or "retry", backoff, result.counters)
+    if result.status in ("retry", "requeue"):
+        return retry_or_fail(
+            rt,
+            lease,
+            result.note or "retry",
+            backoff,
+            result.counters,
+            worker_lost=result.status == "requeue",
+        )
     if result.status in ("failed", "paused"):
         finish(
             rt.factory,
@@ -137,24 +167,51 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
             counters=result.counters,
             last_error=result.note,
             pause_reason=result.pause_reason,
+            attempt=result.status == "failed",
         )
         return JobOutcome(result.status, detail=result.detail)
-    rerun = finish(rt.factory, job_id, token, "succeeded", counters=result.counters, last_error=result.note)
+    rerun = finish(
+        rt.factory, job_id, token, "succeeded", counters=result.counters, last_error=result.note, attempt=True
+    )
     if rerun is not None:
         enqueue(rt.factory, [rerun])
     return JobOutcome("succeeded", detail=result.detail)
 
 
 def retry_or_fail(
-    rt: Runtime, lease: Lease, reason: str, backoff: Backoff, counters: dict[str, Any] | None = None
+    rt: Runtime,
+    lease: Lease,
+    reason: str,
+    backoff: Backoff,
+    counters: dict[str, Any] | None = None,
+    *,
+    worker_lost: bool = False,
 ) -> JobOutcome:
-    """Queue the job again after a backoff, or fail it once its attempts are spent. ``enqueued_at`` in
-    the future keeps the sweeper from re-sending it before it is due."""
+    """Queue the job again after a backoff, or fail it once the budget this run spent is gone: an
+    attempt for the job's own failure, a worker loss when infrastructure cut it short. ``enqueued_at``
+    in the future keeps the sweeper from re-sending it before it is due."""
     job_id, token = lease.job.id, lease.token
-    if lease.job.attempts >= rt.settings.job_max_attempts:
-        finish(rt.factory, job_id, token, "failed", counters=counters, last_error=reason)
+    budgets = JobBudgets.from_settings(rt.settings)
+    attempts = lease.job.attempts + (0 if worker_lost else 1)
+    losses = lease.job.worker_losses + (1 if worker_lost else 0)
+    spent = budgets.losses_spent(losses) if worker_lost else budgets.attempts_spent(attempts)
+    if spent:
+        reason = f"{worker_lost_reason(losses)}; last: {reason}" if worker_lost else reason
+        requeue_at = None
+    else:
+        delay = backoff.delay(losses if worker_lost else attempts)
+        requeue_at = now() + timedelta(seconds=delay)
+    finish(
+        rt.factory,
+        job_id,
+        token,
+        "failed" if spent else "queued",
+        counters=counters,
+        last_error=reason,
+        requeue_at=requeue_at,
+        attempt=not worker_lost,
+        worker_lost=worker_lost,
+    )
+    if spent:
         return JobOutcome("failed", detail=reason)
-    delay = backoff.delay(lease.job.attempts)
-    requeue_at = now() + timedelta(seconds=delay)
-    finish(rt.factory, job_id, token, "queued", counters=counters, last_error=reason, requeue_at=requeue_at)
     return JobOutcome("retry", retry_in=delay, detail=reason)

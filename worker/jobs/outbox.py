@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -15,7 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from worker.config_store import KILL_SWITCHES, is_enabled
+from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
+from worker.jobs.leases import fail_if_spent
 from worker.jobs.registry import KIND_MODULES, UnknownJobKindError, get_kind, kind_names
 
 logger = logging.getLogger(__name__)
@@ -165,7 +167,10 @@ def retry_job(session: Session, job_id: int) -> Job:
         job.status = "queued"
         job.finished_at = None
         job.last_error = None
+        # An operator's retry is a fresh start: both budgets begin again (the automatic paths never
+        # reset them, so none of them can run a job past either cap).
         job.attempts = 0
+        job.worker_losses = 0
     return job
 
 
@@ -192,9 +197,11 @@ class SweepReport:
     requeued_stale: list[int]
     resent_queued: list[int]
     resumed_paused: list[int]
+    failed_spent: list[int] = field(default_factory=list)  # a budget ran out: failed, not re-sent
 
     @property
     def total(self) -> int:
+        """Jobs re-sent to the broker."""
         return len(self.requeued_stale) + len(self.resent_queued) + len(self.resumed_paused)
 
 
@@ -204,37 +211,63 @@ def sweep(
     stale_after: float,
     requeue_after: float,
     enabled: Callable[[str], bool],
+    job_budgets: JobBudgets,
     budget_has_room: Callable[[], bool] | None = None,
     sender: Sender | None = None,
 ) -> SweepReport:
-    """Re-send what the broker lost: running jobs whose worker died, queued jobs whose message
-    vanished, and paused jobs whose kill switch is on again. Postgres is the source of truth."""
+    """Re-send what the broker lost: running jobs whose worker died (a worker loss each), queued jobs
+    whose message vanished, and paused jobs whose kill switch is on again. A job whose budgets are
+    spent is failed instead of re-sent. Postgres is the source of truth."""
+    failed: list[int] = []
     with factory.begin() as session:
         stale = session.execute(
-            update(Job)
+            select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
             .where(Job.status == "running", Job.heartbeat_at < func.now() - timedelta(seconds=stale_after))
-            .values(status="queued", worker=None, last_error="worker lost (stale heartbeat); requeued")
-            .returning(Job.id, Job.kind)
+            .with_for_update(skip_locked=True)
         ).all()
+        stale_pairs = []
+        for row in stale:
+            if fail_if_spent(session, row.id, row.attempts, row.worker_losses + 1, job_budgets) is not None:
+                failed.append(row.id)
+                continue
+            session.execute(
+                update(Job)
+                .where(Job.id == row.id)
+                .values(
+                    status="queued",
+                    worker=None,
+                    worker_losses=Job.worker_losses + 1,
+                    last_error="worker lost (stale heartbeat); requeued",
+                )
+            )
+            stale_pairs.append((row.id, row.kind))
         lost = session.execute(
-            select(Job.id, Job.kind).where(
+            select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
+            .where(
                 Job.status == "queued",
                 or_(
                     Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
                     Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),
                 ),
             )
+            .with_for_update(skip_locked=True)
         ).all()
+        lost_pairs = []
+        for row in lost:
+            if fail_if_spent(session, row.id, row.attempts, row.worker_losses, job_budgets) is not None:
+                failed.append(row.id)
+            elif row.id not in {i for i, _ in stale_pairs}:
+                lost_pairs.append((row.id, row.kind))
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
         if budget_has_room is not None and budget_has_room():
             resumed += resume_paused(session, switched_on, reason=BUDGET)
-    stale_pairs = [(r.id, r.kind) for r in stale]
-    lost_pairs = [(r.id, r.kind) for r in lost if r.id not in {i for i, _ in stale_pairs}]
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
-    report = SweepReport([i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed])
-    if report.total:
-        logger.info("sweep re-sent %s job(s): %s", report.total, report)
+    report = SweepReport(
+        [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
+    )
+    if report.total or failed:
+        logger.info("sweep re-sent %s job(s) and failed %s: %s", report.total, len(failed), report)
     return report
 
 

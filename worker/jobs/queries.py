@@ -65,7 +65,7 @@ def job_source_id(subject: ColumnElement[str] | InstrumentedAttribute[str]) -> C
 
 
 def retry(session: Session, job_id: int) -> Job:
-    """Queue a failed, paused or succeeded job again (attempts reset), in the caller's transaction.
+    """Queue a failed, paused or succeeded job again (both budgets reset), in the caller's transaction.
 
     Raises JobNotFoundError, JobNotRetryableError (queued or running: already on its way; the sweeper
     re-sends a queued job whose message was lost) or JobAlreadyPendingError. The caller enqueues the

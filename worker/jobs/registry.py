@@ -20,7 +20,10 @@ KIND_MODULES: dict[str, str] = {
     "calibration": "worker.calibration.job",
 }
 
-Action = Literal["retry", "pause", "fail", "lost"]
+# retry: the job's own failure (spends an attempt); requeue: infrastructure cut the run short (spends a
+# worker loss); pause: waits for a switch or the LLM budget (spends nothing); lost: another worker took
+# the lease over (it counted the loss); fail: no retry.
+Action = Literal["retry", "requeue", "pause", "fail", "lost"]
 
 
 class UnknownJobKindError(ValueError):
@@ -50,6 +53,7 @@ class ErrorRule:
     error: type[BaseException]
     action: Action
     pause_reason: str | None = None  # for action "pause": kill_switch | budget
+    when: Callable[[BaseException], bool] | None = None  # the rule applies only if this says so
 
 
 @dataclass(frozen=True)

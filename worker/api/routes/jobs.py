@@ -35,7 +35,8 @@ class JobOut(BaseModel):
     source_id: str | None = None  # page jobs (extraction) only
     slug: str | None = None
     status: str
-    attempts: int
+    attempts: int  # runs that reached a verdict of their own (capped by FACTMILL_JOB_MAX_ATTEMPTS)
+    worker_losses: int  # runs their worker never finished (capped by FACTMILL_JOB_MAX_WORKER_LOSSES)
     options: dict[str, Any]
     counters: dict[str, Any]
     last_error: str | None
@@ -109,7 +110,8 @@ def _visible(principal: Principal, job: Job) -> bool:
     summary="Queue a failed, paused or succeeded job again",
 )
 def retry(ctx: Context, _: Admin, job_id: JobId) -> JobOut:
-    """A failed, paused or succeeded job is queued again (attempts reset) and sent to its queue.
+    """A failed, paused or succeeded job is queued again (attempts and worker losses reset) and sent to
+    its queue.
 
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.

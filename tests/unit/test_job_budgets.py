@@ -1,0 +1,50 @@
+"""The two job budgets as values, and which database errors count as the database going away."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from worker.jobs.budgets import JobBudgets
+from worker.jobs.lifecycle import classify, database_went_away
+from worker.jobs.registry import get_kind
+from worker.settings import Settings
+
+
+def test_each_budget_is_spent_at_its_own_cap():
+    budgets = JobBudgets(max_attempts=5, max_worker_losses=20)
+    assert budgets.spent_reason(4, 19) is None
+    assert budgets.spent_reason(5, 0) == "attempts spent (5 of 5); retry it by hand to start over"
+    assert budgets.spent_reason(0, 20) == "worker lost 20 times"
+    assert budgets.spent_reason(7, 21) == "worker lost 21 times"  # the loss is what crash-looped
+
+
+def test_budgets_come_from_settings_and_refuse_zero():
+    assert JobBudgets.from_settings(Settings()) == JobBudgets(5, 20)
+    assert JobBudgets.from_settings(Settings(job_max_worker_losses=3)).max_worker_losses == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        JobBudgets(max_attempts=0, max_worker_losses=1)
+
+
+def wrapped(sqlstate: str | None, invalidated: bool = False) -> OperationalError:
+    """SQLAlchemy's wrapper around the psycopg error class the server's SQLSTATE maps to."""
+    orig = psycopg.errors.lookup(sqlstate)("server said no") if sqlstate else psycopg.OperationalError("gone")
+    return OperationalError("SELECT 1", {}, orig, connection_invalidated=invalidated)
+
+
+@pytest.mark.parametrize(
+    ("error", "action"),
+    [
+        (wrapped("40P01"), "retry"),  # a deadlock: the job's own failure
+        (wrapped("57014"), "retry"),  # a statement timeout
+        (wrapped("40P01", invalidated=True), "requeue"),  # the connection broke under it
+        (wrapped("57P01"), "requeue"),  # terminated by an administrator (a restart)
+        (wrapped("08006"), "requeue"),  # connection failure
+        (wrapped(None), "requeue"),  # the server never answered
+    ],
+)
+def test_the_database_going_away_is_a_worker_loss_and_other_database_errors_are_attempts(error, action):
+    assert database_went_away(error) is (action == "requeue")
+    rule = classify(get_kind("extraction"), error)
+    assert rule is not None and rule.action == action
