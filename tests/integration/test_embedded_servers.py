@@ -16,36 +16,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.service import REPO
+from tests.service import REPO, redis_servers_on, stop_embedded_broker
 from worker.embedded import broker_paths, embedded_redis_url, stop_embedded_redis
 from worker.embedded.base import pid_alive, read_pid, wait_exited
 from worker.embedded.broker import answers
 
 pytestmark = pytest.mark.integration
-
-
-def servers_on(sock: Path) -> list[int]:
-    """Every live process whose command line names this socket (redis-server's title does)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if str(sock) in line and "redis-server" in line and pid_alive(int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
-
-
-def kill_leftovers(data_dir: Path) -> None:
-    """Clean-up even when a test failed half-way: no redis-server outlives the test."""
-    paths = broker_paths(data_dir)
-    with contextlib.suppress(Exception):
-        stop_embedded_redis(data_dir, timeout=10)
-    for pid in servers_on(paths.socket):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        wait_exited(pid, 10)
 
 
 @pytest.fixture
@@ -54,7 +30,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        kill_leftovers(folder)
+        stop_embedded_broker(folder)
 
 
 def cli(data_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -74,9 +50,9 @@ def test_the_first_call_starts_the_server_and_later_ones_reuse_it(data_dir: Path
     url = embedded_redis_url(data_dir)
     paths = broker_paths(data_dir)
     pid = read_pid(paths.pid_file)
-    assert url == paths.url and pid is not None and servers_on(paths.socket) == [pid]
+    assert url == paths.url and pid is not None and redis_servers_on(paths.socket) == [pid]
     assert embedded_redis_url(data_dir) == url
-    assert read_pid(paths.pid_file) == pid and servers_on(paths.socket) == [pid]
+    assert read_pid(paths.pid_file) == pid and redis_servers_on(paths.socket) == [pid]
 
 
 def test_processes_starting_at_once_share_one_server(data_dir: Path) -> None:
@@ -99,7 +75,7 @@ def test_processes_starting_at_once_share_one_server(data_dir: Path) -> None:
     assert all(proc.returncode == 0 for proc in starters)
     paths = broker_paths(data_dir)
     assert urls == {paths.url}
-    assert servers_on(paths.socket) == [read_pid(paths.pid_file)]
+    assert redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
 
 
 def test_a_dead_servers_pid_file_and_socket_are_replaced(data_dir: Path) -> None:
@@ -113,7 +89,7 @@ def test_a_dead_servers_pid_file_and_socket_are_replaced(data_dir: Path) -> None
     assert paths.socket.exists() and not answers(paths.socket)
     embedded_redis_url(data_dir)
     pid = read_pid(paths.pid_file)
-    assert pid != gone.pid and answers(paths.socket) and servers_on(paths.socket) == [pid]
+    assert pid != gone.pid and answers(paths.socket) and redis_servers_on(paths.socket) == [pid]
 
 
 def test_a_hung_server_is_replaced(data_dir: Path) -> None:
@@ -129,7 +105,7 @@ def test_a_hung_server_is_replaced(data_dir: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)
     assert wait_exited(hung, 10)
-    assert read_pid(paths.pid_file) != hung and servers_on(paths.socket) == [read_pid(paths.pid_file)]
+    assert read_pid(paths.pid_file) != hung and redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
 
 
 def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) -> None:
@@ -141,7 +117,7 @@ def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) ->
         assert (paths.folder / "socket-path").read_text().strip() == str(paths.socket)
         assert answers(paths.socket) and (paths.folder / "redis.pid").exists()
     finally:
-        kill_leftovers(deep)
+        stop_embedded_broker(deep)
     assert not paths.socket.exists()
 
 
