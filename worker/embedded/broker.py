@@ -106,9 +106,10 @@ def embedded_redis_url(data_dir: Path) -> str:
     paths = broker_paths(data_dir)
     try:
         paths.folder.mkdir(parents=True, exist_ok=True)
+        paths.lock_file.touch()
     except OSError as exc:
         raise EmbeddedUnavailableError(
-            f"cannot create {paths.folder} for the embedded Redis: {exc}; set FACTMILL_BROKER_URL instead"
+            f"cannot use {paths.folder} for the embedded Redis: {exc}; set FACTMILL_BROKER_URL instead"
         ) from exc
     with folder_lock(paths):
         if not answers(paths.socket):
