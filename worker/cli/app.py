@@ -10,7 +10,7 @@ from worker.cli.calibration import calibration_app
 from worker.cli.compaction import compact_command, transcripts_app
 from worker.cli.config import config_app
 from worker.cli.costs import costs
-from worker.cli.db import db_app
+from worker.cli.db import db_app, db_stop
 from worker.cli.demo import demo
 from worker.cli.extract import extract
 from worker.cli.facts import facts_app
@@ -40,6 +40,7 @@ for name, command in (
     ("flower", flower),
     ("simulator", simulator),
     ("demo", demo),
+    ("down", db_stop),  # the same as `factmill db stop`
 ):
     app.command(name)(command)
 for name, group in (

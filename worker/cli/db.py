@@ -1,16 +1,16 @@
-"""`factmill db`: build or show the schema, and stop the embedded Postgres."""
+"""`factmill db`: build or show the schema, and stop the embedded Postgres and Redis."""
 
 from __future__ import annotations
 
 import typer
 
 from worker import db
-from worker.cli.console import fail, out
+from worker.cli.console import err, fail, out
 from worker.cli.sessions import database_url
-from worker.embedded import stop_embedded_postgres
+from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
 from worker.settings import Settings, get_settings
 
-db_app = typer.Typer(help="Database schema and the embedded server.", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema and the embedded servers.", no_args_is_help=True)
 
 
 def _describe_database(settings: Settings) -> str:
@@ -36,8 +36,20 @@ def db_current() -> None:
 
 @db_app.command("stop")
 def db_stop() -> None:
-    """Stop the embedded Postgres (it keeps running between commands otherwise)."""
+    """Stop the embedded Postgres and Redis, and wait until they have exited.
+
+    They keep running between commands otherwise. Exits 1 if one is still running."""
     settings = get_settings()
-    if settings.database_url:
-        raise fail("FACTMILL_DATABASE_URL is set; there is no embedded server to stop")
-    out.print("stopped" if stop_embedded_postgres(settings.data_dir) else "not running")
+    outcomes: list[StopOutcome] = []
+    if not settings.database_url:
+        outcomes.append(stop_embedded_postgres(settings.data_dir))
+    if not settings.broker_url:
+        outcomes.append(stop_embedded_redis(settings.data_dir))
+    if not outcomes:
+        raise fail(
+            "FACTMILL_DATABASE_URL and FACTMILL_BROKER_URL are set; there is no embedded server to stop"
+        )
+    for outcome in outcomes:
+        (err if outcome.state == "still running" else out).print(outcome.describe(), highlight=False)
+    if any(outcome.state == "still running" for outcome in outcomes):
+        raise typer.Exit(1)

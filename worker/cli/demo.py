@@ -212,10 +212,26 @@ def run_demo(
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
         _print_facts(base, reader, pages, console, show)
         _print_summary(jobs, len(pages), time.perf_counter() - started, console)
-        failed = [j for j in jobs if j["status"] == "failed"]
-        for job in failed:
-            err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
-        return 1 if failed else 0
+    _say_what_keeps_running(settings, err)
+    failed = [j for j in jobs if j["status"] == "failed"]
+    for job in failed:
+        err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
+    return 1 if failed else 0
+
+
+def _say_what_keeps_running(settings: Settings, err: Console) -> None:
+    """The demo's API, worker and beat stop with it; the embedded servers do not (the next command
+    finds the same data), so say how they are stopped."""
+    embedded = [
+        name for name, url in (("Postgres", settings.database_url), ("Redis", settings.broker_url)) if not url
+    ]
+    if embedded:
+        err.print(
+            f"the embedded {' and '.join(embedded)} {'keep' if len(embedded) > 1 else 'keeps'} running under "
+            f"{settings.data_dir.resolve()}: `factmill db stop` (or `factmill down`) stops "
+            f"{'them' if len(embedded) > 1 else 'it'}",
+            highlight=False,
+        )
 
 
 @contextmanager

