@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.integration.test_api import Recorder, make_runtime  # noqa: E402
 from tests.integration.test_fuzz_api import EXCLUDED_CHECKS, body_bytes, credentials  # noqa: E402
+from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.api.app import create_app  # noqa: E402
 
@@ -64,12 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=500)
     args = parser.parse_args()
-    name = f"factmill_fuzz_{uuid.uuid4().hex[:8]}"
-    admin = make_url(SERVER).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(SERVER).set(database=name).render_as_string(False)
-    try:
+    with fresh_database(SERVER, "fuzz") as url:
         db.upgrade(url)
         factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
         runtime = make_runtime(url, factory, broker_url="redis://127.0.0.1:6379/14", max_body_bytes=1 << 20)
@@ -86,10 +79,6 @@ def main() -> None:
                 mode = "authenticated" if authenticated else "anonymous"
                 print(f"{operation.label:55} {mode:13} {tally['cases']:6} {tally['5xx']:4}  {failure or '-'}")
         print(f"total: {total['cases']} cases, {total['5xx']} 5xx, {total['failures']} failed checks")
-    finally:
-        db.get_engine(url).dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":
