@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
-from worker.core.signing import SIGNATURE_HEADER, sign  # noqa: E402
+from worker.core.signing import signed_json_headers  # noqa: E402
 
 SECRET = "bench-webhook-secret-" + "s" * 16
 ADMIN = "bench-admin-token-" + "a" * 16
@@ -72,10 +72,7 @@ async def deliver(client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore
             response = await client.post(
                 "/v1/pages",
                 content=body,
-                headers={
-                    "Content-Type": "application/json",
-                    SIGNATURE_HEADER: sign(body, SECRET, method="POST", path="/v1/pages"),
-                },
+                headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
             )
         except httpx.HTTPError:
             return -1
