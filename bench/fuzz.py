@@ -1,5 +1,6 @@
 """The long fuzz run: schemathesis against the real API and Postgres (ASGI in-process), every operation
-signed with the admin token and anonymous, --examples cases each; prints cases and 5xx per operation.
+signed with the admin token and anonymous, --examples cases each, with the checks and case rules of
+tests/integration/test_fuzz_api.py; prints cases, 5xx and the first failure per operation.
 
     .venv/bin/python bench/fuzz.py [--examples 500]
 
@@ -12,84 +13,51 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
-import psycopg
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from sqlalchemy.engine import make_url
+from hypothesis import HealthCheck, settings
 from sqlalchemy.orm import sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.integration.test_api import Recorder, make_runtime  # noqa: E402
-from tests.integration.test_fuzz_api import body_bytes, credentials  # noqa: E402
+from tests.integration.test_fuzz_api import fuzz_operation, operations  # noqa: E402
+from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.api.app import create_app  # noqa: E402
 
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
-def fuzz(operation: Any, authenticated: bool, examples: int, tally: Counter[str]) -> str | None:
-    @given(case=operation.as_strategy())
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    def run(case: Any) -> None:
-        body = body_bytes(case)
-        headers = credentials(case.method, case.formatted_path, body or b"") if authenticated else {}
-        kwargs: dict[str, Any] = {"headers": headers, "excluded_checks": []}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            kwargs["data"] = body
-        tally["cases"] += 1
-        try:
-            response = case.call_and_validate(**kwargs)
-        except Exception:
-            tally["failures"] += 1
-            raise
-        if response.status_code >= 500:
-            tally["5xx"] += 1
-
-    try:
-        run()
-    except Exception as exc:
-        return str(exc).splitlines()[0][:200]
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=500)
     args = parser.parse_args()
-    name = f"factmill_fuzz_{uuid.uuid4().hex[:8]}"
-    admin = make_url(SERVER).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(SERVER).set(database=name).render_as_string(False)
-    try:
+    config = settings(
+        max_examples=args.examples, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+    with fresh_database(SERVER, "fuzz") as url:
         db.upgrade(url)
         factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
         runtime = make_runtime(url, factory, broker_url="redis://127.0.0.1:6379/14", max_body_bytes=1 << 20)
         app = create_app(runtime, sender=Recorder(factory))
-        loaded = schemathesis.openapi.from_asgi("/openapi.json", app)
+        document = app.openapi()
         total: Counter[str] = Counter()
         print(f"{'operation':55} {'mode':13} {'cases':>6} {'5xx':>4}  first failure")
-        for result in loaded.get_all_operations():
-            operation = result.ok()
+        for operation in operations(app):
             for authenticated in (True, False):
                 tally: Counter[str] = Counter()
-                failure = fuzz(operation, authenticated, args.examples, tally)
+                try:
+                    fuzz_operation(operation, authenticated, document, config, tally)
+                    failure = "-"
+                except Exception as exc:
+                    failure = str(exc).splitlines()[0][:200]
                 total.update(tally)
                 mode = "authenticated" if authenticated else "anonymous"
-                print(f"{operation.label:55} {mode:13} {tally['cases']:6} {tally['5xx']:4}  {failure or '-'}")
+                print(f"{operation.label:55} {mode:13} {tally['cases']:6} {tally['5xx']:4}  {failure}")
         print(f"total: {total['cases']} cases, {total['5xx']} 5xx, {total['failures']} failed checks")
-    finally:
-        db.get_engine(url).dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

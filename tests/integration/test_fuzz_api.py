@@ -7,6 +7,7 @@ import json
 import os
 import unicodedata
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -146,15 +147,28 @@ def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool]) -> Any
 
 
 def fuzz_operation(
-    operation: Any, authenticated: bool, document: dict[str, Any], config: settings = FUZZ_SETTINGS
+    operation: Any,
+    authenticated: bool,
+    document: dict[str, Any],
+    config: settings = FUZZ_SETTINGS,
+    tally: Counter[str] | None = None,
 ) -> None:
-    """Run ``config.max_examples`` generated cases against one operation; raises on the first failure."""
+    """Run ``config.max_examples`` generated cases against one operation; raises on the first failure.
+    ``tally`` (bench/fuzz.py) counts the cases sent, the 5xx answers and the failed checks."""
     conforms = conformance(document, operation)
+    counts: Counter[str] = Counter() if tally is None else tally
 
     @given(case=operation.as_strategy())
     @config
     def run(case: Any) -> None:
-        call(case, authenticated, conforms)
+        counts["cases"] += 1
+        try:
+            response = call(case, authenticated, conforms)
+        except Exception:
+            counts["failures"] += 1
+            raise
+        if response.status_code >= 500:
+            counts["5xx"] += 1
 
     run()
 

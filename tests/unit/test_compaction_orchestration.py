@@ -1,4 +1,4 @@
-"""Pure helpers of worker.compaction: message validation, settings, the plan, the gate, the prompt."""
+"""Pure helpers of compaction: message validation, settings, the plan, the gate, the prompt."""
 
 from __future__ import annotations
 
@@ -7,27 +7,7 @@ import random
 
 import pytest
 
-from worker.compaction import (
-    MAX_ATTEMPTS,
-    AppliedSummary,
-    MessageError,
-    NothingToCompactError,
-    Timeline,
-    ToolUnit,
-    TranscriptError,
-    TranscriptSettings,
-    check_transcript_id,
-    clean_settings,
-    intent_terms,
-    judge_summary,
-    link_tool_results,
-    missed_query_terms,
-    parse_message,
-    parse_messages,
-    plan_compaction,
-    summarizer_request,
-    view_of,
-)
+from worker.compaction.prompts import summarizer_request
 from worker.core.compaction import (
     NOT_ENOUGH_HISTORY,
     UNANSWERED_TOOL_CALL_TEXT,
@@ -36,7 +16,20 @@ from worker.core.compaction import (
     estimate_tokens,
     summarizer_system_prompt,
 )
+from worker.core.compaction_gate import MAX_ATTEMPTS, intent_terms, judge_summary, missed_query_terms
 from worker.core.quality import lex_words
+from worker.core.timeline import AppliedSummary, NothingToCompactError, Timeline, plan_compaction, view_of
+from worker.core.transcripts import (
+    MessageError,
+    ToolUnit,
+    TranscriptError,
+    TranscriptSettings,
+    check_transcript_id,
+    clean_settings,
+    link_tool_results,
+    parse_message,
+    parse_messages,
+)
 
 
 def user(text: str) -> TranscriptMessage:

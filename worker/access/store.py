@@ -146,18 +146,3 @@ def authenticate(session: Session, key: str) -> Principal | None:
     _touch(session, found.id, found.last_used_at, now)
     sources = frozenset(found.source_ids) if found.source_ids is not None else None
     return Principal(name=found.name, scopes=frozenset(found.scopes), source_ids=sources, key_id=found.id)
-
-
-__all__ = [
-    "BOOTSTRAP_ADMIN",
-    "KEY_PREFIX",
-    "SCOPES",
-    "CreatedKey",
-    "KeyStoreError",
-    "Principal",
-    "authenticate",
-    "create_key",
-    "hash_key",
-    "list_keys",
-    "revoke_key",
-]

@@ -26,7 +26,7 @@ from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail
 from worker.cli.console import out as stdout_console
-from worker.core.signing import sign
+from worker.core.signing import signed_json_headers
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -125,8 +125,7 @@ def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[lis
                 "/v1/pages",
                 content=body,
                 headers={
-                    "Content-Type": "application/json",
-                    "Factmill-Signature": sign(body, secret, method="POST", path="/v1/pages"),
+                    **signed_json_headers(body, secret, method="POST", path="/v1/pages"),
                     "Idempotency-Key": f"demo-{int(time.time())}-{start}",
                 },
             )

@@ -55,6 +55,16 @@ def sign(
     return f"t={t},{scheme}={compute_signature(body, secret, t, method, path)}"
 
 
+def signed_json_headers(
+    body: bytes, secret: str, *, method: str, path: str, timestamp: int | None = None
+) -> dict[str, str]:
+    """The headers a webhook client sends with a JSON ``body``: its content type and v2 signature."""
+    return {
+        "Content-Type": "application/json",
+        SIGNATURE_HEADER: sign(body, secret, timestamp, method=method, path=path),
+    }
+
+
 def parse_header(header: str | None) -> tuple[int, dict[str, list[str]]]:
     """(timestamp, signatures by scheme) of a header; SignatureError when it is missing or malformed.
     Cheap and body-free, so a route can refuse a bad header before it reads the body."""

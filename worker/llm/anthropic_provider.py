@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Unpack
 
 import anthropic
 from anthropic.types import Message
@@ -16,6 +16,7 @@ from worker.llm.types import (
     EmbeddingResponse,
     Finish,
     LLMClient,
+    SdkConnection,
     Usage,
     sdk_options,
 )
@@ -48,17 +49,14 @@ class AnthropicChatClient:
         self,
         *,
         model: str,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: float = 60.0,
         provider: str = "anthropic",
-        default_headers: dict[str, str] | None = None,
         embeddings: LLMClient | None = None,
+        **connection: Unpack[SdkConnection],
     ) -> None:
         self.provider = provider
         self.model = model
         self.embeddings = embeddings
-        self._client = anthropic.Anthropic(**sdk_options(base_url, api_key, timeout, default_headers))
+        self._client = anthropic.Anthropic(**sdk_options(**connection))
 
     @property
     def sdk(self) -> anthropic.Anthropic:

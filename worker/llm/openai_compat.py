@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import openai
 from openai.types.chat import ChatCompletion
 
 from worker.llm.errors import to_llm_error
-from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Finish, Usage, sdk_options
+from worker.llm.types import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingResponse,
+    Finish,
+    SdkConnection,
+    Usage,
+    sdk_options,
+)
 
 JsonMode = Literal["json_schema", "json_object", "none"]
 
@@ -21,15 +29,12 @@ class OpenAIChatClient:
         self,
         *,
         model: str,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: float = 60.0,
         json_mode: JsonMode = "json_schema",
         provider: str = "openai",
-        default_headers: dict[str, str] | None = None,
         embedding_model: str = "text-embedding-3-small",
         embedding_dimensions: int | None = 256,
         send_prompt_cache_key: bool = True,
+        **connection: Unpack[SdkConnection],
     ) -> None:
         # OpenAI routes requests with the same prompt_cache_key to the same cache; servers that merely
         # speak the format may reject unknown fields, so the gateway turns it off for them.
@@ -39,7 +44,7 @@ class OpenAIChatClient:
         self.provider = provider
         self.model = model
         self.json_mode = json_mode
-        self._client = openai.OpenAI(**sdk_options(base_url, api_key, timeout, default_headers))
+        self._client = openai.OpenAI(**sdk_options(**connection))
 
     def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
         if request.json_schema is None or self.json_mode == "none":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 Finish = Literal["end", "truncated", "refusal"]
 
@@ -61,8 +61,21 @@ class EmbeddingResponse:
     latency_ms: int
 
 
+class SdkConnection(TypedDict, total=False):
+    """Where and how an SDK client reaches its server: the keywords both chat clients take."""
+
+    base_url: str | None
+    api_key: str | None
+    timeout: float
+    default_headers: dict[str, str] | None
+
+
 def sdk_options(
-    base_url: str | None, api_key: str | None, timeout: float, default_headers: dict[str, str] | None
+    *,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    timeout: float = 60.0,
+    default_headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Constructor options shared by both SDK clients: our one retry layer, so the SDK's own is off."""
     return {

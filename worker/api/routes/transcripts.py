@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.types import DecoratedCallable
 from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -258,21 +259,27 @@ async def put_transcript(
 # ---------------------------------------------------------------------------
 
 
-@compaction_router.get(
-    "/v1/transcripts/{transcript_id}",
-    response_model=TranscriptOut,
-    responses=error_responses(404),
-    summary="A transcript's settings and its before/after token counts",
-)
+def _read(
+    suffix: str, response_model: type[Any], summary: str
+) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """A transcript read: GET /v1/transcripts/{transcript_id}<suffix>, 404 for a transcript never written."""
+    return compaction_router.get(
+        "/v1/transcripts/{transcript_id}" + suffix,
+        response_model=response_model,
+        responses=error_responses(404),
+        summary=summary,
+    )
+
+
+@_read("", TranscriptOut, "A transcript's settings and its before/after token counts")
 def get_transcript(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) -> TranscriptOut:
     return _transcript_out(ctx, transcript_id)
 
 
-@compaction_router.get(
-    "/v1/transcripts/{transcript_id}/context",
-    response_model=ContextOut,
-    responses=error_responses(404),
-    summary="What to send a model now: the newest accepted summary plus the messages after its cut",
+@_read(
+    "/context",
+    ContextOut,
+    "What to send a model now: the newest accepted summary plus the messages after its cut",
 )
 def get_context(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) -> ContextOut:
     """Repaired for providers: every tool call is followed by its results (a placeholder stands in for
@@ -288,12 +295,7 @@ def get_context(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) 
     )
 
 
-@compaction_router.get(
-    "/v1/transcripts/{transcript_id}/messages",
-    response_model=MessagesOut,
-    responses=error_responses(404),
-    summary="The full history, in order (compaction never deletes a message)",
-)
+@_read("/messages", MessagesOut, "The full history, in order (compaction never deletes a message)")
 def get_messages(
     ctx: Context,
     _: TranscriptReader,
@@ -312,11 +314,10 @@ def get_messages(
     return MessagesOut(transcript_id=transcript_id, messages=messages, next_after_seq=next_after)
 
 
-@compaction_router.get(
-    "/v1/transcripts/{transcript_id}/compactions",
-    response_model=CompactionsOut,
-    responses=error_responses(404),
-    summary="Compactions of a transcript, newest first (label one with POST /v1/feedback)",
+@_read(
+    "/compactions",
+    CompactionsOut,
+    "Compactions of a transcript, newest first (label one with POST /v1/feedback)",
 )
 def get_compactions(
     ctx: Context,

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.compaction import MAX_INSTRUCTIONS_LENGTH, MAX_MESSAGES_PER_REQUEST, MAX_TOKEN_SETTING
+from worker.core.transcripts import MAX_INSTRUCTIONS_LENGTH, MAX_MESSAGES_PER_REQUEST, MAX_TOKEN_SETTING
 
 
 class ToolCallIn(BaseModel):
