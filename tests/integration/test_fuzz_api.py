@@ -131,13 +131,16 @@ def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool]) -> Any
     excluded = UNSTATABLE.get((case.method.upper(), case.operation.path), [])
     if positive and checks.positive_data_acceptance not in excluded and not conforms(case):
         reject()
-    if positive and case.headers and IDEMPOTENCY_HEADER in case.headers:
+    if positive:
         # Each case is a new delivery. A generated key repeats across cases with other bodies, and the
         # API rightly answers that reuse with 422 (the IETF draft's code): replays are tested in
-        # test_api.py, and a fresh key keeps the idempotency path running here.
-        case.headers[IDEMPOTENCY_HEADER] = uuid.uuid4().hex
-    if positive and isinstance(case.body, dict) and isinstance(case.body.get("idempotency_key"), str):
-        case.body["idempotency_key"] = uuid.uuid4().hex  # the feedback body's own key, likewise
+        # test_api.py, and a fresh key (the same one in the header and the feedback body, which must
+        # agree) keeps the idempotency path running here.
+        key = uuid.uuid4().hex
+        if case.headers and IDEMPOTENCY_HEADER in case.headers:
+            case.headers[IDEMPOTENCY_HEADER] = key
+        if isinstance(case.body, dict) and isinstance(case.body.get("idempotency_key"), str):
+            case.body["idempotency_key"] = key
     body = body_bytes(case)
     headers = credentials(case.method, case.formatted_path, body or b"") if authenticated else {}
     if body is not None:

@@ -92,7 +92,9 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
             "Every route but /healthz, /readyz and these docs needs `Authorization: Bearer <API key>` "
             "with the route's scope (read, ingest, admin). Ingestion routes also take a signature: "
             f"`{SIGNATURE_HEADER}: t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>` "
-            'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`.'
+            'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`. Text anywhere (bodies, '
+            "paths, queries) must not hold NUL characters or lone surrogates, and JSON numbers must be "
+            "finite: each is refused with 422 naming the field."
         ),
         openapi_tags=TAGS,
         lifespan=_thread_limit(runtime.settings.api_threads),
