@@ -17,6 +17,7 @@ import jsonschema_rs
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, reject, settings
+from hypothesis.errors import UnsatisfiedAssumption
 from schemathesis import GenerationMode, checks
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -164,12 +165,15 @@ def fuzz_operation(
     @given(case=operation.as_strategy())
     @config
     def run(case: Any) -> None:
-        counts["cases"] += 1
         try:
             response = call(case, authenticated, conforms)
+        except UnsatisfiedAssumption:  # dropped before sending (see ``conformance``)
+            raise
         except Exception:
+            counts["cases"] += 1
             counts["failures"] += 1
             raise
+        counts["cases"] += 1
         if response.status_code >= 500:
             counts["5xx"] += 1
 

@@ -84,14 +84,19 @@ def celery_sender_for(settings: Settings) -> outbox.Sender:
 # Signed bodies: read (capped), verify, parse.
 # ---------------------------------------------------------------------------
 
-IdempotencyHeader = Annotated[
-    str | None,
-    Header(
+
+def idempotency_header(description: str, limit: int = MAX_IDEMPOTENCY_KEY_LENGTH) -> Any:
+    """The Idempotency-Key header parameter as the document states it (the rule of ``clean_label``)."""
+    return Header(
         alias=IDEMPOTENCY_HEADER,
-        description="A repeated delivery with this key replays the answer",
-        max_length=MAX_IDEMPOTENCY_KEY_LENGTH,
+        description=description,
+        max_length=limit,
         json_schema_extra={"pattern": LABEL_PATTERN},
-    ),
+    )
+
+
+IdempotencyHeader = Annotated[
+    str | None, idempotency_header("A repeated delivery with this key replays the answer")
 ]
 
 
@@ -197,6 +202,7 @@ __all__ = [
     "IdempotencyHeader",
     "celery_sender_for",
     "check_idempotency_key",
+    "idempotency_header",
     "json_request_body",
     "load_json_body",
     "load_json_object",

@@ -11,7 +11,7 @@ import logging
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +23,7 @@ from worker.api.deps import (
     ApiContext,
     Context,
     check_idempotency_key,
+    idempotency_header,
     json_request_body,
     load_json_object,
     read_body,
@@ -50,13 +51,7 @@ MAX_FEEDBACK_BYTES = 64 * 1024
 calibration_router = APIRouter(tags=["calibration"])
 
 FeedbackKeyHeader = Annotated[
-    str | None,
-    Header(
-        alias=IDEMPOTENCY_HEADER,
-        description="Same as the body's idempotency_key",
-        max_length=MAX_KEY_LENGTH,
-        json_schema_extra={"pattern": LABEL_PATTERN},
-    ),
+    str | None, idempotency_header("Same as the body's idempotency_key", MAX_KEY_LENGTH)
 ]
 
 
