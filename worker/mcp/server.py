@@ -78,10 +78,11 @@ class KeyVerifier:
         )
         if principal is None:
             return None
-        # The token field holds who it is, not the key: nothing downstream needs the secret.
+        # The token field holds who it is, not the key: nothing downstream needs the secret. The SDK
+        # binds an HTTP session to client_id, so it is the key's unique id, not its (free-text) name.
         return AccessToken(
             token=principal.rate_key,
-            client_id=principal.name,
+            client_id=principal.rate_key,
             scopes=sorted(principal.scopes),
             claims=_claims(principal),
         )
