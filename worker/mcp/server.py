@@ -112,6 +112,9 @@ class FactmillMCP(MCPServer[Any]):
             auth=auth,
             token_verifier=token_verifier,
         )
+        # The SDK logs each refused call at INFO with its message, which can quote the caller's query,
+        # slug or transcript id; Factmill's logs carry no caller text, so only its warnings are kept.
+        logging.getLogger("mcp.server.mcpserver.server").setLevel(logging.WARNING)
         self._principal = principal
         self._access: dict[str, Access] = {}
         for fn, access, read_only in FactmillTools(runtime, self.caller).tools():
