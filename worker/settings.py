@@ -92,6 +92,8 @@ class Settings(BaseSettings):
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)
     admin_token: str = "dev-admin-token"
+    # The API key `factmill mcp` serves stdio with (a key from `factmill keys create`).
+    mcp_api_key: str | None = Field(default=None, repr=False)
 
     # Access control (issue 11).
     # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.

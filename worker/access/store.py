@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from models import API_SCOPES, ApiKey
 
@@ -42,6 +42,11 @@ class Principal:
 
     def sees(self, source_id: str) -> bool:
         return self.source_ids is None or source_id in self.source_ids
+
+    @property
+    def rate_key(self) -> str:
+        """Who this is to a per-key rate limiter (never the key itself)."""
+        return f"key-{self.key_id}" if self.key_id is not None else "admin-token"
 
 
 BOOTSTRAP_ADMIN = Principal(name="FACTMILL_ADMIN_TOKEN", scopes=frozenset({"admin"}), source_ids=None)
@@ -126,6 +131,44 @@ def _touch(session: Session, key_id: int, last_used: datetime | None, now: datet
         )
         .values(last_used_at=func.now())
     )
+
+
+class AccessRefusedError(PermissionError):
+    """A principal may not do this; the message says why (the API answers 403, MCP a tool error)."""
+
+
+def refusal(principal: Principal, scope: str, *, all_sources: str | None = None) -> str | None:
+    """Why ``principal`` may not use what needs ``scope``, or None when it may. With ``all_sources``
+    (what is served, e.g. "transcripts": data not partitioned by source) a source-limited key is refused."""
+    if not principal.has(scope):
+        return f"this key lacks the {scope!r} scope"
+    if all_sources is not None and principal.source_ids is not None:
+        return (
+            f"{all_sources} are not partitioned by source; this key is limited to sources, "
+            "so use a key without --source for them"
+        )
+    return None
+
+
+def readable_sources(principal: Principal | None, source_id: str | None = None) -> tuple[str, ...] | None:
+    """The sources ``principal`` may read facts of: None for all, else its own (sorted). Asking for
+    ``source_id`` outside them raises AccessRefusedError."""
+    if principal is None or principal.source_ids is None:
+        return None
+    if source_id is not None and not principal.sees(source_id):
+        raise AccessRefusedError(f"this key may not read source {source_id!r}")
+    return tuple(sorted(principal.source_ids))
+
+
+def principal_for(
+    factory: sessionmaker[Session], key: str, admin_token: str | None = None
+) -> Principal | None:
+    """The principal a bearer credential names: the bootstrap admin for ``admin_token``, a live key's
+    principal, or None (unknown, malformed or revoked)."""
+    if admin_token and hmac.compare_digest(key.encode("utf-8"), admin_token.encode("utf-8")):
+        return BOOTSTRAP_ADMIN
+    with factory.begin() as session:
+        return authenticate(session, key)
 
 
 def authenticate(session: Session, key: str) -> Principal | None:

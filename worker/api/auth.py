@@ -8,7 +8,6 @@ also take a webhook signature instead, for senders that hold only the shared sec
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated
@@ -16,7 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from worker.access import BOOTSTRAP_ADMIN, Principal, authenticate
+from worker.access import Principal, principal_for, refusal
 from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
@@ -52,26 +51,16 @@ def resolve(ctx: ApiContext, credentials: HTTPAuthorizationCredentials | None) -
     """The principal a bearer credential names; None without one; 401 when it is unknown or revoked."""
     if credentials is None:
         return None
-    token = credentials.credentials
-    admin = ctx.settings.admin_token
-    if admin and hmac.compare_digest(token.encode("utf-8"), admin.encode("utf-8")):
-        return BOOTSTRAP_ADMIN
-    with ctx.factory.begin() as session:
-        principal = authenticate(session, token)
+    principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
     if principal is None:
         raise ApiError(401, "unknown or revoked API key (or wrong admin token)", headers=CHALLENGE)
     return principal
 
 
 def _check_scope(principal: Principal, scope: str, all_sources: str | None) -> Principal:
-    if not principal.has(scope):
-        raise ApiError(403, f"this key lacks the {scope!r} scope this route needs")
-    if all_sources is not None and principal.source_ids is not None:
-        raise ApiError(
-            403,
-            f"{all_sources} are not partitioned by source; this key is limited to sources, "
-            "so use a key without --source for them",
-        )
+    refused = refusal(principal, scope, all_sources=all_sources)
+    if refused is not None:
+        raise ApiError(403, refused)
     return principal
 
 

@@ -14,21 +14,10 @@ from fastapi import Path, Query
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from worker.api.errors import ApiError
-from worker.core.jsonvalues import json_integer
+from worker.core.jsonvalues import json_integer, text_problem
 
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
-
-
-def text_problem(value: str) -> str | None:
-    """Why ``value`` cannot be stored as text (NUL, a lone surrogate), or None when it can."""
-    if "\x00" in value:
-        return "must not contain NUL (\\u0000) characters"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return "must not contain lone surrogates (\\ud800-\\udfff): it is not valid Unicode text"
-    return None
 
 
 class _NonFinite:

@@ -16,6 +16,7 @@ from worker.cli.extract import extract
 from worker.cli.facts import facts_app
 from worker.cli.jobs import jobs_app
 from worker.cli.keys import keys_app
+from worker.cli.mcp import mcp_command
 from worker.cli.pages import ingest, pages_app
 from worker.cli.search import embed_command, search_command
 from worker.cli.services import beat, flower, serve, worker
@@ -40,6 +41,7 @@ for name, command in (
     ("flower", flower),
     ("simulator", simulator),
     ("demo", demo),
+    ("mcp", mcp_command),
     ("down", db_stop),  # the same as `factmill db stop`
 ):
     app.command(name)(command)

@@ -11,4 +11,15 @@ def json_integer(value: object) -> object:
     return value
 
 
-__all__ = ["json_integer"]
+def text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be stored as text (NUL, a lone surrogate), or None when it can."""
+    if "\x00" in value:
+        return "must not contain NUL (\\u0000) characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must not contain lone surrogates (\\ud800-\\udfff): it is not valid Unicode text"
+    return None
+
+
+__all__ = ["json_integer", "text_problem"]

@@ -20,6 +20,7 @@ from worker.search.entrypoints import (
     expand_query,
     open_store,
     search,
+    search_as,
 )
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
@@ -76,5 +77,6 @@ __all__ = [
     "parse_expansion",
     "parse_lex_query",
     "search",
+    "search_as",
     "vector_search_status",
 ]

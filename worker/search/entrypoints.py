@@ -8,13 +8,16 @@ config table behind ``factory``, so the `llm.prices` override applies either way
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from worker.access import Principal, readable_sources
 from worker.accounting import Ledger
 from worker.config_store import ConfigReader
 from worker.core.intent import SearchType
 from worker.llm.types import LLMClient
+from worker.runtime import Runtime
 from worker.search import service
 from worker.search.service import LLMSource
 from worker.search.store import SearchStore
@@ -27,7 +30,15 @@ from worker.search.values import (
     VectorSearchStatus,
 )
 
-__all__ = ["embed_facts", "embed_new_facts", "enable_vector_search", "expand_query", "open_store", "search"]
+__all__ = [
+    "embed_facts",
+    "embed_new_facts",
+    "enable_vector_search",
+    "expand_query",
+    "open_store",
+    "search",
+    "search_as",
+]
 
 
 def open_store(factory: sessionmaker[Session], ledger: Ledger | None = None) -> SearchStore:
@@ -49,6 +60,41 @@ def search(
     """Run a plain query or a structured query document over the facts (see worker.search.service)."""
     request = SearchRequest(query, intent, filters or SearchFilters(), limit, expand)
     return service.search(open_store(factory, ledger), llm, request)
+
+
+def search_as(
+    runtime: Runtime,
+    principal: Principal | None,
+    query: str,
+    *,
+    intent: str | None = None,
+    source_id: str | None = None,
+    entity: str | None = None,
+    kind: str | None = None,
+    since: datetime | None = None,
+    limit: int | None = None,
+    expand: bool = True,
+) -> SearchOutcome:
+    """A reader's search as the API and the MCP server run it: only the sources ``principal`` may
+    read (AccessRefusedError when ``source_id`` is another), the runtime's search LLM (the readers'
+    budget; opened only when a line needs it), the configured default limit and expansion switch."""
+    settings = runtime.settings
+    filters = SearchFilters(
+        source_id=source_id,
+        entity=entity,
+        kind=kind,
+        since=since,
+        source_ids=readable_sources(principal, source_id),
+    )
+    return search(
+        runtime.factory,
+        lambda: runtime.search_llm,
+        query,
+        intent=intent,
+        filters=filters,
+        limit=limit or settings.search_default_limit,
+        expand=expand and settings.search_expand,
+    )
 
 
 def expand_query(

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from worker.access import Principal
+from worker.access import AccessRefusedError, Principal
 from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
@@ -23,10 +23,9 @@ from worker.search import (
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     SearchError,
-    SearchFilters,
     SearchResult,
     VectorSearchUnavailableError,
-    search,
+    search_as,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,34 +110,22 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _sources(principal: Principal | None, source_id: str | None) -> tuple[str, ...] | None:
-    """The sources a search may return: all (None), or a source-limited key's (403 for another)."""
-    if principal is None or principal.source_ids is None:
-        return None
-    if source_id is not None and not principal.sees(source_id):
-        raise ApiError(403, f"this key may not read source {source_id!r}")
-    return tuple(sorted(principal.source_ids))
-
-
 def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None = None) -> dict[str, Any]:
-    settings = runtime.settings
-    sources = _sources(principal, body.source_id)
     try:
-        outcome = search(
-            runtime.factory,
-            lambda: runtime.search_llm,  # opened only when a line needs it; the readers' budget
+        outcome = search_as(
+            runtime,
+            principal,
             body.q,
             intent=body.intent,
-            filters=SearchFilters(
-                source_id=body.source_id,
-                entity=body.entity,
-                kind=body.kind,
-                since=body.since,
-                source_ids=sources,
-            ),
-            limit=body.limit or settings.search_default_limit,
-            expand=body.expand and settings.search_expand,
+            source_id=body.source_id,
+            entity=body.entity,
+            kind=body.kind,
+            since=body.since,
+            limit=body.limit,
+            expand=body.expand,
         )
+    except AccessRefusedError as exc:
+        raise ApiError(403, str(exc)) from None
     except QueryParseError as exc:
         raise HTTPException(400, detail=str(exc)) from None
     except VectorSearchUnavailableError as exc:
@@ -157,8 +144,7 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
 def _limited(ctx: ApiContext, principal: Principal) -> None:
     """429 with Retry-After when this key has used its searches for the minute (each may call the LLM)."""
     limiter = ctx.search_limiter()
-    who = f"key-{principal.key_id}" if principal.key_id is not None else "admin-token"
-    verdict = limiter.hit(who)
+    verdict = limiter.hit(principal.rate_key)
     if not verdict.allowed:
         raise ApiError(
             429,

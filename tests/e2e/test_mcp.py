@@ -1,0 +1,273 @@
+"""`factmill mcp` as an MCP client drives it: the SDK's client over stdio and over streamable HTTP,
+against `python -m worker.cli mcp` subprocesses on the test database (real Postgres, stored facts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import CallToolResult
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ApiKey, Fact, Page
+from tests.auth import new_key
+from tests.service import REPO
+from worker.access import revoke_key
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+READ_TOOLS = {"search_facts", "list_entity_facts", "list_page_facts", "get_transcript_context"}
+WRITE_TOOLS = {"append_transcript_messages", "record_summary_feedback"}
+FACTS = [
+    ("Alice moved to Lisbon in March 2024", "event"),
+    ("Alice prefers oat milk in her coffee", "preference"),
+    ("Alice promised to send the budget deck by Friday", "commitment"),
+]
+
+
+def _store(factory: sessionmaker[Session]) -> None:
+    """One page and its facts, written straight into the tables (as the extraction would)."""
+    with factory.begin() as session:
+        for source_id, slug in (("default", "alice-chat"), ("work", "work-notes")):
+            session.add(Page(source_id=source_id, slug=slug, type="conversation", content_hash=slug))
+        rows = [
+            {
+                "source_id": "default",
+                "fact": text,
+                "kind": kind,
+                "entity_slug": "alice",
+                "confidence": 0.9,
+                "notability": "high",
+                "context": "conversation segment",
+                "source": "cli:extract-conversation-facts",
+                "source_session": "cli:extract-conversation-facts:alice-chat",
+                "source_markdown_slug": "alice-chat",
+                "row_num": row,
+            }
+            for row, (text, kind) in enumerate(FACTS)
+        ]
+        rows.append(rows[0] | {"source_id": "work", "fact": "Frank opened the Lisbon office", "row_num": 0})
+        rows[-1] |= {"entity_slug": "frank", "source_markdown_slug": "work-notes"}
+        session.execute(insert(Fact), rows)
+
+
+@pytest.fixture
+def env(factory: sessionmaker[Session], database_url: str, broker_url: str) -> dict[str, str]:
+    _store(factory)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    return clean | {
+        "FACTMILL_DATABASE_URL": database_url,
+        "FACTMILL_BROKER_URL": broker_url,
+        "FACTMILL_LLM": "simulator",
+        "FACTMILL_SEARCH_EXPAND": "false",  # plain queries stay lexical: no LLM call in these tests
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def _payload(result: CallToolResult) -> Any:
+    assert not result.is_error, result.content
+    if result.structured_content is not None:
+        return result.structured_content
+    return json.loads(result.content[0].text)  # type: ignore[union-attr]
+
+
+def _error_text(result: CallToolResult) -> str:
+    assert result.is_error
+    return " ".join(getattr(block, "text", "") for block in result.content)
+
+
+async def _stdio_session(env: dict[str, str], key: str, job: Any) -> Any:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "worker.cli", "mcp"],
+        env=env | {"FACTMILL_MCP_API_KEY": key},
+        cwd=REPO,
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        return await job(session)
+
+
+def _run_stdio(env: dict[str, str], key: str, job: Any) -> Any:
+    return anyio.run(_stdio_session, env, key, job)
+
+
+async def _search_and_list(session: ClientSession) -> dict[str, Any]:
+    tools = {tool.name for tool in (await session.list_tools()).tools}
+    found = _payload(await session.call_tool("search_facts", {"query": "lex: Lisbon"}))
+    page = _payload(
+        await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"})
+    )
+    entity = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"}))
+    nul = await session.call_tool("search_facts", {"query": "lex: Lis\u0000bon"})
+    append = await session.call_tool(
+        "append_transcript_messages",
+        {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "Where does Alice live?"}]},
+    )
+    return {"tools": tools, "found": found, "page": page, "entity": entity, "append": append, "nul": nul}
+
+
+def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
+    seen = _run_stdio(env, new_key(factory, ["read"]), _search_and_list)
+    assert seen["tools"] == READ_TOOLS
+    facts = [r["fact"] for r in seen["found"]["results"]]
+    assert "Alice moved to Lisbon in March 2024" in facts and "Frank opened the Lisbon office" in facts
+    assert [f["fact"] for f in seen["page"]["facts"]] == [text for text, _ in FACTS]
+    assert seen["entity"]["total"] == 3
+    assert "must not contain NUL" in _error_text(seen["nul"])  # refused as input, not a server error
+    refused = _error_text(seen["append"])
+    assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
+
+
+async def _append_and_read(session: ClientSession) -> dict[str, Any]:
+    tools = {tool.name for tool in (await session.list_tools()).tools}
+    messages = [
+        {"role": "user", "text": "Where does Alice live?"},
+        {"role": "assistant", "text": "", "tool_calls": [{"id": "c1", "name": "search", "arguments": {}}]},
+        {"role": "tool", "text": "Lisbon", "tool_call_id": "c1"},
+        {"role": "assistant", "text": "Alice lives in Lisbon."},
+    ]
+    arguments = {"transcript_id": "agent-1", "messages": messages}
+    appended = _payload(await session.call_tool("append_transcript_messages", arguments))
+    context = _payload(await session.call_tool("get_transcript_context", {"transcript_id": "agent-1"}))
+    bad = await session.call_tool(
+        "append_transcript_messages",
+        {"transcript_id": "agent-1", "messages": [{"role": "tool", "text": "orphan", "tool_call_id": "zz"}]},
+    )
+    feedback = _payload(
+        await session.call_tool(
+            "record_summary_feedback", {"coverage": 0.8, "answer_kept": True, "origin": "agent:test"}
+        )
+    )
+    return {"tools": tools, "appended": appended, "context": context, "bad": bad, "feedback": feedback}
+
+
+def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, factory):
+    seen = _run_stdio(env, new_key(factory, ["read", "ingest"]), _append_and_read)
+    assert seen["tools"] == READ_TOOLS | WRITE_TOOLS
+    assert (seen["appended"]["appended"], seen["appended"]["first_seq"]) == (4, 0)
+    assert [m["role"] for m in seen["context"]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert "messages[0]: tool result answers no earlier call" in _error_text(seen["bad"])
+    assert seen["feedback"]["duplicate"] is False and seen["feedback"]["id"] >= 1
+
+
+async def _sources_only(session: ClientSession) -> dict[str, Any]:
+    tools = {tool.name for tool in (await session.list_tools()).tools}
+    found = _payload(await session.call_tool("search_facts", {"query": "lex: Lisbon"}))
+    other = await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"})
+    return {"tools": tools, "found": found, "other": other}
+
+
+def test_a_source_limited_key_sees_only_its_sources_facts(env, factory):
+    key = new_key(factory, ["read", "ingest"], source_ids=["work"])
+    seen = _run_stdio(env, key, _sources_only)
+    # Transcripts and feedback are not partitioned by source: a source-limited key gets neither.
+    assert seen["tools"] == {"search_facts", "list_entity_facts", "list_page_facts"}
+    assert [r["fact"] for r in seen["found"]["results"]] == ["Frank opened the Lisbon office"]
+    assert "may not read source 'default'" in _error_text(seen["other"])
+
+
+def test_stdio_a_key_revoked_mid_session_is_refused_at_once(env, factory):
+    key = new_key(factory, ["read"])
+
+    async def revoke_then_search(session: ClientSession) -> tuple[Any, Any]:
+        before = await session.call_tool("search_facts", {"query": "lex: Lisbon"})
+        with factory.begin() as db_session:
+            revoke_key(db_session, db_session.scalars(select(ApiKey.id)).one())
+        return before, await session.call_tool("search_facts", {"query": "lex: Lisbon"})
+
+    before, after = _run_stdio(env, key, revoke_then_search)
+    assert _payload(before)["results"]
+    assert "unknown or revoked" in _error_text(after)
+
+
+def test_stdio_without_a_valid_key_refuses_to_start(env):
+    for extra in ({}, {"FACTMILL_MCP_API_KEY": "fm_not-a-key"}):
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "mcp"],
+            cwd=REPO,
+            env=env | extra,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert result.returncode == 2, result.stderr
+        assert result.stdout == ""
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def http_server(env: dict[str, str]) -> Iterator[str]:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "mcp", "--http", str(port)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        for _ in range(300):
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def _http_session(url: str, key: str, job: Any) -> Any:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        return await job(session)
+
+
+def test_http_each_request_carries_its_key(http_server, factory):
+    reader = anyio.run(_http_session, http_server, new_key(factory, ["read"]), _search_and_list)
+    assert reader["tools"] == READ_TOOLS
+    assert "Alice moved to Lisbon in March 2024" in [r["fact"] for r in reader["found"]["results"]]
+    assert "'ingest' scope" in _error_text(reader["append"])
+    writer = anyio.run(_http_session, http_server, new_key(factory, ["read", "ingest"]), _append_and_read)
+    assert writer["tools"] == READ_TOOLS | WRITE_TOOLS
+    assert writer["appended"]["appended"] == 4
+    # Without a key (or with a wrong one) the endpoint answers 401 before any tool runs.
+    for headers in ({}, {"Authorization": "Bearer fm_wrong"}):
+        answer = httpx.post(
+            http_server,
+            headers=headers | {"Accept": "application/json, text/event-stream"},
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            timeout=10,
+        )
+        assert answer.status_code == 401

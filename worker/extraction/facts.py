@@ -1,0 +1,113 @@
+"""Reading the extracted facts back: a page's facts, an entity's facts (never the audit rows).
+
+The API's facts route and the MCP server's tools both read through here, so what counts as a fact
+(``is_audit`` false) and the order facts come in are decided once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.orm import Session
+
+from models import Fact, Page
+
+
+class FactRecord(BaseModel):
+    """One extracted fact as readers see it."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    row_num: int
+    fact: str
+    kind: str
+    entity_slug: str | None
+    confidence: float
+    notability: str
+    context: str
+    valid_from: datetime | None
+    source: str
+    source_session: str
+    claim_metric: str | None
+    claim_value: float | None
+    claim_unit: str | None
+    claim_period: str | None
+    created_at: datetime
+
+
+class PageFactsPage(BaseModel):
+    """A page of one page's facts, in row order (``total`` counts them all)."""
+
+    source_id: str
+    slug: str
+    page_id: int
+    total: int
+    facts: list[FactRecord]
+
+
+class EntityFact(FactRecord):
+    """A fact about an entity, with the page it came from."""
+
+    source_id: str
+    source_markdown_slug: str
+
+
+class EntityFactsPage(BaseModel):
+    """A page of one entity's facts, newest first (``total`` counts them all)."""
+
+    entity: str
+    total: int
+    facts: list[EntityFact]
+
+
+def read_page_facts(
+    session: Session, source_id: str, slug: str, *, limit: int = 1000, offset: int = 0
+) -> PageFactsPage | None:
+    """The facts extracted from one page, in row order; None when there is no such page."""
+    page_id = session.scalar(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))
+    if page_id is None:
+        return None
+    # Audit rows (the terminal EXTRACTION_COMPLETE marker) are bookkeeping, never facts.
+    where = (Fact.source_id == source_id, Fact.source_markdown_slug == slug, Fact.is_audit.is_(False))
+    total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
+    rows = session.scalars(select(Fact).where(*where).order_by(Fact.row_num).offset(offset).limit(limit))
+    facts = [FactRecord.model_validate(f) for f in rows]
+    return PageFactsPage(source_id=source_id, slug=slug, page_id=page_id, total=total, facts=facts)
+
+
+def read_entity_facts(
+    session: Session,
+    entity: str,
+    *,
+    source_ids: Sequence[str] | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> EntityFactsPage:
+    """The facts about ``entity`` (its slug), newest first, from ``source_ids`` only when given."""
+    where: list[ColumnElement[bool]] = [Fact.entity_slug == entity, Fact.is_audit.is_(False)]
+    if source_ids is not None:
+        where.append(Fact.source_id.in_(list(source_ids)))
+    total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
+    rows = session.scalars(
+        select(Fact)
+        .where(*where)
+        .order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
+        .offset(offset)
+        .limit(limit)
+    )
+    facts = [EntityFact.model_validate(f) for f in rows]
+    return EntityFactsPage(entity=entity, total=total, facts=facts)
+
+
+__all__ = [
+    "EntityFact",
+    "EntityFactsPage",
+    "FactRecord",
+    "PageFactsPage",
+    "read_entity_facts",
+    "read_page_facts",
+]

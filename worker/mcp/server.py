@@ -1,0 +1,203 @@
+"""The Factmill MCP server: the tools of ``worker.mcp.tools`` for one caller's API key, over stdio or HTTP.
+
+Over stdio the key is the process's, checked at start and on every request (a revoked key stops
+working at once). Over streamable HTTP every request carries its own ``Authorization: Bearer <key>``,
+checked like the API checks it; a request without a valid key gets 401 before it reaches a tool.
+Either way a tool the key may not use (its scope, or data not partitioned by source for a
+source-limited key) is missing from the tool list and refused when called.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import anyio
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
+from mcp.types import Tool as MCPTool
+from pydantic import AnyHttpUrl
+
+from worker.access import Principal, principal_for, refusal
+from worker.mcp.tools import Access, FactmillTools
+from worker.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+PRINCIPAL_CLAIM = "factmill_principal"
+INSTRUCTIONS = (
+    "Factmill holds facts extracted from conversations (who did, prefers, promised or believes what) "
+    "and agent transcripts with their summaries. Use search_facts first to answer a question; "
+    "list_entity_facts for everything about one person or thing; get_transcript_context for what to "
+    "send a model for a transcript."
+)
+NO_KEY = "no valid API key (unknown or revoked); create one with `factmill keys create`"
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _claims(principal: Principal) -> dict[str, Any]:
+    sources = sorted(principal.source_ids) if principal.source_ids is not None else None
+    return {
+        PRINCIPAL_CLAIM: {
+            "name": principal.name,
+            "scopes": sorted(principal.scopes),
+            "source_ids": sources,
+            "key_id": principal.key_id,
+        }
+    }
+
+
+def _from_claims(token: AccessToken | None) -> Principal | None:
+    held = (token.claims or {}).get(PRINCIPAL_CLAIM) if token is not None else None
+    if not isinstance(held, dict):
+        return None
+    sources = held["source_ids"]
+    return Principal(
+        name=held["name"],
+        scopes=frozenset(held["scopes"]),
+        source_ids=frozenset(sources) if sources is not None else None,
+        key_id=held["key_id"],
+    )
+
+
+class KeyVerifier:
+    """The SDK's bearer-token check, answered by Factmill's API keys (and the bootstrap admin token)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        settings = self.runtime.settings
+        principal = await anyio.to_thread.run_sync(
+            principal_for, self.runtime.factory, token, settings.admin_token
+        )
+        if principal is None:
+            return None
+        # The token field holds who it is, not the key: nothing downstream needs the secret. The SDK
+        # binds an HTTP session to client_id, so it is the key's unique id, not its (free-text) name.
+        return AccessToken(
+            token=principal.rate_key,
+            client_id=principal.rate_key,
+            scopes=sorted(principal.scopes),
+            claims=_claims(principal),
+        )
+
+
+def request_principal() -> Principal | None:
+    """The principal of the HTTP request being served (set by the bearer check), or None."""
+    return _from_claims(get_access_token())
+
+
+class FactmillMCP(MCPServer[Any]):
+    """MCPServer whose tool list and tool calls follow the caller's scopes and sources."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        principal: Callable[[], Principal | None],
+        *,
+        log_level: LogLevel = "WARNING",
+        auth: AuthSettings | None = None,
+        token_verifier: KeyVerifier | None = None,
+    ) -> None:
+        super().__init__(
+            name="factmill",
+            instructions=INSTRUCTIONS,
+            log_level=log_level,
+            auth=auth,
+            token_verifier=token_verifier,
+        )
+        # The SDK logs each refused call at INFO with its message, which can quote the caller's query,
+        # slug or transcript id; Factmill's logs carry no caller text, so only its warnings are kept.
+        logging.getLogger("mcp.server.mcpserver.server").setLevel(logging.WARNING)
+        self._principal = principal
+        self._access: dict[str, Access] = {}
+        for fn, access, read_only in FactmillTools(runtime, self.caller).tools():
+            hints = ToolAnnotations(read_only_hint=read_only, destructive_hint=False, open_world_hint=False)
+            self.add_tool(fn, annotations=hints, structured_output=True)
+            self._access[fn.__name__] = access
+
+    def caller(self) -> Principal:
+        principal = self._principal()
+        if principal is None:
+            raise ToolError(NO_KEY)
+        return principal
+
+    def _refused(self, principal: Principal | None, name: str) -> str | None:
+        access = self._access.get(name)
+        if access is None:
+            return None  # not one of ours: the SDK answers "Unknown tool"
+        if principal is None:
+            return NO_KEY
+        return refusal(principal, access.scope, all_sources=access.all_sources)
+
+    async def list_tools(self) -> list[MCPTool]:
+        principal = self._principal()
+        return [tool for tool in await super().list_tools() if self._refused(principal, tool.name) is None]
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        refused = self._refused(self._principal(), name)
+        if refused is not None:
+            raise ToolError(f"{name} refused: {refused}")
+        try:
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError as exc:
+            # One line, the exception's class only: its text or traceback could carry stored text.
+            cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "error"
+            logger.error("MCP tool %s failed: %s", name, cause)
+            raise ToolError(f"{name} failed on the server ({cause}); try again later") from None
+
+
+def stdio_server(runtime: Runtime, key: str) -> FactmillMCP:
+    """The server for one process's key (stdio). The key is checked on every request, as the API
+    checks it, so revoking it takes effect at once."""
+    return FactmillMCP(runtime, lambda: authenticate_key(runtime, key))
+
+
+def http_server(runtime: Runtime) -> FactmillMCP:
+    """The server for per-request keys (streamable HTTP)."""
+    # The SDK's bearer check needs auth settings. Factmill is no OAuth server, so no OAuth routes are
+    # made (no provider, no resource_server_url); issuer_url is required by the model and unused.
+    auth = AuthSettings(
+        issuer_url=AnyHttpUrl("http://localhost"), resource_server_url=None, required_scopes=[]
+    )
+    return FactmillMCP(
+        runtime, request_principal, log_level="INFO", auth=auth, token_verifier=KeyVerifier(runtime)
+    )
+
+
+def authenticate_key(runtime: Runtime, key: str) -> Principal | None:
+    """The principal of ``key`` (an API key or the bootstrap admin token), or None."""
+    return principal_for(runtime.factory, key, runtime.settings.admin_token)
+
+
+def run_stdio(runtime: Runtime, key: str) -> None:
+    anyio.run(stdio_server(runtime, key).run_stdio_async)
+
+
+def run_http(runtime: Runtime, host: str, port: int) -> None:
+    server = http_server(runtime)
+
+    async def serve() -> None:
+        await server.run_streamable_http_async(host=host, port=port)
+
+    anyio.run(serve)
+
+
+__all__ = [
+    "FactmillMCP",
+    "KeyVerifier",
+    "authenticate_key",
+    "http_server",
+    "request_principal",
+    "run_http",
+    "run_stdio",
+    "stdio_server",
+]

@@ -1,0 +1,310 @@
+"""The MCP tools: each one a thin call into the service the matching API route uses, with its access rule.
+
+The access rules (scope, and whether the data is partitioned by source) are the API's: a tool a
+principal may not use is neither listed nor callable (``worker.mcp.server`` enforces both).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import AfterValidator as After
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from worker.access import AccessRefusedError, Principal, readable_sources
+from worker.access.ratelimit import PerKeyLimiter
+from worker.calibration import ObservationError, ObservationIn, add_observation
+from worker.compaction import (
+    MAX_MESSAGES_PER_REQUEST,
+    TranscriptError,
+    TranscriptNotFoundError,
+    append_messages,
+    check_transcript_id,
+    context_view,
+    parse_messages,
+)
+from worker.core.intent import QueryParseError
+from worker.core.jsonvalues import text_problem
+from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
+from worker.jobs import outbox
+from worker.llm.errors import BudgetExhaustedError
+from worker.runtime import Runtime
+from worker.search import MAX_LIMIT, MAX_QUERY_CHARS, SearchError, search_as
+
+logger = logging.getLogger(__name__)
+
+
+def _storable(value: str) -> str:
+    problem = text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+Text = Annotated[str, After(_storable)]
+KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a tool needs: a scope, and (``all_sources``) data not partitioned by source, which a
+    source-limited key may not touch (the API's rule for the same data)."""
+
+    scope: str
+    all_sources: str | None = None
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[Text, Field(min_length=1, description="The call's id; its tool result names it.")]
+    name: Annotated[Text, Field(min_length=1, description="The tool the assistant called.")]
+    arguments: Annotated[dict[str, Any], Field(description="The call's arguments.")] = {}
+
+
+class MessageIn(BaseModel):
+    """One transcript message, as POST /v1/transcripts/{id}/messages takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant", "tool"]
+    text: Annotated[Text, Field(description="The message text (may be empty for a tool-calling turn).")] = ""
+    tool_calls: Annotated[
+        list[ToolCallIn] | None, Field(description="Assistant turns only: the tools it called.")
+    ] = None
+    tool_call_id: Annotated[
+        Text | None, Field(description="Tool results only: the id of the call this answers.")
+    ] = None
+    tool_name: Annotated[Text | None, Field(description="Tool results only: the tool that ran.")] = None
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """The errors a caller can cause, as refusals whose message says what was wrong."""
+    try:
+        yield
+    except BudgetExhaustedError:
+        raise ToolError("the search LLM budget for today is spent; lex: lines still work") from None
+    except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
+        raise ToolError(str(exc)) from None
+    except TranscriptNotFoundError as exc:
+        raise ToolError(str(exc)) from None
+
+
+def _transcript(transcript_id: str) -> str:
+    try:
+        return check_transcript_id(transcript_id)
+    except TranscriptError as exc:
+        raise ToolError(f"transcript_id: {exc}") from None
+
+
+class FactmillTools:
+    """The tools over one runtime; ``principal()`` names the caller of the current request."""
+
+    def __init__(
+        self, runtime: Runtime, principal: Callable[[], Principal], limiter: PerKeyLimiter | None = None
+    ) -> None:
+        self.runtime = runtime
+        self.principal = principal
+        self.limiter = limiter or PerKeyLimiter.from_settings(runtime.settings)
+
+    def search_facts(
+        self,
+        query: Annotated[
+            Text,
+            Field(
+                min_length=1,
+                max_length=MAX_QUERY_CHARS,
+                description=(
+                    "Plain words (e.g. 'where does Alice live'), or a query document: one search per "
+                    "line, each 'lex: words' (keyword search, no LLM), 'vec: words' or 'hyde: a "
+                    "hypothetical answer' (semantic), and optionally 'intent: what you are after'."
+                ),
+            ),
+        ],
+        intent: Annotated[
+            Text | None,
+            Field(max_length=500, description="What you want the facts for; sharpens ranking and snippets."),
+        ] = None,
+        source_id: Annotated[Text | None, Field(description="Only facts from this source.")] = None,
+        entity: Annotated[
+            Text | None, Field(description="Only facts about this entity slug (e.g. 'alice').")
+        ] = None,
+        kind: Annotated[KindName | None, Field(description="Only facts of this kind.")] = None,
+        since: Annotated[
+            datetime | None, Field(description="Only facts valid (or written) since this ISO 8601 time.")
+        ] = None,
+        limit: Annotated[int | None, Field(ge=1, le=MAX_LIMIT, description="At most this many.")] = None,
+        expand: Annotated[
+            StrictBool, Field(description="Let an LLM add related searches to a plain query.")
+        ] = True,
+    ) -> dict[str, Any]:
+        """Search the stored facts and get the best matches, each with its text, kind, entity, page,
+        confidence and a snippet. Start here to answer a question about people, plans or events."""
+        principal = self.principal()
+        verdict = self.limiter.hit(principal.rate_key)
+        if not verdict.allowed:
+            raise ToolError(
+                f"too many searches for this key: at most {self.limiter.per_minute} a minute; "
+                f"retry in {verdict.retry_after} s"
+            )
+        with _refusals():
+            outcome = search_as(
+                self.runtime,
+                principal,
+                query,
+                intent=intent,
+                source_id=source_id,
+                entity=entity,
+                kind=kind,
+                since=since,
+                limit=limit,
+                expand=expand,
+            )
+        return outcome.as_dict()
+
+    def list_entity_facts(
+        self,
+        entity: Annotated[Text, Field(min_length=1, description="The entity slug, e.g. 'alice'.")],
+        source_id: Annotated[Text | None, Field(description="Only facts from this source.")] = None,
+        limit: Annotated[int, Field(ge=1, le=1000, description="At most this many facts.")] = 100,
+        offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
+    ) -> EntityFactsPage:
+        """Every stored fact about one entity (a person, team or thing, by its slug), newest first,
+        with the page each came from. Use it to see all that is known about someone."""
+        with _refusals():
+            sources = readable_sources(self.principal(), source_id)
+        if source_id is not None:
+            sources = (source_id,)
+        with self.runtime.factory() as session:
+            return read_entity_facts(session, entity, source_ids=sources, limit=limit, offset=offset)
+
+    def list_page_facts(
+        self,
+        slug: Annotated[
+            Text, Field(min_length=1, description="The page's slug, e.g. 'conversations/alice'.")
+        ],
+        source_id: Annotated[Text, Field(min_length=1, description="The page's source.")] = "default",
+        limit: Annotated[int, Field(ge=1, le=10_000, description="At most this many facts.")] = 1000,
+        offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
+    ) -> PageFactsPage:
+        """The facts extracted from one page (a stored conversation), in the order they were found."""
+        if not self.principal().sees(source_id):
+            raise ToolError(f"this key may not read source {source_id!r}")
+        with self.runtime.factory() as session:
+            found = read_page_facts(session, source_id, slug, limit=limit, offset=offset)
+        if found is None:
+            raise ToolError(f"no page {slug!r} in source {source_id!r}")
+        return found
+
+    def get_transcript_context(
+        self,
+        transcript_id: Annotated[
+            Text, Field(min_length=1, max_length=200, description="The transcript's id.")
+        ],
+    ) -> dict[str, Any]:
+        """What to send a model now for an agent transcript: the newest accepted summary, then every
+        message after it, repaired so each tool call has its result."""
+        transcript_id = _transcript(transcript_id)
+        with _refusals(), self.runtime.factory() as session:
+            view = context_view(session, transcript_id)
+        return {
+            "transcript_id": transcript_id,
+            "compaction_id": view.compaction_id,
+            "cut_seq": view.cut_seq,
+            "tokens": view.tokens,
+            "messages": [m.as_dict() for m in view.messages],
+        }
+
+    def append_transcript_messages(
+        self,
+        transcript_id: Annotated[
+            Text,
+            Field(min_length=1, max_length=200, description="The transcript's id (created on first use)."),
+        ],
+        messages: Annotated[
+            list[MessageIn],
+            Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST, description="The messages, in order."),
+        ],
+    ) -> dict[str, Any]:
+        """Add messages to the end of an agent transcript. A tool result must answer a call of the
+        assistant turn right before it. A compaction (summary) is queued once the context is long."""
+        transcript_id = _transcript(transcript_id)
+        raw = [m.model_dump(exclude_none=True) for m in messages]
+        retrigger = self.runtime.settings.compaction_retrigger_seconds
+        with _refusals():
+            parsed = parse_messages(raw)
+            with self.runtime.factory.begin() as session:
+                result = append_messages(session, transcript_id, parsed, retrigger_seconds=retrigger)
+        outbox.enqueue(self.runtime.factory, result.pending_jobs())  # only after the commit
+        trigger = result.trigger
+        return {
+            "transcript_id": transcript_id,
+            "appended": len(parsed),
+            "first_seq": result.first_seq,
+            "last_seq": result.last_seq,
+            "context_tokens": trigger.context_tokens,
+            "trigger_tokens": trigger.trigger_tokens,
+            "compaction_job_id": trigger.job.job_id if trigger.job is not None else None,
+            "note": trigger.note,
+        }
+
+    def record_summary_feedback(
+        self,
+        coverage: Annotated[
+            float, Field(ge=0, le=1, allow_inf_nan=False, description="The coverage the summary scored.")
+        ],
+        answer_kept: Annotated[
+            StrictBool, Field(description="Did the summarised context still let you answer correctly?")
+        ],
+        origin: Annotated[
+            Text, Field(min_length=1, max_length=200, description="Who judged, e.g. 'agent:me'.")
+        ],
+        compaction_id: Annotated[
+            int | None, Field(ge=1, le=2**63 - 1, description="The compaction (summary) judged.")
+        ] = None,
+        idempotency_key: Annotated[
+            Text | None, Field(max_length=255, description="A resubmission with this key is stored once.")
+        ] = None,
+    ) -> dict[str, Any]:
+        """Say whether a transcript summary (a compaction) kept what was needed to answer. This tunes
+        the quality threshold summaries must pass."""
+        settings = self.runtime.settings
+        with _refusals():
+            observation = ObservationIn(
+                coverage=coverage,
+                answer_kept=answer_kept,
+                origin=origin,
+                compaction_id=compaction_id,
+                idempotency_key=idempotency_key,
+            )
+            report = add_observation(
+                self.runtime.factory, observation, recompute_every=settings.calibration_recompute_every
+            )
+        outbox.enqueue(self.runtime.factory, report.pending_jobs())  # only after the commit
+        [stored] = report.stored
+        return {
+            "id": stored.id,
+            "duplicate": stored.duplicate,
+            "recompute_job_id": report.recompute.job_id if report.recompute is not None else None,
+        }
+
+    def tools(self) -> list[tuple[Callable[..., Any], Access, bool]]:
+        """(function, access, read-only) for every tool, in the order they are listed."""
+        return [
+            (self.search_facts, Access("read"), True),
+            (self.list_entity_facts, Access("read"), True),
+            (self.list_page_facts, Access("read"), True),
+            (self.get_transcript_context, Access("read", "transcripts"), True),
+            (self.append_transcript_messages, Access("ingest", "transcripts"), False),
+            (self.record_summary_feedback, Access("ingest", "calibration feedback"), False),
+        ]
+
+
+__all__ = ["Access", "FactmillTools", "MessageIn", "ToolCallIn"]
