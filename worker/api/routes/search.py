@@ -35,13 +35,27 @@ MAX_SEARCH_BODY_BYTES = 64 * 1024
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
+# A query document is a small language JSON Schema cannot state, so the document names it as a format
+# and describes it; a malformed one is answered 400 with the line at fault.
+QUERY_FORMAT: dict[str, Any] = {"format": "factmill-query"}
+QUERY_DESCRIPTION = (
+    "A plain query (one line), or a query document: one search per line, each starting with lex:, "
+    "vec: or hyde: and holding text, plus at most one intent: line (then the intent field stays unset); "
+    "a single expand: line asks for LLM expansion. Blank lines are ignored. A document that breaks "
+    "these rules is refused with 400."
+)
+
+
 class SearchBody(BaseModel):
     """A search: a plain query or a query document of lex:/vec:/hyde:/intent: lines."""
 
     model_config = ConfigDict(extra="forbid")
 
     q: StorableStr = Field(
-        min_length=1, max_length=MAX_QUERY_CHARS, description="Plain query or query document."
+        min_length=1,
+        max_length=MAX_QUERY_CHARS,
+        description=QUERY_DESCRIPTION,
+        json_schema_extra=QUERY_FORMAT,
     )
     intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
     source_id: StorableStr | None = None
@@ -56,7 +70,15 @@ class SearchBody(BaseModel):
 class SearchParams:
     """The query parameters of GET /v1/search: SearchBody's fields."""
 
-    q: Annotated[StorableStr, Query(min_length=1, max_length=MAX_QUERY_CHARS)]
+    q: Annotated[
+        StorableStr,
+        Query(
+            min_length=1,
+            max_length=MAX_QUERY_CHARS,
+            description=QUERY_DESCRIPTION,
+            json_schema_extra=QUERY_FORMAT,
+        ),
+    ]
     intent: Annotated[StorableStr | None, Query(max_length=500)] = None
     source_id: StorableStr | None = None
     entity: StorableStr | None = None
