@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, OpCheckpoint
+from models import ExtractionAudit, Fact, Job, OpCheckpoint
 from tests.conftest import fresh_database
 from worker import db
 from worker.config_store import set_config
@@ -217,3 +217,28 @@ def test_a_forced_re_extraction_skips_too_and_swaps_in_the_other_segments(tx_fac
     sim.configure(text_faults=False)
     assert run(tx_factory, llm, retry_skipped=True).segments_unskipped == 1
     assert sorted((c, f) for _, c, f in facts(tx_factory)) == sorted((c, f) for _, c, f in whole)
+
+
+def test_only_extraction_jobs_take_skipped(tx_factory):
+    from worker.jobs import queries
+    from worker.jobs.budgets import JobBudgets
+    from worker.jobs.leases import claim, finish
+    from worker.jobs.outbox import CALIBRATION, EXTRACTION, RETRY_SKIPPED, request_job
+
+    budgets = JobBudgets(max_attempts=5, max_worker_losses=20)
+    with tx_factory.begin() as session:
+        page_job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
+        other = request_job(session, CALIBRATION, "default").job_id
+    for job_id in (page_job, other):
+        claim(tx_factory, job_id, "w", stale_after=60, budgets=budgets)
+        finish(tx_factory, job_id, "w", "succeeded", attempt=True)
+    with tx_factory.begin() as session, pytest.raises(queries.JobHasNoSegmentsError, match="calibration"):
+        queries.retry(session, other, skipped=True)
+    with tx_factory.begin() as session:
+        assert queries.retry(session, page_job, skipped=True).options[RETRY_SKIPPED] is True
+    with tx_factory() as session:
+        assert session.get(Job, page_job).options == {RETRY_SKIPPED: True}
+    claim(tx_factory, page_job, "w", stale_after=60, budgets=budgets)
+    finish(tx_factory, page_job, "w", "succeeded", attempt=True)
+    with tx_factory.begin() as session:  # a plain retry turns it off again
+        assert queries.retry(session, page_job).options[RETRY_SKIPPED] is False
