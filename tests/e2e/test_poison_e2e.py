@@ -144,3 +144,23 @@ def test_poison_segment_skipped_then_retried_through_the_api_and_the_cli(
         cli(env, "jobs", "retry", str(job_id))
         settled()
         assert chat_calls(sim) == before and page_facts() == after
+
+
+def test_factmill_extract_skips_and_then_re_extracts_with_skipped(database_url, factory, broker_url, sim):
+    from worker.config_store import set_config
+    from worker.extraction import PageIn, upsert_page
+
+    with factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+        upsert_page(
+            session,
+            PageIn(slug=SLUG, type="conversation", title="Poison", compiled_truth=PAGE["compiled_truth"]),
+        )
+    env = service_env(database_url, broker_url, sim.base_url)
+    first = json.loads(cli(env, "extract", "--slug", SLUG, "--json"))
+    assert (first["pages_processed"], first["segments_processed"], first["segments_skipped"]) == (1, 2, 1)
+    sim.configure(text_faults=False)
+    retried = json.loads(cli(env, "extract", "--slug", SLUG, "--skipped", "--json"))
+    assert (retried["segments_unskipped"], retried["segments_skipped"], retried["llm_calls"]) == (1, 0, 1)
+    again = json.loads(cli(env, "extract", "--slug", SLUG, "--skipped", "--json"))
+    assert (again["llm_calls"], again["pages_skipped"]) == (0, 1)
