@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import DateTime, Index, Text, func
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base
@@ -32,6 +34,9 @@ class OpCheckpoint(Base):
     messages_done: Mapped[int]
     prefix_hash: Mapped[str]
     next_row_num: Mapped[int]
+    # Segments the checkpoint moved past without their facts (poison segments), as
+    # worker.core.checkpoint.SkippedSegment dicts in page order; `jobs retry --skipped` re-extracts them.
+    skipped: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default="[]")
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )

@@ -31,6 +31,8 @@ SEGMENT_OUTCOMES = (
     "refusal",
     "provider_error",
     "budget_exhausted",
+    # Not an attempt: the row that marks a poison segment skipped (worker.extraction.poison).
+    "skipped",
 )
 
 
@@ -112,5 +114,12 @@ class ExtractionAudit(Base):
     outcome: Mapped[str]
     facts_count: Mapped[int] = count_column()
     error: Mapped[str | None]
+    # The segment's messages digested (worker.core.checkpoint.segment_hash): its identity across runs.
+    segment_hash: Mapped[str | None]
+    # This attempt ended its segment's try with a permanent failure (a refusal, malformed after the
+    # repair turn, truncated after the retry, a rejected request): counted towards the skip.
+    permanent: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    # What the model said on a failed attempt (capped), for whoever reads why a segment was skipped.
+    reply: Mapped[str | None]
     llm_call_id: Mapped[int | None] = mapped_column(ForeignKey("llm_calls.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = utcnow_column()

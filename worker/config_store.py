@@ -18,6 +18,9 @@ COMPACTION_ENABLED = "compaction.enabled"
 CALIBRATION_ENABLED = "calibration.enabled"
 EXTRACTION_PAGE_TYPES = "extraction.page_types"
 EXTRACTION_MAX_FACTS = "extraction.max_facts"
+# How many permanent failures (across attempts and runs) skip a poison segment.
+EXTRACTION_MAX_SEGMENT_FAILURES = "extraction.max_segment_failures"
+MAX_SEGMENT_FAILURES_CEILING = 100
 
 KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED)
 DISABLED_VALUES = frozenset({"false", "0", "no", "off"})
@@ -36,6 +39,10 @@ def validate_value(key: str, value: str) -> str:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
     if key == EXTRACTION_MAX_FACTS and (not cleaned.isdigit() or not 1 <= int(cleaned) <= 25):
         raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
+    if key == EXTRACTION_MAX_SEGMENT_FAILURES and (
+        not cleaned.isdigit() or not 1 <= int(cleaned) <= MAX_SEGMENT_FAILURES_CEILING
+    ):
+        raise ValueError(f"{key} must be an integer from 1 to {MAX_SEGMENT_FAILURES_CEILING}, got {value!r}")
     validate_config_value(key, cleaned)
     return cleaned
 

@@ -23,6 +23,7 @@ from models import (
     Fact,
     Job,
     LLMCall,
+    OpCheckpoint,
 )
 from worker.api.errors import one_line
 from worker.api.guards import route_template
@@ -97,6 +98,10 @@ class _StoreRows:
         self.segment_rows = session.execute(
             select(ExtractionAudit.outcome, func.count()).group_by(ExtractionAudit.outcome)
         ).all()
+        # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
+        self.skipped_now = session.scalar(
+            select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0))
+        )
         self.llm_rows = session.execute(
             select(
                 LLMCall.purpose,
@@ -150,12 +155,29 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
             "factmill_facts", "Facts stored (audit rows excluded)", value=rows.facts or 0
         )
         segments = CounterMetricFamily(
-            "factmill_segments", "Segment extraction attempts by outcome", labels=["outcome"]
+            "factmill_segments",
+            'Segment extraction attempts by outcome; outcome="skipped" counts poison segments skipped',
+            labels=["outcome"],
         )
         seen = {outcome: n for outcome, n in rows.segment_rows}
         for outcome in sorted(set(SEGMENT_OUTCOMES) | set(seen)):
             segments.add_metric([outcome], seen.get(outcome, 0))
-        return [up, jobs_gauge, attempts, losses, facts_gauge, segments, *_llm_metrics(rows), _latency(rows)]
+        skipped = GaugeMetricFamily(
+            "factmill_segments_skipped",
+            "Skipped (poison) segments whose facts are missing (`factmill jobs retry ID --skipped`)",
+            value=int(rows.skipped_now or 0),
+        )
+        return [
+            up,
+            jobs_gauge,
+            attempts,
+            losses,
+            facts_gauge,
+            segments,
+            skipped,
+            *_llm_metrics(rows),
+            _latency(rows),
+        ]
 
 
 def _llm_metrics(rows: _StoreRows) -> list[Metric]:

@@ -75,6 +75,12 @@ def print_counters(counters: ExtractionCounters, seconds: float | None = None) -
             report.status == "skipped" and report.reason and "nothing new" not in report.reason
         ):
             err.print(f"[yellow]{report.status}[/] {report.slug}: {report.reason}")
+        if report.skipped:
+            err.print(
+                f"[yellow]skipped segments[/] {report.slug}: {report.skipped} failed permanently too often "
+                "(outcome skipped in its audit rows); `factmill extract --skipped` (or its job's "
+                "`factmill jobs retry ID --skipped`) re-extracts them"
+            )
 
 
 def run_extraction(
@@ -131,8 +137,16 @@ def extract(
         ),
     ] = False,
     poll_seconds: Annotated[float, typer.Option(min=0.0, help="With --batch: seconds between polls.")] = 30.0,
+    skipped: Annotated[
+        bool,
+        typer.Option(
+            "--skipped", help="First re-extract the pages' skipped (poison) segments, in page order (online)."
+        ),
+    ] = False,
 ) -> None:
     """Extract facts from conversation pages, resuming where the last run stopped."""
+    if skipped and batch:
+        raise fail("--skipped re-extracts segments one by one online; leave out --batch", code=2)
     settings = get_settings()
     factory = checked_factory(settings)
     options = ExtractOptions(
@@ -144,6 +158,7 @@ def extract(
         override_disabled=override_disabled,
         max_facts=max_facts,
         max_output_tokens=settings.llm_max_output_tokens,
+        retry_skipped=skipped,
     )
     if not as_json and not dry_run:
         err.print(describe(settings))

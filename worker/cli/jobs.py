@@ -73,16 +73,29 @@ def jobs_show(job_id: int) -> None:
 
 
 @jobs_app.command("retry")
-def jobs_retry(job_id: int) -> None:
+def jobs_retry(
+    job_id: int,
+    skipped: Annotated[
+        bool,
+        typer.Option(
+            "--skipped",
+            help="Re-extract the page's skipped (poison) segments, in page order, each committed once.",
+        ),
+    ] = False,
+) -> None:
     """Queue a failed, paused or succeeded job again (attempts and worker losses start over)."""
     factory = checked_factory()
     try:
         with factory.begin() as session:
-            job = queries.retry(session, job_id)
+            job = queries.retry(session, job_id, skipped=skipped)
             pair = (job.id, job.kind)
     except queries.JobNotFoundError as exc:
         raise fail(str(exc)) from exc
-    except (queries.JobNotRetryableError, queries.JobAlreadyPendingError) as exc:
+    except (
+        queries.JobNotRetryableError,
+        queries.JobAlreadyPendingError,
+        queries.JobHasNoSegmentsError,
+    ) as exc:
         raise fail(str(exc), code=2) from exc
     send_jobs(factory, [pair])
-    out.print(f"job {job_id} queued")
+    out.print(f"job {job_id} queued" + (" to re-extract its skipped segments" if skipped else ""))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from worker.core.conversation import Message, Segment
 
@@ -45,12 +46,51 @@ def page_key(source_id: str, slug: str) -> str:
 
 
 @dataclass(frozen=True)
+class SkippedSegment:
+    """A segment the checkpoint moved past without its facts (a poison segment): the messages
+    ``[first, end)`` of the page, their digest, and their time span (for people reading it)."""
+
+    first: int
+    end: int
+    segment_hash: str
+    start_iso: str
+    end_iso: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "first": self.first,
+            "end": self.end,
+            "segment_hash": self.segment_hash,
+            "start_iso": self.start_iso,
+            "end_iso": self.end_iso,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SkippedSegment:
+        return cls(
+            int(data["first"]),
+            int(data["end"]),
+            str(data["segment_hash"]),
+            str(data["start_iso"]),
+            str(data["end_iso"]),
+        )
+
+
+@dataclass(frozen=True)
 class CheckpointState:
-    """Where a page's checkpoint stands: messages extracted, their digest, the next fact row number."""
+    """Where a page's checkpoint stands: messages extracted, their digest, the next fact row number,
+    and the segments it moved past without their facts (in page order)."""
 
     messages_done: int
     prefix_hash: str
     next_row_num: int
+    skipped: tuple[SkippedSegment, ...] = ()
+
+
+def segment_hash(segment: Segment) -> str:
+    """A digest of one segment's messages: who said what when. It names the segment across runs
+    (its index changes as the checkpoint moves), so its failures can be counted."""
+    return messages_hash(segment.messages)
 
 
 class PrefixHasher:

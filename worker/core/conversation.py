@@ -203,6 +203,11 @@ def _message_instants(messages: Sequence[Message]) -> list[int]:
     return instants
 
 
+def segment_of(messages: Sequence[Message]) -> Segment:
+    """These consecutive messages as one segment (how split_into_segments builds each of its own)."""
+    return _segment(messages)
+
+
 def _segment(messages: Sequence[Message]) -> Segment:
     return Segment(
         messages=tuple(messages),

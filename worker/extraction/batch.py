@@ -76,7 +76,8 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
         )
     attempt = classify_reply(item.response, max_facts, cap)
     attempt.batch = True
-    return SegmentResult([attempt])
+    # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).
+    return SegmentResult([attempt], permanent=attempt.outcome == "refusal")
 
 
 @dataclass

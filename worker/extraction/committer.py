@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 
-from worker.core.checkpoint import CheckpointState
+from worker.core.checkpoint import CheckpointState, SkippedSegment, segment_hash
 from worker.core.conversation import Segment
 from worker.core.facts import ExtractedFact
 from worker.extraction.options import ExtractionCounters, ExtractionProgress, PageReport
 from worker.extraction.planner import PagePlan, PagePlanner
-from worker.extraction.segments import SegmentResult
-from worker.extraction.store import ExtractionStore, SegmentPlace, Terminal
+from worker.extraction.rows import SegmentPlace
+from worker.extraction.segments import Attempt, SegmentResult
+from worker.extraction.store import ExtractionStore, Terminal
 
 # (segment index, segment, its result), in page order; the consumer may stop early.
 SegmentResults = Generator[tuple[int, Segment, SegmentResult], None, None]
@@ -25,11 +26,13 @@ class SegmentCommitter:
         planner: PagePlanner,
         counters: ExtractionCounters,
         progress: ExtractionProgress,
+        max_segment_failures: int,
     ) -> None:
         self.store = store
         self.planner = planner
         self.counters = counters
         self.progress = progress
+        self.max_segment_failures = max_segment_failures
 
     def finish(self, report: PageReport) -> None:
         """A page is done (whatever its status): count it and tell the progress listener."""
@@ -41,7 +44,30 @@ class SegmentCommitter:
     ) -> None:
         """A result the page could not use still cost money: record its attempts, facts unused."""
         self.counters.add_calls(result)
-        self.store.record_attempts(self.planner.place(slug, index, segment), result.attempts, note=note)
+        self.store.record_attempts(
+            self.planner.place(slug, index, segment), result.attempts, note=note, permanent=result.permanent
+        )
+
+    def poison(self, place: SegmentPlace, result: SegmentResult) -> tuple[str | None, int]:
+        """(why the segment is skipped, or None to fail the page as before; its permanent failures
+        counting this one). A permanent failure skips the segment once it is the K-th
+        (`extraction.max_segment_failures`) since the segment last succeeded."""
+        if result.ok or not result.permanent:
+            return None, 0
+        failures = self.store.permanent_failures(place) + 1
+        if failures < self.max_segment_failures:
+            return None, failures
+        last = result.attempts[-1]
+        return (
+            f"skipped after {failures} permanent failures (extraction.max_segment_failures="
+            f"{self.max_segment_failures}); last: {result.outcome}: {last.error or ''}",
+            failures,
+        )
+
+    def count_skip(self, report: PageReport, slug: str) -> None:
+        self.counters.segments_skipped += 1
+        report.skipped += 1
+        self.progress.segment_finished(slug, "skipped")
 
     def commit_page(self, plan: PagePlan, results: SegmentResults) -> PageReport:
         """Commit a planned page's segment results (in page order) through the per-segment transaction."""
@@ -53,7 +79,11 @@ class SegmentCommitter:
         finally:
             results.close()
 
-    def _failed(self, report: PageReport, index: int, result: SegmentResult, tail: str = "") -> PageReport:
+    def fail_page(
+        self, report: PageReport, index: int, result: SegmentResult, tail: str = "", failures: int = 0
+    ) -> PageReport:
+        if failures:
+            tail += f" (permanent failure {failures}; the segment is skipped at {self.max_segment_failures})"
         self.counters.segments_failed += 1
         report.status, report.outcome = "failed", result.outcome
         report.reason = f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}{tail}"
@@ -66,13 +96,17 @@ class SegmentCommitter:
         last = len(plan.segments) - 1
         for index, segment, result in results:
             place = self.planner.place(plan.slug, index, segment)
-            if not result.ok:
-                self.store.record_attempts(place, result.attempts)
+            skip, failures = self.poison(place, result)
+            if not result.ok and skip is None:
+                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
                 self.progress.segment_finished(plan.slug, result.outcome)
-                return self._failed(report, index, result)
+                return self.fail_page(report, index, result, failures=failures)
             end = plan.ends[index]
             first_row = expected.next_row_num if expected else 0
-            new = CheckpointState(end, plan.hasher.digest(end), first_row + len(result.facts))
+            skipped = expected.skipped if expected else ()
+            if skip is not None:
+                skipped = (*skipped, skipped_entry(segment, end))
+            new = CheckpointState(end, plan.hasher.digest(end), first_row + len(result.facts), skipped)
             terminal: Terminal = "keep"
             if index == last:
                 terminal = "set"
@@ -87,8 +121,12 @@ class SegmentCommitter:
                 new=new,
                 terminal=terminal,
                 page=plan.version,
+                skip=skip,
             )
             expected = new
+            if skip is not None:
+                self.count_skip(report, plan.slug)
+                continue
             self.counters.segments_processed += 1
             self.counters.facts_extracted += len(result.facts)
             self.counters.facts_inserted += inserted
@@ -101,15 +139,24 @@ class SegmentCommitter:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(plan.slug, "processed")
         segment_facts: list[tuple[SegmentPlace, Sequence[ExtractedFact]]] = []
+        skips: list[tuple[SegmentPlace, Sequence[Attempt], str]] = []
+        skipped: list[SkippedSegment] = []
         for index, segment, result in results:
             place = self.planner.place(plan.slug, index, segment)
-            self.store.record_attempts(place, result.attempts)
+            skip, failures = self.poison(place, result)
+            self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+            if skip is not None:  # its skipped row goes in with the swap that moves past it
+                skips.append((place, result.attempts, skip))
+                skipped.append(skipped_entry(segment, plan.ends[index]))
+                self.count_skip(report, plan.slug)
+                continue
             self.progress.segment_finished(plan.slug, result.outcome)
             if not result.ok:
-                return self._failed(report, index, result, "; the page's earlier facts were kept")
+                tail = "; the page's earlier facts were kept"
+                return self.fail_page(report, index, result, tail, failures=failures)
             segment_facts.append((place, result.facts))
             report.segments += 1
-        missing = len(plan.segments) - report.segments
+        missing = len(plan.segments) - report.segments - report.skipped
         if missing:
             # The results ran out (a batch that expired): swapping now would drop the page's later facts.
             report.status = "incomplete"
@@ -122,11 +169,19 @@ class SegmentCommitter:
             self.planner.fingerprint,
             last,
             segment_facts,
-            CheckpointState(end, plan.hasher.digest(end), total),
+            CheckpointState(end, plan.hasher.digest(end), total, tuple(skipped)),
             page=plan.version,
+            skips=skips,
         )
-        self.counters.segments_processed += len(plan.segments)
+        self.counters.segments_processed += report.segments
         self.counters.facts_extracted += total
         self.counters.facts_inserted += inserted
         report.facts = inserted
         return report
+
+
+def skipped_entry(segment: Segment, end: int) -> SkippedSegment:
+    """The checkpoint's record of a skipped segment: the messages [end - len, end) of the page."""
+    return SkippedSegment(
+        end - len(segment.messages), end, segment_hash(segment), segment.start_iso, segment.end_iso
+    )

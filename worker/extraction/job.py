@@ -7,7 +7,7 @@ from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.service import extract_conversation_facts
 from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobContext, WorkResult
-from worker.jobs.outbox import BUDGET, EXTRACTION, split_page_subject
+from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.search import embed_new_facts
 
@@ -20,6 +20,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         source_id=source_id,
         slug=slug,
         force=bool(ctx.option("force", False)),
+        retry_skipped=bool(ctx.option(RETRY_SKIPPED, False)),
         job_id=job.id,
         segment_concurrency=settings.segment_concurrency,
         max_output_tokens=settings.llm_max_output_tokens,
@@ -47,6 +48,11 @@ def extract_page(ctx: JobContext) -> WorkResult:
     note = None
     if counters.pages_considered == 0:
         note = "nothing to extract: the page is gone or is not a conversation type"
+    elif counters.segments_skipped:
+        note = (
+            f"{counters.segments_skipped} segment(s) skipped after failing permanently (their audit rows "
+            f"say why); `factmill jobs retry {job.id} --skipped` re-extracts them"
+        )
     return WorkResult("succeeded", counters=counters_dict, note=note)
 
 

@@ -6,7 +6,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from worker.config_store import EXTRACTION_ENABLED, EXTRACTION_MAX_FACTS, EXTRACTION_PAGE_TYPES, ConfigReader
+from worker.config_store import (
+    EXTRACTION_ENABLED,
+    EXTRACTION_MAX_FACTS,
+    EXTRACTION_MAX_SEGMENT_FAILURES,
+    EXTRACTION_PAGE_TYPES,
+    ConfigReader,
+)
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
 
@@ -14,6 +20,7 @@ OP_NAME = "extract-conversation-facts"
 PER_SEGMENT_SOURCE_PREFIX = "cli:extract-conversation-facts"
 TERMINAL_AUDIT_SOURCE = "cli:extract-conversation-facts:terminal"
 CONVERSATION_PAGE_TYPES = ("conversation", "meeting", "slack", "email", "imessage")
+DEFAULT_MAX_SEGMENT_FAILURES = 3
 
 
 class ExtractionDisabledError(KillSwitchOffError):
@@ -48,6 +55,7 @@ class ExtractOptions:
     max_output_tokens: int = 1024
     job_id: int | None = None
     segment_concurrency: int = 1  # LLM calls in flight per page; results still commit in order
+    retry_skipped: bool = False  # first re-extract the page's skipped (poison) segments, in page order
 
 
 @dataclass
@@ -58,6 +66,7 @@ class PageReport:
     segments: int = 0
     facts: int = 0
     outcome: str | None = None  # for a failed page: the outcome of the segment that failed
+    skipped: int = 0  # poison segments the page went past (their facts are missing)
 
 
 @dataclass
@@ -69,6 +78,8 @@ class ExtractionCounters:
     pages_failed: int = 0
     segments_processed: int = 0
     segments_failed: int = 0
+    segments_skipped: int = 0  # poison segments skipped by this run (skipped is never "0 facts")
+    segments_unskipped: int = 0  # skipped segments a `--skipped` retry extracted
     facts_extracted: int = 0
     facts_inserted: int = 0
     llm_calls: int = 0
@@ -163,6 +174,14 @@ def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:
     if not 1 <= value <= 25:
         raise ValueError(f"max_facts must be between 1 and 25, got {value}")
     return value
+
+
+def resolve_max_segment_failures(config: ConfigReader) -> int:
+    """How many permanent failures skip a segment: `extraction.max_segment_failures`, else 3."""
+    raw = config.get(EXTRACTION_MAX_SEGMENT_FAILURES)
+    if raw and raw.strip().isdigit() and int(raw.strip()) >= 1:
+        return int(raw.strip())
+    return DEFAULT_MAX_SEGMENT_FAILURES
 
 
 def ensure_enabled(options: ExtractOptions, config: ConfigReader) -> None:

@@ -14,6 +14,10 @@ from worker.llm.types import ChatRequest, ChatResponse, LLMClient
 # A truncated reply is retried once with this many times the output cap, up to the ceiling.
 TRUNCATION_RETRY_FACTOR = 2
 MAX_OUTPUT_TOKENS_CEILING = 8192
+# Request rejections that say the request itself is bad (its content, its size): sending the same
+# segment again gets the same answer. Auth, permission and not-found errors (401/403/404) are the
+# deployment's fault, not the segment's, so they never count towards skipping it.
+REJECTED_REQUEST_STATUSES = frozenset({400, 413, 422})
 
 
 @dataclass
@@ -27,6 +31,7 @@ class Attempt:
     latency_ms: int = 0
     called: bool = True  # False: refused before any request (budget), so no llm_calls row
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
+    rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
 
     @classmethod
     def of(
@@ -45,6 +50,9 @@ class Attempt:
 @dataclass
 class SegmentResult:
     attempts: list[Attempt]
+    # The try ended in a failure that trying again will not mend: a refusal, malformed after its repair
+    # turn, truncated after its retry, a rejected request. Counted towards skipping the segment.
+    permanent: bool = False
 
     @property
     def ok(self) -> bool:
@@ -106,9 +114,27 @@ def _ask(
     except LLMError as exc:
         attempts.extend(_retried_failures(getattr(exc, "attempts", ())[:-1]))
         attempts.append(
-            Attempt("provider_error", None, [], str(exc), llm.provider, llm.model, exc.latency_ms)
+            Attempt(
+                "provider_error",
+                None,
+                [],
+                str(exc),
+                llm.provider,
+                llm.model,
+                exc.latency_ms,
+                rejected=rejected_request(exc),
+            )
         )
     return None
+
+
+def _given_up(attempts: list[Attempt]) -> SegmentResult:
+    """The try ended on a failure with no turn left to mend it: a permanent one."""
+    return SegmentResult(attempts, permanent=True)
+
+
+def rejected_request(exc: LLMError) -> bool:
+    return not exc.retryable and exc.status in REJECTED_REQUEST_STATUSES
 
 
 def extract_segment(
@@ -126,18 +152,18 @@ def extract_segment(
     while True:
         response = _ask(llm, extraction_request(turns, max_facts, cap), attempts, before_call)
         if response is None:
-            return SegmentResult(attempts)
+            return SegmentResult(attempts, permanent=bool(attempts) and attempts[-1].rejected)
         attempt = classify_reply(response, max_facts, cap)
         attempts.append(attempt)
         if attempt.outcome == "truncated_output":
             if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
-                return SegmentResult(attempts)
+                return _given_up(attempts)
             retried_truncation = True
             cap = min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
             continue
         if attempt.outcome == "malformed_output":
             if repaired:
-                return SegmentResult(attempts)
+                return _given_up(attempts)
             repaired = True
             turns = [
                 *turns,
@@ -145,4 +171,6 @@ def extract_segment(
                 ("user", repair_user_message(response.text, attempt.error or "")),
             ]
             continue
+        if attempt.outcome == "refusal":
+            return _given_up(attempts)
         return SegmentResult(attempts)

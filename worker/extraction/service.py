@@ -18,11 +18,14 @@ from worker.extraction.options import (
     ExtractionProgress,
     ExtractOptions,
     NoProgress,
+    PageReport,
     ensure_enabled,
     resolve_max_facts,
+    resolve_max_segment_failures,
     validate_since,
 )
 from worker.extraction.planner import PagePlan, PagePlanner
+from worker.extraction.poison import SkippedRetry
 from worker.extraction.segments import SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
 from worker.llm.types import LLMClient
@@ -53,7 +56,9 @@ class ExtractionRun:
         self.progress = progress or NoProgress()
         self.max_facts = resolve_max_facts(options, config)
         self.planner = PagePlanner(store, options, config)
-        self.committer = SegmentCommitter(store, self.planner, self.counters, self.progress)
+        self.committer = SegmentCommitter(
+            store, self.planner, self.counters, self.progress, resolve_max_segment_failures(config)
+        )
 
     def check_switch(self) -> None:
         ensure_enabled(self.options, self.config)
@@ -65,12 +70,14 @@ class ExtractionRun:
         self.progress.pages_listed(len(pages))
         return pages
 
-    def plan(self, ref: PageRef) -> PagePlan | None:
-        """The page's plan, or None when there is nothing to do (its report is then already finished)."""
+    def plan(self, ref: PageRef, *, finish: bool = True) -> PagePlan | None:
+        """The page's plan, or None when there is nothing to do (its report is then finished, unless
+        ``finish`` is off: the page already has a report of this run)."""
         plan = self.planner.plan(ref)
         if isinstance(plan, PagePlan):
             return plan
-        self.committer.finish(plan)
+        if finish:
+            self.committer.finish(plan)
         return None
 
 
@@ -82,11 +89,22 @@ class OnlineExtraction:
         self.run = run
         self.llm = llm
 
-    def extract_page(self, plan: PagePlan) -> None:
+    def extract_page(self, plan: PagePlan, earlier: PageReport | None = None) -> None:
+        """Extract and commit the plan's segments; ``earlier`` is what a `--skipped` pass already did on
+        the page (one page, one report)."""
         run = self.run
-        run.committer.finish(
-            run.committer.commit_page(plan, self.ordered_results(plan.slug, plan.label, plan.segments))
-        )
+        report = run.committer.commit_page(plan, self.ordered_results(plan.slug, plan.label, plan.segments))
+        if earlier is not None:
+            report.segments += earlier.segments
+            report.facts += earlier.facts
+            report.skipped += earlier.skipped
+        run.committer.finish(report)
+
+    def retry_skipped(self, ref: PageRef) -> PageReport | None:
+        """Re-extract the page's skipped segments first (ExtractOptions.retry_skipped)."""
+        run = self.run
+        retry = SkippedRetry(run.planner.store, run.planner, run.committer, run.counters, self.call)
+        return retry.retry_page(ref)
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
         """One segment's LLM attempts; runs on pool threads, so it touches no shared state."""
@@ -165,10 +183,16 @@ def extract_pages(run: ExtractionRun, llm: LLMClient | None) -> ExtractionCounte
             raise ValueError("an LLM client is required unless dry_run is set")
         online = OnlineExtraction(run, llm)
     for ref in run.list_pages():
-        plan = run.plan(ref)
-        if plan is not None:
+        earlier = online.retry_skipped(ref) if online is not None and run.options.retry_skipped else None
+        if earlier is not None and earlier.status == "failed":
+            run.committer.finish(earlier)  # the job retries; its later segments wait for that
+            continue
+        plan = run.plan(ref, finish=earlier is None)
+        if plan is None and earlier is not None:
+            run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
+        elif plan is not None:
             assert online is not None  # a dry run plans no page: each comes back as a finished report
-            online.extract_page(plan)
+            online.extract_page(plan, earlier)
     return run.counters
 
 

@@ -10,14 +10,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy import Table, cast, delete, func, insert, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
-from worker.accounting import Ledger, LLMCallRecord
-from worker.core.checkpoint import CheckpointState, PrefixHasher, encode_checkpoint_entry, page_key
-from worker.core.conversation import Segment, parse_conversation_messages
+from worker.accounting import Ledger
+from worker.core.checkpoint import (
+    CheckpointState,
+    PrefixHasher,
+    SkippedSegment,
+    encode_checkpoint_entry,
+    page_key,
+    segment_hash,
+)
+from worker.core.conversation import parse_conversation_messages
 from worker.core.facts import ExtractedFact
 from worker.extraction.erase import page_body
 from worker.extraction.options import (
@@ -26,9 +34,15 @@ from worker.extraction.options import (
     TERMINAL_AUDIT_SOURCE,
     CheckpointConflictError,
     PageChangedError,
-    iso_to_datetime,
 )
-from worker.extraction.prompts import LLM_PURPOSE
+from worker.extraction.rows import (
+    SegmentPlace,
+    audit_rows,
+    call_records,
+    errors_of,
+    fact_rows,
+    skip_row,
+)
 from worker.extraction.segments import Attempt
 
 _FACTS: Table = Fact.__table__  # type: ignore[assignment]
@@ -47,7 +61,6 @@ _SWAP_CHUNK = 1000
 # The terminal audit row: a page's marker of a complete extraction, on a row number no fact can take.
 TERMINAL_AUDIT_FACT = "EXTRACTION_COMPLETE"
 TERMINAL_ROW_NUM = -1
-
 # What a segment commit does to the page's terminal audit row: set it (the page's last segment), clear it
 # (the first segment of appended messages: the page is incomplete again), or leave it.
 Terminal = Literal["set", "clear", "keep"]
@@ -78,17 +91,6 @@ class PageVersion:
     page_id: int
     content_hash: str
     types: tuple[str, ...]  # the page types the run extracts
-
-
-@dataclass(frozen=True)
-class SegmentPlace:
-    """Where a segment's attempts belong: the job, the page and the segment."""
-
-    job_id: int | None
-    source_id: str
-    slug: str
-    index: int
-    segment: Segment
 
 
 class ExtractionStore:
@@ -122,15 +124,43 @@ class ExtractionStore:
             if with_checkpoint:
                 row = session.get(OpCheckpoint, (OP_NAME, fingerprint, page_key(source_id, slug)))
                 if row is not None:
-                    checkpoint = CheckpointState(row.messages_done, row.prefix_hash, row.next_row_num)
+                    checkpoint = _state(row)
         return StoredPage(body, label, checkpoint, page.content_hash)
 
     def record_attempts(
-        self, place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
+        self,
+        place: SegmentPlace,
+        attempts: Sequence[Attempt],
+        note: str | None = None,
+        *,
+        permanent: bool = False,
     ) -> None:
-        """A segment's attempts alone (it failed, its facts wait for the swap, or they were discarded)."""
+        """A segment's attempts alone (it failed, its facts wait for the swap, or they were discarded);
+        ``permanent`` marks the last one as a failure that counts towards skipping the segment."""
         with self._factory.begin() as session:
-            self._write_attempts(session, place, attempts, note)
+            self._write_attempts(session, place, attempts, note, permanent=permanent)
+
+    def permanent_failures(self, place: SegmentPlace) -> int:
+        """How often this segment (by its messages' digest) failed permanently since it last succeeded,
+        across attempts, jobs and runs: read from its audit rows, the only record of them."""
+        digest = segment_hash(place.segment)
+        same = (
+            ExtractionAudit.source_id == place.source_id,
+            ExtractionAudit.page_slug == place.slug,
+            ExtractionAudit.segment_hash == digest,
+        )
+        last_ok = (
+            select(func.max(ExtractionAudit.id))
+            .where(*same, ExtractionAudit.outcome == "ok")
+            .scalar_subquery()
+        )
+        query = (
+            select(func.count())
+            .select_from(ExtractionAudit)
+            .where(*same, ExtractionAudit.permanent, ExtractionAudit.id > func.coalesce(last_ok, 0))
+        )
+        with self._factory() as session:
+            return int(session.scalar(query) or 0)
 
     def commit_segment(
         self,
@@ -143,17 +173,22 @@ class ExtractionStore:
         new: CheckpointState,
         terminal: Terminal,
         page: PageVersion | None = None,
+        skip: str | None = None,
     ) -> int:
         """One transaction: the attempts, the facts (rows from ``expected.next_row_num``), the checkpoint
         moved from ``expected`` to ``new`` (or CheckpointConflictError, rolling back all of it), the
         terminal row. Returns how many facts went in. With ``page``, the page row is held ``FOR SHARE``
-        and checked first (see ``_check_page``)."""
+        and checked first (see ``_check_page``). With ``skip`` (the reason), the segment failed
+        permanently once too often: its last attempt counts as such, a ``skipped`` audit row says why,
+        and ``new`` (which lists it among the skipped) moves the checkpoint past it."""
         first_row = expected.next_row_num if expected else 0
         with self._spend_kept_on_page_change(place, attempts), self._factory.begin() as session:
             if page is not None:
                 _check_page(session, page, place.slug, new)
-            self._write_attempts(session, place, attempts)
-            inserted = _insert_facts(session, _fact_rows(facts, place, first_row))
+            self._write_attempts(session, place, attempts, permanent=skip is not None)
+            if skip is not None:
+                session.execute(_INSERT_AUDIT, [skip_row(place, attempts, skip)])
+            inserted = _insert_facts(session, fact_rows(facts, place, first_row))
             self._advance_checkpoint(session, fingerprint, place, expected, new)
             if terminal == "set":
                 _upsert_terminal(session, place.source_id, place.slug)
@@ -168,13 +203,16 @@ class ExtractionStore:
         segment_facts: Sequence[tuple[SegmentPlace, Sequence[ExtractedFact]]],
         new: CheckpointState,
         page: PageVersion | None = None,
+        skips: Sequence[tuple[SegmentPlace, Sequence[Attempt], str]] = (),
     ) -> int:
         """Swap the page's facts for a full re-extraction in one transaction, with the checkpoint row
-        locked so a concurrent run cannot interleave; returns how many facts went in."""
+        locked so a concurrent run cannot interleave; returns how many facts went in. ``skips`` are the
+        segments it went past (their attempts are recorded already): their ``skipped`` rows go in here,
+        with the checkpoint that lists them."""
         source_id, slug = last.source_id, last.slug
         rows: list[dict[str, Any]] = []
         for place, facts in segment_facts:
-            rows += _fact_rows(facts, place, len(rows))
+            rows += fact_rows(facts, place, len(rows))
         with self._factory.begin() as session:
             if page is not None:
                 _check_page(session, page, slug, new)
@@ -197,9 +235,9 @@ class ExtractionStore:
             inserted = 0
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
                 inserted += _insert_facts(session, rows[chunk_start : chunk_start + _SWAP_CHUNK])
-            expected = None
-            if current is not None:
-                expected = CheckpointState(current.messages_done, current.prefix_hash, current.next_row_num)
+            if skips:
+                session.execute(_INSERT_AUDIT, [skip_row(place, tried, why) for place, tried, why in skips])
+            expected = _state(current) if current is not None else None
             self._advance_checkpoint(session, fingerprint, last, expected, new)
             _upsert_terminal(session, source_id, slug)
         return inserted
@@ -212,34 +250,27 @@ class ExtractionStore:
             yield
         except PageChangedError:
             with self._factory.begin() as session:
-                self._ledger.record_many(session, _call_records(place, attempts))
+                self._ledger.record_many(session, call_records(place, attempts))
             raise
 
     def _write_attempts(
-        self, session: Session, place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
+        self,
+        session: Session,
+        place: SegmentPlace,
+        attempts: Sequence[Attempt],
+        note: str | None = None,
+        *,
+        permanent: bool = False,
     ) -> None:
-        """The llm_calls rows (through the ledger, one statement) and the audit rows pointing at them."""
+        """The llm_calls rows (through the ledger, one statement) and the audit rows pointing at them;
+        ``permanent`` marks the last attempt as a permanent failure of the segment."""
         if not attempts:
             return
-        errors = _errors(attempts, note)
-        call_ids = iter(self._ledger.record_many(session, _call_records(place, attempts, note)))
-        rows = [
-            {
-                "job_id": place.job_id,
-                "source_id": place.source_id,
-                "page_slug": place.slug,
-                "segment_index": place.index,
-                "segment_start": place.segment.start_iso,
-                "segment_end": place.segment.end_iso,
-                "attempt": number,
-                "outcome": a.outcome,
-                "facts_count": len(a.facts),
-                "error": error,
-                "llm_call_id": next(call_ids) if a.called else None,
-            }
-            for number, (a, error) in enumerate(zip(attempts, errors, strict=True), start=1)
-        ]
-        session.execute(_INSERT_AUDIT, rows)
+        errors = errors_of(attempts, note)
+        call_ids = self._ledger.record_many(session, call_records(place, attempts, note))
+        ids = iter(call_ids)
+        per_attempt = [next(ids) if a.called else None for a in attempts]
+        session.execute(_INSERT_AUDIT, audit_rows(place, attempts, errors, per_attempt, permanent=permanent))
 
     def _advance_checkpoint(
         self,
@@ -256,6 +287,7 @@ class ExtractionStore:
             "messages_done": new.messages_done,
             "prefix_hash": new.prefix_hash,
             "next_row_num": new.next_row_num,
+            "skipped": [entry.as_json() for entry in new.skipped],
         }
         table = _CHECKPOINTS
         if expected is None:
@@ -276,6 +308,7 @@ class ExtractionStore:
                     table.c.messages_done == expected.messages_done,
                     table.c.prefix_hash == expected.prefix_hash,
                     table.c.next_row_num == expected.next_row_num,
+                    table.c.skipped == cast([entry.as_json() for entry in expected.skipped], JSONB),
                 )
                 .values(**values, updated_at=func.now())
             )
@@ -284,28 +317,13 @@ class ExtractionStore:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
 
 
-def _errors(attempts: Sequence[Attempt], note: str | None) -> list[str | None]:
-    return ["; ".join(part for part in (a.error, note) if part) or None for a in attempts]
-
-
-def _call_records(
-    place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
-) -> list[LLMCallRecord]:
-    return [
-        LLMCallRecord(
-            purpose=LLM_PURPOSE,
-            provider=a.provider,
-            model=a.model,
-            usage=a.response.usage if a.response else None,
-            latency_ms=a.latency_ms,
-            outcome=a.outcome,
-            job_id=place.job_id,
-            error=error,
-            batch=a.batch,
-        )
-        for a, error in zip(attempts, _errors(attempts, note), strict=True)
-        if a.called  # refused before any request (budget): an audit row but no llm_calls row
-    ]
+def _state(row: OpCheckpoint) -> CheckpointState:
+    return CheckpointState(
+        row.messages_done,
+        row.prefix_hash,
+        row.next_row_num,
+        tuple(SkippedSegment.from_json(entry) for entry in row.skipped or ()),
+    )
 
 
 def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointState) -> None:
@@ -332,34 +350,6 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
             f"{slug!r} changed while it was extracted and no longer holds the messages these facts came "
             "from; they were not stored"
         )
-
-
-def _fact_rows(facts: Sequence[ExtractedFact], place: SegmentPlace, first_row: int) -> list[dict[str, Any]]:
-    segment, slug = place.segment, place.slug
-    valid_from = iso_to_datetime(segment.start_iso)
-    context = f"conversation segment {segment.start_iso} to {segment.end_iso}"
-    return [
-        {
-            "source_id": place.source_id,
-            "fact": f.fact,
-            "kind": f.kind,
-            "entity_slug": f.entity,
-            "confidence": f.confidence,
-            "notability": f.notability,
-            "context": context,
-            "valid_from": valid_from,
-            "source": PER_SEGMENT_SOURCE_PREFIX,
-            "source_session": f"{PER_SEGMENT_SOURCE_PREFIX}:{slug}",
-            "source_markdown_slug": slug,
-            "row_num": first_row + offset,
-            "is_audit": False,
-            "claim_metric": f.metric,
-            "claim_value": f.value,
-            "claim_unit": f.unit,
-            "claim_period": f.period,
-        }
-        for offset, f in enumerate(facts)
-    ]
 
 
 def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:

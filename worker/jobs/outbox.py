@@ -27,6 +27,8 @@ COMPACTION = "compaction"
 CALIBRATION = "calibration"
 
 PENDING = ("queued", "running", "paused")
+# The extraction job option that re-extracts a page's skipped (poison) segments (`jobs retry --skipped`).
+RETRY_SKIPPED = "retry_skipped"
 KILL_SWITCH = "kill_switch"  # pause reasons
 BUDGET = "budget"
 # Literal SQL so Postgres can match ON CONFLICT to the partial unique index uq_jobs_pending_subject.
@@ -158,12 +160,21 @@ def enqueue(
 # ---------------------------------------------------------------------------
 
 
-def retry_job(session: Session, job_id: int) -> Job:
-    """Queue a failed (or paused) job again; a running or queued one is left as it is."""
+class JobHasNoSegmentsError(ValueError):
+    """``--skipped`` asked of a job that is not an extraction job (only those skip segments)."""
+
+
+def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
+    """Queue a failed (or paused) job again; a running or queued one is left as it is. ``skipped``
+    (extraction jobs only) makes the run re-extract the page's skipped segments first."""
     job = session.get(Job, job_id, with_for_update=True)
     if job is None:
         raise LookupError(f"no job {job_id}")
+    if skipped and job.kind != EXTRACTION:
+        raise JobHasNoSegmentsError(f"job {job_id} is a {job.kind} job; only extraction jobs skip segments")
     if job.status in ("failed", "paused", "succeeded"):
+        if job.kind == EXTRACTION:  # a new dict: JSONB columns do not track changes inside one
+            job.options = {**job.options, RETRY_SKIPPED: skipped}
         job.status = "queued"
         job.finished_at = None
         job.last_error = None

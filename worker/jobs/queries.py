@@ -10,6 +10,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from models import Job
 from worker.jobs.outbox import EXTRACTION, PENDING, retry_job
+from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry()
 
 
 class JobNotFoundError(LookupError):
@@ -64,16 +65,17 @@ def job_source_id(subject: ColumnElement[str] | InstrumentedAttribute[str]) -> C
     return func.split_part(subject, "|", 1)
 
 
-def retry(session: Session, job_id: int) -> Job:
+def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     """Queue a failed, paused or succeeded job again (both budgets reset), in the caller's transaction.
+    With ``skipped``, the extraction job re-extracts its page's skipped segments first (in page order).
 
     Raises JobNotFoundError, JobNotRetryableError (queued or running: already on its way; the sweeper
     re-sends a queued job whose message was lost) or JobAlreadyPendingError. The caller enqueues the
-    job after its commit.
+    job after its commit. Raises JobHasNoSegmentsError for ``skipped`` on another kind of job.
     """
     try:
         with session.begin_nested():
-            job = retry_job(session, job_id)
+            job = retry_job(session, job_id, skipped=skipped)
             if not inspect(job).attrs.status.history.has_changes():
                 raise JobNotRetryableError(job_id, job.status)
             session.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
@@ -35,6 +36,20 @@ class Fault(StrEnum):
     MALFORMED = "malformed"
     TRUNCATED = "truncated"
     REFUSAL = "refusal"
+
+
+# A marker in a prompt's text that forces a fault on every request carrying it (SimulatorConfig.text_faults).
+TEXT_FAULT_MARKER = re.compile(r"\[\[sim:([a-z0-9]+)\]\]")
+
+
+def text_fault(text: str) -> Fault | None:
+    """The fault a ``[[sim:<fault>]]`` marker in ``text`` asks for (the first known one), else None."""
+    for match in TEXT_FAULT_MARKER.finditer(text):
+        try:
+            return Fault(match.group(1))
+        except ValueError:
+            continue
+    return None
 
 
 # The order in which one uniform draw is mapped onto the fault rates; changing it changes seeded runs.
@@ -72,6 +87,11 @@ class SimulatorConfig(BaseModel):
     fault_header: str | None = Field(
         default=DEFAULT_FAULT_HEADER,
         description="request header that forces a fault; None turns the escape hatch off",
+    )
+    text_faults: bool = Field(
+        default=True,
+        description="a prompt holding [[sim:<fault>]] (e.g. [[sim:refusal]]) always gets that fault: "
+        "a poison segment, failing the same way on every attempt; False makes such prompts answer normally",
     )
     default_max_facts: int = Field(default=DEFAULT_MAX_FACTS, ge=0, le=MAX_FACTS_CEILING)
     default_max_tokens: int = Field(

@@ -18,7 +18,14 @@ from typing import Any, Protocol, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from worker.simulator.config import HTTP_FAULTS, OUTCOME_INVALID, Draw, Fault, SimulatorConfig
+from worker.simulator.config import (
+    HTTP_FAULTS,
+    OUTCOME_INVALID,
+    Draw,
+    Fault,
+    SimulatorConfig,
+    text_fault,
+)
 from worker.simulator.prompt import (
     CHARACTERS_PER_TOKEN,
     UNTRUSTED_CLOSE,
@@ -144,6 +151,9 @@ def endpoint(wire: WireFormat, parse: Parse[P], reply: Reply[P]) -> Answer:
         except BadRequest as exc:
             state.record(route, OUTCOME_INVALID)
             return wire.invalid(exc)
+        prompt = getattr(parsed, "prompt", None)
+        if forced is None and config.text_faults and isinstance(prompt, FlatPrompt):
+            forced = text_fault(prompt.text)
         draw = state.draw(forced)
         if draw.delay_seconds and hang is not None:
             await asyncio.sleep(draw.delay_seconds)

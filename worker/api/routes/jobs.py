@@ -109,19 +109,30 @@ def _visible(principal: Principal, job: Job) -> bool:
     responses=error_responses(404, 409),
     summary="Queue a failed, paused or succeeded job again",
 )
-def retry(ctx: Context, _: Admin, job_id: JobId) -> JobOut:
+def retry(
+    ctx: Context,
+    _: Admin,
+    job_id: JobId,
+    skipped: Annotated[
+        bool,
+        Query(
+            description="Re-extract only the page's skipped (poison) segments, in page order, each "
+            "committed once (extraction jobs only)"
+        ),
+    ] = False,
+) -> JobOut:
     """A failed, paused or succeeded job is queued again (attempts and worker losses reset) and sent to
-    its queue.
+    its queue. With ``skipped=true`` the run re-extracts its page's skipped segments first.
 
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
     """
     try:
         with ctx.factory.begin() as session:
-            out = JobOut.of(queries.retry(session, job_id))
+            out = JobOut.of(queries.retry(session, job_id, skipped=skipped))
     except queries.JobNotFoundError as exc:
         raise ApiError(404, str(exc)) from None
-    except queries.JobNotRetryableError as exc:
+    except (queries.JobNotRetryableError, queries.JobHasNoSegmentsError) as exc:
         raise ApiError(409, str(exc)) from None
     except queries.JobAlreadyPendingError as exc:
         raise ApiError(409, str(exc), pending_job_id=exc.pending_job_id) from None

@@ -1,0 +1,244 @@
+"""Poison segments against a real Postgres and the simulator over HTTP: a segment that fails permanently
+K times is skipped and its page goes on; `--skipped` re-extracts it exactly once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ExtractionAudit, Fact, Job, OpCheckpoint
+from tests.conftest import fresh_database
+from worker import db
+from worker.config_store import set_config
+from worker.extraction import (
+    PER_SEGMENT_SOURCE_PREFIX,
+    TERMINAL_AUDIT_SOURCE,
+    ExtractOptions,
+    PageIn,
+    run_extract_conversation_facts,
+    upsert_page,
+)
+from worker.llm.openai_compat import OpenAIChatClient
+
+pytestmark = pytest.mark.integration
+
+SLUG = "conversations/poison"
+POISON = "[[sim:refusal]]"
+
+
+def segment_lines(day: int, marker: str = "") -> list[str]:
+    return [
+        f"**Alice Example** (2024-03-{day:02d} 9:00 AM): I moved to Lisbon in 20{day}, I love it. {marker}",
+        f"**Bob Demo** (2024-03-{day:02d} 9:01 AM): I will call Acme Corp about order {day} tomorrow.",
+        f"**Alice Example** (2024-03-{day:02d} 9:02 AM): I prefer tea over coffee since {day} years.",
+    ]
+
+
+def page_body(marker: str = POISON) -> str:
+    """Three segments a day apart; the middle one carries the simulator's fault marker."""
+    return "\n".join([*segment_lines(15), *segment_lines(16, marker), *segment_lines(17)])
+
+
+MIDDLE_START = "2024-03-16T09:00:00Z"
+
+
+def put_page(factory: sessionmaker[Session], body: str) -> None:
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+        upsert_page(session, PageIn(slug=SLUG, type="conversation", title="Poison", compiled_truth=body))
+
+
+def run(factory: sessionmaker[Session], llm: Any, **options: Any):  # type: ignore[no-untyped-def]
+    return run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG, **options))
+
+
+def facts(factory: sessionmaker[Session]) -> list[tuple[int, str, str]]:
+    with factory() as session:
+        rows = session.execute(
+            select(Fact.row_num, Fact.context, Fact.fact)
+            .where(Fact.source == PER_SEGMENT_SOURCE_PREFIX, Fact.source_markdown_slug == SLUG)
+            .order_by(Fact.row_num)
+        )
+        return [(n, context, fact) for n, context, fact in rows]
+
+
+def checkpoint(factory: sessionmaker[Session]) -> OpCheckpoint:
+    with factory() as session:
+        return session.scalars(select(OpCheckpoint)).one()
+
+
+def audits(factory: sessionmaker[Session], outcome: str | None = None) -> list[ExtractionAudit]:
+    query = select(ExtractionAudit).order_by(ExtractionAudit.id)
+    if outcome is not None:
+        query = query.where(ExtractionAudit.outcome == outcome)
+    with factory() as session:
+        return list(session.scalars(query))
+
+
+def requests(sim: Any) -> int:
+    return int(sim.stats()["requests_total"])
+
+
+@pytest.fixture
+def llm(sim: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+
+
+def clean_facts(server_url: str, sim: Any) -> list[tuple[str, str]]:
+    """(context, fact) of an uninterrupted run of the same page, the marker answered normally."""
+    sim.configure(text_faults=False)
+    try:
+        with fresh_database(server_url, "clean") as url:
+            db.upgrade(url)
+            factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
+            put_page(factory, page_body())
+            llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+            assert run(factory, llm).pages_processed == 1
+            rows = [(context, fact) for _, context, fact in facts(factory)]
+            db.get_engine(url).dispose()
+    finally:
+        sim.configure(text_faults=True)
+    return rows
+
+
+def test_a_poison_segment_is_skipped_after_k_failures_and_the_page_gets_every_other_segment(
+    tx_factory, sim, llm, server_url
+):
+    clean = clean_facts(server_url, sim)
+    middle = f"conversation segment {MIDDLE_START} to 2024-03-16T09:02:00Z"
+    assert any(context == middle for context, _ in clean)
+    put_page(tx_factory, page_body())
+    # Below K (3) the page fails as before: the checkpoint stops before the poison segment.
+    for failure in (1, 2):
+        result = run(tx_factory, llm)
+        assert (result.pages_failed, result.segments_skipped) == (1, 0), result.pages
+        assert f"permanent failure {failure}; the segment is skipped at 3" in result.pages[0].reason
+        assert [c for _, c, _ in facts(tx_factory)] == [c for c, _ in clean if c < middle]
+    assert not audits(tx_factory, "skipped")
+    # The third permanent failure skips it, and the page goes on past it in the same run.
+    third = run(tx_factory, llm)
+    assert (third.pages_failed, third.pages_processed, third.segments_skipped) == (0, 1, 1)
+    assert third.pages[0].skipped == 1
+    stored = facts(tx_factory)
+    assert [(c, f) for _, c, f in stored] == [(c, f) for c, f in clean if c != middle]
+    assert [n for n, _, _ in stored] == list(range(len(stored)))
+    [skip] = audits(tx_factory, "skipped")
+    assert skip.segment_start == MIDDLE_START and skip.facts_count == 0 and skip.llm_call_id is None
+    assert "skipped after 3 permanent failures" in (skip.error or "") and "refusal" in (skip.error or "")
+    assert "simulated refusal" in (skip.reply or ""), "the model's words are kept"
+    assert sum(a.permanent for a in audits(tx_factory)) == 3
+    state = checkpoint(tx_factory)
+    assert [(e["start_iso"], e["end_iso"]) for e in state.skipped] == [(MIDDLE_START, "2024-03-16T09:02:00Z")]
+    with tx_factory() as session:
+        terminal = session.scalars(select(Fact).where(Fact.source == TERMINAL_AUDIT_SOURCE)).all()
+    assert len(terminal) == 1
+    # The next run does not try the skipped segment again.
+    before = requests(sim)
+    again = run(tx_factory, llm)
+    assert again.pages_skipped == 1 and requests(sim) == before
+
+    # Once the segment is good, `--skipped` extracts only it, once, on the page's next row numbers.
+    sim.configure(text_faults=False)
+    retried = run(tx_factory, llm, retry_skipped=True)
+    assert (retried.segments_unskipped, retried.segments_skipped, retried.llm_calls) == (1, 0, 1)
+    after = facts(tx_factory)
+    assert after[: len(stored)] == stored
+    assert [n for n, _, _ in after] == list(range(len(after)))
+    assert [(c, f) for _, c, f in after[len(stored) :]] == [(c, f) for c, f in clean if c == middle]
+    assert sorted((c, f) for _, c, f in after) == sorted(clean)
+    assert checkpoint(tx_factory).skipped == []
+    assert checkpoint(tx_factory).next_row_num == len(after)
+    before = requests(sim)
+    assert run(tx_factory, llm, retry_skipped=True).llm_calls == 0 and requests(sim) == before
+    assert facts(tx_factory) == after
+
+
+def test_a_skipped_segment_that_still_fails_stays_skipped_on_retry(tx_factory, sim, llm):
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body())
+    first = run(tx_factory, llm)
+    assert (first.pages_processed, first.segments_skipped) == (1, 1)
+    stored = facts(tx_factory)
+    retried = run(tx_factory, llm, retry_skipped=True)
+    assert (retried.llm_calls, retried.segments_skipped, retried.segments_unskipped) == (1, 1, 0)
+    assert retried.pages_processed == 1 and retried.pages_failed == 0
+    assert facts(tx_factory) == stored
+    assert len(checkpoint(tx_factory).skipped) == 1
+    assert len(audits(tx_factory, "skipped")) == 2
+
+
+def test_malformed_after_its_repair_turn_counts_once_per_try(tx_factory, sim, llm):
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "2")
+    put_page(tx_factory, page_body("[[sim:malformed]]"))
+    assert run(tx_factory, llm).pages_failed == 1
+    second = run(tx_factory, llm)
+    assert (second.pages_processed, second.segments_skipped) == (1, 1)
+    malformed = audits(tx_factory, "malformed_output")
+    assert len(malformed) == 4  # two tries, each a reply and its repair turn
+    assert [a.permanent for a in malformed] == [False, True, False, True]
+    [skip] = audits(tx_factory, "skipped")
+    assert "malformed_output" in (skip.error or "") and "Sure! Here is" in (skip.reply or "")
+
+
+def test_transient_failures_never_skip_a_segment(tx_factory, sim, llm):
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body(marker=""))
+    flaky = OpenAIChatClient(
+        model="simulator-1",
+        base_url=sim.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "500"},
+    )
+    for _ in range(3):
+        result = run(tx_factory, flaky)
+        assert (result.pages_failed, result.segments_skipped) == (1, 0)
+    assert not audits(tx_factory, "skipped") and not any(a.permanent for a in audits(tx_factory))
+
+
+def test_a_forced_re_extraction_skips_too_and_swaps_in_the_other_segments(tx_factory, sim, llm):
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body())
+    sim.configure(text_faults=False)
+    run(tx_factory, llm)
+    whole = facts(tx_factory)
+    sim.configure(text_faults=True)
+    forced = run(tx_factory, llm, force=True)
+    assert (forced.pages_processed, forced.segments_skipped) == (1, 1)
+    middle = [c for _, c, _ in whole if MIDDLE_START in c]
+    assert middle and not any(MIDDLE_START in c for _, c, _ in facts(tx_factory))
+    assert len(checkpoint(tx_factory).skipped) == 1 and len(audits(tx_factory, "skipped")) == 1
+    sim.configure(text_faults=False)
+    assert run(tx_factory, llm, retry_skipped=True).segments_unskipped == 1
+    assert sorted((c, f) for _, c, f in facts(tx_factory)) == sorted((c, f) for _, c, f in whole)
+
+
+def test_only_extraction_jobs_take_skipped(tx_factory):
+    from worker.jobs import queries
+    from worker.jobs.budgets import JobBudgets
+    from worker.jobs.leases import claim, finish
+    from worker.jobs.outbox import CALIBRATION, EXTRACTION, RETRY_SKIPPED, request_job
+
+    budgets = JobBudgets(max_attempts=5, max_worker_losses=20)
+    with tx_factory.begin() as session:
+        page_job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
+        other = request_job(session, CALIBRATION, "default").job_id
+    for job_id in (page_job, other):
+        claim(tx_factory, job_id, "w", stale_after=60, budgets=budgets)
+        finish(tx_factory, job_id, "w", "succeeded", attempt=True)
+    with tx_factory.begin() as session, pytest.raises(queries.JobHasNoSegmentsError, match="calibration"):
+        queries.retry(session, other, skipped=True)
+    with tx_factory.begin() as session:
+        assert queries.retry(session, page_job, skipped=True).options[RETRY_SKIPPED] is True
+    with tx_factory() as session:
+        assert session.get(Job, page_job).options == {RETRY_SKIPPED: True}
+    claim(tx_factory, page_job, "w", stale_after=60, budgets=budgets)
+    finish(tx_factory, page_job, "w", "succeeded", attempt=True)
+    with tx_factory.begin() as session:  # a plain retry turns it off again
+        assert queries.retry(session, page_job).options[RETRY_SKIPPED] is False

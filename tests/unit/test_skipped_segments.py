@@ -1,0 +1,82 @@
+"""Poison segments, the pure parts: the checkpoint's skipped entries, the simulator's text marker, the
+config key that says how many permanent failures skip a segment."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.config_store import validate_value
+from worker.core.checkpoint import CheckpointState, SkippedSegment, messages_hash, segment_hash
+from worker.core.conversation import Message, segment_of
+from worker.extraction.segments import extract_segment
+from worker.llm.errors import LLMError
+from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
+from worker.simulator.config import Fault, text_fault
+
+MESSAGES = [Message("Alice", f"2024-03-15T09:0{i}:00Z", f"line {i}") for i in range(4)]
+
+
+def test_a_skipped_segment_round_trips_through_its_json_and_is_named_by_its_messages():
+    segment = segment_of(MESSAGES[1:3])
+    entry = SkippedSegment(1, 3, segment_hash(segment), segment.start_iso, segment.end_iso)
+    assert SkippedSegment.from_json(entry.as_json()) == entry
+    assert segment_hash(segment) == messages_hash(MESSAGES[1:3])
+    assert segment_hash(segment_of(MESSAGES[1:4])) != entry.segment_hash
+    assert CheckpointState(3, "h", 0).skipped == ()
+
+
+def test_the_simulator_text_marker_names_a_fault():
+    assert text_fault("hello [[sim:refusal]] there") is Fault.REFUSAL
+    assert text_fault("[[sim:nonsense]] then [[sim:malformed]]") is Fault.MALFORMED
+    assert text_fault("[sim:refusal] or [[SIM:refusal]]") is None
+
+
+def test_max_segment_failures_is_validated():
+    assert validate_value("extraction.max_segment_failures", " 3 ") == "3"
+    for bad in ("0", "-1", "three", "101"):
+        with pytest.raises(ValueError, match="max_segment_failures"):
+            validate_value("extraction.max_segment_failures", bad)
+
+
+class _Answers:
+    """An LLM client that answers from a script: "ok" (valid JSON), "bad" (not JSON), "refusal",
+    "truncated", or an LLMError to raise. Pure: the segment logic alone, no server."""
+
+    provider, model = "stub", "stub-1"
+
+    def __init__(self, *answers: object) -> None:
+        self.answers = list(answers)
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        finish = answer if answer in ("refusal", "truncated") else "end"
+        text = '{"facts": []}' if answer == "ok" else "not json"
+        return ChatResponse(text, finish, Usage(1, 1), self.provider, self.model, 1)  # type: ignore[arg-type]
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    ("answers", "permanent"),
+    [
+        (("refusal",), True),
+        (("bad", "bad"), True),  # malformed after its repair turn
+        (("bad", "ok"), False),  # the repair turn mended it
+        (("truncated", "truncated"), True),  # truncated after its retry with a bigger cap
+        (("truncated", "ok"), False),
+        ((LLMError("bad request", retryable=False, status=400),), True),
+        ((LLMError("too large", retryable=False, status=413),), True),
+        ((LLMError("bad key", retryable=False, status=401),), False),  # the deployment's fault
+        ((LLMError("model gone", retryable=False, status=404),), False),
+        ((LLMError("overloaded", retryable=True, status=529),), False),
+        (("ok",), False),
+    ],
+)
+def test_which_failures_are_permanent(answers: tuple[object, ...], permanent: bool):
+    client = _Answers(*answers)
+    result = extract_segment(client, "segment text", max_facts=5, max_output_tokens=64)
+    assert result.permanent is permanent
+    assert not client.answers, "every scripted answer was asked for"

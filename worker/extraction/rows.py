@@ -1,0 +1,143 @@
+"""The rows a segment's commit writes, built from its attempts: audit rows, llm_calls records, facts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.accounting import LLMCallRecord
+from worker.core.checkpoint import segment_hash
+from worker.core.conversation import Segment
+from worker.core.facts import ExtractedFact
+from worker.extraction.options import PER_SEGMENT_SOURCE_PREFIX, iso_to_datetime
+from worker.extraction.prompts import LLM_PURPOSE
+from worker.extraction.segments import Attempt
+
+# How much of a failed reply an audit row keeps as the model's words.
+REPLY_CHARS = 2000
+SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class SegmentPlace:
+    """Where a segment's attempts belong: the job, the page and the segment."""
+
+    job_id: int | None
+    source_id: str
+    slug: str
+    index: int
+    segment: Segment
+
+
+def audit_rows(
+    place: SegmentPlace,
+    attempts: Sequence[Attempt],
+    errors: Sequence[str | None],
+    call_ids: Sequence[int | None],
+    *,
+    permanent: bool,
+) -> list[dict[str, Any]]:
+    """One audit row per attempt; ``permanent`` marks the last one as a permanent failure."""
+    digest = segment_hash(place.segment)
+    last = len(attempts)
+    return [
+        {
+            "job_id": place.job_id,
+            "source_id": place.source_id,
+            "page_slug": place.slug,
+            "segment_index": place.index,
+            "segment_start": place.segment.start_iso,
+            "segment_end": place.segment.end_iso,
+            "attempt": number,
+            "outcome": a.outcome,
+            "facts_count": len(a.facts),
+            "error": error,
+            "llm_call_id": call_id,
+            "segment_hash": digest,
+            "permanent": permanent and number == last,
+            "reply": _reply(a),
+        }
+        for number, (a, error, call_id) in enumerate(zip(attempts, errors, call_ids, strict=True), start=1)
+    ]
+
+
+def _reply(attempt: Attempt) -> str | None:
+    """The model's words on a failed attempt (a refusal's text, a malformed or cut-off reply), capped."""
+    if attempt.outcome == "ok" or attempt.response is None:
+        return None
+    words = attempt.response.refusal or attempt.response.text
+    return words[:REPLY_CHARS] if words else None
+
+
+def skip_row(place: SegmentPlace, attempts: Sequence[Attempt], reason: str) -> dict[str, Any]:
+    """The audit row that marks a segment skipped: why, and the model's last words about it."""
+    last = attempts[-1] if attempts else None
+    return {
+        "job_id": place.job_id,
+        "source_id": place.source_id,
+        "page_slug": place.slug,
+        "segment_index": place.index,
+        "segment_start": place.segment.start_iso,
+        "segment_end": place.segment.end_iso,
+        "attempt": len(attempts) + 1,
+        "outcome": SKIPPED,
+        "facts_count": 0,
+        "error": reason,
+        "llm_call_id": None,
+        "segment_hash": segment_hash(place.segment),
+        "permanent": False,
+        "reply": _reply(last) if last is not None else None,
+    }
+
+
+def errors_of(attempts: Sequence[Attempt], note: str | None) -> list[str | None]:
+    return ["; ".join(part for part in (a.error, note) if part) or None for a in attempts]
+
+
+def call_records(
+    place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
+) -> list[LLMCallRecord]:
+    return [
+        LLMCallRecord(
+            purpose=LLM_PURPOSE,
+            provider=a.provider,
+            model=a.model,
+            usage=a.response.usage if a.response else None,
+            latency_ms=a.latency_ms,
+            outcome=a.outcome,
+            job_id=place.job_id,
+            error=error,
+            batch=a.batch,
+        )
+        for a, error in zip(attempts, errors_of(attempts, note), strict=True)
+        if a.called  # refused before any request (budget): an audit row but no llm_calls row
+    ]
+
+
+def fact_rows(facts: Sequence[ExtractedFact], place: SegmentPlace, first_row: int) -> list[dict[str, Any]]:
+    segment, slug = place.segment, place.slug
+    valid_from = iso_to_datetime(segment.start_iso)
+    context = f"conversation segment {segment.start_iso} to {segment.end_iso}"
+    return [
+        {
+            "source_id": place.source_id,
+            "fact": f.fact,
+            "kind": f.kind,
+            "entity_slug": f.entity,
+            "confidence": f.confidence,
+            "notability": f.notability,
+            "context": context,
+            "valid_from": valid_from,
+            "source": PER_SEGMENT_SOURCE_PREFIX,
+            "source_session": f"{PER_SEGMENT_SOURCE_PREFIX}:{slug}",
+            "source_markdown_slug": slug,
+            "row_num": first_row + offset,
+            "is_audit": False,
+            "claim_metric": f.metric,
+            "claim_value": f.value,
+            "claim_unit": f.unit,
+            "claim_period": f.period,
+        }
+        for offset, f in enumerate(facts)
+    ]
