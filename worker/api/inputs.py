@@ -14,7 +14,7 @@ from fastapi import Path, Query
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from worker.api.errors import ApiError
-from worker.core.jsonvalues import json_integer, text_problem
+from worker.core.jsonvalues import json_integer, storable_text, text_problem
 
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
@@ -88,15 +88,8 @@ def strict_json_loads(body: bytes) -> Any:
     return data
 
 
-def _storable(value: str) -> str:
-    problem = text_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
 # A path or query string the store can hold (no NUL, no lone surrogate).
-StorableStr = Annotated[str, AfterValidator(_storable)]
+StorableStr = Annotated[str, AfterValidator(storable_text)]
 
 
 # Path and query integers bounded to their columns: past them Postgres fails inside the query.

@@ -22,4 +22,12 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-__all__ = ["json_integer", "text_problem"]
+def storable_text(value: str) -> str:
+    """``value`` itself, or ValueError saying why it cannot be stored (a validator for text fields)."""
+    problem = text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+__all__ = ["json_integer", "storable_text", "text_problem"]

@@ -11,7 +11,7 @@ from worker.extraction.options import ExtractionCounters, ExtractionProgress, Pa
 from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.rows import SegmentPlace
 from worker.extraction.segments import Attempt, SegmentResult
-from worker.extraction.store import ExtractionStore, Terminal
+from worker.extraction.store import ExtractionStore, PageVersion, Terminal
 
 # (segment index, segment, its result), in page order; the consumer may stop early.
 SegmentResults = Generator[tuple[int, Segment, SegmentResult], None, None]
@@ -112,16 +112,8 @@ class SegmentCommitter:
                 terminal = "set"
             elif index == 0 and plan.checkpoint is not None:
                 terminal = "clear"  # appended messages: the page is incomplete until its last new segment
-            inserted = self.store.commit_segment(
-                place,
-                result.attempts,
-                result.facts,
-                fingerprint=self.planner.fingerprint,
-                expected=expected,
-                new=new,
-                terminal=terminal,
-                page=plan.version,
-                skip=skip,
+            inserted = self.commit(
+                place, result, expected=expected, new=new, terminal=terminal, page=plan.version, skip=skip
             )
             expected = new
             if skip is not None:
@@ -134,6 +126,30 @@ class SegmentCommitter:
             report.facts += inserted
             self.progress.segment_finished(plan.slug, "ok")
         return report
+
+    def commit(
+        self,
+        place: SegmentPlace,
+        result: SegmentResult,
+        *,
+        expected: CheckpointState | None,
+        new: CheckpointState,
+        terminal: Terminal,
+        page: PageVersion | None,
+        skip: str | None,
+    ) -> int:
+        """One segment's transaction (attempts, facts, checkpoint compare-and-set); the facts inserted."""
+        return self.store.commit_segment(
+            place,
+            result.attempts,
+            result.facts,
+            fingerprint=self.planner.fingerprint,
+            expected=expected,
+            new=new,
+            terminal=terminal,
+            page=page,
+            skip=skip,
+        )
 
     def _commit_replacing(self, plan: PagePlan, results: SegmentResults) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""

@@ -89,16 +89,8 @@ class SkippedRetry:
         new = CheckpointState(
             expected.messages_done, expected.prefix_hash, expected.next_row_num + len(result.facts), remaining
         )
-        inserted = self.store.commit_segment(
-            place,
-            result.attempts,
-            result.facts,
-            fingerprint=self.planner.fingerprint,
-            expected=expected,
-            new=new,
-            terminal="keep",
-            page=version,
-            skip=skip,
+        inserted = self.committer.commit(
+            place, result, expected=expected, new=new, terminal="keep", page=version, skip=skip
         )
         if skip is not None:
             self.committer.count_skip(report, slug)

@@ -39,27 +39,34 @@ def audit_rows(
     permanent: bool,
 ) -> list[dict[str, Any]]:
     """One audit row per attempt; ``permanent`` marks the last one as a permanent failure."""
-    digest = segment_hash(place.segment)
     last = len(attempts)
+    where = _place_columns(place)
     return [
         {
-            "job_id": place.job_id,
-            "source_id": place.source_id,
-            "page_slug": place.slug,
-            "segment_index": place.index,
-            "segment_start": place.segment.start_iso,
-            "segment_end": place.segment.end_iso,
+            **where,
             "attempt": number,
             "outcome": a.outcome,
             "facts_count": len(a.facts),
             "error": error,
             "llm_call_id": call_id,
-            "segment_hash": digest,
             "permanent": permanent and number == last,
             "reply": _reply(a),
         }
         for number, (a, error, call_id) in enumerate(zip(attempts, errors, call_ids, strict=True), start=1)
     ]
+
+
+def _place_columns(place: SegmentPlace) -> dict[str, Any]:
+    """The columns that say which segment of which page and job an audit row is about."""
+    return {
+        "job_id": place.job_id,
+        "source_id": place.source_id,
+        "page_slug": place.slug,
+        "segment_index": place.index,
+        "segment_start": place.segment.start_iso,
+        "segment_end": place.segment.end_iso,
+        "segment_hash": segment_hash(place.segment),
+    }
 
 
 def _reply(attempt: Attempt) -> str | None:
@@ -74,18 +81,12 @@ def skip_row(place: SegmentPlace, attempts: Sequence[Attempt], reason: str) -> d
     """The audit row that marks a segment skipped: why, and the model's last words about it."""
     last = attempts[-1] if attempts else None
     return {
-        "job_id": place.job_id,
-        "source_id": place.source_id,
-        "page_slug": place.slug,
-        "segment_index": place.index,
-        "segment_start": place.segment.start_iso,
-        "segment_end": place.segment.end_iso,
+        **_place_columns(place),
         "attempt": len(attempts) + 1,
         "outcome": SKIPPED,
         "facts_count": 0,
         "error": reason,
         "llm_call_id": None,
-        "segment_hash": segment_hash(place.segment),
         "permanent": False,
         "reply": _reply(last) if last is not None else None,
     }

@@ -30,7 +30,7 @@ from worker.compaction import (
     parse_messages,
 )
 from worker.core.intent import QueryParseError
-from worker.core.jsonvalues import text_problem
+from worker.core.jsonvalues import storable_text
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
@@ -40,14 +40,7 @@ from worker.search import MAX_LIMIT, MAX_QUERY_CHARS, SearchError, search_as
 logger = logging.getLogger(__name__)
 
 
-def _storable(value: str) -> str:
-    problem = text_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
-Text = Annotated[str, After(_storable)]
+Text = Annotated[str, After(storable_text)]
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
