@@ -717,12 +717,16 @@ def test_metrics_exposes_jobs_facts_llm_and_requests(
         session.add_all(
             [
                 LLMCall(job_id=job_id, provider="sim", model="sim", purpose="extraction", input_tokens=100,
-                        output_tokens=20, latency_ms=120, outcome="ok"),
+                        cache_read_tokens=40, output_tokens=20, latency_ms=120, outcome="ok"),
                 LLMCall(job_id=job_id, provider="sim", model="sim", purpose="extraction", input_tokens=50,
                         output_tokens=0, latency_ms=3000, outcome="provider_error"),
             ]
         )  # fmt: skip
     set_job(tx_factory, job_id, attempts=1, worker_losses=2)
+    with tx_factory.begin() as session:
+        from worker.config_store import COMPACTION_ENABLED, set_config
+
+        set_config(session, COMPACTION_ENABLED, "off")
     client.get(f"/v1/jobs/{job_id}")
     text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_jobs{kind="extraction",status="queued"} 1.0' in text
@@ -730,10 +734,13 @@ def test_metrics_exposes_jobs_facts_llm_and_requests(
     assert 'factmill_job_attempts{kind="extraction",status="queued"} 1.0' in text
     assert 'factmill_job_worker_losses{kind="extraction",status="queued"} 2.0' in text
     assert 'factmill_job_worker_losses{kind="extraction",status="failed"} 0.0' in text
+    assert 'factmill_kill_switch_enabled{switch="compaction.enabled"} 0.0' in text
+    assert 'factmill_kill_switch_enabled{switch="facts.extraction_enabled"} 1.0' in text  # unset: on
     assert "factmill_facts 1.0" in text  # the audit row is not a fact
     assert 'factmill_segments_total{outcome="ok"} 0.0' in text
     assert 'factmill_llm_calls_total{outcome="ok",purpose="extraction"} 1.0' in text
     assert 'factmill_llm_tokens_total{direction="in",purpose="extraction"} 150.0' in text
+    assert 'factmill_llm_tokens_total{direction="cached",purpose="extraction"} 40.0' in text
     assert 'factmill_llm_latency_seconds_bucket{le="0.25",purpose="extraction"} 1.0' in text
     assert 'factmill_llm_latency_seconds_bucket{le="+Inf",purpose="extraction"} 2.0' in text
     assert 'factmill_llm_latency_seconds_sum{purpose="extraction"} 3.12' in text

@@ -53,3 +53,100 @@ def test_every_deployed_command_is_a_real_factmill_command(command):
         help_text = result.output
         for flag in command[1::2]:
             assert flag in help_text, f"{flag} is not an option of `factmill worker`"
+
+
+def _k8s_docs() -> list[dict]:
+    docs: list[dict] = []
+    for path in sorted((REPO / "deploy" / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _deployed_env_names() -> set[str]:
+    names: set[str] = set()
+    for service in SERVICES.values():
+        env = service.get("environment") or {}
+        names |= set(env if isinstance(env, dict) else (e.split("=", 1)[0] for e in env))
+    for doc in _k8s_docs():
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "factmill":
+            names |= set(doc["data"])
+    names -= {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"}  # the postgres image's own
+    return names
+
+
+def _settings_env_names() -> set[str]:
+    from pydantic import AliasChoices
+
+    from worker.settings import Settings
+
+    prefix = Settings.model_config.get("env_prefix", "")
+    names: set[str] = set()
+    for field, info in Settings.model_fields.items():
+        names.add(f"{prefix}{field}".upper())
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names |= {str(choice).upper() for choice in alias.choices}
+        elif isinstance(alias, str):
+            names.add(alias.upper())
+    return names
+
+
+def test_every_deployed_environment_variable_is_a_setting():
+    unknown = _deployed_env_names() - _settings_env_names()
+    assert not unknown, f"compose/k8s set variables Settings does not read: {sorted(unknown)}"
+
+
+def _health_commands() -> dict[str, str]:
+    """Service name -> its health check (compose) as one string."""
+    return {name: " ".join(s["healthcheck"]["test"]) for name, s in SERVICES.items() if "healthcheck" in s}
+
+
+def test_every_service_has_a_health_check_that_fits_it():
+    checks = _health_commands()
+    assert set(checks) >= set(SERVICES) - {"migrate"}, "a long-running service has no health check"
+    assert "/healthz" in checks["api"] and ":8000" in checks["api"]
+    assert "/healthcheck" in checks["flower"] and ":5555" in checks["flower"]
+    assert "celerybeat-schedule" in checks["beat"]
+    for queue in QUEUES:
+        service = SERVICES[f"worker-{queue}"]
+        command = service["command"]
+        node = command[command.index("--hostname") + 1]
+        assert node == f"{queue}@%h"
+        # The ping goes to the worker's own node: the name it was started with, %h being $HOSTNAME.
+        assert "celery -A worker.celery_app inspect ping" in checks[f"worker-{queue}"]
+        assert f"--destination {node.replace('%h', '$$HOSTNAME')}" in checks[f"worker-{queue}"]
+
+
+def test_the_beat_check_reads_the_file_beat_writes():
+    from worker.cli import services
+
+    source = Path(services.__file__).read_text()
+    assert '"celerybeat-schedule"' in source  # beat -s <data_dir>/celerybeat-schedule
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert "FACTMILL_DATA_DIR=/app/var" in dockerfile
+    assert "/app/var/celerybeat-schedule" in _health_commands()["beat"]
+
+
+def test_the_image_declares_no_api_only_health_check():
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert not [line for line in dockerfile.splitlines() if line.strip().startswith("HEALTHCHECK")]
+
+
+def test_kubernetes_workers_beat_and_flower_have_liveness_probes():
+    deployments = {d["metadata"]["name"]: d for d in _k8s_docs() if d["kind"] == "Deployment"}
+    for name, deployment in deployments.items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert "livenessProbe" in container, name
+        args = container["args"]
+        if args[0] == "worker":
+            node = args[args.index("--hostname") + 1]
+            probe = " ".join(container["livenessProbe"]["exec"]["command"])
+            assert f"--destination {node.replace('%h', '$HOSTNAME')}" in probe
+
+
+def test_compose_postgres_ships_pgvector_and_migrations_enable_it():
+    assert SERVICES["postgres"]["image"].startswith("pgvector/pgvector:")
+    from worker.search.vector_ddl import VECTOR_STORE_DDL
+
+    assert "CREATE EXTENSION IF NOT EXISTS vector" in VECTOR_STORE_DDL
+    assert "VECTOR_STORE_DDL" in (REPO / "alembic" / "versions" / "0003_search.py").read_text()

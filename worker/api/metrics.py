@@ -19,6 +19,7 @@ from models import (
     JOB_STATUSES,
     SEGMENT_OUTCOMES,
     Compaction,
+    ConfigEntry,
     ExtractionAudit,
     Fact,
     Job,
@@ -27,6 +28,7 @@ from models import (
 )
 from worker.api.errors import one_line
 from worker.api.guards import route_template
+from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.registry import kind_names
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class _StoreRows:
         self.skipped_now = session.scalar(
             select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0))
         )
+        switch_rows = session.execute(
+            select(ConfigEntry.key, ConfigEntry.value).where(ConfigEntry.key.in_(KILL_SWITCHES))
+        ).all()
+        self.switches: dict[str, str] = {key: value for key, value in switch_rows}
         self.llm_rows = session.execute(
             select(
                 LLMCall.purpose,
@@ -110,6 +116,7 @@ class _StoreRows:
                 func.coalesce(func.sum(LLMCall.input_tokens), 0),
                 func.coalesce(func.sum(LLMCall.output_tokens), 0),
                 func.coalesce(func.sum(LLMCall.cost_usd), 0),
+                func.coalesce(func.sum(LLMCall.cache_read_tokens), 0),
             ).group_by(LLMCall.purpose, LLMCall.outcome)
         ).all()
         self.latency_rows = session.execute(
@@ -167,8 +174,16 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
             "Skipped (poison) segments whose facts are missing (`factmill jobs retry ID --skipped`)",
             value=int(rows.skipped_now or 0),
         )
+        switches = GaugeMetricFamily(
+            "factmill_kill_switch_enabled",
+            "1 if the kill switch lets its work run, 0 if it is off",
+            labels=["switch"],
+        )
+        for key in KILL_SWITCHES:
+            switches.add_metric([key], 1 if is_enabled(rows.switches.get(key)) else 0)
         return [
             up,
+            switches,
             jobs_gauge,
             attempts,
             losses,
@@ -183,13 +198,16 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
 def _llm_metrics(rows: _StoreRows) -> list[Metric]:
     calls = CounterMetricFamily("factmill_llm_calls", "LLM calls by outcome", labels=["purpose", "outcome"])
     tokens = CounterMetricFamily(
-        "factmill_llm_tokens", "LLM tokens by direction", labels=["purpose", "direction"]
+        "factmill_llm_tokens",
+        'LLM tokens by direction; direction="cached" counts the input tokens read from the prompt cache',
+        labels=["purpose", "direction"],
     )
     cost = CounterMetricFamily("factmill_llm_cost_usd", "LLM spend in US dollars", labels=["purpose"])
     token_sums: dict[tuple[str, str], int] = {}
     cost_sums: dict[str, float] = {}
-    for purpose, outcome, n, tokens_in, tokens_out, spend in rows.llm_rows:
+    for purpose, outcome, n, tokens_in, tokens_out, spend, cached in rows.llm_rows:
         calls.add_metric([purpose, outcome], n)
+        token_sums[(purpose, "cached")] = token_sums.get((purpose, "cached"), 0) + int(cached)
         token_sums[(purpose, "in")] = token_sums.get((purpose, "in"), 0) + int(tokens_in)
         token_sums[(purpose, "out")] = token_sums.get((purpose, "out"), 0) + int(tokens_out)
         cost_sums[purpose] = cost_sums.get(purpose, 0.0) + float(spend)

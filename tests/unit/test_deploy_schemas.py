@@ -1,0 +1,91 @@
+"""The deployment files are valid against their schemas, offline: the Kubernetes manifests against the
+Kubernetes 1.30 OpenAPI schemas that kubernetes-validate ships (strict: no unknown fields), compose
+against the compose-spec schema that check-jsonschema vendors.
+
+KEDA's ScaledObject and TriggerAuthentication are CRDs, outside the Kubernetes schema; kubernetes-validate
+has no schema for them, so they are skipped by name (only ``keda.sh`` kinds) and checked here for what
+matters to Factmill: each scales a Deployment the manifests declare, on a queue the registry knows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from check_jsonschema.builtin_schemas import get_builtin_schema
+from kubernetes_validate.utils import validate as validate_kubernetes
+
+from worker.jobs.registry import queues
+
+KUBERNETES_VERSION = "1.30"
+CRD_GROUPS = ("keda.sh/",)  # validated below, not by kubernetes-validate
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+
+
+def _documents() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+DOCS = _documents()
+BUILTIN = [(f, d) for f, d in DOCS if not d["apiVersion"].startswith(CRD_GROUPS)]
+CRDS = [(f, d) for f, d in DOCS if d["apiVersion"].startswith(CRD_GROUPS)]
+
+
+def test_every_manifest_is_either_builtin_or_a_keda_crd():
+    assert BUILTIN and CRDS
+    assert {d["kind"] for _, d in CRDS} <= {"ScaledObject", "TriggerAuthentication"}
+
+
+@pytest.mark.parametrize(
+    "doc", [d for _, d in BUILTIN], ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in BUILTIN]
+)
+def test_manifest_is_valid_against_the_kubernetes_schema(doc):
+    assert validate_kubernetes(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_keda_scaled_objects_scale_declared_deployments_on_known_queues():
+    deployments = {d["metadata"]["name"] for _, d in BUILTIN if d["kind"] == "Deployment"}
+    auths = {d["metadata"]["name"] for _, d in CRDS if d["kind"] == "TriggerAuthentication"}
+    scaled = [d for _, d in CRDS if d["kind"] == "ScaledObject"]
+    assert scaled
+    for obj in scaled:
+        spec = obj["spec"]
+        assert spec["scaleTargetRef"]["name"] in deployments
+        assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "redis"
+            assert trigger["metadata"]["listName"] in queues()
+            assert int(trigger["metadata"]["listLength"]) > 0
+            assert trigger["authenticationRef"]["name"] in auths
+
+
+def test_compose_is_valid_against_the_compose_spec():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    schema = get_builtin_schema("vendor.compose-spec")
+    jsonschema.validate(compose, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_an_invalid_compose_file_is_rejected():
+    """The schema really checks: a misspelt key fails."""
+    schema = get_builtin_schema("vendor.compose-spec")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"services": {"api": {"imagee": "x"}}}, schema)
+
+
+def test_an_invalid_manifest_is_rejected():
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {"replicas": "2"},
+    }
+    with pytest.raises(Exception, match=r"replicas|selector|template"):
+        validate_kubernetes(bad, KUBERNETES_VERSION, strict=True)
