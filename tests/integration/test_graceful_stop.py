@@ -115,7 +115,7 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
                 "the job to succeed on the other worker",
                 diagnostics=lambda: f"{statuses(factory)}\n{other.tail()}",
             )
-    print(f"\nSIGTERM -> other worker's claim: {gap:.2f}s")
+    print(f"\nSIGTERM -> other worker's claim (threads pool): {gap:.2f}s")
     with factory() as session:
         job = session.get(Job, job_id)
         assert job is not None

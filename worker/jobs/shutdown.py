@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 
 _stopping = threading.Event()
 _deadline: threading.Timer | None = None
-_lock = threading.Lock()
 
 
 class WorkerStoppingError(RuntimeError):
@@ -44,14 +43,14 @@ def _grace_over(grace_seconds: float) -> None:
 
 
 def request_stop(grace_seconds: float) -> None:
-    """Set the flag (running jobs release at their next check) and arm the grace-period deadline."""
+    """Set the flag (running jobs release at their next check) and arm the grace-period deadline.
+    Called from signal handlers, which Python runs on the main thread only: no lock, no logging."""
     global _deadline
-    with _lock:
-        _stopping.set()
-        if _deadline is None:  # (called from a signal handler: no logging here)
-            _deadline = threading.Timer(grace_seconds, _grace_over, args=(grace_seconds,))
-            _deadline.daemon = True
-            _deadline.start()
+    _stopping.set()
+    if _deadline is None:
+        _deadline = threading.Timer(grace_seconds, _grace_over, args=(grace_seconds,))
+        _deadline.daemon = True
+        _deadline.start()
 
 
 def on_worker_shutting_down(**_: Any) -> None:
@@ -61,14 +60,10 @@ def on_worker_shutting_down(**_: Any) -> None:
     request_stop(get_settings().grace_seconds)
 
 
-def reset_for_tests() -> None:
-    """Clear the flag (in-process tests only; a real worker never comes back from a stop)."""
-    global _deadline
-    with _lock:
-        if _deadline is not None:
-            _deadline.cancel()
-        _deadline = None
-        _stopping.clear()
-
-
-__all__ = ["WorkerStoppingError", "check_stopping", "on_worker_shutting_down", "request_stop", "stopping"]
+__all__ = [
+    "WorkerStoppingError",
+    "check_stopping",
+    "on_worker_shutting_down",
+    "request_stop",
+    "stopping",
+]
