@@ -126,6 +126,20 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
 
 
+def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory, env, sender, simulator):
+    # Each call takes a minute: the job never reaches a segment boundary while the worker stops.
+    simulator.configure(latency_ms=60_000)
+    worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "2"}, concurrency=1)
+    with running(worker):
+        (job_id,) = add_pages(factory, {"conversations/stuck": conversation(3, segments=2)}, sender)
+        wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the worker to claim the job")
+        code = worker.terminate(EXIT_TIMEOUT)
+        assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
+        assert code == 1 and "grace period of 2s is over" in "".join(worker.output), worker.tail()
+    # The lease was not handed back (the job was inside a call): the stale-lease sweep takes it over.
+    assert lease(factory, job_id)[0] == "running"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
