@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     job_heartbeat_seconds: float = Field(default=10.0, gt=0)
     job_stale_after_seconds: float = Field(default=60.0, gt=0)  # running with an older heartbeat = lost
     job_requeue_after_seconds: float = Field(default=300.0, gt=0)  # queued this long = message lost
+    # How long a service process may take to stop on SIGTERM: a worker releases the jobs it holds at
+    # their next segment boundary and exits after this long even if one is still inside a call (the
+    # sweeper then requeues it); the API stops waiting for open requests after this long.
+    grace_seconds: float = Field(default=30.0, gt=0)
     sweep_interval_seconds: float = Field(default=30.0, gt=0)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)

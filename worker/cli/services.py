@@ -34,7 +34,15 @@ def serve(
     refuse_insecure_secrets(settings)
     checked_factory(settings)  # fail early, with a clear message, if the schema is missing
     uvicorn.run(
-        "worker.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info"
+        "worker.api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+        timeout_graceful_shutdown=max(
+            1, round(settings.grace_seconds)
+        ),  # SIGTERM: open requests get this long
     )
 
 

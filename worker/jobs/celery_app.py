@@ -9,10 +9,12 @@ import logging
 from typing import Any
 
 from celery import Celery, Task
+from celery.signals import worker_shutting_down
 from kombu import Queue
 
 from worker.embedded import embedded_redis_url
 from worker.jobs import registry
+from worker.jobs.shutdown import on_worker_shutting_down
 from worker.runtime import Runtime, get_runtime
 from worker.settings import Settings, get_settings
 
@@ -96,3 +98,5 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 app = create_app()
+# SIGTERM: running jobs hand their leases back at the next segment boundary (worker.jobs.shutdown).
+worker_shutting_down.connect(on_worker_shutting_down, weak=False)

@@ -16,12 +16,14 @@ from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue
 from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError, get_kind
+from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["succeeded", "failed", "retry", "requeue", "paused", "lost"]
+Status = Literal["succeeded", "failed", "retry", "requeue", "paused", "lost", "released"]
+RELEASED_NOTE = "released by a stopping worker; re-sent to the next one"
 
 
 def paused_reason(switch: str) -> str:
@@ -44,6 +46,7 @@ def database_went_away(exc: BaseException) -> bool:
 # The common rows of the exception table; a kind's own rows (JobKind.errors) are read first.
 COMMON_ERRORS: tuple[ErrorRule, ...] = (
     ErrorRule(LeaseLostError, "lost"),
+    ErrorRule(WorkerStoppingError, "release"),
     ErrorRule(KillSwitchOffError, "pause", KILL_SWITCH),
     ErrorRule(BudgetExhaustedError, "pause", BUDGET),
     # The database went away under the run: a worker loss, not the job's fault; try again later.
@@ -54,7 +57,7 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
 
 @dataclass(frozen=True)
 class JobOutcome:
-    status: str  # succeeded | failed | paused | retry | skipped | lost
+    status: str  # succeeded | failed | paused | retry | skipped | lost | released
     retry_in: float | None = None
     detail: str = ""
 
@@ -109,6 +112,8 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
         )
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))
+    if rule.action == "release":
+        return WorkResult("released", note=RELEASED_NOTE, detail=str(exc))
     return WorkResult("failed", note=str(exc), detail=str(exc))
 
 
@@ -121,6 +126,9 @@ class Lease:
 def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | None = None) -> JobOutcome:
     """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
+    if stopping():  # a message this worker took before it began to stop: pass it on untouched
+        enqueue(rt.factory, [(job_id, spec.name)])
+        return JobOutcome("released", detail="the worker is stopping; message re-sent")
     token = new_lease_token()
     job = claim(
         rt.factory, job_id, token, rt.settings.job_stale_after_seconds, JobBudgets.from_settings(rt.settings)
@@ -136,8 +144,13 @@ def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | No
         result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     else:
         with Heartbeat(rt.factory, job_id, token, rt.settings.job_heartbeat_seconds) as beat:
+
+            def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
+                beat.check()
+                check_stopping()
+
             try:
-                result = spec.work(JobContext(rt, job, spec, beat.check))
+                result = spec.work(JobContext(rt, job, spec, guard))
             except Exception as exc:
                 result = result_for_error(spec, exc)
     return settle(rt, lease, result, backoff or spec.backoff)
@@ -149,6 +162,8 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
     job_id, token = lease.job.id, lease.token
     if result.status == "lost":  # the worker that took the lease over counted the loss
         return JobOutcome("lost", detail=result.detail)
+    if result.status == "released":
+        return release(rt, lease, result)
     if result.status in ("retry", "requeue"):
         return retry_or_fail(
             rt,
@@ -215,3 +230,14 @@ def retry_or_fail(
     if spent:
         return JobOutcome("failed", detail=reason)
     return JobOutcome("retry", retry_in=delay, detail=reason)
+
+
+def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:
+    """The worker is stopping: hand the lease back (queued, no worker, no heartbeat) and re-send the
+    message after that commit, so another worker claims it at once. Neither budget is spent: the run
+    reached no verdict, and a lease given back is not a lost worker (the next claim sees "queued")."""
+    job_id, token = lease.job.id, lease.token
+    finish(rt.factory, job_id, token, "queued", counters=result.counters, last_error=result.note)
+    enqueue(rt.factory, [(job_id, lease.job.kind)])
+    logger.info("job %s released by its stopping worker and re-sent", job_id)
+    return JobOutcome("released", detail=result.detail)

@@ -22,8 +22,9 @@ KIND_MODULES: dict[str, str] = {
 
 # retry: the job's own failure (spends an attempt); requeue: infrastructure cut the run short (spends a
 # worker loss); pause: waits for a switch or the LLM budget (spends nothing); lost: another worker took
-# the lease over (it counted the loss); fail: no retry.
-Action = Literal["retry", "requeue", "pause", "fail", "lost"]
+# the lease over (it counted the loss); release: the worker is stopping, so the job goes back to the
+# queue at once for another worker (spends nothing); fail: no retry.
+Action = Literal["retry", "requeue", "pause", "fail", "lost", "release"]
 
 
 class UnknownJobKindError(ValueError):

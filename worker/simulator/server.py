@@ -281,8 +281,13 @@ class Simulator:
         self.stop()
 
 
+# On SIGTERM, requests still open (a slow latency setting, a hang fault) get this long, then are cut.
+SHUTDOWN_GRACE_SECONDS = 2
+
+
 def serve(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the simulator in the foreground until interrupted (the `factmill simulator` command)."""
+    """Run the simulator in the foreground until interrupted (the `factmill simulator` command); on
+    SIGTERM it exits within SHUTDOWN_GRACE_SECONDS however long its open requests would still take."""
     config = config or SimulatorConfig()
     logger.warning(
         "Factmill LLM simulator (NOT a real LLM) on http://%s:%s - OpenAI base_url http://%s:%s/v1, "
@@ -298,7 +303,14 @@ def serve(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: 
         {f.value: r for f, r in config.fault_rates().items() if r},
         config.seed,
     )
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=False)
+    uvicorn.run(
+        create_app(config),
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,185 @@
+"""Graceful stop: SIGTERM makes a worker hand its jobs back at once, and every `factmill` process exits.
+
+Real worker, beat, API, Flower and simulator processes, real Redis and Postgres, the simulator over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Job
+from tests.integration.test_service import add_pages, conversation, expected_facts, fact_rows, statuses
+from tests.service import ServiceProcess, running, service_env, start_beat, start_worker, wait_for
+from worker.celery_app import create_app
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+# Generous: a correctness check (the process exits by itself), not a speed assertion.
+EXIT_TIMEOUT = 15.0
+# Far longer than the test: a job picked up by the second worker cannot have come from the stale-lease
+# sweep (no beat runs, and a stale takeover would count a worker loss besides).
+NO_SWEEP_SECONDS = 600
+
+
+@pytest.fixture
+def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
+    return service_env(
+        database_url,
+        broker_url,
+        simulator.base_url,
+        job_stale_after_seconds=NO_SWEEP_SECONDS,
+        job_requeue_after_seconds=NO_SWEEP_SECONDS,
+        grace_seconds=30,
+    )
+
+
+@pytest.fixture
+def sender(env: dict[str, str]) -> Iterator[Any]:
+    celery: Celery = create_app(
+        Settings(broker_url=env["FACTMILL_BROKER_URL"], broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"])
+    )
+
+    def send(task_name: str, job_id: int, queue: str) -> None:
+        celery.send_task(task_name, args=[job_id], queue=queue)
+
+    yield send
+    celery.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_simulator(simulator: Any) -> Iterator[None]:
+    yield
+    simulator.reset()
+
+
+def lease(factory: sessionmaker[Session], job_id: int) -> tuple[str, str | None]:
+    with factory() as session:
+        row = session.execute(select(Job.status, Job.worker).where(Job.id == job_id)).one()
+        return row.status, row.worker
+
+
+def stop_holder_mid_page(
+    factory: sessionmaker[Session], job_id: int, holder: ServiceProcess, other: ServiceProcess
+) -> float:
+    """SIGTERM the worker holding the job mid-page; the seconds until the other worker claimed it."""
+    wait_for(lambda: len(fact_rows(factory)) > 5, 60, "some segments to commit")
+    status, held_by = lease(factory, job_id)
+    assert status == "running" and held_by is not None, "SIGTERM should land mid-page"
+    sigterm_at = time.monotonic()
+    stopper = threading.Thread(target=holder.terminate, args=(EXIT_TIMEOUT * 4,), daemon=True)
+    stopper.start()
+    wait_for(
+        lambda: lease(factory, job_id)[1] not in (None, held_by),
+        60,
+        "the other worker to claim the released job",
+        interval=0.02,
+        diagnostics=lambda: f"{lease(factory, job_id)}\n{holder.tail()}\n{other.tail()}",
+    )
+    gap = time.monotonic() - sigterm_at
+    stopper.join(EXIT_TIMEOUT * 4)
+    # Exit code 0: a warm shutdown that finished, not the grace period's forced exit.
+    assert holder.proc is not None and holder.proc.returncode == 0, holder.tail()
+    return gap
+
+
+def test_sigterm_releases_the_running_job_to_another_worker_at_once(
+    factory, env, sender, server_url, simulator
+):
+    # ~100 calls at 300 ms, 4 in flight: several seconds of work, so SIGTERM lands mid-page.
+    simulator.configure(latency_ms=300)
+    pages = {"conversations/stop": conversation(7, segments=100)}
+    holder = start_worker(env, concurrency=1, name=f"holder-{uuid.uuid4().hex[:4]}@%h")
+    with running(holder):
+        (job_id,) = add_pages(factory, pages, sender)
+        wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the first worker to claim the job")
+        other = start_worker(env, concurrency=1, name=f"other-{uuid.uuid4().hex[:4]}@%h")
+        with running(other):
+            gap = stop_holder_mid_page(factory, job_id, holder, other)
+            wait_for(
+                lambda: statuses(factory).get("succeeded", 0) == 1,
+                120,
+                "the job to succeed on the other worker",
+                diagnostics=lambda: f"{statuses(factory)}\n{other.tail()}",
+            )
+    print(f"\nSIGTERM -> other worker's claim (threads pool): {gap:.2f}s")
+    with factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        # A lease handed back is neither a lost worker nor an attempt: one run reached a verdict.
+        assert (job.attempts, job.worker_losses) == (1, 0), (job.attempts, job.worker_losses)
+    assert "released by its stopping worker" in "".join(holder.output), holder.tail()
+    # Exactly once: the segments the first worker committed are not extracted again.
+    assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
+
+
+def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory, env, sender, simulator):
+    # Each call takes a minute: the job never reaches a segment boundary while the worker stops.
+    simulator.configure(latency_ms=60_000)
+    worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "2"}, concurrency=1)
+    with running(worker):
+        (job_id,) = add_pages(factory, {"conversations/stuck": conversation(3, segments=2)}, sender)
+        wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the worker to claim the job")
+        code = worker.terminate(EXIT_TIMEOUT)
+        assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
+        assert code == 1 and "grace period of 2s is over" in "".join(worker.output), worker.tail()
+    # The lease was not handed back (the job was inside a call): the stale-lease sweep takes it over.
+    assert lease(factory, job_id)[0] == "running"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def slow_request(url: str) -> None:
+    """A chat call the simulator holds open (its latency) while it is told to stop."""
+    body = {"model": "simulator-1", "messages": [{"role": "user", "content": "hello"}]}
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_every_factmill_process_exits_on_sigterm(env, tmp_path: Path):
+    api_port, flower_port, sim_port = free_port(), free_port(), free_port()
+    simulator = ServiceProcess(
+        ["simulator", "--port", str(sim_port), "--latency-ms", "30000"],
+        env,
+        ready_marker="Uvicorn running",
+        name="simulator",
+    ).start()
+    api = ServiceProcess(
+        ["serve", "--port", str(api_port)], env, ready_marker="Application startup complete", name="api"
+    ).start()
+    flower = ServiceProcess(["flower", "--port", str(flower_port)], env, ready_marker=None, name="flower")
+    processes = [simulator, api, start_worker(env, concurrency=2), start_beat(env, tmp_path), flower.start()]
+    with running(*processes):
+        wait_for(lambda: answers(f"http://127.0.0.1:{flower_port}/healthcheck"), 60, "Flower to answer")
+        sim_url = f"http://127.0.0.1:{sim_port}"
+        threading.Thread(target=slow_request, args=(sim_url,), daemon=True).start()
+        time.sleep(1.0)  # let the call reach the simulator, which holds it for 30 s
+        still_running = []
+        for process in processes:
+            if process.terminate(EXIT_TIMEOUT) is None:
+                still_running.append(f"{process.name}:\n{process.tail(20)}")
+        assert not still_running, "\n".join(still_running)

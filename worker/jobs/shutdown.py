@@ -1,0 +1,69 @@
+"""Graceful stop: the worker process's "stopping" flag, and the grace period that bounds a stop.
+
+On SIGTERM Celery stops consuming and waits for the tasks it holds (warm shutdown). A running job
+sees the flag at its next guard check (between segments), hands its lease back and re-sends its
+message, so another worker takes it over at once instead of waiting for the stale-lease sweep. If a
+job still holds the process after the grace period, the process exits anyway and the sweeper (a
+worker loss) covers what it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_stopping = threading.Event()
+_deadline: threading.Timer | None = None
+
+
+class WorkerStoppingError(RuntimeError):
+    """The worker is shutting down: stop at this segment boundary and release the job (costs nothing)."""
+
+
+def stopping() -> bool:
+    return _stopping.is_set()
+
+
+def check_stopping() -> None:
+    if _stopping.is_set():
+        raise WorkerStoppingError("the worker is stopping; the job is released to another worker")
+
+
+def _grace_over(grace_seconds: float) -> None:
+    logger.warning(
+        "grace period of %.0fs is over with jobs still running; exiting (the sweeper requeues them)",
+        grace_seconds,
+    )
+    logging.shutdown()
+    os._exit(1)
+
+
+def request_stop(grace_seconds: float) -> None:
+    """Set the flag (running jobs release at their next check) and arm the grace-period deadline.
+    Called from signal handlers, which Python runs on the main thread only: no lock, no logging."""
+    global _deadline
+    _stopping.set()
+    if _deadline is None:
+        _deadline = threading.Timer(grace_seconds, _grace_over, args=(grace_seconds,))
+        _deadline.daemon = True
+        _deadline.start()
+
+
+def on_worker_shutting_down(**_: Any) -> None:
+    """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, SIGQUIT in the main process)."""
+    from worker.settings import get_settings
+
+    request_stop(get_settings().grace_seconds)
+
+
+__all__ = [
+    "WorkerStoppingError",
+    "check_stopping",
+    "on_worker_shutting_down",
+    "request_stop",
+    "stopping",
+]
