@@ -60,6 +60,13 @@ def sender(env: dict[str, str]) -> Iterator[Any]:
     celery.close()
 
 
+@pytest.fixture
+def simulator(module_simulator: Any) -> Any:
+    """This module's own simulator: its tests set long latencies, which must not reach other modules
+    (reset() zeroes the stats, not the knobs)."""
+    return module_simulator
+
+
 @pytest.fixture(autouse=True)
 def _reset_simulator(simulator: Any) -> Iterator[None]:
     yield
