@@ -140,6 +140,8 @@ def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory
     with running(worker):
         (job_id,) = add_pages(factory, {"conversations/stuck": conversation(3, segments=2)}, sender)
         wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the worker to claim the job")
+        # SIGTERM only once the call is open: before it, the job is between segments and is released.
+        wait_for(lambda: simulator.stats()["in_flight"] > 0, 60, "the worker's call to reach the simulator")
         code = worker.terminate(EXIT_TIMEOUT)
         assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
         assert code == 1 and "grace period of 2s is over" in "".join(worker.output), worker.tail()
