@@ -23,7 +23,9 @@ import redis
 from sqlalchemy.engine import make_url
 
 from worker import db
+from worker.jobs.celery_app import create_app
 from worker.llm.ratelimit import redis_py_url
+from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_REDIS_DB = 13
@@ -180,6 +182,22 @@ def service_env(database_url: str, broker_url: str, simulator_url: str, **extra:
     )
     env.update({f"FACTMILL_{k.upper()}": str(v) for k, v in extra.items()})
     return env
+
+
+@contextmanager
+def celery_sender(env: dict[str, str]) -> Iterator[Callable[[str, int, str], None]]:
+    """Hands jobs to the broker (and key prefix) that the service processes started with ``env`` read."""
+    celery = create_app(
+        Settings(broker_url=env["FACTMILL_BROKER_URL"], broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"])
+    )
+
+    def send(task_name: str, job_id: int, queue: str) -> None:
+        celery.send_task(task_name, args=[job_id], queue=queue)
+
+    try:
+        yield send
+    finally:
+        celery.close()
 
 
 class ServiceProcess:

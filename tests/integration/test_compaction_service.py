@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import func, select, update
@@ -21,11 +20,10 @@ from typer.testing import CliRunner
 from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMessageRow
 from tests.auth import send_key
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import running, service_env, start_worker, wait_for
+from tests.service import celery_sender, running, service_env, start_worker, wait_for
 from worker.api.app import create_app
 from worker.api.metrics import CompactionCollector
 from worker.calibration import FALLBACK, ActiveThreshold
-from worker.celery_app import create_app as create_celery_app
 from worker.compaction import (
     PAUSED_REASON,
     CompactionDisabledError,
@@ -192,10 +190,9 @@ def activate_threshold(factory: sessionmaker[Session], tau: float) -> int:
 
 @pytest.fixture(autouse=True)
 def _clean_simulator(simulator: Any) -> Iterator[None]:
-    simulator.reset()
+    simulator.restore()
     yield
-    simulator.configure(lossy_summary=False, latency_ms=0, rate_500=0.0)
-    simulator.reset()
+    simulator.restore()
 
 
 # ---------------------------------------------------------------------------
@@ -211,18 +208,8 @@ def worker_env(database_url: str, broker_url: str, simulator: Any) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def sender(worker_env: dict[str, str]) -> Iterator[Callable[[str, int, str], None]]:
-    celery: Celery = create_celery_app(
-        Settings(
-            broker_url=worker_env["FACTMILL_BROKER_URL"],
-            broker_key_prefix=worker_env["FACTMILL_BROKER_KEY_PREFIX"],
-        )
-    )
-
-    def send(task_name: str, job_id: int, queue: str) -> None:
-        celery.send_task(task_name, args=[job_id], queue=queue)
-
-    yield send
-    celery.close()
+    with celery_sender(worker_env) as send:
+        yield send
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,20 @@ from typing import Any
 
 import httpx
 import pytest
-from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from tests.integration.test_service import add_pages, conversation, expected_facts, fact_rows, statuses
-from tests.service import ServiceProcess, running, service_env, start_beat, start_worker, wait_for
-from worker.celery_app import create_app
-from worker.settings import Settings
+from tests.service import (
+    ServiceProcess,
+    celery_sender,
+    running,
+    service_env,
+    start_beat,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -49,28 +54,21 @@ def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
 
 @pytest.fixture
 def sender(env: dict[str, str]) -> Iterator[Any]:
-    celery: Celery = create_app(
-        Settings(broker_url=env["FACTMILL_BROKER_URL"], broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"])
-    )
-
-    def send(task_name: str, job_id: int, queue: str) -> None:
-        celery.send_task(task_name, args=[job_id], queue=queue)
-
-    yield send
-    celery.close()
+    with celery_sender(env) as send:
+        yield send
 
 
 @pytest.fixture
 def simulator(module_simulator: Any) -> Any:
     """This module's own simulator: its tests set long latencies, which must not reach other modules
-    (reset() zeroes the stats, not the knobs)."""
+    (restore() puts the knobs back, but a worker still waiting on a slow call would see them)."""
     return module_simulator
 
 
 @pytest.fixture(autouse=True)
 def _reset_simulator(simulator: Any) -> Iterator[None]:
     yield
-    simulator.reset()
+    simulator.restore()
 
 
 def lease(factory: sessionmaker[Session], job_id: int) -> tuple[str, str | None]:
@@ -106,8 +104,9 @@ def stop_holder_mid_page(
 def test_sigterm_releases_the_running_job_to_another_worker_at_once(
     factory, env, sender, server_url, simulator
 ):
-    # ~100 calls at 300 ms, 4 in flight: several seconds of work, so SIGTERM lands mid-page.
-    simulator.configure(latency_ms=300)
+    # ~100 calls at 300 ms, 4 in flight: several seconds of work, so SIGTERM lands mid-page. Until the
+    # second worker is up (slow on a loaded machine) the calls take 2 s, so the page cannot finish first.
+    simulator.configure(latency_ms=2000)
     pages = {"conversations/stop": conversation(7, segments=100)}
     holder = start_worker(env, concurrency=1, name=f"holder-{uuid.uuid4().hex[:4]}@%h")
     with running(holder):
@@ -115,6 +114,7 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
         wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the first worker to claim the job")
         other = start_worker(env, concurrency=1, name=f"other-{uuid.uuid4().hex[:4]}@%h")
         with running(other):
+            simulator.configure(latency_ms=300)
             gap = stop_holder_mid_page(factory, job_id, holder, other)
             wait_for(
                 lambda: statuses(factory).get("succeeded", 0) == 1,

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,6 +16,7 @@ from models import Fact, Job, LLMCall
 from tests.conftest import fresh_database
 from tests.service import (
     ServiceProcess,
+    celery_sender,
     running,
     service_env,
     start_beat,
@@ -24,13 +24,11 @@ from tests.service import (
     wait_for,
 )
 from worker import db
-from worker.celery_app import create_app
 from worker.config_store import set_config
 from worker.extraction import PER_SEGMENT_SOURCE_PREFIX, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.pages import PageIn, upsert_page
 from worker.jobs.outbox import EXTRACTION, apply_switch_change, enqueue, page_subject, request_job
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -59,21 +57,14 @@ def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
 @pytest.fixture
 def sender(env: dict[str, str]) -> Iterator[Any]:
     """Hands jobs to the same broker (and key prefix) as the worker processes."""
-    celery: Celery = create_app(
-        Settings(broker_url=env["FACTMILL_BROKER_URL"], broker_key_prefix=env["FACTMILL_BROKER_KEY_PREFIX"])
-    )
-
-    def send(task_name: str, job_id: int, queue: str) -> None:
-        celery.send_task(task_name, args=[job_id], queue=queue)
-
-    yield send
-    celery.close()
+    with celery_sender(env) as send:
+        yield send
 
 
 @pytest.fixture(autouse=True)
 def _reset_simulator(simulator: Any) -> Iterator[None]:
     yield
-    simulator.reset()
+    simulator.restore()
 
 
 def add_pages(factory: sessionmaker[Session], pages: dict[str, str], sender: Any) -> list[int]:

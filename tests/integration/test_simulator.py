@@ -464,6 +464,18 @@ def test_stats_config_and_reset_endpoints(
 
         assert http.post("/_simulator/reset").status_code == 200
         assert http.get("/_simulator/stats").json()["requests_total"] == 0
+        assert sim.config.latency_ms == 120  # reset keeps the knobs
+
+
+def test_restore_puts_back_the_starting_knobs_and_zeroes_the_stats(
+    sim: Simulator, oai: openai.OpenAI
+) -> None:
+    started_with = sim.config
+    sim.configure(latency_ms=250, seed=9)
+    chat(oai)
+    sim.restore()
+    assert sim.config == started_with and sim.config.latency_ms != 250
+    assert sim.stats()["requests_total"] == 0
 
 
 def test_64_concurrent_requests_at_100ms_overlap(sim: Simulator) -> None:

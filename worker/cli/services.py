@@ -53,7 +53,7 @@ def worker(
     concurrency: Annotated[int, typer.Option(min=1, help="Tasks in flight (threads or processes).")] = 64,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
     loglevel: Annotated[str, typer.Option()] = "info",
-    hostname: Annotated[str | None, typer.Option(help="Celery node name (default factmill@<host>).")] = None,
+    hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
 ) -> None:
     """Run a Celery worker for the given queues."""
     refuse_insecure_secrets(get_settings())

@@ -274,6 +274,10 @@ class Simulator:
         """Zero stats, forget cached prefixes, restart the seeded streams (same as POST /_simulator/reset)."""
         self.state.reset()
 
+    def restore(self) -> None:
+        """Put back the knobs the simulator started with and reset it (what a test fixture wants)."""
+        self.state.restore()
+
     def __enter__(self) -> Simulator:
         return self.start()
 

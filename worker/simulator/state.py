@@ -23,6 +23,7 @@ class SimulatorState:
     def __init__(self, config: SimulatorConfig) -> None:
         self._lock = threading.Lock()
         self.config = config
+        self._initial_config = config
         self._prefixes: OrderedDict[str, int] = OrderedDict()
         self.store = BatchStore()
         self._reset_unlocked()
@@ -43,8 +44,14 @@ class SimulatorState:
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
     def reset(self) -> None:
-        """Zero the stats, forget cached prefixes and restart the seeded streams."""
+        """Zero the stats, forget cached prefixes and restart the seeded streams (knobs are kept)."""
         with self._lock:
+            self._reset_unlocked()
+
+    def restore(self) -> None:
+        """Put back the config the simulator started with, then reset: a test's knobs end with it."""
+        with self._lock:
+            self.config = self._initial_config
             self._reset_unlocked()
 
     def update_config(self, changes: Mapping[str, Any]) -> SimulatorConfig:
