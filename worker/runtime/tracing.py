@@ -3,7 +3,7 @@ module that imports OpenTelemetry (the `otel` extra), so a process without it ru
 
 One trace follows a page: the webhook request (FastAPI), the job it creates, the Celery message that
 sends it (the Celery instrumentation carries the context in the message headers), the task, the
-job's run, each LLM call (the SDKs speak httpx), each segment's commit, and the SQL under all of
+job's run, each LLM call (the SDKs speak httpx2), each segment's commit, and the SQL under all of
 them. The sweeper re-sends jobs long after their request; for those the job's stored traceparent
 (jobs.traceparent) is made the current context around the send, so the task still joins the trace.
 """
