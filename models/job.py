@@ -50,6 +50,9 @@ class Job(Base):
     rerun_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # Last time a message for this job was handed to the broker (the sweeper re-sends lost ones).
     enqueued_at: Mapped[datetime | None]
+    # The W3C traceparent of the request that created the job (only while tracing is on): every send
+    # of the job, the sweeper's included, joins that trace (worker.runtime.tracing).
+    traceparent: Mapped[str | None]
     worker: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(

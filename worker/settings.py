@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)
     admin_token: str = "dev-admin-token"
+    # OpenTelemetry tracing, off unless set: the OTLP/HTTP endpoint of a collector (e.g.
+    # http://otel-collector:4318; "/v1/traces" is added unless the URL already ends with it). Needs the
+    # `otel` extra (pip install 'factmill[otel]'). Each process reports as factmill-api, -worker or -beat.
+    otel_endpoint: str | None = None
     # The API key `factmill mcp` serves stdio with (a key from `factmill keys create`).
     mcp_api_key: str | None = Field(default=None, repr=False)
 

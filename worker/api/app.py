@@ -28,8 +28,9 @@ from worker.api.routes.pages import pages_router
 from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
 from worker.core.signing import SIGNATURE_HEADER
+from worker.jobs.celery_app import start_tracing
 from worker.jobs.outbox import Sender
-from worker.runtime import Runtime, get_runtime
+from worker.runtime import Runtime, get_runtime, tracing
 
 TAGS = [
     {"name": "pages", "description": "Signed webhooks that store pages and queue their extraction."},
@@ -82,6 +83,8 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
     elif sender is None:
         sender = celery_sender_for(runtime.settings)
     runtime.settings.check_production_secrets()
+    if start_tracing(runtime.settings, "factmill-api"):  # FACTMILL_OTEL_ENDPOINT; nothing otherwise
+        tracing.instrument_engine(runtime.factory.kw.get("bind"))  # a runtime built before tracing was on
 
     app = FastAPI(
         title="Factmill",
@@ -108,6 +111,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
     for router in ROUTERS:
         app.include_router(router)
     install_openapi(app)
+    tracing.instrument_app(app)
     return app
 
 

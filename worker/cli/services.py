@@ -11,6 +11,7 @@ from worker.celery_app import app as celery
 from worker.cli.console import fail
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
+from worker.runtime.tracing import TracingUnavailableError, require_packages
 from worker.settings import InsecureSecretsError, Settings, get_settings
 
 POOLS = ("threads", "prefork", "solo")
@@ -24,6 +25,14 @@ def refuse_insecure_secrets(settings: Settings) -> None:
         raise fail(str(exc), code=2) from None
 
 
+def refuse_missing_tracing(settings: Settings) -> None:
+    """FACTMILL_OTEL_ENDPOINT set without the `otel` extra: say what to install and exit 2."""
+    try:
+        require_packages(settings)
+    except TracingUnavailableError as exc:
+        raise fail(str(exc), code=2) from None
+
+
 def serve(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
@@ -32,6 +41,7 @@ def serve(
     """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
     settings = get_settings()
     refuse_insecure_secrets(settings)
+    refuse_missing_tracing(settings)
     checked_factory(settings)  # fail early, with a clear message, if the schema is missing
     uvicorn.run(
         "worker.api.app:create_app",
@@ -57,6 +67,7 @@ def worker(
 ) -> None:
     """Run a Celery worker for the given queues."""
     refuse_insecure_secrets(get_settings())
+    refuse_missing_tracing(get_settings())
     known = known_queues()
     unknown = sorted(set(q.strip() for q in queues.split(",")) - set(known))
     if unknown:
@@ -86,6 +97,7 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     """Run Celery beat (the sweeper every 30 s, and later schedules)."""
     settings = get_settings()
     refuse_insecure_secrets(settings)
+    refuse_missing_tracing(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 

@@ -12,6 +12,7 @@ from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.rows import SegmentPlace
 from worker.extraction.segments import Attempt, SegmentResult
 from worker.extraction.store import ExtractionStore, PageVersion, Terminal
+from worker.runtime import tracing
 
 # (segment index, segment, its result), in page order; the consumer may stop early.
 SegmentResults = Generator[tuple[int, Segment, SegmentResult], None, None]
@@ -139,17 +140,20 @@ class SegmentCommitter:
         skip: str | None,
     ) -> int:
         """One segment's transaction (attempts, facts, checkpoint compare-and-set); the facts inserted."""
-        return self.store.commit_segment(
-            place,
-            result.attempts,
-            result.facts,
-            fingerprint=self.planner.fingerprint,
-            expected=expected,
-            new=new,
-            terminal=terminal,
-            page=page,
-            skip=skip,
-        )
+        with tracing.span("segment commit", segment_attributes(place, skipped=skip is not None)):
+            inserted = self.store.commit_segment(
+                place,
+                result.attempts,
+                result.facts,
+                fingerprint=self.planner.fingerprint,
+                expected=expected,
+                new=new,
+                terminal=terminal,
+                page=page,
+                skip=skip,
+            )
+            tracing.annotate("factmill.facts.inserted", inserted)
+        return inserted
 
     def _commit_replacing(self, plan: PagePlan, results: SegmentResults) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
@@ -181,14 +185,15 @@ class SegmentCommitter:
         end = plan.ends[-1]
         total = sum(len(facts) for _, facts in segment_facts)
         last = self.planner.place(plan.slug, len(plan.segments) - 1, plan.segments[-1])
-        inserted = self.store.replace_page(
-            self.planner.fingerprint,
-            last,
-            segment_facts,
-            CheckpointState(end, plan.hasher.digest(end), total, tuple(skipped)),
-            page=plan.version,
-            skips=skips,
-        )
+        with tracing.span("page replace", {**segment_attributes(last), "factmill.segments": report.segments}):
+            inserted = self.store.replace_page(
+                self.planner.fingerprint,
+                last,
+                segment_facts,
+                CheckpointState(end, plan.hasher.digest(end), total, tuple(skipped)),
+                page=plan.version,
+                skips=skips,
+            )
         self.counters.segments_processed += report.segments
         self.counters.facts_extracted += total
         self.counters.facts_inserted += inserted
@@ -201,3 +206,16 @@ def skipped_entry(segment: Segment, end: int) -> SkippedSegment:
     return SkippedSegment(
         end - len(segment.messages), end, segment_hash(segment), segment.start_iso, segment.end_iso
     )
+
+
+def segment_attributes(place: SegmentPlace, *, skipped: bool = False) -> dict[str, str | int | bool]:
+    """What a commit's span says about the segment (ids and positions only, never page text)."""
+    attributes: dict[str, str | int | bool] = {
+        "factmill.source": place.source_id,
+        "factmill.page.slug": place.slug,
+        "factmill.segment.index": place.index,
+        "factmill.segment.skipped": skipped,
+    }
+    if place.job_id is not None:
+        attributes["factmill.job.id"] = place.job_id
+    return attributes

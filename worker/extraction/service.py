@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -120,6 +121,10 @@ class OnlineExtraction:
             before_call=lambda: run.budget.check(run.options.job_id),
         )
 
+    def submit(self, pool: ThreadPoolExecutor, label: str, segment: Segment) -> Future[SegmentResult]:
+        """The call on a pool thread, in the caller's context (its trace: the job's span is the parent)."""
+        return pool.submit(contextvars.copy_context().run, self.call, label, segment)
+
     def ordered_results(self, slug: str, label: str, segments: Sequence[Segment]) -> SegmentResults:
         """Segment results in page order, with up to ``segment_concurrency`` LLM calls in flight.
 
@@ -140,14 +145,14 @@ class OnlineExtraction:
         upcoming = iter(enumerate(segments))
         try:
             for index, segment in islice(upcoming, width):
-                pending.append((index, segment, pool.submit(self.call, label, segment)))
+                pending.append((index, segment, self.submit(pool, label, segment)))
             while pending:
                 index, segment, future = pending.popleft()
                 result = future.result()
                 counters.add_calls(result)
                 yield index, segment, result
                 for next_index, next_segment in islice(upcoming, 1):
-                    pending.append((next_index, next_segment, pool.submit(self.call, label, next_segment)))
+                    pending.append((next_index, next_segment, self.submit(pool, label, next_segment)))
         finally:
             for _, _, future in pending:
                 future.cancel()

@@ -9,13 +9,13 @@ import logging
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_shutting_down
+from celery.signals import beat_init, worker_init, worker_shutting_down
 from kombu import Queue
 
 from worker.embedded import embedded_redis_url
 from worker.jobs import registry
 from worker.jobs.shutdown import on_worker_shutting_down
-from worker.runtime import Runtime, get_runtime
+from worker.runtime import Runtime, get_runtime, tracing
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,21 @@ def create_app(settings: Settings | None = None) -> Celery:
     return celery
 
 
+def start_tracing(settings: Settings, service: str) -> bool:
+    """Turn tracing on in a process that sends or runs tasks (FACTMILL_OTEL_ENDPOINT; nothing otherwise).
+
+    The task modules are imported too: the Celery instrumentation looks a sent task up by name to
+    trace its publication, and leaves a span open when the sending process does not know the task."""
+    if not tracing.setup(settings, service):
+        return False
+    app.loader.import_default_modules()
+    return True
+
+
 app = create_app()
+# Each process reports under its own service name; a prefork child keeps its parent's set-up (the
+# span processor restarts its thread after the fork).
+worker_init.connect(lambda **_: start_tracing(get_settings(), "factmill-worker"), weak=False)
+beat_init.connect(lambda **_: start_tracing(get_settings(), "factmill-beat"), weak=False)
 # SIGTERM: running jobs hand their leases back at the next segment boundary (worker.jobs.shutdown).
 worker_shutting_down.connect(on_worker_shutting_down, weak=False)

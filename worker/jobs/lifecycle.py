@@ -14,11 +14,11 @@ from sqlalchemy.exc import OperationalError
 from models import Job
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
-from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue
+from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
 from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError, get_kind
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
 from worker.llm.errors import BudgetExhaustedError
-from worker.runtime import Runtime
+from worker.runtime import Runtime, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,21 @@ class Lease:
 def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | None = None) -> JobOutcome:
     """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
+    attributes: dict[str, str | int] = {"factmill.job.id": job_id, "factmill.job.kind": spec.name}
+    with tracing.span(f"job {spec.name}", attributes, parent=_stored_traceparent(rt, job_id)):
+        outcome = _run_job(rt, job_id, spec, backoff)
+        tracing.annotate("factmill.job.outcome", outcome.status)
+    return outcome
+
+
+def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
+    """The job's trace, for a message that came without one (its sender was not tracing)."""
+    if not tracing.enabled() or tracing.current_traceparent() is not None:
+        return None
+    return traceparents(rt.factory, [job_id]).get(job_id)
+
+
+def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -> JobOutcome:
     if stopping():  # a message this worker took before it began to stop: pass it on untouched
         enqueue(rt.factory, [(job_id, spec.name)])
         return JobOutcome("released", detail="the worker is stopping; message re-sent")

@@ -19,6 +19,7 @@ from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.leases import fail_if_spent
 from worker.jobs.registry import KIND_MODULES, UnknownJobKindError, get_kind, kind_names
+from worker.runtime import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def request_job(
             options=options or {},
             status="queued",
             idempotency_key=idempotency_key,
+            traceparent=tracing.current_traceparent(),  # the job joins the caller's trace (if tracing)
         )
         .on_conflict_do_nothing(index_elements=[Job.kind, Job.subject], index_where=PENDING_PREDICATE)
         .returning(Job.id)
@@ -133,10 +135,13 @@ def enqueue(
     send = sender or celery_sender
     sent: list[int] = []
     pending = list(jobs)
+    parents = traceparents(factory, [job_id for job_id, _ in pending]) if tracing.enabled() else {}
     for index, (job_id, kind) in enumerate(pending):
         spec = get_kind(kind)
         try:
-            send(spec.task_name, job_id, spec.queue)
+            # Sent in the trace of the request that created the job, even from the sweeper.
+            with tracing.resumed(parents.get(job_id)):
+                send(spec.task_name, job_id, spec.queue)
         except Exception as exc:
             # The broker is down: the rest would fail the same way (slowly). They stay queued in
             # Postgres, and the sweeper sends them once the broker is back.
@@ -153,6 +158,17 @@ def enqueue(
         with factory.begin() as session:
             session.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=func.now()))
     return len(sent)
+
+
+def traceparents(factory: sessionmaker[Session], job_ids: Sequence[int]) -> dict[int, str]:
+    """The stored traceparents of these jobs (tracing on only: one query per enqueue)."""
+    if not job_ids:
+        return {}
+    with factory() as session:
+        rows = session.execute(
+            select(Job.id, Job.traceparent).where(Job.id.in_(job_ids), Job.traceparent.is_not(None))
+        ).all()
+    return {row.id: row.traceparent for row in rows}
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.llm.gateway import describe, open_llm_client
 from worker.llm.types import LLMClient
+from worker.runtime import tracing
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def build_runtime(
 ) -> Runtime:
     """The resources for one process; ``factory`` and ``llm`` let a test or the CLI supply their own."""
     factory = factory or db.session_factory(db.database_url(settings))
+    tracing.instrument_engine(factory.kw.get("bind"))  # when tracing is on: the SQL under each span
     config = ConfigReader(factory, ttl=settings.config_cache_seconds)
     # A supplied client serves searches too: whoever supplies it chose its budget.
     return Runtime(settings=settings, factory=factory, config=config, _llm=llm, _search_llm=llm)

@@ -1,0 +1,234 @@
+"""OpenTelemetry tracing in one process, with the SDK's in-memory exporter: a webhook request, the job
+it stores, its sends (in the request and from the sweeper) and the job's run with its LLM calls and
+segment commits make one connected trace; with tracing off nothing is installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Job
+from tests.integration.test_api import Recorder, make_runtime, post
+from tests.service import REPO
+from tests.tracing_helpers import ancestors, from_sdk, llm_calls, names, one_trace, segments_processed
+from worker.api.app import create_app
+from worker.config_store import set_config
+from worker.jobs.lifecycle import run_job
+from worker.jobs.outbox import EXTRACTION, enqueue, request_job
+from worker.runtime import tracing
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def conversation(days: int) -> str:
+    """A page of ``days`` segments: two messages a day, a day apart."""
+    lines = []
+    for day in range(1, days + 1):
+        lines.append(f"**Alice Example** (2024-03-{day:02d} 9:00 AM): I moved to office {day} today.")
+        lines.append(f"**Bob Demo** (2024-03-{day:02d} 9:05 AM): Noted, office {day} it is.")
+    return "\n".join(lines)
+
+
+PAGE = {
+    "slug": "conversations/traced/alice",
+    "type": "conversation",
+    "title": "Alice and Bob",
+    "compiled_truth": conversation(3),
+}
+
+
+class TraceRecorder(Recorder):
+    """A sender that also records the trace context each send happened in."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        super().__init__(factory)
+        self.traceparents: list[str | None] = []
+
+    def __call__(self, task_name: str, job_id: int, queue: str) -> None:
+        self.traceparents.append(tracing.current_traceparent())
+        super().__call__(task_name, job_id, queue)
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    spans = InMemorySpanExporter()
+    assert tracing.setup(Settings(), "factmill-test", exporter=spans)
+    try:
+        yield spans
+    finally:
+        tracing.shutdown()  # uninstrumented again: later tests run untraced
+
+
+def job_row(factory: sessionmaker[Session], job_id: int) -> Job:
+    with factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def trace_id(traceparent: str | None) -> str:
+    assert traceparent is not None
+    return traceparent.split("-")[1]
+
+
+def test_one_page_gives_one_connected_trace_through_the_outbox_and_the_run(
+    exporter: InMemorySpanExporter, factory: sessionmaker[Session], database_url: str, simulator: Any
+) -> None:
+    runtime = make_runtime(
+        database_url,
+        factory,
+        llm="simulator",
+        simulator_url=simulator.base_url,
+        segment_concurrency=4,  # the calls run on pool threads: they must keep the job's context
+        embed_after_extraction=False,
+    )
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    in_request = TraceRecorder(factory)
+    with TestClient(create_app(runtime, sender=in_request)) as client:
+        response = post(client, PAGE)
+    assert response.status_code in (200, 202), response.text
+    [job_id] = in_request.job_ids
+    request_spans = from_sdk(exporter.get_finished_spans())
+    [root] = [s for s in request_spans if s.name.startswith("POST /v1/pages") and s.parent_id is None]
+    stored = job_row(factory, job_id).traceparent
+    # The job carries the request's span; the in-request send happened inside the request's trace.
+    assert stored is not None and stored.split("-")[1:3] == [root.trace_id, root.span_id]
+    assert trace_id(in_request.traceparents[0]) == root.trace_id
+
+    # The sweeper's send, long after the request and outside any span, joins the same trace.
+    assert tracing.current_traceparent() is None
+    swept = TraceRecorder(factory)
+    assert enqueue(factory, [(job_id, EXTRACTION)], swept) == 1
+    assert trace_id(swept.traceparents[0]) == root.trace_id
+
+    # A message without trace headers (a sender that did not trace): the run takes the stored parent.
+    try:
+        outcome = run_job(runtime, job_id, EXTRACTION)
+    finally:
+        runtime.close()
+    assert outcome.status == "succeeded", outcome
+    spans = from_sdk(exporter.get_finished_spans())
+    members = one_trace(spans, root)
+    [job_span] = [s for s in members if s.name == "job extraction"]
+    assert job_span.parent_id == root.span_id
+    assert job_span.attributes["factmill.job.id"] == job_id
+    assert job_span.attributes["factmill.job.outcome"] == "succeeded"
+    calls = [s for s in members if s.is_llm_call(simulator.base_url)]
+    commits = [s for s in members if s.name == "segment commit"]
+    segments = segments_processed(factory, job_id)
+    assert segments == 3
+    assert len(calls) == llm_calls(factory, job_id) == segments, names(members)
+    assert len(commits) == segments
+    assert sorted(s.attributes["factmill.segment.index"] for s in commits) == [0, 1, 2]
+    for span in [*calls, *commits]:
+        assert "job extraction" in ancestors(span, members)
+    # The SQL under the request and the run is traced too (through the runtime's engine).
+    assert any(s.attributes.get("db.system") == "postgresql" for s in members)
+    # Spans carry ids and positions, never page text.
+    assert not any("office" in json.dumps(s.attributes, default=str) for s in members)
+
+
+def test_a_job_requested_while_tracing_is_off_has_no_traceparent(tx_factory: sessionmaker[Session]) -> None:
+    assert not tracing.enabled()
+    with tx_factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, "default|conversations/untraced").job_id
+    assert job_row(tx_factory, job_id).traceparent is None
+
+
+OFF_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from fastapi.testclient import TestClient
+    from opentelemetry import trace
+    from worker.api.app import create_app
+    from worker.config_store import ConfigReader
+    from worker.db import session_factory
+    from worker.runtime import Runtime, tracing
+    from worker.settings import Settings
+
+    settings = Settings(database_url=sys.argv[1], webhook_secret="s", admin_token="a",
+                        broker_url="redis://127.0.0.1:1/0")
+    assert settings.otel_endpoint is None
+    factory = session_factory(sys.argv[1])
+    app = create_app(Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0)),
+                     sender=lambda *args: None)
+    with TestClient(app) as client:
+        status = client.get("/healthz").status_code
+    print(json.dumps({
+        "status": status,
+        "enabled": tracing.enabled(),
+        "provider": type(trace.get_tracer_provider()).__name__,
+        "sdk_tracer_imported": "opentelemetry.sdk.trace" in sys.modules,
+        "instrumented": [name for name in sys.modules if name.startswith("opentelemetry.instrumentation")],
+        "middleware": [m.cls.__name__ for m in app.user_middleware],
+    }))
+    """
+)
+
+
+def test_tracing_off_installs_nothing(database_url: str) -> None:
+    """Without FACTMILL_OTEL_ENDPOINT the API process sets no tracer provider (so no span processor
+    runs in the request path), loads neither the SDK's tracer nor an instrumentation, and adds no
+    middleware.
+    Its own process: the tests above install tracing in this one."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    probe = subprocess.run(
+        [sys.executable, "-c", OFF_PROBE, database_url],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert seen["status"] == 200
+    assert seen["enabled"] is False
+    assert seen["provider"] == "ProxyTracerProvider"
+    assert seen["sdk_tracer_imported"] is False  # (redis may load the SDK's metrics part: not tracing)
+    assert seen["instrumented"] == []
+    assert not [name for name in seen["middleware"] if "OpenTelemetry" in name]
+
+
+def test_endpoint_without_the_extra_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if the extra were missing
+    settings = Settings(otel_endpoint="http://127.0.0.1:4318")
+    with pytest.raises(tracing.TracingUnavailableError, match=r"pip install 'factmill\[otel\]'"):
+        tracing.setup(settings, "factmill-api")
+    assert not tracing.enabled()
+
+
+def test_worker_command_refuses_an_endpoint_without_the_extra() -> None:
+    script = (
+        "import sys; sys.modules['opentelemetry.sdk.trace'] = None; "
+        "sys.argv = ['factmill', 'worker']; from worker.cli import main; main()"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "FACTMILL_OTEL_ENDPOINT": "http://127.0.0.1:4318",
+        "FACTMILL_BROKER_URL": "redis://127.0.0.1:1/0",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "FACTMILL_OTEL_ENDPOINT is set but OpenTelemetry is not installed" in run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_traces_url_takes_a_base_or_the_full_path() -> None:
+    assert tracing.traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
+    assert tracing.traces_url(" http://collector:4318/ ") == "http://collector:4318/v1/traces"
+    assert tracing.traces_url("http://collector:4318/v1/traces") == "http://collector:4318/v1/traces"

@@ -1,0 +1,239 @@
+"""Optional OpenTelemetry tracing for one process: off unless FACTMILL_OTEL_ENDPOINT is set, and the only
+module that imports OpenTelemetry (the `otel` extra), so a process without it runs as before.
+
+One trace follows a page: the webhook request (FastAPI), the job it creates, the Celery message that
+sends it (the Celery instrumentation carries the context in the message headers), the task, the
+job's run, each LLM call (the SDKs speak httpx2), each segment's commit, and the SQL under all of
+them. The sweeper re-sends jobs long after their request; for those the job's stored traceparent
+(jobs.traceparent) is made the current context around the send, so the task still joins the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"
+TRACEPARENT = "traceparent"
+# Probes and scrapes would drown the traces that matter.
+EXCLUDED_URLS = "healthz,readyz,metrics"
+# What the `otel` extra installs (the OTLP exporter depends on opentelemetry-proto).
+REQUIRED_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.instrumentation.celery",
+    "opentelemetry.instrumentation.fastapi",
+    "opentelemetry.instrumentation.httpx",
+    "opentelemetry.instrumentation.sqlalchemy",
+)
+
+Attributes = Mapping[str, str | int | float | bool]
+
+
+class TracingUnavailableError(RuntimeError):
+    """FACTMILL_OTEL_ENDPOINT is set but the OpenTelemetry packages (the `otel` extra) are missing."""
+
+
+@dataclass
+class _Tracing:
+    service: str
+    provider: Any  # opentelemetry.sdk.trace.TracerProvider
+    tracer: Any
+    instrumentors: list[Any]
+    engines: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+
+_active: _Tracing | None = None
+_lock = threading.Lock()
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL for an endpoint given as the collector's base URL or the full path."""
+    endpoint = endpoint.strip().rstrip("/")
+    return endpoint if endpoint.endswith(TRACES_PATH) else endpoint + TRACES_PATH
+
+
+def wanted(settings: Settings) -> bool:
+    return bool(settings.otel_endpoint and settings.otel_endpoint.strip())
+
+
+def require_packages(settings: Settings) -> None:
+    """Raise TracingUnavailableError, with what to do, when tracing is asked for but not installed."""
+    if not wanted(settings):
+        return
+    try:
+        for module in REQUIRED_MODULES:
+            importlib.import_module(module)
+    except ImportError as exc:
+        raise TracingUnavailableError(
+            f"FACTMILL_OTEL_ENDPOINT is set but OpenTelemetry is not installed ({exc.name} is missing); "
+            "install the extra with `pip install 'factmill[otel]'`, or unset FACTMILL_OTEL_ENDPOINT"
+        ) from None
+
+
+def enabled() -> bool:
+    return _active is not None
+
+
+def setup(settings: Settings, service: str, *, exporter: Any = None) -> bool:
+    """Turn tracing on for this process (once; later calls keep the first set-up). Returns whether
+    tracing is on. ``exporter`` (tests: an in-memory exporter) replaces the OTLP exporter and takes
+    spans synchronously, without becoming the global tracer provider."""
+    global _active
+    if _active is not None:
+        return True
+    if exporter is None and not wanted(settings):
+        return False
+    if exporter is None:
+        require_packages(settings)
+    with _lock:
+        if _active is None:
+            _active = _start(settings, service, exporter)
+            logger.info("tracing on: service %s", service)
+    return True
+
+
+def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        assert settings.otel_endpoint is not None  # wanted() checked it
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(settings.otel_endpoint))))
+        trace.set_tracer_provider(provider)  # for any other library that traces through the global one
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # SQLAlchemy is traced per engine (instrument_engine): its global instrumentor also wraps the
+    # asyncio engine, which needs greenlet, and it misses engines made through an imported name.
+    instrumentors: list[Any] = [CeleryInstrumentor(), HTTPXClientInstrumentor()]
+    if importlib.util.find_spec("httpx2") is not None:  # what the openai/anthropic SDKs now ride on
+        from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor
+
+        instrumentors.append(HTTPX2ClientInstrumentor())
+    for instrumentor in instrumentors:
+        instrumentor.instrument(tracer_provider=provider)
+    return _Tracing(service, provider, provider.get_tracer("factmill"), instrumentors)
+
+
+def shutdown() -> None:
+    """Flush, remove the instrumentation and turn tracing off (tests; a process normally keeps it)."""
+    global _active
+    with _lock:
+        active, _active = _active, None
+    if active is None:
+        return
+    for instrumentor in active.instrumentors:
+        instrumentor.uninstrument()
+    if active.engines:
+        from opentelemetry.instrumentation.sqlalchemy import EngineTracer
+
+        EngineTracer.remove_all_event_listeners()
+    active.provider.shutdown()
+
+
+def instrument_app(app: Any) -> None:
+    """Trace a FastAPI app's requests (a server span each, the root of a page's trace)."""
+    if _active is None:
+        return
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    FastAPIInstrumentor.instrument_app(
+        app,
+        tracer_provider=_active.provider,
+        excluded_urls=EXCLUDED_URLS,
+        exclude_spans=["receive", "send"],  # one span per request, not one per ASGI message
+    )
+
+
+def instrument_engine(bind: Any) -> None:
+    """Trace the statements of an engine (or of a connection's engine), once per engine: the runtime's
+    engine, whenever it was made."""
+    active = _active
+    engine = getattr(bind, "engine", None)
+    if active is None or engine is None or engine in active.engines:
+        return
+    from opentelemetry.instrumentation.sqlalchemy import EngineTracer
+    from opentelemetry.metrics import get_meter
+
+    counter = get_meter("factmill").create_up_down_counter("db.client.connections.usage")
+    EngineTracer(active.provider.get_tracer("opentelemetry.instrumentation.sqlalchemy"), engine, counter)
+    active.engines.add(engine)
+
+
+def span(name: str, attributes: Attributes | None = None, *, parent: str | None = None) -> Any:
+    """A span around a block (a context manager yielding the span, or None when tracing is off).
+
+    ``parent`` (a traceparent) is used only when nothing is being traced here yet, e.g. a job whose
+    message came from a process that did not trace."""
+    active = _active
+    if active is None:
+        return nullcontext()
+    from opentelemetry import trace
+
+    context = None
+    if parent and not trace.get_current_span().get_span_context().is_valid:
+        context = _extract(parent)
+    return active.tracer.start_as_current_span(name, context=context, attributes=attributes)
+
+
+def annotate(key: str, value: str | int | float | bool) -> None:
+    """Set an attribute on the current span (a job's outcome, a commit's row count)."""
+    if _active is None:
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().set_attribute(key, value)
+
+
+def current_traceparent() -> str | None:
+    """The W3C traceparent of the current span, to store with a job (None when not tracing)."""
+    if _active is None:
+        return None
+    from opentelemetry.propagate import inject
+
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    return carrier.get(TRACEPARENT)
+
+
+def resumed(traceparent: str | None) -> AbstractContextManager[None]:
+    """Make a stored traceparent the current context for a block (the sweeper's sends)."""
+    if _active is None or not traceparent:
+        return nullcontext()
+    return _attached(traceparent)
+
+
+@contextlib.contextmanager
+def _attached(traceparent: str) -> Iterator[None]:
+    from opentelemetry import context
+
+    token = context.attach(_extract(traceparent))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def _extract(traceparent: str) -> Any:
+    from opentelemetry.propagate import extract
+
+    return extract({TRACEPARENT: traceparent})
