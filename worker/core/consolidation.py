@@ -36,6 +36,23 @@ NEAR_DUPLICATE_REASON = "rule: near-identical embedding"
 NO_CANDIDATE_REASON = "rule: no similar fact of this entity and kind"
 REASON_CHARS = 500
 
+# Facts without an entity are consolidated per page; an entity slug never holds ":" (facts.py slugifies
+# it to [a-z0-9/-]), so the page keys cannot collide with an entity's.
+PAGE_KEY_PREFIX = "page:"
+
+
+def entity_key(entity_slug: str | None, page_slug: str) -> str:
+    """The consolidation unit of a fact: its entity, or its page when it names none."""
+    return entity_slug if entity_slug else f"{PAGE_KEY_PREFIX}{page_slug}"
+
+
+def entity_key_filter(key: str) -> tuple[str | None, str | None]:
+    """(entity slug, None) for an entity's key, (None, page slug) for a page's."""
+    if key.startswith(PAGE_KEY_PREFIX):
+        return None, key.removeprefix(PAGE_KEY_PREFIX)
+    return key, None
+
+
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "`": "'"})
 _NON_WORD = re.compile(r"[^\w']+")
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?")
@@ -86,6 +103,12 @@ class FactView:
     valid_from: datetime | None
     embedding: Sequence[float] | None = None
     created_order: int = 0  # the order facts arrived in (their id): ties on dates break by it
+    said_at: datetime | None = None  # when it was said (its segment's time): stands in for valid_from
+
+    @property
+    def since(self) -> datetime | None:
+        """When the fact became true: its valid_from, else when it was said."""
+        return self.valid_from if self.valid_from is not None else self.said_at
 
 
 Triage = Literal["exact", "near", "ambiguous", "unrelated"]
@@ -130,7 +153,8 @@ def candidates(new: FactView, pool: Sequence[FactView], limit: int = MAX_CANDIDA
 
 def order_key(fact: FactView) -> tuple[float, int]:
     """When a fact became true, for ordering: its valid_from (undated facts sort first), then arrival."""
-    stamp = fact.valid_from.timestamp() if fact.valid_from is not None else float("-inf")
+    since = fact.since
+    stamp = since.timestamp() if since is not None else float("-inf")
     return (stamp, fact.created_order or fact.id)
 
 
@@ -145,9 +169,9 @@ class Supersession:
 
 def supersession(a: FactView, b: FactView) -> Supersession:
     """Of two facts where one updates (or contradicts) the other, the later one wins whichever arrived
-    first: the earlier is closed at the later one's valid_from (its segment's time when extracted)."""
+    first: the earlier is closed at the later one's valid_from (its segment's time when it has none)."""
     older, newer = sorted((a, b), key=order_key)
-    return Supersession(older, newer, newer.valid_from)
+    return Supersession(older, newer, close_interval(older.since, newer.since))
 
 
 def close_interval(valid_from: datetime | None, closing_at: datetime | None) -> datetime | None:
@@ -193,6 +217,7 @@ class AskedPair:
     number: int
     new: FactView
     old: FactView
+    similarity: float = 0.0
 
 
 def _day(value: datetime | None) -> str:
@@ -204,8 +229,8 @@ def render_pairs(entity: str, pairs: Sequence[AskedPair]) -> str:
     lines = [f"entity: {entity}"]
     for pair in pairs:
         lines.append(
-            f"{pair.number}. NEW ({pair.new.kind}, {_day(pair.new.valid_from)}): {pair.new.text}\n"
-            f"   OLD ({pair.old.kind}, {_day(pair.old.valid_from)}): {pair.old.text}"
+            f"{pair.number}. NEW ({pair.new.kind}, {_day(pair.new.since)}): {pair.new.text}\n"
+            f"   OLD ({pair.old.kind}, {_day(pair.old.since)}): {pair.old.text}"
         )
     return wrap_in_tag(PAIRS_TAG, "\n".join(lines))
 
@@ -268,3 +293,97 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
         text_reason = reason.strip()[:REASON_CHARS] if isinstance(reason, str) else ""
         out.setdefault(number, PairDecision(number, verdict, text_reason or "(no reason given)"))
     return out
+
+
+# ---------------------------------------------------------------------------
+# Planning an entity's decisions, and resolving them once the model has answered.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FactPlan:
+    """What is known about one new fact before the model answers: a certain duplicate (by rule), or
+    the ambiguous pairs asked about (none: nothing like it, so it is new)."""
+
+    new: FactView
+    rule: PairTriage | None = None
+    asked: tuple[AskedPair, ...] = ()
+
+
+def plan_consolidation(pending: Sequence[FactView], pool: Sequence[FactView]) -> list[FactPlan]:
+    """Plan each pending fact (in the order they became true) against the entity's current facts and
+    the pending ones planned before it that stay current. Pair numbers run across the whole entity,
+    so one call can ask about all of them."""
+    known = list(pool)
+    plans: list[FactPlan] = []
+    number = 1
+    for new in sorted(pending, key=order_key):
+        found = candidates(new, known)
+        if found and found[0].triage in ("exact", "near"):
+            plans.append(FactPlan(new, rule=found[0]))
+            continue
+        asked = tuple(AskedPair(number + i, new, c.old, c.similarity) for i, c in enumerate(found))
+        number += len(asked)
+        plans.append(FactPlan(new, asked=asked))
+        known.append(new)
+    return plans
+
+
+@dataclass(frozen=True)
+class Row:
+    """One audit row of a resolved decision."""
+
+    other_fact_id: int | None
+    decision: str
+    decided_by: str
+    reason: str
+    similarity: float | None = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A new fact's decision: the audit rows, the duplicate link, the intervals closed."""
+
+    fact_id: int
+    rows: tuple[Row, ...]
+    duplicate_of: int | None = None
+    closings: tuple[Supersession, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The decision by type, for the metrics: duplicate, supersede, new or unrelated."""
+        if self.duplicate_of is not None:
+            return DUPLICATE
+        if self.closings:
+            return "supersede"
+        return self.rows[0].decision if self.rows else "new"
+
+
+UNANSWERED_REASON = "the model gave no decision for this pair; kept as unrelated"
+
+
+def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
+    """The plan turned into a decision: the rule's duplicate; else the model's first duplicate; else
+    every update or contradiction closes the earlier fact of its pair (the later one wins, as
+    Graphiti invalidates an edge); else the fact stays current (new, or unrelated to each candidate)."""
+    new = plan.new
+    if plan.rule is not None:
+        reason = EXACT_DUPLICATE_REASON if plan.rule.triage == "exact" else NEAR_DUPLICATE_REASON
+        row = Row(plan.rule.old.id, DUPLICATE, "rule", reason, plan.rule.similarity)
+        return Resolved(new.id, (row,), duplicate_of=plan.rule.old.id)
+    if not plan.asked:
+        return Resolved(new.id, (Row(None, "new", "rule", NO_CANDIDATE_REASON),))
+    rows: list[Row] = []
+    duplicate_of: int | None = None
+    closings: list[Supersession] = []
+    for pair in plan.asked:
+        answer = answers.get(pair.number)
+        verdict, reason = (answer.verdict, answer.reason) if answer else ("unrelated", UNANSWERED_REASON)
+        rows.append(Row(pair.old.id, verdict, "model", reason, pair.similarity))
+        if verdict == "duplicate" and duplicate_of is None:
+            duplicate_of = pair.old.id
+        elif verdict in ("updates", "contradicts"):
+            closings.append(supersession(new, pair.old))
+    if duplicate_of is not None:
+        return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of)
+    return Resolved(new.id, tuple(rows), closings=tuple(closings))
