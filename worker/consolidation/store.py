@@ -239,3 +239,13 @@ def pending_entity_keys(session: Session, source_id: str, slug: str) -> list[str
         .distinct()
     ).all()
     return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in (*new, *orphans)})
+
+
+def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:
+    """Every entity of the source with facts not yet consolidated (a backfill's work list)."""
+    rows = session.execute(
+        select(Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.source_id == source_id, ~Fact.is_audit, Fact.consolidated_at.is_(None))
+        .distinct()
+    ).all()
+    return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in rows})
