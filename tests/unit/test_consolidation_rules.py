@@ -110,3 +110,34 @@ def test_parse_decisions_is_strict() -> None:
     ):
         with pytest.raises(MalformedDecisionsError):
             parse_decisions(bad, [1])
+
+
+def test_entity_words_are_ignored_when_comparing_an_entitys_facts() -> None:
+    from worker.core.consolidation import entity_words
+
+    words = entity_words("people/zoe-angstrom")
+    assert {"zoe", "angstrom"} <= words
+    said = ("Zoë Ångström said: we bring the cat.", "Zoë Ångström said: the venue is booked.")
+    assert word_overlap(*said) >= 0.25  # a candidate pair, on the name alone
+    assert word_overlap(*said, ignore=words) == 0.0
+
+
+def test_plan_and_resolve_an_entity() -> None:
+    from worker.core.consolidation import PairDecision, plan_consolidation, resolve
+
+    old = fact(1, "Alice lives in Lisbon", when=JAN)
+    again = fact(2, "alice lives in lisbon.", when=JAN)
+    moved = fact(3, "Alice lives in Porto", when=MAR)
+    alone = fact(4, "Bob bakes bread", when=MAR)
+    plans = plan_consolidation([moved, again, alone], [old], "people/alice")
+    by_id = {p.new.id: p for p in plans}
+    assert by_id[2].rule is not None and by_id[2].rule.old.id == 1
+    assert [(a.number, a.old.id) for a in by_id[3].asked] == [(1, 1)]
+    assert by_id[4].asked == () and by_id[4].rule is None
+    dup = resolve(by_id[2], {})
+    assert (dup.kind, dup.duplicate_of, dup.rows[0].reason) == ("duplicate", 1, "rule: exact duplicate")
+    update = resolve(by_id[3], {1: PairDecision(1, "updates", "moved")})
+    assert update.kind == "supersede"
+    assert [(c.older.id, c.newer.id, c.valid_to) for c in update.closings] == [(1, 3, MAR)]
+    assert resolve(by_id[3], {}).kind == "unrelated", "a pair the model skipped stays unrelated"
+    assert resolve(by_id[4], {}).kind == "new"

@@ -47,3 +47,8 @@ def test_pairs_are_answered_by_number() -> None:
     ]
     reply = consolidation_reply(render_pairs("people/alice", pairs))
     assert [(d["pair"], d["decision"]) for d in reply["decisions"]] == [(1, "updates"), (2, "unrelated")]
+
+
+def test_a_possessive_is_about_someone_else_and_the_same_names_restated_are_a_duplicate() -> None:
+    assert answer("Alice's sister lives in Porto.", "Alice lives in Lisbon.") == "unrelated"
+    assert answer("Alice is based in Lisbon these days.", "Alice lives in Lisbon.") == "duplicate"

@@ -12,6 +12,8 @@ from sqlalchemy.orm import Session
 from models import ConsolidationDecision, Fact
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
 
+CLOSING = ("updates", "contradicts")
+
 
 class UndoError(ValueError):
     """The fact cannot be unmerged or restored; the message says why and what to do."""
@@ -43,12 +45,27 @@ def entity_timeline(
     ).all()
     reasons: dict[int, str] = {}
     if facts:
+        ids = [f.id for f in facts]
         rows = session.execute(
-            select(ConsolidationDecision.fact_id, ConsolidationDecision.reason)
-            .where(ConsolidationDecision.fact_id.in_([f.id for f in facts]))
+            select(
+                ConsolidationDecision.fact_id,
+                ConsolidationDecision.other_fact_id,
+                ConsolidationDecision.decision,
+                ConsolidationDecision.reason,
+            )
+            .where(
+                ConsolidationDecision.fact_id.in_(ids)
+                | (ConsolidationDecision.other_fact_id.in_(ids) & ConsolidationDecision.decision.in_(CLOSING))
+            )
             .order_by(ConsolidationDecision.id)
         )
-        reasons = {fact_id: reason for fact_id, reason in rows if fact_id is not None}
+        for fact_id, other_id, decision, reason in rows:
+            # What changed the fact: the decision that superseded it (recorded on the newer fact's row),
+            # else its own latest decision other than "unrelated".
+            if decision in CLOSING and other_id is not None:
+                reasons[other_id] = reason
+            if fact_id is not None and (decision != "unrelated" or fact_id not in reasons):
+                reasons[fact_id] = reason
     return [
         TimelineEntry(
             f.id,

@@ -99,7 +99,7 @@ def consolidate_entity(
     counters.facts_considered = len(pending)
     if not pending:
         return counters
-    plans = plan_consolidation(pending, pool)
+    plans = plan_consolidation(pending, pool, run.entity_key)
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
     for plan in plans:
         run.guard()

@@ -28,7 +28,7 @@ DECIDERS = ("rule", "model", "operator")
 DUPLICATE_COSINE = 0.97
 # Below this (and below CANDIDATE_OVERLAP) a pair is unrelated without asking anyone.
 CANDIDATE_COSINE = 0.55
-CANDIDATE_OVERLAP = 0.3
+CANDIDATE_OVERLAP = 0.25
 # How many old facts each new fact is compared against (the nearest ones), to bound the prompt.
 MAX_CANDIDATES = 5
 EXACT_DUPLICATE_REASON = "rule: exact duplicate"
@@ -60,6 +60,8 @@ _STOP = frozenset(
     (
         *("a", "an", "the", "is", "are", "was", "were", "be", "been", "of", "to", "in", "on"),
         *("at", "for", "and", "or", "with", "by", "from", "that", "this", "it", "its", "as"),
+        # "X said: ..." is how a fact quotes someone: the verb says nothing about its content.
+        "said",
     )
 )
 
@@ -71,14 +73,26 @@ def normalize_fact_text(text: str) -> str:
     return " ".join(_NON_WORD.sub(" ", folded).split())
 
 
-def content_words(text: str) -> frozenset[str]:
-    """The fact's words minus stop words (for the overlap measure)."""
-    return frozenset(w for w in _WORD.findall(normalize_fact_text(text)) if w not in _STOP)
+def _fold(text: str) -> str:
+    """Accents dropped (for comparing words only): "Zoë" and the slug's "zoe" are one word."""
+    decomposed = unicodedata.normalize("NFKD", normalize_fact_text(text))
+    return "".join(ch for ch in decomposed if not unicodedata.combining(ch))
 
 
-def word_overlap(a: str, b: str) -> float:
-    """Jaccard overlap of the two facts' content words, 0..1."""
-    left, right = content_words(a), content_words(b)
+def content_words(text: str, ignore: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The fact's words minus stop words and ``ignore`` (for the overlap measure)."""
+    return frozenset(w for w in _WORD.findall(_fold(text)) if w not in _STOP and w not in ignore)
+
+
+def entity_words(key: str) -> frozenset[str]:
+    """The words of an entity's slug (people/alice-example: people, alice, example). Every fact of the
+    entity names it, so they say nothing about whether two of its facts match."""
+    return frozenset(_WORD.findall(_fold(key.replace("-", " ").replace("/", " "))))
+
+
+def word_overlap(a: str, b: str, ignore: frozenset[str] = frozenset()) -> float:
+    """Jaccard overlap of the two facts' content words (less ``ignore``), 0..1."""
+    left, right = content_words(a, ignore), content_words(b, ignore)
     if not left or not right:
         return 0.0
     return len(left & right) / len(left | right)
@@ -121,10 +135,11 @@ class PairTriage:
     similarity: float  # the cosine when both have vectors, else the word overlap
 
 
-def triage_pair(new: FactView, old: FactView) -> PairTriage:
+def triage_pair(new: FactView, old: FactView, ignore: frozenset[str] = frozenset()) -> PairTriage:
     """What a rule can say about a pair: an exact or near duplicate (certain), ambiguous (ask the
-    model), or unrelated. Facts of different kinds are never compared."""
-    overlap = word_overlap(new.text, old.text)
+    model), or unrelated. Facts of different kinds are never compared; ``ignore`` holds the
+    entity's own name words (``entity_words``)."""
+    overlap = word_overlap(new.text, old.text, ignore)
     vector = cosine(new.embedding, old.embedding)
     similarity = vector if vector is not None else overlap
     if new.kind != old.kind:
@@ -138,10 +153,15 @@ def triage_pair(new: FactView, old: FactView) -> PairTriage:
     return PairTriage(old, "unrelated", similarity)
 
 
-def candidates(new: FactView, pool: Sequence[FactView], limit: int = MAX_CANDIDATES) -> list[PairTriage]:
+def candidates(
+    new: FactView,
+    pool: Sequence[FactView],
+    limit: int = MAX_CANDIDATES,
+    ignore: frozenset[str] = frozenset(),
+) -> list[PairTriage]:
     """The pool's facts worth deciding against ``new``: certain duplicates first, then the most similar
     ambiguous ones (at most ``limit`` of those); unrelated ones are dropped."""
-    triaged = [triage_pair(new, old) for old in pool if old.id != new.id]
+    triaged = [triage_pair(new, old, ignore) for old in pool if old.id != new.id]
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
@@ -310,15 +330,18 @@ class FactPlan:
     asked: tuple[AskedPair, ...] = ()
 
 
-def plan_consolidation(pending: Sequence[FactView], pool: Sequence[FactView]) -> list[FactPlan]:
+def plan_consolidation(
+    pending: Sequence[FactView], pool: Sequence[FactView], entity: str = ""
+) -> list[FactPlan]:
     """Plan each pending fact (in the order they became true) against the entity's current facts and
     the pending ones planned before it that stay current. Pair numbers run across the whole entity,
     so one call can ask about all of them."""
+    ignore = entity_words(entity)
     known = list(pool)
     plans: list[FactPlan] = []
     number = 1
     for new in sorted(pending, key=order_key):
-        found = candidates(new, known)
+        found = candidates(new, known, ignore=ignore)
         if found and found[0].triage in ("exact", "near"):
             plans.append(FactPlan(new, rule=found[0]))
             continue
