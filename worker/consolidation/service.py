@@ -1,5 +1,5 @@
 """One entity's consolidation: repair broken links, plan by rule, ask the model once about the
-ambiguous pairs, and commit each new fact's decision (with its audit row) exactly once."""
+ambiguous pairs, and commit each new fact's decision (with its audit rows) exactly once."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # Pairs per call: an entity with more ambiguous pairs than this (a large backfill) takes more calls.
 MAX_PAIRS_PER_CALL = 40
 OUTPUT_TOKENS_PER_PAIR = 60
+# Decisions per transaction: each is written exactly once either way (its fact's marker), and a run
+# cut short resumes after the last committed chunk; one commit per decision made the queue lag.
+DECISIONS_PER_COMMIT = 50
 SCHEMA_NAME = "consolidation_decisions"
 
 
@@ -101,14 +104,19 @@ def consolidate_entity(
         return counters
     plans = plan_consolidation(pending, pool, run.entity_key)
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
-    for plan in plans:
+    resolved = [
+        (resolve(plan, answers), next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
+        for plan in plans
+    ]
+    for start in range(0, len(resolved), DECISIONS_PER_COMMIT):
         run.guard()
-        decision = resolve(plan, answers)
-        call_id = next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None)
-        if store.commit_decision(run.source_id, run.entity_key, run.job_id, decision, call_id):
-            counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
-        else:
-            counters.already_decided += 1
+        chunk = resolved[start : start + DECISIONS_PER_COMMIT]
+        written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
+        for (decision, _), ok in zip(chunk, written, strict=True):
+            if ok:
+                counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
+            else:
+                counters.already_decided += 1
     return counters
 
 

@@ -100,51 +100,67 @@ class ConsolidationStore:
         with self._factory.begin() as session:
             return self._ledger.record(session, call)
 
-    def commit_decision(
+    def commit_decisions(
         self,
         source_id: str,
         entity_key: str,
         job_id: int | None,
-        decision: Resolved,
-        llm_call_id: int | None = None,
-    ) -> bool:
-        """One transaction: the entity's checkpoint row locked, the new fact marked consolidated (only if
-        it was not: False and nothing written otherwise), the effect (duplicate link, intervals closed),
-        the audit rows, the checkpoint advanced."""
+        decisions: Sequence[tuple[Resolved, int | None]],
+    ) -> list[bool]:
+        """One transaction for a run of decisions (each with the llm_calls row it came from): the
+        entity's checkpoint row locked, then per decision the new fact marked consolidated (only if it
+        was not: False for it and nothing of it written), its effect (duplicate link, intervals
+        closed) and its audit rows; the checkpoint advanced by the decisions written."""
+        done: list[bool] = []
         with self._factory.begin() as session:
             _lock_checkpoint(session, source_id, entity_key)
-            values: dict[str, Any] = {"consolidated_at": func.now()}
-            if decision.duplicate_of is not None:
-                values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
-            marked = session.scalars(
-                update(Fact)
-                .where(Fact.id == decision.fact_id, Fact.consolidated_at.is_(None))
-                .values(**values)
-                .returning(Fact.id)
-            ).all()
-            if not marked:
-                return False
-            for closing in decision.closings:
+            for decision, llm_call_id in decisions:
+                done.append(_write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
+            written = [d.fact_id for d, ok in zip((d for d, _ in decisions), done, strict=True) if ok]
+            if written:
                 session.execute(
-                    update(Fact)
-                    .where(Fact.id == closing.older.id, Fact.status == CURRENT)
-                    .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
+                    update(ConsolidationCheckpoint)
+                    .where(
+                        ConsolidationCheckpoint.source_id == source_id,
+                        ConsolidationCheckpoint.entity_key == entity_key,
+                    )
+                    .values(
+                        facts_done=ConsolidationCheckpoint.facts_done + len(written),
+                        last_fact_id=written[-1],
+                        updated_at=func.now(),
+                    )
                 )
-            rows = [(decision.fact_id, row) for row in decision.rows]
-            _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
-            session.execute(
-                update(ConsolidationCheckpoint)
-                .where(
-                    ConsolidationCheckpoint.source_id == source_id,
-                    ConsolidationCheckpoint.entity_key == entity_key,
-                )
-                .values(
-                    facts_done=ConsolidationCheckpoint.facts_done + 1,
-                    last_fact_id=decision.fact_id,
-                    updated_at=func.now(),
-                )
-            )
-        return True
+        return done
+
+
+def _write_decision(
+    session: Session,
+    source_id: str,
+    entity_key: str,
+    job_id: int | None,
+    decision: Resolved,
+    llm_call_id: int | None,
+) -> bool:
+    values: dict[str, Any] = {"consolidated_at": func.now()}
+    if decision.duplicate_of is not None:
+        values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
+    marked = session.scalars(
+        update(Fact)
+        .where(Fact.id == decision.fact_id, Fact.consolidated_at.is_(None))
+        .values(**values)
+        .returning(Fact.id)
+    ).all()
+    if not marked:
+        return False
+    for closing in decision.closings:
+        session.execute(
+            update(Fact)
+            .where(Fact.id == closing.older.id, Fact.status == CURRENT)
+            .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
+        )
+    rows = [(decision.fact_id, row) for row in decision.rows]
+    _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
+    return True
 
 
 def said_at(context: str, created_at: datetime) -> datetime:
