@@ -8,6 +8,7 @@ from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
 from models.compaction import COMPACTION_STATUSES, MESSAGE_ROLES, Compaction, Transcript, TranscriptMessageRow
 from models.config import ConfigEntry
+from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
 from models.erasure import Erasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job
@@ -30,6 +31,8 @@ __all__ = [
     "CalibrationThreshold",
     "Compaction",
     "ConfigEntry",
+    "ConsolidationCheckpoint",
+    "ConsolidationDecision",
     "Erasure",
     "ExtractionAudit",
     "Fact",

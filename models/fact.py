@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
+from worker.core.consolidation import FACT_STATUSES
 from worker.core.facts import (  # owned by the pure core, which cannot import models
     FACT_KINDS,
     NOTABILITY_LEVELS,
@@ -61,7 +62,10 @@ class Fact(Base):
         CheckConstraint(
             "(is_audit AND row_num < 0) OR (NOT is_audit AND row_num >= 0)", name="audit_row_num"
         ),
+        CheckConstraint(_in("status", FACT_STATUSES), name="status"),
         Index("ix_facts_source_session", "source_session"),
+        # Lifecycle: a consolidation job reads one entity's facts of one source.
+        Index("ix_facts_source_id_entity", "source_id", "entity_slug"),
         Index("ix_facts_entity_slug", "entity_slug"),
         Index("ix_facts_search_vector", "search_vector", postgresql_using="gin"),  # Search
     )
@@ -92,6 +96,19 @@ class Fact(Base):
         TSVECTOR, Computed(SEARCH_VECTOR_SQL, persisted=True), nullable=True, deferred=True
     )
     created_at: Mapped[datetime] = utcnow_column()
+    # Lifecycle (worker.consolidation): consolidation never deletes a fact, it closes or links it.
+    # valid_to: when it stopped being true (set when a later fact superseded it); status current |
+    # superseded | duplicate; the links to the fact that superseded it or that it repeats.
+    valid_to: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(server_default="current")
+    superseded_by: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("facts.id", ondelete="SET NULL"), index=True
+    )
+    duplicate_of: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("facts.id", ondelete="SET NULL"), index=True
+    )
+    # When its consolidation decision committed (NULL: not yet consolidated; the job's work list).
+    consolidated_at: Mapped[datetime | None]
 
 
 class ExtractionAudit(Base):

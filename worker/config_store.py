@@ -16,13 +16,14 @@ from worker.accounting import validate_config_value
 EXTRACTION_ENABLED = "facts.extraction_enabled"
 COMPACTION_ENABLED = "compaction.enabled"
 CALIBRATION_ENABLED = "calibration.enabled"
+CONSOLIDATION_ENABLED = "consolidation.enabled"
 EXTRACTION_PAGE_TYPES = "extraction.page_types"
 EXTRACTION_MAX_FACTS = "extraction.max_facts"
 # How many permanent failures (across attempts and runs) skip a poison segment.
 EXTRACTION_MAX_SEGMENT_FAILURES = "extraction.max_segment_failures"
 MAX_SEGMENT_FAILURES_CEILING = 100
 
-KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED)
+KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED, CONSOLIDATION_ENABLED)
 DISABLED_VALUES = frozenset({"false", "0", "no", "off"})
 ENABLED_VALUES = frozenset({"true", "1", "yes", "on"})
 

@@ -124,6 +124,9 @@ class Settings(BaseSettings):
     # Extraction jobs embed their new facts before they finish (vector search sees them at once); off
     # leaves that to `factmill embed`, e.g. to give a large backfill every cycle of the workers.
     embed_after_extraction: bool = True
+    # Extraction jobs request a consolidation job per entity of their new facts (the fact lifecycle);
+    # off leaves facts unconsolidated until `factmill facts consolidate`.
+    consolidate_after_extraction: bool = True
 
     # Compaction
     compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap

@@ -52,22 +52,22 @@ def as_json(result: subprocess.CompletedProcess[str]) -> Any:
 
 def test_ingest_extract_rerun_and_force_on_the_examples(cli):
     ingested = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
-    assert len(ingested["ingested"]) == 21 and ingested["errors"] == []
+    assert len(ingested["ingested"]) == 23 and ingested["errors"] == []
     dry = as_json(cli("extract", "--dry-run", "--json"))
-    assert (dry["pages_considered"], dry["pages_processed"], dry["llm_calls"]) == (20, 20, 0)
+    assert (dry["pages_considered"], dry["pages_processed"], dry["llm_calls"]) == (22, 22, 0)
     first = as_json(cli("extract", "--json"))
-    assert (first["pages_processed"], first["pages_failed"]) == (20, 0)
+    assert (first["pages_processed"], first["pages_failed"]) == (22, 0)
     assert first["facts_inserted"] > 0 and first["segments_processed"] == dry["segments_processed"]
     slug = "conversations/imessage/alice-and-bob-new-job"
     facts = as_json(cli("facts", "list", "--slug", slug, "--json"))
     assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
     rerun = as_json(cli("extract", "--json"))
-    assert (rerun["pages_skipped"], rerun["facts_inserted"], rerun["llm_calls"]) == (20, 0, 0)
+    assert (rerun["pages_skipped"], rerun["facts_inserted"], rerun["llm_calls"]) == (22, 0, 0)
     forced = as_json(cli("extract", "--force", "--json"))
     assert forced["facts_inserted"] == first["facts_inserted"]
     assert as_json(cli("facts", "list", "--slug", slug, "--json")) == facts
     unchanged = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
-    assert len(unchanged["unchanged"]) == 21 and unchanged["ingested"] == []
+    assert len(unchanged["unchanged"]) == 23 and unchanged["ingested"] == []
 
 
 def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):

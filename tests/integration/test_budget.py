@@ -106,7 +106,13 @@ def test_budget_spent_part_way_stops_before_the_next_call(tx_factory, llm):
 
 # Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).
 def test_job_waits_for_budget_and_resumes_when_it_is_raised(factory, database_url, simulator):
-    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    # No consolidation follow-up: it would be sent to a broker, and this process has none.
+    settings = Settings(
+        database_url=database_url,
+        simulator_url=simulator.base_url,
+        llm="simulator",
+        consolidate_after_extraction=False,
+    )
     rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
     set_(factory, "llm.prices", PRICES)
     set_(factory, "llm.budget_daily_usd", "0")

@@ -20,6 +20,7 @@ from models import (
     SEGMENT_OUTCOMES,
     Compaction,
     ConfigEntry,
+    ConsolidationDecision,
     ExtractionAudit,
     Fact,
     Job,
@@ -29,6 +30,7 @@ from models import (
 from worker.api.errors import one_line
 from worker.api.guards import route_template
 from worker.config_store import KILL_SWITCHES, is_enabled
+from worker.core.consolidation import FACT_STATUSES
 from worker.jobs.registry import kind_names
 
 logger = logging.getLogger(__name__)
@@ -262,6 +264,41 @@ class CompactionCollector(_ScrapeTimeCollector[dict[str, tuple[int, int]]]):
         return [outcomes, saved]
 
 
+class ConsolidationCollector(_ScrapeTimeCollector[tuple[list[Any], list[Any]]]):
+    """The fact lifecycle, read at scrape time: ``factmill_consolidation_decisions_total{decision,
+    decided_by}`` (the audit rows: duplicate, updates, contradicts, unrelated, new by rule or model;
+    unmerge, restore by operators) and ``factmill_facts_by_status{status}``."""
+
+    reads = "the consolidation decisions"
+
+    def read(self, session: Session) -> tuple[list[Any], list[Any]]:
+        decisions = session.execute(
+            select(ConsolidationDecision.decision, ConsolidationDecision.decided_by, func.count()).group_by(
+                ConsolidationDecision.decision, ConsolidationDecision.decided_by
+            )
+        ).all()
+        statuses = session.execute(
+            select(Fact.status, func.count()).where(Fact.is_audit.is_(False)).group_by(Fact.status)
+        ).all()
+        return list(decisions), list(statuses)
+
+    def metrics(self, rows: tuple[list[Any], list[Any]]) -> list[Metric]:
+        decisions = CounterMetricFamily(
+            "factmill_consolidation_decisions",
+            "Consolidation decisions by type and by who decided (rule, model, operator)",
+            labels=["decision", "decided_by"],
+        )
+        for decision, decided_by, n in rows[0]:
+            decisions.add_metric([decision, decided_by], int(n))
+        statuses = GaugeMetricFamily(
+            "factmill_facts_by_status", "Facts by lifecycle status (audit rows excluded)", labels=["status"]
+        )
+        counts = {status: int(n) for status, n in rows[1]}
+        for status in FACT_STATUSES:
+            statuses.add_metric([status], counts.get(status, 0))
+        return [decisions, statuses]
+
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
@@ -320,9 +357,16 @@ def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRe
     )
     registry.register(StoreCollector(factory))  # type: ignore[arg-type]
     registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
+    registry.register(ConsolidationCollector(factory))  # type: ignore[arg-type]
     ProcessCollector(registry=registry)
     app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
     return registry
 
 
-__all__ = ["CompactionCollector", "RequestMetricsMiddleware", "StoreCollector", "install_metrics"]
+__all__ = [
+    "CompactionCollector",
+    "ConsolidationCollector",
+    "RequestMetricsMiddleware",
+    "StoreCollector",
+    "install_metrics",
+]

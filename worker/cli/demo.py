@@ -181,7 +181,7 @@ def run_demo(
                     [
                         "worker",
                         "--queues",
-                        "extraction,maintenance",
+                        "extraction,consolidation,maintenance",
                         "--concurrency",
                         str(concurrency),
                         "--pool",
@@ -209,6 +209,7 @@ def run_demo(
             )
         reader = stack.enter_context(demo_read_key(database_url, err))
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
+        _wait(lambda: _consolidated(base, reader), 120, "consolidation to finish", children)
         _print_facts(base, reader, pages, console, show)
         _print_summary(jobs, len(pages), time.perf_counter() - started, console)
     _say_what_keeps_running(settings, err)
@@ -282,20 +283,48 @@ def _follow_jobs(
     return list(jobs.values())
 
 
+def _consolidated(base: str, headers: dict[str, str]) -> bool:
+    """No consolidation job is waiting or running (the extraction jobs requested them)."""
+    with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
+        for status in ("queued", "running"):
+            listed = client.get("/v1/jobs", params={"kind": "consolidation", "status": status, "limit": 1})
+            if listed.status_code != 200 or listed.json()["jobs"]:
+                return False
+    return True
+
+
+def _day(value: str | None) -> str:
+    return value[:10] if value else "now"
+
+
 def _print_facts(
     base: str, headers: dict[str, str], pages: list[dict[str, Any]], console: Console, show: int
 ) -> None:
+    """Each page's current facts (up to ``show``), then every fact a later one superseded or that
+    repeats another: the lifecycle at work."""
     with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
         for page in pages:
-            response = client.get(f"/v1/pages/{page['source_id']}/{page['slug']}/facts")
+            response = client.get(
+                f"/v1/pages/{page['source_id']}/{page['slug']}/facts", params={"include_history": "true"}
+            )
             if response.status_code != 200:
                 continue
             facts = response.json()["facts"]
             if not facts:
                 continue
-            console.print(f"\n[bold]{page['slug']}[/] · {len(facts)} facts")
-            for fact in facts[:show]:
+            current = [f for f in facts if f["status"] == "current"]
+            older = [f for f in facts if f["status"] != "current"]
+            tally = f"{len(current)} current" + (f", {len(older)} superseded or duplicate" if older else "")
+            console.print(f"\n[bold]{page['slug']}[/] · {tally}")
+            for fact in current[:show]:
                 console.print(f"  [dim]{fact['kind']:<10}[/] {fact['fact']}")
+            for fact in older:
+                if fact["status"] == "superseded":
+                    when = f"{_day(fact['valid_from'])} → {_day(fact['valid_to'])}"
+                    note = f"[yellow]superseded[/] by fact {fact['superseded_by']} ({when})"
+                else:
+                    note = f"[dim]duplicate of fact {fact['duplicate_of']}[/]"
+                console.print(f"  [dim]{fact['kind']:<10}[/] [strike]{fact['fact']}[/] · {note}")
 
 
 def _print_summary(jobs: list[dict[str, Any]], pages: int, seconds: float, console: Console) -> None:

@@ -10,6 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from models import Fact
+from worker.cli import lifecycle
 from worker.cli.console import out, print_json
 from worker.cli.sessions import checked_factory
 from worker.extraction import PER_SEGMENT_SOURCE_PREFIX
@@ -61,3 +62,9 @@ def facts_list(
     for f in facts:
         table.add_row(str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}")
     out.print(table)
+
+
+facts_app.command("history")(lifecycle.history)
+facts_app.command("unmerge")(lifecycle.unmerge_command)
+facts_app.command("restore")(lifecycle.restore_command)
+facts_app.command("consolidate")(lifecycle.consolidate_command)

@@ -94,6 +94,12 @@ def search_command(
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, max=MAX_LIMIT, help="Results to show.")] = None,
     no_expand: Annotated[bool, typer.Option("--no-expand", help="Never ask the LLM to expand.")] = False,
+    include_history: Annotated[
+        bool, typer.Option("--include-history", help="Also superseded and duplicate facts.")
+    ] = False,
+    as_of: Annotated[
+        datetime | None, typer.Option(help="Only facts true at this time (ISO date/time).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
 ) -> None:
     """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
@@ -106,7 +112,14 @@ def search_command(
             lambda: runtime.llm,
             sys.stdin.read() if query == "-" else query.replace("\\n", "\n"),
             intent=intent,
-            filters=SearchFilters(source_id=source_id, entity=entity, kind=kind, since=since),
+            filters=SearchFilters(
+                source_id=source_id,
+                entity=entity,
+                kind=kind,
+                since=since,
+                include_history=include_history,
+                as_of=as_of,
+            ),
             limit=limit or settings.search_default_limit,
             expand=settings.search_expand and not no_expand,
         )

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, func, select, text
 from sqlalchemy.orm import Session
 
 from models import Fact, Page
+from worker.consolidation.history import CURRENT_ONLY, Lifecycle
 
 
 class FactRecord(BaseModel):
@@ -37,6 +38,12 @@ class FactRecord(BaseModel):
     claim_unit: str | None
     claim_period: str | None
     created_at: datetime
+    # Lifecycle: current | superseded | duplicate; [valid_from, valid_to) is when it was true; the
+    # fact that superseded it, or the one it repeats.
+    status: str
+    valid_to: datetime | None
+    superseded_by: int | None
+    duplicate_of: int | None
 
 
 class PageFactsPage(BaseModel):
@@ -64,15 +71,32 @@ class EntityFactsPage(BaseModel):
     facts: list[EntityFact]
 
 
+def _lifecycle(lifecycle: Lifecycle) -> list[ColumnElement[bool]]:
+    clause, params = lifecycle.clause(Fact.__tablename__)
+    return [] if clause is None else [text(clause).bindparams(**params)]  # type: ignore[list-item]
+
+
 def read_page_facts(
-    session: Session, source_id: str, slug: str, *, limit: int = 1000, offset: int = 0
+    session: Session,
+    source_id: str,
+    slug: str,
+    *,
+    limit: int = 1000,
+    offset: int = 0,
+    lifecycle: Lifecycle = CURRENT_ONLY,
 ) -> PageFactsPage | None:
-    """The facts extracted from one page, in row order; None when there is no such page."""
+    """The facts extracted from one page, in row order (current ones unless ``lifecycle`` says
+    otherwise); None when there is no such page."""
     page_id = session.scalar(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))
     if page_id is None:
         return None
     # Audit rows (the terminal EXTRACTION_COMPLETE marker) are bookkeeping, never facts.
-    where = (Fact.source_id == source_id, Fact.source_markdown_slug == slug, Fact.is_audit.is_(False))
+    where = (
+        Fact.source_id == source_id,
+        Fact.source_markdown_slug == slug,
+        Fact.is_audit.is_(False),
+        *_lifecycle(lifecycle),
+    )
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
     rows = session.scalars(select(Fact).where(*where).order_by(Fact.row_num).offset(offset).limit(limit))
     facts = [FactRecord.model_validate(f) for f in rows]
@@ -86,9 +110,15 @@ def read_entity_facts(
     source_ids: Sequence[str] | None = None,
     limit: int = 100,
     offset: int = 0,
+    lifecycle: Lifecycle = CURRENT_ONLY,
 ) -> EntityFactsPage:
-    """The facts about ``entity`` (its slug), newest first, from ``source_ids`` only when given."""
-    where: list[ColumnElement[bool]] = [Fact.entity_slug == entity, Fact.is_audit.is_(False)]
+    """The facts about ``entity`` (its slug), newest first, from ``source_ids`` only when given
+    (current ones unless ``lifecycle`` says otherwise)."""
+    where: list[ColumnElement[bool]] = [
+        Fact.entity_slug == entity,
+        Fact.is_audit.is_(False),
+        *_lifecycle(lifecycle),
+    ]
     if source_ids is not None:
         where.append(Fact.source_id.in_(list(source_ids)))
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
+from worker.consolidation import consolidate_page_entities
 from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.service import extract_conversation_facts
 from worker.extraction.store import ExtractionStore
@@ -45,6 +46,11 @@ def extract_page(ctx: JobContext) -> WorkResult:
         # Make the new facts findable by vector search too; never fails the job (`factmill embed`
         # fills in whatever this misses).
         embed_new_facts(rt.factory, rt.llm, source_id, slug, settings.search_embed_batch_size)
+    if counters.pages_considered and settings.consolidate_after_extraction:
+        # Lifecycle: one consolidation job per entity of the page's unconsolidated facts (after the
+        # embeddings, which its candidates use). On every successful run, not only when facts went in:
+        # a run that dies after its commits leaves them pending, and its retry requests them.
+        consolidate_page_entities(rt.factory, source_id, slug)
     note = None
     if counters.pages_considered == 0:
         note = "nothing to extract: the page is gone or is not a conversation type"

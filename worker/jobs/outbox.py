@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 EXTRACTION = "extraction"
 COMPACTION = "compaction"
 CALIBRATION = "calibration"
+CONSOLIDATION = "consolidation"
 
 PENDING = ("queued", "running", "paused")
 # The extraction job option that re-extracts a page's skipped (poison) segments (`jobs retry --skipped`).

@@ -18,6 +18,7 @@ KIND_MODULES: dict[str, str] = {
     "extraction": "worker.extraction.job",
     "compaction": "worker.compaction.job",
     "calibration": "worker.calibration.job",
+    "consolidation": "worker.consolidation.job",
 }
 
 # retry: the job's own failure (spends an attempt); requeue: infrastructure cut the run short (spends a

@@ -29,6 +29,7 @@ from worker.compaction import (
     context_view,
     parse_messages,
 )
+from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import storable_text
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
@@ -137,9 +138,19 @@ class FactmillTools:
         expand: Annotated[
             StrictBool, Field(description="Let an LLM add related searches to a plain query.")
         ] = True,
+        as_of: Annotated[
+            datetime | None,
+            Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
+        ] = None,
+        include_history: Annotated[
+            StrictBool,
+            Field(description="Also superseded and duplicate facts; by default only current ones."),
+        ] = False,
     ) -> dict[str, Any]:
         """Search the stored facts and get the best matches, each with its text, kind, entity, page,
-        confidence and a snippet. Start here to answer a question about people, plans or events."""
+        confidence, status (current, superseded, duplicate), validity interval and a snippet. Only
+        current facts unless as_of or include_history. Start here to answer a question about
+        people, plans or events."""
         principal = self.principal()
         verdict = self.limiter.hit(principal.rate_key)
         if not verdict.allowed:
@@ -159,6 +170,8 @@ class FactmillTools:
                 since=since,
                 limit=limit,
                 expand=expand,
+                include_history=include_history,
+                as_of=as_of,
             )
         return outcome.as_dict()
 
@@ -168,15 +181,27 @@ class FactmillTools:
         source_id: Annotated[Text | None, Field(description="Only facts from this source.")] = None,
         limit: Annotated[int, Field(ge=1, le=1000, description="At most this many facts.")] = 100,
         offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
+        include_history: Annotated[
+            StrictBool,
+            Field(description="Also superseded and duplicate facts (the timeline); default current."),
+        ] = False,
     ) -> EntityFactsPage:
-        """Every stored fact about one entity (a person, team or thing, by its slug), newest first,
-        with the page each came from. Use it to see all that is known about someone."""
+        """The current facts about one entity (a person, team or thing, by its slug), newest first,
+        with the page each came from; with include_history, its whole timeline (each fact's status,
+        interval and links). Use it to see all that is known about someone."""
         with _refusals():
             sources = readable_sources(self.principal(), source_id)
         if source_id is not None:
             sources = (source_id,)
         with self.runtime.factory() as session:
-            return read_entity_facts(session, entity, source_ids=sources, limit=limit, offset=offset)
+            return read_entity_facts(
+                session,
+                entity,
+                source_ids=sources,
+                limit=limit,
+                offset=offset,
+                lifecycle=Lifecycle(include_history=include_history),
+            )
 
     def list_page_facts(
         self,

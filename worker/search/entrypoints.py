@@ -74,10 +74,13 @@ def search_as(
     since: datetime | None = None,
     limit: int | None = None,
     expand: bool = True,
+    include_history: bool = False,
+    as_of: datetime | None = None,
 ) -> SearchOutcome:
     """A reader's search as the API and the MCP server run it: only the sources ``principal`` may
     read (AccessRefusedError when ``source_id`` is another), the runtime's search LLM (the readers'
-    budget; opened only when a line needs it), the configured default limit and expansion switch."""
+    budget; opened only when a line needs it), the configured default limit and expansion switch.
+    Current facts only, unless ``include_history`` (the whole chain) or ``as_of`` (true then)."""
     settings = runtime.settings
     filters = SearchFilters(
         source_id=source_id,
@@ -85,6 +88,8 @@ def search_as(
         kind=kind,
         since=since,
         source_ids=readable_sources(principal, source_id),
+        include_history=include_history,
+        as_of=as_of,
     )
     return search(
         runtime.factory,

@@ -16,6 +16,7 @@ from sqlalchemy import Row, RowMapping, bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Ledger, LLMCallRecord
+from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import EMBEDDING_DIMENSIONS, vector_literal, version_tuple
 from worker.core.fusion import Hit
 from worker.core.lexing import (
@@ -64,7 +65,8 @@ _PARSE_ITEMS = text(
 # Columns named as SearchResult's fields.
 _RESULT_FACTS = text(
     "SELECT id AS fact_id, fact, kind, entity_slug AS entity, source_id, source_markdown_slug AS page_slug, "
-    "context AS segment, row_num, confidence, notability, valid_from "
+    "context AS segment, row_num, confidence, notability, valid_from, "
+    "status, valid_to, superseded_by, duplicate_of "
     "FROM facts WHERE id IN :ids AND NOT is_audit"
 ).bindparams(bindparam("ids", expanding=True))
 _RESULT_NEIGHBOURS = text(
@@ -191,7 +193,9 @@ _FILTER_CLAUSES = (
 def _filter_sql(filters: SearchFilters, alias: str = "f") -> tuple[str, dict[str, Any]]:
     # Audit rows (the terminal EXTRACTION_COMPLETE markers) are bookkeeping: never a search result.
     clauses = [f"NOT {alias}.is_audit"]
-    params: dict[str, Any] = {}
+    lifecycle, params = Lifecycle(filters.include_history, filters.as_of).clause(alias)
+    if lifecycle is not None:
+        clauses.append(lifecycle)
     for name, clause in _FILTER_CLAUSES:
         value = getattr(filters, name)
         if value is not None:

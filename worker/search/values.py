@@ -58,6 +58,9 @@ class SearchFilters:
     since: datetime | None = None
     # The sources a caller may see (a source-limited API key); None: every source.
     source_ids: tuple[str, ...] | None = None
+    # Lifecycle: current facts only (the default), every fact of the chain, or those true at as_of.
+    include_history: bool = False
+    as_of: datetime | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in FACT_KINDS:
@@ -96,6 +99,11 @@ class SearchResult:
     confidence: float
     notability: str
     valid_from: IsoDatetime
+    # Lifecycle: current | superseded | duplicate, when it stopped being true, and its links.
+    status: str
+    valid_to: IsoDatetime
+    superseded_by: int | None
+    duplicate_of: int | None
     snippet: str
     snippet_line: int
     matched_by: tuple[str, ...]
@@ -107,6 +115,7 @@ class SearchResult:
             lex_score=_rounded(self.lex_score),
             vec_score=_rounded(self.vec_score),
             valid_from=_isoformat(self.valid_from),
+            valid_to=_isoformat(self.valid_to),
             matched_by=list(self.matched_by),
         )
         return out

@@ -220,7 +220,7 @@ class _Content:
 
 def _tool_use(reply: SimReply, tool: Mapping[str, Any], fault: Fault | None, max_tokens: int) -> _Content:
     tool_input: dict[str, Any]
-    if reply.kind == "facts" and reply.payload is not None:
+    if reply.kind in ("facts", "json") and reply.payload is not None:
         tool_input = dict(reply.payload)
     else:
         filled = fill_json_schema(tool.get("input_schema"), reply.text)

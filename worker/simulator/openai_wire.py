@@ -188,7 +188,7 @@ def _reply_text(reply: SimReply, response_format: Any) -> str:
         "json_object",
         "json_schema",
     )
-    if not wants_json or reply.kind == "facts":
+    if not wants_json or reply.kind in ("facts", "json"):
         return reply.text
     return json.dumps(fill_json_schema(_json_schema_of(response_format), reply.text), ensure_ascii=False)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from worker.core.intent import extract_intent_terms
+from worker.simulator.consolidation import consolidation_reply, is_consolidation_prompt
 from worker.simulator.extractor import extract_facts, facts_document
 from worker.simulator.heuristics import sentences
 from worker.simulator.prompt import (
@@ -170,9 +171,10 @@ def text_reply(messages: Sequence[PromptMessage], max_tokens: int | None = None)
 
 @dataclass(frozen=True)
 class SimReply:
-    """What the simulated model says: a facts object (kind "facts") or plain text (kind "text")."""
+    """What the simulated model says: a facts object (kind "facts"), another JSON document it answers
+    in full (kind "json": consolidation decisions) or plain text (kind "text")."""
 
-    kind: Literal["facts", "text"]
+    kind: Literal["facts", "json", "text"]
     text: str
     payload: dict[str, Any] | None = None
     segment: SegmentMatch | None = None
@@ -184,7 +186,12 @@ def reply_to(
     max_tokens: int | None = None,
     default_max_facts: int = DEFAULT_MAX_FACTS,
 ) -> SimReply:
-    """The simulated model's answer to a prompt: facts for an extraction prompt, otherwise text."""
+    """The simulated model's answer to a prompt: facts for an extraction prompt, decisions for a
+    consolidation prompt, otherwise text."""
+    last = next((m.text for m in reversed(messages) if m.role == "user"), "")
+    if is_consolidation_prompt(last):
+        decisions = consolidation_reply(last)
+        return SimReply("json", json.dumps(decisions, ensure_ascii=False), decisions)
     segment = find_segment(messages)
     if segment is not None:
         cap = requested_max_facts(segment.instructions, default_max_facts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -10,6 +11,8 @@ from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import OffsetQuery, StorableStr
+from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
+from worker.consolidation.history import Lifecycle
 from worker.extraction.facts import PageFactsPage, read_page_facts
 
 facts_router = APIRouter(tags=["facts"])
@@ -19,7 +22,7 @@ facts_router = APIRouter(tags=["facts"])
     "/v1/pages/{source_id}/{slug:path}/facts",
     response_model=PageFactsPage,
     responses=error_responses(401, 403, 404),
-    summary="The facts extracted from one page, in row order",
+    summary="The facts extracted from one page, in row order (current ones by default)",
 )
 def page_facts(
     ctx: Context,
@@ -28,11 +31,15 @@ def page_facts(
     slug: StorableStr,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     offset: OffsetQuery = 0,
+    include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
+    as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
 ) -> PageFactsPage:
     if not principal.sees(source_id):
         raise ApiError(403, f"this key may not read source {source_id!r}")
     with ctx.factory() as session:
-        found = read_page_facts(session, source_id, slug, limit=limit, offset=offset)
+        found = read_page_facts(
+            session, source_id, slug, limit=limit, offset=offset, lifecycle=Lifecycle(include_history, as_of)
+        )
     if found is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
     return found

@@ -46,6 +46,13 @@ QUERY_DESCRIPTION = (
 )
 
 
+INCLUDE_HISTORY_DESCRIPTION = (
+    "Also return superseded and duplicate facts (each with its status, interval and links); by "
+    "default only current facts are returned."
+)
+AS_OF_DESCRIPTION = "Only facts that were true at this ISO 8601 time (what was true then)."
+
+
 class SearchBody(BaseModel):
     """A search: a plain query or a query document of lex:/vec:/hyde:/intent: lines."""
 
@@ -64,6 +71,8 @@ class SearchBody(BaseModel):
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
     expand: bool = Field(default=True, description="Let the LLM expand a plain query.")
+    include_history: bool = Field(default=False, description=INCLUDE_HISTORY_DESCRIPTION)
+    as_of: datetime | None = Field(default=None, description=AS_OF_DESCRIPTION)
 
 
 @dataclass
@@ -86,6 +95,8 @@ class SearchParams:
     since: datetime | None = None
     limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None
     expand: bool = True
+    include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False
+    as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None
 
 
 class SearchLineOut(BaseModel):
@@ -145,6 +156,8 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
             since=body.since,
             limit=body.limit,
             expand=body.expand,
+            include_history=body.include_history,
+            as_of=body.as_of,
         )
     except AccessRefusedError as exc:
         raise ApiError(403, str(exc)) from None

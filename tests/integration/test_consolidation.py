@@ -1,0 +1,229 @@
+"""The fact lifecycle against real Postgres and the simulator over HTTP: duplicates merged by rule,
+updates closed by the model's batched answer, every decision audited once, re-runs inert, a
+re-extracted page re-consolidated, and the job kind under the kill switch."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
+from tests.integration.test_extraction import fmt, put_page
+from worker.accounting import Ledger
+from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
+from worker.consolidation import request_consolidation
+from worker.consolidation.service import EntityRun, consolidate_entity
+from worker.consolidation.store import ConsolidationStore
+from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.llm.openai_compat import OpenAIChatClient
+
+pytestmark = pytest.mark.integration
+
+ALICE = "people/alice-example"
+JAN_PAGE = "conversations/alice-january"
+MAR_PAGE = "conversations/alice-march"
+JAN_BODY = "\n".join(
+    [
+        fmt("Alice Example", "2026-01-10", "9:00 AM", "I live in Lisbon now."),
+        fmt("Bob Demo", "2026-01-10", "9:01 AM", "Nice, how is it?"),
+        fmt("Alice Example", "2026-01-10", "9:02 AM", "I am on the Basic plan."),
+        fmt("Bob Demo", "2026-01-10", "9:03 AM", "Ok."),
+        # A new segment the next day repeats a fact word for word (a duplicate within the page).
+        fmt("Alice Example", "2026-01-11", "9:00 AM", "I live in Lisbon now."),
+        fmt("Bob Demo", "2026-01-11", "9:01 AM", "You said."),
+    ]
+)
+MAR_BODY = "\n".join(
+    [
+        fmt("Alice Example", "2026-03-05", "9:00 AM", "I live in Porto now."),
+        fmt("Bob Demo", "2026-03-05", "9:01 AM", "Big change!"),
+        fmt("Alice Example", "2026-03-05", "9:02 AM", "I am on the Basic plan."),
+        fmt("Bob Demo", "2026-03-05", "9:03 AM", "Still?"),
+    ]
+)
+MAR_START = datetime(2026, 3, 5, 9, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def llm(simulator: Any) -> OpenAIChatClient:
+    return OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+
+
+def extract(factory: sessionmaker[Session], llm: Any, slug: str, **options: Any) -> None:
+    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=slug, **options))
+
+
+def consolidate(factory: sessionmaker[Session], llm: Any, key: str = ALICE, job_id: int | None = None):  # type: ignore[no-untyped-def]
+    store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
+    return consolidate_entity(store, llm, EntityRun("default", key, job_id=job_id))
+
+
+def alice(factory: sessionmaker[Session]) -> dict[str, list[Fact]]:
+    """Alice's facts by their text."""
+    with factory() as session:
+        rows = session.scalars(
+            select(Fact).where(Fact.entity_slug == ALICE, ~Fact.is_audit).order_by(Fact.id)
+        ).all()
+    out: dict[str, list[Fact]] = {}
+    for row in rows:
+        out.setdefault(row.fact, []).append(row)
+    return out
+
+
+def calls(factory: sessionmaker[Session]) -> int:
+    with factory() as session:
+        return int(session.scalar(select(func.count()).where(LLMCall.purpose == "consolidation")) or 0)
+
+
+def decisions(factory: sessionmaker[Session]) -> list[tuple[str, str]]:
+    with factory() as session:
+        rows = session.execute(
+            select(ConsolidationDecision.decision, ConsolidationDecision.decided_by).order_by(
+                ConsolidationDecision.id
+            )
+        ).all()
+    return [(d, by) for d, by in rows]
+
+
+def test_duplicates_merge_by_rule_and_an_update_closes_the_old_fact(tx_factory, llm) -> None:
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    first = consolidate(tx_factory, llm)
+    assert first.llm_calls == 0, "a repeated fact is a duplicate by rule, without the model"
+    facts = alice(tx_factory)
+    lisbon = facts["Alice Example lives in Lisbon now."]
+    assert [f.status for f in lisbon] == ["current", "duplicate"]
+    assert lisbon[1].duplicate_of == lisbon[0].id
+    assert all(f.consolidated_at is not None for fs in facts.values() for f in fs)
+
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, MAR_PAGE)
+    second = consolidate(tx_factory, llm)
+    assert second.llm_calls == 1, "the ambiguous pairs of an entity go to the model in one call"
+    assert calls(tx_factory) == 1
+    facts = alice(tx_factory)
+    old, new = facts["Alice Example lives in Lisbon now."][0], facts["Alice Example lives in Porto now."][0]
+    assert (old.status, old.superseded_by, old.valid_to) == ("superseded", new.id, MAR_START)
+    assert (new.status, new.valid_to) == ("current", None)
+    basic = facts["Alice Example is on the Basic plan."]
+    assert [f.status for f in basic] == ["current", "duplicate"], "said again across pages: a duplicate"
+    with tx_factory() as session:
+        update = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == new.id)
+        ).one()
+        checkpoint = session.get(ConsolidationCheckpoint, ("default", ALICE))
+    assert (update.decision, update.decided_by, update.other_fact_id) == ("updates", "model", old.id)
+    assert update.reason.startswith("simulator (not a model)") and update.llm_call_id is not None
+    assert checkpoint is not None and checkpoint.facts_done == 5 and checkpoint.last_fact_id == basic[1].id
+    assert decisions(tx_factory).count(("duplicate", "rule")) == 2
+
+
+def test_rerunning_changes_nothing(tx_factory, llm) -> None:
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    consolidate(tx_factory, llm)
+    before = (
+        decisions(tx_factory),
+        calls(tx_factory),
+        {t: [(f.status, f.valid_to) for f in fs] for t, fs in alice(tx_factory).items()},
+    )
+    again = consolidate(tx_factory, llm)
+    assert again.facts_considered == 0 and again.llm_calls == 0
+    after = (
+        decisions(tx_factory),
+        calls(tx_factory),
+        {t: [(f.status, f.valid_to) for f in fs] for t, fs in alice(tx_factory).items()},
+    )
+    assert after == before
+
+
+def test_re_extracting_a_page_re_consolidates_its_entities(tx_factory, llm) -> None:
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    consolidate(tx_factory, llm)
+    extract(tx_factory, llm, MAR_PAGE, force=True)  # the March facts are deleted and extracted again
+    old = alice(tx_factory)["Alice Example lives in Lisbon now."][0]
+    assert old.status == "superseded" and old.superseded_by is None, "its link went with the old fact"
+    with tx_factory.begin() as session:
+        keys = request_consolidation(session, "default", MAR_PAGE)
+    assert ALICE in {subject for subject in _subjects(tx_factory, keys)}
+    redo = consolidate(tx_factory, llm)
+    assert redo.restored == 1
+    facts = alice(tx_factory)
+    old, new = facts["Alice Example lives in Lisbon now."][0], facts["Alice Example lives in Porto now."][0]
+    assert (old.status, old.superseded_by, old.valid_to) == ("superseded", new.id, MAR_START)
+    assert [f.status for f in facts["Alice Example is on the Basic plan."]] == ["current", "duplicate"]
+    with tx_factory() as session:
+        restored = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.decision == "restore")
+        ).one()
+    assert restored.fact_id == old.id and restored.decided_by == "rule"
+
+
+def _subjects(factory: sessionmaker[Session], jobs: list[tuple[int, str]]) -> list[str]:
+    with factory() as session:
+        return [session.get(Job, job_id).subject.partition("|")[2] for job_id, _ in jobs]  # type: ignore[union-attr]
+
+
+def test_request_consolidation_asks_one_job_per_entity_and_groups_facts_without_one_by_page(
+    tx_factory, llm
+) -> None:
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    with tx_factory.begin() as session:
+        session.execute(
+            Fact.__table__.update()
+            .where(Fact.fact == "Alice Example is on the Basic plan.")
+            .values(entity_slug=None)
+        )
+    with tx_factory.begin() as session:
+        first = request_consolidation(session, "default", JAN_PAGE)
+        again = request_consolidation(session, "default", JAN_PAGE)
+    assert sorted(_subjects(tx_factory, first)) == sorted([ALICE, f"page:{JAN_PAGE}"])
+    assert again == first, "one pending job per entity: asking again reuses it"
+    consolidate(tx_factory, llm)
+    consolidate(tx_factory, llm, key=f"page:{JAN_PAGE}")
+    with tx_factory.begin() as session:
+        assert request_consolidation(session, "default", JAN_PAGE) == [], "nothing left to consolidate"
+
+
+def test_the_job_kind_runs_under_its_kill_switch(factory, database_url, simulator) -> None:
+    from worker.jobs.lifecycle import run_job
+    from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, JAN_PAGE)
+    extract(factory, llm, MAR_PAGE)
+    with factory.begin() as session:
+        set_config(session, CONSOLIDATION_ENABLED, "false")
+        job_id = request_job(session, CONSOLIDATION, page_subject("default", ALICE)).job_id
+    try:
+        assert run_job(rt, job_id, CONSOLIDATION).status == "paused"
+        assert decisions(factory) == []
+        with factory.begin() as session:
+            set_config(session, CONSOLIDATION_ENABLED, "true")
+            session.execute(Job.__table__.update().where(Job.id == job_id).values(status="queued"))
+        assert run_job(rt, job_id, CONSOLIDATION).status == "succeeded"
+        with factory() as session:
+            job = session.get(Job, job_id)
+            audit_jobs = set(session.scalars(select(ConsolidationDecision.job_id)))
+            call_jobs = set(session.scalars(select(LLMCall.job_id).where(LLMCall.purpose == "consolidation")))
+        assert job is not None and job.counters["llm_calls"] == 1
+        assert job.counters["decisions"] == {"new": 2, "duplicate": 2, "supersede": 1}
+        assert audit_jobs == {job_id} and call_jobs == {job_id}
+    finally:
+        rt.close()

@@ -1,0 +1,128 @@
+"""Reading the lifecycle back: current facts by default, the chain with include_history, what was true
+as_of a time (search, the facts route over HTTP, the timeline), the operators' undo, the metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ConsolidationDecision, Fact
+from tests.auth import send_key
+from tests.integration.test_api import Recorder, make_runtime
+from tests.integration.test_consolidation import (
+    ALICE,
+    JAN_BODY,
+    JAN_PAGE,
+    MAR_BODY,
+    MAR_PAGE,
+    consolidate,
+    extract,
+)
+from tests.integration.test_extraction import put_page
+from worker.api.app import create_app
+from worker.api.metrics import ConsolidationCollector
+from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.search import SearchFilters, search
+
+pytestmark = pytest.mark.integration
+
+LISBON = "Alice Example lives in Lisbon now."
+PORTO = "Alice Example lives in Porto now."
+FEB = datetime(2026, 2, 1, tzinfo=UTC)
+APR = datetime(2026, 4, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def consolidated(tx_factory: sessionmaker[Session], simulator: Any) -> sessionmaker[Session]:
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    consolidate(tx_factory, llm)
+    return tx_factory
+
+
+def found(factory: sessionmaker[Session], **lifecycle: Any) -> list[tuple[str, str]]:
+    outcome = search(factory, None, "lex: lives", filters=SearchFilters(entity=ALICE, **lifecycle), limit=20)
+    return sorted((r.fact, r.status) for r in outcome.results)
+
+
+def test_search_returns_current_facts_the_chain_or_what_was_true_then(consolidated) -> None:
+    assert found(consolidated) == [(PORTO, "current")]
+    assert found(consolidated, include_history=True) == sorted(
+        [(LISBON, "superseded"), (LISBON, "duplicate"), (PORTO, "current")]
+    )
+    assert found(consolidated, as_of=FEB) == [(LISBON, "superseded")], "in February she lived in Lisbon"
+    assert found(consolidated, as_of=APR) == [(PORTO, "current")]
+    outcome = search(consolidated, None, "lex: lisbon", filters=SearchFilters(include_history=True), limit=5)
+    first = min(outcome.results, key=lambda r: r.fact_id)
+    porto = next(f for f in entity_timeline(consolidated(), ALICE) if f.fact == PORTO)
+    assert (first.superseded_by, first.valid_to) == (porto.id, porto.valid_from)
+    assert outcome.as_dict()["results"][0]["valid_to"] is not None
+
+
+@pytest.fixture
+def client(database_url: str, broker_url: str, consolidated: sessionmaker[Session]) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, consolidated, broker_url=broker_url)
+    with TestClient(create_app(runtime, sender=Recorder(consolidated))) as test_client:
+        send_key(test_client, consolidated)
+        yield test_client
+
+
+def test_the_facts_route_answers_current_history_and_as_of(client: TestClient) -> None:
+    url = f"/v1/pages/default/{JAN_PAGE}/facts"
+    current = client.get(url).json()["facts"]
+    assert LISBON not in {f["fact"] for f in current}
+    history = client.get(url, params={"include_history": "true"}).json()["facts"]
+    lisbon = [f for f in history if f["fact"] == LISBON]
+    assert [f["status"] for f in lisbon] == ["superseded", "duplicate"]
+    assert lisbon[0]["valid_to"].startswith("2026-03-05T09:00") and lisbon[0]["superseded_by"] is not None
+    assert lisbon[1]["duplicate_of"] == lisbon[0]["id"]
+    then = client.get(url, params={"as_of": "2026-02-01T00:00:00Z"}).json()["facts"]
+    assert LISBON in {f["fact"] for f in then}
+    assert client.get(url, params={"as_of": "not a time"}).status_code == 422
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert {"status", "valid_to", "superseded_by", "duplicate_of"} <= set(schema["FactRecord"]["properties"])
+
+
+def test_operators_undo_decisions_with_an_audit_row_and_metrics_count_them(consolidated) -> None:
+    timeline = entity_timeline(consolidated(), ALICE)
+    old, dup = [e for e in timeline if e.fact == LISBON]
+    with consolidated.begin() as session:
+        assert restore(session, old.id, "alice-admin") > 0
+        assert unmerge(session, dup.id, "alice-admin") == old.id
+    with consolidated() as session:
+        rows = {
+            f.id: (f.status, f.valid_to, f.superseded_by, f.duplicate_of)
+            for f in session.scalars(select(Fact))
+        }
+        undo = session.execute(
+            select(
+                ConsolidationDecision.decision, ConsolidationDecision.decided_by, ConsolidationDecision.reason
+            )
+            .where(ConsolidationDecision.decided_by == "operator")
+            .order_by(ConsolidationDecision.id)
+        ).all()
+    assert rows[old.id] == ("current", None, None, None) and rows[dup.id] == ("current", None, None, None)
+    assert [(d, by) for d, by, _ in undo] == [("restore", "operator"), ("unmerge", "operator")]
+    assert all("alice-admin" in reason for _, _, reason in undo)
+    with consolidated.begin() as session, pytest.raises(UndoError, match="not a duplicate"):
+        unmerge(session, old.id, "x")
+    with consolidated.begin() as session, pytest.raises(UndoError, match="no fact"):
+        restore(session, 10**12, "x")
+    families = {m.name: m for m in ConsolidationCollector(consolidated).collect()}
+    samples = {
+        tuple(s.labels.values()): s.value for s in families["factmill_consolidation_decisions"].samples
+    }
+    assert samples[("duplicate", "rule")] == 2 and samples[("updates", "model")] == 1
+    assert samples[("restore", "operator")] == 1 and samples[("unmerge", "operator")] == 1
+    statuses = {s.labels["status"]: s.value for s in families["factmill_facts_by_status"].samples}
+    assert statuses["superseded"] == 0 and statuses["duplicate"] == 1 and statuses["current"] >= 4

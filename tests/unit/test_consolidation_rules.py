@@ -1,0 +1,143 @@
+"""The pure lifecycle rules: normalization, triage of a pair, candidates, interval closing, the answer."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from worker.core.consolidation import (
+    AskedPair,
+    FactView,
+    MalformedDecisionsError,
+    candidates,
+    close_interval,
+    cosine,
+    normalize_fact_text,
+    parse_decisions,
+    render_pairs,
+    supersession,
+    triage_pair,
+    true_at,
+    word_overlap,
+)
+
+JAN = datetime(2026, 1, 10, tzinfo=UTC)
+MAR = datetime(2026, 3, 5, tzinfo=UTC)
+
+
+def fact(i: int, text: str, kind: str = "fact", when: datetime | None = JAN, vec: list[float] | None = None):
+    return FactView(i, text, kind, when, vec)
+
+
+def test_normalization_ignores_case_punctuation_spacing_and_curly_quotes() -> None:
+    assert normalize_fact_text("Alice works at  Acme.") == normalize_fact_text("alice WORKS at acme")
+    assert normalize_fact_text("Bob\u2019s plan") == normalize_fact_text("bob's plan!")
+    assert normalize_fact_text("Alice works at Acme") != normalize_fact_text("Alice works at Globex")
+
+
+def test_word_overlap_and_cosine() -> None:
+    assert word_overlap("Alice works at Acme", "Alice works at Globex") == pytest.approx(2 / 4)
+    assert word_overlap("", "Alice") == 0.0
+    assert cosine([1.0, 0.0], [1.0, 0.0]) == pytest.approx(1.0)
+    assert cosine([1.0, 0.0], [0.0, 1.0]) == pytest.approx(0.0)
+    assert cosine(None, [1.0]) is None
+    assert cosine([1.0], [1.0, 2.0]) is None
+    assert cosine([0.0, 0.0], [1.0, 0.0]) is None
+
+
+def test_triage_exact_near_ambiguous_unrelated_and_kind() -> None:
+    new = fact(2, "Alice works at Acme.")
+    assert triage_pair(new, fact(1, "alice works at acme")).triage == "exact"
+    assert triage_pair(new, fact(1, "alice works at acme", kind="event")).triage == "unrelated"
+    near = triage_pair(
+        fact(2, "Alice is at Acme", vec=[1.0, 0.01]), fact(1, "Alice at Acme Inc", vec=[1.0, 0.0])
+    )
+    assert near.triage == "near"
+    assert triage_pair(new, fact(1, "Alice works at Globex")).triage == "ambiguous"
+    assert triage_pair(new, fact(1, "Bob likes tea")).triage == "unrelated"
+
+
+def test_candidates_prefer_the_earliest_certain_duplicate_else_the_most_similar() -> None:
+    new = fact(9, "Alice works at Acme", when=MAR)
+    pool = [fact(5, "Alice works at Acme", when=MAR), fact(3, "alice works at acme.", when=JAN)]
+    assert [c.old.id for c in candidates(new, pool)] == [3]
+    pool = [fact(1, "Alice works at Globex"), fact(2, "Alice works at Globex now in Paris"), fact(4, "Bob")]
+    assert [c.old.id for c in candidates(new, pool)] == [1, 2]
+    assert candidates(new, [new]) == []
+
+
+def test_supersession_closes_the_earlier_fact_whichever_arrived_first() -> None:
+    jan, mar = fact(1, "Alice works at Acme", when=JAN), fact(2, "Alice joined Globex", when=MAR)
+    for a, b in ((jan, mar), (mar, jan)):
+        closed = supersession(a, b)
+        assert (closed.older.id, closed.newer.id, closed.valid_to) == (1, 2, MAR)
+    undated = supersession(fact(1, "x", when=None), fact(2, "y", when=JAN))
+    assert (undated.older.id, undated.valid_to) == (1, JAN)
+
+
+def test_close_interval_never_ends_before_it_began() -> None:
+    assert close_interval(JAN, MAR) == MAR
+    assert close_interval(MAR, JAN) == MAR
+    assert close_interval(JAN, None) is None
+
+
+def test_true_at() -> None:
+    assert true_at(JAN, None, "current", MAR)
+    assert not true_at(JAN, MAR, "superseded", MAR)
+    assert true_at(JAN, MAR, "superseded", datetime(2026, 2, 1, tzinfo=UTC))
+    assert not true_at(MAR, None, "current", JAN)
+    assert not true_at(JAN, None, "duplicate", MAR)
+    assert true_at(None, None, "current", JAN)
+
+
+def test_render_pairs_numbers_each_pair_and_escapes_the_tag() -> None:
+    text = render_pairs("alice", [AskedPair(1, fact(2, "x </fact-pairs> y", when=MAR), fact(1, "z"))])
+    assert "1. NEW (fact, 2026-03-05): x &lt;/fact-pairs> y" in text
+    assert "OLD (fact, 2026-01-10): z" in text
+    assert text.count("</fact-pairs>") == 1
+
+
+def test_parse_decisions_is_strict() -> None:
+    ok = parse_decisions('{"decisions": [{"pair": 1, "decision": "updates", "reason": "new job"}]}', [1, 2])
+    assert ok[1].verdict == "updates" and ok[1].reason == "new job" and 2 not in ok
+    for bad in (
+        "not json",
+        "[]",
+        '{"decisions": [{"pair": 7, "decision": "updates", "reason": ""}]}',
+        '{"decisions": [{"pair": 1, "decision": "merge", "reason": ""}]}',
+        '{"decisions": ["x"]}',
+    ):
+        with pytest.raises(MalformedDecisionsError):
+            parse_decisions(bad, [1])
+
+
+def test_entity_words_are_ignored_when_comparing_an_entitys_facts() -> None:
+    from worker.core.consolidation import entity_words
+
+    words = entity_words("people/zoe-angstrom")
+    assert {"zoe", "angstrom"} <= words
+    said = ("Zoë Ångström said: we bring the cat.", "Zoë Ångström said: the venue is booked.")
+    assert word_overlap(*said) >= 0.25  # a candidate pair, on the name alone
+    assert word_overlap(*said, ignore=words) == 0.0
+
+
+def test_plan_and_resolve_an_entity() -> None:
+    from worker.core.consolidation import PairDecision, plan_consolidation, resolve
+
+    old = fact(1, "Alice lives in Lisbon", when=JAN)
+    again = fact(2, "alice lives in lisbon.", when=JAN)
+    moved = fact(3, "Alice lives in Porto", when=MAR)
+    alone = fact(4, "Bob bakes bread", when=MAR)
+    plans = plan_consolidation([moved, again, alone], [old], "people/alice")
+    by_id = {p.new.id: p for p in plans}
+    assert by_id[2].rule is not None and by_id[2].rule.old.id == 1
+    assert [(a.number, a.old.id) for a in by_id[3].asked] == [(1, 1)]
+    assert by_id[4].asked == () and by_id[4].rule is None
+    dup = resolve(by_id[2], {})
+    assert (dup.kind, dup.duplicate_of, dup.rows[0].reason) == ("duplicate", 1, "rule: exact duplicate")
+    update = resolve(by_id[3], {1: PairDecision(1, "updates", "moved")})
+    assert update.kind == "supersede"
+    assert [(c.older.id, c.newer.id, c.valid_to) for c in update.closings] == [(1, 3, MAR)]
+    assert resolve(by_id[3], {}).kind == "unrelated", "a pair the model skipped stays unrelated"
+    assert resolve(by_id[4], {}).kind == "new"

@@ -1,0 +1,114 @@
+"""`factmill facts history|unmerge|restore|consolidate`: the fact lifecycle from the command line."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from worker.cli.console import fail, out, print_json
+from worker.cli.sessions import checked_factory
+from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
+from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
+from worker.consolidation.store import ConsolidationStore, unconsolidated_entity_keys
+from worker.runtime import build_runtime
+from worker.settings import get_settings
+
+STATUS_STYLE = {"current": "green", "superseded": "yellow", "duplicate": "dim"}
+
+
+def _day(value: object) -> str:
+    return value.isoformat(timespec="minutes") if hasattr(value, "isoformat") else "…"  # type: ignore[union-attr]
+
+
+def history(
+    entity: Annotated[str, typer.Argument(help="The entity slug, e.g. people/alice-example.")],
+    source_id: Annotated[str | None, typer.Option(help="Only facts from this source.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """An entity's timeline: every fact in the order it became true, with its status, interval,
+    links and the reason of its last decision."""
+    with checked_factory()() as session:
+        entries = entity_timeline(session, entity, [source_id] if source_id else None)
+    if as_json:
+        print_json(
+            [vars(e) | {"valid_from": _day(e.valid_from), "valid_to": _day(e.valid_to)} for e in entries]
+        )
+        return
+    if not entries:
+        out.print(f"no facts about {entity!r}")
+        return
+    table = Table("id", "status", "valid", "fact", "link", "why", title=f"{entity} · timeline")
+    for e in entries:
+        link = (
+            f"→ {e.superseded_by}" if e.superseded_by else (f"= {e.duplicate_of}" if e.duplicate_of else "")
+        )
+        style = STATUS_STYLE.get(e.status, "")
+        table.add_row(
+            str(e.id),
+            f"[{style}]{e.status}[/]",
+            f"{_day(e.valid_from)} → {_day(e.valid_to) if e.valid_to else 'now'}",
+            e.fact,
+            link,
+            e.reason or "",
+        )
+    out.print(table)
+
+
+def _undo(action: str, fact_id: int, by: str) -> None:
+    step = unmerge if action == "unmerge" else restore
+    try:
+        with checked_factory().begin() as session:
+            other = step(session, fact_id, by)
+    except UndoError as exc:
+        raise fail(str(exc), code=2) from exc
+    verb = "unmerged from" if action == "unmerge" else "restored; it had been superseded by"
+    out.print(f"fact {fact_id} is current again ({verb} fact {other}); recorded as an audit row")
+
+
+def unmerge_command(
+    fact_id: Annotated[int, typer.Argument(help="The duplicate fact's id.")],
+    by: Annotated[str, typer.Option(help="Who undid the merge (recorded).")] = "cli",
+) -> None:
+    """Undo a duplicate decision: the fact is current again, on its own."""
+    _undo("unmerge", fact_id, by)
+
+
+def restore_command(
+    fact_id: Annotated[int, typer.Argument(help="The superseded fact's id.")],
+    by: Annotated[str, typer.Option(help="Who restored it (recorded).")] = "cli",
+) -> None:
+    """Undo a supersession: the fact is current again and its interval open."""
+    _undo("restore", fact_id, by)
+
+
+def consolidate_command(
+    source_id: Annotated[str, typer.Option(help="The source whose facts to consolidate.")] = "default",
+    entity: Annotated[
+        str | None, typer.Option(help="Only this entity (or page:SLUG for a page's facts without one).")
+    ] = None,
+) -> None:
+    """Consolidate the facts not yet consolidated, here and now (the workers do it after extraction)."""
+    settings = get_settings()
+    factory = checked_factory(settings)
+    runtime = build_runtime(settings, factory)
+    total = ConsolidationCounters()
+    try:
+        with factory() as session:
+            keys = [entity] if entity else unconsolidated_entity_keys(session, source_id)
+        store = ConsolidationStore(factory, runtime.ledger)
+        for key in keys:
+            done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key))
+            total.facts_considered += done.facts_considered
+            total.llm_calls += done.llm_calls
+            for kind, n in done.decisions.items():
+                total.decisions[kind] = total.decisions.get(kind, 0) + n
+    finally:
+        runtime.close()
+    decided = ", ".join(f"{n} {kind}" for kind, n in sorted(total.decisions.items())) or "nothing"
+    out.print(
+        f"{len(keys)} entit{'y' if len(keys) == 1 else 'ies'}, {total.facts_considered} fact(s): {decided}; "
+        f"{total.llm_calls} LLM call(s)",
+        highlight=False,
+    )

@@ -1,0 +1,37 @@
+"""Which facts a reader sees: current ones by default, the whole chain with include_history, or what
+was true at a moment (as_of). One clause, used by search, the facts routes, MCP and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+# {a} is the facts table's alias. A duplicate never answers: the fact it repeats does. Mirrors
+# worker.core.consolidation.true_at (tests/unit/test_consolidation_rules.py).
+CURRENT_SQL = "{a}.status = 'current'"
+AS_OF_SQL = (
+    "{a}.status <> 'duplicate' AND COALESCE({a}.valid_from, {a}.created_at) <= :lifecycle_as_of "
+    "AND ({a}.valid_to IS NULL OR {a}.valid_to > :lifecycle_as_of)"
+)
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """How much of the facts' history a read wants."""
+
+    include_history: bool = False
+    as_of: datetime | None = None
+
+    def clause(self, alias: str = "facts") -> tuple[str | None, dict[str, Any]]:
+        """(SQL for the facts' WHERE, its parameters); None: every fact (the history)."""
+        if self.as_of is not None:
+            return AS_OF_SQL.format(a=alias), {"lifecycle_as_of": self.as_of}
+        if self.include_history:
+            return None, {}
+        return CURRENT_SQL.format(a=alias), {}
+
+
+CURRENT_ONLY = Lifecycle()
+
+__all__ = ["AS_OF_SQL", "CURRENT_ONLY", "CURRENT_SQL", "Lifecycle"]

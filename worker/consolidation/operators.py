@@ -1,0 +1,137 @@
+"""The operators' side of the lifecycle: an entity's timeline, and undoing a decision (unmerge a
+duplicate, restore a superseded fact), each undo recorded as an audit row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from models import ConsolidationDecision, Fact
+from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
+
+CLOSING = ("updates", "contradicts")
+
+
+class UndoError(ValueError):
+    """The fact cannot be unmerged or restored; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    id: int
+    fact: str
+    kind: str
+    status: str
+    valid_from: datetime | None
+    valid_to: datetime | None
+    superseded_by: int | None
+    duplicate_of: int | None
+    page_slug: str
+    reason: str | None  # the latest decision's reason about this fact
+
+
+def entity_timeline(
+    session: Session, entity: str, source_ids: list[str] | None = None
+) -> list[TimelineEntry]:
+    """Every fact about ``entity``, in the order they became true, each with its latest decision."""
+    where = [Fact.entity_slug == entity, ~Fact.is_audit]
+    if source_ids is not None:
+        where.append(Fact.source_id.in_(source_ids))
+    facts = session.scalars(
+        select(Fact).where(*where).order_by(Fact.valid_from.asc().nulls_first(), Fact.id)
+    ).all()
+    reasons: dict[int, str] = {}
+    if facts:
+        ids = [f.id for f in facts]
+        rows = session.execute(
+            select(
+                ConsolidationDecision.fact_id,
+                ConsolidationDecision.other_fact_id,
+                ConsolidationDecision.decision,
+                ConsolidationDecision.reason,
+            )
+            .where(
+                ConsolidationDecision.fact_id.in_(ids)
+                | (ConsolidationDecision.other_fact_id.in_(ids) & ConsolidationDecision.decision.in_(CLOSING))
+            )
+            .order_by(ConsolidationDecision.id)
+        )
+        for fact_id, other_id, decision, reason in rows:
+            # What changed the fact: the decision that superseded it (recorded on the newer fact's row),
+            # else its own latest decision other than "unrelated".
+            if decision in CLOSING and other_id is not None:
+                reasons[other_id] = reason
+            if fact_id is not None and (decision != "unrelated" or fact_id not in reasons):
+                reasons[fact_id] = reason
+    return [
+        TimelineEntry(
+            f.id,
+            f.fact,
+            f.kind,
+            f.status,
+            f.valid_from,
+            f.valid_to,
+            f.superseded_by,
+            f.duplicate_of,
+            f.source_markdown_slug,
+            reasons.get(f.id),
+        )
+        for f in facts
+    ]
+
+
+def _locked(session: Session, fact_id: int) -> Fact:
+    fact = session.scalars(
+        select(Fact).where(Fact.id == fact_id, ~Fact.is_audit).with_for_update()
+    ).one_or_none()
+    if fact is None:
+        raise UndoError(
+            f"there is no fact {fact_id}; `factmill facts history ENTITY` lists an entity's facts"
+        )
+    return fact
+
+
+def _record(session: Session, fact: Fact, other: int | None, decision: str, by: str) -> None:
+    session.add(
+        ConsolidationDecision(
+            source_id=fact.source_id,
+            entity_key=entity_key(fact.entity_slug, fact.source_markdown_slug),
+            fact_id=fact.id,
+            other_fact_id=other,
+            decision=decision,
+            decided_by="operator",
+            reason=f"operator: {decision} by {by}",
+        )
+    )
+
+
+def unmerge(session: Session, fact_id: int, by: str) -> int:
+    """In the caller's transaction: a duplicate becomes a current fact of its own again (and stays
+    consolidated, so it is not merged again); returns the fact it had duplicated."""
+    fact = _locked(session, fact_id)
+    if fact.status != DUPLICATE:
+        raise UndoError(f"fact {fact_id} is {fact.status}, not a duplicate: only duplicates are unmerged")
+    other = fact.duplicate_of
+    session.execute(update(Fact).where(Fact.id == fact_id).values(status=CURRENT, duplicate_of=None))
+    _record(session, fact, other, "unmerge", by)
+    return other or 0
+
+
+def restore(session: Session, fact_id: int, by: str) -> int:
+    """In the caller's transaction: a superseded fact is current again (its interval reopened);
+    returns the fact that had superseded it."""
+    fact = _locked(session, fact_id)
+    if fact.status != SUPERSEDED:
+        raise UndoError(
+            f"fact {fact_id} is {fact.status}, not superseded: only superseded facts are restored "
+            "(a duplicate is unmerged)"
+        )
+    other = fact.superseded_by
+    session.execute(
+        update(Fact).where(Fact.id == fact_id).values(status=CURRENT, superseded_by=None, valid_to=None)
+    )
+    _record(session, fact, other, "restore", by)
+    return other or 0

@@ -1,0 +1,193 @@
+"""One entity's consolidation: repair broken links, plan by rule, ask the model once about the
+ambiguous pairs, and commit each new fact's decision (with its audit rows) exactly once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.accounting import LLMCallRecord
+from worker.consolidation.store import ConsolidationStore
+from worker.core.consolidation import (
+    CONSOLIDATION_PURPOSE,
+    CONSOLIDATION_SYSTEM_PROMPT,
+    CURRENT,
+    AskedPair,
+    FactPlan,
+    MalformedDecisionsError,
+    PairDecision,
+    decisions_json_schema,
+    parse_decisions,
+    plan_consolidation,
+    render_pairs,
+    resolve,
+)
+from worker.llm.errors import BudgetExhaustedError
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient
+
+logger = logging.getLogger(__name__)
+
+# Pairs per call: an entity with more ambiguous pairs than this (a large backfill) takes more calls.
+MAX_PAIRS_PER_CALL = 40
+OUTPUT_TOKENS_PER_PAIR = 60
+# Decisions per transaction: each is written exactly once either way (its fact's marker), and a run
+# cut short resumes after the last committed chunk; one commit per decision made the queue lag.
+DECISIONS_PER_COMMIT = 50
+SCHEMA_NAME = "consolidation_decisions"
+
+
+class ConsolidationReplyError(RuntimeError):
+    """The model's answer could not be used (malformed, refused, cut off): the job retries."""
+
+
+@dataclass
+class ConsolidationCounters:
+    facts_considered: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)
+    llm_calls: int = 0
+    pairs_asked: int = 0
+    prompt_tokens: int = 0
+    restored: int = 0
+    already_decided: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "facts_considered": self.facts_considered,
+            "decisions": dict(self.decisions),
+            "llm_calls": self.llm_calls,
+            "pairs_asked": self.pairs_asked,
+            "prompt_tokens": self.prompt_tokens,
+            "restored": self.restored,
+            "already_decided": self.already_decided,
+        }
+
+
+def consolidation_request(entity: str, pairs: Sequence[AskedPair]) -> ChatRequest:
+    """The one batched question about an entity's ambiguous pairs, with the strict answer schema."""
+    return ChatRequest(
+        purpose=CONSOLIDATION_PURPOSE,
+        system=CONSOLIDATION_SYSTEM_PROMPT,
+        messages=(("user", render_pairs(entity, pairs)),),
+        max_tokens=max(256, OUTPUT_TOKENS_PER_PAIR * len(pairs)),
+        json_schema=decisions_json_schema(len(pairs)),
+        schema_name=SCHEMA_NAME,
+        cache_key="factmill-consolidation-v1",
+    )
+
+
+@dataclass(frozen=True)
+class EntityRun:
+    """What one entity's run needs besides the store and the model."""
+
+    source_id: str
+    entity_key: str
+    job_id: int | None = None
+    guard: Callable[[], None] = lambda: None  # between decisions: lease lost? worker stopping? switch off?
+    before_call: Callable[[], None] = lambda: None  # the budget check before the call
+
+
+def consolidate_entity(
+    store: ConsolidationStore, llm: LLMClient | None, run: EntityRun
+) -> ConsolidationCounters:
+    """Consolidate the entity's unconsolidated facts. Re-running finds nothing pending and changes
+    nothing; a decision another run committed first is counted as already decided."""
+    counters = ConsolidationCounters()
+    counters.restored = store.repair_orphans(run.source_id, run.entity_key, run.job_id)
+    facts = store.entity_facts(run.source_id, run.entity_key)
+    pending = [f.view for f in facts if not f.consolidated]
+    pool = [f.view for f in facts if f.consolidated and f.status == CURRENT]
+    counters.facts_considered = len(pending)
+    if not pending:
+        return counters
+    plans = plan_consolidation(pending, pool, run.entity_key)
+    answers, call_ids = _ask_model(store, llm, run, plans, counters)
+    resolved = [
+        (resolve(plan, answers), next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
+        for plan in plans
+    ]
+    for start in range(0, len(resolved), DECISIONS_PER_COMMIT):
+        run.guard()
+        chunk = resolved[start : start + DECISIONS_PER_COMMIT]
+        written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
+        for (decision, _), ok in zip(chunk, written, strict=True):
+            if ok:
+                counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
+            else:
+                counters.already_decided += 1
+    return counters
+
+
+def _ask_model(
+    store: ConsolidationStore,
+    llm: LLMClient | None,
+    run: EntityRun,
+    plans: Sequence[FactPlan],
+    counters: ConsolidationCounters,
+) -> tuple[dict[int, PairDecision], dict[int, int]]:
+    """The model's decisions for every asked pair, and the llm_calls row each came from."""
+    asked = [pair for plan in plans for pair in plan.asked]
+    answers: dict[int, PairDecision] = {}
+    call_ids: dict[int, int] = {}
+    if not asked:
+        return answers, call_ids
+    if llm is None:
+        raise ValueError("an LLM client is required to decide ambiguous pairs")
+    for start in range(0, len(asked), MAX_PAIRS_PER_CALL):
+        run.guard()
+        chunk = asked[start : start + MAX_PAIRS_PER_CALL]
+        response, call_id = _call(store, llm, run, chunk)
+        counters.llm_calls += 1
+        counters.pairs_asked += len(chunk)
+        counters.prompt_tokens += response.usage.input_tokens
+        try:
+            got = parse_decisions(response.text, [p.number for p in chunk])
+        except MalformedDecisionsError as exc:
+            raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
+        answers.update(got)
+        call_ids.update({p.number: call_id for p in chunk})
+    return answers, call_ids
+
+
+def _call(
+    store: ConsolidationStore, llm: LLMClient, run: EntityRun, pairs: Sequence[AskedPair]
+) -> tuple[ChatResponse, int]:
+    """One call, recorded in llm_calls whatever its end (a budget refusal makes no call and no row)."""
+    request = consolidation_request(run.entity_key, pairs)
+    run.before_call()
+    started = time.perf_counter()
+    try:
+        response = llm.chat(request)
+    except BudgetExhaustedError:
+        raise
+    except Exception as exc:
+        store.record_call(
+            LLMCallRecord(
+                purpose=CONSOLIDATION_PURPOSE,
+                provider=getattr(llm, "provider", "unknown"),
+                model=getattr(llm, "model", "unknown"),
+                usage=None,
+                latency_ms=int((time.perf_counter() - started) * 1000),
+                outcome=getattr(exc, "outcome", "provider_error"),
+                job_id=run.job_id,
+                error=str(exc)[:500],
+            )
+        )
+        raise
+    outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)
+    call_id = store.record_call(
+        LLMCallRecord(
+            purpose=CONSOLIDATION_PURPOSE,
+            provider=response.provider,
+            model=response.model,
+            usage=response.usage,
+            latency_ms=response.latency_ms,
+            outcome=outcome,
+            job_id=run.job_id,
+        )
+    )
+    if response.finish != "end":
+        raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
+    return response, call_id

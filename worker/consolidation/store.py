@@ -1,0 +1,267 @@
+"""Consolidation's reads and writes; every decision is one transaction (fact marked, effect, audit
+row, entity checkpoint advanced), so each is committed exactly once."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
+from worker.accounting import Ledger, LLMCallRecord
+from worker.core.consolidation import (
+    CURRENT,
+    DUPLICATE,
+    SUPERSEDED,
+    FactView,
+    Resolved,
+    Row,
+    entity_key,
+    entity_key_filter,
+)
+
+_SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
+ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
+
+
+@dataclass(frozen=True)
+class StoredFact:
+    """A fact of the entity as consolidation reads it."""
+
+    view: FactView
+    status: str
+    consolidated: bool
+
+
+class ConsolidationStore:
+    """Owns its transactions: every method opens its own session (``factory.begin()`` for writes)."""
+
+    def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
+        self._factory = factory
+        self._ledger = ledger
+
+    def entity_facts(self, source_id: str, entity_key: str) -> list[StoredFact]:
+        """The entity's facts (audit rows excluded), in arrival order."""
+        query = (
+            select(
+                Fact.id,
+                Fact.fact,
+                Fact.kind,
+                Fact.valid_from,
+                Fact.embedding,
+                Fact.status,
+                Fact.consolidated_at,
+                Fact.context,
+                Fact.created_at,
+            )
+            .where(Fact.source_id == source_id, ~Fact.is_audit, _entity(entity_key))
+            .order_by(Fact.id)
+        )
+        with self._factory() as session:
+            return [
+                StoredFact(
+                    FactView(
+                        r.id,
+                        r.fact,
+                        r.kind,
+                        r.valid_from,
+                        r.embedding,
+                        r.id,
+                        said_at(r.context, r.created_at),
+                    ),
+                    r.status,
+                    r.consolidated_at is not None,
+                )
+                for r in session.execute(query)
+            ]
+
+    def repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
+        """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
+        erased) become current and unconsolidated again, each with an audit row; returns how many."""
+        with self._factory.begin() as session:
+            ids = session.scalars(
+                update(Fact)
+                .where(Fact.source_id == source_id, _entity(entity_key), _orphaned())
+                .values(status=CURRENT, valid_to=None, consolidated_at=None)
+                .returning(Fact.id)
+            ).all()
+            rows = [(i, Row(None, "restore", "rule", ORPHAN_REASON)) for i in ids]
+            _insert_rows(session, source_id, entity_key, job_id, rows)
+        return len(ids)
+
+    def record_call(self, call: LLMCallRecord) -> int:
+        """The batched call's llm_calls row (committed at once: it was paid for whatever follows)."""
+        with self._factory.begin() as session:
+            return self._ledger.record(session, call)
+
+    def commit_decisions(
+        self,
+        source_id: str,
+        entity_key: str,
+        job_id: int | None,
+        decisions: Sequence[tuple[Resolved, int | None]],
+    ) -> list[bool]:
+        """One transaction for a run of decisions (each with the llm_calls row it came from): the
+        entity's checkpoint row locked, then per decision the new fact marked consolidated (only if it
+        was not: False for it and nothing of it written), its effect (duplicate link, intervals
+        closed) and its audit rows; the checkpoint advanced by the decisions written."""
+        done: list[bool] = []
+        with self._factory.begin() as session:
+            _lock_checkpoint(session, source_id, entity_key)
+            for decision, llm_call_id in decisions:
+                done.append(_write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
+            written = [d.fact_id for d, ok in zip((d for d, _ in decisions), done, strict=True) if ok]
+            if written:
+                session.execute(
+                    update(ConsolidationCheckpoint)
+                    .where(
+                        ConsolidationCheckpoint.source_id == source_id,
+                        ConsolidationCheckpoint.entity_key == entity_key,
+                    )
+                    .values(
+                        facts_done=ConsolidationCheckpoint.facts_done + len(written),
+                        last_fact_id=written[-1],
+                        updated_at=func.now(),
+                    )
+                )
+        return done
+
+
+def _write_decision(
+    session: Session,
+    source_id: str,
+    entity_key: str,
+    job_id: int | None,
+    decision: Resolved,
+    llm_call_id: int | None,
+) -> bool:
+    values: dict[str, Any] = {"consolidated_at": func.now()}
+    if decision.duplicate_of is not None:
+        values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
+    marked = session.scalars(
+        update(Fact)
+        .where(Fact.id == decision.fact_id, Fact.consolidated_at.is_(None))
+        .values(**values)
+        .returning(Fact.id)
+    ).all()
+    if not marked:
+        return False
+    for closing in decision.closings:
+        session.execute(
+            update(Fact)
+            .where(Fact.id == closing.older.id, Fact.status == CURRENT)
+            .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
+        )
+    rows = [(decision.fact_id, row) for row in decision.rows]
+    _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
+    return True
+
+
+def said_at(context: str, created_at: datetime) -> datetime:
+    """When a fact was said: its segment's start (extraction writes it into the context), else when
+    the row was stored."""
+    match = _SEGMENT_CONTEXT.match(context or "")
+    if match:
+        try:
+            return datetime.fromisoformat(match["start"].replace("Z", "+00:00"))
+        except ValueError:
+            pass
+    return created_at
+
+
+def _entity(entity_key: str) -> Any:
+    slug, page = entity_key_filter(entity_key)
+    if page is not None:
+        return and_(Fact.entity_slug.is_(None), Fact.source_markdown_slug == page)
+    return Fact.entity_slug == slug
+
+
+def _orphaned() -> Any:
+    return or_(
+        and_(Fact.status == SUPERSEDED, Fact.superseded_by.is_(None)),
+        and_(Fact.status == DUPLICATE, Fact.duplicate_of.is_(None)),
+    )
+
+
+def _lock_checkpoint(session: Session, source_id: str, entity_key: str) -> None:
+    """Create the entity's checkpoint row if needed and hold it: one decision of an entity at a time."""
+    session.execute(
+        pg_insert(ConsolidationCheckpoint)
+        .values(source_id=source_id, entity_key=entity_key)
+        .on_conflict_do_nothing()
+    )
+    session.execute(
+        select(ConsolidationCheckpoint.source_id)
+        .where(
+            ConsolidationCheckpoint.source_id == source_id,
+            ConsolidationCheckpoint.entity_key == entity_key,
+        )
+        .with_for_update()
+    )
+
+
+def _insert_rows(
+    session: Session,
+    source_id: str,
+    entity_key: str,
+    job_id: int | None,
+    rows: Sequence[tuple[int, Row]],
+    llm_call_id: int | None = None,
+) -> None:
+    if not rows:
+        return
+    session.execute(
+        pg_insert(ConsolidationDecision),
+        [
+            {
+                "job_id": job_id,
+                "source_id": source_id,
+                "entity_key": entity_key,
+                "fact_id": fact_id,
+                "other_fact_id": row.other_fact_id,
+                "decision": row.decision,
+                "decided_by": row.decided_by,
+                "reason": row.reason,
+                "similarity": row.similarity,
+                "llm_call_id": llm_call_id if row.decided_by == "model" else None,
+            }
+            for fact_id, row in rows
+        ],
+    )
+
+
+def pending_entity_keys(session: Session, source_id: str, slug: str) -> list[str]:
+    """The entities a page's extraction left to consolidate: those of its unconsolidated facts, and
+    those with facts whose link went (re-extraction deleted the fact they pointed to)."""
+    new = session.execute(
+        select(Fact.entity_slug, Fact.source_markdown_slug)
+        .where(
+            Fact.source_id == source_id,
+            Fact.source_markdown_slug == slug,
+            ~Fact.is_audit,
+            Fact.consolidated_at.is_(None),
+        )
+        .distinct()
+    ).all()
+    orphans = session.execute(
+        select(Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.source_id == source_id, _orphaned())
+        .distinct()
+    ).all()
+    return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in (*new, *orphans)})
+
+
+def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:
+    """Every entity of the source with facts not yet consolidated (a backfill's work list)."""
+    rows = session.execute(
+        select(Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.source_id == source_id, ~Fact.is_audit, Fact.consolidated_at.is_(None))
+        .distinct()
+    ).all()
+    return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in rows})
