@@ -589,17 +589,23 @@ def run_pass(
             items = [delivery(p, f"{name}:{p['slug']}:{suffix}") for p in pages]
             sends = [pool.submit(send, client, item, deadline) for item in items for _ in range(copies)]
             report.answers.update(future.result() for future in sends)
-            report.events["duplicate deliveries"] += len(items) * (copies - 1) if copies > 1 else 0
+            if copies > 1:
+                report.events["duplicate deliveries"] += len(items) * (copies - 1)
 
         # Chaos: every page's exact request twice at once (a sender retrying before it heard back).
         deliver_all("first", 2 if chaos else 1)
 
+        senders: list[threading.Thread] = []
+
         def redeliver() -> None:  # every page again, a new key and signature, while jobs run
-            threading.Thread(target=deliver_all, args=("again", 1), daemon=True).start()
+            senders.append(threading.Thread(target=deliver_all, args=("again", 1), daemon=True))
+            senders[-1].start()
             report.events["duplicate deliveries"] += len(pages)
 
         events = chaos_events(options, service, pg, rds, redeliver) if chaos else []
         _drive(options, service, pg.dsn(DATABASE), report, events, deadline, len(pages))
+        for sender in senders:  # their answers count too, and the client must outlive them
+            sender.join()
     report.wall = time.monotonic() - started
     say(f"{name} pass: {'timed out' if report.timed_out else 'every page ended'} after {report.wall:.1f} s")
     faults = simulator_faults(service.sim_base) - faults_before
