@@ -281,11 +281,12 @@ def sweep(
             .with_for_update(skip_locked=True)
         ).all()
         overdue = []
-        for row in lost:
-            if fail_if_spent(session, row.id, row.attempts, row.worker_losses, job_budgets) is not None:
-                failed.append(row.id)
-            elif row.id not in {i for i, _ in stale_pairs}:
-                overdue.append((row.id, row.kind, row.enqueued_at is not None))
+        for waiting in lost:
+            spent = fail_if_spent(session, waiting.id, waiting.attempts, waiting.worker_losses, job_budgets)
+            if spent is not None:
+                failed.append(waiting.id)
+            elif waiting.id not in {i for i, _ in stale_pairs}:
+                overdue.append((waiting.id, waiting.kind, waiting.enqueued_at is not None))
         lost_pairs = only_missing(overdue, queue_depth)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
