@@ -79,6 +79,9 @@ COMPANIES = ("Acme Corp", "Globex", "Initech", "Umbrella Labs", "Hooli")
 
 DATABASE = "factmill_chaos"
 LOG_DIR = Path(tempfile.gettempdir()) / f"factmill-chaos-logs-{os.getpid()}"
+# How long a process may take to say it is ready: importing the service takes a minute or more on a
+# machine loaded by other work (tens of seconds is normal there), and a slow start is not a failure.
+START_TIMEOUT = 300.0
 GRACE_SECONDS = 5  # FACTMILL_GRACE_SECONDS of every process: how long a SIGTERM may take
 _STARTED = time.monotonic()
 
@@ -445,11 +448,11 @@ class Service:
 
         def migrate_then_serve() -> None:
             cli(self.env, "db", "upgrade")
-            self.api.start()
+            self.api.start(START_TIMEOUT)
 
         with ThreadPoolExecutor(3 + self.options.workers) as pool:
-            started = [pool.submit(self.simulator.start), pool.submit(migrate_then_serve)]
-            beat = pool.submit(start_beat, self.env, self.root / "beat")
+            started = [pool.submit(self.simulator.start, START_TIMEOUT), pool.submit(migrate_then_serve)]
+            beat = pool.submit(start_beat, self.env, self.root / "beat", START_TIMEOUT)
             workers = [pool.submit(self.new_worker) for _ in range(self.options.workers)]
             for future in started:
                 future.result()
@@ -457,7 +460,7 @@ class Service:
             self.workers = [future.result() for future in workers]
 
     def new_worker(self) -> ServiceProcess:
-        return start_worker(self.env, concurrency=self.options.concurrency)
+        return start_worker(self.env, concurrency=self.options.concurrency, timeout=START_TIMEOUT)
 
     def kill_worker(self, rng: random.Random) -> bool:
         """SIGKILL one ready worker (its whole process group) and start its replacement meanwhile;
@@ -488,7 +491,7 @@ class Service:
                         self.workers.remove(process)
                     threading.Thread(target=self._replace, daemon=True).start()
                 else:
-                    process.start()
+                    process.start(START_TIMEOUT)
 
     def stop(self) -> None:
         """SIGTERM every process at once (each exits within its grace period), SIGKILL what is left."""
