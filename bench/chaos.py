@@ -595,14 +595,19 @@ def run_pass(
             if copies > 1:
                 report.events["duplicate deliveries"] += len(items) * (copies - 1)
 
-        # Chaos: every page's exact request twice at once (a sender retrying before it heard back).
-        deliver_all("first", 2 if chaos else 1)
-
         senders: list[threading.Thread] = []
 
-        def redeliver() -> None:  # every page again, a new key and signature, while jobs run
-            senders.append(threading.Thread(target=deliver_all, args=("again", 1), daemon=True))
+        def in_background(suffix: str, copies: int) -> None:
+            senders.append(threading.Thread(target=deliver_all, args=(suffix, copies), daemon=True))
             senders[-1].start()
+
+        # Chaos: every page's exact request twice at once (a sender retrying before it heard back).
+        # Sent while the events run: on a loaded machine the deliveries take minutes, and the
+        # workers finish most pages meanwhile.
+        in_background("first", 2 if chaos else 1)
+
+        def redeliver() -> None:  # every page again, a new key and signature, while jobs run
+            in_background("again", 1)
             report.events["duplicate deliveries"] += len(pages)
 
         events = chaos_events(options, service, pg, rds, redeliver) if chaos else []
