@@ -3,11 +3,12 @@
 Everything runs as real processes started through the `factmill` CLI: its OWN Postgres cluster
 (initdb/pg_ctl on a free port in a temporary directory), its OWN redis-server, the simulator, the
 API, beat and N workers. The clean pass runs the corpus with no faults. The chaos pass runs the same
-corpus on a fresh database under all of these at once: repeated worker SIGKILLs (each killed worker
+corpus again under all of these at once: repeated worker SIGKILLs (each killed worker
 is restarted), a Redis FLUSHALL then a Redis restart, a Postgres restart (``pg_ctl -m immediate``),
 simulator faults at ``--fault-rate`` and duplicate webhook deliveries. It then compares each page's
 facts (text, row number, source), its terminal audit row and its skipped segments with the clean
-pass, and prints one line. The exit code is 1 when any count of issue 12's "done when" is not zero.
+pass, and prints one line. The exit code is 1 when any count of issue 12's "done when" is not zero
+(or fewer kills happened than asked for), 2 when initdb/pg_ctl or redis-server is missing.
 
     .venv/bin/python bench/chaos.py [--pages 400] [--kills 20] [--workers 3] [--fault-rate 0.3] [--seed 12]
 
