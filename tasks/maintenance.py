@@ -6,6 +6,7 @@ from typing import Any
 
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
+from worker.jobs.outbox import broker_queue_depth
 from worker.jobs.outbox import sweep as sweep_jobs
 
 
@@ -19,5 +20,6 @@ def sweep(self: Any) -> int:
         enabled=rt.config.enabled,
         job_budgets=JobBudgets.from_settings(rt.settings),
         budget_has_room=rt.budget.has_room,
+        queue_depth=broker_queue_depth,
     )
     return report.total
