@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,6 +89,29 @@ def broker() -> Iterator[SessionBroker]:
 @pytest.fixture(scope="session")
 def broker_url(broker: SessionBroker) -> str:
     return broker.url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _in_process_sends(broker: SessionBroker) -> Iterator[None]:
+    """Code under test that uses the process-wide settings (the Celery app's sends: reruns, releases,
+    consolidation requests; tracing's set-up) finds the session's Redis under a key prefix of its own,
+    never an embedded broker started under ./var. Processes the tests start get their own FACTMILL_*
+    environment (tests.service.service_env drops these). The prefix's keys are deleted at the end."""
+    from worker.settings import get_settings
+
+    prefix = f"factmill-test-inproc-{uuid.uuid4().hex[:8]}:"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FACTMILL_BROKER_URL", broker.url)
+        patch.setenv("FACTMILL_BROKER_KEY_PREFIX", prefix)
+        get_settings.cache_clear()
+        yield
+    get_settings.cache_clear()
+    client = broker.client()
+    try:
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")
