@@ -194,6 +194,26 @@ def session_messages(index: int, rounds: int) -> list[dict[str, object]]:
     return out
 
 
+def gate_per_compaction() -> None:
+    """CPU of the gate's lexing for one part-2 transcript's head, against the uniseg-per-chunk lexer."""
+    from worker.compaction import parse_messages
+
+    messages = parse_messages(session_messages(0, 25))
+    head = plan_compaction(
+        messages,
+        list(range(len(messages))),
+        keep_recent_tokens=1500,
+        tool_result_limit=DEFAULT_TOOL_RESULT_LIMIT,
+    ).serialized
+    fast_s, fast = best_of(20, partial(lex_words, head))
+    base_s, base = best_of(5, partial(uniseg_lex_words, head))
+    assert fast == base
+    print(
+        f"  gate lexing of one transcript's head ({len(head):,} chars): lex_words {ms(fast_s)}, "
+        f"uniseg per chunk {ms(base_s)} ({base_s / fast_s:.0f}x)"
+    )
+
+
 def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms: int) -> None:
     from celery import Celery
 
@@ -281,6 +301,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
             f"window 6,000 - reserve 2,000), one worker, {concurrency} threads, simulator at {latency_ms} ms"
         )
         print(f"  outcomes {outcomes}; {n_calls} summarizer calls")
+        gate_per_compaction()
         print(f"  summaries/s {rate:8.1f}   in {elapsed:.2f} s")
         print(
             f"  ideal       {ideal:8.1f}   ({concurrency} in flight / {latency_ms / 1000:g} s)   "

@@ -112,7 +112,7 @@ def describe_in_flight(samples: list[int], in_flight: int) -> str:
     )
 
 
-def wait_http(url: str, timeout: float = 60) -> None:
+def wait_http(url: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -307,7 +307,7 @@ def main() -> None:
                 )
             )
         procs += [w for w, _ in workers]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded machine takes a while to import the worker
         while not all("ready." in log.read_text(errors="replace") for _, log in workers):
             if time.monotonic() > deadline:
                 raise SystemExit("workers did not start; see " + str(logs))
