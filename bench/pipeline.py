@@ -6,6 +6,11 @@ worker CPU milliseconds per segment and webhook requests per second.
 
     .venv/bin/python bench/pipeline.py [--pages 160] [--segments 8] [--latency-ms 100]
                                        [--jobs 16] [--segment-concurrency 4]
+    .venv/bin/python bench/pipeline.py --pages 1 --segments 4000 --jobs 1 --segment-concurrency 64
+
+The rate counts the segments measured in the database (distinct segments with an ok extraction), never
+the planned count; the in-flight count is sampled from the simulator every 0.1 s over the run. The page
+generator spaces segments two hours apart from 2024-06-01 08:00, so any size gives valid timestamps.
 
 Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
 database and uses its own Redis key prefix.
@@ -14,13 +19,18 @@ database and uses its own Redis key prefix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -45,20 +55,64 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+PAGE_START = datetime(2024, 6, 1, 8, 0)
+
+
 def page_body(index: int, segments: int) -> str:
+    """A conversation page of ``segments`` segments: 3 messages each, segments 2 hours apart (any size)."""
     lines = []
     for s in range(segments):
-        day, hour = 1 + s // 6, 8 + 2 * (s % 6)
+        opens = PAGE_START + timedelta(hours=2 * s)  # past the 30-minute gap, so each s is a segment
         for m in range(3):
             who = ("Alice Example", "Bob Demo", "Zoë Ångström")[(s + m) % 3]
+            stamp = (opens + timedelta(minutes=m)).strftime("%Y-%m-%d %H:%M")
             lines.append(
-                f"**{who}** (2024-06-{day:02d} {hour:02d}:{m:02d}): I moved to Lisbon in {2000 + index % 20} "
+                f"**{who}** ({stamp}): I moved to Lisbon in {2000 + index % 20} "
                 f"and I will run {5 + s} km with Acme Corp colleagues on Sunday {s}-{m}."
             )
     return "\n".join(lines)
 
 
-def wait_http(url: str, timeout: float = 60) -> None:
+def planned_segments(body: str) -> int:
+    """How many segments the worker will cut ``body`` into (the generator's intent, checked)."""
+    from worker.core.conversation import parse_conversation_messages, split_into_segments
+
+    return len(split_into_segments(parse_conversation_messages(body)))
+
+
+class InFlightSampler(threading.Thread):
+    """Polls the simulator's in-flight count every ``period`` seconds until stopped."""
+
+    def __init__(self, stats_url: str, period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.stats_url, self.period = stats_url, period
+        self.samples: list[int] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2) as client:
+            while not self._stop_event.is_set():
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                    self.samples.append(int(client.get(self.stats_url).json()["in_flight"]))
+                self._stop_event.wait(self.period)
+
+    def finish(self) -> list[int]:
+        self._stop_event.set()
+        self.join()
+        return self.samples
+
+
+def describe_in_flight(samples: list[int], in_flight: int) -> str:
+    if not samples:
+        return "in flight: no samples"
+    return (
+        f"in flight at the simulator, sampled every 0.1 s ({len(samples)} samples): min {min(samples)}, "
+        f"median {statistics.median(samples):g}, max {max(samples)}, mean {statistics.fmean(samples):.1f} "
+        f"(configured {in_flight}; mean / configured {statistics.fmean(samples) / in_flight:.2f})"
+    )
+
+
+def wait_http(url: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -109,6 +163,48 @@ def sequential_baseline(simulator_url: str, samples: int) -> float:
         extract_segment(llm, render_segment_for_extraction("bench", segment), 10, 1024)
         time.sleep(0.2)
     return samples / (time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class Figures:
+    planned: int  # segments the pages split into (by the worker's own splitter)
+    ok: int  # distinct segments with an ok extraction, counted in the database
+    attempted: int  # distinct segments with any audit row
+    elapsed: float
+    worker_cpu: float
+    baseline: float  # sequential loop, segments/s, measured in this run
+    webhook_rps: float
+    failed_jobs: int
+
+
+def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[int]) -> None:
+    rate = f.ok / f.elapsed
+    ideal = in_flight / (args.latency_ms / 1000)
+    print(
+        f"pages {args.pages} × {args.segments} segments: {f.planned} segments planned, {f.attempted} "
+        f"attempted, {f.ok} ok (measured in extraction_audit); {in_flight} LLM calls in flight "
+        f"({args.workers} worker(s) × {args.jobs} jobs × {args.segment_concurrency}); simulator latency "
+        f"{args.latency_ms} ms; failed jobs {f.failed_jobs}"
+    )
+    if f.ok != f.planned:
+        print(
+            f"  WARNING: {f.planned - f.ok} planned segments did not finish ok; the rate counts only ok ones"
+        )
+    print(
+        f"webhook: {f.webhook_rps:.0f} requests/s (one signed page per request, sequential client, no worker)"
+    )
+    print(f"pipeline: {rate:.1f} segments/s ({f.ok} ok segments in {f.elapsed:.2f} s)")
+    print(f"  vs ideal ({in_flight} / {args.latency_ms / 1000:g} s = {ideal:.0f}/s): {rate / ideal:.2f}")
+    print(
+        f"  vs sequential loop with 200 ms pause ({f.baseline:.2f}/s, measured in this run): "
+        f"{rate / f.baseline:.0f}x"
+    )
+    print(f"  {describe_in_flight(samples, in_flight)}")
+    print(
+        f"worker CPU: {1000 * f.worker_cpu / max(f.ok, 1):.2f} ms per ok segment "
+        f"({f.worker_cpu:.1f} s over {f.elapsed:.1f} s = {f.worker_cpu / f.elapsed:.2f} core, "
+        f"{psutil.cpu_count()} cores)"
+    )
 
 
 def main() -> None:
@@ -170,6 +266,7 @@ def main() -> None:
             ).encode()
             for i in range(args.pages)
         ]
+        planned = sum(planned_segments(json.loads(body)["compiled_truth"]) for body in bodies)
         started = time.perf_counter()
         with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30) as client:
             for body in bodies:
@@ -210,15 +307,16 @@ def main() -> None:
                 )
             )
         procs += [w for w, _ in workers]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded machine takes a while to import the worker
         while not all("ready." in log.read_text(errors="replace") for _, log in workers):
             if time.monotonic() > deadline:
                 raise SystemExit("workers did not start; see " + str(logs))
             time.sleep(0.02)
+        sampler = InFlightSampler(f"http://127.0.0.1:{sim_port}/_simulator/stats")
         started = time.perf_counter()
+        sampler.start()
         worker_ps = [psutil.Process(w.pid) for w, _ in workers]
         cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
-        total_segments = args.pages * args.segments
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
             while True:
                 done = conn.execute(
@@ -230,34 +328,22 @@ def main() -> None:
                     raise SystemExit("pipeline did not finish in 10 minutes")
                 time.sleep(0.05)
             finished = time.perf_counter()
+            samples = sampler.finish()
             failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
-            segments_done = conn.execute(
-                "SELECT count(*) FROM extraction_audit WHERE outcome = 'ok'"
+            # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
+            measured = conn.execute(
+                "SELECT count(DISTINCT (page_slug, segment_index)) FILTER (WHERE outcome = 'ok'), "
+                "count(DISTINCT (page_slug, segment_index)) FROM extraction_audit"
             ).fetchone()
         worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
-        elapsed = finished - started
-        rate = total_segments / elapsed
-        ideal = in_flight / (args.latency_ms / 1000)
-        print(
-            f"pages {args.pages} × {args.segments} segments = {total_segments} segments; "
-            f"{in_flight} LLM calls in flight ({args.workers} worker(s) × {args.jobs} jobs × "
-            f"{args.segment_concurrency}); "
-            f"simulator latency {args.latency_ms} ms; failed jobs {failed[0] if failed else '?'}; "
-            f"ok segments {segments_done[0] if segments_done else '?'}"
-        )
-        print(
-            f"webhook: {args.pages / webhook_seconds:.0f} requests/s (one signed page per request, "
-            "sequential client, no worker running)"
-        )
-        print(f"pipeline: {rate:.0f} segments/s in {elapsed:.2f} s")
-        print(
-            f"  vs ideal ({in_flight} / {args.latency_ms / 1000:.1f} s = {ideal:.0f}/s): {rate / ideal:.2f}"
-        )
-        print(f"  vs sequential loop with 200 ms pause ({baseline:.2f}/s, measured): {rate / baseline:.0f}x")
-        print(
-            f"worker CPU: {1000 * worker_cpu / total_segments:.2f} ms per segment "
-            f"({worker_cpu:.1f} s over {elapsed:.1f} s on {psutil.cpu_count()} cores)"
-        )
+        ok_segments, attempted = (measured[0], measured[1]) if measured else (0, 0)
+        report(
+            args,
+            Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline,
+                    args.pages / webhook_seconds, failed[0] if failed else -1),
+            in_flight,
+            samples,
+        )  # fmt: skip
     finally:
         stop(procs)
         db.get_engine(url).dispose()

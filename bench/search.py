@@ -21,10 +21,12 @@ import io
 import os
 import random
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
@@ -32,6 +34,8 @@ from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import search_vector as sv  # noqa: E402
 
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
@@ -122,13 +126,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--expansion-queries", type=int, default=30)
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--server",
+        choices=["auto", "local", "pgserver"],
+        default="auto",
+        help="auto: the local Postgres if it offers pgvector, else an embedded pgserver",
+    )
+    parser.add_argument("--vector-queries", type=int, default=300)
+    parser.add_argument("--exact-queries", type=int, default=100, help="vector queries also run exactly")
+    parser.add_argument("--fused-queries", type=int, default=40)
+    parser.add_argument("--hnsw-m", type=int, default=16)
+    parser.add_argument("--hnsw-ef-construction", type=int, default=64)
     args = parser.parse_args(argv)
 
-    admin = make_url(db.to_sqlalchemy_url(SERVER)).set(drivername="postgresql").render_as_string(False)
+    server, embedded = pick_server(args.server)
+    try:
+        return on_server(server, args)
+    finally:
+        if embedded is not None:
+            embedded.cleanup()
+
+
+def pick_server(choice: str) -> tuple[str, Any]:
+    """The Postgres to run on: the local one, or an embedded pgserver (it ships pgvector) in a temp dir."""
+    if choice == "local" or (choice == "auto" and server_has_pgvector(SERVER)):
+        return SERVER, None
+    import pgserver
+
+    embedded = pgserver.get_server(Path(tempfile.mkdtemp(prefix="factmill-bench-pg-")), cleanup_mode="delete")
+    print(f"postgres: embedded pgserver ({embedded.get_uri()})")
+    return embedded.get_uri(), embedded
+
+
+def server_has_pgvector(server: str) -> bool:
+    dsn = make_url(db.to_sqlalchemy_url(server)).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn) as conn:
+        return (
+            conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone() is not None
+        )
+
+
+def on_server(server: str, args: argparse.Namespace) -> int:
+    admin = make_url(db.to_sqlalchemy_url(server)).set(drivername="postgresql").render_as_string(False)
     name = f"factmill_bench_search_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(db.to_sqlalchemy_url(SERVER)).set(database=name).render_as_string(False)
+    url = make_url(db.to_sqlalchemy_url(server)).set(database=name).render_as_string(False)
     try:
         return run(url, args)
     finally:
@@ -156,6 +199,10 @@ def run(url: str, args: argparse.Namespace) -> int:
         f"corpus: {args.facts:,} facts loaded and analysed in {time.perf_counter() - started:.1f} s "
         f"(pgvector store: {'yes' if vector.available else 'no'})"
     )
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
+    load = None
+    if vector.available:
+        load = sv.load_embeddings(dsn, sv.index_ddl(args.hnsw_m, args.hnsw_ef_construction))
 
     rng = random.Random(args.seed + 1)
     queries = make_queries(rng, rare, args.queries)
@@ -212,6 +259,13 @@ def run(url: str, args: argparse.Namespace) -> int:
             provider="simulator",
             embedding_model="simulator-embedding-1",
         )
+        if load is not None:
+            exact = sv.exact_factory(url)
+            vec = sv.vector_section(
+                factory, exact, make_queries(rng, rare, args.vector_queries), args.exact_queries
+            )
+            fused = sv.fused_section(factory, exact, llm, make_queries(rng, rare, args.fused_queries))
+            sv.report(args.facts, load, vec, fused)
         plain = queries[-args.expansion_queries :]
         search(factory, llm, plain[0])  # connect
         sim.reset()

@@ -330,6 +330,47 @@ def test_lex_words_chunking_equals_whole_text_segmentation(text: str) -> None:
     assert lex_words(text) == _words_from_segments(uax29_segments(text))
 
 
+# The ASCII fast path (_ASCII_WORD) against uniseg's segmentation of the whole text: every ASCII character,
+# the word-joining ones weighted up, URL- and code-like pieces, and non-ASCII characters mixed in (so both
+# the all-ASCII path and the per-chunk path of mixed text are exercised).
+ASCII_JOINERS = st.sampled_from([*"aZ9_.:',;\"-", "0", "x"])
+URL_PIECES = st.sampled_from(
+    ["https://", "example.com", "/a/b?q=1&x=2", "#frag", "v1.2.3", "can't", "'tis", "rock'n'roll", "3,141.59",
+     "1;2", "a:b", "e.g.", "user@host.io", "__init__", "_x_", "x__", "C++", "run_sql()", "(4.2)", "--", "..."]
+)  # fmt: skip
+MIXED_PIECES = st.sampled_from(["é", "\u2019", "ß", "ﬁ", "İ", "K", "\u0301", "金", "カ", "\u00a0", "😀", "я"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.characters(max_codepoint=127), ASCII_JOINERS, URL_PIECES, MIXED_PIECES), max_size=40
+    ).map("".join)
+)
+def test_lex_words_ascii_fast_path_equals_uax29(text: str) -> None:
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(ASCII_JOINERS, max_size=12).map("".join))
+def test_lex_words_ascii_word_classes_equal_uax29(text: str) -> None:
+    # Only letters, digits, _ and the mid-punctuation classes: every join and break rule among them.
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(max_size=60))
+def test_lex_words_equals_uax29_on_arbitrary_text(text: str) -> None:
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+def test_lex_words_ascii_punctuation_joins_only_between_letters_or_digits() -> None:
+    text = "Visit https://example.com/a_b?q=1.5 — it's v1.2.3, 3,141.59; a:b a.1 1.a 1'2 x__ __ _y e.g."
+    expected = ["visit", "https", "example.com", "a_b", "q", "1.5", "it's", "v1.2.3", "3,141.59", "a:b",
+                "a", "1", "1", "a", "1'2", "x__", "_y", "e.g"]  # fmt: skip
+    assert lex_words(text) == expected == _words_from_segments(uax29_segments(text))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # coverage details
 # ---------------------------------------------------------------------------------------------------------

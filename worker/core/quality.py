@@ -43,7 +43,23 @@ COVERAGE_THRESHOLD = 0.5
 # characters; then we segment the whole text instead (tests check the equality on random text).
 # Non-ASCII spaces are deliberately not split on: U+202F, for one, is ExtendNumLet and joins words.
 _CHUNK = re.compile(r"[^ \t\n\r\f\v]+")
+# str.split() (twice as fast) also cuts at these, which _CHUNK does not. In ASCII text that is harmless:
+# U+001C-U+001F are Other, so UAX #29 breaks around them, and no ASCII character glues onto them.
+_SPLIT_DIFFERS = re.compile("[\x1c-\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
 _GLUES_TO_PREVIOUS = frozenset({WordBreak.EXTEND, WordBreak.FORMAT, WordBreak.ZWJ, WordBreak.WSEGSPACE})
+
+# UAX #29 restricted to ASCII, where every character's Word_Break value is one of: ALetter [A-Za-z],
+# Numeric [0-9], ExtendNumLet _, MidLetter :, MidNumLet ., Single_Quote ', MidNum , ;, Double_Quote ",
+# CR/LF/Newline/WSegSpace (whitespace, which always breaks) and Other (the rest, which always breaks).
+# No Extend, Format, ZWJ, Hebrew letter, Katakana or regional indicator is ASCII, so only WB5-WB13b can
+# join: letters, digits and _ never break among themselves (WB5, WB8-WB10, WB13a/b); a : . or ' joins
+# when a letter is on both sides (WB6/7, MidLetter and MidNumLetQ) and a , ; . or ' joins when a digit is
+# on both sides (WB11/12, MidNum and MidNumLetQ). Each match is one word segment holding a letter, digit
+# or _; every other character is a segment of its own with none (tests/unit/test_quality.py checks this
+# against uniseg on arbitrary text).
+_ASCII_WORD = re.compile(
+    r"[A-Za-z0-9_]+(?:(?:(?<=[A-Za-z])[:.'](?=[A-Za-z])|(?<=[0-9])[,;.'](?=[0-9]))[A-Za-z0-9_]+)*"
+)
 
 
 def lex_words(text: str) -> list[str]:
@@ -56,18 +72,33 @@ def lex_words(text: str) -> list[str]:
     """
     cache: dict[str, list[str]] = {}  # text repeats words heavily; each distinct chunk is segmented once
     tokens: list[str] = []
-    for chunk in _CHUNK.findall(text):
+    for chunk in _chunks(text):
         found = cache.get(chunk)
         if found is None:
-            if chunk.isascii() and chunk.isalnum():
+            if chunk.isascii():
                 # ASCII letters are ALetter and digits Numeric, which never break (WB5, WB8, WB9, WB10).
-                found = cache[chunk] = [chunk.lower()]
+                found = cache[chunk] = [chunk.lower()] if chunk.isalnum() else _ascii_words(chunk.lower())
             elif word_break(chunk[0]) in _GLUES_TO_PREVIOUS:
                 return _words_from_segments(words(text))
             else:
                 found = cache[chunk] = _words_from_segments(words(chunk))
         tokens.extend(found)
     return tokens
+
+
+def _chunks(text: str) -> list[str]:
+    """The whitespace-free chunks of ``text`` (see _CHUNK), by ``str.split`` where that cuts the same."""
+    if text.isascii() or _SPLIT_DIFFERS.search(text) is None:
+        return text.split()
+    return _CHUNK.findall(text)
+
+
+def _ascii_words(text: str) -> list[str]:
+    """lex_words of lower-cased ASCII text: the word segments of _ASCII_WORD, less those of only ``_``."""
+    found = _ASCII_WORD.findall(text)
+    if "_" in text:
+        return [word for word in found if word.strip("_")]
+    return found
 
 
 def _words_from_segments(segments: Iterable[str]) -> list[str]:

@@ -345,11 +345,14 @@ def _vector_search(
     if version_tuple(extension_version) >= (0, 8):
         session.execute(text("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"))
     params |= {"qv": vector_literal(vector), "limit": limit}
+    # ORDER BY the distance alone: the HNSW index can only yield that order, and any second sort key
+    # (a tie-break on f.id) makes the planner scan and sort every vector instead (bench/search.py).
+    # Ties are broken below, after the fetch.
     rows = session.execute(
         text(
             "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
             "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
-            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector), f.id LIMIT :limit"
+            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
         ),
         params,
     ).all()
