@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from worker.simulator.caching import ANTHROPIC_MAX_BREAKPOINTS, anthropic_prefixes
 from worker.simulator.config import OUTCOME_OK, Draw, Fault, SimulatorConfig, sim_id
 from worker.simulator.prompt import PromptMessage, estimate_tokens
 from worker.simulator.replies import SimReply, fill_json_schema
@@ -21,7 +22,6 @@ from worker.simulator.wire import (
     FlatPrompt,
     PromptRequest,
     WireFormat,
-    cache_key,
     endpoint,
     malformed,
     read_json,
@@ -113,7 +113,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
     for tool in tools:
         if isinstance(tool, Mapping):
             clean = {k: v for k, v in tool.items() if k != "cache_control"}
-            parts.append((json.dumps(clean, sort_keys=True, ensure_ascii=False), "cache_control" in tool))
+            parts.append((json.dumps(clean, ensure_ascii=False), "cache_control" in tool))
 
     messages: list[PromptMessage] = []
     system = body.get("system")
@@ -138,13 +138,19 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
         else:
             raise BadRequest(f"messages.{index}.content: Input should be a valid string or list")
 
-    text = ""
-    prefix_len = 0
-    for part, cached in parts:
-        text += part + "\n"
-        if cached:  # a cache breakpoint caches everything up to and including its block
-            prefix_len = len(text)
-    return FlatPrompt(messages, text, text[:prefix_len])
+    breakpoints = tuple(i for i, (_, marked) in enumerate(parts) if marked)
+    if len(breakpoints) > ANTHROPIC_MAX_BREAKPOINTS:
+        raise BadRequest(
+            f"A maximum of {ANTHROPIC_MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+            f"Found {len(breakpoints)}."
+        )
+    ends: list[int] = []
+    length = 0
+    for part, _ in parts:
+        length += len(part) + 1
+        ends.append(length)
+    text = "".join(part + "\n" for part, _ in parts)
+    return FlatPrompt(messages, text, tuple(ends), breakpoints)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,11 +278,17 @@ def _message_reply(
 
     prompt = message.prompt
     total_tokens = estimate_tokens(prompt.text)
-    prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
-    seen = state.cache_lookup(cache_key("anthropic", message.model, prompt.cacheable_prefix), prefix_tokens)
-    cacheable = prefix_tokens if prefix_tokens >= config.cache_min_tokens and config.cache_capacity else 0
-    cache_read = cacheable if seen else 0
-    cache_creation = 0 if seen else cacheable
+    prefixes = anthropic_prefixes(
+        ("anthropic", message.model),
+        prompt.text,
+        prompt.block_ends,
+        prompt.breakpoints,
+        config.cache_min_tokens,
+    )
+    cache_read = state.cache_match(prefixes.lookups, prefixes.writes)
+    # The longest marked prefix is written (billed as cache creation) beyond what was read.
+    longest = max((tokens for tokens, _ in prefixes.writes), default=0) if config.cache_capacity else 0
+    cache_creation = max(0, longest - cache_read)
     output_tokens = sum(
         estimate_tokens(block["text"] if block["type"] == "text" else json.dumps(block["input"]))
         for block in content.blocks
