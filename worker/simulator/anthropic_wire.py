@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from worker.simulator.caching import ANTHROPIC_MAX_BREAKPOINTS, anthropic_prefixes
+from worker.simulator.caching import ANTHROPIC_MAX_BREAKPOINTS, CacheLookup, anthropic_prefixes
 from worker.simulator.config import OUTCOME_OK, Draw, Fault, SimulatorConfig, sim_id
 from worker.simulator.prompt import PromptMessage, estimate_tokens
 from worker.simulator.replies import SimReply, fill_json_schema
@@ -161,6 +161,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
 @dataclass(frozen=True)
 class _MessageRequest(PromptRequest):
     max_tokens: int
+    cache: CacheLookup
 
 
 def _parse_message(
@@ -181,7 +182,11 @@ def _parse_message(
             raise BadRequest(f"tool_choice: tool {tool_choice.get('name')!r} is not in tools")
     if body.get("stream"):
         raise BadRequest("stream: the Factmill LLM simulator does not stream; send stream=false")
-    return _MessageRequest(body, model, prompt, max_tokens)
+    namespace = ("anthropic", model)
+    ends, marks = prompt.block_ends, prompt.breakpoints
+    prefixes = anthropic_prefixes(namespace, prompt.text, ends, marks, config.cache_min_tokens)
+    cache = CacheLookup(state.cache_read(prefixes.lookups), prefixes.writes)
+    return _MessageRequest(body, model, prompt, max_tokens, cache)
 
 
 def _pick_tool(body: Mapping[str, Any], reply: SimReply) -> Mapping[str, Any] | None:
@@ -278,17 +283,9 @@ def _message_reply(
 
     prompt = message.prompt
     total_tokens = estimate_tokens(prompt.text)
-    prefixes = anthropic_prefixes(
-        ("anthropic", message.model),
-        prompt.text,
-        prompt.block_ends,
-        prompt.breakpoints,
-        config.cache_min_tokens,
-    )
-    cache_read = state.cache_match(prefixes.lookups, prefixes.writes)
-    # The longest marked prefix is written (billed as cache creation) beyond what was read.
-    longest = max((tokens for tokens, _ in prefixes.writes), default=0) if config.cache_capacity else 0
-    cache_creation = max(0, longest - cache_read)
+    state.cache_write(message.cache.writes)
+    cache_read = message.cache.read_tokens
+    cache_creation = message.cache.written_tokens if config.cache_capacity else 0
     output_tokens = sum(
         estimate_tokens(block["text"] if block["type"] == "text" else json.dumps(block["input"]))
         for block in content.blocks

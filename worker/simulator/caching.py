@@ -14,6 +14,9 @@ needs 2048). The simulator counts about four characters a token, so a prefix of 
   (``cache_creation_input_tokens``), later ones read it (``cache_read_input_tokens``). A lookup also
   tries the block boundaries up to 20 blocks before each breakpoint, so a request whose breakpoint
   moved on still reads a prefix an earlier request wrote. Unmarked prompts are never cached.
+
+Both: a request looks the cache up when it arrives and its prefixes become readable once it is
+answered, so requests sent at the same moment all miss (and, on Anthropic, each writes).
 """
 
 from __future__ import annotations
@@ -79,3 +82,16 @@ def anthropic_prefixes(
     marked = {block_ends[i] for i in breakpoints}
     writes = [by_end[end] for end in ends if end in marked and by_end[end][0] >= min_tokens]
     return AnthropicPrefixes(lookups, writes)
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """One request's cache: the tokens it read on arrival, and the prefixes it writes once answered."""
+
+    read_tokens: int
+    writes: Digests
+
+    @property
+    def written_tokens(self) -> int:
+        """Anthropic's cache_creation_input_tokens: the longest written prefix beyond what was read."""
+        return max(0, max((tokens for tokens, _ in self.writes), default=0) - self.read_tokens)

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from worker.simulator.caching import openai_prefixes
+from worker.simulator.caching import CacheLookup, openai_prefixes
 from worker.simulator.config import (
     OUTCOME_OK,
     SYSTEM_FINGERPRINT,
@@ -146,6 +146,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
 class _ChatRequest(PromptRequest):
     max_tokens: int | None  # None: the config's default_max_tokens
     choices: int
+    cache: CacheLookup
 
 
 def _parse_chat(
@@ -159,7 +160,11 @@ def _parse_chat(
     choices = positive_int(body.get("n"), "n") or 1
     if body.get("stream"):
         raise BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
-    return _ChatRequest(body, model, prompt, max_tokens, choices)
+    namespace = ("openai", str(body.get("prompt_cache_key") or ""), model)
+    prefixes = openai_prefixes(namespace, prompt.text, config.cache_min_tokens)
+    return _ChatRequest(
+        body, model, prompt, max_tokens, choices, CacheLookup(state.cache_read(prefixes), prefixes)
+    )
 
 
 def _json_schema_of(response_format: Any) -> dict[str, Any] | None:
@@ -203,9 +208,8 @@ def _chat_reply(
 
     prompt = chat.prompt
     prompt_tokens = estimate_tokens(prompt.text)
-    namespace = ("openai", str(chat.body.get("prompt_cache_key") or ""), chat.model)
-    prefixes = openai_prefixes(namespace, prompt.text, config.cache_min_tokens)
-    cached = state.cache_match(prefixes, prefixes)
+    state.cache_write(chat.cache.writes)
+    cached = chat.cache.read_tokens
     completion_tokens = estimate_tokens(content if content is not None else refusal or "") * chat.choices
     state.record(
         route, outcome, input=prompt_tokens, output=completion_tokens, cache_read=cached, cache_creation=0

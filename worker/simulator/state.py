@@ -93,9 +93,8 @@ class SimulatorState:
         fault = forced if forced is not None else config.fault_for(roll)
         return Draw(fault, (config.latency_ms + jitter) / 1000.0)
 
-    def cache_match(self, lookups: Digests, writes: Digests) -> int:
-        """The longest prefix in ``lookups`` already cached (its tokens; 0 when none), then cache
-        ``writes`` (worker.simulator.caching decides which prefixes each provider looks up and writes)."""
+    def cache_read(self, lookups: Digests) -> int:
+        """The longest prefix in ``lookups`` already cached: its tokens, or 0 (looked up on arrival)."""
         with self._lock:
             if self.config.cache_capacity == 0:
                 return 0
@@ -104,12 +103,18 @@ class SimulatorState:
                 if digest in self._prefixes:
                     self._prefixes.move_to_end(digest)
                     hit = max(hit, tokens)
+            return hit
+
+    def cache_write(self, writes: Digests) -> None:
+        """Cache these prefixes (once a request is answered: readable by the requests that come after)."""
+        with self._lock:
+            if self.config.cache_capacity == 0:
+                return
             for tokens, digest in writes:
                 self._prefixes[digest] = tokens
                 self._prefixes.move_to_end(digest)
             while len(self._prefixes) > self.config.cache_capacity:
                 self._prefixes.popitem(last=False)
-            return hit
 
     def record(self, route: str, outcome: str, **counts: int) -> None:
         with self._lock:
