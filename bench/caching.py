@@ -166,7 +166,7 @@ def run_once(label: str, args: argparse.Namespace, simulator_url: str, worker_ar
         }
         api_port = free_port()
         procs.append(spawn(["-m", "worker.cli", "serve", "--port", str(api_port)], env, logs / "api.log"))
-        wait_http(f"http://127.0.0.1:{api_port}/readyz")
+        wait_http(f"http://127.0.0.1:{api_port}/readyz", timeout=300)  # slow to start on a loaded host
         with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30) as client:
             for body in page_bodies(args.pages):
                 headers = signed_json_headers(body, SECRET, method="POST", path="/v1/pages")
@@ -221,7 +221,7 @@ def main() -> None:
     )
     simulator_url = f"http://127.0.0.1:{sim_port}/v1"
     try:
-        wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health")
+        wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health", timeout=300)
         config = httpx.get(f"http://127.0.0.1:{sim_port}/_simulator/config").json()
         print(
             f"{args.pages} pages, {args.api} API, simulator latency {args.latency_ms} ms, "
