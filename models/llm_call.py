@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Numeric
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Numeric
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
@@ -27,5 +27,7 @@ class LLMCall(Base):
     latency_ms: Mapped[int] = count_column()
     outcome: Mapped[str]
     cost_usd: Mapped[Decimal] = mapped_column(Numeric(12, 6), nullable=False, server_default="0")
+    # Billed through a provider batch at the batch discount (worker.accounting.prices.BATCH_DISCOUNT).
+    batch: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     error: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()

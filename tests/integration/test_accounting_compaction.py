@@ -1,4 +1,5 @@
-"""One accounting path: with an `llm.prices` override set, every purpose's llm_calls rows are costed by it."""
+"""One accounting path: with an `llm.prices` override set, compaction's llm_calls rows are costed by it
+(the expected USD is worked out by hand from the override, as in test_accounting.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
-from worker.accounting import PRICES, PRICES_KEY, cost_usd, parse_prices
+from tests.integration.test_accounting import PRICE, usd_by_hand
+from worker.accounting import PRICES_KEY, cost_usd
 from worker.calibration import ActiveThreshold
 from worker.compaction import append_messages, compact_transcript, parse_messages
 from worker.config_store import ConfigReader, set_config
@@ -24,7 +26,7 @@ from worker.settings import Settings
 pytestmark = pytest.mark.integration
 
 LISTED_MODEL = "gpt-4o-mini"  # has a list price, so a row costed at list prices would show it
-OVERRIDE = json.dumps({LISTED_MODEL: {"input": 1000, "output": 2000}})
+OVERRIDE = json.dumps({LISTED_MODEL: PRICE})
 USAGE = Usage(input_tokens=100, output_tokens=20)
 PASS_ALL = ActiveThreshold(0.0, None)
 # Window 6,000 and reserve 2,000: a compaction is due above 4,000 estimated tokens.
@@ -60,8 +62,9 @@ def set_override(factory: sessionmaker[Session]) -> Decimal:
     """Set the `llm.prices` override; the cost of one call under it (which list prices would not give)."""
     with factory.begin() as session:
         set_config(session, PRICES_KEY, OVERRIDE)
-    expected = cost_usd(LISTED_MODEL, USAGE, {**PRICES, **parse_prices(OVERRIDE)})
-    assert expected != cost_usd(LISTED_MODEL, USAGE)
+    expected = usd_by_hand(PRICE, (USAGE.input_tokens, USAGE.output_tokens, 0, 0))
+    assert expected == Decimal("0.14")  # 100 input tokens at 0.001 + 20 output tokens at 0.002
+    assert expected != cost_usd(LISTED_MODEL, USAGE)  # not the list price
     return expected
 
 

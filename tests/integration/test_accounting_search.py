@@ -1,5 +1,6 @@
 """With an `llm.prices` override set, every LLM call is costed by it: here search's expansion, HyDE/vec
-query embeddings and fact embeddings (each purpose records through the one Ledger)."""
+query embeddings and fact embeddings (each purpose records through the one Ledger). The expected USD is
+worked out by hand from the override, as in test_accounting.py."""
 
 from __future__ import annotations
 
@@ -17,20 +18,20 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact
 from tests.conftest import TABLES, fresh_database
+from tests.integration.test_accounting import usd_by_hand
 from worker import db
-from worker.accounting import PRICES_KEY, Ledger, cost_usd, parse_prices
+from worker.accounting import PRICES_KEY, Ledger
 from worker.config_store import ConfigReader, set_config
 from worker.embedded import to_sqlalchemy_url
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.llm.types import Usage
 from worker.search import embed_facts, embed_new_facts, search
 
 pytestmark = pytest.mark.integration
 
 # Neither simulator model has a list price, so without the override every call would cost 0.
 OVERRIDE = {
-    "simulator-1": {"input": 1000, "output": 2000},
-    "simulator-embedding-1": {"input": 500, "output": 0},
+    "simulator-1": {"input": 1000, "output": 2000, "cache_read": 100, "cache_write": 1250},
+    "simulator-embedding-1": {"input": 500, "output": 0, "cache_read": 50, "cache_write": 500},
 }
 
 
@@ -50,7 +51,6 @@ def _set_prices(factory: sessionmaker[Session]) -> None:
 
 def _assert_costed_by_the_override(factory: sessionmaker[Session], purpose: str) -> int:
     """Every llm_calls row of ``purpose`` costs what the override says; returns how many there are."""
-    prices = parse_prices(json.dumps(OVERRIDE))
     with factory() as session:
         rows = session.execute(
             text(
@@ -61,8 +61,8 @@ def _assert_costed_by_the_override(factory: sessionmaker[Session], purpose: str)
         ).all()
     assert rows, f"no {purpose} call was recorded"
     for row in rows:
-        usage = Usage(row.input_tokens, row.output_tokens, row.cache_read_tokens, row.cache_write_tokens)
-        expected = cost_usd(row.model, usage, prices)
+        tokens = (row.input_tokens, row.output_tokens, row.cache_read_tokens, row.cache_write_tokens)
+        expected = usd_by_hand(OVERRIDE[row.model], tokens)
         assert row.outcome == "ok"
         assert expected > 0
         assert row.cost_usd == expected, (

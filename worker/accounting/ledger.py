@@ -62,6 +62,7 @@ class Ledger:
             "latency_ms": call.latency_ms,
             "outcome": call.outcome,
             "cost_usd": self.cost(call, prices),
+            "batch": call.batch,
             "error": call.error,
         }
 

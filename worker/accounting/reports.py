@@ -1,26 +1,46 @@
-"""Spend reports over llm_calls: calls, tokens, the cached share of input tokens, and USD per group."""
+"""Spend reports over llm_calls: calls, tokens, the cached share of input tokens, and USD per group.
+
+Every figure is summed from the stored rows (costed once, by the Ledger, when they were written), so
+`factmill costs`, a job's spend and the metrics agree by construction.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import String, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from models import LLMCall
 
 GROUPS: dict[str, Any] = {
+    "job": func.coalesce(cast(LLMCall.job_id, String), "none"),
     "model": LLMCall.model,
     "purpose": LLMCall.purpose,
     "day": func.to_char(func.date_trunc("day", LLMCall.created_at), "YYYY-MM-DD"),
 }
+# Jobs in id order (their keys are text); calls of no job ("none") last.
+ORDERS: dict[str, Any] = {"job": func.min(LLMCall.job_id)}
+# How a call was billed: through a provider batch (at the batch discount) or online.
+MODE = case((LLMCall.batch, "batch"), else_="online")
+MODES = ("batch", "online")
+
+_SUMS = (
+    func.count(),
+    func.coalesce(func.sum(LLMCall.input_tokens), 0),
+    func.coalesce(func.sum(LLMCall.cache_read_tokens), 0),
+    func.coalesce(func.sum(LLMCall.output_tokens), 0),
+    func.coalesce(func.sum(LLMCall.cost_usd), 0),
+)
 
 
 @dataclass(frozen=True)
 class SpendRow:
     key: str
+    mode: str  # batch, online, or "all" for a total over both
     calls: int
     input_tokens: int
     cached_tokens: int
@@ -36,35 +56,54 @@ class SpendRow:
 
 
 def spend(session: Session, *, by: str, since: datetime) -> list[SpendRow]:
-    """Spend since ``since`` grouped by model, purpose or day (ValueError for anything else)."""
+    """Spend since ``since`` grouped by job, model, purpose or day, each group split into batch and
+    online rows (ValueError for another grouping)."""
     if by not in GROUPS:
         raise ValueError(f"--by must be one of {', '.join(GROUPS)}")
     key = GROUPS[by].label("key")
+    mode = MODE.label("mode")
     query = (
-        select(
-            key,
-            func.count(),
-            func.sum(LLMCall.input_tokens),
-            func.sum(LLMCall.cache_read_tokens),
-            func.sum(LLMCall.output_tokens),
-            func.sum(LLMCall.cost_usd),
-        )
+        select(key, mode, *_SUMS)
         .where(LLMCall.created_at >= since)
-        .group_by(key)
-        .order_by(key)
+        .group_by(key, mode)
+        .order_by(ORDERS.get(by, key), mode)
     )
     return [
-        SpendRow(str(k), int(n), int(i or 0), int(c or 0), int(o or 0), float(usd or 0))
-        for k, n, i, c, o, usd in session.execute(query)
+        SpendRow(str(k), str(m), int(n), int(i), int(c), int(o), float(usd))
+        for k, m, n, i, c, o, usd in session.execute(query)
     ]
 
 
-def total(rows: list[SpendRow]) -> SpendRow:
+def total(rows: list[SpendRow], mode: str = "all") -> SpendRow:
+    """The rows summed (only those of ``mode``, batch or online, unless it is "all")."""
+    kept = [r for r in rows if mode == "all" or r.mode == mode]
     return SpendRow(
         "total",
-        sum(r.calls for r in rows),
-        sum(r.input_tokens for r in rows),
-        sum(r.cached_tokens for r in rows),
-        sum(r.output_tokens for r in rows),
-        sum(r.cost_usd for r in rows),
+        mode,
+        sum(r.calls for r in kept),
+        sum(r.input_tokens for r in kept),
+        sum(r.cached_tokens for r in kept),
+        sum(r.output_tokens for r in kept),
+        sum(r.cost_usd for r in kept),
     )
+
+
+@dataclass(frozen=True)
+class JobSpend:
+    """What one job's LLM calls used and cost (every try of every call, batch and online)."""
+
+    calls: int
+    input_tokens: int  # every prompt token, cached ones included
+    cached_tokens: int  # of input_tokens, read from the provider's prompt cache
+    output_tokens: int
+    cost_usd: Decimal
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"cost_usd": float(self.cost_usd)}
+
+
+def job_spend(session: Session, job_id: int) -> JobSpend:
+    """One job's spend, summed from its llm_calls rows (`GET /v1/jobs/{id}` and `factmill jobs show`)."""
+    row = session.execute(select(*_SUMS).where(LLMCall.job_id == job_id)).one()
+    calls, input_tokens, cached, output_tokens, usd = row
+    return JobSpend(int(calls), int(input_tokens), int(cached), int(output_tokens), Decimal(usd))

@@ -1,4 +1,4 @@
-"""`factmill costs`: LLM spend from llm_calls, grouped by model, purpose or day."""
+"""`factmill costs`: LLM spend from llm_calls, grouped by job, model, purpose or day, batch vs online."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def _since(since: str | None) -> datetime:
 
 def costs(
     since: Annotated[str | None, typer.Option(help="ISO date/time; default: the last 30 days.")] = None,
-    by: Annotated[str, typer.Option(help="Group by model, purpose or day.")] = "model",
+    by: Annotated[str, typer.Option(help="Group by job, model, purpose or day.")] = "model",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD."""
+    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD, each group
+    split into batch (billed through a provider batch, at half price) and online calls."""
     if by not in reports.GROUPS:
         raise fail(f"--by must be one of {', '.join(reports.GROUPS)}", code=2)
     start = _since(since)
@@ -38,10 +39,12 @@ def costs(
         print_json([r.as_dict() for r in rows])
         return
     title = f"LLM spend since {start.date().isoformat()}"
-    table = Table(by, "calls", "input tokens", "cached", "output tokens", "USD", title=title)
-    for r in [*rows, reports.total(rows)]:
+    table = Table(by, "mode", "calls", "input tokens", "cached", "output tokens", "USD", title=title)
+    totals = [reports.total(rows, mode) for mode in (*reports.MODES, "all")]
+    for r in [*rows, *totals]:
         table.add_row(
             r.key,
+            r.mode,
             str(r.calls),
             str(r.input_tokens),
             f"{r.cached_share:.0%}",

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from models import JOB_STATUSES, Job
+from worker.accounting.reports import job_spend
 from worker.cli.console import fail, fields, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.jobs import queries
@@ -64,12 +65,12 @@ def jobs_list(
 
 @jobs_app.command("show")
 def jobs_show(job_id: int) -> None:
-    """One job with its counters and last error."""
+    """One job with its counters, last error, and LLM spend (tokens, cached tokens, USD)."""
     with checked_factory()() as session:
         job = session.get(Job, job_id)
         if job is None:
             raise fail(f"no job {job_id}")
-        print_json(fields(job, JOB_FIELDS))
+        print_json(fields(job, JOB_FIELDS) | {"spend": job_spend(session, job_id).as_dict()})
 
 
 @jobs_app.command("retry")

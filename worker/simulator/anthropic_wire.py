@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from worker.simulator.caching import ANTHROPIC_MAX_BREAKPOINTS, CacheLookup, anthropic_prefixes
 from worker.simulator.config import OUTCOME_OK, Draw, Fault, SimulatorConfig, sim_id
 from worker.simulator.prompt import PromptMessage, estimate_tokens
 from worker.simulator.replies import SimReply, fill_json_schema
@@ -21,7 +22,6 @@ from worker.simulator.wire import (
     FlatPrompt,
     PromptRequest,
     WireFormat,
-    cache_key,
     endpoint,
     malformed,
     read_json,
@@ -113,7 +113,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
     for tool in tools:
         if isinstance(tool, Mapping):
             clean = {k: v for k, v in tool.items() if k != "cache_control"}
-            parts.append((json.dumps(clean, sort_keys=True, ensure_ascii=False), "cache_control" in tool))
+            parts.append((json.dumps(clean, ensure_ascii=False), "cache_control" in tool))
 
     messages: list[PromptMessage] = []
     system = body.get("system")
@@ -138,13 +138,19 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
         else:
             raise BadRequest(f"messages.{index}.content: Input should be a valid string or list")
 
-    text = ""
-    prefix_len = 0
-    for part, cached in parts:
-        text += part + "\n"
-        if cached:  # a cache breakpoint caches everything up to and including its block
-            prefix_len = len(text)
-    return FlatPrompt(messages, text, text[:prefix_len])
+    breakpoints = tuple(i for i, (_, marked) in enumerate(parts) if marked)
+    if len(breakpoints) > ANTHROPIC_MAX_BREAKPOINTS:
+        raise BadRequest(
+            f"A maximum of {ANTHROPIC_MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+            f"Found {len(breakpoints)}."
+        )
+    ends: list[int] = []
+    length = 0
+    for part, _ in parts:
+        length += len(part) + 1
+        ends.append(length)
+    text = "".join(part + "\n" for part, _ in parts)
+    return FlatPrompt(messages, text, tuple(ends), breakpoints)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,6 +161,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
 @dataclass(frozen=True)
 class _MessageRequest(PromptRequest):
     max_tokens: int
+    cache: CacheLookup
 
 
 def _parse_message(
@@ -175,7 +182,11 @@ def _parse_message(
             raise BadRequest(f"tool_choice: tool {tool_choice.get('name')!r} is not in tools")
     if body.get("stream"):
         raise BadRequest("stream: the Factmill LLM simulator does not stream; send stream=false")
-    return _MessageRequest(body, model, prompt, max_tokens)
+    namespace = ("anthropic", model)
+    ends, marks = prompt.block_ends, prompt.breakpoints
+    prefixes = anthropic_prefixes(namespace, prompt.text, ends, marks, config.cache_min_tokens)
+    cache = CacheLookup(state.cache_read(prefixes.lookups), prefixes.writes)
+    return _MessageRequest(body, model, prompt, max_tokens, cache)
 
 
 def _pick_tool(body: Mapping[str, Any], reply: SimReply) -> Mapping[str, Any] | None:
@@ -272,11 +283,9 @@ def _message_reply(
 
     prompt = message.prompt
     total_tokens = estimate_tokens(prompt.text)
-    prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
-    seen = state.cache_lookup(cache_key("anthropic", message.model, prompt.cacheable_prefix), prefix_tokens)
-    cacheable = prefix_tokens if prefix_tokens >= config.cache_min_tokens and config.cache_capacity else 0
-    cache_read = cacheable if seen else 0
-    cache_creation = 0 if seen else cacheable
+    state.cache_write(message.cache.writes)
+    cache_read = message.cache.read_tokens
+    cache_creation = message.cache.written_tokens if config.cache_capacity else 0
     output_tokens = sum(
         estimate_tokens(block["text"] if block["type"] == "text" else json.dumps(block["input"]))
         for block in content.blocks

@@ -102,7 +102,10 @@ class SimulatorConfig(BaseModel):
         default=4096, ge=0, description="prompt-prefix LRU entries (0 disables caching)"
     )
     cache_min_tokens: int = Field(
-        default=0, ge=0, description="shorter prefixes are never cached (real APIs: 1024)"
+        default=1024,
+        ge=0,
+        description="shorter prefixes are never cached: 1024 as on OpenAI and Claude Sonnet/Opus "
+        "(Claude Haiku: 2048); see worker.simulator.caching",
     )
     lossy_summary: bool = Field(
         default=False,

@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from worker.simulator.caching import CacheLookup, openai_prefixes
 from worker.simulator.config import (
     OUTCOME_OK,
     SYSTEM_FINGERPRINT,
@@ -22,7 +23,7 @@ from worker.simulator.config import (
     sim_id,
 )
 from worker.simulator.embeddings import embed_text
-from worker.simulator.prompt import PromptMessage, estimate_tokens, find_segment
+from worker.simulator.prompt import PromptMessage, estimate_tokens
 from worker.simulator.replies import SimReply, fill_json_schema
 from worker.simulator.state import SimulatorState
 from worker.simulator.wire import (
@@ -32,7 +33,6 @@ from worker.simulator.wire import (
     FlatPrompt,
     PromptRequest,
     WireFormat,
-    cache_key,
     endpoint,
     positive_int,
     required_model,
@@ -127,26 +127,14 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
         messages.append(PromptMessage(raw["role"], _content_text(raw.get("content"))))
 
     # Tools and the response schema are rendered ahead of the messages (as OpenAI does), so they are part
-    # of the stable prefix.
+    # of the stable prefix, as the client wrote them (keys in its order: a reordered schema is a new prefix).
     preamble = ""
     for key in ("tools", "response_format"):
         if body.get(key) is not None:
-            preamble += json.dumps(body[key], sort_keys=True, ensure_ascii=False) + "\n"
-    headers = [f"<|{m.role}|>\n" for m in messages]
-    pieces = [preamble] + [h + m.text + "\n" for h, m in zip(headers, messages, strict=True)]
-    text = "".join(pieces)
-
-    # OpenAI caches the longest previously seen prefix. The simulator treats as stable what an extraction
-    # prompt puts before the segment, or, for any other prompt, everything before the last message.
-    segment = find_segment(messages)
-    if segment is not None:
-        before = sum(len(p) for p in pieces[: segment.message_index + 1])
-        prefix_len = before + len(headers[segment.message_index]) + segment.open_offset
-    elif len(messages) > 1:
-        prefix_len = sum(len(p) for p in pieces[:-1])
-    else:
-        prefix_len = 0
-    return FlatPrompt(messages, text, text[:prefix_len])
+            preamble += json.dumps(body[key], ensure_ascii=False) + "\n"
+    text = preamble + "".join(f"<|{m.role}|>\n{m.text}\n" for m in messages)
+    # OpenAI caches any prefix of the prompt (worker.simulator.caching): nothing to mark here.
+    return FlatPrompt(messages, text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,6 +146,7 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
 class _ChatRequest(PromptRequest):
     max_tokens: int | None  # None: the config's default_max_tokens
     choices: int
+    cache: CacheLookup
 
 
 def _parse_chat(
@@ -171,7 +160,11 @@ def _parse_chat(
     choices = positive_int(body.get("n"), "n") or 1
     if body.get("stream"):
         raise BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
-    return _ChatRequest(body, model, prompt, max_tokens, choices)
+    namespace = ("openai", str(body.get("prompt_cache_key") or ""), model)
+    prefixes = openai_prefixes(namespace, prompt.text, config.cache_min_tokens)
+    return _ChatRequest(
+        body, model, prompt, max_tokens, choices, CacheLookup(state.cache_read(prefixes), prefixes)
+    )
 
 
 def _json_schema_of(response_format: Any) -> dict[str, Any] | None:
@@ -215,11 +208,8 @@ def _chat_reply(
 
     prompt = chat.prompt
     prompt_tokens = estimate_tokens(prompt.text)
-    prefix_tokens = estimate_tokens(prompt.cacheable_prefix)
-    key = cache_key(
-        "openai", str(chat.body.get("prompt_cache_key") or ""), chat.model, prompt.cacheable_prefix
-    )
-    cached = prefix_tokens if state.cache_lookup(key, prefix_tokens) else 0
+    state.cache_write(chat.cache.writes)
+    cached = chat.cache.read_tokens
     completion_tokens = estimate_tokens(content if content is not None else refusal or "") * chat.choices
     state.record(
         route, outcome, input=prompt_tokens, output=completion_tokens, cache_read=cached, cache_creation=0

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 
 from worker.simulator.batches import BatchStore
+from worker.simulator.caching import Digests
 from worker.simulator.config import Draw, Fault, SeededDraws, SimulatorConfig
 from worker.simulator.prompt import PromptMessage
 
@@ -99,20 +100,28 @@ class SimulatorState:
         fault = forced if forced is not None else config.fault_for(roll)
         return Draw(fault, (config.latency_ms + jitter) / 1000.0)
 
-    def cache_lookup(self, key: str, prefix_tokens: int) -> bool:
-        """Whether this prefix was seen before (and remember it now). Too-short prefixes are never cached."""
+    def cache_read(self, lookups: Digests) -> int:
+        """The longest prefix in ``lookups`` already cached: its tokens, or 0 (looked up on arrival)."""
         with self._lock:
-            if self.config.cache_capacity == 0 or prefix_tokens <= 0:
-                return False
-            if prefix_tokens < self.config.cache_min_tokens:
-                return False
-            if key in self._prefixes:
-                self._prefixes.move_to_end(key)
-                return True
-            self._prefixes[key] = prefix_tokens
+            if self.config.cache_capacity == 0:
+                return 0
+            hit = 0
+            for tokens, digest in lookups:
+                if digest in self._prefixes:
+                    self._prefixes.move_to_end(digest)
+                    hit = max(hit, tokens)
+            return hit
+
+    def cache_write(self, writes: Digests) -> None:
+        """Cache these prefixes (once a request is answered: readable by the requests that come after)."""
+        with self._lock:
+            if self.config.cache_capacity == 0:
+                return
+            for tokens, digest in writes:
+                self._prefixes[digest] = tokens
+                self._prefixes.move_to_end(digest)
             while len(self._prefixes) > self.config.cache_capacity:
                 self._prefixes.popitem(last=False)
-            return False
 
     def record(self, route: str, outcome: str, **counts: int) -> None:
         with self._lock:

@@ -8,7 +8,6 @@ APIs fail and recover in exactly the same way.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -192,21 +191,16 @@ def required_model(body: Mapping[str, Any], message: str, param: str | None = No
     return model
 
 
-def cache_key(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode("utf-8", "surrogatepass"))
-        digest.update(b"\x00")
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class FlatPrompt:
     """The prompt as the simulator "sees" it, for token counting, caching and answering."""
 
     messages: list[PromptMessage]
     text: str  # the whole prompt as one string (tokens are counted on it)
-    cacheable_prefix: str  # a prefix of `text`; "" when nothing is cacheable
+    # Anthropic: where each content block ends in `text`, and the indexes of the blocks marked
+    # cache_control (OpenAI caches any prefix, so it needs neither).
+    block_ends: tuple[int, ...] = ()
+    breakpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from models import Job
 from worker.access import Principal
+from worker.accounting.reports import job_spend
 from worker.api.auth import Admin, Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
@@ -24,6 +25,16 @@ JobKind = Literal["extraction", "compaction", "calibration", "consolidation"]  #
 
 jobs_router = APIRouter(tags=["jobs"])
 JobId = Annotated[int, Path(ge=1, le=BIGINT_MAX, description="The job id the webhook answered with")]
+
+
+class JobSpendOut(BaseModel):
+    """What the job's LLM calls used and cost, from its llm_calls rows (every try, batch or online)."""
+
+    calls: int
+    input_tokens: int  # every prompt token, cached ones included
+    cached_tokens: int  # of input_tokens, read from the provider's prompt cache
+    output_tokens: int
+    cost_usd: float
 
 
 class JobOut(BaseModel):
@@ -48,6 +59,7 @@ class JobOut(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     heartbeat_at: datetime | None
+    spend: JobSpendOut | None = None  # GET /v1/jobs/{id} only
 
     @classmethod
     def of(cls, job: Job) -> JobOut:
@@ -92,7 +104,9 @@ def get_job(ctx: Context, principal: Reader, job_id: JobId) -> JobOut:
         job = session.get(Job, job_id)
         if job is None or not _visible(principal, job):
             raise ApiError(404, f"no job {job_id}")
-        return JobOut.of(job)
+        out = JobOut.of(job)
+        out.spend = JobSpendOut(**job_spend(session, job_id).as_dict())
+        return out
 
 
 def _visible(principal: Principal, job: Job) -> bool:
@@ -141,4 +155,4 @@ def retry(
     return out
 
 
-__all__ = ["JobKind", "JobList", "JobOut", "JobStatus", "jobs_router"]
+__all__ = ["JobKind", "JobList", "JobOut", "JobSpendOut", "JobStatus", "jobs_router"]
