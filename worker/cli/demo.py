@@ -1,8 +1,11 @@
-"""`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks."""
+"""`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks.
+
+It drives the API the way a user's code does, through factmill_client: signed batches, then reads
+with a read-scoped key.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,18 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from factmill_client import Client, FactmillError
+from factmill_client.models import JobOut
 from worker import access, db
 from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail
 from worker.cli.console import out as stdout_console
-from worker.core.signing import signed_json_headers
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -98,10 +101,8 @@ def _wait(predicate: Any, timeout: float, what: str, children: list[Child]) -> N
 
 
 def _api_ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with Client(base, timeout=2) as client:
+        return client.ready()
 
 
 def load_examples(examples: Path, console: Console) -> list[dict[str, Any]]:
@@ -118,22 +119,14 @@ def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[lis
     """Send the pages as signed webhooks in batches; returns (job ids, unchanged count)."""
     job_ids: list[int] = []
     unchanged = 0
-    with httpx.Client(base_url=base, timeout=30) as client:
+    with Client(base, webhook_secret=secret) as client:
         for start in range(0, len(pages), BATCH_SIZE):
-            body = json.dumps({"pages": pages[start : start + BATCH_SIZE]}).encode()
-            response = client.post(
-                "/v1/pages",
-                content=body,
-                headers={
-                    **signed_json_headers(body, secret, method="POST", path="/v1/pages"),
-                    "Idempotency-Key": f"demo-{int(time.time())}-{start}",
-                },
-            )
-            if response.status_code != 202:
-                raise DemoError(f"webhook answered {response.status_code}: {response.text}")
-            payload = response.json()
-            job_ids += [job["job_id"] for job in payload["jobs"]]
-            unchanged += len(payload["unchanged"])
+            try:
+                accepted = client.ingest_pages(pages[start : start + BATCH_SIZE])
+            except FactmillError as exc:
+                raise DemoError(f"posting the pages failed: {exc}") from exc
+            job_ids += [job.job_id for job in accepted.jobs]
+            unchanged += len(accepted.unchanged)
     return job_ids, unchanged
 
 
@@ -212,9 +205,9 @@ def run_demo(
         _print_facts(base, reader, pages, console, show)
         _print_summary(jobs, len(pages), time.perf_counter() - started, console)
     _say_what_keeps_running(settings, err)
-    failed = [j for j in jobs if j["status"] == "failed"]
+    failed = [j for j in jobs if j.status == "failed"]
     for job in failed:
-        err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
+        err.print(f"[red]failed[/] job {job.id} ({job.subject}): {job.last_error}")
     return 1 if failed else 0
 
 
@@ -234,33 +227,27 @@ def _say_what_keeps_running(settings: Settings, err: Console) -> None:
 
 
 @contextmanager
-def demo_read_key(database_url: str, err: Console) -> Iterator[dict[str, str]]:
-    """A read-scoped API key for the demo's reads (the Authorization header), revoked when the demo
-    ends. Only its display prefix is printed."""
+def demo_read_key(database_url: str, err: Console) -> Iterator[str]:
+    """A read-scoped API key for the demo's reads, revoked when the demo ends. Only its display prefix
+    is printed."""
     factory = db.session_factory(database_url)
     with factory.begin() as session:
         created = access.create_key(session, "demo (read)", ["read"])
     err.print(f"created API key {created.id} ({created.prefix}…, scope read) for the demo's reads")
     try:
-        yield {"Authorization": f"Bearer {created.key}"}
+        yield created.key
     finally:
         with factory.begin() as session:
             access.revoke_key(session, created.id)
 
 
-def _job(client: httpx.Client, job_id: int) -> dict[str, Any]:
-    response = client.get(f"/v1/jobs/{job_id}")
-    response.raise_for_status()
-    return dict(response.json())
-
-
 def _follow_jobs(
-    base: str, headers: dict[str, str], job_ids: list[int], children: list[Child], err: Console
-) -> list[dict[str, Any]]:
+    base: str, key: str, job_ids: list[int], children: list[Child], err: Console
+) -> list[JobOut]:
     columns = (TextColumn("jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    jobs: dict[int, dict[str, Any]] = {}
+    jobs: dict[int, JobOut] = {}
     with (
-        httpx.Client(base_url=base, timeout=10, headers=headers) as client,
+        Client(base, api_key=key, timeout=10) as client,
         Progress(*columns, console=err, transient=True) as bar,
     ):
         task = bar.add_task("jobs", total=len(job_ids))
@@ -270,9 +257,9 @@ def _follow_jobs(
                 if c.proc.poll() is not None:
                     raise DemoError(f"the {c.name} process exited early:\n{c.tail()}")
             for job_id in job_ids:
-                if jobs.get(job_id, {}).get("status") not in ("succeeded", "failed"):
-                    jobs[job_id] = _job(client, job_id)
-            done = sum(1 for j in jobs.values() if j["status"] in ("succeeded", "failed"))
+                if job_id not in jobs or not jobs[job_id].done:
+                    jobs[job_id] = client.get_job(job_id)
+            done = sum(1 for j in jobs.values() if j.done)
             bar.update(task, completed=done)
             if done == len(job_ids):
                 break
@@ -282,30 +269,28 @@ def _follow_jobs(
     return list(jobs.values())
 
 
-def _print_facts(
-    base: str, headers: dict[str, str], pages: list[dict[str, Any]], console: Console, show: int
-) -> None:
-    with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
+def _print_facts(base: str, key: str, pages: list[dict[str, Any]], console: Console, show: int) -> None:
+    with Client(base, api_key=key, timeout=10) as client:
         for page in pages:
-            response = client.get(f"/v1/pages/{page['source_id']}/{page['slug']}/facts")
-            if response.status_code != 200:
+            try:
+                found = client.page_facts(page["source_id"], page["slug"], limit=max(show, 1))
+            except FactmillError:
                 continue
-            facts = response.json()["facts"]
-            if not facts:
+            if not found.facts:
                 continue
-            console.print(f"\n[bold]{page['slug']}[/] · {len(facts)} facts")
-            for fact in facts[:show]:
-                console.print(f"  [dim]{fact['kind']:<10}[/] {fact['fact']}")
+            console.print(f"\n[bold]{page['slug']}[/] · {found.total} facts")
+            for fact in found.facts[:show]:
+                console.print(f"  [dim]{fact.kind:<10}[/] {fact.fact}")
 
 
-def _print_summary(jobs: list[dict[str, Any]], pages: int, seconds: float, console: Console) -> None:
+def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Console) -> None:
     totals: dict[str, int] = {}
     for job in jobs:
         for key in ("segments_processed", "facts_inserted", "llm_calls", "input_tokens", "output_tokens"):
-            totals[key] = totals.get(key, 0) + int((job.get("counters") or {}).get(key, 0))
+            totals[key] = totals.get(key, 0) + int(job.counters.get(key, 0))
     table = Table(title="demo summary", show_header=False)
     table.add_row("pages posted", str(pages))
-    table.add_row("jobs", f"{len(jobs)} ({sum(j['status'] == 'succeeded' for j in jobs)} succeeded)")
+    table.add_row("jobs", f"{len(jobs)} ({sum(j.status == 'succeeded' for j in jobs)} succeeded)")
     table.add_row("segments", str(totals.get("segments_processed", 0)))
     table.add_row("facts", str(totals.get("facts_inserted", 0)))
     table.add_row("LLM calls", str(totals.get("llm_calls", 0)))
@@ -325,6 +310,6 @@ def demo(
         code = run_demo(
             get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
         )
-    except DemoError as exc:
+    except (DemoError, FactmillError) as exc:
         raise fail(str(exc)) from exc
     raise typer.Exit(code)
