@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # defer_build: a schema is built on first use, so importing the client (every `factmill` command
+    # does, through the demo) costs no model building.
+    model_config = ConfigDict(extra="ignore", frozen=True, defer_build=True)
 
 
 # ---------------------------------------------------------------------------- pages

@@ -100,11 +100,6 @@ def _wait(predicate: Any, timeout: float, what: str, children: list[Child]) -> N
     raise DemoError(f"timed out waiting for {what}")
 
 
-def _api_ready(base: str) -> bool:
-    with Client(base, timeout=2) as client:
-        return client.ready()
-
-
 def load_examples(examples: Path, console: Console) -> list[dict[str, Any]]:
     pages = []
     for path, root in iter_page_files([examples]):
@@ -189,7 +184,8 @@ def run_demo(
             stack.enter_context(child("beat", ["beat", "--loglevel", "warning"], env, log_dir)),
         ]
         err.print(f"API on {base} · worker (threads × {concurrency}) · beat · logs in {log_dir}")
-        _wait(lambda: _api_ready(base), 60, "the API to be ready", children)
+        with Client(base, timeout=2) as probe:
+            _wait(probe.ready, 60, "the API to be ready", children)
         pages = load_examples(examples, err)
         job_ids, unchanged = post_pages(base, settings.webhook_secret, pages)
         err.print(
