@@ -9,11 +9,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.auth import bearer, new_key
-from tests.e2e.test_service_e2e import PAGE, free_port, post
+from factmill_client import Client
+from tests.auth import new_key
+from tests.e2e.test_service_e2e import PAGE, SECRET, free_port
 from tests.service import (
     REPO,
     ServiceProcess,
@@ -62,15 +62,17 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
             ).start()
         )
         worker, beat, api = processes
-        reader = bearer(new_key(factory, ["read"]))
-        with running(*processes), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            assert client.get("/readyz").status_code == 200
-            accepted = post(client, PAGE, key="embedded-broker-1")
-            assert accepted.status_code == 202, accepted.text
-            [job] = accepted.json()["jobs"]
+        base = f"http://127.0.0.1:{port}"
+        with (
+            running(*processes),
+            Client(base, webhook_secret=SECRET) as sender,
+            Client(base, api_key=new_key(factory, ["read"])) as reader,
+        ):
+            assert reader.ready()
+            [job] = sender.ingest_page(PAGE, idempotency_key="embedded-broker-1").jobs
 
             def succeeded() -> bool:
-                return client.get(f"/v1/jobs/{job['job_id']}", headers=reader).json()["status"] == "succeeded"
+                return reader.get_job(job.job_id).status == "succeeded"
 
             wait_for(succeeded, 90, "the job to succeed", diagnostics=lambda: worker.tail() + api.tail())
             # Beat's schedule reaches the same worker too (the sweeper is what recovers lost jobs).
@@ -80,8 +82,8 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
                 "beat's sweep to reach the worker",
                 diagnostics=lambda: worker.tail() + beat.tail(),
             )
-            facts = client.get(f"/v1/pages/default/{PAGE['slug']}/facts", headers=reader).json()["facts"]
-            assert any("Acme" in fact["fact"] for fact in facts)
+            facts = reader.page_facts("default", PAGE["slug"]).facts
+            assert any("Acme" in fact.fact for fact in facts)
             server = read_pid(paths.pid_file)
             assert server is not None and redis_servers_on(paths.socket) == [server]  # one, for all three
 

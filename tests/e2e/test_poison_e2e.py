@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from factmill_client import Client
 from tests.auth import bearer, new_key
 from tests.service import REPO, ServiceProcess, running, service_env, start_worker, wait_for
-from worker.core.signing import sign
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -43,17 +43,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def deliver(client: httpx.Client) -> int:
-    body = json.dumps(PAGE).encode()
-    signature = sign(body, "test-secret", None, method="POST", path="/v1/pages")
-    answer = client.post(
-        "/v1/pages",
-        content=body,
-        headers={"Content-Type": "application/json", "Factmill-Signature": signature},
-    )
-    assert answer.status_code == 202, answer.text
-    [job] = answer.json()["jobs"]
-    return int(job["job_id"])
+def deliver(base_url: str) -> int:
+    with Client(base_url, webhook_secret="test-secret") as sender:
+        [job] = sender.ingest_page(PAGE).jobs
+    return job.job_id
 
 
 def chat_calls(sim: Any) -> int:
@@ -84,22 +77,28 @@ def test_poison_segment_skipped_then_retried_through_the_api_and_the_cli(
         ["serve", "--port", str(port)], env, ready_marker="Application startup complete", name="api"
     ).start()
     worker = start_worker(env, queues="extraction")
-    reader, admin = bearer(new_key(factory, ["read"])), bearer(new_key(factory, ["admin"]))
-    with running(api, worker), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+    base = f"http://127.0.0.1:{port}"
+    admin_key = new_key(factory, ["admin"])
+    admin = bearer(admin_key)
+    with (
+        running(api, worker),
+        Client(base, api_key=new_key(factory, ["read"])) as reader,
+        Client(base, api_key=admin_key) as operator,
+        httpx.Client(base_url=base, timeout=10) as client,  # /metrics only: Prometheus text, scraped
+    ):
 
         def job() -> dict[str, Any]:
-            return client.get(f"/v1/jobs/{job_id}", headers=reader).json()  # type: ignore[no-any-return]
+            return reader.get_job(job_id).model_dump()
 
         def page_facts() -> list[tuple[int, str, str]]:
-            answer = client.get(f"/v1/pages/default/{SLUG}/facts", headers=reader).json()
-            return [(f["row_num"], f["context"], f["fact"]) for f in answer["facts"]]
+            return [(f.row_num, f.context, f.fact) for f in reader.iter_page_facts("default", SLUG)]
 
         def settled() -> None:
             wait_for(
                 lambda: job()["status"] in ("succeeded", "failed"), 120, "the job", diagnostics=worker.tail
             )
 
-        job_id = deliver(client)
+        job_id = deliver(base)
         settled()
         state = job()
         # Two runs failed on the refusal (each spent an attempt), the third skipped the segment.
@@ -116,8 +115,8 @@ def test_poison_segment_skipped_then_retried_through_the_api_and_the_cli(
 
         # Through the API while the model still refuses: one call, the segment stays skipped.
         before = chat_calls(sim)
-        retried = client.post(f"/v1/jobs/{job_id}/retry", params={"skipped": "true"}, headers=admin)
-        assert retried.status_code == 202, retried.text
+        retried = operator.retry_job(job_id, skipped=True)
+        assert retried.id == job_id and not retried.done, retried
         settled()
         assert job()["status"] == "succeeded"
         assert (job()["counters"]["segments_skipped"], job()["counters"]["segments_unskipped"]) == (1, 0)

@@ -1,19 +1,19 @@
-"""The service as a user drives it: `factmill serve` and `factmill worker` processes, signed webhooks."""
+"""The service as a user drives it: `factmill serve` and `factmill worker` processes, signed webhooks
+sent with the Python client (factmill_client)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from factmill_client import AuthenticationError, Client
 from tests.auth import bearer, new_key
 from tests.service import (
     REPO,
@@ -23,7 +23,6 @@ from tests.service import (
     start_worker,
     wait_for,
 )
-from worker.core.signing import sign
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -34,24 +33,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def post(
-    client: httpx.Client,
-    payload: Any,
-    *,
-    secret: str = SECRET,
-    key: str | None = None,
-    timestamp: int | None = None,
-) -> httpx.Response:
-    body = json.dumps(payload).encode()
-    headers = {
-        "Content-Type": "application/json",
-        "Factmill-Signature": sign(body, secret, timestamp, method="POST", path="/v1/pages"),
-    }
-    if key:
-        headers["Idempotency-Key"] = key
-    return client.post("/v1/pages", content=body, headers=headers)
 
 
 PAGE = {
@@ -75,35 +56,45 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
     # `factory` empties the database first: the job counts below must not include earlier tests' jobs.
     env = service_env(database_url, broker_url, simulator.base_url)
     port = free_port()
+    base = f"http://127.0.0.1:{port}"
     api = ServiceProcess(
         ["serve", "--port", str(port)], env, ready_marker="Application startup complete", name="api"
     ).start()
     worker = start_worker(env, queues="extraction")
-    reader, admin = bearer(new_key(factory, ["read"])), bearer(new_key(factory, ["admin"]))
-    with running(api, worker), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-        assert client.get("/readyz").status_code == 200
-        assert client.get("/v1/jobs").status_code == 401  # anonymous reads are refused
-        first = post(client, PAGE, key="delivery-1")
-        assert first.status_code == 202, first.text
-        [job] = first.json()["jobs"]
-        again = post(client, PAGE, key="delivery-1")
-        assert again.status_code == 202 and again.json() == first.json()
-        stale = post(client, PAGE, timestamp=int(time.time()) - 360)
-        assert stale.status_code == 401 and "old" in stale.json()["detail"]
-        forged = post(client, PAGE, secret="not-the-secret")
-        assert forged.status_code == 401
+    reader_key, admin = new_key(factory, ["read"]), bearer(new_key(factory, ["admin"]))
+    with (
+        running(api, worker),
+        Client(base, webhook_secret=SECRET) as sender,
+        Client(base, api_key=reader_key) as reader,
+    ):
+        assert reader.ready()
+        with Client(base) as anonymous, pytest.raises(AuthenticationError):
+            anonymous.list_jobs()  # anonymous reads are refused
+        first = sender.ingest_page(PAGE, idempotency_key="delivery-1")
+        [job] = first.jobs
+        assert sender.ingest_page(PAGE, idempotency_key="delivery-1") == first
+        with (
+            Client(base, webhook_secret=SECRET, clock=lambda: time.time() - 360) as late,
+            pytest.raises(AuthenticationError) as stale,
+        ):
+            late.ingest_page(PAGE)
+        assert "old" in stale.value.detail
+        with Client(base, webhook_secret="not-the-secret") as forger, pytest.raises(AuthenticationError):
+            forger.ingest_page(PAGE)
 
-        def done() -> bool:
-            return client.get(f"/v1/jobs/{job['job_id']}", headers=reader).json()["status"] == "succeeded"
-
-        wait_for(done, 60, "the job to succeed", diagnostics=worker.tail)
-        facts = client.get("/v1/pages/default/conversations/e2e/alice/facts", headers=reader).json()["facts"]
-        assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
-        assert any("Acme" in f["fact"] for f in facts)
-        unchanged = post(client, PAGE)
-        assert unchanged.status_code == 202 and unchanged.json()["jobs"] == []
-        assert client.get("/metrics", headers=reader).status_code == 403
-        metrics = client.get("/metrics", headers=admin).text
+        wait_for(
+            lambda: reader.get_job(job.job_id).status == "succeeded",
+            60,
+            "the job to succeed",
+            diagnostics=worker.tail,
+        )
+        facts = reader.page_facts("default", "conversations/e2e/alice").facts
+        assert facts and [f.row_num for f in facts] == list(range(len(facts)))
+        assert any("Acme" in f.fact for f in facts)
+        assert sender.ingest_page(PAGE).jobs == []  # unchanged
+        # Prometheus text is scraped, not a client call.
+        assert httpx.get(f"{base}/metrics", headers=bearer(reader_key)).status_code == 403
+        metrics = httpx.get(f"{base}/metrics", headers=admin).text
         assert 'factmill_jobs{kind="extraction",status="succeeded"} 1.0' in metrics
 
 

@@ -1,8 +1,11 @@
-"""`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks."""
+"""`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks.
+
+It drives the API the way a user's code does, through factmill_client: signed batches, then reads
+with a read-scoped key.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -12,21 +15,22 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from factmill_client import Client, FactmillError
+from factmill_client.models import JobOut
 from worker import access, db
 from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail
 from worker.cli.console import out as stdout_console
-from worker.core.signing import signed_json_headers
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -97,13 +101,6 @@ def _wait(predicate: Any, timeout: float, what: str, children: list[Child]) -> N
     raise DemoError(f"timed out waiting for {what}")
 
 
-def _api_ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def load_examples(examples: Path, console: Console) -> list[dict[str, Any]]:
     pages = []
     for path, root in iter_page_files([examples]):
@@ -118,22 +115,14 @@ def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[lis
     """Send the pages as signed webhooks in batches; returns (job ids, unchanged count)."""
     job_ids: list[int] = []
     unchanged = 0
-    with httpx.Client(base_url=base, timeout=30) as client:
+    with Client(base, webhook_secret=secret) as client:
         for start in range(0, len(pages), BATCH_SIZE):
-            body = json.dumps({"pages": pages[start : start + BATCH_SIZE]}).encode()
-            response = client.post(
-                "/v1/pages",
-                content=body,
-                headers={
-                    **signed_json_headers(body, secret, method="POST", path="/v1/pages"),
-                    "Idempotency-Key": f"demo-{int(time.time())}-{start}",
-                },
-            )
-            if response.status_code != 202:
-                raise DemoError(f"webhook answered {response.status_code}: {response.text}")
-            payload = response.json()
-            job_ids += [job["job_id"] for job in payload["jobs"]]
-            unchanged += len(payload["unchanged"])
+            try:
+                accepted = client.ingest_pages(pages[start : start + BATCH_SIZE])
+            except FactmillError as exc:
+                raise DemoError(f"posting the pages failed: {exc}") from exc
+            job_ids += [job.job_id for job in accepted.jobs]
+            unchanged += len(accepted.unchanged)
     return job_ids, unchanged
 
 
@@ -196,7 +185,8 @@ def run_demo(
             stack.enter_context(child("beat", ["beat", "--loglevel", "warning"], env, log_dir)),
         ]
         err.print(f"API on {base} · worker (threads × {concurrency}) · beat · logs in {log_dir}")
-        _wait(lambda: _api_ready(base), 60, "the API to be ready", children)
+        with Client(base, timeout=2) as probe:
+            _wait(probe.ready, 60, "the API to be ready", children)
         pages = load_examples(examples, err)
         job_ids, unchanged = post_pages(base, settings.webhook_secret, pages)
         err.print(
@@ -213,9 +203,9 @@ def run_demo(
         _print_facts(base, reader, pages, console, show)
         _print_summary(jobs, len(pages), time.perf_counter() - started, console)
     _say_what_keeps_running(settings, err)
-    failed = [j for j in jobs if j["status"] == "failed"]
+    failed = [j for j in jobs if j.status == "failed"]
     for job in failed:
-        err.print(f"[red]failed[/] job {job['id']} ({job['subject']}): {job['last_error']}")
+        err.print(f"[red]failed[/] job {job.id} ({job.subject}): {job.last_error}")
     return 1 if failed else 0
 
 
@@ -235,33 +225,27 @@ def _say_what_keeps_running(settings: Settings, err: Console) -> None:
 
 
 @contextmanager
-def demo_read_key(database_url: str, err: Console) -> Iterator[dict[str, str]]:
-    """A read-scoped API key for the demo's reads (the Authorization header), revoked when the demo
-    ends. Only its display prefix is printed."""
+def demo_read_key(database_url: str, err: Console) -> Iterator[str]:
+    """A read-scoped API key for the demo's reads, revoked when the demo ends. Only its display prefix
+    is printed."""
     factory = db.session_factory(database_url)
     with factory.begin() as session:
         created = access.create_key(session, "demo (read)", ["read"])
     err.print(f"created API key {created.id} ({created.prefix}…, scope read) for the demo's reads")
     try:
-        yield {"Authorization": f"Bearer {created.key}"}
+        yield created.key
     finally:
         with factory.begin() as session:
             access.revoke_key(session, created.id)
 
 
-def _job(client: httpx.Client, job_id: int) -> dict[str, Any]:
-    response = client.get(f"/v1/jobs/{job_id}")
-    response.raise_for_status()
-    return dict(response.json())
-
-
 def _follow_jobs(
-    base: str, headers: dict[str, str], job_ids: list[int], children: list[Child], err: Console
-) -> list[dict[str, Any]]:
+    base: str, key: str, job_ids: list[int], children: list[Child], err: Console
+) -> list[JobOut]:
     columns = (TextColumn("jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    jobs: dict[int, dict[str, Any]] = {}
+    jobs: dict[int, JobOut] = {}
     with (
-        httpx.Client(base_url=base, timeout=10, headers=headers) as client,
+        Client(base, api_key=key, timeout=10) as client,
         Progress(*columns, console=err, transient=True) as bar,
     ):
         task = bar.add_task("jobs", total=len(job_ids))
@@ -271,9 +255,9 @@ def _follow_jobs(
                 if c.proc.poll() is not None:
                     raise DemoError(f"the {c.name} process exited early:\n{c.tail()}")
             for job_id in job_ids:
-                if jobs.get(job_id, {}).get("status") not in ("succeeded", "failed"):
-                    jobs[job_id] = _job(client, job_id)
-            done = sum(1 for j in jobs.values() if j["status"] in ("succeeded", "failed"))
+                if job_id not in jobs or not jobs[job_id].done:
+                    jobs[job_id] = client.get_job(job_id)
+            done = sum(1 for j in jobs.values() if j.done)
             bar.update(task, completed=done)
             if done == len(job_ids):
                 break
@@ -283,58 +267,56 @@ def _follow_jobs(
     return list(jobs.values())
 
 
-def _consolidated(base: str, headers: dict[str, str]) -> bool:
+def _consolidated(base: str, key: str) -> bool:
     """No consolidation job is waiting or running (the extraction jobs requested them)."""
-    with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
+    with Client(base, api_key=key, timeout=10) as client:
         for status in ("queued", "running"):
-            listed = client.get("/v1/jobs", params={"kind": "consolidation", "status": status, "limit": 1})
-            if listed.status_code != 200 or listed.json()["jobs"]:
+            try:
+                if client.list_jobs(kind="consolidation", status=status, limit=1).jobs:
+                    return False
+            except FactmillError:
                 return False
     return True
 
 
-def _day(value: str | None) -> str:
-    return value[:10] if value else "now"
+def _day(value: datetime | None) -> str:
+    return value.isoformat()[:10] if value else "now"
 
 
-def _print_facts(
-    base: str, headers: dict[str, str], pages: list[dict[str, Any]], console: Console, show: int
-) -> None:
+def _print_facts(base: str, key: str, pages: list[dict[str, Any]], console: Console, show: int) -> None:
     """Each page's current facts (up to ``show``), then every fact a later one superseded or that
     repeats another: the lifecycle at work."""
-    with httpx.Client(base_url=base, timeout=10, headers=headers) as client:
+    with Client(base, api_key=key, timeout=10) as client:
         for page in pages:
-            response = client.get(
-                f"/v1/pages/{page['source_id']}/{page['slug']}/facts", params={"include_history": "true"}
-            )
-            if response.status_code != 200:
+            try:
+                found = client.page_facts(page["source_id"], page["slug"], include_history=True)
+            except FactmillError:
                 continue
-            facts = response.json()["facts"]
-            if not facts:
+            if not found.facts:
                 continue
-            current = [f for f in facts if f["status"] == "current"]
-            older = [f for f in facts if f["status"] != "current"]
+            current = [f for f in found.facts if f.status == "current"]
+            older = [f for f in found.facts if f.status != "current"]
             tally = f"{len(current)} current" + (f", {len(older)} superseded or duplicate" if older else "")
             console.print(f"\n[bold]{page['slug']}[/] · {tally}")
             for fact in current[:show]:
-                console.print(f"  [dim]{fact['kind']:<10}[/] {fact['fact']}")
+                console.print(f"  [dim]{fact.kind:<10}[/] {fact.fact}")
             for fact in older:
-                if fact["status"] == "superseded":
-                    when = f"{_day(fact['valid_from'])} → {_day(fact['valid_to'])}"
-                    note = f"[yellow]superseded[/] by fact {fact['superseded_by']} ({when})"
+                if fact.status == "superseded":
+                    when = f"{_day(fact.valid_from)} → {_day(fact.valid_to)}"
+                    note = f"[yellow]superseded[/] by fact {fact.superseded_by} ({when})"
                 else:
-                    note = f"[dim]duplicate of fact {fact['duplicate_of']}[/]"
-                console.print(f"  [dim]{fact['kind']:<10}[/] [strike]{fact['fact']}[/] · {note}")
+                    note = f"[dim]duplicate of fact {fact.duplicate_of}[/]"
+                console.print(f"  [dim]{fact.kind:<10}[/] [strike]{fact.fact}[/] · {note}")
 
 
-def _print_summary(jobs: list[dict[str, Any]], pages: int, seconds: float, console: Console) -> None:
+def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Console) -> None:
     totals: dict[str, int] = {}
     for job in jobs:
         for key in ("segments_processed", "facts_inserted", "llm_calls", "input_tokens", "output_tokens"):
-            totals[key] = totals.get(key, 0) + int((job.get("counters") or {}).get(key, 0))
+            totals[key] = totals.get(key, 0) + int(job.counters.get(key, 0))
     table = Table(title="demo summary", show_header=False)
     table.add_row("pages posted", str(pages))
-    table.add_row("jobs", f"{len(jobs)} ({sum(j['status'] == 'succeeded' for j in jobs)} succeeded)")
+    table.add_row("jobs", f"{len(jobs)} ({sum(j.status == 'succeeded' for j in jobs)} succeeded)")
     table.add_row("segments", str(totals.get("segments_processed", 0)))
     table.add_row("facts", str(totals.get("facts_inserted", 0)))
     table.add_row("LLM calls", str(totals.get("llm_calls", 0)))
@@ -354,6 +336,6 @@ def demo(
         code = run_demo(
             get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
         )
-    except DemoError as exc:
+    except (DemoError, FactmillError) as exc:
         raise fail(str(exc)) from exc
     raise typer.Exit(code)

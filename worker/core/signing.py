@@ -10,13 +10,20 @@ signatures so a sender can sign with the old and the new secret while the secret
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 
-SIGNATURE_HEADER = "Factmill-Signature"
-SCHEME = "v2"
-LEGACY_SCHEME = "v1"
+# The scheme itself (what a sender computes) is defined once, in the client package, which imports the
+# standard library only; the server verifies with the same function.
+from factmill_client.signing import (
+    LEGACY_SCHEME,
+    SCHEME,
+    SIGNATURE_HEADER,
+    compute_signature,
+    sign,
+    signed_json_headers,
+)
+
 EXPECTED_FORMAT = "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>"
 MAX_TIMESTAMP_DIGITS = 12  # unix seconds until the year 33658; a longer t= is malformed, not a big int
 
@@ -27,42 +34,6 @@ class SignatureError(ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def compute_signature(
-    body: bytes, secret: str, timestamp: int, method: str | None = None, path: str | None = None
-) -> str:
-    """Hex HMAC-SHA256 under ``secret`` of ``"<t>.<METHOD>.<path>.<body>"`` (v2), or of ``"<t>.<body>"``
-    (v1) when neither method nor path is given."""
-    message = str(timestamp).encode("ascii") + b"."
-    if method is not None or path is not None:
-        message += f"{(method or '').upper()}.{path or ''}.".encode()
-    return hmac.new(secret.encode("utf-8"), message + body, hashlib.sha256).hexdigest()
-
-
-def sign(
-    body: bytes,
-    secret: str,
-    timestamp: int | None = None,
-    *,
-    method: str | None = None,
-    path: str | None = None,
-) -> str:
-    """The ``Factmill-Signature`` header value for ``body`` (timestamp defaults to now): v2 bound to
-    ``method`` and ``path`` when they are given, else the legacy v1."""
-    t = int(time.time()) if timestamp is None else int(timestamp)
-    scheme = LEGACY_SCHEME if method is None and path is None else SCHEME
-    return f"t={t},{scheme}={compute_signature(body, secret, t, method, path)}"
-
-
-def signed_json_headers(
-    body: bytes, secret: str, *, method: str, path: str, timestamp: int | None = None
-) -> dict[str, str]:
-    """The headers a webhook client sends with a JSON ``body``: its content type and v2 signature."""
-    return {
-        "Content-Type": "application/json",
-        SIGNATURE_HEADER: sign(body, secret, timestamp, method=method, path=path),
-    }
 
 
 def parse_header(header: str | None) -> tuple[int, dict[str, list[str]]]:
@@ -160,10 +131,13 @@ def verify(
 
 
 __all__ = [
+    "LEGACY_SCHEME",
+    "SCHEME",
     "SIGNATURE_HEADER",
     "SignatureError",
     "compute_signature",
     "parse_header",
     "sign",
+    "signed_json_headers",
     "verify",
 ]

@@ -1,0 +1,228 @@
+"""The asynchronous client: ``AsyncClient``, the same calls as ``Client`` for asyncio code.
+
+It sends the calls of factmill_client.calls with the one retry policy of factmill_client.transport;
+only the waiting differs from the sync client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from factmill_client import calls, models
+from factmill_client.client import USER_AGENT
+from factmill_client.errors import ApiConnectionError
+from factmill_client.transport import (
+    Credentials,
+    RetryPolicy,
+    build_request,
+    give_up_message,
+    note_retry,
+    parse,
+)
+
+T = TypeVar("T", bound=BaseModel)
+P = TypeVar("P", bound=BaseModel)
+I = TypeVar("I")  # noqa: E741
+
+
+class AsyncClient:
+    """The Factmill HTTP API for async code; see ``Client`` for the arguments."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        webhook_secret: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, transport=transport, headers={"User-Agent": USER_AGENT}
+        )
+        self._credentials = Credentials(api_key, webhook_secret, clock)
+        self.retry = retry or RetryPolicy()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def send(self, call: calls.Call[T]) -> T:
+        """Send ``call`` (retrying as ``self.retry`` says) and answer its model."""
+        attempt = 0
+        while True:
+            attempt += 1
+            request = build_request(self._http, call, self._credentials)
+            try:
+                response = await self._http.send(request)
+            except httpx.TransportError as exc:
+                pause = self.retry.after_error(call, exc, attempt)
+                if pause is None:
+                    raise ApiConnectionError(give_up_message(call, exc, attempt)) from exc
+                note_retry(call, attempt, f"failed ({type(exc).__name__})", pause)
+            else:
+                pause = self.retry.after_response(call, response, attempt)
+                if pause is None:
+                    return parse(call, response)
+                note_retry(call, attempt, f"answered {response.status_code}", pause)
+            await asyncio.sleep(pause)
+
+    async def iterate(self, paging: calls.Paging[P, I]) -> AsyncIterator[I]:
+        """Every item of a list endpoint, fetching each page when the one before it is used up."""
+        call: calls.Call[P] | None = paging.first
+        seen = 0
+        while call is not None:
+            page = await self.send(call)
+            items = paging.items(page)
+            seen += len(items)
+            for item in items:
+                yield item
+            call = paging.after(page, seen)
+
+    async def ready(self) -> bool:
+        try:
+            return (await self._http.get("/readyz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def ingest_page(
+        self, page: Mapping[str, Any] | BaseModel, *, idempotency_key: str | None = None
+    ) -> models.PagesAccepted:
+        return await self.send(calls.ingest(page, idempotency_key))
+
+    async def ingest_pages(
+        self, pages: Sequence[Mapping[str, Any] | BaseModel], *, idempotency_key: str | None = None
+    ) -> models.PagesAccepted:
+        return await self.send(calls.ingest_pages(pages, idempotency_key))
+
+    async def append_messages(
+        self,
+        transcript_id: str,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        settings: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> models.AppendOut:
+        return await self.send(calls.append_messages(transcript_id, messages, settings, idempotency_key))
+
+    async def get_job(self, job_id: int) -> models.JobOut:
+        return await self.send(calls.get_job(job_id))
+
+    async def list_jobs(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        before_id: int | None = None,
+    ) -> models.JobList:
+        return await self.send(calls.list_jobs(status, kind, limit, before_id))
+
+    def iter_jobs(
+        self, *, status: str | None = None, kind: str | None = None, page_size: int = 200
+    ) -> AsyncIterator[models.JobOut]:
+        return self.iterate(calls.jobs_paging(status, kind, page_size))
+
+    async def retry_job(self, job_id: int, *, skipped: bool = False) -> models.JobOut:
+        return await self.send(calls.retry_job(job_id, skipped))
+
+    async def wait_for_job(
+        self, job_id: int, *, timeout: float = 300.0, interval: float = 0.3
+    ) -> models.JobOut:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = await self.get_job(job_id)
+            if job.done:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f} s")
+            await asyncio.sleep(interval)
+
+    async def page_facts(
+        self,
+        source_id: str,
+        slug: str,
+        *,
+        limit: int = 1000,
+        offset: int = 0,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> models.PageFactsPage:
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return await self.send(calls.page_facts(source_id, slug, limit, offset, history))
+
+    def iter_page_facts(
+        self,
+        source_id: str,
+        slug: str,
+        *,
+        page_size: int = 1000,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> AsyncIterator[models.FactRecord]:
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.iterate(calls.facts_paging(source_id, slug, page_size, history))
+
+    async def search(
+        self,
+        q: str,
+        *,
+        intent: str | None = None,
+        source_id: str | None = None,
+        entity: str | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = None,
+        expand: bool | None = None,
+        include_history: bool | None = None,
+        as_of: datetime | None = None,
+    ) -> models.SearchOut:
+        filters: dict[str, Any] = {"intent": intent, "source_id": source_id, "entity": entity}
+        filters |= {"kind": kind, "since": since, "limit": limit, "expand": expand}
+        filters |= {"include_history": include_history, "as_of": as_of}
+        return await self.send(calls.search(q, filters))
+
+    async def delete_page(self, source_id: str, slug: str) -> models.PageErased:
+        return await self.send(calls.delete_page(source_id, slug))
+
+    async def get_config(self, key: str) -> models.ConfigOut:
+        return await self.send(calls.get_config(key))
+
+    async def set_config(self, key: str, value: str | bool | int) -> models.ConfigSetOut:
+        return await self.send(calls.set_config(key, value))
+
+    async def get_transcript(self, transcript_id: str) -> models.TranscriptOut:
+        return await self.send(calls.get_transcript(transcript_id))
+
+    async def get_context(self, transcript_id: str) -> models.ContextOut:
+        return await self.send(calls.get_context(transcript_id))
+
+    async def list_messages(
+        self, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
+    ) -> models.MessagesOut:
+        return await self.send(calls.list_messages(transcript_id, after_seq, limit))
+
+    def iter_messages(
+        self, transcript_id: str, *, page_size: int = 1000
+    ) -> AsyncIterator[models.StoredMessageOut]:
+        return self.iterate(calls.messages_paging(transcript_id, page_size))
+
+
+__all__ = ["AsyncClient"]

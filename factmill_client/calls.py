@@ -1,0 +1,240 @@
+"""What each API call sends and what it answers, shared by the sync and the async client.
+
+A ``Call`` is one logical request: its method, path, query, body, the model of its answer, whether it
+is signed, and its Idempotency-Key (made once here, so every retry of the call carries the same one).
+The clients only send calls; the rules of each endpoint live here once.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+from pydantic import BaseModel
+
+from factmill_client import models
+
+T = TypeVar("T", bound=BaseModel)
+P = TypeVar("P", bound=BaseModel)
+I = TypeVar("I")  # noqa: E741  (the item type of a paged list)
+
+
+def new_idempotency_key() -> str:
+    return f"fm-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    method: str
+    path: str  # percent-encoded, as sent (and as a v2 signature binds it)
+    model: type[T]
+    params: Mapping[str, Any] | None = None
+    body: bytes | None = None
+    signed: bool = False  # signed with the webhook secret when the client has one
+    # Sent on every POST; the server replays the stored answer for a repeat of an ingestion call.
+    idempotency_key: str | None = None
+    # Whether sending the call again after an unknown outcome (a timeout, a 5xx) is harmless: true for
+    # reads, PUTs and the deduplicated ingestion POSTs; false where a repeat would act twice.
+    replayable: bool = True
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def json_body(payload: Any) -> bytes:
+    """The exact bytes sent (and signed): UTF-8 JSON, non-ASCII kept, NaN refused as the server would."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, default=_json_default).encode("utf-8")
+
+
+def segment(value: str | int) -> str:
+    """One path segment, percent-encoded ('/' included)."""
+    return quote(str(value), safe="")
+
+
+def page_path(source_id: str, slug: str) -> str:
+    # A slug holds '/' (conversations/2024/alice): the route takes it as a path, so '/' stays.
+    return f"/v1/pages/{segment(source_id)}/{quote(slug, safe='/')}"
+
+
+def _query(**values: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out[name] = "true" if value else "false"
+        elif isinstance(value, datetime):
+            out[name] = value.isoformat()
+        else:
+            out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------- writes
+
+
+def ingest(payload: Any, idempotency_key: str | None) -> Call[models.PagesAccepted]:
+    return Call(
+        "POST",
+        "/v1/pages",
+        models.PagesAccepted,
+        body=json_body(payload),
+        signed=True,
+        idempotency_key=idempotency_key or new_idempotency_key(),
+    )
+
+
+def ingest_pages(pages: Sequence[Any], idempotency_key: str | None) -> Call[models.PagesAccepted]:
+    return ingest({"pages": list(pages)}, idempotency_key)
+
+
+def append_messages(
+    transcript_id: str,
+    messages: Iterable[Mapping[str, Any]],
+    settings: Mapping[str, Any] | None,
+    idempotency_key: str | None,
+) -> Call[models.AppendOut]:
+    payload: dict[str, Any] = {"messages": list(messages)}
+    if settings is not None:
+        payload["settings"] = dict(settings)
+    return Call(
+        "POST",
+        f"/v1/transcripts/{segment(transcript_id)}/messages",
+        models.AppendOut,
+        body=json_body(payload),
+        signed=True,
+        idempotency_key=idempotency_key or new_idempotency_key(),
+    )
+
+
+def retry_job(job_id: int, skipped: bool) -> Call[models.JobOut]:
+    # Not deduplicated by the server: a repeat of a retry that did go through is answered 409 (the job
+    # is already queued), so only a request that surely never arrived is sent again.
+    return Call(
+        "POST",
+        f"/v1/jobs/{int(job_id)}/retry",
+        models.JobOut,
+        params=_query(skipped=skipped or None),
+        idempotency_key=new_idempotency_key(),
+        replayable=False,
+    )
+
+
+def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:
+    return Call("PUT", f"/v1/config/{segment(key)}", models.ConfigSetOut, body=json_body({"value": value}))
+
+
+def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:
+    # A repeat of an erasure that went through answers 404: like retry_job, only resent when unsent.
+    return Call("DELETE", page_path(source_id, slug), models.PageErased, replayable=False)
+
+
+# ---------------------------------------------------------------------------- reads
+
+
+def get_job(job_id: int) -> Call[models.JobOut]:
+    return Call("GET", f"/v1/jobs/{int(job_id)}", models.JobOut)
+
+
+def list_jobs(
+    status: str | None, kind: str | None, limit: int, before_id: int | None
+) -> Call[models.JobList]:
+    params = _query(status=status, kind=kind, limit=limit, before_id=before_id)
+    return Call("GET", "/v1/jobs", models.JobList, params=params)
+
+
+def page_facts(
+    source_id: str, slug: str, limit: int, offset: int, history: Mapping[str, Any] | None = None
+) -> Call[models.PageFactsPage]:
+    """``history``: include_history / as_of (current facts only by default)."""
+    path = page_path(source_id, slug) + "/facts"
+    return Call(
+        "GET", path, models.PageFactsPage, params=_query(limit=limit, offset=offset, **(history or {}))
+    )
+
+
+def search(q: str, filters: Mapping[str, Any]) -> Call[models.SearchOut]:
+    # POST, not GET: a query document spans lines; the body is a read, so resending it is harmless.
+    body = {"q": q, **{k: v for k, v in filters.items() if v is not None}}
+    return Call(
+        "POST", "/v1/search", models.SearchOut, body=json_body(body), idempotency_key=new_idempotency_key()
+    )
+
+
+def get_config(key: str) -> Call[models.ConfigOut]:
+    return Call("GET", f"/v1/config/{segment(key)}", models.ConfigOut)
+
+
+def get_transcript(transcript_id: str) -> Call[models.TranscriptOut]:
+    return Call("GET", f"/v1/transcripts/{segment(transcript_id)}", models.TranscriptOut)
+
+
+def get_context(transcript_id: str) -> Call[models.ContextOut]:
+    return Call("GET", f"/v1/transcripts/{segment(transcript_id)}/context", models.ContextOut)
+
+
+def list_messages(transcript_id: str, after_seq: int | None, limit: int) -> Call[models.MessagesOut]:
+    path = f"/v1/transcripts/{segment(transcript_id)}/messages"
+    return Call("GET", path, models.MessagesOut, params=_query(after_seq=after_seq, limit=limit))
+
+
+# ---------------------------------------------------------------------------- paging
+
+
+@dataclass(frozen=True)
+class Paging(Generic[P, I]):
+    """How to walk a list endpoint: the first call, the items of a page, and the call for the page after
+    it given the items read so far (None at the end)."""
+
+    first: Call[P]
+    items: Callable[[P], Sequence[I]]
+    after: Callable[[P, int], Call[P] | None] = field(repr=False)
+
+
+def jobs_paging(
+    status: str | None, kind: str | None, page_size: int
+) -> Paging[models.JobList, models.JobOut]:
+    """Newest first, by id: ``before_id`` the last id seen, so jobs created meanwhile never shift a page."""
+
+    def after(page: models.JobList, _seen: int) -> Call[models.JobList] | None:
+        if len(page.jobs) < page_size:
+            return None
+        return list_jobs(status, kind, page_size, page.jobs[-1].id)
+
+    return Paging(list_jobs(status, kind, page_size, None), lambda page: page.jobs, after)
+
+
+def facts_paging(
+    source_id: str, slug: str, page_size: int, history: Mapping[str, Any] | None = None
+) -> Paging[models.PageFactsPage, models.FactRecord]:
+    """Row order, by offset, until ``total`` facts were read."""
+
+    def after(page: models.PageFactsPage, seen: int) -> Call[models.PageFactsPage] | None:
+        if not page.facts or seen >= page.total:
+            return None
+        return page_facts(source_id, slug, page_size, seen, history)
+
+    return Paging(page_facts(source_id, slug, page_size, 0, history), lambda page: page.facts, after)
+
+
+def messages_paging(
+    transcript_id: str, page_size: int
+) -> Paging[models.MessagesOut, models.StoredMessageOut]:
+    """Seq order, by the ``next_after_seq`` cursor the server answers (None on the last page)."""
+
+    def after(page: models.MessagesOut, _seen: int) -> Call[models.MessagesOut] | None:
+        if page.next_after_seq is None:
+            return None
+        return list_messages(transcript_id, page.next_after_seq, page_size)
+
+    return Paging(list_messages(transcript_id, None, page_size), lambda page: page.messages, after)

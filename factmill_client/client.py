@@ -1,0 +1,252 @@
+"""The synchronous client: ``Client(base_url, api_key=..., webhook_secret=...)``.
+
+Each method sends one call of factmill_client.calls and answers its typed model; ``iter_*`` methods
+walk a list endpoint page by page. Errors are factmill_client.errors exceptions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from factmill_client import calls, models
+from factmill_client.errors import ApiConnectionError
+from factmill_client.transport import (
+    Credentials,
+    RetryPolicy,
+    build_request,
+    give_up_message,
+    note_retry,
+    parse,
+)
+
+T = TypeVar("T", bound=BaseModel)
+P = TypeVar("P", bound=BaseModel)
+I = TypeVar("I")  # noqa: E741
+
+USER_AGENT = "factmill-client"
+
+
+class Client:
+    """The Factmill HTTP API. ``api_key`` is sent as ``Authorization: Bearer`` on every call;
+    ``webhook_secret`` signs the ingestion calls (pages, transcript appends) instead of, or besides,
+    a key with the ingest scope. ``transport`` is handed to httpx (tests, proxies)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        webhook_secret: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=base_url, timeout=timeout, transport=transport, headers={"User-Agent": USER_AGENT}
+        )
+        self._credentials = Credentials(api_key, webhook_secret, clock)
+        self.retry = retry or RetryPolicy()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def send(self, call: calls.Call[T]) -> T:
+        """Send ``call`` (retrying as ``self.retry`` says) and answer its model."""
+        attempt = 0
+        while True:
+            attempt += 1
+            request = build_request(self._http, call, self._credentials)
+            try:
+                response = self._http.send(request)
+            except httpx.TransportError as exc:
+                pause = self.retry.after_error(call, exc, attempt)
+                if pause is None:
+                    raise ApiConnectionError(give_up_message(call, exc, attempt)) from exc
+                note_retry(call, attempt, f"failed ({type(exc).__name__})", pause)
+            else:
+                pause = self.retry.after_response(call, response, attempt)
+                if pause is None:
+                    return parse(call, response)
+                note_retry(call, attempt, f"answered {response.status_code}", pause)
+            time.sleep(pause)
+
+    def iterate(self, paging: calls.Paging[P, I]) -> Iterator[I]:
+        """Every item of a list endpoint, fetching each page when the one before it is used up."""
+        call: calls.Call[P] | None = paging.first
+        seen = 0
+        while call is not None:
+            page = self.send(call)
+            items = paging.items(page)
+            seen += len(items)
+            yield from items
+            call = paging.after(page, seen)
+
+    def ready(self) -> bool:
+        """Whether the API answers /readyz with 200 (its database and broker reachable); never raises."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # ------------------------------------------------------------------ ingestion (signed)
+
+    def ingest_page(
+        self, page: Mapping[str, Any] | BaseModel, *, idempotency_key: str | None = None
+    ) -> models.PagesAccepted:
+        """Store one page and queue its extraction (POST /v1/pages)."""
+        return self.send(calls.ingest(page, idempotency_key))
+
+    def ingest_pages(
+        self, pages: Sequence[Mapping[str, Any] | BaseModel], *, idempotency_key: str | None = None
+    ) -> models.PagesAccepted:
+        """Store a batch of pages (at most 1,000) in one transaction and queue their extraction."""
+        return self.send(calls.ingest_pages(pages, idempotency_key))
+
+    def append_messages(
+        self,
+        transcript_id: str,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        settings: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> models.AppendOut:
+        """Append messages to a transcript (created on first use); queues a compaction when due."""
+        return self.send(calls.append_messages(transcript_id, messages, settings, idempotency_key))
+
+    # ------------------------------------------------------------------ jobs
+
+    def get_job(self, job_id: int) -> models.JobOut:
+        return self.send(calls.get_job(job_id))
+
+    def list_jobs(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        limit: int = 50,
+        before_id: int | None = None,
+    ) -> models.JobList:
+        """One page of jobs, newest first."""
+        return self.send(calls.list_jobs(status, kind, limit, before_id))
+
+    def iter_jobs(
+        self, *, status: str | None = None, kind: str | None = None, page_size: int = 200
+    ) -> Iterator[models.JobOut]:
+        """Every job (of ``status``/``kind``), newest first, page by page."""
+        return self.iterate(calls.jobs_paging(status, kind, page_size))
+
+    def retry_job(self, job_id: int, *, skipped: bool = False) -> models.JobOut:
+        """Queue a failed, paused or succeeded job again (admin scope)."""
+        return self.send(calls.retry_job(job_id, skipped))
+
+    def wait_for_job(self, job_id: int, *, timeout: float = 300.0, interval: float = 0.3) -> models.JobOut:
+        """The job once it has succeeded or failed; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get_job(job_id)
+            if job.done:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f} s")
+            time.sleep(interval)
+
+    # ------------------------------------------------------------------ facts, search, pages
+
+    def page_facts(
+        self,
+        source_id: str,
+        slug: str,
+        *,
+        limit: int = 1000,
+        offset: int = 0,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> models.PageFactsPage:
+        """One page of a page's facts, in row order."""
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.send(calls.page_facts(source_id, slug, limit, offset, history))
+
+    def iter_page_facts(
+        self,
+        source_id: str,
+        slug: str,
+        *,
+        page_size: int = 1000,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> Iterator[models.FactRecord]:
+        """Every fact of a page, in row order, page by page."""
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.iterate(calls.facts_paging(source_id, slug, page_size, history))
+
+    def search(
+        self,
+        q: str,
+        *,
+        intent: str | None = None,
+        source_id: str | None = None,
+        entity: str | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = None,
+        expand: bool | None = None,
+        include_history: bool | None = None,
+        as_of: datetime | None = None,
+    ) -> models.SearchOut:
+        """Search the facts: a plain query, or a query document of lex:/vec:/hyde:/intent: lines."""
+        filters: dict[str, Any] = {"intent": intent, "source_id": source_id, "entity": entity}
+        filters |= {"kind": kind, "since": since, "limit": limit, "expand": expand}
+        filters |= {"include_history": include_history, "as_of": as_of}
+        return self.send(calls.search(q, filters))
+
+    def delete_page(self, source_id: str, slug: str) -> models.PageErased:
+        """Erase a page and everything drawn from it (admin scope)."""
+        return self.send(calls.delete_page(source_id, slug))
+
+    # ------------------------------------------------------------------ config (admin)
+
+    def get_config(self, key: str) -> models.ConfigOut:
+        return self.send(calls.get_config(key))
+
+    def set_config(self, key: str, value: str | bool | int) -> models.ConfigSetOut:
+        """Set a kill switch or tunable; turning a kill switch on resumes its paused jobs."""
+        return self.send(calls.set_config(key, value))
+
+    # ------------------------------------------------------------------ transcripts (reads)
+
+    def get_transcript(self, transcript_id: str) -> models.TranscriptOut:
+        return self.send(calls.get_transcript(transcript_id))
+
+    def get_context(self, transcript_id: str) -> models.ContextOut:
+        """What to send a model now: the newest accepted summary plus the messages after its cut."""
+        return self.send(calls.get_context(transcript_id))
+
+    def list_messages(
+        self, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
+    ) -> models.MessagesOut:
+        return self.send(calls.list_messages(transcript_id, after_seq, limit))
+
+    def iter_messages(
+        self, transcript_id: str, *, page_size: int = 1000
+    ) -> Iterator[models.StoredMessageOut]:
+        """The transcript's full history in order, page by page."""
+        return self.iterate(calls.messages_paging(transcript_id, page_size))
+
+
+__all__ = ["Client"]

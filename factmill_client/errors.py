@@ -1,0 +1,139 @@
+"""What a call can raise: one exception class per answer a caller acts on, carrying the server's detail.
+
+The server answers every error as JSON ``{"detail": ..., **extra}`` (422s add ``errors``: a list of
+``{"loc", "msg"}``; 500s add ``request_id``). ``ApiError`` keeps all of it; the subclasses let a caller
+catch what it can handle: a bad key (``AuthenticationError``), a missing scope (``PermissionDenied``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class FactmillError(Exception):
+    """Anything the client raises."""
+
+
+class ApiConnectionError(FactmillError):
+    """No answer from the server (connection refused, reset or timed out) after every retry."""
+
+
+class ApiError(FactmillError):
+    """The server answered with an error status; ``detail`` is its message, ``body`` its whole answer."""
+
+    def __init__(self, status_code: int, detail: str, body: dict[str, Any], headers: httpx.Headers) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+        self.body = body
+        self.headers = headers
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        """The problems a 422 lists, each ``{"loc": ..., "msg": ...}`` (empty for other errors)."""
+        found = self.body.get("errors")
+        return list(found) if isinstance(found, list) else []
+
+    @property
+    def request_id(self) -> str | None:
+        """The id the server logged an unexpected error under (500s), for its operator."""
+        found = self.body.get("request_id") or self.headers.get("x-request-id")
+        return str(found) if found else None
+
+
+class BadRequest(ApiError):
+    """400: a malformed request (a bad query document, a bad Content-Length)."""
+
+
+class AuthenticationError(ApiError):
+    """401: no credential, an unknown or revoked key, or a webhook signature that does not verify."""
+
+
+class PermissionDenied(ApiError):
+    """403: the key lacks the route's scope, or may not read or write that source."""
+
+
+class NotFound(ApiError):
+    """404: no such job, page, transcript or config key (or one the key may not see)."""
+
+
+class Conflict(ApiError):
+    """409: the request clashes with the current state (a newer delivery, a job already queued)."""
+
+
+class PayloadTooLarge(ApiError):
+    """413: the body is over the server's cap (FACTMILL_MAX_BODY_BYTES); send smaller batches."""
+
+
+class UnprocessableEntity(ApiError):
+    """422: the body or a parameter is invalid; ``errors`` names each field at fault."""
+
+
+class RateLimited(ApiError):
+    """429: this key's requests per minute are used up; ``retry_after`` says when to try again."""
+
+    @property
+    def retry_after(self) -> float | None:
+        return retry_after_seconds(self.headers)
+
+
+class ServerError(ApiError):
+    """5xx: the server failed (or is unavailable); retried before it is raised."""
+
+
+BY_STATUS: dict[int, type[ApiError]] = {
+    400: BadRequest,
+    401: AuthenticationError,
+    403: PermissionDenied,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: UnprocessableEntity,
+    429: RateLimited,
+}
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """Retry-After as seconds (the server sends delta-seconds only), None when absent or not a number."""
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def error_for(response: httpx.Response) -> ApiError:
+    """The exception for an error answer; a body that is not the server's JSON (a proxy's page) keeps
+    its first 500 characters as the detail."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {"detail": response.text[:500] or response.reason_phrase}
+    detail = body.get("detail")
+    text = detail if isinstance(detail, str) else str(detail)
+    status = response.status_code
+    cls = BY_STATUS.get(status, ServerError if status >= 500 else ApiError)
+    return cls(status, text, body, response.headers)
+
+
+__all__ = [
+    "ApiConnectionError",
+    "ApiError",
+    "AuthenticationError",
+    "BadRequest",
+    "Conflict",
+    "FactmillError",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "RateLimited",
+    "ServerError",
+    "UnprocessableEntity",
+    "error_for",
+]

@@ -1,0 +1,304 @@
+"""The API's answers as typed models, named as the OpenAPI document names their schemas.
+
+Written by hand to read well, and held to the document by tests/client/test_openapi_drift.py: it walks
+every schema below against the live app's ``/openapi.json`` (field names, types, required-ness), so a
+server change that is not mirrored here fails the tests. Unknown fields are ignored at run time so an
+older client keeps working against a newer server.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Model(BaseModel):
+    # defer_build: a schema is built on first use, so importing the client (every `factmill` command
+    # does, through the demo) costs no model building.
+    model_config = ConfigDict(extra="ignore", frozen=True, defer_build=True)
+
+
+# ---------------------------------------------------------------------------- pages
+
+
+class JobAccepted(Model):
+    job_id: int
+    source_id: str
+    slug: str
+    created: bool  # False: a pending job for this page already existed and will read the new content
+
+
+class PageRef(Model):
+    source_id: str
+    slug: str
+
+
+class PagesAccepted(Model):
+    jobs: list[JobAccepted]
+    unchanged: list[PageRef]
+
+
+class PageErased(Model):
+    source_id: str
+    slug: str
+    facts_removed: int
+    embeddings_removed: int
+    checkpoints_removed: int
+    audit_rows_removed: int
+    jobs_cancelled: int
+
+
+# ---------------------------------------------------------------------------- jobs
+
+
+class JobOut(Model):
+    id: int
+    kind: str
+    subject: str
+    source_id: str | None = None
+    slug: str | None = None
+    status: str
+    attempts: int
+    worker_losses: int
+    options: dict[str, Any]
+    counters: dict[str, Any]
+    last_error: str | None
+    rerun_requested: bool
+    worker: str | None
+    created_at: datetime
+    updated_at: datetime
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    heartbeat_at: datetime | None
+
+    @property
+    def done(self) -> bool:
+        """Succeeded or failed: nothing more will happen to it unless it is retried."""
+        return self.status in ("succeeded", "failed")
+
+
+class JobList(Model):
+    jobs: list[JobOut]
+
+
+# ---------------------------------------------------------------------------- facts
+
+
+class FactRecord(Model):
+    id: int
+    row_num: int
+    fact: str
+    kind: str
+    entity_slug: str | None
+    confidence: float
+    notability: str
+    context: str
+    valid_from: datetime | None
+    source: str
+    source_session: str
+    claim_metric: str | None
+    claim_value: float | None
+    claim_unit: str | None
+    claim_period: str | None
+    created_at: datetime
+    status: str  # current, superseded or duplicate (the fact lifecycle)
+    valid_to: datetime | None
+    superseded_by: int | None
+    duplicate_of: int | None
+
+
+class PageFactsPage(Model):
+    source_id: str
+    slug: str
+    page_id: int
+    total: int
+    facts: list[FactRecord]
+
+
+# ---------------------------------------------------------------------------- config
+
+
+class ConfigOut(Model):
+    key: str
+    value: str | None
+    enabled: bool | None = None
+    updated_at: datetime | None = None
+    updated_by: str | None = None
+
+
+class ConfigSetOut(ConfigOut):
+    resumed: int = 0
+
+
+# ---------------------------------------------------------------------------- search
+
+
+class SearchLineOut(Model):
+    type: str
+    query: str
+    origin: str
+    weight: float
+    line: int | None
+    hits: int
+
+
+class SearchResultOut(Model):
+    fact_id: int
+    fact: str
+    kind: str
+    entity: str | None
+    score: float
+    lex_score: float | None
+    vec_score: float | None
+    source_id: str
+    page_slug: str
+    segment: str
+    segment_start: str | None
+    segment_end: str | None
+    row_num: int
+    confidence: float
+    notability: str
+    valid_from: str | None
+    status: str
+    valid_to: str | None
+    superseded_by: int | None
+    duplicate_of: int | None
+    snippet: str
+    snippet_line: int
+    matched_by: list[str]
+
+
+class SearchOut(Model):
+    query: str
+    intent: str | None
+    structured: bool
+    expanded: bool
+    strong_signal: bool
+    vector_search: str
+    searches: list[SearchLineOut]
+    results: list[SearchResultOut]
+    took_ms: float
+    notes: list[str]
+
+
+# ---------------------------------------------------------------------------- transcripts
+
+
+class CompactionRequested(Model):
+    job_id: int
+    created: bool
+
+
+class AppendOut(Model):
+    transcript_id: str
+    appended: int
+    first_seq: int
+    last_seq: int
+    context_tokens: int
+    trigger_tokens: int | None
+    compaction: CompactionRequested | None
+    note: str | None = None
+
+
+class TranscriptSettingsOut(Model):
+    context_window: int | None
+    reserve_tokens: int
+    keep_recent_tokens: int
+    tool_result_limit: int
+    instructions: str | None
+
+
+class TranscriptOut(Model):
+    transcript_id: str
+    settings: TranscriptSettingsOut
+    trigger_tokens: int | None
+    messages: int
+    history_tokens: int
+    context_tokens: int
+    saved_tokens: int
+    summary_tokens: int
+    compaction_id: int | None
+    cut_seq: int | None
+    pending_job_id: int | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+
+class ToolCallOut(Model):
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class ContextMessageOut(Model):
+    seq: int | None
+    role: str
+    text: str
+    tool_calls: list[ToolCallOut]
+    tool_call_id: str | None
+    tool_name: str | None
+    is_compaction: bool
+    tokens: int
+
+
+class ContextOut(Model):
+    transcript_id: str
+    compaction_id: int | None
+    cut_seq: int | None
+    tokens: int
+    messages: list[ContextMessageOut]
+
+
+class StoredMessageOut(Model):
+    seq: int
+    role: str
+    text: str
+    tool_calls: list[ToolCallOut]
+    tool_call_id: str | None
+    tool_name: str | None
+    tokens: int
+    created_at: datetime
+
+
+class MessagesOut(Model):
+    transcript_id: str
+    messages: list[StoredMessageOut]
+    next_after_seq: int | None
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class ErrorOut(Model):
+    detail: str
+
+
+__all__ = [
+    "AppendOut",
+    "CompactionRequested",
+    "ConfigOut",
+    "ConfigSetOut",
+    "ContextMessageOut",
+    "ContextOut",
+    "ErrorOut",
+    "FactRecord",
+    "JobAccepted",
+    "JobList",
+    "JobOut",
+    "MessagesOut",
+    "Model",
+    "PageErased",
+    "PageFactsPage",
+    "PageRef",
+    "PagesAccepted",
+    "SearchLineOut",
+    "SearchOut",
+    "SearchResultOut",
+    "StoredMessageOut",
+    "ToolCallOut",
+    "TranscriptOut",
+    "TranscriptSettingsOut",
+]

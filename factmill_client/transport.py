@@ -1,0 +1,123 @@
+"""How a call goes over the wire, for both clients: its request (key, Idempotency-Key, a signature
+dated when it is sent), when to send it again, and how its answer becomes a model or an exception.
+
+Retries are this small policy rather than tenacity: the client depends on httpx and pydantic only.
+A call is sent again on a connection error, a 429 or a 5xx, with jittered exponential backoff (or the
+server's Retry-After). A call whose outcome is unknown (a timeout after sending, a 5xx) is resent only
+when that is harmless: reads, PUTs, and the ingestion POSTs, which the server deduplicates by their
+Idempotency-Key (made once per call, so every attempt carries the same one). A 429, or a connection
+that never opened, means the server did nothing: any call is resent then.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from factmill_client.calls import Call
+from factmill_client.errors import error_for, retry_after_seconds
+from factmill_client.signing import SIGNATURE_HEADER, sign
+
+logger = logging.getLogger("factmill_client")
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+# Errors raised before a request left the client: the server cannot have acted on it.
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+T = TypeVar("T", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a call is sent again, and how long to wait first."""
+
+    attempts: int = 4  # sends per call, the first included; 1 turns retries off
+    backoff: float = 0.25  # seconds before the first resend; doubled for each one after
+    max_backoff: float = 8.0
+    max_retry_after: float = 60.0  # a longer Retry-After is raised to the caller, not waited out
+    statuses: frozenset[int] = field(default=frozenset({429, 500, 502, 503, 504}))
+
+    def pause(self, attempt: int, retry_after: float | None = None) -> float:
+        if retry_after is not None:
+            return retry_after
+        ceiling = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        return ceiling * random.uniform(0.5, 1.0)  # jitter: many clients do not retry in step
+
+    def after_error(self, call: Call[Any], exc: httpx.TransportError, attempt: int) -> float | None:
+        """Seconds to wait before resending after a connection error; None to give up."""
+        if attempt >= self.attempts:
+            return None
+        if isinstance(exc, UNSENT_ERRORS) or call.replayable:
+            return self.pause(attempt)
+        return None
+
+    def after_response(self, call: Call[Any], response: httpx.Response, attempt: int) -> float | None:
+        """Seconds to wait before resending after this answer; None to keep it."""
+        status = response.status_code
+        if status not in self.statuses or attempt >= self.attempts:
+            return None
+        retry_after = retry_after_seconds(response.headers)
+        if retry_after is not None and retry_after > self.max_retry_after:
+            return None
+        if status == 429 or call.replayable:
+            return self.pause(attempt, retry_after)
+        return None
+
+
+@dataclass(frozen=True)
+class Credentials:
+    api_key: str | None = field(default=None, repr=False)
+    webhook_secret: str | None = field(default=None, repr=False)
+    clock: Callable[[], float] = field(default=time.time, repr=False)  # dates signatures
+
+
+def build_request(
+    http: httpx.Client | httpx.AsyncClient, call: Call[Any], credentials: Credentials
+) -> httpx.Request:
+    """The request for one attempt of ``call``. A signed call is signed again for each attempt (the
+    signature is dated, and the server refuses one past its tolerance), over the path as sent."""
+    headers: dict[str, str] = {}
+    if call.body is not None:
+        headers["Content-Type"] = "application/json"
+    if credentials.api_key:
+        headers["Authorization"] = f"Bearer {credentials.api_key}"
+    if call.idempotency_key is not None:
+        headers[IDEMPOTENCY_HEADER] = call.idempotency_key
+    request = http.build_request(
+        call.method, call.path, params=call.params, content=call.body, headers=headers
+    )
+    if call.signed and credentials.webhook_secret:
+        path = request.url.raw_path.decode("ascii").partition("?")[0]
+        request.headers[SIGNATURE_HEADER] = sign(
+            call.body or b"",
+            credentials.webhook_secret,
+            int(credentials.clock()),
+            method=call.method,
+            path=path,
+        )
+    return request
+
+
+def give_up_message(call: Call[Any], exc: Exception, attempt: int) -> str:
+    return f"{call.method} {call.path}: no answer after {attempt} attempt(s): {type(exc).__name__}: {exc}"
+
+
+def note_retry(call: Call[Any], attempt: int, why: str, pause: float) -> None:
+    logger.info("%s %s: attempt %s %s; sending again in %.2f s", call.method, call.path, attempt, why, pause)
+
+
+def parse(call: Call[T], response: httpx.Response) -> T:
+    """The answer as the call's model, or the exception for its error status."""
+    if response.is_success:
+        return call.model.model_validate(response.json())
+    raise error_for(response)
+
+
+__all__ = ["Credentials", "RetryPolicy", "build_request", "give_up_message", "note_retry", "parse"]

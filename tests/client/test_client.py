@@ -1,0 +1,205 @@
+"""factmill_client against the real API process: signed ingestion, typed errors, idempotent retries,
+paging, and the async client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from factmill_client import (
+    AsyncClient,
+    AuthenticationError,
+    Client,
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    RetryPolicy,
+    UnprocessableEntity,
+)
+from factmill_client.signing import SIGNATURE_HEADER
+from tests.auth import new_key
+from tests.client.conftest import BODY_CAP, SECRET, Service
+from tests.e2e.test_service_e2e import PAGE
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def page(n: int) -> dict[str, Any]:
+    return {**PAGE, "slug": f"conversations/client/{n}", "title": f"Client page {n}"}
+
+
+class Recording(httpx.HTTPTransport):
+    """The real HTTP transport, keeping each request; ``lose`` answers arrive at the server but are lost
+    on the way back (the connection drops after the server acted), like a flaky network."""
+
+    def __init__(self, lose: int = 0) -> None:
+        super().__init__()
+        self.requests: list[httpx.Request] = []
+        self.responses: list[httpx.Response] = []
+        self.lose = lose
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        response = super().handle_request(request)
+        response.read()
+        self.responses.append(response)
+        if self.lose > 0:
+            self.lose -= 1
+            raise httpx.ReadError("connection reset after the request was sent", request=request)
+        return response
+
+
+def test_signed_ingest_then_the_page_facts_page_by_page(service: Service, factory):
+    reader_key = new_key(factory, ["read"])
+    with (
+        Client(service.base_url, webhook_secret=SECRET) as sender,
+        Client(service.base_url, api_key=reader_key) as reader,
+    ):
+        accepted = sender.ingest_page(PAGE)
+        [job] = accepted.jobs
+        assert (job.slug, job.created, accepted.unchanged) == (PAGE["slug"], True, [])
+        done = reader.wait_for_job(job.job_id, timeout=120)
+        assert done.status == "succeeded", (done, service.logs())
+        whole = reader.page_facts("default", PAGE["slug"])
+        assert whole.total >= 2 and len(whole.facts) == whole.total
+        # One fact per request: the iterator follows the offsets to the end, in row order.
+        paged = list(reader.iter_page_facts("default", PAGE["slug"], page_size=1))
+        assert paged == whole.facts
+        assert any("Acme" in fact.fact for fact in paged)
+        found = reader.search("lex: Acme", source_id="default")
+        assert found.results and {r.page_slug for r in found.results} == {PAGE["slug"]}
+        # The same content again: nothing changed, nothing queued.
+        assert sender.ingest_page(PAGE).jobs == []
+
+
+def test_errors_are_typed_and_carry_the_servers_detail(service: Service, factory):
+    reader_key = new_key(factory, ["read"])
+    with (
+        Client(service.base_url, api_key="fm_not_a_key") as stranger,
+        pytest.raises(AuthenticationError) as bad_key,
+    ):
+        stranger.get_job(1)
+    assert bad_key.value.status_code == 401 and "unknown or revoked API key" in bad_key.value.detail
+    with (
+        Client(service.base_url, webhook_secret="not-the-secret") as forger,
+        pytest.raises(AuthenticationError) as forged,
+    ):
+        forger.ingest_page(PAGE)
+    assert "signature does not match" in forged.value.detail
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        with pytest.raises(UnprocessableEntity) as invalid:
+            sender.ingest_pages([page(1), {"type": "conversation"}])
+        assert {e["loc"] for e in invalid.value.errors} >= {"pages[1].slug"}
+        with pytest.raises(PayloadTooLarge):
+            sender.ingest_page({**page(2), "compiled_truth": "x" * BODY_CAP})
+        [job] = sender.ingest_page(page(3)).jobs
+    # A delivery signed a minute before the one stored (a late retry from another sender) is refused.
+    with (
+        Client(service.base_url, webhook_secret=SECRET, clock=lambda: time.time() - 60) as late,
+        pytest.raises(Conflict) as stale,
+    ):
+        late.ingest_page({**page(3), "title": "an older edit"})
+    assert stale.value.body["slug"] == page(3)["slug"]
+    with Client(service.base_url, api_key=reader_key) as reader:
+        with pytest.raises(NotFound) as missing:
+            reader.get_job(10**9)
+        assert missing.value.detail == f"no job {10**9}"
+        with pytest.raises(PermissionDenied) as refused:
+            reader.retry_job(job.job_id)
+        assert "admin" in refused.value.detail
+        settle(reader, [job.job_id])
+
+
+def settle(client: Client, job_ids: list[int]) -> None:
+    """Wait for the jobs, so the next test's TRUNCATE does not race the worker."""
+    for job_id in job_ids:
+        client.wait_for_job(job_id, timeout=120)
+
+
+def test_a_lost_answer_is_retried_with_the_same_key_and_makes_one_job(service: Service, factory):
+    transport = Recording(lose=1)
+    fast = RetryPolicy(backoff=0.01)
+    with Client(service.base_url, webhook_secret=SECRET, transport=transport, retry=fast) as sender:
+        accepted = sender.ingest_page(page(10))
+    first, second = transport.requests
+    key = first.headers["Idempotency-Key"]
+    assert key and second.headers["Idempotency-Key"] == key
+    assert SIGNATURE_HEADER in second.headers
+    # The server acted on the first send; the second is the stored answer replayed.
+    assert transport.responses[1].headers.get("Idempotent-Replayed") == "true"
+    assert transport.responses[0].json() == transport.responses[1].json() == accepted.model_dump()
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        # The same logical call sent twice with one key: one job, the same answer.
+        again = sender.ingest_page(page(11), idempotency_key="client-delivery-1")
+        assert sender.ingest_page(page(11), idempotency_key="client-delivery-1") == again
+    with Client(service.base_url, api_key=new_key(factory, ["read"])) as reader:
+        slugs = [job.slug for job in reader.iter_jobs()]
+        settle(reader, [accepted.jobs[0].job_id, again.jobs[0].job_id])
+    assert sorted(slugs) == ["conversations/client/10", "conversations/client/11"]
+
+
+def test_iter_jobs_follows_the_cursor_over_more_jobs_than_a_page(service: Service, factory):
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        accepted = sender.ingest_pages([page(n) for n in range(20, 27)])
+    created = sorted(job.job_id for job in accepted.jobs)
+    transport = Recording()
+    with Client(service.base_url, api_key=new_key(factory, ["read"]), transport=transport) as reader:
+        jobs = list(reader.iter_jobs(kind="extraction", page_size=3))
+        settle(reader, created)
+    assert [job.id for job in jobs] == sorted(created, reverse=True)
+    cursors = [r.url.params.get("before_id") for r in transport.requests if r.url.path == "/v1/jobs"]
+    assert cursors == [None, str(jobs[2].id), str(jobs[5].id)]
+
+
+def test_admin_calls_config_and_erasure(service: Service, factory):
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        [job] = sender.ingest_page(page(30)).jobs
+    with Client(service.base_url, api_key=new_key(factory, ["admin", "read"])) as admin:
+        settle(admin, [job.job_id])
+        assert admin.get_config("facts.extraction_enabled").enabled is True
+        assert admin.set_config("extraction.max_segment_failures", 5).value == "5"
+        assert admin.get_config("extraction.max_segment_failures").value == "5"
+        erased = admin.delete_page("default", "conversations/client/30")
+        assert erased.slug == "conversations/client/30"
+        with pytest.raises(NotFound):
+            admin.delete_page("default", "conversations/client/30")
+
+
+def test_async_client_appends_a_transcript_and_pages_through_it(service: Service, factory):
+    key = new_key(factory, ["read", "ingest"])
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "text": f"message {i}"} for i in range(5)]
+
+    async def scenario() -> dict[str, Any]:
+        async with AsyncClient(service.base_url, api_key=key) as client:
+            appended = await client.append_messages("client-t1", messages[:3])
+            await client.append_messages("client-t1", messages[3:])
+            history = [m async for m in client.iter_messages("client-t1", page_size=2)]
+            context = await client.get_context("client-t1")
+            pages = await client.ingest_pages([page(40), page(41), page(42)])
+            jobs = [job.id async for job in client.iter_jobs(page_size=2)]
+            for job_id in jobs:
+                await client.wait_for_job(job_id, timeout=120)
+            with pytest.raises(NotFound) as missing:
+                await client.get_transcript("never-written")
+            return {
+                "appended": appended,
+                "history": history,
+                "context": context,
+                "pages": pages,
+                "jobs": jobs,
+                "missing": missing.value.detail,
+            }
+
+    out = asyncio.run(scenario())
+    first = out["appended"].first_seq
+    assert out["appended"].last_seq == first + 2
+    assert [m.text for m in out["history"]] == [m["text"] for m in messages]
+    assert [m.seq for m in out["history"]] == list(range(first, first + 5))
+    assert [m.text for m in out["context"].messages] == [m["text"] for m in messages]
+    assert sorted(out["jobs"]) == sorted(job.job_id for job in out["pages"].jobs)
+    assert "never-written" in out["missing"]
