@@ -21,7 +21,13 @@ from worker.settings import Settings, get_settings
 logger = logging.getLogger(__name__)
 
 # One module per queue, each a few lines that turn registry entries into Celery tasks.
-TASK_MODULES = ("tasks.extraction", "tasks.maintenance", "tasks.calibration", "tasks.compaction")
+TASK_MODULES = (
+    "tasks.extraction",
+    "tasks.maintenance",
+    "tasks.calibration",
+    "tasks.compaction",
+    "tasks.backfill",
+)
 
 
 def broker_url(settings: Settings) -> str:

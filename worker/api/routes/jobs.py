@@ -20,7 +20,7 @@ from worker.jobs import outbox, queries
 logger = logging.getLogger(__name__)
 
 JobStatus = Literal["queued", "running", "paused", "succeeded", "failed"]  # = models.JOB_STATUSES
-JobKind = Literal["extraction", "compaction", "calibration"]  # = worker.jobs.JOB_KINDS
+JobKind = Literal["extraction", "compaction", "calibration", "batch_extraction"]  # = worker.jobs.JOB_KINDS
 
 jobs_router = APIRouter(tags=["jobs"])
 JobId = Annotated[int, Path(ge=1, le=BIGINT_MAX, description="The job id the webhook answered with")]
