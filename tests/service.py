@@ -242,7 +242,11 @@ class ServiceProcess:
 
 
 def start_worker(
-    env: dict[str, str], queues: str = "extraction,maintenance", concurrency: int = 8, name: str | None = None
+    env: dict[str, str],
+    queues: str = "extraction,maintenance",
+    concurrency: int = 8,
+    name: str | None = None,
+    ready_timeout: float = 60.0,
 ) -> ServiceProcess:
     node = name or f"w{uuid.uuid4().hex[:6]}@%h"
     return ServiceProcess(
@@ -262,13 +266,13 @@ def start_worker(
         env,
         ready_marker="ready.",
         name="worker",
-    ).start()
+    ).start(ready_timeout)
 
 
-def start_beat(env: dict[str, str], data_dir: Path) -> ServiceProcess:
+def start_beat(env: dict[str, str], data_dir: Path, ready_timeout: float = 60.0) -> ServiceProcess:
     return ServiceProcess(
         ["beat"], {**env, "FACTMILL_DATA_DIR": str(data_dir)}, ready_marker="beat: Starting", name="beat"
-    ).start()
+    ).start(ready_timeout)
 
 
 @contextmanager

@@ -10,13 +10,17 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
+from tests.auth import send_key
+from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
 from tests.integration.test_batch import page_body
 from tests.integration.test_extraction import put_page
 from worker.accounting import cost_usd, parse_prices
+from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
@@ -304,3 +308,39 @@ def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(fac
     assert batch.provider_batch_id == sent_id
     assert sim.stats()["batches"] == {"created": 1, "requests": 8, "results_downloads": 1}
     assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
+@pytest.fixture
+def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(tx_factory)
+
+
+@pytest.fixture
+def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, tx_factory)
+    with TestClient(create_app(runtime, sender=recorder)) as test_client:
+        send_key(test_client, tx_factory)  # a read-scoped key; admin calls pass ADMIN_HEADERS
+        yield test_client
+
+
+def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client, recorder, tx_factory):
+    seed_pages(tx_factory, "bf", 1)
+    assert client.post("/v1/backfills", json={"source_id": "bf"}).status_code == 403  # a read key
+    refused = client.post("/v1/backfills", json={"since": "yesterday"}, headers=ADMIN_HEADERS)
+    assert refused.status_code == 422 and "ISO-8601" in refused.text
+    created = client.post(
+        "/v1/backfills", json={"source_id": "bf", "slug_prefix": "chats/"}, headers=ADMIN_HEADERS
+    )
+    assert created.status_code == 202, created.text
+    backfill_id, job_id = created.json()["id"], created.json()["job_id"]
+    assert recorder.calls == [("tasks.backfill.run_backfill", job_id, "extraction")]  # after the commit
+    assert client.get(f"/v1/backfills/{backfill_id}").status_code == 403
+    shown = client.get(f"/v1/backfills/{backfill_id}", headers=ADMIN_HEADERS).json()
+    assert shown["status"] == "planning" and shown["job_status"] == "queued"
+    assert shown["filters"]["slug_prefix"] == "chats/" and shown["requests"]["total"] == 0
+    assert client.get("/v1/backfills/999999", headers=ADMIN_HEADERS).status_code == 404
+    cancelled = client.post(f"/v1/backfills/{backfill_id}/cancel", headers=ADMIN_HEADERS)
+    assert cancelled.status_code == 202 and cancelled.json()["cancel_requested"] is True
+    text = client.get("/metrics", headers=ADMIN_HEADERS).text
+    assert 'factmill_backfills{status="planning"} 1.0' in text
+    assert 'factmill_backfill_requests{status="pending"} 0.0' in text

@@ -30,7 +30,6 @@ from models import Backfill
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.checkpoint import segment_hash
-from worker.core.conversation import render_segment_for_extraction
 from worker.extraction.backfill_store import (
     BackfillSegmentStore,
     BackfillStore,
@@ -39,7 +38,7 @@ from worker.extraction.backfill_store import (
     PlannedRequest,
     RequestRow,
 )
-from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result
+from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
 from worker.extraction.committer import SegmentResults
 from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
 from worker.extraction.planner import PagePlan
@@ -221,9 +220,8 @@ class BackfillPass:
                 if plan is None or segment is None or segment_hash(segment) != row.segment_hash:
                     dropped.append(row.id)
                     continue
-                turn = first_turn(render_segment_for_extraction(plan.label, segment))
-                requests[row.custom_id] = extraction_request(
-                    [turn], self.run.max_facts, self.deps.max_output_tokens
+                requests[row.custom_id] = segment_request(
+                    plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
                 )
         self.store.mark_requests(dropped, "dropped")
         return requests
