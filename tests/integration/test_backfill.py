@@ -22,10 +22,14 @@ from tests.integration.test_extraction import put_page
 from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
+from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.extraction.batch import segment_request
 from worker.jobs.lifecycle import JobOutcome, run_job
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import Usage
 from worker.runtime import Runtime
@@ -344,3 +348,33 @@ def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client,
     text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_backfills{status="planning"} 1.0' in text
     assert 'factmill_backfill_requests{status="pending"} 0.0' in text
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
+    """``find`` is how a send whose answer was lost is recovered; it must never mistake another batch."""
+
+    client: Any
+    if wire == "openai":
+        client = OpenAIBatchClient(
+            OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+        )
+    else:
+        client = AnthropicBatchClient(
+            AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+        )
+
+    segment = split_into_segments(parse_conversation_messages(page_body("Ann Example", "Acme")))[0]
+    request = segment_request("chat: Ann", segment, 5, 256)
+    sim.configure(batch_delay_seconds=3600)
+    other = client.submit([("fmotherb1n0-p1-m2", request)], key="fmotherb1n0")
+    mine = client.submit([("fmmineb1n0-p1-m2", request), ("fmmineb1n0-p1-m4", request)], key="fmmineb1n0")
+    assert other != mine
+    if wire == "openai":  # its metadata carries the key
+        assert client.find("fmmineb1n0") == mine
+    else:  # Message Batches keep no metadata: while a batch runs, any of them may be it
+        assert client.find("fmmineb1n0") is UNDETERMINED
+    sim.end_batches()
+    assert client.find("fmmineb1n0") == mine
+    assert client.find("fmotherb1n0") == other
+    assert client.find("fmneverb1n0") is None

@@ -213,16 +213,21 @@ async def start_batch(
     )
     state.store.add_batch(batch)
     state.record_batch(len(requests))
-    if config.batch_create_hold_seconds:
-        await asyncio.sleep(config.batch_create_hold_seconds)
+    await hold(state, "batch_create_hold_seconds")
     return batch
+
+
+async def hold(state: SimulatorState, knob: str) -> None:
+    """Wait while the knob (seconds, read live) says to: turning it down lets held calls go at once."""
+    started = time.monotonic()
+    while time.monotonic() - started < float(getattr(state.config, knob)):
+        await asyncio.sleep(0.05)
 
 
 async def hold_results(state: SimulatorState) -> None:
     """Count a download of batch results and hold it for batch_results_hold_seconds."""
     state.record_results_download()
-    if state.config.batch_results_hold_seconds:
-        await asyncio.sleep(state.config.batch_results_hold_seconds)
+    await hold(state, "batch_results_hold_seconds")
 
 
 def list_limit(request: Request, default: int) -> int:
