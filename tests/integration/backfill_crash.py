@@ -57,7 +57,7 @@ def start_backfill_cli(env: dict[str, str], source: str) -> tuple[int, int]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=START,
         check=True,
     )
     answer = json.loads(done.stdout)
