@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.api_key import API_SCOPES, ApiKey
+from models.backfill import BACKFILL_STATUSES, Backfill, BackfillBatch, BackfillRequest
 from models.base import NAMING_CONVENTION, Base
 from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
@@ -18,6 +19,7 @@ from models.webhook import WebhookDelivery
 
 __all__ = [
     "API_SCOPES",
+    "BACKFILL_STATUSES",
     "COMPACTION_STATUSES",
     "FACT_KINDS",
     "JOB_STATUSES",
@@ -26,6 +28,9 @@ __all__ = [
     "NOTABILITY_LEVELS",
     "SEGMENT_OUTCOMES",
     "ApiKey",
+    "Backfill",
+    "BackfillBatch",
+    "BackfillRequest",
     "Base",
     "CalibrationObservation",
     "CalibrationThreshold",

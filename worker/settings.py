@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate
     calibration_recompute_every: int = Field(default=50, ge=1)  # new observations that trigger a recompute
     calibration_schedule_seconds: float = Field(default=3600.0, gt=0)  # beat recompute interval
+    # Backfills (batch_extraction jobs): beat wakes the jobs waiting on provider batches this often;
+    # each provider batch holds at most this many requests (OpenAI caps a batch at 50,000).
+    backfill_poll_seconds: float = Field(default=60.0, gt=0)
+    backfill_batch_max_requests: int = Field(default=50_000, ge=1, le=50_000)
     calibration_min_observations: int = Field(default=20, ge=4)  # fewer: no threshold is computed
     threshold_cache_seconds: float = Field(default=30.0, ge=0)  # gates re-read the active τ this often
 

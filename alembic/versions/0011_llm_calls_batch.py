@@ -2,7 +2,7 @@
 Batches) at the batch discount, so reports can split batch from online spend
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-12-01
 
 Existing rows are online calls (false): before this revision a batch call was told apart only by its

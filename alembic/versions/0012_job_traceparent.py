@@ -1,7 +1,7 @@
 """jobs.traceparent: the W3C trace context of the request that created the job
 
 Revision ID: 0012
-Revises: 0009
+Revises: 0011
 Create Date: 2026-12-01
 
 Set only while tracing is on (FACTMILL_OTEL_ENDPOINT). A job the sweeper re-sends is sent inside this

@@ -19,6 +19,7 @@ from worker.api.errors import add_error_handlers
 from worker.api.guards import BodyCapMiddleware, RequestIdMiddleware
 from worker.api.metrics import install_metrics
 from worker.api.openapi import install_openapi
+from worker.api.routes.backfills import backfills_router
 from worker.api.routes.calibration import calibration_router
 from worker.api.routes.config import config_router
 from worker.api.routes.facts import facts_router
@@ -40,6 +41,7 @@ TAGS = [
     {"name": "search", "description": "Intent-aware search over facts: lex, vec and hyde lines, fused."},
     {"name": "transcripts", "description": "Agent transcripts and their gated compaction summaries."},
     {"name": "calibration", "description": "Feedback on summaries and the calibrated coverage threshold."},
+    {"name": "backfills", "description": "Batch extraction of many pages at half price (admin scope)."},
     {"name": "operations", "description": "Liveness, readiness and Prometheus metrics."},
 ]
 
@@ -52,6 +54,7 @@ ROUTERS = (
     calibration_router,
     search_router,
     compaction_router,
+    backfills_router,
     ops_router,
 )
 

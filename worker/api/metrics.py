@@ -15,9 +15,13 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
+    BACKFILL_STATUSES,
     COMPACTION_STATUSES,
     JOB_STATUSES,
     SEGMENT_OUTCOMES,
+    Backfill,
+    BackfillBatch,
+    BackfillRequest,
     Compaction,
     ConfigEntry,
     ConsolidationDecision,
@@ -27,6 +31,7 @@ from models import (
     LLMCall,
     OpCheckpoint,
 )
+from models.backfill import BATCH_STATUSES, REQUEST_STATUSES
 from worker.api.errors import one_line
 from worker.api.guards import route_template
 from worker.config_store import KILL_SWITCHES, is_enabled
@@ -299,6 +304,56 @@ class ConsolidationCollector(_ScrapeTimeCollector[tuple[list[Any], list[Any]]]):
         return [decisions, statuses]
 
 
+class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]):
+    """Backfills (batch_extraction jobs) at scrape time.
+
+    ``factmill_backfills{status}``: backfills by status (planning, running, done, cancelled);
+    ``factmill_backfill_requests{status}``: their batch requests by status (pending, done, failed,
+    discarded, expired, cancelled, dropped); ``factmill_backfill_batches{status}``: their provider
+    batches by status; ``factmill_backfill_cost_usd_total``: what their LLM calls cost (batch price).
+    """
+
+    reads = "the backfills"
+
+    def read(self, session: Session) -> dict[str, list[tuple[str, float]]]:
+        job_ids = select(Backfill.job_id).where(Backfill.job_id.is_not(None)).scalar_subquery()
+        cost = session.scalar(
+            select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id.in_(job_ids))
+        )
+        return {
+            "backfills": _by_status(session, Backfill.status),
+            "requests": _by_status(session, BackfillRequest.status),
+            "batches": _by_status(session, BackfillBatch.status),
+            "cost": [("", float(cost or 0))],
+        }
+
+    def metrics(self, rows: dict[str, list[tuple[str, float]]]) -> list[Metric]:
+        families: list[Metric] = []
+        for name, statuses, what in (
+            ("backfills", BACKFILL_STATUSES, "Backfills by status"),
+            ("requests", REQUEST_STATUSES, "Backfill batch requests by status"),
+            ("batches", BATCH_STATUSES, "Backfill provider batches by status"),
+        ):
+            metric = "factmill_backfills" if name == "backfills" else f"factmill_backfill_{name}"
+            gauge = GaugeMetricFamily(metric, what, labels=["status"])
+            found = dict(rows[name])
+            for status in sorted(set(statuses) | set(found)):
+                gauge.add_metric([status], found.get(status, 0))
+            families.append(gauge)
+        families.append(
+            CounterMetricFamily(
+                "factmill_backfill_cost_usd", "USD spent by backfill LLM calls", value=rows["cost"][0][1]
+            )
+        )
+        return families
+
+
+def _by_status(session: Session, column: Any) -> list[tuple[str, float]]:
+    return [
+        (status, float(n)) for status, n in session.execute(select(column, func.count()).group_by(column))
+    ]
+
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
@@ -358,12 +413,14 @@ def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRe
     registry.register(StoreCollector(factory))  # type: ignore[arg-type]
     registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
     registry.register(ConsolidationCollector(factory))  # type: ignore[arg-type]
+    registry.register(BackfillCollector(factory))  # type: ignore[arg-type]
     ProcessCollector(registry=registry)
     app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
     return registry
 
 
 __all__ = [
+    "BackfillCollector",
     "CompactionCollector",
     "ConsolidationCollector",
     "RequestMetricsMiddleware",

@@ -6,6 +6,7 @@ import logging
 
 import typer
 
+from worker.cli.backfill import backfill_app
 from worker.cli.calibration import calibration_app
 from worker.cli.compaction import compact_command, transcripts_app
 from worker.cli.config import config_app
@@ -54,6 +55,7 @@ for name, group in (
     ("pages", pages_app),
     ("calibration", calibration_app),
     ("transcripts", transcripts_app),
+    ("backfill", backfill_app),
 ):
     app.add_typer(group, name=name)
 

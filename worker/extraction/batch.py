@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
-from worker.core.conversation import render_segment_for_extraction
+from worker.core.conversation import Segment, render_segment_for_extraction
 from worker.extraction.committer import SegmentResults
 from worker.extraction.options import (
     CheckpointConflictError,
@@ -65,6 +65,11 @@ class BatchExtractionCounters(ExtractionCounters):
 def custom_id(plan: PagePlan, index: int) -> str:
     """``p<page id>-s<segment index>-m<end message index>`` (Anthropic allows only [A-Za-z0-9_-])."""
     return f"p{plan.page_id}-s{index}-m{plan.ends[index]}"
+
+
+def segment_request(label: str, segment: Segment, max_facts: int, cap: int) -> ChatRequest:
+    """A segment's batched request: the online run's first turn (no repair turn in batch mode)."""
+    return extraction_request([first_turn(render_segment_for_extraction(label, segment))], max_facts, cap)
 
 
 def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:
@@ -125,8 +130,9 @@ class BatchExtraction:
         cap = self.run.options.max_output_tokens
         for plan in plans:
             for index, segment in enumerate(plan.segments):
-                turn = first_turn(render_segment_for_extraction(plan.label, segment))
-                requests[custom_id(plan, index)] = extraction_request([turn], self.run.max_facts, cap)
+                requests[custom_id(plan, index)] = segment_request(
+                    plan.label, segment, self.run.max_facts, cap
+                )
         return requests
 
     def wait(

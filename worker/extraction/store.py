@@ -250,8 +250,14 @@ class ExtractionStore:
             yield
         except PageChangedError:
             with self._factory.begin() as session:
+                self._paid(session, discarded=True)
                 self._ledger.record_many(session, call_records(place, attempts))
             raise
+
+    def _paid(self, session: Session, *, discarded: bool = False) -> None:
+        """Called in the transaction that records a segment's LLM calls (``discarded``: without its
+        facts, because the page changed). A backfill marks its batch request there, so a paid result is
+        recorded exactly once; online runs have nothing to add."""
 
     def _write_attempts(
         self,
@@ -267,6 +273,7 @@ class ExtractionStore:
         if not attempts:
             return
         errors = errors_of(attempts, note)
+        self._paid(session)
         call_ids = self._ledger.record_many(session, call_records(place, attempts, note))
         ids = iter(call_ids)
         per_attempt = [next(ids) if a.called else None for a in attempts]

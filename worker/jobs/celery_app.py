@@ -27,6 +27,7 @@ TASK_MODULES = (
     "tasks.calibration",
     "tasks.compaction",
     "tasks.consolidation",
+    "tasks.backfill",
 )
 
 

@@ -217,11 +217,16 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     return job
 
 
-def resume_paused(session: Session, kinds: Sequence[str], reason: str = KILL_SWITCH) -> list[tuple[int, str]]:
-    """Turn jobs of these kinds paused for ``reason`` back into queued ones; returns them for enqueueing."""
+def resume_paused(
+    session: Session, kinds: Sequence[str], reason: str = KILL_SWITCH, job_ids: Sequence[int] | None = None
+) -> list[tuple[int, str]]:
+    """Turn jobs of these kinds (only ``job_ids``, when given) paused for ``reason`` back into queued
+    ones; returns them for enqueueing."""
     matches = Job.pause_reason == reason
     if reason == KILL_SWITCH:
         matches = or_(matches, Job.pause_reason.is_(None))  # paused before reasons were recorded
+    if job_ids is not None:
+        matches = matches & Job.id.in_(job_ids)
     rows = session.execute(
         update(Job)
         .where(Job.status == "paused", Job.kind.in_(kinds), matches)

@@ -19,6 +19,7 @@ KIND_MODULES: dict[str, str] = {
     "compaction": "worker.compaction.job",
     "calibration": "worker.calibration.job",
     "consolidation": "worker.consolidation.job",
+    "batch_extraction": "worker.extraction.backfill_job",
 }
 
 # retry: the job's own failure (spends an attempt); requeue: infrastructure cut the run short (spends a
@@ -86,6 +87,8 @@ PERIODIC: tuple[Periodic, ...] = (
     Periodic(
         "calibration-recompute", "tasks.calibration.schedule", "calibration", "calibration_schedule_seconds"
     ),
+    # Backfills waiting on provider batches poll on their job's own queue.
+    Periodic("backfill-poll", "tasks.backfill.poll", "extraction", "backfill_poll_seconds"),
 )
 
 _kinds: dict[str, JobKind] = {}

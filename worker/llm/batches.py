@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
 from openai.types.chat import ChatCompletion
@@ -44,14 +45,31 @@ class BatchStatus:
     counts: dict[str, int] = field(default_factory=dict)
 
 
+class Undetermined:
+    """``find``'s answer when the provider cannot tell yet (a batch still running hides its requests)."""
+
+    def __repr__(self) -> str:
+        return "UNDETERMINED"
+
+
+UNDETERMINED = Undetermined()
+# How far back ``find`` looks through the provider's batch list (newest first).
+FIND_LIMIT = 1000
+
+
 class BatchLLMClient(Protocol):
     """What batch extraction needs from a provider. ``results`` leaves out requests that never ran
-    (the batch expired or was cancelled first): their custom ids are simply missing."""
+    (the batch expired or was cancelled first): their custom ids are simply missing.
+
+    ``key``, given to ``submit``, must begin every custom id of the batch; ``find(key)`` answers the id
+    of the batch sent with it (a send whose answer was lost), None when the provider has none, or
+    UNDETERMINED when it cannot tell yet."""
 
     provider: str
     model: str
 
-    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str: ...
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]], key: str | None = None) -> str: ...
+    def find(self, key: str) -> str | Undetermined | None: ...
     def status(self, batch_id: str) -> BatchStatus: ...
     def cancel(self, batch_id: str) -> None: ...
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]: ...
@@ -93,7 +111,7 @@ class _ProviderBatches(Generic[C]):
 class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
     """The OpenAI Batch API over /v1/chat/completions (the simulator speaks it too)."""
 
-    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]], key: str | None = None) -> str:
         lines = [
             json.dumps(
                 {
@@ -118,11 +136,21 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
                 input_file_id=uploaded.id,
                 endpoint="/v1/chat/completions",
                 completion_window="24h",
-                metadata={"factmill": "extraction"},
+                metadata={"factmill": "extraction", **({"factmill_key": key} if key else {})},
             ),
             self.policy,
         )
         return batch.id
+
+    def find(self, key: str) -> str | Undetermined | None:
+        """The batch whose metadata carries ``key`` (OpenAI keeps a batch's metadata)."""
+        listed = _call(
+            "list", lambda: list(islice(self._sdk.batches.list(limit=100), FIND_LIMIT)), self.policy
+        )
+        for batch in listed:
+            if (batch.metadata or {}).get("factmill_key") == key:
+                return str(batch.id)
+        return None
 
     def status(self, batch_id: str) -> BatchStatus:
         batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
@@ -166,13 +194,32 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
 class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
     """Anthropic Message Batches over the Messages API."""
 
-    def submit(self, requests: Sequence[tuple[str, ChatRequest]]) -> str:
+    def submit(self, requests: Sequence[tuple[str, ChatRequest]], key: str | None = None) -> str:
         entries: Any = [
             {"custom_id": custom_id, "params": self.chat.message_params(request)}
             for custom_id, request in requests
         ]
         batch = _call("create", lambda: self._sdk.messages.batches.create(requests=entries), self.policy)
         return batch.id
+
+    def find(self, key: str) -> str | Undetermined | None:
+        """Message Batches keep no metadata: an ended batch is known by its results' custom ids (each
+        begins with ``key``); while any listed batch is still running, it may be the one."""
+        listed = _call(
+            "list", lambda: list(islice(self._sdk.messages.batches.list(limit=100), FIND_LIMIT)), self.policy
+        )
+        running = False
+        for batch in listed:
+            if batch.processing_status != "ended":
+                running = True
+                continue
+            results = _call(
+                "download", functools.partial(self._sdk.messages.batches.results, batch.id), self.policy
+            )
+            first = next(iter(results), None)
+            if first is not None and first.custom_id.startswith(f"{key}-"):
+                return str(batch.id)
+        return UNDETERMINED if running else None
 
     def status(self, batch_id: str) -> BatchStatus:
         batch = _call("poll", lambda: self._sdk.messages.batches.retrieve(batch_id), self.policy)

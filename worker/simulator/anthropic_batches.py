@@ -11,7 +11,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from worker.simulator.anthropic_wire import answer_message, anthropic_error, invalid_request
-from worker.simulator.batches import BATCH_COMPLETION_WINDOW_SECONDS, Batch, iso, start_batch
+from worker.simulator.batches import (
+    BATCH_COMPLETION_WINDOW_SECONDS,
+    Batch,
+    hold_results,
+    iso,
+    list_limit,
+    start_batch,
+)
 from worker.simulator.state import state_of
 from worker.simulator.wire import BadRequest, read_json
 
@@ -75,6 +82,22 @@ async def create_batch(request: Request) -> Response:
     return JSONResponse(_batch_json(batch, request))
 
 
+async def list_batches(request: Request) -> Response:
+    """GET /v1/messages/batches (Anthropic): newest first, ``limit`` and the ``after_id`` cursor."""
+    page, more = state_of(request).store.list_batches(
+        "anthropic", list_limit(request, 20), request.query_params.get("after_id")
+    )
+    data = [_batch_json(batch, request) for batch in page]
+    return JSONResponse(
+        {
+            "data": data,
+            "has_more": more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
+
+
 def _batch_or_404(request: Request) -> Batch | Response:
     batch = state_of(request).store.find_batch(request.path_params["batch_id"], "anthropic")
     if batch is None:
@@ -104,6 +127,7 @@ async def batch_results(request: Request) -> Response:
         return batch
     if not batch.ended(time.monotonic()):
         return anthropic_error(400, "invalid_request_error", "The batch is still processing.")
+    await hold_results(state_of(request))
     lines = []
     for item in batch.kept():
         result: dict[str, Any]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -9,6 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 
 from worker.simulator.config import sim_id
@@ -83,6 +85,7 @@ class Batch:
     error_file_id: str | None = None
     on_end: OnEnd | None = field(default=None, repr=False)
     settled: bool = False  # on_end has run
+    metadata: dict[str, str] | None = None
 
     def ended(self, now: float) -> bool:
         return self.cancelled_at is not None or now - self.created_at >= self.delay
@@ -134,6 +137,17 @@ class BatchStore:
         with self._lock:
             self.batches[batch.id] = batch
 
+    def end_all(self) -> int:
+        """End every running batch now (its full share answered, as at its planned end)."""
+        now = time.monotonic()
+        ended = 0
+        with self._lock:
+            for batch in self.batches.values():
+                if not batch.ended(now):
+                    batch.delay = now - batch.created_at
+                    ended += 1
+        return ended
+
     def settle(self) -> None:
         """Run the end hook of every batch that has ended since the last look (once each)."""
         now = time.monotonic()
@@ -146,6 +160,17 @@ class BatchStore:
     def find_file(self, file_id: str) -> StoredFile | None:
         self.settle()
         return self.files.get(file_id)
+
+    def list_batches(self, wire: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
+        """One page of a wire's batches, newest first, after the one with id ``after``; and whether
+        more follow."""
+        self.settle()
+        with self._lock:
+            newest_first = [b for b in reversed(self.batches.values()) if b.wire == wire]
+        if after is not None:
+            ids = [b.id for b in newest_first]
+            newest_first = newest_first[ids.index(after) + 1 :] if after in ids else []
+        return newest_first[:limit], len(newest_first) > limit
 
     def find_batch(self, batch_id: str, wire: str) -> Batch | None:
         self.settle()
@@ -162,11 +187,14 @@ async def start_batch(
     *,
     input_file_id: str | None = None,
     on_end: OnEnd | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> Batch:
     """Answer each batched request exactly as the online route would (seeded faults included), in order,
-    and keep the batch. With batch_expire on, only the first half is answered."""
-    expire = state.config.batch_expire
-    answered = requests[: len(requests) // 2] if expire else requests
+    and keep the batch. With batch_expire on, only the first batch_expire_share is answered. The batch
+    is stored before the create is answered (batch_create_hold_seconds later)."""
+    config = state.config
+    expire = config.batch_expire
+    answered = requests[: int(len(requests) * config.batch_expire_share)] if expire else requests
     items = []
     for custom_id, body in answered:
         response = await answer(body)
@@ -181,9 +209,33 @@ async def start_batch(
         expire=expire,
         input_file_id=input_file_id,
         on_end=on_end,
+        metadata=metadata,
     )
     state.store.add_batch(batch)
+    state.record_batch(len(requests))
+    await hold(state, "batch_create_hold_seconds")
     return batch
+
+
+async def hold(state: SimulatorState, knob: str) -> None:
+    """Wait while the knob (seconds, read live) says to: turning it down lets held calls go at once."""
+    started = time.monotonic()
+    while time.monotonic() - started < float(getattr(state.config, knob)):
+        await asyncio.sleep(0.05)
+
+
+async def hold_results(state: SimulatorState) -> None:
+    """Count a download of batch results and hold it for batch_results_hold_seconds."""
+    state.record_results_download()
+    await hold(state, "batch_results_hold_seconds")
+
+
+def list_limit(request: Request, default: int) -> int:
+    """The ``limit`` query parameter of a list route, within 1..1000."""
+    try:
+        return max(1, min(1000, int(request.query_params.get("limit", default))))
+    except ValueError:
+        return default
 
 
 def iso(epoch: float | None) -> str | None:

@@ -115,7 +115,23 @@ class SimulatorConfig(BaseModel):
         default=0.5, ge=0, description="how long a batch takes, from creation to ended"
     )
     batch_expire: bool = Field(
-        default=False, description="batches end expired, with results for only the first half of requests"
+        default=False,
+        description="batches end expired, with results for only the first batch_expire_share of requests",
+    )
+    batch_expire_share: float = Field(
+        default=0.5, ge=0, le=1, description="the share of an expiring batch's requests that it answers"
+    )
+    batch_results_hold_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="an ended batch's results (OpenAI output files, Anthropic results) are answered only "
+        "after this long: a poller killed meanwhile has seen the batch end but committed nothing",
+    )
+    batch_create_hold_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="a batch create is stored at once but answered only after this long: a client killed "
+        "meanwhile has had its batch accepted without learning its id",
     )
     model: str = SIMULATOR_MODEL
     embedding_model: str = SIMULATOR_EMBEDDING_MODEL

@@ -19,6 +19,8 @@ from worker.simulator.batches import (
     Batch,
     BatchStore,
     StoredFile,
+    hold_results,
+    list_limit,
     start_batch,
 )
 from worker.simulator.config import sim_id
@@ -63,9 +65,12 @@ async def upload_file(request: Request) -> Response:
 
 async def file_content(request: Request) -> Response:
     """GET /v1/files/{file_id}/content (OpenAI)."""
-    stored = state_of(request).store.find_file(request.path_params["file_id"])
+    state = state_of(request)
+    stored = state.store.find_file(request.path_params["file_id"])
     if stored is None:
         return openai_error(404, "No such File object.", "invalid_request_error", param="id")
+    if stored.purpose == "batch_output":
+        await hold_results(state)
     return Response(stored.content, media_type="application/octet-stream")
 
 
@@ -156,7 +161,7 @@ def _batch_json(batch: Batch) -> dict[str, Any]:
             "completed": completed,
             "failed": len(batch.custom_ids) - completed if times.ended else 0,
         },
-        "metadata": None,
+        "metadata": batch.metadata,
     }
 
 
@@ -175,6 +180,11 @@ async def create_batch(request: Request) -> Response:
                 "input_file_id: no uploaded file with purpose 'batch' has that id.", "input_file_id"
             )
         requests = _input_lines(stored.content)
+        metadata = body.get("metadata")
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise BadRequest("metadata must be an object of strings.", "metadata")
     except (BadRequest, UnicodeDecodeError) as exc:
         message = exc.message if isinstance(exc, BadRequest) else "the input file is not UTF-8"
         return openai_error(400, message, "invalid_request_error")
@@ -183,9 +193,33 @@ async def create_batch(request: Request) -> Response:
         return answer_chat_completion(state, "batch.chat.completions", one, None, None)
 
     batch = await start_batch(
-        state, "openai", "batch_", requests, answer, input_file_id=stored.id, on_end=_write_result_files
+        state,
+        "openai",
+        "batch_",
+        requests,
+        answer,
+        input_file_id=stored.id,
+        on_end=_write_result_files,
+        metadata=metadata,
     )
     return JSONResponse(_batch_json(batch))
+
+
+async def list_batches(request: Request) -> Response:
+    """GET /v1/batches (OpenAI): newest first, ``limit`` and the ``after`` cursor."""
+    page, more = state_of(request).store.list_batches(
+        "openai", list_limit(request, 20), request.query_params.get("after")
+    )
+    data = [_batch_json(batch) for batch in page]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
 
 
 def _batch_or_404(request: Request) -> Batch | Response:

@@ -128,9 +128,11 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/files", openai_batches.upload_file, methods=["POST"]),
             Route("/v1/files/{file_id}/content", openai_batches.file_content, methods=["GET"]),
             Route("/v1/batches", openai_batches.create_batch, methods=["POST"]),
+            Route("/v1/batches", openai_batches.list_batches, methods=["GET"]),
             Route("/v1/batches/{batch_id}", openai_batches.retrieve_batch, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", openai_batches.cancel_batch, methods=["POST"]),
             Route("/v1/messages/batches", anthropic_batches.create_batch, methods=["POST"]),
+            Route("/v1/messages/batches", anthropic_batches.list_batches, methods=["GET"]),
             Route("/v1/messages/batches/{batch_id}", anthropic_batches.retrieve_batch, methods=["GET"]),
             Route("/v1/messages/batches/{batch_id}/cancel", anthropic_batches.cancel_batch, methods=["POST"]),
             Route(
@@ -269,6 +271,10 @@ class Simulator:
     def configure(self, **changes: Any) -> SimulatorConfig:
         """Change knobs at runtime (same as POST /_simulator/config)."""
         return self.state.update_config(changes)
+
+    def end_batches(self) -> int:
+        """End every running batch now, as if its time had come (a test's long batch); how many."""
+        return self.state.store.end_all()
 
     def reset(self) -> None:
         """Zero stats, forget cached prefixes, restart the seeded streams (same as POST /_simulator/reset)."""

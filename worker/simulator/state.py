@@ -132,6 +132,16 @@ class SimulatorState:
             for name, count in counts.items():
                 self.counters[name] += count
 
+    def record_batch(self, requests: int) -> None:
+        """A batch was created (and so, on a real provider, its requests will be paid for)."""
+        with self._lock:
+            self.counters["batches_created"] += 1
+            self.counters["batch_requests"] += requests
+
+    def record_results_download(self) -> None:
+        with self._lock:
+            self.counters["batch_results_downloads"] += 1
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -147,6 +157,11 @@ class SimulatorState:
                     "cache_creation": self.counters["cache_creation"],
                 },
                 "client_disconnects": self.counters["client_disconnects"],
+                "batches": {
+                    "created": self.counters["batches_created"],
+                    "requests": self.counters["batch_requests"],
+                    "results_downloads": self.counters["batch_results_downloads"],
+                },
                 "in_flight": self.in_flight,
                 "max_in_flight": self.max_in_flight,
                 "cached_prefixes": len(self._prefixes),

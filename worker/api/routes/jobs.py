@@ -21,7 +21,9 @@ from worker.jobs import outbox, queries
 logger = logging.getLogger(__name__)
 
 JobStatus = Literal["queued", "running", "paused", "succeeded", "failed"]  # = models.JOB_STATUSES
-JobKind = Literal["extraction", "compaction", "calibration", "consolidation"]  # = worker.jobs.JOB_KINDS
+JobKind = Literal[
+    "extraction", "compaction", "calibration", "consolidation", "batch_extraction"
+]  # = worker.jobs.JOB_KINDS
 
 jobs_router = APIRouter(tags=["jobs"])
 JobId = Annotated[int, Path(ge=1, le=BIGINT_MAX, description="The job id the webhook answered with")]

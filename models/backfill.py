@@ -1,0 +1,87 @@
+"""Backfills: a batch extraction job's provider batches and their requests, stored before any is sent."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, UniqueConstraint
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.base import Base, utcnow_column
+
+# planning: the job has not stored its batches yet; running: batches stored (some may be unsent or
+# in flight); done / cancelled: every batch ended and was collected (or never went out).
+BACKFILL_STATUSES = ("planning", "running", "done", "cancelled")
+# planned: stored, never sent; submitting: a send began (the provider may hold it: look it up by key
+# before sending again); submitted: the provider's id is stored; collected: its results are committed;
+# cancelled: never sent (the backfill was cancelled first).
+BATCH_STATUSES = ("planned", "submitting", "submitted", "collected", "cancelled")
+# pending: waiting for its result; done / failed: its result was recorded (an llm_calls row) and
+# committed through the segment transaction (failed: the reply was unusable); discarded: paid for but
+# its page had moved on (edited, or an earlier segment did not complete); expired / cancelled: the
+# batch ended without running it (the next run extracts it); dropped: its page changed before the
+# batch was sent, so it was never sent.
+REQUEST_STATUSES = ("pending", "done", "failed", "discarded", "expired", "cancelled", "dropped")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Backfill(Base):
+    __tablename__ = "backfills"
+    __table_args__ = (CheckConstraint(_in("status", BACKFILL_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    source_id: Mapped[str]
+    # The selection as asked: since (ISO), slug_prefix, max_segments.
+    filters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
+    status: Mapped[str] = mapped_column(server_default="planning")
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), index=True)
+    created_by: Mapped[str | None]
+    created_at: Mapped[datetime] = utcnow_column()
+    finished_at: Mapped[datetime | None]
+
+
+class BackfillBatch(Base):
+    __tablename__ = "backfill_batches"
+    __table_args__ = (CheckConstraint(_in("status", BATCH_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    backfill_id: Mapped[int] = mapped_column(ForeignKey("backfills.id", ondelete="CASCADE"), index=True)
+    # Unique across backfills; every request's custom id starts with it, and OpenAI batches carry it
+    # in their metadata, so a send whose answer was lost is found at the provider, never sent again.
+    key: Mapped[str] = mapped_column(unique=True)
+    provider: Mapped[str]
+    model: Mapped[str]
+    provider_batch_id: Mapped[str | None] = mapped_column(unique=True)
+    status: Mapped[str] = mapped_column(server_default="planned")
+    provider_status: Mapped[str | None]
+    created_at: Mapped[datetime] = utcnow_column()
+    submit_started_at: Mapped[datetime | None]
+    submitted_at: Mapped[datetime | None]
+    collected_at: Mapped[datetime | None]
+
+
+class BackfillRequest(Base):
+    __tablename__ = "backfill_requests"
+    __table_args__ = (
+        CheckConstraint(_in("status", REQUEST_STATUSES), name="status"),
+        UniqueConstraint("batch_id", "custom_id"),
+        Index("ix_backfill_requests_batch_id_status", "batch_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("backfill_batches.id", ondelete="CASCADE"))
+    custom_id: Mapped[str]
+    page_id: Mapped[int] = mapped_column(BigInteger)
+    slug: Mapped[str]
+    end_message: Mapped[
+        int
+    ]  # the message index just past the segment (where its commit moves the checkpoint)
+    segment_hash: Mapped[str]  # the segment's messages as planned: a result commits only onto the same
+    status: Mapped[str] = mapped_column(server_default="pending")
+    updated_at: Mapped[datetime] = utcnow_column()

@@ -1,0 +1,380 @@
+"""Backfills (batch_extraction jobs) through the one job lifecycle, real Postgres and the simulator's
+batch endpoints over HTTP with the real SDKs: planning, store-before-send, collection, expiry, edits,
+the kill switch and cancel. The crash test with worker processes is in test_backfill_crash.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
+from tests.auth import send_key
+from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
+from tests.integration.test_batch import page_body
+from tests.integration.test_extraction import put_page
+from worker.accounting import cost_usd, parse_prices
+from worker.api.app import create_app
+from worker.config_store import ConfigReader, set_config
+from worker.core.conversation import parse_conversation_messages, split_into_segments
+from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
+from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.extraction.batch import segment_request
+from worker.jobs.lifecycle import JobOutcome, run_job
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.types import Usage
+from worker.runtime import Runtime
+from worker.settings import Settings
+from worker.simulator import Simulator, SimulatorConfig
+
+pytestmark = pytest.mark.integration
+
+PRICES = '{"simulator-1": {"input": 1000, "output": 1000}}'
+SEGMENTS_PER_PAGE = 4  # page_body: four segments a day apart
+BATCH_MAX = 8  # two pages per provider batch
+
+
+def person(n: int) -> tuple[str, str, str]:
+    return f"chats/p{n:04d}", f"Person{n} Example", f"Company{n}"
+
+
+def seed_pages(factory: sessionmaker[Session], source: str, count: int) -> list[str]:
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+        set_config(session, "llm.prices", PRICES)
+    slugs = []
+    for n in range(count):
+        slug, name, company = person(n)
+        put_page(factory, slug, page_body(name, company), title=f"chat: {name}", source_id=source)
+        slugs.append(slug)
+    return slugs
+
+
+@pytest.fixture(scope="module")
+def batch_sim() -> Iterator[Simulator]:
+    with Simulator(SimulatorConfig(batch_delay_seconds=0.05)) as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def sim(batch_sim: Simulator) -> Simulator:
+    batch_sim.configure(**SimulatorConfig(batch_delay_seconds=0.05).model_dump())
+    batch_sim.reset()
+    return batch_sim
+
+
+@pytest.fixture
+def rt(factory: sessionmaker[Session], database_url: str, sim: Simulator) -> Iterator[Runtime]:
+    settings = Settings(
+        database_url=database_url,
+        llm="simulator",
+        simulator_url=sim.base_url,
+        backfill_batch_max_requests=BATCH_MAX,
+    )  # type: ignore[call-arg]
+    runtime = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    yield runtime
+    runtime.close()
+
+
+def start(factory: sessionmaker[Session], source: str, **selection: Any) -> tuple[int, int]:
+    with factory.begin() as session:
+        return request_backfill(session, BackfillSelection(source_id=source, **selection), created_by="test")
+
+
+def run_pass(rt: Runtime, job_id: int) -> JobOutcome:
+    return run_job(rt, job_id, BATCH_EXTRACTION)
+
+
+def drive(rt: Runtime, job_id: int, passes: int = 400) -> JobOutcome:
+    """Run passes as beat would wake them, until the job stops waiting on its batches."""
+    for _ in range(passes):
+        outcome = run_pass(rt, job_id)
+        if outcome.status != "paused" or job_row(rt.factory, job_id).pause_reason != "batch":
+            return outcome
+        time.sleep(0.05)  # the simulator's batches end after batch_delay_seconds
+    raise AssertionError(f"backfill job {job_id} still waiting after {passes} passes")
+
+
+def job_row(factory: sessionmaker[Session], job_id: int) -> Job:
+    with factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def request_statuses(factory: sessionmaker[Session], backfill_id: int) -> dict[str, int]:
+    with factory() as session:
+        rows = session.execute(
+            select(BackfillRequest.status, func.count())
+            .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
+            .where(BackfillBatch.backfill_id == backfill_id)
+            .group_by(BackfillRequest.status)
+        ).all()
+    return {status: count for status, count in rows}
+
+
+def facts_of(factory: sessionmaker[Session], source: str) -> list[tuple[str, int, str]]:
+    with factory() as session:
+        rows = session.execute(
+            select(Fact.source_markdown_slug, Fact.row_num, Fact.fact)
+            .where(Fact.source_id == source, Fact.source != TERMINAL_AUDIT_SOURCE)
+            .order_by(Fact.source_markdown_slug, Fact.row_num)
+        ).all()
+    return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+def terminal_slugs(factory: sessionmaker[Session], source: str) -> set[str]:
+    with factory() as session:
+        return set(
+            session.scalars(
+                select(Fact.source_markdown_slug).where(
+                    Fact.source_id == source, Fact.source == TERMINAL_AUDIT_SOURCE
+                )
+            )
+        )
+
+
+def ok_audits_per_segment(factory: sessionmaker[Session], source: str) -> dict[tuple[str, str], int]:
+    with factory() as session:
+        rows = session.execute(
+            select(ExtractionAudit.page_slug, ExtractionAudit.segment_start, func.count())
+            .where(ExtractionAudit.source_id == source, ExtractionAudit.outcome == "ok")
+            .group_by(ExtractionAudit.page_slug, ExtractionAudit.segment_start)
+        ).all()
+    return {(slug, str(start)): count for slug, start, count in rows}
+
+
+def calls_of(factory: sessionmaker[Session], job_id: int) -> list[LLMCall]:
+    with factory() as session:
+        return list(session.scalars(select(LLMCall).where(LLMCall.job_id == job_id)))
+
+
+def assert_half_price(calls: list[LLMCall]) -> None:
+    """Every batch row costs half what the same tokens cost online (the one costing function)."""
+    prices = parse_prices(PRICES)
+    assert calls
+    for call in calls:
+        usage = Usage(call.input_tokens, call.output_tokens, call.cache_read_tokens, call.cache_write_tokens)
+        online = cost_usd(call.model, usage, prices)
+        assert online > 0
+        assert call.cost_usd == (online / 2).quantize(Decimal("0.000001")), call.id
+
+
+def online_reference(
+    factory: sessionmaker[Session], sim: Simulator, count: int
+) -> list[tuple[str, int, str]]:
+    """The same pages extracted online in another source: what the backfill must store."""
+    seed_pages(factory, "online", count)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="online"))
+    return facts_of(factory, "online")
+
+
+def test_a_backfill_extracts_every_page_once_through_batches_at_half_price(factory, rt, sim):
+    slugs = seed_pages(factory, "bf", 6)
+    reference = online_reference(factory, sim, 6)
+    sim.reset()
+    backfill_id, job_id = start(factory, "bf")
+    outcome = drive(rt, job_id)
+
+    assert outcome.status == "succeeded", job_row(factory, job_id).last_error
+    segments = len(slugs) * SEGMENTS_PER_PAGE
+    assert request_statuses(factory, backfill_id) == {"done": segments}
+    assert facts_of(factory, "bf") == reference
+    assert terminal_slugs(factory, "bf") == set(slugs)
+    assert set(ok_audits_per_segment(factory, "bf").values()) == {1}
+    stats = sim.stats()["batches"]
+    assert stats["created"] == 3  # 24 requests, 8 to a batch (two whole pages each)
+    assert stats["requests"] == segments
+    calls = calls_of(factory, job_id)
+    assert len(calls) == segments
+    assert_half_price(calls)
+    report = backfill_report(factory, backfill_id)
+    assert report["status"] == "done" and report["job_status"] == "succeeded"
+    assert report["llm_calls"] == segments
+    assert Decimal(str(report["cost_usd"])) == sum(c.cost_usd for c in calls)
+    assert [b["status"] for b in report["batches"]] == ["collected"] * 3  # type: ignore[union-attr]
+
+
+def test_selection_narrows_by_slug_prefix_and_caps_the_segments(factory, rt, sim):
+    seed_pages(factory, "bf", 4)
+    put_page(factory, "other/x", page_body("Zed", "Zeta"), title="chat: Zed", source_id="bf")
+    backfill_id, job_id = start(factory, "bf", slug_prefix="chats/", max_segments=6)
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 6}
+    assert terminal_slugs(factory, "bf") == {"chats/p0000"}  # p0001 got its first two segments only
+    assert "other/x" not in {slug for slug, _, _ in facts_of(factory, "bf")}
+    # The next backfill sends only what is left: nothing is asked twice.
+    second_id, second_job = start(factory, "bf", slug_prefix="chats/")
+    assert drive(rt, second_job).status == "succeeded"
+    assert request_statuses(factory, second_id) == {"done": 4 * SEGMENTS_PER_PAGE - 6}
+
+
+def test_an_expired_batch_leaves_its_unrun_requests_to_the_next_run(factory, rt, sim):
+    slugs = seed_pages(factory, "bf", 4)
+    reference = online_reference(factory, sim, 4)
+    sim.configure(batch_expire=True, batch_expire_share=0.5)
+    backfill_id, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    first = request_statuses(factory, backfill_id)
+    assert first == {"done": 8, "expired": 8}  # each batch (two pages) answered its first half only
+    assert len(calls_of(factory, job_id)) == 8  # unrun requests are not paid for
+    assert terminal_slugs(factory, "bf") == {slugs[0], slugs[2]}  # the first page of each batch
+
+    sim.configure(batch_expire=False)
+    second_id, second_job = start(factory, "bf")
+    assert drive(rt, second_job).status == "succeeded"
+    assert request_statuses(factory, second_id) == {"done": 8}
+    assert facts_of(factory, "bf") == reference
+    assert terminal_slugs(factory, "bf") == set(slugs)
+    assert set(ok_audits_per_segment(factory, "bf").values()) == {1}
+
+
+def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, sim):
+    slugs = seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)  # the batch runs until the test lets it end
+    backfill_id, job_id = start(factory, "bf")
+    outcome = run_pass(rt, job_id)
+    assert outcome.status == "paused"
+    edited = page_body("Person0 Example", "Company0").replace("signed the offer letter", "turned down")
+    put_page(factory, slugs[0], edited, title="chat: Person0 Example", source_id="bf")
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+
+    assert request_statuses(factory, backfill_id) == {"done": 4, "discarded": 4}
+    assert len(calls_of(factory, job_id)) == 8  # the discarded results were paid for: recorded once
+    assert terminal_slugs(factory, "bf") == {slugs[1]}
+    assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
+
+
+def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # sent; waiting for the batch
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "false")
+    sim.end_batches()
+    assert run_pass(rt, job_id).status == "paused"
+    job = job_row(factory, job_id)
+    assert job.pause_reason == "kill_switch"
+    assert request_statuses(factory, backfill_id) == {"pending": 8}  # nothing committed, nothing cancelled
+    assert facts_of(factory, "bf") == []
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 8}
+    assert sim.stats()["batches"]["created"] == 1
+
+
+def test_cancel_stops_the_running_batch_and_sends_no_more(factory, rt, sim):
+    seed_pages(factory, "bf", 4)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory.begin() as session:
+        woken = cancel_backfill(session, backfill_id)
+    assert woken == [(job_id, BATCH_EXTRACTION)]  # the waiting job is queued again at once
+    assert drive(rt, job_id).status == "succeeded"
+    report = backfill_report(factory, backfill_id)
+    assert report["status"] == "cancelled"
+    assert request_statuses(factory, backfill_id) == {"cancelled": 16}
+    assert facts_of(factory, "bf") == []
+    assert calls_of(factory, job_id) == []
+    with factory.begin() as session:
+        assert cancel_backfill(session, backfill_id) is None  # finished: nothing to cancel
+
+
+def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(factory, rt, sim):
+    """The sender died after the provider accepted the batch and before its id was stored: the next
+    pass finds it by its key and sends nothing again."""
+    seed_pages(factory, "bf", 2)
+    backfill_id, job_id = start(factory, "bf")
+    sim.configure(batch_delay_seconds=3600)
+    assert run_pass(rt, job_id).status == "paused"
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        sent_id = batch.provider_batch_id
+        batch.status, batch.provider_batch_id = "submitting", None  # as if its id was never stored
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+    assert batch.provider_batch_id == sent_id
+    assert sim.stats()["batches"] == {"created": 1, "requests": 8, "results_downloads": 1}
+    assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
+@pytest.fixture
+def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
+    return Recorder(tx_factory)
+
+
+@pytest.fixture
+def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, tx_factory)
+    with TestClient(create_app(runtime, sender=recorder)) as test_client:
+        send_key(test_client, tx_factory)  # a read-scoped key; admin calls pass ADMIN_HEADERS
+        yield test_client
+
+
+def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client, recorder, tx_factory):
+    seed_pages(tx_factory, "bf", 1)
+    assert client.post("/v1/backfills", json={"source_id": "bf"}).status_code == 403  # a read key
+    refused = client.post("/v1/backfills", json={"since": "yesterday"}, headers=ADMIN_HEADERS)
+    assert refused.status_code == 422 and "ISO-8601" in refused.text
+    created = client.post(
+        "/v1/backfills", json={"source_id": "bf", "slug_prefix": "chats/"}, headers=ADMIN_HEADERS
+    )
+    assert created.status_code == 202, created.text
+    backfill_id, job_id = created.json()["id"], created.json()["job_id"]
+    assert recorder.calls == [("tasks.backfill.run_backfill", job_id, "extraction")]  # after the commit
+    assert client.get(f"/v1/backfills/{backfill_id}").status_code == 403
+    shown = client.get(f"/v1/backfills/{backfill_id}", headers=ADMIN_HEADERS).json()
+    assert shown["status"] == "planning" and shown["job_status"] == "queued"
+    assert shown["filters"]["slug_prefix"] == "chats/" and shown["requests"]["total"] == 0
+    assert client.get("/v1/backfills/999999", headers=ADMIN_HEADERS).status_code == 404
+    cancelled = client.post(f"/v1/backfills/{backfill_id}/cancel", headers=ADMIN_HEADERS)
+    assert cancelled.status_code == 202 and cancelled.json()["cancel_requested"] is True
+    text = client.get("/metrics", headers=ADMIN_HEADERS).text
+    assert 'factmill_backfills{status="planning"} 1.0' in text
+    assert 'factmill_backfill_requests{status="pending"} 0.0' in text
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
+    """``find`` is how a send whose answer was lost is recovered; it must never mistake another batch."""
+
+    client: Any
+    if wire == "openai":
+        client = OpenAIBatchClient(
+            OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+        )
+    else:
+        client = AnthropicBatchClient(
+            AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+        )
+
+    segment = split_into_segments(parse_conversation_messages(page_body("Ann Example", "Acme")))[0]
+    request = segment_request("chat: Ann", segment, 5, 256)
+    sim.configure(batch_delay_seconds=3600)
+    other = client.submit([("fmotherb1n0-p1-m2", request)], key="fmotherb1n0")
+    mine = client.submit([("fmmineb1n0-p1-m2", request), ("fmmineb1n0-p1-m4", request)], key="fmmineb1n0")
+    assert other != mine
+    if wire == "openai":  # its metadata carries the key
+        assert client.find("fmmineb1n0") == mine
+    else:  # Message Batches keep no metadata: while a batch runs, any of them may be it
+        assert client.find("fmmineb1n0") is UNDETERMINED
+    sim.end_batches()
+    assert client.find("fmmineb1n0") == mine
+    assert client.find("fmotherb1n0") == other
+    assert client.find("fmneverb1n0") is None

@@ -1,0 +1,109 @@
+"""Backfills over HTTP (admin scope): start one, follow it, cancel it (worker.extraction.backfill)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.api.auth import Admin
+from worker.api.deps import Context
+from worker.api.errors import ApiError, error_responses
+from worker.api.inputs import BigIntIdPath, StorableStr
+from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+
+logger = logging.getLogger(__name__)
+
+backfills_router = APIRouter(tags=["backfills"])
+
+
+class BackfillIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source_id: Annotated[StorableStr, Field(min_length=1, max_length=200)] = "default"
+    since: Annotated[
+        StorableStr | None,
+        Field(max_length=64, description="Only segments after this ISO-8601 time"),
+    ] = None
+    slug_prefix: Annotated[StorableStr | None, Field(max_length=500)] = None
+    max_segments: Annotated[int | None, Field(ge=1, le=10_000_000)] = None
+
+
+class BackfillCreated(BaseModel):
+    id: int
+    job_id: int
+
+
+class BackfillOut(BaseModel):
+    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+
+    id: int
+    source_id: str
+    filters: dict[str, Any]
+    status: str
+    cancel_requested: bool
+    job_id: int | None
+    job_status: str | None
+    job_note: str | None
+    created_at: str
+    finished_at: str | None
+    requests: dict[str, int]
+    llm_calls: int
+    cost_usd: str
+    batches: list[dict[str, Any]]
+
+
+@backfills_router.post(
+    "/v1/backfills",
+    status_code=202,
+    response_model=BackfillCreated,
+    responses=error_responses(422),
+    summary="Start a backfill through provider batches (half price)",
+)
+def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> BackfillCreated:
+    """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
+    requests, sends them to the provider, and commits their results as they end. Answers at once."""
+    selection = BackfillSelection(body.source_id, body.since, body.slug_prefix, body.max_segments)
+    try:
+        with ctx.factory.begin() as session:
+            backfill_id, job_id = request_backfill(session, selection, created_by=principal.name)
+    except ValueError as exc:
+        raise ApiError(422, str(exc)) from None
+    ctx.enqueue([(job_id, BATCH_EXTRACTION)])
+    logger.info("backfill %s requested over the API (job %s)", backfill_id, job_id)
+    return BackfillCreated(id=backfill_id, job_id=job_id)
+
+
+@backfills_router.get(
+    "/v1/backfills/{backfill_id}",
+    response_model=BackfillOut,
+    responses=error_responses(404),
+    summary="A backfill's state and progress",
+)
+def get_backfill(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillOut:
+    try:
+        return BackfillOut.model_validate(backfill_report(ctx.factory, backfill_id))
+    except LookupError as exc:
+        raise ApiError(404, str(exc)) from None
+
+
+@backfills_router.post(
+    "/v1/backfills/{backfill_id}/cancel",
+    status_code=202,
+    response_model=BackfillOut,
+    responses=error_responses(404),
+    summary="Cancel a backfill",
+)
+def cancel(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillOut:
+    """Unsent batches never go; running ones are cancelled at the provider, and what they finished
+    (paid for) is still committed. A finished backfill is answered as it is."""
+    try:
+        with ctx.factory.begin() as session:
+            woken = cancel_backfill(session, backfill_id)
+    except LookupError as exc:
+        raise ApiError(404, str(exc)) from None
+    ctx.enqueue(woken or [])
+    return BackfillOut.model_validate(backfill_report(ctx.factory, backfill_id))

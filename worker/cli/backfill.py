@@ -1,0 +1,70 @@
+"""`factmill backfill`: extract many pages through provider batches (half price), on the queue."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from worker.cli.console import fail, out, print_json
+from worker.cli.sessions import checked_factory
+from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.jobs.outbox import enqueue as send_jobs
+
+backfill_app = typer.Typer(
+    help="Backfills: pending segments of many pages through provider batches (half price), on the queue.",
+    invoke_without_command=True,
+)
+
+
+@backfill_app.callback()
+def backfill(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Option(help="The source whose pages to extract.")] = "default",
+    since: Annotated[str | None, typer.Option(help="Only segments after this ISO-8601 time.")] = None,
+    slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
+    max_segments: Annotated[int | None, typer.Option(min=1, help="At most this many requests.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Start a backfill: a batch_extraction job plans the pages, stores and sends its batches, and
+    commits their results as they end (`factmill backfill show ID` follows it). Returns at once."""
+    if ctx.invoked_subcommand is not None:
+        return
+    selection = BackfillSelection(source, since, slug_prefix, max_segments)
+    factory = checked_factory()
+    try:
+        with factory.begin() as session:
+            backfill_id, job_id = request_backfill(session, selection, created_by="cli")
+    except ValueError as exc:
+        raise fail(str(exc), code=2) from exc
+    send_jobs(factory, [(job_id, BATCH_EXTRACTION)])
+    if as_json:
+        print_json({"id": backfill_id, "job_id": job_id})
+        return
+    out.print(
+        f"backfill {backfill_id} queued (job {job_id}); follow it with `factmill backfill show {backfill_id}`"
+    )
+
+
+@backfill_app.command("show")
+def backfill_show(backfill_id: int) -> None:
+    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+    try:
+        print_json(backfill_report(checked_factory(), backfill_id))
+    except LookupError as exc:
+        raise fail(str(exc)) from exc
+
+
+@backfill_app.command("cancel")
+def backfill_cancel(backfill_id: int) -> None:
+    """Cancel a backfill: unsent batches never go; running ones are cancelled at the provider, and the
+    results they finished (paid for) are still committed."""
+    factory = checked_factory()
+    try:
+        with factory.begin() as session:
+            woken = cancel_backfill(session, backfill_id)
+    except LookupError as exc:
+        raise fail(str(exc)) from exc
+    send_jobs(factory, woken or [])
+    out.print(f"backfill {backfill_id} " + ("had already finished" if woken is None else "cancelling"))

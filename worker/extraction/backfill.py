@@ -1,0 +1,390 @@
+"""Backfills on the queue: a batch_extraction job plans pages, stores its batches, sends them and collects
+their results as they end, resumable at every step.
+
+Each pass of the job (its first run, then one per beat poll while provider batches run):
+1. plans the selected pages and stores every batch and its requests (custom ids) in one transaction;
+2. sends each stored batch: it first commits ``submitting``, then calls the provider, then stores the
+   provider's id. A batch found ``submitting`` (its sender died) is looked up at the provider by its key
+   (which begins every custom id) and is sent again only when the provider has no such batch;
+3. polls the sent batches and commits an ended batch's results page by page, in segment order, through
+   the online run's per-segment transaction (facts + audit + llm_calls + checkpoint compare-and-set),
+   which here also marks the request recorded: a result is paid and committed once, whoever dies when;
+4. waits (paused, reason "batch") while batches run; beat wakes it every ``backfill_poll_seconds``.
+
+A result commits only onto the segment it was asked for (same end message, same messages' digest) when
+that segment is still the page's next one. A paid result whose page has moved on (edited during the
+batch, or an earlier segment failed or expired) is recorded as discarded: its llm_calls row is written,
+its facts are not. Requests an expired or cancelled batch never ran are left for the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Backfill
+from worker.accounting import Budget, Ledger
+from worker.config_store import ConfigReader
+from worker.core.checkpoint import segment_hash
+from worker.extraction.backfill_store import (
+    BackfillSegmentStore,
+    BackfillStore,
+    BatchRow,
+    PlannedBatch,
+    PlannedRequest,
+    RequestRow,
+)
+from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
+from worker.extraction.committer import SegmentResults
+from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
+from worker.extraction.planner import PagePlan
+from worker.extraction.prompts import extraction_request, first_turn
+from worker.extraction.service import ExtractionRun
+from worker.extraction.store import PageRef
+from worker.jobs.outbox import request_job
+from worker.llm.batches import UNDETERMINED, BatchItem, BatchLLMClient
+from worker.llm.errors import LLMError
+from worker.llm.types import ChatRequest
+
+logger = logging.getLogger(__name__)
+
+BATCH_EXTRACTION = "batch_extraction"
+WAITING_FOR_BATCHES = "batch"  # the pause reason of a job whose provider batches are still running
+
+
+@dataclass(frozen=True)
+class BackfillSelection:
+    """Which pages a backfill extracts: a source, optionally narrowed; at most ``max_segments`` requests."""
+
+    source_id: str = "default"
+    since_iso: str | None = None
+    slug_prefix: str | None = None
+    max_segments: int | None = None
+    slug: str | None = None
+    force: bool = False
+
+    def as_filters(self) -> dict[str, object]:
+        return {
+            "since": self.since_iso,
+            "slug_prefix": self.slug_prefix,
+            "max_segments": self.max_segments,
+            "slug": self.slug,
+            "force": self.force,
+        }
+
+    @classmethod
+    def of(cls, backfill: Backfill) -> BackfillSelection:
+        f = backfill.filters
+        return cls(
+            backfill.source_id, f.get("since"), f.get("slug_prefix"), f.get("max_segments"), f.get("slug")
+        )
+
+
+def backfill_subject(backfill_id: int) -> str:
+    return f"backfill:{backfill_id}"
+
+
+def request_backfill(
+    session: Session, selection: BackfillSelection, created_by: str | None = None
+) -> tuple[int, int]:
+    """Store a backfill and request its batch_extraction job in the caller's transaction; returns
+    (backfill id, job id): enqueue the job once that transaction commits."""
+    validate_since(selection.since_iso)
+    if selection.max_segments is not None and selection.max_segments < 1:
+        raise ValueError("--max-segments must be at least 1")
+    backfill = Backfill(source_id=selection.source_id, filters=selection.as_filters(), created_by=created_by)
+    session.add(backfill)
+    session.flush()
+    job = request_job(
+        session, BATCH_EXTRACTION, backfill_subject(backfill.id), options={"backfill": backfill.id}
+    )
+    backfill.job_id = job.job_id
+    return backfill.id, job.job_id
+
+
+@dataclass
+class BackfillDeps:
+    """What one pass needs: the database, the ledger, the switch and budget, the provider's batch API."""
+
+    factory: sessionmaker[Session]
+    ledger: Ledger
+    config: ConfigReader
+    budget: Budget
+    client: BatchLLMClient
+    job_id: int | None
+    max_requests: int = MAX_BATCH_REQUESTS
+    max_output_tokens: int = 1024
+    guard: Callable[[], None] = field(default=lambda: None)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    finished: bool
+    open_batches: int
+    status: str
+
+
+class BackfillPass:
+    """One pass of a backfill job over its stored state (see the module docstring)."""
+
+    def __init__(self, deps: BackfillDeps, backfill: Backfill) -> None:
+        self.deps = deps
+        self.backfill = backfill
+        self.selection = BackfillSelection.of(backfill)
+        self.store = BackfillStore(deps.factory)
+        self.segments = BackfillSegmentStore(deps.factory, deps.ledger)
+        options = ExtractOptions(
+            source_id=backfill.source_id,
+            since_iso=self.selection.since_iso,
+            force=self.selection.force,
+            job_id=deps.job_id,
+            max_output_tokens=deps.max_output_tokens,
+        )
+        self.run = ExtractionRun(self.segments, options, deps.config, deps.budget, guard=deps.guard)
+
+    # --- planning -----------------------------------------------------------------------------------
+
+    def plans(self) -> list[PagePlan]:
+        """The selected pages' plans, in slug order, within ``max_segments`` requests in all."""
+        limit = self.selection.max_segments
+        plans: list[PagePlan] = []
+        queued = 0
+        for ref in self.run.list_pages():
+            if self.selection.slug is not None and ref.slug != self.selection.slug:
+                continue
+            if self.selection.slug_prefix and not ref.slug.startswith(self.selection.slug_prefix):
+                continue
+            if limit is not None and queued >= limit:
+                break
+            plan = self.run.plan(ref)
+            if plan is None:
+                continue
+            plans.append(plan)
+            queued += len(plan.segments)
+        return plans
+
+    def plan(self) -> None:
+        """Store every batch and request of the backfill; pages are never split across two batches
+        (a page longer than a batch, or past ``max_segments``, sends its first segments only)."""
+        client = self.deps.client
+        limit = self.selection.max_segments
+        batches: list[list[PlannedRequest]] = [[]]
+        total = 0
+        for plan in self.plans():
+            requests = [
+                PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment))
+                for i, segment in enumerate(plan.segments)
+            ]
+            room = self.deps.max_requests if limit is None else min(self.deps.max_requests, limit - total)
+            requests = requests[:room]
+            if len(batches[-1]) + len(requests) > self.deps.max_requests:
+                batches.append([])
+            batches[-1] += requests
+            total += len(requests)
+        planned = []
+        tag = uuid.uuid4().hex[:8]
+        for number, requests in enumerate(b for b in batches if b):
+            key = f"fm{tag}b{self.backfill.id}n{number}"
+            named = [
+                PlannedRequest(
+                    f"{key}-p{r.page_id}-m{r.end_message}", r.page_id, r.slug, r.end_message, r.segment_hash
+                )
+                for r in requests
+            ]
+            planned.append(PlannedBatch(key, client.provider, client.model, named))
+        self.store.store_plan(self.backfill.id, planned)
+        logger.info(
+            "backfill %s planned %d request(s) in %d batch(es)", self.backfill.id, total, len(planned)
+        )
+
+    # --- sending ------------------------------------------------------------------------------------
+
+    def page_plan(self, page_id: int, slug: str) -> PagePlan | None:
+        return self.run.plan(PageRef(page_id, slug, 0), finish=False)
+
+    def requests_to_send(self, batch: BatchRow) -> dict[str, ChatRequest]:
+        """The batch's requests rebuilt from their pages as they are now; a request whose segment is no
+        longer its page's (an edit before sending) is dropped, never sent."""
+        pending = self.store.pending_requests(batch.id)
+        requests: dict[str, ChatRequest] = {}
+        dropped: list[int] = []
+        for (page_id, slug), rows in group_by_page(pending):
+            plan = self.page_plan(page_id, slug)
+            segments = {} if plan is None else dict(zip(plan.ends, plan.segments, strict=True))
+            for row in rows:
+                segment = segments.get(row.end_message)
+                if plan is None or segment is None or segment_hash(segment) != row.segment_hash:
+                    dropped.append(row.id)
+                    continue
+                requests[row.custom_id] = segment_request(
+                    plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
+                )
+        self.store.mark_requests(dropped, "dropped")
+        return requests
+
+    def send(self, batch: BatchRow) -> None:
+        """Send one stored batch, at most once: a batch whose send began is looked up first."""
+        client = self.deps.client
+        if batch.status == "submitting":
+            found = client.find(batch.key)
+            if found is UNDETERMINED:
+                logger.info(
+                    "batch %s: the provider cannot tell yet whether it holds it; next pass", batch.key
+                )
+                return
+            if isinstance(found, str):
+                logger.info("batch %s was accepted before its sender died: %s", batch.key, found)
+                self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
+                return
+        requests = self.requests_to_send(batch)
+        if not requests:
+            self.store.set_batch(batch.id, status="collected", provider_status="nothing to send")
+            return
+        self.deps.budget.check(self.deps.job_id)
+        self.deps.guard()
+        self.store.set_batch(batch.id, status="submitting")  # committed before the provider hears of it
+        provider_id = client.submit(list(requests.items()), key=batch.key)
+        self.store.set_batch(batch.id, status="submitted", provider_batch_id=provider_id)
+        logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
+
+    def cancel(self, batch: BatchRow) -> None:
+        """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider and then
+        collected as usual (what they finished was paid for)."""
+        if batch.status == "submitting":
+            found = self.deps.client.find(batch.key)
+            if found is UNDETERMINED:
+                return
+            if isinstance(found, str):
+                self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
+                batch = BatchRow(batch.id, batch.key, "submitted", found)
+        if batch.provider_batch_id is None:
+            self.store.set_batch(batch.id, status="cancelled")
+            return
+        status = self.deps.client.status(batch.provider_batch_id)
+        if not status.ended:
+            self.deps.client.cancel(batch.provider_batch_id)
+
+    # --- collecting ---------------------------------------------------------------------------------
+
+    def poll(self, batch: BatchRow) -> None:
+        assert batch.provider_batch_id is not None
+        self.deps.guard()
+        try:
+            status = self.deps.client.status(batch.provider_batch_id)
+        except LLMError as exc:
+            if not exc.retryable:
+                raise
+            logger.warning("polling batch %s failed (%s); next pass", batch.provider_batch_id, exc)
+            return
+        if not status.ended:
+            self.store.set_batch(batch.id, provider_status=status.status)
+            return
+        self.collect(batch, status.status)
+
+    def collect(self, batch: BatchRow, provider_status: str) -> None:
+        """Commit an ended batch's results page by page (the kill switch is read before each page)."""
+        assert batch.provider_batch_id is not None
+        pending = self.store.pending_requests(batch.id)
+        generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
+        items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
+        missing = "cancelled" if provider_status in ("cancelled", "canceling") else "expired"
+        for (page_id, slug), rows in group_by_page(pending):
+            self.run.check_switch()
+            self.deps.guard()
+            self.commit_page(page_id, slug, rows, items, missing)
+        self.store.set_batch(batch.id, status="collected", provider_status=provider_status)
+        logger.info(
+            "backfill %s collected batch %s (%s)", self.backfill.id, batch.provider_batch_id, provider_status
+        )
+
+    def commit_page(
+        self, page_id: int, slug: str, rows: Sequence[RequestRow], items: dict[str, BatchItem], missing: str
+    ) -> None:
+        plan = self.page_plan(page_id, slug)
+        if plan is not None:
+            try:
+                self.run.committer.finish(
+                    self.run.committer.commit_page(plan, self.results(plan, rows, items))
+                )
+            except CheckpointConflictError as exc:  # another run moved the page on: these are discarded
+                logger.info("backfill %s: %s", self.backfill.id, exc)
+            finally:
+                self.segments.marking = None
+        left = self.store.still_pending([row.id for row in rows])
+        no_result = []
+        for row in rows:
+            if row.id not in left:
+                continue
+            item = items.get(row.custom_id)
+            if item is None:
+                no_result.append(row.id)
+                continue
+            result = batch_segment_result(
+                item, self.deps.client, self.run.max_facts, self.deps.max_output_tokens
+            )
+            self.segments.record_discarded_result(
+                row.id, self.deps.job_id, self.backfill.source_id, slug, result.attempts
+            )
+        self.store.mark_requests(no_result, missing)
+
+    def results(
+        self, plan: PagePlan, rows: Sequence[RequestRow], items: dict[str, BatchItem]
+    ) -> SegmentResults:
+        """The page's results from its next segment on, while each is the one its request asked for."""
+        by_end = {row.end_message: row for row in rows}
+        for index, segment in enumerate(plan.segments):
+            row = by_end.get(plan.ends[index])
+            item = items.get(row.custom_id) if row is not None else None
+            if row is None or item is None or row.segment_hash != segment_hash(segment):
+                return
+            result = batch_segment_result(
+                item, self.deps.client, self.run.max_facts, self.deps.max_output_tokens
+            )
+            self.run.counters.add_calls(result)
+            self.segments.marking = (row.id, "done" if result.ok else "failed")
+            yield index, segment, result
+            self.segments.marking = None
+
+    # --- the pass -----------------------------------------------------------------------------------
+
+    def run_pass(self) -> PassResult:
+        backfill = self.backfill
+        if backfill.status in ("done", "cancelled"):
+            return PassResult(True, 0, backfill.status)
+        if backfill.status == "planning":
+            if backfill.cancel_requested:
+                self.store.finish(backfill.id, "cancelled")
+                return PassResult(True, 0, "cancelled")
+            self.plan()
+        for batch in self.store.batches(backfill.id, ("planned", "submitting")):
+            self.cancel(batch) if backfill.cancel_requested else self.send(batch)
+        for batch in self.store.batches(backfill.id, ("submitted",)):
+            if backfill.cancel_requested:
+                self.cancel(batch)
+            self.poll(batch)
+        open_batches = len(self.store.batches(backfill.id))
+        if open_batches:
+            return PassResult(False, open_batches, "running")
+        status = "cancelled" if backfill.cancel_requested else "done"
+        self.store.finish(backfill.id, status)
+        return PassResult(True, 0, status)
+
+
+def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
+    """Requests grouped by page, pages and segments in the order given (page order)."""
+    groups: dict[tuple[int, str], list[RequestRow]] = {}
+    for row in rows:
+        groups.setdefault((row.page_id, row.slug), []).append(row)
+    return list(groups.items())
+
+
+def run_backfill_pass(deps: BackfillDeps, backfill_id: int) -> PassResult:
+    """One pass of the backfill (see the module docstring); raises LookupError for an unknown id."""
+    backfill = BackfillStore(deps.factory).load(backfill_id)
+    if backfill is None:
+        raise LookupError(f"no backfill {backfill_id}")
+    return BackfillPass(deps, backfill).run_pass()

@@ -1,0 +1,65 @@
+"""The batch_extraction job kind: one pass of a backfill per run; it waits (paused) while batches run."""
+
+from __future__ import annotations
+
+from worker.config_store import EXTRACTION_ENABLED
+from worker.extraction.backfill import (
+    BATCH_EXTRACTION,
+    WAITING_FOR_BATCHES,
+    BackfillDeps,
+    run_backfill_pass,
+)
+from worker.extraction.backfill_admin import backfill_report
+from worker.extraction.options import CheckpointConflictError
+from worker.jobs.lifecycle import JobContext, WorkResult
+from worker.jobs.registry import ErrorRule, JobKind, register
+from worker.llm.batches import open_batch_client
+from worker.llm.gateway import LLMConfigurationError
+
+
+def backfill_pass(ctx: JobContext) -> WorkResult:
+    rt, settings = ctx.rt, ctx.rt.settings
+    backfill_id = int(ctx.option("backfill"))
+    with open_batch_client(settings) as client:
+        deps = BackfillDeps(
+            rt.factory,
+            rt.ledger,
+            rt.config,
+            rt.budget,
+            client,
+            ctx.job.id,
+            max_requests=settings.backfill_batch_max_requests,
+            max_output_tokens=settings.llm_max_output_tokens,
+            guard=ctx.guard,
+        )
+        result = run_backfill_pass(deps, backfill_id)
+    report = backfill_report(rt.factory, backfill_id)
+    counters = {"backfill": backfill_id, "requests": report["requests"], "cost_usd": report["cost_usd"]}
+    if result.finished:
+        return WorkResult("succeeded", counters=counters, note=f"backfill {backfill_id} {result.status}")
+    return WorkResult(
+        "paused",
+        counters=counters,
+        note=(
+            f"waiting for {result.open_batches} provider batch(es) of backfill {backfill_id}; "
+            f"polled every {settings.backfill_poll_seconds:g}s"
+        ),
+        pause_reason=WAITING_FOR_BATCHES,
+        detail="waiting for provider batches",
+    )
+
+
+KIND = register(
+    JobKind(
+        name=BATCH_EXTRACTION,
+        task_name="tasks.backfill.run_backfill",
+        queue="extraction",
+        switch=EXTRACTION_ENABLED,
+        work=backfill_pass,
+        errors=(
+            ErrorRule(CheckpointConflictError, "retry"),
+            ErrorRule(LookupError, "fail"),
+            ErrorRule(LLMConfigurationError, "fail"),
+        ),
+    )
+)

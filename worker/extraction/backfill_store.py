@@ -1,0 +1,236 @@
+"""A backfill's rows (backfills, backfill_batches, backfill_requests): each method owns its transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
+from worker.accounting import Ledger
+from worker.core.conversation import Segment
+from worker.extraction.rows import SegmentPlace, call_records
+from worker.extraction.segments import Attempt
+from worker.extraction.store import ExtractionStore
+
+OPEN_BATCHES = ("planned", "submitting", "submitted")
+# A result with no segment to describe it (its page moved on) is recorded against this stand-in.
+NO_SEGMENT = Segment((), (), "", "")
+
+
+class RequestAlreadyRecordedError(RuntimeError):
+    """A batch request's result was recorded already: the transaction recording it again rolls back."""
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    custom_id: str
+    page_id: int
+    slug: str
+    end_message: int
+    segment_hash: str
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    key: str
+    provider: str
+    model: str
+    requests: Sequence[PlannedRequest]
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    id: int
+    key: str
+    status: str
+    provider_batch_id: str | None
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    id: int
+    custom_id: str
+    page_id: int
+    slug: str
+    end_message: int
+    segment_hash: str
+    status: str
+
+
+def _mark(session: Session, request_id: int, status: str) -> None:
+    """Move a pending request to ``status`` in the caller's transaction, or raise (it was recorded)."""
+    moved = session.execute(
+        update(BackfillRequest)
+        .where(BackfillRequest.id == request_id, BackfillRequest.status == "pending")
+        .values(status=status, updated_at=func.now())
+        .returning(BackfillRequest.id)
+    ).scalar_one_or_none()
+    if moved is None:
+        raise RequestAlreadyRecordedError(f"batch request {request_id} was recorded already")
+
+
+class BackfillSegmentStore(ExtractionStore):
+    """The extraction store whose segment transactions also mark the batch request they record
+    (``marking``, set by the collector around each commit): paid once, committed once."""
+
+    def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
+        super().__init__(factory, ledger)
+        self.marking: tuple[int, str] | None = None  # (request id, status once recorded)
+
+    def _paid(self, session: Session, *, discarded: bool = False) -> None:
+        if self.marking is not None:
+            request_id, status = self.marking
+            _mark(session, request_id, "discarded" if discarded else status)
+
+    def record_discarded_result(
+        self, request_id: int, job_id: int | None, source_id: str, slug: str, attempts: Sequence[Attempt]
+    ) -> None:
+        """A paid result its page could not use: its llm_calls rows and the request's mark, together."""
+        place = SegmentPlace(job_id, source_id, slug, -1, NO_SEGMENT)
+        with self._factory.begin() as session:
+            _mark(session, request_id, "discarded")
+            self._ledger.record_many(session, call_records(place, attempts, "discarded: the page moved on"))
+
+
+class BackfillStore:
+    """Reads and writes of the backfill tables."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self._factory = factory
+
+    def load(self, backfill_id: int) -> Backfill | None:
+        with self._factory() as session:
+            return session.get(Backfill, backfill_id)
+
+    def store_plan(self, backfill_id: int, batches: Sequence[PlannedBatch]) -> None:
+        """Every batch and request of the backfill, in one transaction, before anything is sent."""
+        with self._factory.begin() as session:
+            backfill = session.get(Backfill, backfill_id, with_for_update=True)
+            if backfill is None or backfill.status != "planning":
+                return  # planned already (a run that died after this commit)
+            for planned in batches:
+                batch = BackfillBatch(
+                    backfill_id=backfill_id, key=planned.key, provider=planned.provider, model=planned.model
+                )
+                session.add(batch)
+                session.flush()
+                session.add_all(
+                    BackfillRequest(
+                        batch_id=batch.id,
+                        custom_id=r.custom_id,
+                        page_id=r.page_id,
+                        slug=r.slug,
+                        end_message=r.end_message,
+                        segment_hash=r.segment_hash,
+                    )
+                    for r in planned.requests
+                )
+            backfill.status = "running"
+
+    def batches(self, backfill_id: int, statuses: Sequence[str] = OPEN_BATCHES) -> list[BatchRow]:
+        with self._factory() as session:
+            rows = session.execute(
+                select(
+                    BackfillBatch.id, BackfillBatch.key, BackfillBatch.status, BackfillBatch.provider_batch_id
+                )
+                .where(BackfillBatch.backfill_id == backfill_id, BackfillBatch.status.in_(statuses))
+                .order_by(BackfillBatch.id)
+            ).all()
+        return [BatchRow(*row) for row in rows]
+
+    def pending_requests(self, batch_id: int) -> list[RequestRow]:
+        """The batch's requests still waiting for a result, in page order (slug, then segment)."""
+        with self._factory() as session:
+            rows = session.execute(
+                select(
+                    BackfillRequest.id,
+                    BackfillRequest.custom_id,
+                    BackfillRequest.page_id,
+                    BackfillRequest.slug,
+                    BackfillRequest.end_message,
+                    BackfillRequest.segment_hash,
+                    BackfillRequest.status,
+                )
+                .where(BackfillRequest.batch_id == batch_id, BackfillRequest.status == "pending")
+                .order_by(BackfillRequest.slug, BackfillRequest.end_message)
+            ).all()
+        return [RequestRow(*row) for row in rows]
+
+    def still_pending(self, request_ids: Sequence[int]) -> set[int]:
+        with self._factory() as session:
+            rows = session.scalars(
+                select(BackfillRequest.id).where(
+                    BackfillRequest.id.in_(request_ids), BackfillRequest.status == "pending"
+                )
+            )
+            return set(rows)
+
+    def mark_requests(self, request_ids: Sequence[int], status: str) -> None:
+        """Requests that end without a result (expired, cancelled, dropped before sending)."""
+        if not request_ids:
+            return
+        with self._factory.begin() as session:
+            session.execute(
+                update(BackfillRequest)
+                .where(BackfillRequest.id.in_(request_ids), BackfillRequest.status == "pending")
+                .values(status=status, updated_at=func.now())
+            )
+
+    def set_batch(self, batch_id: int, **values: Any) -> None:
+        """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once."""
+        timestamps = {
+            "submitting": "submit_started_at",
+            "submitted": "submitted_at",
+            "collected": "collected_at",
+        }
+        stamp = timestamps.get(values.get("status", ""))
+        if stamp is not None:
+            values[stamp] = func.now()
+        with self._factory.begin() as session:
+            session.execute(update(BackfillBatch).where(BackfillBatch.id == batch_id).values(**values))
+            if values.get("status") == "cancelled":
+                session.execute(
+                    update(BackfillRequest)
+                    .where(BackfillRequest.batch_id == batch_id, BackfillRequest.status == "pending")
+                    .values(status="cancelled", updated_at=func.now())
+                )
+
+    def finish(self, backfill_id: int, status: str) -> None:
+        with self._factory.begin() as session:
+            session.execute(
+                update(Backfill)
+                .where(Backfill.id == backfill_id)
+                .values(status=status, finished_at=func.now())
+            )
+
+
+def request_counts(session: Session, backfill_id: int) -> dict[str, int]:
+    """The backfill's requests by status."""
+    rows = session.execute(
+        select(BackfillRequest.status, func.count())
+        .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
+        .where(BackfillBatch.backfill_id == backfill_id)
+        .group_by(BackfillRequest.status)
+    ).all()
+    return {status: int(count) for status, count in rows}
+
+
+def spend(session: Session, job_id: int | None) -> tuple[int, str]:
+    """(LLM calls recorded, their cost in USD) for the backfill's job: what its batches cost so far."""
+    if job_id is None:
+        return 0, "0"
+    calls, cost = session.execute(
+        select(func.count(), func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id == job_id)
+    ).one()
+    return int(calls), str(cost)
+
+
+def job_status(session: Session, job_id: int | None) -> tuple[str | None, str | None]:
+    if job_id is None:
+        return None, None
+    row = session.execute(select(Job.status, Job.last_error).where(Job.id == job_id)).one_or_none()
+    return (row.status, row.last_error) if row is not None else (None, None)
