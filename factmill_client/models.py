@@ -53,6 +53,16 @@ class PageErased(Model):
 # ---------------------------------------------------------------------------- jobs
 
 
+class JobSpendOut(Model):
+    """What a job's LLM calls used and cost (from its llm_calls rows, batch or online)."""
+
+    calls: int
+    input_tokens: int  # every prompt token, cached ones included
+    cached_tokens: int
+    output_tokens: int
+    cost_usd: float
+
+
 class JobOut(Model):
     id: int
     kind: str
@@ -73,6 +83,7 @@ class JobOut(Model):
     started_at: datetime | None
     finished_at: datetime | None
     heartbeat_at: datetime | None
+    spend: JobSpendOut | None = None  # get_job only
 
     @property
     def done(self) -> bool:
@@ -288,6 +299,7 @@ __all__ = [
     "JobAccepted",
     "JobList",
     "JobOut",
+    "JobSpendOut",
     "MessagesOut",
     "Model",
     "PageErased",
