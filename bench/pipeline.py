@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -48,11 +49,13 @@ def free_port() -> int:
 def page_body(index: int, segments: int) -> str:
     lines = []
     for s in range(segments):
-        day, hour = 1 + s // 6, 8 + 2 * (s % 6)
+        # Six segments a day, two hours apart, on valid dates however many there are.
+        day = (datetime(2024, 6, 1) + timedelta(days=s // 6)).strftime("%Y-%m-%d")
+        hour = 8 + 2 * (s % 6)
         for m in range(3):
             who = ("Alice Example", "Bob Demo", "Zoë Ångström")[(s + m) % 3]
             lines.append(
-                f"**{who}** (2024-06-{day:02d} {hour:02d}:{m:02d}): I moved to Lisbon in {2000 + index % 20} "
+                f"**{who}** ({day} {hour:02d}:{m:02d}): I moved to Lisbon in {2000 + index % 20} "
                 f"and I will run {5 + s} km with Acme Corp colleagues on Sunday {s}-{m}."
             )
     return "\n".join(lines)
@@ -121,8 +124,15 @@ def main() -> None:
     parser.add_argument("--baseline-samples", type=int, default=12)
     parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
     parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
+    parser.add_argument(
+        "--llm-concurrency",
+        type=int,
+        default=0,
+        help="LLM calls in flight per worker (FACTMILL_LLM_CONCURRENCY); default jobs × segment calls",
+    )
     args = parser.parse_args()
-    in_flight = args.jobs * args.segment_concurrency * args.workers
+    per_worker = args.llm_concurrency or args.jobs * args.segment_concurrency
+    in_flight = per_worker * args.workers
     name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(SERVER, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -150,6 +160,7 @@ def main() -> None:
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_WEBHOOK_SECRET": SECRET,
             "FACTMILL_SEGMENT_CONCURRENCY": str(args.segment_concurrency),
+            "FACTMILL_LLM_CONCURRENCY": str(per_worker),
             "FACTMILL_EMBED_AFTER_EXTRACTION": "false" if args.no_embed else "true",
         }
         procs.append(spawn(["-m", "worker.cli", "serve", "--port", str(api_port)], env, logs / "api.log"))
@@ -196,6 +207,8 @@ def main() -> None:
                             "extraction",
                             "--concurrency",
                             str(args.jobs),
+                            "--processes",
+                            "1",
                             "--pool",
                             "threads",
                             "--loglevel",
@@ -230,6 +243,15 @@ def main() -> None:
                     raise SystemExit("pipeline did not finish in 10 minutes")
                 time.sleep(0.05)
             finished = time.perf_counter()
+            vectors_lag = None
+            while not args.no_embed and time.perf_counter() - finished < 120:
+                missing = conn.execute(
+                    "SELECT count(*) FROM facts WHERE embedding IS NULL AND NOT is_audit"
+                ).fetchone()
+                if missing and missing[0] == 0:
+                    vectors_lag = time.perf_counter() - finished
+                    break
+                time.sleep(0.05)
             failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
             segments_done = conn.execute(
                 "SELECT count(*) FROM extraction_audit WHERE outcome = 'ok'"
@@ -240,8 +262,8 @@ def main() -> None:
         ideal = in_flight / (args.latency_ms / 1000)
         print(
             f"pages {args.pages} × {args.segments} segments = {total_segments} segments; "
-            f"{in_flight} LLM calls in flight ({args.workers} worker(s) × {args.jobs} jobs × "
-            f"{args.segment_concurrency}); "
+            f"{in_flight} LLM calls in flight ({args.workers} worker(s) × {per_worker}; {args.jobs} jobs "
+            "each); "
             f"simulator latency {args.latency_ms} ms; failed jobs {failed[0] if failed else '?'}; "
             f"ok segments {segments_done[0] if segments_done else '?'}"
         )
@@ -250,6 +272,8 @@ def main() -> None:
             "sequential client, no worker running)"
         )
         print(f"pipeline: {rate:.0f} segments/s in {elapsed:.2f} s")
+        if vectors_lag is not None:
+            print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
         print(
             f"  vs ideal ({in_flight} / {args.latency_ms / 1000:.1f} s = {ideal:.0f}/s): {rate / ideal:.2f}"
         )

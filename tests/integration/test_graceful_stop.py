@@ -44,6 +44,7 @@ def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
         job_stale_after_seconds=NO_SWEEP_SECONDS,
         job_requeue_after_seconds=NO_SWEEP_SECONDS,
         grace_seconds=30,
+        llm_concurrency=4,  # a page of 100 calls at 300 ms then lasts several seconds
     )
 
 
