@@ -385,16 +385,18 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and
     still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
     its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
+    # The hash first: the body (megabytes for a long chat) is read only when the page did change.
     row = session.execute(
-        select(Page.content_hash, Page.type, Page.compiled_truth, Page.timeline)
-        .where(Page.id == page.page_id)
-        .with_for_update(read=True)
+        select(Page.content_hash, Page.type).where(Page.id == page.page_id).with_for_update(read=True)
     ).one_or_none()
     if row is None:
         raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
     if row.content_hash == page.content_hash:
         return
-    messages = parse_conversation_messages(page_body(row.compiled_truth, row.timeline))
+    body = session.execute(
+        select(Page.compiled_truth, Page.timeline).where(Page.id == page.page_id)
+    ).one()  # the row is held FOR SHARE already
+    messages = parse_conversation_messages(page_body(body.compiled_truth, body.timeline))
     if (
         row.type not in page.types
         or len(messages) < new.messages_done
