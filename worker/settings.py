@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     # vector search a moment later); off leaves that to `factmill embed`, e.g. for a large backfill.
     embed_after_extraction: bool = True
     # Threads that embed committed facts in the background (each waits on one embedding call at a time).
-    follow_up_threads: int = Field(default=2, ge=1, le=64)
+    follow_up_threads: int = Field(default=8, ge=1, le=64)
 
     # Compaction
     compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap

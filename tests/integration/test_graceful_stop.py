@@ -107,9 +107,9 @@ def stop_holder_mid_page(
 def test_sigterm_releases_the_running_job_to_another_worker_at_once(
     factory, env, sender, server_url, simulator
 ):
-    # ~100 calls at 1 s, 4 in flight: ~25 s of work, so SIGTERM lands mid-page even when the second
+    # ~100 calls at 2.5 s, 4 in flight: ~60 s of work, so SIGTERM lands mid-page even when the second
     # worker takes long to start on a loaded machine.
-    simulator.configure(latency_ms=1000)
+    simulator.configure(latency_ms=2500)
     pages = {"conversations/stop": conversation(7, segments=100)}
     holder = start_worker(env, concurrency=1, name=f"holder-{uuid.uuid4().hex[:4]}@%h")
     with running(holder):
