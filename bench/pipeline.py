@@ -217,8 +217,15 @@ def main() -> None:
     parser.add_argument("--baseline-samples", type=int, default=12)
     parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
     parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
+    parser.add_argument(
+        "--llm-concurrency",
+        type=int,
+        default=0,
+        help="LLM calls in flight per worker (FACTMILL_LLM_CONCURRENCY); default jobs × segment calls",
+    )
     args = parser.parse_args()
-    in_flight = args.jobs * args.segment_concurrency * args.workers
+    per_worker = args.llm_concurrency or args.jobs * args.segment_concurrency
+    in_flight = per_worker * args.workers
     name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(SERVER, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -246,6 +253,7 @@ def main() -> None:
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_WEBHOOK_SECRET": SECRET,
             "FACTMILL_SEGMENT_CONCURRENCY": str(args.segment_concurrency),
+            "FACTMILL_LLM_CONCURRENCY": str(per_worker),
             "FACTMILL_EMBED_AFTER_EXTRACTION": "false" if args.no_embed else "true",
         }
         procs.append(spawn(["-m", "worker.cli", "serve", "--port", str(api_port)], env, logs / "api.log"))
@@ -293,6 +301,8 @@ def main() -> None:
                             "extraction",
                             "--concurrency",
                             str(args.jobs),
+                            "--processes",
+                            "1",
                             "--pool",
                             "threads",
                             "--loglevel",
@@ -328,6 +338,15 @@ def main() -> None:
                     raise SystemExit("pipeline did not finish in 10 minutes")
                 time.sleep(0.05)
             finished = time.perf_counter()
+            vectors_lag = None
+            while not args.no_embed and time.perf_counter() - finished < 120:
+                missing = conn.execute(
+                    "SELECT count(*) FROM facts WHERE embedding IS NULL AND NOT is_audit"
+                ).fetchone()
+                if missing and missing[0] == 0:
+                    vectors_lag = time.perf_counter() - finished
+                    break
+                time.sleep(0.05)
             samples = sampler.finish()
             failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
             # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
@@ -344,6 +363,8 @@ def main() -> None:
             in_flight,
             samples,
         )  # fmt: skip
+        if vectors_lag is not None:
+            print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
     finally:
         stop(procs)
         db.get_engine(url).dispose()

@@ -96,3 +96,14 @@ def segments_processed(factory: sessionmaker[Session], job_id: int) -> int:
 
 def names(spans: Iterable[SpanRecord]) -> Counter[str]:
     return Counter(span.name for span in spans)
+
+
+def committed_segments(spans: Iterable[SpanRecord]) -> list[int]:
+    """The segment indices the "segment commit" spans cover: one span per transaction, which holds
+    ``factmill.segments`` consecutive segments from ``factmill.segment.index``."""
+    covered: list[int] = []
+    for span in spans:
+        if span.name == "segment commit":
+            first = int(span.attributes["factmill.segment.index"])
+            covered += range(first, first + int(span.attributes.get("factmill.segments", 1)))
+    return sorted(covered)

@@ -70,7 +70,8 @@ class Settings(BaseSettings):
     config_cache_seconds: float = Field(default=2.0, ge=0)
 
     # Jobs and workers.
-    segment_concurrency: int = Field(default=8, ge=1, le=64)  # LLM calls in flight per page
+    # LLM calls in flight per worker process, shared by every page it works on (the LLM pipe).
+    llm_concurrency: int = Field(default=64, ge=1, le=4096)
     job_max_attempts: int = Field(default=5, ge=1)  # runs that end on their own (failures spend it)
     # Runs cut short by infrastructure (SIGKILL, OOM, a stale lease, the database going away): larger,
     # so faults rarely fail a page, yet a page that kills every worker it touches ends failed.
@@ -125,12 +126,14 @@ class Settings(BaseSettings):
     search_expand: bool = True  # let the LLM expand plain queries (off: lexical + vector of the query only)
     search_default_limit: int = Field(default=10, ge=1, le=100)
     search_embed_batch_size: int = Field(default=64, ge=1, le=2048)  # facts per embedding call
-    # Extraction jobs embed their new facts before they finish (vector search sees them at once); off
-    # leaves that to `factmill embed`, e.g. to give a large backfill every cycle of the workers.
+    # Extraction workers embed facts in the background as they commit (lexical search sees them at once,
+    # vector search a moment later); off leaves that to `factmill embed`, e.g. for a large backfill.
     embed_after_extraction: bool = True
     # Extraction jobs request a consolidation job per entity of their new facts (the fact lifecycle);
     # off leaves facts unconsolidated until `factmill facts consolidate`.
     consolidate_after_extraction: bool = True
+    # Threads that embed committed facts in the background (each waits on one embedding call at a time).
+    follow_up_threads: int = Field(default=8, ge=1, le=64)
 
     # Compaction
     compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap

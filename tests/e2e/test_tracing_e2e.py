@@ -24,7 +24,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Job
 from tests.e2e.test_service_e2e import free_port, post
 from tests.service import ServiceProcess, running, service_env, start_beat, start_worker, wait_for
-from tests.tracing_helpers import SpanRecord, ancestors, llm_calls, names, one_trace, segments_processed
+from tests.tracing_helpers import (
+    SpanRecord,
+    ancestors,
+    committed_segments,
+    llm_calls,
+    names,
+    one_trace,
+    segments_processed,
+)
 
 # Three service processes a test: more than the other e2e modules need on a loaded machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
@@ -173,8 +181,13 @@ def assert_one_connected_trace(
     assert segments == 3
 
     def complete() -> bool:  # the worker's batch reaches the collector a moment after the job ends
-        seen = names(trace_of(collector, slug))
-        return seen["segment commit"] == segments and seen["job extraction"] >= 1 and seen[TASK_SPAN] >= 1
+        trace = trace_of(collector, slug)
+        seen = names(trace)
+        return (
+            len(committed_segments(trace)) == segments
+            and seen["job extraction"] >= 1
+            and seen[TASK_SPAN] >= 1
+        )
 
     wait_for(
         complete, 60, f"the trace of the page sent by {via}", diagnostics=lambda: str(everything(collector))
@@ -194,7 +207,7 @@ def assert_one_connected_trace(
     calls = [s for s in members if s.is_llm_call(simulator.base_url)]
     commits = [s for s in members if s.name == "segment commit"]
     assert len(calls) == llm_calls(factory, job.id) == segments, names(members)
-    assert len(commits) == segments
+    assert committed_segments(commits) == list(range(segments))
     for span in [*calls, *commits]:
         assert "job extraction" in ancestors(span, members)
     return members

@@ -49,6 +49,7 @@ def env(database_url: str, broker_url: str, simulator: Any) -> dict[str, str]:
         job_stale_after_seconds=NO_SWEEP_SECONDS,
         job_requeue_after_seconds=NO_SWEEP_SECONDS,
         grace_seconds=30,
+        llm_concurrency=4,  # a page of 100 calls at 300 ms then lasts several seconds
     )
 
 
@@ -129,6 +130,7 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
         # A lease handed back is neither a lost worker nor an attempt: one run reached a verdict.
         assert (job.attempts, job.worker_losses) == (1, 0), (job.attempts, job.worker_losses)
     assert "released by its stopping worker" in "".join(holder.output), holder.tail()
+    simulator.configure(latency_ms=0)  # the sequential reference run below need not wait 2.5 s a call
     # Exactly once: the segments the first worker committed are not extracted again.
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
 

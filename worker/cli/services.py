@@ -9,6 +9,7 @@ import uvicorn
 
 from worker.celery_app import app as celery
 from worker.cli.console import fail
+from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
 from worker.runtime.tracing import TracingUnavailableError, require_packages
@@ -60,34 +61,40 @@ def worker(
     queues: Annotated[
         str, typer.Option(help="Comma-separated queues to consume.")
     ] = "extraction,maintenance",
-    concurrency: Annotated[int, typer.Option(min=1, help="Tasks in flight (threads or processes).")] = 64,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(min=1, help="Jobs in flight per process (threads); default FACTMILL_LLM_CONCURRENCY."),
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(min=1, help="Worker processes, each with its own LLM pipe; default one per core."),
+    ] = None,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
     loglevel: Annotated[str, typer.Option()] = "info",
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
 ) -> None:
-    """Run a Celery worker for the given queues."""
-    refuse_insecure_secrets(get_settings())
-    refuse_missing_tracing(get_settings())
+    """Run Celery workers for the given queues: one process per core unless --processes says otherwise
+    (each runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once)."""
+    settings = get_settings()
+    refuse_insecure_secrets(settings)
+    refuse_missing_tracing(settings)
     known = known_queues()
     unknown = sorted(set(q.strip() for q in queues.split(",")) - set(known))
     if unknown:
         raise fail(f"unknown queue(s) {', '.join(unknown)}; choose from {', '.join(known)}", code=2)
     if pool not in POOLS:
         raise fail("--pool must be threads, prefork or solo", code=2)
-    argv = [
-        "worker",
-        "-Q",
-        queues,
-        "-c",
-        str(concurrency),
-        "-P",
-        pool,
-        "-l",
-        loglevel,
-        "-E",
-        "--without-gossip",
-        "--without-mingle",
-    ]
+    jobs = concurrency or settings.llm_concurrency
+    # prefork forks processes of its own (one job each); the threads pool needs them from here.
+    count = processes or (default_processes() if pool == "threads" else 1)
+    if count > 1:
+        child = ["worker", "--queues", queues, "--concurrency", str(jobs), "--processes", "1"]
+        child += ["--pool", pool, "--loglevel", loglevel]
+        raise typer.Exit(
+            run_children([[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)])
+        )
+    argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel, "-E"]
+    argv += ["--without-gossip", "--without-mingle"]
     if hostname:
         argv += ["-n", hostname]
     celery.worker_main(argv)

@@ -39,7 +39,7 @@ from worker.extraction.backfill_store import (
     RequestRow,
 )
 from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
-from worker.extraction.committer import SegmentResults
+from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
@@ -308,7 +308,7 @@ class BackfillPass:
         if plan is not None:
             try:
                 self.run.committer.finish(
-                    self.run.committer.commit_page(plan, self.results(plan, rows, items))
+                    self.run.committer.commit_page(plan, one_at_a_time(self.results(plan, rows, items)))
                 )
             except CheckpointConflictError as exc:  # another run moved the page on: these are discarded
                 logger.info("backfill %s: %s", self.backfill.id, exc)

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction
-from worker.extraction.committer import SegmentResults
+from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import (
     CheckpointConflictError,
     ExtractionCounters,
@@ -194,7 +194,7 @@ class BatchExtraction:
                 yield index, segment, result
 
         try:
-            report = self.run.committer.commit_page(plan, results())
+            report = self.run.committer.commit_page(plan, one_at_a_time(results()))
         except CheckpointConflictError as exc:
             report = PageReport(plan.slug, "failed", str(exc), outcome="checkpoint_conflict")
         if report.status == "processed" and report.segments < len(plan.segments):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from worker.core.checkpoint import CheckpointState, SkippedSegment, segment_hash
 from worker.core.conversation import Segment
@@ -11,11 +11,28 @@ from worker.extraction.options import ExtractionCounters, ExtractionProgress, Pa
 from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.rows import SegmentPlace
 from worker.extraction.segments import Attempt, SegmentResult
-from worker.extraction.store import ExtractionStore, PageVersion, Terminal
+from worker.extraction.store import ExtractionStore, PageVersion, SegmentCommit, Terminal
 from worker.runtime import tracing
 
 # (segment index, segment, its result), in page order; the consumer may stop early.
-SegmentResults = Generator[tuple[int, Segment, SegmentResult], None, None]
+SegmentResult3 = tuple[int, Segment, SegmentResult]
+SegmentResults = Generator[SegmentResult3, None, None]
+# The same in runs of consecutive results that are ready together (committed in one transaction).
+ResultBatches = Generator[list[SegmentResult3], None, None]
+# (source id, page slug, facts inserted): called once per transaction that committed facts of a page.
+FactsCommitted = Callable[[str, str, int], None]
+# A run of consecutive segments this long at most goes in one transaction.
+MAX_SEGMENTS_PER_COMMIT = 256
+DISCARDED_UNUSED = "discarded: an earlier segment did not complete"
+
+
+def one_at_a_time(results: SegmentResults) -> ResultBatches:
+    """Results that come one by one (a provider batch's) as runs of one."""
+    try:
+        for item in results:
+            yield [item]
+    finally:
+        results.close()
 
 
 class SegmentCommitter:
@@ -28,12 +45,20 @@ class SegmentCommitter:
         counters: ExtractionCounters,
         progress: ExtractionProgress,
         max_segment_failures: int,
+        on_facts_committed: FactsCommitted | None = None,
     ) -> None:
         self.store = store
         self.planner = planner
         self.counters = counters
         self.progress = progress
         self.max_segment_failures = max_segment_failures
+        self.on_facts_committed = on_facts_committed
+
+    def facts_committed(self, slug: str, inserted: int) -> None:
+        """Facts of page ``slug`` were committed (``inserted`` of them, in one transaction): the one
+        place that says so, whichever path committed them (so follow-up work hooks here)."""
+        if inserted and self.on_facts_committed is not None:
+            self.on_facts_committed(self.planner.options.source_id, slug, inserted)
 
     def finish(self, report: PageReport) -> None:
         """A page is done (whatever its status): count it and tell the progress listener."""
@@ -70,8 +95,9 @@ class SegmentCommitter:
         report.skipped += 1
         self.progress.segment_finished(slug, "skipped")
 
-    def commit_page(self, plan: PagePlan, results: SegmentResults) -> PageReport:
-        """Commit a planned page's segment results (in page order) through the per-segment transaction."""
+    def commit_page(self, plan: PagePlan, results: ResultBatches) -> PageReport:
+        """Commit a planned page's segment results (in page order, in runs of consecutive ones): each
+        run in one transaction that moves the checkpoint over all of it."""
         self.progress.page_started(plan.slug, len(plan.segments))
         try:
             if plan.replace:
@@ -90,43 +116,89 @@ class SegmentCommitter:
         report.reason = f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}{tail}"
         return report
 
-    def _commit_incremental(self, plan: PagePlan, results: SegmentResults) -> PageReport:
-        """One transaction per result as it comes; if they end early the rest wait for a later run."""
+    def _commit_incremental(self, plan: PagePlan, batches: ResultBatches) -> PageReport:
+        """One transaction per run of results as they come; if they end early the rest wait for a
+        later run. A failed segment ends the page: the run before it commits, the rest is discarded."""
         report = PageReport(plan.slug, "processed")
         expected = plan.checkpoint
-        last = len(plan.segments) - 1
-        for index, segment, result in results:
-            place = self.planner.place(plan.slug, index, segment)
-            skip, failures = self.poison(place, result)
-            if not result.ok and skip is None:
-                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
-                self.progress.segment_finished(plan.slug, result.outcome)
-                return self.fail_page(report, index, result, failures=failures)
-            end = plan.ends[index]
-            first_row = expected.next_row_num if expected else 0
-            skipped = expected.skipped if expected else ()
-            if skip is not None:
-                skipped = (*skipped, skipped_entry(segment, end))
-            new = CheckpointState(end, plan.hasher.digest(end), first_row + len(result.facts), skipped)
-            terminal: Terminal = "keep"
-            if index == last:
-                terminal = "set"
-            elif index == 0 and plan.checkpoint is not None:
-                terminal = "clear"  # appended messages: the page is incomplete until its last new segment
-            inserted = self.commit(
-                place, result, expected=expected, new=new, terminal=terminal, page=plan.version, skip=skip
+        for batch in batches:
+            pending: list[tuple[SegmentCommit, int]] = []  # with each segment's index
+            for position, (index, segment, result) in enumerate(batch):
+                place = self.planner.place(plan.slug, index, segment)
+                skip, failures = self.poison(place, result)
+                if not result.ok and skip is None:
+                    expected = self._commit_run(plan, pending, expected, report)
+                    self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+                    self.progress.segment_finished(plan.slug, result.outcome)
+                    self.discard(plan.slug, batch[position + 1 :])
+                    return self.fail_page(report, index, result, failures=failures)
+                first_row = expected.next_row_num if expected else 0
+                first_row += sum(len(c.facts) for c, _ in pending)
+                pending.append((SegmentCommit(place, result.attempts, result.facts, first_row, skip), index))
+                if len(pending) >= MAX_SEGMENTS_PER_COMMIT:
+                    expected = self._commit_run(plan, pending, expected, report)
+                    pending = []
+            expected = self._commit_run(plan, pending, expected, report)
+        return report
+
+    def discard(self, slug: str, rest: Sequence[SegmentResult3]) -> None:
+        """Results the page got but cannot use (after a failed segment): recorded, facts unused."""
+        for index, segment, result in rest:
+            self.store.record_attempts(
+                self.planner.place(slug, index, segment),
+                result.attempts,
+                note=DISCARDED_UNUSED,
+                permanent=result.permanent,
             )
-            expected = new
-            if skip is not None:
+
+    def _commit_run(
+        self,
+        plan: PagePlan,
+        run: Sequence[tuple[SegmentCommit, int]],
+        expected: CheckpointState | None,
+        report: PageReport,
+    ) -> CheckpointState | None:
+        """Commit consecutive segments in one transaction; the checkpoint they moved to."""
+        if not run:
+            return expected
+        skipped = expected.skipped if expected else ()
+        for commit, index in run:
+            if commit.skip is not None:
+                skipped = (*skipped, skipped_entry(commit.place.segment, plan.ends[index]))
+        last_commit, last = run[-1]
+        end = plan.ends[last]
+        new = CheckpointState(
+            end, plan.hasher.digest(end), last_commit.first_row + len(last_commit.facts), skipped
+        )
+        terminal: Terminal = "keep"
+        if last == len(plan.segments) - 1:
+            terminal = "set"
+        elif run[0][1] == 0 and plan.checkpoint is not None:
+            terminal = "clear"  # appended messages: the page is incomplete until its last new segment
+        # One span per transaction: it covers len(run) consecutive segments from the first's index.
+        attributes = {**segment_attributes(run[0][0].place), "factmill.segments": len(run)}
+        with tracing.span("segment commit", attributes):
+            inserted = self.store.commit_segments(
+                [commit for commit, _ in run],
+                fingerprint=self.planner.fingerprint,
+                expected=expected,
+                new=new,
+                terminal=terminal,
+                page=plan.version,
+            )
+            tracing.annotate("factmill.facts.inserted", inserted)
+        self.facts_committed(plan.slug, inserted)
+        self.counters.facts_inserted += inserted
+        report.facts += inserted
+        for commit, _ in run:
+            if commit.skip is not None:
                 self.count_skip(report, plan.slug)
                 continue
             self.counters.segments_processed += 1
-            self.counters.facts_extracted += len(result.facts)
-            self.counters.facts_inserted += inserted
+            self.counters.facts_extracted += len(commit.facts)
             report.segments += 1
-            report.facts += inserted
             self.progress.segment_finished(plan.slug, "ok")
-        return report
+        return new
 
     def commit(
         self,
@@ -153,29 +225,32 @@ class SegmentCommitter:
                 skip=skip,
             )
             tracing.annotate("factmill.facts.inserted", inserted)
+        self.facts_committed(place.slug, inserted)
         return inserted
 
-    def _commit_replacing(self, plan: PagePlan, results: SegmentResults) -> PageReport:
+    def _commit_replacing(self, plan: PagePlan, batches: ResultBatches) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(plan.slug, "processed")
         segment_facts: list[tuple[SegmentPlace, Sequence[ExtractedFact]]] = []
         skips: list[tuple[SegmentPlace, Sequence[Attempt], str]] = []
         skipped: list[SkippedSegment] = []
-        for index, segment, result in results:
-            place = self.planner.place(plan.slug, index, segment)
-            skip, failures = self.poison(place, result)
-            self.store.record_attempts(place, result.attempts, permanent=result.permanent)
-            if skip is not None:  # its skipped row goes in with the swap that moves past it
-                skips.append((place, result.attempts, skip))
-                skipped.append(skipped_entry(segment, plan.ends[index]))
-                self.count_skip(report, plan.slug)
-                continue
-            self.progress.segment_finished(plan.slug, result.outcome)
-            if not result.ok:
-                tail = "; the page's earlier facts were kept"
-                return self.fail_page(report, index, result, tail, failures=failures)
-            segment_facts.append((place, result.facts))
-            report.segments += 1
+        for batch in batches:
+            for position, (index, segment, result) in enumerate(batch):
+                place = self.planner.place(plan.slug, index, segment)
+                skip, failures = self.poison(place, result)
+                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+                if skip is not None:  # its skipped row goes in with the swap that moves past it
+                    skips.append((place, result.attempts, skip))
+                    skipped.append(skipped_entry(segment, plan.ends[index]))
+                    self.count_skip(report, plan.slug)
+                    continue
+                self.progress.segment_finished(plan.slug, result.outcome)
+                if not result.ok:
+                    self.discard(plan.slug, batch[position + 1 :])
+                    tail = "; the page's earlier facts were kept"
+                    return self.fail_page(report, index, result, tail, failures=failures)
+                segment_facts.append((place, result.facts))
+                report.segments += 1
         missing = len(plan.segments) - report.segments - report.skipped
         if missing:
             # The results ran out (a batch that expired): swapping now would drop the page's later facts.
@@ -196,6 +271,7 @@ class SegmentCommitter:
             )
         self.counters.segments_processed += report.segments
         self.counters.facts_extracted += total
+        self.facts_committed(plan.slug, inserted)
         self.counters.facts_inserted += inserted
         report.facts = inserted
         return report
@@ -215,6 +291,7 @@ def segment_attributes(place: SegmentPlace, *, skipped: bool = False) -> dict[st
         "factmill.page.slug": place.slug,
         "factmill.segment.index": place.index,
         "factmill.segment.skipped": skipped,
+        "factmill.segments": 1,
     }
     if place.job_id is not None:
         attributes["factmill.job.id"] = place.job_id

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import cast
+
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_page_entities
-from worker.extraction.options import CheckpointConflictError, ExtractOptions
+from worker.extraction.committer import FactsCommitted
+from worker.extraction.options import CheckpointConflictError, ExtractionCounters, ExtractOptions
 from worker.extraction.service import extract_conversation_facts
 from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
-from worker.search import embed_new_facts
+from worker.runtime import Runtime
+from worker.search import embed_pages_facts
+
+EMBED_FOLLOW_UP = "embed-new-facts"
+
+
+def embed_in_background(rt: Runtime) -> FactsCommitted:
+    """Once a page's facts commit, embed them on the process's follow-up threads (several pages per
+    embedding call), so vector search finds them a moment later while the job goes on: it never
+    waits on the embedding model. Never fails the job (`factmill embed` fills in whatever this misses)."""
+    batch_size = rt.settings.search_embed_batch_size
+
+    def embed(pages: list[Hashable]) -> None:
+        embed_pages_facts(rt.factory, rt.llm, pages, batch_size, ledger=rt.ledger)  # type: ignore[arg-type]
+        if rt.settings.consolidate_after_extraction:
+            for page in pages:
+                source_id, slug = cast(tuple[str, str], page)
+                consolidate_page_entities(rt.factory, source_id, slug)
+
+    def committed(source_id: str, slug: str, inserted: int) -> None:
+        rt.follow_ups.submit(EMBED_FOLLOW_UP, (source_id, slug), embed)
+
+    return committed
+
+
+def embedding_follows(rt: Runtime, counters: ExtractionCounters) -> bool:
+    """This run's new facts go to the embedding follow-up, which requests their consolidation."""
+    return bool(counters.facts_inserted) and rt.settings.embed_after_extraction
 
 
 def extract_page(ctx: JobContext) -> WorkResult:
@@ -23,11 +54,19 @@ def extract_page(ctx: JobContext) -> WorkResult:
         force=bool(ctx.option("force", False)),
         retry_skipped=bool(ctx.option(RETRY_SKIPPED, False)),
         job_id=job.id,
-        segment_concurrency=settings.segment_concurrency,
         max_output_tokens=settings.llm_max_output_tokens,
     )
     store = ExtractionStore(rt.factory, rt.ledger)
-    counters = extract_conversation_facts(store, rt.llm, options, rt.config, rt.budget, guard=ctx.guard)
+    counters = extract_conversation_facts(
+        store,
+        rt.llm,
+        options,
+        rt.config,
+        rt.budget,
+        guard=ctx.guard,
+        pipe=rt.llm_pipe,
+        on_facts_committed=embed_in_background(rt) if settings.embed_after_extraction else None,
+    )
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]
     if waiting:
@@ -42,14 +81,15 @@ def extract_page(ctx: JobContext) -> WorkResult:
     if counters.pages_failed:
         reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
         return WorkResult("retry", counters=counters_dict, note=reason)
-    if counters.facts_inserted and settings.embed_after_extraction:
-        # Make the new facts findable by vector search too; never fails the job (`factmill embed`
-        # fills in whatever this misses).
-        embed_new_facts(rt.factory, rt.llm, source_id, slug, settings.search_embed_batch_size)
-    if counters.pages_considered and settings.consolidate_after_extraction:
-        # Lifecycle: one consolidation job per entity of the page's unconsolidated facts (after the
-        # embeddings, which its candidates use). On every successful run, not only when facts went in:
-        # a run that dies after its commits leaves them pending, and its retry requests them.
+    if (
+        counters.pages_considered
+        and settings.consolidate_after_extraction
+        and not embedding_follows(rt, counters)
+    ):
+        # Lifecycle: one consolidation job per entity of the page's unconsolidated facts. On every
+        # successful run, not only when facts went in: a run that dies after its commits leaves them
+        # pending, and its retry requests them. When this run's facts are being embedded, the
+        # follow-up requests it once their vectors exist (its candidates use them).
         consolidate_page_entities(rt.factory, source_id, slug)
     note = None
     if counters.pages_considered == 0:

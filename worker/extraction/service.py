@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import contextvars
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import islice
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction
-from worker.extraction.committer import SegmentCommitter, SegmentResults
+from worker.extraction.committer import (
+    MAX_SEGMENTS_PER_COMMIT,
+    FactsCommitted,
+    ResultBatches,
+    SegmentCommitter,
+)
 from worker.extraction.options import (
     ExtractionCounters,
     ExtractionProgress,
@@ -29,6 +31,7 @@ from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
 from worker.extraction.segments import SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
+from worker.llm.pipe import Feed, LLMPipe
 from worker.llm.types import LLMClient
 
 DISCARDED_IN_FLIGHT = "discarded: an earlier segment did not complete"
@@ -48,6 +51,7 @@ class ExtractionRun:
         counters: ExtractionCounters | None = None,
         progress: ExtractionProgress | None = None,
         guard: Callable[[], None] | None = None,
+        on_facts_committed: FactsCommitted | None = None,
     ) -> None:
         self.options = options
         self.config = config
@@ -58,7 +62,12 @@ class ExtractionRun:
         self.max_facts = resolve_max_facts(options, config)
         self.planner = PagePlanner(store, options, config)
         self.committer = SegmentCommitter(
-            store, self.planner, self.counters, self.progress, resolve_max_segment_failures(config)
+            store,
+            self.planner,
+            self.counters,
+            self.progress,
+            resolve_max_segment_failures(config),
+            on_facts_committed,
         )
 
     def check_switch(self) -> None:
@@ -83,18 +92,21 @@ class ExtractionRun:
 
 
 class OnlineExtraction:
-    """Segments sent to the LLM one call at a time (or ``segment_concurrency`` in flight), committed in
-    page order."""
+    """Segments sent to the LLM through a pipe (the worker process's shared one, or one of
+    ``segment_concurrency`` slots for this run), committed in page order, consecutive ready ones
+    together."""
 
-    def __init__(self, run: ExtractionRun, llm: LLMClient) -> None:
+    def __init__(self, run: ExtractionRun, llm: LLMClient, pipe: LLMPipe, window: int | None) -> None:
         self.run = run
         self.llm = llm
+        self.pipe = pipe
+        self.window = window  # calls a page may start ahead of its commits (None: the pipe's default)
 
     def extract_page(self, plan: PagePlan, earlier: PageReport | None = None) -> None:
         """Extract and commit the plan's segments; ``earlier`` is what a `--skipped` pass already did on
         the page (one page, one report)."""
         run = self.run
-        report = run.committer.commit_page(plan, self.ordered_results(plan.slug, plan.label, plan.segments))
+        report = run.committer.commit_page(plan, self.ordered_results(plan))
         if earlier is not None:
             report.segments += earlier.segments
             report.facts += earlier.facts
@@ -108,7 +120,7 @@ class OnlineExtraction:
         return retry.retry_page(ref)
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
-        """One segment's LLM attempts; runs on pool threads, so it touches no shared state."""
+        """One segment's LLM attempts; runs on the pipe's threads, so it touches no shared state."""
         run = self.run
         run.check_switch()
         if run.guard is not None:
@@ -121,47 +133,56 @@ class OnlineExtraction:
             before_call=lambda: run.budget.check(run.options.job_id),
         )
 
-    def submit(self, pool: ThreadPoolExecutor, label: str, segment: Segment) -> Future[SegmentResult]:
-        """The call on a pool thread, in the caller's context (its trace: the job's span is the parent)."""
-        return pool.submit(contextvars.copy_context().run, self.call, label, segment)
+    def ordered_results(self, plan: PagePlan) -> ResultBatches:
+        """The page's segment results in page order, in runs of those ready together.
 
-    def ordered_results(self, slug: str, label: str, segments: Sequence[Segment]) -> SegmentResults:
-        """Segment results in page order, with up to ``segment_concurrency`` LLM calls in flight.
-
-        Committing strictly in order keeps the checkpoint monotonic. When the consumer stops
-        early (a failed segment, the kill switch), calls already in flight still finish and are
-        recorded (they cost money) but their facts are discarded; calls not yet started never are.
+        Committing strictly in order keeps the checkpoint monotonic. When the consumer stops early (a
+        failed segment, the kill switch, a stopping worker), calls already in flight still finish and
+        are recorded (they cost money) but their facts are discarded; calls not yet started never are.
         """
-        counters = self.run.counters
-        width = max(1, self.run.options.segment_concurrency)
-        if width == 1:
-            for index, segment in enumerate(segments):
-                result = self.call(label, segment)
-                counters.add_calls(result)
-                yield index, segment, result
-            return
-        pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix="segment")
-        pending: deque[tuple[int, Segment, Future[SegmentResult]]] = deque()
-        upcoming = iter(enumerate(segments))
+        counters, label, segments = self.run.counters, plan.label, plan.segments
+        feed: Feed[SegmentResult] = self.pipe.open(
+            len(segments), lambda index: self.call(label, segments[index]), window=self.window
+        )
         try:
-            for index, segment in islice(upcoming, width):
-                pending.append((index, segment, self.submit(pool, label, segment)))
-            while pending:
-                index, segment, future = pending.popleft()
-                result = future.result()
-                counters.add_calls(result)
-                yield index, segment, result
-                for next_index, next_segment in islice(upcoming, 1):
-                    pending.append((next_index, next_segment, self.submit(pool, label, next_segment)))
+            while not feed.finished():
+                ready: list[tuple[int, Segment, SegmentResult]] = []
+                for outcome in feed.take(MAX_SEGMENTS_PER_COMMIT):
+                    if outcome.error is not None:
+                        if ready:
+                            yield ready
+                        raise outcome.error
+                    result = outcome.result()
+                    counters.add_calls(result)
+                    ready.append((outcome.index, segments[outcome.index], result))
+                yield ready
         finally:
-            for _, _, future in pending:
-                future.cancel()
-            pool.shutdown(wait=True)
-            for index, segment, future in pending:
-                if not future.cancelled() and future.exception() is None:
+            for outcome in feed.close():
+                if outcome.error is None:
                     self.run.committer.record_discarded(
-                        slug, index, segment, future.result(), DISCARDED_IN_FLIGHT
+                        plan.slug,
+                        outcome.index,
+                        segments[outcome.index],
+                        outcome.result(),
+                        DISCARDED_IN_FLIGHT,
                     )
+
+
+@contextmanager
+def run_pipe(options: ExtractOptions, shared: LLMPipe | None) -> Iterator[tuple[LLMPipe, int | None]]:
+    """(the pipe, a page's window): the shared pipe when there is one (a worker process's), where a
+    page may run ahead of its commits so a lone page keeps every slot busy; else one of
+    ``segment_concurrency`` slots for this run alone, keeping that window (1: strictly one call,
+    then its commit)."""
+    if shared is not None:
+        yield shared, None
+        return
+    width = max(1, options.segment_concurrency)
+    pipe = LLMPipe(width, name="run-pipe")
+    try:
+        yield pipe, width
+    finally:
+        pipe.close()
 
 
 def extract_conversation_facts(
@@ -173,31 +194,40 @@ def extract_conversation_facts(
     *,
     progress: ExtractionProgress | None = None,
     guard: Callable[[], None] | None = None,
+    pipe: LLMPipe | None = None,
+    on_facts_committed: FactsCommitted | None = None,
 ) -> ExtractionCounters:
     """The run over a store: see ``run_extract_conversation_facts``."""
-    return extract_pages(ExtractionRun(store, options, config, budget, progress=progress, guard=guard), llm)
+    run = ExtractionRun(
+        store, options, config, budget, progress=progress, guard=guard, on_facts_committed=on_facts_committed
+    )
+    return extract_pages(run, llm, pipe)
 
 
-def extract_pages(run: ExtractionRun, llm: LLMClient | None) -> ExtractionCounters:
+def extract_pages(
+    run: ExtractionRun, llm: LLMClient | None, pipe: LLMPipe | None = None
+) -> ExtractionCounters:
     """Extract the run's pages one after another (a dry run only counts their pages and segments)."""
     validate_since(run.options.since_iso)
-    online = None
-    if not run.options.dry_run:
-        run.check_switch()
-        if llm is None:
-            raise ValueError("an LLM client is required unless dry_run is set")
-        online = OnlineExtraction(run, llm)
-    for ref in run.list_pages():
-        earlier = online.retry_skipped(ref) if online is not None and run.options.retry_skipped else None
-        if earlier is not None and earlier.status == "failed":
-            run.committer.finish(earlier)  # the job retries; its later segments wait for that
-            continue
-        plan = run.plan(ref, finish=earlier is None)
-        if plan is None and earlier is not None:
-            run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
-        elif plan is not None:
-            assert online is not None  # a dry run plans no page: each comes back as a finished report
-            online.extract_page(plan, earlier)
+    if run.options.dry_run:
+        for ref in run.list_pages():
+            run.plan(ref)  # a dry run plans no page: each comes back as a finished report
+        return run.counters
+    run.check_switch()
+    if llm is None:
+        raise ValueError("an LLM client is required unless dry_run is set")
+    with run_pipe(run.options, pipe) as (chosen, window):
+        online = OnlineExtraction(run, llm, chosen, window)
+        for ref in run.list_pages():
+            earlier = online.retry_skipped(ref) if run.options.retry_skipped else None
+            if earlier is not None and earlier.status == "failed":
+                run.committer.finish(earlier)  # the job retries; its later segments wait for that
+                continue
+            plan = run.plan(ref, finish=earlier is None)
+            if plan is None and earlier is not None:
+                run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
+            elif plan is not None:
+                online.extract_page(plan, earlier)
     return run.counters
 
 
@@ -211,16 +241,20 @@ def run_extract_conversation_facts(
     guard: Callable[[], None] | None = None,
     budget: Budget | None = None,
     ledger: Ledger | None = None,
+    pipe: LLMPipe | None = None,
 ) -> ExtractionCounters:
     """Extract facts from the conversation pages of one source (or one page), resuming from checkpoints.
 
     Raises ExtractionDisabledError when the kill switch is off (unless ``override_disabled``),
     ValueError on bad options, and whatever ``guard`` raises (it is called before every LLM call,
     e.g. to stop a job whose lease was lost). Per-page problems never raise: they are counted and reported.
+    ``pipe`` is a worker process's shared LLM pipe; without one the run has its own of
+    ``options.segment_concurrency`` slots.
     """
     options = options or ExtractOptions()
     config = config or ConfigReader(factory, ttl=2.0)
     store = ExtractionStore(factory, ledger or Ledger(config.get))
+    budget = budget or Budget(factory, config.get)
     return extract_conversation_facts(
-        store, llm, options, config, budget or Budget(factory, config.get), progress=progress, guard=guard
+        store, llm, options, config, budget, progress=progress, guard=guard, pipe=pipe
     )

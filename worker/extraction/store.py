@@ -67,6 +67,18 @@ Terminal = Literal["set", "clear", "keep"]
 
 
 @dataclass(frozen=True)
+class SegmentCommit:
+    """One segment of a commit: where it belongs, its attempts, its facts (rows from ``first_row``), and
+    why it is skipped (None: it succeeded)."""
+
+    place: SegmentPlace
+    attempts: Sequence[Attempt]
+    facts: Sequence[ExtractedFact]
+    first_row: int
+    skip: str | None = None
+
+
+@dataclass(frozen=True)
 class PageRef:
     """A page to consider, as listed: its id, slug and body size in bytes."""
 
@@ -182,19 +194,58 @@ class ExtractionStore:
         permanently once too often: its last attempt counts as such, a ``skipped`` audit row says why,
         and ``new`` (which lists it among the skipped) moves the checkpoint past it."""
         first_row = expected.next_row_num if expected else 0
-        with self._spend_kept_on_page_change(place, attempts), self._factory.begin() as session:
+        return self.commit_segments(
+            [SegmentCommit(place, attempts, facts, first_row, skip)],
+            fingerprint=fingerprint,
+            expected=expected,
+            new=new,
+            terminal=terminal,
+            page=page,
+        )
+
+    def commit_segments(
+        self,
+        segments: Sequence[SegmentCommit],
+        *,
+        fingerprint: str,
+        expected: CheckpointState | None,
+        new: CheckpointState,
+        terminal: Terminal,
+        page: PageVersion | None = None,
+    ) -> int:
+        """Consecutive segments of one page in one transaction, each written as ``commit_segment``
+        writes it, and the checkpoint moved once, from ``expected`` (before the first) to ``new``
+        (after the last): all of them commit, or none (exactly once, as for one segment)."""
+        last = segments[-1].place
+        spent = [(s.place, s.attempts) for s in segments]
+        with self._spend_kept_on_page_change(spent), self._factory.begin() as session:
             if page is not None:
-                _check_page(session, page, place.slug, new)
-            self._write_attempts(session, place, attempts, permanent=skip is not None)
-            if skip is not None:
-                session.execute(_INSERT_AUDIT, [skip_row(place, attempts, skip)])
-            inserted = _insert_facts(session, fact_rows(facts, place, first_row))
-            self._advance_checkpoint(session, fingerprint, place, expected, new)
+                _check_page(session, page, last.slug, new)
+            self._write_segment_rows(session, segments)
+            rows = [row for s in segments for row in fact_rows(s.facts, s.place, s.first_row)]
+            inserted = _insert_facts(session, rows)
+            self._advance_checkpoint(session, fingerprint, last, expected, new)
             if terminal == "set":
-                _upsert_terminal(session, place.source_id, place.slug)
+                _upsert_terminal(session, last.source_id, last.slug)
             elif terminal == "clear":
-                _delete_terminal(session, place.source_id, place.slug)
+                _delete_terminal(session, last.source_id, last.slug)
         return inserted
+
+    def _write_segment_rows(self, session: Session, segments: Sequence[SegmentCommit]) -> None:
+        """The segments' llm_calls rows (one statement) and their audit rows (one statement), in page
+        order: each segment's attempts, then its ``skipped`` row if it is skipped."""
+        records = [call_records(s.place, s.attempts) for s in segments]
+        ids = iter(self._ledger.record_many(session, [r for per in records for r in per]))
+        self._paid(session)
+        audit: list[dict[str, Any]] = []
+        for s in segments:
+            per_attempt = [next(ids) if a.called else None for a in s.attempts]
+            errors = errors_of(s.attempts, None)
+            audit += audit_rows(s.place, s.attempts, errors, per_attempt, permanent=s.skip is not None)
+            if s.skip is not None:
+                audit.append(skip_row(s.place, s.attempts, s.skip))
+        if audit:
+            session.execute(_INSERT_AUDIT, audit)
 
     def replace_page(
         self,
@@ -243,7 +294,9 @@ class ExtractionStore:
         return inserted
 
     @contextmanager
-    def _spend_kept_on_page_change(self, place: SegmentPlace, attempts: Sequence[Attempt]) -> Iterator[None]:
+    def _spend_kept_on_page_change(
+        self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]
+    ) -> Iterator[None]:
         """When a commit is refused because the page changed, its LLM calls were still paid for: keep
         their llm_calls rows (no audit rows: the page they describe may be gone)."""
         try:
@@ -251,7 +304,9 @@ class ExtractionStore:
         except PageChangedError:
             with self._factory.begin() as session:
                 self._paid(session, discarded=True)
-                self._ledger.record_many(session, call_records(place, attempts))
+                self._ledger.record_many(
+                    session, [r for place, attempts in spent for r in call_records(place, attempts)]
+                )
             raise
 
     def _paid(self, session: Session, *, discarded: bool = False) -> None:
@@ -338,16 +393,18 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and
     still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
     its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
+    # The hash first: the body (megabytes for a long chat) is read only when the page did change.
     row = session.execute(
-        select(Page.content_hash, Page.type, Page.compiled_truth, Page.timeline)
-        .where(Page.id == page.page_id)
-        .with_for_update(read=True)
+        select(Page.content_hash, Page.type).where(Page.id == page.page_id).with_for_update(read=True)
     ).one_or_none()
     if row is None:
         raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
     if row.content_hash == page.content_hash:
         return
-    messages = parse_conversation_messages(page_body(row.compiled_truth, row.timeline))
+    body = session.execute(
+        select(Page.compiled_truth, Page.timeline).where(Page.id == page.page_id)
+    ).one()  # the row is held FOR SHARE already
+    messages = parse_conversation_messages(page_body(body.compiled_truth, body.timeline))
     if (
         row.type not in page.types
         or len(messages) < new.messages_done

@@ -51,12 +51,13 @@ class AnthropicChatClient:
         model: str,
         provider: str = "anthropic",
         embeddings: LLMClient | None = None,
+        keep_alive: int | None = None,
         **connection: Unpack[SdkConnection],
     ) -> None:
         self.provider = provider
         self.model = model
         self.embeddings = embeddings
-        self._client = anthropic.Anthropic(**sdk_options(**connection))
+        self._client = anthropic.Anthropic(**sdk_options(**connection), http_client=http_client(keep_alive))
 
     @property
     def sdk(self) -> anthropic.Anthropic:
@@ -136,3 +137,16 @@ class AnthropicChatClient:
         if self.embeddings is None:
             raise LLMError(NO_EMBEDDINGS, retryable=False)
         return self.embeddings.embed(texts, purpose=purpose)
+
+
+def http_client(keep_alive: int | None) -> Any:
+    """As ``openai_compat.http_client``, for the Anthropic SDK."""
+    if keep_alive is None or keep_alive <= (
+        anthropic.DEFAULT_CONNECTION_LIMITS.max_keepalive_connections or 0
+    ):
+        return None
+    limits = type(anthropic.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=max(keep_alive, anthropic.DEFAULT_CONNECTION_LIMITS.max_connections or 0),
+        max_keepalive_connections=keep_alive,
+    )
+    return anthropic.DefaultHttpxClient(limits=limits)

@@ -63,6 +63,12 @@ def wrap(
     return RetryingClient(inner, RetryPolicy.from_settings(settings), on_attempt=on_attempt)
 
 
+def keep_alive(settings: Settings) -> int:
+    """Connections a client keeps open: one per call the process's LLM pipe may have in flight, and
+    a few for the calls beside it (embeddings, searches)."""
+    return settings.llm_concurrency + 8
+
+
 def _simulator_client(settings: Settings, model: str, root_url: str) -> LLMClient:
     """A provider speaking to the simulator at ``root_url`` through the SDK FACTMILL_SIMULATOR_API names."""
     root_url = root_url.rstrip("/").removesuffix("/v1")
@@ -72,6 +78,7 @@ def _simulator_client(settings: Settings, model: str, root_url: str) -> LLMClien
         timeout=settings.llm_timeout_seconds,
         provider="simulator",
         embedding_model=SIMULATOR_EMBEDDING_MODEL,
+        keep_alive=keep_alive(settings),
     )
     if settings.simulator_api == "openai":
         return openai_client
@@ -81,6 +88,7 @@ def _simulator_client(settings: Settings, model: str, root_url: str) -> LLMClien
         timeout=settings.llm_timeout_seconds,
         provider="simulator",
         embeddings=openai_client,  # the simulator embeds on its OpenAI route, like a real deployment would
+        keep_alive=keep_alive(settings),
     )
 
 
@@ -102,7 +110,11 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
         if not settings.openai_api_key:
             raise LLMConfigurationError("FACTMILL_LLM=openai needs OPENAI_API_KEY")
         return OpenAIChatClient(
-            model=model, base_url=settings.llm_base_url, api_key=settings.openai_api_key, timeout=timeout
+            model=model,
+            base_url=settings.llm_base_url,
+            api_key=settings.openai_api_key,
+            timeout=timeout,
+            keep_alive=keep_alive(settings),
         )
     if provider == "anthropic":
         if not settings.anthropic_api_key:
@@ -116,6 +128,7 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
             api_key=settings.anthropic_api_key,
             timeout=timeout,
             embeddings=embeddings,
+            keep_alive=keep_alive(settings),
         )
     if provider == "openai-compatible":
         if not settings.llm_base_url:
@@ -128,6 +141,7 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
             json_mode="json_object",
             provider="openai-compatible",
             send_prompt_cache_key=False,
+            keep_alive=keep_alive(settings),
         )
     raise LLMConfigurationError(
         f"FACTMILL_LLM={provider} is not a provider; use openai, anthropic, openai-compatible or simulator"

@@ -34,6 +34,7 @@ class OpenAIChatClient:
         embedding_model: str = "text-embedding-3-small",
         embedding_dimensions: int | None = 256,
         send_prompt_cache_key: bool = True,
+        keep_alive: int | None = None,
         **connection: Unpack[SdkConnection],
     ) -> None:
         # OpenAI routes requests with the same prompt_cache_key to the same cache; servers that merely
@@ -44,7 +45,7 @@ class OpenAIChatClient:
         self.provider = provider
         self.model = model
         self.json_mode = json_mode
-        self._client = openai.OpenAI(**sdk_options(**connection))
+        self._client = openai.OpenAI(**sdk_options(**connection), http_client=http_client(keep_alive))
 
     def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
         if request.json_schema is None or self.json_mode == "none":
@@ -133,3 +134,16 @@ class OpenAIChatClient:
             model=result.model or self.embedding_model,
             latency_ms=int((time.perf_counter() - started) * 1000),
         )
+
+
+def http_client(keep_alive: int | None) -> Any:
+    """The SDK's own HTTP client, keeping ``keep_alive`` connections open (None: the SDK's default of
+    100). A worker with more calls in flight than that would close and reopen a connection per call."""
+    if keep_alive is None or keep_alive <= (openai.DEFAULT_CONNECTION_LIMITS.max_keepalive_connections or 0):
+        return None
+    # The limits class of whichever httpx the SDK rides on (httpx or its fork httpx2).
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=max(keep_alive, openai.DEFAULT_CONNECTION_LIMITS.max_connections or 0),
+        max_keepalive_connections=keep_alive,
+    )
+    return openai.DefaultHttpxClient(limits=limits)

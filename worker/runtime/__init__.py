@@ -14,6 +14,7 @@ from worker import db
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.llm.gateway import describe, open_llm_client
+from worker.llm.pipe import FollowUps, LLMPipe
 from worker.llm.types import LLMClient
 from worker.runtime import tracing
 from worker.settings import Settings, get_settings
@@ -31,6 +32,8 @@ class Runtime:
     _budget: Budget | None = None
     _search_budget: Budget | None = None
     _search_llm: LLMClient | None = None
+    _llm_pipe: LLMPipe | None = None
+    _follow_ups: FollowUps | None = None
     _llm_stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -78,7 +81,31 @@ class Runtime:
                     logger.info(describe(self.settings))
         return self._llm
 
+    @property
+    def llm_pipe(self) -> LLMPipe:
+        """The process's LLM pipe: FACTMILL_LLM_CONCURRENCY calls in flight, shared by every job."""
+        if self._llm_pipe is None:
+            with self._lock:
+                if self._llm_pipe is None:
+                    self._llm_pipe = LLMPipe(self.settings.llm_concurrency)
+        return self._llm_pipe
+
+    @property
+    def follow_ups(self) -> FollowUps:
+        """Work that follows a job's commits without holding its slot (embedding new facts)."""
+        if self._follow_ups is None:
+            with self._lock:
+                if self._follow_ups is None:
+                    self._follow_ups = FollowUps(self.settings.follow_up_threads, name="follow-up")
+        return self._follow_ups
+
     def close(self) -> None:
+        if self._follow_ups is not None:
+            self._follow_ups.close()  # before the client it uses goes
+            self._follow_ups = None
+        if self._llm_pipe is not None:
+            self._llm_pipe.close()
+            self._llm_pipe = None
         self._llm_stack.close()
         self._llm = None
         self._search_llm = None

@@ -16,6 +16,7 @@ from worker.core.lexing import normalise_score, parse_expansion, parse_lex_query
 from worker.search.entrypoints import (
     embed_facts,
     embed_new_facts,
+    embed_pages_facts,
     enable_vector_search,
     expand_query,
     open_store,
@@ -67,6 +68,7 @@ __all__ = [
     "best_chunk",
     "embed_facts",
     "embed_new_facts",
+    "embed_pages_facts",
     "enable_vector_search",
     "expand_query",
     "expansion_request",

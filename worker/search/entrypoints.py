@@ -7,7 +7,7 @@ config table behind ``factory``, so the `llm.prices` override applies either way
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -141,6 +141,18 @@ def embed_new_facts(
 ) -> int:
     """Embed a page's facts that have none yet; never raises (see worker.search.service.embed_new_facts)."""
     return service.embed_new_facts(open_store(factory, ledger), llm, source_id, slug, batch_size)
+
+
+def embed_pages_facts(
+    factory: sessionmaker[Session],
+    llm: LLMClient,
+    pages: Sequence[tuple[str, str]],
+    batch_size: int = 64,
+    *,
+    ledger: Ledger | None = None,
+) -> int:
+    """Embed the facts of several pages that have none yet, batched across pages; never raises."""
+    return service.embed_pages_facts(open_store(factory, ledger), llm, pages, batch_size)
 
 
 def enable_vector_search(factory: sessionmaker[Session]) -> VectorSearchStatus:

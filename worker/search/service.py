@@ -385,16 +385,23 @@ def embed_new_facts(
     Never raises: a failed embedding call is logged and left to `factmill embed` to fill later,
     because the facts themselves are already safely stored. Returns how many facts were embedded.
     """
+    return embed_pages_facts(store, llm, [(source_id, slug)], batch_size)
+
+
+def embed_pages_facts(
+    store: SearchStore, llm: LLMClient, pages: Sequence[tuple[str, str]], batch_size: int = 64
+) -> int:
+    """Embed the facts of several pages ((source id, slug) each) that have no embedding yet, in
+    batches that may span pages (fewer embedding calls). Never raises, as ``embed_new_facts``."""
     report = EmbedReport()
     try:
-        rows = store.page_facts_to_embed(source_id, slug)
+        rows = [row for source_id, slug in pages for row in store.page_facts_to_embed(source_id, slug)]
         for start in range(0, len(rows), batch_size):
             _embed_rows(store, llm, rows[start : start + batch_size], report)
     except Exception as exc:
         logger.warning(
-            "could not embed the facts of %s/%s (%s); `factmill embed` will fill them in",
-            source_id,
-            slug,
+            "could not embed the facts of %s (%s); `factmill embed` will fill them in",
+            ", ".join(f"{source_id}/{slug}" for source_id, slug in pages),
             exc,
         )
     return report.embedded

@@ -1,0 +1,205 @@
+"""The worker process's LLM pipe and follow-up queue, with real threads (calls are held on events)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from worker.llm.pipe import FollowUps, LLMPipe
+
+WAIT = 10.0  # a deadlock guard for the events, not a timing assertion
+
+
+class Gate:
+    """Calls that block until released, counting how many run at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+        self.started: list[tuple[str, int]] = []
+        self.release = threading.Event()
+        self.changed = threading.Condition(self.lock)
+
+    def call(self, name: str) -> Callable[[int], str]:
+        def run(index: int) -> str:
+            with self.lock:
+                self.running += 1
+                self.peak = max(self.peak, self.running)
+                self.started.append((name, index))
+                self.changed.notify_all()
+            assert self.release.wait(WAIT)
+            with self.lock:
+                self.running -= 1
+            return f"{name}{index}"
+
+        return run
+
+    def wait_running(self, count: int) -> None:
+        with self.lock:
+            assert self.changed.wait_for(lambda: self.running >= count, WAIT), self.running
+
+
+def test_calls_in_flight_never_exceed_the_width_and_fill_it_from_every_page():
+    pipe = LLMPipe(4)
+    gate = Gate()
+    feeds = [pipe.open(3, gate.call(name)) for name in "ab"]
+    gate.wait_running(4)
+    assert pipe.in_flight() == 4
+    gate.release.set()
+    taken = {name: [] for name in "ab"}
+    for name, feed in zip("ab", feeds, strict=True):
+        while not feed.finished():
+            taken[name] += [o.result() for o in feed.take()]
+        assert feed.close() == []
+    pipe.close()
+    assert gate.peak == 4
+    assert taken == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
+
+
+def test_results_come_back_in_page_order_whatever_order_they_finish_in():
+    pipe = LLMPipe(8)
+    done = [threading.Event() for _ in range(6)]
+
+    def call(index: int) -> int:
+        assert done[index].wait(WAIT)
+        return index
+
+    feed = pipe.open(6, call)
+    for event in reversed(done):  # the last finishes first
+        event.set()
+    got: list[int] = []
+    while not feed.finished():
+        got += [o.result() for o in feed.take()]
+    feed.close()
+    pipe.close()
+    assert got == list(range(6))
+
+
+def test_take_hands_over_consecutive_ready_results_together_up_to_its_limit():
+    pipe = LLMPipe(8)
+    feed = pipe.open(6, lambda index: index)
+    first = feed.take(limit=4)
+    assert [o.index for o in first] == list(range(len(first))) and 1 <= len(first) <= 4
+    rest: list[int] = []
+    while not feed.finished():
+        rest += [o.index for o in feed.take()]
+    assert [o.index for o in first] + rest == list(range(6))
+    feed.close()
+    pipe.close()
+
+
+def test_a_window_of_one_starts_no_call_before_the_page_asked_for_more():
+    pipe = LLMPipe(4)
+    calls: list[int] = []
+    handled: list[int] = []
+
+    def call(index: int) -> int:
+        calls.append(index)
+        assert handled == list(range(index)), "a call started before the previous result was handled"
+        return index
+
+    feed = pipe.open(5, call, window=1)
+    while not feed.finished():
+        for outcome in feed.take():
+            handled.append(outcome.result())
+    feed.close()
+    pipe.close()
+    assert calls == handled == list(range(5))
+
+
+def test_an_error_reaches_the_page_at_its_place_and_close_returns_what_was_left():
+    pipe = LLMPipe(4)
+    gate = threading.Event()
+
+    def call(index: int) -> int:
+        if index == 1:
+            raise RuntimeError("boom")
+        if index >= 2:
+            assert gate.wait(WAIT)
+        return index
+
+    feed = pipe.open(4, call, window=4)
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        while True:
+            for outcome in feed.take():
+                got.append(outcome.result())
+    gate.set()
+    left = feed.close()  # waits for the two calls still in flight
+    pipe.close()
+    assert got == [0]
+    assert [o.index for o in left] == [2, 3] and all(o.error is None for o in left)
+
+
+def test_a_closed_page_starts_nothing_more():
+    pipe = LLMPipe(2)
+    gate = Gate()
+    feed = pipe.open(10, gate.call("a"), window=2)
+    gate.wait_running(2)
+    gate.release.set()
+    feed.close()
+    pipe.close()
+    assert len(gate.started) == 2
+
+
+def test_a_lone_page_takes_the_whole_pipe_but_a_second_page_gets_its_share():
+    pipe = LLMPipe(4)
+    gate = Gate()
+    big = pipe.open(100, gate.call("big"))
+    gate.wait_running(4)
+    small = pipe.open(2, gate.call("small"))
+    gate.release.set()
+    while not small.finished():
+        small.take()
+    small.close()
+    big.close()
+    pipe.close()
+    first_six = [name for name, _ in gate.started[:6]]
+    assert first_six[:4] == ["big"] * 4
+    # The small page's two calls start as soon as slots free, before the big page's queued ones.
+    assert first_six[4:] == ["small", "small"]
+
+
+def test_follow_ups_batch_pending_items_and_take_one_submitted_while_running_again_later():
+    follow = FollowUps(threads=2, batch=3)
+    running = threading.Event()
+    release = threading.Event()
+    runs: list[list[str]] = []
+    lock = threading.Lock()
+
+    def work(items: list[str]) -> None:
+        with lock:
+            runs.append(list(items))
+        if items == ["a"]:
+            running.set()
+            assert release.wait(WAIT)
+
+    follow.submit("embed", "a", work)
+    assert running.wait(WAIT)
+    for item in ("a", "b", "b", "c", "d", "e"):  # "a" again while its run is open
+        follow.submit("embed", item, work)
+    release.set()
+    follow.close()
+    assert runs[0] == ["a"]
+    later = [item for run in runs[1:] for item in run]
+    assert sorted(later) == ["a", "b", "c", "d", "e"], runs  # each pending once; "a" once more
+    assert all(len(run) <= 3 for run in runs)
+
+
+def test_a_failing_follow_up_is_logged_and_the_queue_goes_on(caplog):
+    follow = FollowUps(threads=1)
+    done: list[str] = []
+
+    def work(items: list[str]) -> None:
+        if "x" in items:
+            raise ValueError("embedding model down")
+        done.extend(items)
+
+    follow.submit("broken", "x", work)
+    follow.submit("fine", "y", work)
+    follow.close()
+    assert done == ["y"]
+    assert "background work failed" in caplog.text

@@ -1,0 +1,77 @@
+"""`factmill worker --processes N`: N worker processes under one parent that passes its signals on.
+
+One Python process uses one core at a time (the GIL), so a worker that should use the machine runs one
+process per core, each with its own LLM pipe and job threads. The parent only forwards SIGTERM, SIGINT
+and SIGQUIT (each child then stops gracefully: see worker.jobs.shutdown) and waits; it exits with the
+first non-zero exit code of its children. When one child exits by itself the others are stopped too,
+so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+PR_SET_PDEATHSIG = 1
+
+
+def default_processes() -> int:
+    """One worker process per core this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def child_hostname(hostname: str | None, number: int) -> str:
+    """Celery node names must differ: ``name@host`` becomes ``name-N@host``."""
+    name, _, host = (hostname or "factmill@%h").partition("@")
+    return f"{name}-{number}@{host or '%h'}"
+
+
+def _stop_with_parent() -> None:
+    """In the child (Linux): a SIGTERM when the parent dies, even by SIGKILL, so none is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_children(argvs: Sequence[Sequence[str]]) -> int:
+    """Start ``python -m worker.cli <argv>`` once per argv, forward signals to them, wait for them all;
+    the first non-zero exit code (0 when all stopped cleanly)."""
+    children: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        preexec = _stop_with_parent if sys.platform.startswith("linux") else None
+        for argv in argvs:
+            children.append(subprocess.Popen([sys.executable, "-m", "worker.cli", *argv], preexec_fn=preexec))
+        codes: dict[int, int] = {}
+        while len(codes) < len(children):
+            for child in children:
+                code = child.poll()
+                if code is not None and child.pid not in codes:
+                    codes[child.pid] = code
+                    if not stopping:  # one went by itself: stop the rest, let the supervisor restart all
+                        forward(signal.SIGTERM, None)
+            time.sleep(0.2)
+        return next((code for code in codes.values() if code != 0), 0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
