@@ -126,6 +126,25 @@ def post_pages(base: str, secret: str, pages: list[dict[str, Any]]) -> tuple[lis
     return job_ids, unchanged
 
 
+# Generous: on a loaded machine importing the API alone has taken most of a minute.
+API_READY_SECONDS = 180
+
+
+def _worker_args(concurrency: int) -> list[str]:
+    queues = "extraction,consolidation,maintenance"
+    return [
+        "worker",
+        "--queues",
+        queues,
+        "--concurrency",
+        str(concurrency),
+        "--pool",
+        "threads",
+        "--loglevel",
+        "warning",
+    ]
+
+
 def run_demo(
     settings: Settings, examples: Path, console: Console, err: Console, show: int = 3, concurrency: int = 16
 ) -> int:
@@ -164,29 +183,12 @@ def run_demo(
             env["FACTMILL_LLM"] = "simulator"
         children = [
             stack.enter_context(child("api", ["serve", "--port", str(port)], env, log_dir)),
-            stack.enter_context(
-                child(
-                    "worker",
-                    [
-                        "worker",
-                        "--queues",
-                        "extraction,consolidation,maintenance",
-                        "--concurrency",
-                        str(concurrency),
-                        "--pool",
-                        "threads",
-                        "--loglevel",
-                        "warning",
-                    ],
-                    env,
-                    log_dir,
-                )
-            ),
+            stack.enter_context(child("worker", _worker_args(concurrency), env, log_dir)),
             stack.enter_context(child("beat", ["beat", "--loglevel", "warning"], env, log_dir)),
         ]
         err.print(f"API on {base} · worker (threads × {concurrency}) · beat · logs in {log_dir}")
         with Client(base, timeout=2) as probe:
-            _wait(probe.ready, 60, "the API to be ready", children)
+            _wait(probe.ready, API_READY_SECONDS, "the API to be ready", children)
         pages = load_examples(examples, err)
         job_ids, unchanged = post_pages(base, settings.webhook_secret, pages)
         err.print(
