@@ -18,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
+from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate, extract
 from tests.integration.test_extraction import put_page
 from worker.accounting import PRICES, PRICES_KEY, Ledger, LLMCallRecord
 from worker.config_store import ConfigReader, set_config
@@ -155,11 +156,25 @@ def test_extraction_batch_calls_are_costed_by_the_override_at_half_price(priced,
     assert_costed_by_override(priced, "extraction", batch=True)
 
 
+# --- consolidation (the fact lifecycle's one batched call per entity) ------------------------------
+
+
+def test_consolidation_calls_are_costed_by_the_override(priced, sim):
+    llm = chat_client(sim)
+    for page, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(priced, page, body)
+        extract(priced, llm, page)
+        consolidate(priced, llm)
+    [call] = assert_costed_by_override(priced, "consolidation")  # the March page's ambiguous pairs
+    assert call.outcome == "ok" and call.input_tokens > 0
+
+
 # --- the one costing function, for the purposes with no batch path of their own ------------------
 
 
 @pytest.mark.parametrize(
-    "purpose", ["extraction", "compaction", "search_expansion", "search_embedding", "embedding"]
+    "purpose",
+    ["extraction", "compaction", "search_expansion", "search_embedding", "embedding", "consolidation"],
 )
 @pytest.mark.parametrize("batch", [False, True])
 def test_the_ledger_costs_every_purpose_alike_online_and_batch(priced, purpose, batch):
