@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -21,8 +20,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from factmill_client import Client
 from models import Job
-from tests.e2e.test_service_e2e import free_port, post
+from tests.e2e.test_service_e2e import SECRET, free_port
 from tests.service import ServiceProcess, running, service_env, start_beat, start_worker, wait_for
 from tests.tracing_helpers import (
     SpanRecord,
@@ -227,9 +227,11 @@ def test_one_page_gives_one_trace_across_the_api_and_worker_processes(
     ).start()
     worker = start_worker(env, queues="extraction", concurrency=4)
     slug = "conversations/traced/in-request"
-    with running(api, worker), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-        response = post(client, page(slug))
-        assert response.status_code == 202, response.text
+    with (
+        running(api, worker),
+        Client(f"http://127.0.0.1:{port}", webhook_secret=SECRET, timeout=30) as client,
+    ):
+        assert client.ingest_page(page(slug)).jobs
         members = assert_one_connected_trace(collector, factory, simulator, slug, "the request")
     # Sent inside the request: the Celery instrumentation's publish span, in the API process.
     [publish] = [s for s in members if s.name == PUBLISH_SPAN]
@@ -254,9 +256,8 @@ def test_a_job_the_sweeper_sends_joins_the_trace_of_its_webhook(
         ["serve", "--port", str(port)], api_env, ready_marker="Application startup complete", name="api"
     ).start()
     slug = "conversations/traced/swept"
-    with running(api), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-        response = post(client, page(slug))
-        assert response.status_code == 202, response.text
+    with running(api), Client(f"http://127.0.0.1:{port}", webhook_secret=SECRET, timeout=60) as client:
+        assert client.ingest_page(page(slug)).jobs
     job = only_job(factory)
     assert job.status == "queued" and job.enqueued_at is None and job.traceparent is not None
     worker = start_worker(worker_env, queues="extraction,maintenance", concurrency=4)
