@@ -152,8 +152,9 @@ def traced_env(
 
 
 def only_job(factory: sessionmaker[Session]) -> Job:
+    """The page's extraction job (its success also requests consolidation jobs, not traced here)."""
     with factory() as session:
-        [job] = session.scalars(select(Job)).all()
+        [job] = session.scalars(select(Job).where(Job.kind == "extraction")).all()
         return job
 
 

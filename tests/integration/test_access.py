@@ -51,6 +51,9 @@ ROUTES = [
     ("POST", "/v1/jobs/1/retry", "admin"),
     ("GET", "/metrics", "admin"),
     ("DELETE", "/v1/pages/default/alice", "admin"),
+    ("POST", "/v1/backfills", "admin"),
+    ("GET", "/v1/backfills/1", "admin"),
+    ("POST", "/v1/backfills/1/cancel", "admin"),
 ]
 
 

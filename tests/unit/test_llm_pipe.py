@@ -113,11 +113,13 @@ def test_a_window_of_one_starts_no_call_before_the_page_asked_for_more():
 def test_an_error_reaches_the_page_at_its_place_and_close_returns_what_was_left():
     pipe = LLMPipe(4)
     gate = threading.Event()
+    started = threading.Semaphore(0)
 
     def call(index: int) -> int:
         if index == 1:
             raise RuntimeError("boom")
         if index >= 2:
+            started.release()
             assert gate.wait(WAIT)
         return index
 
@@ -127,6 +129,8 @@ def test_an_error_reaches_the_page_at_its_place_and_close_returns_what_was_left(
         while True:
             for outcome in feed.take():
                 got.append(outcome.result())
+    for _ in range(2):  # both later calls are in flight (the error may reach the page before they start)
+        assert started.acquire(timeout=WAIT)
     gate.set()
     left = feed.close()  # waits for the two calls still in flight
     pipe.close()

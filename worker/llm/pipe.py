@@ -146,7 +146,7 @@ class LLMPipe:
             if self._closing:
                 raise RuntimeError("the LLM pipe is closed")
             self._feeds.append(feed)  # type: ignore[arg-type]
-            self._grow(min(count, feed.window))
+            self._grow(self._demand())
             self._work.notify(min(count, feed.window))
         return feed
 
@@ -156,7 +156,15 @@ class LLMPipe:
 
     def wake(self, slots: int) -> None:
         """Under the lock: ``slots`` more calls may start (a feed's window moved)."""
+        self._grow(self._demand())
         self._work.notify(slots)
+
+    def _demand(self) -> int:
+        """Under the lock: how many calls the open feeds could start now. Threads are counted against
+        all of it, not one feed's: an idle thread just started for one feed is not free for the next."""
+        return sum(
+            min(f.count - f.started, f.window - (f.started - f._acked)) for f in self._feeds if not f.closed
+        )
 
     def drop(self, feed: Feed[T]) -> None:
         """Under the lock: the feed starts nothing more."""

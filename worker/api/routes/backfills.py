@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter
@@ -24,10 +25,7 @@ class BackfillIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source_id: Annotated[StorableStr, Field(min_length=1, max_length=200)] = "default"
-    since: Annotated[
-        StorableStr | None,
-        Field(max_length=64, description="Only segments after this ISO-8601 time"),
-    ] = None
+    since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=500)] = None
     max_segments: Annotated[int | None, Field(ge=1, le=10_000_000)] = None
 
@@ -66,7 +64,8 @@ class BackfillOut(BaseModel):
 def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> BackfillCreated:
     """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
     requests, sends them to the provider, and commits their results as they end. Answers at once."""
-    selection = BackfillSelection(body.source_id, body.since, body.slug_prefix, body.max_segments)
+    since = body.since.isoformat() if body.since else None
+    selection = BackfillSelection(body.source_id, since, body.slug_prefix, body.max_segments)
     try:
         with ctx.factory.begin() as session:
             backfill_id, job_id = request_backfill(session, selection, created_by=principal.name)
