@@ -483,13 +483,16 @@ def test_shared_rpm_limit_holds_across_two_processes(broker: SessionBroker) -> N
     assert rate <= limit * 1.1, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
     assert rate >= limit * 0.7, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
     # Both processes ran at the same time and shared the budget while they did (one may start a little
-    # later and have it to itself at first, so only the overlap is compared).
+    # later and have it to itself at first, so only the overlap is compared). Two processes that each
+    # kept a limit of their own would run at twice the limit there. How the shared budget splits between
+    # them is not the limiter's promise (a process the machine runs less often wins fewer slots: 8 of 38
+    # was seen in CI on a loaded host), so the split is only checked to be real on both sides.
     start, end = max(first[0], second[0]), min(first[-1], second[-1])
     assert start < end
     overlap = [t for t in first + second if start <= t <= end]
     assert len(overlap) >= 4 and achieved_rate(overlap) <= limit * 1.15
     for stamps in (first, second):
-        assert sum(start <= t <= end for t in stamps) >= 0.25 * len(overlap)
+        assert sum(start <= t <= end for t in stamps) >= 2
 
 
 def test_shared_tpm_limit_holds_across_two_processes(broker: SessionBroker) -> None:

@@ -234,10 +234,19 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(
     interrupted: set[int] = set()
     with running(beat):
         add_pages(factory, pages, sender)
+        # The victims' pipe holds one LLM call at a time, so their three pages advance a segment at a
+        # time (about 36 x 120 ms) and the kill lands mid-page. With the default pipe of 64 a page's 12
+        # segments go out at once and commit together, and a kill after "some facts" found every page
+        # it had claimed already finished.
+        victim_env = {**env, "FACTMILL_LLM_CONCURRENCY": "1"}
         for round_ in range(2):  # kill mid-page, twice
-            worker = start_worker(env, concurrency=3, name=f"victim{round_}-{uuid.uuid4().hex[:4]}@%h")
+            worker = start_worker(victim_env, concurrency=3, name=f"victim{round_}-{uuid.uuid4().hex[:4]}@%h")
             before = len(fact_rows(factory))
-            wait_for(lambda b=before: len(fact_rows(factory)) > b + 5, 60, "some segments to commit")  # type: ignore[misc]
+            wait_for(
+                lambda b=before: len(fact_rows(factory)) > b + 5 and statuses(factory).get("running", 0) > 0,  # type: ignore[misc]
+                60,
+                "some segments to commit while jobs run",
+            )
             worker.kill()
             assert statuses(factory).get("running", 0) > 0, "the kill should have interrupted running jobs"
             interrupted |= job_ids(factory, "running")
