@@ -14,12 +14,13 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import TSVECTOR
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
-from worker.core.consolidation import FACT_STATUSES
+from worker.core.consolidation import DUPLICATE, FACT_STATUSES, SUPERSEDED
 from worker.core.facts import (  # owned by the pure core, which cannot import models
     FACT_KINDS,
     NOTABILITY_LEVELS,
@@ -46,6 +47,17 @@ SEARCH_VECTOR_SQL = (
 )
 
 
+# Lifecycle: a fact marked duplicate or superseded whose link went (re-extraction or erasure deleted
+# the fact it pointed to). Every extraction that commits facts asks for these, so they have a partial
+# index of their own; the query states the same text so the planner can use it (a bound parameter in
+# place of a status would hide the match from a generic plan). Keep in step with
+# alembic/versions/0014_orphaned_links_index.py.
+ORPHANED_LINK_SQL = (
+    f"(status = '{SUPERSEDED}' AND superseded_by IS NULL) OR "
+    f"(status = '{DUPLICATE}' AND duplicate_of IS NULL)"
+)
+
+
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
@@ -67,6 +79,7 @@ class Fact(Base):
         # Lifecycle: a consolidation job reads one entity's facts of one source.
         Index("ix_facts_source_id_entity", "source_id", "entity_slug"),
         Index("ix_facts_entity_slug", "entity_slug"),
+        Index("ix_facts_orphaned_links", "source_id", postgresql_where=text(ORPHANED_LINK_SQL)),
         Index("ix_facts_search_vector", "search_vector", postgresql_using="gin"),  # Search
     )
 

@@ -15,7 +15,7 @@ from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LL
 from tests.integration.test_extraction import fmt, put_page
 from worker.accounting import Ledger
 from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
-from worker.consolidation import request_consolidation
+from worker.consolidation import consolidate_pages_entities, request_consolidation
 from worker.consolidation.service import EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
@@ -193,6 +193,27 @@ def test_request_consolidation_asks_one_job_per_entity_and_groups_facts_without_
     consolidate(tx_factory, llm, key=f"page:{JAN_PAGE}")
     with tx_factory.begin() as session:
         assert request_consolidation(session, "default", JAN_PAGE) == [], "nothing left to consolidate"
+
+
+def test_pages_request_their_entities_jobs_together_and_a_pending_job_is_sent_once(tx_factory, llm) -> None:
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    pages = [("default", JAN_PAGE), ("default", MAR_PAGE)]
+    # Alice's facts on both pages: one job for her, sent once; nothing else has pending facts.
+    assert consolidate_pages_entities(tx_factory, pages) == 1
+
+    def jobs() -> list[tuple[str, Any]]:
+        with tx_factory() as session:
+            rows = session.execute(select(Job.subject, Job.enqueued_at).where(Job.kind == "consolidation"))
+            return [(subject, enqueued_at) for subject, enqueued_at in rows]
+
+    sent = jobs()
+    assert [subject.partition("|")[2] for subject, _ in sent] == [ALICE] and sent[0][1] is not None
+    # Asked again while it is still queued: the same job, not a second message.
+    assert consolidate_pages_entities(tx_factory, pages) == 1
+    assert jobs() == sent, "a pending job's message is already on its way: it is not sent again"
 
 
 def test_the_job_kind_runs_under_its_kill_switch(factory, database_url, simulator) -> None:

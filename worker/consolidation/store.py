@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
+from models.fact import ORPHANED_LINK_SQL
 from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
     CURRENT,
@@ -183,10 +184,8 @@ def _entity(entity_key: str) -> Any:
 
 
 def _orphaned() -> Any:
-    return or_(
-        and_(Fact.status == SUPERSEDED, Fact.superseded_by.is_(None)),
-        and_(Fact.status == DUPLICATE, Fact.duplicate_of.is_(None)),
-    )
+    # The partial index's own text (models.fact.ORPHANED_LINK_SQL), so the planner can use it.
+    return text(ORPHANED_LINK_SQL)
 
 
 def _lock_checkpoint(session: Session, source_id: str, entity_key: str) -> None:
@@ -236,25 +235,29 @@ def _insert_rows(
     )
 
 
-def pending_entity_keys(session: Session, source_id: str, slug: str) -> list[str]:
-    """The entities a page's extraction left to consolidate: those of its unconsolidated facts, and
-    those with facts whose link went (re-extraction deleted the fact they pointed to)."""
+def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(source id, entity key) for each entity these pages' extraction left to consolidate: those of
+    their unconsolidated facts, and those of their sources' facts whose link went (re-extraction
+    deleted the fact they pointed to). One read for all the pages, one per source for the orphans."""
+    if not pages:
+        return []
     new = session.execute(
-        select(Fact.entity_slug, Fact.source_markdown_slug)
+        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
         .where(
-            Fact.source_id == source_id,
-            Fact.source_markdown_slug == slug,
+            tuple_(Fact.source_id, Fact.source_markdown_slug).in_(list(pages)),
             ~Fact.is_audit,
             Fact.consolidated_at.is_(None),
         )
         .distinct()
     ).all()
     orphans = session.execute(
-        select(Fact.entity_slug, Fact.source_markdown_slug)
-        .where(Fact.source_id == source_id, _orphaned())
+        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.source_id.in_(sorted({source_id for source_id, _ in pages})), _orphaned())
         .distinct()
     ).all()
-    return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in (*new, *orphans)})
+    return sorted(
+        {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in (*new, *orphans)}
+    )
 
 
 def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:

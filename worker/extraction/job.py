@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from typing import cast
 
 from worker.config_store import EXTRACTION_ENABLED
-from worker.consolidation import consolidate_page_entities
+from worker.consolidation import consolidate_page_entities, consolidate_pages_entities
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.options import CheckpointConflictError, ExtractionCounters, ExtractOptions
 from worker.extraction.service import extract_conversation_facts
@@ -29,9 +29,8 @@ def embed_in_background(rt: Runtime) -> FactsCommitted:
     def embed(pages: list[Hashable]) -> None:
         embed_pages_facts(rt.factory, rt.llm, pages, batch_size, ledger=rt.ledger)  # type: ignore[arg-type]
         if rt.settings.consolidate_after_extraction:
-            for page in pages:
-                source_id, slug = cast(tuple[str, str], page)
-                consolidate_page_entities(rt.factory, source_id, slug)
+            # Once their vectors exist (the candidates use them): one request for all these pages.
+            consolidate_pages_entities(rt.factory, cast(list[tuple[str, str]], pages))
 
     def committed(source_id: str, slug: str, inserted: int) -> None:
         rt.follow_ups.submit(EMBED_FOLLOW_UP, (source_id, slug), embed)
