@@ -8,9 +8,15 @@ The corpus is generated here, not extracted: per person, a timeline of pages (da
 segments state attributes (city, job, gym plan, morning drink) through several paraphrase templates.
 Planted truth: a restatement of the current value (same or another template, within or across pages)
 is a duplicate; a new value on a later page supersedes the old one; look-alikes share the words of
-an attribute but are not it (a sibling's city, a job held in college, a trip to a city, an event)
-and must stay current. The templates and values are chosen for the domain, not from the simulator's
-rules (it never sees the labels); the simulator answers the ambiguous pairs.
+an attribute but are not it (a sibling's city, a job held in college, a manager's gym plan, a trip to
+a city) and must never supersede or be superseded by it. A look-alike is a fact of its own: its
+person's sister lives in one city, the college job and the manager's plan never change, so a repeat is
+a restatement (a planted duplicate); a trip is one event per city (the same trip said again is a
+duplicate, a trip to another city is unrelated). (The first version drew a fresh value for every
+look-alike, so "X's sister lives in Porto" on one page and "... in Kyoto" on a later one were labelled
+"stays current" although the text says she moved; most of its false supersessions were such pairs.)
+The templates and values are chosen for the domain, not from the simulator's rules (it never sees the
+labels); the simulator answers the ambiguous pairs.
 
 Facts are committed page by page at the pipeline benchmark's rate (segments per second, three facts a
 segment), embedded as the extraction job would, and a consolidation job is requested per entity as
@@ -64,12 +70,13 @@ ATTRIBUTES: dict[str, tuple[str, list[str], list[str]]] = {
         ["{n} prefers {v} in the morning.", "{n} likes to start the day with {v}."],
     ),
 }
-LOOK_ALIKES: list[tuple[str, str]] = [
-    ("fact", "{n}'s sister lives in {c}."),
-    ("fact", "{n} worked as a {j} during college."),
-    ("event", "{n} visited {c} for a conference."),
-    ("event", "{n} flew to {c} for a wedding."),
-    ("fact", "{n}'s manager is on the {p} plan at the gym."),
+# (kind, template, the attribute whose values it draws from).
+LOOK_ALIKES: list[tuple[str, str, str]] = [
+    ("fact", "{n}'s sister lives in {v}.", "city"),
+    ("fact", "{n} worked as a {v} during college.", "job"),
+    ("event", "{n} visited {v} for a conference.", "city"),
+    ("event", "{n} flew to {v} for a wedding.", "city"),
+    ("fact", "{n}'s manager is on the {v} plan at the gym.", "plan"),
 ]
 FIRST = ["Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kemi", "Lars"]
 LAST = ["Silva", "Okafor", "Tanaka", "Novak", "Haddad", "Berg", "Moreau", "Kowalski", "Reyes", "Lund"]
@@ -77,15 +84,16 @@ LAST = ["Silva", "Okafor", "Tanaka", "Novak", "Haddad", "Berg", "Moreau", "Kowal
 
 @dataclass
 class Planted:
-    """One generated fact and what it is: its attribute and value, or a look-alike (attr None)."""
+    """One generated fact and what it is: its attribute and value (a look-alike's attribute is its own:
+    ``look-alike N`` for a fact that never changes, ``event N <value>`` for one trip)."""
 
     person: str
     page: int
     segment: int
     kind: str
     text: str
-    attr: str | None
-    value: str | None
+    attr: str
+    value: str
     at: datetime
 
 
@@ -97,6 +105,8 @@ def generate(people: int, pages: int, seed: int = 7) -> list[Planted]:
     names = [f"{FIRST[i % len(FIRST)]} {LAST[(i // len(FIRST) + i) % len(LAST)]} {i}" for i in range(people)]
     for person in names:
         values = {attr: rng.choice(vals) for attr, (_, vals, _) in ATTRIBUTES.items()}
+        # The look-alikes' own values, fixed for the person (a trip's city is drawn per trip).
+        fixed = [rng.choice(ATTRIBUTES[source][1]) for _, _, source in LOOK_ALIKES]
         for page in range(pages):
             day = start + timedelta(weeks=3 * page, hours=rng.randrange(0, 48))
             if page:  # planted updates: one or two attributes change on a later page
@@ -109,14 +119,15 @@ def generate(people: int, pages: int, seed: int = 7) -> list[Planted]:
                     sentence = rng.choice(templates).format(n=person, v=values[attr])
                     facts.append(Planted(person, page, segment, kind, sentence, attr, values[attr], at))
                 if rng.random() < 0.5:
-                    kind, template = rng.choice(LOOK_ALIKES)
-                    sentence = template.format(
-                        n=person,
-                        c=rng.choice(ATTRIBUTES["city"][1]),
-                        j=rng.choice(ATTRIBUTES["job"][1]),
-                        p=rng.choice(ATTRIBUTES["plan"][1]),
-                    )
-                    facts.append(Planted(person, page, segment, kind, sentence, None, None, at))
+                    index = rng.randrange(len(LOOK_ALIKES))
+                    kind, template, source = LOOK_ALIKES[index]
+                    if kind == "event":
+                        value = rng.choice(ATTRIBUTES[source][1])
+                        attr = f"event {index} {value}"
+                    else:
+                        value, attr = fixed[index], f"look-alike {index}"
+                    sentence = template.format(n=person, v=value)
+                    facts.append(Planted(person, page, segment, kind, sentence, attr, value, at))
     return facts
 
 
@@ -130,15 +141,13 @@ def truth(facts: list[tuple[int, Planted]]) -> tuple[set[int], set[int]]:
     superseded: set[int] = set()
     runs: dict[tuple[str, str], tuple[int, str]] = {}  # (person, attr) -> (canonical id, value)
     for fact_id, p in sorted(facts, key=lambda item: (item[1].at, item[0])):
-        if p.attr is None:
-            continue
         key = (p.person, p.attr)
         if key in runs and runs[key][1] == p.value:
             duplicates.add(fact_id)
             continue
         if key in runs:
             superseded.add(runs[key][0])
-        runs[key] = (fact_id, p.value or "")
+        runs[key] = (fact_id, p.value)
     return duplicates, superseded
 
 
@@ -342,7 +351,7 @@ def report(  # type: ignore[no-untyped-def]
     dp, dr = score(dup, planted_dup)
     sp, sr = score(sup | wrong_sup, planted_sup)
     new = len(labelled)
-    look_alikes = sum(1 for p in by_id.values() if p.attr is None)
+    look_alikes = sum(1 for p in by_id.values() if p.attr not in ATTRIBUTES)
     print(
         f"corpus: {args.people} people x {args.pages} pages, {new} facts ({look_alikes} look-alikes); "
         f"planted {len(planted_dup)} duplicates, {len(planted_sup)} supersessions"
