@@ -238,7 +238,8 @@ def _insert_rows(
 def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """(source id, entity key) for each entity these pages' extraction left to consolidate: those of
     their unconsolidated facts, and those of their sources' facts whose link went (re-extraction
-    deleted the fact they pointed to). One read for all the pages, one per source for the orphans."""
+    deleted the fact they pointed to). Two reads for all the pages: their new facts, their sources'
+    orphans."""
     if not pages:
         return []
     new = session.execute(
