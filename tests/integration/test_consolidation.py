@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
@@ -17,7 +17,7 @@ from worker.accounting import Ledger
 from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
 from worker.consolidation import consolidate_pages_entities, request_consolidation
 from worker.consolidation.service import EntityRun, consolidate_entity
-from worker.consolidation.store import ConsolidationStore
+from worker.consolidation.store import ConsolidationStore, orphaned_links_query
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.llm.openai_compat import OpenAIChatClient
 
@@ -214,6 +214,19 @@ def test_pages_request_their_entities_jobs_together_and_a_pending_job_is_sent_on
     # Asked again while it is still queued: the same job, not a second message.
     assert consolidate_pages_entities(tx_factory, pages) == 1
     assert jobs() == sent, "a pending job's message is already on its way: it is not sent again"
+
+
+def test_the_orphaned_link_read_can_use_its_partial_index(session: Session) -> None:
+    # The index is built by the migration and the query by the store: if their predicates drift
+    # apart, the planner can no longer prove the query's rows are in the index and every extraction
+    # scans its source's facts again. Sequential scans are priced out so the empty table still shows
+    # which plans are possible.
+    query = orphaned_links_query(["default"]).compile(
+        dialect=session.get_bind().dialect, compile_kwargs={"literal_binds": True}
+    )
+    session.execute(text("SET LOCAL enable_seqscan = off"))
+    plan = "\n".join(session.execute(text(f"EXPLAIN {query}")).scalars())
+    assert "ix_facts_orphaned_links" in plan, plan
 
 
 def test_the_job_kind_runs_under_its_kill_switch(factory, database_url, simulator) -> None:

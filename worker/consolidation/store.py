@@ -235,6 +235,15 @@ def _insert_rows(
     )
 
 
+def orphaned_links_query(source_ids: Sequence[str]) -> Any:
+    """The facts of these sources whose lifecycle link went (read through ix_facts_orphaned_links)."""
+    return (
+        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.source_id.in_(list(source_ids)), _orphaned())
+        .distinct()
+    )
+
+
 def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """(source id, entity key) for each entity these pages' extraction left to consolidate: those of
     their unconsolidated facts, and those of their sources' facts whose link went (re-extraction
@@ -251,11 +260,7 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
         )
         .distinct()
     ).all()
-    orphans = session.execute(
-        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
-        .where(Fact.source_id.in_(sorted({source_id for source_id, _ in pages})), _orphaned())
-        .distinct()
-    ).all()
+    orphans = session.execute(orphaned_links_query(sorted({source_id for source_id, _ in pages}))).all()
     return sorted(
         {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in (*new, *orphans)}
     )
