@@ -6,12 +6,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from models import LLMCall
+from models.bulk import BulkInsert
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 from worker.llm.types import Usage
+
+_COLUMNS = (
+    "job_id",
+    "provider",
+    "model",
+    "purpose",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "latency_ms",
+    "outcome",
+    "cost_usd",
+    "batch",
+    "error",
+)
+_INSERT = BulkInsert(LLMCall.__table__, _COLUMNS, returning="id")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -75,8 +92,4 @@ class Ledger:
         if not calls:
             return []
         prices = self.prices()
-        rows = [self.row(call, prices) for call in calls]
-        # insertmanyvalues with sort_by_parameter_order: one round trip, ids guaranteed in input order.
-        stmt = insert(LLMCall).returning(LLMCall.id, sort_by_parameter_order=True)
-        ids = session.execute(stmt, rows).scalars().all()
-        return [int(i) for i in ids]
+        return _INSERT.new_keys(session, [self.row(call, prices) for call in calls])

@@ -17,6 +17,45 @@ from worker.extraction.segments import Attempt
 # How much of a failed reply an audit row keeps as the model's words.
 REPLY_CHARS = 2000
 SKIPPED = "skipped"
+# The columns the rows below fill, in one list each, for the bulk inserts (models.bulk).
+PLACE_COLUMNS = (
+    "job_id",
+    "source_id",
+    "page_slug",
+    "segment_index",
+    "segment_start",
+    "segment_end",
+    "segment_hash",
+)
+AUDIT_COLUMNS = (
+    *PLACE_COLUMNS,
+    "attempt",
+    "outcome",
+    "facts_count",
+    "error",
+    "llm_call_id",
+    "permanent",
+    "reply",
+)
+FACT_COLUMNS = (
+    "source_id",
+    "fact",
+    "kind",
+    "entity_slug",
+    "confidence",
+    "notability",
+    "context",
+    "valid_from",
+    "source",
+    "source_session",
+    "source_markdown_slug",
+    "row_num",
+    "is_audit",
+    "claim_metric",
+    "claim_value",
+    "claim_unit",
+    "claim_period",
+)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Table, cast, delete, func, insert, select, update
+from sqlalchemy import Table, cast, delete, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
+from models.bulk import BulkInsert
 from worker.accounting import Ledger
 from worker.core.checkpoint import (
     CheckpointState,
@@ -36,6 +37,8 @@ from worker.extraction.options import (
     PageChangedError,
 )
 from worker.extraction.rows import (
+    AUDIT_COLUMNS,
+    FACT_COLUMNS,
     SegmentPlace,
     audit_rows,
     call_records,
@@ -48,15 +51,11 @@ from worker.extraction.segments import Attempt
 _FACTS: Table = Fact.__table__  # type: ignore[assignment]
 _AUDIT: Table = ExtractionAudit.__table__  # type: ignore[assignment]
 _CHECKPOINTS: Table = OpCheckpoint.__table__  # type: ignore[assignment]
-# One statement object, so SQLAlchemy compiles it once; rows go in executemany form (one round trip).
-_INSERT_FACTS = (
-    pg_insert(_FACTS)
-    .on_conflict_do_nothing(
-        index_elements=[_FACTS.c.source_id, _FACTS.c.source_markdown_slug, _FACTS.c.row_num]
-    )
-    .returning(_FACTS.c.row_num)
+# One statement each, whatever the number of rows (see models.bulk).
+_INSERT_FACTS = BulkInsert(
+    _FACTS, FACT_COLUMNS, conflict=("source_id", "source_markdown_slug", "row_num"), returning="row_num"
 )
-_INSERT_AUDIT = insert(_AUDIT)
+_INSERT_AUDIT = BulkInsert(_AUDIT, AUDIT_COLUMNS)
 _SWAP_CHUNK = 1000
 # The terminal audit row: a page's marker of a complete extraction, on a row number no fact can take.
 TERMINAL_AUDIT_FACT = "EXTRACTION_COMPLETE"
@@ -244,8 +243,7 @@ class ExtractionStore:
             audit += audit_rows(s.place, s.attempts, errors, per_attempt, permanent=s.skip is not None)
             if s.skip is not None:
                 audit.append(skip_row(s.place, s.attempts, s.skip))
-        if audit:
-            session.execute(_INSERT_AUDIT, audit)
+        _INSERT_AUDIT.execute(session, audit)
 
     def replace_page(
         self,
@@ -286,8 +284,7 @@ class ExtractionStore:
             inserted = 0
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
                 inserted += _insert_facts(session, rows[chunk_start : chunk_start + _SWAP_CHUNK])
-            if skips:
-                session.execute(_INSERT_AUDIT, [skip_row(place, tried, why) for place, tried, why in skips])
+            _INSERT_AUDIT.execute(session, [skip_row(place, tried, why) for place, tried, why in skips])
             expected = _state(current) if current is not None else None
             self._advance_checkpoint(session, fingerprint, last, expected, new)
             _upsert_terminal(session, source_id, slug)
@@ -332,7 +329,7 @@ class ExtractionStore:
         call_ids = self._ledger.record_many(session, call_records(place, attempts, note))
         ids = iter(call_ids)
         per_attempt = [next(ids) if a.called else None for a in attempts]
-        session.execute(_INSERT_AUDIT, audit_rows(place, attempts, errors, per_attempt, permanent=permanent))
+        _INSERT_AUDIT.execute(session, audit_rows(place, attempts, errors, per_attempt, permanent=permanent))
 
     def _advance_checkpoint(
         self,
@@ -417,10 +414,8 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
 
 
 def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
-    """Insert facts; returns how many went in (SQLAlchemy gives no INSERT rowcount here)."""
-    if not rows:
-        return 0
-    return len(session.execute(_INSERT_FACTS, rows).all())
+    """Insert facts; returns how many went in (a row number already taken keeps its fact)."""
+    return len(_INSERT_FACTS.returned(session, rows))
 
 
 def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:

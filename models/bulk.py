@@ -1,0 +1,79 @@
+"""Bulk INSERTs whose SQL never changes with the number of rows: one array per column, ``unnest``-ed.
+
+A multi-row ``VALUES`` insert (SQLAlchemy's insertmanyvalues) writes a new statement for every batch
+size, with a placeholder per value. psycopg parses a statement longer than 4,096 characters or with
+more than 50 parameters again on every call, in Python, and a page's facts are far past both limits:
+that parse was the largest cost of committing a page (py-spy, bench/pipeline.py). Here the statement
+text is fixed per table and column list, has one parameter per column, is parsed once and prepared by
+psycopg after a few uses, and still goes in one round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Table, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import Session
+
+_DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
+_ORDINAL = "bulk_ordinal"
+
+
+class BulkInsert:
+    """``INSERT INTO table (columns) SELECT ... FROM unnest(arrays)``, built once per call site.
+
+    ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: a column whose
+    values come back for the rows that went in.
+    """
+
+    def __init__(
+        self,
+        table: Table,
+        columns: Sequence[str],
+        *,
+        conflict: Sequence[str] = (),
+        returning: str | None = None,
+    ) -> None:
+        self.columns = tuple(columns)
+        names = ", ".join(self.columns)
+        arrays = ", ".join(
+            f"CAST(:{name} AS {table.c[name].type.compile(dialect=_DIALECT)}[])" for name in self.columns
+        )
+        # WITH ORDINALITY ... ORDER BY: the rows go in in the order given, so a sequence-generated key
+        # takes ascending values in that order (the guarantee SQLAlchemy's own sorted RETURNING uses).
+        sql = (
+            f"INSERT INTO {table.name} ({names}) SELECT {names} FROM unnest({arrays}) "
+            f"WITH ORDINALITY AS given({names}, {_ORDINAL}) ORDER BY {_ORDINAL}"
+        )
+        if conflict:
+            sql += f" ON CONFLICT ({', '.join(conflict)}) DO NOTHING"
+        if returning is not None:
+            sql += f" RETURNING {returning}"
+        self._statement = text(sql)
+
+    def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+        # Every row names exactly the columns: a key left out of the list would be dropped silently.
+        if set(rows[0]) != set(self.columns):
+            raise ValueError(f"rows have columns {sorted(rows[0])}, the insert takes {sorted(self.columns)}")
+        return {name: [row[name] for row in rows] for name in self.columns}
+
+    def execute(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert the rows in the caller's transaction."""
+        if rows:
+            session.execute(self._statement, self._arrays(rows))
+
+    def returned(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Insert the rows; the ``returning`` values of those that went in."""
+        if not rows:
+            return []
+        return list(session.execute(self._statement, self._arrays(rows)).scalars())
+
+    def new_keys(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Insert the rows (no conflict clause) and return their sequence-generated keys, one per row in
+        the order given: ascending keys were assigned in insertion order, which is the order given."""
+        keys = sorted(int(key) for key in self.returned(session, rows))
+        if len(keys) != len(rows):
+            raise RuntimeError(f"expected {len(rows)} new keys, got {len(keys)}")
+        return keys
