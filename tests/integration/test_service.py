@@ -145,8 +145,12 @@ def test_worker_process_extracts_every_queued_page(factory, env, sender, server_
         wait_for(lambda: unembedded(factory) == 0, 60, "the facts to be embedded in the background")
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
     with factory() as session:
-        job = session.scalars(select(Job).limit(1)).one()
+        job = session.scalars(select(Job).where(PAGE_JOBS).order_by(Job.id).limit(1)).one()
     assert job.counters["segments_processed"] == 3 and job.attempts == 1 and job.finished_at is not None
+    # The worker logged its tasks at INFO, but not one line per LLM request (llm_calls rows record them).
+    log = "".join(worker.output)
+    assert "tasks.extraction.extract_page" in log
+    assert "HTTP Request:" not in log
 
 
 def unembedded(factory: sessionmaker[Session]) -> int:
