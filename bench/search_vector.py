@@ -63,9 +63,10 @@ def load_embeddings(dsn: str, index_ddl: str) -> dict[str, float]:
         conn.autocommit = True
         conn.execute("VACUUM ANALYZE search.fact_embeddings")
         row = conn.execute(
-            f"SELECT pg_relation_size('{HNSW_INDEX}'), pg_relation_size('search.fact_embeddings')"
+            f"SELECT pg_relation_size('{HNSW_INDEX}'), pg_relation_size('search.fact_embeddings'), "
+            "pg_size_bytes(current_setting('shared_buffers'))"
         ).fetchone()
-        figures["index_bytes"], figures["table_bytes"] = (row[0], row[1]) if row else (0, 0)
+        figures["index_bytes"], figures["table_bytes"], figures["shared_buffers"] = row if row else (0, 0, 0)
     return figures
 
 
@@ -210,7 +211,8 @@ def report(facts: int, load: dict[str, float], vector: dict[str, float], fused: 
         f"vector store: {facts:,} embeddings (256 dims) computed in {load['embed_s']:.1f} s, COPY "
         f"{load['copy_s']:.1f} s; HNSW build {load['build_s']:.1f} s, "
         f"index {load['index_bytes'] / mib:.0f} MiB "
-        f"(table {load['table_bytes'] / mib:.0f} MiB)"
+        f"(table {load['table_bytes'] / mib:.0f} MiB); server shared_buffers "
+        f"{load['shared_buffers'] / mib:.0f} MiB (an index larger than that is read through the OS cache)"
     )
     print(f"  {'':44} {'p50 ms':>8} {'p95 ms':>8}  recall@10 (tie-aware)")
     print(
@@ -230,7 +232,8 @@ def report(facts: int, load: dict[str, float], vector: dict[str, float], fused: 
         f"{int(fused['expanded'])} expanded, {int(fused['with_vector_lines'])} with vector lines)"
     )
     verdict = "meets" if vector["p95"] <= 50 and vector["recall"] >= 0.95 else "MISSES"
-    print(f"  goal vector p95 <= 50 ms with recall@10 >= 0.95: {verdict}")
+    tied = "meets" if vector["p95"] <= 50 and vector["recall_tied"] >= 0.95 else "MISSES"
+    print(f"  goal vector p95 <= 50 ms with recall@10 >= 0.95: {verdict} (tie-aware recall: {tied})")
 
 
 def index_ddl(m: int, ef_construction: int) -> str:

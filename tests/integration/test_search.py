@@ -39,6 +39,7 @@ from worker.search import (
     search,
     vector_search_status,
 )
+from worker.search.values import HNSW_EF_SEARCH, MIN_CANDIDATES
 from worker.settings import Settings, get_settings
 
 pytestmark = pytest.mark.integration
@@ -604,6 +605,23 @@ def test_vector_filters_and_audit(vector_factory: sessionmaker[Session], llm: Op
     assert outcome.results and all(r.entity == "alice" for r in outcome.results)
     outcome = search(vector_factory, llm, "vec: greyhound pet")
     assert all(not r.fact.startswith("EXTRACTION_COMPLETE") for r in outcome.results)
+
+
+def test_vector_lists_walk_enough_of_the_hnsw_graph(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    # hnsw.ef_search bounds recall: pgvector's default (40) kept too few candidates (bench/search.py).
+    from worker.search.store import _vector_search
+
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    vector = llm.embed(["greyhound pet"]).vectors[0]
+    with vector_factory() as session:
+        version = vector_search_status(session).extension_version or "0"
+        assert _vector_search(session, vector, SearchFilters(), MIN_CANDIDATES, version)
+        assert session.scalar(text("SELECT current_setting('hnsw.ef_search')")) == str(HNSW_EF_SEARCH)
+        _vector_search(session, vector, SearchFilters(), 400, version)  # four per result, at most 1,000
+        assert session.scalar(text("SELECT current_setting('hnsw.ef_search')")) == "1000"
 
 
 def test_fusion_rewards_agreement(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:

@@ -34,7 +34,7 @@ from worker.core.lexing import (
     rarest_first,
 )
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
-from worker.search.values import SearchFilters, VectorSearchStatus
+from worker.search.values import HNSW_EF_SEARCH, SearchFilters, VectorSearchStatus
 from worker.search.vector_ddl import VECTOR_STORE_DDL
 
 __all__ = ["FactToEmbed", "LineQuery", "SearchStore", "vector_search_status"]
@@ -339,9 +339,8 @@ def _vector_search(
     where, params = _filter_sql(filters)
     # Filters are applied after the index scan: look at enough neighbours that a filtered search
     # still fills its list (pgvector >= 0.8 keeps scanning on its own with iterative scans).
-    session.execute(
-        text("SELECT set_config('hnsw.ef_search', :ef, true)"), {"ef": str(min(1000, max(40, limit * 4)))}
-    )
+    ef_search = min(1000, max(HNSW_EF_SEARCH, limit * 4))
+    session.execute(text("SELECT set_config('hnsw.ef_search', :ef, true)"), {"ef": str(ef_search)})
     if version_tuple(extension_version) >= (0, 8):
         session.execute(text("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"))
     params |= {"qv": vector_literal(vector), "limit": limit}
