@@ -228,6 +228,42 @@ def test_content_faults_are_answers_not_retries(sim: Simulator, api: str) -> Non
     assert sim.stats()["by_outcome"] == {"malformed": 1, "truncated": 1, "refusal": 1}
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [{"id": "x", "object": "chat.completion"}, {"choices": []}, {"choices": [{"index": 0}]}, [1, 2]],
+)
+def test_a_reply_that_is_not_a_chat_completion_fails_clearly(reply: object) -> None:
+    """A server speaking the format badly (an OpenAI-compatible one) answers 200 with JSON that is not a
+    chat completion: a clear, non-retryable LLMError, never an AttributeError from deep in the client."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAIChatClient(
+            model="m", provider="openai-compatible", base_url=f"http://127.0.0.1:{server.server_port}/v1"
+        )
+        with pytest.raises(LLMError, match="not a chat completion") as raised:
+            client.chat(facts_request())
+        assert not raised.value.retryable
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # --------------------------------------------------------------------------------------------------
 # Providers: JSON, caching, usage, embeddings
 # --------------------------------------------------------------------------------------------------

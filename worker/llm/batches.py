@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
-from openai.types.chat import ChatCompletion
-
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.errors import LLMError, to_llm_error
 from worker.llm.gateway import LLMConfigurationError, provider_client
@@ -182,9 +180,11 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             return  # never ran (batch_expired, batch_cancelled): no result, the segment waits for a rerun
         body = response.get("body") or {}
         if response.get("status_code") == 200:
-            completion = ChatCompletion.model_validate(body)
             # Per-request latency is not reported by the Batch API; the batch's turnaround is in the log.
-            items[custom_id] = BatchItem(self.chat.response_from(completion, 0))
+            try:
+                items[custom_id] = BatchItem(self.chat.response_from(body, 0))
+            except LLMError as exc:
+                items[custom_id] = BatchItem(None, str(exc))
             return
         error = body.get("error") if isinstance(body, Mapping) else None
         message = error.get("message") if isinstance(error, Mapping) else None
