@@ -33,9 +33,9 @@ MAX_LIMIT = 100
 # and high in another can still surface.
 MIN_CANDIDATES = 30
 # hnsw.ef_search: how many candidates the HNSW scan keeps while it walks the graph (at least four per
-# result wanted, at most pgvector's 1,000). bench/search.py, on the simulator's vectors: at 100k facts
-# the default index reaches tie-aware recall@10 0.854 at 120 and 0.958 at 400 (p95 11 -> 24 ms); at
-# 1M, 0.846 -> 0.926 (p95 16 -> 32 ms with the index in shared_buffers).
+# result wanted, at most pgvector's 1,000). bench/search.py on the simulator's vectors, shipped index
+# (m 16, ef_construction 64): at 100k facts tie-aware recall@10 0.848 at 120 and 0.938 at 400 (p95 9 ->
+# 20 ms); at 1M 0.828 at 400 (p95 30 ms, index in shared_buffers). Below the 0.95 goal: BENCHMARKS.md.
 HNSW_EF_SEARCH = 400
 MAX_QUERY_CHARS = 2000
 
