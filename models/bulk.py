@@ -54,7 +54,8 @@ class BulkInsert:
         self._statement = text(sql)
 
     def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-        # Every row names exactly the columns: a key left out of the list would be dropped silently.
+        # The rows come from one builder and share their keys; the first must name exactly the columns,
+        # or a key missing from the list would be dropped silently (a later row short of one fails).
         if set(rows[0]) != set(self.columns):
             raise ValueError(f"rows have columns {sorted(rows[0])}, the insert takes {sorted(self.columns)}")
         return {name: [row[name] for row in rows] for name in self.columns}
