@@ -8,6 +8,10 @@ worker CPU milliseconds per segment and webhook requests per second.
                                        [--jobs 16] [--segment-concurrency 4]
     .venv/bin/python bench/pipeline.py --pages 1 --segments 4000 --jobs 1 --segment-concurrency 64
 
+It also prints the CPU the rest of the machine spent per segment over the drain (Postgres's
+processes, the simulator) and the transactions committed in the bench database (pg_stat_database),
+with the segment commits among them: machine-independent counts of the per-page work.
+
 The rate counts the segments measured in the database (distinct segments with an ok extraction), never
 the planned count; the in-flight count is sampled from the simulator every 0.1 s over the run. The page
 generator spaces segments two hours apart from 2024-06-01 08:00, so any size gives valid timestamps.
@@ -148,6 +152,38 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             os.killpg(proc.pid, 9)
 
 
+def postgres_processes() -> list[psutil.Process]:
+    """The local Postgres server's processes (the postmaster and every backend), where readable."""
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in {"postgres", "postmaster"}:
+            found.append(proc)
+    return found
+
+
+def cpu_by_pid(procs: list[psutil.Process]) -> dict[int, float]:
+    """User + system CPU seconds of each of ``procs`` still running, by pid."""
+    seconds = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            seconds[proc.pid] = times.user + times.system
+    return seconds
+
+
+def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
+    """CPU seconds spent between two ``cpu_by_pid`` readings, counting processes started in between
+    (a connection pool's new backends) from zero; one that ended in between is not counted."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
+
+
+def committed_transactions(conn: psycopg.Connection[tuple[int]], name: str) -> int:
+    """Transactions committed so far in database ``name`` (statistics are flushed within a second)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (name,)).fetchone()
+    return int(row[0]) if row else 0
+
+
 def sequential_baseline(simulator_url: str, samples: int) -> float:
     """The original loop: one segment at a time, then a 200 ms pause. Returns segments/second."""
     llm = OpenAIChatClient(model="simulator-1", base_url=simulator_url, provider="simulator")
@@ -175,6 +211,9 @@ class Figures:
     baseline: float  # sequential loop, segments/s, measured in this run
     webhook_rps: float
     failed_jobs: int
+    others_cpu: dict[str, float]  # CPU seconds of the other processes over the drain (postgres, simulator)
+    transactions: int  # transactions committed in the bench database over the drain (pg_stat_database)
+    segment_commits: int  # transactions that committed ok segments (facts + audit + checkpoint)
 
 
 def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[int]) -> None:
@@ -204,6 +243,16 @@ def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[i
         f"worker CPU: {1000 * f.worker_cpu / max(f.ok, 1):.2f} ms per ok segment "
         f"({f.worker_cpu:.1f} s over {f.elapsed:.1f} s = {f.worker_cpu / f.elapsed:.2f} core, "
         f"{psutil.cpu_count()} cores)"
+    )
+    others = ", ".join(
+        f"{name} {1000 * seconds / max(f.ok, 1):.2f} ms" for name, seconds in f.others_cpu.items()
+    )
+    print(f"  the rest of the machine per ok segment: {others}")
+    print(
+        f"postgres: {f.transactions} transactions committed over the drain, "
+        f"{f.transactions / max(f.ok, 1):.2f} per ok segment, "
+        f"{f.transactions * args.segments / max(f.ok, 1):.1f} per page; "
+        f"{f.segment_commits} segment commits, {f.ok / max(f.segment_commits, 1):.2f} segments each"
     )
 
 
@@ -326,8 +375,11 @@ def main() -> None:
         started = time.perf_counter()
         sampler.start()
         worker_ps = [psutil.Process(w.pid) for w, _ in workers]
+        others = {"postgres": postgres_processes, "simulator": lambda: [psutil.Process(procs[0].pid)]}
         cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
+        others_before = {label: cpu_by_pid(group()) for label, group in others.items()}
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+            transactions_before = committed_transactions(conn, name)
             while True:
                 done = conn.execute(
                     "SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')"
@@ -348,18 +400,28 @@ def main() -> None:
                     break
                 time.sleep(0.05)
             samples = sampler.finish()
+            others_cpu = {
+                label: cpu_since(others_before[label], cpu_by_pid(group())) for label, group in others.items()
+            }
+            time.sleep(1.5)  # backends flush their statistics at most once a second
+            transactions = committed_transactions(conn, name) - transactions_before
             failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
             # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
             measured = conn.execute(
                 "SELECT count(DISTINCT (page_slug, segment_index)) FILTER (WHERE outcome = 'ok'), "
                 "count(DISTINCT (page_slug, segment_index)) FROM extraction_audit"
             ).fetchone()
+            # A transaction's rows share now(): distinct (page, created_at) pairs are its segment commits.
+            commits = conn.execute(
+                "SELECT count(DISTINCT (page_slug, created_at)) FROM extraction_audit WHERE outcome = 'ok'"
+            ).fetchone()
         worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
         ok_segments, attempted = (measured[0], measured[1]) if measured else (0, 0)
         report(
             args,
             Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline,
-                    args.pages / webhook_seconds, failed[0] if failed else -1),
+                    args.pages / webhook_seconds, failed[0] if failed else -1, others_cpu, transactions,
+                    commits[0] if commits else 0),
             in_flight,
             samples,
         )  # fmt: skip
