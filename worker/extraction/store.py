@@ -125,17 +125,23 @@ class ExtractionStore:
         self, page_id: int, fingerprint: str, source_id: str, slug: str, *, with_checkpoint: bool
     ) -> StoredPage | None:
         """The page's body and label (None when it was deleted), and its checkpoint when asked for."""
+        # One Core statement, the checkpoint joined in: loading ORM objects for this was most of the
+        # time a small page spent being planned (py-spy, bench/pipeline.py).
+        query = _LOAD_PAGE.where(Page.id == page_id)
+        if with_checkpoint:
+            on = (
+                (OpCheckpoint.op == OP_NAME)
+                & (OpCheckpoint.fingerprint == fingerprint)
+                & (OpCheckpoint.page_key == page_key(source_id, slug))
+            )
+            query = query.add_columns(*_CHECKPOINT_STATE).outerjoin(OpCheckpoint, on)
         with self._factory() as session:
-            page = session.get(Page, page_id)
-            if page is None:
-                return None
-            body = page_body(page.compiled_truth, page.timeline)
-            label = f"{page.type}: {page.title}" if page.title else slug
-            checkpoint = None
-            if with_checkpoint:
-                row = session.get(OpCheckpoint, (OP_NAME, fingerprint, page_key(source_id, slug)))
-                if row is not None:
-                    checkpoint = _state(row)
+            page = session.execute(query).one_or_none()
+        if page is None:
+            return None
+        body = page_body(page.compiled_truth, page.timeline)
+        label = f"{page.type}: {page.title}" if page.title else slug
+        checkpoint = _state(page) if with_checkpoint and page.messages_done is not None else None
         return StoredPage(body, label, checkpoint, page.content_hash)
 
     def record_attempts(
@@ -376,7 +382,17 @@ class ExtractionStore:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
 
 
-def _state(row: OpCheckpoint) -> CheckpointState:
+_LOAD_PAGE = select(Page.compiled_truth, Page.timeline, Page.type, Page.title, Page.content_hash)
+_CHECKPOINT_STATE = (
+    OpCheckpoint.messages_done,
+    OpCheckpoint.prefix_hash,
+    OpCheckpoint.next_row_num,
+    OpCheckpoint.skipped,
+)
+
+
+def _state(row: Any) -> CheckpointState:
+    """The checkpoint an ``OpCheckpoint`` (or a row with its ``_CHECKPOINT_STATE`` columns) holds."""
     return CheckpointState(
         row.messages_done,
         row.prefix_hash,

@@ -8,13 +8,13 @@ and like the others it never commits.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Row, RowMapping, bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.packed import PackedFloats
 from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import EMBEDDING_DIMENSIONS, vector_literal, version_tuple
@@ -79,10 +79,11 @@ _RESULT_NEIGHBOURS = text(
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
+# The vectors arrive end to end in one packed float8[] (models.packed): fact n's is its n-th slice.
 _FILL_EMBEDDINGS = text(
     """
-    UPDATE facts AS f SET embedding = v.embedding
-    FROM jsonb_to_recordset(CAST(:payload AS jsonb)) AS v(id bigint, embedding float8[])
+    UPDATE facts AS f SET embedding = (CAST(:vectors AS float8[]))[(v.n - 1) * :dim + 1 : v.n * :dim]
+    FROM unnest(CAST(:ids AS bigint[])) WITH ORDINALITY AS v(id, n)
     WHERE f.id = v.id AND f.embedding IS NULL
     RETURNING f.id
     """
@@ -155,13 +156,18 @@ class SearchStore:
 
     def fill_embeddings(self, ids: Sequence[int], vectors: Sequence[Sequence[float]]) -> int:
         """Store embeddings where a fact has none yet; returns how many were stored."""
-        payload = json.dumps(
-            [{"id": i, "embedding": list(vector)} for i, vector in zip(ids, vectors, strict=True)]
-        )
+        if len(ids) != len(vectors):
+            raise ValueError(f"{len(ids)} facts but {len(vectors)} embeddings")
+        if not ids:
+            return 0
+        dim = len(vectors[0])
+        if any(len(vector) != dim for vector in vectors):
+            raise ValueError("the embeddings of one batch must all have the same number of dimensions")
+        params = {"ids": list(ids), "dim": dim, "vectors": PackedFloats(x for v in vectors for x in v)}
         with self._factory.begin() as session:
             # One statement for the whole batch (a round trip per fact made embedding dominate a worker's
             # time). Only fill a gap: a concurrent writer's embedding is as good as ours.
-            return len(session.execute(_FILL_EMBEDDINGS, {"payload": payload}).all())
+            return len(session.execute(_FILL_EMBEDDINGS, params).all())
 
     def record_llm_call(self, call: LLMCallRecord) -> None:
         """Account for a search-time LLM call in llm_calls, costed by the ledger (`llm.prices` applies)."""

@@ -1,0 +1,79 @@
+"""models.packed against Postgres, and the embedding fill that sends a page's vectors with it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from sqlalchemy import insert, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Fact
+from models.packed import PackedFloats
+from worker.accounting import Ledger
+from worker.search.store import SearchStore
+
+pytestmark = pytest.mark.integration
+
+AWKWARD = [0.0, -0.0, 1.5, -2.25, 1e-300, 5e-324, 1.7976931348623157e308, 0.1, 1 / 3, -math.pi]
+
+
+def test_packed_floats_arrive_as_the_same_doubles(session: Session) -> None:
+    values = AWKWARD + [random.Random(7).uniform(-1, 1) for _ in range(3000)]
+    got = session.execute(text("SELECT CAST(:v AS float8[])"), {"v": PackedFloats(values)}).scalar_one()
+    assert got == values
+    assert [math.copysign(1, x) for x in got[:2]] == [1, -1]  # the sign of zero too: bit for bit
+
+
+def test_packed_floats_keep_infinities_nan_and_the_empty_array(session: Session) -> None:
+    got = session.execute(
+        text("SELECT CAST(:v AS float8[]), CAST(:e AS float8[])"),
+        {"v": PackedFloats([math.inf, -math.inf, math.nan]), "e": PackedFloats([])},
+    ).one()
+    assert got[0][:2] == [math.inf, -math.inf] and math.isnan(got[0][2])
+    assert got[1] == []
+
+
+def facts(factory: sessionmaker[Session], count: int) -> list[int]:
+    rows = [
+        {
+            "source_id": "default",
+            "fact": f"fact {n}",
+            "kind": "fact",
+            "confidence": 0.9,
+            "notability": "low",
+            "context": "",
+            "source": "test",
+            "source_session": "test:p",
+            "source_markdown_slug": "p",
+            "row_num": n,
+        }
+        for n in range(count)
+    ]
+    with factory.begin() as session:
+        return list(session.scalars(insert(Fact).returning(Fact.id), rows))
+
+
+def test_fill_embeddings_stores_each_facts_own_vector_and_keeps_one_already_there(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    store = SearchStore(tx_factory, Ledger(lambda key: None))
+    ids = facts(tx_factory, 4)
+    with tx_factory.begin() as session:
+        session.execute(text("UPDATE facts SET embedding = '{9,9,9}' WHERE id = :id"), {"id": ids[2]})
+    vectors = [[float(n), n + 0.5, -n / 3] for n in range(4)]
+    assert store.fill_embeddings(ids, vectors) == 3  # the third had one: a concurrent writer's stays
+    with tx_factory() as session:
+        stored = dict(session.execute(select(Fact.id, Fact.embedding).where(Fact.id.in_(ids))).all())
+    assert [stored[i] for i in ids] == [vectors[0], vectors[1], [9.0, 9.0, 9.0], vectors[3]]
+    assert store.fill_embeddings([], []) == 0
+
+
+def test_fill_embeddings_refuses_vectors_of_different_sizes(tx_factory: sessionmaker[Session]) -> None:
+    store = SearchStore(tx_factory, Ledger(lambda key: None))
+    ids = facts(tx_factory, 2)
+    with pytest.raises(ValueError, match="same number of dimensions"):
+        store.fill_embeddings(ids, [[1.0, 2.0], [1.0]])
+    with pytest.raises(ValueError, match="2 facts but 1 embeddings"):
+        store.fill_embeddings(ids, [[1.0, 2.0]])
