@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
 from worker.settings import Settings, get_settings
@@ -28,10 +32,51 @@ def database_url(settings: Settings | None = None) -> str:
     return embedded_postgres_url(settings.data_dir)
 
 
+# A pooled connection is pinged before use only when it sat idle at least this long. SQLAlchemy's
+# pool_pre_ping pings on every checkout: eight round trips a page in a worker (bench/pipeline.py, one
+# segment a page: 13.9 -> 5.9 transactions a page, about 9% of the worker's CPU). A connection back in
+# use within a second was alive a moment ago; one idle across a Postgres restart (which takes longer
+# than that) is pinged and replaced, with every older pooled connection, as pre-ping would do. Only a
+# connection both last used and used again within the same second around an outage meets it unpinged:
+# that statement fails as one in flight at the outage does (OperationalError, the pool invalidated).
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     """One pooled engine per URL per process."""
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=70, future=True)
+    return create_pooled_engine(url)
+
+
+def create_pooled_engine(url: str, *, ping_after_idle: float = PING_AFTER_IDLE_SECONDS) -> Engine:
+    """An engine whose pool pings a connection before use once it sat idle ``ping_after_idle`` seconds."""
+    engine = create_engine(url, pool_size=10, max_overflow=70)
+    _ping_idle_connections(engine, ping_after_idle)
+    return engine
+
+
+def _ping_idle_connections(engine: Engine, idle_seconds: float) -> None:
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "checkin")
+    def checked_in(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        record.info[_CHECKED_IN_AT] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def checked_out(dbapi_connection: Any, record: ConnectionPoolEntry, proxy: PoolProxiedConnection) -> None:
+        checked_in_at = record.info.get(_CHECKED_IN_AT)
+        if checked_in_at is None or time.monotonic() - checked_in_at < idle_seconds:
+            return  # just connected, or in use a moment ago
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as err:
+            if dialect.is_disconnect(err, dbapi_connection, None):
+                # The pool reconnects this one and drops every pooled connection older than now.
+                raise InvalidatePoolError() from err
+            raise
+
+
+_CHECKED_IN_AT = "factmill_checked_in_at"
 
 
 def session_factory(url: str | None = None) -> sessionmaker[Session]:
