@@ -312,8 +312,14 @@ def test_a_transcript_past_its_window_is_summarized_by_a_worker(
     assert calls and all(c.outcome == "ok" and c.provider == "simulator" and c.job_id for c in calls)
     with factory() as session:
         job = session.get(Job, accepted.job_id)
-        assert job is not None and job.status == "succeeded" and job.counters["status"] == "accepted"
-        assert job.counters["compaction_id"] == accepted.id
+        assert job is not None and job.status == "succeeded"
+        # Its counters are its last run's: the accepted compaction's, unless an append arrived while it
+        # ran (the worker is up during the appends): that reruns the same job, which then finds the
+        # transcript compacted and nothing left to do.
+        if job.counters["status"] == "accepted":
+            assert job.counters["compaction_id"] == accepted.id
+        else:
+            assert job.counters["status"] == "not_needed", job.counters
     assert "tasks.compaction.compact_transcript" in "".join(worker.output)
 
 

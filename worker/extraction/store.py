@@ -49,6 +49,7 @@ from worker.extraction.rows import (
 from worker.extraction.segments import Attempt
 
 _FACTS: Table = Fact.__table__  # type: ignore[assignment]
+_PAGES: Table = Page.__table__  # type: ignore[assignment]
 _AUDIT: Table = ExtractionAudit.__table__  # type: ignore[assignment]
 _CHECKPOINTS: Table = OpCheckpoint.__table__  # type: ignore[assignment]
 # One statement each, whatever the number of rows (see models.bulk).
@@ -407,8 +408,12 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
     its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
     # The hash first: the body (megabytes for a long chat) is read only when the page did change.
+    # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
+    # Python per call (py-spy, bench/pipeline.py).
     row = session.execute(
-        select(Page.content_hash, Page.type).where(Page.id == page.page_id).with_for_update(read=True)
+        select(_PAGES.c.content_hash, _PAGES.c.type)
+        .where(_PAGES.c.id == page.page_id)
+        .with_for_update(read=True)
     ).one_or_none()
     if row is None:
         raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
@@ -451,10 +456,10 @@ def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
         "is_audit": True,
     }
     session.execute(
-        pg_insert(Fact)
+        pg_insert(_FACTS)
         .values(row)
         .on_conflict_do_update(
-            index_elements=[Fact.source_id, Fact.source_markdown_slug, Fact.row_num],
+            index_elements=[_FACTS.c.source_id, _FACTS.c.source_markdown_slug, _FACTS.c.row_num],
             set_={"created_at": func.now()},
         )
     )
@@ -462,9 +467,9 @@ def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
 
 def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
     session.execute(
-        delete(Fact).where(
-            Fact.source_id == source_id,
-            Fact.source_markdown_slug == slug,
-            Fact.row_num == TERMINAL_ROW_NUM,
+        delete(_FACTS).where(
+            _FACTS.c.source_id == source_id,
+            _FACTS.c.source_markdown_slug == slug,
+            _FACTS.c.row_num == TERMINAL_ROW_NUM,
         )
     )
