@@ -8,8 +8,8 @@ from decimal import Decimal
 
 from sqlalchemy.orm import Session
 
-from models import LLMCall
 from models.bulk import BulkInsert
+from models.tables import LLM_CALLS
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 from worker.llm.types import Usage
 
@@ -28,7 +28,7 @@ _COLUMNS = (
     "batch",
     "error",
 )
-_INSERT = BulkInsert(LLMCall.__table__, _COLUMNS, returning="id")  # type: ignore[arg-type]
+_INSERT = BulkInsert(LLM_CALLS, _COLUMNS, returning="id")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
 from models.fact import ORPHANED_LINK_SQL
+from models.tables import FACTS
 from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
     CURRENT,
@@ -251,12 +252,13 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     orphans."""
     if not pages:
         return []
+    facts = FACTS.c  # Core, not ORM-enabled: this runs once per extracted page (models.tables)
     new = session.execute(
-        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
+        select(facts.source_id, facts.entity_slug, facts.source_markdown_slug)
         .where(
-            tuple_(Fact.source_id, Fact.source_markdown_slug).in_(list(pages)),
-            ~Fact.is_audit,
-            Fact.consolidated_at.is_(None),
+            tuple_(facts.source_id, facts.source_markdown_slug).in_(list(pages)),
+            ~facts.is_audit,
+            facts.consolidated_at.is_(None),
         )
         .distinct()
     ).all()

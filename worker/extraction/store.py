@@ -10,13 +10,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Table, cast, delete, func, select, update
+from sqlalchemy import cast, delete, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
 from models.bulk import BulkInsert
+from models.tables import EXTRACTION_AUDIT, FACTS, OP_CHECKPOINTS, PAGES
 from worker.accounting import Ledger
 from worker.core.checkpoint import (
     CheckpointState,
@@ -48,15 +49,11 @@ from worker.extraction.rows import (
 )
 from worker.extraction.segments import Attempt
 
-_FACTS: Table = Fact.__table__  # type: ignore[assignment]
-_PAGES: Table = Page.__table__  # type: ignore[assignment]
-_AUDIT: Table = ExtractionAudit.__table__  # type: ignore[assignment]
-_CHECKPOINTS: Table = OpCheckpoint.__table__  # type: ignore[assignment]
 # One statement each, whatever the number of rows (see models.bulk).
 _INSERT_FACTS = BulkInsert(
-    _FACTS, FACT_COLUMNS, conflict=("source_id", "source_markdown_slug", "row_num"), returning="row_num"
+    FACTS, FACT_COLUMNS, conflict=("source_id", "source_markdown_slug", "row_num"), returning="row_num"
 )
-_INSERT_AUDIT = BulkInsert(_AUDIT, AUDIT_COLUMNS)
+_INSERT_AUDIT = BulkInsert(EXTRACTION_AUDIT, AUDIT_COLUMNS)
 _SWAP_CHUNK = 1000
 # The terminal audit row: a page's marker of a complete extraction, on a row number no fact can take.
 TERMINAL_AUDIT_FACT = "EXTRACTION_COMPLETE"
@@ -113,13 +110,14 @@ class ExtractionStore:
         self._ledger = ledger
 
     def list_pages(self, source_id: str, types: Sequence[str], slug: str | None = None) -> list[PageRef]:
-        size = func.octet_length(Page.compiled_truth) + func.octet_length(Page.timeline)
-        query = select(Page.id, Page.slug, size).where(Page.source_id == source_id, Page.type.in_(types))
+        pages = PAGES.c
+        size = func.octet_length(pages.compiled_truth) + func.octet_length(pages.timeline)
+        query = select(pages.id, pages.slug, size).where(pages.source_id == source_id, pages.type.in_(types))
         if slug is not None:
-            query = query.where(Page.slug == slug)
+            query = query.where(pages.slug == slug)
         with self._factory() as session:
             return [
-                PageRef(row[0], row[1], int(row[2])) for row in session.execute(query.order_by(Page.slug))
+                PageRef(row[0], row[1], int(row[2])) for row in session.execute(query.order_by(pages.slug))
             ]
 
     def load_page(
@@ -128,14 +126,15 @@ class ExtractionStore:
         """The page's body and label (None when it was deleted), and its checkpoint when asked for."""
         # One Core statement, the checkpoint joined in: loading ORM objects for this was most of the
         # time a small page spent being planned (py-spy, bench/pipeline.py).
-        query = _LOAD_PAGE.where(Page.id == page_id)
+        query = _LOAD_PAGE.where(PAGES.c.id == page_id)
         if with_checkpoint:
+            checkpoints = OP_CHECKPOINTS.c
             on = (
-                (OpCheckpoint.op == OP_NAME)
-                & (OpCheckpoint.fingerprint == fingerprint)
-                & (OpCheckpoint.page_key == page_key(source_id, slug))
+                (checkpoints.op == OP_NAME)
+                & (checkpoints.fingerprint == fingerprint)
+                & (checkpoints.page_key == page_key(source_id, slug))
             )
-            query = query.add_columns(*_CHECKPOINT_STATE).outerjoin(OpCheckpoint, on)
+            query = query.add_columns(*_CHECKPOINT_STATE).outerjoin(OP_CHECKPOINTS, on)
         with self._factory() as session:
             page = session.execute(query).one_or_none()
         if page is None:
@@ -355,7 +354,7 @@ class ExtractionStore:
             "next_row_num": new.next_row_num,
             "skipped": [entry.as_json() for entry in new.skipped],
         }
-        table = _CHECKPOINTS
+        table = OP_CHECKPOINTS
         if expected is None:
             inserted = session.execute(
                 pg_insert(table)
@@ -383,12 +382,14 @@ class ExtractionStore:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
 
 
-_LOAD_PAGE = select(Page.compiled_truth, Page.timeline, Page.type, Page.title, Page.content_hash)
+_LOAD_PAGE = select(
+    PAGES.c.compiled_truth, PAGES.c.timeline, PAGES.c.type, PAGES.c.title, PAGES.c.content_hash
+)
 _CHECKPOINT_STATE = (
-    OpCheckpoint.messages_done,
-    OpCheckpoint.prefix_hash,
-    OpCheckpoint.next_row_num,
-    OpCheckpoint.skipped,
+    OP_CHECKPOINTS.c.messages_done,
+    OP_CHECKPOINTS.c.prefix_hash,
+    OP_CHECKPOINTS.c.next_row_num,
+    OP_CHECKPOINTS.c.skipped,
 )
 
 
@@ -411,8 +412,8 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
     # Python per call (py-spy, bench/pipeline.py).
     row = session.execute(
-        select(_PAGES.c.content_hash, _PAGES.c.type)
-        .where(_PAGES.c.id == page.page_id)
+        select(PAGES.c.content_hash, PAGES.c.type)
+        .where(PAGES.c.id == page.page_id)
         .with_for_update(read=True)
     ).one_or_none()
     if row is None:
@@ -456,10 +457,10 @@ def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
         "is_audit": True,
     }
     session.execute(
-        pg_insert(_FACTS)
+        pg_insert(FACTS)
         .values(row)
         .on_conflict_do_update(
-            index_elements=[_FACTS.c.source_id, _FACTS.c.source_markdown_slug, _FACTS.c.row_num],
+            index_elements=[FACTS.c.source_id, FACTS.c.source_markdown_slug, FACTS.c.row_num],
             set_={"created_at": func.now()},
         )
     )
@@ -467,9 +468,9 @@ def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
 
 def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
     session.execute(
-        delete(_FACTS).where(
-            _FACTS.c.source_id == source_id,
-            _FACTS.c.source_markdown_slug == slug,
-            _FACTS.c.row_num == TERMINAL_ROW_NUM,
+        delete(FACTS).where(
+            FACTS.c.source_id == source_id,
+            FACTS.c.source_markdown_slug == slug,
+            FACTS.c.row_num == TERMINAL_ROW_NUM,
         )
     )

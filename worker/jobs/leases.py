@@ -9,18 +9,16 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Table, and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from models.tables import JOBS
 from worker.jobs.budgets import JobBudgets
 
 logger = logging.getLogger(__name__)
 
 FINISHED = ("succeeded", "failed")
-
-
-JOBS: Table = Job.__table__  # type: ignore[assignment]
 
 
 def now() -> datetime:

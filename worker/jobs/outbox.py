@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
@@ -82,7 +83,7 @@ def request_job(
     if kind not in KIND_MODULES:
         raise UnknownJobKindError(f"unknown job kind {kind!r}; expected one of {sorted(KIND_MODULES)}")
     stmt = (
-        insert(Job)
+        insert(JOBS)
         .values(
             kind=kind,
             subject=subject,
@@ -91,12 +92,12 @@ def request_job(
             idempotency_key=idempotency_key,
             traceparent=tracing.current_traceparent(),  # the job joins the caller's trace (if tracing)
         )
-        .on_conflict_do_nothing(index_elements=[Job.kind, Job.subject], index_where=PENDING_PREDICATE)
-        .returning(Job.id)
+        .on_conflict_do_nothing(index_elements=[JOBS.c.kind, JOBS.c.subject], index_where=PENDING_PREDICATE)
+        .returning(JOBS.c.id)
     )
     find_pending = (
-        select(Job.id, Job.status)
-        .where(Job.kind == kind, Job.subject == subject, Job.status.in_(PENDING))
+        select(JOBS.c.id, JOBS.c.status)
+        .where(JOBS.c.kind == kind, JOBS.c.subject == subject, JOBS.c.status.in_(PENDING))
         .with_for_update()
     )
     # Insert-or-find, again until one of them sees a row: the pending job that made the insert a
@@ -111,7 +112,7 @@ def request_job(
             logger.info("the pending %s job for %s finished meanwhile; requesting a new one", kind, subject)
             continue
         if existing.status == "running":
-            session.execute(update(Job).where(Job.id == existing.id).values(rerun_requested=True))
+            session.execute(update(JOBS).where(JOBS.c.id == existing.id).values(rerun_requested=True))
         return JobRequest(existing.id, created=False)
     raise JobRequestContendedError(
         f"could not request a {kind} job for {subject!r}: its pending job kept changing "
@@ -172,7 +173,7 @@ def enqueue(
         sent.append(job_id)
     if sent:
         with factory.begin() as session:
-            session.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=func.now()))
+            session.execute(update(JOBS).where(JOBS.c.id.in_(sent)).values(enqueued_at=func.now()))
     return len(sent)
 
 
