@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from models import Fact, LLMCall
 from models.bulk import BulkInsert
+from tests.rows import fact_row as fact
 from worker.extraction.rows import FACT_COLUMNS
 
 pytestmark = pytest.mark.integration
@@ -34,22 +35,6 @@ def call(tokens: int) -> dict[str, object]:
         "outcome": "ok",
         "cost_usd": Decimal("0.000125"),
         "job_id": None,
-    }
-
-
-def fact(row_num: int, text: str = "Alice works at Acme") -> dict[str, object]:
-    return {name: None for name in FACT_COLUMNS} | {
-        "source_id": "default",
-        "fact": text,
-        "kind": "fact",
-        "confidence": 0.9,
-        "notability": "low",
-        "context": "",
-        "source": "test",
-        "source_session": "test:p",
-        "source_markdown_slug": "p",
-        "row_num": row_num,
-        "is_audit": False,
     }
 
 

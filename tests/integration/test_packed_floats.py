@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact
 from models.packed import PackedFloats
+from tests.rows import fact_row
 from worker.accounting import Ledger
 from worker.search.store import SearchStore
 
@@ -36,23 +37,10 @@ def test_packed_floats_keep_infinities_nan_and_the_empty_array(session: Session)
 
 
 def facts(factory: sessionmaker[Session], count: int) -> list[int]:
-    rows = [
-        {
-            "source_id": "default",
-            "fact": f"fact {n}",
-            "kind": "fact",
-            "confidence": 0.9,
-            "notability": "low",
-            "context": "",
-            "source": "test",
-            "source_session": "test:p",
-            "source_markdown_slug": "p",
-            "row_num": n,
-        }
-        for n in range(count)
-    ]
     with factory.begin() as session:
-        return list(session.scalars(insert(Fact).returning(Fact.id), rows))
+        return list(
+            session.scalars(insert(Fact).returning(Fact.id), [fact_row(n, f"fact {n}") for n in range(count)])
+        )
 
 
 def test_fill_embeddings_stores_each_facts_own_vector_and_keeps_one_already_there(
