@@ -1,18 +1,20 @@
-"""models.packed against Postgres, and the embedding fill that sends a page's vectors with it."""
+"""models.packed against Postgres, and the search store's embedding path that uses it: which facts a follow-up reads, and the fill that stores their vectors with the call that bought them."""
 
 from __future__ import annotations
 
 import math
 import random
+from decimal import Decimal
 
 import pytest
 from sqlalchemy import insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Fact
+from models import Fact, LLMCall
 from models.packed import PackedFloats
 from tests.rows import fact_row
-from worker.accounting import Ledger
+from worker.accounting import Ledger, LLMCallRecord
+from worker.llm.types import Usage
 from worker.search.store import SearchStore
 
 pytestmark = pytest.mark.integration
@@ -65,3 +67,31 @@ def test_fill_embeddings_refuses_vectors_of_different_sizes(tx_factory: sessionm
         store.fill_embeddings(ids, [[1.0, 2.0], [1.0]])
     with pytest.raises(ValueError, match="2 facts but 1 embeddings"):
         store.fill_embeddings(ids, [[1.0, 2.0]])
+
+
+def test_fill_embeddings_records_the_call_that_bought_them_with_them(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    store = SearchStore(tx_factory, Ledger(lambda key: None))
+    ids = facts(tx_factory, 2)
+    # A model the list prices know, so the row's cost shows the ledger costed it.
+    call = LLMCallRecord("fact_embedding", "openai", "gpt-4o-mini", Usage(input_tokens=1_000_000), 12, "ok")
+    assert store.fill_embeddings(ids, [[1.0], [2.0]], call=call) == 2
+    with tx_factory() as session:
+        rows = session.execute(select(LLMCall.purpose, LLMCall.input_tokens, LLMCall.cost_usd)).all()
+    assert [(purpose, tokens) for purpose, tokens, _ in rows] == [("fact_embedding", 1_000_000)]
+    assert rows[0].cost_usd == Decimal("0.15")  # costed by the ledger's prices
+
+
+def test_pages_facts_to_embed_reads_the_pages_asked_for_and_only_facts_without_one(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    store = SearchStore(tx_factory, Ledger(lambda key: None))
+    rows = [fact_row(n) | {"source_markdown_slug": slug} for n, slug in enumerate(["p", "q", "r", "q"])]
+    rows.append(fact_row(9) | {"source_id": "other", "source_markdown_slug": "q"})
+    with tx_factory.begin() as session:
+        ids = list(session.scalars(insert(Fact).returning(Fact.id), rows))
+        session.execute(text("UPDATE facts SET embedding = '{1}' WHERE id = :id"), {"id": ids[3]})
+    found = store.pages_facts_to_embed([("default", "q"), ("default", "p"), ("default", "missing")])
+    assert [row.id for row in found] == [ids[0], ids[1]]  # id order; q's second fact has a vector
+    assert store.pages_facts_to_embed([]) == []

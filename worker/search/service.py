@@ -144,18 +144,29 @@ def expand_query(
 
 def embed_texts(store: SearchStore, llm: LLMClient, texts: list[str], purpose: str) -> list[list[float]]:
     """One embedding call for ``texts``, accounted under ``purpose``; a provider error is raised."""
+    vectors, call = _call_embeddings(store, llm, texts, purpose)
+    _record(store, call)
+    return vectors
+
+
+def _call_embeddings(
+    store: SearchStore, llm: LLMClient, texts: list[str], purpose: str
+) -> tuple[list[list[float]], LLMCallRecord]:
+    """(the vectors, the answered call's record, for the caller to store). A failed call, or one that
+    did not answer one vector per text, is recorded here and raised."""
     started = time.perf_counter()
     try:
         response = llm.embed(texts, purpose=purpose)
     except Exception as exc:
         _record_failure(store, purpose, llm, exc, started)
         raise
-    _record(store, _answered(purpose, response, "ok"))
+    call = _answered(purpose, response, "ok")
     if len(response.vectors) != len(texts):
+        _record(store, call)
         raise SearchError(
             f"the embedding model returned {len(response.vectors)} vectors for {len(texts)} texts"
         )
-    return response.vectors
+    return response.vectors, call
 
 
 # --------------------------------------------------------------------------- search
@@ -337,14 +348,20 @@ def _build_results(
 
 def _embed_rows(store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed], report: EmbedReport) -> None:
     texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
-    vectors = embed_texts(store, llm, texts, FACT_EMBEDDING_PURPOSE)
+    vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
     for vector in vectors:
         if len(vector) != EMBEDDING_DIMENSIONS:
+            _record(store, call)
             raise SearchError(
                 f"the embedding model returned {len(vector)} dimensions; Factmill stores "
                 f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS}."
             )
-    stored = store.fill_embeddings([row.id for row in rows], vectors)
+    try:
+        # The call's llm_calls row commits with the vectors it bought: one transaction, not two.
+        stored = store.fill_embeddings([row.id for row in rows], vectors, call=call)
+    except Exception:
+        _record(store, call)  # the vectors could not be stored; the call was paid all the same
+        raise
     report.embedded += stored
     report.skipped += len(rows) - stored
     report.batches += 1
@@ -395,7 +412,7 @@ def embed_pages_facts(
     batches that may span pages (fewer embedding calls). Never raises, as ``embed_new_facts``."""
     report = EmbedReport()
     try:
-        rows = [row for source_id, slug in pages for row in store.page_facts_to_embed(source_id, slug)]
+        rows = store.pages_facts_to_embed(pages)
         for start in range(0, len(rows), batch_size):
             _embed_rows(store, llm, rows[start : start + batch_size], report)
     except Exception as exc:

@@ -79,6 +79,12 @@ _RESULT_NEIGHBOURS = text(
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
+_PAGES_TO_EMBED = text(
+    _TO_EMBED.format(
+        where="(source_id, source_markdown_slug) IN "
+        "(SELECT * FROM unnest(CAST(:sources AS text[]), CAST(:slugs AS text[])))"
+    )
+)
 # The vectors arrive end to end in one packed float8[] (models.packed): fact n's is its n-th slice.
 _FILL_EMBEDDINGS = text(
     """
@@ -148,14 +154,19 @@ class SearchStore:
             sql = text(_TO_EMBED.format(where="id > :last") + " LIMIT :n")
             return list(session.execute(sql, {"last": after_id, "n": limit}).all())
 
-    def page_facts_to_embed(self, source_id: str, slug: str) -> list[FactToEmbed]:
-        """A page's facts with no embedding, in id order."""
+    def pages_facts_to_embed(self, pages: Sequence[tuple[str, str]]) -> list[FactToEmbed]:
+        """The facts with no embedding of these (source id, slug) pages, in id order (one query)."""
+        if not pages:
+            return []
+        params = {"sources": [source for source, _ in pages], "slugs": [slug for _, slug in pages]}
         with self._factory() as session:
-            sql = text(_TO_EMBED.format(where="source_id = :s AND source_markdown_slug = :slug"))
-            return list(session.execute(sql, {"s": source_id, "slug": slug}).all())
+            return list(session.execute(_PAGES_TO_EMBED, params).all())
 
-    def fill_embeddings(self, ids: Sequence[int], vectors: Sequence[Sequence[float]]) -> int:
-        """Store embeddings where a fact has none yet; returns how many were stored."""
+    def fill_embeddings(
+        self, ids: Sequence[int], vectors: Sequence[Sequence[float]], *, call: LLMCallRecord | None = None
+    ) -> int:
+        """Store embeddings where a fact has none yet; returns how many were stored. ``call``, the
+        embedding call that returned them, is recorded (costed by the ledger) in the same transaction."""
         if len(ids) != len(vectors):
             raise ValueError(f"{len(ids)} facts but {len(vectors)} embeddings")
         if not ids:
@@ -165,6 +176,8 @@ class SearchStore:
             raise ValueError("the embeddings of one batch must all have the same number of dimensions")
         params = {"ids": list(ids), "dim": dim, "vectors": PackedFloats(x for v in vectors for x in v)}
         with self._factory.begin() as session:
+            if call is not None:
+                self._ledger.record(session, call)
             # One statement for the whole batch (a round trip per fact made embedding dominate a worker's
             # time). Only fill a gap: a concurrent writer's embedding is as good as ours.
             return len(session.execute(_FILL_EMBEDDINGS, params).all())
