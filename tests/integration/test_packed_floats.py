@@ -1,4 +1,5 @@
-"""models.packed against Postgres, and the search store's embedding path that uses it: which facts a follow-up reads, and the fill that stores their vectors with the call that bought them."""
+"""models.packed against Postgres, and the search store's embedding path that uses it: which facts a
+follow-up reads, and the fill that stores their vectors with the call that bought them."""
 
 from __future__ import annotations
 
