@@ -125,7 +125,10 @@ class Settings(BaseSettings):
     # Search
     search_expand: bool = True  # let the LLM expand plain queries (off: lexical + vector of the query only)
     search_default_limit: int = Field(default=10, ge=1, le=100)
-    search_embed_batch_size: int = Field(default=64, ge=1, le=2048)  # facts per embedding call
+    # Facts per embedding call (the API takes up to 2,048 inputs). The extraction follow-up embeds the
+    # new facts of up to 16 pages a run, calls one after another: at 64 a run of 8-segment pages took
+    # 6 calls, and at 2 s a call the vectors fell 24 s behind the last commit (bench/pipeline.py).
+    search_embed_batch_size: int = Field(default=256, ge=1, le=2048)
     # Extraction workers embed facts in the background as they commit (lexical search sees them at once,
     # vector search a moment later); off leaves that to `factmill embed`, e.g. for a large backfill.
     embed_after_extraction: bool = True
