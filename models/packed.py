@@ -32,16 +32,13 @@ class PackedFloats:
     def __init__(self, values: Iterable[float]) -> None:
         self.values = array("d", values)
 
-    def __len__(self) -> int:
-        return len(self.values)
-
 
 class PackedFloatsDumper(Dumper):
     format = Format.BINARY
     oid = FLOAT8_ARRAY_OID
 
     def dump(self, obj: PackedFloats) -> bytes:
-        values = array("d", obj.values)
+        values = array("d", obj.values)  # a copy: the byte swap must leave the parameter as given
         if sys.byteorder == "little":
             values.byteswap()
         raw = values.tobytes()

@@ -25,8 +25,11 @@ AWKWARD = [0.0, -0.0, 1.5, -2.25, 1e-300, 5e-324, 1.7976931348623157e308, 0.1, 1
 
 def test_packed_floats_arrive_as_the_same_doubles(session: Session) -> None:
     values = AWKWARD + [random.Random(7).uniform(-1, 1) for _ in range(3000)]
-    got = session.execute(text("SELECT CAST(:v AS float8[])"), {"v": PackedFloats(values)}).scalar_one()
+    packed = PackedFloats(values)
+    got = session.execute(text("SELECT CAST(:v AS float8[])"), {"v": packed}).scalar_one()
     assert got == values
+    again = session.execute(text("SELECT CAST(:v AS float8[])"), {"v": packed}).scalar_one()
+    assert again == values  # sending it left the parameter as it was
     assert [math.copysign(1, x) for x in got[:2]] == [1, -1]  # the sign of zero too: bit for bit
 
 
