@@ -9,7 +9,6 @@ import typer
 
 from worker.cli.console import err, fail
 from worker.cli.sessions import checked_factory
-from worker.mcp import authenticate_key, run_http, run_stdio
 from worker.runtime import build_runtime
 from worker.settings import get_settings
 
@@ -52,6 +51,10 @@ def mcp_command(
 
     Over stdio the key comes from FACTMILL_MCP_API_KEY (or --key-env); over HTTP each request sends
     'Authorization: Bearer <key>'. A key sees only the tools its scopes allow."""
+    # The MCP server is imported by this command alone, not with the CLI: the mcp package takes a
+    # second or more to import, which every other `factmill` command would pay for at start.
+    from worker.mcp import authenticate_key, run_http, run_stdio
+
     settings = get_settings()
     key = None if http is not None else _stdio_key(key_env, settings.mcp_api_key)
     runtime = build_runtime(settings, checked_factory(settings))

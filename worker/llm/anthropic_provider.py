@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Unpack
-
-import anthropic
-from anthropic.types import Message
+from typing import TYPE_CHECKING, Any, Unpack
 
 from worker.llm.errors import LLMError, to_llm_error
 from worker.llm.types import (
@@ -18,8 +15,13 @@ from worker.llm.types import (
     LLMClient,
     SdkConnection,
     Usage,
+    keep_alive_http_client,
     sdk_options,
 )
+
+if TYPE_CHECKING:
+    import anthropic
+    from anthropic.types import Message
 
 # Stop reasons as the gateway names them. pause_turn (server tools) and stop_sequence end a turn normally.
 STOP_REASONS: dict[str, Finish] = {
@@ -57,7 +59,13 @@ class AnthropicChatClient:
         self.provider = provider
         self.model = model
         self.embeddings = embeddings
-        self._client = anthropic.Anthropic(**sdk_options(**connection), http_client=http_client(keep_alive))
+        # The SDK is imported when a client is made, not with this module: it takes seconds to import
+        # and most processes (every CLI command, a worker on another provider) never call Anthropic.
+        import anthropic
+
+        self._client = anthropic.Anthropic(
+            **sdk_options(**connection), http_client=keep_alive_http_client(anthropic, keep_alive)
+        )
 
     @property
     def sdk(self) -> anthropic.Anthropic:
@@ -137,16 +145,3 @@ class AnthropicChatClient:
         if self.embeddings is None:
             raise LLMError(NO_EMBEDDINGS, retryable=False)
         return self.embeddings.embed(texts, purpose=purpose)
-
-
-def http_client(keep_alive: int | None) -> Any:
-    """As ``openai_compat.http_client``, for the Anthropic SDK."""
-    if keep_alive is None or keep_alive <= (
-        anthropic.DEFAULT_CONNECTION_LIMITS.max_keepalive_connections or 0
-    ):
-        return None
-    limits = type(anthropic.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=max(keep_alive, anthropic.DEFAULT_CONNECTION_LIMITS.max_connections or 0),
-        max_keepalive_connections=keep_alive,
-    )
-    return anthropic.DefaultHttpxClient(limits=limits)

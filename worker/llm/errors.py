@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import email.utils
 import math
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import anthropic
 import httpx
-import openai
 
 if TYPE_CHECKING:
+    import anthropic
+    import openai
+
     from worker.llm.retry import AttemptRecord
 
 try:  # the SDKs may ride on httpx2; their own exceptions wrap it, but a raw one may still escape
@@ -124,15 +126,27 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
     return str(exc.message)
 
 
+SDKS = ("openai", "anthropic")
+
+
+def _sdk_errors(name: str) -> tuple[type[BaseException], ...]:
+    """The exception class ``name`` of each provider SDK this process has imported. An SDK that was
+    never imported has raised nothing, so it is not imported here: each takes seconds to load, and
+    a process that talks to one provider (or none) should not pay for both."""
+    found = (getattr(sys.modules.get(sdk), name, None) for sdk in SDKS)
+    return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, BaseException))
+
+
 def classify(exc: BaseException) -> Classification:
     """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
     if isinstance(exc, LLMError):
         return Classification(exc.retryable, exc.status, exc.retry_after, str(exc))
-    if isinstance(exc, (openai.APITimeoutError, anthropic.APITimeoutError, *_TIMEOUTS)):
+    if isinstance(exc, (*_sdk_errors("APITimeoutError"), *_TIMEOUTS)):
         return Classification(True, None, None, f"the provider timed out: {exc}")
-    if isinstance(exc, (openai.APIConnectionError, anthropic.APIConnectionError, *_TRANSPORT)):
+    if isinstance(exc, (*_sdk_errors("APIConnectionError"), *_TRANSPORT)):
         return Classification(True, None, None, f"could not reach the provider: {exc}")
-    if isinstance(exc, openai.APIStatusError | anthropic.APIStatusError):
+    if isinstance(exc, _sdk_errors("APIStatusError")):
+        exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         retryable = status in RETRYABLE_STATUS or status >= 500
         return Classification(

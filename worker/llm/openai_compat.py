@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Unpack
-
-import openai
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from worker.llm.errors import LLMError, to_llm_error
 from worker.llm.types import (
@@ -15,8 +13,12 @@ from worker.llm.types import (
     Finish,
     SdkConnection,
     Usage,
+    keep_alive_http_client,
     sdk_options,
 )
+
+if TYPE_CHECKING:
+    import openai
 
 JsonMode = Literal["json_schema", "json_object", "none"]
 
@@ -44,7 +46,13 @@ class OpenAIChatClient:
         self.provider = provider
         self.model = model
         self.json_mode = json_mode
-        self._client = openai.OpenAI(**sdk_options(**connection), http_client=http_client(keep_alive))
+        # The SDK is imported when a client is made, not with this module: it takes a second or more to
+        # import, and most processes (every CLI command that makes no LLM call) never need it.
+        import openai
+
+        self._client = openai.OpenAI(
+            **sdk_options(**connection), http_client=keep_alive_http_client(openai, keep_alive)
+        )
 
     def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
         if request.json_schema is None or self.json_mode == "none":
@@ -139,16 +147,3 @@ class OpenAIChatClient:
             model=result.model or self.embedding_model,
             latency_ms=int((time.perf_counter() - started) * 1000),
         )
-
-
-def http_client(keep_alive: int | None) -> Any:
-    """The SDK's own HTTP client, keeping ``keep_alive`` connections open (None: the SDK's default of
-    100). A worker with more calls in flight than that would close and reopen a connection per call."""
-    if keep_alive is None or keep_alive <= (openai.DEFAULT_CONNECTION_LIMITS.max_keepalive_connections or 0):
-        return None
-    # The limits class of whichever httpx the SDK rides on (httpx or its fork httpx2).
-    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=max(keep_alive, openai.DEFAULT_CONNECTION_LIMITS.max_connections or 0),
-        max_keepalive_connections=keep_alive,
-    )
-    return openai.DefaultHttpxClient(limits=limits)

@@ -85,3 +85,17 @@ def sdk_options(
         "max_retries": 0,
         "default_headers": default_headers,
     }
+
+
+def keep_alive_http_client(sdk: Any, keep_alive: int | None) -> Any:
+    """The HTTP client for an SDK client (``sdk`` is the ``openai`` or ``anthropic`` package) that keeps
+    ``keep_alive`` connections open; None leaves the SDK's own (100). A worker with more calls in flight
+    than that would close and reopen a connection per call."""
+    default = sdk.DEFAULT_CONNECTION_LIMITS
+    if keep_alive is None or keep_alive <= (default.max_keepalive_connections or 0):
+        return None
+    # The limits class of whichever httpx the SDK rides on (httpx or its fork httpx2).
+    limits = type(default)(
+        max_connections=max(keep_alive, default.max_connections or 0), max_keepalive_connections=keep_alive
+    )
+    return sdk.DefaultHttpxClient(limits=limits)

@@ -1,0 +1,55 @@
+"""What a `factmill` process loads at start: the provider SDKs and the MCP server take seconds to import
+(about 4.5 s of the CLI's 6.5 s on a 2-core CI machine), so only the code that uses one loads it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("openai", "anthropic", "mcp", "worker.simulator")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """The HEAVY modules in sys.modules after running ``code`` in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_the_cli_the_api_and_the_task_modules_load_no_sdk_and_no_mcp_server() -> None:
+    assert _loaded_after("import worker.cli, worker.api.app, tasks, worker.runtime") == []
+
+
+def test_a_client_loads_only_its_own_sdk() -> None:
+    code = (
+        "from worker.llm.openai_compat import OpenAIChatClient\n"
+        "OpenAIChatClient(model='m', base_url='http://127.0.0.1:9/v1', keep_alive=500)"
+    )
+    assert _loaded_after(code) == ["openai"]
+    code = (
+        "from worker.llm.anthropic_provider import AnthropicChatClient\n"
+        "AnthropicChatClient(model='m', base_url='http://127.0.0.1:9', keep_alive=500)"
+    )
+    assert _loaded_after(code) == ["anthropic"]
+
+
+def test_errors_of_the_loaded_sdk_are_classified_without_loading_the_other() -> None:
+    code = (
+        "import httpx, openai\n"
+        "from worker.llm.errors import classify\n"
+        "request = httpx.Request('POST', 'http://127.0.0.1:9/v1/chat/completions')\n"
+        "response = httpx.Response(503, request=request, headers={'retry-after': '2'})\n"
+        "c = classify(openai.InternalServerError('down', response=response, body=None))\n"
+        "assert (c.retryable, c.status, c.retry_after) == (True, 503, 2.0), c\n"
+        "assert classify(openai.APITimeoutError(request=request)).retryable\n"
+        "bad = httpx.Response(400, request=request)\n"
+        "c = classify(openai.BadRequestError('no', response=bad, body=None))\n"
+        "assert (c.retryable, c.status) == (False, 400), c\n"
+        "assert not classify(ValueError('x')).retryable"
+    )
+    assert _loaded_after(code) == ["openai"]
