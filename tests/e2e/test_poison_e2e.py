@@ -4,7 +4,6 @@ the simulator refusing one segment every time; then `retry?skipped=true` and `jo
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from factmill_client import Client
 from tests.auth import bearer, new_key
-from tests.service import REPO, ServiceProcess, running, service_env, start_worker, wait_for
+from tests.service import REPO, ServiceProcess, free_port, running, service_env, start_worker, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -35,12 +34,6 @@ PAGE = {
     "title": "Poison",
     "compiled_truth": "\n".join([*lines(15), *lines(16, "[[sim:refusal]]"), *lines(17)]),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def deliver(base_url: str) -> int:

@@ -4,7 +4,6 @@ sent with the Python client (factmill_client)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from tests.auth import bearer, new_key
 from tests.service import (
     REPO,
     ServiceProcess,
+    free_port,
     running,
     service_env,
     start_worker,
@@ -27,12 +27,6 @@ from tests.service import (
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SECRET = "test-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 PAGE = {

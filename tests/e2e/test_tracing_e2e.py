@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from factmill_client import Client
 from models import Job
-from tests.e2e.test_service_e2e import SECRET, free_port
-from tests.service import ServiceProcess, running, service_env, start_beat, start_worker, wait_for
+from tests.e2e.test_service_e2e import SECRET
+from tests.service import ServiceProcess, free_port, running, service_env, start_beat, start_worker, wait_for
 from tests.tracing_helpers import (
     SpanRecord,
     ancestors,
@@ -114,13 +114,18 @@ class Collector:
     def webhook_root(self, slug: str) -> SpanRecord | None:
         """The API's server span of the request that posted ``slug`` (found through the job span)."""
         spans = self.snapshot()
-        roots = {s.span_id: s for s in spans if s.name.startswith("POST /v1/pages") and s.parent_id is None}
+        roots = {s.span_id: s for s in spans if is_request_root(s)}
         for span in spans:
             if span.name == "segment commit" and span.attributes.get("factmill.page.slug") == slug:
                 for candidate in roots.values():
                     if candidate.trace_id == span.trace_id:
                         return candidate
         return None
+
+
+def is_request_root(span: SpanRecord) -> bool:
+    """The API's server span of a page delivery (it has no parent: the webhook starts the trace)."""
+    return span.name.startswith("POST /v1/pages") and span.parent_id is None
 
 
 @pytest.fixture
@@ -257,8 +262,17 @@ def test_a_job_the_sweeper_sends_joins_the_trace_of_its_webhook(
         ["serve", "--port", str(port)], api_env, ready_marker="Application startup complete", name="api"
     ).start()
     slug = "conversations/traced/swept"
-    with running(api), Client(f"http://127.0.0.1:{port}", webhook_secret=SECRET, timeout=60) as client:
-        assert client.ingest_page(page(slug)).jobs
+    with running(api):
+        with Client(f"http://127.0.0.1:{port}", webhook_secret=SECRET, timeout=60) as client:
+            assert client.ingest_page(page(slug)).jobs
+        # The request's span reaches the collector before the API is stopped: on a loaded machine a
+        # SIGTERMed API may not finish its exit (which flushes its spans) before `stop` kills it.
+        wait_for(
+            lambda: any(is_request_root(s) for s in collector.snapshot()),
+            60,
+            "the API's request span to reach the collector",
+            diagnostics=lambda: str(everything(collector)),
+        )
     job = only_job(factory)
     assert job.status == "queued" and job.enqueued_at is None and job.traceparent is not None
     worker = start_worker(worker_env, queues="extraction,maintenance", concurrency=4)
