@@ -20,6 +20,7 @@ import models
 from tests.service import SessionBroker, fresh_database, session_broker
 from worker import db
 from worker.embedded import to_sqlalchemy_url
+from worker.embedded.base import quiet_runtime_dir
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -56,14 +57,16 @@ def server_url() -> Iterator[str]:
         _record_postgres(LOCAL_SERVER, "local server 127.0.0.1:5432")
         yield LOCAL_SERVER
         return
-    import pgserver
+    with quiet_runtime_dir():  # pgserver's import makes platformdirs warn where XDG_RUNTIME_DIR is unset
+        import pgserver
 
     with tempfile.TemporaryDirectory(prefix="factmill-test-pg-") as tmp:
         server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
         url = to_sqlalchemy_url(server.get_uri())
         _record_postgres(url, "embedded pgserver (no Postgres at 127.0.0.1:5432)")
         yield url
-        server.cleanup()
+        with quiet_runtime_dir():
+            server.cleanup()
 
 
 def _host(url: str) -> str:

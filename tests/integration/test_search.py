@@ -25,6 +25,7 @@ from worker import db
 from worker.config_store import ConfigReader
 from worker.core.intent import QueryParseError
 from worker.embedded import to_sqlalchemy_url
+from worker.embedded.base import quiet_runtime_dir
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
@@ -193,7 +194,8 @@ def vector_database_url(database_url: str) -> Iterator[str]:
         yield database_url
         return
     try:
-        import pgserver
+        with quiet_runtime_dir():  # pgserver's import makes platformdirs warn where XDG_RUNTIME_DIR is unset
+            import pgserver
     except ImportError:
         pytest.skip(
             "no pgvector: the test server lacks it (deploy/install-pgvector.sh) and pgserver is missing"
@@ -213,7 +215,8 @@ def vector_database_url(database_url: str) -> Iterator[str]:
                 BACKENDS["pgvector"] = "vector tests on an embedded pgserver (the server has no pgvector)"
                 yield url
         finally:
-            server.cleanup()
+            with quiet_runtime_dir():
+                server.cleanup()
 
 
 @pytest.fixture(scope="session")
