@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     task_time_limit_seconds: int = Field(default=3600, gt=0)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
     broker_key_prefix: str = ""
+    # Celery's task events, which Flower shows. Off: a worker sends none until Flower (or `celery
+    # control enable_events`) turns them on, which Flower does for every worker within seconds of
+    # starting, so they cost a worker's CPU (about 6% on one-segment pages) only while someone
+    # watches. On: every worker sends them from its start, and senders add the "task sent" events.
+    task_events: bool = False
 
     # Service.
     webhook_secret: str = "dev-secret"

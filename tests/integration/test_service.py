@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,6 +18,7 @@ from tests.conftest import fresh_database
 from tests.service import (
     ServiceProcess,
     celery_sender,
+    free_port,
     running,
     service_env,
     start_beat,
@@ -28,6 +30,7 @@ from worker.config_store import set_config
 from worker.extraction import PER_SEGMENT_SOURCE_PREFIX, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.pages import PageIn, upsert_page
 from worker.jobs.outbox import EXTRACTION, apply_switch_change, enqueue, page_subject, request_job
+from worker.jobs.registry import get_kind
 from worker.llm.openai_compat import OpenAIChatClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -300,22 +303,38 @@ def test_prefork_pool_runs_jobs_too(factory, env, sender, server_url, simulator)
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
 
 
-def test_flower_watches_the_same_broker(env):
-    import socket
-
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    flower = ServiceProcess(["flower", "--port", str(port)], env, ready_marker=None, name="flower").start()
-    with running(flower):
+def test_flower_turns_task_events_on_and_shows_the_workers_tasks(factory, env, sender):
+    """Workers start with task events off (FACTMILL_TASK_EVENTS, off by default): Flower, on the same
+    broker, turns them on when it starts and then shows the tasks a worker runs."""
+    port = free_port()
+    assert "FACTMILL_TASK_EVENTS" not in env
+    worker = start_worker(env, concurrency=2)
+    flower_env = {**env, "FLOWER_UNAUTHENTICATED_API": "true"}  # its JSON API, for this test only
+    flower = ServiceProcess(["flower", "--port", str(port)], flower_env, ready_marker=None, name="flower")
+    with running(worker, flower.start()):
+        base = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=2).text == "OK"
+                return httpx.get(f"{base}/healthcheck", timeout=2).text == "OK"
             except httpx.HTTPError:
                 return False
 
         wait_for(up, 60, "Flower to answer", diagnostics=flower.tail)
         assert "redis" in flower.tail(200).lower()
+        task_name, sent = get_kind(EXTRACTION).task_name, 0
+
+        def shows_an_extraction() -> bool:
+            # Until Flower has turned the worker's events on, a task runs unseen: send another.
+            nonlocal sent
+            tasks = httpx.get(f"{base}/api/tasks", timeout=5).json().values()
+            if any(t.get("name") == task_name and t.get("state") == "SUCCESS" for t in tasks):
+                return True
+            sent += 1
+            add_pages(factory, {f"conversations/flower-{sent}": conversation(sent, segments=1)}, sender)
+            return False
+
+        wait_for(
+            shows_an_extraction, 90, "Flower to show an extraction task", interval=2, diagnostics=flower.tail
+        )
+    assert statuses(factory).get("succeeded", 0) >= 1

@@ -74,8 +74,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_queues": [Queue(name) for name in registry.queues()],
         "task_default_queue": registry.MAINTENANCE_QUEUE,
         "task_routes": registry.task_routes(),
-        "worker_send_task_events": True,  # Flower sees every task
-        "task_send_sent_event": True,
+        # Flower turns a worker's events on when it starts (FACTMILL_TASK_EVENTS: on from the start).
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
         "worker_hijack_root_logger": False,
         "beat_schedule": beat_schedule(settings),
         "timezone": "UTC",
