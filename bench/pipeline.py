@@ -267,6 +267,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
     parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
     parser.add_argument(
+        "--task-events",
+        action="store_true",
+        help="workers send Celery task events from the start, as under Flower (FACTMILL_TASK_EVENTS)",
+    )
+    parser.add_argument(
         "--llm-concurrency",
         type=int,
         default=0,
@@ -304,6 +309,7 @@ def main() -> None:
             "FACTMILL_SEGMENT_CONCURRENCY": str(args.segment_concurrency),
             "FACTMILL_LLM_CONCURRENCY": str(per_worker),
             "FACTMILL_EMBED_AFTER_EXTRACTION": "false" if args.no_embed else "true",
+            "FACTMILL_TASK_EVENTS": "true" if args.task_events else "false",
         }
         procs.append(spawn(["-m", "worker.cli", "serve", "--port", str(api_port)], env, logs / "api.log"))
         wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health")

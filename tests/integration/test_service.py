@@ -322,6 +322,7 @@ def test_flower_turns_task_events_on_and_shows_the_workers_tasks(factory, env, s
 
         wait_for(up, 60, "Flower to answer", diagnostics=flower.tail)
         assert "redis" in flower.tail(200).lower()
+        assert "task events: OFF" in "".join(worker.output), worker.tail()  # Celery's start-up banner
         task_name, sent = get_kind(EXTRACTION).task_name, 0
 
         def shows_an_extraction() -> bool:

@@ -93,8 +93,10 @@ def worker(
         raise typer.Exit(
             run_children([[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)])
         )
-    argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel, "-E"]
+    argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel]
     argv += ["--without-gossip", "--without-mingle"]
+    if settings.task_events:  # else off until Flower turns them on (FACTMILL_TASK_EVENTS)
+        argv.append("-E")
     if hostname:
         argv += ["-n", hostname]
     celery.worker_main(argv)
