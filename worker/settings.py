@@ -90,8 +90,8 @@ class Settings(BaseSettings):
     broker_key_prefix: str = ""
     # Celery's task events, which Flower shows. Off: a worker sends none until Flower (or `celery
     # control enable_events`) turns them on, which Flower does for every worker within seconds of
-    # starting, so they cost a worker's CPU (about 6% on one-segment pages) only while someone
-    # watches. On: every worker sends them from its start, and senders add the "task sent" events.
+    # starting, so they cost a worker's CPU (about 10% on one-segment pages: BENCHMARKS.md) only while
+    # someone watches. On: every worker sends them from its start, and senders add the "task sent" events.
     task_events: bool = False
 
     # Service.
