@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("openai", "anthropic", "mcp", "worker.simulator")
+HEAVY = ("openai", "anthropic", "mcp", "worker.simulator", "httpx2")  # httpx2: the SDKs' own httpx
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -30,12 +30,12 @@ def test_a_client_loads_only_its_own_sdk() -> None:
         "from worker.llm.openai_compat import OpenAIChatClient\n"
         "OpenAIChatClient(model='m', base_url='http://127.0.0.1:9/v1', keep_alive=500)"
     )
-    assert _loaded_after(code) == ["openai"]
+    assert _loaded_after(code) == ["openai", "httpx2"]
     code = (
         "from worker.llm.anthropic_provider import AnthropicChatClient\n"
         "AnthropicChatClient(model='m', base_url='http://127.0.0.1:9', keep_alive=500)"
     )
-    assert _loaded_after(code) == ["anthropic"]
+    assert _loaded_after(code) == ["anthropic", "httpx2"]
 
 
 def test_errors_of_the_loaded_sdk_are_classified_without_loading_the_other() -> None:
@@ -50,6 +50,9 @@ def test_errors_of_the_loaded_sdk_are_classified_without_loading_the_other() -> 
         "bad = httpx.Response(400, request=request)\n"
         "c = classify(openai.BadRequestError('no', response=bad, body=None))\n"
         "assert (c.retryable, c.status) == (False, 400), c\n"
-        "assert not classify(ValueError('x')).retryable"
+        "assert not classify(ValueError('x')).retryable\n"
+        "import httpx2\n"  # a raw transport error of the SDKs' httpx, escaped from its wrapper
+        "assert classify(httpx2.ReadTimeout('slow')).retryable\n"
+        "assert classify(httpx2.ConnectError('refused')).retryable"
     )
-    assert _loaded_after(code) == ["openai"]
+    assert _loaded_after(code) == ["openai", "httpx2"]

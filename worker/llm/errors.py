@@ -11,22 +11,11 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
 
-import httpx
-
 if TYPE_CHECKING:
     import anthropic
     import openai
 
     from worker.llm.retry import AttemptRecord
-
-try:  # the SDKs may ride on httpx2; their own exceptions wrap it, but a raw one may still escape
-    import httpx2
-
-    _TIMEOUTS: tuple[type[BaseException], ...] = (httpx.TimeoutException, httpx2.TimeoutException)
-    _TRANSPORT: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError)
-except ImportError:  # pragma: no cover - depends on the installed SDK generation
-    _TIMEOUTS = (httpx.TimeoutException,)
-    _TRANSPORT = (httpx.TransportError,)
 
 # Status codes worth another try: throttling, a request timeout, and every server-side failure
 # (500, 502, 503, 504, and Anthropic's 529 overloaded).
@@ -127,13 +116,15 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
 
 
 SDKS = ("openai", "anthropic")
+# The SDKs ride on httpx or its fork httpx2: their own exceptions wrap these, but a raw one may escape.
+HTTP_LIBRARIES = ("httpx", "httpx2")
 
 
-def _sdk_errors(name: str) -> tuple[type[BaseException], ...]:
-    """The exception class ``name`` of each provider SDK this process has imported. An SDK that was
-    never imported has raised nothing, so it is not imported here: each takes seconds to load, and
-    a process that talks to one provider (or none) should not pay for both."""
-    found = (getattr(sys.modules.get(sdk), name, None) for sdk in SDKS)
+def _loaded_errors(modules: tuple[str, ...], name: str) -> tuple[type[BaseException], ...]:
+    """The exception class ``name`` of each of ``modules`` that this process has imported. A library
+    that was never imported has raised nothing, so it is not imported here: each SDK takes seconds to
+    load, and a process that talks to one provider (or none) should not pay for the others."""
+    found = (getattr(sys.modules.get(module), name, None) for module in modules)
     return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, BaseException))
 
 
@@ -141,11 +132,16 @@ def classify(exc: BaseException) -> Classification:
     """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
     if isinstance(exc, LLMError):
         return Classification(exc.retryable, exc.status, exc.retry_after, str(exc))
-    if isinstance(exc, (*_sdk_errors("APITimeoutError"), *_TIMEOUTS)):
+    timeouts = (*_loaded_errors(SDKS, "APITimeoutError"), *_loaded_errors(HTTP_LIBRARIES, "TimeoutException"))
+    if isinstance(exc, timeouts):
         return Classification(True, None, None, f"the provider timed out: {exc}")
-    if isinstance(exc, (*_sdk_errors("APIConnectionError"), *_TRANSPORT)):
+    unreachable = (
+        *_loaded_errors(SDKS, "APIConnectionError"),
+        *_loaded_errors(HTTP_LIBRARIES, "TransportError"),
+    )
+    if isinstance(exc, unreachable):
         return Classification(True, None, None, f"could not reach the provider: {exc}")
-    if isinstance(exc, _sdk_errors("APIStatusError")):
+    if isinstance(exc, _loaded_errors(SDKS, "APIStatusError")):
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         retryable = status in RETRYABLE_STATUS or status >= 500
