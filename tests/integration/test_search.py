@@ -299,6 +299,34 @@ def test_lexical_prefix_phrase_and_exclusion(
     assert search(plain_factory, llm, 'lex: "milk oat"').results == ()
 
 
+def test_lexical_exact_words_fill_the_list_before_prefixes(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    def write(facts: list[str]) -> None:
+        rows = [
+            _row("default", "standup", i, fact, "event", "team", "notes", None)
+            for i, fact in enumerate(facts)
+        ]
+        with plain_factory.begin() as session:
+            session.execute(insert(Fact), rows)
+
+    # Longer words only prefix-match ("meet" finds "meetings"); these short facts would rank first.
+    longer = [f"Meetings {i}" for i in range(5)]
+    write(longer + [f"Grace will meet the auditors about invoice batch {i}" for i in range(3)])
+    # Too few exact matches to fill the list (10 results, 30 candidates): the search widens to prefixes.
+    found = facts_of(search(plain_factory, llm, "lex: meet", limit=10))
+    assert len(found) == 8 and set(longer) <= set(found)
+
+    # Enough exact matches to fill the candidate list: the prefix-only facts are never ranked.
+    with plain_factory.begin() as session:
+        session.execute(text("DELETE FROM facts"))
+    write(longer + [f"Grace will meet the auditors about invoice batch {i}" for i in range(MIN_CANDIDATES)])
+    found = facts_of(search(plain_factory, llm, "lex: meet", limit=10))
+    assert len(found) == 10 and not set(longer) & set(found)
+    # "meetings" itself still finds them.
+    assert set(facts_of(search(plain_factory, llm, "lex: meetings", limit=10))) == set(longer)
+
+
 def test_lexical_scores_are_normalised_and_ordered(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

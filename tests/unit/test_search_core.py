@@ -42,6 +42,8 @@ def test_lex_units_prefix_long_words_and_restrict_strong_matches() -> None:
         "('v1':AB)",
         "('oat':AB <-> 'milk':AB)",
     ]
+    # The exact match tried first: only where a prefix makes it differ.
+    assert [u.exact for u in units] == ["('alice' & 'smith')", "", ""]
     assert excluded == ["!('tea')"]
 
 

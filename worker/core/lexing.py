@@ -112,8 +112,13 @@ class LexItem:
 
 @dataclass(frozen=True)
 class LexUnit:
+    """One word or phrase of a lex line as tsquery texts. A word of MIN_PREFIX_CHARS or more also
+    matches as a prefix ("meet" finds "meetings"); ``exact`` is its match without the prefixes, tried
+    first (worker.search.store._ranked_matches)."""
+
     match: str  # tsquery text matching the unit anywhere
     strong: str  # the same, restricted to the fact text and the entity (weights A, B)
+    exact: str = ""  # ``match`` without prefix matching ("" when the two are the same)
 
 
 def lex_items(lex: LexQuery) -> list[LexItem]:
@@ -138,7 +143,11 @@ def lex_units(items: Sequence[LexItem], parsed: Sequence[str | None]) -> tuple[l
             lexemes = [(_quote_lexeme(x), len(x) >= MIN_PREFIX_CHARS) for x in value.split("\x1f")]
             match = " & ".join(f"{x}:*" if prefix else x for x, prefix in lexemes)
             strong = " & ".join(f"{x}:*AB" if prefix else f"{x}:AB" for x, prefix in lexemes)
-            units.append(LexUnit(f"({match})", f"({strong})"))
+            if any(prefix for _, prefix in lexemes):
+                exact = " & ".join(x for x, _ in lexemes)
+                units.append(LexUnit(f"({match})", f"({strong})", f"({exact})"))
+            else:
+                units.append(LexUnit(f"({match})", f"({strong})"))
         elif item.kind == "p":
             units.append(LexUnit(f"({value})", f"({restrict_weights(value, 'AB')})"))
         else:

@@ -308,6 +308,14 @@ def _f8(value: float) -> str:
 def _ranked_matches(
     session: Session, units: list[LexUnit], excluded: list[str], filters: SearchFilters, limit: int
 ) -> tuple[list[Hit], bool]:
+    """The ranked search of ``_lexical``, exact words first.
+
+    Facts holding the exact words are ranked first; only when they do not fill ``limit`` does the search
+    widen to prefixes ("meet" finds "meetings"). Scores are the same either way (a prefix still counts
+    in the score), so the exact pass answers the prefix search's ranking less the facts that hold only
+    a longer word. A broad prefix (in a million facts, one word's prefix matched 59,196 of them) is
+    then ranked only when the exact word is too rare to fill the list.
+    """
     dfs, total = _document_frequencies(session, units)
     where, params = _filter_sql(filters)
     params["limit"] = limit
@@ -325,18 +333,39 @@ def _ranked_matches(
         f"({_f8(BM25_K1 + 1)} / ({_f8(1.0)} + {_f8(BM25_K1)} * ({_f8(1.0 - BM25_B)} + {_f8(BM25_B)} * "
         f"length(f.search_vector) / {_f8(TYPICAL_FACT_LEXEMES)})))"
     )
-    sql = text(
-        f"SELECT f.id, ({' + '.join(terms)}) * {length_norm} AS raw FROM facts f "
-        f"WHERE f.search_vector @@ CAST(:match AS tsquery) AND {where} "
-        "ORDER BY raw DESC, f.id LIMIT :limit"
+    scored = f"SELECT f.id, ({' + '.join(terms)}) * {length_norm} AS raw"
+    ranking = "ORDER BY raw DESC, f.id LIMIT :limit"
+    indexed = text(
+        f"{scored} FROM facts f WHERE f.search_vector @@ CAST(:match AS tsquery) AND {where} {ranking}"
+    )
+    # A rare word drives: its few facts come through the index and the other words are checked on
+    # each, instead of the index intersecting the common words' long posting lists (GIN merges a
+    # prefix's lists in full: its fast scan skips only exact entries).
+    driven = text(
+        f"WITH driving AS MATERIALIZED (SELECT f.id, f.search_vector FROM facts f "
+        f"WHERE f.search_vector @@ CAST(:drive AS tsquery) AND {where}) "
+        f"{scored} FROM driving f WHERE f.search_vector @@ CAST(:match AS tsquery) {ranking}"
     )
     negation = "".join(f" & {x}" for x in excluded)
     order = rarest_first(dfs)
+
+    def ranked(kept: list[int], exact: bool) -> list[Any]:
+        matches = {i: units[i].exact if exact and units[i].exact else units[i].match for i in kept}
+        match = " & ".join(matches.values()) + negation
+        rarest = min(kept, key=lambda i: dfs[i])
+        if len(kept) > 1 and dfs[rarest] < DF_EXACT_CAP:  # counted: at most DF_EXACT_CAP facts
+            return list(session.execute(driven, params | {"match": match, "drive": matches[rarest]}))
+        return list(session.execute(indexed, params | {"match": match}))
+
     rows: list[Any] = []
     keep = len(units)
     while keep > 0:
-        match = " & ".join(units[i].match for i in sorted(order[:keep])) + negation
-        rows = list(session.execute(sql, params | {"match": match}))
+        kept = sorted(order[:keep])
+        if any(units[i].exact for i in kept):
+            rows = ranked(kept, exact=True)
+            if len(rows) >= limit:
+                break
+        rows = ranked(kept, exact=False)
         if rows:
             break
         keep -= 1
