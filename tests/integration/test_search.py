@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert, select, text
+from sqlalchemy import event, insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -325,6 +325,33 @@ def test_lexical_exact_words_fill_the_list_before_prefixes(
     assert len(found) == 10 and not set(longer) & set(found)
     # "meetings" itself still finds them.
     assert set(facts_of(search(plain_factory, llm, "lex: meetings", limit=10))) == set(longer)
+
+
+def test_lexical_search_runs_without_jit_and_leaves_the_settings_as_it_found_them(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    # The search turns sequential scans off, which makes a statement that must scan anyway look costly
+    # enough to JIT-compile (tens of ms on a small table): JIT goes off with it, both only for the search.
+    seed(plain_factory)
+    connection = plain_factory.kw["bind"]
+    connection.exec_driver_sql("SET LOCAL jit = on")
+    during: list[tuple[str, str]] = []
+
+    def settings_after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "search_vector @@" in statement:
+            row = cursor.connection.execute(
+                "SELECT current_setting('jit'), current_setting('enable_seqscan')"
+            )
+            during.append(tuple(row.fetchone()))
+
+    event.listen(connection, "after_cursor_execute", settings_after)
+    try:
+        assert facts_of(search(plain_factory, llm, "lex: alice lisbon"))
+    finally:
+        event.remove(connection, "after_cursor_execute", settings_after)
+    assert during and set(during) == {("off", "off")}
+    after = connection.exec_driver_sql("SELECT current_setting('jit'), current_setting('enable_seqscan')")
+    assert tuple(after.one()) == ("on", "on")
 
 
 def test_lexical_scores_are_normalised_and_ordered(
