@@ -117,6 +117,18 @@ def timed(fn: Callable[[], object], runs: int) -> list[float]:
     return out
 
 
+def lexical_pass(factory: Any, queries: Sequence[str]) -> tuple[list[float], int]:
+    """Each query's `search()` time in ms, and how many found something."""
+    times: list[float] = []
+    hits = 0
+    for query in queries:
+        t0 = time.perf_counter()
+        outcome = search(factory, None, f"lex: {query}")
+        times.append((time.perf_counter() - t0) * 1000)
+        hits += bool(outcome.results)
+    return times, hits
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,13 +228,7 @@ def run(url: str, args: argparse.Namespace) -> int:
     # Ours: the whole search() call for a lex: line (parse, idf, ranked FTS, fusion, snippets).
     for query in queries[:20]:  # warm caches and the connection pool
         search(factory, None, f"lex: {query}")
-    ours: list[float] = []
-    hits = 0
-    for query in queries:
-        t0 = time.perf_counter()
-        outcome = search(factory, None, f"lex: {query}")
-        ours.append((time.perf_counter() - t0) * 1000)
-        hits += bool(outcome.results)
+    ours, hits = lexical_pass(factory, queries)
 
     # Baseline: the same words as substring filters over the same text, no index, first 30 rows.
     def ilike(query: str) -> Callable[[], object]:
@@ -257,6 +263,10 @@ def run(url: str, args: argparse.Namespace) -> int:
     slow = sum(t > GOAL_P95_MS for t in ours)
     tail = f"p99 {percentile(ours, 99):.1f} ms, max {max(ours):.1f} ms"
     print(f"  {tail}; {slow} of {len(ours)} queries over {GOAL_P95_MS:.0f} ms")
+    # The same queries again: the pages they read are cached now. Far below the first pass means the
+    # first paid for reading pages no query had touched yet (after a bulk load or an index build).
+    again, _ = lexical_pass(factory, queries)
+    print(f"  {'  the same queries again':34} {percentile(again, 50):8.1f} {percentile(again, 95):8.1f}")
     print(f"  goal p95 <= {GOAL_P95_MS:.0f} ms: {verdict} ({p95:.1f} ms)")
     if args.lexical_only:
         return 0
