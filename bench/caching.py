@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import SECRET, SERVER, free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SECRET, SERVER, free_port, spawn, stop, wait_http  # noqa: E402
 
 from worker import db  # noqa: E402
 from worker.accounting import PRICES, cost_usd  # noqa: E402
@@ -155,7 +155,7 @@ def run_once(label: str, args: argparse.Namespace, simulator_url: str, worker_ar
         db.upgrade(url)
         env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
             "FACTMILL_DATABASE_URL": url,
-            "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/12",
+            "FACTMILL_BROKER_URL": BROKER,
             "FACTMILL_BROKER_KEY_PREFIX": f"{name}:",
             "FACTMILL_LLM": "simulator",
             "FACTMILL_SIMULATOR_API": args.api,

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
-from pipeline import SERVER, free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SERVER, free_port, spawn, stop, wait_http  # noqa: E402
 
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
@@ -61,7 +61,6 @@ from worker.core.compaction import (  # noqa: E402
 )
 from worker.core.quality import _GLUES_TO_PREVIOUS, _words_from_segments, lex_words  # noqa: E402
 
-BROKER = "redis://127.0.0.1:6379/12"
 GOAL = "Deploy the payments service to the Frankfurt region behind the canary flag."
 
 

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, free_port, spawn, stop, wait_http  # noqa: E402
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -218,7 +218,7 @@ def main() -> None:
     simulator_url = f"http://127.0.0.1:{sim_port}/v1"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
         "FACTMILL_DATABASE_URL": url,
-        "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/12",
+        "FACTMILL_BROKER_URL": BROKER,
         "FACTMILL_BROKER_KEY_PREFIX": f"{name}:",
         "FACTMILL_LLM": "simulator",
         "FACTMILL_SIMULATOR_URL": simulator_url,

@@ -51,6 +51,9 @@ from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 SECRET = "bench-secret"
+# The benchmarks' Redis database: the test suite takes 13 and down (one per pytest-xdist process,
+# tests/service.py), so a benchmark run beside the tests never shares its queues.
+BROKER = "redis://127.0.0.1:6379/15"
 
 
 def free_port() -> int:
@@ -301,7 +304,7 @@ def main() -> None:
         simulator_url = f"http://127.0.0.1:{sim_port}/v1"
         env = base_env | {
             "FACTMILL_DATABASE_URL": url,
-            "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/12",
+            "FACTMILL_BROKER_URL": BROKER,
             "FACTMILL_BROKER_KEY_PREFIX": f"{name}:",
             "FACTMILL_LLM": "simulator",
             "FACTMILL_SIMULATOR_URL": simulator_url,
