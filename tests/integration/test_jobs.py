@@ -11,7 +11,7 @@ from sqlalchemy import event, select, update
 from models import Job
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import claim, finish, heartbeat, now
-from worker.jobs.outbox import EXTRACTION, enqueue, request_job, retry_job, sweep
+from worker.jobs.outbox import EXTRACTION, enqueue, request_job, request_jobs, retry_job, sweep
 from worker.jobs.registry import Backoff
 
 pytestmark = pytest.mark.integration
@@ -238,6 +238,36 @@ def test_request_job_survives_the_pending_job_finishing_between_insert_and_selec
     assert again.created and again.job_id != first
     assert job(factory, first).status == "succeeded"
     assert job(factory, again.job_id).status == "queued"
+
+
+def test_request_jobs_asks_for_many_subjects_in_one_insert_with_request_jobs_rules(tx_factory):
+    """One INSERT for every subject (a page's extraction requests a consolidation job per entity): a
+    new subject gets a new job, a pending one is reused, a running one is marked to run again, and a
+    subject named twice gets the same job."""
+    queued = new_job(tx_factory, "default|queued")
+    running = new_job(tx_factory, "default|running")
+    claim(tx_factory, running, "w1", stale_after=60, budgets=BUDGETS)
+    inserts: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO JOBS"):
+            inserts.append(statement)
+
+    subjects = ["default|new", "default|queued", "default|running", "default|new", "default|other"]
+    with tx_factory.begin() as session:
+        connection = session.connection()
+        event.listen(connection, "after_cursor_execute", count)
+        try:
+            got = request_jobs(session, EXTRACTION, subjects)
+            assert request_jobs(session, EXTRACTION, []) == []
+        finally:
+            event.remove(connection, "after_cursor_execute", count)
+    assert len(inserts) == 1
+    assert [r.created for r in got] == [True, False, False, True, True]
+    assert got[0] == got[3] and got[0].job_id != got[4].job_id
+    assert (got[1].job_id, got[2].job_id) == (queued, running)
+    assert job(tx_factory, running).rerun_requested and not job(tx_factory, queued).rerun_requested
+    assert {job(tx_factory, r.job_id).subject for r in got} == set(subjects)
 
 
 def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_factory):

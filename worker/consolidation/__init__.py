@@ -12,14 +12,12 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.consolidation.store import pending_entity_keys
-from worker.jobs.outbox import CONSOLIDATION, JobRequest, enqueue, page_subject, request_job
+from worker.jobs.outbox import CONSOLIDATION, JobRequest, enqueue, page_subject, request_jobs
 
 
 def _request_jobs(session: Session, pages: Sequence[tuple[str, str]]) -> list[JobRequest]:
-    return [
-        request_job(session, CONSOLIDATION, page_subject(source_id, key))
-        for source_id, key in pending_entity_keys(session, pages)
-    ]
+    subjects = [page_subject(source_id, key) for source_id, key in pending_entity_keys(session, pages)]
+    return request_jobs(session, CONSOLIDATION, subjects)
 
 
 def request_consolidation(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:
