@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, select, text, tuple_, update
+from sqlalchemy import BindParameter, and_, bindparam, func, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -236,13 +236,27 @@ def _insert_rows(
     )
 
 
-def orphaned_links_query(source_ids: Sequence[str]) -> Any:
+def orphaned_links_query(source_ids: Sequence[str] | BindParameter[Any]) -> Any:
     """The facts of these sources whose lifecycle link went (read through ix_facts_orphaned_links)."""
+    sources = source_ids if isinstance(source_ids, BindParameter) else list(source_ids)
     return (
         select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
-        .where(Fact.source_id.in_(list(source_ids)), _orphaned())
+        .where(Fact.source_id.in_(sources), _orphaned())
         .distinct()
     )
+
+
+# Built once (this runs for every extracted page): Core on the table, not ORM-enabled (models.tables).
+_PAGES_UNCONSOLIDATED = (
+    select(FACTS.c.source_id, FACTS.c.entity_slug, FACTS.c.source_markdown_slug)
+    .where(
+        tuple_(FACTS.c.source_id, FACTS.c.source_markdown_slug).in_(bindparam("pages", expanding=True)),
+        ~FACTS.c.is_audit,
+        FACTS.c.consolidated_at.is_(None),
+    )
+    .distinct()
+)
+_ORPHANED_LINKS = orphaned_links_query(bindparam("sources", expanding=True))
 
 
 def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -252,17 +266,10 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     orphans."""
     if not pages:
         return []
-    facts = FACTS.c  # Core, not ORM-enabled: this runs once per extracted page (models.tables)
-    new = session.execute(
-        select(facts.source_id, facts.entity_slug, facts.source_markdown_slug)
-        .where(
-            tuple_(facts.source_id, facts.source_markdown_slug).in_(list(pages)),
-            ~facts.is_audit,
-            facts.consolidated_at.is_(None),
-        )
-        .distinct()
+    new = session.execute(_PAGES_UNCONSOLIDATED, {"pages": list(pages)}).all()
+    orphans = session.execute(
+        _ORPHANED_LINKS, {"sources": sorted({source_id for source_id, _ in pages})}
     ).all()
-    orphans = session.execute(orphaned_links_query(sorted({source_id for source_id, _ in pages}))).all()
     return sorted(
         {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in (*new, *orphans)}
     )

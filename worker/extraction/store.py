@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import cast, delete, func, select, update
+from sqlalchemy import bindparam, cast, delete, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -110,15 +110,10 @@ class ExtractionStore:
         self._ledger = ledger
 
     def list_pages(self, source_id: str, types: Sequence[str], slug: str | None = None) -> list[PageRef]:
-        pages = PAGES.c
-        size = func.octet_length(pages.compiled_truth) + func.octet_length(pages.timeline)
-        query = select(pages.id, pages.slug, size).where(pages.source_id == source_id, pages.type.in_(types))
-        if slug is not None:
-            query = query.where(pages.slug == slug)
+        query = _LIST_PAGES if slug is None else _LIST_ONE_PAGE
+        params = {"source_id": source_id, "types": list(types), "slug": slug}
         with self._factory() as session:
-            return [
-                PageRef(row[0], row[1], int(row[2])) for row in session.execute(query.order_by(pages.slug))
-            ]
+            return [PageRef(row[0], row[1], int(row[2])) for row in session.execute(query, params)]
 
     def load_page(
         self, page_id: int, fingerprint: str, source_id: str, slug: str, *, with_checkpoint: bool
@@ -126,17 +121,13 @@ class ExtractionStore:
         """The page's body and label (None when it was deleted), and its checkpoint when asked for."""
         # One Core statement, the checkpoint joined in: loading ORM objects for this was most of the
         # time a small page spent being planned (py-spy, bench/pipeline.py).
-        query = _LOAD_PAGE.where(PAGES.c.id == page_id)
+        params: dict[str, Any] = {"page_id": page_id}
         if with_checkpoint:
-            checkpoints = OP_CHECKPOINTS.c
-            on = (
-                (checkpoints.op == OP_NAME)
-                & (checkpoints.fingerprint == fingerprint)
-                & (checkpoints.page_key == page_key(source_id, slug))
-            )
-            query = query.add_columns(*_CHECKPOINT_STATE).outerjoin(OP_CHECKPOINTS, on)
+            params |= {"fingerprint": fingerprint, "page_key": page_key(source_id, slug)}
         with self._factory() as session:
-            page = session.execute(query).one_or_none()
+            page = session.execute(
+                _LOAD_PAGE_WITH_CHECKPOINT if with_checkpoint else _LOAD_PAGE, params
+            ).one_or_none()
         if page is None:
             return None
         body = page_body(page.compiled_truth, page.timeline)
@@ -346,50 +337,111 @@ class ExtractionStore:
         new: CheckpointState,
     ) -> None:
         """Move the checkpoint from ``expected`` to ``new`` or raise: the guard against two runs on a page."""
-        key = page_key(place.source_id, place.slug)
-        values = {
-            "completed_key": encode_checkpoint_entry(place.source_id, place.slug, place.segment.end_iso),
-            "messages_done": new.messages_done,
-            "prefix_hash": new.prefix_hash,
-            "next_row_num": new.next_row_num,
-            "skipped": [entry.as_json() for entry in new.skipped],
+        params: dict[str, Any] = {
+            "b_fingerprint": fingerprint,
+            "b_page_key": page_key(place.source_id, place.slug),
+            "new_completed_key": encode_checkpoint_entry(place.source_id, place.slug, place.segment.end_iso),
+            "new_messages_done": new.messages_done,
+            "new_prefix_hash": new.prefix_hash,
+            "new_next_row_num": new.next_row_num,
+            "new_skipped": [entry.as_json() for entry in new.skipped],
         }
-        table = OP_CHECKPOINTS
         if expected is None:
-            inserted = session.execute(
-                pg_insert(table)
-                .values(op=OP_NAME, fingerprint=fingerprint, page_key=key, **values)
-                .on_conflict_do_nothing()
-                .returning(table.c.op)
-            )
-            moved = len(inserted.all())  # SQLAlchemy reports no rowcount for INSERT here
+            moved = len(session.execute(_CHECKPOINT_FIRST, params).all())  # no rowcount for this INSERT
         else:
-            updated = session.execute(
-                update(table)
-                .where(
-                    table.c.op == OP_NAME,
-                    table.c.fingerprint == fingerprint,
-                    table.c.page_key == key,
-                    table.c.messages_done == expected.messages_done,
-                    table.c.prefix_hash == expected.prefix_hash,
-                    table.c.next_row_num == expected.next_row_num,
-                    table.c.skipped == cast([entry.as_json() for entry in expected.skipped], JSONB),
-                )
-                .values(**values, updated_at=func.now())
-            )
-            moved = updated.rowcount  # type: ignore[attr-defined]
+            params |= {
+                "was_messages_done": expected.messages_done,
+                "was_prefix_hash": expected.prefix_hash,
+                "was_next_row_num": expected.next_row_num,
+                "was_skipped": [entry.as_json() for entry in expected.skipped],
+            }
+            moved = session.execute(_CHECKPOINT_MOVE, params).rowcount  # type: ignore[attr-defined]
         if moved != 1:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
 
 
+# The statements every page runs, built once with bound parameters: building them per call cost about
+# as much Python as running them (py-spy of bench/pipeline.py, one-segment pages).
+_PAGE_SIZE = func.octet_length(PAGES.c.compiled_truth) + func.octet_length(PAGES.c.timeline)
+_LIST_PAGES = (
+    select(PAGES.c.id, PAGES.c.slug, _PAGE_SIZE)
+    .where(PAGES.c.source_id == bindparam("source_id"), PAGES.c.type.in_(bindparam("types", expanding=True)))
+    .order_by(PAGES.c.slug)
+)
+_LIST_ONE_PAGE = _LIST_PAGES.where(PAGES.c.slug == bindparam("slug"))
 _LOAD_PAGE = select(
     PAGES.c.compiled_truth, PAGES.c.timeline, PAGES.c.type, PAGES.c.title, PAGES.c.content_hash
-)
+).where(PAGES.c.id == bindparam("page_id"))
 _CHECKPOINT_STATE = (
     OP_CHECKPOINTS.c.messages_done,
     OP_CHECKPOINTS.c.prefix_hash,
     OP_CHECKPOINTS.c.next_row_num,
     OP_CHECKPOINTS.c.skipped,
+)
+_LOAD_PAGE_WITH_CHECKPOINT = _LOAD_PAGE.add_columns(*_CHECKPOINT_STATE).outerjoin(
+    OP_CHECKPOINTS,
+    (OP_CHECKPOINTS.c.op == OP_NAME)
+    & (OP_CHECKPOINTS.c.fingerprint == bindparam("fingerprint"))
+    & (OP_CHECKPOINTS.c.page_key == bindparam("page_key")),
+)
+# The checkpoint's compare-and-set: created (no row yet), or moved from the expected state to the new.
+_NEW_CHECKPOINT = {
+    "completed_key": bindparam("new_completed_key"),
+    "messages_done": bindparam("new_messages_done"),
+    "prefix_hash": bindparam("new_prefix_hash"),
+    "next_row_num": bindparam("new_next_row_num"),
+    "skipped": bindparam("new_skipped", type_=JSONB),
+}
+_CHECKPOINT_FIRST = (
+    pg_insert(OP_CHECKPOINTS)
+    .values(
+        op=OP_NAME,
+        fingerprint=bindparam("b_fingerprint"),
+        page_key=bindparam("b_page_key"),
+        **_NEW_CHECKPOINT,
+    )
+    .on_conflict_do_nothing()
+    .returning(OP_CHECKPOINTS.c.op)
+)
+_CHECKPOINT_MOVE = (
+    update(OP_CHECKPOINTS)
+    .where(
+        OP_CHECKPOINTS.c.op == OP_NAME,
+        OP_CHECKPOINTS.c.fingerprint == bindparam("b_fingerprint"),
+        OP_CHECKPOINTS.c.page_key == bindparam("b_page_key"),
+        OP_CHECKPOINTS.c.messages_done == bindparam("was_messages_done"),
+        OP_CHECKPOINTS.c.prefix_hash == bindparam("was_prefix_hash"),
+        OP_CHECKPOINTS.c.next_row_num == bindparam("was_next_row_num"),
+        OP_CHECKPOINTS.c.skipped == cast(bindparam("was_skipped", type_=JSONB), JSONB),
+    )
+    .values(**_NEW_CHECKPOINT, updated_at=func.now())
+)
+_PAGE_VERSION = (
+    select(PAGES.c.content_hash, PAGES.c.type)
+    .where(PAGES.c.id == bindparam("page_id"))
+    .with_for_update(read=True)
+)
+_UPSERT_TERMINAL = (
+    pg_insert(FACTS)
+    .values(
+        source_id=bindparam("b_source_id"),
+        fact=TERMINAL_AUDIT_FACT,
+        kind="fact",
+        entity_slug=None,
+        confidence=1.0,
+        notability="low",
+        context="",
+        valid_from=None,
+        source=TERMINAL_AUDIT_SOURCE,
+        source_session=bindparam("b_source_session"),
+        source_markdown_slug=bindparam("b_slug"),
+        row_num=TERMINAL_ROW_NUM,
+        is_audit=True,
+    )
+    .on_conflict_do_update(
+        index_elements=[FACTS.c.source_id, FACTS.c.source_markdown_slug, FACTS.c.row_num],
+        set_={"created_at": func.now()},
+    )
 )
 
 
@@ -411,11 +463,7 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     # The hash first: the body (megabytes for a long chat) is read only when the page did change.
     # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
     # Python per call (py-spy, bench/pipeline.py).
-    row = session.execute(
-        select(PAGES.c.content_hash, PAGES.c.type)
-        .where(PAGES.c.id == page.page_id)
-        .with_for_update(read=True)
-    ).one_or_none()
+    row = session.execute(_PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
     if row is None:
         raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
     if row.content_hash == page.content_hash:
@@ -441,29 +489,8 @@ def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
 
 
 def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
-    row = {
-        "source_id": source_id,
-        "fact": TERMINAL_AUDIT_FACT,
-        "kind": "fact",
-        "entity_slug": None,
-        "confidence": 1.0,
-        "notability": "low",
-        "context": "",
-        "valid_from": None,
-        "source": TERMINAL_AUDIT_SOURCE,
-        "source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}",
-        "source_markdown_slug": slug,
-        "row_num": TERMINAL_ROW_NUM,
-        "is_audit": True,
-    }
-    session.execute(
-        pg_insert(FACTS)
-        .values(row)
-        .on_conflict_do_update(
-            index_elements=[FACTS.c.source_id, FACTS.c.source_markdown_slug, FACTS.c.row_num],
-            set_={"created_at": func.now()},
-        )
-    )
+    params = {"b_source_id": source_id, "b_slug": slug, "b_source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}"}
+    session.execute(_UPSERT_TERMINAL, params)
 
 
 def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
