@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import bindparam, func, or_, select, text, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
@@ -67,6 +67,27 @@ class JobRequest:
     created: bool  # False: a pending job for the subject already existed (it was marked for a rerun)
 
 
+# Built once, for any number of subjects: the subjects go in as one array (unnest), so the statement
+# never changes with their number (models.bulk says why that matters), in the order given.
+_INSERT_JOBS = text(
+    "INSERT INTO jobs (kind, subject, options, status, idempotency_key, traceparent) "
+    "SELECT CAST(:kind AS TEXT), subject, CAST(:options AS JSONB), 'queued', "
+    "CAST(:idempotency_key AS TEXT), CAST(:traceparent AS TEXT) "
+    "FROM unnest(CAST(:subjects AS TEXT[])) WITH ORDINALITY AS given(subject, n) ORDER BY n "
+    f"ON CONFLICT (kind, subject) WHERE {PENDING_PREDICATE.text} DO NOTHING RETURNING id, subject"
+).bindparams(bindparam("options", type_=JSONB))
+_PENDING_OF = (
+    select(JOBS.c.id, JOBS.c.subject, JOBS.c.status)
+    .where(
+        JOBS.c.kind == bindparam("kind"),
+        JOBS.c.subject.in_(bindparam("subjects", expanding=True)),
+        JOBS.c.status.in_(PENDING),
+    )
+    .order_by(JOBS.c.subject)
+    .with_for_update()
+)
+
+
 def request_job(
     session: Session,
     kind: str,
@@ -110,7 +131,6 @@ def _request(
     values = {
         "kind": kind,
         "options": options or {},
-        "status": "queued",
         "idempotency_key": idempotency_key,
         "traceparent": tracing.current_traceparent(),  # the job joins the caller's trace (if tracing)
     }
@@ -120,24 +140,12 @@ def _request(
     # no-op may finish (committed by its worker) before the SELECT runs, and then there is nothing
     # to find but room to insert. Each round a competing job must have come and gone, so it ends.
     for _ in range(REQUEST_JOB_ROUNDS):
-        inserted = session.execute(
-            insert(JOBS)
-            .values([{**values, "subject": subject} for subject in left])
-            .on_conflict_do_nothing(
-                index_elements=[JOBS.c.kind, JOBS.c.subject], index_where=PENDING_PREDICATE
-            )
-            .returning(JOBS.c.id, JOBS.c.subject)
-        ).all()
+        inserted = session.execute(_INSERT_JOBS, {**values, "subjects": left}).all()
         found.update((row.subject, JobRequest(row.id, created=True)) for row in inserted)
         left = [subject for subject in left if subject not in found]
         if not left:
             break
-        existing = session.execute(
-            select(JOBS.c.id, JOBS.c.subject, JOBS.c.status)
-            .where(JOBS.c.kind == kind, JOBS.c.subject.in_(left), JOBS.c.status.in_(PENDING))
-            .order_by(JOBS.c.subject)
-            .with_for_update()
-        ).all()
+        existing = session.execute(_PENDING_OF, {"kind": kind, "subjects": left}).all()
         running = [row.id for row in existing if row.status == "running"]
         if running:
             session.execute(update(JOBS).where(JOBS.c.id.in_(running)).values(rerun_requested=True))
