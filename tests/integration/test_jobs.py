@@ -61,6 +61,45 @@ def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
     assert new_job(tx_factory) != first
 
 
+def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
+    """One statement records every ending: what a call leaves out (counters, a requeue time) stays
+    as it was, a pause counts neither budget, a verdict counts an attempt, a lost worker a loss."""
+    job_id = new_job(tx_factory)
+    claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
+    finish(
+        tx_factory, job_id, "w1", "paused", counters={"pages": 1}, pause_reason="budget", last_error="wait"
+    )
+    paused = job(tx_factory, job_id)
+    assert (paused.status, paused.pause_reason, paused.last_error) == ("paused", "budget", "wait")
+    assert (paused.attempts, paused.worker_losses, paused.finished_at, paused.worker) == (0, 0, None, None)
+    assert paused.counters == {"pages": 1}
+
+    claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
+    later = now() + timedelta(minutes=5)
+    finish(tx_factory, job_id, "w2", "queued", last_error="lost", requeue_at=later, worker_lost=True)
+    requeued = job(tx_factory, job_id)
+    assert (requeued.status, requeued.pause_reason, requeued.attempts, requeued.worker_losses) == (
+        "queued",
+        None,
+        0,
+        1,
+    )
+    assert requeued.counters == {"pages": 1}, "no counters given: the last ones stay"
+    assert requeued.enqueued_at == later and requeued.finished_at is None
+
+    claim(tx_factory, job_id, "w3", stale_after=60, budgets=BUDGETS)
+    assert finish(tx_factory, job_id, "w-other", "failed") is None, "not our lease: nothing written"
+    finish(tx_factory, job_id, "w3", "failed", counters={"pages": 2}, last_error="bad", attempt=True)
+    failed = job(tx_factory, job_id)
+    assert (failed.status, failed.attempts, failed.worker_losses, failed.last_error) == (
+        "failed",
+        1,
+        1,
+        "bad",
+    )
+    assert failed.counters == {"pages": 2} and failed.finished_at is not None and failed.enqueued_at == later
+
+
 def test_a_broker_outage_loses_nothing_and_tries_only_once(tx_factory):
     ids = [new_job(tx_factory, f"default|p{i}") for i in range(5)]
     down = Recorder(fail=True)

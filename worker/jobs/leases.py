@@ -9,7 +9,8 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Interval, and_, bindparam, func, or_, select, update
+from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
@@ -161,6 +162,26 @@ class Heartbeat:
         self._thread.join(timeout=self.interval + 5)
 
 
+# One statement for every way a run ends, built once: what differs between them is parameters.
+_FINISH = (
+    update(JOBS)
+    .where(JOBS.c.id == bindparam("job_id"), JOBS.c.worker == bindparam("token"))
+    .values(
+        status=bindparam("new_status"),
+        heartbeat_at=None,
+        worker=None,
+        pause_reason=bindparam("new_pause_reason"),
+        last_error=bindparam("new_last_error"),
+        counters=func.coalesce(bindparam("new_counters", type_=JSONB(none_as_null=True)), JOBS.c.counters),
+        attempts=JOBS.c.attempts + bindparam("attempt_spent"),
+        worker_losses=JOBS.c.worker_losses + bindparam("loss_spent"),
+        finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
+        enqueued_at=func.coalesce(bindparam("requeue_at", type_=DateTime(timezone=True)), JOBS.c.enqueued_at),
+    )
+    .returning(JOBS.c.rerun_requested, JOBS.c.kind)
+)
+
+
 def finish(
     factory: sessionmaker[Session],
     job_id: int,
@@ -182,32 +203,20 @@ def finish(
     ran; the rerun reads new content, so it starts with fresh budgets. Writes nothing if the lease is
     no longer ours.
     """
-    values: dict[str, Any] = {
-        "status": status,
-        "heartbeat_at": None,
-        "worker": None,
-        "pause_reason": pause_reason if status == "paused" else None,
-        "last_error": last_error,
+    params = {
+        "job_id": job_id,
+        "token": token,
+        "new_status": status,
+        "new_pause_reason": pause_reason if status == "paused" else None,
+        "new_last_error": last_error,
+        "new_counters": counters,
+        "attempt_spent": 1 if attempt else 0,
+        "loss_spent": 1 if worker_lost else 0,
+        "finished": status in FINISHED,
+        "requeue_at": requeue_at,
     }
-    if counters is not None:
-        values["counters"] = counters
-    if attempt:
-        values["attempts"] = JOBS.c.attempts + 1
-    if worker_lost:
-        values["worker_losses"] = JOBS.c.worker_losses + 1
-    if status in FINISHED:
-        values["finished_at"] = func.now()
-    if requeue_at is not None:
-        values["enqueued_at"] = requeue_at
     with factory.begin() as session:
-        # Core statements on the table (an ORM-enabled UPDATE returning the entity cost a page's worker
-        # more than its segment's commit: py-spy, bench/pipeline.py with one-segment pages).
-        job = session.execute(
-            update(JOBS)
-            .where(JOBS.c.id == job_id, JOBS.c.worker == token)
-            .values(**values)
-            .returning(JOBS.c.rerun_requested, JOBS.c.kind)
-        ).one_or_none()
+        job = session.execute(_FINISH, params).one_or_none()
         if job is None:
             return None
         if status == "succeeded" and job.rerun_requested:
