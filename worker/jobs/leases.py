@@ -9,7 +9,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -34,10 +34,11 @@ def new_lease_token() -> str:
     return f"{socket.gethostname()}:{uuid.uuid4().hex[:12]}"
 
 
-# The claim's two statements, built once: a job's claim runs for every page, and building them per
-# call cost about as much Python as running them (py-spy of bench/pipeline.py, one-segment pages).
-_CLAIMABLE = (
-    select(JOBS.c.status, JOBS.c.attempts, JOBS.c.worker_losses)
+# The claim, one statement built once (a job's claim runs for every page): the row is taken if it is
+# claimable, its lock held by the UPDATE itself, so a second claimer waits and then finds it running.
+# The SET clause reads the row as it was: taking over a running job (a stale lease) counts a loss.
+_CLAIM = (
+    update(JOBS)
     .where(
         JOBS.c.id == bindparam("job_id"),
         or_(
@@ -51,15 +52,10 @@ _CLAIMABLE = (
             ),
         ),
     )
-    .with_for_update()
-)
-_TAKE = (
-    update(JOBS)
-    .where(JOBS.c.id == bindparam("job_id"))
     .values(
         status="running",
         worker=bindparam("token"),
-        worker_losses=bindparam("losses"),
+        worker_losses=JOBS.c.worker_losses + case((JOBS.c.status == "running", 1), else_=0),
         heartbeat_at=func.now(),
         started_at=func.coalesce(JOBS.c.started_at, func.now()),
         last_error=None,
@@ -78,17 +74,14 @@ def claim(
     spent budget is failed here instead of run, and returned with status "failed". The claim itself
     costs no attempt: ``finish`` counts one when the run reaches a verdict of its own.
     """
+    params = {"job_id": job_id, "token": token, "stale_after": timedelta(seconds=stale_after)}
     with factory.begin() as session:
-        row = session.execute(
-            _CLAIMABLE, {"job_id": job_id, "stale_after": timedelta(seconds=stale_after)}
-        ).one_or_none()
-        if row is None:
+        claimed = session.execute(_CLAIM, params).one_or_none()
+        if claimed is None:
             return None
-        losses = row.worker_losses + (1 if row.status == "running" else 0)
-        spent = fail_if_spent(session, job_id, row.attempts, losses, budgets)
+        spent = fail_if_spent(session, job_id, claimed.attempts, claimed.worker_losses, budgets)
         if spent is not None:
             return spent
-        claimed = session.execute(_TAKE, {"job_id": job_id, "token": token, "losses": losses}).one()
     # A detached Job with the claimed row's values (what the ORM's own UPDATE ... RETURNING gave, at a
     # fraction of its cost: see ``finish``).
     return Job(**claimed._mapping)
