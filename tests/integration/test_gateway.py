@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from worker.llm.ratelimit import RateLimitedClient, RateLimits, RedisRateLimiter
 from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, LLMClient
 from worker.settings import Settings
-from worker.simulator import Simulator, SimulatorConfig
+from worker.simulator import Simulator, SimulatorConfig, embed_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -294,6 +295,66 @@ def test_anthropic_embeddings_are_refused_clearly_without_an_embedding_provider(
     with pytest.raises(LLMError, match="Anthropic has no embeddings API") as caught:
         provider("anthropic", sim).embed(["hello"])
     assert not caught.value.retryable
+
+
+def test_openai_embeddings_decode_to_the_simulators_vectors(sim: Simulator) -> None:
+    """Asked for as base64 float32 (the SDK's own default) and decoded here, not by the SDK's model."""
+    texts = ["Alice loves hiking", "revenue grew"]
+    response = provider("openai", sim).embed(texts)
+    assert len(response.vectors) == 2 and response.usage.input_tokens > 0
+    for vector, text in zip(response.vectors, texts, strict=True):
+        assert vector == pytest.approx(embed_text(text), abs=1e-6)  # float32 of the simulator's floats
+
+
+class _FixedReplies:
+    """An OpenAI-compatible /v1/embeddings that answers each POST with the next of ``replies``."""
+
+    def __init__(self, replies: list[Any]) -> None:
+        replies = list(replies)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                body = json.dumps(replies.pop(0)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_embeddings_from_a_server_that_sends_float_lists_or_garbage() -> None:
+    """A server that ignores encoding_format sends float lists: read as well. A reply that is not an
+    embeddings list is a clear, non-retryable error, never a crash."""
+    floats = {"data": [{"index": 1, "embedding": [0.0, 1]}, {"index": 0, "embedding": [0.5, -0.5]}]}
+    garbage = [
+        {"object": "list"},
+        {"data": [{"index": 0, "embedding": "not base64!"}]},
+        {"data": [{"index": 0, "embedding": ["x"]}]},
+    ]
+    server = _FixedReplies([floats, *garbage])
+    try:
+        client = OpenAIChatClient(model="m", base_url=server.base_url, embedding_model="e", timeout=5)
+        response = client.embed(["a", "b"])
+        assert response.vectors == [[0.5, -0.5], [0.0, 1.0]] and response.model == "e"
+        assert response.usage.input_tokens == 0
+        for _ in garbage:
+            with pytest.raises(LLMError, match="not an embeddings list") as caught:
+                client.embed(["a"])
+            assert not caught.value.retryable
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("api", APIS)

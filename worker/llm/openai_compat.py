@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import sys
 import time
+from array import array
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from worker.llm.errors import LLMError, to_llm_error
@@ -130,20 +134,47 @@ class OpenAIChatClient:
         )
 
     def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
-        """Embeddings through the OpenAI embeddings API (the simulator returns deterministic vectors)."""
-        kwargs: dict[str, Any] = {"model": self.embedding_model, "input": texts}
+        """Embeddings through the OpenAI embeddings API (the simulator returns deterministic vectors).
+
+        As for chat, the body goes through the SDK's own post() and the reply comes back as decoded
+        JSON: its typed transform of the params and its CreateEmbeddingResponse model were half of an
+        embedding call's CPU in a worker (py-spy, bench/pipeline.py). The vectors come as base64
+        float32, as the SDK asks for them by default; a server that sends float lists instead is read
+        as well."""
+        body: dict[str, Any] = {"model": self.embedding_model, "input": texts, "encoding_format": "base64"}
         if self.embedding_dimensions is not None:
-            kwargs["dimensions"] = self.embedding_dimensions
+            body["dimensions"] = self.embedding_dimensions
         started = time.perf_counter()
         try:
-            result = self._client.embeddings.create(**kwargs)
+            result: Any = self._client.post("/embeddings", body=body, cast_to=object)
         except Exception as exc:
             raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
-        vectors = [list(item.embedding) for item in sorted(result.data, key=lambda d: d.index)]
+        latency_ms = int((time.perf_counter() - started) * 1000)
+        try:
+            items = sorted(result["data"], key=lambda item: item["index"])
+            vectors = [_vector(item["embedding"]) for item in items]
+            usage = result.get("usage") or {}
+            model = result.get("model")
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error) as exc:
+            raise LLMError(
+                f"the provider's reply is not an embeddings list ({type(exc).__name__}: {exc})",
+                retryable=False,
+                latency_ms=latency_ms,
+            ) from exc
         return EmbeddingResponse(
             vectors=vectors,
-            usage=Usage(input_tokens=result.usage.prompt_tokens if result.usage else 0),
+            usage=Usage(input_tokens=usage.get("prompt_tokens") or 0),
             provider=self.provider,
-            model=result.model or self.embedding_model,
-            latency_ms=int((time.perf_counter() - started) * 1000),
+            model=model or self.embedding_model,
+            latency_ms=latency_ms,
         )
+
+
+def _vector(embedding: Any) -> list[float]:
+    """One embedding as floats: base64 of little-endian float32 (what was asked for), or a list."""
+    if isinstance(embedding, str):
+        values = array("f", base64.b64decode(embedding, validate=True))
+        if sys.byteorder == "big":
+            values.byteswap()
+        return values.tolist()
+    return [float(value) for value in embedding]
