@@ -9,6 +9,7 @@ and like the others it never commits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 from sqlalchemy import Row, RowMapping, bindparam, text
@@ -174,7 +175,7 @@ class SearchStore:
         dim = len(vectors[0])
         if any(len(vector) != dim for vector in vectors):
             raise ValueError("the embeddings of one batch must all have the same number of dimensions")
-        params = {"ids": list(ids), "dim": dim, "vectors": PackedFloats(x for v in vectors for x in v)}
+        params = {"ids": list(ids), "dim": dim, "vectors": PackedFloats(chain.from_iterable(vectors))}
         with self._factory.begin() as session:
             if call is not None:
                 self._ledger.record(session, call)
