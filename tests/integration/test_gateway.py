@@ -229,6 +229,34 @@ def test_content_faults_are_answers_not_retries(sim: Simulator, api: str) -> Non
     assert sim.stats()["by_outcome"] == {"malformed": 1, "truncated": 1, "refusal": 1}
 
 
+class _FixedReplies:
+    """An OpenAI-compatible server that answers each POST with the next of ``replies`` (any route)."""
+
+    def __init__(self, replies: list[Any]) -> None:
+        replies = list(replies)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                body = json.dumps(replies.pop(0)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.mark.parametrize(
     "reply",
     [{"id": "x", "object": "chat.completion"}, {"choices": []}, {"choices": [{"index": 0}]}, [1, 2]],
@@ -236,33 +264,14 @@ def test_content_faults_are_answers_not_retries(sim: Simulator, api: str) -> Non
 def test_a_reply_that_is_not_a_chat_completion_fails_clearly(reply: object) -> None:
     """A server speaking the format badly (an OpenAI-compatible one) answers 200 with JSON that is not a
     chat completion: a clear, non-retryable LLMError, never an AttributeError from deep in the client."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            body = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _FixedReplies([reply])
     try:
-        client = OpenAIChatClient(
-            model="m", provider="openai-compatible", base_url=f"http://127.0.0.1:{server.server_port}/v1"
-        )
+        client = OpenAIChatClient(model="m", provider="openai-compatible", base_url=server.base_url)
         with pytest.raises(LLMError, match="not a chat completion") as raised:
             client.chat(facts_request())
         assert not raised.value.retryable
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,34 +313,6 @@ def test_openai_embeddings_decode_to_the_simulators_vectors(sim: Simulator) -> N
     assert len(response.vectors) == 2 and response.usage.input_tokens > 0
     for vector, text in zip(response.vectors, texts, strict=True):
         assert vector == pytest.approx(embed_text(text), abs=1e-6)  # float32 of the simulator's floats
-
-
-class _FixedReplies:
-    """An OpenAI-compatible /v1/embeddings that answers each POST with the next of ``replies``."""
-
-    def __init__(self, replies: list[Any]) -> None:
-        replies = list(replies)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                body = json.dumps(replies.pop(0)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_embeddings_from_a_server_that_sends_float_lists_or_garbage() -> None:
