@@ -10,14 +10,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import bindparam, cast, delete, func, select, update
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
 from models.bulk import BulkInsert
-from models.tables import EXTRACTION_AUDIT, FACTS, OP_CHECKPOINTS, PAGES
+from models.tables import EXTRACTION_AUDIT, FACTS
 from worker.accounting import Ledger
 from worker.core.checkpoint import (
     CheckpointState,
@@ -48,6 +46,17 @@ from worker.extraction.rows import (
     skip_row,
 )
 from worker.extraction.segments import Attempt
+from worker.extraction.statements import (
+    CHECKPOINT_FIRST,
+    CHECKPOINT_MOVE,
+    LIST_ONE_PAGE,
+    LIST_PAGES,
+    LOAD_PAGE,
+    LOAD_PAGE_WITH_CHECKPOINT,
+    PAGE_VERSION,
+    TERMINAL_ROW_NUM,
+    UPSERT_TERMINAL,
+)
 
 # One statement each, whatever the number of rows (see models.bulk).
 _INSERT_FACTS = BulkInsert(
@@ -55,9 +64,6 @@ _INSERT_FACTS = BulkInsert(
 )
 _INSERT_AUDIT = BulkInsert(EXTRACTION_AUDIT, AUDIT_COLUMNS)
 _SWAP_CHUNK = 1000
-# The terminal audit row: a page's marker of a complete extraction, on a row number no fact can take.
-TERMINAL_AUDIT_FACT = "EXTRACTION_COMPLETE"
-TERMINAL_ROW_NUM = -1
 # What a segment commit does to the page's terminal audit row: set it (the page's last segment), clear it
 # (the first segment of appended messages: the page is incomplete again), or leave it.
 Terminal = Literal["set", "clear", "keep"]
@@ -110,7 +116,7 @@ class ExtractionStore:
         self._ledger = ledger
 
     def list_pages(self, source_id: str, types: Sequence[str], slug: str | None = None) -> list[PageRef]:
-        query = _LIST_PAGES if slug is None else _LIST_ONE_PAGE
+        query = LIST_PAGES if slug is None else LIST_ONE_PAGE
         params = {"source_id": source_id, "types": list(types), "slug": slug}
         with self._factory() as session:
             return [PageRef(row[0], row[1], int(row[2])) for row in session.execute(query, params)]
@@ -126,7 +132,7 @@ class ExtractionStore:
             params |= {"fingerprint": fingerprint, "page_key": page_key(source_id, slug)}
         with self._factory() as session:
             page = session.execute(
-                _LOAD_PAGE_WITH_CHECKPOINT if with_checkpoint else _LOAD_PAGE, params
+                LOAD_PAGE_WITH_CHECKPOINT if with_checkpoint else LOAD_PAGE, params
             ).one_or_none()
         if page is None:
             return None
@@ -347,7 +353,7 @@ class ExtractionStore:
             "new_skipped": [entry.as_json() for entry in new.skipped],
         }
         if expected is None:
-            moved = len(session.execute(_CHECKPOINT_FIRST, params).all())  # no rowcount for this INSERT
+            moved = len(session.execute(CHECKPOINT_FIRST, params).all())  # no rowcount for this INSERT
         else:
             params |= {
                 "was_messages_done": expected.messages_done,
@@ -355,98 +361,13 @@ class ExtractionStore:
                 "was_next_row_num": expected.next_row_num,
                 "was_skipped": [entry.as_json() for entry in expected.skipped],
             }
-            moved = session.execute(_CHECKPOINT_MOVE, params).rowcount  # type: ignore[attr-defined]
+            moved = session.execute(CHECKPOINT_MOVE, params).rowcount  # type: ignore[attr-defined]
         if moved != 1:
             raise CheckpointConflictError(f"another run advanced the checkpoint of {place.slug!r} first")
 
 
-# The statements every page runs, built once with bound parameters: building them per call cost about
-# as much Python as running them (py-spy of bench/pipeline.py, one-segment pages).
-_PAGE_SIZE = func.octet_length(PAGES.c.compiled_truth) + func.octet_length(PAGES.c.timeline)
-_LIST_PAGES = (
-    select(PAGES.c.id, PAGES.c.slug, _PAGE_SIZE)
-    .where(PAGES.c.source_id == bindparam("source_id"), PAGES.c.type.in_(bindparam("types", expanding=True)))
-    .order_by(PAGES.c.slug)
-)
-_LIST_ONE_PAGE = _LIST_PAGES.where(PAGES.c.slug == bindparam("slug"))
-_LOAD_PAGE = select(
-    PAGES.c.compiled_truth, PAGES.c.timeline, PAGES.c.type, PAGES.c.title, PAGES.c.content_hash
-).where(PAGES.c.id == bindparam("page_id"))
-_CHECKPOINT_STATE = (
-    OP_CHECKPOINTS.c.messages_done,
-    OP_CHECKPOINTS.c.prefix_hash,
-    OP_CHECKPOINTS.c.next_row_num,
-    OP_CHECKPOINTS.c.skipped,
-)
-_LOAD_PAGE_WITH_CHECKPOINT = _LOAD_PAGE.add_columns(*_CHECKPOINT_STATE).outerjoin(
-    OP_CHECKPOINTS,
-    (OP_CHECKPOINTS.c.op == OP_NAME)
-    & (OP_CHECKPOINTS.c.fingerprint == bindparam("fingerprint"))
-    & (OP_CHECKPOINTS.c.page_key == bindparam("page_key")),
-)
-# The checkpoint's compare-and-set: created (no row yet), or moved from the expected state to the new.
-_NEW_CHECKPOINT = {
-    "completed_key": bindparam("new_completed_key"),
-    "messages_done": bindparam("new_messages_done"),
-    "prefix_hash": bindparam("new_prefix_hash"),
-    "next_row_num": bindparam("new_next_row_num"),
-    "skipped": bindparam("new_skipped", type_=JSONB),
-}
-_CHECKPOINT_FIRST = (
-    pg_insert(OP_CHECKPOINTS)
-    .values(
-        op=OP_NAME,
-        fingerprint=bindparam("b_fingerprint"),
-        page_key=bindparam("b_page_key"),
-        **_NEW_CHECKPOINT,
-    )
-    .on_conflict_do_nothing()
-    .returning(OP_CHECKPOINTS.c.op)
-)
-_CHECKPOINT_MOVE = (
-    update(OP_CHECKPOINTS)
-    .where(
-        OP_CHECKPOINTS.c.op == OP_NAME,
-        OP_CHECKPOINTS.c.fingerprint == bindparam("b_fingerprint"),
-        OP_CHECKPOINTS.c.page_key == bindparam("b_page_key"),
-        OP_CHECKPOINTS.c.messages_done == bindparam("was_messages_done"),
-        OP_CHECKPOINTS.c.prefix_hash == bindparam("was_prefix_hash"),
-        OP_CHECKPOINTS.c.next_row_num == bindparam("was_next_row_num"),
-        OP_CHECKPOINTS.c.skipped == cast(bindparam("was_skipped", type_=JSONB), JSONB),
-    )
-    .values(**_NEW_CHECKPOINT, updated_at=func.now())
-)
-_PAGE_VERSION = (
-    select(PAGES.c.content_hash, PAGES.c.type)
-    .where(PAGES.c.id == bindparam("page_id"))
-    .with_for_update(read=True)
-)
-_UPSERT_TERMINAL = (
-    pg_insert(FACTS)
-    .values(
-        source_id=bindparam("b_source_id"),
-        fact=TERMINAL_AUDIT_FACT,
-        kind="fact",
-        entity_slug=None,
-        confidence=1.0,
-        notability="low",
-        context="",
-        valid_from=None,
-        source=TERMINAL_AUDIT_SOURCE,
-        source_session=bindparam("b_source_session"),
-        source_markdown_slug=bindparam("b_slug"),
-        row_num=TERMINAL_ROW_NUM,
-        is_audit=True,
-    )
-    .on_conflict_do_update(
-        index_elements=[FACTS.c.source_id, FACTS.c.source_markdown_slug, FACTS.c.row_num],
-        set_={"created_at": func.now()},
-    )
-)
-
-
 def _state(row: Any) -> CheckpointState:
-    """The checkpoint an ``OpCheckpoint`` (or a row with its ``_CHECKPOINT_STATE`` columns) holds."""
+    """The checkpoint an ``OpCheckpoint`` (or a row with its ``CHECKPOINT_STATE`` columns) holds."""
     return CheckpointState(
         row.messages_done,
         row.prefix_hash,
@@ -463,7 +384,7 @@ def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointS
     # The hash first: the body (megabytes for a long chat) is read only when the page did change.
     # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
     # Python per call (py-spy, bench/pipeline.py).
-    row = session.execute(_PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
+    row = session.execute(PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
     if row is None:
         raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
     if row.content_hash == page.content_hash:
@@ -490,7 +411,7 @@ def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:
 
 def _upsert_terminal(session: Session, source_id: str, slug: str) -> None:
     params = {"b_source_id": source_id, "b_slug": slug, "b_source_session": f"{TERMINAL_AUDIT_SOURCE}:{slug}"}
-    session.execute(_UPSERT_TERMINAL, params)
+    session.execute(UPSERT_TERMINAL, params)
 
 
 def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
