@@ -238,10 +238,9 @@ def _insert_rows(
 
 def orphaned_links_query(source_ids: Sequence[str] | BindParameter[Any]) -> Any:
     """The facts of these sources whose lifecycle link went (read through ix_facts_orphaned_links)."""
-    sources = source_ids if isinstance(source_ids, BindParameter) else list(source_ids)
     return (
         select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
-        .where(Fact.source_id.in_(sources), _orphaned())
+        .where(Fact.source_id.in_(source_ids), _orphaned())
         .distinct()
     )
 
