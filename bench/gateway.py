@@ -9,11 +9,16 @@ Run: .venv/bin/python bench/gateway.py [--calls N] [--rounds N] [--in-flight N] 
 2. 100 ms latency, 64 calls in flight on 64 threads sharing one client: achieved calls per second
    against the ideal 64 / 0.1 s, and against 64 / the single-call latency measured in the same run.
    Goal: at least 0.9 of ideal.
+3. The worker's pipe mechanism (issue 13): the OpenAI SDK's own post() as the provider makes it, on
+   64 threads sharing one sync client (what the LLM pipe does) against 64 asyncio tasks sharing one
+   AsyncOpenAI client on one event loop, same latency and body: client CPU per call, in alternating
+   rounds. An asyncio pipe would pay off only if its per-call CPU were clearly lower.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -213,6 +218,67 @@ def in_flight(call: Callable[[], object], threads: int, rounds: int) -> tuple[fl
     return threads * rounds / elapsed, elapsed
 
 
+def openai_body() -> dict[str, Any]:
+    """The provider's /chat/completions body for REQUEST (what OpenAIChatClient.chat_body builds)."""
+    return OpenAIChatClient(model="simulator-1", base_url="http://127.0.0.1:9/v1").chat_body(REQUEST)
+
+
+def threads_sdk_post(sim: SimulatorProcess, in_flight_calls: int, rounds: int) -> float:
+    """Client CPU ms a call: ``in_flight_calls`` threads posting through one sync SDK client."""
+    import openai
+
+    limits = openai.DEFAULT_CONNECTION_LIMITS
+    sdk = openai.OpenAI(
+        base_url=f"{sim.url}/v1",
+        api_key="sim",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(
+            limits=type(limits)(max_connections=in_flight_calls, max_keepalive_connections=in_flight_calls)
+        ),
+    )
+    body = openai_body()
+
+    def call() -> object:
+        return sdk.post("/chat/completions", body=body, cast_to=object)
+
+    in_flight(call, in_flight_calls, 1)  # open the connections
+    cpu = time.process_time()
+    in_flight(call, in_flight_calls, rounds)
+    return (time.process_time() - cpu) / (in_flight_calls * rounds) * 1000
+
+
+def async_sdk_post(sim: SimulatorProcess, in_flight_calls: int, rounds: int) -> float:
+    """Client CPU ms a call: ``in_flight_calls`` asyncio tasks posting through one AsyncOpenAI client."""
+    import openai
+
+    async def run() -> float:
+        limits = openai.DEFAULT_CONNECTION_LIMITS
+        sdk = openai.AsyncOpenAI(
+            base_url=f"{sim.url}/v1",
+            api_key="sim",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(
+                limits=type(limits)(
+                    max_connections=in_flight_calls, max_keepalive_connections=in_flight_calls
+                )
+            ),
+        )
+        body = openai_body()
+
+        async def task(calls: int) -> None:
+            for _ in range(calls):
+                await sdk.post("/chat/completions", body=body, cast_to=object)
+
+        await asyncio.gather(*(task(1) for _ in range(in_flight_calls)))  # open the connections
+        cpu = time.process_time()
+        await asyncio.gather(*(task(rounds) for _ in range(in_flight_calls)))
+        spent = (time.process_time() - cpu) / (in_flight_calls * rounds) * 1000
+        await sdk.close()
+        return spent
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,6 +287,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10, help="calls per thread in the concurrency run")
     parser.add_argument("--latency-ms", type=float, default=100.0)
+    parser.add_argument("--mechanism-rounds", type=int, default=3, help="alternating rounds in part 3")
     args = parser.parse_args()
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -275,6 +342,24 @@ def main() -> None:
                 f"{rate / measured_ideal:>14.3f} {cpu_per_call:>12.3f}  {verdict}"
             )
         print(f"   the simulator saw up to {sim.stats()['max_in_flight']} requests in flight")
+
+        print(
+            f"\n3. the pipe's mechanism: the openai SDK's post(), {args.in_flight} calls in flight, "
+            f"{args.latency_ms:g} ms latency, alternating rounds (client CPU ms a call)"
+        )
+        threads, tasks = [], []
+        for _ in range(args.mechanism_rounds):
+            threads.append(threads_sdk_post(sim, args.in_flight, args.rounds))
+            tasks.append(async_sdk_post(sim, args.in_flight, args.rounds))
+        print(
+            f"   {args.in_flight} threads, one sync client (shipped): "
+            + ", ".join(f"{c:.3f}" for c in threads)
+        )
+        print(
+            f"   {args.in_flight} asyncio tasks, one async client:   " + ", ".join(f"{c:.3f}" for c in tasks)
+        )
+        ratio = statistics.median(tasks) / statistics.median(threads)
+        print(f"   asyncio / threads, medians: {ratio:.2f}x ({'cheaper' if ratio < 1 else 'no cheaper'})")
     finally:
         sim.stop()
 
