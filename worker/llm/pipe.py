@@ -3,8 +3,10 @@
 Why a shared bounded pool of threads, not an asyncio loop or a Celery pool: the gateway's layers (the
 retry policy, the Redis rate limiter, the budget check, the ledger's listener) and both providers are
 synchronous and shared with the API and the CLI; an asyncio pipe would need a second, async copy of
-each. A thread blocked in a socket read holds no GIL and costs its stack only (measured in
-BENCHMARKS.md), and one pool for the process gives what the per-page windows could not: a page that
+each, and it would not make a call cheaper: 64 asyncio tasks on one ``AsyncOpenAI`` client spent
+1.03-1.20x the client CPU a call of 64 threads on one sync client (``bench/gateway.py`` part 3). A
+thread blocked in a socket read holds no GIL and costs its stack only (measured in BENCHMARKS.md),
+and one pool for the process gives what the per-page windows could not: a page that
 has segments left takes any slot another page left free, so the pipe stays full while any page has
 work. Celery's own pools bound tasks (pages), not calls.
 
