@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -12,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConfigEntry
 from worker.accounting import validate_config_value
+from worker.core.ttl_cache import TtlCache
 
 EXTRACTION_ENABLED = "facts.extraction_enabled"
 COMPACTION_ENABLED = "compaction.enabled"
@@ -75,30 +75,24 @@ def list_config(session: Session) -> list[ConfigEntry]:
 class ConfigReader:
     """Reads config keys through a cache at most ``ttl`` seconds old (0 = always fresh).
 
-    Workers consult kill switches before every LLM call; the cache keeps that to one query
-    per key per ``ttl`` while still making a flipped switch take effect within ``ttl``.
+    Workers consult kill switches before every LLM call, from many threads; the cache keeps that to
+    one query per key per ``ttl`` (``TtlCache``: threads that find a key expired while it is being
+    read take its previous value) while still making a flipped switch take effect within ``ttl``
+    and one query.
     """
 
     def __init__(
         self, factory: sessionmaker[Session], ttl: float = 2.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._factory = factory
-        self._ttl = ttl
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, str | None]] = {}
+        self._cache: TtlCache[str, str | None] = TtlCache(self._read, ttl, clock)
 
     def get(self, key: str, *, fresh: bool = False) -> str | None:
-        now = self._clock()
-        with self._lock:
-            hit = self._cache.get(key)
-            if not fresh and hit is not None and now - hit[0] < self._ttl:
-                return hit[1]
+        return self._cache.load(key) if fresh else self._cache.get(key)
+
+    def _read(self, key: str) -> str | None:
         with self._factory() as session:
-            value = get_config(session, key)
-        with self._lock:
-            self._cache[key] = (now, value)
-        return value
+            return get_config(session, key)
 
     def enabled(self, key: str) -> bool:
         """A switch's state. "Off" is always confirmed against the table, so a switch turned back on is

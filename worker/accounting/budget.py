@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -12,6 +11,7 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
+from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
 
 DAILY_BUDGET_KEY = "llm.budget_daily_usd"
@@ -58,17 +58,15 @@ class Budget:
     ) -> None:
         """``search``: the readers' budget (search purposes against SEARCH_DAILY_BUDGET_KEY); else the
         work budget (every other purpose against the day and job budgets)."""
-        self._factory, self._get, self._ttl, self._clock = factory, get_config, ttl, clock
+        self._factory, self._get = factory, get_config
         self._search = search
         self._daily_key = SEARCH_DAILY_BUDGET_KEY if search else DAILY_BUDGET_KEY
-        self._lock = threading.Lock()
-        self._day: tuple[float, Decimal] | None = None
+        self._day: TtlCache[None, Decimal] = TtlCache(self._spent_since_midnight, ttl, clock)
 
     def spent_today(self) -> Decimal:
-        now = self._clock()
-        with self._lock:
-            if self._day is not None and now - self._day[0] < self._ttl:
-                return self._day[1]
+        return self._day.get(None)
+
+    def _spent_since_midnight(self, _: None) -> Decimal:
         midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
         with self._factory() as session:
             spent = session.scalar(
@@ -76,8 +74,6 @@ class Budget:
                     LLMCall.created_at >= midnight, self._purposes()
                 )
             )
-        with self._lock:
-            self._day = (now, Decimal(spent or 0))
         return Decimal(spent or 0)
 
     def _purposes(self) -> ColumnElement[bool]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from worker.core.calibration import (
     evaluate,
     parse_observations_csv,
 )
+from worker.core.ttl_cache import TtlCache
 from worker.jobs.outbox import CALIBRATION, JobRequest, Sender
 
 logger = logging.getLogger(__name__)
@@ -241,42 +241,33 @@ class ThresholdSource(Protocol):
 class ThresholdCache:
     """The active τ for gates, re-read from the store at most every ``ttl`` seconds; thread-safe.
 
-    A compaction worker gates every summary on it, so reads are one dictionary look-up almost always.
-    If the store cannot be read, the last known value is served (and a warning logged) until the next
-    refresh; with no value known yet the error propagates rather than inventing a threshold.
+    A compaction worker gates every summary on it, so reads are one dictionary look-up almost always
+    (``TtlCache``: one read at a time, the others take the value it had). If the store cannot be
+    read, the last known value is served (and a warning logged) until the next refresh; with no value
+    known yet the error propagates rather than inventing a threshold.
     """
 
     def __init__(
         self, store: ThresholdSource, ttl: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._store = store
-        self._ttl = ttl
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._value: ActiveThreshold | None = None
-        self._read_at = 0.0
+        self._cache: TtlCache[None, ActiveThreshold] = TtlCache(self._read, ttl, clock)
 
     def get(self) -> ActiveThreshold:
-        with self._lock:
-            current = self._clock()
-            if self._value is not None and current - self._read_at < self._ttl:
-                return self._value
-            try:
-                value = self._store.active()
-            except SQLAlchemyError as exc:
-                if self._value is None:
-                    raise
-                logger.warning(
-                    "could not read the active threshold; using version %s: %s", self._value.version, exc
-                )
-                self._read_at = current
-                return self._value
-            self._value, self._read_at = value, current
-            return value
+        return self._cache.get(None)
+
+    def _read(self, _: None) -> ActiveThreshold:
+        try:
+            return self._store.active()
+        except SQLAlchemyError as exc:
+            known = self._cache.last(None)
+            if known is None:
+                raise
+            logger.warning("could not read the active threshold; using version %s: %s", known.version, exc)
+            return known
 
     def tau(self) -> float:
         return self.get().tau
 
     def invalidate(self) -> None:
-        with self._lock:
-            self._value = None
+        self._cache.invalidate()

@@ -1,0 +1,145 @@
+"""TtlCache: values kept for ttl seconds, and one load per key however many threads ask at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from worker.core.ttl_cache import TtlCache
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Loads:
+    """A loader that counts its calls, answers ``<key>:<n>``, and can be held until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+        self.failing: set[int] = set()  # the calls (1-based) that raise
+
+    def __call__(self, key: str) -> str:
+        self.calls.append(key)
+        number = len(self.calls)
+        self.started.set()
+        assert self.release.wait(10)
+        if number in self.failing:
+            raise RuntimeError("database down")
+        return f"{key}:{number}"
+
+    def hold(self) -> None:
+        self.started.clear()
+        self.release.clear()
+
+
+def in_threads(count: int, work: Callable[[], str]) -> tuple[list[threading.Thread], list[str]]:
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(work())) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def test_a_value_is_served_for_ttl_seconds_then_loaded_again() -> None:
+    clock, loads = Clock(), Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
+    assert cache.get("a") == "a:1"
+    clock.now += 1.9
+    assert cache.get("a") == "a:1"
+    assert cache.get("b") == "b:2"
+    clock.now += 0.2
+    assert cache.get("a") == "a:3"
+    assert loads.calls == ["a", "b", "a"]
+
+
+def test_ttl_zero_loads_on_every_get() -> None:
+    loads = Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=0, clock=Clock())
+    assert [cache.get("a"), cache.get("a")] == ["a:1", "a:2"]
+
+
+def test_load_reads_now_and_keeps_what_it_read() -> None:
+    clock, loads = Clock(), Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=5.0, clock=clock)
+    assert cache.get("a") == "a:1"
+    assert cache.load("a") == "a:2"
+    assert cache.get("a") == "a:2"
+    assert cache.last("a") == "a:2" and cache.last("b") is None
+    cache.invalidate()
+    assert cache.get("a") == "a:3"
+
+
+def test_threads_that_find_a_key_expired_together_cost_one_load_and_take_the_old_value_meanwhile() -> None:
+    clock, loads = Clock(), Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
+    assert cache.get("a") == "a:1"
+    clock.now += 3
+    loads.hold()
+    refresher, fresh = in_threads(1, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    # While the refresh runs, every other reader is answered at once with the value it replaces.
+    readers, old = in_threads(16, lambda: cache.get("a"))
+    for thread in readers:
+        thread.join(10)
+    assert old == ["a:1"] * 16
+    loads.release.set()
+    refresher[0].join(10)
+    assert fresh == ["a:2"] and cache.get("a") == "a:2"
+    assert loads.calls == ["a", "a"]
+
+
+def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:
+    loads = Loads()
+    loads.hold()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    threads, results = in_threads(16, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    loads.release.set()
+    for thread in threads:
+        thread.join(10)
+    assert results == ["a:1"] * 16
+    assert loads.calls == ["a"]
+
+
+def test_a_failed_load_raises_where_it_ran_and_a_waiting_thread_loads_again() -> None:
+    loads = Loads()
+    loads.hold()
+    loads.failing = {1}
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            cache.get("a")
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    failing = threading.Thread(target=first)
+    failing.start()
+    assert loads.started.wait(10)
+    waiter, results = in_threads(1, lambda: cache.get("a"))
+    loads.release.set()
+    failing.join(10)
+    waiter[0].join(10)
+    assert [str(e) for e in errors] == ["database down"]
+    assert results == ["a:2"]
+    assert loads.calls == ["a", "a"]
+
+
+def test_a_failed_load_keeps_no_value() -> None:
+    loads = Loads()
+    loads.failing = {1}
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    with pytest.raises(RuntimeError):
+        cache.get("a")
+    assert cache.last("a") is None
