@@ -205,6 +205,50 @@ def test_bugs_are_not_retried_and_a_broken_listener_changes_nothing() -> None:
     assert retrying.chat(REQUEST).text == "{}"
 
 
+class FailsFirstPerThread:
+    """Fails each thread's first call (retryable), after every thread has made one, then answers."""
+
+    provider = "fake"
+    model = "fake-1"
+
+    def __init__(self, threads: int) -> None:
+        self.barrier = threading.Barrier(threads)
+        self.seen: set[int] = set()
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        me = threading.get_ident()
+        if me not in self.seen:
+            self.seen.add(me)
+            self.barrier.wait(10)  # every thread is inside its first try together
+            raise retryable(500 + len(self.seen) % 10)
+        return ok_response(text=request.purpose)
+
+
+def test_one_client_shared_by_threads_keeps_each_calls_tries_apart() -> None:
+    """The retry controller is shared by every call of a client; each call's tries stay its own."""
+    inner = FailsFirstPerThread(8)
+    retrying = RetryingClient(inner, RetryPolicy(backoff_base_seconds=0.01), rng=random.Random(1))
+    traced: dict[str, Any] = {}
+
+    def call(n: int) -> None:
+        request = ChatRequest(purpose=f"call-{n}", system="s", messages=(("user", "u"),), max_tokens=5)
+        traced[request.purpose] = retrying.chat_traced(request)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(traced) == [f"call-{n}" for n in range(8)]
+    for purpose, result in traced.items():
+        assert result.value.text == purpose
+        assert [(a.number, a.ok, a.purpose) for a in result.attempts] == [
+            (1, False, purpose),
+            (2, True, purpose),
+        ]
+        assert result.attempts[0].retry_in_seconds is not None
+
+
 def test_each_retry_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     retrying, _ = client(ScriptedClient(retryable(529), ok_response()), RetryPolicy())
     with caplog.at_level("WARNING", logger="worker.llm.retry"):

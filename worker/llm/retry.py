@@ -158,8 +158,17 @@ class RetryingClient:
         self.provider = inner.provider
         self.model = inner.model
         self._on_attempt = on_attempt
-        self._sleep = sleep
         self._rng = rng or random.Random()
+        # One controller for every call, from every thread (tenacity keeps its per-call state
+        # thread-local): building one per call cost more than its retry logic (py-spy of a worker).
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.policy.max_attempts) | _WaitBudgetSpent(self.policy),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception(_is_retryable),
+            before_sleep=self._before_sleep,
+            sleep=sleep,
+            reraise=True,
+        )
 
     def chat(self, request: ChatRequest) -> ChatResponse:
         return self.chat_traced(request).value
@@ -181,50 +190,10 @@ class RetryingClient:
                 logger.exception("the retry attempt listener failed")
 
     def _call(self, operation: str, purpose: str, fn: Callable[[], R]) -> Traced[R]:
-        policy = self.policy
-        records: list[AttemptRecord] = []
-
-        def attempt() -> R:
-            # Providers turn every SDK failure into an LLMError (classified in errors.py); anything else
-            # is a bug and propagates untouched, never retried.
-            try:
-                return fn()
-            except LLMError as exc:
-                records.append(
-                    AttemptRecord(len(records) + 1, exc, exc.latency_ms, purpose, self.provider, self.model)
-                )
-                raise
-
-        def wait(state: tenacity.RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            retry_after = exc.retry_after if isinstance(exc, LLMError) else None
-            return policy.delay(state.attempt_number, retry_after, state.idle_for, self._rng)
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            last = records[-1] = replace(records[-1], retry_in_seconds=state.upcoming_sleep)
-            logger.warning(
-                "LLM %s (%s) via %s/%s failed (attempt %d of %d): %s; retrying in %.2fs",
-                operation,
-                purpose,
-                self.provider,
-                self.model,
-                last.number,
-                policy.max_attempts,
-                last.error,
-                state.upcoming_sleep,
-            )
-            self._emit(last)
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(policy.max_attempts) | _WaitBudgetSpent(policy),
-            wait=wait,
-            retry=tenacity.retry_if_exception(_is_retryable),
-            before_sleep=before_sleep,
-            sleep=self._sleep,
-            reraise=True,
-        )
+        call = _Call(operation, purpose)
+        records = call.records
         try:
-            value = retrying(attempt)
+            value = self._retrying(self._attempt, call, fn)
         except LLMError as exc:
             exc.attempts = tuple(records)
             if records:
@@ -246,3 +215,45 @@ class RetryingClient:
         records.append(success)
         self._emit(success)
         return Traced(value, tuple(records))
+
+    def _attempt(self, call: _Call, fn: Callable[[], R]) -> R:
+        # Providers turn every SDK failure into an LLMError (classified in errors.py); anything else is
+        # a bug and propagates untouched, never retried.
+        try:
+            return fn()
+        except LLMError as exc:
+            records = call.records
+            records.append(
+                AttemptRecord(len(records) + 1, exc, exc.latency_ms, call.purpose, self.provider, self.model)
+            )
+            raise
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        retry_after = exc.retry_after if isinstance(exc, LLMError) else None
+        return self.policy.delay(state.attempt_number, retry_after, state.idle_for, self._rng)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        call: _Call = state.args[0]
+        last = call.records[-1] = replace(call.records[-1], retry_in_seconds=state.upcoming_sleep)
+        logger.warning(
+            "LLM %s (%s) via %s/%s failed (attempt %d of %d): %s; retrying in %.2fs",
+            call.operation,
+            call.purpose,
+            self.provider,
+            self.model,
+            last.number,
+            self.policy.max_attempts,
+            last.error,
+            state.upcoming_sleep,
+        )
+        self._emit(last)
+
+
+@dataclass
+class _Call:
+    """One call through RetryingClient: what its tries recorded (tenacity hands it to the hooks)."""
+
+    operation: str
+    purpose: str
+    records: list[AttemptRecord] = field(default_factory=list)
