@@ -223,6 +223,9 @@ class FailsFirstPerThread:
             raise retryable(500 + len(self.seen) % 10)
         return ok_response(text=request.purpose)
 
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        raise AssertionError("not used")
+
 
 def test_one_client_shared_by_threads_keeps_each_calls_tries_apart() -> None:
     """The retry controller is shared by every call of a client; each call's tries stay its own."""
