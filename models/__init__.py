@@ -13,7 +13,7 @@ from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
 from models.erasure import Erasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job
-from models.llm_call import LLMCall
+from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page
 from models.webhook import WebhookDelivery
 
@@ -43,6 +43,7 @@ __all__ = [
     "Fact",
     "Job",
     "LLMCall",
+    "LLMSpendDay",
     "OpCheckpoint",
     "Page",
     "Transcript",

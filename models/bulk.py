@@ -25,7 +25,9 @@ class BulkInsert:
     """``INSERT INTO table (columns) SELECT ... FROM unnest(arrays)``, built once per call site.
 
     ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: a column whose
-    values come back for the rows that went in.
+    values come back for the rows that went in. ``around``: a statement with ``{insert}`` where the
+    INSERT goes, as a ``WITH`` query that also uses its ``RETURNING`` rows; what it selects is what
+    ``returned`` gives.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class BulkInsert:
         *,
         conflict: Sequence[str] = (),
         returning: str | None = None,
+        around: str | None = None,
     ) -> None:
         self.columns = tuple(columns)
         names = ", ".join(self.columns)
@@ -51,6 +54,8 @@ class BulkInsert:
             sql += f" ON CONFLICT ({', '.join(conflict)}) DO NOTHING"
         if returning is not None:
             sql += f" RETURNING {returning}"
+        if around is not None:
+            sql = around.replace("{insert}", sql)
         self._statement = text(sql)
 
     def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:

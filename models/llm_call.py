@@ -1,11 +1,11 @@
-"""One row per LLM call: who was asked, for what, what it cost and how it ended."""
+"""One row per LLM call: who was asked, for what, what it cost and how it ended; and each day's spend."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Numeric
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
@@ -31,3 +31,21 @@ class LLMCall(Base):
     batch: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     error: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
+
+
+class LLMSpendDay(Base):
+    """What one UTC day's LLM calls cost, per budget scope, kept by the ledger with each llm_calls row.
+
+    The day budget reads it instead of summing the day's llm_calls rows, which took 160 ms at a
+    million calls (bench/budget.py) and ran once a second in every worker. A row per ``backend``
+    (the writing Postgres backend's pid): two transactions never update one row at once, so a commit
+    never waits for another's, and the budget sums a few rows.
+    """
+
+    __tablename__ = "llm_spend_days"
+    __table_args__ = (CheckConstraint("scope IN ('work', 'search')", name="scope"),)
+
+    day: Mapped[date] = mapped_column(primary_key=True)
+    scope: Mapped[str] = mapped_column(primary_key=True)  # worker.accounting.budget: work or search
+    backend: Mapped[int] = mapped_column(primary_key=True)
+    cost_usd: Mapped[Decimal] = mapped_column(Numeric(18, 6), nullable=False, server_default="0")

@@ -9,24 +9,41 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
 from tests.auth import bearer, new_key
 from tests.integration.test_api import Recorder, make_runtime
 from tests.integration.test_search import seed
-from worker.accounting import SEARCH_DAILY_BUDGET_KEY, SEARCH_PURPOSES, Budget
+from worker.accounting import (
+    PRICES_KEY,
+    SEARCH_DAILY_BUDGET_KEY,
+    SEARCH_PURPOSES,
+    Budget,
+    Ledger,
+    LLMCallRecord,
+)
 from worker.api.app import create_app
 from worker.config_store import get_config, set_config
 from worker.llm.errors import BudgetExhaustedError
+from worker.llm.types import Usage
 from worker.search import EMBEDDING_PURPOSE, EXPANSION_PURPOSE
 
 pytestmark = pytest.mark.integration
 
 
+# A price list where one input token of model "m" costs a cent, so a call can spend any whole cents.
+CENT_A_TOKEN = Ledger(lambda key: '{"m": {"input": 10000, "output": 0}}' if key == PRICES_KEY else None)
+
+
 def spend(factory: sessionmaker[Session], purpose: str, usd: str) -> None:
+    """Record a call that cost ``usd``, through the ledger (the only writer of llm_calls and the spend)."""
+    tokens = int(Decimal(usd) * 100)
+    call = LLMCallRecord(purpose, "p", "m", Usage(input_tokens=tokens), latency_ms=1, outcome="ok")
     with factory.begin() as session:
-        session.add(LLMCall(provider="p", model="m", purpose=purpose, outcome="ok", cost_usd=Decimal(usd)))
+        CENT_A_TOKEN.record(session, call)
+        assert session.scalars(select(LLMCall.cost_usd).order_by(LLMCall.id.desc())).first() == Decimal(usd)
 
 
 def configure(factory: sessionmaker[Session], key: str, value: str) -> None:

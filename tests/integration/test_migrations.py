@@ -84,3 +84,32 @@ def test_0005_clears_compaction_ids_that_point_nowhere_then_adds_the_key(server_
         with engine.connect() as conn:
             assert conn.execute(query).all() == [(1, 7), (2, None), (3, None)]
         engine.dispose()
+
+
+def test_0015_fills_each_days_spend_from_the_calls_already_recorded(server_url: str) -> None:
+    """A database upgraded on a busy day keeps its day budgets: 0015 sums the llm_calls rows so far
+    into llm_spend_days, per UTC day and scope (free calls add nothing)."""
+    with fresh_database(server_url, "spend") as url:
+        db.upgrade(url, "0014")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO llm_calls (provider, model, purpose, outcome, cost_usd, created_at) VALUES "
+                    "('p', 'm', 'extraction', 'ok', 1.25, '2026-11-30 23:59:59+00'), "
+                    "('p', 'm', 'extraction', 'ok', 0.50, '2026-12-01 00:00:00+00'), "
+                    "('p', 'm', 'consolidation', 'ok', 0.25, '2026-12-01 12:00:00+00'), "
+                    "('p', 'm', 'search_expansion', 'ok', 0.10, '2026-12-01 13:00:00+00'), "
+                    "('p', 'm', 'search_embedding', 'ok', 0.05, '2026-12-01 14:00:00+00'), "
+                    "('p', 'm', 'extraction', 'provider_error', 0, '2026-12-01 15:00:00+00')"
+                )
+            )
+        db.upgrade(url)
+        query = text("SELECT day::text, scope, backend, cost_usd::text FROM llm_spend_days ORDER BY 1, 2")
+        with engine.connect() as conn:
+            assert conn.execute(query).all() == [
+                ("2026-11-30", "work", 0, "1.250000"),
+                ("2026-12-01", "search", 0, "0.150000"),
+                ("2026-12-01", "work", 0, "0.750000"),
+            ]
+        engine.dispose()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import Date, bindparam, cast, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import LLMCall
+from models import LLMCall, LLMSpendDay
 from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
 
@@ -22,6 +21,12 @@ SEARCH_DAILY_BUDGET_KEY = "llm.budget_search_daily_usd"
 BUDGET_KEYS = (DAILY_BUDGET_KEY, JOB_BUDGET_KEY, SEARCH_DAILY_BUDGET_KEY)
 # = worker.search's EXPANSION_PURPOSE and EMBEDDING_PURPOSE (tests/integration/test_access_budget.py)
 SEARCH_PURPOSES = ("search_expansion", "search_embedding")
+# The two day budgets' scopes, as llm_spend_days keeps them (the ledger sorts each call into one).
+WORK_SCOPE, SEARCH_SCOPE = "work", "search"
+_SPENT_TODAY = select(func.coalesce(func.sum(LLMSpendDay.cost_usd), 0)).where(
+    LLMSpendDay.day == cast(func.timezone("UTC", func.now()), Date),
+    LLMSpendDay.scope == bindparam("b_scope"),
+)
 
 
 def parse_usd(value: str | None) -> Decimal | None:
@@ -67,19 +72,11 @@ class Budget:
         return self._day.get(None)
 
     def _spent_since_midnight(self, _: None) -> Decimal:
-        midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        """The scope's spend since UTC midnight (by the database's clock, as the ledger dates calls)."""
+        scope = SEARCH_SCOPE if self._search else WORK_SCOPE
         with self._factory() as session:
-            spent = session.scalar(
-                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(
-                    LLMCall.created_at >= midnight, self._purposes()
-                )
-            )
+            spent = session.scalar(_SPENT_TODAY, {"b_scope": scope})
         return Decimal(spent or 0)
-
-    def _purposes(self) -> ColumnElement[bool]:
-        if self._search:
-            return LLMCall.purpose.in_(SEARCH_PURPOSES)
-        return LLMCall.purpose.not_in(SEARCH_PURPOSES)
 
     def spent_by_job(self, job_id: int) -> Decimal:
         with self._factory() as session:

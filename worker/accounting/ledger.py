@@ -1,4 +1,4 @@
-"""The only writer of llm_calls rows: every purpose is costed here, with the same prices."""
+"""The only writer of llm_calls rows and of each day's spend: every purpose costed here, at one price list."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from models.bulk import BulkInsert
 from models.tables import LLM_CALLS
+from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 from worker.llm.types import Usage
 
@@ -28,7 +29,27 @@ _COLUMNS = (
     "batch",
     "error",
 )
-_INSERT = BulkInsert(LLM_CALLS, _COLUMNS, returning="id")
+_SCOPE = "CASE WHEN purpose IN ({}) THEN '{}' ELSE '{}' END".format(
+    ", ".join(f"'{purpose}'" for purpose in SEARCH_PURPOSES), SEARCH_SCOPE, WORK_SCOPE
+)
+# The calls, and their cost added to their day's spend, in one statement (one round trip). The day is
+# the call's created_at in UTC (now(): the transaction's start), the day budget's clock. Each backend
+# adds to a row of its own, so concurrent commits never wait on each other's spend.
+_INSERT = BulkInsert(
+    LLM_CALLS,
+    _COLUMNS,
+    returning="id, purpose, cost_usd, created_at",
+    around=f"""
+    WITH calls AS ({{insert}}),
+    spend AS (
+        INSERT INTO llm_spend_days AS d (day, scope, backend, cost_usd)
+        SELECT (created_at AT TIME ZONE 'UTC')::date, {_SCOPE}, pg_backend_pid(), sum(cost_usd)
+        FROM calls WHERE cost_usd > 0 GROUP BY 1, 2
+        ON CONFLICT (day, scope, backend) DO UPDATE SET cost_usd = d.cost_usd + EXCLUDED.cost_usd
+    )
+    SELECT id FROM calls
+    """,
+)
 
 
 @dataclass(frozen=True)
