@@ -19,7 +19,6 @@ import argparse
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -33,12 +32,13 @@ sys.path.insert(0, str(REPO))
 
 from models.bulk import BulkInsert  # noqa: E402
 from models.tables import LLM_CALLS  # noqa: E402
+from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import SEARCH_PURPOSES, Budget, Ledger, LLMCallRecord  # noqa: E402
 from worker.accounting.ledger import _COLUMNS  # noqa: E402
 from worker.llm.types import Usage  # noqa: E402
 
-SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 SEARCH = ", ".join(f"'{p}'" for p in SEARCH_PURPOSES)
 
 
@@ -151,11 +151,7 @@ def main() -> None:
     parser.add_argument("--checks", type=int, default=200)
     parser.add_argument("--writes", type=int, default=400, help="transactions of each kind in part 2")
     args = parser.parse_args()
-    name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    try:
+    with fresh_database(SERVER, "bench") as url:
         db.upgrade(url)
         factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
         started = time.perf_counter()
@@ -166,10 +162,6 @@ def main() -> None:
         )
         reads(factory, args.checks)
         writes(factory, args.writes)
-    finally:
-        db.get_engine(url).dispose()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

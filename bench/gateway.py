@@ -223,19 +223,22 @@ def openai_body() -> dict[str, Any]:
     return OpenAIChatClient(model="simulator-1", base_url="http://127.0.0.1:9/v1").chat_body(REQUEST)
 
 
+def sdk_options(sim: SimulatorProcess, in_flight_calls: int, *, asynchronous: bool = False) -> dict[str, Any]:
+    """An OpenAI SDK client's options for part 3: no retries, a connection for each call in flight."""
+    import openai
+
+    limits = openai.DEFAULT_CONNECTION_LIMITS
+    sized = type(limits)(max_connections=in_flight_calls, max_keepalive_connections=in_flight_calls)
+    client_class = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+    http_client = client_class(limits=sized)
+    return {"base_url": f"{sim.url}/v1", "api_key": "sim", "max_retries": 0, "http_client": http_client}
+
+
 def threads_sdk_post(sim: SimulatorProcess, in_flight_calls: int, rounds: int) -> float:
     """Client CPU ms a call: ``in_flight_calls`` threads posting through one sync SDK client."""
     import openai
 
-    limits = openai.DEFAULT_CONNECTION_LIMITS
-    sdk = openai.OpenAI(
-        base_url=f"{sim.url}/v1",
-        api_key="sim",
-        max_retries=0,
-        http_client=openai.DefaultHttpxClient(
-            limits=type(limits)(max_connections=in_flight_calls, max_keepalive_connections=in_flight_calls)
-        ),
-    )
+    sdk = openai.OpenAI(**sdk_options(sim, in_flight_calls))
     body = openai_body()
 
     def call() -> object:
@@ -252,17 +255,7 @@ def async_sdk_post(sim: SimulatorProcess, in_flight_calls: int, rounds: int) -> 
     import openai
 
     async def run() -> float:
-        limits = openai.DEFAULT_CONNECTION_LIMITS
-        sdk = openai.AsyncOpenAI(
-            base_url=f"{sim.url}/v1",
-            api_key="sim",
-            max_retries=0,
-            http_client=openai.DefaultAsyncHttpxClient(
-                limits=type(limits)(
-                    max_connections=in_flight_calls, max_keepalive_connections=in_flight_calls
-                )
-            ),
-        )
+        sdk = openai.AsyncOpenAI(**sdk_options(sim, in_flight_calls, asynchronous=True))
         body = openai_body()
 
         async def task(calls: int) -> None:

@@ -36,7 +36,7 @@ class LLMCall(Base):
 class LLMSpendDay(Base):
     """What one UTC day's LLM calls cost, per budget scope, kept by the ledger with each llm_calls row.
 
-    The day budget reads it instead of summing the day's llm_calls rows, which took 160 ms at a
+    The day budget reads it instead of summing the day's llm_calls rows, which took 173 ms at a
     million calls (bench/budget.py) and ran once a second in every worker. A row per ``backend``
     (the writing Postgres backend's pid): two transactions never update one row at once, so a commit
     never waits for another's, and the budget sums a few rows.

@@ -4,7 +4,7 @@ Revision ID: 0015
 Revises: 0014
 Create Date: 2026-12-02
 
-The day budget summed the day's llm_calls rows once a second in every worker: 160 ms at a million
+The day budget summed the day's llm_calls rows once a second in every worker: 173 ms at a million
 calls (bench/budget.py). The ledger now adds each call's cost to this table in the statement that
 inserts the call (a row per day, scope and writing backend, so commits never wait on one counter
 row), and the budget reads a few rows. Existing days are filled from llm_calls here, as backend 0.
