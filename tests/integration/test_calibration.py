@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction, Job, Transcript
 from tests.auth import send_key
+from tests.clock import FakeClock
 from tests.integration.test_api import Recorder, make_runtime
 from tests.service import running, service_env, start_worker, wait_for
 from worker.api.app import create_app
@@ -454,14 +455,6 @@ def test_the_table_allows_one_active_version_only(tx_factory: sessionmaker[Sessi
 # ---------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class CountingFactory:
     """A session factory that counts sessions and can be made to fail."""
 
@@ -482,7 +475,7 @@ def test_active_threshold_falls_back_to_the_shipped_constant(tx_factory: session
 
 
 def test_threshold_cache_serves_within_ttl_and_refreshes_after(tx_factory: sessionmaker[Session]) -> None:
-    clock = Clock()
+    clock = FakeClock()
     counting = CountingFactory(tx_factory)
     cache = ThresholdCache(counting, ttl=30, clock=clock)  # type: ignore[arg-type]
     assert cache.get() == FALLBACK and counting.calls == 1
@@ -500,7 +493,7 @@ def test_threshold_cache_serves_within_ttl_and_refreshes_after(tx_factory: sessi
 def test_threshold_cache_serves_the_last_value_when_the_store_fails(
     tx_factory: sessionmaker[Session],
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     counting = CountingFactory(tx_factory)
     cache = ThresholdCache(counting, ttl=5, clock=clock)  # type: ignore[arg-type]
     counting.broken = True

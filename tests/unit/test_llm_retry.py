@@ -14,6 +14,7 @@ import httpx2
 import openai
 import pytest
 
+from tests.clock import FakeClock
 from worker.llm.errors import LLMError, classify, retry_after_seconds, to_llm_error
 from worker.llm.ratelimit import (
     LocalRateLimiter,
@@ -325,17 +326,6 @@ def test_retry_after_headers() -> None:
 # --------------------------------------------------------------------------------------------------
 # Rate limits (in-process; the Redis limiter across processes is in tests/integration/test_gateway.py)
 # --------------------------------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_local_limiter_spaces_requests_at_the_rpm() -> None:

@@ -7,15 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.clock import FakeClock
 from worker.core.ttl_cache import TtlCache
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Loads:
@@ -51,7 +44,7 @@ def in_threads(count: int, work: Callable[[], str]) -> tuple[list[threading.Thre
 
 
 def test_a_value_is_served_for_ttl_seconds_then_loaded_again() -> None:
-    clock, loads = Clock(), Loads()
+    clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
     clock.now += 1.9
@@ -64,12 +57,12 @@ def test_a_value_is_served_for_ttl_seconds_then_loaded_again() -> None:
 
 def test_ttl_zero_loads_on_every_get() -> None:
     loads = Loads()
-    cache: TtlCache[str, str] = TtlCache(loads, ttl=0, clock=Clock())
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=0, clock=FakeClock())
     assert [cache.get("a"), cache.get("a")] == ["a:1", "a:2"]
 
 
 def test_load_reads_now_and_keeps_what_it_read() -> None:
-    clock, loads = Clock(), Loads()
+    clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=5.0, clock=clock)
     assert cache.get("a") == "a:1"
     assert cache.load("a") == "a:2"
@@ -80,7 +73,7 @@ def test_load_reads_now_and_keeps_what_it_read() -> None:
 
 
 def test_threads_that_find_a_key_expired_together_cost_one_load_and_take_the_old_value_meanwhile() -> None:
-    clock, loads = Clock(), Loads()
+    clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
     clock.now += 3
@@ -101,7 +94,7 @@ def test_threads_that_find_a_key_expired_together_cost_one_load_and_take_the_old
 def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:
     loads = Loads()
     loads.hold()
-    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=FakeClock())
     threads, results = in_threads(16, lambda: cache.get("a"))
     assert loads.started.wait(10)
     loads.release.set()
@@ -115,7 +108,7 @@ def test_a_failed_load_raises_where_it_ran_and_a_waiting_thread_loads_again() ->
     loads = Loads()
     loads.hold()
     loads.failing = {1}
-    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=FakeClock())
     errors: list[BaseException] = []
 
     def first() -> None:
@@ -139,7 +132,7 @@ def test_a_failed_load_raises_where_it_ran_and_a_waiting_thread_loads_again() ->
 def test_a_failed_load_keeps_no_value() -> None:
     loads = Loads()
     loads.failing = {1}
-    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=Clock())
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=FakeClock())
     with pytest.raises(RuntimeError):
         cache.get("a")
     assert cache.last("a") is None
