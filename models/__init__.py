@@ -15,17 +15,20 @@ from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, Extract
 from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page
+from models.totals import FACTS_COUNTER, SEGMENTS_COUNTER, LLMCallTotal, RowCount, fold_totals
 from models.webhook import WebhookDelivery
 
 __all__ = [
     "API_SCOPES",
     "BACKFILL_STATUSES",
     "COMPACTION_STATUSES",
+    "FACTS_COUNTER",
     "FACT_KINDS",
     "JOB_STATUSES",
     "MESSAGE_ROLES",
     "NAMING_CONVENTION",
     "NOTABILITY_LEVELS",
+    "SEGMENTS_COUNTER",
     "SEGMENT_OUTCOMES",
     "ApiKey",
     "Backfill",
@@ -43,10 +46,13 @@ __all__ = [
     "Fact",
     "Job",
     "LLMCall",
+    "LLMCallTotal",
     "LLMSpendDay",
     "OpCheckpoint",
     "Page",
+    "RowCount",
     "Transcript",
     "TranscriptMessageRow",
     "WebhookDelivery",
+    "fold_totals",
 ]

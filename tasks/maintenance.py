@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from models import fold_totals
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.outbox import broker_queue_depth
@@ -22,4 +23,6 @@ def sweep(self: Any) -> int:
         budget_has_room=rt.budget.has_room,
         queue_depth=broker_queue_depth,
     )
+    with rt.factory.begin() as session:  # the running totals of gone connections, into one row each
+        fold_totals(session)
     return report.total

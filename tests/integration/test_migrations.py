@@ -113,3 +113,50 @@ def test_0015_fills_each_days_spend_from_the_calls_already_recorded(server_url: 
                 ("2026-12-01", "work", 0, "0.750000"),
             ]
         engine.dispose()
+
+
+def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: str) -> None:
+    """A database upgraded with facts, segment attempts and LLM calls in it reports them: 0016 counts
+    them into row_counts and llm_call_totals as backend 0, and its triggers count what comes after."""
+    with fresh_database(server_url, "totals") as url:
+        db.upgrade(url, "0015")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        facts = (
+            "INSERT INTO facts (source_id, fact, kind, confidence, notability, source, source_session, "
+            "source_markdown_slug, row_num, is_audit, status) VALUES "
+            "('default', 'a', 'event', 1, 'low', 's', 's', 'p', {n}, {audit}, '{status}')"
+        )
+        with engine.begin() as conn:
+            for n, (audit, status) in enumerate(
+                [("false", "current"), ("false", "duplicate"), ("true", "current")]
+            ):
+                conn.execute(text(facts.format(n=-n if audit == "true" else n, audit=audit, status=status)))
+            conn.execute(
+                text(
+                    "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, "
+                    "segment_end, outcome) VALUES ('d', 'p', 0, 'a', 'b', 'ok'), "
+                    "('d', 'p', 1, 'a', 'b', 'ok')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO llm_calls (provider, model, purpose, outcome, input_tokens, cost_usd, "
+                    "latency_ms) VALUES ('p', 'm', 'extraction', 'ok', 10, 0.5, 80), "
+                    "('p', 'm', 'extraction', 'ok', 5, 0.25, 700)"
+                )
+            )
+        db.upgrade(url)
+        with engine.begin() as conn:
+            conn.execute(text(facts.format(n=7, audit="false", status="current")))
+        with engine.connect() as conn:
+            counts = conn.execute(
+                text("SELECT counter, label, sum(n) FROM row_counts GROUP BY 1, 2 ORDER BY 1, 2")
+            ).all()
+            assert counts == [("facts", "current", 2), ("facts", "duplicate", 1), ("segments", "ok", 2)]
+            assert conn.execute(
+                text(
+                    "SELECT purpose, calls, input_tokens, cost_usd::text, latency_le[1:4] "
+                    "FROM llm_call_totals"
+                )
+            ).all() == [("extraction", 2, 15, "0.750000", [0, 1, 1, 1])]
+        engine.dispose()

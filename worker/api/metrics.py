@@ -17,19 +17,21 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import (
     BACKFILL_STATUSES,
     COMPACTION_STATUSES,
+    FACTS_COUNTER,
     JOB_STATUSES,
     SEGMENT_OUTCOMES,
+    SEGMENTS_COUNTER,
     Backfill,
     BackfillBatch,
     BackfillRequest,
     Compaction,
     ConfigEntry,
     ConsolidationDecision,
-    ExtractionAudit,
-    Fact,
     Job,
     LLMCall,
+    LLMCallTotal,
     OpCheckpoint,
+    RowCount,
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES
 from worker.api.errors import one_line
@@ -46,6 +48,26 @@ LLM_LATENCY_BUCKETS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 6
 STORE_UP_HELP = "1 if the metrics query reached Postgres"
 
 R = TypeVar("R")
+
+_ROW_COUNTS = select(RowCount.counter, RowCount.label, func.sum(RowCount.n)).group_by(
+    RowCount.counter, RowCount.label
+)
+# llm_call_totals by purpose and outcome, then each purpose's cumulative latency buckets.
+_LLM_TOTALS = select(
+    LLMCallTotal.purpose,
+    LLMCallTotal.outcome,
+    func.sum(LLMCallTotal.calls),
+    func.sum(LLMCallTotal.input_tokens),
+    func.sum(LLMCallTotal.output_tokens),
+    func.sum(LLMCallTotal.cost_usd),
+    func.sum(LLMCallTotal.cache_read_tokens),
+    func.sum(LLMCallTotal.latency_ms),
+).group_by(LLMCallTotal.purpose, LLMCallTotal.outcome)
+_LATENCY_BUCKETS = text(
+    "SELECT t.purpose, u.i, sum(u.le) "
+    "FROM llm_call_totals t, unnest(t.latency_le) WITH ORDINALITY AS u(le, i) "
+    "GROUP BY t.purpose, u.i ORDER BY t.purpose, u.i"
+)
 
 
 class _ScrapeTimeCollector(Generic[R]):
@@ -103,10 +125,11 @@ class _StoreRows:
         self.job_spent: dict[tuple[str, str], tuple[int, int]] = {
             (status, kind): (int(attempts), int(losses)) for status, kind, _, attempts, losses in job_rows
         }
-        self.facts = session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit.is_(False)))
-        self.segment_rows = session.execute(
-            select(ExtractionAudit.outcome, func.count()).group_by(ExtractionAudit.outcome)
-        ).all()
+        # Facts and segment attempts from the running totals the triggers keep (models.totals), not
+        # from the tables: at a million rows each the aggregates took a second a scrape.
+        counts = session.execute(_ROW_COUNTS).all()
+        self.facts = sum(n for counter, _, n in counts if counter == FACTS_COUNTER)
+        self.segment_rows = [(label, n) for counter, label, n in counts if counter == SEGMENTS_COUNTER]
         # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
         self.skipped_now = session.scalar(
             select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0))
@@ -115,25 +138,10 @@ class _StoreRows:
             select(ConfigEntry.key, ConfigEntry.value).where(ConfigEntry.key.in_(KILL_SWITCHES))
         ).all()
         self.switches: dict[str, str] = {key: value for key, value in switch_rows}
-        self.llm_rows = session.execute(
-            select(
-                LLMCall.purpose,
-                LLMCall.outcome,
-                func.count(),
-                func.coalesce(func.sum(LLMCall.input_tokens), 0),
-                func.coalesce(func.sum(LLMCall.output_tokens), 0),
-                func.coalesce(func.sum(LLMCall.cost_usd), 0),
-                func.coalesce(func.sum(LLMCall.cache_read_tokens), 0),
-            ).group_by(LLMCall.purpose, LLMCall.outcome)
-        ).all()
-        self.latency_rows = session.execute(
-            select(
-                LLMCall.purpose,
-                *[func.count().filter(LLMCall.latency_ms <= bound) for bound in LLM_LATENCY_BUCKETS_MS],
-                func.count(),
-                func.coalesce(func.sum(LLMCall.latency_ms), 0),
-            ).group_by(LLMCall.purpose)
-        ).all()
+        self.llm_rows = session.execute(_LLM_TOTALS).all()
+        self.latency_buckets: dict[str, list[int]] = {}
+        for purpose, _, n in session.execute(_LATENCY_BUCKETS):
+            self.latency_buckets.setdefault(purpose, []).append(int(n))
 
 
 class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
@@ -212,7 +220,7 @@ def _llm_metrics(rows: _StoreRows) -> list[Metric]:
     cost = CounterMetricFamily("factmill_llm_cost_usd", "LLM spend in US dollars", labels=["purpose"])
     token_sums: dict[tuple[str, str], int] = {}
     cost_sums: dict[str, float] = {}
-    for purpose, outcome, n, tokens_in, tokens_out, spend, cached in rows.llm_rows:
+    for purpose, outcome, n, tokens_in, tokens_out, spend, cached, _ in rows.llm_rows:
         calls.add_metric([purpose, outcome], n)
         token_sums[(purpose, "cached")] = token_sums.get((purpose, "cached"), 0) + int(cached)
         token_sums[(purpose, "in")] = token_sums.get((purpose, "in"), 0) + int(tokens_in)
@@ -227,13 +235,21 @@ def _llm_metrics(rows: _StoreRows) -> list[Metric]:
 
 def _latency(rows: _StoreRows) -> Metric:
     latency = HistogramMetricFamily(
-        "factmill_llm_latency_seconds", "LLM call latency (from llm_calls.latency_ms)", labels=["purpose"]
+        "factmill_llm_latency_seconds",
+        "LLM call latency (llm_calls.latency_ms, from the running totals)",
+        labels=["purpose"],
     )
-    for row in rows.latency_rows:
-        purpose, *counts = row
-        *cumulative, total, total_ms = counts
+    calls: dict[str, int] = {}
+    total_ms: dict[str, int] = {}
+    for purpose, _, n, _, _, _, _, ms in rows.llm_rows:
+        calls[purpose] = calls.get(purpose, 0) + int(n)
+        total_ms[purpose] = total_ms.get(purpose, 0) + int(ms)
+    for purpose in sorted(calls):
+        cumulative = rows.latency_buckets.get(purpose, [0] * len(LLM_LATENCY_BUCKETS_MS))
         buckets = [(str(ms / 1000), n) for ms, n in zip(LLM_LATENCY_BUCKETS_MS, cumulative, strict=True)]
-        latency.add_metric([purpose], [*buckets, ("+Inf", total)], sum_value=float(total_ms) / 1000)
+        latency.add_metric(
+            [purpose], [*buckets, ("+Inf", calls[purpose])], sum_value=total_ms[purpose] / 1000
+        )
     return latency
 
 
@@ -283,7 +299,9 @@ class ConsolidationCollector(_ScrapeTimeCollector[tuple[list[Any], list[Any]]]):
             )
         ).all()
         statuses = session.execute(
-            select(Fact.status, func.count()).where(Fact.is_audit.is_(False)).group_by(Fact.status)
+            select(RowCount.label, func.sum(RowCount.n))
+            .where(RowCount.counter == FACTS_COUNTER)
+            .group_by(RowCount.label)
         ).all()
         return list(decisions), list(statuses)
 

@@ -1,0 +1,176 @@
+"""Running totals (migration 0016): triggers keep facts by status, segment attempts by outcome and LLM
+calls by purpose and outcome in the writing transaction; /metrics reads them; the sweep folds the rows
+of gone connections into backend 0 without changing a total."""
+
+from __future__ import annotations
+
+from collections import Counter
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import Connection, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import fold_totals
+from worker import db
+from worker.accounting import PRICES_KEY, Ledger, LLMCallRecord
+from worker.api.metrics import LLM_LATENCY_BUCKETS_MS
+from worker.llm.types import Usage
+
+pytestmark = pytest.mark.integration
+
+LEDGER = Ledger(lambda key: '{"m": {"input": 10000, "output": 0}}' if key == PRICES_KEY else None)
+
+FACTS_NOW = text("SELECT status, count(*) FROM facts WHERE NOT is_audit GROUP BY status")
+FACTS_KEPT = text(
+    "SELECT label, sum(n) FROM row_counts WHERE counter = 'facts' GROUP BY label HAVING sum(n) <> 0"
+)
+SEGMENTS_NOW = text("SELECT outcome, count(*) FROM extraction_audit GROUP BY outcome")
+SEGMENTS_KEPT = text("SELECT label, sum(n) FROM row_counts WHERE counter = 'segments' GROUP BY label")
+CALLS_NOW = text(
+    "SELECT purpose, outcome, count(*), sum(input_tokens), sum(output_tokens), sum(cache_read_tokens), "
+    "sum(cost_usd), sum(latency_ms) FROM llm_calls GROUP BY purpose, outcome"
+)
+CALLS_KEPT = text(
+    "SELECT purpose, outcome, sum(calls), sum(input_tokens), sum(output_tokens), sum(cache_read_tokens), "
+    "sum(cost_usd), sum(latency_ms) FROM llm_call_totals GROUP BY purpose, outcome"
+)
+
+
+def add_facts(session: Session | Connection, page: str, statuses: list[str], audit: bool = False) -> None:
+    session.execute(
+        text(
+            "INSERT INTO facts (source_id, fact, kind, confidence, notability, source, source_session, "
+            "source_markdown_slug, row_num, is_audit, status) "
+            "SELECT 'default', 'fact ' || n, 'event', 0.9, 'medium', 's', 's', :page, "
+            "CASE WHEN :audit THEN -n::int ELSE n::int END, :audit, status "
+            "FROM unnest(CAST(:statuses AS text[])) WITH ORDINALITY AS u(status, n)"
+        ),
+        {"page": page, "statuses": statuses, "audit": audit},
+    )
+
+
+def add_attempts(session: Session | Connection, outcomes: list[str]) -> None:
+    session.execute(
+        text(
+            "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, segment_end, "
+            "outcome) SELECT 'default', 'p', n::int, 'a', 'b', outcome "
+            "FROM unnest(CAST(:outcomes AS text[])) WITH ORDINALITY AS u(outcome, n)"
+        ),
+        {"outcomes": outcomes},
+    )
+
+
+def call(purpose: str, outcome: str, tokens: int, latency_ms: int) -> LLMCallRecord:
+    usage = Usage(input_tokens=tokens, output_tokens=tokens // 2, cache_read_tokens=tokens // 4)
+    return LLMCallRecord(purpose, "p", "m", usage, latency_ms=latency_ms, outcome=outcome)
+
+
+def as_dict(rows: object) -> dict[object, object]:
+    return {tuple(row[:-1]) if len(row) > 2 else row[0]: row[-1] for row in rows}  # type: ignore[attr-defined]
+
+
+def assert_totals_match(session: Session) -> None:
+    assert dict(session.execute(FACTS_KEPT).all()) == dict(session.execute(FACTS_NOW).all())
+    assert dict(session.execute(SEGMENTS_KEPT).all()) == dict(session.execute(SEGMENTS_NOW).all())
+    assert sorted(session.execute(CALLS_KEPT).all()) == sorted(session.execute(CALLS_NOW).all())
+
+
+def test_totals_follow_inserts_updates_deletes_and_rollbacks(tx_factory: sessionmaker[Session]) -> None:
+    with tx_factory.begin() as session:
+        add_facts(session, "a", ["current", "current", "superseded"])
+        add_facts(session, "a", ["current"], audit=True)  # audit rows are not facts
+        add_attempts(session, ["ok", "ok", "malformed_output"])
+        LEDGER.record_many(session, [call("extraction", "ok", 100, 40), call("extraction", "ok", 60, 900)])
+        LEDGER.record(session, call("consolidation", "provider_error", 0, 30_000))
+    with tx_factory.begin() as session:
+        session.execute(text("UPDATE facts SET status = 'duplicate' WHERE fact = 'fact 1' AND NOT is_audit"))
+        session.execute(text("UPDATE facts SET confidence = 0.5"))  # no status moves: nothing to count
+        session.execute(
+            text("UPDATE facts SET is_audit = true, row_num = -100 WHERE fact = 'fact 2'")
+        )  # leaves the facts
+        session.execute(text("DELETE FROM facts WHERE status = 'superseded'"))
+    with pytest.raises(RuntimeError), tx_factory.begin() as session:
+        add_facts(session, "b", ["current"] * 5)
+        add_attempts(session, ["ok"])
+        LEDGER.record(session, call("extraction", "ok", 10, 10))
+        raise RuntimeError("the commit failed: its counts go with it")
+    with tx_factory() as session:
+        assert dict(session.execute(FACTS_KEPT).all()) == {"duplicate": 1}
+        assert dict(session.execute(SEGMENTS_KEPT).all()) == {"ok": 2, "malformed_output": 1}
+        assert sorted(session.execute(CALLS_KEPT).all()) == [
+            ("consolidation", "provider_error", 1, 0, 0, 0, Decimal("0.000000"), 30_000),
+            ("extraction", "ok", 2, 160, 80, 40, Decimal("1.240000"), 940),
+        ]
+        assert_totals_match(session)
+
+
+def test_latency_buckets_are_the_histograms(tx_factory: sessionmaker[Session]) -> None:
+    """The trigger's bucket bounds (written out in migration 0016) are LLM_LATENCY_BUCKETS_MS: a call at
+    each bound and one a millisecond past it land where /metrics says they do."""
+    latencies = [ms + extra for ms in LLM_LATENCY_BUCKETS_MS for extra in (0, 1)] + [0]
+    with tx_factory.begin() as session:
+        LEDGER.record_many(session, [call("extraction", "ok", 1, ms) for ms in latencies])
+        (kept,) = session.execute(text("SELECT latency_le FROM llm_call_totals")).one()
+    assert kept == [sum(1 for ms in latencies if ms <= bound) for bound in LLM_LATENCY_BUCKETS_MS]
+
+
+def test_truncating_a_table_empties_its_totals(tx_factory: sessionmaker[Session]) -> None:
+    with tx_factory.begin() as session:
+        add_facts(session, "a", ["current"])
+        add_attempts(session, ["ok"])
+        LEDGER.record(session, call("extraction", "ok", 1, 1))
+        session.execute(text("TRUNCATE facts, extraction_audit, llm_calls CASCADE"))
+        assert session.scalar(text("SELECT count(*) FROM row_counts")) == 0
+        assert session.scalar(text("SELECT count(*) FROM llm_call_totals")) == 0
+
+
+def test_each_connection_counts_on_rows_of_its_own_and_the_fold_keeps_every_total(database_url: str) -> None:
+    """Two writers in open transactions never wait on each other's counter rows; once a connection has
+    gone, fold_totals moves its rows into backend 0 and leaves a live connection's rows alone."""
+    engine = db.get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE facts, extraction_audit, llm_calls, llm_spend_days CASCADE"))
+    factory = sessionmaker(engine)
+    first, second = engine.connect(), engine.connect()
+    try:
+        with first.begin():
+            add_facts(first, "a", ["current", "current"])
+            add_attempts(first, ["ok"])
+            with second.begin():  # would wait (and fail at lock_timeout) on a shared counter row
+                second.execute(text("SET LOCAL lock_timeout = '2s'"))
+                add_facts(second, "b", ["current", "duplicate"])
+                add_attempts(second, ["ok", "skipped"])
+                with Session(second) as session:
+                    LEDGER.record_many(session, [call("search_expansion", "ok", 20, 300)] * 3)
+        gone = first.scalar(text("SELECT pg_backend_pid()"))
+        live = second.scalar(text("SELECT pg_backend_pid()"))
+    finally:
+        first.invalidate()  # closes the DBAPI connection: its backend goes away
+        first.close()
+    with factory() as session:
+        before = (
+            Counter(dict(session.execute(FACTS_KEPT).all())),
+            Counter(dict(session.execute(SEGMENTS_KEPT).all())),
+            sorted(session.execute(CALLS_KEPT).all()),
+        )
+        assert before[0] == {"current": 3, "duplicate": 1} and before[1] == {"ok": 2, "skipped": 1}
+        backends = set(session.scalars(text("SELECT DISTINCT backend FROM row_counts")))
+        assert backends == {gone, live}
+    for _ in range(50):  # the closed backend leaves pg_stat_activity a moment after its socket closes
+        with factory() as session:
+            if not session.scalar(text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": gone}):
+                break
+    with factory.begin() as session:
+        assert fold_totals(session) > 0
+    with factory() as session:
+        assert set(session.scalars(text("SELECT DISTINCT backend FROM row_counts"))) == {0, live}
+        assert set(session.scalars(text("SELECT DISTINCT backend FROM llm_call_totals"))) == {live}
+        after = (
+            Counter(dict(session.execute(FACTS_KEPT).all())),
+            Counter(dict(session.execute(SEGMENTS_KEPT).all())),
+            sorted(session.execute(CALLS_KEPT).all()),
+        )
+        assert after == before
+        assert_totals_match(session)
+    second.close()
