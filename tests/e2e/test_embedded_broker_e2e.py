@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from factmill_client import Client
 from tests.auth import new_key
@@ -30,6 +31,8 @@ from worker.embedded import broker_paths
 from worker.embedded.base import pid_alive, read_pid
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+GONE_BACKEND = 2_147_483_000  # no Postgres backend has this pid
 
 
 def embedded_broker_env(database_url: str, simulator_url: str, data_dir: Path) -> dict[str, str]:
@@ -71,6 +74,8 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
         ):
             assert reader.ready()
             [job] = sender.ingest_page(PAGE, idempotency_key="embedded-broker-1").jobs
+            with factory.begin() as session:  # a running total left by a connection long gone
+                session.execute(text(f"INSERT INTO row_counts VALUES ('segments', 'ok', {GONE_BACKEND}, 0)"))
 
             def succeeded() -> bool:
                 return reader.get_job(job.job_id).status == "succeeded"
@@ -83,6 +88,14 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
                 "beat's sweep to reach the worker",
                 diagnostics=lambda: worker.tail() + beat.tail(),
             )
+
+            def folded() -> bool:  # the sweep moves gone connections' totals into backend 0
+                with factory() as session:
+                    return not session.scalar(
+                        text(f"SELECT count(*) FROM row_counts WHERE backend = {GONE_BACKEND}")
+                    )
+
+            wait_for(folded, 60, "the sweep to fold the running totals", diagnostics=worker.tail)
             facts = reader.page_facts("default", PAGE["slug"]).facts
             assert any("Acme" in fact.fact for fact in facts)
             server = read_pid(paths.pid_file)
