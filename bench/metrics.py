@@ -1,0 +1,244 @@
+"""What a /metrics scrape costs over big tables, and what keeping the running totals costs each commit.
+
+    .venv/bin/python bench/metrics.py [--rows 1000000] [--scrapes 20] [--commits 600]
+
+1. Reads: ``--rows`` facts, segment attempts (extraction_audit) and llm_calls, and a job per eight
+   segments. The four scrape-time collectors of worker.api.metrics as they run now (the running totals
+   of migration 0016) against the baseline: the same figures aggregated from the tables, as every
+   scrape did before (worker/api/metrics.py at 43df1a0; the queries are written out below, and both
+   give the same numbers, checked).
+2. Writes: a segment's commit (three facts, its audit row, its LLM call through the ledger), each in
+   its own transaction, with the totals' triggers on and, as the baseline, off for the session
+   (``session_replication_role = replica``, which also skips the foreign-key checks, so the baseline
+   is if anything cheaper than a commit without the totals), in alternating rounds.
+
+Needs the local Postgres (127.0.0.1:5432); creates and drops its own database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.service import fresh_database  # noqa: E402
+from worker import db  # noqa: E402
+from worker.accounting import Ledger, LLMCallRecord  # noqa: E402
+from worker.api.metrics import (  # noqa: E402
+    LLM_LATENCY_BUCKETS_MS,
+    BackfillCollector,
+    CompactionCollector,
+    ConsolidationCollector,
+    StoreCollector,
+)
+from worker.llm.types import Usage  # noqa: E402
+
+SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+# What StoreCollector and ConsolidationCollector aggregated at every scrape before the running totals.
+_LE = ", ".join(f"count(*) FILTER (WHERE latency_ms <= {ms})" for ms in LLM_LATENCY_BUCKETS_MS)
+OLD_SCRAPE = (
+    "SELECT count(*) FROM facts WHERE is_audit IS false",
+    "SELECT outcome, count(*) FROM extraction_audit GROUP BY outcome",
+    "SELECT purpose, outcome, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
+    "coalesce(sum(cost_usd), 0), coalesce(sum(cache_read_tokens), 0) FROM llm_calls "
+    "GROUP BY purpose, outcome",
+    f"SELECT purpose, {_LE}, count(*), coalesce(sum(latency_ms), 0) FROM llm_calls GROUP BY purpose",
+    "SELECT status, count(*) FROM facts WHERE is_audit IS false GROUP BY status",
+)
+NEW_SCRAPE = (
+    "SELECT sum(n) FROM row_counts WHERE counter = 'facts'",
+    "SELECT label, sum(n) FROM row_counts WHERE counter = 'segments' GROUP BY label",
+    "SELECT purpose, outcome, sum(calls), sum(input_tokens), sum(output_tokens), sum(cost_usd), "
+    "sum(cache_read_tokens) FROM llm_call_totals GROUP BY purpose, outcome",
+    None,  # the latency histogram: compared through the collector's output below
+    "SELECT label, sum(n) FROM row_counts WHERE counter = 'facts' GROUP BY label",
+)
+
+
+def fill(url: str, rows: int) -> None:
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO jobs (kind, subject, status, attempts) SELECT 'extraction', 'page-' || g, "
+            "CASE WHEN g %% 50 = 0 THEN 'failed' ELSE 'succeeded' END, 1 FROM generate_series(1, %s) g",
+            (max(1, rows // 8),),
+        )
+        conn.execute(
+            "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, segment_end, "
+            "outcome, facts_count) SELECT 'default', 'page-' || (g / 8), g %% 8, '2024-01-01T00:00:00Z', "
+            "'2024-01-01T00:10:00Z', CASE WHEN g %% 100 = 0 THEN 'provider_error' ELSE 'ok' END, 1 "
+            "FROM generate_series(1, %s) g",
+            (rows,),
+        )
+        conn.execute(
+            "INSERT INTO facts (source_id, fact, kind, confidence, notability, source, source_session, "
+            "source_markdown_slug, row_num, status) SELECT 'default', 'Alice moved to place ' || g, 'event', "
+            "0.9, 'medium', 'bench', 'bench:' || (g / 8), 'page-' || (g / 8), g %% 8, "
+            "CASE WHEN g %% 20 = 0 THEN 'superseded' ELSE 'current' END FROM generate_series(1, %s) g",
+            (rows,),
+        )
+        conn.execute(
+            "INSERT INTO llm_calls (provider, model, purpose, input_tokens, output_tokens, latency_ms, "
+            "outcome, cost_usd) SELECT 'openai', 'gpt-4o-mini', CASE WHEN g %% 10 = 0 THEN 'embedding' ELSE "
+            "'extraction' END, 1500, 200, 200 + g %% 3000, 'ok', 0.000345 FROM generate_series(1, %s) g",
+            (rows,),
+        )
+        conn.execute("VACUUM ANALYZE")
+
+
+def timed(fn: Callable[[], object], times: int) -> list[float]:
+    samples = []
+    for _ in range(times):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def pct(samples: list[float], q: float) -> float:
+    return sorted(samples)[min(len(samples) - 1, int(q * len(samples)))]
+
+
+def same_figures(factory: sessionmaker[Session]) -> None:
+    """The totals say what the tables say (the histogram is checked through the collector)."""
+    with factory() as session:
+        for old, new in zip(OLD_SCRAPE, NEW_SCRAPE, strict=True):
+            if new is not None:
+                was, now = session.execute(text(old)).all(), session.execute(text(new)).all()
+                assert sorted(map(tuple, was)) == sorted(map(tuple, now)), (old, was, now)
+        old_histogram = {row[0]: list(row[1:]) for row in session.execute(text(OLD_SCRAPE[3]))}
+    [histogram] = [m for m in StoreCollector(factory).collect() if m.name == "factmill_llm_latency_seconds"]
+    for purpose, (*buckets, total, total_ms) in old_histogram.items():
+        samples = [s for s in histogram.samples if s.labels.get("purpose") == purpose]
+        counts = [s.value for s in samples if s.name.endswith("_bucket")]
+        assert counts == [*buckets, total], (purpose, counts, buckets)
+        assert [s.value for s in samples if s.name.endswith("_sum")] == [total_ms / 1000]
+
+
+def reads(factory: sessionmaker[Session], scrapes: int) -> None:
+    collectors = [
+        C(factory) for C in (StoreCollector, CompactionCollector, ConsolidationCollector, BackfillCollector)
+    ]
+
+    def scrape() -> None:
+        for collector in collectors:
+            families = collector.collect()
+            assert not any(m.name == "factmill_store_up" and m.samples[0].value == 0 for m in families)
+
+    def old_aggregates() -> None:
+        with factory() as session:
+            for query in OLD_SCRAPE:
+                session.execute(text(query)).all()
+
+    same_figures(factory)
+    scrape()  # warm both
+    old_aggregates()
+    base = timed(old_aggregates, max(3, scrapes // 4))
+    new = timed(scrape, scrapes)
+    print("1. a scrape (ms)")
+    print(
+        f"   the five aggregates over the tables alone (baseline)  p50 {statistics.median(base):8.1f}  "
+        f"p95 {pct(base, 0.95):8.1f}"
+    )
+    print(
+        f"   all four collectors, running totals (HEAD)            p50 {statistics.median(new):8.1f}  "
+        f"p95 {pct(new, 0.95):8.1f}   {statistics.median(base) / statistics.median(new):,.1f}x faster"
+    )
+    with factory() as session:
+        jobs = timed(
+            lambda: session.execute(
+                text(
+                    "SELECT status, kind, count(*), sum(attempts), sum(worker_losses) FROM jobs GROUP BY 1, 2"
+                )
+            ).all(),
+            5,
+        )
+    print(f"   of which the jobs by status and kind, still aggregated  p50 {statistics.median(jobs):8.1f}")
+
+
+def writes(factory: sessionmaker[Session], commits: int) -> None:
+    ledger = Ledger(lambda key: None)
+    llm_call = LLMCallRecord(
+        "extraction", "openai", "gpt-4o-mini", Usage(input_tokens=1500, output_tokens=200), 900, "ok"
+    )
+    counter = iter(range(10**9))
+
+    def commit(role: str) -> Callable[[], None]:
+        def run() -> None:
+            n = next(counter)
+            with factory.begin() as session:
+                session.execute(text(f"SET LOCAL session_replication_role = {role}"))
+                session.execute(
+                    text(
+                        "INSERT INTO facts (source_id, fact, kind, confidence, notability, source, "
+                        "source_session, source_markdown_slug, row_num) "
+                        "SELECT 'default', 'w ' || g, 'event', 0.9, 'medium', 'w', 'w', :page, g "
+                        "FROM generate_series(0, 2) g"
+                    ),
+                    {"page": f"w-{n}"},
+                )
+                session.execute(
+                    text(
+                        "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, "
+                        "segment_end, outcome, facts_count) VALUES ('default', :page, 0, 'a', 'b', 'ok', 3)"
+                    ),
+                    {"page": f"w-{n}"},
+                )
+                ledger.record(session, llm_call)
+
+        return run
+
+    on, off = commit("origin"), commit("replica")
+    timed(on, 20), timed(off, 20)
+    with_totals: list[float] = []
+    without: list[float] = []
+    for _ in range(max(1, commits // 20)):
+        without += timed(off, 20)
+        with_totals += timed(on, 20)
+    print(
+        f"\n2. a segment's commit (3 facts, its audit row, its LLM call), {len(with_totals)} each, "
+        "alternating (ms)"
+    )
+    print(
+        f"   triggers off (baseline)   p50 {statistics.median(without):6.3f}  p95 {pct(without, 0.95):6.3f}"
+    )
+    print(
+        f"   running totals kept       p50 {statistics.median(with_totals):6.3f}  "
+        f"p95 {pct(with_totals, 0.95):6.3f}"
+        f"   {statistics.median(with_totals) / statistics.median(without):.2f}x the baseline"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--rows", type=int, default=1_000_000, help="facts, segment attempts and LLM calls each"
+    )
+    parser.add_argument("--scrapes", type=int, default=20)
+    parser.add_argument("--commits", type=int, default=600, help="commits of each kind in part 2")
+    args = parser.parse_args()
+    with fresh_database(SERVER, "bench") as url:
+        db.upgrade(url)
+        factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
+        started = time.perf_counter()
+        fill(url, args.rows)
+        print(
+            f"bench/metrics.py: {args.rows:,} facts, segment attempts and LLM calls, {args.rows // 8:,} jobs "
+            f"(filled in {time.perf_counter() - started:.1f} s)\n"
+        )
+        reads(factory, args.scrapes)
+        writes(factory, args.commits)
+
+
+if __name__ == "__main__":
+    main()
