@@ -2,15 +2,17 @@
 
     .venv/bin/python bench/metrics.py [--rows 1000000] [--scrapes 20] [--commits 600]
 
-1. Reads: ``--rows`` facts, segment attempts (extraction_audit) and llm_calls, and a job per eight
-   segments. The four scrape-time collectors of worker.api.metrics as they run now (the running totals
-   of migration 0016) against the baseline: the same figures aggregated from the tables, as every
-   scrape did before (worker/api/metrics.py at 43df1a0; the queries are written out below, and both
-   give the same numbers, checked).
-2. Writes: a segment's commit (three facts, its audit row, its LLM call through the ledger), each in
-   its own transaction, with the totals' triggers on and, as the baseline, off for the session
-   (``session_replication_role = replica``, which also skips the foreign-key checks, so the baseline
-   is if anything cheaper than a commit without the totals), in alternating rounds.
+1. Reads: ``--rows`` facts, segment attempts (extraction_audit) and llm_calls, and a job and a
+   checkpoint per eight segments (one page in a thousand with a skipped segment). The four
+   scrape-time collectors of worker.api.metrics as they run now (the running totals of migration 0016)
+   against the baseline: the same figures aggregated from the tables, as every scrape did before
+   (worker/api/metrics.py at 43df1a0; the queries are written out below, and both give the same
+   numbers, checked).
+2. Writes: a segment's commit (three facts, its audit row, its LLM call through the ledger), and a
+   job's heartbeat, each in its own transaction, with the totals' triggers on and, as the baseline,
+   off for the session (``session_replication_role = replica``, which also skips the foreign-key
+   checks, so the baseline is if anything cheaper than a write without the totals), in alternating
+   rounds.
 
 Needs the local Postgres (127.0.0.1:5432); creates and drops its own database.
 """
@@ -48,6 +50,8 @@ SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 # What StoreCollector and ConsolidationCollector aggregated at every scrape before the running totals.
 _LE = ", ".join(f"count(*) FILTER (WHERE latency_ms <= {ms})" for ms in LLM_LATENCY_BUCKETS_MS)
 OLD_SCRAPE = (
+    "SELECT status, kind, count(*), coalesce(sum(attempts), 0), coalesce(sum(worker_losses), 0) FROM jobs "
+    "GROUP BY status, kind",
     "SELECT count(*) FROM facts WHERE is_audit IS false",
     "SELECT outcome, count(*) FROM extraction_audit GROUP BY outcome",
     "SELECT purpose, outcome, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
@@ -55,14 +59,17 @@ OLD_SCRAPE = (
     "GROUP BY purpose, outcome",
     f"SELECT purpose, {_LE}, count(*), coalesce(sum(latency_ms), 0) FROM llm_calls GROUP BY purpose",
     "SELECT status, count(*) FROM facts WHERE is_audit IS false GROUP BY status",
+    "SELECT coalesce(sum(jsonb_array_length(skipped)), 0) FROM op_checkpoints",
 )
 NEW_SCRAPE = (
+    "SELECT status, kind, sum(jobs), sum(attempts), sum(worker_losses) FROM job_totals GROUP BY status, kind",
     "SELECT sum(n) FROM row_counts WHERE counter = 'facts'",
     "SELECT label, sum(n) FROM row_counts WHERE counter = 'segments' GROUP BY label",
     "SELECT purpose, outcome, sum(calls), sum(input_tokens), sum(output_tokens), sum(cost_usd), "
     "sum(cache_read_tokens) FROM llm_call_totals GROUP BY purpose, outcome",
     None,  # the latency histogram: compared through the collector's output below
     "SELECT label, sum(n) FROM row_counts WHERE counter = 'facts' GROUP BY label",
+    "SELECT coalesce(sum(jsonb_array_length(skipped)), 0) FROM op_checkpoints WHERE skipped <> '[]'::jsonb",
 )
 
 
@@ -93,6 +100,13 @@ def fill(url: str, rows: int) -> None:
             "'extraction' END, 1500, 200, 200 + g %% 3000, 'ok', 0.000345 FROM generate_series(1, %s) g",
             (rows,),
         )
+        conn.execute(
+            "INSERT INTO op_checkpoints (op, fingerprint, page_key, completed_key, messages_done, "
+            "prefix_hash, next_row_num, skipped) SELECT 'extract', 'f', 'default|page-' || g, 'k', 8, "
+            "'h', 8, CASE WHEN g %% 1000 = 0 THEN '[{\"segment_index\": 3}]'::jsonb ELSE '[]'::jsonb END "
+            "FROM generate_series(1, %s) g",
+            (max(1, rows // 8),),
+        )
         conn.execute("VACUUM ANALYZE")
 
 
@@ -116,7 +130,7 @@ def same_figures(factory: sessionmaker[Session]) -> None:
             if new is not None:
                 was, now = session.execute(text(old)).all(), session.execute(text(new)).all()
                 assert sorted(map(tuple, was)) == sorted(map(tuple, now)), (old, was, now)
-        old_histogram = {row[0]: list(row[1:]) for row in session.execute(text(OLD_SCRAPE[3]))}
+        old_histogram = {row[0]: list(row[1:]) for row in session.execute(text(OLD_SCRAPE[4]))}
     [histogram] = [m for m in StoreCollector(factory).collect() if m.name == "factmill_llm_latency_seconds"]
     for purpose, (*buckets, total, total_ms) in old_histogram.items():
         samples = [s for s in histogram.samples if s.labels.get("purpose") == purpose]
@@ -147,23 +161,13 @@ def reads(factory: sessionmaker[Session], scrapes: int) -> None:
     new = timed(scrape, scrapes)
     print("1. a scrape (ms)")
     print(
-        f"   the five aggregates over the tables alone (baseline)  p50 {statistics.median(base):8.1f}  "
+        f"   the same figures aggregated from the tables (baseline) p50 {statistics.median(base):8.1f}  "
         f"p95 {pct(base, 0.95):8.1f}"
     )
     print(
         f"   all four collectors, running totals (HEAD)            p50 {statistics.median(new):8.1f}  "
         f"p95 {pct(new, 0.95):8.1f}   {statistics.median(base) / statistics.median(new):,.1f}x faster"
     )
-    with factory() as session:
-        jobs = timed(
-            lambda: session.execute(
-                text(
-                    "SELECT status, kind, count(*), sum(attempts), sum(worker_losses) FROM jobs GROUP BY 1, 2"
-                )
-            ).all(),
-            5,
-        )
-    print(f"   of which the jobs by status and kind, still aggregated  p50 {statistics.median(jobs):8.1f}")
 
 
 def writes(factory: sessionmaker[Session], commits: int) -> None:
@@ -198,17 +202,38 @@ def writes(factory: sessionmaker[Session], commits: int) -> None:
 
         return run
 
-    on, off = commit("origin"), commit("replica")
+    def heartbeat(role: str) -> Callable[[], None]:
+        def run() -> None:
+            with factory.begin() as session:
+                session.execute(text(f"SET LOCAL session_replication_role = {role}"))
+                session.execute(
+                    text("UPDATE jobs SET heartbeat_at = now() WHERE id = :id"),
+                    {"id": next(counter) % 1000 + 1},
+                )
+
+        return run
+
+    for label, (on, off) in (
+        (
+            "2a. a segment's commit (3 facts, its audit row, its LLM call)",
+            (commit("origin"), commit("replica")),
+        ),
+        (
+            "2b. a job's heartbeat (an UPDATE that moves no total)",
+            (heartbeat("origin"), heartbeat("replica")),
+        ),
+    ):
+        alternate(label, on, off, commits)
+
+
+def alternate(label: str, on: Callable[[], None], off: Callable[[], None], commits: int) -> None:
     timed(on, 20), timed(off, 20)
     with_totals: list[float] = []
     without: list[float] = []
     for _ in range(max(1, commits // 20)):
         without += timed(off, 20)
         with_totals += timed(on, 20)
-    print(
-        f"\n2. a segment's commit (3 facts, its audit row, its LLM call), {len(with_totals)} each, "
-        "alternating (ms)"
-    )
+    print(f"\n{label}, {len(with_totals)} each, alternating (ms)")
     print(
         f"   triggers off (baseline)   p50 {statistics.median(without):6.3f}  p95 {pct(without, 0.95):6.3f}"
     )

@@ -15,7 +15,7 @@ from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, Extract
 from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page
-from models.totals import FACTS_COUNTER, SEGMENTS_COUNTER, LLMCallTotal, RowCount, fold_totals
+from models.totals import FACTS_COUNTER, SEGMENTS_COUNTER, JobTotal, LLMCallTotal, RowCount, fold_totals
 from models.webhook import WebhookDelivery
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ExtractionAudit",
     "Fact",
     "Job",
+    "JobTotal",
     "LLMCall",
     "LLMCallTotal",
     "LLMSpendDay",

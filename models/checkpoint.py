@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Index, Text, func
+from sqlalchemy import DateTime, Index, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -25,7 +25,11 @@ class OpCheckpoint(Base):
 
     __tablename__ = "op_checkpoints"
     # Erasure and store_page find a page's checkpoints by page alone, across operations and fingerprints.
-    __table_args__ = (Index("ix_op_checkpoints_page_key", "page_key"),)
+    # /metrics sums the skipped segments of the few pages that have any (migration 0016).
+    __table_args__ = (
+        Index("ix_op_checkpoints_page_key", "page_key"),
+        Index("ix_op_checkpoints_skipped", "page_key", postgresql_where=text("skipped <> '[]'::jsonb")),
+    )
 
     op: Mapped[str] = mapped_column(Text, primary_key=True)
     fingerprint: Mapped[str] = mapped_column(Text, primary_key=True)

@@ -1,4 +1,4 @@
-"""Running totals that triggers keep as facts, segment attempts and LLM calls are written (migration 0016).
+"""Running totals that triggers keep as jobs, facts, segment attempts and LLM calls are written (0016).
 
 /metrics reads these few rows instead of aggregating the source tables at every scrape. Each writing
 Postgres backend adds to rows of its own (``backend`` is its pid), so concurrent commits never wait on
@@ -36,6 +36,19 @@ class RowCount(Base):
     n: Mapped[int] = _total_column()  # a backend's share may be negative (it deleted others' facts)
 
 
+class JobTotal(Base):
+    """Jobs by status and kind, with the attempts and worker losses they spent, per backend."""
+
+    __tablename__ = "job_totals"
+
+    status: Mapped[str] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(primary_key=True)
+    backend: Mapped[int] = mapped_column(primary_key=True)
+    jobs: Mapped[int] = _total_column()
+    attempts: Mapped[int] = _total_column()
+    worker_losses: Mapped[int] = _total_column()
+
+
 class LLMCallTotal(Base):
     """llm_calls rows by purpose and outcome, per backend: counts, token, cost and latency sums, and
     ``latency_le[i]``, the calls no slower than worker.api.metrics.LLM_LATENCY_BUCKETS_MS[i]."""
@@ -64,6 +77,20 @@ _FOLDS = (
         INSERT INTO row_counts AS r (counter, label, backend, n)
         SELECT counter, label, 0, sum(n) FROM gone GROUP BY counter, label ORDER BY counter, label
         ON CONFLICT (counter, label, backend) DO UPDATE SET n = r.n + EXCLUDED.n
+        """
+    ),
+    text(
+        f"""
+        WITH gone AS (
+            DELETE FROM job_totals WHERE {_GONE} RETURNING status, kind, jobs, attempts, worker_losses
+        )
+        INSERT INTO job_totals AS t (status, kind, backend, jobs, attempts, worker_losses)
+        SELECT status, kind, 0, sum(jobs), sum(attempts), sum(worker_losses) FROM gone
+        GROUP BY status, kind ORDER BY status, kind
+        ON CONFLICT (status, kind, backend) DO UPDATE SET
+            jobs = t.jobs + EXCLUDED.jobs,
+            attempts = t.attempts + EXCLUDED.attempts,
+            worker_losses = t.worker_losses + EXCLUDED.worker_losses
         """
     ),
     text(
@@ -108,6 +135,6 @@ _FOLDS = (
 
 
 def fold_totals(session: Session) -> int:
-    """Fold the per-backend rows of gone backends (row_counts, llm_call_totals, llm_spend_days) into
+    """Fold the per-backend rows of gone backends (the totals tables and llm_spend_days) into
     backend 0, in the caller's transaction; returns how many backend-0 rows it wrote."""
     return sum(session.execute(fold).rowcount for fold in _FOLDS)  # type: ignore[attr-defined]

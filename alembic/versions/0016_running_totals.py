@@ -1,17 +1,20 @@
-"""running totals: what /metrics reports of facts, segments and LLM calls, kept by triggers as rows change
+"""running totals: what /metrics reports of jobs, facts, segments and LLM calls, kept by triggers
 
 Revision ID: 0016
 Revises: 0015
 Create Date: 2026-12-02
 
 Every /metrics scrape aggregated whole tables: at a million rows each, llm_calls took 413 ms (two
-aggregates), facts 330 ms (two), extraction_audit 143 ms (bench/metrics.py). At the goal's 128
-segments a second those tables grow by about 11 million rows a day, so within days a scrape passes its
-5 s statement timeout and the metrics go dark. Statement-level triggers with transition tables now keep
-running totals as rows are written, in the writing transaction (a rollback takes its counts with it):
+aggregates), facts 330 ms (two), extraction_audit 143 ms, and jobs 29 ms at 125,000 (bench/metrics.py).
+At the goal's 128 segments a second those tables grow by about 11 million rows a day, so within days a
+scrape passes its 5 s statement timeout and the metrics go dark. Statement-level triggers with
+transition tables now keep running totals as rows are written, in the writing transaction (a rollback
+takes its counts with it):
 
 - ``row_counts``: facts by status (audit rows excluded; inserts, updates and deletes move it, it is a
   gauge) and extraction_audit rows by outcome (inserts only: a counter);
+- ``job_totals``: jobs by status and kind, with the attempts and worker losses they spent (a gauge;
+  an UPDATE that moves none of them, a heartbeat, writes nothing);
 - ``llm_call_totals``: llm_calls by purpose and outcome (inserts only: counters), with token, cost and
   latency sums and the cumulative latency buckets of factmill_llm_latency_seconds.
 
@@ -21,6 +24,7 @@ wait on one counter row; the maintenance sweep folds the rows of backends that h
 bounds are worker.api.metrics.LLM_LATENCY_BUCKETS_MS, written out here as migrations do not import the
 application (tests/integration/test_totals.py checks the two agree). Existing rows are counted here,
 as backend 0, with the source tables locked against writers so nothing is counted twice or missed.
+The skipped segments /metrics sums get a partial index over the few checkpoints that have any.
 """
 
 from __future__ import annotations
@@ -65,6 +69,16 @@ _ROW_COUNTS = """
     GROUP BY label HAVING sum(n) <> 0 ORDER BY label
     ON CONFLICT (counter, label, backend) DO UPDATE SET n = r.n + EXCLUDED.n
 """
+_JOB_TOTALS = """
+    INSERT INTO job_totals AS t (status, kind, backend, jobs, attempts, worker_losses)
+    SELECT status, kind, {backend}, sum(n), sum(a), sum(l) FROM ({rows}) AS d(status, kind, n, a, l)
+    GROUP BY status, kind HAVING sum(n) <> 0 OR sum(a) <> 0 OR sum(l) <> 0 ORDER BY status, kind
+    ON CONFLICT (status, kind, backend) DO UPDATE SET
+        jobs = t.jobs + EXCLUDED.jobs,
+        attempts = t.attempts + EXCLUDED.attempts,
+        worker_losses = t.worker_losses + EXCLUDED.worker_losses
+"""
+_JOBS = "SELECT status, kind, {sign}1, {sign}attempts, {sign}worker_losses FROM {source}"
 _FACTS = "SELECT status, {sign} count(*) FROM {source} WHERE NOT is_audit GROUP BY status"
 _SEGMENTS = "SELECT outcome, count(*) FROM {source} GROUP BY outcome"
 _PID = "pg_backend_pid()"
@@ -104,12 +118,34 @@ BEGIN
     RETURN NULL;
 END $$;
 
+CREATE FUNCTION count_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        {_JOB_TOTALS.format(backend=_PID, rows=_JOBS.format(sign="", source="new_rows"))};
+    ELSIF TG_OP = 'DELETE' THEN
+        {_JOB_TOTALS.format(backend=_PID, rows=_JOBS.format(sign="-", source="old_rows"))};
+    ELSE  -- a heartbeat moves none of these: the sums come to 0 and nothing is written
+        {
+    _JOB_TOTALS.format(
+        backend=_PID,
+        rows=(
+            _JOBS.format(sign="", source="new_rows")
+            + " UNION ALL "
+            + _JOBS.format(sign="-", source="old_rows")
+        ),
+    )
+};
+    END IF;
+    RETURN NULL;
+END $$;
+
+-- forget_totals(table): empty a totals table; forget_totals('row_counts', counter): one counter's rows.
 CREATE FUNCTION forget_totals() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF TG_TABLE_NAME = 'llm_calls' THEN
-        DELETE FROM llm_call_totals;
+    IF TG_NARGS = 1 THEN
+        EXECUTE format('DELETE FROM %I', TG_ARGV[0]);
     ELSE
-        DELETE FROM row_counts WHERE counter = TG_ARGV[0];
+        DELETE FROM row_counts WHERE counter = TG_ARGV[1];
     END IF;
     RETURN NULL;
 END $$;
@@ -119,11 +155,11 @@ _TRIGGERS = """
 CREATE TRIGGER llm_calls_totals AFTER INSERT ON llm_calls
     REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION count_llm_calls();
 CREATE TRIGGER llm_calls_truncated AFTER TRUNCATE ON llm_calls
-    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('llm_calls');
+    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('llm_call_totals');
 CREATE TRIGGER extraction_audit_totals AFTER INSERT ON extraction_audit
     REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION count_segments();
 CREATE TRIGGER extraction_audit_truncated AFTER TRUNCATE ON extraction_audit
-    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('segments');
+    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('row_counts', 'segments');
 CREATE TRIGGER facts_inserted_totals AFTER INSERT ON facts
     REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION count_facts();
 CREATE TRIGGER facts_updated_totals AFTER UPDATE ON facts
@@ -131,7 +167,15 @@ CREATE TRIGGER facts_updated_totals AFTER UPDATE ON facts
 CREATE TRIGGER facts_deleted_totals AFTER DELETE ON facts
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION count_facts();
 CREATE TRIGGER facts_truncated AFTER TRUNCATE ON facts
-    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('facts');
+    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('row_counts', 'facts');
+CREATE TRIGGER jobs_inserted_totals AFTER INSERT ON jobs
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION count_jobs();
+CREATE TRIGGER jobs_updated_totals AFTER UPDATE ON jobs
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION count_jobs();
+CREATE TRIGGER jobs_deleted_totals AFTER DELETE ON jobs
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION count_jobs();
+CREATE TRIGGER jobs_truncated AFTER TRUNCATE ON jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION forget_totals('job_totals');
 """
 
 
@@ -159,10 +203,27 @@ def upgrade() -> None:
         sa.Column("latency_le", sa.ARRAY(sa.BigInteger()), nullable=False),
         sa.PrimaryKeyConstraint("purpose", "outcome", "backend", name=op.f("pk_llm_call_totals")),
     )
-    op.execute("LOCK TABLE llm_calls, extraction_audit, facts IN SHARE MODE")
+    op.create_table(
+        "job_totals",
+        sa.Column("status", sa.Text(), nullable=False),
+        sa.Column("kind", sa.Text(), nullable=False),
+        sa.Column("backend", sa.Integer(), nullable=False),
+        sa.Column("jobs", sa.BigInteger(), server_default="0", nullable=False),
+        sa.Column("attempts", sa.BigInteger(), server_default="0", nullable=False),
+        sa.Column("worker_losses", sa.BigInteger(), server_default="0", nullable=False),
+        sa.PrimaryKeyConstraint("status", "kind", "backend", name=op.f("pk_job_totals")),
+    )
+    op.create_index(
+        "ix_op_checkpoints_skipped",
+        "op_checkpoints",
+        ["page_key"],
+        postgresql_where=sa.text("skipped <> '[]'::jsonb"),
+    )
+    op.execute("LOCK TABLE jobs, llm_calls, extraction_audit, facts IN SHARE MODE")
     op.execute(_FUNCTIONS)
     op.execute(_TRIGGERS)
     op.execute(_LLM_TOTALS.format(source="llm_calls", backend="0"))
+    op.execute(_JOB_TOTALS.format(backend="0", rows=_JOBS.format(sign="", source="jobs")))
     op.execute(
         _ROW_COUNTS.format(counter="segments", backend="0", rows=_SEGMENTS.format(source="extraction_audit"))
     )
@@ -179,9 +240,15 @@ def downgrade() -> None:
         ("facts_updated_totals", "facts"),
         ("facts_deleted_totals", "facts"),
         ("facts_truncated", "facts"),
+        ("jobs_inserted_totals", "jobs"),
+        ("jobs_updated_totals", "jobs"),
+        ("jobs_deleted_totals", "jobs"),
+        ("jobs_truncated", "jobs"),
     ):
         op.execute(f"DROP TRIGGER {trigger} ON {table}")
-    for function in ("count_llm_calls", "count_segments", "count_facts", "forget_totals"):
+    for function in ("count_llm_calls", "count_segments", "count_facts", "count_jobs", "forget_totals"):
         op.execute(f"DROP FUNCTION {function}()")
+    op.drop_index("ix_op_checkpoints_skipped", table_name="op_checkpoints")
+    op.drop_table("job_totals")
     op.drop_table("llm_call_totals")
     op.drop_table("row_counts")

@@ -116,8 +116,8 @@ def test_0015_fills_each_days_spend_from_the_calls_already_recorded(server_url: 
 
 
 def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: str) -> None:
-    """A database upgraded with facts, segment attempts and LLM calls in it reports them: 0016 counts
-    them into row_counts and llm_call_totals as backend 0, and its triggers count what comes after."""
+    """A database upgraded with jobs, facts, segment attempts and LLM calls in it reports them: 0016
+    counts them into its totals tables as backend 0, and its triggers count what comes after."""
     with fresh_database(server_url, "totals") as url:
         db.upgrade(url, "0015")
         engine = create_engine(url, poolclass=pool.NullPool)
@@ -127,6 +127,12 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
             "('default', 'a', 'event', 1, 'low', 's', 's', 'p', {n}, {audit}, '{status}')"
         )
         with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (kind, subject, status, attempts) VALUES ('extraction', 'a', 'succeeded', 2), "
+                    "('extraction', 'b', 'succeeded', 1)"
+                )
+            )
             for n, (audit, status) in enumerate(
                 [("false", "current"), ("false", "duplicate"), ("true", "current")]
             ):
@@ -159,4 +165,7 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                     "FROM llm_call_totals"
                 )
             ).all() == [("extraction", 2, 15, "0.750000", [0, 1, 1, 1])]
+            assert conn.execute(text("SELECT status, kind, jobs, attempts FROM job_totals")).all() == [
+                ("succeeded", "extraction", 2, 3)
+            ]
         engine.dispose()

@@ -70,7 +70,17 @@ def as_dict(rows: object) -> dict[object, object]:
     return {tuple(row[:-1]) if len(row) > 2 else row[0]: row[-1] for row in rows}  # type: ignore[attr-defined]
 
 
+JOBS_NOW = text(
+    "SELECT status, kind, count(*), sum(attempts), sum(worker_losses) FROM jobs GROUP BY status, kind"
+)
+JOBS_KEPT = text(
+    "SELECT status, kind, sum(jobs), sum(attempts), sum(worker_losses) FROM job_totals "
+    "GROUP BY status, kind HAVING sum(jobs) <> 0"
+)
+
+
 def assert_totals_match(session: Session) -> None:
+    assert sorted(session.execute(JOBS_KEPT).all()) == sorted(session.execute(JOBS_NOW).all())
     assert dict(session.execute(FACTS_KEPT).all()) == dict(session.execute(FACTS_NOW).all())
     assert dict(session.execute(SEGMENTS_KEPT).all()) == dict(session.execute(SEGMENTS_NOW).all())
     assert sorted(session.execute(CALLS_KEPT).all()) == sorted(session.execute(CALLS_NOW).all())
@@ -101,6 +111,36 @@ def test_totals_follow_inserts_updates_deletes_and_rollbacks(tx_factory: session
         assert sorted(session.execute(CALLS_KEPT).all()) == [
             ("consolidation", "provider_error", 1, 0, 0, 0, Decimal("0.000000"), 30_000),
             ("extraction", "ok", 2, 160, 80, 40, Decimal("1.240000"), 940),
+        ]
+        assert_totals_match(session)
+
+
+def test_job_totals_follow_each_jobs_status_and_spent_budgets(database_url: str) -> None:
+    """Jobs by status and kind with their attempts and worker losses; a heartbeat (an UPDATE that moves
+    none of them) writes no total, so the workers' most frequent write costs no counter row."""
+    engine = db.get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE jobs CASCADE"))
+        conn.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status) VALUES ('extraction', 'a', 'queued'), "
+                "('extraction', 'b', 'queued'), ('compaction', 'c', 'queued')"
+            )
+        )
+        conn.execute(text("UPDATE jobs SET status = 'running', attempts = 1 WHERE subject IN ('a', 'c')"))
+        conn.execute(text("UPDATE jobs SET status = 'running', worker_losses = 1 WHERE subject = 'b'"))
+        conn.execute(text("UPDATE jobs SET status = 'succeeded' WHERE subject = 'a'"))
+    with engine.begin() as conn:
+        conn.execute(text("SET LOCAL lock_timeout = '2s'"))
+        versions = text("SELECT ctid::text, * FROM job_totals ORDER BY ctid")  # a rewrite moves the ctid
+        before = conn.execute(versions).all()
+        conn.execute(text("UPDATE jobs SET heartbeat_at = now() WHERE status = 'running'"))
+        assert conn.execute(versions).all() == before
+        conn.execute(text("DELETE FROM jobs WHERE subject = 'c'"))
+    with Session(engine) as session:
+        assert sorted(session.execute(JOBS_KEPT).all()) == [
+            ("running", "extraction", 1, 0, 1),
+            ("succeeded", "extraction", 1, 1, 0),
         ]
         assert_totals_match(session)
 

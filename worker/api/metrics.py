@@ -27,7 +27,7 @@ from models import (
     Compaction,
     ConfigEntry,
     ConsolidationDecision,
-    Job,
+    JobTotal,
     LLMCall,
     LLMCallTotal,
     OpCheckpoint,
@@ -49,6 +49,13 @@ STORE_UP_HELP = "1 if the metrics query reached Postgres"
 
 R = TypeVar("R")
 
+_JOB_TOTALS = select(
+    JobTotal.status,
+    JobTotal.kind,
+    func.sum(JobTotal.jobs),
+    func.sum(JobTotal.attempts),
+    func.sum(JobTotal.worker_losses),
+).group_by(JobTotal.status, JobTotal.kind)
 _ROW_COUNTS = select(RowCount.counter, RowCount.label, func.sum(RowCount.n)).group_by(
     RowCount.counter, RowCount.label
 )
@@ -106,20 +113,12 @@ class _ScrapeTimeCollector(Generic[R]):
 
 
 class _StoreRows:
-    """What one scrape read from the job, fact, segment and LLM tables."""
+    """What one scrape read: the running totals of jobs, facts, segments and LLM calls, and the rest."""
 
     def __init__(self, session: Session) -> None:
-        job_rows = session.execute(
-            select(
-                Job.status,
-                Job.kind,
-                func.count(),
-                func.coalesce(func.sum(Job.attempts), 0),
-                func.coalesce(func.sum(Job.worker_losses), 0),
-            ).group_by(Job.status, Job.kind)
-        ).all()
+        job_rows = session.execute(_JOB_TOTALS).all()
         self.job_counts: dict[tuple[str, str], int] = {
-            (status, kind): n for status, kind, n, _, _ in job_rows
+            (status, kind): int(n) for status, kind, n, _, _ in job_rows
         }
         # The two budgets, summed over the jobs in each (status, kind).
         self.job_spent: dict[tuple[str, str], tuple[int, int]] = {
@@ -132,7 +131,9 @@ class _StoreRows:
         self.segment_rows = [(label, n) for counter, label, n in counts if counter == SEGMENTS_COUNTER]
         # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
         self.skipped_now = session.scalar(
-            select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0))
+            select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0)).where(
+                OpCheckpoint.skipped != text("'[]'::jsonb")  # the partial index ix_op_checkpoints_skipped
+            )
         )
         switch_rows = session.execute(
             select(ConfigEntry.key, ConfigEntry.value).where(ConfigEntry.key.in_(KILL_SWITCHES))
