@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/metrics.py [--rows 1000000] [--scrapes 20] [--commits 600]
 
-1. Reads: ``--rows`` facts, segment attempts (extraction_audit) and llm_calls, and a job and a
-   checkpoint per eight segments (one page in a thousand with a skipped segment). The four
+1. Reads: ``--rows`` facts, segment attempts (extraction_audit), LLM calls and consolidation
+   decisions, a job and a checkpoint per eight segments (one page in a thousand with a skipped
+   segment), and a compaction per ten. The four
    scrape-time collectors of worker.api.metrics as they run now (the running totals of migration 0016)
    against the baseline: the same figures aggregated from the tables, as every scrape did before
    (worker/api/metrics.py at 43df1a0; the queries are written out below, and both give the same
@@ -58,6 +59,9 @@ OLD_SCRAPE = (
     f"SELECT purpose, {_LE}, count(*), coalesce(sum(latency_ms), 0) FROM llm_calls GROUP BY purpose",
     "SELECT status, count(*) FROM facts WHERE is_audit IS false GROUP BY status",
     "SELECT coalesce(sum(jsonb_array_length(skipped)), 0) FROM op_checkpoints",
+    "SELECT decision, decided_by, count(*) FROM consolidation_decisions GROUP BY decision, decided_by",
+    "SELECT status, count(*) FROM compactions GROUP BY status",
+    "SELECT sum(tokens_before - tokens_after) FILTER (WHERE status = 'accepted') FROM compactions",
 )
 NEW_SCRAPE = (
     "SELECT status, kind, sum(jobs), sum(attempts), sum(worker_losses) FROM job_totals GROUP BY status, kind",
@@ -68,6 +72,10 @@ NEW_SCRAPE = (
     None,  # the latency histogram: compared through the collector's output below
     "SELECT label, sum(n) FROM row_counts WHERE counter = 'facts' GROUP BY label",
     "SELECT coalesce(sum(jsonb_array_length(skipped)), 0) FROM op_checkpoints WHERE skipped <> '[]'::jsonb",
+    "SELECT split_part(label, '/', 1), split_part(label, '/', 2), sum(n) FROM row_counts "
+    "WHERE counter = 'decisions' GROUP BY label",
+    "SELECT label, sum(n) FROM row_counts WHERE counter = 'compactions' GROUP BY label",
+    "SELECT sum(n) FROM row_counts WHERE counter = 'compaction_tokens_saved'",
 )
 
 
@@ -104,6 +112,23 @@ def fill(url: str, rows: int) -> None:
             "'h', 8, CASE WHEN g %% 1000 = 0 THEN '[{\"segment_index\": 3}]'::jsonb ELSE '[]'::jsonb END "
             "FROM generate_series(1, %s) g",
             (max(1, rows // 8),),
+        )
+        conn.execute(
+            "INSERT INTO consolidation_decisions (source_id, entity_key, decision, decided_by, reason) "
+            "SELECT 'default', 'e' || (g %% 5000), CASE WHEN g %% 7 = 0 THEN 'duplicate' ELSE 'new' END, "
+            "CASE WHEN g %% 11 = 0 THEN 'model' ELSE 'rule' END, 'r' FROM generate_series(1, %s) g",
+            (rows,),
+        )
+        conn.execute(
+            "INSERT INTO transcripts (id) SELECT 't' || g FROM generate_series(1, %s) g", (rows // 100,)
+        )
+        conn.execute(
+            "INSERT INTO compactions (transcript_id, status, cut_seq, tokens_before, tokens_after, summary) "
+            "SELECT 't' || (g %% %s + 1), CASE WHEN g %% 5 = 0 THEN 'rejected' ELSE 'accepted' END, g, "
+            "20000, CASE WHEN g %% 5 = 0 THEN NULL ELSE 3000 END, "
+            "CASE WHEN g %% 5 = 0 THEN NULL ELSE 's' END "
+            "FROM generate_series(1, %s) g",
+            (max(1, rows // 100), rows // 10),
         )
         conn.execute("VACUUM ANALYZE")
 
@@ -259,7 +284,8 @@ def main() -> None:
         started = time.perf_counter()
         fill(url, args.rows)
         print(
-            f"bench/metrics.py: {args.rows:,} facts, segment attempts and LLM calls, {args.rows // 8:,} jobs "
+            f"bench/metrics.py: {args.rows:,} facts, segment attempts, LLM calls and decisions, "
+            f"{args.rows // 8:,} jobs, {args.rows // 10:,} compactions "
             f"(filled in {time.perf_counter() - started:.1f} s)\n"
         )
         reads(factory, args.scrapes)

@@ -15,13 +15,27 @@ from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, Extract
 from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page
-from models.totals import FACTS_COUNTER, SEGMENTS_COUNTER, JobTotal, LLMCallTotal, RowCount, fold_totals
+from models.totals import (
+    BACKFILL_REQUESTS_COUNTER,
+    COMPACTIONS_COUNTER,
+    DECISIONS_COUNTER,
+    FACTS_COUNTER,
+    SEGMENTS_COUNTER,
+    TOKENS_SAVED_COUNTER,
+    JobTotal,
+    LLMCallTotal,
+    RowCount,
+    fold_totals,
+)
 from models.webhook import WebhookDelivery
 
 __all__ = [
     "API_SCOPES",
+    "BACKFILL_REQUESTS_COUNTER",
     "BACKFILL_STATUSES",
+    "COMPACTIONS_COUNTER",
     "COMPACTION_STATUSES",
+    "DECISIONS_COUNTER",
     "FACTS_COUNTER",
     "FACT_KINDS",
     "JOB_STATUSES",
@@ -30,6 +44,7 @@ __all__ = [
     "NOTABILITY_LEVELS",
     "SEGMENTS_COUNTER",
     "SEGMENT_OUTCOMES",
+    "TOKENS_SAVED_COUNTER",
     "ApiKey",
     "Backfill",
     "BackfillBatch",

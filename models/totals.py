@@ -1,4 +1,4 @@
-"""Running totals that triggers keep as jobs, facts, segment attempts and LLM calls are written (0016).
+"""Running totals of the growing tables, kept by triggers as their rows are written (migration 0016).
 
 /metrics reads these few rows instead of aggregating the source tables at every scrape. Each writing
 Postgres backend adds to rows of its own (``backend`` is its pid), so concurrent commits never wait on
@@ -15,9 +15,23 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base
 
-# The counters of row_counts: facts by status (audit rows excluded), extraction_audit rows by outcome.
+# The counters of row_counts (labels: what each is counted by): facts by status (audit rows excluded),
+# extraction_audit rows by outcome, consolidation decisions by "decision/decided_by", compactions by
+# status, the context tokens accepted compactions saved (label ""), backfill requests by status.
 FACTS_COUNTER = "facts"
 SEGMENTS_COUNTER = "segments"
+DECISIONS_COUNTER = "decisions"
+COMPACTIONS_COUNTER = "compactions"
+TOKENS_SAVED_COUNTER = "compaction_tokens_saved"
+BACKFILL_REQUESTS_COUNTER = "backfill_requests"
+COUNTERS = (
+    FACTS_COUNTER,
+    SEGMENTS_COUNTER,
+    DECISIONS_COUNTER,
+    COMPACTIONS_COUNTER,
+    TOKENS_SAVED_COUNTER,
+    BACKFILL_REQUESTS_COUNTER,
+)
 
 
 def _total_column() -> Mapped[int]:
@@ -25,15 +39,17 @@ def _total_column() -> Mapped[int]:
 
 
 class RowCount(Base):
-    """Rows of a source table by one label (facts by status, segment attempts by outcome), per backend."""
+    """Rows of a source table by one label (facts by status, segments by outcome, ...), per backend."""
 
     __tablename__ = "row_counts"
-    __table_args__ = (CheckConstraint("counter IN ('facts', 'segments')", name="counter"),)
+    __table_args__ = (
+        CheckConstraint("counter IN ({})".format(", ".join(f"'{c}'" for c in COUNTERS)), name="counter"),
+    )
 
     counter: Mapped[str] = mapped_column(primary_key=True)
     label: Mapped[str] = mapped_column(primary_key=True)
     backend: Mapped[int] = mapped_column(primary_key=True)
-    n: Mapped[int] = _total_column()  # a backend's share may be negative (it deleted others' facts)
+    n: Mapped[int] = _total_column()  # a backend's share may be negative (it deleted others' rows)
 
 
 class JobTotal(Base):

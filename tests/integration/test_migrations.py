@@ -129,8 +129,21 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "INSERT INTO jobs (kind, subject, status, attempts) VALUES ('extraction', 'a', 'succeeded', 2), "
-                    "('extraction', 'b', 'succeeded', 1)"
+                    "INSERT INTO jobs (kind, subject, status, attempts) VALUES "
+                    "('extraction', 'a', 'succeeded', 2), ('extraction', 'b', 'succeeded', 1)"
+                )
+            )
+            conn.execute(text("INSERT INTO transcripts (id) VALUES ('t')"))
+            conn.execute(
+                text(
+                    "INSERT INTO compactions (transcript_id, status, cut_seq, tokens_before, tokens_after, "
+                    "summary) VALUES ('t', 'accepted', 1, 1000, 100, 's'), ('t', 'failed', 2, 10, NULL, NULL)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO consolidation_decisions (source_id, entity_key, decision, decided_by, "
+                    "reason) VALUES ('d', 'e', 'new', 'rule', 'r')"
                 )
             )
             for n, (audit, status) in enumerate(
@@ -158,7 +171,15 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
             counts = conn.execute(
                 text("SELECT counter, label, sum(n) FROM row_counts GROUP BY 1, 2 ORDER BY 1, 2")
             ).all()
-            assert counts == [("facts", "current", 2), ("facts", "duplicate", 1), ("segments", "ok", 2)]
+            assert counts == [
+                ("compaction_tokens_saved", "", 900),
+                ("compactions", "accepted", 1),
+                ("compactions", "failed", 1),
+                ("decisions", "new/rule", 1),
+                ("facts", "current", 2),
+                ("facts", "duplicate", 1),
+                ("segments", "ok", 2),
+            ]
             assert conn.execute(
                 text(
                     "SELECT purpose, calls, input_tokens, cost_usd::text, latency_le[1:4] "

@@ -145,6 +145,46 @@ def test_job_totals_follow_each_jobs_status_and_spent_budgets(database_url: str)
         assert_totals_match(session)
 
 
+COUNTED = text("SELECT counter, label, sum(n) FROM row_counts GROUP BY 1, 2 HAVING sum(n) <> 0 ORDER BY 1, 2")
+
+
+def test_compactions_and_decisions_are_counted_through_updates_and_cascades(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """Compactions by status and the tokens accepted ones saved move with updates and with the cascade
+    of a transcript's deletion; decisions are counted as they are made, by decision and decider."""
+    with tx_factory.begin() as session:
+        session.execute(text("INSERT INTO transcripts (id) VALUES ('t1'), ('t2')"))
+        session.execute(
+            text(
+                "INSERT INTO compactions (transcript_id, status, cut_seq, tokens_before, tokens_after, "
+                "summary) VALUES ('t1', 'accepted', 1, 1000, 100, 's'), "
+                "('t1', 'rejected', 2, 500, NULL, NULL), ('t2', 'accepted', 1, 300, 50, 's')"
+            )
+        )
+        session.execute(
+            text(
+                "INSERT INTO consolidation_decisions (source_id, entity_key, decision, decided_by, reason) "
+                "VALUES ('d', 'e', 'duplicate', 'rule', 'r'), ('d', 'e', 'duplicate', 'rule', 'r'), "
+                "('d', 'e', 'updates', 'model', 'r')"
+            )
+        )
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "UPDATE compactions SET status = 'accepted', tokens_after = 400, summary = 's' "
+                "WHERE cut_seq = 2"
+            )
+        )
+        session.execute(text("DELETE FROM transcripts WHERE id = 't2'"))  # cascades to its compaction
+        assert session.execute(COUNTED).all() == [
+            ("compaction_tokens_saved", "", 1000),
+            ("compactions", "accepted", 2),
+            ("decisions", "duplicate/rule", 2),
+            ("decisions", "updates/model", 1),
+        ]
+
+
 def test_latency_buckets_are_the_histograms(tx_factory: sessionmaker[Session]) -> None:
     """The trigger's bucket bounds (written out in migration 0016) are LLM_LATENCY_BUCKETS_MS: a call at
     each bound and one a millisecond past it land where /metrics says they do."""

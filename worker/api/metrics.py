@@ -11,22 +11,23 @@ from typing import Any, Generic, TypeVar
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from sqlalchemy import func, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
+    BACKFILL_REQUESTS_COUNTER,
     BACKFILL_STATUSES,
     COMPACTION_STATUSES,
+    COMPACTIONS_COUNTER,
+    DECISIONS_COUNTER,
     FACTS_COUNTER,
     JOB_STATUSES,
     SEGMENT_OUTCOMES,
     SEGMENTS_COUNTER,
+    TOKENS_SAVED_COUNTER,
     Backfill,
     BackfillBatch,
-    BackfillRequest,
-    Compaction,
     ConfigEntry,
-    ConsolidationDecision,
     JobTotal,
     LLMCall,
     LLMCallTotal,
@@ -56,6 +57,18 @@ _JOB_TOTALS = select(
     func.sum(JobTotal.attempts),
     func.sum(JobTotal.worker_losses),
 ).group_by(JobTotal.status, JobTotal.kind)
+_COUNTS = (
+    select(RowCount.label, func.sum(RowCount.n))
+    .where(RowCount.counter == bindparam("b_counter"))
+    .group_by(RowCount.label)
+)
+
+
+def _counts(session: Session, counter: str) -> dict[str, int]:
+    """One counter of the running totals (models.totals), by label."""
+    return {label: int(n) for label, n in session.execute(_COUNTS, {"b_counter": counter})}
+
+
 _ROW_COUNTS = select(RowCount.counter, RowCount.label, func.sum(RowCount.n)).group_by(
     RowCount.counter, RowCount.label
 )
@@ -254,8 +267,9 @@ def _latency(rows: _StoreRows) -> Metric:
     return latency
 
 
-class CompactionCollector(_ScrapeTimeCollector[dict[str, tuple[int, int]]]):
-    """Prometheus collector over the compactions table, read at scrape time (Postgres is the truth).
+class CompactionCollector(_ScrapeTimeCollector[tuple[dict[str, int], int]]):
+    """Prometheus collector over the compactions' running totals, read at scrape time (Postgres is the
+    truth).
 
     ``factmill_compactions_total{outcome}``: compactions by outcome (accepted, rejected, failed);
     ``factmill_compaction_tokens_saved_total``: context tokens the accepted summaries took out
@@ -265,61 +279,46 @@ class CompactionCollector(_ScrapeTimeCollector[dict[str, tuple[int, int]]]):
 
     reads = "the compactions"
 
-    def read(self, session: Session) -> dict[str, tuple[int, int]]:
-        saved = func.sum(Compaction.tokens_before - Compaction.tokens_after).filter(
-            Compaction.status == "accepted"
-        )
-        rows = session.execute(
-            select(Compaction.status, func.count(), func.coalesce(saved, 0)).group_by(Compaction.status)
-        )
-        return {status: (int(n), int(tokens)) for status, n, tokens in rows}
+    def read(self, session: Session) -> tuple[dict[str, int], int]:
+        return _counts(session, COMPACTIONS_COUNTER), sum(_counts(session, TOKENS_SAVED_COUNTER).values())
 
-    def metrics(self, rows: dict[str, tuple[int, int]]) -> list[Metric]:
+    def metrics(self, rows: tuple[dict[str, int], int]) -> list[Metric]:
+        statuses, tokens_saved = rows
         outcomes = CounterMetricFamily("factmill_compactions", "Compactions by outcome", labels=["outcome"])
-        for status in sorted(set(COMPACTION_STATUSES) | set(rows)):
-            outcomes.add_metric([status], rows.get(status, (0, 0))[0])
+        for status in sorted(set(COMPACTION_STATUSES) | set(statuses)):
+            outcomes.add_metric([status], statuses.get(status, 0))
         saved = CounterMetricFamily(
             "factmill_compaction_tokens_saved",
             "Context tokens taken out by accepted compactions (before - after)",
-            value=sum(tokens for _, tokens in rows.values()),
+            value=tokens_saved,
         )
         return [outcomes, saved]
 
 
-class ConsolidationCollector(_ScrapeTimeCollector[tuple[list[Any], list[Any]]]):
+class ConsolidationCollector(_ScrapeTimeCollector[tuple[dict[str, int], dict[str, int]]]):
     """The fact lifecycle, read at scrape time: ``factmill_consolidation_decisions_total{decision,
     decided_by}`` (the audit rows: duplicate, updates, contradicts, unrelated, new by rule or model;
     unmerge, restore by operators) and ``factmill_facts_by_status{status}``."""
 
     reads = "the consolidation decisions"
 
-    def read(self, session: Session) -> tuple[list[Any], list[Any]]:
-        decisions = session.execute(
-            select(ConsolidationDecision.decision, ConsolidationDecision.decided_by, func.count()).group_by(
-                ConsolidationDecision.decision, ConsolidationDecision.decided_by
-            )
-        ).all()
-        statuses = session.execute(
-            select(RowCount.label, func.sum(RowCount.n))
-            .where(RowCount.counter == FACTS_COUNTER)
-            .group_by(RowCount.label)
-        ).all()
-        return list(decisions), list(statuses)
+    def read(self, session: Session) -> tuple[dict[str, int], dict[str, int]]:
+        return _counts(session, DECISIONS_COUNTER), _counts(session, FACTS_COUNTER)
 
-    def metrics(self, rows: tuple[list[Any], list[Any]]) -> list[Metric]:
+    def metrics(self, rows: tuple[dict[str, int], dict[str, int]]) -> list[Metric]:
         decisions = CounterMetricFamily(
             "factmill_consolidation_decisions",
             "Consolidation decisions by type and by who decided (rule, model, operator)",
             labels=["decision", "decided_by"],
         )
-        for decision, decided_by, n in rows[0]:
-            decisions.add_metric([decision, decided_by], int(n))
+        for label, n in sorted(rows[0].items()):  # labelled "decision/decided_by"
+            decision, _, decided_by = label.partition("/")
+            decisions.add_metric([decision, decided_by], n)
         statuses = GaugeMetricFamily(
             "factmill_facts_by_status", "Facts by lifecycle status (audit rows excluded)", labels=["status"]
         )
-        counts = {status: int(n) for status, n in rows[1]}
         for status in FACT_STATUSES:
-            statuses.add_metric([status], counts.get(status, 0))
+            statuses.add_metric([status], rows[1].get(status, 0))
         return [decisions, statuses]
 
 
@@ -341,7 +340,9 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
         )
         return {
             "backfills": _by_status(session, Backfill.status),
-            "requests": _by_status(session, BackfillRequest.status),
+            "requests": [
+                (status, float(n)) for status, n in _counts(session, BACKFILL_REQUESTS_COUNTER).items()
+            ],
             "batches": _by_status(session, BackfillBatch.status),
             "cost": [("", float(cost or 0))],
         }
