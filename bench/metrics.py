@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.budget import pct, timed  # noqa: E402
 from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import Ledger, LLMCallRecord  # noqa: E402
@@ -133,17 +134,8 @@ def fill(url: str, rows: int) -> None:
         conn.execute("VACUUM ANALYZE")
 
 
-def timed(fn: Callable[[], object], times: int) -> list[float]:
-    samples = []
-    for _ in range(times):
-        started = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - started) * 1000)
-    return samples
-
-
-def pct(samples: list[float], q: float) -> float:
-    return sorted(samples)[min(len(samples) - 1, int(q * len(samples)))]
+def samples(fn: Callable[[], object], times: int) -> list[float]:
+    return timed(fn, times)[0]
 
 
 def same_figures(factory: sessionmaker[Session]) -> None:
@@ -180,8 +172,8 @@ def reads(factory: sessionmaker[Session], scrapes: int) -> None:
     same_figures(factory)
     scrape()  # warm both
     old_aggregates()
-    base = timed(old_aggregates, max(3, scrapes // 4))
-    new = timed(scrape, scrapes)
+    base = samples(old_aggregates, max(3, scrapes // 4))
+    new = samples(scrape, scrapes)
     print("1. a scrape (ms)")
     print(
         f"   the same figures aggregated from the tables (baseline) p50 {statistics.median(base):8.1f}  "
@@ -256,8 +248,8 @@ def alternate(label: str, on: Callable[[], None], off: Callable[[], None], commi
     with_totals: list[float] = []
     without: list[float] = []
     for _ in range(max(1, commits // 20)):
-        without += timed(off, 20)
-        with_totals += timed(on, 20)
+        without += samples(off, 20)
+        with_totals += samples(on, 20)
     print(f"\n{label}, {len(with_totals)} each, alternating (ms)")
     print(
         f"   schema at 0015, no totals (baseline) p50 {statistics.median(without):6.3f}  "

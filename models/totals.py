@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from sqlalchemy import ARRAY, BigInteger, CheckConstraint, Numeric, text
+from sqlalchemy import ARRAY, BigInteger, CheckConstraint, Numeric, TextClause, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base
@@ -86,67 +86,44 @@ class LLMCallTotal(Base):
 # Rows of backends no longer connected, moved into backend 0 (a pid reused meanwhile only waits on the
 # row lock and then starts a row of its own). One statement per table, so each moves all or nothing.
 _GONE = "backend <> 0 AND backend NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+
+
+def _fold(table: str, keys: tuple[str, ...], sums: tuple[str, ...], array: str | None = None) -> TextClause:
+    """The fold of one totals table: its ``keys`` (beside ``backend``), the columns summed, and at most
+    one array column summed element by element."""
+    key_list = ", ".join(keys)
+    summed = [f"sum({c}) AS {c}" for c in sums]
+    added = [f"{c} = t.{c} + EXCLUDED.{c}" for c in sums]
+    if array is not None:
+        match = " AND ".join(f"g2.{k} = g.{k}" for k in keys)
+        summed.append(
+            f"ARRAY(SELECT sum(v) FROM gone g2, unnest(g2.{array}) WITH ORDINALITY AS u(v, i) "
+            f"WHERE {match} GROUP BY i ORDER BY i) AS {array}"
+        )
+        added.append(
+            f"{array} = ARRAY(SELECT a + b FROM unnest(t.{array}, EXCLUDED.{array}) "
+            "WITH ORDINALITY AS u(a, b, i) ORDER BY i)"
+        )
+    values = ", ".join((*sums, *([array] if array else [])))
+    return text(
+        f"WITH gone AS (DELETE FROM {table} WHERE {_GONE} RETURNING *), "
+        f"summed AS (SELECT {key_list}, {', '.join(summed)} FROM gone g GROUP BY {key_list}) "
+        f"INSERT INTO {table} AS t ({key_list}, backend, {values}) "
+        f"SELECT {key_list}, 0, {values} FROM summed ORDER BY {key_list} "
+        f"ON CONFLICT ({key_list}, backend) DO UPDATE SET {', '.join(added)}"
+    )
+
+
 _FOLDS = (
-    text(
-        f"""
-        WITH gone AS (DELETE FROM row_counts WHERE {_GONE} RETURNING counter, label, n)
-        INSERT INTO row_counts AS r (counter, label, backend, n)
-        SELECT counter, label, 0, sum(n) FROM gone GROUP BY counter, label ORDER BY counter, label
-        ON CONFLICT (counter, label, backend) DO UPDATE SET n = r.n + EXCLUDED.n
-        """
+    _fold("row_counts", ("counter", "label"), ("n",)),
+    _fold("job_totals", ("status", "kind"), ("jobs", "attempts", "worker_losses")),
+    _fold(
+        "llm_call_totals",
+        ("purpose", "outcome"),
+        ("calls", "input_tokens", "output_tokens", "cache_read_tokens", "cost_usd", "latency_ms"),
+        array="latency_le",
     ),
-    text(
-        f"""
-        WITH gone AS (
-            DELETE FROM job_totals WHERE {_GONE} RETURNING status, kind, jobs, attempts, worker_losses
-        )
-        INSERT INTO job_totals AS t (status, kind, backend, jobs, attempts, worker_losses)
-        SELECT status, kind, 0, sum(jobs), sum(attempts), sum(worker_losses) FROM gone
-        GROUP BY status, kind ORDER BY status, kind
-        ON CONFLICT (status, kind, backend) DO UPDATE SET
-            jobs = t.jobs + EXCLUDED.jobs,
-            attempts = t.attempts + EXCLUDED.attempts,
-            worker_losses = t.worker_losses + EXCLUDED.worker_losses
-        """
-    ),
-    text(
-        f"""
-        WITH gone AS (DELETE FROM llm_call_totals WHERE {_GONE} RETURNING *),
-        summed AS (
-            SELECT purpose, outcome, sum(calls) AS calls, sum(input_tokens) AS input_tokens,
-                   sum(output_tokens) AS output_tokens, sum(cache_read_tokens) AS cache_read_tokens,
-                   sum(cost_usd) AS cost_usd, sum(latency_ms) AS latency_ms,
-                   ARRAY(SELECT sum(le) FROM gone g2, unnest(g2.latency_le) WITH ORDINALITY AS u(le, i)
-                         WHERE g2.purpose = g.purpose AND g2.outcome = g.outcome GROUP BY i ORDER BY i)
-                       AS latency_le
-            FROM gone g GROUP BY purpose, outcome
-        )
-        INSERT INTO llm_call_totals AS t (purpose, outcome, backend, calls, input_tokens, output_tokens,
-                                          cache_read_tokens, cost_usd, latency_ms, latency_le)
-        SELECT purpose, outcome, 0, calls, input_tokens, output_tokens, cache_read_tokens, cost_usd,
-               latency_ms, latency_le
-        FROM summed ORDER BY purpose, outcome
-        ON CONFLICT (purpose, outcome, backend) DO UPDATE SET
-            calls = t.calls + EXCLUDED.calls,
-            input_tokens = t.input_tokens + EXCLUDED.input_tokens,
-            output_tokens = t.output_tokens + EXCLUDED.output_tokens,
-            cache_read_tokens = t.cache_read_tokens + EXCLUDED.cache_read_tokens,
-            cost_usd = t.cost_usd + EXCLUDED.cost_usd,
-            latency_ms = t.latency_ms + EXCLUDED.latency_ms,
-            latency_le = ARRAY(
-                SELECT a + b FROM unnest(t.latency_le, EXCLUDED.latency_le) WITH ORDINALITY AS u(a, b, i)
-                ORDER BY i
-            )
-        """
-    ),
-    text(
-        f"""
-        WITH gone AS (DELETE FROM llm_spend_days WHERE {_GONE} RETURNING day, scope, cost_usd)
-        INSERT INTO llm_spend_days AS d (day, scope, backend, cost_usd)
-        SELECT day, scope, 0, sum(cost_usd) FROM gone GROUP BY day, scope ORDER BY day, scope
-        ON CONFLICT (day, scope, backend) DO UPDATE SET cost_usd = d.cost_usd + EXCLUDED.cost_usd
-        """
-    ),
+    _fold("llm_spend_days", ("day", "scope"), ("cost_usd",)),
 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from sqlalchemy import Connection, text
@@ -14,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import fold_totals
 from worker import db
 from worker.accounting import PRICES_KEY, Ledger, LLMCallRecord
-from worker.api.metrics import LLM_LATENCY_BUCKETS_MS
+from worker.api.metrics import LLM_LATENCY_BUCKETS_MS, ConsolidationCollector, StoreCollector
 from worker.llm.types import Usage
 
 pytestmark = pytest.mark.integration
@@ -77,6 +78,15 @@ JOBS_KEPT = text(
     "SELECT status, kind, sum(jobs), sum(attempts), sum(worker_losses) FROM job_totals "
     "GROUP BY status, kind HAVING sum(jobs) <> 0"
 )
+
+
+def scrape(collectors: list[StoreCollector | ConsolidationCollector]) -> list[tuple[str, list[Any]]]:
+    """What /metrics would print of these collectors' families, comparable."""
+    return [
+        (m.name, sorted((s.name, sorted(s.labels.items()), s.value) for s in m.samples))
+        for c in collectors
+        for m in c.collect()
+    ]
 
 
 def assert_totals_match(session: Session) -> None:
@@ -228,8 +238,13 @@ def test_each_connection_counts_on_rows_of_its_own_and_the_fold_keeps_every_tota
     finally:
         first.invalidate()  # closes the DBAPI connection: its backend goes away
         first.close()
+    scrapes: list[StoreCollector | ConsolidationCollector] = [
+        StoreCollector(factory),
+        ConsolidationCollector(factory),
+    ]
+    scraped = scrape(scrapes)
     with factory() as session:
-        before = (
+        before: tuple[Counter[str], Counter[str], list[Any]] = (
             Counter(dict(session.execute(FACTS_KEPT).all())),
             Counter(dict(session.execute(SEGMENTS_KEPT).all())),
             sorted(session.execute(CALLS_KEPT).all()),
@@ -246,11 +261,12 @@ def test_each_connection_counts_on_rows_of_its_own_and_the_fold_keeps_every_tota
     with factory() as session:
         assert set(session.scalars(text("SELECT DISTINCT backend FROM row_counts"))) == {0, live}
         assert set(session.scalars(text("SELECT DISTINCT backend FROM llm_call_totals"))) == {live}
-        after = (
+        after: tuple[Counter[str], Counter[str], list[Any]] = (
             Counter(dict(session.execute(FACTS_KEPT).all())),
             Counter(dict(session.execute(SEGMENTS_KEPT).all())),
             sorted(session.execute(CALLS_KEPT).all()),
         )
         assert after == before
         assert_totals_match(session)
+    assert scrape(scrapes) == scraped  # the scrape reads the same, and the latency buckets were summed
     second.close()
