@@ -69,9 +69,6 @@ def _counts(session: Session, counter: str) -> dict[str, int]:
     return {label: int(n) for label, n in session.execute(_COUNTS, {"b_counter": counter})}
 
 
-_ROW_COUNTS = select(RowCount.counter, RowCount.label, func.sum(RowCount.n)).group_by(
-    RowCount.counter, RowCount.label
-)
 # llm_call_totals by purpose and outcome, then each purpose's cumulative latency buckets.
 _LLM_TOTALS = select(
     LLMCallTotal.purpose,
@@ -139,9 +136,8 @@ class _StoreRows:
         }
         # Facts and segment attempts from the running totals the triggers keep (models.totals), not
         # from the tables: at a million rows each the aggregates took a second a scrape.
-        counts = session.execute(_ROW_COUNTS).all()
-        self.facts = sum(n for counter, _, n in counts if counter == FACTS_COUNTER)
-        self.segment_rows = [(label, n) for counter, label, n in counts if counter == SEGMENTS_COUNTER]
+        self.facts = sum(_counts(session, FACTS_COUNTER).values())
+        self.segment_rows = list(_counts(session, SEGMENTS_COUNTER).items())
         # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
         self.skipped_now = session.scalar(
             select(func.coalesce(func.sum(func.jsonb_array_length(OpCheckpoint.skipped)), 0)).where(
