@@ -4,12 +4,13 @@ of gone connections into backend 0 without changing a total."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, create_engine, pool, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import fold_totals
@@ -270,3 +271,71 @@ def test_each_connection_counts_on_rows_of_its_own_and_the_fold_keeps_every_tota
         assert_totals_match(session)
     assert scrape(scrapes) == scraped  # the scrape reads the same, and the latency buckets were summed
     second.close()
+
+
+def test_totals_stay_exact_while_writers_come_and_go_and_the_sweep_folds(database_url: str) -> None:
+    """Writers on short-lived connections (a new backend each transaction, so their rows soon belong to
+    gone backends) insert, update and delete while another thread folds again and again: the fold's
+    deletes meet the writers' upserts on the same rows, and no count is lost or doubled."""
+    engine = db.get_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE facts, extraction_audit, llm_calls, jobs, llm_spend_days CASCADE"))
+    short_lived = create_engine(database_url, poolclass=pool.NullPool)
+    folding, folds = threading.Event(), [0]
+    errors: list[BaseException] = []
+
+    def write(worker: int) -> None:
+        try:
+            for n in range(25):
+                with Session(short_lived) as session, session.begin():
+                    add_facts(session, f"w{worker}-{n}", ["current", "current", "superseded"])
+                    add_attempts(session, ["ok", "malformed_output"] if n % 3 else ["ok"])
+                    LEDGER.record(session, call("extraction", "ok", 10 + n, 40 * n))
+                    session.execute(
+                        text("INSERT INTO jobs (kind, subject) VALUES ('extraction', :s)"),
+                        {"s": f"{worker}-{n}"},
+                    )
+                with Session(short_lived) as session, session.begin():
+                    session.execute(
+                        text(
+                            "UPDATE facts SET status = 'duplicate' "
+                            "WHERE source_markdown_slug = :p AND row_num = 1"
+                        ),
+                        {"p": f"w{worker}-{n - 1}"},
+                    )
+                    session.execute(
+                        text("UPDATE jobs SET status = 'running', attempts = 1 WHERE subject = :s"),
+                        {"s": f"{worker}-{n}"},
+                    )
+                    if n % 5 == 0:
+                        session.execute(
+                            text("DELETE FROM facts WHERE source_markdown_slug = :p"), {"p": f"w{worker}-{n}"}
+                        )
+        except BaseException as exc:  # reported below: a thread's failure must fail the test
+            errors.append(exc)
+
+    def fold() -> None:
+        try:
+            while not folding.is_set():
+                with Session(engine) as session, session.begin():
+                    folds[0] += fold_totals(session)
+        except BaseException as exc:
+            errors.append(exc)
+
+    folder = threading.Thread(target=fold)
+    folder.start()
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(6)]
+    for thread in writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    folding.set()
+    folder.join()
+    short_lived.dispose()
+    assert not errors, errors
+    assert folds[0] > 0  # the fold did move gone backends' rows while the writers wrote
+    with Session(engine) as session:
+        assert_totals_match(session)
+        assert session.scalar(text("SELECT sum(n) FROM row_counts WHERE counter = 'facts'")) == 6 * (
+            25 * 3 - 5 * 3
+        )
