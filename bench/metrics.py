@@ -4,7 +4,7 @@
 
 1. Reads: ``--rows`` facts, segment attempts (extraction_audit), LLM calls and consolidation
    decisions, a job and a checkpoint per eight segments (one page in a thousand with a skipped
-   segment), and a compaction per ten. The four
+   segment), a compaction per ten, and one backfill whose job made a quarter of the calls. The four
    scrape-time collectors of worker.api.metrics as they run now (the running totals of migration 0016)
    against the baseline: the same figures aggregated from the tables, as every scrape did before
    (worker/api/metrics.py at 43df1a0; the queries are written out below, and both give the same
@@ -63,6 +63,7 @@ OLD_SCRAPE = (
     "SELECT decision, decided_by, count(*) FROM consolidation_decisions GROUP BY decision, decided_by",
     "SELECT status, count(*) FROM compactions GROUP BY status",
     "SELECT sum(tokens_before - tokens_after) FILTER (WHERE status = 'accepted') FROM compactions",
+    "SELECT coalesce(sum(cost_usd), 0) FROM llm_calls WHERE job_id IN (SELECT job_id FROM backfills)",
 )
 NEW_SCRAPE = (
     "SELECT status, kind, sum(jobs), sum(attempts), sum(worker_losses) FROM job_totals GROUP BY status, kind",
@@ -77,6 +78,7 @@ NEW_SCRAPE = (
     "WHERE counter = 'decisions' GROUP BY label",
     "SELECT label, sum(n) FROM row_counts WHERE counter = 'compactions' GROUP BY label",
     "SELECT sum(n) FROM row_counts WHERE counter = 'compaction_tokens_saved'",
+    "SELECT coalesce(sum(n), 0) / 1000000.0 FROM row_counts WHERE counter = 'backfill_cost_micro_usd'",
 )
 
 
@@ -87,6 +89,9 @@ def fill(url: str, rows: int) -> None:
             "CASE WHEN g %% 50 = 0 THEN 'failed' ELSE 'succeeded' END, 1 FROM generate_series(1, %s) g",
             (max(1, rows // 8),),
         )
+        conn.execute(
+            "INSERT INTO backfills (source_id, job_id) VALUES ('default', 1)"
+        )  # a quarter of the calls
         conn.execute(
             "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, segment_end, "
             "outcome, facts_count) SELECT 'default', 'page-' || (g / 8), g %% 8, '2024-01-01T00:00:00Z', "
@@ -103,8 +108,10 @@ def fill(url: str, rows: int) -> None:
         )
         conn.execute(
             "INSERT INTO llm_calls (provider, model, purpose, input_tokens, output_tokens, latency_ms, "
-            "outcome, cost_usd) SELECT 'openai', 'gpt-4o-mini', CASE WHEN g %% 10 = 0 THEN 'embedding' ELSE "
-            "'extraction' END, 1500, 200, 200 + g %% 3000, 'ok', 0.000345 FROM generate_series(1, %s) g",
+            "outcome, cost_usd, job_id) SELECT 'openai', 'gpt-4o-mini', "
+            "CASE WHEN g %% 10 = 0 THEN 'embedding' ELSE 'extraction' END, 1500, 200, 200 + g %% 3000, "
+            "'ok', 0.000345, "
+            "CASE WHEN g %% 4 = 0 THEN 1 END FROM generate_series(1, %s) g",
             (rows,),
         )
         conn.execute(

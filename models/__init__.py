@@ -16,6 +16,7 @@ from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page
 from models.totals import (
+    BACKFILL_COST_COUNTER,
     BACKFILL_REQUESTS_COUNTER,
     COMPACTIONS_COUNTER,
     DECISIONS_COUNTER,
@@ -31,6 +32,7 @@ from models.webhook import WebhookDelivery
 
 __all__ = [
     "API_SCOPES",
+    "BACKFILL_COST_COUNTER",
     "BACKFILL_REQUESTS_COUNTER",
     "BACKFILL_STATUSES",
     "COMPACTIONS_COUNTER",

@@ -17,13 +17,15 @@ from models.base import Base
 
 # The counters of row_counts (labels: what each is counted by): facts by status (audit rows excluded),
 # extraction_audit rows by outcome, consolidation decisions by "decision/decided_by", compactions by
-# status, the context tokens accepted compactions saved (label ""), backfill requests by status.
+# status, the context tokens accepted compactions saved (label ""), backfill requests by status, what
+# backfill jobs' LLM calls cost.
 FACTS_COUNTER = "facts"
 SEGMENTS_COUNTER = "segments"
 DECISIONS_COUNTER = "decisions"
 COMPACTIONS_COUNTER = "compactions"
 TOKENS_SAVED_COUNTER = "compaction_tokens_saved"
 BACKFILL_REQUESTS_COUNTER = "backfill_requests"
+BACKFILL_COST_COUNTER = "backfill_cost_micro_usd"  # micro-dollars (cost_usd has six places), label ""
 COUNTERS = (
     FACTS_COUNTER,
     SEGMENTS_COUNTER,
@@ -31,6 +33,7 @@ COUNTERS = (
     COMPACTIONS_COUNTER,
     TOKENS_SAVED_COUNTER,
     BACKFILL_REQUESTS_COUNTER,
+    BACKFILL_COST_COUNTER,
 )
 
 

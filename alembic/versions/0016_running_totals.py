@@ -18,7 +18,8 @@ takes its counts with it):
   latency sums and the cumulative latency buckets of factmill_llm_latency_seconds;
 - ``row_counts``: facts by status (audit rows excluded), compactions by status and the tokens the
   accepted ones saved, backfill requests by status (gauges: inserts, updates and deletes move them);
-  segment attempts by outcome and consolidation decisions by decision and decider (counters: inserts).
+  segment attempts by outcome, consolidation decisions by decision and decider, and what backfill
+  jobs' LLM calls cost (counters: inserts).
 
 A row per writing backend (``pg_backend_pid()``), as llm_spend_days does, so concurrent commits never
 wait on one counter row; the maintenance sweep folds the rows of backends that have gone into backend
@@ -115,6 +116,15 @@ SOURCES = (
         gauge=False,
         forget="'llm_call_totals'",
     ),
+    _Source(  # what backfill (batch_extraction) jobs' calls cost, in micro-dollars: cost_usd has 6 places
+        "llm_calls",
+        "count_backfill_spend",
+        _ROW_COUNTS,
+        "SELECT 'backfill_cost_micro_usd', '', (c.cost_usd * 1000000)::bigint FROM {source} c "
+        "JOIN backfills b ON b.job_id = c.job_id WHERE c.cost_usd > 0",
+        gauge=False,
+        forget="'row_counts', 'backfill_cost_micro_usd'",
+    ),
     _Source(
         "facts",
         "count_facts",
@@ -158,7 +168,15 @@ SOURCES = (
         forget="'row_counts', 'backfill_requests'",
     ),
 )
-COUNTERS = ("facts", "segments", "decisions", "compactions", "compaction_tokens_saved", "backfill_requests")
+COUNTERS = (
+    "facts",
+    "segments",
+    "decisions",
+    "compactions",
+    "compaction_tokens_saved",
+    "backfill_requests",
+    "backfill_cost_micro_usd",
+)
 
 
 def _function(source: _Source) -> str:
@@ -198,16 +216,16 @@ def _triggers(source: _Source) -> list[tuple[str, str]]:
         ]
     made = [
         (
-            f"{source.table}_{event}_totals",
-            f"CREATE TRIGGER {source.table}_{event}_totals AFTER {verb} ON {source.table} "
+            f"{source.function}_{event}",
+            f"CREATE TRIGGER {source.function}_{event} AFTER {verb} ON {source.table} "
             f"REFERENCING {tables} FOR EACH STATEMENT EXECUTE FUNCTION {source.function}()",
         )
         for event, verb, tables in events
     ]
     made.append(
         (
-            f"{source.table}_truncated_totals",
-            f"CREATE TRIGGER {source.table}_truncated_totals AFTER TRUNCATE ON {source.table} "
+            f"{source.function}_truncated",
+            f"CREATE TRIGGER {source.function}_truncated AFTER TRUNCATE ON {source.table} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION forget_totals({source.forget})",
         )
     )
@@ -271,7 +289,8 @@ def upgrade() -> None:
         ["page_key"],
         postgresql_where=sa.text("skipped <> '[]'::jsonb"),
     )
-    op.execute("LOCK TABLE {} IN SHARE MODE".format(", ".join(source.table for source in SOURCES)))
+    tables = sorted({source.table for source in SOURCES} | {"backfills"})  # backfills: joined to calls
+    op.execute("LOCK TABLE {} IN SHARE MODE".format(", ".join(tables)))
     op.execute(_FORGET)
     for source in SOURCES:
         op.execute(_function(source))

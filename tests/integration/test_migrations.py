@@ -164,6 +164,16 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                     "('p', 'm', 'extraction', 'ok', 5, 0.25, 700)"
                 )
             )
+            # A backfill's job and its one call: 0016 counts what backfill jobs' calls cost.
+            conn.execute(
+                text("INSERT INTO backfills (source_id, job_id) SELECT 'd', id FROM jobs WHERE subject = 'a'")
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO llm_calls (provider, model, purpose, outcome, cost_usd, batch, job_id) "
+                    "SELECT 'p', 'm', 'extraction', 'ok', 0.125, true, id FROM jobs WHERE subject = 'a'"
+                )
+            )
         db.upgrade(url)
         with engine.begin() as conn:
             conn.execute(text(facts.format(n=7, audit="false", status="current")))
@@ -172,6 +182,7 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                 text("SELECT counter, label, sum(n) FROM row_counts GROUP BY 1, 2 ORDER BY 1, 2")
             ).all()
             assert counts == [
+                ("backfill_cost_micro_usd", "", 125_000),
                 ("compaction_tokens_saved", "", 900),
                 ("compactions", "accepted", 1),
                 ("compactions", "failed", 1),
@@ -185,7 +196,7 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                     "SELECT purpose, calls, input_tokens, cost_usd::text, latency_le[1:4] "
                     "FROM llm_call_totals"
                 )
-            ).all() == [("extraction", 2, 15, "0.750000", [0, 1, 1, 1])]
+            ).all() == [("extraction", 3, 15, "0.875000", [1, 2, 2, 2])]
             assert conn.execute(text("SELECT status, kind, jobs, attempts FROM job_totals")).all() == [
                 ("succeeded", "extraction", 2, 3)
             ]

@@ -16,7 +16,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import fold_totals
 from worker import db
 from worker.accounting import PRICES_KEY, Ledger, LLMCallRecord
-from worker.api.metrics import LLM_LATENCY_BUCKETS_MS, ConsolidationCollector, StoreCollector
+from worker.api.metrics import (
+    LLM_LATENCY_BUCKETS_MS,
+    BackfillCollector,
+    ConsolidationCollector,
+    StoreCollector,
+)
 from worker.llm.types import Usage
 
 pytestmark = pytest.mark.integration
@@ -194,6 +199,32 @@ def test_compactions_and_decisions_are_counted_through_updates_and_cascades(
             ("decisions", "duplicate/rule", 2),
             ("decisions", "updates/model", 1),
         ]
+
+
+def test_backfill_spend_counts_only_the_calls_of_backfill_jobs(tx_factory: sessionmaker[Session]) -> None:
+    """factmill_backfill_cost_usd_total: the calls of jobs a backfill runs, exactly (micro-dollars),
+    as the sum over those calls' rows said; other jobs' calls and free calls add nothing."""
+    with tx_factory.begin() as session:
+        ids = session.scalars(
+            text(
+                "INSERT INTO jobs (kind, subject) VALUES ('batch_extraction', 'b'), ('extraction', 'e') "
+                "RETURNING id"
+            )
+        ).all()
+        session.execute(text("INSERT INTO backfills (source_id, job_id) VALUES ('d', :j)"), {"j": ids[0]})
+        priced = Ledger(lambda key: '{"m": {"input": 1.5, "output": 0}}' if key == PRICES_KEY else None)
+        for job_id, tokens in ((ids[0], 7), (ids[0], 1), (ids[1], 1000), (ids[0], 0)):
+            record = LLMCallRecord("extraction", "p", "m", Usage(input_tokens=tokens), 5, "ok", job_id=job_id)
+            priced.record(session, record)
+        old = session.scalar(
+            text(
+                "SELECT sum(cost_usd) FROM llm_calls WHERE job_id IN (SELECT job_id FROM backfills "
+                "WHERE job_id IS NOT NULL)"
+            )
+        )
+    assert old == Decimal("0.000012")  # 8 tokens at $1.50 a million
+    [cost] = [m for m in BackfillCollector(tx_factory).collect() if m.name == "factmill_backfill_cost_usd"]
+    assert cost.samples[0].value == float(old)
 
 
 def test_latency_buckets_are_the_histograms(tx_factory: sessionmaker[Session]) -> None:

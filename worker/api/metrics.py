@@ -15,6 +15,7 @@ from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
+    BACKFILL_COST_COUNTER,
     BACKFILL_REQUESTS_COUNTER,
     BACKFILL_STATUSES,
     COMPACTION_STATUSES,
@@ -29,7 +30,6 @@ from models import (
     BackfillBatch,
     ConfigEntry,
     JobTotal,
-    LLMCall,
     LLMCallTotal,
     OpCheckpoint,
     RowCount,
@@ -330,17 +330,14 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
     reads = "the backfills"
 
     def read(self, session: Session) -> dict[str, list[tuple[str, float]]]:
-        job_ids = select(Backfill.job_id).where(Backfill.job_id.is_not(None)).scalar_subquery()
-        cost = session.scalar(
-            select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id.in_(job_ids))
-        )
+        micro_usd = sum(_counts(session, BACKFILL_COST_COUNTER).values())
         return {
             "backfills": _by_status(session, Backfill.status),
             "requests": [
                 (status, float(n)) for status, n in _counts(session, BACKFILL_REQUESTS_COUNTER).items()
             ],
             "batches": _by_status(session, BackfillBatch.status),
-            "cost": [("", float(cost or 0))],
+            "cost": [("", micro_usd / 1_000_000)],
         }
 
     def metrics(self, rows: dict[str, list[tuple[str, float]]]) -> list[Metric]:
