@@ -73,10 +73,6 @@ def call(purpose: str, outcome: str, tokens: int, latency_ms: int) -> LLMCallRec
     return LLMCallRecord(purpose, "p", "m", usage, latency_ms=latency_ms, outcome=outcome)
 
 
-def as_dict(rows: object) -> dict[object, object]:
-    return {tuple(row[:-1]) if len(row) > 2 else row[0]: row[-1] for row in rows}  # type: ignore[attr-defined]
-
-
 JOBS_NOW = text(
     "SELECT status, kind, count(*), sum(attempts), sum(worker_losses) FROM jobs GROUP BY status, kind"
 )
