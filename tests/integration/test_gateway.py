@@ -466,25 +466,32 @@ def test_thirty_percent_faults_still_extract_every_page(factory: sessionmaker[Se
     assert (
         sum(count for outcome, count in faults.items() if outcome != "ok") >= 0.15 * stats["requests_total"]
     )
-    # Every content fault the simulator served is a recorded attempt in extraction_audit and llm_calls.
-    audit, calls = audit_outcomes(factory)
-    for fault, outcome in (
-        ("malformed", "malformed_output"),
-        ("truncated", "truncated_output"),
-        ("refusal", "refusal"),
-    ):
-        assert faults.get(fault, 0) > 0, faults
-        assert audit[outcome] == calls[outcome] == faults[fault], (fault, audit, faults)
-    assert audit["ok"] == calls["ok"] >= PAGES * SEGMENTS_PER_PAGE
-    # Every transport fault was retried by the gateway, seen by its attempt listener, and recorded as a
-    # provider_error attempt in both tables (retried or not: each one cost a request).
+    # Every fault the simulator served is seen by the client: a transport fault as a failed attempt (its
+    # listener saw it, the gateway retried it, both tables hold a provider_error row: each one cost a
+    # request), a content fault as an attempt with that outcome in extraction_audit and llm_calls. On a
+    # loaded machine the simulator can answer after the client's 1 s timeout: the client then counts a
+    # timeout where the simulator counts what it served. Those late answers are the only slack allowed.
     failed = [r for r in records if r.error is not None]
     kinds = Counter(transport_kind(r, api) for r in failed)
-    for fault in TRANSPORT_FAULTS:
+    audit, calls = audit_outcomes(factory)
+    assert audit == calls
+    assert audit["provider_error"] == len(failed)
+    late = kinds["timeout"] - faults.get("timeout", 0)
+    assert 0 <= late <= 3, (kinds, faults)
+    seen = {
+        **{fault: kinds[fault] for fault in TRANSPORT_FAULTS if fault != "timeout"},
+        "timeout": kinds["timeout"] - late,
+        "malformed": audit["malformed_output"],
+        "truncated": audit["truncated_output"],
+        "refusal": audit["refusal"],
+        "ok": audit["ok"],
+    }
+    for fault, count in seen.items():
         assert faults.get(fault, 0) > 0, faults
-        assert kinds[fault] == faults[fault], (fault, kinds, faults)
-    assert audit["provider_error"] == calls["provider_error"] == len(failed)
-    assert len(failed) == sum(faults[fault] for fault in TRANSPORT_FAULTS)
+        assert faults[fault] - late <= count <= faults[fault], (fault, seen, faults)
+    assert sum(faults[fault] - count for fault, count in seen.items()) == late, (seen, faults)
+    assert set(faults) <= set(seen), faults
+    assert audit["ok"] >= PAGES * SEGMENTS_PER_PAGE
 
 
 # --------------------------------------------------------------------------------------------------
