@@ -165,18 +165,21 @@ def postgres_processes() -> list[psutil.Process]:
 
 
 def cpu_by_pid(procs: list[psutil.Process]) -> dict[int, float]:
-    """User + system CPU seconds of each of ``procs`` still running, by pid."""
+    """User + system CPU seconds of each of ``procs`` still running, by pid, with their children that
+    ended and were reaped: a Postgres backend that exits mid-run (a pool's overflow connection)
+    counts in its postmaster's children times."""
     seconds = {}
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             times = proc.cpu_times()
-            seconds[proc.pid] = times.user + times.system
+            seconds[proc.pid] = times.user + times.system + times.children_user + times.children_system
     return seconds
 
 
 def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
     """CPU seconds spent between two ``cpu_by_pid`` readings, counting processes started in between
-    (a connection pool's new backends) from zero; one that ended in between is not counted."""
+    (a connection pool's new backends) from zero; one that ended in between counts through its
+    parent's children times."""
     return sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
 
 
