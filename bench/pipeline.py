@@ -183,11 +183,14 @@ def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
     return sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
 
 
-def committed_transactions(conn: psycopg.Connection[tuple[int]], name: str) -> int:
-    """Transactions committed so far in database ``name`` (statistics are flushed within a second)."""
+def database_counts(conn: psycopg.Connection[tuple[int, int]], name: str) -> tuple[int, int]:
+    """(transactions committed, connections opened) so far in database ``name`` (statistics are
+    flushed within a second)."""
     conn.execute("SELECT pg_stat_clear_snapshot()")
-    row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (name,)).fetchone()
-    return int(row[0]) if row else 0
+    row = conn.execute(
+        "SELECT xact_commit, sessions FROM pg_stat_database WHERE datname = %s", (name,)
+    ).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
 def sequential_baseline(simulator_url: str, samples: int) -> float:
@@ -219,6 +222,7 @@ class Figures:
     failed_jobs: int
     others_cpu: dict[str, float]  # CPU seconds of the other processes over the drain (postgres, simulator)
     transactions: int  # transactions committed in the bench database over the drain (pg_stat_database)
+    connections: int  # connections opened to the bench database over the drain (pg_stat_database)
     segment_commits: int  # transactions that committed ok segments (facts + audit + checkpoint)
 
 
@@ -258,7 +262,8 @@ def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[i
         f"postgres: {f.transactions} transactions committed over the drain, "
         f"{f.transactions / max(f.ok, 1):.2f} per ok segment, "
         f"{f.transactions * args.segments / max(f.ok, 1):.1f} per page; "
-        f"{f.segment_commits} segment commits, {f.ok / max(f.segment_commits, 1):.2f} segments each"
+        f"{f.segment_commits} segment commits, {f.ok / max(f.segment_commits, 1):.2f} segments each; "
+        f"{f.connections} connections opened ({f.connections / f.elapsed:.1f} a second)"
     )
 
 
@@ -391,7 +396,7 @@ def main() -> None:
         cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
         others_before = {label: cpu_by_pid(group()) for label, group in others.items()}
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
-            transactions_before = committed_transactions(conn, name)
+            transactions_before, connections_before = database_counts(conn, name)
             while True:
                 done = conn.execute(
                     "SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')"
@@ -416,7 +421,8 @@ def main() -> None:
                 label: cpu_since(others_before[label], cpu_by_pid(group())) for label, group in others.items()
             }
             time.sleep(1.5)  # backends flush their statistics at most once a second
-            transactions = committed_transactions(conn, name) - transactions_before
+            transactions, connections = database_counts(conn, name)
+            transactions, connections = transactions - transactions_before, connections - connections_before
             failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
             # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
             measured = conn.execute(
@@ -433,7 +439,7 @@ def main() -> None:
             args,
             Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline,
                     args.pages / webhook_seconds, failed[0] if failed else -1, others_cpu, transactions,
-                    commits[0] if commits else 0),
+                    connections, commits[0] if commits else 0),
             in_flight,
             samples,
         )  # fmt: skip
