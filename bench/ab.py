@@ -26,6 +26,7 @@ FIGURES = {
     "segments_per_s": re.compile(r"^pipeline: ([\d.]+) segments/s", re.M),
     "of_ideal": re.compile(r"^\s+vs ideal .*: ([\d.]+)$", re.M),
     "worker_ms": re.compile(r"^worker CPU: ([\d.]+) ms per ok segment", re.M),
+    "postgres_ms": re.compile(r"^\s+the rest of the machine per ok segment: postgres ([\d.]+) ms", re.M),
 }
 
 
@@ -77,7 +78,8 @@ def main() -> None:
                     runs.append(Run(tree, figures))
                     print(
                         f"  round {number} {tree:<4}  {figures['segments_per_s']:8.1f} segments/s"
-                        f"  {figures['of_ideal']:5.2f} of ideal  {figures['worker_ms']:6.2f} ms a segment",
+                        f"  {figures['of_ideal']:5.2f} of ideal  {figures['worker_ms']:6.2f} ms a segment"
+                        f" (Postgres {figures['postgres_ms']:.2f} ms)",
                         flush=True,
                     )
         finally:
@@ -90,12 +92,12 @@ def main() -> None:
         m = medians[tree]
         print(
             f"  {tree:<4}  {m['segments_per_s']:8.1f} segments/s  {m['of_ideal']:5.2f} of ideal"
-            f"  {m['worker_ms']:6.2f} ms a segment"
+            f"  {m['worker_ms']:6.2f} ms a segment (Postgres {m['postgres_ms']:.2f} ms)"
         )
     ratio = {name: medians["HEAD"][name] / medians["base"][name] for name in FIGURES}
     print(
         f"  HEAD / base: segments/s {ratio['segments_per_s']:.2f}x, worker CPU a segment "
-        f"{ratio['worker_ms']:.2f}x (below 1 is cheaper)"
+        f"{ratio['worker_ms']:.2f}x, Postgres CPU a segment {ratio['postgres_ms']:.2f}x (below 1 is cheaper)"
     )
 
 
