@@ -48,9 +48,13 @@ def get_engine(url: str) -> Engine:
     return create_pooled_engine(url)
 
 
-def create_pooled_engine(url: str, *, ping_after_idle: float = PING_AFTER_IDLE_SECONDS) -> Engine:
-    """An engine whose pool pings a connection before use once it sat idle ``ping_after_idle`` seconds."""
-    engine = create_engine(url, pool_size=10, max_overflow=70)
+def create_pooled_engine(
+    url: str, *, ping_after_idle: float = PING_AFTER_IDLE_SECONDS, settings: Settings | None = None
+) -> Engine:
+    """An engine whose pool keeps ``db_pool_size`` connections, opens up to ``db_max_overflow`` more for
+    a burst, and pings a connection before use once it sat idle ``ping_after_idle`` seconds."""
+    settings = settings or get_settings()
+    engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
     _ping_idle_connections(engine, ping_after_idle)
     return engine
 

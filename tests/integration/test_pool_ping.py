@@ -3,6 +3,8 @@ backend for the pooled connection is terminated (what a server restart does to e
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +12,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from worker import db
+from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +60,35 @@ def test_a_connection_reused_within_the_threshold_is_not_pinged(
         backend_pid(engine)
     assert failed.value.connection_invalidated
     assert backend_pid(engine) != first
+
+
+def live_backends(database_url: str, pids: set[int]) -> set[int]:
+    with db.get_engine(database_url).connect() as conn:
+        rows = conn.execute(
+            text("SELECT pid FROM pg_stat_activity WHERE pid = ANY(:pids)"), {"pids": list(pids)}
+        )
+        return {int(pid) for (pid,) in rows}
+
+
+def test_the_pool_keeps_db_pool_size_connections_and_closes_a_burst_beyond_them(
+    database_url: str, engines: list[Engine]
+) -> None:
+    settings = Settings(database_url=database_url, db_pool_size=12, db_max_overflow=4)
+    engine = db.create_pooled_engine(database_url, settings=settings)
+    engines.append(engine)
+
+    def burst(size: int) -> set[int]:
+        with contextlib.ExitStack() as stack:
+            conns = [stack.enter_context(engine.connect()) for _ in range(size)]
+            return {int(conn.scalar(text("SELECT pg_backend_pid()"))) for conn in conns}
+
+    kept = burst(12)
+    assert len(kept) == 12
+    assert burst(12) == kept  # every one kept: the same backends serve the next burst
+    widest = burst(16)  # four past what the pool keeps: opened for the burst, closed when returned
+    assert kept < widest and len(widest) == 16
+    assert engine.pool.checkedin() == 12  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    while len(live_backends(database_url, widest)) > 12 and time.monotonic() < deadline:
+        time.sleep(0.05)  # a closed connection's backend exits a moment later
+    assert len(live_backends(database_url, widest)) == 12  # which four closed is the pool's choice
