@@ -10,6 +10,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConfigEntry
+from models.reads import read_only
 from worker.accounting import validate_config_value
 from worker.core.ttl_cache import TtlCache
 
@@ -91,7 +92,7 @@ class ConfigReader:
         return self._cache.load(key) if fresh else self._cache.get(key)
 
     def _read(self, key: str) -> str | None:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return get_config(session, key)
 
     def enabled(self, key: str) -> bool:

@@ -10,6 +10,7 @@ from sqlalchemy import Date, bindparam, cast, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall, LLMSpendDay
+from models.reads import read_only
 from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
 
@@ -74,12 +75,12 @@ class Budget:
     def _spent_since_midnight(self, _: None) -> Decimal:
         """The scope's spend since UTC midnight (by the database's clock, as the ledger dates calls)."""
         scope = SEARCH_SCOPE if self._search else WORK_SCOPE
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             spent = session.scalar(_SPENT_TODAY, {"b_scope": scope})
         return Decimal(spent or 0)
 
     def spent_by_job(self, job_id: int) -> Decimal:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             spent = session.scalar(
                 select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id == job_id)
             )

@@ -14,6 +14,7 @@ from sqlalchemy import func
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationThreshold
+from models.reads import read_only
 from worker.calibration import queries
 from worker.calibration.queries import AddReport
 from worker.core.calibration import SPLIT_METHOD, ActiveThreshold, Evaluation, Observation, ObservationIn
@@ -95,7 +96,7 @@ class CalibrationStore:
 
     def active(self) -> ActiveThreshold:
         """The τ gates use now (read in its own session)."""
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.active_threshold(session)
 
     @contextmanager

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Compaction, Transcript, TranscriptMessageRow
+from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.compaction import queries
 from worker.compaction.queries import (
@@ -38,33 +39,33 @@ class TranscriptStore:
     # -- reads --------------------------------------------------------------
 
     def timeline(self, transcript_id: str) -> Timeline:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.load_timeline(session, transcript_id)
 
     def compaction_input(self, transcript_id: str, intent_messages: int) -> tuple[Timeline, list[str]]:
         """The timeline to compact and the latest user texts its intent is read from, in one read."""
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             timeline = queries.load_timeline(session, transcript_id)
             return timeline, queries.latest_user_texts(session, transcript_id, intent_messages)
 
     def context_view(self, transcript_id: str) -> ContextView:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.context_view(session, transcript_id)
 
     def stats(self, transcript_id: str) -> TranscriptStats:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.transcript_stats(session, transcript_id)
 
     def messages(
         self, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
     ) -> list[TranscriptMessageRow]:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.list_messages(session, transcript_id, after_seq=after_seq, limit=limit)
 
     def compactions(
         self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
     ) -> list[Compaction]:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return queries.list_compactions(session, transcript_id, limit=limit, before_id=before_id)
 
     # -- writes -------------------------------------------------------------

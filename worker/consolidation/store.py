@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
 from models.fact import ORPHANED_LINK_SQL
+from models.reads import read_only
 from models.tables import FACTS
 from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
@@ -65,7 +66,7 @@ class ConsolidationStore:
             .where(Fact.source_id == source_id, ~Fact.is_audit, _entity(entity_key))
             .order_by(Fact.id)
         )
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return [
                 StoredFact(
                     FactView(

@@ -10,6 +10,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
+from models.reads import read_only
 from worker.accounting import Ledger
 from worker.core.conversation import Segment
 from worker.extraction.rows import SegmentPlace, call_records
@@ -103,7 +104,7 @@ class BackfillStore:
         self._factory = factory
 
     def load(self, backfill_id: int) -> Backfill | None:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return session.get(Backfill, backfill_id)
 
     def store_plan(self, backfill_id: int, batches: Sequence[PlannedBatch]) -> None:
@@ -132,7 +133,7 @@ class BackfillStore:
             backfill.status = "running"
 
     def batches(self, backfill_id: int, statuses: Sequence[str] = OPEN_BATCHES) -> list[BatchRow]:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             rows = session.execute(
                 select(
                     BackfillBatch.id, BackfillBatch.key, BackfillBatch.status, BackfillBatch.provider_batch_id
@@ -144,7 +145,7 @@ class BackfillStore:
 
     def pending_requests(self, batch_id: int) -> list[RequestRow]:
         """The batch's requests still waiting for a result, in page order (slug, then segment)."""
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             rows = session.execute(
                 select(
                     BackfillRequest.id,
@@ -161,7 +162,7 @@ class BackfillStore:
         return [RequestRow(*row) for row in rows]
 
     def still_pending(self, request_ids: Sequence[int]) -> set[int]:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             rows = session.scalars(
                 select(BackfillRequest.id).where(
                     BackfillRequest.id.in_(request_ids), BackfillRequest.status == "pending"

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, OpCheckpoint, Page
 from models.bulk import BulkInsert
+from models.reads import read_only
 from models.tables import EXTRACTION_AUDIT, FACTS
 from worker.accounting import Ledger
 from worker.core.checkpoint import (
@@ -118,7 +119,7 @@ class ExtractionStore:
     def list_pages(self, source_id: str, types: Sequence[str], slug: str | None = None) -> list[PageRef]:
         query = LIST_PAGES if slug is None else LIST_ONE_PAGE
         params = {"source_id": source_id, "types": list(types), "slug": slug}
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return [PageRef(row[0], row[1], int(row[2])) for row in session.execute(query, params)]
 
     def load_page(
@@ -130,7 +131,7 @@ class ExtractionStore:
         params: dict[str, Any] = {"page_id": page_id}
         if with_checkpoint:
             params |= {"fingerprint": fingerprint, "page_key": page_key(source_id, slug)}
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             page = session.execute(
                 LOAD_PAGE_WITH_CHECKPOINT if with_checkpoint else LOAD_PAGE, params
             ).one_or_none()
@@ -173,7 +174,7 @@ class ExtractionStore:
             .select_from(ExtractionAudit)
             .where(*same, ExtractionAudit.permanent, ExtractionAudit.id > func.coalesce(last_ok, 0))
         )
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return int(session.scalar(query) or 0)
 
     def commit_segment(

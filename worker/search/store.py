@@ -16,6 +16,7 @@ from sqlalchemy import Row, RowMapping, bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.packed import PackedFloats
+from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import EMBEDDING_DIMENSIONS, vector_literal, version_tuple
@@ -105,7 +106,7 @@ class SearchStore:
         self._ledger = ledger
 
     def status(self) -> VectorSearchStatus:
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return vector_search_status(session)
 
     def enable_vector_search(self) -> VectorSearchStatus:
@@ -151,7 +152,7 @@ class SearchStore:
 
     def facts_to_embed(self, *, after_id: int, limit: int) -> list[FactToEmbed]:
         """The next facts (audit rows excluded) with no embedding, in id order."""
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             sql = text(_TO_EMBED.format(where="id > :last") + " LIMIT :n")
             return list(session.execute(sql, {"last": after_id, "n": limit}).all())
 
@@ -160,7 +161,7 @@ class SearchStore:
         if not pages:
             return []
         params = {"sources": [source for source, _ in pages], "slugs": [slug for _, slug in pages]}
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             return list(session.execute(_PAGES_TO_EMBED, params).all())
 
     def fill_embeddings(

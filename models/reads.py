@@ -1,0 +1,34 @@
+"""Read-only units of work: statements in autocommit, so the unit ends without a ROLLBACK.
+
+psycopg forgets every statement it prepared on a connection when a transaction there rolls back
+(it cannot know whether the transaction dropped an object one of them uses). A read-only session
+closes by rolling back, so on a worker's connections, where a page reads twice or three times between
+its commits, the statements every segment runs were never prepared: each was parsed and planned anew
+(pg_stat_statements: as many plans as calls). A read in autocommit opens no transaction, so there is
+nothing to roll back, and it saves the BEGIN and ROLLBACK round trips too.
+
+Use it for a unit that runs one statement, or several that need not see one snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+_AUTOCOMMIT = {"isolation_level": "AUTOCOMMIT"}
+
+
+@contextmanager
+def read_only(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session whose statements each run in autocommit; it writes nothing and needs no commit.
+
+    A factory bound to a connection (a test's outer transaction with savepoints) reads inside that
+    connection's transaction instead: its isolation level cannot change while it is open.
+    """
+    with factory() as session:
+        if isinstance(session.get_bind(), Engine):
+            session.connection(execution_options=_AUTOCOMMIT)
+        yield session

@@ -1,0 +1,77 @@
+"""models.reads.read_only against a real Postgres: a read ends without a ROLLBACK, so psycopg keeps the
+statements it prepared on the connection (a rolled-back transaction makes it forget them all)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models.reads import read_only
+from worker import db
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+PROBE = text("SELECT count(*) FROM pg_class WHERE relname = :name")
+PREPARED = text(
+    "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'SELECT count(*) FROM pg_class%'"
+)
+
+
+@pytest.fixture
+def one_connection(database_url: str) -> Iterator[Engine]:
+    """An engine whose pool holds one connection, so every unit of work runs on the same one."""
+    engine = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=1, db_max_overflow=0))
+    yield engine
+    engine.dispose()
+
+
+def prepared_after_reads(factory: sessionmaker[Session], reads: int, *, autocommit: bool) -> int:
+    for _ in range(reads):
+        if autocommit:
+            with read_only(factory) as session:
+                session.execute(PROBE, {"name": "pg_class"})
+        else:
+            with factory() as session:  # a read in a transaction: it ends by rolling back
+                session.execute(PROBE, {"name": "pg_class"})
+    with read_only(factory) as session:
+        return int(session.scalar(PREPARED) or 0)
+
+
+def test_reads_in_autocommit_keep_the_prepared_statement_a_rolled_back_read_loses(
+    one_connection: Engine,
+) -> None:
+    factory = sessionmaker(one_connection)
+    # psycopg prepares a statement on its sixth run; the rollback ending each transactional read
+    # forgets it again.
+    assert prepared_after_reads(factory, 8, autocommit=False) == 0
+    assert prepared_after_reads(factory, 8, autocommit=True) == 1
+
+
+def test_a_read_in_autocommit_opens_no_transaction(one_connection: Engine) -> None:
+    factory = sessionmaker(one_connection)
+    with read_only(factory) as session:
+        # In autocommit each statement is a transaction of its own; inside one, a later statement
+        # starts after the transaction did.
+        session.execute(text("SELECT 1"))
+        assert session.scalar(text("SELECT statement_timestamp() = transaction_timestamp()")) is True
+    with factory() as session:
+        session.execute(text("SELECT 1"))
+        assert session.scalar(text("SELECT statement_timestamp() = transaction_timestamp()")) is False
+
+
+def test_a_factory_bound_to_an_open_transaction_reads_inside_it(database_url: str) -> None:
+    engine = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=1, db_max_overflow=0))
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("CREATE TEMP TABLE probe (n int) ON COMMIT DROP"))
+            conn.execute(text("INSERT INTO probe VALUES (1)"))
+            factory = sessionmaker(bind=conn, join_transaction_mode="create_savepoint")
+            with read_only(factory) as session:  # sees the outer transaction's uncommitted row
+                assert session.scalar(text("SELECT count(*) FROM probe")) == 1
+            conn.rollback()
+    finally:
+        engine.dispose()
