@@ -140,6 +140,12 @@ class Settings(BaseSettings):
     # new facts of up to 16 pages a run, calls one after another: at 64 a run of 8-segment pages took
     # 6 calls, and at 2 s a call the vectors fell 24 s behind the last commit (bench/pipeline.py).
     search_embed_batch_size: int = Field(default=256, ge=1, le=2048)
+    # Embedding calls one follow-up run makes at once when its facts fill several batches (a large page).
+    # A trade on a machine whose cores the workers share with Postgres (bench/pipeline.py, one page of
+    # 4,000 segments at 100 ms, 2 cores): at 4 its vectors were all in 2.3-2.7 s after its last commit
+    # instead of 12.2-12.5 s (15.0-15.6 s from the start instead of 22.1-22.6 s), but their index
+    # inserts took Postgres CPU from the commits and the page ran at 0.48-0.49 of ideal, not 0.62-0.63.
+    search_embed_concurrency: int = Field(default=1, ge=1, le=64)
     # Extraction workers embed facts in the background as they commit (lexical search sees them at once,
     # vector search a moment later); off leaves that to `factmill embed`, e.g. for a large backfill.
     embed_after_extraction: bool = True

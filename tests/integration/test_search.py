@@ -34,6 +34,7 @@ from worker.search import (
     VectorSearchUnavailableError,
     embed_facts,
     embed_new_facts,
+    embed_pages_facts,
     normalise_score,
     parse_expansion,
     parse_lex_query,
@@ -42,6 +43,7 @@ from worker.search import (
 )
 from worker.search.values import HNSW_EF_SEARCH, MIN_CANDIDATES
 from worker.settings import Settings, get_settings
+from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = pytest.mark.integration
 
@@ -607,6 +609,46 @@ def test_new_facts_hook_embeds_one_page(vector_factory: sessionmaker[Session], l
     # A failing gateway is logged, not raised: the facts are already stored.
     broken = OpenAIChatClient(model="m", base_url="http://127.0.0.1:9/v1", timeout=1)
     assert embed_new_facts(vector_factory, broken, "default", "alice-chat") == 0
+
+
+def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(
+    vector_factory: sessionmaker[Session],
+) -> None:
+    seed(vector_factory)  # eve-diary-0 and eve-diary-1 hold ten facts each
+    slow = SimulatorConfig(latency_ms=300)  # calls long enough to overlap when sent together
+    with Simulator(slow) as one_at_a_time, Simulator(slow) as together:
+        assert (
+            embed_pages_facts(vector_factory, sim_client(one_at_a_time), [("default", "eve-diary-0")], 2)
+            == 10
+        )
+        assert one_at_a_time.stats()["max_in_flight"] == 1
+        assert (
+            embed_pages_facts(
+                vector_factory, sim_client(together), [("default", "eve-diary-1")], 2, concurrency=3
+            )
+            == 10
+        )
+        assert together.stats()["max_in_flight"] == 3  # five calls, three at a time
+        assert together.stats()["requests_total"] == 5
+    with vector_factory() as session:
+        stored = session.scalar(
+            text(
+                "SELECT count(*) FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
+                "WHERE f.source_markdown_slug IN ('eve-diary-0', 'eve-diary-1')"
+            )
+        )
+    assert stored == 20
+
+
+def test_a_failed_batch_stops_the_batches_not_yet_started(vector_factory: sessionmaker[Session]) -> None:
+    seed(vector_factory)
+    with Simulator(SimulatorConfig(latency_ms=100)) as sim:
+        sim.configure(rate_500=1.0)  # every call fails (no retrying client here)
+        assert (
+            embed_pages_facts(vector_factory, sim_client(sim), [("default", "eve-diary-2")], 1, concurrency=2)
+            == 0
+        )
+        assert sim.stats()["requests_total"] == 2  # the first two; the other eight never started
 
 
 @pytest.mark.parametrize(

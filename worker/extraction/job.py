@@ -24,10 +24,17 @@ def embed_in_background(rt: Runtime) -> FactsCommitted:
     """Once a page's facts commit, embed them on the process's follow-up threads (several pages per
     embedding call), so vector search finds them a moment later while the job goes on: it never
     waits on the embedding model. Never fails the job (`factmill embed` fills in whatever this misses)."""
-    batch_size = rt.settings.search_embed_batch_size
+    batch_size, concurrency = rt.settings.search_embed_batch_size, rt.settings.search_embed_concurrency
 
     def embed(pages: list[Hashable]) -> None:
-        embed_pages_facts(rt.factory, rt.llm, pages, batch_size, ledger=rt.ledger)  # type: ignore[arg-type]
+        embed_pages_facts(
+            rt.factory,
+            rt.llm,
+            pages,  # type: ignore[arg-type]
+            batch_size,
+            ledger=rt.ledger,
+            concurrency=concurrency,
+        )
         if rt.settings.consolidate_after_extraction:
             # Once their vectors exist (the candidates use them): one request for all these pages.
             consolidate_pages_entities(rt.factory, cast(list[tuple[str, str]], pages))

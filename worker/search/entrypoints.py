@@ -150,9 +150,13 @@ def embed_pages_facts(
     batch_size: int = 64,
     *,
     ledger: Ledger | None = None,
+    concurrency: int = 1,
 ) -> int:
-    """Embed the facts of several pages that have none yet, batched across pages; never raises."""
-    return service.embed_pages_facts(open_store(factory, ledger), llm, pages, batch_size)
+    """Embed the facts of several pages that have none yet, batched across pages, up to
+    ``concurrency`` batches at once; never raises."""
+    return service.embed_pages_facts(
+        open_store(factory, ledger), llm, pages, batch_size, concurrency=concurrency
+    )
 
 
 def enable_vector_search(factory: sessionmaker[Session]) -> VectorSearchStatus:

@@ -24,9 +24,12 @@ ledger, so the `llm.prices` override costs it; a failed record is logged, never 
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from worker.accounting import LLMCallRecord
@@ -406,19 +409,46 @@ def embed_new_facts(
 
 
 def embed_pages_facts(
-    store: SearchStore, llm: LLMClient, pages: Sequence[tuple[str, str]], batch_size: int = 64
+    store: SearchStore,
+    llm: LLMClient,
+    pages: Sequence[tuple[str, str]],
+    batch_size: int = 64,
+    *,
+    concurrency: int = 1,
 ) -> int:
     """Embed the facts of several pages ((source id, slug) each) that have no embedding yet, in
-    batches that may span pages (fewer embedding calls). Never raises, as ``embed_new_facts``."""
-    report = EmbedReport()
+    batches that may span pages (fewer embedding calls), up to ``concurrency`` batches at once. Never
+    raises, as ``embed_new_facts``: a failed batch is logged and no other starts after it."""
     try:
         rows = store.pages_facts_to_embed(pages)
-        for start in range(0, len(rows), batch_size):
-            _embed_rows(store, llm, rows[start : start + batch_size], report)
     except Exception as exc:
-        logger.warning(
-            "could not embed the facts of %s (%s); `factmill embed` will fill them in",
-            ", ".join(f"{source_id}/{slug}" for source_id, slug in pages),
-            exc,
-        )
-    return report.embedded
+        _could_not_embed(pages, exc)
+        return 0
+    batches = [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
+    failed = threading.Event()  # after a failure no new batch starts: the gateway may be down
+
+    def embed(batch: Sequence[FactToEmbed]) -> int:
+        report = EmbedReport()
+        if not failed.is_set():
+            try:
+                _embed_rows(store, llm, batch, report)
+            except Exception as exc:
+                failed.set()
+                _could_not_embed(pages, exc)
+        return report.embedded
+
+    if concurrency <= 1 or len(batches) <= 1:
+        return sum(embed(batch) for batch in batches)
+    # A large page's backlog (thousands of facts): its calls wait on the model and its vectors' index
+    # inserts on Postgres, so several at once shorten the vectors' lag (bench/pipeline.py, one page of
+    # 4,000 segments). Each task runs in a copy of this thread's context, as the caller's call would.
+    with ThreadPoolExecutor(min(concurrency, len(batches)), thread_name_prefix="embed") as pool:
+        return sum(pool.map(lambda batch: contextvars.copy_context().run(embed, batch), batches))
+
+
+def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:
+    logger.warning(
+        "could not embed the facts of %s (%s); `factmill embed` will fill them in",
+        ", ".join(f"{source_id}/{slug}" for source_id, slug in pages),
+        exc,
+    )
