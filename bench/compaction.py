@@ -1,7 +1,7 @@
 """Compaction benchmark: plan a 1M-token transcript (cut + serialize, pure and through Postgres), and
 summaries per second through the compaction queue against the ideal, measured in the same run.
 
-    .venv/bin/python bench/compaction.py [--tokens 1000000] [--transcripts 320] [--concurrency 32]
+    .venv/bin/python bench/compaction.py [--tokens 1000000] [--transcripts 960] [--concurrency 32]
                                          [--latency-ms 500]
 
 Part 1 builds the deterministic ~1M-token agent session of bench/compaction_core.py (imported, not
@@ -319,7 +319,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=1_000_000)
-    parser.add_argument("--transcripts", type=int, default=320)
+    parser.add_argument("--transcripts", type=int, default=960)  # 30 rounds of 32: the ramp and tail of 10 rounds cost 0.1 of the ratio
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency-ms", type=int, default=500)
     args = parser.parse_args()

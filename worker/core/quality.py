@@ -237,24 +237,27 @@ def density_from_tokens(source_tokens: Sequence[str], compressed_tokens: Sequenc
     if not source_tokens or not compressed_tokens:
         return 0.0
     vocabulary: dict[str, int] = {}
-    source_ids = [vocabulary.setdefault(w, len(vocabulary)) for w in source_tokens]
-    compressed_ids = [vocabulary.get(w, -1) for w in compressed_tokens]
-    transitions = _suffix_automaton(source_ids)
+    compressed_ids = [vocabulary.setdefault(w, len(vocabulary)) for w in compressed_tokens]
+    automaton = SuffixAutomaton(compressed_ids)
+    occurs = automaton.occurring_lengths(vocabulary.get(w, -1) for w in source_tokens)
+    transitions = automaton.transitions
 
     # Why this equals the greedy definition: every path from the initial state of the suffix automaton
-    # of `source` spells a substring of `source`, and every substring is spelled by exactly one path. So
-    # following compressed[i], compressed[i+1], ... from the initial state until a transition is missing
-    # reads off the longest prefix of compressed[i:] that occurs contiguously in `source`, which is the
-    # longest match the greedy definition looks for at i. Greedy then jumps past that prefix (or by one
-    # when it is empty), so the walks never overlap: at most 2·len(compressed) transition look-ups in all.
-    # Building the automaton is O(len(source)) (amortised; at most 2n states and 3n transitions).
+    # of `compressed` spells a substring of it, every substring is spelled by exactly one path, and the
+    # strings of a state are suffixes of one another, so those of a state that occur in `source` are the
+    # ones up to a length (``occurs``). Following compressed[i], compressed[i+1], ... from the initial
+    # state while the string read so far occurs in `source` reads off the longest prefix of
+    # compressed[i:] that occurs contiguously in `source`, the longest match the greedy definition looks
+    # for at i. Greedy then jumps past it (or by one when it is empty), so the walks never overlap: at
+    # most 2·len(compressed) transition look-ups. The automaton is built on the compressed text, usually
+    # the shorter one, and the source only streams through it: O(len(source) + len(compressed)).
     matched = fragments = 0
     i, n = 0, len(compressed_ids)
     while i < n:
         state, j = 0, i
         while j < n:
-            following = transitions[state].get(compressed_ids[j])
-            if following is None:
+            following = transitions[state][compressed_ids[j]]  # every substring of compressed has a path
+            if occurs[following] <= j - i:
                 break
             state = following
             j += 1
@@ -264,36 +267,66 @@ def density_from_tokens(source_tokens: Sequence[str], compressed_tokens: Sequenc
     return matched / fragments
 
 
-def _suffix_automaton(sequence: Sequence[int]) -> list[dict[int, int]]:
-    """Transitions of the suffix automaton (Blumer et al.) of ``sequence``; state 0 is initial."""
-    transitions: list[dict[int, int]] = [{}]
-    link = [-1]
-    length = [0]
-    last = 0
-    for symbol in sequence:
-        current = len(length)
-        transitions.append({})
-        length.append(length[last] + 1)
-        link.append(0)
-        p = last
-        while p != -1 and symbol not in transitions[p]:
-            transitions[p][symbol] = current
-            p = link[p]
-        if p != -1:
-            q = transitions[p][symbol]
-            if length[p] + 1 == length[q]:
-                link[current] = q
-            else:
-                clone = len(length)
-                transitions.append(dict(transitions[q]))
-                length.append(length[p] + 1)
-                link.append(link[q])
-                while p != -1 and transitions[p].get(symbol) == q:
-                    transitions[p][symbol] = clone
-                    p = link[p]
-                link[q] = link[current] = clone
-        last = current
-    return transitions
+class SuffixAutomaton:
+    """The suffix automaton (Blumer et al.) of ``sequence``: state 0 is initial; at most 2n states."""
+
+    def __init__(self, sequence: Sequence[int]) -> None:
+        transitions: list[dict[int, int]] = [{}]
+        link = [-1]
+        length = [0]
+        last = 0
+        for symbol in sequence:
+            current = len(length)
+            transitions.append({})
+            length.append(length[last] + 1)
+            link.append(0)
+            p = last
+            while p != -1 and symbol not in transitions[p]:
+                transitions[p][symbol] = current
+                p = link[p]
+            if p != -1:
+                q = transitions[p][symbol]
+                if length[p] + 1 == length[q]:
+                    link[current] = q
+                else:
+                    clone = len(length)
+                    transitions.append(dict(transitions[q]))
+                    length.append(length[p] + 1)
+                    link.append(link[q])
+                    while p != -1 and transitions[p].get(symbol) == q:
+                        transitions[p][symbol] = clone
+                        p = link[p]
+                    link[q] = link[current] = clone
+            last = current
+        self.transitions, self.link, self.length = transitions, link, length
+
+    def occurring_lengths(self, text: Iterable[int]) -> list[int]:
+        """For each state, the length of its longest string that occurs contiguously in ``text`` (0 if
+        none does; a symbol the automaton has never seen is -1). A state's shorter strings are suffixes
+        of its longer ones, so they occur too."""
+        transitions, link, length = self.transitions, self.link, self.length
+        occurs = [0] * len(length)
+        state = matched = 0
+        for symbol in text:
+            if symbol < 0:  # not in the sequence at all: nothing ending here is a substring
+                state = matched = 0
+                continue
+            # The longest suffix of the text read so far that is a substring: the matching statistics.
+            while state and symbol not in transitions[state]:
+                state = link[state]
+                matched = length[state]
+            following = transitions[state].get(symbol)
+            if following is None:
+                state = matched = 0
+                continue
+            state, matched = following, matched + 1
+            if matched > occurs[state]:
+                occurs[state] = matched
+        # A string that occurs makes every suffix of it occur: all of its suffix link's strings.
+        for state in sorted(range(1, len(length)), key=length.__getitem__, reverse=True):
+            if occurs[state] and link[state] > 0:
+                occurs[link[state]] = length[link[state]]
+        return occurs
 
 
 # ---------------------------------------------------------------------------------------------------------
