@@ -319,7 +319,8 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=1_000_000)
-    parser.add_argument("--transcripts", type=int, default=960)  # 30 rounds of 32: the ramp and tail of 10 rounds cost 0.1 of the ratio
+    # 30 rounds of 32 in flight: with 10, the first and last rounds' ramp cost 0.1 of the ratio.
+    parser.add_argument("--transcripts", type=int, default=960)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency-ms", type=int, default=500)
     args = parser.parse_args()
