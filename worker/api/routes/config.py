@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from models import ConfigEntry
+from models.reads import read_only
 from worker.api.auth import require
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
@@ -62,7 +63,7 @@ def _config_out(session: Session, key: str) -> ConfigOut | None:
 
 @config_router.get("/v1/config/{key}", response_model=ConfigOut, responses=error_responses(401, 404))
 def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
-    with ctx.factory() as session:
+    with read_only(ctx.factory) as session:
         out = _config_out(session, key)
     if out is None:
         raise ApiError(404, f"config key {key!r} is not set")

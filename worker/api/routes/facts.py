@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from models.reads import read_only
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
@@ -36,7 +37,7 @@ def page_facts(
 ) -> PageFactsPage:
     if not principal.sees(source_id):
         raise ApiError(403, f"this key may not read source {source_id!r}")
-    with ctx.factory() as session:
+    with read_only(ctx.factory) as session:
         found = read_page_facts(
             session, source_id, slug, limit=limit, offset=offset, lifecycle=Lifecycle(include_history, as_of)
         )

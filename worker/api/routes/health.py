@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.reads import read_only
 from worker.api.auth import Admin
 from worker.api.deps import Context
 from worker.api.errors import error_responses, one_line
@@ -24,7 +25,7 @@ ops_router = APIRouter(tags=["operations"])
 
 
 def ping_database(factory: sessionmaker[Session]) -> None:
-    with factory() as session:
+    with read_only(factory) as session:
         session.execute(text("SELECT 1"))
 
 

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from models import Compaction, TranscriptMessageRow
+from models.reads import read_only
 from worker.api.auth import Ingest, TranscriptIngester, TranscriptReader
 from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
@@ -184,7 +185,7 @@ def accept_messages(
 @contextmanager
 def _transcript_session(ctx: ApiContext) -> Iterator[Session]:
     """A read session in which a transcript that does not exist is answered 404."""
-    with ctx.factory() as session:
+    with read_only(ctx.factory) as session:
         try:
             yield session
         except TranscriptNotFoundError as exc:
