@@ -54,7 +54,9 @@ def create_pooled_engine(
     """An engine whose pool keeps ``db_pool_size`` connections, opens up to ``db_max_overflow`` more for
     a burst, and pings a connection before use once it sat idle ``ping_after_idle`` seconds."""
     settings = settings or get_settings()
-    engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+    engine = create_engine(
+        url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow, pool_use_lifo=True
+    )
     _ping_idle_connections(engine, ping_after_idle)
     return engine
 

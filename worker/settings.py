@@ -38,7 +38,9 @@ class Settings(BaseSettings):
     # Each process's connection pool: connections kept open once opened, and how many more a burst may
     # open (each closed again when returned). A worker at 16 job threads holds 5-22 at once
     # (bench/pipeline.py); with 10 kept it opened a new connection, a new Postgres backend, about six
-    # times a second, which cost Postgres 12% more CPU. The pool opens them only as they are needed.
+    # times a second, which cost Postgres 12% more CPU. The pool opens them only as they are needed, and
+    # hands out the one returned last (LIFO): the busy few stay warm (prepared statements, caches) and the
+    # rest idle, where a server-side idle timeout may close them (Postgres CPU 0.95x, bench/ab.py).
     db_pool_size: int = Field(default=40, ge=1)
     db_max_overflow: int = Field(default=40, ge=0)
 

@@ -92,3 +92,14 @@ def test_the_pool_keeps_db_pool_size_connections_and_closes_a_burst_beyond_them(
     while len(live_backends(database_url, widest)) > 12 and time.monotonic() < deadline:
         time.sleep(0.05)  # a closed connection's backend exits a moment later
     assert len(live_backends(database_url, widest)) == 12  # which four closed is the pool's choice
+
+
+def test_the_pool_hands_out_the_connection_returned_last(database_url: str, engines: list[Engine]) -> None:
+    engine = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=3, db_max_overflow=0))
+    engines.append(engine)
+    first, second, third = (engine.connect() for _ in range(3))
+    pids = [int(conn.scalar(text("SELECT pg_backend_pid()"))) for conn in (first, second, third)]
+    for conn in (first, second, third):  # returned in this order: the third is the warmest
+        conn.close()
+    assert backend_pid(engine) == pids[2]
+    assert backend_pid(engine) == pids[2]  # and again: the others stay idle
