@@ -15,6 +15,7 @@ from uniseg.wordbreak import WordBreak, word_break, words
 __all__ = [
     "COVERAGE_THRESHOLD",
     "CoverageScore",
+    "SuffixAutomaton",
     "calibrate_threshold",
     "coverage",
     "coverage_from_tokens",
