@@ -63,15 +63,11 @@ def test_a_read_in_autocommit_opens_no_transaction(one_connection: Engine) -> No
         assert session.scalar(text("SELECT statement_timestamp() = transaction_timestamp()")) is False
 
 
-def test_a_factory_bound_to_an_open_transaction_reads_inside_it(database_url: str) -> None:
-    engine = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=1, db_max_overflow=0))
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("CREATE TEMP TABLE probe (n int) ON COMMIT DROP"))
-            conn.execute(text("INSERT INTO probe VALUES (1)"))
-            factory = sessionmaker(bind=conn, join_transaction_mode="create_savepoint")
-            with read_only(factory) as session:  # sees the outer transaction's uncommitted row
-                assert session.scalar(text("SELECT count(*) FROM probe")) == 1
-            conn.rollback()
-    finally:
-        engine.dispose()
+def test_a_factory_bound_to_an_open_transaction_reads_inside_it(one_connection: Engine) -> None:
+    with one_connection.connect() as conn:
+        conn.execute(text("CREATE TEMP TABLE probe (n int) ON COMMIT DROP"))
+        conn.execute(text("INSERT INTO probe VALUES (1)"))
+        factory = sessionmaker(bind=conn, join_transaction_mode="create_savepoint")
+        with read_only(factory) as session:  # sees the outer transaction's uncommitted row
+            assert session.scalar(text("SELECT count(*) FROM probe")) == 1
+        conn.rollback()
