@@ -749,6 +749,32 @@ def test_metrics_exposes_jobs_facts_llm_and_requests(
     assert "factmill_http_request_duration_seconds_bucket" in text
 
 
+def _gauge(text: str, name: str) -> float:
+    return float(next(line for line in text.splitlines() if line.startswith(f"{name} ")).split()[1])
+
+
+def test_metrics_show_postgres_connections_against_the_limit(client: TestClient, database_url: str) -> None:
+    """The connections gauge counts every backend of the server (three held here, the scrape's own), and the
+    limit is max_connections less the reserved slots, as ``SHOW`` reports them."""
+    engine = create_engine(database_url, pool_size=3, max_overflow=0)
+    try:
+        held = [engine.connect() for _ in range(3)]
+        settings = {
+            name: int(held[0].exec_driver_sql(f"SHOW {name}").scalar_one())
+            for name in ("max_connections", "superuser_reserved_connections", "server_version_num")
+        }
+        reserved = settings["superuser_reserved_connections"]
+        if settings["server_version_num"] >= 160000:
+            reserved += int(held[0].exec_driver_sql("SHOW reserved_connections").scalar_one())
+        text = client.get("/metrics", headers=ADMIN_HEADERS).text
+        assert _gauge(text, "factmill_postgres_connections") >= len(held) + 1
+        assert _gauge(text, "factmill_postgres_connection_limit") == settings["max_connections"] - reserved
+        for connection in held:
+            connection.close()
+    finally:
+        engine.dispose()
+
+
 def test_openapi_lists_the_routes(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     assert spec["info"]["title"] == "Factmill" and spec["info"]["version"]

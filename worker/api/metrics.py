@@ -1,5 +1,5 @@
 """Prometheus metrics: request counts and latency per route, and collectors that read Postgres at scrape
-time (jobs, facts, segments, LLM calls, compactions)."""
+time (jobs, facts, segments, LLM calls, compactions, Postgres's connections)."""
 
 from __future__ import annotations
 
@@ -361,6 +361,48 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
         return families
 
 
+# Every backend connected to a database of the server (pg_stat_database needs no privilege, unlike the
+# other sessions' rows of pg_stat_activity), and the connections ordinary roles may open: max_connections
+# less the slots reserved for superusers (and, from Postgres 16, for pg_use_reserved_connections).
+_CONNECTIONS = text(
+    "SELECT (SELECT coalesce(sum(numbackends), 0) FROM pg_stat_database), "
+    "current_setting('max_connections')::int "
+    "- current_setting('superuser_reserved_connections')::int "
+    "- coalesce(current_setting('reserved_connections', true), '0')::int"
+)
+
+
+class PostgresCollector(_ScrapeTimeCollector[tuple[int, int]]):
+    """The Postgres server's connections against its limit, at scrape time.
+
+    ``factmill_postgres_connections``: backends connected now, from every process and client of the
+    server; ``factmill_postgres_connection_limit``: how many ordinary roles may open. Each Factmill process
+    keeps up to FACTMILL_DB_POOL_SIZE + FACTMILL_DB_MAX_OVERFLOW, so the alert on their ratio is the
+    warning that one more worker, or a burst, will meet "too many clients".
+    """
+
+    reads = "the Postgres connections"
+
+    def read(self, session: Session) -> tuple[int, int]:
+        connections, limit = session.execute(_CONNECTIONS).one()
+        return int(connections), int(limit)
+
+    def metrics(self, rows: tuple[int, int]) -> list[Metric]:
+        connections, limit = rows
+        return [
+            GaugeMetricFamily(
+                "factmill_postgres_connections",
+                "Backends connected to the Postgres server now (all databases, every client)",
+                value=connections,
+            ),
+            GaugeMetricFamily(
+                "factmill_postgres_connection_limit",
+                "Connections ordinary roles may open: max_connections less the reserved slots",
+                value=limit,
+            ),
+        ]
+
+
 def _by_status(session: Session, column: Any) -> list[tuple[str, float]]:
     return [
         (status, float(n)) for status, n in session.execute(select(column, func.count()).group_by(column))
@@ -427,6 +469,7 @@ def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRe
     registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
     registry.register(ConsolidationCollector(factory))  # type: ignore[arg-type]
     registry.register(BackfillCollector(factory))  # type: ignore[arg-type]
+    registry.register(PostgresCollector(factory))  # type: ignore[arg-type]
     ProcessCollector(registry=registry)
     app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
     return registry
@@ -436,6 +479,7 @@ __all__ = [
     "BackfillCollector",
     "CompactionCollector",
     "ConsolidationCollector",
+    "PostgresCollector",
     "RequestMetricsMiddleware",
     "StoreCollector",
     "install_metrics",
