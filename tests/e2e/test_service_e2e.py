@@ -3,6 +3,7 @@ sent with the Python client (factmill_client)."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -90,6 +91,49 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
         assert httpx.get(f"{base}/metrics", headers=bearer(reader_key)).status_code == 403
         metrics = httpx.get(f"{base}/metrics", headers=admin).text
         assert 'factmill_jobs{kind="extraction",status="succeeded"} 1.0' in metrics
+
+
+def test_the_api_keeps_an_idle_connection_open_past_a_client_pools_expiry(
+    database_url, broker_url, simulator
+):
+    """An HTTP/1.1 connection idle 6 s (longer than httpx's 5 s pool expiry and uvicorn's own 5 s
+    keep-alive) still answers: the server is never the side that closes an idle connection a client may
+    be sending on."""
+    port = free_port()
+    api = ServiceProcess(
+        ["serve", "--port", str(port)],
+        service_env(database_url, broker_url, simulator.base_url),
+        ready_marker="Application startup complete",
+        name="api",
+    ).start()
+    with running(api):
+        wait_for(
+            lambda: _answers(f"http://127.0.0.1:{port}/healthz"),
+            30,
+            "the API listening",
+            diagnostics=api.tail,
+        )
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            connection.request("GET", "/healthz")
+            first = connection.getresponse()
+            assert first.status == 200 and first.read() == b'{"status":"ok"}'
+            opened = connection.sock
+            time.sleep(6)
+            # A server that closed the idle connection makes this raise RemoteDisconnected.
+            connection.request("GET", "/healthz")
+            second = connection.getresponse()
+            assert second.status == 200 and second.read() == b'{"status":"ok"}'
+            assert connection.sock is opened  # the same connection, not a new one
+        finally:
+            connection.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):

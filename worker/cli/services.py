@@ -51,6 +51,7 @@ def serve(
         port=port,
         workers=workers,
         log_level="info",
+        timeout_keep_alive=settings.api_keep_alive_seconds,
         timeout_graceful_shutdown=max(
             1, round(settings.grace_seconds)
         ),  # SIGTERM: open requests get this long
