@@ -45,6 +45,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def server_quantiles(metrics: str, method: str, route: str) -> dict[float, str]:
+    """The p50 and p99 of the API's own time for a route, from its request histogram on /metrics: the
+    upper bound of the bucket each falls in (the time from the app's first byte in to its last byte out,
+    without the wait for a connection or in the socket)."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics.splitlines():
+        if line.startswith("factmill_http_request_duration_seconds_bucket{") and (
+            f'method="{method}"' in line and f'route="{route}"' in line
+        ):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    return {
+        q: next((f"{bound * 1000:g} ms" for bound, n in buckets if n >= q * total), "?") for q in (0.5, 0.99)
+    }
+
+
 def probe_healthz(base: str, stop: threading.Event, out: list[float]) -> None:
     """Poll /healthz from its own thread and connection, so the client's own load does not count."""
     with httpx.Client(base_url=base, timeout=60) as client:
@@ -63,19 +81,26 @@ def probing(base: str, out: list[float]) -> tuple[threading.Event, threading.Thr
     return stop, thread
 
 
-async def deliver(client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore) -> int:
+async def deliver(
+    client: httpx.AsyncClient, index: int, gate: asyncio.Semaphore, took: list[float]
+) -> int | str:
+    """The answer's status code, or the name of the error that left the delivery without one; appends
+    the delivery's milliseconds (from its turn at the gate) to ``took``."""
     body = json.dumps(
         {"slug": f"load/{index}", "type": "conversation", "title": "t", "compiled_truth": CONVERSATION}
     ).encode()
     async with gate:
+        started = time.perf_counter()
         try:
             response = await client.post(
                 "/v1/pages",
                 content=body,
                 headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
             )
-        except httpx.HTTPError:
-            return -1
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        finally:
+            took.append((time.perf_counter() - started) * 1000)
     return response.status_code
 
 
@@ -91,11 +116,20 @@ async def run(base: str, requests: int, concurrency: int) -> dict[str, object]:
         stop, thread = probing(base, loaded)
         gate = asyncio.Semaphore(concurrency)
         started = time.perf_counter()
-        statuses = await asyncio.gather(*(deliver(client, i, gate) for i in range(requests)))
+        deliveries: list[float] = []
+        statuses = await asyncio.gather(*(deliver(client, i, gate, deliveries) for i in range(requests)))
         took = time.perf_counter() - started
+        metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
         stop.set()
         thread.join()
-    return {"baseline": baseline, "loaded": loaded, "statuses": Counter(statuses), "took": took}
+    return {
+        "baseline": baseline,
+        "loaded": loaded,
+        "deliveries": deliveries,
+        "server": server_quantiles(metrics.text, "POST", "/v1/pages"),
+        "statuses": Counter(statuses),
+        "took": took,
+    }
 
 
 def main() -> None:
@@ -142,9 +176,22 @@ def main() -> None:
     statuses = result["statuses"]
     assert isinstance(statuses, Counter)
     print(f"{args.requests} signed POST /v1/pages, {args.concurrency} concurrent, in {result['took']:.2f} s")
-    server_errors = sum(n for s, n in statuses.items() if s >= 500)
-    print(f"statuses: {dict(sorted(statuses.items()))}  5xx: {server_errors}")
+    answered = {s: n for s, n in statuses.items() if isinstance(s, int)}
+    unanswered = {s: n for s, n in statuses.items() if not isinstance(s, int)}
+    server_errors = sum(n for s, n in answered.items() if s >= 500)
+    print(f"statuses: {dict(sorted(answered.items()))}  5xx: {server_errors}")
+    if unanswered:
+        print(f"no answer (client-side errors): {dict(sorted(unanswered.items()))}")
     print(f"pool errors in the server log: {pool_errors}")
+    deliveries = result["deliveries"]
+    assert isinstance(deliveries, list)
+    print(
+        f"a delivery at the client: p50 {statistics.median(deliveries):.1f} ms, "
+        f"p99 {percentile(deliveries, 0.99):.1f} ms, max {max(deliveries):.1f} ms"
+    )
+    server = result["server"]
+    assert isinstance(server, dict)
+    print(f"a delivery inside the API (its request histogram): p50 <= {server[0.5]}, p99 <= {server[0.99]}")
     print(
         f"/healthz baseline (no load, n={len(baseline)}): p50 {statistics.median(baseline):.1f} ms, "
         f"p99 {percentile(baseline, 0.99):.1f} ms"
