@@ -93,37 +93,45 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
         assert 'factmill_jobs{kind="extraction",status="succeeded"} 1.0' in metrics
 
 
-def test_the_api_keeps_an_idle_connection_open_past_a_client_pools_expiry(
-    database_url, broker_url, simulator
+@pytest.mark.parametrize(
+    ("command", "ready_marker", "health"),
+    [
+        (["serve"], "Application startup complete", "/healthz"),
+        (["simulator"], "Uvicorn running", "/_simulator/health"),
+    ],
+    ids=["api", "simulator"],
+)
+def test_an_idle_connection_stays_open_past_a_client_pools_expiry(
+    database_url, broker_url, simulator, command, ready_marker, health
 ):
     """An HTTP/1.1 connection idle 6 s (longer than httpx's 5 s pool expiry and uvicorn's own 5 s
     keep-alive) still answers: the server is never the side that closes an idle connection a client may
     be sending on."""
     port = free_port()
-    api = ServiceProcess(
-        ["serve", "--port", str(port)],
+    server = ServiceProcess(
+        [*command, "--port", str(port)],
         service_env(database_url, broker_url, simulator.base_url),
-        ready_marker="Application startup complete",
-        name="api",
+        ready_marker=ready_marker,
+        name=command[0],
     ).start()
-    with running(api):
+    with running(server):
         wait_for(
-            lambda: _answers(f"http://127.0.0.1:{port}/healthz"),
+            lambda: _answers(f"http://127.0.0.1:{port}{health}"),
             30,
-            "the API listening",
-            diagnostics=api.tail,
+            "the server listening",
+            diagnostics=server.tail,
         )
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
-            connection.request("GET", "/healthz")
+            connection.request("GET", health)
             first = connection.getresponse()
-            assert first.status == 200 and first.read() == b'{"status":"ok"}'
+            assert first.status == 200 and first.read()
             opened = connection.sock
             time.sleep(6)
             # A server that closed the idle connection makes this raise RemoteDisconnected.
-            connection.request("GET", "/healthz")
+            connection.request("GET", health)
             second = connection.getresponse()
-            assert second.status == 200 and second.read() == b'{"status":"ok"}'
+            assert second.status == 200 and second.read()
             assert connection.sock is opened  # the same connection, not a new one
         finally:
             connection.close()

@@ -34,6 +34,11 @@ from worker.simulator.wire import BadRequest, read_json
 logger = logging.getLogger(__name__)
 
 
+# Longer than the SDKs' pools keep an idle connection (httpx: 5 s), so the client always retires one
+# first; at uvicorn's own 5 s a call could be sent on a connection the simulator was closing, and reset.
+KEEP_ALIVE_SECONDS = 30
+
+
 class _SimulatorHeaderMiddleware:
     """Stamps `x-factmill-simulator: true` on every response, 404s included (pure ASGI: no body buffering)."""
 
@@ -229,7 +234,7 @@ class Simulator:
             access_log=False,
             lifespan="off",
             backlog=2048,
-            timeout_keep_alive=30,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
             timeout_graceful_shutdown=1,
         )
         server = uvicorn.Server(config)
@@ -319,6 +324,7 @@ def serve(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: 
         port=port,
         log_level="info",
         access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
     )
 
