@@ -91,10 +91,11 @@ class Settings(BaseSettings):
     # their next segment boundary and exits after this long even if one is still inside a call (the
     # sweeper then requeues it); the API stops waiting for open requests after this long.
     grace_seconds: float = Field(default=30.0, gt=0)
-    # How long the API keeps an idle client connection open (uvicorn's timeout_keep_alive, 5 s of its
-    # own). Longer than the idle timeout of the load balancers in front of it (AWS's ALB: 60 s) and of
-    # httpx's pool (5 s), so the client always retires an idle connection first: a server closing one
-    # as a request arrives on it resets that request (bench/load.py saw a ReadError in 1 of 1,000).
+    # How long the API and the MCP server keep an idle client connection open (uvicorn's
+    # timeout_keep_alive, 5 s of its own). Longer than the idle timeout of the load balancers in front
+    # of them (AWS's ALB: 60 s) and of httpx's pool (5 s), so the client always retires an idle
+    # connection first: a server closing one as a request arrives on it resets that request
+    # (bench/load.py saw a ReadError in 1 of 1,000).
     api_keep_alive_seconds: int = Field(default=75, ge=1)
     sweep_interval_seconds: float = Field(default=30.0, gt=0)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)

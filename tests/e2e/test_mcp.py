@@ -3,6 +3,7 @@ against `python -m worker.cli mcp` subprocesses on the test database (real Postg
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -235,6 +236,23 @@ def http_server(env: dict[str, str]) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_http_keeps_an_idle_connection_open_past_a_client_pools_expiry(http_server):
+    """As the API does (FACTMILL_API_KEEP_ALIVE_SECONDS): a connection idle 6 s, longer than httpx's
+    pool and uvicorn's own 5 s, still answers on the same socket."""
+    url = httpx.URL(http_server)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=10)
+    try:
+        connection.request("GET", url.path)
+        connection.getresponse().read()  # 401: no key; the connection is what matters
+        opened = connection.sock
+        time.sleep(6)
+        connection.request("GET", url.path)  # RemoteDisconnected if the server closed it
+        assert connection.getresponse().status == 401
+        assert connection.sock is opened
+    finally:
+        connection.close()
 
 
 async def _http_session(url: str, key: str, job: Any) -> Any:

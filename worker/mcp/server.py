@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
+import uvicorn
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
@@ -183,12 +184,17 @@ def run_stdio(runtime: Runtime, key: str) -> None:
 
 
 def run_http(runtime: Runtime, host: str, port: int) -> None:
+    """Serve streamable HTTP as the SDK's ``run_streamable_http_async`` does, with the API's keep-alive
+    (FACTMILL_API_KEEP_ALIVE_SECONDS) instead of uvicorn's 5 s."""
     server = http_server(runtime)
-
-    async def serve() -> None:
-        await server.run_streamable_http_async(host=host, port=port)
-
-    anyio.run(serve)
+    config = uvicorn.Config(
+        server.streamable_http_app(host=host),
+        host=host,
+        port=port,
+        log_level=server.settings.log_level.lower(),
+        timeout_keep_alive=runtime.settings.api_keep_alive_seconds,
+    )
+    anyio.run(uvicorn.Server(config).serve)
 
 
 __all__ = [
