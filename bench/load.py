@@ -25,11 +25,13 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.pipeline import cpu_by_pid, cpu_since, postgres_processes  # noqa: E402
 from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
@@ -129,7 +131,7 @@ async def deliver_all(base: str, requests: int, concurrency: int) -> tuple[list[
     return statuses, took
 
 
-async def run(base: str, requests: int, concurrency: int) -> dict[str, object]:
+async def run(base: str, requests: int, concurrency: int, server_pid: int) -> dict[str, object]:
     baseline: list[float] = []
     stop, thread = probing(base, baseline)
     await asyncio.sleep(2.0)
@@ -137,9 +139,14 @@ async def run(base: str, requests: int, concurrency: int) -> dict[str, object]:
     thread.join()
     loaded: list[float] = []
     stop, thread = probing(base, loaded)
+    api = psutil.Process(server_pid)
+    api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
     started = time.perf_counter()
     statuses, deliveries = await deliver_all(base, requests, concurrency)
     took = time.perf_counter() - started
+    api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
+    api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
+    postgres_cpu = cpu_since(postgres_before, postgres_after)
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
     stop.set()
@@ -151,6 +158,7 @@ async def run(base: str, requests: int, concurrency: int) -> dict[str, object]:
         "server": server_quantiles(metrics.text, "POST", "/v1/pages"),
         "statuses": Counter(statuses),
         "took": took,
+        "cpu_ms": (api_cpu / requests * 1000, postgres_cpu / requests * 1000),
     }
 
 
@@ -186,7 +194,7 @@ def main() -> None:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.1)
-            result = asyncio.run(run(base, args.requests, args.concurrency))
+            result = asyncio.run(run(base, args.requests, args.concurrency, server.pid))
         finally:
             if server is not None:
                 server.terminate()
@@ -211,6 +219,8 @@ def main() -> None:
         f"a delivery at the client: p50 {statistics.median(deliveries):.1f} ms, "
         f"p99 {percentile(deliveries, 0.99):.1f} ms, max {max(deliveries):.1f} ms"
     )
+    api_ms, postgres_ms = result["cpu_ms"]  # type: ignore[misc]
+    print(f"CPU a delivery: the API {api_ms:.2f} ms, Postgres {postgres_ms:.2f} ms")
     server = result["server"]
     assert isinstance(server, dict)
     print(f"a delivery inside the API (its request histogram): p50 <= {server[0.5]}, p99 <= {server[0.99]}")
