@@ -9,11 +9,11 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import func, or_, select
+from sqlalchemy import bindparam, func, or_, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from models import Page
+from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.labels import SOURCE_ID_PATTERN, is_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
@@ -99,6 +99,30 @@ class StaleDeliveryError(ValueError):
         self.source_id, self.slug = source_id, slug
 
 
+# Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement
+# per call was most of the API's SQLAlchemy time (py-spy of `factmill serve` under bench/load.py).
+_STORED = select(PAGES.c.id, PAGES.c.content_hash, PAGES.c.delivered_at).where(
+    PAGES.c.source_id == bindparam("source_id"), PAGES.c.slug == bindparam("slug")
+)
+_INSERT = insert(PAGES)
+_UPSERT = _INSERT.on_conflict_do_update(
+    index_elements=[PAGES.c.source_id, PAGES.c.slug],
+    set_={
+        **{
+            name: _INSERT.excluded[name]
+            for name in ("type", "title", "compiled_truth", "timeline", "frontmatter", "content_hash")
+        },
+        "updated_at": func.now(),
+        "delivered_at": func.coalesce(_INSERT.excluded.delivered_at, PAGES.c.delivered_at),
+    },
+    where=or_(
+        _INSERT.excluded.delivered_at.is_(None),
+        PAGES.c.delivered_at.is_(None),
+        PAGES.c.delivered_at <= _INSERT.excluded.delivered_at,
+    ),
+).returning(PAGES.c.id)
+
+
 def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
@@ -106,38 +130,19 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency.
     """
     digest = content_hash(page)
-    existing = session.execute(
-        select(Page.id, Page.content_hash).where(Page.source_id == page.source_id, Page.slug == page.slug)
-    ).one_or_none()
+    connection = session.connection()
+    where = {"source_id": page.source_id, "slug": page.slug}
+    existing = connection.execute(_STORED, where).one_or_none()
     if existing is not None and existing.content_hash == digest:
         return UpsertResult(existing.id, changed=False)
     values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
-    stmt = insert(Page).values(**values)
-    excluded = stmt.excluded
-    page_id = session.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[Page.source_id, Page.slug],
-            set_={
-                k: excluded[k]
-                for k in ("type", "title", "compiled_truth", "timeline", "frontmatter", "content_hash")
-            }
-            | {
-                "updated_at": func.now(),
-                "delivered_at": func.coalesce(excluded.delivered_at, Page.delivered_at),
-            },
-            where=or_(
-                excluded.delivered_at.is_(None),
-                Page.delivered_at.is_(None),
-                Page.delivered_at <= excluded.delivered_at,
-            ),
-        ).returning(Page.id)
-    ).scalar_one_or_none()
+    page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
     if page_id is None:
         assert delivered_at is not None  # only a dated delivery can fail the WHERE
-        stored = session.scalar(
-            select(Page.delivered_at).where(Page.source_id == page.source_id, Page.slug == page.slug)
+        stored = connection.execute(_STORED, where).one_or_none()
+        raise StaleDeliveryError(
+            page.source_id, page.slug, delivered_at, stored.delivered_at if stored is not None else None
         )
-        raise StaleDeliveryError(page.source_id, page.slug, delivered_at, stored)
     return UpsertResult(page_id, changed=True)
 
 

@@ -186,6 +186,11 @@ def broker_queue_depth(queue: str) -> int | None:
         return None
 
 
+_MARK_ENQUEUED = (
+    update(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True))).values(enqueued_at=func.now())
+)
+
+
 def enqueue(
     factory: sessionmaker[Session], jobs: Iterable[tuple[int, str]], sender: Sender | None = None
 ) -> int:
@@ -217,7 +222,7 @@ def enqueue(
         sent.append(job_id)
     if sent:
         with factory.begin() as session:
-            session.execute(update(JOBS).where(JOBS.c.id.in_(sent)).values(enqueued_at=func.now()))
+            session.connection().execute(_MARK_ENQUEUED, {"ids": sent})
     return len(sent)
 
 
