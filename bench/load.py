@@ -4,7 +4,7 @@ Prints the status counts (no 5xx, no pool errors in the server log), and /health
 while the deliveries run, beside a baseline measured in the same run with no load. Goal: healthz
 p99 under 100 ms under load (a liveness probe must never wait on the thread pool).
 
-    .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765]
+    .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765] [--idempotency-keys]
 
 Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL) and a Redis at
 127.0.0.1:6379 (db 14); creates and drops its own database.
@@ -89,7 +89,7 @@ def probing(base: str, out: list[float]) -> tuple[threading.Event, threading.Thr
 CLIENT_POOL = 20
 
 
-async def deliver(client: httpx.AsyncClient, index: int, took: list[float]) -> int | str:
+async def deliver(client: httpx.AsyncClient, index: int, took: list[float], keyed: bool) -> int | str:
     """The answer's status code, or the name of the error that left the delivery without one; appends
     the delivery's milliseconds to ``took``."""
     body = json.dumps(
@@ -100,7 +100,8 @@ async def deliver(client: httpx.AsyncClient, index: int, took: list[float]) -> i
         response = await client.post(
             "/v1/pages",
             content=body,
-            headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
+            headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages")
+            | ({"Idempotency-Key": f"load-{index}"} if keyed else {}),
         )
     except httpx.HTTPError as exc:
         return type(exc).__name__
@@ -109,7 +110,9 @@ async def deliver(client: httpx.AsyncClient, index: int, took: list[float]) -> i
     return response.status_code
 
 
-async def deliver_all(base: str, requests: int, concurrency: int) -> tuple[list[int | str], list[float]]:
+async def deliver_all(
+    base: str, requests: int, concurrency: int, keyed: bool
+) -> tuple[list[int | str], list[float]]:
     """``concurrency`` lanes, each sending one delivery at a time, ``CLIENT_POOL`` lanes to a client."""
     indexes = iter(range(requests))
     statuses: list[int | str] = []
@@ -121,7 +124,7 @@ async def deliver_all(base: str, requests: int, concurrency: int) -> tuple[list[
 
     async def lane(client: httpx.AsyncClient) -> None:
         for index in indexes:
-            statuses.append(await deliver(client, index, took))
+            statuses.append(await deliver(client, index, took, keyed))
 
     try:
         await asyncio.gather(*(lane(clients[n // CLIENT_POOL]) for n in range(concurrency)))
@@ -131,7 +134,7 @@ async def deliver_all(base: str, requests: int, concurrency: int) -> tuple[list[
     return statuses, took
 
 
-async def run(base: str, requests: int, concurrency: int, server_pid: int) -> dict[str, object]:
+async def run(base: str, requests: int, concurrency: int, server_pid: int, keyed: bool) -> dict[str, object]:
     baseline: list[float] = []
     stop, thread = probing(base, baseline)
     await asyncio.sleep(2.0)
@@ -142,7 +145,7 @@ async def run(base: str, requests: int, concurrency: int, server_pid: int) -> di
     api = psutil.Process(server_pid)
     api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
     started = time.perf_counter()
-    statuses, deliveries = await deliver_all(base, requests, concurrency)
+    statuses, deliveries = await deliver_all(base, requests, concurrency, keyed)
     took = time.perf_counter() - started
     api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
     api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
@@ -167,6 +170,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--idempotency-keys",
+        action="store_true",
+        help="send each delivery with an Idempotency-Key of its own",
+    )
     args = parser.parse_args()
     server = None
     with fresh_database(SERVER, "load") as url:
@@ -194,7 +202,9 @@ def main() -> None:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.1)
-            result = asyncio.run(run(base, args.requests, args.concurrency, server.pid))
+            result = asyncio.run(
+                run(base, args.requests, args.concurrency, server.pid, args.idempotency_keys)
+            )
         finally:
             if server is not None:
                 server.terminate()
