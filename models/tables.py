@@ -18,6 +18,7 @@ from models.fact import ExtractionAudit, Fact
 from models.job import Job
 from models.llm_call import LLMCall
 from models.page import Page
+from models.webhook import WebhookDelivery
 
 EXTRACTION_AUDIT = cast(Table, ExtractionAudit.__table__)
 FACTS = cast(Table, Fact.__table__)
@@ -25,3 +26,4 @@ JOBS = cast(Table, Job.__table__)
 LLM_CALLS = cast(Table, LLMCall.__table__)
 OP_CHECKPOINTS = cast(Table, OpCheckpoint.__table__)
 PAGES = cast(Table, Page.__table__)
+WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)
