@@ -170,11 +170,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument(
-        "--idempotency-keys",
-        action="store_true",
-        help="send each delivery with an Idempotency-Key of its own",
-    )
+    parser.add_argument("--idempotency-keys", action="store_true", help="a key of its own for each delivery")
     args = parser.parse_args()
     server = None
     with fresh_database(SERVER, "load") as url:
