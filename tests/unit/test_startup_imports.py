@@ -56,3 +56,38 @@ def test_errors_of_the_loaded_sdk_are_classified_without_loading_the_other() -> 
         "assert classify(httpx2.ConnectError('refused')).retryable"
     )
     assert _loaded_after(code) == ["openai", "httpx2"]
+
+
+def _modules_after_cli(*args: str) -> set[str]:
+    """The modules loaded by a fresh interpreter after ``factmill ARGS`` (it exits 0)."""
+    code = (
+        f"import sys\nsys.argv = ['factmill', *{list(args)!r}]\nfrom worker.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "import json\nprint(json.dumps(sorted(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_a_command_loads_its_own_module_and_not_the_others() -> None:
+    from worker.cli.app import COMMANDS
+
+    loaded = _modules_after_cli("simulator", "--help")
+    assert "worker.cli.simulator" in loaded
+    others = {entry.module for entry in COMMANDS} - {"worker.cli.simulator"}
+    assert not others & loaded
+    # What the other commands' services bring: none of it is needed to run the simulator.
+    assert not {"sqlalchemy", "celery", "worker.extraction", "worker.jobs"} & loaded
+
+
+def test_every_listed_command_loads_under_its_name_with_its_help() -> None:
+    from worker.cli.app import COMMANDS, load_command
+
+    for entry in COMMANDS:
+        command = load_command(entry)
+        assert command.name == entry.name
+        assert command.help, f"`factmill {entry.name}` has no help"
+    assert len({entry.name for entry in COMMANDS}) == len(COMMANDS)
+    assert _modules_after_cli("--help") >= {entry.module for entry in COMMANDS}

@@ -1,63 +1,96 @@
-"""The `factmill` typer app: every command group registered on one app, and `main`."""
+"""The `factmill` typer app: every command group registered on one app, and `main`.
+
+Each command is named here by the module that defines it and loaded when it runs: a command module
+brings in the services it drives (SQLAlchemy, Celery, the extraction and backfill packages), about a
+second and a half of imports on a 2-core machine, so `factmill jobs list` should not also pay for
+`factmill backfill`'s. `factmill --help` lists every command and so loads them all.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import Any, NamedTuple
 
 import typer
+import typer.main
+from typer.core import TyperGroup
 
-from worker.cli.backfill import backfill_app
-from worker.cli.calibration import calibration_app
-from worker.cli.compaction import compact_command, transcripts_app
-from worker.cli.config import config_app
-from worker.cli.costs import costs
-from worker.cli.db import db_app, db_stop
-from worker.cli.demo import demo
-from worker.cli.extract import extract
-from worker.cli.facts import facts_app
-from worker.cli.jobs import jobs_app
-from worker.cli.keys import keys_app
-from worker.cli.mcp import mcp_command
-from worker.cli.pages import ingest, pages_app
-from worker.cli.search import embed_command, search_command
-from worker.cli.services import beat, flower, serve, worker
-from worker.cli.simulator import simulator
+
+class CommandEntry(NamedTuple):
+    """A command (a function) or a command group (a ``typer.Typer``), by module and attribute."""
+
+    name: str
+    module: str
+    attribute: str
+
+
+# The order is the order `factmill --help` lists them in.
+COMMANDS = (
+    CommandEntry("search", "worker.cli.search", "search_command"),
+    CommandEntry("embed", "worker.cli.search", "embed_command"),
+    CommandEntry("compact", "worker.cli.compaction", "compact_command"),
+    CommandEntry("ingest", "worker.cli.pages", "ingest"),
+    CommandEntry("extract", "worker.cli.extract", "extract"),
+    CommandEntry("costs", "worker.cli.costs", "costs"),
+    CommandEntry("serve", "worker.cli.services", "serve"),
+    CommandEntry("worker", "worker.cli.services", "worker"),
+    CommandEntry("beat", "worker.cli.services", "beat"),
+    CommandEntry("flower", "worker.cli.services", "flower"),
+    CommandEntry("simulator", "worker.cli.simulator", "simulator"),
+    CommandEntry("demo", "worker.cli.demo", "demo"),
+    CommandEntry("mcp", "worker.cli.mcp", "mcp_command"),
+    CommandEntry("down", "worker.cli.db", "db_stop"),  # the same as `factmill db stop`
+    CommandEntry("db", "worker.cli.db", "db_app"),
+    CommandEntry("config", "worker.cli.config", "config_app"),
+    CommandEntry("facts", "worker.cli.facts", "facts_app"),
+    CommandEntry("jobs", "worker.cli.jobs", "jobs_app"),
+    CommandEntry("keys", "worker.cli.keys", "keys_app"),
+    CommandEntry("pages", "worker.cli.pages", "pages_app"),
+    CommandEntry("calibration", "worker.cli.calibration", "calibration_app"),
+    CommandEntry("transcripts", "worker.cli.compaction", "transcripts_app"),
+    CommandEntry("backfill", "worker.cli.backfill", "backfill_app"),
+)
+_BY_NAME = {entry.name: entry for entry in COMMANDS}
+
+
+def load_command(entry: CommandEntry) -> Any:
+    """Import the entry's module and build its click command as typer builds a registered one."""
+    target: Any = getattr(importlib.import_module(entry.module), entry.attribute)
+    holder = typer.Typer()
+    if isinstance(target, typer.Typer):
+        holder.add_typer(target, name=entry.name)
+    else:
+        holder.command(entry.name)(target)
+    return typer.main.get_group(holder).commands[entry.name]
+
+
+class LazyCommands(TyperGroup):
+    """The root group: lists COMMANDS and loads one only when it is asked for. (Contexts and commands
+    are typed Any: recent typer versions build on a click of their own, older ones on click.)"""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [entry.name for entry in COMMANDS]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        entry = _BY_NAME.get(cmd_name)
+        if entry is not None and cmd_name not in self.commands:
+            self.commands[cmd_name] = load_command(entry)
+        return super().get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
+    cls=LazyCommands,
     help="Factmill: turn conversations into durable, trustworthy facts.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-# Registration order is the order `factmill --help` lists them in.
-for name, command in (
-    ("search", search_command),
-    ("embed", embed_command),
-    ("compact", compact_command),
-    ("ingest", ingest),
-    ("extract", extract),
-    ("costs", costs),
-    ("serve", serve),
-    ("worker", worker),
-    ("beat", beat),
-    ("flower", flower),
-    ("simulator", simulator),
-    ("demo", demo),
-    ("mcp", mcp_command),
-    ("down", db_stop),  # the same as `factmill db stop`
-):
-    app.command(name)(command)
-for name, group in (
-    ("db", db_app),
-    ("config", config_app),
-    ("facts", facts_app),
-    ("jobs", jobs_app),
-    ("keys", keys_app),
-    ("pages", pages_app),
-    ("calibration", calibration_app),
-    ("transcripts", transcripts_app),
-    ("backfill", backfill_app),
-):
-    app.add_typer(group, name=name)
+
+
+@app.callback()
+def _root() -> None:
+    # A callback makes typer build the root as a group (LazyCommands) though nothing is registered on it.
+    pass
 
 
 def main() -> None:
