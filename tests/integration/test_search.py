@@ -356,6 +356,21 @@ def test_lexical_search_runs_without_jit_and_leaves_the_settings_as_it_found_the
     assert tuple(after.one()) == ("on", "on")
 
 
+def test_searches_keep_the_statements_psycopg_prepared(plain_database_url: str) -> None:
+    # A search's reads end in a commit or in autocommit, never a ROLLBACK, which would make psycopg
+    # forget every statement it prepared on the connection (it prepares one on its sixth run).
+    engine = db.create_pooled_engine(plain_database_url, settings=Settings(db_pool_size=1, db_max_overflow=0))
+    try:
+        factory = sessionmaker(engine)
+        for _ in range(8):
+            search(factory, None, "lex: alice lisbon")
+        with factory() as session:
+            prepared = session.scalar(text("SELECT count(*) FROM pg_prepared_statements"))
+        assert prepared and prepared > 0
+    finally:
+        engine.dispose()
+
+
 def test_lexical_scores_are_normalised_and_ordered(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

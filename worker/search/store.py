@@ -99,7 +99,13 @@ _FILL_EMBEDDINGS = text(
 
 
 class SearchStore:
-    """Search's database: each method runs in a transaction of its own."""
+    """Search's database: each method runs in a transaction of its own.
+
+    A read that sets transaction-local settings (the lexical query's planner switches, the vector
+    query's ``hnsw.ef_search``) runs in a transaction that commits: a rollback would make psycopg
+    forget every statement it prepared on the connection (see models.reads). Other reads run in
+    autocommit (``read_only``).
+    """
 
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         self._factory = factory
@@ -124,14 +130,14 @@ class SearchStore:
 
     def lexical(self, query: str, filters: SearchFilters, limit: int) -> tuple[list[Hit], bool]:
         """(hits, whether they hold every word: False when words had to be dropped)."""
-        with self._factory() as session:
+        with self._factory.begin() as session:  # commits: see the class docstring
             return _lexical(session, query, filters, limit)
 
     def search_lines(
         self, queries: Sequence[LineQuery], filters: SearchFilters, limit: int, extension_version: str
     ) -> list[list[Hit]]:
         """The hits of each line, in one transaction: lexical for a text, nearest facts for a vector."""
-        with self._factory() as session:
+        with self._factory.begin() as session:  # commits: see the class docstring
             return [
                 _lexical(session, query, filters, limit)[0]
                 if isinstance(query, str)
@@ -143,7 +149,7 @@ class SearchStore:
         self, ids: Sequence[int]
     ) -> tuple[dict[int, RowMapping], dict[int, list[tuple[int, str]]]]:
         """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num)."""
-        with self._factory() as session:
+        with read_only(self._factory) as session:
             facts = {row["fact_id"]: row for row in session.execute(_RESULT_FACTS, {"ids": ids}).mappings()}
             neighbours: dict[int, list[tuple[int, str]]] = {}
             for result_id, row_num, fact in session.execute(_RESULT_NEIGHBOURS, {"ids": ids}):
