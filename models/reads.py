@@ -1,4 +1,4 @@
-"""Read-only units of work: statements in autocommit, so the unit ends without a ROLLBACK.
+"""Units of work in autocommit: reads that end without a ROLLBACK, and writes of one statement.
 
 psycopg forgets every statement it prepared on a connection when a transaction there rolls back
 (it cannot know whether the transaction dropped an object one of them uses). A read-only session
@@ -7,7 +7,9 @@ its commits, the statements every segment runs were never prepared: each was par
 (pg_stat_statements: as many plans as calls). A read in autocommit opens no transaction, so there is
 nothing to roll back, and it saves the BEGIN and ROLLBACK round trips too.
 
-Use it for a unit that runs one statement, or several that need not see one snapshot.
+Use ``read_only`` for a unit that runs one statement, or several that need not see one snapshot;
+``one_statement`` for a write that is a single statement, which is atomic on its own: it then runs
+without the BEGIN and COMMIT round trips a transaction adds.
 """
 
 from __future__ import annotations
@@ -32,3 +34,15 @@ def read_only(factory: sessionmaker[Session]) -> Iterator[Session]:
         if isinstance(session.get_bind(), Engine):
             session.connection(execution_options=_AUTOCOMMIT)
         yield session
+
+
+@contextmanager
+def one_statement(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session for a write of a single statement, committed as it runs (in autocommit).
+
+    On a factory bound to a connection it runs in a savepoint of that connection's transaction,
+    released when the block ends, as ``factory.begin()`` would.
+    """
+    with read_only(factory) as session:
+        yield session
+        session.commit()  # in autocommit no COMMIT is sent: the statement committed as it ran

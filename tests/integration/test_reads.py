@@ -3,13 +3,15 @@ statements it prepared on the connection (a rolled-back transaction makes it for
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.reads import read_only
+from models.reads import one_statement, read_only
 from worker import db
 from worker.settings import Settings
 
@@ -70,4 +72,44 @@ def test_a_factory_bound_to_an_open_transaction_reads_inside_it(one_connection: 
         factory = sessionmaker(bind=conn, join_transaction_mode="create_savepoint")
         with read_only(factory) as session:  # sees the outer transaction's uncommitted row
             assert session.scalar(text("SELECT count(*) FROM probe")) == 1
+        conn.rollback()
+
+
+def test_one_statement_commits_a_write_without_a_transaction_around_it(
+    one_connection: Engine, database_url: str
+) -> None:
+    factory = sessionmaker(one_connection)
+    name = f"probe_{uuid.uuid4().hex[:12]}"
+    with one_statement(factory) as session:
+        session.execute(text(f"CREATE TABLE {name} (n int)"))
+    try:
+        with one_statement(factory) as session:
+            # No transaction around the statement: it starts as a transaction of its own would.
+            session.execute(
+                text(f"INSERT INTO {name} SELECT 1 WHERE statement_timestamp() = transaction_timestamp()")
+            )
+        other = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=1, db_max_overflow=0))
+        try:
+            with other.connect() as conn:  # another connection sees it: it is committed
+                assert conn.scalar(text(f"SELECT count(*) FROM {name}")) == 1
+        finally:
+            other.dispose()
+        with pytest.raises(ProgrammingError), one_statement(factory) as session:
+            session.execute(text(f"INSERT INTO {name} SELECT n FROM no_such_table_{name}"))
+        with read_only(factory) as session:
+            assert session.scalar(text(f"SELECT count(*) FROM {name}")) == 1
+    finally:
+        with one_statement(factory) as session:
+            session.execute(text(f"DROP TABLE {name}"))
+
+
+def test_one_statement_on_a_factory_bound_to_a_transaction_writes_inside_it(one_connection: Engine) -> None:
+    with one_connection.connect() as conn:
+        conn.execute(text("CREATE TEMP TABLE probe (n int)"))
+        factory = sessionmaker(bind=conn, join_transaction_mode="create_savepoint")
+        with one_statement(factory) as session:
+            session.execute(text("INSERT INTO probe VALUES (1)"))
+        assert conn.scalar(text("SELECT count(*) FROM probe")) == 1  # its savepoint was released
+        conn.rollback()  # and the outer transaction's rollback takes it back
+        assert conn.scalar(text("SELECT count(to_regclass('pg_temp.probe'))")) == 0
         conn.rollback()

@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from models.reads import one_statement
 from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
@@ -221,7 +222,7 @@ def enqueue(
             break
         sent.append(job_id)
     if sent:
-        with factory.begin() as session:
+        with one_statement(factory) as session:
             session.connection().execute(_MARK_ENQUEUED, {"ids": sent})
     return len(sent)
 
