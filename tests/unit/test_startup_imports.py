@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,24 @@ def test_every_listed_command_loads_under_its_name_with_its_help() -> None:
         assert command.help, f"`factmill {entry.name}` has no help"
     assert len({entry.name for entry in COMMANDS}) == len(COMMANDS)
     assert _modules_after_cli("--help") >= {entry.module for entry in COMMANDS}
+
+
+def test_a_mistyped_command_is_answered_with_the_name_it_is_close_to() -> None:
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom worker.cli import app\n"
+        "result = CliRunner().invoke(app, ['jbos', 'list'])\n"
+        "print(result.exit_code, 'worker.cli.jobs' in sys.modules)\nprint(result.output)"
+    )
+    wide = {**os.environ, "COLUMNS": "200"}  # the error box never breaks the message
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=wide,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    first, output = done.stdout.split("\n", 1)
+    assert first == "2 False"  # a usage error, and no command module was loaded to say so
+    assert "No such command 'jbos'" in output and "Did you mean 'jobs'?" in output

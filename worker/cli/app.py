@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 import typer
@@ -65,18 +66,44 @@ def load_command(entry: CommandEntry) -> Any:
     return typer.main.get_group(holder).commands[entry.name]
 
 
+class _CommandsByName(MutableMapping[str, Any]):
+    """COMMANDS by name, each loaded the first time it is looked up; its names listed without loading."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._loaded:
+            self._loaded[name] = load_command(_BY_NAME[name])  # KeyError: no such command
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, command: Any) -> None:
+        self._loaded[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        del self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*_BY_NAME, *(name for name in self._loaded if name not in _BY_NAME)])
+
+    def __len__(self) -> int:
+        return len(_BY_NAME.keys() | self._loaded.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in _BY_NAME or name in self._loaded
+
+
 class LazyCommands(TyperGroup):
-    """The root group: lists COMMANDS and loads one only when it is asked for. (Contexts and commands
-    are typed Any: recent typer versions build on a click of their own, older ones on click.)"""
+    """The root group: its commands are COMMANDS, each loaded only when it is asked for (a typo is
+    still answered with the names it is close to). Contexts and commands are typed Any: recent typer
+    versions build on a click of their own, older ones on click."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.commands = _CommandsByName()
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return [entry.name for entry in COMMANDS]
-
-    def get_command(self, ctx: Any, cmd_name: str) -> Any:
-        entry = _BY_NAME.get(cmd_name)
-        if entry is not None and cmd_name not in self.commands:
-            self.commands[cmd_name] = load_command(entry)
-        return super().get_command(ctx, cmd_name)
+        return list(self.commands)
 
 
 app = typer.Typer(
