@@ -28,7 +28,7 @@ from models.totals import (
     RowCount,
     fold_totals,
 )
-from models.webhook import WebhookDelivery
+from models.webhook import WebhookDelivery, forget_deliveries
 
 __all__ = [
     "API_SCOPES",
@@ -73,4 +73,5 @@ __all__ = [
     "TranscriptMessageRow",
     "WebhookDelivery",
     "fold_totals",
+    "forget_deliveries",
 ]

@@ -98,6 +98,10 @@ class Settings(BaseSettings):
     # (bench/load.py saw a ReadError in 1 of 1,000).
     api_keep_alive_seconds: int = Field(default=75, ge=1)
     sweep_interval_seconds: float = Field(default=30.0, gt=0)
+    # How long a delivery's answer is kept for its Idempotency-Key: a repeat within it is replayed, a
+    # repeat after it is a new delivery. A week covers the retry windows of common webhook senders
+    # (Stripe's is three days). The sweeper forgets older answers (worker.jobs.maintenance).
+    idempotency_key_hours: int = Field(default=168, ge=1)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.

@@ -10,6 +10,7 @@ import typing
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery
+from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery, forget_deliveries
 from tests.auth import send_key
 from tests.service import SessionBroker
 from worker.api.app import create_app
@@ -26,6 +27,7 @@ from worker.api.routes.pages import store_pages
 from worker.config_store import ConfigReader
 from worker.core.signing import sign
 from worker.extraction.pages import PageIn
+from worker.jobs.maintenance import maintain
 from worker.jobs.registry import kind_names
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -218,6 +220,54 @@ def test_same_key_with_a_different_body_is_refused(
     assert response.status_code == 422
     assert "Idempotency-Key reused with a different body" in response.json()["detail"]
     assert count(tx_factory, Page) == 1
+
+
+def age_deliveries(factory: sessionmaker[Session], hours: float, key: str | None = None) -> None:
+    """Make the stored answers (or the one of ``key``, unscoped) ``hours`` old."""
+    aged = update(WebhookDelivery).values(created_at=func.now() - timedelta(hours=hours))
+    if key is not None:
+        aged = aged.where(WebhookDelivery.idempotency_key.endswith(f"|{key}"))
+    with factory.begin() as session:
+        session.execute(aged)
+
+
+def test_an_answer_past_its_window_is_forgotten_and_its_key_is_new_again(
+    client: TestClient, database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    runtime = make_runtime(database_url, tx_factory, idempotency_key_hours=24)
+    assert post(client, page("window/a"), key="k-w").status_code == 202
+    age_deliveries(tx_factory, 23)
+    assert maintain(runtime).forgotten_deliveries == 0
+    assert post(client, page("window/b"), key="k-w").status_code == 422  # kept: still the same delivery
+    age_deliveries(tx_factory, 25)
+    assert maintain(runtime).forgotten_deliveries == 1
+    again = post(client, page("window/b"), key="k-w")
+    assert again.status_code == 202 and "Idempotent-Replayed" not in again.headers
+    assert count(tx_factory, Page) == 2 and count(tx_factory, WebhookDelivery) == 1
+
+
+def test_forgetting_takes_the_oldest_answers_first_a_batch_at_a_time(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    with tx_factory.begin() as session:
+        session.add_all(
+            WebhookDelivery(idempotency_key=f"pages|s|{key}", body_hash="h", response={})
+            for key in ("young", *(f"old-{n}" for n in range(5)))
+        )
+    for n in range(5):
+        age_deliveries(tx_factory, 48 + n, key=f"old-{n}")  # old-4 is the oldest
+    kept = timedelta(hours=24)
+    with tx_factory.begin() as session:
+        assert forget_deliveries(session, kept, 3) == 3
+    with tx_factory() as session:
+        kept_keys = {
+            key.rsplit("|", 1)[1] for key in session.scalars(select(WebhookDelivery.idempotency_key))
+        }
+        assert kept_keys == {"young", "old-0", "old-1"}
+    with tx_factory.begin() as session:
+        assert forget_deliveries(session, kept, 3) == 2
+        assert forget_deliveries(session, kept, 3) == 0
+    assert count(tx_factory, WebhookDelivery) == 1
 
 
 # Truncation: two connections, one blocked on the other's uncommitted idempotency key.

@@ -1,0 +1,45 @@
+"""What the maintenance queue does each time beat sends its sweep: lost and stalled jobs sent again,
+the running totals of gone connections folded, and delivery answers past their window forgotten."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from models import fold_totals, forget_deliveries
+from worker.jobs.budgets import JobBudgets
+from worker.jobs.outbox import SweepReport, broker_queue_depth, sweep
+from worker.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+# Stored answers deleted a sweep at most: at one sweep each 30 s, 28 million a day, while each DELETE
+# stays short however large a backlog an upgrade finds.
+FORGET_BATCH = 10_000
+
+
+@dataclass(frozen=True)
+class MaintenanceReport:
+    jobs: SweepReport
+    forgotten_deliveries: int
+
+
+def maintain(rt: Runtime, forget_batch: int = FORGET_BATCH) -> MaintenanceReport:
+    settings = rt.settings
+    jobs = sweep(
+        rt.factory,
+        stale_after=settings.job_stale_after_seconds,
+        requeue_after=settings.job_requeue_after_seconds,
+        enabled=rt.config.enabled,
+        job_budgets=JobBudgets.from_settings(settings),
+        budget_has_room=rt.budget.has_room,
+        queue_depth=broker_queue_depth,
+    )
+    with rt.factory.begin() as session:  # the running totals of gone connections, into one row each
+        fold_totals(session)
+    with rt.factory.begin() as session:
+        forgotten = forget_deliveries(session, timedelta(hours=settings.idempotency_key_hours), forget_batch)
+    if forgotten:
+        logger.info("forgot %s delivery answers older than %s h", forgotten, settings.idempotency_key_hours)
+    return MaintenanceReport(jobs, forgotten)
