@@ -1,10 +1,14 @@
 """Load benchmark: 200 concurrent signed webhook deliveries against a real `factmill serve` on loopback.
 
+Deliveries are pages (POST /v1/pages) or, with ``--route messages``, agent transcript appends (POST
+/v1/transcripts/{id}/messages: one message each, over ``--transcripts`` transcripts).
+
 Prints the status counts (no 5xx, no pool errors in the server log), and /healthz p50/p99 measured
 while the deliveries run, beside a baseline measured in the same run with no load. Goal: healthz
 p99 under 100 ms under load (a liveness probe must never wait on the thread pool).
 
     .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765] [--idempotency-keys]
+                                   [--route pages|messages] [--transcripts 200]
 
 Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL) and a Redis at
 127.0.0.1:6379 (db 14); creates and drops its own database.
@@ -22,7 +26,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import psutil
@@ -40,6 +46,7 @@ SECRET = "bench-webhook-secret-" + "s" * 16
 ADMIN = "bench-admin-token-" + "a" * 16
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 CONVERSATION = "**Alice** (2024-03-15 9:00 AM): I signed the offer.\n**Bob** (2024-03-15 9:01 AM): Congrats!"
+MESSAGE = "please run the test suite again and tell me which of the integration tests still fail"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -89,18 +96,44 @@ def probing(base: str, out: list[float]) -> tuple[threading.Event, threading.Thr
 CLIENT_POOL = 20
 
 
-async def deliver(client: httpx.AsyncClient, index: int, took: list[float], keyed: bool) -> int | str:
+class Route(NamedTuple):
+    """Where a delivery goes and what it carries: ``path`` and ``body`` of the delivery's index."""
+
+    template: str  # the route as the API's request histogram names it
+    path: Callable[[int], str]
+    body: Callable[[int], bytes]
+
+
+def route(name: str, transcripts: int) -> Route:
+    if name == "messages":
+        return Route(
+            "/v1/transcripts/{transcript_id}/messages",
+            lambda index: f"/v1/transcripts/load-{index % transcripts}/messages",
+            lambda index: json.dumps(
+                {"messages": [{"role": "user", "text": f"message {index}: {MESSAGE}"}]}
+            ).encode(),
+        )
+    return Route(
+        "/v1/pages",
+        lambda index: "/v1/pages",
+        lambda index: json.dumps(
+            {"slug": f"load/{index}", "type": "conversation", "title": "t", "compiled_truth": CONVERSATION}
+        ).encode(),
+    )
+
+
+async def deliver(
+    client: httpx.AsyncClient, target: Route, index: int, took: list[float], keyed: bool
+) -> int | str:
     """The answer's status code, or the name of the error that left the delivery without one; appends
     the delivery's milliseconds to ``took``."""
-    body = json.dumps(
-        {"slug": f"load/{index}", "type": "conversation", "title": "t", "compiled_truth": CONVERSATION}
-    ).encode()
+    body, path = target.body(index), target.path(index)
     started = time.perf_counter()
     try:
         response = await client.post(
-            "/v1/pages",
+            path,
             content=body,
-            headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages")
+            headers=signed_json_headers(body, SECRET, method="POST", path=path)
             | ({"Idempotency-Key": f"load-{index}"} if keyed else {}),
         )
     except httpx.HTTPError as exc:
@@ -111,7 +144,7 @@ async def deliver(client: httpx.AsyncClient, index: int, took: list[float], keye
 
 
 async def deliver_all(
-    base: str, requests: int, concurrency: int, keyed: bool
+    base: str, target: Route, requests: int, concurrency: int, keyed: bool
 ) -> tuple[list[int | str], list[float]]:
     """``concurrency`` lanes, each sending one delivery at a time, ``CLIENT_POOL`` lanes to a client."""
     indexes = iter(range(requests))
@@ -124,7 +157,7 @@ async def deliver_all(
 
     async def lane(client: httpx.AsyncClient) -> None:
         for index in indexes:
-            statuses.append(await deliver(client, index, took, keyed))
+            statuses.append(await deliver(client, target, index, took, keyed))
 
     try:
         await asyncio.gather(*(lane(clients[n // CLIENT_POOL]) for n in range(concurrency)))
@@ -134,7 +167,9 @@ async def deliver_all(
     return statuses, took
 
 
-async def run(base: str, requests: int, concurrency: int, server_pid: int, keyed: bool) -> dict[str, object]:
+async def run(
+    base: str, target: Route, requests: int, concurrency: int, server_pid: int, keyed: bool
+) -> dict[str, object]:
     baseline: list[float] = []
     stop, thread = probing(base, baseline)
     await asyncio.sleep(2.0)
@@ -145,7 +180,7 @@ async def run(base: str, requests: int, concurrency: int, server_pid: int, keyed
     api = psutil.Process(server_pid)
     api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
     started = time.perf_counter()
-    statuses, deliveries = await deliver_all(base, requests, concurrency, keyed)
+    statuses, deliveries = await deliver_all(base, target, requests, concurrency, keyed)
     took = time.perf_counter() - started
     api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
     api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
@@ -158,7 +193,7 @@ async def run(base: str, requests: int, concurrency: int, server_pid: int, keyed
         "baseline": baseline,
         "loaded": loaded,
         "deliveries": deliveries,
-        "server": server_quantiles(metrics.text, "POST", "/v1/pages"),
+        "server": server_quantiles(metrics.text, "POST", target.template),
         "statuses": Counter(statuses),
         "took": took,
         "cpu_ms": (api_cpu / requests * 1000, postgres_cpu / requests * 1000),
@@ -171,6 +206,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--idempotency-keys", action="store_true", help="a key of its own for each delivery")
+    parser.add_argument("--route", choices=("pages", "messages"), default="pages")
+    parser.add_argument("--transcripts", type=int, default=200, help="with --route messages")
     args = parser.parse_args()
     server = None
     with fresh_database(SERVER, "load") as url:
@@ -198,8 +235,9 @@ def main() -> None:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.1)
+            target = route(args.route, args.transcripts)
             result = asyncio.run(
-                run(base, args.requests, args.concurrency, server.pid, args.idempotency_keys)
+                run(base, target, args.requests, args.concurrency, server.pid, args.idempotency_keys)
             )
         finally:
             if server is not None:
@@ -211,7 +249,10 @@ def main() -> None:
     assert isinstance(baseline, list) and isinstance(loaded, list)
     statuses = result["statuses"]
     assert isinstance(statuses, Counter)
-    print(f"{args.requests} signed POST /v1/pages, {args.concurrency} concurrent, in {result['took']:.2f} s")
+    print(
+        f"{args.requests} signed POST {target.template}, {args.concurrency} concurrent, "
+        f"in {result['took']:.2f} s"
+    )
     answered = {s: n for s, n in statuses.items() if isinstance(s, int)}
     unanswered = {s: n for s, n in statuses.items() if not isinstance(s, int)}
     server_errors = sum(n for s, n in answered.items() if s >= 500)
