@@ -14,16 +14,20 @@ from typing import cast
 from sqlalchemy import Table
 
 from models.checkpoint import OpCheckpoint
+from models.compaction import Compaction, Transcript, TranscriptMessageRow
 from models.fact import ExtractionAudit, Fact
 from models.job import Job
 from models.llm_call import LLMCall
 from models.page import Page
 from models.webhook import WebhookDelivery
 
+COMPACTIONS = cast(Table, Compaction.__table__)
 EXTRACTION_AUDIT = cast(Table, ExtractionAudit.__table__)
 FACTS = cast(Table, Fact.__table__)
 JOBS = cast(Table, Job.__table__)
 LLM_CALLS = cast(Table, LLMCall.__table__)
 OP_CHECKPOINTS = cast(Table, OpCheckpoint.__table__)
 PAGES = cast(Table, Page.__table__)
+TRANSCRIPTS = cast(Table, Transcript.__table__)
+TRANSCRIPT_MESSAGES = cast(Table, TranscriptMessageRow.__table__)
 WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)

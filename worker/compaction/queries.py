@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, case, func, literal, select, true, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import Compaction, Job, Transcript, TranscriptMessageRow
+from models.tables import COMPACTIONS, TRANSCRIPT_MESSAGES, TRANSCRIPTS
 from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
 from worker.core.timeline import AppliedSummary, ContextView, Timeline, view_of
 from worker.core.transcripts import (
@@ -102,15 +103,33 @@ def load_timeline(session: Session, transcript_id: str) -> Timeline:
     return Timeline(transcript_id, TranscriptSettings.of(transcript), summary, messages, seqs)
 
 
-def context_tokens(session: Session, transcript_id: str, summary: AppliedSummary | None = None) -> int:
-    """Estimated tokens of the context view (summary + messages after its cut), without reading texts."""
-    start = summary.cut_seq if summary is not None else 0
-    total = session.scalar(
-        select(func.coalesce(func.sum(TranscriptMessageRow.tokens), 0)).where(
-            TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq >= start
-        )
-    )
-    return int(total or 0) + (estimate_tokens(summary.marker()) if summary is not None else 0)
+# The applied summary (the newest accepted compaction) and the tokens of the messages from its cut on:
+# what the context view holds, in one statement, without reading any text but the summary's.
+_APPLIED = (
+    select(COMPACTIONS.c.id, COMPACTIONS.c.cut_seq, COMPACTIONS.c.summary)
+    .where(COMPACTIONS.c.transcript_id == bindparam("id"), COMPACTIONS.c.status == "accepted")
+    .order_by(COMPACTIONS.c.id.desc())
+    .limit(1)
+    .subquery("applied")
+)
+_START = case((_APPLIED.c.summary.is_not(None), _APPLIED.c.cut_seq), else_=0)
+_CONTEXT = select(
+    _APPLIED.c.id,
+    _APPLIED.c.cut_seq,
+    _APPLIED.c.summary,
+    select(func.coalesce(func.sum(TRANSCRIPT_MESSAGES.c.tokens), 0))
+    .where(TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq >= _START)
+    .scalar_subquery(),
+).select_from(select(literal(1).label("one")).subquery().outerjoin(_APPLIED, true()))
+
+
+def context_now(session: Session, transcript_id: str) -> tuple[AppliedSummary | None, int]:
+    """(the applied summary, estimated tokens of the context view: summary + messages after its cut)."""
+    summary_id, cut_seq, text, tokens = session.connection().execute(_CONTEXT, {"id": transcript_id}).one()
+    if text is None:
+        return None, int(tokens)
+    summary = AppliedSummary(int(summary_id), int(cut_seq), str(text))
+    return summary, int(tokens) + estimate_tokens(summary.marker())
 
 
 def context_view(session: Session, transcript_id: str) -> ContextView:
@@ -188,7 +207,7 @@ def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
             TranscriptMessageRow.transcript_id == transcript_id
         )
     ).one()
-    summary = applied_summary(session, transcript_id)
+    summary, tokens = context_now(session, transcript_id)
     pending = session.scalar(
         select(Job.id).where(Job.kind == COMPACTION, Job.subject == transcript_id, Job.status.in_(PENDING))
     )
@@ -197,7 +216,7 @@ def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
         settings=TranscriptSettings.of(transcript),
         messages=int(count),
         history_tokens=int(history),
-        context_tokens=context_tokens(session, transcript_id, summary),
+        context_tokens=tokens,
         summary_tokens=estimate_tokens(summary.marker()) if summary else 0,
         compaction_id=summary.compaction_id if summary else None,
         cut_seq=summary.cut_seq if summary else None,
@@ -207,27 +226,36 @@ def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
     )
 
 
+# The end of a transcript's stored history: its last seq, and its last turn that is not a tool result.
+_LAST_TURN = (
+    select(TRANSCRIPT_MESSAGES.c.seq, TRANSCRIPT_MESSAGES.c.tool_calls)
+    .where(TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.role != "tool")
+    .order_by(TRANSCRIPT_MESSAGES.c.seq.desc())
+    .limit(1)
+    .subquery("turn")
+)
+_TAIL = select(
+    select(func.max(TRANSCRIPT_MESSAGES.c.seq))
+    .where(TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"))
+    .scalar_subquery(),
+    _LAST_TURN.c.seq,
+    _LAST_TURN.c.tool_calls,
+).select_from(select(literal(1).label("one")).subquery().outerjoin(_LAST_TURN, true()))
+_ANSWERED = select(TRANSCRIPT_MESSAGES.c.tool_call_id).where(
+    TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq > bindparam("after")
+)
+
+
 def _stored_tool_unit(session: Session, transcript_id: str) -> tuple[int, ToolUnit | None]:
     """(next seq, the open tool unit at the end of the stored history, if it ends in one)."""
-    last_seq = session.scalar(
-        select(func.max(TranscriptMessageRow.seq)).where(TranscriptMessageRow.transcript_id == transcript_id)
-    )
+    connection = session.connection()
+    last_seq, turn_seq, turn_calls = connection.execute(_TAIL, {"id": transcript_id}).one()
     if last_seq is None:
         return 0, None
-    turn = session.execute(
-        select(TranscriptMessageRow.seq, TranscriptMessageRow.tool_calls)
-        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.role != "tool")
-        .order_by(TranscriptMessageRow.seq.desc())
-        .limit(1)
-    ).first()
-    if turn is None or not turn.tool_calls:
+    if turn_seq is None or not turn_calls:
         return last_seq + 1, None
-    answered = session.scalars(
-        select(TranscriptMessageRow.tool_call_id).where(
-            TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq > turn.seq
-        )
-    ).all()
-    unit = ToolUnit({c["id"]: c["name"] for c in turn.tool_calls}, {a for a in answered if a is not None})
+    answered = connection.execute(_ANSWERED, {"id": transcript_id, "after": turn_seq}).scalars()
+    unit = ToolUnit({c["id"]: c["name"] for c in turn_calls}, {a for a in answered if a is not None})
     return last_seq + 1, unit
 
 
@@ -280,9 +308,14 @@ def request_compaction(
 
 def check_trigger(session: Session, transcript_id: str, *, retrigger_seconds: float = 0.0) -> TriggerCheck:
     """Request a compaction when the context passed window - reserve (inside the caller's transaction)."""
-    transcript = get_transcript(session, transcript_id)
-    settings = TranscriptSettings.of(transcript)
-    tokens = context_tokens(session, transcript_id, applied_summary(session, transcript_id))
+    settings = TranscriptSettings.of(get_transcript(session, transcript_id))
+    return _check_trigger(session, transcript_id, settings, retrigger_seconds)
+
+
+def _check_trigger(
+    session: Session, transcript_id: str, settings: TranscriptSettings, retrigger_seconds: float
+) -> TriggerCheck:
+    tokens = context_now(session, transcript_id)[1]
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
@@ -317,6 +350,25 @@ class AppendResult:
         return [(job.job_id, COMPACTION)] if job is not None and job.created else []
 
 
+# An append's transcript row: created on first use, locked for the transaction (ON CONFLICT DO UPDATE
+# locks the row it finds, as SELECT ... FOR UPDATE would: appends to one transcript serialize on it),
+# touched, and its settings returned. Core statements built once: an append runs on every agent turn.
+_SETTINGS = (
+    TRANSCRIPTS.c.context_window,
+    TRANSCRIPTS.c.reserve_tokens,
+    TRANSCRIPTS.c.keep_recent_tokens,
+    TRANSCRIPTS.c.tool_result_limit,
+    TRANSCRIPTS.c.instructions,
+)
+_OPEN_FOR_APPEND = (
+    insert(TRANSCRIPTS)
+    .values(id=bindparam("id"))
+    .on_conflict_do_update(index_elements=[TRANSCRIPTS.c.id], set_={"updated_at": func.now()})
+    .returning(*_SETTINGS)
+)
+_INSERT_MESSAGES = insert(TRANSCRIPT_MESSAGES)
+
+
 def append_messages(
     session: Session,
     transcript_id: str,
@@ -335,10 +387,12 @@ def append_messages(
     if not messages:
         raise TranscriptError("messages is empty; send at least one message")
     changes = clean_settings(settings or {})
-    transcript = lock_transcript(session, transcript_id, create=True)
-    for name, value in changes.items():
-        setattr(transcript, name, value)
-    transcript.updated_at = func.now()  # type: ignore[assignment]
+    connection = session.connection()
+    transcript = connection.execute(_OPEN_FOR_APPEND, {"id": transcript_id}).one()
+    if changes:
+        transcript = connection.execute(
+            update(TRANSCRIPTS).where(TRANSCRIPTS.c.id == transcript_id).values(changes).returning(*_SETTINGS)
+        ).one()
     next_seq, unit = _stored_tool_unit(session, transcript_id)
     linked = link_tool_results(messages, unit)
     rows = [
@@ -354,9 +408,8 @@ def append_messages(
         }
         for offset, message in enumerate(linked)
     ]
-    session.execute(insert(TranscriptMessageRow), rows)
-    session.flush()
-    trigger = check_trigger(session, transcript_id, retrigger_seconds=retrigger_seconds)
+    connection.execute(_INSERT_MESSAGES, rows)
+    trigger = _check_trigger(session, transcript_id, TranscriptSettings.of(transcript), retrigger_seconds)
     return AppendResult(transcript_id, next_seq, next_seq + len(rows) - 1, trigger)
 
 
