@@ -13,13 +13,24 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("openai", "anthropic", "mcp", "worker.simulator", "httpx2")  # httpx2: the SDKs' own httpx
 
 
+def _python(code: str, **env: str) -> str:
+    """What ``code`` prints, run by a fresh interpreter in the repository (it must exit 0)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
 def _loaded_after(code: str) -> list[str]:
     """The HEAVY modules in sys.modules after running ``code`` in a fresh interpreter."""
     probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
-    )
-    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    return list(json.loads(_python(probe).strip().splitlines()[-1]))
 
 
 def test_the_cli_the_api_and_the_task_modules_load_no_sdk_and_no_mcp_server() -> None:
@@ -66,10 +77,7 @@ def _modules_after_cli(*args: str) -> set[str]:
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "import json\nprint(json.dumps(sorted(sys.modules)))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
-    )
-    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+    return set(json.loads(_python(code).strip().splitlines()[-1]))
 
 
 def test_a_command_loads_its_own_module_and_not_the_others() -> None:
@@ -100,16 +108,7 @@ def test_a_mistyped_command_is_answered_with_the_name_it_is_close_to() -> None:
         "result = CliRunner().invoke(app, ['jbos', 'list'])\n"
         "print(result.exit_code, 'worker.cli.jobs' in sys.modules)\nprint(result.output)"
     )
-    wide = {**os.environ, "COLUMNS": "200"}  # the error box never breaks the message
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=wide,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    first, output = done.stdout.split("\n", 1)
+    # Wide, so the error box never breaks the message.
+    first, output = _python(code, COLUMNS="200").split("\n", 1)
     assert first == "2 False"  # a usage error, and no command module was loaded to say so
     assert "No such command 'jbos'" in output and "Did you mean 'jobs'?" in output
