@@ -25,10 +25,12 @@ class WebhookDelivery(Base):
 
 
 # Oldest first, so a backlog shrinks from its old end; SKIP LOCKED, so two sweeps never wait on each other.
+# By ctid (a TID scan of the rows found and locked): by key, the planner scanned the whole table to
+# match them (0.24 s a batch at a million rows, bench/forget_deliveries.py).
 _FORGET = text(
-    "DELETE FROM webhook_deliveries WHERE idempotency_key IN ("
-    " SELECT idempotency_key FROM webhook_deliveries WHERE created_at < now() - :kept"
-    " ORDER BY created_at LIMIT :limit FOR UPDATE SKIP LOCKED)"
+    "DELETE FROM webhook_deliveries WHERE ctid = ANY(ARRAY("
+    " SELECT ctid FROM webhook_deliveries WHERE created_at < now() - :kept"
+    " ORDER BY created_at LIMIT :limit FOR UPDATE SKIP LOCKED))"
 )
 
 
