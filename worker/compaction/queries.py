@@ -64,16 +64,25 @@ def get_transcript(session: Session, transcript_id: str) -> Transcript:
     return row
 
 
+# The applied summary: the newest accepted compaction of the transcript :id.
+_APPLIED = (
+    select(COMPACTIONS.c.id, COMPACTIONS.c.cut_seq, COMPACTIONS.c.summary)
+    .where(COMPACTIONS.c.transcript_id == bindparam("id"), COMPACTIONS.c.status == "accepted")
+    .order_by(COMPACTIONS.c.id.desc())
+    .limit(1)
+    .subquery("applied")
+)
+_SELECT_APPLIED = select(_APPLIED)
+
+
+def _applied(summary_id: Any, cut_seq: Any, text: Any) -> AppliedSummary | None:
+    """The applied summary of a row of _APPLIED's columns (all None: there is none)."""
+    return None if text is None else AppliedSummary(int(summary_id), int(cut_seq), str(text))
+
+
 def applied_summary(session: Session, transcript_id: str) -> AppliedSummary | None:
-    row = session.execute(
-        select(Compaction.id, Compaction.cut_seq, Compaction.summary)
-        .where(Compaction.transcript_id == transcript_id, Compaction.status == "accepted")
-        .order_by(Compaction.id.desc())
-        .limit(1)
-    ).first()
-    if row is None or row.summary is None:
-        return None
-    return AppliedSummary(int(row.id), int(row.cut_seq), str(row.summary))
+    row = session.connection().execute(_SELECT_APPLIED, {"id": transcript_id}).first()
+    return None if row is None else _applied(*row)
 
 
 def load_timeline(session: Session, transcript_id: str) -> Timeline:
@@ -103,15 +112,8 @@ def load_timeline(session: Session, transcript_id: str) -> Timeline:
     return Timeline(transcript_id, TranscriptSettings.of(transcript), summary, messages, seqs)
 
 
-# The applied summary (the newest accepted compaction) and the tokens of the messages from its cut on:
-# what the context view holds, in one statement, without reading any text but the summary's.
-_APPLIED = (
-    select(COMPACTIONS.c.id, COMPACTIONS.c.cut_seq, COMPACTIONS.c.summary)
-    .where(COMPACTIONS.c.transcript_id == bindparam("id"), COMPACTIONS.c.status == "accepted")
-    .order_by(COMPACTIONS.c.id.desc())
-    .limit(1)
-    .subquery("applied")
-)
+# The context view holds the applied summary and the messages from its cut on: their tokens, in one
+# statement with the summary, without reading any text but the summary's.
 _START = case((_APPLIED.c.summary.is_not(None), _APPLIED.c.cut_seq), else_=0)
 _CONTEXT = select(
     _APPLIED.c.id,
@@ -126,10 +128,8 @@ _CONTEXT = select(
 def context_now(session: Session, transcript_id: str) -> tuple[AppliedSummary | None, int]:
     """(the applied summary, estimated tokens of the context view: summary + messages after its cut)."""
     summary_id, cut_seq, text, tokens = session.connection().execute(_CONTEXT, {"id": transcript_id}).one()
-    if text is None:
-        return None, int(tokens)
-    summary = AppliedSummary(int(summary_id), int(cut_seq), str(text))
-    return summary, int(tokens) + estimate_tokens(summary.marker())
+    summary = _applied(summary_id, cut_seq, text)
+    return summary, int(tokens) + (estimate_tokens(summary.marker()) if summary is not None else 0)
 
 
 def context_view(session: Session, transcript_id: str) -> ContextView:
