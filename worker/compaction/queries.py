@@ -40,21 +40,47 @@ class TranscriptNotFoundError(LookupError):
         self.transcript_id = transcript_id
 
 
-def lock_transcript(session: Session, transcript_id: str, *, create: bool) -> Transcript:
-    """The transcript row, locked for this transaction (appends and applies serialize on it)."""
-    if create:
-        session.execute(
-            insert(Transcript).values(id=transcript_id).on_conflict_do_nothing(index_elements=["id"])
-        )
-    row = session.scalars(
-        select(Transcript)
-        .where(Transcript.id == transcript_id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one_or_none()
+# A transcript's settings columns (TranscriptSettings), read with its row lock or without.
+_SETTINGS = (
+    TRANSCRIPTS.c.context_window,
+    TRANSCRIPTS.c.reserve_tokens,
+    TRANSCRIPTS.c.keep_recent_tokens,
+    TRANSCRIPTS.c.tool_result_limit,
+    TRANSCRIPTS.c.instructions,
+)
+_READ_SETTINGS = select(*_SETTINGS).where(TRANSCRIPTS.c.id == bindparam("id"))
+_LOCK = _READ_SETTINGS.with_for_update()
+# Created on first use and touched, the row locked either way: ON CONFLICT DO UPDATE locks the row it
+# finds, as SELECT ... FOR UPDATE does. Core statements built once: an append runs on every agent turn.
+_OPEN = (
+    insert(TRANSCRIPTS)
+    .values(id=bindparam("id"))
+    .on_conflict_do_update(index_elements=[TRANSCRIPTS.c.id], set_={"updated_at": func.now()})
+    .returning(*_SETTINGS)
+)
+
+
+def lock_transcript(session: Session, transcript_id: str, *, create: bool) -> TranscriptSettings:
+    """The transcript's settings, its row locked for this transaction (appends and applies serialize
+    on it); with ``create``, the transcript is created first if it is new, and touched."""
+    connection = session.connection()
+    row = connection.execute(_OPEN if create else _LOCK, {"id": transcript_id}).one_or_none()
     if row is None:
         raise TranscriptNotFoundError(transcript_id)
-    return row
+    return TranscriptSettings.of(row)
+
+
+def transcript_settings(session: Session, transcript_id: str) -> TranscriptSettings:
+    row = session.connection().execute(_READ_SETTINGS, {"id": transcript_id}).one_or_none()
+    if row is None:
+        raise TranscriptNotFoundError(transcript_id)
+    return TranscriptSettings.of(row)
+
+
+def _change_settings(session: Session, transcript_id: str, changes: Mapping[str, Any]) -> TranscriptSettings:
+    """Apply cleaned settings to a transcript this transaction has locked; its settings after."""
+    changed = update(TRANSCRIPTS).where(TRANSCRIPTS.c.id == transcript_id).values(dict(changes))
+    return TranscriptSettings.of(session.connection().execute(changed.returning(*_SETTINGS)).one())
 
 
 def get_transcript(session: Session, transcript_id: str) -> Transcript:
@@ -85,22 +111,28 @@ def applied_summary(session: Session, transcript_id: str) -> AppliedSummary | No
     return None if row is None else _applied(*row)
 
 
+_TIMELINE_MESSAGES = (
+    select(
+        TRANSCRIPT_MESSAGES.c.seq,
+        TRANSCRIPT_MESSAGES.c.role,
+        TRANSCRIPT_MESSAGES.c.text,
+        TRANSCRIPT_MESSAGES.c.tool_calls,
+        TRANSCRIPT_MESSAGES.c.tool_call_id,
+        TRANSCRIPT_MESSAGES.c.tool_name,
+    )
+    .where(
+        TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"),
+        TRANSCRIPT_MESSAGES.c.seq >= bindparam("start"),
+    )
+    .order_by(TRANSCRIPT_MESSAGES.c.seq)
+)
+
+
 def load_timeline(session: Session, transcript_id: str) -> Timeline:
-    transcript = get_transcript(session, transcript_id)
+    settings = transcript_settings(session, transcript_id)
     summary = applied_summary(session, transcript_id)
     start = summary.cut_seq if summary is not None else 0
-    rows = session.execute(
-        select(
-            TranscriptMessageRow.seq,
-            TranscriptMessageRow.role,
-            TranscriptMessageRow.text,
-            TranscriptMessageRow.tool_calls,
-            TranscriptMessageRow.tool_call_id,
-            TranscriptMessageRow.tool_name,
-        )
-        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.seq >= start)
-        .order_by(TranscriptMessageRow.seq)
-    ).all()
+    rows = session.connection().execute(_TIMELINE_MESSAGES, {"id": transcript_id, "start": start}).all()
     messages: list[TranscriptMessage] = []
     seqs: list[int | None] = []
     if summary is not None:
@@ -109,7 +141,7 @@ def load_timeline(session: Session, transcript_id: str) -> Timeline:
     for seq, role, text, calls, call_id, name in rows:
         messages.append(stored_message(role, text, calls, call_id, name))
         seqs.append(seq)
-    return Timeline(transcript_id, TranscriptSettings.of(transcript), summary, messages, seqs)
+    return Timeline(transcript_id, settings, summary, messages, seqs)
 
 
 # The context view holds the applied summary and the messages from its cut on: their tokens, in one
@@ -306,15 +338,10 @@ def request_compaction(
     return job
 
 
-def check_trigger(session: Session, transcript_id: str, *, retrigger_seconds: float = 0.0) -> TriggerCheck:
-    """Request a compaction when the context passed window - reserve (inside the caller's transaction)."""
-    settings = TranscriptSettings.of(get_transcript(session, transcript_id))
-    return _check_trigger(session, transcript_id, settings, retrigger_seconds)
-
-
-def _check_trigger(
+def check_trigger(
     session: Session, transcript_id: str, settings: TranscriptSettings, retrigger_seconds: float
 ) -> TriggerCheck:
+    """Request a compaction when the context passed window - reserve (inside the caller's transaction)."""
     tokens = context_now(session, transcript_id)[1]
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
@@ -350,22 +377,6 @@ class AppendResult:
         return [(job.job_id, COMPACTION)] if job is not None and job.created else []
 
 
-# An append's transcript row: created on first use, locked for the transaction (ON CONFLICT DO UPDATE
-# locks the row it finds, as SELECT ... FOR UPDATE would: appends to one transcript serialize on it),
-# touched, and its settings returned. Core statements built once: an append runs on every agent turn.
-_SETTINGS = (
-    TRANSCRIPTS.c.context_window,
-    TRANSCRIPTS.c.reserve_tokens,
-    TRANSCRIPTS.c.keep_recent_tokens,
-    TRANSCRIPTS.c.tool_result_limit,
-    TRANSCRIPTS.c.instructions,
-)
-_OPEN_FOR_APPEND = (
-    insert(TRANSCRIPTS)
-    .values(id=bindparam("id"))
-    .on_conflict_do_update(index_elements=[TRANSCRIPTS.c.id], set_={"updated_at": func.now()})
-    .returning(*_SETTINGS)
-)
 _INSERT_MESSAGES = insert(TRANSCRIPT_MESSAGES)
 
 
@@ -387,12 +398,9 @@ def append_messages(
     if not messages:
         raise TranscriptError("messages is empty; send at least one message")
     changes = clean_settings(settings or {})
-    connection = session.connection()
-    transcript = connection.execute(_OPEN_FOR_APPEND, {"id": transcript_id}).one()
+    current = lock_transcript(session, transcript_id, create=True)
     if changes:
-        transcript = connection.execute(
-            update(TRANSCRIPTS).where(TRANSCRIPTS.c.id == transcript_id).values(changes).returning(*_SETTINGS)
-        ).one()
+        current = _change_settings(session, transcript_id, changes)
     next_seq, unit = _stored_tool_unit(session, transcript_id)
     linked = link_tool_results(messages, unit)
     rows = [
@@ -408,34 +416,36 @@ def append_messages(
         }
         for offset, message in enumerate(linked)
     ]
-    connection.execute(_INSERT_MESSAGES, rows)
-    trigger = _check_trigger(session, transcript_id, TranscriptSettings.of(transcript), retrigger_seconds)
+    session.connection().execute(_INSERT_MESSAGES, rows)
+    trigger = check_trigger(session, transcript_id, current, retrigger_seconds)
     return AppendResult(transcript_id, next_seq, next_seq + len(rows) - 1, trigger)
 
 
 def update_settings(
     session: Session, transcript_id: str, changes: Mapping[str, Any], *, retrigger_seconds: float = 0.0
-) -> tuple[Transcript, TriggerCheck]:
+) -> tuple[TranscriptSettings, TriggerCheck]:
     """Create or change a transcript's settings; a smaller window may pass the threshold (checked)."""
     check_transcript_id(transcript_id)
     cleaned = clean_settings(changes)
-    transcript = lock_transcript(session, transcript_id, create=True)
-    for name, value in cleaned.items():
-        setattr(transcript, name, value)
-    session.flush()
-    return transcript, check_trigger(session, transcript_id, retrigger_seconds=retrigger_seconds)
+    current = lock_transcript(session, transcript_id, create=True)
+    if cleaned:
+        current = _change_settings(session, transcript_id, cleaned)
+    return current, check_trigger(session, transcript_id, current, retrigger_seconds)
+
+
+_LATEST_USER_TEXTS = (
+    select(TRANSCRIPT_MESSAGES.c.text)
+    .where(TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.role == "user")
+    .order_by(TRANSCRIPT_MESSAGES.c.seq.desc())
+    .limit(bindparam("n"))
+)
 
 
 def latest_user_texts(session: Session, transcript_id: str, count: int) -> list[str]:
     if count <= 0:
         return []
-    texts = session.scalars(
-        select(TranscriptMessageRow.text)
-        .where(TranscriptMessageRow.transcript_id == transcript_id, TranscriptMessageRow.role == "user")
-        .order_by(TranscriptMessageRow.seq.desc())
-        .limit(count)
-    ).all()
-    return list(reversed(texts))
+    texts = session.connection().execute(_LATEST_USER_TEXTS, {"id": transcript_id, "n": count}).scalars()
+    return list(reversed(list(texts)))
 
 
 @dataclass(frozen=True)
@@ -469,6 +479,9 @@ class SavedCompaction:
     tokens_after: int | None
 
 
+_INSERT_COMPACTION = insert(COMPACTIONS).returning(COMPACTIONS.c.id)
+
+
 def save_compaction(session: Session, record: CompactionRecord) -> SavedCompaction:
     """Insert a compaction row; an accepted one is applied only over the summary it was computed from."""
     status, error = record.status, record.error
@@ -486,7 +499,5 @@ def save_compaction(session: Session, record: CompactionRecord) -> SavedCompacti
             )
     tokens_after = record.tokens_after if status != "failed" else None
     columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
-    row = Compaction(**columns, attempts=len(record.attempt_log))
-    session.add(row)
-    session.flush()
-    return SavedCompaction(int(row.id), status, error, tokens_after)
+    saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
+    return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)

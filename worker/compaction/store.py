@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Compaction, Transcript, TranscriptMessageRow
+from models import Compaction, TranscriptMessageRow
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.compaction import queries
@@ -26,6 +26,7 @@ from worker.compaction.queries import (
 )
 from worker.core.compaction import TranscriptMessage
 from worker.core.timeline import ContextView, Timeline
+from worker.core.transcripts import TranscriptSettings
 from worker.jobs.outbox import JobRequest
 
 
@@ -86,7 +87,7 @@ class TranscriptStore:
 
     def update_settings(
         self, transcript_id: str, changes: Mapping[str, Any], *, retrigger_seconds: float = 0.0
-    ) -> tuple[Transcript, TriggerCheck]:
+    ) -> tuple[TranscriptSettings, TriggerCheck]:
         with self._factory.begin() as session:
             return queries.update_settings(
                 session, transcript_id, changes, retrigger_seconds=retrigger_seconds
