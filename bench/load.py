@@ -1,14 +1,15 @@
 """Load benchmark: 200 concurrent signed webhook deliveries against a real `factmill serve` on loopback.
 
 Deliveries are pages (POST /v1/pages) or, with ``--route messages``, agent transcript appends (POST
-/v1/transcripts/{id}/messages: one message each, over ``--transcripts`` transcripts).
+/v1/transcripts/{id}/messages: one message each, over ``--transcripts`` transcripts), or with
+``--route feedback`` calibration feedback (POST /v1/feedback).
 
 Prints the status counts (no 5xx, no pool errors in the server log), and /healthz p50/p99 measured
 while the deliveries run, beside a baseline measured in the same run with no load. Goal: healthz
 p99 under 100 ms under load (a liveness probe must never wait on the thread pool).
 
     .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765] [--idempotency-keys]
-                                   [--route pages|messages] [--transcripts 200]
+                                   [--route pages|messages|feedback] [--transcripts 200]
 
 Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL) and a Redis at
 127.0.0.1:6379 (db 14); creates and drops its own database.
@@ -105,6 +106,14 @@ class Route(NamedTuple):
 
 
 def route(name: str, transcripts: int) -> Route:
+    if name == "feedback":
+        return Route(
+            "/v1/feedback",
+            lambda index: "/v1/feedback",
+            lambda index: json.dumps(
+                {"coverage": (index % 100) / 100, "answer_kept": index % 3 != 0, "origin": "eval:load"}
+            ).encode(),
+        )
     if name == "messages":
         return Route(
             "/v1/transcripts/{transcript_id}/messages",
@@ -206,7 +215,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--idempotency-keys", action="store_true", help="a key of its own for each delivery")
-    parser.add_argument("--route", choices=("pages", "messages"), default="pages")
+    parser.add_argument("--route", choices=("pages", "messages", "feedback"), default="pages")
     parser.add_argument("--transcripts", type=int, default=200, help="with --route messages")
     args = parser.parse_args()
     server = None

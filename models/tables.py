@@ -13,6 +13,7 @@ from typing import cast
 
 from sqlalchemy import Table
 
+from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
 from models.compaction import Compaction, Transcript, TranscriptMessageRow
 from models.fact import ExtractionAudit, Fact
@@ -21,6 +22,8 @@ from models.llm_call import LLMCall
 from models.page import Page
 from models.webhook import WebhookDelivery
 
+CALIBRATION_OBSERVATIONS = cast(Table, CalibrationObservation.__table__)
+CALIBRATION_THRESHOLDS = cast(Table, CalibrationThreshold.__table__)
 COMPACTIONS = cast(Table, Compaction.__table__)
 EXTRACTION_AUDIT = cast(Table, ExtractionAudit.__table__)
 FACTS = cast(Table, Fact.__table__)

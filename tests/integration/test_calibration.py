@@ -43,6 +43,7 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
+from worker.calibration.queries import observations_since_last_version
 from worker.celery_app import create_app as create_celery_app
 from worker.config_store import CALIBRATION_ENABLED, set_config
 from worker.core.signing import sign
@@ -253,6 +254,21 @@ def test_every_n_observations_request_one_pending_recompute(tx_factory: sessionm
     # A version computed from these resets the count.
     recompute(tx_factory, **PARAMS)
     assert add(tx_factory, [ObservationIn(0.5, True, "t")], every=5).recompute is None
+
+
+def test_the_count_since_the_last_version_stops_where_it_is_asked_to(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    # Every feedback asks whether a recompute is due; while versions lag, a full count would grow
+    # with every observation, so it counts only as far as the question needs.
+    add(tx_factory, separated(5, 5), every=1000)
+    with tx_factory() as session:
+        assert observations_since_last_version(session, 3) == 3
+        assert observations_since_last_version(session, 1000) == 10
+    recompute(tx_factory, **PARAMS)
+    add(tx_factory, [ObservationIn(0.5, True, "t")] * 2, every=1000)
+    with tx_factory() as session:
+        assert observations_since_last_version(session, 1000) == 2
 
 
 # ---------------------------------------------------------------------------

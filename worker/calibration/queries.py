@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction
+from models.tables import CALIBRATION_OBSERVATIONS, CALIBRATION_THRESHOLDS
 from worker.core.calibration import FALLBACK, ActiveThreshold, Observation, ObservationIn
 from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
 
@@ -159,20 +160,32 @@ def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], repor
             report.conflicts.append((index, _conflict_message(obs, stored)))
 
 
-def observations_since_last_version(session: Session) -> int:
-    """Observations newer than the ones the latest threshold version was computed from."""
-    last = session.scalar(
-        select(CalibrationThreshold.max_observation_id).order_by(CalibrationThreshold.version.desc()).limit(1)
-    )
-    query = select(func.count()).select_from(CalibrationObservation)
-    if last is not None:
-        query = query.where(CalibrationObservation.id > last)
-    return session.scalar(query) or 0
+# Observations newer than the ones the latest threshold version was computed from (ids start at 1, so
+# no version, or one computed from none, counts them all), counted up to :at_most.
+_LAST_COMPUTED = (
+    select(CALIBRATION_THRESHOLDS.c.max_observation_id)
+    .order_by(CALIBRATION_THRESHOLDS.c.version.desc())
+    .limit(1)
+    .scalar_subquery()
+)
+_NEWER_OBSERVATIONS = select(func.count()).select_from(
+    select(CALIBRATION_OBSERVATIONS.c.id)
+    .where(CALIBRATION_OBSERVATIONS.c.id > func.coalesce(_LAST_COMPUTED, 0))
+    .limit(bindparam("at_most"))
+    .subquery()
+)
+
+
+def observations_since_last_version(session: Session, at_most: int) -> int:
+    """Observations newer than the ones the latest threshold version was computed from, counted up
+    to ``at_most``: every feedback asks, and while versions lag behind (no worker on the calibration
+    queue, its switch off) a full count would grow with every observation."""
+    return int(session.connection().execute(_NEWER_OBSERVATIONS, {"at_most": at_most}).scalar_one())
 
 
 def request_recompute_if_due(session: Session, every: int) -> JobRequest | None:
     """Request a recompute once ``every`` observations are newer than the last version (one pending)."""
-    if observations_since_last_version(session) < every:
+    if observations_since_last_version(session, every) < every:
         return None
     return request_job(session, CALIBRATION, SUBJECT, options={"trigger": "observations"})
 
@@ -257,7 +270,7 @@ def observation_stats(session: Session) -> ObservationStats:
             func.max(CalibrationObservation.created_at),
         )
     ).one()
-    return ObservationStats(n, kept, n - kept, observations_since_last_version(session), last_at)
+    return ObservationStats(n, kept, n - kept, observations_since_last_version(session, n), last_at)
 
 
 def coverages_by_label(session: Session) -> tuple[list[float], list[float]]:
