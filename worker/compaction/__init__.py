@@ -17,13 +17,13 @@ from worker.compaction.queries import (
     TranscriptStats,
     append_messages,
     context_view,
-    list_compactions,
     list_messages,
     load_timeline,
     request_compaction,
     transcript_stats,
     update_settings,
 )
+from worker.compaction.records import list_compactions
 from worker.compaction.service import PAUSED_REASON, CompactionDisabledError, CompactionOutcome
 from worker.core.compaction_gate import judge_summary
 from worker.core.timeline import plan_compaction

@@ -8,7 +8,7 @@ transactions of its own for the compaction service.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -182,22 +182,6 @@ def list_messages(
     )
     if after_seq is not None:
         query = query.where(TranscriptMessageRow.seq > after_seq)
-    return list(session.scalars(query))
-
-
-def list_compactions(
-    session: Session, transcript_id: str, *, limit: int = 50, before_id: int | None = None
-) -> list[Compaction]:
-    """Compactions of a transcript, newest first (accepted, rejected and failed alike)."""
-    get_transcript(session, transcript_id)
-    query = (
-        select(Compaction)
-        .where(Compaction.transcript_id == transcript_id)
-        .order_by(Compaction.id.desc())
-        .limit(limit)
-    )
-    if before_id is not None:
-        query = query.where(Compaction.id < before_id)
     return list(session.scalars(query))
 
 
@@ -446,58 +430,3 @@ def latest_user_texts(session: Session, transcript_id: str, count: int) -> list[
         return []
     texts = session.connection().execute(_LATEST_USER_TEXTS, {"id": transcript_id, "n": count}).scalars()
     return list(reversed(list(texts)))
-
-
-@dataclass(frozen=True)
-class CompactionRecord:
-    """One compaction run as its row keeps it (the fields are the compactions columns, ``attempts`` aside)."""
-
-    transcript_id: str
-    status: str
-    cut_seq: int
-    previous_id: int | None
-    tokens_before: int
-    threshold_tau: float
-    threshold_version: int | None
-    attempt_log: list[dict[str, Any]]
-    summary: str | None = None
-    tokens_after: int | None = None
-    coverage: float | None = None
-    density: float | None = None
-    missed_terms: list[str] = field(default_factory=list)
-    error: str | None = None
-    job_id: int | None = None
-
-
-@dataclass(frozen=True)
-class SavedCompaction:
-    """The stored row's id and final status: an accepted summary may have been superseded meanwhile."""
-
-    compaction_id: int
-    status: str
-    error: str | None
-    tokens_after: int | None
-
-
-_INSERT_COMPACTION = insert(COMPACTIONS).returning(COMPACTIONS.c.id)
-
-
-def save_compaction(session: Session, record: CompactionRecord) -> SavedCompaction:
-    """Insert a compaction row; an accepted one is applied only over the summary it was computed from."""
-    status, error = record.status, record.error
-    if status == "accepted":
-        # Appends and applies serialize on the transcript row; a summary computed from a timeline
-        # that another compaction replaced meanwhile must not be applied over it.
-        lock_transcript(session, record.transcript_id, create=False)
-        current = applied_summary(session, record.transcript_id)
-        current_id = current.compaction_id if current else None
-        if current_id != record.previous_id:
-            status = "failed"
-            error = (
-                f"superseded: compaction {current_id} was accepted while this one ran, so this "
-                "summary (of an older timeline) was not applied"
-            )
-    tokens_after = record.tokens_after if status != "failed" else None
-    columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
-    saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
-    return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)

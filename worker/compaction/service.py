@@ -17,7 +17,7 @@ from typing import Any, Final, Literal, TypedDict, Unpack, cast
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
 from worker.compaction.prompts import LLM_PURPOSE, summarizer_request
-from worker.compaction.queries import CompactionRecord
+from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact

@@ -16,14 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Compaction, TranscriptMessageRow
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
-from worker.compaction import queries
-from worker.compaction.queries import (
-    AppendResult,
-    CompactionRecord,
-    SavedCompaction,
-    TranscriptStats,
-    TriggerCheck,
-)
+from worker.compaction import queries, records
+from worker.compaction.queries import AppendResult, TranscriptStats, TriggerCheck
+from worker.compaction.records import CompactionRecord, SavedCompaction
 from worker.core.compaction import TranscriptMessage
 from worker.core.timeline import ContextView, Timeline
 from worker.core.transcripts import TranscriptSettings
@@ -67,7 +62,7 @@ class TranscriptStore:
         self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
     ) -> list[Compaction]:
         with read_only(self._factory) as session:
-            return queries.list_compactions(session, transcript_id, limit=limit, before_id=before_id)
+            return records.list_compactions(session, transcript_id, limit=limit, before_id=before_id)
 
     # -- writes -------------------------------------------------------------
 
@@ -107,4 +102,4 @@ class TranscriptStore:
     def save_compaction(self, record: CompactionRecord) -> SavedCompaction:
         """The compaction row; an accepted summary computed from a replaced timeline is stored as failed."""
         with self._factory.begin() as session:
-            return queries.save_compaction(session, record)
+            return records.save_compaction(session, record)

@@ -1,0 +1,89 @@
+"""Compaction rows in the caller's transaction: the record a run writes, a transcript's history of them.
+
+A run's row is saved once, at its end (``save_compaction``); an accepted summary is applied only over
+the one it was computed from, under the transcript's lock (``worker.compaction.queries``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from models import Compaction
+from models.tables import COMPACTIONS
+from worker.compaction.queries import applied_summary, get_transcript, lock_transcript
+
+
+@dataclass(frozen=True)
+class CompactionRecord:
+    """One compaction run as its row keeps it (the fields are the compactions columns, ``attempts`` aside)."""
+
+    transcript_id: str
+    status: str
+    cut_seq: int
+    previous_id: int | None
+    tokens_before: int
+    threshold_tau: float
+    threshold_version: int | None
+    attempt_log: list[dict[str, Any]]
+    summary: str | None = None
+    tokens_after: int | None = None
+    coverage: float | None = None
+    density: float | None = None
+    missed_terms: list[str] = field(default_factory=list)
+    error: str | None = None
+    job_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SavedCompaction:
+    """The stored row's id and final status: an accepted summary may have been superseded meanwhile."""
+
+    compaction_id: int
+    status: str
+    error: str | None
+    tokens_after: int | None
+
+
+_INSERT_COMPACTION = insert(COMPACTIONS).returning(COMPACTIONS.c.id)
+
+
+def save_compaction(session: Session, record: CompactionRecord) -> SavedCompaction:
+    """Insert a compaction row; an accepted one is applied only over the summary it was computed from."""
+    status, error = record.status, record.error
+    if status == "accepted":
+        # Appends and applies serialize on the transcript row; a summary computed from a timeline
+        # that another compaction replaced meanwhile must not be applied over it.
+        lock_transcript(session, record.transcript_id, create=False)
+        current = applied_summary(session, record.transcript_id)
+        current_id = current.compaction_id if current else None
+        if current_id != record.previous_id:
+            status = "failed"
+            error = (
+                f"superseded: compaction {current_id} was accepted while this one ran, so this "
+                "summary (of an older timeline) was not applied"
+            )
+    tokens_after = record.tokens_after if status != "failed" else None
+    columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
+    saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
+    return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)
+
+
+def list_compactions(
+    session: Session, transcript_id: str, *, limit: int = 50, before_id: int | None = None
+) -> list[Compaction]:
+    """Compactions of a transcript, newest first (accepted, rejected and failed alike)."""
+    get_transcript(session, transcript_id)
+    query = (
+        select(Compaction)
+        .where(Compaction.transcript_id == transcript_id)
+        .order_by(Compaction.id.desc())
+        .limit(limit)
+    )
+    if before_id is not None:
+        query = query.where(Compaction.id < before_id)
+    return list(session.scalars(query))
