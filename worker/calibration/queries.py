@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy import Row, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction
 from models.tables import CALIBRATION_OBSERVATIONS, CALIBRATION_THRESHOLDS
-from worker.core.calibration import FALLBACK, ActiveThreshold, Observation, ObservationIn
+from worker.core.calibration import FALLBACK, RECORDED_FIELDS, ActiveThreshold, Observation, ObservationIn
 from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
 
 # One pending recompute at a time: every request uses this job subject (jobs.uq_jobs_pending_subject).
@@ -68,7 +68,7 @@ def pending_recompute(request: JobRequest | None) -> list[tuple[int, str]]:
     return []
 
 
-def _conflict_message(obs: ObservationIn, row: CalibrationObservation) -> str:
+def _conflict_message(obs: ObservationIn, row: Row[Any]) -> str:
     return (
         f"idempotency_key {obs.idempotency_key!r} was already used for a different observation "
         f"(id {row.id}: coverage {row.coverage}, answer_kept {str(row.answer_kept).lower()}, "
@@ -76,7 +76,7 @@ def _conflict_message(obs: ObservationIn, row: CalibrationObservation) -> str:
     )
 
 
-def _says_the_same(obs: ObservationIn, row: CalibrationObservation) -> bool:
+def _says_the_same(obs: ObservationIn, row: Row[Any]) -> bool:
     return all(getattr(row, name) == value for name, value in obs.recorded().items())
 
 
@@ -122,29 +122,30 @@ def _row(obs: ObservationIn) -> dict[str, Any]:
     return obs.recorded() | {"dedupe_key": obs.dedupe_key()}
 
 
+# Core statements on the table, built once: an ORM-enabled bulk insert cost a feedback's request more
+# Python than the rest of its transaction (py-spy of `bench/load.py --route feedback`).
+_OBS = CALIBRATION_OBSERVATIONS.c
+_INSERT_UNKEYED = insert(CALIBRATION_OBSERVATIONS).returning(_OBS.id, sort_by_parameter_order=True)
+_SAID = (_OBS.id, _OBS.dedupe_key, *(_OBS[name] for name in RECORDED_FIELDS))
+_KEYED_ROWS = select(*_SAID).where(_OBS.dedupe_key.in_(bindparam("keys", expanding=True)))
+
+
 def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
-    ids = session.scalars(
-        insert(CalibrationObservation).returning(CalibrationObservation.id, sort_by_parameter_order=True),
-        [_row(obs) for _, obs in chunk],
-    ).all()
+    ids = session.connection().execute(_INSERT_UNKEYED, [_row(obs) for _, obs in chunk]).scalars().all()
     report.stored.extend(StoredObservation(i, id_, False) for (i, _), id_ in zip(chunk, ids, strict=True))
 
 
 def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
-    result = session.execute(
-        insert(CalibrationObservation)
+    connection = session.connection()
+    result = connection.execute(
+        insert(CALIBRATION_OBSERVATIONS)
         .values([_row(obs) for _, obs in chunk])
-        .on_conflict_do_nothing(index_elements=[CalibrationObservation.dedupe_key])
-        .returning(CalibrationObservation.dedupe_key, CalibrationObservation.id)
+        .on_conflict_do_nothing(index_elements=[_OBS.dedupe_key])
+        .returning(_OBS.dedupe_key, _OBS.id)
     )
     inserted: dict[str | None, int] = {key: id_ for key, id_ in result}
-    keys = {obs.dedupe_key() for _, obs in chunk}
-    existing = {
-        row.dedupe_key: row
-        for row in session.scalars(
-            select(CalibrationObservation).where(CalibrationObservation.dedupe_key.in_(keys))
-        )
-    }
+    keys = sorted({key for _, obs in chunk if (key := obs.dedupe_key()) is not None})
+    existing = {row.dedupe_key: row for row in connection.execute(_KEYED_ROWS, {"keys": keys})}
     claimed: set[str] = set()
     for index, obs in chunk:
         key = obs.dedupe_key()
