@@ -22,20 +22,21 @@ import os
 import re
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import psycopg
+from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import BROKER, SECRET, SERVER, free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SECRET, SERVER, spawn, stop, wait_http  # noqa: E402
 
+from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import PRICES, cost_usd  # noqa: E402
 from worker.core.facts import MAX_FACTS_LIMIT, SEGMENT_CLOSE, SEGMENT_OPEN  # noqa: E402
@@ -143,11 +144,16 @@ def extraction_totals(dsn: str, seconds: float) -> Totals:
 
 def run_once(label: str, args: argparse.Namespace, simulator_url: str, worker_args: list[str]) -> Totals:
     """One pipeline run on a fresh database; the extraction llm_calls totals."""
-    name = f"factmill_bench_cache_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    dsn = f"postgresql://postgres@127.0.0.1:5432/{name}"
+    with fresh_database(SERVER, "bench_cache") as url:
+        return measure(label, args, url, simulator_url, worker_args)
+
+
+def measure(
+    label: str, args: argparse.Namespace, url: str, simulator_url: str, worker_args: list[str]
+) -> Totals:
+    """Webhook the pages, drain them with one worker, total its extraction calls."""
+    name = str(make_url(url).database)
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
     logs = Path("/tmp") / name
     logs.mkdir()
     procs = []
@@ -189,9 +195,6 @@ def run_once(label: str, args: argparse.Namespace, simulator_url: str, worker_ar
         return extraction_totals(dsn, time.monotonic() - started)
     finally:
         stop(procs)
-        db.get_engine(url).dispose()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def report(label: str, totals: Totals, api: str) -> None:

@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import psycopg  # noqa: E402
 import redis  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from tests.service import ServiceProcess, service_env, start_beat, start_worker  # noqa: E402
+from tests.service import ServiceProcess, free_port, service_env, start_beat, start_worker  # noqa: E402
 from worker.core.conversation import parse_conversation_messages, split_into_segments  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 
@@ -181,12 +180,6 @@ def build_corpus(pages: int, seed: int) -> Corpus:
 # --------------------------------------------------------------------------------------------------
 # Our own servers
 # --------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def postgres_bin() -> Path:

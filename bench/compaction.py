@@ -29,12 +29,12 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from functools import partial
 from pathlib import Path
 
 import psutil
 import psycopg
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
 from uniseg.wordbreak import word_break
 from uniseg.wordbreak import words as uax29_segments
@@ -43,8 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
-from pipeline import BROKER, SERVER, free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SERVER, spawn, stop, wait_http  # noqa: E402
 
+from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
     append_messages,
@@ -328,18 +329,10 @@ def main() -> None:
           f"{psutil.cpu_count()} cores")  # fmt: skip
     print()
     started = time.perf_counter()
-    name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    try:
+    with fresh_database(SERVER, "bench") as url:
         db.upgrade(url)
         part_one(args.tokens, url)
-        part_two(url, name, args.transcripts, args.concurrency, args.latency_ms)
-    finally:
-        db.get_engine(url).dispose()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        part_two(url, str(make_url(url).database), args.transcripts, args.concurrency, args.latency_ms)
     print(f"\ntotal benchmark time {time.perf_counter() - started:.1f} s")
 
 

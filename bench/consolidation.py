@@ -32,21 +32,20 @@ import os
 import random
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import psycopg
 from sqlalchemy import func, select, text
+from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import BROKER, free_port, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SERVER, spawn, stop, wait_http  # noqa: E402
 
-SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+from tests.service import free_port, fresh_database  # noqa: E402
 
 ATTRIBUTES: dict[str, tuple[str, list[str], list[str]]] = {
     "city": (
@@ -208,10 +207,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="consolidation worker threads")
     parser.add_argument("--show-errors", action="store_true", help="print some wrong decisions")
     args = parser.parse_args()
-    name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with fresh_database(SERVER, "bench") as url:
+        consolidate(args, url)
+
+
+def consolidate(args: argparse.Namespace, url: str) -> None:
+    """A simulator and a consolidation worker on the fresh database at ``url``, then the run."""
+    name = str(make_url(url).database)
     logs = Path("/tmp") / name
     logs.mkdir()
     sim_port = free_port()
@@ -250,11 +252,6 @@ def main() -> None:
         run(args, url, logs)
     finally:
         stop(procs)
-        from worker import db
-
-        db.get_engine(url).dispose()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run(args: argparse.Namespace, url: str, logs: Path) -> None:

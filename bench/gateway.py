@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.service import free_port
 from worker.core.facts import extraction_system_prompt, facts_json_schema, segment_user_message
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.openai_compat import OpenAIChatClient
@@ -61,13 +61,6 @@ REQUEST = ChatRequest(
     schema_name="facts",
     cache_key="factmill-extraction-v1-10",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class SimulatorProcess:

@@ -20,7 +20,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.pipeline import free_port, page_body, wait_http  # noqa: E402
+from bench.pipeline import page_body, wait_http  # noqa: E402
+from tests.service import free_port  # noqa: E402
 from worker.core.conversation import (  # noqa: E402
     parse_conversation_messages,
     render_segment_for_extraction,

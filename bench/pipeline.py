@@ -26,13 +26,11 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -40,26 +38,22 @@ from pathlib import Path
 import httpx
 import psutil
 import psycopg
+from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 from worker.extraction import extract_segment  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 
-SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 SECRET = "bench-secret"
 # The benchmarks' Redis database: the test suite takes 13 and down (one per pytest-xdist process,
 # tests/service.py), so a benchmark run beside the tests never shares its queues.
 BROKER = "redis://127.0.0.1:6379/15"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 PAGE_START = datetime(2024, 6, 1, 8, 0)
@@ -291,10 +285,13 @@ def main() -> None:
     args = parser.parse_args()
     per_worker = args.llm_concurrency or args.jobs * args.segment_concurrency
     in_flight = per_worker * args.workers
-    name = f"factmill_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with fresh_database(SERVER, "bench") as url:
+        drain(args, url, per_worker, in_flight)
+
+
+def drain(args: argparse.Namespace, url: str, per_worker: int, in_flight: int) -> None:
+    """Webhook the pages into a fresh database, then time worker processes draining them."""
+    name = str(make_url(url).database)
     logs = Path("/tmp") / name
     logs.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
@@ -447,9 +444,6 @@ def main() -> None:
             print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
     finally:
         stop(procs)
-        db.get_engine(url).dispose()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

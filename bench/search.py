@@ -24,7 +24,6 @@ import random
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import search_vector as sv  # noqa: E402
 
+from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 from worker.search import search, vector_search_status  # noqa: E402
@@ -185,17 +185,8 @@ def server_has_pgvector(server: str) -> bool:
 
 
 def on_server(server: str, args: argparse.Namespace) -> int:
-    admin = make_url(db.to_sqlalchemy_url(server)).set(drivername="postgresql").render_as_string(False)
-    name = f"factmill_bench_search_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(db.to_sqlalchemy_url(server)).set(database=name).render_as_string(False)
-    try:
+    with fresh_database(db.to_sqlalchemy_url(server), "bench_search") as url:
         return run(url, args)
-    finally:
-        db.get_engine(url).dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run(url: str, args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.gateway import REQUEST, free_port  # noqa: E402
+from bench.gateway import REQUEST  # noqa: E402
+from tests.service import free_port  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 
 STACKS = {"asyncio + h11 (baseline)": ["--loop", "asyncio", "--http", "h11"], "uvloop + httptools": []}
