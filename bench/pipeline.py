@@ -299,13 +299,8 @@ def drain(args: argparse.Namespace, url: str, per_worker: int, in_flight: int) -
         db.upgrade(url)
         sim_port, api_port = free_port(), free_port()
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
-        procs.append(
-            spawn(
-                ["-m", "worker.simulator", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)],
-                base_env,
-                logs / "simulator.log",
-            )
-        )
+        simulator = ["-m", "worker.simulator", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)]
+        procs.append(spawn(simulator, base_env, logs / "simulator.log"))
         simulator_url = f"http://127.0.0.1:{sim_port}/v1"
         env = base_env | {
             "FACTMILL_DATABASE_URL": url,
@@ -324,126 +319,133 @@ def drain(args: argparse.Namespace, url: str, per_worker: int, in_flight: int) -
         wait_http(f"http://127.0.0.1:{api_port}/readyz")
 
         baseline = sequential_baseline(simulator_url, args.baseline_samples)
-
-        # Phase 1: the webhook alone (no worker yet), one signed page per request.
-        bodies = [
-            json.dumps(
-                {
-                    "slug": f"bench/p{i}",
-                    "type": "conversation",
-                    "title": f"p{i}",
-                    "compiled_truth": page_body(i, args.segments),
-                }
-            ).encode()
-            for i in range(args.pages)
-        ]
-        planned = sum(planned_segments(json.loads(body)["compiled_truth"]) for body in bodies)
-        started = time.perf_counter()
-        with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30) as client:
-            for body in bodies:
-                response = client.post(
-                    "/v1/pages",
-                    content=body,
-                    headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
-                )
-                assert response.status_code == 202, response.text
-        webhook_seconds = time.perf_counter() - started
-
-        # Phase 2: worker processes drain the queue; timed from the moment they are all ready.
-        workers = []
-        for n in range(args.workers):
-            log = logs / f"worker{n}.log"
-            workers.append(
-                (
-                    spawn(
-                        [
-                            "-m",
-                            "worker.cli",
-                            "worker",
-                            "--queues",
-                            "extraction",
-                            "--concurrency",
-                            str(args.jobs),
-                            "--processes",
-                            "1",
-                            "--pool",
-                            "threads",
-                            "--loglevel",
-                            "info",
-                            "--hostname",
-                            f"bench{n}@%h",
-                        ],
-                        env,
-                        log,
-                    ),
-                    log,
-                )
-            )
-        procs += [w for w, _ in workers]
-        deadline = time.monotonic() + 180  # a loaded machine takes a while to import the worker
-        while not all("ready." in log.read_text(errors="replace") for _, log in workers):
-            if time.monotonic() > deadline:
-                raise SystemExit("workers did not start; see " + str(logs))
-            time.sleep(0.02)
-        sampler = InFlightSampler(f"http://127.0.0.1:{sim_port}/_simulator/stats")
-        started = time.perf_counter()
-        sampler.start()
-        worker_ps = [psutil.Process(w.pid) for w, _ in workers]
-        others = {"postgres": postgres_processes, "simulator": lambda: [psutil.Process(procs[0].pid)]}
-        cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
-        others_before = {label: cpu_by_pid(group()) for label, group in others.items()}
-        with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
-            transactions_before, connections_before = database_counts(conn, name)
-            while True:
-                done = conn.execute(
-                    "SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')"
-                ).fetchone()
-                if done and done[0] >= args.pages:
-                    break
-                if time.perf_counter() - started > 600:
-                    raise SystemExit("pipeline did not finish in 10 minutes")
-                time.sleep(0.05)
-            finished = time.perf_counter()
-            vectors_lag = None
-            while not args.no_embed and time.perf_counter() - finished < 120:
-                missing = conn.execute(
-                    "SELECT count(*) FROM facts WHERE embedding IS NULL AND NOT is_audit"
-                ).fetchone()
-                if missing and missing[0] == 0:
-                    vectors_lag = time.perf_counter() - finished
-                    break
-                time.sleep(0.05)
-            samples = sampler.finish()
-            others_cpu = {
-                label: cpu_since(others_before[label], cpu_by_pid(group())) for label, group in others.items()
-            }
-            time.sleep(1.5)  # backends flush their statistics at most once a second
-            transactions, connections = database_counts(conn, name)
-            transactions, connections = transactions - transactions_before, connections - connections_before
-            failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
-            # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
-            measured = conn.execute(
-                "SELECT count(DISTINCT (page_slug, segment_index)) FILTER (WHERE outcome = 'ok'), "
-                "count(DISTINCT (page_slug, segment_index)) FROM extraction_audit"
-            ).fetchone()
-            # A transaction's rows share now(): distinct (page, created_at) pairs are its segment commits.
-            commits = conn.execute(
-                "SELECT count(DISTINCT (page_slug, created_at)) FROM extraction_audit WHERE outcome = 'ok'"
-            ).fetchone()
-        worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
-        ok_segments, attempted = (measured[0], measured[1]) if measured else (0, 0)
-        report(
+        planned, webhook_rps = post_pages(args, api_port)
+        workers = start_workers(args, env, logs)
+        procs += workers
+        figures, samples, vectors_lag = time_drain(
             args,
-            Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline,
-                    args.pages / webhook_seconds, failed[0] if failed else -1, others_cpu, transactions,
-                    connections, commits[0] if commits else 0),
-            in_flight,
-            samples,
-        )  # fmt: skip
+            name,
+            workers,
+            procs[0],
+            sim_port,
+            planned=planned,
+            baseline=baseline,
+            webhook_rps=webhook_rps,
+        )
+        report(args, figures, in_flight, samples)
         if vectors_lag is not None:
             print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
     finally:
         stop(procs)
+
+
+def post_pages(args: argparse.Namespace, api_port: int) -> tuple[int, float]:
+    """Phase 1, the webhook alone (no worker yet): one signed page a request. Returns the segments
+    planned (by the worker's own splitter) and the pages a second the webhook took."""
+    bodies = [
+        json.dumps(
+            {
+                "slug": f"bench/p{i}",
+                "type": "conversation",
+                "title": f"p{i}",
+                "compiled_truth": page_body(i, args.segments),
+            }
+        ).encode()
+        for i in range(args.pages)
+    ]
+    planned = sum(planned_segments(json.loads(body)["compiled_truth"]) for body in bodies)
+    started = time.perf_counter()
+    with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30) as client:
+        for body in bodies:
+            response = client.post(
+                "/v1/pages",
+                content=body,
+                headers=signed_json_headers(body, SECRET, method="POST", path="/v1/pages"),
+            )
+            assert response.status_code == 202, response.text
+    return planned, args.pages / (time.perf_counter() - started)
+
+
+def start_workers(args: argparse.Namespace, env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
+    """Phase 2's worker processes, returned once every one of them is ready."""
+    workers = []
+    for n in range(args.workers):
+        command = ["-m", "worker.cli", "worker", "--queues", "extraction", "--concurrency", str(args.jobs),
+                   "--processes", "1", "--pool", "threads", "--loglevel", "info"]  # fmt: skip
+        workers.append(spawn([*command, "--hostname", f"bench{n}@%h"], env, logs / f"worker{n}.log"))
+    deadline = time.monotonic() + 180  # a loaded machine takes a while to import the worker
+    while not all(
+        "ready." in (logs / f"worker{n}.log").read_text(errors="replace") for n in range(args.workers)
+    ):
+        if time.monotonic() > deadline:
+            raise SystemExit("workers did not start; see " + str(logs))
+        time.sleep(0.02)
+    return workers
+
+
+def time_drain(
+    args: argparse.Namespace,
+    name: str,
+    workers: list[subprocess.Popen[bytes]],
+    simulator: subprocess.Popen[bytes],
+    sim_port: int,
+    *,
+    planned: int,
+    baseline: float,
+    webhook_rps: float,
+) -> tuple[Figures, list[int], float | None]:
+    """Phase 2, timed from the moment the workers are ready: wait for every job to end (and every
+    fact's vector), counting the CPU of the workers, Postgres and the simulator meanwhile."""
+    sampler = InFlightSampler(f"http://127.0.0.1:{sim_port}/_simulator/stats")
+    started = time.perf_counter()
+    sampler.start()
+    worker_ps = [psutil.Process(w.pid) for w in workers]
+    others = {"postgres": postgres_processes, "simulator": lambda: [psutil.Process(simulator.pid)]}
+    cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
+    others_before = {label: cpu_by_pid(group()) for label, group in others.items()}
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+        transactions_before, connections_before = database_counts(conn, name)
+        while True:
+            done = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')").fetchone()
+            if done and done[0] >= args.pages:
+                break
+            if time.perf_counter() - started > 600:
+                raise SystemExit("pipeline did not finish in 10 minutes")
+            time.sleep(0.05)
+        finished = time.perf_counter()
+        vectors_lag = None
+        while not args.no_embed and time.perf_counter() - finished < 120:
+            missing = conn.execute(
+                "SELECT count(*) FROM facts WHERE embedding IS NULL AND NOT is_audit"
+            ).fetchone()
+            if missing and missing[0] == 0:
+                vectors_lag = time.perf_counter() - finished
+                break
+            time.sleep(0.05)
+        samples = sampler.finish()
+        others_cpu = {
+            label: cpu_since(others_before[label], cpu_by_pid(group())) for label, group in others.items()
+        }
+        time.sleep(1.5)  # backends flush their statistics at most once a second
+        transactions, connections = database_counts(conn, name)
+        transactions, connections = transactions - transactions_before, connections - connections_before
+        failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
+        # Measured, not planned: the distinct segments that ended with an extraction (any outcome).
+        measured = conn.execute(
+            "SELECT count(DISTINCT (page_slug, segment_index)) FILTER (WHERE outcome = 'ok'), "
+            "count(DISTINCT (page_slug, segment_index)) FROM extraction_audit"
+        ).fetchone()
+        # A transaction's rows share now(): distinct (page, created_at) pairs are its segment commits.
+        commits = conn.execute(
+            "SELECT count(DISTINCT (page_slug, created_at)) FROM extraction_audit WHERE outcome = 'ok'"
+        ).fetchone()
+    worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
+    ok_segments, attempted = (measured[0], measured[1]) if measured else (0, 0)
+
+    figures = Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline, webhook_rps,
+                      failed[0] if failed else -1, others_cpu, transactions, connections,
+                      commits[0] if commits else 0)  # fmt: skip
+    return figures, samples, vectors_lag
 
 
 if __name__ == "__main__":
