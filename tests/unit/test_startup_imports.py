@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("openai", "anthropic", "mcp", "worker.simulator", "httpx2")  # httpx2: the SDKs' own httpx
@@ -100,6 +103,26 @@ def test_every_listed_command_loads_under_its_name_with_its_help() -> None:
         assert command.help, f"`factmill {entry.name}` has no help"
     assert len({entry.name for entry in COMMANDS}) == len(COMMANDS)
     assert _modules_after_cli("--help") >= {entry.module for entry in COMMANDS}
+
+
+def _commands_under(command: Any, path: str) -> Iterator[tuple[str, Any]]:
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands_under(sub, f"{path} {name}")
+
+
+def test_every_command_s_summary_is_one_line_so_help_never_breaks_it() -> None:
+    """Rich help keeps a docstring's line breaks: a summary wrapped in the source showed up broken
+    mid-sentence in `factmill --help` (costs, worker, demo) and in its group's list."""
+    from worker.cli.app import COMMANDS, load_command
+
+    wrapped = []
+    for entry in COMMANDS:
+        for path, command in _commands_under(load_command(entry), f"factmill {entry.name}"):
+            summary = inspect.cleandoc(command.help or "").split("\n\n")[0]
+            if "\n" in summary:
+                wrapped.append(path)
+    assert wrapped == [], f"first paragraph of the docstring spans lines: {wrapped}"
 
 
 def test_a_mistyped_command_is_answered_with_the_name_it_is_close_to() -> None:

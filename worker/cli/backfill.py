@@ -58,8 +58,9 @@ def backfill_show(backfill_id: int) -> None:
 
 @backfill_app.command("cancel")
 def backfill_cancel(backfill_id: int) -> None:
-    """Cancel a backfill: unsent batches never go; running ones are cancelled at the provider, and the
-    results they finished (paid for) are still committed."""
+    """Cancel a backfill: unsent batches never go; running ones are cancelled at the provider.
+
+    The results they finished (paid for) are still committed."""
     factory = checked_factory()
     try:
         with factory.begin() as session:

@@ -28,8 +28,9 @@ def costs(
     by: Annotated[str, typer.Option(help="Group by job, model, purpose or day.")] = "model",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD, each group
-    split into batch (billed through a provider batch, at half price) and online calls."""
+    """LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD.
+
+    Each group is split into batch (billed through a provider batch, at half price) and online calls."""
     if by not in reports.GROUPS:
         raise fail(f"--by must be one of {', '.join(reports.GROUPS)}", code=2)
     start = _since(since)

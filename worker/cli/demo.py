@@ -332,8 +332,10 @@ def demo(
     show: Annotated[int, typer.Option(help="Facts to print per page.")] = 3,
     concurrency: Annotated[int, typer.Option(min=1, help="Worker threads.")] = 16,
 ) -> None:
-    """Boot the service (API, worker, beat) on the embedded default, post the examples as signed
-    webhooks, follow the jobs, and print the facts with a summary."""
+    """Boot the service on the embedded default and run the examples through it.
+
+    The API, a worker and beat start on the embedded Postgres and Redis; the examples are posted as
+    signed webhooks, the jobs followed, and the facts printed with a summary."""
     try:
         code = run_demo(
             get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency

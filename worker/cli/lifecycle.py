@@ -27,8 +27,9 @@ def history(
     source_id: Annotated[str | None, typer.Option(help="Only facts from this source.")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """An entity's timeline: every fact in the order it became true, with its status, interval,
-    links and the reason of its last decision."""
+    """An entity's timeline: every fact in the order it became true.
+
+    Each fact with its status, interval, links and the reason of its last decision."""
     with checked_factory()() as session:
         entries = entity_timeline(session, entity, [source_id] if source_id else None)
     if as_json:

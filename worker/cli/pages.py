@@ -57,8 +57,10 @@ def pages_erase(
     slug: Annotated[str, typer.Argument(help="The page's slug.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
 ) -> None:
-    """Erase a page and everything drawn from it (facts, embeddings, checkpoints, audit rows) in one
-    transaction; its pending jobs fail with "page erased". One content-free row records the erasure."""
+    """Erase a page and everything drawn from it (facts, embeddings, checkpoints, audit rows).
+
+    All in one transaction; its pending jobs fail with "page erased". One content-free row records the
+    erasure."""
     slug = unicodedata.normalize("NFC", slug)
     report = erase_page(checked_factory(), source_id, slug, requested_by="cli")
     if report is None:

@@ -74,8 +74,9 @@ def worker(
     loglevel: Annotated[str, typer.Option()] = "info",
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
 ) -> None:
-    """Run Celery workers for the given queues: one process per core unless --processes says otherwise
-    (each runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once)."""
+    """Run Celery workers for the given queues: one process per core unless --processes says otherwise.
+
+    Each process runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once."""
     settings = get_settings()
     refuse_insecure_secrets(settings)
     refuse_missing_tracing(settings)
