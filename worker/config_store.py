@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConfigEntry
 from models.reads import read_only
-from worker.accounting import validate_config_value
+from worker.accounting import BUDGET_KEYS, PRICES_KEY, validate_config_value
 from worker.core.ttl_cache import TtlCache
 
 EXTRACTION_ENABLED = "facts.extraction_enabled"
@@ -25,6 +26,10 @@ EXTRACTION_MAX_SEGMENT_FAILURES = "extraction.max_segment_failures"
 MAX_SEGMENT_FAILURES_CEILING = 100
 
 KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED, CONSOLIDATION_ENABLED)
+TUNABLES = (EXTRACTION_PAGE_TYPES, EXTRACTION_MAX_FACTS, EXTRACTION_MAX_SEGMENT_FAILURES)
+# Every key something reads. Setting another is refused: `facts.extraction_enable false` stored
+# quietly would leave an operator sure the extraction is off while every worker carries on.
+CONFIG_KEYS = (*KILL_SWITCHES, *TUNABLES, *BUDGET_KEYS, PRICES_KEY)
 DISABLED_VALUES = frozenset({"false", "0", "no", "off"})
 ENABLED_VALUES = frozenset({"true", "1", "yes", "on"})
 
@@ -34,8 +39,23 @@ def is_enabled(value: str | None) -> bool:
     return value is None or value.strip().lower() not in DISABLED_VALUES
 
 
+class UnknownConfigKeyError(ValueError):
+    """A key no part of Factmill reads (a typo, most likely)."""
+
+
+def check_key(key: str) -> None:
+    """Raise UnknownConfigKeyError, naming the closest known key, unless ``key`` is one of CONFIG_KEYS."""
+    if key in CONFIG_KEYS:
+        return
+    close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    raise UnknownConfigKeyError(f"unknown config key {key!r}{hint} The keys are: {', '.join(CONFIG_KEYS)}")
+
+
 def validate_value(key: str, value: str) -> str:
-    """Reject values that would silently mean something else; returns the value to store."""
+    """Reject unknown keys and values that would silently mean something else; returns the value to
+    store."""
+    check_key(key)
     cleaned = value.strip()
     if key in KILL_SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")

@@ -111,6 +111,12 @@ def test_config_commands_and_the_kill_switch(cli):
     assert overridden["pages_processed"] > 0
     bad = cli("config", "set", "facts.extraction_enabled", "maybe", check=False)
     assert bad.returncode == 2 and "must be one of" in bad.stderr
+    # A mistyped key is refused with the one it is close to, not stored while extraction carries on.
+    typo = cli("config", "set", "facts.extraction_enable", "on", check=False)
+    assert typo.returncode == 2 and "did you mean 'facts.extraction_enabled'?" in typo.stderr
+    assert "facts.extraction_enable " not in cli("config", "list").stdout
+    unknown = cli("config", "get", "no.such.key", check=False)
+    assert unknown.returncode == 2 and "unknown config key 'no.such.key'" in unknown.stderr
 
 
 def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):

@@ -671,7 +671,19 @@ def test_config_get_and_put(client: TestClient) -> None:
     )
     assert client.get("/v1/config/extraction.max_facts", headers=ADMIN_HEADERS).json()["value"] == "7"
     missing = client.get("/v1/config/no.such.key", headers=ADMIN_HEADERS)
-    assert missing.status_code == 404
+    assert missing.status_code == 404 and "unknown config key 'no.such.key'" in missing.json()["detail"]
+    unset = client.get("/v1/config/llm.prices", headers=ADMIN_HEADERS)  # known, never set
+    assert unset.status_code == 404 and "is not set" in unset.json()["detail"]
+
+
+def test_a_mistyped_config_key_is_refused_with_the_key_it_is_close_to(client: TestClient) -> None:
+    typo = client.put("/v1/config/compaction.enable", json={"value": "off"}, headers=ADMIN_HEADERS)
+    assert typo.status_code == 422
+    assert "did you mean 'compaction.enabled'?" in typo.json()["detail"]
+    assert "facts.extraction_enabled" in typo.json()["detail"]  # the known keys are listed
+    assert client.get("/v1/config/compaction.enabled", headers=ADMIN_HEADERS).json()["value"] is None
+    listed = client.get("/v1/config/compaction.enable", headers=ADMIN_HEADERS)
+    assert listed.status_code == 404 and "did you mean" in listed.json()["detail"]
 
 
 def test_invalid_kill_switch_value_is_422(client: TestClient) -> None:

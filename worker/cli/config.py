@@ -9,7 +9,7 @@ from rich.table import Table
 
 from worker.cli.console import fail, out
 from worker.cli.sessions import checked_factory
-from worker.config_store import get_config, list_config, set_config
+from worker.config_store import UnknownConfigKeyError, check_key, get_config, list_config, set_config
 from worker.jobs.outbox import enqueue, resume_for_config_change
 
 config_app = typer.Typer(help="Runtime configuration: kill switches and tunables.", no_args_is_help=True)
@@ -18,6 +18,10 @@ config_app = typer.Typer(help="Runtime configuration: kill switches and tunables
 @config_app.command("get")
 def config_get(key: str) -> None:
     """Print one config value (nothing set prints the default meaning)."""
+    try:
+        check_key(key)
+    except UnknownConfigKeyError as exc:
+        raise fail(str(exc), code=2) from exc
     with checked_factory()() as session:
         value = get_config(session, key)
     out.print(value if value is not None else "(not set)")

@@ -17,7 +17,14 @@ from worker.api.auth import require
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import StorableStr
-from worker.config_store import KILL_SWITCHES, is_enabled, set_config
+from worker.config_store import (
+    CONFIG_KEYS,
+    KILL_SWITCHES,
+    UnknownConfigKeyError,
+    check_key,
+    is_enabled,
+    set_config,
+)
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -25,8 +32,16 @@ logger = logging.getLogger(__name__)
 config_router = APIRouter(tags=["config"], dependencies=[Depends(require("admin"))])
 # Unsigned JSON bodies are a few fields: a small cap, read before anything else.
 MAX_CONFIG_BODY_BYTES = 64 * 1024
+# The schema lists the keys; the handlers check them (check_key), so a typo is answered with the key it
+# is close to rather than FastAPI's enum error.
 ConfigKey = Annotated[
-    StorableStr, Path(min_length=1, max_length=200, description="e.g. facts.extraction_enabled")
+    StorableStr,
+    Path(
+        min_length=1,
+        max_length=200,
+        description="A kill switch or tunable, e.g. facts.extraction_enabled",
+        json_schema_extra={"enum": list(CONFIG_KEYS)},
+    ),
 ]
 
 
@@ -63,6 +78,10 @@ def _config_out(session: Session, key: str) -> ConfigOut | None:
 
 @config_router.get("/v1/config/{key}", response_model=ConfigOut, responses=error_responses(401, 404))
 def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
+    try:
+        check_key(key)
+    except UnknownConfigKeyError as exc:
+        raise ApiError(404, str(exc)) from None
     with read_only(ctx.factory) as session:
         out = _config_out(session, key)
     if out is None:
@@ -76,6 +95,8 @@ def set_config_value(ctx: ApiContext, key: str, body: ConfigSet) -> ConfigSetOut
     with ctx.factory() as session, session.begin():
         try:
             cleaned = set_config(session, key, value, updated_by="api")
+        except UnknownConfigKeyError as exc:
+            raise ApiError(422, str(exc)) from None
         except ValueError as exc:
             raise ApiError(422, f"value: {exc}") from None
         resumed = outbox.resume_for_config_change(session, key, cleaned)
