@@ -28,35 +28,6 @@ if TYPE_CHECKING:
     )
     from factmill_client.transport import RetryPolicy
 
-_ERRORS = (
-    "ApiConnectionError",
-    "ApiError",
-    "AuthenticationError",
-    "BadRequest",
-    "Conflict",
-    "FactmillError",
-    "NotFound",
-    "PayloadTooLarge",
-    "PermissionDenied",
-    "RateLimited",
-    "ServerError",
-    "UnprocessableEntity",
-)
-_HOMES = {
-    "AsyncClient": "factmill_client.async_client",
-    "Client": "factmill_client.client",
-    "RetryPolicy": "factmill_client.transport",
-    **{name: "factmill_client.errors" for name in _ERRORS},
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'factmill_client' has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
-
-
 __all__ = [
     "ApiConnectionError",
     "ApiError",
@@ -74,3 +45,17 @@ __all__ = [
     "ServerError",
     "UnprocessableEntity",
 ]
+
+# Where each name lives: the errors module unless listed here.
+_HOMES = {name: "factmill_client.errors" for name in __all__} | {
+    "AsyncClient": "factmill_client.async_client",
+    "Client": "factmill_client.client",
+    "RetryPolicy": "factmill_client.transport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'factmill_client' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
