@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import InvalidatePoolError
+from sqlalchemy.exc import InvalidatePoolError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
@@ -40,6 +41,29 @@ def database_url(settings: Settings | None = None) -> str:
 # connection both last used and used again within the same second around an outage meets it unpinged:
 # that statement fails as one in flight at the outage does (OperationalError, the pool invalidated).
 PING_AFTER_IDLE_SECONDS = 1.0
+
+
+# SQLSTATEs of a server going away: connection exceptions (class 08), admin/crash shutdown, starting up.
+DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
+
+
+def database_went_away(exc: BaseException) -> bool:
+    """The database restarted or the connection broke (not a deadlock or a statement timeout, which
+    are the statement's own failures). No SQLSTATE at all means the server never answered. Meant for an
+    OperationalError (``database_unavailable`` checks that)."""
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in DATABASE_GONE_SQLSTATES
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """The database cannot serve now, through no fault of the work asked of it: it is unreachable or
+    restarting, or every pooled connection stayed busy past the pool's timeout. The answer is to try
+    again shortly: the API says 503 with Retry-After."""
+    if isinstance(exc, PoolTimeoutError):
+        return True
+    return isinstance(exc, OperationalError) and database_went_away(exc)
 
 
 @lru_cache(maxsize=8)

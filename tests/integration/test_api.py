@@ -749,21 +749,44 @@ def test_readyz_names_the_unreachable_broker(database_url: str, tx_factory: sess
     assert response.json()["detail"].startswith("not ready: broker unreachable")
 
 
-def test_unreachable_database_is_503_on_readyz_and_a_json_500_elsewhere(database_url: str) -> None:
+def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(database_url: str) -> None:
+    """Not a bug of the request nor of the code: 503 and Retry-After, so senders try again."""
     dead = sessionmaker(create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
     runtime = make_runtime(database_url, dead)
     with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as test_client:
         ready = test_client.get("/readyz")
         assert ready.status_code == 503 and "database unreachable" in ready.json()["detail"]
         broken = test_client.get("/v1/jobs", headers=ADMIN_HEADERS)  # the admin token needs no DB
-        assert broken.status_code == 500
+        assert broken.status_code == 503 and broken.headers["Retry-After"] == "5"
         request_id = broken.headers["X-Request-ID"]
         assert broken.json() == {
-            "detail": "internal error; the server log has the details",
+            "detail": "the database is unavailable; try again shortly",
             "request_id": request_id,
         }
+        delivery = post(test_client, page("down/a"))  # a signed page: the sender will deliver again
+        assert delivery.status_code == 503 and delivery.headers["Retry-After"] == "5"
         metrics = test_client.get("/metrics", headers=ADMIN_HEADERS)
         assert metrics.status_code == 200 and "factmill_store_up 0.0" in metrics.text
+
+
+def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: str) -> None:
+    """Every pooled connection busy past the pool's timeout: a capacity limit, answered as one."""
+    engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    factory = sessionmaker(engine)
+    runtime = make_runtime(database_url, factory)
+    try:
+        app = create_app(runtime, sender=Recorder(factory))
+        with (
+            TestClient(app, raise_server_exceptions=False) as client,
+            engine.connect(),  # the pool's only connection, held
+        ):
+            busy = client.get("/v1/jobs", headers=ADMIN_HEADERS)
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "5"
+        assert busy.json()["detail"] == "the database is unavailable; try again shortly"
+        with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
+            assert client.get("/v1/jobs", headers=ADMIN_HEADERS).status_code == 200  # free again
+    finally:
+        engine.dispose()
 
 
 def test_metrics_exposes_jobs_facts_llm_and_requests(

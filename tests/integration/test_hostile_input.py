@@ -15,6 +15,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.integration.test_api import ADMIN_HEADERS, SECRET, Recorder, make_runtime, page
+from tests.service import fresh_database
 from worker.api.app import create_app
 from worker.api.routes.health import healthz
 from worker.core.signing import sign
@@ -187,24 +188,45 @@ def test_every_answer_carries_a_request_id_and_a_sane_one_is_kept(api: TestClien
     assert "X-Request-ID" in api.get("/nowhere").headers
 
 
-def test_an_unexpected_error_logs_one_line_without_page_text(
-    database_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    dead = sessionmaker(create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
-    runtime = make_runtime(database_url, dead)
-    secret_text = "Alice's private diagnosis"
-    with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as client:
-        caplog.set_level(logging.INFO)
-        response = client.get(
-            f"/v1/pages/default/{secret_text}/facts", headers={"X-Request-ID": "req-1"} | ADMIN_HEADERS
+SECRET_TEXT = "Alice's private diagnosis"
+
+
+def _facts_of_a_secret_page(factory: sessionmaker[Session], database_url: str) -> Any:
+    runtime = make_runtime(database_url, factory)
+    with TestClient(create_app(runtime, sender=Recorder(factory)), raise_server_exceptions=False) as client:
+        return client.get(
+            f"/v1/pages/default/{SECRET_TEXT}/facts", headers={"X-Request-ID": "req-1"} | ADMIN_HEADERS
         )
+
+
+def test_an_unexpected_error_logs_one_line_without_page_text(
+    server_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with fresh_database(server_url, "noschema") as empty:  # no tables: the query itself fails
+        engine = create_engine(empty)
+        caplog.set_level(logging.INFO)
+        response = _facts_of_a_secret_page(sessionmaker(engine), empty)
+        engine.dispose()
     assert response.status_code == 500 and response.json()["request_id"] == "req-1"
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
     line = errors[0].getMessage()
-    assert "OperationalError" in line and "req-1" in line
+    assert "ProgrammingError" in line and "req-1" in line
     assert "/v1/pages/{source_id}/{slug:path}/facts" in line
-    assert secret_text not in caplog.text and errors[0].exc_info is None
+    assert SECRET_TEXT not in caplog.text and errors[0].exc_info is None
+
+
+def test_an_unreachable_database_logs_one_warning_without_page_text(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = sessionmaker(create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
+    caplog.set_level(logging.INFO)
+    response = _facts_of_a_secret_page(dead, database_url)
+    assert response.status_code == 503 and response.json()["request_id"] == "req-1"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("database unavailable (OperationalError)" in w and "req-1" in w for w in warnings)
+    assert SECRET_TEXT not in caplog.text
 
 
 def test_metric_labels_come_from_a_fixed_set(api: TestClient) -> None:

@@ -13,10 +13,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.api.guards import (
     BodyTooLargeError,
-    log_unexpected,
     request_id_of,
     route_template,
     too_large_detail,
+    unexpected_answer,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,14 +87,9 @@ async def _body_too_large(_: Request, exc: Exception) -> JSONResponse:
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # RequestIdMiddleware answers unexpected errors first; this is the fallback outside it.
     request_id = request_id_of(request.scope)
-    log_unexpected(request.method, route_template(request.scope), request_id, exc)
-    return JSONResponse(
-        {
-            "detail": "internal error; the server log has the details",
-            "request_id": request_id,
-        },
-        500,
-    )
+    route = route_template(request.scope)
+    status, payload, headers = unexpected_answer(request.method, route, request_id, exc)
+    return JSONResponse(payload, status, headers=headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from worker.db import database_unavailable
+
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -46,6 +48,33 @@ def log_unexpected(method: str, route: str, request_id: str, exc: BaseException)
     """ONE line per unexpected error: no message (it may quote page text), no traceback but at DEBUG."""
     logger.error("unhandled %s on %s %s (request %s)", type(exc).__name__, method[:16], route, request_id)
     logger.debug("traceback of request %s", request_id, exc_info=exc)
+
+
+# How long a client should wait before trying again while the database cannot serve.
+UNAVAILABLE_RETRY_AFTER_SECONDS = 5
+
+
+def unexpected_answer(
+    method: str, route: str, request_id: str, exc: BaseException
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Log an exception no handler took and say what to answer: (status, JSON payload, headers).
+
+    The database being unreachable, restarting or out of pooled connections is not a fault of the
+    request nor a bug: 503 with Retry-After, so webhook senders and clients try again (a warning, as
+    the outage itself is what to look at). Anything else is a 500 with the request id."""
+    if database_unavailable(exc):
+        logger.warning(
+            "database unavailable (%s) on %s %s (request %s): answered 503",
+            type(exc).__name__,
+            method[:16],
+            route,
+            request_id,
+        )
+        retry_after = str(UNAVAILABLE_RETRY_AFTER_SECONDS)
+        payload = {"detail": "the database is unavailable; try again shortly", "request_id": request_id}
+        return 503, payload, {"Retry-After": retry_after}
+    log_unexpected(method, route, request_id, exc)
+    return 500, {"detail": "internal error; the server log has the details", "request_id": request_id}, {}
 
 
 async def _send_json(send: Send, status: int, payload: dict[str, Any], headers: list[Any]) -> None:
@@ -90,14 +119,13 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
-            log_unexpected(str(scope.get("method", "")), route_template(scope), request_id, exc)
+            status, payload, headers = unexpected_answer(
+                str(scope.get("method", "")), route_template(scope), request_id, exc
+            )
             if started:  # the answer is already on its way: nothing more can be said
                 return
-            payload = {
-                "detail": "internal error; the server log has the details",
-                "request_id": request_id,
-            }
-            await _send_json(send, 500, payload, [header])
+            extra = [(name.lower().encode("ascii"), value.encode("ascii")) for name, value in headers.items()]
+            await _send_json(send, status, payload, [header, *extra])
 
 
 class BodyTooLargeError(Exception):
@@ -156,4 +184,5 @@ __all__ = [
     "request_id_of",
     "route_template",
     "too_large_detail",
+    "unexpected_answer",
 ]

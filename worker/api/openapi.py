@@ -26,8 +26,15 @@ VALIDATION_ERROR = {
     },
 }
 ERROR = {"type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}
-# Answers any route can give: a body over its cap, a bad Content-Length, an unexpected error.
-COMMON_ERRORS = {"400": "Malformed request", "413": "Body over its cap", "500": "Internal error"}
+# Answers any route can give: a body over its cap, a bad Content-Length, an unexpected error, the
+# database unavailable (with Retry-After).
+COMMON_ERRORS = {
+    "400": "Malformed request",
+    "413": "Body over its cap",
+    "500": "Internal error",
+    "503": "The database is unavailable (unreachable, restarting or out of connections); try again "
+    "after Retry-After seconds",
+}
 AUTH_ERRORS = {"401": "No valid credential", "403": "The credential lacks the scope or source"}
 
 

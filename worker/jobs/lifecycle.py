@@ -12,6 +12,7 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError
 
 from models import Job
+from worker.db import database_went_away
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
@@ -28,19 +29,6 @@ RELEASED_NOTE = "released by a stopping worker; re-sent to the next one"
 
 def paused_reason(switch: str) -> str:
     return f"paused: {switch} is off; it resumes when the switch is turned on"
-
-
-# SQLSTATEs of a server going away: connection exceptions (class 08), admin/crash shutdown, starting up.
-DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
-
-
-def database_went_away(exc: BaseException) -> bool:
-    """The database restarted or the connection broke (not a deadlock or a statement timeout, which
-    are the job's own failures). No SQLSTATE at all means the server never answered."""
-    if getattr(exc, "connection_invalidated", False):
-        return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    return sqlstate is None or sqlstate.startswith("08") or sqlstate in DATABASE_GONE_SQLSTATES
 
 
 # The common rows of the exception table; a kind's own rows (JobKind.errors) are read first.
