@@ -103,3 +103,17 @@ def test_the_pool_hands_out_the_connection_returned_last(database_url: str, engi
         conn.close()
     assert backend_pid(engine) == pids[2]
     assert backend_pid(engine) == pids[2]  # and again: the others stay idle
+
+
+def test_an_engine_s_errors_never_show_the_values_a_statement_was_given(
+    database_url: str, engines: list[Engine]
+) -> None:
+    """A statement's values are pages' text and facts; its errors reach logs and jobs' last_error."""
+    engine = db.create_pooled_engine(database_url)
+    engines.append(engine)
+    secret = "Alice's private diagnosis"
+    with pytest.raises(OperationalError) as failed, engine.begin() as conn:
+        conn.execute(text("SET LOCAL statement_timeout = 10"))
+        conn.execute(text("SELECT pg_sleep(1), CAST(:fact AS text)"), {"fact": secret})
+    assert secret not in str(failed.value) and "parameters hidden" in str(failed.value)
+    assert db.error_summary(failed.value) == "OperationalError: QueryCanceled (SQLSTATE 57014)"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 import pytest
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.lifecycle import classify, database_went_away
+from worker.jobs.lifecycle import classify, database_went_away, result_for_error
 from worker.jobs.registry import get_kind
 from worker.settings import Settings
 
@@ -48,3 +50,38 @@ def test_the_database_going_away_is_a_worker_loss_and_other_database_errors_are_
     assert database_went_away(error) is (action == "requeue")
     rule = classify(get_kind("extraction"), error)
     assert rule is not None and rule.action == action
+
+
+SECRET = "Alice's private diagnosis"
+
+
+def raised(error: Exception) -> Exception:
+    """``error`` with a traceback, as the lifecycle meets it."""
+    try:
+        raise error
+    except Exception as exc:
+        return exc
+
+
+def test_a_database_error_is_noted_by_its_classes_not_by_the_values_it_quotes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    timeout = psycopg.errors.lookup("57014")("canceling statement due to statement timeout")
+    known = raised(OperationalError("INSERT INTO facts ...", {"fact": SECRET}, timeout))
+    assert result_for_error(get_kind("extraction"), known).note == (
+        "OperationalError: QueryCanceled (SQLSTATE 57014)"
+    )
+    # An unsorted one (a bug) is retried, and its log line names it and where, not its message.
+    bad_input = psycopg.errors.lookup("22P02")(f'invalid input syntax for type integer: "{SECRET}"')
+    unsorted = raised(DataError("SELECT ...", {"fact": SECRET}, bad_input))
+    caplog.set_level(logging.INFO)
+    result = result_for_error(get_kind("extraction"), unsorted)
+    assert result.status == "retry"
+    assert result.note == "DataError: InvalidTextRepresentation (SQLSTATE 22P02)"
+    assert SECRET not in caplog.text
+    assert "raised DataError at test_job_budgets.py" in caplog.text
+    # One that never reached a server keeps the driver's line: it names no data, only where it went.
+    refused = raised(OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused\nmore")))
+    assert result_for_error(get_kind("extraction"), refused).note == (
+        "OperationalError: OperationalError: connection refused"
+    )

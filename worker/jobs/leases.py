@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from models.tables import JOBS
+from worker.db import error_summary
 from worker.jobs.budgets import JobBudgets
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class Heartbeat:
                     self._lost.set()
                     return
             except Exception as exc:  # a database blip must not kill the job; the next beat retries
-                logger.warning("heartbeat for job %s failed: %s", self.job_id, exc)
+                logger.warning("heartbeat for job %s failed: %s", self.job_id, error_summary(exc))
 
     def check(self) -> None:
         if self._lost.is_set():

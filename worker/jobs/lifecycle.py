@@ -4,6 +4,8 @@ work, sort its exceptions through one table, and record how the run ended."""
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,7 +14,7 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError
 
 from models import Job
-from worker.db import database_went_away
+from worker.db import database_went_away, error_summary
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
@@ -88,21 +90,31 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
     rule = classify(kind, exc)
     if rule is None:
         # Not a known class: a bug or an outage nobody sorted yet. Retry with backoff (bounded by the
-        # attempts cap) rather than leave the job running until the sweeper notices.
-        logger.warning("job of kind %s raised %s; retrying", kind.name, type(exc).__name__, exc_info=True)
-        return WorkResult("retry", note=f"{type(exc).__name__}: {exc}")
+        # attempts cap) rather than leave the job running until the sweeper notices. The line names the
+        # error and where our code met it; its message (it may quote a page) and traceback go to DEBUG.
+        logger.warning("job of kind %s raised %s at %s; retrying", kind.name, type(exc).__name__, _where(exc))
+        logger.debug("traceback of the %s job's error", kind.name, exc_info=exc)
+        return WorkResult("retry", note=error_summary(exc))
     if rule.action == "pause":
         note = paused_reason(kind.switch) if rule.pause_reason == KILL_SWITCH else str(exc)
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
     if rule.action in ("retry", "requeue"):
-        return WorkResult(
-            "retry" if rule.action == "retry" else "requeue", note=f"{type(exc).__name__}: {exc}"
-        )
+        return WorkResult("retry" if rule.action == "retry" else "requeue", note=error_summary(exc))
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))
     if rule.action == "release":
         return WorkResult("released", note=RELEASED_NOTE, detail=str(exc))
     return WorkResult("failed", note=str(exc), detail=str(exc))
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of Factmill's own code the error passed through, as ``file:line (function)``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [frame for frame in frames if f"{os.sep}worker{os.sep}" in frame.filename] or frames
+    if not ours:
+        return "an unknown place"
+    frame = ours[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
 
 
 @dataclass(frozen=True)
