@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import DBAPIError, InvalidatePoolError, OperationalError
+from sqlalchemy.exc import InvalidatePoolError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
@@ -66,25 +66,6 @@ def database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) and database_went_away(exc)
 
 
-def error_summary(exc: BaseException) -> str:
-    """An error in one line that carries none of the data it may quote, for a log or a job's last_error.
-
-    A database error's message quotes its statement's values (a fact's text: "invalid input syntax
-    for type integer: "<value>"", a unique key's DETAIL; engines hide the bound parameters, see
-    ``create_pooled_engine``), so it is named by its class, the driver's and the SQLSTATE, e.g.
-    "OperationalError: QueryCanceled (SQLSTATE 57014)". One without a SQLSTATE never reached the
-    server (a refused connection) and keeps the driver's first line. Any other error is its class and
-    message."""
-    if not isinstance(exc, DBAPIError):
-        return f"{type(exc).__name__}: {exc}"
-    orig = exc.orig
-    sqlstate = getattr(orig, "sqlstate", None)
-    if sqlstate:
-        return f"{type(exc).__name__}: {type(orig).__name__} (SQLSTATE {sqlstate})"
-    first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {type(orig).__name__}: {first}"[:300]
-
-
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     """One pooled engine per URL per process."""
@@ -98,7 +79,7 @@ def create_pooled_engine(
     a burst, and pings a connection before use once it sat idle ``ping_after_idle`` seconds.
 
     Its errors never show the statement's bound values (``hide_parameters``): they are pages' text and
-    facts, and an error's message reaches logs and jobs' last_error."""
+    facts, and an error's message reaches logs and jobs' last_error (worker.core.errors)."""
     settings = settings or get_settings()
     engine = create_engine(
         url,

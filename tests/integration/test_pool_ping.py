@@ -12,6 +12,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from worker import db
+from worker.core.errors import error_summary
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -116,4 +117,4 @@ def test_an_engine_s_errors_never_show_the_values_a_statement_was_given(
         conn.execute(text("SET LOCAL statement_timeout = 10"))
         conn.execute(text("SELECT pg_sleep(1), CAST(:fact AS text)"), {"fact": secret})
     assert secret not in str(failed.value) and "parameters hidden" in str(failed.value)
-    assert db.error_summary(failed.value) == "OperationalError: QueryCanceled (SQLSTATE 57014)"
+    assert error_summary(failed.value) == "OperationalError: QueryCanceled (SQLSTATE 57014)"

@@ -206,4 +206,21 @@ def test_a_failing_follow_up_is_logged_and_the_queue_goes_on(caplog):
     follow.submit("fine", "y", work)
     follow.close()
     assert done == ["y"]
-    assert "background work failed" in caplog.text
+    assert "background work failed: ValueError: embedding model down" in caplog.text
+
+
+def test_a_failing_follow_up_s_database_error_is_logged_without_the_values_it_quotes(caplog):
+    import psycopg
+    from sqlalchemy.exc import DataError
+
+    secret = "Alice's private diagnosis"
+    follow = FollowUps(threads=1)
+
+    def work(items: list[str]) -> None:
+        quoted = psycopg.errors.lookup("22P02")(f'invalid input syntax for type integer: "{secret}"')
+        raise DataError("UPDATE facts ...", {"fact": secret}, quoted)
+
+    follow.submit("broken", "x", work)
+    follow.close()
+    assert "background work failed: DataError: InvalidTextRepresentation (SQLSTATE 22P02)" in caplog.text
+    assert secret not in caplog.text

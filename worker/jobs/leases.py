@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from models.tables import JOBS
-from worker.db import error_summary
+from worker.core.errors import error_summary
 from worker.jobs.budgets import JobBudgets
 
 logger = logging.getLogger(__name__)

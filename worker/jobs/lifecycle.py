@@ -14,7 +14,8 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError
 
 from models import Job
-from worker.db import database_went_away, error_summary
+from worker.core.errors import error_summary
+from worker.db import database_went_away
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents

@@ -28,6 +28,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from worker.core.errors import error_summary
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -304,8 +306,9 @@ class FollowUps:
                 self._cond.release()
                 try:
                     work(items)
-                except Exception:
-                    logger.exception("background work failed")
+                except Exception as exc:  # its message may quote a page: at DEBUG, with the traceback
+                    logger.error("background work failed: %s", error_summary(exc))
+                    logger.debug("traceback of the background work's error", exc_info=exc)
                 finally:
                     self._cond.acquire()
                 self._running.difference_update((key, item) for item in items)

@@ -11,6 +11,7 @@ from typing import Generic, TypeVar
 
 import tenacity
 
+from worker.core.errors import error_summary
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -186,8 +187,9 @@ class RetryingClient:
         if self._on_attempt is not None:
             try:
                 self._on_attempt(record)
-            except Exception:  # a broken listener must not turn a good call into a failed one
-                logger.exception("the retry attempt listener failed")
+            except Exception as exc:  # a broken listener must not turn a good call into a failed one
+                logger.error("the retry attempt listener failed: %s", error_summary(exc))
+                logger.debug("traceback of the listener's error", exc_info=exc)
 
     def _call(self, operation: str, purpose: str, fn: Callable[[], R]) -> Traced[R]:
         call = _Call(operation, purpose)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.accounting import LLMCallRecord
 from worker.core.embeddings import EMBEDDING_DIMENSIONS, fact_embedding_text
+from worker.core.errors import error_summary
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
     USER_LINE_WEIGHT,
@@ -97,8 +98,9 @@ def _resolve_llm(llm: LLMSource) -> LLMClient | None:
 def _record(store: SearchStore, call: LLMCallRecord) -> None:
     try:
         store.record_llm_call(call)
-    except Exception:  # accounting must never take search down
-        logger.warning("could not record a %s LLM call", call.purpose, exc_info=True)
+    except Exception as exc:  # accounting must never take search down
+        logger.warning("could not record a %s LLM call: %s", call.purpose, error_summary(exc))
+        logger.debug("traceback of the record's error", exc_info=exc)
 
 
 def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Exception, started: float) -> None:

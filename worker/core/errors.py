@@ -1,0 +1,24 @@
+"""Errors told in one line that carries none of the data they may quote, for logs and jobs' last_error."""
+
+from __future__ import annotations
+
+
+def error_summary(exc: BaseException) -> str:
+    """``exc`` in one line, without the data a database error quotes.
+
+    A database error's message quotes its statement's values (a fact's text: ``invalid input syntax
+    for type integer: "<value>"``, a unique key's DETAIL; the engines hide the bound parameters, see
+    ``worker.db.create_pooled_engine``), so it is named by its class, the driver's and the SQLSTATE,
+    e.g. "OperationalError: QueryCanceled (SQLSTATE 57014)". One without a SQLSTATE never reached the
+    server (a refused connection) and keeps the driver's first line. Any other error is its class and
+    message. A database error is recognised by its shape (SQLAlchemy's ``DBAPIError``: the statement
+    and the driver's exception), so this module needs no database library.
+    """
+    orig = getattr(exc, "orig", None)
+    if orig is None or not hasattr(exc, "statement"):
+        return f"{type(exc).__name__}: {exc}"
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate:
+        return f"{type(exc).__name__}: {type(orig).__name__} (SQLSTATE {sqlstate})"
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {type(orig).__name__}: {first}"[:300]
