@@ -14,6 +14,8 @@ import os
 import threading
 from typing import Any
 
+from worker.settings import get_settings
+
 logger = logging.getLogger(__name__)
 
 _stopping = threading.Event()
@@ -55,8 +57,6 @@ def request_stop(grace_seconds: float) -> None:
 
 def on_worker_shutting_down(**_: Any) -> None:
     """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, SIGQUIT in the main process)."""
-    from worker.settings import get_settings
-
     request_stop(get_settings().grace_seconds)
 
 
