@@ -37,10 +37,11 @@ sys.path.insert(0, str(REPO))
 
 import search_vector as sv  # noqa: E402
 
+import worker.search.service as service  # noqa: E402
 from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
-from worker.search import search, vector_search_status  # noqa: E402
+from worker.search import MAX_QUERY_CHARS, MAX_SEARCH_LINES, search, vector_search_status  # noqa: E402
 from worker.simulator import Simulator, SimulatorConfig  # noqa: E402
 
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -189,6 +190,28 @@ def on_server(server: str, args: argparse.Namespace) -> int:
         return run(url, args)
 
 
+def document_lines(factory: Any, queries: Sequence[str]) -> None:
+    """What one request costs by the search lines of its document: one line, MAX_SEARCH_LINES (the
+    most a document may hold), and the ~220 lines 2,000 characters of short prefixes make (what the
+    cap refuses: it is lifted for that row alone)."""
+    prefixes = sorted({q.split()[0][:3] for q in queries})
+    flood = "\n".join(f"lex: {prefixes[i % len(prefixes)]}" for i in range(MAX_QUERY_CHARS // 9))
+    capped = "\n".join(f"lex: {q.split()[0]}" for q in queries[:MAX_SEARCH_LINES])
+    rows = [
+        ("1 line", f"lex: {queries[0]}"),
+        (f"{MAX_SEARCH_LINES} lines (the most accepted)", capped),
+        (f"{flood.count(chr(10)) + 1} lines (2,000 characters; refused)", flood),
+    ]
+    print("  a request by the search lines of its document (median of 3):")
+    for label, document in rows:
+        service.MAX_SEARCH_LINES = 10_000 if document is flood else MAX_SEARCH_LINES
+        try:
+            took = sorted(timed(lambda d=document: search(factory, None, d), 3))[1]
+        finally:
+            service.MAX_SEARCH_LINES = MAX_SEARCH_LINES
+        print(f"    {label:40} {took:8.1f} ms")
+
+
 def run(url: str, args: argparse.Namespace) -> int:
     db.upgrade(url)
     factory = db.session_factory(url)
@@ -259,6 +282,7 @@ def run(url: str, args: argparse.Namespace) -> int:
     again, _ = lexical_pass(factory, queries)
     print(f"  {'  the same queries again':34} {percentile(again, 50):8.1f} {percentile(again, 95):8.1f}")
     print(f"  goal p95 <= {GOAL_P95_MS:.0f} ms: {verdict} ({p95:.1f} ms)")
+    document_lines(factory, queries)
     if args.lexical_only:
         return 0
 

@@ -29,6 +29,7 @@ from worker.embedded.base import quiet_runtime_dir
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
+    MAX_SEARCH_LINES,
     SearchError,
     SearchFilters,
     VectorSearchUnavailableError,
@@ -808,6 +809,20 @@ def test_api_bad_document_is_400_with_the_parsers_message(api: TestClient) -> No
     assert response.json()["detail"].startswith("Line 2 is missing a lex:/vec:/hyde:/intent: prefix.")
     assert api.get("/v1/search", params={"q": "x", "kind": "rumour"}).status_code == 422
     assert api.post("/v1/search", json={"q": "x", "unknown": 1}).status_code == 422
+
+
+def test_a_document_of_more_search_lines_than_one_request_runs_is_400(api: TestClient) -> None:
+    """Each line is one query on the facts: 2,000 characters of "lex: a" lines were some 280 queries."""
+    within = "\n".join(f"lex: w{i}" for i in range(MAX_SEARCH_LINES)) + "\nintent: anything"
+    assert api.post("/v1/search", json={"q": within}).status_code == 200
+    flood = "\n".join("lex: a" for _ in range(280))
+    response = api.post("/v1/search", json={"q": flood})
+    assert response.status_code == 400
+    assert response.json() == {
+        "detail": f"the query document has 280 search lines; at most {MAX_SEARCH_LINES} are searched in one "
+        "request"
+    }
+    assert api.get("/v1/search", params={"q": within + "\nlex: one more"}).status_code == 400
 
 
 def test_api_vec_without_pgvector_is_501(api: TestClient) -> None:

@@ -55,6 +55,7 @@ from worker.search.store import FactToEmbed, LineQuery, SearchStore
 from worker.search.values import (
     MAX_LIMIT,
     MAX_QUERY_CHARS,
+    MAX_SEARCH_LINES,
     MIN_CANDIDATES,
     EmbedReport,
     SearchFilters,
@@ -205,6 +206,11 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
         raise SearchError(f"the query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}")
     intent = request.intent.strip() if request.intent and request.intent.strip() else None
     parsed = parse_structured_query(query)
+    if parsed is not None and len(parsed.searches) > MAX_SEARCH_LINES:
+        raise SearchError(
+            f"the query document has {len(parsed.searches)} search lines; at most {MAX_SEARCH_LINES} are "
+            "searched in one request"
+        )
     candidates = max(MIN_CANDIDATES, limit * 3)
     status = store.status()
     if parsed is not None:

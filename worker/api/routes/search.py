@@ -22,6 +22,7 @@ from worker.runtime import Runtime
 from worker.search import (
     MAX_LIMIT,
     MAX_QUERY_CHARS,
+    MAX_SEARCH_LINES,
     SearchError,
     SearchResult,
     VectorSearchUnavailableError,
@@ -42,7 +43,7 @@ QUERY_DESCRIPTION = (
     "A plain query (one line), or a query document: one search per line, each starting with lex:, "
     "vec: or hyde: and holding text, plus at most one intent: line (then the intent field stays unset); "
     "a single expand: line asks for LLM expansion. Blank lines are ignored. A document that breaks "
-    "these rules is refused with 400."
+    f"these rules, or holds more than {MAX_SEARCH_LINES} search lines, is refused with 400."
 )
 
 
