@@ -78,6 +78,8 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     (tmp_path / "no-type.md").write_text("---\nslug: x\n---\nbody")
     (tmp_path / "bad-yaml.md").write_text("---\ntype: [unclosed\n---\nbody")
     (tmp_path / "bad-slug.md").write_text("---\nslug: /../etc\ntype: conversation\n---\nbody")
+    with (tmp_path / "huge.md").open("wb") as huge:  # sparse: 1 GiB that takes no disk
+        huge.truncate(1 << 30)
     result = cli("ingest", str(tmp_path), "--no-enqueue", "--json")
     report = as_json(result)
     assert report["ingested"] == ["conversations/ok"]
@@ -87,6 +89,9 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert "no 'type'" in reasons["no-type.md"]
     assert "not valid YAML" in reasons["bad-yaml.md"]
     assert "slug" in reasons["bad-slug.md"]
+    assert "past the page cap" in reasons["huge.md"]  # refused after reading no more than the cap
+    endless = cli("ingest", "/dev/zero", "--no-enqueue", "--json", check=False)
+    assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]
     missing = cli("ingest", str(tmp_path / "nope.md"), check=False)
     assert missing.returncode == 1 and "no such file" in missing.stderr
 

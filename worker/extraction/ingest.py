@@ -64,11 +64,19 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     raise PageFileError("front matter opened with '---' is never closed")
 
 
+# A page file's body may be as long as a webhook's, plus its front matter.
+MAX_PAGE_FILE_BYTES = MAX_PAGE_BODY_BYTES + 64 * 1024
+
+
 def load_page_file(path: Path, root: Path | None = None, source_id: str = "default") -> PageIn:
     """Read one page file; the slug defaults to the path below ``root`` without its suffix."""
-    raw = path.read_bytes()
-    if len(raw) > MAX_PAGE_BODY_BYTES + 64 * 1024:
-        raise PageFileError(f"file is {len(raw)} bytes, over the {MAX_PAGE_BODY_BYTES}-byte page cap")
+    with path.open("rb") as file:  # read no further than the cap: a path may be huge, or /dev/zero
+        raw = file.read(MAX_PAGE_FILE_BYTES + 1)
+    if len(raw) > MAX_PAGE_FILE_BYTES:
+        raise PageFileError(
+            f"file is over {MAX_PAGE_FILE_BYTES} bytes, past the page cap ({MAX_PAGE_BODY_BYTES} bytes of "
+            "body and 64 KiB of front matter)"
+        )
     if b"\x00" in raw:
         raise PageFileError("file contains NUL bytes; it looks binary, not a text page")
     try:
