@@ -324,6 +324,13 @@ def test_import_refuses_an_unreadable_file(tx_factory: sessionmaker[Session], tm
     header.write_text("coverage,kept\n0.5,true\n")
     with pytest.raises(CsvFormatError, match="unknown column"):
         import_csv(tx_factory, header, recompute_every=50)
+    # Read no further than the cap: a file past it, or one that never ends, is refused, not loaded.
+    huge = tmp_path / "huge.csv"
+    with huge.open("wb") as file:  # sparse: 1 GiB that takes no disk
+        file.truncate(1 << 30)
+    for endless in (huge, Path("/dev/zero")):
+        with pytest.raises(CsvFormatError, match="import it in parts"):
+            import_csv(tx_factory, endless, recompute_every=50)
     assert count(tx_factory, CalibrationObservation) == 0
 
 

@@ -27,6 +27,7 @@ from worker.calibration.queries import AddReport, pending_recompute
 from worker.calibration.store import CalibrationStore
 from worker.core.calibration import (
     COUNT_FIELDS,
+    MAX_CSV_BYTES,
     MAX_ORIGIN_LENGTH,
     ActiveThreshold,
     ObservationError,
@@ -103,7 +104,8 @@ def import_csv(
     Raises CsvFormatError when the file cannot be read at all (OSError for a missing file).
     The caller sends ``report.pending_jobs()`` after this returns.
     """
-    data = path.read_bytes()
+    with path.open("rb") as file:  # no further than the cap: a path may be huge, or /dev/zero
+        data = file.read(MAX_CSV_BYTES + 1)
     content = decode_csv(data, str(path))
     default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
     digest = hashlib.sha256(data).hexdigest()[:16]

@@ -17,6 +17,8 @@ SPLIT_METHOD = "stratified-sha256-alternate-v1"
 SPLIT_SALT = "factmill-calibration-split-v1"
 MAX_ORIGIN_LENGTH = 200
 MAX_KEY_LENGTH = 255
+# An observations CSV is read whole; past this (some two million rows) it is refused, to be split.
+MAX_CSV_BYTES = 64 * 1024 * 1024
 RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
 RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
 
@@ -125,7 +127,10 @@ class CsvFormatError(ValueError):
 
 
 def decode_csv(data: bytes, source: str) -> str:
-    """The file's text (UTF-8, a byte-order mark dropped); CsvFormatError names ``source`` if it is not."""
+    """The file's text (UTF-8, a byte-order mark dropped); CsvFormatError names ``source`` if it is not,
+    or if it is longer than MAX_CSV_BYTES (a reader stops at one byte past it)."""
+    if len(data) > MAX_CSV_BYTES:
+        raise CsvFormatError(f"{source} is over {MAX_CSV_BYTES} bytes; import it in parts")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
