@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, text, update
+from sqlalchemy import Text, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -17,7 +17,7 @@ from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
-from worker.extraction.erase import PAGE_ERASED, erase_page, erased_slug_digest
+from worker.extraction.erase import PAGE_ERASED, erase_page, erased_slug_digest, erased_subject
 from worker.extraction.options import PageChangedError
 from worker.extraction.pages import PageIn, store_page
 from worker.jobs.lifecycle import run_job
@@ -310,6 +310,54 @@ def test_a_running_job_for_an_erased_page_ends_failed_and_stores_nothing(
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
     assert page_facts(enabled) == 0 and checkpoints(enabled) == 0
+
+
+def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
+    database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The erasures row keeps a digest because a slug can name a person; the job history must not keep
+    the slug either (subject, counters, notes), finished jobs included."""
+    with enabled.begin() as session:
+        done = store_page(session, PageIn(slug=SLUG, type="conversation", compiled_truth=BODY)).job_id  # type: ignore[union-attr]
+    settings = Settings(database_url=database_url)
+    rt = Runtime(settings=settings, factory=enabled, config=ConfigReader(enabled, ttl=0), _llm=llm)
+    assert run_job(rt, done, EXTRACTION).status == "succeeded"
+    with enabled.begin() as session:
+        pending = store_page(
+            session, PageIn(slug=SLUG, type="conversation", compiled_truth=BODY + "\n" + LINES[0])
+        )
+        assert pending is not None and pending.job_id != done
+        session.execute(update(Job).where(Job.id == done).values(last_error=f"a note naming {SLUG}"))
+    with enabled() as session:
+        before = session.get(Job, done)
+        assert before is not None and SLUG in str(before.counters)  # the page's entry in the run's counts
+        attempts, counters = before.attempts, before.counters
+
+    assert erase_page(enabled, "default", SLUG, "api") is not None
+
+    with enabled() as session:
+        leaks = session.scalar(
+            select(func.count()).where(
+                (Job.subject.contains(SLUG))
+                | (Job.last_error.contains(SLUG))
+                | (func.cast(Job.counters, Text).contains(SLUG))
+            )
+        )
+        assert leaks == 0
+        finished, cancelled = session.get(Job, done), session.get(Job, pending.job_id)
+    erased = erased_subject("default", SLUG)
+    assert finished is not None and cancelled is not None
+    assert (finished.subject, finished.status, finished.attempts) == (erased, "succeeded", attempts)
+    assert (finished.last_error, cancelled.subject, cancelled.last_error) == (
+        PAGE_ERASED,
+        erased,
+        PAGE_ERASED,
+    )
+    [entry] = finished.counters["pages"]
+    assert entry["slug"] == erased and "reason" not in entry
+    assert {k: v for k, v in finished.counters.items() if k != "pages"} == {
+        k: v for k, v in counters.items() if k != "pages"
+    }
 
 
 # ------------------------------------------------------------------ the injection, end to end

@@ -135,6 +135,45 @@ def cancel_page_jobs(session: Session, source_id: str, slug: str, reason: str = 
     return len(cancelled.all())
 
 
+# The page's jobs keep their history (status, attempts, counts, times) but not its name: the subject
+# becomes the erasure's digest, and so does the slug of the page's entry in their counters (its reason,
+# which may quote it, goes), and a note that quotes the slug becomes "page erased".
+_FORGET_PAGE_IN_JOBS = text(
+    """
+    UPDATE jobs SET
+        subject = :erased,
+        last_error = CASE WHEN strpos(last_error, :slug) > 0 THEN :note ELSE last_error END,
+        counters = CASE WHEN jsonb_typeof(counters -> 'pages') = 'array' THEN jsonb_set(counters, '{pages}', (
+            SELECT coalesce(jsonb_agg(CASE WHEN entry ->> 'slug' = :slug
+                THEN (entry - 'reason') || jsonb_build_object('slug', CAST(:erased AS text))
+                ELSE entry END ORDER BY n), '[]'::jsonb)
+            FROM jsonb_array_elements(counters -> 'pages') WITH ORDINALITY AS e(entry, n)
+        )) ELSE counters END
+    WHERE kind = :kind AND subject = :subject
+    """
+)
+
+
+def erased_subject(source_id: str, slug: str) -> str:
+    """What an erased page's jobs name as their subject: the erasure's digest, not the slug."""
+    return f"erased:{erased_slug_digest(source_id, slug)}"
+
+
+def forget_page_in_jobs(session: Session, source_id: str, slug: str) -> None:
+    """Take the page's slug out of its extraction jobs, finished ones included, in the caller's
+    transaction (run after ``cancel_page_jobs``)."""
+    session.execute(
+        _FORGET_PAGE_IN_JOBS,
+        {
+            "erased": erased_subject(source_id, slug),
+            "slug": slug,
+            "note": PAGE_ERASED,
+            "kind": EXTRACTION,
+            "subject": page_subject(source_id, slug),
+        },
+    )
+
+
 def erase_page(
     factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
 ) -> ErasureReport | None:
@@ -159,6 +198,7 @@ def erase_page(
             audit_rows_removed=audit_rows,
             jobs_cancelled=cancel_page_jobs(session, source_id, slug),
         )
+        forget_page_in_jobs(session, source_id, slug)
         session.execute(delete(Page).where(Page.id == page_id))
         session.add(
             Erasure(
@@ -180,7 +220,9 @@ __all__ = [
     "drop_derived",
     "erase_page",
     "erased_slug_digest",
+    "erased_subject",
     "extracted_types",
+    "forget_page_in_jobs",
     "has_derived",
     "is_extractable",
     "page_body",
