@@ -17,7 +17,13 @@ from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
-from worker.extraction.erase import PAGE_ERASED, erase_page, erased_slug_digest, erased_subject
+from worker.extraction.erase import (
+    PAGE_ERASED,
+    erase_page,
+    erased_name,
+    erased_slug_digest,
+    erased_subject,
+)
 from worker.extraction.options import PageChangedError
 from worker.extraction.pages import PageIn, store_page
 from worker.jobs.lifecycle import run_job
@@ -354,7 +360,8 @@ def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
         PAGE_ERASED,
     )
     [entry] = finished.counters["pages"]
-    assert entry["slug"] == erased and "reason" not in entry
+    assert entry["slug"] == erased_name("default", SLUG) and "reason" not in entry
+    assert erased == f"default|{entry['slug']}"  # the source stays: a source-limited key still sees them
     assert {k: v for k, v in finished.counters.items() if k != "pages"} == {
         k: v for k, v in counters.items() if k != "pages"
     }

@@ -135,9 +135,9 @@ def cancel_page_jobs(session: Session, source_id: str, slug: str, reason: str = 
     return len(cancelled.all())
 
 
-# The page's jobs keep their history (status, attempts, counts, times) but not its name: the subject
-# becomes the erasure's digest, and so does the slug of the page's entry in their counters (its reason,
-# which may quote it, goes), and a note that quotes the slug becomes "page erased".
+# The page's jobs keep their history (status, attempts, counts, times) but not its name: the slug in the
+# subject becomes the erasure's digest, and so does the slug of the page's entry in their counters (its
+# reason, which may quote it, goes), and a note that quotes the slug becomes "page erased".
 _FORGET_PAGE_IN_JOBS = text(
     """
     UPDATE jobs SET
@@ -145,7 +145,7 @@ _FORGET_PAGE_IN_JOBS = text(
         last_error = CASE WHEN strpos(last_error, :slug) > 0 THEN :note ELSE last_error END,
         counters = CASE WHEN jsonb_typeof(counters -> 'pages') = 'array' THEN jsonb_set(counters, '{pages}', (
             SELECT coalesce(jsonb_agg(CASE WHEN entry ->> 'slug' = :slug
-                THEN (entry - 'reason') || jsonb_build_object('slug', CAST(:erased AS text))
+                THEN (entry - 'reason') || jsonb_build_object('slug', CAST(:name AS text))
                 ELSE entry END ORDER BY n), '[]'::jsonb)
             FROM jsonb_array_elements(counters -> 'pages') WITH ORDINALITY AS e(entry, n)
         )) ELSE counters END
@@ -154,9 +154,14 @@ _FORGET_PAGE_IN_JOBS = text(
 )
 
 
-def erased_subject(source_id: str, slug: str) -> str:
-    """What an erased page's jobs name as their subject: the erasure's digest, not the slug."""
+def erased_name(source_id: str, slug: str) -> str:
+    """What stands for an erased page's slug in its jobs: the erasure's digest."""
     return f"erased:{erased_slug_digest(source_id, slug)}"
+
+
+def erased_subject(source_id: str, slug: str) -> str:
+    """An erased page's jobs' subject: its source (a source-limited key still sees them), the digest."""
+    return page_subject(source_id, erased_name(source_id, slug))
 
 
 def forget_page_in_jobs(session: Session, source_id: str, slug: str) -> None:
@@ -166,6 +171,7 @@ def forget_page_in_jobs(session: Session, source_id: str, slug: str) -> None:
         _FORGET_PAGE_IN_JOBS,
         {
             "erased": erased_subject(source_id, slug),
+            "name": erased_name(source_id, slug),
             "slug": slug,
             "note": PAGE_ERASED,
             "kind": EXTRACTION,
@@ -219,6 +225,7 @@ __all__ = [
     "cancel_page_jobs",
     "drop_derived",
     "erase_page",
+    "erased_name",
     "erased_slug_digest",
     "erased_subject",
     "extracted_types",
