@@ -3,6 +3,7 @@ against `python -m worker.cli mcp` subprocesses on the test database (real Postg
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -213,6 +214,13 @@ def test_stdio_without_a_valid_key_refuses_to_start(env):
 
 @pytest.fixture
 def http_server(env: dict[str, str]) -> Iterator[str]:
+    with _mcp_http(env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _mcp_http(env: dict[str, str]) -> Iterator[str]:
+    """`factmill mcp --http PORT` started with ``env``; its URL once it answers."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "mcp", "--http", str(port)],
@@ -253,6 +261,28 @@ def test_http_keeps_an_idle_connection_open_past_a_client_pools_expiry(http_serv
         assert connection.sock is opened
     finally:
         connection.close()
+
+
+def test_http_refuses_a_body_over_the_cap_with_413_and_keeps_serving(env, factory):
+    """The SDK reads a whole body and answers a failed read with a 500; the server caps it as the API
+    does (FACTMILL_MAX_BODY_BYTES): by its Content-Length, or as a chunked stream passes the cap."""
+    key = new_key(factory, ["read"])
+    rpc = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    big = b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"pad": "' + b"a" * 70_000 + b'"}}'
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked
+        for start in range(0, len(big), 8192):
+            yield big[start : start + 8192]
+
+    with _mcp_http(env | {"FACTMILL_MAX_BODY_BYTES": "65536"}) as url:
+        keyed = rpc | {"Authorization": f"Bearer {key}"}
+        declared = httpx.post(url, content=big, headers=keyed, timeout=30)
+        assert declared.status_code == 413 and "65536-byte limit" in declared.json()["detail"]
+        streamed = httpx.post(url, content=chunks(), headers=keyed, timeout=30)
+        assert streamed.status_code == 413 and "65536-byte limit" in streamed.json()["detail"]
+        assert httpx.post(url, content=chunks(), headers=rpc, timeout=30).status_code == 401  # no key
+        reader = anyio.run(_http_session, url, key, _search_and_list)  # and it still serves
+    assert reader["tools"] == READ_TOOLS
 
 
 async def _http_session(url: str, key: str, job: Any) -> Any:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
-from worker.api.guards import BodyCapMiddleware, RequestIdMiddleware
+from worker.api.guards import RequestIdMiddleware
 from worker.api.metrics import install_metrics
 from worker.api.openapi import install_openapi
 from worker.api.routes.backfills import backfills_router
@@ -28,6 +28,7 @@ from worker.api.routes.jobs import jobs_router
 from worker.api.routes.pages import pages_router
 from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
+from worker.bodycap import BodyCapMiddleware
 from worker.core.signing import SIGNATURE_HEADER
 from worker.jobs.celery_app import start_tracing
 from worker.jobs.outbox import Sender

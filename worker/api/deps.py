@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from worker import celery_app
 from worker.access.ratelimit import PerKeyLimiter
 from worker.api.errors import ApiError, location, summarize
-from worker.api.guards import too_large_detail
 from worker.api.inputs import strict_json_loads
+from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
 from worker.core.signing import SignatureError, verify
 from worker.jobs import outbox

@@ -11,13 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.api.guards import (
-    BodyTooLargeError,
-    request_id_of,
-    route_template,
-    too_large_detail,
-    unexpected_answer,
-)
+from worker.api.guards import request_id_of, route_template, unexpected_answer
+from worker.bodycap import BodyTooLargeError, too_large_detail
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
-"""ASGI guards around the whole API: a request id on every answer, one 500 for anything unexpected
-(logged as one line, no page text), and a body cap enforced before any route reads the body."""
+"""ASGI guards around the whole API: a request id on every answer, and one answer for anything
+unexpected (a 500 logged as one line, no page text; a 503 while the database cannot serve). The body
+cap is worker.bodycap's."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from worker.bodycap import ASGIApp, Receive, Scope, Send, send_json
 from worker.db import database_unavailable
 
 logger = logging.getLogger(__name__)
@@ -17,11 +17,6 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REQUEST_ID_SCOPE_KEY = "factmill.request_id"
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def request_id_of(scope: Scope) -> str:
@@ -77,22 +72,6 @@ def unexpected_answer(
     return 500, {"detail": "internal error; the server log has the details", "request_id": request_id}, {}
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any], headers: list[Any]) -> None:
-    body = json.dumps(payload).encode("utf-8")
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode("ascii")),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 class RequestIdMiddleware:
     """Gives each request an id (``X-Request-ID`` if the client sent a sane one), returns it on every
     answer, and turns anything unexpected into ``500 {"detail", "request_id"}``."""
@@ -125,64 +104,14 @@ class RequestIdMiddleware:
             if started:  # the answer is already on its way: nothing more can be said
                 return
             extra = [(name.lower().encode("ascii"), value.encode("ascii")) for name, value in headers.items()]
-            await _send_json(send, status, payload, [header, *extra])
-
-
-class BodyTooLargeError(Exception):
-    """The body passed the cap while a route read it (answered 413 by the API's handlers)."""
-
-    def __init__(self, cap: int) -> None:
-        super().__init__(cap)
-        self.cap = cap
-
-
-def too_large_detail(cap: int) -> str:
-    return f"request body is over the {cap}-byte limit; send fewer or smaller pages per request"
-
-
-class BodyCapMiddleware:
-    """Refuses a body over ``cap`` bytes before any of it is read: at once on its Content-Length, else
-    as soon as the stream passes it. Routes read smaller caps of their own on top (read_body)."""
-
-    def __init__(self, app: ASGIApp, cap: int) -> None:
-        self.app, self.cap = app, cap
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name.lower() == b"content-length":
-                if not value.strip().isdigit():
-                    await _send_json(
-                        send, 400, {"detail": "Content-Length must be a non-negative integer"}, []
-                    )
-                    return
-                if int(value) > self.cap:
-                    await _send_json(send, 413, {"detail": too_large_detail(self.cap)}, [])
-                    return
-        total = 0
-
-        async def capped_receive() -> Any:
-            nonlocal total
-            message = await receive()
-            if message["type"] == "http.request":
-                total += len(message.get("body", b""))
-                if total > self.cap:
-                    raise BodyTooLargeError(self.cap)
-            return message
-
-        await self.app(scope, capped_receive, send)
+            await send_json(send, status, payload, [header, *extra])
 
 
 __all__ = [
     "REQUEST_ID_HEADER",
-    "BodyCapMiddleware",
-    "BodyTooLargeError",
     "RequestIdMiddleware",
     "log_unexpected",
     "request_id_of",
     "route_template",
-    "too_large_detail",
     "unexpected_answer",
 ]

@@ -25,6 +25,7 @@ from mcp.types import Tool as MCPTool
 from pydantic import AnyHttpUrl
 
 from worker.access import Principal, principal_for, refusal
+from worker.bodycap import ForeignAppBodyCap
 from worker.mcp.tools import Access, FactmillTools
 from worker.runtime import Runtime
 
@@ -188,7 +189,7 @@ def run_http(runtime: Runtime, host: str, port: int) -> None:
     (FACTMILL_API_KEEP_ALIVE_SECONDS) instead of uvicorn's 5 s."""
     server = http_server(runtime)
     config = uvicorn.Config(
-        server.streamable_http_app(host=host),
+        ForeignAppBodyCap(server.streamable_http_app(host=host), cap=runtime.settings.max_body_bytes),
         host=host,
         port=port,
         log_level=server.settings.log_level.lower(),

@@ -1,0 +1,132 @@
+"""Request body caps for Factmill's ASGI servers (the API and the MCP server's streamable HTTP):
+a body over its cap is refused with 413 before, or as soon as, it passes the cap."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def send_json(send: Send, status: int, payload: dict[str, Any], headers: list[Any]) -> None:
+    """Answer with ``payload`` as JSON (an ASGI response start and body)."""
+    body = json.dumps(payload).encode("utf-8")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode("ascii")),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyTooLargeError(Exception):
+    """The body passed the cap while a route read it (answered 413 by the API's handlers)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(cap)
+        self.cap = cap
+
+
+def too_large_detail(cap: int) -> str:
+    return f"request body is over the {cap}-byte limit; send fewer or smaller pages per request"
+
+
+async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> bool:
+    """Answer a request whose Content-Length is malformed (400) or over ``cap`` (413); True if it did."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            if not value.strip().isdigit():
+                await send_json(send, 400, {"detail": "Content-Length must be a non-negative integer"}, [])
+                return True
+            if int(value) > cap:
+                await send_json(send, 413, {"detail": too_large_detail(cap)}, [])
+                return True
+    return False
+
+
+class BodyCapMiddleware:
+    """Refuses a body over ``cap`` bytes before any of it is read: at once on its Content-Length, else
+    as soon as the stream passes it. Routes read smaller caps of their own on top (read_body)."""
+
+    def __init__(self, app: ASGIApp, cap: int) -> None:
+        self.app, self.cap = app, cap
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if await _refused_by_declared_length(scope, send, self.cap):
+            return
+        total = 0
+
+        async def capped_receive() -> Any:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.cap:
+                    raise BodyTooLargeError(self.cap)
+            return message
+
+        await self.app(scope, capped_receive, send)
+
+
+class ForeignAppBodyCap:
+    """The body cap for an app whose error answers are its own (the MCP SDK's streamable HTTP, which
+    answers any exception while reading a body with a 500): past ``cap`` bytes the app sees the client
+    disconnect, so it acts on no part of the body, and whatever it answers then is replaced by the 413
+    BodyCapMiddleware gives. Nothing is buffered here, and a request the app refuses before reading its
+    body (no key: 401) is answered as the app says."""
+
+    def __init__(self, app: ASGIApp, cap: int) -> None:
+        self.app, self.cap = app, cap
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if await _refused_by_declared_length(scope, send, self.cap):
+            return
+        total, over, answered = 0, False, False
+
+        async def capped_receive() -> Any:
+            nonlocal total, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.cap:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def refuse() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                await send_json(send, 413, {"detail": too_large_detail(self.cap)}, [])
+
+        async def checked_send(message: Any) -> None:
+            if over:
+                await refuse()  # the app's own answer (an error about the "disconnect") is dropped
+            else:
+                await send(message)
+
+        await self.app(scope, capped_receive, checked_send)
+        if over:
+            await refuse()
+
+
+__all__ = ["BodyCapMiddleware", "BodyTooLargeError", "ForeignAppBodyCap", "send_json", "too_large_detail"]
