@@ -173,6 +173,10 @@ def test_admin_keys_cover_every_source_and_scopes_are_checked(factory: sessionma
         create_key(session, "x", ["admin"], ["default"])
     with factory.begin() as session, pytest.raises(KeyStoreError, match="unknown scope"):
         create_key(session, "x", ["write"])
+    # A blank or malformed source would limit the key to a source no page can have.
+    for bad in ("", " default", "a|b", "x" * 201):
+        with factory.begin() as session, pytest.raises(KeyStoreError, match="is not a source id"):
+            create_key(session, "bob", ["read"], [bad])
 
 
 def test_a_source_limited_key_sees_and_writes_only_its_sources(

@@ -17,6 +17,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import API_SCOPES, ApiKey
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, is_source_id
 
 KEY_PREFIX = "fm_"
 SCOPES = API_SCOPES
@@ -83,6 +84,13 @@ def create_key(
     sources = sorted(set(source_ids)) if source_ids is not None else None
     if sources is not None and not sources:
         sources = None
+    for source in sources or ():
+        # A blank source limited the key to a source no page can have: a key that sees nothing.
+        if not source or not is_source_id(source) or len(source) > MAX_SOURCE_ID_LENGTH:
+            raise KeyStoreError(
+                f"source {source!r} is not a source id (1 to {MAX_SOURCE_ID_LENGTH} characters, no '|', "
+                "no surrounding spaces); drop --source for a key over every source"
+            )
     chosen = _check_scopes(scopes)
     if sources is not None and "admin" in chosen:
         # Admin routes (config, retries, keys, metrics) are not partitioned by source.

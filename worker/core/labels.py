@@ -38,6 +38,9 @@ def is_word_label(value: str) -> bool:
     return value.isprintable() and not any(ch.isspace() or ch == "/" for ch in value)
 
 
+MAX_SOURCE_ID_LENGTH = 200
+
+
 def is_source_id(value: str) -> bool:
     """A source id: no '|' (it separates sources in keys) and no surrounding whitespace."""
     return "|" not in value and value == value.strip()
@@ -52,6 +55,7 @@ WORD_LABEL_PATTERN = r"^[^\p{C}\p{Z}/]+$"
 
 __all__ = [
     "LABEL_PATTERN",
+    "MAX_SOURCE_ID_LENGTH",
     "SOURCE_ID_PATTERN",
     "WORD_LABEL_PATTERN",
     "clean_label",

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.core.labels import SOURCE_ID_PATTERN, is_source_id
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, is_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
@@ -33,7 +33,10 @@ class PageIn(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
     source_id: str = Field(
-        default="default", min_length=1, max_length=200, json_schema_extra={"pattern": SOURCE_ID_PATTERN}
+        default="default",
+        min_length=1,
+        max_length=MAX_SOURCE_ID_LENGTH,
+        json_schema_extra={"pattern": SOURCE_ID_PATTERN},
     )
     slug: str = Field(
         min_length=1, max_length=500, description=SLUG_RULE, json_schema_extra={"pattern": SLUG_PATTERN}
