@@ -66,6 +66,12 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli):
     forced = as_json(cli("extract", "--force", "--json"))
     assert forced["facts_inserted"] == first["facts_inserted"]
     assert as_json(cli("facts", "list", "--slug", slug, "--json")) == facts
+    # The API's query (GET /v1/pages/.../facts): current facts, --history adds the rest with a status.
+    history = as_json(cli("facts", "list", "--slug", slug, "--history", "--json"))
+    assert [{k: v for k, v in f.items() if k != "status"} for f in history] == facts
+    assert {f["status"] for f in history} == {"current"}
+    missing = cli("facts", "list", "--slug", "conversations/nope", check=False)
+    assert missing.returncode == 1 and "no page 'conversations/nope' in source 'default'" in missing.stderr
     unchanged = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
     assert len(unchanged["unchanged"]) == 23 and unchanged["ingested"] == []
 

@@ -6,62 +6,63 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
-from models import Fact
+from models.reads import read_only
 from worker.cli import lifecycle
-from worker.cli.console import out, print_json
+from worker.cli.console import fail, out, print_json
 from worker.cli.sessions import checked_factory
-from worker.extraction import PER_SEGMENT_SOURCE_PREFIX
+from worker.consolidation.history import Lifecycle
+from worker.extraction.facts import FactRecord, read_page_facts
 
 facts_app = typer.Typer(help="Read extracted facts.", no_args_is_help=True)
+# The most `facts list` prints (the API's largest page); a page with more says how many it has.
+MAX_LISTED = 10_000
 
 
-def _facts_for(session: Session, slug: str, source_id: str) -> list[dict[str, Any]]:
-    rows = session.scalars(
-        select(Fact)
-        .where(
-            Fact.source_id == source_id,
-            Fact.source_markdown_slug == slug,
-            Fact.source == PER_SEGMENT_SOURCE_PREFIX,
-        )
-        .order_by(Fact.row_num)
-    )
-    return [
-        {
-            "row_num": f.row_num,
-            "fact": f.fact,
-            "kind": f.kind,
-            "entity": f.entity_slug,
-            "confidence": f.confidence,
-            "notability": f.notability,
-            "context": f.context,
-            "metric": f.claim_metric,
-            "value": f.claim_value,
-            "unit": f.claim_unit,
-            "period": f.claim_period,
-        }
-        for f in rows
-    ]
+def _as_row(fact: FactRecord, with_status: bool) -> dict[str, Any]:
+    row = {
+        "row_num": fact.row_num,
+        "fact": fact.fact,
+        "kind": fact.kind,
+        "entity": fact.entity_slug,
+        "confidence": fact.confidence,
+        "notability": fact.notability,
+        "context": fact.context,
+        "metric": fact.claim_metric,
+        "value": fact.claim_value,
+        "unit": fact.claim_unit,
+        "period": fact.claim_period,
+    }
+    return row | {"status": fact.status} if with_status else row
 
 
 @facts_app.command("list")
 def facts_list(
     slug: Annotated[str, typer.Option(help="The page whose facts to list.")],
     source_id: Annotated[str, typer.Option()] = "default",
+    history: Annotated[
+        bool, typer.Option("--history", help="Also superseded and duplicate facts, with their status.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """The facts extracted from one page, in row order."""
-    with checked_factory()() as session:
-        facts = _facts_for(session, slug, source_id)
+    """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts)."""
+    with read_only(checked_factory()) as session:
+        found = read_page_facts(
+            session, source_id, slug, limit=MAX_LISTED, lifecycle=Lifecycle(include_history=history)
+        )
+    if found is None:
+        raise fail(f"no page {slug!r} in source {source_id!r}")
+    facts = [_as_row(fact, history) for fact in found.facts]
     if as_json:
         print_json(facts, ensure_ascii=False)
         return
-    table = Table("#", "kind", "fact", "entity", "conf", title=slug)
+    table = Table("#", "kind", "fact", "entity", "conf", *(["status"] if history else []), title=slug)
     for f in facts:
-        table.add_row(str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}")
+        cells = [str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}"]
+        table.add_row(*cells, *([f["status"]] if history else []))
     out.print(table)
+    if found.total > len(facts):
+        out.print(f"the first {len(facts)} of {found.total} facts")
 
 
 facts_app.command("history")(lifecycle.history)
