@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from sqlalchemy import func, select
 
-from models import Transcript, TranscriptMessageRow
+from models.reads import read_only
 from worker.calibration import ThresholdCache, describe_tau
 from worker.cli.console import fail, fields, out, print_json
 from worker.cli.sessions import checked_factory
@@ -21,6 +20,7 @@ from worker.compaction import (
     TranscriptStats,
     compact_transcript,
     list_compactions,
+    recent_transcripts,
     request_compaction,
     transcript_stats,
 )
@@ -228,30 +228,8 @@ def transcripts_list(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Transcripts, most recently changed first, with their message and token counts."""
-    query = (
-        select(
-            Transcript.id,
-            Transcript.context_window,
-            func.count(TranscriptMessageRow.id),
-            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
-            Transcript.updated_at,
-        )
-        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == Transcript.id)
-        .group_by(Transcript.id)
-        .order_by(Transcript.updated_at.desc(), Transcript.id)
-        .limit(limit)
-    )
-    with checked_factory()() as session:
-        rows: list[dict[str, Any]] = [
-            {
-                "transcript_id": tid,
-                "context_window": window,
-                "messages": int(count),
-                "history_tokens": int(tokens),
-                "updated_at": updated.isoformat(),
-            }
-            for tid, window, count, tokens, updated in session.execute(query)
-        ]
+    with read_only(checked_factory()) as session:
+        rows = recent_transcripts(session, limit)
     if as_json:
         print_json(rows)
         return

@@ -216,6 +216,33 @@ class TranscriptStats:
         return data
 
 
+def recent_transcripts(session: Session, limit: int) -> list[dict[str, Any]]:
+    """Transcripts, most recently changed first, with their message and token counts."""
+    query = (
+        select(
+            Transcript.id,
+            Transcript.context_window,
+            func.count(TranscriptMessageRow.id),
+            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
+            Transcript.updated_at,
+        )
+        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == Transcript.id)
+        .group_by(Transcript.id)
+        .order_by(Transcript.updated_at.desc(), Transcript.id)
+        .limit(limit)
+    )
+    return [
+        {
+            "transcript_id": tid,
+            "context_window": window,
+            "messages": int(count),
+            "history_tokens": int(tokens),
+            "updated_at": updated.isoformat(),
+        }
+        for tid, window, count, tokens, updated in session.execute(query)
+    ]
+
+
 def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
     transcript = get_transcript(session, transcript_id)
     count, history = session.execute(
