@@ -72,6 +72,7 @@ class BackfillRequest(Base):
         CheckConstraint(_in("status", REQUEST_STATUSES), name="status"),
         UniqueConstraint("batch_id", "custom_id"),
         Index("ix_backfill_requests_batch_id_status", "batch_id", "status"),
+        Index("ix_backfill_requests_page_id", "page_id"),  # an erasure finds the page's requests
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

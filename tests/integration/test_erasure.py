@@ -12,7 +12,18 @@ from sqlalchemy import Text, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from models import Erasure, ExtractionAudit, Fact, Job, LLMCall, OpCheckpoint, Page
+from models import (
+    Backfill,
+    BackfillBatch,
+    BackfillRequest,
+    Erasure,
+    ExtractionAudit,
+    Fact,
+    Job,
+    LLMCall,
+    OpCheckpoint,
+    Page,
+)
 from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
@@ -334,6 +345,18 @@ def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
         )
         assert pending is not None and pending.job_id != done
         session.execute(update(Job).where(Job.id == done).values(last_error=f"a note naming {SLUG}"))
+        page_id = session.scalar(select(Page.id).where(Page.slug == SLUG))
+        backfill = Backfill(source_id="default")
+        session.add(backfill)
+        session.flush()
+        batch = BackfillBatch(backfill_id=backfill.id, key="b1", provider="openai", model="m")
+        session.add(batch)
+        session.flush()
+        session.add(
+            BackfillRequest(
+                batch_id=batch.id, custom_id="r1", page_id=page_id, slug=SLUG, end_message=3, segment_hash="h"
+            )
+        )
     with enabled() as session:
         before = session.get(Job, done)
         assert before is not None and SLUG in str(before.counters)  # the page's entry in the run's counts
@@ -350,6 +373,8 @@ def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
             )
         )
         assert leaks == 0
+        planned = session.scalars(select(BackfillRequest.slug)).all()
+        assert planned == [erased_name("default", SLUG)]  # a backfill finds no page for it: dropped
         finished, cancelled = session.get(Job, done), session.get(Job, pending.job_id)
     erased = erased_subject("default", SLUG)
     assert finished is not None and cancelled is not None

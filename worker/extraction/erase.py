@@ -164,9 +164,14 @@ def erased_subject(source_id: str, slug: str) -> str:
     return page_subject(source_id, erased_name(source_id, slug))
 
 
-def forget_page_in_jobs(session: Session, source_id: str, slug: str) -> None:
-    """Take the page's slug out of its extraction jobs, finished ones included, in the caller's
-    transaction (run after ``cancel_page_jobs``)."""
+_FORGET_PAGE_IN_BACKFILLS = text("UPDATE backfill_requests SET slug = :name WHERE page_id = :page_id")
+
+
+def forget_page_name(session: Session, source_id: str, slug: str, page_id: int) -> None:
+    """Take the page's slug out of its extraction jobs, finished ones included, and out of the requests
+    backfills planned for it, in the caller's transaction (run after ``cancel_page_jobs``). A backfill
+    then finds no page for those requests and drops them, as for any page erased under it."""
+    session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": erased_name(source_id, slug), "page_id": page_id})
     session.execute(
         _FORGET_PAGE_IN_JOBS,
         {
@@ -204,7 +209,7 @@ def erase_page(
             audit_rows_removed=audit_rows,
             jobs_cancelled=cancel_page_jobs(session, source_id, slug),
         )
-        forget_page_in_jobs(session, source_id, slug)
+        forget_page_name(session, source_id, slug, page_id)
         session.execute(delete(Page).where(Page.id == page_id))
         session.add(
             Erasure(
@@ -229,7 +234,7 @@ __all__ = [
     "erased_slug_digest",
     "erased_subject",
     "extracted_types",
-    "forget_page_in_jobs",
+    "forget_page_name",
     "has_derived",
     "is_extractable",
     "page_body",
