@@ -57,7 +57,9 @@ class SkippedRetry:
         for index, entry in enumerate(checkpoint.skipped):
             segment = segment_of(messages[entry.first : entry.end])
             if segment_hash(segment) != entry.segment_hash:  # cannot happen while the prefix is unchanged
-                logger.warning("skipped segment %s of %s no longer matches its record", entry.first, ref.slug)
+                logger.warning(  # the page by id: a slug can name a person, and logs name none
+                    "skipped segment %s of page %s no longer matches its record", entry.first, ref.page_id
+                )
                 continue
             place = self.planner.place(ref.slug, index, segment)  # index: its place among the skipped
             checkpoint, failed = self._retry_one(report, stored.label, checkpoint, entry, place, version)
