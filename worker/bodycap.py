@@ -57,7 +57,8 @@ async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> boo
 
 class BodyCapMiddleware:
     """Refuses a body over ``cap`` bytes before any of it is read: at once on its Content-Length, else
-    as soon as the stream passes it. Routes read smaller caps of their own on top (read_body)."""
+    as soon as the stream passes it (BodyTooLargeError, which the API's handlers answer with 413).
+    Routes read smaller caps of their own on top (read_body)."""
 
     def __init__(self, app: ASGIApp, cap: int) -> None:
         self.app, self.cap = app, cap
@@ -68,6 +69,10 @@ class BodyCapMiddleware:
             return
         if await _refused_by_declared_length(scope, send, self.cap):
             return
+        await self.capped(scope, receive, send)
+
+    async def capped(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app on a body stream that stops at the cap (a request with no or a small length)."""
         total = 0
 
         async def capped_receive() -> Any:
@@ -82,22 +87,14 @@ class BodyCapMiddleware:
         await self.app(scope, capped_receive, send)
 
 
-class ForeignAppBodyCap:
+class ForeignAppBodyCap(BodyCapMiddleware):
     """The body cap for an app whose error answers are its own (the MCP SDK's streamable HTTP, which
     answers any exception while reading a body with a 500): past ``cap`` bytes the app sees the client
     disconnect, so it acts on no part of the body, and whatever it answers then is replaced by the 413
     BodyCapMiddleware gives. Nothing is buffered here, and a request the app refuses before reading its
     body (no key: 401) is answered as the app says."""
 
-    def __init__(self, app: ASGIApp, cap: int) -> None:
-        self.app, self.cap = app, cap
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if await _refused_by_declared_length(scope, send, self.cap):
-            return
+    async def capped(self, scope: Scope, receive: Receive, send: Send) -> None:
         total, over, answered = 0, False, False
 
         async def capped_receive() -> Any:
