@@ -133,6 +133,11 @@ def test_config_commands_and_the_kill_switch(cli):
 def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
     bad_since = cli("extract", "--since", "yesterday", check=False)
     assert bad_since.returncode == 2 and "ISO-8601" in bad_since.stderr
+    # A port out of range is a usage error for every server command (flower's was a socket traceback).
+    for command in (["serve", "--port", "70000"], ["flower", "--port", "-1"], ["simulator", "--port", "0"]):
+        bad_port = cli(*command, check=False)
+        assert bad_port.returncode == 2 and "Traceback" not in bad_port.stderr, command
+        assert "Invalid value for '--port'" in bad_port.stderr, command
     from tests.conftest import fresh_database
 
     with fresh_database(server_url, "noschema") as empty:

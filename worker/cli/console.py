@@ -17,6 +17,11 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 
+def port_option(*names: str, help: str, **extra: Any) -> Any:
+    """A TCP port option: 1 to 65535, anything else a usage error (not a socket error's traceback)."""
+    return typer.Option(*names, min=1, max=65535, help=help, **extra)
+
+
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise: ``raise fail(...)``."""
     err.print(f"[bold red]error:[/] {message}", highlight=highlight)

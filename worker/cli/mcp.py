@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail
+from worker.cli.console import err, fail, port_option
 from worker.cli.sessions import checked_factory
 from worker.runtime import build_runtime
 from worker.settings import get_settings
@@ -29,12 +29,8 @@ def _stdio_key(key_env: str | None, configured: str | None) -> str:
 def mcp_command(
     http: Annotated[
         int | None,
-        typer.Option(
-            "--http",
-            metavar="PORT",
-            min=1,
-            max=65535,
-            help="Serve streamable HTTP on this port (path /mcp) instead of stdio.",
+        port_option(
+            "--http", metavar="PORT", help="Serve streamable HTTP on this port (path /mcp) instead of stdio."
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="The interface --http listens on.")] = "127.0.0.1",

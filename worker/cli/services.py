@@ -8,7 +8,7 @@ import typer
 import uvicorn
 
 from worker.celery_app import app as celery
-from worker.cli.console import fail
+from worker.cli.console import fail, port_option
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
@@ -36,7 +36,7 @@ def refuse_missing_tracing(settings: Settings) -> None:
 
 def serve(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, port_option(help="The port the API listens on.")] = 8000,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes.")] = 1,
 ) -> None:
     """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
@@ -113,6 +113,6 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 
 
-def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
+def flower(port: Annotated[int, port_option(help="The port Flower listens on.")] = 5555) -> None:
     """Run Flower on the same broker to watch workers, queues and tasks."""
     celery.start(["flower", f"--port={port}"])

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err
+from worker.cli.console import err, port_option
 
 
 def simulator(
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8089,
+    port: Annotated[int, port_option(help="Port to listen on.")] = 8089,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     latency_ms: Annotated[int, typer.Option(min=0)] = 0,
     jitter_ms: Annotated[int, typer.Option(min=0)] = 0,
