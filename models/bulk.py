@@ -1,16 +1,22 @@
-"""Bulk INSERTs whose SQL never changes with the number of rows: one array per column, ``unnest``-ed.
+"""Bulk INSERTs whose SQL never changes with the number of rows: the rows as one JSON document.
 
 A multi-row ``VALUES`` insert (SQLAlchemy's insertmanyvalues) writes a new statement for every batch
 size, with a placeholder per value. psycopg parses a statement longer than 4,096 characters or with
 more than 50 parameters again on every call, in Python, and a page's facts are far past both limits:
 that parse was the largest cost of committing a page (py-spy, bench/pipeline.py). Here the statement
-text is fixed per table and column list, has one parameter per column, is parsed once and prepared by
-psycopg after a few uses, and still goes in one round trip.
+text is fixed per table and column list, has one parameter, is parsed once and prepared by psycopg
+after a few uses, and still goes in one round trip. The rows travel as one JSON array that Postgres
+reads with ``jsonb_to_recordset`` into the columns' own types: an array per column (``unnest``, the
+first version) made psycopg inspect and dump every list in Python, a few percent of a worker's CPU.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
+from datetime import date, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Table, text
@@ -19,6 +25,32 @@ from sqlalchemy.orm import Session
 
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
 _ORDINAL = "bulk_ordinal"
+_ROWS = "bulk_rows"
+
+
+def _json_value(value: Any) -> Any:
+    """What json.dumps cannot write itself, as the text Postgres reads into the column's type."""
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return str(value)
+    raise TypeError(f"a bulk insert cannot send a {type(value).__name__}")
+
+
+def _finite(value: Any) -> Any:
+    # JSON has no infinities or NaN; as strings, Postgres reads them into a float column all the same.
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def rows_json(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as one JSON array of objects (the document a BulkInsert sends)."""
+    try:
+        return json.dumps(rows, default=_json_value, allow_nan=False, ensure_ascii=False)
+    except ValueError:  # a float that is not finite: rare, so only then are the values looked at
+        cleaned = [{name: _finite(value) for name, value in row.items()} for row in rows]
+        return json.dumps(cleaned, default=_json_value, allow_nan=False, ensure_ascii=False)
 
 
 class BulkInsert:
@@ -41,13 +73,12 @@ class BulkInsert:
     ) -> None:
         self.columns = tuple(columns)
         names = ", ".join(self.columns)
-        arrays = ", ".join(
-            f"CAST(:{name} AS {table.c[name].type.compile(dialect=_DIALECT)}[])" for name in self.columns
-        )
+        types = ", ".join(f"{name} {table.c[name].type.compile(dialect=_DIALECT)}" for name in self.columns)
         # WITH ORDINALITY ... ORDER BY: the rows go in in the order given, so a sequence-generated key
         # takes ascending values in that order (the guarantee SQLAlchemy's own sorted RETURNING uses).
         sql = (
-            f"INSERT INTO {table.name} ({names}) SELECT {names} FROM unnest({arrays}) "
+            f"INSERT INTO {table.name} ({names}) SELECT {names} FROM ROWS FROM "
+            f"(jsonb_to_recordset(CAST(:{_ROWS} AS jsonb)) AS ({types})) "
             f"WITH ORDINALITY AS given({names}, {_ORDINAL}) ORDER BY {_ORDINAL}"
         )
         if conflict:
@@ -58,12 +89,14 @@ class BulkInsert:
             sql = around.replace("{insert}", sql)
         self._statement = text(sql)
 
-    def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
         # The rows come from one builder and share their keys; the first must name exactly the columns,
         # or a key missing from the list would be dropped silently (a later row short of one fails).
         if set(rows[0]) != set(self.columns):
             raise ValueError(f"rows have columns {sorted(rows[0])}, the insert takes {sorted(self.columns)}")
-        return {name: [row[name] for row in rows] for name in self.columns}
+        if any(set(row) != set(self.columns) for row in rows[1:]):
+            raise ValueError(f"every row must have the columns {sorted(self.columns)}")
+        return {_ROWS: rows_json(rows)}
 
     def execute(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert the rows in the caller's transaction."""

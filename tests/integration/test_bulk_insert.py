@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
@@ -103,3 +105,33 @@ def test_the_statement_is_the_same_short_text_for_any_number_of_rows(
     assert len(inserts) == 2 and inserts[0] == inserts[1]
     assert len(inserts[0]) <= 4096
     assert inserts[0].count("%(") <= 50
+
+
+def test_values_arrive_as_their_column_types(session: Session) -> None:
+    """The rows travel as one JSON document: text with quotes, escapes and any script, timestamps with
+    their zone, exact decimals, floats that JSON cannot write (infinity, NaN) and NULLs arrive intact."""
+    text = 'She said "ça va?" \\ back\\slash, tab\t, 漢字 and 🙂'
+    when = datetime(2024, 3, 15, 9, 0, 30, 123456, tzinfo=UTC)
+    rows = [
+        fact(0, text) | {"valid_from": when, "claim_value": math.inf, "claim_metric": "salary"},
+        fact(1) | {"claim_value": -math.inf},
+        fact(2) | {"claim_value": math.nan, "confidence": 0.1 + 0.2},
+    ]
+    assert sorted(FACTS.returned(session, rows)) == [0, 1, 2]
+    columns = (Fact.row_num, Fact.fact, Fact.valid_from, Fact.claim_value, Fact.claim_metric, Fact.confidence)
+    query = select(*columns).where(Fact.source_markdown_slug == "p")
+    stored = {row.row_num: row for row in session.execute(query)}
+    assert (stored[0].fact, stored[0].valid_from, stored[0].claim_metric) == (text, when, "salary")
+    assert stored[0].claim_value == math.inf and stored[1].claim_value == -math.inf
+    assert math.isnan(stored[2].claim_value) and stored[2].confidence == 0.1 + 0.2
+    assert stored[1].valid_from is None and stored[1].claim_metric is None
+    keys = CALLS.new_keys(session, [call(1) | {"cost_usd": Decimal("0.123456")}])
+    assert session.scalar(select(LLMCall.cost_usd).where(LLMCall.id == keys[0])) == Decimal("0.123456")
+
+
+def test_a_later_row_short_of_a_column_is_refused_not_stored_with_a_null(session: Session) -> None:
+    short = {k: v for k, v in fact(1).items() if k != "kind"}
+    with pytest.raises(ValueError, match="every row must have the columns"):
+        FACTS.returned(session, [fact(0), short])
+    with pytest.raises(ValueError, match="every row must have the columns"):
+        FACTS.returned(session, [fact(0), fact(1) | {"extra": 1}])
