@@ -54,7 +54,7 @@ def rows_json(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 class BulkInsert:
-    """``INSERT INTO table (columns) SELECT ... FROM unnest(arrays)``, built once per call site.
+    """``INSERT INTO table (columns) SELECT ... FROM jsonb_to_recordset(rows)``, built once per call site.
 
     ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: a column whose
     values come back for the rows that went in. ``around``: a statement with ``{insert}`` where the
