@@ -72,6 +72,7 @@ class BulkInsert:
         around: str | None = None,
     ) -> None:
         self.columns = tuple(columns)
+        self._column_set = frozenset(self.columns)
         names = ", ".join(self.columns)
         types = ", ".join(f"{name} {table.c[name].type.compile(dialect=_DIALECT)}" for name in self.columns)
         # WITH ORDINALITY ... ORDER BY: the rows go in in the order given, so a sequence-generated key
@@ -89,25 +90,25 @@ class BulkInsert:
             sql = around.replace("{insert}", sql)
         self._statement = text(sql)
 
-    def _arrays(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-        # The rows come from one builder and share their keys; the first must name exactly the columns,
-        # or a key missing from the list would be dropped silently (a later row short of one fails).
-        if set(rows[0]) != set(self.columns):
+    def _parameters(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+        # Every row must name exactly the columns: jsonb_to_recordset reads a missing key as NULL and
+        # ignores an extra one, so either would otherwise go unnoticed.
+        if rows[0].keys() != self._column_set:
             raise ValueError(f"rows have columns {sorted(rows[0])}, the insert takes {sorted(self.columns)}")
-        if any(set(row) != set(self.columns) for row in rows[1:]):
+        if any(row.keys() != self._column_set for row in rows[1:]):
             raise ValueError(f"every row must have the columns {sorted(self.columns)}")
         return {_ROWS: rows_json(rows)}
 
     def execute(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert the rows in the caller's transaction."""
         if rows:
-            session.execute(self._statement, self._arrays(rows))
+            session.execute(self._statement, self._parameters(rows))
 
     def returned(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Insert the rows; the ``returning`` values of those that went in."""
         if not rows:
             return []
-        return list(session.execute(self._statement, self._arrays(rows)).scalars())
+        return list(session.execute(self._statement, self._parameters(rows)).scalars())
 
     def new_keys(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[int]:
         """Insert the rows (no conflict clause) and return their sequence-generated keys, one per row in
