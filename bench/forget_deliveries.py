@@ -1,4 +1,5 @@
-"""Forgetting expired Idempotency-Key answers: a sweep's DELETE in a large table, with its index and without.
+"""Kept Idempotency-Key answers in a large table: a sweep's DELETE with its index and without, and an
+erasure's rewrite of the answers that list its page.
 
     .venv/bin/python bench/forget_deliveries.py [--rows 1000000] [--batch 10000] [--rounds 5]
 
@@ -7,6 +8,9 @@ Fills webhook_deliveries with ``--rows`` answers spread over 30 days, then times
 batch of ``--batch`` at a time, each DELETE rolled back so every round sees the same table: first
 with the created_at index of migration 0017, then without it (the baseline: what the DELETE costs
 reading the whole table). Prints the median time of a DELETE and the ratio.
+
+Then times ``models.webhook.forget_page_in_deliveries`` for one page (each rolled back): it reads the
+whole table, so its baseline is the plainest whole read, ``SELECT count(*)``, in the same run.
 
 Needs the local Postgres (127.0.0.1:5432); creates and drops its own database.
 """
@@ -17,33 +21,92 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import text
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from models.webhook import forget_deliveries  # noqa: E402
+from models.webhook import forget_deliveries, forget_page_in_deliveries  # noqa: E402
 from tests.service import fill_table, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=7)
+INSERTED = 100_000
+
+
+def answers(rows: int, key: str, days: int | None = None) -> str:
+    """An INSERT of ``rows`` answers as the page webhook keeps them (one page each; two answers name
+    each page), spread over ``days`` or dated now."""
+    column, dated = (
+        (", created_at", f", now() - (g::bigint * {days * 86400} / {rows}) * interval '1 s'")
+        if days
+        else ("", "")
+    )
+    return (
+        f"INSERT INTO webhook_deliveries (idempotency_key, body_hash, response{column}) "
+        f"SELECT 'POST /v1/pages||{key}' || g, md5(g::text), jsonb_build_object('jobs', jsonb_build_array("
+        "jsonb_build_object('job_id', g, 'source_id', 'default', 'slug', 'page-' || mod(g, 500000), "
+        f"'created', true)), 'unchanged', '[]'::jsonb){dated} FROM generate_series(1, {rows}) g"
+    )
 
 
 def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], int]:
-    """Milliseconds a DELETE, each rolled back; and how many rows one deleted."""
-    times, deleted = [], 0
+    """Milliseconds a sweep's DELETE, each rolled back; and how many rows one deleted."""
+    deleted = 0
+
+    def sweep(session: Session) -> None:
+        nonlocal deleted
+        deleted = forget_deliveries(session, KEPT, batch)
+
+    return timed(factory, count, sweep), deleted
+
+
+def timed(factory: sessionmaker, count: int, work: Callable[[Session], object]) -> list[float]:
+    """Milliseconds ``work`` took, each run in a transaction rolled back."""
+    times = []
     for _ in range(count):
         with factory() as session:
             started = time.perf_counter()
-            deleted = forget_deliveries(session, KEPT, batch)
+            work(session)
             times.append((time.perf_counter() - started) * 1000)
             session.rollback()
-    return times, deleted
+    return times
+
+
+def erasure_rows(factory: sessionmaker, count: int) -> None:
+    """An erasure's rewrite of the answers naming one page, and what inserting answers costs, with the
+    GIN index of migration 0019 and without it."""
+    changed = 0
+
+    def forget(session: Session) -> None:
+        nonlocal changed
+        changed = forget_page_in_deliveries(session, "default", "page-4242", "erased:digest")
+
+    def insert(session: Session) -> None:
+        session.execute(text(answers(INSERTED, "more-")))
+
+    def both() -> tuple[float, float]:
+        return statistics.median(timed(factory, count, forget)), statistics.median(
+            timed(factory, count, insert)
+        )
+
+    indexed, inserts = both()
+    with factory.begin() as session:
+        session.execute(text("DROP INDEX ix_webhook_deliveries_response"))
+    scanned, plain = both()
+    print(f"an erasure's rewrite of the answers naming its page ({changed} of them), median of {count}:")
+    print(f"  {'without the GIN index (baseline)':40} {scanned:9.1f} ms")
+    print(f"  {'with it (migration 0019)':40} {indexed:9.1f} ms   {indexed / scanned:.4f}x")
+    more = (inserts - plain) * 1000 / INSERTED
+    print(f"what the index costs: {INSERTED:,} more answers inserted in one statement, median of {count}:")
+    print(f"  {'without it (baseline)':40} {plain:9.1f} ms")
+    print(f"  {'with it':40} {inserts:9.1f} ms   {inserts / plain:.2f}x, {more:.1f} us an answer more")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,16 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         db.upgrade(url)
         factory = db.session_factory(url)
         started = time.perf_counter()
-        fill_table(
-            url,
-            "webhook_deliveries",
-            "INSERT INTO webhook_deliveries (idempotency_key, body_hash, response, created_at) "
-            "SELECT 'pages|default|delivery-' || g, md5(g::text), '{\"jobs\": [1]}', "
-            "now() - (g::bigint * 2592000 / %(rows)s) * interval '1 second' "
-            "FROM generate_series(1, %(rows)s) g",
-            rows=args.rows,
-        )
+        fill_table(url, "webhook_deliveries", answers(args.rows, "delivery-", days=30))
         print(f"{args.rows:,} answers over 30 days, loaded in {time.perf_counter() - started:.1f} s")
+        erasure_rows(factory, args.rounds)
         indexed, deleted = rounds(factory, args.batch, args.rounds)
         with factory.begin() as session:
             session.execute(text("DROP INDEX ix_webhook_deliveries_created_at"))

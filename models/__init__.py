@@ -28,7 +28,7 @@ from models.totals import (
     RowCount,
     fold_totals,
 )
-from models.webhook import WebhookDelivery, forget_deliveries
+from models.webhook import WebhookDelivery, forget_deliveries, forget_page_in_deliveries
 
 __all__ = [
     "API_SCOPES",
@@ -74,4 +74,5 @@ __all__ = [
     "WebhookDelivery",
     "fold_totals",
     "forget_deliveries",
+    "forget_page_in_deliveries",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -14,8 +15,17 @@ from models.base import Base, utcnow_column
 
 class WebhookDelivery(Base):
     __tablename__ = "webhook_deliveries"
-    # The oldest answers first, for forget_deliveries.
-    __table_args__ = (Index("ix_webhook_deliveries_created_at", "created_at"),)
+    __table_args__ = (
+        # The oldest answers first, for forget_deliveries.
+        Index("ix_webhook_deliveries_created_at", "created_at"),
+        # The answers naming a page, for forget_page_in_deliveries.
+        Index(
+            "ix_webhook_deliveries_response",
+            "response",
+            postgresql_using="gin",
+            postgresql_ops={"response": "jsonb_path_ops"},
+        ),
+    )
 
     idempotency_key: Mapped[str] = mapped_column(Text, primary_key=True)
     # sha256 of the body: the same key with a different body is a client bug, answered with 422.
@@ -32,6 +42,36 @@ _FORGET = text(
     " SELECT ctid FROM webhook_deliveries WHERE created_at < now() - :kept"
     " ORDER BY created_at LIMIT :limit FOR UPDATE SKIP LOCKED))"
 )
+
+
+# The lists of a kept answer that name pages, each entry {"source_id", "slug", ...}: the answer of the
+# page webhook (worker.api.routes.pages; tests/integration/test_erasure.py holds the two to each other).
+PAGE_LISTS = ("jobs", "unchanged")
+# An erased page's entries keep their place and their other fields; the slug becomes what stands for
+# it after the erasure. Found by containment, which the GIN index answers (bench/forget_deliveries.py).
+_FORGET_PAGE = text(
+    """
+    UPDATE webhook_deliveries SET response = (
+        SELECT jsonb_object_agg(k, CASE WHEN k = ANY(CAST(:lists AS text[])) AND jsonb_typeof(v) = 'array'
+        THEN (
+            SELECT coalesce(jsonb_agg(CASE WHEN e @> CAST(:page AS jsonb)
+                THEN e || jsonb_build_object('slug', CAST(:name AS text)) ELSE e END ORDER BY n), '[]'::jsonb)
+            FROM jsonb_array_elements(v) WITH ORDINALITY AS x(e, n)) ELSE v END)
+        FROM jsonb_each(response) AS t(k, v))
+    WHERE response @> ANY(CAST(:listed AS jsonb[]))
+    """
+)
+
+
+def forget_page_in_deliveries(session: Session, source_id: str, slug: str, name: str) -> int:
+    """Replace the page's slug by ``name`` in every stored answer that lists it, in the caller's
+    transaction; returns how many answers changed. A repeated delivery still gets its answer (and so
+    does not bring the erased page back), naming the page as the erasure left it."""
+    page = {"source_id": source_id, "slug": slug}
+    listed = [json.dumps({key: [page]}) for key in PAGE_LISTS]
+    return session.execute(  # type: ignore[attr-defined]
+        _FORGET_PAGE, {"page": json.dumps(page), "name": name, "listed": listed, "lists": list(PAGE_LISTS)}
+    ).rowcount
 
 
 def forget_deliveries(session: Session, kept: timedelta, limit: int) -> int:

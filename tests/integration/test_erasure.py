@@ -3,6 +3,7 @@ runs that cannot bring facts back for a page erased or emptied under them; real 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from models import (
     LLMCall,
     OpCheckpoint,
     Page,
+    WebhookDelivery,
 )
 from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
 from worker.api.app import create_app
@@ -188,6 +190,37 @@ def test_delete_erases_everything_and_leaves_one_content_free_row(
     stored = " ".join(str(getattr(row, c.key)) for c in Erasure.__table__.columns)
     assert "alice" not in stored.lower() and "Acme" not in stored
     assert client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS).status_code == 404
+
+
+def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
+    client: TestClient, enabled: sessionmaker[Session]
+) -> None:
+    """A keyed delivery's answer is kept a week, and it lists each page by slug: an erasure must not
+    leave the slug there. A repeat of the delivery still gets its answer, so the page stays erased."""
+    other = "conversations/imessage/bob"
+    first = post(client, [page(SLUG, BODY), page(other, BODY)], key="delivery-1")
+    unchanged = post(client, page(SLUG, BODY), key="delivery-2")  # the page listed as unchanged
+    assert (first.status_code, unchanged.status_code) == (202, 202)
+    assert unchanged.json()["unchanged"] == [{"source_id": "default", "slug": SLUG}]
+
+    assert client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS).status_code == 200
+
+    with enabled() as session:
+        answers = dict(session.execute(select(WebhookDelivery.idempotency_key, WebhookDelivery.response)).all())
+    assert len(answers) == 2 and SLUG not in json.dumps(list(answers.values()))
+    name = erased_name("default", SLUG)
+    replay = post(client, [page(SLUG, BODY), page(other, BODY)], key="delivery-1")
+    assert replay.status_code == 202 and replay.headers.get("Idempotent-Replayed") == "true"
+    jobs = replay.json()["jobs"]
+    assert [(job["slug"], job["job_id"]) for job in jobs] == [
+        (name, first.json()["jobs"][0]["job_id"]),
+        (other, first.json()["jobs"][1]["job_id"]),  # the other page's entry is as it was
+    ]
+    assert post(client, page(SLUG, BODY), key="delivery-2").json() == {
+        "jobs": [],
+        "unchanged": [{"source_id": "default", "slug": name}],
+    }
+    assert counted(enabled, Page, Page.slug == SLUG) == 0  # the repeats brought nothing back
 
 
 def test_erasing_an_unknown_page_is_404_and_writes_nothing(

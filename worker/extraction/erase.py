@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from sqlalchemy import bindparam, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Erasure, ExtractionAudit, Fact, Job, OpCheckpoint, Page
+from models import Erasure, ExtractionAudit, Fact, Job, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, OP_CHECKPOINTS
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.core.checkpoint import page_key
@@ -168,15 +168,18 @@ _FORGET_PAGE_IN_BACKFILLS = text("UPDATE backfill_requests SET slug = :name WHER
 
 
 def forget_page_name(session: Session, source_id: str, slug: str, page_id: int) -> None:
-    """Take the page's slug out of its extraction jobs, finished ones included, and out of the requests
-    backfills planned for it, in the caller's transaction (run after ``cancel_page_jobs``). A backfill
-    then finds no page for those requests and drops them, as for any page erased under it."""
-    session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": erased_name(source_id, slug), "page_id": page_id})
+    """Take the page's slug out of its extraction jobs, finished ones included, out of the requests
+    backfills planned for it, and out of the answers kept for repeated webhook deliveries, in the
+    caller's transaction (run after ``cancel_page_jobs``). A backfill then finds no page for those
+    requests and drops them, as for any page erased under it."""
+    name = erased_name(source_id, slug)
+    session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": name, "page_id": page_id})
+    forget_page_in_deliveries(session, source_id, slug, name)
     session.execute(
         _FORGET_PAGE_IN_JOBS,
         {
             "erased": erased_subject(source_id, slug),
-            "name": erased_name(source_id, slug),
+            "name": name,
             "slug": slug,
             "note": PAGE_ERASED,
             "kind": EXTRACTION,
