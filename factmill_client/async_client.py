@@ -208,6 +208,9 @@ class AsyncClient:
     async def set_config(self, key: str, value: str | bool | int) -> models.ConfigSetOut:
         return await self.send(calls.set_config(key, value))
 
+    async def unset_config(self, key: str) -> models.ConfigSetOut:
+        return await self.send(calls.unset_config(key))
+
     async def get_transcript(self, transcript_id: str) -> models.TranscriptOut:
         return await self.send(calls.get_transcript(transcript_id))
 

@@ -134,6 +134,11 @@ def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:
     return Call("PUT", f"/v1/config/{segment(key)}", models.ConfigSetOut, body=json_body({"value": value}))
 
 
+def unset_config(key: str) -> Call[models.ConfigSetOut]:
+    # Unsetting twice leaves the key unset either way: safe to resend.
+    return Call("DELETE", f"/v1/config/{segment(key)}", models.ConfigSetOut)
+
+
 def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:
     # A repeat of an erasure that went through answers 404: like retry_job, only resent when unsent.
     return Call("DELETE", page_path(source_id, slug), models.PageErased, replayable=False)

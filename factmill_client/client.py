@@ -228,6 +228,10 @@ class Client:
         """Set a kill switch or tunable; turning a kill switch on resumes its paused jobs."""
         return self.send(calls.set_config(key, value))
 
+    def unset_config(self, key: str) -> models.ConfigSetOut:
+        """Unset a key so it means its default again (a kill switch: on, resuming its paused jobs)."""
+        return self.send(calls.unset_config(key))
+
     # ------------------------------------------------------------------ transcripts (reads)
 
     def get_transcript(self, transcript_id: str) -> models.TranscriptOut:

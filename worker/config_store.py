@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -87,6 +87,22 @@ def set_config(session: Session, key: str, value: str, updated_by: str | None = 
         )
     )
     return cleaned
+
+
+def unset_config(session: Session, key: str) -> bool:
+    """Remove ``key``, so it means its default again (a kill switch: enabled; a budget: none); returns
+    whether it was set. A key nothing reads may be removed only if it is set (a row kept from before
+    keys were checked); otherwise it is refused like any unknown key."""
+    removed = session.execute(delete(ConfigEntry).where(ConfigEntry.key == key).returning(ConfigEntry.key))
+    if removed.first() is not None:
+        return True
+    check_key(key)
+    return False
+
+
+def unread_keys(entries: Iterable[ConfigEntry]) -> list[str]:
+    """The keys among ``entries`` that nothing reads (set before keys were checked)."""
+    return [entry.key for entry in entries if entry.key not in CONFIG_KEYS]
 
 
 def list_config(session: Session) -> list[ConfigEntry]:

@@ -164,6 +164,9 @@ def test_admin_calls_config_and_erasure(service: Service, factory):
         assert admin.get_config("facts.extraction_enabled").enabled is True
         assert admin.set_config("extraction.max_segment_failures", 5).value == "5"
         assert admin.get_config("extraction.max_segment_failures").value == "5"
+        assert admin.unset_config("extraction.max_segment_failures").value is None
+        with pytest.raises(NotFound):  # a known key, no longer set
+            admin.get_config("extraction.max_segment_failures")
         erased = admin.delete_page("default", "conversations/client/30")
         assert erased.slug == "conversations/client/30"
         with pytest.raises(NotFound):

@@ -28,6 +28,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.append_messages, ("t", [], None, None)),
     (calls.retry_job, (1, True)),
     (calls.set_config, ("k", 1)),
+    (calls.unset_config, ("k",)),
     (calls.delete_page, ("s", "a/b")),
     (calls.get_job, (1,)),
     (calls.list_jobs, ("queued", "extraction", 1, 2)),

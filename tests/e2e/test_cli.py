@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from models import ConfigEntry
 from tests.service import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -128,6 +129,24 @@ def test_config_commands_and_the_kill_switch(cli):
     assert "facts.extraction_enable " not in cli("config", "list").stdout
     unknown = cli("config", "get", "no.such.key", check=False)
     assert unknown.returncode == 2 and "unknown config key 'no.such.key'" in unknown.stderr
+
+
+def test_config_unset_restores_the_default_and_removes_keys_nothing_reads(cli, factory):
+    cli("config", "set", "facts.extraction_enabled", "off")
+    with factory.begin() as session:  # a typo stored before keys were checked
+        session.add(ConfigEntry(key="facts.extraction_enable", value="false", updated_by="cli"))
+    listed = cli("config", "list").stdout
+    assert "Nothing reads facts.extraction_enable " in listed and "factmill config unset KEY" in listed
+
+    assert (
+        cli("config", "unset", "facts.extraction_enabled").stdout.strip() == "facts.extraction_enabled unset"
+    )
+    assert "(not set)" in cli("config", "get", "facts.extraction_enabled").stdout
+    assert "facts.extraction_enabled was not set" in cli("config", "unset", "facts.extraction_enabled").stdout
+    assert "facts.extraction_enable unset" in cli("config", "unset", "facts.extraction_enable").stdout
+    assert "Nothing reads" not in cli("config", "list").stdout
+    unknown = cli("config", "unset", "facts.extraction_enable", check=False)  # gone, and unknown: refused
+    assert unknown.returncode == 2 and "did you mean 'facts.extraction_enabled'?" in unknown.stderr
 
 
 def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):

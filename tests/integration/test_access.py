@@ -48,6 +48,7 @@ ROUTES = [
     ("POST", "/v1/feedback", "ingest"),
     ("GET", "/v1/config/facts.extraction_enabled", "admin"),
     ("PUT", "/v1/config/facts.extraction_enabled", "admin"),
+    ("DELETE", "/v1/config/facts.extraction_enabled", "admin"),
     ("POST", "/v1/jobs/1/retry", "admin"),
     ("GET", "/metrics", "admin"),
     ("DELETE", "/v1/pages/default/alice", "admin"),

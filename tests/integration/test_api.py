@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import JOB_STATUSES, Fact, Job, Page, WebhookDelivery, forget_deliveries
+from models import JOB_STATUSES, ConfigEntry, Fact, Job, Page, WebhookDelivery, forget_deliveries
 from tests.auth import send_key
 from tests.service import SessionBroker
 from worker.api.app import create_app
@@ -722,6 +722,43 @@ def test_turning_a_kill_switch_on_resumes_paused_jobs(
     with factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == paused_id)) == "queued"
         assert session.scalar(select(Job.status).where(Job.id == other_id)) == "paused"  # other switch
+
+
+def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
+    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
+) -> None:
+    """An operator who turned a switch off can put it back to its default, which is on: the jobs it
+    paused are sent again, as when it is set to true."""
+    key = "/v1/config/facts.extraction_enabled"
+    assert committed_client.put(key, json={"value": "off"}, headers=ADMIN_HEADERS).status_code == 200
+    with factory.begin() as session:
+        paused = Job(kind="extraction", subject="default|paused/a", status="paused", last_error="disabled")
+        session.add(paused)
+        session.flush()
+        paused_id = paused.id
+        session.add(ConfigEntry(key="facts.extraction_enable", value="false"))  # kept from before checks
+    assert committed_client.delete(key).status_code == 401
+    response = committed_client.delete(key, headers=ADMIN_HEADERS)
+    assert response.status_code == 200, response.text
+    assert {k: response.json()[k] for k in ("value", "enabled", "resumed")} == {
+        "value": None,
+        "enabled": True,
+        "resumed": 1,
+    }
+    assert committed_recorder.calls == [("tasks.extraction.extract_page", paused_id, "extraction")]
+    got = committed_client.get(key, headers=ADMIN_HEADERS).json()
+    assert (got["value"], got["enabled"], got["updated_by"]) == (None, True, None)
+    again = committed_client.delete(key, headers=ADMIN_HEADERS)  # not set: nothing changes
+    assert again.status_code == 200 and again.json()["resumed"] == 0
+    assert (
+        committed_client.delete("/v1/config/facts.extraction_enable", headers=ADMIN_HEADERS).status_code
+        == 200
+    )
+    gone = committed_client.delete("/v1/config/facts.extraction_enable", headers=ADMIN_HEADERS)
+    assert gone.status_code == 404 and "did you mean 'facts.extraction_enabled'?" in gone.json()["detail"]
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(ConfigEntry)) == 0
+        assert session.scalar(select(Job.status).where(Job.id == paused_id)) == "queued"
 
 
 # ---------------------------------------------------------------------------

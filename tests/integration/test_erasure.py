@@ -206,7 +206,9 @@ def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
     assert client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS).status_code == 200
 
     with enabled() as session:
-        answers = dict(session.execute(select(WebhookDelivery.idempotency_key, WebhookDelivery.response)).all())
+        answers = dict(
+            session.execute(select(WebhookDelivery.idempotency_key, WebhookDelivery.response)).all()
+        )
     assert len(answers) == 2 and SLUG not in json.dumps(list(answers.values()))
     name = erased_name("default", SLUG)
     replay = post(client, [page(SLUG, BODY), page(other, BODY)], key="delivery-1")

@@ -9,7 +9,15 @@ from rich.table import Table
 
 from worker.cli.console import fail, out
 from worker.cli.sessions import checked_factory
-from worker.config_store import UnknownConfigKeyError, check_key, get_config, list_config, set_config
+from worker.config_store import (
+    UnknownConfigKeyError,
+    check_key,
+    get_config,
+    list_config,
+    set_config,
+    unread_keys,
+    unset_config,
+)
 from worker.jobs.outbox import enqueue, resume_for_config_change
 
 config_app = typer.Typer(help="Runtime configuration: kill switches and tunables.", no_args_is_help=True)
@@ -43,6 +51,23 @@ def config_set(
     out.print(f"{key} = {stored}" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
 
 
+@config_app.command("unset")
+def config_unset(key: str) -> None:
+    """Remove a config value, so it means its default again (a kill switch: on)."""
+    factory = checked_factory()
+    try:
+        with factory.begin() as session:
+            removed = unset_config(session, key)
+            resumed = resume_for_config_change(session, key, None) if removed else []
+    except UnknownConfigKeyError as exc:
+        raise fail(str(exc), code=2) from exc
+    enqueue(factory, resumed)
+    if not removed:
+        out.print(f"{key} was not set")
+        return
+    out.print(f"{key} unset" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
+
+
 @config_app.command("list")
 def config_list() -> None:
     """Every config value with who set it and when."""
@@ -52,3 +77,9 @@ def config_list() -> None:
     for row in rows:
         table.add_row(row.key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
     out.print(table)
+    unread = unread_keys(rows)
+    if unread:
+        out.print(
+            f"Nothing reads {', '.join(unread)} (set before keys were checked); "
+            "remove them with `factmill config unset KEY`."
+        )

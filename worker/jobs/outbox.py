@@ -396,9 +396,10 @@ def only_missing(
     return pairs
 
 
-def resume_for_config_change(session: Session, key: str, value: str) -> list[tuple[int, str]]:
-    """In the transaction that changes ``key``: a kill switch turned on resumes its paused jobs, and a
-    budget change resumes the jobs waiting for budget (they pause again if there is still no room).
+def resume_for_config_change(session: Session, key: str, value: str | None) -> list[tuple[int, str]]:
+    """In the transaction that changes ``key`` (to ``value``; None: unset): a kill switch turned on
+    resumes its paused jobs, and a budget change resumes the jobs waiting for budget (they pause again
+    if there is still no room).
     Returns the resumed (job id, kind) pairs to enqueue after the commit."""
     if key in KILL_SWITCHES and is_enabled(value):
         return resume_paused(session, kinds_for_switch(key))

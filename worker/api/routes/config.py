@@ -24,6 +24,7 @@ from worker.config_store import (
     check_key,
     is_enabled,
     set_config,
+    unset_config,
 )
 from worker.jobs import outbox
 
@@ -122,6 +123,30 @@ async def put_config_value(request: Request, ctx: Context, key: ConfigKey) -> Co
     """
     body = parse_json_model(await read_body(request, MAX_CONFIG_BODY_BYTES), ConfigSet)
     return await run_in_threadpool(set_config_value, ctx, key, body)
+
+
+def unset_config_value(ctx: ApiContext, key: str) -> ConfigSetOut:
+    with ctx.factory() as session, session.begin():
+        try:
+            removed = unset_config(session, key)
+        except UnknownConfigKeyError as exc:
+            raise ApiError(404, str(exc)) from None
+        resumed = outbox.resume_for_config_change(session, key, None) if removed else []
+    ctx.enqueue(resumed)
+    if removed:
+        logger.info("config %s unset by the API; %s paused job(s) resumed", key, len(resumed))
+    enabled = True if key in KILL_SWITCHES else None
+    return ConfigSetOut(key=key, value=None, enabled=enabled, resumed=len(resumed))
+
+
+@config_router.delete("/v1/config/{key}", response_model=ConfigSetOut, responses=error_responses(401, 404))
+def delete_config_value(ctx: Context, key: ConfigKey) -> ConfigSetOut:
+    """Unset a key, so it means its default again (a kill switch: on, resuming its paused jobs).
+
+    Unsetting a key that is not set changes nothing. A key nothing reads is 404 unless it is set
+    (a row kept from before keys were checked), so such rows can be removed.
+    """
+    return unset_config_value(ctx, key)
 
 
 __all__ = ["MAX_CONFIG_BODY_BYTES", "config_router"]
