@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 COMMANDS = (
+    ["--help"],  # the list of commands: their summaries, no command module (worker.cli.app)
     ["jobs", "--help"],
     ["config", "--help"],
     ["db", "--help"],

@@ -3,7 +3,8 @@
 Each command is named here by the module that defines it and loaded when it runs: a command module
 brings in the services it drives (SQLAlchemy, Celery, the extraction and backfill packages), about a
 second and a half of imports on a 2-core machine, so `factmill jobs list` should not also pay for
-`factmill backfill`'s. `factmill --help` lists every command and so loads them all.
+`factmill backfill`'s. `factmill --help` lists every command by the summary written beside it here,
+and so loads none of them (a test holds each summary to its command's help).
 """
 
 from __future__ import annotations
@@ -15,42 +16,159 @@ from typing import Any, NamedTuple
 
 import typer
 import typer.main
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 
 class CommandEntry(NamedTuple):
-    """A command (a function) or a command group (a ``typer.Typer``), by module and attribute."""
+    """A command (a function) or a command group (a ``typer.Typer``), by module and attribute, with
+    the first paragraph of its help (what `factmill --help` lists)."""
 
     name: str
     module: str
     attribute: str
+    summary: str
 
 
 # The order is the order `factmill --help` lists them in.
 COMMANDS = (
-    CommandEntry("search", "worker.cli.search", "search_command"),
-    CommandEntry("embed", "worker.cli.search", "embed_command"),
-    CommandEntry("compact", "worker.cli.compaction", "compact_command"),
-    CommandEntry("ingest", "worker.cli.pages", "ingest"),
-    CommandEntry("extract", "worker.cli.extract", "extract"),
-    CommandEntry("costs", "worker.cli.costs", "costs"),
-    CommandEntry("serve", "worker.cli.services", "serve"),
-    CommandEntry("worker", "worker.cli.services", "worker"),
-    CommandEntry("beat", "worker.cli.services", "beat"),
-    CommandEntry("flower", "worker.cli.services", "flower"),
-    CommandEntry("simulator", "worker.cli.simulator", "simulator"),
-    CommandEntry("demo", "worker.cli.demo", "demo"),
-    CommandEntry("mcp", "worker.cli.mcp", "mcp_command"),
-    CommandEntry("down", "worker.cli.db", "db_stop"),  # the same as `factmill db stop`
-    CommandEntry("db", "worker.cli.db", "db_app"),
-    CommandEntry("config", "worker.cli.config", "config_app"),
-    CommandEntry("facts", "worker.cli.facts", "facts_app"),
-    CommandEntry("jobs", "worker.cli.jobs", "jobs_app"),
-    CommandEntry("keys", "worker.cli.keys", "keys_app"),
-    CommandEntry("pages", "worker.cli.pages", "pages_app"),
-    CommandEntry("calibration", "worker.cli.calibration", "calibration_app"),
-    CommandEntry("transcripts", "worker.cli.compaction", "transcripts_app"),
-    CommandEntry("backfill", "worker.cli.backfill", "backfill_app"),
+    CommandEntry(
+        "search",
+        "worker.cli.search",
+        "search_command",
+        "Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets.",
+    ),
+    CommandEntry(
+        "embed",
+        "worker.cli.search",
+        "embed_command",
+        "Embed every fact that has no embedding yet (and set up the pgvector store when the server has it).",
+    ),
+    CommandEntry(
+        "compact",
+        "worker.cli.compaction",
+        "compact_command",
+        "Force a compaction of TRANSCRIPT_ID, even under its threshold: queue a job, or run it --now.",
+    ),
+    CommandEntry(
+        "ingest",
+        "worker.cli.pages",
+        "ingest",
+        "Store page files (front matter: slug, type, title); queue an extraction job per changed page.",
+    ),
+    CommandEntry(
+        "extract",
+        "worker.cli.extract",
+        "extract",
+        "Extract facts from conversation pages, resuming where the last run stopped.",
+    ),
+    CommandEntry(
+        "costs",
+        "worker.cli.costs",
+        "costs",
+        "LLM spend from llm_calls: calls, tokens, the cached share of input tokens, and USD.",
+    ),
+    CommandEntry(
+        "serve",
+        "worker.cli.services",
+        "serve",
+        "Run the HTTP API (webhooks, jobs, facts, config, health, metrics).",
+    ),
+    CommandEntry(
+        "worker",
+        "worker.cli.services",
+        "worker",
+        "Run Celery workers for the given queues: one process per core unless --processes says otherwise.",
+    ),
+    CommandEntry(
+        "beat",
+        "worker.cli.services",
+        "beat",
+        "Run Celery beat (the sweeper every 30 s, and later schedules).",
+    ),
+    CommandEntry(
+        "flower",
+        "worker.cli.services",
+        "flower",
+        "Run Flower on the same broker to watch workers, queues and tasks.",
+    ),
+    CommandEntry(
+        "simulator",
+        "worker.cli.simulator",
+        "simulator",
+        "Run the LLM simulator (OpenAI and Anthropic wire formats; not a real model).",
+    ),
+    CommandEntry(
+        "demo",
+        "worker.cli.demo",
+        "demo",
+        "Boot the service on the embedded default and run the examples through it.",
+    ),
+    CommandEntry(
+        "mcp",
+        "worker.cli.mcp",
+        "mcp_command",
+        "Serve the facts and transcripts as MCP tools: stdio by default, or streamable HTTP with --http.",
+    ),
+    CommandEntry(
+        "down",
+        "worker.cli.db",
+        "db_stop",
+        "Stop the embedded Postgres and Redis, and wait until they have exited.",
+    ),  # the same as `factmill db stop`
+    CommandEntry(
+        "db",
+        "worker.cli.db",
+        "db_app",
+        "Database schema and the embedded servers.",
+    ),
+    CommandEntry(
+        "config",
+        "worker.cli.config",
+        "config_app",
+        "Runtime configuration: kill switches and tunables.",
+    ),
+    CommandEntry(
+        "facts",
+        "worker.cli.facts",
+        "facts_app",
+        "Read extracted facts.",
+    ),
+    CommandEntry(
+        "jobs",
+        "worker.cli.jobs",
+        "jobs_app",
+        "Jobs: the outbox and its history.",
+    ),
+    CommandEntry(
+        "keys",
+        "worker.cli.keys",
+        "keys_app",
+        "API keys: who may read, ingest or administer.",
+    ),
+    CommandEntry(
+        "pages",
+        "worker.cli.pages",
+        "pages_app",
+        "Manage stored pages.",
+    ),
+    CommandEntry(
+        "calibration",
+        "worker.cli.calibration",
+        "calibration_app",
+        "Calibration of the summary quality gate: observations, thresholds, history, plot.",
+    ),
+    CommandEntry(
+        "transcripts",
+        "worker.cli.compaction",
+        "transcripts_app",
+        "Agent transcripts: settings, tokens before/after compaction, compactions.",
+    ),
+    CommandEntry(
+        "backfill",
+        "worker.cli.backfill",
+        "backfill_app",
+        "Backfills: pending segments of many pages through provider batches (half price), on the queue.",
+    ),
 )
 _BY_NAME = {entry.name: entry for entry in COMMANDS}
 
@@ -101,9 +219,24 @@ class LazyCommands(TyperGroup):
     def __init__(self, **attrs: Any) -> None:
         super().__init__(**attrs)
         self.commands = _CommandsByName()
+        self._listing = False
 
     def list_commands(self, ctx: Any) -> list[str]:
         return list(self.commands)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        entry = _BY_NAME.get(cmd_name)
+        if self._listing and entry is not None:
+            # Listed in the help: a stand-in with the summary, so the listing loads no command module.
+            return TyperCommand(name=cmd_name, help=entry.summary)
+        return super().get_command(ctx, cmd_name)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
 
 app = typer.Typer(
