@@ -943,6 +943,24 @@ def test_settings_put_creates_validates_and_triggers(
     for bad in ({"context_window": 0}, {"reserve_tokens": "big"}, {"nope": 1}, {"instructions": ["x"]}):
         answer = put_settings(client, "set", bad)
         assert answer.status_code == 422, (bad, answer.text)
+    # A window the reserve fills would never request a compaction: refused, and nothing changes.
+    small = put_settings(client, "set", {"context_window": 8192, "reserve_tokens": 16384})
+    assert small.status_code == 422
+    assert small.json()["detail"] == (
+        "settings.context_window (8192) is not larger than reserve_tokens (16384), so no compaction "
+        "would ever be requested; lower reserve_tokens or raise context_window"
+    )
+    assert put_settings(client, "set", {"reserve_tokens": 6000}).status_code == 422  # the window is 6000
+    tiny = {"messages": session_messages(1), "settings": {"context_window": 1}}
+    appended = post_messages(client, "set", tiny)
+    assert appended.status_code == 422
+    assert "not larger than reserve_tokens (2000)" in appended.json()["detail"]
+    kept = client.get("/v1/transcripts/set").json()
+    assert (kept["settings"]["context_window"], kept["settings"]["reserve_tokens"], kept["messages"]) == (
+        6000,
+        2000,
+        77,  # the 25 turns of before (77 messages), and not the refused append's
+    )
     assert put_settings(client, "set", {"context_window": None}).json()["trigger_tokens"] is None
 
 

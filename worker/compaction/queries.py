@@ -78,9 +78,12 @@ def transcript_settings(session: Session, transcript_id: str) -> TranscriptSetti
 
 
 def _change_settings(session: Session, transcript_id: str, changes: Mapping[str, Any]) -> TranscriptSettings:
-    """Apply cleaned settings to a transcript this transaction has locked; its settings after."""
+    """Apply cleaned settings to a transcript this transaction has locked; its settings after. Raises
+    TranscriptError (the caller rolls back) when they leave no room for a compaction threshold."""
     changed = update(TRANSCRIPTS).where(TRANSCRIPTS.c.id == transcript_id).values(dict(changes))
-    return TranscriptSettings.of(session.connection().execute(changed.returning(*_SETTINGS)).one())
+    settings = TranscriptSettings.of(session.connection().execute(changed.returning(*_SETTINGS)).one())
+    settings.check_room()
+    return settings
 
 
 def get_transcript(session: Session, transcript_id: str) -> Transcript:

@@ -262,6 +262,17 @@ class TranscriptSettings:
             return None
         return self.context_window - self.reserve_tokens
 
+    def check_room(self) -> None:
+        """Refuse a window the reserve fills: no compaction would ever be requested for it, which is
+        what a transcript with no window means, and surely not what a caller naming one wants (an
+        8,192-token model with the default reserve of 16,384)."""
+        if self.context_window is not None and self.context_window <= self.reserve_tokens:
+            raise TranscriptError(
+                f"settings.context_window ({self.context_window}) is not larger than reserve_tokens "
+                f"({self.reserve_tokens}), so no compaction would ever be requested; lower "
+                "reserve_tokens or raise context_window"
+            )
+
 
 # ---------------------------------------------------------------------------
 # Stored form (the tool_calls jsonb column)
