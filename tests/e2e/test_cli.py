@@ -157,6 +157,25 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         bad_port = cli(*command, check=False)
         assert bad_port.returncode == 2 and "Traceback" not in bad_port.stderr, command
         assert "Invalid value for '--port'" in bad_port.stderr, command
+    # An id past Postgres's bigint was the database's "bigint out of range" traceback.
+    too_big = str(2**63)
+    for command in (
+        ["jobs", "show", too_big],
+        ["jobs", "retry", too_big],
+        ["keys", "revoke", too_big],
+        ["facts", "unmerge", too_big],
+        ["facts", "restore", too_big],
+        ["backfill", "show", too_big],
+        ["backfill", "cancel", too_big],
+        ["backfill", "--max-segments", too_big],
+        ["calibration", "add", "--coverage", "0.5", "--kept", "--compaction-id", too_big],
+    ):
+        bad_id = cli(*command, check=False)
+        assert bad_id.returncode == 2 and "Traceback" not in bad_id.stderr, command
+        assert "Invalid value for" in bad_id.stderr and "9223372036854775807" in bad_id.stderr, command
+    # A page that is not there is said so, not answered with a run of nothing.
+    missing = cli("extract", "--slug", "no/such/page", check=False)
+    assert missing.returncode == 1 and "no page 'no/such/page' in source 'default'" in missing.stderr
     from tests.conftest import fresh_database
 
     with fresh_database(server_url, "noschema") as empty:

@@ -14,10 +14,7 @@ from fastapi import Path, Query
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from worker.api.errors import ApiError
-from worker.core.jsonvalues import json_integer, storable_text, text_problem
-
-BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
-INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
+from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
 
 
 class _NonFinite:

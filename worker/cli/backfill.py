@@ -6,8 +6,9 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, out, print_json
+from worker.cli.console import fail, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
+from worker.core.jsonvalues import BIGINT_MAX
 from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill
 from worker.jobs.outbox import enqueue as send_jobs
@@ -24,7 +25,9 @@ def backfill(
     source: Annotated[str, typer.Option(help="The source whose pages to extract.")] = "default",
     since: Annotated[str | None, typer.Option(help="Only segments after this ISO-8601 time.")] = None,
     slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
-    max_segments: Annotated[int | None, typer.Option(min=1, help="At most this many requests.")] = None,
+    max_segments: Annotated[
+        int | None, typer.Option(min=1, max=BIGINT_MAX, help="At most this many requests.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Start a backfill: a batch_extraction job plans the pages, stores and sends its batches, and
@@ -48,7 +51,7 @@ def backfill(
 
 
 @backfill_app.command("show")
-def backfill_show(backfill_id: int) -> None:
+def backfill_show(backfill_id: Annotated[int, id_argument("The id `factmill backfill` printed.")]) -> None:
     """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
     try:
         print_json(backfill_report(checked_factory(), backfill_id))
@@ -57,7 +60,9 @@ def backfill_show(backfill_id: int) -> None:
 
 
 @backfill_app.command("cancel")
-def backfill_cancel(backfill_id: int) -> None:
+def backfill_cancel(
+    backfill_id: Annotated[int, id_argument("The id `factmill backfill` printed.")],
+) -> None:
     """Cancel a backfill: unsent batches never go; running ones are cancelled at the provider.
 
     The results they finished (paid for) are still committed."""

@@ -29,6 +29,7 @@ from worker.calibration import (
 from worker.cli.console import err, fail, fields, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
+from worker.core.jsonvalues import BIGINT_MAX
 from worker.jobs.outbox import enqueue
 from worker.settings import get_settings
 
@@ -89,7 +90,9 @@ def add(
     coverage: Annotated[float, typer.Option(help="Coverage the summary scored, from 0 to 1.")],
     kept: Annotated[bool, typer.Option("--kept/--lost", help="Did the summary keep the answer?")],
     origin: Annotated[str, typer.Option(help="Who judged it.")] = "cli",
-    compaction_id: Annotated[int | None, typer.Option(min=1, help="The compaction judged.")] = None,
+    compaction_id: Annotated[
+        int | None, typer.Option(min=1, max=BIGINT_MAX, help="The compaction judged.")
+    ] = None,
     key: Annotated[str | None, typer.Option(help="Idempotency key: adding it again is a no-op.")] = None,
     enqueue: Annotated[bool, typer.Option(help="Send a due recompute to the broker now.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,

@@ -11,10 +11,18 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from worker.core.jsonvalues import BIGINT_MAX
+
 # Soft wrap: messages are sentences (paths, reasons) that people copy and tests match; Rich must not
 # break them mid-phrase at its guess of the width, the terminal wraps them.
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+
+
+def id_argument(help: str) -> Any:
+    """A row id: 1 up to Postgres's bigint, anything else a usage error (not the database's
+    "bigint out of range" traceback)."""
+    return typer.Argument(min=1, max=BIGINT_MAX, help=help)
 
 
 def port_option(*names: str, help: str, **extra: Any) -> Any:

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.reads import read_only
 from worker.cli.console import err, fail, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.extraction import (
@@ -22,6 +23,7 @@ from worker.extraction import (
     run_extract_conversation_facts,
 )
 from worker.extraction.batch import run_batch_extraction
+from worker.extraction.pages import page_id_of
 from worker.llm.batches import open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError, describe
@@ -149,6 +151,10 @@ def extract(
         raise fail("--skipped re-extracts segments one by one online; leave out --batch", code=2)
     settings = get_settings()
     factory = checked_factory(settings)
+    if slug is not None:
+        with read_only(factory) as session:
+            if page_id_of(session, source_id, slug) is None:
+                raise fail(f"no page {slug!r} in source {source_id!r}; `factmill ingest` stores pages")
     options = ExtractOptions(
         source_id=source_id,
         slug=slug,

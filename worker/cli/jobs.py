@@ -9,7 +9,7 @@ from rich.table import Table
 
 from models import JOB_STATUSES, Job
 from worker.accounting.reports import job_spend
-from worker.cli.console import fail, fields, out, print_json
+from worker.cli.console import fail, fields, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.jobs import queries
 from worker.jobs.outbox import enqueue as send_jobs
@@ -64,7 +64,7 @@ def jobs_list(
 
 
 @jobs_app.command("show")
-def jobs_show(job_id: int) -> None:
+def jobs_show(job_id: Annotated[int, id_argument("The job id (`factmill jobs list` shows them).")]) -> None:
     """One job with its counters, last error, and LLM spend (tokens, cached tokens, USD)."""
     with checked_factory()() as session:
         job = session.get(Job, job_id)
@@ -75,7 +75,7 @@ def jobs_show(job_id: int) -> None:
 
 @jobs_app.command("retry")
 def jobs_retry(
-    job_id: int,
+    job_id: Annotated[int, id_argument("The failed or paused job to queue again.")],
     skipped: Annotated[
         bool,
         typer.Option(

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from models import ApiKey
 from worker.access import SCOPES, KeyStoreError, create_key, list_keys, revoke_key
-from worker.cli.console import err, fail, out, print_json
+from worker.cli.console import err, fail, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 
 keys_app = typer.Typer(help="API keys: who may read, ingest or administer.", no_args_is_help=True)
@@ -80,7 +80,7 @@ def _key_json(row: ApiKey) -> dict[str, Any]:
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: Annotated[int, typer.Argument(help="The id `factmill keys list` shows.")]) -> None:
+def keys_revoke(key_id: Annotated[int, id_argument("The id `factmill keys list` shows.")]) -> None:
     """Revoke a key: refused from the next request on."""
     try:
         with checked_factory().begin() as session:

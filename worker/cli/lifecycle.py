@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from worker.cli.console import fail, out, print_json
+from worker.cli.console import fail, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
 from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
@@ -69,7 +69,7 @@ def _undo(action: str, fact_id: int, by: str) -> None:
 
 
 def unmerge_command(
-    fact_id: Annotated[int, typer.Argument(help="The duplicate fact's id.")],
+    fact_id: Annotated[int, id_argument("The duplicate fact's id.")],
     by: Annotated[str, typer.Option(help="Who undid the merge (recorded).")] = "cli",
 ) -> None:
     """Undo a duplicate decision: the fact is current again, on its own."""
@@ -77,7 +77,7 @@ def unmerge_command(
 
 
 def restore_command(
-    fact_id: Annotated[int, typer.Argument(help="The superseded fact's id.")],
+    fact_id: Annotated[int, id_argument("The superseded fact's id.")],
     by: Annotated[str, typer.Option(help="Who restored it (recorded).")] = "cli",
 ) -> None:
     """Undo a supersession: the fact is current again and its interval open."""

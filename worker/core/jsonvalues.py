@@ -1,6 +1,9 @@
-"""JSON values as JSON Schema means them, where Python's types differ."""
+"""JSON values as JSON Schema means them, where Python's types differ, and what Postgres can store."""
 
 from __future__ import annotations
+
+BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
+INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
 
 
 def json_integer(value: object) -> object:

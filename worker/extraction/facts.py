@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import ColumnElement, func, select, text
 from sqlalchemy.orm import Session
 
-from models import Fact, Page
+from models import Fact
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
+from worker.extraction.pages import page_id_of
 
 
 class FactRecord(BaseModel):
@@ -87,7 +88,7 @@ def read_page_facts(
 ) -> PageFactsPage | None:
     """The facts extracted from one page, in row order (current ones unless ``lifecycle`` says
     otherwise); None when there is no such page."""
-    page_id = session.scalar(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))
+    page_id = page_id_of(session, source_id, slug)
     if page_id is None:
         return None
     # Audit rows (the terminal EXTRACTION_COMPLETE marker) are bookkeeping, never facts.
