@@ -29,7 +29,9 @@ class MessageIn(BaseModel):
 
 
 class SettingsIn(BaseModel):
-    """Per-transcript settings; send only the ones to change."""
+    """Per-transcript settings; send only the ones to change. The window must be larger than the
+    reserve (counting the settings already stored); otherwise 422, as no compaction would ever be
+    requested."""
 
     model_config = ConfigDict(extra="forbid")
 
