@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import ConfigEntry
 from models.reads import read_only
 from worker.accounting import BUDGET_KEYS, PRICES_KEY, validate_config_value
+from worker.core.conversation import check_page_types
 from worker.core.ttl_cache import TtlCache
 
 EXTRACTION_ENABLED = "facts.extraction_enabled"
@@ -65,6 +66,8 @@ def validate_value(key: str, value: str) -> str:
         not cleaned.isdigit() or not 1 <= int(cleaned) <= MAX_SEGMENT_FAILURES_CEILING
     ):
         raise ValueError(f"{key} must be an integer from 1 to {MAX_SEGMENT_FAILURES_CEILING}, got {value!r}")
+    if key == EXTRACTION_PAGE_TYPES:
+        check_page_types(cleaned)
     validate_config_value(key, cleaned)
     return cleaned
 

@@ -695,6 +695,10 @@ def test_invalid_kill_switch_value_is_422(client: TestClient) -> None:
     assert client.get("/v1/config/facts.extraction_enabled", headers=ADMIN_HEADERS).json()["value"] is None
     no_value = client.put("/v1/config/facts.extraction_enabled", json={}, headers=ADMIN_HEADERS)
     assert no_value.status_code == 422 and "body.value" in no_value.json()["detail"]
+    # A mistyped page type narrowed extraction to nothing (and a page stored then lost its facts).
+    typo = client.put("/v1/config/extraction.page_types", json={"value": "slak"}, headers=ADMIN_HEADERS)
+    assert typo.status_code == 422 and "'slak' is not one" in typo.json()["detail"]
+    assert client.get("/v1/config/extraction.page_types", headers=ADMIN_HEADERS).status_code == 404
 
 
 def test_turning_a_kill_switch_on_resumes_paused_jobs(

@@ -16,8 +16,11 @@ MIN_SEGMENT_MESSAGES: Final = 2
 SEGMENT_TEXT_CHAR_LIMIT: Final = 6500
 MAX_PAGE_BODY_BYTES: Final = 25 * 1024 * 1024
 TRUNCATION_MARKER: Final = "\n…(truncated)"
+# The page types whose body is a conversation (what extraction reads); `extraction.page_types` narrows them.
+CONVERSATION_PAGE_TYPES: Final = ("conversation", "meeting", "slack", "email", "imessage")
 
 __all__ = [
+    "CONVERSATION_PAGE_TYPES",
     "DEFAULT_SEGMENT_GAP_MINUTES",
     "DEFAULT_SEGMENT_MAX_MESSAGES",
     "MAX_PAGE_BODY_BYTES",
@@ -26,10 +29,33 @@ __all__ = [
     "TRUNCATION_MARKER",
     "Message",
     "Segment",
+    "check_page_types",
+    "narrow_page_types",
     "parse_conversation_messages",
     "render_segment_for_extraction",
     "split_into_segments",
 ]
+
+
+def narrow_page_types(narrowed: str | None) -> tuple[str, ...]:
+    """CONVERSATION_PAGE_TYPES, narrowed by a comma-separated `extraction.page_types` value if any."""
+    if not narrowed or not narrowed.strip():
+        return CONVERSATION_PAGE_TYPES
+    wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}
+    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted)
+
+
+def check_page_types(value: str) -> None:
+    """Refuse an `extraction.page_types` value naming a type extraction does not read, or none: it
+    would narrow extraction to nothing, and storing a page of a type narrowed out drops its facts."""
+    named = [t.strip().lower() for t in value.split(",") if t.strip()]
+    unknown = [t for t in named if t not in CONVERSATION_PAGE_TYPES]
+    if not named or unknown:
+        what = f"{', '.join(map(repr, unknown))} is not one" if unknown else "it names none"
+        raise ValueError(
+            f"extraction.page_types must name some of {', '.join(CONVERSATION_PAGE_TYPES)} "
+            f"(comma-separated); {what}. Unset it to extract every one of them."
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ from worker.config_store import (
     EXTRACTION_PAGE_TYPES,
     ConfigReader,
 )
+from worker.core.conversation import narrow_page_types
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
 
 OP_NAME = "extract-conversation-facts"
 PER_SEGMENT_SOURCE_PREFIX = "cli:extract-conversation-facts"
 TERMINAL_AUDIT_SOURCE = "cli:extract-conversation-facts:terminal"
-CONVERSATION_PAGE_TYPES = ("conversation", "meeting", "slack", "email", "imessage")
 DEFAULT_MAX_SEGMENT_FAILURES = 3
 
 
@@ -154,14 +154,6 @@ def validate_since(since_iso: str | None) -> None:
 def page_types(config: ConfigReader) -> tuple[str, ...]:
     """The conversation page types to extract, narrowed by `extraction.page_types` when it is set."""
     return narrow_page_types(config.get(EXTRACTION_PAGE_TYPES))
-
-
-def narrow_page_types(narrowed: str | None) -> tuple[str, ...]:
-    """CONVERSATION_PAGE_TYPES, narrowed by a comma-separated `extraction.page_types` value if any."""
-    if not narrowed or not narrowed.strip():
-        return CONVERSATION_PAGE_TYPES
-    wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}
-    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted)
 
 
 def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:

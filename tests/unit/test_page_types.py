@@ -1,0 +1,31 @@
+"""`extraction.page_types`: which conversation page types extraction reads, and the values refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.core.conversation import CONVERSATION_PAGE_TYPES, check_page_types, narrow_page_types
+
+
+def test_unset_or_blank_means_every_conversation_type() -> None:
+    assert narrow_page_types(None) == narrow_page_types("  ") == CONVERSATION_PAGE_TYPES
+
+
+def test_a_narrowed_value_keeps_the_named_types_in_their_order() -> None:
+    assert narrow_page_types(" Email, slack ,") == ("slack", "email")
+    check_page_types(" Email, slack ,")  # the same value is accepted
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("slak", "'slak' is not one"),  # a typo would narrow extraction to nothing
+        ("slack, notes", "'notes' is not one"),
+        (",,,", "it names none"),
+        ("", "it names none"),
+    ],
+)
+def test_a_value_naming_no_known_type_is_refused(value: str, said: str) -> None:
+    with pytest.raises(ValueError, match="extraction.page_types must name some of conversation") as refused:
+        check_page_types(value)
+    assert said in str(refused.value) and "Unset it" in str(refused.value)
