@@ -26,6 +26,6 @@ def test_a_narrowed_value_keeps_the_named_types_in_their_order() -> None:
     ],
 )
 def test_a_value_naming_no_known_type_is_refused(value: str, said: str) -> None:
-    with pytest.raises(ValueError, match="extraction.page_types must name some of conversation") as refused:
+    with pytest.raises(ValueError, match=r"extraction\.page_types must name some of conversation") as refused:
         check_page_types(value)
     assert said in str(refused.value) and "Unset it" in str(refused.value)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationThreshold
@@ -26,7 +25,7 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
-from worker.cli.console import err, fail, fields, out, print_json
+from worker.cli.console import err, fail, fields, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
@@ -255,7 +254,7 @@ def history(
         out.print("no threshold versions yet; run `factmill calibration recompute`")
         return
     # The reasons are sentences: listed under the table rather than squeezed into a column.
-    table = Table("version", "active", "τ", "n", "lost", "held-out", "trigger", "computed (UTC)")
+    table = folding_table("version", "active", "τ", "n", "lost", "held-out", "trigger", "computed (UTC)")
     for row in rows:
         table.add_row(
             str(row.version),

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from models.reads import read_only
 from worker.calibration import ThresholdCache, describe_tau
-from worker.cli.console import fail, fields, out, print_json
+from worker.cli.console import fail, fields, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.compaction import (
     CompactionDisabledError,
@@ -66,7 +66,7 @@ def _number(value: float | None, digits: int = 3) -> str:
 def _print_outcome(outcome: CompactionOutcome) -> None:
     name = f"compaction {outcome.compaction_id}" if outcome.compaction_id is not None else "compaction"
     out.print(f"{name} of {outcome.transcript_id}: {outcome.status}")
-    table = Table(
+    table = folding_table(
         "compaction", "status", "cut seq", "tokens before → after", "saved", "coverage", "τ", "attempts"
     )
     table.add_row(
@@ -147,7 +147,7 @@ def compact_command(
 
 
 def _token_table(stats: TranscriptStats) -> Table:
-    table = Table("", "messages", "tokens", title=f"transcript {stats.transcript_id}")
+    table = folding_table("", "messages", "tokens", title=f"transcript {stats.transcript_id}")
     table.add_row("full history", str(stats.messages), f"{stats.history_tokens:,}")
     if stats.compaction_id is not None:
         kept = stats.messages - (stats.cut_seq or 0)
@@ -201,7 +201,7 @@ def transcripts_show(
     if not compactions:
         out.print("no compactions yet")
         return
-    table = Table("id", "status", "cut at", "tokens before → after", "coverage", "τ", "tries")
+    table = folding_table("id", "status", "cut at", "tokens before → after", "coverage", "τ", "tries")
     notes = []
     for c in compactions:
         after = c["tokens_after"]
@@ -233,7 +233,7 @@ def transcripts_list(
     if as_json:
         print_json(rows)
         return
-    table = Table("transcript", "window", "messages", "history tokens", "updated")
+    table = folding_table("transcript", "window", "messages", "history tokens", "updated")
     for r in rows:
         table.add_row(
             r["transcript_id"],

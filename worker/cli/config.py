@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from worker.cli.console import fail, out
+from worker.cli.console import fail, folding_table, out
 from worker.cli.sessions import checked_factory
 from worker.config_store import (
     UnknownConfigKeyError,
@@ -73,7 +72,7 @@ def config_list() -> None:
     """Every config value with who set it and when."""
     with checked_factory()() as session:
         rows = list_config(session)
-    table = Table("key", "value", "updated_by", "updated_at")
+    table = folding_table("key", "value", "updated_by", "updated_at")
     for row in rows:
         table.add_row(row.key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
     out.print(table)

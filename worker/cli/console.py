@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from worker.core.jsonvalues import BIGINT_MAX
 
@@ -28,6 +29,15 @@ def id_argument(help: str) -> Any:
 def port_option(*names: str, help: str, **extra: Any) -> Any:
     """A TCP port option: 1 to 65535, anything else a usage error (not a socket error's traceback)."""
     return typer.Option(*names, min=1, max=65535, help=help, **extra)
+
+
+def folding_table(*headers: str, **options: Any) -> Table:
+    """A Rich table whose cells fold a long word (a config key, a slug, a timestamp) onto more lines
+    instead of cutting it with an ellipsis: people copy those."""
+    made = Table(**options)
+    for header in headers:
+        made.add_column(header, overflow="fold")
+    return made
 
 
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:

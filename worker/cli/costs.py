@@ -6,10 +6,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from worker.accounting import reports
-from worker.cli.console import fail, out, print_json
+from worker.cli.console import fail, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
 
 
@@ -40,7 +39,7 @@ def costs(
         print_json([r.as_dict() for r in rows])
         return
     title = f"LLM spend since {start.date().isoformat()}"
-    table = Table(by, "mode", "calls", "input tokens", "cached", "output tokens", "USD", title=title)
+    table = folding_table(by, "mode", "calls", "input tokens", "cached", "output tokens", "USD", title=title)
     totals = [reports.total(rows, mode) for mode in (*reports.MODES, "all")]
     for r in [*rows, *totals]:
         table.add_row(

@@ -22,14 +22,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from factmill_client import Client, FactmillError
 from factmill_client.models import JobOut
 from worker import access, db
 from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
-from worker.cli.console import fail
+from worker.cli.console import fail, folding_table
 from worker.cli.console import out as stdout_console
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
@@ -316,7 +315,7 @@ def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Cons
     for job in jobs:
         for key in ("segments_processed", "facts_inserted", "llm_calls", "input_tokens", "output_tokens"):
             totals[key] = totals.get(key, 0) + int(job.counters.get(key, 0))
-    table = Table(title="demo summary", show_header=False)
+    table = folding_table(title="demo summary", show_header=False)
     table.add_row("pages posted", str(pages))
     table.add_row("jobs", f"{len(jobs)} ({sum(j.status == 'succeeded' for j in jobs)} succeeded)")
     table.add_row("segments", str(totals.get("segments_processed", 0)))

@@ -9,11 +9,10 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import read_only
-from worker.cli.console import err, fail, out, print_json
+from worker.cli.console import err, fail, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.extraction import (
     ExtractionCounters,
@@ -66,7 +65,7 @@ def extraction_progress(enabled: bool) -> Iterator[RichProgress | None]:
 
 
 def print_counters(counters: ExtractionCounters, seconds: float | None = None) -> None:
-    table = Table(title="extraction", show_header=False)
+    table = folding_table(title="extraction", show_header=False)
     for key, value in counters.as_dict(with_pages=False).items():
         table.add_row(key, str(value))
     if seconds is not None:

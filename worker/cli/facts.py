@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from models.reads import read_only
 from worker.cli import lifecycle
-from worker.cli.console import fail, out, print_json
+from worker.cli.console import fail, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.consolidation.history import Lifecycle
 from worker.extraction.facts import FactRecord, read_page_facts
@@ -56,7 +55,7 @@ def facts_list(
     if as_json:
         print_json(facts, ensure_ascii=False)
         return
-    table = Table("#", "kind", "fact", "entity", "conf", *(["status"] if history else []), title=slug)
+    table = folding_table("#", "kind", "fact", "entity", "conf", *(["status"] if history else []), title=slug)
     for f in facts:
         cells = [str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}"]
         table.add_row(*cells, *([f["status"]] if history else []))

@@ -7,11 +7,10 @@ from datetime import datetime
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from models import ApiKey
 from worker.access import SCOPES, KeyStoreError, create_key, list_keys, revoke_key
-from worker.cli.console import err, fail, id_argument, out, print_json
+from worker.cli.console import err, fail, folding_table, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 
 keys_app = typer.Typer(help="API keys: who may read, ingest or administer.", no_args_is_help=True)
@@ -48,7 +47,7 @@ def keys_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON."
     if as_json:
         print_json([_key_json(row) for row in rows])
         return
-    table = Table("id", "name", "prefix", "scopes", "sources", "created", "last used", "revoked")
+    table = folding_table("id", "name", "prefix", "scopes", "sources", "created", "last used", "revoked")
     for row in rows:
         table.add_row(
             str(row.id),

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from worker.cli.console import fail, id_argument, out, print_json
+from worker.cli.console import fail, folding_table, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
 from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
@@ -40,7 +39,7 @@ def history(
     if not entries:
         out.print(f"no facts about {entity!r}")
         return
-    table = Table("id", "status", "valid", "fact", "link", "why", title=f"{entity} · timeline")
+    table = folding_table("id", "status", "valid", "fact", "link", "why", title=f"{entity} · timeline")
     for e in entries:
         link = (
             f"→ {e.superseded_by}" if e.superseded_by else (f"= {e.duplicate_of}" if e.duplicate_of else "")

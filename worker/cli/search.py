@@ -7,11 +7,10 @@ from datetime import datetime
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
-from worker.cli.console import err, fail, out, print_json
+from worker.cli.console import err, fail, folding_table, out, print_json
 from worker.core.intent import QueryParseError
 from worker.runtime import build_runtime
 from worker.search import (
@@ -60,7 +59,7 @@ def _print_outcome(outcome: SearchOutcome) -> None:
         err.print(f"note: {note}", highlight=False)
     if not outcome.results:
         return
-    table = Table("#", "score", "fact", "kind", "page · row", "conf", show_lines=True)
+    table = folding_table("#", "score", "fact", "kind", "page · row", "conf", show_lines=True)
     for rank, result in enumerate(outcome.results, start=1):
         snippet = result.snippet.split("\n", 1)
         shown = f"{result.fact}\n[dim]{snippet[0]}\n{snippet[1] if len(snippet) > 1 else ''}[/]"
