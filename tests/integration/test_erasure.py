@@ -225,6 +225,18 @@ def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
     assert counted(enabled, Page, Page.slug == SLUG) == 0  # the repeats brought nothing back
 
 
+def test_a_job_of_an_erased_page_is_not_retried(client: TestClient, enabled: sessionmaker[Session]) -> None:
+    """Its retry was queued, and the run then found nothing to extract: an operator learnt nothing."""
+    job_id = post(client, page(SLUG, BODY)).json()["jobs"][0]["job_id"]
+    assert client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS).status_code == 200
+    response = client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
+    assert response.status_code == 409
+    assert response.json()["detail"].startswith(f"job {job_id}'s page is no longer stored (it was erased)")
+    with enabled() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
+
+
 def test_erasing_an_unknown_page_is_404_and_writes_nothing(
     client: TestClient, enabled: sessionmaker[Session]
 ) -> None:

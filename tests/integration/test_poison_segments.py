@@ -226,6 +226,7 @@ def test_only_extraction_jobs_take_skipped(tx_factory):
     from worker.jobs.outbox import CALIBRATION, EXTRACTION, RETRY_SKIPPED, request_job
 
     budgets = JobBudgets(max_attempts=5, max_worker_losses=20)
+    put_page(tx_factory, "a page to retry")  # an extraction job's page must be stored to retry it
     with tx_factory.begin() as session:
         page_job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
         other = request_job(session, CALIBRATION, "default").job_id

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from models import JOB_STATUSES, Job
 from worker.accounting.reports import job_spend
-from worker.cli.console import fail, fields, id_argument, out, print_json
+from worker.cli.console import fail, fields, folding_table, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.jobs import queries
 from worker.jobs.outbox import enqueue as send_jobs
@@ -49,7 +48,7 @@ def jobs_list(
     if as_json:
         print_json(jobs)
         return
-    table = Table("id", "kind", "subject", "status", "attempts", "worker losses", "last_error")
+    table = folding_table("id", "kind", "subject", "status", "attempts", "worker losses", "last_error")
     for j in jobs:
         table.add_row(
             str(j["id"]),
@@ -96,6 +95,7 @@ def jobs_retry(
         queries.JobNotRetryableError,
         queries.JobAlreadyPendingError,
         queries.JobHasNoSegmentsError,
+        queries.JobPageGoneError,
     ) as exc:
         raise fail(str(exc), code=2) from exc
     send_jobs(factory, [pair])

@@ -9,7 +9,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from models import Job
-from worker.jobs.outbox import EXTRACTION, PENDING, retry_job
+from models.tables import PAGES
+from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry()
 
 
@@ -27,6 +28,17 @@ class JobNotRetryableError(ValueError):
         self.job_id, self.status = job_id, status
 
 
+class JobPageGoneError(ValueError):
+    """An extraction job whose page is no longer stored (erased, or never stored under that name)."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(
+            f"job {job_id}'s page is no longer stored (it was erased): there is nothing to extract; "
+            "a page delivered again gets a job of its own"
+        )
+        self.job_id = job_id
+
+
 class JobAlreadyPendingError(ValueError):
     """Another job for the same subject is pending (one pending job per subject)."""
 
@@ -35,6 +47,12 @@ class JobAlreadyPendingError(ValueError):
             f"job {pending_job_id} for the same subject is already pending; follow that job instead"
         )
         self.job_id, self.pending_job_id = job_id, pending_job_id
+
+
+def _page_stored(session: Session, subject: str) -> bool:
+    source_id, slug = split_page_subject(subject)
+    found = select(PAGES.c.id).where(PAGES.c.source_id == source_id, PAGES.c.slug == slug)
+    return session.execute(found).first() is not None
 
 
 def list_jobs(
@@ -70,14 +88,17 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     With ``skipped``, the extraction job re-extracts its page's skipped segments first (in page order).
 
     Raises JobNotFoundError, JobNotRetryableError (queued or running: already on its way; the sweeper
-    re-sends a queued job whose message was lost) or JobAlreadyPendingError. The caller enqueues the
-    job after its commit. Raises JobHasNoSegmentsError for ``skipped`` on another kind of job.
+    re-sends a queued job whose message was lost), JobPageGoneError (an extraction job whose page is
+    gone) or JobAlreadyPendingError. The caller enqueues the job after its commit. Raises
+    JobHasNoSegmentsError for ``skipped`` on another kind of job.
     """
     try:
         with session.begin_nested():
             job = retry_job(session, job_id, skipped=skipped)
             if not inspect(job).attrs.status.history.has_changes():
                 raise JobNotRetryableError(job_id, job.status)
+            if job.kind == EXTRACTION and not _page_stored(session, job.subject):
+                raise JobPageGoneError(job_id)
             session.flush()
     except LookupError:
         raise JobNotFoundError(job_id) from None

@@ -149,7 +149,7 @@ def retry(
             out = JobOut.of(queries.retry(session, job_id, skipped=skipped))
     except queries.JobNotFoundError as exc:
         raise ApiError(404, str(exc)) from None
-    except (queries.JobNotRetryableError, queries.JobHasNoSegmentsError) as exc:
+    except (queries.JobNotRetryableError, queries.JobHasNoSegmentsError, queries.JobPageGoneError) as exc:
         raise ApiError(409, str(exc)) from None
     except queries.JobAlreadyPendingError as exc:
         raise ApiError(409, str(exc), pending_job_id=exc.pending_job_id) from None
