@@ -143,6 +143,7 @@ def retry(
 
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
+    So is an extraction job whose page was erased: there is nothing left to extract.
     """
     try:
         with ctx.factory.begin() as session:
