@@ -14,7 +14,7 @@ from models.erasure import Erasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job
 from models.llm_call import LLMCall, LLMSpendDay
-from models.page import Page
+from models.page import Page, page_id_of
 from models.totals import (
     BACKFILL_COST_COUNTER,
     BACKFILL_REQUESTS_COUNTER,
@@ -75,4 +75,5 @@ __all__ = [
     "fold_totals",
     "forget_deliveries",
     "forget_page_in_deliveries",
+    "page_id_of",
 ]

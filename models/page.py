@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, UniqueConstraint, func
+from sqlalchemy import BigInteger, DateTime, UniqueConstraint, func, select
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, utcnow_column
 
@@ -32,3 +32,9 @@ class Page(Base):
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )
+
+
+def page_id_of(session: Session, source_id: str, slug: str) -> int | None:
+    """The id of the page ``slug`` of ``source_id``, or None when there is none."""
+    found = session.execute(select(Page.id).where(Page.source_id == source_id, Page.slug == slug))
+    return found.scalar_one_or_none()

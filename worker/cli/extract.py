@@ -11,6 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.orm import Session, sessionmaker
 
+from models import page_id_of
 from models.reads import read_only
 from worker.cli.console import err, fail, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
@@ -22,7 +23,6 @@ from worker.extraction import (
     run_extract_conversation_facts,
 )
 from worker.extraction.batch import run_batch_extraction
-from worker.extraction.pages import page_id_of
 from worker.llm.batches import open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError, describe

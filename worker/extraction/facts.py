@@ -13,9 +13,8 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import ColumnElement, func, select, text
 from sqlalchemy.orm import Session
 
-from models import Fact
+from models import Fact, page_id_of
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
-from worker.extraction.pages import page_id_of
 
 
 class FactRecord(BaseModel):

@@ -126,12 +126,6 @@ _UPSERT = _INSERT.on_conflict_do_update(
 ).returning(PAGES.c.id)
 
 
-def page_id_of(session: Session, source_id: str, slug: str) -> int | None:
-    """The id of the page ``slug`` of ``source_id``, or None when there is none."""
-    found = session.execute(select(PAGES.c.id).where(PAGES.c.source_id == source_id, PAGES.c.slug == slug))
-    return found.scalar_one_or_none()
-
-
 def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
@@ -179,7 +173,6 @@ __all__ = [
     "StaleDeliveryError",
     "UpsertResult",
     "content_hash",
-    "page_id_of",
     "store_page",
     "upsert_page",
 ]

@@ -8,8 +8,7 @@ from sqlalchemy import ColumnElement, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from models import Job
-from models.tables import PAGES
+from models import Job, page_id_of
 from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry()
 
@@ -47,12 +46,6 @@ class JobAlreadyPendingError(ValueError):
             f"job {pending_job_id} for the same subject is already pending; follow that job instead"
         )
         self.job_id, self.pending_job_id = job_id, pending_job_id
-
-
-def _page_stored(session: Session, subject: str) -> bool:
-    source_id, slug = split_page_subject(subject)
-    found = select(PAGES.c.id).where(PAGES.c.source_id == source_id, PAGES.c.slug == slug)
-    return session.execute(found).first() is not None
 
 
 def list_jobs(
@@ -97,7 +90,7 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
             job = retry_job(session, job_id, skipped=skipped)
             if not inspect(job).attrs.status.history.has_changes():
                 raise JobNotRetryableError(job_id, job.status)
-            if job.kind == EXTRACTION and not _page_stored(session, job.subject):
+            if job.kind == EXTRACTION and page_id_of(session, *split_page_subject(job.subject)) is None:
                 raise JobPageGoneError(job_id)
             session.flush()
     except LookupError:
