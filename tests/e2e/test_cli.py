@@ -157,6 +157,15 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         bad_port = cli(*command, check=False)
         assert bad_port.returncode == 2 and "Traceback" not in bad_port.stderr, command
         assert "Invalid value for '--port'" in bad_port.stderr, command
+    # Bounds a mistake would pass: `--processes 100000` forked until the machine gave out.
+    for command in (
+        ["worker", "--processes", "65"],
+        ["worker", "--concurrency", "4097"],
+        ["demo", "--show", "-1"],
+        ["demo", "--concurrency", "257"],
+    ):
+        bounded = cli(*command, check=False)
+        assert bounded.returncode == 2 and "Invalid value for" in bounded.stderr, command
     # An id past Postgres's bigint was the database's "bigint out of range" traceback.
     too_big = str(2**63)
     for command in (

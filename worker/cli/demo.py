@@ -328,8 +328,8 @@ def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Cons
 
 def demo(
     examples: Annotated[Path, typer.Option(help="Directory of example pages.")] = EXAMPLES_DIR,
-    show: Annotated[int, typer.Option(help="Facts to print per page.")] = 3,
-    concurrency: Annotated[int, typer.Option(min=1, help="Worker threads.")] = 16,
+    show: Annotated[int, typer.Option(min=0, max=1000, help="Facts to print per page.")] = 3,
+    concurrency: Annotated[int, typer.Option(min=1, max=256, help="Worker threads.")] = 16,
 ) -> None:
     """Boot the service on the embedded default and run the examples through it.
 

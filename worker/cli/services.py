@@ -58,17 +58,31 @@ def serve(
     )
 
 
+# `--processes 100000` forked until the machine gave out. Each process holds its own connection pools
+# and LLM pipe; past a few per core they only compete for it: more throughput means more hosts.
+MAX_WORKER_PROCESSES = 64
+MAX_JOBS_IN_FLIGHT = 4096  # as FACTMILL_LLM_CONCURRENCY: one thread a job
+
+
 def worker(
     queues: Annotated[
         str, typer.Option(help="Comma-separated queues to consume.")
     ] = "extraction,maintenance",
     concurrency: Annotated[
         int | None,
-        typer.Option(min=1, help="Jobs in flight per process (threads); default FACTMILL_LLM_CONCURRENCY."),
+        typer.Option(
+            min=1,
+            max=MAX_JOBS_IN_FLIGHT,
+            help="Jobs in flight per process (threads); default FACTMILL_LLM_CONCURRENCY.",
+        ),
     ] = None,
     processes: Annotated[
         int | None,
-        typer.Option(min=1, help="Worker processes, each with its own LLM pipe; default one per core."),
+        typer.Option(
+            min=1,
+            max=MAX_WORKER_PROCESSES,
+            help="Worker processes, each with its own LLM pipe; default one per core.",
+        ),
     ] = None,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
     loglevel: Annotated[str, typer.Option()] = "info",
