@@ -182,6 +182,18 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         bad_id = cli(*command, check=False)
         assert bad_id.returncode == 2 and "Traceback" not in bad_id.stderr, command
         assert "Invalid value for" in bad_id.stderr and "9223372036854775807" in bad_id.stderr, command
+    # A source no page can have was a run, a search or a backfill of nothing; now a usage error.
+    for command in (
+        ["search", "alice", "--source-id", "a|b"],
+        ["ingest", "--source-id", " padded", "examples"],
+        ["backfill", "--source", "a|b"],
+        ["facts", "list", "--slug", "x", "--source-id", ""],
+    ):
+        bad_source = cli(*command, check=False)
+        assert bad_source.returncode == 2 and "is not a source id" in bad_source.stderr, command
+    # A backfill that matches no stored page plans nothing: said so, nothing queued.
+    empty = cli("backfill", "--source", "no-such-source", check=False)
+    assert empty.returncode == 1 and "no page in source 'no-such-source'" in empty.stderr
     # A page that is not there is said so, not answered with a run of nothing.
     missing = cli("extract", "--slug", "no/such/page", check=False)
     assert missing.returncode == 1 and "no page 'no/such/page' in source 'default'" in missing.stderr

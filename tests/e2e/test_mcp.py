@@ -114,11 +114,20 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
     )
     entity = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"}))
     nul = await session.call_tool("search_facts", {"query": "lex: Lis\u0000bon"})
+    piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
     append = await session.call_tool(
         "append_transcript_messages",
         {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "Where does Alice live?"}]},
     )
-    return {"tools": tools, "found": found, "page": page, "entity": entity, "append": append, "nul": nul}
+    return {
+        "tools": tools,
+        "found": found,
+        "page": page,
+        "entity": entity,
+        "append": append,
+        "nul": nul,
+        "piped": piped,
+    }
 
 
 def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
@@ -129,6 +138,7 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert [f["fact"] for f in seen["page"]["facts"]] == [text for text, _ in FACTS]
     assert seen["entity"]["total"] == 3
     assert "must not contain NUL" in _error_text(seen["nul"])  # refused as input, not a server error
+    assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
     refused = _error_text(seen["append"])
     assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
 

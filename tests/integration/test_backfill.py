@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
+from models import Backfill, BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
 from tests.auth import send_key
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
 from tests.integration.test_batch import page_body
@@ -348,6 +348,24 @@ def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client,
     text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_backfills{status="planning"} 1.0' in text
     assert 'factmill_backfill_requests{status="pending"} 0.0' in text
+
+
+def test_a_backfill_that_matches_no_stored_page_is_refused_and_stores_nothing(client, recorder, tx_factory):
+    """A source or prefix typed wrong used to be accepted and plan nothing: a job that succeeded
+    having done nothing, and no word of why."""
+    seed_pages(tx_factory, "bf", 1)  # chats/p0000
+    for body, said in [
+        ({"source_id": "bf-typo"}, "no page in source 'bf-typo': nothing to backfill"),
+        ({"source_id": "bf", "slug_prefix": "chat/"}, "in source 'bf' whose slug starts with 'chat/'"),
+        ({"source_id": "bf", "slug_prefix": "chats%"}, "whose slug starts with 'chats%'"),  # % is no wildcard
+    ]:
+        refused = client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS)
+        assert refused.status_code == 404 and said in refused.json()["detail"], refused.text
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).select_from(Backfill)) == 0
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.kind == BATCH_EXTRACTION)) == 0
+    assert recorder.calls == []
+    assert client.post("/v1/backfills", json={"source_id": "bf"}, headers=ADMIN_HEADERS).status_code == 202
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])

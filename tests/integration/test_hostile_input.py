@@ -105,6 +105,8 @@ UNSIGNED = [
     ("GET", "/v1/pages/default/a%00b/facts", "slug"),
     ("GET", "/v1/search?q=a%00", "q"),
     ("GET", "/v1/search?q=a&source_id=%00", "source_id"),
+    ("GET", "/v1/search?q=a&source_id=a%7Cb", "not a source id"),  # '|' separates sources in keys
+    ("GET", "/v1/search?q=a&source_id=%20a", "not a source id"),
     ("GET", "/v1/search?q=a&entity=%00", "entity"),
     ("GET", "/v1/transcripts/t%00", "transcript_id"),
     ("GET", "/v1/transcripts/t/messages?after_seq=" + BIG_INT4, "after_seq"),
@@ -127,6 +129,8 @@ def test_hostile_paths_and_queries_are_422_naming_the_field(
         ('{"q": "\\ud800"}', "q"),
         ('{"q": "a", "limit": NaN}', "NaN"),
         ('{"q": "a", "entity": "\\u0000"}', "entity"),
+        ('{"q": "a", "source_id": "a|b"}', "not a source id"),
+        ('{"q": "a", "source_id": "a\\t"}', "not a source id"),
     ],
 )
 def test_hostile_search_bodies_are_422(api: TestClient, text: str, field: str) -> None:
@@ -134,6 +138,12 @@ def test_hostile_search_bodies_are_422(api: TestClient, text: str, field: str) -
         "/v1/search", content=text.encode(), headers={"Content-Type": "application/json"} | ADMIN_HEADERS
     )
     assert_422(response, field)
+
+
+@pytest.mark.parametrize("source_id", ["a|b", " a", "a\n", "x" * 201])
+def test_a_backfill_over_a_source_no_page_can_have_is_422(api: TestClient, source_id: str) -> None:
+    response = api.post("/v1/backfills", json={"source_id": source_id}, headers=ADMIN_HEADERS)
+    assert_422(response, "source_id")
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from worker.core.labels import (
     LABEL_PATTERN,
+    MAX_SOURCE_ID_LENGTH,
     SOURCE_ID_PATTERN,
     WORD_LABEL_PATTERN,
+    check_source_id,
     clean_label,
     is_source_id,
     is_word_label,
@@ -97,3 +99,25 @@ def test_label_length_counts_the_value_as_sent() -> None:
     assert LABEL_5(" abc ") and clean_label(" abc ", 5) == "abc"
     assert not LABEL_5("  abcd  ") and clean_label("  abcd  ", 5) is None
     assert not LABEL_5("   ") and clean_label("   ", 5) is None
+
+
+def _source_id_accepted(value: str) -> bool:
+    try:
+        return check_source_id(value) == value
+    except ValueError as exc:
+        assert "is not a source id" in str(exc) and "no '|'" in str(exc)
+        return False
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(EDGE_TEXT)
+def test_the_source_id_check_is_the_pattern_with_its_lengths(value: str) -> None:
+    """The one check every entry point uses (a page, a search filter, a backfill, a key's sources)
+    says what the document's pattern, minLength 1 and maxLength say."""
+    assert _source_id_accepted(value) == bool(value and SOURCE(value)), repr(value)
+
+
+def test_a_source_id_is_at_most_its_length() -> None:
+    assert _source_id_accepted("s" * MAX_SOURCE_ID_LENGTH)
+    assert not _source_id_accepted("s" * (MAX_SOURCE_ID_LENGTH + 1))
+    assert _source_id_accepted("team a") and not _source_id_accepted("team|a")

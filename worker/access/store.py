@@ -17,7 +17,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import API_SCOPES, ApiKey
-from worker.core.labels import MAX_SOURCE_ID_LENGTH, is_source_id
+from worker.core.labels import check_source_id
 
 KEY_PREFIX = "fm_"
 SCOPES = API_SCOPES
@@ -86,11 +86,10 @@ def create_key(
         sources = None
     for source in sources or ():
         # A blank source limited the key to a source no page can have: a key that sees nothing.
-        if not source or not is_source_id(source) or len(source) > MAX_SOURCE_ID_LENGTH:
-            raise KeyStoreError(
-                f"source {source!r} is not a source id (1 to {MAX_SOURCE_ID_LENGTH} characters, no '|', "
-                "no surrounding spaces); drop --source for a key over every source"
-            )
+        try:
+            check_source_id(source)
+        except ValueError as exc:
+            raise KeyStoreError(f"source {exc}; drop --source for a key over every source") from None
     chosen = _check_scopes(scopes)
     if sources is not None and "admin" in chosen:
         # Admin routes (config, retries, keys, metrics) are not partitioned by source.

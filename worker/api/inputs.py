@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from worker.api.errors import ApiError
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 
 
 class _NonFinite:
@@ -88,6 +89,19 @@ def strict_json_loads(body: bytes) -> Any:
 # A path or query string the store can hold (no NUL, no lone surrogate).
 StorableStr = Annotated[str, AfterValidator(storable_text)]
 
+# A source id a client names (a filter, a backfill): the rule pages are stored under, so a source no
+# page can have is a 422 naming the field, not an empty answer. The pattern reaches the document as
+# JSON Schema only: the validator is what checks it.
+_SOURCE_ID_SCHEMA: dict[str, Any] = {"pattern": SOURCE_ID_PATTERN}
+SourceIdStr = Annotated[str, AfterValidator(storable_text), AfterValidator(check_source_id)]
+SourceIdField = Annotated[
+    SourceIdStr, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH, json_schema_extra=_SOURCE_ID_SCHEMA)
+]
+SourceIdQuery = Annotated[
+    SourceIdStr | None,
+    Query(min_length=1, max_length=MAX_SOURCE_ID_LENGTH, json_schema_extra=_SOURCE_ID_SCHEMA),
+]
+
 
 # Path and query integers bounded to their columns: past them Postgres fails inside the query.
 # A bigint id in a JSON body, an integer as JSON Schema means it (strict otherwise: no strings, no
@@ -106,6 +120,9 @@ __all__ = [
     "BigIntIdQuery",
     "JsonBigIntId",
     "OffsetQuery",
+    "SourceIdField",
+    "SourceIdQuery",
+    "SourceIdStr",
     "StorableStr",
     "check_json_text",
     "strict_json_loads",

@@ -6,10 +6,15 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, id_argument, out, print_json
+from worker.cli.console import fail, id_argument, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill import (
+    BATCH_EXTRACTION,
+    BackfillSelection,
+    NothingToBackfillError,
+    request_backfill,
+)
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill
 from worker.jobs.outbox import enqueue as send_jobs
 
@@ -22,7 +27,7 @@ backfill_app = typer.Typer(
 @backfill_app.callback()
 def backfill(
     ctx: typer.Context,
-    source: Annotated[str, typer.Option(help="The source whose pages to extract.")] = "default",
+    source: Annotated[str, source_option(help="The source whose pages to extract.")] = "default",
     since: Annotated[str | None, typer.Option(help="Only segments after this ISO-8601 time.")] = None,
     slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
     max_segments: Annotated[
@@ -39,6 +44,8 @@ def backfill(
     try:
         with factory.begin() as session:
             backfill_id, job_id = request_backfill(session, selection, created_by="cli")
+    except NothingToBackfillError as exc:
+        raise fail(str(exc)) from exc
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
     send_jobs(factory, [(job_id, BATCH_EXTRACTION)])

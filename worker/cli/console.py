@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.core.jsonvalues import BIGINT_MAX
+from worker.core.labels import check_source_id
 
 # Soft wrap: messages are sentences (paths, reasons) that people copy and tests match; Rich must not
 # break them mid-phrase at its guess of the width, the terminal wraps them.
@@ -29,6 +30,21 @@ def id_argument(help: str) -> Any:
 def port_option(*names: str, help: str, **extra: Any) -> Any:
     """A TCP port option: 1 to 65535, anything else a usage error (not a socket error's traceback)."""
     return typer.Option(*names, min=1, max=65535, help=help, **extra)
+
+
+def _source_id(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_source_id(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def source_option(*names: str, help: str) -> Any:
+    """A source id option: the rule pages are stored under, anything else a usage error (a source
+    no page can have would otherwise find nothing, or store nothing, without saying why)."""
+    return typer.Option(*names, help=help, callback=_source_id)
 
 
 def folding_table(*headers: str, **options: Any) -> Table:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import page_id_of
 from models.reads import read_only
-from worker.cli.console import err, fail, folding_table, out, print_json
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.extraction import (
     ExtractionCounters,
@@ -119,7 +119,7 @@ def run_extraction(
 
 def extract(
     slug: Annotated[str | None, typer.Option(help="Only this page.")] = None,
-    source_id: Annotated[str, typer.Option(help="Source to extract.")] = "default",
+    source_id: Annotated[str, source_option(help="Source to extract.")] = "default",
     dry_run: Annotated[
         bool, typer.Option(help="Count pages and segments; write nothing, call no LLM.")
     ] = False,

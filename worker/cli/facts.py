@@ -8,7 +8,7 @@ import typer
 
 from models.reads import read_only
 from worker.cli import lifecycle
-from worker.cli.console import fail, folding_table, out, print_json
+from worker.cli.console import fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.consolidation.history import Lifecycle
 from worker.extraction.facts import FactRecord, read_page_facts
@@ -38,7 +38,7 @@ def _as_row(fact: FactRecord, with_status: bool) -> dict[str, Any]:
 @facts_app.command("list")
 def facts_list(
     slug: Annotated[str, typer.Option(help="The page whose facts to list.")],
-    source_id: Annotated[str, typer.Option()] = "default",
+    source_id: Annotated[str, source_option(help="The page's source.")] = "default",
     history: Annotated[
         bool, typer.Option("--history", help="Also superseded and duplicate facts, with their status.")
     ] = False,

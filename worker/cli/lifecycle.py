@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, folding_table, id_argument, out, print_json
+from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
 from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
@@ -23,7 +23,7 @@ def _day(value: object) -> str:
 
 def history(
     entity: Annotated[str, typer.Argument(help="The entity slug, e.g. people/alice-example.")],
-    source_id: Annotated[str | None, typer.Option(help="Only facts from this source.")] = None,
+    source_id: Annotated[str | None, source_option(help="Only facts from this source.")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """An entity's timeline: every fact in the order it became true.
@@ -84,7 +84,7 @@ def restore_command(
 
 
 def consolidate_command(
-    source_id: Annotated[str, typer.Option(help="The source whose facts to consolidate.")] = "default",
+    source_id: Annotated[str, source_option(help="The source whose facts to consolidate.")] = "default",
     entity: Annotated[
         str | None, typer.Option(help="Only this entity (or page:SLUG for a page's facts without one).")
     ] = None,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, out, print_json
+from worker.cli.console import err, fail, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths
@@ -17,7 +17,7 @@ from worker.jobs.outbox import enqueue as send_jobs
 
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Markdown files or directories (walked recursively).")],
-    source_id: Annotated[str, typer.Option(help="Source the pages belong to.")] = "default",
+    source_id: Annotated[str, source_option(help="Source the pages belong to.")] = "default",
     enqueue: Annotated[
         bool, typer.Option(help="Hand the extraction jobs to the broker now (else the sweeper sends them).")
     ] = True,

@@ -10,7 +10,7 @@ import typer
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import db
-from worker.cli.console import err, fail, folding_table, out, print_json
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.core.intent import QueryParseError
 from worker.runtime import build_runtime
 from worker.search import (
@@ -85,7 +85,7 @@ def search_command(
     intent: Annotated[
         str | None, typer.Option(help="What you are after; steers expansion and snippets.")
     ] = None,
-    source_id: Annotated[str | None, typer.Option(help="Only facts from this source.")] = None,
+    source_id: Annotated[str | None, source_option(help="Only facts from this source.")] = None,
     entity: Annotated[str | None, typer.Option(help="Only facts about this entity slug.")] = None,
     kind: Annotated[str | None, typer.Option(help="event, preference, commitment, belief or fact.")] = None,
     since: Annotated[

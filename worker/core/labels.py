@@ -46,6 +46,18 @@ def is_source_id(value: str) -> bool:
     return "|" not in value and value == value.strip()
 
 
+def check_source_id(value: str) -> str:
+    """``value`` when it is a source id of 1 to ``MAX_SOURCE_ID_LENGTH`` characters, else ValueError
+    saying the rule: the one check behind every place a client names a source (a page, a search
+    filter, a backfill, a key's sources)."""
+    if not value or len(value) > MAX_SOURCE_ID_LENGTH or not is_source_id(value):
+        raise ValueError(
+            f"{value!r} is not a source id (1 to {MAX_SOURCE_ID_LENGTH} characters, no '|', "
+            "no surrounding whitespace)"
+        )
+    return value
+
+
 # What ``is_source_id`` accepts (a non-empty value; its length is its own rule).
 SOURCE_ID_PATTERN = rf"^(?:[^|{_SPACES}]|[^|{_SPACES}][^|]*[^|{_SPACES}])$"
 
@@ -58,6 +70,7 @@ __all__ = [
     "MAX_SOURCE_ID_LENGTH",
     "SOURCE_ID_PATTERN",
     "WORD_LABEL_PATTERN",
+    "check_source_id",
     "clean_label",
     "is_source_id",
     "is_word_label",

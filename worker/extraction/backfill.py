@@ -24,9 +24,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill
+from models.tables import PAGES
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.checkpoint import segment_hash
@@ -84,6 +86,19 @@ class BackfillSelection:
         )
 
 
+class NothingToBackfillError(LookupError):
+    """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
+
+
+def _matches_a_page(session: Session, selection: BackfillSelection) -> bool:
+    query = select(PAGES.c.id).where(PAGES.c.source_id == selection.source_id)
+    if selection.slug_prefix:
+        query = query.where(PAGES.c.slug.startswith(selection.slug_prefix, autoescape=True))
+    if selection.slug is not None:
+        query = query.where(PAGES.c.slug == selection.slug)
+    return session.execute(query.limit(1)).first() is not None
+
+
 def backfill_subject(backfill_id: int) -> str:
     return f"backfill:{backfill_id}"
 
@@ -96,6 +111,12 @@ def request_backfill(
     validate_since(selection.since_iso)
     if selection.max_segments is not None and selection.max_segments < 1:
         raise ValueError("--max-segments must be at least 1")
+    if not _matches_a_page(session, selection):
+        narrowed = f" whose slug starts with {selection.slug_prefix!r}" if selection.slug_prefix else ""
+        raise NothingToBackfillError(
+            f"no page in source {selection.source_id!r}{narrowed}: nothing to backfill "
+            "(`factmill ingest` or POST /v1/pages stores pages)"
+        )
     backfill = Backfill(source_id=selection.source_id, filters=selection.as_filters(), created_by=created_by)
     session.add(backfill)
     session.flush()

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, is_source_id
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
@@ -50,9 +50,7 @@ class PageIn(BaseModel):
     @field_validator("source_id")
     @classmethod
     def _source_id(cls, value: str) -> str:
-        if not is_source_id(value):
-            raise ValueError("source_id must not contain '|' or surrounding whitespace")
-        return value
+        return check_source_id(value)
 
     @field_validator("slug")
     @classmethod

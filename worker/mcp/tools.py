@@ -32,6 +32,7 @@ from worker.compaction import (
 from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import storable_text
+from worker.core.labels import check_source_id
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 Text = Annotated[str, After(storable_text)]
+SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
@@ -126,7 +128,7 @@ class FactmillTools:
             Text | None,
             Field(max_length=500, description="What you want the facts for; sharpens ranking and snippets."),
         ] = None,
-        source_id: Annotated[Text | None, Field(description="Only facts from this source.")] = None,
+        source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         entity: Annotated[
             Text | None, Field(description="Only facts about this entity slug (e.g. 'alice').")
         ] = None,
@@ -178,7 +180,7 @@ class FactmillTools:
     def list_entity_facts(
         self,
         entity: Annotated[Text, Field(min_length=1, description="The entity slug, e.g. 'alice'.")],
-        source_id: Annotated[Text | None, Field(description="Only facts from this source.")] = None,
+        source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         limit: Annotated[int, Field(ge=1, le=1000, description="At most this many facts.")] = 100,
         offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
         include_history: Annotated[

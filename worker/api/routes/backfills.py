@@ -12,8 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from worker.api.auth import Admin
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import BigIntIdPath, StorableStr
-from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.api.inputs import BigIntIdPath, SourceIdField, StorableStr
+from worker.extraction.backfill import (
+    BATCH_EXTRACTION,
+    BackfillSelection,
+    NothingToBackfillError,
+    request_backfill,
+)
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill
 
 logger = logging.getLogger(__name__)
@@ -24,7 +29,7 @@ backfills_router = APIRouter(tags=["backfills"])
 class BackfillIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    source_id: Annotated[StorableStr, Field(min_length=1, max_length=200)] = "default"
+    source_id: SourceIdField = "default"
     since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=500)] = None
     max_segments: Annotated[int | None, Field(ge=1, le=10_000_000)] = None
@@ -58,17 +63,20 @@ class BackfillOut(BaseModel):
     "/v1/backfills",
     status_code=202,
     response_model=BackfillCreated,
-    responses=error_responses(422),
+    responses=error_responses(404, 422),
     summary="Start a backfill through provider batches (half price)",
 )
 def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> BackfillCreated:
     """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
-    requests, sends them to the provider, and commits their results as they end. Answers at once."""
+    requests, sends them to the provider, and commits their results as they end. Answers at once;
+    404 when no stored page matches the selection (nothing would be planned)."""
     since = body.since.isoformat() if body.since else None
     selection = BackfillSelection(body.source_id, since, body.slug_prefix, body.max_segments)
     try:
         with ctx.factory.begin() as session:
             backfill_id, job_id = request_backfill(session, selection, created_by=principal.name)
+    except NothingToBackfillError as exc:
+        raise ApiError(404, str(exc)) from None
     except ValueError as exc:
         raise ApiError(422, str(exc)) from None
     ctx.enqueue([(job_id, BATCH_EXTRACTION)])

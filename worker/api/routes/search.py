@@ -15,7 +15,7 @@ from worker.access import AccessRefusedError, Principal
 from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import StorableStr
+from worker.api.inputs import SourceIdField, SourceIdQuery, StorableStr
 from worker.core.intent import QueryParseError
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
@@ -66,7 +66,7 @@ class SearchBody(BaseModel):
         json_schema_extra=QUERY_FORMAT,
     )
     intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
-    source_id: StorableStr | None = None
+    source_id: SourceIdField | None = None
     entity: StorableStr | None = Field(default=None, description="Only facts about this entity slug.")
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
@@ -90,7 +90,7 @@ class SearchParams:
         ),
     ]
     intent: Annotated[StorableStr | None, Query(max_length=500)] = None
-    source_id: StorableStr | None = None
+    source_id: SourceIdQuery = None
     entity: StorableStr | None = None
     kind: KindName | None = None
     since: datetime | None = None
