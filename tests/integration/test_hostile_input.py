@@ -130,6 +130,11 @@ def test_hostile_paths_and_queries_are_422_naming_the_field(
         ('{"q": "a", "limit": NaN}', "NaN"),
         ('{"q": "a", "entity": "\\u0000"}', "entity"),
         ('{"q": "a", "source_id": "a|b"}', "not a source id"),
+        # JSON's own types: lax validation read true as a limit of 1 and "0" as expand off.
+        ('{"q": "a", "limit": true}', "limit"),
+        ('{"q": "a", "limit": "5"}', "limit"),
+        ('{"q": "a", "expand": "0"}', "expand"),
+        ('{"q": "a", "include_history": 1}', "include_history"),
         ('{"q": "a", "source_id": "a\\t"}', "not a source id"),
     ],
 )
@@ -144,6 +149,12 @@ def test_hostile_search_bodies_are_422(api: TestClient, text: str, field: str) -
 def test_a_backfill_over_a_source_no_page_can_have_is_422(api: TestClient, source_id: str) -> None:
     response = api.post("/v1/backfills", json={"source_id": source_id}, headers=ADMIN_HEADERS)
     assert_422(response, "source_id")
+
+
+@pytest.mark.parametrize("value", [True, "10", 2.5])
+def test_a_backfill_s_max_segments_is_a_json_integer(api: TestClient, value: object) -> None:
+    body = {"source_id": "default", "max_segments": value}
+    assert_422(api.post("/v1/backfills", json=body, headers=ADMIN_HEADERS), "max_segments")
 
 
 @pytest.mark.parametrize(

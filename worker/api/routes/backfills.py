@@ -7,12 +7,13 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 from worker.api.auth import Admin
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import BigIntIdPath, SourceIdField, StorableStr
+from worker.core.jsonvalues import json_integer
 from worker.extraction.backfill import (
     BATCH_EXTRACTION,
     BackfillSelection,
@@ -32,7 +33,9 @@ class BackfillIn(BaseModel):
     source_id: SourceIdField = "default"
     since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=500)] = None
-    max_segments: Annotated[int | None, Field(ge=1, le=10_000_000)] = None
+    max_segments: (
+        Annotated[int, Strict(), Field(ge=1, le=10_000_000), BeforeValidator(json_integer)] | None
+    ) = None  # a JSON integer: true is not 1
 
 
 class BackfillCreated(BaseModel):

@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
 from starlette.concurrency import run_in_threadpool
 
 from worker.access import AccessRefusedError, Principal
@@ -17,6 +17,7 @@ from worker.api.deps import ApiContext, Context, json_request_body, parse_json_m
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import SourceIdField, SourceIdQuery, StorableStr
 from worker.core.intent import QueryParseError
+from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
@@ -70,9 +71,11 @@ class SearchBody(BaseModel):
     entity: StorableStr | None = Field(default=None, description="Only facts about this entity slug.")
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
-    limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
-    expand: bool = Field(default=True, description="Let the LLM expand a plain query.")
-    include_history: bool = Field(default=False, description=INCLUDE_HISTORY_DESCRIPTION)
+    # JSON's own types (as FeedbackIn and transcripts): true is not a limit, nor "5" one. The bounds
+    # sit before the validator so that they reach the document as minimum/maximum.
+    limit: Annotated[int, Strict(), Field(ge=1, le=MAX_LIMIT), BeforeValidator(json_integer)] | None = None
+    expand: StrictBool = Field(default=True, description="Let the LLM expand a plain query.")
+    include_history: StrictBool = Field(default=False, description=INCLUDE_HISTORY_DESCRIPTION)
     as_of: datetime | None = Field(default=None, description=AS_OF_DESCRIPTION)
 
 
