@@ -27,6 +27,8 @@ class WebhookDelivery(Base):
         ),
     )
 
+    # sha256 (hex) of route, subject and the sender's key (worker.api.deliveries.scoped_key), never the
+    # key itself: it may name a person.
     idempotency_key: Mapped[str] = mapped_column(Text, primary_key=True)
     # sha256 of the body: the same key with a different body is a client bug, answered with 422.
     body_hash: Mapped[str]

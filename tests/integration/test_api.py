@@ -22,6 +22,7 @@ from models import JOB_STATUSES, ConfigEntry, Fact, Job, Page, WebhookDelivery, 
 from tests.auth import send_key
 from tests.service import SessionBroker
 from worker.api.app import create_app
+from worker.api.deliveries import scoped_key
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
 from worker.config_store import ConfigReader
@@ -212,6 +213,20 @@ def test_duplicate_delivery_replays_the_original_answer(
     assert len(recorder.calls) == 2  # nothing sent again
 
 
+def test_only_a_digest_of_the_senders_key_is_kept(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A key a sender chose may name a person; an erasure cannot know which do, so none is kept."""
+    key = "alice-example-chat-2024-03-15"
+    assert post(client, page("digest/a"), key=key).status_code == 202
+    with tx_factory() as session:
+        [stored] = session.scalars(select(WebhookDelivery.idempotency_key)).all()
+    assert stored == scoped_key("POST /v1/pages", "", key) and len(stored) == 64 and "alice" not in stored
+    assert int(stored, 16) >= 0  # hex
+    replay = post(client, page("digest/a"), key=key)
+    assert replay.headers.get("Idempotent-Replayed") == "true"
+
+
 def test_same_key_with_a_different_body_is_refused(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:
@@ -223,10 +238,10 @@ def test_same_key_with_a_different_body_is_refused(
 
 
 def age_deliveries(factory: sessionmaker[Session], hours: float, key: str | None = None) -> None:
-    """Make the stored answers (or the one of ``key``, unscoped) ``hours`` old."""
+    """Make the stored answers (or the one stored under ``key``) ``hours`` old."""
     aged = update(WebhookDelivery).values(created_at=func.now() - timedelta(hours=hours))
     if key is not None:
-        aged = aged.where(WebhookDelivery.idempotency_key.endswith(f"|{key}"))
+        aged = aged.where(WebhookDelivery.idempotency_key == key)
     with factory.begin() as session:
         session.execute(aged)
 
@@ -251,7 +266,7 @@ def test_forgetting_takes_the_oldest_answers_first_a_batch_at_a_time(
 ) -> None:
     with tx_factory.begin() as session:
         session.add_all(
-            WebhookDelivery(idempotency_key=f"pages|s|{key}", body_hash="h", response={})
+            WebhookDelivery(idempotency_key=key, body_hash="h", response={})
             for key in ("young", *(f"old-{n}" for n in range(5)))
         )
     for n in range(5):
@@ -260,9 +275,7 @@ def test_forgetting_takes_the_oldest_answers_first_a_batch_at_a_time(
     with tx_factory.begin() as session:
         assert forget_deliveries(session, kept, 3) == 3
     with tx_factory() as session:
-        kept_keys = {
-            key.rsplit("|", 1)[1] for key in session.scalars(select(WebhookDelivery.idempotency_key))
-        }
+        kept_keys = set(session.scalars(select(WebhookDelivery.idempotency_key)))
         assert kept_keys == {"young", "old-0", "old-1"}
     with tx_factory.begin() as session:
         assert forget_deliveries(session, kept, 3) == 2

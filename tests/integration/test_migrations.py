@@ -201,3 +201,31 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                 ("succeeded", "extraction", 2, 3)
             ]
         engine.dispose()
+
+
+def test_0020_keeps_the_digest_of_each_kept_delivery_key(server_url: str) -> None:
+    """A delivery repeated across the upgrade is still replayed: 0020 turns each clear scoped key into
+    the digest the service now looks up; no clear key is left."""
+    from worker.api.deliveries import scoped_key
+
+    with fresh_database(server_url, "digests") as url:
+        db.upgrade(url, "0019")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        clear = ["POST /v1/pages||alice-chat", "POST /v1/transcripts/{id}/messages|agent-1|k|é"]
+        with engine.begin() as conn:
+            for key in clear:
+                conn.execute(
+                    text(
+                        "INSERT INTO webhook_deliveries (idempotency_key, body_hash, response) "
+                        "VALUES (:key, 'h', '{}')"
+                    ),
+                    {"key": key},
+                )
+        db.upgrade(url)
+        with engine.connect() as conn:
+            stored = set(conn.scalars(text("SELECT idempotency_key FROM webhook_deliveries")))
+        engine.dispose()
+    assert stored == {
+        scoped_key("POST /v1/pages", "", "alice-chat"),
+        scoped_key("POST /v1/transcripts/{id}/messages", "agent-1", "k|é"),
+    }

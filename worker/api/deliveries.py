@@ -6,6 +6,7 @@ answer kept for its key (``webhook_deliveries``) commit together, so either both
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,9 +43,12 @@ def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
 
 
 def scoped_key(route: str, subject: str, key: str | None) -> str | None:
-    """The stored key of a delivery: (route, subject, Idempotency-Key), so one key sent to two routes,
-    or to two transcripts, are two deliveries."""
-    return None if key is None else f"{route}|{subject}|{key}"
+    """The stored key of a delivery: sha256 (hex) of (route, subject, Idempotency-Key), so one key sent
+    to two routes, or to two transcripts, are two deliveries. Only the digest is kept: a key a sender
+    chose may name a person (``alice-chat-2024-03-15``), and an erasure could not know to remove it."""
+    if key is None:
+        return None
+    return hashlib.sha256(f"{route}|{subject}|{key}".encode()).hexdigest()
 
 
 def deliver_once(
