@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 import typing
 import uuid
@@ -214,9 +215,11 @@ def test_duplicate_delivery_replays_the_original_answer(
 
 
 def test_only_a_digest_of_the_senders_key_is_kept(
-    client: TestClient, tx_factory: sessionmaker[Session]
+    client: TestClient, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A key a sender chose may name a person; an erasure cannot know which do, so none is kept."""
+    """A key a sender chose may name a person; an erasure cannot know which do, so none is kept,
+    in the table or in the logs."""
+    caplog.set_level(logging.DEBUG)
     key = "alice-example-chat-2024-03-15"
     assert post(client, page("digest/a"), key=key).status_code == 202
     with tx_factory() as session:
@@ -225,6 +228,7 @@ def test_only_a_digest_of_the_senders_key_is_kept(
     assert int(stored, 16) >= 0  # hex
     replay = post(client, page("digest/a"), key=key)
     assert replay.headers.get("Idempotent-Replayed") == "true"
+    assert "replayed webhook delivery" in caplog.text and "alice" not in caplog.text
 
 
 def test_same_key_with_a_different_body_is_refused(

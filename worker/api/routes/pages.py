@@ -182,14 +182,14 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
     body_hash = hashlib.sha256(body).hexdigest()
     # A keyed delivery without a signature is dated when it arrives.
     delivered_at = datetime.fromtimestamp(signed_at, UTC) if signed_at is not None else datetime.now(UTC)
+    delivery = scoped_key("POST /v1/pages", "", key)
     try:
-        response, pending, replayed = store_pages(
-            ctx.factory, pages, scoped_key("POST /v1/pages", "", key), body_hash, delivered_at
-        )
+        response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)
     except StaleDeliveryError as exc:
         raise ApiError(409, str(exc), source_id=exc.source_id, slug=exc.slug) from None
     if replayed:
-        logger.info("replayed webhook delivery %s", key)
+        # The digest's head, as stored: the sender's key may name a person.
+        logger.info("replayed webhook delivery %s", (delivery or "")[:12])
         return JSONResponse(response, 202, headers=REPLAYED_HEADERS)
     sent = ctx.enqueue(pending)
     logger.info(
