@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
 from worker.config_store import set_config
+from worker.consolidation.operators import entity_timeline
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.extraction import (
     OP_NAME,
@@ -24,7 +25,9 @@ from worker.extraction import (
     run_extract_conversation_facts,
     upsert_page,
 )
+from worker.extraction.facts import read_entity_facts
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.search import SearchError, SearchFilters
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +172,31 @@ def test_writes_facts_with_per_segment_source_session_and_terminal_audit_row(pag
         > 0
     )
     assert terminal_rows(pages) == 1
+
+
+def test_people_named_in_any_script_are_distinct_entities(pages, llm):
+    """Entity slugs were ASCII-only: every name in Chinese became the one entity "people", and
+    Zoë Ångström people/zo-ngstr-m. Readers take a name in the slug rule's form too."""
+    slug = "conversations/imessage/li-lei-and-zoe"
+    lines = [
+        fmt("李雷", "2024-03-15", "9:00 AM", "I prefer running in the morning."),
+        fmt("韩梅梅", "2024-03-15", "9:01 AM", "I moved to Lisbon last month."),
+        fmt("Zoë Ångström", "2024-03-15", "9:02 AM", "I prefer tea over coffee."),
+    ]
+    put_page(pages, slug, "\n".join(lines), title="three friends")
+    run(pages, llm, slug=slug)
+    with pages() as session:
+        entities = set(session.scalars(select(Fact.entity_slug).where(Fact.source_markdown_slug == slug)))
+        assert {"people/李雷", "people/韩梅梅", "people/zoë-ångström"} <= entities, entities
+        assert "people" not in entities
+        found = read_entity_facts(session, "People/Zoë Ångström")
+        assert found.entity == "people/zoë-ångström" and found.total >= 1
+        assert [e.fact for e in entity_timeline(session, "people/Zoe\u0308 A\u030angstro\u0308m")] == [
+            f.fact for f in reversed(found.facts)
+        ]
+    assert SearchFilters(entity="People/李雷").entity == "people/李雷"
+    with pytest.raises(SearchError, match="has no letters or digits"):
+        SearchFilters(entity="!?")
 
 
 def test_row_num_accumulator_segment_2_facts_start_after_segment_1(pages, llm):

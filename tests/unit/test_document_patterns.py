@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.core.facts import ENTITY_PATTERN, entity_slug
 from worker.core.labels import (
     LABEL_PATTERN,
     MAX_SOURCE_ID_LENGTH,
@@ -54,6 +55,11 @@ def LABEL_5(value: str) -> bool:
 WORD = matches(WORD_LABEL_PATTERN)
 SLUG = matches(SLUG_PATTERN)
 SOURCE = matches(SOURCE_ID_PATTERN)
+ENTITY = matches(ENTITY_PATTERN)
+
+
+def entity_ok(value: str) -> bool:
+    return entity_slug(value) is not None
 
 
 @pytest.mark.parametrize(
@@ -67,6 +73,8 @@ SOURCE = matches(SOURCE_ID_PATTERN)
         ("source id end", SOURCE, is_source_id, "a{}"),
         ("slug start", SLUG, slug_ok, "{}"),
         ("slug middle", SLUG, slug_ok, "a{}b"),
+        ("entity", ENTITY, entity_ok, "{}"),
+        ("entity among separators", ENTITY, entity_ok, "-/{} "),
     ],
 )
 def test_pattern_agrees_with_the_rule_on_every_character(
@@ -91,6 +99,7 @@ def test_patterns_agree_on_strings_around_the_edges(value: str) -> None:
     assert LABEL_5(value) == (clean_label(value, 5) is not None), repr(value)
     assert not value or WORD(value) == is_word_label(value), repr(value)  # length is its own rule
     assert not value or SOURCE(value) == is_source_id(value), repr(value)
+    assert ENTITY(value) == entity_ok(value), repr(value)
     nfc = unicodedata.normalize("NFC", value)
     assert SLUG(nfc) == slug_ok(nfc), repr(value)
 

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
+from worker.core.facts import entity_slug
 
 CLOSING = ("updates", "contradicts")
 
@@ -36,8 +37,9 @@ class TimelineEntry:
 def entity_timeline(
     session: Session, entity: str, source_ids: list[str] | None = None
 ) -> list[TimelineEntry]:
-    """Every fact about ``entity``, in the order they became true, each with its latest decision."""
-    where = [Fact.entity_slug == entity, ~Fact.is_audit]
+    """Every fact about ``entity`` (its slug, or a name the slug rule turns into it), in the order they
+    became true, each with its latest decision."""
+    where = [Fact.entity_slug == (entity_slug(entity) or entity), ~Fact.is_audit]
     if source_ids is not None:
         where.append(Fact.source_id.in_(source_ids))
     facts = session.scalars(

@@ -36,8 +36,8 @@ NEAR_DUPLICATE_REASON = "rule: near-identical embedding"
 NO_CANDIDATE_REASON = "rule: no similar fact of this entity and kind"
 REASON_CHARS = 500
 
-# Facts without an entity are consolidated per page; an entity slug never holds ":" (facts.py slugifies
-# it to [a-z0-9/-]), so the page keys cannot collide with an entity's.
+# Facts without an entity are consolidated per page; an entity slug never holds ":" (facts.entity_slug
+# keeps letters, marks, digits, '/' and '-'), so the page keys cannot collide with an entity's.
 PAGE_KEY_PREFIX = "page:"
 
 

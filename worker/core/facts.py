@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ SEGMENT_TAG = "segment"
 SEGMENT_OPEN = f"<{SEGMENT_TAG}>"
 SEGMENT_CLOSE = f"</{SEGMENT_TAG}>"
 
-_SLUG_JUNK = re.compile(r"[^a-z0-9/]+")
+MAX_ENTITY_SLUG_CHARS = 200
 
 
 class MalformedReplyError(ValueError):
@@ -176,12 +177,33 @@ def repair_user_message(bad_reply: str, problem: str) -> str:
     )
 
 
+# What ``entity_slug`` needs to give a slug: one letter or digit somewhere (an ECMA-262 pattern for the
+# OpenAPI document; unanchored, as JSON Schema patterns are). Marks alone are not enough: they only
+# modify a letter, and NFC turns some symbols into a symbol and a mark.
+ENTITY_PATTERN = r"[\p{L}\p{N}]"
+
+
+def _is_word_char(char: str) -> bool:
+    return unicodedata.category(char)[0] in "LMN"  # letters, combining marks, digits (any script)
+
+
+def entity_slug(text: str) -> str | None:
+    """The slug of an entity as a model or a user names it: NFC, lower case, '/'-separated parts of
+    letters, marks and digits in any script, every other run of characters one '-'; None when nothing
+    is left. "People/Zoë Ångström" is people/zoë-ångström, "people/李雷" is people/李雷 (an ASCII-only
+    rule made both people/zo-ngstr-m and, for every name in Chinese, one entity "people"). Applying
+    it again changes nothing, so a filter a user types is read with it too."""
+    parts = []
+    for part in unicodedata.normalize("NFC", text).lower().split("/"):
+        words = "".join(ch if _is_word_char(ch) else " " for ch in part).split()
+        if words:
+            parts.append("-".join(words))
+    slug = "/".join(parts)[:MAX_ENTITY_SLUG_CHARS].strip("-/")
+    return slug if any(unicodedata.category(ch)[0] in "LN" for ch in slug) else None
+
+
 def _slugify_entity(entity: Any) -> str | None:
-    if not isinstance(entity, str):
-        return None
-    slug = _SLUG_JUNK.sub("-", entity.strip().lower()).strip("-/")
-    slug = re.sub(r"-{2,}", "-", slug)
-    return slug or None
+    return entity_slug(entity) if isinstance(entity, str) else None
 
 
 def _optional_str(value: Any) -> str | None:

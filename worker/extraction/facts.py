@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from models import Fact, page_id_of
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
+from worker.core.facts import entity_slug
 
 
 class FactRecord(BaseModel):
@@ -112,8 +113,9 @@ def read_entity_facts(
     offset: int = 0,
     lifecycle: Lifecycle = CURRENT_ONLY,
 ) -> EntityFactsPage:
-    """The facts about ``entity`` (its slug), newest first, from ``source_ids`` only when given
-    (current ones unless ``lifecycle`` says otherwise)."""
+    """The facts about ``entity`` (its slug, or a name the slug rule turns into it), newest first,
+    from ``source_ids`` only when given (current ones unless ``lifecycle`` says otherwise)."""
+    entity = entity_slug(entity) or entity
     where: list[ColumnElement[bool]] = [
         Fact.entity_slug == entity,
         Fact.is_audit.is_(False),

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import PlainSerializer
 
 from models import FACT_KINDS
+from worker.core.facts import entity_slug
 from worker.core.fusion import SearchLine
 from worker.search.errors import SearchError
 
@@ -75,6 +76,12 @@ class SearchFilters:
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in FACT_KINDS:
             raise SearchError(f"kind must be one of {', '.join(FACT_KINDS)}; got {self.kind!r}")
+        if self.entity is not None:
+            # Read with the rule facts are stored under: "People/Zoë Ångström" finds people/zoë-ångström.
+            slug = entity_slug(self.entity)
+            if slug is None:
+                raise SearchError(f"entity {self.entity!r} has no letters or digits; give an entity slug")
+            object.__setattr__(self, "entity", slug)
 
 
 @dataclass(frozen=True)

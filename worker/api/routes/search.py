@@ -16,6 +16,7 @@ from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import SourceIdField, SourceIdQuery, StorableStr
+from worker.core.facts import ENTITY_PATTERN
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
@@ -55,6 +56,13 @@ INCLUDE_HISTORY_DESCRIPTION = (
 AS_OF_DESCRIPTION = "Only facts that were true at this ISO 8601 time (what was true then)."
 
 
+ENTITY_DESCRIPTION = (
+    "Only facts about this entity slug; a name is read with the slug rule (People/Zoë Ångström is "
+    "people/zoë-ångström), so it needs a letter or digit."
+)
+ENTITY_FORMAT: dict[str, Any] = {"pattern": ENTITY_PATTERN}
+
+
 class SearchBody(BaseModel):
     """A search: a plain query or a query document of lex:/vec:/hyde:/intent: lines."""
 
@@ -68,7 +76,9 @@ class SearchBody(BaseModel):
     )
     intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
     source_id: SourceIdField | None = None
-    entity: StorableStr | None = Field(default=None, description="Only facts about this entity slug.")
+    entity: StorableStr | None = Field(
+        default=None, description=ENTITY_DESCRIPTION, min_length=1, json_schema_extra=ENTITY_FORMAT
+    )
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
     # JSON's own types (as FeedbackIn and transcripts): true is not a limit, nor "5" one. The bounds
@@ -94,7 +104,10 @@ class SearchParams:
     ]
     intent: Annotated[StorableStr | None, Query(max_length=500)] = None
     source_id: SourceIdQuery = None
-    entity: StorableStr | None = None
+    entity: Annotated[
+        StorableStr | None,
+        Query(description=ENTITY_DESCRIPTION, min_length=1, json_schema_extra=ENTITY_FORMAT),
+    ] = None
     kind: KindName | None = None
     since: datetime | None = None
     limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None
