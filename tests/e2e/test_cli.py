@@ -182,6 +182,9 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
         bad_id = cli(*command, check=False)
         assert bad_id.returncode == 2 and "Traceback" not in bad_id.stderr, command
         assert "Invalid value for" in bad_id.stderr and "9223372036854775807" in bad_id.stderr, command
+    # An unknown job kind listed nothing, as if there were no such jobs; --status already said so.
+    bad_kind = cli("jobs", "list", "--kind", "extracton", check=False)
+    assert bad_kind.returncode == 2 and "--kind must be one of extraction," in bad_kind.stderr
     # A source no page can have was a run, a search or a backfill of nothing; now a usage error.
     for command in (
         ["search", "alice", "--source-id", "a|b"],

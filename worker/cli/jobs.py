@@ -12,6 +12,7 @@ from worker.cli.console import fail, fields, folding_table, id_argument, out, pr
 from worker.cli.sessions import checked_factory
 from worker.jobs import queries
 from worker.jobs.outbox import enqueue as send_jobs
+from worker.jobs.registry import kind_names
 
 jobs_app = typer.Typer(help="Jobs: the outbox and its history.", no_args_is_help=True)
 
@@ -34,13 +35,15 @@ JOB_FIELDS = (
 @jobs_app.command("list")
 def jobs_list(
     status: Annotated[str | None, typer.Option(help="queued, running, paused, succeeded or failed.")] = None,
-    kind: Annotated[str | None, typer.Option()] = None,
+    kind: Annotated[str | None, typer.Option(help="extraction, compaction, consolidation, ...")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Recent jobs, newest first."""
     if status is not None and status not in JOB_STATUSES:
         raise fail(f"--status must be one of {', '.join(JOB_STATUSES)}", code=2)
+    if kind is not None and kind not in kind_names():
+        raise fail(f"--kind must be one of {', '.join(kind_names())}", code=2)
     with checked_factory()() as session:
         jobs = [
             fields(j, JOB_FIELDS) for j in queries.list_jobs(session, status=status, kind=kind, limit=limit)
