@@ -27,7 +27,7 @@ from tests.integration.test_consolidation import (
 from tests.integration.test_extraction import put_page
 from worker.api.app import create_app
 from worker.api.metrics import ConsolidationCollector
-from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
+from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import SearchFilters, search
 
@@ -126,3 +126,16 @@ def test_operators_undo_decisions_with_an_audit_row_and_metrics_count_them(conso
     assert samples[("restore", "operator")] == 1 and samples[("unmerge", "operator")] == 1
     statuses = {s.labels["status"]: s.value for s in families["factmill_facts_by_status"].samples}
     assert statuses["superseded"] == 0 and statuses["duplicate"] == 1 and statuses["current"] >= 4
+
+
+def test_a_bare_name_finds_the_timeline_or_the_entities_it_names(consolidated) -> None:
+    """`factmill facts history priya-raman` said "no facts" of people/priya-raman; a name in the slug
+    rule's form reads the timeline, and a bare last part is answered with the entities it names."""
+    with consolidated() as session:
+        by_slug = entity_timeline(session, ALICE)
+        assert by_slug and entity_timeline(session, "People/Alice Example") == by_slug
+        assert entity_timeline(session, "alice-example") == []
+        assert entities_named(session, "alice-example") == [ALICE]
+        assert entities_named(session, "Alice Example") == [ALICE]
+        assert entities_named(session, ALICE) == []  # it is the entity: nothing else to suggest
+        assert entities_named(session, "!!") == []

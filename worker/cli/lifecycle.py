@@ -8,7 +8,7 @@ import typer
 
 from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option
 from worker.cli.sessions import checked_factory
-from worker.consolidation.operators import UndoError, entity_timeline, restore, unmerge
+from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
 from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore, unconsolidated_entity_keys
 from worker.runtime import build_runtime
@@ -31,13 +31,15 @@ def history(
     Each fact with its status, interval, links and the reason of its last decision."""
     with checked_factory()() as session:
         entries = entity_timeline(session, entity, [source_id] if source_id else None)
+        named = [] if entries else entities_named(session, entity)
     if as_json:
         print_json(
             [vars(e) | {"valid_from": _day(e.valid_from), "valid_to": _day(e.valid_to)} for e in entries]
         )
         return
     if not entries:
-        out.print(f"no facts about {entity!r}")
+        hint = f"; did you mean {' or '.join(named)}?" if named else ""
+        out.print(f"no facts about {entity!r}{hint}")
         return
     table = folding_table("id", "status", "valid", "fact", "link", "why", title=f"{entity} · timeline")
     for e in entries:

@@ -34,6 +34,23 @@ class TimelineEntry:
     reason: str | None  # the latest decision's reason about this fact
 
 
+def entities_named(session: Session, name: str, limit: int = 5) -> list[str]:
+    """Entity slugs whose last part is ``name`` read with the slug rule (``priya-raman`` finds
+    people/priya-raman): what a reader who typed a bare name probably meant."""
+    slug = entity_slug(name)
+    if slug is None:
+        return []
+    last = slug.rsplit("/", 1)[-1]
+    query = (
+        select(Fact.entity_slug)
+        .where(Fact.entity_slug.endswith("/" + last, autoescape=True), ~Fact.is_audit)
+        .distinct()
+        .order_by(Fact.entity_slug)
+        .limit(limit)
+    )
+    return [s for s in session.scalars(query) if s and s != slug]
+
+
 def entity_timeline(
     session: Session, entity: str, source_ids: list[str] | None = None
 ) -> list[TimelineEntry]:
