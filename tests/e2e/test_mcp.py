@@ -115,6 +115,8 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
     entity = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"}))
     nul = await session.call_tool("search_facts", {"query": "lex: Lis\u0000bon"})
     piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
+    boolean = await session.call_tool("list_entity_facts", {"entity": "alice", "limit": True})
+    schemas = {tool.name: tool.input_schema for tool in (await session.list_tools()).tools}
     append = await session.call_tool(
         "append_transcript_messages",
         {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "Where does Alice live?"}]},
@@ -127,6 +129,8 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "append": append,
         "nul": nul,
         "piped": piped,
+        "boolean": boolean,
+        "schemas": schemas,
     }
 
 
@@ -139,6 +143,9 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert seen["entity"]["total"] == 3
     assert "must not contain NUL" in _error_text(seen["nul"])  # refused as input, not a server error
     assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
+    assert "valid integer" in _error_text(seen["boolean"])  # true is not a limit of 1
+    limit = seen["schemas"]["list_entity_facts"]["properties"]["limit"]
+    assert (limit["type"], limit["minimum"], limit["maximum"]) == ("integer", 1, 1000)  # bounds a client sees
     refused = _error_text(seen["append"])
     assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
 

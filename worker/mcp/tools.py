@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import AfterValidator as After
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
 
 from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.access.ratelimit import PerKeyLimiter
@@ -31,7 +31,7 @@ from worker.compaction import (
 )
 from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
-from worker.core.jsonvalues import storable_text
+from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import check_source_id
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 from worker.jobs import outbox
@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 Text = Annotated[str, After(storable_text)]
 SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
+# JSON's integers, as the API's bodies take them: true is not a limit (1.0 is an integer in JSON). The
+# bounds go before the validator, so that the tool's schema states them as minimum/maximum.
+JSON_INTEGER = BeforeValidator(json_integer)
+Offset = Annotated[
+    int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
+]
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 
 
@@ -136,7 +142,10 @@ class FactmillTools:
         since: Annotated[
             datetime | None, Field(description="Only facts valid (or written) since this ISO 8601 time.")
         ] = None,
-        limit: Annotated[int | None, Field(ge=1, le=MAX_LIMIT, description="At most this many.")] = None,
+        limit: Annotated[
+            Annotated[int, Strict(), Field(ge=1, le=MAX_LIMIT), JSON_INTEGER] | None,
+            Field(description="At most this many."),
+        ] = None,
         expand: Annotated[
             StrictBool, Field(description="Let an LLM add related searches to a plain query.")
         ] = True,
@@ -181,8 +190,10 @@ class FactmillTools:
         self,
         entity: Annotated[Text, Field(min_length=1, description="The entity slug, e.g. 'alice'.")],
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
-        limit: Annotated[int, Field(ge=1, le=1000, description="At most this many facts.")] = 100,
-        offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
+        limit: Annotated[
+            int, Strict(), Field(ge=1, le=1000), JSON_INTEGER, Field(description="At most this many facts.")
+        ] = 100,
+        offset: Offset = 0,
         include_history: Annotated[
             StrictBool,
             Field(description="Also superseded and duplicate facts (the timeline); default current."),
@@ -211,8 +222,10 @@ class FactmillTools:
             Text, Field(min_length=1, description="The page's slug, e.g. 'conversations/alice'.")
         ],
         source_id: Annotated[Text, Field(min_length=1, description="The page's source.")] = "default",
-        limit: Annotated[int, Field(ge=1, le=10_000, description="At most this many facts.")] = 1000,
-        offset: Annotated[int, Field(ge=0, le=2**62, description="Skip this many (paging).")] = 0,
+        limit: Annotated[
+            int, Strict(), Field(ge=1, le=10_000), JSON_INTEGER, Field(description="At most this many facts.")
+        ] = 1000,
+        offset: Offset = 0,
     ) -> PageFactsPage:
         """The facts extracted from one page (a stored conversation), in the order they were found."""
         if not self.principal().sees(source_id):
