@@ -30,7 +30,7 @@ depends_on: str | Sequence[str] | None = None
 
 logger = logging.getLogger("alembic.runtime.migration")
 
-# Keep in step with models.fact.SEARCH_VECTOR_SQL (the drift test compares them).
+# The column as 0003 built it; 0021 rebuilds it with accents folded (models.fact.SEARCH_VECTOR_SQL).
 SEARCH_VECTOR_SQL = (
     "setweight(to_tsvector('simple'::regconfig, fact), 'A') || "
     "setweight(to_tsvector('simple'::regconfig, COALESCE(entity_slug, '')), 'B') || "

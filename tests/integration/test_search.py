@@ -279,6 +279,42 @@ def test_lexical_top_1(
     assert 0 < outcome.results[0].lex_score < 1  # type: ignore[operator]
 
 
+ACCENTED = [
+    ("zoe-chat", "Zoë Ångström is moving to Lisbon in July", "people/zoë-ångström"),
+    ("sofia-chat", "Sofía Castillo booked the venue in Núñez", "people/sofía-castillo"),
+    ("soren-chat", "Søren Østergaard flew to Łódź for the conference", "people/søren-østergaard"),
+    ("minji-chat", "김민지 moved to 서울 last spring", "people/김민지"),
+    ("plain-chat", "Zoe from accounting likes the new coffee machine", "people/zoe-park"),
+]
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("lex: zoe angstrom", {"Zoë Ångström is moving to Lisbon in July"}),
+        (
+            "lex: Zoë",
+            {"Zoë Ångström is moving to Lisbon in July", "Zoe from accounting likes the new coffee machine"},
+        ),
+        ("lex: sofia castillo", {"Sofía Castillo booked the venue in Núñez"}),
+        ('lex: "in nunez"', {"Sofía Castillo booked the venue in Núñez"}),  # a phrase folds too
+        ("lex: lodz", {"Søren Østergaard flew to Łódź for the conference"}),
+        ("lex: zoe -angstrom", {"Zoe from accounting likes the new coffee machine"}),  # and an exclusion
+        ("lex: 서울", {"김민지 moved to 서울 last spring"}),  # Hangul is decomposed, then recomposed
+        ("lex: ostergaa", {"Søren Østergaard flew to Łódź for the conference"}),  # a prefix
+    ],
+)
+def test_lexical_search_folds_accents_on_both_sides(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, query: str, expected: set[str]
+) -> None:
+    """Words were matched as written: "zoe" or "sofia castillo" found nothing where facts say Zoë
+    Ångström and Sofía Castillo (migration 0021's search_fold)."""
+    rows = [_row("default", page, 0, fact, "fact", entity, "", None) for page, fact, entity in ACCENTED]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+    assert set(facts_of(search(plain_factory, llm, query))) == expected
+
+
 def test_lexical_top_5_are_the_entitys_facts(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -59,8 +59,8 @@ _STATUS = text(
 )
 _PARSE_ITEMS = text(
     "SELECT u.i, CASE WHEN u.k = 'w' "
-    "THEN array_to_string(tsvector_to_array(to_tsvector('simple', u.t)), chr(31)) "
-    "ELSE phraseto_tsquery('simple', u.t)::text END "
+    "THEN array_to_string(tsvector_to_array(to_tsvector('simple', search_fold(u.t))), chr(31)) "
+    "ELSE phraseto_tsquery('simple', search_fold(u.t))::text END "
     "FROM unnest(CAST(:kinds AS text[]), CAST(:texts AS text[])) WITH ORDINALITY AS u(k, t, i) "
     "ORDER BY u.i"
 )
@@ -266,8 +266,9 @@ def _lexical(session: Session, query: str, filters: SearchFilters, limit: int) -
 
 
 def _parse_items(session: Session, items: Sequence[LexItem]) -> list[str | None]:
-    """Each item through Postgres's own parser (so "v1.2" or "alice-smith" split exactly as the
-    indexed text did): a word's lexemes joined by chr(31), a phrase's tsquery text."""
+    """Each item through Postgres's own parser and accent folding (so "v1.2" or "alice-smith" split,
+    and "Zoë" folds, exactly as the indexed text did): a word's lexemes joined by chr(31), a phrase's
+    tsquery text."""
     rows = session.execute(
         _PARSE_ITEMS, {"kinds": [item.kind for item in items], "texts": [item.text for item in items]}
     ).all()
