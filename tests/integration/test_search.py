@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -23,6 +25,7 @@ from tests.auth import send_key
 from tests.conftest import BACKENDS, fresh_database, rolled_back
 from worker import db
 from worker.config_store import ConfigReader
+from worker.core.folding import fold_accents
 from worker.core.intent import QueryParseError
 from worker.embedded import to_sqlalchemy_url
 from worker.embedded.base import quiet_runtime_dir
@@ -313,6 +316,29 @@ def test_lexical_search_folds_accents_on_both_sides(
     with plain_factory.begin() as session:
         session.execute(insert(Fact), rows)
     assert set(facts_of(search(plain_factory, llm, query))) == expected
+
+
+# Assigned, storable characters (no NUL, no surrogates): Python's and Postgres's Unicode tables may
+# differ on characters assigned later.
+FOLDABLE = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs", "Cn"), blacklist_characters="\x00"), max_size=40
+)
+
+
+def test_python_folds_accents_as_sql_does(plain_factory: sessionmaker[Session]) -> None:
+    """Snippets fold in Python (worker.core.folding), the index and queries in SQL (search_fold): the
+    two must agree, or a snippet would miss the line the search matched."""
+    fixed = ["Zoë Ångström", "Søren Østergaard Łódź Đà Nẵng", "Ἀθῆναι", "한국어 が", "हिन्दी", "ﬁ ½ Ⅻ"]
+    with plain_factory() as session:
+
+        @settings(max_examples=300, deadline=None, database=None)
+        @given(FOLDABLE)
+        def agree(value: str) -> None:
+            assert session.scalar(text("SELECT search_fold(:v)"), {"v": value}) == fold_accents(value)
+
+        for value in fixed:
+            assert session.scalar(text("SELECT search_fold(:v)"), {"v": value}) == fold_accents(value), value
+        agree()
 
 
 def test_lexical_top_5_are_the_entitys_facts(

@@ -7,6 +7,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
+from worker.core.folding import fold_accents
+
 __all__ = [
     "CHUNK_SIZE_CHARS",
     "INTENT_STOP_WORDS",
@@ -117,9 +119,13 @@ def _query_terms(query: str) -> list[str]:
 
 
 def _best_line(lines: list[str], query_terms: list[str], intent_terms: list[str]) -> tuple[int, float]:
+    # Accents folded on both sides, as lexical search matches (so "zoe" finds the line of Zoë); a
+    # departure from qmd, which compared them as written, that changes nothing for ASCII text.
+    query_terms = [fold_accents(term) for term in query_terms]
+    intent_terms = [fold_accents(term) for term in intent_terms]
     best_index, best_score = 0, -1.0
     for index, line in enumerate(lines):
-        lowered = line.lower()
+        lowered = fold_accents(line.lower())
         score = 0.0
         for term in query_terms:
             if term in lowered:
