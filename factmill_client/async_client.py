@@ -155,6 +155,21 @@ class AsyncClient:
                 raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f} s")
             await asyncio.sleep(interval)
 
+    async def list_pages(
+        self,
+        *,
+        source_id: str | None = None,
+        slug_prefix: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> models.PageList:
+        return await self.send(calls.list_pages(source_id, slug_prefix, limit, after))
+
+    def iter_pages(
+        self, *, source_id: str | None = None, slug_prefix: str | None = None, page_size: int = 500
+    ) -> AsyncIterator[models.PageSummary]:
+        return self.iterate(calls.pages_paging(source_id, slug_prefix, page_size))
+
     async def page_facts(
         self,
         source_id: str,

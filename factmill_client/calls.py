@@ -158,6 +158,24 @@ def list_jobs(
     return Call("GET", "/v1/jobs", models.JobList, params=params)
 
 
+def list_pages(
+    source_id: str | None, slug_prefix: str | None, limit: int, after: str | None
+) -> Call[models.PageList]:
+    params = _query(source_id=source_id, slug_prefix=slug_prefix, limit=limit, after=after)
+    return Call("GET", "/v1/pages", models.PageList, params=params)
+
+
+def pages_paging(
+    source_id: str | None, slug_prefix: str | None, page_size: int
+) -> Paging[models.PageList, models.PageSummary]:
+    """By source and slug, after the last page seen, so pages stored meanwhile never shift a page."""
+
+    def after(page: models.PageList, _seen: int) -> Call[models.PageList] | None:
+        return list_pages(source_id, slug_prefix, page_size, page.next_after) if page.next_after else None
+
+    return Paging(list_pages(source_id, slug_prefix, page_size, None), lambda page: page.pages, after)
+
+
 def page_facts(
     source_id: str, slug: str, limit: int, offset: int, history: Mapping[str, Any] | None = None
 ) -> Call[models.PageFactsPage]:

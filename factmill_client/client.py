@@ -168,6 +168,23 @@ class Client:
 
     # ------------------------------------------------------------------ facts, search, pages
 
+    def list_pages(
+        self,
+        *,
+        source_id: str | None = None,
+        slug_prefix: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> models.PageList:
+        """One page of the stored pages, by source and slug; ``after`` is the previous one's next_after."""
+        return self.send(calls.list_pages(source_id, slug_prefix, limit, after))
+
+    def iter_pages(
+        self, *, source_id: str | None = None, slug_prefix: str | None = None, page_size: int = 500
+    ) -> Iterator[models.PageSummary]:
+        """Every stored page (of ``source_id``, under ``slug_prefix``), by source and slug."""
+        return self.iterate(calls.pages_paging(source_id, slug_prefix, page_size))
+
     def page_facts(
         self,
         source_id: str,

@@ -50,6 +50,22 @@ class PageErased(Model):
     jobs_cancelled: int
 
 
+class PageSummary(Model):
+    source_id: str
+    slug: str
+    type: str
+    title: str
+    updated_at: datetime
+    facts: int
+    last_job_id: int | None
+    last_job_status: str | None
+
+
+class PageList(Model):
+    pages: list[PageSummary]
+    next_after: str | None
+
+
 # ---------------------------------------------------------------------------- jobs
 
 
@@ -304,7 +320,9 @@ __all__ = [
     "Model",
     "PageErased",
     "PageFactsPage",
+    "PageList",
     "PageRef",
+    "PageSummary",
     "PagesAccepted",
     "SearchLineOut",
     "SearchOut",

@@ -156,6 +156,27 @@ def test_iter_jobs_follows_the_cursor_over_more_jobs_than_a_page(service: Servic
     assert cursors == [None, str(jobs[2].id), str(jobs[5].id)]
 
 
+def test_iter_pages_follows_the_cursor_and_a_source_limited_key_sees_its_own(service: Service, factory):
+    """GET /v1/pages: by source and slug, each with its current facts and last extraction job."""
+    listed = [dict(page(n), source_id="lister", slug=f"lister/p{n}") for n in range(5)]
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        accepted = sender.ingest_pages([*listed, dict(page(9), source_id="other", slug="other/p9")])
+    transport = Recording()
+    with Client(service.base_url, api_key=new_key(factory, ["read"]), transport=transport) as reader:
+        settle(reader, [job.job_id for job in accepted.jobs])
+        pages = list(reader.iter_pages(source_id="lister", page_size=2))
+        under = reader.list_pages(source_id="lister", slug_prefix="lister/p3")
+    assert [p.slug for p in pages] == [f"lister/p{n}" for n in range(5)]
+    assert all(p.last_job_status == "succeeded" and p.facts >= 1 for p in pages), pages
+    assert [p.slug for p in under.pages] == ["lister/p3"] and under.next_after is None
+    cursors = [r.url.params.get("after") for r in transport.requests if r.url.path == "/v1/pages"]
+    assert cursors[:3] == [None, "lister|lister/p1", "lister|lister/p3"]
+    with Client(service.base_url, api_key=new_key(factory, ["read"], source_ids=["other"])) as limited:
+        assert [p.slug for p in limited.list_pages().pages] == ["other/p9"]
+        with pytest.raises(PermissionDenied):
+            limited.list_pages(source_id="lister")
+
+
 def test_admin_calls_config_and_erasure(service: Service, factory):
     with Client(service.base_url, webhook_secret=SECRET) as sender:
         [job] = sender.ingest_page(page(30)).jobs

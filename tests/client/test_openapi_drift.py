@@ -32,6 +32,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.delete_page, ("s", "a/b")),
     (calls.get_job, (1,)),
     (calls.list_jobs, ("queued", "extraction", 1, 2)),
+    (calls.list_pages, ("s", "a/", 1, "s|a/b")),
     (calls.page_facts, ("s", "a/b", 1, 0)),
     (calls.search, ("q", {})),
     (calls.get_config, ("k",)),

@@ -75,6 +75,14 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli):
     assert missing.returncode == 1 and "no page 'conversations/nope' in source 'default'" in missing.stderr
     unchanged = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
     assert len(unchanged["unchanged"]) == 23 and unchanged["ingested"] == []
+    # What is stored: every page, by slug, with its current facts and the job ingest queued for it.
+    listed = as_json(cli("pages", "list", "--limit", "20", "--json"))
+    assert len(listed["pages"]) == 20 and listed["next_after"] == f"default|{listed['pages'][-1]['slug']}"
+    rest = as_json(cli("pages", "list", "--after", listed["next_after"], "--json"))
+    slugs = [p["slug"] for p in listed["pages"] + rest["pages"]]
+    assert len(slugs) == 23 and slugs == sorted(slugs) and rest["next_after"] is None
+    [alice] = [p for p in listed["pages"] + rest["pages"] if p["slug"] == slug]
+    assert alice["facts"] == len(facts) and alice["last_job_status"] == "queued"  # --no-enqueue
 
 
 def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):

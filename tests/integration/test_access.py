@@ -42,6 +42,7 @@ ROUTES = [
     ("GET", "/v1/transcripts/t1/context", "read"),
     ("GET", "/v1/transcripts/t1/compactions", "read"),
     ("GET", "/v1/calibration", "read"),
+    ("GET", "/v1/pages", "read"),
     ("POST", "/v1/pages", "ingest"),
     ("POST", "/v1/transcripts/t1/messages", "ingest"),
     ("PUT", "/v1/transcripts/t1", "ingest"),

@@ -108,6 +108,9 @@ UNSIGNED = [
     ("GET", "/v1/search?q=a&source_id=a%7Cb", "not a source id"),  # '|' separates sources in keys
     ("GET", "/v1/search?q=a&source_id=%20a", "not a source id"),
     ("GET", "/v1/search?q=a&entity=%00", "entity"),
+    ("GET", "/v1/pages?after=no-pipe", "source|slug"),
+    ("GET", "/v1/pages?source_id=a%7Cb", "not a source id"),
+    ("GET", "/v1/pages?slug_prefix=a%00", "slug_prefix"),
     ("GET", "/v1/transcripts/t%00", "transcript_id"),
     ("GET", "/v1/transcripts/t/messages?after_seq=" + BIG_INT4, "after_seq"),
     ("GET", "/v1/transcripts/t/compactions?before_id=" + BIG, "before_id"),

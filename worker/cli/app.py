@@ -149,7 +149,7 @@ COMMANDS = (
         "pages",
         "worker.cli.pages",
         "pages_app",
-        "Manage stored pages.",
+        "Stored pages: list them, erase one.",
     ),
     CommandEntry(
         "calibration",

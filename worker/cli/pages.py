@@ -1,15 +1,19 @@
-"""`factmill ingest` (store page files, queue an extraction job per changed page) and `factmill pages`."""
+"""`factmill ingest` (store page files, queue an extraction job per changed page) and `factmill pages`
+(list and erase stored pages)."""
 
 from __future__ import annotations
 
 import unicodedata
+from datetime import UTC
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, out, print_json, source_option
+from models.reads import read_only
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
+from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages
 from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths
 from worker.jobs.outbox import enqueue as send_jobs
@@ -48,7 +52,43 @@ def ingest(
         raise typer.Exit(1)
 
 
-pages_app = typer.Typer(help="Manage stored pages.", no_args_is_help=True)
+pages_app = typer.Typer(help="Stored pages: list them, erase one.", no_args_is_help=True)
+
+
+@pages_app.command("list")
+def pages_list(
+    source_id: Annotated[str | None, source_option(help="Only pages of this source.")] = None,
+    slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=MAX_LISTED_PAGES)] = 100,
+    after: Annotated[
+        str | None, typer.Option(help="Continue after this source|slug (the last line of a listing).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Stored pages by source and slug: type, title, current facts, last extraction job."""
+    try:
+        with read_only(checked_factory()) as session:
+            listed = list_pages(
+                session,
+                source_ids=[source_id] if source_id else None,
+                slug_prefix=slug_prefix,
+                limit=limit,
+                after=after,
+            )
+    except ValueError as exc:
+        raise fail(str(exc), code=2) from exc
+    if as_json:
+        print_json(listed.model_dump(mode="json"), ensure_ascii=False)
+        return
+    table = folding_table("source", "slug", "type", "facts", "last job", "updated")
+    table.columns[5].no_wrap = True  # the time on one line; the slug takes what is left
+    for page in listed.pages:
+        job = f"{page.last_job_id} {page.last_job_status}" if page.last_job_id else "—"
+        updated = page.updated_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+        table.add_row(page.source_id, page.slug, page.type, str(page.facts), job, updated)
+    out.print(table)
+    if listed.next_after:
+        out.print(f"more: --after '{listed.next_after}'", highlight=False)
 
 
 @pages_app.command("erase")

@@ -1,4 +1,5 @@
-"""GET /v1/pages/{source_id}/{slug}/facts: the facts extracted from one page (never its audit rows)."""
+"""Reading pages: GET /v1/pages (the stored pages, listed) and GET /v1/pages/{source_id}/{slug}/facts
+(the facts extracted from one page, never its audit rows)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,52 @@ from models.reads import read_only
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import OffsetQuery, StorableStr
+from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
+from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
 from worker.extraction.facts import PageFactsPage, read_page_facts
 
 facts_router = APIRouter(tags=["facts"])
+
+
+@facts_router.get(
+    "/v1/pages",
+    response_model=PageList,
+    responses=error_responses(401, 403),
+    summary="The stored pages, by source and slug, with their current facts and last extraction job",
+    tags=["pages"],
+)
+def pages(
+    ctx: Context,
+    principal: Reader,
+    source_id: SourceIdQuery = None,
+    slug_prefix: Annotated[StorableStr | None, Query(max_length=500)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LISTED_PAGES)] = 100,
+    after: Annotated[
+        StorableStr | None,
+        Query(
+            max_length=701,
+            json_schema_extra={"pattern": r"^[^|]+\|"},  # checked by list_pages (a 422)
+            description="next_after of the previous answer: the pages after that one",
+        ),
+    ] = None,
+) -> PageList:
+    """A key limited to some sources lists only theirs; asking for another source is 403."""
+    if source_id is not None and not principal.sees(source_id):
+        raise ApiError(403, f"this key may not read source {source_id!r}")
+    sources = [source_id] if source_id is not None else principal.source_ids
+    try:
+        with read_only(ctx.factory) as session:
+            return list_pages(
+                session,
+                source_ids=sorted(sources) if sources is not None else None,
+                slug_prefix=slug_prefix,
+                limit=limit,
+                after=after,
+            )
+    except ValueError as exc:
+        raise ApiError(422, str(exc)) from None
 
 
 @facts_router.get(

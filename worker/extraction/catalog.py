@@ -1,0 +1,101 @@
+"""The stored pages, listed: what was ingested, how many current facts each holds, and its last
+extraction job (GET /v1/pages and `factmill pages list`). The caller owns the session."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from pydantic import BaseModel
+from sqlalchemy import ColumnElement, func, literal, select, true, tuple_
+from sqlalchemy.orm import Session
+
+from models.tables import FACTS, JOBS, PAGES
+from worker.jobs.outbox import EXTRACTION, split_page_subject
+
+MAX_LISTED_PAGES = 1000
+
+
+class PageSummary(BaseModel):
+    """One stored page: its name, what it is, its current facts and its last extraction job."""
+
+    source_id: str
+    slug: str
+    type: str
+    title: str
+    updated_at: datetime
+    facts: int
+    last_job_id: int | None
+    last_job_status: str | None
+
+
+class PageList(BaseModel):
+    pages: list[PageSummary]
+    # The cursor of the next page of results (``source|slug`` of the last page listed), or None at the end.
+    next_after: str | None
+
+
+def _subject() -> ColumnElement[str]:
+    """The extraction job subject of each page, in SQL (worker.jobs.outbox.page_subject)."""
+    return PAGES.c.source_id + literal("|") + PAGES.c.slug
+
+
+def list_pages(
+    session: Session,
+    *,
+    source_ids: Sequence[str] | None = None,
+    slug_prefix: str | None = None,
+    limit: int = 100,
+    after: str | None = None,
+) -> PageList:
+    """Pages ordered by (source, slug), ``limit`` at most, from ``source_ids`` only when given, after the
+    cursor ``after`` (a ``source|slug`` the previous list ended with): the unique index's order, so a
+    page stored meanwhile never shifts the pages already read. ValueError for a malformed cursor."""
+    facts = (
+        select(func.count())
+        .where(
+            FACTS.c.source_id == PAGES.c.source_id,
+            FACTS.c.source_markdown_slug == PAGES.c.slug,
+            FACTS.c.is_audit.is_(False),
+            FACTS.c.status == "current",
+        )
+        .scalar_subquery()
+    )
+    last_job = (
+        select(JOBS.c.id, JOBS.c.status)
+        .where(JOBS.c.kind == EXTRACTION, JOBS.c.subject == _subject())
+        .order_by(JOBS.c.id.desc())
+        .limit(1)
+        .lateral()
+    )
+    query = (
+        select(
+            PAGES.c.source_id,
+            PAGES.c.slug,
+            PAGES.c.type,
+            PAGES.c.title,
+            PAGES.c.updated_at,
+            facts.label("facts"),
+            last_job.c.id.label("last_job_id"),
+            last_job.c.status.label("last_job_status"),
+        )
+        .outerjoin(last_job, true())
+        .order_by(PAGES.c.source_id, PAGES.c.slug)
+        .limit(limit)
+    )
+    if source_ids is not None:
+        query = query.where(PAGES.c.source_id.in_(list(source_ids)))
+    if slug_prefix:
+        query = query.where(PAGES.c.slug.startswith(slug_prefix, autoescape=True))
+    if after is not None:
+        if "|" not in after:
+            raise ValueError(f"after must be a source|slug (a listing's next_after), got {after!r}")
+        source_id, slug = split_page_subject(after)
+        position = tuple_(PAGES.c.source_id, PAGES.c.slug)
+        query = query.where(position > tuple_(literal(source_id), literal(slug)))
+    pages = [PageSummary.model_validate(row._mapping) for row in session.execute(query)]
+    full = len(pages) == limit
+    return PageList(pages=pages, next_after=f"{pages[-1].source_id}|{pages[-1].slug}" if full else None)
+
+
+__all__ = ["MAX_LISTED_PAGES", "PageList", "PageSummary", "list_pages"]
