@@ -30,7 +30,7 @@ from worker.access import revoke_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-READ_TOOLS = {"search_facts", "list_entity_facts", "list_page_facts", "get_transcript_context"}
+READ_TOOLS = {"search_facts", "list_entity_facts", "list_pages", "list_page_facts", "get_transcript_context"}
 WRITE_TOOLS = {"append_transcript_messages", "record_summary_feedback"}
 FACTS = [
     ("Alice moved to Lisbon in March 2024", "event"),
@@ -113,6 +113,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"})
     )
     entity = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"}))
+    listed = _payload(await session.call_tool("list_pages", {}))
     nul = await session.call_tool("search_facts", {"query": "lex: Lis\u0000bon"})
     piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
     boolean = await session.call_tool("list_entity_facts", {"entity": "alice", "limit": True})
@@ -130,6 +131,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "nul": nul,
         "piped": piped,
         "boolean": boolean,
+        "listed": listed,
         "schemas": schemas,
     }
 
@@ -141,6 +143,10 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert "Alice moved to Lisbon in March 2024" in facts and "Frank opened the Lisbon office" in facts
     assert [f["fact"] for f in seen["page"]["facts"]] == [text for text, _ in FACTS]
     assert seen["entity"]["total"] == 3
+    assert [(p["source_id"], p["slug"], p["facts"]) for p in seen["listed"]["pages"]] == [
+        ("default", "alice-chat", 3),
+        ("work", "work-notes", 1),
+    ]
     assert "must not contain NUL" in _error_text(seen["nul"])  # refused as input, not a server error
     assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
     assert "valid integer" in _error_text(seen["boolean"])  # true is not a limit of 1
@@ -186,14 +192,18 @@ async def _sources_only(session: ClientSession) -> dict[str, Any]:
     tools = {tool.name for tool in (await session.list_tools()).tools}
     found = _payload(await session.call_tool("search_facts", {"query": "lex: Lisbon"}))
     other = await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"})
-    return {"tools": tools, "found": found, "other": other}
+    listed = _payload(await session.call_tool("list_pages", {}))
+    refused = await session.call_tool("list_pages", {"source_id": "default"})
+    return {"tools": tools, "found": found, "other": other, "listed": listed, "refused": refused}
 
 
 def test_a_source_limited_key_sees_only_its_sources_facts(env, factory):
     key = new_key(factory, ["read", "ingest"], source_ids=["work"])
     seen = _run_stdio(env, key, _sources_only)
     # Transcripts and feedback are not partitioned by source: a source-limited key gets neither.
-    assert seen["tools"] == {"search_facts", "list_entity_facts", "list_page_facts"}
+    assert seen["tools"] == {"search_facts", "list_entity_facts", "list_pages", "list_page_facts"}
+    assert [p["slug"] for p in seen["listed"]["pages"]] == ["work-notes"]
+    assert "may not read source 'default'" in _error_text(seen["refused"])
     assert [r["fact"] for r in seen["found"]["results"]] == ["Frank opened the Lisbon office"]
     assert "may not read source 'default'" in _error_text(seen["other"])
 

@@ -17,6 +17,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import AfterValidator as After
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
 
+from models.reads import read_only
 from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.access.ratelimit import PerKeyLimiter
 from worker.calibration import ObservationError, ObservationIn, add_observation
@@ -33,6 +34,7 @@ from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import check_source_id
+from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
@@ -216,6 +218,37 @@ class FactmillTools:
                 lifecycle=Lifecycle(include_history=include_history),
             )
 
+    def list_pages(
+        self,
+        source_id: Annotated[SourceIdFilter | None, Field(description="Only pages of this source.")] = None,
+        slug_prefix: Annotated[
+            Text | None, Field(max_length=500, description="Only pages whose slug starts with this.")
+        ] = None,
+        limit: Annotated[
+            int,
+            Strict(),
+            Field(ge=1, le=MAX_LISTED_PAGES),
+            JSON_INTEGER,
+            Field(description="At most this many."),
+        ] = 100,
+        after: Annotated[
+            Text | None, Field(max_length=701, description="next_after of the previous answer, to go on.")
+        ] = None,
+    ) -> PageList:
+        """The stored pages (conversations) by source and slug, each with its current facts and its last
+        extraction job. Use it to find a page's slug for list_page_facts."""
+        with _refusals():
+            sources = readable_sources(self.principal(), source_id)
+        if source_id is not None:
+            sources = (source_id,)
+        try:
+            with read_only(self.runtime.factory) as session:
+                return list_pages(
+                    session, source_ids=sources, slug_prefix=slug_prefix, limit=limit, after=after
+                )
+        except ValueError as exc:
+            raise ToolError(str(exc)) from None
+
     def list_page_facts(
         self,
         slug: Annotated[
@@ -333,6 +366,7 @@ class FactmillTools:
         return [
             (self.search_facts, Access("read"), True),
             (self.list_entity_facts, Access("read"), True),
+            (self.list_pages, Access("read"), True),
             (self.list_page_facts, Access("read"), True),
             (self.get_transcript_context, Access("read", "transcripts"), True),
             (self.append_transcript_messages, Access("ingest", "transcripts"), False),
