@@ -202,6 +202,9 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
     ):
         bad_source = cli(*command, check=False)
         assert bad_source.returncode == 2 and "is not a source id" in bad_source.stderr, command
+    # An extraction of a source with no page ran as a run of nothing; it still runs, and says why.
+    nothing = cli("extract", "--source-id", "no-such-source", check=False)
+    assert nothing.returncode == 0 and "no page in source 'no-such-source' to extract" in nothing.stderr
     # A backfill that matches no stored page plans nothing: said so, nothing queued.
     empty = cli("backfill", "--source", "no-such-source", check=False)
     assert empty.returncode == 1 and "no page in source 'no-such-source'" in empty.stderr

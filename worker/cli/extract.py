@@ -179,5 +179,12 @@ def extract(
         print_json(counters.as_dict())
     else:
         print_counters(counters, time.perf_counter() - started)
+    if not counters.pages_considered:
+        # A source typed wrong ran as a run of nothing; say so (not an error: a new install is empty).
+        err.print(
+            f"no page in source {source_id!r} to extract: none is stored there, or none is of a type "
+            "extraction reads (config extraction.page_types); `factmill ingest` stores pages",
+            highlight=False,
+        )
     if counters.pages_failed:
         raise typer.Exit(4)
