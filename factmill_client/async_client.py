@@ -217,6 +217,9 @@ class AsyncClient:
     async def delete_page(self, source_id: str, slug: str) -> models.PageErased:
         return await self.send(calls.delete_page(source_id, slug))
 
+    async def list_config(self) -> models.ConfigList:
+        return await self.send(calls.list_config())
+
     async def get_config(self, key: str) -> models.ConfigOut:
         return await self.send(calls.get_config(key))
 

@@ -194,6 +194,10 @@ def search(q: str, filters: Mapping[str, Any]) -> Call[models.SearchOut]:
     )
 
 
+def list_config() -> Call[models.ConfigList]:
+    return Call("GET", "/v1/config", models.ConfigList)
+
+
 def get_config(key: str) -> Call[models.ConfigOut]:
     return Call("GET", f"/v1/config/{segment(key)}", models.ConfigOut)
 

@@ -238,6 +238,10 @@ class Client:
 
     # ------------------------------------------------------------------ config (admin)
 
+    def list_config(self) -> models.ConfigList:
+        """Every key workers read, set or not, and any set key nothing reads (admin scope)."""
+        return self.send(calls.list_config())
+
     def get_config(self, key: str) -> models.ConfigOut:
         return self.send(calls.get_config(key))
 

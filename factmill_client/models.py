@@ -160,6 +160,11 @@ class ConfigSetOut(ConfigOut):
     resumed: int = 0
 
 
+class ConfigList(Model):
+    config: list[ConfigOut]
+    unread: list[str]
+
+
 # ---------------------------------------------------------------------------- search
 
 
@@ -306,6 +311,7 @@ class ErrorOut(Model):
 __all__ = [
     "AppendOut",
     "CompactionRequested",
+    "ConfigList",
     "ConfigOut",
     "ConfigSetOut",
     "ContextMessageOut",

@@ -185,6 +185,10 @@ def test_admin_calls_config_and_erasure(service: Service, factory):
         assert admin.get_config("facts.extraction_enabled").enabled is True
         assert admin.set_config("extraction.max_segment_failures", 5).value == "5"
         assert admin.get_config("extraction.max_segment_failures").value == "5"
+        # The whole table: every key workers read, set or not (GET /v1/config).
+        listed = {c.key: c for c in admin.list_config().config}
+        assert listed["extraction.max_segment_failures"].value == "5"
+        assert listed["facts.extraction_enabled"].enabled is True and "llm.prices" in listed
         assert admin.unset_config("extraction.max_segment_failures").value is None
         with pytest.raises(NotFound):  # a known key, no longer set
             admin.get_config("extraction.max_segment_failures")

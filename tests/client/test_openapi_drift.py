@@ -36,6 +36,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.page_facts, ("s", "a/b", 1, 0)),
     (calls.search, ("q", {})),
     (calls.get_config, ("k",)),
+    (calls.list_config, ()),
     (calls.get_transcript, ("t",)),
     (calls.get_context, ("t",)),
     (calls.list_messages, ("t", 1, 1)),

@@ -47,6 +47,7 @@ ROUTES = [
     ("POST", "/v1/transcripts/t1/messages", "ingest"),
     ("PUT", "/v1/transcripts/t1", "ingest"),
     ("POST", "/v1/feedback", "ingest"),
+    ("GET", "/v1/config", "admin"),
     ("GET", "/v1/config/facts.extraction_enabled", "admin"),
     ("PUT", "/v1/config/facts.extraction_enabled", "admin"),
     ("DELETE", "/v1/config/facts.extraction_enabled", "admin"),

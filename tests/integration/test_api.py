@@ -26,7 +26,7 @@ from worker.api.app import create_app
 from worker.api.deliveries import scoped_key
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
-from worker.config_store import ConfigReader
+from worker.config_store import CONFIG_KEYS, ConfigReader
 from worker.core.signing import sign
 from worker.extraction.pages import PageIn
 from worker.jobs.maintenance import maintain
@@ -759,6 +759,16 @@ def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
         paused_id = paused.id
         session.add(ConfigEntry(key="facts.extraction_enable", value="false"))  # kept from before checks
     assert committed_client.delete(key).status_code == 401
+    # The whole table (GET /v1/config): every key workers read, in CONFIG_KEYS' order, then the unread.
+    table = committed_client.get("/v1/config", headers=ADMIN_HEADERS).json()
+    assert [c["key"] for c in table["config"]] == [*CONFIG_KEYS, "facts.extraction_enable"]
+    assert table["unread"] == ["facts.extraction_enable"]
+    listed = {c["key"]: c for c in table["config"]}
+    assert (listed["facts.extraction_enabled"]["value"], listed["facts.extraction_enabled"]["enabled"]) == (
+        "off",
+        False,
+    )
+    assert listed["compaction.enabled"]["enabled"] is True and listed["llm.prices"]["value"] is None
     response = committed_client.delete(key, headers=ADMIN_HEADERS)
     assert response.status_code == 200, response.text
     assert {k: response.json()[k] for k in ("value", "enabled", "resumed")} == {

@@ -1,4 +1,4 @@
-"""GET and PUT /v1/config/{key}: kill switches and tunables, behind the admin bearer token."""
+"""GET /v1/config and GET, PUT and DELETE /v1/config/{key}: kill switches and tunables (admin)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from worker.config_store import (
     UnknownConfigKeyError,
     check_key,
     is_enabled,
+    list_config,
     set_config,
+    unread_keys,
     unset_config,
 )
 from worker.jobs import outbox
@@ -62,8 +64,12 @@ class ConfigSetOut(ConfigOut):
     resumed: int = 0  # paused jobs queued again because their kill switch was turned on
 
 
-def _config_out(session: Session, key: str) -> ConfigOut | None:
-    entry = session.get(ConfigEntry, key)
+class ConfigList(BaseModel):
+    config: list[ConfigOut]  # every key something reads, set or not, then any set key nothing reads
+    unread: list[str]  # set keys nothing reads (set before keys were checked): DELETE removes them
+
+
+def _entry_out(key: str, entry: ConfigEntry | None) -> ConfigOut | None:
     if entry is None:
         if key in KILL_SWITCHES:
             return ConfigOut(key=key, value=None, enabled=True)
@@ -75,6 +81,22 @@ def _config_out(session: Session, key: str) -> ConfigOut | None:
         updated_at=entry.updated_at,
         updated_by=entry.updated_by,
     )
+
+
+def _config_out(session: Session, key: str) -> ConfigOut | None:
+    return _entry_out(key, session.get(ConfigEntry, key))
+
+
+@config_router.get("/v1/config", response_model=ConfigList, responses=error_responses(401))
+def list_config_values(ctx: Context) -> ConfigList:
+    """Every key workers read, with its value and who set it when (a key never set has none: its
+    default; a kill switch then means on), and any set key nothing reads."""
+    with read_only(ctx.factory) as session:
+        entries = {entry.key: entry for entry in list_config(session)}
+    unread = unread_keys(entries.values())
+    listed = [_entry_out(key, entries.get(key)) or ConfigOut(key=key, value=None) for key in CONFIG_KEYS]
+    listed += [out for key in unread if (out := _entry_out(key, entries[key])) is not None]
+    return ConfigList(config=listed, unread=unread)
 
 
 @config_router.get("/v1/config/{key}", response_model=ConfigOut, responses=error_responses(401, 404))
