@@ -112,6 +112,14 @@ def list_config(session: Session) -> list[ConfigEntry]:
     return list(session.scalars(select(ConfigEntry).order_by(ConfigEntry.key)))
 
 
+def config_table(session: Session) -> tuple[list[tuple[str, ConfigEntry | None]], list[str]]:
+    """What `config list` and GET /v1/config show: every key something reads, in CONFIG_KEYS' order,
+    with its row (None: never set, its default), then each set key nothing reads; and those keys."""
+    entries = {entry.key: entry for entry in list_config(session)}
+    unread = unread_keys(entries.values())
+    return [(key, entries.get(key)) for key in (*CONFIG_KEYS, *unread)], unread
+
+
 class ConfigReader:
     """Reads config keys through a cache at most ``ttl`` seconds old (0 = always fresh).
 

@@ -124,6 +124,8 @@ def test_config_commands_and_the_kill_switch(cli):
     cli("config", "set", "facts.extraction_enabled", "off")
     listed = cli("config", "list").stdout
     assert "facts.extraction_enabled" in listed and "off" in listed
+    # Every key workers read is listed, a key never set with its default (as GET /v1/config).
+    assert [line for line in listed.splitlines() if "llm.prices" in line and "(default)" in line]
     refused = cli("extract", check=False)
     assert refused.returncode == 3 and "facts.extraction_enabled=false" in refused.stderr
     assert "--override-disabled" in refused.stderr

@@ -11,10 +11,9 @@ from worker.cli.sessions import checked_factory
 from worker.config_store import (
     UnknownConfigKeyError,
     check_key,
+    config_table,
     get_config,
-    list_config,
     set_config,
-    unread_keys,
     unset_config,
 )
 from worker.jobs.outbox import enqueue, resume_for_config_change
@@ -69,14 +68,17 @@ def config_unset(key: str) -> None:
 
 @config_app.command("list")
 def config_list() -> None:
-    """Every config value with who set it and when."""
+    """Every key workers read, with its value and who set it when (unset: its default), and any set
+    key nothing reads (as GET /v1/config)."""
     with checked_factory()() as session:
-        rows = list_config(session)
+        rows, unread = config_table(session)
     table = folding_table("key", "value", "updated_by", "updated_at")
-    for row in rows:
-        table.add_row(row.key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
+    for key, row in rows:
+        if row is None:
+            table.add_row(key, "[dim](default)[/]", "", "")
+        else:
+            table.add_row(key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
     out.print(table)
-    unread = unread_keys(rows)
     if unread:
         out.print(
             f"Nothing reads {', '.join(unread)} (set before keys were checked); "

@@ -22,10 +22,9 @@ from worker.config_store import (
     KILL_SWITCHES,
     UnknownConfigKeyError,
     check_key,
+    config_table,
     is_enabled,
-    list_config,
     set_config,
-    unread_keys,
     unset_config,
 )
 from worker.jobs import outbox
@@ -92,10 +91,8 @@ def list_config_values(ctx: Context) -> ConfigList:
     """Every key workers read, with its value and who set it when (a key never set has none: its
     default; a kill switch then means on), and any set key nothing reads."""
     with read_only(ctx.factory) as session:
-        entries = {entry.key: entry for entry in list_config(session)}
-    unread = unread_keys(entries.values())
-    listed = [_entry_out(key, entries.get(key)) or ConfigOut(key=key, value=None) for key in CONFIG_KEYS]
-    listed += [out for key in unread if (out := _entry_out(key, entries[key])) is not None]
+        rows, unread = config_table(session)
+    listed = [_entry_out(key, entry) or ConfigOut(key=key, value=None) for key, entry in rows]
     return ConfigList(config=listed, unread=unread)
 
 
