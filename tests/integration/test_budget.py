@@ -176,6 +176,35 @@ def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url
         get_settings.cache_clear()
 
 
+# Truncation: the rows are read through a second engine, whose sessions run in another time zone.
+def test_costs_by_day_count_utc_days_whatever_the_sessions_zone(factory, database_url):
+    """The day budgets count UTC days; `costs --by day` grouped by the session's zone, so on a server
+    east of UTC a call late in a UTC day was reported on the next one."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import create_engine, insert, pool
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.accounting import reports
+
+    late = datetime(2026, 12, 1, 23, 30, tzinfo=UTC)  # 2026-12-02 13:30 in Kiritimati (UTC+14)
+    with factory.begin() as session:
+        session.execute(
+            insert(LLMCall),
+            [{"provider": "p", "model": "m", "purpose": "extraction", "outcome": "ok", "created_at": late}],
+        )
+    east = create_engine(
+        database_url, poolclass=pool.NullPool, connect_args={"options": "-c timezone=Pacific/Kiritimati"}
+    )
+    try:
+        with sessionmaker(east)() as session:
+            assert session.scalar(select(func.current_setting("TimeZone"))) == "Pacific/Kiritimati"
+            rows = reports.spend(session, by="day", since=datetime(2026, 11, 30))  # naive: UTC
+        assert [(r.key, r.calls) for r in rows] == [("2026-12-01", 1)]
+    finally:
+        east.dispose()
+
+
 def test_every_runtime_call_is_budgeted(tx_factory, database_url, simulator):
     """The runtime's client (used by extraction, compaction, search and embeddings) checks the day's
     budget before each call: a refusal is an LLMError with outcome budget_exhausted, and no request."""

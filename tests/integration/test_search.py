@@ -341,6 +341,29 @@ def test_python_folds_accents_as_sql_does(plain_factory: sessionmaker[Session]) 
         agree()
 
 
+def test_a_time_naming_no_zone_is_utc_whatever_the_sessions_zone(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """A naive since/as_of went to Postgres as a timestamp without zone and was read in the session's
+    TimeZone: on a server 14 hours east of UTC, since=2024-03-15T12:00 meant 2024-03-14T22:00Z."""
+    morning, evening = datetime(2024, 3, 15, 10, tzinfo=UTC), datetime(2024, 3, 15, 20, tzinfo=UTC)
+    rows = [
+        _row("default", "tz-chat", 0, "Ines booked the ferry in the morning", "event", "ines", "", morning),
+        _row("default", "tz-chat", 1, "Ines took the ferry home at night", "event", "ines", "", evening),
+    ]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+        # The test's one connection, in the outer transaction that rolls the setting back too.
+        session.execute(text("SET TimeZone = 'Pacific/Kiritimati'"))
+    with plain_factory() as session:
+        assert session.scalar(text("SELECT current_setting('TimeZone')")) == "Pacific/Kiritimati"
+    noon = datetime(2024, 3, 15, 12)  # naive: UTC noon, between the two
+    since = search(plain_factory, llm, "lex: ferry", filters=SearchFilters(since=noon))
+    assert facts_of(since) == ["Ines took the ferry home at night"]
+    then = search(plain_factory, llm, "lex: ferry", filters=SearchFilters(as_of=noon))
+    assert facts_of(then) == ["Ines booked the ferry in the morning"]
+
+
 def test_lexical_top_5_are_the_entitys_facts(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -20,7 +20,8 @@ GROUPS: dict[str, Any] = {
     "job": func.coalesce(cast(LLMCall.job_id, String), "none"),
     "model": LLMCall.model,
     "purpose": LLMCall.purpose,
-    "day": func.to_char(func.date_trunc("day", LLMCall.created_at), "YYYY-MM-DD"),
+    # The UTC day, as the day budgets count (worker.accounting.budget), whatever the session's zone.
+    "day": func.to_char(func.timezone("UTC", LLMCall.created_at), "YYYY-MM-DD"),
 }
 # Jobs in id order (their keys are text); calls of no job ("none") last.
 ORDERS: dict[str, Any] = {"job": func.min(LLMCall.job_id)}

@@ -10,6 +10,7 @@ import typer
 from worker.accounting import reports
 from worker.cli.console import fail, folding_table, out, print_json
 from worker.cli.sessions import checked_factory
+from worker.core.moments import as_utc
 
 
 def _since(since: str | None) -> datetime:
@@ -19,7 +20,7 @@ def _since(since: str | None) -> datetime:
     except ValueError as exc:
         raise fail(f"--since must be an ISO date such as 2026-11-01, got {since!r}", code=2) from exc
     start = start or datetime.now(UTC) - timedelta(days=30)
-    return start.replace(tzinfo=UTC) if start.tzinfo is None else start
+    return as_utc(start)
 
 
 def costs(

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from worker.core.moments import as_utc
+
 # {a} is the facts table's alias. A duplicate never answers: the fact it repeats does. Mirrors
 # worker.core.consolidation.true_at (tests/unit/test_consolidation_rules.py).
 CURRENT_SQL = "{a}.status = 'current'"
@@ -22,6 +24,10 @@ class Lifecycle:
 
     include_history: bool = False
     as_of: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.as_of is not None:
+            object.__setattr__(self, "as_of", as_utc(self.as_of))
 
     def clause(self, alias: str = "facts") -> tuple[str | None, dict[str, Any]]:
         """(SQL for the facts' WHERE, its parameters); None: every fact (the history)."""

@@ -11,6 +11,7 @@ from pydantic import PlainSerializer
 from models import FACT_KINDS
 from worker.core.facts import entity_slug
 from worker.core.fusion import SearchLine
+from worker.core.moments import as_utc
 from worker.search.errors import SearchError
 
 __all__ = [
@@ -74,6 +75,10 @@ class SearchFilters:
     as_of: datetime | None = None
 
     def __post_init__(self) -> None:
+        for name in ("since", "as_of"):  # a time naming no zone is UTC, whatever the server's zone
+            moment = getattr(self, name)
+            if moment is not None:
+                object.__setattr__(self, name, as_utc(moment))
         if self.kind is not None and self.kind not in FACT_KINDS:
             raise SearchError(f"kind must be one of {', '.join(FACT_KINDS)}; got {self.kind!r}")
         if self.entity is not None:
