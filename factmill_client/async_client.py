@@ -195,6 +195,31 @@ class AsyncClient:
         history = {"include_history": include_history or None, "as_of": as_of}
         return self.iterate(calls.facts_paging(source_id, slug, page_size, history))
 
+    async def entity_facts(
+        self,
+        entity: str,
+        *,
+        source_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> models.EntityFactsPage:
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return await self.send(calls.entity_facts(entity, source_id, limit, offset, history))
+
+    def iter_entity_facts(
+        self,
+        entity: str,
+        *,
+        source_id: str | None = None,
+        page_size: int = 500,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> AsyncIterator[models.EntityFact]:
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.iterate(calls.entity_facts_paging(entity, source_id, page_size, history))
+
     async def search(
         self,
         q: str,

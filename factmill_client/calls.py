@@ -186,6 +186,15 @@ def page_facts(
     )
 
 
+def entity_facts(
+    entity: str, source_id: str | None, limit: int, offset: int, history: Mapping[str, Any] | None = None
+) -> Call[models.EntityFactsPage]:
+    """``history``: include_history / as_of (current facts only by default)."""
+    path = f"/v1/entities/{quote(entity, safe='/')}/facts"  # a slug holds '/' (people/alice)
+    params = _query(source_id=source_id, limit=limit, offset=offset, **(history or {}))
+    return Call("GET", path, models.EntityFactsPage, params=params)
+
+
 def search(q: str, filters: Mapping[str, Any]) -> Call[models.SearchOut]:
     # POST, not GET: a query document spans lines; the body is a read, so resending it is harmless.
     body = {"q": q, **{k: v for k, v in filters.items() if v is not None}}
@@ -252,6 +261,20 @@ def facts_paging(
         return page_facts(source_id, slug, page_size, seen, history)
 
     return Paging(page_facts(source_id, slug, page_size, 0, history), lambda page: page.facts, after)
+
+
+def entity_facts_paging(
+    entity: str, source_id: str | None, page_size: int, history: Mapping[str, Any] | None = None
+) -> Paging[models.EntityFactsPage, models.EntityFact]:
+    """Newest first, by offset, until ``total`` facts were read."""
+
+    def after(page: models.EntityFactsPage, seen: int) -> Call[models.EntityFactsPage] | None:
+        if not page.facts or seen >= page.total:
+            return None
+        return entity_facts(entity, source_id, page_size, seen, history)
+
+    first = entity_facts(entity, source_id, page_size, 0, history)
+    return Paging(first, lambda page: page.facts, after)
 
 
 def messages_paging(

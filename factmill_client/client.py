@@ -212,6 +212,33 @@ class Client:
         history = {"include_history": include_history or None, "as_of": as_of}
         return self.iterate(calls.facts_paging(source_id, slug, page_size, history))
 
+    def entity_facts(
+        self,
+        entity: str,
+        *,
+        source_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> models.EntityFactsPage:
+        """One page of an entity's facts (its slug, e.g. people/alice-example), newest first."""
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.send(calls.entity_facts(entity, source_id, limit, offset, history))
+
+    def iter_entity_facts(
+        self,
+        entity: str,
+        *,
+        source_id: str | None = None,
+        page_size: int = 500,
+        include_history: bool = False,
+        as_of: datetime | None = None,
+    ) -> Iterator[models.EntityFact]:
+        """Every fact about ``entity``, newest first, page by page."""
+        history = {"include_history": include_history or None, "as_of": as_of}
+        return self.iterate(calls.entity_facts_paging(entity, source_id, page_size, history))
+
     def search(
         self,
         q: str,

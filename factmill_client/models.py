@@ -145,6 +145,17 @@ class PageFactsPage(Model):
     facts: list[FactRecord]
 
 
+class EntityFact(FactRecord):
+    source_id: str
+    source_markdown_slug: str
+
+
+class EntityFactsPage(Model):
+    entity: str
+    total: int
+    facts: list[EntityFact]
+
+
 # ---------------------------------------------------------------------------- config
 
 
@@ -316,6 +327,8 @@ __all__ = [
     "ConfigSetOut",
     "ContextMessageOut",
     "ContextOut",
+    "EntityFact",
+    "EntityFactsPage",
     "ErrorOut",
     "FactRecord",
     "JobAccepted",

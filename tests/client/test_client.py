@@ -71,6 +71,11 @@ def test_signed_ingest_then_the_page_facts_page_by_page(service: Service, factor
         paged = list(reader.iter_page_facts("default", PAGE["slug"], page_size=1))
         assert paged == whole.facts
         assert any("Acme" in fact.fact for fact in paged)
+        # The facts about the page's people, by entity, newest first (GET /v1/entities/.../facts).
+        entity = next(f.entity_slug for f in whole.facts if (f.entity_slug or "").startswith("people/"))
+        about = reader.entity_facts(entity)
+        assert about.entity == entity and about.total == len(about.facts) >= 1
+        assert list(reader.iter_entity_facts(entity.upper(), page_size=1)) == about.facts  # a name reads too
         found = reader.search("lex: Acme", source_id="default")
         assert found.results and {r.page_slug for r in found.results} == {PAGE["slug"]}
         # The same content again: nothing changed, nothing queued.
@@ -175,6 +180,13 @@ def test_iter_pages_follows_the_cursor_and_a_source_limited_key_sees_its_own(ser
         assert [p.slug for p in limited.list_pages().pages] == ["other/p9"]
         with pytest.raises(PermissionDenied):
             limited.list_pages(source_id="lister")
+        # An entity's facts: only those of the key's sources.
+        entities = {f.entity_slug for f in limited.page_facts("other", "other/p9").facts} - {None}
+        for entity in entities:
+            assert {f.source_id for f in limited.iter_entity_facts(entity)} == {"other"}
+        assert entities
+        with pytest.raises(PermissionDenied):
+            limited.entity_facts("people/alice-example", source_id="lister")
 
 
 def test_admin_calls_config_and_erasure(service: Service, factory):

@@ -34,6 +34,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.list_jobs, ("queued", "extraction", 1, 2)),
     (calls.list_pages, ("s", "a/", 1, "s|a/b")),
     (calls.page_facts, ("s", "a/b", 1, 0)),
+    (calls.entity_facts, ("people/a", "s", 1, 0)),
     (calls.search, ("q", {})),
     (calls.get_config, ("k",)),
     (calls.list_config, ()),
@@ -124,7 +125,7 @@ def operation_for(document: dict[str, Any], call: calls.Call[Any]) -> tuple[str,
     """The documented (path template, operation) that serves ``call``: the longest template matching."""
     matches = []
     for template, operations in document["paths"].items():
-        pattern = re.sub(r"\{slug\}", ".+", template)
+        pattern = re.sub(r"\{(slug|entity)\}", ".+", template)  # path parameters that hold "/"
         pattern = re.sub(r"\{[^}]+\}", "[^/]+", pattern)
         if re.fullmatch(pattern, call.path) and call.method.lower() in operations:
             matches.append((len(template), template, operations[call.method.lower()]))

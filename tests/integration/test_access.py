@@ -43,6 +43,7 @@ ROUTES = [
     ("GET", "/v1/transcripts/t1/compactions", "read"),
     ("GET", "/v1/calibration", "read"),
     ("GET", "/v1/pages", "read"),
+    ("GET", "/v1/entities/people/alice/facts", "read"),
     ("POST", "/v1/pages", "ingest"),
     ("POST", "/v1/transcripts/t1/messages", "ingest"),
     ("PUT", "/v1/transcripts/t1", "ingest"),

@@ -109,6 +109,8 @@ UNSIGNED = [
     ("GET", "/v1/search?q=a&source_id=%20a", "not a source id"),
     ("GET", "/v1/search?q=a&entity=%00", "entity"),
     ("GET", "/v1/pages?after=no-pipe", "source|slug"),
+    ("GET", "/v1/entities/%21%21/facts", "has no letters or digits"),
+    ("GET", "/v1/entities/people/a/facts?source_id=a%7Cb", "not a source id"),
     ("GET", "/v1/pages?source_id=a%7Cb", "not a source id"),
     ("GET", "/v1/pages?slug_prefix=a%00", "slug_prefix"),
     ("GET", "/v1/transcripts/t%00", "transcript_id"),

@@ -1,22 +1,25 @@
-"""Reading pages: GET /v1/pages (the stored pages, listed) and GET /v1/pages/{source_id}/{slug}/facts
-(the facts extracted from one page, never its audit rows)."""
+"""Reading pages and facts: GET /v1/pages (the stored pages, listed), GET
+/v1/pages/{source_id}/{slug}/facts (one page's facts) and GET /v1/entities/{entity}/facts (one entity's
+facts, as the MCP server's list_entity_facts); never the audit rows."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 
 from models.reads import read_only
+from worker.access import AccessRefusedError, readable_sources
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
+from worker.core.facts import ENTITY_PATTERN, entity_slug
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
-from worker.extraction.facts import PageFactsPage, read_page_facts
+from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -85,6 +88,49 @@ def page_facts(
     if found is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
     return found
+
+
+@facts_router.get(
+    "/v1/entities/{entity:path}/facts",
+    response_model=EntityFactsPage,
+    responses=error_responses(401, 403, 422),
+    summary="The facts about one entity, newest first (current ones by default)",
+)
+def entity_facts(
+    ctx: Context,
+    principal: Reader,
+    entity: Annotated[
+        StorableStr,
+        Path(
+            description="The entity's slug (people/alice-example); a name is read with the slug rule",
+            json_schema_extra={"pattern": ENTITY_PATTERN},
+        ),
+    ],
+    source_id: SourceIdQuery = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: OffsetQuery = 0,
+    include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
+    as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
+) -> EntityFactsPage:
+    """An entity that has no facts (or none the key may read) answers an empty list, as a search would.
+    A key limited to some sources reads only theirs; asking for another source is 403."""
+    if entity_slug(entity) is None:
+        raise ApiError(422, f"entity {entity!r} has no letters or digits; give an entity slug")
+    try:
+        sources = readable_sources(principal, source_id)
+    except AccessRefusedError as exc:
+        raise ApiError(403, str(exc)) from None
+    if source_id is not None:
+        sources = (source_id,)
+    with read_only(ctx.factory) as session:
+        return read_entity_facts(
+            session,
+            entity,
+            source_ids=sources,
+            limit=limit,
+            offset=offset,
+            lifecycle=Lifecycle(include_history, as_of),
+        )
 
 
 __all__ = ["facts_router"]
