@@ -68,8 +68,9 @@ def config_unset(key: str) -> None:
 
 @config_app.command("list")
 def config_list() -> None:
-    """Every key workers read, with its value and who set it when (unset: its default), and any set
-    key nothing reads (as GET /v1/config)."""
+    """Every key workers read, with its value and who set it when (unset: its default).
+
+    Then any set key nothing reads, as GET /v1/config lists them."""
     with checked_factory()() as session:
         rows, unread = config_table(session)
     table = folding_table("key", "value", "updated_by", "updated_at")
