@@ -254,6 +254,9 @@ class AsyncClient:
     async def unset_config(self, key: str) -> models.ConfigSetOut:
         return await self.send(calls.unset_config(key))
 
+    async def list_transcripts(self, *, limit: int = 50) -> models.TranscriptList:
+        return await self.send(calls.list_transcripts(limit))
+
     async def get_transcript(self, transcript_id: str) -> models.TranscriptOut:
         return await self.send(calls.get_transcript(transcript_id))
 

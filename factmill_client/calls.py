@@ -215,6 +215,10 @@ def get_transcript(transcript_id: str) -> Call[models.TranscriptOut]:
     return Call("GET", f"/v1/transcripts/{segment(transcript_id)}", models.TranscriptOut)
 
 
+def list_transcripts(limit: int) -> Call[models.TranscriptList]:
+    return Call("GET", "/v1/transcripts", models.TranscriptList, params=_query(limit=limit))
+
+
 def get_context(transcript_id: str) -> Call[models.ContextOut]:
     return Call("GET", f"/v1/transcripts/{segment(transcript_id)}/context", models.ContextOut)
 

@@ -282,6 +282,10 @@ class Client:
 
     # ------------------------------------------------------------------ transcripts (reads)
 
+    def list_transcripts(self, *, limit: int = 50) -> models.TranscriptList:
+        """Transcripts, most recently changed first, with their message and token counts."""
+        return self.send(calls.list_transcripts(limit))
+
     def get_transcript(self, transcript_id: str) -> models.TranscriptOut:
         return self.send(calls.get_transcript(transcript_id))
 

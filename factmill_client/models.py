@@ -270,6 +270,18 @@ class TranscriptOut(Model):
     updated_at: datetime | None
 
 
+class TranscriptSummary(Model):
+    transcript_id: str
+    context_window: int | None
+    messages: int
+    history_tokens: int
+    updated_at: datetime
+
+
+class TranscriptList(Model):
+    transcripts: list[TranscriptSummary]
+
+
 class ToolCallOut(Model):
     id: str
     name: str
@@ -348,6 +360,8 @@ __all__ = [
     "SearchResultOut",
     "StoredMessageOut",
     "ToolCallOut",
+    "TranscriptList",
     "TranscriptOut",
     "TranscriptSettingsOut",
+    "TranscriptSummary",
 ]

@@ -220,6 +220,8 @@ def test_async_client_appends_a_transcript_and_pages_through_it(service: Service
             await client.append_messages("client-t1", messages[3:])
             history = [m async for m in client.iter_messages("client-t1", page_size=2)]
             context = await client.get_context("client-t1")
+            await client.append_messages("client-t0", messages[:1])
+            listed = await client.list_transcripts(limit=2)
             pages = await client.ingest_pages([page(40), page(41), page(42)])
             jobs = [job.id async for job in client.iter_jobs(page_size=2)]
             for job_id in jobs:
@@ -233,6 +235,7 @@ def test_async_client_appends_a_transcript_and_pages_through_it(service: Service
                 "pages": pages,
                 "jobs": jobs,
                 "missing": missing.value.detail,
+                "listed": listed,
             }
 
     out = asyncio.run(scenario())
@@ -243,3 +246,6 @@ def test_async_client_appends_a_transcript_and_pages_through_it(service: Service
     assert [m.text for m in out["context"].messages] == [m["text"] for m in messages]
     assert sorted(out["jobs"]) == sorted(job.job_id for job in out["pages"].jobs)
     assert "never-written" in out["missing"]
+    # Most recently changed first, each with its messages and tokens (GET /v1/transcripts).
+    listed = [(t.transcript_id, t.messages) for t in out["listed"].transcripts]
+    assert listed == [("client-t0", 1), ("client-t1", 5)]

@@ -39,6 +39,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.get_config, ("k",)),
     (calls.list_config, ()),
     (calls.get_transcript, ("t",)),
+    (calls.list_transcripts, (5,)),
     (calls.get_context, ("t",)),
     (calls.list_messages, ("t", 1, 1)),
 ]

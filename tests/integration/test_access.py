@@ -37,6 +37,7 @@ ROUTES = [
     ("GET", "/v1/pages/default/alice/facts", "read"),
     ("GET", "/v1/jobs", "read"),
     ("GET", "/v1/jobs/1", "read"),
+    ("GET", "/v1/transcripts", "read"),
     ("GET", "/v1/transcripts/t1", "read"),
     ("GET", "/v1/transcripts/t1/messages", "read"),
     ("GET", "/v1/transcripts/t1/context", "read"),
@@ -216,7 +217,7 @@ def test_a_source_limited_key_sees_and_writes_only_its_sources(
     assert api.get(f"/v1/jobs/{default_job['job_id']}", headers=work).status_code == 404
     assert api.get(f"/v1/jobs/{listed[0]['id']}", headers=work).status_code == 200
     # Transcripts and calibration are not partitioned by source: refused with the reason.
-    for url in ("/v1/transcripts/t1/messages", "/v1/calibration"):
+    for url in ("/v1/transcripts", "/v1/transcripts/t1/messages", "/v1/calibration"):
         answer = api.get(url, headers=work)
         assert answer.status_code == 403 and "not partitioned by source" in answer.json()["detail"]
 

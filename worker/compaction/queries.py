@@ -220,19 +220,25 @@ class TranscriptStats:
 
 
 def recent_transcripts(session: Session, limit: int) -> list[dict[str, Any]]:
-    """Transcripts, most recently changed first, with their message and token counts."""
-    query = (
-        select(
-            Transcript.id,
-            Transcript.context_window,
-            func.count(TranscriptMessageRow.id),
-            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
-            Transcript.updated_at,
-        )
-        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == Transcript.id)
-        .group_by(Transcript.id)
+    """Transcripts, most recently changed first, with their message and token counts. The newest
+    ``limit`` are chosen first and only their messages counted (not every transcript's)."""
+    newest = (
+        select(Transcript.id, Transcript.context_window, Transcript.updated_at)
         .order_by(Transcript.updated_at.desc(), Transcript.id)
         .limit(limit)
+        .subquery()
+    )
+    query = (
+        select(
+            newest.c.id,
+            newest.c.context_window,
+            func.count(TranscriptMessageRow.id),
+            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
+            newest.c.updated_at,
+        )
+        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == newest.c.id)
+        .group_by(newest.c.id, newest.c.context_window, newest.c.updated_at)
+        .order_by(newest.c.updated_at.desc(), newest.c.id)
     )
     return [
         {

@@ -51,6 +51,7 @@ from worker.api.schemas.transcripts import (
     MessagesOut,
     SettingsIn,
     StoredMessageOut,
+    TranscriptList,
     TranscriptOut,
 )
 from worker.compaction import (
@@ -63,6 +64,7 @@ from worker.compaction import (
     list_compactions,
     list_messages,
     parse_messages,
+    recent_transcripts,
     transcript_stats,
     update_settings,
 )
@@ -258,6 +260,19 @@ async def put_transcript(
 # ---------------------------------------------------------------------------
 # Reads
 # ---------------------------------------------------------------------------
+
+
+@compaction_router.get(
+    "/v1/transcripts",
+    response_model=TranscriptList,
+    responses=error_responses(401, 403),
+    summary="Transcripts, most recently changed first, with their message and token counts",
+)
+def list_transcripts(
+    ctx: Context, _: TranscriptReader, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+) -> TranscriptList:
+    with read_only(ctx.factory) as session:
+        return TranscriptList.model_validate({"transcripts": recent_transcripts(session, limit)})
 
 
 def _read(

@@ -93,6 +93,18 @@ class TranscriptOut(BaseModel):
     updated_at: datetime | None
 
 
+class TranscriptSummary(BaseModel):
+    transcript_id: str
+    context_window: int | None
+    messages: int
+    history_tokens: int
+    updated_at: datetime
+
+
+class TranscriptList(BaseModel):
+    transcripts: list[TranscriptSummary]  # most recently changed first
+
+
 class ToolCallOut(BaseModel):
     id: str
     name: str
