@@ -158,12 +158,14 @@ def refusal(principal: Principal, scope: str, *, all_sources: str | None = None)
 
 
 def readable_sources(principal: Principal | None, source_id: str | None = None) -> tuple[str, ...] | None:
-    """The sources ``principal`` may read facts of: None for all, else its own (sorted). Asking for
-    ``source_id`` outside them raises AccessRefusedError."""
+    """The sources a read covers: ``(source_id,)`` when one is asked for (AccessRefusedError when
+    ``principal`` may not read it), else the principal's own (sorted), or None for all."""
+    if source_id is not None:
+        if principal is not None and not principal.sees(source_id):
+            raise AccessRefusedError(f"this key may not read source {source_id!r}")
+        return (source_id,)
     if principal is None or principal.source_ids is None:
         return None
-    if source_id is not None and not principal.sees(source_id):
-        raise AccessRefusedError(f"this key may not read source {source_id!r}")
     return tuple(sorted(principal.source_ids))
 
 

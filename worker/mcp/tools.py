@@ -206,8 +206,6 @@ class FactmillTools:
         interval and links). Use it to see all that is known about someone."""
         with _refusals():
             sources = readable_sources(self.principal(), source_id)
-        if source_id is not None:
-            sources = (source_id,)
         with self.runtime.factory() as session:
             return read_entity_facts(
                 session,
@@ -239,8 +237,6 @@ class FactmillTools:
         extraction job. Use it to find a page's slug for list_page_facts."""
         with _refusals():
             sources = readable_sources(self.principal(), source_id)
-        if source_id is not None:
-            sources = (source_id,)
         try:
             with read_only(self.runtime.factory) as session:
                 return list_pages(

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from models.reads import read_only
-from worker.access import AccessRefusedError, readable_sources
+from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
@@ -22,6 +22,13 @@ from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 
 facts_router = APIRouter(tags=["facts"])
+
+
+def _readable(principal: Principal, source_id: str | None) -> tuple[str, ...] | None:
+    try:
+        return readable_sources(principal, source_id)
+    except AccessRefusedError as exc:
+        raise ApiError(403, str(exc)) from None
 
 
 @facts_router.get(
@@ -47,14 +54,12 @@ def pages(
     ] = None,
 ) -> PageList:
     """A key limited to some sources lists only theirs; asking for another source is 403."""
-    if source_id is not None and not principal.sees(source_id):
-        raise ApiError(403, f"this key may not read source {source_id!r}")
-    sources = [source_id] if source_id is not None else principal.source_ids
+    sources = _readable(principal, source_id)
     try:
         with read_only(ctx.factory) as session:
             return list_pages(
                 session,
-                source_ids=sorted(sources) if sources is not None else None,
+                source_ids=sources,
                 slug_prefix=slug_prefix,
                 limit=limit,
                 after=after,
@@ -79,8 +84,7 @@ def page_facts(
     include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
     as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
 ) -> PageFactsPage:
-    if not principal.sees(source_id):
-        raise ApiError(403, f"this key may not read source {source_id!r}")
+    _readable(principal, source_id)  # 403 for a source the key may not read
     with read_only(ctx.factory) as session:
         found = read_page_facts(
             session, source_id, slug, limit=limit, offset=offset, lifecycle=Lifecycle(include_history, as_of)
@@ -116,12 +120,7 @@ def entity_facts(
     A key limited to some sources reads only theirs; asking for another source is 403."""
     if entity_slug(entity) is None:
         raise ApiError(422, f"entity {entity!r} has no letters or digits; give an entity slug")
-    try:
-        sources = readable_sources(principal, source_id)
-    except AccessRefusedError as exc:
-        raise ApiError(403, str(exc)) from None
-    if source_id is not None:
-        sources = (source_id,)
+    sources = _readable(principal, source_id)
     with read_only(ctx.factory) as session:
         return read_entity_facts(
             session,
