@@ -194,3 +194,42 @@ def test_every_factmill_process_exits_on_sigterm(env, tmp_path: Path):
             if process.terminate(EXIT_TIMEOUT) is None:
                 still_running.append(f"{process.name}:\n{process.tail(20)}")
         assert not still_running, "\n".join(still_running)
+
+
+STUBBORN_PARENT = """
+import sys
+from worker.cli import processes
+processes.STOP_MARGIN_SECONDS = 0.5
+stubborn = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+    "time.sleep(120)"
+)
+sys.exit(processes.run_children([[], []], 0.5, command=(sys.executable, "-c", stubborn)))
+"""
+
+
+def test_the_parent_kills_a_child_still_there_past_its_grace_period() -> None:
+    """`factmill worker --processes N` waited for its children without a deadline: a child stuck where
+    no stop flag is read (once seen at startup against a broker that was down) held the stop forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN_PARENT],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        started = time.monotonic()
+        parent.send_signal(signal.SIGTERM)
+        code = parent.wait(timeout=30)
+        assert code != 0 and time.monotonic() - started < 10  # killed after 0.5 s of grace + 0.5 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)

@@ -4,7 +4,9 @@ One Python process uses one core at a time (the GIL), so a worker that should us
 process per core, each with its own LLM pipe and job threads. The parent only forwards SIGTERM, SIGINT
 and SIGQUIT (each child then stops gracefully: see worker.jobs.shutdown) and waits; it exits with the
 first non-zero exit code of its children. When one child exits by itself the others are stopped too,
-so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker.
+so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker. A child still running
+``STOP_MARGIN_SECONDS`` past its own grace period (it should have exited by then, however stuck its
+jobs) is killed, so a stop always ends.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from types import FrameType
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1
+# Past a child's grace period (FACTMILL_GRACE_SECONDS), the time it may take to exit before it is killed.
+STOP_MARGIN_SECONDS = 15.0
 
 
 def default_processes() -> int:
@@ -43,15 +47,23 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_children(argvs: Sequence[Sequence[str]]) -> int:
-    """Start ``python -m worker.cli <argv>`` once per argv, forward signals to them, wait for them all;
-    the first non-zero exit code (0 when all stopped cleanly)."""
+def run_children(
+    argvs: Sequence[Sequence[str]],
+    grace_seconds: float,
+    command: Sequence[str] = (sys.executable, "-m", "worker.cli"),
+) -> int:
+    """Start ``command <argv>`` once per argv, forward signals to them, wait for them all (killing
+    any still there ``STOP_MARGIN_SECONDS`` after its grace period); the first non-zero exit code (0
+    when all stopped cleanly)."""
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
+    kill_at: float | None = None
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        nonlocal stopping
+        nonlocal stopping, kill_at
         stopping = True
+        if kill_at is None:
+            kill_at = time.monotonic() + grace_seconds + STOP_MARGIN_SECONDS
         for child in children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -61,7 +73,7 @@ def run_children(argvs: Sequence[Sequence[str]]) -> int:
     try:
         preexec = _stop_with_parent if sys.platform.startswith("linux") else None
         for argv in argvs:
-            children.append(subprocess.Popen([sys.executable, "-m", "worker.cli", *argv], preexec_fn=preexec))
+            children.append(subprocess.Popen([*command, *argv], preexec_fn=preexec))
         codes: dict[int, int] = {}
         while len(codes) < len(children):
             for child in children:
@@ -70,6 +82,11 @@ def run_children(argvs: Sequence[Sequence[str]]) -> int:
                     codes[child.pid] = code
                     if not stopping:  # one went by itself: stop the rest, let the supervisor restart all
                         forward(signal.SIGTERM, None)
+            if kill_at is not None and time.monotonic() > kill_at:
+                for child in children:
+                    if child.poll() is None:  # past its own grace period: stuck where no flag is read
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child.pid, signal.SIGKILL)
             time.sleep(0.2)
         return next((code for code in codes.values() if code != 0), 0)
     finally:

@@ -106,9 +106,8 @@ def worker(
     if count > 1:
         child = ["worker", "--queues", queues, "--concurrency", str(jobs), "--processes", "1"]
         child += ["--pool", pool, "--loglevel", loglevel]
-        raise typer.Exit(
-            run_children([[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)])
-        )
+        argvs = [[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)]
+        raise typer.Exit(run_children(argvs, settings.grace_seconds))
     argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel]
     argv += ["--without-gossip", "--without-mingle"]
     if settings.task_events:  # else off until Flower turns them on (FACTMILL_TASK_EVENTS)
