@@ -368,6 +368,17 @@ def test_a_backfill_that_matches_no_stored_page_is_refused_and_stores_nothing(cl
     assert client.post("/v1/backfills", json={"source_id": "bf"}, headers=ADMIN_HEADERS).status_code == 202
 
 
+def test_a_slug_prefix_typed_in_nfd_finds_the_nfc_slugs(client, tx_factory):
+    """Stored slugs are NFC; a prefix typed on a Mac (NFD) matched nothing: the listing was empty and a
+    backfill was refused as matching no page."""
+    put_page(tx_factory, "café/chat-1", page_body("Ana Example", "Acme"), source_id="bf")
+    nfd = "cafe\u0301/"
+    listed = client.get("/v1/pages", params={"slug_prefix": nfd}, headers=ADMIN_HEADERS).json()["pages"]
+    assert [p["slug"] for p in listed] == ["café/chat-1"]
+    body = {"source_id": "bf", "slug_prefix": nfd}
+    assert client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS).status_code == 202
+
+
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
 def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
     """``find`` is how a send whose answer was lost is recovered; it must never mistake another batch."""

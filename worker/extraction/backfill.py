@@ -20,6 +20,7 @@ its facts are not. Requests an expired or cancelled batch never ran are left for
 from __future__ import annotations
 
 import logging
+import unicodedata
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,13 @@ class BackfillSelection:
     max_segments: int | None = None
     slug: str | None = None
     force: bool = False
+
+    def __post_init__(self) -> None:
+        # Stored slugs are NFC (worker.core.slugs); a slug or prefix typed on a Mac may be NFD.
+        for name in ("slug_prefix", "slug"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, unicodedata.normalize("NFC", value))
 
     def as_filters(self) -> dict[str, object]:
         return {

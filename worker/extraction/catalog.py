@@ -3,6 +3,7 @@ extraction job (GET /v1/pages and `factmill pages list`). The caller owns the se
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -85,8 +86,9 @@ def list_pages(
     )
     if source_ids is not None:
         query = query.where(PAGES.c.source_id.in_(list(source_ids)))
-    if slug_prefix:
-        query = query.where(PAGES.c.slug.startswith(slug_prefix, autoescape=True))
+    if slug_prefix:  # stored slugs are NFC (worker.core.slugs): so is the prefix a Mac typed in NFD
+        prefix = unicodedata.normalize("NFC", slug_prefix)
+        query = query.where(PAGES.c.slug.startswith(prefix, autoescape=True))
     if after is not None:
         if "|" not in after:
             raise ValueError(f"after must be a source|slug (a listing's next_after), got {after!r}")
