@@ -368,7 +368,7 @@ def test_a_backfill_that_matches_no_stored_page_is_refused_and_stores_nothing(cl
     assert client.post("/v1/backfills", json={"source_id": "bf"}, headers=ADMIN_HEADERS).status_code == 202
 
 
-def test_a_slug_prefix_typed_in_nfd_finds_the_nfc_slugs(client, tx_factory):
+def test_a_slug_or_prefix_typed_in_nfd_finds_the_nfc_slugs(client, tx_factory):
     """Stored slugs are NFC; a prefix typed on a Mac (NFD) matched nothing: the listing was empty and a
     backfill was refused as matching no page."""
     put_page(tx_factory, "café/chat-1", page_body("Ana Example", "Acme"), source_id="bf")
@@ -377,6 +377,8 @@ def test_a_slug_prefix_typed_in_nfd_finds_the_nfc_slugs(client, tx_factory):
     assert [p["slug"] for p in listed] == ["café/chat-1"]
     body = {"source_id": "bf", "slug_prefix": nfd}
     assert client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS).status_code == 202
+    facts = client.get(f"/v1/pages/bf/{nfd}chat-1/facts", headers=ADMIN_HEADERS)  # so is a page's slug
+    assert facts.status_code == 200 and facts.json()["slug"] == "café/chat-1"
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -151,6 +152,7 @@ def extract(
     settings = get_settings()
     factory = checked_factory(settings)
     if slug is not None:
+        slug = unicodedata.normalize("NFC", slug)  # stored slugs are NFC; a Mac may type NFD
         with read_only(factory) as session:
             if page_id_of(session, source_id, slug) is None:
                 raise fail(f"no page {slug!r} in source {source_id!r}; `factmill ingest` stores pages")

@@ -6,6 +6,7 @@ The API's facts route and the MCP server's tools both read through here, so what
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -87,7 +88,8 @@ def read_page_facts(
     lifecycle: Lifecycle = CURRENT_ONLY,
 ) -> PageFactsPage | None:
     """The facts extracted from one page, in row order (current ones unless ``lifecycle`` says
-    otherwise); None when there is no such page."""
+    otherwise); None when there is no such page. The slug is read in NFC, as slugs are stored."""
+    slug = unicodedata.normalize("NFC", slug)
     page_id = page_id_of(session, source_id, slug)
     if page_id is None:
         return None
