@@ -13,7 +13,7 @@ import typer
 from models.reads import read_only
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
-from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages
+from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
 from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths
 from worker.jobs.outbox import enqueue as send_jobs
@@ -67,16 +67,17 @@ def pages_list(
 ) -> None:
     """Stored pages by source and slug: type, title, current facts, last extraction job."""
     try:
-        with read_only(checked_factory()) as session:
-            listed = list_pages(
-                session,
-                source_ids=[source_id] if source_id else None,
-                slug_prefix=slug_prefix,
-                limit=limit,
-                after=after,
-            )
+        cursor = page_cursor(after)
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
+    with read_only(checked_factory()) as session:
+        listed = list_pages(
+            session,
+            source_ids=[source_id] if source_id else None,
+            slug_prefix=slug_prefix,
+            limit=limit,
+            after=cursor,
+        )
     if as_json:
         print_json(listed.model_dump(mode="json"), ensure_ascii=False)
         return

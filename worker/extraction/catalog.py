@@ -41,17 +41,26 @@ def _subject() -> ColumnElement[str]:
     return PAGES.c.source_id + literal("|") + PAGES.c.slug
 
 
+def page_cursor(after: str | None) -> tuple[str, str] | None:
+    """The (source, slug) a listing's ``next_after`` names; ValueError when it is not one."""
+    if after is None:
+        return None
+    if "|" not in after:
+        raise ValueError(f"after must be a source|slug (a listing's next_after), got {after!r}")
+    return split_page_subject(after)
+
+
 def list_pages(
     session: Session,
     *,
     source_ids: Sequence[str] | None = None,
     slug_prefix: str | None = None,
     limit: int = 100,
-    after: str | None = None,
+    after: tuple[str, str] | None = None,
 ) -> PageList:
     """Pages ordered by (source, slug), ``limit`` at most, from ``source_ids`` only when given, after the
-    cursor ``after`` (a ``source|slug`` the previous list ended with): the unique index's order, so a
-    page stored meanwhile never shifts the pages already read. ValueError for a malformed cursor."""
+    cursor ``after`` (the source and slug the previous list ended with, ``page_cursor``): the unique
+    index's order, so a page stored meanwhile never shifts the pages already read."""
     facts = (
         select(func.count())
         .where(
@@ -90,9 +99,7 @@ def list_pages(
         prefix = unicodedata.normalize("NFC", slug_prefix)
         query = query.where(PAGES.c.slug.startswith(prefix, autoescape=True))
     if after is not None:
-        if "|" not in after:
-            raise ValueError(f"after must be a source|slug (a listing's next_after), got {after!r}")
-        source_id, slug = split_page_subject(after)
+        source_id, slug = after
         position = tuple_(PAGES.c.source_id, PAGES.c.slug)
         query = query.where(position > tuple_(literal(source_id), literal(slug)))
     pages = [PageSummary.model_validate(row._mapping) for row in session.execute(query)]
@@ -100,4 +107,4 @@ def list_pages(
     return PageList(pages=pages, next_after=f"{pages[-1].source_id}|{pages[-1].slug}" if full else None)
 
 
-__all__ = ["MAX_LISTED_PAGES", "PageList", "PageSummary", "list_pages"]
+__all__ = ["MAX_LISTED_PAGES", "PageList", "PageSummary", "list_pages", "page_cursor"]

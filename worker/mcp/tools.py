@@ -34,7 +34,7 @@ from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import check_source_id
-from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
+from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
@@ -238,12 +238,11 @@ class FactmillTools:
         with _refusals():
             sources = readable_sources(self.principal(), source_id)
         try:
-            with read_only(self.runtime.factory) as session:
-                return list_pages(
-                    session, source_ids=sources, slug_prefix=slug_prefix, limit=limit, after=after
-                )
+            cursor = page_cursor(after)
         except ValueError as exc:
             raise ToolError(str(exc)) from None
+        with read_only(self.runtime.factory) as session:
+            return list_pages(session, source_ids=sources, slug_prefix=slug_prefix, limit=limit, after=cursor)
 
     def list_page_facts(
         self,

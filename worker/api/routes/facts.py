@@ -18,7 +18,7 @@ from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
 from worker.core.facts import ENTITY_PATTERN, entity_slug
-from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages
+from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
 
 facts_router = APIRouter(tags=["facts"])
@@ -56,16 +56,11 @@ def pages(
     """A key limited to some sources lists only theirs; asking for another source is 403."""
     sources = _readable(principal, source_id)
     try:
-        with read_only(ctx.factory) as session:
-            return list_pages(
-                session,
-                source_ids=sources,
-                slug_prefix=slug_prefix,
-                limit=limit,
-                after=after,
-            )
+        cursor = page_cursor(after)
     except ValueError as exc:
         raise ApiError(422, str(exc)) from None
+    with read_only(ctx.factory) as session:
+        return list_pages(session, source_ids=sources, slug_prefix=slug_prefix, limit=limit, after=cursor)
 
 
 @facts_router.get(
