@@ -194,7 +194,15 @@ async def _sources_only(session: ClientSession) -> dict[str, Any]:
     other = await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"})
     listed = _payload(await session.call_tool("list_pages", {}))
     refused = await session.call_tool("list_pages", {"source_id": "default"})
-    return {"tools": tools, "found": found, "other": other, "listed": listed, "refused": refused}
+    bad_cursor = await session.call_tool("list_pages", {"after": "no-pipe"})
+    return {
+        "tools": tools,
+        "found": found,
+        "other": other,
+        "listed": listed,
+        "refused": refused,
+        "bad_cursor": bad_cursor,
+    }
 
 
 def test_a_source_limited_key_sees_only_its_sources_facts(env, factory):
@@ -204,6 +212,7 @@ def test_a_source_limited_key_sees_only_its_sources_facts(env, factory):
     assert seen["tools"] == {"search_facts", "list_entity_facts", "list_pages", "list_page_facts"}
     assert [p["slug"] for p in seen["listed"]["pages"]] == ["work-notes"]
     assert "may not read source 'default'" in _error_text(seen["refused"])
+    assert "must be a source|slug" in _error_text(seen["bad_cursor"])  # a tool error, not a crash
     assert [r["fact"] for r in seen["found"]["results"]] == ["Frank opened the Lisbon office"]
     assert "may not read source 'default'" in _error_text(seen["other"])
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -16,6 +15,7 @@ from models import page_id_of
 from models.reads import read_only
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
+from worker.core.slugs import stored_form
 from worker.extraction import (
     ExtractionCounters,
     ExtractionDisabledError,
@@ -152,7 +152,7 @@ def extract(
     settings = get_settings()
     factory = checked_factory(settings)
     if slug is not None:
-        slug = unicodedata.normalize("NFC", slug)  # stored slugs are NFC; a Mac may type NFD
+        slug = stored_form(slug)
         with read_only(factory) as session:
             if page_id_of(session, source_id, slug) is None:
                 raise fail(f"no page {slug!r} in source {source_id!r}; `factmill ingest` stores pages")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import unicodedata
 from datetime import UTC
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ import typer
 from models.reads import read_only
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
+from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
 from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths
@@ -102,7 +102,7 @@ def pages_erase(
 
     All in one transaction; its pending jobs fail with "page erased". One content-free row records the
     erasure."""
-    slug = unicodedata.normalize("NFC", slug)
+    slug = stored_form(slug)
     report = erase_page(checked_factory(), source_id, slug, requested_by="cli")
     if report is None:
         raise fail(f"no page {slug!r} in source {source_id!r}; nothing was erased")

@@ -25,6 +25,12 @@ def _continues_part(char: str) -> bool:
     return _starts_part(char) or unicodedata.category(char)[0] == "M" or char in _PUNCTUATION
 
 
+def stored_form(value: str) -> str:
+    """A slug or slug prefix in the form slugs are stored in (NFC), for looking one up as a user typed
+    it: macOS writes "café" in NFD."""
+    return unicodedata.normalize("NFC", value)
+
+
 def normalize_slug(value: str) -> str:
     """The slug in NFC, or ValueError(SLUG_RULE).
 
@@ -33,11 +39,11 @@ def normalize_slug(value: str) -> str:
     part must start with a letter or digit, so "." and ".." parts (path traversal) cannot occur, and
     the whole string is checked, so a trailing newline is refused (the old ``$`` anchor allowed it).
     """
-    slug = unicodedata.normalize("NFC", value)
+    slug = stored_form(value)
     for part in slug.split("/"):
         if not part or not _starts_part(part[0]) or not all(map(_continues_part, part[1:])):
             raise ValueError(SLUG_RULE)
     return slug
 
 
-__all__ = ["SLUG_PATTERN", "SLUG_RULE", "normalize_slug"]
+__all__ = ["SLUG_PATTERN", "SLUG_RULE", "normalize_slug", "stored_form"]

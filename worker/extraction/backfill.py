@@ -20,7 +20,6 @@ its facts are not. Requests an expired or cancelled batch never ran are left for
 from __future__ import annotations
 
 import logging
-import unicodedata
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from models.tables import PAGES
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.checkpoint import segment_hash
+from worker.core.slugs import stored_form
 from worker.extraction.backfill_store import (
     BackfillSegmentStore,
     BackfillStore,
@@ -71,11 +71,10 @@ class BackfillSelection:
     force: bool = False
 
     def __post_init__(self) -> None:
-        # Stored slugs are NFC (worker.core.slugs); a slug or prefix typed on a Mac may be NFD.
-        for name in ("slug_prefix", "slug"):
+        for name in ("slug_prefix", "slug"):  # as stored: a slug or prefix typed on a Mac may be NFD
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, unicodedata.normalize("NFC", value))
+                object.__setattr__(self, name, stored_form(value))
 
     def as_filters(self) -> dict[str, object]:
         return {

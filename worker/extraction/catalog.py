@@ -3,7 +3,6 @@ extraction job (GET /v1/pages and `factmill pages list`). The caller owns the se
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -12,6 +11,7 @@ from sqlalchemy import ColumnElement, func, literal, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.tables import FACTS, JOBS, PAGES
+from worker.core.slugs import stored_form
 from worker.jobs.outbox import EXTRACTION, split_page_subject
 
 MAX_LISTED_PAGES = 1000
@@ -95,9 +95,8 @@ def list_pages(
     )
     if source_ids is not None:
         query = query.where(PAGES.c.source_id.in_(list(source_ids)))
-    if slug_prefix:  # stored slugs are NFC (worker.core.slugs): so is the prefix a Mac typed in NFD
-        prefix = unicodedata.normalize("NFC", slug_prefix)
-        query = query.where(PAGES.c.slug.startswith(prefix, autoescape=True))
+    if slug_prefix:
+        query = query.where(PAGES.c.slug.startswith(stored_form(slug_prefix), autoescape=True))
     if after is not None:
         source_id, slug = after
         position = tuple_(PAGES.c.source_id, PAGES.c.slug)

@@ -6,7 +6,6 @@ The API's facts route and the MCP server's tools both read through here, so what
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -17,6 +16,7 @@ from sqlalchemy.orm import Session
 from models import Fact, page_id_of
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
 from worker.core.facts import entity_slug
+from worker.core.slugs import stored_form
 
 
 class FactRecord(BaseModel):
@@ -89,7 +89,7 @@ def read_page_facts(
 ) -> PageFactsPage | None:
     """The facts extracted from one page, in row order (current ones unless ``lifecycle`` says
     otherwise); None when there is no such page. The slug is read in NFC, as slugs are stored."""
-    slug = unicodedata.normalize("NFC", slug)
+    slug = stored_form(slug)
     page_id = page_id_of(session, source_id, slug)
     if page_id is None:
         return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import unicodedata
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +30,7 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.core.slugs import stored_form
 from worker.extraction.erase import erase_page
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs import outbox
@@ -229,7 +229,7 @@ async def post_pages(
 def delete_page(ctx: Context, _admin: Admin, source_id: str, slug: str) -> PageErased:
     """Remove the page, its facts, their embeddings, its checkpoints and its extraction audit rows in one
     transaction, and fail its pending jobs; one row in `erasures` records that it happened (no text)."""
-    slug = unicodedata.normalize("NFC", slug)  # stored slugs are NFC (the slug rule)
+    slug = stored_form(slug)
     report = erase_page(ctx.factory, source_id, slug, requested_by="api")
     if report is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
