@@ -12,7 +12,7 @@ from models.config import ConfigEntry
 from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
 from models.erasure import Erasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
-from models.job import JOB_STATUSES, Job
+from models.job import JOB_STATUSES, Job, expire_jobs
 from models.llm_call import LLMCall, LLMSpendDay
 from models.page import Page, page_id_of
 from models.totals import (
@@ -72,6 +72,7 @@ __all__ = [
     "Transcript",
     "TranscriptMessageRow",
     "WebhookDelivery",
+    "expire_jobs",
     "fold_totals",
     "forget_deliveries",
     "forget_page_in_deliveries",

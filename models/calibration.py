@@ -84,6 +84,9 @@ class CalibrationThreshold(Base):
     reason: Mapped[str]
     # What asked for it: "schedule", "observations", "manual"...
     trigger: Mapped[str]
-    job_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="SET NULL"))
+    # Indexed: deleting an expired job looks here for versions naming it (models.job.expire_jobs).
+    job_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("jobs.id", ondelete="SET NULL"), index=True
+    )
     computed_at: Mapped[datetime] = utcnow_column()
     activated_at: Mapped[datetime | None]

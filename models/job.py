@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, CheckConstraint, DateTime, Index, func, text
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, count_column, utcnow_column
 
 JOB_STATUSES = ("queued", "running", "paused", "succeeded", "failed")
+FINISHED = "status IN ('succeeded', 'failed')"
 
 
 class Job(Base):
@@ -29,6 +30,8 @@ class Job(Base):
             unique=True,
             postgresql_where=text("status IN ('queued', 'running', 'paused')"),
         ),
+        # The finished jobs, oldest first, for expire_jobs (FACTMILL_JOB_RETENTION_DAYS).
+        Index("ix_jobs_finished_at", "finished_at", postgresql_where=text(FINISHED)),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -61,3 +64,22 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
+
+
+# Oldest first, by ctid, SKIP LOCKED: as models.webhook.forget_deliveries. A job a backfill or a
+# threshold version points at stays: the backfill reads its status from it, and the version names it
+# as its provenance. Every other row pointing at a job (facts, llm_calls, compactions, consolidation
+# decisions) keeps its place with job_id NULL (ON DELETE SET NULL).
+_EXPIRE = text(
+    "DELETE FROM jobs WHERE ctid = ANY(ARRAY("
+    f" SELECT j.ctid FROM jobs j WHERE j.{FINISHED} AND j.finished_at < now() - :kept"
+    " AND NOT EXISTS (SELECT FROM backfills b WHERE b.job_id = j.id)"
+    " AND NOT EXISTS (SELECT FROM calibration_thresholds t WHERE t.job_id = j.id)"
+    " ORDER BY j.finished_at LIMIT :limit FOR UPDATE OF j SKIP LOCKED))"
+)
+
+
+def expire_jobs(session: Session, kept: timedelta, limit: int) -> int:
+    """Delete up to ``limit`` jobs that finished (succeeded or failed) longer than ``kept`` ago, oldest
+    first, in the caller's transaction; returns how many went."""
+    return session.execute(_EXPIRE, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]

@@ -7,8 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.core.errors import InvalidSettingsError
 
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
@@ -102,6 +104,10 @@ class Settings(BaseSettings):
     # repeat after it is a new delivery. A week covers the retry windows of common webhook senders
     # (Stripe's is three days). The sweeper forgets older answers (worker.jobs.maintenance).
     idempotency_key_hours: int = Field(default=168, ge=1)
+    # How long a finished (succeeded or failed) job is kept; the sweeper deletes older ones, a batch a
+    # run (worker.jobs.maintenance). None keeps every job. At least the Idempotency-Key window, as a
+    # replayed answer names its jobs.
+    job_retention_days: int | None = Field(default=None, ge=1)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
@@ -178,6 +184,16 @@ class Settings(BaseSettings):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @model_validator(mode="after")
+    def _retention_covers_replays(self) -> Settings:
+        if self.job_retention_days is not None and self.job_retention_days * 24 < self.idempotency_key_hours:
+            raise ValueError(
+                f"FACTMILL_JOB_RETENTION_DAYS ({self.job_retention_days}) is shorter than "
+                f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a replayed delivery "
+                "would name jobs already deleted"
+            )
+        return self
+
     def resolved_llm(self) -> LLMProvider:
         """The provider to use: explicit setting, else the one with a key, else the simulator."""
         if self.llm is not None:
@@ -211,7 +227,27 @@ class Settings(BaseSettings):
             )
 
 
+def describe_invalid(exc: ValidationError) -> str:
+    """One line naming each refused variable (FACTMILL_JOB_MAX_ATTEMPTS, or the alias it came from)
+    and pydantic's reason, without the value."""
+    problems = []
+    for error in exc.errors(include_input=False, include_url=False):
+        reason = str(error["msg"]).removeprefix("Value error, ")
+        loc = error["loc"]
+        if not loc:
+            problems.append(reason)
+            continue
+        name = str(loc[0])
+        variable = f"FACTMILL_{name.upper()}" if name in Settings.model_fields else name
+        problems.append(f"{variable}: {reason}")
+    return "invalid setting: " + "; ".join(problems)
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings (read once; tests build their own Settings instead)."""
-    return Settings()
+    """The process-wide settings (read once; tests build their own Settings instead). A refused value
+    raises InvalidSettingsError, one line for a person, not pydantic's report."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise InvalidSettingsError(describe_invalid(exc)) from None

@@ -230,6 +230,25 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
     assert "Traceback" not in result.stderr
 
 
+def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_value():
+    """A FACTMILL_ variable a setting refuses was pydantic's traceback, on every command."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    env |= {"FACTMILL_JOB_MAX_ATTEMPTS": "0", "FACTMILL_DB_POOL_SIZE": "hunter2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "jobs", "list"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "error: invalid setting: " in result.stderr
+    assert "FACTMILL_JOB_MAX_ATTEMPTS: Input should be greater than or equal to 1" in result.stderr
+    assert "FACTMILL_DB_POOL_SIZE: Input should be a valid integer" in result.stderr
+    assert "hunter2" not in result.stderr
+
+
 def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
     """No library warning reaches the terminal: importing pgserver made platformdirs warn that
     XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""

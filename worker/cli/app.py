@@ -18,6 +18,8 @@ import typer
 import typer.main
 from typer.core import TyperCommand, TyperGroup
 
+from worker.core.errors import InvalidSettingsError
+
 
 class CommandEntry(NamedTuple):
     """A command (a function) or a command group (a ``typer.Typer``), by module and attribute, with
@@ -255,4 +257,9 @@ def _root() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    app()
+    try:
+        app()
+    except InvalidSettingsError as exc:  # a FACTMILL_ variable out of its range: one line, exit 2
+        typer.secho("error:", fg="red", bold=True, err=True, nl=False)
+        typer.echo(f" {exc}", err=True)
+        raise SystemExit(2) from None

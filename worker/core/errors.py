@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+class InvalidSettingsError(ValueError):
+    """The environment (or .env) holds a value a setting refuses: the message names each variable and
+    what it must be, never the value (it may be a secret). Raised by worker.settings.get_settings;
+    here, in a module that imports nothing, so the CLI's entry point can catch it without loading
+    pydantic before a command needs it."""
+
+
 def error_summary(exc: BaseException) -> str:
     """``exc`` in one line, without the data a database error quotes.
 

@@ -1,0 +1,102 @@
+"""Finished jobs past FACTMILL_JOB_RETENTION_DAYS: the sweep deletes them, oldest first, a batch at a
+time; what named them stays, and a job a backfill or a threshold version names stays too."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
+from tests.integration.test_api import make_runtime
+from worker.jobs.maintenance import maintain
+from worker.jobs.outbox import EXTRACTION, request_job
+
+pytestmark = pytest.mark.integration
+
+KEPT = timedelta(days=30)
+
+
+def finished_job(
+    factory: sessionmaker[Session], name: str, status: str = "succeeded", age_days: float = 40
+) -> int:
+    """A job of page ``name`` that ended ``age_days`` ago with ``status`` (a pending status: created then)."""
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, f"default|{name}").job_id
+        ended = func.now() - timedelta(days=age_days)
+        values = {"status": status, "created_at": ended}
+        if status in ("succeeded", "failed"):
+            values["finished_at"] = ended
+        session.execute(update(Job).where(Job.id == job_id).values(**values))
+    return job_id
+
+
+def jobs_left(factory: sessionmaker[Session]) -> set[int]:
+    with factory() as session:
+        return set(session.scalars(select(Job.id)))
+
+
+def test_finished_jobs_past_retention_go_oldest_first_and_what_named_them_stays(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    oldest = finished_job(tx_factory, "oldest", age_days=90)
+    failed = finished_job(tx_factory, "failed", status="failed", age_days=60)
+    old = finished_job(tx_factory, "old", age_days=31)
+    recent = finished_job(tx_factory, "recent", age_days=29)
+    queued = finished_job(tx_factory, "queued", status="queued", age_days=400)
+    paused = finished_job(tx_factory, "paused", status="paused", age_days=400)
+    backfilled = finished_job(tx_factory, "backfilled", age_days=400)
+    provenance = finished_job(tx_factory, "provenance", age_days=400)
+    with tx_factory.begin() as session:
+        session.add(
+            ExtractionAudit(
+                job_id=oldest,
+                source_id="default",
+                page_slug="oldest",
+                segment_index=0,
+                segment_start="s",
+                segment_end="e",
+                outcome="ok",
+            )
+        )
+        session.add(LLMCall(job_id=oldest, provider="simulator", model="m", purpose="extract", outcome="ok"))
+        session.add(Backfill(source_id="default", job_id=backfilled))
+        session.add(
+            CalibrationThreshold(
+                alpha=0.1,
+                target_recall=0.9,
+                min_observations=20,
+                n=0,
+                n_bad=0,
+                split_method="test",
+                reason="test",
+                trigger="manual",
+                job_id=provenance,
+            )
+        )
+    with tx_factory.begin() as session:
+        assert expire_jobs(session, KEPT, 2) == 2
+    assert jobs_left(tx_factory) == {old, recent, queued, paused, backfilled, provenance}
+    with tx_factory.begin() as session:
+        assert expire_jobs(session, KEPT, 2) == 1
+        assert expire_jobs(session, KEPT, 2) == 0
+    assert jobs_left(tx_factory) == {recent, queued, paused, backfilled, provenance}
+    assert failed not in jobs_left(tx_factory)
+    with tx_factory() as session:  # the audit row and the call stay, no longer naming the job
+        assert session.scalars(select(ExtractionAudit.job_id)).all() == [None]
+        assert session.scalars(select(LLMCall.job_id)).all() == [None]
+
+
+def test_the_sweep_deletes_jobs_only_when_a_retention_is_set(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    gone = finished_job(tx_factory, "a", age_days=10)
+    kept = finished_job(tx_factory, "b", age_days=6)
+    assert maintain(make_runtime(database_url, tx_factory)).expired_jobs == 0
+    assert jobs_left(tx_factory) == {gone, kept}
+    runtime = make_runtime(database_url, tx_factory, job_retention_days=7)
+    assert maintain(runtime).expired_jobs == 1
+    assert jobs_left(tx_factory) == {kept}
+    assert maintain(runtime, expire_batch=10).expired_jobs == 0

@@ -1,0 +1,46 @@
+"""Settings a person can get wrong: each refused value is named by its variable, never quoted."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.settings import InvalidSettingsError, Settings, get_settings
+
+
+@pytest.fixture
+def fresh_settings():  # type: ignore[no-untyped-def]
+    get_settings.cache_clear()
+    yield get_settings
+    get_settings.cache_clear()
+
+
+def test_job_retention_is_off_unless_set_and_covers_the_replay_window() -> None:
+    assert Settings().job_retention_days is None
+    assert Settings(job_retention_days=7).job_retention_days == 7  # 168 h: exactly the default window
+    with pytest.raises(ValueError, match=r"FACTMILL_JOB_RETENTION_DAYS \(6\) is shorter than"):
+        Settings(job_retention_days=6)
+    assert Settings(job_retention_days=1, idempotency_key_hours=24).job_retention_days == 1
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Settings(job_retention_days=0)
+
+
+def test_a_refused_environment_names_each_variable_and_not_its_value(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FACTMILL_JOB_MAX_ATTEMPTS", "0")
+    monkeypatch.setenv("FACTMILL_ENVIRONMENT", "s3cret-prod")
+    with pytest.raises(InvalidSettingsError) as caught:
+        fresh_settings()
+    message = str(caught.value)
+    assert message.startswith("invalid setting: ") and "\n" not in message
+    assert "FACTMILL_JOB_MAX_ATTEMPTS: Input should be greater than or equal to 1" in message
+    assert "FACTMILL_ENVIRONMENT: Input should be 'development', 'test' or 'production'" in message
+    assert "s3cret" not in message
+    monkeypatch.delenv("FACTMILL_JOB_MAX_ATTEMPTS")
+    monkeypatch.delenv("FACTMILL_ENVIRONMENT")
+    monkeypatch.setenv("FACTMILL_JOB_RETENTION_DAYS", "2")
+    fresh_settings.cache_clear()
+    with pytest.raises(
+        InvalidSettingsError, match=r"^invalid setting: FACTMILL_JOB_RETENTION_DAYS \(2\) is shorter"
+    ):
+        fresh_settings()
