@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.signals import after_setup_logger, beat_init, worker_init, worker_shutting_down
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from worker.embedded import embedded_redis_url
 from worker.jobs import registry
@@ -71,7 +71,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "task_soft_time_limit": settings.task_soft_time_limit_seconds,
         "task_time_limit": longest_task,
-        "task_queues": [Queue(name) for name in registry.queues()],
+        # Each queue on its own direct exchange under its own name: a bare Queue(name) is bound to the
+        # default queue's exchange and key, so Flower and `celery inspect active_queues` showed every
+        # queue as maintenance/maintenance (sends went by queue name all the same).
+        "task_queues": [
+            Queue(name, Exchange(name, type="direct"), routing_key=name) for name in registry.queues()
+        ],
         "task_default_queue": registry.MAINTENANCE_QUEUE,
         "task_routes": registry.task_routes(),
         # Flower turns a worker's events on when it starts (FACTMILL_TASK_EVENTS: on from the start).

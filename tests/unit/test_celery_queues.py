@@ -1,0 +1,19 @@
+"""The queues the Celery app declares: each is bound under its own name, as operators read them."""
+
+from __future__ import annotations
+
+from worker.celery_app import create_app
+from worker.jobs import registry
+from worker.settings import Settings
+
+
+def test_each_queue_has_its_own_exchange_and_routing_key() -> None:
+    app = create_app(Settings(broker_url="redis://127.0.0.1:1/0"))
+    names = registry.queues()
+    assert set(names) >= {"extraction", "compaction", "calibration", "maintenance"}
+    for name in names:
+        queue = app.amqp.queues[name]
+        assert (queue.exchange.name, queue.exchange.type, queue.routing_key) == (name, "direct", name)
+    routes = registry.task_routes()
+    for kind in registry.all_kinds():  # every kind's task goes to a declared queue
+        assert routes[kind.task_name]["queue"] == kind.queue and kind.queue in names
