@@ -249,6 +249,26 @@ def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_valu
     assert "hunter2" not in result.stderr
 
 
+def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
+    """A refused connection was SQLAlchemy's traceback on most commands (search alone said so, on
+    three lines with a link)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    env["FACTMILL_DATABASE_URL"] = "postgresql+psycopg://factmill:pw-not-shown@127.0.0.1:1/factmill"
+    for command in (["jobs", "list"], ["search", "alice"], ["db", "upgrade"], ["keys", "list"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", *command],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 1 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert result.stderr.startswith("error: cannot reach the database: connection to server at"), command
+        assert "Connection refused" in result.stderr and result.stderr.count("\n") == 1, command
+        assert "pw-not-shown" not in result.stderr
+
+
 def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
     """No library warning reaches the terminal: importing pgserver made platformdirs warn that
     XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""

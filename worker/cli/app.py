@@ -18,7 +18,7 @@ import typer
 import typer.main
 from typer.core import TyperCommand, TyperGroup
 
-from worker.core.errors import InvalidSettingsError
+from worker.core.errors import InvalidSettingsError, connection_failure
 
 
 class CommandEntry(NamedTuple):
@@ -260,6 +260,17 @@ def main() -> None:
     try:
         app()
     except InvalidSettingsError as exc:  # a FACTMILL_ variable out of its range: one line, exit 2
-        typer.secho("error:", fg="red", bold=True, err=True, nl=False)
-        typer.echo(f" {exc}", err=True)
+        _error(str(exc))
         raise SystemExit(2) from None
+    except Exception as exc:  # the database cannot be reached: one line, exit 1, whatever the command
+        reason = connection_failure(exc)
+        if reason is None:
+            raise
+        _error(f"cannot reach the database: {reason} (is it running? FACTMILL_DATABASE_URL names it)")
+        raise SystemExit(1) from None
+
+
+def _error(message: str) -> None:
+    """``error: message`` on stderr, as console.fail prints it, without loading Rich first."""
+    typer.secho("error:", fg="red", bold=True, err=True, nl=False)
+    typer.echo(f" {message}", err=True)

@@ -7,10 +7,9 @@ from datetime import datetime
 from typing import Annotated
 
 import typer
-from sqlalchemy.orm import Session, sessionmaker
 
-from worker import db
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option
+from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
 from worker.runtime import build_runtime
 from worker.search import (
@@ -23,24 +22,11 @@ from worker.search import (
     embed_facts,
     search,
 )
-from worker.settings import Settings, get_settings
+from worker.settings import get_settings
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
     return fail(message, code, highlight=False)
-
-
-def _factory(settings: Settings) -> sessionmaker[Session]:
-    """Sessions on the configured database, after checking that every migration head is applied."""
-    try:
-        url = db.database_url(settings)
-        current, heads = db.schema_state(url)
-    except Exception as exc:
-        raise _fail(f"cannot reach the database: {exc}") from exc
-    if not heads <= current:
-        state = "has no Factmill schema" if not current else f"is at {', '.join(sorted(current))}"
-        raise _fail(f"the database {state}, not {', '.join(sorted(heads))}; run `factmill db upgrade` first")
-    return db.session_factory(url)
 
 
 def _print_outcome(outcome: SearchOutcome) -> None:
@@ -103,7 +89,7 @@ def search_command(
 ) -> None:
     """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
     settings = get_settings()
-    factory = _factory(settings)
+    factory = checked_factory(settings)
     runtime = build_runtime(settings)
     try:
         outcome = search(
@@ -143,7 +129,7 @@ def embed_command(
 ) -> None:
     """Embed every fact that has no embedding yet (and set up the pgvector store when the server has it)."""
     settings = get_settings()
-    factory = _factory(settings)
+    factory = checked_factory(settings)
     runtime = build_runtime(settings)
 
     def progress(report: EmbedReport) -> None:

@@ -29,3 +29,16 @@ def error_summary(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {type(orig).__name__} (SQLSTATE {sqlstate})"
     first = (str(orig).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {type(orig).__name__}: {first}"[:300]
+
+
+def connection_failure(exc: BaseException) -> str | None:
+    """The driver's first line when ``exc`` is a database error from a connection that never opened
+    (refused, unknown host, no such database or role): SQLAlchemy's ``OperationalError`` over the
+    driver's, with no SQLSTATE. None for any other error. Recognised by its shape, as above."""
+    orig = getattr(exc, "orig", None)
+    if orig is None or not hasattr(exc, "statement") or getattr(orig, "sqlstate", None):
+        return None
+    if type(exc).__name__ != "OperationalError":
+        return None
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return first.removeprefix("connection failed: ")[:300]
