@@ -93,6 +93,12 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     (tmp_path / "no-type.md").write_text("---\nslug: x\n---\nbody")
     (tmp_path / "bad-yaml.md").write_text("---\ntype: [unclosed\n---\nbody")
     (tmp_path / "bad-slug.md").write_text("---\nslug: /../etc\ntype: conversation\n---\nbody")
+    # 554 bytes standing for 387 million values; and 900 levels of nesting (a RecursionError ended the run).
+    laughs = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 9)}]" for n in range(1, 9)
+    ]
+    (tmp_path / "laughs.md").write_text("---\ntype: conversation\n" + "\n".join(laughs) + "\n---\nbody")
+    (tmp_path / "deep.md").write_text("---\ntype: conversation\nx: " + "[" * 900 + "]" * 900 + "\n---\nbody")
     with (tmp_path / "huge.md").open("wb") as huge:  # sparse: 1 GiB that takes no disk
         huge.truncate(1 << 30)
     result = cli("ingest", str(tmp_path), "--no-enqueue", "--json")
@@ -104,6 +110,8 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert "no 'type'" in reasons["no-type.md"]
     assert "not valid YAML" in reasons["bad-yaml.md"]
     assert "slug" in reasons["bad-slug.md"]
+    assert reasons["laughs.md"] == "front matter uses a YAML alias (line 4); write the value out instead"
+    assert reasons["deep.md"] == "front matter nests deeper than 32 levels (line 3)"
     assert "past the page cap" in reasons["huge.md"]  # refused after reading no more than the cap
     endless = cli("ingest", "/dev/zero", "--no-enqueue", "--json", check=False)
     assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests.integration.test_api import ADMIN_HEADERS, SECRET, Recorder, make_runtime, page
 from tests.service import fresh_database
 from worker.api.app import create_app
+from worker.api.inputs import MAX_JSON_DEPTH
 from worker.api.routes.health import healthz
 from worker.core.signing import sign
 
@@ -89,6 +90,26 @@ def test_hostile_signed_bodies_are_422_naming_the_field(
     api: TestClient, path: str, text: str, field: str
 ) -> None:
     assert_422(signed(api, path, text.encode("utf-8")), field)
+
+
+def nested_page(slug: str, levels: int) -> bytes:
+    """A page whose front matter holds ``levels`` arrays one inside the other."""
+    deep = "[" * levels + "1" + "]" * levels
+    return f'{{"slug": "{slug}", "type": "conversation", "frontmatter": {{"x": {deep}}}}}'.encode()
+
+
+def test_a_body_nested_past_the_cap_is_422_at_every_depth_never_a_500(api: TestClient) -> None:
+    """Bodies nested 974-986 deep passed the parser (whose limit is the recursion limit less the
+    frames below it) and failed later as a 500; the cap is a fixed, documented depth now."""
+    # The body and the front matter are two levels: 62 arrays in them reach level 64.
+    assert signed(api, "/v1/pages", nested_page("deep/ok", MAX_JSON_DEPTH - 2)).status_code == 202
+    for levels in (MAX_JSON_DEPTH - 1, *range(900, 1000, 2), 100_000):
+        response = signed(api, "/v1/pages", nested_page(f"deep/{levels}", levels))
+        assert response.status_code == 422, (levels, response.text)
+        assert "nested deeper than 64 levels" in response.text or "nested too deeply" in response.text
+    assert_422(signed(api, "/v1/pages", nested_page("deep/path", 70)), "frontmatter.x[0][0]")
+    messages = '{"messages": [{"role": "user", "text": "a", "meta": %s}]}' % ("[" * 80 + "]" * 80)
+    assert_422(signed(api, "/v1/transcripts/t1/messages", messages.encode()), "nested deeper than 64 levels")
 
 
 def test_a_lone_surrogate_in_transcript_settings_is_422(api: TestClient) -> None:

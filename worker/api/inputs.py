@@ -41,11 +41,21 @@ def _invalid(path: list[str | int], msg: str) -> ApiError:
     return ApiError(422, f"{loc}: {msg}", errors=[{"loc": loc, "msg": msg}])
 
 
+# Objects and arrays nested deeper than this are refused. The parser's own limit is Python's recursion
+# limit less the frames below it, and every later step that walks the value (the page's content hash,
+# the JSONB encoder) recurses too: bodies nested 974-986 deep parsed, then failed as a 500.
+MAX_JSON_DEPTH = 64
+
+
 def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
-    """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate, or NaN."""
-    stack: list[tuple[Any, list[str | int]]] = [(data, path or [])]
+    """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate, NaN, or an
+    object or array nested deeper than MAX_JSON_DEPTH."""
+    root: list[str | int] = path or []
+    stack: list[tuple[Any, list[str | int]]] = [(data, root)]
     while stack:
         node, where = stack.pop()
+        if isinstance(node, dict | list) and len(where) - len(root) >= MAX_JSON_DEPTH:
+            raise _invalid(where, f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays")
         if isinstance(node, _NonFinite):
             raise _invalid(where, f"Input should be a finite number ({node.name} is not a JSON number)")
         if isinstance(node, str):
@@ -65,8 +75,8 @@ def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
 def strict_json_loads(body: bytes) -> Any:
     """``body`` as JSON, refusing what the store cannot hold: 422 with the JSON path of the problem.
 
-    Refused: text that is not UTF-8, invalid JSON, NaN/Infinity, integers over 4,300 digits, nesting
-    too deep for the parser, and NUL or lone surrogates in any string or key.
+    Refused: text that is not UTF-8, invalid JSON, NaN/Infinity, integers over 4,300 digits, objects
+    and arrays nested deeper than MAX_JSON_DEPTH, and NUL or lone surrogates in any string or key.
     """
     try:
         text = body.decode("utf-8")

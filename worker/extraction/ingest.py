@@ -45,6 +45,41 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# Front matter is a few key: value lines; mappings and lists nested deeper than this (the front matter's
+# own mapping is the first level) are refused, not recursed into.
+MAX_FRONT_MATTER_DEPTH = 32
+
+
+class _FrontMatterLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader without aliases and with a cap on nesting.
+
+    An alias repeats a value wherever it is named: nine lines of them in 554 bytes stood for 387
+    million values, which ``safe_load`` returns as shared references and anything that walks them (the
+    stored front matter, its JSON) expands. Each level of nesting is a level of the composer's
+    recursion: 900 ``[`` ended the whole ingest in a RecursionError.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        line = self.peek_event().start_mark.line + 2  # the file's line: the front matter opens at 2
+        if self.check_event(yaml.AliasEvent):
+            raise PageFileError(f"front matter uses a YAML alias (line {line}); write the value out instead")
+        if self._depth >= MAX_FRONT_MATTER_DEPTH and self.check_event(
+            yaml.SequenceStartEvent, yaml.MappingStartEvent
+        ):
+            raise PageFileError(
+                f"front matter nests deeper than {MAX_FRONT_MATTER_DEPTH} levels (line {line})"
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     if not text.startswith("---"):
         return {}, text
@@ -55,7 +90,7 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
         if lines[index].strip() in ("---", "..."):
             raw = "".join(lines[1:index])
             try:
-                data = yaml.safe_load(raw) or {}
+                data = yaml.load(raw, Loader=_FrontMatterLoader) or {}
             except yaml.YAMLError as exc:
                 raise PageFileError(f"front matter is not valid YAML: {exc}") from exc
             if not isinstance(data, dict):

@@ -1,0 +1,42 @@
+"""Page files' front matter: YAML read without aliases and only so deep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.extraction.ingest import MAX_FRONT_MATTER_DEPTH, PageFileError, load_page_file
+
+
+def page_file(tmp_path: Path, front_matter: str) -> Path:
+    path = tmp_path / "page.md"
+    path.write_text(f"---\ntype: conversation\n{front_matter}\n---\nbody\n")
+    return path
+
+
+def nested(levels: int) -> str:
+    return "x: " + "[" * levels + "1" + "]" * levels
+
+
+def test_front_matter_keeps_its_values_up_to_the_depth_cap(tmp_path: Path) -> None:
+    page = load_page_file(page_file(tmp_path, "owner: &o Alice\ntags: [a, {b: [c]}]"), source_id="s")
+    assert page.frontmatter == {"owner": "Alice", "tags": ["a", {"b": ["c"]}]}  # an anchor alone is fine
+    # The mapping of the front matter is the first level, so a value may nest one level less.
+    deepest = load_page_file(page_file(tmp_path, nested(MAX_FRONT_MATTER_DEPTH - 1)))
+    value = deepest.frontmatter["x"]
+    for _ in range(MAX_FRONT_MATTER_DEPTH - 1):
+        value = value[0]
+    assert value == 1
+    with pytest.raises(PageFileError, match=f"nests deeper than {MAX_FRONT_MATTER_DEPTH} levels"):
+        load_page_file(page_file(tmp_path, nested(MAX_FRONT_MATTER_DEPTH)))
+
+
+@pytest.mark.parametrize(
+    ("front_matter", "line"),
+    [("a: &a [x, x]\nb: *a", 4), ("base: &b {k: v}\nother:\n  <<: *b", 5)],
+    ids=["alias", "merge key"],
+)
+def test_an_alias_is_refused_with_its_line(tmp_path: Path, front_matter: str, line: int) -> None:
+    with pytest.raises(PageFileError, match=rf"front matter uses a YAML alias \(line {line}\)"):
+        load_page_file(page_file(tmp_path, front_matter))
