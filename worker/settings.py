@@ -132,6 +132,10 @@ class Settings(BaseSettings):
     otel_endpoint: str | None = None
     # The API key `factmill mcp` serves stdio with (a key from `factmill keys create`).
     mcp_api_key: str | None = Field(default=None, repr=False)
+    # Flower's own login variables (Flower reads them itself): `factmill flower` reads them only to refuse
+    # listening beyond this host without one in production (it shows every task and worker).
+    flower_basic_auth: str | None = Field(default=None, repr=False, validation_alias="FLOWER_BASIC_AUTH")
+    flower_auth: str | None = Field(default=None, validation_alias="FLOWER_AUTH")
 
     # Access control (issue 11).
     # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.

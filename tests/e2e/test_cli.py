@@ -277,6 +277,24 @@ def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
         assert "pw-not-shown" not in result.stderr
 
 
+def test_flower_beyond_this_host_needs_a_login_in_production():
+    """Flower shows every task, worker and queue; it listened on every address with no login."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith(("FACTMILL_", "FLOWER_")))}
+    env |= {"FACTMILL_ENVIRONMENT": "production", "FACTMILL_BROKER_URL": "redis://127.0.0.1:1/0"}
+    for host in ("0.0.0.0", "::", "flower.internal"):
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "flower", "--host", host, "--port", "1"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (host, result.stderr)
+        assert f"Flower on {host} would show every task, worker and queue" in result.stderr
+        assert "set FLOWER_BASIC_AUTH=user:password (or FLOWER_AUTH), or listen on 127.0.0.1" in result.stderr
+
+
 def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
     """No library warning reaches the terminal: importing pgserver made platformdirs warn that
     XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""

@@ -309,8 +309,11 @@ def test_flower_turns_task_events_on_and_shows_the_workers_tasks(factory, env, s
     port = free_port()
     assert "FACTMILL_TASK_EVENTS" not in env
     worker = start_worker(env, concurrency=2)
-    flower_env = {**env, "FLOWER_UNAUTHENTICATED_API": "true"}  # its JSON API, for this test only
-    flower = ServiceProcess(["flower", "--port", str(port)], flower_env, ready_marker=None, name="flower")
+    # As deployed (compose, Kubernetes): every address, behind Flower's login.
+    flower_env = {**env, "FLOWER_BASIC_AUTH": "ops:flower-test-password"}
+    args = ["flower", "--host", "0.0.0.0", "--port", str(port)]
+    flower = ServiceProcess(args, flower_env, ready_marker=None, name="flower")
+    login = httpx.BasicAuth("ops", "flower-test-password")
     with running(worker, flower.start()):
         base = f"http://127.0.0.1:{port}"
 
@@ -320,15 +323,19 @@ def test_flower_turns_task_events_on_and_shows_the_workers_tasks(factory, env, s
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, 60, "Flower to answer", diagnostics=flower.tail)
+        wait_for(up, 60, "Flower to answer", diagnostics=flower.tail)  # its health check needs no login
         assert "redis" in flower.tail(200).lower()
+        for path in ("/", "/api/tasks", "/api/workers"):
+            assert httpx.get(f"{base}{path}", timeout=5).status_code == 401, path
+        wrong = httpx.BasicAuth("ops", "wrong")
+        assert httpx.get(f"{base}/api/tasks", auth=wrong, timeout=5).status_code == 401
         assert "task events: OFF" in "".join(worker.output), worker.tail()  # Celery's start-up banner
         task_name, sent = get_kind(EXTRACTION).task_name, 0
 
         def shows_an_extraction() -> bool:
             # Until Flower has turned the worker's events on, a task runs unseen: send another.
             nonlocal sent
-            tasks = httpx.get(f"{base}/api/tasks", timeout=5).json().values()
+            tasks = httpx.get(f"{base}/api/tasks", auth=login, timeout=5).json().values()
             if any(t.get("name") == task_name and t.get("state") == "SUCCESS" for t in tasks):
                 return True
             sent += 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
 import typer
 import uvicorn
 
 from worker.celery_app import app as celery
-from worker.cli.console import fail, port_option
+from worker.cli.console import err, fail, port_option
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
@@ -126,6 +127,39 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 
 
-def flower(port: Annotated[int, port_option(help="The port Flower listens on.")] = 5555) -> None:
+def flower(
+    host: Annotated[
+        str,
+        typer.Option(
+            help="The address Flower listens on. Beyond this host, production needs FLOWER_BASIC_AUTH "
+            "(user:password) or FLOWER_AUTH."
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[int, port_option(help="The port Flower listens on.")] = 5555,
+) -> None:
     """Run Flower on the same broker to watch workers, queues and tasks."""
-    celery.start(["flower", f"--port={port}"])
+    refuse_open_flower(get_settings(), host)
+    celery.start(["flower", f"--address={host}", f"--port={port}"])
+
+
+def refuse_open_flower(settings: Settings, host: str) -> None:
+    """Flower with no login shows every task, worker and queue to whoever reaches it: beyond this host,
+    refused in production (exit 2) and warned about otherwise."""
+    if is_loopback(host) or settings.flower_basic_auth or settings.flower_auth:
+        return
+    message = (
+        f"Flower on {host or 'every address'} would show every task, worker and queue to anyone who "
+        "reaches it; set FLOWER_BASIC_AUTH=user:password (or FLOWER_AUTH), or listen on 127.0.0.1"
+    )
+    if settings.environment == "production":
+        raise fail(message, code=2, highlight=False)
+    err.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every address)
+        return False
