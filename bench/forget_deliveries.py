@@ -21,7 +21,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.webhook import forget_deliveries, forget_page_in_deliveries  # noqa: E402
-from tests.service import fill_table, fresh_database  # noqa: E402
+from tests.service import fill_table, fresh_database, rolled_back_ms  # noqa: E402
 from worker import db  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -64,19 +63,7 @@ def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], 
         nonlocal deleted
         deleted = forget_deliveries(session, KEPT, batch)
 
-    return timed(factory, count, sweep), deleted
-
-
-def timed(factory: sessionmaker, count: int, work: Callable[[Session], object]) -> list[float]:
-    """Milliseconds ``work`` took, each run in a transaction rolled back."""
-    times = []
-    for _ in range(count):
-        with factory() as session:
-            started = time.perf_counter()
-            work(session)
-            times.append((time.perf_counter() - started) * 1000)
-            session.rollback()
-    return times
+    return rolled_back_ms(factory, count, sweep), deleted
 
 
 def erasure_rows(factory: sessionmaker, count: int) -> None:
@@ -92,8 +79,8 @@ def erasure_rows(factory: sessionmaker, count: int) -> None:
         session.execute(text(answers(INSERTED, "more-")))
 
     def both() -> tuple[float, float]:
-        return statistics.median(timed(factory, count, forget)), statistics.median(
-            timed(factory, count, insert)
+        return statistics.median(rolled_back_ms(factory, count, forget)), statistics.median(
+            rolled_back_ms(factory, count, insert)
         )
 
     indexed, inserts = both()

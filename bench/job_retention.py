@@ -23,13 +23,13 @@ from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import text
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.job import expire_jobs  # noqa: E402
-from tests.service import fill_table, fresh_database  # noqa: E402
+from tests.service import fill_table, fresh_database, rolled_back_ms  # noqa: E402
 from worker import db  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -54,14 +54,13 @@ CALLS = (
 
 def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], int]:
     """Milliseconds a sweep's DELETE took, each rolled back; and how many jobs one deleted."""
-    times, deleted = [], 0
-    for _ in range(count):
-        with factory() as session:
-            started = time.perf_counter()
-            deleted = expire_jobs(session, KEPT, batch)
-            times.append((time.perf_counter() - started) * 1000)
-            session.rollback()
-    return times, deleted
+    deleted = 0
+
+    def sweep(session: Session) -> None:
+        nonlocal deleted
+        deleted = expire_jobs(session, KEPT, batch)
+
+    return rolled_back_ms(factory, count, sweep), deleted
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,6 +129,19 @@ def fresh_database(server: str, label: str = "t") -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def rolled_back_ms(factory: Any, count: int, work: Callable[[Any], object]) -> list[float]:
+    """Milliseconds ``work(session)`` took, ``count`` times, each in a transaction rolled back after,
+    so every round sees the same tables (benches of one statement on a large table)."""
+    times = []
+    for _ in range(count):
+        with factory() as session:
+            started = time.perf_counter()
+            work(session)
+            times.append((time.perf_counter() - started) * 1000)
+            session.rollback()
+    return times
+
+
 def fill_table(url: str, table: str, insert: str, **params: object) -> None:
     """Run a bulk ``insert`` (psycopg parameters: ``%(name)s``) into ``table`` of the database at
     ``url`` and VACUUM ANALYZE it, so what follows is measured against settled statistics (benches)."""

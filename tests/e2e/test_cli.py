@@ -19,6 +19,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 EXAMPLES = REPO / "examples"
 
 
+def factmill(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``factmill ARGS`` in a fresh interpreter with exactly ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def bare_env(**values: str) -> dict[str, str]:
+    """This process's environment without any FACTMILL_ or FLOWER_ variable, plus ``values``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("FACTMILL_", "FLOWER_"))} | values
+
+
 @pytest.fixture
 def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
@@ -32,14 +49,7 @@ def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
     )
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        result = factmill(list(args), env, timeout=240)
         if check:
             assert result.returncode == 0, result.stdout + result.stderr
         return result
@@ -224,32 +234,15 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
     from tests.conftest import fresh_database
 
     with fresh_database(server_url, "noschema") as empty:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
-        env["FACTMILL_DATABASE_URL"] = empty
-        result = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "extract"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = factmill(["extract"], bare_env(FACTMILL_DATABASE_URL=empty))
     assert result.returncode == 1 and "factmill db upgrade" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_value():
     """A FACTMILL_ variable a setting refuses was pydantic's traceback, on every command."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
-    env |= {"FACTMILL_JOB_MAX_ATTEMPTS": "0", "FACTMILL_DB_POOL_SIZE": "hunter2"}
-    result = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "jobs", "list"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = bare_env(FACTMILL_JOB_MAX_ATTEMPTS="0", FACTMILL_DB_POOL_SIZE="hunter2")
+    result = factmill(["jobs", "list"], env)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "error: invalid setting: " in result.stderr
     assert "FACTMILL_JOB_MAX_ATTEMPTS: Input should be greater than or equal to 1" in result.stderr
@@ -260,17 +253,9 @@ def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_valu
 def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
     """A refused connection was SQLAlchemy's traceback on most commands (search alone said so, on
     three lines with a link)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
-    env["FACTMILL_DATABASE_URL"] = "postgresql+psycopg://factmill:pw-not-shown@127.0.0.1:1/factmill"
+    env = bare_env(FACTMILL_DATABASE_URL="postgresql+psycopg://factmill:pw-not-shown@127.0.0.1:1/factmill")
     for command in (["jobs", "list"], ["search", "alice"], ["db", "upgrade"], ["keys", "list"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "worker.cli", *command],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = factmill(command, env)
         assert result.returncode == 1 and "Traceback" not in result.stderr, (command, result.stderr)
         assert result.stderr.startswith("error: cannot reach the database: connection to server at"), command
         assert "Connection refused" in result.stderr and result.stderr.count("\n") == 1, command
@@ -279,17 +264,9 @@ def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
 
 def test_flower_beyond_this_host_needs_a_login_in_production():
     """Flower shows every task, worker and queue; it listened on every address with no login."""
-    env = {k: v for k, v in os.environ.items() if not (k.startswith(("FACTMILL_", "FLOWER_")))}
-    env |= {"FACTMILL_ENVIRONMENT": "production", "FACTMILL_BROKER_URL": "redis://127.0.0.1:1/0"}
+    env = bare_env(FACTMILL_ENVIRONMENT="production", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
     for host in ("0.0.0.0", "::", "flower.internal"):
-        result = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "flower", "--host", host, "--port", "1"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = factmill(["flower", "--host", host, "--port", "1"], env)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (host, result.stderr)
         assert f"Flower on {host} would show every task, worker and queue" in result.stderr
         assert "set FLOWER_BASIC_AUTH=user:password (or FLOWER_AUTH), or listen on 127.0.0.1" in result.stderr
@@ -302,14 +279,7 @@ def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path)
     env["FACTMILL_DATA_DIR"] = str(tmp_path / "var")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        return factmill(list(args), env, timeout=240)
 
     try:
         upgraded = run("db", "upgrade")
