@@ -13,6 +13,8 @@ from models.base import Base, count_column, utcnow_column
 
 JOB_STATUSES = ("queued", "running", "paused", "succeeded", "failed")
 FINISHED = "status IN ('succeeded', 'failed')"
+# The source of a page job's subject `source|slug` (source ids never hold '|').
+PAGE_SOURCE = "split_part(subject, '|', 1)"
 
 
 class Job(Base):
@@ -32,6 +34,14 @@ class Job(Base):
         ),
         # The finished jobs, oldest first, for expire_jobs (FACTMILL_JOB_RETENTION_DAYS).
         Index("ix_jobs_finished_at", "finished_at", postgresql_where=text(FINISHED)),
+        # A source's page jobs newest first, for a source-limited key's job list: the expression is
+        # worker.jobs.queries.job_source_id, spelled with the same constants so the planner matches it.
+        Index(
+            "ix_jobs_page_source",
+            text(PAGE_SOURCE),
+            text("id"),
+            postgresql_where=text("kind = 'extraction'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

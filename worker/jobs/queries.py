@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from sqlalchemy import ColumnElement, func, inspect, select
+from sqlalchemy import ColumnElement, Select, inspect, literal_column, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import InstrumentedAttribute, Session
+from sqlalchemy.orm import Session
 
 from models import Job, page_id_of
+from models.job import PAGE_SOURCE
 from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry()
 
@@ -59,6 +60,23 @@ def list_jobs(
 ) -> list[Job]:
     """Jobs newest first, optionally filtered; ``before_id`` pages backwards. ``source_ids`` keeps only
     the page (extraction) jobs of those sources."""
+    query = job_list_query(status, kind, limit, before_id, source_ids)
+    return list(session.scalars(query))
+
+
+# ix_jobs_page_source's expression and predicate written out as SQL constants: as bound parameters, a
+# prepared statement's generic plan could match neither (a scan of every job: 0.3 s at a million).
+_PAGE_JOB: ColumnElement[str] = literal_column(f"'{EXTRACTION}'")
+
+
+def job_list_query(
+    status: str | None,
+    kind: str | None,
+    limit: int,
+    before_id: int | None,
+    source_ids: Collection[str] | None,
+) -> Select[Job]:
+    """The statement list_jobs runs."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
     if status is not None:
         query = query.where(Job.status == status)
@@ -66,14 +84,9 @@ def list_jobs(
         query = query.where(Job.kind == kind)
     if before_id is not None:
         query = query.where(Job.id < before_id)
-    if source_ids is not None:
-        query = query.where(Job.kind == EXTRACTION, job_source_id(Job.subject).in_(sorted(source_ids)))
-    return list(session.scalars(query))
-
-
-def job_source_id(subject: ColumnElement[str] | InstrumentedAttribute[str]) -> ColumnElement[str]:
-    """The source of a page job's subject ``source|slug`` in SQL (source ids never hold '|')."""
-    return func.split_part(subject, "|", 1)
+    if source_ids is not None:  # by ix_jobs_page_source: a source with few jobs reads only those
+        query = query.where(Job.kind == _PAGE_JOB, literal_column(PAGE_SOURCE).in_(sorted(source_ids)))
+    return query
 
 
 def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
