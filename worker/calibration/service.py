@@ -40,6 +40,7 @@ from worker.core.calibration import (
     evaluate,
     parse_observations_csv,
 )
+from worker.core.errors import error_summary
 from worker.core.ttl_cache import TtlCache
 from worker.jobs.outbox import CALIBRATION, JobRequest, Sender
 
@@ -265,7 +266,9 @@ class ThresholdCache:
             known = self._cache.last(None)
             if known is None:
                 raise
-            logger.warning("could not read the active threshold; using version %s: %s", known.version, exc)
+            logger.warning(
+                "could not read the active threshold; using version %s: %s", known.version, error_summary(exc)
+            )
             return known
 
     def tau(self) -> float:

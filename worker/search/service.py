@@ -137,7 +137,7 @@ def expand_query(
         # No call was made; readers never see spend or budget figures.
         return [], "query expansion skipped: budget; searched the query alone"
     except Exception as exc:
-        logger.warning("query expansion failed: %s", exc)
+        logger.warning("query expansion failed: %s", error_summary(exc))
         _record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
         return [], "query expansion failed (the LLM did not answer); searched the query alone"
     _record(
