@@ -57,6 +57,7 @@ ROUTES = [
     ("GET", "/metrics", "admin"),
     ("DELETE", "/v1/pages/default/alice", "admin"),
     ("POST", "/v1/backfills", "admin"),
+    ("GET", "/v1/backfills", "admin"),
     ("GET", "/v1/backfills/1", "admin"),
     ("POST", "/v1/backfills/1/cancel", "admin"),
 ]

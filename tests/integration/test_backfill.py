@@ -4,7 +4,9 @@ the kill switch and cancel. The crash test with worker processes is in test_back
 
 from __future__ import annotations
 
+import json
 import time
+import typing
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -15,12 +17,15 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
+from models.backfill import BACKFILL_STATUSES
 from tests.auth import send_key
+from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
 from tests.integration.test_batch import page_body
 from tests.integration.test_extraction import put_page
 from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
+from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
@@ -348,6 +353,60 @@ def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client,
     text = client.get("/metrics", headers=ADMIN_HEADERS).text
     assert 'factmill_backfills{status="planning"} 1.0' in text
     assert 'factmill_backfill_requests{status="pending"} 0.0' in text
+
+
+def test_backfills_are_listed_newest_first_with_their_job_to_the_admin_scope(client, tx_factory):
+    """There was no way to find a backfill but by the id its start printed."""
+    seed_pages(tx_factory, "bf", 1)
+    seed_pages(tx_factory, "bf2", 1)
+    bodies = [{"source_id": "bf"}, {"source_id": "bf2", "slug_prefix": "chats/"}, {"source_id": "bf"}]
+    ids = [client.post("/v1/backfills", json=b, headers=ADMIN_HEADERS).json()["id"] for b in bodies]
+    assert client.get("/v1/backfills").status_code == 403  # a read key
+    listed = client.get("/v1/backfills", headers=ADMIN_HEADERS).json()["backfills"]
+    assert [b["id"] for b in listed] == ids[::-1]
+    middle = listed[1]
+    assert (middle["source_id"], middle["filters"]["slug_prefix"], middle["status"]) == (
+        "bf2",
+        "chats/",
+        "planning",
+    )
+    assert middle["job_status"] == "queued" and middle["created_by"] == "FACTMILL_ADMIN_TOKEN"
+    assert "requests" not in middle  # a list shows no progress: `GET /v1/backfills/{id}` does
+    page = client.get("/v1/backfills", params={"limit": 1, "before_id": ids[2]}, headers=ADMIN_HEADERS)
+    assert [b["id"] for b in page.json()["backfills"]] == [ids[1]]
+    done = client.get("/v1/backfills", params={"status": "done"}, headers=ADMIN_HEADERS)
+    assert done.json() == {"backfills": []}
+    bad = client.get("/v1/backfills", params={"status": "finished"}, headers=ADMIN_HEADERS)
+    assert bad.status_code == 422 and "status" in bad.text
+
+
+def test_the_backfill_statuses_the_api_names_are_the_tables(client):
+    assert typing.get_args(BackfillStatus) == BACKFILL_STATUSES
+
+
+def test_factmill_backfill_list(factory, database_url):
+    """The CLI lists them too (it reads through its own engine: rows committed)."""
+    seed_pages(factory, "bf", 1)
+    with factory.begin() as session:
+        backfill_id, job_id = request_backfill(
+            session, BackfillSelection("bf", None, "chats/", 5), created_by="cli"
+        )
+    listed = invoke_cli(database_url, "backfill", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    [row] = json.loads(listed.output)
+    assert (row["id"], row["job_id"], row["job_status"], row["created_by"]) == (
+        backfill_id,
+        job_id,
+        "queued",
+        "cli",
+    )
+    table = invoke_cli(database_url, "backfill", "list")
+    assert table.exit_code == 0 and "┃ id ┃ source" in table.output and "planning" in table.output
+    refused = invoke_cli(database_url, "backfill", "list", "--status", "finished")
+    assert (
+        refused.exit_code == 2
+        and "--status must be one of planning, running, done, cancelled" in refused.output
+    )
 
 
 def test_a_backfill_that_matches_no_stored_page_is_refused_and_stores_nothing(client, recorder, tx_factory):

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, id_argument, out, print_json, source_option
+from models.backfill import BACKFILL_STATUSES
+from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.extraction.backfill import (
@@ -15,7 +16,7 @@ from worker.extraction.backfill import (
     NothingToBackfillError,
     request_backfill,
 )
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 from worker.jobs.outbox import enqueue as send_jobs
 
 backfill_app = typer.Typer(
@@ -55,6 +56,31 @@ def backfill(
     out.print(
         f"backfill {backfill_id} queued (job {job_id}); follow it with `factmill backfill show {backfill_id}`"
     )
+
+
+@backfill_app.command("list")
+def backfill_list(
+    status: Annotated[str | None, typer.Option(help="planning, running, done or cancelled.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recent backfills, newest first, with their job's status (`backfill show ID` for one's progress)."""
+    if status is not None and status not in BACKFILL_STATUSES:
+        raise fail(f"--status must be one of {', '.join(BACKFILL_STATUSES)}", code=2)
+    with checked_factory()() as session:
+        found = list_backfills(session, status=status, limit=limit)
+    if as_json:
+        print_json(found)
+        return
+    table = folding_table("id", "source", "selection", "status", "job", "created", "finished")
+    for b in found:
+        selection = ", ".join(f"{k}={v}" for k, v in b["filters"].items() if v is not None)
+        job = f"{b['job_id']} {b['job_status']}" if b["job_id"] is not None else "-"
+        table.add_row(
+            str(b["id"]), str(b["source_id"]), selection or "every page", str(b["status"]), job,
+            str(b["created_at"])[:19], str(b["finished_at"] or "")[:19],
+        )  # fmt: skip
+    out.print(table)
 
 
 @backfill_app.command("show")

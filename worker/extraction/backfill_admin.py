@@ -1,11 +1,14 @@
-"""Operating a backfill: cancel it, wake the ones waiting on batches (beat), show its progress."""
+"""Operating a backfill: cancel it, wake the ones waiting on batches (beat), show its progress, list
+the backfills."""
 
 from __future__ import annotations
+
+from typing import Any, TypedDict
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Backfill, BackfillBatch
+from models import Backfill, BackfillBatch, Job
 from models.backfill import REQUEST_STATUSES
 from worker.extraction.backfill import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
@@ -38,6 +41,56 @@ def wake_waiting_backfills(factory: sessionmaker[Session]) -> int:
     return enqueue(factory, woken)
 
 
+class BackfillSummary(TypedDict):
+    """What a list of backfills shows of each: its selection, its state and its job's."""
+
+    id: int
+    source_id: str
+    filters: dict[str, Any]
+    status: str
+    cancel_requested: bool
+    job_id: int | None
+    job_status: str | None
+    job_note: str | None
+    created_by: str | None
+    created_at: str
+    finished_at: str | None
+
+
+def backfill_summary(backfill: Backfill, job: str | None, job_note: str | None) -> BackfillSummary:
+    return {
+        "id": backfill.id,
+        "source_id": backfill.source_id,
+        "filters": backfill.filters,
+        "status": backfill.status,
+        "cancel_requested": backfill.cancel_requested,
+        "job_id": backfill.job_id,
+        "job_status": job,
+        "job_note": job_note,
+        "created_by": backfill.created_by,
+        "created_at": backfill.created_at.isoformat(),
+        "finished_at": backfill.finished_at.isoformat() if backfill.finished_at else None,
+    }
+
+
+def list_backfills(
+    session: Session, *, status: str | None = None, limit: int = 50, before_id: int | None = None
+) -> list[BackfillSummary]:
+    """Backfills newest first (``before_id`` pages backwards), optionally in one status, each with its
+    job's status; `backfill_report` has the batches, requests and spend of one."""
+    query = (
+        select(Backfill, Job.status, Job.last_error)
+        .outerjoin(Job, Job.id == Backfill.job_id)
+        .order_by(Backfill.id.desc())
+        .limit(limit)
+    )
+    if status is not None:
+        query = query.where(Backfill.status == status)
+    if before_id is not None:
+        query = query.where(Backfill.id < before_id)
+    return [backfill_summary(*row) for row in session.execute(query).all()]
+
+
 def backfill_report(factory: sessionmaker[Session], backfill_id: int) -> dict[str, object]:
     """A backfill's state and progress: its batches, its requests by status, what it cost so far."""
     with factory() as session:
@@ -52,16 +105,7 @@ def backfill_report(factory: sessionmaker[Session], backfill_id: int) -> dict[st
         job, job_note = job_status(session, backfill.job_id)
     total = sum(counts.values())
     return {
-        "id": backfill.id,
-        "source_id": backfill.source_id,
-        "filters": backfill.filters,
-        "status": backfill.status,
-        "cancel_requested": backfill.cancel_requested,
-        "job_id": backfill.job_id,
-        "job_status": job,
-        "job_note": job_note,
-        "created_at": backfill.created_at.isoformat(),
-        "finished_at": backfill.finished_at.isoformat() if backfill.finished_at else None,
+        **backfill_summary(backfill, job, job_note),
         "requests": {"total": total, **{status: counts.get(status, 0) for status in REQUEST_STATUSES}},
         "llm_calls": calls,
         "cost_usd": cost,

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
+from models.reads import read_only
 from worker.api.auth import Admin
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import BigIntIdPath, SourceIdField, StorableStr
-from worker.core.jsonvalues import json_integer
+from worker.core.jsonvalues import BIGINT_MAX, json_integer
 from worker.extraction.backfill import (
     BATCH_EXTRACTION,
     BackfillSelection,
     NothingToBackfillError,
     request_backfill,
 )
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,11 @@ class BackfillCreated(BaseModel):
     job_id: int
 
 
-class BackfillOut(BaseModel):
-    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+BackfillStatus = Literal["planning", "running", "done", "cancelled"]  # = models.backfill.BACKFILL_STATUSES
+
+
+class BackfillSummary(BaseModel):
+    """A backfill as a list shows it: its selection, its state and its job's."""
 
     id: int
     source_id: str
@@ -54,8 +58,18 @@ class BackfillOut(BaseModel):
     job_id: int | None
     job_status: str | None
     job_note: str | None
+    created_by: str | None
     created_at: str
     finished_at: str | None
+
+
+class BackfillList(BaseModel):
+    backfills: list[BackfillSummary]
+
+
+class BackfillOut(BackfillSummary):
+    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+
     requests: dict[str, int]
     llm_calls: int
     cost_usd: str
@@ -85,6 +99,21 @@ def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> Backfil
     ctx.enqueue([(job_id, BATCH_EXTRACTION)])
     logger.info("backfill %s requested over the API (job %s)", backfill_id, job_id)
     return BackfillCreated(id=backfill_id, job_id=job_id)
+
+
+@backfills_router.get("/v1/backfills", response_model=BackfillList, summary="List backfills, newest first")
+def get_backfills(
+    ctx: Context,
+    _: Admin,
+    status: Annotated[BackfillStatus | None, Query(description="Only backfills in this status")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    before_id: Annotated[
+        int | None, Query(ge=1, le=BIGINT_MAX, description="Only backfills with a smaller id (paging)")
+    ] = None,
+) -> BackfillList:
+    with read_only(ctx.factory) as session:
+        found = list_backfills(session, status=status, limit=limit, before_id=before_id)
+    return BackfillList.model_validate({"backfills": found})
 
 
 @backfills_router.get(
