@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
-from typer.testing import CliRunner
 
 from models import ExtractionAudit, Fact, Job, LLMCall
+from tests.cli import invoke_cli
 from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
 from worker.accounting import Budget, parse_prices, parse_usd
 from worker.config_store import ConfigReader, set_config
@@ -153,27 +153,18 @@ def test_kill_switch_resume_does_not_wake_budget_waiters(session):
 
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
-def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url, monkeypatch):
-    from worker.cli import app
-    from worker.settings import get_settings
-
+def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url):
     set_(factory, "llm.prices", PRICES)
     put_page(factory)
     run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
-    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(app, ["costs", "--by", "purpose", "--json"])
-        assert result.exit_code == 0, result.output
-        [row] = json.loads(result.output)
-        assert row["key"] == "extraction" and row["calls"] == 2 and row["cost_usd"] > 0
-        assert 0 <= row["cached_share"] <= 1
-        table = CliRunner().invoke(app, ["costs", "--by", "day"])
-        assert table.exit_code == 0 and "total" in table.output
-        bad = CliRunner().invoke(app, ["costs", "--by", "colour"])
-        assert bad.exit_code == 2
-    finally:
-        get_settings.cache_clear()
+    result = invoke_cli(database_url, "costs", "--by", "purpose", "--json")
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.output)
+    assert row["key"] == "extraction" and row["calls"] == 2 and row["cost_usd"] > 0
+    assert 0 <= row["cached_share"] <= 1
+    table = invoke_cli(database_url, "costs", "--by", "day")
+    assert table.exit_code == 0 and "total" in table.output
+    assert invoke_cli(database_url, "costs", "--by", "colour").exit_code == 2
 
 
 # Truncation: the rows are read through a second engine, whose sessions run in another time zone.

@@ -11,7 +11,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Text, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner
 
 from models import (
     Backfill,
@@ -26,6 +25,7 @@ from models import (
     Page,
     WebhookDelivery,
 )
+from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
@@ -45,7 +45,7 @@ from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse
 from worker.runtime import Runtime
 from worker.search import search
-from worker.settings import Settings, get_settings
+from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -253,23 +253,13 @@ def test_delete_finds_an_nfc_slug_sent_as_nfd(client: TestClient, enabled: sessi
     assert response.json()["slug"] == "café/notes"
 
 
-def test_cli_pages_erase(
-    monkeypatch: pytest.MonkeyPatch, database_url: str, enabled: sessionmaker[Session], llm: Any
-) -> None:
-    from worker.cli import app
-
+def test_cli_pages_erase(database_url: str, enabled: sessionmaker[Session], llm: Any) -> None:
     facts = extracted_page(enabled, llm)
-    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
-    get_settings.cache_clear()
-    try:
-        runner = CliRunner()
-        result = runner.invoke(app, ["pages", "erase", "default", SLUG])
-        assert result.exit_code == 0, result.output
-        assert f"{facts} fact(s), {facts} embedding(s), 1 checkpoint(s)" in result.output
-        missing = runner.invoke(app, ["pages", "erase", "default", SLUG])
-        assert missing.exit_code == 1 and "no page" in missing.output
-    finally:
-        get_settings.cache_clear()
+    result = invoke_cli(database_url, "pages", "erase", "default", SLUG)
+    assert result.exit_code == 0, result.output
+    assert f"{facts} fact(s), {facts} embedding(s), 1 checkpoint(s)" in result.output
+    missing = invoke_cli(database_url, "pages", "erase", "default", SLUG)
+    assert missing.exit_code == 1 and "no page" in missing.output
     assert page_facts(enabled) == 0 and found(enabled) == []
     with enabled() as session:
         assert session.scalars(select(Erasure.requested_by)).all() == ["cli"]

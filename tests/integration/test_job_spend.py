@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner
 
 from models import Job
 from tests.auth import send_key
+from tests.cli import invoke_cli
 from tests.integration.test_api import make_runtime
 from worker.accounting import PRICES_KEY, Ledger, LLMCallRecord
 from worker.api.app import create_app
@@ -109,21 +109,15 @@ def test_get_job_gives_its_tokens_cached_tokens_and_usd(
 
 
 @pytest.fixture
-def cli(factory: sessionmaker[Session], database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def cli(factory: sessionmaker[Session], database_url: str) -> Any:
     """The factmill CLI on the test database (it opens its own engine, so rows must be committed)."""
-    from worker.cli import app
-    from worker.settings import get_settings
-
-    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
-    get_settings.cache_clear()
 
     def run(*args: str) -> Any:
-        result = CliRunner().invoke(app, list(args))
+        result = invoke_cli(database_url, *args)
         assert result.exit_code == 0, result.output
         return result
 
-    yield run
-    get_settings.cache_clear()
+    return run
 
 
 def test_jobs_show_gives_the_same_spend(factory: sessionmaker[Session], cli: Any) -> None:
