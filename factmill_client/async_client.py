@@ -242,6 +242,28 @@ class AsyncClient:
     async def delete_page(self, source_id: str, slug: str) -> models.PageErased:
         return await self.send(calls.delete_page(source_id, slug))
 
+    async def start_backfill(
+        self,
+        source_id: str = "default",
+        *,
+        since: datetime | None = None,
+        slug_prefix: str | None = None,
+        max_segments: int | None = None,
+    ) -> models.BackfillCreated:
+        selection = {"source_id": source_id, "since": since, "slug_prefix": slug_prefix}
+        return await self.send(calls.start_backfill(selection | {"max_segments": max_segments}))
+
+    async def get_backfill(self, backfill_id: int) -> models.BackfillOut:
+        return await self.send(calls.get_backfill(backfill_id))
+
+    async def list_backfills(
+        self, *, status: str | None = None, limit: int = 50, before_id: int | None = None
+    ) -> models.BackfillList:
+        return await self.send(calls.list_backfills(status, limit, before_id))
+
+    async def cancel_backfill(self, backfill_id: int) -> models.BackfillOut:
+        return await self.send(calls.cancel_backfill(backfill_id))
+
     async def list_config(self) -> models.ConfigList:
         return await self.send(calls.list_config())
 

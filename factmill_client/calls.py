@@ -130,6 +130,30 @@ def retry_job(job_id: int, skipped: bool) -> Call[models.JobOut]:
     )
 
 
+def start_backfill(selection: Mapping[str, Any]) -> Call[models.BackfillCreated]:
+    # Not deduplicated by the server: a repeat after an unknown outcome could start a second backfill.
+    body = json_body({name: value for name, value in selection.items() if value is not None})
+    return Call("POST", "/v1/backfills", models.BackfillCreated, body=body, replayable=False)
+
+
+def get_backfill(backfill_id: int) -> Call[models.BackfillOut]:
+    return Call("GET", f"/v1/backfills/{int(backfill_id)}", models.BackfillOut)
+
+
+def list_backfills(status: str | None, limit: int, before_id: int | None) -> Call[models.BackfillList]:
+    return Call(
+        "GET",
+        "/v1/backfills",
+        models.BackfillList,
+        params=_query(status=status, limit=limit, before_id=before_id),
+    )
+
+
+def cancel_backfill(backfill_id: int) -> Call[models.BackfillOut]:
+    # Cancelling twice answers the same state: safe to resend.
+    return Call("POST", f"/v1/backfills/{int(backfill_id)}/cancel", models.BackfillOut)
+
+
 def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:
     return Call("PUT", f"/v1/config/{segment(key)}", models.ConfigSetOut, body=json_body({"value": value}))
 

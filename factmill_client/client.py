@@ -263,6 +263,34 @@ class Client:
         """Erase a page and everything drawn from it (admin scope)."""
         return self.send(calls.delete_page(source_id, slug))
 
+    # ------------------------------------------------------------------ backfills (admin)
+
+    def start_backfill(
+        self,
+        source_id: str = "default",
+        *,
+        since: datetime | None = None,
+        slug_prefix: str | None = None,
+        max_segments: int | None = None,
+    ) -> models.BackfillCreated:
+        """Extract the selected pages' pending segments through provider batches (half price)."""
+        selection = {"source_id": source_id, "since": since, "slug_prefix": slug_prefix}
+        return self.send(calls.start_backfill(selection | {"max_segments": max_segments}))
+
+    def get_backfill(self, backfill_id: int) -> models.BackfillOut:
+        """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+        return self.send(calls.get_backfill(backfill_id))
+
+    def list_backfills(
+        self, *, status: str | None = None, limit: int = 50, before_id: int | None = None
+    ) -> models.BackfillList:
+        """One page of backfills, newest first, each with its job's status."""
+        return self.send(calls.list_backfills(status, limit, before_id))
+
+    def cancel_backfill(self, backfill_id: int) -> models.BackfillOut:
+        """Unsent batches never go; running ones are cancelled at the provider."""
+        return self.send(calls.cancel_backfill(backfill_id))
+
     # ------------------------------------------------------------------ config (admin)
 
     def list_config(self) -> models.ConfigList:

@@ -111,6 +111,39 @@ class JobList(Model):
     jobs: list[JobOut]
 
 
+# ---------------------------------------------------------------------------- backfills (admin)
+
+
+class BackfillCreated(Model):
+    id: int
+    job_id: int
+
+
+class BackfillSummary(Model):
+    id: int
+    source_id: str
+    filters: dict[str, Any]
+    status: str
+    cancel_requested: bool
+    job_id: int | None
+    job_status: str | None
+    job_note: str | None
+    created_by: str | None
+    created_at: str
+    finished_at: str | None
+
+
+class BackfillList(Model):
+    backfills: list[BackfillSummary]
+
+
+class BackfillOut(BackfillSummary):
+    requests: dict[str, int]
+    llm_calls: int
+    cost_usd: str
+    batches: list[dict[str, Any]]
+
+
 # ---------------------------------------------------------------------------- facts
 
 

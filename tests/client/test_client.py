@@ -210,6 +210,31 @@ def test_admin_calls_config_and_erasure(service: Service, factory):
             admin.delete_page("default", "conversations/client/30")
 
 
+def test_backfills_start_list_show_and_cancel(service: Service, factory):
+    with Client(service.base_url, webhook_secret=SECRET) as sender:
+        [job] = sender.ingest_page(page(40)).jobs
+    with Client(service.base_url, api_key=new_key(factory, ["admin", "read"])) as admin:
+        settle(admin, [job.job_id])
+        with pytest.raises(NotFound, match="nothing to backfill"):
+            admin.start_backfill("no-such-source")
+        started = admin.start_backfill(slug_prefix="conversations/client/40", max_segments=10)
+        assert admin.wait_for_job(started.job_id, timeout=120).status == "succeeded"
+        shown = admin.get_backfill(started.id)  # its one page was extracted already: nothing pending
+        assert (shown.status, shown.job_status, shown.requests["total"]) == ("done", "succeeded", 0)
+        assert shown.filters["max_segments"] == 10 and shown.batches == []
+        [listed] = admin.list_backfills(status="done").backfills
+        assert listed.id == started.id and listed.source_id == "default"
+        assert admin.list_backfills(before_id=started.id).backfills == []
+        assert admin.cancel_backfill(started.id).status == "done"  # finished: answered as it is
+        with pytest.raises(NotFound):
+            admin.get_backfill(started.id + 1000)
+    with (
+        Client(service.base_url, api_key=new_key(factory, ["read"])) as reader,
+        pytest.raises(PermissionDenied),
+    ):
+        reader.list_backfills()
+
+
 def test_async_client_appends_a_transcript_and_pages_through_it(service: Service, factory):
     key = new_key(factory, ["read", "ingest"])
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "text": f"message {i}"} for i in range(5)]

@@ -40,6 +40,10 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.list_config, ()),
     (calls.get_transcript, ("t",)),
     (calls.list_transcripts, (5,)),
+    (calls.start_backfill, ({"source_id": "s"},)),
+    (calls.get_backfill, (1,)),
+    (calls.list_backfills, ("done", 5, 2)),
+    (calls.cancel_backfill, (1,)),
     (calls.get_context, ("t",)),
     (calls.list_messages, ("t", 1, 1)),
 ]
