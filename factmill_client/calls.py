@@ -133,7 +133,10 @@ def retry_job(job_id: int, skipped: bool) -> Call[models.JobOut]:
 def start_backfill(selection: Mapping[str, Any]) -> Call[models.BackfillCreated]:
     # Not deduplicated by the server: a repeat after an unknown outcome could start a second backfill.
     body = json_body({name: value for name, value in selection.items() if value is not None})
-    return Call("POST", "/v1/backfills", models.BackfillCreated, body=body, replayable=False)
+    key = new_idempotency_key()
+    return Call(
+        "POST", "/v1/backfills", models.BackfillCreated, body=body, idempotency_key=key, replayable=False
+    )
 
 
 def get_backfill(backfill_id: int) -> Call[models.BackfillOut]:
@@ -151,7 +154,8 @@ def list_backfills(status: str | None, limit: int, before_id: int | None) -> Cal
 
 def cancel_backfill(backfill_id: int) -> Call[models.BackfillOut]:
     # Cancelling twice answers the same state: safe to resend.
-    return Call("POST", f"/v1/backfills/{int(backfill_id)}/cancel", models.BackfillOut)
+    path = f"/v1/backfills/{int(backfill_id)}/cancel"
+    return Call("POST", path, models.BackfillOut, idempotency_key=new_idempotency_key())
 
 
 def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:
