@@ -56,8 +56,8 @@ def rows_json(rows: Sequence[Mapping[str, Any]]) -> str:
 class BulkInsert:
     """``INSERT INTO table (columns) SELECT ... FROM jsonb_to_recordset(rows)``, built once per call site.
 
-    ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: a column whose
-    values come back for the rows that went in. ``around``: a statement with ``{insert}`` where the
+    ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: the column (or
+    columns, comma-separated, for ``returned_rows``) whose values come back for the rows that went in. ``around``: a statement with ``{insert}`` where the
     INSERT goes, as a ``WITH`` query that also uses its ``RETURNING`` rows; what it selects is what
     ``returned`` gives.
     """
@@ -109,6 +109,12 @@ class BulkInsert:
         if not rows:
             return []
         return list(session.execute(self._statement, self._parameters(rows)).scalars())
+
+    def returned_rows(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Insert the rows; the ``returning`` columns (several, comma-separated) of those that went in."""
+        if not rows:
+            return []
+        return list(session.execute(self._statement, self._parameters(rows)).all())
 
     def new_keys(self, session: Session, rows: Sequence[Mapping[str, Any]]) -> list[int]:
         """Insert the rows (no conflict clause) and return their sequence-generated keys, one per row in

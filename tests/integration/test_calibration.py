@@ -930,6 +930,11 @@ def test_cli_import_reports_bad_rows_by_line(
     assert cli("import", str(bad)).exit_code == 1  # nothing usable
     missing = cli("import", str(tmp_path / "missing.csv"))
     assert missing.exit_code == 2 and "no such file" in missing.output
+    latin1 = tmp_path / "latin1.csv"
+    latin1.write_bytes("0.5,true,caf\xe9\n".encode("latin-1"))
+    refused = cli("import", str(latin1))
+    assert refused.exit_code == 2 and refused.output.count(str(latin1)) == 1, refused.output  # named once
+    assert "is not UTF-8 text" in refused.output
 
 
 def test_cli_recompute_now_show_history_and_plot(

@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction
+from models.bulk import BulkInsert
 from models.tables import CALIBRATION_OBSERVATIONS, CALIBRATION_THRESHOLDS
 from worker.core.calibration import FALLBACK, RECORDED_FIELDS, ActiveThreshold, Observation, ObservationIn
 from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
@@ -128,6 +129,15 @@ _OBS = CALIBRATION_OBSERVATIONS.c
 _INSERT_UNKEYED = insert(CALIBRATION_OBSERVATIONS).returning(_OBS.id, sort_by_parameter_order=True)
 _SAID = (_OBS.id, _OBS.dedupe_key, *(_OBS[name] for name in RECORDED_FIELDS))
 _KEYED_ROWS = select(*_SAID).where(_OBS.dedupe_key.in_(bindparam("keys", expanding=True)))
+# One JSON document a chunk (models.bulk): built per chunk with .values(rows), each chunk of 1,000 was
+# compiled anew and its 5,000 placeholders parsed by psycopg, 0.2 s of Python a chunk (a 200,000-row
+# CSV import took 45 s).
+_INSERT_KEYED = BulkInsert(
+    CALIBRATION_OBSERVATIONS,
+    (*RECORDED_FIELDS, "dedupe_key"),
+    conflict=("dedupe_key",),
+    returning="dedupe_key, id",
+)
 
 
 def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
@@ -137,13 +147,9 @@ def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], rep
 
 def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
     connection = session.connection()
-    result = connection.execute(
-        insert(CALIBRATION_OBSERVATIONS)
-        .values([_row(obs) for _, obs in chunk])
-        .on_conflict_do_nothing(index_elements=[_OBS.dedupe_key])
-        .returning(_OBS.dedupe_key, _OBS.id)
+    inserted: dict[str | None, int] = dict(
+        _INSERT_KEYED.returned_rows(session, [_row(obs) for _, obs in chunk])
     )
-    inserted: dict[str | None, int] = {key: id_ for key, id_ in result}
     keys = sorted({key for _, obs in chunk if (key := obs.dedupe_key()) is not None})
     existing = {row.dedupe_key: row for row in connection.execute(_KEYED_ROWS, {"keys": keys})}
     claimed: set[str] = set()

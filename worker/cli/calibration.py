@@ -148,7 +148,7 @@ def import_file(
             factory, file, origin=origin, recompute_every=get_settings().calibration_recompute_every
         )
     except (CsvFormatError, OSError) as exc:
-        raise fail(f"{file}: {exc}", code=2) from exc
+        raise fail(str(exc), code=2) from exc  # each names the file
     sent = _send(factory, report.pending_jobs()) if enqueue else 0
     job = report.recompute.job_id if report.recompute is not None else None
     if as_json:
