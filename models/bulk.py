@@ -57,9 +57,9 @@ class BulkInsert:
     """``INSERT INTO table (columns) SELECT ... FROM jsonb_to_recordset(rows)``, built once per call site.
 
     ``conflict``: the unique columns of an ``ON CONFLICT ... DO NOTHING``. ``returning``: the column (or
-    columns, comma-separated, for ``returned_rows``) whose values come back for the rows that went in. ``around``: a statement with ``{insert}`` where the
-    INSERT goes, as a ``WITH`` query that also uses its ``RETURNING`` rows; what it selects is what
-    ``returned`` gives.
+    columns, comma-separated, for ``returned_rows``) whose values come back for the rows that went in.
+    ``around``: a statement with ``{insert}`` where the INSERT goes, as a ``WITH`` query that also uses
+    its ``RETURNING`` rows; what it selects is what ``returned`` gives.
     """
 
     def __init__(
