@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from worker.core.jsonvalues import BIGINT_MAX
@@ -54,6 +56,21 @@ def folding_table(*headers: str, **options: Any) -> Table:
     for header in headers:
         made.add_column(header, overflow="fold")
     return made
+
+
+@contextmanager
+def counting_bar(
+    description: str, total: int | None, *, enabled: bool = True
+) -> Iterator[Callable[..., None]]:
+    """A progress bar on stderr (gone when done); yields the function that advances it by one. Disabled
+    (``--json``), or stderr not a terminal (a script's log stays clean), the function does nothing."""
+    if not enabled or not err.is_terminal:
+        yield lambda *_: None
+        return
+    columns = (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda *_: progress.advance(task)
 
 
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:

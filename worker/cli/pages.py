@@ -10,12 +10,12 @@ from typing import Annotated
 import typer
 
 from models.reads import read_only
-from worker.cli.console import err, fail, folding_table, out, print_json, source_option
+from worker.cli.console import counting_bar, err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
 from worker.extraction.erase import erase_page
-from worker.extraction.ingest import ingest_paths
+from worker.extraction.ingest import ingest_paths, iter_page_files
 from worker.jobs.outbox import enqueue as send_jobs
 
 
@@ -29,7 +29,9 @@ def ingest(
 ) -> None:
     """Store page files (front matter: slug, type, title); queue an extraction job per changed page."""
     factory = checked_factory()
-    report = ingest_paths(factory, paths, source_id)
+    files = sum(1 for _ in iter_page_files(paths))
+    with counting_bar("page files", files, enabled=not as_json) as advance:
+        report = ingest_paths(factory, paths, source_id, on_file=advance)
     sent = send_jobs(factory, report.jobs) if enqueue and report.jobs else 0
     if as_json:
         out.print_json(

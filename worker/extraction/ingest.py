@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from pathlib import Path
@@ -156,25 +156,37 @@ def iter_page_files(paths: Iterable[Path]) -> Iterator[tuple[Path, Path | None]]
 
 
 def ingest_paths(
-    factory: sessionmaker[Session], paths: Iterable[Path], source_id: str = "default"
+    factory: sessionmaker[Session],
+    paths: Iterable[Path],
+    source_id: str = "default",
+    on_file: Callable[[Path], None] | None = None,
 ) -> IngestReport:
     """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
-    path); a bad file is reported and the rest still go in. The caller enqueues ``report.jobs``."""
+    path); a bad file is reported and the rest still go in. The caller enqueues ``report.jobs``.
+    ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
     report = IngestReport()
     for path, root in iter_page_files(paths):
-        try:
-            page = load_page_file(path, root, source_id)
-        except FileNotFoundError:
-            report.errors.append((str(path), "no such file or directory"))
-            continue
-        except (PageFileError, OSError) as exc:
-            report.errors.append((str(path), str(exc)))
-            continue
-        with factory.begin() as session:
-            job = store_page(session, page)
-        if job is None:
-            report.unchanged.append(page.slug)
-        else:
-            report.ingested.append(page.slug)
-            report.jobs.append((job.job_id, EXTRACTION))
+        _ingest_file(factory, path, root, source_id, report)
+        if on_file is not None:
+            on_file(path)
     return report
+
+
+def _ingest_file(
+    factory: sessionmaker[Session], path: Path, root: Path | None, source_id: str, report: IngestReport
+) -> None:
+    try:
+        page = load_page_file(path, root, source_id)
+    except FileNotFoundError:
+        report.errors.append((str(path), "no such file or directory"))
+        return
+    except (PageFileError, OSError) as exc:
+        report.errors.append((str(path), str(exc)))
+        return
+    with factory.begin() as session:
+        job = store_page(session, page)
+    if job is None:
+        report.unchanged.append(page.slug)
+    else:
+        report.ingested.append(page.slug)
+        report.jobs.append((job.job_id, EXTRACTION))
