@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from models.backfill import BACKFILL_STATUSES
-from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option
+from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option, when
 from worker.cli.sessions import checked_factory
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.extraction.backfill import (
@@ -78,7 +78,7 @@ def backfill_list(
         job = f"{b['job_id']} {b['job_status']}" if b["job_id"] is not None else "-"
         table.add_row(
             str(b["id"]), str(b["source_id"]), selection or "every page", str(b["status"]), job,
-            str(b["created_at"])[:19], str(b["finished_at"] or "")[:19],
+            when(b["created_at"]), when(b["finished_at"]),
         )  # fmt: skip
     out.print(table)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,7 +24,7 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
-from worker.cli.console import err, fail, fields, folding_table, out, print_json
+from worker.cli.console import err, fail, fields, folding_table, out, print_json, when
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
@@ -264,7 +263,7 @@ def history(
             str(row.n_bad),
             _rate(row.held_out_rate),
             row.trigger,
-            row.computed_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+            when(row.computed_at),
         )
     out.print(table)
     for row in rows:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from models.reads import read_only
 from worker.calibration import ThresholdCache, describe_tau
-from worker.cli.console import fail, fields, folding_table, out, print_json
+from worker.cli.console import fail, fields, folding_table, out, print_json, when
 from worker.cli.sessions import checked_factory
 from worker.compaction import (
     CompactionDisabledError,
@@ -216,7 +216,7 @@ def transcripts_show(
         )
         note = c["error"] or (f"missed: {', '.join(c['missed_terms'])}" if c["missed_terms"] else "")
         if note:
-            notes.append(f"  {c['id']} ({c['created_at'][:19].replace('T', ' ')}): {note}")
+            notes.append(f"  {c['id']} ({when(c['created_at'])}): {note}")
     out.print(table)
     for note in notes:
         out.print(note)
@@ -240,7 +240,7 @@ def transcripts_list(
             str(r["context_window"] or "—"),
             str(r["messages"]),
             f"{r['history_tokens']:,}",
-            r["updated_at"][:19].replace("T", " "),
+            when(r["updated_at"]),
         )
     out.print(table)
 

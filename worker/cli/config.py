@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, folding_table, out
+from worker.cli.console import fail, folding_table, out, when
 from worker.cli.sessions import checked_factory
 from worker.config_store import (
     UnknownConfigKeyError,
@@ -78,7 +78,7 @@ def config_list() -> None:
         if row is None:
             table.add_row(key, "[dim](default)[/]", "", "")
         else:
-            table.add_row(key, row.value, row.updated_by or "", row.updated_at.isoformat(timespec="seconds"))
+            table.add_row(key, row.value, row.updated_by or "", when(row.updated_at))
     out.print(table)
     if unread:
         out.print(

@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import typer
@@ -82,6 +82,18 @@ def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer
 def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
     """Write ``data`` as indented JSON on stdout, untouched by Rich (no wrapping, no colour)."""
     sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=ensure_ascii) + "\n")
+
+
+def when(moment: datetime | str | None) -> str:
+    """A time as the tables show it: UTC to the minute ("2026-12-04 05:19"), "" for none. An ISO string
+    (a JSON report's) is read first; the JSON output keeps the full time."""
+    if moment is None:
+        return ""
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return moment.strftime("%Y-%m-%d %H:%M")
 
 
 def fields(row: object, names: Iterable[str]) -> dict[str, Any]:

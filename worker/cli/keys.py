@@ -10,7 +10,7 @@ import typer
 
 from models import ApiKey
 from worker.access import SCOPES, KeyStoreError, create_key, list_keys, revoke_key
-from worker.cli.console import err, fail, folding_table, id_argument, out, print_json
+from worker.cli.console import err, fail, folding_table, id_argument, out, print_json, when
 from worker.cli.sessions import checked_factory
 
 keys_app = typer.Typer(help="API keys: who may read, ingest or administer.", no_args_is_help=True)
@@ -55,9 +55,9 @@ def keys_list(as_json: Annotated[bool, typer.Option("--json", help="Print JSON."
             row.prefix + "…",
             ",".join(row.scopes),
             ",".join(row.source_ids) if row.source_ids is not None else "(all)",
-            row.created_at.isoformat(timespec="seconds"),
-            row.last_used_at.isoformat(timespec="seconds") if row.last_used_at else "",
-            row.revoked_at.isoformat(timespec="seconds") if row.revoked_at else "",
+            when(row.created_at),
+            when(row.last_used_at),
+            when(row.revoked_at),
         )
     out.print(table)
 

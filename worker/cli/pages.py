@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from models.reads import read_only
-from worker.cli.console import counting_bar, err, fail, folding_table, out, print_json, source_option
+from worker.cli.console import counting_bar, err, fail, folding_table, out, print_json, source_option, when
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
@@ -87,8 +86,7 @@ def pages_list(
     table.columns[5].no_wrap = True  # the time on one line; the slug takes what is left
     for page in listed.pages:
         job = f"{page.last_job_id} {page.last_job_status}" if page.last_job_id else "—"
-        updated = page.updated_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
-        table.add_row(page.source_id, page.slug, page.type, str(page.facts), job, updated)
+        table.add_row(page.source_id, page.slug, page.type, str(page.facts), job, when(page.updated_at))
     out.print(table)
     if listed.next_after:
         out.print(f"more: --after '{listed.next_after}'", highlight=False)
