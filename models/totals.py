@@ -18,7 +18,7 @@ from models.base import Base
 # The counters of row_counts (labels: what each is counted by): facts by status (audit rows excluded),
 # extraction_audit rows by outcome, consolidation decisions by "decision/decided_by", compactions by
 # status, the context tokens accepted compactions saved (label ""), backfill requests by status, what
-# backfill jobs' LLM calls cost.
+# backfill jobs' LLM calls cost, jobs that ended by "status/kind".
 FACTS_COUNTER = "facts"
 SEGMENTS_COUNTER = "segments"
 DECISIONS_COUNTER = "decisions"
@@ -26,6 +26,9 @@ COMPACTIONS_COUNTER = "compactions"
 TOKENS_SAVED_COUNTER = "compaction_tokens_saved"
 BACKFILL_REQUESTS_COUNTER = "backfill_requests"
 BACKFILL_COST_COUNTER = "backfill_cost_micro_usd"  # micro-dollars (cost_usd has six places), label ""
+# Jobs that ended, by "status/kind" (succeeded or failed), counted as each ends (migration 0024): a
+# counter, so a retry of a failed job or a job deleted past its retention takes nothing away.
+JOBS_ENDED_COUNTER = "jobs_ended"
 COUNTERS = (
     FACTS_COUNTER,
     SEGMENTS_COUNTER,
@@ -34,6 +37,7 @@ COUNTERS = (
     TOKENS_SAVED_COUNTER,
     BACKFILL_REQUESTS_COUNTER,
     BACKFILL_COST_COUNTER,
+    JOBS_ENDED_COUNTER,
 )
 
 

@@ -226,6 +226,7 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
                 ("decisions", "new/rule", 1),
                 ("facts", "current", 2),
                 ("facts", "duplicate", 1),
+                ("jobs_ended", "succeeded/extraction", 2),  # 0024 counts the jobs that had ended
                 ("segments", "ok", 2),
             ]
             assert conn.execute(

@@ -158,6 +158,40 @@ def test_job_totals_follow_each_jobs_status_and_spent_budgets(database_url: str)
 
 
 COUNTED = text("SELECT counter, label, sum(n) FROM row_counts GROUP BY 1, 2 HAVING sum(n) <> 0 ORDER BY 1, 2")
+ENDED = text("SELECT label, sum(n) FROM row_counts WHERE counter = 'jobs_ended' GROUP BY 1 ORDER BY 1")
+
+
+def test_jobs_that_end_are_counted_and_nothing_takes_the_count_back(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """factmill_jobs_ended_total: the failing-jobs alert took increase() of the failed gauge, which read
+    a retry (failed -> queued) or a retention delete as a counter reset and fired."""
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status) VALUES ('extraction', 'a', 'queued'), "
+                "('extraction', 'b', 'queued'), ('compaction', 'c', 'queued')"
+            )
+        )
+        session.execute(text("UPDATE jobs SET status = 'running'"))
+        session.execute(text("UPDATE jobs SET heartbeat_at = now()"))  # no status moves: nothing counted
+        session.execute(text("UPDATE jobs SET status = 'failed' WHERE subject IN ('a', 'c')"))
+        session.execute(text("UPDATE jobs SET status = 'succeeded' WHERE subject = 'b'"))
+        session.execute(text("UPDATE jobs SET status = 'failed' WHERE subject = 'a'"))  # already failed
+        assert session.execute(ENDED).all() == [
+            ("failed/compaction", 1), ("failed/extraction", 1), ("succeeded/extraction", 1),
+        ]  # fmt: skip
+        session.execute(text("UPDATE jobs SET status = 'queued' WHERE subject = 'a'"))  # a retry
+        session.execute(text("DELETE FROM jobs WHERE subject IN ('b', 'c')"))  # past the retention
+        assert session.execute(ENDED).all() == [
+            ("failed/compaction", 1), ("failed/extraction", 1), ("succeeded/extraction", 1),
+        ]  # fmt: skip
+        session.execute(text("UPDATE jobs SET status = 'failed' WHERE subject = 'a'"))  # fails again
+        assert dict(session.execute(ENDED).all())["failed/extraction"] == 2
+    samples = dict(scrape([StoreCollector(tx_factory)]))["factmill_jobs_ended"]
+    ended = {(dict(labels)["status"], dict(labels)["kind"]): value for _, labels, value in samples}
+    assert ended[("failed", "extraction")] == 2 and ended[("succeeded", "extraction")] == 1
+    assert ended[("succeeded", "consolidation")] == 0  # every kind's series, from its first scrape
 
 
 def test_compactions_and_decisions_are_counted_through_updates_and_cascades(

@@ -23,6 +23,7 @@ from models import (
     DECISIONS_COUNTER,
     FACTS_COUNTER,
     JOB_STATUSES,
+    JOBS_ENDED_COUNTER,
     SEGMENT_OUTCOMES,
     SEGMENTS_COUNTER,
     TOKENS_SAVED_COUNTER,
@@ -136,6 +137,7 @@ class _StoreRows:
         }
         # Facts and segment attempts from the running totals the triggers keep (models.totals), not
         # from the tables: at a million rows each the aggregates took a second a scrape.
+        self.jobs_ended = _counts(session, JOBS_ENDED_COUNTER)  # "status/kind" -> jobs that ended so
         self.facts = sum(_counts(session, FACTS_COUNTER).values())
         self.segment_rows = list(_counts(session, SEGMENTS_COUNTER).items())
         # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
@@ -183,6 +185,16 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
                 spent_attempts, spent_losses = rows.job_spent.get((status, kind), (0, 0))
                 attempts.add_metric([status, kind], spent_attempts)
                 losses.add_metric([status, kind], spent_losses)
+        ended = CounterMetricFamily(
+            "factmill_jobs_ended",
+            "Jobs that ended, by status (succeeded, failed) and kind, counted as each ends: a retry or a "
+            "deletion past the retention takes nothing away (alert on its increase, not the gauge's)",
+            labels=["status", "kind"],
+        )
+        ended_kinds = set(kinds) | {label.partition("/")[2] for label in rows.jobs_ended}
+        for status in ("succeeded", "failed"):
+            for kind in sorted(ended_kinds):  # zeros too: increase() misses a series' first sample
+                ended.add_metric([status, kind], rows.jobs_ended.get(f"{status}/{kind}", 0))
         facts_gauge = GaugeMetricFamily(
             "factmill_facts", "Facts stored (audit rows excluded)", value=rows.facts or 0
         )
@@ -212,6 +224,7 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
             jobs_gauge,
             attempts,
             losses,
+            ended,
             facts_gauge,
             segments,
             skipped,
