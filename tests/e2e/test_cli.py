@@ -254,7 +254,8 @@ def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
     """A refused connection was SQLAlchemy's traceback on most commands (search alone said so, on
     three lines with a link)."""
     env = bare_env(FACTMILL_DATABASE_URL="postgresql+psycopg://factmill:pw-not-shown@127.0.0.1:1/factmill")
-    for command in (["jobs", "list"], ["search", "alice"], ["db", "upgrade"], ["keys", "list"]):
+    # A command through the shared schema check, and one that connects on its own: the exit is one place.
+    for command in (["jobs", "list"], ["db", "upgrade"]):
         result = factmill(command, env)
         assert result.returncode == 1 and "Traceback" not in result.stderr, (command, result.stderr)
         assert result.stderr.startswith("error: cannot reach the database: connection to server at"), command
@@ -265,7 +266,7 @@ def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
 def test_flower_beyond_this_host_needs_a_login_in_production():
     """Flower shows every task, worker and queue; it listened on every address with no login."""
     env = bare_env(FACTMILL_ENVIRONMENT="production", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
-    for host in ("0.0.0.0", "::", "flower.internal"):
+    for host in ("0.0.0.0",):  # which hosts are this one: tests/unit/test_flower_login.py
         result = factmill(["flower", "--host", host, "--port", "1"], env)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (host, result.stderr)
         assert f"Flower on {host} would show every task, worker and queue" in result.stderr
