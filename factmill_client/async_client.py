@@ -253,7 +253,7 @@ class AsyncClient:
         selection = {"source_id": source_id, "since": since, "slug_prefix": slug_prefix}
         return await self.send(calls.start_backfill(selection | {"max_segments": max_segments}))
 
-    async def get_backfill(self, backfill_id: int) -> models.BackfillOut:
+    async def get_backfill(self, backfill_id: int) -> models.BackfillReport:
         return await self.send(calls.get_backfill(backfill_id))
 
     async def list_backfills(
@@ -261,7 +261,7 @@ class AsyncClient:
     ) -> models.BackfillList:
         return await self.send(calls.list_backfills(status, limit, before_id))
 
-    async def cancel_backfill(self, backfill_id: int) -> models.BackfillOut:
+    async def cancel_backfill(self, backfill_id: int) -> models.BackfillReport:
         return await self.send(calls.cancel_backfill(backfill_id))
 
     async def list_config(self) -> models.ConfigList:

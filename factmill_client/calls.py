@@ -139,8 +139,8 @@ def start_backfill(selection: Mapping[str, Any]) -> Call[models.BackfillCreated]
     )
 
 
-def get_backfill(backfill_id: int) -> Call[models.BackfillOut]:
-    return Call("GET", f"/v1/backfills/{int(backfill_id)}", models.BackfillOut)
+def get_backfill(backfill_id: int) -> Call[models.BackfillReport]:
+    return Call("GET", f"/v1/backfills/{int(backfill_id)}", models.BackfillReport)
 
 
 def list_backfills(status: str | None, limit: int, before_id: int | None) -> Call[models.BackfillList]:
@@ -152,10 +152,10 @@ def list_backfills(status: str | None, limit: int, before_id: int | None) -> Cal
     )
 
 
-def cancel_backfill(backfill_id: int) -> Call[models.BackfillOut]:
+def cancel_backfill(backfill_id: int) -> Call[models.BackfillReport]:
     # Cancelling twice answers the same state: safe to resend.
     path = f"/v1/backfills/{int(backfill_id)}/cancel"
-    return Call("POST", path, models.BackfillOut, idempotency_key=new_idempotency_key())
+    return Call("POST", path, models.BackfillReport, idempotency_key=new_idempotency_key())
 
 
 def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:

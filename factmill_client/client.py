@@ -277,7 +277,7 @@ class Client:
         selection = {"source_id": source_id, "since": since, "slug_prefix": slug_prefix}
         return self.send(calls.start_backfill(selection | {"max_segments": max_segments}))
 
-    def get_backfill(self, backfill_id: int) -> models.BackfillOut:
+    def get_backfill(self, backfill_id: int) -> models.BackfillReport:
         """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
         return self.send(calls.get_backfill(backfill_id))
 
@@ -287,7 +287,7 @@ class Client:
         """One page of backfills, newest first, each with its job's status."""
         return self.send(calls.list_backfills(status, limit, before_id))
 
-    def cancel_backfill(self, backfill_id: int) -> models.BackfillOut:
+    def cancel_backfill(self, backfill_id: int) -> models.BackfillReport:
         """Unsent batches never go; running ones are cancelled at the provider."""
         return self.send(calls.cancel_backfill(backfill_id))
 

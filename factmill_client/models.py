@@ -137,7 +137,7 @@ class BackfillList(Model):
     backfills: list[BackfillSummary]
 
 
-class BackfillOut(BackfillSummary):
+class BackfillReport(BackfillSummary):
     requests: dict[str, int]
     llm_calls: int
     cost_usd: str

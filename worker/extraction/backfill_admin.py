@@ -3,10 +3,11 @@ the backfills."""
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
+from typing_extensions import TypedDict  # pydantic reads it on Python 3.11 (the API answers with these)
 
 from models import Backfill, BackfillBatch, Job
 from models.backfill import REQUEST_STATUSES
@@ -91,7 +92,16 @@ def list_backfills(
     return [backfill_summary(*row) for row in session.execute(query).all()]
 
 
-def backfill_report(factory: sessionmaker[Session], backfill_id: int) -> dict[str, object]:
+class BackfillReport(BackfillSummary):
+    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
+
+    requests: dict[str, int]
+    llm_calls: int
+    cost_usd: str
+    batches: list[dict[str, Any]]
+
+
+def backfill_report(factory: sessionmaker[Session], backfill_id: int) -> BackfillReport:
     """A backfill's state and progress: its batches, its requests by status, what it cost so far."""
     with factory() as session:
         backfill = session.get(Backfill, backfill_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
@@ -21,7 +21,13 @@ from worker.extraction.backfill import (
     NothingToBackfillError,
     request_backfill,
 )
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
+from worker.extraction.backfill_admin import (
+    BackfillReport,
+    BackfillSummary,
+    backfill_report,
+    cancel_backfill,
+    list_backfills,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,33 +53,8 @@ class BackfillCreated(BaseModel):
 BackfillStatus = Literal["planning", "running", "done", "cancelled"]  # = models.backfill.BACKFILL_STATUSES
 
 
-class BackfillSummary(BaseModel):
-    """A backfill as a list shows it: its selection, its state and its job's."""
-
-    id: int
-    source_id: str
-    filters: dict[str, Any]
-    status: str
-    cancel_requested: bool
-    job_id: int | None
-    job_status: str | None
-    job_note: str | None
-    created_by: str | None
-    created_at: str
-    finished_at: str | None
-
-
 class BackfillList(BaseModel):
     backfills: list[BackfillSummary]
-
-
-class BackfillOut(BackfillSummary):
-    """A backfill's state: its batches, its requests by status, its LLM calls and cost so far."""
-
-    requests: dict[str, int]
-    llm_calls: int
-    cost_usd: str
-    batches: list[dict[str, Any]]
 
 
 @backfills_router.post(
@@ -118,13 +99,13 @@ def get_backfills(
 
 @backfills_router.get(
     "/v1/backfills/{backfill_id}",
-    response_model=BackfillOut,
+    response_model=BackfillReport,
     responses=error_responses(404),
     summary="A backfill's state and progress",
 )
-def get_backfill(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillOut:
+def get_backfill(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillReport:
     try:
-        return BackfillOut.model_validate(backfill_report(ctx.factory, backfill_id))
+        return backfill_report(ctx.factory, backfill_id)
     except LookupError as exc:
         raise ApiError(404, str(exc)) from None
 
@@ -132,11 +113,11 @@ def get_backfill(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillO
 @backfills_router.post(
     "/v1/backfills/{backfill_id}/cancel",
     status_code=202,
-    response_model=BackfillOut,
+    response_model=BackfillReport,
     responses=error_responses(404),
     summary="Cancel a backfill",
 )
-def cancel(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillOut:
+def cancel(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillReport:
     """Unsent batches never go; running ones are cancelled at the provider, and what they finished
     (paid for) is still committed. A finished backfill is answered as it is."""
     try:
@@ -145,4 +126,4 @@ def cancel(ctx: Context, _: Admin, backfill_id: BigIntIdPath) -> BackfillOut:
     except LookupError as exc:
         raise ApiError(404, str(exc)) from None
     ctx.enqueue(woken or [])
-    return BackfillOut.model_validate(backfill_report(ctx.factory, backfill_id))
+    return backfill_report(ctx.factory, backfill_id)
