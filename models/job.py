@@ -34,8 +34,8 @@ class Job(Base):
         ),
         # The finished jobs, oldest first, for expire_jobs (FACTMILL_JOB_RETENTION_DAYS).
         Index("ix_jobs_finished_at", "finished_at", postgresql_where=text(FINISHED)),
-        # A source's page jobs newest first, for a source-limited key's job list: the expression is
-        # worker.jobs.queries.job_source_id, spelled with the same constants so the planner matches it.
+        # A source's page jobs newest first, for a source-limited key's job list: the expression is the
+        # one worker.jobs.queries.job_list_query filters on (PAGE_SOURCE), so the planner matches it.
         Index(
             "ix_jobs_page_source",
             text(PAGE_SOURCE),
@@ -78,8 +78,8 @@ class Job(Base):
 
 # Oldest first, by ctid, SKIP LOCKED: as models.webhook.forget_deliveries. A job a backfill or a
 # threshold version points at stays: the backfill reads its status from it, and the version names it
-# as its provenance. Every other row pointing at a job (facts, llm_calls, compactions, consolidation
-# decisions) keeps its place with job_id NULL (ON DELETE SET NULL).
+# as its provenance. Every other row pointing at a job (extraction audit rows, llm_calls, compactions,
+# consolidation decisions) keeps its place with job_id NULL (ON DELETE SET NULL).
 _EXPIRE = text(
     "DELETE FROM jobs WHERE ctid = ANY(ARRAY("
     f" SELECT j.ctid FROM jobs j WHERE j.{FINISHED} AND j.finished_at < now() - :kept"
