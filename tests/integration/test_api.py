@@ -808,13 +808,21 @@ def test_readyz_with_database_and_redis(client: TestClient) -> None:
     assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
 
 
-def test_readyz_names_the_unreachable_broker(database_url: str, tx_factory: sessionmaker[Session]) -> None:
+def test_readyz_names_the_unreachable_broker(
+    database_url: str, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probes carry no credential: the answer names the check and the error's class, never the
+    driver's message (it named the broker's host and port, or the database's socket path and role)."""
     runtime = make_runtime(database_url, tx_factory, broker_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(runtime, sender=Recorder(tx_factory))) as test_client:
         response = test_client.get("/readyz")
     assert response.status_code == 503
-    assert response.json()["checks"]["database"] == "ok"
-    assert response.json()["detail"].startswith("not ready: broker unreachable")
+    assert response.json()["checks"] == {"database": "ok", "broker": "unreachable (ConnectionError)"}
+    assert response.json()["detail"] == "not ready: broker unreachable (ConnectionError)"
+    assert "127.0.0.1" not in response.text and "6379" not in response.text
+    assert (
+        "not ready: broker unreachable (ConnectionError: Error 111 connecting to 127.0.0.1:1" in caplog.text
+    )
 
 
 def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(database_url: str) -> None:
@@ -823,7 +831,10 @@ def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(databa
     runtime = make_runtime(database_url, dead)
     with TestClient(create_app(runtime, sender=Recorder(dead)), raise_server_exceptions=False) as test_client:
         ready = test_client.get("/readyz")
-        assert ready.status_code == 503 and "database unreachable" in ready.json()["detail"]
+        assert (
+            ready.status_code == 503 and "database unreachable (OperationalError)" in ready.json()["detail"]
+        )
+        assert "127.0.0.1" not in ready.text and "none" not in ready.text  # the DSN stays in the log
         broken = test_client.get("/v1/jobs", headers=ADMIN_HEADERS)  # the admin token needs no DB
         assert broken.status_code == 503 and broken.headers["Retry-After"] == "5"
         request_id = broken.headers["X-Request-ID"]
