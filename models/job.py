@@ -13,8 +13,10 @@ from models.base import Base, count_column, utcnow_column
 
 JOB_STATUSES = ("queued", "running", "paused", "succeeded", "failed")
 FINISHED = "status IN ('succeeded', 'failed')"
-# The source of a page job's subject `source|slug` (source ids never hold '|').
+# The source of a page job's subject `source|slug` (source ids never hold '|'), and what makes a job a
+# page job: the expression and predicate of ix_jobs_page_source, which the job list filters on as written.
 PAGE_SOURCE = "split_part(subject, '|', 1)"
+PAGE_JOB = "kind = 'extraction'"
 
 
 class Job(Base):
@@ -40,7 +42,7 @@ class Job(Base):
             "ix_jobs_page_source",
             text(PAGE_SOURCE),
             text("id"),
-            postgresql_where=text("kind = 'extraction'"),
+            postgresql_where=text(PAGE_JOB),
         ),
     )
 

@@ -137,7 +137,7 @@ class _StoreRows:
         }
         # Facts and segment attempts from the running totals the triggers keep (models.totals), not
         # from the tables: at a million rows each the aggregates took a second a scrape.
-        self.jobs_ended = _counts(session, JOBS_ENDED_COUNTER)  # "status/kind" -> jobs that ended so
+        self.jobs_ended = _counts(session, JOBS_ENDED_COUNTER)  # "status/kind" -> jobs ended so far
         self.facts = sum(_counts(session, FACTS_COUNTER).values())
         self.segment_rows = list(_counts(session, SEGMENTS_COUNTER).items())
         # Segments the checkpoints moved past without their facts, still waiting for `retry --skipped`.
