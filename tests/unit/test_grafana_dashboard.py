@@ -32,6 +32,22 @@ PROCESS = {
     "process_start_time_seconds",
 }
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool"}
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+}
+AGGREGATIONS |= {"quantile", "limitk", "limit_ratio"}
+# Read from Postgres at scrape time but about the replica itself: whether *it* reaches the store.
+PER_REPLICA = {"factmill_store_up"}
 
 
 def _declared() -> dict[str, str]:
@@ -51,6 +67,25 @@ def _declared() -> dict[str, str]:
     return found
 
 
+def _expand(name: str, kind: str) -> set[str]:
+    if kind in COUNTERS:
+        base = name.removesuffix("_total")
+        return {f"{base}_total", f"{base}_created"}
+    if kind in HISTOGRAMS:
+        return {f"{name}_bucket", f"{name}_sum", f"{name}_count", f"{name}_created"}
+    return {name}
+
+
+def store_series() -> set[str]:
+    """The series every API replica reports alike: the metric families the scrape reads from Postgres
+    (prometheus_client's Counter and Histogram count this process's requests instead)."""
+    series: set[str] = set()
+    for name, kind in _declared().items():
+        if kind.endswith("MetricFamily") and name not in PER_REPLICA:
+            series |= _expand(name, kind.removesuffix("MetricFamily"))
+    return series
+
+
 def exported_series() -> set[str]:
     series = set(PROCESS)
     for name, kind in _declared().items():
@@ -64,20 +99,34 @@ def exported_series() -> set[str]:
     return series
 
 
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads (functions, keywords, labels and durations removed)."""
+def _stripped(expr: str) -> str:
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # label values
     expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery selectors
-    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)  # label lists
-    names = set()
-    for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
-        word = match.group()
-        after = expr[match.end() :].lstrip()
-        if word in PROMQL_WORDS or after.startswith("(") or expr[match.start() - 1 : match.start()].isdigit():
-            continue  # a function or aggregation, a keyword, or part of a number like 1e3
-        names.add(word)
-    return names
+    return re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)  # label lists
+
+
+def metric_reads(expr: str) -> list[tuple[str, str | None]]:
+    """Each metric a PromQL expression reads, with the aggregation nearest around it (None: none)."""
+    tokens = re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*|[()]|\d[\w.]*|[^\s\w()]+", _stripped(expr))
+    reads: list[tuple[str, str | None]] = []
+    opened: list[str | None] = []  # per open parenthesis: the aggregation it belongs to, if any
+    for i, token in enumerate(tokens):
+        if token == ")":
+            opened.pop()
+        elif token == "(":
+            before = tokens[i - 1] if i else ""
+            opened.append(before if before in AGGREGATIONS else None)
+        elif token[0].isdigit() or not re.fullmatch(r"[A-Za-z_:][A-Za-z0-9_:]*", token):
+            continue  # a number (1e3, 0.99) or an operator
+        elif token not in PROMQL_WORDS and tokens[i + 1 : i + 2] != ["("]:  # not a function or aggregation
+            reads.append((token, next((a for a in reversed(opened) if a is not None), None)))
+    return reads
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (functions, keywords, labels and durations removed)."""
+    return {name for name, _ in metric_reads(expr)}
 
 
 def _exprs() -> list[tuple[str, str]]:
@@ -144,3 +193,34 @@ def _rule_exprs() -> list[tuple[str, str]]:
 def test_every_alert_rule_names_an_exported_metric(name, expr):
     unknown = metric_names(expr) - exported_series()
     assert not unknown, f"{name}: {sorted(unknown)} not exported by the service"
+
+
+def test_the_aggregation_reader():
+    assert metric_reads('sum by (status) (max by (status, kind) (a{x="y"}))') == [("a", "max")]
+    assert metric_reads("histogram_quantile(0.99, sum by (le) (rate(b_bucket[5m]))) > 1e3") == [
+        ("b_bucket", "sum")
+    ]
+    assert metric_reads("max(c) / d > 0 and on (k) max by (k) (deriv(e[15m]))") == [
+        ("c", "max"),
+        ("d", None),
+        ("e", "max"),
+    ]
+    assert metric_reads("sum(rate(f[5m])) by (p)") == [("f", "sum")]
+
+
+def test_store_series_are_the_families_read_from_postgres():
+    store = store_series()
+    assert {"factmill_jobs", "factmill_llm_calls_total", "factmill_segments_skipped"} <= store
+    assert "factmill_store_up" not in store  # whether this replica reaches Postgres
+    assert "factmill_http_request_duration_seconds_bucket" not in store  # this process's requests
+
+
+@pytest.mark.parametrize(
+    ("name", "expr"), _exprs() + _rule_exprs(), ids=[n for n, _ in _exprs() + _rule_exprs()]
+)
+def test_figures_every_replica_reports_alike_are_not_added_up(name, expr):
+    # Each API replica reads the same totals from Postgres: with the two replicas of deploy/k8s a sum
+    # over them showed twice the jobs, segments and spend, and an alert without max fired once a replica.
+    for metric, aggregation in metric_reads(expr):
+        if metric in store_series():
+            assert aggregation in {"max", "min"}, f"{name}: {metric} is read under {aggregation!r}, not max"
