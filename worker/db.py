@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import InvalidatePoolError, OperationalError
@@ -150,15 +150,45 @@ def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
 
 
-def schema_state(url: str) -> tuple[set[str], set[str]]:
-    """(revisions the database is at, head revisions of the migrations)."""
+class SchemaState(NamedTuple):
+    current: set[str]  # the revisions the database is at
+    heads: set[str]  # the head revisions of these migrations
+    unknown: set[str]  # of ``current``, those these migrations do not have (a newer Factmill's)
+
+    def problem(self) -> str | None:
+        """Why commands cannot use this database yet, with what to do; None when it is at head."""
+        if self.unknown:
+            return (
+                f"the database is at revision {', '.join(sorted(self.unknown))}, newer than this factmill "
+                f"knows (its migrations end at {', '.join(sorted(self.heads))}): a newer release upgraded "
+                "it; run that release, or downgrade the schema with it"
+            )
+        if not self.current:
+            return "the database has no Factmill schema; run `factmill db upgrade` first"
+        if self.current != self.heads:
+            return (
+                f"the database is at revision {', '.join(sorted(self.current))}, not "
+                f"{', '.join(sorted(self.heads))}; run `factmill db upgrade` first"
+            )
+        return None
+
+
+def schema_state(url: str) -> SchemaState:
+    """Where the database's schema stands against these migrations."""
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
 
-    heads = set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+    script = ScriptDirectory.from_config(alembic_config(url))
     with get_engine(url).connect() as conn:
         current = set(MigrationContext.configure(conn).get_current_heads())
-    return current, heads
+    unknown = set()
+    for revision in current:
+        try:
+            script.get_revision(revision)
+        except CommandError:  # alembic's ResolutionError: no such revision in these migrations
+            unknown.add(revision)
+    return SchemaState(current, set(script.get_heads()), unknown)
 
 
 def current_revision(url: str) -> str | None:

@@ -7,6 +7,7 @@ import typer
 from worker import db
 from worker.cli.console import err, fail, out
 from worker.cli.sessions import database_url
+from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
 from worker.settings import Settings, get_settings
 
@@ -22,9 +23,23 @@ def _describe_database(settings: Settings) -> str:
 @db_app.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Build or update the schema with the migrations."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
     settings = get_settings()
     url = database_url(settings)
-    db.upgrade(url, revision)
+    state = db.schema_state(url)
+    if state.unknown:  # upgraded by a newer release: alembic would only say it cannot find the revision
+        raise fail(str(state.problem()))
+    try:
+        db.upgrade(url, revision)
+    except CommandError as exc:  # a revision that is not one of the migrations'
+        raise fail(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
+    except DBAPIError as exc:  # the upgrade runs in one transaction (alembic/env.py): nothing stays
+        stays = db.current_revision(url) or "no schema"
+        raise fail(
+            f"the upgrade failed and was rolled back (the schema stays at {stays}): {error_summary(exc)}"
+        ) from None
     out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
 
 

@@ -101,6 +101,9 @@ def worker(
         raise fail(f"unknown queue(s) {', '.join(unknown)}; choose from {', '.join(known)}", code=2)
     if pool not in POOLS:
         raise fail("--pool must be threads, prefork or solo", code=2)
+    # Not before the schema is at head: a job run against a half-migrated database fails on a missing
+    # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
+    checked_factory(settings)
     jobs = concurrency or settings.llm_concurrency
     # prefork forks processes of its own (one job each); the threads pool needs them from here.
     count = processes or (default_processes() if pool == "threads" else 1)
@@ -123,6 +126,7 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     settings = get_settings()
     refuse_insecure_secrets(settings)
     refuse_missing_tracing(settings)
+    checked_factory(settings)  # its sweeps read and write the jobs as the migrations last left them
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 

@@ -20,8 +20,7 @@ def database_url(settings: Settings) -> str:
 def checked_factory(settings: Settings | None = None) -> sessionmaker[Session]:
     """Sessions on the configured database once its schema is at the migrations' head."""
     url = database_url(settings or get_settings())
-    current, heads = db.schema_state(url)
-    if current != heads:
-        state = f"is at {sorted(current)}, not {sorted(heads)}" if current else "has no Factmill schema"
-        raise fail(f"the database {state}; run `factmill db upgrade` first")
+    problem = db.schema_state(url).problem()
+    if problem:
+        raise fail(problem)
     return db.session_factory(url)

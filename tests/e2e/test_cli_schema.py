@@ -1,0 +1,73 @@
+"""Every command, the service processes included, against a schema behind or ahead of the code: one
+line saying what to do, never a start that fails jobs or a traceback."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.e2e.test_cli import bare_env, factmill
+from tests.service import fresh_database
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+BEHIND = "run `factmill db upgrade` first"
+AHEAD = "newer than this factmill knows (its migrations end at "
+
+
+def _execute(url: str, statement: str) -> None:
+    with psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(False)) as conn:
+        conn.execute(statement)
+
+
+def _one_line_error(result, expected: str, code: int = 1) -> None:  # type: ignore[no-untyped-def]
+    assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert expected in result.stderr, result.stderr
+
+
+def test_workers_and_beat_wait_for_the_migrations(server_url):
+    """A worker started beside Kubernetes' migrate Job ran jobs against the old schema (a job failing on
+    a missing column spends its attempts); beat swept it. Both now refuse until the schema is at head."""
+    with fresh_database(server_url, "behind") as url:
+        env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        for command in (["worker", "--queues", "extraction", "--processes", "1"], ["beat"]):
+            _one_line_error(factmill(command, env), "the database has no Factmill schema; " + BEHIND)
+        assert factmill(["db", "upgrade", "--revision", "0023"], env).returncode == 0
+        for command in (
+            ["worker", "--processes", "1"],
+            ["worker", "--processes", "2"],
+            ["beat"],
+            ["jobs", "list"],
+        ):
+            _one_line_error(factmill(command, env), "the database is at revision 0023, not 0024; " + BEHIND)
+
+
+def test_a_schema_a_newer_release_upgraded_is_named_as_such(server_url):
+    """A rolled-back release said "run `factmill db upgrade` first", and `db upgrade` was alembic's
+    "Can't locate revision" traceback."""
+    with fresh_database(server_url, "ahead") as url:
+        env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        assert factmill(["db", "upgrade"], env).returncode == 0
+        _execute(url, "UPDATE alembic_version SET version_num = '0999'")
+        for command in (["jobs", "list"], ["db", "upgrade"], ["worker", "--processes", "1"], ["beat"]):
+            _one_line_error(factmill(command, env), "the database is at revision 0999, " + AHEAD)
+        assert factmill(["db", "current"], env).stdout.strip() == "0999"
+
+
+def test_upgrade_errors_are_one_line(server_url):
+    with fresh_database(server_url, "upgrade") as url:
+        env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        bogus = factmill(["db", "upgrade", "--revision", "bogus"], env)
+        _one_line_error(bogus, "cannot upgrade to 'bogus': Can't locate revision identified by 'bogus'", 2)
+        assert factmill(["db", "upgrade", "--revision", "0023"], env).returncode == 0
+        # A migration the database refuses (here: its function made by hand first) rolls back whole.
+        _execute(
+            url,
+            "CREATE FUNCTION count_job_ending() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'",
+        )
+        failed = factmill(["db", "upgrade"], env)
+        _one_line_error(failed, "the upgrade failed and was rolled back (the schema stays at 0023): ")
+        assert "DuplicateFunction (SQLSTATE 42723)" in failed.stderr
+        assert factmill(["db", "current"], env).stdout.strip() == "0023"
