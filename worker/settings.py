@@ -136,6 +136,10 @@ class Settings(BaseSettings):
     # listening beyond this host without one in production (it shows every task and worker).
     flower_basic_auth: str | None = Field(default=None, repr=False, validation_alias="FLOWER_BASIC_AUTH")
     flower_auth: str | None = Field(default=None, validation_alias="FLOWER_AUTH")
+    # prometheus_client's folder for the counts of several processes (it reads the variable itself, at
+    # import). `factmill serve --workers N` sets it for its processes when it is unset; the API then
+    # answers /metrics with the counts of all of them (worker.api.request_metrics).
+    prometheus_multiproc_dir: Path | None = Field(default=None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
 
     # Access control (issue 11).
     # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.

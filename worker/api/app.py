@@ -108,7 +108,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
     )
     # Innermost first: the body cap, then the metrics, then the request id around everything.
     app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
-    registry = install_metrics(app, runtime.factory)
+    registry = install_metrics(app, runtime.factory, runtime.settings.prometheus_multiproc_dir)
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
     app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
     add_error_handlers(app)

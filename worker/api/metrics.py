@@ -4,12 +4,11 @@ time (jobs, facts, segments, LLM calls, compactions, Postgres's connections)."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -37,7 +36,7 @@ from models import (
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES
 from worker.api.errors import one_line
-from worker.api.guards import route_template
+from worker.api.request_metrics import install_request_metrics
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.core.consolidation import FACT_STATUSES
 from worker.jobs.registry import kind_names
@@ -422,69 +421,18 @@ def _by_status(session: Session, column: Any) -> list[tuple[str, float]]:
     ]
 
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-
-
-def method_label(method: str) -> str:
-    """The method as a metric label: a known one, else "other" (random methods must not add series)."""
-    return method if method in KNOWN_METHODS else "other"
-
-
-class RequestMetricsMiddleware:
-    """Counts API requests and their latency by route template and known method (bounded labels:
-    an unmatched path is "unmatched", an unknown method "other")."""
-
-    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
-        self.app, self.requests, self.latency = app, requests, latency
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500
-
-        async def record_status(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, record_status)
-        finally:
-            route = route_template(scope)
-            method = method_label(scope["method"])
-            self.requests.labels(method, route, str(status)).inc()
-            self.latency.labels(method, route).observe(time.perf_counter() - started)
-
-
-def install_metrics(app: FastAPI, factory: sessionmaker[Session]) -> CollectorRegistry:
+def install_metrics(
+    app: FastAPI, factory: sessionmaker[Session], multiprocess_dir: Path | None
+) -> CollectorRegistry:
     """The app's own registry (so two apps in one process never share series), with the request
-    middleware on ``app`` and the scrape-time collectors over ``factory``."""
+    metrics on ``app`` and the scrape-time collectors over ``factory``."""
     registry = CollectorRegistry(auto_describe=False)
-    requests = Counter(
-        "factmill_http_requests", "API requests", ["method", "route", "status"], registry=registry
-    )
-    latency = Histogram(
-        "factmill_http_request_duration_seconds",
-        "API request latency",
-        ["method", "route"],
-        registry=registry,
-    )
+    install_request_metrics(app, registry, multiprocess_dir)
     registry.register(StoreCollector(factory))  # type: ignore[arg-type]
     registry.register(CompactionCollector(factory))  # type: ignore[arg-type]
     registry.register(ConsolidationCollector(factory))  # type: ignore[arg-type]
     registry.register(BackfillCollector(factory))  # type: ignore[arg-type]
     registry.register(PostgresCollector(factory))  # type: ignore[arg-type]
-    ProcessCollector(registry=registry)
-    app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
     return registry
 
 
@@ -493,7 +441,6 @@ __all__ = [
     "CompactionCollector",
     "ConsolidationCollector",
     "PostgresCollector",
-    "RequestMetricsMiddleware",
     "StoreCollector",
     "install_metrics",
 ]

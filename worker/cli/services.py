@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -45,18 +50,33 @@ def serve(
     refuse_insecure_secrets(settings)
     refuse_missing_tracing(settings)
     checked_factory(settings)  # fail early, with a clear message, if the schema is missing
-    uvicorn.run(
-        "worker.api.app:create_app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        log_level="info",
-        timeout_keep_alive=settings.api_keep_alive_seconds,
-        timeout_graceful_shutdown=max(
-            1, round(settings.grace_seconds)
-        ),  # SIGTERM: open requests get this long
-    )
+    with request_counts_shared(settings, workers):
+        uvicorn.run(
+            "worker.api.app:create_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="info",
+            timeout_keep_alive=settings.api_keep_alive_seconds,
+            timeout_graceful_shutdown=max(1, round(settings.grace_seconds)),  # SIGTERM: open requests' time
+        )
+
+
+@contextmanager
+def request_counts_shared(settings: Settings, workers: int) -> Iterator[None]:
+    """For several API processes, a fresh PROMETHEUS_MULTIPROC_DIR they all count requests into (unless
+    one is set), removed when they have exited; one process needs none."""
+    if workers == 1 or settings.prometheus_multiproc_dir is not None:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="factmill-metrics-")
+    # Written, not read: uvicorn's processes inherit it, and their prometheus_client and Settings read it.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # `--processes 100000` forked until the machine gave out. Each process holds its own connection pools

@@ -1,0 +1,82 @@
+"""The API's request metrics: counts and latency by route template, added up over every process of a
+`factmill serve --workers N` (prometheus_client's multiprocess mode)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from worker.api.guards import route_template
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    """The method as a metric label: a known one, else "other" (random methods must not add series)."""
+    return method if method in KNOWN_METHODS else "other"
+
+
+class RequestMetricsMiddleware:
+    """Counts API requests and their latency by route template and known method (bounded labels:
+    an unmatched path is "unmatched", an unknown method "other")."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app, self.requests, self.latency = app, requests, latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def record_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = route_template(scope)
+            method = method_label(scope["method"])
+            self.requests.labels(method, route, str(status)).inc()
+            self.latency.labels(method, route).observe(time.perf_counter() - started)
+
+
+def install_request_metrics(app: FastAPI, registry: CollectorRegistry, multiprocess_dir: Path | None) -> None:
+    """Count ``app``'s requests into ``registry``.
+
+    With ``multiprocess_dir`` (PROMETHEUS_MULTIPROC_DIR, which `factmill serve --workers N` sets for its
+    processes) each process writes its counts to files there, and a scrape, which any one process
+    answers, reads them all: without it a scrape showed only the answering process's counts, so the
+    counters went up and down between scrapes and Prometheus read every fall as a reset. Process
+    metrics (memory, CPU, open files) would describe only the answering process then: left out.
+    """
+    live = registry
+    if multiprocess_dir is None:
+        ProcessCollector(registry=registry)
+    else:
+        MultiProcessCollector(registry, path=str(multiprocess_dir))
+        live = CollectorRegistry(auto_describe=False)  # the files hold the values; this only holds names
+    requests = Counter("factmill_http_requests", "API requests", ["method", "route", "status"], registry=live)
+    latency = Histogram(
+        "factmill_http_request_duration_seconds", "API request latency", ["method", "route"], registry=live
+    )
+    app.add_middleware(RequestMetricsMiddleware, requests=requests, latency=latency)  # type: ignore[arg-type]
+
+
+__all__ = ["RequestMetricsMiddleware", "install_request_metrics", "method_label"]
