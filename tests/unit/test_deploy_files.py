@@ -101,6 +101,26 @@ def _health_commands() -> dict[str, str]:
     return {name: " ".join(s["healthcheck"]["test"]) for name, s in SERVICES.items() if "healthcheck" in s}
 
 
+def _worker_nodes(args: list[str]) -> set[str] | None:
+    """The Celery node names `factmill <args>` (a worker command) runs as, or None when they depend on
+    the host: with the threads pool and no --processes, one process per core, each named name-N@host."""
+    from worker.cli.processes import child_hostname
+
+    node = args[args.index("--hostname") + 1]
+    pool = args[args.index("--pool") + 1] if "--pool" in args else "threads"
+    if "--processes" not in args:
+        return {node} if pool != "threads" else None
+    count = int(args[args.index("--processes") + 1])
+    return {node} if count == 1 else {child_hostname(node, n) for n in range(count)}
+
+
+def test_the_node_names_of_a_worker_command():
+    assert _worker_nodes(["worker", "--processes", "1", "--hostname", "x@%h"]) == {"x@%h"}
+    assert _worker_nodes(["worker", "--processes", "2", "--hostname", "x@%h"]) == {"x-0@%h", "x-1@%h"}
+    assert _worker_nodes(["worker", "--pool", "prefork", "--hostname", "x@%h"]) == {"x@%h"}
+    assert _worker_nodes(["worker", "--hostname", "x@%h"]) is None
+
+
 def test_every_service_has_a_health_check_that_fits_it():
     checks = _health_commands()
     assert set(checks) >= set(SERVICES) - {"migrate"}, "a long-running service has no health check"
@@ -112,7 +132,9 @@ def test_every_service_has_a_health_check_that_fits_it():
         command = service["command"]
         node = command[command.index("--hostname") + 1]
         assert node == f"{queue}@%h"
-        # The ping goes to the worker's own node: the name it was started with, %h being $HOSTNAME.
+        # The ping goes to the worker's own node: the name it was started with, %h being $HOSTNAME. With
+        # a process per core (the default), the nodes were name-N@host and the ping found none.
+        assert _worker_nodes(command) == {node}, f"worker-{queue} runs as other nodes than it pings"
         assert "celery -A worker.celery_app inspect ping" in checks[f"worker-{queue}"]
         assert f"--destination {node.replace('%h', '$$HOSTNAME')}" in checks[f"worker-{queue}"]
 
@@ -140,6 +162,7 @@ def test_kubernetes_workers_beat_and_flower_have_liveness_probes():
         args = container["args"]
         if args[0] == "worker":
             node = args[args.index("--hostname") + 1]
+            assert _worker_nodes(args) == {node}, f"{name} runs as other nodes than its probe pings"
             probe = " ".join(container["livenessProbe"]["exec"]["command"])
             assert f"--destination {node.replace('%h', '$HOSTNAME')}" in probe
 
