@@ -16,6 +16,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
+from worker.core.errors import MigrationsMissingError
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
 from worker.settings import Settings, get_settings
 
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
+MIGRATIONS = REPO_ROOT / "alembic"
 
 
 def database_url(settings: Settings | None = None) -> str:
@@ -137,8 +139,15 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
 def alembic_config(url: str):  # type: ignore[no-untyped-def]
     from alembic.config import Config
 
+    if not (MIGRATIONS / "env.py").is_file():
+        # A wheel carries the packages only; alembic/ sits at the top of the repository (DESIGN.md).
+        raise MigrationsMissingError(
+            f"Factmill's migrations are not beside its code (no {MIGRATIONS / 'env.py'}): a built wheel does "
+            "not carry them; install Factmill from its source checkout (`pip install -e .`, as ./dev and "
+            "deploy/Dockerfile do)"
+        )
     config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "alembic"))
+    config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["database_url"] = url
     return config
 

@@ -71,3 +71,27 @@ def test_upgrade_errors_are_one_line(server_url):
         _one_line_error(failed, "the upgrade failed and was rolled back (the schema stays at 0023): ")
         assert "DuplicateFunction (SQLSTATE 42723)" in failed.stderr
         assert factmill(["db", "current"], env).stdout.strip() == "0023"
+
+
+def test_migrations_missing_beside_the_code_is_one_line(monkeypatch, capsys, tmp_path):
+    """Installed from a built wheel (which carries the packages, not alembic/), every command ended in
+    alembic's "Can't find Python file .../env.py" traceback, or called the schema newer than the code."""
+    from worker import db
+    from worker.cli.app import main
+    from worker.settings import get_settings
+
+    monkeypatch.setattr(db, "MIGRATIONS", tmp_path / "alembic")
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
+    get_settings.cache_clear()
+    for command in (["jobs", "list"], ["db", "upgrade"]):
+        monkeypatch.setattr("sys.argv", ["factmill", *command])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        assert exited.value.code == 1, command
+        err = capsys.readouterr().err
+        assert (
+            err.startswith("error: Factmill's migrations are not beside its code (no ")
+            and err.count("\n") == 1
+        )
+        assert "install Factmill from its source checkout (`pip install -e .`" in err
+    get_settings.cache_clear()

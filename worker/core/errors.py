@@ -10,6 +10,11 @@ class InvalidSettingsError(ValueError):
     pydantic before a command needs it."""
 
 
+class MigrationsMissingError(RuntimeError):
+    """The alembic/ folder is not beside the code: Factmill was installed from a built wheel, which
+    does not carry it. Raised by worker.db; here so the CLI's entry point can say it in one line."""
+
+
 def error_summary(exc: BaseException) -> str:
     """``exc`` in one line, without the data a database error quotes.
 
