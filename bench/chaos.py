@@ -437,15 +437,14 @@ class Service:
         return f"http://127.0.0.1:{self.api_port}"
 
     def start(self) -> None:
-        """Start every process at once (each takes tens of seconds on a loaded machine); only the API
-        waits for the migration (it checks the schema at start; workers touch it once jobs come)."""
-
-        def migrate_then_serve() -> None:
-            cli(self.env, "db", "upgrade")
-            self.api.start(START_TIMEOUT)
-
+        """Migrate, then start every process at once (each takes tens of seconds on a loaded machine;
+        the API, beat and the workers each check the schema at start)."""
+        cli(self.env, "db", "upgrade")
         with ThreadPoolExecutor(3 + self.options.workers) as pool:
-            started = [pool.submit(self.simulator.start, START_TIMEOUT), pool.submit(migrate_then_serve)]
+            started = [
+                pool.submit(self.simulator.start, START_TIMEOUT),
+                pool.submit(self.api.start, START_TIMEOUT),
+            ]
             beat = pool.submit(start_beat, self.env, self.root / "beat", START_TIMEOUT)
             workers = [pool.submit(self.new_worker) for _ in range(self.options.workers)]
             for future in started:

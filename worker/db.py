@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -91,7 +93,23 @@ def create_pooled_engine(
         hide_parameters=True,
     )
     _ping_idle_connections(engine, ping_after_idle)
+    _ENGINES.add(engine)
     return engine
+
+
+# Every engine this process made, so a forked child (Celery's prefork pool) can drop the connections it
+# inherited: they are the parent's sockets, and two processes talking on one breaks both ("can't change
+# 'autocommit' now: connection in transaction status INTRANS", met once `worker` checked the schema
+# before forking). SQLAlchemy's advice for pools across fork: dispose(close=False) in the child.
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_inherited_connections() -> None:
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)
 
 
 def _ping_idle_connections(engine: Engine, idle_seconds: float) -> None:
