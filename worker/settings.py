@@ -27,7 +27,11 @@ PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "dev-sec
 class Settings(BaseSettings):
     """Every tunable Factmill reads from the environment (prefix ``FACTMILL_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="FACTMILL_", env_file=".env", extra="ignore")
+    # An empty variable is an unset one: compose passes `FACTMILL_LLM: ${FACTMILL_LLM:-}` through as ""
+    # when the operator set nothing, which was refused as no provider (and an empty model was sent).
+    model_config = SettingsConfigDict(
+        env_prefix="FACTMILL_", env_file=".env", extra="ignore", env_ignore_empty=True
+    )
 
     environment: Literal["development", "test", "production"] = "development"
 
@@ -232,6 +236,12 @@ class Settings(BaseSettings):
             raise InsecureSecretsError(
                 "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN are the same value; give each its own "
                 "secret (a webhook sender must not hold the admin token)"
+            )
+        if self.llm is None and self.resolved_llm() == "simulator":
+            # A key missing from the deployment's secrets would store the simulator's guesses as facts.
+            raise InsecureSecretsError(
+                "no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or FACTMILL_LLM=simulator to run "
+                "the bundled simulator, not a real model, on purpose)"
             )
 
 

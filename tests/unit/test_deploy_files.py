@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,49 @@ def test_the_image_holds_every_package_its_code_imports():
     for package in ("worker", "tasks", "models"):
         missing = _imported_packages(REPO / package) - copied
         assert not missing, f"{package}/ imports {sorted(missing)}, which deploy/Dockerfile does not copy"
+
+
+def _compose_environment(exported: dict[str, str]) -> dict[str, str]:
+    """The factmill services' environment as `docker compose` passes it with ``exported`` set in the
+    shell: `${VAR:?message}` needs VAR, `${VAR:-default}` falls back to the default ("" too)."""
+    import re
+
+    def interpolate(value: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            name, kind, rest = match.group(1), match.group(2), match.group(3)
+            if kind == ":?":
+                assert exported.get(name), f"compose needs {name}: {rest}"
+            return exported.get(name) or (rest if kind == ":-" else "")
+
+        return re.sub(r"\$\{(\w+)(:[?-])?([^}]*)\}", one, str(value))
+
+    return {name: interpolate(value) for name, value in SERVICES["worker-extraction"]["environment"].items()}
+
+
+@pytest.mark.parametrize(
+    ("exported", "refusal"),
+    [
+        ({"OPENAI_API_KEY": "sk-test"}, None),
+        ({"FACTMILL_LLM": "simulator"}, None),
+        ({}, "no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or FACTMILL_LLM=simulator"),
+    ],
+    ids=["a key", "the simulator named", "nothing"],
+)
+def test_compose_runs_with_what_its_header_says_to_export(monkeypatch, exported, refusal):
+    """`docker compose up` as its header says (secrets and OPENAI_API_KEY, no FACTMILL_LLM) started no
+    factmill container: `FACTMILL_LLM: ${FACTMILL_LLM:-}` arrived as "", refused as no provider."""
+    from worker.settings import InsecureSecretsError, Settings
+
+    secrets = {"FACTMILL_WEBHOOK_SECRET": "w" * 64, "FACTMILL_ADMIN_TOKEN": "a" * 64}
+    for name in list(os.environ):
+        if name.startswith(("FACTMILL_", "FLOWER_")) or name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+            monkeypatch.delenv(name)
+    for name, value in _compose_environment(secrets | exported).items():
+        monkeypatch.setenv(name, value)
+    settings = Settings(_env_file=None)
+    if refusal is None:
+        settings.check_production_secrets()
+    else:
+        with pytest.raises(InsecureSecretsError) as refused:
+            settings.check_production_secrets()
+        assert refusal in str(refused.value)

@@ -12,8 +12,9 @@ STRONG = "w" * 32
 OTHER = "a" * 32
 
 
-def production(**values: str) -> Settings:
-    return Settings(environment="production", **({"webhook_secret": STRONG, "admin_token": OTHER} | values))
+def production(**values: str | None) -> Settings:
+    chosen = {"webhook_secret": STRONG, "admin_token": OTHER, "openai_api_key": "sk-test"} | values
+    return Settings(_env_file=None, environment="production", **chosen)  # type: ignore[arg-type]
 
 
 def test_production_accepts_two_distinct_secrets_of_32_bytes() -> None:
@@ -54,3 +55,22 @@ def test_services_refuse_weak_secrets_with_one_line(monkeypatch: pytest.MonkeyPa
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "are the same value" in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_production_needs_a_model_or_the_simulator_named() -> None:
+    """With no API key the workers fell back to the simulator: a key missing from the deployment's
+    secrets stored the simulator's guesses as production facts."""
+    with pytest.raises(InsecureSecretsError, match="no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY"):
+        production(openai_api_key=None).check_production_secrets()
+    production(openai_api_key=None, llm="simulator").check_production_secrets()  # on purpose
+    production(openai_api_key=None, anthropic_api_key="sk-ant-test").check_production_secrets()
+    Settings(_env_file=None, environment="development").check_production_secrets()  # the demo's default
+
+
+def test_an_empty_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose's `FACTMILL_LLM: ${FACTMILL_LLM:-}` passed "" through: every container refused it as no
+    provider (and an empty FACTMILL_LLM_MODEL was sent to the provider as the model)."""
+    for name in ("FACTMILL_LLM", "FACTMILL_LLM_MODEL", "OPENAI_API_KEY"):
+        monkeypatch.setenv(name, "")
+    settings = Settings(_env_file=None)
+    assert settings.llm is None and settings.llm_model is None and settings.openai_api_key is None
