@@ -255,3 +255,36 @@ def test_compose_runs_with_what_its_header_says_to_export(monkeypatch, exported,
         with pytest.raises(InsecureSecretsError) as refused:
             settings.check_production_secrets()
         assert refusal in str(refused.value)
+
+
+# Past FACTMILL_GRACE_SECONDS a stopping API or worker exits by itself; the supervisor must wait that long
+# and a little more, or its SIGKILL cuts the graceful stop short (jobs then wait for the sweeper).
+STOP_MARGIN = 10
+
+
+def _seconds(value: str) -> float:
+    assert value.endswith("s") and value[:-1].isdigit(), value  # compose durations here: "45s"
+    return float(value[:-1])
+
+
+def test_compose_waits_out_the_grace_period_of_every_api_and_worker():
+    from worker.settings import Settings
+
+    grace = Settings(_env_file=None).grace_seconds
+    for name, service in SERVICES.items():
+        if service.get("command", [None])[0] in ("serve", "worker"):
+            waits = _seconds(service.get("stop_grace_period", "10s"))  # compose's default: 10 s
+            assert waits >= grace + STOP_MARGIN, f"{name} is killed {waits:.0f} s into a {grace:.0f} s grace"
+
+
+def test_kubernetes_waits_out_the_grace_period_of_every_api_and_worker():
+    from worker.settings import Settings
+
+    grace = Settings(_env_file=None).grace_seconds
+    for doc in _k8s_docs():
+        if doc["kind"] == "Deployment":
+            spec = doc["spec"]["template"]["spec"]
+            (container,) = spec["containers"]
+            if container["args"][0] in ("serve", "worker"):
+                waits = spec.get("terminationGracePeriodSeconds", 30)  # the kubelet's default
+                assert waits >= grace + STOP_MARGIN, f"{doc['metadata']['name']} is killed at {waits} s"
