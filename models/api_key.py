@@ -10,7 +10,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, utcnow_column
 
-API_SCOPES = ("read", "ingest", "admin")
+# metrics: /metrics alone, for the Prometheus that scrapes it (admin would let it change the config).
+API_SCOPES = ("read", "ingest", "admin", "metrics")
 
 
 class ApiKey(Base):

@@ -54,7 +54,7 @@ ROUTES = [
     ("PUT", "/v1/config/facts.extraction_enabled", "admin"),
     ("DELETE", "/v1/config/facts.extraction_enabled", "admin"),
     ("POST", "/v1/jobs/1/retry", "admin"),
-    ("GET", "/metrics", "admin"),
+    ("GET", "/metrics", "metrics"),
     ("DELETE", "/v1/pages/default/alice", "admin"),
     ("POST", "/v1/backfills", "admin"),
     ("GET", "/v1/backfills", "admin"),
@@ -100,7 +100,7 @@ def test_every_route_but_the_open_ones_refuses_an_anonymous_caller(api: TestClie
 
 
 def test_a_key_without_the_scope_is_403_naming_it(api: TestClient, factory: sessionmaker[Session]) -> None:
-    keys = {scope: bearer(new_key(factory, [scope])) for scope in ("read", "ingest")}
+    keys = {scope: bearer(new_key(factory, [scope])) for scope in ("read", "ingest", "metrics")}
     for method, url, needed in ROUTES:
         for scope, headers in keys.items():
             if scope == needed:
@@ -117,6 +117,25 @@ def test_the_right_scope_is_served_as_before(api: TestClient, factory: sessionma
     assert api.get("/metrics", headers=admin).status_code == 200
     assert api.get("/v1/jobs", headers=admin).status_code == 200  # admin implies read
     assert api.get("/v1/config/facts.extraction_enabled", headers=admin).json()["enabled"] is True
+
+
+def test_prometheus_scrapes_with_a_key_that_can_do_nothing_else(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """/metrics took the admin scope: the Prometheus that scrapes it held the power to flip kill
+    switches, retry jobs and erase pages."""
+    scraper = bearer(new_key(factory, ["metrics"]))
+    scraped = api.get("/metrics", headers=scraper)
+    assert scraped.status_code == 200 and "factmill_jobs_ended_total" in scraped.text
+    for method, url, _ in ROUTES:
+        if url != "/metrics":
+            assert call(api, method, url, scraper).status_code == 403, (method, url)
+    # The figures cover every source: a key limited to some is refused them, as for transcripts.
+    limited = bearer(new_key(factory, ["metrics"], source_ids=["tenant-a"]))
+    refused = api.get("/metrics", headers=limited)
+    assert (
+        refused.status_code == 403 and "the metrics are not partitioned by source" in refused.json()["detail"]
+    )
 
 
 def test_a_keyed_delivery_needs_no_signature_but_a_sent_signature_must_hold(

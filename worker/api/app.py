@@ -97,7 +97,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         description=(
             "Signed webhooks store pages and queue their extraction; Celery workers do the LLM work. "
             "Every route but /healthz, /readyz and these docs needs `Authorization: Bearer <API key>` "
-            "with the route's scope (read, ingest, admin). Ingestion routes also take a signature: "
+            "with the route's scope (read, ingest, admin, metrics). Ingestion routes also take a signature: "
             f"`{SIGNATURE_HEADER}: t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>` "
             'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`. Text anywhere (bodies, '
             "paths, queries) must not hold NUL characters or lone surrogates, and JSON numbers must be "

@@ -25,7 +25,9 @@ CHALLENGE = {"WWW-Authenticate": "Bearer"}
 _bearer = HTTPBearer(
     auto_error=False,
     scheme_name="ApiKey",
-    description="An API key from `factmill keys create` (scopes read, ingest, admin) or FACTMILL_ADMIN_TOKEN",
+    description=(
+        "An API key from `factmill keys create` (scopes read, ingest, admin, metrics) or FACTMILL_ADMIN_TOKEN"
+    ),
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 # The webhook signature is the ingestion routes' other credential, so the document declares it as a
@@ -134,6 +136,8 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
 
 Reader = Annotated[Principal, Depends(require("read"))]
 Admin = Annotated[Principal, Depends(require("admin"))]
+# The figures cover every source, like the transcripts: a key limited to sources gets 403.
+MetricsReader = Annotated[Principal, Depends(require("metrics", all_sources="the metrics"))]
 TranscriptReader = Annotated[Principal, Depends(require("read", all_sources="transcripts"))]
 CalibrationReader = Annotated[Principal, Depends(require("read", all_sources="calibration figures"))]
 PageIngester = Annotated[Ingest, Depends(require_ingest())]

@@ -13,7 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import read_only
-from worker.api.auth import Admin
+from worker.api.auth import MetricsReader
 from worker.api.deps import Context
 from worker.api.errors import error_responses, one_line
 
@@ -81,7 +81,8 @@ def readyz(ctx: Context) -> JSONResponse:
 
 
 @ops_router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics(ctx: Context, _: Admin) -> Response:
+def metrics(ctx: Context, _: MetricsReader) -> Response:
+    """Prometheus figures: a key with the metrics scope (or admin) scrapes them."""
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 
