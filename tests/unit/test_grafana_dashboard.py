@@ -224,3 +224,9 @@ def test_figures_every_replica_reports_alike_are_not_added_up(name, expr):
     for metric, aggregation in metric_reads(expr):
         if metric in store_series():
             assert aggregation in {"max", "min"}, f"{name}: {metric} is read under {aggregation!r}, not max"
+
+
+def test_an_alert_fires_when_no_metrics_arrive():
+    """Every other rule reads series that vanish when no API is scraped (down, or a scrape key without
+    the metrics scope): without this one, silence."""
+    assert ("FactmillMetricsAbsent", "absent(factmill_store_up)") in _rule_exprs()
