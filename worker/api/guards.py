@@ -11,6 +11,7 @@ from typing import Any
 
 from worker.bodycap import ASGIApp, Receive, Scope, Send, send_json
 from worker.db import database_unavailable
+from worker.runtime.logs import log_context
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +96,17 @@ class RequestIdMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception as exc:
-            status, payload, headers = unexpected_answer(
-                str(scope.get("method", "")), route_template(scope), request_id, exc
-            )
-            if started:  # the answer is already on its way: nothing more can be said
-                return
-            extra = [(name.lower().encode("ascii"), value.encode("ascii")) for name, value in headers.items()]
-            await send_json(send, status, payload, [header, *extra])
+        with log_context(request_id=request_id):  # on every line logged for this request
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception as exc:
+                status, payload, headers = unexpected_answer(
+                    str(scope.get("method", "")), route_template(scope), request_id, exc
+                )
+                if started:  # the answer is already on its way: nothing more can be said
+                    return
+                extra = [(k.lower().encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
+                await send_json(send, status, payload, [header, *extra])
 
 
 __all__ = [

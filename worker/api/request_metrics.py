@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from worker.api.guards import route_template
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
+from worker.bodycap import ASGIApp, Receive, Scope, Send
 
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
@@ -51,10 +46,36 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, record_status)
         finally:
+            elapsed = time.perf_counter() - started
             route = route_template(scope)
             method = method_label(scope["method"])
             self.requests.labels(method, route, str(status)).inc()
-            self.latency.labels(method, route).observe(time.perf_counter() - started)
+            self.latency.labels(method, route).observe(elapsed)
+            log_access(scope, method, route, status, elapsed)
+
+
+access_logger = logging.getLogger("worker.api.access")
+
+
+def log_access(scope: Scope, method: str, route: str, status: int, elapsed: float) -> None:
+    """One line a request: the client's address, the route's template (never the path: it holds slugs,
+    and the query holds search text, neither of which a log may keep), the status and the time."""
+    client = (scope.get("client") or ("-",))[0]
+    access_logger.info(
+        "%s %s %s %d %.1fms",
+        client,
+        method,
+        route,
+        status,
+        elapsed * 1000,
+        extra={
+            "client": client,
+            "method": method,
+            "route": route,
+            "status": status,
+            "ms": round(elapsed * 1000, 1),
+        },
+    )
 
 
 def install_request_metrics(app: FastAPI, registry: CollectorRegistry, multiprocess_dir: Path | None) -> None:

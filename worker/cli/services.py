@@ -18,6 +18,7 @@ from worker.cli.console import err, fail, port_option
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
+from worker.runtime.logs import configure_logging, logging_config
 from worker.runtime.tracing import TracingUnavailableError, require_packages
 from worker.settings import InsecureSecretsError, Settings, get_settings
 
@@ -58,6 +59,8 @@ def serve(
             port=port,
             workers=workers,
             log_level="info",
+            log_config=logging_config(settings),
+            access_log=False,  # it writes paths with their query strings: the API logs its own (no query)
             timeout_keep_alive=settings.api_keep_alive_seconds,
             timeout_graceful_shutdown=max(1, round(settings.grace_seconds)),  # SIGTERM: open requests' time
         )
@@ -132,6 +135,7 @@ def worker(
         child += ["--pool", pool, "--loglevel", loglevel]
         argvs = [[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)]
         raise typer.Exit(run_children(argvs, settings.grace_seconds))
+    configure_logging(settings, loglevel)
     argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel]
     argv += ["--without-gossip", "--without-mingle"]
     if settings.task_events:  # else off until Flower turns them on (FACTMILL_TASK_EVENTS)
@@ -148,6 +152,7 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     refuse_missing_tracing(settings)
     checked_factory(settings)  # its sweeps read and write the jobs as the migrations last left them
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(settings, loglevel)
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
 
 

@@ -23,6 +23,7 @@ from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime, tracing
+from worker.runtime.logs import log_context
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,10 @@ def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | No
     """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
     attributes: dict[str, str | int] = {"factmill.job.id": job_id, "factmill.job.kind": spec.name}
-    with tracing.span(f"job {spec.name}", attributes, parent=_stored_traceparent(rt, job_id)):
+    with (
+        log_context(job_id=job_id, job_kind=spec.name),
+        tracing.span(f"job {spec.name}", attributes, parent=_stored_traceparent(rt, job_id)),
+    ):
         outcome = _run_job(rt, job_id, spec, backoff)
         tracing.annotate("factmill.job.outcome", outcome.status)
     return outcome

@@ -1,0 +1,93 @@
+"""Service logs: the job or request each line belongs to, as text or JSON, and nothing else bound."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import threading
+
+import pytest
+
+from worker.runtime.logs import (
+    ContextFilter,
+    TextFormatter,
+    bound_fields,
+    json_formatter,
+    log_context,
+    wants_json,
+)
+from worker.settings import Settings
+
+
+def _record(message: str = "job %s released", *args: object, exc: bool = False) -> logging.LogRecord:
+    info = None
+    if exc:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            info = sys.exc_info()
+    record = logging.LogRecord("worker.jobs", logging.INFO, __file__, 1, message, args or (12,), info)
+    ContextFilter().filter(record)
+    return record
+
+
+def test_fields_nest_and_end_with_their_context():
+    assert bound_fields() == {}
+    with log_context(task_id="t-1"):
+        with log_context(job_id=12, job_kind="extraction"):
+            assert bound_fields() == {"task_id": "t-1", "job_id": 12, "job_kind": "extraction"}
+        assert bound_fields() == {"task_id": "t-1"}
+    assert bound_fields() == {} and not hasattr(_record(), "job_id")
+
+
+def test_a_thread_handed_the_context_logs_under_the_same_job():
+    """The LLM pipe and the API's thread pool run work with a copied context: their lines name the job."""
+    seen: list[dict[str, str | int]] = []
+    with log_context(job_id=7):
+        context = contextvars.copy_context()
+    thread = threading.Thread(target=lambda: context.run(lambda: seen.append(bound_fields())))
+    thread.start()
+    thread.join()
+    assert seen == [{"job_id": 7}]
+
+
+def test_text_lines_end_with_the_bound_fields_and_keep_a_traceback_below():
+    formatter = TextFormatter("%(levelname)s %(name)s: %(message)s")
+    assert formatter.format(_record()) == "INFO worker.jobs: job 12 released"
+    with log_context(job_id=12, job_kind="extraction"):
+        assert (
+            formatter.format(_record()) == "INFO worker.jobs: job 12 released [job_id=12 job_kind=extraction]"
+        )
+        first, *rest = formatter.format(_record(exc=True)).splitlines()
+    assert first.endswith("[job_id=12 job_kind=extraction]")
+    assert rest[0] == "Traceback (most recent call last):" and rest[-1] == "ValueError: boom"
+
+
+def test_json_lines_are_one_object_with_the_bound_fields_and_extras():
+    with log_context(request_id="abc", job_id=3):
+        record = _record("GET %s %d", "/v1/search", 401)
+    record.route = "/v1/search"  # as extra= sets it
+    line = json_formatter().format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert parsed["level"] == "INFO" and parsed["logger"] == "worker.jobs" and "time" in parsed
+    assert parsed["message"] == "GET /v1/search 401" and parsed["route"] == "/v1/search"
+    assert parsed["request_id"] == "abc" and parsed["job_id"] == 3
+    assert "factmill_fields" not in parsed and "args" not in parsed
+    with_trace = json.loads(json_formatter().format(_record(exc=True)))
+    assert with_trace["exc_info"].endswith("ValueError: boom")
+
+
+@pytest.mark.parametrize(
+    ("values", "json_lines"),
+    [
+        ({}, False),
+        ({"environment": "production"}, True),  # log collectors parse it
+        ({"environment": "production", "log_format": "text"}, False),
+        ({"log_format": "json"}, True),
+    ],
+)
+def test_json_by_default_in_production_only(values, json_lines):
+    assert wants_json(Settings(_env_file=None, **values)) is json_lines
