@@ -24,8 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import fresh_database  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import migrated_database  # noqa: E402
 from worker.calibration import import_csv  # noqa: E402
 from worker.core.calibration import parse_observations_csv  # noqa: E402
 
@@ -53,14 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             good, errors, _ = parse_observations_csv(path.read_text(), default_origin="csv", file_digest="d")
             parsed.append(time.perf_counter() - started)
             assert len(good) == args.rows and not errors
-            with fresh_database(SERVER, "bench") as url:
-                db.upgrade(url)
-                factory = db.session_factory(url)
+            with migrated_database(SERVER) as (_, factory):
                 started = time.perf_counter()
                 report = import_csv(factory, path, recompute_every=50)
                 stored.append(time.perf_counter() - started)
                 assert len(report.added) == args.rows, (len(report.added), report.errors[:3])
-                db.get_engine(url).dispose()
     base, head = statistics.median(parsed), statistics.median(stored)
     print(f"{args.rows:,} observations, median of {args.rounds}:")
     print(f"  {'read and check the CSV alone (baseline)':42} {base:8.2f} s")

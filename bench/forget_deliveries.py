@@ -31,8 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.webhook import forget_deliveries, forget_page_in_deliveries  # noqa: E402
-from tests.service import fill_table, fresh_database, rolled_back_ms  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=7)
@@ -102,18 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        factory = db.session_factory(url)
+    with migrated_database(SERVER) as (url, factory):
         started = time.perf_counter()
         fill_table(url, "webhook_deliveries", answers(args.rows, "delivery-", days=30))
         print(f"{args.rows:,} answers over 30 days, loaded in {time.perf_counter() - started:.1f} s")
         erasure_rows(factory, args.rounds)
         indexed, deleted = rounds(factory, args.batch, args.rounds)
-        with factory.begin() as session:
-            session.execute(text("DROP INDEX ix_webhook_deliveries_created_at"))
+        drop_index(factory, "ix_webhook_deliveries_created_at")
         scanned, _ = rounds(factory, args.batch, args.rounds)
-        db.get_engine(url).dispose()
     base, head = statistics.median(scanned), statistics.median(indexed)
     rows = (
         ("without the created_at index (baseline)", base, ""),

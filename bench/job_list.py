@@ -22,14 +22,12 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from sqlalchemy import text
 from sqlalchemy.orm import sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import fill_table, fresh_database  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database  # noqa: E402
 from worker.jobs.queries import list_jobs  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -65,18 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--reads", type=int, default=20)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        factory = db.session_factory(url)
+    with migrated_database(SERVER) as (url, factory):
         started = time.perf_counter()
         fill_table(url, "jobs", FILL, rows=args.jobs)
         print(f"{args.jobs:,} page jobs over 101 sources, loaded in {time.perf_counter() - started:.1f} s")
         medians(factory, 3)  # warm the cache: each figure below is read from memory
         indexed = medians(factory, args.reads)
-        with factory.begin() as session:
-            session.execute(text("DROP INDEX ix_jobs_page_source"))
+        drop_index(factory, "ix_jobs_page_source")
         scanned = medians(factory, args.reads)
-        db.get_engine(url).dispose()
     print(f"50 jobs newest first, median of {args.reads} reads (ms):")
     print(f"  {'key limited to':32} {'before (no index)':>18} {'with it (0023)':>15}")
     for label in KEYS:

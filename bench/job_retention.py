@@ -22,15 +22,13 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.job import expire_jobs  # noqa: E402
-from tests.service import fill_table, fresh_database, rolled_back_ms  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
@@ -69,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1_000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        factory = db.session_factory(url)
+    with migrated_database(SERVER) as (url, factory):
         started = time.perf_counter()
         fill_table(url, "jobs", JOBS, rows=args.jobs)
         fill_table(url, "extraction_audit", AUDIT, rows=args.jobs)
@@ -81,10 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             f"them, loaded in {time.perf_counter() - started:.1f} s"
         )
         indexed, deleted = rounds(factory, args.batch, args.rounds)
-        with factory.begin() as session:
-            session.execute(text("DROP INDEX ix_jobs_finished_at"))
+        drop_index(factory, "ix_jobs_finished_at")
         scanned, _ = rounds(factory, args.batch, args.rounds)
-        db.get_engine(url).dispose()
     base, head = statistics.median(scanned), statistics.median(indexed)
     print(f"one sweep's DELETE of {deleted:,} jobs (30 days kept), median of {args.rounds}:")
     print(f"  {'without the finished_at index (baseline)':44} {base:9.1f} ms")

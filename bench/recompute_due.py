@@ -24,8 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import CALIBRATION_OBSERVATIONS  # noqa: E402
-from tests.service import fill_table, fresh_database  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import fill_table, migrated_database  # noqa: E402
 from worker.calibration.queries import observations_since_last_version  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -38,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=50, help="FACTMILL_CALIBRATION_RECOMPUTE_EVERY")
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        factory = db.session_factory(url)
+    with migrated_database(SERVER) as (url, factory):
         fill_table(
             url,
             "calibration_observations",
@@ -57,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 observations_since_last_version(session, args.every)
                 capped.append((time.perf_counter() - started) * 1000)
-        db.get_engine(url).dispose()
     base, head = statistics.median(full), statistics.median(capped)
     print(f"{args.observations:,} observations, no threshold version; medians of {args.runs}:")
     print(f"  {'every observation counted (baseline)':40} {base:9.2f} ms")

@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 import redis
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from worker import db
@@ -127,6 +128,24 @@ def fresh_database(server: str, label: str = "t") -> Iterator[str]:
             db.get_engine(url).dispose()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def migrated_database(server: str, label: str = "bench") -> Iterator[tuple[str, Any]]:
+    """A fresh database at the migrations' head, with sessions on it: ``(url, factory)``; its engine
+    disposed and the database dropped afterwards (the benches' set-up)."""
+    with fresh_database(server, label) as url:
+        db.upgrade(url)
+        try:
+            yield url, db.session_factory(url)
+        finally:
+            db.get_engine(url).dispose()
+
+
+def drop_index(factory: Any, name: str) -> None:
+    """Drop index ``name``: the benches' "before" is the same query without the index a change added."""
+    with factory.begin() as session:
+        session.execute(text(f'DROP INDEX "{name}"'))
 
 
 def rolled_back_ms(factory: Any, count: int, work: Callable[[Any], object]) -> list[float]:
