@@ -29,8 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import PAGES  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import migrated_database  # noqa: E402
 from worker.extraction.catalog import list_pages  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -81,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--facts-per-page", type=int, default=10)
     parser.add_argument("--reads", type=int, default=50)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        engine = db.get_engine(url)
-        factory = sessionmaker(engine)
+    with migrated_database(SERVER) as (_, factory):
         started = time.perf_counter()
         with factory.begin() as session:
             for statement in FILL:
@@ -105,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {name:16} rows alone {base:6.2f} ms · list_pages {listed:6.2f} ms ({listed / base:.1f}x)"
             )
-        engine.dispose()
     return 0
 
 

@@ -26,8 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models import Transcript, TranscriptMessageRow  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
-from worker import db  # noqa: E402
+from tests.service import migrated_database  # noqa: E402
 from worker.compaction import recent_transcripts  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -77,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=100)
     parser.add_argument("--reads", type=int, default=20)
     args = parser.parse_args(argv)
-    with fresh_database(SERVER, "bench") as url:
-        db.upgrade(url)
-        engine = db.get_engine(url)
-        factory = sessionmaker(engine)
+    with migrated_database(SERVER) as (_, factory):
         with factory.begin() as session:
             for statement in FILL:
                 session.execute(text(statement), {"transcripts": args.transcripts, "messages": args.messages})
@@ -94,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{LIMIT} listed, medians of {args.reads} reads: before {base:.1f} ms, "
             f"recent_transcripts {now:.2f} ms ({now / base:.3f}x)"
         )
-        engine.dispose()
     return 0
 
 
