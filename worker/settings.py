@@ -240,12 +240,20 @@ class Settings(BaseSettings):
                 "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN are the same value; give each its own "
                 "secret (a webhook sender must not hold the admin token)"
             )
-        if self.llm is None and self.resolved_llm() == "simulator":
-            # A key missing from the deployment's secrets would store the simulator's guesses as facts.
-            raise InsecureSecretsError(
-                "no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or FACTMILL_LLM=simulator to run "
-                "the bundled simulator, not a real model, on purpose)"
-            )
+        refused = self.unchosen_simulator()
+        if refused:
+            raise InsecureSecretsError(refused)
+
+    def unchosen_simulator(self) -> str | None:
+        """Why the simulator may not stand in for a model here, or None: in production it runs only when
+        FACTMILL_LLM=simulator names it (a key missing from the deployment's secrets would otherwise
+        store its guesses as facts). The services refuse to start; any other LLM use refuses the call."""
+        if self.environment != "production" or self.llm is not None or self.resolved_llm() != "simulator":
+            return None
+        return (
+            "no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or FACTMILL_LLM=simulator to run "
+            "the bundled simulator, not a real model, on purpose)"
+        )
 
 
 def describe_invalid(exc: ValidationError) -> str:

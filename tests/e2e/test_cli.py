@@ -333,3 +333,25 @@ def test_jobs_show_and_list_print_both_budgets(cli, factory):
     assert [(j["id"], j["attempts"], j["worker_losses"]) for j in listed] == [(job_id, 2, 20)]
     table = cli("jobs", "list").stdout
     assert "worker" in table and "losses" in table  # the header (the table wraps it)
+
+
+def test_a_model_that_cannot_be_used_is_one_line_on_every_command_that_calls_one(database_url):
+    """`FACTMILL_LLM=openai` without its key, or production with no key (where the simulator must be
+    named to stand in), ended `search`, `compact --now` and `embed` in a traceback."""
+    production = {
+        "FACTMILL_ENVIRONMENT": "production",
+        "FACTMILL_WEBHOOK_SECRET": "w" * 40,
+        "FACTMILL_ADMIN_TOKEN": "a" * 40,
+    }
+    cases = [
+        ({"FACTMILL_LLM": "openai"}, "FACTMILL_LLM=openai needs OPENAI_API_KEY"),
+        (production, "no LLM API key: set OPENAI_API_KEY or ANTHROPIC_API_KEY (or FACTMILL_LLM=simulator"),
+    ]
+    for values, says in cases:
+        env = bare_env(FACTMILL_DATABASE_URL=database_url, **values)
+        env = {k: v for k, v in env.items() if k not in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")}
+        for command in (["search", "alice"], ["compact", "t1", "--now"], ["embed"]):
+            result = factmill(command, env)
+            assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
+            assert result.stderr.startswith(f"error: {says}"), (command, result.stderr)
+            assert result.stderr.count("\n") == 1, (command, result.stderr)

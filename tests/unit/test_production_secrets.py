@@ -74,3 +74,15 @@ def test_an_empty_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv(name, "")
     settings = Settings(_env_file=None)
     assert settings.llm is None and settings.llm_model is None and settings.openai_api_key is None
+
+
+def test_no_command_calls_the_simulator_in_production_unless_it_is_named() -> None:
+    """The services refuse to start; `factmill extract`, `search`, `compact --now`, `embed` and the MCP
+    server assemble their client through the gateway, which refuses the same way."""
+    from contextlib import ExitStack
+
+    from worker.core.errors import LLMConfigurationError
+    from worker.llm.gateway import provider_client
+
+    with ExitStack() as stack, pytest.raises(LLMConfigurationError, match="no LLM API key"):
+        provider_client(production(openai_api_key=None), stack)

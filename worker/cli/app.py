@@ -18,7 +18,12 @@ import typer
 import typer.main
 from typer.core import TyperCommand, TyperGroup
 
-from worker.core.errors import InvalidSettingsError, MigrationsMissingError, connection_failure
+from worker.core.errors import (
+    InvalidSettingsError,
+    LLMConfigurationError,
+    MigrationsMissingError,
+    connection_failure,
+)
 
 
 class CommandEntry(NamedTuple):
@@ -265,6 +270,9 @@ def main() -> None:
     except MigrationsMissingError as exc:  # installed from a wheel: no command can check the schema
         _error(str(exc))
         raise SystemExit(1) from None
+    except LLMConfigurationError as exc:  # no key for the provider chosen, or none in production
+        _error(str(exc))
+        raise SystemExit(2) from None
     except Exception as exc:  # the database cannot be reached: one line, exit 1, whatever the command
         reason = connection_failure(exc)
         if reason is None:

@@ -10,6 +10,12 @@ class InvalidSettingsError(ValueError):
     pydantic before a command needs it."""
 
 
+class LLMConfigurationError(RuntimeError):
+    """The LLM provider settings are incomplete or refused; the message names the variable to set.
+    Raised by worker.llm.gateway when a client is assembled; here so the CLI's entry point can turn it
+    into one line for every command that calls a model (search, compact --now, embed...)."""
+
+
 class MigrationsMissingError(RuntimeError):
     """The alembic/ folder is not beside the code: Factmill was installed from a built wheel, which
     does not carry it. Raised by worker.db; here so the CLI's entry point can say it in one line."""

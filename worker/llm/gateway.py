@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+from worker.core.errors import LLMConfigurationError
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.budgeted import BudgetCheck, BudgetedClient
 from worker.llm.openai_compat import OpenAIChatClient
@@ -30,10 +31,6 @@ DEFAULT_MODELS = {
     "openai-compatible": "default",
     "simulator": SIMULATOR_MODEL,
 }
-
-
-class LLMConfigurationError(RuntimeError):
-    """The provider settings are incomplete; the message names the variable to set."""
 
 
 def describe(settings: Settings) -> str:
@@ -97,6 +94,9 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     model = settings.llm_model or DEFAULT_MODELS[provider]
     timeout = settings.llm_timeout_seconds
     if provider == "simulator":
+        refused = settings.unchosen_simulator()
+        if refused:
+            raise LLMConfigurationError(refused)
         if settings.simulator_url:
             return _simulator_client(settings, model, settings.simulator_url)
         # Here, not at the top: production never loads the simulator (nor the web server under it).
