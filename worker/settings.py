@@ -219,8 +219,10 @@ class Settings(BaseSettings):
             return "anthropic"
         return "simulator"
 
-    def check_production_secrets(self) -> None:
-        """Refuse placeholder, short or shared secrets in production (InsecureSecretsError, one line)."""
+    def check_production_secrets(self, *, calls_models: bool = True) -> None:
+        """Refuse placeholder, short or shared secrets in production (InsecureSecretsError, one line);
+        and, for a process that calls a model (``calls_models``: the API, a worker), the unchosen
+        simulator."""
         if self.environment != "production":
             return
         for name in ("webhook_secret", "admin_token"):
@@ -240,7 +242,7 @@ class Settings(BaseSettings):
                 "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN are the same value; give each its own "
                 "secret (a webhook sender must not hold the admin token)"
             )
-        refused = self.unchosen_simulator()
+        refused = self.unchosen_simulator() if calls_models else None
         if refused:
             raise InsecureSecretsError(refused)
 

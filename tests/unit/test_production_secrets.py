@@ -65,6 +65,7 @@ def test_production_needs_a_model_or_the_simulator_named() -> None:
     production(openai_api_key=None, llm="simulator").check_production_secrets()  # on purpose
     production(openai_api_key=None, anthropic_api_key="sk-ant-test").check_production_secrets()
     Settings(_env_file=None, environment="development").check_production_secrets()  # the demo's default
+    production(openai_api_key=None).check_production_secrets(calls_models=False)  # beat: schedules only
 
 
 def test_an_empty_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
