@@ -98,7 +98,8 @@ class Client:
             call = paging.after(page, seen)
 
     def ready(self) -> bool:
-        """Whether the API answers /readyz with 200 (its database and broker reachable); never raises."""
+        """Whether the API answers /readyz with 200 (its database reachable; an unreachable broker only
+        makes it "degraded": pages are still stored); never raises."""
         try:
             return self._http.get("/readyz").status_code == 200
         except httpx.HTTPError:

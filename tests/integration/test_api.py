@@ -806,6 +806,7 @@ def test_readyz_with_database_and_redis(client: TestClient) -> None:
     response = client.get("/readyz")
     assert response.status_code == 200, response.text
     assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
+    assert "\nfactmill_broker_up 1.0\n" in client.get("/metrics", headers=ADMIN_HEADERS).text
 
 
 def test_readyz_names_the_unreachable_broker(
@@ -816,13 +817,17 @@ def test_readyz_names_the_unreachable_broker(
     runtime = make_runtime(database_url, tx_factory, broker_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(runtime, sender=Recorder(tx_factory))) as test_client:
         response = test_client.get("/readyz")
-    assert response.status_code == 503
-    assert response.json()["checks"] == {"database": "ok", "broker": "unreachable (ConnectionError)"}
-    assert response.json()["detail"] == "not ready: broker unreachable (ConnectionError)"
+        scraped = test_client.get("/metrics", headers=ADMIN_HEADERS).text
+    # Ready, degraded: pages are still stored without the broker (the sweeper sends their jobs), and a
+    # 503 took every replica out of the Kubernetes Service for a Redis restart.
+    assert response.status_code == 200
+    assert response.json() == {
+        "status": "degraded",
+        "checks": {"database": "ok", "broker": "unreachable (ConnectionError)"},
+    }
     assert "127.0.0.1" not in response.text and "6379" not in response.text
-    assert (
-        "not ready: broker unreachable (ConnectionError: Error 111 connecting to 127.0.0.1:1" in caplog.text
-    )
+    assert "degraded: broker unreachable (ConnectionError: Error 111 connecting to 127.0.0.1:1" in caplog.text
+    assert "\nfactmill_broker_up 0.0\n" in scraped  # how Prometheus learns of it
 
 
 def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(database_url: str) -> None:

@@ -19,6 +19,7 @@ from worker.api.errors import add_error_handlers
 from worker.api.guards import RequestIdMiddleware
 from worker.api.metrics import install_metrics
 from worker.api.openapi import install_openapi
+from worker.api.probes import BrokerCollector, ping_broker
 from worker.api.routes.backfills import backfills_router
 from worker.api.routes.calibration import calibration_router
 from worker.api.routes.config import config_router
@@ -110,7 +111,8 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
     app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
     registry = install_metrics(app, runtime.factory, runtime.settings.prometheus_multiproc_dir)
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
-    app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
+    context = app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
+    registry.register(BrokerCollector(lambda: ping_broker(context.broker_url())))  # type: ignore[arg-type]
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
