@@ -1,12 +1,16 @@
-"""The CLI's console helpers: tables fold long words instead of cutting them."""
+"""The CLI's console helpers: tables fold long words instead of cutting them; stored text prints as it is."""
 
 from __future__ import annotations
 
 import io
+import json
+import re
+from pathlib import Path
 
 from rich.console import Console
 
-from worker.cli.console import folding_table
+from worker.cli import console as cli_console
+from worker.cli.console import TerminalConsole, folding_table, print_json, styled, visible
 
 
 def test_a_table_folds_a_long_word_onto_more_lines_and_never_cuts_it() -> None:
@@ -19,3 +23,48 @@ def test_a_table_folds_a_long_word_onto_more_lines_and_never_cuts_it() -> None:
     assert "…" not in text
     cells = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.count("│") == 3)
     assert cells == "extraction.page_types"  # the first column, read down its lines
+
+
+def _printed(*objects: object, **options: object) -> str:
+    screen = io.StringIO()
+    console = TerminalConsole()
+    console.file = screen
+    console.print(*objects, **options)  # type: ignore[arg-type]
+    return screen.getvalue()
+
+
+def test_strings_print_as_they_are_never_as_markup_or_emoji_codes() -> None:
+    """Stored text read as markup: `[/quote]` raised MarkupError, `[x]` vanished, `:smile:` became 😄."""
+    text = "- [x] done [/quote] [link=https://evil.example]click[/link] :smile:"
+    assert _printed(text) == text + "\n"
+    assert _printed(text, markup=True, emoji=True) == text + "\n"  # no call turns them back on
+    table = folding_table("cell")
+    table.add_row(text)
+    assert "[/quote]" in _printed(table) and ":smile:" in _printed(table)
+
+
+def test_characters_a_terminal_acts_on_are_shown_escaped() -> None:
+    hostile = "a\x1b]0;title\x07b\x1b[2J\rc\x9bd\u202ee\x7f\tf\ng"
+    assert visible(hostile) == "a\\x1b]0;title\\x07b\\x1b[2J\\x0dc\\x9bd\\u202ee\\x7f\tf\ng"
+    assert visible("café ✓ 日本 👩‍💻") == "café ✓ 日本 👩‍💻"  # letters, symbols and joined emoji stay
+    printed = _printed(hostile)
+    assert "\x1b" not in printed and "\\x1b[2J" in printed
+    line = styled(("warning:", "yellow"), " \x1b[1A [/x]")
+    assert line.plain == "warning: \\x1b[1A [/x]" and line.spans[0].style == "yellow"
+
+
+def test_json_output_escapes_what_a_terminal_acts_on_and_stays_the_same_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    value = {"source_id": "a\x1b\u202eb\x85 café"}
+    print_json(value, ensure_ascii=False)
+    written = capsys.readouterr().out
+    assert "\x1b" not in written and "\u202e" not in written and "\x85" not in written and "café" in written
+    assert json.loads(written) == value
+
+
+def test_no_cli_module_writes_rich_markup() -> None:
+    """The consoles print markup literally now: a `[bold]...[/]` left in a message would show as is."""
+    sources = Path(cli_console.__file__).parent.glob("*.py")
+    offenders = [
+        p.name for p in sources if re.search(r"\[/\]|\[(bold|dim|red|yellow|green|strike)\]", p.read_text())
+    ]
+    assert offenders == []

@@ -24,7 +24,7 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
-from worker.cli.console import err, fail, fields, folding_table, out, print_json, when
+from worker.cli.console import err, fail, fields, folding_table, out, print_json, styled, when
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
@@ -167,7 +167,7 @@ def import_file(
             f"{len(report.errors)} error(s)"
         )
         for line, message in report.errors:
-            err.print(f"[yellow]line {line}:[/] {message}", highlight=False)
+            err.print(styled((f"line {line}:", "yellow"), f" {message}"), highlight=False)
         if job is not None:
             out.print(f"recompute job {job} requested")
     if report.errors and not report.added and not report.duplicates:

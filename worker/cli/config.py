@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, folding_table, out, when
+from worker.cli.console import fail, folding_table, out, styled, when
 from worker.cli.sessions import checked_factory
 from worker.config_store import (
     UnknownConfigKeyError,
@@ -76,7 +76,7 @@ def config_list() -> None:
     table = folding_table("key", "value", "updated_by", "updated_at")
     for key, row in rows:
         if row is None:
-            table.add_row(key, "[dim](default)[/]", "", "")
+            table.add_row(key, styled(("(default)", "dim")), "", "")
         else:
             table.add_row(key, row.value, row.updated_by or "", when(row.updated_at))
     out.print(table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -13,14 +14,56 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import check_source_id
 
-# Soft wrap: messages are sentences (paths, reasons) that people copy and tests match; Rich must not
-# break them mid-phrase at its guess of the width, the terminal wraps them.
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# What a terminal acts on instead of showing: C0 controls but tab and newline (ESC opens the sequences
+# that clear the screen, move the cursor over earlier lines, set the title or the clipboard; CR
+# overwrites a line), DEL, C1 controls (U+009B is CSI to a terminal that reads 8-bit controls), and the
+# bidirectional controls that reorder what follows them on screen (the "Trojan Source" characters).
+_UNSHOWABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(text: str) -> str:
+    """``text`` with each character a terminal would act on written as its escape (``\\x1b``,
+    ``\\u202e``), so the reader sees what is stored and the terminal does nothing it says."""
+    return _UNSHOWABLE.sub(_escape, text)
+
+
+class TerminalConsole(Console):
+    """A Rich console that shows every string as it is: no markup, no emoji codes, and the characters
+    a terminal would act on escaped (``visible``). What the CLI prints is mostly stored text that a
+    webhook sender or a model chose (source ids, titles, facts, snippets, job errors): read as markup,
+    ``[/quote]`` in a snippet ended the command with a traceback, ``[x]`` vanished, ``:smile:`` turned
+    into an emoji, and ESC sequences reached the operator's terminal. Style goes on ``styled`` parts.
+
+    Soft wrap: messages are sentences (paths, reasons) that people copy and tests match; Rich must not
+    break them mid-phrase at its guess of the width, the terminal wraps them."""
+
+    def __init__(self, *, stderr: bool = False) -> None:
+        super().__init__(stderr=stderr, soft_wrap=True, markup=False, emoji=False)
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        # Every str Rich prints or puts in a table cell comes through here; no call may turn markup on.
+        options.update(markup=False, emoji=False)
+        return super().render_str(visible(text), **options)
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """A line of plain parts and ``(text, style)`` parts, each shown as it is (see ``TerminalConsole``):
+    ``styled(("skipped", "yellow"), f" {path}: {reason}")``."""
+    return Text.assemble(*(visible(p) if isinstance(p, str) else (visible(p[0]), p[1]) for p in parts))
+
+
+out = TerminalConsole()
+err = TerminalConsole(stderr=True)
 
 
 def id_argument(help: str) -> Any:
@@ -67,7 +110,12 @@ def counting_bar(
     if not enabled or not err.is_terminal:
         yield lambda *_: None
         return
-    columns = (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn(visible(description), markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda *_: progress.advance(task)
@@ -75,13 +123,16 @@ def counting_bar(
 
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise: ``raise fail(...)``."""
-    err.print(f"[bold red]error:[/] {message}", highlight=highlight)
+    err.print(styled(("error:", "bold red"), f" {message}"), highlight=highlight)
     return typer.Exit(code)
 
 
 def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
-    """Write ``data`` as indented JSON on stdout, untouched by Rich (no wrapping, no colour)."""
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=ensure_ascii) + "\n")
+    """Write ``data`` as indented JSON on stdout, untouched by Rich (no wrapping, no colour). JSON escapes
+    C0 controls itself; without ``ensure_ascii`` the other characters a terminal acts on are written as
+    ``\\uXXXX`` escapes too (still the same JSON)."""
+    text = json.dumps(data, indent=2, ensure_ascii=ensure_ascii)
+    sys.stdout.write(_UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
 
 
 def when(moment: datetime | str | None) -> str:

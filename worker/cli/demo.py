@@ -28,7 +28,7 @@ from factmill_client.models import JobOut
 from worker import access, db
 from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
-from worker.cli.console import fail, folding_table
+from worker.cli.console import fail, folding_table, styled
 from worker.cli.console import out as stdout_console
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
@@ -106,7 +106,7 @@ def load_examples(examples: Path, console: Console) -> list[dict[str, Any]]:
         try:
             pages.append(load_page_file(path, root).model_dump())
         except PageFileError as exc:
-            console.print(f"[yellow]skipped[/] {path}: {exc}")
+            console.print(styled(("skipped", "yellow"), f" {path}: {exc}"))
     return pages
 
 
@@ -156,7 +156,7 @@ def run_demo(
         if not settings.database_url
         else "FACTMILL_DATABASE_URL / FACTMILL_BROKER_URL"
     )
-    err.print(f"[bold]Factmill demo[/] · stores: {where}\n{describe(settings)}")
+    err.print(styled(("Factmill demo", "bold"), f" · stores: {where}\n{describe(settings)}"))
     log_dir = (settings.data_dir / "demo-logs").resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -206,7 +206,7 @@ def run_demo(
     _say_what_keeps_running(settings, err)
     failed = [j for j in jobs if j.status == "failed"]
     for job in failed:
-        err.print(f"[red]failed[/] job {job.id} ({job.subject}): {job.last_error}")
+        err.print(styled(("failed", "red"), f" job {job.id} ({job.subject}): {job.last_error}"))
     return 1 if failed else 0
 
 
@@ -298,16 +298,20 @@ def _print_facts(base: str, key: str, pages: list[dict[str, Any]], console: Cons
             current = [f for f in found.facts if f.status == "current"]
             older = [f for f in found.facts if f.status != "current"]
             tally = f"{len(current)} current" + (f", {len(older)} superseded or duplicate" if older else "")
-            console.print(f"\n[bold]{page['slug']}[/] · {tally}")
+            console.print(styled("\n", (page["slug"], "bold"), f" · {tally}"))
             for fact in current[:show]:
-                console.print(f"  [dim]{fact.kind:<10}[/] {fact.fact}")
+                console.print(styled("  ", (f"{fact.kind:<10}", "dim"), f" {fact.fact}"))
             for fact in older:
                 if fact.status == "superseded":
                     when = f"{_day(fact.valid_from)} → {_day(fact.valid_to)}"
-                    note = f"[yellow]superseded[/] by fact {fact.superseded_by} ({when})"
+                    note = styled(("superseded", "yellow"), f" by fact {fact.superseded_by} ({when})")
                 else:
-                    note = f"[dim]duplicate of fact {fact.duplicate_of}[/]"
-                console.print(f"  [dim]{fact.kind:<10}[/] [strike]{fact.fact}[/] · {note}")
+                    note = styled((f"duplicate of fact {fact.duplicate_of}", "dim"))
+                console.print(
+                    styled("  ", (f"{fact.kind:<10}", "dim"), " ", (fact.fact, "strike"), " · ").append_text(
+                        note
+                    )
+                )
 
 
 def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Console) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import page_id_of
 from models.reads import read_only
-from worker.cli.console import err, fail, folding_table, out, print_json, source_option
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction import (
@@ -60,7 +60,12 @@ def extraction_progress(enabled: bool) -> Iterator[RichProgress | None]:
     if not enabled:
         yield None
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err, transient=True) as progress:
         yield RichProgress(progress)
 
@@ -76,12 +81,15 @@ def print_counters(counters: ExtractionCounters, seconds: float | None = None) -
         if report.status in ("failed", "skipped_too_large", "incomplete") or (
             report.status == "skipped" and report.reason and "nothing new" not in report.reason
         ):
-            err.print(f"[yellow]{report.status}[/] {report.slug}: {report.reason}")
+            err.print(styled((report.status, "yellow"), f" {report.slug}: {report.reason}"))
         if report.skipped:
             err.print(
-                f"[yellow]skipped segments[/] {report.slug}: {report.skipped} failed permanently too often "
-                "(outcome skipped in its audit rows); `factmill extract --skipped` (or its job's "
-                "`factmill jobs retry ID --skipped`) re-extracts them"
+                styled(
+                    ("skipped segments", "yellow"),
+                    f" {report.slug}: {report.skipped} failed permanently too often (outcome skipped "
+                    "in its audit rows); `factmill extract --skipped` (or its job's `factmill jobs "
+                    "retry ID --skipped`) re-extracts them",
+                )
             )
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option
+from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
 from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
@@ -49,7 +49,7 @@ def history(
         style = STATUS_STYLE.get(e.status, "")
         table.add_row(
             str(e.id),
-            f"[{style}]{e.status}[/]",
+            styled((e.status, style)),
             f"{_day(e.valid_from)} → {_day(e.valid_to) if e.valid_to else 'now'}",
             e.fact,
             link,

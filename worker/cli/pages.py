@@ -9,7 +9,17 @@ from typing import Annotated
 import typer
 
 from models.reads import read_only
-from worker.cli.console import counting_bar, err, fail, folding_table, out, print_json, source_option, when
+from worker.cli.console import (
+    counting_bar,
+    err,
+    fail,
+    folding_table,
+    out,
+    print_json,
+    source_option,
+    styled,
+    when,
+)
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
@@ -48,7 +58,7 @@ def ingest(
             f"{len(report.errors)} error(s); {len(report.jobs)} extraction job(s) queued"
         )
         for path, reason in report.errors:
-            err.print(f"[yellow]skipped[/] {path}: {reason}")
+            err.print(styled(("skipped", "yellow"), f" {path}: {reason}"))
     if report.errors and not report.ingested and not report.unchanged:
         raise typer.Exit(1)
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, folding_table, out, print_json, source_option
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
 from worker.runtime import build_runtime
@@ -48,7 +48,7 @@ def _print_outcome(outcome: SearchOutcome) -> None:
     table = folding_table("#", "score", "fact", "kind", "page · row", "conf", show_lines=True)
     for rank, result in enumerate(outcome.results, start=1):
         snippet = result.snippet.split("\n", 1)
-        shown = f"{result.fact}\n[dim]{snippet[0]}\n{snippet[1] if len(snippet) > 1 else ''}[/]"
+        shown = styled(f"{result.fact}\n", (f"{snippet[0]}\n{snippet[1] if len(snippet) > 1 else ''}", "dim"))
         table.add_row(
             str(rank),
             f"{result.score:.3f}",

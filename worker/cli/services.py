@@ -14,7 +14,7 @@ import typer
 import uvicorn
 
 from worker.celery_app import app as celery
-from worker.cli.console import err, fail, port_option
+from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
@@ -182,7 +182,7 @@ def refuse_open_flower(settings: Settings, host: str) -> None:
     )
     if settings.environment == "production":
         raise fail(message, code=2, highlight=False)
-    err.print(f"[yellow]warning:[/] {message}", highlight=False)
+    err.print(styled(("warning:", "yellow"), f" {message}"), highlight=False)
 
 
 def is_loopback(host: str) -> bool:
