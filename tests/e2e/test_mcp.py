@@ -255,8 +255,9 @@ def http_server(env: dict[str, str]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _mcp_http(env: dict[str, str]) -> Iterator[str]:
-    """`factmill mcp --http PORT` started with ``env``; its URL once it answers."""
+def _mcp_http(env: dict[str, str], logged: list[str] | None = None) -> Iterator[str]:
+    """`factmill mcp --http PORT` started with ``env``; its URL once it answers. Its stderr lines go into
+    ``logged`` when it has stopped."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "mcp", "--http", str(port)],
@@ -279,7 +280,9 @@ def _mcp_http(env: dict[str, str]) -> Iterator[str]:
         yield url
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        _, stderr = process.communicate(timeout=30)
+        if logged is not None:
+            logged.extend(line for line in stderr.splitlines() if line.strip())
 
 
 def test_http_keeps_an_idle_connection_open_past_a_client_pools_expiry(http_server):
@@ -329,6 +332,19 @@ async def _http_session(url: str, key: str, job: Any) -> Any:
     ):
         await session.initialize()
         return await job(session)
+
+
+def test_http_logs_in_the_services_format(env):
+    """It wrote uvicorn's own lines and a plain banner; a collector parsing FACTMILL_LOG_FORMAT=json
+    lines met text."""
+    logged: list[str] = []
+    with _mcp_http(env | {"FACTMILL_LOG_FORMAT": "json"}, logged) as url:
+        assert httpx.get(url, timeout=10).status_code == 401
+    records = [json.loads(line) for line in logged]  # every line one JSON object
+    messages = [r["message"] for r in records]
+    assert any(m.startswith("factmill MCP server on http://127.0.0.1:") for m in messages), messages
+    assert any('"GET /mcp HTTP/1.1" 401' in m for m in messages), messages  # uvicorn's access line
+    assert {r["level"] for r in records} <= {"INFO", "WARNING"}
 
 
 def test_http_each_request_carries_its_key(http_server, factory):

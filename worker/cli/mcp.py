@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, port_option
+from worker.cli.console import fail, port_option
 from worker.cli.sessions import checked_factory
 from worker.runtime import build_runtime
 from worker.settings import get_settings
@@ -56,11 +56,7 @@ def mcp_command(
     runtime = build_runtime(settings, checked_factory(settings))
     try:
         if http is not None:
-            err.print(
-                f"factmill MCP server on http://{host}:{http}/mcp "
-                "(each request sends 'Authorization: Bearer <key>')"
-            )
-            run_http(runtime, host, http)
+            run_http(runtime, host, http)  # it logs where it listens, in the services' log format
             return
         assert key is not None
         if authenticate_key(runtime, key) is None:

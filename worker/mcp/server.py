@@ -28,6 +28,7 @@ from worker.access import Principal, principal_for, refusal
 from worker.bodycap import ForeignAppBodyCap
 from worker.mcp.tools import Access, FactmillTools
 from worker.runtime import Runtime
+from worker.runtime.logs import logging_config
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +187,22 @@ def run_stdio(runtime: Runtime, key: str) -> None:
 
 def run_http(runtime: Runtime, host: str, port: int) -> None:
     """Serve streamable HTTP as the SDK's ``run_streamable_http_async`` does, with the API's keep-alive
-    (FACTMILL_API_KEEP_ALIVE_SECONDS) instead of uvicorn's 5 s."""
+    (FACTMILL_API_KEEP_ALIVE_SECONDS) instead of uvicorn's 5 s, and the services' log lines (text or
+    JSON, FACTMILL_LOG_FORMAT) instead of uvicorn's own format."""
     server = http_server(runtime)
+    level = server.settings.log_level
     config = uvicorn.Config(
         ForeignAppBodyCap(server.streamable_http_app(host=host), cap=runtime.settings.max_body_bytes),
         host=host,
         port=port,
-        log_level=server.settings.log_level.lower(),
+        log_level=level.lower(),
+        log_config=logging_config(runtime.settings, level),
         timeout_keep_alive=runtime.settings.api_keep_alive_seconds,
+    )
+    logger.info(
+        "factmill MCP server on http://%s:%s/mcp (each request sends 'Authorization: Bearer <key>')",
+        host,
+        port,
     )
     anyio.run(uvicorn.Server(config).serve)
 
