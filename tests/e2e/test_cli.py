@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +56,7 @@ def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
             assert result.returncode == 0, result.stdout + result.stderr
         return result
 
+    run.env = env  # type: ignore[attr-defined]  # for a test that runs the command its own way
     return run
 
 
@@ -355,3 +358,39 @@ def test_a_model_that_cannot_be_used_is_one_line_on_every_command_that_calls_one
             assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
             assert result.stderr.startswith(f"error: {says}"), (command, result.stderr)
             assert result.stderr.count("\n") == 1, (command, result.stderr)
+
+
+def test_a_calibration_import_shows_its_progress_on_a_terminal(cli, tmp_path: Path):
+    """It printed nothing until every row was stored; the bar is on stderr, and only on a terminal."""
+    path = tmp_path / "many.csv"
+    path.write_text("".join(f"0.{n % 10},{'true' if n % 3 else 'false'},eval\n" for n in range(3000)))
+    env = dict(cli.env)
+    leader, follower = pty.openpty()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "calibration", "import", str(path), "--no-enqueue"],
+            cwd=REPO,
+            env=env | {"COLUMNS": "100"},
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            timeout=120,
+        )
+        os.close(follower)
+        screen = b""
+        while chunk := _read_available(leader):
+            screen += chunk
+    finally:
+        os.close(leader)
+    assert result.returncode == 0 and "3000 row(s): 3000 added" in result.stdout, result.stdout
+    assert b"observations stored" in screen
+    piped = cli("calibration", "import", str(path), "--no-enqueue")
+    assert "observations stored" not in piped.stderr  # a script's log stays clean
+
+
+def _read_available(fd: int) -> bytes:
+    ready, _, _ = select.select([fd], [], [], 0.5)
+    try:
+        return os.read(fd, 65536) if ready else b""
+    except OSError:  # EIO: the other side is closed and drained
+        return b""

@@ -305,6 +305,18 @@ def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
     assert count(tx_factory, CalibrationObservation) == 3
 
 
+def test_import_reports_its_progress_a_statement_at_a_time(
+    tx_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """A 64 MiB file is minutes of inserts: the CLI's bar hears of each statement's rows."""
+    path = tmp_path / "many.csv"
+    path.write_text("".join(f"0.{n % 10},{'true' if n % 3 else 'false'},eval\n" for n in range(2500)))
+    heard: list[tuple[int, int]] = []
+    report = import_csv(tx_factory, path, recompute_every=50, progress=lambda *step: heard.append(step))
+    assert len(report.added) == 2500
+    assert heard == [(1000, 2500), (2000, 2500), (2500, 2500)]
+
+
 def test_import_reports_a_row_naming_an_unknown_compaction(
     tx_factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
 ) -> None:

@@ -7,7 +7,7 @@ transactions it owns.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -81,10 +81,13 @@ def _says_the_same(obs: ObservationIn, row: Row[Any]) -> bool:
     return all(getattr(row, name) == value for name, value in obs.recorded().items())
 
 
-def store_observations(session: Session, observations: Sequence[ObservationIn]) -> AddReport:
+def store_observations(
+    session: Session, observations: Sequence[ObservationIn], on_chunk: Callable[[int], None] | None = None
+) -> AddReport:
     """Insert the observations in the caller's transaction; a repeated key is reported, not stored twice.
 
     Ids follow the submitted order. One naming a compaction that does not exist is refused (a conflict).
+    ``on_chunk`` hears how many observations each statement took (a progress bar's steps).
     """
     report = AddReport()
     unknown = _unknown_compactions(session, observations)
@@ -102,6 +105,8 @@ def store_observations(session: Session, observations: Sequence[ObservationIn]) 
         for start in range(0, len(items), INSERT_CHUNK):
             chunk = items[start : start + INSERT_CHUNK]
             (_store_unkeyed if unkeyed else _store_keyed)(session, chunk, report)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
     report.stored.sort(key=lambda s: s.index)
     report.conflicts.sort()
     return report

@@ -7,7 +7,7 @@ is the one ``recomputing()`` holds open for the block the service runs in it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from sqlalchemy import func
@@ -77,10 +77,17 @@ class CalibrationStore:
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self._factory = factory
 
-    def add(self, observations: Sequence[ObservationIn], *, recompute_every: int) -> AddReport:
-        """Store the observations and, once a recompute is due, request it, in one transaction."""
+    def add(
+        self,
+        observations: Sequence[ObservationIn],
+        *,
+        recompute_every: int,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> AddReport:
+        """Store the observations and, once a recompute is due, request it, in one transaction
+        (``on_chunk``: see ``queries.store_observations``)."""
         with self._factory.begin() as session:
-            report = queries.store_observations(session, observations)
+            report = queries.store_observations(session, observations, on_chunk)
             if report.added:
                 report.recompute = queries.request_recompute_if_due(session, recompute_every)
         return report

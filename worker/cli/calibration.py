@@ -24,7 +24,7 @@ from worker.calibration import (
     request_recompute,
     threshold_history,
 )
-from worker.cli.console import err, fail, fields, folding_table, out, print_json, styled, when
+from worker.cli.console import counting_bar, err, fail, fields, folding_table, out, print_json, styled, when
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
@@ -143,9 +143,14 @@ def import_file(
         raise fail(f"no such file: {file}", code=2)
     factory = checked_factory()
     try:
-        report = import_csv(
-            factory, file, origin=origin, recompute_every=get_settings().calibration_recompute_every
-        )
+        with counting_bar("observations stored", None, enabled=not as_json) as move:
+            report = import_csv(
+                factory,
+                file,
+                origin=origin,
+                recompute_every=get_settings().calibration_recompute_every,
+                progress=lambda stored, total: move(completed=stored, total=total),
+            )
     except (CsvFormatError, OSError) as exc:
         raise fail(str(exc), code=2) from exc  # each names the file
     sent = _send(factory, report.pending_jobs()) if enqueue else 0

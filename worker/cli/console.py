@@ -105,10 +105,11 @@ def folding_table(*headers: str, **options: Any) -> Table:
 def counting_bar(
     description: str, total: int | None, *, enabled: bool = True
 ) -> Iterator[Callable[..., None]]:
-    """A progress bar on stderr (gone when done); yields the function that advances it by one. Disabled
-    (``--json``), or stderr not a terminal (a script's log stays clean), the function does nothing."""
+    """A progress bar on stderr (gone when done); yields the function that moves it: one step a call, or
+    to ``completed`` of ``total`` when they are given. Disabled (``--json``), or stderr not a terminal (a
+    script's log stays clean), the function does nothing."""
     if not enabled or not err.is_terminal:
-        yield lambda *_: None
+        yield lambda *_, **__: None
         return
     columns = (
         TextColumn(visible(description), markup=False),
@@ -118,7 +119,14 @@ def counting_bar(
     )
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda *_: progress.advance(task)
+
+        def move(*_: object, completed: int | None = None, total: int | None = None) -> None:
+            if completed is None:
+                progress.advance(task)
+            else:
+                progress.update(task, completed=completed, total=total)
+
+        yield move
 
 
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:
