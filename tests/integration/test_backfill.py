@@ -5,6 +5,7 @@ the kill switch and cancel. The crash test with worker processes is in test_back
 from __future__ import annotations
 
 import json
+import logging
 import time
 import typing
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
-from worker.extraction.backfill import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill import BATCH_EXTRACTION, BackfillPass, BackfillSelection, request_backfill
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill
 from worker.extraction.batch import segment_request
 from worker.jobs.lifecycle import JobOutcome, run_job
@@ -242,6 +243,36 @@ def test_an_expired_batch_leaves_its_unrun_requests_to_the_next_run(factory, rt,
     assert facts_of(factory, "bf") == reference
     assert terminal_slugs(factory, "bf") == set(slugs)
     assert set(ok_audits_per_segment(factory, "bf").values()) == {1}
+
+
+def test_a_page_edited_while_its_results_commit_is_logged_by_id_never_by_slug(
+    factory, rt, sim, caplog, monkeypatch
+):
+    """The results are planned, then the page changes before they commit (PageChangedError): the log
+    line named the slug through the error's text, and a slug can name a person."""
+    caplog.set_level(logging.INFO)
+    slugs = seed_pages(factory, "bf", 1)
+    sim.configure(batch_delay_seconds=3600)
+    _, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    planned = BackfillPass.page_plan
+    collecting = False
+
+    def plan_then_edit(self: BackfillPass, page_id: int, slug: str) -> Any:
+        plan = planned(self, page_id, slug)
+        if collecting:  # another writer edits the page after this pass planned it
+            edited = page_body("Person0 Example", "Company0").replace("signed the offer letter", "said no")
+            put_page(factory, slug, edited, title="chat: Person0 Example", source_id="bf")
+        return plan
+
+    monkeypatch.setattr(BackfillPass, "page_plan", plan_then_edit)
+    sim.end_batches()
+    collecting = True
+    assert drive(rt, job_id).status == "succeeded"
+    assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("PageChangedError; its results are discarded" in m for m in logged), logged
+    assert not any(slugs[0] in m for m in logged)
 
 
 def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, sim):

@@ -339,7 +339,13 @@ class BackfillPass:
                     self.run.committer.commit_page(plan, one_at_a_time(self.results(plan, rows, items)))
                 )
             except CheckpointConflictError as exc:  # another run moved the page on: these are discarded
-                logger.info("backfill %s: %s", self.backfill.id, exc)
+                # The page by id and the error by class: its text names the slug, and logs name none.
+                logger.info(
+                    "backfill %s: page %s %s; its results are discarded",
+                    self.backfill.id,
+                    page_id,
+                    type(exc).__name__,
+                )
             finally:
                 self.segments.marking = None
         left = self.store.still_pending([row.id for row in rows])
