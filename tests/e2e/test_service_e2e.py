@@ -91,6 +91,14 @@ def test_signed_webhook_to_facts_through_api_and_worker_processes(
         assert httpx.get(f"{base}/metrics", headers=bearer(reader_key)).status_code == 403
         metrics = httpx.get(f"{base}/metrics", headers=admin).text
         assert 'factmill_jobs{kind="extraction",status="succeeded"} 1.0' in metrics
+        reader.search("lex: Denver", intent="where Alice works")
+    # Logs never carry page text, slugs (a slug can name a person; an erasure cannot reach a log), the
+    # facts, a search's words or a secret: every line both processes wrote, at INFO.
+    logged = "".join(api.output + worker.output)
+    assert "job" in logged and "/v1/pages" in logged  # they did log
+    private = [PAGE["slug"], "alice", "Alice Example", "offer letter", "Denver", "Acme", SECRET, reader_key]
+    private += [f.fact for f in facts]
+    assert [p for p in private if p.lower() in logged.lower()] == []
 
 
 @pytest.mark.parametrize(
