@@ -26,7 +26,7 @@ from models import (
     WebhookDelivery,
 )
 from tests.cli import invoke_cli
-from tests.integration.test_api import ADMIN_HEADERS, make_runtime, page, post
+from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime, page, post
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
@@ -427,6 +427,62 @@ def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
     assert {k: v for k, v in finished.counters.items() if k != "pages"} == {
         k: v for k, v in counters.items() if k != "pages"
     }
+
+
+# ------------------------------------------------------------------ the fact lifecycle
+
+
+def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the_page_superseded(
+    database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The model's reason for "Porto updates Lisbon" quoted the erased page's facts; facts that name no
+    entity are consolidated under `page:<slug>`; and the Lisbon fact the page had superseded stayed
+    superseded by nothing, out of search, until some later extraction of the source."""
+    from models import ConsolidationCheckpoint, ConsolidationDecision
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.consolidation.erasure import ERASED_REASON
+    from worker.jobs.outbox import CONSOLIDATION, request_job
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+        consolidate(enabled, llm)
+    lisbon = "Alice Example lives in Lisbon now."
+    with enabled.begin() as session:
+        [kept] = session.scalars(select(Fact).where(Fact.fact == lisbon, Fact.status == "superseded")).all()
+        reasons = session.scalars(select(ConsolidationDecision.reason)).all()
+        assert any("Porto" in reason for reason in reasons)  # the model's reason quotes both facts
+        # What facts naming no entity leave under the page's own key (the simulator names one for all).
+        key = f"page:{MAR_PAGE}"
+        session.add(ConsolidationCheckpoint(source_id="default", entity_key=key))
+        session.add(
+            ConsolidationDecision(
+                source_id="default", entity_key=key, decision="new", decided_by="rule", reason="r"
+            )
+        )
+        page_job = request_job(session, CONSOLIDATION, f"default|{key}").job_id
+    sent = Recorder(enabled)
+    with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
+        assert client.delete(f"/v1/pages/default/{MAR_PAGE}", headers=ADMIN_HEADERS).status_code == 200
+
+    with enabled() as session:
+        decisions = session.scalars(select(ConsolidationDecision)).all()
+        assert not [d.reason for d in decisions if "Porto" in d.reason or "2026-03" in d.reason]
+        assert [d.decision for d in decisions if d.reason == ERASED_REASON] == ["updates", "duplicate"]
+        assert not [d for d in decisions if MAR_PAGE in d.entity_key]
+        assert session.get(ConsolidationCheckpoint, ("default", key)) is None
+        assert MAR_PAGE not in (session.get(Job, page_job) or Job()).subject
+        requested = session.scalars(
+            select(Job).where(Job.kind == CONSOLIDATION, Job.status == "queued")
+        ).all()
+    assert [j.subject for j in requested if j.id != page_job] == ["default|people/alice-example"]
+    assert sent.job_ids == [j.id for j in requested if j.id != page_job] and all(sent.committed)
+    consolidate(enabled, llm)  # the job the erasure requested, run
+    with enabled() as session:
+        restored = session.get(Fact, kept.id)
+    assert restored is not None and (restored.status, restored.valid_to) == ("current", None)
 
 
 # ------------------------------------------------------------------ the injection, end to end

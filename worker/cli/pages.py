@@ -113,9 +113,12 @@ def pages_erase(
     All in one transaction; its pending jobs fail with "page erased". One content-free row records the
     erasure."""
     slug = stored_form(slug)
-    report = erase_page(checked_factory(), source_id, slug, requested_by="cli")
+    factory = checked_factory()
+    report = erase_page(factory, source_id, slug, requested_by="cli")
     if report is None:
         raise fail(f"no page {slug!r} in source {source_id!r}; nothing was erased")
+    if report.pending:  # unsent (no broker), the sweeper sends them
+        send_jobs(factory, report.pending)
     if as_json:
         print_json({"source_id": source_id, "slug": slug, **report.as_dict()}, ensure_ascii=False)
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -14,6 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Erasure, ExtractionAudit, Fact, Job, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, OP_CHECKPOINTS
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
+from worker.consolidation import request_consolidation
+from worker.consolidation.erasure import forget_page_decisions
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction.options import narrow_page_types
@@ -45,9 +47,19 @@ class ErasureReport:
     checkpoints_removed: int
     audit_rows_removed: int
     jobs_cancelled: int
+    # Consolidation jobs for the entities whose facts pointed at the erased ones (superseded by one, a
+    # duplicate of one): the caller sends them after the commit, and each puts those facts back.
+    pending: list[tuple[int, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counts (what the `erasures` row and the answer record)."""
+        return {
+            "facts_removed": self.facts_removed,
+            "embeddings_removed": self.embeddings_removed,
+            "checkpoints_removed": self.checkpoints_removed,
+            "audit_rows_removed": self.audit_rows_removed,
+            "jobs_cancelled": self.jobs_cancelled,
+        }
 
 
 def page_body(compiled_truth: str, timeline: str) -> str:
@@ -192,13 +204,15 @@ def erase_page(
     factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
 ) -> ErasureReport | None:
     """Erase the page and everything drawn from it in ONE transaction, leaving one content-free row in
-    ``erasures``; None (nothing written) when there is no such page."""
+    ``erasures``; None (nothing written) when there is no such page. The caller sends
+    ``report.pending`` after this returns (the commit is done)."""
     with factory.begin() as session:
         page_id = session.scalar(
             select(Page.id).where(Page.source_id == source_id, Page.slug == slug).with_for_update()
         )
         if page_id is None:
             return None
+        forget_page_decisions(session, source_id, slug, erased_name(source_id, slug))
         derived = drop_derived(session, source_id, slug)
         audit_rows = session.execute(
             delete(ExtractionAudit).where(
@@ -214,6 +228,7 @@ def erase_page(
         )
         forget_page_name(session, source_id, slug, page_id)
         session.execute(delete(Page).where(Page.id == page_id))
+        report.pending.extend(request_consolidation(session, source_id, slug))
         session.add(
             Erasure(
                 source_id=source_id,

@@ -233,6 +233,7 @@ def delete_page(ctx: Context, _admin: Admin, source_id: str, slug: str) -> PageE
     report = erase_page(ctx.factory, source_id, slug, requested_by="api")
     if report is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
+    ctx.enqueue(report.pending)
     return PageErased(source_id=source_id, slug=slug, **report.as_dict())
 
 
