@@ -242,6 +242,9 @@ class AsyncClient:
     async def delete_page(self, source_id: str, slug: str) -> models.PageErased:
         return await self.send(calls.delete_page(source_id, slug))
 
+    async def delete_transcript(self, transcript_id: str) -> models.TranscriptErased:
+        return await self.send(calls.delete_transcript(transcript_id))
+
     async def start_backfill(
         self,
         source_id: str = "default",

@@ -172,6 +172,12 @@ def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:
     return Call("DELETE", page_path(source_id, slug), models.PageErased, replayable=False)
 
 
+def delete_transcript(transcript_id: str) -> Call[models.TranscriptErased]:
+    return Call(
+        "DELETE", f"/v1/transcripts/{segment(transcript_id)}", models.TranscriptErased, replayable=False
+    )
+
+
 # ---------------------------------------------------------------------------- reads
 
 

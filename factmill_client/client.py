@@ -264,6 +264,10 @@ class Client:
         """Erase a page and everything drawn from it (admin scope)."""
         return self.send(calls.delete_page(source_id, slug))
 
+    def delete_transcript(self, transcript_id: str) -> models.TranscriptErased:
+        """Erase a transcript: its messages and compactions (admin scope)."""
+        return self.send(calls.delete_transcript(transcript_id))
+
     # ------------------------------------------------------------------ backfills (admin)
 
     def start_backfill(

@@ -50,6 +50,13 @@ class PageErased(Model):
     jobs_cancelled: int
 
 
+class TranscriptErased(Model):
+    transcript_id: str
+    messages_removed: int
+    compactions_removed: int
+    jobs_cancelled: int
+
+
 class PageSummary(Model):
     source_id: str
     slug: str
@@ -393,6 +400,7 @@ __all__ = [
     "SearchResultOut",
     "StoredMessageOut",
     "ToolCallOut",
+    "TranscriptErased",
     "TranscriptList",
     "TranscriptOut",
     "TranscriptSettingsOut",

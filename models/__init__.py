@@ -10,7 +10,7 @@ from models.checkpoint import OpCheckpoint
 from models.compaction import COMPACTION_STATUSES, MESSAGE_ROLES, Compaction, Transcript, TranscriptMessageRow
 from models.config import ConfigEntry
 from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
-from models.erasure import Erasure
+from models.erasure import Erasure, TranscriptErasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job, expire_jobs
 from models.llm_call import LLMCall, LLMSpendDay
@@ -29,7 +29,12 @@ from models.totals import (
     RowCount,
     fold_totals,
 )
-from models.webhook import WebhookDelivery, forget_deliveries, forget_page_in_deliveries
+from models.webhook import (
+    WebhookDelivery,
+    forget_deliveries,
+    forget_page_in_deliveries,
+    forget_transcript_in_deliveries,
+)
 
 __all__ = [
     "API_SCOPES",
@@ -72,11 +77,13 @@ __all__ = [
     "Page",
     "RowCount",
     "Transcript",
+    "TranscriptErasure",
     "TranscriptMessageRow",
     "WebhookDelivery",
     "expire_jobs",
     "fold_totals",
     "forget_deliveries",
     "forget_page_in_deliveries",
+    "forget_transcript_in_deliveries",
     "page_id_of",
 ]

@@ -1,4 +1,4 @@
-"""Erasures: the one content-free row an erased page leaves behind."""
+"""Erasures: the one content-free row an erased page or transcript leaves behind."""
 
 from __future__ import annotations
 
@@ -29,5 +29,25 @@ class Erasure(Base):
     embeddings_removed: Mapped[int] = count_column()
     checkpoints_removed: Mapped[int] = count_column()
     audit_rows_removed: Mapped[int] = count_column()
+    jobs_cancelled: Mapped[int] = count_column()
+    erased_at: Mapped[datetime] = utcnow_column()
+
+
+class TranscriptErasure(Base):
+    """That a transcript was erased, when, by which path, and how much went with it; never its text.
+
+    A transcript id is the client's own label and can name a person ("support-chat-alice"), so only
+    ``transcript_sha256`` (sha256 of the id, ``worker.compaction.erase.erased_transcript_digest``) is
+    kept: enough to answer "was this transcript erased?" for an id one knows, not to list them.
+    """
+
+    __tablename__ = "transcript_erasures"
+    __table_args__ = (Index("ix_transcript_erasures_transcript_sha256", "transcript_sha256"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    transcript_sha256: Mapped[str]
+    requested_by: Mapped[str]  # "api" or "cli"
+    messages_removed: Mapped[int] = count_column()
+    compactions_removed: Mapped[int] = count_column()
     jobs_cancelled: Mapped[int] = count_column()
     erased_at: Mapped[datetime] = utcnow_column()

@@ -76,6 +76,23 @@ def forget_page_in_deliveries(session: Session, source_id: str, slug: str, name:
     ).rowcount
 
 
+# The answer of a transcript append names its transcript at the top ({"transcript_id": ..., ...}).
+_FORGET_TRANSCRIPT = text(
+    "UPDATE webhook_deliveries "
+    "SET response = jsonb_set(response, '{transcript_id}', to_jsonb(CAST(:name AS text))) "
+    "WHERE response @> jsonb_build_object('transcript_id', CAST(:transcript_id AS text))"
+)
+
+
+def forget_transcript_in_deliveries(session: Session, transcript_id: str, name: str) -> int:
+    """Replace the transcript's id by ``name`` in every stored append answer that names it, in the
+    caller's transaction; returns how many changed. A repeated append is still answered (and so does
+    not bring the erased messages back), naming the transcript as the erasure left it."""
+    return session.execute(  # type: ignore[attr-defined]
+        _FORGET_TRANSCRIPT, {"transcript_id": transcript_id, "name": name}
+    ).rowcount
+
+
 def forget_deliveries(session: Session, kept: timedelta, limit: int) -> int:
     """Delete up to ``limit`` stored answers older than ``kept``, oldest first, in the caller's
     transaction; returns how many went. A key delivered again after that is a new delivery."""

@@ -30,6 +30,7 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.set_config, ("k", 1)),
     (calls.unset_config, ("k",)),
     (calls.delete_page, ("s", "a/b")),
+    (calls.delete_transcript, ("t",)),
     (calls.get_job, (1,)),
     (calls.list_jobs, ("queued", "extraction", 1, 2)),
     (calls.list_pages, ("s", "a/", 1, "s|a/b")),

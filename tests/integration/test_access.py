@@ -56,6 +56,7 @@ ROUTES = [
     ("POST", "/v1/jobs/1/retry", "admin"),
     ("GET", "/metrics", "metrics"),
     ("DELETE", "/v1/pages/default/alice", "admin"),
+    ("DELETE", "/v1/transcripts/t1", "admin"),
     ("POST", "/v1/backfills", "admin"),
     ("GET", "/v1/backfills", "admin"),
     ("GET", "/v1/backfills/1", "admin"),

@@ -1027,7 +1027,7 @@ def test_a_compaction_can_be_labelled_through_feedback(
 def test_openapi_lists_the_transcript_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths["/v1/transcripts/{transcript_id}/messages"]) == {"get", "post"}
-    assert set(paths["/v1/transcripts/{transcript_id}"]) == {"get", "put"}
+    assert set(paths["/v1/transcripts/{transcript_id}"]) == {"get", "put", "delete"}
     assert "get" in paths["/v1/transcripts/{transcript_id}/context"]
     assert "get" in paths["/v1/transcripts/{transcript_id}/compactions"]
 

@@ -1,4 +1,4 @@
-"""`factmill compact` (force a compaction) and `factmill transcripts` (a transcript's before/after tokens)."""
+"""`factmill compact` (force a compaction) and `factmill transcripts` (tokens before/after, erasure)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from worker.compaction import (
     request_compaction,
     transcript_stats,
 )
+from worker.compaction.erase import erase_transcript
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
 from worker.jobs.outbox import COMPACTION, enqueue
 from worker.runtime import Runtime
@@ -243,6 +244,28 @@ def transcripts_list(
             when(r["updated_at"]),
         )
     out.print(table)
+
+
+@transcripts_app.command("erase")
+def transcripts_erase(
+    transcript_id: Annotated[str, typer.Argument(help="The transcript's id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+) -> None:
+    """Erase a transcript: its messages and its compactions (their summaries), as DELETE /v1/transcripts/ID.
+
+    All in one transaction; its pending compaction jobs fail with "transcript erased". One content-free
+    row records the erasure."""
+    report = erase_transcript(checked_factory(), transcript_id, requested_by="cli")
+    if report is None:
+        raise fail(f"no transcript {transcript_id!r}; nothing was erased")
+    if as_json:
+        print_json({"transcript_id": transcript_id, **report.as_dict()}, ensure_ascii=False)
+        return
+    out.print(
+        f"erased transcript {transcript_id}: {report.messages_removed} message(s), "
+        f"{report.compactions_removed} compaction(s); {report.jobs_cancelled} pending job(s) cancelled",
+        highlight=False,
+    )
 
 
 __all__ = ["compact_command", "transcripts_app"]

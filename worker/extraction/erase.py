@@ -8,10 +8,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import bindparam, delete, func, or_, select, text, update
+from sqlalchemy import bindparam, delete, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Erasure, ExtractionAudit, Fact, Job, OpCheckpoint, Page, forget_page_in_deliveries
+from models import Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, OP_CHECKPOINTS
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.consolidation import request_consolidation
@@ -19,7 +19,7 @@ from worker.consolidation.erasure import forget_page_decisions
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction.options import narrow_page_types
-from worker.jobs.outbox import EXTRACTION, PENDING, page_subject
+from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
 logger = logging.getLogger(__name__)
 
@@ -128,23 +128,8 @@ def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
 
 
 def cancel_page_jobs(session: Session, source_id: str, slug: str, reason: str = PAGE_ERASED) -> int:
-    """Fail the page's pending extraction jobs with ``reason``. A running one loses its lease (worker
-    cleared): its heartbeat stops it before the next LLM call, and its finish writes nothing."""
-    cancelled = session.execute(
-        update(Job)
-        .where(Job.kind == EXTRACTION, Job.subject == page_subject(source_id, slug), Job.status.in_(PENDING))
-        .values(
-            status="failed",
-            last_error=reason,
-            worker=None,
-            heartbeat_at=None,
-            pause_reason=None,
-            rerun_requested=False,
-            finished_at=func.now(),
-        )
-        .returning(Job.id)
-    )
-    return len(cancelled.all())
+    """Fail the page's pending extraction jobs with ``reason`` (``outbox.cancel_jobs``)."""
+    return cancel_jobs(session, EXTRACTION, page_subject(source_id, slug), reason)
 
 
 # The page's jobs keep their history (status, attempts, counts, times) but not its name: the slug in the

@@ -247,6 +247,27 @@ class JobHasNoSegmentsError(ValueError):
     """``--skipped`` asked of a job that is not an extraction job (only those skip segments)."""
 
 
+def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
+    """Fail the pending jobs of ``kind`` on ``subject`` with ``reason`` in the caller's transaction (its
+    subject erased); returns how many. A running one loses its lease (worker cleared): its heartbeat
+    stops it before its next LLM call, and its finish writes nothing."""
+    cancelled = session.execute(
+        update(Job)
+        .where(Job.kind == kind, Job.subject == subject, Job.status.in_(PENDING))
+        .values(
+            status="failed",
+            last_error=reason,
+            worker=None,
+            heartbeat_at=None,
+            pause_reason=None,
+            rerun_requested=False,
+            finished_at=func.now(),
+        )
+        .returning(Job.id)
+    )
+    return len(cancelled.all())
+
+
 def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     """Queue a failed (or paused) job again; a running or queued one is left as it is. ``skipped``
     (extraction jobs only) makes the run re-extract the page's skipped segments first."""

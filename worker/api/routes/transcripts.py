@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from models import Compaction, TranscriptMessageRow
 from models.reads import read_only
-from worker.api.auth import Ingest, TranscriptIngester, TranscriptReader
+from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
 from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
@@ -51,6 +51,7 @@ from worker.api.schemas.transcripts import (
     MessagesOut,
     SettingsIn,
     StoredMessageOut,
+    TranscriptErased,
     TranscriptList,
     TranscriptOut,
 )
@@ -68,6 +69,7 @@ from worker.compaction import (
     transcript_stats,
     update_settings,
 )
+from worker.compaction.erase import erase_transcript
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
 from worker.jobs import outbox
@@ -352,4 +354,20 @@ def get_compactions(
     return CompactionsOut(transcript_id=transcript_id, compactions=compactions)
 
 
-__all__ = ["accept_messages", "accept_settings", "compaction_router"]
+@compaction_router.delete(
+    "/v1/transcripts/{transcript_id}",
+    response_model=TranscriptErased,
+    summary="Erase a transcript: its messages and compactions (admin)",
+    responses=error_responses(401, 403, 404),
+)
+def delete_transcript(ctx: Context, _admin: Admin, transcript_id: TranscriptId) -> TranscriptErased:
+    """Remove the transcript, its messages and its compactions (their summaries) in one transaction, and
+    fail its pending compaction jobs; one row in `transcript_erasures` records that it happened (the
+    id's sha256, no text). Its jobs and the answers kept for its appends name it by that digest."""
+    report = erase_transcript(ctx.factory, transcript_id, requested_by="api")
+    if report is None:
+        raise ApiError(404, f"no transcript {transcript_id!r}")
+    return TranscriptErased(transcript_id=transcript_id, **report.as_dict())
+
+
+__all__ = ["accept_messages", "accept_settings", "compaction_router", "delete_transcript"]

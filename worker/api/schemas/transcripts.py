@@ -105,6 +105,13 @@ class TranscriptList(BaseModel):
     transcripts: list[TranscriptSummary]  # most recently changed first
 
 
+class TranscriptErased(BaseModel):
+    transcript_id: str
+    messages_removed: int
+    compactions_removed: int
+    jobs_cancelled: int  # pending compaction jobs of the transcript, now failed with "transcript erased"
+
+
 class ToolCallOut(BaseModel):
     id: str
     name: str

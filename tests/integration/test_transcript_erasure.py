@@ -1,0 +1,136 @@
+"""Erasing a transcript (API and CLI): its messages, its compactions (summaries) and its id go, in one
+transaction, leaving one content-free row; real Postgres and the simulator over HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Text, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import (
+    CalibrationObservation,
+    Compaction,
+    Job,
+    TranscriptErasure,
+    TranscriptMessageRow,
+    WebhookDelivery,
+)
+from tests.auth import send_key
+from tests.cli import invoke_cli
+from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
+from tests.integration.test_compaction_service import (
+    SETTINGS,
+    append,
+    llm_for,
+    post_messages,
+    session_messages,
+)
+from worker.api.app import create_app
+from worker.calibration import FALLBACK
+from worker.compaction import compact_transcript, request_compaction
+from worker.compaction.erase import TRANSCRIPT_ERASED, erased_transcript_digest, erased_transcript_name
+from worker.jobs.outbox import COMPACTION
+
+pytestmark = pytest.mark.integration
+
+TRANSCRIPT = "support-chat-alice"  # a client's label that names a person
+
+
+@pytest.fixture
+def client(database_url: str, factory: sessionmaker[Session]) -> Iterator[TestClient]:
+    with TestClient(create_app(make_runtime(database_url, factory), sender=Recorder(factory))) as test_client:
+        send_key(test_client, factory)
+        yield test_client
+
+
+def counted(factory: sessionmaker[Session], model: Any, *where: Any) -> int:
+    with factory() as session:
+        return session.scalar(select(func.count()).select_from(model).where(*where)) or 0
+
+
+def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
+    client: TestClient, factory: sessionmaker[Session], simulator: Any
+) -> None:
+    appended = post_messages(
+        client, TRANSCRIPT, {"messages": session_messages(25), "settings": SETTINGS}, key="append-1"
+    )
+    assert appended.status_code == 201, appended.text
+    messages = appended.json()["appended"]
+    summary = compact_transcript(
+        factory, llm_for(simulator), TRANSCRIPT, threshold=lambda: FALLBACK, force=True
+    )
+    assert summary.status == "accepted"
+    with factory.begin() as session:
+        session.add(
+            CalibrationObservation(
+                coverage=0.7, answer_kept=True, origin="eval", compaction_id=summary.compaction_id
+            )
+        )
+        pending = request_compaction(session, TRANSCRIPT, force=True).job_id
+        session.execute(
+            Job.__table__.update()
+            .where(Job.kind == COMPACTION, Job.id != pending)
+            .values(last_error=f"about {TRANSCRIPT}")
+        )
+
+    assert client.delete(f"/v1/transcripts/{TRANSCRIPT}").status_code == 403  # the client's key: not admin
+    answer = client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {
+        "transcript_id": TRANSCRIPT,
+        "messages_removed": messages,
+        "compactions_removed": 1,
+        "jobs_cancelled": 1,
+    }
+
+    assert client.get(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS).status_code == 404
+    assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Compaction) == 0
+    with factory() as session:
+        [observation] = session.scalars(select(CalibrationObservation)).all()
+        assert observation.compaction_id is None  # the label stays, no longer naming the summary
+        jobs = session.scalars(select(Job).where(Job.kind == COMPACTION)).all()
+        leaks = session.scalar(
+            select(func.count()).where(func.cast(WebhookDelivery.response, Text).contains(TRANSCRIPT))
+        )
+        [row] = session.scalars(select(TranscriptErasure)).all()
+    assert jobs and {job.subject for job in jobs} == {erased_transcript_name(TRANSCRIPT)}
+    assert not [job for job in jobs if TRANSCRIPT in (job.last_error or "")]
+    assert [job.status for job in jobs if job.id == pending] == ["failed"]
+    assert {job.last_error for job in jobs} == {TRANSCRIPT_ERASED}
+    assert leaks == 0
+    assert (row.transcript_sha256, row.requested_by, row.messages_removed) == (
+        erased_transcript_digest(TRANSCRIPT),
+        "api",
+        messages,
+    )
+    stored = " ".join(str(getattr(row, c.key)) for c in TranscriptErasure.__table__.columns)
+    assert "alice" not in stored
+
+    # The append repeated with its key is answered as before, naming the erased transcript, and brings
+    # nothing back; a second erasure finds nothing.
+    replay = post_messages(
+        client, TRANSCRIPT, {"messages": session_messages(25), "settings": SETTINGS}, key="append-1"
+    )
+    assert replay.status_code == 201 and replay.headers.get("Idempotent-Replayed") == "true"
+    assert replay.json()["transcript_id"] == erased_transcript_name(TRANSCRIPT)
+    assert counted(factory, TranscriptMessageRow) == 0
+    missing = client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS)
+    assert missing.status_code == 404 and missing.json()["detail"] == f"no transcript {TRANSCRIPT!r}"
+    assert counted(factory, TranscriptErasure) == 1
+
+
+def test_cli_transcripts_erase(database_url: str, factory: sessionmaker[Session]) -> None:
+    append(factory, TRANSCRIPT, session_messages(3))
+    result = invoke_cli(database_url, "transcripts", "erase", TRANSCRIPT, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["messages_removed"] == len(session_messages(3))
+    assert counted(factory, TranscriptMessageRow) == 0
+    missing = invoke_cli(database_url, "transcripts", "erase", TRANSCRIPT)
+    assert missing.exit_code == 1 and f"no transcript {TRANSCRIPT!r}; nothing was erased" in missing.output
+    with factory() as session:
+        assert session.scalars(select(TranscriptErasure.requested_by)).all() == ["cli"]

@@ -1,0 +1,110 @@
+"""Erasing a transcript: its messages, its compactions (summaries), its jobs' name, in one transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import delete, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import (
+    Compaction,
+    Transcript,
+    TranscriptErasure,
+    TranscriptMessageRow,
+    forget_transcript_in_deliveries,
+)
+from worker.jobs.outbox import COMPACTION, cancel_jobs
+
+logger = logging.getLogger(__name__)
+
+TRANSCRIPT_ERASED = "transcript erased"
+
+# Its compaction jobs keep their history (status, attempts, counts, times) but not its id, which is the
+# client's own label and can name a person: the subject becomes the erasure's digest, and a note that
+# quotes the id becomes "transcript erased".
+_FORGET_TRANSCRIPT_IN_JOBS = text(
+    """
+    UPDATE jobs SET
+        subject = :erased,
+        last_error = CASE WHEN strpos(last_error, :transcript_id) > 0 THEN :note ELSE last_error END
+    WHERE kind = :kind AND subject = :transcript_id
+    """
+)
+
+
+@dataclass(frozen=True)
+class TranscriptErasureReport:
+    messages_removed: int
+    compactions_removed: int
+    jobs_cancelled: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "messages_removed": self.messages_removed,
+            "compactions_removed": self.compactions_removed,
+            "jobs_cancelled": self.jobs_cancelled,
+        }
+
+
+def erased_transcript_digest(transcript_id: str) -> str:
+    """What the transcript_erasures row keeps instead of the id (which can itself name a person)."""
+    return hashlib.sha256(transcript_id.encode()).hexdigest()
+
+
+def erased_transcript_name(transcript_id: str) -> str:
+    """What stands for an erased transcript's id in its jobs and in the answers kept for its appends."""
+    return f"erased:{erased_transcript_digest(transcript_id)}"
+
+
+def _count(session: Session, model: type[TranscriptMessageRow] | type[Compaction], transcript_id: str) -> int:
+    return (
+        session.scalar(select(func.count()).select_from(model).where(model.transcript_id == transcript_id))
+        or 0
+    )
+
+
+def erase_transcript(
+    factory: sessionmaker[Session], transcript_id: str, requested_by: str
+) -> TranscriptErasureReport | None:
+    """Erase the transcript, its messages and its compactions in ONE transaction, fail its pending
+    compaction jobs and take its id out of its jobs and kept answers, leaving one content-free row in
+    ``transcript_erasures``; None (nothing written) when there is no such transcript. Calibration
+    observations that judged one of its compactions stay, no longer naming it (their foreign key)."""
+    with factory.begin() as session:
+        found = session.scalar(select(Transcript.id).where(Transcript.id == transcript_id).with_for_update())
+        if found is None:
+            return None
+        report = TranscriptErasureReport(
+            messages_removed=_count(session, TranscriptMessageRow, transcript_id),
+            compactions_removed=_count(session, Compaction, transcript_id),
+            jobs_cancelled=cancel_jobs(session, COMPACTION, transcript_id, TRANSCRIPT_ERASED),
+        )
+        name = erased_transcript_name(transcript_id)
+        session.execute(
+            _FORGET_TRANSCRIPT_IN_JOBS,
+            {"erased": name, "transcript_id": transcript_id, "note": TRANSCRIPT_ERASED, "kind": COMPACTION},
+        )
+        forget_transcript_in_deliveries(session, transcript_id, name)
+        # Its messages and compactions go with it (ON DELETE CASCADE).
+        session.execute(delete(Transcript).where(Transcript.id == transcript_id))
+        session.add(
+            TranscriptErasure(
+                transcript_sha256=erased_transcript_digest(transcript_id),
+                requested_by=requested_by,
+                **report.as_dict(),
+            )
+        )
+    logger.info("erased transcript %s: %s", name[:19], report.as_dict())  # the digest's head, not the id
+    return report
+
+
+__all__ = [
+    "TRANSCRIPT_ERASED",
+    "TranscriptErasureReport",
+    "erase_transcript",
+    "erased_transcript_digest",
+    "erased_transcript_name",
+]
