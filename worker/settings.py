@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     # their next segment boundary and exits after this long even if one is still inside a call (the
     # sweeper then requeues it); the API stops waiting for open requests after this long.
     grace_seconds: float = Field(default=30.0, gt=0)
+    # How long serve, worker and beat wait at start for a database that is unreachable or restarting
+    # (a failover, the embedded server starting) before they exit 1; commands an operator types do not.
+    startup_wait_seconds: float = Field(default=60.0, ge=0)
     # How long the API and the MCP server keep an idle client connection open (uvicorn's
     # timeout_keep_alive, 5 s of its own). Longer than the idle timeout of the load balancers in front
     # of them (AWS's ALB: 60 s) and of httpx's pool (5 s), so the client always retires an idle

@@ -3,12 +3,18 @@ line saying what to do, never a start that fails jobs or a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
 from tests.e2e.test_cli import bare_env, factmill
-from tests.service import REPO, fresh_database
+from tests.service import REPO, ServiceProcess, free_port, fresh_database, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -99,3 +105,63 @@ def test_migrations_missing_beside_the_code_is_one_line(monkeypatch, capsys, tmp
         )
         assert "install Factmill from its source checkout (`pip install -e .`" in err
     get_settings.cache_clear()
+
+
+@contextlib.contextmanager
+def forwarding(port: int, to: tuple[str, int]) -> Iterator[None]:
+    """A TCP forwarder from 127.0.0.1:``port`` to ``to``: the database "comes back" when it opens."""
+    listener = socket.create_server(("127.0.0.1", port))
+    stop = threading.Event()
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(to)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_service_started_while_the_database_is_down_waits_for_it(server_url):
+    """A worker replaced during a Postgres restart exited 1 ("cannot reach the database"): on Kubernetes
+    a crash-loop backoff of minutes, and the chaos test lost every worker. The services now wait for
+    the database (FACTMILL_STARTUP_WAIT_SECONDS) and start once it answers."""
+    with fresh_database(server_url, "late") as url:
+        env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        assert factmill(["db", "upgrade"], env).returncode == 0
+        real = make_url(url)
+        port = free_port()
+        late = env | {"FACTMILL_DATABASE_URL": real.set(port=port).render_as_string(False)}
+        beat = ServiceProcess(["beat"], late, ready_marker=None, name="beat").start()
+        try:
+            wait_for(lambda: "waiting for it" in beat.tail(), 30, "beat to wait", diagnostics=beat.tail)
+            time.sleep(1.5)  # a retry or two against the closed port
+            assert beat.proc is not None and beat.proc.poll() is None, beat.tail()
+            with forwarding(port, (real.host or "127.0.0.1", real.port or 5432)):
+                wait_for(lambda: "beat: Starting" in beat.tail(), 30, "beat to start", diagnostics=beat.tail)
+        finally:
+            beat.stop()
+        assert beat.tail().count("waiting for it") == 1  # said once, not a line a retry
+        # A command an operator types still fails at once.
+        started = time.monotonic()
+        _one_line_error(factmill(["jobs", "list"], late), "cannot reach the database: ")
+        assert time.monotonic() - started < 20

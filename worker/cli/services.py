@@ -50,7 +50,7 @@ def serve(
     settings = get_settings()
     refuse_insecure_secrets(settings)
     refuse_missing_tracing(settings)
-    checked_factory(settings)  # fail early, with a clear message, if the schema is missing
+    checked_factory(settings, wait=True)  # fail early, with a clear message, if the schema is missing
     with request_counts_shared(settings, workers):
         uvicorn.run(
             "worker.api.app:create_app",
@@ -126,7 +126,7 @@ def worker(
         raise fail("--pool must be threads, prefork or solo", code=2)
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
     # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
-    checked_factory(settings)
+    checked_factory(settings, wait=True)
     jobs = concurrency or settings.llm_concurrency
     # prefork forks processes of its own (one job each); the threads pool needs them from here.
     count = processes or (default_processes() if pool == "threads" else 1)
@@ -150,7 +150,9 @@ def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
     settings = get_settings()
     refuse_insecure_secrets(settings, calls_models=False)  # it only schedules: workers call the model
     refuse_missing_tracing(settings)
-    checked_factory(settings)  # its sweeps read and write the jobs as the migrations last left them
+    checked_factory(
+        settings, wait=True
+    )  # its sweeps read and write the jobs as the migrations last left them
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(settings, loglevel)
     celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])

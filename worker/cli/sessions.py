@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from worker import db
-from worker.cli.console import fail
+from worker.cli.console import err, fail
+from worker.core.errors import connection_failure, error_summary
 from worker.settings import Settings, get_settings
 
 
@@ -17,10 +19,30 @@ def database_url(settings: Settings) -> str:
         raise fail(str(exc)) from exc
 
 
-def checked_factory(settings: Settings | None = None) -> sessionmaker[Session]:
-    """Sessions on the configured database once its schema is at the migrations' head."""
-    url = database_url(settings or get_settings())
-    problem = db.schema_state(url).problem()
+def _say_waiting(state: RetryCallState) -> None:
+    if state.attempt_number == 1 and state.outcome is not None:  # once: a log line a retry is noise
+        exc = state.outcome.exception() or RuntimeError("unavailable")
+        reason = connection_failure(exc) or error_summary(exc)
+        err.print(f"the database is unavailable ({reason}); waiting for it", highlight=False)
+
+
+def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> sessionmaker[Session]:
+    """Sessions on the configured database once its schema is at the migrations' head.
+
+    ``wait`` (the services' start): a database that is unreachable or restarting is waited for, up to
+    FACTMILL_STARTUP_WAIT_SECONDS, as Celery waits for its broker; a worker started during a failover
+    then comes up with the database instead of exiting (and, on Kubernetes, backing off for minutes).
+    A command an operator types fails at once."""
+    settings = settings or get_settings()
+    url = database_url(settings)
+    retrying = Retrying(
+        retry=retry_if_exception(db.database_unavailable),
+        stop=stop_after_delay(settings.startup_wait_seconds if wait else 0),
+        wait=wait_exponential(multiplier=0.5, max=5),
+        before_sleep=_say_waiting,
+        reraise=True,
+    )
+    problem = retrying(db.schema_state, url).problem()
     if problem:
         raise fail(problem)
     return db.session_factory(url)
