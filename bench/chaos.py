@@ -468,9 +468,17 @@ class Service:
         return True
 
     def _replace(self) -> None:
-        fresh = self.new_worker()
-        with self._lock:
-            self.workers.append(fresh)
+        """Start a replacement, again and again if it exits before it is ready (as Kubernetes would)."""
+        for attempt in range(1, 6):
+            try:
+                fresh = self.new_worker()
+            except RuntimeError as exc:
+                say(f"a replacement worker did not start (attempt {attempt}): {str(exc).splitlines()[-1:]}")
+                time.sleep(2.0)
+                continue
+            with self._lock:
+                self.workers.append(fresh)
+            return
 
     def supervise(self, report: PassReport) -> None:
         """Restart a process that exited by itself (as systemd or Kubernetes would), and say so."""

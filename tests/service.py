@@ -283,9 +283,14 @@ class ServiceProcess:
             start_new_session=True,
         )
         threading.Thread(target=self._pump, daemon=True).start()
-        if self.ready_marker is not None and not self._ready.wait(timeout):
-            self.stop()
-            raise RuntimeError(f"{self.name} did not become ready:\n{self.tail()}")
+        if self.ready_marker is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            # One that exits before it is ready is said at once, not after the whole timeout.
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not become ready:\n{self.tail()}")
         return self
 
     def _pump(self) -> None:
