@@ -484,6 +484,18 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
         restored = session.get(Fact, kept.id)
     assert restored is not None and (restored.status, restored.valid_to) == ("current", None)
 
+    # Alice's facts are on the January page alone now: erased too, her entity's key ("people/alice-
+    # example", her name) leaves the decisions, checkpoints and jobs with them.
+    with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
+        assert client.delete(f"/v1/pages/default/{JAN_PAGE}", headers=ADMIN_HEADERS).status_code == 200
+    with enabled() as session:
+        named = [
+            *session.scalars(select(ConsolidationDecision.entity_key)),
+            *session.scalars(select(ConsolidationCheckpoint.entity_key)),
+            *session.scalars(select(Job.subject).where(Job.kind == CONSOLIDATION)),
+        ]
+    assert named and not [key for key in named if "alice" in key or "bob" in key], named
+
 
 # ------------------------------------------------------------------ the injection, end to end
 
