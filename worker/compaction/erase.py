@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from models import (
     TranscriptMessageRow,
     forget_transcript_in_deliveries,
 )
+from worker.core.erasure import erased_digest, erased_label
 from worker.jobs.outbox import COMPACTION, cancel_jobs
 
 logger = logging.getLogger(__name__)
@@ -51,12 +51,12 @@ class TranscriptErasureReport:
 
 def erased_transcript_digest(transcript_id: str) -> str:
     """What the transcript_erasures row keeps instead of the id (which can itself name a person)."""
-    return hashlib.sha256(transcript_id.encode()).hexdigest()
+    return erased_digest(transcript_id)
 
 
 def erased_transcript_name(transcript_id: str) -> str:
     """What stands for an erased transcript's id in its jobs and in the answers kept for its appends."""
-    return f"erased:{erased_transcript_digest(transcript_id)}"
+    return erased_label(transcript_id)
 
 
 def _count(session: Session, model: type[TranscriptMessageRow] | type[Compaction], transcript_id: str) -> int:

@@ -9,12 +9,11 @@ hidden from search until its entity is consolidated again.
 
 from __future__ import annotations
 
-import hashlib
-
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from worker.core.consolidation import PAGE_KEY_PREFIX
+from worker.core.erasure import erased_label
 from worker.jobs.outbox import CONSOLIDATION, page_subject
 
 ERASED_REASON = "erased with its page"
@@ -58,7 +57,7 @@ def forget_page_decisions(session: Session, source_id: str, slug: str, erased_sl
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
     """What stands for an entity whose every fact was erased (its slug can name a person)."""
-    return "erased:" + hashlib.sha256(f"{source_id}|{entity_key}".encode()).hexdigest()
+    return erased_label(source_id, entity_key)
 
 
 def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None:

@@ -3,7 +3,6 @@ the page itself), each time inside one transaction."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from worker.consolidation import request_consolidation
 from worker.consolidation.erasure import forget_page_decisions
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
+from worker.core.erasure import erased_digest, erased_label
 from worker.extraction.options import narrow_page_types
 from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
@@ -100,7 +100,7 @@ def has_derived(session: Session, source_id: str, slug: str) -> bool:
 
 def erased_slug_digest(source_id: str, slug: str) -> str:
     """What the erasures table keeps instead of the slug (which can itself name a person)."""
-    return hashlib.sha256(f"{source_id}|{slug}".encode()).hexdigest()
+    return erased_digest(source_id, slug)
 
 
 def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
@@ -153,7 +153,7 @@ _FORGET_PAGE_IN_JOBS = text(
 
 def erased_name(source_id: str, slug: str) -> str:
     """What stands for an erased page's slug in its jobs: the erasure's digest."""
-    return f"erased:{erased_slug_digest(source_id, slug)}"
+    return erased_label(source_id, slug)
 
 
 def erased_subject(source_id: str, slug: str) -> str:

@@ -1,0 +1,25 @@
+"""What stands for an erased name (a page's slug, a transcript's id, an entity's key): a digest of it.
+
+A name can itself name a person ("therapy/alice", "support-chat-alice", "people/alice-example"), so an
+erasure keeps only the sha256 of its parts joined by '|': enough to answer "was this erased?" for a
+name one already knows, not to list what was erased. One rule for every erasure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+ERASED_PREFIX = "erased:"
+
+
+def erased_digest(*parts: str) -> str:
+    """The hex sha256 of ``parts`` joined by '|' (``source_id|slug`` for a page, the id of a transcript)."""
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def erased_label(*parts: str) -> str:
+    """``erased:<digest>``: what an erased name becomes where a record must still name something."""
+    return ERASED_PREFIX + erased_digest(*parts)
+
+
+__all__ = ["ERASED_PREFIX", "erased_digest", "erased_label"]
