@@ -111,12 +111,13 @@ class Collector:
         with self._lock:
             return list(self.spans)
 
-    def webhook_root(self, slug: str) -> SpanRecord | None:
-        """The API's server span of the request that posted ``slug`` (found through the job span)."""
+    def webhook_root(self, job_id: int) -> SpanRecord | None:
+        """The API's server span of the request that queued job ``job_id`` (found through its commits;
+        spans name no slug)."""
         spans = self.snapshot()
         roots = {s.span_id: s for s in spans if is_request_root(s)}
         for span in spans:
-            if span.name == "segment commit" and span.attributes.get("factmill.page.slug") == slug:
+            if span.name == "segment commit" and span.attributes.get("factmill.job.id") == job_id:
                 for candidate in roots.values():
                     if candidate.trace_id == span.trace_id:
                         return candidate
@@ -167,13 +168,13 @@ TASK_SPAN = "run/tasks.extraction.extract_page"
 PUBLISH_SPAN = "apply_async/tasks.extraction.extract_page"
 
 
-def trace_of(collector: Collector, slug: str) -> list[SpanRecord]:
-    root = collector.webhook_root(slug)
+def trace_of(collector: Collector, job_id: int) -> list[SpanRecord]:
+    root = collector.webhook_root(job_id)
     return [] if root is None else [s for s in collector.snapshot() if s.trace_id == root.trace_id]
 
 
 def assert_one_connected_trace(
-    collector: Collector, factory: sessionmaker[Session], simulator: Any, slug: str, via: str
+    collector: Collector, factory: sessionmaker[Session], simulator: Any, via: str
 ) -> list[SpanRecord]:
     """The webhook's trace holds the task, the job, every LLM call and every segment commit, all
     reachable from the request's span; returns the trace's spans."""
@@ -187,7 +188,7 @@ def assert_one_connected_trace(
     assert segments == 3
 
     def complete() -> bool:  # the worker's batch reaches the collector a moment after the job ends
-        trace = trace_of(collector, slug)
+        trace = trace_of(collector, job.id)
         seen = names(trace)
         return (
             len(committed_segments(trace)) == segments
@@ -198,7 +199,7 @@ def assert_one_connected_trace(
     wait_for(
         complete, 60, f"the trace of the page sent by {via}", diagnostics=lambda: str(everything(collector))
     )
-    root = collector.webhook_root(slug)
+    root = collector.webhook_root(job.id)
     assert root is not None and root.service == "factmill-api"
     members = one_trace(collector.snapshot(), root)
     assert {s.service for s in members} == {"factmill-api", "factmill-worker"}
@@ -238,11 +239,13 @@ def test_one_page_gives_one_trace_across_the_api_and_worker_processes(
         Client(f"http://127.0.0.1:{port}", webhook_secret=SECRET, timeout=30) as client,
     ):
         assert client.ingest_page(page(slug)).jobs
-        members = assert_one_connected_trace(collector, factory, simulator, slug, "the request")
+        members = assert_one_connected_trace(collector, factory, simulator, "the request")
     # Sent inside the request: the Celery instrumentation's publish span, in the API process.
     [publish] = [s for s in members if s.name == PUBLISH_SPAN]
     assert publish.service == "factmill-api"
     assert only_job(factory).traceparent is not None
+    # What a collector received names no slug (which can name a person) in any span of either process.
+    assert "traced/in-request" not in repr([s.attributes for s in collector.snapshot()])
 
 
 def test_a_job_the_sweeper_sends_joins_the_trace_of_its_webhook(
@@ -278,7 +281,7 @@ def test_a_job_the_sweeper_sends_joins_the_trace_of_its_webhook(
     worker = start_worker(worker_env, queues="extraction,maintenance", concurrency=4)
     beat = start_beat(worker_env, tmp_path)
     with running(beat, worker):
-        members = assert_one_connected_trace(collector, factory, simulator, slug, "the sweeper")
+        members = assert_one_connected_trace(collector, factory, simulator, "the sweeper")
     # The sweep task's send (in the worker), parented on the context the job stored.
     publishes = [s for s in members if s.name == PUBLISH_SPAN]
     assert publishes and {s.service for s in publishes} == {"factmill-worker"}

@@ -105,6 +105,10 @@ def test_one_page_gives_one_connected_trace_through_the_outbox_and_the_run(
     in_request = TraceRecorder(factory)
     with TestClient(create_app(runtime, sender=in_request)) as client:
         response = post(client, PAGE)
+        # Reads whose path holds the slug and whose query holds a search's words (401: no key; the
+        # request is traced all the same).
+        client.get(f"/v1/pages/default/{PAGE['slug']}/facts")
+        client.get("/v1/search", params={"q": "whispered confidences"})
     assert response.status_code in (200, 202), response.text
     [job_id] = in_request.job_ids
     request_spans = from_sdk(exporter.get_finished_spans())
@@ -142,8 +146,13 @@ def test_one_page_gives_one_connected_trace_through_the_outbox_and_the_run(
         assert "job extraction" in ancestors(span, members)
     # The SQL under the request and the run is traced too (through the runtime's engine).
     assert any(s.attributes.get("db.system") == "postgresql" for s in members)
-    # Spans carry ids and positions, never page text.
-    assert not any("office" in json.dumps(s.attributes, default=str) for s in members)
+    # Spans carry ids and positions, never page text, a slug (which can name a person, and which no
+    # erasure can take out of a trace store) or a search's words: the server spans name the route.
+    every = json.dumps([s.attributes for s in spans], default=str)
+    assert "office" not in every and "traced/alice" not in every and "whispered" not in every
+    assert {"/v1/pages/{source_id}/{slug:path}/facts", "/v1/search"} <= {
+        s.attributes.get("http.target") for s in spans
+    }
 
 
 def test_a_job_requested_while_tracing_is_off_has_no_traceparent(tx_factory: sessionmaker[Session]) -> None:

@@ -285,10 +285,10 @@ def skipped_entry(segment: Segment, end: int) -> SkippedSegment:
 
 
 def segment_attributes(place: SegmentPlace, *, skipped: bool = False) -> dict[str, str | int | bool]:
-    """What a commit's span says about the segment (ids and positions only, never page text)."""
+    """What a commit's span says about the segment: ids and positions, never page text or the slug
+    (which can name a person, and which no erasure can take out of a trace store)."""
     attributes: dict[str, str | int | bool] = {
         "factmill.source": place.source_id,
-        "factmill.page.slug": place.slug,
         "factmill.segment.index": place.index,
         "factmill.segment.skipped": skipped,
         "factmill.segments": 1,

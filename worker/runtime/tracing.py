@@ -161,7 +161,33 @@ def instrument_app(app: Any) -> None:
         tracer_provider=_active.provider,
         excluded_urls=EXCLUDED_URLS,
         exclude_spans=["receive", "send"],  # one span per request, not one per ASGI message
+        server_request_hook=_name_the_route_not_the_path,
     )
+
+
+# The request attributes that hold the path or the query as sent: a page's slug (which can name a person
+# and which no erasure can take out of a trace store), a search's words. Old and stable conventions.
+_PATH_ATTRIBUTES = ("http.target", "url.path")
+_URL_ATTRIBUTES = ("http.url", "url.full")
+
+
+def _name_the_route_not_the_path(span: Any, scope: dict[str, Any]) -> None:
+    """A server span names the route's template (``/v1/pages/{source_id}/{slug:path}``, or
+    "unmatched"), never the path or the query, as the API's access log does."""
+    if not span.is_recording():
+        return
+    attributes = getattr(span, "attributes", None) or {}
+    route = attributes.get("http.route") or "unmatched"
+    for key in _PATH_ATTRIBUTES:
+        if key in attributes:
+            span.set_attribute(key, route)
+    for key in _URL_ATTRIBUTES:
+        if key in attributes:
+            span.set_attribute(
+                key, f"{scope.get('scheme', 'http')}://{attributes.get('http.host', '')}{route}"
+            )
+    if "url.query" in attributes:
+        span.set_attribute("url.query", "")
 
 
 def instrument_engine(bind: Any) -> None:
