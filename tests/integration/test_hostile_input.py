@@ -53,6 +53,9 @@ SIGNED_BODIES = [
     ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"\\udfff": 1}}', "frontmatter"),
     ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": NaN}}', "NaN"),
     ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": Infinity}}', "Infinity"),
+    # Valid JSON past a double: Python reads it as inf, which the JSONB encoder refused (a 500).
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": [1e400]}}', "frontmatter.n[0]"),
+    ("/v1/pages", '{"slug": "a", "type": "conversation", "frontmatter": {"n": -1e400}}', "past the range"),
     (
         "/v1/pages",
         '[{"slug": "a", "type": "conversation", "compiled_truth": "\\ud83d"}]',
@@ -75,6 +78,7 @@ SIGNED_BODIES = [
         "messages[0]",
     ),
     ("/v1/feedback", '{"coverage": NaN, "answer_kept": true, "origin": "x"}', "NaN"),
+    ("/v1/feedback", '{"coverage": 1e400, "answer_kept": true, "origin": "x"}', "coverage"),
     (
         "/v1/feedback",
         f'{{"coverage": 0.5, "answer_kept": true, "origin": "x", "compaction_id": {BIG}}}',

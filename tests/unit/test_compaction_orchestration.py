@@ -97,6 +97,13 @@ def test_parse_message_reads_every_field() -> None:
             "tool_calls repeat an id",
         ),
         ({"role": "assistant", "tool_calls": "c"}, "tool_calls must be a list"),
+        (  # stored as the JSON text '{"n":Infinity}', which no provider takes (the MCP tool's path)
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "name": "n", "arguments": {"n": [1, float("inf")]}}],
+            },
+            "tool_calls[0].arguments.n[1]: inf is not a JSON number",
+        ),
     ],
 )
 def test_parse_message_names_the_message_and_the_problem(raw: dict[str, object], expected: str) -> None:

@@ -40,3 +40,24 @@ def test_front_matter_keeps_its_values_up_to_the_depth_cap(tmp_path: Path) -> No
 def test_an_alias_is_refused_with_its_line(tmp_path: Path, front_matter: str, line: int) -> None:
     with pytest.raises(PageFileError, match=rf"front matter uses a YAML alias \(line {line}\)"):
         load_page_file(page_file(tmp_path, front_matter))
+
+
+@pytest.mark.parametrize(
+    ("front_matter", "problem"),
+    [
+        ("x: .inf", "x: inf is not a JSON number"),
+        ("x: [1, .nan]", "x[1]: nan is not a JSON number"),
+        ("x: {y: 1.0e+400}", "x.y: inf is not a JSON number"),
+        ("x: !!binary aGVsbG8=", "x: a bytes value has no JSON form"),
+        ("x: !!set {a, b}", "x: a set value has no JSON form"),
+    ],
+    ids=["inf", "nan", "past-a-double", "binary", "set"],
+)
+def test_a_value_json_cannot_hold_is_refused_for_that_file(
+    tmp_path: Path, front_matter: str, problem: str
+) -> None:
+    """The front matter is stored as JSON: `x: .inf` ended the whole `factmill ingest` in the database's
+    'Token "Infinity" is invalid' traceback, and a set in a TypeError."""
+    with pytest.raises(PageFileError) as refused:
+        load_page_file(page_file(tmp_path, front_matter))
+    assert str(refused.value) == f"frontmatter: {problem} (front matter is stored as JSON)"

@@ -8,6 +8,7 @@ these reaches the database as a 500 unless it is refused here, with a 422 naming
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any
 
 from fastapi import Path, Query
@@ -19,14 +20,22 @@ from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_so
 
 
 class _NonFinite:
-    """What NaN/Infinity parse to, so the walk can refuse them with the path that holds them."""
+    """What NaN/Infinity (and a number past a double's range) parse to, so the walk can refuse them
+    with the path that holds them."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, why: str = "is not a JSON number") -> None:
+        self.name, self.why = name, why
 
 
 def _refuse_constant(name: str) -> Any:
     return _NonFinite(name)
+
+
+def _parse_float(text: str) -> Any:
+    # 1e400 is valid JSON but past a double: Python reads it as inf, which no JSON encoder (nor the
+    # JSONB column) takes, and storing it was a 500.
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text[:40], "is past the range of a 64-bit float")
 
 
 def _json_path(path: list[str | int]) -> str:
@@ -57,7 +66,7 @@ def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
         if isinstance(node, dict | list) and len(where) - len(root) >= MAX_JSON_DEPTH:
             raise _invalid(where, f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays")
         if isinstance(node, _NonFinite):
-            raise _invalid(where, f"Input should be a finite number ({node.name} is not a JSON number)")
+            raise _invalid(where, f"Input should be a finite number ({node.name} {node.why})")
         if isinstance(node, str):
             problem = text_problem(node)
             if problem:
@@ -83,7 +92,7 @@ def strict_json_loads(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise ApiError(422, f"body is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_parse_float)
     except json.JSONDecodeError as exc:
         raise ApiError(
             422, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"

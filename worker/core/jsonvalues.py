@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
 
@@ -25,6 +27,24 @@ def text_problem(value: str) -> str | None:
     return None
 
 
+def not_json(value: object, path: str = "") -> str | None:
+    """Where in ``value`` (a parsed document: dicts, lists, scalars) something JSON cannot hold sits,
+    and what it is: ``"x.y[2]: NaN"``; None when it all can. NaN and the infinities (YAML's ``.nan``,
+    ``.inf``, or a number past a double), bytes (YAML's ``!!binary``) and sets (``!!set``)."""
+    stack: list[tuple[object, str]] = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return f"{where or 'value'}: {node!r} is not a JSON number"
+        if isinstance(node, bytes | bytearray | set | frozenset):
+            return f"{where or 'value'}: a {type(node).__name__} value has no JSON form"
+        if isinstance(node, dict):
+            stack.extend((item, f"{where}.{key}" if where else str(key)) for key, item in node.items())
+        elif isinstance(node, list | tuple):
+            stack.extend((item, f"{where}[{index}]") for index, item in enumerate(node))
+    return None
+
+
 def storable_text(value: str) -> str:
     """``value`` itself, or ValueError saying why it cannot be stored (a validator for text fields)."""
     problem = text_problem(value)
@@ -33,4 +53,4 @@ def storable_text(value: str) -> str:
     return value
 
 
-__all__ = ["json_integer", "storable_text", "text_problem"]
+__all__ = ["json_integer", "not_json", "storable_text", "text_problem"]

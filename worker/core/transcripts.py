@@ -15,7 +15,7 @@ from worker.core.compaction import (
     ToolCall,
     TranscriptMessage,
 )
-from worker.core.jsonvalues import json_integer
+from worker.core.jsonvalues import json_integer, not_json
 from worker.core.labels import is_word_label
 
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
@@ -80,6 +80,9 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
     if arguments is None:
         arguments = "{}"
     if isinstance(arguments, Mapping):
+        problem = not_json(arguments, f"{where}.arguments")
+        if problem:  # JSON text with Infinity in it would go to the provider as the call's arguments
+            raise MessageError(index, problem)
         return ToolCall.from_mapping(call_id, name, arguments)
     if not isinstance(arguments, str):
         raise MessageError(index, f"{where}.arguments must be a JSON object or its JSON text")

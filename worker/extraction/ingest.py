@@ -136,7 +136,10 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
             frontmatter=_jsonable(extra),
         )
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
         raise PageFileError(problems) from exc
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.core.jsonvalues import not_json
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
@@ -61,6 +62,15 @@ class PageIn(BaseModel):
     @classmethod
     def _type(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("frontmatter")
+    @classmethod
+    def _json_frontmatter(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # The API's loader refuses these while parsing; a page file's YAML can hold them too (.inf).
+        problem = not_json(value)
+        if problem:
+            raise ValueError(f"{problem} (front matter is stored as JSON)")
+        return value
 
     @field_validator("title", "compiled_truth", "timeline")
     @classmethod
