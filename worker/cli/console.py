@@ -112,13 +112,13 @@ def counting_bar(
         yield lambda *_, **__: None
         return
     columns = (
-        TextColumn(visible(description), markup=False),
+        TextColumn("{task.description}", markup=False),  # the text itself is never a format string
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err, transient=True) as progress:
-        task = progress.add_task(description, total=total)
+        task = progress.add_task(visible(description), total=total)
 
         def move(*_: object, completed: int | None = None, total: int | None = None) -> None:
             if completed is None:
