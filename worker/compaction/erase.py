@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -42,11 +42,7 @@ class TranscriptErasureReport:
     jobs_cancelled: int
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "messages_removed": self.messages_removed,
-            "compactions_removed": self.compactions_removed,
-            "jobs_cancelled": self.jobs_cancelled,
-        }
+        return asdict(self)
 
 
 def erased_transcript_digest(transcript_id: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from sqlalchemy import bindparam, delete, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -52,14 +52,8 @@ class ErasureReport:
     pending: list[tuple[int, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int]:
-        """The counts (what the `erasures` row and the answer record)."""
-        return {
-            "facts_removed": self.facts_removed,
-            "embeddings_removed": self.embeddings_removed,
-            "checkpoints_removed": self.checkpoints_removed,
-            "audit_rows_removed": self.audit_rows_removed,
-            "jobs_cancelled": self.jobs_cancelled,
-        }
+        """The counts (what the `erasures` row and the answer record), not the jobs to send."""
+        return {name: count for name, count in asdict(self).items() if name != "pending"}
 
 
 def page_body(compiled_truth: str, timeline: str) -> str:
