@@ -29,8 +29,9 @@ def text_problem(value: str) -> str | None:
 
 def not_json(value: object, path: str = "") -> str | None:
     """Where in ``value`` (a parsed document: dicts, lists, scalars) something JSON cannot hold sits,
-    and what it is: ``"x.y[2]: NaN"``; None when it all can. NaN and the infinities (YAML's ``.nan``,
-    ``.inf``, or a number past a double), bytes (YAML's ``!!binary``) and sets (``!!set``)."""
+    and what it is (``"x.y[2]: nan is not a JSON number"``); None when it all can. NaN and the
+    infinities (YAML's ``.nan``, ``.inf``, or a number past a double), bytes (YAML's ``!!binary``) and
+    sets (``!!set``)."""
     stack: list[tuple[object, str]] = [(value, path)]
     while stack:
         node, where = stack.pop()
