@@ -165,3 +165,29 @@ def test_a_service_started_while_the_database_is_down_waits_for_it(server_url):
         started = time.monotonic()
         _one_line_error(factmill(["jobs", "list"], late), "cannot reach the database: ")
         assert time.monotonic() - started < 20
+
+
+def test_db_upgrade_wait_migrates_a_database_that_comes_up_late(server_url):
+    """The deployments' migrate step (`db upgrade --wait`): a Postgres still starting failed the
+    Kubernetes Job within its three retries, and no worker ever started. Without --wait it fails at once."""
+    with fresh_database(server_url, "late_migrate") as url:
+        real = make_url(url)
+        port = free_port()
+        late = bare_env(
+            FACTMILL_DATABASE_URL=real.set(port=port).render_as_string(False),
+            FACTMILL_BROKER_URL="redis://127.0.0.1:1/0",
+        )
+        _one_line_error(factmill(["db", "upgrade"], late), "cannot reach the database: ")
+        upgrade = ServiceProcess(["db", "upgrade", "--wait"], late, ready_marker=None, name="migrate").start()
+        try:
+            wait_for(
+                lambda: "waiting for it" in upgrade.tail(),
+                30,
+                "the upgrade to wait",
+                diagnostics=upgrade.tail,
+            )
+            with forwarding(port, (real.host or "127.0.0.1", real.port or 5432)):
+                assert upgrade.proc is not None and upgrade.proc.wait(timeout=60) == 0, upgrade.tail()
+        finally:
+            upgrade.stop()
+        assert f"schema at revision {HEAD}" in upgrade.tail()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from worker import db
 from worker.cli.console import err, fail, out
-from worker.cli.sessions import database_url
+from worker.cli.sessions import database_url, schema_state
 from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
 from worker.settings import Settings, get_settings
@@ -21,14 +23,24 @@ def _describe_database(settings: Settings) -> str:
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head") -> None:
+def db_upgrade(
+    revision: str = "head",
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="Wait for a database that is unreachable or starting (FACTMILL_STARTUP_WAIT_SECONDS), "
+            "as a deployment's migrate step should.",
+        ),
+    ] = False,
+) -> None:
     """Build or update the schema with the migrations."""
     from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError
 
     settings = get_settings()
     url = database_url(settings)
-    state = db.schema_state(url)
+    state = schema_state(settings, url, wait=wait)
     if state.unknown:  # upgraded by a newer release: alembic would only say it cannot find the revision
         raise fail(str(state.problem()))
     try:

@@ -26,15 +26,12 @@ def _say_waiting(state: RetryCallState) -> None:
         err.print(f"the database is unavailable ({reason}); waiting for it", highlight=False)
 
 
-def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> sessionmaker[Session]:
-    """Sessions on the configured database once its schema is at the migrations' head.
-
-    ``wait`` (the services' start): a database that is unreachable or restarting is waited for, up to
-    FACTMILL_STARTUP_WAIT_SECONDS, as Celery waits for its broker; a worker started during a failover
-    then comes up with the database instead of exiting (and, on Kubernetes, backing off for minutes).
-    A command an operator types fails at once."""
-    settings = settings or get_settings()
-    url = database_url(settings)
+def schema_state(settings: Settings, url: str, *, wait: bool = False) -> db.SchemaState:
+    """The database's schema revision. ``wait`` (a service's start, the migrate step of a deployment):
+    a database that is unreachable or restarting is waited for, up to FACTMILL_STARTUP_WAIT_SECONDS,
+    as Celery waits for its broker; a worker started during a failover then comes up with the database
+    instead of exiting (and, on Kubernetes, backing off for minutes). A command an operator types
+    fails at once."""
     retrying = Retrying(
         retry=retry_if_exception(db.database_unavailable),
         stop=stop_after_delay(settings.startup_wait_seconds if wait else 0),
@@ -42,7 +39,15 @@ def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> 
         before_sleep=_say_waiting,
         reraise=True,
     )
-    problem = retrying(db.schema_state, url).problem()
+    return retrying(db.schema_state, url)
+
+
+def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> sessionmaker[Session]:
+    """Sessions on the configured database once its schema is at the migrations' head (``wait``: see
+    ``schema_state``)."""
+    settings = settings or get_settings()
+    url = database_url(settings)
+    problem = schema_state(settings, url, wait=wait).problem()
     if problem:
         raise fail(problem)
     return db.session_factory(url)
