@@ -20,8 +20,9 @@ def database_url(settings: Settings) -> str:
 
 
 def _say_waiting(state: RetryCallState) -> None:
-    if state.attempt_number == 1 and state.outcome is not None:  # once: a log line a retry is noise
-        exc = state.outcome.exception() or RuntimeError("unavailable")
+    # Said once (a line a retry is noise); only exceptions are retried, so the outcome holds one.
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if state.attempt_number == 1 and exc is not None:
         reason = connection_failure(exc) or error_summary(exc)
         err.print(f"the database is unavailable ({reason}); waiting for it", highlight=False)
 
