@@ -39,6 +39,7 @@ class CrashFigures:
     requests: dict[str, int] = field(default_factory=dict)
     provider_batches_created: int = 0
     provider_requests_paid: int = 0
+    provider_files_held: int = 0  # uploads and results not deleted at the provider
     llm_calls: int = 0
     cost_usd: Decimal = Decimal(0)
     online_cost_usd: Decimal = Decimal(0)
@@ -144,6 +145,7 @@ def measure(
     stats = sim.stats()["batches"]
     figures.provider_batches_created = stats["created"]
     figures.provider_requests_paid = stats["requests"]
+    figures.provider_files_held = stats["held"]["files"]
     prices = parse_prices(sim_prices(factory))
     with factory() as session:
         figures.batches = len(batch_rows(factory, backfill_id))

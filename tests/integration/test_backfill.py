@@ -346,7 +346,9 @@ def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(fac
     with factory() as session:
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
     assert batch.provider_batch_id == sent_id
-    assert sim.stats()["batches"] == {"created": 1, "requests": 8, "results_downloads": 1}
+    batches = sim.stats()["batches"]
+    assert batches["created"] == 1 and batches["requests"] == 8 and batches["results_downloads"] == 1
+    assert batches["held"]["files"] == 0  # its input and result files deleted once collected
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 

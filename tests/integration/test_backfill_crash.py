@@ -57,6 +57,8 @@ def test_a_backfill_survives_sigkill_during_submission_and_during_polling(
     assert figures.provider_batches_created == figures.batches == 3
     assert figures.provider_requests_paid == segments
     assert figures.requests == {"done": segments}
+    # Collected batches leave no copy of the pages at the provider (the dead workers' batch included).
+    assert figures.provider_files_held == 0
     assert figures.llm_calls == segments
     # Half the online price for the same tokens.
     assert figures.cost_usd > 0

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
+import anthropic
+import openai
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -241,6 +243,35 @@ def test_faulted_requests_leave_pages_incomplete_and_recorded_then_a_rerun_finis
     second = run_batch(store, openai_batch(clean_sim))
     assert second.pages_failed == 0 and second.pages_incomplete == 0
     assert_complete_like_online(store)
+
+
+def test_an_ended_batch_leaves_no_copy_of_the_pages_at_the_provider(store, clean_sim):
+    """The input file holds the pages' text and the result files the facts drawn from it: once the
+    results are committed, both are deleted at the provider (an erased page must not outlive itself
+    there). OpenAI keeps the batch object, without its files; Anthropic deletes the batch with its results."""
+    clean_sim.configure(seed=7, rate_500=0.3)  # some requests fail: an error file besides the output file
+    counters = run_batch(store, openai_batch(clean_sim))
+    assert counters.batch_status == "completed" and counters.provider_copy_deleted
+    sdk = openai.OpenAI(base_url=clean_sim.base_url, api_key="sim", max_retries=0)
+    batch = sdk.batches.retrieve(counters.batch_id)
+    files = [batch.input_file_id, batch.output_file_id, batch.error_file_id]
+    assert all(files), files
+    for file_id in files:
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(file_id)
+    assert facts_of(store, "batch")  # committed before the copy went
+    openai_batch(clean_sim).discard(batch.id)  # deleted already (a run that died in between): fine
+
+    clean_sim.configure(rate_500=0)
+    put_page(store, "conversations/erin", page_body("Erin Case", "Hooli"), title="chat: Erin", source_id="a")
+    chat = AnthropicChatClient(model="simulator-1", base_url=clean_sim.url, provider="simulator")
+    counters = run_batch(store, AnthropicBatchClient(chat), source="a")
+    assert counters.pages_processed == 1 and counters.provider_copy_deleted
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic.Anthropic(base_url=clean_sim.url, api_key="sim", max_retries=0).messages.batches.retrieve(
+            counters.batch_id
+        )
+    assert clean_sim.stats()["batches"]["held"]["files"] == 0
 
 
 def test_anthropic_message_batches_match_an_online_anthropic_run(store, clean_sim):

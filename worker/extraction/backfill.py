@@ -9,6 +9,8 @@ Each pass of the job (its first run, then one per beat poll while provider batch
 3. polls the sent batches and commits an ended batch's results page by page, in segment order, through
    the online run's per-segment transaction (facts + audit + llm_calls + checkpoint compare-and-set),
    which here also marks the request recorded: a result is paid and committed once, whoever dies when;
+   then the provider's copy (the pages' text and the results) is deleted, before the batch is marked
+   collected, so a pass that dies in between deletes it again (a 404 is fine) and downloads nothing;
 4. waits (paused, reason "batch") while batches run; beat wakes it every ``backfill_poll_seconds``.
 
 A result commits only onto the segment it was asked for (same end message, same messages' digest) when
@@ -41,7 +43,7 @@ from worker.extraction.backfill_store import (
     PlannedRequest,
     RequestRow,
 )
-from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
+from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, discard_batch, segment_request
 from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
 from worker.extraction.planner import PagePlan
@@ -317,13 +319,17 @@ class BackfillPass:
         """Commit an ended batch's results page by page (the kill switch is read before each page)."""
         assert batch.provider_batch_id is not None
         pending = self.store.pending_requests(batch.id)
-        generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
-        items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
+        items: dict[str, BatchItem] = {}
+        if pending:  # none left: a pass that died after committing them (the provider's copy may be gone)
+            generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
+            items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
         missing = "cancelled" if provider_status in ("cancelled", "canceling") else "expired"
         for (page_id, slug), rows in group_by_page(pending):
             self.run.check_switch()
             self.deps.guard()
             self.commit_page(page_id, slug, rows, items, missing)
+        # Before the batch is marked collected, so a pass that dies in between deletes it next time.
+        discard_batch(self.deps.client, batch.provider_batch_id)
         self.store.set_batch(batch.id, status="collected", provider_status=provider_status)
         logger.info(
             "backfill %s collected batch %s (%s)", self.backfill.id, batch.provider_batch_id, provider_status

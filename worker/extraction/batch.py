@@ -60,6 +60,7 @@ class BatchExtractionCounters(ExtractionCounters):
     segments_submitted: int = 0
     segments_missing: int = 0  # submitted, but the batch ended without running them
     pages_incomplete: int = 0  # pages with segments left for the next run (no result for them)
+    provider_copy_deleted: bool = False  # the batch's files (page text) deleted at the provider
 
 
 def custom_id(plan: PagePlan, index: int) -> str:
@@ -83,6 +84,18 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
     attempt.batch = True
     # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).
     return SegmentResult([attempt], permanent=attempt.outcome == "refusal")
+
+
+def discard_batch(client: BatchLLMClient, batch_id: str) -> bool:
+    """Delete the provider's copy of an ended batch, whose results are committed: its files hold the
+    pages' text (an erased page's too) for as long as nobody deletes them. A failure leaves them there,
+    logged with the batch id for an operator; it fails no run."""
+    try:
+        client.discard(batch_id)
+    except LLMError as exc:
+        logger.warning("batch %s: its files stay at the provider, delete them there (%s)", batch_id, exc)
+        return False
+    return True
 
 
 @dataclass
@@ -252,6 +265,7 @@ class BatchExtraction:
         self.batch.batch_status = status.status if status is not None else None
         label = f"batch {batch_id} ({self.batch.batch_status or 'unknown status'})"
         if status is None or not status.ended:
+            logger.warning("%s did not end: its files stay at the provider until it ends", label)
             for plan in sent.plans:
                 reason = f"{label} did not end in time; the next run submits these segments again"
                 self.finish(PageReport(plan.slug, "incomplete", reason, segments=0))
@@ -261,6 +275,7 @@ class BatchExtraction:
         self.batch.segments_missing = sum(1 for key in sent.requests if key not in items)
         for plan in sent.plans:
             self.finish(self.commit(plan, items, sent.client, label))
+        self.batch.provider_copy_deleted = discard_batch(sent.client, batch_id)
         logger.info("committed %s: %s", label, self.batch.as_dict(with_pages=False))
 
 

@@ -71,6 +71,20 @@ class BatchLLMClient(Protocol):
     def status(self, batch_id: str) -> BatchStatus: ...
     def cancel(self, batch_id: str) -> None: ...
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]: ...
+    def discard(self, batch_id: str) -> None:
+        """Delete what the provider keeps of an ended batch: its input and result files (OpenAI), or
+        the batch and its results (Anthropic). They hold page text and the facts drawn from it, which
+        Factmill has committed by then; what is already gone is not an error."""
+        ...
+
+
+def _delete(what: str, fn: Callable[[], object], policy: RetryPolicy) -> None:
+    """A provider delete with the retry policy; a 404 (deleted already, by a run that died after) is fine."""
+    try:
+        _call(what, fn, policy)
+    except LLMError as exc:
+        if exc.status != 404:
+            raise
 
 
 def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
@@ -170,6 +184,12 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
                     self._read_line(json.loads(line), items)
         return items
 
+    def discard(self, batch_id: str) -> None:
+        batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
+        for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id):
+            if file_id:
+                _delete("file delete", functools.partial(self._sdk.files.delete, file_id), self.policy)
+
     def _download(self, file_id: str) -> str:
         return self._sdk.files.content(file_id).text
 
@@ -228,6 +248,9 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
 
     def cancel(self, batch_id: str) -> None:
         _call("cancel", lambda: self._sdk.messages.batches.cancel(batch_id), self.policy)
+
+    def discard(self, batch_id: str) -> None:
+        _delete("delete", functools.partial(self._sdk.messages.batches.delete, batch_id), self.policy)
 
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
         results = _call("download", lambda: list(self._sdk.messages.batches.results(batch_id)), self.policy)

@@ -120,6 +120,20 @@ async def cancel_batch(request: Request) -> Response:
     return JSONResponse(_batch_json(batch, request))
 
 
+async def delete_batch(request: Request) -> Response:
+    """DELETE /v1/messages/batches/{batch_id} (Anthropic): the batch and its results; a batch still
+    processing must be cancelled (and have ended) first."""
+    batch = _batch_or_404(request)
+    if isinstance(batch, Response):
+        return batch
+    if not batch.ended(time.monotonic()):
+        return anthropic_error(
+            400, "invalid_request_error", "The batch is still processing; cancel it before deleting it."
+        )
+    state_of(request).store.delete_batch(batch.id)
+    return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
+
+
 async def batch_results(request: Request) -> Response:
     """GET /v1/messages/batches/{batch_id}/results (Anthropic): JSONL, one result per request."""
     batch = _batch_or_404(request)

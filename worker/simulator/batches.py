@@ -161,6 +161,22 @@ class BatchStore:
         self.settle()
         return self.files.get(file_id)
 
+    def held(self) -> dict[str, int]:
+        """What the store keeps: files (uploads and results) and batches."""
+        with self._lock:
+            return {"files": len(self.files), "batches": len(self.batches)}
+
+    def delete_file(self, file_id: str) -> bool:
+        """Forget an uploaded or result file; False if there was none."""
+        self.settle()
+        with self._lock:
+            return self.files.pop(file_id, None) is not None
+
+    def delete_batch(self, batch_id: str) -> None:
+        """Forget a batch (its result files stay, as at OpenAI; Anthropic's results go with the batch)."""
+        with self._lock:
+            self.batches.pop(batch_id, None)
+
     def list_batches(self, wire: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """One page of a wire's batches, newest first, after the one with id ``after``; and whether
         more follow."""

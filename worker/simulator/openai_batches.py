@@ -74,6 +74,14 @@ async def file_content(request: Request) -> Response:
     return Response(stored.content, media_type="application/octet-stream")
 
 
+async def delete_file(request: Request) -> Response:
+    """DELETE /v1/files/{file_id} (OpenAI): an uploaded input or a batch's result file."""
+    file_id = request.path_params["file_id"]
+    if not state_of(request).store.delete_file(file_id):
+        return openai_error(404, "No such File object.", "invalid_request_error", param="id")
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
 def _input_lines(content: bytes) -> list[tuple[str, Mapping[str, Any]]]:
     requests: list[tuple[str, Mapping[str, Any]]] = []
     seen: set[str] = set()

@@ -132,6 +132,7 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/files", openai_batches.upload_file, methods=["POST"]),
             Route("/v1/files/{file_id}/content", openai_batches.file_content, methods=["GET"]),
+            Route("/v1/files/{file_id}", openai_batches.delete_file, methods=["DELETE"]),
             Route("/v1/batches", openai_batches.create_batch, methods=["POST"]),
             Route("/v1/batches", openai_batches.list_batches, methods=["GET"]),
             Route("/v1/batches/{batch_id}", openai_batches.retrieve_batch, methods=["GET"]),
@@ -139,6 +140,7 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/messages/batches", anthropic_batches.create_batch, methods=["POST"]),
             Route("/v1/messages/batches", anthropic_batches.list_batches, methods=["GET"]),
             Route("/v1/messages/batches/{batch_id}", anthropic_batches.retrieve_batch, methods=["GET"]),
+            Route("/v1/messages/batches/{batch_id}", anthropic_batches.delete_batch, methods=["DELETE"]),
             Route("/v1/messages/batches/{batch_id}/cancel", anthropic_batches.cancel_batch, methods=["POST"]),
             Route(
                 "/v1/messages/batches/{batch_id}/results", anthropic_batches.batch_results, methods=["GET"]

@@ -161,6 +161,7 @@ class SimulatorState:
                     "created": self.counters["batches_created"],
                     "requests": self.counters["batch_requests"],
                     "results_downloads": self.counters["batch_results_downloads"],
+                    "held": self.store.held(),  # what callers have not deleted (a reset keeps it)
                 },
                 "in_flight": self.in_flight,
                 "max_in_flight": self.max_in_flight,
