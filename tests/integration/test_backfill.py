@@ -330,6 +330,26 @@ def test_cancel_stops_the_running_batch_and_sends_no_more(factory, rt, sim):
         assert cancel_backfill(session, backfill_id) is None  # finished: nothing to cancel
 
 
+def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(factory, rt, sim):
+    """Every result committed and the provider's copy deleted, then the worker died before marking the
+    batch collected: the next pass downloads nothing (there is nothing left) and finishes."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    sim.end_batches()
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        for request in session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)):
+            request.status = "done"  # as its page commits marked them
+        provider_batch_id = batch.provider_batch_id
+    assert provider_batch_id is not None
+    OpenAIBatchClient(OpenAIChatClient(model="simulator-1", base_url=sim.base_url)).discard(provider_batch_id)
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "done"
+    assert sim.stats()["batches"]["results_downloads"] == 0
+
+
 def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(factory, rt, sim):
     """The sender died after the provider accepted the batch and before its id was stored: the next
     pass finds it by its key and sends nothing again."""
