@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Unpack
 
 from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.replies import ReplyShapeError, message_text, optional_text, token_count
 from worker.llm.types import (
     ChatRequest,
     ChatResponse,
@@ -105,14 +106,23 @@ class AnthropicChatClient:
 
     def response_from(self, message: Message, request: ChatRequest, latency_ms: int) -> ChatResponse:
         """A Message (online, or one succeeded result of a Message Batch) in the gateway's terms."""
+        try:
+            return self._read(message, request, latency_ms)
+        except (ReplyShapeError, AttributeError, TypeError) as exc:  # the SDK builds replies unvalidated
+            detail = str(exc) if isinstance(exc, ReplyShapeError) else type(exc).__name__
+            raise LLMError(
+                f"the provider's reply is not a message ({detail})", retryable=False, latency_ms=latency_ms
+            ) from exc
+
+    def _read(self, message: Message, request: ChatRequest, latency_ms: int) -> ChatResponse:
         texts: list[str] = []
         tool_input: object | None = None
         for block in message.content:
             if block.type == "tool_use" and block.name == request.schema_name and tool_input is None:
                 tool_input = block.input
             elif block.type == "text":
-                texts.append(block.text)
-        reason = message.stop_reason or "end_turn"
+                texts.append(message_text(block.text, "content[].text"))
+        reason = optional_text(message.stop_reason, "stop_reason") or "end_turn"
         finish: Finish = STOP_REASONS.get(reason, "end")
         refusal: str | None = None
         if finish == "refusal":
@@ -121,21 +131,24 @@ class AnthropicChatClient:
         text = json.dumps(tool_input, ensure_ascii=False) if tool_input is not None else "".join(texts)
 
         usage = message.usage
-        cache_read = usage.cache_read_input_tokens or 0
-        cache_write = usage.cache_creation_input_tokens or 0
+        cache_read = token_count(usage.cache_read_input_tokens, "usage.cache_read_input_tokens")
+        cache_write = token_count(usage.cache_creation_input_tokens, "usage.cache_creation_input_tokens")
         return ChatResponse(
             text=text if finish != "refusal" else "",
             finish=finish,
             # Anthropic's input_tokens leaves out the cached parts; ours counts every prompt token, as
             # OpenAI's prompt_tokens does, with the cached parts broken out beside it.
             usage=Usage(
-                input_tokens=usage.input_tokens + cache_read + cache_write,
-                output_tokens=usage.output_tokens,
+                input_tokens=token_count(
+                    token_count(usage.input_tokens, "usage.input_tokens") + cache_read + cache_write,
+                    "usage.input_tokens (with the cached parts)",
+                ),
+                output_tokens=token_count(usage.output_tokens, "usage.output_tokens"),
                 cache_read_tokens=cache_read,
                 cache_write_tokens=cache_write,
             ),
             provider=self.provider,
-            model=message.model or self.model,
+            model=optional_text(message.model, "model") or self.model,
             latency_ms=latency_ms,
             refusal=refusal,
             raw_finish_reason=reason,

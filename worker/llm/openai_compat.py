@@ -10,6 +10,7 @@ from array import array
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.replies import ReplyShapeError, finite_vector, message_text, optional_text, token_count
 from worker.llm.types import (
     ChatRequest,
     ChatResponse,
@@ -106,11 +107,19 @@ class OpenAIChatClient:
             choice = completion["choices"][0]
             message = choice["message"]
             usage = completion.get("usage") or {}
-            text, refusal = message.get("content"), message.get("refusal")
-            reason = choice.get("finish_reason")
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            counts = (usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0)
-            model = completion.get("model")
+            text = message_text(message.get("content"), "choices[0].message.content")
+            refusal = optional_text(message.get("refusal"), "choices[0].message.refusal")
+            reason = optional_text(choice.get("finish_reason"), "choices[0].finish_reason")
+            details = usage.get("prompt_tokens_details") or {}
+            cached = token_count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens")
+            counts = (
+                token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
+                token_count(usage.get("completion_tokens"), "usage.completion_tokens"),
+            )
+            model = optional_text(completion.get("model"), "model")
+        except ReplyShapeError as exc:
+            reason = f"the provider's reply is not a chat completion ({exc})"
+            raise LLMError(reason, retryable=False, latency_ms=latency_ms) from exc
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise LLMError(
                 f"the provider's reply is not a chat completion ({type(exc).__name__}: {exc})",
@@ -123,7 +132,7 @@ class OpenAIChatClient:
         elif reason == "length":
             finish = "truncated"
         return ChatResponse(
-            text=text or "",
+            text=text,
             finish=finish,
             usage=Usage(input_tokens=counts[0], output_tokens=counts[1], cache_read_tokens=cached),
             provider=self.provider,
@@ -152,9 +161,12 @@ class OpenAIChatClient:
         latency_ms = int((time.perf_counter() - started) * 1000)
         try:
             items = sorted(result["data"], key=lambda item: item["index"])
-            vectors = [_vector(item["embedding"]) for item in items]
+            vectors = [finite_vector(_vector(item["embedding"]), "data[].embedding") for item in items]
             usage = result.get("usage") or {}
-            model = result.get("model")
+            input_tokens = token_count(usage.get("prompt_tokens"), "usage.prompt_tokens")
+            model = optional_text(result.get("model"), "model")
+            if len(vectors) != len(texts):
+                raise ReplyShapeError(f"{len(vectors)} embeddings came back for {len(texts)} texts")
         except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error) as exc:
             raise LLMError(
                 f"the provider's reply is not an embeddings list ({type(exc).__name__}: {exc})",
@@ -163,7 +175,7 @@ class OpenAIChatClient:
             ) from exc
         return EmbeddingResponse(
             vectors=vectors,
-            usage=Usage(input_tokens=usage.get("prompt_tokens") or 0),
+            usage=Usage(input_tokens=input_tokens),
             provider=self.provider,
             model=model or self.embedding_model,
             latency_ms=latency_ms,

@@ -59,6 +59,7 @@ HTTP_FAULTS = frozenset({Fault.RATE_LIMIT, Fault.SERVER_ERROR, Fault.OVERLOADED}
 # Outcomes counted in stats besides the fault names.
 OUTCOME_OK = "ok"
 OUTCOME_INVALID = "invalid_request"
+OUTCOME_RAW = "raw"  # answered with a configured raw_replies body
 
 
 class SimulatorConfig(BaseModel):
@@ -132,6 +133,11 @@ class SimulatorConfig(BaseModel):
         ge=0,
         description="a batch create is stored at once but answered only after this long: a client killed "
         "meanwhile has had its batch accepted without learning its id",
+    )
+    raw_replies: dict[str, Any] = Field(
+        default_factory=dict,
+        description="route (chat.completions, messages, embeddings) → a JSON body answered with HTTP 200 "
+        "instead of the simulator's own reply: the odd shapes some OpenAI-compatible servers send",
     )
     model: str = SIMULATOR_MODEL
     embedding_model: str = SIMULATOR_EMBEDDING_MODEL

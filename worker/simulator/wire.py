@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from worker.simulator.config import (
     HTTP_FAULTS,
     OUTCOME_INVALID,
+    OUTCOME_RAW,
     Draw,
     Fault,
     SimulatorConfig,
@@ -124,6 +125,10 @@ async def serve_online(request: Request, route: str, wire: WireFormat, answer: A
         except BadRequest as exc:
             state.record(route, OUTCOME_INVALID)
             return wire.invalid(exc)
+        raw = state.config.raw_replies.get(route)
+        if raw is not None:
+            state.record(route, OUTCOME_RAW)
+            return JSONResponse(raw)
         return await answer(state, route, body, forced, lambda seconds: _hang(request, seconds))
     finally:
         state.end()

@@ -1,0 +1,134 @@
+"""Replies of the wrong shape, as odd OpenAI-compatible servers send them, through the real SDKs over HTTP
+(the simulator answers a configured raw body): each is a clear, recorded provider error, never a crash
+in a worker nor a database error at commit, and never quotes what the model wrote."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ExtractionAudit, LLMCall
+from tests.integration.test_extraction import put_page
+from worker.config_store import set_config
+from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.errors import LLMError
+from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.types import ChatRequest
+from worker.simulator import Simulator
+
+pytestmark = pytest.mark.integration
+
+REQUEST = ChatRequest(purpose="extraction", system="s", messages=(("user", "hi"),), max_tokens=100)
+FACTS = '{"facts": [{"fact": "Alice moved to Lisbon", "kind": "event", "entity": "Alice Example"}]}'
+
+
+def completion(content: Any = FACTS, **overrides: Any) -> dict[str, Any]:
+    body = {
+        "id": "chatcmpl-odd",
+        "object": "chat.completion",
+        "model": "odd-1",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    }
+    body.update(overrides)
+    return body
+
+
+def openai_client(sim: Simulator) -> OpenAIChatClient:
+    return OpenAIChatClient(model="odd-1", base_url=sim.base_url, provider="openai-compatible", api_key="x")
+
+
+@pytest.mark.parametrize(
+    ("reply", "named"),
+    [
+        (
+            completion(usage={"prompt_tokens": "10", "completion_tokens": 5}),
+            "usage.prompt_tokens is a string",
+        ),
+        (completion(usage={"prompt_tokens": -10, "completion_tokens": 5}), "usage.prompt_tokens is -10"),
+        (completion(usage={"prompt_tokens": 10, "completion_tokens": 2**31}), "usage.completion_tokens is"),
+        (completion(usage={"prompt_tokens": 10.5}), "usage.prompt_tokens is 10.5"),
+        (
+            completion(usage={"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": [1]}}),
+            "cached_tokens is a list",
+        ),
+        (completion(content={"facts": [{"fact": "Alice moved to Lisbon"}]}), "content is an object"),
+        (completion(content=[{"type": "text", "text": 5}]), "content holds an object"),
+        (completion(model={"name": "odd"}), "model is an object"),
+    ],
+)
+def test_a_chat_reply_of_the_wrong_shape_is_a_provider_error_naming_the_field(sim, reply, named):
+    sim.configure(raw_replies={"chat.completions": reply})
+    with pytest.raises(LLMError) as caught:
+        openai_client(sim).chat(REQUEST)
+    assert not caught.value.retryable  # the same server answers the same way
+    assert "not a chat completion" in str(caught.value) and named in str(caught.value)
+    assert "Lisbon" not in str(caught.value)  # stored and logged: never what the model wrote
+
+
+def test_content_sent_as_text_parts_is_read(sim):
+    parts = [
+        {"type": "text", "text": FACTS[:20]},
+        {"type": "image_url"},
+        {"type": "text", "text": FACTS[20:]},
+    ]
+    sim.configure(raw_replies={"chat.completions": completion(content=parts)})
+    response = openai_client(sim).chat(REQUEST)
+    assert response.text == FACTS and response.usage.input_tokens == 10 and response.model == "odd-1"
+
+
+def test_an_embedding_holding_nan_or_too_few_vectors_is_a_provider_error(sim):
+    nan = base64.b64encode(struct.pack("<3f", 0.1, float("nan"), 0.3)).decode()
+    sim.configure(raw_replies={"embeddings": {"data": [{"index": 0, "embedding": nan}], "usage": {}}})
+    with pytest.raises(LLMError, match="NaN or an infinity"):
+        openai_client(sim).embed(["one"])
+    one = base64.b64encode(struct.pack("<3f", 0.1, 0.2, 0.3)).decode()
+    sim.configure(raw_replies={"embeddings": {"data": [{"index": 0, "embedding": one}], "usage": {}}})
+    with pytest.raises(LLMError, match="1 embeddings came back for 2 texts"):
+        openai_client(sim).embed(["one", "two"])
+    sim.configure(raw_replies={"embeddings": {"data": [{"index": 0, "embedding": one}]}})
+    assert openai_client(sim).embed(["one"]).vectors == [pytest.approx([0.1, 0.2, 0.3])]
+
+
+def test_an_anthropic_reply_of_the_wrong_shape_is_a_provider_error(sim):
+    message = {
+        "id": "msg_odd",
+        "type": "message",
+        "role": "assistant",
+        "model": "odd-1",
+        "content": [{"type": "text", "text": FACTS}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": "10", "output_tokens": 5},
+    }
+    sim.configure(raw_replies={"messages": message})
+    client = AnthropicChatClient(model="odd-1", base_url=sim.url, provider="anthropic", api_key="x")
+    with pytest.raises(LLMError, match=r"not a message \(usage.input_tokens is a string"):
+        client.chat(REQUEST)
+    sim.configure(raw_replies={"messages": {**message, "usage": {"input_tokens": 10, "output_tokens": 5}}})
+    assert client.chat(REQUEST).text == FACTS
+
+
+def test_an_extraction_records_the_odd_reply_and_goes_on(tx_factory: sessionmaker[Session], sim):
+    """A count the database cannot hold failed the segment's transaction (and every retry of it) with a
+    database error; now the segment's audit row and llm_calls row say what the provider sent."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    put_page(tx_factory)
+    sim.configure(raw_replies={"chat.completions": completion(usage={"prompt_tokens": 2**40})})
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert counters.facts_inserted == 0 and counters.segments_failed >= 1
+    with tx_factory() as session:
+        outcomes = set(session.scalars(select(ExtractionAudit.outcome)))
+        errors = session.scalars(select(LLMCall.error)).all()
+    assert outcomes == {"provider_error"}
+    assert errors and all(
+        "usage.prompt_tokens is 1099511627776, not a token count" in (e or "") for e in errors
+    )
