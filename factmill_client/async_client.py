@@ -273,7 +273,7 @@ class AsyncClient:
     async def get_config(self, key: str) -> models.ConfigOut:
         return await self.send(calls.get_config(key))
 
-    async def set_config(self, key: str, value: str | bool | int) -> models.ConfigSetOut:
+    async def set_config(self, key: str, value: calls.ConfigValue) -> models.ConfigSetOut:
         return await self.send(calls.set_config(key, value))
 
     async def unset_config(self, key: str) -> models.ConfigSetOut:

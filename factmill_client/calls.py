@@ -158,7 +158,11 @@ def cancel_backfill(backfill_id: int) -> Call[models.BackfillReport]:
     return Call("POST", path, models.BackfillReport, idempotency_key=new_idempotency_key())
 
 
-def set_config(key: str, value: str | bool | int) -> Call[models.ConfigSetOut]:
+# A config value: text, a number, true/false, or a JSON object (llm.prices), stored as its text.
+ConfigValue = str | bool | int | float | dict[str, Any]
+
+
+def set_config(key: str, value: ConfigValue) -> Call[models.ConfigSetOut]:
     return Call("PUT", f"/v1/config/{segment(key)}", models.ConfigSetOut, body=json_body({"value": value}))
 
 

@@ -305,7 +305,7 @@ class Client:
     def get_config(self, key: str) -> models.ConfigOut:
         return self.send(calls.get_config(key))
 
-    def set_config(self, key: str, value: str | bool | int) -> models.ConfigSetOut:
+    def set_config(self, key: str, value: calls.ConfigValue) -> models.ConfigSetOut:
         """Set a kill switch or tunable; turning a kill switch on resumes its paused jobs."""
         return self.send(calls.set_config(key, value))
 

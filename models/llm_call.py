@@ -26,7 +26,7 @@ class LLMCall(Base):
     cache_write_tokens: Mapped[int] = count_column()
     latency_ms: Mapped[int] = count_column()
     outcome: Mapped[str]
-    cost_usd: Mapped[Decimal] = mapped_column(Numeric(12, 6), nullable=False, server_default="0")
+    cost_usd: Mapped[Decimal] = mapped_column(Numeric(18, 6), nullable=False, server_default="0")
     # Billed through a provider batch at the batch discount (worker.accounting.prices.BATCH_DISCOUNT).
     batch: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     error: Mapped[str | None]

@@ -693,6 +693,26 @@ def test_config_get_and_put(client: TestClient) -> None:
     assert unset.status_code == 404 and "is not set" in unset.json()["detail"]
 
 
+def test_a_config_value_may_be_a_json_number_or_object(client: TestClient) -> None:
+    """A budget is a number and llm.prices an object: as JSON they are sent so; they are stored as text."""
+    budget = client.put("/v1/config/llm.budget_daily_usd", json={"value": 2.5}, headers=ADMIN_HEADERS)
+    assert budget.status_code == 200 and budget.json()["value"] == "2.5"
+    prices = {"simulator-1": {"input": 1, "output": 2.5}}
+    put = client.put("/v1/config/llm.prices", json={"value": prices}, headers=ADMIN_HEADERS)
+    assert put.status_code == 200 and json.loads(put.json()["value"]) == prices
+    absurd = client.put(
+        "/v1/config/llm.prices", json={"value": {"m": {"input": 1e300, "output": 1}}}, headers=ADMIN_HEADERS
+    )
+    assert absurd.status_code == 422 and "must be from 0 to 10,000 USD" in absurd.json()["detail"]
+    for value in (None, [1]):
+        refused = client.put("/v1/config/llm.budget_daily_usd", json={"value": value}, headers=ADMIN_HEADERS)
+        assert refused.status_code == 422
+        assert refused.json()["detail"] == (
+            "body.value: a config value is text, a number, true/false or a JSON object (llm.prices); "
+            "to unset a key, DELETE /v1/config/{key}"
+        )
+
+
 def test_a_mistyped_config_key_is_refused_with_the_key_it_is_close_to(client: TestClient) -> None:
     typo = client.put("/v1/config/compaction.enable", json={"value": "off"}, headers=ADMIN_HEADERS)
     assert typo.status_code == 422

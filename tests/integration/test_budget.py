@@ -49,6 +49,20 @@ def test_parse_usd_and_prices():
     for bad in ("[1]", '{"m": {"input": 1}}', '{"m": {"input": -1, "output": 1}}', "{nope"):
         with pytest.raises(ValueError):
             parse_prices(bad)
+    assert parse_prices('{"m": {"input": "2.5", "output": 10000}}')["m"].input == Decimal("2.5")
+    # Each problem named: a price past the bound (a per-token price written as per million), a
+    # misspelt field (it would silently price at the default), a value that is no number.
+    for bad, named in (
+        ('{"m": {"input": 1e308, "output": 1}}', "llm.prices['m'].input must be from 0 to 10,000"),
+        ('{"m": {"input": 1, "output": 10000.5}}', "llm.prices['m'].output must be from 0 to 10,000"),
+        ('{"m": {"input": 1, "output": 1, "cache_reed": 1}}', "llm.prices['m'] has 'cache_reed'"),
+        ('{"m": {"input": true, "output": 1}}', "llm.prices['m'].input must be a number"),
+        ('{"m": {"input": [1], "output": 1}}', "llm.prices['m'].input must be a number"),
+        ('{"m": {"input": "lots", "output": 1}}', "llm.prices['m'].input must be a number"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            parse_prices(bad)
+        assert named in str(caught.value)
 
 
 def test_bad_budget_values_are_refused_at_config_set(session):

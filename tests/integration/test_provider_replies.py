@@ -5,7 +5,9 @@ in a worker nor a database error at commit, and never quotes what the model wrot
 from __future__ import annotations
 
 import base64
+import json
 import struct
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -132,3 +134,20 @@ def test_an_extraction_records_the_odd_reply_and_goes_on(tx_factory: sessionmake
     assert errors and all(
         "usage.prompt_tokens is 1099511627776, not a token count" in (e or "") for e in errors
     )
+
+
+def test_a_call_at_the_largest_counts_and_price_is_costed_and_committed(tx_factory, sim):
+    """2^31-1 tokens each way at the highest price llm.prices takes: $42.9 million, which llm_calls
+    holds (its numeric(12, 6) did not: the segment's commit failed on every retry)."""
+    top = 2**31 - 1
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+        set_config(session, "llm.prices", json.dumps({"odd-1": {"input": 10_000, "output": 10_000}}))
+    put_page(tx_factory)
+    usage = {"prompt_tokens": top, "completion_tokens": top}
+    sim.configure(raw_replies={"chat.completions": completion(usage=usage)})
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert counters.segments_failed == 0 and counters.facts_inserted > 0
+    with tx_factory() as session:
+        costs = session.scalars(select(LLMCall.cost_usd)).all()
+    assert costs and set(costs) == {Decimal(2 * top * 10_000) / 1_000_000}

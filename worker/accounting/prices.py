@@ -36,6 +36,11 @@ PRICES: dict[str, Price] = {
 }
 
 MILLION = Decimal(1_000_000)
+# A price past this (USD per 1M tokens; list prices today are at most a few hundred) is a typo, such as a
+# price per token written as per million, or per thousand. It also keeps every call's cost (at most
+# 2^31 tokens of each class, worker.llm.replies) within llm_calls.cost_usd.
+MAX_PRICE = Decimal(10_000)
+PRICE_FIELDS = ("input", "output", "cache_read", "cache_write")
 # The OpenAI Batch API and Anthropic Message Batches both bill every token class at half the list price.
 BATCH_DISCOUNT = Decimal("0.5")
 
@@ -76,16 +81,13 @@ def parse_prices(value: str | None) -> dict[str, Price]:
             raise ValueError(
                 f"{PRICES_KEY}[{model!r}] needs at least 'input' and 'output' (USD per 1M tokens)"
             )
-        try:
-            numbers = {
-                k: Decimal(str(v))
-                for k, v in entry.items()
-                if k in ("input", "output", "cache_read", "cache_write")
-            }
-        except InvalidOperation as exc:
-            raise ValueError(f"{PRICES_KEY}[{model!r}] prices must be numbers") from exc
-        if any(not n.is_finite() or n < 0 for n in numbers.values()):
-            raise ValueError(f"{PRICES_KEY}[{model!r}] prices must be non-negative numbers")
+        unknown = sorted(str(k) for k in entry if k not in PRICE_FIELDS)
+        if unknown:  # a misspelt cache_read would silently price at the default
+            raise ValueError(
+                f"{PRICES_KEY}[{model!r}] has {', '.join(map(repr, unknown))}: the prices are "
+                f"{', '.join(PRICE_FIELDS)} (USD per 1M tokens)"
+            )
+        numbers = {k: _price(model, k, v) for k, v in entry.items()}
         prices[str(model)] = Price(
             numbers["input"],
             numbers["output"],
@@ -93,3 +95,17 @@ def parse_prices(value: str | None) -> dict[str, Price]:
             numbers.get("cache_write", numbers["input"]),
         )
     return prices
+
+
+def _price(model: object, field: str, value: object) -> Decimal:
+    """One price: a JSON number from 0 to MAX_PRICE (USD per 1M tokens)."""
+    shown = f"{PRICES_KEY}[{model!r}].{field}"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{shown} must be a number of USD per 1M tokens")
+    try:
+        number = Decimal(str(value))
+    except InvalidOperation as exc:
+        raise ValueError(f"{shown} must be a number of USD per 1M tokens, not {value!r}") from exc
+    if not number.is_finite() or not 0 <= number <= MAX_PRICE:
+        raise ValueError(f"{shown} must be from 0 to {MAX_PRICE:,} USD per 1M tokens, not {value}")
+    return number

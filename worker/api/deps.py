@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
 from worker.access.ratelimit import PerKeyLimiter
-from worker.api.errors import ApiError, location, summarize
+from worker.api.errors import ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
@@ -189,9 +189,7 @@ def parse_json_model(body: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = [
-            {"loc": location(("body", *e["loc"])), "msg": e["msg"]} for e in exc.errors(include_url=False)
-        ]
+        problems = problems_of(exc.errors(include_url=False), ("body",))
         raise ApiError(422, summarize(problems), errors=problems) from None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,6 +46,17 @@ def location(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(str(part) for part in loc) or "body"
 
 
+def problems_of(errors: Iterable[Mapping[str, Any]], prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    """Pydantic's errors as ``{loc, msg}``; a validator's own message without pydantic's "Value error, "."""
+    return [
+        {
+            "loc": location((*prefix, *e.get("loc", ()))),
+            "msg": str(e.get("msg", "")).removeprefix("Value error, "),
+        }
+        for e in errors
+    ]
+
+
 def summarize(problems: list[dict[str, str]]) -> str:
     shown = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems[:MAX_LISTED_PROBLEMS])
     if len(problems) > MAX_LISTED_PROBLEMS:
@@ -70,7 +82,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    problems = [{"loc": location(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+    problems = problems_of(exc.errors())
     return JSONResponse({"detail": summarize(problems), "errors": problems}, 422)
 
 

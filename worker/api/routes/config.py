@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -56,7 +57,26 @@ class ConfigOut(BaseModel):
 
 
 class ConfigSet(BaseModel):
-    value: str | bool | int
+    value: str = Field(
+        description="text, a number, true/false, or a JSON object (llm.prices); stored as its text",
+        json_schema_extra={"type": ["string", "number", "boolean", "object"]},
+    )
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _as_text(cls, raw: object) -> str:
+        """The value as stored: JSON true/false as `true`/`false`, a number as written in Python (the
+        body loader has refused non-finite ones), an object as compact JSON."""
+        if isinstance(raw, bool):
+            return str(raw).lower()
+        if isinstance(raw, str | int | float):
+            return str(raw)
+        if isinstance(raw, dict):
+            return json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
+        raise ValueError(
+            "a config value is text, a number, true/false or a JSON object (llm.prices); "
+            "to unset a key, DELETE /v1/config/{key}"
+        )
 
 
 class ConfigSetOut(ConfigOut):
@@ -110,8 +130,7 @@ def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
 
 
 def set_config_value(ctx: ApiContext, key: str, body: ConfigSet) -> ConfigSetOut:
-    raw = body.value
-    value = str(raw).lower() if isinstance(raw, bool) else str(raw)
+    value = body.value
     with ctx.factory() as session, session.begin():
         try:
             cleaned = set_config(session, key, value, updated_by="api")

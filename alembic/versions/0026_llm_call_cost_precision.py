@@ -1,0 +1,45 @@
+"""llm_calls.cost_usd: numeric(18, 6), as the spend tables keep it
+
+Revision ID: 0026
+Revises: 0025
+Create Date: 2026-12-04
+
+numeric(12, 6) holds under a million dollars a call; a provider reporting a huge token count at a high
+price overflowed it, and the segment's transaction (facts, audit, checkpoint) failed at every retry.
+Widening a numeric's precision at the same scale changes no stored value, so Postgres rewrites nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0026"
+down_revision: str | None = "0025"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.alter_column(
+        "llm_calls",
+        "cost_usd",
+        type_=sa.Numeric(18, 6),
+        existing_type=sa.Numeric(12, 6),
+        existing_nullable=False,
+        existing_server_default="0",
+    )
+
+
+def downgrade() -> None:
+    op.alter_column(
+        "llm_calls",
+        "cost_usd",
+        type_=sa.Numeric(12, 6),
+        existing_type=sa.Numeric(18, 6),
+        existing_nullable=False,
+        existing_server_default="0",
+    )
