@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -13,6 +14,8 @@ from models.tables import LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 from worker.llm.types import Usage
+
+logger = logging.getLogger(__name__)
 
 _COLUMNS = (
     "job_id",
@@ -72,12 +75,27 @@ class Ledger:
 
     def __init__(self, get_config: Callable[[str], str | None]) -> None:
         self._get = get_config
+        # The override last read and the table it gave: parsed once per value, not once per call.
+        self._parsed: tuple[str | None, dict[str, Price]] = (None, dict(PRICES))
 
     def prices(self) -> dict[str, Price]:
+        value = self._get(PRICES_KEY)
+        last, table = self._parsed
+        if value == last:
+            return table
         try:
-            return {**PRICES, **parse_prices(self._get(PRICES_KEY))}
-        except ValueError:
-            return dict(PRICES)  # a bad override was refused at `config set`; never fail a call over it
+            table = {**PRICES, **parse_prices(value)}
+        except ValueError as exc:
+            # `config set` refuses a bad override, but one stored before a rule was added can be read
+            # here: say so once (never fail a call over it), since it costs calls at the list prices.
+            logger.warning(
+                "%s is not used (%s); calls are costed at the built-in list prices until it is set again",
+                PRICES_KEY,
+                exc,
+            )
+            table = dict(PRICES)
+        self._parsed = (value, table)
+        return table
 
     def cost(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> Decimal:
         if call.usage is None:
