@@ -13,7 +13,8 @@ from worker.extraction.pages import PageIn, store_page
 
 # A source id and a title a webhook sender chose: a closing tag with no opening one (Rich's markup
 # parser raised MarkupError on it, so `pages list` and `jobs list` ended in a traceback for everyone),
-# an OSC sequence that sets the terminal's title, a bidirectional override.
+# an OSC sequence that sets the terminal's title, a bidirectional override. New pages can no longer be
+# stored under such a source id (it must be printable), but pages stored before that rule still are.
 SOURCE = "team[/quote]\x1b]0;owned\x07\u202e"
 TITLE = "[link=https://evil.example]click[/link] :smile:"
 # A conversation whose text reaches facts and snippets: a markdown checkbox ("[x]" vanished as a
@@ -36,12 +37,10 @@ def _column(table: str, index: int) -> str:
 
 def test_stored_text_is_printed_literally_and_never_acts_on_the_terminal(cli, factory):  # noqa: F811
     with factory.begin() as session:
-        job = store_page(
-            session,
-            PageIn(
-                source_id=SOURCE, slug="notes/hostile", type="conversation", title=TITLE, compiled_truth=BODY
-            ),
+        stored_before_the_rule = PageIn.model_construct(
+            source_id=SOURCE, slug="notes/hostile", type="conversation", title=TITLE, compiled_truth=BODY
         )
+        job = store_page(session, stored_before_the_rule)
         assert job is not None
         session.execute(update(Job).where(Job.id == job.job_id).values(last_error="boom [/x] \x1b[31mred"))
 
@@ -66,3 +65,12 @@ def test_stored_text_is_printed_literally_and_never_acts_on_the_terminal(cli, fa
     # JSON escapes C0 controls itself; the bidirectional override is escaped too, still the same JSON.
     assert "\u202e" not in listed.stdout and "\\u202e" in listed.stdout
     assert json.loads(listed.stdout)["pages"][0]["source_id"] == SOURCE
+
+
+def test_ingest_refuses_a_source_id_that_is_not_printable_before_reading_a_file(cli, tmp_path):  # noqa: F811
+    page = tmp_path / "a.md"
+    page.write_text("---\nslug: notes/a\ntype: conversation\n---\n**Ann** (2024-03-01 9:00 AM): hi\n")
+    refused = cli("ingest", str(page), "--source-id", "team\x1b]0;owned\x07", check=False)
+    assert refused.returncode == 2 and "printable text" in refused.stderr
+    _no_terminal_controls(refused.stdout + refused.stderr)  # the refusal shows the id escaped
+    assert json.loads(cli("pages", "list", "--json").stdout)["pages"] == []

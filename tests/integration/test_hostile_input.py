@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -20,6 +21,7 @@ from worker.api.app import create_app
 from worker.api.inputs import MAX_JSON_DEPTH
 from worker.api.routes.health import healthz
 from worker.core.signing import sign
+from worker.extraction.pages import PageIn, store_page
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +64,10 @@ SIGNED_BODIES = [
         "[0].compiled_truth",
     ),
     ("/v1/pages", '{"slug": "a\\u0000", "type": "conversation"}', "slug"),
+    # A source id that would act on an operator's terminal, or read backwards, or hide a joiner.
+    ("/v1/pages", '{"source_id": "team\\u001b]0;owned\\u0007", "slug": "a", "type": "t"}', "source_id"),
+    ("/v1/pages", '{"source_id": "team\\u202e", "slug": "a", "type": "t"}', "source_id"),
+    ("/v1/pages", '{"source_id": "te\\u200bam", "slug": "a", "type": "t"}', "source_id"),
     (
         "/v1/transcripts/t1/messages",
         '{"messages": [{"role": "user", "text": "\\ud800"}]}',
@@ -295,3 +301,21 @@ def test_healthz_never_waits_on_the_thread_pool() -> None:
     import inspect
 
     assert inspect.iscoroutinefunction(healthz)  # served on the event loop, no database
+
+
+def test_a_page_stored_under_a_source_id_no_longer_accepted_can_still_be_erased(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """Source ids must be printable for new pages; a page stored before that rule stays reachable by
+    every route that names a source, erasure first."""
+    source = "team\x1b]0;owned\x07"
+    with factory.begin() as session:
+        store_page(
+            session, PageIn.model_construct(source_id=source, slug="notes/a", type="t", compiled_truth="")
+        )
+    refused = signed(
+        api, "/v1/pages", json.dumps({"source_id": source, "slug": "notes/a", "type": "t"}).encode()
+    )
+    assert_422(refused, "printable text")
+    erased = api.delete(f"/v1/pages/{quote(source, safe='')}/notes/a", headers=ADMIN_HEADERS)
+    assert erased.status_code == 200, erased.text

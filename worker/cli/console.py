@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.core.labels import check_source_id
+from worker.core.labels import check_new_source_id, check_source_id
 
 # What a terminal acts on instead of showing: C0 controls but tab and newline (ESC opens the sequences
 # that clear the screen, move the cursor over earlier lines, set the title or the clipboard; CR
@@ -77,19 +77,27 @@ def port_option(*names: str, help: str, **extra: Any) -> Any:
     return typer.Option(*names, min=1, max=65535, help=help, **extra)
 
 
-def _source_id(value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return check_source_id(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+def _checked(rule: Callable[[str], str]) -> Callable[[str | None], str | None]:
+    def callback(value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return rule(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return callback
 
 
 def source_option(*names: str, help: str) -> Any:
-    """A source id option: the rule pages are stored under, anything else a usage error (a source
-    no page can have would otherwise find nothing, or store nothing, without saying why)."""
-    return typer.Option(*names, help=help, callback=_source_id)
+    """A source id option naming a source: the rule any stored page's source meets, anything else a
+    usage error (a source no page can have would otherwise find nothing without saying why)."""
+    return typer.Option(*names, help=help, callback=_checked(check_source_id))
+
+
+def new_source_option(*names: str, help: str) -> Any:
+    """A source id option to store pages under (``check_new_source_id``): refused before any file is read."""
+    return typer.Option(*names, help=help, callback=_checked(check_new_source_id))
 
 
 def folding_table(*headers: str, **options: Any) -> Table:

@@ -14,6 +14,7 @@ from worker.cli.console import (
     err,
     fail,
     folding_table,
+    new_source_option,
     out,
     print_json,
     source_option,
@@ -30,7 +31,7 @@ from worker.jobs.outbox import enqueue as send_jobs
 
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Markdown files or directories (walked recursively).")],
-    source_id: Annotated[str, source_option(help="Source the pages belong to.")] = "default",
+    source_id: Annotated[str, new_source_option(help="Source the pages belong to.")] = "default",
     enqueue: Annotated[
         bool, typer.Option(help="Hand the extraction jobs to the broker now (else the sweeper sends them).")
     ] = True,

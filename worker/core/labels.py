@@ -58,8 +58,31 @@ def check_source_id(value: str) -> str:
     return value
 
 
+def is_new_source_id(value: str) -> bool:
+    """A source id pages may be stored under: ``is_source_id`` and printable (``str.isprintable``),
+    so it shows as it is in a terminal, a log or a dashboard."""
+    return is_source_id(value) and value.isprintable()
+
+
+def check_new_source_id(value: str) -> str:
+    """``check_source_id``, and printable: the rule for storing a page. The places that only name a
+    source (a lookup, an erasure, a filter) keep ``check_source_id``, so a page stored before this rule
+    under a control character stays reachable."""
+    check_source_id(value)
+    if not value.isprintable():
+        raise ValueError(
+            f"{value!r} is not a source id to store pages under: it holds a control, format or "
+            "unassigned character, or a separator other than the space; a source id is printable text"
+        )
+    return value
+
+
 # What ``is_source_id`` accepts (a non-empty value; its length is its own rule).
 SOURCE_ID_PATTERN = rf"^(?:[^|{_SPACES}]|[^|{_SPACES}][^|]*[^|{_SPACES}])$"
+
+# What ``is_new_source_id`` accepts: visible ends, and inside them visible characters or plain spaces.
+_SOURCE_VISIBLE = r"[^|\p{C}\p{Z}]"
+NEW_SOURCE_ID_PATTERN = rf"^{_SOURCE_VISIBLE}(?:(?:{_SOURCE_VISIBLE}| )*{_SOURCE_VISIBLE})?$"
 
 # What ``is_word_label`` accepts: every Z character is either whitespace or not printable, and the
 # C characters that are whitespace (tab, newline...) are not printable either.
@@ -68,10 +91,13 @@ WORD_LABEL_PATTERN = r"^[^\p{C}\p{Z}/]+$"
 __all__ = [
     "LABEL_PATTERN",
     "MAX_SOURCE_ID_LENGTH",
+    "NEW_SOURCE_ID_PATTERN",
     "SOURCE_ID_PATTERN",
     "WORD_LABEL_PATTERN",
+    "check_new_source_id",
     "check_source_id",
     "clean_label",
+    "is_new_source_id",
     "is_source_id",
     "is_word_label",
 ]

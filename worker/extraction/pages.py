@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.jsonvalues import not_json
-from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, NEW_SOURCE_ID_PATTERN, check_new_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
@@ -37,7 +37,7 @@ class PageIn(BaseModel):
         default="default",
         min_length=1,
         max_length=MAX_SOURCE_ID_LENGTH,
-        json_schema_extra={"pattern": SOURCE_ID_PATTERN},
+        json_schema_extra={"pattern": NEW_SOURCE_ID_PATTERN},
     )
     slug: str = Field(
         min_length=1, max_length=500, description=SLUG_RULE, json_schema_extra={"pattern": SLUG_PATTERN}
@@ -51,7 +51,7 @@ class PageIn(BaseModel):
     @field_validator("source_id")
     @classmethod
     def _source_id(cls, value: str) -> str:
-        return check_source_id(value)
+        return check_new_source_id(value)
 
     @field_validator("slug")
     @classmethod
