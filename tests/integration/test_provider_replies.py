@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, LLMCall
+from models import ExtractionAudit, Fact, LLMCall
 from tests.integration.test_extraction import put_page
 from worker.config_store import set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
@@ -151,3 +151,27 @@ def test_a_call_at_the_largest_counts_and_price_is_costed_and_committed(tx_facto
     with tx_factory() as session:
         costs = session.scalars(select(LLMCall.cost_usd)).all()
     assert costs and set(costs) == {Decimal(2 * top * 10_000) / 1_000_000}
+
+
+def test_a_nul_from_the_model_or_the_provider_never_fails_a_commit(tx_factory, sim):
+    """Postgres stores no NUL: a fact holding one (an escape in the model's JSON), or a provider error
+    quoting one, failed the segment's transaction at commit on every retry. The fact is stored without
+    it, the error recorded without it."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    put_page(tx_factory)
+    content = FACTS.replace("Lisbon", "Lisbon\\u0000")
+    sim.configure(raw_replies={"chat.completions": completion(content=content)})
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert counters.segments_failed == 0 and counters.facts_inserted > 0
+    with tx_factory() as session:
+        assert set(session.scalars(select(Fact.fact).where(Fact.row_num >= 0))) == {"Alice moved to Lisbon"}
+
+    put_page(tx_factory, slug="conversations/other")
+    error = {"error": {"message": "bad\u0000 request", "type": "invalid_request_error"}}
+    sim.configure(raw_replies={"chat.completions": error}, raw_status=400)
+    failed = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert failed.segments_failed >= 1
+    with tx_factory() as session:
+        errors = set(session.scalars(select(LLMCall.error).where(LLMCall.error.is_not(None))))
+    assert errors == {"HTTP 400: bad request"}

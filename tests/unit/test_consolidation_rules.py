@@ -107,9 +107,16 @@ def test_parse_decisions_is_strict() -> None:
         '{"decisions": [{"pair": 7, "decision": "updates", "reason": ""}]}',
         '{"decisions": [{"pair": 1, "decision": "merge", "reason": ""}]}',
         '{"decisions": ["x"]}',
+        '{"decisions": [{"pair": true, "decision": "updates", "reason": ""}]}',  # true is not pair 1
+        "[" * 5000 + "]" * 5000,  # past the decoder's nesting limit: a RecursionError before
     ):
         with pytest.raises(MalformedDecisionsError):
             parse_decisions(bad, [1])
+    # A reason is stored: a NUL in it failed the decision's commit.
+    stored = parse_decisions(
+        '{"decisions": [{"pair": 1, "decision": "updates", "reason": "a\\u0000b"}]}', [1]
+    )
+    assert stored[1].reason == "ab"
 
 
 def test_entity_words_are_ignored_when_comparing_an_entitys_facts() -> None:

@@ -159,3 +159,15 @@ def test_an_entity_slug_is_its_own_slug(text: str) -> None:
     assert entity_slug(slug) == slug  # a filter typed as a stored slug finds it
     assert len(slug) <= MAX_ENTITY_SLUG_CHARS and ":" not in slug
     assert not slug.startswith(("-", "/")) and not slug.endswith(("-", "/")) and "//" not in slug
+
+
+def test_a_reply_s_text_is_made_storable_and_nesting_is_malformed():
+    """Postgres stores no NUL and UTF-8 has no lone surrogate: such a fact failed its segment's commit
+    on every retry. They are dropped / replaced; a reply nested past the decoder's limit is malformed."""
+    (fact,) = parse_facts_reply('{"facts": [{"fact": "Ann\\u0000 moved \\ud800", "unit": "\\u0000"}]}')
+    assert fact.fact == "Ann moved \ufffd" and fact.unit is None
+    assert (
+        parse_facts_reply('{"facts": [{"fact": {"text": "Ann"}}, {"fact": ["Ann"]}, {"fact": true}]}') == []
+    )
+    with pytest.raises(MalformedReplyError, match="nests deeper"):
+        parse_facts_reply("[" * 5000 + "]" * 5000)

@@ -13,6 +13,7 @@ from models.bulk import BulkInsert
 from models.tables import LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
+from worker.core.jsonvalues import made_storable
 from worker.llm.types import Usage
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class Ledger:
             "outcome": call.outcome,
             "cost_usd": self.cost(call, prices),
             "batch": call.batch,
-            "error": call.error,
+            "error": None if call.error is None else made_storable(call.error),
         }
 
     def record(self, session: Session, call: LLMCallRecord) -> int:

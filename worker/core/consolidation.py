@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from worker.core.delimiters import wrap_in_tag
+from worker.core.jsonvalues import made_storable
 
 FACT_STATUSES = ("current", "superseded", "duplicate")
 CURRENT, SUPERSEDED, DUPLICATE = FACT_STATUSES
@@ -295,7 +296,7 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
     caller); unknown pair numbers, bad verdicts and a non-object reply raise."""
     try:
         document = json.loads(text)
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, TypeError, RecursionError) as exc:
         raise MalformedDecisionsError(f"the reply is not JSON: {exc}") from None
     items = document.get("decisions") if isinstance(document, dict) else None
     if not isinstance(items, list):
@@ -306,11 +307,11 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
         if not isinstance(item, dict):
             raise MalformedDecisionsError("a decision is not an object")
         number, verdict, reason = item.get("pair"), item.get("decision"), item.get("reason")
-        if not isinstance(number, int) or number not in wanted:
+        if isinstance(number, bool) or not isinstance(number, int) or number not in wanted:
             raise MalformedDecisionsError(f"decision for unknown pair {number!r}")
         if verdict not in VERDICTS:
             raise MalformedDecisionsError(f"pair {number}: decision {verdict!r} is not one of {VERDICTS}")
-        text_reason = reason.strip()[:REASON_CHARS] if isinstance(reason, str) else ""
+        text_reason = made_storable(reason).strip()[:REASON_CHARS] if isinstance(reason, str) else ""
         out.setdefault(number, PairDecision(number, verdict, text_reason or "(no reason given)"))
     return out
 

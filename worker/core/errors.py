@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker.core.jsonvalues import made_storable  # standard library only: math, re
+
 
 class InvalidSettingsError(ValueError):
     """The environment (or .env) holds a value a setting refuses: the message names each variable and
@@ -34,7 +36,7 @@ def error_summary(exc: BaseException) -> str:
     """
     orig = getattr(exc, "orig", None)
     if orig is None or not hasattr(exc, "statement"):
-        return f"{type(exc).__name__}: {exc}"
+        return made_storable(f"{type(exc).__name__}: {exc}")  # stored as the job's last error
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate:
         return f"{type(exc).__name__}: {type(orig).__name__} (SQLSTATE {sqlstate})"

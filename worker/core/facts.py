@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.core.delimiters import wrap_in_tag
+from worker.core.jsonvalues import made_storable
 
 FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
 NOTABILITY_LEVELS = ("high", "medium", "low")
@@ -207,9 +208,10 @@ def _slugify_entity(entity: Any) -> str | None:
 
 
 def _optional_str(value: Any) -> str | None:
-    if value is None:
+    """A text field of a fact: a string (or a number, written out), storable; anything else is none."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
         return None
-    text = str(value).strip()
+    text = made_storable(str(value)).strip()
     return text or None
 
 
@@ -247,6 +249,8 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
         payload = json.loads(_strip_code_fence(text))
     except json.JSONDecodeError as exc:
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
+    except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit
+        raise MalformedReplyError("the reply nests deeper than a JSON decoder follows") from None
     if not isinstance(payload, dict):
         raise MalformedReplyError(f"the reply is a JSON {type(payload).__name__}, not an object")
     raw_facts = payload.get("facts")

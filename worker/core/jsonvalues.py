@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def json_integer(value: object) -> object:
@@ -46,6 +48,19 @@ def not_json(value: object, path: str = "") -> str | None:
     return None
 
 
+def made_storable(text: str) -> str:
+    """A model's text as Postgres can store it: NUL characters dropped and each lone surrogate replaced
+    by U+FFFD, everything else as it was. Refusing instead would fail a segment (or a summary) whose
+    answer is otherwise good, at its commit, on every retry; a client's text is refused (``text_problem``)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
 def storable_text(value: str) -> str:
     """``value`` itself, or ValueError saying why it cannot be stored (a validator for text fields)."""
     problem = text_problem(value)
@@ -54,4 +69,4 @@ def storable_text(value: str) -> str:
     return value
 
 
-__all__ = ["json_integer", "not_json", "storable_text", "text_problem"]
+__all__ = ["json_integer", "made_storable", "not_json", "storable_text", "text_problem"]

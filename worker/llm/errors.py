@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
 
+from worker.core.jsonvalues import made_storable
+
 if TYPE_CHECKING:
     import anthropic
     import openai
@@ -153,6 +155,11 @@ def classify(exc: BaseException) -> Classification:
 
 def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
     c = classify(exc)
+    # The provider's words are stored (llm_calls, the audit, the job): a NUL in them failed that commit.
     return LLMError(
-        c.message, retryable=c.retryable, status=c.status, retry_after=c.retry_after, latency_ms=latency_ms
+        made_storable(c.message),
+        retryable=c.retryable,
+        status=c.status,
+        retry_after=c.retry_after,
+        latency_ms=latency_ms,
     )

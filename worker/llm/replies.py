@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from worker.core.jsonvalues import made_storable
+
 # llm_calls keeps token counts in 32-bit integer columns.
 MAX_TOKEN_COUNT = 2**31 - 1
 
@@ -34,11 +36,12 @@ def token_count(value: object, field: str) -> int:
 
 def message_text(content: object, field: str) -> str:
     """A message's text: a string, none (""), or a list of content parts whose text parts are joined
-    (how several OpenAI-compatible servers send it)."""
+    (how several OpenAI-compatible servers send it); made storable (no NUL, no lone surrogate), since
+    a summary or a refusal is stored as it is."""
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return made_storable(content)
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -46,14 +49,14 @@ def message_text(content: object, field: str) -> str:
                 raise ReplyShapeError(f"{field} holds {_shown(part)}, not a content part")
             if part.get("type") == "text":
                 texts.append(part["text"])
-        return "".join(texts)
+        return made_storable("".join(texts))
     raise ReplyShapeError(f"{field} is {_shown(content)}, not text")
 
 
 def optional_text(value: object, field: str) -> str | None:
     """A string field that may be absent (a model name, a refusal, a finish reason)."""
     if value is None or isinstance(value, str):
-        return value
+        return None if value is None else made_storable(value)
     raise ReplyShapeError(f"{field} is {_shown(value)}, not text")
 
 

@@ -136,8 +136,11 @@ class SimulatorConfig(BaseModel):
     )
     raw_replies: dict[str, Any] = Field(
         default_factory=dict,
-        description="route (chat.completions, messages, embeddings) → a JSON body answered with HTTP 200 "
+        description="route (chat.completions, messages, embeddings) → a JSON body answered (raw_status) "
         "instead of the simulator's own reply: the odd shapes some OpenAI-compatible servers send",
+    )
+    raw_status: int = Field(
+        default=200, ge=200, le=599, description="the HTTP status raw_replies are answered with"
     )
     model: str = SIMULATOR_MODEL
     embedding_model: str = SIMULATOR_EMBEDDING_MODEL

@@ -128,7 +128,7 @@ async def serve_online(request: Request, route: str, wire: WireFormat, answer: A
         raw = state.config.raw_replies.get(route)
         if raw is not None:
             state.record(route, OUTCOME_RAW)
-            return JSONResponse(raw)
+            return JSONResponse(raw, state.config.raw_status)
         return await answer(state, route, body, forced, lambda seconds: _hang(request, seconds))
     finally:
         state.end()
