@@ -13,7 +13,7 @@ from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
 from models.erasure import Erasure, TranscriptErasure
 from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
 from models.job import JOB_STATUSES, Job, expire_jobs
-from models.llm_call import LLMCall, LLMSpendDay
+from models.llm_call import LLMCall, LLMSpendDay, expire_ledger
 from models.page import Page, page_id_of
 from models.totals import (
     BACKFILL_COST_COUNTER,
@@ -81,6 +81,7 @@ __all__ = [
     "TranscriptMessageRow",
     "WebhookDelivery",
     "expire_jobs",
+    "expire_ledger",
     "fold_totals",
     "forget_deliveries",
     "forget_page_in_deliveries",

@@ -41,7 +41,10 @@ class ConsolidationDecision(Base):
     decided_by: Mapped[str]
     reason: Mapped[str]
     similarity: Mapped[float | None] = mapped_column(Float)
-    llm_call_id: Mapped[int | None] = mapped_column(ForeignKey("llm_calls.id", ondelete="SET NULL"))
+    # Indexed: deleting an llm_calls row (retention) finds the decisions naming it by this column.
+    llm_call_id: Mapped[int | None] = mapped_column(
+        ForeignKey("llm_calls.id", ondelete="SET NULL"), index=True
+    )
     created_at: Mapped[datetime] = utcnow_column()
 
 

@@ -133,6 +133,8 @@ class ExtractionAudit(Base):
     __table_args__ = (
         CheckConstraint(_in("outcome", SEGMENT_OUTCOMES), name="outcome"),
         Index("ix_extraction_audit_page", "source_id", "page_slug"),
+        # FACTMILL_LEDGER_RETENTION_DAYS deletes the oldest rows first (models.llm_call.expire_ledger).
+        Index("ix_extraction_audit_created_at", "created_at"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -153,5 +155,8 @@ class ExtractionAudit(Base):
     permanent: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # What the model said on a failed attempt (capped), for whoever reads why a segment was skipped.
     reply: Mapped[str | None]
-    llm_call_id: Mapped[int | None] = mapped_column(ForeignKey("llm_calls.id", ondelete="SET NULL"))
+    # Indexed: deleting an llm_calls row (retention) finds the rows naming it by this column.
+    llm_call_id: Mapped[int | None] = mapped_column(
+        ForeignKey("llm_calls.id", ondelete="SET NULL"), index=True
+    )
     created_at: Mapped[datetime] = utcnow_column()

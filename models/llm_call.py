@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric, text
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, count_column, utcnow_column
 
@@ -49,3 +49,25 @@ class LLMSpendDay(Base):
     scope: Mapped[str] = mapped_column(primary_key=True)  # worker.accounting.budget: work or search
     backend: Mapped[int] = mapped_column(primary_key=True)
     cost_usd: Mapped[Decimal] = mapped_column(Numeric(18, 6), nullable=False, server_default="0")
+
+
+def _expire(table: str) -> str:
+    # Oldest first, by ctid, SKIP LOCKED: as models.job.expire_jobs.
+    return (
+        f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table}"
+        " WHERE created_at < now() - :kept ORDER BY created_at LIMIT :limit FOR UPDATE SKIP LOCKED))"
+    )
+
+
+_EXPIRE_AUDIT = text(_expire("extraction_audit"))
+_EXPIRE_CALLS = text(_expire("llm_calls"))
+
+
+def expire_ledger(session: Session, kept: timedelta, limit: int) -> tuple[int, int]:
+    """Delete up to ``limit`` extraction_audit rows and then up to ``limit`` llm_calls rows older than
+    ``kept``, oldest first, in the caller's transaction; returns how many of each went. Decisions and
+    newer audit rows naming a deleted call keep their place with llm_call_id NULL. The spend budgets
+    read llm_spend_days, not these rows."""
+    audit = session.execute(_EXPIRE_AUDIT, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]
+    calls = session.execute(_EXPIRE_CALLS, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]
+    return audit, calls

@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     # run (worker.jobs.maintenance). None keeps every job. At least the Idempotency-Key window, as a
     # replayed answer names its jobs.
     job_retention_days: int | None = Field(default=None, ge=1)
+    # How long llm_calls and extraction_audit rows are kept; the sweeper deletes older ones, oldest
+    # first, a batch a run (worker.jobs.maintenance). None keeps them. At least a week: a backfill's job
+    # reads its own calls' cost for days (the providers' batch window is 24 h, then polls), and
+    # `factmill costs` reports only what is kept. Budgets and /metrics do not read these rows.
+    ledger_retention_days: int | None = Field(default=None, ge=7)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.

@@ -1,6 +1,7 @@
 """What the maintenance queue does each time beat sends its sweep: lost and stalled jobs sent again,
-the running totals of gone connections folded, delivery answers past their window forgotten, and
-(with FACTMILL_JOB_RETENTION_DAYS) finished jobs past their retention deleted."""
+the running totals of gone connections folded, delivery answers past their window forgotten, (with
+FACTMILL_JOB_RETENTION_DAYS) finished jobs past their retention deleted, and (with
+FACTMILL_LEDGER_RETENTION_DAYS) llm_calls and extraction_audit rows past theirs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
-from models import expire_jobs, fold_totals, forget_deliveries
+from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.outbox import SweepReport, broker_queue_depth, sweep
 from worker.runtime import Runtime
@@ -22,6 +23,9 @@ FORGET_BATCH = 10_000
 # rows that name it (its audit rows, LLM calls, compactions). 2.9 million jobs a day at one sweep each 30 s;
 # one batch took 75 ms at a million jobs, 458 ms without the index (bench/job_retention.py).
 EXPIRE_BATCH = 1_000
+# llm_calls and extraction_audit rows deleted a sweep at most, of each: 28 million a day at one sweep
+# each 30 s, above what a worker fleet writes (bench/ledger_retention.py times one batch).
+LEDGER_BATCH = 10_000
 
 
 @dataclass(frozen=True)
@@ -29,10 +33,15 @@ class MaintenanceReport:
     jobs: SweepReport
     forgotten_deliveries: int
     expired_jobs: int = 0
+    expired_audit_rows: int = 0
+    expired_llm_calls: int = 0
 
 
 def maintain(
-    rt: Runtime, forget_batch: int = FORGET_BATCH, expire_batch: int = EXPIRE_BATCH
+    rt: Runtime,
+    forget_batch: int = FORGET_BATCH,
+    expire_batch: int = EXPIRE_BATCH,
+    ledger_batch: int = LEDGER_BATCH,
 ) -> MaintenanceReport:
     settings = rt.settings
     jobs = sweep(
@@ -56,4 +65,16 @@ def maintain(
             expired = expire_jobs(session, timedelta(days=settings.job_retention_days), expire_batch)
         if expired:
             logger.info("deleted %s jobs finished over %s days ago", expired, settings.job_retention_days)
-    return MaintenanceReport(jobs, forgotten, expired)
+    audit = calls = 0
+    if settings.ledger_retention_days is not None:
+        kept = timedelta(days=settings.ledger_retention_days)
+        with rt.factory.begin() as session:
+            audit, calls = expire_ledger(session, kept, ledger_batch)
+        if audit or calls:
+            logger.info(
+                "deleted %s extraction_audit rows and %s llm_calls rows over %s days old",
+                audit,
+                calls,
+                settings.ledger_retention_days,
+            )
+    return MaintenanceReport(jobs, forgotten, expired, audit, calls)
