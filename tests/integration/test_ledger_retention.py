@@ -11,7 +11,16 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ConsolidationDecision, ExtractionAudit, LLMCall, LLMSpendDay, expire_ledger
+from models import (
+    SEGMENTS_COUNTER,
+    ConsolidationDecision,
+    ExtractionAudit,
+    LLMCall,
+    LLMCallTotal,
+    LLMSpendDay,
+    RowCount,
+    expire_ledger,
+)
 from tests.integration.test_api import make_runtime
 from worker.accounting import Ledger, LLMCallRecord
 from worker.jobs.maintenance import maintain
@@ -65,9 +74,15 @@ def left(factory: sessionmaker[Session]) -> tuple[set[int], dict[int, int | None
     return calls, audits
 
 
-def spend(factory: sessionmaker[Session]) -> Decimal:
+def spend(factory: sessionmaker[Session]) -> tuple[Decimal, int, int]:
+    """The day's spend (what budgets read) and /metrics' call and segment counters."""
     with factory() as session:
-        return session.scalar(select(func.coalesce(func.sum(LLMSpendDay.cost_usd), 0))) or Decimal(0)
+        cost = session.scalar(select(func.coalesce(func.sum(LLMSpendDay.cost_usd), 0))) or Decimal(0)
+        calls = session.scalar(select(func.coalesce(func.sum(LLMCallTotal.calls), 0))) or 0
+        segments = session.scalar(
+            select(func.coalesce(func.sum(RowCount.n), 0)).where(RowCount.counter == SEGMENTS_COUNTER)
+        )
+    return cost, calls, segments or 0
 
 
 def test_old_calls_and_audit_rows_go_oldest_first_and_what_named_them_stays(
@@ -99,7 +114,7 @@ def test_old_calls_and_audit_rows_go_oldest_first_and_what_named_them_stays(
     assert old_audit not in left(tx_factory)[1]
     with tx_factory() as session:
         assert session.scalars(select(ConsolidationDecision.llm_call_id)).all() == [None]
-    assert spend(tx_factory) == spent > 0  # the budgets read the day's spend, which stays
+    assert spend(tx_factory) == spent and spent[0] > 0 and spent[1:] == (3, 3)  # counters, not gauges
 
 
 def test_the_sweep_deletes_them_only_when_a_retention_is_set(
