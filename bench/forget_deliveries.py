@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.webhook import forget_deliveries, forget_page_in_deliveries  # noqa: E402
-from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms, rolled_back_runs  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=7)
@@ -56,13 +56,8 @@ def answers(rows: int, key: str, days: int | None = None) -> str:
 
 def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], int]:
     """Milliseconds a sweep's DELETE, each rolled back; and how many rows one deleted."""
-    deleted = 0
-
-    def sweep(session: Session) -> None:
-        nonlocal deleted
-        deleted = forget_deliveries(session, KEPT, batch)
-
-    return rolled_back_ms(factory, count, sweep), deleted
+    times, deleted = rolled_back_runs(factory, count, lambda session: forget_deliveries(session, KEPT, batch))
+    return times, deleted if deleted is not None else 0
 
 
 def erasure_rows(factory: sessionmaker, count: int) -> None:

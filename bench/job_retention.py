@@ -22,13 +22,13 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.job import expire_jobs  # noqa: E402
-from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, rolled_back_runs  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
@@ -52,13 +52,8 @@ CALLS = (
 
 def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], int]:
     """Milliseconds a sweep's DELETE took, each rolled back; and how many jobs one deleted."""
-    deleted = 0
-
-    def sweep(session: Session) -> None:
-        nonlocal deleted
-        deleted = expire_jobs(session, KEPT, batch)
-
-    return rolled_back_ms(factory, count, sweep), deleted
+    times, deleted = rolled_back_runs(factory, count, lambda session: expire_jobs(session, KEPT, batch))
+    return times, deleted if deleted is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.llm_call import expire_ledger  # noqa: E402
-from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms, rolled_back_runs  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
@@ -79,13 +79,8 @@ def writes(factory: sessionmaker, count: int) -> list[float]:
 
 def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], tuple[int, int]]:
     """Milliseconds a sweep's DELETE took, each rolled back; and how many rows of each one deleted."""
-    deleted = (0, 0)
-
-    def sweep(session: Session) -> None:
-        nonlocal deleted
-        deleted = expire_ledger(session, KEPT, batch)
-
-    return rolled_back_ms(factory, count, sweep), deleted
+    times, deleted = rolled_back_runs(factory, count, lambda session: expire_ledger(session, KEPT, batch))
+    return times, deleted if deleted is not None else (0, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import redis
@@ -28,6 +28,8 @@ from worker import db
 from worker.jobs.celery_app import create_app
 from worker.llm.ratelimit import redis_py_url
 from worker.settings import Settings
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -148,17 +150,24 @@ def drop_index(factory: Any, name: str) -> None:
         session.execute(text(f'DROP INDEX "{name}"'))
 
 
-def rolled_back_ms(factory: Any, count: int, work: Callable[[Any], object]) -> list[float]:
+def rolled_back_runs(factory: Any, count: int, work: Callable[[Any], T]) -> tuple[list[float], T | None]:
     """Milliseconds ``work(session)`` took, ``count`` times, each in a transaction rolled back after,
-    so every round sees the same tables (benches of one statement on a large table)."""
+    so every round sees the same tables (benches of one statement on a large table); and what the last
+    round returned (how many rows a DELETE took, say)."""
     times = []
+    result: T | None = None
     for _ in range(count):
         with factory() as session:
             started = time.perf_counter()
-            work(session)
+            result = work(session)
             times.append((time.perf_counter() - started) * 1000)
             session.rollback()
-    return times
+    return times, result
+
+
+def rolled_back_ms(factory: Any, count: int, work: Callable[[Any], object]) -> list[float]:
+    """``rolled_back_runs``' times alone."""
+    return rolled_back_runs(factory, count, work)[0]
 
 
 def fill_table(url: str, table: str, insert: str, **params: object) -> None:

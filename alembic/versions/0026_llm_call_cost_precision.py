@@ -23,23 +23,20 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
-def upgrade() -> None:
+def _cost_column(new: sa.Numeric, old: sa.Numeric) -> None:
     op.alter_column(
         "llm_calls",
         "cost_usd",
-        type_=sa.Numeric(18, 6),
-        existing_type=sa.Numeric(12, 6),
+        type_=new,
+        existing_type=old,
         existing_nullable=False,
         existing_server_default="0",
     )
+
+
+def upgrade() -> None:
+    _cost_column(sa.Numeric(18, 6), sa.Numeric(12, 6))
 
 
 def downgrade() -> None:
-    op.alter_column(
-        "llm_calls",
-        "cost_usd",
-        type_=sa.Numeric(12, 6),
-        existing_type=sa.Numeric(18, 6),
-        existing_nullable=False,
-        existing_server_default="0",
-    )
+    _cost_column(sa.Numeric(12, 6), sa.Numeric(18, 6))
