@@ -274,6 +274,23 @@ def test_an_ended_batch_leaves_no_copy_of_the_pages_at_the_provider(store, clean
     assert clean_sim.stats()["batches"]["held"]["files"] == 0
 
 
+def test_a_garbled_result_line_costs_its_request_only(store, clean_sim, caplog):
+    """One line of the output file that is not JSON failed every collection of the batch (a
+    JSONDecodeError out of results); now its request has no result (the next run extracts it) and the
+    rest of the batch commits."""
+    run_online(store, clean_sim)
+    clean_sim.configure(batch_garbled_lines=1)
+    with caplog.at_level("WARNING", logger="worker.llm.batches"):
+        first = run_batch(store, openai_batch(clean_sim))
+    assert first.batch_status == "completed" and first.segments_missing == 1
+    assert first.pages_processed == 2 and first.pages_incomplete == 1  # the first page stops at it
+    assert any("result line 1 is not a JSON object" in r.getMessage() for r in caplog.records)
+    clean_sim.configure(batch_garbled_lines=0)
+    second = run_batch(store, openai_batch(clean_sim))
+    assert second.pages_processed == 1 and second.pages_incomplete == 0
+    assert_complete_like_online(store)
+
+
 def test_anthropic_message_batches_match_an_online_anthropic_run(store, clean_sim):
     chat = AnthropicChatClient(model="simulator-1", base_url=clean_sim.url, provider="simulator")
     run_extract_conversation_facts(store, chat, ExtractOptions(source_id="online"))

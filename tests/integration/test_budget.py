@@ -59,6 +59,7 @@ def test_parse_usd_and_prices():
         ('{"m": {"input": true, "output": 1}}', "llm.prices['m'].input must be a number"),
         ('{"m": {"input": [1], "output": 1}}', "llm.prices['m'].input must be a number"),
         ('{"m": {"input": "lots", "output": 1}}', "llm.prices['m'].input must be a number"),
+        ("[" * 20_000 + "]" * 20_000, "not nested"),  # past the decoder's limit: a 500 from the API before
     ):
         with pytest.raises(ValueError) as caught:
             parse_prices(bad)

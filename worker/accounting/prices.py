@@ -73,6 +73,8 @@ def parse_prices(value: str | None) -> dict[str, Price]:
         raw = json.loads(value)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices: {exc.msg}") from exc
+    except RecursionError:  # thousands of nested arrays: past the decoder's limit (a 500 before)
+        raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices, not nested") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices")
     prices: dict[str, Price] = {}

@@ -10,6 +10,7 @@ from worker.accounting import LLMCallRecord
 from worker.core.checkpoint import segment_hash
 from worker.core.conversation import Segment
 from worker.core.facts import ExtractedFact
+from worker.core.jsonvalues import made_storable
 from worker.extraction.options import PER_SEGMENT_SOURCE_PREFIX, iso_to_datetime
 from worker.extraction.prompts import LLM_PURPOSE
 from worker.extraction.segments import Attempt
@@ -132,7 +133,9 @@ def skip_row(place: SegmentPlace, attempts: Sequence[Attempt], reason: str) -> d
 
 
 def errors_of(attempts: Sequence[Attempt], note: str | None) -> list[str | None]:
-    return ["; ".join(part for part in (a.error, note) if part) or None for a in attempts]
+    """Each attempt's error as its audit row and llm_calls row store it (a provider's words may hold a
+    NUL, which no text column takes)."""
+    return [made_storable("; ".join(part for part in (a.error, note) if part)) or None for a in attempts]
 
 
 def call_records(

@@ -179,9 +179,9 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             if not file_id:
                 continue
             text = _call("download", functools.partial(self._download, file_id), self.policy)
-            for line in text.splitlines():
+            for number, line in enumerate(text.splitlines(), start=1):
                 if line.strip():
-                    self._read_line(json.loads(line), items)
+                    self._read_line(batch_id, number, line, items)
         return items
 
     def discard(self, batch_id: str) -> None:
@@ -193,7 +193,18 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
     def _download(self, file_id: str) -> str:
         return self._sdk.files.content(file_id).text
 
-    def _read_line(self, line: Mapping[str, Any], items: dict[str, BatchItem]) -> None:
+    def _read_line(self, batch_id: str, number: int, text: str, items: dict[str, BatchItem]) -> None:
+        try:
+            line = json.loads(text)
+        except (ValueError, RecursionError):
+            line = None
+        if not isinstance(line, Mapping):
+            # Its request has no result, as if never run: the next run extracts its segment. One bad
+            # line no longer loses the batch's other results (every collection failed on it).
+            logger.warning(
+                "batch %s: result line %d is not a JSON object; its request has no result", batch_id, number
+            )
+            return
         custom_id = line.get("custom_id")
         response = line.get("response")
         if not isinstance(custom_id, str) or not isinstance(response, Mapping):

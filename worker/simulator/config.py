@@ -128,6 +128,12 @@ class SimulatorConfig(BaseModel):
         description="an ended batch's results (OpenAI output files, Anthropic results) are answered only "
         "after this long: a poller killed meanwhile has seen the batch end but committed nothing",
     )
+    batch_garbled_lines: int = Field(
+        default=0,
+        ge=0,
+        description="the first N lines of an ended OpenAI batch's output file are cut in half (not JSON): "
+        "a provider's corrupt result file",
+    )
     batch_create_hold_seconds: float = Field(
         default=0.0,
         ge=0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Awaitable, Mapping
@@ -106,7 +107,7 @@ def _input_lines(content: bytes) -> list[tuple[str, Mapping[str, Any]]]:
     return requests
 
 
-def _write_result_files(store: BatchStore, batch: Batch) -> None:
+def _write_result_files(store: BatchStore, batch: Batch, garbled: int = 0) -> None:
     """An ended batch's output file (the 200s) and error file (the rest, and requests never run)."""
     output: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
@@ -128,7 +129,10 @@ def _write_result_files(store: BatchStore, batch: Batch) -> None:
         errors.append({"id": sim_id("batch_req_"), "custom_id": custom_id, "response": None, "error": error})
     for lines, attr in ((output, "output_file_id"), (errors, "error_file_id")):
         if lines:
-            text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+            texts = [json.dumps(line, ensure_ascii=False) for line in lines]
+            if attr == "output_file_id":
+                texts = [text[: len(text) // 2] for text in texts[:garbled]] + texts[garbled:]
+            text = "".join(line + "\n" for line in texts)
             stored = StoredFile(
                 sim_id("file-"), f"{batch.id}_{attr}.jsonl", "batch_output", text.encode(), int(time.time())
             )
@@ -207,7 +211,7 @@ async def create_batch(request: Request) -> Response:
         requests,
         answer,
         input_file_id=stored.id,
-        on_end=_write_result_files,
+        on_end=functools.partial(_write_result_files, garbled=state.config.batch_garbled_lines),
         metadata=metadata,
     )
     return JSONResponse(_batch_json(batch))
