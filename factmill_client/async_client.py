@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from factmill_client import calls, models
 from factmill_client.client import USER_AGENT
 from factmill_client.errors import ApiConnectionError
+from factmill_client.signing import Secrets
 from factmill_client.transport import (
     Credentials,
     RetryPolicy,
@@ -41,7 +42,7 @@ class AsyncClient:
         base_url: str,
         *,
         api_key: str | None = None,
-        webhook_secret: str | None = None,
+        webhook_secret: Secrets | None = None,
         timeout: float = 30.0,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,

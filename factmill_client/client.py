@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from factmill_client import calls, models
 from factmill_client.errors import ApiConnectionError
+from factmill_client.signing import Secrets
 from factmill_client.transport import (
     Credentials,
     RetryPolicy,
@@ -35,15 +36,16 @@ USER_AGENT = "factmill-client"
 
 class Client:
     """The Factmill HTTP API. ``api_key`` is sent as ``Authorization: Bearer`` on every call;
-    ``webhook_secret`` signs the ingestion calls (pages, transcript appends) instead of, or besides,
-    a key with the ingest scope. ``transport`` is handed to httpx (tests, proxies)."""
+    ``webhook_secret`` signs the ingestion calls (pages, transcript appends) instead of, or besides, a
+    key with the ingest scope; a list of secrets signs with each (while the server's secret is
+    rotated). ``transport`` is handed to httpx (tests, proxies)."""
 
     def __init__(
         self,
         base_url: str,
         *,
         api_key: str | None = None,
-        webhook_secret: str | None = None,
+        webhook_secret: Secrets | None = None,
         timeout: float = 30.0,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,

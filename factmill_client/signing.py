@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Sequence
 
 SIGNATURE_HEADER = "Factmill-Signature"
 SCHEME = "v2"
@@ -31,23 +32,40 @@ def compute_signature(
     return hmac.new(secret.encode("utf-8"), message + body, hashlib.sha256).hexdigest()
 
 
+# One secret, or several: while the secret is rotated, a sender signs with the old and the new one
+# (one entry each in the header) and the server accepts the request under either.
+Secrets = str | Sequence[str]
+
+
+def secrets_of(secret: Secrets) -> list[str]:
+    """The secrets to sign with, in order; ValueError when there is none (or one is empty)."""
+    secrets = [secret] if isinstance(secret, str) else list(secret)
+    if not secrets or not all(secrets):
+        raise ValueError("a webhook secret to sign with is required (an empty one signs nothing)")
+    return secrets
+
+
 def sign(
     body: bytes,
-    secret: str,
+    secret: Secrets,
     timestamp: int | None = None,
     *,
     method: str | None = None,
     path: str | None = None,
 ) -> str:
     """The ``Factmill-Signature`` header value for ``body`` (timestamp defaults to now): v2 bound to
-    ``method`` and ``path`` when they are given, else the legacy v1."""
+    ``method`` and ``path`` when they are given, else the legacy v1; one entry for each secret given
+    (``["old", "new"]`` while the server's secret is rotated)."""
     t = int(time.time()) if timestamp is None else int(timestamp)
     scheme = LEGACY_SCHEME if method is None and path is None else SCHEME
-    return f"t={t},{scheme}={compute_signature(body, secret, t, method, path)}"
+    entries = ",".join(
+        f"{scheme}={compute_signature(body, one, t, method, path)}" for one in secrets_of(secret)
+    )
+    return f"t={t},{entries}"
 
 
 def signed_json_headers(
-    body: bytes, secret: str, *, method: str, path: str, timestamp: int | None = None
+    body: bytes, secret: Secrets, *, method: str, path: str, timestamp: int | None = None
 ) -> dict[str, str]:
     """The headers a webhook client sends with a JSON ``body``: its content type and v2 signature."""
     return {
@@ -56,4 +74,13 @@ def signed_json_headers(
     }
 
 
-__all__ = ["LEGACY_SCHEME", "SCHEME", "SIGNATURE_HEADER", "compute_signature", "sign", "signed_json_headers"]
+__all__ = [
+    "LEGACY_SCHEME",
+    "SCHEME",
+    "SIGNATURE_HEADER",
+    "Secrets",
+    "compute_signature",
+    "secrets_of",
+    "sign",
+    "signed_json_headers",
+]

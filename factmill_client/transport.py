@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from factmill_client.calls import Call
 from factmill_client.errors import error_for, retry_after_seconds
-from factmill_client.signing import SIGNATURE_HEADER, sign
+from factmill_client.signing import SIGNATURE_HEADER, Secrets, sign
 
 logger = logging.getLogger("factmill_client")
 
@@ -74,7 +74,7 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class Credentials:
     api_key: str | None = field(default=None, repr=False)
-    webhook_secret: str | None = field(default=None, repr=False)
+    webhook_secret: Secrets | None = field(default=None, repr=False)  # several while it is rotated
     clock: Callable[[], float] = field(default=time.time, repr=False)  # dates signatures
 
 

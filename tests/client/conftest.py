@@ -11,6 +11,7 @@ import pytest
 from tests.service import ServiceProcess, free_port, running, service_env, start_worker
 
 SECRET = "test-secret"  # = service_env's FACTMILL_WEBHOOK_SECRET
+PREVIOUS_SECRET = "test-previous-secret"  # the server still accepts it, as while a secret is rotated
 BODY_CAP = 64 * 1024  # small, so a 413 is cheap to provoke
 
 
@@ -26,7 +27,13 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service(database_url: str, broker_url: str, simulator: object) -> Iterator[Service]:
-    env = service_env(database_url, broker_url, simulator.base_url, max_body_bytes=BODY_CAP)  # type: ignore[attr-defined]
+    env = service_env(
+        database_url,
+        broker_url,
+        simulator.base_url,  # type: ignore[attr-defined]
+        max_body_bytes=BODY_CAP,
+        webhook_previous_secret=PREVIOUS_SECRET,
+    )
     port = free_port()
     api = ServiceProcess(
         ["serve", "--port", str(port)], env, ready_marker="Application startup complete", name="api"

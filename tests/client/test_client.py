@@ -23,7 +23,7 @@ from factmill_client import (
 )
 from factmill_client.signing import SIGNATURE_HEADER
 from tests.auth import new_key
-from tests.client.conftest import BODY_CAP, SECRET, Service
+from tests.client.conftest import BODY_CAP, PREVIOUS_SECRET, SECRET, Service
 from tests.e2e.test_service_e2e import PAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -80,6 +80,21 @@ def test_signed_ingest_then_the_page_facts_page_by_page(service: Service, factor
         assert found.results and {r.page_slug for r in found.results} == {PAGE["slug"]}
         # The same content again: nothing changed, nothing queued.
         assert sender.ingest_page(PAGE).jobs == []
+
+
+def test_the_webhook_secret_rotates_either_way_round(service: Service, factory):
+    """The server accepts its previous secret beside the current one (senders move one by one); a
+    sender signs with several secrets (the server may switch meanwhile); a stranger's is refused."""
+    for n, secret in enumerate((PREVIOUS_SECRET, SECRET, ["an-old-one", SECRET], [SECRET, "a-new-one"])):
+        with Client(service.base_url, webhook_secret=secret) as sender:
+            assert sender.ingest_page(page(900 + n)).jobs, secret
+    transport = Recording()
+    with (
+        Client(service.base_url, webhook_secret=["x-old", "x-new"], transport=transport) as stranger,
+        pytest.raises(AuthenticationError, match="does not match"),
+    ):
+        stranger.ingest_page(page(999))
+    assert transport.requests[0].headers[SIGNATURE_HEADER].count("v2=") == 2
 
 
 def test_errors_are_typed_and_carry_the_servers_detail(service: Service, factory):

@@ -28,6 +28,10 @@ def test_production_accepts_two_distinct_secrets_of_32_bytes() -> None:
         ({"admin_token": "y" * 31}, "FACTMILL_ADMIN_TOKEN is 31 bytes"),
         ({"admin_token": STRONG}, "are the same value"),
         ({"webhook_secret": "dev-secret"}, "placeholder"),
+        # The previous secret, accepted while the secret is rotated, is held to the same rules.
+        ({"webhook_previous_secret": "z" * 31}, "FACTMILL_WEBHOOK_PREVIOUS_SECRET is 31 bytes"),
+        ({"webhook_previous_secret": "changeme"}, "FACTMILL_WEBHOOK_PREVIOUS_SECRET is a placeholder"),
+        ({"webhook_previous_secret": OTHER}, "are the same value"),
     ],
 )
 def test_production_refuses_weak_or_shared_secrets(values: dict[str, str], says: str) -> None:
@@ -87,3 +91,21 @@ def test_no_command_calls_the_simulator_in_production_unless_it_is_named() -> No
 
     with ExitStack() as stack, pytest.raises(LLMConfigurationError, match="no LLM API key"):
         provider_client(production(openai_api_key=None), stack)
+
+
+def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
+    """A traceback's locals, a debugger or a stray log line show Settings by its repr."""
+    secrets = {
+        "webhook_secret": "w" * 40,
+        "webhook_previous_secret": "p" * 40,
+        "admin_token": "t" * 40,
+        "openai_api_key": "sk-" + "o" * 40,
+        "anthropic_api_key": "sk-ant-" + "n" * 40,
+        "database_url": "postgresql://factmill:dbpassword@db/factmill",
+        "broker_url": "redis://:brokerpassword@redis:6379/0",
+        "ratelimit_redis_url": "redis://:ratepassword@redis:6379/1",
+        "test_database_url": "postgresql://t:testpassword@db/t",
+    }
+    shown = repr(Settings(**secrets)) + str(Settings(**secrets))
+    for value in ("w" * 40, "p" * 40, "t" * 40, "o" * 40, "n" * 40, "password"):
+        assert value not in shown

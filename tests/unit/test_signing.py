@@ -99,7 +99,28 @@ def test_non_ascii_signature_is_a_mismatch_not_a_crash() -> None:
 
 
 def test_empty_secret_is_refused() -> None:
-    assert "not configured" in reason(sign(BODY, "", timestamp=NOW), secret="")
+    assert "not configured" in reason(sign(BODY, "any", timestamp=NOW), secret="")
+    with pytest.raises(ValueError, match="required"):  # nor does a sender sign with one
+        sign(BODY, "", timestamp=NOW)
+    with pytest.raises(ValueError, match="required"):
+        sign(BODY, [], timestamp=NOW)
+
+
+def test_a_sender_signs_with_each_secret_and_the_server_accepts_any_of_its_own() -> None:
+    """Rotation, either way round: a sender signs with the old and the new secret (one v2 entry each)
+    while the server switches; or the server accepts its previous secret while senders move."""
+    both = sign(BODY, ["old-secret", "new-secret"], NOW, method="POST", path="/v1/pages")
+    assert both.count("v2=") == 2
+    verify(both, BODY, "new-secret", 300, now=NOW, method="POST", path="/v1/pages")
+    verify(both, BODY, "old-secret", 300, now=NOW, method="POST", path="/v1/pages")
+    for sender in ("old-secret", "new-secret"):
+        header = sign(BODY, sender, NOW, method="POST", path="/v1/pages")
+        verify(header, BODY, ["new-secret", "old-secret"], 300, now=NOW, method="POST", path="/v1/pages")
+    stranger = sign(BODY, "third-secret", NOW, method="POST", path="/v1/pages")
+    with pytest.raises(SignatureError, match="does not match"):
+        verify(stranger, BODY, ["new-secret", "old-secret"], 300, now=NOW, method="POST", path="/v1/pages")
+    with pytest.raises(SignatureError, match="not configured"):
+        verify(stranger, BODY, ["new-secret", ""], 300, now=NOW, method="POST", path="/v1/pages")
 
 
 def test_signature_error_is_a_value_error() -> None:

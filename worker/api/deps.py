@@ -144,7 +144,7 @@ def verify_signature(
         return verify(
             signature,
             body,
-            settings.webhook_secret,
+            settings.webhook_secrets(),
             settings.webhook_tolerance_seconds,
             method=method,
             path=path,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Sequence
 
 # The scheme itself (what a sender computes) is defined once, in the client package, which imports the
 # standard library only; the server verifies with the same function.
@@ -95,7 +96,7 @@ def _any_match(expected: str, candidates: list[str]) -> bool:
 def verify(
     header: str | None,
     body: bytes,
-    secret: str,
+    secret: str | Sequence[str],
     tolerance: int,
     now: float | None = None,
     *,
@@ -103,10 +104,12 @@ def verify(
     path: str | None = None,
     accept_v1: bool = False,
 ) -> int:
-    """The signed timestamp, or SignatureError unless ``header`` signs the request with ``secret``
-    within ``tolerance`` s. With ``method``/``path`` a v2 signature is required (v1 also passes when
-    ``accept_v1``); without them only v1 is checked (the pure, route-less form)."""
-    if not secret:
+    """The signed timestamp, or SignatureError unless ``header`` signs the request with ``secret`` (or
+    any of several, while the secret is rotated) within ``tolerance`` s. With ``method``/``path`` a v2
+    signature is required (v1 also passes when ``accept_v1``); without them only v1 is checked (the
+    pure, route-less form)."""
+    secrets = [secret] if isinstance(secret, str) else list(secret)
+    if not secrets or not all(secrets):
         parse_header(header)  # a missing header is still reported as missing
         # An empty key would let anyone compute a valid signature.
         raise SignatureError("webhook signing secret is not configured (set FACTMILL_WEBHOOK_SECRET)")
@@ -118,10 +121,11 @@ def verify(
         )
     _check_age(timestamp, tolerance, now)
     matched = False
-    if bound:
-        matched |= _any_match(compute_signature(body, secret, timestamp, method, path), signatures[SCHEME])
-    if not bound or accept_v1:
-        matched |= _any_match(compute_signature(body, secret, timestamp), signatures[LEGACY_SCHEME])
+    for one in secrets:  # every secret is tried (no early exit), as every candidate is
+        if bound:
+            matched |= _any_match(compute_signature(body, one, timestamp, method, path), signatures[SCHEME])
+        if not bound or accept_v1:
+            matched |= _any_match(compute_signature(body, one, timestamp), signatures[LEGACY_SCHEME])
     if not matched:
         raise SignatureError(
             "signature does not match the request (wrong secret, or the body, method or path differ "
