@@ -175,3 +175,19 @@ def test_a_nul_from_the_model_or_the_provider_never_fails_a_commit(tx_factory, s
     with tx_factory() as session:
         errors = set(session.scalars(select(LLMCall.error).where(LLMCall.error.is_not(None))))
     assert errors == {"HTTP 400: bad request"}
+
+
+def test_a_fact_of_a_megabyte_is_clipped_and_committed(tx_factory, sim):
+    """1.3 MB of distinct words in one fact made a search vector past Postgres's 1 MB tsvector limit:
+    the segment's commit failed (ProgramLimitExceeded) on every retry."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    put_page(tx_factory)
+    huge = " ".join(f"word{n}" for n in range(130_000))
+    content = json.dumps({"facts": [{"fact": huge, "kind": "fact", "entity": "Alice Example"}]})
+    sim.configure(raw_replies={"chat.completions": completion(content=content)})
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert counters.segments_failed == 0 and counters.facts_inserted > 0
+    with tx_factory() as session:
+        stored = set(session.scalars(select(Fact.fact).where(Fact.row_num >= 0)))
+    assert {len(fact) for fact in stored} == {2_000}

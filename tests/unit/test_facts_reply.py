@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from worker.core.facts import (
     MAX_ENTITY_SLUG_CHARS,
+    MAX_FACT_CHARS,
+    MAX_FACT_FIELD_CHARS,
     SEGMENT_CLOSE,
     SEGMENT_OPEN,
     MalformedReplyError,
@@ -171,3 +173,14 @@ def test_a_reply_s_text_is_made_storable_and_nesting_is_malformed():
     )
     with pytest.raises(MalformedReplyError, match="nests deeper"):
         parse_facts_reply("[" * 5000 + "]" * 5000)
+
+
+def test_a_fact_s_text_is_clipped_to_a_sentence_s_worth():
+    """Past about 0.8 MB of distinct words a fact's search vector broke Postgres's tsvector limit and
+    failed its segment's commit on every retry; a fact is a sentence, and its other fields words."""
+    huge = " ".join(f"w{n}" for n in range(200_000))
+    (fact,) = parse_facts_reply(json.dumps({"facts": [{"fact": huge, "unit": "u" * 500, "metric": "m"}]}))
+    assert len(fact.fact) == MAX_FACT_CHARS and fact.fact.endswith("…") and fact.fact.startswith("w0 w1")
+    assert fact.unit is not None and len(fact.unit) == MAX_FACT_FIELD_CHARS and fact.metric == "m"
+    exact = "x" * MAX_FACT_CHARS
+    assert parse_facts_reply(json.dumps({"facts": [{"fact": exact}]}))[0].fact == exact

@@ -21,6 +21,10 @@ SEGMENT_OPEN = f"<{SEGMENT_TAG}>"
 SEGMENT_CLOSE = f"</{SEGMENT_TAG}>"
 
 MAX_ENTITY_SLUG_CHARS = 200
+# A fact is a sentence or two; a reply's longer text is clipped. Past about 0.8 MB a fact's search
+# vector exceeded Postgres's 1 MB tsvector limit and failed its segment's commit on every retry.
+MAX_FACT_CHARS = 2_000
+MAX_FACT_FIELD_CHARS = 200  # metric, unit, period
 
 
 class MalformedReplyError(ValueError):
@@ -207,11 +211,14 @@ def _slugify_entity(entity: Any) -> str | None:
     return entity_slug(entity) if isinstance(entity, str) else None
 
 
-def _optional_str(value: Any) -> str | None:
-    """A text field of a fact: a string (or a number, written out), storable; anything else is none."""
+def _optional_str(value: Any, limit: int = MAX_FACT_FIELD_CHARS) -> str | None:
+    """A text field of a fact: a string (or a number, written out), storable, clipped to ``limit``
+    characters; anything else is none."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         return None
     text = made_storable(str(value)).strip()
+    if len(text) > limit:
+        text = text[: limit - 1].rstrip() + "…"
     return text or None
 
 
@@ -242,7 +249,8 @@ def _strip_code_fence(text: str) -> str:
 
 def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[ExtractedFact]:
     """Validate and normalise a reply: unknown kind → fact, unknown notability → medium,
-    confidence clamped to [0, 1], facts without text dropped, at most ``max_facts`` kept."""
+    confidence clamped to [0, 1], facts without text dropped, text clipped (MAX_FACT_CHARS, and
+    MAX_FACT_FIELD_CHARS for metric, unit and period), at most ``max_facts`` kept."""
     if not text or not text.strip():
         raise MalformedReplyError("the reply was empty")
     try:
@@ -260,7 +268,7 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
     for item in raw_facts:
         if not isinstance(item, dict):
             continue
-        fact_text = _optional_str(item.get("fact"))
+        fact_text = _optional_str(item.get("fact"), MAX_FACT_CHARS)
         if fact_text is None:
             continue
         kind = item.get("kind")
