@@ -9,6 +9,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
+from tests.integration.test_hostile_input import letters
 from worker.config_store import set_config
 from worker.consolidation.operators import entity_timeline
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
@@ -25,7 +26,9 @@ from worker.extraction import (
     run_extract_conversation_facts,
     upsert_page,
 )
+from worker.extraction.erase import erase_page
 from worker.extraction.facts import read_entity_facts
+from worker.extraction.pages import MAX_PAGE_KEY_BYTES, page_key_bytes
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import SearchError, SearchFilters
 
@@ -499,3 +502,17 @@ def test_pages_of_other_sources_are_untouched(tx_factory, llm):
     result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(source_id="default"))
     assert result.pages_considered == 0
     assert count(tx_factory, Page) == 1
+
+
+def test_a_page_whose_source_and_slug_fill_the_key_budget_is_stored_extracted_and_erased(pages, llm):
+    """Source id and slug sit together in B-tree indexes capped at 2,704 bytes an entry: 200 + 500
+    characters of 4-byte letters were accepted and then failed the upsert (a 500). At the budget
+    (2,400 bytes) every index that holds them takes the page, its job, facts and checkpoint."""
+    source_id, slug = letters(101) + "xy", "c/" + letters(498, seed=4)  # 406 + 1,994 bytes
+    assert page_key_bytes(source_id, slug) == MAX_PAGE_KEY_BYTES
+    with pytest.raises(ValueError, match="source_id and slug together are 2401 bytes"):
+        PageIn(source_id=source_id + "z", slug=slug, type="conversation")
+    put_page(pages, slug, source_id=source_id)
+    result = run(pages, llm, source_id=source_id, slug=slug)
+    assert result.pages_processed == 1 and result.facts_inserted > 0
+    assert erase_page(pages, source_id, slug, "test") is not None

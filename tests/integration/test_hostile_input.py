@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -27,6 +28,13 @@ pytestmark = pytest.mark.integration
 
 BIG = str(2**63)  # one past bigint
 BIG_INT4 = str(2**31)  # one past int4
+
+
+def letters(count: int, seed: int = 3) -> str:
+    """``count`` CJK letters of 4 bytes each in UTF-8 (Extension B), at random: they do not compress,
+    so an index entry holding them is as long as they are."""
+    draw = random.Random(seed)
+    return "".join(chr(draw.randrange(0x20000, 0x2A6D7)) for _ in range(count))
 
 
 @pytest.fixture
@@ -68,6 +76,12 @@ SIGNED_BODIES = [
     ("/v1/pages", '{"source_id": "team\\u001b]0;owned\\u0007", "slug": "a", "type": "t"}', "source_id"),
     ("/v1/pages", '{"source_id": "team\\u202e", "slug": "a", "type": "t"}', "source_id"),
     ("/v1/pages", '{"source_id": "te\\u200bam", "slug": "a", "type": "t"}', "source_id"),
+    # 200 + 500 characters of 4-byte letters: past the 2,704 bytes of a B-tree entry (a 500 before).
+    (
+        "/v1/pages",
+        f'{{"source_id": "{letters(200)}", "slug": "{letters(500, seed=4)}", "type": "t"}}',
+        "source_id and slug together are 2800 bytes",
+    ),
     (
         "/v1/transcripts/t1/messages",
         '{"messages": [{"role": "user", "text": "\\ud800"}]}',

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sqlalchemy import bindparam, func, or_, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
@@ -26,6 +26,15 @@ from worker.extraction.erase import (
     page_body,
 )
 from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
+
+# A page's source id and slug sit together in several B-tree indexes (pages, facts, jobs' subjects,
+# checkpoints' page keys), whose entries Postgres caps at 2,704 bytes: 200 + 500 characters of 4-byte
+# letters passed that, and the upsert failed (a 500). The margin covers what each index adds beside them.
+MAX_PAGE_KEY_BYTES = 2_400
+
+
+def page_key_bytes(source_id: str, slug: str) -> int:
+    return len(source_id.encode("utf-8")) + len(slug.encode("utf-8"))
 
 
 class PageIn(BaseModel):
@@ -78,6 +87,16 @@ class PageIn(BaseModel):
         if "\x00" in value:
             raise ValueError("text must not contain NUL characters (is this a binary file?)")
         return value
+
+    @model_validator(mode="after")
+    def _key_fits_an_index(self) -> PageIn:
+        size = page_key_bytes(self.source_id, self.slug)
+        if size > MAX_PAGE_KEY_BYTES:
+            raise ValueError(
+                f"source_id and slug together are {size} bytes of UTF-8, over {MAX_PAGE_KEY_BYTES}: "
+                "Postgres indexes them together (pages, facts, jobs, checkpoints); shorten either"
+            )
+        return self
 
     def body_bytes(self) -> int:
         return len(self.compiled_truth.encode("utf-8")) + len(self.timeline.encode("utf-8"))

@@ -29,7 +29,7 @@ from worker.api.deps import (
     load_json_object,
     read_body,
 )
-from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.api.inputs import JsonBigIntId
 from worker.calibration import (
     MAX_KEY_LENGTH,
@@ -102,7 +102,7 @@ def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
     try:
         feedback = FeedbackIn.model_validate(data)
     except ValidationError as exc:
-        problems = [{"loc": location(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
+        problems = problems_of(exc.errors(include_url=False))
         raise ApiError(422, summarize(problems), errors=problems) from None
     key = feedback.idempotency_key
     if header_key is not None:

@@ -29,7 +29,7 @@ from worker.api.deps import (
     load_json_body,
     read_body,
 )
-from worker.api.errors import ApiError, error_responses, location, summarize
+from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.core.slugs import stored_form
 from worker.extraction.erase import erase_page
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
@@ -121,12 +121,8 @@ def parse_pages(body: bytes) -> list[PageIn]:
         try:
             pages.append(PageIn.model_validate(item))
         except ValidationError as exc:
-            prefix = f"pages[{index}]" if batch else ""
-            for error in exc.errors(include_url=False):
-                where = ".".join(part for part in (prefix, location(error["loc"])) if part)
-                if not error["loc"]:
-                    where = prefix or "body"
-                problems.append({"loc": where, "msg": error["msg"]})
+            prefix = (f"pages[{index}]",) if batch else ()
+            problems += problems_of(exc.errors(include_url=False), prefix)
     if problems:
         raise ApiError(422, summarize(problems), errors=problems[:100])
     return pages
