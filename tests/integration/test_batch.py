@@ -274,19 +274,26 @@ def test_an_ended_batch_leaves_no_copy_of_the_pages_at_the_provider(store, clean
     assert clean_sim.stats()["batches"]["held"]["files"] == 0
 
 
-def test_a_garbled_result_line_costs_its_request_only(store, clean_sim, caplog):
-    """One line of the output file that is not JSON failed every collection of the batch (a
-    JSONDecodeError out of results); now its request has no result (the next run extracts it) and the
-    rest of the batch commits."""
+def anthropic_batch(sim: Simulator) -> AnthropicBatchClient:
+    chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+    return AnthropicBatchClient(chat)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_garbled_result_line_costs_its_request_only(store, clean_sim, caplog, provider):
+    """One result line that is not JSON failed every collection of the batch (a JSONDecodeError out of
+    the results, ours or the Anthropic SDK's reader); now its request has no result (the next run
+    extracts it) and the rest of the batch commits."""
     run_online(store, clean_sim)
     clean_sim.configure(batch_garbled_lines=1)
+    client = openai_batch(clean_sim) if provider == "openai" else anthropic_batch(clean_sim)
     with caplog.at_level("WARNING", logger="worker.llm.batches"):
-        first = run_batch(store, openai_batch(clean_sim))
-    assert first.batch_status == "completed" and first.segments_missing == 1
+        first = run_batch(store, client)
+    assert first.batch_status in ("completed", "ended") and first.segments_missing == 1
     assert first.pages_processed == 2 and first.pages_incomplete == 1  # the first page stops at it
     assert any("result line 1 is not a JSON object" in r.getMessage() for r in caplog.records)
     clean_sim.configure(batch_garbled_lines=0)
-    second = run_batch(store, openai_batch(clean_sim))
+    second = run_batch(store, client)
     assert second.pages_processed == 1 and second.pages_incomplete == 0
     assert_complete_like_online(store)
 

@@ -87,6 +87,22 @@ def _delete(what: str, fn: Callable[[], object], policy: RetryPolicy) -> None:
             raise
 
 
+def _result_line(batch_id: str, number: int, text: str) -> Mapping[str, Any] | None:
+    """One line of a batch's results as a JSON object, or None (with a warning) when it is not one: its
+    request then has no result, as if never run, and the next run extracts its segment. One bad line
+    no longer loses the batch's other results (every collection of the batch failed on it)."""
+    try:
+        line = json.loads(text)
+    except (ValueError, RecursionError):
+        line = None
+    if not isinstance(line, Mapping):
+        logger.warning(
+            "batch %s: result line %d is not a JSON object; its request has no result", batch_id, number
+        )
+        return None
+    return line
+
+
 def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     """A batch-management call (upload, create, poll, download) with the gateway's retry policy."""
     waited = 0.0
@@ -194,16 +210,8 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
         return self._sdk.files.content(file_id).text
 
     def _read_line(self, batch_id: str, number: int, text: str, items: dict[str, BatchItem]) -> None:
-        try:
-            line = json.loads(text)
-        except (ValueError, RecursionError):
-            line = None
-        if not isinstance(line, Mapping):
-            # Its request has no result, as if never run: the next run extracts its segment. One bad
-            # line no longer loses the batch's other results (every collection failed on it).
-            logger.warning(
-                "batch %s: result line %d is not a JSON object; its request has no result", batch_id, number
-            )
+        line = _result_line(batch_id, number, text)
+        if line is None:
             return
         custom_id = line.get("custom_id")
         response = line.get("response")
@@ -244,11 +252,8 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             if batch.processing_status != "ended":
                 running = True
                 continue
-            results = _call(
-                "download", functools.partial(self._sdk.messages.batches.results, batch.id), self.policy
-            )
-            first = next(iter(results), None)
-            if first is not None and first.custom_id.startswith(f"{key}-"):
+            first = next(iter(self._entries(batch.id)), None)
+            if first is not None and str(first.get("custom_id")).startswith(f"{key}-"):
                 return str(batch.id)
         return UNDETERMINED if running else None
 
@@ -264,20 +269,47 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
         _delete("delete", functools.partial(self._sdk.messages.batches.delete, batch_id), self.policy)
 
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
-        results = _call("download", lambda: list(self._sdk.messages.batches.results(batch_id)), self.policy)
+        """The results read line by line from the raw JSONL (the SDK's own reader stopped at the first
+        line that was not JSON, and with it the whole collection)."""
         items: dict[str, BatchItem] = {}
-        for entry in results:
-            request = requests.get(entry.custom_id)
-            result = entry.result
-            if request is None:
-                continue
-            if result.type == "succeeded":
-                items[entry.custom_id] = BatchItem(self.chat.response_from(result.message, request, 0))
-            elif result.type == "errored":
-                error = result.error.error
-                items[entry.custom_id] = BatchItem(None, f"{error.type}: {error.message}")
-            # expired / canceled: no result, the segment waits for a rerun
+        for entry in self._entries(batch_id):
+            request = requests.get(str(entry.get("custom_id")))
+            item = self._item(entry.get("result"), request) if request is not None else None
+            if item is not None:
+                items[str(entry["custom_id"])] = item
         return items
+
+    def _entries(self, batch_id: str) -> list[Mapping[str, Any]]:
+        """The batch's result lines that are JSON objects (the others are warned about and skipped)."""
+        raw = self._sdk.messages.batches.with_raw_response
+        text = _call("download", lambda: raw.results(batch_id).text(), self.policy)
+        lines = (
+            _result_line(batch_id, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()
+        )
+        return [line for line in lines if line is not None]
+
+    def _item(self, result: object, request: ChatRequest) -> BatchItem | None:
+        """One request's result; None when it never ran (expired, canceled): it waits for a rerun."""
+        from anthropic.types import Message  # with the SDK, which the chat client has imported
+        from pydantic import ValidationError
+
+        result = result if isinstance(result, Mapping) else {}
+        if result.get("type") == "succeeded":
+            try:
+                message = Message.model_validate(result.get("message"))
+                return BatchItem(self.chat.response_from(message, request, 0))
+            except ValidationError as exc:
+                problems = exc.error_count()
+                return BatchItem(None, f"the provider's reply is not a message ({problems} problems)")
+            except LLMError as exc:
+                return BatchItem(None, str(exc))
+        if result.get("type") == "errored":
+            error = result.get("error")
+            inner = error.get("error") if isinstance(error, Mapping) else None
+            inner = inner if isinstance(inner, Mapping) else {}
+            kind, message_text = inner.get("type", "error"), inner.get("message", "the request failed")
+            return BatchItem(None, f"{kind}: {message_text}")
+        return None
 
 
 def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> BatchLLMClient:

@@ -153,5 +153,7 @@ async def batch_results(request: Request) -> Response:
         lines.append({"custom_id": item.custom_id, "result": result})
     missing = "canceled" if batch.cancelled_at is not None else "expired"
     lines += [{"custom_id": c, "result": {"type": missing}} for c in batch.missing()]
-    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-    return Response(text, media_type="application/binary")
+    texts = [json.dumps(line, ensure_ascii=False) for line in lines]
+    garbled = state_of(request).config.batch_garbled_lines
+    texts = [text[: len(text) // 2] for text in texts[:garbled]] + texts[garbled:]
+    return Response("".join(text + "\n" for text in texts), media_type="application/binary")

@@ -131,8 +131,8 @@ class SimulatorConfig(BaseModel):
     batch_garbled_lines: int = Field(
         default=0,
         ge=0,
-        description="the first N lines of an ended OpenAI batch's output file are cut in half (not JSON): "
-        "a provider's corrupt result file",
+        description="the first N lines of an ended batch's results (OpenAI's output file, Anthropic's "
+        "results) are cut in half (not JSON): a provider's corrupt result file",
     )
     batch_create_hold_seconds: float = Field(
         default=0.0,
