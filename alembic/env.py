@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from logging.config import fileConfig
+from typing import Any
 
 from alembic import context
 from models import Base
@@ -29,12 +32,30 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+class _StepTimer:
+    """Tells the caller's ``on_step`` (worker.db.upgrade) of each migration as it finishes."""
+
+    def __init__(self, on_step: Callable[[str, float, str], None]) -> None:
+        self.on_step = on_step
+        self.started = time.monotonic()
+
+    def __call__(self, *, step: Any, **_: Any) -> None:
+        now = time.monotonic()
+        script = step.up_revision if step.is_upgrade else step.down_revision
+        # The docstring's first paragraph (its title, which may wrap over lines), on one line.
+        title = (getattr(script, "longdoc", "") or "").strip().split("\n\n", 1)[0]
+        self.on_step(str(step.up_revision_id), now - self.started, " ".join(title.split()))
+        self.started = now
+
+
 def run_migrations_online() -> None:
     from sqlalchemy import create_engine, pool
 
+    on_step = config.attributes.get("on_step")
+    extra = {"on_version_apply": _StepTimer(on_step)} if on_step is not None else {}
     engine = create_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata, compare_type=True)
+        context.configure(connection=connection, target_metadata=target_metadata, compare_type=True, **extra)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -170,11 +170,33 @@ def alembic_config(url: str):  # type: ignore[no-untyped-def]
     return config
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Build or update the schema with the migrations (never create_all)."""
+# Told of each migration as it finishes: (revision, seconds it took, the first line of its docstring).
+OnStep = Callable[[str, float, str], None]
+
+
+def upgrade(url: str, revision: str = "head", on_step: OnStep | None = None) -> None:
+    """Build or update the schema with the migrations (never create_all); ``on_step`` hears of each
+    one as it finishes (they all commit together at the end: alembic/env.py)."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    config = alembic_config(url)
+    config.attributes["on_step"] = on_step
+    command.upgrade(config, revision)
+
+
+def pending_revisions(url: str, revision: str = "head") -> list[str]:
+    """The migrations an upgrade to ``revision`` would run, oldest first; none for a revision these
+    migrations do not have (the upgrade itself then says so)."""
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import RevisionError
+
+    script = ScriptDirectory.from_config(alembic_config(url))
+    current = current_revision(url)
+    try:
+        steps = list(script.iterate_revisions(revision, current or "base"))
+    except RevisionError:
+        return []
+    return [step.revision for step in reversed(steps) if step.revision != current]
 
 
 class SchemaState(NamedTuple):

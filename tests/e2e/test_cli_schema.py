@@ -71,15 +71,26 @@ def test_upgrade_errors_are_one_line(server_url):
         env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
         bogus = factmill(["db", "upgrade", "--revision", "bogus"], env)
         _one_line_error(bogus, "cannot upgrade to 'bogus': Can't locate revision identified by 'bogus'", 2)
-        assert factmill(["db", "upgrade", "--revision", "0023"], env).returncode == 0
+        upgraded = factmill(["db", "upgrade", "--revision", "0023"], env)
+        # Each migration is reported as it finishes (one over a large table can take minutes).
+        steps = upgraded.stderr.splitlines()
+        assert upgraded.returncode == 0 and steps[0] == "upgrading the schema: 23 migration(s), 0001 to 0023"
+        assert [line.split()[0] for line in steps[1:]] == [f"{n:04d}" for n in range(1, 24)]
+        assert steps[-1].startswith("  0023 ran in ") and steps[-1].endswith(
+            ": jobs: an index on a page job's source and id, for a source-limited key's job list"
+        )
         # A migration the database refuses (here: its function made by hand first) rolls back whole.
         _execute(
             url,
             "CREATE FUNCTION count_job_ending() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'",
         )
         failed = factmill(["db", "upgrade"], env)
-        _one_line_error(failed, "the upgrade failed and was rolled back (the schema stays at 0023): ")
-        assert "DuplicateFunction (SQLSTATE 42723)" in failed.stderr
+        assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+        # What it set out to do, then one line: 0024, the first, failed (no step is reported done).
+        announced, error = failed.stderr.splitlines()
+        assert announced == f"upgrading the schema: {int(HEAD) - 23} migration(s), 0024 to {HEAD}"
+        assert error.startswith("error: the upgrade failed and was rolled back (the schema stays at 0023): ")
+        assert "DuplicateFunction (SQLSTATE 42723)" in error
         assert factmill(["db", "current"], env).stdout.strip() == "0023"
 
 

@@ -44,7 +44,10 @@ def db_upgrade(
     if state.unknown:  # upgraded by a newer release: alembic would only say it cannot find the revision
         raise fail(str(state.problem()))
     try:
-        db.upgrade(url, revision)
+        pending = db.pending_revisions(url, revision)
+        if pending:  # a migration over a large table (an index) can take minutes: say where it stands
+            err.print(f"upgrading the schema: {len(pending)} migration(s), {pending[0]} to {pending[-1]}")
+        db.upgrade(url, revision, on_step=_report_step)
     except CommandError as exc:  # a revision that is not one of the migrations'
         raise fail(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
     except DBAPIError as exc:  # the upgrade runs in one transaction (alembic/env.py): nothing stays
@@ -53,6 +56,10 @@ def db_upgrade(
             f"the upgrade failed and was rolled back (the schema stays at {stays}): {error_summary(exc)}"
         ) from None
     out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
+
+
+def _report_step(revision: str, seconds: float, doc: str) -> None:
+    err.print(f"  {revision} ran in {seconds:.1f} s: {doc}")
 
 
 @db_app.command("current")
