@@ -321,9 +321,15 @@ def test_import_reports_a_row_naming_an_unknown_compaction(
     tx_factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
 ) -> None:
     path = tmp_path / "judged.csv"
-    path.write_text(f"0.5,true,eval,404\n0.6,true,eval,{judged[0]}\n", encoding="utf-8")
+    past_bigint = 2**63  # the import's lookup of it failed with "bigint out of range" (a traceback)
+    path.write_text(
+        f"0.5,true,eval,404\n0.6,true,eval,{judged[0]}\n0.7,true,eval,{past_bigint}\n", encoding="utf-8"
+    )
     report = import_csv(tx_factory, path, recompute_every=50)
-    assert report.errors == [(1, "compaction_id 404: no such compaction")]
+    assert report.errors == [
+        (1, "compaction_id 404: no such compaction"),
+        (3, f"compaction_id must be a positive integer up to {2**63 - 1}, got {past_bigint}"),
+    ]
     assert [line for line, _ in report.added] == [2]
 
 

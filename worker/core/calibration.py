@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import clean_label
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
 
@@ -86,9 +87,11 @@ class ObservationIn:
         if self.compaction_id is not None and (
             isinstance(self.compaction_id, bool)
             or not isinstance(self.compaction_id, int)
-            or self.compaction_id < 1
+            or not 1 <= self.compaction_id <= BIGINT_MAX  # an id past bigint failed the import's query
         ):
-            raise ObservationError(f"compaction_id must be a positive integer, got {self.compaction_id!r}")
+            raise ObservationError(
+                f"compaction_id must be a positive integer up to {BIGINT_MAX}, got {self.compaction_id!r}"
+            )
         if self.idempotency_key is not None:
             key = _check_text(self.idempotency_key, "idempotency_key", MAX_KEY_LENGTH)
             object.__setattr__(self, "idempotency_key", key)
