@@ -191,3 +191,13 @@ def test_a_fact_of_a_megabyte_is_clipped_and_committed(tx_factory, sim):
     with tx_factory() as session:
         stored = set(session.scalars(select(Fact.fact).where(Fact.row_num >= 0)))
     assert {len(fact) for fact in stored} == {2_000}
+
+
+def test_a_provider_error_message_is_kept_to_a_thousand_characters(sim):
+    """A server answering an error with a whole page (or echoing the request) put all of it in every
+    llm_calls row, audit row, job error and log line of the call."""
+    sim.configure(raw_replies={"chat.completions": {"error": {"message": "x" * 100_000}}}, raw_status=400)
+    with pytest.raises(LLMError) as caught:
+        openai_client(sim).chat(REQUEST)
+    assert str(caught.value) == "HTTP 400: " + "x" * 999 + "…"
+    assert not caught.value.retryable

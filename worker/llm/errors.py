@@ -105,16 +105,26 @@ def _headers(exc: BaseException) -> Mapping[str, str] | None:
     return headers if isinstance(headers, Mapping) else None
 
 
+# A provider's error message is kept (llm_calls, the audit, the job's last error, the logs) up to this
+# many characters: a server that answers an error with a whole page of HTML, or echoes the request,
+# would otherwise put all of it in every row and line.
+MAX_PROVIDER_MESSAGE_CHARS = 1_000
+
+
 def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
-    """The provider's own words (``error.message`` in either wire format), else the SDK's summary."""
+    """The provider's own words (``error.message`` in either wire format), else the SDK's summary;
+    clipped to MAX_PROVIDER_MESSAGE_CHARS."""
     body: Any = exc.body
+    message = str(exc.message)
     if isinstance(body, Mapping):
         inner = body.get("error")
         if isinstance(inner, Mapping) and isinstance(inner.get("message"), str):
-            return str(inner["message"])
-        if isinstance(body.get("message"), str):
-            return str(body["message"])
-    return str(exc.message)
+            message = str(inner["message"])
+        elif isinstance(body.get("message"), str):
+            message = str(body["message"])
+    if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
+        message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
+    return message
 
 
 SDKS = ("openai", "anthropic")
