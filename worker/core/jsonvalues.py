@@ -54,6 +54,8 @@ def made_storable(text: str) -> str:
     answer is otherwise good, at its commit, on every retry; a client's text is refused (``text_problem``)."""
     if "\x00" in text:
         text = text.replace("\x00", "")
+    if text.isascii():  # CPython knows this without a scan: most replies skip the encode below
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
