@@ -385,6 +385,31 @@ def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recor
         yield test_client
 
 
+def test_a_provider_without_a_batch_api_refuses_the_backfill_up_front(database_url, tx_factory, recorder):
+    """With FACTMILL_LLM=openai-compatible a backfill was stored and its job queued, to fail at its
+    first run; the API now answers 409 and stores nothing (the CLI exits 2: tests/e2e)."""
+    seed_pages(tx_factory, "bf", 1)
+    runtime = make_runtime(
+        database_url, tx_factory, llm="openai-compatible", llm_base_url="http://127.0.0.1:9/v1"
+    )
+    with TestClient(create_app(runtime, sender=recorder)) as api:
+        refused = api.post("/v1/backfills", json={"source_id": "bf"}, headers=ADMIN_HEADERS)
+    assert refused.status_code == 409
+    assert "openai-compatible has no batch API" in refused.json()["detail"]
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).select_from(Backfill)) == 0
+    assert recorder.calls == []
+
+
+def test_the_cli_refuses_a_backfill_the_provider_cannot_batch(database_url, factory):
+    seed_pages(factory, "bf", 1)
+    env = {"FACTMILL_LLM": "openai-compatible", "FACTMILL_LLM_BASE_URL": "http://127.0.0.1:9/v1"}
+    refused = invoke_cli(database_url, "backfill", "--source", "bf", **env)
+    assert refused.exit_code == 2 and "openai-compatible has no batch API" in refused.output
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(Backfill)) == 0
+
+
 def test_the_api_starts_shows_and_cancels_backfills_with_the_admin_scope(client, recorder, tx_factory):
     seed_pages(tx_factory, "bf", 1)
     assert client.post("/v1/backfills", json={"source_id": "bf"}).status_code == 403  # a read key

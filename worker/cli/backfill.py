@@ -18,6 +18,8 @@ from worker.extraction.backfill import (
 )
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 from worker.jobs.outbox import enqueue as send_jobs
+from worker.llm.batches import batch_unavailable
+from worker.settings import get_settings
 
 backfill_app = typer.Typer(
     help="Backfills: pending segments of many pages through provider batches (half price), on the queue.",
@@ -40,6 +42,9 @@ def backfill(
     commits their results as they end (`factmill backfill show ID` follows it). Returns at once."""
     if ctx.invoked_subcommand is not None:
         return
+    unavailable = batch_unavailable(get_settings())
+    if unavailable:
+        raise fail(unavailable, code=2)
     selection = BackfillSelection(source, since, slug_prefix, max_segments)
     factory = checked_factory()
     try:

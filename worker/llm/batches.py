@@ -312,17 +312,31 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
         return None
 
 
+# The providers with a batch API; openai-compatible servers have none.
+BATCH_PROVIDERS = ("openai", "anthropic", "simulator")
+
+
+def no_batch_api(provider: str) -> str:
+    return (
+        f"batch mode needs FACTMILL_LLM=openai, anthropic or simulator; {provider} has no batch API "
+        "(run `factmill extract` without --batch)"
+    )
+
+
+def batch_unavailable(settings: Settings) -> str | None:
+    """Why this deployment's provider cannot take batches, or None: a backfill is refused up front
+    rather than queued for a job that can only fail."""
+    provider = settings.resolved_llm()
+    return None if provider in BATCH_PROVIDERS else no_batch_api(provider)
+
+
 def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> BatchLLMClient:
     """The batch API of a gateway provider; openai-compatible servers have none."""
     if isinstance(provider, AnthropicChatClient):
         return AnthropicBatchClient(provider, policy)
-    if isinstance(provider, OpenAIChatClient) and provider.provider in ("openai", "simulator"):
+    if isinstance(provider, OpenAIChatClient) and provider.provider in BATCH_PROVIDERS:
         return OpenAIBatchClient(provider, policy)
-    name = getattr(provider, "provider", type(provider).__name__)
-    raise LLMConfigurationError(
-        f"batch mode needs FACTMILL_LLM=openai, anthropic or simulator; {name} has no batch API "
-        "(run `factmill extract` without --batch)"
-    )
+    raise LLMConfigurationError(no_batch_api(getattr(provider, "provider", type(provider).__name__)))
 
 
 @contextmanager

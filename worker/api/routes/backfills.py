@@ -28,6 +28,7 @@ from worker.extraction.backfill_admin import (
     cancel_backfill,
     list_backfills,
 )
+from worker.llm.batches import batch_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +62,17 @@ class BackfillList(BaseModel):
     "/v1/backfills",
     status_code=202,
     response_model=BackfillCreated,
-    responses=error_responses(404, 422),
+    responses=error_responses(404, 409, 422),
     summary="Start a backfill through provider batches (half price)",
 )
 def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> BackfillCreated:
     """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
     requests, sends them to the provider, and commits their results as they end. Answers at once;
-    404 when no stored page matches the selection (nothing would be planned)."""
+    404 when no stored page matches the selection (nothing would be planned); 409 when the deployment's
+    LLM provider has no batch API (FACTMILL_LLM=openai-compatible)."""
+    unavailable = batch_unavailable(ctx.settings)
+    if unavailable:
+        raise ApiError(409, unavailable)
     since = body.since.isoformat() if body.since else None
     selection = BackfillSelection(body.source_id, since, body.slug_prefix, body.max_segments)
     try:
