@@ -252,7 +252,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             if batch.processing_status != "ended":
                 running = True
                 continue
-            first = next(iter(self._entries(batch.id)), None)
+            first = _call("download", functools.partial(self._first_entry, batch.id), self.policy)
             if first is not None and str(first.get("custom_id")).startswith(f"{key}-"):
                 return str(batch.id)
         return UNDETERMINED if running else None
@@ -278,6 +278,16 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             if item is not None:
                 items[str(entry["custom_id"])] = item
         return items
+
+    def _first_entry(self, batch_id: str) -> Mapping[str, Any] | None:
+        """The first result line that is a JSON object, streamed: ``find`` looks at up to FIND_LIMIT
+        batches, and downloading each one's whole results would read gigabytes."""
+        with self._sdk.messages.batches.with_streaming_response.results(batch_id) as response:
+            for number, line in enumerate(response.iter_lines(), start=1):
+                entry = _result_line(batch_id, number, line) if line.strip() else None
+                if entry is not None:
+                    return entry
+        return None
 
     def _entries(self, batch_id: str) -> list[Mapping[str, Any]]:
         """The batch's result lines that are JSON objects (the others are warned about and skipped)."""
