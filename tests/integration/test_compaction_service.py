@@ -31,6 +31,7 @@ from worker.compaction import (
     append_messages,
     compact_transcript,
     context_view,
+    list_messages,
     parse_messages,
     request_compaction,
     transcript_stats,
@@ -962,6 +963,24 @@ def test_settings_put_creates_validates_and_triggers(
         77,  # the 25 turns of before (77 messages), and not the refused append's
     )
     assert put_settings(client, "set", {"context_window": None}).json()["trigger_tokens"] is None
+
+
+def test_a_page_of_messages_stops_at_its_byte_budget(client: TestClient, tx_factory: sessionmaker[Session]):
+    """10,000 messages a page of tool results a megabyte or more each was gigabytes loaded into the API
+    for one request; a page now stops at 8 MiB (at least one message) and says where to go on."""
+    big = "x" * (3 * 1024 * 1024)
+    for n in range(3):
+        assert (
+            post_messages(client, "big", {"messages": [{"role": "user", "text": f"{n}{big}"}]}).status_code
+            < 300
+        )
+    first = client.get("/v1/transcripts/big/messages", params={"limit": 10_000}).json()
+    assert [m["seq"] for m in first["messages"]] == [0, 1] and first["next_after_seq"] == 1
+    rest = client.get("/v1/transcripts/big/messages", params={"after_seq": 1}).json()
+    assert [m["seq"] for m in rest["messages"]] == [2] and rest["next_after_seq"] is None
+    with tx_factory() as session:  # one message over the budget still comes, alone
+        rows, more = list_messages(session, "big", max_bytes=1024)
+    assert [row.seq for row in rows] == [0] and more
 
 
 def test_reads_page_and_404(client: TestClient, tx_factory: sessionmaker[Session], simulator: Any) -> None:

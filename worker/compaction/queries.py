@@ -172,20 +172,45 @@ def context_view(session: Session, transcript_id: str) -> ContextView:
     return view_of(load_timeline(session, transcript_id))
 
 
+# A page of messages stops at this many bytes (at least one message): a transcript of large tool
+# results would otherwise load gigabytes into the API for one request of 10,000 messages.
+MAX_MESSAGES_PAGE_BYTES = 8 * 1024 * 1024
+_STORED_BYTES = func.octet_length(TRANSCRIPT_MESSAGES.c.text) + func.coalesce(
+    func.pg_column_size(TRANSCRIPT_MESSAGES.c.tool_calls), 0
+)  # read from the rows' headers: no message is loaded to be measured
+
+
 def list_messages(
-    session: Session, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
-) -> list[TranscriptMessageRow]:
-    """The full history in seq order (compaction never deletes a message), paged by seq."""
+    session: Session,
+    transcript_id: str,
+    *,
+    after_seq: int | None = None,
+    limit: int = 1000,
+    max_bytes: int = MAX_MESSAGES_PAGE_BYTES,
+) -> tuple[list[TranscriptMessageRow], bool]:
+    """The full history in seq order (compaction never deletes a message), paged by seq: up to
+    ``limit`` messages and ``max_bytes``; and whether more follow."""
     get_transcript(session, transcript_id)
-    query = (
+    after = -1 if after_seq is None else after_seq
+    mine = (TRANSCRIPT_MESSAGES.c.transcript_id == transcript_id) & (TRANSCRIPT_MESSAGES.c.seq > after)
+    sizes = session.execute(
+        select(TRANSCRIPT_MESSAGES.c.seq, _STORED_BYTES).where(mine).order_by("seq").limit(limit + 1)
+    ).all()
+    taken = total = 0
+    for _, size in sizes[:limit]:
+        if taken and total + size > max_bytes:
+            break
+        taken, total = taken + 1, total + size
+    if not taken:
+        return [], False
+    last = sizes[taken - 1][0]
+    rows = session.scalars(
         select(TranscriptMessageRow)
         .where(TranscriptMessageRow.transcript_id == transcript_id)
+        .where(TranscriptMessageRow.seq > after, TranscriptMessageRow.seq <= last)
         .order_by(TranscriptMessageRow.seq)
-        .limit(limit)
     )
-    if after_seq is not None:
-        query = query.where(TranscriptMessageRow.seq > after_seq)
-    return list(session.scalars(query))
+    return list(rows), len(sizes) > taken
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Compaction, TranscriptMessageRow
+from models import Compaction
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.compaction import queries, records
@@ -51,12 +51,6 @@ class TranscriptStore:
     def stats(self, transcript_id: str) -> TranscriptStats:
         with read_only(self._factory) as session:
             return queries.transcript_stats(session, transcript_id)
-
-    def messages(
-        self, transcript_id: str, *, after_seq: int | None = None, limit: int = 1000
-    ) -> list[TranscriptMessageRow]:
-        with read_only(self._factory) as session:
-            return queries.list_messages(session, transcript_id, after_seq=after_seq, limit=limit)
 
     def compactions(
         self, transcript_id: str, *, limit: int = 50, before_id: int | None = None

@@ -25,7 +25,7 @@ from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from models import Compaction, TranscriptMessageRow
+from models import Compaction
 from models.reads import read_only
 from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
 from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
@@ -324,11 +324,9 @@ def get_messages(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> MessagesOut:
     with _transcript_session(ctx) as session:
-        rows: list[TranscriptMessageRow] = list_messages(
-            session, transcript_id, after_seq=after_seq, limit=limit
-        )
+        rows, more = list_messages(session, transcript_id, after_seq=after_seq, limit=limit)
         messages = [StoredMessageOut.model_validate(row) for row in rows]
-    next_after = messages[-1].seq if len(messages) == limit else None
+    next_after = messages[-1].seq if more else None
     return MessagesOut(transcript_id=transcript_id, messages=messages, next_after_seq=next_after)
 
 
