@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     # LLM gateway. None means: the provider whose API key is set, else the bundled simulator.
     llm: LLMProvider | None = None
     llm_model: str | None = None
-    llm_base_url: str | None = None
+    llm_base_url: str | None = Field(default=None, repr=False)  # may carry credentials (user:pass@)
     llm_timeout_seconds: float = Field(default=60.0, gt=0)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
     openai_api_key: str | None = Field(
@@ -150,7 +150,7 @@ class Settings(BaseSettings):
     # OpenTelemetry tracing, off unless set: the OTLP/HTTP endpoint of a collector (e.g.
     # http://otel-collector:4318; "/v1/traces" is added unless the URL already ends with it). Needs the
     # `otel` extra (pip install 'factmill[otel]'). Each process reports as factmill-api, -worker or -beat.
-    otel_endpoint: str | None = None
+    otel_endpoint: str | None = Field(default=None, repr=False)  # may carry credentials
     # The API key `factmill mcp` serves stdio with (a key from `factmill keys create`).
     mcp_api_key: str | None = Field(default=None, repr=False)
     # Flower's own login variables (Flower reads them itself): `factmill flower` reads them only to refuse

@@ -105,6 +105,8 @@ def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
         "broker_url": "redis://:brokerpassword@redis:6379/0",
         "ratelimit_redis_url": "redis://:ratepassword@redis:6379/1",
         "test_database_url": "postgresql://t:testpassword@db/t",
+        "llm_base_url": "https://gateway:llmpassword@llm.example/v1",
+        "otel_endpoint": "https://otel:otelpassword@otel.example",
     }
     shown = repr(Settings(**secrets)) + str(Settings(**secrets))
     for value in ("w" * 40, "p" * 40, "t" * 40, "o" * 40, "n" * 40, "password"):
