@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from typing import Any, Literal
 
 from worker.core.delimiters import wrap_in_tag
@@ -93,18 +95,31 @@ def entity_words(key: str) -> frozenset[str]:
 
 def word_overlap(a: str, b: str, ignore: frozenset[str] = frozenset()) -> float:
     """Jaccard overlap of the two facts' content words (less ``ignore``), 0..1."""
-    left, right = content_words(a, ignore), content_words(b, ignore)
+    return _jaccard(content_words(a, ignore), content_words(b, ignore))
+
+
+def _jaccard(left: frozenset[str], right: frozenset[str]) -> float:
     if not left or not right:
         return 0.0
     return len(left & right) / len(left | right)
 
 
-def cosine(a: Sequence[float] | None, b: Sequence[float] | None) -> float | None:
-    """Cosine similarity, or None when either vector is missing, empty, zero or of another length."""
+def _norm(vector: Sequence[float]) -> float:
+    return math.sqrt(sum(map(operator.mul, vector, vector)))
+
+
+def cosine(
+    a: Sequence[float] | None,
+    b: Sequence[float] | None,
+    norm_a: float | None = None,
+    norm_b: float | None = None,
+) -> float | None:
+    """Cosine similarity, or None when either vector is missing, empty, zero or of another length.
+    ``norm_a``/``norm_b``: the vectors' norms when the caller has them already."""
     if not a or not b or len(a) != len(b):
         return None
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    dot = sum(map(operator.mul, a, b))  # about twice a generator's speed (lengths are equal, checked)
+    norms = (norm_a if norm_a is not None else _norm(a)) * (norm_b if norm_b is not None else _norm(b))
     return dot / norms if norms else None
 
 
@@ -125,6 +140,20 @@ class FactView:
         """When the fact became true: its valid_from, else when it was said."""
         return self.valid_from if self.valid_from is not None else self.said_at
 
+    # What each comparison reads, worked out once a fact rather than once a pair: an entity with
+    # 50,000 facts made every new fact normalize all of them again (bench in the stop-35 note).
+    @cached_property
+    def normalized(self) -> str:
+        return normalize_fact_text(self.text)
+
+    @cached_property
+    def words(self) -> frozenset[str]:
+        return content_words(self.text)
+
+    @cached_property
+    def norm(self) -> float | None:
+        return _norm(self.embedding) if self.embedding else None
+
 
 Triage = Literal["exact", "near", "ambiguous", "unrelated"]
 
@@ -140,12 +169,12 @@ def triage_pair(new: FactView, old: FactView, ignore: frozenset[str] = frozenset
     """What a rule can say about a pair: an exact or near duplicate (certain), ambiguous (ask the
     model), or unrelated. Facts of different kinds are never compared; ``ignore`` holds the
     entity's own name words (``entity_words``)."""
-    overlap = word_overlap(new.text, old.text, ignore)
-    vector = cosine(new.embedding, old.embedding)
+    overlap = _jaccard(new.words - ignore, old.words - ignore)
+    vector = cosine(new.embedding, old.embedding, new.norm, old.norm)
     similarity = vector if vector is not None else overlap
     if new.kind != old.kind:
         return PairTriage(old, "unrelated", similarity)
-    if normalize_fact_text(new.text) == normalize_fact_text(old.text):
+    if new.normalized == old.normalized:
         return PairTriage(old, "exact", 1.0)
     if vector is not None and vector >= DUPLICATE_COSINE:
         return PairTriage(old, "near", vector)
