@@ -8,8 +8,8 @@ facts are, each with a ``--dims`` embedding as ``facts.embedding`` holds it) and
 then times ``plan_consolidation`` (every new fact triaged against the pool and the new facts before it)
 and, as the baseline in the same run, the same pairs triaged by the public per-pair functions that
 recompute both facts' words, normalized text and vector norms for every pair (what planning did
-before). Prints the medians and the ratio, and the memory the pool's vectors take as Python lists
-(what the consolidation store loads). Pure computation: no database, no model.
+before). Prints the medians and the ratio, and the memory the pool takes (vectors as arrays of
+doubles, as the consolidation store keeps them). Pure computation: no database, no model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def facts(count: int, dims: int, start: int, draw: random.Random) -> list[FactVi
             f"Alice Example {draw.choice(VERBS.split())} {draw.choice(PLACES.split())} with group {n % 97}.",
             "fact",
             day - timedelta(minutes=n),
-            [draw.gauss(0.0, 1.0) for _ in range(dims)],
+            array("d", (draw.gauss(0.0, 1.0) for _ in range(dims))),  # as the store keeps them
             start + n,
         )
         for n in range(count)
