@@ -27,6 +27,7 @@ from worker.calibration import FALLBACK, ActiveThreshold
 from worker.compaction import (
     PAUSED_REASON,
     CompactionDisabledError,
+    ContextTooLargeError,
     TranscriptNotFoundError,
     append_messages,
     compact_transcript,
@@ -981,6 +982,27 @@ def test_a_page_of_messages_stops_at_its_byte_budget(client: TestClient, tx_fact
     with tx_factory() as session:  # one message over the budget still comes, alone
         rows, more = list_messages(session, "big", max_bytes=1024)
     assert [row.seq for row in rows] == [0] and more
+
+
+def test_a_context_view_past_its_byte_budget_is_refused_not_loaded(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A transcript no summary cuts down (no window here) grew a context view that was loaded whole
+    into the API: gigabytes for one GET. Past 32 MiB it is now a 409 saying what to do, measured from
+    the rows' headers before any message is read; the history still pages."""
+    big = "y" * (11 * 1024 * 1024)
+    for n in range(3):
+        body = {"messages": [{"role": "user", "text": f"{n}{big}"}, {"role": "assistant", "text": "ok"}]}
+        assert post_messages(client, "huge", body).status_code == 201
+    refused = client.get("/v1/transcripts/huge/context")
+    assert refused.status_code == 409, refused.text
+    detail = refused.json()["detail"]
+    assert "34,603," in detail and "past the 33,554,432" in detail and "/messages" in detail
+    assert client.get("/v1/transcripts/huge/messages").json()["next_after_seq"] == 0  # one a page
+    with tx_factory() as session:
+        assert len(context_view(session, "huge", max_bytes=34 << 20).messages) == 6
+        with pytest.raises(ContextTooLargeError):
+            context_view(session, "huge", max_bytes=33 << 20)
 
 
 def test_reads_page_and_404(client: TestClient, tx_factory: sessionmaker[Session], simulator: Any) -> None:

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 from worker.compaction.entry import compact_transcript
 from worker.compaction.queries import (
+    ContextTooLargeError,
     TranscriptNotFoundError,
-    TranscriptStats,
     append_messages,
-    context_view,
-    list_messages,
     load_timeline,
-    recent_transcripts,
     request_compaction,
-    transcript_stats,
     update_settings,
 )
 from worker.compaction.records import list_compactions
 from worker.compaction.service import PAUSED_REASON, CompactionDisabledError, CompactionOutcome
+from worker.compaction.views import (
+    MAX_CONTEXT_VIEW_BYTES,
+    TranscriptStats,
+    context_view,
+    list_messages,
+    recent_transcripts,
+    transcript_stats,
+)
 from worker.core.compaction_gate import judge_summary
 from worker.core.timeline import plan_compaction
 from worker.core.transcripts import (
@@ -37,10 +41,12 @@ from worker.core.transcripts import (
 )
 
 __all__ = [
+    "MAX_CONTEXT_VIEW_BYTES",
     "MAX_MESSAGES_PER_REQUEST",
     "PAUSED_REASON",
     "CompactionDisabledError",
     "CompactionOutcome",
+    "ContextTooLargeError",
     "MessageError",
     "TranscriptError",
     "TranscriptNotFoundError",

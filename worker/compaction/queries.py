@@ -8,7 +8,7 @@ transactions of its own for the compaction service.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -16,10 +16,10 @@ from sqlalchemy import bindparam, case, func, literal, select, true, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from models import Compaction, Job, Transcript, TranscriptMessageRow
+from models import Compaction, Job, Transcript
 from models.tables import COMPACTIONS, TRANSCRIPT_MESSAGES, TRANSCRIPTS
 from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
-from worker.core.timeline import AppliedSummary, ContextView, Timeline, view_of
+from worker.core.timeline import AppliedSummary, Timeline
 from worker.core.transcripts import (
     ToolUnit,
     TranscriptError,
@@ -31,7 +31,7 @@ from worker.core.transcripts import (
     tool_calls_json,
 )
 from worker.jobs.leases import now
-from worker.jobs.outbox import COMPACTION, PENDING, JobRequest, request_job
+from worker.jobs.outbox import COMPACTION, JobRequest, request_job
 
 
 class TranscriptNotFoundError(LookupError):
@@ -131,10 +131,39 @@ _TIMELINE_MESSAGES = (
 )
 
 
-def load_timeline(session: Session, transcript_id: str) -> Timeline:
+# What a context view stores, in bytes, read from the rows' headers: no message is loaded to be measured.
+STORED_BYTES = func.octet_length(TRANSCRIPT_MESSAGES.c.text) + func.coalesce(
+    func.pg_column_size(TRANSCRIPT_MESSAGES.c.tool_calls), 0
+)
+_VIEW_BYTES = select(func.coalesce(func.sum(STORED_BYTES), 0)).where(
+    TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq >= bindparam("start")
+)
+
+
+class ContextTooLargeError(Exception):
+    """The context view is past the bytes one read may load; the history is still read in pages."""
+
+    def __init__(self, transcript_id: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"transcript {transcript_id!r}: its context view is {size:,} bytes, past the {limit:,} one read "
+            "returns; no accepted summary has cut it down (give the transcript a context_window, check "
+            "that compaction.enabled is on and see its compactions), or read the history in pages "
+            "(GET /v1/transcripts/{id}/messages)"
+        )
+        self.transcript_id = transcript_id
+
+
+def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None = None) -> Timeline:
+    """The applied summary and the messages after its cut. With ``max_bytes``, raises
+    ContextTooLargeError when they store more than that (measured before any message is loaded)."""
     settings = transcript_settings(session, transcript_id)
     summary = applied_summary(session, transcript_id)
     start = summary.cut_seq if summary is not None else 0
+    if max_bytes is not None:
+        size = session.connection().execute(_VIEW_BYTES, {"id": transcript_id, "start": start}).scalar_one()
+        size += len(summary.summary.encode()) if summary is not None else 0
+        if size > max_bytes:
+            raise ContextTooLargeError(transcript_id, size, max_bytes)
     rows = session.connection().execute(_TIMELINE_MESSAGES, {"id": transcript_id, "start": start}).all()
     messages: list[TranscriptMessage] = []
     seqs: list[int | None] = []
@@ -165,142 +194,6 @@ def context_now(session: Session, transcript_id: str) -> tuple[AppliedSummary | 
     summary_id, cut_seq, text, tokens = session.connection().execute(_CONTEXT, {"id": transcript_id}).one()
     summary = _applied(summary_id, cut_seq, text)
     return summary, int(tokens) + (estimate_tokens(summary.marker()) if summary is not None else 0)
-
-
-def context_view(session: Session, transcript_id: str) -> ContextView:
-    """What to send a model now: the newest accepted summary plus the messages after its cut, repaired."""
-    return view_of(load_timeline(session, transcript_id))
-
-
-# A page of messages stops at this many bytes (at least one message): a transcript of large tool
-# results would otherwise load gigabytes into the API for one request of 10,000 messages.
-MAX_MESSAGES_PAGE_BYTES = 8 * 1024 * 1024
-_STORED_BYTES = func.octet_length(TRANSCRIPT_MESSAGES.c.text) + func.coalesce(
-    func.pg_column_size(TRANSCRIPT_MESSAGES.c.tool_calls), 0
-)  # read from the rows' headers: no message is loaded to be measured
-
-
-def list_messages(
-    session: Session,
-    transcript_id: str,
-    *,
-    after_seq: int | None = None,
-    limit: int = 1000,
-    max_bytes: int = MAX_MESSAGES_PAGE_BYTES,
-) -> tuple[list[TranscriptMessageRow], bool]:
-    """The full history in seq order (compaction never deletes a message), paged by seq: up to
-    ``limit`` messages and ``max_bytes``; and whether more follow."""
-    get_transcript(session, transcript_id)
-    after = -1 if after_seq is None else after_seq
-    mine = (TRANSCRIPT_MESSAGES.c.transcript_id == transcript_id) & (TRANSCRIPT_MESSAGES.c.seq > after)
-    sizes = session.execute(
-        select(TRANSCRIPT_MESSAGES.c.seq, _STORED_BYTES).where(mine).order_by("seq").limit(limit + 1)
-    ).all()
-    taken = total = 0
-    for _, size in sizes[:limit]:
-        if taken and total + size > max_bytes:
-            break
-        taken, total = taken + 1, total + size
-    if not taken:
-        return [], False
-    last = sizes[taken - 1][0]
-    rows = session.scalars(
-        select(TranscriptMessageRow)
-        .where(TranscriptMessageRow.transcript_id == transcript_id)
-        .where(TranscriptMessageRow.seq > after, TranscriptMessageRow.seq <= last)
-        .order_by(TranscriptMessageRow.seq)
-    )
-    return list(rows), len(sizes) > taken
-
-
-@dataclass(frozen=True)
-class TranscriptStats:
-    """Before/after in tokens: the full history against what the context view sends now."""
-
-    transcript_id: str
-    settings: TranscriptSettings
-    messages: int
-    history_tokens: int
-    context_tokens: int
-    summary_tokens: int
-    compaction_id: int | None
-    cut_seq: int | None
-    pending_job_id: int | None
-    created_at: Any = None
-    updated_at: Any = None
-
-    @property
-    def saved_tokens(self) -> int:
-        return self.history_tokens - self.context_tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["settings"] = asdict(self.settings)
-        data["trigger_tokens"] = self.settings.trigger_tokens
-        data["saved_tokens"] = self.saved_tokens
-        for key in ("created_at", "updated_at"):
-            if data[key] is not None:
-                data[key] = data[key].isoformat()
-        return data
-
-
-def recent_transcripts(session: Session, limit: int) -> list[dict[str, Any]]:
-    """Transcripts, most recently changed first, with their message and token counts. The newest
-    ``limit`` are chosen first and only their messages counted (not every transcript's)."""
-    newest = (
-        select(Transcript.id, Transcript.context_window, Transcript.updated_at)
-        .order_by(Transcript.updated_at.desc(), Transcript.id)
-        .limit(limit)
-        .subquery()
-    )
-    query = (
-        select(
-            newest.c.id,
-            newest.c.context_window,
-            func.count(TranscriptMessageRow.id),
-            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
-            newest.c.updated_at,
-        )
-        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == newest.c.id)
-        .group_by(newest.c.id, newest.c.context_window, newest.c.updated_at)
-        .order_by(newest.c.updated_at.desc(), newest.c.id)
-    )
-    return [
-        {
-            "transcript_id": tid,
-            "context_window": window,
-            "messages": int(count),
-            "history_tokens": int(tokens),
-            "updated_at": updated.isoformat(),
-        }
-        for tid, window, count, tokens, updated in session.execute(query)
-    ]
-
-
-def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
-    transcript = get_transcript(session, transcript_id)
-    count, history = session.execute(
-        select(func.count(), func.coalesce(func.sum(TranscriptMessageRow.tokens), 0)).where(
-            TranscriptMessageRow.transcript_id == transcript_id
-        )
-    ).one()
-    summary, tokens = context_now(session, transcript_id)
-    pending = session.scalar(
-        select(Job.id).where(Job.kind == COMPACTION, Job.subject == transcript_id, Job.status.in_(PENDING))
-    )
-    return TranscriptStats(
-        transcript_id=transcript_id,
-        settings=TranscriptSettings.of(transcript),
-        messages=int(count),
-        history_tokens=int(history),
-        context_tokens=tokens,
-        summary_tokens=estimate_tokens(summary.marker()) if summary else 0,
-        compaction_id=summary.compaction_id if summary else None,
-        cut_seq=summary.cut_seq if summary else None,
-        pending_job_id=pending,
-        created_at=transcript.created_at,
-        updated_at=transcript.updated_at,
-    )
 
 
 # The end of a transcript's stored history: its last seq, and its last turn that is not a tool result.

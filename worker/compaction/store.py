@@ -13,20 +13,20 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Compaction
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.compaction import queries, records
-from worker.compaction.queries import AppendResult, TranscriptStats, TriggerCheck
+from worker.compaction.queries import AppendResult, TriggerCheck
 from worker.compaction.records import CompactionRecord, SavedCompaction
 from worker.core.compaction import TranscriptMessage
-from worker.core.timeline import ContextView, Timeline
+from worker.core.timeline import Timeline
 from worker.core.transcripts import TranscriptSettings
 from worker.jobs.outbox import JobRequest
 
 
 class TranscriptStore:
-    """Transcripts, their messages, timelines, context views, stats and compaction rows."""
+    """What the compaction service reads and writes: a transcript's timeline, its messages and settings,
+    its compaction rows and their LLM calls. The API, CLI and MCP reads are in ``views``."""
 
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         self._factory = factory
@@ -34,29 +34,11 @@ class TranscriptStore:
 
     # -- reads --------------------------------------------------------------
 
-    def timeline(self, transcript_id: str) -> Timeline:
-        with read_only(self._factory) as session:
-            return queries.load_timeline(session, transcript_id)
-
     def compaction_input(self, transcript_id: str, intent_messages: int) -> tuple[Timeline, list[str]]:
         """The timeline to compact and the latest user texts its intent is read from, in one read."""
         with read_only(self._factory) as session:
             timeline = queries.load_timeline(session, transcript_id)
             return timeline, queries.latest_user_texts(session, transcript_id, intent_messages)
-
-    def context_view(self, transcript_id: str) -> ContextView:
-        with read_only(self._factory) as session:
-            return queries.context_view(session, transcript_id)
-
-    def stats(self, transcript_id: str) -> TranscriptStats:
-        with read_only(self._factory) as session:
-            return queries.transcript_stats(session, transcript_id)
-
-    def compactions(
-        self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
-    ) -> list[Compaction]:
-        with read_only(self._factory) as session:
-            return records.list_compactions(session, transcript_id, limit=limit, before_id=before_id)
 
     # -- writes -------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from worker.access.ratelimit import PerKeyLimiter
 from worker.calibration import ObservationError, ObservationIn, add_observation
 from worker.compaction import (
     MAX_MESSAGES_PER_REQUEST,
+    ContextTooLargeError,
     TranscriptError,
     TranscriptNotFoundError,
     append_messages,
@@ -97,7 +98,7 @@ def _refusals() -> Iterator[None]:
         raise ToolError("the search LLM budget for today is spent; lex: lines still work") from None
     except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
         raise ToolError(str(exc)) from None
-    except TranscriptNotFoundError as exc:
+    except (TranscriptNotFoundError, ContextTooLargeError) as exc:
         raise ToolError(str(exc)) from None
 
 

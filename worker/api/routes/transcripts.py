@@ -56,6 +56,7 @@ from worker.api.schemas.transcripts import (
     TranscriptOut,
 )
 from worker.compaction import (
+    ContextTooLargeError,
     MessageError,
     TranscriptError,
     TranscriptNotFoundError,
@@ -278,13 +279,13 @@ def list_transcripts(
 
 
 def _read(
-    suffix: str, response_model: type[Any], summary: str
+    suffix: str, response_model: type[Any], summary: str, *refusals: int
 ) -> Callable[[DecoratedCallable], DecoratedCallable]:
     """A transcript read: GET /v1/transcripts/{transcript_id}<suffix>, 404 for a transcript never written."""
     return compaction_router.get(
         "/v1/transcripts/{transcript_id}" + suffix,
         response_model=response_model,
-        responses=error_responses(404),
+        responses=error_responses(404, *refusals),
         summary=summary,
     )
 
@@ -298,12 +299,17 @@ def get_transcript(ctx: Context, _: TranscriptReader, transcript_id: TranscriptI
     "/context",
     ContextOut,
     "What to send a model now: the newest accepted summary plus the messages after its cut",
+    409,
 )
 def get_context(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) -> ContextOut:
     """Repaired for providers: every tool call is followed by its results (a placeholder stands in for
-    one that never came), and no tool result is separated from its call."""
+    one that never came), and no tool result is separated from its call. A view past 32 MiB (no summary
+    has cut it down) is answered 409; the history is still read in pages from `/messages`."""
     with _transcript_session(ctx) as session:
-        view = context_view(session, transcript_id)
+        try:
+            view = context_view(session, transcript_id)
+        except ContextTooLargeError as exc:
+            raise ApiError(409, str(exc)) from None
     return ContextOut(
         transcript_id=transcript_id,
         compaction_id=view.compaction_id,
