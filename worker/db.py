@@ -24,7 +24,17 @@ from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+
+def resource_root() -> Path:
+    """Where the migrations and the demo's example pages are: the checkout (an editable install,
+    ./dev, the Dockerfile), else the copy a built wheel carries in worker/_bundled (setup.py)."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "alembic" / "env.py").is_file():
+        return checkout
+    return Path(__file__).resolve().parent / "_bundled"
+
+
+REPO_ROOT = resource_root()
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 MIGRATIONS = REPO_ROOT / "alembic"
 
@@ -158,11 +168,12 @@ def alembic_config(url: str):  # type: ignore[no-untyped-def]
     from alembic.config import Config
 
     if not (MIGRATIONS / "env.py").is_file():
-        # A wheel carries the packages only; alembic/ sits at the top of the repository (DESIGN.md).
+        # Neither a checkout nor a wheel built by setup.py (which bundles them): a build from a tree
+        # without alembic/, or files removed after the install.
         raise MigrationsMissingError(
-            f"Factmill's migrations are not beside its code (no {MIGRATIONS / 'env.py'}): a built wheel does "
-            "not carry them; install Factmill from its source checkout (`pip install -e .`, as ./dev and "
-            "deploy/Dockerfile do)"
+            f"Factmill's migrations are not beside its code (no {MIGRATIONS / 'env.py'}): reinstall Factmill "
+            "from a wheel or source distribution built from its checkout, or from the checkout itself "
+            "(`pip install -e .`, as ./dev and deploy/Dockerfile do)"
         )
     config = Config(str(ALEMBIC_INI))
     config.set_main_option("script_location", str(MIGRATIONS))

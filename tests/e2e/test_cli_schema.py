@@ -4,7 +4,10 @@ line saying what to do, never a start that fails jobs or a traceback."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -95,8 +98,9 @@ def test_upgrade_errors_are_one_line(server_url):
 
 
 def test_migrations_missing_beside_the_code_is_one_line(monkeypatch, capsys, tmp_path):
-    """Installed from a built wheel (which carries the packages, not alembic/), every command ended in
-    alembic's "Can't find Python file .../env.py" traceback, or called the schema newer than the code."""
+    """Without its migrations (a wheel built from a tree without alembic/, files removed), every command
+    ended in alembic's "Can't find Python file .../env.py" traceback, or called the schema newer than
+    the code."""
     from worker import db
     from worker.cli.app import main
     from worker.settings import get_settings
@@ -114,8 +118,68 @@ def test_migrations_missing_beside_the_code_is_one_line(monkeypatch, capsys, tmp
             err.startswith("error: Factmill's migrations are not beside its code (no ")
             and err.count("\n") == 1
         )
-        assert "install Factmill from its source checkout (`pip install -e .`" in err
+        assert "or from the checkout itself (`pip install -e .`" in err
     get_settings.cache_clear()
+
+
+# What a wheel is built from: the checkout's packaging files and the folders it carries.
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "alembic.ini")
+BUILD_FOLDERS = ("alembic", "examples", "worker", "tasks", "models", "factmill_client")
+
+
+def test_a_built_wheel_carries_its_migrations_and_the_demo_pages(server_url, tmp_path):
+    """A wheel carried the packages only: installed from one, `factmill db upgrade` could not find its
+    migrations and the demo its example pages (both sit at the top of the checkout). setup.py now
+    bundles them; installed far from any checkout, the wheel's own copy builds the schema to head."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        shutil.copy2(REPO / name, source / name)
+    for name in BUILD_FOLDERS:
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    built = subprocess.run(
+        [*pip, "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "dist").glob("factmill-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [*pip, "install", "-q", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    bundled = site / "worker" / "_bundled"
+    assert any(bundled.glob(f"alembic/versions/{HEAD}_*.py"))
+    assert any((bundled / "examples" / "conversations").rglob("*.md"))
+    with fresh_database(server_url, "wheel") as url:
+        env = bare_env(FACTMILL_DATABASE_URL=url, PYTHONPATH=str(site))
+        where = [sys.executable, "-c", "import worker.db as d; print(d.__file__, d.MIGRATIONS, sep='\\n')"]
+        paths = subprocess.run(where, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert paths.stdout.splitlines() == [str(site / "worker" / "db.py"), str(bundled / "alembic")]
+        upgraded = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "db", "upgrade"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert upgraded.returncode == 0 and "Traceback" not in upgraded.stderr, upgraded.stderr
+        current = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "db", "current"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert current.stdout.strip() == HEAD, current.stdout + current.stderr
 
 
 @contextlib.contextmanager
