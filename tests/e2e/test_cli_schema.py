@@ -137,49 +137,33 @@ def test_a_built_wheel_carries_its_migrations_and_the_demo_pages(server_url, tmp
         shutil.copy2(REPO / name, source / name)
     for name in BUILD_FOLDERS:
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    built = subprocess.run(
-        [*pip, "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = (tmp_path / "dist").glob("factmill-*.whl")
-    site = tmp_path / "site"
-    installed = subprocess.run(
-        [*pip, "install", "-q", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert installed.returncode == 0, installed.stdout + installed.stderr
-    bundled = site / "worker" / "_bundled"
-    assert any(bundled.glob(f"alembic/versions/{HEAD}_*.py"))
-    assert any((bundled / "examples" / "conversations").rglob("*.md"))
-    with fresh_database(server_url, "wheel") as url:
-        env = bare_env(FACTMILL_DATABASE_URL=url, PYTHONPATH=str(site))
-        where = [sys.executable, "-c", "import worker.db as d; print(d.__file__, d.MIGRATIONS, sep='\\n')"]
-        paths = subprocess.run(where, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-        assert paths.stdout.splitlines() == [str(site / "worker" / "db.py"), str(bundled / "alembic")]
-        upgraded = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "db", "upgrade"],
+
+    def run(args: list[str], **env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, *args],
             cwd=tmp_path,
-            env=env,
+            env=bare_env(**env),
             capture_output=True,
             text=True,
             timeout=240,
         )
-        assert upgraded.returncode == 0 and "Traceback" not in upgraded.stderr, upgraded.stderr
-        current = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "db", "current"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert current.stdout.strip() == HEAD, current.stdout + current.stderr
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+        return done.stdout
+
+    pip = ["-m", "pip", "--disable-pip-version-check", "-q"]
+    run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source)])
+    (wheel,) = (tmp_path / "dist").glob("factmill-*.whl")
+    site = tmp_path / "site"
+    run([*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)])
+    bundled = site / "worker" / "_bundled"
+    assert any(bundled.glob(f"alembic/versions/{HEAD}_*.py"))
+    assert any((bundled / "examples" / "conversations").rglob("*.md"))
+    with fresh_database(server_url, "wheel") as url:
+        installed = {"FACTMILL_DATABASE_URL": url, "PYTHONPATH": str(site)}
+        where = run(["-c", "import worker.db as d; print(d.__file__, d.MIGRATIONS, sep='\\n')"], **installed)
+        assert where.splitlines() == [str(site / "worker" / "db.py"), str(bundled / "alembic")]
+        run(["-m", "worker.cli", "db", "upgrade"], **installed)
+        assert run(["-m", "worker.cli", "db", "current"], **installed).strip() == HEAD
 
 
 @contextlib.contextmanager
