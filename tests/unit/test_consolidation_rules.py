@@ -148,3 +148,41 @@ def test_plan_and_resolve_an_entity() -> None:
     assert [(c.older.id, c.newer.id, c.valid_to) for c in update.closings] == [(1, 3, MAR)]
     assert resolve(by_id[3], {}).kind == "unrelated", "a pair the model skipped stays unrelated"
     assert resolve(by_id[4], {}).kind == "new"
+
+
+def test_a_plan_compares_each_new_fact_with_its_own_kind_only() -> None:
+    """Planning triages a new fact against its kind's facts only (a fifth of the pairs on a pool of five
+    kinds); the plans are those of triaging it against the whole entity, where the other kinds' pairs
+    came out unrelated. A same-text fact of another kind is no duplicate, and pending facts join
+    their own kind's pool."""
+    from worker.core.consolidation import order_key, plan_consolidation
+
+    kinds = ("fact", "event", "preference")
+    pool = [
+        fact(i, f"Alice {verb} {place}", kind=kinds[i % 3])
+        for i, (verb, place) in enumerate(
+            (v, p) for v in ("likes", "visited", "plans") for p in ("Lisbon", "Porto", "Kyoto", "Oslo")
+        )
+    ]
+    pending = [
+        fact(100, "Alice likes Lisbon", kind="event", when=MAR),
+        fact(101, "alice likes lisbon.", kind="preference", when=MAR),
+        fact(102, "Alice plans Kyoto", kind="belief", when=MAR),
+        fact(103, "Alice plans Kyoto!", kind="belief", when=MAR),
+    ]
+    plans = plan_consolidation(pending, pool, "people/alice")
+    known, reference = list(pool), []
+    for new in sorted(pending, key=order_key):
+        found = candidates(new, known, ignore=frozenset({"alice"}))
+        reference.append((new.id, [(c.old.id, c.triage) for c in found]))
+        if not (found and found[0].triage in ("exact", "near")):
+            known.append(new)
+    got = [
+        (p.new.id, [(p.rule.old.id, p.rule.triage)] if p.rule else [(a.old.id, "ambiguous") for a in p.asked])
+        for p in plans
+    ]
+    assert got == reference
+    assert all(old.kind == plan.new.kind for plan in plans for old in [a.old for a in plan.asked])
+    assert plans[0].rule is None and plans[0].new.id == 100  # "likes Lisbon" exists, but as a fact
+    assert plans[0].asked  # the events that share its words are asked about
+    assert plans[3].rule is not None and plans[3].rule.old.id == 102  # the pending belief before it
