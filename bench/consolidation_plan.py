@@ -9,8 +9,9 @@ then times ``plan_consolidation`` (every new fact triaged against the pool and t
 and, as the baseline in the same run, the same pairs triaged by the public per-pair functions that
 recompute both facts' words, normalized text and vector norms for every pair (what planning did
 before); and planning as it was before the kind buckets (each new fact against every kind's facts,
-``--kinds`` > 1 shows the difference). Prints the medians and the ratios, and the memory the pool takes (vectors as arrays of
-doubles, as the consolidation store keeps them). Pure computation: no database, no model.
+``--kinds`` > 1 shows the difference). Prints the medians and the ratios, and the memory the pool
+takes (vectors as arrays of doubles, as the consolidation store keeps them). Pure computation: no
+database, no model.
 """
 
 from __future__ import annotations
