@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.api_key import API_SCOPES, ApiKey
-from models.backfill import BACKFILL_STATUSES, Backfill, BackfillBatch, BackfillRequest
+from models.backfill import BACKFILL_STATUSES, Backfill, BackfillBatch, BackfillRequest, ProviderCopy
 from models.base import NAMING_CONVENTION, Base
 from models.calibration import CalibrationObservation, CalibrationThreshold
 from models.checkpoint import OpCheckpoint
@@ -75,6 +75,7 @@ __all__ = [
     "LLMSpendDay",
     "OpCheckpoint",
     "Page",
+    "ProviderCopy",
     "RowCount",
     "Transcript",
     "TranscriptErasure",

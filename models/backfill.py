@@ -9,7 +9,7 @@ from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, 
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from models.base import Base, utcnow_column
+from models.base import Base, count_column, utcnow_column
 
 # planning: the job has not stored its batches yet; running: batches stored (some may be unsent or
 # in flight); done / cancelled: every batch ended and was collected (or never went out).
@@ -86,3 +86,20 @@ class BackfillRequest(Base):
     segment_hash: Mapped[str]  # the segment's messages as planned: a result commits only onto the same
     status: Mapped[str] = mapped_column(server_default="pending")
     updated_at: Mapped[datetime] = utcnow_column()
+
+
+class ProviderCopy(Base):
+    """A provider batch whose copy (its files: page text and the facts drawn from it) Factmill owes a
+    delete: the delete after its results were committed failed, or the batch had not ended when its
+    run gave up on it. Beat's backfill poll deletes it once the batch has ended, then drops the row."""
+
+    __tablename__ = "provider_copies"
+    __table_args__ = (UniqueConstraint("provider", "batch_id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    provider: Mapped[str]  # the FACTMILL_LLM that sent it: openai, anthropic, simulator
+    batch_id: Mapped[str]  # the provider's batch id
+    attempts: Mapped[int] = count_column()  # deletes tried by the poll (none yet: 0)
+    last_error: Mapped[str | None]
+    created_at: Mapped[datetime] = utcnow_column()
+    tried_at: Mapped[datetime] = utcnow_column()  # the poll tries again once this is old enough

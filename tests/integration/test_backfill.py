@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Backfill, BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall
+from models import Backfill, BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall, ProviderCopy
 from models.backfill import BACKFILL_STATUSES
 from tests.auth import send_key
 from tests.cli import invoke_cli
@@ -26,13 +26,15 @@ from tests.integration.test_batch import page_body
 from tests.integration.test_extraction import put_page
 from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
+from worker.api.metrics import BackfillCollector
 from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.backfill import BATCH_EXTRACTION, BackfillPass, BackfillSelection, request_backfill
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
 from worker.extraction.batch import segment_request
+from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
@@ -348,6 +350,36 @@ def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(
     assert drive(rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "done"
     assert sim.stats()["batches"]["results_downloads"] == 0
+
+
+def test_beats_poll_deletes_a_collected_batchs_copy_whose_delete_failed(factory, rt, sim):
+    """A backfill's batch is collected while the provider's delete fails: its copy (the pages' text)
+    is owed, shown on /metrics, and beat's backfill poll deletes it once due, as the deployment's own
+    provider client (FACTMILL_LLM, the simulator here)."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delete_fails=True)
+    rt.settings.llm_backoff_base_seconds = 0.01  # the failing delete's retries, quickly
+    backfill_id, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "done"
+    with factory() as session:
+        assert len(session.scalars(select(ProviderCopy.batch_id)).all()) == 1
+    assert sim.stats()["batches"]["held"]["files"] > 0
+    assert owed_gauge(factory) == 1
+    sim.configure(batch_delete_fails=False)
+    assert sweep_provider_copies(factory, rt.settings).deleted == 0  # not due yet (RETRY_AFTER)
+    with factory.begin() as session:
+        session.execute(update(ProviderCopy).values(tried_at=func.now() - RETRY_AFTER))
+    assert poll_backfills(factory, rt.settings) == 0  # beat's poll: no backfill waits; the copy is due
+    assert sim.stats()["batches"]["held"]["files"] == 0
+    assert owed_gauge(factory) == 0
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(ProviderCopy)) == 0
+
+
+def owed_gauge(factory: sessionmaker[Session]) -> float:
+    (gauge,) = [m for m in BackfillCollector(factory).collect() if m.name == "factmill_provider_copies_owed"]
+    return gauge.samples[0].value
 
 
 def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(factory, rt, sim):

@@ -1,9 +1,13 @@
-"""Batch-mode extraction through the real openai/anthropic SDKs against the simulator's batch endpoints."""
+"""Batch-mode extraction through the real openai/anthropic SDKs against the simulator's batch endpoints,
+and the batch copies at the provider: deleted once committed, or owed and deleted by beat's poll."""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -14,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from models import ExtractionAudit, Fact, LLMCall
+from models import ExtractionAudit, Fact, LLMCall, ProviderCopy
 from tests.integration.test_extraction import put_page
 from worker.accounting import Price, cost_usd
 from worker.config_store import set_config
@@ -25,9 +29,12 @@ from worker.extraction import (
     run_batch_extraction,
     run_extract_conversation_facts,
 )
+from worker.extraction.prompts import extraction_request, first_turn
+from worker.extraction.provider_copies import RETRY_AFTER, ProviderCopies, delete_owed, discard_batch
 from worker.llm.anthropic_provider import AnthropicChatClient
-from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.batches import AnthropicBatchClient, BatchLLMClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.retry import RetryPolicy
 from worker.llm.types import Usage
 from worker.simulator import Simulator, SimulatorConfig
 
@@ -336,3 +343,97 @@ def test_cli_extract_batch_json(committed_store, clean_sim, database_url, monkey
         assert refused.exit_code == 2 and "no batch API" in refused.output
     finally:
         get_settings.cache_clear()
+
+
+# -- the provider's copy of a batch: deleted, or owed and deleted by beat's backfill poll --------
+
+ONCE = RetryPolicy(max_attempts=1)
+
+
+def batch_client(simulator: Simulator, provider: str) -> BatchLLMClient:
+    if provider == "openai":
+        return OpenAIBatchClient(
+            OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator"), ONCE
+        )
+    chat = AnthropicChatClient(model="simulator-1", base_url=simulator.url, provider="simulator")
+    return AnthropicBatchClient(chat, ONCE)
+
+
+def owed(factory: sessionmaker[Session]) -> list[tuple[str, str, int, str | None]]:
+    with factory() as session:
+        rows = session.execute(
+            select(
+                ProviderCopy.provider, ProviderCopy.batch_id, ProviderCopy.attempts, ProviderCopy.last_error
+            )
+        )
+        return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+def held_at_provider(simulator: Simulator, provider: str, batch_id: str) -> bool:
+    if provider == "openai":
+        return simulator.stats()["batches"]["held"]["files"] > 0
+    sdk = anthropic.Anthropic(base_url=simulator.url, api_key="sim", max_retries=0)
+    try:
+        sdk.messages.batches.retrieve(batch_id)
+    except anthropic.NotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_failed_delete_is_owed_and_deleted_by_the_poll(store, clean_sim, caplog, provider):
+    """The delete after the commit failed and was only logged: the pages' text stayed at the provider
+    for good. Now it is a provider_copies row; the poll's sweep retries it once due (not before), counts
+    each failure, and drops the row once the provider has deleted the copy."""
+    clean_sim.configure(batch_delete_fails=True)
+    client = batch_client(clean_sim, provider)
+    with caplog.at_level(logging.WARNING, logger="worker.extraction.provider_copies"):
+        counters = run_batch(store, client)
+    assert counters.pages_processed == 3 and not counters.provider_copy_deleted
+    assert facts_of(store, "batch")  # the results were committed all the same
+    ((who, batch_id, attempts, error),) = owed(store)
+    assert (who, batch_id, attempts) == ("simulator", counters.batch_id, 0) and "500" in (error or "")
+    assert any("retried later" in r.getMessage() and batch_id in r.getMessage() for r in caplog.records)
+    assert held_at_provider(clean_sim, provider, batch_id)
+
+    copies = ProviderCopies(store)
+    assert copies.due("simulator") == []  # tried a moment ago: due after RETRY_AFTER
+    swept = delete_owed(copies, client, retry_after=timedelta(0))
+    assert (swept.deleted, swept.failed) == (0, 1) and owed(store)[0][2] == 1  # still failing: counted
+    clean_sim.configure(batch_delete_fails=False)
+    swept = delete_owed(copies, client, retry_after=timedelta(0))
+    assert (swept.deleted, swept.failed) == (1, 0) and owed(store) == []
+    assert not held_at_provider(clean_sim, provider, batch_id)
+    assert delete_owed(copies, client, retry_after=timedelta(0)).deleted == 0  # nothing left
+    assert timedelta(0) < RETRY_AFTER
+
+
+def test_a_batch_not_ended_is_deleted_once_it_has(store, clean_sim):
+    """A run that gives up on a batch (it never ended) leaves it running at the provider with the
+    pages' text; its delete is owed, and the sweep waits for it to end (deleting an OpenAI batch's
+    input before its output exists would leave the output behind) and then deletes everything."""
+    clean_sim.configure(batch_delay_seconds=1.5)
+    client = batch_client(clean_sim, "openai")
+    request = extraction_request([first_turn("**Ann** (2024-03-10 9:00 AM): I moved to Oslo.")], 10, 256)
+    batch_id = client.submit([("k-1", request)], key="k")
+    copies = ProviderCopies(store)
+    copies.owe(client.provider, batch_id, "did not end in time")
+    swept = delete_owed(copies, client, retry_after=timedelta(0))
+    assert (swept.waiting, swept.deleted) == (1, 0) and owed(store)[0][2] == 0  # waiting is no failure
+    deadline = time.monotonic() + 30
+    while not client.status(batch_id).ended:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert delete_owed(copies, client, retry_after=timedelta(0)).deleted == 1 and owed(store) == []
+    assert clean_sim.stats()["batches"]["held"]["files"] == 0
+
+
+def test_a_copy_the_provider_no_longer_has_is_settled(store, clean_sim):
+    """An Anthropic batch deleted by hand (or by the provider after 29 days) answers 404: nothing is
+    left to delete, so the row goes rather than failing for ever."""
+    client = batch_client(clean_sim, "anthropic")
+    copies = ProviderCopies(store)
+    copies.owe(client.provider, "msgbatch_gone", "HTTP 500")
+    assert discard_batch(client, "msgbatch_gone", copies) is True  # a 404 on delete is success
+    swept = delete_owed(copies, client, retry_after=timedelta(0))
+    assert swept.deleted == 1 and owed(store) == []

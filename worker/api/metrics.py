@@ -34,7 +34,7 @@ from models import (
     OpCheckpoint,
     RowCount,
 )
-from models.backfill import BATCH_STATUSES, REQUEST_STATUSES
+from models.backfill import BATCH_STATUSES, REQUEST_STATUSES, ProviderCopy
 from worker.api.errors import one_line
 from worker.api.request_metrics import install_request_metrics
 from worker.config_store import KILL_SWITCHES, is_enabled
@@ -336,7 +336,9 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
     ``factmill_backfills{status}``: backfills by status (planning, running, done, cancelled);
     ``factmill_backfill_requests{status}``: their batch requests by status (pending, done, failed,
     discarded, expired, cancelled, dropped); ``factmill_backfill_batches{status}``: their provider
-    batches by status; ``factmill_backfill_cost_usd_total``: what their LLM calls cost (batch price).
+    batches by status; ``factmill_backfill_cost_usd_total``: what their LLM calls cost (batch price);
+    ``factmill_provider_copies_owed``: ended or abandoned provider batches whose files (page text) are
+    still to be deleted at the provider (beat's backfill poll retries them; alert if it stays up).
     """
 
     reads = "the backfills"
@@ -350,6 +352,7 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
             ],
             "batches": _by_status(session, BackfillBatch.status),
             "cost": [("", micro_usd / 1_000_000)],
+            "owed": [("", float(session.scalar(select(func.count()).select_from(ProviderCopy)) or 0))],
         }
 
     def metrics(self, rows: dict[str, list[tuple[str, float]]]) -> list[Metric]:
@@ -368,6 +371,13 @@ class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]
         families.append(
             CounterMetricFamily(
                 "factmill_backfill_cost_usd", "USD spent by backfill LLM calls", value=rows["cost"][0][1]
+            )
+        )
+        families.append(
+            GaugeMetricFamily(
+                "factmill_provider_copies_owed",
+                "Provider batches whose files (page text) are still to be deleted at the provider",
+                value=rows["owed"][0][1],
             )
         )
         return families

@@ -43,11 +43,12 @@ from worker.extraction.backfill_store import (
     PlannedRequest,
     RequestRow,
 )
-from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, discard_batch, segment_request
+from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
 from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
+from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
 from worker.jobs.outbox import request_job
@@ -329,7 +330,7 @@ class BackfillPass:
             self.deps.guard()
             self.commit_page(page_id, slug, rows, items, missing)
         # Before the batch is marked collected, so a pass that dies in between deletes it next time.
-        discard_batch(self.deps.client, batch.provider_batch_id)
+        discard_batch(self.deps.client, batch.provider_batch_id, ProviderCopies(self.deps.factory))
         self.store.set_batch(batch.id, status="collected", provider_status=provider_status)
         logger.info(
             "backfill %s collected batch %s (%s)", self.backfill.id, batch.provider_batch_id, provider_status

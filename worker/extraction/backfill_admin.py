@@ -13,7 +13,9 @@ from models import Backfill, BackfillBatch, Job
 from models.backfill import REQUEST_STATUSES
 from worker.extraction.backfill import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
+from worker.extraction.provider_copies import sweep_provider_copies
 from worker.jobs.outbox import enqueue, resume_paused
+from worker.settings import Settings
 
 
 def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]] | None:
@@ -35,11 +37,14 @@ def resume_waiting(session: Session, job_id: int | None = None) -> list[tuple[in
     return resume_paused(session, [BATCH_EXTRACTION], WAITING_FOR_BATCHES, job_ids)
 
 
-def wake_waiting_backfills(factory: sessionmaker[Session]) -> int:
-    """Beat's poll: every backfill job waiting on provider batches runs a pass."""
+def poll_backfills(factory: sessionmaker[Session], settings: Settings) -> int:
+    """Beat's poll: every backfill job waiting on provider batches is sent a pass, and the batch copies
+    owed a delete at the provider are deleted where due. Answers the jobs sent."""
     with factory.begin() as session:
         woken = resume_waiting(session)
-    return enqueue(factory, woken)
+    sent = enqueue(factory, woken)
+    sweep_provider_copies(factory, settings)
+    return sent
 
 
 class BackfillSummary(TypedDict):

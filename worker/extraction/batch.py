@@ -35,6 +35,7 @@ from worker.extraction.options import (
 )
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
+from worker.extraction.provider_copies import discard_batch
 from worker.extraction.segments import Attempt, SegmentResult, classify_reply
 from worker.extraction.service import ExtractionRun, extract_pages
 from worker.extraction.store import ExtractionStore
@@ -84,18 +85,6 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
     attempt.batch = True
     # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).
     return SegmentResult([attempt], permanent=attempt.outcome == "refusal")
-
-
-def discard_batch(client: BatchLLMClient, batch_id: str) -> bool:
-    """Delete the provider's copy of an ended batch, whose results are committed: its files hold the
-    pages' text (an erased page's too) for as long as nobody deletes them. A failure leaves them there,
-    logged with the batch id for an operator; it fails no run."""
-    try:
-        client.discard(batch_id)
-    except LLMError as exc:
-        logger.warning("batch %s: its files stay at the provider, delete them there (%s)", batch_id, exc)
-        return False
-    return True
 
 
 @dataclass
@@ -264,8 +253,12 @@ class BatchExtraction:
         assert batch_id is not None
         self.batch.batch_status = status.status if status is not None else None
         label = f"batch {batch_id} ({self.batch.batch_status or 'unknown status'})"
+        copies = self.run.committer.store.provider_copies
         if status is None or not status.ended:
-            logger.warning("%s did not end: its files stay at the provider until it ends", label)
+            # Its results are never read now (the next run sends these segments again); its files are
+            # deleted by beat's backfill poll once it has ended.
+            copies.owe(sent.client.provider, batch_id, f"{label} did not end in time")
+            logger.warning("%s did not end: its files are deleted once it has", label)
             for plan in sent.plans:
                 reason = f"{label} did not end in time; the next run submits these segments again"
                 self.finish(PageReport(plan.slug, "incomplete", reason, segments=0))
@@ -275,7 +268,7 @@ class BatchExtraction:
         self.batch.segments_missing = sum(1 for key in sent.requests if key not in items)
         for plan in sent.plans:
             self.finish(self.commit(plan, items, sent.client, label))
-        self.batch.provider_copy_deleted = discard_batch(sent.client, batch_id)
+        self.batch.provider_copy_deleted = discard_batch(sent.client, batch_id, copies)
         logger.info("committed %s: %s", label, self.batch.as_dict(with_pages=False))
 
 

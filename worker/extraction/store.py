@@ -36,6 +36,7 @@ from worker.extraction.options import (
     CheckpointConflictError,
     PageChangedError,
 )
+from worker.extraction.provider_copies import ProviderCopies
 from worker.extraction.rows import (
     AUDIT_COLUMNS,
     FACT_COLUMNS,
@@ -115,6 +116,7 @@ class ExtractionStore:
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         self._factory = factory
         self._ledger = ledger
+        self.provider_copies = ProviderCopies(factory)  # batch copies owed a delete at the provider
 
     def list_pages(self, source_id: str, types: Sequence[str], slug: str | None = None) -> list[PageRef]:
         query = LIST_PAGES if slug is None else LIST_ONE_PAGE

@@ -126,6 +126,8 @@ async def delete_batch(request: Request) -> Response:
     batch = _batch_or_404(request)
     if isinstance(batch, Response):
         return batch
+    if state_of(request).config.batch_delete_fails:
+        return anthropic_error(500, "api_error", "Internal server error")
     if not batch.ended(time.monotonic()):
         return anthropic_error(
             400, "invalid_request_error", "The batch is still processing; cancel it before deleting it."

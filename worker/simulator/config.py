@@ -140,6 +140,11 @@ class SimulatorConfig(BaseModel):
         description="a batch create is stored at once but answered only after this long: a client killed "
         "meanwhile has had its batch accepted without learning its id",
     )
+    batch_delete_fails: bool = Field(
+        default=False,
+        description="deleting a batch's copy (OpenAI: a file; Anthropic: a batch) answers 500: an outage "
+        "at the moment Factmill deletes the pages' text it sent",
+    )
     raw_replies: dict[str, Any] = Field(
         default_factory=dict,
         description="route (chat.completions, messages, embeddings) → a JSON body answered (raw_status) "

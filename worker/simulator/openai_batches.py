@@ -78,6 +78,8 @@ async def file_content(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     """DELETE /v1/files/{file_id} (OpenAI): an uploaded input or a batch's result file."""
     file_id = request.path_params["file_id"]
+    if state_of(request).config.batch_delete_fails:
+        return openai_error(500, "The server had an error while processing your request.", "server_error")
     if not state_of(request).store.delete_file(file_id):
         return openai_error(404, "No such File object.", "invalid_request_error", param="id")
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -1,0 +1,152 @@
+"""The provider's copies of ended batches: deleted once their results are committed, and owed (a row in
+provider_copies) when that delete fails or the batch has not ended yet; beat's backfill poll deletes
+what is owed once the batch has ended.
+
+A batch's files hold the pages' text (an erased page's too) and the facts drawn from it. OpenAI keeps
+uploaded and output files until someone deletes them, so a delete that was only logged left them there
+for good.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import ProviderCopy
+from models.reads import read_only
+from worker.core.jsonvalues import made_storable
+from worker.llm.batches import BATCH_PROVIDERS, BatchLLMClient, open_batch_client
+from worker.llm.errors import LLMError
+from worker.llm.gateway import LLMConfigurationError
+from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# A copy whose delete failed is tried again this long after, by the first poll past it (beat polls
+# every FACTMILL_BACKFILL_POLL_SECONDS); at most this many a poll, so a long outage's backlog drains
+# without one poll holding the worker for minutes.
+RETRY_AFTER = timedelta(minutes=5)
+SWEEP_LIMIT = 50
+ERROR_CHARS = 1000
+
+
+class ProviderCopies:
+    """The owed deletes; each method opens and commits its own transaction."""
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self._factory = factory
+
+    def owe(self, provider: str, batch_id: str, error: str, *, tried: bool = False) -> None:
+        """Record (or, ``tried``, count another failed attempt at) the delete of this batch's copy."""
+        row = {"provider": provider, "batch_id": batch_id, "last_error": made_storable(error[:ERROR_CHARS])}
+        statement = insert(ProviderCopy).values(row)
+        changes = {"last_error": statement.excluded.last_error, "tried_at": func.now()}
+        if tried:
+            changes["attempts"] = ProviderCopy.attempts + 1
+        with self._factory.begin() as session:
+            session.execute(
+                statement.on_conflict_do_update(index_elements=["provider", "batch_id"], set_=changes)
+            )
+
+    def due(
+        self, provider: str, *, retry_after: timedelta = RETRY_AFTER, limit: int = SWEEP_LIMIT
+    ) -> list[str]:
+        """The batch ids of ``provider`` whose delete is due again, longest waiting first."""
+        query = (
+            select(ProviderCopy.batch_id)
+            .where(ProviderCopy.provider == provider, ProviderCopy.tried_at <= func.now() - retry_after)
+            .order_by(ProviderCopy.tried_at, ProviderCopy.id)
+            .limit(limit)
+        )
+        with read_only(self._factory) as session:
+            return list(session.scalars(query))
+
+    def wait(self, provider: str, batch_id: str) -> None:
+        """The batch has not ended: ask again after RETRY_AFTER (not a failed attempt)."""
+        touched = update(ProviderCopy).values(tried_at=func.now())
+        with self._factory.begin() as session:
+            session.execute(
+                touched.where(ProviderCopy.provider == provider, ProviderCopy.batch_id == batch_id)
+            )
+
+    def settle(self, provider: str, batch_id: str) -> None:
+        gone = delete(ProviderCopy).where(
+            ProviderCopy.provider == provider, ProviderCopy.batch_id == batch_id
+        )
+        with self._factory.begin() as session:
+            session.execute(gone)
+
+
+def discard_batch(client: BatchLLMClient, batch_id: str, copies: ProviderCopies) -> bool:
+    """Delete the provider's copy of an ended batch whose results are committed. A failure fails no
+    run: the delete is owed, and the poll tries it again."""
+    try:
+        client.discard(batch_id)
+    except LLMError as exc:
+        copies.owe(client.provider, batch_id, str(exc))
+        logger.warning(
+            "batch %s: deleting its files at the provider failed (%s); retried later", batch_id, exc
+        )
+        return False
+    return True
+
+
+@dataclass
+class CopiesSwept:
+    deleted: int = 0
+    waiting: int = 0  # not ended yet
+    failed: int = 0
+
+
+def delete_owed(
+    copies: ProviderCopies, client: BatchLLMClient, *, retry_after: timedelta = RETRY_AFTER
+) -> CopiesSwept:
+    """Delete the due copies of ``client``'s provider whose batches have ended."""
+    swept = CopiesSwept()
+    for batch_id in copies.due(client.provider, retry_after=retry_after):
+        try:
+            ended = client.status(batch_id).ended
+            if ended:
+                client.discard(batch_id)
+        except LLMError as exc:
+            if exc.status == 404:  # the provider has no such batch any more: nothing left to delete
+                copies.settle(client.provider, batch_id)
+                swept.deleted += 1
+                continue
+            copies.owe(client.provider, batch_id, str(exc), tried=True)
+            swept.failed += 1
+            continue
+        if not ended:
+            copies.wait(client.provider, batch_id)
+            swept.waiting += 1
+            continue
+        copies.settle(client.provider, batch_id)
+        swept.deleted += 1
+    if swept.deleted or swept.failed:
+        logger.info(
+            "provider copies: %s deleted, %s failed again, %s batch(es) not ended yet",
+            swept.deleted,
+            swept.failed,
+            swept.waiting,
+        )
+    return swept
+
+
+def sweep_provider_copies(factory: sessionmaker[Session], settings: Settings) -> CopiesSwept:
+    """Beat's poll: the owed deletes of this deployment's provider that are due (none: no client is
+    opened). Another provider's rows wait for a deployment configured with it."""
+    provider = settings.resolved_llm()
+    copies = ProviderCopies(factory)
+    if provider not in BATCH_PROVIDERS or not copies.due(provider):
+        return CopiesSwept()
+    try:
+        with open_batch_client(settings) as client:
+            return delete_owed(copies, client)
+    except LLMConfigurationError as exc:
+        logger.warning("provider copies: cannot reach %s to delete them (%s)", provider, exc)
+        return CopiesSwept()
