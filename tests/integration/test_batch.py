@@ -14,7 +14,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -30,12 +30,19 @@ from worker.extraction import (
     run_extract_conversation_facts,
 )
 from worker.extraction.prompts import extraction_request, first_turn
-from worker.extraction.provider_copies import RETRY_AFTER, ProviderCopies, delete_owed, discard_batch
+from worker.extraction.provider_copies import (
+    RETRY_AFTER,
+    ProviderCopies,
+    delete_owed,
+    discard_batch,
+    sweep_provider_copies,
+)
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import AnthropicBatchClient, BatchLLMClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy
 from worker.llm.types import Usage
+from worker.settings import Settings
 from worker.simulator import Simulator, SimulatorConfig
 
 pytestmark = pytest.mark.integration
@@ -437,3 +444,25 @@ def test_a_copy_the_provider_no_longer_has_is_settled(store, clean_sim):
     assert discard_batch(client, "msgbatch_gone", copies) is True  # a 404 on delete is success
     swept = delete_owed(copies, client, retry_after=timedelta(0))
     assert swept.deleted == 1 and owed(store) == []
+
+
+def test_the_sweep_stops_at_the_first_failure_and_tries_each_call_once(
+    store, clean_sim, database_url, caplog
+):
+    """During an outage each owed copy cost the gateway's whole retry (5 tries, up to 2 minutes) and the
+    poll went through all of them, holding its worker; now one try, and the rest wait for the next poll."""
+    clean_sim.configure(batch_delete_fails=True)
+    client = batch_client(clean_sim, "openai")  # what FACTMILL_LLM=simulator opens
+    copies = ProviderCopies(store)
+    request = extraction_request([first_turn("**Ann** (2024-03-10 9:00 AM): I moved to Oslo.")], 10, 256)
+    for key in ("a", "b"):
+        copies.owe("simulator", client.submit([(f"{key}-1", request)], key=key), "HTTP 500")
+    with store.begin() as session:
+        session.execute(update(ProviderCopy).values(tried_at=func.now() - RETRY_AFTER))
+    time.sleep(0.2)  # both batches end (batch_delay_seconds 0.05)
+    settings = Settings(llm="simulator", simulator_url=clean_sim.base_url, database_url=database_url)  # type: ignore[call-arg]
+    with caplog.at_level(logging.WARNING, logger="worker.llm.batches"):
+        swept = sweep_provider_copies(store, settings)
+    assert (swept.failed, swept.deleted) == (1, 0)
+    assert sorted(row[2] for row in owed(store)) == [0, 1]  # one tried, the other left for later
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # one try a call

@@ -23,6 +23,7 @@ from worker.core.jsonvalues import made_storable
 from worker.llm.batches import BATCH_PROVIDERS, BatchLLMClient, open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError
+from worker.llm.retry import RetryPolicy
 from worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ class CopiesSwept:
 def delete_owed(
     copies: ProviderCopies, client: BatchLLMClient, *, retry_after: timedelta = RETRY_AFTER
 ) -> CopiesSwept:
-    """Delete the due copies of ``client``'s provider whose batches have ended."""
+    """Delete the due copies of ``client``'s provider whose batches have ended; stop at the first
+    failure (the rest are tried by the next poll)."""
     swept = CopiesSwept()
     for batch_id in copies.due(client.provider, retry_after=retry_after):
         try:
@@ -120,7 +122,7 @@ def delete_owed(
                 continue
             copies.owe(client.provider, batch_id, str(exc), tried=True)
             swept.failed += 1
-            continue
+            break  # the provider is failing: the rest wait for the next poll, not one call each now
         if not ended:
             copies.wait(client.provider, batch_id)
             swept.waiting += 1
@@ -145,7 +147,9 @@ def sweep_provider_copies(factory: sessionmaker[Session], settings: Settings) ->
     if provider not in BATCH_PROVIDERS or not copies.due(provider):
         return CopiesSwept()
     try:
-        with open_batch_client(settings) as client:
+        # One try a call: the poll is the retry, and an outage must not hold the worker for the
+        # gateway's full backoff (minutes) per owed copy.
+        with open_batch_client(settings, RetryPolicy(max_attempts=1)) as client:
             return delete_owed(copies, client)
     except LLMConfigurationError as exc:
         logger.warning("provider copies: cannot reach %s to delete them (%s)", provider, exc)

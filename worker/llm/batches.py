@@ -350,7 +350,10 @@ def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> Bat
 
 
 @contextmanager
-def open_batch_client(settings: Settings) -> Iterator[BatchLLMClient]:
-    """The configured provider's batch API (starting the bundled simulator if that is the provider)."""
+def open_batch_client(settings: Settings, policy: RetryPolicy | None = None) -> Iterator[BatchLLMClient]:
+    """The configured provider's batch API (starting the bundled simulator if that is the provider),
+    retrying as ``policy`` says (the settings' policy by default)."""
     with ExitStack() as stack:
-        yield batch_client_for(provider_client(settings, stack), RetryPolicy.from_settings(settings))
+        yield batch_client_for(
+            provider_client(settings, stack), policy or RetryPolicy.from_settings(settings)
+        )
