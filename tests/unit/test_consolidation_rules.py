@@ -186,3 +186,79 @@ def test_a_plan_compares_each_new_fact_with_its_own_kind_only() -> None:
     assert plans[0].rule is None and plans[0].new.id == 100  # "likes Lisbon" exists, but as a fact
     assert plans[0].asked  # the events that share its words are asked about
     assert plans[3].rule is not None and plans[3].rule.old.id == 102  # the pending belief before it
+
+
+def test_a_plan_with_vectors_matches_the_pair_by_pair_triage() -> None:
+    """The plan's cosines come from one matrix product a new fact (VectorPool); its candidates, their
+    order and their similarities are those of ``candidates`` computing each pair's cosine in Python,
+    with facts that have no vector, a zero vector or one of another length among them."""
+    import random
+
+    from worker.core.consolidation import order_key, plan_consolidation
+
+    draw = random.Random(11)
+    base = [draw.gauss(0, 1) for _ in range(16)]
+
+    def vector(n: int) -> list[float] | None:
+        if n % 11 == 0:
+            return None
+        if n % 13 == 0:
+            return [0.0] * 16
+        if n % 17 == 0:
+            return [1.0] * 8  # another length: no cosine, as ``cosine`` says
+        near = 0.05 if n % 3 == 0 else 1.5  # a third lie close to one direction: near and ambiguous pairs
+        return [b + draw.gauss(0, near) for b in base]
+
+    words = ("lives in Lisbon", "works at Acme", "likes tea", "runs marathons", "plays chess")
+    pool = [
+        fact(n, f"Alice {words[n % 5]} {n % 4}", kind=("fact", "event")[n % 2], vec=vector(n))
+        for n in range(1, 300)
+    ]
+    pending = [
+        fact(
+            1000 + n,
+            f"Alice {words[n % 5]} {n % 3}",
+            kind=("fact", "event")[n % 2],
+            when=MAR,
+            vec=vector(n + 7),
+        )
+        for n in range(12)
+    ]
+    plans = plan_consolidation(pending, pool, "people/alice")
+    known, reference = list(pool), []
+    for new in sorted(pending, key=order_key):
+        found = candidates(new, known, ignore=frozenset({"alice"}))
+        reference.append((new.id, [(c.old.id, c.triage, round(c.similarity, 9)) for c in found]))
+        if not (found and found[0].triage in ("exact", "near")):
+            known.append(new)
+    got = [
+        (
+            p.new.id,
+            [(p.rule.old.id, p.rule.triage, round(p.rule.similarity, 9))]
+            if p.rule
+            else [(a.old.id, "ambiguous", round(a.similarity, 9)) for a in p.asked],
+        )
+        for p in plans
+    ]
+    assert got == reference
+    assert any(p.rule and p.rule.triage == "near" for p in plans) and any(p.asked for p in plans)
+
+
+def test_the_vector_pool_answers_what_cosine_answers() -> None:
+    from worker.core.vectors import VectorPool
+
+    rows = [[1.0, 2.0, 2.0], None, [0.0, 0.0, 0.0], [3.0, 0.0, 4.0], [1.0, 1.0], [-1.0, -2.0, -2.0]]
+    vectors = VectorPool(len(rows))
+    for row in rows:
+        vectors.add(row)
+    got = vectors.cosines([2.0, 1.0, 2.0])
+    want = [cosine([2.0, 1.0, 2.0], row) for row in rows]
+    assert [g is None for g in got] == [w is None for w in want] == [False, True, True, False, True, False]
+    assert all(g == pytest.approx(w, abs=1e-12) for g, w in zip(got, want, strict=True) if w is not None)
+    assert vectors.cosines(None) == [None] * 6
+    other_length = vectors.cosines([1.0, 0.0])  # compared with the vectors of its own length only
+    assert other_length[:4] == [None] * 4 and other_length[5] is None
+    assert other_length[4] == pytest.approx(cosine([1.0, 0.0], [1.0, 1.0]), abs=1e-12)
+    for _ in range(20):  # past the capacity it was made with: it grows
+        vectors.add([0.0, 3.0, 4.0])
+    assert len(vectors) == 26 and vectors.cosines([0.0, 3.0, 4.0])[-1] == pytest.approx(1.0)

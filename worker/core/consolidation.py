@@ -8,15 +8,15 @@ import math
 import operator
 import re
 import unicodedata
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from typing import Any, Literal
 
 from worker.core.delimiters import wrap_in_tag
 from worker.core.jsonvalues import made_storable
+from worker.core.vectors import VectorPool
 
 FACT_STATUSES = ("current", "superseded", "duplicate")
 CURRENT, SUPERSEDED, DUPLICATE = FACT_STATUSES
@@ -77,21 +77,28 @@ def normalize_fact_text(text: str) -> str:
     return " ".join(_NON_WORD.sub(" ", folded).split())
 
 
-def _fold(text: str) -> str:
-    """Accents dropped (for comparing words only): "Zoë" and the slug's "zoe" are one word."""
-    decomposed = unicodedata.normalize("NFKD", normalize_fact_text(text))
+def _fold(normalized: str) -> str:
+    """Accents dropped from normalized text (for comparing words only): "Zoë" and the slug's "zoe"
+    are one word. ASCII text, most facts, has none to drop."""
+    if normalized.isascii():
+        return normalized
+    decomposed = unicodedata.normalize("NFKD", normalized)
     return "".join(ch for ch in decomposed if not unicodedata.combining(ch))
 
 
 def content_words(text: str, ignore: frozenset[str] = frozenset()) -> frozenset[str]:
     """The fact's words minus stop words and ``ignore`` (for the overlap measure)."""
-    return frozenset(w for w in _WORD.findall(_fold(text)) if w not in _STOP and w not in ignore)
+    return _content_words(normalize_fact_text(text), ignore)
+
+
+def _content_words(normalized: str, ignore: frozenset[str] = frozenset()) -> frozenset[str]:
+    return frozenset(w for w in _WORD.findall(_fold(normalized)) if w not in _STOP and w not in ignore)
 
 
 def entity_words(key: str) -> frozenset[str]:
     """The words of an entity's slug (people/alice-example: people, alice, example). Every fact of the
     entity names it, so they say nothing about whether two of its facts match."""
-    return frozenset(_WORD.findall(_fold(key.replace("-", " ").replace("/", " "))))
+    return frozenset(_WORD.findall(_fold(normalize_fact_text(key.replace("-", " ").replace("/", " ")))))
 
 
 def word_overlap(a: str, b: str, ignore: frozenset[str] = frozenset()) -> float:
@@ -149,7 +156,7 @@ class FactView:
 
     @cached_property
     def words(self) -> frozenset[str]:
-        return content_words(self.text)
+        return _content_words(self.normalized)
 
     @cached_property
     def norm(self) -> float | None:
@@ -172,16 +179,22 @@ def triage_pair(new: FactView, old: FactView, ignore: frozenset[str] = frozenset
     entity's own name words (``entity_words``)."""
     overlap = _jaccard(new.words - ignore, old.words - ignore)
     vector = cosine(new.embedding, old.embedding, new.norm, old.norm)
-    similarity = vector if vector is not None else overlap
     if new.kind != old.kind:
-        return PairTriage(old, "unrelated", similarity)
-    if new.normalized == old.normalized:
-        return PairTriage(old, "exact", 1.0)
+        return PairTriage(old, "unrelated", vector if vector is not None else overlap)
+    return PairTriage(old, *_verdict(new.normalized == old.normalized, overlap, vector))
+
+
+def _verdict(same_text: bool, overlap: float, vector: float | None) -> tuple[Triage, float]:
+    """The rule of a same-kind pair: (its triage, its similarity: the cosine when both facts have
+    vectors, else the word overlap)."""
+    if same_text:
+        return "exact", 1.0
     if vector is not None and vector >= DUPLICATE_COSINE:
-        return PairTriage(old, "near", vector)
+        return "near", vector
+    similarity = vector if vector is not None else overlap
     if overlap >= CANDIDATE_OVERLAP or (vector is not None and vector >= CANDIDATE_COSINE):
-        return PairTriage(old, "ambiguous", similarity)
-    return PairTriage(old, "unrelated", similarity)
+        return "ambiguous", similarity
+    return "unrelated", similarity
 
 
 def candidates(
@@ -192,7 +205,10 @@ def candidates(
 ) -> list[PairTriage]:
     """The pool's facts worth deciding against ``new``: certain duplicates first, then the most similar
     ambiguous ones (at most ``limit`` of those); unrelated ones are dropped."""
-    triaged = [triage_pair(new, old, ignore) for old in pool if old.id != new.id]
+    return _chosen([triage_pair(new, old, ignore) for old in pool if old.id != new.id], limit)
+
+
+def _chosen(triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
@@ -369,22 +385,65 @@ def plan_consolidation(
     so one call can ask about all of them."""
     ignore = entity_words(entity)
     # Facts of different kinds are never compared (triage_pair): each new fact is triaged against its
-    # own kind's facts only, not the whole entity's (a pool of five kinds: about a fifth of the pairs).
-    known: dict[str, list[FactView]] = defaultdict(list)
+    # own kind's facts only, not the whole entity's (a pool of five kinds: about a fifth of the pairs),
+    # and its cosines with all of them come from one matrix product (VectorPool).
+    known: dict[str, _KindPool] = {}
     for fact in pool:
-        known[fact.kind].append(fact)
+        known.setdefault(fact.kind, _KindPool(ignore)).facts.append(fact)
+    for fact in pending:
+        known.setdefault(fact.kind, _KindPool(ignore)).room += 1
     plans: list[FactPlan] = []
     number = 1
     for new in sorted(pending, key=order_key):
-        found = candidates(new, known[new.kind], ignore=ignore)
+        same_kind = known[new.kind]
+        found = _chosen(same_kind.triaged(new), MAX_CANDIDATES)
         if found and found[0].triage in ("exact", "near"):
             plans.append(FactPlan(new, rule=found[0]))
             continue
         asked = tuple(AskedPair(number + i, new, c.old, c.similarity) for i, c in enumerate(found))
         number += len(asked)
         plans.append(FactPlan(new, asked=asked))
-        known[new.kind].append(new)
+        same_kind.add(new)
     return plans
+
+
+@dataclass
+class _KindPool:
+    """One kind's facts a plan triages against: ``triage_pair`` over each, with each fact's words
+    (less the entity's name) worked out once and its cosines with a new fact from one matrix
+    product. Built at the first question, with room for the pending facts that join it."""
+
+    ignore: frozenset[str]
+    facts: list[FactView] = field(default_factory=list)
+    room: int = 0
+    words: list[frozenset[str]] = field(default_factory=list)
+    vectors: VectorPool | None = None
+
+    def triaged(self, new: FactView) -> list[PairTriage]:
+        """The pairs of ``new`` with this kind's facts that are not unrelated."""
+        if self.vectors is None:
+            self.vectors = VectorPool(len(self.facts) + self.room)
+            for fact in self.facts:
+                self.vectors.add(fact.embedding)
+            self.words = [fact.words - self.ignore for fact in self.facts]
+        words, text = new.words - self.ignore, new.normalized
+        found: list[PairTriage] = []
+        cosines = self.vectors.cosines(new.embedding)
+        for old, old_words, vector in zip(self.facts, self.words, cosines, strict=True):
+            if old.id == new.id:
+                continue
+            shared = len(words & old_words)
+            overlap = shared / (len(words) + len(old_words) - shared) if shared else 0.0
+            triage, similarity = _verdict(old.normalized == text, overlap, vector)
+            if triage != "unrelated":
+                found.append(PairTriage(old, triage, similarity))
+        return found
+
+    def add(self, fact: FactView) -> None:
+        self.facts.append(fact)
+        if self.vectors is not None:
+            self.vectors.add(fact.embedding)
+            self.words.append(fact.words - self.ignore)
 
 
 @dataclass(frozen=True)
