@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import random
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -322,11 +322,11 @@ def test_describe_tau_marks_the_epsilon_bump() -> None:
 
 
 def histogram_bin(value: float, edges: list[float]) -> int:
-    """The bin matplotlib's hist (numpy.histogram) puts ``value`` in: every bin is closed on the left,
-    the last one on both sides. Written out so the unit tests need no numpy (only the bench extra has it)."""
-    if not edges[0] <= value <= edges[-1]:
-        raise ValueError(f"{value} is outside the edges")
-    return min(bisect.bisect_right(edges, value) - 1, len(edges) - 2)
+    """The bin matplotlib's hist puts ``value`` in: numpy.histogram's (every bin closed on the left,
+    the last one on both sides)."""
+    counts, _ = np.histogram([value], bins=edges)
+    (index,) = np.flatnonzero(counts)
+    return int(index)
 
 
 def test_histogram_bin_follows_the_numpy_convention() -> None:
