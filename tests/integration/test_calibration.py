@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, event, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -431,6 +431,29 @@ def test_data_that_cannot_support_a_threshold_is_recorded_not_activated(
     assert result.active == FALLBACK and current(tx_factory) == FALLBACK
     [row] = versions(tx_factory)
     assert not row.active and row.tau is None and row.n == len(items)
+
+
+def test_nothing_new_is_found_out_without_loading_the_observations(tx_factory: sessionmaker[Session]) -> None:
+    """The hourly schedule's recompute read every observation ever stored into Python, then found it
+    had nothing new: now Postgres counts them first, and only a recompute with something new loads."""
+    add(tx_factory, separated())
+    recompute(tx_factory, **PARAMS)
+    engine = tx_factory.kw["bind"]
+    statements: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
+        loaded = [s for s in statements if "calibration_observations.coverage" in s]
+        assert not loaded, loaded
+        add(tx_factory, separated()[:3])
+        assert recompute(tx_factory, **PARAMS).outcome in ("activated", "kept")
+        assert [s for s in statements if "calibration_observations.coverage" in s]
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
 
 
 def test_nothing_new_writes_nothing_unless_forced(tx_factory: sessionmaker[Session]) -> None:

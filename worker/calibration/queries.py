@@ -236,6 +236,15 @@ def deactivate_versions(session: Session) -> None:
     )
 
 
+def observations_extent(session: Session) -> tuple[int | None, int]:
+    """(the newest observation's id, how many there are): what a version was computed from, counted
+    by Postgres without loading one observation into Python."""
+    newest, count = session.execute(
+        select(func.max(CalibrationObservation.id), func.count()).select_from(CalibrationObservation)
+    ).one()
+    return (int(newest) if newest is not None else None), int(count)
+
+
 def load_observations(session: Session) -> list[Observation]:
     rows = session.execute(
         select(

@@ -31,6 +31,10 @@ class VersionWriter:
         """Every stored observation, by id."""
         return queries.load_observations(self._session)
 
+    def extent(self) -> tuple[int | None, int]:
+        """(the newest observation's id, the count), without loading them."""
+        return queries.observations_extent(self._session)
+
     def active(self) -> ActiveThreshold:
         return queries.active_threshold(self._session)
 
