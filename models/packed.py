@@ -53,3 +53,24 @@ class PackedFloatsDumper(Dumper):
 
 
 psycopg.adapters.register_dumper(PackedFloats, PackedFloatsDumper)
+
+
+def unpack_floats(raw: bytes) -> array[float]:
+    """A ``float8[]`` read in the same binary format (``array_send(column)``), into an array of doubles:
+    the reverse of ``PackedFloatsDumper``. psycopg parses a ``float8[]`` from its text form a float at
+    a time, about 1 µs each: reading a large entity's embeddings took seconds (bench/entity_read.py).
+    Raises ValueError for what a facts embedding never is (several dimensions, a NULL element)."""
+    dimensions, has_nulls, element_type = struct.unpack_from(">iii", raw)
+    if dimensions == 0:
+        return array("d")
+    if dimensions != 1 or has_nulls or element_type != FLOAT8_OID:
+        raise ValueError("not a one-dimensional float8[] without NULLs")
+    count = struct.unpack_from(">i", raw, 12)[0]
+    start = _HEADER.size
+    doubles = bytearray(8 * count)
+    for byte in range(8):  # every element's bytes at once, skipping the lengths
+        doubles[byte::8] = raw[start + 4 + byte :: _ELEMENT]
+    values = array("d", bytes(doubles))
+    if sys.byteorder == "little":
+        values.byteswap()
+    return values

@@ -143,6 +143,32 @@ def test_rerunning_changes_nothing(tx_factory, llm) -> None:
     assert after == before
 
 
+def test_a_run_reads_only_the_pending_facts_kinds_and_nothing_when_none_is_pending(tx_factory, llm) -> None:
+    """A run read every fact of the entity (with its vector), then used the pending facts' kinds only:
+    other kinds are never compared. Now it reads the current facts of the pending facts' kinds, and
+    nothing more when nothing is pending (another run got there first)."""
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    consolidate(tx_factory, llm)
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    assert store.entity_facts("default", ALICE) == ([], [])
+    with tx_factory() as session:
+        first, second = session.scalars(
+            select(Fact.id)
+            .where(Fact.entity_slug == ALICE, ~Fact.is_audit, Fact.status == "current")
+            .order_by(Fact.id)
+        ).all()
+    with tx_factory.begin() as session:
+        session.execute(text("UPDATE facts SET consolidated_at = NULL WHERE id = :id"), {"id": first})
+        session.execute(text("UPDATE facts SET kind = 'event' WHERE id = :id"), {"id": second})
+    pending, pool = store.entity_facts("default", ALICE)
+    assert [fact.id for fact in pending] == [first] and pool == []  # the event is not read for a fact
+    with tx_factory.begin() as session:
+        session.execute(text("UPDATE facts SET kind = 'fact' WHERE id = :id"), {"id": second})
+    pending, pool = store.entity_facts("default", ALICE)
+    assert [fact.id for fact in pending] == [first] and [fact.id for fact in pool] == [second]
+
+
 def test_re_extracting_a_page_re_consolidates_its_entities(tx_factory, llm) -> None:
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     put_page(tx_factory, MAR_PAGE, MAR_BODY)

@@ -12,7 +12,7 @@ from sqlalchemy import insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact, LLMCall
-from models.packed import PackedFloats
+from models.packed import PackedFloats, unpack_floats
 from tests.rows import fact_row
 from worker.accounting import Ledger, LLMCallRecord
 from worker.llm.types import Usage
@@ -40,6 +40,22 @@ def test_packed_floats_keep_infinities_nan_and_the_empty_array(session: Session)
     ).one()
     assert got[0][:2] == [math.inf, -math.inf] and math.isnan(got[0][2])
     assert got[1] == []
+
+
+def test_floats_read_in_the_binary_format_are_the_stored_doubles(session: Session) -> None:
+    """``unpack_floats(array_send(column))``, how consolidation reads an entity's vectors, answers what
+    psycopg's parse of the text form does, bit for bit; the empty array is empty, and what a facts
+    embedding never is (two dimensions, a NULL element) is refused, not misread."""
+    values = AWKWARD + [math.inf, -math.inf] + [random.Random(8).uniform(-1, 1) for _ in range(3000)]
+    stored = session.execute(text("SELECT CAST(:v AS float8[])"), {"v": values}).scalar_one()
+    raw = session.execute(text("SELECT array_send(CAST(:v AS float8[]))"), {"v": values}).scalar_one()
+    unpacked = unpack_floats(raw)
+    assert list(unpacked) == stored == values
+    assert [math.copysign(1, x) for x in unpacked[:2]] == [1, -1]
+    assert list(unpack_floats(session.execute(text("SELECT array_send('{}'::float8[])")).scalar_one())) == []
+    for odd in ("'{{1,2},{3,4}}'::float8[]", "'{1,NULL}'::float8[]", "'{1,2}'::int8[]"):
+        with pytest.raises(ValueError):
+            unpack_floats(session.execute(text(f"SELECT array_send({odd})")).scalar_one())
 
 
 def facts(factory: sessionmaker[Session], count: int) -> list[int]:

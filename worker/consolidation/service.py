@@ -14,7 +14,6 @@ from worker.consolidation.store import ConsolidationStore
 from worker.core.consolidation import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
-    CURRENT,
     AskedPair,
     FactPlan,
     MalformedDecisionsError,
@@ -96,9 +95,7 @@ def consolidate_entity(
     nothing; a decision another run committed first is counted as already decided."""
     counters = ConsolidationCounters()
     counters.restored = store.repair_orphans(run.source_id, run.entity_key, run.job_id)
-    facts = store.entity_facts(run.source_id, run.entity_key)
-    pending = [f.view for f in facts if not f.consolidated]
-    pool = [f.view for f in facts if f.consolidated and f.status == CURRENT]
+    pending, pool = store.entity_facts(run.source_id, run.entity_key)
     counters.facts_considered = len(pending)
     if not pending:
         return counters

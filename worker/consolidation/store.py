@@ -4,18 +4,17 @@ row, entity checkpoint advanced), so each is committed exactly once."""
 from __future__ import annotations
 
 import re
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BindParameter, and_, bindparam, func, or_, select, text, tuple_, update
+from sqlalchemy import BindParameter, and_, bindparam, func, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
 from models.fact import ORPHANED_LINK_SQL
+from models.packed import unpack_floats
 from models.tables import FACTS
 from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
@@ -34,13 +33,29 @@ ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are
 ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
 
 
-@dataclass(frozen=True)
-class StoredFact:
-    """A fact of the entity as consolidation reads it."""
+# An entity's facts as consolidation reads them (the caller adds which), in arrival order, streamed.
+# The vectors come in Postgres's binary array format (unpack_floats): psycopg parsed each float of the
+# text form in turn, about 1 µs a float, seconds for a large entity (bench/entity_read.py).
+_ENTITY_FACTS = (
+    select(
+        Fact.id,
+        Fact.fact,
+        Fact.kind,
+        Fact.valid_from,
+        func.array_send(Fact.embedding).label("embedding"),
+        Fact.context,
+        Fact.created_at,
+    )
+    .where(~Fact.is_audit)
+    .order_by(Fact.id)
+    .execution_options(yield_per=ENTITY_FACTS_BATCH)
+)
 
-    view: FactView
-    status: str
-    consolidated: bool
+
+def _view(row: Any) -> FactView:
+    vector = unpack_floats(row.embedding) if row.embedding is not None else None
+    said = said_at(row.context, row.created_at)
+    return FactView(row.id, row.fact, row.kind, row.valid_from, vector or None, row.id, said)
 
 
 class ConsolidationStore:
@@ -50,46 +65,23 @@ class ConsolidationStore:
         self._factory = factory
         self._ledger = ledger
 
-    def entity_facts(self, source_id: str, entity_key: str) -> list[StoredFact]:
-        """The entity's facts a run reads (audit rows excluded), in arrival order: the unconsolidated
-        ones (to decide) and the current ones (to decide against); superseded and duplicate facts
-        already decided are left in the table. Streamed, each vector kept as an array of doubles:
-        as Python lists the vectors of a 50,000-fact entity took 414 MiB (bench/consolidation_plan.py)."""
-        query = (
-            select(
-                Fact.id,
-                Fact.fact,
-                Fact.kind,
-                Fact.valid_from,
-                Fact.embedding,
-                Fact.status,
-                Fact.consolidated_at,
-                Fact.context,
-                Fact.created_at,
-            )
-            .where(Fact.source_id == source_id, ~Fact.is_audit, _entity(entity_key))
-            .where(or_(Fact.consolidated_at.is_(None), Fact.status == CURRENT))
-            .order_by(Fact.id)
-            .execution_options(yield_per=ENTITY_FACTS_BATCH)
-        )
+    def entity_facts(self, source_id: str, entity_key: str) -> tuple[list[FactView], list[FactView]]:
+        """(the entity's unconsolidated facts, to decide; its current facts of the same kinds, to decide
+        them against), each in arrival order, audit rows excluded. Other kinds are never compared, so
+        they are not read, and nothing is when nothing is pending. Streamed, each vector kept as an
+        array of doubles: as Python lists the vectors of a 50,000-fact entity took 414 MiB."""
+        mine = _ENTITY_FACTS.where(Fact.source_id == source_id, _entity(entity_key))
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
-            return [
-                StoredFact(
-                    FactView(
-                        r.id,
-                        r.fact,
-                        r.kind,
-                        r.valid_from,
-                        array("d", r.embedding) if r.embedding else None,
-                        r.id,
-                        said_at(r.context, r.created_at),
-                    ),
-                    r.status,
-                    r.consolidated_at is not None,
-                )
-                for r in session.execute(query)
-            ]
+            pending = [_view(row) for row in session.execute(mine.where(Fact.consolidated_at.is_(None)))]
+            if not pending:
+                return [], []
+            decided = mine.where(
+                Fact.consolidated_at.is_not(None),
+                Fact.status == CURRENT,
+                Fact.kind.in_(sorted({fact.kind for fact in pending})),
+            )
+            return pending, [_view(row) for row in session.execute(decided)]
 
     def repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
