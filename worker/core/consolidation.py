@@ -107,9 +107,8 @@ def word_overlap(a: str, b: str, ignore: frozenset[str] = frozenset()) -> float:
 
 
 def _jaccard(left: frozenset[str], right: frozenset[str]) -> float:
-    if not left or not right:
-        return 0.0
-    return len(left & right) / len(left | right)
+    shared = len(left & right)  # the union's size from the intersection's: one set built, not two
+    return shared / (len(left) + len(right) - shared) if shared else 0.0
 
 
 def _norm(vector: Sequence[float]) -> float:
@@ -432,9 +431,7 @@ class _KindPool:
         for old, old_words, vector in zip(self.facts, self.words, cosines, strict=True):
             if old.id == new.id:
                 continue
-            shared = len(words & old_words)
-            overlap = shared / (len(words) + len(old_words) - shared) if shared else 0.0
-            triage, similarity = _verdict(old.normalized == text, overlap, vector)
+            triage, similarity = _verdict(old.normalized == text, _jaccard(words, old_words), vector)
             if triage != "unrelated":
                 found.append(PairTriage(old, triage, similarity))
         return found
