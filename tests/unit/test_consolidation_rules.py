@@ -9,18 +9,16 @@ import pytest
 from worker.core.consolidation import (
     AskedPair,
     FactView,
-    MalformedDecisionsError,
     candidates,
     close_interval,
     cosine,
     normalize_fact_text,
-    parse_decisions,
-    render_pairs,
     supersession,
     triage_pair,
     true_at,
     word_overlap,
 )
+from worker.core.consolidation_prompt import MalformedDecisionsError, parse_decisions, render_pairs
 
 JAN = datetime(2026, 1, 10, tzinfo=UTC)
 MAR = datetime(2026, 3, 5, tzinfo=UTC)

@@ -11,18 +11,14 @@ from typing import Any
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
-from worker.core.consolidation import (
+from worker.core.consolidation import AskedPair, FactPlan, PairDecision, plan_consolidation, resolve
+from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
-    AskedPair,
-    FactPlan,
     MalformedDecisionsError,
-    PairDecision,
     decisions_json_schema,
     parse_decisions,
-    plan_consolidation,
     render_pairs,
-    resolve,
 )
 from worker.llm.errors import BudgetExhaustedError
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient

@@ -8,7 +8,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from worker.core.consolidation import PAIRS_TAG
+from worker.core.consolidation_prompt import PAIRS_TAG
 
 PAIRS_OPEN, PAIRS_CLOSE = f"<{PAIRS_TAG}>", f"</{PAIRS_TAG}>"
 _PAIR = re.compile(
