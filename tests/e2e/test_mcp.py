@@ -27,6 +27,7 @@ from models import ApiKey, Fact, Page
 from tests.auth import new_key
 from tests.service import REPO, free_port
 from worker.access import revoke_key
+from worker.compaction import append_messages, parse_messages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -176,16 +177,30 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
             "record_summary_feedback", {"coverage": 0.8, "answer_kept": True, "origin": "agent:test"}
         )
     )
-    return {"tools": tools, "appended": appended, "context": context, "bad": bad, "feedback": feedback}
+    huge = await session.call_tool("get_transcript_context", {"transcript_id": "huge"})
+    return {
+        "tools": tools,
+        "appended": appended,
+        "context": context,
+        "bad": bad,
+        "feedback": feedback,
+        "huge": huge,
+    }
 
 
 def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, factory):
+    big = "y" * (11 * 1024 * 1024)  # a context view past MAX_CONTEXT_VIEW_BYTES: refused, not loaded
+    with factory.begin() as session:
+        append_messages(session, "huge", parse_messages([{"role": "user", "text": big}] * 3))
     seen = _run_stdio(env, new_key(factory, ["read", "ingest"]), _append_and_read)
     assert seen["tools"] == READ_TOOLS | WRITE_TOOLS
     assert (seen["appended"]["appended"], seen["appended"]["first_seq"]) == (4, 0)
     assert [m["role"] for m in seen["context"]["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert "messages[0]: tool result answers no earlier call" in _error_text(seen["bad"])
     assert seen["feedback"]["duplicate"] is False and seen["feedback"]["id"] >= 1
+    assert "its context view is 34,603," in _error_text(seen["huge"]) and "/messages" in _error_text(
+        seen["huge"]
+    )
 
 
 async def _sources_only(session: ClientSession) -> dict[str, Any]:
