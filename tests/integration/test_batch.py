@@ -466,3 +466,30 @@ def test_the_sweep_stops_at_the_first_failure_and_tries_each_call_once(
     assert (swept.failed, swept.deleted) == (1, 0)
     assert sorted(row[2] for row in owed(store)) == [0, 1]  # one tried, the other left for later
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # one try a call
+
+
+def test_cli_extract_batch_says_when_the_batch_stays_at_the_provider(
+    committed_store, clean_sim, database_url, monkeypatch
+):
+    """The --json report had provider_copy_deleted false and nothing else: a person reading the run's
+    summary learnt nothing of the pages' text left at the provider. Now one line says so, and how it
+    goes."""
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    clean_sim.configure(batch_delete_fails=True)
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
+    monkeypatch.setenv("FACTMILL_LLM", "simulator")
+    monkeypatch.setenv("FACTMILL_SIMULATOR_URL", clean_sim.url)
+    monkeypatch.setenv("FACTMILL_LLM_MAX_ATTEMPTS", "1")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(
+            app, ["extract", "--source-id", "batch", "--batch", "--poll-seconds", "0.02"]
+        )
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    assert "its files (the pages' text) are still at the provider" in result.stderr
+    assert "Beat's backfill poll deletes them" in result.stderr
+    assert len(owed(committed_store)) == 1

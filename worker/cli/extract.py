@@ -23,7 +23,7 @@ from worker.extraction import (
     PageReport,
     run_extract_conversation_facts,
 )
-from worker.extraction.batch import run_batch_extraction
+from worker.extraction.batch import BatchExtractionCounters, run_batch_extraction
 from worker.llm.batches import open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError, describe
@@ -189,6 +189,18 @@ def extract(
         print_json(counters.as_dict())
     else:
         print_counters(counters, time.perf_counter() - started)
+        if (
+            isinstance(counters, BatchExtractionCounters)
+            and counters.batch_id
+            and not counters.provider_copy_deleted
+        ):
+            err.print(
+                f"batch {counters.batch_id}: its files (the pages' text) are still at the provider: the "
+                "delete failed or the batch had not ended. Beat's backfill poll deletes them once due (a "
+                "`factmill beat` and a worker on the extraction queue); until then they are in "
+                "provider_copies (factmill_provider_copies_owed)",
+                highlight=False,
+            )
     if not counters.pages_considered:
         # A source typed wrong ran as a run of nothing; say so (not an error: a new install is empty).
         err.print(
