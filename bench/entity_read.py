@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models import Fact  # noqa: E402
-from tests.service import fill_table, migrated_database  # noqa: E402
+from tests.service import fill_table, migrated_database, rolled_back_ms  # noqa: E402
 from worker.accounting import Ledger  # noqa: E402
 from worker.config_store import ConfigReader  # noqa: E402
 from worker.consolidation.store import _ENTITY_FACTS, ConsolidationStore, _view, said_at  # noqa: E402
@@ -56,15 +55,6 @@ def _text_view(row: Any) -> FactView:
     return FactView(row.id, row.fact, row.kind, row.valid_from, vector, row.id, said)
 
 
-def timed(work: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        work()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--facts", type=int, default=50_000)
@@ -89,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             session.query(Fact).filter(Fact.consolidated_at.is_(None)).update({"kind": KINDS[0]})
         store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
 
-        def everything(binary: bool) -> Callable[[], None]:
+        def everything(binary: bool) -> Callable[[Any], None]:
             """The read before: every fact of the entity; its vectors as psycopg parses float8[] text
             (``binary`` False, as it was) or in the binary format (the other half of the change)."""
             if binary:
@@ -106,22 +96,22 @@ def main(argv: list[str] | None = None) -> int:
                 or_(Fact.consolidated_at.is_(None), Fact.status == CURRENT),
             )
 
-            def read() -> None:
-                with factory() as session:
-                    facts = [(view(row), row.status, row.consolidated_at) for row in session.execute(query)]
+            def read(session: Any) -> None:
+                facts = [(view(row), row.status, row.consolidated_at) for row in session.execute(query)]
                 pending = [fact for fact, _, at in facts if at is None]
                 pool = [fact for fact, status, at in facts if at is not None and status == CURRENT]
                 assert len(pending) == args.pending and pool
 
             return read
 
-        def pending_kinds() -> None:
+        def pending_kinds(_: Any) -> None:
             pending, pool = store.entity_facts("default", ENTITY)
             assert len(pending) == args.pending and pool
 
-        base = timed(everything(binary=False), args.runs)
-        binary = timed(everything(binary=True), args.runs)
-        head = timed(pending_kinds, args.runs)
+        base, binary, head = (
+            statistics.median(rolled_back_ms(factory, args.runs, work))
+            for work in (everything(binary=False), everything(binary=True), pending_kinds)
+        )
     print(
         f"{args.facts:,} current facts of one entity ({args.kinds} kinds, 256-dim vectors), "
         f"{args.pending} pending of one kind; medians of {args.runs}:"

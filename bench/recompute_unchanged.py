@@ -16,32 +16,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import fill_table, migrated_database  # noqa: E402
+from tests.service import fill_table, migrated_database, rolled_back_ms  # noqa: E402
 from worker.calibration import recompute  # noqa: E402
 from worker.calibration.queries import load_observations  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-PARAMS = {"alpha": 0.1, "target_recall": 0.9, "min_observations": 20}
+PARAMS: dict[str, Any] = {"alpha": 0.1, "target_recall": 0.9, "min_observations": 20}
 
 
-def measured(work: Callable[[], object], runs: int) -> tuple[float, float]:
+def measured(factory: Any, work: Callable[[Any], object], runs: int) -> tuple[float, float]:
     """(median milliseconds of ``runs``, peak MiB of one more run under tracemalloc, which slows
     allocation-heavy work too much to be timed with it)."""
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        work()
-        times.append((time.perf_counter() - started) * 1000)
+    times = rolled_back_ms(factory, runs, work)
     tracemalloc.start()
-    work()
+    rolled_back_ms(factory, 1, work)
     peak = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
     return statistics.median(times), peak
@@ -63,15 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         first = recompute(factory, **PARAMS)
         print(f"{args.observations:,} observations; version {first.version} {first.outcome}")
 
-        def load_all() -> None:
-            with factory() as session:
-                load_observations(session)
-
-        def unchanged() -> None:
+        def unchanged(_: Any) -> None:
             assert recompute(factory, **PARAMS).outcome == "unchanged"
 
-        base, base_peak = measured(load_all, args.runs)
-        head, head_peak = measured(unchanged, args.runs)
+        base, base_peak = measured(factory, load_observations, args.runs)
+        head, head_peak = measured(factory, unchanged, args.runs)
     print(f"medians of {args.runs}:")
     print(f"  {'every observation loaded (baseline)':40} {base:9.1f} ms   {base_peak:7.1f} MiB")
     label = "recompute, nothing new (HEAD)"
