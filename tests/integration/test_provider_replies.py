@@ -52,7 +52,15 @@ def openai_client(sim: Simulator) -> OpenAIChatClient:
     ("reply", "named"),
     [
         (
-            completion(usage={"prompt_tokens": "10", "completion_tokens": 5}),
+            completion(usage={"prompt_tokens": "ten", "completion_tokens": 5}),
+            "usage.prompt_tokens is a string",
+        ),
+        (
+            completion(usage={"prompt_tokens": "99999999999", "completion_tokens": 5}),
+            "usage.prompt_tokens is a string",
+        ),
+        (
+            completion(usage={"prompt_tokens": "-10", "completion_tokens": 5}),
             "usage.prompt_tokens is a string",
         ),
         (completion(usage={"prompt_tokens": -10, "completion_tokens": 5}), "usage.prompt_tokens is -10"),
@@ -74,6 +82,16 @@ def test_a_chat_reply_of_the_wrong_shape_is_a_provider_error_naming_the_field(si
     assert not caught.value.retryable  # the same server answers the same way
     assert "not a chat completion" in str(caught.value) and named in str(caught.value)
     assert "Lisbon" not in str(caught.value)  # stored and logged: never what the model wrote
+
+
+def test_token_counts_sent_as_digit_strings_are_read(sim):
+    """Some gateways quote their usage counts; the reply is sound otherwise, and refusing it failed the
+    segment for its bookkeeping alone."""
+    usage = {"prompt_tokens": "10", "completion_tokens": "5", "prompt_tokens_details": {"cached_tokens": "4"}}
+    sim.configure(raw_replies={"chat.completions": completion(usage=usage)})
+    response = openai_client(sim).chat(REQUEST)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (10, 5)
+    assert response.usage.cache_read_tokens == 4 and response.text == FACTS
 
 
 def test_content_sent_as_text_parts_is_read(sim):
@@ -108,7 +126,7 @@ def test_an_anthropic_reply_of_the_wrong_shape_is_a_provider_error(sim):
         "model": "odd-1",
         "content": [{"type": "text", "text": FACTS}],
         "stop_reason": "end_turn",
-        "usage": {"input_tokens": "10", "output_tokens": 5},
+        "usage": {"input_tokens": "ten", "output_tokens": 5},
     }
     sim.configure(raw_replies={"messages": message})
     client = AnthropicChatClient(model="odd-1", base_url=sim.url, provider="anthropic", api_key="x")

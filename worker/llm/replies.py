@@ -1,7 +1,7 @@
 """What a provider's reply must hold, read strictly: token counts, text and vectors of the right types.
 
 OpenAI-compatible servers (vLLM, Ollama, gateways) vary, and the SDKs build their reply objects without
-validating them. A count that is a string, negative or past a 32-bit integer, a message content that is
+validating them. A count that is not a number, negative or past a 32-bit integer, a message content that is
 an object, a NaN in a vector: each would surface later as a TypeError in a worker or as a database error
 at commit, failing the segment's transaction again on every retry. Read here, each is a ``ReplyShapeError``
 naming the field, which the providers turn into a non-retryable ``LLMError`` (recorded, audited, and the
@@ -24,10 +24,14 @@ class ReplyShapeError(ValueError):
 
 
 def token_count(value: object, field: str) -> int:
-    """A usage count: absent (None) is 0; otherwise a whole number from 0 to MAX_TOKEN_COUNT."""
+    """A usage count: absent (None) is 0; otherwise a whole number from 0 to MAX_TOKEN_COUNT, sent as a
+    JSON number or as a string of decimal digits (some gateways quote their counts: the reply is
+    otherwise sound, and refusing it would fail the segment for its bookkeeping alone)."""
     if value is None:
         return 0
     if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_COUNT:
         raise ReplyShapeError(f"{field} is {_shown(value)}, not a token count")
