@@ -492,4 +492,56 @@ def test_cli_extract_batch_says_when_the_batch_stays_at_the_provider(
     assert result.exit_code == 0, result.output
     assert "its files (the pages' text) are still at the provider" in result.stderr
     assert "Beat's backfill poll deletes them" in result.stderr
+    assert "`factmill backfill copies --delete`" in result.stderr
     assert len(owed(committed_store)) == 1
+
+
+def test_cli_backfill_copies_lists_and_deletes_the_owed_copies(
+    committed_store, clean_sim, database_url, monkeypatch
+):
+    """Nothing but beat's poll could delete an owed copy, and nothing but SQL showed them: an operator
+    asked to purge the pages' text at the provider now (an erasure request) had no command. Now
+    `backfill copies` lists them and `--delete` deletes the ended ones with the configured provider."""
+    from worker.cli import app
+    from worker.settings import get_settings
+
+    clean_sim.configure(batch_delete_fails=True)
+    client = batch_client(clean_sim, "openai")
+    run_batch(committed_store, client)
+    ((_, batch_id, _, _),) = owed(committed_store)
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
+    monkeypatch.setenv("FACTMILL_LLM", "simulator")
+    monkeypatch.setenv("FACTMILL_SIMULATOR_URL", clean_sim.url)
+
+    def cli(*args: str) -> Any:
+        get_settings.cache_clear()
+        try:
+            return CliRunner().invoke(app, ["backfill", "copies", *args])
+        finally:
+            get_settings.cache_clear()
+
+    listed = cli("--json")
+    assert listed.exit_code == 0, listed.output
+    report = json.loads(listed.stdout)
+    assert report["owed"] == 1 and [c["batch_id"] for c in report["copies"]] == [batch_id]
+    assert "500" in report["copies"][0]["last_error"]
+    shown = cli()
+    assert "sim-batch" in shown.stdout and "1 batch copy owed a delete;" in shown.stderr
+
+    failed = cli("--delete")  # the provider still fails: said, counted, exit 1
+    assert failed.exit_code == 1 and "0 deleted" in failed.stdout and "1 failed" in failed.stdout
+    assert "a delete failed" in failed.stderr and owed(committed_store)[0][2] == 1
+    assert held_at_provider(clean_sim, "openai", batch_id)
+
+    clean_sim.configure(batch_delete_fails=False)
+    held = clean_sim.stats()["batches"]["held"]["files"]  # an earlier test's may be held there too
+    deleted = cli("--delete", "--json")
+    assert deleted.exit_code == 0, deleted.output
+    assert json.loads(deleted.stdout) == {"deleted": 1, "not_ended": 0, "failed": 0, "owed": 0}
+    assert owed(committed_store) == [] and clean_sim.stats()["batches"]["held"]["files"] < held
+    assert "no provider batch copy is owed" in cli().stdout
+
+    ProviderCopies(committed_store).owe("anthropic", "msgbatch_elsewhere", "HTTP 500")
+    elsewhere = cli("--delete")  # owed by a provider this deployment is not configured with
+    assert elsewhere.exit_code == 0 and "1 still owed" in elsewhere.stdout
+    assert "belong to another provider than the configured one (simulator)" in elsewhere.stderr

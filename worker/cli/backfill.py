@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 import typer
+from sqlalchemy.orm import Session, sessionmaker
 
 from models.backfill import BACKFILL_STATUSES
-from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option, when
+from worker.cli.console import (
+    err,
+    fail,
+    fields,
+    folding_table,
+    id_argument,
+    out,
+    print_json,
+    source_option,
+    when,
+)
 from worker.cli.sessions import checked_factory
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.extraction.backfill import (
@@ -17,8 +29,10 @@ from worker.extraction.backfill import (
     request_backfill,
 )
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
+from worker.extraction.provider_copies import SWEEP_LIMIT, ProviderCopies, sweep_provider_copies
 from worker.jobs.outbox import enqueue as send_jobs
 from worker.llm.batches import batch_unavailable
+from worker.llm.gateway import LLMConfigurationError
 from worker.settings import get_settings
 
 backfill_app = typer.Typer(
@@ -112,3 +126,76 @@ def backfill_cancel(
         raise fail(str(exc)) from exc
     send_jobs(factory, woken or [])
     out.print(f"backfill {backfill_id} " + ("had already finished" if woken is None else "cancelling"))
+
+
+@backfill_app.command("copies")
+def backfill_copies(
+    delete: Annotated[
+        bool,
+        typer.Option(
+            "--delete",
+            help="Delete the ended ones at the provider now (one try each, at most "
+            f"{SWEEP_LIMIT}), rather than at beat's next poll.",
+        ),
+    ] = False,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="List at most this many.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Provider batch copies (the pages' text, the facts drawn from it) whose delete is owed: it failed,
+    or the batch had not ended when its run gave up on it. Beat's backfill poll deletes them once due."""
+    factory = checked_factory()
+    if delete:
+        _delete_copies(factory, as_json)
+        return
+    total, owed = ProviderCopies(factory).listing(limit)
+    if as_json:
+        print_json({"owed": total, "copies": [fields(copy, copy._fields) for copy in owed]})
+        return
+    if not total:
+        out.print("no provider batch copy is owed a delete")
+        return
+    table = folding_table("provider", "batch", "attempts", "owed since", "last tried", "last error")
+    for copy in owed:
+        table.add_row(
+            copy.provider, copy.batch_id, str(copy.attempts), when(copy.created_at), when(copy.tried_at),
+            copy.last_error or "",
+        )  # fmt: skip
+    out.print(table)
+    shown = f" ({len(owed)} shown)" if len(owed) < total else ""
+    err.print(
+        f"{total} batch {'copy' if total == 1 else 'copies'} owed a delete{shown}; "
+        "`factmill backfill copies --delete` deletes the ended ones now, with the configured provider",
+        highlight=False,
+    )
+
+
+def _delete_copies(factory: sessionmaker[Session], as_json: bool) -> None:
+    settings = get_settings()
+    try:
+        swept = sweep_provider_copies(factory, settings, retry_after=timedelta(0))
+    except LLMConfigurationError as exc:
+        raise fail(f"cannot reach the provider to delete the copies: {exc}", code=2) from exc
+    left, _ = ProviderCopies(factory).listing(1)
+    report = {"deleted": swept.deleted, "not_ended": swept.waiting, "failed": swept.failed, "owed": left}
+    if as_json:
+        print_json(report)
+    else:
+        out.print(
+            f"{swept.deleted} deleted, {swept.waiting} batch(es) not ended yet, {swept.failed} failed; "
+            f"{left} still owed",
+            highlight=False,
+        )
+        if left and not (swept.deleted or swept.waiting or swept.failed):
+            err.print(
+                f"the copies owed belong to another provider than the configured one "
+                f"({settings.resolved_llm()}); run this where FACTMILL_LLM names theirs",
+                highlight=False,
+            )
+    if swept.failed:
+        if not as_json:
+            err.print(
+                "a delete failed, so the rest were not tried; the provider's answer is in "
+                "`factmill backfill copies`, and beat's poll tries again in 5 minutes",
+                highlight=False,
+            )
+        raise typer.Exit(1)

@@ -197,8 +197,8 @@ def extract(
             err.print(
                 f"batch {counters.batch_id}: its files (the pages' text) are still at the provider: the "
                 "delete failed or the batch had not ended. Beat's backfill poll deletes them once due (a "
-                "`factmill beat` and a worker on the extraction queue); until then they are in "
-                "provider_copies (factmill_provider_copies_owed)",
+                "`factmill beat` and a worker on the extraction queue), or `factmill backfill copies "
+                "--delete` now; until then `factmill backfill copies` lists them",
                 highlight=False,
             )
     if not counters.pages_considered:

@@ -3,6 +3,7 @@ the backfills."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import select
@@ -15,7 +16,10 @@ from worker.extraction.backfill import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
 from worker.jobs.outbox import enqueue, resume_paused
+from worker.llm.gateway import LLMConfigurationError
 from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 
 def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]] | None:
@@ -43,7 +47,10 @@ def poll_backfills(factory: sessionmaker[Session], settings: Settings) -> int:
     with factory.begin() as session:
         woken = resume_waiting(session)
     sent = enqueue(factory, woken)
-    sweep_provider_copies(factory, settings)
+    try:
+        sweep_provider_copies(factory, settings)
+    except LLMConfigurationError as exc:
+        logger.warning("provider copies: cannot reach the provider to delete them (%s)", exc)
     return sent
 
 

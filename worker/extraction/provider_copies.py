@@ -10,10 +10,12 @@ for good.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Row, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,7 +24,6 @@ from models.reads import read_only
 from worker.core.jsonvalues import made_storable
 from worker.llm.batches import BATCH_PROVIDERS, BatchLLMClient, open_batch_client
 from worker.llm.errors import LLMError
-from worker.llm.gateway import LLMConfigurationError
 from worker.llm.retry import RetryPolicy
 from worker.settings import Settings
 
@@ -74,6 +75,21 @@ class ProviderCopies:
             session.execute(
                 touched.where(ProviderCopy.provider == provider, ProviderCopy.batch_id == batch_id)
             )
+
+    def listing(self, limit: int) -> tuple[int, Sequence[Row[*tuple[Any, ...]]]]:
+        """How many copies are owed, and the ``limit`` longest owed, as the CLI shows them."""
+        columns = (
+            ProviderCopy.provider,
+            ProviderCopy.batch_id,
+            ProviderCopy.attempts,
+            ProviderCopy.last_error,
+            ProviderCopy.created_at,
+            ProviderCopy.tried_at,
+        )
+        with read_only(self._factory) as session:
+            total = session.scalar(select(func.count()).select_from(ProviderCopy)) or 0
+            rows = session.execute(select(*columns).order_by(ProviderCopy.id).limit(limit))
+            return total, rows.all()
 
     def settle(self, provider: str, batch_id: str) -> None:
         gone = delete(ProviderCopy).where(
@@ -139,18 +155,18 @@ def delete_owed(
     return swept
 
 
-def sweep_provider_copies(factory: sessionmaker[Session], settings: Settings) -> CopiesSwept:
-    """Beat's poll: the owed deletes of this deployment's provider that are due (none: no client is
-    opened). Another provider's rows wait for a deployment configured with it."""
+def sweep_provider_copies(
+    factory: sessionmaker[Session], settings: Settings, *, retry_after: timedelta = RETRY_AFTER
+) -> CopiesSwept:
+    """Beat's poll (and `factmill backfill copies --delete`, with ``retry_after`` 0): the owed deletes
+    of this deployment's provider that are due (none: no client is opened). Another provider's rows
+    wait for a deployment configured with it. Raises LLMConfigurationError when the provider cannot be
+    reached as configured."""
     provider = settings.resolved_llm()
     copies = ProviderCopies(factory)
-    if provider not in BATCH_PROVIDERS or not copies.due(provider):
+    if provider not in BATCH_PROVIDERS or not copies.due(provider, retry_after=retry_after):
         return CopiesSwept()
-    try:
-        # One try a call: the poll is the retry, and an outage must not hold the worker for the
-        # gateway's full backoff (minutes) per owed copy.
-        with open_batch_client(settings, RetryPolicy(max_attempts=1)) as client:
-            return delete_owed(copies, client)
-    except LLMConfigurationError as exc:
-        logger.warning("provider copies: cannot reach %s to delete them (%s)", provider, exc)
-        return CopiesSwept()
+    # One try a call: the poll is the retry, and an outage must not hold the worker for the gateway's
+    # full backoff (minutes) per owed copy.
+    with open_batch_client(settings, RetryPolicy(max_attempts=1)) as client:
+        return delete_owed(copies, client, retry_after=retry_after)
