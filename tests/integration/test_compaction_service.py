@@ -843,6 +843,8 @@ def test_an_invalid_message_is_422_naming_it_and_nothing_is_stored(
     ok = {"role": "user", "text": "hi"}
     cases = [
         ([ok, {"role": "system", "text": "x"}], 1, "messages[1]: unknown role 'system'"),
+        ([ok, {"role": ["user"], "text": "x"}], 1, "messages[1]: role must be a string"),  # was a 500
+        ([{"role": {"user": 1}, "text": "x"}], 0, "messages[0]: role must be a string"),
         (
             [
                 ok,

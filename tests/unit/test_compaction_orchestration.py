@@ -77,6 +77,10 @@ def test_parse_message_reads_every_field() -> None:
             "messages[3]: unknown role 'system'; use one of: user, assistant, tool",
         ),
         ({"text": "x"}, "messages[3]: unknown role None"),
+        (
+            {"role": ["user"], "text": "x"},
+            "messages[3]: role must be a string (user, assistant or tool), got list",
+        ),
         ({"role": "user", "text": 5}, "messages[3]: text must be a string"),
         ({"role": "user", "text": ""}, "messages[3]: the message is empty"),
         ({"role": "tool", "text": "x"}, "messages[3]: a tool result needs tool_call_id"),

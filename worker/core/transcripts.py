@@ -92,6 +92,10 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
 def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:
     """One appended message from its JSON fields; MessageError names the message and what is wrong."""
     role = raw.get("role")
+    if role is not None and not isinstance(role, str):  # a list or an object is unhashable: no set test
+        raise MessageError(
+            index, f"role must be a string (user, assistant or tool), got {type(role).__name__}"
+        )
     if role not in ROLES:
         raise MessageError(index, f"unknown role {role!r}; use one of: user, assistant, tool")
     text = raw.get("text", "")
