@@ -713,6 +713,44 @@ def test_the_kill_switch_stops_before_the_retry(database_url: str, tx_factory: s
                            enabled=lambda: False)  # fmt: skip
 
 
+def test_a_spent_budget_pauses_the_compaction_job_and_fails_nothing(
+    database_url: str, tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """The summarizer's budget refusal was caught as any LLM error: a failed compaction row, a
+    budget_exhausted llm_calls row for a call never made, and a failed job that no budget raise
+    resumed. Now the job waits (paused, reason budget, no attempt) as extraction's do, and runs once
+    the budget is raised."""
+    request = append(tx_factory, "spent", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    settings = Settings(
+        database_url=database_url,
+        llm="simulator",
+        simulator_url=simulator.base_url,
+        threshold_cache_seconds=0,
+    )
+    rt = Runtime(settings=settings, factory=tx_factory, config=ConfigReader(tx_factory, ttl=0))
+    with tx_factory.begin() as session:
+        set_config(session, "llm.prices", json.dumps({"simulator-1": {"input": 1, "output": 1}}))
+        set_config(session, "llm.budget_daily_usd", "0")
+    try:
+        assert run_job(rt, job_id, jobs.COMPACTION).status == "paused"
+        with tx_factory() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and (job.status, job.pause_reason, job.attempts) == ("paused", "budget", 0)
+            assert "budget is exhausted" in (job.last_error or "")
+        assert compactions(tx_factory) == [] and llm_calls(tx_factory) == []
+        assert summarizer_prompts(simulator) == []
+        with tx_factory.begin() as session:
+            set_config(session, "llm.budget_daily_usd", "100")
+            assert jobs.resume_for_config_change(session, "llm.budget_daily_usd", "100") == [
+                (job_id, jobs.COMPACTION)
+            ]
+        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+        assert [c.status for c in compactions(tx_factory)] == ["accepted"]
+    finally:
+        rt.close()
+
+
 def test_a_job_of_another_kind_or_a_vanished_transcript_fails(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
@@ -1164,6 +1202,14 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
         set_config(session, COMPACTION_ENABLED, "false", updated_by="test")
     off = cli("compact", "cli", "--now")
     assert off.exit_code == 1 and "compaction.enabled is off" in off.output
+    with factory.begin() as session:
+        set_config(session, COMPACTION_ENABLED, "true", updated_by="test")
+        set_config(session, "llm.prices", json.dumps({"simulator-1": {"input": 1, "output": 1}}))
+        set_config(session, "llm.budget_daily_usd", "0")
+    append(factory, "cli", rounds(12, 12))
+    spent = cli("compact", "cli", "--now")  # said, and no failed compaction recorded for it
+    assert spent.exit_code == 1 and "the day LLM budget is exhausted" in spent.output, spent.output
+    assert len(compactions(factory)) == 1
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from worker.compaction import (
 from worker.compaction.erase import erase_transcript
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
 from worker.jobs.outbox import COMPACTION, enqueue
+from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.settings import get_settings
 
@@ -135,7 +136,7 @@ def compact_command(
         )
     except TranscriptNotFoundError as exc:
         raise fail(str(exc)) from exc
-    except CompactionDisabledError as exc:
+    except (CompactionDisabledError, BudgetExhaustedError) as exc:
         raise fail(str(exc)) from exc
     finally:
         runtime.close()

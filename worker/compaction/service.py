@@ -34,7 +34,7 @@ from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
-from worker.llm.errors import LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ def compact(
     """Summarize the head of a transcript and apply the summary if it passes the quality gate.
 
     ``threshold`` gives the active τ. A kill switch turned off raises CompactionDisabledError before
-    the next LLM call; an unknown transcript raises TranscriptNotFoundError.
+    the next LLM call, a spent budget BudgetExhaustedError (nothing recorded: no call was made); an
+    unknown transcript raises TranscriptNotFoundError.
     """
     timeline, user_texts = store.compaction_input(
         transcript_id, options.get("intent_messages", DEFAULT_INTENT_MESSAGES)
@@ -201,6 +202,8 @@ class CompactionRun:
         entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
         try:
             response = self.llm.chat(request)
+        except BudgetExhaustedError:
+            raise  # no call was made: the job waits for budget (paused), as extraction's do
         except LLMError as exc:
             call_id = self._record_call(
                 self.llm.provider,
