@@ -33,6 +33,7 @@ from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
     MAX_SEARCH_LINES,
+    EmbeddingFailedError,
     SearchError,
     SearchFilters,
     VectorSearchUnavailableError,
@@ -914,6 +915,43 @@ def test_api_vec_without_pgvector_is_501(api: TestClient) -> None:
     response = api.get("/v1/search", params={"q": "vec: dogs"})
     assert response.status_code == 501
     assert response.json()["detail"].startswith("vector search unavailable")
+
+
+def test_an_embedding_outage_skips_a_plain_querys_vectors_and_refuses_a_vec_line_with_503(
+    vector_database_url: str, vector_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """A failed embedding call was a 500 for every plain query, though its vector line is a bonus and
+    its lexical probe had already run: the lexical results come back with a note. A document's own
+    vec: line cannot run: a 503 that says why, with the search API's other refusals."""
+    from worker.api.app import create_app
+
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    with Simulator(SimulatorConfig()) as down:
+        down.configure(rate_500=1.0)  # every call fails: embeddings and the expansion alike
+        settings = Settings(
+            database_url=vector_database_url, llm="simulator", simulator_url=down.base_url, llm_max_attempts=1
+        )
+        runtime = Runtime(
+            settings=settings, factory=vector_factory, config=ConfigReader(vector_factory, ttl=0)
+        )
+        try:
+            with TestClient(create_app(runtime, sender=lambda *_: None)) as client:
+                send_key(client, vector_factory)
+                plain = client.get("/v1/search", params={"q": "greyhound"})
+                assert plain.status_code == 200, plain.text
+                assert plain.json()["results"][0]["fact"] == "Bob adopted a greyhound named Pixel"
+                assert "vector search skipped: the embedding call failed" in plain.json()["notes"]
+                vec = client.get("/v1/search", params={"q": "vec: greyhound pet"})
+                assert vec.status_code == 503, vec.text
+                assert vec.json()["detail"].startswith("vector search failed: the embedding call did not")
+                assert "HTTP 500" in vec.json()["detail"] and vec.headers["Retry-After"] == "30"
+        finally:
+            runtime.close()
+    with Simulator(SimulatorConfig()) as down:
+        down.configure(rate_500=1.0)
+        with pytest.raises(EmbeddingFailedError):  # the service's own word (the CLI and MCP map it)
+            search(vector_factory, sim_client(down), "vec: greyhound pet")
 
 
 def test_api_is_in_the_openapi_document(api: TestClient) -> None:

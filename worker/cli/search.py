@@ -11,9 +11,11 @@ import typer
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
+from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import build_runtime
 from worker.search import (
     MAX_LIMIT,
+    EmbeddingFailedError,
     EmbedReport,
     SearchError,
     SearchFilters,
@@ -114,6 +116,8 @@ def search_command(
         raise _fail(str(exc), code=3) from exc
     except SearchError as exc:
         raise _fail(str(exc), code=2) from exc
+    except (EmbeddingFailedError, BudgetExhaustedError) as exc:
+        raise _fail(str(exc), code=1) from exc
     finally:
         runtime.close()
     if as_json:

@@ -40,7 +40,14 @@ from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
-from worker.search import MAX_LIMIT, MAX_QUERY_CHARS, SearchError, search_as
+from worker.search import (
+    BUDGET_SPENT,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    EmbeddingFailedError,
+    SearchError,
+    search_as,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +102,10 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except BudgetExhaustedError:
-        raise ToolError("the search LLM budget for today is spent; lex: lines still work") from None
+        raise ToolError(BUDGET_SPENT) from None
     except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
         raise ToolError(str(exc)) from None
-    except (TranscriptNotFoundError, ContextTooLargeError) as exc:
+    except (TranscriptNotFoundError, ContextTooLargeError, EmbeddingFailedError) as exc:
         raise ToolError(str(exc)) from None
 
 

@@ -24,8 +24,10 @@ from worker.search.entrypoints import (
     search_as,
 )
 from worker.search.errors import (
+    BUDGET_SPENT,
     UNAVAILABLE_NO_EXTENSION,
     UNAVAILABLE_NOT_SET_UP,
+    EmbeddingFailedError,
     SearchError,
     VectorSearchUnavailableError,
 )
@@ -45,6 +47,7 @@ from worker.search.values import (
 from worker.search.vector_ddl import VECTOR_STORE_DDL
 
 __all__ = [
+    "BUDGET_SPENT",
     "DEFAULT_LIMIT",
     "EMBEDDING_DIMENSIONS",
     "EMBEDDING_PURPOSE",
@@ -58,6 +61,7 @@ __all__ = [
     "UNAVAILABLE_NO_EXTENSION",
     "VECTOR_STORE_DDL",
     "EmbedReport",
+    "EmbeddingFailedError",
     "LLMSource",
     "QueryParseError",
     "SearchError",

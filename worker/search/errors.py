@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from worker.llm.errors import LLMError
+
 __all__ = [
+    "BUDGET_SPENT",
     "UNAVAILABLE_NOT_SET_UP",
     "UNAVAILABLE_NO_EXTENSION",
+    "EmbeddingFailedError",
     "SearchError",
     "VectorSearchUnavailableError",
 ]
+
+# What a search refused for a spent budget says (the API's 503, the MCP tool's refusal).
+BUDGET_SPENT = "the search LLM budget for today is spent; lex: lines still work"
 
 
 class SearchError(ValueError):
@@ -16,6 +23,19 @@ class SearchError(ValueError):
 
 class VectorSearchUnavailableError(SearchError):
     """vec:/hyde: lines on a database without the pgvector store."""
+
+
+class EmbeddingFailedError(Exception):
+    """The embedding call for a document's vec:/hyde: lines failed (the provider is down, or answered
+    what no vector can be read from): the search cannot run as asked, through no fault of the query.
+    A plain query's own vector line never raises it: that line is a bonus, skipped with a note."""
+
+    def __init__(self, cause: LLMError) -> None:
+        status = f", HTTP {cause.status}" if cause.status else ""
+        super().__init__(
+            f"vector search failed: the embedding call did not succeed ({cause.outcome}{status}); "
+            "try again shortly (lex: lines still work)"
+        )
 
 
 UNAVAILABLE_NO_EXTENSION = (

@@ -47,9 +47,14 @@ from worker.core.fusion import (
 )
 from worker.core.intent import SearchType, StructuredQuery, has_strong_signal, parse_structured_query
 from worker.core.lexing import parse_expansion, parse_lex_query, plain_text
-from worker.llm.errors import BudgetExhaustedError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
-from worker.search.errors import UNAVAILABLE_NO_EXTENSION, SearchError, VectorSearchUnavailableError
+from worker.search.errors import (
+    UNAVAILABLE_NO_EXTENSION,
+    EmbeddingFailedError,
+    SearchError,
+    VectorSearchUnavailableError,
+)
 from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
 from worker.search.store import FactToEmbed, LineQuery, SearchStore
 from worker.search.values import (
@@ -292,9 +297,11 @@ def _plain_lists(
         gathered.expanded = bool(expansion)
     try:
         gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
-    except BudgetExhaustedError:
-        # The vector lines a plain query adds are a bonus: without budget, the lexical lines still run.
-        gathered.notes.append("vector search skipped: budget")
+    except (BudgetExhaustedError, EmbeddingFailedError) as exc:
+        # The vector lines a plain query adds are a bonus: without budget, or while the embedding
+        # provider fails, the lexical lines still run.
+        spent = isinstance(exc, BudgetExhaustedError)
+        gathered.notes.append(f"vector search skipped: {'budget' if spent else 'the embedding call failed'}")
         lexical = [line for line in extra if line.type == "lex"]
         gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
     return gathered
@@ -317,7 +324,12 @@ def _run_lines(
         client = _resolve_llm(llm)
         if client is None:
             raise SearchError("vec: and hyde: lines need an LLM gateway to embed them; none is configured")
-        vectors = embed_texts(store, client, [line.query for line in vector_lines], EMBEDDING_PURPOSE)
+        try:
+            vectors = embed_texts(store, client, [line.query for line in vector_lines], EMBEDDING_PURPOSE)
+        except BudgetExhaustedError:
+            raise
+        except LLMError as exc:  # recorded in llm_calls by embed_texts
+            raise EmbeddingFailedError(exc) from exc
     by_line = iter(vectors)
     queries: list[LineQuery] = [line.query if line.type == "lex" else next(by_line) for line in lines]
     hits = store.search_lines(queries, filters, candidates, status.extension_version or "0")

@@ -22,9 +22,11 @@ from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
+    BUDGET_SPENT,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
+    EmbeddingFailedError,
     SearchError,
     SearchResult,
     VectorSearchUnavailableError,
@@ -156,7 +158,11 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "model": SearchErrorOut,
         "description": "This key's searches per minute are used; see Retry-After.",
     },
-    503: {"model": SearchErrorOut, "description": "vec:/hyde: lines when the search LLM budget is spent."},
+    503: {
+        "model": SearchErrorOut,
+        "description": "vec:/hyde: lines when the search LLM budget is spent or the embedding call "
+        "failed; see Retry-After.",
+    },
 }
 
 
@@ -185,11 +191,9 @@ def run_search(runtime: Runtime, body: SearchBody, principal: Principal | None =
     except SearchError as exc:
         raise HTTPException(400, detail=str(exc)) from None
     except BudgetExhaustedError:
-        raise ApiError(
-            503,
-            "the search LLM budget for today is spent; lex: lines still work",
-            headers={"Retry-After": "3600"},
-        ) from None
+        raise ApiError(503, BUDGET_SPENT, headers={"Retry-After": "3600"}) from None
+    except EmbeddingFailedError as exc:
+        raise ApiError(503, str(exc), headers={"Retry-After": "30"}) from None
     return outcome.as_dict()
 
 
