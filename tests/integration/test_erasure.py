@@ -243,6 +243,9 @@ def test_erasing_an_unknown_page_is_404_and_writes_nothing(
     response = client.delete("/v1/pages/default/no/such/page", headers=ADMIN_HEADERS)
     assert response.status_code == 404
     assert "no/such/page" in response.json()["detail"]
+    for path in ("/v1/pages/default/a%00b", "/v1/pages/de%00fault/a"):  # Postgres stores no NUL: was a 500
+        refused = client.delete(path, headers=ADMIN_HEADERS)
+        assert refused.status_code == 422, refused.text
     assert counted(enabled, Erasure) == 0
 
 
