@@ -178,7 +178,19 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
         )
     )
     huge = await session.call_tool("get_transcript_context", {"transcript_id": "huge"})
+    lax = await session.call_tool(  # true is no coverage nor compaction id (the API's 422)
+        "record_summary_feedback",
+        {"coverage": True, "answer_kept": False, "origin": "agent:test", "compaction_id": True},
+    )
+    # Messages sent as JSON text: the SDK's json.loads makes "\ud800" a lone surrogate, which the
+    # insert could not encode ("failed on the server"); now refused naming it.
+    surrogate = '[{"role":"assistant","tool_calls":[{"id":"c9","name":"t","arguments":{"q":"\\ud800"}}]}]'
+    unstorable = await session.call_tool(
+        "append_transcript_messages", {"transcript_id": "agent-1", "messages": surrogate}
+    )
     return {
+        "lax": lax,
+        "unstorable": unstorable,
         "tools": tools,
         "appended": appended,
         "context": context,
@@ -198,6 +210,10 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert [m["role"] for m in seen["context"]["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert "messages[0]: tool result answers no earlier call" in _error_text(seen["bad"])
     assert seen["feedback"]["duplicate"] is False and seen["feedback"]["id"] >= 1
+    lax = _error_text(seen["lax"])
+    assert "coverage" in lax and "compaction_id" in lax and "valid" in lax, lax
+    unstorable = _error_text(seen["unstorable"])
+    assert "tool_calls[0].arguments must not contain lone surrogates" in unstorable, unstorable
     assert "its context view is 34,603," in _error_text(seen["huge"]) and "/messages" in _error_text(
         seen["huge"]
     )

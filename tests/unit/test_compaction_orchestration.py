@@ -101,6 +101,10 @@ def test_parse_message_reads_every_field() -> None:
             "tool_calls repeat an id",
         ),
         ({"role": "assistant", "tool_calls": "c"}, "tool_calls must be a list"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c", "name": "n", "arguments": {"q": "\ud800"}}]},
+            "tool_calls[0].arguments must not contain lone surrogates",
+        ),
         (  # stored as the JSON text '{"n":Infinity}', which no provider takes (the MCP tool's path)
             {
                 "role": "assistant",

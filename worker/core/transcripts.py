@@ -15,7 +15,7 @@ from worker.core.compaction import (
     ToolCall,
     TranscriptMessage,
 )
-from worker.core.jsonvalues import json_integer, not_json
+from worker.core.jsonvalues import json_integer, not_json, text_problem
 from worker.core.labels import is_word_label
 
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
@@ -83,10 +83,17 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
         problem = not_json(arguments, f"{where}.arguments")
         if problem:  # JSON text with Infinity in it would go to the provider as the call's arguments
             raise MessageError(index, problem)
-        return ToolCall.from_mapping(call_id, name, arguments)
-    if not isinstance(arguments, str):
+        call = ToolCall.from_mapping(call_id, name, arguments)
+    elif isinstance(arguments, str):
+        call = ToolCall(call_id, name, arguments)
+    else:
         raise MessageError(index, f"{where}.arguments must be a JSON object or its JSON text")
-    return ToolCall(call_id, name, arguments)
+    # A lone surrogate in a string of the object (which Python's json.loads makes of "\ud800") stays in
+    # its JSON text, which no database stores: the caller's to fix, not a failed insert.
+    problem = text_problem(call.arguments)
+    if problem:
+        raise MessageError(index, f"{where}.arguments {problem}")
+    return call
 
 
 def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:

@@ -33,7 +33,7 @@ from worker.compaction import (
 )
 from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
-from worker.core.jsonvalues import json_integer, storable_text
+from worker.core.jsonvalues import BIGINT_MAX, json_integer, storable_text
 from worker.core.labels import check_source_id
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
@@ -326,8 +326,11 @@ class FactmillTools:
 
     def record_summary_feedback(
         self,
-        coverage: Annotated[
-            float, Field(ge=0, le=1, allow_inf_nan=False, description="The coverage the summary scored.")
+        coverage: Annotated[  # strict: true is not a coverage of 1 (the API's rule)
+            float,
+            Field(
+                ge=0, le=1, allow_inf_nan=False, strict=True, description="The coverage the summary scored."
+            ),
         ],
         answer_kept: Annotated[
             StrictBool, Field(description="Did the summarised context still let you answer correctly?")
@@ -336,8 +339,13 @@ class FactmillTools:
             Text, Field(min_length=1, max_length=200, description="Who judged, e.g. 'agent:me'.")
         ],
         compaction_id: Annotated[
-            int | None, Field(ge=1, le=2**63 - 1, description="The compaction (summary) judged.")
-        ] = None,
+            int,
+            Strict(),
+            Field(ge=1, le=BIGINT_MAX),
+            JSON_INTEGER,
+            Field(description="The compaction judged."),
+        ]
+        | None = None,
         idempotency_key: Annotated[
             Text | None, Field(max_length=255, description="A resubmission with this key is stored once.")
         ] = None,
