@@ -197,10 +197,17 @@ def document_lines(factory: Any, queries: Sequence[str]) -> None:
     prefixes = sorted({q.split()[0][:3] for q in queries})
     flood = "\n".join(f"lex: {prefixes[i % len(prefixes)]}" for i in range(MAX_QUERY_CHARS // 9))
     capped = "\n".join(f"lex: {q.split()[0]}" for q in queries[:MAX_SEARCH_LINES])
+    # One line of many words: words no fact holds, and rare words that no single fact holds together
+    # (the fallback that drops words until something matches).
+    absent = " ".join(f"zq{i:04d}x" for i in range(MAX_QUERY_CHARS // 9))
+    rare_words = list(dict.fromkeys(w for q in queries for w in q.split() if len(w) > 5))
+    apart = " ".join(rare_words)[: MAX_QUERY_CHARS - 10].rsplit(" ", 1)[0]
     rows = [
         ("1 line", f"lex: {queries[0]}"),
         (f"{MAX_SEARCH_LINES} lines (the most accepted)", capped),
         (f"{flood.count(chr(10)) + 1} lines (2,000 characters; refused)", flood),
+        (f"1 line of {absent.count(' ') + 1} words no fact holds", f"lex: {absent}"),
+        (f"1 line of {apart.count(' ') + 1} rare words never together", f"lex: {apart}"),
     ]
     print("  a request by the search lines of its document (median of 3):")
     for label, document in rows:

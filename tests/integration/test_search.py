@@ -443,6 +443,38 @@ def test_lexical_search_runs_without_jit_and_leaves_the_settings_as_it_found_the
     assert tuple(after.one()) == ("on", "on")
 
 
+def test_a_line_of_many_words_drops_the_absent_ones_at_once_and_halves_the_rest(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The fallback dropped one word a pass, two ranked queries each: one lex: line of 150 words no
+    fact holds was some 300 statements (a 2,000-character line, 500). Words no fact holds now go at
+    once, and the most words that still match are found by halving; the answer is the same."""
+    seed(plain_factory)
+    connection = plain_factory.kw["bind"]
+    ranked: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "search_vector @@" in statement and "ORDER BY raw DESC" in statement:
+            ranked.append(statement)
+
+    absent = " ".join(f"zq{i:03d}x" for i in range(150))
+    event.listen(connection, "after_cursor_execute", count)
+    try:
+        apart = search(plain_factory, llm, f"lex: greyhound marathon peanuts {absent}")
+        ranked_apart = len(ranked)
+        ranked.clear()
+        nothing = search(plain_factory, llm, f"lex: {absent}")
+        ranked_nothing = len(ranked)
+        ranked.clear()
+        together = search(plain_factory, llm, f"lex: bob greyhound {absent}")
+    finally:
+        event.remove(connection, "after_cursor_execute", count)
+    # Three words no fact holds together: the rarest-first prefix that matches is one word.
+    assert facts_of(apart)[:1] == ["Bob adopted a greyhound named Pixel"] and ranked_apart <= 8
+    assert nothing.results == () and ranked_nothing == 0
+    assert facts_of(together) == ["Bob adopted a greyhound named Pixel"] and len(ranked) <= 2
+
+
 def test_searches_keep_the_statements_psycopg_prepared(plain_database_url: str) -> None:
     # A search's reads end in a commit or in autocommit, never a ROLLBACK, which would make psycopg
     # forget every statement it prepared on the connection (it prepares one on its sixth run).

@@ -375,19 +375,32 @@ def _ranked_matches(
             return list(session.execute(driven, params | {"match": match, "drive": matches[rarest]}))
         return list(session.execute(indexed, params | {"match": match}))
 
-    rows: list[Any] = []
-    keep = len(units)
-    while keep > 0:
+    def answer(keep: int, prefix_rows: list[Any] | None = None) -> list[Any]:
+        """The rows of the rarest ``keep`` units: exact words first when they fill the list."""
         kept = sorted(order[:keep])
         if any(units[i].exact for i in kept):
             rows = ranked(kept, exact=True)
             if len(rows) >= limit:
-                break
-        rows = ranked(kept, exact=False)
-        if rows:
-            break
-        keep -= 1
-    return [Hit(row[0], normalise_score(row[1])) for row in rows], keep == len(units)
+                return rows
+        return prefix_rows if prefix_rows is not None else ranked(kept, exact=False)
+
+    # A unit no fact holds (df 0, counted) matches nothing with any others: they go first, all at once.
+    present = sum(df > 0 for df in dfs)
+    rows = answer(present) if present else []
+    if rows or present <= 1:
+        return [Hit(row[0], normalise_score(row[1])) for row in rows], bool(rows) and present == len(units)
+    # Dropping a unit only widens the match, so the most units that still match are found by halving:
+    # a line of hundreds of words costs a few queries, not one (or two) a word.
+    keep, found, low, high = 0, [], 1, present - 1
+    while low <= high:
+        middle = (low + high) // 2
+        middle_rows = ranked(sorted(order[:middle]), exact=False)
+        if middle_rows:
+            keep, found, low = middle, middle_rows, middle + 1
+        else:
+            high = middle - 1
+    rows = answer(keep, found) if keep else []
+    return [Hit(row[0], normalise_score(row[1])) for row in rows], False
 
 
 # --------------------------------------------------------------------------- vector search
