@@ -642,6 +642,38 @@ def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sess
     assert forced.created
 
 
+def test_a_context_its_compactions_cannot_bring_under_waits_after_an_accepted_one_too(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """keep_recent_tokens at or past window - reserve leaves the context over its threshold after every
+    summary: each append then requested (and paid for) another. Now such a transcript waits the retrigger
+    time after an accepted compaction as after a rejected one, and the note says why."""
+    misfit = {"context_window": 3000, "reserve_tokens": 1000, "keep_recent_tokens": 2000}  # kept = trigger
+    append(tx_factory, "misfit", session_messages(25), settings=misfit)
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(status="succeeded"))
+    first = compact_transcript(
+        tx_factory, llm_for(simulator), "misfit", threshold=lambda: FALLBACK, force=True
+    )
+    assert first.status == "accepted"
+    held = append(tx_factory, "misfit", [{"role": "user", "text": "next"}], retrigger_seconds=300)
+    assert held.trigger.job is None and held.trigger.over
+    assert "was accepted" in (held.trigger.note or "") and "lower keep_recent_tokens" in (
+        held.trigger.note or ""
+    )
+    later = append(tx_factory, "misfit", [{"role": "user", "text": "x"}], retrigger_seconds=0)
+    assert later.trigger.job is not None
+    # A transcript whose settings fit is not held after an accepted compaction.
+    append(tx_factory, "fits", session_messages(25), settings=SETTINGS)
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(status="succeeded"))
+    assert compact_transcript(tx_factory, llm_for(simulator), "fits", threshold=lambda: FALLBACK).status == (
+        "accepted"
+    )
+    more = append(tx_factory, "fits", session_messages(25, first="Go on."), retrigger_seconds=300)
+    assert more.trigger.over and more.trigger.job is not None
+
+
 def test_forced_compaction_under_the_threshold_and_nothing_to_compact(
     database_url: str, tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:

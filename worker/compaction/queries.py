@@ -241,8 +241,11 @@ class TriggerCheck:
         return self.trigger_tokens is not None and self.context_tokens > self.trigger_tokens
 
 
-def _recent_miss(session: Session, transcript_id: str, within_seconds: float) -> Compaction | None:
-    """The newest compaction, if it was rejected or failed less than ``within_seconds`` ago."""
+def _recent_miss(
+    session: Session, transcript_id: str, within_seconds: float, *, accepted_too: bool = False
+) -> Compaction | None:
+    """The newest compaction, if it was rejected or failed (or, ``accepted_too``, accepted) less than
+    ``within_seconds`` ago."""
     if within_seconds <= 0:
         return None
     newest = session.scalars(
@@ -251,7 +254,7 @@ def _recent_miss(session: Session, transcript_id: str, within_seconds: float) ->
         .order_by(Compaction.id.desc())
         .limit(1)
     ).first()
-    if newest is None or newest.status == "accepted":
+    if newest is None or (newest.status == "accepted" and not accepted_too):
         return None
     if newest.created_at < now() - timedelta(seconds=within_seconds):
         return None
@@ -284,14 +287,6 @@ def check_trigger(
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
-    missed = _recent_miss(session, transcript_id, retrigger_seconds)
-    if missed is not None:
-        note = (
-            f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
-            f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
-        )
-        return TriggerCheck(tokens, settings.trigger_tokens, None, note)
-    job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
     misfit: str | None = None
     if settings.trigger_tokens is not None and settings.keep_recent_tokens >= settings.trigger_tokens:
         misfit = (
@@ -299,6 +294,16 @@ def check_trigger(
             f"({settings.trigger_tokens}), so no compaction can bring this context under its threshold; "
             "lower keep_recent_tokens"
         )
+    # Such a context is over its threshold again right after an accepted summary: without the wait,
+    # every append would pay for another summary.
+    missed = _recent_miss(session, transcript_id, retrigger_seconds, accepted_too=misfit is not None)
+    if missed is not None:
+        note = (
+            f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
+            f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
+        )
+        return TriggerCheck(tokens, settings.trigger_tokens, None, note + (f"; {misfit}" if misfit else ""))
+    job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
     return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
 
 
