@@ -141,8 +141,10 @@ def backfill_copies(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="List at most this many.")] = 50,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Provider batch copies (the pages' text, the facts drawn from it) whose delete is owed: it failed,
-    or the batch had not ended when its run gave up on it. Beat's backfill poll deletes them once due."""
+    """Provider batch copies whose delete is owed; --delete deletes the ended ones now.
+
+    A copy holds the pages' text and the facts drawn from it; its delete is owed when it failed, or
+    when the batch had not ended as its run gave up on it. Beat's backfill poll deletes them once due."""
     factory = checked_factory()
     if delete:
         _delete_copies(factory, as_json)
