@@ -122,6 +122,41 @@ def test_duplicates_merge_by_rule_and_an_update_closes_the_old_fact(tx_factory, 
     assert decisions(tx_factory).count(("duplicate", "rule")) == 2
 
 
+def test_a_fact_said_again_after_the_fact_that_closed_it_in_the_same_run_stays_current(
+    tx_factory, llm
+) -> None:
+    """Lisbon (January), then one page: Porto (March), Lisbon again (June). The run planned June's
+    Lisbon as a duplicate of January's before the model closed January's at March: the return to
+    Lisbon answered nothing, now or at any as_of. It stays current now, beside Porto."""
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    consolidate(tx_factory, llm)
+    body = "\n".join(
+        [
+            *MAR_BODY.splitlines()[:2],
+            fmt("Alice Example", "2026-06-01", "9:00 AM", "I live in Lisbon now."),
+            fmt("Bob Demo", "2026-06-01", "9:01 AM", "Back again!"),
+        ]
+    )
+    put_page(tx_factory, "conversations/alice-back", body)
+    extract(tx_factory, llm, "conversations/alice-back")
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    january, june = (
+        facts["Alice Example lives in Lisbon now."][0],
+        facts["Alice Example lives in Lisbon now."][-1],
+    )
+    porto = facts["Alice Example lives in Porto now."][0]
+    assert (january.status, january.superseded_by) == ("superseded", porto.id)
+    assert (june.status, june.duplicate_of, porto.status) == ("current", None, "current")
+    with tx_factory() as session:
+        kept = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == june.id)
+        ).one()
+    assert (kept.decision, kept.decided_by, kept.other_fact_id) == ("new", "rule", january.id)
+    assert "supersedes in the same run" in kept.reason and str(porto.id) in kept.reason
+
+
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     put_page(tx_factory, MAR_PAGE, MAR_BODY)

@@ -260,3 +260,25 @@ def test_the_vector_pool_answers_what_cosine_answers() -> None:
     for _ in range(20):  # past the capacity it was made with: it grows
         vectors.add([0.0, 3.0, 4.0])
     assert len(vectors) == 26 and vectors.cosines([0.0, 3.0, 4.0])[-1] == pytest.approx(1.0)
+
+
+def test_a_duplicate_of_a_fact_the_same_run_closes_before_it_is_kept_current() -> None:
+    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+
+    jun = datetime(2026, 6, 1, tzinfo=UTC)
+    lisbon = fact(1, "Alice lives in Lisbon", when=JAN)
+    porto = fact(2, "Alice lives in Porto", when=MAR)
+    back = fact(3, "Alice lives in Lisbon.", when=jun)
+    early = fact(4, "alice lives in lisbon", when=datetime(2026, 2, 1, tzinfo=UTC))
+    plans = plan_consolidation([back, porto, early], [lisbon], "people/alice")
+    by_id = {p.new.id: p for p in plans}
+    assert by_id[3].rule is not None and by_id[3].rule.old.id == 1  # planned before the model answers
+    answers = {a.number: PairDecision(a.number, "updates", "moved") for a in by_id[2].asked}
+    decided = reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
+    out = {d.fact_id: d for d in decided}
+    assert out[2].kind == "supersede" and out[2].closings[0].older.id == 1
+    assert (out[3].kind, out[3].duplicate_of) == ("new", None)  # said after Porto closed Lisbon
+    assert out[3].rows[0].other_fact_id == 1 and "fact 2" in out[3].rows[0].reason
+    assert (out[4].kind, out[4].duplicate_of) == ("duplicate", 1)  # said while Lisbon still held
+    unanswered = reopen_restatements([(plan, resolve(plan, {})) for plan in plans])
+    assert {d.fact_id: d.duplicate_of for d in unanswered}[3] == 1  # nothing closed: a duplicate

@@ -11,7 +11,14 @@ from typing import Any
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
-from worker.core.consolidation import AskedPair, FactPlan, PairDecision, plan_consolidation, resolve
+from worker.core.consolidation import (
+    AskedPair,
+    FactPlan,
+    PairDecision,
+    plan_consolidation,
+    reopen_restatements,
+    resolve,
+)
 from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
@@ -97,9 +104,10 @@ def consolidate_entity(
         return counters
     plans = plan_consolidation(pending, pool, run.entity_key)
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
+    decisions = reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
     resolved = [
-        (resolve(plan, answers), next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
-        for plan in plans
+        (decision, next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
+        for plan, decision in zip(plans, decisions, strict=True)
     ]
     for start in range(0, len(resolved), DECISIONS_PER_COMMIT):
         run.guard()

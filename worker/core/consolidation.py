@@ -397,3 +397,37 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
     if duplicate_of is not None:
         return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of)
     return Resolved(new.id, tuple(rows), closings=tuple(closings))
+
+
+RESTATED_REASON = (
+    "rule: restates fact {old}, which fact {newer}, said before it, supersedes in the same run; kept "
+    "current (true again after the change)"
+)
+
+
+def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Resolved]:
+    """One run's resolutions, with each duplicate of a fact that the same run closes, said after the fact
+    that closes it, kept current instead.
+
+    A run plans every fact before the model answers, each earlier fact as if it stays current: "Alice
+    lives in Paris" (June) is then an exact duplicate of "Alice lives in Paris" (January), while "Alice
+    moved to Berlin" (March) closes the January fact. As a duplicate of a closed fact, the June one
+    answered nothing, for now or any as_of: the return to Paris was lost. Kept current, it stands beside
+    the March fact (which of the two holds now is the entity's history, shown; never hidden).
+    """
+    closed_by: dict[int, list[FactView]] = {}
+    for _, resolved in decided:
+        for closing in resolved.closings:
+            closed_by.setdefault(closing.older.id, []).append(closing.newer)
+    out: list[Resolved] = []
+    for plan, resolved in decided:
+        original = resolved.duplicate_of
+        closers = closed_by.get(original, []) if original is not None else []
+        newer = [f for f in closers if order_key(f) <= order_key(plan.new)]
+        if original is None or not newer:
+            out.append(resolved)
+            continue
+        first = min(newer, key=order_key)
+        reason = RESTATED_REASON.format(old=original, newer=first.id)
+        out.append(Resolved(resolved.fact_id, (Row(original, "new", "rule", reason),)))
+    return out
