@@ -118,6 +118,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
     nul = await session.call_tool("search_facts", {"query": "lex: Lis\u0000bon"})
     piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
     boolean = await session.call_tool("list_entity_facts", {"entity": "alice", "limit": True})
+    unnamed = await session.call_tool("list_entity_facts", {"entity": "---"})  # the API's 422
     schemas = {tool.name: tool.input_schema for tool in (await session.list_tools()).tools}
     append = await session.call_tool(
         "append_transcript_messages",
@@ -132,6 +133,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "nul": nul,
         "piped": piped,
         "boolean": boolean,
+        "unnamed": unnamed,
         "listed": listed,
         "schemas": schemas,
     }
@@ -151,6 +153,7 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert "must not contain NUL" in _error_text(seen["nul"])  # refused as input, not a server error
     assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
     assert "valid integer" in _error_text(seen["boolean"])  # true is not a limit of 1
+    assert "entity '---' has no letters or digits" in _error_text(seen["unnamed"])  # not an empty list
     limit = seen["schemas"]["list_entity_facts"]["properties"]["limit"]
     assert (limit["type"], limit["minimum"], limit["maximum"]) == ("integer", 1, 1000)  # bounds a client sees
     refused = _error_text(seen["append"])

@@ -106,6 +106,19 @@ def read_page_facts(
     return PageFactsPage(source_id=source_id, slug=slug, page_id=page_id, total=total, facts=facts)
 
 
+class EntityNameError(ValueError):
+    """An entity filter with nothing the slug rule keeps (no letter or digit)."""
+
+
+def entity_key(entity: str) -> str:
+    """The entity slug a filter names (a slug, or a name the slug rule turns into one), or
+    EntityNameError saying why it names none."""
+    slug = entity_slug(entity)
+    if slug is None:
+        raise EntityNameError(f"entity {entity!r} has no letters or digits; give an entity slug")
+    return slug
+
+
 def read_entity_facts(
     session: Session,
     entity: str,
@@ -116,8 +129,9 @@ def read_entity_facts(
     lifecycle: Lifecycle = CURRENT_ONLY,
 ) -> EntityFactsPage:
     """The facts about ``entity`` (its slug, or a name the slug rule turns into it), newest first,
-    from ``source_ids`` only when given (current ones unless ``lifecycle`` says otherwise)."""
-    entity = entity_slug(entity) or entity
+    from ``source_ids`` only when given (current ones unless ``lifecycle`` says otherwise). Raises
+    EntityNameError when ``entity`` names no slug."""
+    entity = entity_key(entity)
     where: list[ColumnElement[bool]] = [
         Fact.entity_slug == entity,
         Fact.is_audit.is_(False),
@@ -140,8 +154,10 @@ def read_entity_facts(
 __all__ = [
     "EntityFact",
     "EntityFactsPage",
+    "EntityNameError",
     "FactRecord",
     "PageFactsPage",
+    "entity_key",
     "read_entity_facts",
     "read_page_facts",
 ]

@@ -36,7 +36,13 @@ from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import BIGINT_MAX, json_integer, storable_text
 from worker.core.labels import check_source_id
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
-from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
+from worker.extraction.facts import (
+    EntityFactsPage,
+    EntityNameError,
+    PageFactsPage,
+    read_entity_facts,
+    read_page_facts,
+)
 from worker.jobs import outbox
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
@@ -105,7 +111,7 @@ def _refusals() -> Iterator[None]:
         raise ToolError(BUDGET_SPENT) from None
     except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
         raise ToolError(str(exc)) from None
-    except (TranscriptNotFoundError, ContextTooLargeError, EmbeddingFailedError) as exc:
+    except (TranscriptNotFoundError, ContextTooLargeError, EmbeddingFailedError, EntityNameError) as exc:
         raise ToolError(str(exc)) from None
 
 
@@ -214,7 +220,7 @@ class FactmillTools:
         interval and links). Use it to see all that is known about someone."""
         with _refusals():
             sources = readable_sources(self.principal(), source_id)
-        with self.runtime.factory() as session:
+        with self.runtime.factory() as session, _refusals():
             return read_entity_facts(
                 session,
                 entity,

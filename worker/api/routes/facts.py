@@ -17,9 +17,15 @@ from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
-from worker.core.facts import ENTITY_PATTERN, entity_slug
+from worker.core.facts import ENTITY_PATTERN
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
-from worker.extraction.facts import EntityFactsPage, PageFactsPage, read_entity_facts, read_page_facts
+from worker.extraction.facts import (
+    EntityFactsPage,
+    EntityNameError,
+    PageFactsPage,
+    read_entity_facts,
+    read_page_facts,
+)
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -113,18 +119,19 @@ def entity_facts(
 ) -> EntityFactsPage:
     """An entity that has no facts (or none the key may read) answers an empty list, as a search would.
     A key limited to some sources reads only theirs; asking for another source is 403."""
-    if entity_slug(entity) is None:
-        raise ApiError(422, f"entity {entity!r} has no letters or digits; give an entity slug")
     sources = _readable(principal, source_id)
     with read_only(ctx.factory) as session:
-        return read_entity_facts(
-            session,
-            entity,
-            source_ids=sources,
-            limit=limit,
-            offset=offset,
-            lifecycle=Lifecycle(include_history, as_of),
-        )
+        try:
+            return read_entity_facts(
+                session,
+                entity,
+                source_ids=sources,
+                limit=limit,
+                offset=offset,
+                lifecycle=Lifecycle(include_history, as_of),
+            )
+        except EntityNameError as exc:
+            raise ApiError(422, str(exc)) from None
 
 
 __all__ = ["facts_router"]
