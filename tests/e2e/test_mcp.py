@@ -164,7 +164,11 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
     tools = {tool.name for tool in (await session.list_tools()).tools}
     messages = [
         {"role": "user", "text": "Where does Alice live?"},
-        {"role": "assistant", "text": "", "tool_calls": [{"id": "c1", "name": "search", "arguments": {}}]},
+        {  # OpenAI's shape, as the API takes it (the tool refused the type and the text arguments)
+            "role": "assistant",
+            "text": None,
+            "tool_calls": [{"id": "c1", "type": "function", "name": "search", "arguments": '{"q": "Alice"}'}],
+        },
         {"role": "tool", "text": "Lisbon", "tool_call_id": "c1"},
         {"role": "assistant", "text": "Alice lives in Lisbon."},
     ]
@@ -211,6 +215,7 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert seen["tools"] == READ_TOOLS | WRITE_TOOLS
     assert (seen["appended"]["appended"], seen["appended"]["first_seq"]) == (4, 0)
     assert [m["role"] for m in seen["context"]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert seen["context"]["messages"][1]["tool_calls"][0]["arguments"] == '{"q": "Alice"}'
     assert "messages[0]: tool result answers no earlier call" in _error_text(seen["bad"])
     assert seen["feedback"]["duplicate"] is False and seen["feedback"]["id"] >= 1
     lax = _error_text(seen["lax"])

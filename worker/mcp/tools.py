@@ -83,7 +83,9 @@ class ToolCallIn(BaseModel):
 
     id: Annotated[Text, Field(min_length=1, description="The call's id; its tool result names it.")]
     name: Annotated[Text, Field(min_length=1, description="The tool the assistant called.")]
-    arguments: Annotated[dict[str, Any], Field(description="The call's arguments.")] = {}
+    # As the API takes them: an object, or its JSON text (how OpenAI's tool calls carry them).
+    arguments: Annotated[dict[str, Any] | Text, Field(description="The call's arguments.")] = {}
+    type: Annotated[Text | None, Field(description="OpenAI's call type ('function'), if sent.")] = None
 
 
 class MessageIn(BaseModel):
@@ -92,7 +94,9 @@ class MessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["user", "assistant", "tool"]
-    text: Annotated[Text, Field(description="The message text (may be empty for a tool-calling turn).")] = ""
+    text: Annotated[
+        Text | None, Field(description="The message text (may be empty or null for a tool-calling turn).")
+    ] = ""
     tool_calls: Annotated[
         list[ToolCallIn] | None, Field(description="Assistant turns only: the tools it called.")
     ] = None
