@@ -725,6 +725,37 @@ def test_a_summary_of_a_timeline_replaced_meanwhile_is_not_applied(
         assert context_view(session, "race").compaction_id == winner["outcome"].compaction_id
 
 
+@pytest.mark.parametrize("begun_again", [False, True])
+def test_a_transcript_erased_while_its_compaction_runs_gets_nothing_of_it(
+    factory: sessionmaker[Session], begun_again: bool
+) -> None:
+    """The run's row was saved whatever happened meanwhile: with the transcript erased, the insert
+    failed on its foreign key; erased and appended to again under its id (an agent carrying on), the
+    new transcript got a row holding the erased messages' summary (an accepted one applied, its cut
+    hiding the new messages). Now nothing of the run is written. (Real commits: a transcript is told
+    from the one before it under its id by its creation time, one transaction's now().)"""
+    from worker.compaction.erase import erase_transcript
+    from worker.compaction.records import ERASED_MEANWHILE
+
+    append(factory, "gone", session_messages(25), settings=SETTINGS)
+
+    def erase_meanwhile(request: ChatRequest) -> str:
+        assert erase_transcript(factory, "gone", "test") is not None
+        if begun_again:
+            append(factory, "gone", session_messages(2, first="A new start."), settings=SETTINGS)
+        return "lossy"
+
+    outcome = compact_transcript(
+        factory, ScriptedLLM(erase_meanwhile, "lossy"), "gone", threshold=lambda: FALLBACK
+    )
+    assert (outcome.status, outcome.detail, outcome.compaction_id) == ("failed", ERASED_MEANWHILE, None)
+    assert compactions(factory) == []
+    if begun_again:
+        with factory() as session:
+            view = context_view(session, "gone")
+        assert view.compaction_id is None and view.messages[0].message.text == "A new start."
+
+
 def test_the_kill_switch_stops_before_the_retry(database_url: str, tx_factory: sessionmaker[Session]) -> None:
     request = append(tx_factory, "switch", session_messages(25), settings=SETTINGS)
     rt = runtime(database_url, tx_factory, None)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, literal, select, true, update
+from sqlalchemy import Row, bindparam, case, func, literal, select, true, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -48,7 +48,7 @@ _SETTINGS = (
     TRANSCRIPTS.c.tool_result_limit,
     TRANSCRIPTS.c.instructions,
 )
-_READ_SETTINGS = select(*_SETTINGS).where(TRANSCRIPTS.c.id == bindparam("id"))
+_READ_SETTINGS = select(*_SETTINGS, TRANSCRIPTS.c.created_at).where(TRANSCRIPTS.c.id == bindparam("id"))
 _LOCK = _READ_SETTINGS.with_for_update()
 # Created on first use and touched, the row locked either way: ON CONFLICT DO UPDATE locks the row it
 # finds, as SELECT ... FOR UPDATE does. Core statements built once: an append runs on every agent turn.
@@ -71,10 +71,20 @@ def lock_transcript(session: Session, transcript_id: str, *, create: bool) -> Tr
 
 
 def transcript_settings(session: Session, transcript_id: str) -> TranscriptSettings:
+    return TranscriptSettings.of(_settings_row(session, transcript_id))
+
+
+def _settings_row(session: Session, transcript_id: str) -> Row[*tuple[Any, ...]]:
     row = session.connection().execute(_READ_SETTINGS, {"id": transcript_id}).one_or_none()
     if row is None:
         raise TranscriptNotFoundError(transcript_id)
-    return TranscriptSettings.of(row)
+    return row
+
+
+def transcript_created_at(session: Session, transcript_id: str, *, lock: bool = False) -> datetime | None:
+    """When the transcript of this id was created (None: there is none), its row locked with ``lock``."""
+    row = session.connection().execute(_LOCK if lock else _READ_SETTINGS, {"id": transcript_id}).one_or_none()
+    return None if row is None else row.created_at
 
 
 def _change_settings(session: Session, transcript_id: str, changes: Mapping[str, Any]) -> TranscriptSettings:
@@ -156,7 +166,8 @@ class ContextTooLargeError(Exception):
 def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None = None) -> Timeline:
     """The applied summary and the messages after its cut. With ``max_bytes``, raises
     ContextTooLargeError when they store more than that (measured before any message is loaded)."""
-    settings = transcript_settings(session, transcript_id)
+    row = _settings_row(session, transcript_id)
+    settings = TranscriptSettings.of(row)
     summary = applied_summary(session, transcript_id)
     start = summary.cut_seq if summary is not None else 0
     if max_bytes is not None:
@@ -173,7 +184,7 @@ def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None
     for seq, role, text, calls, call_id, name in rows:
         messages.append(stored_message(role, text, calls, call_id, name))
         seqs.append(seq)
-    return Timeline(transcript_id, settings, summary, messages, seqs)
+    return Timeline(transcript_id, settings, summary, messages, seqs, row.created_at)
 
 
 # The context view holds the applied summary and the messages from its cut on: their tokens, in one

@@ -7,6 +7,7 @@ the one it was computed from, under the transcript's lock (``worker.compaction.q
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from models import Compaction
 from models.tables import COMPACTIONS
-from worker.compaction.queries import applied_summary, get_transcript, lock_transcript
+from worker.compaction.queries import applied_summary, get_transcript, transcript_created_at
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,10 @@ class CompactionRecord:
 
 @dataclass(frozen=True)
 class SavedCompaction:
-    """The stored row's id and final status: an accepted summary may have been superseded meanwhile."""
+    """The stored row's id and final status: an accepted summary may have been superseded meanwhile;
+    no row (id None) when the transcript was erased while the run worked."""
 
-    compaction_id: int
+    compaction_id: int | None
     status: str
     error: str | None
     tokens_after: int | None
@@ -52,13 +54,23 @@ class SavedCompaction:
 _INSERT_COMPACTION = insert(COMPACTIONS).returning(COMPACTIONS.c.id)
 
 
-def save_compaction(session: Session, record: CompactionRecord) -> SavedCompaction:
-    """Insert a compaction row; an accepted one is applied only over the summary it was computed from."""
+ERASED_MEANWHILE = "the transcript was erased while this compaction ran; nothing of it was recorded"
+
+
+def save_compaction(
+    session: Session, record: CompactionRecord, read_from: datetime | None = None
+) -> SavedCompaction:
+    """Insert a compaction row; an accepted one is applied only over the summary it was computed from.
+    Nothing is written when the transcript the run read (created at ``read_from``) is gone, erased,
+    or erased and begun again under its id: the row would hold the erased messages' summary."""
+    # Appends and applies serialize on the transcript row.
+    created = transcript_created_at(session, record.transcript_id, lock=True)
+    if created is None or (read_from is not None and created != read_from):
+        return SavedCompaction(None, "failed", ERASED_MEANWHILE, None)
     status, error = record.status, record.error
     if status == "accepted":
-        # Appends and applies serialize on the transcript row; a summary computed from a timeline
-        # that another compaction replaced meanwhile must not be applied over it.
-        lock_transcript(session, record.transcript_id, create=False)
+        # A summary computed from a timeline that another compaction replaced meanwhile must not be
+        # applied over it.
         current = applied_summary(session, record.transcript_id)
         current_id = current.compaction_id if current else None
         if current_id != record.previous_id:

@@ -304,7 +304,8 @@ class CompactionRun:
                 missed_terms=gate.missed_terms if gate else [],
                 error=error,
                 job_id=self.job_id,
-            )
+            ),
+            read_from=self.timeline.created_at,
         )
         outcome = self.outcome
         outcome.status = cast(CompactionStatus, saved.status)

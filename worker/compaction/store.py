@@ -9,6 +9,7 @@ Every llm_calls row goes through the Ledger, so the live ``llm.prices`` override
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -75,7 +76,8 @@ class TranscriptStore:
         with self._factory.begin() as session:
             return self._ledger.record(session, call)
 
-    def save_compaction(self, record: CompactionRecord) -> SavedCompaction:
-        """The compaction row; an accepted summary computed from a replaced timeline is stored as failed."""
+    def save_compaction(self, record: CompactionRecord, read_from: datetime | None = None) -> SavedCompaction:
+        """The compaction row; an accepted summary computed from a replaced timeline is stored as failed,
+        and nothing when the transcript created at ``read_from`` was erased meanwhile."""
         with self._factory.begin() as session:
-            return records.save_compaction(session, record)
+            return records.save_compaction(session, record, read_from)

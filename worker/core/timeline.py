@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from worker.core.compaction import (
@@ -41,6 +42,8 @@ class Timeline:
     summary: AppliedSummary | None
     messages: list[TranscriptMessage]
     seqs: list[int | None]
+    # When the transcript was created: an id erased and appended to again is another transcript.
+    created_at: datetime | None = None
 
     @property
     def tokens(self) -> int:
