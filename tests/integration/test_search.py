@@ -3,8 +3,10 @@ filters, audit rows, bad query documents; through the Python API, HTTP and the C
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import struct
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -949,41 +951,58 @@ def test_api_vec_without_pgvector_is_501(api: TestClient) -> None:
     assert response.json()["detail"].startswith("vector search unavailable")
 
 
-def test_an_embedding_outage_skips_a_plain_querys_vectors_and_refuses_a_vec_line_with_503(
-    vector_database_url: str, vector_factory: sessionmaker[Session], llm: OpenAIChatClient
-) -> None:
-    """A failed embedding call was a 500 for every plain query, though its vector line is a bonus and
-    its lexical probe had already run: the lexical results come back with a note. A document's own
-    vec: line cannot run: a 503 that says why, with the search API's other refusals."""
+SIXTY_FOUR = base64.b64encode(struct.pack("<64f", *([0.125] * 64))).decode()
+
+
+def _plain_and_vec(url: str, factory: sessionmaker[Session], sim: Simulator) -> tuple[Any, Any]:
+    """A plain query and a vec: line through the API, with ``sim`` as the deployment's provider."""
     from worker.api.app import create_app
 
+    settings = Settings(database_url=url, llm="simulator", simulator_url=sim.base_url, llm_max_attempts=1)
+    runtime = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    try:
+        with TestClient(create_app(runtime, sender=lambda *_: None)) as client:
+            send_key(client, factory)
+            plain = client.get("/v1/search", params={"q": "greyhound"})
+            return plain, client.get("/v1/search", params={"q": "vec: greyhound pet"})
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        ({"rate_500": 1.0}, "the embedding call did not succeed (provider_error, HTTP 500)"),
+        (  # a model of another size (every answer one 64-dimension vector)
+            {"raw_replies": {"embeddings": {"data": [{"index": 0, "embedding": SIXTY_FOUR}], "usage": {}}}},
+            "the embedding model returned 64 dimensions",
+        ),
+    ],
+)
+def test_an_embedding_fault_skips_a_plain_querys_vectors_and_refuses_a_vec_line_with_503(
+    vector_database_url: str,
+    vector_factory: sessionmaker[Session],
+    llm: OpenAIChatClient,
+    fault: Any,
+    why: str,
+) -> None:
+    """A failed embedding call was a 500 for every plain query, and a model of another size a 400 that
+    blamed the query, though a plain query's vector line is a bonus and its lexical probe had already
+    run: the lexical results come back with a note. A document's own vec: line cannot run: a 503 that
+    says why, with the search API's other refusals."""
     seed(vector_factory)
     embed_facts(vector_factory, llm)
-    with Simulator(SimulatorConfig()) as down:
-        down.configure(rate_500=1.0)  # every call fails: embeddings and the expansion alike
-        settings = Settings(
-            database_url=vector_database_url, llm="simulator", simulator_url=down.base_url, llm_max_attempts=1
-        )
-        runtime = Runtime(
-            settings=settings, factory=vector_factory, config=ConfigReader(vector_factory, ttl=0)
-        )
-        try:
-            with TestClient(create_app(runtime, sender=lambda *_: None)) as client:
-                send_key(client, vector_factory)
-                plain = client.get("/v1/search", params={"q": "greyhound"})
-                assert plain.status_code == 200, plain.text
-                assert plain.json()["results"][0]["fact"] == "Bob adopted a greyhound named Pixel"
-                assert "vector search skipped: the embedding call failed" in plain.json()["notes"]
-                vec = client.get("/v1/search", params={"q": "vec: greyhound pet"})
-                assert vec.status_code == 503, vec.text
-                assert vec.json()["detail"].startswith("vector search failed: the embedding call did not")
-                assert "HTTP 500" in vec.json()["detail"] and vec.headers["Retry-After"] == "30"
-        finally:
-            runtime.close()
-    with Simulator(SimulatorConfig()) as down:
-        down.configure(rate_500=1.0)
+    with Simulator(SimulatorConfig()) as faulty:
+        faulty.configure(**fault)
+        plain, vec = _plain_and_vec(vector_database_url, vector_factory, faulty)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["results"][0]["fact"] == "Bob adopted a greyhound named Pixel"
+        assert "vector search skipped: the embedding call failed" in plain.json()["notes"]
+        assert vec.status_code == 503, vec.text
+        assert vec.json()["detail"].startswith(f"vector search failed: {why}")
+        assert vec.headers["Retry-After"] == "30"
         with pytest.raises(EmbeddingFailedError):  # the service's own word (the CLI and MCP map it)
-            search(vector_factory, sim_client(down), "vec: greyhound pet")
+            search(vector_factory, sim_client(faulty), "vec: greyhound pet")
 
 
 def test_api_is_in_the_openapi_document(api: TestClient) -> None:

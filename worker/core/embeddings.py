@@ -5,9 +5,27 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["EMBEDDING_DIMENSIONS", "fact_embedding_text", "vector_literal", "version_tuple"]
+__all__ = [
+    "EMBEDDING_DIMENSIONS",
+    "dimensions_problem",
+    "fact_embedding_text",
+    "vector_literal",
+    "version_tuple",
+]
 
 EMBEDDING_DIMENSIONS = 256  # the vector(256) column of search.fact_embeddings
+
+
+def dimensions_problem(vectors: Sequence[Sequence[float]]) -> str | None:
+    """Why these vectors cannot go into (or search) the vector store, or None when they can."""
+    for vector in vectors:
+        if len(vector) != EMBEDDING_DIMENSIONS:
+            return (
+                f"the embedding model returned {len(vector)} dimensions; the vector store holds "
+                f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS} "
+                "dimensions."
+            )
+    return None
 
 
 def fact_embedding_text(fact: str, entity_slug: str | None) -> str:

@@ -27,12 +27,13 @@ class VectorSearchUnavailableError(SearchError):
 
 class EmbeddingFailedError(Exception):
     """The embedding call for a document's vec:/hyde: lines failed (the provider is down, or answered
-    what no vector can be read from): the search cannot run as asked, through no fault of the query.
-    A plain query's own vector line never raises it: that line is a bonus, skipped with a note."""
+    vectors the store cannot search with): the search cannot run as asked, through no fault of the
+    query. A plain query's own vector line never raises it: that line is a bonus, skipped with a note."""
 
-    def __init__(self, cause: LLMError) -> None:
+    @classmethod
+    def of(cls, cause: LLMError) -> EmbeddingFailedError:
         status = f", HTTP {cause.status}" if cause.status else ""
-        super().__init__(
+        return cls(
             f"vector search failed: the embedding call did not succeed ({cause.outcome}{status}); "
             "try again shortly (lex: lines still work)"
         )

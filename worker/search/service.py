@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from worker.accounting import LLMCallRecord
-from worker.core.embeddings import EMBEDDING_DIMENSIONS, fact_embedding_text
+from worker.core.embeddings import dimensions_problem, fact_embedding_text
 from worker.core.errors import error_summary
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
@@ -329,7 +329,10 @@ def _run_lines(
         except BudgetExhaustedError:
             raise
         except LLMError as exc:  # recorded in llm_calls by embed_texts
-            raise EmbeddingFailedError(exc) from exc
+            raise EmbeddingFailedError.of(exc) from exc
+        problem = dimensions_problem(vectors)
+        if problem:  # the deployment's model, not the query: no vector line can run
+            raise EmbeddingFailedError(f"vector search failed: {problem}")
     by_line = iter(vectors)
     queries: list[LineQuery] = [line.query if line.type == "lex" else next(by_line) for line in lines]
     hits = store.search_lines(queries, filters, candidates, status.extension_version or "0")
@@ -372,13 +375,10 @@ def _build_results(
 def _embed_rows(store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed], report: EmbedReport) -> None:
     texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
     vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
-    for vector in vectors:
-        if len(vector) != EMBEDDING_DIMENSIONS:
-            _record(store, call)
-            raise SearchError(
-                f"the embedding model returned {len(vector)} dimensions; Factmill stores "
-                f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS}."
-            )
+    problem = dimensions_problem(vectors)
+    if problem:
+        _record(store, call)
+        raise SearchError(problem)
     try:
         # The call's llm_calls row commits with the vectors it bought: one transaction, not two.
         stored = store.fill_embeddings([row.id for row in rows], vectors, call=call)

@@ -19,7 +19,7 @@ from models.packed import PackedFloats
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
-from worker.core.embeddings import EMBEDDING_DIMENSIONS, vector_literal, version_tuple
+from worker.core.embeddings import dimensions_problem, vector_literal, version_tuple
 from worker.core.fusion import Hit
 from worker.core.lexing import (
     BM25_B,
@@ -410,11 +410,9 @@ def _vector_search(
     session: Session, vector: Sequence[float], filters: SearchFilters, limit: int, extension_version: str
 ) -> list[Hit]:
     """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]."""
-    if len(vector) != EMBEDDING_DIMENSIONS:
-        raise SearchError(
-            f"the embedding model returned {len(vector)} dimensions; the vector store holds "
-            f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS} dimensions."
-        )
+    problem = dimensions_problem([vector])
+    if problem:
+        raise SearchError(problem)
     where, params = _filter_sql(filters)
     # Filters are applied after the index scan: look at enough neighbours that a filtered search
     # still fills its list (pgvector >= 0.8 keeps scanning on its own with iterative scans).
