@@ -88,4 +88,4 @@ def test_the_access_log_names_routes_never_what_a_path_or_query_holds(
     for answer in answers:
         line = access[answer.headers["X-Request-ID"]]
         assert line["status"] == answer.status_code and line["method"] == answer.request.method
-        assert line["route"] in ("/v1/search", "/v1/pages/{source_id}/{slug:path}")
+        assert line["route"] in ("/v1/search", "/v1/pages/{source_id}/{slug:text}")

@@ -155,6 +155,10 @@ UNSIGNED = [
     ("GET", "/v1/search?q=a&entity=%00", "entity"),
     ("GET", "/v1/pages?after=no-pipe", "source|slug"),
     ("GET", "/v1/entities/%21%21/facts", "has no letters or digits"),
+    # A line break in a path matched no route (Starlette's path convertor stops at one): a 404 the
+    # document does not list (bench/fuzz.py); the handler answers now.
+    ("GET", "/v1/entities/%0A%21/facts", "has no letters or digits"),
+    ("GET", "/v1/pages/default/a%0A%00/facts", "slug"),
     ("GET", "/v1/entities/people/a/facts?source_id=a%7Cb", "not a source id"),
     ("GET", "/v1/pages?source_id=a%7Cb", "not a source id"),
     ("GET", "/v1/pages?slug_prefix=a%00", "slug_prefix"),
@@ -283,7 +287,7 @@ def test_an_unexpected_error_logs_one_line_without_page_text(
     assert len(errors) == 1
     line = errors[0].getMessage()
     assert "ProgrammingError" in line and "req-1" in line
-    assert "/v1/pages/{source_id}/{slug:path}/facts" in line
+    assert "/v1/pages/{source_id}/{slug:text}/facts" in line
     assert SECRET_TEXT not in caplog.text and errors[0].exc_info is None
 
 

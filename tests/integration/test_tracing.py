@@ -150,7 +150,7 @@ def test_one_page_gives_one_connected_trace_through_the_outbox_and_the_run(
     # erasure can take out of a trace store) or a search's words: the server spans name the route.
     every = json.dumps([s.attributes for s in spans], default=str)
     assert "office" not in every and "traced/alice" not in every and "whispered" not in every
-    assert {"/v1/pages/{source_id}/{slug:path}/facts", "/v1/search"} <= {
+    assert {"/v1/pages/{source_id}/{slug:text}/facts", "/v1/search"} <= {
         s.attributes.get("http.target") for s in spans
     }
 

@@ -13,10 +13,23 @@ from typing import Annotated, Any
 
 from fastapi import Path, Query
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from worker.api.errors import ApiError
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
+
+
+class TextPathConvertor(PathConvertor):
+    """``{name:text}``: the rest of a path, line breaks included. Starlette's ``path`` is ``.*``, which
+    stops at a newline, so a slug or an entity holding one matched no route: an undocumented 404
+    (bench/fuzz.py) instead of the handler's own answer (a 422 naming the rule, or an empty list)."""
+
+    regex = "(?s:.*)"
+
+
+# Registered as this module is imported: the route modules import it before their paths compile.
+register_url_convertor("text", TextPathConvertor())
 
 
 class _NonFinite:

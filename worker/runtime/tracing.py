@@ -172,7 +172,7 @@ _URL_ATTRIBUTES = ("http.url", "url.full")
 
 
 def _name_the_route_not_the_path(span: Any, scope: dict[str, Any]) -> None:
-    """A server span names the route's template (``/v1/pages/{source_id}/{slug:path}``, or
+    """A server span names the route's template (``/v1/pages/{source_id}/{slug:text}``, or
     "unmatched"), never the path or the query, as the API's access log does."""
     if not span.is_recording():
         return

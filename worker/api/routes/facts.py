@@ -70,7 +70,7 @@ def pages(
 
 
 @facts_router.get(
-    "/v1/pages/{source_id}/{slug:path}/facts",
+    "/v1/pages/{source_id}/{slug:text}/facts",
     response_model=PageFactsPage,
     responses=error_responses(401, 403, 404),
     summary="The facts extracted from one page, in row order (current ones by default)",
@@ -96,7 +96,7 @@ def page_facts(
 
 
 @facts_router.get(
-    "/v1/entities/{entity:path}/facts",
+    "/v1/entities/{entity:text}/facts",
     response_model=EntityFactsPage,
     responses=error_responses(401, 403, 422),
     summary="The facts about one entity, newest first (current ones by default)",

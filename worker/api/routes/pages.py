@@ -218,7 +218,7 @@ async def post_pages(
 
 
 @pages_router.delete(
-    "/v1/pages/{source_id}/{slug:path}",
+    "/v1/pages/{source_id}/{slug:text}",
     response_model=PageErased,
     summary="Erase a page and everything drawn from it (admin)",
     responses=error_responses(401, 403, 404),
