@@ -219,3 +219,30 @@ def test_a_provider_error_message_is_kept_to_a_thousand_characters(sim):
         openai_client(sim).chat(REQUEST)
     assert str(caught.value) == "HTTP 400: " + "x" * 999 + "…"
     assert not caught.value.retryable
+
+
+def test_a_call_answered_by_a_dated_snapshot_is_costed_at_its_models_price(tx_factory, sim):
+    """OpenAI answers a call to gpt-4o-mini with model "gpt-4o-mini-2024-07-18" (Anthropic names the
+    snapshot behind "-latest" the same way). Costed by that exact name, every real provider call cost 0,
+    and no budget ever tripped; the simulator echoes the model asked for, so no test saw it."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    put_page(tx_factory)
+    usage = {"prompt_tokens": 1_000_000, "completion_tokens": 1_000_000}
+    sim.configure(raw_replies={"chat.completions": completion(model="gpt-4o-mini-2024-07-18", usage=usage)})
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    assert counters.segments_failed == 0 and counters.facts_inserted > 0
+    with tx_factory() as session:
+        calls = session.execute(select(LLMCall.model, LLMCall.cost_usd)).all()
+    # The list price of gpt-4o-mini: $0.15 a million input tokens, $0.60 a million output tokens.
+    assert calls and set(calls) == {("gpt-4o-mini-2024-07-18", Decimal("0.75"))}
+
+
+def test_a_snapshot_takes_its_own_price_else_its_models_else_the_latest_alias():
+    from worker.accounting.prices import PRICES, Price, price_of
+
+    own = Price(Decimal(1), Decimal(2), Decimal(0), Decimal(0))
+    assert price_of("gpt-4o-2024-08-06") == PRICES["gpt-4o"]
+    assert price_of("claude-3-5-haiku-20241022") == PRICES["claude-3-5-haiku-latest"]
+    assert price_of("gpt-4o-2024-08-06", {**PRICES, "gpt-4o-2024-08-06": own}) == own
+    assert price_of("unknown-2024-01-01") is None and price_of("gpt-4o-mini-turbo") is None

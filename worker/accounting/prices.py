@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -45,10 +46,30 @@ PRICE_FIELDS = ("input", "output", "cache_read", "cache_write")
 BATCH_DISCOUNT = Decimal("0.5")
 
 
+# A snapshot's date at the end of a model's name: OpenAI answers "gpt-4o-mini" with
+# "gpt-4o-mini-2024-07-18", Anthropic "claude-3-5-haiku-latest" with "claude-3-5-haiku-20241022".
+_SNAPSHOT = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+
+
+def price_of(model: str, prices: dict[str, Price] | None = None) -> Price | None:
+    """The price of ``model`` as a provider's reply names it: its own entry (an override may price one
+    snapshot), else its undated name's, else that name's "-latest" alias; None when none is known.
+    Priced by the reply's exact name only, every call to a real provider cost 0 (and no budget ever
+    tripped), since replies name the dated snapshot that served them."""
+    table = prices or PRICES
+    price = table.get(model)
+    if price is not None:
+        return price
+    undated = _SNAPSHOT.sub("", model)
+    if undated == model:
+        return None
+    return table.get(undated) or table.get(f"{undated}-latest")
+
+
 def cost_usd(
     model: str, usage: Usage, prices: dict[str, Price] | None = None, *, batch: bool = False
 ) -> Decimal:
-    price = (prices or PRICES).get(model)
+    price = price_of(model, prices)
     if price is None:
         return Decimal(0)
     # input_tokens counts every prompt token, cached ones included (both providers, as the gateway reports).
