@@ -15,6 +15,8 @@ from worker.core.errors import InvalidSettingsError
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
 MIN_PRODUCTION_SECRET_BYTES = 32
+# The longest beat interval a setting takes: Celery cannot schedule one of 1e15 seconds (nor inf).
+YEAR_SECONDS = 366 * 24 * 3600
 
 
 class InsecureSecretsError(ValueError):
@@ -29,8 +31,10 @@ class Settings(BaseSettings):
 
     # An empty variable is an unset one: compose passes `FACTMILL_LLM: ${FACTMILL_LLM:-}` through as ""
     # when the operator set nothing, which was refused as no provider (and an empty model was sent).
+    # No float setting takes inf or NaN: an interval of inf crashed beat at start (Celery's schedule
+    # takes an int), a cache of inf would never see a kill switch turned off.
     model_config = SettingsConfigDict(
-        env_prefix="FACTMILL_", env_file=".env", extra="ignore", env_ignore_empty=True
+        env_prefix="FACTMILL_", env_file=".env", extra="ignore", env_ignore_empty=True, allow_inf_nan=False
     )
 
     environment: Literal["development", "test", "production"] = "development"
@@ -112,7 +116,7 @@ class Settings(BaseSettings):
     # connection first: a server closing one as a request arrives on it resets that request
     # (bench/load.py saw a ReadError in 1 of 1,000).
     api_keep_alive_seconds: int = Field(default=75, ge=1)
-    sweep_interval_seconds: float = Field(default=30.0, gt=0)
+    sweep_interval_seconds: float = Field(default=30.0, gt=0, le=YEAR_SECONDS)
     # How long a delivery's answer is kept for its Idempotency-Key: a repeat within it is replayed, a
     # repeat after it is a new delivery. A week covers the retry windows of common webhook senders
     # (Stripe's is three days). The sweeper forgets older answers (worker.jobs.maintenance).
@@ -169,15 +173,19 @@ class Settings(BaseSettings):
     search_rate_per_minute: int = Field(default=60, ge=0)
 
     # Calibration
-    calibration_alpha: float = Field(default=0.1, gt=0, lt=1)  # share of lost-answer cases a τ may let by
+    calibration_alpha: float = Field(default=0.1, ge=1e-6, lt=1)  # share of lost-answer cases a τ may let by
     calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate
     calibration_recompute_every: int = Field(default=50, ge=1)  # new observations that trigger a recompute
-    calibration_schedule_seconds: float = Field(default=3600.0, gt=0)  # beat recompute interval
+    calibration_schedule_seconds: float = Field(
+        default=3600.0, gt=0, le=YEAR_SECONDS
+    )  # beat recompute interval
     # Backfills (batch_extraction jobs): beat wakes the jobs waiting on provider batches this often;
     # each provider batch holds at most this many requests (OpenAI caps a batch at 50,000).
-    backfill_poll_seconds: float = Field(default=60.0, gt=0)
+    backfill_poll_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     backfill_batch_max_requests: int = Field(default=50_000, ge=1, le=50_000)
-    calibration_min_observations: int = Field(default=20, ge=4)  # fewer: no threshold is computed
+    calibration_min_observations: int = Field(
+        default=20, ge=4, le=2**31 - 1
+    )  # fewer: no threshold is computed
     threshold_cache_seconds: float = Field(default=30.0, ge=0)  # gates re-read the active τ this often
 
     # Search

@@ -347,3 +347,36 @@ def test_plot_bins_put_tau_on_an_edge(tau: float) -> None:
         index = edges.index(tau)
         assert histogram_bin(tau - 1e-12 if tau > 0.01 else 0.0, edges) == index - 1
         assert histogram_bin(tau, edges) == index
+
+
+def _rank_needs_by_counting(alpha: float) -> int:
+    n = 1
+    while math.ceil((n + 1) * (1.0 - alpha)) > n:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1 / 3, 0.2, 0.1, 0.05, 0.01, 0.003, 0.001, 1e-4, 0.999, 0.7])
+def test_the_conformal_rank_is_found_from_its_closed_form_as_counting_found_it(alpha: float) -> None:
+    from worker.core.calibration import _conformal_rank_needs
+
+    assert _conformal_rank_needs(alpha) == _rank_needs_by_counting(alpha)
+
+
+def test_an_alpha_whose_rank_needs_millions_of_lost_cases_is_refused() -> None:
+    """Counting up to the rank took 1/alpha steps (twelve seconds at 1e-8), and below about 1.1e-16
+    never ended, inside the recompute's lock."""
+    from worker.core.calibration import _conformal_rank_needs, check_parameters
+
+    assert _conformal_rank_needs(1e-6) == 999_999
+    for alpha in (1e-7, 1e-17):
+        with pytest.raises(ValueError, match="alpha must be at least 1e-06"):
+            check_parameters(alpha, 0.9, 20)
+    with pytest.raises(ValueError, match="min_observations must be at most 2,147,483,647"):
+        check_parameters(0.1, 0.9, 2**31)
+
+
+def test_a_csv_compaction_id_of_thousands_of_digits_is_a_line_error() -> None:
+    """int() refuses 4,300 digits and more with its own ValueError: a traceback from the import."""
+    good, errors, _ = parse("coverage,answer_kept,origin,compaction_id\n0.5,true,x," + "9" * 5000 + "\n")
+    assert good == [] and len(errors) == 1 and "at most 19 digits" in errors[0][1]

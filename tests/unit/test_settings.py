@@ -44,3 +44,24 @@ def test_a_refused_environment_names_each_variable_and_not_its_value(
         InvalidSettingsError, match=r"^invalid setting: FACTMILL_JOB_RETENTION_DAYS \(2\) is shorter"
     ):
         fresh_settings()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        # inf crashed beat at start (Celery schedules an int); so did 1e15. A cache of inf would never
+        # see a kill switch turned off.
+        ("FACTMILL_CALIBRATION_SCHEDULE_SECONDS", "inf", "finite number"),
+        ("FACTMILL_SWEEP_INTERVAL_SECONDS", "1e15", "less than or equal to 31622400"),
+        ("FACTMILL_CONFIG_CACHE_SECONDS", "inf", "finite number"),
+        ("FACTMILL_CALIBRATION_ALPHA", "1e-17", "greater than or equal to 0.000001"),  # its rank never ended
+        ("FACTMILL_CALIBRATION_MIN_OBSERVATIONS", str(2**31), "less than or equal to 2147483647"),
+    ],
+)
+def test_values_no_worker_could_use_are_refused_at_start(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, said: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(InvalidSettingsError) as caught:
+        fresh_settings()
+    assert f"{variable}: " in str(caught.value) and said in str(caught.value)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from worker.core.jsonvalues import BIGINT_MAX
+from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX
 from worker.core.labels import clean_label
 from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
 
@@ -21,6 +21,8 @@ MAX_KEY_LENGTH = 255
 # An observations CSV is read whole; past this (some two million rows) it is refused, to be split.
 MAX_CSV_BYTES = 64 * 1024 * 1024
 RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
+# Below it the conformal rank needs over a million lost-answer cases (and near 1e-16, 1 - alpha is 1.0).
+MIN_ALPHA = 1e-6
 RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
 
 
@@ -158,8 +160,11 @@ def _parse_row(values: dict[str, str], default_origin: str, line_key: str) -> Ob
     compaction_id: int | None = None
     raw_id = values.get("compaction_id", "")
     if raw_id:
-        if not raw_id.isascii() or not raw_id.isdigit():
-            raise ObservationError(f"compaction_id {raw_id!r} is not a positive integer")
+        # Past 19 digits it is no compaction id (bigint), and int() refuses 4,300 digits and more.
+        if not raw_id.isascii() or not raw_id.isdigit() or len(raw_id) > 19:
+            raise ObservationError(
+                f"compaction_id {raw_id[:40]!r} is not a positive integer of at most 19 digits"
+            )
         compaction_id = int(raw_id)
     key = values.get("idempotency_key") or None
     if key is None and compaction_id is None:
@@ -299,8 +304,11 @@ def split_observations(
 
 
 def _conformal_rank_needs(alpha: float) -> int:
-    """Fewest lost-answer cases for which ceil((n+1)(1-alpha)) <= n, i.e. the rank needs no clamping."""
-    n = 1
+    """Fewest lost-answer cases for which ceil((n+1)(1-alpha)) <= n, i.e. the rank needs no clamping.
+
+    That is about (1-alpha)/alpha; the search starts just below it (counting up from 1 took 1/alpha
+    steps: twelve seconds at alpha 1e-8) and checks each step in floating point, as the rank is taken."""
+    n = max(1, math.ceil((1.0 - alpha) / alpha) - 2)
     while math.ceil((n + 1) * (1.0 - alpha)) > n:
         n += 1
     return n
@@ -341,10 +349,19 @@ def check_parameters(alpha: float, target_recall: float, min_observations: int) 
     for name, value in (("alpha", alpha), ("target_recall", target_recall)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < 1.0:
             raise ValueError(f"{name} must be strictly between 0 and 1, got {value!r}")
+    if alpha < MIN_ALPHA:
+        raise ValueError(
+            f"alpha must be at least {MIN_ALPHA:g}, got {alpha!r}: its conformal rank needs some "
+            f"{math.ceil(1 / alpha):,} lost-answer cases"
+        )
     if isinstance(min_observations, bool) or not isinstance(min_observations, int) or min_observations < 4:
         raise ValueError(
             f"min_observations must be an integer of at least 4 (two kept and two lost cases), "
             f"got {min_observations!r}"
+        )
+    if min_observations > INT4_MAX:
+        raise ValueError(
+            f"min_observations must be at most {INT4_MAX:,} (a version stores it), got {min_observations:,}"
         )
 
 
