@@ -112,6 +112,19 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     ]
     (tmp_path / "laughs.md").write_text("---\ntype: conversation\n" + "\n".join(laughs) + "\n---\nbody")
     (tmp_path / "deep.md").write_text("---\ntype: conversation\nx: " + "[" * 900 + "]" * 900 + "\n---\nbody")
+    # Values PyYAML parses and Python cannot hold, and escapes to text Postgres cannot store: each was a
+    # traceback that ended the run (the rest of the folder never ingested).
+    bad_values = {
+        "feb30": "date: 2024-02-30",
+        "year0": "date: 0000-01-01",
+        "digits": "n: " + "9" * 5000,
+        "nul": 'note: "a\\0b"',
+        "surrogate": 'title: "\\ud800"',
+        "nul-type": 'type: "conversation\\0"',
+    }
+    for name, line in bad_values.items():
+        typed = "" if name == "nul-type" else "type: conversation\n"
+        (tmp_path / f"{name}.md").write_text(f"---\n{typed}{line}\n---\nbody")
     with (tmp_path / "huge.md").open("wb") as huge:  # sparse: 1 GiB that takes no disk
         huge.truncate(1 << 30)
     result = cli("ingest", str(tmp_path), "--no-enqueue", "--json")
@@ -126,6 +139,10 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert reasons["laughs.md"] == "front matter uses a YAML alias (line 4); write the value out instead"
     assert reasons["deep.md"] == "front matter nests deeper than 32 levels (line 3)"
     assert "past the page cap" in reasons["huge.md"]  # refused after reading no more than the cap
+    for name in ("feb30", "year0", "digits"):
+        assert "front matter holds a value that cannot be read" in reasons[f"{name}.md"], reasons
+    assert "must not contain NUL" in reasons["nul.md"] and "must not contain NUL" in reasons["nul-type.md"]
+    assert "lone surrogates" in reasons["surrogate.md"]
     endless = cli("ingest", "/dev/zero", "--no-enqueue", "--json", check=False)
     assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]
     missing = cli("ingest", str(tmp_path / "nope.md"), check=False)

@@ -221,7 +221,7 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     lax = _error_text(seen["lax"])
     assert "coverage" in lax and "compaction_id" in lax and "valid" in lax, lax
     unstorable = _error_text(seen["unstorable"])
-    assert "tool_calls[0].arguments must not contain lone surrogates" in unstorable, unstorable
+    assert "tool_calls[0].arguments.q: must not contain lone surrogates" in unstorable, unstorable
     assert "its context view is 34,603," in _error_text(seen["huge"]) and "/messages" in _error_text(
         seen["huge"]
     )

@@ -103,7 +103,7 @@ def test_parse_message_reads_every_field() -> None:
         ({"role": "assistant", "tool_calls": "c"}, "tool_calls must be a list"),
         (
             {"role": "assistant", "tool_calls": [{"id": "c", "name": "n", "arguments": {"q": "\ud800"}}]},
-            "tool_calls[0].arguments must not contain lone surrogates",
+            "tool_calls[0].arguments.q: must not contain lone surrogates",
         ),
         (  # stored as the JSON text '{"n":Infinity}', which no provider takes (the MCP tool's path)
             {

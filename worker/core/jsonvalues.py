@@ -31,17 +31,23 @@ def text_problem(value: str) -> str | None:
 
 def not_json(value: object, path: str = "") -> str | None:
     """Where in ``value`` (a parsed document: dicts, lists, scalars) something JSON cannot hold sits,
-    and what it is (``"x.y[2]: nan is not a JSON number"``); None when it all can. NaN and the
-    infinities (YAML's ``.nan``, ``.inf``, or a number past a double), bytes (YAML's ``!!binary``) and
-    sets (``!!set``)."""
+    or Postgres cannot store, and what it is (``"x.y[2]: nan is not a JSON number"``); None when it
+    all can. NaN and the infinities (YAML's ``.nan``, ``.inf``, or a number past a double), bytes
+    (YAML's ``!!binary``), sets (``!!set``), and a key or string holding NUL or a lone surrogate (YAML's
+    ``"\0"`` and ``"\ud800"`` escapes: a traceback at the page's hash or its insert)."""
     stack: list[tuple[object, str]] = [(value, path)]
     while stack:
         node, where = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
             return f"{where or 'value'}: {node!r} is not a JSON number"
+        if isinstance(node, str) and (problem := text_problem(node)):
+            return f"{where or 'value'}: {problem}"
         if isinstance(node, bytes | bytearray | set | frozenset):
             return f"{where or 'value'}: a {type(node).__name__} value has no JSON form"
         if isinstance(node, dict):
+            for key in node:
+                if isinstance(key, str) and (problem := text_problem(key)):
+                    return f"{where or 'value'}: a key {problem}"
             stack.extend((item, f"{where}.{key}" if where else str(key)) for key, item in node.items())
         elif isinstance(node, list | tuple):
             stack.extend((item, f"{where}[{index}]") for index, item in enumerate(node))

@@ -93,6 +93,11 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
                 data = yaml.load(raw, Loader=_FrontMatterLoader) or {}
             except yaml.YAMLError as exc:
                 raise PageFileError(f"front matter is not valid YAML: {exc}") from exc
+            except PageFileError:
+                raise  # the loader's own (an alias, too deep)
+            except (ValueError, OverflowError) as exc:  # a value PyYAML parses but Python cannot hold:
+                # 2024-02-30, year 0, an offset of +25:00, an integer of 4,300 digits or more
+                raise PageFileError(f"front matter holds a value that cannot be read: {exc}") from exc
             if not isinstance(data, dict):
                 raise PageFileError("front matter must be a YAML mapping (key: value lines)")
             return data, "".join(lines[index + 1 :])

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.core.jsonvalues import not_json
+from worker.core.jsonvalues import not_json, text_problem
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, NEW_SOURCE_ID_PATTERN, check_new_source_id
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
@@ -81,11 +81,14 @@ class PageIn(BaseModel):
             raise ValueError(f"{problem} (front matter is stored as JSON)")
         return value
 
-    @field_validator("title", "compiled_truth", "timeline")
+    @field_validator("type", "title", "compiled_truth", "timeline", mode="before")
     @classmethod
-    def _no_nul(cls, value: str) -> str:
-        if "\x00" in value:
+    def _storable(cls, value: object) -> object:
+        # The API's loader refuses these while parsing; a page file's YAML escapes can make them.
+        if isinstance(value, str) and "\x00" in value:
             raise ValueError("text must not contain NUL characters (is this a binary file?)")
+        if isinstance(value, str) and (problem := text_problem(value)):
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
