@@ -297,6 +297,22 @@ def test_an_older_page_delivery_cannot_overwrite_a_newer_one(
     assert api.post("/v1/pages", content=later, headers=signed(later, timestamp=now + 1)).status_code == 202
 
 
+def test_an_unchanged_redelivery_still_dates_the_page_so_an_older_change_cannot_follow_it(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """X signed at t, Y at t+10 (delayed in transit), X again at t+20: the last arrived as unchanged
+    and left the page dated t, so Y, arriving last, replaced what the newest delivery said."""
+    now = int(time.time())
+    x, y = page_body("order/b", body=CONVERSATION + "\nx"), page_body("order/b", body=CONVERSATION + "\ny")
+    assert api.post("/v1/pages", content=x, headers=signed(x, timestamp=now - 20)).status_code == 202
+    again = api.post("/v1/pages", content=x, headers=signed(x, timestamp=now))
+    assert again.status_code == 202 and len(again.json()["unchanged"]) == 1
+    late = api.post("/v1/pages", content=y, headers=signed(y, timestamp=now - 10))
+    assert late.status_code == 409 and "older than the stored one" in late.json()["detail"]
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).one().endswith("x")
+
+
 def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) -> None:
     pages = page_body("idem/a")
     first = api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"})

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sqlalchemy import bindparam, func, or_, select
+from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -156,6 +156,16 @@ _UPSERT = _INSERT.on_conflict_do_update(
 ).returning(PAGES.c.id)
 
 
+_DELIVERED = (
+    update(PAGES)
+    .where(
+        PAGES.c.id == bindparam("page_id"),
+        or_(PAGES.c.delivered_at.is_(None), PAGES.c.delivered_at < bindparam("at")),
+    )
+    .values(delivered_at=bindparam("at"))
+)
+
+
 def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
@@ -167,6 +177,11 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     where = {"source_id": page.source_id, "slug": page.slug}
     existing = connection.execute(_STORED, where).one_or_none()
     if existing is not None and existing.content_hash == digest:
+        if delivered_at is not None and (
+            existing.delivered_at is None or existing.delivered_at < delivered_at
+        ):
+            # The newest delivery says this content: an older one still in flight must not replace it.
+            connection.execute(_DELIVERED, {"page_id": existing.id, "at": delivered_at})
         return UpsertResult(existing.id, changed=False)
     values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
     page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
