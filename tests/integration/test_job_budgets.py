@@ -255,3 +255,26 @@ def test_the_database_going_away_mid_run_is_a_worker_loss_not_an_attempt(factory
         2,
     )
     assert (state.last_error or "").startswith("worker lost 2 times")
+
+
+def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory, runtime, monkeypatch):
+    """A delivery during a run marks the job for a rerun, and the webhook answers that the running job
+    will read it; only a success honoured the mark. A run failing on its last attempt (say, on the
+    very change that arrived) left the new content with no job at all."""
+    from worker.jobs import lifecycle
+
+    sent: list[tuple[int, str]] = []
+    monkeypatch.setattr(lifecycle, "enqueue", lambda _factory, jobs: sent.extend(jobs) or len(jobs))
+    rt = runtime(job_max_attempts=1)
+    job_id = new_job(factory)
+
+    def work(ctx: JobContext) -> WorkResult:
+        with factory.begin() as session:  # a new delivery of the same page meanwhile
+            assert request_job(session, EXTRACTION, job(factory, job_id).subject).job_id == job_id
+        raise RuntimeError("the page changed under the run")
+
+    outcome = run_job(rt, job_id, kind_doing(work))
+    state = job(factory, job_id)
+    assert outcome.status == "failed" and sent == [(job_id, EXTRACTION)]
+    assert (state.status, state.attempts, state.rerun_requested) == ("queued", 0, False)
+    assert "the page changed" in (state.last_error or "")

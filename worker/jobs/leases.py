@@ -194,8 +194,9 @@ def finish(
     ``attempt``: the run reached a verdict of its own (it counts against max_attempts);
     ``worker_lost``: infrastructure cut it short (it counts against max_worker_losses); a pause is
     neither. Returns (job id, kind) when the job must be sent again: a rerun was requested while it
-    ran; the rerun reads new content, so it starts with fresh budgets. Writes nothing if the lease is
-    no longer ours.
+    ran (new content arrived) and it succeeded or failed; the rerun reads the new content, so it starts
+    with fresh budgets (a failure of the old content does not stand for the new). Writes nothing if
+    the lease is no longer ours.
     """
     params = {
         "job_id": job_id,
@@ -213,7 +214,7 @@ def finish(
         job = session.execute(_FINISH, params).one_or_none()
         if job is None:
             return None
-        if status == "succeeded" and job.rerun_requested:
+        if status in ("succeeded", "failed") and job.rerun_requested:
             session.execute(
                 update(JOBS)
                 .where(JOBS.c.id == job_id)

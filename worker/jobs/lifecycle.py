@@ -194,7 +194,7 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
             worker_lost=result.status == "requeue",
         )
     if result.status in ("failed", "paused"):
-        finish(
+        rerun = finish(
             rt.factory,
             job_id,
             token,
@@ -204,6 +204,8 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
             pause_reason=result.pause_reason,
             attempt=result.status == "failed",
         )
+        if rerun is not None:
+            enqueue(rt.factory, [rerun])
         return JobOutcome(result.status, detail=result.detail)
     rerun = finish(
         rt.factory, job_id, token, "succeeded", counters=result.counters, last_error=result.note, attempt=True
@@ -236,7 +238,7 @@ def retry_or_fail(
     else:
         delay = backoff.delay(losses if worker_lost else attempts)
         requeue_at = now() + timedelta(seconds=delay)
-    finish(
+    rerun = finish(
         rt.factory,
         job_id,
         token,
@@ -247,6 +249,8 @@ def retry_or_fail(
         attempt=not worker_lost,
         worker_lost=worker_lost,
     )
+    if rerun is not None:  # failed, but new content arrived meanwhile: it gets a run of its own
+        enqueue(rt.factory, [rerun])
     if spent:
         return JobOutcome("failed", detail=reason)
     return JobOutcome("retry", retry_in=delay, detail=reason)
