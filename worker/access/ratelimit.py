@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 KEY_NAMESPACE = "factmill:api-ratelimit"
 WINDOW_SECONDS = 60
+# After a Redis error, count in this process for this long, then try Redis again.
+REDIS_RETRY_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class PerKeyLimiter:
         self._redis = redis.Redis.from_url(redis_py_url(redis_url), socket_timeout=1) if redis_url else None
         self._lock = threading.Lock()
         self._local: dict[tuple[str, int], int] = {}
+        self._redis_away_until: float | None = None  # monotonic time; None while Redis answers
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PerKeyLimiter:
@@ -50,18 +53,25 @@ class PerKeyLimiter:
         return Verdict(count <= self.per_minute, retry_after)
 
     def _count(self, who: str, window: int) -> int:
-        if self._redis is not None:
+        away_until = self._redis_away_until
+        if self._redis is not None and (away_until is None or time.monotonic() >= away_until):
             key = f"{self.prefix}{KEY_NAMESPACE}:{who}:{window}"
             try:
                 pipe = self._redis.pipeline()
                 pipe.incr(key)
                 pipe.expire(key, WINDOW_SECONDS * 2)
                 count, _ = pipe.execute()
-                return int(count)
             except redis.RedisError as exc:
-                # Counting per process is weaker but never blocks reads because Redis is away.
-                logger.warning("per-key rate limit falls back to this process: Redis failed (%s)", exc)
-                self._redis = None
+                # Counting per process is weaker but never blocks reads because Redis is away; Redis is
+                # tried again after a while (for good, one blip made the limit per process until restart).
+                if away_until is None:
+                    logger.warning("per-key rate limit falls back to this process: Redis failed (%s)", exc)
+                self._redis_away_until = time.monotonic() + REDIS_RETRY_SECONDS
+            else:
+                if away_until is not None:
+                    logger.info("per-key rate limit is shared through Redis again")
+                    self._redis_away_until = None
+                return int(count)
         with self._lock:
             for stale in [k for k in self._local if k[1] < window]:
                 del self._local[stale]
