@@ -149,6 +149,22 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert missing.returncode == 1 and "no such file" in missing.stderr
 
 
+def test_an_argument_of_bytes_that_are_not_utf8_is_refused_naming_it(cli):
+    """A Latin-1 terminal's "café" reaches Python as a lone surrogate, which no query can send: a
+    UnicodeEncodeError traceback from `pages erase`, `extract --slug`, `--source-id`."""
+    for args in ([b"pages", b"erase", b"default", b"caf\xe9"], [b"extract", b"--source-id", b"\xff"]):
+        result = subprocess.run(
+            [sys.executable.encode(), b"-m", b"worker.cli", *args],
+            cwd=REPO,
+            env=cli.env | {"LC_ALL": "C.UTF-8"},
+            capture_output=True,
+            timeout=120,
+        )
+        stderr = result.stderr.decode()
+        assert result.returncode == 2 and "Traceback" not in stderr, stderr
+        assert "holds bytes that are not UTF-8 text" in stderr and "\\x" in stderr
+
+
 def test_messages_are_never_broken_across_lines(cli, tmp_path: Path):
     """The consoles soft-wrap: a long path and its reason stay on one line for people and tests."""
     missing = tmp_path / ("a-long-folder-name-" * 8) / "nope.md"

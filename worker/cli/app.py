@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
 
@@ -262,6 +263,10 @@ def _root() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    undecodable = _undecodable_argument(sys.argv[1:])
+    if undecodable is not None:
+        _error(undecodable)
+        raise SystemExit(2)
     try:
         app()
     except InvalidSettingsError as exc:  # a FACTMILL_ variable out of its range: one line, exit 2
@@ -279,6 +284,22 @@ def main() -> None:
             raise
         _error(f"cannot reach the database: {reason} (is it running? FACTMILL_DATABASE_URL names it)")
         raise SystemExit(1) from None
+
+
+def _undecodable_argument(arguments: list[str]) -> str | None:
+    """Why an argument cannot be used, or None: Python keeps bytes that are not text in the locale's
+    encoding as lone surrogates, which no query can send (a UnicodeEncodeError traceback, as
+    `factmill pages erase default $'caf\\xe9'` gave in a Latin-1 terminal)."""
+    for position, argument in enumerate(arguments, start=1):
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = argument.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
+            return (
+                f"argument {position} ({shown}) holds bytes that are not UTF-8 text; "
+                "set the terminal to UTF-8, or type the name as UTF-8"
+            )
+    return None
 
 
 def _error(message: str) -> None:
