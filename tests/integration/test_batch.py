@@ -167,6 +167,23 @@ def assert_complete_like_online(factory: sessionmaker[Session]) -> None:
     assert terminal_slugs(factory, "batch") == {slug for slug, _, _ in PAGES}
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_result_holding_a_unicode_line_separator_is_read_whole(tx_factory, clean_sim, provider):
+    """JSON may hold U+2028, U+2029 and U+0085 unescaped (the results files are UTF-8, as the
+    simulator writes them); str.splitlines cut such a result line in two, both halves were skipped
+    as not JSON, and the paid result was lost (its segment expired, run again and paid again)."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    for source in ("online", "batch"):
+        body = page_body("Eve Sample", "Acme\u2028Corp\u0085Group")
+        put_page(tx_factory, "conversations/eve", body, title="chat: Eve", source_id=source)
+    run_online(tx_factory, clean_sim)
+    counters = run_batch(tx_factory, batch_client(clean_sim, provider))
+    assert counters.segments_failed == 0
+    batch = facts_of(tx_factory, "batch")
+    assert batch == facts_of(tx_factory, "online") and any("\u2028" in fact for _, _, fact in batch)
+
+
 def test_batch_extracts_the_same_facts_as_an_online_run(store, clean_sim):
     online = run_online(store, clean_sim)
     counters = run_batch(store, openai_batch(clean_sim))

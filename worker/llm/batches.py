@@ -195,7 +195,9 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             if not file_id:
                 continue
             text = _call("download", functools.partial(self._download, file_id), self.policy)
-            for number, line in enumerate(text.splitlines(), start=1):
+            # JSON Lines end at "\n" only: a reply may hold U+2028 or U+0085 unescaped, where
+            # str.splitlines would cut its line in two (and the paid result be lost).
+            for number, line in enumerate(text.split("\n"), start=1):
                 if line.strip():
                     self._read_line(batch_id, number, line, items)
         return items
@@ -294,7 +296,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
         raw = self._sdk.messages.batches.with_raw_response
         text = _call("download", lambda: raw.results(batch_id).text(), self.policy)
         lines = (
-            _result_line(batch_id, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()
+            _result_line(batch_id, n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()
         )
         return [line for line in lines if line is not None]
 

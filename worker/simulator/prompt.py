@@ -51,7 +51,7 @@ _MESSAGE_LINE = re.compile(
 
 
 def _looks_like_segment_start(content: str) -> bool:
-    for line in content.splitlines():
+    for line in content.split("\n"):
         stripped = line.strip()
         if not stripped:
             continue
@@ -129,8 +129,9 @@ class ConversationLine:
 def parse_segment_lines(segment: str) -> list[ConversationLine]:
     """Message lines of a rendered segment; header lines are skipped, other lines continue the message."""
     lines: list[ConversationLine] = []
-    in_body = "---" not in {raw.strip() for raw in segment.splitlines()}
-    for raw in segment.splitlines():
+    # Rendered lines end at "\n" only (as the page's messages do): a U+2028 in a message is its text.
+    in_body = "---" not in {raw.strip() for raw in segment.split("\n")}
+    for raw in segment.split("\n"):
         line = raw.strip()
         if not in_body:
             if line == "---":
