@@ -39,6 +39,7 @@ from worker.extraction.provider_copies import (
 )
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import AnthropicBatchClient, BatchLLMClient, OpenAIBatchClient
+from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy
 from worker.llm.types import Usage
@@ -381,6 +382,32 @@ def batch_client(simulator: Simulator, provider: str) -> BatchLLMClient:
         )
     chat = AnthropicChatClient(model="simulator-1", base_url=simulator.url, provider="simulator")
     return AnthropicBatchClient(chat, ONCE)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_create_whose_answer_is_lost_is_not_sent_again(provider):
+    """The provider accepts the batch but its answer never arrives (a timeout): the create was tried
+    again by the retry policy, and every try started (and billed) another batch. A create is tried once
+    now; a backfill's next pass finds the accepted batch by its key. (A simulator of its own: what it
+    leaves held would count in the other tests'.)"""
+    retrying = RetryPolicy(max_attempts=3, backoff_base_seconds=0.01, jitter=0)
+    with Simulator(SimulatorConfig(batch_create_hold_seconds=1.5)) as sim:
+        client: BatchLLMClient
+        if provider == "openai":
+            chat = OpenAIChatClient(
+                model="simulator-1", base_url=sim.base_url, provider="simulator", timeout=0.5
+            )
+            client = OpenAIBatchClient(chat, retrying)
+        else:
+            messages = AnthropicChatClient(
+                model="simulator-1", base_url=sim.url, provider="simulator", timeout=0.5
+            )
+            client = AnthropicBatchClient(messages, retrying)
+        request = extraction_request([first_turn("**Ann** (2024-03-10 9:00 AM): I moved to Oslo.")], 10, 256)
+        with pytest.raises(LLMError):
+            client.submit([("k-1", request)], key="k")
+        time.sleep(2.0)  # every held create has stored its batch by now
+        assert sim.stats()["batches"]["held"]["batches"] == 1
 
 
 def owed(factory: sessionmaker[Session]) -> list[tuple[str, str, int, str | None]]:

@@ -125,6 +125,13 @@ def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     raise AssertionError("unreachable")
 
 
+# A batch's create is tried once: it is not idempotent (neither SDK sends an idempotency key), and a
+# timeout or a 502 may come after the provider accepted it, so trying again could start (and bill) a
+# second batch. A backfill's batch is "submitting" before its create, and its next pass looks it up at
+# the provider by its key and sends it only if the provider has none; `extract --batch` is run again.
+CREATE_ONCE = RetryPolicy(max_attempts=1)
+
+
 class _ProviderBatches(Generic[C]):
     """What both batch clients hold: the chat provider whose SDK they use, and the retry policy."""
 
@@ -158,17 +165,40 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             lambda: self._sdk.files.create(file=("factmill-extraction.jsonl", data), purpose="batch"),
             self.policy,
         )
-        batch = _call(
-            "create",
-            lambda: self._sdk.batches.create(
-                input_file_id=uploaded.id,
-                endpoint="/v1/chat/completions",
-                completion_window="24h",
-                metadata={"factmill": "extraction", **({"factmill_key": key} if key else {})},
-            ),
-            self.policy,
-        )
+        try:
+            batch = _call(
+                "create",
+                lambda: self._sdk.batches.create(
+                    input_file_id=uploaded.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                    metadata={"factmill": "extraction", **({"factmill_key": key} if key else {})},
+                ),
+                CREATE_ONCE,
+            )
+        except LLMError as exc:
+            self._forget_upload(uploaded.id, exc)
+            raise
         return batch.id
+
+    def _forget_upload(self, file_id: str, refused: LLMError) -> None:
+        """After a failed create, delete its upload (the pages' text) when the provider refused the
+        create outright; after a timeout or a 5xx the batch may exist and read it (its files go with it
+        once collected), so the file is only named in the log."""
+        if refused.retryable:
+            logger.warning(
+                "batch input file %s: the create's outcome is unknown (%s); if no batch holds it, "
+                "delete it at the provider",
+                file_id,
+                refused,
+            )
+            return
+        try:
+            _delete("delete", lambda: self._sdk.files.delete(file_id), CREATE_ONCE)
+        except LLMError as exc:
+            logger.warning(
+                "batch input file %s: its delete failed (%s); delete it at the provider", file_id, exc
+            )
 
     def find(self, key: str) -> str | Undetermined | None:
         """The batch whose metadata carries ``key`` (OpenAI keeps a batch's metadata)."""
@@ -240,7 +270,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             {"custom_id": custom_id, "params": self.chat.message_params(request)}
             for custom_id, request in requests
         ]
-        batch = _call("create", lambda: self._sdk.messages.batches.create(requests=entries), self.policy)
+        batch = _call("create", lambda: self._sdk.messages.batches.create(requests=entries), CREATE_ONCE)
         return batch.id
 
     def find(self, key: str) -> str | Undetermined | None:
