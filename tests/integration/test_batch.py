@@ -459,6 +459,30 @@ def test_a_failed_delete_is_owed_and_deleted_by_the_poll(store, clean_sim, caplo
     assert timedelta(0) < RETRY_AFTER
 
 
+def test_a_run_stopped_while_its_batch_runs_owes_its_delete(store, clean_sim):
+    """Ctrl-C in a wait of hours (or a cancel, a poll or a download that failed) left the batch and its
+    files at the provider, and nothing else knew its id. Now its delete is owed."""
+    clean_sim.configure(batch_delay_seconds=1.0)
+    client = openai_batch(clean_sim)
+
+    def interrupted(_: float) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_batch_extraction(
+            store, client, ExtractOptions(source_id="batch"), poll_seconds=0.01, sleep=interrupted
+        )
+    ((who, batch_id, attempts, error),) = owed(store)
+    assert (who, attempts) == ("simulator", 0) and "stopped before collecting it (KeyboardInterrupt)" in (
+        error or ""
+    )
+    deadline = time.monotonic() + 30
+    while not client.status(batch_id).ended:  # then beat's sweep deletes it (here, its function)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert delete_owed(ProviderCopies(store), client, retry_after=timedelta(0)).deleted == 1
+
+
 def test_a_batch_not_ended_is_deleted_once_it_has(store, clean_sim):
     """A run that gives up on a batch (it never ended) leaves it running at the provider with the
     pages' text; its delete is owed, and the sweep waits for it to end (deleting an OpenAI batch's

@@ -299,8 +299,26 @@ def batch_extraction(
     sent = batch.submit(client)
     if sent is not None:
         assert counters.batch_id is not None
-        batch.collect(sent, batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep))
+        try:
+            batch.collect(sent, batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep))
+        except BaseException as exc:  # Ctrl-C in a wait of hours, a cancel or a download that failed
+            _owe_abandoned(store, client.provider, counters.batch_id, exc)
+            raise
     return counters
+
+
+def _owe_abandoned(store: ExtractionStore, provider: str, batch_id: str, exc: BaseException) -> None:
+    """A run that stops between its batch's create and its collection leaves the batch, and its files
+    (the pages' text), at the provider, and nothing else knew its id: owe their delete (beat's poll
+    deletes them once it has ended). The run's own error is what the caller sees."""
+    try:
+        store.provider_copies.owe(
+            provider, batch_id, f"the run stopped before collecting it ({type(exc).__name__})"
+        )
+    except Exception as owed:
+        logger.error("batch %s is left at the provider and could not be recorded (%s)", batch_id, owed)
+    else:
+        logger.warning("batch %s: the run stopped before collecting it; its delete is owed", batch_id)
 
 
 def run_batch_extraction(
