@@ -424,6 +424,23 @@ def test_rate_limited_client_estimates_then_reconciles() -> None:
     ]
 
 
+def test_a_call_reporting_billions_of_tokens_is_charged_what_its_prompt_could_come_to() -> None:
+    """An odd OpenAI-compatible server reported two billion tokens for one call: at 100k tokens a
+    minute the limiter (shared by every worker, through Redis) moved two weeks ahead, and every call
+    waited for it. A call is charged at most a token a prompt character, plus its output cap."""
+    now = [0.0]
+    limiter = LocalRateLimiter(
+        RateLimits(tokens_per_minute=100_000),
+        clock=lambda: now[0],
+        sleep=lambda seconds: now.__setitem__(0, now[0] + seconds),
+    )
+    limited = RateLimitedClient(ScriptedClient(ok_response(tokens=(2_000_000_000, 0))), limiter)
+    limited.chat(REQUEST)
+    estimate = estimate_request_tokens(REQUEST)
+    waited = limiter.acquire("fake:fake-1", estimate)
+    assert waited <= 4 * estimate / 100_000 * 60  # seconds: it was 1.2 million (two weeks)
+
+
 def test_limiter_redis_url_resolution() -> None:
     assert ratelimit_redis_url(Settings(broker_url=None, ratelimit_redis_url=None)) is None
     assert ratelimit_redis_url(Settings(broker_url="redis://h:6379/0")) == "redis://h:6379/0"

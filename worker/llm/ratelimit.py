@@ -328,12 +328,21 @@ class RateLimitedClient:
             logger.debug("waited %.3fs for the %s rate limit", waited, self._chat_key)
         response = self.inner.chat(request)
         usage = response.usage
-        self.limiter.reconcile(self._chat_key, estimated, usage.input_tokens + usage.output_tokens)
+        self.limiter.reconcile(
+            self._chat_key, estimated, _charged(estimated, usage.input_tokens + usage.output_tokens)
+        )
         return response
 
     def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
         estimated = estimate_embedding_tokens(texts)
         self.limiter.acquire(self._embed_key, estimated)
         response = self.inner.embed(texts, purpose=purpose)
-        self.limiter.reconcile(self._embed_key, estimated, response.usage.input_tokens)
+        self.limiter.reconcile(self._embed_key, estimated, _charged(estimated, response.usage.input_tokens))
         return response
+
+
+def _charged(estimated: int, reported: int) -> int:
+    """The tokens a call is charged once done: what the provider reported, but never more than a token a
+    character of its prompt (plus its output cap) could come to. A reply of two billion tokens (an odd
+    OpenAI-compatible server) moved the shared limiter two weeks ahead, stalling every worker's calls."""
+    return min(reported, estimated * CHARS_PER_TOKEN)
