@@ -185,10 +185,19 @@ def extract(
         show_progress=not as_json,
         batch_poll_seconds=poll_seconds if batch else None,
     )
+    _report(counters, source_id, as_json, time.perf_counter() - started)
+    if counters.pages_failed:
+        raise typer.Exit(4)
+
+
+def _report(
+    counters: ExtractionCounters | BatchExtractionCounters, source_id: str, as_json: bool, took: float
+) -> None:
+    """The run's counters (a table, or JSON), and what a person should know of its batch or source."""
     if as_json:
         print_json(counters.as_dict())
     else:
-        print_counters(counters, time.perf_counter() - started)
+        print_counters(counters, took)
         if (
             isinstance(counters, BatchExtractionCounters)
             and counters.batch_id
@@ -208,5 +217,3 @@ def extract(
             "extraction reads (config extraction.page_types); `factmill ingest` stores pages",
             highlight=False,
         )
-    if counters.pages_failed:
-        raise typer.Exit(4)
