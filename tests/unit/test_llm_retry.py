@@ -20,6 +20,7 @@ from worker.llm.ratelimit import (
     LocalRateLimiter,
     RateLimitedClient,
     RateLimits,
+    build_rate_limiter,
     estimate_request_tokens,
     ratelimit_redis_url,
     redis_py_url,
@@ -439,6 +440,16 @@ def test_a_call_reporting_billions_of_tokens_is_charged_what_its_prompt_could_co
     estimate = estimate_request_tokens(REQUEST)
     waited = limiter.acquire("fake:fake-1", estimate)
     assert waited <= 4 * estimate / 100_000 * 60  # seconds: it was 1.2 million (two weeks)
+
+
+def test_one_process_has_one_in_process_limiter_for_its_limits() -> None:
+    """The runtime builds its work client and its search client apart; each built its own in-process
+    limiter, so one process went at twice the rate it was given."""
+    settings = Settings(broker_url=None, ratelimit_redis_url=None, llm_tpm=123_457)
+    first, second = build_rate_limiter(settings), build_rate_limiter(settings)
+    assert isinstance(first, LocalRateLimiter) and first is second
+    other = build_rate_limiter(Settings(broker_url=None, ratelimit_redis_url=None, llm_tpm=7_654_321))
+    assert other is not first and other is not None and other.limits.tokens_per_minute == 7_654_321
 
 
 def test_limiter_redis_url_resolution() -> None:

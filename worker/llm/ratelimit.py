@@ -297,6 +297,12 @@ def ratelimit_redis_url(settings: Settings) -> str | None:
     return None
 
 
+# The in-process limiters by their limits: two clients of one process each with its own limiter let the
+# process through at twice the rate it was given.
+_LOCAL_LIMITERS: dict[RateLimits, LocalRateLimiter] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
 def build_rate_limiter(settings: Settings) -> RateLimiter | None:
     """The limiter the settings ask for: None when no limit is set, Redis-backed when Redis is known."""
     limits = RateLimits.from_settings(settings)
@@ -304,8 +310,12 @@ def build_rate_limiter(settings: Settings) -> RateLimiter | None:
         return None
     url = ratelimit_redis_url(settings)
     if url is None:
-        logger.info("LLM rate limits are per process (no Redis configured): %s", limits)
-        return LocalRateLimiter(limits)
+        with _LOCAL_LOCK:  # one a process: the work and search clients (each built apart) share it
+            limiter = _LOCAL_LIMITERS.get(limits)
+            if limiter is None:
+                logger.info("LLM rate limits are per process (no Redis configured): %s", limits)
+                limiter = _LOCAL_LIMITERS[limits] = LocalRateLimiter(limits)
+        return limiter
     return RedisRateLimiter.from_url(url, limits, prefix=settings.broker_key_prefix)
 
 
