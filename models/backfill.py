@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, UniqueConstraint
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -64,6 +65,9 @@ class BackfillBatch(Base):
     submit_started_at: Mapped[datetime | None]
     submitted_at: Mapped[datetime | None]
     collected_at: Mapped[datetime | None]
+    # What it may cost (prompt characters / 4 and the output caps, at the batch price), set when it is
+    # sent: counted against the budgets while it is in flight, as its spend is known only once collected.
+    estimated_cost_usd: Mapped[Decimal | None] = mapped_column(Numeric(18, 6))
 
 
 class BackfillRequest(Base):

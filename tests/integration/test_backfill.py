@@ -36,6 +36,7 @@ from worker.extraction.backfill_admin import backfill_report, cancel_backfill, p
 from worker.extraction.batch import segment_request
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
 from worker.jobs.lifecycle import JobOutcome, run_job
+from worker.jobs.outbox import resume_paused
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.openai_compat import OpenAIChatClient
@@ -292,6 +293,37 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert len(calls_of(factory, job_id)) == 8  # the discarded results were paid for: recorded once
     assert terminal_slugs(factory, "bf") == {slugs[1]}
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
+
+
+def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim):
+    """A batch's spend is recorded when it is collected, hours after it was sent: a pass that sent
+    three batches checked $0 spent three times and overspent by all of them. Now the batches in
+    flight count by their estimates: the next batch waits for them (one may go alone)."""
+    seed_pages(factory, "bf", 6)  # three batches of eight requests
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0.01")  # less than any batch here
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    assert sim.stats()["batches"]["created"] == 1  # three before
+    with factory() as session:
+        estimates = session.scalars(
+            select(BackfillBatch.estimated_cost_usd).where(BackfillBatch.backfill_id == backfill_id)
+        ).all()
+    assert sorted(e is None for e in estimates) == [False, True, True] and max(e or 0 for e in estimates) > 0
+    sim.end_batches()
+    assert run_pass(rt, job_id).status == "paused"  # the next batch still waits; then the first is collected
+    assert request_statuses(factory, backfill_id) == {"done": 8, "pending": 16}
+    time.sleep(1.1)  # past the budget's one-second cache of the day's spend
+    assert run_pass(rt, job_id).status == "paused"  # its spend is known now, and past the budget
+    assert job_row(factory, job_id).pause_reason == "budget" and sim.stats()["batches"]["created"] == 1
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "100000")
+    sim.configure(batch_delay_seconds=0.05)
+    with factory.begin() as session:
+        resume_paused(session, [BATCH_EXTRACTION], reason="budget")
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 24} and sim.stats()["batches"]["created"] == 3
 
 
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
@@ -578,3 +610,11 @@ def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
     assert client.find("fmmineb1n0") == mine
     assert client.find("fmotherb1n0") == other
     assert client.find("fmneverb1n0") is None
+    if wire == "anthropic":
+        # A newer ended batch whose results cannot be read (past Anthropic's 29 days, or another
+        # tool's) failed every lookup, and with it every pass and cancel of the backfill.
+        gone = client.submit([("fmgoneb1n0-p1-m2", request)], key="fmgoneb1n0")
+        sim.end_batches()
+        sim.configure(batch_results_gone=[gone])
+        assert client.find("fmmineb1n0") == mine
+        assert client.find("fmgoneb1n0") is None

@@ -100,6 +100,15 @@ class Budget:
             if spent >= per_job:
                 raise BudgetExhaustedError("job", per_job, spent, key=JOB_BUDGET_KEY)
 
+    def room(self, job_id: int | None = None) -> tuple[Decimal | None, Decimal | None]:
+        """What is left of the day's and of this job's budgets (None: no limit), never below 0."""
+        daily, per_job = self._limit(self._daily_key), self._limit(JOB_BUDGET_KEY)
+        day_left = None if daily is None else max(Decimal(0), daily - self.spent_today())
+        job_left = None
+        if per_job is not None and job_id is not None:
+            job_left = max(Decimal(0), per_job - self.spent_by_job(job_id))
+        return day_left, job_left
+
     def has_room(self, job_id: int | None = None) -> bool:
         try:
             self.check(job_id)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
-from worker.llm.types import Usage
+from worker.llm.ratelimit import estimate_request_tokens
+from worker.llm.types import ChatRequest, Usage
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,19 @@ def cost_usd(
     if batch:
         total *= BATCH_DISCOUNT
     return total.quantize(Decimal("0.000001"))
+
+
+def estimated_batch_cost(
+    model: str, requests: Iterable[ChatRequest], prices: dict[str, Price] | None = None
+) -> Decimal:
+    """What a batch of ``requests`` may cost at most: each prompt at 4 characters a token and each
+    output cap in full, at the batch price (0 for a model with no known price)."""
+    total = Decimal(0)
+    for request in requests:
+        estimated = estimate_request_tokens(request)
+        usage = Usage(input_tokens=estimated - request.max_tokens, output_tokens=request.max_tokens)
+        total += cost_usd(model, usage, prices, batch=True)
+    return total
 
 
 def parse_prices(value: str | None) -> dict[str, Price]:

@@ -25,6 +25,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Backfill
 from models.tables import PAGES
 from worker.accounting import Budget, Ledger
+from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core.checkpoint import segment_hash
 from worker.core.slugs import stored_form
@@ -257,8 +259,9 @@ class BackfillPass:
         self.store.mark_requests(dropped, "dropped")
         return requests
 
-    def send(self, batch: BatchRow) -> None:
-        """Send one stored batch, at most once: a batch whose send began is looked up first."""
+    def send(self, batch: BatchRow) -> bool:
+        """Send one stored batch, at most once: a batch whose send began is looked up first. False when
+        it waits for the batches in flight (the budget), and the batches after it wait too."""
         client = self.deps.client
         if batch.status == "submitting":
             found = client.find(batch.key)
@@ -266,21 +269,48 @@ class BackfillPass:
                 logger.info(
                     "batch %s: the provider cannot tell yet whether it holds it; next pass", batch.key
                 )
-                return
+                return True
             if isinstance(found, str):
                 logger.info("batch %s was accepted before its sender died: %s", batch.key, found)
                 self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
-                return
+                return True
         requests = self.requests_to_send(batch)
         if not requests:
             self.store.set_batch(batch.id, status="collected", provider_status="nothing to send")
-            return
-        self.deps.budget.check(self.deps.job_id)
+            return True
+        self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
+        estimate = estimated_batch_cost(client.model, requests.values(), self.deps.ledger.prices())
+        if not self.within_budget(batch, estimate):
+            return False
         self.deps.guard()
-        self.store.set_batch(batch.id, status="submitting")  # committed before the provider hears of it
+        # Committed before the provider hears of it; counted against the budgets until collected.
+        self.store.set_batch(batch.id, status="submitting", estimated_cost_usd=estimate)
         provider_id = client.submit(list(requests.items()), key=batch.key)
         self.store.set_batch(batch.id, status="submitted", provider_batch_id=provider_id)
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
+        return True
+
+    def within_budget(self, batch: BatchRow, estimate: Decimal) -> bool:
+        """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is
+        collected, hours later, so a pass that sent ten batches checked $0 spent ten times and overspent
+        by all of them. Now what is left of the day's and this job's budgets must also cover the batches
+        in flight (their estimates): while it does not, the batch waits for them to be collected (False).
+        With none in flight it goes: it may overshoot by itself, as calls in flight may."""
+        day_left, job_left = self.deps.budget.room(self.deps.job_id)
+        # Not this batch's own estimate: one found "submitting" that the provider never got is sent again.
+        in_flight = self.store.in_flight_estimate(but=batch.id)
+        mine = self.store.in_flight_estimate(self.backfill.id, but=batch.id)
+        for scope, left, owed in (
+            ("day", day_left, in_flight + estimate),
+            ("job", job_left, mine + estimate),
+        ):
+            if left is not None and owed > left and in_flight > 0:
+                logger.info(
+                    "backfill %s: batch %s (up to $%.4f) waits for the batches in flight: the %s budget's "
+                    "$%.4f left may not cover them all", self.backfill.id, batch.key, estimate, scope, left,
+                )  # fmt: skip
+                return False
+        return True
 
     def cancel(self, batch: BatchRow) -> None:
         """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider and then
@@ -402,7 +432,10 @@ class BackfillPass:
                 return PassResult(True, 0, "cancelled")
             self.plan()
         for batch in self.store.batches(backfill.id, ("planned", "submitting")):
-            self.cancel(batch) if backfill.cancel_requested else self.send(batch)
+            if backfill.cancel_requested:
+                self.cancel(batch)
+            elif not self.send(batch):
+                break  # waiting for the batches in flight: so do the ones after it
         for batch in self.store.batches(backfill.id, ("submitted",)):
             if backfill.cancel_requested:
                 self.cancel(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -142,6 +143,17 @@ class BackfillStore:
                 .order_by(BackfillBatch.id)
             ).all()
         return [BatchRow(*row) for row in rows]
+
+    def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
+        """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may
+        still cost."""
+        query = select(func.coalesce(func.sum(BackfillBatch.estimated_cost_usd), 0)).where(
+            BackfillBatch.status.in_(("submitting", "submitted")), BackfillBatch.id != (but or 0)
+        )
+        if backfill_id is not None:
+            query = query.where(BackfillBatch.backfill_id == backfill_id)
+        with read_only(self._factory) as session:
+            return Decimal(session.scalar(query) or 0)
 
     def pending_requests(self, batch_id: int) -> list[RequestRow]:
         """The batch's requests still waiting for a result, in page order (slug, then segment)."""

@@ -284,7 +284,15 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             if batch.processing_status != "ended":
                 running = True
                 continue
-            first = _call("download", functools.partial(self._first_entry, batch.id), self.policy)
+            try:
+                first = _call("download", functools.partial(self._first_entry, batch.id), self.policy)
+            except LLMError as exc:
+                if exc.retryable:
+                    raise
+                # Results past Anthropic's 29 days, or another tool's batch: not the one sought (whose
+                # results were never read), and it must not stop every lookup (and cancel) for good.
+                logger.info("batch %s: its results cannot be read (%s); not the one sought", batch.id, exc)
+                continue
             if first is not None and str(first.get("custom_id")).startswith(f"{key}-"):
                 return str(batch.id)
         return UNDETERMINED if running else None

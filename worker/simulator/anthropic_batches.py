@@ -143,6 +143,8 @@ async def batch_results(request: Request) -> Response:
         return batch
     if not batch.ended(time.monotonic()):
         return anthropic_error(400, "invalid_request_error", "The batch is still processing.")
+    if batch.id in state_of(request).config.batch_results_gone:
+        return anthropic_error(404, "not_found_error", "The batch's results are no longer available.")
     await hold_results(state_of(request))
     lines = []
     for item in batch.kept():

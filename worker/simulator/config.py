@@ -140,6 +140,11 @@ class SimulatorConfig(BaseModel):
         description="a batch create is stored at once but answered only after this long: a client killed "
         "meanwhile has had its batch accepted without learning its id",
     )
+    batch_results_gone: list[str] = Field(
+        default_factory=list,
+        description="these ended (Anthropic) batches answer 404 for their results, as Anthropic does past "
+        "the 29 days it keeps them (or for another tool's batch whose results were deleted)",
+    )
     batch_delete_fails: bool = Field(
         default=False,
         description="deleting a batch's copy (OpenAI: a file; Anthropic: a batch) answers 500: an outage "
