@@ -295,13 +295,14 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
 
 
-def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim):
+@pytest.mark.parametrize("budget", ["llm.budget_daily_usd", "llm.budget_job_usd"])
+def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim, budget):
     """A batch's spend is recorded when it is collected, hours after it was sent: a pass that sent
     three batches checked $0 spent three times and overspent by all of them. Now the batches in
     flight count by their estimates: the next batch waits for them (one may go alone)."""
     seed_pages(factory, "bf", 6)  # three batches of eight requests
     with factory.begin() as session:
-        set_config(session, "llm.budget_daily_usd", "0.01")  # less than any batch here
+        set_config(session, budget, "0.01")  # less than any batch here
     sim.configure(batch_delay_seconds=3600)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"
@@ -318,7 +319,7 @@ def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt,
     assert run_pass(rt, job_id).status == "paused"  # its spend is known now, and past the budget
     assert job_row(factory, job_id).pause_reason == "budget" and sim.stats()["batches"]["created"] == 1
     with factory.begin() as session:
-        set_config(session, "llm.budget_daily_usd", "100000")
+        set_config(session, budget, "100000")
     sim.configure(batch_delay_seconds=0.05)
     with factory.begin() as session:
         resume_paused(session, [BATCH_EXTRACTION], reason="budget")

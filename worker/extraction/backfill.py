@@ -300,11 +300,8 @@ class BackfillPass:
         # Not this batch's own estimate: one found "submitting" that the provider never got is sent again.
         in_flight = self.store.in_flight_estimate(but=batch.id)
         mine = self.store.in_flight_estimate(self.backfill.id, but=batch.id)
-        for scope, left, owed in (
-            ("day", day_left, in_flight + estimate),
-            ("job", job_left, mine + estimate),
-        ):
-            if left is not None and owed > left and in_flight > 0:
+        for scope, left, flying in (("day", day_left, in_flight), ("job", job_left, mine)):
+            if left is not None and flying + estimate > left and flying > 0:
                 logger.info(
                     "backfill %s: batch %s (up to $%.4f) waits for the batches in flight: the %s budget's "
                     "$%.4f left may not cover them all", self.backfill.id, batch.key, estimate, scope, left,
