@@ -173,6 +173,8 @@ class Settings(BaseSettings):
     search_rate_per_minute: int = Field(default=60, ge=0)
 
     # Calibration
+    # ge: worker.core.calibration.MIN_ALPHA (not imported: it would load the lexer at every start;
+    # tests/unit/test_settings.py holds them equal).
     calibration_alpha: float = Field(default=0.1, ge=1e-6, lt=1)  # share of lost-answer cases a τ may let by
     calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate
     calibration_recompute_every: int = Field(default=50, ge=1)  # new observations that trigger a recompute

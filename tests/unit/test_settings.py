@@ -65,3 +65,10 @@ def test_values_no_worker_could_use_are_refused_at_start(
     with pytest.raises(InvalidSettingsError) as caught:
         fresh_settings()
     assert f"{variable}: " in str(caught.value) and said in str(caught.value)
+
+
+def test_the_alpha_settings_take_is_the_one_a_recompute_takes() -> None:
+    from worker.core.calibration import MIN_ALPHA
+
+    bounds = [getattr(m, "ge", None) for m in Settings.model_fields["calibration_alpha"].metadata]
+    assert MIN_ALPHA in bounds

@@ -83,17 +83,15 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
         problem = not_json(arguments, f"{where}.arguments")
         if problem:  # JSON text with Infinity in it would go to the provider as the call's arguments
             raise MessageError(index, problem)
-        call = ToolCall.from_mapping(call_id, name, arguments)
-    elif isinstance(arguments, str):
-        call = ToolCall(call_id, name, arguments)
-    else:
+        return ToolCall.from_mapping(call_id, name, arguments)
+    if not isinstance(arguments, str):
         raise MessageError(index, f"{where}.arguments must be a JSON object or its JSON text")
-    # A lone surrogate in a string of the object (which Python's json.loads makes of "\ud800") stays in
-    # its JSON text, which no database stores: the caller's to fix, not a failed insert.
-    problem = text_problem(call.arguments)
+    # Text no database stores (a lone surrogate, as Python's json.loads makes of "\ud800"): the caller's
+    # to fix, not a failed insert. An object's strings are checked by not_json above.
+    problem = text_problem(arguments)
     if problem:
         raise MessageError(index, f"{where}.arguments {problem}")
-    return call
+    return ToolCall(call_id, name, arguments)
 
 
 def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:
