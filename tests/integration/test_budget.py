@@ -16,7 +16,8 @@ from worker.accounting import Budget, parse_prices, parse_usd
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.jobs.lifecycle import run_job
-from worker.jobs.outbox import EXTRACTION, page_subject, request_job, resume_for_config_change
+from worker.jobs.budgets import JobBudgets
+from worker.jobs.outbox import EXTRACTION, page_subject, request_job, resume_for_config_change, sweep
 from worker.llm.errors import BudgetExhaustedError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
@@ -165,6 +166,38 @@ def test_kill_switch_resume_does_not_wake_budget_waiters(session):
     resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
     statuses = dict(session.execute(select(Job.subject, Job.status)).all())
     assert len(resumed) == 1 and statuses == {"a": "paused", "b": "queued"}
+
+
+def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_factory):
+    """The sweep woke every job paused for budget whenever the day's budget had room, so a job whose
+    own budget was spent was claimed, run and paused again on every sweep, for ever."""
+    set_(tx_factory, "llm.budget_daily_usd", "100")
+    set_(tx_factory, "llm.budget_job_usd", "1")
+    with tx_factory.begin() as session:
+        spent, fresh = (Job(kind=EXTRACTION, subject=s, status="paused", pause_reason="budget") for s in "ab")
+        session.add_all([spent, fresh])
+        session.flush()
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=spent.id)
+        )
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+        budget_room_for=budget.jobs_with_room,
+        sender=lambda task, job_id, queue: None,
+    )
+    assert report.resumed_paused == [fresh.id]
+    with tx_factory() as session:
+        assert session.get(Job, spent.id).status == "paused"
+    # The job budget raised: the spent job has room again (the config change resumes it too).
+    set_(tx_factory, "llm.budget_job_usd", "2")
+    assert budget.jobs_with_room([spent.id]) == [spent.id]
+    set_(tx_factory, "llm.budget_daily_usd", "0")
+    assert budget.jobs_with_room([spent.id, fresh.id]) == []
 
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.

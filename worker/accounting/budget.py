@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 
 from sqlalchemy import Date, bindparam, cast, func, select
@@ -108,6 +108,24 @@ class Budget:
         if per_job is not None and job_id is not None:
             job_left = max(Decimal(0), per_job - self.spent_by_job(job_id))
         return day_left, job_left
+
+    def jobs_with_room(self, job_ids: Sequence[int]) -> list[int]:
+        """Of these jobs, those both budgets would let call now (one query for the jobs' spend):
+        what wakes jobs paused for budget, so one whose own budget is spent stays asleep."""
+        if not job_ids or not self.has_room():
+            return []
+        per_job = self._limit(JOB_BUDGET_KEY)
+        if per_job is None:
+            return list(job_ids)
+        with read_only(self._factory) as session:
+            spent = dict(
+                session.execute(
+                    select(LLMCall.job_id, func.sum(LLMCall.cost_usd))
+                    .where(LLMCall.job_id.in_(job_ids))
+                    .group_by(LLMCall.job_id)
+                ).all()
+            )
+        return [job_id for job_id in job_ids if Decimal(spent.get(job_id) or 0) < per_job]
 
     def has_room(self, job_id: int | None = None) -> bool:
         try:

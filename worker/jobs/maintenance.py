@@ -50,7 +50,7 @@ def maintain(
         requeue_after=settings.job_requeue_after_seconds,
         enabled=rt.config.enabled,
         job_budgets=JobBudgets.from_settings(settings),
-        budget_has_room=rt.budget.has_room,
+        budget_room_for=rt.budget.jobs_with_room,
         queue_depth=broker_queue_depth,
     )
     with rt.factory.begin() as session:  # the running totals of gone connections, into one row each

@@ -308,6 +308,18 @@ def resume_paused(
     return [(row.id, row.kind) for row in rows]
 
 
+def resume_budget_waiters(
+    session: Session, kinds: Sequence[str], room_for: Callable[[Sequence[int]], list[int]]
+) -> list[tuple[int, str]]:
+    """Queue the jobs of these kinds paused for budget that the budgets now have room for: asked per
+    job, so one whose own budget is spent is not woken on every sweep only to pause again."""
+    waiting = session.scalars(
+        select(Job.id).where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET)
+    ).all()
+    ready = room_for(waiting) if waiting else []
+    return resume_paused(session, kinds, reason=BUDGET, job_ids=ready) if ready else []
+
+
 def kinds_for_switch(key: str) -> list[str]:
     return [name for name in kind_names() if get_kind(name).switch == key]
 
@@ -332,13 +344,14 @@ def sweep(
     requeue_after: float,
     enabled: Callable[[str], bool],
     job_budgets: JobBudgets,
-    budget_has_room: Callable[[], bool] | None = None,
+    budget_room_for: Callable[[Sequence[int]], list[int]] | None = None,
     sender: Sender | None = None,
     queue_depth: QueueDepth | None = None,
 ) -> SweepReport:
     """Re-send what the broker lost: running jobs whose worker died (a worker loss each), queued jobs
     whose message vanished, and paused jobs whose kill switch is on again. A job whose budgets are
-    spent is failed instead of re-sent. Postgres is the source of truth."""
+    spent is failed instead of re-sent. Jobs paused for budget go again when ``budget_room_for`` (which
+    of these job ids both budgets would let call) includes them. Postgres is the source of truth."""
     failed: list[int] = []
     with factory.begin() as session:
         stale = session.execute(
@@ -384,8 +397,8 @@ def sweep(
         lost_pairs = only_missing(overdue, queue_depth)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
-        if budget_has_room is not None and budget_has_room():
-            resumed += resume_paused(session, switched_on, reason=BUDGET)
+        if budget_room_for is not None and switched_on:
+            resumed += resume_budget_waiters(session, switched_on, budget_room_for)
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
     report = SweepReport(
         [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
