@@ -215,6 +215,8 @@ class Settings(BaseSettings):
     # Compaction
     compaction_max_output_tokens: int = Field(default=4096, ge=256, le=32_768)  # a summary's reply cap
     compaction_intent_messages: int = Field(default=3, ge=0, le=50)  # latest user messages giving the intent
+    # The summarizer's input: a longer head is summarized oldest part first, over several compactions.
+    compaction_max_input_tokens: int = Field(default=96_000, ge=1_000, le=10_000_000)
     # After a rejected or failed compaction, appends wait this long before triggering another one.
     compaction_retrigger_seconds: float = Field(default=300.0, ge=0)
 

@@ -15,8 +15,8 @@ from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
 from worker.accounting import Budget, parse_prices, parse_usd
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
-from worker.jobs.lifecycle import run_job
 from worker.jobs.budgets import JobBudgets
+from worker.jobs.lifecycle import run_job
 from worker.jobs.outbox import EXTRACTION, page_subject, request_job, resume_for_config_change, sweep
 from worker.llm.errors import BudgetExhaustedError
 from worker.llm.openai_compat import OpenAIChatClient

@@ -600,6 +600,52 @@ def test_a_long_summary_is_capped(tx_factory: sessionmaker[Session]) -> None:
     assert row.summary == long_summary[:SUMMARY_CHAR_LIMIT].strip()
 
 
+def test_a_head_over_the_summarizers_input_is_compacted_oldest_part_first(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A head longer than the summarizer takes was sent whole: a request no model accepts, failed
+    again on every trigger. Now the cut moves back until the head fits, and each accepted part asks
+    for the next compaction at once (a rerun of the job) until the context is under its threshold."""
+    request = append(tx_factory, "big", session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 0.0)
+    llm = ScriptedLLM(*[f"## Goal\n{GOAL}"] * 40)
+    rt = runtime(database_url, tx_factory, llm, compaction_max_input_tokens=1000)
+    for _ in range(40):
+        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+        with tx_factory() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            if job.status != "queued":
+                break
+    rows = compactions(tx_factory, "big")
+    assert len(rows) == len(llm.requests) > 2 and {r.status for r in rows} == {"accepted"}
+    assert [r.cut_seq for r in rows] == sorted({r.cut_seq for r in rows})
+    heads = [request.messages[0][1] for request in llm.requests]
+    assert all(len(head) < 1000 * 4 + 300 for head in heads), [len(head) for head in heads]  # + the wrapper
+    assert "[Previous summary]" in heads[1] and GOAL in heads[0]
+    with tx_factory() as session:
+        stats = transcript_stats(session, "big")
+        assert job.counters["head_capped"] is False  # the last run's head fitted whole
+    assert stats.context_tokens <= 4000 < stats.history_tokens
+
+
+def test_the_oldest_message_over_the_summarizers_input_is_nothing_to_compact(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    huge = [{"role": "user", "text": "x" * 20_000}, *session_messages(25)]
+    request = append(tx_factory, "huge", huge, settings=SETTINGS)
+    assert request.trigger.job is not None
+    llm = ScriptedLLM()
+    rt = runtime(database_url, tx_factory, llm, compaction_max_input_tokens=1000)
+    assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "succeeded"
+    assert llm.requests == [] and compactions(tx_factory, "huge") == []
+    with tx_factory() as session:
+        job = session.get(Job, request.trigger.job.job_id)
+        assert job is not None and "FACTMILL_COMPACTION_MAX_INPUT_TOKENS" in (job.last_error or "")
+
+
 def test_one_pending_job_per_transcript_and_a_rerun_while_it_runs(tx_factory: sessionmaker[Session]) -> None:
     first = append(tx_factory, "one", session_messages(25), settings=SETTINGS)
     second = append(tx_factory, "one", [{"role": "user", "text": "more"}])

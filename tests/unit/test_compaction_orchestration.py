@@ -14,6 +14,7 @@ from worker.core.compaction import (
     ToolCall,
     TranscriptMessage,
     estimate_tokens,
+    serialize_transcript,
     summarizer_system_prompt,
 )
 from worker.core.compaction_gate import MAX_ATTEMPTS, intent_terms, judge_summary, missed_query_terms
@@ -224,6 +225,36 @@ def test_plan_folds_the_previous_summary_and_maps_the_cut_to_its_seq() -> None:
     plan = plan_compaction(messages, seqs, keep_recent_tokens=100, tool_result_limit=2000)
     assert plan.cut_seq == 12
     assert plan.serialized.startswith("[Previous summary] ## Goal\nship it\n\n[User] xxx")
+
+
+def test_a_head_over_the_summarizers_input_is_cut_earlier_never_inside_a_tool_unit() -> None:
+    summary = AppliedSummary(7, 10, "s" * 100)
+    messages = [
+        summary.marker(),
+        user("a" * 400),
+        assistant("", ("c1", "sh")),
+        result("c1", "r" * 400),
+        assistant("b" * 400),
+        user("c" * 400),
+        assistant("d" * 400),
+    ]
+    seqs: list[int | None] = [None, 10, 11, 12, 13, 14, 15]
+    whole = plan_compaction(messages, seqs, keep_recent_tokens=100, tool_result_limit=2000)
+    assert (whole.cut, whole.capped) == (6, False)
+    # Room for the marker, the user message and the call, but not its result: the cut lands on the call.
+    capped = plan_compaction(
+        messages, seqs, keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=200
+    )
+    assert (capped.cut, capped.cut_seq, capped.capped) == (2, 11, True)
+    assert capped.serialized == serialize_transcript(messages[:2], 2000)
+    assert len(capped.serialized) <= 800 and capped.kept_tokens == whole.tokens_before - 25 - 100
+    roomy = plan_compaction(
+        messages, seqs, keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=400
+    )
+    assert (roomy.cut, roomy.capped) == (5, True)
+    assert len(roomy.serialized) <= 1600 < len(whole.serialized)
+    with pytest.raises(NothingToCompactError, match="FACTMILL_COMPACTION_MAX_INPUT_TOKENS"):
+        plan_compaction(messages, seqs, keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=50)
 
 
 def test_plan_refuses_to_summarize_only_the_previous_summary_or_nothing() -> None:

@@ -133,6 +133,7 @@ def compact_command(
             enabled=lambda: config.enabled(COMPACTION_ENABLED),
             max_output_tokens=settings.compaction_max_output_tokens,
             intent_messages=settings.compaction_intent_messages,
+            max_input_tokens=settings.compaction_max_input_tokens,
         )
     except TranscriptNotFoundError as exc:
         raise fail(str(exc)) from exc
@@ -144,6 +145,11 @@ def compact_command(
         print_json(outcome.as_dict())
     else:
         _print_outcome(outcome)
+        if outcome.head_capped:
+            out.print(
+                "the history before the cut is over the summarizer's input (FACTMILL_COMPACTION_MAX_INPUT_"
+                "TOKENS), so only its oldest part was summarized; run this again for the rest"
+            )
     if outcome.status == "failed":
         raise typer.Exit(1)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.calibration import ThresholdCache
-from worker.compaction.queries import TranscriptNotFoundError
+from worker.compaction.queries import TranscriptNotFoundError, request_compaction
 from worker.compaction.service import compact
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_ENABLED
@@ -45,7 +46,13 @@ def compact_job(ctx: JobContext) -> WorkResult:
         enabled=ctx.enabled,
         max_output_tokens=settings.compaction_max_output_tokens,
         intent_messages=settings.compaction_intent_messages,
+        max_input_tokens=settings.compaction_max_input_tokens,
     )
+    if outcome.status == "accepted" and outcome.head_capped:
+        # Only part of the head fitted the summarizer: the rest goes next, without waiting for an
+        # append (a rerun of this job, sent when it finishes; it stops once under the threshold).
+        with contextlib.suppress(TranscriptNotFoundError), rt.factory.begin() as session:
+            request_compaction(session, job.subject, trigger="continue")  # unless erased meanwhile
     counters = outcome.as_dict()
     if outcome.status == "failed":
         return WorkResult("failed", counters=counters, note=outcome.detail, detail=outcome.detail)

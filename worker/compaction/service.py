@@ -68,6 +68,7 @@ class CompactionOutcome:
     threshold_version: int | None = None
     attempts: int = 0
     missed_terms: list[str] = field(default_factory=list)
+    head_capped: bool = False  # the head was cut to fit the summarizer's input: more remains to compact
 
     @property
     def tokens_saved(self) -> int:
@@ -90,6 +91,7 @@ class CompactOptions(TypedDict, total=False):
     enabled: Callable[[], bool] | None  # the kill switch, read before every LLM call [None: always on]
     max_output_tokens: int  # the summarizer's output cap [DEFAULT_MAX_OUTPUT_TOKENS]
     intent_messages: int  # how many latest user messages the intent is read from [DEFAULT_INTENT_MESSAGES]
+    max_input_tokens: int | None  # the summarizer's input; a longer head is cut earlier [None: no cap]
 
 
 def compact(
@@ -127,6 +129,7 @@ def compact(
             timeline.seqs,
             keep_recent_tokens=settings.keep_recent_tokens,
             tool_result_limit=settings.tool_result_limit,
+            max_head_tokens=options.get("max_input_tokens"),
         )
     except NothingToCompactError as exc:
         outcome.status, outcome.detail = "nothing_to_compact", str(exc)
@@ -144,7 +147,7 @@ def compact(
         enabled=options.get("enabled"),
         max_output_tokens=options.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
     )
-    outcome.cut_seq = plan.cut_seq
+    outcome.cut_seq, outcome.head_capped = plan.cut_seq, plan.capped
     outcome.threshold_tau, outcome.threshold_version = run.gate_on.tau, run.gate_on.version
     return run.summarize()
 

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from worker.core.compaction import (
+    CHARACTERS_PER_TOKEN,
     NOT_ENOUGH_HISTORY,
     TranscriptMessage,
     compacted_history,
@@ -108,6 +109,9 @@ class CompactionPlan:
     serialized: str
     tokens_before: int
     kept_tokens: int
+    # The cut was moved back so the head fits the summarizer's input: what is left over the threshold
+    # goes to the next compaction (whose head starts with this one's summary).
+    capped: bool = False
 
     def tokens_after(self, summary: str) -> int:
         """Estimated tokens of the context once ``summary`` replaces the head."""
@@ -123,12 +127,17 @@ def plan_compaction(
     *,
     keep_recent_tokens: int,
     tool_result_limit: int,
+    max_head_tokens: int | None = None,
 ) -> CompactionPlan:
     """Cut the timeline (summary marker first, if any) and serialize its head for the summarizer.
 
     The cut runs on the stored timeline before any repair, so it never lands between a tool call and
-    its results. Raises NothingToCompactError when the cut would keep everything, or would summarize
-    only the previous summary, or while the newest message is a tool result (a turn in flight).
+    its results. A head whose serialized text is over ``max_head_tokens`` (the summarizer's input) is
+    cut earlier, at the latest such place where it fits (``capped``): a context that grew far past
+    its window is summarized oldest part first, in several compactions, instead of sending a request
+    no model accepts, again on every trigger. Raises NothingToCompactError when the cut would keep
+    everything, or would summarize only the previous summary, or while the newest message is a tool
+    result (a turn in flight), or when not even the oldest message fits the summarizer's input.
     """
     if messages and messages[-1].role == "tool":
         raise NothingToCompactError(
@@ -137,15 +146,44 @@ def plan_compaction(
     cut = cut_index(messages, keep_recent_tokens)
     if cut is None or (cut == 1 and messages[0].is_compaction):
         raise NothingToCompactError(NOT_ENOUGH_HISTORY)
+    serialized = serialize_transcript(messages[:cut], tool_result_limit)
+    capped = max_head_tokens is not None and len(serialized) > max_head_tokens * CHARACTERS_PER_TOKEN
+    if capped:
+        assert max_head_tokens is not None
+        cut = _fitting_cut(messages, cut, tool_result_limit, max_head_tokens * CHARACTERS_PER_TOKEN)
+        serialized = serialize_transcript(messages[:cut], tool_result_limit)
     cut_seq = seqs[cut]
     assert cut_seq is not None  # the marker is only ever at index 0, and cut >= 1
-    head = list(messages[:cut])
     token_counts = [estimate_tokens(m) for m in messages]
     return CompactionPlan(
         cut=cut,
         cut_seq=cut_seq,
-        head=head,
-        serialized=serialize_transcript(head, tool_result_limit),
+        head=list(messages[:cut]),
+        serialized=serialized,
         tokens_before=sum(token_counts),
         kept_tokens=sum(token_counts[cut:]),
+        capped=capped,
     )
+
+
+def _fitting_cut(
+    messages: Sequence[TranscriptMessage], cut: int, tool_result_limit: int, max_chars: int
+) -> int:
+    """The latest cut before ``cut`` whose serialized head is at most ``max_chars``: one on a message
+    that is not a tool result (a tool call stays with its results), past more than the summary marker.
+    Each message is serialized once (the head is their paragraphs joined by a blank line)."""
+    best = None
+    length = -2  # no separator before the first paragraph
+    for index in range(1, cut):
+        length += len(serialize_transcript(messages[index - 1 : index], tool_result_limit)) + 2
+        if length > max_chars:
+            break
+        if messages[index].role != "tool" and not (index == 1 and messages[0].is_compaction):
+            best = index
+    if best is None:
+        tokens = max_chars // CHARACTERS_PER_TOKEN
+        raise NothingToCompactError(
+            f"the oldest messages alone are over the summarizer's input of {tokens} "
+            "tokens (FACTMILL_COMPACTION_MAX_INPUT_TOKENS); raise it to a summarizer model that takes them"
+        )
+    return best
