@@ -829,6 +829,32 @@ def test_readyz_with_database_and_redis(client: TestClient) -> None:
     assert "\nfactmill_broker_up 1.0\n" in client.get("/metrics", headers=ADMIN_HEADERS).text
 
 
+def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -> None:
+    """Slow searches held every request thread (FACTMILL_API_THREADS), and /readyz, a plain def, waited
+    behind them: past the probe's timeout Kubernetes took every replica out of service."""
+    import threading
+
+    import anyio.to_thread
+
+    holders = [object() for _ in range(64)]
+    portal = client.portal
+    assert portal is not None
+    limiter = portal.call(anyio.to_thread.current_default_thread_limiter)
+    for holder in holders[: int(limiter.total_tokens)]:
+        portal.call(limiter.acquire_on_behalf_of_nowait, holder)
+    answers: list[Any] = []
+    asker = threading.Thread(target=lambda: answers.append(client.get("/readyz")), daemon=True)
+    asker.start()
+    asker.join(10)
+    answered_while_busy = bool(answers)
+    for holder in holders[: int(limiter.total_tokens)]:
+        portal.call(limiter.release_on_behalf_of, holder)
+    asker.join(10)
+    assert answered_while_busy
+    [response] = answers
+    assert response.status_code == 200 and response.json()["status"] == "ready"
+
+
 def test_readyz_names_the_unreachable_broker(
     database_url: str, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -62,7 +62,8 @@ class ApiContext:
         return outbox.enqueue(self.factory, pairs, self.sender) if pairs else 0
 
 
-def _context(request: Request) -> ApiContext:
+async def _context(request: Request) -> ApiContext:
+    # async: resolved on the event loop, so an async route (/readyz) never waits for a request thread
     ctx: ApiContext = request.app.state.factmill
     return ctx
 

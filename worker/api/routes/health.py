@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -11,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from worker.api.auth import MetricsReader
 from worker.api.deps import Context
 from worker.api.errors import error_responses, one_line
-from worker.api.probes import ping_broker, ping_database
+from worker.api.probes import READY_TIMEOUT_SECONDS, ping_broker, ping_database
 
 logger = logging.getLogger(__name__)
 
@@ -24,26 +27,39 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+# The probes' own threads: /readyz must answer while every request thread is busy (slow searches held
+# all of FACTMILL_API_THREADS, so readiness timed out and Kubernetes took every replica out of service).
+_PROBE_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="readyz")
+# A check that has not answered by then counts as unreachable (its thread is left to finish).
+PROBE_TIMEOUT_SECONDS = READY_TIMEOUT_SECONDS + 1
+
+
+async def _probe(ping: Callable[[], None]) -> None:
+    await asyncio.wait_for(asyncio.wrap_future(_PROBE_THREADS.submit(ping)), timeout=PROBE_TIMEOUT_SECONDS)
+
+
 @ops_router.get(
     "/readyz", summary="The database answers (and whether the broker does)", responses=error_responses(503)
 )
-def readyz(ctx: Context) -> JSONResponse:
+async def readyz(ctx: Context) -> JSONResponse:
     """503 when the database is unreachable: no route can serve. The broker is checked and reported, but
     an unreachable one leaves the API ready ("degraded"): pages and their jobs are still stored, and the
     sweeper sends the jobs once the broker is back; failing readiness would take every replica out of
     its load balancer for a Redis restart. Open to anyone (probes carry no credential), so it answers
-    which check failed and the error's class; the driver's message goes to the log."""
+    which check failed and the error's class; the driver's message goes to the log. Both checks run at
+    once on threads of their own, never on the request threads."""
+    probes = {
+        "database": lambda: ping_database(ctx.factory),
+        "broker": lambda: ping_broker(ctx.broker_url()),
+    }
+    answers = await asyncio.gather(*(_probe(ping) for ping in probes.values()), return_exceptions=True)
     checks: dict[str, str] = {}
-    errors: dict[str, Exception] = {}
-    for name, ping in (
-        ("database", lambda: ping_database(ctx.factory)),
-        ("broker", lambda: ping_broker(ctx.broker_url())),
-    ):
-        try:
-            ping()
+    errors: dict[str, BaseException] = {}
+    for name, answer in zip(probes, answers, strict=True):
+        if isinstance(answer, BaseException):
+            checks[name], errors[name] = f"unreachable ({type(answer).__name__})", answer
+        else:
             checks[name] = "ok"
-        except Exception as exc:
-            checks[name], errors[name] = f"unreachable ({type(exc).__name__})", exc
     if errors:
         logger.warning(
             "%s: %s",
