@@ -829,6 +829,30 @@ def test_readyz_with_database_and_redis(client: TestClient) -> None:
     assert "\nfactmill_broker_up 1.0\n" in client.get("/metrics", headers=ADMIN_HEADERS).text
 
 
+def test_paused_jobs_are_counted_by_why(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
+    """factmill_jobs{status="paused"} could not tell a backfill waiting for its batches (normal, for
+    hours) from a kill switch, so the paused alert fired on every backfill and said to turn a switch on."""
+    from models import Job
+    from worker.api.metrics import PAUSE_REASONS
+    from worker.extraction.backfill import WAITING_FOR_BATCHES
+
+    assert WAITING_FOR_BATCHES in PAUSE_REASONS
+    with tx_factory.begin() as session:
+        session.add_all(
+            [
+                Job(kind="batch_extraction", subject="b", status="paused", pause_reason=WAITING_FOR_BATCHES),
+                Job(kind="extraction", subject="x", status="paused", pause_reason="budget"),
+                Job(kind="extraction", subject="y", status="paused", pause_reason="budget"),
+                Job(kind="compaction", subject="t", status="paused", pause_reason=None),
+            ]
+        )
+    text = client.get("/metrics", headers=ADMIN_HEADERS).text
+    assert 'factmill_jobs_paused{kind="batch_extraction",reason="batch"} 1.0' in text
+    assert 'factmill_jobs_paused{kind="batch_extraction",reason="kill_switch"} 0.0' in text
+    assert 'factmill_jobs_paused{kind="extraction",reason="budget"} 2.0' in text
+    assert 'factmill_jobs_paused{kind="compaction",reason="kill_switch"} 1.0' in text  # no reason: a switch
+
+
 def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -> None:
     """Slow searches held every request thread (FACTMILL_API_THREADS), and /readyz, a plain def, waited
     behind them: past the probe's timeout Kubernetes took every replica out of service."""

@@ -29,6 +29,7 @@ from models import (
     Backfill,
     BackfillBatch,
     ConfigEntry,
+    Job,
     JobTotal,
     LLMCallTotal,
     OpCheckpoint,
@@ -39,6 +40,7 @@ from worker.api.errors import one_line
 from worker.api.request_metrics import install_request_metrics
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.core.consolidation import FACT_STATUSES
+from worker.jobs.outbox import BUDGET, KILL_SWITCH
 from worker.jobs.registry import kind_names
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ STORE_UP_HELP = "1 if the metrics query reached Postgres"
 
 R = TypeVar("R")
 
+PAUSE_REASONS = (KILL_SWITCH, BUDGET, "batch")  # "batch": worker.extraction.backfill.WAITING_FOR_BATCHES
 _JOB_TOTALS = select(
     JobTotal.status,
     JobTotal.kind,
@@ -149,10 +152,33 @@ class _StoreRows:
             select(ConfigEntry.key, ConfigEntry.value).where(ConfigEntry.key.in_(KILL_SWITCHES))
         ).all()
         self.switches: dict[str, str] = {key: value for key, value in switch_rows}
+        # Paused jobs by why (ix_jobs_status_kind): a kill switch, the budget, a backfill's batches.
+        self.paused: dict[tuple[str, str], int] = {
+            (kind, reason or KILL_SWITCH): int(n)  # no reason: paused before reasons were recorded
+            for kind, reason, n in session.execute(
+                select(Job.kind, Job.pause_reason, func.count())
+                .where(Job.status == "paused")
+                .group_by(Job.kind, Job.pause_reason)
+            )
+        }
         self.llm_rows = session.execute(_LLM_TOTALS).all()
         self.latency_buckets: dict[str, list[int]] = {}
         for purpose, _, n in session.execute(_LATENCY_BUCKETS):
             self.latency_buckets.setdefault(purpose, []).append(int(n))
+
+
+def _paused_jobs(paused: dict[tuple[str, str], int], kinds: list[str]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(
+        "factmill_jobs_paused",
+        "Paused jobs by kind and reason: kill_switch (resumed when it is on), budget (when a budget has "
+        "room), batch (a backfill waiting for its provider batches: normal, for up to 24 h)",
+        labels=["kind", "reason"],
+    )
+    reasons = sorted(set(PAUSE_REASONS) | {reason for _, reason in paused})
+    for kind in sorted(set(kinds) | {kind for kind, _ in paused}):
+        for reason in reasons:  # zeros included, so a series never vanishes when its last job resumes
+            gauge.add_metric([kind, reason], paused.get((kind, reason), 0))
+    return gauge
 
 
 class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
@@ -221,6 +247,7 @@ class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
             up,
             switches,
             jobs_gauge,
+            _paused_jobs(rows.paused, kinds),
             attempts,
             losses,
             ended,
