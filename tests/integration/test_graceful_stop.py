@@ -233,3 +233,41 @@ def test_the_parent_kills_a_child_still_there_past_its_grace_period() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+COUNTING_PARENT = """
+import sys
+from worker.cli import processes
+counting = (
+    "import os, signal, time; signal.signal(signal.SIGINT, lambda s, f: os.write(1, b'int\\\\n')); "
+    "os.write(1, b'ready\\\\n'); time.sleep(3)"
+)
+sys.exit(processes.run_children([[], []], 5, command=(sys.executable, "-c", counting)))
+"""
+
+
+def test_a_terminals_ctrl_c_reaches_each_child_once() -> None:
+    """The children shared the parent's process group, so a Ctrl-C reached each of them from the
+    terminal and again from the parent: Celery takes a second SIGINT as a cold shutdown (which the
+    threads pool cannot even do: NotImplementedError in the signal handler)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", COUNTING_PARENT],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group like a terminal's foreground job
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        os.killpg(parent.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, _ = parent.communicate(timeout=30)
+        assert out.split() == ["int", "int"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import typer
 
-from worker.cli.services import is_loopback, refuse_open_flower
+from worker.cli.services import flower_logins, is_loopback, refuse_open_flower, worker_queues
 from worker.settings import Settings
 
 
@@ -31,3 +31,33 @@ def test_an_open_flower_is_refused_in_production_unless_it_has_a_login(
     capsys.readouterr()
     refuse_open_flower(Settings(environment="development"), "0.0.0.0")  # warned, not refused
     assert "warning: Flower on 0.0.0.0 would show every task" in capsys.readouterr().err
+
+
+def test_a_login_set_in_dotenv_reaches_flower(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings read FLOWER_BASIC_AUTH from .env, so the open-Flower check passed, but Flower reads only
+    the environment: it started with no login on 0.0.0.0. The login Settings saw is what Flower gets."""
+    monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
+    monkeypatch.delenv("FLOWER_AUTH", raising=False)
+    dotenv = tmp_path / ".env"
+    dotenv.write_text("FLOWER_BASIC_AUTH=ops:pw\n")
+    settings = Settings(_env_file=dotenv)  # type: ignore[call-arg]
+    refuse_open_flower(settings.model_copy(update={"environment": "production"}), "0.0.0.0")
+    assert flower_logins(settings) == {"FLOWER_BASIC_AUTH": "ops:pw"}
+    assert flower_logins(Settings(_env_file=None)) == {}  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("given", "passed"),
+    [("extraction", "extraction"), ("extraction, maintenance", "extraction,maintenance"),
+     (" compaction ,compaction,", "compaction")],
+)  # fmt: skip
+def test_worker_queues_are_passed_on_stripped(given: str, passed: str) -> None:
+    """Celery splits --queues on commas without stripping: "extraction, maintenance" consumed a queue
+    named " maintenance" that nothing is ever sent to."""
+    assert worker_queues(given, ["extraction", "compaction", "maintenance"]) == passed
+
+
+@pytest.mark.parametrize("given", ["extract", " , ", ""])
+def test_unknown_or_no_worker_queues_are_refused(given: str) -> None:
+    with pytest.raises(ValueError, match="choose from extraction"):
+        worker_queues(given, ["extraction"])

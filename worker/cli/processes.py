@@ -73,7 +73,9 @@ def run_children(
     try:
         preexec = _stop_with_parent if sys.platform.startswith("linux") else None
         for argv in argvs:
-            children.append(subprocess.Popen([*command, *argv], preexec_fn=preexec))
+            # A process group of its own: a terminal's Ctrl-C reaches the parent only, which passes it
+            # on once (a second SIGINT is Celery's cold shutdown, which the threads pool cannot do).
+            children.append(subprocess.Popen([*command, *argv], preexec_fn=preexec, process_group=0))
         codes: dict[int, int] = {}
         while len(codes) < len(children):
             for child in children:

@@ -6,7 +6,7 @@ import ipaddress
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated
 
@@ -118,10 +118,10 @@ def worker(
     settings = get_settings()
     refuse_insecure_secrets(settings)
     refuse_missing_tracing(settings)
-    known = known_queues()
-    unknown = sorted(set(q.strip() for q in queues.split(",")) - set(known))
-    if unknown:
-        raise fail(f"unknown queue(s) {', '.join(unknown)}; choose from {', '.join(known)}", code=2)
+    try:
+        queues = worker_queues(queues, known_queues())
+    except ValueError as exc:
+        raise fail(str(exc), code=2) from exc
     if pool not in POOLS:
         raise fail("--pool must be threads, prefork or solo", code=2)
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
@@ -143,6 +143,18 @@ def worker(
     if hostname:
         argv += ["-n", hostname]
     celery.worker_main(argv)
+
+
+def worker_queues(text: str, known: Sequence[str]) -> str:
+    """``--queues`` as Celery must get it: names stripped, in order, once each. Celery splits on commas
+    without stripping, so "extraction, maintenance" consumed a queue " maintenance" no one sends to."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown queue(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(known)}"
+        )
+    return ",".join(names)
 
 
 def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
@@ -169,8 +181,17 @@ def flower(
     port: Annotated[int, port_option(help="The port Flower listens on.")] = 5555,
 ) -> None:
     """Run Flower on the same broker to watch workers, queues and tasks."""
-    refuse_open_flower(get_settings(), host)
+    settings = get_settings()
+    refuse_open_flower(settings, host)
+    os.environ.update(flower_logins(settings))
     celery.start(["flower", f"--address={host}", f"--port={port}"])
+
+
+def flower_logins(settings: Settings) -> dict[str, str]:
+    """The login variables Flower reads from the environment, as Settings read them: from .env too,
+    where Flower alone would not look (it started with no login after the check had seen one)."""
+    logins = {"FLOWER_BASIC_AUTH": settings.flower_basic_auth, "FLOWER_AUTH": settings.flower_auth}
+    return {name: value for name, value in logins.items() if value}
 
 
 def refuse_open_flower(settings: Settings, host: str) -> None:
