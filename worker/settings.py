@@ -177,7 +177,8 @@ class Settings(BaseSettings):
     # tests/unit/test_settings.py holds them equal).
     calibration_alpha: float = Field(default=0.1, ge=1e-6, lt=1)  # share of lost-answer cases a τ may let by
     calibration_target_recall: float = Field(default=0.9, gt=0, lt=1)  # held-out rate needed to activate
-    calibration_recompute_every: int = Field(default=50, ge=1)  # new observations that trigger a recompute
+    # New observations that trigger a recompute (an int4 at most: a LIMIT; past 2^63 feedback was a 500).
+    calibration_recompute_every: int = Field(default=50, ge=1, le=2**31 - 1)
     calibration_schedule_seconds: float = Field(
         default=3600.0, gt=0, le=YEAR_SECONDS
     )  # beat recompute interval

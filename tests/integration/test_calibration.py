@@ -206,6 +206,20 @@ def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
         add_observation(tx_factory, ObservationIn(0.6, True, "eval", compaction_id=999), recompute_every=50)
 
 
+def test_a_batch_naming_more_compactions_than_a_query_has_parameters_is_checked(
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """The ids were looked up in one IN list, a parameter each: past 65,535 the driver refused the
+    query and the whole import failed as "cannot reach the database"."""
+    unknown = [ObservationIn(0.5, True, "eval", compaction_id=10**9 + i) for i in range(70_000)]
+    report = add(tx_factory, [ObservationIn(0.7, True, "eval", compaction_id=judged[0]), *unknown])
+    assert len(report.conflicts) == 70_000 and report.conflicts[0] == (
+        1,
+        f"compaction_id {10**9}: no such compaction",
+    )
+    assert [s.index for s in report.added] == [0]
+
+
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(
     tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
@@ -976,6 +990,13 @@ def test_cli_import_reports_bad_rows_by_line(
     refused = cli("import", str(latin1))
     assert refused.exit_code == 2 and refused.output.count(str(latin1)) == 1, refused.output  # named once
     assert "is not UTF-8 text" in refused.output
+    hashed = tmp_path / "hashed.csv"
+    hashed.write_text("origin,coverage,answer_kept\n#nightly,0.4,false\n")
+    said = cli("import", str(hashed))
+    assert (
+        said.exit_code == 0 and "1 line(s) starting with # were skipped as comments (line 2)" in said.output
+    )
+    assert json.loads(cli("import", str(hashed), "--json").stdout)["comment_lines"] == [2]
 
 
 def test_cli_recompute_now_show_history_and_plot(

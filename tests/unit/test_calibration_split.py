@@ -21,7 +21,7 @@ from worker.calibration import (
     parse_observations_csv,
     split_observations,
 )
-from worker.core.quality import calibrate_threshold
+from worker.core.quality import calibrate_threshold, conformal_rank
 
 
 def observations(kept: list[float], lost: list[float], start: int = 1) -> list[Observation]:
@@ -246,7 +246,19 @@ def test_integer_coverage_is_a_float() -> None:
 
 
 def parse(content: str) -> tuple[list[tuple[int, ObservationIn]], list[tuple[int, str]], int]:
-    return parse_observations_csv(content, default_origin="csv:test.csv", file_digest="d1")
+    parsed = parse_observations_csv(content, default_origin="csv:test.csv", file_digest="d1")
+    return parsed.good, parsed.errors, parsed.rows
+
+
+def test_lines_skipped_as_comments_are_listed() -> None:
+    """A data row whose first value starts with # (an origin "#nightly", a key "#1") is a comment line:
+    the import said "0 row(s) ... 0 error(s)" and exited 0, with every such row silently gone."""
+    parsed = parse_observations_csv(
+        "origin,coverage,answer_kept\n# exported 2026-12-01\n#nightly,0.4,false\nnightly,0.5,true\n",
+        default_origin="csv:test.csv",
+        file_digest="d1",
+    )
+    assert (parsed.rows, parsed.comments, [line for line, _ in parsed.good]) == (1, [2, 3], [4])
 
 
 def test_csv_positional_rows_with_blank_and_comment_lines() -> None:
@@ -351,7 +363,7 @@ def test_plot_bins_put_tau_on_an_edge(tau: float) -> None:
 
 def _rank_needs_by_counting(alpha: float) -> int:
     n = 1
-    while math.ceil((n + 1) * (1.0 - alpha)) > n:
+    while conformal_rank(n, alpha) > n:
         n += 1
     return n
 

@@ -17,6 +17,7 @@ from worker.core.quality import (
     CoverageScore,
     _words_from_segments,
     calibrate_threshold,
+    conformal_rank,
     coverage,
     density,
     density_from_tokens,
@@ -468,6 +469,14 @@ def test_calibrate_uses_the_finite_sample_rank() -> None:
     assert calibrate_threshold(bad[:9] + good, 0.5, 0.1) == 0.09 + EPS
     # A large alpha gives a low rank: n = 4, alpha 0.6 → ceil(5·0.4) = 2.
     assert calibrate_threshold(bad[:4] + good, 0.5, 0.6) == 0.02 + EPS
+
+
+def test_the_rank_reads_alpha_as_the_decimal_it_was_written_as() -> None:
+    """In floating point 25 x (1 - 0.44) is 14.000000000000002, and the rank came out 15, not 14."""
+    assert (25 * (1.0 - 0.44), conformal_rank(24, 0.44)) == (14.000000000000002, 14)
+    assert (conformal_rank(9, 0.7), conformal_rank(99, 0.45), conformal_rank(19, 0.1)) == (3, 55, 18)
+    bad = [CoverageScore(i / 100, False) for i in range(1, 25)]
+    assert calibrate_threshold(bad + [CoverageScore(0.9, True)] * 200, 0.5, 0.44) == 0.14 + EPS
 
 
 def test_calibrate_rejects_a_bad_case_exactly_at_the_quantile() -> None:

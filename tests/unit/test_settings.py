@@ -56,6 +56,7 @@ def test_a_refused_environment_names_each_variable_and_not_its_value(
         ("FACTMILL_CONFIG_CACHE_SECONDS", "inf", "finite number"),
         ("FACTMILL_CALIBRATION_ALPHA", "1e-17", "greater than or equal to 0.000001"),  # its rank never ended
         ("FACTMILL_CALIBRATION_MIN_OBSERVATIONS", str(2**31), "less than or equal to 2147483647"),
+        ("FACTMILL_CALIBRATION_RECOMPUTE_EVERY", str(2**63), "less than or equal to 2147483647"),  # a LIMIT
     ],
 )
 def test_values_no_worker_could_use_are_refused_at_start(

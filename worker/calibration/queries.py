@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import BigInteger, Row, any_, bindparam, func, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.orm import Session
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction
@@ -118,8 +118,11 @@ def _unknown_compactions(session: Session, observations: Sequence[ObservationIn]
     ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
     if not ids:
         return set()
+    # One array parameter: an IN list of 65,536 ids or more is past the protocol's bind limit.
     found = session.scalars(
-        select(Compaction.id).where(Compaction.id.in_(ids)).with_for_update(key_share=True)
+        select(Compaction.id)
+        .where(Compaction.id == any_(bindparam("ids", sorted(ids), type_=ARRAY(BigInteger))))
+        .with_for_update(key_share=True)
     )
     return ids - set(found)
 

@@ -91,6 +91,7 @@ class ImportReport:
     added: list[tuple[int, int]] = field(default_factory=list)  # (line, observation id)
     duplicates: list[tuple[int, int]] = field(default_factory=list)  # (line, id of the earlier copy)
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line, message)
+    comments: list[int] = field(default_factory=list)  # lines skipped as comments (starting with #)
     recompute: JobRequest | None = None
 
     def pending_jobs(self) -> list[tuple[int, str]]:
@@ -116,8 +117,9 @@ def import_csv(
     content = decode_csv(data, str(path))
     default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
     digest = hashlib.sha256(data).hexdigest()[:16]
-    good, errors, rows = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
-    report = ImportReport(rows=rows, errors=errors)
+    parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
+    good = parsed.good
+    report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)
     if good:
         done = 0
 

@@ -162,6 +162,7 @@ def import_file(
                 "added": len(report.added),
                 "duplicates": len(report.duplicates),
                 "errors": [{"line": line, "error": message} for line, message in report.errors],
+                "comment_lines": report.comments,
                 "recompute_job_id": job,
                 "enqueued": sent,
             }
@@ -173,6 +174,16 @@ def import_file(
         )
         for line, message in report.errors:
             err.print(styled((f"line {line}:", "yellow"), f" {message}"), highlight=False)
+        if report.comments:
+            shown = ", ".join(map(str, report.comments[:10])) + (", ..." if len(report.comments) > 10 else "")
+            err.print(
+                styled(
+                    ("note:", "yellow"),
+                    f" {len(report.comments)} line(s) starting with # were skipped "
+                    f"as comments (line {shown}); a row whose first value starts with # is one of them",
+                ),
+                highlight=False,
+            )
         if job is not None:
             out.print(f"recompute job {job} requested")
     if report.errors and not report.added and not report.duplicates:

@@ -12,7 +12,7 @@ from typing import Any
 
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX
 from worker.core.labels import clean_label
-from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold
+from worker.core.quality import COVERAGE_THRESHOLD, CoverageScore, calibrate_threshold, conformal_rank
 
 SPLIT_METHOD = "stratified-sha256-alternate-v1"
 SPLIT_SALT = "factmill-calibration-split-v1"
@@ -187,18 +187,26 @@ def _width_error(cells: list[str], columns: tuple[str, ...] | None) -> str | Non
     return None
 
 
-def parse_observations_csv(
-    content: str, *, default_origin: str, file_digest: str
-) -> tuple[list[tuple[int, ObservationIn]], list[tuple[int, str]], int]:
-    """Rows of ``coverage,answer_kept,origin[,compaction_id]`` → (good rows by line, errors by line, rows).
+@dataclass
+class ParsedCsv:
+    good: list[tuple[int, ObservationIn]]  # (line, observation)
+    errors: list[tuple[int, str]]  # (line, message)
+    rows: int  # data rows seen (blank and comment lines excluded)
+    comments: list[int]  # lines skipped as comments: reported, since a data row may start with # too
+
+
+def parse_observations_csv(content: str, *, default_origin: str, file_digest: str) -> ParsedCsv:
+    """Rows of ``coverage,answer_kept,origin[,compaction_id]``, by line: the good ones and the errors.
 
     A first line naming the columns is a header (then columns may come in any order, and an
-    ``idempotency_key`` column is allowed). Blank lines and lines starting with ``#`` are skipped. A
-    blank origin becomes ``default_origin``. Line numbers are the file's, counted from 1.
+    ``idempotency_key`` column is allowed). Blank lines and lines starting with ``#`` are skipped (the
+    latter are listed: a row whose first value starts with # is one of them). A blank origin becomes
+    ``default_origin``. Line numbers are the file's, counted from 1.
     """
     reader = csv.reader(io.StringIO(content, newline=""))
     good: list[tuple[int, ObservationIn]] = []
     errors: list[tuple[int, str]] = []
+    comments: list[int] = []
     columns: tuple[str, ...] | None = None
     rows = 0
     previous_end = 0
@@ -218,7 +226,10 @@ def parse_observations_csv(
             continue
         previous_end = reader.line_num
         cells = [cell.strip() for cell in record]
-        if not any(cells) or cells[0].startswith("#"):
+        if not any(cells):
+            continue
+        if cells[0].startswith("#"):
+            comments.append(start)
             continue
         if columns is None and rows == 0 and cells[0].lower() in CSV_COLUMNS and not _is_number(cells[0]):
             columns = _header(cells, start)
@@ -233,7 +244,7 @@ def parse_observations_csv(
             good.append((start, _parse_row(values, default_origin, f"csv:{file_digest}:{start}")))
         except ObservationError as exc:
             errors.append((start, str(exc)))
-    return good, errors, rows
+    return ParsedCsv(good, errors, rows, comments)
 
 
 def _is_number(cell: str) -> bool:
@@ -307,9 +318,9 @@ def _conformal_rank_needs(alpha: float) -> int:
     """Fewest lost-answer cases for which ceil((n+1)(1-alpha)) <= n, i.e. the rank needs no clamping.
 
     That is about (1-alpha)/alpha; the search starts just below it (counting up from 1 took 1/alpha
-    steps: twelve seconds at alpha 1e-8) and checks each step in floating point, as the rank is taken."""
+    steps: twelve seconds at alpha 1e-8) and checks each step as the rank is taken."""
     n = max(1, math.ceil((1.0 - alpha) / alpha) - 2)
-    while math.ceil((n + 1) * (1.0 - alpha)) > n:
+    while conformal_rank(n, alpha) > n:
         n += 1
     return n
 

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from uniseg.graphemecluster import grapheme_clusters
 from uniseg.wordbreak import WordBreak, word_break, words
@@ -17,6 +18,7 @@ __all__ = [
     "CoverageScore",
     "SuffixAutomaton",
     "calibrate_threshold",
+    "conformal_rank",
     "coverage",
     "coverage_from_tokens",
     "density",
@@ -364,6 +366,13 @@ class CoverageScore:
             )
 
 
+def conformal_rank(n: int, alpha: float) -> int:
+    """ceil((n+1)(1-alpha)), the conformal rule's rank, with alpha read as the decimal it was written as:
+    in floating point (n+1)(1-alpha) lands just above a whole number for some (0.44 and n 24: 25 x 0.56
+    = 14.000000000000002), and the rank came out one too high."""
+    return math.ceil((n + 1) * (1 - Fraction(repr(alpha))))
+
+
 def calibrate_threshold(scores: Iterable[CoverageScore], target_recall: float, alpha: float) -> float:
     """Split-conformal coverage threshold τ: accept a compression when its coverage ≥ τ.
 
@@ -394,7 +403,7 @@ def calibrate_threshold(scores: Iterable[CoverageScore], target_recall: float, a
         return 0.0
 
     n = len(bad)
-    rank = math.ceil((n + 1) * (1.0 - alpha))
+    rank = conformal_rank(n, alpha)
     tau = min(bad[min(max(rank, 1), n) - 1] + sys.float_info.epsilon, 1.0)
 
     accepted = [score for score in observations if score.coverage >= tau]
