@@ -921,6 +921,9 @@ def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(databa
         assert delivery.status_code == 503 and delivery.headers["Retry-After"] == "5"
         metrics = test_client.get("/metrics", headers=ADMIN_HEADERS)
         assert metrics.status_code == 200 and "factmill_store_up 0.0" in metrics.text
+        # Counted as what the client got (the request metrics recorded a 500 for these 503s).
+        assert 'route="/v1/jobs",status="503"} 1.0' in metrics.text
+        assert 'status="500"' not in metrics.text
 
 
 def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: str) -> None:

@@ -50,6 +50,11 @@ def log_unexpected(method: str, route: str, request_id: str, exc: BaseException)
 UNAVAILABLE_RETRY_AFTER_SECONDS = 5
 
 
+def unexpected_status(exc: BaseException) -> int:
+    """The status ``unexpected_answer`` gives an exception no handler took (the request metrics count it)."""
+    return 503 if database_unavailable(exc) else 500
+
+
 def unexpected_answer(
     method: str, route: str, request_id: str, exc: BaseException
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -58,7 +63,7 @@ def unexpected_answer(
     The database being unreachable, restarting or out of pooled connections is not a fault of the
     request nor a bug: 503 with Retry-After, so webhook senders and clients try again (a warning, as
     the outage itself is what to look at). Anything else is a 500 with the request id."""
-    if database_unavailable(exc):
+    if unexpected_status(exc) == 503:
         logger.warning(
             "database unavailable (%s) on %s %s (request %s): answered 503",
             type(exc).__name__,
@@ -116,4 +121,5 @@ __all__ = [
     "request_id_of",
     "route_template",
     "unexpected_answer",
+    "unexpected_status",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from kombu import Connection
@@ -24,6 +25,24 @@ def ping_database(factory: sessionmaker[Session]) -> None:
         session.execute(text("SELECT 1"))
 
 
+# Celery and kombu spell ssl_cert_reqs as Python's ssl constants; redis-py takes only its own words.
+_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
+
+
+def redis_py_url(url: str) -> str:
+    """A broker URL as redis-py reads it: ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented spelling)
+    made every ping fail ("Invalid SSL Certificate Requirements Flag"), so /readyz said degraded and
+    factmill_broker_up stayed 0 against a broker Celery used fine."""
+    parts = urlsplit(url)
+    if not parts.query:
+        return url
+    query = [
+        (name, _CERT_REQS.get(value.lower(), value) if name == "ssl_cert_reqs" else value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    ]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
 def ping_broker(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
     """Raise unless the broker answers within ``timeout`` seconds."""
     scheme = url.partition("://")[0].lower()
@@ -34,7 +53,9 @@ def ping_broker(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
                 unix_socket_path=path, socket_timeout=timeout, socket_connect_timeout=timeout
             )
         else:
-            client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+            client = redis.Redis.from_url(
+                redis_py_url(url), socket_timeout=timeout, socket_connect_timeout=timeout
+            )
         try:
             client.ping()
         finally:
@@ -62,4 +83,4 @@ class BrokerCollector:
         yield GaugeMetricFamily("factmill_broker_up", "1 if this API replica reaches the broker", value=up)
 
 
-__all__ = ["READY_TIMEOUT_SECONDS", "BrokerCollector", "ping_broker", "ping_database"]
+__all__ = ["READY_TIMEOUT_SECONDS", "BrokerCollector", "ping_broker", "ping_database", "redis_py_url"]

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from worker.api.guards import route_template
+from worker.api.guards import route_template, unexpected_status
 from worker.bodycap import ASGIApp, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
 
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
@@ -34,19 +36,25 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
+        began = time.perf_counter()
         status = 500
+        started = False
 
         async def record_status(message: Any) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, record_status)
+        except Exception as exc:
+            # Not answered yet: the request-id middleware outside answers it (a database outage as 503).
+            if not started:
+                status = unexpected_status(exc)
+            raise
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - began
             route = route_template(scope)
             method = method_label(scope["method"])
             self.requests.labels(method, route, str(status)).inc()
@@ -88,6 +96,14 @@ def install_request_metrics(app: FastAPI, registry: CollectorRegistry, multiproc
     metrics (memory, CPU, open files) would describe only the answering process then: left out.
     """
     live = registry
+    if multiprocess_dir is not None and values.ValueClass is values.MutexValue:
+        # prometheus_client chose at its import, from the environment alone: a PROMETHEUS_MULTIPROC_DIR
+        # read from .env only left it counting in memory, into a registry no scrape read (no series).
+        logger.warning(
+            "PROMETHEUS_MULTIPROC_DIR is set in .env but was not in the environment when prometheus_client "
+            "was imported: this process counts its own requests (export it to share counts across processes)"
+        )
+        multiprocess_dir = None
     if multiprocess_dir is None:
         ProcessCollector(registry=registry)
     else:

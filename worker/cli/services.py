@@ -70,6 +70,10 @@ def serve(
 def request_counts_shared(settings: Settings, workers: int) -> Iterator[None]:
     """For several API processes, a fresh PROMETHEUS_MULTIPROC_DIR they all count requests into (unless
     one is set), removed when they have exited; one process needs none."""
+    if settings.prometheus_multiproc_dir is not None:
+        # Exported: a folder named in .env alone reached Settings but not prometheus_client, which reads
+        # the environment once, at import, in each process uvicorn starts.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(settings.prometheus_multiproc_dir)
     if workers == 1 or settings.prometheus_multiproc_dir is not None:
         yield
         return

@@ -1,0 +1,60 @@
+"""The API's request counts and broker probe: what reaches a scrape however the environment was given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest, values
+
+from worker.api.probes import redis_py_url
+from worker.api.request_metrics import install_request_metrics
+
+
+def test_a_multiprocess_folder_prometheus_client_never_saw_still_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder named in .env reached Settings but not prometheus_client, which reads the environment
+    once, at import: the counts went into a registry no scrape read, and the request series vanished."""
+    assert values.ValueClass is values.MutexValue  # this process imported it with no folder set
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    registry = CollectorRegistry()
+    install_request_metrics(app, registry, tmp_path)
+    with TestClient(app) as client:
+        assert client.get("/ping").status_code == 200
+    scraped = generate_latest(registry).decode()
+    assert 'factmill_http_requests_total{method="GET",route="/ping",status="200"} 1.0' in scraped
+    assert "is set in .env but was not in the environment" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("url", "read"),
+    [
+        (
+            "rediss://:pw@cache:6380/0?ssl_cert_reqs=CERT_REQUIRED",
+            "rediss://:pw@cache:6380/0?ssl_cert_reqs=required",
+        ),
+        ("rediss://cache/1?ssl_cert_reqs=CERT_NONE&x=1", "rediss://cache/1?ssl_cert_reqs=none&x=1"),
+        ("rediss://cache/1?ssl_cert_reqs=optional", "rediss://cache/1?ssl_cert_reqs=optional"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ],
+)
+def test_the_broker_probe_reads_celerys_spelling_of_the_tls_check(url: str, read: str) -> None:
+    """redis-py refused CERT_REQUIRED (Celery's documented spelling) at every ping: /readyz said
+    "degraded" and factmill_broker_up stayed 0 against a broker Celery used fine."""
+    import redis
+
+    assert redis_py_url(url) == read
+    client = redis.Redis.from_url(redis_py_url(url))
+    assert client.connection_pool.connection_kwargs.get("ssl_cert_reqs", "required") in (
+        "required",
+        "none",
+        "optional",
+    )
