@@ -398,6 +398,20 @@ def test_chunked_body_without_length_over_the_cap_is_413(
     assert count(tx_factory, Page) == 0
 
 
+def test_chunked_body_over_the_cap_on_a_route_with_a_body_model_is_413(small_client: TestClient) -> None:
+    """FastAPI reads a body model's body itself and answers any exception there with "400 There was an
+    error parsing the body": POST /v1/backfills said 400 for a body the cap refused."""
+    body = json.dumps({"source_id": "x" * (CAP * 2)}).encode()
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(body), 1000):
+            yield body[start : start + 1000]
+
+    response = small_client.post("/v1/backfills", content=chunks(), headers=ADMIN_HEADERS)
+    assert response.status_code == 413, response.text
+    assert "request body is over the 4096-byte limit" in response.json()["detail"]
+
+
 def test_lying_content_length_is_413(small_client: TestClient) -> None:
     body = big_body()
     headers = {

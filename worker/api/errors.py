@@ -75,8 +75,12 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": exc.detail, **exc.extra}, exc.status_code, headers=exc.headers)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, BodyTooLargeError):
+        # FastAPI turns any exception while it reads a model's body into "400 error parsing the body":
+        # a chunked body past the cap on a route with a body model (POST /v1/backfills) said 400.
+        return await _body_too_large(request, exc.__cause__)
     return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
 
