@@ -48,8 +48,11 @@ class _StepTimer:
         self.started = now
 
 
+MIGRATIONS_LOCK_ID = 0x666D_6D69_6772  # "fmmigr": an advisory lock key of its own
+
+
 def run_migrations_online() -> None:
-    from sqlalchemy import create_engine, pool
+    from sqlalchemy import create_engine, pool, text
 
     on_step = config.attributes.get("on_step")
     extra = {"on_version_apply": _StepTimer(on_step)} if on_step is not None else {}
@@ -57,6 +60,10 @@ def run_migrations_online() -> None:
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, compare_type=True, **extra)
         with context.begin_transaction():
+            # One upgrade at a time: a second one (a repeated migrate step, `factmill demo` beside `db
+            # upgrade`) waits here, then reads the version the first committed and has nothing to do;
+            # it ran the same migrations and failed on a duplicate table, "rolled back", exit 1.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATIONS_LOCK_ID})
             context.run_migrations()
     engine.dispose()
 

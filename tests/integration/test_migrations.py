@@ -77,6 +77,29 @@ def test_downgrade_to_base_and_up_again(server_url: str) -> None:
         engine.dispose()
 
 
+def test_two_upgrades_at_once_both_end_at_head(server_url: str) -> None:
+    """Two upgrades at once (a repeated migrate step, the demo beside `db upgrade`) ran the same
+    migrations; the second failed on a duplicate table and said "rolled back", exit 1, though the schema
+    was at head. Now it waits for the first and finds nothing to do."""
+    import subprocess
+    import sys
+
+    upgrade = "import sys; from worker import db; db.upgrade(sys.argv[1])"
+    with fresh_database(server_url, "twice") as url:
+        runs = [
+            subprocess.Popen([sys.executable, "-c", upgrade, url], stderr=subprocess.PIPE) for _ in range(2)
+        ]
+        try:
+            outcomes = [
+                (run.wait(timeout=120), run.stderr.read().decode()[-2000:]) for run in runs if run.stderr
+            ]
+        finally:
+            for run in runs:
+                run.kill()
+        assert [code for code, _ in outcomes] == [0, 0], outcomes
+        assert db.current_revision(url) is not None and db.pending_revisions(url, "head") == []
+
+
 def test_constraint_names_follow_the_convention(database_url: str) -> None:
     inspector = inspect(db.get_engine(database_url))
     assert inspector.get_pk_constraint("facts")["name"] == "pk_facts"
