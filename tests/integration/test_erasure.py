@@ -512,3 +512,34 @@ def test_a_page_that_closes_the_segment_block_is_still_read_as_data(
     )
     store(enabled, hostile)
     assert extract(enabled, llm).facts_inserted > 0  # the page's "at most 0 facts" was not obeyed
+
+
+def test_an_erasure_finds_no_reason_quoting_facts_an_earlier_version_of_the_page_had(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """An edit re-extracts the page: its old facts are deleted and the decisions about them point at
+    nothing (their fact ids set null), so the erasure, which finds decisions by the page's facts, left
+    the model's reasons quoting the earlier version ("Porto ...") for good."""
+    from models import ConsolidationDecision
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.consolidation.erasure import REPLACED_REASON
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+        consolidate(enabled, llm)
+    with enabled() as session:
+        assert any("Porto" in r for r in session.scalars(select(ConsolidationDecision.reason)))
+    edited = MAR_BODY.replace("I live in Porto now.", "I moved to Faro.")
+    with enabled.begin() as session:
+        store_page(session, PageIn(slug=MAR_PAGE, type="conversation", compiled_truth=edited))
+    extract_page(enabled, llm, MAR_PAGE)  # an edit: the page's facts are extracted again, all of them
+    with enabled() as session:
+        decisions = session.scalars(select(ConsolidationDecision)).all()
+        assert not [d.reason for d in decisions if "Porto" in d.reason]
+        assert REPLACED_REASON in {d.reason for d in decisions}
+    assert erase_page(enabled, "default", MAR_PAGE, "api") is not None
+    with enabled() as session:
+        assert not [r for r in session.scalars(select(ConsolidationDecision.reason)) if "Porto" in r]

@@ -9,22 +9,21 @@ hidden from search until its entity is consolidated again.
 
 from __future__ import annotations
 
-from sqlalchemy import text
+from typing import Any
+
+from sqlalchemy import Select, or_, select, text, update
 from sqlalchemy.orm import Session
 
+from models import ConsolidationDecision, Fact
 from worker.core.consolidation import PAGE_KEY_PREFIX
 from worker.core.erasure import erased_label
 from worker.jobs.outbox import CONSOLIDATION, page_subject
 
 ERASED_REASON = "erased with its page"
-
-_PAGE_FACTS = (
-    "SELECT id FROM facts WHERE source_id = :source_id AND source_markdown_slug = :slug AND NOT is_audit"
-)
-_FORGET_REASONS = text(
-    "UPDATE consolidation_decisions SET reason = :reason WHERE reason <> :reason "
-    f"AND (fact_id IN ({_PAGE_FACTS}) OR other_fact_id IN ({_PAGE_FACTS}))"
-)
+# A decision about facts a re-extraction (or a page with nothing left to extract) deleted: its reason
+# quoted them, and once they are gone (the decision's fact ids set null) no erasure could find it.
+REPLACED_REASON = "its facts were deleted when their page changed"
+FORGOTTEN = (ERASED_REASON, REPLACED_REASON)
 # The entities no fact of the source names but this page's (they leave with it).
 _ONLY_THIS_PAGE = text(
     "SELECT DISTINCT f.entity_slug FROM facts f WHERE f.source_id = :source_id "
@@ -47,12 +46,36 @@ def forget_page_decisions(session: Session, source_id: str, slug: str, erased_sl
     about them become ``ERASED_REASON`` (the decision and who made it stay); the page's own key becomes
     ``page:<erased_slug>``, and each entity only its facts name ``erased:<sha256>``, in decisions and
     jobs; their checkpoints go (no fact is left under them)."""
-    session.execute(_FORGET_REASONS, {"reason": ERASED_REASON, "source_id": source_id, "slug": slug})
+    forget_reasons_about(session, page_facts(source_id, slug), ERASED_REASON)
     keys = {PAGE_KEY_PREFIX + slug: PAGE_KEY_PREFIX + erased_slug}
     for entity in session.scalars(_ONLY_THIS_PAGE, {"source_id": source_id, "slug": slug}):
         keys[entity] = erased_entity_key(source_id, entity)
     for key, erased in keys.items():
         _rename_key(session, source_id, key, erased)
+
+
+def page_facts(source_id: str, slug: str) -> Select[Any]:
+    """The ids of the page's facts (its audit rows are never judged)."""
+    return select(Fact.id).where(
+        Fact.source_id == source_id, Fact.source_markdown_slug == slug, Fact.is_audit.is_(False)
+    )
+
+
+def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -> None:
+    """Before these facts are deleted, in the caller's transaction: the reasons of the decisions about
+    them become ``reason`` (the decision and who made it stay). The one place a deletion of facts
+    forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say."""
+    session.execute(
+        update(ConsolidationDecision)
+        .where(
+            ConsolidationDecision.reason.not_in(FORGOTTEN),
+            or_(
+                ConsolidationDecision.fact_id.in_(fact_ids), ConsolidationDecision.other_fact_id.in_(fact_ids)
+            ),
+        )
+        .values(reason=reason)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
@@ -75,4 +98,11 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None
     )
 
 
-__all__ = ["ERASED_REASON", "erased_entity_key", "forget_page_decisions"]
+__all__ = [
+    "ERASED_REASON",
+    "REPLACED_REASON",
+    "erased_entity_key",
+    "forget_page_decisions",
+    "forget_reasons_about",
+    "page_facts",
+]

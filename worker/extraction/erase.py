@@ -14,7 +14,12 @@ from models import Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_pa
 from models.tables import FACTS, OP_CHECKPOINTS
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.consolidation import request_consolidation
-from worker.consolidation.erasure import forget_page_decisions
+from worker.consolidation.erasure import (
+    REPLACED_REASON,
+    forget_page_decisions,
+    forget_reasons_about,
+    page_facts,
+)
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.core.erasure import erased_digest, erased_label
@@ -103,6 +108,7 @@ def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
     The caller holds the page row locked (an upsert or ``FOR UPDATE``); an extraction commit takes it
     ``FOR SHARE`` first (ExtractionStore), so no commit can slip facts in after this and before the end.
     """
+    forget_reasons_about(session, page_facts(source_id, slug), REPLACED_REASON)
     if session.scalar(_HAS_VECTOR_STORE):
         # ON DELETE CASCADE would do it too; explicit, so nothing depends on how the table was built.
         session.execute(_DELETE_VECTORS, {"source_id": source_id, "slug": slug})

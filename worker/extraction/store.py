@@ -18,6 +18,7 @@ from models.bulk import BulkInsert
 from models.reads import read_only
 from models.tables import EXTRACTION_AUDIT, FACTS
 from worker.accounting import Ledger
+from worker.consolidation.erasure import REPLACED_REASON, forget_reasons_about
 from worker.core.checkpoint import (
     CheckpointState,
     PrefixHasher,
@@ -280,13 +281,13 @@ class ExtractionStore:
                 )
                 .with_for_update()
             ).scalar_one_or_none()
-            session.execute(
-                delete(Fact).where(
-                    Fact.source_id == source_id,
-                    Fact.source_markdown_slug == slug,
-                    Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
-                )
+            replaced = (
+                Fact.source_id == source_id,
+                Fact.source_markdown_slug == slug,
+                Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
             )
+            forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
+            session.execute(delete(Fact).where(*replaced))
             inserted = 0
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
                 inserted += _insert_facts(session, rows[chunk_start : chunk_start + _SWAP_CHUNK])
