@@ -543,3 +543,38 @@ def test_an_erasure_finds_no_reason_quoting_facts_an_earlier_version_of_the_page
     assert erase_page(enabled, "default", MAR_PAGE, "api") is not None
     with enabled() as session:
         assert not [r for r in session.scalars(select(ConsolidationDecision.reason)) if "Porto" in r]
+
+
+def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """A run of an entity only the erased page named kept going (the erasure renamed its job, but did
+    not stop it), and its next commit re-created the checkpoint under the person's name."""
+    from models import ConsolidationCheckpoint
+    from tests.integration.test_consolidation import ALICE, JAN_BODY, JAN_PAGE
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.accounting.ledger import Ledger
+    from worker.config_store import ConfigReader
+    from worker.consolidation.erasure import KEY_ERASED
+    from worker.consolidation.store import ConsolidationStore
+    from worker.core.consolidation import Resolved
+    from worker.jobs.outbox import CONSOLIDATION, request_job
+
+    with enabled.begin() as session:
+        store_page(session, PageIn(slug=JAN_PAGE, type="conversation", compiled_truth=JAN_BODY))
+    extract_page(enabled, llm, JAN_PAGE)
+    with enabled.begin() as session:
+        job_id = request_job(session, CONSOLIDATION, f"default|{ALICE}").job_id
+        session.execute(update(Job).where(Job.id == job_id).values(status="running", worker="w1"))
+        fact_id = session.scalars(select(Fact.id).where(Fact.entity_slug == ALICE)).first()
+    assert fact_id is not None
+    assert erase_page(enabled, "default", JAN_PAGE, "api") is not None
+    with enabled() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and (job.status, job.last_error, job.worker) == ("failed", KEY_ERASED, None)
+        assert "alice" not in job.subject
+    # The run's next commit, already past its lease check: nothing of it is written, nothing comes back.
+    store = ConsolidationStore(enabled, Ledger(ConfigReader(enabled, ttl=0).get))
+    assert store.commit_decisions("default", ALICE, job_id, [(Resolved(fact_id, ()), None)]) == [False]
+    with enabled() as session:
+        assert session.scalars(select(ConsolidationCheckpoint.entity_key)).all() == []

@@ -15,11 +15,13 @@ from sqlalchemy import Select, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
+from worker.consolidation.store import DROP_CHECKPOINT, lock_checkpoint
 from worker.core.consolidation import PAGE_KEY_PREFIX
 from worker.core.erasure import erased_label
-from worker.jobs.outbox import CONSOLIDATION, page_subject
+from worker.jobs.outbox import CONSOLIDATION, cancel_jobs, page_subject
 
 ERASED_REASON = "erased with its page"
+KEY_ERASED = "every fact it would consolidate was erased with its page"
 # A decision about facts a re-extraction (or a page with nothing left to extract) deleted: its reason
 # quoted them, and once they are gone (the decision's fact ids set null) no erasure could find it.
 REPLACED_REASON = "its facts were deleted when their page changed"
@@ -34,9 +36,6 @@ _ONLY_THIS_PAGE = text(
 _RENAME_DECISIONS = text(
     "UPDATE consolidation_decisions SET entity_key = :erased "
     "WHERE source_id = :source_id AND entity_key = :key"
-)
-_DROP_CHECKPOINT = text(
-    "DELETE FROM consolidation_checkpoints WHERE source_id = :source_id AND entity_key = :key"
 )
 _RENAME_JOBS = text("UPDATE jobs SET subject = :erased WHERE kind = :kind AND subject = :subject")
 
@@ -84,10 +83,17 @@ def erased_entity_key(source_id: str, entity_key: str) -> str:
 
 
 def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None:
-    """``key`` becomes ``erased`` in the source's decisions and consolidation jobs; its checkpoint goes."""
+    """``key`` becomes ``erased`` in the source's decisions and consolidation jobs; its checkpoint goes.
+
+    First its checkpoint is locked: a run's commit of decisions in flight ends before the renaming (its
+    rows committed after it kept the key, and the reasons quoting the page). Its pending and running
+    jobs are cancelled: every fact under the key goes with the page, and a run going on would write
+    under the old key again."""
     names = {"source_id": source_id, "key": key, "erased": erased}
+    lock_checkpoint(session, source_id, key)
+    cancel_jobs(session, CONSOLIDATION, page_subject(source_id, key), KEY_ERASED)
     session.execute(_RENAME_DECISIONS, names)
-    session.execute(_DROP_CHECKPOINT, names)
+    session.execute(DROP_CHECKPOINT, names)
     session.execute(
         _RENAME_JOBS,
         {

@@ -115,10 +115,13 @@ class ConsolidationStore:
         closed) and its audit rows; the checkpoint advanced by the decisions written."""
         done: list[bool] = []
         with self._factory.begin() as session:
-            _lock_checkpoint(session, source_id, entity_key)
+            created = lock_checkpoint(session, source_id, entity_key)
             for decision, llm_call_id in decisions:
                 done.append(_write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
             written = [d.fact_id for d, ok in zip((d for d, _ in decisions), done, strict=True) if ok]
+            if created and not written:
+                # Its facts went meanwhile (an erasure dropped the key's checkpoint): bring nothing back.
+                session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": entity_key})
             if written:
                 session.execute(
                     update(ConsolidationCheckpoint)
@@ -189,13 +192,15 @@ def _orphaned() -> Any:
     return text(ORPHANED_LINK_SQL)
 
 
-def _lock_checkpoint(session: Session, source_id: str, entity_key: str) -> None:
-    """Create the entity's checkpoint row if needed and hold it: one decision of an entity at a time."""
-    session.execute(
+def lock_checkpoint(session: Session, source_id: str, entity_key: str) -> bool:
+    """Create the entity's checkpoint row if needed and hold it: one writer of an entity's decisions at
+    a time (an erasure renaming the key waits for a commit in flight). True when this call created it."""
+    created = session.scalars(
         pg_insert(ConsolidationCheckpoint)
         .values(source_id=source_id, entity_key=entity_key)
         .on_conflict_do_nothing()
-    )
+        .returning(ConsolidationCheckpoint.source_id)
+    ).all()
     session.execute(
         select(ConsolidationCheckpoint.source_id)
         .where(
@@ -204,6 +209,12 @@ def _lock_checkpoint(session: Session, source_id: str, entity_key: str) -> None:
         )
         .with_for_update()
     )
+    return bool(created)
+
+
+DROP_CHECKPOINT = text(
+    "DELETE FROM consolidation_checkpoints WHERE source_id = :source_id AND entity_key = :key"
+)
 
 
 def _insert_rows(
