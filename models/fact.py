@@ -54,6 +54,7 @@ SEARCH_VECTOR_SQL = (
 # index of their own; the query states the same text so the planner can use it (a bound parameter in
 # place of a status would hide the match from a generic plan). Keep in step with
 # alembic/versions/0014_orphaned_links_index.py.
+UNCONSOLIDATED_SQL = "consolidated_at IS NULL AND NOT is_audit"
 ORPHANED_LINK_SQL = (
     f"(status = '{SUPERSEDED}' AND superseded_by IS NULL) OR "
     f"(status = '{DUPLICATE}' AND duplicate_of IS NULL)"
@@ -83,6 +84,8 @@ class Fact(Base):
         Index("ix_facts_entity_slug", "entity_slug"),
         Index("ix_facts_orphaned_links", "source_id", postgresql_where=text(ORPHANED_LINK_SQL)),
         Index("ix_facts_search_vector", "search_vector", postgresql_using="gin"),  # Search
+        # The sweep's catch-up of consolidation requests that were lost (worker.consolidation).
+        Index("ix_facts_unconsolidated", "created_at", postgresql_where=text(UNCONSOLIDATED_SQL)),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

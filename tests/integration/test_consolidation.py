@@ -322,3 +322,47 @@ def test_the_job_kind_runs_under_its_kill_switch(factory, database_url, simulato
         assert audit_jobs == {job_id} and call_jobs == {job_id}
     finally:
         rt.close()
+
+
+def test_the_sweep_requests_the_consolidation_a_dead_worker_never_requested(
+    tx_factory, llm, database_url
+) -> None:
+    """A page's consolidation is requested on the follow-up thread that embeds its facts, after its
+    job has succeeded: a deploy, scale-in or OOM kill in between left the facts unconsolidated for
+    good (duplicates shown, nothing superseded) until another page of the entity came."""
+    from datetime import timedelta
+
+    from tests.integration.test_api import make_runtime
+    from worker.jobs.maintenance import maintain
+    from worker.jobs.outbox import CONSOLIDATION, page_subject
+
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)  # no request made: as if its worker died before the follow-up
+    rt = make_runtime(database_url, tx_factory)
+
+    def jobs() -> list[tuple[str, str]]:
+        with tx_factory() as session:
+            return list(session.execute(select(Job.subject, Job.status).where(Job.kind == CONSOLIDATION)))
+
+    assert maintain(rt).steps["consolidations_caught_up"] == 0 and jobs() == []  # within the grace
+    with tx_factory.begin() as session:
+        session.execute(Fact.__table__.update().values(created_at=func.now() - timedelta(minutes=20)))
+    assert maintain(rt).steps["consolidations_caught_up"] == 1
+    assert jobs() == [(page_subject("default", ALICE), "queued")]
+    assert maintain(rt).steps["consolidations_caught_up"] == 0  # a job is pending
+    with tx_factory.begin() as session:  # it failed: an operator's retry, not a new job every sweep
+        session.execute(Job.__table__.update().values(status="failed"))
+    assert maintain(rt).steps["consolidations_caught_up"] == 0
+    with tx_factory.begin() as session:
+        session.execute(Job.__table__.delete())
+        session.execute(Fact.__table__.update().values(created_at=func.now() - timedelta(days=2)))
+    assert maintain(rt).steps["consolidations_caught_up"] == 0  # past the day: `factmill facts consolidate`
+
+
+def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
+    from worker.consolidation.store import _FORGOTTEN
+
+    session.execute(text("SET LOCAL enable_seqscan = off"))
+    params = {"grace": 600, "window": 86400, "scan": 10, "kind": "consolidation", "page": "page:"}
+    plan = "\n".join(session.execute(text(f"EXPLAIN {_FORGOTTEN.text}"), params).scalars())
+    assert "ix_facts_unconsolidated" in plan, plan

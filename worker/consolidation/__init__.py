@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from worker.consolidation.store import pending_entity_keys
+from worker.consolidation.store import forgotten_entity_keys, pending_entity_keys
 from worker.jobs.outbox import CONSOLIDATION, JobRequest, enqueue, page_subject, request_jobs
 
 
@@ -43,4 +43,30 @@ def consolidate_page_entities(factory: sessionmaker[Session], source_id: str, sl
     return consolidate_pages_entities(factory, [(source_id, slug)])
 
 
-__all__ = ["consolidate_page_entities", "consolidate_pages_entities", "request_consolidation"]
+# Facts stored this long ago without a consolidation request (their extraction's follow-up embeds them
+# first, seconds to minutes) are caught up by the sweep; older than a day they wait for an operator
+# (`factmill facts consolidate`), and a sweep reads at most CATCH_UP_SCAN of them.
+CATCH_UP_GRACE_SECONDS = 600.0
+CATCH_UP_WINDOW_SECONDS = 86_400.0
+CATCH_UP_SCAN = 10_000
+
+
+def catch_up_consolidation(factory: sessionmaker[Session], scan: int = CATCH_UP_SCAN) -> int:
+    """Request (and send) the consolidation jobs a worker's death left unrequested: a page's request
+    is made on the follow-up thread that embeds its facts, after its job succeeded, so a deploy or an
+    OOM kill in between left the facts pending for good. Returns how many jobs were requested."""
+    with factory.begin() as session:
+        keys = forgotten_entity_keys(
+            session, grace_seconds=CATCH_UP_GRACE_SECONDS, window_seconds=CATCH_UP_WINDOW_SECONDS, scan=scan
+        )
+        requests = request_jobs(session, CONSOLIDATION, [page_subject(s, key) for s, key in keys])
+    enqueue(factory, [(request.job_id, CONSOLIDATION) for request in requests if request.created])
+    return len(requests)
+
+
+__all__ = [
+    "catch_up_consolidation",
+    "consolidate_page_entities",
+    "consolidate_pages_entities",
+    "request_consolidation",
+]

@@ -20,6 +20,7 @@ from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
     CURRENT,
     DUPLICATE,
+    PAGE_KEY_PREFIX,
     SUPERSEDED,
     FactView,
     Resolved,
@@ -27,6 +28,7 @@ from worker.core.consolidation import (
     entity_key,
     entity_key_filter,
 )
+from worker.jobs.outbox import CONSOLIDATION
 
 _SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
@@ -283,6 +285,48 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     return sorted(
         {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in (*new, *orphans)}
     )
+
+
+# The unconsolidated facts of the last day stored before the grace, oldest first, at most :scan of them
+# (ix_facts_unconsolidated), whose entity has no consolidation job pending nor requested since the fact
+# was stored: the requests a dead worker's follow-up never made. A failed job requested after the fact
+# covers it too (an operator's retry, not a new job every sweep), and a day bounds the scan.
+_FORGOTTEN = text(
+    """
+    SELECT DISTINCT f.source_id, f.entity_slug, f.source_markdown_slug
+    FROM (
+        SELECT source_id, entity_slug, source_markdown_slug, created_at FROM facts
+        WHERE consolidated_at IS NULL AND NOT is_audit
+          AND created_at < now() - make_interval(secs => :grace)
+          AND created_at > now() - make_interval(secs => :window)
+        ORDER BY created_at LIMIT :scan
+    ) f
+    WHERE NOT EXISTS (
+        SELECT 1 FROM jobs j
+        WHERE j.kind = :kind
+          AND j.subject = f.source_id || '|'
+              || coalesce(nullif(f.entity_slug, ''), :page || f.source_markdown_slug)
+          AND (j.status IN ('queued', 'running', 'paused') OR j.created_at >= f.created_at)
+    )
+    """
+)
+
+
+def forgotten_entity_keys(
+    session: Session, *, grace_seconds: float, window_seconds: float, scan: int
+) -> list[tuple[str, str]]:
+    """(source id, entity key) of the entities whose consolidation request was lost (``_FORGOTTEN``)."""
+    rows = session.execute(
+        _FORGOTTEN,
+        {
+            "grace": grace_seconds,
+            "window": window_seconds,
+            "scan": scan,
+            "kind": CONSOLIDATION,
+            "page": PAGE_KEY_PREFIX,
+        },
+    ).all()
+    return sorted({(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows})
 
 
 def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:

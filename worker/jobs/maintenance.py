@@ -1,17 +1,20 @@
 """What the maintenance queue does each time beat sends its sweep: lost and stalled jobs sent again,
 the running totals of gone connections folded, delivery answers past their window forgotten, (with
 FACTMILL_JOB_RETENTION_DAYS) finished jobs past their retention deleted, and (with
-FACTMILL_LEDGER_RETENTION_DAYS) llm_calls and extraction_audit rows past theirs."""
+FACTMILL_LEDGER_RETENTION_DAYS) llm_calls and extraction_audit rows past theirs, and the consolidation
+requests a dead worker never made (the features' SWEEP_STEPS)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.outbox import SweepReport, broker_queue_depth, sweep
+from worker.jobs.registry import all_kinds
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,19 @@ EXPIRE_BATCH = 1_000
 LEDGER_BATCH = 10_000
 
 
+# A feature's own step of each sweep (registered beside its job kind: the jobs package imports no
+# feature); each returns how many things it did.
+SWEEP_STEPS: dict[str, Callable[[Runtime], int]] = {}
+
+
+def sweep_step(name: str) -> Callable[[Callable[[Runtime], int]], Callable[[Runtime], int]]:
+    def register(step: Callable[[Runtime], int]) -> Callable[[Runtime], int]:
+        SWEEP_STEPS[name] = step
+        return step
+
+    return register
+
+
 @dataclass(frozen=True)
 class MaintenanceReport:
     jobs: SweepReport
@@ -35,6 +51,7 @@ class MaintenanceReport:
     expired_jobs: int = 0
     expired_audit_rows: int = 0
     expired_llm_calls: int = 0
+    steps: dict[str, int] = field(default_factory=dict)  # what each feature's sweep step did
 
 
 def maintain(
@@ -77,4 +94,6 @@ def maintain(
                 calls,
                 settings.ledger_retention_days,
             )
-    return MaintenanceReport(jobs, forgotten, expired, audit, calls)
+    all_kinds()  # every kind's module imported, so its sweep step is registered
+    steps = {name: step(rt) for name, step in SWEEP_STEPS.items()}
+    return MaintenanceReport(jobs, forgotten, expired, audit, calls, steps)
