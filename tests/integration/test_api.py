@@ -214,6 +214,28 @@ def test_duplicate_delivery_replays_the_original_answer(
     assert len(recorder.calls) == 2  # nothing sent again
 
 
+def test_two_senders_may_use_the_same_idempotency_key(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """The stored key named no sender: a tenant's key limited to source "a" used "delivery-1", and
+    another tenant's own first delivery under that key was refused ("reused with a different body"),
+    which also told it that someone else had used the key."""
+    from tests.auth import bearer, new_key
+
+    first, second = (new_key(tx_factory, ["ingest"], [source]) for source in ("a", "b"))
+    for key, source in ((first, "a"), (second, "b")):
+        body = json.dumps(page("same/key") | {"source_id": source})
+        headers = {**bearer(key), "Idempotency-Key": "delivery-1", "Content-Type": "application/json"}
+        answered = client.post("/v1/pages", content=body, headers=headers)
+        assert answered.status_code == 202, answered.text
+        assert "Idempotent-Replayed" not in answered.headers
+    assert count(tx_factory, Page) == 2 and count(tx_factory, WebhookDelivery) == 2
+    # The same sender again: its stored answer, not a second delivery.
+    body = json.dumps(page("same/key") | {"source_id": "a"})
+    headers = {**bearer(first), "Idempotency-Key": "delivery-1", "Content-Type": "application/json"}
+    assert client.post("/v1/pages", content=body, headers=headers).headers["Idempotent-Replayed"] == "true"
+
+
 def test_only_a_digest_of_the_senders_key_is_kept(
     client: TestClient, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -224,7 +246,11 @@ def test_only_a_digest_of_the_senders_key_is_kept(
     assert post(client, page("digest/a"), key=key).status_code == 202
     with tx_factory() as session:
         [stored] = session.scalars(select(WebhookDelivery.idempotency_key)).all()
-    assert stored == scoped_key("POST /v1/pages", "", key) and len(stored) == 64 and "alice" not in stored
+    assert (
+        stored == scoped_key("POST /v1/pages", "", key, "signature")
+        and len(stored) == 64
+        and "alice" not in stored
+    )
     assert int(stored, 16) >= 0  # hex
     replay = post(client, page("digest/a"), key=key)
     assert replay.headers.get("Idempotent-Replayed") == "true"

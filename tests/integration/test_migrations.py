@@ -287,6 +287,6 @@ def test_0020_keeps_the_digest_of_each_kept_delivery_key(server_url: str) -> Non
             stored = set(conn.scalars(text("SELECT idempotency_key FROM webhook_deliveries")))
         engine.dispose()
     assert stored == {
-        scoped_key("POST /v1/pages", "", "alice-chat"),
-        scoped_key("POST /v1/transcripts/{id}/messages", "agent-1", "k|é"),
+        scoped_key("POST /v1/pages", "", "alice-chat", "signature"),
+        scoped_key("POST /v1/transcripts/{id}/messages", "agent-1", "k|é", "signature"),
     }

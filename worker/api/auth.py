@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from worker.access import Principal, principal_for, refusal
+from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
@@ -97,6 +98,13 @@ class Ingest:
         if self.signature is None:
             return None
         return verify_signature(ctx, body, self.signature, self.method, self.path)
+
+    @property
+    def sender(self) -> str:
+        """Who delivers, for the scope of an Idempotency-Key: the key, else the webhook secret's holder."""
+        if self.principal is None:
+            return WEBHOOK_SENDER
+        return f"key:{self.principal.key_id}" if self.principal.key_id is not None else "admin-token"
 
     def check_sources(self, source_ids: Iterable[str]) -> None:
         """403 unless the delivering key may write every one of ``source_ids``."""

@@ -42,13 +42,23 @@ def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
     return dict(prior.response)
 
 
-def scoped_key(route: str, subject: str, key: str | None) -> str | None:
-    """The stored key of a delivery: sha256 (hex) of (route, subject, Idempotency-Key), so one key sent
-    to two routes, or to two transcripts, are two deliveries. Only the digest is kept: a key a sender
-    chose may name a person (``alice-chat-2024-03-15``), and an erasure could not know to remove it."""
+WEBHOOK_SENDER = "signature"  # Ingest.sender of a delivery signed with the webhook secret
+
+
+def scoped_key(route: str, subject: str, key: str | None, sender: str) -> str | None:
+    """The stored key of a delivery: sha256 (hex) of (route, subject, Idempotency-Key, sender), so one
+    key sent to two routes, to two transcripts, or by two senders (two API keys: two tenants) are two
+    deliveries; without the sender, a tenant's key collided with another's ("reused with a different
+    body") and told it the key was in use. A signed delivery's digest is the one kept before senders
+    counted (migration 0020's), so its stored answers still replay; a key's sender follows a control
+    character no Idempotency-Key may hold. Only the digest is kept: a key a sender chose may name a
+    person (``alice-chat-2024-03-15``), and an erasure could not know to remove it."""
     if key is None:
         return None
-    return hashlib.sha256(f"{route}|{subject}|{key}".encode()).hexdigest()
+    scope = f"{route}|{subject}|{key}"
+    if sender != WEBHOOK_SENDER:
+        scope += f"\x1f{sender}"
+    return hashlib.sha256(scope.encode()).hexdigest()
 
 
 def deliver_once(

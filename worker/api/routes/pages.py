@@ -179,7 +179,7 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
     body_hash = hashlib.sha256(body).hexdigest()
     # A keyed delivery without a signature is dated when it arrives.
     delivered_at = datetime.fromtimestamp(signed_at, UTC) if signed_at is not None else datetime.now(UTC)
-    delivery = scoped_key("POST /v1/pages", "", key)
+    delivery = scoped_key("POST /v1/pages", "", key, ingest.sender)
     try:
         response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)
     except StaleDeliveryError as exc:

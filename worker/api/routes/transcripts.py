@@ -167,7 +167,7 @@ def accept_messages(
         return response.model_dump(mode="json"), result.pending_jobs()
 
     # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
-    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key)
+    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
     try:
         response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
