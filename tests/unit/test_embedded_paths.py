@@ -1,62 +1,43 @@
-"""The embedded broker's fixed paths, its redis.conf and the pid-file reading, without starting a server."""
+"""Data folders whose paths the embedded servers' URLs and command lines could not carry."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
-from worker.embedded import StopOutcome, broker_paths
-from worker.embedded.base import read_pid
-from worker.embedded.broker import MAX_SOCKET_PATH_BYTES, server_config
-
-
-def test_the_socket_and_pid_file_live_in_the_data_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    paths = broker_paths(tmp_path / "var")
-    assert paths.folder == (tmp_path / "var" / "redis").resolve()
-    assert paths.socket == paths.folder / "redis.sock"
-    assert paths.pid_file == paths.folder / "redis.pid"
-    assert paths.url == f"redis+socket://{paths.folder / 'redis.sock'}"
-    # The same folder named another way (relative, with ..) is the same server.
-    monkeypatch.chdir(tmp_path)
-    assert broker_paths(Path("var/../var")) == paths
+from worker.embedded import EmbeddedUnavailableError, broker_paths
+from worker.embedded.postgres import embedded_postgres_url, socket_url
 
 
-def test_a_long_data_folder_gets_a_short_socket_path_of_its_own(tmp_path: Path) -> None:
-    deep = tmp_path / ("d" * 60) / ("e" * 60)
-    paths = broker_paths(deep)
-    assert len(os.fsencode(paths.socket)) <= MAX_SOCKET_PATH_BYTES
-    assert paths.socket.parent == Path("/tmp") and paths.socket.name.startswith("factmill-redis-")
-    assert paths.pid_file.parent == paths.folder  # only the socket moves
-    assert broker_paths(deep) == paths  # every process derives the same path
-    assert broker_paths(deep / "other").socket != paths.socket  # one per folder
+@pytest.mark.parametrize("folder", ["/home/c++/var/pg", "/srv/100%/pg", "/data/a=b/pg", "/tmp/plain/pg"])
+def test_the_postgres_url_names_its_socket_folder_whatever_its_characters(folder: str) -> None:
+    """pgserver writes ?host=<path> unescaped: SQLAlchemy read "/home/c++" as "/home/c  " and every
+    command then said "cannot reach the database"."""
+    url = make_url(socket_url(f"postgresql://postgres:@/postgres?host={folder}"))
+    assert (url.drivername, url.query["host"], url.database) == ("postgresql+psycopg", folder, "postgres")
 
 
-def test_the_config_serves_a_unix_socket_only_and_quotes_paths(tmp_path: Path) -> None:
-    folder = tmp_path / 'with space "and quote"'
-    config = server_config(broker_paths(folder))
-    lines = config.splitlines()
-    assert "port 0" in lines and "daemonize yes" in lines and "dbfilename broker.rdb" in lines
-    assert any(line.startswith("save ") for line in lines)  # queued messages survive a restart
-    [socket_line] = [line for line in lines if line.startswith("unixsocket ")]
-    assert socket_line.endswith('.sock"')
-    [dir_line] = [line for line in lines if line.startswith("dir ")]
-    assert dir_line == 'dir "' + str(broker_paths(folder).folder).replace('"', '\\"') + '"'
+def test_a_postgres_url_without_a_socket_is_only_given_the_driver() -> None:
+    assert (
+        socket_url("postgresql://postgres:@127.0.0.1:5432/x")
+        == "postgresql+psycopg://postgres:@127.0.0.1:5432/x"
+    )
 
 
-def test_read_pid_takes_the_first_line_and_refuses_anything_else(tmp_path: Path) -> None:
-    pid_file = tmp_path / "x.pid"
-    assert read_pid(pid_file) is None  # missing
-    for text, expected in (("1234\n", 1234), ("77\n/var/pg\n1700000000\n", 77), ("", None), ("abc\n", None)):
-        pid_file.write_text(text)
-        assert read_pid(pid_file) == expected
-    pid_file.write_text("0\n")
-    assert read_pid(pid_file) is None  # never signal pid 0 (the whole process group)
+@pytest.mark.parametrize("name", ["My Projects", "a&b", "it's"])
+def test_a_data_folder_the_server_command_cannot_carry_is_refused_by_name(tmp_path: Path, name: str) -> None:
+    """pg_ctl starts the server through a shell with the socket folder unquoted: a space failed with
+    "invalid argument" and a page of server log that never named the cause."""
+    with pytest.raises(EmbeddedUnavailableError, match="set FACTMILL_DATA_DIR to a folder without them"):
+        embedded_postgres_url(tmp_path / name / "var")
 
 
-def test_stop_outcomes_read_as_sentences() -> None:
-    assert StopOutcome("Redis", "stopped", "pid 9").describe() == "embedded Redis: stopped (pid 9)"
-    assert StopOutcome("Postgres", "not running").describe() == "embedded Postgres: not running"
+@pytest.mark.parametrize("name", ["c#", "what?", "100%", "a+b", "with space"])
+def test_a_redis_socket_a_url_cannot_carry_moves_to_a_short_path(tmp_path: Path, name: str) -> None:
+    """kombu cuts a socket URL at # or ?, decodes %xx and reads + as a space: Celery retried another
+    socket for ever and nothing was queued."""
+    paths = broker_paths(tmp_path / name / "var")
+    assert paths.socket.parent == Path("/tmp") and paths.url == f"redis+socket://{paths.socket}"
+    assert broker_paths(tmp_path / "plain" / "var").socket.parent != Path("/tmp")

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -49,6 +50,7 @@ LOG_FILE = "redis.log"
 SOCKET_RECORD_FILE = "socket-path"
 # sun_path holds 108 bytes on Linux and 104 on macOS, the terminating NUL included; keep a margin.
 MAX_SOCKET_PATH_BYTES = 100
+_URL_SAFE_PATH = re.compile(r"[A-Za-z0-9/._~-]+")
 SHORT_SOCKET_DIR = Path("/tmp")  # not $TMPDIR: every process must derive the same path
 START_TIMEOUT_SECONDS = 20.0
 LOCK_TIMEOUT_SECONDS = 60.0
@@ -95,7 +97,9 @@ def broker_paths(data_dir: Path) -> BrokerPaths:
     long for a Unix socket, a short path under /tmp named by a hash of the folder (one per folder)."""
     folder = (data_dir / "redis").resolve()
     socket = folder / SOCKET_FILE
-    if len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
+    # kombu reads the path from a URL: it cuts it at # or ?, decodes %xx and turns + into a space, so
+    # such a folder's URL named another socket, and Celery retried it for ever.
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES or not _URL_SAFE_PATH.fullmatch(str(socket)):
         digest = hashlib.sha256(os.fsencode(folder)).hexdigest()[:16]
         socket = SHORT_SOCKET_DIR / f"factmill-redis-{digest}.sock"
     return BrokerPaths(folder, socket)

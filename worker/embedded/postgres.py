@@ -6,6 +6,8 @@ import logging
 import signal
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 from worker.embedded.base import (
     EmbeddedUnavailableError,
     StopOutcome,
@@ -21,6 +23,9 @@ from worker.embedded.base import (
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = 60.0
+# pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
+# unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
+SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
 
 
 def embedded_postgres_url(data_dir: Path) -> str:
@@ -31,6 +36,13 @@ def embedded_postgres_url(data_dir: Path) -> str:
     """
     pgserver = server_library("pgserver", "FACTMILL_DATABASE_URL")
     pgdata = folder(data_dir, "pg")
+    unusable = sorted(set(str(pgdata)) & SHELL_UNSAFE)
+    if unusable:
+        raise EmbeddedUnavailableError(
+            f"the embedded Postgres cannot run in {pgdata}: its path holds {' '.join(map(repr, unusable))}, "
+            "which its server command line cannot carry; set FACTMILL_DATA_DIR to a folder without them, "
+            "or FACTMILL_DATABASE_URL to a Postgres server"
+        )
     try:
         with quiet_runtime_dir():
             server = pgserver.get_server(pgdata, cleanup_mode=None)
@@ -39,7 +51,17 @@ def embedded_postgres_url(data_dir: Path) -> str:
             f"could not start the embedded Postgres in {pgdata}: {exc}; "
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
-    return to_sqlalchemy_url(server.get_uri())
+    return socket_url(server.get_uri())
+
+
+def socket_url(uri: str) -> str:
+    """pgserver's URL with its socket folder escaped: it writes ``?host=<path>`` as is, and a ``+``,
+    ``&`` or ``%`` in the path made SQLAlchemy read another folder ("cannot reach the database")."""
+    head, sep, host = uri.partition("?host=")
+    if not sep:
+        return to_sqlalchemy_url(uri)
+    url = make_url(to_sqlalchemy_url(head))
+    return url.set(query={"host": host}).render_as_string(hide_password=False)
 
 
 def stop_embedded_postgres(data_dir: Path, timeout: float = STOP_TIMEOUT_SECONDS) -> StopOutcome:
