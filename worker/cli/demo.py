@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -30,6 +31,7 @@ from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail, folding_table, styled
 from worker.cli.console import out as stdout_console
+from worker.cli.processes import stop_with_parent
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -71,6 +73,26 @@ class Child:
 
 
 @contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a `kill`, a CI cancel, a closed terminal) end the demo the way Ctrl-C does:
+    its clean-up stops the API, worker and beat. Without it Python died at once and they ran on, on the
+    embedded servers, with a simulator that had gone. Main thread only (where signals are handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
 def child(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Iterator[Child]:
     log = log_dir / f"{name}.log"
     with log.open("wb") as handle:
@@ -80,6 +102,8 @@ def child(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Ite
             stdout=handle,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # Stopped with the demo even when it is killed outright (SIGKILL: no clean-up runs).
+            preexec_fn=stop_with_parent if sys.platform.startswith("linux") else None,
         )
     process = Child(name, proc, log)
     try:
@@ -340,9 +364,10 @@ def demo(
     The API, a worker and beat start on the embedded Postgres and Redis; the examples are posted as
     signed webhooks, the jobs followed, and the facts printed with a summary."""
     try:
-        code = run_demo(
-            get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
-        )
+        with stopped_by_signals():
+            code = run_demo(
+                get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
+            )
     except (DemoError, FactmillError) as exc:
         raise fail(str(exc)) from exc
     raise typer.Exit(code)

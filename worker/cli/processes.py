@@ -41,7 +41,7 @@ def child_hostname(hostname: str | None, number: int) -> str:
     return f"{name}-{number}@{host or '%h'}"
 
 
-def _stop_with_parent() -> None:
+def stop_with_parent() -> None:
     """In the child (Linux): a SIGTERM when the parent dies, even by SIGKILL, so none is orphaned."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -71,7 +71,7 @@ def run_children(
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        preexec = _stop_with_parent if sys.platform.startswith("linux") else None
+        preexec = stop_with_parent if sys.platform.startswith("linux") else None
         for argv in argvs:
             # A process group of its own: a terminal's Ctrl-C reaches the parent only, which passes it
             # on once (a second SIGINT is Celery's cold shutdown, which the threads pool cannot do).
