@@ -9,6 +9,7 @@ and so loads none of them (a test holds each summary to its command's help).
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import sys
@@ -20,6 +21,7 @@ import typer.main
 from typer.core import TyperCommand, TyperGroup
 
 from worker.core.errors import (
+    EmbeddedUnavailableError,
     InvalidSettingsError,
     LLMConfigurationError,
     MigrationsMissingError,
@@ -278,12 +280,30 @@ def main() -> None:
     except LLMConfigurationError as exc:  # no key for the provider chosen, or none in production
         _error(str(exc))
         raise SystemExit(2) from None
+    except EmbeddedUnavailableError as exc:  # raised where Celery resolves the broker, or in the demo
+        _error(str(exc))
+        raise SystemExit(1) from None
+    except OSError as exc:  # a data folder that cannot be written, a port another process holds
+        reason = os_failure(exc)
+        if reason is None:
+            raise
+        _error(reason)
+        raise SystemExit(1) from None
     except Exception as exc:  # the database cannot be reached: one line, exit 1, whatever the command
         reason = connection_failure(exc)
         if reason is None:
             raise
         _error(f"cannot reach the database: {reason} (is it running? FACTMILL_DATABASE_URL names it)")
         raise SystemExit(1) from None
+
+
+def os_failure(exc: OSError) -> str | None:
+    """One line for an OSError a user can act on (a path, an address in use); None for any other."""
+    if exc.filename is not None:
+        return f"cannot use {exc.filename}: {exc.strerror or exc}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{exc.strerror or exc}: another process listens there; choose another --port"
+    return None
 
 
 def _undecodable_argument(arguments: list[str]) -> str | None:

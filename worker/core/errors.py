@@ -18,6 +18,10 @@ class LLMConfigurationError(RuntimeError):
     into one line for every command that calls a model (search, compact --now, embed...)."""
 
 
+class EmbeddedUnavailableError(RuntimeError):
+    """The embedded default cannot start here; point FACTMILL_DATABASE_URL at a server instead."""
+
+
 class MigrationsMissingError(RuntimeError):
     """The alembic/ folder is not beside the code: Factmill was installed from a built wheel, which
     does not carry it. Raised by worker.db; here so the CLI's entry point can say it in one line."""

@@ -16,13 +16,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
+from worker.core.errors import EmbeddedUnavailableError  # defined there: the CLI's top catches it
+
 logger = logging.getLogger(__name__)
 
 StopState = Literal["stopped", "not running", "still running"]
-
-
-class EmbeddedUnavailableError(RuntimeError):
-    """The embedded default cannot start here; point FACTMILL_DATABASE_URL at a server instead."""
 
 
 @dataclass(frozen=True)
