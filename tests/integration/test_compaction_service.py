@@ -1233,17 +1233,30 @@ def test_metrics_count_compactions_by_outcome_and_tokens_saved(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CompactionCollector(tx_factory))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
-    assert 'factmill_compactions_total{outcome="accepted"} 0.0' in text
+    assert 'factmill_compactions{outcome="accepted"} 0.0' in text
     append(tx_factory, "m", session_messages(25), settings=SETTINGS)
     accepted = compact_transcript(tx_factory, llm_for(simulator), "m", threshold=lambda: FALLBACK)
     append(tx_factory, "m2", session_messages(25), settings=SETTINGS)
     compact_transcript(tx_factory, ScriptedLLM(""), "m2", threshold=lambda: FALLBACK)
     text = generate_latest(registry).decode()
-    assert 'factmill_compactions_total{outcome="accepted"} 1.0' in text
-    assert 'factmill_compactions_total{outcome="failed"} 1.0' in text
-    assert 'factmill_compactions_total{outcome="rejected"} 0.0' in text
-    assert f"factmill_compaction_tokens_saved_total {float(accepted.tokens_saved)}" in text
+    assert 'factmill_compactions{outcome="accepted"} 1.0' in text
+    assert 'factmill_compactions{outcome="failed"} 1.0' in text
+    assert 'factmill_compactions{outcome="rejected"} 0.0' in text
+    assert f"factmill_compaction_tokens_saved {float(accepted.tokens_saved)}" in text
     assert accepted.tokens_saved > 0
+    # Erasing a transcript takes its compactions away: gauges (as counters, the fall read as a reset).
+    from worker.compaction.erase import erase_transcript
+
+    erase_transcript(tx_factory, "m", "test")
+    text = generate_latest(registry).decode()
+    assert (
+        "# TYPE factmill_compactions gauge" in text
+        and "# TYPE factmill_compaction_tokens_saved gauge" in text
+    )
+    assert (
+        'factmill_compactions{outcome="accepted"} 0.0' in text
+        and "factmill_compaction_tokens_saved 0.0" in text
+    )
 
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.

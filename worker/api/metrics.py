@@ -306,8 +306,8 @@ class CompactionCollector(_ScrapeTimeCollector[tuple[dict[str, int], int]]):
     """Prometheus collector over the compactions' running totals, read at scrape time (Postgres is the
     truth).
 
-    ``factmill_compactions_total{outcome}``: compactions by outcome (accepted, rejected, failed);
-    ``factmill_compaction_tokens_saved_total``: context tokens the accepted summaries took out
+    ``factmill_compactions{outcome}``: compactions stored by outcome (accepted, rejected, failed);
+    ``factmill_compaction_tokens_saved``: context tokens the accepted summaries stored took out
     (tokens before - tokens after, at the time of each compaction).
     Register it next to StoreCollector: ``registry.register(CompactionCollector(runtime.factory))``.
     """
@@ -319,12 +319,18 @@ class CompactionCollector(_ScrapeTimeCollector[tuple[dict[str, int], int]]):
 
     def metrics(self, rows: tuple[dict[str, int], int]) -> list[Metric]:
         statuses, tokens_saved = rows
-        outcomes = CounterMetricFamily("factmill_compactions", "Compactions by outcome", labels=["outcome"])
+        # Gauges: the totals follow the rows, and an erased transcript takes its compactions with it;
+        # as counters they fell, which Prometheus reads as a reset (increase() jumped by the total).
+        outcomes = GaugeMetricFamily(
+            "factmill_compactions",
+            "Compactions stored, by outcome (an erasure takes some away)",
+            labels=["outcome"],
+        )
         for status in sorted(set(COMPACTION_STATUSES) | set(statuses)):
             outcomes.add_metric([status], statuses.get(status, 0))
-        saved = CounterMetricFamily(
+        saved = GaugeMetricFamily(
             "factmill_compaction_tokens_saved",
-            "Context tokens taken out by accepted compactions (before - after)",
+            "Context tokens taken out by the accepted compactions stored (before - after)",
             value=tokens_saved,
         )
         return [outcomes, saved]
