@@ -139,3 +139,30 @@ def test_a_bare_name_finds_the_timeline_or_the_entities_it_names(consolidated) -
         assert entities_named(session, "Alice Example") == [ALICE]
         assert entities_named(session, ALICE) == []  # it is the entity: nothing else to suggest
         assert entities_named(session, "!!") == []
+
+
+def test_the_timeline_of_an_entity_of_tens_of_thousands_of_facts(tx_factory: sessionmaker[Session]) -> None:
+    """It loaded every fact whole (256 floats of embedding each) and asked for their decisions with the
+    ids in an IN list, two parameters a fact: past about 33,000 facts the driver refused the query."""
+    from sqlalchemy import text
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num) "
+                "SELECT 'default', 'fact ' || n, 'fact', 'people/big', 0.9, "
+                "'medium', 'cli:extract-conversation-facts', 's', 'conversations/big', n "
+                "FROM generate_series(0, 33999) AS n"
+            )
+        )
+        first = session.scalar(select(Fact.id).where(Fact.row_num == 0))
+        session.add(
+            ConsolidationDecision(
+                source_id="default", entity_key="people/big", fact_id=first, decision="new",
+                decided_by="rule", reason="the first",
+            )
+        )  # fmt: skip
+    with tx_factory() as session:
+        timeline = entity_timeline(session, "people/big")
+    assert len(timeline) == 34_000 and timeline[0].reason == "the first" and timeline[1].reason is None
