@@ -74,6 +74,17 @@ def test_supersession_closes_the_earlier_fact_whichever_arrived_first() -> None:
     assert (undated.older.id, undated.valid_to) == (1, JAN)
 
 
+def test_facts_said_at_the_same_time_follow_the_models_direction() -> None:
+    """Two facts of one segment share a valid_from: the tie went by id (the first in the page lost),
+    whichever the model said updates which."""
+    berlin, paris = (
+        fact(1, "Alice moved to Berlin", when=JAN),
+        fact(2, "Alice used to live in Paris", when=JAN),
+    )
+    assert supersession(berlin, paris).older.id == 2  # the model: Berlin (new) updates Paris (old)
+    assert supersession(paris, berlin).older.id == 1  # the model: Paris (new) contradicts Berlin (old)
+
+
 def test_close_interval_never_ends_before_it_began() -> None:
     assert close_interval(JAN, MAR) == MAR
     assert close_interval(MAR, JAN) == MAR
@@ -282,3 +293,27 @@ def test_a_duplicate_of_a_fact_the_same_run_closes_before_it_is_kept_current() -
     assert (out[4].kind, out[4].duplicate_of) == ("duplicate", 1)  # said while Lisbon still held
     unanswered = reopen_restatements([(plan, resolve(plan, {})) for plan in plans])
     assert {d.fact_id: d.duplicate_of for d in unanswered}[3] == 1  # nothing closed: a duplicate
+
+
+def test_a_duplicate_of_a_duplicate_links_to_the_canonical_and_is_reopened_by_its_closing() -> None:
+    """R was planned as a duplicate of N1, which the model then called a duplicate of A, and Berlin
+    closed A: R pointed at N1 (a duplicate answers nothing) and the reopen, looking for what closed
+    N1, found nothing: no current Paris fact was left."""
+    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+
+    jun = datetime(2026, 6, 1, tzinfo=UTC)
+    paris = fact(1, "Alice lives in Paris", when=JAN)
+    now = fact(2, "Alice is living in Paris now", when=datetime(2026, 2, 1, tzinfo=UTC))
+    berlin = fact(3, "Alice lives in Berlin", when=MAR)
+    again = fact(4, "Alice is living in Paris now", when=jun)
+    plans = plan_consolidation([now, berlin, again], [paris], "people/alice")
+    by_id = {p.new.id: p for p in plans}
+    assert by_id[4].rule is not None and by_id[4].rule.old.id == 2  # planned against N1, before answers
+    answers = {a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[2].asked if a.old.id == 1}
+    answers |= {a.number: PairDecision(a.number, "updates", "moved") for a in by_id[3].asked if a.old.id == 1}
+    out = {d.fact_id: d for d in reopen_restatements([(p, resolve(p, answers)) for p in plans])}
+    assert out[2].duplicate_of == 1 and out[3].closings[0].older.id == 1
+    assert (out[4].kind, out[4].duplicate_of) == ("new", None)  # Paris again, after Berlin: current
+    no_move = {a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[2].asked if a.old.id == 1}
+    kept = {d.fact_id: d for d in reopen_restatements([(p, resolve(p, no_move)) for p in plans])}
+    assert kept[4].duplicate_of == 1  # the chain's end, never a duplicate

@@ -8,7 +8,7 @@ import operator
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import cached_property
 from typing import Literal
@@ -231,11 +231,20 @@ class Supersession:
     valid_to: datetime | None
 
 
-def supersession(a: FactView, b: FactView) -> Supersession:
-    """Of two facts where one updates (or contradicts) the other, the later one wins whichever arrived
-    first: the earlier is closed at the later one's valid_from (its segment's time when it has none)."""
-    older, newer = sorted((a, b), key=order_key)
+def supersession(new: FactView, old: FactView) -> Supersession:
+    """Of two facts where ``new`` updates (or contradicts) ``old``, the later one wins whichever arrived
+    first: the earlier is closed at the later one's valid_from (its segment's time when it has none).
+    Said at the same time (one segment), the model's direction decides: ``new`` wins (by arrival, the
+    loser was whichever came first in the page, whatever the model said)."""
+    if _since_key(new) == _since_key(old):
+        older, newer = old, new
+    else:
+        older, newer = sorted((new, old), key=order_key)
     return Supersession(older, newer, close_interval(older.since, newer.since))
+
+
+def _since_key(fact: FactView) -> float:
+    return order_key(fact)[0]
 
 
 def close_interval(valid_from: datetime | None, closing_at: datetime | None) -> datetime | None:
@@ -405,6 +414,26 @@ RESTATED_REASON = (
 )
 
 
+def _to_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
+    """Each duplicate linked to the fact its chain ends at. A run plans each fact against the earlier
+    ones as if they stay current, so a later fact may be planned as a duplicate of one the model then
+    calls a duplicate itself: R -> N1 -> A. R then pointed at a duplicate (which answers nothing), and
+    the reopen below, which looks for what closed R's canonical, looked at N1 and missed A's closing."""
+    links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
+
+    def root(fact_id: int) -> int:
+        seen = {fact_id}
+        while fact_id in links and links[fact_id] not in seen:
+            fact_id = links[fact_id]
+            seen.add(fact_id)
+        return fact_id
+
+    return [
+        (plan, replace(r, duplicate_of=root(r.duplicate_of)) if r.duplicate_of is not None else r)
+        for plan, r in decided
+    ]
+
+
 def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Resolved]:
     """One run's resolutions, with each duplicate of a fact that the same run closes, said after the fact
     that closes it, kept current instead.
@@ -419,6 +448,7 @@ def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Re
     for _, resolved in decided:
         for closing in resolved.closings:
             closed_by.setdefault(closing.older.id, []).append(closing.newer)
+    decided = _to_canonicals(decided)
     out: list[Resolved] = []
     for plan, resolved in decided:
         original = resolved.duplicate_of
