@@ -157,6 +157,92 @@ def test_a_fact_said_again_after_the_fact_that_closed_it_in_the_same_run_stays_c
     assert "supersedes in the same run" in kept.reason and str(porto.id) in kept.reason
 
 
+def one_line_page(day: str, text: str) -> str:
+    return "\n".join([fmt("Alice Example", day, "9:00 AM", text), fmt("Bob Demo", day, "9:01 AM", "I see.")])
+
+
+def test_a_change_that_arrives_late_reopens_what_restated_the_old_fact_after_it(tx_factory, llm) -> None:
+    """Lisbon (January) and Lisbon again (June) were consolidated, June's as a duplicate of January's;
+    then Porto (March) arrived and closed January's. Only one run's restatements were reopened, so
+    June's return to Lisbon stayed a duplicate of a closed fact: as of July, only Porto."""
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, "conversations/alice-june", one_line_page("2026-06-01", "I live in Lisbon now."))
+    for slug in (JAN_PAGE, "conversations/alice-june"):
+        extract(tx_factory, llm, slug)
+    consolidate(tx_factory, llm)
+    lisbon = alice(tx_factory)["Alice Example lives in Lisbon now."]
+    assert [f.status for f in lisbon] == ["current", "duplicate", "duplicate"]
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, MAR_PAGE)
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    january, next_day, june = facts["Alice Example lives in Lisbon now."]
+    porto = facts["Alice Example lives in Porto now."][0]
+    assert (january.status, january.superseded_by) == ("superseded", porto.id)
+    assert next_day.status == "duplicate"  # said before Porto: January's fact answers for it
+    assert (june.status, june.duplicate_of) == ("current", None)
+    with tx_factory() as session:
+        reopened = session.scalars(
+            select(ConsolidationDecision).where(
+                ConsolidationDecision.fact_id == june.id, ConsolidationDecision.decision == "new"
+            )
+        ).one()
+    assert (reopened.decided_by, reopened.other_fact_id) == ("rule", january.id)
+
+
+def test_a_fact_said_between_two_of_a_chain_ends_the_earlier_one(tx_factory, llm) -> None:
+    """Lisbon (January) was closed by Porto (March); Faro (February) arrived after both. Only current
+    facts are compared: Faro was closed by Porto, and Lisbon kept its March end, so as of February 15
+    both Lisbon and Faro answered."""
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+        consolidate(tx_factory, llm)
+    put_page(tx_factory, "conversations/alice-feb", one_line_page("2026-02-01", "I live in Faro now."))
+    extract(tx_factory, llm, "conversations/alice-feb")
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    lisbon, faro = (
+        facts["Alice Example lives in Lisbon now."][0],
+        facts["Alice Example lives in Faro now."][0],
+    )
+    porto = facts["Alice Example lives in Porto now."][0]
+    assert (faro.status, faro.superseded_by, faro.valid_to) == ("superseded", porto.id, MAR_START)
+    feb = datetime(2026, 2, 1, 9, 0, tzinfo=UTC)
+    assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", faro.id, feb)
+    with tx_factory() as session:
+        slotted = session.scalars(
+            select(ConsolidationDecision).where(
+                ConsolidationDecision.fact_id == faro.id, ConsolidationDecision.other_fact_id == lisbon.id
+            )
+        ).one()
+    assert (slotted.decision, slotted.decided_by) == ("updates", "rule")
+
+
+def test_a_duplicate_said_before_its_canonical_moves_the_canonicals_start(tx_factory, llm) -> None:
+    """Lisbon (March 1) was consolidated; then a page from January saying the same arrived: a duplicate
+    of March's fact by rule. As of February neither answered (a duplicate never does, and March's
+    had not begun): the canonical now starts when the fact was first said."""
+    put_page(tx_factory, "conversations/alice-mar1", one_line_page("2026-03-01", "I live in Lisbon now."))
+    extract(tx_factory, llm, "conversations/alice-mar1")
+    consolidate(tx_factory, llm)
+    put_page(tx_factory, "conversations/alice-jan", one_line_page("2026-01-05", "I live in Lisbon now."))
+    extract(tx_factory, llm, "conversations/alice-jan")
+    consolidate(tx_factory, llm)
+    march, january = alice(tx_factory)["Alice Example lives in Lisbon now."]
+    assert (january.status, january.duplicate_of) == ("duplicate", march.id)
+    assert (march.status, march.valid_from) == ("current", datetime(2026, 1, 5, 9, 0, tzinfo=UTC))
+    from worker.consolidation.history import Lifecycle
+
+    with tx_factory() as session:
+        clause, params = Lifecycle(as_of=datetime(2026, 2, 1, tzinfo=UTC)).clause("f")
+        answered = session.scalars(
+            text(f"SELECT f.id FROM facts f WHERE f.entity_slug = :e AND NOT f.is_audit AND {clause}"),
+            {**params, "e": ALICE},
+        ).all()
+    assert answered == [march.id]
+
+
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     put_page(tx_factory, MAR_PAGE, MAR_BODY)

@@ -21,10 +21,13 @@ from worker.core.consolidation import (
     CURRENT,
     DUPLICATE,
     PAGE_KEY_PREFIX,
+    RESTATED_REASON,
     SUPERSEDED,
     FactView,
     Resolved,
     Row,
+    Supersession,
+    close_interval,
     entity_key,
     entity_key_filter,
 )
@@ -32,6 +35,10 @@ from worker.jobs.outbox import CONSOLIDATION
 
 _SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
+SLOTTED_REASON = (
+    "rule: said between fact {old} and fact {newer}, which had closed it: fact {old} now ends where this "
+    "one begins"
+)
 ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
 
 
@@ -159,15 +166,87 @@ def _write_decision(
     ).all()
     if not marked:
         return False
+    if decision.duplicate_of is not None and decision.since is not None:
+        # A duplicate said before its canonical began (it arrived later): the fact was true since then,
+        # so the canonical starts there; as of a time between the two, neither answered.
+        session.execute(
+            update(Fact)
+            .where(
+                Fact.id == decision.duplicate_of,
+                func.coalesce(Fact.valid_from, Fact.created_at) > decision.since,  # history.AS_OF_SQL's start
+            )
+            .values(valid_from=decision.since)
+        )
+    rows = [(decision.fact_id, row) for row in decision.rows]
     for closing in decision.closings:
         session.execute(
             update(Fact)
             .where(Fact.id == closing.older.id, Fact.status == CURRENT)
             .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
         )
-    rows = [(decision.fact_id, row) for row in decision.rows]
+        if closing.older.id == decision.fact_id:
+            rows += _slot_into_chain(session, closing)
+        else:
+            rows += _reopen_later_restatements(session, closing)
     _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
     return True
+
+
+def _slot_into_chain(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
+    """A new fact said before the current one that closes it (it arrived late): what that fact had
+    closed before, and was still true when the new one was said, now ends where the new one begins.
+    Only the current facts are compared, so Paris (Jan, closed by Berlin in Mar) kept its March end
+    when Lyon (Feb) came: as of Feb 15 both Paris and Lyon answered."""
+    new, newer = closing.older, closing.newer
+    start = new.since
+    if start is None:
+        return []
+    earlier = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.superseded_by == newer.id,
+            Fact.status == SUPERSEDED,
+            Fact.id != new.id,
+            Fact.valid_to > start,
+        )
+    ).all()
+    rows: list[tuple[int, Row]] = []
+    for old in earlier:
+        since = old.valid_from if old.valid_from is not None else said_at(old.context, old.created_at)
+        if since >= start:
+            continue
+        session.execute(
+            update(Fact)
+            .where(Fact.id == old.id)
+            .values(superseded_by=new.id, valid_to=close_interval(since, start))
+        )
+        rows.append(
+            (new.id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer.id)))
+        )
+    return rows
+
+
+def _reopen_later_restatements(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
+    """A fact closed now (by one that arrived late) may have duplicates said after the closing, in
+    earlier runs: each restates it once it had changed ("Paris" in June, after "Berlin" in March),
+    so it is current again, as ``reopen_restatements`` decides within one run; as a duplicate of a
+    closed fact it answered nothing."""
+    closed_at = closing.newer.since
+    if closed_at is None:
+        return []
+    duplicates = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.duplicate_of == closing.older.id, Fact.status == DUPLICATE
+        )
+    ).all()
+    rows: list[tuple[int, Row]] = []
+    for dup in duplicates:
+        since = dup.valid_from if dup.valid_from is not None else said_at(dup.context, dup.created_at)
+        if since < closed_at:
+            continue
+        session.execute(update(Fact).where(Fact.id == dup.id).values(status=CURRENT, duplicate_of=None))
+        reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
+        rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
+    return rows
 
 
 def said_at(context: str, created_at: datetime) -> datetime:

@@ -367,6 +367,7 @@ class Resolved:
     rows: tuple[Row, ...]
     duplicate_of: int | None = None
     closings: tuple[Supersession, ...] = ()
+    since: datetime | None = None  # when the new fact became true (a duplicate's canonical starts by then)
 
     @property
     def kind(self) -> str:
@@ -389,7 +390,7 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
     if plan.rule is not None:
         reason = EXACT_DUPLICATE_REASON if plan.rule.triage == "exact" else NEAR_DUPLICATE_REASON
         row = Row(plan.rule.old.id, DUPLICATE, "rule", reason, plan.rule.similarity)
-        return Resolved(new.id, (row,), duplicate_of=plan.rule.old.id)
+        return Resolved(new.id, (row,), duplicate_of=plan.rule.old.id, since=new.since)
     if not plan.asked:
         return Resolved(new.id, (Row(None, "new", "rule", NO_CANDIDATE_REASON),))
     rows: list[Row] = []
@@ -404,7 +405,7 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
         elif verdict in ("updates", "contradicts"):
             closings.append(supersession(new, pair.old))
     if duplicate_of is not None:
-        return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of)
+        return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of, since=new.since)
     return Resolved(new.id, tuple(rows), closings=tuple(closings))
 
 
