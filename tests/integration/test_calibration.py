@@ -220,6 +220,36 @@ def test_a_batch_naming_more_compactions_than_a_query_has_parameters_is_checked(
     assert [s.index for s in report.added] == [0]
 
 
+def test_a_recompute_reads_up_to_an_id_below_which_nothing_is_still_uncommitted(
+    factory: sessionmaker[Session],
+) -> None:
+    """Ids are drawn at insert, not at commit: while an import of ids 1..60 was still open, a feedback
+    took id 61 and committed, and a recompute recorded "up to 61" from that one row. Its version could
+    not be derived again from its range, and the 60 never counted as new since any version."""
+    import threading
+
+    from worker.calibration.queries import store_observations
+
+    importing = factory()
+    importing.begin()
+    store_observations(importing, separated())  # ids drawn, not committed
+    add(factory, [ObservationIn(0.9, True, "feedback")])  # a later id, committed
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.append(recompute(factory, **PARAMS)))
+    worker.start()
+    worker.join(1.0)
+    waited = worker.is_alive()
+    importing.commit()
+    importing.close()
+    worker.join(30)
+    assert waited, "the recompute read past an open import"
+    [result] = results
+    with factory() as session:
+        row = session.get(CalibrationThreshold, result.version)
+        newest = session.scalar(select(func.max(CalibrationObservation.id)))
+    assert row is not None and (row.n, row.max_observation_id) == (61, newest)
+
+
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(
     tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:

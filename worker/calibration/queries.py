@@ -27,6 +27,9 @@ SUBJECT = "calibration"
 INSERT_CHUNK = 1000
 # Serializes recomputes (a job and a `factmill calibration recompute --now` may overlap).
 RECOMPUTE_LOCK_ID = 0x46_4D_43_41_4C  # "FMCAL"
+# Held shared by each transaction that stores observations, from before its ids are drawn until it
+# commits; a recompute takes it exclusively for one statement to fix its bound (observations_bound).
+OBSERVATIONS_LOCK_ID = 0x46_4D_4F_42_53  # "FMOBS"
 
 
 # ---------------------------------------------------------------------------
@@ -89,6 +92,7 @@ def store_observations(
     Ids follow the submitted order. One naming a compaction that does not exist is refused (a conflict).
     ``on_chunk`` hears how many observations each statement took (a progress bar's steps).
     """
+    session.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
     report = AddReport()
     unknown = _unknown_compactions(session, observations)
     indexed: list[tuple[int, ObservationIn]] = []
@@ -239,24 +243,45 @@ def deactivate_versions(session: Session) -> None:
     )
 
 
-def observations_extent(session: Session) -> tuple[int | None, int]:
-    """(the newest observation's id, how many there are): what a version was computed from, counted
-    by Postgres without loading one observation into Python."""
-    newest, count = session.execute(
-        select(func.max(CalibrationObservation.id), func.count()).select_from(CalibrationObservation)
-    ).one()
-    return (int(newest) if newest is not None else None), int(count)
+def observations_bound(session: Session) -> int | None:
+    """The newest observation id a recompute reads up to, once every transaction that drew a lower one
+    has ended: ids come from a sequence when a row is inserted, not when it commits, so a long import
+    of ids 1..1000 could commit after a recompute had read id 1001 (and recorded it as its range):
+    that version could not be derived again from "ids <= 1001", and its rows were never counted as
+    new since. The exclusive lock waits for the storing transactions (they hold it shared), and is
+    released at once (a session lock), so new feedback waits only for this one statement."""
+    session.execute(text("SELECT pg_advisory_lock(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+    try:
+        newest = session.scalar(select(func.max(CalibrationObservation.id)))
+    finally:
+        session.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+    return int(newest) if newest is not None else None
+
+
+def observations_extent(session: Session, bound: int | None) -> tuple[int | None, int]:
+    """(the newest observation's id, how many there are) up to ``bound``: what a version is computed
+    from, counted by Postgres without loading one observation into Python."""
+    if bound is None:
+        return None, 0
+    count = session.scalar(
+        select(func.count()).select_from(CalibrationObservation).where(CalibrationObservation.id <= bound)
+    )
+    return bound, int(count or 0)
 
 
 # Rows fetched from the DBAPI cursor: the columns are bigint, float8 and boolean NOT NULL, so psycopg
 # already answers int, float and bool, and each Observation is built straight from its tuple. Through
 # SQLAlchemy's rows and a conversion a value, a million took 6.0 s; this way 3.0 s (the same machine).
-_LOAD_OBSERVATIONS = "SELECT id, coverage, answer_kept FROM calibration_observations ORDER BY id"
+_LOAD_OBSERVATIONS = (
+    "SELECT id, coverage, answer_kept FROM calibration_observations WHERE id <= %(bound)s ORDER BY id"
+)
 
 
-def load_observations(session: Session) -> list[Observation]:
-    """Every observation, by id, in this session's transaction."""
-    result = session.connection().exec_driver_sql(_LOAD_OBSERVATIONS)
+def load_observations(session: Session, bound: int | None = None) -> list[Observation]:
+    """The observations up to ``bound`` (None: every one), by id, in this session's transaction."""
+    if bound is None:
+        bound = 2**63 - 1
+    result = session.connection().exec_driver_sql(_LOAD_OBSERVATIONS, {"bound": bound})
     try:
         return list(itertools.starmap(Observation, result.cursor.fetchall()))
     finally:

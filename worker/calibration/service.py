@@ -215,7 +215,7 @@ def recompute(
             logger.info("calibration unchanged since version %s; nothing written", latest.version)
             return _result("unchanged", latest, current)
         observations = versions.observations()
-        max_id = observations[-1].id if observations else None
+        max_id = inputs[0]  # the bound: every id up to it was committed when it was read
         evaluation = evaluate(
             observations, alpha=alpha, target_recall=target_recall, min_observations=min_observations
         )

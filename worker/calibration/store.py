@@ -26,14 +26,22 @@ class VersionWriter:
 
     def __init__(self, session: Session) -> None:
         self._session = session
+        self._bound: int | None = None
+        self._bounded = False
+
+    def _upper(self) -> int | None:
+        """The newest id this recompute reads up to: fixed once, when no lower one is still uncommitted."""
+        if not self._bounded:
+            self._bound, self._bounded = queries.observations_bound(self._session), True
+        return self._bound
 
     def observations(self) -> list[Observation]:
-        """Every stored observation, by id."""
-        return queries.load_observations(self._session)
+        """The stored observations up to the recompute's bound, by id."""
+        return queries.load_observations(self._session, self._upper()) if self._upper() is not None else []
 
     def extent(self) -> tuple[int | None, int]:
-        """(the newest observation's id, the count), without loading them."""
-        return queries.observations_extent(self._session)
+        """(the newest observation's id, the count) up to the bound, without loading them."""
+        return queries.observations_extent(self._session, self._upper())
 
     def active(self) -> ActiveThreshold:
         return queries.active_threshold(self._session)
