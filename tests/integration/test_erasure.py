@@ -335,6 +335,21 @@ def test_a_run_cannot_bring_facts_back_for_a_page_erased_under_it(
     assert counted(enabled, ExtractionAudit) == 0
 
 
+def test_a_run_another_run_overtook_keeps_the_spend_of_its_refused_commit(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Another run moved the page's checkpoint on while this one's call was in flight: its commit was
+    refused and rolled back with it the llm_calls rows of the calls it had paid for."""
+    from worker.extraction.options import CheckpointConflictError
+
+    store(enabled)
+    racing = Interrupting(llm, lambda: extract(enabled, llm))
+    with pytest.raises(CheckpointConflictError):
+        extract(enabled, racing)
+    assert racing.fired
+    assert counted(enabled, LLMCall) == 2  # the other run's call and this one's: both paid for
+
+
 def test_a_run_cannot_store_facts_for_a_page_emptied_under_it(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

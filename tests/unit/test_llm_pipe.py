@@ -224,3 +224,45 @@ def test_a_failing_follow_up_s_database_error_is_logged_without_the_values_it_qu
     follow.close()
     assert "background work failed: DataError: InvalidTextRepresentation (SQLSTATE 22P02)" in caplog.text
     assert secret not in caplog.text
+
+
+def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
+    """A page takes every ready result in one go; when one of them was an error, the results taken
+    after it (paid for) were dropped: no llm_calls row, budgets counting low, the retry paying again."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.extraction.service import OnlineExtraction
+
+    others_done = threading.Barrier(4)  # calls 2, 3, 4 and the test's own wait
+    recorded: list[int] = []
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(
+            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
+        ),
+    )
+    pipe = LLMPipe(5)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int) -> str:
+            if segment >= 2:
+                others_done.wait(10)
+                return f"result {segment}"
+            finished.wait(10)  # 0 and 1 end after the others: all five are ready at the first take
+            if segment == 1:
+                raise RuntimeError("the budget check could not reach the database")
+            return "result 0"
+
+        finished = threading.Event()
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1, 2, 3, 4], slug="p")
+        batches = extraction.ordered_results(plan)  # type: ignore[arg-type]
+        threading.Thread(target=lambda: (others_done.wait(10), finished.set()), daemon=True).start()
+        assert [index for index, _, _ in next(batches)] == [0]
+        with pytest.raises(RuntimeError, match="could not reach the database"):
+            next(batches)
+        assert sorted(recorded) == [2, 3, 4]
+    finally:
+        pipe.close()

@@ -7,7 +7,12 @@ from collections.abc import Callable, Generator, Sequence
 from worker.core.checkpoint import CheckpointState, SkippedSegment, segment_hash
 from worker.core.conversation import Segment
 from worker.core.facts import ExtractedFact
-from worker.extraction.options import ExtractionCounters, ExtractionProgress, PageReport
+from worker.extraction.options import (
+    CheckpointConflictError,
+    ExtractionCounters,
+    ExtractionProgress,
+    PageReport,
+)
 from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.rows import SegmentPlace
 from worker.extraction.segments import Attempt, SegmentResult
@@ -122,24 +127,47 @@ class SegmentCommitter:
         report = PageReport(plan.slug, "processed")
         expected = plan.checkpoint
         for batch in batches:
-            pending: list[tuple[SegmentCommit, int]] = []  # with each segment's index
-            for position, (index, segment, result) in enumerate(batch):
-                place = self.planner.place(plan.slug, index, segment)
-                skip, failures = self.poison(place, result)
-                if not result.ok and skip is None:
-                    expected = self._commit_run(plan, pending, expected, report)
-                    self.store.record_attempts(place, result.attempts, permanent=result.permanent)
-                    self.progress.segment_finished(plan.slug, result.outcome)
-                    self.discard(plan.slug, batch[position + 1 :])
-                    return self.fail_page(report, index, result, failures=failures)
-                first_row = expected.next_row_num if expected else 0
-                first_row += sum(len(c.facts) for c, _ in pending)
-                pending.append((SegmentCommit(place, result.attempts, result.facts, first_row, skip), index))
-                if len(pending) >= MAX_SEGMENTS_PER_COMMIT:
-                    expected = self._commit_run(plan, pending, expected, report)
-                    pending = []
-            expected = self._commit_run(plan, pending, expected, report)
+            handed: set[int] = set()  # indexes given to a commit: committed, or kept by the store if refused
+            try:
+                outcome = self._commit_batch(plan, batch, expected, report, handed)
+            except CheckpointConflictError:
+                # Another run moved the page on: the rest of the batch was paid for too.
+                self.discard(plan.slug, [item for item in batch if item[0] not in handed])
+                raise
+            if isinstance(outcome, PageReport):
+                return outcome
+            expected = outcome
         return report
+
+    def _commit_batch(
+        self,
+        plan: PagePlan,
+        batch: Sequence[SegmentResult3],
+        expected: CheckpointState | None,
+        report: PageReport,
+        handed: set[int],
+    ) -> CheckpointState | PageReport | None:
+        """One run of ready results, committed in runs of MAX_SEGMENTS_PER_COMMIT: the checkpoint they
+        moved to, or the page's report when a failed segment ended it (the rest discarded)."""
+        pending: list[tuple[SegmentCommit, int]] = []  # with each segment's index
+        for position, (index, segment, result) in enumerate(batch):
+            place = self.planner.place(plan.slug, index, segment)
+            skip, failures = self.poison(place, result)
+            if not result.ok and skip is None:
+                expected = self._commit_run(plan, pending, expected, report)
+                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+                handed.add(index)
+                self.progress.segment_finished(plan.slug, result.outcome)
+                self.discard(plan.slug, batch[position + 1 :])
+                return self.fail_page(report, index, result, failures=failures)
+            first_row = expected.next_row_num if expected else 0
+            first_row += sum(len(c.facts) for c, _ in pending)
+            pending.append((SegmentCommit(place, result.attempts, result.facts, first_row, skip), index))
+            handed.add(index)
+            if len(pending) >= MAX_SEGMENTS_PER_COMMIT:
+                expected = self._commit_run(plan, pending, expected, report)
+                pending = []
+        return self._commit_run(plan, pending, expected, report)
 
     def discard(self, slug: str, rest: Sequence[SegmentResult3]) -> None:
         """Results the page got but cannot use (after a failed segment): recorded, facts unused."""

@@ -31,7 +31,7 @@ from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
 from worker.extraction.segments import SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
-from worker.llm.pipe import Feed, LLMPipe
+from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
 
 DISCARDED_IN_FLIGHT = "discarded: an earlier segment did not complete"
@@ -144,11 +144,15 @@ class OnlineExtraction:
         feed: Feed[SegmentResult] = self.pipe.open(
             len(segments), lambda index: self.call(label, segments[index]), window=self.window
         )
+        taken_after_error: list[Outcome[SegmentResult]] = []
         try:
             while not feed.finished():
                 ready: list[tuple[int, Segment, SegmentResult]] = []
-                for outcome in feed.take(MAX_SEGMENTS_PER_COMMIT):
+                taken = feed.take(MAX_SEGMENTS_PER_COMMIT)
+                for position, outcome in enumerate(taken):
                     if outcome.error is not None:
+                        # Taken with it, finished after it: paid for, never handed on (recorded below).
+                        taken_after_error = taken[position + 1 :]
                         if ready:
                             yield ready
                         raise outcome.error
@@ -157,7 +161,7 @@ class OnlineExtraction:
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
-            for outcome in feed.close():
+            for outcome in [*taken_after_error, *feed.close()]:
                 if outcome.error is None:
                     self.run.committer.record_discarded(
                         plan.slug,

@@ -224,7 +224,7 @@ class ExtractionStore:
         (after the last): all of them commit, or none (exactly once, as for one segment)."""
         last = segments[-1].place
         spent = [(s.place, s.attempts) for s in segments]
-        with self._spend_kept_on_page_change(spent), self._factory.begin() as session:
+        with self._spend_kept_on_refusal(spent), self._factory.begin() as session:
             if page is not None:
                 _check_page(session, page, last.slug, new)
             self._write_segment_rows(session, segments)
@@ -298,14 +298,15 @@ class ExtractionStore:
         return inserted
 
     @contextmanager
-    def _spend_kept_on_page_change(
+    def _spend_kept_on_refusal(
         self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]
     ) -> Iterator[None]:
-        """When a commit is refused because the page changed, its LLM calls were still paid for: keep
-        their llm_calls rows (no audit rows: the page they describe may be gone)."""
+        """When a commit is refused (the page changed, or another run moved its checkpoint on), its LLM
+        calls were still paid for: keep their llm_calls rows (no audit rows: the page they describe may
+        be gone). A checkpoint conflict rolled them back unrecorded, and the budgets counted low."""
         try:
             yield
-        except PageChangedError:
+        except CheckpointConflictError:
             with self._factory.begin() as session:
                 self._paid(session, discarded=True)
                 self._ledger.record_many(
