@@ -271,3 +271,29 @@ def test_a_terminals_ctrl_c_reaches_each_child_once() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+DEADLINE_AFTER_A_CLEAN_STOP = """
+import time
+from worker.jobs import shutdown
+shutdown.request_stop(0.3)  # SIGTERM: the grace period starts
+shutdown.on_worker_shutdown()  # every job ended: Celery's worker_shutdown
+time.sleep(1.0)  # the exit's own clean-up (the embedding follow-ups' drain) takes longer than what was left
+"""
+
+
+def test_a_stop_whose_jobs_all_ended_is_not_cut_short_by_the_grace_deadline() -> None:
+    """The deadline stayed armed after the pool ended, fired during the exit's clean-up, and exited 1
+    ("grace period is over with jobs still running", with none), dropping the queued follow-ups."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", DEADLINE_AFTER_A_CLEAN_STOP],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "grace period" not in done.stderr

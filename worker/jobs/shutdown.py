@@ -55,6 +55,16 @@ def request_stop(grace_seconds: float) -> None:
         _deadline.start()
 
 
+def on_worker_shutdown(**_: Any) -> None:
+    """Celery's ``worker_shutdown``: its pool has ended (every job finished or released), so the
+    deadline has nothing left to bound. Left armed, it fired during the exit's own clean-up (the
+    embedding follow-ups' drain) and turned a clean stop into exit 1, dropping what was still queued."""
+    global _deadline
+    if _deadline is not None:
+        _deadline.cancel()
+        _deadline = None
+
+
 def on_worker_shutting_down(**_: Any) -> None:
     """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, SIGQUIT in the main process)."""
     request_stop(get_settings().grace_seconds)
@@ -63,6 +73,7 @@ def on_worker_shutting_down(**_: Any) -> None:
 __all__ = [
     "WorkerStoppingError",
     "check_stopping",
+    "on_worker_shutdown",
     "on_worker_shutting_down",
     "request_stop",
     "stopping",
