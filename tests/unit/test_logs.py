@@ -91,3 +91,25 @@ def test_json_lines_are_one_object_with_the_bound_fields_and_extras():
 )
 def test_json_by_default_in_production_only(values, json_lines):
     assert wants_json(Settings(_env_file=None, **values)) is json_lines
+
+
+def test_no_service_process_logs_the_llm_requests_urls() -> None:
+    """httpx logs each request's URL at INFO, and FACTMILL_LLM_BASE_URL may carry user:password; only
+    Celery's workers were quieted: the API and the MCP server logged them on every search."""
+    import logging.config
+
+    from worker.runtime.logs import logging_config
+
+    names = ("httpx", "httpx2", "httpcore", "httpcore2")
+    before = {name: logging.getLogger(name).level for name in names}
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logging.config.dictConfig(logging_config(Settings(), "INFO"))
+        assert all(not logging.getLogger(name).isEnabledFor(logging.INFO) for name in names)
+        assert logging.getLogger("worker.api").isEnabledFor(logging.INFO)
+    finally:
+        for name, was in before.items():
+            logging.getLogger(name).setLevel(was)
+        root.handlers[:] = handlers
+        root.setLevel(level)

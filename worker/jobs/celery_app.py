@@ -16,6 +16,7 @@ from worker.embedded import embedded_redis_url
 from worker.jobs import registry
 from worker.jobs.shutdown import on_worker_shutdown, on_worker_shutting_down
 from worker.runtime import Runtime, get_runtime, tracing
+from worker.runtime.logs import QUIET_LOGGERS
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -122,13 +123,10 @@ def start_tracing(settings: Settings, service: str) -> bool:
 
 
 app = create_app()
+
+
 # Each process reports under its own service name; a prefork child keeps its parent's set-up (the
 # span processor restarts its thread after the fork).
-# One INFO line per HTTP request (httpx logs each LLM call) is noise next to the llm_calls rows that
-# record every call, and at a hundred calls a second it cost a worker ~5% of its CPU in logging.
-QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
-
-
 def quiet_transport_loggers(**_: object) -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

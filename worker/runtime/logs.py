@@ -82,6 +82,12 @@ def wants_json(settings: Settings) -> bool:
     return settings.environment == "production"
 
 
+# httpx logs each request's URL at INFO: one line an LLM call (noise beside the llm_calls rows, ~5% of a
+# worker's CPU at a hundred calls a second), and the URL's user:password when FACTMILL_LLM_BASE_URL
+# carries them. Quiet in every process: the API's and the MCP server's logged them at INFO.
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
+
+
 def logging_config(settings: Settings, level: str = "INFO") -> dict[str, Any]:
     """The dictConfig of a service process: one handler on stderr, the bound fields on every line.
     uvicorn applies it in each of its processes (``log_config``); its access log is off, as the API
@@ -102,7 +108,10 @@ def logging_config(settings: Settings, level: str = "INFO") -> dict[str, Any]:
         },
         "root": {"handlers": ["default"], "level": level.upper()},
         # uvicorn's own loggers carry handlers of their own in its default config: here they go to root.
-        "loggers": {name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error")},
+        "loggers": {
+            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error")},
+            **{name: {"level": "WARNING"} for name in QUIET_LOGGERS},
+        },
     }
 
 
@@ -112,6 +121,7 @@ def configure_logging(settings: Settings, level: str = "INFO") -> None:
 
 
 __all__ = [
+    "QUIET_LOGGERS",
     "ContextFilter",
     "TextFormatter",
     "bound_fields",
