@@ -506,7 +506,7 @@ def test_the_previous_summary_is_folded_into_the_next(
         ),
         (
             ChatResponse("", "refusal", Usage(10, 3), "scripted", "scripted-1", 4, refusal="no"),
-            "the summarizer refused: no",
+            "the summarizer refused (2 characters of reply, kept in the attempt log)",
             "refusal",
         ),
     ],
@@ -527,8 +527,14 @@ def test_an_empty_reply_an_error_or_a_refusal_is_a_failed_compaction_and_changes
     with tx_factory() as session:
         assert [v.as_dict() for v in context_view(session, "fail").messages] == before
         job = session.get(Job, job_id)
-        assert job is not None and job.status == "failed" and job.last_error == row.error
+        # The job names the compaction, not its error: a refusal's words (often the summary begun) or
+        # a provider's message (which may quote the transcript) went to the log and the job's row.
+        assert job is not None and job.status == "failed"
+        assert job.last_error == f"compaction {row.id} failed; its error is on the compaction row"
         assert job.counters["status"] == "failed" and job.counters["compaction_id"] == row.id
+        assert not {"transcript_id", "detail"} & set(job.counters) and job.counters["missed_terms"] == 0
+    if call_outcome == "refusal":
+        assert row.attempt_log[0]["refusal"] == "no"
     [call] = llm_calls(tx_factory)
     assert (call.purpose, call.outcome, call.job_id) == ("compaction", call_outcome, job_id)
 
@@ -588,6 +594,40 @@ def test_the_job_gates_on_the_active_calibrated_threshold(
         2,
     )
     assert row.coverage is not None and row.coverage < 1.0
+
+
+def test_a_compaction_jobs_row_keeps_figures_not_the_transcripts_words(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The job's counters kept the transcript's id and the words its summary missed (lexed from the
+    user's messages): shown by `factmill jobs` and /v1/jobs, and kept after the transcript's erasure."""
+    from worker.compaction.erase import erase_transcript
+
+    request = append(tx_factory, "words", session_messages(25), settings=SETTINGS)
+    assert request.trigger.job is not None
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes: rejected, with missed terms
+    run_job(runtime(database_url, tx_factory, ScriptedLLM("nope", "nope")), job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "words")
+    assert row.status == "rejected" and row.missed_terms
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.counters["missed_terms"] == len(row.missed_terms)
+        assert not {"transcript_id", "detail"} & set(job.counters)
+    with tx_factory.begin() as session:  # a row an earlier release wrote
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                counters=Job.counters.op("||")(
+                    func.jsonb_build_object("transcript_id", "words", "detail", "x")
+                )
+            )
+        )
+    erase_transcript(tx_factory, "words", "test")
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and not {"transcript_id", "detail", "missed_terms"} & set(job.counters)
 
 
 def test_a_long_summary_is_capped(tx_factory: sessionmaker[Session]) -> None:

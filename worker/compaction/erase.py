@@ -23,13 +23,14 @@ logger = logging.getLogger(__name__)
 TRANSCRIPT_ERASED = "transcript erased"
 
 # Its compaction jobs keep their history (status, attempts, counts, times) but not its id, which is the
-# client's own label and can name a person: the subject becomes the erasure's digest, and a note that
-# quotes the id becomes "transcript erased".
+# client's own label and can name a person: the subject becomes the erasure's digest, a note that
+# quotes the id becomes "transcript erased", and counters older jobs kept of its id and words go.
 _FORGET_TRANSCRIPT_IN_JOBS = text(
     """
     UPDATE jobs SET
         subject = :erased,
-        last_error = CASE WHEN strpos(last_error, :transcript_id) > 0 THEN :note ELSE last_error END
+        last_error = CASE WHEN strpos(last_error, :transcript_id) > 0 THEN :note ELSE last_error END,
+        counters = counters - 'transcript_id' - 'detail' - 'missed_terms'
     WHERE kind = :kind AND subject = :transcript_id
     """
 )

@@ -53,9 +53,12 @@ def compact_job(ctx: JobContext) -> WorkResult:
         # append (a rerun of this job, sent when it finishes; it stops once under the threshold).
         with contextlib.suppress(TranscriptNotFoundError), rt.factory.begin() as session:
             request_compaction(session, job.subject, trigger="continue")  # unless erased meanwhile
-    counters = outcome.as_dict()
+    counters = outcome.job_counters()
     if outcome.status == "failed":
-        return WorkResult("failed", counters=counters, note=outcome.detail, detail=outcome.detail)
+        # The job's note names the compaction, not its error (a provider's message may quote the
+        # transcript): the compaction row keeps it, erased with the transcript.
+        failed = f"compaction {outcome.compaction_id} failed; its error is on the compaction row"
+        return WorkResult("failed", counters=counters, note=failed, detail=failed)
     note = outcome.detail if outcome.status in ("not_needed", "nothing_to_compact") else None
     return WorkResult("succeeded", counters=counters, note=note, detail=outcome.detail)
 

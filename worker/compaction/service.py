@@ -81,6 +81,17 @@ class CompactionOutcome:
         data["tokens_saved"] = self.tokens_saved
         return data
 
+    def job_counters(self) -> dict[str, Any]:
+        """What the job's row keeps: the figures, not the transcript's id (a client's label, which can
+        name a person) nor its words (the missed terms, a failure's detail); the compaction row keeps
+        those, and goes with the transcript when it is erased."""
+        data = {k: v for k, v in self.as_dict().items() if k not in _NOT_IN_JOB_ROWS}
+        data["missed_terms"] = len(self.missed_terms)
+        return data
+
+
+_NOT_IN_JOB_ROWS = frozenset({"transcript_id", "detail", "missed_terms"})
+
 
 class CompactOptions(TypedDict, total=False):
     """How one compaction runs; every key may be left out (the defaults are in brackets)."""
@@ -221,9 +232,13 @@ class CompactionRun:
         result = response_outcome(response.finish, response.text)
         entry["llm_call_id"] = self._record_response(response, result)
         if result == "refusal":
-            self.log.append({**entry, "outcome": result})
+            # Its words stay in the attempt log (erased with the transcript), out of the error: that goes
+            # to the log and the job's note, and a refusal's "reason" is often the summary begun.
+            said = response.refusal or response.text.strip()
+            self.log.append({**entry, "outcome": result, "refusal": said[:SUMMARY_CHAR_LIMIT]})
             return self._finish(
-                "failed", error=f"the summarizer refused: {response.refusal or response.text.strip()[:300]}"
+                "failed",
+                error=f"the summarizer refused ({len(said)} characters of reply, kept in the attempt log)",
             )
         summary = response.text.strip()[:SUMMARY_CHAR_LIMIT].strip()
         if not summary:
@@ -324,15 +339,16 @@ class CompactionRun:
         outcome.detail = saved.error or (
             f"coverage {gate.coverage:.3f} against τ={self.gate_on.tau:.4g}" if gate is not None else ""
         )
+        # Neither the transcript's id (a client's label) nor an error's text (a provider's message may
+        # quote the request): the job id is bound to the line, and the compaction row has the rest.
         logger.info(
-            "transcript %s: compaction %s %s (cut at seq %s, %s -> %s tokens, %s attempt(s)) %s",
-            self.transcript_id,
+            "compaction %s %s (cut at seq %s, %s -> %s tokens, %s attempt(s))%s",
             saved.compaction_id,
             saved.status,
             self.plan.cut_seq,
             self.plan.tokens_before,
             outcome.tokens_after,
             len(self.log),
-            outcome.detail,
+            f": coverage {gate.coverage:.3f} against τ={self.gate_on.tau:.4g}" if gate is not None else "",
         )
         return outcome
