@@ -285,6 +285,35 @@ def test_lexical_top_1(
     assert 0 < outcome.results[0].lex_score < 1  # type: ignore[operator]
 
 
+def test_a_word_only_hidden_facts_hold_is_dropped_like_a_word_no_fact_holds(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Presence was counted over the whole table: a word found only in superseded facts, or only in
+    another source, stayed in every try of the fallback and the answer was empty, while a word found
+    nowhere was dropped: a key limited to one source learnt whether a word was in another's facts."""
+    seed(plain_factory)
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact),
+            [
+                _row("default", "old-job", 0, "Alice worked at Zebracorp", "fact", "alice", "c", None)
+                | {"status": "superseded"},
+                _row(
+                    "work", "work-secret", 0, "Quokkafund is the acquisition target", "fact", "x", "c", None
+                ),
+            ],
+        )
+    mine = SearchFilters(source_id="default")
+
+    def found(query: str) -> list[str]:
+        return facts_of(search(plain_factory, llm, query, filters=mine))
+
+    nowhere = found("lex: lisbon qqqqzzzz")
+    assert nowhere  # a word no fact holds is dropped
+    assert found("lex: lisbon quokkafund") == nowhere  # nor does another source's word change the answer
+    assert found("lex: lisbon zebracorp") == nowhere  # nor a word only a superseded fact holds
+
+
 ACCENTED = [
     ("zoe-chat", "Zoë Ångström is moving to Lisbon in July", "people/zoë-ångström"),
     ("sofia-chat", "Sofía Castillo booked the venue in Núñez", "people/sofía-castillo"),

@@ -319,6 +319,22 @@ def _document_frequencies(session: Session, units: Sequence[LexUnit]) -> tuple[l
     return dfs, max(total, max(dfs, default=0.0), 1.0)
 
 
+def _visible_units(
+    session: Session, units: Sequence[LexUnit], where: str, params: dict[str, Any]
+) -> list[bool]:
+    """Whether each unit is in some fact the search's filters let through (one query: an EXISTS each)."""
+    if not units:
+        return []
+    parts = [
+        f"EXISTS (SELECT 1 FROM facts f WHERE f.search_vector @@ CAST(:seen{i} AS tsquery) AND {where})"
+        for i in range(len(units))
+    ]
+    row = session.execute(
+        text(f"SELECT {', '.join(parts)}"), params | {f"seen{i}": unit.match for i, unit in enumerate(units)}
+    ).one()
+    return [bool(value) for value in row]
+
+
 def _f8(value: float) -> str:
     return f"CAST({float(value)!r} AS float8)"
 
@@ -387,8 +403,19 @@ def _ranked_matches(
     # A unit no fact holds (df 0, counted) matches nothing with any others: they go first, all at once.
     present = sum(df > 0 for df in dfs)
     rows = answer(present) if present else []
-    if rows or present <= 1:
+    if rows or present == 0:
         return [Hit(row[0], normalise_score(row[1])) for row in rows], bool(rows) and present == len(units)
+    # Nothing holds them all: from here on only the units some fact the caller may see holds, under
+    # its filters (source, lifecycle, as_of, entity...). By the table-wide counts a word found only in
+    # superseded facts, or only in another source, counted as present; halving kept it (the rarest) in
+    # every try and the answer was empty, while a word found nowhere was dropped: an empty answer told
+    # a key limited to one source that the word was in another's facts.
+    visible = _visible_units(session, units, where, params)
+    order = [i for i in order if visible[i]]
+    present = len(order)
+    if present <= 1:
+        rows = answer(present) if present else []
+        return [Hit(row[0], normalise_score(row[1])) for row in rows], False
     # Dropping a unit only widens the match, so the most units that still match are found by halving:
     # a line of hundreds of words costs a few queries, not one (or two) a word.
     keep, found, low, high = 0, [], 1, present - 1
