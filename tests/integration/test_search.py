@@ -1090,6 +1090,14 @@ def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, si
         unavailable = runner.invoke(app, ["search", "vec: dogs"])
         assert unavailable.exit_code == 3
         assert "vector search unavailable" in unavailable.output
+        # A document on standard input that no query can carry: one line and exit 2, not a traceback
+        # (after the embedding of its vec: line was paid for).
+        for given, said in ((b"lex: foo\x00bar", "must not contain NUL"), (b"lex: caf\xe9", "is not UTF-8")):
+            refused = runner.invoke(app, ["search", "-"], input=given)
+            assert refused.exit_code == 2 and said in refused.output, refused.output
+            assert refused.exception is None or isinstance(refused.exception, SystemExit)
+        read = runner.invoke(app, ["search", "-", "--json"], input=b"lex: greyhound")
+        assert read.exit_code == 0, read.output
 
 
 def test_embed_sets_up_a_missing_store(server_url: str, llm: OpenAIChatClient) -> None:

@@ -11,6 +11,7 @@ import typer
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
+from worker.core.jsonvalues import text_problem
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import build_runtime
 from worker.search import (
@@ -62,6 +63,20 @@ def _print_outcome(outcome: SearchOutcome) -> None:
     out.print(table)
 
 
+def read_document() -> str:
+    """The query document on standard input, as UTF-8 text a query can carry: a NUL (psycopg refuses
+    it), bytes that are not UTF-8 or a lone surrogate were tracebacks, after the embedding was paid."""
+    data = sys.stdin.buffer.read()
+    try:
+        document = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(f"standard input is not UTF-8 text (byte {exc.start + 1})", code=2) from None
+    problem = text_problem(document)
+    if problem is not None:
+        raise _fail(f"the query document on standard input {problem}", code=2)
+    return document
+
+
 def search_command(
     query: Annotated[
         str,
@@ -90,6 +105,7 @@ def search_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
 ) -> None:
     """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
+    document = read_document() if query == "-" else query.replace("\\n", "\n")
     settings = get_settings()
     factory = checked_factory(settings)
     runtime = build_runtime(settings)
@@ -97,7 +113,7 @@ def search_command(
         outcome = search(
             factory,
             lambda: runtime.llm,
-            sys.stdin.read() if query == "-" else query.replace("\\n", "\n"),
+            document,
             intent=intent,
             filters=SearchFilters(
                 source_id=source_id,
