@@ -314,6 +314,44 @@ def test_a_word_only_hidden_facts_hold_is_dropped_like_a_word_no_fact_holds(
     assert found("lex: lisbon zebracorp") == nowhere  # nor a word only a superseded fact holds
 
 
+def test_a_snippet_quotes_only_facts_the_search_itself_would_return(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The neighbour lines of a snippet were any of the segment's rows: a current fact's snippet quoted
+    the superseded claim beside it, and could centre on it."""
+    context = "conversation segment 2024-05-01T10:00:00Z to 2024-05-01T10:30:00Z"
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact),
+            [
+                _row(
+                    "default",
+                    "moves",
+                    0,
+                    "Alice moved to Lisbon with Porto friends",
+                    "fact",
+                    "alice",
+                    context,
+                    None,
+                )
+                | {"status": "superseded"},
+                _row("default", "moves", 1, "Alice moved to Porto", "fact", "alice", context, None),
+                _row("default", "moves", 2, "Alice likes the Porto tram", "fact", "alice", context, None),
+            ],
+        )
+    [result, *_] = search(
+        plain_factory, llm, "lex: alice porto", filters=SearchFilters(source_id="default")
+    ).results
+    assert "Lisbon" not in result.snippet, result.snippet
+    history = search(
+        plain_factory,
+        llm,
+        "lex: alice moved porto",
+        filters=SearchFilters(source_id="default", include_history=True),
+    )
+    assert any("Lisbon" in r.snippet for r in history.results)  # with the history, it is quoted
+
+
 ACCENTED = [
     ("zoe-chat", "Zoë Ångström is moving to Lisbon in July", "people/zoë-ångström"),
     ("sofia-chat", "Sofía Castillo booked the venue in Núñez", "people/sofía-castillo"),

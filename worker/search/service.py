@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from worker.accounting import LLMCallRecord
+from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import dimensions_problem, fact_embedding_text
 from worker.core.errors import error_summary
 from worker.core.fusion import (
@@ -231,7 +232,7 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
         strong_signal=gathered.strong,
         vector_search="available" if status.available else "unavailable",
         lines=tuple(line for line, _ in gathered.lists),
-        results=tuple(_build_results(store, fused, gathered.snippet_query, gathered.intent)),
+        results=tuple(_build_results(store, fused, gathered.snippet_query, gathered.intent, filters)),
         took_ms=(time.perf_counter() - started) * 1000,
         notes=tuple(gathered.notes),
     )
@@ -340,11 +341,16 @@ def _run_lines(
 
 
 def _build_results(
-    store: SearchStore, fused: Sequence[Fused], snippet_query: str, intent: str | None
+    store: SearchStore,
+    fused: Sequence[Fused],
+    snippet_query: str,
+    intent: str | None,
+    filters: SearchFilters,
 ) -> list[SearchResult]:
     if not fused:
         return []
-    facts, neighbours = store.result_rows([entry.fact_id for entry in fused])
+    lifecycle = Lifecycle(filters.include_history, filters.as_of)
+    facts, neighbours = store.result_rows([entry.fact_id for entry in fused], lifecycle)
     results: list[SearchResult] = []
     for entry in fused:
         row = facts.get(entry.fact_id)

@@ -71,13 +71,16 @@ _RESULT_FACTS = text(
     "status, valid_to, superseded_by, duplicate_of "
     "FROM facts WHERE id IN :ids AND NOT is_audit"
 ).bindparams(bindparam("ids", expanding=True))
-_RESULT_NEIGHBOURS = text(
+# The neighbours a snippet quotes pass the search's own lifecycle clause ({lifecycle}): a superseded
+# or duplicate line (or, as of a time, one not yet or no longer true) was quoted, and could be the
+# line the snippet centred on.
+_RESULT_NEIGHBOURS = (
     "SELECT r.id, n.row_num, n.fact FROM facts r JOIN facts n "
     "ON n.source_id = r.source_id AND n.source_markdown_slug = r.source_markdown_slug "
-    "AND n.context = r.context AND NOT n.is_audit "
+    "AND n.context = r.context AND NOT n.is_audit AND {lifecycle} "
     f"AND n.row_num BETWEEN r.row_num - {SNIPPET_NEIGHBOURS} AND r.row_num + {SNIPPET_NEIGHBOURS} "
     "WHERE r.id IN :ids ORDER BY r.id, n.row_num"
-).bindparams(bindparam("ids", expanding=True))
+)
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
@@ -146,13 +149,18 @@ class SearchStore:
             ]
 
     def result_rows(
-        self, ids: Sequence[int]
+        self, ids: Sequence[int], lifecycle: Lifecycle | None = None
     ) -> tuple[dict[int, RowMapping], dict[int, list[tuple[int, str]]]]:
-        """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num)."""
+        """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num,
+        those ``lifecycle`` lets through: the search's own)."""
+        clause, params = (lifecycle or Lifecycle()).clause("n")
+        neighbours_sql = text(_RESULT_NEIGHBOURS.format(lifecycle=clause or "TRUE")).bindparams(
+            bindparam("ids", expanding=True)
+        )
         with read_only(self._factory) as session:
             facts = {row["fact_id"]: row for row in session.execute(_RESULT_FACTS, {"ids": ids}).mappings()}
             neighbours: dict[int, list[tuple[int, str]]] = {}
-            for result_id, row_num, fact in session.execute(_RESULT_NEIGHBOURS, {"ids": ids}):
+            for result_id, row_num, fact in session.execute(neighbours_sql, {"ids": ids, **params}):
                 neighbours.setdefault(result_id, []).append((row_num, fact))
         return facts, neighbours
 
