@@ -473,8 +473,10 @@ def embed_pages_facts(
 
 
 def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:
+    # How many pages, not which (a slug can name a person: logs name none), and the error's class and
+    # first line without the provider's body (error_summary).
     logger.warning(
-        "could not embed the facts of %s (%s); `factmill embed` will fill them in",
-        ", ".join(f"{source_id}/{slug}" for source_id, slug in pages),
-        exc,
+        "could not embed the facts of %s page(s) (%s); `factmill embed` will fill them in",
+        len(pages),
+        error_summary(exc),
     )

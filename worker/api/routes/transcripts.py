@@ -175,9 +175,9 @@ def accept_messages(
     if pending is None:
         return JSONResponse(response, 201, headers=REPLAYED_HEADERS)
     sent = ctx.enqueue(pending)
+    # Not the transcript's id: a client's label, which can name a person (the request id is bound).
     logger.info(
-        "transcript %s: %s message(s) appended (seq %s-%s), context %s tokens, %s compaction job(s) sent",
-        transcript_id,
+        "%s message(s) appended (seq %s-%s), context %s tokens, %s compaction job(s) sent",
         len(messages),
         response["first_seq"],
         response["last_seq"],
@@ -215,7 +215,7 @@ def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, ingest: In
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     ctx.enqueue(pending)
-    logger.info("transcript %s: settings %s", transcript_id, sorted(data))
+    logger.info("transcript settings changed: %s", sorted(data))
     return JSONResponse(_transcript_out(ctx, transcript_id).model_dump(mode="json"), 200)
 
 
