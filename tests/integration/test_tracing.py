@@ -248,3 +248,17 @@ def test_traces_url_takes_a_base_or_the_full_path() -> None:
     assert tracing.traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
     assert tracing.traces_url(" http://collector:4318/ ") == "http://collector:4318/v1/traces"
     assert tracing.traces_url("http://collector:4318/v1/traces") == "http://collector:4318/v1/traces"
+
+
+def test_an_exported_span_names_an_errors_class_never_its_message(exporter: InMemorySpanExporter) -> None:
+    """Our errors name slugs (PageChangedError), and the SQLAlchemy instrumentation set the driver's
+    message with its DETAIL (a key's values): a trace store keeps them beyond any erasure."""
+    from worker.extraction.options import PageChangedError
+
+    with pytest.raises(PageChangedError), tracing.span("segment commit"):
+        raise PageChangedError("'people/jane-roe-clinic' changed while it was extracted")
+    [span] = exporter.get_finished_spans()
+    assert span.status.description == "PageChangedError"
+    [event] = [e for e in span.events if e.name == "exception"]
+    assert dict(event.attributes or {}) == {"exception.type": "worker.extraction.options.PageChangedError"}
+    assert "jane" not in repr(span.to_json())

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -118,10 +119,12 @@ def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         assert settings.otel_endpoint is not None  # wanted() checked it
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(settings.otel_endpoint))))
+        provider.add_span_processor(
+            BatchSpanProcessor(_scrubbing(OTLPSpanExporter(traces_url(settings.otel_endpoint))))
+        )
         trace.set_tracer_provider(provider)  # for any other library that traces through the global one
     else:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(SimpleSpanProcessor(_scrubbing(exporter)))
     # SQLAlchemy is traced per engine (instrument_engine): its global instrumentor also wraps the
     # asyncio engine, which needs greenlet, and it misses engines made through an imported name.
     instrumentors: list[Any] = [CeleryInstrumentor(), HTTPXClientInstrumentor()]
@@ -132,6 +135,66 @@ def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
     for instrumentor in instrumentors:
         instrumentor.instrument(tracer_provider=provider)
     return _Tracing(service, provider, provider.get_tracer("factmill"), instrumentors)
+
+
+class _Scrubbed:
+    """An exporter that sends each span without what an exception's message quotes: a span's status
+    keeps the error's class, and its exception events their type (no message, no stack trace). Our
+    errors name slugs (PageChangedError), and the SQLAlchemy instrumentation sets the driver's message,
+    DETAIL and all (``Key (kind, subject)=(extraction, source|slug)``), which no erasure can take out of
+    a trace store, and which hide_parameters keeps out of the logs only."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def export(self, spans: Any) -> Any:
+        return self._inner.export([_scrubbed(span) for span in spans])
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return bool(self._inner.force_flush(timeout_millis))
+
+
+def _scrubbing(inner: Any) -> Any:
+    """``inner`` behind ``_Scrubbed`` (typed Any: the SDK's processors take any exporter-shaped object,
+    and the SDK is imported only once tracing is on)."""
+    return _Scrubbed(inner)
+
+
+_ERROR_CLASS = re.compile(r"\(?([A-Za-z_][\w.]*)(?:\)|:|$)")
+
+
+def _scrubbed(span: Any) -> Any:
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.trace import Status
+
+    exceptions = [event for event in span.events if event.name == "exception"]
+    if span.status.description is None and not exceptions:
+        return span
+    found = _ERROR_CLASS.match(span.status.description or "")
+    status = Status(span.status.status_code, found.group(1) if found else None)
+    events = [
+        Event("exception", {"exception.type": event.attributes.get("exception.type", "")}, event.timestamp)
+        if event.name == "exception"
+        else event
+        for event in span.events
+    ]
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=span.attributes,
+        events=events,
+        links=span.links,
+        kind=span.kind,
+        status=status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
 
 
 def shutdown() -> None:
