@@ -73,6 +73,14 @@ def test_nfd_input_is_stored_as_nfc() -> None:
     assert normalize_slug(nfd) == normalize_slug("café/notes")
 
 
+def test_a_slug_longer_than_500_once_normalized_is_refused() -> None:
+    """The 500 was checked on the slug as sent; "\u0958" is two code points in NFC, so 350 of them
+    stored 700, and the listing's next_after cursor past that page was longer than it accepts."""
+    with pytest.raises(ValidationError, match="at most 500 characters once normalized"):
+        page("\u0958" * 350)
+    assert len(page("\u0958" * 250).slug) == 500
+
+
 def test_the_rule_names_what_it_allows() -> None:
     for words in ("letter or digit", "any script", "'/'", "'.', '_' and '-'", "trailing"):
         assert words in SLUG_RULE

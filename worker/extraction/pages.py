@@ -33,6 +33,9 @@ from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
 MAX_PAGE_KEY_BYTES = 2_400
 
 
+MAX_SLUG_LENGTH = 500  # characters, once normalized; GET /v1/pages' next_after cursor is sized by it
+
+
 def page_key_bytes(source_id: str, slug: str) -> int:
     return len(source_id.encode("utf-8")) + len(slug.encode("utf-8"))
 
@@ -49,7 +52,10 @@ class PageIn(BaseModel):
         json_schema_extra={"pattern": NEW_SOURCE_ID_PATTERN},
     )
     slug: str = Field(
-        min_length=1, max_length=500, description=SLUG_RULE, json_schema_extra={"pattern": SLUG_PATTERN}
+        min_length=1,
+        max_length=MAX_SLUG_LENGTH,
+        description=SLUG_RULE,
+        json_schema_extra={"pattern": SLUG_PATTERN},
     )
     type: str = Field(min_length=1, max_length=100)
     title: str = Field(default="", max_length=1000)
@@ -65,7 +71,15 @@ class PageIn(BaseModel):
     @field_validator("slug")
     @classmethod
     def _slug(cls, value: str) -> str:
-        return normalize_slug(value)
+        slug = normalize_slug(value)
+        # max_length is checked on the slug as sent; NFC can lengthen it ("\u0958" becomes two code
+        # points), and a stored slug past 500 made a next_after cursor longer than the listing accepts:
+        # the pages after it could not be paged to.
+        if len(slug) > MAX_SLUG_LENGTH:
+            raise ValueError(
+                f"must be at most {MAX_SLUG_LENGTH} characters once normalized (NFC), got {len(slug)}"
+            )
+        return slug
 
     @field_validator("type")
     @classmethod
