@@ -266,3 +266,45 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
         assert sorted(recorded) == [2, 3, 4]
     finally:
         pipe.close()
+
+
+def test_a_retry_of_skipped_segments_takes_a_slot_of_the_pipe() -> None:
+    """`jobs retry --skipped` ran its calls on the job's own thread, beside the pipe: up to one more
+    call per job thread than FACTMILL_LLM_CONCURRENCY, which operators match to a provider's limit."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.extraction.service import OnlineExtraction
+
+    pipe = LLMPipe(1)
+    release = threading.Event()
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def counted(result: str, wait: bool) -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if wait:
+            release.wait(10)
+        with lock:
+            running[0] -= 1
+        return result
+
+    try:
+        busy = pipe.open(1, lambda _: counted("other page", wait=True), window=1)
+        extraction = OnlineExtraction(SimpleNamespace(), llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+        extraction.call = lambda label, segment: counted(f"retried {segment}", wait=False)  # type: ignore[method-assign]
+        answers: list[str] = []
+        retry = threading.Thread(target=lambda: answers.append(extraction.piped_call("page", 7)))  # type: ignore[arg-type]
+        retry.start()
+        retry.join(0.5)
+        assert retry.is_alive() and answers == []  # waits for the slot the other page holds
+        release.set()
+        assert [o.result() for o in busy.take()] == ["other page"]
+        busy.close()
+        retry.join(10)
+        assert answers == ["retried 7"] and most[0] == 1
+    finally:
+        release.set()
+        pipe.close()

@@ -116,8 +116,21 @@ class OnlineExtraction:
     def retry_skipped(self, ref: PageRef) -> PageReport | None:
         """Re-extract the page's skipped segments first (ExtractOptions.retry_skipped)."""
         run = self.run
-        retry = SkippedRetry(run.planner.store, run.planner, run.committer, run.counters, self.call)
+        retry = SkippedRetry(run.planner.store, run.planner, run.committer, run.counters, self.piped_call)
         return retry.retry_page(ref)
+
+    def piped_call(self, label: str, segment: Segment) -> SegmentResult:
+        """``call`` in one of the pipe's slots: a retry of skipped segments ran on the job's own thread,
+        past the process's FACTMILL_LLM_CONCURRENCY (64 job threads could add 64 calls to a provider
+        limit the setting matched)."""
+        feed: Feed[SegmentResult] = self.pipe.open(1, lambda _: self.call(label, segment), window=1)
+        try:
+            [outcome] = feed.take()
+        finally:
+            feed.close()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.result()
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
         """One segment's LLM attempts; runs on the pipe's threads, so it touches no shared state."""
