@@ -232,8 +232,10 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
     import threading
     from types import SimpleNamespace
 
+    from worker.extraction.segments import Attempt, SegmentAbortedError
     from worker.extraction.service import OnlineExtraction
 
+    paid = Attempt("malformed_output", None, [], "not json", "stub", "stub-1")
     others_done = threading.Barrier(4)  # calls 2, 3, 4 and the test's own wait
     recorded: list[int] = []
     run = SimpleNamespace(
@@ -251,8 +253,9 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
                 others_done.wait(10)
                 return f"result {segment}"
             finished.wait(10)  # 0 and 1 end after the others: all five are ready at the first take
-            if segment == 1:
-                raise RuntimeError("the budget check could not reach the database")
+            if segment == 1:  # after one paid attempt
+                cause = RuntimeError("the budget check could not reach the database")
+                raise SegmentAbortedError([paid], cause)
             return "result 0"
 
         finished = threading.Event()
@@ -263,7 +266,7 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
         assert [index for index, _, _ in next(batches)] == [0]
         with pytest.raises(RuntimeError, match="could not reach the database"):
             next(batches)
-        assert sorted(recorded) == [2, 3, 4]
+        assert sorted(recorded) == [1, 2, 3, 4]  # the failed one's paid attempt too
     finally:
         pipe.close()
 

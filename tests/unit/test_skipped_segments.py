@@ -80,3 +80,28 @@ def test_which_failures_are_permanent(answers: tuple[object, ...], permanent: bo
     result = extract_segment(client, "segment text", max_facts=5, max_output_tokens=64)
     assert result.permanent is permanent
     assert not client.answers, "every scripted answer was asked for"
+
+
+def test_an_error_between_a_segments_attempts_keeps_the_paid_ones() -> None:
+    """A malformed first reply (paid), then the budget check before the repair turn could not reach
+    the database: the attempts were a local list, lost with the exception, and the retry paid again."""
+    from worker.extraction.segments import SegmentAbortedError
+
+    checks = iter([None, RuntimeError("the database is unavailable")])
+
+    def before_call() -> None:
+        error = next(checks)
+        if error is not None:
+            raise error
+
+    with pytest.raises(SegmentAbortedError) as aborted:
+        extract_segment(_Answers("bad"), "segment text", 5, 64, before_call=before_call)
+    assert [a.outcome for a in aborted.value.attempts] == ["malformed_output"]
+    assert isinstance(aborted.value.cause, RuntimeError)
+    # Before any paid attempt, the error itself (nothing to record).
+    with pytest.raises(RuntimeError):
+        extract_segment(_Answers(), "segment text", 5, 64, before_call=_raise)
+
+
+def _raise() -> None:
+    raise RuntimeError("no database")

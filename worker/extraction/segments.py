@@ -128,6 +128,16 @@ def _ask(
     return None
 
 
+class SegmentAbortedError(Exception):
+    """An error between a segment's attempts once some were paid for (the lease lost, the worker
+    stopping, the database gone at a budget check): ``attempts`` to record, ``cause`` to raise on.
+    The attempts were a local list, lost with the exception: the job's retry paid for them again."""
+
+    def __init__(self, attempts: list[Attempt], cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.attempts, self.cause = attempts, cause
+
+
 def _given_up(attempts: list[Attempt]) -> SegmentResult:
     """The try ended on a failure with no turn left to mend it: a permanent one."""
     return SegmentResult(attempts, permanent=True)
@@ -144,10 +154,27 @@ def extract_segment(
     max_output_tokens: int,
     before_call: Callable[[], None] | None = None,
 ) -> SegmentResult:
-    """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one."""
+    """Ask for facts; one repair turn for a malformed reply, one bigger cap for a truncated one. An
+    error after a paid attempt is raised as SegmentAbortedError, with the attempts."""
+    attempts: list[Attempt] = []
+    try:
+        return _extract(llm, rendered, max_facts, max_output_tokens, before_call, attempts)
+    except Exception as exc:
+        if any(attempt.called for attempt in attempts):
+            raise SegmentAbortedError(list(attempts), exc) from exc
+        raise
+
+
+def _extract(
+    llm: LLMClient,
+    rendered: str,
+    max_facts: int,
+    max_output_tokens: int,
+    before_call: Callable[[], None] | None,
+    attempts: list[Attempt],
+) -> SegmentResult:
     turns: list[tuple[str, str]] = [first_turn(rendered)]
     cap = max_output_tokens
-    attempts: list[Attempt] = []
     repaired = retried_truncation = False
     while True:
         response = _ask(llm, extraction_request(turns, max_facts, cap), attempts, before_call)

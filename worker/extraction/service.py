@@ -29,7 +29,7 @@ from worker.extraction.options import (
 )
 from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
-from worker.extraction.segments import SegmentResult, extract_segment
+from worker.extraction.segments import SegmentAbortedError, SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
 from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
@@ -129,7 +129,8 @@ class OnlineExtraction:
         finally:
             feed.close()
         if outcome.error is not None:
-            raise outcome.error
+            error = outcome.error
+            raise error.cause if isinstance(error, SegmentAbortedError) else error
         return outcome.result()
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
@@ -164,25 +165,33 @@ class OnlineExtraction:
                 taken = feed.take(MAX_SEGMENTS_PER_COMMIT)
                 for position, outcome in enumerate(taken):
                     if outcome.error is not None:
-                        # Taken with it, finished after it: paid for, never handed on (recorded below).
-                        taken_after_error = taken[position + 1 :]
+                        # It, if it had paid attempts, and those taken with it and finished after it:
+                        # paid for, never handed on (recorded below).
+                        taken_after_error = taken[position:]
                         if ready:
                             yield ready
-                        raise outcome.error
+                        error = outcome.error
+                        raise error.cause if isinstance(error, SegmentAbortedError) else error
                     result = outcome.result()
                     counters.add_calls(result)
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
             for outcome in [*taken_after_error, *feed.close()]:
-                if outcome.error is None:
+                paid = _paid_result(outcome)
+                if paid is not None:
                     self.run.committer.record_discarded(
-                        plan.slug,
-                        outcome.index,
-                        segments[outcome.index],
-                        outcome.result(),
-                        DISCARDED_IN_FLIGHT,
+                        plan.slug, outcome.index, segments[outcome.index], paid, DISCARDED_IN_FLIGHT
                     )
+
+
+def _paid_result(outcome: Outcome[SegmentResult]) -> SegmentResult | None:
+    """What a call left that was paid for: its result, or the attempts an error cut short."""
+    if outcome.error is None:
+        return outcome.result()
+    if isinstance(outcome.error, SegmentAbortedError):
+        return SegmentResult(outcome.error.attempts)
+    return None
 
 
 @contextmanager
