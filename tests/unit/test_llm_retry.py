@@ -460,3 +460,20 @@ def test_limiter_redis_url_resolution() -> None:
     assert ratelimit_redis_url(explicit) == "redis://r/1"
     assert redis_py_url("redis+socket:///tmp/r.sock") == "unix:///tmp/r.sock"
     assert redis_py_url("redis://h") == "redis://h"
+
+
+@pytest.mark.parametrize("sdk", [openai, anthropic])
+def test_a_body_that_is_no_json_error_is_described_never_quoted(sdk: Any) -> None:
+    """The SDKs' message for a body that is not JSON is the body itself: a proxy's page, or a server
+    echoing the request (the page's text), went into the logs, llm_calls, the audit and the job."""
+    echoed = "Segment: Alice told Bob her diagnosis"
+    response = httpx2.Response(
+        502,
+        headers={"content-type": "text/html"},
+        content=f"<html>{echoed}</html>".encode(),
+        request=HTTP_REQUEST,
+    )
+    error = sdk.APIStatusError(f"<html>{echoed}</html>", response=response, body=f"<html>{echoed}</html>")
+    c = classify(error)
+    assert c.retryable and "diagnosis" not in c.message
+    assert c.message == "HTTP 502: a reply that is not a JSON error (50 bytes, text/html; not kept)"

@@ -112,16 +112,23 @@ MAX_PROVIDER_MESSAGE_CHARS = 1_000
 
 
 def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
-    """The provider's own words (``error.message`` in either wire format), else the SDK's summary;
-    clipped to MAX_PROVIDER_MESSAGE_CHARS."""
+    """The provider's own words (``error.message`` in either wire format); clipped to
+    MAX_PROVIDER_MESSAGE_CHARS. A body that is no JSON error (a proxy's HTML page, a server that echoes
+    the request) is described, never quoted: the SDKs' own message is that body, and it went into the
+    logs, llm_calls, the audit and the job's last error, page text and all."""
     body: Any = exc.body
-    message = str(exc.message)
+    message: str | None = None
     if isinstance(body, Mapping):
         inner = body.get("error")
         if isinstance(inner, Mapping) and isinstance(inner.get("message"), str):
             message = str(inner["message"])
         elif isinstance(body.get("message"), str):
             message = str(body["message"])
+    if message is None:
+        response: Any = getattr(exc, "response", None)
+        kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
+        size = len(getattr(response, "content", b"") or b"") if response is not None else 0
+        message = f"a reply that is not a JSON error ({size} bytes, {kind}; not kept)"
     if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
         message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
     return message
