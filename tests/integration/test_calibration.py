@@ -347,6 +347,18 @@ def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
     again = import_csv(tx_factory, path, recompute_every=50)
     assert again.added == [] and [line for line, _ in again.duplicates] == [2, 4, 9]
     assert count(tx_factory, CalibrationObservation) == 3
+    # The same bytes under another name, or with --origin for the blanks: the same rows. The judged
+    # compaction's row (blank origin) was stored again under the new default origin, counted twice in
+    # every recompute; the others were refused as "already used for a different observation".
+    copy = tmp_path / "copy.csv"
+    copy.write_text(CSV, encoding="utf-8")
+    for report in (
+        import_csv(tx_factory, copy, recompute_every=50),
+        import_csv(tx_factory, path, origin="x", recompute_every=50),
+    ):
+        assert report.added == [] and [line for line, _ in report.duplicates] == [2, 4, 9]
+        assert [line for line, _ in report.errors] == [3, 6, 8]
+    assert count(tx_factory, CalibrationObservation) == 3
 
 
 def test_import_reports_its_progress_a_statement_at_a_time(

@@ -81,7 +81,10 @@ def _conflict_message(obs: ObservationIn, row: Row[Any]) -> str:
 
 
 def _says_the_same(obs: ObservationIn, row: Row[Any]) -> bool:
-    return all(getattr(row, name) == value for name, value in obs.recorded().items())
+    """The stored row says what ``obs`` says (the origin aside when it is a default: a copy of the same
+    file under another name, or with --origin, is the same rows, not a conflict on every line)."""
+    ignored = "origin" if not obs.origin_given else None
+    return all(getattr(row, name) == value for name, value in obs.recorded().items() if name != ignored)
 
 
 def store_observations(

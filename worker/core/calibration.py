@@ -80,6 +80,9 @@ class ObservationIn:
     origin: str
     compaction_id: int | None = None
     idempotency_key: str | None = None
+    # False: the origin is a default (a file import's name or --origin for rows that leave it blank),
+    # not the row's own: it does not make a copy of the same row another observation.
+    origin_given: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coverage", _check_coverage(self.coverage))
@@ -112,7 +115,8 @@ class ObservationIn:
         if self.idempotency_key is not None:
             return f"key:{self.idempotency_key}"
         if self.compaction_id is not None:
-            said = f"{self.origin}\x1f{self.compaction_id}\x1f{self.coverage!r}\x1f{self.answer_kept}"
+            origin = self.origin if self.origin_given else ""
+            said = f"{origin}\x1f{self.compaction_id}\x1f{self.coverage!r}\x1f{self.answer_kept}"
             return "compaction:" + hashlib.sha256(said.encode("utf-8")).hexdigest()
         return None
 
@@ -175,6 +179,7 @@ def _parse_row(values: dict[str, str], default_origin: str, line_key: str) -> Ob
         origin=values.get("origin") or default_origin,
         compaction_id=compaction_id,
         idempotency_key=key,
+        origin_given=bool(values.get("origin")),
     )
 
 
