@@ -5,7 +5,7 @@ checking the same file without storing it.
 
 Writes a CSV of ``--rows`` observations (coverage, label), then times, in a fresh database each round,
 ``worker.calibration.import_csv`` (read, check, store 1,000 rows a statement, each row's key made from
-the file) and, as the baseline, ``worker.core.calibration.parse_observations_csv`` on the same bytes
+the file) and, as the baseline, ``worker.core.calibration_csv.parse_observations_csv`` on the same bytes
 (what importing costs before the database). Prints medians and the ratio, and the time per row.
 
 Needs the local Postgres (127.0.0.1:5432); creates and drops its own databases.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.service import migrated_database  # noqa: E402
 from worker.calibration import import_csv  # noqa: E402
-from worker.core.calibration import parse_observations_csv  # noqa: E402
+from worker.core.calibration_csv import parse_observations_csv  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         parsed, stored = [], []
         for _ in range(args.rounds):
             started = time.perf_counter()
-            good, errors, _ = parse_observations_csv(path.read_text(), default_origin="csv", file_digest="d")
+            parsed = parse_observations_csv(path.read_text(), default_origin="csv", file_digest="d")
+            good, errors = parsed.good, parsed.errors
             parsed.append(time.perf_counter() - started)
             assert len(good) == args.rows and not errors
             with migrated_database(SERVER) as (_, factory):

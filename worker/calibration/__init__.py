@@ -40,7 +40,6 @@ from worker.core.calibration import (
     SPLIT_METHOD,
     SPLIT_SALT,
     ActiveThreshold,
-    CsvFormatError,
     Evaluation,
     Observation,
     ObservationError,
@@ -48,9 +47,9 @@ from worker.core.calibration import (
     UnknownCompactionError,
     describe_tau,
     evaluate,
-    parse_observations_csv,
     split_observations,
 )
+from worker.core.calibration_csv import CsvFormatError, parse_observations_csv
 
 __all__ = [
     "FALLBACK",

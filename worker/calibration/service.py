@@ -35,11 +35,10 @@ from worker.core.calibration import (
     SplitCounts,
     UnknownCompactionError,
     check_parameters,
-    decode_csv,
     describe_succession,
     evaluate,
-    parse_observations_csv,
 )
+from worker.core.calibration_csv import decode_csv, parse_observations_csv
 from worker.core.errors import error_summary
 from worker.core.ttl_cache import TtlCache
 from worker.jobs.outbox import CALIBRATION, JobRequest, Sender

@@ -347,20 +347,11 @@ def _f8(value: float) -> str:
     return f"CAST({float(value)!r} AS float8)"
 
 
-def _ranked_matches(
-    session: Session, units: list[LexUnit], excluded: list[str], filters: SearchFilters, limit: int
-) -> tuple[list[Hit], bool]:
-    """The ranked search of ``_lexical``, exact words first.
-
-    Facts holding the exact words are ranked first; only when they do not fill ``limit`` does the search
-    widen to prefixes ("meet" finds "meetings"). Scores are the same either way (a prefix still counts
-    in the score), so the exact pass answers the prefix search's ranking less the facts that hold only
-    a longer word. A broad prefix (in a million facts, one word's prefix matched 59,196 of them) is
-    then ranked only when the exact word is too rare to fill the list.
-    """
-    dfs, total = _document_frequencies(session, units)
-    where, params = _filter_sql(filters)
-    params["limit"] = limit
+def _ranking_statements(
+    units: Sequence[LexUnit], dfs: Sequence[float], total: float, where: str, params: dict[str, Any]
+) -> tuple[Any, Any]:
+    """(the ranked query through the index, the one a rare word drives), their unit parameters added to
+    ``params``: each unit's idf-weighted match, exact words over prefixes, with BM25's length norm."""
     terms = []
     for i, unit in enumerate(units):
         params[f"strong{i}"] = unit.strong
@@ -388,6 +379,24 @@ def _ranked_matches(
         f"WHERE f.search_vector @@ CAST(:drive AS tsquery) AND {where}) "
         f"{scored} FROM driving f WHERE f.search_vector @@ CAST(:match AS tsquery) {ranking}"
     )
+    return indexed, driven
+
+
+def _ranked_matches(
+    session: Session, units: list[LexUnit], excluded: list[str], filters: SearchFilters, limit: int
+) -> tuple[list[Hit], bool]:
+    """The ranked search of ``_lexical``, exact words first.
+
+    Facts holding the exact words are ranked first; only when they do not fill ``limit`` does the search
+    widen to prefixes ("meet" finds "meetings"). Scores are the same either way (a prefix still counts
+    in the score), so the exact pass answers the prefix search's ranking less the facts that hold only
+    a longer word. A broad prefix (in a million facts, one word's prefix matched 59,196 of them) is
+    then ranked only when the exact word is too rare to fill the list.
+    """
+    dfs, total = _document_frequencies(session, units)
+    where, params = _filter_sql(filters)
+    params["limit"] = limit
+    indexed, driven = _ranking_statements(units, dfs, total, where, params)
     negation = "".join(f" & {x}" for x in excluded)
     order = rarest_first(dfs)
 
