@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         parsed, stored = [], []
         for _ in range(args.rounds):
             started = time.perf_counter()
-            parsed = parse_observations_csv(path.read_text(), default_origin="csv", file_digest="d")
-            good, errors = parsed.good, parsed.errors
+            read = parse_observations_csv(path.read_text(), default_origin="csv", file_digest="d")
+            good, errors = read.good, read.errors
             parsed.append(time.perf_counter() - started)
             assert len(good) == args.rows and not errors
             with migrated_database(SERVER) as (_, factory):
