@@ -200,6 +200,34 @@ def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_fa
     assert budget.jobs_with_room([spent.id, fresh.id]) == []
 
 
+def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):
+    """A day's ingest paused for budget: the waiters' ids went in IN lists, one parameter each, and past
+    65,535 the driver refused the query: the whole sweep rolled back, every sweep (nothing re-sent)."""
+    from sqlalchemy import text
+
+    set_(tx_factory, "llm.budget_daily_usd", "100")
+    set_(tx_factory, "llm.budget_job_usd", "1")
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status, pause_reason, options, attempts, worker_losses) "
+                "SELECT 'extraction', 'default|p' || n, 'paused', 'budget', '{}', 0, 0 "
+                "FROM generate_series(1, 70000) AS n"
+            )
+        )
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+        budget_room_for=budget.jobs_with_room,
+        sender=lambda task, job_id, queue: None,
+    )
+    assert len(report.resumed_paused) == 70_000
+
+
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
 def test_costs_command_reports_spend_and_cached_share(factory, llm, database_url):
     set_(factory, "llm.prices", PRICES)

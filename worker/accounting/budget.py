@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 
-from sqlalchemy import Date, bindparam, cast, func, select
+from sqlalchemy import BigInteger, Date, any_, bindparam, cast, func, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall, LLMSpendDay
@@ -121,10 +122,10 @@ class Budget:
             spent = dict(
                 session.execute(
                     select(LLMCall.job_id, func.sum(LLMCall.cost_usd))
-                    .where(LLMCall.job_id.in_(job_ids))
+                    .where(LLMCall.job_id == any_(bindparam("ids", list(job_ids), type_=ARRAY(BigInteger))))
                     .group_by(LLMCall.job_id)
                 ).all()
-            )
+            )  # one array parameter: 65,536 waiters or more in an IN list failed every sweep
         return [job_id for job_id in job_ids if Decimal(spent.get(job_id) or 0) < per_job]
 
     def has_room(self, job_id: int | None = None) -> bool:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, or_, select, text, update
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import BigInteger, any_, bindparam, func, or_, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
@@ -187,8 +187,12 @@ def broker_queue_depth(queue: str) -> int | None:
         return None
 
 
+# One array parameter: an IN list of the jobs sent (one parameter each) failed past 65,535 of them,
+# after they had all gone to the broker.
 _MARK_ENQUEUED = (
-    update(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True))).values(enqueued_at=func.now())
+    update(JOBS)
+    .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .values(enqueued_at=func.now())
 )
 
 
@@ -233,7 +237,10 @@ def traceparents(factory: sessionmaker[Session], job_ids: Sequence[int]) -> dict
         return {}
     with factory() as session:
         rows = session.execute(
-            select(Job.id, Job.traceparent).where(Job.id.in_(job_ids), Job.traceparent.is_not(None))
+            select(Job.id, Job.traceparent).where(
+                Job.id == any_(bindparam("traced_ids", list(job_ids), type_=ARRAY(BigInteger))),
+                Job.traceparent.is_not(None),
+            )
         ).all()
     return {row.id: row.traceparent for row in rows}
 
@@ -297,8 +304,8 @@ def resume_paused(
     matches = Job.pause_reason == reason
     if reason == KILL_SWITCH:
         matches = or_(matches, Job.pause_reason.is_(None))  # paused before reasons were recorded
-    if job_ids is not None:
-        matches = matches & Job.id.in_(job_ids)
+    if job_ids is not None:  # one array parameter: an IN list past 65,535 ids is refused
+        matches = matches & (Job.id == any_(bindparam("resumed_ids", list(job_ids), type_=ARRAY(BigInteger))))
     rows = session.execute(
         update(Job)
         .where(Job.status == "paused", Job.kind.in_(kinds), matches)
