@@ -239,15 +239,23 @@ def test_a_recompute_reads_up_to_an_id_below_which_nothing_is_still_uncommitted(
     worker.start()
     worker.join(1.0)
     waited = worker.is_alive()
+    # Meanwhile feedback is stored at once: a waiting exclusive lock request queued every later
+    # storing transaction behind it, so all feedback waited for the import.
+    feedback = threading.Thread(target=lambda: add(factory, [ObservationIn(0.8, True, "feedback")]))
+    feedback.start()
+    feedback.join(5)
+    stored_at_once = not feedback.is_alive()
     importing.commit()
     importing.close()
     worker.join(30)
+    feedback.join(30)
     assert waited, "the recompute read past an open import"
+    assert stored_at_once, "feedback waited behind the recompute's lock request"
     [result] = results
     with factory() as session:
         row = session.get(CalibrationThreshold, result.version)
         newest = session.scalar(select(func.max(CalibrationObservation.id)))
-    assert row is not None and (row.n, row.max_observation_id) == (61, newest)
+    assert row is not None and (row.n, row.max_observation_id) == (62, newest)
 
 
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(

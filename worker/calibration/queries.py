@@ -7,6 +7,7 @@ transactions it owns.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -246,18 +247,24 @@ def deactivate_versions(session: Session) -> None:
     )
 
 
-def observations_bound(session: Session) -> int | None:
+def observations_bound(session: Session, poll_seconds: float = 0.2) -> int | None:
     """The newest observation id a recompute reads up to, once every transaction that drew a lower one
     has ended: ids come from a sequence when a row is inserted, not when it commits, so a long import
     of ids 1..1000 could commit after a recompute had read id 1001 (and recorded it as its range):
     that version could not be derived again from "ids <= 1001", and its rows were never counted as
-    new since. The exclusive lock waits for the storing transactions (they hold it shared), and is
-    released at once (a session lock), so new feedback waits only for this one statement."""
-    session.execute(text("SELECT pg_advisory_lock(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+    new since. Storing transactions hold the lock shared; this takes it exclusively for one statement.
+    By polling (a try-lock) rather than waiting in the lock's queue: a waiting exclusive request
+    queues every later shared one behind it, so all feedback waited for an import of minutes. The
+    statement runs in a savepoint, so the unlock always runs in a live transaction (a failed one would
+    have left the lock on the pooled connection)."""
+    lock = {"id": OBSERVATIONS_LOCK_ID}
+    while not session.scalar(text("SELECT pg_try_advisory_lock(:id)"), lock):
+        time.sleep(poll_seconds)
     try:
-        newest = session.scalar(select(func.max(CalibrationObservation.id)))
+        with session.begin_nested():
+            newest = session.scalar(select(func.max(CalibrationObservation.id)))
     finally:
-        session.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+        session.execute(text("SELECT pg_advisory_unlock(:id)"), lock)
     return int(newest) if newest is not None else None
 
 
