@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from sqlalchemy import event as sqlalchemy_event
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -452,3 +453,26 @@ def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
     params = {"grace": 600, "window": 86400, "scan": 10, "kind": "consolidation", "page": "page:"}
     plan = "\n".join(session.execute(text(f"EXPLAIN {_FORGOTTEN.text}"), params).scalars())
     assert "ix_facts_unconsolidated" in plan, plan
+
+
+def test_forgetting_the_reasons_about_a_pages_facts_can_use_each_sides_index(session: Session) -> None:
+    """It now runs on every re-extraction: under one OR, the update scanned every decision."""
+    from worker.consolidation.erasure import forget_reasons_about, page_facts
+
+    session.execute(text("SET LOCAL enable_seqscan = off"))
+    plans: list[str] = []
+
+    @sqlalchemy_event.listens_for(session.get_bind(), "before_cursor_execute", retval=True)
+    def explain(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.startswith("UPDATE consolidation_decisions"):
+            cursor.execute("EXPLAIN " + statement, parameters)
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+        return statement, parameters
+
+    try:
+        forget_reasons_about(session, page_facts("default", "conversations/x"), "gone")
+    finally:
+        sqlalchemy_event.remove(session.get_bind(), "before_cursor_execute", explain)
+    assert len(plans) == 2
+    assert "ix_consolidation_decisions_fact_id" in plans[0], plans[0]
+    assert "ix_consolidation_decisions_other_fact_id" in plans[1], plans[1]

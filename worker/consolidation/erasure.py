@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select, or_, select, text, update
+from sqlalchemy import Select, select, text, update
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
@@ -64,17 +64,15 @@ def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -
     """Before these facts are deleted, in the caller's transaction: the reasons of the decisions about
     them become ``reason`` (the decision and who made it stay). The one place a deletion of facts
     forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say."""
-    session.execute(
-        update(ConsolidationDecision)
-        .where(
-            ConsolidationDecision.reason.not_in(FORGOTTEN),
-            or_(
-                ConsolidationDecision.fact_id.in_(fact_ids), ConsolidationDecision.other_fact_id.in_(fact_ids)
-            ),
+    # One statement a side: under an OR, Postgres scans the whole table instead of each side's index,
+    # and this now runs on every re-extraction, not only on an erasure.
+    for side in (ConsolidationDecision.fact_id, ConsolidationDecision.other_fact_id):
+        session.execute(
+            update(ConsolidationDecision)
+            .where(ConsolidationDecision.reason.not_in(FORGOTTEN), side.in_(fact_ids))
+            .values(reason=reason)
+            .execution_options(synchronize_session=False)
         )
-        .values(reason=reason)
-        .execution_options(synchronize_session=False)
-    )
 
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
