@@ -244,6 +244,24 @@ def test_a_duplicate_said_before_its_canonical_moves_the_canonicals_start(tx_fac
     assert answered == [march.id]
 
 
+def test_moving_a_canonicals_start_back_ends_what_it_closed_there_too(tx_factory, llm) -> None:
+    """Lisbon (Jan) was closed by Porto (Mar); then Porto said in February arrived, a duplicate of
+    March's. Porto now starts in February, and Lisbon ended in March still: both answered between."""
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+        consolidate(tx_factory, llm)
+    put_page(tx_factory, "conversations/alice-feb", one_line_page("2026-02-01", "I live in Porto now."))
+    extract(tx_factory, llm, "conversations/alice-feb")
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    lisbon = facts["Alice Example lives in Lisbon now."][0]
+    march, february = facts["Alice Example lives in Porto now."]
+    feb = datetime(2026, 2, 1, 9, 0, tzinfo=UTC)
+    assert (february.status, february.duplicate_of, march.valid_from) == ("duplicate", march.id, feb)
+    assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, feb)
+
+
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     put_page(tx_factory, MAR_PAGE, MAR_BODY)

@@ -317,3 +317,25 @@ def test_a_duplicate_of_a_duplicate_links_to_the_canonical_and_is_reopened_by_it
     no_move = {a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[2].asked if a.old.id == 1}
     kept = {d.fact_id: d for d in reopen_restatements([(p, resolve(p, no_move)) for p in plans])}
     assert kept[4].duplicate_of == 1  # the chain's end, never a duplicate
+
+
+def test_a_duplicate_of_a_restatement_the_run_reopens_stays_its_duplicate() -> None:
+    """Paris (Jan); one run: Berlin (Mar) updates it, "Paris, France" (Jun) restates it (the model's
+    duplicate, reopened: said after Berlin), and the same words again (Jul). Collapsed to the chain's
+    end, July's was reopened too: two current copies of one restatement."""
+    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+
+    paris = fact(1, "Alice lives in Paris", when=JAN)
+    berlin = fact(2, "Alice lives in Berlin", when=MAR)
+    june = fact(3, "Alice lives in Paris, France", when=datetime(2026, 6, 1, tzinfo=UTC))
+    july = fact(4, "Alice lives in Paris, France", when=datetime(2026, 7, 1, tzinfo=UTC))
+    plans = plan_consolidation([berlin, june, july], [paris], "people/alice")
+    by_id = {p.new.id: p for p in plans}
+    assert by_id[4].rule is not None and by_id[4].rule.old.id == 3
+    answers = {a.number: PairDecision(a.number, "updates", "moved") for a in by_id[2].asked if a.old.id == 1}
+    answers |= {
+        a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[3].asked if a.old.id == 1
+    }
+    out = {d.fact_id: d for d in reopen_restatements([(p, resolve(p, answers)) for p in plans])}
+    assert (out[3].kind, out[3].duplicate_of) == ("new", None)  # reopened: current after Berlin
+    assert (out[4].kind, out[4].duplicate_of) == ("duplicate", 3)  # its copy stays a duplicate of it

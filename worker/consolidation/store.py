@@ -167,16 +167,7 @@ def _write_decision(
     if not marked:
         return False
     if decision.duplicate_of is not None and decision.since is not None:
-        # A duplicate said before its canonical began (it arrived later): the fact was true since then,
-        # so the canonical starts there; as of a time between the two, neither answered.
-        session.execute(
-            update(Fact)
-            .where(
-                Fact.id == decision.duplicate_of,
-                func.coalesce(Fact.valid_from, Fact.created_at) > decision.since,  # history.AS_OF_SQL's start
-            )
-            .values(valid_from=decision.since)
-        )
+        _start_canonical_by(session, decision.duplicate_of, decision.since)
     rows = [(decision.fact_id, row) for row in decision.rows]
     for closing in decision.closings:
         session.execute(
@@ -190,6 +181,25 @@ def _write_decision(
             rows += _reopen_later_restatements(session, closing)
     _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
     return True
+
+
+def _start_canonical_by(session: Session, canonical: int, since: datetime) -> None:
+    """A duplicate said before its canonical began (it arrived later): the fact was true since then, so
+    the canonical starts there (as of a time between the two, neither answered), and what it had closed
+    ends there too (else both it and its successor answered in between)."""
+    moved = session.execute(
+        update(Fact)
+        .where(Fact.id == canonical, func.coalesce(Fact.valid_from, Fact.created_at) > since)  # AS_OF_SQL's
+        .values(valid_from=since)
+        .returning(Fact.id)
+    ).first()
+    if moved is None:
+        return
+    session.execute(
+        update(Fact)
+        .where(Fact.superseded_by == canonical, Fact.status == SUPERSEDED, Fact.valid_to > since)
+        .values(valid_to=func.greatest(since, func.coalesce(Fact.valid_from, since)))
+    )
 
 
 def _slot_into_chain(session: Session, closing: Supersession) -> list[tuple[int, Row]]:

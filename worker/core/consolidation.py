@@ -415,16 +415,20 @@ RESTATED_REASON = (
 )
 
 
-def _to_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
-    """Each duplicate linked to the fact its chain ends at. A run plans each fact against the earlier
-    ones as if they stay current, so a later fact may be planned as a duplicate of one the model then
-    calls a duplicate itself: R -> N1 -> A. R then pointed at a duplicate (which answers nothing), and
-    the reopen below, which looks for what closed R's canonical, looked at N1 and missed A's closing."""
+def _to_canonicals(
+    decided: Sequence[tuple[FactPlan, Resolved]], reopened: set[int]
+) -> list[tuple[FactPlan, Resolved]]:
+    """Each duplicate linked to the fact its chain ends at, or at a fact this run reopens (current
+    again). A run plans each fact against the earlier ones as if they stay current, so a later fact may
+    be planned as a duplicate of one the model then calls a duplicate itself: R -> N1 -> A. R then
+    pointed at a duplicate (which answers nothing), and the reopen below, which looks for what closed
+    R's canonical, looked at N1 and missed A's closing. When N1 itself is reopened, R stays its
+    duplicate (two current copies of one restatement is one too many)."""
     links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
 
     def root(fact_id: int) -> int:
         seen = {fact_id}
-        while fact_id in links and links[fact_id] not in seen:
+        while fact_id in links and fact_id not in reopened and links[fact_id] not in seen:
             fact_id = links[fact_id]
             seen.add(fact_id)
         return fact_id
@@ -449,12 +453,17 @@ def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Re
     for _, resolved in decided:
         for closing in resolved.closings:
             closed_by.setdefault(closing.older.id, []).append(closing.newer)
-    decided = _to_canonicals(decided)
+
+    def closed_before(plan: FactPlan, original: int | None) -> list[FactView]:
+        closers = closed_by.get(original, []) if original is not None else []
+        return [f for f in closers if order_key(f) <= order_key(plan.new)]
+
+    reopened = {r.fact_id for plan, r in decided if closed_before(plan, r.duplicate_of)}
+    decided = _to_canonicals(decided, reopened)
     out: list[Resolved] = []
     for plan, resolved in decided:
         original = resolved.duplicate_of
-        closers = closed_by.get(original, []) if original is not None else []
-        newer = [f for f in closers if order_key(f) <= order_key(plan.new)]
+        newer = closed_before(plan, original)
         if original is None or not newer:
             out.append(resolved)
             continue
