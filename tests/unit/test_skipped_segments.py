@@ -105,3 +105,29 @@ def test_an_error_between_a_segments_attempts_keeps_the_paid_ones() -> None:
 
 def _raise() -> None:
     raise RuntimeError("no database")
+
+
+def test_a_retry_of_a_skipped_segment_records_the_attempts_an_error_cut_short() -> None:
+    """`jobs retry --skipped` dropped the paid attempts of a segment whose next call was cut short
+    (the lease lost, the database gone at the budget check): the error went on without them."""
+    from types import SimpleNamespace
+
+    from worker.extraction.poison import SkippedRetry
+    from worker.extraction.segments import DISCARDED_ABORTED, Attempt, SegmentAbortedError
+
+    paid = Attempt("malformed_output", None, [], "not json", "stub", "stub-1")
+    recorded: list[tuple[object, list[Attempt], str | None]] = []
+    store = SimpleNamespace(
+        record_attempts=lambda place, attempts, note=None, **_: recorded.append((place, attempts, note))
+    )
+    counted: list[object] = []
+    counters = SimpleNamespace(add_calls=counted.append)
+
+    def extract(label: str, segment: object) -> object:
+        raise SegmentAbortedError([paid], RuntimeError("lease lost"))
+
+    retry = SkippedRetry(store, None, None, counters, extract)  # type: ignore[arg-type]
+    place = SimpleNamespace(segment="segment")
+    with pytest.raises(RuntimeError, match="lease lost"):
+        retry._retry_one(SimpleNamespace(slug="p"), "label", None, None, place, None)  # type: ignore[arg-type]
+    assert recorded == [(place, [paid], DISCARDED_ABORTED)] and len(counted) == 1

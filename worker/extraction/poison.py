@@ -12,7 +12,7 @@ from worker.extraction.committer import SegmentCommitter
 from worker.extraction.options import ExtractionCounters, PageReport, page_types
 from worker.extraction.planner import PagePlanner
 from worker.extraction.rows import SegmentPlace
-from worker.extraction.segments import SegmentResult
+from worker.extraction.segments import DISCARDED_ABORTED, SegmentAbortedError, SegmentResult
 from worker.extraction.store import ExtractionStore, PageRef, PageVersion
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,12 @@ class SkippedRetry:
         """Extract one skipped segment and commit what came of it: (the checkpoint now, whether the
         page failed and the pass stops)."""
         slug = report.slug
-        result = self.extract(label, place.segment)
+        try:
+            result = self.extract(label, place.segment)
+        except SegmentAbortedError as aborted:  # paid attempts, then an error: recorded, then raised on
+            self.counters.add_calls(SegmentResult(aborted.attempts))
+            self.store.record_attempts(place, aborted.attempts, note=DISCARDED_ABORTED)
+            raise aborted.cause from None
         self.counters.add_calls(result)
         skip, failures = self.committer.poison(place, result)
         if not result.ok and skip is None:

@@ -128,6 +128,9 @@ def _ask(
     return None
 
 
+DISCARDED_ABORTED = "discarded: the run stopped between this segment's attempts"
+
+
 class SegmentAbortedError(Exception):
     """An error between a segment's attempts once some were paid for (the lease lost, the worker
     stopping, the database gone at a budget check): ``attempts`` to record, ``cause`` to raise on.

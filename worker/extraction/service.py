@@ -129,8 +129,7 @@ class OnlineExtraction:
         finally:
             feed.close()
         if outcome.error is not None:
-            error = outcome.error
-            raise error.cause if isinstance(error, SegmentAbortedError) else error
+            raise outcome.error  # a SegmentAbortedError too: the retry records its attempts
         return outcome.result()
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
