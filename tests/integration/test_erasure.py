@@ -335,6 +335,29 @@ def test_a_run_cannot_bring_facts_back_for_a_page_erased_under_it(
     assert counted(enabled, ExtractionAudit) == 0
 
 
+def test_a_page_erased_under_a_run_gets_no_audit_rows_for_its_calls_in_flight(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Its calls in flight were recorded with audit rows (the segment's times, the model's reply) after
+    the erasure had deleted the page's: only their llm_calls rows may stay."""
+    days = [f"2024-03-{day:02d}" for day in (15, 16, 17, 18)]
+    body = "\n".join(
+        line
+        for day in days
+        for line in (
+            f"**Alice Example** ({day} 9:00 AM): I signed the offer letter for Acme Corp on {day}.",
+            f"**Bob Demo** ({day} 9:01 AM): Congrats on {day}!",
+        )
+    )
+    store(enabled, body)
+    racing = Interrupting(llm, lambda: erase_page(enabled, "default", SLUG, "api"))
+    with pytest.raises(PageChangedError):
+        run_extract_conversation_facts(enabled, racing, ExtractOptions(slug=SLUG, segment_concurrency=4))
+    assert racing.fired
+    assert counted(enabled, ExtractionAudit) == 0
+    assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
+
+
 def test_a_run_another_run_overtook_keeps_the_spend_of_its_refused_commit(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -11,6 +11,7 @@ from worker.extraction.options import (
     CheckpointConflictError,
     ExtractionCounters,
     ExtractionProgress,
+    PageChangedError,
     PageReport,
 )
 from worker.extraction.planner import PagePlan, PagePlanner
@@ -58,6 +59,7 @@ class SegmentCommitter:
         self.progress = progress
         self.max_segment_failures = max_segment_failures
         self.on_facts_committed = on_facts_committed
+        self.page_gone = False  # a commit found the page changed: what it discards gets no audit rows
 
     def facts_committed(self, slug: str, inserted: int) -> None:
         """Facts of page ``slug`` were committed (``inserted`` of them, in one transaction): the one
@@ -75,9 +77,16 @@ class SegmentCommitter:
     ) -> None:
         """A result the page could not use still cost money: record its attempts, facts unused."""
         self.counters.add_calls(result)
-        self.store.record_attempts(
-            self.planner.place(slug, index, segment), result.attempts, note=note, permanent=result.permanent
-        )
+        self._keep_spend(slug, index, segment, result, note)
+
+    def _keep_spend(self, slug: str, index: int, segment: Segment, result: SegmentResult, note: str) -> None:
+        """A paid result's rows: llm_calls and audit rows, or the calls alone when the page changed (its
+        audit rows describe it, and an erasure has just taken them out)."""
+        place = self.planner.place(slug, index, segment)
+        if self.page_gone:
+            self.store.record_spend([(place, result.attempts)])
+        else:
+            self.store.record_attempts(place, result.attempts, note=note, permanent=result.permanent)
 
     def poison(self, place: SegmentPlace, result: SegmentResult) -> tuple[str | None, int]:
         """(why the segment is skipped, or None to fail the page as before; its permanent failures
@@ -104,6 +113,7 @@ class SegmentCommitter:
         """Commit a planned page's segment results (in page order, in runs of consecutive ones): each
         run in one transaction that moves the checkpoint over all of it."""
         self.progress.page_started(plan.slug, len(plan.segments))
+        self.page_gone = False  # set when a commit finds the page changed: what it discards gets no audit
         try:
             if plan.replace:
                 return self._commit_replacing(plan, results)
@@ -130,9 +140,13 @@ class SegmentCommitter:
             handed: set[int] = set()  # indexes given to a commit: committed, or kept by the store if refused
             try:
                 outcome = self._commit_batch(plan, batch, expected, report, handed)
-            except CheckpointConflictError:
-                # Another run moved the page on: the rest of the batch was paid for too.
-                self.discard(plan.slug, [item for item in batch if item[0] not in handed])
+            except CheckpointConflictError as exc:
+                # Another run moved the page on, or it changed: the rest of the batch was paid for too.
+                # A page changed (erased, perhaps) gets no audit rows: they describe it.
+                self.page_gone = isinstance(exc, PageChangedError)
+                for index, segment, result in batch:
+                    if index not in handed:  # counted as calls already, when the page took them
+                        self._keep_spend(plan.slug, index, segment, result, DISCARDED_UNUSED)
                 raise
             if isinstance(outcome, PageReport):
                 return outcome

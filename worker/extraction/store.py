@@ -307,12 +307,17 @@ class ExtractionStore:
         try:
             yield
         except CheckpointConflictError:
-            with self._factory.begin() as session:
-                self._paid(session, discarded=True)
-                self._ledger.record_many(
-                    session, [r for place, attempts in spent for r in call_records(place, attempts)]
-                )
+            self.record_spend(spent)
             raise
+
+    def record_spend(self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]) -> None:
+        """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
+        only, no audit rows (which describe the page: an erasure has just taken its out)."""
+        with self._factory.begin() as session:
+            self._paid(session, discarded=True)
+            self._ledger.record_many(
+                session, [r for place, attempts in spent for r in call_records(place, attempts)]
+            )
 
     def _paid(self, session: Session, *, discarded: bool = False) -> None:
         """Called in the transaction that records a segment's LLM calls (``discarded``: without its
