@@ -464,6 +464,37 @@ def test_the_sweep_requests_the_consolidation_a_dead_worker_never_requested(
     assert maintain(rt).steps["consolidations_caught_up"] == 0  # past the day: `factmill facts consolidate`
 
 
+def test_a_backlog_of_covered_facts_hides_no_lost_request(tx_factory) -> None:
+    """The catch-up read the oldest facts first and only then passed over those whose entity had a job:
+    a backlog of queued (or paused) jobs' facts filled the read every sweep, and a lost request behind
+    it was never found."""
+    from worker.consolidation import catch_up_consolidation
+    from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num, created_at) "
+                "SELECT 'default', 'backlog ' || n, 'fact', 'people/queued', 0.9, 'medium', 's', 's', "
+                "'conversations/q', n, now() - interval '2 hours' FROM generate_series(0, 29) AS n"
+            )
+        )
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num, created_at) "
+                "VALUES ('default', 'lost', 'fact', 'people/lost', 0.9, 'medium', 's', 's', "
+                "'conversations/l', 0, now() - interval '1 hour')"
+            )
+        )
+        request_job(session, CONSOLIDATION, page_subject("default", "people/queued"))  # covers the backlog
+    assert catch_up_consolidation(tx_factory, scan=10) == 1
+    with tx_factory() as session:
+        subjects = set(session.scalars(select(Job.subject).where(Job.kind == CONSOLIDATION)))
+    assert subjects == {"default|people/queued", "default|people/lost"}
+
+
 def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
     from worker.consolidation.store import _FORGOTTEN
 

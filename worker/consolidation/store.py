@@ -3,6 +3,7 @@ row, entity checkpoint advanced), so each is committed exactly once."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -10,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import BindParameter, and_, bindparam, func, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
@@ -33,6 +35,8 @@ from worker.core.consolidation import (
 )
 from worker.jobs.outbox import CONSOLIDATION
 
+QUERY_CANCELED = "57014"  # statement_timeout
+logger = logging.getLogger(__name__)
 _SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
 SLOTTED_REASON = (
@@ -376,45 +380,58 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     )
 
 
-# The unconsolidated facts of the last day stored before the grace, oldest first, at most :scan of them
-# (ix_facts_unconsolidated), whose entity has no consolidation job pending nor requested since the fact
-# was stored: the requests a dead worker's follow-up never made. A failed job requested after the fact
-# covers it too (an operator's retry, not a new job every sweep), and a day bounds the scan.
+# The unconsolidated facts of the last day stored before the grace, oldest first (ix_facts_unconsolidated),
+# whose entity has no consolidation job pending nor requested since the fact was stored: the requests a
+# dead worker's follow-up never made. A failed job requested after the fact covers it too (an operator's
+# retry, not a new job every sweep), and a day bounds the scan. Covered facts are passed over before the
+# limit (a backlog of queued or paused jobs filled a limit taken first, every sweep, and hid the lost).
 _FORGOTTEN = text(
     """
     SELECT DISTINCT f.source_id, f.entity_slug, f.source_markdown_slug
     FROM (
-        SELECT source_id, entity_slug, source_markdown_slug, created_at FROM facts
+        SELECT source_id, entity_slug, source_markdown_slug FROM facts f
         WHERE consolidated_at IS NULL AND NOT is_audit
           AND created_at < now() - make_interval(secs => :grace)
           AND created_at > now() - make_interval(secs => :window)
+          AND NOT EXISTS (
+              SELECT 1 FROM jobs j
+              WHERE j.kind = :kind
+                AND j.subject = f.source_id || '|'
+                    || coalesce(nullif(f.entity_slug, ''), :page || f.source_markdown_slug)
+                AND (j.status IN ('queued', 'running', 'paused') OR j.created_at >= f.created_at)
+          )
         ORDER BY created_at LIMIT :scan
     ) f
-    WHERE NOT EXISTS (
-        SELECT 1 FROM jobs j
-        WHERE j.kind = :kind
-          AND j.subject = f.source_id || '|'
-              || coalesce(nullif(f.entity_slug, ''), :page || f.source_markdown_slug)
-          AND (j.status IN ('queued', 'running', 'paused') OR j.created_at >= f.created_at)
-    )
     """
 )
+# A day's backlog of covered facts is read through; past this the sweep's step gives up until the next.
+FORGOTTEN_READ_TIMEOUT = "5s"
 
 
 def forgotten_entity_keys(
     session: Session, *, grace_seconds: float, window_seconds: float, scan: int
 ) -> list[tuple[str, str]]:
-    """(source id, entity key) of the entities whose consolidation request was lost (``_FORGOTTEN``)."""
-    rows = session.execute(
-        _FORGOTTEN,
-        {
-            "grace": grace_seconds,
-            "window": window_seconds,
-            "scan": scan,
-            "kind": CONSOLIDATION,
-            "page": PAGE_KEY_PREFIX,
-        },
-    ).all()
+    """(source id, entity key) of the entities whose consolidation request was lost (``_FORGOTTEN``);
+    none when the read takes longer than FORGOTTEN_READ_TIMEOUT (a huge backlog: logged)."""
+    params = {
+        "grace": grace_seconds,
+        "window": window_seconds,
+        "scan": scan,
+        "kind": CONSOLIDATION,
+        "page": PAGE_KEY_PREFIX,
+    }
+    try:
+        with session.begin_nested():
+            session.execute(text(f"SET LOCAL statement_timeout = '{FORGOTTEN_READ_TIMEOUT}'"))
+            rows = session.execute(_FORGOTTEN, params).all()
+            session.execute(text("SET LOCAL statement_timeout = DEFAULT"))
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != QUERY_CANCELED:
+            raise
+        logger.warning(
+            "the consolidation catch-up read took over %s; tried again next sweep", FORGOTTEN_READ_TIMEOUT
+        )
+        return []
     return sorted({(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows})
 
 
