@@ -168,6 +168,19 @@ def test_kill_switch_resume_does_not_wake_budget_waiters(session):
     assert len(resumed) == 1 and statuses == {"a": "paused", "b": "queued"}
 
 
+def sweep_waking(factory, budget: Budget):  # type: ignore[no-untyped-def]
+    """One sweep that wakes budget waiters by ``budget`` and sends nowhere."""
+    return sweep(
+        factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+        budget_room_for=budget.jobs_with_room,
+        sender=lambda task, job_id, queue: None,
+    )
+
+
 def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_factory):
     """The sweep woke every job paused for budget whenever the day's budget had room, so a job whose
     own budget was spent was claimed, run and paused again on every sweep, for ever."""
@@ -181,15 +194,7 @@ def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_fa
             LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=spent.id)
         )
     budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
-    report = sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=300,
-        enabled=lambda key: True,
-        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
-        budget_room_for=budget.jobs_with_room,
-        sender=lambda task, job_id, queue: None,
-    )
+    report = sweep_waking(tx_factory, budget)
     assert report.resumed_paused == [fresh.id]
     with tx_factory() as session:
         assert session.get(Job, spent.id).status == "paused"
@@ -216,15 +221,7 @@ def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_fact
             )
         )
     budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
-    report = sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=300,
-        enabled=lambda key: True,
-        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
-        budget_room_for=budget.jobs_with_room,
-        sender=lambda task, job_id, queue: None,
-    )
+    report = sweep_waking(tx_factory, budget)
     assert len(report.resumed_paused) == 70_000
 
 
