@@ -287,6 +287,23 @@ def test_stdio_without_a_valid_key_refuses_to_start(env):
         assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
 
 
+def test_the_http_server_refuses_to_start_in_production_on_placeholder_secrets(env):
+    """`serve` refused the placeholder admin token in production; `mcp --http` started and took it as
+    the bootstrap admin: every tool, every source, for whoever read the README."""
+    production = env | {"FACTMILL_ENVIRONMENT": "production", "FACTMILL_LLM": "simulator"}
+    result = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "mcp", "--http", str(free_port())],
+        cwd=REPO,
+        env=production,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "is a placeholder; set a real secret" in result.stderr
+
+
 @pytest.fixture
 def http_server(env: dict[str, str]) -> Iterator[str]:
     with _mcp_http(env) as url:

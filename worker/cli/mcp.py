@@ -10,7 +10,7 @@ import typer
 from worker.cli.console import fail, port_option
 from worker.cli.sessions import checked_factory
 from worker.runtime import build_runtime
-from worker.settings import get_settings
+from worker.settings import InsecureSecretsError, get_settings
 
 NO_KEY = (
     "no API key for the MCP server: set FACTMILL_MCP_API_KEY (or name another variable with --key-env) "
@@ -52,6 +52,12 @@ def mcp_command(
     from worker.mcp import authenticate_key, run_http, run_stdio
 
     settings = get_settings()
+    # As `serve` does: the HTTP server took the placeholder admin token as the bootstrap admin in
+    # production (every tool, every source), and stdio searches call the model as the API does.
+    try:
+        settings.check_production_secrets()
+    except InsecureSecretsError as exc:
+        raise fail(str(exc), code=2) from None
     key = None if http is not None else _stdio_key(key_env, settings.mcp_api_key)
     runtime = build_runtime(settings, checked_factory(settings))
     try:
