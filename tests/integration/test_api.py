@@ -873,10 +873,10 @@ def test_paused_jobs_are_counted_by_why(client: TestClient, tx_factory: sessionm
     """factmill_jobs{status="paused"} could not tell a backfill waiting for its batches (normal, for
     hours) from a kill switch, so the paused alert fired on every backfill and said to turn a switch on."""
     from models import Job
-    from worker.api.metrics import PAUSE_REASONS
     from worker.extraction.backfill import WAITING_FOR_BATCHES
+    from worker.jobs.registry import pause_reasons
 
-    assert WAITING_FOR_BATCHES in PAUSE_REASONS
+    assert WAITING_FOR_BATCHES in pause_reasons()
     with tx_factory.begin() as session:
         session.add_all(
             [

@@ -40,8 +40,7 @@ from worker.api.errors import one_line
 from worker.api.request_metrics import install_request_metrics
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.core.consolidation import FACT_STATUSES
-from worker.jobs.outbox import BUDGET, KILL_SWITCH
-from worker.jobs.registry import kind_names
+from worker.jobs.registry import KILL_SWITCH, kind_names, pause_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ STORE_UP_HELP = "1 if the metrics query reached Postgres"
 
 R = TypeVar("R")
 
-PAUSE_REASONS = (KILL_SWITCH, BUDGET, "batch")  # "batch": worker.extraction.backfill.WAITING_FOR_BATCHES
 _JOB_TOTALS = select(
     JobTotal.status,
     JobTotal.kind,
@@ -174,7 +172,7 @@ def _paused_jobs(paused: dict[tuple[str, str], int], kinds: list[str]) -> GaugeM
         "room), batch (a backfill waiting for its provider batches: normal, for up to 24 h)",
         labels=["kind", "reason"],
     )
-    reasons = sorted(set(PAUSE_REASONS) | {reason for _, reason in paused})
+    reasons = sorted(set(pause_reasons()) | {reason for _, reason in paused})
     for kind in sorted(set(kinds) | {kind for kind, _ in paused}):
         for reason in reasons:  # zeros included, so a series never vanishes when its last job resumes
             gauge.add_metric([kind, reason], paused.get((kind, reason), 0))

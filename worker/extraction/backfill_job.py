@@ -61,5 +61,6 @@ KIND = register(
             ErrorRule(LookupError, "fail"),
             ErrorRule(LLMConfigurationError, "fail"),
         ),
+        pause_reasons=(WAITING_FOR_BATCHES,),
     )
 )

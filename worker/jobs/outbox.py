@@ -20,7 +20,7 @@ from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.registry import KIND_MODULES, UnknownJobKindError, get_kind, kind_names
+from worker.jobs.registry import BUDGET, KILL_SWITCH, KIND_MODULES, UnknownJobKindError, get_kind, kind_names
 from worker.runtime import tracing
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,6 @@ CONSOLIDATION = "consolidation"
 PENDING = ("queued", "running", "paused")
 # The extraction job option that re-extracts a page's skipped (poison) segments (`jobs retry --skipped`).
 RETRY_SKIPPED = "retry_skipped"
-KILL_SWITCH = "kill_switch"  # pause reasons
-BUDGET = "budget"
 # Literal SQL so Postgres can match ON CONFLICT to the partial unique index uq_jobs_pending_subject.
 PENDING_PREDICATE = text("status IN ('queued', 'running', 'paused')")
 # The config keys whose change resumes jobs waiting for budget (worker.accounting owns their meaning).

@@ -26,6 +26,8 @@ KIND_MODULES: dict[str, str] = {
 # worker loss); pause: waits for a switch or the LLM budget (spends nothing); lost: another worker took
 # the lease over (it counted the loss); release: the worker is stopping, so the job goes back to the
 # queue at once for another worker (spends nothing); fail: no retry.
+KILL_SWITCH = "kill_switch"  # pause reasons every kind has: its switch is off; a budget has no room
+BUDGET = "budget"
 Action = Literal["retry", "requeue", "pause", "fail", "lost", "release"]
 
 
@@ -69,6 +71,9 @@ class JobKind:
     backoff: Backoff = field(default_factory=Backoff)
     # Consulted before the lifecycle's common rules; first match wins.
     errors: tuple[ErrorRule, ...] = ()
+    # Pause reasons of this kind's own, beside the kill switch and the budget every kind can pause for
+    # (the metrics list each one, so its series exists before the first job pauses).
+    pause_reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,12 @@ def get_kind(name: str) -> JobKind:
 
 def all_kinds() -> list[JobKind]:
     return [get_kind(name) for name in KIND_MODULES]
+
+
+def pause_reasons() -> tuple[str, ...]:
+    """Every reason a job can be paused for, in a stable order."""
+    from_kinds = [reason for kind in all_kinds() for reason in kind.pause_reasons]
+    return tuple(dict.fromkeys([KILL_SWITCH, BUDGET, *from_kinds]))
 
 
 def queues() -> tuple[str, ...]:
