@@ -499,9 +499,28 @@ def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
     from worker.consolidation.store import _FORGOTTEN
 
     session.execute(text("SET LOCAL enable_seqscan = off"))
-    params = {"grace": 600, "window": 86400, "scan": 10, "kind": "consolidation", "page": "page:"}
-    plan = "\n".join(session.execute(text(f"EXPLAIN {_FORGOTTEN.text}"), params).scalars())
+    query = _FORGOTTEN.params(grace=600, window=86400, scan=10)
+    sql = str(query.compile(session.get_bind(), compile_kwargs={"literal_binds": True}))
+    plan = "\n".join(session.execute(text(f"EXPLAIN {sql}")).scalars())
     assert "ix_facts_unconsolidated" in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("entity_slug", "page_slug"),
+    [("people/alice", "conversations/a"), (None, "conversations/a"), ("", "conversations/b|c")],
+)
+def test_the_sql_entity_key_is_the_pure_one(
+    session: Session, entity_slug: str | None, page_slug: str
+) -> None:
+    """The catch-up matches jobs by the subject it builds in SQL: a key built otherwise than the request's
+    would never find its job and request a new one every sweep."""
+    from sqlalchemy import literal
+
+    from worker.consolidation.store import entity_key_sql
+    from worker.core.consolidation import entity_key
+
+    in_sql = session.scalar(select(entity_key_sql(literal(entity_slug), literal(page_slug))))
+    assert in_sql == entity_key(entity_slug, page_slug)
 
 
 def test_forgetting_the_reasons_about_a_pages_facts_can_use_each_sides_index(session: Session) -> None:

@@ -9,7 +9,22 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BindParameter, and_, bindparam, func, select, text, tuple_, update
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    Float,
+    Integer,
+    Select,
+    and_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
 from models.fact import ORPHANED_LINK_SQL
 from models.packed import unpack_floats
-from models.tables import FACTS
+from models.tables import FACTS, JOBS
 from worker.accounting import Ledger, LLMCallRecord
 from worker.core.consolidation import (
     CURRENT,
@@ -33,7 +48,7 @@ from worker.core.consolidation import (
     entity_key,
     entity_key_filter,
 )
-from worker.jobs.outbox import CONSOLIDATION
+from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
 QUERY_CANCELED = "57014"  # statement_timeout
 logger = logging.getLogger(__name__)
@@ -380,30 +395,45 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     )
 
 
-# The unconsolidated facts of the last day stored before the grace, oldest first (ix_facts_unconsolidated),
-# whose entity has no consolidation job pending nor requested since the fact was stored: the requests a
-# dead worker's follow-up never made. A failed job requested after the fact covers it too (an operator's
-# retry, not a new job every sweep), and a day bounds the scan. Covered facts are passed over before the
-# limit (a backlog of queued or paused jobs filled a limit taken first, every sweep, and hid the lost).
-_FORGOTTEN = text(
-    """
-    SELECT DISTINCT f.source_id, f.entity_slug, f.source_markdown_slug
-    FROM (
-        SELECT source_id, entity_slug, source_markdown_slug FROM facts f
-        WHERE consolidated_at IS NULL AND NOT is_audit
-          AND created_at < now() - make_interval(secs => :grace)
-          AND created_at > now() - make_interval(secs => :window)
-          AND NOT EXISTS (
-              SELECT 1 FROM jobs j
-              WHERE j.kind = :kind
-                AND j.subject = f.source_id || '|'
-                    || coalesce(nullif(f.entity_slug, ''), :page || f.source_markdown_slug)
-                AND (j.status IN ('queued', 'running', 'paused') OR j.created_at >= f.created_at)
-          )
-        ORDER BY created_at LIMIT :scan
-    ) f
-    """
-)
+def entity_key_sql(
+    entity_slug: ColumnElement[str | None], page_slug: ColumnElement[str]
+) -> ColumnElement[str]:
+    """worker.core.consolidation.entity_key in SQL (a test holds the two to the same answers)."""
+    return func.coalesce(func.nullif(entity_slug, ""), literal(PAGE_KEY_PREFIX) + page_slug)
+
+
+def _forgotten() -> Select[Any]:
+    """The unconsolidated facts of the last day stored before the grace, oldest first
+    (ix_facts_unconsolidated), whose entity has no consolidation job pending nor requested since the fact
+    was stored: the requests a dead worker's follow-up never made. A failed job requested after the fact
+    covers it too (an operator's retry, not a new job every sweep), and a day bounds the scan. Covered
+    facts are passed over before the limit (a backlog of queued or paused jobs filled a limit taken first,
+    every sweep, and hid the lost)."""
+    fact = FACTS.alias("f")
+    key = entity_key_sql(fact.c.entity_slug, fact.c.source_markdown_slug)
+    covered = (
+        select(literal(1))
+        .where(
+            JOBS.c.kind == CONSOLIDATION,
+            JOBS.c.subject == page_subject_sql(fact.c.source_id, key),
+            or_(JOBS.c.status.in_(PENDING), JOBS.c.created_at >= fact.c.created_at),
+        )
+        .exists()
+    )
+    since = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("window", type_=Float))
+    until = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("grace", type_=Float))
+    scanned = (
+        select(fact.c.source_id, fact.c.entity_slug, fact.c.source_markdown_slug)
+        .where(fact.c.consolidated_at.is_(None), ~fact.c.is_audit)
+        .where(fact.c.created_at < until, fact.c.created_at > since, ~covered)
+        .order_by(fact.c.created_at)
+        .limit(bindparam("scan", type_=Integer))
+        .subquery()
+    )
+    return select(scanned).distinct()
+
+
+_FORGOTTEN = _forgotten()
 # A day's backlog of covered facts is read through; past this the sweep's step gives up until the next.
 FORGOTTEN_READ_TIMEOUT = "5s"
 
@@ -413,13 +443,7 @@ def forgotten_entity_keys(
 ) -> list[tuple[str, str]]:
     """(source id, entity key) of the entities whose consolidation request was lost (``_FORGOTTEN``);
     none when the read takes longer than FORGOTTEN_READ_TIMEOUT (a huge backlog: logged)."""
-    params = {
-        "grace": grace_seconds,
-        "window": window_seconds,
-        "scan": scan,
-        "kind": CONSOLIDATION,
-        "page": PAGE_KEY_PREFIX,
-    }
+    params = {"grace": grace_seconds, "window": window_seconds, "scan": scan}
     try:
         with session.begin_nested():
             session.execute(text(f"SET LOCAL statement_timeout = '{FORGOTTEN_READ_TIMEOUT}'"))

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from models.tables import FACTS, JOBS, PAGES
 from worker.core.slugs import stored_form
-from worker.jobs.outbox import EXTRACTION, split_page_subject
+from worker.jobs.outbox import EXTRACTION, page_subject_sql, split_page_subject
 
 MAX_LISTED_PAGES = 1000
 
@@ -37,8 +37,8 @@ class PageList(BaseModel):
 
 
 def _subject() -> ColumnElement[str]:
-    """The extraction job subject of each page, in SQL (worker.jobs.outbox.page_subject)."""
-    return PAGES.c.source_id + literal("|") + PAGES.c.slug
+    """The extraction job subject of each page, in SQL."""
+    return page_subject_sql(PAGES.c.source_id, PAGES.c.slug)
 
 
 def page_cursor(after: str | None) -> tuple[str, str] | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, any_, bindparam, func, or_, select, text, update
+from sqlalchemy import BigInteger, ColumnElement, any_, bindparam, func, literal, or_, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,6 +41,11 @@ BUDGET_KEYS = ("llm.budget_daily_usd", "llm.budget_job_usd")
 
 def page_subject(source_id: str, slug: str) -> str:
     return f"{source_id}|{slug}"
+
+
+def page_subject_sql(source_id: ColumnElement[str], key: ColumnElement[str]) -> ColumnElement[str]:
+    """page_subject in SQL."""
+    return source_id + literal("|") + key
 
 
 def split_page_subject(subject: str) -> tuple[str, str]:
