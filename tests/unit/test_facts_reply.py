@@ -77,6 +77,12 @@ def test_facts_without_text_are_dropped_and_entities_slugified():
     assert [(f.fact, f.entity) for f in facts] == [("ok", "acme-corp")]
 
 
+def test_numbers_too_large_for_a_float_are_none():
+    """float() of a 400-digit integer raises OverflowError: it escaped validation and stopped the run."""
+    [fact] = parse_facts_reply(reply({"fact": "x", "value": 10**400, "confidence": 10**400}))
+    assert (fact.value, fact.confidence) == (None, 0.5)
+
+
 def test_metric_claims_are_kept():
     [fact] = parse_facts_reply(
         reply({"fact": "Ran 10 km", "metric": "distance", "value": "10", "unit": "km", "period": "week"})
@@ -97,6 +103,12 @@ def test_code_fenced_json_is_accepted():
         ("[1, 2]", "JSON list, not an object"),
         ('{"items": []}', 'no "facts" array'),
         ('{"facts": "none"}', 'no "facts" array'),
+        # The facts, but in a shape no fact can be read from: repaired, never "ok, 0 facts" (the
+        # checkpoint moved past them).
+        ('{"facts": ["Alice moved to Berlin"]}', 'no item of the "facts" array'),
+        ('{"facts": [{"text": "Alice moved to Berlin"}]}', 'no item of the "facts" array'),
+        # An integer of over 4,300 digits: Python's int limit, a ValueError the decoder does not wrap.
+        ('{"facts": [{"fact": "x", "value": 1' + "0" * 5000 + "}]}", "not usable JSON"),
     ],
 )
 def test_malformed_replies_say_what_was_wrong(text, message):
@@ -168,9 +180,8 @@ def test_a_reply_s_text_is_made_storable_and_nesting_is_malformed():
     on every retry. They are dropped / replaced; a reply nested past the decoder's limit is malformed."""
     (fact,) = parse_facts_reply('{"facts": [{"fact": "Ann\\u0000 moved \\ud800", "unit": "\\u0000"}]}')
     assert fact.fact == "Ann moved \ufffd" and fact.unit is None
-    assert (
-        parse_facts_reply('{"facts": [{"fact": {"text": "Ann"}}, {"fact": ["Ann"]}, {"fact": true}]}') == []
-    )
+    reply_ = '{"facts": [{"fact": {"text": "Ann"}}, {"fact": ["Ann"]}, {"fact": true}, {"fact": "ok"}]}'
+    assert [fact.fact for fact in parse_facts_reply(reply_)] == ["ok"]
     with pytest.raises(MalformedReplyError, match="nests deeper"):
         parse_facts_reply("[" * 5000 + "]" * 5000)
 

@@ -227,7 +227,7 @@ def _optional_number(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # an integer of 400 digits overflows a float
         return None
     return number if math.isfinite(number) else None
 
@@ -259,6 +259,8 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
     except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit
         raise MalformedReplyError("the reply nests deeper than a JSON decoder follows") from None
+    except ValueError as exc:  # an integer of over 4,300 digits (Python's int limit)
+        raise MalformedReplyError(f"the reply is not usable JSON ({exc})") from None
     if not isinstance(payload, dict):
         raise MalformedReplyError(f"the reply is a JSON {type(payload).__name__}, not an object")
     raw_facts = payload.get("facts")
@@ -266,9 +268,7 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
         raise MalformedReplyError('the reply has no "facts" array')
     facts: list[ExtractedFact] = []
     for item in raw_facts:
-        if not isinstance(item, dict):
-            continue
-        fact_text = _optional_str(item.get("fact"), MAX_FACT_CHARS)
+        fact_text = _optional_str(item.get("fact"), MAX_FACT_CHARS) if isinstance(item, dict) else None
         if fact_text is None:
             continue
         kind = item.get("kind")
@@ -288,4 +288,6 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
         )
         if len(facts) == max_facts:
             break
+    if raw_facts and not facts:  # strings, or objects without "fact": the segment's facts, unreadable
+        raise MalformedReplyError('no item of the "facts" array is an object with a "fact" string')
     return facts
