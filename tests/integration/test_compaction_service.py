@@ -469,6 +469,17 @@ def test_tool_calls_stay_with_their_results_in_every_context_view(
         assert message_count(tx_factory, tid) > 0
 
 
+def test_a_long_transcript_id_is_summarized_through_openai_s_cache_key_limit(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """The summarizer's prompt_cache_key named the transcript: with an id of 54+ characters OpenAI (and
+    the simulator, as it does) answered 400 to every attempt, and the transcript was never compacted."""
+    tid = "agent-run-" + "7c4e1f0a-9b2d-4f3e-8a61-2d5c9e8b7a43" * 3
+    append(tx_factory, tid, session_messages(25), settings=SETTINGS)
+    outcome = compact_transcript(tx_factory, llm_for(simulator), tid, threshold=lambda: FALLBACK)
+    assert outcome.status == "accepted", outcome
+
+
 def test_the_previous_summary_is_folded_into_the_next(
     tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal, TypedDict, Unpack, cast
 
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
-from worker.compaction.prompts import LLM_PURPOSE, summarizer_request
+from worker.compaction.prompts import LLM_PURPOSE, compaction_cache_key, summarizer_request
 from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_ENABLED
@@ -211,7 +211,7 @@ class CompactionRun:
             self.timeline.settings.instructions,
             max_tokens=self.max_output_tokens,
             missed_terms=missed,
-            cache_key=f"compaction:{self.transcript_id}",
+            cache_key=compaction_cache_key(self.transcript_id),
         )
         entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import sys
 import time
 from array import array
@@ -26,6 +27,18 @@ if TYPE_CHECKING:
     import openai
 
 JsonMode = Literal["json_schema", "json_object", "none"]
+
+
+# OpenAI (and the servers copying it) refuse a longer prompt_cache_key with a 400: every call would fail.
+PROMPT_CACHE_KEY_MAX_CHARS = 64
+
+
+def bounded_cache_key(key: str) -> str:
+    """``key`` when it fits OpenAI's limit, else a digest of it that does (the same key, the same digest,
+    so requests sharing a prefix still land on one cache)."""
+    if len(key) <= PROMPT_CACHE_KEY_MAX_CHARS:
+        return key
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:48]
 
 
 class OpenAIChatClient:
@@ -83,7 +96,7 @@ class OpenAIChatClient:
         if response_format is not None:
             body["response_format"] = response_format
         if request.cache_key and self.send_prompt_cache_key:
-            body["prompt_cache_key"] = request.cache_key
+            body["prompt_cache_key"] = bounded_cache_key(request.cache_key)
         return body
 
     def chat(self, request: ChatRequest) -> ChatResponse:

@@ -57,6 +57,9 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers={"x-request-id": sim_id("req_"), **(headers or {})})
 
 
+PROMPT_CACHE_KEY_MAX_CHARS = 64
+
+
 def invalid_request(exc: BadRequest) -> Response:
     return openai_error(400, exc.message, "invalid_request_error", param=exc.param)
 
@@ -160,7 +163,14 @@ def _parse_chat(
     choices = positive_int(body.get("n"), "n") or 1
     if body.get("stream"):
         raise BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
-    namespace = ("openai", str(body.get("prompt_cache_key") or ""), model)
+    cache_key = str(body.get("prompt_cache_key") or "")
+    if len(cache_key) > PROMPT_CACHE_KEY_MAX_CHARS:  # OpenAI's own limit and message
+        raise BadRequest(
+            "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length "
+            f"{PROMPT_CACHE_KEY_MAX_CHARS}, but got a string with length {len(cache_key)} instead.",
+            "prompt_cache_key",
+        )
+    namespace = ("openai", cache_key, model)
     prefixes = openai_prefixes(namespace, prompt.text, config.cache_min_tokens)
     return _ChatRequest(
         body, model, prompt, max_tokens, choices, CacheLookup(state.cache_read(prefixes), prefixes)
