@@ -249,6 +249,31 @@ def test_erasing_an_unknown_page_is_404_and_writes_nothing(
     assert counted(enabled, Erasure) == 0
 
 
+def test_a_source_id_holding_a_slash_names_its_own_page(
+    client: TestClient, enabled: sessionmaker[Session]
+) -> None:
+    """Routes match on the decoded path: DELETE /v1/pages/team%2Fa/notes named page a/notes of source
+    team, and erased that one."""
+    assert post(client, page("notes", source_id="team/a")).status_code == 202
+    assert post(client, page("a/notes", source_id="team")).status_code == 202
+    facts = client.get("/v1/pages/team%2Fa/notes/facts", headers=ADMIN_HEADERS)
+    assert facts.status_code == 200, facts.text
+    assert facts.json()["source_id"] == "team/a" and facts.json()["slug"] == "notes"
+    response = client.delete("/v1/pages/team%2Fa/notes", headers=ADMIN_HEADERS)
+    assert response.status_code == 200, response.text
+    assert (response.json()["source_id"], response.json()["slug"]) == ("team/a", "notes")
+    with enabled() as session:
+        left = session.execute(select(Page.source_id, Page.slug).where(Page.source_id.like("team%"))).all()
+    assert [tuple(row) for row in left] == [("team", "a/notes")]
+
+
+@pytest.mark.parametrize("source_id", [".", ".."])
+def test_a_dot_segment_is_no_source_id_to_store_pages_under(client: TestClient, source_id: str) -> None:
+    """HTTP clients drop '.' and '..' segments from a URL: no page route could name such a page."""
+    response = post(client, page("notes", source_id=source_id))
+    assert response.status_code == 422 and "dropped from URLs" in response.text, response.text
+
+
 def test_delete_finds_an_nfc_slug_sent_as_nfd(client: TestClient, enabled: sessionmaker[Session]) -> None:
     assert post(client, page("café/notes")).status_code == 202
     response = client.delete("/v1/pages/default/cafe\u0301/notes", headers=ADMIN_HEADERS)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 from typing import Annotated, Any
+from urllib.parse import unquote
 
-from fastapi import Path, Query
+from fastapi import Path, Query, Request
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -30,6 +31,29 @@ class TextPathConvertor(PathConvertor):
 
 # Registered as this module is imported: the route modules import it before their paths compile.
 register_url_convertor("text", TextPathConvertor())
+
+PAGES_PATH = "/v1/pages/"
+
+
+def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]:
+    """The (source id, slug) a ``/v1/pages/{source_id}/{slug}...`` route names. Starlette matches routes
+    on the decoded path, so a source id holding '/' (sent as %2F, as it must be) was split at its own
+    '/': ``team%2Fa/notes`` named page ``a/notes`` of source ``team``, and DELETE erased that one. The
+    source id is read from the raw path instead, whose first segment ends at the first real '/'."""
+    raw = request.scope.get("raw_path")
+    if not raw or not raw.startswith(PAGES_PATH.encode()):
+        return source_id, slug
+    encoded, _, _ = raw[len(PAGES_PATH) :].partition(b"/")
+    named = unquote(encoded.decode("ascii", "replace"))  # as the server decoded the path
+    if named == source_id:
+        return source_id, slug
+    matched = f"{source_id}/{slug}"  # the decoded path Starlette split, which starts with the source
+    if not matched.startswith(named + "/"):
+        return source_id, slug
+    try:
+        return check_source_id(named), matched[len(named) + 1 :]
+    except ValueError as exc:
+        raise ApiError(422, str(exc)) from None
 
 
 class _NonFinite:
@@ -148,6 +172,7 @@ OffsetQuery = Annotated[int, Query(ge=0, le=BIGINT_MAX)]
 __all__ = [
     "BIGINT_MAX",
     "INT4_MAX",
+    "PAGES_PATH",
     "BigIntIdPath",
     "BigIntIdQuery",
     "JsonBigIntId",

@@ -58,10 +58,15 @@ def check_source_id(value: str) -> str:
     return value
 
 
+# A path segment of these is a dot segment: HTTP clients remove it from a URL before sending it, so
+# /v1/pages/../notes/x reaches the server as /v1/pages/notes/x and names another page.
+DOT_SEGMENTS = (".", "..")
+
+
 def is_new_source_id(value: str) -> bool:
-    """A source id pages may be stored under: ``is_source_id`` and printable (``str.isprintable``),
-    so it shows as it is in a terminal, a log or a dashboard."""
-    return is_source_id(value) and value.isprintable()
+    """A source id pages may be stored under: ``is_source_id``, printable (``str.isprintable``), so it
+    shows as it is in a terminal, a log or a dashboard, and not a dot segment (``DOT_SEGMENTS``)."""
+    return is_source_id(value) and value.isprintable() and value not in DOT_SEGMENTS
 
 
 def check_new_source_id(value: str) -> str:
@@ -69,6 +74,11 @@ def check_new_source_id(value: str) -> str:
     source (a lookup, an erasure, a filter) keep ``check_source_id``, so a page stored before this rule
     under a control character stays reachable."""
     check_source_id(value)
+    if value in DOT_SEGMENTS:
+        raise ValueError(
+            f"{value!r} is not a source id to store pages under: '.' and '..' are dropped from URLs by "
+            "HTTP clients, so the page routes could not name it"
+        )
     if not value.isprintable():
         raise ValueError(
             f"{value!r} is not a source id to store pages under: it holds a control, format or "
@@ -82,13 +92,14 @@ SOURCE_ID_PATTERN = rf"^(?:[^|{_SPACES}]|[^|{_SPACES}][^|]*[^|{_SPACES}])$"
 
 # What ``is_new_source_id`` accepts: visible ends, and inside them visible characters or plain spaces.
 _SOURCE_VISIBLE = r"[^|\p{C}\p{Z}]"
-NEW_SOURCE_ID_PATTERN = rf"^{_SOURCE_VISIBLE}(?:(?:{_SOURCE_VISIBLE}| )*{_SOURCE_VISIBLE})?$"
+NEW_SOURCE_ID_PATTERN = rf"^(?!\.\.?$){_SOURCE_VISIBLE}(?:(?:{_SOURCE_VISIBLE}| )*{_SOURCE_VISIBLE})?$"
 
 # What ``is_word_label`` accepts: every Z character is either whitespace or not printable, and the
 # C characters that are whitespace (tab, newline...) are not printable either.
 WORD_LABEL_PATTERN = r"^[^\p{C}\p{Z}/]+$"
 
 __all__ = [
+    "DOT_SEGMENTS",
     "LABEL_PATTERN",
     "MAX_SOURCE_ID_LENGTH",
     "NEW_SOURCE_ID_PATTERN",

@@ -7,14 +7,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 
 from models.reads import read_only
 from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr
+from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr, page_address
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
 from worker.core.facts import ENTITY_PATTERN
@@ -76,6 +76,7 @@ def pages(
     summary="The facts extracted from one page, in row order (current ones by default)",
 )
 def page_facts(
+    request: Request,
     ctx: Context,
     principal: Reader,
     source_id: StorableStr,
@@ -85,6 +86,8 @@ def page_facts(
     include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
     as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
 ) -> PageFactsPage:
+    """A source id holding '/' is sent as %2F."""
+    source_id, slug = page_address(request, source_id, slug)
     _readable(principal, source_id)  # 403 for a source the key may not read
     with read_only(ctx.factory) as session:
         found = read_page_facts(

@@ -30,7 +30,7 @@ from worker.api.deps import (
     read_body,
 )
 from worker.api.errors import ApiError, error_responses, problems_of, summarize
-from worker.api.inputs import StorableStr
+from worker.api.inputs import StorableStr, page_address
 from worker.core.slugs import stored_form
 from worker.extraction.erase import erase_page
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
@@ -223,9 +223,13 @@ async def post_pages(
     summary="Erase a page and everything drawn from it (admin)",
     responses=error_responses(401, 403, 404),
 )
-def delete_page(ctx: Context, _admin: Admin, source_id: StorableStr, slug: StorableStr) -> PageErased:
+def delete_page(
+    request: Request, ctx: Context, _admin: Admin, source_id: StorableStr, slug: StorableStr
+) -> PageErased:
     """Remove the page, its facts, their embeddings, its checkpoints and its extraction audit rows in one
-    transaction, and fail its pending jobs; one row in `erasures` records that it happened (no text)."""
+    transaction, and fail its pending jobs; one row in `erasures` records that it happened (no text).
+    A source id holding '/' is sent as %2F."""
+    source_id, slug = page_address(request, source_id, slug)
     slug = stored_form(slug)
     report = erase_page(ctx.factory, source_id, slug, requested_by="api")
     if report is None:
