@@ -42,7 +42,8 @@ def set_(factory, key: str, value: str) -> None:
 def test_parse_usd_and_prices():
     assert parse_usd(None) is None and parse_usd(" ") is None
     assert parse_usd("2.50") == Decimal("2.50")
-    for bad in ("-1", "lots", "nan", "inf"):
+    # 1e1000000 passed, and a backfill's pass raised decimal.Overflow subtracting the day's spend from it.
+    for bad in ("-1", "lots", "nan", "inf", "1e1000000", "1000000000001"):
         with pytest.raises(ValueError, match="US dollars"):
             parse_usd(bad)
     prices = parse_prices('{"m": {"input": 1, "output": 2}}')

@@ -31,8 +31,13 @@ _SPENT_TODAY = select(func.coalesce(func.sum(LLMSpendDay.cost_usd), 0)).where(
 )
 
 
+# The most a budget may say: what an llm_calls cost (numeric(18,6)) can hold. A larger one (1e1000000)
+# was stored, and the first subtraction from it overflowed Decimal's context inside a backfill's pass.
+MAX_BUDGET_USD = Decimal(10**12)
+
+
 def parse_usd(value: str | None) -> Decimal | None:
-    """A budget value: a non-negative number of dollars; None/empty means no limit."""
+    """A budget value: a number of dollars from 0 to MAX_BUDGET_USD; None/empty means no limit."""
     if value is None or not value.strip():
         return None
     try:
@@ -41,8 +46,11 @@ def parse_usd(value: str | None) -> Decimal | None:
         raise ValueError(
             f"a budget must be a number of US dollars such as 25 or 2.50, got {value!r}"
         ) from exc
-    if not amount.is_finite() or amount < 0:
-        raise ValueError(f"a budget must be a non-negative number of US dollars, got {value!r}")
+    if not amount.is_finite() or not 0 <= amount <= MAX_BUDGET_USD:
+        raise ValueError(
+            f"a budget must be a number of US dollars from 0 to {MAX_BUDGET_USD:,}, "
+            f"got {value.strip()[:40]!r} (leave it unset for no limit)"
+        )
     return amount
 
 
