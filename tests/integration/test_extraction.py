@@ -361,6 +361,28 @@ def test_edit_to_extracted_messages_re_extracts_the_page(pages, llm):
     assert terminal_rows(pages) == 1
 
 
+def test_an_edited_page_is_re_extracted_whole_under_since(pages, llm):
+    """Its facts are replaced whole: narrowed by since, the replacement deleted the first day's facts
+    and moved the checkpoint past them, so no later run brought them back."""
+    run(pages, llm)
+    edited = [*SAMPLE_LINES[:-1], SAMPLE_LINES[-1].replace("Day one!", "Day one at Acme!")]
+    edited[0] = edited[0].replace("offer letter", "offer")
+    put_page(pages, body="\n".join(edited))
+    result = run(pages, llm, since_iso="2024-03-15T23:00:00Z")
+    assert (result.pages_processed, result.segments_processed) == (1, 2)
+    assert any(f.valid_from and f.valid_from.day == 15 for f in page_facts(pages))
+
+
+def test_since_and_force_together_are_refused(pages, llm):
+    """A forced run replaces the page's facts with what it extracts: narrowed by since, that deleted
+    every fact from before since."""
+    run(pages, llm)
+    before = len(page_facts(pages))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        run(pages, llm, force=True, since_iso="2024-03-15T23:00:00Z")
+    assert len(page_facts(pages)) == before
+
+
 def test_force_yields_the_same_facts_without_duplicates(pages, llm):
     run(pages, llm)
     first = [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)]

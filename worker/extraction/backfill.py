@@ -94,7 +94,12 @@ class BackfillSelection:
     def of(cls, backfill: Backfill) -> BackfillSelection:
         f = backfill.filters
         return cls(
-            backfill.source_id, f.get("since"), f.get("slug_prefix"), f.get("max_segments"), f.get("slug")
+            backfill.source_id,
+            f.get("since"),
+            f.get("slug_prefix"),
+            f.get("max_segments"),
+            f.get("slug"),
+            bool(f.get("force", False)),
         )
 
 
@@ -120,7 +125,7 @@ def request_backfill(
 ) -> tuple[int, int]:
     """Store a backfill and request its batch_extraction job in the caller's transaction; returns
     (backfill id, job id): enqueue the job once that transaction commits."""
-    validate_since(selection.since_iso)
+    validate_since(selection.since_iso, selection.force)
     if selection.max_segments is not None and selection.max_segments < 1:
         raise ValueError("--max-segments must be at least 1")
     if not _matches_a_page(session, selection):

@@ -288,7 +288,7 @@ def batch_extraction(
     """The batch run over a store: see ``run_batch_extraction``."""
     counters = BatchExtractionCounters()
     run = ExtractionRun(store, options, config, budget, counters=counters, progress=progress, guard=guard)
-    validate_since(options.since_iso)
+    validate_since(options.since_iso, options.force)
     if options.dry_run:
         extract_pages(run, None)  # counts pages and segments; no LLM, no batch
         return counters

@@ -146,9 +146,17 @@ def iso_to_datetime(iso: str) -> datetime | None:
         return None
 
 
-def validate_since(since_iso: str | None) -> None:
+def validate_since(since_iso: str | None, force: bool = False) -> None:
+    """``since`` narrows what a run extracts incrementally. A forced run replaces each page's facts with
+    what it extracts: narrowed, it deleted every fact from before ``since`` and moved the checkpoint past
+    them, for good; so the two are refused together."""
     if since_iso is not None and iso_to_datetime(since_iso) is None:
         raise ValueError(f"--since must be an ISO-8601 time such as 2024-03-15T00:00:00Z, got {since_iso!r}")
+    if since_iso is not None and force:
+        raise ValueError(
+            "--since and --force cannot be combined: --force extracts whole pages again and replaces "
+            "their facts, so the facts from before --since would be deleted; run one or the other"
+        )
 
 
 def page_types(config: ConfigReader) -> tuple[str, ...]:

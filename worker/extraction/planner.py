@@ -79,7 +79,10 @@ class PagePlanner:
             )
         hasher = PrefixHasher(messages)
         start, edited = resume_point(messages, hasher, checkpoint)
-        segments = split_into_segments(messages[start:], since_iso=self.options.since_iso)
+        # An edited page's facts are all replaced: it is extracted whole, ``since`` or not (narrowed, the
+        # replacement deleted the facts from before ``since`` and moved the checkpoint past them).
+        since = None if edited else self.options.since_iso
+        segments = split_into_segments(messages[start:], since_iso=since)
         if not segments:
             return PageReport(slug, "skipped", "nothing new since the last extraction")
         if self.options.dry_run:

@@ -233,7 +233,7 @@ def extract_pages(
     run: ExtractionRun, llm: LLMClient | None, pipe: LLMPipe | None = None
 ) -> ExtractionCounters:
     """Extract the run's pages one after another (a dry run only counts their pages and segments)."""
-    validate_since(run.options.since_iso)
+    validate_since(run.options.since_iso, run.options.force)
     if run.options.dry_run:
         for ref in run.list_pages():
             run.plan(ref)  # a dry run plans no page: each comes back as a finished report
