@@ -28,6 +28,7 @@ from worker.extraction import (
 )
 from worker.extraction.erase import erase_page
 from worker.extraction.facts import read_entity_facts
+from worker.extraction.options import CheckpointConflictError
 from worker.extraction.pages import MAX_PAGE_KEY_BYTES, page_key_bytes
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import SearchError, SearchFilters
@@ -389,6 +390,34 @@ def test_force_yields_the_same_facts_without_duplicates(pages, llm):
     result = run(pages, llm, force=True)
     assert result.facts_inserted == len(first)
     assert [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)] == first
+    assert terminal_rows(pages) == 1
+
+
+def test_a_forced_run_overtaken_by_the_page_s_job_replaces_nothing(pages, llm):
+    """The page's job extracted an append while a forced run re-extracted the page as it was: the swap
+    took the append's facts out and moved the checkpoint back, and nothing extracted them again."""
+    run(pages, llm)
+    appended = [
+        *SAMPLE_LINES,
+        fmt("Alice Example", "2024-03-20", "9:00 AM", "I moved to Lisbon last week."),
+        fmt("Bob Demo", "2024-03-20", "9:01 AM", "Lisbon! Lovely."),
+    ]
+
+    class AppendAndExtract(NoProgress):
+        done = False
+
+        def segment_finished(self, slug: str, outcome: str) -> None:
+            if not self.done:
+                self.done = True
+                put_page(pages, body="\n".join(appended))
+                assert run(pages, llm).segments_processed == 1  # the page's own job, meanwhile
+
+    with pytest.raises(CheckpointConflictError, match="another run"):
+        run_extract_conversation_facts(
+            pages, llm, ExtractOptions(slug=SLUG, force=True), progress=AppendAndExtract()
+        )
+    assert any("Lisbon" in f.fact for f in page_facts(pages))
+    assert run(pages, llm).segments_processed == 0  # the checkpoint still covers the append
     assert terminal_rows(pages) == 1
 
 

@@ -310,6 +310,7 @@ class SegmentCommitter:
                 CheckpointState(end, plan.hasher.digest(end), total, tuple(skipped)),
                 page=plan.version,
                 skips=skips,
+                planned=plan.checkpoint,
             )
         self.counters.segments_processed += report.segments
         self.counters.facts_extracted += total

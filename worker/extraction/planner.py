@@ -33,7 +33,7 @@ class PagePlan:
     hasher: PrefixHasher
     segments: Sequence[Segment]
     ends: Sequence[int]  # per segment, the message index just past it (the checkpoint it advances to)
-    checkpoint: CheckpointState | None
+    checkpoint: CheckpointState | None  # as planned: each commit compares and sets it
     replace: bool  # force, or an edited page: all segments must succeed, then the facts are swapped
     version: PageVersion | None = None  # what the commits check the page against (None: no check)
 
@@ -65,7 +65,7 @@ class PagePlanner:
             )
         force = self.options.force
         stored = self.store.load_page(
-            ref.page_id, self.fingerprint, self.options.source_id, slug, with_checkpoint=not force
+            ref.page_id, self.fingerprint, self.options.source_id, slug, with_checkpoint=True
         )
         if stored is None:
             return PageReport(slug, "skipped", "the page was deleted before it could be extracted")
@@ -78,7 +78,9 @@ class PagePlanner:
                 slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)"
             )
         hasher = PrefixHasher(messages)
-        start, edited = resume_point(messages, hasher, checkpoint)
+        # A forced run starts over, but keeps the checkpoint it saw: its swap is refused if another run
+        # moves it on meanwhile (it would take that run's facts out and move the checkpoint back).
+        start, edited = resume_point(messages, hasher, None if force else checkpoint)
         # An edited page's facts are all replaced: it is extracted whole, ``since`` or not (narrowed, the
         # replacement deleted the facts from before ``since`` and moved the checkpoint past them).
         since = None if edited else self.options.since_iso

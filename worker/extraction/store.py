@@ -260,11 +260,16 @@ class ExtractionStore:
         new: CheckpointState,
         page: PageVersion | None = None,
         skips: Sequence[tuple[SegmentPlace, Sequence[Attempt], str]] = (),
+        *,
+        planned: CheckpointState | None,
     ) -> int:
         """Swap the page's facts for a full re-extraction in one transaction, with the checkpoint row
-        locked so a concurrent run cannot interleave; returns how many facts went in. ``skips`` are the
-        segments it went past (their attempts are recorded already): their ``skipped`` rows go in here,
-        with the checkpoint that lists them."""
+        locked so a concurrent run cannot interleave; returns how many facts went in. ``planned`` is the
+        checkpoint the run was planned from: CheckpointConflictError, nothing changed, when another run
+        moved it on since (an append extracted by the page's job: the swap took its facts out and moved
+        the checkpoint back, and nothing extracted them again). ``skips`` are the segments it went past
+        (their attempts are recorded already): their ``skipped`` rows go in here, with the checkpoint
+        that lists them."""
         source_id, slug = last.source_id, last.slug
         rows: list[dict[str, Any]] = []
         for place, facts in segment_facts:
@@ -281,6 +286,12 @@ class ExtractionStore:
                 )
                 .with_for_update()
             ).scalar_one_or_none()
+            expected = _state(current) if current is not None else None
+            if expected != planned:
+                raise CheckpointConflictError(
+                    f"{slug!r} was extracted by another run while this one re-extracted it; nothing was "
+                    "replaced (run it again to re-extract the page as it is now)"
+                )
             replaced = (
                 Fact.source_id == source_id,
                 Fact.source_markdown_slug == slug,
@@ -292,7 +303,6 @@ class ExtractionStore:
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
                 inserted += _insert_facts(session, rows[chunk_start : chunk_start + _SWAP_CHUNK])
             _INSERT_AUDIT.execute(session, [skip_row(place, tried, why) for place, tried, why in skips])
-            expected = _state(current) if current is not None else None
             self._advance_checkpoint(session, fingerprint, last, expected, new)
             _upsert_terminal(session, source_id, slug)
         return inserted
