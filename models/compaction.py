@@ -14,6 +14,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -103,6 +104,8 @@ class Compaction(Base):
             name="accepted_has_summary",
         ),
         Index("ix_compactions_transcript_id_id", "transcript_id", "id"),
+        # The rows ON DELETE SET NULL looks for when a transcript's compactions are erased.
+        Index("ix_compactions_previous_id", "previous_id", postgresql_where=text("previous_id IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -100,6 +100,23 @@ def test_two_upgrades_at_once_both_end_at_head(server_url: str) -> None:
         assert db.current_revision(url) is not None and db.pending_revisions(url, "head") == []
 
 
+def test_every_foreign_key_leads_an_index(database_url: str) -> None:
+    """A delete of a referenced row looks for the rows pointing at it: with no index leading with the
+    key's columns, that is a scan of the referencing table per row deleted (compactions.previous_id
+    made a transcript's erasure scan every compaction once per compaction)."""
+    inspector = inspect(db.get_engine(database_url))
+    unindexed = []
+    for table in inspector.get_table_names():
+        leading = [tuple(index["column_names"]) for index in inspector.get_indexes(table)]
+        leading += [tuple(u["column_names"]) for u in inspector.get_unique_constraints(table)]
+        leading.append(tuple(inspector.get_pk_constraint(table)["constrained_columns"]))
+        for key in inspector.get_foreign_keys(table):
+            columns = tuple(key["constrained_columns"])
+            if not any(index[: len(columns)] == columns for index in leading):
+                unindexed.append(f"{table}{columns}")
+    assert unindexed == [], f"foreign keys no index leads with: {unindexed}"
+
+
 def test_constraint_names_follow_the_convention(database_url: str) -> None:
     inspector = inspect(db.get_engine(database_url))
     assert inspector.get_pk_constraint("facts")["name"] == "pk_facts"
