@@ -357,6 +357,51 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
     assert sorted(resent(None)) == sorted([*sent, never])
 
 
+def test_a_lost_message_is_re_sent_though_newer_work_keeps_its_queue_busy(tx_factory):
+    """Only the depth said a message was lost: while newer webhooks kept the queue as long as the
+    overdue list, a job whose message Redis lost (a failover) stayed queued for as long as traffic
+    lasted. A message sent after it and consumed since says its own is gone (FIFO)."""
+    lost, newer = new_job(tx_factory, "default|lost"), new_job(tx_factory, "default|newer")
+    enqueue(tx_factory, [(lost, EXTRACTION), (newer, EXTRACTION)], Recorder())
+
+    def sent(job_id: int, seconds_ago: float, claimed_seconds_ago: float | None = None) -> None:
+        claimed = None if claimed_seconds_ago is None else now() - timedelta(seconds=claimed_seconds_ago)
+        with tx_factory.begin() as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(enqueued_at=now() - timedelta(seconds=seconds_ago), claimed_at=claimed)
+            )
+
+    def resent() -> list[int]:
+        recorder = Recorder()
+        sweep(
+            tx_factory,
+            stale_after=60,
+            requeue_after=30,
+            enabled=lambda key: True,
+            job_budgets=BUDGETS,
+            sender=recorder,
+            queue_depth=lambda queue: 5,  # busy with newer work
+        )
+        return [job_id for _, job_id, _ in recorder.sent]
+
+    claimed = claim(tx_factory, newer, "w1", stale_after=60, budgets=BUDGETS)
+    assert claimed is not None and claimed.claimed_at is not None and claimed.enqueued_at is not None
+    assert claimed.claimed_at >= claimed.enqueued_at  # the claim marks the message consumed
+    with tx_factory.begin() as session:
+        session.execute(update(Job).where(Job.id == newer).values(status="queued", worker=None))
+    sent(lost, 300)
+    sent(newer, 200)  # sent after it, still waiting: the lost one may be ahead of it
+    assert resent() == []
+    sent(lost, 300)
+    sent(newer, 285, claimed_seconds_ago=100)  # taken out of order by another worker, within the slack
+    assert resent() == []
+    sent(lost, 300)
+    sent(newer, 200, claimed_seconds_ago=100)  # consumed: the lost one's message, sent first, is gone
+    assert resent() == [lost]
+
+
 def test_a_source_limited_job_list_reads_its_sources_jobs_by_their_index(tx_factory):
     """A key limited to a source with few jobs read every job backwards (0.3 s at a million, bench/
     job_list.py); the statement now matches ix_jobs_page_source, constants and all."""

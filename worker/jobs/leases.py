@@ -59,6 +59,7 @@ _CLAIM = (
         worker_losses=JOBS.c.worker_losses + case((JOBS.c.status == "running", 1), else_=0),
         heartbeat_at=func.now(),
         started_at=func.coalesce(JOBS.c.started_at, func.now()),
+        claimed_at=func.now(),
         last_error=None,
     )
     .returning(*JOBS.c)

@@ -20,7 +20,15 @@ from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.registry import BUDGET, KILL_SWITCH, KIND_MODULES, UnknownJobKindError, get_kind, kind_names
+from worker.jobs.losses import Overdue, QueueDepth, newest_consumed, only_missing
+from worker.jobs.registry import (
+    BUDGET,
+    KILL_SWITCH,
+    KIND_MODULES,
+    UnknownJobKindError,
+    get_kind,
+    kind_names,
+)
 from worker.runtime import tracing
 
 logger = logging.getLogger(__name__)
@@ -173,10 +181,6 @@ Sender = Callable[[str, int, str], None]  # (task name, job id, queue)
 
 def celery_sender(task_name: str, job_id: int, queue: str) -> None:
     app.send_task(task_name, args=[job_id], queue=queue)
-
-
-# How many messages wait in a queue on the broker (None: the broker cannot say).
-QueueDepth = Callable[[str], int | None]
 
 
 def broker_queue_depth(queue: str) -> int | None:
@@ -403,8 +407,10 @@ def sweep(
             if spent is not None:
                 failed.append(waiting.id)
             elif waiting.id not in {i for i, _ in stale_pairs}:
-                overdue.append((waiting.id, waiting.kind, waiting.enqueued_at is not None))
-        lost_pairs = only_missing(overdue, queue_depth)
+                overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
+        lost_pairs = only_missing(
+            overdue, queue_depth, lambda kinds, since: newest_consumed(session, kinds, since)
+        )
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
         if budget_room_for is not None and switched_on:
@@ -416,28 +422,6 @@ def sweep(
     if report.total or failed:
         logger.info("sweep re-sent %s job(s) and failed %s: %s", report.total, len(failed), report)
     return report
-
-
-def only_missing(
-    overdue: list[tuple[int, str, bool]], queue_depth: QueueDepth | None
-) -> list[tuple[int, str]]:
-    """Of the queued jobs overdue for a worker (oldest first, each flagged if a message was ever sent),
-    those whose message the broker is missing: every one never sent and, per queue, as many of the
-    sent ones (oldest first) as the queue holds fewer messages than there are of them. A queue at
-    least that long is a backlog, not a loss; re-sending all of it on every sweep grew the queue by
-    the whole backlog each time (bench/chaos.py saw 52,000 messages for 400 jobs). Without a depth
-    (unknown, or the broker cannot say) every overdue job is re-sent: a duplicate costs a skipped
-    claim, a loss would cost the job."""
-    pairs = [(job_id, kind) for job_id, kind, sent in overdue if not sent]
-    by_queue: dict[str, list[tuple[int, str]]] = {}
-    for job_id, kind, sent in overdue:
-        if sent:
-            by_queue.setdefault(get_kind(kind).queue, []).append((job_id, kind))
-    for queue, waiting_jobs in by_queue.items():
-        depth = None if queue_depth is None else queue_depth(queue)
-        missing = len(waiting_jobs) if depth is None else max(0, len(waiting_jobs) - depth)
-        pairs += waiting_jobs[:missing]
-    return pairs
 
 
 def resume_for_config_change(session: Session, key: str, value: str | None) -> list[tuple[int, str]]:
