@@ -357,6 +357,38 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
     assert sorted(resent(None)) == sorted([*sent, never])
 
 
+def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
+    """A delivery while the job ran asked for a rerun; its 20th worker loss then failed it (sweep or
+    takeover claim) and the rerun was lost: the new content was never extracted, though the delivery
+    was answered with this job. As finish does, the rerun starts with fresh budgets."""
+    by_sweep, by_claim = new_job(tx_factory, "default|swept"), new_job(tx_factory, "default|claimed")
+    for job_id in (by_sweep, by_claim):
+        assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    with tx_factory.begin() as session:
+        request_job(session, EXTRACTION, "default|swept")  # new content: a rerun
+        request_job(session, EXTRACTION, "default|claimed")
+        session.execute(
+            update(Job)
+            .where(Job.id.in_([by_sweep, by_claim]))
+            .values(worker_losses=BUDGETS.max_worker_losses - 1, heartbeat_at=now() - timedelta(hours=1))
+        )
+    taken = claim(tx_factory, by_claim, "w2", stale_after=60, budgets=BUDGETS)
+    assert taken is not None and taken.status == "running"
+    assert (taken.worker_losses, taken.rerun_requested) == (0, False)
+    recorder = Recorder()
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=30,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=recorder,
+    )
+    assert report.failed_spent == [] and [job_id for _, job_id, _ in recorder.sent] == [by_sweep]
+    swept = job(tx_factory, by_sweep)
+    assert (swept.status, swept.rerun_requested, swept.worker_losses) == ("queued", False, 1)
+
+
 def test_a_lost_message_is_re_sent_though_newer_work_keeps_its_queue_busy(tx_factory):
     """Only the depth said a message was lost: while newer webhooks kept the queue as long as the
     overdue list, a job whose message Redis lost (a failover) stayed queued for as long as traffic

@@ -9,7 +9,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, update
+from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -84,6 +84,8 @@ def claim(
         spent = fail_if_spent(session, job_id, claimed.attempts, claimed.worker_losses, budgets)
         if spent is not None:
             return spent
+        if claimed.rerun_requested:  # fail_if_spent may have restarted it with fresh budgets
+            claimed = session.execute(select(*JOBS.c).where(JOBS.c.id == job_id)).one()
     # A detached Job with the claimed row's values (what the ORM's own UPDATE ... RETURNING gave, at a
     # fraction of its cost: see ``finish``).
     return Job(**claimed._mapping)
@@ -96,6 +98,18 @@ def fail_if_spent(
     counters; None when it may run. The claim and the sweeper both ask, so no path passes a cap."""
     reason = budgets.spent_reason(attempts, worker_losses)
     if reason is None:
+        return None
+    # New content arrived while the job ran (a rerun was requested): it is for that content, which
+    # starts with fresh budgets, as ``finish`` starts a rerun (failed here, the rerun was lost: the new
+    # content stayed unextracted though its delivery was answered with this job).
+    restarted = session.execute(
+        update(JOBS)
+        .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
+        .values(rerun_requested=False, attempts=0, worker_losses=0)
+        .returning(JOBS.c.id)
+    ).scalar_one_or_none()
+    if restarted is not None:
+        logger.info("job %s spent its budgets on the content it had; it runs again for the new", job_id)
         return None
     logger.warning("job %s failed: %s", job_id, reason)
     return session.execute(
