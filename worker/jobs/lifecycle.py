@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from models import Job
 from worker.core.errors import error_summary
-from worker.db import database_went_away
+from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
@@ -41,8 +41,10 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     ErrorRule(WorkerStoppingError, "release"),
     ErrorRule(KillSwitchOffError, "pause", KILL_SWITCH),
     ErrorRule(BudgetExhaustedError, "pause", BUDGET),
-    # The database went away under the run: a worker loss, not the job's fault; try again later.
-    ErrorRule(OperationalError, "requeue", when=database_went_away),
+    # The database went away under the run, or every pooled connection stayed busy past the pool's
+    # timeout: a worker loss, not the job's fault (as the API's 503 says); try again later. Retried as
+    # the job's own failure, five pool timeouts on a busy worker failed a page for good.
+    ErrorRule(SQLAlchemyError, "requeue", when=database_unavailable),
     ErrorRule(OperationalError, "retry"),
 )
 
