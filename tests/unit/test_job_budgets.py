@@ -7,9 +7,11 @@ import logging
 import psycopg
 import pytest
 from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from worker.db import database_went_away
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.lifecycle import classify, database_went_away, result_for_error
+from worker.jobs.lifecycle import classify, result_for_error
 from worker.jobs.registry import get_kind
 from worker.settings import Settings
 
@@ -50,6 +52,13 @@ def test_the_database_going_away_is_a_worker_loss_and_other_database_errors_are_
     assert database_went_away(error) is (action == "requeue")
     rule = classify(get_kind("extraction"), error)
     assert rule is not None and rule.action == action
+
+
+def test_a_pool_timeout_is_a_worker_loss_not_an_attempt():
+    """Every pooled connection busy past the pool's timeout (64 job threads, their heartbeats, the pipe's
+    budget checks): retried as the job's own failure, five of them failed the page for good."""
+    rule = classify(get_kind("extraction"), PoolTimeoutError("QueuePool limit of size 40 reached"))
+    assert rule is not None and rule.action == "requeue"
 
 
 SECRET = "Alice's private diagnosis"
