@@ -509,6 +509,7 @@ def test_malformed_json_is_422(client: TestClient) -> None:
         ({"pages": []}, "empty"),
         ("just a string", "body must be a page object"),
         ({"pages": [page("x/a")], "extra": 1}, "unexpected field"),
+        (page("ok/a", type="   "), "type: must name a page type"),  # stored as type ""
     ],
 )
 def test_invalid_pages_are_422_naming_the_field(
@@ -641,6 +642,21 @@ def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
     assert response.json()["pending_job_id"] == new
     with tx_factory() as session:
         assert session.scalar(select(Job.status).where(Job.id == old)) == "failed"
+
+
+def test_a_retry_409_names_the_pending_job_of_its_own_kind(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A consolidation subject is source|entity: the same text as a page's subject when the page's slug
+    is an entity's (people/alice). The 409 named whichever pending job Postgres found first."""
+    old = post(client, page("people/alice", body="v1")).json()["jobs"][0]["job_id"]
+    set_job(tx_factory, old, status="failed")
+    with tx_factory.begin() as session:
+        for kind in ("consolidation", "compaction", "calibration"):
+            session.add(Job(kind=kind, subject="default|people/alice", status="queued"))
+    new = post(client, page("people/alice", body="v2")).json()["jobs"][0]["job_id"]
+    response = client.post(f"/v1/jobs/{old}/retry", headers=ADMIN_HEADERS)
+    assert response.status_code == 409 and response.json()["pending_job_id"] == new, response.text
 
 
 # ---------------------------------------------------------------------------

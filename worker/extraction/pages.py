@@ -84,7 +84,10 @@ class PageIn(BaseModel):
     @field_validator("type")
     @classmethod
     def _type(cls, value: str) -> str:
-        return value.strip().lower()
+        page_type = value.strip().lower()
+        if not page_type:  # min_length counted the spaces: "   " was stored as a page of type ""
+            raise ValueError("must name a page type (such as conversation), not only whitespace")
+        return page_type
 
     @field_validator("frontmatter")
     @classmethod

@@ -107,10 +107,10 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     except LookupError:
         raise JobNotFoundError(job_id) from None
     except IntegrityError:
-        other = session.scalar(
+        retried = select(Job.kind, Job.subject).where(Job.id == job_id).subquery()
+        other = session.scalar(  # the pending job of the same kind (the unique index is (kind, subject))
             select(Job.id).where(
-                Job.subject == select(Job.subject).where(Job.id == job_id).scalar_subquery(),
-                Job.status.in_(PENDING),
+                Job.kind == retried.c.kind, Job.subject == retried.c.subject, Job.status.in_(PENDING)
             )
         )
         raise JobAlreadyPendingError(job_id, other) from None
