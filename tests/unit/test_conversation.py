@@ -406,6 +406,25 @@ def test_name_is_trimmed_inside_the_stars() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "\ufeff**A** (2024-03-15 9:00 AM): hi\n**B** (2024-03-15 9:01 AM): yo",  # a file's BOM
+        "**A** (2024-03-15 9:00 AM): hi \ufeff\n \ufeff**B** (2024-03-15 9:01 AM): yo\ufeff",
+    ],
+)
+def test_a_byte_order_mark_is_trimmed_with_the_line(body: str) -> None:
+    """The seed trims every line with JavaScript's trim(), which removes U+FEFF; Python's strip() does
+    not: a page sent with a BOM lost its first message as a line before any message."""
+    assert parse_conversation_messages(body) == [
+        Message("A", "2024-03-15T09:00:00Z", "hi"),
+        Message("B", "2024-03-15T09:01:00Z", "yo"),
+    ]
+    # Inside a line it is text (a zero-width no-break space), kept as written.
+    [message] = parse_conversation_messages("**A** (2024-03-15 9:00 AM): z\ufeffw")
+    assert message.text == "z\ufeffw"
+
+
 def test_hostile_lines_parse_in_linear_time() -> None:
     # Shapes that make a careless pattern backtrack quadratically.
     n = 200_000

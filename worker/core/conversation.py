@@ -141,6 +141,11 @@ def _continuation_lines(chunk: str) -> list[str]:
     return [stripped for line in chunk.split("\n") if (stripped := line.strip())]
 
 
+# A byte-order mark (U+FEFF) at a line's start or end, among its whitespace: JavaScript's trim(), which
+# the seed's parser applies to every line, removes it; Python's strip() does not (it is no space).
+_EDGE_BOM: Final = re.compile(r"^([^\S\n]*)\ufeff+|\ufeff+(?=[^\S\n]*$)", re.MULTILINE)
+
+
 def parse_conversation_messages(body: str) -> list[Message]:
     """Parse `**Name** (YYYY-MM-DD H:MM AM): text` lines into messages.
 
@@ -148,6 +153,8 @@ def parse_conversation_messages(body: str) -> list[Message]:
     message line whose date or time does not exist) continues the previous message,
     joined with a newline; lines before the first message are dropped.
     """
+    if "\ufeff" in body:  # rare: a page saved by an editor that writes one lost its first message
+        body = _EDGE_BOM.sub(r"\1", body)
     parts = _MESSAGE_LINE.split(body)
     # Fold continuation lines into the text of the message they follow, in place.
     for text_at in range(_TEXT, len(parts), _STRIDE):
