@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -807,7 +806,7 @@ def test_any_restored_context_is_well_formed_and_repairs_are_idempotent(
 # Scale: a quadratic cut or serializer would take minutes here.
 
 
-def test_cut_and_serialize_a_million_token_transcript_quickly() -> None:
+def test_cut_and_serialize_a_million_token_transcript() -> None:
     messages: list[TranscriptMessage] = []
     for i in range(6_000):
         messages.append(user("u" * 100))
@@ -816,12 +815,10 @@ def test_cut_and_serialize_a_million_token_transcript_quickly() -> None:
         messages.append(assistant("b" * 100))
     assert 1_000_000 < suffix_tokens(messages)[0] < 1_100_000  # 24,000 messages
 
-    started = time.perf_counter()
-    # A budget just short of everything forces the walk over the whole transcript.
+    # A budget just short of everything forces the walk over the whole transcript. Its time is measured
+    # in bench/compaction_core.py, against quadratic baselines; here, what it gives.
     cut = cut_index(messages, keep_recent_tokens=suffix_tokens(messages)[1] - 1)
     text = serialize_transcript(messages)
-    elapsed = time.perf_counter() - started
 
     assert cut == 1  # the latest boundary holding the budget
     assert len(text) > 4_000_000
-    assert elapsed < 5.0, f"cut + serialize took {elapsed:.2f}s"

@@ -425,7 +425,7 @@ def test_a_byte_order_mark_is_trimmed_with_the_line(body: str) -> None:
     assert message.text == "z\ufeffw"
 
 
-def test_hostile_lines_parse_in_linear_time() -> None:
+def test_hostile_lines_continue_the_message_before_them() -> None:
     # Shapes that make a careless pattern backtrack quadratically.
     n = 200_000
     body = "\n".join(
@@ -437,10 +437,9 @@ def test_hostile_lines_parse_in_linear_time() -> None:
             "**a** (2024-03-15" + " " * n + "9:00",
         ]
     )
-    started = time.perf_counter()
-    msgs = parse_conversation_messages(body)
-    assert time.perf_counter() - started < 2.0
-    assert len(msgs) == 1
+    # Their time is measured in bench/parse_segment.py (hostile lines); here, what they parse to.
+    [message] = parse_conversation_messages(body)
+    assert message.text.startswith("a\n**a")
 
 
 # ---------------------------------------------------------------------------
