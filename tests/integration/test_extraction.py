@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint, Page
+from models import ExtractionAudit, Fact, Job, LLMCall, OpCheckpoint, Page
 from tests.integration.test_hostile_input import letters
 from worker.config_store import set_config
 from worker.consolidation.operators import entity_timeline
@@ -397,28 +397,64 @@ def test_a_forced_run_overtaken_by_the_page_s_job_replaces_nothing(pages, llm):
     """The page's job extracted an append while a forced run re-extracted the page as it was: the swap
     took the append's facts out and moved the checkpoint back, and nothing extracted them again."""
     run(pages, llm)
-    appended = [
-        *SAMPLE_LINES,
-        fmt("Alice Example", "2024-03-20", "9:00 AM", "I moved to Lisbon last week."),
-        fmt("Bob Demo", "2024-03-20", "9:01 AM", "Lisbon! Lovely."),
-    ]
+    lines = list(SAMPLE_LINES)
 
     class AppendAndExtract(NoProgress):
-        done = False
+        def __init__(self, day: int, text: str) -> None:
+            self.appended = [
+                fmt("Alice Example", f"2024-03-{day}", "9:00 AM", text),
+                fmt("Bob Demo", f"2024-03-{day}", "9:01 AM", "Oh, nice."),
+            ]
+            self.done = False
 
         def segment_finished(self, slug: str, outcome: str) -> None:
             if not self.done:
                 self.done = True
-                put_page(pages, body="\n".join(appended))
+                lines.extend(self.appended)
+                put_page(pages, body="\n".join(lines))
                 assert run(pages, llm).segments_processed == 1  # the page's own job, meanwhile
 
-    with pytest.raises(CheckpointConflictError, match="another run"):
-        run_extract_conversation_facts(
-            pages, llm, ExtractOptions(slug=SLUG, force=True), progress=AppendAndExtract()
-        )
+    progress = AppendAndExtract(20, "I moved to Lisbon last week.")
+    result = run_extract_conversation_facts(
+        pages, llm, ExtractOptions(slug=SLUG, force=True), progress=progress
+    )
+    [report] = result.pages
+    assert (result.pages_failed, report.status) == (1, "failed") and "another run" in report.reason
     assert any("Lisbon" in f.fact for f in page_facts(pages))
     assert run(pages, llm).segments_processed == 0  # the checkpoint still covers the append
     assert terminal_rows(pages) == 1
+    with pages.begin() as session:  # a job's run raises instead: the lifecycle retries it
+        job = Job(kind="extraction", subject=f"default|{SLUG}", status="running")
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    progress = AppendAndExtract(22, "I adopted a dog named Biscuit.")
+    with pytest.raises(CheckpointConflictError, match="another run"):
+        run_extract_conversation_facts(
+            pages, llm, ExtractOptions(slug=SLUG, force=True, job_id=job_id), progress=progress
+        )
+    assert any("Biscuit" in f.fact for f in page_facts(pages))
+
+
+def test_a_page_changed_under_a_source_wide_run_is_reported_and_the_run_goes_on(tx_factory, llm):
+    """A page edited while the CLI extracted it raised out of the run: the pages after it were never
+    extracted, nothing was counted, and the CLI printed a traceback."""
+    put_page(tx_factory, "conversations/a")
+    put_page(tx_factory, "conversations/b")
+
+    class EditFirst(NoProgress):
+        done = False
+
+        def segment_finished(self, slug: str, outcome: str) -> None:
+            if slug == "conversations/a" and not self.done:
+                self.done = True
+                put_page(tx_factory, "conversations/a", body=SAMPLE_BODY.replace("Acme", "Globex"))
+
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(), progress=EditFirst())
+    reports = {report.slug: report for report in result.pages}
+    assert reports["conversations/a"].status == "failed" and "changed" in reports["conversations/a"].reason
+    assert reports["conversations/b"].status == "processed" and reports["conversations/b"].facts > 0
+    assert (result.pages_failed, result.pages_processed) == (1, 1)
 
 
 def test_forced_run_failing_part_way_keeps_the_earlier_facts(pages, llm, simulator):

@@ -17,6 +17,7 @@ from worker.extraction.committer import (
     SegmentCommitter,
 )
 from worker.extraction.options import (
+    CheckpointConflictError,
     ExtractionCounters,
     ExtractionProgress,
     ExtractOptions,
@@ -252,8 +253,22 @@ def extract_pages(
             if plan is None and earlier is not None:
                 run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
             elif plan is not None:
-                online.extract_page(plan, earlier)
+                _extract_or_report(run, online, plan, earlier)
     return run.counters
+
+
+def _extract_or_report(
+    run: ExtractionRun, online: OnlineExtraction, plan: PagePlan, earlier: PageReport | None
+) -> None:
+    """One page; a run outside a job (the CLI) reports a page another run changed under it and goes on
+    to the next (it raised out of the run: the pages after it were never extracted, nothing was counted,
+    and the CLI printed a traceback). A job raises, so the lifecycle retries it on the page as it is."""
+    try:
+        online.extract_page(plan, earlier)
+    except CheckpointConflictError as exc:
+        if run.options.job_id is not None:
+            raise
+        run.committer.finish(PageReport(plan.slug, "failed", f"{exc}; run again to extract it"))
 
 
 def run_extract_conversation_facts(
