@@ -17,6 +17,9 @@ LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 MIN_PRODUCTION_SECRET_BYTES = 32
 # The longest beat interval a setting takes: Celery cannot schedule one of 1e15 seconds (nor inf).
 YEAR_SECONDS = 366 * 24 * 3600
+# The longest retention window: now() minus much more (10,000,000 days) is out of Postgres's range, and
+# every sweep failed there, before the ledger retention and the features' sweep steps could run.
+CENTURY_DAYS = 36_525
 
 
 class InsecureSecretsError(ValueError):
@@ -100,9 +103,10 @@ class Settings(BaseSettings):
     # Runs cut short by infrastructure (SIGKILL, OOM, a stale lease, the database going away): larger,
     # so faults rarely fail a page, yet a page that kills every worker it touches ends failed.
     job_max_worker_losses: int = Field(default=20, ge=1)
-    job_heartbeat_seconds: float = Field(default=10.0, gt=0)
-    job_stale_after_seconds: float = Field(default=60.0, gt=0)  # running with an older heartbeat = lost
-    job_requeue_after_seconds: float = Field(default=300.0, gt=0)  # queued this long = message lost
+    job_heartbeat_seconds: float = Field(default=10.0, gt=0, le=YEAR_SECONDS)
+    # Running with an older heartbeat = lost: at least two heartbeats (checked below).
+    job_stale_after_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
+    job_requeue_after_seconds: float = Field(default=300.0, gt=0, le=YEAR_SECONDS)  # queued this long = lost
     # How long a service process may take to stop on SIGTERM: a worker releases the jobs it holds at
     # their next segment boundary and exits after this long even if one is still inside a call (the
     # sweeper then requeues it); the API stops waiting for open requests after this long.
@@ -120,16 +124,16 @@ class Settings(BaseSettings):
     # How long a delivery's answer is kept for its Idempotency-Key: a repeat within it is replayed, a
     # repeat after it is a new delivery. A week covers the retry windows of common webhook senders
     # (Stripe's is three days). The sweeper forgets older answers (worker.jobs.maintenance).
-    idempotency_key_hours: int = Field(default=168, ge=1)
+    idempotency_key_hours: int = Field(default=168, ge=1, le=CENTURY_DAYS * 24)
     # How long a finished (succeeded or failed) job is kept; the sweeper deletes older ones, a batch a
     # run (worker.jobs.maintenance). None keeps every job. At least the Idempotency-Key window, as a
     # replayed answer names its jobs.
-    job_retention_days: int | None = Field(default=None, ge=1)
+    job_retention_days: int | None = Field(default=None, ge=1, le=CENTURY_DAYS)
     # How long llm_calls and extraction_audit rows are kept; the sweeper deletes older ones, oldest
     # first, a batch a run (worker.jobs.maintenance). None keeps them. At least a week: a backfill's job
     # reads its own calls' cost for days (the providers' batch window is 24 h, then polls), and
     # `factmill costs` reports only what is kept. Budgets and /metrics do not read these rows.
-    ledger_retention_days: int | None = Field(default=None, ge=7)
+    ledger_retention_days: int | None = Field(default=None, ge=7, le=CENTURY_DAYS)
     task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
     task_time_limit_seconds: int = Field(default=3600, gt=0)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
@@ -236,6 +240,16 @@ class Settings(BaseSettings):
         while it is rotated."""
         previous = [self.webhook_previous_secret] if self.webhook_previous_secret else []
         return [self.webhook_secret, *previous]
+
+    @model_validator(mode="after")
+    def _stale_after_two_heartbeats(self) -> Settings:
+        if self.job_stale_after_seconds < 2 * self.job_heartbeat_seconds:
+            raise ValueError(
+                f"FACTMILL_JOB_STALE_AFTER_SECONDS ({self.job_stale_after_seconds:g}) must be at least two "
+                f"heartbeats (FACTMILL_JOB_HEARTBEAT_SECONDS={self.job_heartbeat_seconds:g}): a live job "
+                "whose beat came late would be taken for lost and run twice"
+            )
+        return self
 
     @model_validator(mode="after")
     def _retention_covers_replays(self) -> Settings:

@@ -57,6 +57,10 @@ def test_a_refused_environment_names_each_variable_and_not_its_value(
         ("FACTMILL_CALIBRATION_ALPHA", "1e-17", "greater than or equal to 0.000001"),  # its rank never ended
         ("FACTMILL_CALIBRATION_MIN_OBSERVATIONS", str(2**31), "less than or equal to 2147483647"),
         ("FACTMILL_CALIBRATION_RECOMPUTE_EVERY", str(2**63), "less than or equal to 2147483647"),  # a LIMIT
+        # now() minus 10,000,000 days is out of Postgres's range: every sweep failed before its later steps.
+        ("FACTMILL_JOB_RETENTION_DAYS", "10000000", "less than or equal to 36525"),
+        ("FACTMILL_LEDGER_RETENTION_DAYS", "10000000", "less than or equal to 36525"),
+        ("FACTMILL_IDEMPOTENCY_KEY_HOURS", "1000000000", "less than or equal to 876600"),
     ],
 )
 def test_values_no_worker_could_use_are_refused_at_start(
@@ -66,6 +70,16 @@ def test_values_no_worker_could_use_are_refused_at_start(
     with pytest.raises(InvalidSettingsError) as caught:
         fresh_settings()
     assert f"{variable}: " in str(caught.value) and said in str(caught.value)
+
+
+def test_a_job_is_stale_only_after_two_heartbeats(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat of 60 s against the default stale-after of 60 s took every live job for lost: each
+    ran twice, and failed after 20 such losses."""
+    monkeypatch.setenv("FACTMILL_JOB_HEARTBEAT_SECONDS", "60")
+    with pytest.raises(InvalidSettingsError, match="at least two heartbeats"):
+        fresh_settings()
+    monkeypatch.setenv("FACTMILL_JOB_STALE_AFTER_SECONDS", "120")
+    assert fresh_settings().job_stale_after_seconds == 120
 
 
 def test_the_alpha_settings_take_is_the_one_a_recompute_takes() -> None:
