@@ -516,8 +516,8 @@ def test_the_previous_summary_is_folded_into_the_next(
             "provider_error",
         ),
         (
-            ChatResponse("", "refusal", Usage(10, 3), "scripted", "scripted-1", 4, refusal="no"),
-            "the summarizer refused (2 characters of reply, kept in the attempt log)",
+            ChatResponse("", "refusal", Usage(10, 3), "scripted", "scripted-1", 4, refusal="## Goal Deploy"),
+            "the summarizer refused (14 characters of reply, kept in the attempt log)",
             "refusal",
         ),
     ],
@@ -545,9 +545,11 @@ def test_an_empty_reply_an_error_or_a_refusal_is_a_failed_compaction_and_changes
         assert job.counters["status"] == "failed" and job.counters["compaction_id"] == row.id
         assert not {"transcript_id", "detail"} & set(job.counters) and job.counters["missed_terms"] == 0
     if call_outcome == "refusal":
-        assert row.attempt_log[0]["refusal"] == "no"
+        assert row.attempt_log[0]["refusal"] == "## Goal Deploy"
     [call] = llm_calls(tx_factory)
     assert (call.purpose, call.outcome, call.job_id) == ("compaction", call_outcome, job_id)
+    # The ledger outlives the transcript's erasure: it keeps no word of a refusal (the summary begun).
+    assert "Goal" not in (call.error or "")
 
 
 def test_a_provider_error_through_the_simulator_is_a_failed_compaction(

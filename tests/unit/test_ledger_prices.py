@@ -24,3 +24,22 @@ def test_a_stored_override_that_is_refused_now_is_named_once(caplog: pytest.LogC
     assert ledger.prices()["gpt-4o"].output == Decimal(2)
     del stored["llm.prices"]
     assert ledger.prices() == PRICES
+
+
+def test_a_refusal_s_words_stay_out_of_the_ledger() -> None:
+    """llm_calls rows outlive a page's or a transcript's erasure: a refusal's reason (the model's words,
+    quoting the segment or beginning the summary) is kept as its length; other errors as they are."""
+    from worker.accounting import LLMCallRecord
+    from worker.accounting.ledger import kept_error
+
+    said = "I can't share Alice's diagnosis from the segment"
+    refused = LLMCallRecord("extraction", "openai", "gpt-4o", None, 5, "refusal", error=said)
+    assert (
+        kept_error(refused)
+        == f"the model refused ({len(said)} characters of reply, kept with what it was about)"
+    )
+    failed = LLMCallRecord(
+        "extraction", "openai", "gpt-4o", None, 5, "provider_error", error="HTTP 500: boom"
+    )
+    assert kept_error(failed) == "HTTP 500: boom"
+    assert Ledger({}.get).row(refused)["error"] == kept_error(refused)

@@ -71,6 +71,18 @@ class LLMCallRecord:
     batch: bool = False  # billed through a provider batch (half price)
 
 
+def kept_error(call: LLMCallRecord) -> str | None:
+    """What the ledger keeps of a call's error. A refusal's "reason" is the model's own words, often
+    quoting the page or beginning the summary; llm_calls rows outlive the erasure of what they were
+    about, so they keep how long the words were (the words themselves stay in the segment's audit row
+    or the compaction's attempt log, erased with the page or the transcript)."""
+    if call.error is None:
+        return None
+    if call.outcome == "refusal":
+        return f"the model refused ({len(call.error)} characters of reply, kept with what it was about)"
+    return made_storable(call.error)
+
+
 class Ledger:
     """Costs and records LLM calls; the price table is the list prices plus the live `llm.prices`."""
 
@@ -120,7 +132,7 @@ class Ledger:
             "outcome": call.outcome,
             "cost_usd": self.cost(call, prices),
             "batch": call.batch,
-            "error": None if call.error is None else made_storable(call.error),
+            "error": kept_error(call),
         }
 
     def record(self, session: Session, call: LLMCallRecord) -> int:
