@@ -307,3 +307,28 @@ def test_0020_keeps_the_digest_of_each_kept_delivery_key(server_url: str) -> Non
         scoped_key("POST /v1/pages", "", "alice-chat", "signature"),
         scoped_key("POST /v1/transcripts/{id}/messages", "agent-1", "k|é", "signature"),
     }
+
+
+def test_0033_keeps_the_length_of_the_refusals_recorded_before_not_their_words(server_url: str) -> None:
+    from worker.accounting import LLMCallRecord
+    from worker.accounting.ledger import kept_error
+
+    said = "I will not repeat Alice's diagnosis"
+    with fresh_database(server_url, "refusals") as url:
+        db.upgrade(url, "0032")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO llm_calls (provider, model, purpose, outcome, cost_usd, error) VALUES "
+                    "('p', 'm', 'extraction', 'refusal', 0, :said), ('p', 'm', 'extraction', 'ok', 0, NULL), "
+                    "('p', 'm', 'extraction', 'provider_error', 0, 'HTTP 500: boom')"
+                ),
+                {"said": said},
+            )
+        db.upgrade(url)
+        with engine.connect() as conn:
+            errors = conn.execute(text("SELECT error FROM llm_calls ORDER BY id")).scalars().all()
+        engine.dispose()
+    record = LLMCallRecord("extraction", "p", "m", None, 0, "refusal", error=said)
+    assert errors == [kept_error(record), None, "HTTP 500: boom"]  # in the ledger's own words
