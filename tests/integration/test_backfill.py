@@ -327,6 +327,29 @@ def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt,
     assert request_statuses(factory, backfill_id) == {"done": 24} and sim.stats()["batches"]["created"] == 3
 
 
+def test_a_budget_spent_elsewhere_still_lets_the_batches_sent_be_collected(factory, rt, sim):
+    """The day's budget spent by online extraction while a batch ran: the next send raised before the
+    pass polled, so the batch sent (paid for, holding the pages' text) was never collected, and a
+    cancel woke nothing (the job waited for budget, not for batches)."""
+    seed_pages(factory, "bf", 4)  # two batches of eight requests
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0.01")  # the second batch waits for the first
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused" and sim.stats()["batches"]["created"] == 1
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0")  # spent: no send may go
+    sim.end_batches()
+    assert run_pass(rt, job_id).status == "paused"
+    assert request_statuses(factory, backfill_id) == {"done": 8, "pending": 8}  # the first collected
+    assert job_row(factory, job_id).pause_reason == "budget" and sim.stats()["batches"]["created"] == 1
+    with factory.begin() as session:
+        woken = cancel_backfill(session, backfill_id)
+    assert woken == [(job_id, BATCH_EXTRACTION)]
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+
+
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
     seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)
@@ -383,6 +406,57 @@ def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(
     assert drive(rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "done"
     assert sim.stats()["batches"]["results_downloads"] == 0
+
+
+@pytest.fixture
+def anthropic_rt(factory: sessionmaker[Session], database_url: str, sim: Simulator) -> Iterator[Runtime]:
+    """A runtime whose provider is Anthropic's wire (the simulator speaks it too)."""
+    settings = Settings(
+        database_url=database_url,
+        llm="anthropic",
+        anthropic_api_key="sk-ant-test",
+        llm_base_url=sim.url,
+        backfill_batch_max_requests=BATCH_MAX,
+    )  # type: ignore[call-arg]
+    runtime = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    yield runtime
+    runtime.close()
+
+
+def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(factory, anthropic_rt, sim):
+    """Anthropic deletes the batch itself on discard: a pass that died between the delete and marking it
+    collected met a 404 on every pass after, until the job failed and the backfill stayed running."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    sim.end_batches()
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        done = session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)).all()
+        done[0].status = "done"  # one page committed before the pass died; the other never was
+        provider_batch_id = batch.provider_batch_id
+    assert provider_batch_id is not None
+    chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+    AnthropicBatchClient(chat).discard(provider_batch_id)
+    assert drive(anthropic_rt, job_id).status == "succeeded"
+    report = backfill_report(factory, backfill_id)
+    assert report["status"] == "done" and report["requests"]["done"] == 1, report
+    assert sum(n for status, n in report["requests"].items() if status not in ("done", "total")) >= 1
+
+
+def test_an_anthropic_batch_cancelled_counts_its_unrun_requests_cancelled(factory, anthropic_rt, sim):
+    """Anthropic says "ended" of a cancelled batch: its requests that never ran were counted expired."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert drive(anthropic_rt, job_id).status == "succeeded"
+    report = backfill_report(factory, backfill_id)
+    assert report["status"] == "cancelled" and report["requests"].get("expired", 0) == 0, report
+    assert report["requests"]["cancelled"] == 8
 
 
 def test_beats_poll_deletes_a_collected_batchs_copy_whose_delete_failed(factory, rt, sim):

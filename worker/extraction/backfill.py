@@ -55,7 +55,7 @@ from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
 from worker.jobs.outbox import request_job
 from worker.llm.batches import UNDETERMINED, BatchItem, BatchLLMClient
-from worker.llm.errors import LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,9 @@ class BackfillSelection:
             f.get("slug"),
             bool(f.get("force", False)),
         )
+
+
+GONE = "gone"  # a batch's provider status when the provider answers 404 for it
 
 
 class NothingToBackfillError(LookupError):
@@ -327,7 +330,13 @@ class BackfillPass:
         if batch.provider_batch_id is None:
             self.store.set_batch(batch.id, status="cancelled")
             return
-        status = self.deps.client.status(batch.provider_batch_id)
+        try:
+            status = self.deps.client.status(batch.provider_batch_id)
+        except LLMError as exc:
+            if exc.status != 404:
+                raise
+            self.collect(batch, GONE, fetch=False)
+            return
         if not status.ended:
             self.deps.client.cancel(batch.provider_batch_id)
 
@@ -339,6 +348,12 @@ class BackfillPass:
         try:
             status = self.deps.client.status(batch.provider_batch_id)
         except LLMError as exc:
+            if exc.status == 404:
+                # The provider holds it no more: Anthropic deletes a batch itself on discard, so a pass
+                # that died between the delete and marking it collected got a 404 on every pass after
+                # (the job failed, the backfill stayed running for good). What it still owed is missing.
+                self.collect(batch, GONE, fetch=False)
+                return
             if not exc.retryable:
                 raise
             logger.warning("polling batch %s failed (%s); next pass", batch.provider_batch_id, exc)
@@ -348,15 +363,18 @@ class BackfillPass:
             return
         self.collect(batch, status.status)
 
-    def collect(self, batch: BatchRow, provider_status: str) -> None:
-        """Commit an ended batch's results page by page (the kill switch is read before each page)."""
+    def collect(self, batch: BatchRow, provider_status: str, *, fetch: bool = True) -> None:
+        """Commit an ended batch's results page by page (the kill switch is read before each page);
+        without ``fetch`` (the provider holds the batch no more) its pending requests are missing."""
         assert batch.provider_batch_id is not None
         pending = self.store.pending_requests(batch.id)
         items: dict[str, BatchItem] = {}
-        if pending:  # none left: a pass that died after committing them (the provider's copy may be gone)
+        if pending and fetch:  # none left: a pass that died after committing them (the copy may be gone)
             generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
             items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
-        missing = "cancelled" if provider_status in ("cancelled", "canceling") else "expired"
+        # Anthropic says "ended" of a cancelled batch too: the backfill's own request says it was cancelled.
+        cancelled = provider_status in ("cancelled", "canceling") or self.backfill.cancel_requested
+        missing = "cancelled" if cancelled else "expired"
         for (page_id, slug), rows in group_by_page(pending):
             self.run.check_switch()
             self.deps.guard()
@@ -433,16 +451,27 @@ class BackfillPass:
                 self.store.finish(backfill.id, "cancelled")
                 return PassResult(True, 0, "cancelled")
             self.plan()
+        no_room: BudgetExhaustedError | None = None
         for batch in self.store.batches(backfill.id, ("planned", "submitting")):
             if backfill.cancel_requested:
                 self.cancel(batch)
-            elif not self.send(batch):
-                break  # waiting for the batches in flight: so do the ones after it
+                continue
+            try:
+                if not self.send(batch):
+                    break  # waiting for the batches in flight: so do the ones after it
+            except BudgetExhaustedError as exc:
+                # The batches sent still end, are paid for and hold the pages' text: they are polled
+                # and collected below (the error stopped the pass before them, and the job paused for
+                # budget, for good when it was its own budget that was spent).
+                no_room = exc
+                break
         for batch in self.store.batches(backfill.id, ("submitted",)):
             if backfill.cancel_requested:
                 self.cancel(batch)
             self.poll(batch)
         open_batches = len(self.store.batches(backfill.id))
+        if no_room is not None and not self.store.batches(backfill.id, ("submitting", "submitted")):
+            raise no_room  # nothing in flight: the job waits for budget
         if open_batches:
             return PassResult(False, open_batches, "running")
         status = "cancelled" if backfill.cancel_requested else "done"

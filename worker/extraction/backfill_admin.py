@@ -15,7 +15,7 @@ from models.backfill import REQUEST_STATUSES
 from worker.extraction.backfill import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
-from worker.jobs.outbox import enqueue, resume_paused
+from worker.jobs.outbox import BUDGET, enqueue, resume_paused
 from worker.llm.gateway import LLMConfigurationError
 from worker.settings import Settings
 
@@ -32,7 +32,10 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
     if backfill.status in ("done", "cancelled"):
         return None
     backfill.cancel_requested = True
-    return resume_waiting(session, job_id=backfill.job_id)
+    woken = resume_waiting(session, job_id=backfill.job_id)
+    if backfill.job_id is not None:  # one waiting for budget: cancelling needs none
+        woken += resume_paused(session, [BATCH_EXTRACTION], BUDGET, [backfill.job_id])
+    return woken
 
 
 def resume_waiting(session: Session, job_id: int | None = None) -> list[tuple[int, str]]:
