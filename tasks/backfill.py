@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from tasks import job_task
-from worker.extraction.backfill import BATCH_EXTRACTION
 from worker.extraction.backfill_admin import poll_backfills
+from worker.extraction.backfill_request import BATCH_EXTRACTION
 from worker.jobs.celery_app import app
 
 run_backfill = job_task(BATCH_EXTRACTION)

@@ -190,6 +190,10 @@ class Settings(BaseSettings):
     # each provider batch holds at most this many requests (OpenAI caps a batch at 50,000).
     backfill_poll_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     backfill_batch_max_requests: int = Field(default=50_000, ge=1, le=50_000)
+    # ... and at most about this many bytes of input (OpenAI takes a batch file of 200 MB, once 100 MB;
+    # Anthropic a batch of 256 MB): 50,000 requests of a full segment each are 500 MB or more, and the
+    # provider refused the upload, on every retry.
+    backfill_batch_max_bytes: int = Field(default=95_000_000, ge=1_000_000, le=256_000_000)
     calibration_min_observations: int = Field(
         default=20, ge=4, le=2**31 - 1
     )  # fewer: no threshold is computed

@@ -889,7 +889,7 @@ def test_paused_jobs_are_counted_by_why(client: TestClient, tx_factory: sessionm
     """factmill_jobs{status="paused"} could not tell a backfill waiting for its batches (normal, for
     hours) from a kill switch, so the paused alert fired on every backfill and said to turn a switch on."""
     from models import Job
-    from worker.extraction.backfill import WAITING_FOR_BATCHES
+    from worker.extraction.backfill_request import WAITING_FOR_BATCHES
     from worker.jobs.registry import pause_reasons
 
     assert WAITING_FOR_BATCHES in pause_reasons()

@@ -31,14 +31,17 @@ from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
-from worker.extraction.backfill import BATCH_EXTRACTION, BackfillPass, BackfillSelection, request_backfill
+from worker.extraction.backfill import BackfillPass
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
-from worker.extraction.batch import segment_request
+from worker.extraction.backfill_request import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill_store import BackfillStore
+from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.jobs.outbox import resume_paused
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import Usage
 from worker.runtime import Runtime
@@ -348,6 +351,59 @@ def test_a_budget_spent_elsewhere_still_lets_the_batches_sent_be_collected(facto
     assert woken == [(job_id, BATCH_EXTRACTION)]
     assert drive(rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+
+
+def test_a_request_s_bytes_stay_under_their_bound_on_both_wires(sim):
+    """The planner cuts batches by an upper bound of each request's bytes (50,000 requests of a full
+    segment each were 500 MB and more: past both providers' limits, refused on every retry)."""
+    openai_chat = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    anthropic_chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+    overhead = request_overhead_bytes(10, 1024)
+    long_text = 'naïve café 東京 "quoted"\n' * 400  # past the rendering's cut, escapes and all
+    bodies = [page_body("Ann Example", "Acme"), page_body("Zoë Ångström", long_text)]
+    for body in bodies:
+        for segment in split_into_segments(parse_conversation_messages(body)):
+            request = segment_request("chat: someone", segment, 10, 1024)
+            lines = [
+                {
+                    "custom_id": "c" * 64,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": openai_chat.chat_body(request),
+                },
+                {"custom_id": "c" * 64, "params": anthropic_chat.message_params(request)},
+            ]
+            for line in lines:
+                assert len(json.dumps(line, ensure_ascii=False).encode()) <= overhead + segment_bytes(segment)
+
+
+def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):
+    seed_pages(factory, "bf", 4)  # four requests a page: two pages a batch by count
+    segments = split_into_segments(parse_conversation_messages(page_body("Ann Example", "Acme")))
+    one_page = sum(
+        request_overhead_bytes(10, rt.settings.llm_max_output_tokens) + segment_bytes(s) for s in segments
+    )
+    rt.settings.backfill_batch_max_bytes = one_page * 3 // 2  # one page's requests a batch
+    backfill_id, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    assert sim.stats()["batches"]["created"] == 4 and request_statuses(factory, backfill_id) == {"done": 16}
+
+
+def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim, monkeypatch):
+    """A create refused outright (a 400 or 413) left the batch "submitting" with its estimate, counted
+    against every backfill's day budget for good, though the provider held nothing."""
+    seed_pages(factory, "bf", 2)
+
+    def refuse(self: Any, requests: Any, key: str | None = None) -> str:
+        raise LLMError("HTTP 413: the batch file is too large", retryable=False, status=413)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", refuse)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "retry"
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+    assert (batch.status, batch.estimated_cost_usd) == ("planned", None)
+    assert BackfillStore(factory).in_flight_estimate() == 0
 
 
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):

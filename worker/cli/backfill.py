@@ -22,13 +22,13 @@ from worker.cli.console import (
 )
 from worker.cli.sessions import checked_factory
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.extraction.backfill import (
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
+from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
     BackfillSelection,
     NothingToBackfillError,
     request_backfill,
 )
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 from worker.extraction.provider_copies import SWEEP_LIMIT, ProviderCopies, sweep_provider_copies
 from worker.jobs.outbox import enqueue as send_jobs
 from worker.llm.batches import batch_unavailable

@@ -27,16 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill
-from models.tables import PAGES
 from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core.checkpoint import segment_hash
-from worker.core.slugs import stored_form
+from worker.extraction.backfill_request import BackfillSelection
 from worker.extraction.backfill_store import (
     BackfillSegmentStore,
     BackfillStore,
@@ -45,106 +43,28 @@ from worker.extraction.backfill_store import (
     PlannedRequest,
     RequestRow,
 )
-from worker.extraction.batch import MAX_BATCH_REQUESTS, batch_segment_result, segment_request
+from worker.extraction.batch import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_REQUESTS,
+    batch_segment_result,
+    request_overhead_bytes,
+    segment_bytes,
+    segment_request,
+)
 from worker.extraction.committer import SegmentResults, one_at_a_time
-from worker.extraction.options import CheckpointConflictError, ExtractOptions, validate_since
+from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
-from worker.jobs.outbox import request_job
 from worker.llm.batches import UNDETERMINED, BatchItem, BatchLLMClient
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 
 logger = logging.getLogger(__name__)
 
-BATCH_EXTRACTION = "batch_extraction"
-WAITING_FOR_BATCHES = "batch"  # the pause reason of a job whose provider batches are still running
-
-
-@dataclass(frozen=True)
-class BackfillSelection:
-    """Which pages a backfill extracts: a source, optionally narrowed; at most ``max_segments`` requests."""
-
-    source_id: str = "default"
-    since_iso: str | None = None
-    slug_prefix: str | None = None
-    max_segments: int | None = None
-    slug: str | None = None
-    force: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("slug_prefix", "slug"):  # as stored: a slug or prefix typed on a Mac may be NFD
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, stored_form(value))
-
-    def as_filters(self) -> dict[str, object]:
-        return {
-            "since": self.since_iso,
-            "slug_prefix": self.slug_prefix,
-            "max_segments": self.max_segments,
-            "slug": self.slug,
-            "force": self.force,
-        }
-
-    @classmethod
-    def of(cls, backfill: Backfill) -> BackfillSelection:
-        f = backfill.filters
-        return cls(
-            backfill.source_id,
-            f.get("since"),
-            f.get("slug_prefix"),
-            f.get("max_segments"),
-            f.get("slug"),
-            bool(f.get("force", False)),
-        )
-
-
 GONE = "gone"  # a batch's provider status when the provider answers 404 for it
-
-
-class NothingToBackfillError(LookupError):
-    """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
-
-
-def _matches_a_page(session: Session, selection: BackfillSelection) -> bool:
-    query = select(PAGES.c.id).where(PAGES.c.source_id == selection.source_id)
-    if selection.slug_prefix:
-        query = query.where(PAGES.c.slug.startswith(selection.slug_prefix, autoescape=True))
-    if selection.slug is not None:
-        query = query.where(PAGES.c.slug == selection.slug)
-    return session.execute(query.limit(1)).first() is not None
-
-
-def backfill_subject(backfill_id: int) -> str:
-    return f"backfill:{backfill_id}"
-
-
-def request_backfill(
-    session: Session, selection: BackfillSelection, created_by: str | None = None
-) -> tuple[int, int]:
-    """Store a backfill and request its batch_extraction job in the caller's transaction; returns
-    (backfill id, job id): enqueue the job once that transaction commits."""
-    validate_since(selection.since_iso, selection.force)
-    if selection.max_segments is not None and selection.max_segments < 1:
-        raise ValueError("--max-segments must be at least 1")
-    if not _matches_a_page(session, selection):
-        narrowed = f" whose slug starts with {selection.slug_prefix!r}" if selection.slug_prefix else ""
-        raise NothingToBackfillError(
-            f"no page in source {selection.source_id!r}{narrowed}: nothing to backfill "
-            "(`factmill ingest` or POST /v1/pages stores pages)"
-        )
-    backfill = Backfill(source_id=selection.source_id, filters=selection.as_filters(), created_by=created_by)
-    session.add(backfill)
-    session.flush()
-    job = request_job(
-        session, BATCH_EXTRACTION, backfill_subject(backfill.id), options={"backfill": backfill.id}
-    )
-    backfill.job_id = job.job_id
-    return backfill.id, job.job_id
 
 
 @dataclass
@@ -158,6 +78,7 @@ class BackfillDeps:
     client: BatchLLMClient
     job_id: int | None
     max_requests: int = MAX_BATCH_REQUESTS
+    max_bytes: int = MAX_BATCH_BYTES
     max_output_tokens: int = 1024
     guard: Callable[[], None] = field(default=lambda: None)
 
@@ -213,18 +134,19 @@ class BackfillPass:
         (a page longer than a batch, or past ``max_segments``, sends its first segments only)."""
         client = self.deps.client
         limit = self.selection.max_segments
+        overhead = request_overhead_bytes(self.run.max_facts, self.deps.max_output_tokens)
         batches: list[list[PlannedRequest]] = [[]]
+        sizes = [0]  # each batch's bytes, bounded above
         total = 0
         for plan in self.plans():
-            requests = [
-                PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment))
-                for i, segment in enumerate(plan.segments)
-            ]
             room = self.deps.max_requests if limit is None else min(self.deps.max_requests, limit - total)
-            requests = requests[:room]
-            if len(batches[-1]) + len(requests) > self.deps.max_requests:
+            requests, size = self.page_requests(plan, room, overhead)
+            full = len(batches[-1]) + len(requests) > self.deps.max_requests
+            if full or sizes[-1] + size > self.deps.max_bytes:
                 batches.append([])
+                sizes.append(0)
             batches[-1] += requests
+            sizes[-1] += size
             total += len(requests)
         planned = []
         tag = uuid.uuid4().hex[:8]
@@ -241,6 +163,19 @@ class BackfillPass:
         logger.info(
             "backfill %s planned %d request(s) in %d batch(es)", self.backfill.id, total, len(planned)
         )
+
+    def page_requests(self, plan: PagePlan, room: int, overhead: int) -> tuple[list[PlannedRequest], int]:
+        """The page's first ``room`` requests, as many as one batch's bytes hold (a page longer than a
+        batch sends its first segments only), and their bytes (bounded above)."""
+        requests: list[PlannedRequest] = []
+        size = 0
+        for i, segment in enumerate(plan.segments[:room]):
+            cost = overhead + segment_bytes(segment)
+            if requests and size + cost > self.deps.max_bytes:
+                break
+            requests.append(PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment)))
+            size += cost
+        return requests, size
 
     # --- sending ------------------------------------------------------------------------------------
 
@@ -293,7 +228,14 @@ class BackfillPass:
         self.deps.guard()
         # Committed before the provider hears of it; counted against the budgets until collected.
         self.store.set_batch(batch.id, status="submitting", estimated_cost_usd=estimate)
-        provider_id = client.submit(list(requests.items()), key=batch.key)
+        try:
+            provider_id = client.submit(list(requests.items()), key=batch.key)
+        except LLMError as exc:
+            if not exc.retryable:  # refused outright: nothing at the provider, nothing in flight
+                # Left "submitting", its estimate counted in flight for good (other backfills' batches
+                # waited on it under a day budget) though no batch held it.
+                self.store.set_batch(batch.id, status="planned", estimated_cost_usd=None)
+            raise
         self.store.set_batch(batch.id, status="submitted", provider_batch_id=provider_id)
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
         return True

@@ -12,7 +12,7 @@ from typing_extensions import TypedDict  # pydantic reads it on Python 3.11 (the
 
 from models import Backfill, BackfillBatch, Job
 from models.backfill import REQUEST_STATUSES
-from worker.extraction.backfill import BATCH_EXTRACTION, WAITING_FOR_BATCHES
+from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
 from worker.jobs.outbox import BUDGET, enqueue, resume_paused

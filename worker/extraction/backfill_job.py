@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
-from worker.extraction.backfill import (
-    BATCH_EXTRACTION,
-    WAITING_FOR_BATCHES,
-    BackfillDeps,
-    run_backfill_pass,
-)
+from worker.extraction.backfill import BackfillDeps, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
+from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.registry import ErrorRule, JobKind, register
@@ -29,6 +25,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
             client,
             ctx.job.id,
             max_requests=settings.backfill_batch_max_requests,
+            max_bytes=settings.backfill_batch_max_bytes,
             max_output_tokens=settings.llm_max_output_tokens,
             guard=ctx.guard,
         )

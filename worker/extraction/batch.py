@@ -14,6 +14,7 @@ Differences from an online run, on purpose:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
-from worker.core.conversation import Segment, render_segment_for_extraction
+from worker.core.conversation import SEGMENT_TEXT_CHAR_LIMIT, Segment, render_segment_for_extraction
 from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import (
     CheckpointConflictError,
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 # Both providers cap a batch (OpenAI 50,000 requests, Anthropic 100,000); pages past the cap wait for
 # the next run rather than splitting one page across two batches.
 MAX_BATCH_REQUESTS = 50_000
+MAX_BATCH_BYTES = 95_000_000  # FACTMILL_BACKFILL_BATCH_MAX_BYTES's default
 DEFAULT_POLL_SECONDS = 30.0
 # The providers' completion window is 24 h; past it (plus a little) the batch is cancelled.
 DEFAULT_TIMEOUT_SECONDS = 24 * 3600 + 600
@@ -72,6 +74,21 @@ def custom_id(plan: PagePlan, index: int) -> str:
 def segment_request(label: str, segment: Segment, max_facts: int, cap: int) -> ChatRequest:
     """A segment's batched request: the online run's first turn (no repair turn in batch mode)."""
     return extraction_request([first_turn(render_segment_for_extraction(label, segment))], max_facts, cap)
+
+
+def request_overhead_bytes(max_facts: int, cap: int) -> int:
+    """An upper bound on a batched request's bytes besides its segment: the system prompt, the reply's
+    schema and the wire's own fields (custom id, method, model, parameters)."""
+    request = extraction_request([first_turn("")], max_facts, cap)
+    schema = json.dumps(request.json_schema or {}, ensure_ascii=False)
+    return len(request.system.encode()) * 11 // 10 + len(schema.encode()) * 11 // 10 + 1024
+
+
+def segment_bytes(segment: Segment) -> int:
+    """An upper bound on a segment's bytes in a batched request: its rendering, in UTF-8, with room for
+    JSON's escapes (the rendering is cut at SEGMENT_TEXT_CHAR_LIMIT characters, 4 bytes at most each)."""
+    text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
+    return min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) * 6 // 5 + 512
 
 
 def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:

@@ -15,18 +15,18 @@ from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import BigIntIdPath, SourceIdField, StorableStr
 from worker.core.jsonvalues import BIGINT_MAX, json_integer
-from worker.extraction.backfill import (
-    BATCH_EXTRACTION,
-    BackfillSelection,
-    NothingToBackfillError,
-    request_backfill,
-)
 from worker.extraction.backfill_admin import (
     BackfillReport,
     BackfillSummary,
     backfill_report,
     cancel_backfill,
     list_backfills,
+)
+from worker.extraction.backfill_request import (
+    BATCH_EXTRACTION,
+    BackfillSelection,
+    NothingToBackfillError,
+    request_backfill,
 )
 from worker.llm.batches import batch_unavailable
 

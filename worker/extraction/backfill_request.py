@@ -1,0 +1,97 @@
+"""A backfill as asked for: which pages (the selection), stored with its batch_extraction job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from models import Backfill
+from models.tables import PAGES
+from worker.core.slugs import stored_form
+from worker.extraction.options import validate_since
+from worker.jobs.outbox import request_job
+
+BATCH_EXTRACTION = "batch_extraction"
+WAITING_FOR_BATCHES = "batch"  # the pause reason of a job whose provider batches are still running
+
+
+@dataclass(frozen=True)
+class BackfillSelection:
+    """Which pages a backfill extracts: a source, optionally narrowed; at most ``max_segments`` requests."""
+
+    source_id: str = "default"
+    since_iso: str | None = None
+    slug_prefix: str | None = None
+    max_segments: int | None = None
+    slug: str | None = None
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("slug_prefix", "slug"):  # as stored: a slug or prefix typed on a Mac may be NFD
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, stored_form(value))
+
+    def as_filters(self) -> dict[str, object]:
+        return {
+            "since": self.since_iso,
+            "slug_prefix": self.slug_prefix,
+            "max_segments": self.max_segments,
+            "slug": self.slug,
+            "force": self.force,
+        }
+
+    @classmethod
+    def of(cls, backfill: Backfill) -> BackfillSelection:
+        f = backfill.filters
+        return cls(
+            backfill.source_id,
+            f.get("since"),
+            f.get("slug_prefix"),
+            f.get("max_segments"),
+            f.get("slug"),
+            bool(f.get("force", False)),
+        )
+
+
+class NothingToBackfillError(LookupError):
+    """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
+
+
+def _matches_a_page(session: Session, selection: BackfillSelection) -> bool:
+    query = select(PAGES.c.id).where(PAGES.c.source_id == selection.source_id)
+    if selection.slug_prefix:
+        query = query.where(PAGES.c.slug.startswith(selection.slug_prefix, autoescape=True))
+    if selection.slug is not None:
+        query = query.where(PAGES.c.slug == selection.slug)
+    return session.execute(query.limit(1)).first() is not None
+
+
+def backfill_subject(backfill_id: int) -> str:
+    return f"backfill:{backfill_id}"
+
+
+def request_backfill(
+    session: Session, selection: BackfillSelection, created_by: str | None = None
+) -> tuple[int, int]:
+    """Store a backfill and request its batch_extraction job in the caller's transaction; returns
+    (backfill id, job id): enqueue the job once that transaction commits."""
+    validate_since(selection.since_iso, selection.force)
+    if selection.max_segments is not None and selection.max_segments < 1:
+        raise ValueError("--max-segments must be at least 1")
+    if not _matches_a_page(session, selection):
+        narrowed = f" whose slug starts with {selection.slug_prefix!r}" if selection.slug_prefix else ""
+        raise NothingToBackfillError(
+            f"no page in source {selection.source_id!r}{narrowed}: nothing to backfill "
+            "(`factmill ingest` or POST /v1/pages stores pages)"
+        )
+    backfill = Backfill(source_id=selection.source_id, filters=selection.as_filters(), created_by=created_by)
+    session.add(backfill)
+    session.flush()
+    job = request_job(
+        session, BATCH_EXTRACTION, backfill_subject(backfill.id), options={"backfill": backfill.id}
+    )
+    backfill.job_id = job.job_id
+    return backfill.id, job.job_id
