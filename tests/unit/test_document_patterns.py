@@ -18,6 +18,7 @@ from worker.core.labels import (
     LABEL_PATTERN,
     MAX_SOURCE_ID_LENGTH,
     NEW_SOURCE_ID_PATTERN,
+    NOT_ONLY_SPACES_PATTERN,
     SOURCE_ID_PATTERN,
     WORD_LABEL_PATTERN,
     check_new_source_id,
@@ -60,6 +61,11 @@ SLUG = matches(SLUG_PATTERN)
 SOURCE = matches(SOURCE_ID_PATTERN)
 NEW_SOURCE = matches(NEW_SOURCE_ID_PATTERN)
 ENTITY = matches(ENTITY_PATTERN)
+NOT_ONLY_SPACES = matches(NOT_ONLY_SPACES_PATTERN)
+
+
+def not_only_spaces(value: str) -> bool:
+    return bool(value.strip())
 
 
 def entity_ok(value: str) -> bool:
@@ -82,6 +88,7 @@ def entity_ok(value: str) -> bool:
         ("slug middle", SLUG, slug_ok, "a{}b"),
         ("entity", ENTITY, entity_ok, "{}"),
         ("entity among separators", ENTITY, entity_ok, "-/{} "),
+        ("page type", NOT_ONLY_SPACES, not_only_spaces, " {}\t"),
     ],
 )
 def test_pattern_agrees_with_the_rule_on_every_character(
@@ -108,6 +115,7 @@ def test_patterns_agree_on_strings_around_the_edges(value: str) -> None:
     assert not value or SOURCE(value) == is_source_id(value), repr(value)
     assert not value or NEW_SOURCE(value) == is_new_source_id(value), repr(value)
     assert ENTITY(value) == entity_ok(value), repr(value)
+    assert NOT_ONLY_SPACES(value) == not_only_spaces(value), repr(value)
     nfc = unicodedata.normalize("NFC", value)
     assert SLUG(nfc) == slug_ok(nfc), repr(value)
 

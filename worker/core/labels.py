@@ -13,6 +13,8 @@ from __future__ import annotations
 # What str.strip() removes (str.isspace), spelled out: ECMA's \s is a different set.
 _SPACES = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _STRIPPED = rf"[{_SPACES}]"
+# Text with something str.strip() leaves (unanchored, as JSON Schema patterns are).
+NOT_ONLY_SPACES_PATTERN = rf"[^{_SPACES}]"
 _VISIBLE = r"[^\p{C}\p{Z}]"  # printable and not a space
 _PRINTABLE = rf"(?:{_VISIBLE}| )"
 
@@ -103,6 +105,7 @@ __all__ = [
     "LABEL_PATTERN",
     "MAX_SOURCE_ID_LENGTH",
     "NEW_SOURCE_ID_PATTERN",
+    "NOT_ONLY_SPACES_PATTERN",
     "SOURCE_ID_PATTERN",
     "WORD_LABEL_PATTERN",
     "check_new_source_id",

@@ -16,7 +16,12 @@ from sqlalchemy.orm import Session
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.jsonvalues import not_json, text_problem
-from worker.core.labels import MAX_SOURCE_ID_LENGTH, NEW_SOURCE_ID_PATTERN, check_new_source_id
+from worker.core.labels import (
+    MAX_SOURCE_ID_LENGTH,
+    NEW_SOURCE_ID_PATTERN,
+    NOT_ONLY_SPACES_PATTERN,
+    check_new_source_id,
+)
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
@@ -57,7 +62,7 @@ class PageIn(BaseModel):
         description=SLUG_RULE,
         json_schema_extra={"pattern": SLUG_PATTERN},
     )
-    type: str = Field(min_length=1, max_length=100)
+    type: str = Field(min_length=1, max_length=100, json_schema_extra={"pattern": NOT_ONLY_SPACES_PATTERN})
     title: str = Field(default="", max_length=1000)
     compiled_truth: str = ""
     timeline: str = ""
