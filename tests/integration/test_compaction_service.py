@@ -741,6 +741,34 @@ def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sess
     assert forced.created
 
 
+def test_an_append_during_a_rejected_run_waits_the_retrigger_time_too(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """An append over the threshold while the job ran set its rerun flag; the rerun was sent as the run
+    ended, and after a rejected summary it paid for two more calls on nearly the same head at once."""
+    request = append(tx_factory, "busy", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+
+    def append_meanwhile(request: ChatRequest) -> str:
+        if len(llm.requests) == 1:  # the agent goes on while the summary is written
+            append(tx_factory, "busy", [{"role": "user", "text": "and another thing"}], retrigger_seconds=300)
+        return "nope"
+
+    llm = ScriptedLLM(append_meanwhile, "nope")
+    rt = runtime(database_url, tx_factory, llm, compaction_retrigger_seconds=300)
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    assert [c.status for c in compactions(tx_factory)] == ["rejected"] and len(llm.requests) == 2
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued"  # the rerun the append asked for
+    rerun = run_job(rt, job_id, jobs.COMPACTION)
+    assert rerun.status == "succeeded" and len(llm.requests) == 2  # it waits: no call
+    assert [c.status for c in compactions(tx_factory)] == ["rejected"]
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and "was rejected" in (job.last_error or "") + str(job.counters)
+
+
 def test_a_context_its_compactions_cannot_bring_under_waits_after_an_accepted_one_too(
     tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:

@@ -7,8 +7,9 @@ import threading
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.reads import read_only
 from worker.calibration import ThresholdCache
-from worker.compaction.queries import TranscriptNotFoundError, request_compaction
+from worker.compaction.queries import TranscriptNotFoundError, recent_miss, request_compaction, retrigger_wait
 from worker.compaction.service import compact
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_ENABLED
@@ -34,13 +35,25 @@ def compact_job(ctx: JobContext) -> WorkResult:
     """The compaction job kind's work: compact the job's transcript under the active threshold."""
     rt, job = ctx.rt, ctx.job
     settings = rt.settings
+    force = bool(ctx.option("force", False))
+    if not force:
+        # An append over the threshold while this job ran asked for a rerun, sent as soon as the run
+        # ended: after a rejected or failed summary, the wait the request path keeps was skipped, and an
+        # active agent paid for two more calls on nearly the same head every time.
+        with read_only(rt.factory) as session:
+            missed = recent_miss(session, job.subject, settings.compaction_retrigger_seconds)
+            waiting = (
+                retrigger_wait(missed, settings.compaction_retrigger_seconds, job.subject) if missed else None
+            )
+        if waiting is not None:
+            return WorkResult("succeeded", counters={"status": "waiting"}, note=waiting, detail=waiting)
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
     outcome = compact(
         TranscriptStore(rt.factory, rt.ledger),
         rt.llm,
         job.subject,
         threshold=gate.get,
-        force=bool(ctx.option("force", False)),
+        force=force,
         job_id=job.id,
         guard=ctx.guard,
         enabled=ctx.enabled,

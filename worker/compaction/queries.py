@@ -252,7 +252,7 @@ class TriggerCheck:
         return self.trigger_tokens is not None and self.context_tokens > self.trigger_tokens
 
 
-def _recent_miss(
+def recent_miss(
     session: Session, transcript_id: str, within_seconds: float, *, accepted_too: bool = False
 ) -> Compaction | None:
     """The newest compaction, if it was rejected or failed (or, ``accepted_too``, accepted) less than
@@ -270,6 +270,14 @@ def _recent_miss(
     if newest.created_at < now() - timedelta(seconds=within_seconds):
         return None
     return newest
+
+
+def retrigger_wait(missed: Compaction, retrigger_seconds: float, transcript_id: str) -> str:
+    """Why no compaction runs now: the last one missed lately (FACTMILL_COMPACTION_RETRIGGER_SECONDS)."""
+    return (
+        f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
+        f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
+    )
 
 
 def request_compaction(
@@ -307,12 +315,9 @@ def check_trigger(
         )
     # Such a context is over its threshold again right after an accepted summary: without the wait,
     # every append would pay for another summary.
-    missed = _recent_miss(session, transcript_id, retrigger_seconds, accepted_too=misfit is not None)
+    missed = recent_miss(session, transcript_id, retrigger_seconds, accepted_too=misfit is not None)
     if missed is not None:
-        note = (
-            f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
-            f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
-        )
+        note = retrigger_wait(missed, retrigger_seconds, transcript_id)
         return TriggerCheck(tokens, settings.trigger_tokens, None, note + (f"; {misfit}" if misfit else ""))
     job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
     return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
