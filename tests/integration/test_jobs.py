@@ -434,6 +434,45 @@ def test_a_lost_message_is_re_sent_though_newer_work_keeps_its_queue_busy(tx_fac
     assert resent() == [lost]
 
 
+def test_the_sweep_asks_the_broker_before_it_locks_a_row_and_takes_a_batch_at_a_time(factory, monkeypatch):
+    """It asked the broker for each queue's depth while holding every overdue job's row lock: a broker
+    that hung held back the claims, deliveries and erasures of those jobs; and it locked the whole
+    backlog of a bulk ingest every sweep, however long."""
+    import worker.jobs.outbox as outbox
+
+    sent = [new_job(factory, f"default|s{i}") for i in range(3)]
+    enqueue(factory, [(i, EXTRACTION) for i in sent], Recorder())
+    with factory.begin() as session:
+        session.execute(update(Job).values(enqueued_at=now() - timedelta(seconds=100)))
+
+    def depth(queue: str) -> int:
+        with factory.begin() as other:  # another worker claiming one of them, meanwhile
+            other.execute(text("SET LOCAL lock_timeout = '200ms'"))
+            other.execute(select(Job.id).where(Job.id == sent[0]).with_for_update())
+        return 0
+
+    monkeypatch.setattr(outbox, "SWEEP_BATCH", 2, raising=False)
+
+    def resent() -> list[int]:
+        recorder = Recorder()
+        sweep(
+            factory,
+            stale_after=60,
+            requeue_after=30,
+            enabled=lambda key: True,
+            job_budgets=BUDGETS,
+            sender=recorder,
+            queue_depth=depth,
+        )
+        return [job_id for _, job_id, _ in recorder.sent]
+
+    first = resent()
+    assert len(first) == 2
+    with factory.begin() as session:  # the two sent again are no longer overdue; the third still is
+        session.execute(update(Job).where(Job.id.in_(first)).values(enqueued_at=now()))
+    assert resent() == [job_id for job_id in sent if job_id not in first]
+
+
 def test_a_source_limited_job_list_reads_its_sources_jobs_by_their_index(tx_factory):
     """A key limited to a source with few jobs read every job backwards (0.3 s at a million, bench/
     job_list.py); the statement now matches ix_jobs_page_source, constants and all."""

@@ -351,6 +351,23 @@ class SweepReport:
         return len(self.requeued_stale) + len(self.resent_queued) + len(self.resumed_paused)
 
 
+def _overdue_queue_depths(
+    factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
+) -> dict[str, int | None]:
+    """The broker's depth of each queue that has jobs sent and overdue (none asked when none has)."""
+    with factory() as session:
+        kinds = session.scalars(
+            select(Job.kind)
+            .where(Job.status == "queued", Job.enqueued_at < func.now() - timedelta(seconds=requeue_after))
+            .distinct()
+        ).all()
+    return {queue: queue_depth(queue) for queue in {get_kind(kind).queue for kind in kinds}}
+
+
+# The most jobs of each sort (stale, overdue) one sweep locks and looks at; the rest wait for the next.
+SWEEP_BATCH = 5_000
+
+
 def sweep(
     factory: sessionmaker[Session],
     *,
@@ -367,10 +384,15 @@ def sweep(
     spent is failed instead of re-sent. Jobs paused for budget go again when ``budget_room_for`` (which
     of these job ids both budgets would let call) includes them. Postgres is the source of truth."""
     failed: list[int] = []
+    # Asked before the transaction: a broker that hangs must not hold the rows it locks (claims, webhook
+    # deliveries and erasures of those jobs waited on it).
+    depths = _overdue_queue_depths(factory, requeue_after, queue_depth) if queue_depth is not None else None
     with factory.begin() as session:
         stale = session.execute(
             select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
             .where(Job.status == "running", Job.heartbeat_at < func.now() - timedelta(seconds=stale_after))
+            .order_by(Job.heartbeat_at)
+            .limit(SWEEP_BATCH)
             .with_for_update(skip_locked=True)
         ).all()
         stale_pairs = []
@@ -399,6 +421,7 @@ def sweep(
                 ),
             )
             .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
+            .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the oldest go first, the rest next sweep
             .with_for_update(skip_locked=True)
         ).all()
         overdue = []
@@ -409,7 +432,9 @@ def sweep(
             elif waiting.id not in {i for i, _ in stale_pairs}:
                 overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
         lost_pairs = only_missing(
-            overdue, queue_depth, lambda kinds, since: newest_consumed(session, kinds, since)
+            overdue,
+            None if depths is None else depths.get,
+            lambda kinds, since: newest_consumed(session, kinds, since),
         )
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
