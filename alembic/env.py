@@ -58,13 +58,27 @@ def run_migrations_online() -> None:
     extra = {"on_version_apply": _StepTimer(on_step)} if on_step is not None else {}
     engine = create_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata, compare_type=True, **extra)
+        # One upgrade at a time: a second one (a repeated migrate step, `factmill demo` beside `db
+        # upgrade`) waits here, then reads the version the first committed and has nothing to do; it
+        # ran the same migrations and failed on a duplicate table, "rolled back", exit 1. A session lock,
+        # held across the migrations' own transactions (and let go with the connection).
+        connection.execute(text("SELECT pg_advisory_lock(:id)"), {"id": MIGRATIONS_LOCK_ID})
+        connection.commit()
+        # Each migration commits on its own: in one transaction, the first one's locks (an ALTER of
+        # llm_calls, which every segment commit writes) were held until the last one (an index over
+        # facts) was built, so extraction and search waited out the whole upgrade. One that fails
+        # leaves the schema at the migration before it; running the upgrade again goes on from there.
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            compare_type=True,
+            transaction_per_migration=True,
+            **extra,
+        )
         with context.begin_transaction():
-            # One upgrade at a time: a second one (a repeated migrate step, `factmill demo` beside `db
-            # upgrade`) waits here, then reads the version the first committed and has nothing to do;
-            # it ran the same migrations and failed on a duplicate table, "rolled back", exit 1.
-            connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATIONS_LOCK_ID})
             context.run_migrations()
+        connection.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": MIGRATIONS_LOCK_ID})
+        connection.commit()
     engine.dispose()
 
 

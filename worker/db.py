@@ -187,7 +187,7 @@ OnStep = Callable[[str, float, str], None]
 
 def upgrade(url: str, revision: str = "head", on_step: OnStep | None = None) -> None:
     """Build or update the schema with the migrations (never create_all); ``on_step`` hears of each
-    one as it finishes (they all commit together at the end: alembic/env.py)."""
+    one as it finishes (each commits on its own: alembic/env.py)."""
     from alembic import command
 
     config = alembic_config(url)

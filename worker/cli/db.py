@@ -50,10 +50,11 @@ def db_upgrade(
         db.upgrade(url, revision, on_step=_report_step)
     except CommandError as exc:  # a revision that is not one of the migrations'
         raise fail(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
-    except DBAPIError as exc:  # the upgrade runs in one transaction (alembic/env.py): nothing stays
+    except DBAPIError as exc:  # each migration commits on its own (alembic/env.py): the failed one did not
         stays = db.current_revision(url) or "no schema"
         raise fail(
-            f"the upgrade failed and was rolled back (the schema stays at {stays}): {error_summary(exc)}"
+            f"the upgrade failed, its last migration rolled back (the schema stays at {stays}; run it "
+            f"again to go on from there): {error_summary(exc)}"
         ) from None
     out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
 
