@@ -769,6 +769,27 @@ def test_an_append_during_a_rejected_run_waits_the_retrigger_time_too(
         assert job is not None and "was rejected" in (job.last_error or "") + str(job.counters)
 
 
+def test_a_context_left_over_its_threshold_by_an_accepted_summary_waits_too(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """keep_recent_tokens under window - reserve, but not with the summary beside it: the accepted
+    compaction left the context over its threshold, and every append paid for another summary."""
+    tight = {"context_window": 3000, "reserve_tokens": 1000, "keep_recent_tokens": 1800}
+    append(tx_factory, "tight", session_messages(25), settings=tight)
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(status="succeeded"))
+    summary = "## Goal\n" + "Deploy payments to Frankfurt behind the canary flag. " * 40
+    done = compact_transcript(
+        tx_factory, ScriptedLLM(summary), "tight", threshold=lambda: ActiveThreshold(0.0, None), force=True
+    )
+    assert done.status == "accepted"
+    [row] = compactions(tx_factory, "tight")
+    assert row.tokens_after is not None and row.tokens_after > 2000  # over window - reserve
+    held = append(tx_factory, "tight", [{"role": "user", "text": "next"}], retrigger_seconds=300)
+    assert held.trigger.job is None and held.trigger.over
+    assert "left the context at" in (held.trigger.note or ""), held.trigger.note
+
+
 def test_a_context_its_compactions_cannot_bring_under_waits_after_an_accepted_one_too(
     tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:

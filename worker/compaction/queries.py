@@ -253,9 +253,15 @@ class TriggerCheck:
 
 
 def recent_miss(
-    session: Session, transcript_id: str, within_seconds: float, *, accepted_too: bool = False
+    session: Session,
+    transcript_id: str,
+    within_seconds: float,
+    *,
+    accepted_too: bool = False,
+    accepted_over: int | None = None,
 ) -> Compaction | None:
-    """The newest compaction, if it was rejected or failed (or, ``accepted_too``, accepted) less than
+    """The newest compaction, if it was rejected or failed (or accepted: always with ``accepted_too``,
+    and with ``accepted_over`` when it left the context over that many tokens) less than
     ``within_seconds`` ago."""
     if within_seconds <= 0:
         return None
@@ -265,8 +271,12 @@ def recent_miss(
         .order_by(Compaction.id.desc())
         .limit(1)
     ).first()
-    if newest is None or (newest.status == "accepted" and not accepted_too):
+    if newest is None:
         return None
+    if newest.status == "accepted" and not accepted_too:
+        left_over = accepted_over is not None and (newest.tokens_after or 0) > accepted_over
+        if not left_over:
+            return None
     if newest.created_at < now() - timedelta(seconds=within_seconds):
         return None
     return newest
@@ -313,11 +323,24 @@ def check_trigger(
             f"({settings.trigger_tokens}), so no compaction can bring this context under its threshold; "
             "lower keep_recent_tokens"
         )
-    # Such a context is over its threshold again right after an accepted summary: without the wait,
-    # every append would pay for another summary.
-    missed = recent_miss(session, transcript_id, retrigger_seconds, accepted_too=misfit is not None)
+    # Such a context is over its threshold again right after an accepted summary (or was left over it
+    # by one: the summary and the kept messages do not fit under it): without the wait, every append
+    # would pay for another summary.
+    missed = recent_miss(
+        session,
+        transcript_id,
+        retrigger_seconds,
+        accepted_too=misfit is not None,
+        accepted_over=settings.trigger_tokens,
+    )
     if missed is not None:
         note = retrigger_wait(missed, retrigger_seconds, transcript_id)
+        if missed.status == "accepted" and misfit is None:
+            misfit = (
+                f"it left the context at {missed.tokens_after} tokens, over window - reserve "
+                f"({settings.trigger_tokens}): its summary and keep_recent_tokens "
+                f"({settings.keep_recent_tokens}) do not fit under it; lower keep_recent_tokens"
+            )
         return TriggerCheck(tokens, settings.trigger_tokens, None, note + (f"; {misfit}" if misfit else ""))
     job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
     return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
