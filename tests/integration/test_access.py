@@ -154,6 +154,25 @@ def test_a_keyed_delivery_needs_no_signature_but_a_sent_signature_must_hold(
     assert bad.status_code == 401
 
 
+def test_two_keys_sending_one_feedback_idempotency_key_are_two_submissions(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """The key was scoped by nothing: a second tenant's observation was dropped as the first's
+    duplicate (or refused as a reuse), and the key was stored as sent (it may name a person)."""
+    from models import CalibrationObservation
+
+    feedback = {"coverage": 0.4, "answer_kept": True, "origin": "ui"}
+    headers = {"Content-Type": "application/json", "Idempotency-Key": "alice-2024-03-15"}
+    for ingester in (bearer(new_key(factory, ["ingest"])), bearer(new_key(factory, ["ingest"]))):
+        answer = api.post("/v1/feedback", content=json.dumps(feedback).encode(), headers=ingester | headers)
+        assert answer.status_code == 201 and answer.json()["duplicate"] is False, answer.text
+        again = api.post("/v1/feedback", content=json.dumps(feedback).encode(), headers=ingester | headers)
+        assert again.status_code == 200 and again.json()["duplicate"] is True
+    with factory() as session:
+        keys = session.scalars(select(CalibrationObservation.dedupe_key)).all()
+    assert len(set(keys)) == 2 and not any("alice" in (key or "") for key in keys)
+
+
 def test_revoked_and_unknown_keys_are_refused(api: TestClient, factory: sessionmaker[Session]) -> None:
     with factory.begin() as session:
         created = create_key(session, "soon revoked", ["read"])

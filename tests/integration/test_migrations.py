@@ -358,3 +358,29 @@ def test_0033_keeps_the_length_of_the_refusals_recorded_before_not_their_words(s
         engine.dispose()
     record = LLMCallRecord("extraction", "p", "m", None, 0, "refusal", error=said)
     assert errors == [kept_error(record), None, "HTTP 500: boom"]  # in the ledger's own words
+
+
+def test_0034_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_finds(server_url: str) -> None:
+    from worker.core.calibration import ObservationIn
+
+    with fresh_database(server_url, "feedback_keys") as url:
+        db.upgrade(url, "0033")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO calibration_observations (coverage, answer_kept, origin, dedupe_key) VALUES "
+                    "(0.5, true, 'ui', 'key:alice-2024-03-15'), (0.5, true, 'ui', 'compaction:abc'), "
+                    "(0.5, true, 'ui', NULL)"
+                )
+            )
+        db.upgrade(url)
+        with engine.connect() as conn:
+            keys = (
+                conn.execute(text("SELECT dedupe_key FROM calibration_observations ORDER BY id"))
+                .scalars()
+                .all()
+            )
+        engine.dispose()
+    replay = ObservationIn(0.5, True, "ui", idempotency_key="alice-2024-03-15").dedupe_key()
+    assert keys == [replay, "compaction:abc", None]

@@ -227,7 +227,10 @@ def test_invalid_observations_raise_a_clear_value_error(kwargs: dict[str, object
 
 def test_dedupe_keys() -> None:
     assert ObservationIn(0.5, True, "a").dedupe_key() is None
-    assert ObservationIn(0.5, True, "a", idempotency_key=" k1 ").dedupe_key() == "key:k1"
+    keyed = ObservationIn(0.5, True, "a", idempotency_key=" k1 ").dedupe_key()
+    assert keyed == ObservationIn(0.5, True, "b", idempotency_key="k1").dedupe_key()  # the key alone
+    assert keyed is not None and keyed.startswith("key:") and "k1" not in keyed  # a digest
+    assert keyed != ObservationIn(0.5, True, "a", idempotency_key="k1", sender="key:7").dedupe_key()
     judged = ObservationIn(0.5, True, "a", compaction_id=7).dedupe_key()
     assert judged is not None and judged.startswith("compaction:")
     assert judged == ObservationIn(0.5, True, " a ", compaction_id=7).dedupe_key()

@@ -72,6 +72,14 @@ def _check_text(value: object, name: str, limit: int) -> str:
     return cleaned
 
 
+def idempotency_dedupe_key(sender: str, key: str) -> str:
+    """The stored form of a submission's idempotency key: a digest of its sender and the key. Two senders'
+    equal keys collided (one's observation was dropped as the other's duplicate), and the key was kept as
+    sent, though a key a client chose may name a person. Migration 0034 rewrote the keys kept before, as
+    the operator's own (sender "")."""
+    return "key:" + hashlib.sha256(f"{sender}\x1f{key}".encode()).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class ObservationIn:
     """One labelled case to store, validated on construction (ObservationError says what is wrong)."""
@@ -84,6 +92,9 @@ class ObservationIn:
     # False: the origin is a default (a file import's name or --origin for rows that leave it blank),
     # not the row's own: it does not make a copy of the same row another observation.
     origin_given: bool = True
+    # Who submitted it, for the idempotency key's scope: "" for the operator's own (a signed webhook, a
+    # file import), else the API key ("key:<id>"). Two tenants sending the same key are two submissions.
+    sender: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coverage", _check_coverage(self.coverage))
@@ -114,7 +125,7 @@ class ObservationIn:
         labels may be two real cases, and both are kept.
         """
         if self.idempotency_key is not None:
-            return f"key:{self.idempotency_key}"
+            return idempotency_dedupe_key(self.sender, self.idempotency_key)
         if self.compaction_id is not None:
             origin = self.origin if self.origin_given else ""
             said = f"{origin}\x1f{self.compaction_id}\x1f{self.coverage!r}\x1f{self.answer_kept}"

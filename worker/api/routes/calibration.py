@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from models import CalibrationThreshold
 from models.reads import read_only
 from worker.api.auth import CalibrationReader, FeedbackIngester, Ingest
+from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import (
     IDEMPOTENCY_HEADER,
     ApiContext,
@@ -97,7 +98,7 @@ class FeedbackOut(BaseModel):
     recompute_job_id: int | None  # set when this observation made a recompute due
 
 
-def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
+def _parse_feedback(body: bytes, header_key: str | None, sender: str) -> ObservationIn:
     data = load_json_object(body, "a JSON object with coverage, answer_kept and origin")
     try:
         feedback = FeedbackIn.model_validate(data)
@@ -119,6 +120,7 @@ def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
             origin=feedback.origin,
             compaction_id=feedback.compaction_id,
             idempotency_key=key,
+            sender="" if sender == WEBHOOK_SENDER else sender,
         )
     except ObservationError as exc:
         raise ApiError(422, str(exc)) from None
@@ -127,7 +129,7 @@ def _parse_feedback(body: bytes, header_key: str | None) -> ObservationIn:
 def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: str | None) -> JSONResponse:
     """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
     ingest.verify(ctx, body)
-    observation = _parse_feedback(body, check_idempotency_key(header_key))
+    observation = _parse_feedback(body, check_idempotency_key(header_key), ingest.sender)
     try:
         report = add_observation(
             ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every
