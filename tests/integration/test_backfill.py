@@ -231,6 +231,30 @@ def test_selection_narrows_by_slug_prefix_and_caps_the_segments(factory, rt, sim
     assert request_statuses(factory, second_id) == {"done": 4 * SEGMENTS_PER_PAGE - 6}
 
 
+def test_a_page_re_extracted_whole_is_never_sent_cut_short(factory, rt, sim):
+    """An edited page's facts are swapped only once every segment has its result: cut short by
+    max_segments, its results were paid for and its requests marked done, and nothing was stored."""
+    [slug] = seed_pages(factory, "bf", 1)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    before = facts_of(factory, "bf")
+    put_page(
+        factory,
+        slug,
+        page_body("Ann Example", "Acme").replace("Acme", "Globex", 1),
+        title="chat",
+        source_id="bf",
+    )
+    backfill_id, job_id = start(factory, "bf", max_segments=2)
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {} and calls_of(factory, job_id) == []
+    assert facts_of(factory, "bf") == before  # nothing paid for, nothing lost: a later run re-extracts it
+    second_id, second_job = start(factory, "bf")
+    assert drive(rt, second_job).status == "succeeded"
+    assert request_statuses(factory, second_id) == {"done": SEGMENTS_PER_PAGE}
+    assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
+
+
 def test_an_expired_batch_leaves_its_unrun_requests_to_the_next_run(factory, rt, sim):
     slugs = seed_pages(factory, "bf", 4)
     reference = online_reference(factory, sim, 4)

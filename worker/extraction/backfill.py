@@ -175,6 +175,18 @@ class BackfillPass:
                 break
             requests.append(PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment)))
             size += cost
+        if plan.replace and len(requests) < len(plan.segments):
+            # A page whose facts are replaced whole (edited, or forced) is swapped only once every
+            # segment has its result: cut short, its results were paid for, its requests marked done,
+            # and nothing was stored. It waits for a run with room for all of it.
+            logger.info(
+                "backfill %s: page %s is re-extracted whole (%d segments) and does not fit what is "
+                "left of this backfill; it waits for another run",
+                self.backfill.id,
+                plan.page_id,
+                len(plan.segments),
+            )
+            return [], 0
         return requests, size
 
     # --- sending ------------------------------------------------------------------------------------
