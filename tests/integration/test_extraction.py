@@ -349,6 +349,26 @@ def test_trailing_single_message_is_picked_up_once_it_has_company(pages, llm):
     assert any("Lisbon" in f.fact for f in page_facts(pages))
 
 
+def test_a_conversation_s_last_message_appended_alone_is_sent_with_the_next_segment(pages, llm):
+    """Its segment was extracted before it came; alone after the checkpoint it was dropped (too few), and
+    the run that extracted the next conversation (after a gap) moved the checkpoint past it: no run
+    ever sent it. A full run has it in its conversation's segment."""
+    lines = [*SAMPLE_LINES]
+    run(pages, llm)
+    lines.append(fmt("Bob Demo", "2024-03-16", "8:10 AM", "PS: I am moving to Berlin on June 1."))
+    put_page(pages, body="\n".join(lines))
+    assert run(pages, llm).segments_processed == 0  # alone: it waits
+    lines += [
+        fmt("Alice Example", "2024-03-20", "7:00 PM", "Dinner on Friday?"),
+        fmt("Bob Demo", "2024-03-20", "7:02 PM", "Yes, at eight."),
+    ]
+    put_page(pages, body="\n".join(lines))
+    result = run(pages, llm)
+    assert result.segments_processed == 1
+    assert any("Berlin" in f.fact for f in page_facts(pages))
+    assert run(pages, llm).segments_processed == 0 and terminal_rows(pages) == 1
+
+
 def test_edit_to_extracted_messages_re_extracts_the_page(pages, llm):
     run(pages, llm)
     edited = [SAMPLE_LINES[0].replace("Acme Corp", "Globex Inc"), *SAMPLE_LINES[1:]]

@@ -87,3 +87,26 @@ def test_prefix_hasher_digests_match_a_fresh_hash_going_forward_and_back():
     hasher = PrefixHasher(MESSAGES)
     assert hasher.digest(3) == messages_hash(MESSAGES[:3])
     assert hasher.digest(1) == messages_hash(MESSAGES[:1])
+
+
+def test_messages_a_resumed_run_would_drop_join_its_first_segment() -> None:
+    from worker.core.checkpoint import with_leading_orphans
+    from worker.core.conversation import Message, split_into_segments
+
+    def at(hour: int, minute: int, text: str) -> Message:
+        return Message("A", f"2024-03-15T{hour:02d}:{minute:02d}:00Z", text)
+
+    pending = [
+        at(9, 3, "last word"),
+        at(11, 0, "hi"),
+        at(11, 1, "hello"),
+        at(14, 0, "bye"),
+        at(14, 1, "ciao"),
+    ]
+    segments = split_into_segments(pending)
+    assert [len(s.messages) for s in segments] == [2, 2]  # the lone 9:03 dropped
+    joined = with_leading_orphans(pending, segments)
+    assert [m.text for m in joined[0].messages] == ["last word", "hi", "hello"]
+    assert joined[0].start_iso == "2024-03-15T09:03:00Z" and joined[1] == segments[1]
+    assert with_leading_orphans(pending[1:], split_into_segments(pending[1:])) == segments  # none left
+    assert with_leading_orphans(pending[:1], []) == []  # alone: nothing to join yet

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.core.conversation import Message, Segment
+from worker.core.conversation import Message, Segment, segment_of
 
 
 def extract_conversation_facts_fingerprint(source_id: str) -> str:
@@ -134,6 +134,23 @@ def resume_point(
     if done <= len(messages) and hasher.digest(done) == checkpoint.prefix_hash:
         return done, False
     return 0, True
+
+
+def with_leading_orphans(pending: Sequence[Message], segments: list[Segment]) -> list[Segment]:
+    """The segments of the messages after a checkpoint, the messages before the first one joining it.
+
+    Those were dropped for being too few (a conversation's last message, appended after its segment
+    was extracted, then a gap): a full run has them in the segment before the checkpoint, and the run
+    that extracts the next segment moved the checkpoint past them, so no run ever sent them."""
+    if not segments:
+        return segments
+    first = segments[0].messages[0]
+    lead = 0
+    while pending[lead] is not first:
+        lead += 1
+    if lead == 0:
+        return segments
+    return [segment_of([*pending[:lead], *segments[0].messages]), *segments[1:]]
 
 
 def segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Segment]) -> list[int]:
