@@ -389,6 +389,30 @@ def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
     assert (swept.status, swept.rerun_requested, swept.worker_losses) == ("queued", False, 1)
 
 
+def test_a_run_that_reaches_no_check_lets_its_lease_lapse(factory):
+    """The threads pool enforces no time limit and the heartbeat beat on its own thread whatever the
+    job's thread did: a run blocked for good kept a fresh lease (and its subject's slot) until the
+    process restarted."""
+    import time as clock
+
+    from worker.jobs.leases import Heartbeat, LeaseLostError
+
+    job_id = new_job(factory, "default|stuck")
+    assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    with Heartbeat(factory, job_id, "w1", interval=0.05, stall_after=1.0) as beat:
+        for _ in range(8):  # a run that checks in keeps its lease, however long it runs
+            clock.sleep(0.1)
+            beat.check()
+        beaten = job(factory, job_id).heartbeat_at
+        clock.sleep(2.0)  # then it blocks
+        lapsed = job(factory, job_id).heartbeat_at
+        clock.sleep(0.5)
+        assert job(factory, job_id).heartbeat_at == lapsed and lapsed is not None and beaten is not None
+        assert lapsed > beaten  # it beat on for a while, then stopped
+        with pytest.raises(LeaseLostError):
+            beat.check()  # woken at last: it stops here
+
+
 def test_a_lost_message_is_re_sent_though_newer_work_keeps_its_queue_busy(tx_factory):
     """Only the depth said a message was lost: while newer webhooks kept the queue as long as the
     overdue list, a job whose message Redis lost (a failover) stayed queued for as long as traffic

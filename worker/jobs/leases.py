@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -143,14 +144,42 @@ def heartbeat(factory: sessionmaker[Session], job_id: int, token: str) -> bool:
 class Heartbeat:
     """Refreshes a job's lease on a background thread; ``check()`` raises once the lease is lost."""
 
-    def __init__(self, factory: sessionmaker[Session], job_id: int, token: str, interval: float) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        job_id: int,
+        token: str,
+        interval: float,
+        stall_after: float | None = None,
+    ) -> None:
         self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
+        self.stall_after = stall_after
+        self._progress = time.monotonic()
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
 
+    def _stalled(self) -> bool:
+        """The run has not reached a check for ``stall_after`` seconds. Celery's threads pool enforces
+        no time limit, so a job blocked for good (a connection a failover left hanging, a row lock held
+        by a session idle in a transaction) kept a fresh lease, and its subject's pending slot, until
+        the process restarted. Its lease now lapses: the sweeper hands the job to another worker, and
+        the stalled run stops at its next check if it ever wakes."""
+        if self.stall_after is None or time.monotonic() - self._progress <= self.stall_after:
+            return False
+        logger.error(
+            "job %s reached no check for %.0f s (FACTMILL_TASK_TIME_LIMIT_SECONDS); its lease is left to "
+            "lapse, and the sweeper gives it to another worker",
+            self.job_id,
+            self.stall_after,
+        )
+        self._lost.set()
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if self._stalled():
+                return
             try:
                 if not heartbeat(self.factory, self.job_id, self.token):
                     self._lost.set()
@@ -159,6 +188,7 @@ class Heartbeat:
                 logger.warning("heartbeat for job %s failed: %s", self.job_id, error_summary(exc))
 
     def check(self) -> None:
+        self._progress = time.monotonic()
         if self._lost.is_set():
             raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
 

@@ -165,7 +165,8 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
     elif not rt.config.enabled(spec.switch):
         result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     else:
-        with Heartbeat(rt.factory, job_id, token, rt.settings.job_heartbeat_seconds) as beat:
+        stall_after = rt.settings.task_time_limit_seconds
+        with Heartbeat(rt.factory, job_id, token, rt.settings.job_heartbeat_seconds, stall_after) as beat:
 
             def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
                 beat.check()
