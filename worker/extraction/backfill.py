@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -110,10 +110,11 @@ class BackfillPass:
 
     # --- planning -----------------------------------------------------------------------------------
 
-    def plans(self) -> list[PagePlan]:
-        """The selected pages' plans, in slug order, within ``max_segments`` requests in all."""
+    def plans(self) -> Iterator[PagePlan]:
+        """The selected pages' plans, in slug order, within ``max_segments`` requests in all; one at a
+        time (a plan holds its page's messages: the list of them all held a whole corpus's text at once,
+        and a worker out of memory planned again from scratch on every retry)."""
         limit = self.selection.max_segments
-        plans: list[PagePlan] = []
         queued = 0
         for ref in self.run.list_pages():
             if self.selection.slug is not None and ref.slug != self.selection.slug:
@@ -125,9 +126,8 @@ class BackfillPass:
             plan = self.run.plan(ref)
             if plan is None:
                 continue
-            plans.append(plan)
             queued += len(plan.segments)
-        return plans
+            yield plan
 
     def plan(self) -> None:
         """Store every batch and request of the backfill; pages are never split across two batches
