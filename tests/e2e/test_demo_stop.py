@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_CHILD = """
 import os, sys, time
 from pathlib import Path
-from worker.cli.demo import child, stopped_by_signals
+from worker.cli.demo import child
+from worker.cli.processes import stopped_by_signals
 args = ["simulator", "--port", sys.argv[1]]
 with stopped_by_signals(), child("simulator", args, dict(os.environ), Path(sys.argv[2])) as c:
     os.write(1, f"{c.proc.pid}\\n".encode())

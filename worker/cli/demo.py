@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,7 +30,7 @@ from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail, folding_table, styled
 from worker.cli.console import out as stdout_console
-from worker.cli.processes import stop_with_parent
+from worker.cli.processes import stop_with_parent, stopped_by_signals
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -70,26 +69,6 @@ class Child:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-
-
-@contextmanager
-def stopped_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP (a `kill`, a CI cancel, a closed terminal) end the demo the way Ctrl-C does:
-    its clean-up stops the API, worker and beat. Without it Python died at once and they ran on, on the
-    embedded servers, with a simulator that had gone. Main thread only (where signals are handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import page_id_of
 from models.reads import read_only
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
+from worker.cli.processes import stopped_by_signals
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction import (
@@ -103,7 +104,11 @@ def run_extraction(
     """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API."""
     try:
         if batch_poll_seconds is not None and not options.dry_run:
-            with open_batch_client(settings) as client, extraction_progress(show_progress) as progress:
+            with (
+                stopped_by_signals(),
+                open_batch_client(settings) as client,
+                extraction_progress(show_progress) as progress,
+            ):
                 return run_batch_extraction(
                     factory, client, options, poll_seconds=batch_poll_seconds, progress=progress
                 )

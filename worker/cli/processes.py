@@ -17,9 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1
@@ -91,6 +94,28 @@ def run_children(
                             os.kill(child.pid, signal.SIGKILL)
             time.sleep(0.2)
         return next((code for code in codes.values() if code != 0), 0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a `kill`, a CI cancel, a closed terminal) end a command the way Ctrl-C does,
+    so its clean-up runs: the demo stops the API, worker and beat (without it Python died at once and
+    they ran on, on the embedded servers, with a simulator that had gone); `extract --batch` records the
+    batch it leaves at the provider (without it no row knew the batch, its results were never
+    collected, and a second run paid for a second batch). Main thread only (where signals are handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
