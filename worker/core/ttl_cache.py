@@ -12,6 +12,11 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+# While another thread refreshes a key, its value is served up to this many ttls old; past that, the
+# asking thread loads it too.
+STALE_LIMIT = 2
+
+
 @dataclass
 class _Entry(Generic[V]):
     value: V
@@ -23,7 +28,8 @@ class TtlCache(Generic[K, V]):
 
     A worker reads its switches, budgets and threshold from many threads at once. When a key expires,
     the first thread to ask loads it; the others take the value it had meanwhile (or, when there is
-    none yet, wait for that load) instead of each running the same query on a connection of its own.
+    none yet, wait for that load) instead of each running the same query on a connection of its own;
+    a value more than STALE_LIMIT ttls old is not served meanwhile: the asking thread loads it too.
     ``ttl`` 0 keeps nothing: every ``get`` loads. A load that raises raises in the thread that ran
     it; threads waiting for a first value then try again themselves.
     """
@@ -51,7 +57,11 @@ class TtlCache(Generic[K, V]):
                 if not self._loading.get(key):
                     break
                 if entry is not None:
-                    return entry.value  # another thread is refreshing it
+                    if self._clock() - entry.loaded_at < self._ttl * STALE_LIMIT:
+                        return entry.value  # another thread is refreshing it
+                    # That refresh hangs (a pool exhausted, a query stuck): a value this old is not
+                    # served on its word (a kill switch turned off went unseen for as long as it hung).
+                    break
                 self._loaded.wait()
             self._start(key)
         return self._run_load(key)
