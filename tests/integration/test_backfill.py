@@ -86,12 +86,12 @@ def sim(batch_sim: Simulator) -> Simulator:
 
 @pytest.fixture
 def rt(factory: sessionmaker[Session], database_url: str, sim: Simulator) -> Iterator[Runtime]:
-    settings = Settings(
-        database_url=database_url,
-        llm="simulator",
-        simulator_url=sim.base_url,
-        backfill_batch_max_requests=BATCH_MAX,
-    )  # type: ignore[call-arg]
+    yield from backfill_runtime(factory, database_url, llm="simulator", simulator_url=sim.base_url)
+
+
+def backfill_runtime(factory: sessionmaker[Session], database_url: str, **provider: Any) -> Iterator[Runtime]:
+    """A runtime over ``factory`` whose provider is ``provider`` (settings), BATCH_MAX requests a batch."""
+    settings = Settings(database_url=database_url, backfill_batch_max_requests=BATCH_MAX, **provider)
     runtime = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
     yield runtime
     runtime.close()
@@ -519,16 +519,9 @@ def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(
 @pytest.fixture
 def anthropic_rt(factory: sessionmaker[Session], database_url: str, sim: Simulator) -> Iterator[Runtime]:
     """A runtime whose provider is Anthropic's wire (the simulator speaks it too)."""
-    settings = Settings(
-        database_url=database_url,
-        llm="anthropic",
-        anthropic_api_key="sk-ant-test",
-        llm_base_url=sim.url,
-        backfill_batch_max_requests=BATCH_MAX,
-    )  # type: ignore[call-arg]
-    runtime = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
-    yield runtime
-    runtime.close()
+    yield from backfill_runtime(
+        factory, database_url, llm="anthropic", anthropic_api_key="sk-ant-test", llm_base_url=sim.url
+    )
 
 
 def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(factory, anthropic_rt, sim):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import event, select, text, update
@@ -19,6 +20,21 @@ from worker.jobs.registry import Backoff
 pytestmark = pytest.mark.integration
 
 BUDGETS = JobBudgets(max_attempts=5, max_worker_losses=20)
+
+
+def swept(factory: Any, queue_depth: Any = None) -> tuple[Any, list[int]]:
+    """One sweep at requeue_after 30 s and stale_after 60 s: its report, and the job ids it sent."""
+    recorder = Recorder()
+    report = sweep(
+        factory,
+        stale_after=60,
+        requeue_after=30,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=recorder,
+        queue_depth=queue_depth,
+    )
+    return report, [job_id for _, job_id, _ in recorder.sent]
 
 
 class Recorder:
@@ -375,18 +391,10 @@ def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
     taken = claim(tx_factory, by_claim, "w2", stale_after=60, budgets=BUDGETS)
     assert taken is not None and taken.status == "running"
     assert (taken.worker_losses, taken.rerun_requested) == (0, False)
-    recorder = Recorder()
-    report = sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=30,
-        enabled=lambda key: True,
-        job_budgets=BUDGETS,
-        sender=recorder,
-    )
-    assert report.failed_spent == [] and [job_id for _, job_id, _ in recorder.sent] == [by_sweep]
-    swept = job(tx_factory, by_sweep)
-    assert (swept.status, swept.rerun_requested, swept.worker_losses) == ("queued", False, 1)
+    report, sent = swept(tx_factory)
+    assert report.failed_spent == [] and sent == [by_sweep]
+    rerun = job(tx_factory, by_sweep)
+    assert (rerun.status, rerun.rerun_requested, rerun.worker_losses) == ("queued", False, 1)
 
 
 def test_a_run_that_reaches_no_check_lets_its_lease_lapse(factory):
@@ -430,17 +438,7 @@ def test_a_lost_message_is_re_sent_though_newer_work_keeps_its_queue_busy(tx_fac
             )
 
     def resent() -> list[int]:
-        recorder = Recorder()
-        sweep(
-            tx_factory,
-            stale_after=60,
-            requeue_after=30,
-            enabled=lambda key: True,
-            job_budgets=BUDGETS,
-            sender=recorder,
-            queue_depth=lambda queue: 5,  # busy with newer work
-        )
-        return [job_id for _, job_id, _ in recorder.sent]
+        return swept(tx_factory, lambda queue: 5)[1]  # the queue busy with newer work
 
     claimed = claim(tx_factory, newer, "w1", stale_after=60, budgets=BUDGETS)
     assert claimed is not None and claimed.claimed_at is not None and claimed.enqueued_at is not None
@@ -478,17 +476,7 @@ def test_the_sweep_asks_the_broker_before_it_locks_a_row_and_takes_a_batch_at_a_
     monkeypatch.setattr(outbox, "SWEEP_BATCH", 2, raising=False)
 
     def resent() -> list[int]:
-        recorder = Recorder()
-        sweep(
-            factory,
-            stale_after=60,
-            requeue_after=30,
-            enabled=lambda key: True,
-            job_budgets=BUDGETS,
-            sender=recorder,
-            queue_depth=depth,
-        )
-        return [job_id for _, job_id, _ in recorder.sent]
+        return swept(factory, depth)[1]
 
     first = resent()
     assert len(first) == 2
