@@ -253,8 +253,13 @@ def test_a_head_over_the_summarizers_input_is_cut_earlier_never_inside_a_tool_un
     )
     assert (roomy.cut, roomy.capped) == (5, True)
     assert len(roomy.serialized) <= 1600 < len(whole.serialized)
-    with pytest.raises(NothingToCompactError, match="FACTMILL_COMPACTION_MAX_INPUT_TOKENS"):
-        plan_compaction(messages, seqs, keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=50)
+    # Not even the oldest message fits: the head is it (and the marker), clipped; left whole, no run could
+    # ever compact the transcript.
+    clipped = plan_compaction(
+        messages, seqs, keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=50
+    )
+    assert (clipped.cut, clipped.capped) == (2, True)
+    assert clipped.serialized.endswith("characters omitted …]") and len(clipped.serialized) <= 200 + 40
 
 
 def test_plan_refuses_to_summarize_only_the_previous_summary_or_nothing() -> None:

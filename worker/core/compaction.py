@@ -209,6 +209,11 @@ def clip_tool_result(text: str, limit: int = DEFAULT_TOOL_RESULT_LIMIT) -> str:
     return _clip(text, _require_count("tool_result_limit", limit))
 
 
+def clip_text(text: str, limit: int) -> str:
+    """The first `limit` characters of a text, then `\\n[… N characters omitted …]` if it was longer."""
+    return _clip(text, _require_count("limit", limit))
+
+
 def _clip(text: str, limit: int) -> str:
     omitted = len(text) - limit
     if omitted <= 0:

@@ -11,6 +11,7 @@ from worker.core.compaction import (
     CHARACTERS_PER_TOKEN,
     NOT_ENOUGH_HISTORY,
     TranscriptMessage,
+    clip_text,
     compacted_history,
     cut_index,
     estimate_tokens,
@@ -137,7 +138,8 @@ def plan_compaction(
     its window is summarized oldest part first, in several compactions, instead of sending a request
     no model accepts, again on every trigger. Raises NothingToCompactError when the cut would keep
     everything, or would summarize only the previous summary, or while the newest message is a tool
-    result (a turn in flight), or when not even the oldest message fits the summarizer's input.
+    result (a turn in flight). When not even the oldest messages fit the summarizer's input, the head
+    is those messages, clipped to fit.
     """
     if messages and messages[-1].role == "tool":
         raise NothingToCompactError(
@@ -150,8 +152,9 @@ def plan_compaction(
     capped = max_head_tokens is not None and len(serialized) > max_head_tokens * CHARACTERS_PER_TOKEN
     if capped:
         assert max_head_tokens is not None
-        cut = _fitting_cut(messages, cut, tool_result_limit, max_head_tokens * CHARACTERS_PER_TOKEN)
-        serialized = serialize_transcript(messages[:cut], tool_result_limit)
+        max_chars = max_head_tokens * CHARACTERS_PER_TOKEN
+        cut = _fitting_cut(messages, cut, tool_result_limit, max_chars)
+        serialized = clip_text(serialize_transcript(messages[:cut], tool_result_limit), max_chars)
     cut_seq = seqs[cut]
     assert cut_seq is not None  # the marker is only ever at index 0, and cut >= 1
     token_counts = [estimate_tokens(m) for m in messages]
@@ -171,19 +174,22 @@ def _fitting_cut(
 ) -> int:
     """The latest cut before ``cut`` whose serialized head is at most ``max_chars``: one on a message
     that is not a tool result (a tool call stays with its results), past more than the summary marker.
-    Each message is serialized once (the head is their paragraphs joined by a blank line)."""
+    Each message is serialized once (the head is their paragraphs joined by a blank line). When even
+    the first such cut is over (the oldest messages alone: a pasted file, a long previous summary), it
+    is that first cut, and the head is clipped to fit (``clip_text``): left whole, the transcript could
+    never be compacted, and every append past its threshold ran another job that found the same."""
+    first = None
     best = None
     length = -2  # no separator before the first paragraph
     for index in range(1, cut):
         length += len(serialize_transcript(messages[index - 1 : index], tool_result_limit)) + 2
-        if length > max_chars:
-            break
+        fits = length <= max_chars
         if messages[index].role != "tool" and not (index == 1 and messages[0].is_compaction):
-            best = index
-    if best is None:
-        tokens = max_chars // CHARACTERS_PER_TOKEN
-        raise NothingToCompactError(
-            f"the oldest messages alone are over the summarizer's input of {tokens} "
-            "tokens (FACTMILL_COMPACTION_MAX_INPUT_TOKENS); raise it to a summarizer model that takes them"
-        )
-    return best
+            first = index if first is None else first
+            if fits:
+                best = index
+        if not fits and first is not None:
+            break
+    if best is not None:
+        return best
+    return first if first is not None else cut
