@@ -34,8 +34,6 @@ class Job(Base):
             unique=True,
             postgresql_where=text("status IN ('queued', 'running', 'paused')"),
         ),
-        # The jobs claimed lately, for the sweeper's loss check (worker.jobs.outbox.newest_consumed).
-        Index("ix_jobs_claimed_at", "claimed_at", postgresql_where=text("claimed_at IS NOT NULL")),
         # The finished jobs, oldest first, for expire_jobs (FACTMILL_JOB_RETENTION_DAYS).
         Index("ix_jobs_finished_at", "finished_at", postgresql_where=text(FINISHED)),
         # A source's page jobs newest first, for a source-limited key's job list: the expression is the
@@ -76,9 +74,6 @@ class Job(Base):
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )
     started_at: Mapped[datetime | None]
-    # Last time a worker took the job from a message: one claimed after its last send consumed that
-    # message, so the messages sent before it on a queue (FIFO) are gone (the sweeper's loss check).
-    claimed_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
 

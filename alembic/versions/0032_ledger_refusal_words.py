@@ -1,7 +1,7 @@
 """llm_calls: the refusals recorded before keep their length, not their words
 
-Revision ID: 0033
-Revises: 0032
+Revision ID: 0032
+Revises: 0031
 Create Date: 2026-12-05
 
 A refusal's reason is the model's own words, often quoting the segment or beginning a summary, and
@@ -18,8 +18,8 @@ import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = "0033"
-down_revision: str | None = "0032"
+revision: str = "0032"
+down_revision: str | None = "0031"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,7 +1,7 @@
 """calibration_observations: idempotency keys kept as digests of their sender and key
 
-Revision ID: 0034
-Revises: 0033
+Revision ID: 0033
+Revises: 0032
 Create Date: 2026-12-05
 
 A feedback submission's Idempotency-Key was kept as sent ("key:<the key>") and scoped by nothing: two
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = "0034"
-down_revision: str | None = "0033"
+revision: str = "0033"
+down_revision: str | None = "0032"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
@@ -31,7 +31,7 @@ def upgrade() -> None:
             "UPDATE calibration_observations "
             "SET dedupe_key = 'key:' "
             "|| encode(sha256(convert_to(chr(31) || substr(dedupe_key, 5), 'UTF8')), 'hex') "
-            "WHERE dedupe_key LIKE 'key:%' AND dedupe_key !~ '^key:[0-9a-f]{64}$'"
+            "WHERE dedupe_key LIKE 'key:%'"  # each kept as sent until now (a client's may be 64 hex)
         )
     )
 

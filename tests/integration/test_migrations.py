@@ -335,13 +335,13 @@ def test_0020_keeps_the_digest_of_each_kept_delivery_key(server_url: str) -> Non
     }
 
 
-def test_0033_keeps_the_length_of_the_refusals_recorded_before_not_their_words(server_url: str) -> None:
+def test_0032_keeps_the_length_of_the_refusals_recorded_before_not_their_words(server_url: str) -> None:
     from worker.accounting import LLMCallRecord
     from worker.accounting.ledger import kept_error
 
     said = "I will not repeat Alice's diagnosis"
     with fresh_database(server_url, "refusals") as url:
-        db.upgrade(url, "0032")
+        db.upgrade(url, "0031")
         engine = create_engine(url, poolclass=pool.NullPool)
         with engine.begin() as conn:
             conn.execute(
@@ -360,18 +360,18 @@ def test_0033_keeps_the_length_of_the_refusals_recorded_before_not_their_words(s
     assert errors == [kept_error(record), None, "HTTP 500: boom"]  # in the ledger's own words
 
 
-def test_0034_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_finds(server_url: str) -> None:
+def test_0033_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_finds(server_url: str) -> None:
     from worker.core.calibration import ObservationIn
 
     with fresh_database(server_url, "feedback_keys") as url:
-        db.upgrade(url, "0033")
+        db.upgrade(url, "0032")
         engine = create_engine(url, poolclass=pool.NullPool)
         with engine.begin() as conn:
             conn.execute(
                 text(
                     "INSERT INTO calibration_observations (coverage, answer_kept, origin, dedupe_key) VALUES "
                     "(0.5, true, 'ui', 'key:alice-2024-03-15'), (0.5, true, 'ui', 'compaction:abc'), "
-                    "(0.5, true, 'ui', NULL)"
+                    f"(0.5, true, 'ui', NULL), (0.5, true, 'ui', 'key:{'a' * 64}')"
                 )
             )
         db.upgrade(url)
@@ -383,4 +383,5 @@ def test_0034_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_find
             )
         engine.dispose()
     replay = ObservationIn(0.5, True, "ui", idempotency_key="alice-2024-03-15").dedupe_key()
-    assert keys == [replay, "compaction:abc", None]
+    hex_key = ObservationIn(0.5, True, "ui", idempotency_key="a" * 64).dedupe_key()  # a sha256 as a key
+    assert keys == [replay, "compaction:abc", None, hex_key]

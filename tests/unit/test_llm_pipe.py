@@ -59,6 +59,29 @@ def test_calls_in_flight_never_exceed_the_width_and_fill_it_from_every_page():
     assert taken == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
 
 
+def test_a_page_waiting_for_its_result_says_it_is_waiting_not_stalled(monkeypatch):
+    """A job's heartbeat lets the lease of a run showing no progress lapse; a page whose calls wait for
+    slots other pages hold (a bulk ingest of long pages) must not look stalled."""
+    import worker.llm.pipe as pipe_module
+    from worker.core import progress
+
+    monkeypatch.setattr(pipe_module, "PROGRESS_MARK_SECONDS", 0.01)
+    marks: list[int] = []
+    progress.listen(lambda: marks.append(1))
+    try:
+        pipe = LLMPipe(1)
+        gate = Gate()
+        feed = pipe.open(1, gate.call("a"))
+        gate.wait_running(1)
+        threading.Timer(0.3, gate.release.set).start()
+        [outcome] = feed.take()
+        assert outcome.result() == "a0" and len(marks) >= 2  # it marked while it waited
+        feed.close()
+        pipe.close()
+    finally:
+        progress.listen(None)
+
+
 def test_results_come_back_in_page_order_whatever_order_they_finish_in():
     pipe = LLMPipe(8)
     done = [threading.Event() for _ in range(6)]

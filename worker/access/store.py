@@ -45,6 +45,11 @@ class Principal:
         return self.source_ids is None or source_id in self.source_ids
 
     @property
+    def sender(self) -> str:
+        """Who delivers, for the scope of an idempotency key: the key, or the bootstrap admin token."""
+        return f"key:{self.key_id}" if self.key_id is not None else "admin-token"
+
+    @property
     def rate_key(self) -> str:
         """Who this is to a per-key rate limiter (never the key itself)."""
         return f"key-{self.key_id}" if self.key_id is not None else "admin-token"

@@ -102,9 +102,7 @@ class Ingest:
     @property
     def sender(self) -> str:
         """Who delivers, for the scope of an Idempotency-Key: the key, else the webhook secret's holder."""
-        if self.principal is None:
-            return WEBHOOK_SENDER
-        return f"key:{self.principal.key_id}" if self.principal.key_id is not None else "admin-token"
+        return WEBHOOK_SENDER if self.principal is None else self.principal.sender
 
     def check_sources(self, source_ids: Iterable[str]) -> None:
         """403 unless the delivering key may write every one of ``source_ids``."""

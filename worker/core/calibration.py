@@ -75,7 +75,7 @@ def _check_text(value: object, name: str, limit: int) -> str:
 def idempotency_dedupe_key(sender: str, key: str) -> str:
     """The stored form of a submission's idempotency key: a digest of its sender and the key. Two senders'
     equal keys collided (one's observation was dropped as the other's duplicate), and the key was kept as
-    sent, though a key a client chose may name a person. Migration 0034 rewrote the keys kept before, as
+    sent, though a key a client chose may name a person. Migration 0033 rewrote the keys kept before, as
     the operator's own (sender "")."""
     return "key:" + hashlib.sha256(f"{sender}\x1f{key}".encode()).hexdigest()
 

@@ -33,6 +33,7 @@ from models import Backfill
 from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
+from worker.core import progress
 from worker.core.checkpoint import segment_hash
 from worker.extraction.backfill_request import BackfillSelection
 from worker.extraction.backfill_store import (
@@ -123,6 +124,7 @@ class BackfillPass:
                 continue
             if limit is not None and queued >= limit:
                 break
+            progress.mark()  # planning a large selection reaches no job check for a while: no stall
             plan = self.run.plan(ref)
             if plan is None:
                 continue

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from models.tables import JOBS
+from worker.core import progress
 from worker.core.errors import error_summary
 from worker.jobs.budgets import JobBudgets
 
@@ -60,7 +61,6 @@ _CLAIM = (
         worker_losses=JOBS.c.worker_losses + case((JOBS.c.status == "running", 1), else_=0),
         heartbeat_at=func.now(),
         started_at=func.coalesce(JOBS.c.started_at, func.now()),
-        claimed_at=func.now(),
         last_error=None,
     )
     .returning(*JOBS.c)
@@ -160,15 +160,16 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
 
     def _stalled(self) -> bool:
-        """The run has not reached a check for ``stall_after`` seconds. Celery's threads pool enforces
-        no time limit, so a job blocked for good (a connection a failover left hanging, a row lock held
-        by a session idle in a transaction) kept a fresh lease, and its subject's pending slot, until
-        the process restarted. Its lease now lapses: the sweeper hands the job to another worker, and
-        the stalled run stops at its next check if it ever wakes."""
+        """The run has shown no progress (a check, or a wait's mark) for ``stall_after`` seconds.
+        Celery's threads pool enforces no time limit, so a job blocked for good (a connection a
+        failover left hanging, a row lock held by a session idle in a transaction) kept a fresh
+        lease, and its subject's pending slot, until the process restarted. Its lease now lapses:
+        the sweeper hands the job to another worker, and the stalled run stops at its next check if
+        it ever wakes."""
         if self.stall_after is None or time.monotonic() - self._progress <= self.stall_after:
             return False
         logger.error(
-            "job %s reached no check for %.0f s (FACTMILL_TASK_TIME_LIMIT_SECONDS); its lease is left to "
+            "job %s showed no progress for %.0f s (FACTMILL_TASK_TIME_LIMIT_SECONDS); its lease is left to "
             "lapse, and the sweeper gives it to another worker",
             self.job_id,
             self.stall_after,
@@ -187,16 +188,22 @@ class Heartbeat:
             except Exception as exc:  # a database blip must not kill the job; the next beat retries
                 logger.warning("heartbeat for job %s failed: %s", self.job_id, error_summary(exc))
 
-    def check(self) -> None:
+    def touch(self) -> None:
+        """The run shows progress (a check, or a wait that is no stall: worker.core.progress.mark)."""
         self._progress = time.monotonic()
+
+    def check(self) -> None:
+        self.touch()
         if self._lost.is_set():
             raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
 
     def __enter__(self) -> Heartbeat:
+        progress.listen(self.touch)  # entered on the job's own thread
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        progress.listen(None)
         self._stop.set()
         self._thread.join(timeout=self.interval + 5)
 

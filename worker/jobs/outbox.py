@@ -20,7 +20,7 @@ from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.celery_app import app
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.losses import Overdue, QueueDepth, newest_consumed, only_missing
+from worker.jobs.losses import Overdue, QueueDepth, only_missing
 from worker.jobs.registry import (
     BUDGET,
     KILL_SWITCH,
@@ -431,11 +431,7 @@ def sweep(
                 failed.append(waiting.id)
             elif waiting.id not in {i for i, _ in stale_pairs}:
                 overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
-        lost_pairs = only_missing(
-            overdue,
-            None if depths is None else depths.get,
-            lambda kinds, since: newest_consumed(session, kinds, since),
-        )
+        lost_pairs = only_missing(overdue, None if depths is None else depths.get)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
         if budget_room_for is not None and switched_on:

@@ -28,9 +28,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from worker.core import progress
 from worker.core.errors import error_summary
 
 logger = logging.getLogger(__name__)
+
+# How often a page waiting for its next result says it is waiting, not stalled (worker.core.progress).
+PROGRESS_MARK_SECONDS = 10.0
 
 T = TypeVar("T")
 
@@ -101,7 +105,9 @@ class Feed(Generic[T]):
             if self.finished():
                 return []
             while self._handed not in self._done:
-                self._ready.wait()
+                # Waiting for a slot other pages hold, or for the model, is no stall: say so now and then.
+                if not self._ready.wait(timeout=PROGRESS_MARK_SECONDS):
+                    progress.mark()
             taken: list[Outcome[T]] = []
             while self._handed in self._done and (limit is None or len(taken) < limit):
                 taken.append(self._done.pop(self._handed))

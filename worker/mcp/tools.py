@@ -370,7 +370,7 @@ class FactmillTools:
                 origin=origin,
                 compaction_id=compaction_id,
                 idempotency_key=idempotency_key,
-                sender=self.principal().rate_key,
+                sender=self.principal().sender,
             )
             report = add_observation(
                 self.runtime.factory, observation, recompute_every=settings.calibration_recompute_every
