@@ -270,6 +270,10 @@ def test_a_source_id_holding_a_slash_names_its_own_page(
     with enabled() as session:
         left = session.execute(select(Page.source_id, Page.slug).where(Page.source_id.like("team%"))).all()
     assert [tuple(row) for row in left] == [("team", "a/notes")]
+    # A raw source that leaves no slug names no page: Starlette's split (source team, slug a) is not it.
+    assert post(client, page("a", source_id="team")).status_code == 202
+    assert client.delete("/v1/pages/team%2Fa", headers=ADMIN_HEADERS).status_code == 404
+    assert client.get("/v1/pages/team%2Fa/facts", headers=ADMIN_HEADERS).status_code == 404
 
 
 @pytest.mark.parametrize("source_id", [".", ".."])

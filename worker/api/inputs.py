@@ -39,8 +39,12 @@ def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]
     """The (source id, slug) a ``/v1/pages/{source_id}/{slug}...`` route names. Starlette matches routes
     on the decoded path, so a source id holding '/' (sent as %2F, as it must be) was split at its own
     '/': ``team%2Fa/notes`` named page ``a/notes`` of source ``team``, and DELETE erased that one. The
-    source id is read from the raw path instead, whose first segment ends at the first real '/'."""
+    source id is read from the raw path instead, whose first segment ends at the first real '/'; a path
+    whose raw source leaves no slug (``/v1/pages/team%2Fa``) names no page (404)."""
     raw = request.scope.get("raw_path")
+    root = request.scope.get("root_path", "").encode()
+    if raw and root and raw.startswith(root):
+        raw = raw[len(root) :]  # mounted under a prefix (uvicorn --root-path)
     if not raw or not raw.startswith(PAGES_PATH.encode()):
         return source_id, slug
     encoded, _, _ = raw[len(PAGES_PATH) :].partition(b"/")
@@ -49,7 +53,7 @@ def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]
         return source_id, slug
     matched = f"{source_id}/{slug}"  # the decoded path Starlette split, which starts with the source
     if not matched.startswith(named + "/"):
-        return source_id, slug
+        raise ApiError(404, f"no page named in source {named!r}: the path holds no slug after it")
     try:
         return check_source_id(named), matched[len(named) + 1 :]
     except ValueError as exc:
