@@ -283,6 +283,19 @@ def test_a_page_re_extracted_whole_is_never_sent_cut_short(factory, rt, sim):
     assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
 
 
+def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim):
+    """The plans counted a page re-extracted whole against max_segments before it was left out: the
+    first page used the limit up, nothing was planned, and every run with that limit did the same."""
+    slugs = seed_pages(factory, "bf", 2)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf", slug=slugs[0]))
+    edited = page_body("Ann Example", "Acme").replace("Acme", "Globex", 1)
+    put_page(factory, slugs[0], edited, title="chat", source_id="bf")  # replaced whole: 4 segments
+    backfill_id, job_id = start(factory, "bf", max_segments=2)
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 2}  # the second page's first two
+
+
 def test_an_expired_batch_leaves_its_unrun_requests_to_the_next_run(factory, rt, sim):
     slugs = seed_pages(factory, "bf", 4)
     reference = online_reference(factory, sim, 4)

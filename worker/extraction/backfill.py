@@ -112,24 +112,18 @@ class BackfillPass:
     # --- planning -----------------------------------------------------------------------------------
 
     def plans(self) -> Iterator[PagePlan]:
-        """The selected pages' plans, in slug order, within ``max_segments`` requests in all; one at a
-        time (a plan holds its page's messages: the list of them all held a whole corpus's text at once,
-        and a worker out of memory planned again from scratch on every retry)."""
-        limit = self.selection.max_segments
-        queued = 0
+        """The selected pages' plans, in slug order, one at a time (a plan holds its page's messages:
+        the list of them all held a whole corpus's text at once, and a worker out of memory planned
+        again from scratch on every retry)."""
         for ref in self.run.list_pages():
             if self.selection.slug is not None and ref.slug != self.selection.slug:
                 continue
             if self.selection.slug_prefix and not ref.slug.startswith(self.selection.slug_prefix):
                 continue
-            if limit is not None and queued >= limit:
-                break
             progress.mark()  # planning a large selection reaches no job check for a while: no stall
             plan = self.run.plan(ref)
-            if plan is None:
-                continue
-            queued += len(plan.segments)
-            yield plan
+            if plan is not None:
+                yield plan
 
     def plan(self) -> None:
         """Store every batch and request of the backfill; pages are never split across two batches
@@ -141,6 +135,8 @@ class BackfillPass:
         sizes = [0]  # each batch's bytes, bounded above
         total = 0
         for plan in self.plans():
+            if limit is not None and total >= limit:
+                break  # counted by what is planned: a page left for another run takes none of it
             room = self.deps.max_requests if limit is None else min(self.deps.max_requests, limit - total)
             requests, size = self.page_requests(plan, room, overhead)
             full = len(batches[-1]) + len(requests) > self.deps.max_requests
