@@ -374,27 +374,32 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
 
 
 def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
-    """A delivery while the job ran asked for a rerun; its 20th worker loss then failed it (sweep or
-    takeover claim) and the rerun was lost: the new content was never extracted, though the delivery
-    was answered with this job. As finish does, the rerun starts with fresh budgets."""
-    by_sweep, by_claim = new_job(tx_factory, "default|swept"), new_job(tx_factory, "default|claimed")
-    for job_id in (by_sweep, by_claim):
+    """A delivery asked for a rerun while the job was running; its last attempt then failed it at the
+    next claim, and the rerun was lost: the new content was never extracted, though the delivery was
+    answered with this job. As finish does, the rerun starts with fresh attempts. Not after its last
+    worker loss: a page that kills its workers would crash-loop for as long as deliveries came."""
+    spent, crashing = new_job(tx_factory, "default|spent"), new_job(tx_factory, "default|crashing")
+    for job_id in (spent, crashing):
         assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
     with tx_factory.begin() as session:
-        request_job(session, EXTRACTION, "default|swept")  # new content: a rerun
-        request_job(session, EXTRACTION, "default|claimed")
+        request_job(session, EXTRACTION, "default|spent")  # new content: a rerun
+        request_job(session, EXTRACTION, "default|crashing")
+        session.execute(  # its last attempt failed: queued for a retry it may not have
+            update(Job)
+            .where(Job.id == spent)
+            .values(status="queued", worker=None, attempts=BUDGETS.max_attempts)
+        )
         session.execute(
             update(Job)
-            .where(Job.id.in_([by_sweep, by_claim]))
+            .where(Job.id == crashing)
             .values(worker_losses=BUDGETS.max_worker_losses - 1, heartbeat_at=now() - timedelta(hours=1))
         )
-    taken = claim(tx_factory, by_claim, "w2", stale_after=60, budgets=BUDGETS)
+    taken = claim(tx_factory, spent, "w2", stale_after=60, budgets=BUDGETS)
     assert taken is not None and taken.status == "running"
-    assert (taken.worker_losses, taken.rerun_requested) == (0, False)
+    assert (taken.attempts, taken.rerun_requested) == (0, False)
     report, sent = swept(tx_factory)
-    assert report.failed_spent == [] and sent == [by_sweep]
-    rerun = job(tx_factory, by_sweep)
-    assert (rerun.status, rerun.rerun_requested, rerun.worker_losses) == ("queued", False, 1)
+    assert report.failed_spent == [crashing] and sent == []
+    assert job(tx_factory, crashing).status == "failed"
 
 
 def test_a_run_that_reaches_no_check_lets_its_lease_lapse(factory):

@@ -101,14 +101,19 @@ def fail_if_spent(
     if reason is None:
         return None
     # New content arrived while the job ran (a rerun was requested): it is for that content, which
-    # starts with fresh budgets, as ``finish`` starts a rerun (failed here, the rerun was lost: the new
-    # content stayed unextracted though its delivery was answered with this job).
-    restarted = session.execute(
-        update(JOBS)
-        .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
-        .values(rerun_requested=False, attempts=0, worker_losses=0)
-        .returning(JOBS.c.id)
-    ).scalar_one_or_none()
+    # starts with fresh attempts, as ``finish`` starts a rerun (failed here, the rerun was lost: the new
+    # content stayed unextracted though its delivery was answered with this job). Not when workers
+    # were lost: a page that kills the workers it runs on would crash-loop for as long as deliveries
+    # come (an operator's retry runs the new content then).
+    if worker_losses >= budgets.max_worker_losses:
+        restarted = None
+    else:
+        restarted = session.execute(
+            update(JOBS)
+            .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
+            .values(rerun_requested=False, attempts=0)
+            .returning(JOBS.c.id)
+        ).scalar_one_or_none()
     if restarted is not None:
         logger.info("job %s spent its budgets on the content it had; it runs again for the new", job_id)
         return None
