@@ -89,24 +89,23 @@ def test_prefix_hasher_digests_match_a_fresh_hash_going_forward_and_back():
     assert hasher.digest(1) == messages_hash(MESSAGES[:1])
 
 
-def test_messages_a_resumed_run_would_drop_join_its_first_segment() -> None:
-    from worker.core.checkpoint import with_leading_orphans
+def test_a_last_message_left_alone_joins_the_first_segment_of_a_resumed_run() -> None:
+    from worker.core.checkpoint import with_leading_orphan
     from worker.core.conversation import Message, split_into_segments
 
-    def at(hour: int, minute: int, text: str) -> Message:
-        return Message("A", f"2024-03-15T{hour:02d}:{minute:02d}:00Z", text)
+    def at(day: int, hour: int, minute: int, text: str) -> Message:
+        return Message("A", f"2024-03-{day:02d}T{hour:02d}:{minute:02d}:00Z", text)
 
-    pending = [
-        at(9, 3, "last word"),
-        at(11, 0, "hi"),
-        at(11, 1, "hello"),
-        at(14, 0, "bye"),
-        at(14, 1, "ciao"),
-    ]
+    previous = at(15, 9, 2, "the last one extracted")
+    pending = [at(15, 9, 3, "last word"), at(15, 11, 0, "hi"), at(15, 11, 1, "hello")]
+    pending += [at(15, 14, 0, "bye"), at(15, 14, 1, "ciao")]
     segments = split_into_segments(pending)
     assert [len(s.messages) for s in segments] == [2, 2]  # the lone 9:03 dropped
-    joined = with_leading_orphans(pending, segments)
+    joined = with_leading_orphan(previous, pending, segments)
     assert [m.text for m in joined[0].messages] == ["last word", "hi", "hello"]
     assert joined[0].start_iso == "2024-03-15T09:03:00Z" and joined[1] == segments[1]
-    assert with_leading_orphans(pending[1:], split_into_segments(pending[1:])) == segments  # none left
-    assert with_leading_orphans(pending[:1], []) == []  # alone: nothing to join yet
+    assert with_leading_orphan(previous, pending[1:], split_into_segments(pending[1:])) == segments  # none
+    assert with_leading_orphan(previous, pending[:1], []) == []  # alone: nothing to join yet
+    # Daily posts after the checkpoint do not continue its conversation: dropped, as a full run drops them.
+    posts = [at(16 + n, 9, 0, f"post {n}") for n in range(3)] + [at(20, 9, 0, "hi"), at(20, 9, 1, "hello")]
+    assert with_leading_orphan(previous, posts, split_into_segments(posts)) == split_into_segments(posts)

@@ -6,9 +6,10 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from worker.core.conversation import Message, Segment, segment_of
+from worker.core.conversation import DEFAULT_SEGMENT_GAP_MINUTES, Message, Segment, segment_of
 
 
 def extract_conversation_facts_fingerprint(source_id: str) -> str:
@@ -136,21 +137,33 @@ def resume_point(
     return 0, True
 
 
-def with_leading_orphans(pending: Sequence[Message], segments: list[Segment]) -> list[Segment]:
-    """The segments of the messages after a checkpoint, the messages before the first one joining it.
+def with_leading_orphan(
+    previous: Message,
+    pending: Sequence[Message],
+    segments: list[Segment],
+    gap_minutes: float = DEFAULT_SEGMENT_GAP_MINUTES,
+) -> list[Segment]:
+    """The segments of the messages after a checkpoint, the first of those messages joining the first
+    segment when no segment holds it and it continues the conversation before the checkpoint (within
+    ``gap_minutes`` of ``previous``, its last message; out of order counts as within, as it never cuts).
 
-    Those were dropped for being too few (a conversation's last message, appended after its segment
-    was extracted, then a gap): a full run has them in the segment before the checkpoint, and the run
-    that extracts the next segment moved the checkpoint past them, so no run ever sent them."""
-    if not segments:
+    That is a conversation's last message, appended after its segment was extracted: alone, it was
+    dropped for being too few, and the run that extracted the next conversation (after a gap) moved
+    the checkpoint past it, so no run ever sent it; a full run has it in its conversation's segment
+    (unless that one was full: then it drops it too, and this run sends it all the same). A
+    message that does not continue it (a lone daily post) is dropped as a full run drops it."""
+    if not segments or not pending or segments[0].messages[0] is pending[0]:
         return segments
-    first = segments[0].messages[0]
-    lead = 0
-    while pending[lead] is not first:
-        lead += 1
-    if lead == 0:
+    orphan = pending[0]
+    gap = _instant(orphan.timestamp) - _instant(previous.timestamp)
+    if gap > timedelta(minutes=gap_minutes):
         return segments
-    return [segment_of([*pending[:lead], *segments[0].messages]), *segments[1:]]
+    return [segment_of([orphan, *segments[0].messages]), *segments[1:]]
+
+
+def _instant(timestamp: str) -> datetime:
+    moment = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Segment]) -> list[int]:

@@ -12,7 +12,7 @@ from worker.core.checkpoint import (
     extract_conversation_facts_fingerprint,
     resume_point,
     segment_ends,
-    with_leading_orphans,
+    with_leading_orphan,
 )
 from worker.core.conversation import (
     MAX_PAGE_BODY_BYTES,
@@ -86,8 +86,8 @@ class PagePlanner:
         # replacement deleted the facts from before ``since`` and moved the checkpoint past them).
         since = None if edited else self.options.since_iso
         segments = split_into_segments(messages[start:], since_iso=since)
-        if start > 0 and since is None:  # resuming: what the last run left dropped joins the first segment
-            segments = with_leading_orphans(messages[start:], segments)
+        if start > 0 and since is None:  # resuming: a last message left alone joins the first segment
+            segments = with_leading_orphan(messages[start - 1], messages[start:], segments)
         if not segments:
             return PageReport(slug, "skipped", "nothing new since the last extraction")
         if self.options.dry_run:
