@@ -565,31 +565,35 @@ def test_cli_extract_batch_says_when_the_batch_stays_at_the_provider(
 
 
 def test_a_batch_run_stopped_by_sigterm_owes_the_batch_it_leaves_at_the_provider(
-    committed_store, clean_sim, database_url
+    committed_store, database_url
 ):
     """SIGTERM or SIGHUP (a closed terminal) in a wait of up to 24 h killed the run at once: no row
     knew the batch, its results were never collected, the pages' text stayed at the provider, and a
     second run paid for a second batch. Now the run stops as Ctrl-C stops it, owing the batch."""
+    with Simulator(SimulatorConfig(batch_delay_seconds=3600)) as own:  # the batch it leaves stays here
+        _sigterm_a_batch_run(own, committed_store, database_url)
+
+
+def _sigterm_a_batch_run(sim: Simulator, committed_store: sessionmaker[Session], database_url: str) -> None:
     import os
     import signal
     import subprocess
     import sys
 
-    clean_sim.configure(batch_delay_seconds=3600)
     env = dict(os.environ) | {
         "FACTMILL_DATABASE_URL": database_url,
         "FACTMILL_LLM": "simulator",
-        "FACTMILL_SIMULATOR_URL": clean_sim.url,
+        "FACTMILL_SIMULATOR_URL": sim.url,
     }
     args = [sys.executable, "-m", "worker.cli", "extract", "--source-id", "batch", "--batch"]
     proc = subprocess.Popen([*args, "--poll-seconds", "0.1"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     try:
         for _ in range(300):
-            if clean_sim.stats()["batches"]["created"] == 1:
+            if sim.stats()["batches"]["created"] == 1:
                 break
             time.sleep(0.1)
-        assert clean_sim.stats()["batches"]["created"] == 1
+        assert sim.stats()["batches"]["created"] == 1
         time.sleep(0.3)  # waiting on the batch now
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
