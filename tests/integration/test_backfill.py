@@ -439,7 +439,8 @@ def test_a_request_s_bytes_stay_under_their_bound_on_both_wires(sim):
                 {"custom_id": "c" * 64, "params": anthropic_chat.message_params(request)},
             ]
             for line in lines:
-                assert len(json.dumps(line, ensure_ascii=False).encode()) <= overhead + segment_bytes(segment)
+                bound = overhead + segment_bytes(segment, "chat: someone")
+                assert len(json.dumps(line, ensure_ascii=False).encode()) <= bound
 
 
 def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):

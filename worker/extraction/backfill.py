@@ -168,7 +168,7 @@ class BackfillPass:
         requests: list[PlannedRequest] = []
         size = 0
         for i, segment in enumerate(plan.segments[:room]):
-            cost = overhead + segment_bytes(segment)
+            cost = overhead + segment_bytes(segment, plan.label)
             if requests and size + cost > self.deps.max_bytes:
                 break
             requests.append(PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment)))

@@ -84,11 +84,12 @@ def request_overhead_bytes(max_facts: int, cap: int) -> int:
     return len(request.system.encode()) * 11 // 10 + len(schema.encode()) * 11 // 10 + 1024
 
 
-def segment_bytes(segment: Segment) -> int:
-    """An upper bound on a segment's bytes in a batched request: its rendering, in UTF-8, with room for
-    JSON's escapes (the rendering is cut at SEGMENT_TEXT_CHAR_LIMIT characters, 4 bytes at most each)."""
+def segment_bytes(segment: Segment, label: str = "") -> int:
+    """An upper bound on a segment's bytes in a batched request: its rendering (the page's label in its
+    header, then its lines, cut at SEGMENT_TEXT_CHAR_LIMIT characters of 4 bytes at most), in UTF-8,
+    doubled for JSON's escapes (a newline or a quote is two bytes)."""
     text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
-    return min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) * 6 // 5 + 512
+    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + len(label.encode())) * 2 + 512
 
 
 def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:
