@@ -296,6 +296,26 @@ def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim
     assert request_statuses(factory, backfill_id) == {"done": 2}  # the second page's first two
 
 
+def test_planning_stops_reading_pages_once_max_segments_is_planned(factory, rt, sim, monkeypatch):
+    """Counting what is planned moved the limit after each page's plan: every page after the limit was
+    still read and parsed (a mostly extracted corpus read whole on every run)."""
+    from worker.extraction.service import ExtractionRun
+
+    seed_pages(factory, "bf", 4)
+    planned: list[str] = []
+    real_plan = ExtractionRun.plan
+
+    def counted(self: Any, ref: Any, **kw: Any) -> Any:
+        planned.append(ref.slug)
+        return real_plan(self, ref, **kw)
+
+    monkeypatch.setattr(ExtractionRun, "plan", counted)
+    backfill_id, job_id = start(factory, "bf", max_segments=SEGMENTS_PER_PAGE)
+    assert run_pass(rt, job_id).status in ("paused", "succeeded")
+    assert set(planned) == {"chats/p0000"}  # planned, then read again to send: no other page read
+    assert request_statuses(factory, backfill_id) in ({"pending": 4}, {"done": 4})
+
+
 def test_an_expired_batch_leaves_its_unrun_requests_to_the_next_run(factory, rt, sim):
     slugs = seed_pages(factory, "bf", 4)
     reference = online_reference(factory, sim, 4)
@@ -424,7 +444,7 @@ def test_a_request_s_bytes_stay_under_their_bound_on_both_wires(sim):
     openai_chat = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
     anthropic_chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
     overhead = request_overhead_bytes(10, 1024)
-    long_text = 'naïve café 東京 "quoted"\n' * 400  # past the rendering's cut, escapes and all
+    long_text = 'naïve café 東京 "quoted"\n\x01\x1b' * 400  # past the rendering's cut, escapes and all
     bodies = [page_body("Ann Example", "Acme"), page_body("Zoë Ångström", long_text)]
     for body in bodies:
         for segment in split_into_segments(parse_conversation_messages(body)):

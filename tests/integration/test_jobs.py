@@ -431,6 +431,22 @@ def test_a_run_that_reaches_no_check_lets_its_lease_lapse(factory):
             beat.check()  # woken at last: it stops here
 
 
+def test_a_run_that_spent_the_last_worker_loss_is_not_rerun_for_new_content(tx_factory):
+    """finish restarted the rerun with fresh counters after any failure: a page whose runs kill the
+    database backend (or the worker) crash-looped for as long as deliveries came."""
+    crashing, failing = new_job(tx_factory, "default|crash"), new_job(tx_factory, "default|fail")
+    for job_id in (crashing, failing):
+        assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    with tx_factory.begin() as session:
+        request_job(session, EXTRACTION, "default|crash")  # new content for both
+        request_job(session, EXTRACTION, "default|fail")
+    assert finish(tx_factory, crashing, "w1", "failed", worker_lost=True) is None
+    assert job(tx_factory, crashing).status == "failed"
+    assert finish(tx_factory, failing, "w1", "failed", attempt=True) == (failing, EXTRACTION)
+    rerun = job(tx_factory, failing)
+    assert (rerun.status, rerun.attempts, rerun.worker_losses) == ("queued", 0, 0)
+
+
 def test_the_sweep_asks_the_broker_before_it_locks_a_row_and_takes_a_batch_at_a_time(factory, monkeypatch):
     """It asked the broker for each queue's depth while holding every overdue job's row lock: a broker
     that hung held back the claims, deliveries and erasures of those jobs; and it locked the whole

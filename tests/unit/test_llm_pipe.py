@@ -59,9 +59,10 @@ def test_calls_in_flight_never_exceed_the_width_and_fill_it_from_every_page():
     assert taken == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
 
 
-def test_a_page_waiting_for_its_result_says_it_is_waiting_not_stalled(monkeypatch):
-    """A job's heartbeat lets the lease of a run showing no progress lapse; a page whose calls wait for
-    slots other pages hold (a bulk ingest of long pages) must not look stalled."""
+def test_a_page_waiting_for_a_slot_says_it_is_waiting_but_not_while_its_call_runs(monkeypatch):
+    """A job's heartbeat lets the lease of a run showing no progress lapse: a page whose calls wait for
+    slots other pages hold (a bulk ingest of long pages) must not look stalled, but one whose own call
+    hangs (in the database) must."""
     import worker.llm.pipe as pipe_module
     from worker.core import progress
 
@@ -71,12 +72,20 @@ def test_a_page_waiting_for_its_result_says_it_is_waiting_not_stalled(monkeypatc
     try:
         pipe = LLMPipe(1)
         gate = Gate()
-        feed = pipe.open(1, gate.call("a"))
+        other = pipe.open(1, gate.call("other"))  # holds the pipe's one slot
         gate.wait_running(1)
         threading.Timer(0.3, gate.release.set).start()
-        [outcome] = feed.take()
-        assert outcome.result() == "a0" and len(marks) >= 2  # it marked while it waited
-        feed.close()
+        mine = pipe.open(1, lambda index: "mine")
+        assert [o.result() for o in mine.take()] == ["mine"] and len(marks) >= 2  # it waited for a slot
+        other.take()
+        marks.clear()
+        gate.release.clear()
+        running = pipe.open(1, gate.call("slow"))
+        gate.wait_running(1)  # its own call runs
+        threading.Timer(0.3, gate.release.set).start()
+        assert [o.result() for o in running.take()] == ["slow0"] and marks == []
+        for feed in (other, mine, running):
+            feed.close()
         pipe.close()
     finally:
         progress.listen(None)

@@ -91,28 +91,33 @@ def test_threads_that_find_a_key_expired_together_cost_one_load_and_take_the_old
     assert loads.calls == ["a", "a"]
 
 
-def test_a_value_too_old_is_not_served_while_its_refresh_hangs() -> None:
-    """While a refresh hung (a pool exhausted, a query stuck), every reader was told the old value, for
-    as long as it hung: a kill switch turned off went unseen. Past two ttls, a reader loads it too."""
+def test_a_value_is_not_served_while_its_refresh_hangs_and_no_herd_loads_it() -> None:
+    """While a refresh hung (a pool exhausted, a query stuck), every reader was told the old value for
+    as long as it hung: a kill switch turned off went unseen. A refresh running past a ttl is taken for
+    hung: one more load runs, and the other readers wait for one to end (not a load each: a herd)."""
     clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
-    clock.now += 3
+    clock.now += 5  # a quiet while: the value is old, but its refresh has only just begun
     loads.hold()
     refresher, _ = in_threads(1, lambda: cache.get("a"))
     assert loads.started.wait(10)
-    assert cache.get("a") == "a:1"  # 3 s old, under two ttls: served while the refresh runs
-    clock.now += 2
-    reader, fresh = in_threads(1, lambda: cache.get("a"))
-    for _ in range(1000):  # the reader loads it itself rather than trust a value 5 s old
+    readers, old = in_threads(16, lambda: cache.get("a"))
+    for thread in readers:
+        thread.join(10)
+    assert old == ["a:1"] * 16 and len(loads.calls) == 2  # served at once, no herd
+    clock.now += 3  # the refresh has run past a ttl: hung
+    waiting, fresh = in_threads(16, lambda: cache.get("a"))
+    for _ in range(1000):
         if len(loads.calls) == 3:
             break
         threading.Event().wait(0.01)
-    assert loads.calls == ["a", "a", "a"] and fresh == []
+    threading.Event().wait(0.1)
+    assert len(loads.calls) == 3 and fresh == []  # one more load; the others wait for one
     loads.release.set()
-    for thread in (*refresher, *reader):
+    for thread in (*refresher, *waiting):
         thread.join(10)
-    assert fresh[0] in ("a:2", "a:3")
+    assert len(fresh) == 16 and "a:1" not in fresh and len(loads.calls) == 3
 
 
 def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:

@@ -42,8 +42,8 @@ def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]
     source id is read from the raw path instead, whose first segment ends at the first real '/'; a path
     whose raw source leaves no slug (``/v1/pages/team%2Fa``) names no page (404)."""
     raw = request.scope.get("raw_path")
-    root = request.scope.get("root_path", "").encode()
-    if raw and root and raw.startswith(root):
+    root = request.scope.get("root_path", "").rstrip("/").encode()
+    if raw and root and raw.startswith(root + b"/"):
         raw = raw[len(root) :]  # mounted under a prefix (uvicorn --root-path)
     if not raw or not raw.startswith(PAGES_PATH.encode()):
         return source_id, slug

@@ -12,11 +12,6 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
-# While another thread refreshes a key, its value is served up to this many ttls old; past that, the
-# asking thread loads it too.
-STALE_LIMIT = 2
-
-
 @dataclass
 class _Entry(Generic[V]):
     value: V
@@ -28,8 +23,9 @@ class TtlCache(Generic[K, V]):
 
     A worker reads its switches, budgets and threshold from many threads at once. When a key expires,
     the first thread to ask loads it; the others take the value it had meanwhile (or, when there is
-    none yet, wait for that load) instead of each running the same query on a connection of its own;
-    a value more than STALE_LIMIT ttls old is not served meanwhile: the asking thread loads it too.
+    none yet, wait for that load) instead of each running the same query on a connection of its own.
+    A refresh that has run for longer than ``ttl`` is taken for hung: one more load starts, and the
+    readers wait for one to end rather than be told the old value for as long as it hangs.
     ``ttl`` 0 keeps nothing: every ``get`` loads. A load that raises raises in the thread that ran
     it; threads waiting for a first value then try again themselves.
     """
@@ -44,6 +40,7 @@ class TtlCache(Generic[K, V]):
         self._loaded = threading.Condition(self._lock)
         self._entries: dict[K, _Entry[V]] = {}
         self._loading: dict[K, int] = {}  # loads running per key
+        self._load_began: dict[K, float] = {}  # when the oldest load running began, per key
 
     def get(self, key: K) -> V:
         """The key's value, loaded if it is missing or older than ``ttl``."""
@@ -57,11 +54,13 @@ class TtlCache(Generic[K, V]):
                 if not self._loading.get(key):
                     break
                 if entry is not None:
-                    if self._clock() - entry.loaded_at < self._ttl * STALE_LIMIT:
+                    if self._clock() - self._load_began[key] < self._ttl:
                         return entry.value  # another thread is refreshing it
-                    # That refresh hangs (a pool exhausted, a query stuck): a value this old is not
-                    # served on its word (a kill switch turned off went unseen for as long as it hung).
-                    break
+                    if self._loading[key] < 2:
+                        # That refresh hangs (a pool exhausted, a query stuck): the value is not served
+                        # on its word for as long as it hangs (a kill switch turned off went unseen);
+                        # one more load runs here, and every other reader waits for one to end.
+                        break
                 self._loaded.wait()
             self._start(key)
         return self._run_load(key)
@@ -85,6 +84,8 @@ class TtlCache(Generic[K, V]):
 
     def _start(self, key: K) -> None:
         """Under the lock: a load of ``key`` begins."""
+        if not self._loading.get(key):
+            self._load_began[key] = self._clock()
         self._loading[key] = self._loading.get(key, 0) + 1
 
     def _run_load(self, key: K) -> V:
@@ -108,4 +109,5 @@ class TtlCache(Generic[K, V]):
             self._loading[key] -= 1
         else:
             del self._loading[key]
+            del self._load_began[key]
         self._loaded.notify_all()

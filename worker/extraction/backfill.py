@@ -111,11 +111,13 @@ class BackfillPass:
 
     # --- planning -----------------------------------------------------------------------------------
 
-    def plans(self) -> Iterator[PagePlan]:
+    def plans(self, enough: Callable[[], bool] = lambda: False) -> Iterator[PagePlan]:
         """The selected pages' plans, in slug order, one at a time (a plan holds its page's messages:
         the list of them all held a whole corpus's text at once, and a worker out of memory planned
         again from scratch on every retry)."""
         for ref in self.run.list_pages():
+            if enough():  # asked before each page is read: the rest of the corpus is not loaded
+                return
             if self.selection.slug is not None and ref.slug != self.selection.slug:
                 continue
             if self.selection.slug_prefix and not ref.slug.startswith(self.selection.slug_prefix):
@@ -134,9 +136,9 @@ class BackfillPass:
         batches: list[list[PlannedRequest]] = [[]]
         sizes = [0]  # each batch's bytes, bounded above
         total = 0
-        for plan in self.plans():
-            if limit is not None and total >= limit:
-                break  # counted by what is planned: a page left for another run takes none of it
+        # Counted by what is planned: a page left for another run takes none of it. The check reads
+        # ``total`` as it stands when the next page is about to be read (late binding is the point).
+        for plan in self.plans(lambda: limit is not None and total >= limit):  # noqa: B023
             room = self.deps.max_requests if limit is None else min(self.deps.max_requests, limit - total)
             requests, size = self.page_requests(plan, room, overhead)
             full = len(batches[-1]) + len(requests) > self.deps.max_requests

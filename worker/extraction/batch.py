@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,9 +88,14 @@ def request_overhead_bytes(max_facts: int, cap: int) -> int:
 def segment_bytes(segment: Segment, label: str = "") -> int:
     """An upper bound on a segment's bytes in a batched request: its rendering (the page's label in its
     header, then its lines, cut at SEGMENT_TEXT_CHAR_LIMIT characters of 4 bytes at most), in UTF-8,
-    doubled for JSON's escapes (a newline or a quote is two bytes)."""
+    doubled for JSON's escapes (a newline or a quote is two bytes), and 4 more for each control
+    character (written \\u00XX: six bytes)."""
     text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
-    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + len(label.encode())) * 2 + 512
+    controls = sum(len(_CONTROL.findall(m.text)) for m in segment.messages)
+    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + len(label.encode())) * 2 + 4 * controls + 512
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:

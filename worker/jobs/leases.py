@@ -101,7 +101,7 @@ def fail_if_spent(
     if reason is None:
         return None
     # New content arrived while the job ran (a rerun was requested): it is for that content, which
-    # starts with fresh attempts, as ``finish`` starts a rerun (failed here, the rerun was lost: the new
+    # starts with fresh budgets, as ``finish`` starts a rerun (failed here, the rerun was lost: the new
     # content stayed unextracted though its delivery was answered with this job). Not when workers
     # were lost: a page that kills the workers it runs on would crash-loop for as long as deliveries
     # come (an operator's retry runs the new content then).
@@ -111,7 +111,7 @@ def fail_if_spent(
         restarted = session.execute(
             update(JOBS)
             .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
-            .values(rerun_requested=False, attempts=0)
+            .values(rerun_requested=False, attempts=0, worker_losses=0)
             .returning(JOBS.c.id)
         ).scalar_one_or_none()
     if restarted is not None:
@@ -271,7 +271,10 @@ def finish(
         job = session.execute(_FINISH, params).one_or_none()
         if job is None:
             return None
-        if status in ("succeeded", "failed") and job.rerun_requested:
+        # Not after a run that spent the last worker loss: a page that kills its workers would crash-loop
+        # for as long as deliveries came (an operator's retry runs the new content then).
+        crash_loop = status == "failed" and worker_lost
+        if status in ("succeeded", "failed") and job.rerun_requested and not crash_loop:
             session.execute(
                 update(JOBS)
                 .where(JOBS.c.id == job_id)

@@ -105,8 +105,10 @@ class Feed(Generic[T]):
             if self.finished():
                 return []
             while self._handed not in self._done:
-                # Waiting for a slot other pages hold, or for the model, is no stall: say so now and then.
-                if not self._ready.wait(timeout=PROGRESS_MARK_SECONDS):
+                # Waiting for a slot other pages hold is no stall: say so now and then. Not once the
+                # call is running (it has the provider's timeouts; one that hangs in the database is
+                # the stall the job's heartbeat looks for).
+                if not self._ready.wait(timeout=PROGRESS_MARK_SECONDS) and self.started <= self._handed:
                     progress.mark()
             taken: list[Outcome[T]] = []
             while self._handed in self._done and (limit is None or len(taken) < limit):
