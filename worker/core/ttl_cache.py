@@ -40,7 +40,7 @@ class TtlCache(Generic[K, V]):
         self._loaded = threading.Condition(self._lock)
         self._entries: dict[K, _Entry[V]] = {}
         self._loading: dict[K, int] = {}  # loads running per key
-        self._load_began: dict[K, float] = {}  # when the oldest load running began, per key
+        self._load_began: dict[K, list[float]] = {}  # when each load running began, per key
 
     def get(self, key: K) -> V:
         """The key's value, loaded if it is missing or older than ``ttl``."""
@@ -54,7 +54,7 @@ class TtlCache(Generic[K, V]):
                 if not self._loading.get(key):
                     break
                 if entry is not None:
-                    if self._clock() - self._load_began[key] < self._ttl:
+                    if self._clock() - min(self._load_began[key]) < self._ttl:
                         return entry.value  # another thread is refreshing it
                     if self._loading[key] < 2:
                         # That refresh hangs (a pool exhausted, a query stuck): the value is not served
@@ -62,14 +62,14 @@ class TtlCache(Generic[K, V]):
                         # one more load runs here, and every other reader waits for one to end.
                         break
                 self._loaded.wait()
-            self._start(key)
-        return self._run_load(key)
+            began = self._start(key)
+        return self._run_load(key, began)
 
     def load(self, key: K) -> V:
         """Load the key now, whatever the cache holds, and keep what it gives."""
         with self._lock:
-            self._start(key)
-        return self._run_load(key)
+            began = self._start(key)
+        return self._run_load(key, began)
 
     def last(self, key: K) -> V | None:
         """The value held for the key, however old (None if there is none)."""
@@ -82,29 +82,30 @@ class TtlCache(Generic[K, V]):
         with self._lock:
             self._entries.clear()
 
-    def _start(self, key: K) -> None:
-        """Under the lock: a load of ``key`` begins."""
-        if not self._loading.get(key):
-            self._load_began[key] = self._clock()
+    def _start(self, key: K) -> float:
+        """Under the lock: a load of ``key`` begins; when it began."""
+        began = self._clock()
+        self._load_began.setdefault(key, []).append(began)
         self._loading[key] = self._loading.get(key, 0) + 1
+        return began
 
-    def _run_load(self, key: K) -> V:
-        started = self._clock()
+    def _run_load(self, key: K, started: float) -> V:
         try:
             value = self._load(key)
         except BaseException:
             with self._lock:
-                self._done(key)
+                self._done(key, started)
             raise
         with self._lock:
             held = self._entries.get(key)
             if held is None or held.loaded_at <= started:  # a load begun later may have ended first
                 self._entries[key] = _Entry(value, started)
-            self._done(key)
+            self._done(key, started)
         return value
 
-    def _done(self, key: K) -> None:
-        """Under the lock: a load of ``key`` ended; wake the threads waiting for one."""
+    def _done(self, key: K, began: float) -> None:
+        """Under the lock: the load of ``key`` that began at ``began`` ended; wake the threads waiting."""
+        self._load_began[key].remove(began)
         if self._loading[key] > 1:
             self._loading[key] -= 1
         else:
