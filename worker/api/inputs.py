@@ -41,11 +41,12 @@ def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]
     '/': ``team%2Fa/notes`` named page ``a/notes`` of source ``team``, and DELETE erased that one. The
     source id is read from the raw path instead, whose first segment ends at the first real '/'; a path
     whose raw source leaves no slug (``/v1/pages/team%2Fa``) names no page (404)."""
-    raw = request.scope.get("raw_path")
+    raw = request.scope.get("raw_path") or b""
     root = request.scope.get("root_path", "").rstrip("/").encode()
-    if raw and root and raw.startswith(root + b"/"):
-        raw = raw[len(root) :]  # mounted under a prefix (uvicorn --root-path)
-    if not raw or not raw.startswith(PAGES_PATH.encode()):
+    # Mounted under a prefix (uvicorn --root-path), the raw path holds it; a server may leave it out.
+    unrooted = raw[len(root) :] if root and raw.startswith(root + b"/") else raw
+    raw = next((path for path in (unrooted, raw) if path.startswith(PAGES_PATH.encode())), b"")
+    if not raw:
         return source_id, slug
     encoded, _, _ = raw[len(PAGES_PATH) :].partition(b"/")
     named = unquote(encoded.decode("ascii", "replace"))  # as the server decoded the path

@@ -6,10 +6,15 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from worker.core.conversation import DEFAULT_SEGMENT_GAP_MINUTES, Message, Segment, segment_of
+from worker.core.conversation import (
+    DEFAULT_SEGMENT_GAP_MINUTES,
+    Message,
+    Segment,
+    instant_micros,
+    segment_of,
+)
 
 
 def extract_conversation_facts_fingerprint(source_id: str) -> str:
@@ -155,15 +160,10 @@ def with_leading_orphan(
     if not segments or not pending or segments[0].messages[0] is pending[0]:
         return segments
     orphan = pending[0]
-    gap = _instant(orphan.timestamp) - _instant(previous.timestamp)
-    if gap > timedelta(minutes=gap_minutes):
+    gap = instant_micros(orphan.timestamp) - instant_micros(previous.timestamp)
+    if gap > gap_minutes * 60_000_000:  # microseconds
         return segments
     return [segment_of([orphan, *segments[0].messages]), *segments[1:]]
-
-
-def _instant(timestamp: str) -> datetime:
-    moment = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def segment_ends(messages: Sequence[Message], start: int, segments: Sequence[Segment]) -> list[int]:

@@ -198,7 +198,7 @@ _time_part: Final = itemgetter(slice(10, None))
 _CANONICAL_DAY: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
-def _instant_micros(iso: str) -> int:
+def instant_micros(iso: str) -> int:
     """Microseconds since the Unix epoch for an ISO-8601 string; a naive time is UTC."""
     moment = datetime.fromisoformat(iso)
     if moment.tzinfo is None:
@@ -210,7 +210,7 @@ def _day_micros(day: str) -> int | None:
     if not _CANONICAL_DAY.fullmatch(day):
         return None
     try:
-        return _instant_micros(day)
+        return instant_micros(day)
     except ValueError:
         return None
 
@@ -227,7 +227,7 @@ def _message_instants(messages: Sequence[Message]) -> list[int]:
     instants = []
     for index, timestamp in enumerate(timestamps):
         try:
-            instants.append(_instant_micros(timestamp))
+            instants.append(instant_micros(timestamp))
         except ValueError:
             raise ValueError(
                 f"message {index} has timestamp {timestamp!r}, which is not ISO-8601; "
@@ -271,7 +271,7 @@ def split_into_segments(
     instants = _message_instants(messages)
     if since_iso is not None:
         try:
-            since = _instant_micros(since_iso.strip())
+            since = instant_micros(since_iso.strip())
         except ValueError:
             raise ValueError(
                 f"since_iso {since_iso!r} is not an ISO-8601 timestamp; "
