@@ -181,9 +181,22 @@ def test_total_wait_is_bounded() -> None:
     retrying, sleeps = client(inner, RetryPolicy(max_attempts=50, max_total_wait_seconds=10))
     with pytest.raises(LLMError):
         retrying.chat(REQUEST)
-    assert sum(sleeps) == pytest.approx(10.0)
-    assert all(s >= 4.0 for s in sleeps[:-1])  # Retry-After honoured until the budget ran short
-    assert inner.calls == len(sleeps) + 1 == 4
+    assert sum(sleeps) <= 10.0
+    assert all(s >= 4.0 for s in sleeps)  # Retry-After honoured, never shortened
+    # After two waits of 4 s (and their jitter) less than 4 s is left: the third try is the last.
+    assert inner.calls == len(sleeps) + 1 == 3
+
+
+def test_a_retry_after_past_the_wait_left_ends_the_tries_at_once() -> None:
+    inner = ScriptedClient(retryable(429, retry_after=3600.0), ok_response())
+    retrying, sleeps = client(inner, RetryPolicy(max_total_wait_seconds=120))
+    with pytest.raises(LLMError) as caught:
+        retrying.chat(REQUEST)
+    # Not a 120 s sleep and a second try an hour too soon: the error goes up (retryable, for the job).
+    assert inner.calls == 1 and sleeps == []
+    assert caught.value.retryable and caught.value.retry_after == 3600.0
+    policy = RetryPolicy(max_total_wait_seconds=10)
+    assert policy.wait_budget_spent(4.0, 6.5) and not policy.wait_budget_spent(4.0, 6.0)
 
 
 def test_embeddings_are_retried_too() -> None:

@@ -31,7 +31,9 @@ class RetryPolicy:
     retry sleeps ``backoff_base_seconds * 2**(n-1)`` capped at ``backoff_max_seconds``, shortened by
     up to ``jitter`` of itself at random (0 = none, 1 = "full jitter"), so workers that failed together
     do not retry together. A ``Retry-After`` from the provider replaces the backoff (never shortened,
-    plus a little jitter on top), but no sleep is longer than what is left of the total wait.
+    plus a little jitter on top), but no sleep is longer than what is left of the total wait; a
+    Retry-After past what is left ends the tries at once (sleeping the rest of the budget only to try
+    once more before the provider said held a slot for minutes and spent a request for nothing).
     """
 
     max_attempts: int = 5
@@ -81,8 +83,10 @@ class RetryPolicy:
             wanted = self.backoff(retry_number, rng)
         return max(0.0, min(wanted, self.max_total_wait_seconds - waited_seconds))
 
-    def wait_budget_spent(self, waited_seconds: float) -> bool:
-        return waited_seconds >= self.max_total_wait_seconds
+    def wait_budget_spent(self, waited_seconds: float, retry_after: float | None = None) -> bool:
+        """Whether the tries end: the total wait is used up, or the provider asked for more than is left."""
+        left = self.max_total_wait_seconds - waited_seconds
+        return left <= 0 or (retry_after is not None and retry_after > left)
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,10 @@ class _WaitBudgetSpent(tenacity.stop.stop_base):
         self.policy = policy
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self.policy.wait_budget_spent(retry_state.idle_for)
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        retry_after = exc.retry_after if isinstance(exc, LLMError) else None
+        return self.policy.wait_budget_spent(retry_state.idle_for, retry_after)
 
 
 def _is_retryable(exc: BaseException) -> bool:
