@@ -438,6 +438,23 @@ def test_rate_limited_client_estimates_then_reconciles() -> None:
     ]
 
 
+def test_embeddings_are_limited_where_they_go_not_under_the_chat_models_limits() -> None:
+    """Anthropic has no embeddings API: its client hands embed() to an OpenAI client. The limiter keyed
+    those calls under the Anthropic chat model, so every embedding took one of its requests a minute
+    (slowing extraction) and OpenAI's embeddings endpoint had no limit at all."""
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.llm.openai_compat import OpenAIChatClient
+
+    embeddings = OpenAIChatClient(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1")
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9", embeddings=embeddings)
+    limiter = RecordingLimiter()
+    limited = RateLimitedClient(chat, limiter)
+    assert limited._chat_key == "anthropic:claude-sonnet-4-5"
+    assert limited._embed_key == "openai:text-embedding-3-small"
+    assert RateLimitedClient(embeddings, limiter)._embed_key == "openai:text-embedding-3-small"
+    assert RateLimitedClient(ScriptedClient(), limiter)._embed_key == "fake:fake-1"
+
+
 def test_a_call_reporting_billions_of_tokens_is_charged_what_its_prompt_could_come_to() -> None:
     """An odd OpenAI-compatible server reported two billion tokens for one call: at 100k tokens a
     minute the limiter (shared by every worker, through Redis) moved two weeks ahead, and every call

@@ -60,6 +60,9 @@ class AnthropicChatClient:
         self.provider = provider
         self.model = model
         self.embeddings = embeddings
+        # embed() goes to another provider's endpoint (OpenAI's): the rate limiter keys it there, not
+        # under this model's limits.
+        self.embedding_key = getattr(embeddings, "embedding_key", f"{provider}:{model}")
         # The SDK is imported when a client is made, not with this module: it takes seconds to import
         # and most processes (every CLI command, a worker on another provider) never call Anthropic.
         import anthropic

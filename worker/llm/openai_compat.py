@@ -60,6 +60,8 @@ class OpenAIChatClient:
         # speak the format may reject unknown fields, so the gateway turns it off for them.
         self.send_prompt_cache_key = send_prompt_cache_key
         self.embedding_model = embedding_model
+        # The rate limiter's key for embed(): the endpoint that answers it.
+        self.embedding_key = f"{provider}:{embedding_model}"
         self.embedding_dimensions = embedding_dimensions
         self.provider = provider
         self.model = model

@@ -328,8 +328,7 @@ class RateLimitedClient:
         self.provider = inner.provider
         self.model = inner.model
         self._chat_key = f"{inner.provider}:{inner.model}"
-        embedding_model = getattr(inner, "embedding_model", None) or inner.model
-        self._embed_key = f"{inner.provider}:{embedding_model}"
+        self._embed_key = getattr(inner, "embedding_key", self._chat_key)
 
     def chat(self, request: ChatRequest) -> ChatResponse:
         estimated = estimate_request_tokens(request)
