@@ -446,7 +446,9 @@ def test_embeddings_are_limited_where_they_go_not_under_the_chat_models_limits()
     from worker.llm.openai_compat import OpenAIChatClient
 
     embeddings = OpenAIChatClient(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1")
-    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9", embeddings=embeddings)
+    chat = AnthropicChatClient(
+        model="claude-sonnet-4-5", base_url="http://127.0.0.1:9", embeddings=embeddings
+    )
     limiter = RecordingLimiter()
     limited = RateLimitedClient(chat, limiter)
     assert limited._chat_key == "anthropic:claude-sonnet-4-5"
