@@ -43,3 +43,16 @@ def test_a_refusal_s_words_stay_out_of_the_ledger() -> None:
     )
     assert kept_error(failed) == "HTTP 500: boom"
     assert Ledger({}.get).row(refused)["error"] == kept_error(refused)
+
+
+def test_the_gateways_default_embedding_model_has_a_price() -> None:
+    """The gateway embeds with text-embedding-3-small unless told otherwise; unpriced, every embedding
+    (new facts, searches) cost 0, and the search budget never counted one."""
+    from worker.accounting.prices import cost_usd, price_of
+    from worker.llm.openai_compat import OpenAIChatClient
+    from worker.llm.types import Usage
+
+    default_model = OpenAIChatClient(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1").embedding_model
+    assert price_of(default_model) is not None
+    assert cost_usd(default_model, Usage(input_tokens=1_000_000)) == Decimal("0.02")
+    assert cost_usd("text-embedding-3-large", Usage(input_tokens=1_000_000)) == Decimal("0.13")

@@ -36,6 +36,10 @@ PRICES: dict[str, Price] = {
     "gpt-4.1": _p("2.00", "8.00", "0.50"),
     "claude-3-5-haiku-latest": _p("0.80", "4.00", "0.08", "1.00"),
     "claude-sonnet-4-5": _p("3.00", "15.00", "0.30", "3.75"),
+    # Embeddings bill input only. The gateway embeds with text-embedding-3-small by default (with the
+    # Anthropic provider too): unpriced, every embedding cost 0 and the search budget never saw one.
+    "text-embedding-3-small": _p("0.02", "0"),
+    "text-embedding-3-large": _p("0.13", "0"),
 }
 
 MILLION = Decimal(1_000_000)
