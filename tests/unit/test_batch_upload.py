@@ -17,14 +17,20 @@ REQUEST = ChatRequest(purpose="extraction", system="s", messages=(("user", "segm
 class FakeSDK:
     """The OpenAI SDK's files and batches, as far as a submit reaches them."""
 
-    def __init__(self, create_error: Exception) -> None:
+    def __init__(self, create_error: Exception, upload_error: Exception | None = None) -> None:
         self.deleted: list[str] = []
         self.create_calls = 0
+        self.uploads: list[str] = []
         self.create_error = create_error
-        self.files = SimpleNamespace(
-            create=lambda **_: SimpleNamespace(id="file-1"), delete=self.deleted.append
-        )
+        self.upload_error = upload_error
+        self.files = SimpleNamespace(create=self._upload, delete=self.deleted.append)
         self.batches = SimpleNamespace(create=self._create)
+
+    def _upload(self, *, file: tuple[str, bytes], purpose: str) -> Any:
+        self.uploads.append(file[0])
+        if self.upload_error is not None:
+            raise self.upload_error
+        return SimpleNamespace(id="file-1")
 
     def _create(self, **_: Any) -> Any:
         self.create_calls += 1
@@ -53,3 +59,13 @@ def test_a_refused_create_deletes_its_upload_and_an_unknown_one_keeps_it(
         client(sdk).submit([("seg-1", REQUEST)])
     assert sdk.create_calls == 1  # a create is tried once (a retry could start a second batch)
     assert sdk.deleted == deleted
+
+
+def test_an_upload_is_tried_once_and_named_by_its_batch_key() -> None:
+    """An upload that timed out may have been stored: a retry uploaded the pages' text a second time and
+    left the first copy at the provider, named nowhere. It is tried once (the next pass sends again) and
+    its file is named by the batch's key, so an operator can find a copy left behind."""
+    sdk = FakeSDK(AssertionError("no create"), upload_error=LLMError("timed out", retryable=True))
+    with pytest.raises(LLMError, match="timed out"):
+        client(sdk).submit([("bf-7-1:seg-1", REQUEST)], key="bf-7-1")
+    assert sdk.uploads == ["factmill-extraction-bf-7-1.jsonl"] and sdk.create_calls == 0

@@ -116,7 +116,11 @@ def _call(what: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
                 if isinstance(exc, LLMError)
                 else to_llm_error(exc, int((time.perf_counter() - started) * 1000))
             )
-            if not error.retryable or attempt == policy.max_attempts or policy.wait_budget_spent(waited):
+            if (
+                not error.retryable
+                or attempt == policy.max_attempts
+                or policy.wait_budget_spent(waited, error.retry_after)
+            ):
                 raise error from exc
             pause = policy.delay(attempt, error.retry_after, waited)
             logger.warning("batch %s failed (%s); retrying in %.1fs", what, error, pause)
@@ -160,11 +164,23 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             for custom_id, request in requests
         ]
         data = ("\n".join(lines) + "\n").encode("utf-8")
-        uploaded = _call(
-            "upload",
-            lambda: self._sdk.files.create(file=("factmill-extraction.jsonl", data), purpose="batch"),
-            self.policy,
-        )
+        # Tried once, as the create is: an upload that timed out may have been stored, and a second
+        # one left the first (the pages' text) at the provider, named nowhere. A failed send is sent
+        # again by the next pass (or the next `extract --batch`).
+        name = f"factmill-extraction-{key}.jsonl" if key else "factmill-extraction.jsonl"
+        try:
+            uploaded = _call(
+                "upload", lambda: self._sdk.files.create(file=(name, data), purpose="batch"), CREATE_ONCE
+            )
+        except LLMError as exc:
+            if exc.retryable:
+                logger.warning(
+                    "batch input upload %s: its outcome is unknown (%s); if the provider holds it, "
+                    "delete it there",
+                    name,
+                    exc,
+                )
+            raise
         try:
             batch = _call(
                 "create",
