@@ -194,3 +194,34 @@ def test_db_stop_stops_the_embedded_postgres_a_killed_client_still_names(tmp_pat
         leftover = read_pid(pgdata / "postmaster.pid")
         if leftover and pid_alive(leftover):
             os.kill(leftover, signal.SIGKILL)
+
+
+def test_rate_limits_are_shared_through_the_embedded_redis(data_dir: Path) -> None:
+    """With no Redis named, every process counted the rate limits on its own: a worker's children, the
+    API and each MCP server each let through the whole rate. Two runtimes (two processes' worth) on one
+    data folder now count one search limit, and the LLM limiter is Redis-backed."""
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.access.ratelimit import PerKeyLimiter
+    from worker.config_store import ConfigReader
+    from worker.llm.ratelimit import RedisRateLimiter, build_rate_limiter
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    settings = Settings(
+        broker_url=None, ratelimit_redis_url=None, data_dir=data_dir, search_rate_per_minute=3, llm_rpm=60
+    )
+    factory: sessionmaker = sessionmaker()
+
+    def runtime() -> Runtime:
+        return Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=1))
+
+    first, second = PerKeyLimiter.for_runtime(runtime()), PerKeyLimiter.for_runtime(runtime())
+    now = 1_000_000.0 * 60  # the start of a window: all four hits fall in one minute
+    verdicts = [limiter.hit("key-1", now=now).allowed for limiter in (first, second, first, second)]
+    assert verdicts == [True, True, True, False]
+    shared = runtime().limits_settings(limited=True)
+    assert shared.ratelimit_redis_url == broker_paths(data_dir).url
+    assert isinstance(build_rate_limiter(shared), RedisRateLimiter)
+    # A limit that is off starts nothing and names nothing.
+    assert runtime().limits_settings(limited=False) is settings

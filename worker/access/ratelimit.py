@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from worker.llm.ratelimit import ratelimit_redis_url, redis_py_url
+from worker.runtime import Runtime
 from worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ class PerKeyLimiter:
     @classmethod
     def from_settings(cls, settings: Settings) -> PerKeyLimiter:
         return cls(settings.search_rate_per_minute, ratelimit_redis_url(settings), settings.broker_key_prefix)
+
+    @classmethod
+    def for_runtime(cls, runtime: Runtime) -> PerKeyLimiter:
+        """The limiter of a serving process: counted in Redis, the embedded one when none is named."""
+        return cls.from_settings(runtime.limits_settings(limited=runtime.settings.search_rate_per_minute > 0))
 
     def hit(self, who: str, now: float | None = None) -> Verdict:
         if self.per_minute <= 0:

@@ -54,7 +54,7 @@ class ApiContext:
     def search_limiter(self) -> PerKeyLimiter:
         """Searches per minute per key (FACTMILL_SEARCH_RATE_PER_MINUTE), made on first use."""
         if self._search_limiter is None:
-            self._search_limiter = PerKeyLimiter.from_settings(self.settings)
+            self._search_limiter = PerKeyLimiter.for_runtime(self.runtime)
         return self._search_limiter
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:

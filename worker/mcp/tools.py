@@ -134,7 +134,7 @@ class FactmillTools:
     ) -> None:
         self.runtime = runtime
         self.principal = principal
-        self.limiter = limiter or PerKeyLimiter.from_settings(runtime.settings)
+        self.limiter = limiter or PerKeyLimiter.for_runtime(runtime)
 
     def search_facts(
         self,

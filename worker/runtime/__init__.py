@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from worker import db
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
+from worker.embedded import EmbeddedUnavailableError, embedded_redis_url
 from worker.llm.gateway import describe, open_llm_client
 from worker.llm.pipe import FollowUps, LLMPipe
 from worker.llm.types import LLMClient
@@ -34,8 +35,21 @@ class Runtime:
     _search_llm: LLMClient | None = None
     _llm_pipe: LLMPipe | None = None
     _follow_ups: FollowUps | None = None
+    _limits_settings: Settings | None = None
     _llm_stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def limits_settings(self, *, limited: bool) -> Settings:
+        """The settings a rate limit is built from (``limited``: that limit is on): with no Redis named,
+        the embedded one, shared by every process on this data folder, as a broker's Redis would be."""
+        if not limited:
+            return self.settings
+        if self._limits_settings is None:
+            self._limits_settings = shared_limits(self.settings)
+        return self._limits_settings
+
+    def _gateway_settings(self) -> Settings:
+        return self.limits_settings(limited=bool(self.settings.llm_rpm or self.settings.llm_tpm))
 
     @property
     def ledger(self) -> Ledger:
@@ -65,7 +79,7 @@ class Runtime:
             with self._lock:
                 if self._search_llm is None:
                     self._search_llm = self._llm_stack.enter_context(
-                        open_llm_client(self.settings, budget=self.search_budget)
+                        open_llm_client(self._gateway_settings(), budget=self.search_budget)
                     )
         return self._search_llm
 
@@ -76,7 +90,7 @@ class Runtime:
             with self._lock:
                 if self._llm is None:
                     self._llm = self._llm_stack.enter_context(
-                        open_llm_client(self.settings, budget=self.budget)
+                        open_llm_client(self._gateway_settings(), budget=self.budget)
                     )
                     logger.info(describe(self.settings))
         return self._llm
@@ -109,6 +123,20 @@ class Runtime:
         self._llm_stack.close()
         self._llm = None
         self._search_llm = None
+
+
+def shared_limits(settings: Settings) -> Settings:
+    """``settings`` with FACTMILL_RATELIMIT_REDIS_URL set to the embedded Redis when no Redis is named (no
+    broker URL): without it every process (each worker child, the API, each MCP server) counted the
+    rate limits on its own, N times the rate given."""
+    if settings.ratelimit_redis_url or settings.broker_url:
+        return settings
+    try:
+        url = embedded_redis_url(settings.data_dir)
+    except EmbeddedUnavailableError as exc:
+        logger.warning("rate limits are counted per process: the embedded Redis is unavailable (%s)", exc)
+        return settings
+    return settings.model_copy(update={"ratelimit_redis_url": url})
 
 
 _runtime: Runtime | None = None
