@@ -305,6 +305,71 @@ def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, stat
 
 
 @pytest.mark.parametrize(
+    ("sdk", "status", "error", "blamed"),
+    [
+        # Anthropic's answer to a spent credit balance: a plain invalid_request_error 400.
+        (
+            anthropic,
+            400,
+            {"type": "invalid_request_error", "message": "Your credit balance is too low to access the API."},
+            True,
+        ),
+        (anthropic, 402, {"type": "billing_error", "message": "payment method declined"}, True),
+        # An OpenAI reasoning model given max_tokens.
+        (
+            openai,
+            400,
+            {
+                "message": "Unsupported parameter: 'max_tokens'",
+                "type": "invalid_request_error",
+                "code": "unsupported_parameter",
+                "param": "max_tokens",
+            },
+            True,
+        ),
+        (
+            openai,
+            429,
+            {
+                "message": "You exceeded your current quota",
+                "type": "insufficient_quota",
+                "code": "insufficient_quota",
+            },
+            True,
+        ),
+        # The request's own content: the segment's fault.
+        (
+            openai,
+            400,
+            {
+                "message": "maximum context length is 128000 tokens",
+                "type": "invalid_request_error",
+                "code": "context_length_exceeded",
+                "param": "messages",
+            },
+            False,
+        ),
+        (anthropic, 413, {"type": "request_too_large", "message": "Request exceeds the maximum size"}, False),
+    ],
+)
+def test_errors_that_blame_the_account_or_settings_never_count_against_a_segment(
+    sdk: Any, status: int, error: dict[str, str], blamed: bool
+) -> None:
+    """A billing outage answered every segment with a 400: each counted as the segment's own permanent
+    failure, and after three retries of a page one segment was skipped for good (its facts lost)."""
+    from worker.extraction.segments import rejected_request
+
+    response = httpx2.Response(status, request=HTTP_REQUEST)
+    exc = sdk.APIStatusError(
+        f"Error code: {status}", response=response, body={"type": "error", "error": error}
+    )
+    llm_error = to_llm_error(exc)
+    assert llm_error.deployment_fault is blamed
+    assert rejected_request(llm_error) is (not blamed and status in {400, 413})
+    assert classify(llm_error).deployment_fault is blamed  # an LLMError keeps its classification
+
+
+@pytest.mark.parametrize(
     "exc",
     [
         openai.APITimeoutError(request=HTTP_REQUEST),

@@ -15,8 +15,9 @@ from worker.llm.types import ChatRequest, ChatResponse, LLMClient
 TRUNCATION_RETRY_FACTOR = 2
 MAX_OUTPUT_TOKENS_CEILING = 8192
 # Request rejections that say the request itself is bad (its content, its size): sending the same
-# segment again gets the same answer. Auth, permission and not-found errors (401/403/404) are the
-# deployment's fault, not the segment's, so they never count towards skipping it.
+# segment again gets the same answer. Auth, permission and not-found errors (401/403/404), and any
+# error the provider says blames the account or the settings (LLMError.deployment_fault, such as a 400
+# for a spent credit balance), are the deployment's fault, not the segment's: never counted to skip it.
 REJECTED_REQUEST_STATUSES = frozenset({400, 413, 422})
 
 
@@ -147,7 +148,7 @@ def _given_up(attempts: list[Attempt]) -> SegmentResult:
 
 
 def rejected_request(exc: LLMError) -> bool:
-    return not exc.retryable and exc.status in REJECTED_REQUEST_STATUSES
+    return not exc.retryable and exc.status in REJECTED_REQUEST_STATUSES and not exc.deployment_fault
 
 
 def extract_segment(

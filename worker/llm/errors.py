@@ -22,10 +22,30 @@ if TYPE_CHECKING:
 # Status codes worth another try: throttling, a request timeout, and every server-side failure
 # (500, 502, 503, 504, and Anthropic's 529 overloaded).
 RETRYABLE_STATUS = frozenset({408, 429})
+# Errors that blame the account or the deployment's settings, not the request's content: a spent credit
+# balance (Anthropic answers it with a 400), a parameter the configured model does not take (OpenAI's
+# reasoning models refuse max_tokens), a model or key that is wrong. Another segment gets the same
+# answer, so they must never count against a segment: a billing outage skipped one segment a page.
+DEPLOYMENT_ERROR_TYPES = frozenset(
+    {"authentication_error", "permission_error", "not_found_error", "billing_error", "insufficient_quota"}
+)
+DEPLOYMENT_ERROR_CODES = frozenset(
+    {
+        "insufficient_quota",
+        "billing_hard_limit_reached",
+        "account_deactivated",
+        "invalid_api_key",
+        "model_not_found",
+        "unsupported_parameter",
+        "unsupported_value",
+    }
+)
+DEPLOYMENT_ERROR_PHRASES = ("credit balance",)
 
 
 class LLMError(Exception):
-    """A call that produced no usable response. ``retryable`` says whether trying again may help.
+    """A call that produced no usable response. ``retryable`` says whether trying again may help;
+    ``deployment_fault`` that the provider blamed the account or the settings, not this request.
 
     ``attempts`` is filled in by the retry layer when it gives up: every attempt it made, in order.
     ``outcome`` is what llm_calls and audit rows record for it.
@@ -41,9 +61,11 @@ class LLMError(Exception):
         status: int | None = None,
         retry_after: float | None = None,
         latency_ms: int = 0,
+        deployment_fault: bool = False,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.deployment_fault = deployment_fault
         self.status = status
         self.retry_after = retry_after
         self.latency_ms = latency_ms
@@ -70,6 +92,7 @@ class Classification:
     status: int | None
     retry_after: float | None
     message: str
+    deployment_fault: bool = False
 
 
 def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
@@ -111,6 +134,17 @@ def _headers(exc: BaseException) -> Mapping[str, str] | None:
 MAX_PROVIDER_MESSAGE_CHARS = 1_000
 
 
+def _blames_deployment(body: Any, message: str) -> bool:
+    """Whether an error body blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's
+    type or code (both wire formats name them so) or, for Anthropic's credit balance, its words."""
+    inner = body.get("error") if isinstance(body, Mapping) else None
+    fields = inner if isinstance(inner, Mapping) else body if isinstance(body, Mapping) else {}
+    if fields.get("type") in DEPLOYMENT_ERROR_TYPES or fields.get("code") in DEPLOYMENT_ERROR_CODES:
+        return True
+    lowered = message.lower()
+    return any(phrase in lowered for phrase in DEPLOYMENT_ERROR_PHRASES)
+
+
 def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
     """The provider's own words (``error.message`` in either wire format); clipped to
     MAX_PROVIDER_MESSAGE_CHARS. A body that is no JSON error (a proxy's HTML page, a server that echoes
@@ -150,7 +184,7 @@ def _loaded_errors(modules: tuple[str, ...], name: str) -> tuple[type[BaseExcept
 def classify(exc: BaseException) -> Classification:
     """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
     if isinstance(exc, LLMError):
-        return Classification(exc.retryable, exc.status, exc.retry_after, str(exc))
+        return Classification(exc.retryable, exc.status, exc.retry_after, str(exc), exc.deployment_fault)
     timeouts = (*_loaded_errors(SDKS, "APITimeoutError"), *_loaded_errors(HTTP_LIBRARIES, "TimeoutException"))
     if isinstance(exc, timeouts):
         return Classification(True, None, None, f"the provider timed out: {exc}")
@@ -164,8 +198,13 @@ def classify(exc: BaseException) -> Classification:
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         retryable = status in RETRYABLE_STATUS or status >= 500
+        message = _provider_message(exc)
         return Classification(
-            retryable, status, retry_after_seconds(_headers(exc)), f"HTTP {status}: {_provider_message(exc)}"
+            retryable,
+            status,
+            retry_after_seconds(_headers(exc)),
+            f"HTTP {status}: {message}",
+            _blames_deployment(exc.body, message),
         )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
@@ -179,4 +218,5 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         status=c.status,
         retry_after=c.retry_after,
         latency_ms=latency_ms,
+        deployment_fault=c.deployment_fault,
     )
