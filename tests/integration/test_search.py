@@ -34,6 +34,7 @@ from worker.embedded.base import quiet_runtime_dir
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
+    EXPANSION_PURPOSE,
     MAX_SEARCH_LINES,
     EmbeddingFailedError,
     SearchError,
@@ -1115,6 +1116,36 @@ def test_cli_search_and_embed(
         assert "greyhound" in table.output
         intent = runner.invoke(app, ["search", "performance", "--intent", "web page load", "--json"])
         assert json.loads(intent.stdout)["intent"] == "web page load"
+
+
+def test_cli_search_is_held_to_the_readers_budget_not_extractions(
+    monkeypatch: pytest.MonkeyPatch,
+    vector_database_url: str,
+    vector_factory: sessionmaker[Session],
+    simulator: Any,
+) -> None:
+    """`factmill search` checked the work budget while its calls were booked to the readers' one: a
+    spent extraction day skipped its expansion, and the readers' budget never stopped it."""
+    from tests.integration.test_access_budget import configure, spend
+    from worker.accounting import SEARCH_DAILY_BUDGET_KEY
+    from worker.cli import app
+
+    seed(vector_factory)
+    skipped = "query expansion skipped: budget; searched the query alone"
+    runner = CliRunner()
+
+    def notes() -> list[str]:
+        result = runner.invoke(app, ["search", "where does bob live", "--json"])
+        assert result.exit_code == 0, result.output
+        return list(json.loads(result.stdout)["notes"])
+
+    with cli_env(monkeypatch, vector_database_url, simulator):
+        configure(vector_factory, "llm.budget_daily_usd", "1")
+        spend(vector_factory, "extraction", "2")  # the work day is spent
+        assert skipped not in notes()
+        configure(vector_factory, SEARCH_DAILY_BUDGET_KEY, "1")
+        spend(vector_factory, EXPANSION_PURPOSE, "2")  # the readers' day is spent
+        assert skipped in notes()
 
 
 def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, simulator: Any) -> None:

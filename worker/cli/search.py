@@ -19,11 +19,10 @@ from worker.search import (
     EmbeddingFailedError,
     EmbedReport,
     SearchError,
-    SearchFilters,
     SearchOutcome,
     VectorSearchUnavailableError,
     embed_facts,
-    search,
+    search_as,
 )
 from worker.settings import get_settings
 
@@ -107,24 +106,23 @@ def search_command(
     """Search the facts: lexical, vector and LLM-expanded, fused, with intent-aware snippets."""
     document = read_document() if query == "-" else query.replace("\\n", "\n")
     settings = get_settings()
-    factory = checked_factory(settings)
-    runtime = build_runtime(settings)
+    runtime = build_runtime(settings, checked_factory(settings))
     try:
-        outcome = search(
-            factory,
-            lambda: runtime.llm,
+        # As the API and the MCP server search (the readers' budget, the runtime's ledger), for every
+        # source: the work client checked extraction's budget while the calls were booked to readers'.
+        outcome = search_as(
+            runtime,
+            None,
             document,
             intent=intent,
-            filters=SearchFilters(
-                source_id=source_id,
-                entity=entity,
-                kind=kind,
-                since=since,
-                include_history=include_history,
-                as_of=as_of,
-            ),
-            limit=limit or settings.search_default_limit,
-            expand=settings.search_expand and not no_expand,
+            source_id=source_id,
+            entity=entity,
+            kind=kind,
+            since=since,
+            limit=limit,
+            expand=not no_expand,
+            include_history=include_history,
+            as_of=as_of,
         )
     except QueryParseError as exc:
         raise _fail(str(exc), code=2) from exc

@@ -99,6 +99,7 @@ def search_as(
         filters=filters,
         limit=limit or settings.search_default_limit,
         expand=expand and settings.search_expand,
+        ledger=runtime.ledger,
     )
 
 
