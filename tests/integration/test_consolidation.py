@@ -544,3 +544,36 @@ def test_forgetting_the_reasons_about_a_pages_facts_can_use_each_sides_index(ses
     assert len(plans) == 2
     assert "ix_consolidation_decisions_fact_id" in plans[0], plans[0]
     assert "ix_consolidation_decisions_other_fact_id" in plans[1], plans[1]
+
+
+def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
+    factory, database_url, simulator
+) -> None:
+    """`factmill facts consolidate` ignored consolidation.enabled (every other "run it here" command
+    refuses while its switch is off) and ended on a traceback at a spent budget or a provider error."""
+    from tests.cli import invoke_cli
+    from tests.integration.test_access_budget import configure, spend
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, JAN_PAGE)
+    extract(factory, llm, MAR_PAGE)
+    env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+
+    def run(*args: str) -> Any:
+        return invoke_cli(database_url, "facts", "consolidate", "--entity", ALICE, *args, **env)
+
+    configure(factory, CONSOLIDATION_ENABLED, "false")
+    refused = run()
+    assert refused.exit_code == 3 and "consolidation is disabled" in refused.output, refused.output
+    assert decisions(factory) == [] and calls(factory) == 0
+    configure(factory, "llm.budget_daily_usd", "1")
+    spend(factory, "extraction", "2")
+    stopped = run("--override-disabled")
+    assert stopped.exit_code == 1 and "budget is exhausted" in stopped.output, stopped.output
+    assert isinstance(stopped.exception, SystemExit)  # one line, no traceback
+    configure(factory, "llm.budget_daily_usd", "100")
+    done = run("--override-disabled")
+    assert done.exit_code == 0, done.output
+    assert {d for d, _ in decisions(factory)} == {"new", "duplicate", "updates"}

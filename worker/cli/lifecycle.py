@@ -8,9 +8,17 @@ import typer
 
 from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
+from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
-from worker.consolidation.service import ConsolidationCounters, EntityRun, consolidate_entity
+from worker.consolidation.service import (
+    ConsolidationCounters,
+    ConsolidationReplyError,
+    EntityRun,
+    consolidate_entity,
+)
 from worker.consolidation.store import ConsolidationStore, unconsolidated_entity_keys
+from worker.jobs.registry import KillSwitchOffError
+from worker.llm.errors import LLMError
 from worker.runtime import build_runtime
 from worker.settings import get_settings
 
@@ -90,22 +98,44 @@ def consolidate_command(
     entity: Annotated[
         str | None, typer.Option(help="Only this entity (or page:SLUG for a page's facts without one).")
     ] = None,
+    override_disabled: Annotated[
+        bool, typer.Option(help=f"Run even if {CONSOLIDATION_ENABLED} is off.")
+    ] = False,
 ) -> None:
-    """Consolidate the facts not yet consolidated, here and now (the workers do it after extraction)."""
+    """Consolidate the facts not yet consolidated, here and now (the workers do it after extraction).
+
+    Refused while the consolidation.enabled kill switch is off, unless --override-disabled; turned off
+    during the run, it stops the run (decisions already committed stay)."""
     settings = get_settings()
     factory = checked_factory(settings)
     runtime = build_runtime(settings, factory)
+    if not override_disabled and not runtime.config.enabled(CONSOLIDATION_ENABLED):
+        raise fail(
+            f"consolidation is disabled ({CONSOLIDATION_ENABLED}=false). Turn it on with "
+            f"`factmill config set {CONSOLIDATION_ENABLED} true`, or pass --override-disabled for a "
+            "one-off run.",
+            code=3,
+        )
+
+    def guard() -> None:
+        if not override_disabled and not runtime.config.enabled(CONSOLIDATION_ENABLED):
+            raise KillSwitchOffError(f"stopped: {CONSOLIDATION_ENABLED} was turned off")
+
     total = ConsolidationCounters()
     try:
         with factory() as session:
             keys = [entity] if entity else unconsolidated_entity_keys(session, source_id)
         store = ConsolidationStore(factory, runtime.ledger)
         for key in keys:
-            done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key))
+            done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key, guard=guard))
             total.facts_considered += done.facts_considered
             total.llm_calls += done.llm_calls
             for kind, n in done.decisions.items():
                 total.decisions[kind] = total.decisions.get(kind, 0) + n
+    except KillSwitchOffError as exc:
+        raise fail(str(exc), code=3) from exc
+    except (LLMError, ConsolidationReplyError) as exc:  # a spent budget, the provider, an unusable reply
+        raise fail(f"consolidation stopped: {exc}") from exc
     finally:
         runtime.close()
     decided = ", ".join(f"{n} {kind}" for kind, n in sorted(total.decisions.items())) or "nothing"
