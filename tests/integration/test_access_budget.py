@@ -95,6 +95,11 @@ def api(database_url: str, factory: sessionmaker[Session], simulator: Any) -> It
     runtime.close()
 
 
+def ledger_rows(factory: sessionmaker[Session]) -> int:
+    with factory() as session:
+        return len(session.scalars(select(LLMCall.id)).all())
+
+
 def chat_calls(simulator: Any) -> int:
     return int(simulator.stats()["by_route"].get("chat.completions", 0))
 
@@ -106,12 +111,16 @@ def test_a_spent_search_budget_skips_expansion_without_figures_and_extraction_ru
     reader = bearer(new_key(factory, ["read"]))
     configure(factory, SEARCH_DAILY_BUDGET_KEY, "0")
     before = chat_calls(simulator)
+    rows_before = ledger_rows(factory)
     reply = api.get("/v1/search", params={"q": "where does alice live"}, headers=reader)
     assert reply.status_code == 200, reply.text
     notes = reply.json()["notes"]
     assert "query expansion skipped: budget; searched the query alone" in notes
     assert not any(re.search(r"\$|\d", note) for note in notes)  # no spend, no budget figures
     assert chat_calls(simulator) == before  # no LLM call was made
+    # ...so none is recorded: the query's refused embedding wrote a row per search (60 a minute a key).
+    assert "vector search skipped: budget" in notes or reply.json()["vector_search"] != "available"
+    assert ledger_rows(factory) == rows_before
     work, _ = budgets(factory)
     work.check()
 

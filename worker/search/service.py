@@ -169,6 +169,8 @@ def _call_embeddings(
     started = time.perf_counter()
     try:
         response = llm.embed(texts, purpose=purpose)
+    except BudgetExhaustedError:
+        raise  # refused before any request: nothing to record (a row per refused search, 60 a minute a key)
     except Exception as exc:
         _record_failure(store, purpose, llm, exc, started)
         raise
