@@ -1148,6 +1148,26 @@ def test_cli_search_is_held_to_the_readers_budget_not_extractions(
         assert skipped in notes()
 
 
+def test_cli_embed_ends_on_one_line_when_the_llm_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+    vector_database_url: str,
+    vector_factory: sessionmaker[Session],
+    simulator: Any,
+) -> None:
+    """`factmill embed` caught only SearchError: a spent budget, a provider error or a provider with no
+    embeddings API (Anthropic without an OpenAI key) ended it on a traceback."""
+    from tests.integration.test_access_budget import configure, spend
+    from worker.cli import app
+
+    seed(vector_factory, filler=0)
+    with cli_env(monkeypatch, vector_database_url, simulator):
+        configure(vector_factory, "llm.budget_daily_usd", "1")
+        spend(vector_factory, "extraction", "2")
+        result = CliRunner().invoke(app, ["embed"])
+    assert result.exit_code == 1 and "budget is exhausted" in result.output, result.output
+    assert isinstance(result.exception, SystemExit)
+
+
 def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, simulator: Any) -> None:
     from worker.cli import app
 

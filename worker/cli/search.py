@@ -12,7 +12,7 @@ from worker.cli.console import err, fail, folding_table, out, print_json, source
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import text_problem
-from worker.llm.errors import BudgetExhaustedError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.runtime import build_runtime
 from worker.search import (
     MAX_LIMIT,
@@ -157,7 +157,7 @@ def embed_command(
         report = embed_facts(
             factory, runtime.llm, batch_size or settings.search_embed_batch_size, progress=progress
         )
-    except SearchError as exc:
+    except (SearchError, LLMError) as exc:  # LLMError: no embeddings API, the provider, a spent budget
         raise _fail(str(exc)) from exc
     finally:
         runtime.close()
