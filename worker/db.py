@@ -71,6 +71,14 @@ def database_went_away(exc: BaseException) -> bool:
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in DATABASE_GONE_SQLSTATES
 
 
+QUERY_CANCELED = "57014"  # a statement_timeout (or a cancel) stopped the statement
+
+
+def statement_timed_out(exc: BaseException) -> bool:
+    """The statement was cancelled by its statement_timeout: the work asked was too long, not a fault."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == QUERY_CANCELED
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """The database cannot serve now, through no fault of the work asked of it: it is unreachable or
     restarting, or every pooled connection stayed busy past the pool's timeout. The answer is to try

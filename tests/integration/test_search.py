@@ -494,23 +494,42 @@ def test_lexical_search_runs_without_jit_and_leaves_the_settings_as_it_found_the
     seed(plain_factory)
     connection = plain_factory.kw["bind"]
     connection.exec_driver_sql("SET LOCAL jit = on")
-    during: list[tuple[str, str]] = []
+    connection.exec_driver_sql("SET LOCAL statement_timeout = '1min'")
+    during: list[tuple[str, str, str]] = []
+    settings = (
+        "SELECT current_setting('jit'), current_setting('enable_seqscan'), "
+        "current_setting('statement_timeout')"
+    )
 
     def settings_after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         if "search_vector @@" in statement:
-            row = cursor.connection.execute(
-                "SELECT current_setting('jit'), current_setting('enable_seqscan')"
-            )
-            during.append(tuple(row.fetchone()))
+            during.append(tuple(cursor.connection.execute(settings).fetchone()))
 
     event.listen(connection, "after_cursor_execute", settings_after)
     try:
         assert facts_of(search(plain_factory, llm, "lex: alice lisbon"))
     finally:
         event.remove(connection, "after_cursor_execute", settings_after)
-    assert during and set(during) == {("off", "off")}
-    after = connection.exec_driver_sql("SELECT current_setting('jit'), current_setting('enable_seqscan')")
-    assert tuple(after.one()) == ("on", "on")
+    # Each statement is cut at the search's own time limit too.
+    assert during and set(during) == {("off", "off", "5s")}
+    assert tuple(connection.exec_driver_sql(settings).one()) == ("on", "on", "1min")
+
+
+def test_a_lexical_search_past_its_time_limit_is_refused_with_a_reason(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No statement_timeout: a query that scores the whole table many times over held a connection and
+    a core for as long as it took (a reader may send 60 a minute)."""
+    from worker.search import store as search_store
+
+    seed(plain_factory)
+    monkeypatch.setattr(search_store, "LEX_STATEMENT_TIMEOUT", "50ms")
+    # A ranked query slower than the limit (Postgres's own sleep stands for a scan of a big table).
+    monkeypatch.setattr(
+        search_store, "_ranked_matches", lambda session, *_: session.execute(text("SELECT pg_sleep(2)"))
+    )
+    with pytest.raises(SearchError, match="ran past its 50ms limit; search for fewer or rarer words"):
+        search(plain_factory, llm, "lex: alice lisbon")
 
 
 def test_a_line_of_many_words_drops_the_absent_ones_at_once_and_halves_the_rest(

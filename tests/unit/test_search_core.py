@@ -16,6 +16,7 @@ from worker.core.fusion import (
     segment_snippet,
 )
 from worker.core.lexing import (
+    MAX_LEX_UNITS,
     LexItem,
     idf,
     lex_items,
@@ -49,6 +50,20 @@ def test_lex_units_prefix_long_words_and_restrict_strong_matches() -> None:
 
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:
     assert lex_units([LexItem("w", "!!")], [""]) == ([], [])
+
+
+def test_a_repeated_word_is_one_unit_and_a_line_keeps_at_most_its_first_units() -> None:
+    """`seg seg seg ...` (2,000 characters) made 500 units: 500 frequency counts and 1,000 tsquery tests
+    on every fact (each fact's context holds a word "seg" prefixes) for one request."""
+    items = lex_items(parse_lex_query("seg " * 500))
+    units, _ = lex_units(items, ["seg"] * len(items))
+    assert len(items) == 500 and [u.match for u in units] == ["('seg':*)"]
+    words = [f"word{i}" for i in range(MAX_LEX_UNITS + 10)]
+    line = " ".join(words) + " " + " ".join(f"-not{i}" for i in range(MAX_LEX_UNITS + 10))
+    items = lex_items(parse_lex_query(line))
+    units, excluded = lex_units(items, [item.text for item in items])
+    assert [u.match for u in units] == [f"('word{i}':*)" for i in range(MAX_LEX_UNITS)]
+    assert excluded == [f"!(not{i})" for i in range(MAX_LEX_UNITS)]
 
 
 def test_quotes_inside_lexemes_are_escaped() -> None:

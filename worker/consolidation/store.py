@@ -48,9 +48,9 @@ from worker.core.consolidation import (
     entity_key,
     entity_key_filter,
 )
+from worker.db import statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
-QUERY_CANCELED = "57014"  # statement_timeout
 logger = logging.getLogger(__name__)
 _SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
@@ -450,7 +450,7 @@ def forgotten_entity_keys(
             rows = session.execute(_FORGOTTEN, params).all()
             session.execute(text("SET LOCAL statement_timeout = DEFAULT"))
     except DBAPIError as exc:
-        if getattr(exc.orig, "sqlstate", None) != QUERY_CANCELED:
+        if not statement_timed_out(exc):
             raise
         logger.warning(
             "the consolidation catch-up read took over %s; tried again next sweep", FORGOTTEN_READ_TIMEOUT

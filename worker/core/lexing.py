@@ -130,14 +130,26 @@ def lex_items(lex: LexQuery) -> list[LexItem]:
     )
 
 
+# Words and phrases of one lex line that are searched (the first ones, repeats counted once) and
+# exclusions kept. Each unit costs a frequency count and a test on every fact a match holds: a line of
+# 500 copies of "seg" (a prefix of a word every fact's context holds) scored the whole table 1,000 times.
+MAX_LEX_UNITS = 32
+
+
 def lex_units(items: Sequence[LexItem], parsed: Sequence[str | None]) -> tuple[list[LexUnit], list[str]]:
     """(units to match, negated tsquery texts) from each item's parse by Postgres: a word's lexemes
-    joined by chr(31), a phrase's or an exclusion's tsquery text (empty: nothing searchable)."""
+    joined by chr(31), a phrase's or an exclusion's tsquery text (empty: nothing searchable). A repeat
+    counts once; past MAX_LEX_UNITS of either, the rest are left out."""
     units: list[LexUnit] = []
     excluded: list[str] = []
+    seen: set[tuple[str, str]] = set()
     for item, value in zip(items, parsed, strict=True):
         if not value:
             continue  # nothing searchable in it (punctuation only)
+        full = len(excluded if item.kind == "x" else units) >= MAX_LEX_UNITS
+        if full or (item.kind, value) in seen:
+            continue
+        seen.add((item.kind, value))
         if item.kind == "w":
             # Prefix matching ("meet" finds "meetings") only for words long enough to mean something.
             lexemes = [(_quote_lexeme(x), len(x) >= MIN_PREFIX_CHARS) for x in value.split("\x1f")]

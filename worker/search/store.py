@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any
 
 from sqlalchemy import Row, RowMapping, bindparam, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.packed import PackedFloats
@@ -35,6 +36,7 @@ from worker.core.lexing import (
     parse_lex_query,
     rarest_first,
 )
+from worker.db import statement_timed_out
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
 from worker.search.values import HNSW_EF_SEARCH, SearchFilters, VectorSearchStatus
 from worker.search.vector_ddl import VECTOR_STORE_DDL
@@ -45,6 +47,10 @@ __all__ = ["FactToEmbed", "LineQuery", "SearchStore", "vector_search_status"]
 # (from the column statistics) is used, so a very common term never costs a long count.
 DF_EXACT_CAP = 1000
 SMALL_TABLE_ROWS = 10_000
+# Each statement of a lexical search stops after this (a search at a million facts takes tens of ms): a
+# query that would score the whole table many times over is refused (400), not left to hold a
+# connection and a core while the reader's next requests queue behind it.
+LEX_STATEMENT_TIMEOUT = "5s"
 # Facts either side of a result (same page, same segment) that its snippet may show.
 SNIPPET_NEIGHBOURS = 3
 
@@ -258,19 +264,31 @@ def _lexical(session: Session, query: str, filters: SearchFilters, limit: int) -
     # Disabling a scan only adds a huge cost to it, and a statement that must scan anyway (counting a
     # small table's facts) then looks costly enough to JIT-compile: about 27 ms a search on a small
     # table, where the whole search takes 9. So JIT goes off with it.
-    seqscan, jit = session.execute(
+    seqscan, jit, timeout = session.execute(
         text(
             "SELECT current_setting('enable_seqscan'), current_setting('jit'), "
-            "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"
-        )
-    ).one()[:2]
+            "current_setting('statement_timeout'), set_config('enable_seqscan', 'off', true), "
+            "set_config('jit', 'off', true), set_config('statement_timeout', :limit, true)"
+        ),
+        {"limit": LEX_STATEMENT_TIMEOUT},
+    ).one()[:3]
     try:
-        return _ranked_matches(session, units, excluded, filters, limit)
-    finally:
-        session.execute(
-            text("SELECT set_config('enable_seqscan', :seqscan, true), set_config('jit', :jit, true)"),
-            {"seqscan": seqscan, "jit": jit},
-        )
+        hits = _ranked_matches(session, units, excluded, filters, limit)
+    except DBAPIError as exc:  # the transaction is aborted, and its local settings with it
+        if statement_timed_out(exc):
+            raise SearchError(
+                f"the lexical search ran past its {LEX_STATEMENT_TIMEOUT} limit; search for fewer or "
+                "rarer words"
+            ) from exc
+        raise
+    session.execute(
+        text(
+            "SELECT set_config('enable_seqscan', :seqscan, true), set_config('jit', :jit, true), "
+            "set_config('statement_timeout', :timeout, true)"
+        ),
+        {"seqscan": seqscan, "jit": jit, "timeout": timeout},
+    )
+    return hits
 
 
 def _parse_items(session: Session, items: Sequence[LexItem]) -> list[str | None]:
