@@ -532,6 +532,16 @@ def test_a_lexical_search_past_its_time_limit_is_refused_with_a_reason(
         search(plain_factory, llm, "lex: alice lisbon")
 
 
+def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_together(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """ "frank" is only in source work's facts: under a filter to source default the search dropped it,
+    then never tried the two words left together, and answered every fact holding the rarer one."""
+    seed(plain_factory)
+    outcome = search(plain_factory, llm, "lex: bob prefers frank", filters=SearchFilters(source_id="default"))
+    assert facts_of(outcome) == ["Bob prefers aisle seats on long flights"]
+
+
 def test_a_line_of_many_words_drops_the_absent_ones_at_once_and_halves_the_rest(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -447,13 +447,14 @@ def _ranked_matches(
     # a key limited to one source that the word was in another's facts.
     visible = _visible_units(session, units, where, params)
     order = [i for i in order if visible[i]]
+    tried_all = len(order) == present  # the first try held every visible unit (no hidden one)
     present = len(order)
     if present <= 1:
         rows = answer(present) if present else []
         return [Hit(row[0], normalise_score(row[1])) for row in rows], False
     # Dropping a unit only widens the match, so the most units that still match are found by halving:
     # a line of hundreds of words costs a few queries, not one (or two) a word.
-    keep, found, low, high = 0, [], 1, present - 1
+    keep, found, low, high = 0, [], 1, present - 1 if tried_all else present
     while low <= high:
         middle = (low + high) // 2
         middle_rows = ranked(sorted(order[:middle]), exact=False)
