@@ -542,6 +542,23 @@ def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_to
     assert facts_of(outcome) == ["Bob prefers aisle seats on long flights"]
 
 
+def test_on_a_small_table_every_words_count_is_exact(plain_factory: sessionmaker[Session]) -> None:
+    """Counts stopped at 1,000 on every table: on a small one (the usual single-user store) a word in
+    3,000 facts weighed as one in 1,000, and words past 1,000 tied, ranked by their place in the line."""
+    from worker.core.lexing import lex_items, lex_units
+    from worker.search.store import _document_frequencies, _parse_items
+
+    rows = [_row("default", "common", i, f"alpha note {i}", "fact", "", "notes", None) for i in range(1_500)]
+    rows += [_row("default", "rare", i, f"beta note {i}", "fact", "", "notes", None) for i in range(20)]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+    with plain_factory() as session:
+        items = lex_items(parse_lex_query("alpha beta"))
+        units, _ = lex_units(items, _parse_items(session, items))
+        dfs, total = _document_frequencies(session, units)
+    assert dfs == [1_500.0, 20.0] and total == 1_520.0
+
+
 def test_a_line_of_many_words_drops_the_absent_ones_at_once_and_halves_the_rest(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -332,16 +332,17 @@ def _document_frequencies(session: Session, units: Sequence[LexUnit]) -> tuple[l
         if estimate <= DF_EXACT_CAP:
             to_count.append(i)
     if to_count:
+        cap = SMALL_TABLE_ROWS if small else DF_EXACT_CAP  # a small table's counts are all exact
         parts = [
             f"(SELECT count(*) FROM (SELECT 1 FROM facts WHERE search_vector @@ CAST(:q{i} AS tsquery) "
-            f"AND NOT is_audit LIMIT {DF_EXACT_CAP}) s{i})"
+            f"AND NOT is_audit LIMIT {cap}) s{i})"
             for i in to_count
         ]
         counts = session.execute(
             text(f"SELECT {', '.join(parts)}"), {f"q{i}": units[i].match for i in to_count}
         ).one()
         for i, count in zip(to_count, counts, strict=True):
-            dfs[i] = float(count) if count < DF_EXACT_CAP else max(float(count), dfs[i])
+            dfs[i] = float(count) if count < cap else max(float(count), dfs[i])
     return dfs, max(total, max(dfs, default=0.0), 1.0)
 
 
