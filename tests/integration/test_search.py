@@ -520,7 +520,7 @@ def test_a_lexical_search_past_its_time_limit_is_refused_with_a_reason(
 ) -> None:
     """No statement_timeout: a query that scores the whole table many times over held a connection and
     a core for as long as it took (a reader may send 60 a minute)."""
-    from worker.search import store as search_store
+    from worker.search import lexical as search_store
 
     seed(plain_factory)
     monkeypatch.setattr(search_store, "LEX_STATEMENT_TIMEOUT", "50ms")
@@ -546,7 +546,7 @@ def test_on_a_small_table_every_words_count_is_exact(plain_factory: sessionmaker
     """Counts stopped at 1,000 on every table: on a small one (the usual single-user store) a word in
     3,000 facts weighed as one in 1,000, and words past 1,000 tied, ranked by their place in the line."""
     from worker.core.lexing import lex_items, lex_units
-    from worker.search.store import _document_frequencies, _parse_items
+    from worker.search.lexical import _document_frequencies, _parse_items
 
     rows = [_row("default", "common", i, f"alpha note {i}", "fact", "", "notes", None) for i in range(1_500)]
     rows += [_row("default", "rare", i, f"beta note {i}", "fact", "", "notes", None) for i in range(20)]
@@ -557,6 +557,27 @@ def test_on_a_small_table_every_words_count_is_exact(plain_factory: sessionmaker
         units, _ = lex_units(items, _parse_items(session, items))
         dfs, total = _document_frequencies(session, units)
     assert dfs == [1_500.0, 20.0] and total == 1_520.0
+
+
+def test_a_readers_scores_count_only_the_sources_it_reads(plain_factory: sessionmaker[Session], llm) -> None:
+    """Word counts were table-wide: a key limited to one source read from its results' scores how many
+    of another source's facts held a word (exactly, up to a thousand), and when one more did."""
+    seed(plain_factory)
+    scoped = SearchFilters(source_ids=("work",))
+
+    def score() -> float:
+        [result] = search(plain_factory, llm, "lex: lisbon office", filters=scoped).results
+        return float(result.lex_score or 0)
+
+    before = score()
+    rows = [
+        _row("default", "more", i, f"Lisbon office note {i}", "fact", "", "notes", None) for i in range(40)
+    ]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+    assert score() == before
+    everything = search(plain_factory, llm, "lex: lisbon office").results
+    assert len(everything) > 1  # the other source's facts are there for a reader of every source
 
 
 def test_a_line_of_many_words_drops_the_absent_ones_at_once_and_halves_the_rest(
