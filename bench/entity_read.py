@@ -31,8 +31,8 @@ from models import Fact  # noqa: E402
 from tests.service import fill_table, migrated_database, rolled_back_ms  # noqa: E402
 from worker.accounting import Ledger  # noqa: E402
 from worker.config_store import ConfigReader  # noqa: E402
-from worker.consolidation.store import _ENTITY_FACTS, ConsolidationStore, _view, said_at  # noqa: E402
-from worker.core.consolidation import CURRENT, FactView  # noqa: E402
+from worker.consolidation.store import _ENTITY_FACTS, ConsolidationStore, _view  # noqa: E402
+from worker.core.consolidation import CURRENT, FactView, said_at  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 ENTITY = "people/alice-example"

@@ -262,6 +262,37 @@ def test_moving_a_canonicals_start_back_ends_what_it_closed_there_too(tx_factory
     assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, feb)
 
 
+def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_factory, llm) -> None:
+    """Lisbon (Jan) was closed by Porto (Mar); then Porto said in December arrived, a duplicate of
+    March's by rule. March's Porto moved its start back to December and ended Lisbon there, at
+    greatest(December, January): Lisbon's interval was empty, and as of February only Porto answered.
+    December's Porto is a saying of its own, ended where Lisbon begins; Lisbon and March's keep theirs."""
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+        consolidate(tx_factory, llm)
+    put_page(tx_factory, "conversations/alice-dec", one_line_page("2025-12-01", "I live in Porto now."))
+    extract(tx_factory, llm, "conversations/alice-dec")
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    lisbon = facts["Alice Example lives in Lisbon now."][0]
+    march, december = facts["Alice Example lives in Porto now."]
+    jan = datetime(2026, 1, 10, 9, 0, tzinfo=UTC)
+    assert (march.status, march.valid_from) == ("current", MAR_START)
+    assert (lisbon.status, lisbon.superseded_by, lisbon.valid_from, lisbon.valid_to) == (
+        "superseded",
+        march.id,
+        jan,
+        MAR_START,
+    )
+    assert (december.status, december.superseded_by, december.valid_to) == ("superseded", lisbon.id, jan)
+    with tx_factory() as session:
+        [row] = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == december.id)
+        ).all()
+    assert (row.decision, row.decided_by, row.other_fact_id) == ("new", "rule", march.id)
+
+
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     put_page(tx_factory, MAR_PAGE, MAR_BODY)

@@ -4,7 +4,6 @@ row, entity checkpoint advanced), so each is committed exactly once."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -44,19 +43,24 @@ from worker.core.consolidation import (
     Resolved,
     Row,
     Supersession,
+    began,
     close_interval,
     entity_key,
     entity_key_filter,
+    said_at,
 )
 from worker.db import statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
 logger = logging.getLogger(__name__)
-_SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
 SLOTTED_REASON = (
     "rule: said between fact {old} and fact {newer}, which had closed it: fact {old} now ends where this "
     "one begins"
+)
+EARLIER_SAYING_REASON = (
+    "rule: says what fact {canonical} says, but before fact {changed}, which changed it (and which fact "
+    "{canonical} closed): a fact of its own, ended where fact {changed} begins"
 )
 ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
 
@@ -175,7 +179,14 @@ def _write_decision(
     llm_call_id: int | None,
 ) -> bool:
     values: dict[str, Any] = {"consolidated_at": func.now()}
-    if decision.duplicate_of is not None:
+    rows = [(decision.fact_id, row) for row in decision.rows]
+    changed = _changed_after(session, decision)
+    if changed is not None:  # said before a fact its canonical closed: not the canonical's saying
+        changed_id, changed_at = changed
+        values.update(status=SUPERSEDED, superseded_by=changed_id, valid_to=changed_at)
+        reason = EARLIER_SAYING_REASON.format(canonical=decision.duplicate_of, changed=changed_id)
+        rows = [(decision.fact_id, Row(decision.duplicate_of, "new", "rule", reason))]
+    elif decision.duplicate_of is not None:
         values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
     marked = session.scalars(
         update(Fact)
@@ -185,9 +196,8 @@ def _write_decision(
     ).all()
     if not marked:
         return False
-    if decision.duplicate_of is not None and decision.since is not None:
+    if changed is None and decision.duplicate_of is not None and decision.since is not None:
         _start_canonical_by(session, decision.duplicate_of, decision.since)
-    rows = [(decision.fact_id, row) for row in decision.rows]
     for closing in decision.closings:
         session.execute(
             update(Fact)
@@ -200,6 +210,26 @@ def _write_decision(
             rows += _reopen_later_restatements(session, closing)
     _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
     return True
+
+
+def _changed_after(session: Session, decision: Resolved) -> tuple[int, datetime] | None:
+    """For a duplicate said before its canonical: the first fact the canonical closed that began after
+    it (id, start), if any. Paris (Jan) arriving after Berlin (Feb) was closed by Paris (Mar) is not
+    March's saying: Berlin came between. Merged, March's start moved back to January and Berlin's
+    interval was ended at its own start (empty: as of February, only Paris answered)."""
+    if decision.duplicate_of is None or decision.since is None:
+        return None
+    closed = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.superseded_by == decision.duplicate_of, Fact.status == SUPERSEDED
+        )
+    ).all()
+    starts = [(began(old.valid_from, old.context, old.created_at), old.id) for old in closed]
+    later = [(start, fact_id) for start, fact_id in starts if start > decision.since]
+    if not later:
+        return None
+    start, fact_id = min(later)
+    return fact_id, start
 
 
 def _start_canonical_by(session: Session, canonical: int, since: datetime) -> None:
@@ -240,7 +270,7 @@ def _slot_into_chain(session: Session, closing: Supersession) -> list[tuple[int,
     ).all()
     rows: list[tuple[int, Row]] = []
     for old in earlier:
-        since = old.valid_from if old.valid_from is not None else said_at(old.context, old.created_at)
+        since = began(old.valid_from, old.context, old.created_at)
         if since >= start:
             continue
         session.execute(
@@ -269,25 +299,13 @@ def _reopen_later_restatements(session: Session, closing: Supersession) -> list[
     ).all()
     rows: list[tuple[int, Row]] = []
     for dup in duplicates:
-        since = dup.valid_from if dup.valid_from is not None else said_at(dup.context, dup.created_at)
+        since = began(dup.valid_from, dup.context, dup.created_at)
         if since < closed_at:
             continue
         session.execute(update(Fact).where(Fact.id == dup.id).values(status=CURRENT, duplicate_of=None))
         reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
         rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
     return rows
-
-
-def said_at(context: str, created_at: datetime) -> datetime:
-    """When a fact was said: its segment's start (extraction writes it into the context), else when
-    the row was stored."""
-    match = _SEGMENT_CONTEXT.match(context or "")
-    if match:
-        try:
-            return datetime.fromisoformat(match["start"].replace("Z", "+00:00"))
-        except ValueError:
-            pass
-    return created_at
 
 
 def _entity(entity_key: str) -> Any:

@@ -247,6 +247,26 @@ def _since_key(fact: FactView) -> float:
     return order_key(fact)[0]
 
 
+_SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
+
+
+def said_at(context: str, created_at: datetime) -> datetime:
+    """When a fact was said: its segment's start (extraction writes it into the context), else when
+    the row was stored."""
+    match = _SEGMENT_CONTEXT.match(context or "")
+    if match:
+        try:
+            return datetime.fromisoformat(match["start"].replace("Z", "+00:00"))
+        except ValueError:
+            pass
+    return created_at
+
+
+def began(valid_from: datetime | None, context: str, created_at: datetime) -> datetime:
+    """When a stored fact began: its valid_from, else when it was said."""
+    return valid_from if valid_from is not None else said_at(context, created_at)
+
+
 def close_interval(valid_from: datetime | None, closing_at: datetime | None) -> datetime | None:
     """The valid_to of a superseded fact: the closing time, never before the fact's own start."""
     if closing_at is None:
