@@ -128,7 +128,9 @@ def test_a_fact_said_again_after_the_fact_that_closed_it_in_the_same_run_stays_c
 ) -> None:
     """Lisbon (January), then one page: Porto (March), Lisbon again (June). The run planned June's
     Lisbon as a duplicate of January's before the model closed January's at March: the return to
-    Lisbon answered nothing, now or at any as_of. It stays current now, beside Porto."""
+    Lisbon answered nothing, now or at any as_of. Then it was kept current, but beside Porto: planned
+    as a duplicate, it was compared with nothing. Now it is decided again in a second round, against
+    what is current then: it closes Porto in June."""
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     extract(tx_factory, llm, JAN_PAGE)
     consolidate(tx_factory, llm)
@@ -149,13 +151,42 @@ def test_a_fact_said_again_after_the_fact_that_closed_it_in_the_same_run_stays_c
     )
     porto = facts["Alice Example lives in Porto now."][0]
     assert (january.status, january.superseded_by) == ("superseded", porto.id)
-    assert (june.status, june.duplicate_of, porto.status) == ("current", None, "current")
+    assert (june.status, june.duplicate_of, june.consolidated_at is not None) == ("current", None, True)
+    june_start = datetime(2026, 6, 1, 9, 0, tzinfo=UTC)
+    assert (porto.status, porto.superseded_by, porto.valid_to) == ("superseded", june.id, june_start)
     with tx_factory() as session:
-        kept = session.scalars(
-            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == june.id)
-        ).one()
+        kept, decided = session.scalars(
+            select(ConsolidationDecision)
+            .where(ConsolidationDecision.fact_id == june.id)
+            .order_by(ConsolidationDecision.id)
+        ).all()
     assert (kept.decision, kept.decided_by, kept.other_fact_id) == ("new", "rule", january.id)
     assert "supersedes in the same run" in kept.reason and str(porto.id) in kept.reason
+    assert (decided.decision, decided.decided_by, decided.other_fact_id) == ("updates", "model", porto.id)
+
+
+def test_a_restatement_reopened_in_a_run_is_compared_with_the_facts_after_it(tx_factory, llm) -> None:
+    """One run of Lisbon (Jan), Porto (Mar), Lisbon (Jun), Faro (Aug): June's Lisbon, planned as a
+    duplicate of January's, was never compared with Faro, and when Porto's closing of January's
+    reopened it, both it and Faro stood current. Decided again in a second round, Faro closes it."""
+    pages = {
+        "conversations/alice-1": one_line_page("2026-01-10", "I live in Lisbon now."),
+        "conversations/alice-3": one_line_page("2026-03-05", "I live in Porto now."),
+        "conversations/alice-6": one_line_page("2026-06-01", "I live in Lisbon now."),
+        "conversations/alice-8": one_line_page("2026-08-01", "I live in Faro now."),
+    }
+    for slug, body in pages.items():
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    counters = consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    _january, june = facts["Alice Example lives in Lisbon now."]
+    faro = facts["Alice Example lives in Faro now."][0]
+    current = sorted(text for text, rows in facts.items() for row in rows if row.status == "current")
+    assert current == ["Alice Example lives in Faro now."]
+    august = datetime(2026, 8, 1, 9, 0, tzinfo=UTC)
+    assert (june.status, june.superseded_by, june.valid_to) == ("superseded", faro.id, august)
+    assert counters.facts_considered == 4 and counters.llm_calls == 2  # the second round asked once
 
 
 def one_line_page(day: str, text: str) -> str:
@@ -182,6 +213,8 @@ def test_a_change_that_arrives_late_reopens_what_restated_the_old_fact_after_it(
     assert (january.status, january.superseded_by) == ("superseded", porto.id)
     assert next_day.status == "duplicate"  # said before Porto: January's fact answers for it
     assert (june.status, june.duplicate_of) == ("current", None)
+    # Reopened, June's is decided again against what is current: the return to Lisbon closes Porto.
+    assert (porto.status, porto.superseded_by) == ("superseded", june.id)
     with tx_factory() as session:
         reopened = session.scalars(
             select(ConsolidationDecision).where(

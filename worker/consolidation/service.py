@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from worker.accounting import LLMCallRecord
@@ -14,6 +14,7 @@ from worker.consolidation.store import ConsolidationStore
 from worker.core.consolidation import (
     AskedPair,
     FactPlan,
+    FactView,
     PairDecision,
     plan_consolidation,
     reopen_restatements,
@@ -91,20 +92,46 @@ class EntityRun:
     before_call: Callable[[], None] = lambda: None  # the budget check before the call
 
 
+# Rounds of one entity's run: a round's reopened restatements are decided again in the next, against
+# what is current then; in the last round they stay as decided (current).
+MAX_ROUNDS = 3
+
+
 def consolidate_entity(
     store: ConsolidationStore, llm: LLMClient | None, run: EntityRun
 ) -> ConsolidationCounters:
-    """Consolidate the entity's unconsolidated facts. Re-running finds nothing pending and changes
-    nothing; a decision another run committed first is counted as already decided."""
+    """Consolidate the entity's unconsolidated facts, in rounds while a round reopens restatements.
+    Re-running finds nothing pending and changes nothing; a decision another run committed first is
+    counted as already decided."""
     counters = ConsolidationCounters()
     counters.restored = store.repair_orphans(run.source_id, run.entity_key, run.job_id)
-    pending, pool = store.entity_facts(run.source_id, run.entity_key)
-    counters.facts_considered = len(pending)
-    if not pending:
-        return counters
+    considered: set[int] = set()
+    for round_number in range(1, MAX_ROUNDS + 1):
+        pending, pool = store.entity_facts(run.source_id, run.entity_key)
+        if not pending:
+            break
+        considered.update(fact.id for fact in pending)
+        _consolidate_round(store, llm, run, pending, pool, counters, last=round_number == MAX_ROUNDS)
+    counters.facts_considered = len(considered)
+    return counters
+
+
+def _consolidate_round(
+    store: ConsolidationStore,
+    llm: LLMClient | None,
+    run: EntityRun,
+    pending: list[FactView],
+    pool: list[FactView],
+    counters: ConsolidationCounters,
+    *,
+    last: bool,
+) -> None:
+    """Plan, ask and commit one round (its reopened restatements left to decide again, unless last)."""
     plans = plan_consolidation(pending, pool, run.entity_key)
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
     decisions = reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
+    if last:
+        decisions = [replace(decision, reconsider=False) for decision in decisions]
     resolved = [
         (decision, next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
         for plan, decision in zip(plans, decisions, strict=True)
@@ -118,7 +145,6 @@ def consolidate_entity(
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
             else:
                 counters.already_decided += 1
-    return counters
 
 
 def _ask_model(

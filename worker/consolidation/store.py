@@ -178,7 +178,7 @@ def _write_decision(
     decision: Resolved,
     llm_call_id: int | None,
 ) -> bool:
-    values: dict[str, Any] = {"consolidated_at": func.now()}
+    values: dict[str, Any] = {"consolidated_at": None if decision.reconsider else func.now()}
     rows = [(decision.fact_id, row) for row in decision.rows]
     changed = _changed_after(session, decision)
     if changed is not None:  # said before a fact its canonical closed: not the canonical's saying
@@ -302,7 +302,12 @@ def _reopen_later_restatements(session: Session, closing: Supersession) -> list[
         since = began(dup.valid_from, dup.context, dup.created_at)
         if since < closed_at:
             continue
-        session.execute(update(Fact).where(Fact.id == dup.id).values(status=CURRENT, duplicate_of=None))
+        # Current and unconsolidated: decided again (the run's next round) against what is current now.
+        session.execute(
+            update(Fact)
+            .where(Fact.id == dup.id)
+            .values(status=CURRENT, duplicate_of=None, consolidated_at=None)
+        )
         reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
         rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
     return rows

@@ -388,6 +388,9 @@ class Resolved:
     duplicate_of: int | None = None
     closings: tuple[Supersession, ...] = ()
     since: datetime | None = None  # when the new fact became true (a duplicate's canonical starts by then)
+    # Written current but left unconsolidated, to be decided again against what is current after this
+    # run (a restatement this run reopened was never compared with the facts planned after it).
+    reconsider: bool = False
 
     @property
     def kind(self) -> str:
@@ -466,8 +469,10 @@ def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Re
     A run plans every fact before the model answers, each earlier fact as if it stays current: "Alice
     lives in Paris" (June) is then an exact duplicate of "Alice lives in Paris" (January), while "Alice
     moved to Berlin" (March) closes the January fact. As a duplicate of a closed fact, the June one
-    answered nothing, for now or any as_of: the return to Paris was lost. Kept current, it stands beside
-    the March fact (which of the two holds now is the entity's history, shown; never hidden).
+    answered nothing, for now or any as_of: the return to Paris was lost. Kept current, and decided
+    again (``reconsider``) against what is current once this run is written: planned as a duplicate, it
+    was compared with none of the facts after it, so it stood current beside the March fact, and beside
+    "Alice moved to Lyon" (August) too.
     """
     closed_by: dict[int, list[FactView]] = {}
     for _, resolved in decided:
@@ -489,5 +494,5 @@ def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Re
             continue
         first = min(newer, key=order_key)
         reason = RESTATED_REASON.format(old=original, newer=first.id)
-        out.append(Resolved(resolved.fact_id, (Row(original, "new", "rule", reason),)))
+        out.append(Resolved(resolved.fact_id, (Row(original, "new", "rule", reason),), reconsider=True))
     return out
