@@ -36,9 +36,9 @@ from worker.core.consolidation import (  # noqa: E402
     entity_words,
     normalize_fact_text,
     order_key,
-    plan_consolidation,
     word_overlap,
 )
+from worker.core.consolidation_plan import plan_consolidation  # noqa: E402
 
 ENTITY = "people/alice-example"
 VERBS = "lives works moved likes plans visited bought started joined prefers hates owns studies runs"

@@ -623,7 +623,7 @@ def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
     from worker.config_store import ConfigReader
     from worker.consolidation.erasure import KEY_ERASED
     from worker.consolidation.store import ConsolidationStore
-    from worker.core.consolidation import Resolved
+    from worker.core.consolidation_plan import Resolved
     from worker.jobs.outbox import CONSOLIDATION, request_job
 
     with enabled.begin() as session:

@@ -7,7 +7,6 @@ from datetime import UTC, datetime
 import pytest
 
 from worker.core.consolidation import (
-    AskedPair,
     FactView,
     candidates,
     close_interval,
@@ -18,7 +17,8 @@ from worker.core.consolidation import (
     true_at,
     word_overlap,
 )
-from worker.core.consolidation_prompt import MalformedDecisionsError, parse_decisions, render_pairs
+from worker.core.consolidation_plan import plan_consolidation
+from worker.core.consolidation_prompt import AskedPair, MalformedDecisionsError, parse_decisions, render_pairs
 
 JAN = datetime(2026, 1, 10, tzinfo=UTC)
 MAR = datetime(2026, 3, 5, tzinfo=UTC)
@@ -52,6 +52,15 @@ def test_triage_exact_near_ambiguous_unrelated_and_kind() -> None:
         fact(2, "Alice is at Acme", vec=[1.0, 0.01]), fact(1, "Alice at Acme Inc", vec=[1.0, 0.0])
     )
     assert near.triage == "near"
+    # ...unless the two state other numbers: embeddings barely tell them apart, the model decides.
+    revenue = [
+        fact(n, text, vec=[1.0, 0.01 * n])
+        for n, text in ((1, "Q3 revenue was $4.2M"), (2, "Q3 revenue was $4.8M"), (3, "Q3 revenue: $4.2M"))
+    ]
+    assert triage_pair(revenue[1], revenue[0]).triage == "ambiguous"
+    assert triage_pair(revenue[2], revenue[0]).triage == "near"
+    plans = plan_consolidation([revenue[1]], [revenue[0]], "acme")
+    assert plans[0].rule is None and [a.old.id for a in plans[0].asked] == [1]
     assert triage_pair(new, fact(1, "Alice works at Globex")).triage == "ambiguous"
     assert triage_pair(new, fact(1, "Bob likes tea")).triage == "unrelated"
 
@@ -139,7 +148,8 @@ def test_entity_words_are_ignored_when_comparing_an_entitys_facts() -> None:
 
 
 def test_plan_and_resolve_an_entity() -> None:
-    from worker.core.consolidation import PairDecision, plan_consolidation, resolve
+    from worker.core.consolidation_plan import plan_consolidation, resolve
+    from worker.core.consolidation_prompt import PairDecision
 
     old = fact(1, "Alice lives in Lisbon", when=JAN)
     again = fact(2, "alice lives in lisbon.", when=JAN)
@@ -164,7 +174,8 @@ def test_a_plan_compares_each_new_fact_with_its_own_kind_only() -> None:
     kinds); the plans are those of triaging it against the whole entity, where the other kinds' pairs
     came out unrelated. A same-text fact of another kind is no duplicate, and pending facts join
     their own kind's pool."""
-    from worker.core.consolidation import order_key, plan_consolidation
+    from worker.core.consolidation import order_key
+    from worker.core.consolidation_plan import plan_consolidation
 
     kinds = ("fact", "event", "preference")
     pool = [
@@ -203,7 +214,8 @@ def test_a_plan_with_vectors_matches_the_pair_by_pair_triage() -> None:
     with facts that have no vector, a zero vector or one of another length among them."""
     import random
 
-    from worker.core.consolidation import order_key, plan_consolidation
+    from worker.core.consolidation import order_key
+    from worker.core.consolidation_plan import plan_consolidation
 
     draw = random.Random(11)
     base = [draw.gauss(0, 1) for _ in range(16)]
@@ -274,7 +286,8 @@ def test_the_vector_pool_answers_what_cosine_answers() -> None:
 
 
 def test_a_duplicate_of_a_fact_the_same_run_closes_before_it_is_kept_current() -> None:
-    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_plan import plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_prompt import PairDecision
 
     jun = datetime(2026, 6, 1, tzinfo=UTC)
     lisbon = fact(1, "Alice lives in Lisbon", when=JAN)
@@ -299,7 +312,8 @@ def test_a_duplicate_of_a_duplicate_links_to_the_canonical_and_is_reopened_by_it
     """R was planned as a duplicate of N1, which the model then called a duplicate of A, and Berlin
     closed A: R pointed at N1 (a duplicate answers nothing) and the reopen, looking for what closed
     N1, found nothing: no current Paris fact was left."""
-    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_plan import plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_prompt import PairDecision
 
     jun = datetime(2026, 6, 1, tzinfo=UTC)
     paris = fact(1, "Alice lives in Paris", when=JAN)
@@ -323,7 +337,8 @@ def test_a_duplicate_of_a_restatement_the_run_reopens_stays_its_duplicate() -> N
     """Paris (Jan); one run: Berlin (Mar) updates it, "Paris, France" (Jun) restates it (the model's
     duplicate, reopened: said after Berlin), and the same words again (Jul). Collapsed to the chain's
     end, July's was reopened too: two current copies of one restatement."""
-    from worker.core.consolidation import PairDecision, plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_plan import plan_consolidation, reopen_restatements, resolve
+    from worker.core.consolidation_prompt import PairDecision
 
     paris = fact(1, "Alice lives in Paris", when=JAN)
     berlin = fact(2, "Alice lives in Berlin", when=MAR)

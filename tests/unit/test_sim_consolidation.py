@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from worker.core.consolidation import AskedPair, FactView
-from worker.core.consolidation_prompt import parse_decisions, render_pairs
+from worker.core.consolidation import FactView
+from worker.core.consolidation_prompt import AskedPair, parse_decisions, render_pairs
 from worker.simulator.consolidation import consolidation_reply
 
 JAN = datetime(2026, 1, 10, tzinfo=UTC)

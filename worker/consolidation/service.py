@@ -11,19 +11,14 @@ from typing import Any
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
-from worker.core.consolidation import (
-    AskedPair,
-    FactPlan,
-    FactView,
-    PairDecision,
-    plan_consolidation,
-    reopen_restatements,
-    resolve,
-)
+from worker.core.consolidation import FactView
+from worker.core.consolidation_plan import FactPlan, plan_consolidation, reopen_restatements, resolve
 from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
+    AskedPair,
     MalformedDecisionsError,
+    PairDecision,
     decisions_json_schema,
     parse_decisions,
     render_pairs,

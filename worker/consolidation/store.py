@@ -37,11 +37,8 @@ from worker.core.consolidation import (
     CURRENT,
     DUPLICATE,
     PAGE_KEY_PREFIX,
-    RESTATED_REASON,
     SUPERSEDED,
     FactView,
-    Resolved,
-    Row,
     Supersession,
     began,
     close_interval,
@@ -49,6 +46,7 @@ from worker.core.consolidation import (
     entity_key_filter,
     said_at,
 )
+from worker.core.consolidation_plan import RESTATED_REASON, Resolved, Row
 from worker.db import statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 

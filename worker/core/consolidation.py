@@ -8,17 +8,14 @@ import operator
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from typing import Literal
 
 from worker.core.consolidation_prompt import (
     VERDICTS,
-    AskedPair,
-    PairDecision,
 )
-from worker.core.vectors import VectorPool
 
 FACT_STATUSES = ("current", "superseded", "duplicate")
 CURRENT, SUPERSEDED, DUPLICATE = FACT_STATUSES
@@ -32,6 +29,7 @@ DUPLICATE_COSINE = 0.97
 # Below this (and below CANDIDATE_OVERLAP) a pair is unrelated without asking anyone.
 CANDIDATE_COSINE = 0.55
 CANDIDATE_OVERLAP = 0.25
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # How many old facts each new fact is compared against (the nearest ones), to bound the prompt.
 MAX_CANDIDATES = 5
 EXACT_DUPLICATE_REASON = "rule: exact duplicate"
@@ -101,10 +99,10 @@ def entity_words(key: str) -> frozenset[str]:
 
 def word_overlap(a: str, b: str, ignore: frozenset[str] = frozenset()) -> float:
     """Jaccard overlap of the two facts' content words (less ``ignore``), 0..1."""
-    return _jaccard(content_words(a, ignore), content_words(b, ignore))
+    return set_overlap(content_words(a, ignore), content_words(b, ignore))
 
 
-def _jaccard(left: frozenset[str], right: frozenset[str]) -> float:
+def set_overlap(left: frozenset[str], right: frozenset[str]) -> float:
     shared = len(left & right)  # the union's size from the intersection's: one set built, not two
     return shared / (len(left) + len(right) - shared) if shared else 0.0
 
@@ -156,6 +154,11 @@ class FactView:
         return _content_words(self.normalized)
 
     @cached_property
+    def numbers(self) -> tuple[str, ...]:
+        """The numbers the fact states, in order ("4.2", "31"): see ``pair_verdict``."""
+        return tuple(_NUMBER.findall(self.text))
+
+    @cached_property
     def norm(self) -> float | None:
         return _norm(self.embedding) if self.embedding else None
 
@@ -174,19 +177,24 @@ def triage_pair(new: FactView, old: FactView, ignore: frozenset[str] = frozenset
     """What a rule can say about a pair: an exact or near duplicate (certain), ambiguous (ask the
     model), or unrelated. Facts of different kinds are never compared; ``ignore`` holds the
     entity's own name words (``entity_words``)."""
-    overlap = _jaccard(new.words - ignore, old.words - ignore)
+    overlap = set_overlap(new.words - ignore, old.words - ignore)
     vector = cosine(new.embedding, old.embedding, new.norm, old.norm)
     if new.kind != old.kind:
         return PairTriage(old, "unrelated", vector if vector is not None else overlap)
-    return PairTriage(old, *_verdict(new.normalized == old.normalized, overlap, vector))
+    same_numbers = new.numbers == old.numbers
+    return PairTriage(old, *pair_verdict(new.normalized == old.normalized, overlap, vector, same_numbers))
 
 
-def _verdict(same_text: bool, overlap: float, vector: float | None) -> tuple[Triage, float]:
+def pair_verdict(
+    same_text: bool, overlap: float, vector: float | None, same_numbers: bool = True
+) -> tuple[Triage, float]:
     """The rule of a same-kind pair: (its triage, its similarity: the cosine when both facts have
-    vectors, else the word overlap)."""
+    vectors, else the word overlap). A near-identical embedding is a duplicate only when both facts
+    state the same numbers: embeddings barely tell "revenue was $4.2M" from "$4.8M", or "Alice is 31"
+    from "32", and as a duplicate the new value answered nothing while the old one stayed current."""
     if same_text:
         return "exact", 1.0
-    if vector is not None and vector >= DUPLICATE_COSINE:
+    if vector is not None and vector >= DUPLICATE_COSINE and same_numbers:
         return "near", vector
     similarity = vector if vector is not None else overlap
     if overlap >= CANDIDATE_OVERLAP or (vector is not None and vector >= CANDIDATE_COSINE):
@@ -202,10 +210,10 @@ def candidates(
 ) -> list[PairTriage]:
     """The pool's facts worth deciding against ``new``: certain duplicates first, then the most similar
     ambiguous ones (at most ``limit`` of those); unrelated ones are dropped."""
-    return _chosen([triage_pair(new, old, ignore) for old in pool if old.id != new.id], limit)
+    return chosen([triage_pair(new, old, ignore) for old in pool if old.id != new.id], limit)
 
 
-def _chosen(triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
+def chosen(triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
@@ -284,215 +292,3 @@ def true_at(valid_from: datetime | None, valid_to: datetime | None, status: str,
     if valid_from is not None and valid_from > as_of:
         return False
     return valid_to is None or valid_to > as_of
-
-
-# ---------------------------------------------------------------------------
-# Planning an entity's decisions, and resolving them once the model has answered.
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FactPlan:
-    """What is known about one new fact before the model answers: a certain duplicate (by rule), or
-    the ambiguous pairs asked about (none: nothing like it, so it is new)."""
-
-    new: FactView
-    rule: PairTriage | None = None
-    asked: tuple[AskedPair, ...] = ()
-
-
-def plan_consolidation(
-    pending: Sequence[FactView], pool: Sequence[FactView], entity: str = ""
-) -> list[FactPlan]:
-    """Plan each pending fact (in the order they became true) against the entity's current facts and
-    the pending ones planned before it that stay current. Pair numbers run across the whole entity,
-    so one call can ask about all of them."""
-    ignore = entity_words(entity)
-    # Facts of different kinds are never compared (triage_pair): each new fact is triaged against its
-    # own kind's facts only, not the whole entity's (a pool of five kinds: about a fifth of the pairs),
-    # and its cosines with all of them come from one matrix product (VectorPool).
-    known: dict[str, _KindPool] = {}
-    for fact in pool:
-        known.setdefault(fact.kind, _KindPool(ignore)).facts.append(fact)
-    for fact in pending:
-        known.setdefault(fact.kind, _KindPool(ignore)).room += 1
-    plans: list[FactPlan] = []
-    number = 1
-    for new in sorted(pending, key=order_key):
-        same_kind = known[new.kind]
-        found = _chosen(same_kind.triaged(new), MAX_CANDIDATES)
-        if found and found[0].triage in ("exact", "near"):
-            plans.append(FactPlan(new, rule=found[0]))
-            continue
-        asked = tuple(AskedPair(number + i, new, c.old, c.similarity) for i, c in enumerate(found))
-        number += len(asked)
-        plans.append(FactPlan(new, asked=asked))
-        same_kind.add(new)
-    return plans
-
-
-@dataclass
-class _KindPool:
-    """One kind's facts a plan triages against: ``triage_pair`` over each, with each fact's words
-    (less the entity's name) worked out once and its cosines with a new fact from one matrix
-    product. Built at the first question, with room for the pending facts that join it."""
-
-    ignore: frozenset[str]
-    facts: list[FactView] = field(default_factory=list)
-    room: int = 0
-    words: list[frozenset[str]] = field(default_factory=list)
-    vectors: VectorPool | None = None
-
-    def triaged(self, new: FactView) -> list[PairTriage]:
-        """The pairs of ``new`` with this kind's facts that are not unrelated."""
-        if self.vectors is None:
-            self.vectors = VectorPool(len(self.facts) + self.room)
-            for fact in self.facts:
-                self.vectors.add(fact.embedding)
-            self.words = [fact.words - self.ignore for fact in self.facts]
-        words, text = new.words - self.ignore, new.normalized
-        found: list[PairTriage] = []
-        cosines = self.vectors.cosines(new.embedding)
-        for old, old_words, vector in zip(self.facts, self.words, cosines, strict=True):
-            if old.id == new.id:
-                continue
-            triage, similarity = _verdict(old.normalized == text, _jaccard(words, old_words), vector)
-            if triage != "unrelated":
-                found.append(PairTriage(old, triage, similarity))
-        return found
-
-    def add(self, fact: FactView) -> None:
-        self.facts.append(fact)
-        if self.vectors is not None:
-            self.vectors.add(fact.embedding)
-            self.words.append(fact.words - self.ignore)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One audit row of a resolved decision."""
-
-    other_fact_id: int | None
-    decision: str
-    decided_by: str
-    reason: str
-    similarity: float | None = None
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A new fact's decision: the audit rows, the duplicate link, the intervals closed."""
-
-    fact_id: int
-    rows: tuple[Row, ...]
-    duplicate_of: int | None = None
-    closings: tuple[Supersession, ...] = ()
-    since: datetime | None = None  # when the new fact became true (a duplicate's canonical starts by then)
-    # Written current but left unconsolidated, to be decided again against what is current after this
-    # run (a restatement this run reopened was never compared with the facts planned after it).
-    reconsider: bool = False
-
-    @property
-    def kind(self) -> str:
-        """The decision by type, for the metrics: duplicate, supersede, new or unrelated."""
-        if self.duplicate_of is not None:
-            return DUPLICATE
-        if self.closings:
-            return "supersede"
-        return self.rows[0].decision if self.rows else "new"
-
-
-UNANSWERED_REASON = "the model gave no decision for this pair; kept as unrelated"
-
-
-def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
-    """The plan turned into a decision: the rule's duplicate; else the model's first duplicate; else
-    every update or contradiction closes the earlier fact of its pair (the later one wins, as
-    Graphiti invalidates an edge); else the fact stays current (new, or unrelated to each candidate)."""
-    new = plan.new
-    if plan.rule is not None:
-        reason = EXACT_DUPLICATE_REASON if plan.rule.triage == "exact" else NEAR_DUPLICATE_REASON
-        row = Row(plan.rule.old.id, DUPLICATE, "rule", reason, plan.rule.similarity)
-        return Resolved(new.id, (row,), duplicate_of=plan.rule.old.id, since=new.since)
-    if not plan.asked:
-        return Resolved(new.id, (Row(None, "new", "rule", NO_CANDIDATE_REASON),))
-    rows: list[Row] = []
-    duplicate_of: int | None = None
-    closings: list[Supersession] = []
-    for pair in plan.asked:
-        answer = answers.get(pair.number)
-        verdict, reason = (answer.verdict, answer.reason) if answer else ("unrelated", UNANSWERED_REASON)
-        rows.append(Row(pair.old.id, verdict, "model", reason, pair.similarity))
-        if verdict == "duplicate" and duplicate_of is None:
-            duplicate_of = pair.old.id
-        elif verdict in ("updates", "contradicts"):
-            closings.append(supersession(new, pair.old))
-    if duplicate_of is not None:
-        return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of, since=new.since)
-    return Resolved(new.id, tuple(rows), closings=tuple(closings))
-
-
-RESTATED_REASON = (
-    "rule: restates fact {old}, which fact {newer}, said before it, supersedes in the same run; kept "
-    "current (true again after the change)"
-)
-
-
-def _to_canonicals(
-    decided: Sequence[tuple[FactPlan, Resolved]], reopened: set[int]
-) -> list[tuple[FactPlan, Resolved]]:
-    """Each duplicate linked to the fact its chain ends at, or at a fact this run reopens (current
-    again). A run plans each fact against the earlier ones as if they stay current, so a later fact may
-    be planned as a duplicate of one the model then calls a duplicate itself: R -> N1 -> A. R then
-    pointed at a duplicate (which answers nothing), and the reopen below, which looks for what closed
-    R's canonical, looked at N1 and missed A's closing. When N1 itself is reopened, R stays its
-    duplicate (two current copies of one restatement is one too many)."""
-    links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
-
-    def root(fact_id: int) -> int:
-        seen = {fact_id}
-        while fact_id in links and fact_id not in reopened and links[fact_id] not in seen:
-            fact_id = links[fact_id]
-            seen.add(fact_id)
-        return fact_id
-
-    return [
-        (plan, replace(r, duplicate_of=root(r.duplicate_of)) if r.duplicate_of is not None else r)
-        for plan, r in decided
-    ]
-
-
-def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Resolved]:
-    """One run's resolutions, with each duplicate of a fact that the same run closes, said after the fact
-    that closes it, kept current instead.
-
-    A run plans every fact before the model answers, each earlier fact as if it stays current: "Alice
-    lives in Paris" (June) is then an exact duplicate of "Alice lives in Paris" (January), while "Alice
-    moved to Berlin" (March) closes the January fact. As a duplicate of a closed fact, the June one
-    answered nothing, for now or any as_of: the return to Paris was lost. Kept current, and decided
-    again (``reconsider``) against what is current once this run is written: planned as a duplicate, it
-    was compared with none of the facts after it, so it stood current beside the March fact, and beside
-    "Alice moved to Lyon" (August) too.
-    """
-    closed_by: dict[int, list[FactView]] = {}
-    for _, resolved in decided:
-        for closing in resolved.closings:
-            closed_by.setdefault(closing.older.id, []).append(closing.newer)
-
-    def closed_before(plan: FactPlan, original: int | None) -> list[FactView]:
-        closers = closed_by.get(original, []) if original is not None else []
-        return [f for f in closers if order_key(f) <= order_key(plan.new)]
-
-    reopened = {r.fact_id for plan, r in decided if closed_before(plan, r.duplicate_of)}
-    decided = _to_canonicals(decided, reopened)
-    out: list[Resolved] = []
-    for plan, resolved in decided:
-        original = resolved.duplicate_of
-        newer = closed_before(plan, original)
-        if original is None or not newer:
-            out.append(resolved)
-            continue
-        first = min(newer, key=order_key)
-        reason = RESTATED_REASON.format(old=original, newer=first.id)
-        out.append(Resolved(resolved.fact_id, (Row(original, "new", "rule", reason),), reconsider=True))
-    return out
