@@ -982,6 +982,42 @@ def test_an_unreachable_database_is_a_503_with_retry_after_on_every_route(databa
         assert 'status="500"' not in metrics.text
 
 
+def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_before(
+    database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A metrics key is checked in Postgres: while it was down the scrape got a 503, the target went
+    down and factmill_store_up 0 was never stored (FactmillStoreDown could not fire). A key that passed
+    the check within the grace is taken on it while the database is down; an unchecked one is not."""
+    import psycopg
+    from sqlalchemy import event
+    from sqlalchemy.pool import NullPool
+
+    from tests.auth import bearer, new_key
+    from worker.api import auth
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    down = [False]
+
+    @event.listens_for(engine, "do_connect")
+    def refuse(*_: Any) -> None:
+        if down[0]:
+            raise psycopg.OperationalError("connection refused (the test's outage)")
+
+    gated = sessionmaker(engine)
+    scraper, unchecked = bearer(new_key(factory, ["metrics"])), bearer(new_key(factory, ["metrics"]))
+    runtime = make_runtime(database_url, gated)
+    with TestClient(create_app(runtime, sender=Recorder(gated)), raise_server_exceptions=False) as client:
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        down[0] = True
+        during = client.get("/metrics", headers=scraper)
+        assert during.status_code == 200 and "factmill_store_up 0.0" in during.text
+        assert client.get("/metrics", headers=unchecked).status_code == 503
+        assert client.get("/v1/jobs", headers=scraper).status_code == 503  # only the scrape's route
+        monkeypatch.setattr(auth, "OUTAGE_GRACE_SECONDS", 0.0)
+        assert client.get("/metrics", headers=scraper).status_code == 503  # checked too long ago
+    engine.dispose()
+
+
 def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: str) -> None:
     """Every pooled connection busy past the pool's timeout: a capacity limit, answered as one."""
     engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)

@@ -16,10 +16,12 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from worker.access import Principal, principal_for, refusal
+from worker.access.store import hash_key
 from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
+from worker.db import database_unavailable
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -50,11 +52,30 @@ def request_path(request: Request) -> str:
     return raw.decode("latin-1").partition("?")[0] if raw else request.url.path
 
 
-def resolve(ctx: ApiContext, credentials: HTTPAuthorizationCredentials | None) -> Principal | None:
-    """The principal a bearer credential names; None without one; 401 when it is unknown or revoked."""
+# A key that passed the check this recently is taken on that check while the database is down, on routes
+# that serve through an outage (the metrics scrape, which must report factmill_store_up 0: refused
+# there, the target went down and the alert on store_up could never fire). A revocation needs the
+# database too, so none is missed.
+OUTAGE_GRACE_SECONDS = 900.0
+
+
+def resolve(
+    ctx: ApiContext, credentials: HTTPAuthorizationCredentials | None, *, through_outage: bool = False
+) -> Principal | None:
+    """The principal a bearer credential names; None without one; 401 when it is unknown or revoked.
+    ``through_outage``: a key checked within OUTAGE_GRACE_SECONDS passes while the database is down."""
     if credentials is None:
         return None
-    principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
+    digest = hash_key(credentials.credentials)
+    try:
+        principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
+    except Exception as exc:
+        remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
+        if remembered is None or not database_unavailable(exc):
+            raise
+        return remembered
+    if through_outage and principal is not None:
+        ctx.remember_key(digest, principal)
     if principal is None:
         raise ApiError(401, "unknown or revoked API key (or wrong admin token)", headers=CHALLENGE)
     return principal
@@ -67,12 +88,15 @@ def _check_scope(principal: Principal, scope: str, all_sources: str | None) -> P
     return principal
 
 
-def require(scope: str, *, all_sources: str | None = None) -> Callable[..., Principal]:
+def require(
+    scope: str, *, all_sources: str | None = None, through_outage: bool = False
+) -> Callable[..., Principal]:
     """A dependency: the caller's principal, 401 without a credential, 403 without ``scope``. With
-    ``all_sources`` (what the route serves, e.g. "transcripts") a source-limited key is refused too."""
+    ``all_sources`` (what the route serves, e.g. "transcripts") a source-limited key is refused too;
+    ``through_outage``: see ``resolve``."""
 
     def dependency(ctx: Context, credentials: Credentials) -> Principal:
-        principal = resolve(ctx, credentials)
+        principal = resolve(ctx, credentials, through_outage=through_outage)
         if principal is None:
             raise ApiError(
                 401, f"missing 'Authorization: Bearer <API key>' header (scope {scope!r})", headers=CHALLENGE
@@ -143,7 +167,10 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
 Reader = Annotated[Principal, Depends(require("read"))]
 Admin = Annotated[Principal, Depends(require("admin"))]
 # The figures cover every source, like the transcripts: a key limited to sources gets 403.
-MetricsReader = Annotated[Principal, Depends(require("metrics", all_sources="the metrics"))]
+# The scrape is served through a database outage (it reports the outage).
+MetricsReader = Annotated[
+    Principal, Depends(require("metrics", all_sources="the metrics", through_outage=True))
+]
 TranscriptReader = Annotated[Principal, Depends(require("read", all_sources="transcripts"))]
 CalibrationReader = Annotated[Principal, Depends(require("read", all_sources="calibration figures"))]
 PageIngester = Annotated[Ingest, Depends(require_ingest())]

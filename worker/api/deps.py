@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -11,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
+from worker.access import Principal
 from worker.access.ratelimit import PerKeyLimiter
 from worker.api.errors import ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
@@ -22,6 +25,7 @@ from worker.runtime import Runtime
 from worker.settings import Settings
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_REMEMBERED_KEYS = 64
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
 # ---------------------------------------------------------------------------
@@ -36,6 +40,10 @@ class ApiContext:
     registry: CollectorRegistry
     _broker_url: str | None = field(default=None, repr=False)
     _search_limiter: PerKeyLimiter | None = field(default=None, repr=False)
+    # Keys that passed the check, by digest: (principal, when, monotonic), for routes served through a
+    # database outage (the metrics scrape: factmill_store_up 0 is what it is for).
+    _verified: dict[str, tuple[Principal, float]] = field(default_factory=dict, repr=False)
+    _verified_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def settings(self) -> Settings:
@@ -50,6 +58,17 @@ class ApiContext:
             # Resolved once: with no FACTMILL_BROKER_URL this starts (or finds) the embedded Redis.
             self._broker_url = celery_app.broker_url(self.settings)
         return self._broker_url
+
+    def remember_key(self, digest: str, principal: Principal) -> None:
+        with self._verified_lock:
+            if len(self._verified) >= MAX_REMEMBERED_KEYS and digest not in self._verified:
+                self._verified.pop(next(iter(self._verified)))  # the oldest remembered
+            self._verified[digest] = (principal, time.monotonic())
+
+    def remembered_key(self, digest: str, within: float) -> Principal | None:
+        """The principal of a key that passed the check less than ``within`` seconds ago."""
+        found = self._verified.get(digest)
+        return found[0] if found is not None and time.monotonic() - found[1] < within else None
 
     def search_limiter(self) -> PerKeyLimiter:
         """Searches per minute per key (FACTMILL_SEARCH_RATE_PER_MINUTE), made on first use."""
