@@ -288,3 +288,27 @@ def test_kubernetes_waits_out_the_grace_period_of_every_api_and_worker():
             if container["args"][0] in ("serve", "worker"):
                 waits = spec.get("terminationGracePeriodSeconds", 30)  # the kubelet's default
                 assert waits >= grace + STOP_MARGIN, f"{doc['metadata']['name']} is killed at {waits} s"
+
+
+def test_the_image_build_sends_no_local_clutter_and_copies_nothing_ignored():
+    """No .dockerignore sent .venv (770 MB) and the caches with every build; what the Dockerfile copies
+    must not be ignored, and the README (edited often) comes after the dependency layer."""
+    import fnmatch
+
+    ignored = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert {".venv", ".git", ".mypy_cache"} <= set(ignored)
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    copied = [
+        source
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+        for source in line.split()[1:-1]
+    ]
+    assert copied and all((REPO / source).exists() for source in copied), copied
+    assert not [s for s in copied for p in ignored if fnmatch.fnmatch(s, p.removeprefix("**/"))]
+    dependencies = dockerfile.index("pip install '.[otel]'")
+    assert dockerfile.index("README.md ./") > dependencies  # the real README only after the deps
