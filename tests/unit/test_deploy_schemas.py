@@ -78,6 +78,11 @@ def test_keda_scales_each_worker_on_the_jobs_of_its_queues_kinds():
             assert set(kinds.split("|")) == expected, query
             assert 'status=~"queued|running"' in query and query.startswith("sum(max by (kind, status) (")
             assert int(trigger["metadata"]["threshold"]) > 0
+            if spec["minReplicaCount"] == 0:
+                # An empty answer (the scrape failing) must not read as "no jobs": KEDA's default
+                # (ignoreNullValues true) left a queue scaled to zero for as long as it lasted.
+                assert trigger["metadata"].get("ignoreNullValues") == "false", query
+                assert spec["fallback"]["replicas"] >= 1
 
 
 def test_compose_is_valid_against_the_compose_spec():
