@@ -127,7 +127,8 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
         (tmp_path / f"{name}.md").write_text(f"---\n{typed}{line}\n---\nbody")
     with (tmp_path / "huge.md").open("wb") as huge:  # sparse: 1 GiB that takes no disk
         huge.truncate(1 << 30)
-    result = cli("ingest", str(tmp_path), "--no-enqueue", "--json")
+    result = cli("ingest", str(tmp_path), "--no-enqueue", "--json", check=False)
+    assert result.returncode == 1  # the good page is stored, and a script sees that files were skipped
     report = as_json(result)
     assert report["ingested"] == ["conversations/ok"]
     reasons = {Path(e["path"]).name: e["reason"] for e in report["errors"]}
@@ -143,6 +144,13 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
         assert "front matter holds a value that cannot be read" in reasons[f"{name}.md"], reasons
     assert "must not contain NUL" in reasons["nul.md"] and "must not contain NUL" in reasons["nul-type.md"]
     assert "lone surrogates" in reasons["surrogate.md"]
+    # With colour forced (as CI runners often do), --json is still plain JSON: Rich coloured it.
+    coloured = factmill(
+        ["ingest", str(tmp_path / "ok.md"), "--no-enqueue", "--json"], cli.env | {"FORCE_COLOR": "1"}
+    )
+    assert coloured.returncode == 0 and as_json(coloured)["unchanged"] == ["conversations/ok"], (
+        coloured.stdout
+    )
     endless = cli("ingest", "/dev/zero", "--no-enqueue", "--json", check=False)
     assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]
     missing = cli("ingest", str(tmp_path / "nope.md"), check=False)

@@ -37,21 +37,24 @@ def ingest(
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
 ) -> None:
-    """Store page files (front matter: slug, type, title); queue an extraction job per changed page."""
+    """Store page files (front matter: slug, type, title); queue an extraction job per changed page.
+
+    A file that cannot be stored is reported and skipped, the rest stored; the exit code is then 1."""
     factory = checked_factory()
     files = sum(1 for _ in iter_page_files(paths))
     with counting_bar("page files", files, enabled=not as_json) as advance:
         report = ingest_paths(factory, paths, source_id, on_file=advance)
     sent = send_jobs(factory, report.jobs) if enqueue and report.jobs else 0
     if as_json:
-        out.print_json(
-            data={
+        print_json(
+            {
                 "ingested": report.ingested,
                 "unchanged": report.unchanged,
                 "jobs": [job_id for job_id, _ in report.jobs],
                 "enqueued": sent,
                 "errors": [{"path": p, "reason": r} for p, r in report.errors],
-            }
+            },
+            ensure_ascii=False,
         )
     else:
         out.print(
@@ -60,7 +63,7 @@ def ingest(
         )
         for path, reason in report.errors:
             err.print(styled(("skipped", "yellow"), f" {path}: {reason}"))
-    if report.errors and not report.ingested and not report.unchanged:
+    if report.errors:  # the rest is stored, but a script must see that files were skipped
         raise typer.Exit(1)
 
 
