@@ -1254,6 +1254,14 @@ def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, si
             assert refused.exception is None or isinstance(refused.exception, SystemExit)
         read = runner.invoke(app, ["search", "-", "--json"], input=b"lex: greyhound")
         assert read.exit_code == 0, read.output
+        # ISO times with a zone, as the API takes them (click's own type knew three formats, no zone).
+        for moment in ("2024-03-01T12:00:00Z", "2024-03-01T12:00+02:00", "2024-03-01"):
+            dated = runner.invoke(app, ["search", "lex: lisbon", "--as-of", moment, "--since", moment])
+            assert dated.exit_code == 0, (moment, dated.output)
+        bad = runner.invoke(app, ["search", "lex: lisbon", "--as-of", "next tuesday"])
+        assert bad.exit_code == 2 and "expected an ISO date or time" in bad.output
+        costs = runner.invoke(app, ["costs", "--since", "2026-11-01T00:00Z", "--json"])
+        assert costs.exit_code == 0, costs.output
 
 
 def test_embed_sets_up_a_missing_store(server_url: str, llm: OpenAIChatClient) -> None:

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import check_new_source_id, check_source_id
+from worker.core.moments import as_utc
 
 # What a terminal acts on instead of showing: C0 controls but tab and newline (ESC opens the sequences
 # that clear the screen, move the cursor over earlier lines, set the title or the clipboard; CR
@@ -149,6 +150,18 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
     ``\\uXXXX`` escapes too (still the same JSON)."""
     text = json.dumps(data, indent=2, ensure_ascii=ensure_ascii)
     sys.stdout.write(_UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
+
+
+def iso_moment(value: str) -> datetime:
+    """An option's ISO 8601 date or time ("2026-03-01", "2026-03-01T12:00Z", "...+02:00"), in UTC when
+    it names no zone; a usage error (exit 2) otherwise. Typer's own datetime type took three formats
+    and no zone, so "--as-of 2024-03-01T12:00:00Z", which the API takes, was refused."""
+    try:
+        return as_utc(datetime.fromisoformat(value))
+    except ValueError:
+        raise typer.BadParameter(
+            f"expected an ISO date or time such as 2026-03-01 or 2026-03-01T12:00Z, got {value!r}"
+        ) from None
 
 
 def when(moment: datetime | str | None) -> str:

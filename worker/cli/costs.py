@@ -8,23 +8,14 @@ from typing import Annotated
 import typer
 
 from worker.accounting import reports
-from worker.cli.console import fail, folding_table, out, print_json
+from worker.cli.console import fail, folding_table, iso_moment, out, print_json
 from worker.cli.sessions import checked_factory
-from worker.core.moments import as_utc
-
-
-def _since(since: str | None) -> datetime:
-    """The start of the report: ``--since`` (UTC when it names no zone), else 30 days ago."""
-    try:
-        start = datetime.fromisoformat(since.replace("Z", "+00:00")) if since else None
-    except ValueError as exc:
-        raise fail(f"--since must be an ISO date such as 2026-11-01, got {since!r}", code=2) from exc
-    start = start or datetime.now(UTC) - timedelta(days=30)
-    return as_utc(start)
 
 
 def costs(
-    since: Annotated[str | None, typer.Option(help="ISO date/time; default: the last 30 days.")] = None,
+    since: Annotated[
+        datetime | None, typer.Option(parser=iso_moment, help="ISO date/time; default: the last 30 days.")
+    ] = None,
     by: Annotated[str, typer.Option(help="Group by job, model, purpose or day.")] = "model",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -33,7 +24,7 @@ def costs(
     Each group is split into batch (billed through a provider batch, at half price) and online calls."""
     if by not in reports.GROUPS:
         raise fail(f"--by must be one of {', '.join(reports.GROUPS)}", code=2)
-    start = _since(since)
+    start = since or datetime.now(UTC) - timedelta(days=30)
     with checked_factory()() as session:
         rows = reports.spend(session, by=by, since=start)
     if as_json:

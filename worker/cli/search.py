@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, folding_table, out, print_json, source_option, styled
+from worker.cli.console import err, fail, folding_table, iso_moment, out, print_json, source_option, styled
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import text_problem
@@ -91,7 +91,8 @@ def search_command(
     entity: Annotated[str | None, typer.Option(help="Only facts about this entity slug.")] = None,
     kind: Annotated[str | None, typer.Option(help="event, preference, commitment, belief or fact.")] = None,
     since: Annotated[
-        datetime | None, typer.Option(help="Only facts valid (or written) since then (ISO date/time).")
+        datetime | None,
+        typer.Option(parser=iso_moment, help="Only facts valid (or written) since then (ISO date/time)."),
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, max=MAX_LIMIT, help="Results to show.")] = None,
     no_expand: Annotated[bool, typer.Option("--no-expand", help="Never ask the LLM to expand.")] = False,
@@ -99,7 +100,7 @@ def search_command(
         bool, typer.Option("--include-history", help="Also superseded and duplicate facts.")
     ] = False,
     as_of: Annotated[
-        datetime | None, typer.Option(help="Only facts true at this time (ISO date/time).")
+        datetime | None, typer.Option(parser=iso_moment, help="Only facts true at this time (ISO date/time).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
 ) -> None:
