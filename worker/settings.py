@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import InvalidSettingsError
 
+DATABASE_URL_FORM = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
 MIN_PRODUCTION_SECRET_BYTES = 32
@@ -233,6 +235,26 @@ class Settings(BaseSettings):
     @classmethod
     def _strip(cls, value: str) -> str:
         return value.strip()
+
+    @field_validator("database_url", "test_database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        """A Postgres URL that parses as its writer meant: a bad one was a traceback from the first
+        command that used it, and an unescaped '@' in the password was read as part of the host, which
+        the connection error then printed (part of the password with it). The URL is never quoted."""
+        if value is None:
+            return None
+        from sqlalchemy.engine import make_url  # parsing only; most settings readers never need it
+
+        try:
+            url = make_url(value)
+        except Exception:  # sqlalchemy's ArgumentError or a port that is no number (ValueError)
+            raise ValueError(f"is not a database URL: expected {DATABASE_URL_FORM}") from None
+        if url.get_backend_name() not in ("postgresql", "postgres"):
+            raise ValueError(f"must be a Postgres URL: expected {DATABASE_URL_FORM}")
+        if url.host is not None and "@" in url.host:
+            raise ValueError("holds an '@' after its credentials: percent-encode '@' in the password as %40")
+        return value
 
     @field_validator("webhook_previous_secret")
     @classmethod

@@ -294,6 +294,23 @@ def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_valu
     assert "hunter2" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://u:hunter2@db:${PORT}/x", "is not a database URL: expected postgresql://"),
+        ("postgresq://u:hunter2@db/x", "must be a Postgres URL"),
+        ("postgresql://u:p@hunter2@db/x", "holds an '@' after its credentials: percent-encode"),
+    ],
+)
+def test_a_database_url_that_does_not_parse_is_one_line_that_never_quotes_it(url: str, says: str):
+    """A port left as a template, a misspelt scheme: a traceback from the first command. An unescaped
+    '@' in the password made the host "hunter2@db", which the connection error printed."""
+    result = factmill(["jobs", "list"], bare_env(FACTMILL_DATABASE_URL=url))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"FACTMILL_DATABASE_URL: {says}" in result.stderr and result.stderr.count("\n") == 1
+    assert "hunter2" not in result.stderr
+
+
 def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
     """A refused connection was SQLAlchemy's traceback on most commands (search alone said so, on
     three lines with a link)."""
