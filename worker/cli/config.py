@@ -23,7 +23,7 @@ config_app = typer.Typer(help="Runtime configuration: kill switches and tunables
 
 @config_app.command("get")
 def config_get(key: str) -> None:
-    """Print one config value (nothing set prints the default meaning)."""
+    """Print one config value ("(not set)": the default holds; a kill switch then means on)."""
     try:
         check_key(key)
     except UnknownConfigKeyError as exc:
