@@ -78,7 +78,7 @@ def expected_spend() -> dict[str, Any]:
 @pytest.fixture
 def client(database_url: str, tx_factory: sessionmaker[Session]) -> Iterator[TestClient]:
     with TestClient(create_app(make_runtime(database_url, tx_factory), sender=lambda *a: None)) as c:
-        send_key(c, tx_factory)
+        send_key(c, tx_factory, ("read", "metrics"))
         yield c
 
 
@@ -106,6 +106,14 @@ def test_get_job_gives_its_tokens_cached_tokens_and_usd(
         idle_id = idle.id
     zero = {"calls": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
     assert client.get(f"/v1/jobs/{idle_id}").json()["spend"] == zero
+    # A read key sees the job, not what it cost: spend is the metrics' and the admin's, as everywhere
+    # else a reader is kept from spend and budget figures.
+    from tests.auth import bearer, new_key
+
+    read = client.get(f"/v1/jobs/{job_id}", headers=bearer(new_key(tx_factory, ["read"])))
+    assert read.status_code == 200 and read.json()["spend"] is None
+    metrics = client.get(f"/v1/jobs/{job_id}", headers=bearer(new_key(tx_factory, ["read", "metrics"])))
+    assert metrics.json()["spend"] == pytest.approx(expected_spend())
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ class JobOut(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     heartbeat_at: datetime | None
-    spend: JobSpendOut | None = None  # GET /v1/jobs/{id} only
+    spend: JobSpendOut | None = None  # GET /v1/jobs/{id}, for a key with the metrics or admin scope
 
     @classmethod
     def of(cls, job: Job) -> JobOut:
@@ -108,7 +108,8 @@ def get_job(ctx: Context, principal: Reader, job_id: JobId) -> JobOut:
         if job is None or not _visible(principal, job):
             raise ApiError(404, f"no job {job_id}")
         out = JobOut.of(job)
-        out.spend = JobSpendOut(**job_spend(session, job_id).as_dict())
+        if principal.has("metrics"):  # spend is the metrics' and the admin's (readers see no figures)
+            out.spend = JobSpendOut(**job_spend(session, job_id).as_dict())
         return out
 
 
