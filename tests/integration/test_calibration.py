@@ -784,10 +784,16 @@ FEEDBACK = {"coverage": 0.82, "answer_kept": True, "origin": "eval:nightly", "co
 
 
 def test_signed_feedback_is_stored(
-    client: TestClient, tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+    client: TestClient,
+    tx_factory: sessionmaker[Session],
+    judged: tuple[int, ...],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    response = post_feedback(client, FEEDBACK)
+    with caplog.at_level("INFO"):
+        response = post_feedback(client, FEEDBACK)
     assert response.status_code == 201, response.text
+    assert "feedback stored as observation" in caplog.text
+    assert "eval:nightly" not in caplog.text  # a client's own label (it may name a person): not logged
     body = response.json()
     assert body == {
         "id": body["id"],

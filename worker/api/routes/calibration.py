@@ -150,15 +150,15 @@ def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: st
         compaction_id=observation.compaction_id,
         recompute_job_id=report.recompute.job_id if report.recompute is not None else None,
     )
+    # The origin is a client's own label (it may name a person): stored, never logged.
     if stored.duplicate:
-        logger.info("duplicate feedback for observation %s (%s)", stored.id, observation.origin)
+        logger.info("duplicate feedback for observation %s", stored.id)
     else:
         logger.info(
-            "feedback stored as observation %s (coverage %.4f, kept %s, %s); %s recompute(s) sent",
+            "feedback stored as observation %s (coverage %.4f, kept %s); %s recompute(s) sent",
             stored.id,
             observation.coverage,
             observation.answer_kept,
-            observation.origin,
             len(pending),
         )
     return JSONResponse(out.model_dump(mode="json"), 200 if stored.duplicate else 201)
