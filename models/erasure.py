@@ -24,7 +24,7 @@ class Erasure(Base):
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     source_id: Mapped[str]
     slug_sha256: Mapped[str]
-    requested_by: Mapped[str]  # "api" or "cli"
+    requested_by: Mapped[str]  # "cli", or the API key that asked ("api key 7 (ops)", "api admin token")
     facts_removed: Mapped[int] = count_column()
     embeddings_removed: Mapped[int] = count_column()
     checkpoints_removed: Mapped[int] = count_column()
@@ -46,7 +46,7 @@ class TranscriptErasure(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     transcript_sha256: Mapped[str]
-    requested_by: Mapped[str]  # "api" or "cli"
+    requested_by: Mapped[str]  # "cli", or the API key that asked ("api key 7 (ops)", "api admin token")
     messages_removed: Mapped[int] = count_column()
     compactions_removed: Mapped[int] = count_column()
     jobs_cancelled: Mapped[int] = count_column()

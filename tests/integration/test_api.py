@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 import typing
 import uuid
@@ -735,7 +736,15 @@ def test_config_get_and_put(client: TestClient) -> None:
     assert put.status_code == 200, put.text
     assert (put.json()["value"], put.json()["enabled"], put.json()["resumed"]) == ("OFF", False, 0)
     got = client.get(key, headers=ADMIN_HEADERS).json()
-    assert (got["value"], got["enabled"], got["updated_by"]) == ("OFF", False, "api")
+    assert (got["value"], got["enabled"], got["updated_by"]) == ("OFF", False, "api admin token")
+    # Who changed it: the key (its id and name), so several admins' changes can be told apart.
+    from tests.auth import new_key
+
+    factory = client.app.state.factmill.factory  # type: ignore[attr-defined]
+    ops = new_key(factory, ["admin"], name="ops-alice")
+    client.put(key, json={"value": "off"}, headers={"Authorization": f"Bearer {ops}"})
+    by = client.get(key, headers=ADMIN_HEADERS).json()["updated_by"]
+    assert re.fullmatch(r"api key \d+ \(ops-alice\)", by) and ops not in by
 
     assert client.put(key, json={"value": True}, headers=ADMIN_HEADERS).json()["value"] == "true"
     assert (

@@ -190,7 +190,7 @@ def test_delete_erases_everything_and_leaves_one_content_free_row(
     assert (row.source_id, row.slug_sha256, row.requested_by) == (
         "default",
         erased_slug_digest("default", SLUG),
-        "api",
+        "api admin token",
     )
     stored = " ".join(str(getattr(row, c.key)) for c in Erasure.__table__.columns)
     assert "alice" not in stored.lower() and "Acme" not in stored

@@ -105,7 +105,7 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
     assert leaks == 0
     assert (row.transcript_sha256, row.requested_by, row.messages_removed) == (
         erased_transcript_digest(TRANSCRIPT),
-        "api",
+        "api admin token",
         messages,
     )
     stored = " ".join(str(getattr(row, c.key)) for c in TranscriptErasure.__table__.columns)

@@ -50,6 +50,12 @@ class Principal:
         return f"key:{self.key_id}" if self.key_id is not None else "admin-token"
 
     @property
+    def actor(self) -> str:
+        """Who made a change, as an audit row records it (config's updated_by, an erasure's
+        requested_by): the key's id and name, or the bootstrap token; never the key itself."""
+        return f"api key {self.key_id} ({self.name})" if self.key_id is not None else "api admin token"
+
+    @property
     def rate_key(self) -> str:
         """Who this is to a per-key rate limiter (never the key itself)."""
         return f"key-{self.key_id}" if self.key_id is not None else "admin-token"

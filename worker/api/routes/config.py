@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from models import ConfigEntry
 from models.reads import read_only
-from worker.api.auth import require
+from worker.api.auth import Admin, require
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import StorableStr
@@ -129,11 +129,11 @@ def get_config_value(ctx: Context, key: ConfigKey) -> ConfigOut:
     return out
 
 
-def set_config_value(ctx: ApiContext, key: str, body: ConfigSet) -> ConfigSetOut:
+def set_config_value(ctx: ApiContext, key: str, body: ConfigSet, actor: str) -> ConfigSetOut:
     value = body.value
     with ctx.factory() as session, session.begin():
         try:
-            cleaned = set_config(session, key, value, updated_by="api")
+            cleaned = set_config(session, key, value, updated_by=actor)
         except UnknownConfigKeyError as exc:
             raise ApiError(422, str(exc)) from None
         except ValueError as exc:
@@ -153,14 +153,14 @@ def set_config_value(ctx: ApiContext, key: str, body: ConfigSet) -> ConfigSetOut
     responses=error_responses(401, 413, 422),
     openapi_extra=json_request_body(ConfigSet.model_json_schema()),
 )
-async def put_config_value(request: Request, ctx: Context, key: ConfigKey) -> ConfigSetOut:
+async def put_config_value(request: Request, ctx: Context, admin: Admin, key: ConfigKey) -> ConfigSetOut:
     """Set a key. Turning a kill switch on resumes every paused job of its kinds.
 
     Turning one off needs nothing more: workers read the switch before every LLM call (through
     a cache at most FACTMILL_CONFIG_CACHE_SECONDS old) and pause their jobs themselves.
     """
     body = parse_json_model(await read_body(request, MAX_CONFIG_BODY_BYTES), ConfigSet)
-    return await run_in_threadpool(set_config_value, ctx, key, body)
+    return await run_in_threadpool(set_config_value, ctx, key, body, admin.actor)
 
 
 def unset_config_value(ctx: ApiContext, key: str) -> ConfigSetOut:

@@ -224,14 +224,14 @@ async def post_pages(
     responses=error_responses(401, 403, 404),
 )
 def delete_page(
-    request: Request, ctx: Context, _admin: Admin, source_id: StorableStr, slug: StorableStr
+    request: Request, ctx: Context, admin: Admin, source_id: StorableStr, slug: StorableStr
 ) -> PageErased:
     """Remove the page, its facts, their embeddings, its checkpoints and its extraction audit rows in one
     transaction, and fail its pending jobs; one row in `erasures` records that it happened (no text).
     A source id holding '/' is sent as %2F."""
     source_id, slug = page_address(request, source_id, slug)
     slug = stored_form(slug)
-    report = erase_page(ctx.factory, source_id, slug, requested_by="api")
+    report = erase_page(ctx.factory, source_id, slug, requested_by=admin.actor)
     if report is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
     ctx.enqueue(report.pending)

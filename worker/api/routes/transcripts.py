@@ -364,11 +364,11 @@ def get_compactions(
     summary="Erase a transcript: its messages and compactions (admin)",
     responses=error_responses(401, 403, 404),
 )
-def delete_transcript(ctx: Context, _admin: Admin, transcript_id: TranscriptId) -> TranscriptErased:
+def delete_transcript(ctx: Context, admin: Admin, transcript_id: TranscriptId) -> TranscriptErased:
     """Remove the transcript, its messages and its compactions (their summaries) in one transaction, and
     fail its pending compaction jobs; one row in `transcript_erasures` records that it happened (the
     id's sha256, no text). Its jobs and the answers kept for its appends name it by that digest."""
-    report = erase_transcript(ctx.factory, transcript_id, requested_by="api")
+    report = erase_transcript(ctx.factory, transcript_id, requested_by=admin.actor)
     if report is None:
         raise ApiError(404, f"no transcript {transcript_id!r}")
     return TranscriptErased(transcript_id=transcript_id, **report.as_dict())
