@@ -6,6 +6,7 @@ import hmac
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -244,15 +245,14 @@ class Settings(BaseSettings):
         the connection error then printed (part of the password with it). The URL is never quoted."""
         if value is None:
             return None
-        from sqlalchemy.engine import make_url  # parsing only; most settings readers never need it
-
         try:
-            url = make_url(value)
-        except Exception:  # sqlalchemy's ArgumentError or a port that is no number (ValueError)
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 (read for its check: a port that is no number, or past 65535)
+        except ValueError:
             raise ValueError(f"is not a database URL: expected {DATABASE_URL_FORM}") from None
-        if url.get_backend_name() not in ("postgresql", "postgres"):
+        if parts.scheme.partition("+")[0] not in ("postgresql", "postgres"):
             raise ValueError(f"must be a Postgres URL: expected {DATABASE_URL_FORM}")
-        if url.host is not None and "@" in url.host:
+        if parts.netloc.count("@") > 1:
             raise ValueError("holds an '@' after its credentials: percent-encode '@' in the password as %40")
         return value
 
