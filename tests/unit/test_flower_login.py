@@ -61,3 +61,24 @@ def test_worker_queues_are_passed_on_stripped(given: str, passed: str) -> None:
 def test_unknown_or_no_worker_queues_are_refused(given: str) -> None:
     with pytest.raises(ValueError, match="choose from extraction"):
         worker_queues(given, ["extraction"])
+
+
+def test_the_published_development_secrets_are_refused_beyond_this_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`factmill serve --host 0.0.0.0` (or `mcp --http`) in development took "dev-admin-token", a string
+    anyone can read in the source, as the bootstrap admin: every route to whoever reached the port."""
+    from worker.cli.services import refuse_published_secrets
+
+    development = Settings(
+        environment="development", admin_token="dev-admin-token", webhook_secret="dev-secret"
+    )
+    refuse_published_secrets(development, "127.0.0.1")  # this host only: fine
+    with pytest.raises(typer.Exit) as refused:
+        refuse_published_secrets(development, "0.0.0.0")
+    assert refused.value.exit_code == 2
+    said = capsys.readouterr().err
+    assert "FACTMILL_ADMIN_TOKEN and FACTMILL_WEBHOOK_SECRET still hold the published development" in said
+    assert "dev-admin-token" not in said
+    own = development.model_copy(update={"admin_token": "a" * 40, "webhook_secret": "w" * 40})
+    refuse_published_secrets(own, "0.0.0.0")

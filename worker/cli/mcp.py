@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from worker.cli.console import fail, port_option
+from worker.cli.services import refuse_published_secrets
 from worker.cli.sessions import checked_factory
 from worker.runtime import build_runtime
 from worker.settings import InsecureSecretsError, get_settings
@@ -58,6 +59,8 @@ def mcp_command(
         settings.check_production_secrets()
     except InsecureSecretsError as exc:
         raise fail(str(exc), code=2) from None
+    if http is not None:
+        refuse_published_secrets(settings, host)
     key = None if http is not None else _stdio_key(key_env, settings.mcp_api_key)
     runtime = build_runtime(settings, checked_factory(settings))
     try:

@@ -49,6 +49,7 @@ def serve(
     """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
     settings = get_settings()
     refuse_insecure_secrets(settings)
+    refuse_published_secrets(settings, host)
     refuse_missing_tracing(settings)
     checked_factory(settings, wait=True)  # fail early, with a clear message, if the schema is missing
     with request_counts_shared(settings, workers):
@@ -210,6 +211,27 @@ def refuse_open_flower(settings: Settings, host: str) -> None:
     if settings.environment == "production":
         raise fail(message, code=2, highlight=False)
     err.print(styled(("warning:", "yellow"), f" {message}"), highlight=False)
+
+
+def refuse_published_secrets(settings: Settings, host: str) -> None:
+    """Beyond this host, a development default secret is everyone's credential: the admin token
+    "dev-admin-token" gave whoever reached the port every route (erase, config, keys' work), and the
+    webhook secret "dev-secret" let anyone sign pages. Refused in every environment (exit 2)."""
+    if is_loopback(host):
+        return
+    published = [
+        f"FACTMILL_{name.upper()}"
+        for name in ("admin_token", "webhook_secret")
+        if getattr(settings, name) == Settings.model_fields[name].default
+    ]
+    if published:
+        raise fail(
+            f"{' and '.join(published)} still hold the published development default, and "
+            f"{host or 'every address'} is reachable beyond this host: set your own (e.g. `openssl rand "
+            "-hex 32`), or listen on 127.0.0.1",
+            code=2,
+            highlight=False,
+        )
 
 
 def is_loopback(host: str) -> bool:
