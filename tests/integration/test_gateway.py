@@ -193,6 +193,24 @@ def test_retry_after_is_honoured(sim: Simulator, api: str) -> None:
 
 
 @pytest.mark.parametrize("api", APIS)
+def test_a_call_allowing_more_output_is_given_more_time_to_answer(sim: Simulator, api: str) -> None:
+    """One timeout for every call: a reply arrives whole, so the truncation retry's 8,192 tokens (at
+    60-100 a second) timed out at 60 s every time. FACTMILL_LLM_TIMEOUT_SECONDS holds for up to 2,048
+    output tokens; a call allowing more gets proportionally more. Connecting has its own, short, limit."""
+    from worker.llm.types import CONNECT_TIMEOUT_SECONDS, REPLY_TOKENS_PER_TIMEOUT
+
+    sim.configure(latency_ms=1_500)
+    client = provider(api, sim, timeout=1.0)
+    with pytest.raises(LLMError, match="timed out"):
+        client.chat(facts_request(max_tokens=REPLY_TOKENS_PER_TIMEOUT))  # 1 s for a 1.5 s answer
+    answered = client.chat(facts_request(max_tokens=4 * REPLY_TOKENS_PER_TIMEOUT))  # 4 s
+    assert answered.finish == "end"
+    timeout = client.sdk.timeout  # type: ignore[attr-defined]
+    assert (timeout.read, timeout.connect) == (1.0, 1.0)
+    assert provider(api, sim, timeout=60.0).sdk.timeout.connect == CONNECT_TIMEOUT_SECONDS  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("api", APIS)
 def test_a_retry_after_past_the_remaining_total_wait_ends_the_tries(sim: Simulator, api: str) -> None:
     """Both SDKs' Retry-After reaches the policy: asked for 30 s with 0.3 s of budget, the call gives up
     at once (it slept the whole budget, then tried once more, 29.7 s before the provider said)."""

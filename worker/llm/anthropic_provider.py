@@ -17,6 +17,7 @@ from worker.llm.types import (
     SdkConnection,
     Usage,
     keep_alive_http_client,
+    reply_timeout,
     sdk_options,
 )
 
@@ -68,8 +69,9 @@ class AnthropicChatClient:
         import anthropic
 
         self._client = anthropic.Anthropic(
-            **sdk_options(**connection), http_client=keep_alive_http_client(anthropic, keep_alive)
+            **sdk_options(anthropic, **connection), http_client=keep_alive_http_client(anthropic, keep_alive)
         )
+        self._sdk_module, self._timeout = anthropic, connection.get("timeout", 60.0)
 
     @property
     def sdk(self) -> anthropic.Anthropic:
@@ -102,7 +104,8 @@ class AnthropicChatClient:
         kwargs = self._kwargs(request)
         started = time.perf_counter()
         try:
-            message = self._client.messages.create(**kwargs)
+            timeout = reply_timeout(self._sdk_module, self._timeout, request.max_tokens)
+            message = self._client.messages.create(**kwargs, timeout=timeout)
         except Exception as exc:
             raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
         return self.response_from(message, request, int((time.perf_counter() - started) * 1000))

@@ -20,6 +20,7 @@ from worker.llm.types import (
     SdkConnection,
     Usage,
     keep_alive_http_client,
+    reply_timeout,
     sdk_options,
 )
 
@@ -71,8 +72,9 @@ class OpenAIChatClient:
         import openai
 
         self._client = openai.OpenAI(
-            **sdk_options(**connection), http_client=keep_alive_http_client(openai, keep_alive)
+            **sdk_options(openai, **connection), http_client=keep_alive_http_client(openai, keep_alive)
         )
+        self._sdk_module, self._timeout = openai, connection.get("timeout", 60.0)
 
     def _response_format(self, request: ChatRequest) -> dict[str, Any] | None:
         if request.json_schema is None or self.json_mode == "none":
@@ -110,7 +112,10 @@ class OpenAIChatClient:
             # typed-params transform walks every message union for nothing (bench/gateway.py). The reply
             # comes back as the decoded JSON (cast_to=object): building the ChatCompletion model was 15%
             # of the SDK's CPU (py-spy), for the five fields read below.
-            completion = self._client.post("/chat/completions", body=body, cast_to=object)
+            timeout = reply_timeout(self._sdk_module, self._timeout, request.max_tokens)
+            completion = self._client.post(
+                "/chat/completions", body=body, cast_to=object, options={"timeout": timeout}
+            )
             response = self.response_from(completion, int((time.perf_counter() - started) * 1000))
         except Exception as exc:
             raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc

@@ -70,21 +70,38 @@ class SdkConnection(TypedDict, total=False):
     default_headers: dict[str, str] | None
 
 
+# A connection is made (or refused) within this, whatever the reply's time: a host that drops packets
+# cost the whole reply timeout (60 s), times every try.
+CONNECT_TIMEOUT_SECONDS = 10.0
+# FACTMILL_LLM_TIMEOUT_SECONDS is the time a reply of up to this many output tokens may take; a call that
+# allows more output gets proportionally more (a non-streamed reply arrives whole, so the read timeout
+# bounds its generation: the truncation retry's 8,192 tokens at 60-100 a second timed out every time).
+REPLY_TOKENS_PER_TIMEOUT = 2048
+
+
 def sdk_options(
+    sdk: Any,
     *,
     base_url: str | None = None,
     api_key: str | None = None,
     timeout: float = 60.0,
     default_headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Constructor options shared by both SDK clients: our one retry layer, so the SDK's own is off."""
+    """Constructor options shared by both SDK clients (``sdk`` is the ``openai`` or ``anthropic``
+    package): our one retry layer, so the SDK's own is off; the connect timeout apart from the reply's."""
     return {
         "base_url": base_url,
         "api_key": api_key or "not-needed",  # local servers and the simulator need no key
-        "timeout": timeout,
+        "timeout": reply_timeout(sdk, timeout),
         "max_retries": 0,
         "default_headers": default_headers,
     }
+
+
+def reply_timeout(sdk: Any, seconds: float, max_tokens: int = 0) -> Any:
+    """The SDK's Timeout for a call that may write ``max_tokens`` (see REPLY_TOKENS_PER_TIMEOUT)."""
+    read = seconds * max(1.0, max_tokens / REPLY_TOKENS_PER_TIMEOUT)
+    return sdk.Timeout(read, connect=min(seconds, CONNECT_TIMEOUT_SECONDS))
 
 
 def keep_alive_http_client(sdk: Any, keep_alive: int | None) -> Any:
