@@ -522,6 +522,24 @@ def test_embeddings_are_limited_where_they_go_not_under_the_chat_models_limits()
     assert RateLimitedClient(ScriptedClient(), limiter)._embed_key == "fake:fake-1"
 
 
+def test_a_failed_try_gives_its_output_cap_back_and_a_reply_without_usage_keeps_its_estimate() -> None:
+    """Only successes were reconciled: every try of a 429 storm kept its whole estimate (prompt and
+    output cap), pushing the limiter further ahead. And a server that reports no usage had its whole
+    estimate refunded, so tokens a minute held nothing for it."""
+    limiter = RecordingLimiter()
+    limited = RateLimitedClient(ScriptedClient(retryable(429), ok_response(tokens=(0, 0))), limiter)
+    estimate = estimate_request_tokens(REQUEST)
+    with pytest.raises(LLMError):
+        limited.chat(REQUEST)
+    limited.chat(REQUEST)
+    assert limiter.calls == [
+        ("acquire", "fake:fake-1", estimate),
+        ("reconcile", "fake:fake-1", estimate, estimate - REQUEST.max_tokens),
+        ("acquire", "fake:fake-1", estimate),
+        ("reconcile", "fake:fake-1", estimate, estimate),
+    ]
+
+
 def test_a_call_reporting_billions_of_tokens_is_charged_what_its_prompt_could_come_to() -> None:
     """An odd OpenAI-compatible server reported two billion tokens for one call: at 100k tokens a
     minute the limiter (shared by every worker, through Redis) moved two weeks ahead, and every call

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import redis
 
+from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
 
@@ -335,7 +336,13 @@ class RateLimitedClient:
         waited = self.limiter.acquire(self._chat_key, estimated)
         if waited > 0:
             logger.debug("waited %.3fs for the %s rate limit", waited, self._chat_key)
-        response = self.inner.chat(request)
+        try:
+            response = self.inner.chat(request)
+        except LLMError:
+            # A failed try wrote nothing: its output cap is given back (its prompt may have counted).
+            # Kept whole, every try of a 429 storm charged the cap again and pushed the limiter ahead.
+            self.limiter.reconcile(self._chat_key, estimated, estimated - request.max_tokens)
+            raise
         usage = response.usage
         self.limiter.reconcile(
             self._chat_key, estimated, _charged(estimated, usage.input_tokens + usage.output_tokens)
@@ -353,5 +360,9 @@ class RateLimitedClient:
 def _charged(estimated: int, reported: int) -> int:
     """The tokens a call is charged once done: what the provider reported, but never more than a token a
     character of its prompt (plus its output cap) could come to. A reply of two billion tokens (an odd
-    OpenAI-compatible server) moved the shared limiter two weeks ahead, stalling every worker's calls."""
+    OpenAI-compatible server) moved the shared limiter two weeks ahead, stalling every worker's calls.
+    A reply that reports no usage (servers that leave it out) keeps its estimate: refunded whole, it
+    left the tokens-a-minute limit nothing to hold for that server."""
+    if reported <= 0:
+        return estimated
     return min(reported, estimated * CHARS_PER_TOKEN)
