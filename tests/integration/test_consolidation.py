@@ -641,3 +641,57 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     done = run("--override-disabled")
     assert done.exit_code == 0, done.output
     assert {d for d, _ in decisions(factory)} == {"new", "duplicate", "updates"}
+
+
+def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrote(factory, llm) -> None:
+    """Alice's facts are on two pages, so erasing one renames no key and held no checkpoint: a
+    consolidation commit in flight inserted a reason quoting a fact of the erased page unseen by the
+    erasure's forgetting, and the delete then nulled its fact id, leaving the quote where no erasure
+    could find it. The erasure now holds the checkpoint of every entity its facts are under first."""
+    import threading
+
+    from worker.consolidation.erasure import ERASED_REASON
+    from worker.consolidation.store import lock_checkpoint
+    from worker.extraction.erase import erase_page
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(factory, slug, body)
+        extract(factory, llm, slug)
+    facts = alice(factory)
+    lisbon = facts["Alice Example lives in Lisbon now."][0]  # on the January page, erased below
+    porto = facts["Alice Example lives in Porto now."][0]
+    quote = "Porto replaces 'Alice Example lives in Lisbon now.'"
+    with factory() as commit, commit.begin():  # a consolidation commit, in flight
+        lock_checkpoint(commit, "default", ALICE)
+        commit.add(
+            ConsolidationDecision(
+                source_id="default",
+                entity_key=ALICE,
+                fact_id=porto.id,
+                other_fact_id=lisbon.id,
+                decision="updates",
+                decided_by="model",
+                reason=quote,
+            )
+        )
+        commit.flush()
+        erasing = threading.Thread(target=erase_page, args=(factory, "default", JAN_PAGE, "test"))
+        erasing.start()
+        with factory() as watch:  # the erasure waits on a lock before the commit ends
+            for _ in range(200):
+                waiting = watch.scalar(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND datname = current_database()"
+                    )
+                )
+                if waiting:
+                    break
+                threading.Event().wait(0.05)
+            assert waiting, "the erasure never waited for the commit in flight"
+    erasing.join(timeout=30)
+    with factory() as session:
+        [row] = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == porto.id)
+        )
+    assert row.other_fact_id is None and row.reason == ERASED_REASON

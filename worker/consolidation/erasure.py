@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
 from worker.consolidation.store import DROP_CHECKPOINT, lock_checkpoint
-from worker.core.consolidation import PAGE_KEY_PREFIX
+from worker.core.consolidation import PAGE_KEY_PREFIX, entity_key
 from worker.core.erasure import erased_label
 from worker.jobs.outbox import CONSOLIDATION, cancel_jobs, page_subject
 
@@ -63,7 +63,22 @@ def page_facts(source_id: str, slug: str) -> Select[Any]:
 def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -> None:
     """Before these facts are deleted, in the caller's transaction: the reasons of the decisions about
     them become ``reason`` (the decision and who made it stay). The one place a deletion of facts
-    forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say."""
+    forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say.
+
+    First the checkpoint of every entity these facts are under is held (in order): a consolidation
+    commit in flight for one of them ends before this (its decisions, quoting these facts, are then
+    seen and forgotten here). Only the keys an erasure renames were held: a commit under an entity other
+    pages name too inserted its reasons unseen, and the delete below then nulled their fact ids,
+    leaving the quote where no erasure could find it."""
+    entities = session.execute(
+        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug)
+        .where(Fact.id.in_(fact_ids))
+        .distinct()
+    ).all()
+    for source_id, key in sorted({(s, entity_key(e, page)) for s, e, page in entities}):
+        if lock_checkpoint(session, source_id, key):
+            # Made only to be held (no run has written one): gone again, still held until the end.
+            session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": key})
     # One statement a side: under an OR, Postgres scans the whole table instead of each side's index,
     # and this now runs on every re-extraction, not only on an erasure.
     for side in (ConsolidationDecision.fact_id, ConsolidationDecision.other_fact_id):
