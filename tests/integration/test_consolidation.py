@@ -695,3 +695,41 @@ def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrot
             select(ConsolidationDecision).where(ConsolidationDecision.fact_id == porto.id)
         )
     assert row.other_fact_id is None and row.reason == ERASED_REASON
+
+
+def test_a_run_commits_round_by_round_so_a_failure_keeps_what_was_decided(
+    tx_factory, llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pair was asked before one decision was committed: a time limit, a budget pause or one
+    unusable answer late in a large entity threw away every answer paid for (and paid again on each
+    retry). Rounds of at most MAX_FACTS_PER_ROUND facts commit as they go."""
+    from worker.consolidation import service
+    from worker.llm.errors import LLMError
+
+    monkeypatch.setattr(service, "MAX_FACTS_PER_ROUND", 2)
+    for month, city in (("01", "Lisbon"), ("03", "Porto"), ("05", "Faro"), ("07", "Braga")):
+        slug = f"conversations/alice-{month}"
+        put_page(tx_factory, slug, one_line_page(f"2026-{month}-05", f"I live in {city} now."))
+        extract(tx_factory, llm, slug)
+
+    class FailsOnItsSecondCall:  # the real simulator client, with the provider failing once
+        provider, model, calls = llm.provider, llm.model, 0
+
+        def chat(self, request: Any) -> Any:
+            self.calls += 1
+            if self.calls == 2:
+                raise LLMError("HTTP 500: the provider failed", retryable=True, status=500)
+            return llm.chat(request)
+
+    with pytest.raises(LLMError):
+        consolidate(tx_factory, FailsOnItsSecondCall())
+    with tx_factory() as session:
+        decided = session.scalars(
+            select(Fact.fact).where(Fact.entity_slug == ALICE, Fact.consolidated_at.is_not(None))
+        ).all()
+    assert sorted(decided) == ["Alice Example lives in Lisbon now.", "Alice Example lives in Porto now."]
+    before = calls(tx_factory)
+    counters = consolidate(tx_factory, llm)
+    assert counters.facts_considered == 2 and calls(tx_factory) - before == counters.llm_calls
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert current == ["Alice Example lives in Braga now."]

@@ -11,7 +11,7 @@ from typing import Any
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
-from worker.core.consolidation import FactView
+from worker.core.consolidation import FactView, order_key
 from worker.core.consolidation_plan import FactPlan, plan_consolidation, reopen_restatements, resolve
 from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
@@ -87,26 +87,30 @@ class EntityRun:
     before_call: Callable[[], None] = lambda: None  # the budget check before the call
 
 
-# Rounds of one entity's run: a round's reopened restatements are decided again in the next, against
-# what is current then; in the last round they stay as decided (current).
-MAX_ROUNDS = 3
+# An entity's pending facts are decided in rounds of at most this many (the earliest said first), each
+# round committed before the next is asked: a run of thousands asked every pair before committing one
+# decision, and a time limit, a budget pause or one unusable answer threw all of it away (and paid for it
+# again on every retry). A round's reopened restatements are decided again in a later round, once.
+MAX_FACTS_PER_ROUND = 500
+MAX_ROUNDS = 10_000  # a guard: every round commits its facts' decisions, so pending runs out well before
 
 
 def consolidate_entity(
     store: ConsolidationStore, llm: LLMClient | None, run: EntityRun
 ) -> ConsolidationCounters:
-    """Consolidate the entity's unconsolidated facts, in rounds while a round reopens restatements.
-    Re-running finds nothing pending and changes nothing; a decision another run committed first is
-    counted as already decided."""
+    """Consolidate the entity's unconsolidated facts, round by round. Re-running finds nothing pending
+    and changes nothing; a decision another run committed first is counted as already decided."""
     counters = ConsolidationCounters()
     counters.restored = store.repair_orphans(run.source_id, run.entity_key, run.job_id)
     considered: set[int] = set()
-    for round_number in range(1, MAX_ROUNDS + 1):
+    reconsidered: set[int] = set()
+    for _ in range(MAX_ROUNDS):
         pending, pool = store.entity_facts(run.source_id, run.entity_key)
         if not pending:
             break
-        considered.update(fact.id for fact in pending)
-        _consolidate_round(store, llm, run, pending, pool, counters, last=round_number == MAX_ROUNDS)
+        batch = sorted(pending, key=order_key)[:MAX_FACTS_PER_ROUND]
+        considered.update(fact.id for fact in batch)
+        reconsidered |= _consolidate_round(store, llm, run, batch, pool, counters, final=reconsidered)
     counters.facts_considered = len(considered)
     return counters
 
@@ -119,14 +123,16 @@ def _consolidate_round(
     pool: list[FactView],
     counters: ConsolidationCounters,
     *,
-    last: bool,
-) -> None:
-    """Plan, ask and commit one round (its reopened restatements left to decide again, unless last)."""
+    final: set[int],
+) -> set[int]:
+    """Plan, ask and commit one round; the facts left to decide again (reopened restatements, unless
+    one is in ``final``: decided again once already)."""
     plans = plan_consolidation(pending, pool, run.entity_key)
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
-    decisions = reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
-    if last:
-        decisions = [replace(decision, reconsider=False) for decision in decisions]
+    decisions = [
+        replace(decision, reconsider=False) if decision.fact_id in final else decision
+        for decision in reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
+    ]
     resolved = [
         (decision, next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
         for plan, decision in zip(plans, decisions, strict=True)
@@ -140,6 +146,7 @@ def _consolidate_round(
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
             else:
                 counters.already_decided += 1
+    return {decision.fact_id for decision in decisions if decision.reconsider}
 
 
 def _ask_model(
