@@ -350,6 +350,8 @@ def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, stat
             False,
         ),
         (anthropic, 413, {"type": "request_too_large", "message": "Request exceeds the maximum size"}, False),
+        # An odd server's error whose type or code is no string: classified, never a TypeError.
+        (openai, 400, {"message": "bad", "type": ["a"], "code": {"b": 1}}, False),
     ],
 )
 def test_errors_that_blame_the_account_or_settings_never_count_against_a_segment(

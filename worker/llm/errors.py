@@ -139,7 +139,11 @@ def _blames_deployment(body: Any, message: str) -> bool:
     type or code (both wire formats name them so) or, for Anthropic's credit balance, its words."""
     inner = body.get("error") if isinstance(body, Mapping) else None
     fields = inner if isinstance(inner, Mapping) else body if isinstance(body, Mapping) else {}
-    if fields.get("type") in DEPLOYMENT_ERROR_TYPES or fields.get("code") in DEPLOYMENT_ERROR_CODES:
+    kind, code = fields.get("type"), fields.get("code")
+    # Only strings are looked up: an odd server's list or object there is no code (and unhashable).
+    if (isinstance(kind, str) and kind in DEPLOYMENT_ERROR_TYPES) or (
+        isinstance(code, str) and code in DEPLOYMENT_ERROR_CODES
+    ):
         return True
     lowered = message.lower()
     return any(phrase in lowered for phrase in DEPLOYMENT_ERROR_PHRASES)
