@@ -831,7 +831,10 @@ def test_turning_a_kill_switch_on_resumes_paused_jobs(
 
 
 def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
-    committed_client: TestClient, factory: sessionmaker[Session], committed_recorder: Recorder
+    committed_client: TestClient,
+    factory: sessionmaker[Session],
+    committed_recorder: Recorder,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An operator who turned a switch off can put it back to its default, which is on: the jobs it
     paused are sent again, as when it is set to true."""
@@ -854,7 +857,9 @@ def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
         False,
     )
     assert listed["compaction.enabled"]["enabled"] is True and listed["llm.prices"]["value"] is None
-    response = committed_client.delete(key, headers=ADMIN_HEADERS)
+    with caplog.at_level("INFO", logger="worker.api.routes.config"):
+        response = committed_client.delete(key, headers=ADMIN_HEADERS)
+    assert "config facts.extraction_enabled unset by api admin token" in caplog.text  # who, when the row goes
     assert response.status_code == 200, response.text
     assert {k: response.json()[k] for k in ("value", "enabled", "resumed")} == {
         "value": None,
@@ -1001,7 +1006,9 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
     from sqlalchemy import event
     from sqlalchemy.pool import NullPool
 
+    from models import ApiKey
     from tests.auth import bearer, new_key
+    from worker.access.store import hash_key, revoke_key
     from worker.api import auth
 
     engine = create_engine(database_url, poolclass=NullPool)
@@ -1014,10 +1021,20 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
 
     gated = sessionmaker(engine)
     scraper, unchecked = bearer(new_key(factory, ["metrics"])), bearer(new_key(factory, ["metrics"]))
+    revoked_key, reader = new_key(factory, ["metrics"]), bearer(new_key(factory, ["read"]))
+    revoked = bearer(revoked_key)
     runtime = make_runtime(database_url, gated)
     with TestClient(create_app(runtime, sender=Recorder(gated)), raise_server_exceptions=False) as client:
         assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        assert client.get("/metrics", headers=revoked).status_code == 200
+        with factory.begin() as session:
+            found = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(revoked_key))).one()
+            revoke_key(session, found.id)
+        assert client.get("/metrics", headers=revoked).status_code == 401  # refused: forgotten too
+        assert client.get("/metrics", headers=reader).status_code == 403  # not let in: not remembered
         down[0] = True
+        assert client.get("/metrics", headers=revoked).status_code == 503
+        assert client.get("/metrics", headers=reader).status_code == 503
         during = client.get("/metrics", headers=scraper)
         assert during.status_code == 200 and "factmill_store_up 0.0" in during.text
         assert client.get("/metrics", headers=unchecked).status_code == 503

@@ -54,8 +54,8 @@ def request_path(request: Request) -> str:
 
 # A key that passed the check this recently is taken on that check while the database is down, on routes
 # that serve through an outage (the metrics scrape, which must report factmill_store_up 0: refused
-# there, the target went down and the alert on store_up could never fire). A revocation needs the
-# database too, so none is missed.
+# there, the target went down and the alert on store_up could never fire). A key refused (revoked) is
+# forgotten at once; one revoked while the scrape was not looking passes until the grace runs out.
 OUTAGE_GRACE_SECONDS = 900.0
 
 
@@ -66,17 +66,16 @@ def resolve(
     ``through_outage``: a key checked within OUTAGE_GRACE_SECONDS passes while the database is down."""
     if credentials is None:
         return None
-    digest = hash_key(credentials.credentials)
     try:
         principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
     except Exception as exc:
+        digest = hash_key(credentials.credentials)
         remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
         if remembered is None or not database_unavailable(exc):
             raise
         return remembered
-    if through_outage and principal is not None:
-        ctx.remember_key(digest, principal)
     if principal is None:
+        ctx.forget_key(hash_key(credentials.credentials))  # revoked: no longer taken through an outage
         raise ApiError(401, "unknown or revoked API key (or wrong admin token)", headers=CHALLENGE)
     return principal
 
@@ -101,7 +100,10 @@ def require(
             raise ApiError(
                 401, f"missing 'Authorization: Bearer <API key>' header (scope {scope!r})", headers=CHALLENGE
             )
-        return _check_scope(principal, scope, all_sources)
+        _check_scope(principal, scope, all_sources)
+        if through_outage and credentials is not None:  # only a key this route lets in is remembered
+            ctx.remember_key(hash_key(credentials.credentials), principal)
+        return principal
 
     return dependency
 

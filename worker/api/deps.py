@@ -61,9 +61,14 @@ class ApiContext:
 
     def remember_key(self, digest: str, principal: Principal) -> None:
         with self._verified_lock:
-            if len(self._verified) >= MAX_REMEMBERED_KEYS and digest not in self._verified:
-                self._verified.pop(next(iter(self._verified)))  # the oldest remembered
+            self._verified.pop(digest, None)  # re-inserted last: the least recently checked go first
+            if len(self._verified) >= MAX_REMEMBERED_KEYS:
+                self._verified.pop(next(iter(self._verified)))
             self._verified[digest] = (principal, time.monotonic())
+
+    def forget_key(self, digest: str) -> None:
+        with self._verified_lock:
+            self._verified.pop(digest, None)
 
     def remembered_key(self, digest: str, within: float) -> Principal | None:
         """The principal of a key that passed the check less than ``within`` seconds ago."""

@@ -163,7 +163,7 @@ async def put_config_value(request: Request, ctx: Context, admin: Admin, key: Co
     return await run_in_threadpool(set_config_value, ctx, key, body, admin.actor)
 
 
-def unset_config_value(ctx: ApiContext, key: str) -> ConfigSetOut:
+def unset_config_value(ctx: ApiContext, key: str, actor: str) -> ConfigSetOut:
     with ctx.factory() as session, session.begin():
         try:
             removed = unset_config(session, key)
@@ -172,19 +172,20 @@ def unset_config_value(ctx: ApiContext, key: str) -> ConfigSetOut:
         resumed = outbox.resume_for_config_change(session, key, None) if removed else []
     ctx.enqueue(resumed)
     if removed:
-        logger.info("config %s unset by the API; %s paused job(s) resumed", key, len(resumed))
+        # The row is gone, so the log is the record of who unset it (a kill switch turned back on).
+        logger.info("config %s unset by %s; %s paused job(s) resumed", key, actor, len(resumed))
     enabled = True if key in KILL_SWITCHES else None
     return ConfigSetOut(key=key, value=None, enabled=enabled, resumed=len(resumed))
 
 
 @config_router.delete("/v1/config/{key}", response_model=ConfigSetOut, responses=error_responses(401, 404))
-def delete_config_value(ctx: Context, key: ConfigKey) -> ConfigSetOut:
+def delete_config_value(ctx: Context, admin: Admin, key: ConfigKey) -> ConfigSetOut:
     """Unset a key, so it means its default again (a kill switch: on, resuming its paused jobs).
 
     Unsetting a key that is not set changes nothing. A key nothing reads is 404 unless it is set
     (a row kept from before keys were checked), so such rows can be removed.
     """
-    return unset_config_value(ctx, key)
+    return unset_config_value(ctx, key, admin.actor)
 
 
 __all__ = ["MAX_CONFIG_BODY_BYTES", "config_router"]
