@@ -12,13 +12,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.exc import InvalidatePoolError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
-from worker.core.errors import MigrationsMissingError
+from worker.core.errors import InvalidSettingsError, MigrationsMissingError
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
 from worker.settings import Settings, get_settings
 
@@ -39,12 +39,35 @@ ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 MIGRATIONS = REPO_ROOT / "alembic"
 
 
+DATABASE_URL_FORM = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+
+
 def database_url(settings: Settings | None = None) -> str:
     """The SQLAlchemy URL to use: FACTMILL_DATABASE_URL, else the embedded Postgres."""
     settings = settings or get_settings()
     if settings.database_url:
-        return to_sqlalchemy_url(settings.database_url)
+        url = to_sqlalchemy_url(settings.database_url)
+        problem = url_problem(url)
+        if problem:
+            raise InvalidSettingsError(f"invalid setting: FACTMILL_DATABASE_URL: {problem}")
+        return url
     return embedded_postgres_url(settings.data_dir)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a database URL, read as SQLAlchemy reads it, or None; never quoting it. A
+    port left as a template was a traceback from the first command that connected, and an unescaped
+    '@' in the password made part of it the host, which the connection error then printed."""
+    try:
+        parsed = make_url(url)
+        parsed.port  # noqa: B018 (read for its check)
+    except Exception:  # ArgumentError, or a port that is no number
+        return f"is not a database URL: expected {DATABASE_URL_FORM}"
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        return f"must be a Postgres URL: expected {DATABASE_URL_FORM}"
+    if parsed.host is not None and "@" in parsed.host:
+        return "holds an '@' after its credentials: percent-encode '@' in the password as %40"
+    return None
 
 
 # A pooled connection is pinged before use only when it sat idle at least this long. SQLAlchemy's

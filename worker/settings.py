@@ -6,14 +6,11 @@ import hmac
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import InvalidSettingsError
-
-DATABASE_URL_FORM = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
 
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
@@ -236,25 +233,6 @@ class Settings(BaseSettings):
     @classmethod
     def _strip(cls, value: str) -> str:
         return value.strip()
-
-    @field_validator("database_url", "test_database_url")
-    @classmethod
-    def _database_url(cls, value: str | None) -> str | None:
-        """A Postgres URL that parses as its writer meant: a bad one was a traceback from the first
-        command that used it, and an unescaped '@' in the password was read as part of the host, which
-        the connection error then printed (part of the password with it). The URL is never quoted."""
-        if value is None:
-            return None
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018 (read for its check: a port that is no number, or past 65535)
-        except ValueError:
-            raise ValueError(f"is not a database URL: expected {DATABASE_URL_FORM}") from None
-        if parts.scheme.partition("+")[0] not in ("postgresql", "postgres"):
-            raise ValueError(f"must be a Postgres URL: expected {DATABASE_URL_FORM}")
-        if parts.netloc.count("@") > 1:
-            raise ValueError("holds an '@' after its credentials: percent-encode '@' in the password as %40")
-        return value
 
     @field_validator("webhook_previous_secret")
     @classmethod

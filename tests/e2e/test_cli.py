@@ -311,6 +311,21 @@ def test_a_database_url_that_does_not_parse_is_one_line_that_never_quotes_it(url
     assert "hunter2" not in result.stderr
 
 
+def test_database_urls_sqlalchemy_reads_are_not_refused():
+    """The check reads a URL as SQLAlchemy does: a password with '/' or '?' (base64 secrets have them),
+    a user with '@', a socket folder, an IPv6 host all pass."""
+    from worker.db import url_problem
+
+    for url in (
+        "postgresql+psycopg://fm:Zx9/Qw+r?x#y@db:5432/factmill",
+        "postgresql://admin@srv:pw@db/app",
+        "postgresql+psycopg://fm@/factmill?host=/var/run/postgresql",
+        "postgresql+psycopg://fm:pw@[::1]:5432/factmill",
+        "postgresql+psycopg://fm:p%40ss@db/factmill",
+    ):
+        assert url_problem(url) is None, url
+
+
 def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
     """A refused connection was SQLAlchemy's traceback on most commands (search alone said so, on
     three lines with a link)."""

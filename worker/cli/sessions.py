@@ -7,7 +7,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_de
 
 from worker import db
 from worker.cli.console import err, fail
-from worker.core.errors import connection_failure, error_summary
+from worker.core.errors import InvalidSettingsError, connection_failure, error_summary
 from worker.settings import Settings, get_settings
 
 
@@ -15,6 +15,8 @@ def database_url(settings: Settings) -> str:
     """The configured database URL (starting the embedded server if that is the default)."""
     try:
         return db.database_url(settings)
+    except InvalidSettingsError:
+        raise  # one line and exit 2, as every refused setting (worker.cli.app.main)
     except Exception as exc:
         raise fail(str(exc)) from exc
 
