@@ -299,8 +299,10 @@ def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_
     """Lisbon (Jan) was closed by Porto (Mar); then Porto said in December arrived, a duplicate of
     March's by rule. March's Porto moved its start back to December and ended Lisbon there, at
     greatest(December, January): Lisbon's interval was empty, and as of February only Porto answered.
-    December's Porto is a saying of its own, ended where Lisbon begins; Lisbon and March's keep theirs."""
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+    December's Porto is a saying of its own, ended where Lisbon begins; Lisbon and March's keep theirs,
+    and Faro (Nov), which Lisbon had closed, now ends where December's Porto begins."""
+    november = ("conversations/alice-nov", one_line_page("2025-11-03", "I live in Faro now."))
+    for slug, body in (november, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
         put_page(tx_factory, slug, body)
         extract(tx_factory, llm, slug)
         consolidate(tx_factory, llm)
@@ -319,11 +321,43 @@ def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_
         MAR_START,
     )
     assert (december.status, december.superseded_by, december.valid_to) == ("superseded", lisbon.id, jan)
+    faro = facts["Alice Example lives in Faro now."][0]
+    dec = datetime(2025, 12, 1, 9, 0, tzinfo=UTC)
+    assert (faro.status, faro.superseded_by, faro.valid_to) == ("superseded", december.id, dec)
     with tx_factory() as session:
-        [row] = session.scalars(
+        rows = session.scalars(
             select(ConsolidationDecision).where(ConsolidationDecision.fact_id == december.id)
         ).all()
-    assert (row.decision, row.decided_by, row.other_fact_id) == ("new", "rule", march.id)
+    assert {(r.decision, r.decided_by, r.other_fact_id) for r in rows} == {
+        ("new", "rule", march.id),
+        ("updates", "rule", faro.id),  # slotted into the chain
+    }
+
+
+def test_a_saying_from_before_what_its_canonical_closes_in_the_same_run_is_a_fact_of_its_own(
+    tx_factory, llm
+) -> None:
+    """Porto (Mar) is current; a late run brings Porto said in December and Lisbon (Jan) together.
+    December's Porto was merged into March's first (Lisbon was not yet closed by it), March's start
+    moved back to December, and Lisbon, then closed by March's at March, answered beside it."""
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, MAR_PAGE)
+    consolidate(tx_factory, llm)
+    late = {
+        "conversations/alice-dec": one_line_page("2025-12-01", "I live in Porto now."),
+        "conversations/alice-jan": one_line_page("2026-01-10", "I live in Lisbon now."),
+    }
+    for slug, body in late.items():
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    march, december = facts["Alice Example lives in Porto now."]
+    lisbon = facts["Alice Example lives in Lisbon now."][0]
+    jan = datetime(2026, 1, 10, 9, 0, tzinfo=UTC)
+    assert (march.status, march.valid_from) == ("current", MAR_START)
+    assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, MAR_START)
+    assert (december.status, december.superseded_by, december.valid_to) == ("superseded", lisbon.id, jan)
 
 
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:

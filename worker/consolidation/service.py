@@ -12,7 +12,13 @@ from typing import Any
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
 from worker.core.consolidation import FactView, order_key
-from worker.core.consolidation_plan import FactPlan, plan_consolidation, reopen_restatements, resolve
+from worker.core.consolidation_plan import (
+    FactPlan,
+    plan_consolidation,
+    reopen_restatements,
+    resolve,
+    split_earlier_sayings,
+)
 from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
@@ -131,7 +137,9 @@ def _consolidate_round(
     answers, call_ids = _ask_model(store, llm, run, plans, counters)
     decisions = [
         replace(decision, reconsider=False) if decision.fact_id in final else decision
-        for decision in reopen_restatements([(plan, resolve(plan, answers)) for plan in plans])
+        for decision in reopen_restatements(
+            split_earlier_sayings([(plan, resolve(plan, answers)) for plan in plans])
+        )
     ]
     resolved = [
         (decision, next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))

@@ -46,7 +46,7 @@ from worker.core.consolidation import (
     entity_key_filter,
     said_at,
 )
-from worker.core.consolidation_plan import RESTATED_REASON, Resolved, Row
+from worker.core.consolidation_plan import EARLIER_SAYING_REASON, RESTATED_REASON, Resolved, Row
 from worker.db import statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
@@ -55,10 +55,6 @@ ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are
 SLOTTED_REASON = (
     "rule: said between fact {old} and fact {newer}, which had closed it: fact {old} now ends where this "
     "one begins"
-)
-EARLIER_SAYING_REASON = (
-    "rule: says what fact {canonical} says, but before fact {changed}, which changed it (and which fact "
-    "{canonical} closed): a fact of its own, ended where fact {changed} begins"
 )
 ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
 
@@ -183,7 +179,8 @@ def _write_decision(
         changed_id, changed_at = changed
         values.update(status=SUPERSEDED, superseded_by=changed_id, valid_to=changed_at)
         reason = EARLIER_SAYING_REASON.format(canonical=decision.duplicate_of, changed=changed_id)
-        rows = [(decision.fact_id, Row(decision.duplicate_of, "new", "rule", reason))]
+        rows = [(fact_id, row) for fact_id, row in rows if row.decided_by == "model"]  # the model's verdicts
+        rows.append((decision.fact_id, Row(decision.duplicate_of, "new", "rule", reason)))
     elif decision.duplicate_of is not None:
         values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
     marked = session.scalars(
@@ -194,7 +191,9 @@ def _write_decision(
     ).all()
     if not marked:
         return False
-    if changed is None and decision.duplicate_of is not None and decision.since is not None:
+    if changed is not None:  # what was true before it, and ended where the changed fact began, ends here
+        rows += _slot_into_chain(session, decision.fact_id, decision.since, changed[0])
+    elif decision.duplicate_of is not None and decision.since is not None:
         _start_canonical_by(session, decision.duplicate_of, decision.since)
     for closing in decision.closings:
         session.execute(
@@ -203,7 +202,7 @@ def _write_decision(
             .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
         )
         if closing.older.id == decision.fact_id:
-            rows += _slot_into_chain(session, closing)
+            rows += _slot_into_chain(session, closing.older.id, closing.older.since, closing.newer.id)
         else:
             rows += _reopen_later_restatements(session, closing)
     _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
@@ -249,20 +248,20 @@ def _start_canonical_by(session: Session, canonical: int, since: datetime) -> No
     )
 
 
-def _slot_into_chain(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
+def _slot_into_chain(
+    session: Session, new_id: int, start: datetime | None, newer_id: int
+) -> list[tuple[int, Row]]:
     """A new fact said before the current one that closes it (it arrived late): what that fact had
     closed before, and was still true when the new one was said, now ends where the new one begins.
     Only the current facts are compared, so Paris (Jan, closed by Berlin in Mar) kept its March end
     when Lyon (Feb) came: as of Feb 15 both Paris and Lyon answered."""
-    new, newer = closing.older, closing.newer
-    start = new.since
     if start is None:
         return []
     earlier = session.execute(
         select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
-            Fact.superseded_by == newer.id,
+            Fact.superseded_by == newer_id,
             Fact.status == SUPERSEDED,
-            Fact.id != new.id,
+            Fact.id != new_id,
             Fact.valid_to > start,
         )
     ).all()
@@ -274,10 +273,10 @@ def _slot_into_chain(session: Session, closing: Supersession) -> list[tuple[int,
         session.execute(
             update(Fact)
             .where(Fact.id == old.id)
-            .values(superseded_by=new.id, valid_to=close_interval(since, start))
+            .values(superseded_by=new_id, valid_to=close_interval(since, start))
         )
         rows.append(
-            (new.id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer.id)))
+            (new_id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer_id)))
         )
     return rows
 

@@ -17,6 +17,7 @@ from worker.core.consolidation import (
     PairTriage,
     Supersession,
     chosen,
+    close_interval,
     entity_words,
     order_key,
     pair_verdict,
@@ -170,6 +171,10 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
     return Resolved(new.id, tuple(rows), closings=tuple(closings))
 
 
+EARLIER_SAYING_REASON = (
+    "rule: says what fact {canonical} says, but before fact {changed}, which changed it (and which fact "
+    "{canonical} closed): a fact of its own, ended where fact {changed} begins"
+)
 RESTATED_REASON = (
     "rule: restates fact {old}, which fact {newer}, said before it, supersedes in the same run; kept "
     "current (true again after the change)"
@@ -198,6 +203,41 @@ def _to_canonicals(
         (plan, replace(r, duplicate_of=root(r.duplicate_of)) if r.duplicate_of is not None else r)
         for plan, r in decided
     ]
+
+
+def split_earlier_sayings(
+    decided: Sequence[tuple[FactPlan, Resolved]],
+) -> list[tuple[FactPlan, Resolved]]:
+    """One run's resolutions, with each duplicate said before a fact its canonical closes in the same
+    run made a fact of its own, closed by the first such fact. A late page bringing Paris (Jan) and
+    Berlin (Feb) to a current Paris (Mar): January's was merged into March's, whose start moved back to
+    January, and Berlin, then closed by March's at March, answered beside it as of February. (A
+    canonical that closed such a fact in an earlier run: ``ConsolidationStore``'s ``_changed_after``.)"""
+    closed_by: dict[int, list[FactView]] = {}
+    for _, resolved in decided:
+        for closing in resolved.closings:
+            closed_by.setdefault(closing.newer.id, []).append(closing.older)
+    out: list[tuple[FactPlan, Resolved]] = []
+    for plan, resolved in decided:
+        said = plan.new.since
+        canonical = resolved.duplicate_of
+        between = [
+            fact
+            for fact in (closed_by.get(canonical, []) if canonical is not None else [])
+            if said is not None and fact.since is not None and fact.since > said and fact.id != plan.new.id
+        ]
+        if canonical is None or not between:
+            out.append((plan, resolved))
+            continue
+        first = min(between, key=order_key)
+        reason = EARLIER_SAYING_REASON.format(canonical=canonical, changed=first.id)
+        rows = (
+            *(row for row in resolved.rows if row.decided_by == "model"),
+            Row(canonical, "new", "rule", reason),
+        )
+        closing = Supersession(plan.new, first, close_interval(said, first.since))
+        out.append((plan, Resolved(resolved.fact_id, rows, closings=(closing,))))
+    return out
 
 
 def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Resolved]:
