@@ -187,6 +187,13 @@ def test_a_restatement_reopened_in_a_run_is_compared_with_the_facts_after_it(tx_
     august = datetime(2026, 8, 1, 9, 0, tzinfo=UTC)
     assert (june.status, june.superseded_by, june.valid_to) == ("superseded", faro.id, august)
     assert counters.facts_considered == 4 and counters.llm_calls == 2  # the second round asked once
+    # Each fact counted once, when decided for good (the reopened one was counted twice).
+    assert sum(counters.decisions.values()) == 4
+    with tx_factory() as session:
+        done = session.scalar(
+            select(ConsolidationCheckpoint.facts_done).where(ConsolidationCheckpoint.entity_key == ALICE)
+        )
+    assert done == 4
 
 
 def one_line_page(day: str, text: str) -> str:
@@ -767,3 +774,31 @@ def test_a_run_commits_round_by_round_so_a_failure_keeps_what_was_decided(
     assert counters.facts_considered == 2 and calls(tx_factory) - before == counters.llm_calls
     current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
     assert current == ["Alice Example lives in Braga now."]
+
+
+def test_a_fact_left_to_decide_again_that_a_later_fact_closes_is_decided(tx_factory, llm) -> None:
+    """A reopened restatement is written current and unconsolidated, to be decided again; closed by a
+    later fact of the same round it stayed unconsolidated, and the next round planned it as if current."""
+    from worker.core.consolidation import FactView, Supersession
+    from worker.core.consolidation_plan import Resolved, Row
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    facts = alice(tx_factory)
+    lisbon, porto = (
+        facts["Alice Example lives in Lisbon now."][0],
+        facts["Alice Example lives in Porto now."][0],
+    )
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+
+    def view(fact: Fact) -> FactView:
+        return FactView(fact.id, fact.fact, fact.kind, fact.valid_from)
+
+    again = Resolved(lisbon.id, (Row(None, "new", "rule", "reopened"),), reconsider=True)
+    closing = Supersession(view(lisbon), view(porto), MAR_START)
+    closes = Resolved(porto.id, (Row(lisbon.id, "updates", "model", "moved"),), closings=(closing,))
+    assert store.commit_decisions("default", ALICE, None, [(again, None), (closes, None)]) == [True, True]
+    with tx_factory() as session:
+        row = session.get(Fact, lisbon.id)
+        assert row is not None and row.status == "superseded" and row.consolidated_at is not None

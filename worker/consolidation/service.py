@@ -150,6 +150,8 @@ def _consolidate_round(
         chunk = resolved[start : start + DECISIONS_PER_COMMIT]
         written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
         for (decision, _), ok in zip(chunk, written, strict=True):
+            if decision.reconsider:
+                continue  # counted when it is decided for good
             if ok:
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
             else:

@@ -144,8 +144,13 @@ class ConsolidationStore:
             created = lock_checkpoint(session, source_id, entity_key)
             for decision, llm_call_id in decisions:
                 done.append(_write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
-            written = [d.fact_id for d, ok in zip((d for d, _ in decisions), done, strict=True) if ok]
-            if created and not written:
+            # A decision left to decide again is counted when it is decided for good.
+            written = [
+                d.fact_id
+                for d, ok in zip((d for d, _ in decisions), done, strict=True)
+                if ok and not d.reconsider
+            ]
+            if created and not any(done):
                 # Its facts went meanwhile (an erasure dropped the key's checkpoint): bring nothing back.
                 session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": entity_key})
             if written:
@@ -196,10 +201,17 @@ def _write_decision(
     elif decision.duplicate_of is not None and decision.since is not None:
         _start_canonical_by(session, decision.duplicate_of, decision.since)
     for closing in decision.closings:
+        # A fact closed is decided: one left to decide again (reopened earlier in this run) is not
+        # planned again as if it were current.
         session.execute(
             update(Fact)
             .where(Fact.id == closing.older.id, Fact.status == CURRENT)
-            .values(status=SUPERSEDED, superseded_by=closing.newer.id, valid_to=closing.valid_to)
+            .values(
+                status=SUPERSEDED,
+                superseded_by=closing.newer.id,
+                valid_to=closing.valid_to,
+                consolidated_at=func.coalesce(Fact.consolidated_at, func.now()),
+            )
         )
         if closing.older.id == decision.fact_id:
             rows += _slot_into_chain(session, closing.older.id, closing.older.since, closing.newer.id)
