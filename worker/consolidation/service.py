@@ -97,7 +97,7 @@ class EntityRun:
 # round committed before the next is asked: a run of thousands asked every pair before committing one
 # decision, and a time limit, a budget pause or one unusable answer threw all of it away (and paid for it
 # again on every retry). A round's reopened restatements are decided again in a later round, once.
-MAX_FACTS_PER_ROUND = 500
+MAX_FACTS_PER_ROUND = 2_000  # up to ~250 calls a round; each round reads the entity again
 MAX_ROUNDS = 10_000  # a guard: every round commits its facts' decisions, so pending runs out well before
 
 
