@@ -1193,7 +1193,7 @@ def test_cli_search_is_held_to_the_readers_budget_not_extractions(
 ) -> None:
     """`factmill search` checked the work budget while its calls were booked to the readers' one: a
     spent extraction day skipped its expansion, and the readers' budget never stopped it."""
-    from tests.integration.test_access_budget import configure, spend
+    from tests.integration.test_access_budget import configure, ledger_rows, spend
     from worker.accounting import SEARCH_DAILY_BUDGET_KEY
     from worker.cli import app
 
@@ -1212,7 +1212,11 @@ def test_cli_search_is_held_to_the_readers_budget_not_extractions(
         assert skipped not in notes()
         configure(vector_factory, SEARCH_DAILY_BUDGET_KEY, "1")
         spend(vector_factory, EXPANSION_PURPOSE, "2")  # the readers' day is spent
-        assert skipped in notes()
+        rows = ledger_rows(vector_factory)
+        said = notes()
+        assert skipped in said and "vector search skipped: budget" in said
+        # Refused before any request (expansion and the query's embedding): nothing is recorded.
+        assert ledger_rows(vector_factory) == rows
 
 
 def test_cli_embed_ends_on_one_line_when_the_llm_refuses(
