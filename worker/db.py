@@ -65,8 +65,10 @@ def url_problem(url: str) -> str | None:
         return f"is not a database URL: expected {DATABASE_URL_FORM}"
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         return f"must be a Postgres URL: expected {DATABASE_URL_FORM}"
-    if parsed.host is not None and "@" in parsed.host:
+    if "@" in (parsed.host or "") or "@" in (parsed.database or ""):  # p@ss or p@ss/w@db
         return "holds an '@' after its credentials: percent-encode '@' in the password as %40"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"names port {parsed.port}: a port is 1 to 65535"
     return None
 
 
