@@ -64,8 +64,15 @@ def resolve(
 ) -> Principal | None:
     """The principal a bearer credential names; None without one; 401 when it is unknown or revoked.
     ``through_outage``: a key checked within OUTAGE_GRACE_SECONDS passes while the database is down."""
+    return _resolved(ctx, credentials, through_outage)[0]
+
+
+def _resolved(
+    ctx: ApiContext, credentials: HTTPAuthorizationCredentials | None, through_outage: bool
+) -> tuple[Principal | None, bool]:
+    """``resolve``'s principal, and whether the database checked it just now (not a remembered check)."""
     if credentials is None:
-        return None
+        return None, False
     try:
         principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
     except Exception as exc:
@@ -73,11 +80,11 @@ def resolve(
         remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
         if remembered is None or not database_unavailable(exc):
             raise
-        return remembered
+        return remembered, False
     if principal is None:
         ctx.forget_key(hash_key(credentials.credentials))  # revoked: no longer taken through an outage
         raise ApiError(401, "unknown or revoked API key (or wrong admin token)", headers=CHALLENGE)
-    return principal
+    return principal, True
 
 
 def _check_scope(principal: Principal, scope: str, all_sources: str | None) -> Principal:
@@ -95,13 +102,15 @@ def require(
     ``through_outage``: see ``resolve``."""
 
     def dependency(ctx: Context, credentials: Credentials) -> Principal:
-        principal = resolve(ctx, credentials, through_outage=through_outage)
+        principal, checked = _resolved(ctx, credentials, through_outage)
         if principal is None:
             raise ApiError(
                 401, f"missing 'Authorization: Bearer <API key>' header (scope {scope!r})", headers=CHALLENGE
             )
         _check_scope(principal, scope, all_sources)
-        if through_outage and credentials is not None:  # only a key this route lets in is remembered
+        # Only a key this route lets in, and only on a real check (a remembered one is not renewed: the
+        # grace runs from the last time the database said yes).
+        if through_outage and checked and credentials is not None:
             ctx.remember_key(hash_key(credentials.credentials), principal)
         return principal
 
