@@ -187,13 +187,13 @@ def test_a_restatement_reopened_in_a_run_is_compared_with_the_facts_after_it(tx_
     august = datetime(2026, 8, 1, 9, 0, tzinfo=UTC)
     assert (june.status, june.superseded_by, june.valid_to) == ("superseded", faro.id, august)
     assert counters.facts_considered == 4 and counters.llm_calls == 2  # the second round asked once
-    # Each fact counted once, when decided for good (the reopened one was counted twice).
+    # Each fact counted once (the reopened one was counted twice).
     assert sum(counters.decisions.values()) == 4
     with tx_factory() as session:
         done = session.scalar(
             select(ConsolidationCheckpoint.facts_done).where(ConsolidationCheckpoint.entity_key == ALICE)
         )
-    assert done == 4
+    assert done == 5  # decisions written: June's Lisbon was written twice (left to decide again, decided)
 
 
 def one_line_page(day: str, text: str) -> str:
@@ -344,12 +344,14 @@ def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_
 def test_a_saying_from_before_what_its_canonical_closes_in_the_same_run_is_a_fact_of_its_own(
     tx_factory, llm
 ) -> None:
-    """Porto (Mar) is current; a late run brings Porto said in December and Lisbon (Jan) together.
-    December's Porto was merged into March's first (Lisbon was not yet closed by it), March's start
-    moved back to December, and Lisbon, then closed by March's at March, answered beside it."""
-    put_page(tx_factory, MAR_PAGE, MAR_BODY)
-    extract(tx_factory, llm, MAR_PAGE)
-    consolidate(tx_factory, llm)
+    """Faro (Nov) was closed by Porto (Mar); a late run brings Porto said in December and Lisbon (Jan)
+    together. December's Porto was merged into March's first (Lisbon was not yet closed by it), March's
+    start moved back to December, and Lisbon, then closed by March's at March, answered beside it. Now
+    December's Porto ends where Lisbon begins, and Faro where December's Porto begins."""
+    for slug, day, city in (("conversations/alice-nov", "2025-11-03", "Faro"), (MAR_PAGE, None, None)):
+        put_page(tx_factory, slug, MAR_BODY if day is None else one_line_page(day, f"I live in {city} now."))
+        extract(tx_factory, llm, slug)
+        consolidate(tx_factory, llm)
     late = {
         "conversations/alice-dec": one_line_page("2025-12-01", "I live in Porto now."),
         "conversations/alice-jan": one_line_page("2026-01-10", "I live in Lisbon now."),
@@ -360,11 +362,57 @@ def test_a_saying_from_before_what_its_canonical_closes_in_the_same_run_is_a_fac
     consolidate(tx_factory, llm)
     facts = alice(tx_factory)
     march, december = facts["Alice Example lives in Porto now."]
-    lisbon = facts["Alice Example lives in Lisbon now."][0]
-    jan = datetime(2026, 1, 10, 9, 0, tzinfo=UTC)
+    lisbon, faro = (
+        facts["Alice Example lives in Lisbon now."][0],
+        facts["Alice Example lives in Faro now."][0],
+    )
+    jan, dec = datetime(2026, 1, 10, 9, 0, tzinfo=UTC), datetime(2025, 12, 1, 9, 0, tzinfo=UTC)
     assert (march.status, march.valid_from) == ("current", MAR_START)
     assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, MAR_START)
     assert (december.status, december.superseded_by, december.valid_to) == ("superseded", lisbon.id, jan)
+    assert (faro.status, faro.superseded_by, faro.valid_to) == ("superseded", december.id, dec)
+
+
+def test_a_split_saying_ends_at_the_first_change_whether_this_run_or_an_earlier_one_made_it(
+    tx_factory, llm
+) -> None:
+    """Faro (Nov) -> Lisbon (Jan) -> Porto (Mar) were consolidated; a late run brings Porto said in
+    December and Braga (Feb). The split weighed only this run's change (Braga) and ended December's
+    Porto in February, while Lisbon, an earlier run's change, began in January."""
+    for slug, day, city in (
+        ("conversations/alice-nov", "2025-11-03", "Faro"),
+        ("conversations/alice-jan", "2026-01-10", "Lisbon"),
+        ("conversations/alice-mar", "2026-03-05", "Porto"),
+    ):
+        put_page(tx_factory, slug, one_line_page(day, f"I live in {city} now."))
+        extract(tx_factory, llm, slug)
+        consolidate(tx_factory, llm)
+    for slug, day, city in (
+        ("conversations/alice-dec", "2025-12-01", "Porto"),
+        ("conversations/alice-feb", "2026-02-01", "Braga"),
+    ):
+        put_page(tx_factory, slug, one_line_page(day, f"I live in {city} now."))
+        extract(tx_factory, llm, slug)
+    consolidate(tx_factory, llm)
+    facts = alice(tx_factory)
+    march, december = facts["Alice Example lives in Porto now."]
+    faro, lisbon = (
+        facts["Alice Example lives in Faro now."][0],
+        facts["Alice Example lives in Lisbon now."][0],
+    )
+    braga = facts["Alice Example lives in Braga now."][0]
+
+    def at(month: int, day: int, year: int = 2026) -> datetime:
+        return datetime(year, month, day, 9, 0, tzinfo=UTC)
+
+    chain = [(f.id, f.superseded_by, f.valid_to) for f in (faro, december, lisbon, braga)]
+    assert chain == [
+        (faro.id, december.id, at(12, 1, 2025)),
+        (december.id, lisbon.id, at(1, 10)),
+        (lisbon.id, braga.id, at(2, 1)),
+        (braga.id, march.id, at(3, 5)),
+    ]
+    assert (march.status, march.valid_from) == ("current", at(3, 5))
 
 
 def test_rerunning_changes_nothing(tx_factory, llm) -> None:

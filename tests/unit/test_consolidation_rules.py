@@ -354,3 +354,32 @@ def test_a_duplicate_of_a_restatement_the_run_reopens_stays_its_duplicate() -> N
     out = {d.fact_id: d for d in reopen_restatements([(p, resolve(p, answers)) for p in plans])}
     assert (out[3].kind, out[3].duplicate_of) == ("new", None)  # reopened: current after Berlin
     assert (out[4].kind, out[4].duplicate_of) == ("duplicate", 3)  # its copy stays a duplicate of it
+
+
+def test_a_duplicate_said_before_what_its_canonical_closes_in_the_run_is_split_off() -> None:
+    """Porto (Mar) current; one run brings Porto (Dec) and Lisbon (Jan). December's was a duplicate of
+    March's, written before the closing of Lisbon it depends on; split off, it is closed by Lisbon."""
+    from worker.core.consolidation_plan import (
+        EARLIER_SAYING_REASON,
+        plan_consolidation,
+        resolve,
+        split_earlier_sayings,
+    )
+    from worker.core.consolidation_prompt import PairDecision
+
+    dec = datetime(2025, 12, 1, tzinfo=UTC)
+    porto = fact(1, "Alice lives in Porto", when=MAR)
+    early_porto = fact(2, "Alice lives in Porto", when=dec)
+    lisbon = fact(3, "Alice lives in Lisbon", when=JAN)
+    plans = plan_consolidation([early_porto, lisbon], [porto], "people/alice")
+    answers = {a.number: PairDecision(a.number, "updates", "moved") for p in plans for a in p.asked}
+    decided = {r.fact_id: r for _, r in split_earlier_sayings([(p, resolve(p, answers)) for p in plans])}
+    split = decided[2]
+    assert (split.duplicate_of, split.restates, split.since) == (None, 1, dec)
+    [closing] = split.closings
+    assert (closing.older.id, closing.newer.id, closing.valid_to) == (2, 3, JAN)
+    assert [r.reason for r in split.rows] == [EARLIER_SAYING_REASON.format(canonical=1, changed=3)]
+    assert decided[3].closings[0].older.id == 3 and decided[3].closings[0].newer.id == 1
+    # Nothing closed in the run: December's stays March's duplicate.
+    kept = {r.fact_id: r for _, r in split_earlier_sayings([(p, resolve(p, {})) for p in plans])}
+    assert kept[2].duplicate_of == 1 and kept[2].restates is None

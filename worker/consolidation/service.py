@@ -97,7 +97,7 @@ class EntityRun:
 # round committed before the next is asked: a run of thousands asked every pair before committing one
 # decision, and a time limit, a budget pause or one unusable answer threw all of it away (and paid for it
 # again on every retry). A round's reopened restatements are decided again in a later round, once.
-MAX_FACTS_PER_ROUND = 2_000  # up to ~250 calls a round; each round reads the entity again
+MAX_FACTS_PER_ROUND = 500  # at most ~63 calls at risk; each round reads the entity again (see the note)
 MAX_ROUNDS = 10_000  # a guard: every round commits its facts' decisions, so pending runs out well before
 
 
@@ -150,8 +150,8 @@ def _consolidate_round(
         chunk = resolved[start : start + DECISIONS_PER_COMMIT]
         written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
         for (decision, _), ok in zip(chunk, written, strict=True):
-            if decision.reconsider:
-                continue  # counted when it is decided for good
+            if decision.fact_id in final:
+                continue  # counted when first written (left to decide again then)
             if ok:
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
             else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -28,34 +27,26 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ConsolidationCheckpoint, ConsolidationDecision, Fact
+from models import ConsolidationCheckpoint, Fact
 from models.fact import ORPHANED_LINK_SQL
 from models.packed import unpack_floats
 from models.tables import FACTS, JOBS
 from worker.accounting import Ledger, LLMCallRecord
+from worker.consolidation.decisions import insert_rows, write_decision
 from worker.core.consolidation import (
     CURRENT,
-    DUPLICATE,
     PAGE_KEY_PREFIX,
-    SUPERSEDED,
     FactView,
-    Supersession,
-    began,
-    close_interval,
     entity_key,
     entity_key_filter,
     said_at,
 )
-from worker.core.consolidation_plan import EARLIER_SAYING_REASON, RESTATED_REASON, Resolved, Row
+from worker.core.consolidation_plan import Resolved, Row
 from worker.db import statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
 logger = logging.getLogger(__name__)
 ENTITY_FACTS_BATCH = 1_000  # rows fetched at a time while an entity's facts are read
-SLOTTED_REASON = (
-    "rule: said between fact {old} and fact {newer}, which had closed it: fact {old} now ends where this "
-    "one begins"
-)
 ORPHAN_REASON = "rule: the fact it was linked to was re-extracted or erased; considered again"
 
 
@@ -120,7 +111,7 @@ class ConsolidationStore:
                 .returning(Fact.id)
             ).all()
             rows = [(i, Row(None, "restore", "rule", ORPHAN_REASON)) for i in ids]
-            _insert_rows(session, source_id, entity_key, job_id, rows)
+            insert_rows(session, source_id, entity_key, job_id, rows)
         return len(ids)
 
     def record_call(self, call: LLMCallRecord) -> int:
@@ -143,13 +134,9 @@ class ConsolidationStore:
         with self._factory.begin() as session:
             created = lock_checkpoint(session, source_id, entity_key)
             for decision, llm_call_id in decisions:
-                done.append(_write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
-            # A decision left to decide again is counted when it is decided for good.
-            written = [
-                d.fact_id
-                for d, ok in zip((d for d, _ in decisions), done, strict=True)
-                if ok and not d.reconsider
-            ]
+                done.append(write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
+            # Decisions written (a fact left to decide again is written, and counted, twice).
+            written = [d.fact_id for (d, _), ok in zip(decisions, done, strict=True) if ok]
             if created and not any(done):
                 # Its facts went meanwhile (an erasure dropped the key's checkpoint): bring nothing back.
                 session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": entity_key})
@@ -167,159 +154,6 @@ class ConsolidationStore:
                     )
                 )
         return done
-
-
-def _write_decision(
-    session: Session,
-    source_id: str,
-    entity_key: str,
-    job_id: int | None,
-    decision: Resolved,
-    llm_call_id: int | None,
-) -> bool:
-    values: dict[str, Any] = {"consolidated_at": None if decision.reconsider else func.now()}
-    rows = [(decision.fact_id, row) for row in decision.rows]
-    changed = _changed_after(session, decision)
-    if changed is not None:  # said before a fact its canonical closed: not the canonical's saying
-        changed_id, changed_at = changed
-        values.update(status=SUPERSEDED, superseded_by=changed_id, valid_to=changed_at)
-        reason = EARLIER_SAYING_REASON.format(canonical=decision.duplicate_of, changed=changed_id)
-        rows = [(fact_id, row) for fact_id, row in rows if row.decided_by == "model"]  # the model's verdicts
-        rows.append((decision.fact_id, Row(decision.duplicate_of, "new", "rule", reason)))
-    elif decision.duplicate_of is not None:
-        values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
-    marked = session.scalars(
-        update(Fact)
-        .where(Fact.id == decision.fact_id, Fact.consolidated_at.is_(None))
-        .values(**values)
-        .returning(Fact.id)
-    ).all()
-    if not marked:
-        return False
-    if changed is not None:  # what was true before it, and ended where the changed fact began, ends here
-        rows += _slot_into_chain(session, decision.fact_id, decision.since, changed[0])
-    elif decision.duplicate_of is not None and decision.since is not None:
-        _start_canonical_by(session, decision.duplicate_of, decision.since)
-    for closing in decision.closings:
-        # A fact closed is decided: one left to decide again (reopened earlier in this run) is not
-        # planned again as if it were current.
-        session.execute(
-            update(Fact)
-            .where(Fact.id == closing.older.id, Fact.status == CURRENT)
-            .values(
-                status=SUPERSEDED,
-                superseded_by=closing.newer.id,
-                valid_to=closing.valid_to,
-                consolidated_at=func.coalesce(Fact.consolidated_at, func.now()),
-            )
-        )
-        if closing.older.id == decision.fact_id:
-            rows += _slot_into_chain(session, closing.older.id, closing.older.since, closing.newer.id)
-        else:
-            rows += _reopen_later_restatements(session, closing)
-    _insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
-    return True
-
-
-def _changed_after(session: Session, decision: Resolved) -> tuple[int, datetime] | None:
-    """For a duplicate said before its canonical: the first fact the canonical closed that began after
-    it (id, start), if any. Paris (Jan) arriving after Berlin (Feb) was closed by Paris (Mar) is not
-    March's saying: Berlin came between. Merged, March's start moved back to January and Berlin's
-    interval was ended at its own start (empty: as of February, only Paris answered)."""
-    if decision.duplicate_of is None or decision.since is None:
-        return None
-    closed = session.execute(
-        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
-            Fact.superseded_by == decision.duplicate_of, Fact.status == SUPERSEDED
-        )
-    ).all()
-    starts = [(began(old.valid_from, old.context, old.created_at), old.id) for old in closed]
-    later = [(start, fact_id) for start, fact_id in starts if start > decision.since]
-    if not later:
-        return None
-    start, fact_id = min(later)
-    return fact_id, start
-
-
-def _start_canonical_by(session: Session, canonical: int, since: datetime) -> None:
-    """A duplicate said before its canonical began (it arrived later): the fact was true since then, so
-    the canonical starts there (as of a time between the two, neither answered), and what it had closed
-    ends there too (else both it and its successor answered in between)."""
-    moved = session.execute(
-        update(Fact)
-        .where(Fact.id == canonical, func.coalesce(Fact.valid_from, Fact.created_at) > since)  # AS_OF_SQL's
-        .values(valid_from=since)
-        .returning(Fact.id)
-    ).first()
-    if moved is None:
-        return
-    session.execute(
-        update(Fact)
-        .where(Fact.superseded_by == canonical, Fact.status == SUPERSEDED, Fact.valid_to > since)
-        .values(valid_to=func.greatest(since, func.coalesce(Fact.valid_from, since)))
-    )
-
-
-def _slot_into_chain(
-    session: Session, new_id: int, start: datetime | None, newer_id: int
-) -> list[tuple[int, Row]]:
-    """A new fact said before the current one that closes it (it arrived late): what that fact had
-    closed before, and was still true when the new one was said, now ends where the new one begins.
-    Only the current facts are compared, so Paris (Jan, closed by Berlin in Mar) kept its March end
-    when Lyon (Feb) came: as of Feb 15 both Paris and Lyon answered."""
-    if start is None:
-        return []
-    earlier = session.execute(
-        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
-            Fact.superseded_by == newer_id,
-            Fact.status == SUPERSEDED,
-            Fact.id != new_id,
-            Fact.valid_to > start,
-        )
-    ).all()
-    rows: list[tuple[int, Row]] = []
-    for old in earlier:
-        since = began(old.valid_from, old.context, old.created_at)
-        if since >= start:
-            continue
-        session.execute(
-            update(Fact)
-            .where(Fact.id == old.id)
-            .values(superseded_by=new_id, valid_to=close_interval(since, start))
-        )
-        rows.append(
-            (new_id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer_id)))
-        )
-    return rows
-
-
-def _reopen_later_restatements(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
-    """A fact closed now (by one that arrived late) may have duplicates said after the closing, in
-    earlier runs: each restates it once it had changed ("Paris" in June, after "Berlin" in March),
-    so it is current again, as ``reopen_restatements`` decides within one run; as a duplicate of a
-    closed fact it answered nothing."""
-    closed_at = closing.newer.since
-    if closed_at is None:
-        return []
-    duplicates = session.execute(
-        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
-            Fact.duplicate_of == closing.older.id, Fact.status == DUPLICATE
-        )
-    ).all()
-    rows: list[tuple[int, Row]] = []
-    for dup in duplicates:
-        since = began(dup.valid_from, dup.context, dup.created_at)
-        if since < closed_at:
-            continue
-        # Current and unconsolidated: decided again (the run's next round) against what is current now.
-        session.execute(
-            update(Fact)
-            .where(Fact.id == dup.id)
-            .values(status=CURRENT, duplicate_of=None, consolidated_at=None)
-        )
-        reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
-        rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
-    return rows
 
 
 def _entity(entity_key: str) -> Any:
@@ -357,36 +191,6 @@ def lock_checkpoint(session: Session, source_id: str, entity_key: str) -> bool:
 DROP_CHECKPOINT = text(
     "DELETE FROM consolidation_checkpoints WHERE source_id = :source_id AND entity_key = :key"
 )
-
-
-def _insert_rows(
-    session: Session,
-    source_id: str,
-    entity_key: str,
-    job_id: int | None,
-    rows: Sequence[tuple[int, Row]],
-    llm_call_id: int | None = None,
-) -> None:
-    if not rows:
-        return
-    session.execute(
-        pg_insert(ConsolidationDecision),
-        [
-            {
-                "job_id": job_id,
-                "source_id": source_id,
-                "entity_key": entity_key,
-                "fact_id": fact_id,
-                "other_fact_id": row.other_fact_id,
-                "decision": row.decision,
-                "decided_by": row.decided_by,
-                "reason": row.reason,
-                "similarity": row.similarity,
-                "llm_call_id": llm_call_id if row.decided_by == "model" else None,
-            }
-            for fact_id, row in rows
-        ],
-    )
 
 
 def orphaned_links_query(source_ids: Sequence[str] | BindParameter[Any]) -> Any:

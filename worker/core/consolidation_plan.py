@@ -130,6 +130,9 @@ class Resolved:
     # Written current but left unconsolidated, to be decided again against what is current after this
     # run (a restatement this run reopened was never compared with the facts planned after it).
     reconsider: bool = False
+    # An earlier saying of this fact (``split_earlier_sayings``): its closing is the first change this run
+    # makes; the store also weighs the changes the fact closed before, and the earliest wins.
+    restates: int | None = None
 
     @property
     def kind(self) -> str:
@@ -236,7 +239,8 @@ def split_earlier_sayings(
             Row(canonical, "new", "rule", reason),
         )
         closing = Supersession(plan.new, first, close_interval(said, first.since))
-        out.append((plan, Resolved(resolved.fact_id, rows, closings=(closing,))))
+        split = Resolved(resolved.fact_id, rows, closings=(closing,), since=said, restates=canonical)
+        out.append((plan, split))
     return out
 
 

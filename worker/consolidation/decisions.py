@@ -1,0 +1,216 @@
+"""One consolidation decision written: the fact marked (duplicate, superseded or current), its effects on
+the entity's other facts (a canonical's start, intervals closed, a chain slotted into, restatements
+reopened) and its audit rows, in the caller's transaction (``ConsolidationStore.commit_decisions``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+from models import ConsolidationDecision, Fact
+from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, Supersession, began, close_interval
+from worker.core.consolidation_plan import EARLIER_SAYING_REASON, RESTATED_REASON, Resolved, Row
+
+SLOTTED_REASON = (
+    "rule: said between fact {old} and fact {newer}, which had closed it: fact {old} now ends where this "
+    "one begins"
+)
+
+
+def write_decision(
+    session: Session,
+    source_id: str,
+    entity_key: str,
+    job_id: int | None,
+    decision: Resolved,
+    llm_call_id: int | None,
+) -> bool:
+    values: dict[str, Any] = {"consolidated_at": None if decision.reconsider else func.now()}
+    rows = [(decision.fact_id, row) for row in decision.rows]
+    canonical = decision.duplicate_of if decision.duplicate_of is not None else decision.restates
+    changed = _first_change(session, decision, canonical)
+    if changed is not None:  # said before a fact its canonical closed: not the canonical's saying
+        changed_id, changed_at = changed
+        values.update(status=SUPERSEDED, superseded_by=changed_id, valid_to=changed_at)
+        reason = EARLIER_SAYING_REASON.format(canonical=canonical, changed=changed_id)
+        rows = [(fact_id, row) for fact_id, row in rows if row.decided_by == "model"]  # the model's verdicts
+        rows.append((decision.fact_id, Row(canonical, "new", "rule", reason)))
+    elif decision.duplicate_of is not None:
+        values.update(status=DUPLICATE, duplicate_of=decision.duplicate_of)
+    marked = session.scalars(
+        update(Fact)
+        .where(Fact.id == decision.fact_id, Fact.consolidated_at.is_(None))
+        .values(**values)
+        .returning(Fact.id)
+    ).all()
+    if not marked:
+        return False
+    if changed is not None and canonical is not None:
+        # What was still true when it was said ends where it begins: a fact the changed one closed, or
+        # one the canonical closed (before this run's changes, the canonical closed what they now close).
+        for newer in dict.fromkeys((changed[0], canonical)):
+            rows += _slot_into_chain(session, decision.fact_id, decision.since, newer)
+    elif decision.duplicate_of is not None and decision.since is not None:
+        _start_canonical_by(session, decision.duplicate_of, decision.since)
+    for closing in decision.closings if decision.restates is None else ():  # a split's: applied above
+        # A fact closed is decided: one left to decide again (reopened earlier in this run) is not
+        # planned again as if it were current.
+        session.execute(
+            update(Fact)
+            .where(Fact.id == closing.older.id, Fact.status == CURRENT)
+            .values(
+                status=SUPERSEDED,
+                superseded_by=closing.newer.id,
+                valid_to=closing.valid_to,
+                consolidated_at=func.coalesce(Fact.consolidated_at, func.now()),
+            )
+        )
+        if closing.older.id == decision.fact_id:
+            rows += _slot_into_chain(session, closing.older.id, closing.older.since, closing.newer.id)
+        else:
+            rows += _reopen_later_restatements(session, closing)
+    insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
+    return True
+
+
+def _first_change(session: Session, decision: Resolved, canonical: int | None) -> tuple[int, datetime] | None:
+    """For a saying of ``canonical`` said before it: the first fact that changed it since (id, start),
+    if any: one the canonical closed that began after it, or (a split) the one this run closes it by.
+    Paris (Jan) arriving after Berlin (Feb) was closed by Paris (Mar) is not March's saying: Berlin came
+    between. Merged, March's start moved back to January and Berlin's interval was ended at its own
+    start (empty: as of February, only Paris answered)."""
+    since = decision.since
+    if canonical is None or since is None:
+        return None
+    closed = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.superseded_by == canonical, Fact.status == SUPERSEDED
+        )
+    ).all()
+    starts = [(began(old.valid_from, old.context, old.created_at), old.id) for old in closed]
+    if decision.restates is not None:
+        starts += [(c.newer.since, c.newer.id) for c in decision.closings if c.newer.since is not None]
+    later = [(start, fact_id) for start, fact_id in starts if start > since]
+    if not later:
+        return None
+    start, fact_id = min(later)
+    return fact_id, start
+
+
+def _start_canonical_by(session: Session, canonical: int, since: datetime) -> None:
+    """A duplicate said before its canonical began (it arrived later): the fact was true since then, so
+    the canonical starts there (as of a time between the two, neither answered), and what it had closed
+    ends there too (else both it and its successor answered in between)."""
+    moved = session.execute(
+        update(Fact)
+        .where(Fact.id == canonical, func.coalesce(Fact.valid_from, Fact.created_at) > since)  # AS_OF_SQL's
+        .values(valid_from=since)
+        .returning(Fact.id)
+    ).first()
+    if moved is None:
+        return
+    session.execute(
+        update(Fact)
+        .where(Fact.superseded_by == canonical, Fact.status == SUPERSEDED, Fact.valid_to > since)
+        .values(valid_to=func.greatest(since, func.coalesce(Fact.valid_from, since)))
+    )
+
+
+def _slot_into_chain(
+    session: Session, new_id: int, start: datetime | None, newer_id: int
+) -> list[tuple[int, Row]]:
+    """A new fact said before the current one that closes it (it arrived late): what that fact had
+    closed before, and was still true when the new one was said, now ends where the new one begins.
+    Only the current facts are compared, so Paris (Jan, closed by Berlin in Mar) kept its March end
+    when Lyon (Feb) came: as of Feb 15 both Paris and Lyon answered."""
+    if start is None:
+        return []
+    earlier = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.superseded_by == newer_id,
+            Fact.status == SUPERSEDED,
+            Fact.id != new_id,
+            Fact.valid_to > start,
+        )
+    ).all()
+    rows: list[tuple[int, Row]] = []
+    for old in earlier:
+        since = began(old.valid_from, old.context, old.created_at)
+        if since >= start:
+            continue
+        session.execute(
+            update(Fact)
+            .where(Fact.id == old.id)
+            .values(superseded_by=new_id, valid_to=close_interval(since, start))
+        )
+        rows.append(
+            (new_id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer_id)))
+        )
+    return rows
+
+
+def _reopen_later_restatements(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
+    """A fact closed now (by one that arrived late) may have duplicates said after the closing, in
+    earlier runs: each restates it once it had changed ("Paris" in June, after "Berlin" in March),
+    so it is current again, as ``reopen_restatements`` decides within one run; as a duplicate of a
+    closed fact it answered nothing."""
+    closed_at = closing.newer.since
+    if closed_at is None:
+        return []
+    duplicates = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
+            Fact.duplicate_of == closing.older.id, Fact.status == DUPLICATE
+        )
+    ).all()
+    rows: list[tuple[int, Row]] = []
+    for dup in duplicates:
+        since = began(dup.valid_from, dup.context, dup.created_at)
+        if since < closed_at:
+            continue
+        # Current and unconsolidated: decided again (the run's next round) against what is current now.
+        session.execute(
+            update(Fact)
+            .where(Fact.id == dup.id)
+            .values(status=CURRENT, duplicate_of=None, consolidated_at=None)
+        )
+        reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
+        rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
+    return rows
+
+
+def insert_rows(
+    session: Session,
+    source_id: str,
+    entity_key: str,
+    job_id: int | None,
+    rows: Sequence[tuple[int, Row]],
+    llm_call_id: int | None = None,
+) -> None:
+    if not rows:
+        return
+    session.execute(
+        pg_insert(ConsolidationDecision),
+        [
+            {
+                "job_id": job_id,
+                "source_id": source_id,
+                "entity_key": entity_key,
+                "fact_id": fact_id,
+                "other_fact_id": row.other_fact_id,
+                "decision": row.decision,
+                "decided_by": row.decided_by,
+                "reason": row.reason,
+                "similarity": row.similarity,
+                "llm_call_id": llm_call_id if row.decided_by == "model" else None,
+            }
+            for fact_id, row in rows
+        ],
+    )
+
+
+__all__ = ["SLOTTED_REASON", "insert_rows", "write_decision"]
