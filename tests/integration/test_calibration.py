@@ -869,27 +869,6 @@ def test_malformed_and_oversized_feedback(client: TestClient) -> None:
     assert response.status_code == 413 and "65536-byte limit" in response.json()["detail"]
 
 
-def test_a_captured_signed_feedback_sent_again_is_stored_once(
-    client: TestClient, tx_factory: sessionmaker[Session]
-) -> None:
-    """A signed feedback with no key of its own, sent again unchanged within the signature's
-    tolerance, was a second observation (skewing the threshold). It is the first one's duplicate."""
-    body = json.dumps({"coverage": 0.4, "answer_kept": False, "origin": "eval:replayed"}).encode()
-    headers = {
-        "Content-Type": "application/json",
-        "Factmill-Signature": sign(body, SECRET, method="POST", path="/v1/feedback"),
-    }
-    first = client.post("/v1/feedback", content=body, headers=headers)
-    again = client.post("/v1/feedback", content=body, headers=headers)
-    assert (first.status_code, again.status_code) == (201, 200)
-    assert again.json()["duplicate"] is True and again.json()["id"] == first.json()["id"]
-    with tx_factory() as session:
-        stored = session.scalars(
-            select(CalibrationObservation).where(CalibrationObservation.origin == "eval:replayed")
-        ).all()
-    assert len(stored) == 1
-
-
 def test_duplicate_feedback_is_200_and_stored_once(
     client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder, judged: tuple[int, ...]
 ) -> None:

@@ -1163,10 +1163,7 @@ def test_a_tool_result_may_answer_a_call_sent_in_an_earlier_request(client: Test
     # In flight, the view answers the still-open call with a placeholder (providers need every answer).
     view = client.get("/v1/transcripts/cont/context").json()["messages"]
     assert [(m["seq"], m["tool_call_id"]) for m in view[2:]] == [(2, "c2"), (None, "c1")]
-    # Another answer to c2 (the same bytes within the same second would be the same signed delivery).
-    again = post_messages(
-        client, "cont", {"messages": [{"role": "tool", "tool_call_id": "c2", "text": "b2"}]}
-    )
+    again = post_messages(client, "cont", {"messages": [{"role": "tool", "tool_call_id": "c2", "text": "b"}]})
     assert again.status_code == 422 and "already answered" in again.json()["detail"]
     done = post_messages(client, "cont", {"messages": [{"role": "tool", "tool_call_id": "c1", "text": "a"}]})
     assert done.status_code == 201
@@ -1297,27 +1294,6 @@ def test_idempotent_appends_replay_and_refuse_a_different_body(
     assert other.status_code == 422 and "reused with a different body" in other.json()["detail"]
     # The same key on another transcript is another delivery.
     assert post_messages(client, "idem-2", payload, key="k1").json()["transcript_id"] == "idem-2"
-
-
-def test_a_captured_signed_append_sent_again_appends_nothing(
-    client: TestClient, tx_factory: sessionmaker[Session]
-) -> None:
-    """Within the signature's tolerance a captured append could be sent again, as it was or with an
-    Idempotency-Key of the attacker's choosing (headers are not signed): each appended its messages
-    again (and could trigger compactions, spending the LLM budget). It gets the first one's answer."""
-    body = json.dumps({"messages": [{"role": "user", "text": "captured"}]}).encode()
-    path = "/v1/transcripts/replayed/messages"
-    headers = {
-        "Content-Type": "application/json",
-        "Factmill-Signature": sign(body, SECRET, method="POST", path=path),
-    }
-    first = client.post(path, content=body, headers=headers)
-    assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
-    for extra in ({}, {"Idempotency-Key": "attacker-1"}):
-        again = client.post(path, content=body, headers=headers | extra)
-        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
-        assert again.json() == first.json()
-    assert message_count(tx_factory, "replayed") == 1
 
 
 def test_a_compaction_can_be_labelled_through_feedback(

@@ -61,49 +61,36 @@ def scoped_key(route: str, subject: str, key: str | None, sender: str) -> str | 
     return hashlib.sha256(scope.encode()).hexdigest()
 
 
-def signed_delivery_key(route: str, signed_at: int, method: str, path: str, body_hash: str) -> str:
-    """The key a signed delivery is also kept under: what its signature covers (time, method, path,
-    body). Within the signature's tolerance a captured request could be sent again, unchanged or with
-    another Idempotency-Key (the header is not signed): each appended its messages again. Such a replay
-    now gets the first one's answer. (Not the header itself: extra or reordered entries change it.)"""
-    scope = f"signed|{route}|{signed_at}|{method}|{path}|{body_hash}"
-    return hashlib.sha256(scope.encode("utf-8", "surrogatepass")).hexdigest()
-
-
 def deliver_once(
     factory: sessionmaker[Session],
     key: str | None,
     body_hash: str,
     write: Callable[[Session], tuple[Answer, T]],
-    *,
-    also: str | None = None,
 ) -> tuple[Answer, T | None]:
     """Run ``write`` (which returns the answer and anything else the caller needs) in one transaction
-    and keep its answer under ``key`` (and ``also``, a signed delivery's own key). Returns (answer, what
-    write returned), or (the stored answer, None) when either key was delivered before; 422 when
-    ``key`` was delivered with a different body."""
-    keys = [k for k in (also, key) if k is not None]
+    and keep its answer under ``key``. Returns (answer, what write returned), or (the stored answer,
+    None) when ``key`` was delivered before; 422 when it was delivered with a different body."""
     try:
         with factory.begin() as session:
-            for one in keys:
-                prior = _stored_answer(session, one, body_hash)
+            if key is not None:
+                prior = _stored_answer(session, key, body_hash)
                 if prior is not None:
                     return prior, None
             answer, outcome = write(session)
-            for one in keys:
+            if key is not None:
                 session.connection().execute(
-                    _KEEP_ANSWER, {"idempotency_key": one, "body_hash": body_hash, "response": answer}
+                    _KEEP_ANSWER, {"idempotency_key": key, "body_hash": body_hash, "response": answer}
                 )
     except IntegrityError:
         # A concurrent delivery with the same key committed first: answer what it answered.
-        if not keys:
+        if key is None:
             raise
         with factory() as session:
-            prior = next((p for one in keys if (p := _stored_answer(session, one, body_hash))), None)
+            prior = _stored_answer(session, key, body_hash)
         if prior is None:
             raise
         return prior, None
     return answer, outcome
 
 
-__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once", "scoped_key", "signed_delivery_key"]
+__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once", "scoped_key"]

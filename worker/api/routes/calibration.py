@@ -7,7 +7,6 @@ requests a recompute on the calibration queue, sent only after the commit.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from datetime import datetime
 from typing import Annotated
@@ -20,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from models import CalibrationThreshold
 from models.reads import read_only
 from worker.api.auth import CalibrationReader, FeedbackIngester, Ingest
-from worker.api.deliveries import WEBHOOK_SENDER, signed_delivery_key
+from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import (
     IDEMPOTENCY_HEADER,
     ApiContext,
@@ -99,9 +98,7 @@ class FeedbackOut(BaseModel):
     recompute_job_id: int | None  # set when this observation made a recompute due
 
 
-def _parse_feedback(
-    body: bytes, header_key: str | None, sender: str, fallback_key: str | None = None
-) -> ObservationIn:
+def _parse_feedback(body: bytes, header_key: str | None, sender: str) -> ObservationIn:
     data = load_json_object(body, "a JSON object with coverage, answer_kept and origin")
     try:
         feedback = FeedbackIn.model_validate(data)
@@ -116,8 +113,6 @@ def _parse_feedback(
                 f"{IDEMPOTENCY_HEADER} header and idempotency_key differ; send one key, or the same in both",
             )
         key = header_key
-    if key is None and feedback.compaction_id is None:
-        key = fallback_key
     try:
         return ObservationIn(
             coverage=feedback.coverage,
@@ -133,18 +128,8 @@ def _parse_feedback(
 
 def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: str | None) -> JSONResponse:
     """Verify, validate, store, commit, then enqueue a due recompute (blocking: runs on a worker thread)."""
-    signed_at = ingest.verify(ctx, body)
-    # A signed feedback with no key of its own, sent again unchanged (a captured request, within the
-    # signature's tolerance), is the same observation, not a second one. (With an Idempotency-Key or a
-    # body key, that key decides; a replay that adds another key is not caught: headers are not signed.)
-    signed = (
-        signed_delivery_key(
-            "POST /v1/feedback", signed_at, ingest.method, ingest.path, hashlib.sha256(body).hexdigest()
-        )
-        if signed_at is not None
-        else None
-    )
-    observation = _parse_feedback(body, check_idempotency_key(header_key), ingest.sender, signed)
+    ingest.verify(ctx, body)
+    observation = _parse_feedback(body, check_idempotency_key(header_key), ingest.sender)
     try:
         report = add_observation(
             ctx.factory, observation, recompute_every=ctx.settings.calibration_recompute_every

@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from models import Compaction
 from models.reads import read_only
 from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
-from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key, signed_delivery_key
+from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
     Context,
@@ -137,7 +137,7 @@ def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    signed_at = ingest.verify(ctx, body)
+    ingest.verify(ctx, body)
     key = check_idempotency_key(key)
     messages, settings = _parse_append(load_json_object(body))
 
@@ -167,16 +167,9 @@ def accept_messages(
         return response.model_dump(mode="json"), result.pending_jobs()
 
     # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
-    route = "POST /v1/transcripts/{id}/messages"
-    delivery_key = scoped_key(route, transcript_id, key, ingest.sender)
-    body_hash = hashlib.sha256(body).hexdigest()
-    signed = (
-        signed_delivery_key(route, signed_at, ingest.method, ingest.path, body_hash)
-        if signed_at is not None
-        else None
-    )
+    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
     try:
-        response, pending = deliver_once(ctx.factory, delivery_key, body_hash, write, also=signed)
+        response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     if pending is None:
