@@ -65,7 +65,10 @@ def url_problem(url: str) -> str | None:
         return f"is not a database URL: expected {DATABASE_URL_FORM}"
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         return f"must be a Postgres URL: expected {DATABASE_URL_FORM}"
-    if "@" in (parsed.host or "") or "@" in (parsed.database or ""):  # p@ss or p@ss/w@db
+    # An '@' the credentials did not take (p@ss, p@ss/w@db) lands in the host or the database name; a
+    # database name with an escaped one (x%40y) is no such case.
+    unescaped = url.partition("://")[2].partition("?")[0].count("@") > 1
+    if unescaped and ("@" in (parsed.host or "") or "@" in (parsed.database or "")):
         return "holds an '@' after its credentials: percent-encode '@' in the password as %40"
     if parsed.port is not None and not 0 < parsed.port < 65536:
         return f"names port {parsed.port}: a port is 1 to 65535"

@@ -324,6 +324,7 @@ def test_database_urls_sqlalchemy_reads_are_not_refused():
         "postgresql+psycopg://fm@/factmill?host=/var/run/postgresql",
         "postgresql+psycopg://fm:pw@[::1]:5432/factmill",
         "postgresql+psycopg://fm:p%40ss@db/factmill",
+        "postgresql+psycopg://fm:pw@db/x%40y",
     ):
         assert url_problem(url) is None, url
 
