@@ -110,13 +110,21 @@ def consolidate_entity(
     counters.restored = store.repair_orphans(run.source_id, run.entity_key, run.job_id)
     considered: set[int] = set()
     reconsidered: set[int] = set()
+    awaiting: set[int] = set()  # left to decide again, not counted yet
     for _ in range(MAX_ROUNDS):
         pending, pool = store.entity_facts(run.source_id, run.entity_key)
+        closed = awaiting - {fact.id for fact in pending}  # a later fact of their round closed them
+        counters.decisions["supersede"] = counters.decisions.get("supersede", 0) + len(closed)
+        awaiting -= closed
         if not pending:
             break
         batch = sorted(pending, key=order_key)[:MAX_FACTS_PER_ROUND]
-        considered.update(fact.id for fact in batch)
-        reconsidered |= _consolidate_round(store, llm, run, batch, pool, counters, final=reconsidered)
+        decided = {fact.id for fact in batch}
+        considered |= decided
+        again = _consolidate_round(store, llm, run, batch, pool, counters, final=reconsidered)
+        awaiting = (awaiting - decided) | again  # decided again now: counted in the round
+        reconsidered |= again
+    counters.decisions = {kind: n for kind, n in counters.decisions.items() if n}
     counters.facts_considered = len(considered)
     return counters
 
@@ -150,8 +158,8 @@ def _consolidate_round(
         chunk = resolved[start : start + DECISIONS_PER_COMMIT]
         written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
         for (decision, _), ok in zip(chunk, written, strict=True):
-            if decision.fact_id in final:
-                continue  # counted when first written (left to decide again then)
+            if decision.reconsider:
+                continue  # counted when decided for good (or closed), under what it came to
             if ok:
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
             else:
