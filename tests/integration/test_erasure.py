@@ -290,8 +290,26 @@ def test_delete_finds_an_nfc_slug_sent_as_nfd(client: TestClient, enabled: sessi
     assert response.json()["slug"] == "café/notes"
 
 
-def test_cli_pages_erase(database_url: str, enabled: sessionmaker[Session], llm: Any) -> None:
+def test_cli_pages_erase(
+    database_url: str, enabled: sessionmaker[Session], llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     facts = extracted_page(enabled, llm)
+    # At a terminal it asks first (no undo); the default is no. A script is never asked (below).
+    from typer.testing import CliRunner
+
+    from worker.cli import app, console
+    from worker.settings import get_settings
+
+    monkeypatch.setattr(console, "_interactive", lambda: True)
+    before = page_facts(enabled)
+    get_settings.cache_clear()
+    asked = CliRunner().invoke(
+        app, ["pages", "erase", "default", SLUG], input="\n", env={"FACTMILL_DATABASE_URL": database_url}
+    )
+    get_settings.cache_clear()
+    assert asked.exit_code == 1 and "Erase page" in asked.output and "nothing was erased" in asked.output
+    assert page_facts(enabled) == before > 0
+    monkeypatch.setattr(console, "_interactive", lambda: False)
     result = invoke_cli(database_url, "pages", "erase", "default", SLUG)
     assert result.exit_code == 0, result.output
     assert f"{facts} fact(s), {facts} embedding(s), 1 checkpoint(s)" in result.output

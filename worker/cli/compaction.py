@@ -11,7 +11,7 @@ from rich.table import Table
 
 from models.reads import read_only
 from worker.calibration import ThresholdCache, describe_tau
-from worker.cli.console import fail, fields, folding_table, out, print_json, when
+from worker.cli.console import YES_OPTION_HELP, confirmed, fail, fields, folding_table, out, print_json, when
 from worker.cli.sessions import checked_factory
 from worker.compaction import (
     CompactionDisabledError,
@@ -257,12 +257,16 @@ def transcripts_list(
 def transcripts_erase(
     transcript_id: Annotated[str, typer.Argument(help="The transcript's id.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help=YES_OPTION_HELP)] = False,
 ) -> None:
     """Erase a transcript: its messages and its compactions (their summaries), as DELETE /v1/transcripts/ID.
 
     All in one transaction; its pending compaction jobs fail with "transcript erased". One content-free
-    row records the erasure."""
-    report = erase_transcript(checked_factory(), transcript_id, requested_by="cli")
+    row records the erasure. At a terminal it asks first (there is no undo)."""
+    factory = checked_factory()
+    if not confirmed(f"Erase transcript {transcript_id!r}, its messages and its compactions?", yes):
+        raise fail("nothing was erased")
+    report = erase_transcript(factory, transcript_id, requested_by="cli")
     if report is None:
         raise fail(f"no transcript {transcript_id!r}; nothing was erased")
     if as_json:

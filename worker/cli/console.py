@@ -152,6 +152,21 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
     sys.stdout.write(_UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
 
 
+def _interactive() -> bool:
+    return sys.stdin.isatty()
+
+
+def confirmed(question: str, yes: bool) -> bool:
+    """Whether a destructive command may go on: ``--yes``, or not at a terminal (a script or a pipe:
+    as before), or the person at the terminal says so (the default is no)."""
+    if yes or not _interactive():
+        return True
+    return typer.confirm(question, default=False, err=True)
+
+
+YES_OPTION_HELP = "Do not ask first (at a terminal the command asks; a script is never asked)."
+
+
 def iso_moment(value: str) -> datetime:
     """An option's ISO 8601 date or time ("2026-03-01", "2026-03-01T12:00Z", "...+02:00"), in UTC when
     it names no zone; a usage error (exit 2) otherwise. Typer's own datetime type took three formats

@@ -10,6 +10,8 @@ import typer
 
 from models.reads import read_only
 from worker.cli.console import (
+    YES_OPTION_HELP,
+    confirmed,
     counting_bar,
     err,
     fail,
@@ -111,13 +113,16 @@ def pages_erase(
     source_id: Annotated[str, typer.Argument(help="The source the page belongs to (e.g. default).")],
     slug: Annotated[str, typer.Argument(help="The page's slug.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help=YES_OPTION_HELP)] = False,
 ) -> None:
     """Erase a page and everything drawn from it (facts, embeddings, checkpoints, audit rows).
 
     All in one transaction; its pending jobs fail with "page erased". One content-free row records the
-    erasure."""
+    erasure. At a terminal it asks first (there is no undo)."""
     slug = stored_form(slug)
     factory = checked_factory()
+    if not confirmed(f"Erase page {slug!r} of source {source_id!r} and everything drawn from it?", yes):
+        raise fail("nothing was erased")
     report = erase_page(factory, source_id, slug, requested_by="cli")
     if report is None:
         raise fail(f"no page {slug!r} in source {source_id!r}; nothing was erased")
