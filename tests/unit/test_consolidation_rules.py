@@ -130,7 +130,15 @@ def test_parse_decisions_is_strict() -> None:
     ):
         with pytest.raises(MalformedDecisionsError):
             parse_decisions(bad, [1])
-    # A reason is stored: a NUL in it failed the decision's commit.
+    # The model's values are described, never quoted (the message becomes the job's last error).
+    for echoed in (
+        '{"decisions": [{"pair": "Alice lives in Lisbon", "decision": "updates"}]}',
+        '{"decisions": [{"pair": 1, "decision": "Alice lives in Lisbon"}]}',
+    ):
+        with pytest.raises(MalformedDecisionsError) as refused:
+            parse_decisions(echoed, [1])
+        assert "Lisbon" not in str(refused.value)
+        # A reason is stored: a NUL in it failed the decision's commit.
     stored = parse_decisions(
         '{"decisions": [{"pair": 1, "decision": "updates", "reason": "a\\u0000b"}]}', [1]
     )

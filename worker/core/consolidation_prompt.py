@@ -110,10 +110,16 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
         if not isinstance(item, dict):
             raise MalformedDecisionsError("a decision is not an object")
         number, verdict, reason = item.get("pair"), item.get("decision"), item.get("reason")
-        if isinstance(number, bool) or not isinstance(number, int) or number not in wanted:
-            raise MalformedDecisionsError(f"decision for unknown pair {number!r}")
+        # The model's own values are described, never quoted: the message becomes the job's last error,
+        # and a model that echoes the facts it judged would put page text there.
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise MalformedDecisionsError(
+                f"a decision's pair is not a pair number (a {type(number).__name__})"
+            )
+        if number not in wanted:
+            raise MalformedDecisionsError(f"decision for unknown pair {number}")
         if verdict not in VERDICTS:
-            raise MalformedDecisionsError(f"pair {number}: decision {verdict!r} is not one of {VERDICTS}")
+            raise MalformedDecisionsError(f"pair {number}: its decision is not one of {', '.join(VERDICTS)}")
         text_reason = made_storable(reason).strip()[:REASON_CHARS] if isinstance(reason, str) else ""
         out.setdefault(number, PairDecision(number, verdict, text_reason or "(no reason given)"))
     return out
