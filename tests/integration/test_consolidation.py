@@ -169,16 +169,15 @@ def test_a_restatement_reopened_in_a_run_is_compared_with_the_facts_after_it(tx_
     """One run of Lisbon (Jan), Porto (Mar), Lisbon (Jun), Faro (Aug): June's Lisbon, planned as a
     duplicate of January's, was never compared with Faro, and when Porto's closing of January's
     reopened it, both it and Faro stood current. Decided again in a second round, Faro closes it."""
-    pages = {
-        "conversations/alice-1": one_line_page("2026-01-10", "I live in Lisbon now."),
-        "conversations/alice-3": one_line_page("2026-03-05", "I live in Porto now."),
-        "conversations/alice-6": one_line_page("2026-06-01", "I live in Lisbon now."),
-        "conversations/alice-8": one_line_page("2026-08-01", "I live in Faro now."),
-    }
-    for slug, body in pages.items():
-        put_page(tx_factory, slug, body)
-        extract(tx_factory, llm, slug)
-    counters = consolidate(tx_factory, llm)
+    counters = arrive(
+        tx_factory,
+        llm,
+        lives("2026-01-10", "Lisbon"),
+        lives("2026-03-05", "Porto"),
+        lives("2026-06-01", "Lisbon"),
+        lives("2026-08-01", "Faro"),
+        each=False,
+    )
     facts = alice(tx_factory)
     _january, june = facts["Alice Example lives in Lisbon now."]
     faro = facts["Alice Example lives in Faro now."][0]
@@ -198,6 +197,23 @@ def test_a_restatement_reopened_in_a_run_is_compared_with_the_facts_after_it(tx_
 
 def one_line_page(day: str, text: str) -> str:
     return "\n".join([fmt("Alice Example", day, "9:00 AM", text), fmt("Bob Demo", day, "9:01 AM", "I see.")])
+
+
+def lives(day: str, city: str) -> tuple[str, str]:
+    """A one-line page dated ``day`` in which Alice says where she lives: (slug, body)."""
+    return f"conversations/alice-{day}", one_line_page(day, f"I live in {city} now.")
+
+
+def arrive(factory: sessionmaker[Session], llm: Any, *pages: tuple[str, str], each: bool = True) -> Any:
+    """Store and extract ``pages`` in order, consolidating after each one (``each``) or once after all;
+    the last consolidation's counters."""
+    counters = None
+    for slug, body in pages:
+        put_page(factory, slug, body)
+        extract(factory, llm, slug)
+        if each:
+            counters = consolidate(factory, llm)
+    return counters if each else consolidate(factory, llm)
 
 
 def test_a_change_that_arrives_late_reopens_what_restated_the_old_fact_after_it(tx_factory, llm) -> None:
@@ -287,13 +303,7 @@ def test_a_duplicate_said_before_its_canonical_moves_the_canonicals_start(tx_fac
 def test_moving_a_canonicals_start_back_ends_what_it_closed_there_too(tx_factory, llm) -> None:
     """Lisbon (Jan) was closed by Porto (Mar); then Porto said in February arrived, a duplicate of
     March's. Porto now starts in February, and Lisbon ended in March still: both answered between."""
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        put_page(tx_factory, slug, body)
-        extract(tx_factory, llm, slug)
-        consolidate(tx_factory, llm)
-    put_page(tx_factory, "conversations/alice-feb", one_line_page("2026-02-01", "I live in Porto now."))
-    extract(tx_factory, llm, "conversations/alice-feb")
-    consolidate(tx_factory, llm)
+    arrive(tx_factory, llm, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY), lives("2026-02-01", "Porto"))
     facts = alice(tx_factory)
     lisbon = facts["Alice Example lives in Lisbon now."][0]
     march, february = facts["Alice Example lives in Porto now."]
@@ -308,14 +318,8 @@ def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_
     greatest(December, January): Lisbon's interval was empty, and as of February only Porto answered.
     December's Porto is a saying of its own, ended where Lisbon begins; Lisbon and March's keep theirs,
     and Faro (Nov), which Lisbon had closed, now ends where December's Porto begins."""
-    november = ("conversations/alice-nov", one_line_page("2025-11-03", "I live in Faro now."))
-    for slug, body in (november, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        put_page(tx_factory, slug, body)
-        extract(tx_factory, llm, slug)
-        consolidate(tx_factory, llm)
-    put_page(tx_factory, "conversations/alice-dec", one_line_page("2025-12-01", "I live in Porto now."))
-    extract(tx_factory, llm, "conversations/alice-dec")
-    consolidate(tx_factory, llm)
+    november, december = lives("2025-11-03", "Faro"), lives("2025-12-01", "Porto")
+    arrive(tx_factory, llm, november, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY), december)
     facts = alice(tx_factory)
     lisbon = facts["Alice Example lives in Lisbon now."][0]
     march, december = facts["Alice Example lives in Porto now."]
@@ -348,18 +352,8 @@ def test_a_saying_from_before_what_its_canonical_closes_in_the_same_run_is_a_fac
     together. December's Porto was merged into March's first (Lisbon was not yet closed by it), March's
     start moved back to December, and Lisbon, then closed by March's at March, answered beside it. Now
     December's Porto ends where Lisbon begins, and Faro where December's Porto begins."""
-    for slug, day, city in (("conversations/alice-nov", "2025-11-03", "Faro"), (MAR_PAGE, None, None)):
-        put_page(tx_factory, slug, MAR_BODY if day is None else one_line_page(day, f"I live in {city} now."))
-        extract(tx_factory, llm, slug)
-        consolidate(tx_factory, llm)
-    late = {
-        "conversations/alice-dec": one_line_page("2025-12-01", "I live in Porto now."),
-        "conversations/alice-jan": one_line_page("2026-01-10", "I live in Lisbon now."),
-    }
-    for slug, body in late.items():
-        put_page(tx_factory, slug, body)
-        extract(tx_factory, llm, slug)
-    consolidate(tx_factory, llm)
+    arrive(tx_factory, llm, lives("2025-11-03", "Faro"), (MAR_PAGE, MAR_BODY))
+    arrive(tx_factory, llm, lives("2025-12-01", "Porto"), lives("2026-01-10", "Lisbon"), each=False)
     facts = alice(tx_factory)
     march, december = facts["Alice Example lives in Porto now."]
     lisbon, faro = (
@@ -379,21 +373,14 @@ def test_a_split_saying_ends_at_the_first_change_whether_this_run_or_an_earlier_
     """Faro (Nov) -> Lisbon (Jan) -> Porto (Mar) were consolidated; a late run brings Porto said in
     December and Braga (Feb). The split weighed only this run's change (Braga) and ended December's
     Porto in February, while Lisbon, an earlier run's change, began in January."""
-    for slug, day, city in (
-        ("conversations/alice-nov", "2025-11-03", "Faro"),
-        ("conversations/alice-jan", "2026-01-10", "Lisbon"),
-        ("conversations/alice-mar", "2026-03-05", "Porto"),
-    ):
-        put_page(tx_factory, slug, one_line_page(day, f"I live in {city} now."))
-        extract(tx_factory, llm, slug)
-        consolidate(tx_factory, llm)
-    for slug, day, city in (
-        ("conversations/alice-dec", "2025-12-01", "Porto"),
-        ("conversations/alice-feb", "2026-02-01", "Braga"),
-    ):
-        put_page(tx_factory, slug, one_line_page(day, f"I live in {city} now."))
-        extract(tx_factory, llm, slug)
-    consolidate(tx_factory, llm)
+    arrive(
+        tx_factory,
+        llm,
+        lives("2025-11-03", "Faro"),
+        lives("2026-01-10", "Lisbon"),
+        lives("2026-03-05", "Porto"),
+    )
+    arrive(tx_factory, llm, lives("2025-12-01", "Porto"), lives("2026-02-01", "Braga"), each=False)
     facts = alice(tx_factory)
     march, december = facts["Alice Example lives in Porto now."]
     faro, lisbon = (
@@ -797,8 +784,8 @@ def test_a_run_commits_round_by_round_so_a_failure_keeps_what_was_decided(
 
     monkeypatch.setattr(service, "MAX_FACTS_PER_ROUND", 2)
     for month, city in (("01", "Lisbon"), ("03", "Porto"), ("05", "Faro"), ("07", "Braga")):
-        slug = f"conversations/alice-{month}"
-        put_page(tx_factory, slug, one_line_page(f"2026-{month}-05", f"I live in {city} now."))
+        slug, body = lives(f"2026-{month}-05", city)
+        put_page(tx_factory, slug, body)
         extract(tx_factory, llm, slug)
 
     class FailsOnItsSecondCall:  # the real simulator client, with the provider failing once
