@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         PermissionDenied,
         RateLimited,
         ServerError,
+        UnexpectedResponse,
         UnprocessableEntity,
     )
     from factmill_client.transport import RetryPolicy
@@ -43,6 +44,7 @@ __all__ = [
     "RateLimited",
     "RetryPolicy",
     "ServerError",
+    "UnexpectedResponse",
     "UnprocessableEntity",
 ]
 

@@ -18,6 +18,7 @@ from urllib.parse import quote
 from pydantic import BaseModel
 
 from factmill_client import models
+from factmill_client.signing import signable_key
 
 T = TypeVar("T", bound=BaseModel)
 P = TypeVar("P", bound=BaseModel)
@@ -28,10 +29,22 @@ def new_idempotency_key() -> str:
     return f"fm-{uuid.uuid4().hex}"
 
 
+def delivery_key(key: str | None) -> str:
+    """The Idempotency-Key of an ingestion call: the caller's, checked (a v3 signature binds it, so it
+    must read alike on both sides: printable ASCII), else a new one."""
+    if key is None:
+        return new_idempotency_key()
+    if not signable_key(key):
+        raise ValueError(
+            f"idempotency_key {key!r} must be 1 to 255 printable ASCII characters, without surrounding spaces"
+        )
+    return key
+
+
 @dataclass(frozen=True)
 class Call(Generic[T]):
     method: str
-    path: str  # percent-encoded, as sent (and as a v2 signature binds it)
+    path: str  # percent-encoded, as sent (and as a signature binds it)
     model: type[T]
     params: Mapping[str, Any] | None = None
     body: bytes | None = None
@@ -57,8 +70,13 @@ def json_body(payload: Any) -> bytes:
 
 
 def segment(value: str | int) -> str:
-    """One path segment, percent-encoded ('/' included)."""
-    return quote(str(value), safe="")
+    """One path segment, percent-encoded ('/' included). A segment that is all dots (a transcript may
+    be named "..") is escaped too: httpx, like any URL library, would resolve "." and ".." away and
+    send the call to another route."""
+    text = str(value)
+    if text in (".", ".."):
+        return text.replace(".", "%2E")
+    return quote(text, safe="")
 
 
 def page_path(source_id: str, slug: str) -> str:
@@ -90,7 +108,7 @@ def ingest(payload: Any, idempotency_key: str | None) -> Call[models.PagesAccept
         models.PagesAccepted,
         body=json_body(payload),
         signed=True,
-        idempotency_key=idempotency_key or new_idempotency_key(),
+        idempotency_key=delivery_key(idempotency_key),
     )
 
 
@@ -113,7 +131,7 @@ def append_messages(
         models.AppendOut,
         body=json_body(payload),
         signed=True,
-        idempotency_key=idempotency_key or new_idempotency_key(),
+        idempotency_key=delivery_key(idempotency_key),
     )
 
 

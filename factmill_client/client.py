@@ -38,7 +38,9 @@ class Client:
     """The Factmill HTTP API. ``api_key`` is sent as ``Authorization: Bearer`` on every call;
     ``webhook_secret`` signs the ingestion calls (pages, transcript appends) instead of, or besides, a
     key with the ingest scope; a list of secrets signs with each (while the server's secret is
-    rotated). ``transport`` is handed to httpx (tests, proxies)."""
+    rotated). The server checks every credential a call carries: a key sent beside a signature must
+    itself hold the ingest scope (a read-only key and the secret in one client get 403 on ingestion;
+    use a client without the key to deliver). ``transport`` is handed to httpx (tests, proxies)."""
 
     def __init__(
         self,

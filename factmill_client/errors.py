@@ -37,6 +37,12 @@ class ApiError(FactmillError):
         return list(found) if isinstance(found, list) else []
 
     @property
+    def retry_after(self) -> float | None:
+        """Seconds the server asks to wait before trying again (429, and 503 while it is unavailable or
+        a budget is spent), None when it named none."""
+        return retry_after_seconds(self.headers)
+
+    @property
     def request_id(self) -> str | None:
         """The id the server logged an unexpected error under (500s), for its operator."""
         found = self.body.get("request_id") or self.headers.get("x-request-id")
@@ -74,13 +80,23 @@ class UnprocessableEntity(ApiError):
 class RateLimited(ApiError):
     """429: this key's requests per minute are used up; ``retry_after`` says when to try again."""
 
-    @property
-    def retry_after(self) -> float | None:
-        return retry_after_seconds(self.headers)
-
 
 class ServerError(ApiError):
     """5xx: the server failed (or is unavailable); retried before it is raised."""
+
+
+class UnexpectedResponse(ApiError):
+    """A success status whose body is not the answer the call expects (a proxy's or captive portal's
+    page, a server of another version): ``detail`` says what did not fit, ``body`` keeps the first 500
+    characters of what came back."""
+
+
+def unexpected_response(response: httpx.Response, expected: str, problem: Exception) -> UnexpectedResponse:
+    text = response.text[:500]
+    detail = f"the answer is not {expected}: {type(problem).__name__}: {str(problem)[:300]}"
+    return UnexpectedResponse(
+        response.status_code, detail, {"detail": detail, "text": text}, response.headers
+    )
 
 
 BY_STATUS: dict[int, type[ApiError]] = {
@@ -134,6 +150,8 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "ServerError",
+    "UnexpectedResponse",
     "UnprocessableEntity",
     "error_for",
+    "unexpected_response",
 ]

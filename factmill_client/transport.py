@@ -22,12 +22,11 @@ import httpx
 from pydantic import BaseModel
 
 from factmill_client.calls import Call
-from factmill_client.errors import error_for, retry_after_seconds
-from factmill_client.signing import SIGNATURE_HEADER, Secrets, sign
+from factmill_client.errors import error_for, retry_after_seconds, unexpected_response
+from factmill_client.signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, Secrets, sign
 
 logger = logging.getLogger("factmill_client")
 
-IDEMPOTENCY_HEADER = "Idempotency-Key"
 # Errors raised before a request left the client: the server cannot have acted on it.
 UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -82,7 +81,8 @@ def build_request(
     http: httpx.Client | httpx.AsyncClient, call: Call[Any], credentials: Credentials
 ) -> httpx.Request:
     """The request for one attempt of ``call``. A signed call is signed again for each attempt (the
-    signature is dated, and the server refuses one past its tolerance), over the path as sent."""
+    signature is dated, and the server refuses one past its tolerance), over the path as sent and, with
+    v3, the call's Idempotency-Key (the same for every attempt)."""
     headers: dict[str, str] = {}
     if call.body is not None:
         headers["Content-Type"] = "application/json"
@@ -101,6 +101,7 @@ def build_request(
             int(credentials.clock()),
             method=call.method,
             path=path,
+            idempotency_key=call.idempotency_key,
         )
     return request
 
@@ -116,7 +117,10 @@ def note_retry(call: Call[Any], attempt: int, why: str, pause: float) -> None:
 def parse(call: Call[T], response: httpx.Response) -> T:
     """The answer as the call's model, or the exception for its error status."""
     if response.is_success:
-        return call.model.model_validate(response.json())
+        try:
+            return call.model.model_validate(response.json())
+        except ValueError as exc:  # not JSON, or JSON of another shape (pydantic's error is a ValueError)
+            raise unexpected_response(response, f"a {call.model.__name__}", exc) from exc
     raise error_for(response)
 
 

@@ -171,6 +171,10 @@ class Settings(BaseSettings):
     prometheus_multiproc_dir: Path | None = Field(default=None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
 
     # Access control (issue 11).
+    # Accept the v2 signature (bound to the route, not to the Idempotency-Key): a copy of a v2 delivery
+    # sent again under a new key within the tolerance window is stored again. Turn off once every sender
+    # signs v3 (factmill_client does).
+    accept_v2_signatures: bool = True
     # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.
     accept_v1_signatures: bool = False
     # Searches per minute per API key (each may call the LLM); 0 = unlimited.
@@ -262,6 +266,16 @@ class Settings(BaseSettings):
                 f"FACTMILL_JOB_RETENTION_DAYS ({self.job_retention_days}) is shorter than "
                 f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a replayed delivery "
                 "would name jobs already deleted"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _answers_outlive_signatures(self) -> Settings:
+        if self.webhook_tolerance_seconds > self.idempotency_key_hours * 3600:
+            raise ValueError(
+                f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({self.webhook_tolerance_seconds}) is longer than "
+                f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a signed delivery sent "
+                "again after its stored answer was forgotten would be stored twice"
             )
         return self
 

@@ -3,6 +3,8 @@ the retry rules, the requests it builds, the errors it raises."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import pytest
 
 import worker.core.signing as server_signing
 from factmill_client import calls, errors, signing
-from factmill_client.transport import Credentials, RetryPolicy, build_request
+from factmill_client.transport import Credentials, RetryPolicy, build_request, parse
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,10 +116,11 @@ def test_requests_carry_the_key_and_a_fresh_signature_over_the_path_as_sent():
     assert first.url.raw_path.decode() == path
     assert first.headers["Authorization"] == "Bearer fm_key"
     assert first.headers["Idempotency-Key"] == second.headers["Idempotency-Key"] == call.idempotency_key
-    assert first.headers[signing.SIGNATURE_HEADER] == signing.sign(
-        first.content, "s3cret", 1_700_000_000, method="POST", path=path
-    )
-    assert second.headers[signing.SIGNATURE_HEADER].startswith("t=1700000005,")
+    # v3: the key is signed too, so a copy sent again under another key (or none) is refused.
+    signed = f"1700000000.POST.{path}.{call.idempotency_key}.".encode() + first.content
+    expected = hmac.new(b"s3cret", signed, hashlib.sha256).hexdigest()
+    assert first.headers[signing.SIGNATURE_HEADER] == f"t=1700000000,v3={expected}"
+    assert second.headers[signing.SIGNATURE_HEADER].startswith("t=1700000005,v3=")
     assert calls.ingest({}, None).idempotency_key != calls.ingest({}, None).idempotency_key
 
 
@@ -133,3 +136,33 @@ def test_errors_map_statuses_and_keep_the_problem_detail():
     assert isinstance(proxy, errors.ServerError) and proxy.detail == "<html>bad gateway</html>"
     limited = errors.error_for(httpx.Response(429, json={"detail": "d"}, headers={"Retry-After": "7"}))
     assert isinstance(limited, errors.RateLimited) and limited.retry_after == 7.0
+
+
+def test_a_dot_segment_id_is_escaped_so_httpx_keeps_it_on_its_route():
+    """httpx resolves "." and ".." away: append_messages("..") went to /v1/messages and
+    get_transcript(".") to the list route. Escaped, the path reaches the server as written."""
+    assert calls.segment("..") == "%2E%2E" and calls.segment(".") == "%2E" and calls.segment("a.b") == "a.b"
+    call = calls.append_messages("..", [{"role": "user", "text": "hi"}], None, None)
+    with httpx.Client(base_url="http://factmill.test") as http:
+        request = build_request(http, call, Credentials(None, "s3cret"))
+    assert request.url.raw_path.decode() == "/v1/transcripts/%2E%2E/messages"
+
+
+def test_an_unsignable_idempotency_key_is_refused_when_the_call_is_made():
+    for bad in ("clé-1", " padded ", "", "x" * 256):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            calls.ingest({}, bad)
+    assert calls.ingest({}, "delivery-1").idempotency_key == "delivery-1"
+
+
+def test_a_success_answer_of_another_shape_is_an_api_error_not_a_pydantic_one():
+    call = calls.ingest({}, None)
+    for response in (
+        httpx.Response(200, text="<html>captive portal</html>"),
+        httpx.Response(200, json={"something": "else"}),
+    ):
+        with pytest.raises(errors.UnexpectedResponse) as info:
+            parse(call, response)
+        assert isinstance(info.value, errors.FactmillError) and "not a PagesAccepted" in info.value.detail
+    unavailable = errors.error_for(httpx.Response(503, json={"detail": "d"}, headers={"Retry-After": "5"}))
+    assert isinstance(unavailable, errors.ServerError) and unavailable.retry_after == 5.0

@@ -280,7 +280,7 @@ def test_v1_signatures_are_refused_unless_the_setting_is_on(
     legacy = {"Content-Type": "application/json", "Factmill-Signature": sign(body, SECRET)}
     with TestClient(create_app(make_runtime(database_url, factory), sender=Recorder(factory))) as client:
         refused = client.post("/v1/pages", content=body, headers=legacy)
-        assert refused.status_code == 401 and "no v2 signature" in refused.json()["detail"]
+        assert refused.status_code == 401 and "(v1 refused)" in refused.json()["detail"]
     runtime = make_runtime(database_url, factory, accept_v1_signatures=True)
     with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
         assert client.post("/v1/pages", content=body, headers=legacy).status_code == 202
@@ -347,6 +347,38 @@ def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) ->
         ]
         == "true"
     )
+
+
+def test_a_captured_v3_delivery_cannot_be_stored_again_under_another_key(api: TestClient) -> None:
+    """v3 signs the Idempotency-Key: a copy sent again within the tolerance window keeps the key it was
+    signed with (and gets the stored answer) or is refused; under v2 a new key made it a new delivery,
+    and the transcript held the messages twice."""
+    path = "/v1/transcripts/replayed/messages"
+    body = json.dumps({"messages": [{"role": "user", "text": "pay the invoice on friday"}]}).encode()
+    headers = signed(body, path, idempotency_key="delivery-1")
+    assert headers["Idempotency-Key"] == "delivery-1" and ",v3=" in headers["Factmill-Signature"]
+    assert api.post(path, content=body, headers=headers).status_code == 201
+    again = api.post(path, content=body, headers=headers)
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    other_key = api.post(path, content=body, headers=headers | {"Idempotency-Key": "delivery-2"})
+    assert other_key.status_code == 401 and "does not match" in other_key.json()["detail"]
+    no_key = {k: v for k, v in headers.items() if k != "Idempotency-Key"}
+    dropped = api.post(path, content=body, headers=no_key)
+    assert dropped.status_code == 401 and "Idempotency-Key" in dropped.json()["detail"]
+    stored = api.get(path, headers=ADMIN_HEADERS).json()
+    assert [m["text"] for m in stored["messages"]] == ["pay the invoice on friday"]
+
+
+def test_v2_signatures_are_refused_once_the_setting_is_off(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    body = page_body("v2/a")
+    runtime = make_runtime(database_url, factory, accept_v2_signatures=False)
+    with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
+        refused = client.post("/v1/pages", content=body, headers=signed(body) | {"Idempotency-Key": "p1"})
+        assert refused.status_code == 401 and "(v2 refused)" in refused.json()["detail"]
+        accepted = client.post("/v1/pages", content=body, headers=signed(body, idempotency_key="p1"))
+        assert accepted.status_code == 202, accepted.text
 
 
 def test_the_openapi_document_shows_the_security_scheme(api: TestClient) -> None:

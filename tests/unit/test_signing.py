@@ -125,3 +125,69 @@ def test_a_sender_signs_with_each_secret_and_the_server_accepts_any_of_its_own()
 
 def test_signature_error_is_a_value_error() -> None:
     assert issubclass(SignatureError, ValueError)
+
+
+ROUTE = {"method": "POST", "path": "/v1/transcripts/chat-1/messages"}
+
+
+def keyed_reason(header: str, key: str | None, **options: bool) -> str:
+    with pytest.raises(SignatureError) as info:
+        verify(header, BODY, SECRET, 300, now=NOW, idempotency_key=key, **ROUTE, **options)
+    return info.value.reason
+
+
+def test_v3_signs_the_idempotency_key_with_the_route_and_body() -> None:
+    header = sign(BODY, SECRET, NOW, idempotency_key="delivery-1", **ROUTE)
+    message = f"{NOW}.POST.{ROUTE['path']}.delivery-1.".encode() + BODY
+    assert header == f"t={NOW},v3={hmac.new(SECRET.encode(), message, hashlib.sha256).hexdigest()}"
+    assert verify(header, BODY, SECRET, 300, now=NOW, idempotency_key="delivery-1", **ROUTE) == NOW
+
+
+def test_a_v3_delivery_sent_again_under_another_key_or_none_is_refused() -> None:
+    """The replay v2 allowed: a captured delivery re-sent within the window under a fresh key was a new
+    delivery (stored twice). Under v3 the key is signed, so only the original key passes, and the
+    server answers that one with the stored answer."""
+    header = sign(BODY, SECRET, NOW, idempotency_key="delivery-1", **ROUTE)
+    assert "does not match" in keyed_reason(header, "delivery-2")
+    assert "Idempotency-Key" in keyed_reason(header, None)  # dropping the key is no way round it
+    verify(header, BODY, SECRET, 300, now=NOW, idempotency_key="delivery-1", accept_v2=False, **ROUTE)
+
+
+def test_v2_passes_while_accepted_and_is_refused_once_it_is_turned_off() -> None:
+    v2 = sign(BODY, SECRET, NOW, **ROUTE)
+    verify(v2, BODY, SECRET, 300, now=NOW, idempotency_key="any-key", **ROUTE)  # the default accepts it
+    assert "v2 refused" in keyed_reason(v2, "any-key", accept_v2=False)
+    v1 = sign(BODY, SECRET, NOW)
+    assert "(v1 refused)" in keyed_reason(v1, "k")  # what the header holds is named
+    both = f"{v2},{v1.partition(',')[2]}"
+    assert "(v2 and v1 refused)" in keyed_reason(both, "k", accept_v2=False)
+
+
+def test_a_header_with_v3_and_v2_entries_passes_either_way() -> None:
+    """A sender moving to v3 may send both entries, so servers not yet verifying v3 take the v2 one."""
+    v3 = sign(BODY, SECRET, NOW, idempotency_key="k", **ROUTE).partition(",")[2]
+    v2 = sign(BODY, SECRET, NOW, **ROUTE).partition(",")[2]
+    both = f"t={NOW},{v3},{v2}"
+    verify(both, BODY, SECRET, 300, now=NOW, idempotency_key="k", accept_v2=False, **ROUTE)
+    verify(both, BODY, SECRET, 300, now=NOW, idempotency_key=None, **ROUTE)  # v2 carries it
+
+
+def test_a_key_with_dots_still_binds_exactly() -> None:
+    header = sign(BODY, SECRET, NOW, idempotency_key="alice.2024.03", **ROUTE)
+    verify(header, BODY, SECRET, 300, now=NOW, idempotency_key="alice.2024.03", accept_v2=False, **ROUTE)
+    assert "does not match" in keyed_reason(header, "alice.2024", accept_v2=False)
+
+
+def test_signing_a_key_needs_the_route_and_a_clean_key() -> None:
+    with pytest.raises(ValueError, match="method and the path"):
+        sign(BODY, SECRET, NOW, idempotency_key="k")
+    for bad in (" k", "", "clé-1", "k\n", "x" * 256):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            sign(BODY, SECRET, NOW, idempotency_key=bad, **ROUTE)
+
+
+def test_a_non_ascii_key_under_v3_is_refused_with_the_reason_not_a_mismatch() -> None:
+    """Starlette reads header bytes as latin-1 and a sender may write UTF-8: a key outside ASCII would
+    be signed as one text and checked as another, so it is refused as unsignable."""
+    forged = f"t={NOW},v3=" + "0" * 64
+    assert "printable ASCII" in keyed_reason(forged, "clÃ©-1")

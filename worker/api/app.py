@@ -30,7 +30,7 @@ from worker.api.routes.pages import pages_router
 from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
 from worker.bodycap import BodyCapMiddleware
-from worker.core.signing import SIGNATURE_HEADER
+from worker.core.signing import EXPECTED_FORMAT, SIGNATURE_HEADER
 from worker.jobs.celery_app import start_tracing
 from worker.jobs.outbox import Sender
 from worker.runtime import Runtime, get_runtime, tracing
@@ -99,7 +99,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
             "Signed webhooks store pages and queue their extraction; Celery workers do the LLM work. "
             "Every route but /healthz, /readyz and these docs needs `Authorization: Bearer <API key>` "
             "with the route's scope (read, ingest, admin, metrics). Ingestion routes also take a signature: "
-            f"`{SIGNATURE_HEADER}: t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>` "
+            f"`{SIGNATURE_HEADER}: {EXPECTED_FORMAT}` "
             'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`. Text anywhere (bodies, '
             "paths, queries) must not hold NUL characters or lone surrogates, and JSON numbers must be "
             "finite: each is refused with 422 naming the field."

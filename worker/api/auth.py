@@ -20,7 +20,13 @@ from worker.access.store import hash_key
 from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
-from worker.core.signing import SIGNATURE_HEADER, SignatureError, parse_header
+from worker.core.signing import (
+    EXPECTED_FORMAT,
+    IDEMPOTENCY_HEADER,
+    SIGNATURE_HEADER,
+    SignatureError,
+    parse_header,
+)
 from worker.db import database_unavailable
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -39,9 +45,7 @@ _signature = APIKeyHeader(
     name=SIGNATURE_HEADER,
     auto_error=False,
     scheme_name="WebhookSignature",
-    description=(
-        "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'> under FACTMILL_WEBHOOK_SECRET"
-    ),
+    description=f"{EXPECTED_FORMAT} under FACTMILL_WEBHOOK_SECRET",
 )
 SignatureHeader = Annotated[str | None, Depends(_signature)]
 
@@ -126,13 +130,14 @@ class Ingest:
     signature: str | None
     method: str
     path: str
+    idempotency_key: str | None = None  # the header as sent (surrounding spaces stripped)
 
     def verify(self, ctx: ApiContext, body: bytes) -> int | None:
-        """The signed timestamp when a signature was sent (401 unless it signs this method, path and
-        body); None for a keyed delivery without one."""
+        """The signed timestamp when a signature was sent (401 unless it signs this method, path,
+        body and, v3, Idempotency-Key); None for a keyed delivery without one."""
         if self.signature is None:
             return None
-        return verify_signature(ctx, body, self.signature, self.method, self.path)
+        return verify_signature(ctx, body, self.signature, self.method, self.path, self.idempotency_key)
 
     @property
     def sender(self) -> str:
@@ -170,7 +175,9 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
                 parse_header(signature)
             except SignatureError as exc:
                 raise ApiError(401, exc.reason) from None
-        return Ingest(principal, signature, request.method, request_path(request))
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        key = key.strip() if key is not None else None
+        return Ingest(principal, signature, request.method, request_path(request), key)
 
     return dependency
 

@@ -19,12 +19,11 @@ from worker.api.errors import ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
-from worker.core.signing import SignatureError, verify
+from worker.core.signing import IDEMPOTENCY_HEADER, SignatureError, verify
 from worker.jobs import outbox
 from worker.runtime import Runtime
 from worker.settings import Settings
 
-IDEMPOTENCY_HEADER = "Idempotency-Key"
 MAX_REMEMBERED_KEYS = 64
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
@@ -159,11 +158,16 @@ async def read_body(request: Request, cap: int) -> bytes:
 
 
 def verify_signature(
-    ctx: ApiContext, body: bytes, signature: str | None, method: str | None = None, path: str | None = None
+    ctx: ApiContext,
+    body: bytes,
+    signature: str | None,
+    method: str | None = None,
+    path: str | None = None,
+    idempotency_key: str | None = None,
 ) -> int:
     """The webhook signature check every signed route runs first: 401 with the reason; returns the
-    signed timestamp. With ``method`` and ``path`` the signature must be v2 (bound to them), or v1
-    while FACTMILL_ACCEPT_V1_SIGNATURES is on."""
+    signed timestamp. With ``method`` and ``path`` the signature must be v3 (bound to them and to
+    ``idempotency_key``), or v2 / v1 while FACTMILL_ACCEPT_V2_SIGNATURES / _V1_ are on."""
     settings = ctx.settings
     try:
         return verify(
@@ -173,6 +177,8 @@ def verify_signature(
             settings.webhook_tolerance_seconds,
             method=method,
             path=path,
+            idempotency_key=idempotency_key,
+            accept_v2=settings.accept_v2_signatures,
             accept_v1=settings.accept_v1_signatures,
         )
     except SignatureError as exc:

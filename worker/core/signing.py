@@ -1,11 +1,15 @@
-"""Webhook signatures: ``Factmill-Signature: t=<unix seconds>,v2=<hex HMAC-SHA256>``.
+"""Webhook signatures: ``Factmill-Signature: t=<unix seconds>,v3=<hex HMAC-SHA256>``.
 
-``v2`` signs ``"<t>.<METHOD>.<path>.<body>"``: the timestamp, the HTTP method (upper case), the
-request path as sent (no query string) and the raw body, so a body signed for one route or one
-transcript is refused at another. The legacy ``v1`` form signs ``"<t>.<body>"`` only; servers accept
-it only while a rotation needs it (FACTMILL_ACCEPT_V1_SIGNATURES). The scheme follows Stripe's: a
-captured request cannot be replayed after the tolerance window, and a header may carry several
-signatures so a sender can sign with the old and the new secret while the secret is rotated.
+``v3`` signs ``"<t>.<METHOD>.<path>.<Idempotency-Key>.<body>"``: the timestamp, the HTTP method (upper
+case), the request path as sent (no query string), the delivery's Idempotency-Key and the raw body, so
+a body signed for one route or one transcript is refused at another, and a captured delivery sent again
+within the tolerance window keeps its key and gets the stored answer (it cannot be stored twice).
+``v2`` is the same without the key (accepted while FACTMILL_ACCEPT_V2_SIGNATURES is on, the default:
+a copy of a v2 delivery sent under a new key within the window is a new delivery). The legacy ``v1``
+form signs ``"<t>.<body>"`` only; servers accept it only while a rotation needs it
+(FACTMILL_ACCEPT_V1_SIGNATURES). The scheme follows Stripe's: a captured request cannot be replayed
+after the tolerance window, and a header may carry several signatures so a sender can sign with the
+old and the new secret while the secret is rotated.
 """
 
 from __future__ import annotations
@@ -17,15 +21,21 @@ from collections.abc import Sequence
 # The scheme itself (what a sender computes) is defined once, in the client package, which imports the
 # standard library only; the server verifies with the same function.
 from factmill_client.signing import (
+    IDEMPOTENCY_HEADER,
+    KEYED_SCHEME,
     LEGACY_SCHEME,
     SCHEME,
     SIGNATURE_HEADER,
     compute_signature,
     sign,
+    signable_key,
     signed_json_headers,
 )
 
-EXPECTED_FORMAT = "t=<unix seconds>,v2=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<body>'>"
+EXPECTED_FORMAT = (
+    "t=<unix seconds>,v3=<hex HMAC-SHA256 of '<t>.<METHOD>.<path>.<Idempotency-Key>.<body>'> "
+    "(or v2=<... of '<t>.<METHOD>.<path>.<body>'>)"
+)
 MAX_TIMESTAMP_DIGITS = 12  # unix seconds until the year 33658; a longer t= is malformed, not a big int
 
 
@@ -45,7 +55,7 @@ def parse_header(header: str | None) -> tuple[int, dict[str, list[str]]]:
     if len(header) > 4096:
         raise SignatureError(f"malformed {SIGNATURE_HEADER} header: it is over 4096 characters")
     timestamp: int | None = None
-    signatures: dict[str, list[str]] = {SCHEME: [], LEGACY_SCHEME: []}
+    signatures: dict[str, list[str]] = {KEYED_SCHEME: [], SCHEME: [], LEGACY_SCHEME: []}
     for item in header.split(","):
         key, sep, value = item.strip().partition("=")
         key, value = key.strip(), value.strip()
@@ -64,7 +74,7 @@ def parse_header(header: str | None) -> tuple[int, dict[str, list[str]]]:
             timestamp = int(value)
         elif key in signatures:
             signatures[key].append(value.lower())
-        # Other schemes (a future v3, say) are ignored so senders can add them before we verify them.
+        # Other schemes (a future v4, say) are ignored so senders can add them before we verify them.
     if timestamp is None or not any(signatures.values()):
         raise SignatureError(f"malformed {SIGNATURE_HEADER} header: expected {EXPECTED_FORMAT}")
     return timestamp, signatures
@@ -93,6 +103,28 @@ def _any_match(expected: str, candidates: list[str]) -> bool:
     return matched
 
 
+def _unusable(
+    signatures: dict[str, list[str]], idempotency_key: str | None, accept_v2: bool, accept_v1: bool
+) -> str | None:
+    """Why a bound request's header holds no entry this server checks, or None when it holds one."""
+    keyed = idempotency_key is not None and signable_key(idempotency_key)
+    if signatures[KEYED_SCHEME] and keyed:
+        return None
+    if (accept_v2 and signatures[SCHEME]) or (accept_v1 and signatures[LEGACY_SCHEME]):
+        return None
+    if signatures[KEYED_SCHEME] and idempotency_key is not None:
+        return f"a v3 signature signs only an {IDEMPOTENCY_HEADER} of printable ASCII characters"
+    if signatures[KEYED_SCHEME]:
+        return f"a v3 signature signs the {IDEMPOTENCY_HEADER} header: send the key it was made with"
+    held = [s for s, on in ((SCHEME, accept_v2), (LEGACY_SCHEME, accept_v1)) if not on and signatures[s]]
+    if held:
+        return (
+            f"{SIGNATURE_HEADER} carries no signature this server accepts ({' and '.join(held)} "
+            f"refused): expected {EXPECTED_FORMAT}"
+        )
+    return f"{SIGNATURE_HEADER} carries no signature bound to the request: expected {EXPECTED_FORMAT}"
+
+
 def verify(
     header: str | None,
     body: bytes,
@@ -102,12 +134,14 @@ def verify(
     *,
     method: str | None = None,
     path: str | None = None,
+    idempotency_key: str | None = None,
+    accept_v2: bool = True,
     accept_v1: bool = False,
 ) -> int:
     """The signed timestamp, or SignatureError unless ``header`` signs the request with ``secret`` (or
-    any of several, while the secret is rotated) within ``tolerance`` s. With ``method``/``path`` a v2
-    signature is required (v1 also passes when ``accept_v1``); without them only v1 is checked (the
-    pure, route-less form)."""
+    any of several, while the secret is rotated) within ``tolerance`` s. With ``method``/``path`` a v3
+    signature over them and ``idempotency_key`` passes, a v2 one over them while ``accept_v2``, a v1 one
+    while ``accept_v1``; without them only v1 is checked (the pure, route-less form)."""
     secrets = [secret] if isinstance(secret, str) else list(secret)
     if not secrets or not all(secrets):
         parse_header(header)  # a missing header is still reported as missing
@@ -115,26 +149,31 @@ def verify(
         raise SignatureError("webhook signing secret is not configured (set FACTMILL_WEBHOOK_SECRET)")
     timestamp, signatures = parse_header(header)
     bound = method is not None or path is not None
-    if bound and not signatures[SCHEME] and not accept_v1:
-        raise SignatureError(
-            f"{SIGNATURE_HEADER} carries no v2 signature (v1 is not accepted): expected {EXPECTED_FORMAT}"
-        )
+    if bound:
+        why = _unusable(signatures, idempotency_key, accept_v2, accept_v1)
+        if why is not None:
+            raise SignatureError(why)
     _check_age(timestamp, tolerance, now)
     matched = False
     for one in secrets:  # every secret is tried (no early exit), as every candidate is
-        if bound:
+        if bound and idempotency_key is not None and signable_key(idempotency_key):
+            expected = compute_signature(body, one, timestamp, method, path, idempotency_key)
+            matched |= _any_match(expected, signatures[KEYED_SCHEME])
+        if bound and accept_v2:
             matched |= _any_match(compute_signature(body, one, timestamp, method, path), signatures[SCHEME])
         if not bound or accept_v1:
             matched |= _any_match(compute_signature(body, one, timestamp), signatures[LEGACY_SCHEME])
     if not matched:
         raise SignatureError(
-            "signature does not match the request (wrong secret, or the body, method or path differ "
-            "from what was signed)"
+            "signature does not match the request (wrong secret, or the body, method, path or "
+            f"{IDEMPOTENCY_HEADER} differ from what was signed)"
         )
     return timestamp
 
 
 __all__ = [
+    "IDEMPOTENCY_HEADER",
+    "KEYED_SCHEME",
     "LEGACY_SCHEME",
     "SCHEME",
     "SIGNATURE_HEADER",
