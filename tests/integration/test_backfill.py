@@ -37,6 +37,7 @@ from worker.extraction.backfill_request import BATCH_EXTRACTION, BackfillSelecti
 from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
+from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.jobs.outbox import resume_paused
 from worker.llm.anthropic_provider import AnthropicChatClient
@@ -280,6 +281,37 @@ def test_a_page_re_extracted_whole_is_never_sent_cut_short(factory, rt, sim):
     second_id, second_job = start(factory, "bf")
     assert drive(rt, second_job).status == "succeeded"
     assert request_statuses(factory, second_id) == {"done": SEGMENTS_PER_PAGE}
+    assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
+
+
+def test_a_pass_that_dies_before_a_whole_page_swap_leaves_its_results_to_be_collected_again(
+    factory, rt, sim, monkeypatch
+):
+    """An edited page is re-extracted whole: its segments' results wait for one swap. A pass that died
+    before the swap had marked their requests done (each in a transaction of its own), so the next pass
+    found nothing to collect and the page kept its old facts for good. The marks now go in with the swap."""
+    [slug] = seed_pages(factory, "bf", 1)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    edited = page_body("Ann Example", "Acme").replace("Acme", "Globex", 1)
+    put_page(factory, slug, edited, title="chat", source_id="bf")
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    sim.end_batches()
+
+    def dies(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("the worker died before the swap")
+
+    monkeypatch.setattr(ExtractionStore, "replace_page", dies)
+    assert run_pass(rt, job_id).status != "succeeded"
+    assert request_statuses(factory, backfill_id) == {"pending": SEGMENTS_PER_PAGE}
+    assert calls_of(factory, job_id) == []  # nothing recorded: the results are read again
+    monkeypatch.undo()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": SEGMENTS_PER_PAGE}
+    assert len(calls_of(factory, job_id)) == SEGMENTS_PER_PAGE  # paid once, recorded once
+    assert set(ok_audits_per_segment(factory, "bf").values()) == {2}  # the online run's and the backfill's
     assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
 
 

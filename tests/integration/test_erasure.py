@@ -408,6 +408,30 @@ def test_a_page_erased_under_a_run_gets_no_audit_rows_for_its_calls_in_flight(
     assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
 
 
+def test_a_page_re_extracted_whole_and_erased_under_the_run_gets_no_audit_rows(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """An edited page is re-extracted whole: each segment's attempts were recorded as they came, with
+    audit rows naming the page, even after an erasure had deleted the page's own."""
+    days = [f"2024-03-{day:02d}" for day in (15, 16, 17, 18)]
+    lines = [
+        line
+        for day in days
+        for line in (
+            f"**Alice Example** ({day} 9:00 AM): I signed the offer letter for Acme Corp on {day}.",
+            f"**Bob Demo** ({day} 9:01 AM): Congrats on {day}!",
+        )
+    ]
+    store(enabled, "\n".join(lines))
+    extract(enabled, llm)
+    store(enabled, "\n".join(lines).replace("Acme Corp", "Globex", 1))  # edited: re-extracted whole
+    racing = Interrupting(llm, lambda: erase_page(enabled, "default", SLUG, "api"))
+    refused(run_extract_conversation_facts(enabled, racing, ExtractOptions(slug=SLUG)))
+    assert racing.fired
+    assert counted(enabled, ExtractionAudit) == 0
+    assert counted(enabled, LLMCall) > len(days)  # the first run's calls and this one's: all kept
+
+
 def test_a_run_another_run_overtook_keeps_the_spend_of_its_refused_commit(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

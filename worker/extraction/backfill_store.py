@@ -16,7 +16,7 @@ from worker.accounting import Ledger
 from worker.core.conversation import Segment
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
-from worker.extraction.store import ExtractionStore
+from worker.extraction.store import ExtractionStore, PageVersion
 
 OPEN_BATCHES = ("planned", "submitting", "submitted")
 # A result with no segment to describe it (its page moved on) is recorded against this stand-in.
@@ -25,6 +25,16 @@ NO_SEGMENT = Segment((), (), "", "")
 
 class RequestAlreadyRecordedError(RuntimeError):
     """A batch request's result was recorded already: the transaction recording it again rolls back."""
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A segment's attempts kept for the swap, with the request its result answers."""
+
+    place: SegmentPlace
+    attempts: tuple[Attempt, ...]
+    permanent: bool
+    marking: tuple[int, str] | None
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,36 @@ class BackfillSegmentStore(ExtractionStore):
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         super().__init__(factory, ledger)
         self.marking: tuple[int, str] | None = None  # (request id, status once recorded)
+        self._held: list[_Held] = []
 
     def _paid(self, session: Session, *, discarded: bool = False) -> None:
         if self.marking is not None:
             request_id, status = self.marking
             _mark(session, request_id, "discarded" if discarded else status)
+
+    # A page replaced whole records its segments' attempts, and marks their requests, with the swap:
+    # marked in transactions of their own, a run that died before the swap left the requests "done"
+    # and the page's paid results never stored (the next pass found nothing pending to collect).
+
+    def hold_attempts(
+        self, place: SegmentPlace, attempts: Sequence[Attempt], *, permanent: bool, page: PageVersion | None
+    ) -> None:
+        self._held.append(_Held(place, tuple(attempts), permanent, self.marking))
+
+    def release_held(self) -> None:
+        if self._held:
+            with self._factory.begin() as session:
+                self._write_held(session)
+
+    def _write_held(self, session: Session) -> None:
+        held, self._held = self._held, []  # a swap refused rolls back: its requests stay pending
+        outer = self.marking
+        try:
+            for one in held:
+                self.marking = one.marking
+                self._write_attempts(session, one.place, one.attempts, permanent=one.permanent)
+        finally:
+            self.marking = outer
 
     def record_discarded_result(
         self, request_id: int, job_id: int | None, source_id: str, slug: str, attempts: Sequence[Attempt]

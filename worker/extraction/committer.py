@@ -280,7 +280,9 @@ class SegmentCommitter:
             for position, (index, segment, result) in enumerate(batch):
                 place = self.planner.place(plan.slug, index, segment)
                 skip, failures = self.poison(place, result)
-                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+                self.store.hold_attempts(
+                    place, result.attempts, permanent=result.permanent, page=plan.version
+                )
                 if skip is not None:  # its skipped row goes in with the swap that moves past it
                     skips.append((place, result.attempts, skip))
                     skipped.append(skipped_entry(segment, plan.ends[index]))
@@ -288,6 +290,7 @@ class SegmentCommitter:
                     continue
                 self.progress.segment_finished(plan.slug, result.outcome)
                 if not result.ok:
+                    self.store.release_held()
                     self.discard(plan.slug, batch[position + 1 :])
                     tail = "; the page's earlier facts were kept"
                     return self.fail_page(report, index, result, tail, failures=failures)
@@ -296,6 +299,7 @@ class SegmentCommitter:
         missing = len(plan.segments) - report.segments - report.skipped
         if missing:
             # The results ran out (a batch that expired): swapping now would drop the page's later facts.
+            self.store.release_held()
             report.status = "incomplete"
             report.reason = f"{missing} segment(s) had no result; the earlier facts were kept"
             return report

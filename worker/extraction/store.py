@@ -152,11 +152,34 @@ class ExtractionStore:
         note: str | None = None,
         *,
         permanent: bool = False,
+        page: PageVersion | None = None,
     ) -> None:
         """A segment's attempts alone (it failed, its facts wait for the swap, or they were discarded);
-        ``permanent`` marks the last one as a failure that counts towards skipping the segment."""
+        ``permanent`` marks the last one as a failure that counts towards skipping the segment. With
+        ``page``, its row is held FOR SHARE and, when an erasure took it meanwhile, only the calls are
+        recorded (audit rows name the page, and the erasure has deleted its own)."""
         with self._factory.begin() as session:
+            if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
+                self._paid(session, discarded=True)
+                self._ledger.record_many(session, call_records(place, attempts, note))
+                return
             self._write_attempts(session, place, attempts, note, permanent=permanent)
+
+    def hold_attempts(
+        self, place: SegmentPlace, attempts: Sequence[Attempt], *, permanent: bool, page: PageVersion | None
+    ) -> None:
+        """The attempts of a segment whose facts wait for a whole-page swap (``replace_page``). Recorded
+        now, in their own transaction: a run that dies before the swap has paid for them all the same.
+        A store whose results can be read again (a backfill's, from the provider's batch) keeps them to
+        record with the swap instead, so a death in between leaves them to be collected again."""
+        self.record_attempts(place, attempts, permanent=permanent, page=page)
+
+    def release_held(self) -> None:
+        """The swap will not happen (a segment failed, or the results ran out): record what
+        ``hold_attempts`` kept. Nothing is kept here."""
+
+    def _write_held(self, session: Session) -> None:
+        """Write what ``hold_attempts`` kept, in the swap's transaction. Nothing is kept here."""
 
     def permanent_failures(self, place: SegmentPlace) -> int:
         """How often this segment (by its messages' digest) failed permanently since it last succeeded,
@@ -269,7 +292,7 @@ class ExtractionStore:
         moved it on since (an append extracted by the page's job: the swap took its facts out and moved
         the checkpoint back, and nothing extracted them again). ``skips`` are the segments it went past
         (their attempts are recorded already): their ``skipped`` rows go in here, with the checkpoint
-        that lists them."""
+        that lists them. Attempts ``hold_attempts`` kept go in here too."""
         source_id, slug = last.source_id, last.slug
         rows: list[dict[str, Any]] = []
         for place, facts in segment_facts:
@@ -297,6 +320,7 @@ class ExtractionStore:
                 Fact.source_markdown_slug == slug,
                 Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
             )
+            self._write_held(session)
             forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
             session.execute(delete(Fact).where(*replaced))
             inserted = 0
