@@ -45,7 +45,9 @@ EXPANSION_MAX_LINE_CHARS = 300
 
 _LEX_TOKEN = re.compile(r'(-?)"([^"]*)"|(\S+)')
 _TSQUERY_LEXEME = re.compile(r"'((?:[^'\\]|''|\\.)*)'")
-_EXPANSION_LINE = re.compile(r"^\s*(?:[-*]\s*)?(lex|vec|hyde)\s*:\s*(.+?)\s*$", re.IGNORECASE)
+# The body is stripped where it is read: a lazy body before `\s*$` tried every space of a long run in
+# the middle of a line up to its end (quadratic in the model's reply).
+_EXPANSION_LINE = re.compile(r"^\s*(?:[-*]\s*)?(lex|vec|hyde)\s*:\s*(.+)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,42 @@
+"""Patterns over hostile text stay linear: a long run of spaces once cost each of them quadratic time
+(an hour of a thread holding the GIL for one 1 MB message). Each case is a million characters, so the
+old patterns run into the suite's per-test timeout; the assertions check the answers stay the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.core.compaction import wrap_untrusted_data
+from worker.core.delimiters import neutralize_tags
+from worker.core.intent import parse_structured_query
+from worker.core.lexing import parse_expansion
+
+pytestmark = pytest.mark.timeout(60)  # linear: milliseconds; the quadratic patterns took hours
+
+RUN = " " * 1_000_000
+
+
+def test_a_tag_opener_before_a_million_spaces_is_escaped_in_linear_time() -> None:
+    assert neutralize_tags("<" + RUN, ("untrusted-data",)) == "<" + RUN
+    assert (
+        neutralize_tags("<" + RUN + "/untrusted-data>", ("untrusted-data",))
+        == "&lt;" + RUN + "/untrusted-data>"
+    )
+    wrapped = wrap_untrusted_data("<" + RUN + "x")
+    assert RUN in wrapped
+    # The escaping itself is unchanged: spaces and a slash between `<` and the name, any case.
+    assert neutralize_tags(
+        "< / untrusted-data> </ UNTRUSTED-DATA > <untrusted-datax>", ("untrusted-data",)
+    ) == ("&lt; / untrusted-data> &lt;/ UNTRUSTED-DATA > <untrusted-datax>")
+
+
+def test_a_query_line_with_a_million_spaces_inside_is_trimmed_in_linear_time() -> None:
+    parsed = parse_structured_query("lex: alpha" + RUN + "beta\nintent: \ufeff work \u3000")
+    assert parsed is not None and parsed.intent == "work"
+    assert parsed.searches[0].query.startswith("alpha") and parsed.searches[0].query.endswith("beta")
+
+
+def test_an_expansion_line_with_a_million_spaces_inside_is_read_in_linear_time() -> None:
+    lines = parse_expansion("lex: alpha" + RUN + "beta  \n- vec:  where alice works  ", "q")
+    assert ("vec", "where alice works") in lines
+    assert [kind for kind, _ in lines] == ["lex", "vec"]
