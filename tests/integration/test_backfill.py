@@ -24,6 +24,8 @@ from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
 from tests.integration.test_batch import page_body
 from tests.integration.test_extraction import put_page
+from tests.integration.test_service import unembedded
+from tests.service import wait_for
 from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
 from worker.api.metrics import BackfillCollector
@@ -315,6 +317,22 @@ def test_a_pass_that_dies_before_a_whole_page_swap_leaves_its_results_to_be_coll
     assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
 
 
+def test_a_backfill_s_facts_are_embedded_and_their_entities_consolidated_as_an_online_run_s(factory, rt, sim):
+    """A backfill committed its facts and followed up on none of them: vector search never found them
+    (until someone ran `factmill embed`), and a swap's deleted facts left the facts they had closed
+    hidden until another extraction of the source asked for consolidation."""
+    seed_pages(factory, "bf", 2)
+    _, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    assert facts_of(factory, "bf")
+    wait_for(lambda: unembedded(factory) == 0, 60, "the backfill's facts to be embedded")
+    with factory() as session:
+        consolidations = session.scalar(
+            select(func.count()).select_from(Job).where(Job.kind == "consolidation")
+        )
+    assert consolidations
+
+
 def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim):
     """The plans counted a page re-extracted whole against max_segments before it was left out: the
     first page used the limit up, nothing was planned, and every run with that limit did the same."""
@@ -522,6 +540,70 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
     assert (batch.status, batch.estimated_cost_usd) == ("planned", None)
     assert BackfillStore(factory).in_flight_estimate() == 0
+
+
+def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collected(
+    factory, rt, sim, monkeypatch
+):
+    """A refused send ended the pass before its polling: the batches sent were never collected (their
+    paid results lost), the job failed after its retries and the backfill stayed running for good."""
+    seed_pages(factory, "bf", 4)  # two batches
+    real_submit = OpenAIBatchClient.submit
+    sends: list[str | None] = []
+
+    def second_refused(self: Any, requests: Any, key: str | None = None) -> str:
+        sends.append(key)
+        if len(sends) > 1:
+            raise LLMError("HTTP 400: too many batches enqueued", retryable=False, status=400)
+        return real_submit(self, requests, key=key)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", second_refused)
+    backfill_id, job_id = start(factory, "bf")
+    outcome = run_pass(rt, job_id)
+    for _ in range(200):  # the first batch ends within 0.05 s; the second keeps being refused
+        if outcome.status != "paused":
+            break
+        time.sleep(0.05)
+        outcome = run_pass(rt, job_id)
+    assert outcome.status == "retry"  # nothing left in flight: the refusal is the job's error now
+    assert request_statuses(factory, backfill_id) == {"done": 8, "pending": 8}
+    assert len(terminal_slugs(factory, "bf")) == 2  # the first batch's pages are stored
+    monkeypatch.undo()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 16}
+
+
+def test_a_cancel_that_arrives_during_a_pass_sends_no_more_of_it(factory, rt, sim, monkeypatch):
+    seed_pages(factory, "bf", 4)  # two batches
+    sim.configure(batch_delay_seconds=3600)
+    real_submit = OpenAIBatchClient.submit
+    backfill_id, job_id = start(factory, "bf")
+
+    def cancelled_meanwhile(self: Any, requests: Any, key: str | None = None) -> str:
+        with factory.begin() as session:  # the operator's cancel, while the pass sends
+            cancel_backfill(session, backfill_id)
+        return real_submit(self, requests, key=key)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", cancelled_meanwhile)
+    # The first batch went, and was cancelled at the provider in the same pass; the second never went.
+    assert run_pass(rt, job_id).status == "succeeded"
+    assert sim.stats()["batches"]["created"] == 1
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert request_statuses(factory, backfill_id) == {"cancelled": 16}
+
+
+def test_cancelling_a_backfill_whose_job_failed_runs_the_cancel(factory, rt, sim):
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory.begin() as session:  # its retries spent on some provider error
+        session.execute(update(Job).where(Job.id == job_id).values(status="failed", pause_reason=None))
+    with factory.begin() as session:
+        assert cancel_backfill(session, backfill_id) == [(job_id, BATCH_EXTRACTION)]
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert request_statuses(factory, backfill_id) == {"cancelled": 8}
 
 
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):

@@ -52,7 +52,7 @@ from worker.extraction.batch import (
     segment_bytes,
     segment_request,
 )
-from worker.extraction.committer import SegmentResults, one_at_a_time
+from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
@@ -82,6 +82,8 @@ class BackfillDeps:
     max_bytes: int = MAX_BATCH_BYTES
     max_output_tokens: int = 1024
     guard: Callable[[], None] = field(default=lambda: None)
+    # Called once per transaction that committed a page's facts, as an online run does (embedding them).
+    on_facts_committed: FactsCommitted | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,14 @@ class BackfillPass:
             job_id=deps.job_id,
             max_output_tokens=deps.max_output_tokens,
         )
-        self.run = ExtractionRun(self.segments, options, deps.config, deps.budget, guard=deps.guard)
+        self.run = ExtractionRun(
+            self.segments,
+            options,
+            deps.config,
+            deps.budget,
+            guard=deps.guard,
+            on_facts_committed=deps.on_facts_committed,
+        )
 
     # --- planning -----------------------------------------------------------------------------------
 
@@ -327,7 +336,7 @@ class BackfillPass:
             generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
             items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
         # Anthropic says "ended" of a cancelled batch too: the backfill's own request says it was cancelled.
-        cancelled = provider_status in ("cancelled", "canceling") or self.backfill.cancel_requested
+        cancelled = provider_status in ("cancelled", "canceling") or self.cancelling()
         missing = "cancelled" if cancelled else "expired"
         for (page_id, slug), rows in group_by_page(pending):
             self.run.check_switch()
@@ -405,32 +414,46 @@ class BackfillPass:
                 self.store.finish(backfill.id, "cancelled")
                 return PassResult(True, 0, "cancelled")
             self.plan()
-        no_room: BudgetExhaustedError | None = None
+        stopped: LLMError | None = None
         for batch in self.store.batches(backfill.id, ("planned", "submitting")):
-            if backfill.cancel_requested:
+            if self.cancelling():  # read again before each: a cancel during the pass sends no more
                 self.cancel(batch)
                 continue
             try:
                 if not self.send(batch):
                     break  # waiting for the batches in flight: so do the ones after it
-            except BudgetExhaustedError as exc:
+            except LLMError as exc:
                 # The batches sent still end, are paid for and hold the pages' text: they are polled
-                # and collected below (the error stopped the pass before them, and the job paused for
-                # budget, for good when it was its own budget that was spent).
-                no_room = exc
+                # and collected below. A budget spent (the job pauses for budget, for good when it was
+                # its own), or a send the provider refused or cut short: raised once none is in flight
+                # (it stopped the pass before the polling, the job failed after its retries, and the
+                # backfill stayed running with its batches never collected).
+                if not isinstance(exc, BudgetExhaustedError):
+                    logger.warning(
+                        "backfill %s: sending batch %s failed (%s); the batches in flight are polled",
+                        backfill.id, batch.key, type(exc).__name__,
+                    )  # fmt: skip
+                stopped = exc
                 break
         for batch in self.store.batches(backfill.id, ("submitted",)):
-            if backfill.cancel_requested:
+            if self.cancelling():
                 self.cancel(batch)
             self.poll(batch)
         open_batches = len(self.store.batches(backfill.id))
-        if no_room is not None and not self.store.batches(backfill.id, ("submitting", "submitted")):
-            raise no_room  # nothing in flight: the job waits for budget
+        if stopped is not None and not self.store.batches(backfill.id, ("submitting", "submitted")):
+            raise stopped  # nothing in flight: the job waits for budget, or retries the send
         if open_batches:
             return PassResult(False, open_batches, "running")
-        status = "cancelled" if backfill.cancel_requested else "done"
+        status = "cancelled" if self.cancelling() else "done"
         self.store.finish(backfill.id, status)
         return PassResult(True, 0, status)
+
+    def cancelling(self) -> bool:
+        """Whether the backfill is to stop: read again each time until it is (the backfill was loaded
+        when the pass began, and a cancel during the pass went unseen: every unsent batch still went)."""
+        if not self.backfill.cancel_requested and self.store.cancel_requested(self.backfill.id):
+            self.backfill.cancel_requested = True
+        return self.backfill.cancel_requested
 
 
 def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:

@@ -15,7 +15,7 @@ from models.backfill import REQUEST_STATUSES
 from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
-from worker.jobs.outbox import BUDGET, enqueue, resume_paused
+from worker.jobs.outbox import BUDGET, enqueue, resume_paused, retry_job
 from worker.llm.gateway import LLMConfigurationError
 from worker.settings import Settings
 
@@ -35,6 +35,11 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
     woken = resume_waiting(session, job_id=backfill.job_id)
     if backfill.job_id is not None:  # one waiting for budget: cancelling needs none
         woken += resume_paused(session, [BATCH_EXTRACTION], BUDGET, [backfill.job_id])
+        job = session.get(Job, backfill.job_id, with_for_update=True)
+        if job is not None and job.status == "failed":
+            # Its retries spent (the provider kept refusing): nothing would run the cancel, and the
+            # batches it sent would never be cancelled or collected.
+            woken.append((retry_job(session, job.id).id, BATCH_EXTRACTION))
     return woken
 
 

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
+from worker.consolidation import consolidate_pages_entities
 from worker.extraction.backfill import BackfillDeps, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
+from worker.extraction.committer import FactsCommitted
+from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.llm.batches import open_batch_client
 from worker.llm.gateway import LLMConfigurationError
+from worker.runtime import Runtime
+
+
+def follow_ups(rt: Runtime) -> tuple[FactsCommitted | None, list[tuple[str, str]]]:
+    """What follows a page's commit, as after an online run: its facts embedded (and then its entities
+    consolidated), or, without embedding, its entities consolidated once the pass ends (the pages to
+    request are gathered in the list). A backfill's whole-page swap deletes the page's old facts: the
+    facts of other pages they had closed are current again only once consolidation repairs them."""
+    if rt.settings.embed_after_extraction:
+        return embed_in_background(rt), []
+    pages: list[tuple[str, str]] = []
+    if not rt.settings.consolidate_after_extraction:
+        return None, pages
+    return lambda source_id, slug, inserted: pages.append((source_id, slug)), pages
 
 
 def backfill_pass(ctx: JobContext) -> WorkResult:
     rt, settings = ctx.rt, ctx.rt.settings
     backfill_id = int(ctx.option("backfill"))
+    committed, to_consolidate = follow_ups(rt)
     with open_batch_client(settings) as client:
         deps = BackfillDeps(
             rt.factory,
@@ -28,8 +46,13 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
             max_bytes=settings.backfill_batch_max_bytes,
             max_output_tokens=settings.llm_max_output_tokens,
             guard=ctx.guard,
+            on_facts_committed=committed,
         )
-        result = run_backfill_pass(deps, backfill_id)
+        try:
+            result = run_backfill_pass(deps, backfill_id)
+        finally:
+            if to_consolidate:  # what committed, even when the pass then stopped on an error
+                consolidate_pages_entities(rt.factory, list(dict.fromkeys(to_consolidate)))
     report = backfill_report(rt.factory, backfill_id)
     counters = {"backfill": backfill_id, "requests": report["requests"], "cost_usd": report["cost_usd"]}
     if result.finished:

@@ -247,6 +247,10 @@ class BackfillStore:
                     .values(status="cancelled", updated_at=func.now())
                 )
 
+    def cancel_requested(self, backfill_id: int) -> bool:
+        with read_only(self._factory) as session:
+            return bool(session.scalar(select(Backfill.cancel_requested).where(Backfill.id == backfill_id)))
+
     def finish(self, backfill_id: int, status: str) -> None:
         with self._factory.begin() as session:
             session.execute(
