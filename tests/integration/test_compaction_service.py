@@ -1259,6 +1259,29 @@ def test_a_context_view_past_its_byte_budget_is_refused_not_loaded(
             context_view(session, "huge", max_bytes=33 << 20)
 
 
+def test_tool_call_arguments_count_at_their_size_not_their_compressed_size(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """The caps summed pg_column_size of the tool calls: their compressed size, a hundredth of it for
+    arguments of one repeated character, so such a transcript's views passed the caps and loaded
+    gigabytes into the API."""
+    arguments = "z" * (2 * 1024 * 1024)
+    call = {"id": "call-1", "name": "write_file", "arguments": arguments}
+    body = {
+        "messages": [
+            {"role": "user", "text": "write it"},
+            {"role": "assistant", "text": "", "tool_calls": [call]},
+            {"role": "tool", "text": "done", "tool_call_id": "call-1", "tool_name": "write_file"},
+        ]
+    }
+    assert post_messages(client, "zipped", body).status_code == 201
+    with tx_factory() as session:
+        with pytest.raises(ContextTooLargeError):
+            context_view(session, "zipped", max_bytes=1024 * 1024)
+        rows, more = list_messages(session, "zipped", max_bytes=1024 * 1024)
+    assert [row.seq for row in rows] == [0] and more  # the big one starts the next page
+
+
 def test_reads_page_and_404(client: TestClient, tx_factory: sessionmaker[Session], simulator: Any) -> None:
     post_messages(client, "read", {"messages": session_messages(25), "settings": SETTINGS})
     first = client.get("/v1/transcripts/read/messages", params={"limit": 30}).json()

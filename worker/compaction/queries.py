@@ -141,10 +141,10 @@ _TIMELINE_MESSAGES = (
 )
 
 
-# What a context view stores, in bytes, read from the rows' headers: no message is loaded to be measured.
-STORED_BYTES = func.octet_length(TRANSCRIPT_MESSAGES.c.text) + func.coalesce(
-    func.pg_column_size(TRANSCRIPT_MESSAGES.c.tool_calls), 0
-)
+# What a message stores, in bytes, uncompressed: a column Postgres keeps (no message is loaded to be
+# measured). pg_column_size of the tool calls was their compressed size: a hundredth of it for
+# arguments of one repeated character, and the caps let gigabytes through.
+STORED_BYTES = TRANSCRIPT_MESSAGES.c.stored_bytes
 _VIEW_BYTES = select(func.coalesce(func.sum(STORED_BYTES), 0)).where(
     TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq >= bindparam("start")
 )
