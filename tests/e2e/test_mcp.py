@@ -119,6 +119,12 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
     piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
     boolean = await session.call_tool("list_entity_facts", {"entity": "alice", "limit": True})
     unnamed = await session.call_tool("list_entity_facts", {"entity": "---"})  # the API's 422
+    misspelled = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source": "work"})
+    then = {"as_of": "2000-01-01T00:00:00Z"}
+    entity_then = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"} | then))
+    page_then = _payload(
+        await session.call_tool("list_page_facts", {"source_id": "default", "slug": "alice-chat"} | then)
+    )
     schemas = {tool.name: tool.input_schema for tool in (await session.list_tools()).tools}
     append = await session.call_tool(
         "append_transcript_messages",
@@ -134,6 +140,9 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "piped": piped,
         "boolean": boolean,
         "unnamed": unnamed,
+        "misspelled": misspelled,
+        "entity_then": entity_then,
+        "page_then": page_then,
         "listed": listed,
         "schemas": schemas,
     }
@@ -154,6 +163,9 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
     assert "valid integer" in _error_text(seen["boolean"])  # true is not a limit of 1
     assert "entity '---' has no letters or digits" in _error_text(seen["unnamed"])  # not an empty list
+    # A misspelled filter was dropped (every source searched); as_of was dropped (today's facts).
+    assert "search_facts takes no argument 'source'" in _error_text(seen["misspelled"])
+    assert seen["entity_then"]["total"] == 0 and seen["page_then"]["facts"] == []  # nothing known in 2000
     limit = seen["schemas"]["list_entity_facts"]["properties"]["limit"]
     assert (limit["type"], limit["minimum"], limit["maximum"]) == ("integer", 1, 1000)  # bounds a client sees
     refused = _error_text(seen["append"])
@@ -185,6 +197,16 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
         )
     )
     huge = await session.call_tool("get_transcript_context", {"transcript_id": "huge"})
+    windowed = _payload(
+        await session.call_tool(
+            "append_transcript_messages",
+            {
+                "transcript_id": "agent-2",
+                "messages": [{"role": "user", "text": "hello"}],
+                "settings": {"context_window": 8000, "reserve_tokens": 1000, "keep_recent_tokens": 500},
+            },
+        )
+    )
     lax = await session.call_tool(  # true is no coverage nor compaction id (the API's 422)
         "record_summary_feedback",
         {"coverage": True, "answer_kept": False, "origin": "agent:test", "compaction_id": True},
@@ -204,6 +226,7 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
         "bad": bad,
         "feedback": feedback,
         "huge": huge,
+        "windowed": windowed,
     }
 
 
@@ -222,9 +245,9 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert "coverage" in lax and "compaction_id" in lax and "valid" in lax, lax
     unstorable = _error_text(seen["unstorable"])
     assert "tool_calls[0].arguments.q: must not contain lone surrogates" in unstorable, unstorable
-    assert "its context view is 34,603," in _error_text(seen["huge"]) and "/messages" in _error_text(
-        seen["huge"]
-    )
+    huge = _error_text(seen["huge"])
+    assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
+    assert seen["windowed"]["trigger_tokens"] == 8000 - 1000  # the settings went in with the append
 
 
 async def _sources_only(session: ClientSession) -> dict[str, Any]:

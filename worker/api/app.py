@@ -16,7 +16,6 @@ from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
-from worker.api.guards import RequestIdMiddleware
 from worker.api.metrics import install_metrics
 from worker.api.openapi import install_openapi
 from worker.api.probes import BrokerCollector, ping_broker
@@ -31,6 +30,7 @@ from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
 from worker.bodycap import BodyCapMiddleware
 from worker.core.signing import EXPECTED_FORMAT, SIGNATURE_HEADER
+from worker.guards import RequestIdMiddleware
 from worker.jobs.celery_app import start_tracing
 from worker.jobs.outbox import Sender
 from worker.runtime import Runtime, get_runtime, tracing

@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.api.guards import request_id_of, route_template, unexpected_answer
 from worker.bodycap import BodyTooLargeError, too_large_detail
+from worker.guards import request_id_of, route_template, unexpected_answer
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from worker.api.guards import route_template, unexpected_status
 from worker.bodycap import ASGIApp, Receive, Scope, Send
+from worker.guards import route_template, unexpected_status
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,8 @@ from pydantic import AnyHttpUrl
 
 from worker.access import Principal, principal_for, refusal
 from worker.bodycap import ForeignAppBodyCap
+from worker.db import database_unavailable
+from worker.guards import RequestIdMiddleware
 from worker.mcp.tools import Access, FactmillTools
 from worker.runtime import Runtime
 from worker.runtime.logs import logging_config
@@ -40,6 +42,7 @@ INSTRUCTIONS = (
     "send a model for a transcript."
 )
 NO_KEY = "no valid API key (unknown or revoked); create one with `factmill keys create`"
+UNAVAILABLE = "the database is unavailable; try again shortly"
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
@@ -75,6 +78,8 @@ class KeyVerifier:
         self.runtime = runtime
 
     async def verify_token(self, token: str) -> AccessToken | None:
+        """The key's principal as an access token; None (401) for an unknown or revoked key. A database
+        that cannot answer raises (the HTTP app's guard answers 503 with Retry-After, as the API does)."""
         settings = self.runtime.settings
         principal = await anyio.to_thread.run_sync(
             principal_for, self.runtime.factory, token, settings.admin_token
@@ -125,6 +130,15 @@ class FactmillMCP(MCPServer[Any]):
             self.add_tool(fn, annotations=hints, structured_output=True)
             self._access[fn.__name__] = access
 
+    def _unknown_arguments(self, name: str, arguments: dict[str, Any]) -> list[str]:
+        """The arguments ``name`` does not take (the SDK dropped them silently: a misspelled filter
+        searched every source, an as_of the tool did not know answered as of now)."""
+        tool = self._tool_manager.get_tool(name)
+        if tool is None or name not in self._access:
+            return []
+        known = set(tool.parameters.get("properties", {}))
+        return sorted(key for key in arguments if key not in known)
+
     def caller(self) -> Principal:
         principal = self._principal()
         if principal is None:
@@ -139,16 +153,32 @@ class FactmillMCP(MCPServer[Any]):
             return NO_KEY
         return refusal(principal, access.scope, all_sources=access.all_sources)
 
+    def _checked_principal(self) -> Principal | None:
+        """The caller, or a ToolError saying why it cannot be told: over stdio the key is looked up in
+        the database on every request, and an outage there reached the client as the driver's own
+        message (host, port, SQL) with a traceback in the log."""
+        try:
+            return self._principal()
+        except Exception as exc:
+            if database_unavailable(exc):
+                logger.warning("MCP: the database is unavailable (%s)", type(exc).__name__)
+                raise ToolError(UNAVAILABLE) from None
+            logger.error("MCP: the key check failed: %s", type(exc).__name__)
+            raise ToolError(f"the key check failed on the server ({type(exc).__name__})") from None
+
     async def list_tools(self) -> list[MCPTool]:
-        principal = self._principal()
+        principal = self._checked_principal()
         return [tool for tool in await super().list_tools() if self._refused(principal, tool.name) is None]
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult | InputRequiredResult:
-        refused = self._refused(self._principal(), name)
+        refused = self._refused(self._checked_principal(), name)
         if refused is not None:
             raise ToolError(f"{name} refused: {refused}")
+        unknown = self._unknown_arguments(name, arguments)
+        if unknown:
+            raise ToolError(f"{name} takes no argument {', '.join(map(repr, unknown))}")
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
@@ -185,6 +215,17 @@ def run_stdio(runtime: Runtime, key: str) -> None:
     anyio.run(stdio_server(runtime, key).run_stdio_async)
 
 
+def http_app(server: FactmillMCP, runtime: Runtime, host: str) -> Any:
+    """The streamable HTTP app behind the API's guards: the body cap, and a database outage during the
+    key check answered 503 with Retry-After (it was a bare 500 and uvicorn's traceback), anything else
+    unexpected logged as one line."""
+    app = server.streamable_http_app(host=host)
+    # Inside the app's own ServerErrorMiddleware (which answers 500 before anything outside it could
+    # answer), around the SDK's bearer check.
+    app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
+    return ForeignAppBodyCap(app, cap=runtime.settings.max_body_bytes)
+
+
 def run_http(runtime: Runtime, host: str, port: int) -> None:
     """Serve streamable HTTP as the SDK's ``run_streamable_http_async`` does, with the API's keep-alive
     (FACTMILL_API_KEEP_ALIVE_SECONDS) instead of uvicorn's 5 s, and the services' log lines (text or
@@ -192,7 +233,7 @@ def run_http(runtime: Runtime, host: str, port: int) -> None:
     server = http_server(runtime)
     level = server.settings.log_level
     config = uvicorn.Config(
-        ForeignAppBodyCap(server.streamable_http_app(host=host), cap=runtime.settings.max_body_bytes),
+        http_app(server, runtime, host),
         host=host,
         port=port,
         log_level=level.lower(),
@@ -211,6 +252,7 @@ __all__ = [
     "FactmillMCP",
     "KeyVerifier",
     "authenticate_key",
+    "http_app",
     "http_server",
     "request_principal",
     "run_http",

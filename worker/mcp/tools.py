@@ -66,7 +66,18 @@ JSON_INTEGER = BeforeValidator(json_integer)
 Offset = Annotated[
     int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
 ]
+# A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
+# text), and no agent's context holds more; past it the error points to the history's pages.
+MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+AsOf = Annotated[
+    datetime | None,
+    Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
+]
+IncludeHistory = Annotated[
+    StrictBool,
+    Field(description="Also superseded and duplicate facts (the timeline); by default only current ones."),
+]
 
 
 @dataclass(frozen=True)
@@ -169,14 +180,8 @@ class FactmillTools:
         expand: Annotated[
             StrictBool, Field(description="Let an LLM add related searches to a plain query.")
         ] = True,
-        as_of: Annotated[
-            datetime | None,
-            Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
-        ] = None,
-        include_history: Annotated[
-            StrictBool,
-            Field(description="Also superseded and duplicate facts; by default only current ones."),
-        ] = False,
+        as_of: AsOf = None,
+        include_history: IncludeHistory = False,
     ) -> dict[str, Any]:
         """Search the stored facts and get the best matches, each with its text, kind, entity, page,
         confidence, status (current, superseded, duplicate), validity interval and a snippet. Only
@@ -214,10 +219,8 @@ class FactmillTools:
             int, Strict(), Field(ge=1, le=1000), JSON_INTEGER, Field(description="At most this many facts.")
         ] = 100,
         offset: Offset = 0,
-        include_history: Annotated[
-            StrictBool,
-            Field(description="Also superseded and duplicate facts (the timeline); default current."),
-        ] = False,
+        include_history: IncludeHistory = False,
+        as_of: AsOf = None,
     ) -> EntityFactsPage:
         """The current facts about one entity (a person, team or thing, by its slug), newest first,
         with the page each came from; with include_history, its whole timeline (each fact's status,
@@ -231,7 +234,7 @@ class FactmillTools:
                 source_ids=sources,
                 limit=limit,
                 offset=offset,
-                lifecycle=Lifecycle(include_history=include_history),
+                lifecycle=Lifecycle(include_history, as_of),
             )
 
     def list_pages(
@@ -272,12 +275,22 @@ class FactmillTools:
             int, Strict(), Field(ge=1, le=10_000), JSON_INTEGER, Field(description="At most this many facts.")
         ] = 1000,
         offset: Offset = 0,
+        include_history: IncludeHistory = False,
+        as_of: AsOf = None,
     ) -> PageFactsPage:
-        """The facts extracted from one page (a stored conversation), in the order they were found."""
+        """The facts extracted from one page (a stored conversation), in the order they were found:
+        the current ones, or with include_history / as_of its timeline or what was true then."""
         if not self.principal().sees(source_id):
             raise ToolError(f"this key may not read source {source_id!r}")
-        with self.runtime.factory() as session:
-            found = read_page_facts(session, source_id, slug, limit=limit, offset=offset)
+        with self.runtime.factory() as session, _refusals():
+            found = read_page_facts(
+                session,
+                source_id,
+                slug,
+                limit=limit,
+                offset=offset,
+                lifecycle=Lifecycle(include_history, as_of),
+            )
         if found is None:
             raise ToolError(f"no page {slug!r} in source {source_id!r}")
         return found
@@ -292,7 +305,7 @@ class FactmillTools:
         message after it, repaired so each tool call has its result."""
         transcript_id = _transcript(transcript_id)
         with _refusals(), self.runtime.factory() as session:
-            view = context_view(session, transcript_id)
+            view = context_view(session, transcript_id, max_bytes=MCP_CONTEXT_MAX_BYTES)
         return {
             "transcript_id": transcript_id,
             "compaction_id": view.compaction_id,
@@ -311,17 +324,35 @@ class FactmillTools:
             list[MessageIn],
             Field(min_length=1, max_length=MAX_MESSAGES_PER_REQUEST, description="The messages, in order."),
         ],
+        settings: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description=(
+                    "The transcript's compaction settings, as the API's append takes them: context_window "
+                    "(without one no summary is ever made), reserve_tokens, keep_recent_tokens, "
+                    "tool_result_limit, instructions."
+                )
+            ),
+        ] = None,
     ) -> dict[str, Any]:
         """Add messages to the end of an agent transcript. A tool result must answer a call of the
-        assistant turn right before it. A compaction (summary) is queued once the context is long."""
+        assistant turn right before it. A compaction (summary) is queued once the context passes its
+        trigger (give the transcript a context_window in settings, once)."""
         transcript_id = _transcript(transcript_id)
         raw = [m.model_dump(exclude_none=True) for m in messages]
         retrigger = self.runtime.settings.compaction_retrigger_seconds
         with _refusals():
             parsed = parse_messages(raw)
             with self.runtime.factory.begin() as session:
-                result = append_messages(session, transcript_id, parsed, retrigger_seconds=retrigger)
-        outbox.enqueue(self.runtime.factory, result.pending_jobs())  # only after the commit
+                result = append_messages(
+                    session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
+                )
+        try:
+            outbox.enqueue(self.runtime.factory, result.pending_jobs())  # only after the commit
+        except Exception as exc:  # stored: the sweeper sends a job left queued; not the caller's failure
+            logger.warning(
+                "MCP append: the compaction job was not sent (%s); the sweeper sends it", type(exc).__name__
+            )
         trigger = result.trigger
         return {
             "transcript_id": transcript_id,

@@ -1,6 +1,6 @@
-"""ASGI guards around the whole API: a request id on every answer, and one answer for anything
-unexpected (a 500 logged as one line, no page text; a 503 while the database cannot serve). The body
-cap is worker.bodycap's."""
+"""ASGI guards around the API and the MCP server's HTTP app: a request id on every answer, and one
+answer for anything unexpected (a 500 logged as one line, no page text; a 503 while the database
+cannot serve). The body cap is worker.bodycap's."""
 
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""The MCP server in process, where the e2e suite (tests/e2e/test_mcp.py) cannot reach: a database that
+cannot answer the key check, over stdio and over streamable HTTP."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import pytest
+from fastapi.testclient import TestClient
+from mcp.server.mcpserver.exceptions import ToolError
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.integration.test_api import make_runtime
+from worker.mcp.server import http_app, http_server, stdio_server
+
+pytestmark = pytest.mark.integration
+
+# Nothing listens on port 1: every connection is refused at once.
+GONE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/gone?connect_timeout=2"
+
+
+@pytest.fixture
+def gone() -> sessionmaker[Session]:
+    engine = create_engine(GONE_URL, pool_pre_ping=False)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
+def test_stdio_a_database_outage_at_the_key_check_is_a_plain_tool_error(
+    database_url: str, gone: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key is looked up on every request: an outage reached the client as the driver's message
+    (host, port, the SQL) and the log as a traceback."""
+    server = stdio_server(make_runtime(database_url, gone), "fm_some_key")
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(ToolError) as refused:
+            anyio.run(server.call_tool, "search_facts", {"query": "lex: lisbon"})
+        with pytest.raises(ToolError, match="database is unavailable"):
+            anyio.run(server.list_tools)
+    assert str(refused.value) == "the database is unavailable; try again shortly"
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "OperationalError" in logged and "127.0.0.1" not in logged and "Traceback" not in caplog.text
+
+
+def test_http_a_database_outage_at_the_key_check_is_a_503_with_retry_after(
+    database_url: str, gone: sessionmaker[Session]
+) -> None:
+    runtime = make_runtime(database_url, gone)
+    app = http_app(http_server(runtime), runtime, "127.0.0.1")
+    body: dict[str, Any] = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Authorization": "Bearer fm_some_key", "Accept": "application/json, text/event-stream"}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/mcp", json=body, headers=headers)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "5" and "database is unavailable" in answer.json()["detail"]
