@@ -563,6 +563,9 @@ def test_page_changed_while_its_job_is_pending_reuses_the_job(
         job = session.get(Job, first["job_id"])
         assert job is not None and job.rerun_requested  # the running worker read old content
     assert count(tx_factory, Job) == 1
+    # Sent once, when created: a pending job has its message (a queued one waiting out a retry's
+    # backoff was sent at once on every delivery and burned its attempts through an outage).
+    assert recorder.job_ids == [first["job_id"]]
 
 
 # ---------------------------------------------------------------------------

@@ -23,3 +23,14 @@ def test_ingest_tells_of_every_file_it_is_done_with(tmp_path: Path, tx_factory) 
         tx_factory, [tmp_path / "a.md"], "files", on_file=lambda path: heard.append(path.name)
     )
     assert heard[-1] == "a.md" and again.unchanged == ["a"]
+
+
+def test_a_changed_file_whose_job_is_still_pending_is_not_sent_again(tx_factory, tmp_path: Path) -> None:
+    """Its job has a message already: sent again it skipped a retry's backoff (the sweeper sends one
+    whose message was lost)."""
+    page = tmp_path / "a.md"
+    page.write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    first = ingest_paths(tx_factory, [page], "files")
+    page.write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hello\n")
+    second = ingest_paths(tx_factory, [page], "files")
+    assert first.created == first.jobs and second.jobs == first.jobs and second.created == []

@@ -46,7 +46,7 @@ def ingest(
     files = sum(1 for _ in iter_page_files(paths))
     with counting_bar("page files", files, enabled=not as_json) as advance:
         report = ingest_paths(factory, paths, source_id, on_file=advance)
-    sent = send_jobs(factory, report.jobs) if enqueue and report.jobs else 0
+    sent = send_jobs(factory, report.created) if enqueue and report.created else 0
     if as_json:
         print_json(
             {

@@ -32,7 +32,9 @@ class IngestReport:
     ingested: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
-    jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) to enqueue after commit
+    jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) of the changed pages
+    # The jobs this run created, to enqueue after the commit (a pending one has its message already).
+    created: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _jsonable(value: Any) -> Any:
@@ -170,7 +172,7 @@ def ingest_paths(
     on_file: Callable[[Path], None] | None = None,
 ) -> IngestReport:
     """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
-    path); a bad file is reported and the rest still go in. The caller enqueues ``report.jobs``.
+    path); a bad file is reported and the rest still go in. The caller enqueues ``report.created``.
     ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
     report = IngestReport()
     for path, root in iter_page_files(paths):
@@ -198,3 +200,5 @@ def _ingest_file(
     else:
         report.ingested.append(page.slug)
         report.jobs.append((job.job_id, EXTRACTION))
+        if job.created:
+            report.created.append((job.job_id, EXTRACTION))

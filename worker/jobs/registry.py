@@ -92,8 +92,10 @@ PERIODIC: tuple[Periodic, ...] = (
     Periodic(
         "calibration-recompute", "tasks.calibration.schedule", "calibration", "calibration_schedule_seconds"
     ),
-    # Backfills waiting on provider batches poll on their job's own queue.
-    Periodic("backfill-poll", "tasks.backfill.poll", "extraction", "backfill_poll_seconds"),
+    # The poll that wakes backfills waiting on provider batches: on the maintenance queue (the jobs it
+    # wakes run on extraction). On extraction it expired behind any backlog longer than its interval
+    # (beat's messages expire when the next is due), and no batch was collected until the backlog drained.
+    Periodic("backfill-poll", "tasks.backfill.poll", MAINTENANCE_QUEUE, "backfill_poll_seconds"),
 )
 
 _kinds: dict[str, JobKind] = {}

@@ -161,7 +161,12 @@ def store_pages(
                 if r is None
             ],
         }
-        pending = list(dict.fromkeys((r.job_id, outbox.EXTRACTION) for r in results if r is not None))
+        # Only a job this delivery created is sent: a pending one has its message already (a running
+        # one reruns; a queued one waiting out a retry's backoff was sent at once on every delivery,
+        # burning its attempts in seconds through an outage). A lost message is the sweeper's.
+        pending = list(
+            dict.fromkeys((r.job_id, outbox.EXTRACTION) for r in results if r is not None and r.created)
+        )
         return response, pending
 
     response, pending = deliver_once(factory, key, body_hash, write)
