@@ -606,6 +606,19 @@ def test_cancelling_a_backfill_whose_job_failed_runs_the_cancel(factory, rt, sim
     assert request_statuses(factory, backfill_id) == {"cancelled": 8}
 
 
+def test_a_pass_that_ends_waiting_on_its_batches_starts_the_job_s_budgets_over(factory, rt, sim):
+    """A backfill's job lives through hundreds of passes: five errors days apart (a poll refused, a
+    worker restarted) added up to a failed job and a backfill left running for good."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    _, job_id = start(factory, "bf")
+    with factory.begin() as session:  # four earlier passes ended in errors
+        session.execute(update(Job).where(Job.id == job_id).values(attempts=4, worker_losses=3))
+    assert run_pass(rt, job_id).status == "paused"
+    job = job_row(factory, job_id)
+    assert (job.attempts, job.worker_losses) == (0, 0)
+
+
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
     seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)

@@ -86,6 +86,10 @@ class BackfillDeps:
     on_facts_committed: FactsCommitted | None = None
 
 
+class BackfillNotFoundError(LookupError):
+    """The job names a backfill that is not stored (its job fails; nothing to retry)."""
+
+
 @dataclass(frozen=True)
 class PassResult:
     finished: bool
@@ -465,8 +469,9 @@ def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], lis
 
 
 def run_backfill_pass(deps: BackfillDeps, backfill_id: int) -> PassResult:
-    """One pass of the backfill (see the module docstring); raises LookupError for an unknown id."""
+    """One pass of the backfill (see the module docstring); raises BackfillNotFoundError for an
+    unknown id."""
     backfill = BackfillStore(deps.factory).load(backfill_id)
     if backfill is None:
-        raise LookupError(f"no backfill {backfill_id}")
+        raise BackfillNotFoundError(f"no backfill {backfill_id}")
     return BackfillPass(deps, backfill).run_pass()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
-from worker.extraction.backfill import BackfillDeps, run_backfill_pass
+from worker.extraction.backfill import BackfillDeps, BackfillNotFoundError, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.committer import FactsCommitted
@@ -66,6 +66,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
         ),
         pause_reason=WAITING_FOR_BATCHES,
         detail="waiting for provider batches",
+        progressed=True,  # the pass ran through: errors of earlier passes are behind it
     )
 
 
@@ -78,7 +79,7 @@ KIND = register(
         work=backfill_pass,
         errors=(
             ErrorRule(CheckpointConflictError, "retry"),
-            ErrorRule(LookupError, "fail"),
+            ErrorRule(BackfillNotFoundError, "fail"),
             ErrorRule(LLMConfigurationError, "fail"),
         ),
         pause_reasons=(WAITING_FOR_BATCHES,),

@@ -224,8 +224,14 @@ _FINISH = (
         pause_reason=bindparam("new_pause_reason"),
         last_error=bindparam("new_last_error"),
         counters=func.coalesce(bindparam("new_counters", type_=JSONB(none_as_null=True)), JOBS.c.counters),
-        attempts=JOBS.c.attempts + bindparam("attempt_spent"),
-        worker_losses=JOBS.c.worker_losses + bindparam("loss_spent"),
+        attempts=case(
+            (bindparam("budgets_renewed", type_=Boolean), 0),
+            else_=JOBS.c.attempts + bindparam("attempt_spent"),
+        ),
+        worker_losses=case(
+            (bindparam("budgets_renewed", type_=Boolean), 0),
+            else_=JOBS.c.worker_losses + bindparam("loss_spent"),
+        ),
         finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
         enqueued_at=func.coalesce(bindparam("requeue_at", type_=DateTime(timezone=True)), JOBS.c.enqueued_at),
     )
@@ -245,15 +251,19 @@ def finish(
     pause_reason: str | None = None,
     attempt: bool = False,
     worker_lost: bool = False,
+    budgets_renewed: bool = False,
 ) -> tuple[int, str] | None:
     """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
 
     ``attempt``: the run reached a verdict of its own (it counts against max_attempts);
     ``worker_lost``: infrastructure cut it short (it counts against max_worker_losses); a pause is
-    neither. Returns (job id, kind) when the job must be sent again: a rerun was requested while it
-    ran (new content arrived) and it succeeded or failed; the rerun reads the new content, so it starts
-    with fresh budgets (a failure of the old content does not stand for the new). Writes nothing if
-    the lease is no longer ours.
+    neither. ``budgets_renewed``: a run that paused after making progress starts both counters over
+    (a job that lives through many runs, as a backfill's does, spent its five attempts over days).
+
+    Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran (new
+    content arrived) and it succeeded or failed; the rerun reads the new content, so it starts with
+    fresh budgets (a failure of the old content does not stand for the new). Writes nothing if the
+    lease is no longer ours.
     """
     params = {
         "job_id": job_id,
@@ -265,6 +275,7 @@ def finish(
         "attempt_spent": 1 if attempt else 0,
         "loss_spent": 1 if worker_lost else 0,
         "finished": status in FINISHED,
+        "budgets_renewed": budgets_renewed,
         "requeue_at": requeue_at,
     }
     with factory.begin() as session:

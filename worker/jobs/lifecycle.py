@@ -65,6 +65,9 @@ class WorkResult:
     note: str | None = None  # stored as the job's last_error (a reason, or a note on a success)
     pause_reason: str | None = None
     detail: str = ""
+    # A pause after progress (a backfill pass that sent or collected its batches): the next run starts
+    # with fresh attempt and worker-loss budgets, so errors days apart do not add up to a failure.
+    progressed: bool = False
 
 
 @dataclass
@@ -206,6 +209,7 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
             last_error=result.note,
             pause_reason=result.pause_reason,
             attempt=result.status == "failed",
+            budgets_renewed=result.status == "paused" and result.progressed,
         )
         if rerun is not None:
             enqueue(rt.factory, [rerun])
