@@ -733,6 +733,8 @@ def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sess
     assert [c.status for c in compactions(tx_factory)] == ["rejected"]
     held = append(tx_factory, "wait", [{"role": "user", "text": "next"}], retrigger_seconds=300)
     assert held.trigger.job is None and held.trigger.over and "was rejected" in (held.trigger.note or "")
+    # The note names no transcript: kept in a keyed append's stored answer, an erasure could not reach it.
+    assert (held.trigger.note or "").endswith("`factmill compact <transcript id>`)")
     assert (
         append(tx_factory, "wait", [{"role": "user", "text": "x"}], retrigger_seconds=0).trigger.job
         is not None
@@ -905,6 +907,39 @@ def test_a_transcript_erased_while_its_compaction_runs_gets_nothing_of_it(
         with factory() as session:
             view = context_view(session, "gone")
         assert view.compaction_id is None and view.messages[0].message.text == "A new start."
+
+
+def test_a_compaction_requested_while_the_transcript_is_erased_waits_and_finds_none(
+    factory: sessionmaker[Session],
+) -> None:
+    """The request read the transcript unlocked: racing an erasure, it inserted a job named by the
+    erased id after the erasure had scrubbed the jobs (and its failure wrote the id again)."""
+    from sqlalchemy import text
+
+    append(factory, "racing", session_messages(3), settings=SETTINGS)
+    with factory.begin() as session:
+        session.execute(update(Job).values(status="succeeded"))
+    outcome: list[BaseException | None] = []
+    with factory.begin() as eraser:  # the erasure holds the row while it deletes
+        eraser.execute(text("SELECT id FROM transcripts WHERE id = 'racing' FOR UPDATE"))
+
+        def request() -> None:
+            try:
+                with factory.begin() as session:
+                    request_compaction(session, "racing", force=True)
+                outcome.append(None)
+            except Exception as exc:
+                outcome.append(exc)
+
+        requester = threading.Thread(target=request)
+        requester.start()
+        time.sleep(0.5)
+        assert outcome == []  # it waits on the erasure
+        eraser.execute(text("DELETE FROM transcripts WHERE id = 'racing'"))
+    requester.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], TranscriptNotFoundError)
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "queued")) == 0
 
 
 def test_the_kill_switch_stops_before_the_retry(database_url: str, tx_factory: sessionmaker[Session]) -> None:

@@ -42,9 +42,7 @@ def compact_job(ctx: JobContext) -> WorkResult:
         # active agent paid for two more calls on nearly the same head every time.
         with read_only(rt.factory) as session:
             missed = recent_miss(session, job.subject, settings.compaction_retrigger_seconds)
-            waiting = (
-                retrigger_wait(missed, settings.compaction_retrigger_seconds, job.subject) if missed else None
-            )
+            waiting = retrigger_wait(missed, settings.compaction_retrigger_seconds) if missed else None
         if waiting is not None:
             return WorkResult("succeeded", counters={"status": "waiting"}, note=waiting, detail=waiting)
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)

@@ -282,11 +282,13 @@ def recent_miss(
     return newest
 
 
-def retrigger_wait(missed: Compaction, retrigger_seconds: float, transcript_id: str) -> str:
-    """Why no compaction runs now: the last one missed lately (FACTMILL_COMPACTION_RETRIGGER_SECONDS)."""
+def retrigger_wait(missed: Compaction, retrigger_seconds: float) -> str:
+    """Why no compaction runs now: the last one missed lately (FACTMILL_COMPACTION_RETRIGGER_SECONDS).
+    It names no transcript: it is kept in the answers stored for repeated deliveries, where an erasure
+    of the transcript would not find its id."""
     return (
         f"compaction {missed.id} was {missed.status} at {missed.created_at.isoformat()}; the next one "
-        f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact {transcript_id}`)"
+        f"is requested {retrigger_seconds:g} s after it (force one: `factmill compact <transcript id>`)"
     )
 
 
@@ -295,9 +297,12 @@ def request_compaction(
 ) -> JobRequest:
     """Request a compaction job (one pending per transcript) in the caller's transaction.
 
-    A forced request marks a pending job as forced too, so it compacts even under the threshold.
+    A forced request marks a pending job as forced too, so it compacts even under the threshold. The
+    transcript's row is locked first, as appends and erasure lock it: a request racing an erasure
+    waits for it and finds no transcript (read unlocked, it inserted a job named by the erased id after
+    the erasure's scrub).
     """
-    get_transcript(session, transcript_id)
+    lock_transcript(session, transcript_id, create=False)
     job = request_job(session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger})
     if force and not job.created:
         session.execute(
@@ -334,7 +339,7 @@ def check_trigger(
         accepted_over=settings.trigger_tokens,
     )
     if missed is not None:
-        note = retrigger_wait(missed, retrigger_seconds, transcript_id)
+        note = retrigger_wait(missed, retrigger_seconds)
         if missed.status == "accepted" and misfit is None:
             misfit = (
                 f"it left the context at {missed.tokens_after} tokens, over window - reserve "
