@@ -395,3 +395,26 @@ def test_a_csv_compaction_id_of_thousands_of_digits_is_a_line_error() -> None:
     """int() refuses 4,300 digits and more with its own ValueError: a traceback from the import."""
     good, errors, _ = parse("coverage,answer_kept,origin,compaction_id\n0.5,true,x," + "9" * 5000 + "\n")
     assert good == [] and len(errors) == 1 and "at most 19 digits" in errors[0][1]
+
+
+def test_a_version_never_activates_on_a_rate_of_a_handful_of_held_out_cases() -> None:
+    """Forty observations near min_observations: a τ just above the highest lost coverage often accepts
+    one or two held-out cases, and "1 of 1 kept" met any target (a simulation activated over half its
+    versions so). Now a rate over fewer than MIN_HELD_OUT_ACCEPTED cases activates nothing."""
+    from worker.core.calibration import MIN_HELD_OUT_ACCEPTED, Observation, evaluate
+
+    rng = random.Random(7)
+    refused_small = 0
+    for trial in range(400):
+        observations = []
+        for i in range(40):
+            kept = rng.random() < 0.7
+            coverage = rng.betavariate(5, 2) if kept else rng.betavariate(2, 3)
+            observations.append(Observation(trial * 100 + i, coverage, kept))
+        verdict = evaluate(observations, alpha=0.1, target_recall=0.9, min_observations=20)
+        if verdict.activate:
+            assert verdict.held_out_accepted >= MIN_HELD_OUT_ACCEPTED, verdict
+        elif verdict.held_out_rate is not None and verdict.held_out_accepted < MIN_HELD_OUT_ACCEPTED:
+            assert "too few accepted cases" in verdict.reason
+            refused_small += verdict.held_out_rate >= 0.9  # what activated before
+    assert refused_small > 0

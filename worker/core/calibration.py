@@ -22,6 +22,10 @@ MAX_KEY_LENGTH = 255
 # An observations CSV is read whole; past this (some two million rows) it is refused, to be split.
 MAX_CSV_BYTES = 64 * 1024 * 1024
 RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
+# A version activates only on a rate measured over at least this many accepted held-out cases: "1 of 1
+# kept" met any target, and a τ just above the highest lost coverage (0.95, say) replaced a well-founded
+# one on the strength of one case, after which the gate rejected nearly every summary.
+MIN_HELD_OUT_ACCEPTED = 5
 # Below it the conformal rank needs over a million lost-answer cases (and near 1e-16, 1 - alpha is 1.0).
 MIN_ALPHA = 1e-6
 RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
@@ -280,8 +284,8 @@ def evaluate(
     ``min_observations``; no case that lost the answer (τ would be 0, accepting coverages nobody ever
     observed); no case that kept it; or a single lost case (it cannot both set τ and test it).
     Otherwise τ = calibrate_threshold(calibration half) and the held-out cases with coverage ≥ τ are
-    the accepted ones: the version activates only if some are accepted and the share of them that kept
-    the answer is at least ``target_recall``.
+    the accepted ones: the version activates only if at least MIN_HELD_OUT_ACCEPTED are accepted and
+    the share of them that kept the answer is at least ``target_recall``.
     """
     check_parameters(alpha, target_recall, min_observations)
     n = len(observations)
@@ -326,6 +330,12 @@ def _judge(tau: float, kept: int, counts: SplitCounts, *, alpha: float, target_r
         f"held-out answer-kept rate {rate:.4g} ({kept} of {counts.held_out_accepted} accepted at "
         f"τ={describe_tau(tau)})"
     )
+    if counts.held_out_accepted < MIN_HELD_OUT_ACCEPTED:
+        reason = (
+            f"{measured}: too few accepted cases to measure the rate (at least {MIN_HELD_OUT_ACCEPTED} "
+            f"are needed), so the version is not activated{note}"
+        )
+        return Evaluation(tau=tau, activate=False, reason=reason, **counts.counts())
     activate = rate + RATE_TOLERANCE >= target_recall
     verdict = "meets" if activate else "is below"
     reason = f"{measured} {verdict} the target {target_recall:g}{note}"
