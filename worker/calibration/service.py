@@ -12,7 +12,6 @@ row says why. Gates read the active τ through ``ThresholdCache`` and fall back 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -115,8 +114,7 @@ def import_csv(
         data = file.read(MAX_CSV_BYTES + 1)
     content = decode_csv(data, str(path))
     default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
+    parsed = parse_observations_csv(content, default_origin=default_origin)
     good = parsed.good
     report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)
     if good:
