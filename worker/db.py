@@ -107,6 +107,14 @@ def statement_timed_out(exc: BaseException) -> bool:
     return getattr(getattr(exc, "orig", None), "sqlstate", None) == QUERY_CANCELED
 
 
+LOCK_NOT_AVAILABLE = "55P03"  # a lock_timeout (or NOWAIT) gave up waiting for a lock
+
+
+def lock_timed_out(exc: BaseException) -> bool:
+    """The statement gave up waiting for a lock (its lock_timeout): others held it, no fault."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == LOCK_NOT_AVAILABLE
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """The database cannot serve now, through no fault of the work asked of it: it is unreachable or
     restarting, or every pooled connection stayed busy past the pool's timeout. The answer is to try

@@ -1204,3 +1204,28 @@ def test_the_beat_schedule_has_the_calibration_entry() -> None:
     entry = schedule["calibration-recompute"]
     assert entry["task"] == "tasks.calibration.schedule" and entry["schedule"] == 120
     assert entry["options"]["queue"] == "calibration"
+
+
+def test_a_recompute_that_never_finds_the_observations_lock_free_gives_up_and_shows_life(
+    factory: sessionmaker[Session],
+) -> None:
+    """Under steady feedback the try-lock never found a moment free: the recompute spun without a sign
+    of life until its lease lapsed, holding a pooled connection. Now each wait marks progress, and past
+    its patience it queues for the lock briefly, then gives up (the job retries later)."""
+    from sqlalchemy import text
+
+    from worker.calibration.queries import OBSERVATIONS_LOCK_ID, ObservationsBusyError, observations_bound
+    from worker.core import progress
+
+    marks: list[int] = []
+    with factory.begin() as storing:  # a storing transaction that never ends
+        storing.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+        progress.listen(lambda: marks.append(1))
+        try:
+            with factory.begin() as session, pytest.raises(ObservationsBusyError):
+                observations_bound(session, poll_seconds=0.05, patience=0.3)
+        finally:
+            progress.listen(None)
+    assert len(marks) >= 3
+    with factory.begin() as session:  # free again: the bound is read at once
+        assert observations_bound(session, patience=0.3) is None

@@ -15,12 +15,15 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Row, any_, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import CalibrationObservation, CalibrationThreshold, Compaction
 from models.bulk import BulkInsert
 from models.tables import CALIBRATION_OBSERVATIONS, CALIBRATION_THRESHOLDS
+from worker.core import progress
 from worker.core.calibration import FALLBACK, RECORDED_FIELDS, ActiveThreshold, Observation, ObservationIn
+from worker.db import lock_timed_out
 from worker.jobs.outbox import CALIBRATION, JobRequest, request_job
 
 # One pending recompute at a time: every request uses this job subject (jobs.uq_jobs_pending_subject).
@@ -247,7 +250,19 @@ def deactivate_versions(session: Session) -> None:
     )
 
 
-def observations_bound(session: Session, poll_seconds: float = 0.2) -> int | None:
+# How long a recompute polls for the observations lock before it queues for it (for at most
+# QUEUED_LOCK_TIMEOUT: later feedback waits behind it that long at most).
+BOUND_PATIENCE_SECONDS = 30.0
+QUEUED_LOCK_TIMEOUT = "5s"
+
+
+class ObservationsBusyError(RuntimeError):
+    """Storing transactions held the observations lock all along: the recompute tries again later."""
+
+
+def observations_bound(
+    session: Session, poll_seconds: float = 0.2, patience: float = BOUND_PATIENCE_SECONDS
+) -> int | None:
     """The newest observation id a recompute reads up to, once every transaction that drew a lower one
     has ended: ids come from a sequence when a row is inserted, not when it commits, so a long import
     of ids 1..1000 could commit after a recompute had read id 1001 (and recorded it as its range):
@@ -256,9 +271,17 @@ def observations_bound(session: Session, poll_seconds: float = 0.2) -> int | Non
     By polling (a try-lock) rather than waiting in the lock's queue: a waiting exclusive request
     queues every later shared one behind it, so all feedback waited for an import of minutes. The
     statement runs in a savepoint, so the unlock always runs in a live transaction (a failed one would
-    have left the lock on the pooled connection)."""
+    have left the lock on the pooled connection). Under steady feedback the try-lock may never find a
+    moment free: each wait is a sign of life (a job's heartbeat keeps its lease), and after ``patience``
+    seconds it queues for the lock for at most QUEUED_LOCK_TIMEOUT, then gives up
+    (ObservationsBusyError: a job retries later; it had spun unseen until its lease lapsed)."""
     lock = {"id": OBSERVATIONS_LOCK_ID}
+    deadline = time.monotonic() + patience
     while not session.scalar(text("SELECT pg_try_advisory_lock(:id)"), lock):
+        progress.mark()
+        if time.monotonic() >= deadline:
+            _queue_for(session, lock)
+            break
         time.sleep(poll_seconds)
     try:
         with session.begin_nested():
@@ -266,6 +289,21 @@ def observations_bound(session: Session, poll_seconds: float = 0.2) -> int | Non
     finally:
         session.execute(text("SELECT pg_advisory_unlock(:id)"), lock)
     return int(newest) if newest is not None else None
+
+
+def _queue_for(session: Session, lock: dict[str, int]) -> None:
+    """Wait in the lock's queue, at most QUEUED_LOCK_TIMEOUT; ObservationsBusyError past it."""
+    try:
+        with session.begin_nested():
+            session.execute(text(f"SET LOCAL lock_timeout = '{QUEUED_LOCK_TIMEOUT}'"))
+            session.execute(text("SELECT pg_advisory_lock(:id)"), lock)
+    except OperationalError as exc:
+        if not lock_timed_out(exc):
+            raise
+        raise ObservationsBusyError(
+            "observations were being stored all along (the feedback lock was never free); the "
+            "recompute tries again later"
+        ) from None
 
 
 def observations_extent(session: Session, bound: int | None) -> tuple[int | None, int]:

@@ -14,6 +14,7 @@ from worker.calibration import (
     CsvFormatError,
     ObservationError,
     ObservationIn,
+    ObservationsBusyError,
     active_threshold,
     add_observation,
     coverages_by_label,
@@ -335,6 +336,8 @@ def recompute_command(
         )
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
+    except ObservationsBusyError as exc:
+        raise fail(f"{exc}; run it again in a moment", code=1) from None
     if as_json:
         _print_json(result.as_dict())
         return
