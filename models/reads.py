@@ -37,6 +37,19 @@ def read_only(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 
 @contextmanager
+def one_snapshot(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A read-only session whose statements all see one snapshot (a REPEATABLE READ transaction, rolled
+    back at the end): figures read by several statements agree with each other though writers commit
+    between them. On a factory bound to a connection it reads in that connection's transaction."""
+    with factory() as session:
+        if isinstance(session.get_bind(), Engine):
+            session.connection(
+                execution_options={"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+            )
+        yield session
+
+
+@contextmanager
 def one_statement(factory: sessionmaker[Session]) -> Iterator[Session]:
     """A session for a write of a single statement, committed as it runs (in autocommit).
 

@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.reads import one_statement, read_only
+from models.reads import one_snapshot, one_statement, read_only
 from worker import db
 from worker.settings import Settings
 
@@ -113,3 +113,27 @@ def test_one_statement_on_a_factory_bound_to_a_transaction_writes_inside_it(one_
         conn.rollback()  # and the outer transaction's rollback takes it back
         assert conn.scalar(text("SELECT count(to_regclass('pg_temp.probe'))")) == 0
         conn.rollback()
+
+
+def test_one_snapshot_reads_what_was_committed_when_it_began_and_writes_nothing(database_url: str) -> None:
+    """A page of figures read by several statements (GET /v1/calibration: the active version, then the
+    history) showed a version activated between them as both active and not."""
+    engine = db.create_pooled_engine(database_url, settings=Settings(db_pool_size=2, db_max_overflow=0))
+    factory = sessionmaker(engine)
+    table = f"snap_{uuid.uuid4().hex[:8]}"
+    try:
+        with factory.begin() as session:
+            session.execute(text(f"CREATE TABLE {table} (n int)"))
+        with one_snapshot(factory) as reader:
+            assert reader.scalar(text(f"SELECT count(*) FROM {table}")) == 0
+            with factory.begin() as writer:
+                writer.execute(text(f"INSERT INTO {table} VALUES (1)"))
+            assert reader.scalar(text(f"SELECT count(*) FROM {table}")) == 0  # the same snapshot
+            with pytest.raises(Exception, match="read-only transaction"):
+                reader.execute(text(f"INSERT INTO {table} VALUES (2)"))
+        with read_only(factory) as session:
+            assert session.scalar(text(f"SELECT count(*) FROM {table}")) == 1
+    finally:
+        with factory.begin() as session:
+            session.execute(text(f"DROP TABLE IF EXISTS {table}"))
+        engine.dispose()

@@ -9,6 +9,7 @@ import typer
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationThreshold
+from models.reads import one_snapshot
 from worker.calibration import (
     ActiveThreshold,
     CsvFormatError,
@@ -205,7 +206,7 @@ def show(
 ) -> None:
     """The threshold gates use now, where it came from, and the observations behind it."""
     factory = checked_factory()
-    with factory() as session:
+    with one_snapshot(factory) as session:  # a version activated meanwhile shows in all or none
         current = active_threshold(session)
         stats = observation_stats(session)
         newest = threshold_history(session, 1)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from models import CalibrationThreshold
-from models.reads import read_only
+from models.reads import one_snapshot
 from worker.api.auth import CalibrationReader, FeedbackIngester, Ingest
 from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import (
@@ -245,7 +245,7 @@ def get_calibration(
     _: CalibrationReader,
     limit: Annotated[int, Query(ge=1, le=1000, description="History versions to list")] = 50,
 ) -> CalibrationOut:
-    with read_only(ctx.factory) as session:
+    with one_snapshot(ctx.factory) as session:  # a version activated meanwhile shows in all or none
         current = active_threshold(session)
         history = [ThresholdOut.model_validate(row) for row in threshold_history(session, limit)]
         active_row = (
