@@ -373,6 +373,26 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
     assert sorted(resent(None)) == sorted([*sent, never])
 
 
+def test_a_lost_message_behind_a_steady_backlog_of_fresh_ones_is_sent_again(tx_factory):
+    """The broker's depth counted the messages of jobs sent lately too: while a bulk ingest kept more
+    than requeue_after's worth of them queued, a job whose message was lost (a flush) was never sent
+    again. Those fresh messages are no overdue job's: they no longer hide the loss."""
+    lost = new_job(tx_factory, "default|lost")
+    fresh = [new_job(tx_factory, f"default|fresh{i}") for i in range(3)]
+    enqueue(tx_factory, [(i, EXTRACTION) for i in (lost, *fresh)], Recorder())
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(created_at=now() - timedelta(seconds=200)))
+        session.execute(update(Job).where(Job.id == lost).values(enqueued_at=now() - timedelta(seconds=100)))
+    # The queue holds the three fresh messages; the lost job's message is gone.
+    _, sent = swept(tx_factory, queue_depth=lambda queue: 3)
+    assert sent == [lost]
+    # Its message still there (four queued): nothing is missing.
+    enqueue(tx_factory, [(lost, EXTRACTION)], Recorder())
+    with tx_factory.begin() as session:
+        session.execute(update(Job).where(Job.id == lost).values(enqueued_at=now() - timedelta(seconds=100)))
+    assert swept(tx_factory, queue_depth=lambda queue: 4)[1] == []
+
+
 def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
     """A delivery asked for a rerun while the job was running; its last attempt then failed it at the
     next claim, and the rerun was lost: the new content was never extracted, though the delivery was

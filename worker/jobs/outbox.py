@@ -354,14 +354,31 @@ class SweepReport:
 def _overdue_queue_depths(
     factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
 ) -> dict[str, int | None]:
-    """The broker's depth of each queue that has jobs sent and overdue (none asked when none has)."""
+    """Of each queue that has jobs sent and overdue (none asked when none has): how many messages the
+    broker holds that are not those of jobs sent lately (within ``requeue_after``). Those fresh messages
+    are no overdue job's: counted in, a steady backlog of them hid every lost message behind it, and
+    the jobs that lost theirs were never sent again while the backlog lasted."""
+    cutoff = func.now() - timedelta(seconds=requeue_after)
     with factory() as session:
         kinds = session.scalars(
-            select(Job.kind)
-            .where(Job.status == "queued", Job.enqueued_at < func.now() - timedelta(seconds=requeue_after))
-            .distinct()
+            select(Job.kind).where(Job.status == "queued", Job.enqueued_at < cutoff).distinct()
         ).all()
-    return {queue: queue_depth(queue) for queue in {get_kind(kind).queue for kind in kinds}}
+        if not kinds:
+            return {}
+        fresh_by_kind = session.execute(
+            select(Job.kind, func.count())
+            .where(Job.status == "queued", Job.enqueued_at >= cutoff)
+            .group_by(Job.kind)
+        ).all()
+    fresh: dict[str, int] = {}
+    for kind, count in fresh_by_kind:
+        queue = get_kind(kind).queue
+        fresh[queue] = fresh.get(queue, 0) + int(count)
+    depths: dict[str, int | None] = {}
+    for queue in {get_kind(kind).queue for kind in kinds}:
+        depth = queue_depth(queue)
+        depths[queue] = None if depth is None else max(0, depth - fresh.get(queue, 0))
+    return depths
 
 
 # The most jobs of each sort (stale, overdue) one sweep locks and looks at; the rest wait for the next.
