@@ -393,6 +393,23 @@ def test_a_lost_message_behind_a_steady_backlog_of_fresh_ones_is_sent_again(tx_f
     assert swept(tx_factory, queue_depth=lambda queue: 4)[1] == []
 
 
+def test_the_run_that_reads_new_content_is_the_rerun_it_asked_for(tx_factory):
+    """A delivery during a run that then ended in a retry left its rerun flag set: the next runs read
+    the new content, and when the last of them finished, the flag restarted the job with fresh budgets
+    for content it had already failed on (a page with steady deliveries never failed for good)."""
+    subject = page_subject("default", "rerun")
+    job_id = new_job(tx_factory, subject)
+    assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    with tx_factory.begin() as session:
+        assert not request_job(session, EXTRACTION, subject).created  # new content: a rerun is asked
+    finish(tx_factory, job_id, "w1", "queued", attempt=True)  # the run ends in a retry
+    assert job(tx_factory, job_id).rerun_requested
+    claimed = claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
+    assert claimed is not None and not claimed.rerun_requested and not job(tx_factory, job_id).rerun_requested
+    assert finish(tx_factory, job_id, "w2", "failed", attempt=True) is None  # no restart for the same content
+    assert (job(tx_factory, job_id).status, job(tx_factory, job_id).attempts) == ("failed", 2)
+
+
 def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
     """A delivery asked for a rerun while the job was running; its last attempt then failed it at the
     next claim, and the rerun was lost: the new content was never extracted, though the delivery was

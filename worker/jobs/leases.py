@@ -10,7 +10,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -85,8 +85,15 @@ def claim(
         spent = fail_if_spent(session, job_id, claimed.attempts, claimed.worker_losses, budgets)
         if spent is not None:
             return spent
-        if claimed.rerun_requested:  # fail_if_spent may have restarted it with fresh budgets
-            claimed = session.execute(select(*JOBS.c).where(JOBS.c.id == job_id)).one()
+        if claimed.rerun_requested:
+            # This run reads the content as it is now, newer than the delivery that asked for a rerun
+            # (committed before it asked): the rerun is this run. Left set, it survived runs ending in a
+            # retry or a pause, and a later finish restarted the job with fresh budgets for content it
+            # had already failed on (a page with steady deliveries never failed for good).
+            # (fail_if_spent, above, may already have restarted it with fresh budgets and cleared it.)
+            claimed = session.execute(
+                update(JOBS).where(JOBS.c.id == job_id).values(rerun_requested=False).returning(*JOBS.c)
+            ).one()
     # A detached Job with the claimed row's values (what the ORM's own UPDATE ... RETURNING gave, at a
     # fraction of its cost: see ``finish``).
     return Job(**claimed._mapping)
