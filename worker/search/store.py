@@ -37,9 +37,11 @@ FactToEmbed = Row[Any]  # .id, .fact, .entity_slug
 
 _STATUS = text(
     "SELECT to_regclass('search.fact_embeddings') IS NOT NULL, "
-    "(SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
-    "EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
+    "(SELECT extversion FROM pg_extension WHERE extname = 'vector')"
 )
+# Asked only when the store is missing: pg_available_extensions reads every extension's control file
+# from the server's disk, and every search asked it.
+_INSTALLABLE = text("SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')")
 _RESULT_FACTS = text(
     "SELECT id AS fact_id, fact, kind, entity_slug AS entity, source_id, source_markdown_slug AS page_slug, "
     "context AS segment, row_num, confidence, notability, valid_from, "
@@ -181,10 +183,13 @@ class SearchStore:
 
 def vector_search_status(session: Session) -> VectorSearchStatus:
     """Whether this database has the pgvector store (and, if not, why not)."""
-    row = session.execute(_STATUS).one()
-    if row[0] and row[1]:
-        return VectorSearchStatus(True, row[1], None)
-    return VectorSearchStatus(False, row[1], UNAVAILABLE_NOT_SET_UP if row[2] else UNAVAILABLE_NO_EXTENSION)
+    set_up, version = session.execute(_STATUS).one()
+    if set_up and version:
+        return VectorSearchStatus(True, version, None)
+    installable = session.scalar(_INSTALLABLE)
+    return VectorSearchStatus(
+        False, version, UNAVAILABLE_NOT_SET_UP if installable else UNAVAILABLE_NO_EXTENSION
+    )
 
 
 # --------------------------------------------------------------------------- vector search
