@@ -38,6 +38,7 @@ from worker.extraction.backfill_admin import backfill_report, cancel_backfill, p
 from worker.extraction.backfill_request import BATCH_EXTRACTION, BackfillSelection, request_backfill
 from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
+from worker.extraction.options import CheckpointConflictError
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
 from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobOutcome, run_job
@@ -333,6 +334,37 @@ def test_a_backfill_s_facts_are_embedded_and_their_entities_consolidated_as_an_o
     assert consolidations
 
 
+def test_a_swap_refused_for_one_page_leaves_nothing_held_for_the_next(factory, rt, sim, monkeypatch):
+    """A refused swap (another run moved the page on) left its page's attempts held: the next page's
+    swap wrote them too, found their requests already recorded, rolled back and ended the pass."""
+    slugs = seed_pages(factory, "bf", 2)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    for n, slug in enumerate(slugs):  # both edited: each is re-extracted whole
+        name, company = person(n)[1:]
+        put_page(
+            factory, slug, page_body(name, company).replace(company, "Globex", 1), title="x", source_id="bf"
+        )
+    real_replace = ExtractionStore.replace_page
+    calls: list[str] = []
+
+    def first_refused(self: Any, fingerprint: str, last: Any, *args: Any, **kwargs: Any) -> int:
+        calls.append(last.slug)
+        if len(calls) == 1:
+            raise CheckpointConflictError(f"{last.slug!r} was extracted by another run")
+        return real_replace(self, fingerprint, last, *args, **kwargs)
+
+    monkeypatch.setattr(ExtractionStore, "replace_page", first_refused)
+    backfill_id, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    assert calls == slugs
+    assert request_statuses(factory, backfill_id) == {
+        "discarded": SEGMENTS_PER_PAGE,
+        "done": SEGMENTS_PER_PAGE,
+    }
+    assert len(calls_of(factory, job_id)) == 2 * SEGMENTS_PER_PAGE  # every paid result recorded once
+
+
 def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim):
     """The plans counted a page re-extracted whole against max_segments before it was left out: the
     first page used the limit up, nothing was planned, and every run with that limit did the same."""
@@ -542,8 +574,9 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
     assert BackfillStore(factory).in_flight_estimate() == 0
 
 
+@pytest.mark.parametrize("retryable", [False, True])
 def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collected(
-    factory, rt, sim, monkeypatch
+    factory, rt, sim, monkeypatch, retryable
 ):
     """A refused send ended the pass before its polling: the batches sent were never collected (their
     paid results lost), the job failed after its retries and the backfill stayed running for good."""
@@ -554,20 +587,23 @@ def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collect
     def second_refused(self: Any, requests: Any, key: str | None = None) -> str:
         sends.append(key)
         if len(sends) > 1:
+            if retryable:  # an outage: left "submitting", looked up by its key before the next send
+                raise LLMError("HTTP 503: unavailable", retryable=True, status=503)
             raise LLMError("HTTP 400: too many batches enqueued", retryable=False, status=400)
         return real_submit(self, requests, key=key)
 
     monkeypatch.setattr(OpenAIBatchClient, "submit", second_refused)
     backfill_id, job_id = start(factory, "bf")
-    outcome = run_pass(rt, job_id)
     for _ in range(200):  # the first batch ends within 0.05 s; the second keeps being refused
-        if outcome.status != "paused":
+        # Each pass polls what is in flight, then the refusal is the job's error (a retry, with
+        # backoff: a send that keeps failing ends the job once its attempts are spent).
+        assert run_pass(rt, job_id).status == "retry"
+        if request_statuses(factory, backfill_id).get("done"):
             break
         time.sleep(0.05)
-        outcome = run_pass(rt, job_id)
-    assert outcome.status == "retry"  # nothing left in flight: the refusal is the job's error now
     assert request_statuses(factory, backfill_id) == {"done": 8, "pending": 8}
     assert len(terminal_slugs(factory, "bf")) == 2  # the first batch's pages are stored
+    assert job_row(factory, job_id).attempts >= 1  # a failing send spends attempts (it ends, in time)
     monkeypatch.undo()
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 16}
@@ -617,6 +653,8 @@ def test_a_pass_that_ends_waiting_on_its_batches_starts_the_job_s_budgets_over(f
     assert run_pass(rt, job_id).status == "paused"
     job = job_row(factory, job_id)
     assert (job.attempts, job.worker_losses) == (0, 0)
+    sim.end_batches()  # collected, so the simulator holds none of its files for the tests after
+    assert drive(rt, job_id).status == "succeeded"
 
 
 def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):

@@ -372,6 +372,7 @@ class BackfillPass:
                 )
             finally:
                 self.segments.marking = None
+                self.segments.forget_held()
         left = self.store.still_pending([row.id for row in rows])
         no_result = []
         for row in rows:
@@ -428,10 +429,11 @@ class BackfillPass:
                     break  # waiting for the batches in flight: so do the ones after it
             except LLMError as exc:
                 # The batches sent still end, are paid for and hold the pages' text: they are polled
-                # and collected below. A budget spent (the job pauses for budget, for good when it was
-                # its own), or a send the provider refused or cut short: raised once none is in flight
-                # (it stopped the pass before the polling, the job failed after its retries, and the
-                # backfill stayed running with its batches never collected).
+                # and collected below before the error is raised (it stopped the pass before the
+                # polling: the job failed after its retries with its batches never collected). A send
+                # the provider refused or cut short is then the job's error (it retries with backoff,
+                # and fails once its attempts are spent); a budget spent pauses the job only once none
+                # is in flight (the batches in flight still need their passes).
                 if not isinstance(exc, BudgetExhaustedError):
                     logger.warning(
                         "backfill %s: sending batch %s failed (%s); the batches in flight are polled",
@@ -444,8 +446,11 @@ class BackfillPass:
                 self.cancel(batch)
             self.poll(batch)
         open_batches = len(self.store.batches(backfill.id))
-        if stopped is not None and not self.store.batches(backfill.id, ("submitting", "submitted")):
-            raise stopped  # nothing in flight: the job waits for budget, or retries the send
+        if stopped is not None and (
+            not isinstance(stopped, BudgetExhaustedError)
+            or not self.store.batches(backfill.id, ("submitting", "submitted"))
+        ):
+            raise stopped
         if open_batches:
             return PassResult(False, open_batches, "running")
         status = "cancelled" if self.cancelling() else "done"

@@ -113,6 +113,12 @@ class BackfillSegmentStore(ExtractionStore):
             with self._factory.begin() as session:
                 self._write_held(session)
 
+    def forget_held(self) -> None:
+        """Drop what is held (the page's commit ended without writing it: its requests are still
+        pending, and are recorded as discarded or collected again). Left held, the next page's swap
+        wrote them too, found their requests recorded, and rolled back."""
+        self._held = []
+
     def _write_held(self, session: Session) -> None:
         held, self._held = self._held, []  # a swap refused rolls back: its requests stay pending
         outer = self.marking

@@ -298,6 +298,8 @@ class ExtractionStore:
         for place, facts in segment_facts:
             rows += fact_rows(facts, place, len(rows))
         with self._factory.begin() as session:
+            # First: a refusal below rolls them back with the rest (and nothing is left held).
+            self._write_held(session)
             if page is not None:
                 _check_page(session, page, slug, new)
             current = session.execute(
@@ -320,7 +322,6 @@ class ExtractionStore:
                 Fact.source_markdown_slug == slug,
                 Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
             )
-            self._write_held(session)
             forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
             session.execute(delete(Fact).where(*replaced))
             inserted = 0
