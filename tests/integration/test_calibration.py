@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1229,3 +1230,21 @@ def test_a_recompute_that_never_finds_the_observations_lock_free_gives_up_and_sh
     assert len(marks) >= 3
     with factory.begin() as session:  # free again: the bound is read at once
         assert observations_bound(session, patience=0.3) is None
+    # Taken through the queue (a storing transaction ends while it waits there): the recompute's own
+    # lock_timeout is back for the rest of its transaction.
+    held = threading.Event()
+
+    def store_briefly() -> None:
+        with factory.begin() as storing:
+            storing.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
+            held.set()
+            time.sleep(0.5)
+
+    storer = threading.Thread(target=store_briefly)
+    storer.start()
+    held.wait(5)
+    with factory.begin() as session:
+        before = session.scalar(text("SELECT current_setting('lock_timeout')"))
+        assert observations_bound(session, poll_seconds=0.05, patience=0.1) is None
+        assert session.scalar(text("SELECT current_setting('lock_timeout')")) == before
+    storer.join(5)

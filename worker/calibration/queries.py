@@ -293,10 +293,14 @@ def observations_bound(
 
 def _queue_for(session: Session, lock: dict[str, int]) -> None:
     """Wait in the lock's queue, at most QUEUED_LOCK_TIMEOUT; ObservationsBusyError past it."""
+    before = session.scalar(text("SELECT current_setting('lock_timeout')"))
     try:
-        with session.begin_nested():
+        with session.begin_nested():  # a refusal rolls the savepoint back, and the setting with it
             session.execute(text(f"SET LOCAL lock_timeout = '{QUEUED_LOCK_TIMEOUT}'"))
             session.execute(text("SELECT pg_advisory_lock(:id)"), lock)
+            # Taken: the rest of the recompute waits for its locks as before (a released savepoint
+            # keeps what SET LOCAL did).
+            session.execute(text("SELECT set_config('lock_timeout', :was, true)"), {"was": before})
     except OperationalError as exc:
         if not lock_timed_out(exc):
             raise
