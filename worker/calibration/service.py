@@ -12,6 +12,7 @@ row says why. Gates read the active τ through ``ThresholdCache`` and fall back 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -114,7 +115,8 @@ def import_csv(
         data = file.read(MAX_CSV_BYTES + 1)
     content = decode_csv(data, str(path))
     default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
-    parsed = parse_observations_csv(content, default_origin=default_origin)
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
     good = parsed.good
     report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)
     if good:

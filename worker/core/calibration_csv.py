@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from worker.core.calibration import MAX_CSV_BYTES, ObservationError, ObservationIn
 
@@ -43,7 +42,7 @@ def _parse_label(cell: str) -> bool:
     raise ObservationError(f"answer_kept {cell!r} is not one of true/false, 1/0, yes/no, kept/lost")
 
 
-def _parse_row(values: dict[str, str], default_origin: str) -> ObservationIn:
+def _parse_row(values: dict[str, str], default_origin: str, line_key: str) -> ObservationIn:
     raw_coverage = values.get("coverage", "")
     try:
         coverage = float(raw_coverage)
@@ -59,6 +58,8 @@ def _parse_row(values: dict[str, str], default_origin: str) -> ObservationIn:
             )
         compaction_id = int(raw_id)
     key = values.get("idempotency_key") or None
+    if key is None and compaction_id is None:
+        key = line_key  # re-importing the same file reports its rows as duplicates
     return ObservationIn(
         coverage=coverage,
         answer_kept=_parse_label(values.get("answer_kept", "")),
@@ -86,29 +87,14 @@ class ParsedCsv:
     comments: list[int]  # lines skipped as comments: reported, since a data row may start with # too
 
 
-def _content_key(observation: ObservationIn, origin_cell: str, seen: dict[str, int]) -> ObservationIn:
-    """A row without a key or a compaction id, keyed by what it says and how many rows before it in the
-    file said the same: importing the file again (fixed where a row was refused, rows added, line
-    endings changed) finds each row stored. Keyed by the file's digest and the line, an edited file's
-    every row was new and stored a second time, counted twice in every later τ."""
-    if observation.idempotency_key is not None or observation.compaction_id is not None:
-        return observation
-    said = f"{observation.coverage!r}|{observation.answer_kept}|{origin_cell}"
-    seen[said] = seen.get(said, 0) + 1
-    digest = hashlib.sha256(said.encode()).hexdigest()[:32]
-    return replace(observation, idempotency_key=f"csv:{digest}#{seen[said]}")
-
-
-def parse_observations_csv(content: str, *, default_origin: str) -> ParsedCsv:
+def parse_observations_csv(content: str, *, default_origin: str, file_digest: str) -> ParsedCsv:
     """Rows of ``coverage,answer_kept,origin[,compaction_id]``, by line: the good ones and the errors.
 
     A first line naming the columns is a header (then columns may come in any order, and an
     ``idempotency_key`` column is allowed). Blank lines and lines starting with ``#`` are skipped (the
     latter are listed: a row whose first value starts with # is one of them). A blank origin becomes
-    ``default_origin``. Line numbers are the file's, counted from 1. A row with neither a key nor a
-    compaction id is keyed by its content (``_content_key``).
+    ``default_origin``. Line numbers are the file's, counted from 1.
     """
-    seen: dict[str, int] = {}
     reader = csv.reader(io.StringIO(content, newline=""))
     good: list[tuple[int, ObservationIn]] = []
     errors: list[tuple[int, str]] = []
@@ -147,8 +133,7 @@ def parse_observations_csv(content: str, *, default_origin: str) -> ParsedCsv:
             continue
         try:
             values = dict(zip(columns or POSITIONAL_COLUMNS, cells, strict=False))
-            observation = _parse_row(values, default_origin)
-            good.append((start, _content_key(observation, values.get("origin", ""), seen)))
+            good.append((start, _parse_row(values, default_origin, f"csv:{file_digest}:{start}")))
         except ObservationError as exc:
             errors.append((start, str(exc)))
     return ParsedCsv(good, errors, rows, comments)
