@@ -271,11 +271,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _answers_outlive_signatures(self) -> Settings:
-        if self.webhook_tolerance_seconds > self.idempotency_key_hours * 3600:
+        # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's
+        # fast clock holds for twice the tolerance after it first arrives.
+        if 2 * self.webhook_tolerance_seconds > self.idempotency_key_hours * 3600:
             raise ValueError(
-                f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({self.webhook_tolerance_seconds}) is longer than "
-                f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a signed delivery sent "
-                "again after its stored answer was forgotten would be stored twice"
+                f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({self.webhook_tolerance_seconds}) is more than half "
+                f"of FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a signed delivery "
+                "sent again after its stored answer was forgotten would be stored twice"
             )
         return self
 
