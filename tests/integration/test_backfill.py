@@ -9,6 +9,7 @@ import logging
 import time
 import typing
 from collections.abc import Iterator
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -33,7 +34,7 @@ from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
-from worker.extraction.backfill import BackfillPass
+from worker.extraction.backfill import RESEND_AFTER_SECONDS, BackfillPass
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
 from worker.extraction.backfill_request import BATCH_EXTRACTION, BackfillSelection, request_backfill
 from worker.extraction.backfill_store import BackfillStore
@@ -365,6 +366,43 @@ def test_a_swap_refused_for_one_page_leaves_nothing_held_for_the_next(factory, r
     assert len(calls_of(factory, job_id)) == 2 * SEGMENTS_PER_PAGE  # every paid result recorded once
 
 
+def test_a_swap_given_up_records_its_earlier_results_as_discarded_not_done(factory, rt, sim, monkeypatch):
+    """An edited page's third segment came back unusable: the swap was given up and the two results
+    before it were marked done, though their facts were never stored."""
+    import dataclasses
+
+    from worker.extraction import backfill as backfill_module
+
+    [slug] = seed_pages(factory, "bf", 1)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    put_page(
+        factory,
+        slug,
+        page_body("Ann Example", "Acme").replace("Acme", "Globex", 1),
+        title="x",
+        source_id="bf",
+    )
+    real = backfill_module.batch_segment_result
+    seen: list[int] = []
+
+    def third_unusable(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        seen.append(1)
+        if len(seen) == 3:
+            last = dataclasses.replace(result.attempts[-1], outcome="malformed_output", facts=[], error="bad")
+            return dataclasses.replace(result, attempts=[*result.attempts[:-1], last])
+        return result
+
+    monkeypatch.setattr(backfill_module, "batch_segment_result", third_unusable)
+    backfill_id, job_id = start(factory, "bf")
+    drive(rt, job_id)
+    statuses = request_statuses(factory, backfill_id)
+    assert statuses.get("done", 0) == 0 and statuses["discarded"] == 2 + (SEGMENTS_PER_PAGE - 3)
+    assert statuses["failed"] == 1
+    assert not any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))  # the old facts stand
+
+
 def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim):
     """The plans counted a page re-extracted whole against max_segments before it was left out: the
     first page used the limit up, nothing was planned, and every run with that limit did the same."""
@@ -593,18 +631,39 @@ def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collect
         return real_submit(self, requests, key=key)
 
     monkeypatch.setattr(OpenAIBatchClient, "submit", second_refused)
+    sim.configure(batch_delay_seconds=3600)  # the first batch runs until the test ends it
     backfill_id, job_id = start(factory, "bf")
-    for _ in range(200):  # the first batch ends within 0.05 s; the second keeps being refused
-        # Each pass polls what is in flight, then the refusal is the job's error (a retry, with
-        # backoff: a send that keeps failing ends the job once its attempts are spent).
-        assert run_pass(rt, job_id).status == "retry"
-        if request_statuses(factory, backfill_id).get("done"):
-            break
-        time.sleep(0.05)
+    # While a paid batch is out the job waits on it (failed, nothing would poll it again).
+    assert run_pass(rt, job_id).status == "paused"
+    sim.end_batches()
+    assert run_pass(rt, job_id).status == "paused"  # collected; the second waits to be sent again
     assert request_statuses(factory, backfill_id) == {"done": 8, "pending": 8}
     assert len(terminal_slugs(factory, "bf")) == 2  # the first batch's pages are stored
-    assert job_row(factory, job_id).attempts >= 1  # a failing send spends attempts (it ends, in time)
+    assert len(sends) == 2  # the failed one is not sent again within RESEND_AFTER_SECONDS
+    with factory() as session:
+        failed = session.scalars(
+            select(BackfillBatch).where(
+                BackfillBatch.backfill_id == backfill_id, BackfillBatch.submitted_at.is_(None)
+            )
+        ).one()
+    assert (failed.provider_status or "").startswith("send failed")
+
+    def resend_due() -> None:
+        with factory.begin() as session:
+            session.execute(
+                update(BackfillBatch)
+                .where(BackfillBatch.id == failed.id)
+                .values(submit_started_at=func.now() - timedelta(seconds=RESEND_AFTER_SECONDS + 1))
+            )
+
+    resend_due()
+    # Nothing left in flight: the send's failure is the job's error (a retry with backoff; a send
+    # that keeps failing ends the job once its attempts are spent).
+    assert run_pass(rt, job_id).status == "retry" and len(sends) == 3
+    assert job_row(factory, job_id).attempts == 1
     monkeypatch.undo()
+    resend_due()
+    sim.configure(batch_delay_seconds=0.05)
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 16}
 

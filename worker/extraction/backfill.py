@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,12 +38,14 @@ from worker.core import progress
 from worker.core.checkpoint import segment_hash
 from worker.extraction.backfill_request import BackfillSelection
 from worker.extraction.backfill_store import (
+    SEND_FAILED,
     BackfillSegmentStore,
     BackfillStore,
     BatchRow,
     PlannedBatch,
     PlannedRequest,
     RequestRow,
+    group_by_page,
 )
 from worker.extraction.batch import (
     MAX_BATCH_BYTES,
@@ -86,6 +89,11 @@ class BackfillDeps:
     on_facts_committed: FactsCommitted | None = None
 
 
+# A batch whose send failed is sent again no sooner than this: a pass runs every poll (a minute) while
+# other batches are in flight, and each failed upload may leave the pages' text at the provider.
+RESEND_AFTER_SECONDS = 600.0
+
+
 class BackfillNotFoundError(LookupError):
     """The job names a backfill that is not stored (its job fails; nothing to retry)."""
 
@@ -95,6 +103,7 @@ class PassResult:
     finished: bool
     open_batches: int
     status: str
+    troubled: bool = False  # a send failed, or waits after failing: the job's budgets are not renewed
 
 
 class BackfillPass:
@@ -106,6 +115,7 @@ class BackfillPass:
         self.selection = BackfillSelection.of(backfill)
         self.store = BackfillStore(deps.factory)
         self.segments = BackfillSegmentStore(deps.factory, deps.ledger)
+        self.troubled = False
         options = ExtractOptions(
             source_id=backfill.source_id,
             since_iso=self.selection.since_iso,
@@ -242,6 +252,13 @@ class BackfillPass:
                 logger.info("batch %s was accepted before its sender died: %s", batch.key, found)
                 self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
                 return True
+        if batch.since_failed_send is not None and batch.since_failed_send < RESEND_AFTER_SECONDS:
+            logger.info(
+                "backfill %s: batch %s is sent again %.0f s after its send failed",
+                self.backfill.id, batch.key, RESEND_AFTER_SECONDS - batch.since_failed_send,
+            )  # fmt: skip
+            self.troubled = True
+            return False  # the batches after it wait too
         requests = self.requests_to_send(batch)
         if not requests:
             self.store.set_batch(batch.id, status="collected", provider_status="nothing to send")
@@ -256,10 +273,12 @@ class BackfillPass:
         try:
             provider_id = client.submit(list(requests.items()), key=batch.key)
         except LLMError as exc:
+            failed: dict[str, Any] = {"provider_status": f"{SEND_FAILED} ({type(exc).__name__})"}
             if not exc.retryable:  # refused outright: nothing at the provider, nothing in flight
                 # Left "submitting", its estimate counted in flight for good (other backfills' batches
                 # waited on it under a day budget) though no batch held it.
-                self.store.set_batch(batch.id, status="planned", estimated_cost_usd=None)
+                failed |= {"status": "planned", "estimated_cost_usd": None}
+            self.store.set_batch(batch.id, **failed)
             raise
         self.store.set_batch(batch.id, status="submitted", provider_batch_id=provider_id)
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
@@ -419,43 +438,48 @@ class BackfillPass:
                 self.store.finish(backfill.id, "cancelled")
                 return PassResult(True, 0, "cancelled")
             self.plan()
-        stopped: LLMError | None = None
-        for batch in self.store.batches(backfill.id, ("planned", "submitting")):
-            if self.cancelling():  # read again before each: a cancel during the pass sends no more
-                self.cancel(batch)
-                continue
-            try:
-                if not self.send(batch):
-                    break  # waiting for the batches in flight: so do the ones after it
-            except LLMError as exc:
-                # The batches sent still end, are paid for and hold the pages' text: they are polled
-                # and collected below before the error is raised (it stopped the pass before the
-                # polling: the job failed after its retries with its batches never collected). A send
-                # the provider refused or cut short is then the job's error (it retries with backoff,
-                # and fails once its attempts are spent); a budget spent pauses the job only once none
-                # is in flight (the batches in flight still need their passes).
-                if not isinstance(exc, BudgetExhaustedError):
-                    logger.warning(
-                        "backfill %s: sending batch %s failed (%s); the batches in flight are polled",
-                        backfill.id, batch.key, type(exc).__name__,
-                    )  # fmt: skip
-                stopped = exc
-                break
+        stopped, failed_batch = self.send_planned()
         for batch in self.store.batches(backfill.id, ("submitted",)):
             if self.cancelling():
                 self.cancel(batch)
             self.poll(batch)
         open_batches = len(self.store.batches(backfill.id))
-        if stopped is not None and (
-            not isinstance(stopped, BudgetExhaustedError)
-            or not self.store.batches(backfill.id, ("submitting", "submitted"))
-        ):
+        flying = [
+            b for b in self.store.batches(backfill.id, ("submitting", "submitted")) if b.id != failed_batch
+        ]
+        if stopped is not None and not flying:
+            # Nothing left to collect: the job waits for budget, or retries the send with backoff (and
+            # fails once its attempts are spent). While paid batches are out it waits on them instead
+            # (a failed job strands them: nothing polls it), sending again every RESEND_AFTER_SECONDS.
             raise stopped
         if open_batches:
-            return PassResult(False, open_batches, "running")
+            return PassResult(False, open_batches, "running", troubled=self.troubled)
         status = "cancelled" if self.cancelling() else "done"
         self.store.finish(backfill.id, status)
         return PassResult(True, 0, status)
+
+    def send_planned(self) -> tuple[LLMError | None, int | None]:
+        """Send the stored batches in order, until one waits (so do the ones after it) or fails: (the
+        error that stopped the sending, the batch whose send failed). The batches sent before still
+        end, are paid for and hold the pages' text: the pass polls them before raising the error (it
+        stopped the pass before the polling: the job failed with its batches never collected)."""
+        for batch in self.store.batches(self.backfill.id, ("planned", "submitting")):
+            if self.cancelling():  # read again before each: a cancel during the pass sends no more
+                self.cancel(batch)
+                continue
+            try:
+                if not self.send(batch):
+                    return None, None
+            except BudgetExhaustedError as exc:
+                return exc, None
+            except LLMError as exc:
+                logger.warning(
+                    "backfill %s: sending batch %s failed (%s); the batches in flight are polled",
+                    self.backfill.id, batch.key, type(exc).__name__,
+                )  # fmt: skip
+                self.troubled = True
+                return exc, batch.id
+        return None, None
 
     def cancelling(self) -> bool:
         """Whether the backfill is to stop: read again each time until it is (the backfill was loaded
@@ -463,14 +487,6 @@ class BackfillPass:
         if not self.backfill.cancel_requested and self.store.cancel_requested(self.backfill.id):
             self.backfill.cancel_requested = True
         return self.backfill.cancel_requested
-
-
-def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
-    """Requests grouped by page, pages and segments in the order given (page order)."""
-    groups: dict[tuple[int, str], list[RequestRow]] = {}
-    for row in rows:
-        groups.setdefault((row.page_id, row.slug), []).append(row)
-    return list(groups.items())
 
 
 def run_backfill_pass(deps: BackfillDeps, backfill_id: int) -> PassResult:

@@ -66,7 +66,9 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
         ),
         pause_reason=WAITING_FOR_BATCHES,
         detail="waiting for provider batches",
-        progressed=True,  # the pass ran through: errors of earlier passes are behind it
+        # The pass ran through: errors of earlier passes are behind it (not when a send failed or waits
+        # to be tried again: a send that keeps failing ends the job once nothing is in flight).
+        progressed=not result.troubled,
     )
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
@@ -16,9 +16,11 @@ from worker.accounting import Ledger
 from worker.core.conversation import Segment
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
+from worker.extraction.statements import PAGE_VERSION
 from worker.extraction.store import ExtractionStore, PageVersion
 
 OPEN_BATCHES = ("planned", "submitting", "submitted")
+SEND_FAILED = "send failed"  # provider_status of a batch whose last send failed (then its error class)
 # A result with no segment to describe it (its page moved on) is recorded against this stand-in.
 NO_SEGMENT = Segment((), (), "", "")
 
@@ -35,6 +37,7 @@ class _Held:
     attempts: tuple[Attempt, ...]
     permanent: bool
     marking: tuple[int, str] | None
+    page: PageVersion | None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class BatchRow:
     key: str
     status: str
     provider_batch_id: str | None
+    # Seconds since its send last failed (SEND_FAILED in provider_status); None: no send failed.
+    since_failed_send: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,14 @@ class RequestRow:
     end_message: int
     segment_hash: str
     status: str
+
+
+def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
+    """Requests grouped by page, pages and segments in the order given (page order)."""
+    groups: dict[tuple[int, str], list[RequestRow]] = {}
+    for row in rows:
+        groups.setdefault((row.page_id, row.slug), []).append(row)
+    return list(groups.items())
 
 
 def _mark(session: Session, request_id: int, status: str) -> None:
@@ -106,12 +119,27 @@ class BackfillSegmentStore(ExtractionStore):
     def hold_attempts(
         self, place: SegmentPlace, attempts: Sequence[Attempt], *, permanent: bool, page: PageVersion | None
     ) -> None:
-        self._held.append(_Held(place, tuple(attempts), permanent, self.marking))
+        self._held.append(_Held(place, tuple(attempts), permanent, self.marking, page))
 
     def release_held(self) -> None:
-        if self._held:
-            with self._factory.begin() as session:
-                self._write_held(session)
+        """The swap was given up (a later segment failed, or the results ran out): the results held are
+        paid for and their facts unused: recorded, their requests ``discarded`` (the failed one keeps
+        ``failed``); only their calls when the page was erased meanwhile (audit rows name it)."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        unused = [
+            replace(one, marking=(one.marking[0], "discarded"))
+            if one.marking is not None and one.marking[1] == "done"
+            else one
+            for one in held
+        ]
+        page = held[0].page
+        with self._factory.begin() as session:
+            if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
+                self._write_spend(session, unused)
+                return
+            self._write_rows(session, unused)
 
     def forget_held(self) -> None:
         """Drop what is held (the page's commit ended without writing it: its requests are still
@@ -121,6 +149,9 @@ class BackfillSegmentStore(ExtractionStore):
 
     def _write_held(self, session: Session) -> None:
         held, self._held = self._held, []  # a swap refused rolls back: its requests stay pending
+        self._write_rows(session, held)
+
+    def _write_rows(self, session: Session, held: Sequence[_Held]) -> None:
         outer = self.marking
         try:
             for one in held:
@@ -128,6 +159,13 @@ class BackfillSegmentStore(ExtractionStore):
                 self._write_attempts(session, one.place, one.attempts, permanent=one.permanent)
         finally:
             self.marking = outer
+
+    def _write_spend(self, session: Session, held: Sequence[_Held]) -> None:
+        """Their calls alone (llm_calls rows) and their requests marked discarded."""
+        for one in held:
+            if one.marking is not None:
+                _mark(session, one.marking[0], "discarded")
+        self._ledger.record_many(session, [r for one in held for r in call_records(one.place, one.attempts)])
 
     def record_discarded_result(
         self, request_id: int, job_id: int | None, source_id: str, slug: str, attempts: Sequence[Attempt]
@@ -176,14 +214,30 @@ class BackfillStore:
 
     def batches(self, backfill_id: int, statuses: Sequence[str] = OPEN_BATCHES) -> list[BatchRow]:
         with read_only(self._factory) as session:
+            failed_ago = case(
+                (
+                    BackfillBatch.provider_status.startswith(SEND_FAILED),
+                    func.extract("epoch", func.now() - BackfillBatch.submit_started_at),
+                ),
+                else_=None,
+            )
             rows = session.execute(
                 select(
-                    BackfillBatch.id, BackfillBatch.key, BackfillBatch.status, BackfillBatch.provider_batch_id
+                    BackfillBatch.id,
+                    BackfillBatch.key,
+                    BackfillBatch.status,
+                    BackfillBatch.provider_batch_id,
+                    failed_ago,
                 )
                 .where(BackfillBatch.backfill_id == backfill_id, BackfillBatch.status.in_(statuses))
                 .order_by(BackfillBatch.id)
             ).all()
-        return [BatchRow(*row) for row in rows]
+        return [
+            BatchRow(
+                row.id, row.key, row.status, row.provider_batch_id, None if row[4] is None else float(row[4])
+            )
+            for row in rows
+        ]
 
     def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
         """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may

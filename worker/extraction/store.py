@@ -298,10 +298,10 @@ class ExtractionStore:
         for place, facts in segment_facts:
             rows += fact_rows(facts, place, len(rows))
         with self._factory.begin() as session:
-            # First: a refusal below rolls them back with the rest (and nothing is left held).
-            self._write_held(session)
-            if page is not None:
+            if page is not None:  # the page first, as every commit and erasure lock it (page, then rows)
                 _check_page(session, page, slug, new)
+            # Before the checkpoint's check: a refusal there rolls them back with the rest.
+            self._write_held(session)
             current = session.execute(
                 select(OpCheckpoint)
                 .where(
