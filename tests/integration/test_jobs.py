@@ -386,6 +386,16 @@ def test_a_lost_message_behind_a_steady_backlog_of_fresh_ones_is_sent_again(tx_f
     # The queue holds the three fresh messages; the lost job's message is gone.
     _, sent = swept(tx_factory, queue_depth=lambda queue: 3)
     assert sent == [lost]
+    # A job waiting out a retry's backoff (due later) has its delayed message at a worker, in no depth:
+    # counted as fresh, it hid a message still queued, and that job was sent twice.
+    with tx_factory.begin() as session:
+        session.execute(update(Job).where(Job.id == lost).values(enqueued_at=now() - timedelta(seconds=100)))
+        session.execute(
+            update(Job).where(Job.id == fresh[0]).values(enqueued_at=now() + timedelta(seconds=60))
+        )
+    assert swept(tx_factory, queue_depth=lambda queue: 3)[1] == []  # two fresh ones and the lost job's
+    with tx_factory.begin() as session:
+        session.execute(update(Job).where(Job.id == fresh[0]).values(enqueued_at=now()))
     # Its message still there (four queued): nothing is missing.
     enqueue(tx_factory, [(lost, EXTRACTION)], Recorder())
     with tx_factory.begin() as session:

@@ -365,9 +365,11 @@ def _overdue_queue_depths(
         ).all()
         if not kinds:
             return {}
+        # Not a job waiting out a retry's backoff (enqueued_at ahead): its delayed message is held by a
+        # worker until due, not queued, so it is in no depth.
         fresh_by_kind = session.execute(
             select(Job.kind, func.count())
-            .where(Job.status == "queued", Job.enqueued_at >= cutoff)
+            .where(Job.status == "queued", Job.enqueued_at >= cutoff, Job.enqueued_at <= func.now())
             .group_by(Job.kind)
         ).all()
     fresh: dict[str, int] = {}
