@@ -297,3 +297,43 @@ def test_a_stop_whose_jobs_all_ended_is_not_cut_short_by_the_grace_deadline() ->
     )
     assert done.returncode == 0, done.stderr
     assert "grace period" not in done.stderr
+
+
+HANGING_UP_PARENT = """
+import sys
+from worker.cli import processes
+counting = (
+    "import os, signal, time; "
+    "signal.signal(signal.SIGTERM, lambda s, f: (os.write(1, b'term\\\\n'), os._exit(0))); "
+    "signal.signal(signal.SIGHUP, lambda s, f: os.write(1, b'hup\\\\n')); "
+    "os.write(1, b'ready\\\\n'); time.sleep(10)"
+)
+sys.exit(processes.run_children([[], []], 5, command=(sys.executable, "-c", counting)))
+"""
+
+
+def test_a_closed_terminal_stops_the_children_too() -> None:
+    """SIGHUP was not passed on: the parent died and its children (process groups of their own, so the
+    terminal's hang-up missed them) ran on without a parent, off Linux for good. It reaches them as
+    SIGTERM (Celery restarts on a SIGHUP)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", HANGING_UP_PARENT],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        parent.send_signal(signal.SIGHUP)
+        out, _ = parent.communicate(timeout=30)
+        assert out.split() == ["term", "term"] and parent.returncode == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)

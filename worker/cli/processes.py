@@ -1,12 +1,12 @@
 """`factmill worker --processes N`: N worker processes under one parent that passes its signals on.
 
 One Python process uses one core at a time (the GIL), so a worker that should use the machine runs one
-process per core, each with its own LLM pipe and job threads. The parent only forwards SIGTERM, SIGINT
-and SIGQUIT (each child then stops gracefully: see worker.jobs.shutdown) and waits; it exits with the
-first non-zero exit code of its children. When one child exits by itself the others are stopped too,
-so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker. A child still running
-``STOP_MARGIN_SECONDS`` past its own grace period (it should have exited by then, however stuck its
-jobs) is killed, so a stop always ends.
+process per core, each with its own LLM pipe and job threads. The parent only forwards SIGTERM,
+SIGINT, SIGQUIT and SIGHUP (as SIGTERM; each child then stops gracefully: see worker.jobs.shutdown)
+and waits; it exits with the first non-zero exit code of its children. When one child exits by itself
+the others are stopped too, so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker. A
+child still running ``STOP_MARGIN_SECONDS`` past its own grace period (it should have exited by then,
+however stuck its jobs) is killed, so a stop always ends.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+# SIGHUP (a closed terminal) is passed on as SIGTERM: Celery restarts on a SIGHUP, and not passed on,
+# the parent died and its children (each in a process group of its own, so the terminal's hang-up
+# missed them) ran on with no parent, off Linux for good (the parent-death signal is Linux's).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 # Past a child's grace period (FACTMILL_GRACE_SECONDS), the time it may take to exit before it is killed.
 STOP_MARGIN_SECONDS = 15.0
@@ -59,18 +62,18 @@ def run_children(
     any still there ``STOP_MARGIN_SECONDS`` after its grace period); the first non-zero exit code (0
     when all stopped cleanly)."""
     children: list[subprocess.Popen[bytes]] = []
-    stopping = False
+    stopping: int | None = None  # the signal the children are stopped with, once one came
     kill_at: float | None = None
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping, kill_at
-        stopping = True
+        stopping = signal.SIGTERM if signum == signal.SIGHUP else signum
         if kill_at is None:
             kill_at = time.monotonic() + grace_seconds + STOP_MARGIN_SECONDS
         for child in children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, signum)
+                    os.kill(child.pid, stopping)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
@@ -79,13 +82,16 @@ def run_children(
             # A process group of its own: a terminal's Ctrl-C reaches the parent only, which passes it
             # on once (a second SIGINT is Celery's cold shutdown, which the threads pool cannot do).
             children.append(subprocess.Popen([*command, *argv], preexec_fn=preexec, process_group=0))
+            if stopping is not None:  # a stop came while the children were being started: this one too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(children[-1].pid, stopping)
         codes: dict[int, int] = {}
         while len(codes) < len(children):
             for child in children:
                 code = child.poll()
                 if code is not None and child.pid not in codes:
                     codes[child.pid] = code
-                    if not stopping:  # one went by itself: stop the rest, let the supervisor restart all
+                    if stopping is None:  # one went by itself: stop the rest, let the supervisor restart all
                         forward(signal.SIGTERM, None)
             if kill_at is not None and time.monotonic() > kill_at:
                 for child in children:
