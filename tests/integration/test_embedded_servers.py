@@ -121,6 +121,51 @@ def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) ->
     assert not paths.socket.exists()
 
 
+def test_a_server_whose_folder_was_removed_under_it_is_replaced_not_reused(tmp_path: Path) -> None:
+    """ "Remove var/ to start over" with the server running: the socket under /tmp still reached the old
+    server, whose saves failed in a folder that was gone, and Redis then refused every write."""
+    import shutil
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
+    try:
+        embedded_redis_url(deep)
+        paths = broker_paths(deep)
+        old = read_pid(paths.pid_file)
+        assert old is not None
+        shutil.rmtree(deep)
+        assert embedded_redis_url(deep) == paths.url
+        new = read_pid(paths.pid_file)
+        assert new is not None and new != old and wait_exited(old, 10)
+        client = redis.Redis(unix_socket_path=str(paths.socket))
+        try:
+            assert client.set("written", "1") and client.bgsave()  # a save to a folder that exists
+        finally:
+            client.close()
+    finally:
+        stop_embedded_broker(deep)
+
+
+def test_a_short_socket_another_user_holds_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The /tmp socket's name is predictable: another local user's server listening there was taken as
+    the broker (every task it was handed, theirs to read)."""
+    from worker.embedded import broker
+    from worker.embedded.base import EmbeddedUnavailableError
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
+    paths = broker_paths(deep)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(paths.socket))
+        monkeypatch.setattr(broker.os, "getuid", lambda: os.stat(paths.socket).st_uid + 1)  # as if not ours
+        with pytest.raises(EmbeddedUnavailableError, match="belongs to another user"):
+            embedded_redis_url(deep)
+    finally:
+        listener.close()
+        paths.socket.unlink(missing_ok=True)
+
+
 def test_queued_messages_survive_a_stop_and_start(data_dir: Path) -> None:
     paths = broker_paths(data_dir)
     embedded_redis_url(data_dir)

@@ -199,7 +199,8 @@ def run_demo(
         if not job_ids:
             err.print(
                 "every page is unchanged since the last demo: nothing new to extract "
-                f"(remove {settings.data_dir}/ to start over)"
+                f"(`factmill down` stops the embedded servers; then remove {settings.data_dir}/ to start "
+                "over: removed under a running server, the folder is gone but the server runs on)"
             )
         reader = stack.enter_context(demo_read_key(database_url, err))
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []

@@ -116,10 +116,63 @@ def embedded_redis_url(data_dir: Path) -> str:
             f"cannot use {paths.folder} for the embedded Redis: {exc}; set FACTMILL_BROKER_URL instead"
         ) from exc
     with folder_lock(paths):
+        check_socket_owner(paths)
+        if answers(paths.socket) and not started_here(paths):
+            stop_foreign(paths)
         if not answers(paths.socket):
             replace_stale(paths)
             start_server(paths)
     return paths.url
+
+
+def check_socket_owner(paths: BrokerPaths) -> None:
+    """A socket under /tmp (the folder's path was too long for one) must be this user's: its name is
+    predictable, and another local user's server there would have been taken as the broker."""
+    if paths.socket.parent == paths.folder:
+        return
+    try:
+        owner = paths.socket.lstat().st_uid
+    except FileNotFoundError:
+        return
+    if owner != os.getuid():
+        raise EmbeddedUnavailableError(
+            f"{paths.socket} belongs to another user (uid {owner}); remove it, or set FACTMILL_BROKER_URL"
+        )
+
+
+def started_here(paths: BrokerPaths) -> bool:
+    """Whether the server answering on the socket is this folder's: the pid its pid file names (a
+    folder removed under a running server took its pid file: a socket under /tmp still reached that
+    server, whose saves then failed in a folder that was gone, and Redis refused every write)."""
+    pid = read_pid(paths.pid_file)
+    if pid is None:
+        return False
+    client = _client(paths.socket, 2.0)
+    try:
+        return int(client.info("server")["process_id"]) == pid
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return True  # cannot tell: trusted, as before
+    finally:
+        client.close()
+
+
+def stop_foreign(paths: BrokerPaths) -> None:
+    """Stop a server that answers on the socket but is not this folder's, without saving (its folder is
+    gone, or it is not ours to save); Postgres is the source of truth: the sweeper sends again what
+    its queue held."""
+    logger.warning(
+        "a Redis this folder did not start answers on %s (its folder removed?); stopping it", paths.socket
+    )
+    client = _client(paths.socket, 2.0)
+    try:
+        client.shutdown(nosave=True)
+    except (redis.RedisError, OSError):
+        pass  # a shutdown closes the connection before it answers
+    finally:
+        client.close()
+    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+    while answers(paths.socket, timeout=0.5) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stop_embedded_redis(data_dir: Path, timeout: float = STOP_TIMEOUT_SECONDS) -> StopOutcome:
