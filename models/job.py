@@ -70,6 +70,11 @@ class Job(Base):
     traceparent: Mapped[str | None]
     worker: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
+    # Where the job's own LLM budget (llm.budget_job_usd) counts from: its creation, moved on when a
+    # rerun for new content or an operator's retry starts its budgets over. Counted from creation, a
+    # job paused for its own budget held its page's one pending slot for good: every later delivery
+    # merged into it, and a retry paused again at once.
+    budget_since: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )

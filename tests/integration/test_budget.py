@@ -206,6 +206,39 @@ def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_fa
     assert budget.jobs_with_room([spent.id, fresh.id]) == []
 
 
+def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
+    """A job's own budget counted every call since its creation: paused for it, the job held its page's
+    one pending slot for good (each later delivery merged into it, an operator's retry paused again at
+    once). A rerun for new content and an operator's retry now start it over, as they do the attempts.
+    (Real commits: a budget counts from its transaction's now().)"""
+    from worker.jobs.leases import claim, finish
+    from worker.jobs.outbox import retry_job
+
+    set_(factory, "llm.budget_job_usd", "1")
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    with factory.begin() as session:
+        job = Job(kind=EXTRACTION, subject="default|spent", status="paused", pause_reason="budget")
+        session.add(job)
+        session.flush()
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+    assert budget.jobs_with_room([job.id]) == [] and not budget.has_room(job.id)
+    with factory.begin() as session:
+        retry_job(session, job.id)  # the operator's retry
+    assert budget.jobs_with_room([job.id]) == [job.id] and budget.spent_by_job(job.id) == 0
+    # Spent again on the content it had, then new content arrives while it runs: its rerun starts over.
+    assert claim(factory, job.id, "w1", stale_after=60, budgets=JobBudgets(5, 20)) is not None
+    with factory.begin() as session:
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+        assert not request_job(session, EXTRACTION, "default|spent").created  # a rerun is asked
+    assert not budget.has_room(job.id)
+    assert finish(factory, job.id, "w1", "succeeded", attempt=True) is not None  # sent again, for the new
+    assert budget.has_room(job.id)
+
+
 def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):
     """A day's ingest paused for budget: the waiters' ids went in IN lists, one parameter each, and past
     65,535 the driver refused the query: the whole sweep rolled back, every sweep (nothing re-sent)."""

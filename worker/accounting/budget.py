@@ -10,7 +10,7 @@ from sqlalchemy import BigInteger, Date, any_, bindparam, cast, func, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import LLMCall, LLMSpendDay
+from models import Job, LLMCall, LLMSpendDay
 from models.reads import read_only
 from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
@@ -89,9 +89,12 @@ class Budget:
         return Decimal(spent or 0)
 
     def spent_by_job(self, job_id: int) -> Decimal:
+        """The job's spend against its own budget: its calls since its budgets last started over."""
         with read_only(self._factory) as session:
             spent = session.scalar(
-                select(func.coalesce(func.sum(LLMCall.cost_usd), 0)).where(LLMCall.job_id == job_id)
+                select(func.coalesce(func.sum(LLMCall.cost_usd), 0))
+                .join(Job, Job.id == LLMCall.job_id)
+                .where(LLMCall.job_id == job_id, LLMCall.created_at >= Job.budget_since)
             )
         return Decimal(spent or 0)
 
@@ -130,7 +133,11 @@ class Budget:
             spent = dict(
                 session.execute(
                     select(LLMCall.job_id, func.sum(LLMCall.cost_usd))
-                    .where(LLMCall.job_id == any_(bindparam("ids", list(job_ids), type_=ARRAY(BigInteger))))
+                    .join(Job, Job.id == LLMCall.job_id)
+                    .where(
+                        LLMCall.job_id == any_(bindparam("ids", list(job_ids), type_=ARRAY(BigInteger))),
+                        LLMCall.created_at >= Job.budget_since,
+                    )
                     .group_by(LLMCall.job_id)
                 ).all()
             )  # one array parameter: 65,536 waiters or more in an IN list failed every sweep

@@ -118,7 +118,7 @@ def fail_if_spent(
         restarted = session.execute(
             update(JOBS)
             .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
-            .values(rerun_requested=False, attempts=0, worker_losses=0)
+            .values(rerun_requested=False, attempts=0, worker_losses=0, budget_since=func.now())
             .returning(JOBS.c.id)
         ).scalar_one_or_none()
     if restarted is not None:
@@ -296,7 +296,14 @@ def finish(
             session.execute(
                 update(JOBS)
                 .where(JOBS.c.id == job_id)
-                .values(status="queued", rerun_requested=False, finished_at=None, attempts=0, worker_losses=0)
+                .values(
+                    status="queued",
+                    rerun_requested=False,
+                    finished_at=None,
+                    attempts=0,
+                    worker_losses=0,
+                    budget_since=func.now(),
+                )
             )
             return job_id, job.kind
     return None

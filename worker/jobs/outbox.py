@@ -300,6 +300,7 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         # reset them, so none of them can run a job past either cap).
         job.attempts = 0
         job.worker_losses = 0
+        job.budget_since = func.now()  # and its own LLM budget (a job paused for it would pause again)
     return job
 
 
