@@ -217,7 +217,19 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
     unstorable = await session.call_tool(
         "append_transcript_messages", {"transcript_id": "agent-1", "messages": surrogate}
     )
+    once = {
+        "transcript_id": "agent-3",
+        "messages": [{"role": "user", "text": "sent twice"}],
+        "idempotency_key": "append-1",
+    }
+    first = _payload(await session.call_tool("append_transcript_messages", once))
+    again = _payload(await session.call_tool("append_transcript_messages", once))
+    other = await session.call_tool(
+        "append_transcript_messages", once | {"messages": [{"role": "user", "text": "something else"}]}
+    )
+    keyed = _payload(await session.call_tool("get_transcript_context", {"transcript_id": "agent-3"}))
     return {
+        "keyed": (first, again, _error_text(other), [m["text"] for m in keyed["messages"]]),
         "lax": lax,
         "unstorable": unstorable,
         "tools": tools,
@@ -248,6 +260,10 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     huge = _error_text(seen["huge"])
     assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
     assert seen["windowed"]["trigger_tokens"] == 8000 - 1000  # the settings went in with the append
+    # A retried append with its key is answered as before and appends nothing twice.
+    first, again, other, texts = seen["keyed"]
+    assert again == first | {"replayed": True} and texts == ["sent twice"]
+    assert "idempotency_key was used before with other messages" in other
 
 
 async def _sources_only(session: ClientSession) -> dict[str, Any]:

@@ -24,11 +24,11 @@ from models import JOB_STATUSES, ConfigEntry, Fact, Job, Page, WebhookDelivery, 
 from tests.auth import send_key
 from tests.service import SessionBroker
 from worker.api.app import create_app
-from worker.api.deliveries import scoped_key
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
 from worker.config_store import CONFIG_KEYS, ConfigReader
 from worker.core.signing import sign
+from worker.deliveries import scoped_key
 from worker.extraction.pages import PageIn
 from worker.jobs.maintenance import maintain
 from worker.jobs.registry import kind_names

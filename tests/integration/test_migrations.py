@@ -310,7 +310,7 @@ def test_0016_counts_the_rows_already_there_into_the_running_totals(server_url: 
 def test_0020_keeps_the_digest_of_each_kept_delivery_key(server_url: str) -> None:
     """A delivery repeated across the upgrade is still replayed: 0020 turns each clear scoped key into
     the digest the service now looks up; no clear key is left."""
-    from worker.api.deliveries import scoped_key
+    from worker.deliveries import scoped_key
 
     with fresh_database(server_url, "digests") as url:
         db.upgrade(url, "0019")

@@ -17,7 +17,6 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
-from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import ApiContext, Context, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import (
@@ -28,6 +27,7 @@ from worker.core.signing import (
     parse_header,
 )
 from worker.db import database_unavailable
+from worker.deliveries import WEBHOOK_SENDER
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.bodycap import BodyTooLargeError, too_large_detail
+from worker.deliveries import DeliveryKeyReusedError
 from worker.guards import request_id_of, route_template, unexpected_answer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": summarize(problems), "errors": problems}, 422)
 
 
+async def _key_reused(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DeliveryKeyReusedError)
+    return JSONResponse({"detail": str(exc)}, 422)
+
+
 async def _body_too_large(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BodyTooLargeError)
     return JSONResponse({"detail": too_large_detail(exc.cap)}, 413)
@@ -109,6 +115,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BodyTooLargeError, _body_too_large)
+    app.add_exception_handler(DeliveryKeyReusedError, _key_reused)
     app.add_exception_handler(Exception, _unexpected_error)
 
 

@@ -6,6 +6,8 @@ principal may not use is neither listed nor callable (``worker.mcp.server`` enfo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import AfterValidator as After
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
+from sqlalchemy.orm import Session
 
 from models.reads import read_only
 from worker.access import AccessRefusedError, Principal, readable_sources
@@ -34,7 +37,8 @@ from worker.compaction import (
 from worker.consolidation.history import Lifecycle
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import BIGINT_MAX, json_integer, storable_text
-from worker.core.labels import check_source_id
+from worker.core.labels import check_source_id, clean_label
+from worker.deliveries import DeliveryKeyReusedError, deliver_once, scoped_key
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
     EntityFactsPage,
@@ -69,6 +73,7 @@ Offset = Annotated[
 # A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
 # text), and no agent's context holds more; past it the error points to the history's pages.
 MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
+MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency keys are scoped by
 KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
 AsOf = Annotated[
     datetime | None,
@@ -126,6 +131,10 @@ def _refusals() -> Iterator[None]:
         raise ToolError(BUDGET_SPENT) from None
     except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
         raise ToolError(str(exc)) from None
+    except DeliveryKeyReusedError:
+        raise ToolError(
+            "idempotency_key was used before with other messages; use a new key per append"
+        ) from None
     except (TranscriptNotFoundError, ContextTooLargeError, EmbeddingFailedError, EntityNameError) as exc:
         raise ToolError(str(exc)) from None
 
@@ -334,6 +343,16 @@ class FactmillTools:
                 )
             ),
         ] = None,
+        idempotency_key: Annotated[
+            Text | None,
+            Field(
+                max_length=255,
+                description=(
+                    "A key of your own for this append (1 to 255 printable characters): sent again with the "
+                    "same key and messages, it is answered as before and nothing is appended twice."
+                ),
+            ),
+        ] = None,
     ) -> dict[str, Any]:
         """Add messages to the end of an agent transcript. A tool result must answer a call of the
         assistant turn right before it. A compaction (summary) is queued once the context passes its
@@ -341,29 +360,45 @@ class FactmillTools:
         transcript_id = _transcript(transcript_id)
         raw = [m.model_dump(exclude_none=True) for m in messages]
         retrigger = self.runtime.settings.compaction_retrigger_seconds
+        key = clean_label(idempotency_key, 255) if idempotency_key is not None else None
+        if idempotency_key is not None and key is None:
+            raise ToolError("idempotency_key must be 1 to 255 printable characters")
+
+        def write(session: Session) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+            result = append_messages(
+                session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
+            )
+            trigger = result.trigger
+            answer = {
+                "transcript_id": transcript_id,
+                "appended": len(parsed),
+                "first_seq": result.first_seq,
+                "last_seq": result.last_seq,
+                "context_tokens": trigger.context_tokens,
+                "trigger_tokens": trigger.trigger_tokens,
+                "compaction_job_id": trigger.job.job_id if trigger.job is not None else None,
+                "note": trigger.note,
+            }
+            return answer, result.pending_jobs()
+
+        # A key of its own route: the same key through the API is another delivery (the API's keeps the
+        # raw body's digest, this one the arguments').
+        scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
+        said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
         with _refusals():
             parsed = parse_messages(raw)
-            with self.runtime.factory.begin() as session:
-                result = append_messages(
-                    session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
-                )
+            answer, pending = deliver_once(
+                self.runtime.factory, scoped, hashlib.sha256(said.encode()).hexdigest(), write
+            )
+        if pending is None:
+            return answer | {"replayed": True}
         try:
-            outbox.enqueue(self.runtime.factory, result.pending_jobs())  # only after the commit
+            outbox.enqueue(self.runtime.factory, pending)  # only after the commit
         except Exception as exc:  # stored: the sweeper sends a job left queued; not the caller's failure
             logger.warning(
                 "MCP append: the compaction job was not sent (%s); the sweeper sends it", type(exc).__name__
             )
-        trigger = result.trigger
-        return {
-            "transcript_id": transcript_id,
-            "appended": len(parsed),
-            "first_seq": result.first_seq,
-            "last_seq": result.last_seq,
-            "context_tokens": trigger.context_tokens,
-            "trigger_tokens": trigger.trigger_tokens,
-            "compaction_job_id": trigger.job.job_id if trigger.job is not None else None,
-            "note": trigger.note,
-        }
+        return answer
 
     def record_summary_feedback(
         self,

@@ -19,7 +19,6 @@ from starlette.concurrency import run_in_threadpool
 from models import CalibrationThreshold
 from models.reads import one_snapshot
 from worker.api.auth import CalibrationReader, FeedbackIngester, Ingest
-from worker.api.deliveries import WEBHOOK_SENDER
 from worker.api.deps import (
     IDEMPOTENCY_HEADER,
     ApiContext,
@@ -44,6 +43,7 @@ from worker.calibration import (
     threshold_history,
 )
 from worker.core.labels import LABEL_PATTERN
+from worker.deliveries import WEBHOOK_SENDER
 
 logger = logging.getLogger(__name__)
 

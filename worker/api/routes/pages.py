@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from worker.api.auth import Admin, Ingest, PageIngester
-from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
     Context,
@@ -32,6 +31,7 @@ from worker.api.deps import (
 from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.api.inputs import StorableStr, page_address
 from worker.core.slugs import stored_form
+from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.extraction.erase import erase_page
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs import outbox

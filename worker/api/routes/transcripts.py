@@ -28,7 +28,6 @@ from starlette.concurrency import run_in_threadpool
 from models import Compaction
 from models.reads import read_only
 from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
-from worker.api.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.api.deps import (
     ApiContext,
     Context,
@@ -73,6 +72,7 @@ from worker.compaction import (
 from worker.compaction.erase import erase_transcript
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
+from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
-"""Signed deliveries made idempotent: a repeat with the same Idempotency-Key gets the stored answer.
+"""Deliveries made idempotent: a repeat with the same Idempotency-Key gets the stored answer.
 
 ``deliver_once`` owns its transaction (it takes the sessionmaker): what a delivery writes and the
 answer kept for its key (``webhook_deliveries``) commit together, so either both are kept or neither.
+The API's ingestion routes and the MCP server's append tool use it (each under its own route label).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.tables import WEBHOOK_DELIVERIES
-from worker.api.deps import IDEMPOTENCY_HEADER
-from worker.api.errors import ApiError
+from worker.core.signing import IDEMPOTENCY_HEADER
 
 T = TypeVar("T")
 
 REPLAYED_HEADERS = {"Idempotent-Replayed": "true"}
 
 Answer = dict[str, Any]
+
+
+class DeliveryKeyReusedError(ValueError):
+    """The key was used before for a delivery with another body (the API answers 422)."""
 
 
 # Core statements built once: a keyed delivery runs both (through the ORM they were a third of its CPU).
@@ -38,7 +42,9 @@ def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
     if prior is None:
         return None
     if not hmac.compare_digest(prior.body_hash, body_hash):
-        raise ApiError(422, f"{IDEMPOTENCY_HEADER} reused with a different body; use a new key per delivery")
+        raise DeliveryKeyReusedError(
+            f"{IDEMPOTENCY_HEADER} reused with a different body; use a new key per delivery"
+        )
     return dict(prior.response)
 
 
@@ -69,7 +75,8 @@ def deliver_once(
 ) -> tuple[Answer, T | None]:
     """Run ``write`` (which returns the answer and anything else the caller needs) in one transaction
     and keep its answer under ``key``. Returns (answer, what write returned), or (the stored answer,
-    None) when ``key`` was delivered before; 422 when it was delivered with a different body."""
+    None) when ``key`` was delivered before; DeliveryKeyReusedError when it was delivered with a
+    different body."""
     try:
         with factory.begin() as session:
             if key is not None:
@@ -93,4 +100,11 @@ def deliver_once(
     return answer, outcome
 
 
-__all__ = ["REPLAYED_HEADERS", "Answer", "deliver_once", "scoped_key"]
+__all__ = [
+    "REPLAYED_HEADERS",
+    "WEBHOOK_SENDER",
+    "Answer",
+    "DeliveryKeyReusedError",
+    "deliver_once",
+    "scoped_key",
+]
