@@ -237,6 +237,27 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
     assert not budget.has_room(job.id)
     assert finish(factory, job.id, "w1", "succeeded", attempt=True) is not None  # sent again, for the new
     assert budget.has_room(job.id)
+    # Spent again and paused for it: new content for the page (merged into the paused job) starts it over,
+    # so the sweeper wakes it; before, only an operator could.
+    assert claim(factory, job.id, "w2", stale_after=60, budgets=JobBudgets(5, 20)) is not None
+    with factory.begin() as session:
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+    finish(factory, job.id, "w2", "paused", pause_reason="budget")
+    assert budget.jobs_with_room([job.id]) == []
+    with factory.begin() as session:
+        assert not request_job(session, EXTRACTION, "default|spent").created
+    assert budget.jobs_with_room([job.id]) == [job.id]
+    # New content while it ran, then a pause (for budget): the run after reads it, with a budget of its own.
+    assert claim(factory, job.id, "w3", stale_after=60, budgets=JobBudgets(5, 20)) is not None
+    with factory.begin() as session:
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+        request_job(session, EXTRACTION, "default|spent")
+    finish(factory, job.id, "w3", "paused", pause_reason="budget")
+    assert budget.jobs_with_room([job.id]) == [job.id]
 
 
 def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):

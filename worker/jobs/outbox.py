@@ -89,7 +89,7 @@ _INSERT_JOBS = text(
     f"ON CONFLICT (kind, subject) WHERE {PENDING_PREDICATE.text} DO NOTHING RETURNING id, subject"
 ).bindparams(bindparam("options", type_=JSONB))
 _PENDING_OF = (
-    select(JOBS.c.id, JOBS.c.subject, JOBS.c.status)
+    select(JOBS.c.id, JOBS.c.subject, JOBS.c.status, JOBS.c.pause_reason)
     .where(
         JOBS.c.kind == bindparam("kind"),
         JOBS.c.subject.in_(bindparam("subjects", expanding=True)),
@@ -161,6 +161,11 @@ def _request(
         running = [row.id for row in existing if row.status == "running"]
         if running:
             session.execute(update(JOBS).where(JOBS.c.id.in_(running)).values(rerun_requested=True))
+        # New work for a job paused for its own budget: the budget starts over (it was spent on the
+        # work before), so the sweeper wakes it; else the subject's one pending slot stayed asleep.
+        spent = [row.id for row in existing if row.status == "paused" and row.pause_reason == BUDGET]
+        if spent:
+            session.execute(update(JOBS).where(JOBS.c.id.in_(spent)).values(budget_since=func.now()))
         found.update((row.subject, JobRequest(row.id, created=False)) for row in existing)
         left = [subject for subject in left if subject not in found]
         if not left:
