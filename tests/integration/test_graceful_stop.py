@@ -337,3 +337,33 @@ def test_a_closed_terminal_stops_the_children_too() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_under_nohup_a_hang_up_stops_nothing() -> None:
+    """A SIGHUP ignored from the start (`nohup factmill worker ...`) must stay ignored: forwarding it
+    stopped a worker its operator had meant to outlive the terminal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", HANGING_UP_PARENT],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        parent.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert parent.poll() is None  # still running, and so are its children
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=30)
+        assert out.split() == ["term", "term"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)

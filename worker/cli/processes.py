@@ -33,6 +33,12 @@ PR_SET_PDEATHSIG = 1
 STOP_MARGIN_SECONDS = 15.0
 
 
+def listened(signals: Sequence[int]) -> list[int]:
+    """The signals to handle: all but a SIGHUP this process was started ignoring (`nohup`: the command
+    must outlive its terminal, and a handler of ours would have undone that)."""
+    return [sig for sig in signals if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN)]
+
+
 def default_processes() -> int:
     """One worker process per core this process may run on."""
     try:
@@ -75,7 +81,7 @@ def run_children(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, stopping)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    previous = {sig: signal.signal(sig, forward) for sig in listened(FORWARDED)}
     try:
         preexec = stop_with_parent if sys.platform.startswith("linux") else None
         for argv in argvs:
@@ -119,7 +125,7 @@ def stopped_by_signals() -> Iterator[None]:
     def stop(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop) for sig in listened((signal.SIGTERM, signal.SIGHUP))}
     try:
         yield
     finally:
