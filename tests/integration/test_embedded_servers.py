@@ -145,6 +145,24 @@ def test_a_server_whose_folder_was_removed_under_it_is_replaced_not_reused(tmp_p
         stop_embedded_broker(deep)
 
 
+def test_a_server_whose_pid_file_was_deleted_by_hand_is_kept(tmp_path: Path) -> None:
+    """Only positive evidence stops a server: one running in this folder is kept without its pid file
+    (stopped without saving, it lost what its queue held since its last save)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
+    try:
+        embedded_redis_url(deep)
+        paths = broker_paths(deep)
+        pid = read_pid(paths.pid_file)
+        paths.pid_file.unlink()
+        embedded_redis_url(deep)
+        assert pid is not None and pid_alive(pid) and redis_servers_on(paths.socket) == [pid]
+    finally:
+        with contextlib.suppress(Exception):
+            if pid is not None:
+                paths.pid_file.write_text(f"{pid}\n")
+        stop_embedded_broker(deep)
+
+
 def test_a_short_socket_another_user_holds_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -141,19 +141,26 @@ def check_socket_owner(paths: BrokerPaths) -> None:
 
 
 def started_here(paths: BrokerPaths) -> bool:
-    """Whether the server answering on the socket is this folder's: the pid its pid file names (a
-    folder removed under a running server took its pid file: a socket under /tmp still reached that
-    server, whose saves then failed in a folder that was gone, and Redis refused every write)."""
-    pid = read_pid(paths.pid_file)
-    if pid is None:
-        return False
+    """Whether the server answering on the socket is this folder's. Only positive evidence says no: its
+    working directory (Redis runs in its ``dir``) is not this folder, as when the folder was removed
+    under it ("remove var/ to start over"): a socket under /tmp still reached that server, whose saves
+    then failed in a folder that was gone, and Redis refused every write. A pid file deleted by hand,
+    or a system without /proc, is no such evidence: the server is kept."""
     client = _client(paths.socket, 2.0)
     try:
-        return int(client.info("server")["process_id"]) == pid
+        pid = int(client.info("server")["process_id"])
     except (redis.RedisError, OSError, KeyError, ValueError):
-        return True  # cannot tell: trusted, as before
+        return True  # cannot tell: kept
     finally:
         client.close()
+    if read_pid(paths.pid_file) == pid:
+        return True
+    try:
+        running_in = os.stat(f"/proc/{pid}/cwd")
+        folder = os.stat(paths.folder)
+    except OSError:
+        return True  # cannot tell (not Linux, another user's process): kept
+    return (running_in.st_dev, running_in.st_ino) == (folder.st_dev, folder.st_ino)
 
 
 def stop_foreign(paths: BrokerPaths) -> None:
