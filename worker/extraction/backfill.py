@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from sqlalchemy import func
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill
@@ -274,6 +275,7 @@ class BackfillPass:
             provider_id = client.submit(list(requests.items()), key=batch.key)
         except LLMError as exc:
             failed: dict[str, Any] = {"provider_status": f"{SEND_FAILED} ({type(exc).__name__})"}
+            failed["submit_started_at"] = func.now()  # the resend waits from the failure, not the start
             if not exc.retryable:  # refused outright: nothing at the provider, nothing in flight
                 # Left "submitting", its estimate counted in flight for good (other backfills' batches
                 # waited on it under a day budget) though no batch held it.
@@ -459,10 +461,9 @@ class BackfillPass:
         return PassResult(True, 0, status)
 
     def send_planned(self) -> tuple[LLMError | None, int | None]:
-        """Send the stored batches in order, until one waits (so do the ones after it) or fails: (the
-        error that stopped the sending, the batch whose send failed). The batches sent before still
-        end, are paid for and hold the pages' text: the pass polls them before raising the error (it
-        stopped the pass before the polling: the job failed with its batches never collected)."""
+        """Send the stored batches in order until one waits (so do the ones after it) or fails: (the
+        error that stopped the sending, the batch whose send failed). The pass polls the batches sent
+        before, then decides what the error means (it once stopped the pass before the polling)."""
         for batch in self.store.batches(self.backfill.id, ("planned", "submitting")):
             if self.cancelling():  # read again before each: a cancel during the pass sends no more
                 self.cancel(batch)
