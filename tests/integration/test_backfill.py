@@ -76,6 +76,19 @@ def seed_pages(factory: sessionmaker[Session], source: str, count: int) -> list[
     return slugs
 
 
+def extracted_then_edited(factory: sessionmaker[Session], sim: Simulator, count: int) -> list[str]:
+    """``count`` pages of source "bf" extracted online, then each edited (its company now Globex): a
+    backfill re-extracts each one whole and swaps its facts."""
+    slugs = seed_pages(factory, "bf", count)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    for n, slug in enumerate(slugs):
+        name, company = person(n)[1:]
+        edited = page_body(name, company).replace(company, "Globex", 1)
+        put_page(factory, slug, edited, title=f"chat: {name}", source_id="bf")
+    return slugs
+
+
 @pytest.fixture(scope="module")
 def batch_sim() -> Iterator[Simulator]:
     with Simulator(SimulatorConfig(batch_delay_seconds=0.05)) as simulator:
@@ -294,11 +307,7 @@ def test_a_pass_that_dies_before_a_whole_page_swap_leaves_its_results_to_be_coll
     """An edited page is re-extracted whole: its segments' results wait for one swap. A pass that died
     before the swap had marked their requests done (each in a transaction of its own), so the next pass
     found nothing to collect and the page kept its old facts for good. The marks now go in with the swap."""
-    [slug] = seed_pages(factory, "bf", 1)
-    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
-    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
-    edited = page_body("Ann Example", "Acme").replace("Acme", "Globex", 1)
-    put_page(factory, slug, edited, title="chat", source_id="bf")
+    extracted_then_edited(factory, sim, 1)
     sim.configure(batch_delay_seconds=3600)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"
@@ -338,14 +347,7 @@ def test_a_backfill_s_facts_are_embedded_and_their_entities_consolidated_as_an_o
 def test_a_swap_refused_for_one_page_leaves_nothing_held_for_the_next(factory, rt, sim, monkeypatch):
     """A refused swap (another run moved the page on) left its page's attempts held: the next page's
     swap wrote them too, found their requests already recorded, rolled back and ended the pass."""
-    slugs = seed_pages(factory, "bf", 2)
-    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
-    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
-    for n, slug in enumerate(slugs):  # both edited: each is re-extracted whole
-        name, company = person(n)[1:]
-        put_page(
-            factory, slug, page_body(name, company).replace(company, "Globex", 1), title="x", source_id="bf"
-        )
+    slugs = extracted_then_edited(factory, sim, 2)  # both re-extracted whole
     real_replace = ExtractionStore.replace_page
     calls: list[str] = []
 
@@ -373,16 +375,7 @@ def test_a_swap_given_up_records_its_earlier_results_as_discarded_not_done(facto
 
     from worker.extraction import backfill as backfill_module
 
-    [slug] = seed_pages(factory, "bf", 1)
-    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
-    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
-    put_page(
-        factory,
-        slug,
-        page_body("Ann Example", "Acme").replace("Acme", "Globex", 1),
-        title="x",
-        source_id="bf",
-    )
+    extracted_then_edited(factory, sim, 1)
     real = backfill_module.batch_segment_result
     seen: list[int] = []
 

@@ -6,6 +6,8 @@ Real worker, beat, API, Flower and simulator processes, real Redis and Postgres,
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -196,6 +198,32 @@ def test_every_factmill_process_exits_on_sigterm(env, tmp_path: Path):
         assert not still_running, "\n".join(still_running)
 
 
+@contextlib.contextmanager
+def two_children(program: str, **popen: Any) -> Iterator[Any]:
+    """A parent (``program``: `run_children` of two children) in a process group of its own, like a
+    terminal's foreground job, once both children said ready; the group is killed at the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", program],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        yield parent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
 STUBBORN_PARENT = """
 import sys
 from worker.cli import processes
@@ -211,28 +239,11 @@ sys.exit(processes.run_children([[], []], 0.5, command=(sys.executable, "-c", st
 def test_the_parent_kills_a_child_still_there_past_its_grace_period() -> None:
     """`factmill worker --processes N` waited for its children without a deadline: a child stuck where
     no stop flag is read (once seen at startup against a broker that was down) held the stop forever."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    parent = subprocess.Popen(
-        [sys.executable, "-c", STUBBORN_PARENT],
-        cwd=Path(__file__).resolve().parents[2],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert parent.stdout is not None
-        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+    with two_children(STUBBORN_PARENT) as parent:
         started = time.monotonic()
         parent.send_signal(signal.SIGTERM)
         code = parent.wait(timeout=30)
         assert code != 0 and time.monotonic() - started < 10  # killed after 0.5 s of grace + 0.5 s
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)
 
 
 COUNTING_PARENT = """
@@ -250,27 +261,10 @@ def test_a_terminals_ctrl_c_reaches_each_child_once() -> None:
     """The children shared the parent's process group, so a Ctrl-C reached each of them from the
     terminal and again from the parent: Celery takes a second SIGINT as a cold shutdown (which the
     threads pool cannot even do: NotImplementedError in the signal handler)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    parent = subprocess.Popen(
-        [sys.executable, "-c", COUNTING_PARENT],
-        cwd=Path(__file__).resolve().parents[2],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a process group like a terminal's foreground job
-    )
-    try:
-        assert parent.stdout is not None
-        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+    with two_children(COUNTING_PARENT) as parent:
         os.killpg(parent.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         out, _ = parent.communicate(timeout=30)
         assert out.split() == ["int", "int"]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)
 
 
 DEADLINE_AFTER_A_CLEAN_STOP = """
@@ -316,54 +310,21 @@ def test_a_closed_terminal_stops_the_children_too() -> None:
     """SIGHUP was not passed on: the parent died and its children (process groups of their own, so the
     terminal's hang-up missed them) ran on without a parent, off Linux for good. It reaches them as
     SIGTERM (Celery restarts on a SIGHUP)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    parent = subprocess.Popen(
-        [sys.executable, "-c", HANGING_UP_PARENT],
-        cwd=Path(__file__).resolve().parents[2],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert parent.stdout is not None
-        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+    with two_children(HANGING_UP_PARENT) as parent:
         parent.send_signal(signal.SIGHUP)
         out, _ = parent.communicate(timeout=30)
         assert out.split() == ["term", "term"] and parent.returncode == 0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)
 
 
 def test_under_nohup_a_hang_up_stops_nothing() -> None:
     """A SIGHUP ignored from the start (`nohup factmill worker ...`) must stay ignored: forwarding it
     stopped a worker its operator had meant to outlive the terminal."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    parent = subprocess.Popen(
-        [sys.executable, "-c", HANGING_UP_PARENT],
-        cwd=Path(__file__).resolve().parents[2],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
-    )
-    try:
-        assert parent.stdout is not None
-        assert [parent.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+    with two_children(
+        HANGING_UP_PARENT, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    ) as parent:
         parent.send_signal(signal.SIGHUP)
         time.sleep(1)
         assert parent.poll() is None  # still running, and so are its children
         parent.send_signal(signal.SIGTERM)
         out, _ = parent.communicate(timeout=30)
         assert out.split() == ["term", "term"]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)
