@@ -84,6 +84,7 @@ class JobSpendOut(Model):
     cached_tokens: int
     output_tokens: int
     cost_usd: float
+    budget_cost_usd: float  # of cost_usd, what its own budget counts (since its budgets last started over)
 
 
 class JobOut(Model):

@@ -211,6 +211,7 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
     one pending slot for good (each later delivery merged into it, an operator's retry paused again at
     once). A rerun for new content and an operator's retry now start it over, as they do the attempts.
     (Real commits: a budget counts from its transaction's now().)"""
+    from worker.accounting.reports import job_spend
     from worker.jobs.leases import claim, finish
     from worker.jobs.outbox import retry_job
 
@@ -227,6 +228,9 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
     with factory.begin() as session:
         retry_job(session, job.id)  # the operator's retry
     assert budget.jobs_with_room([job.id]) == [job.id] and budget.spent_by_job(job.id) == 0
+    with factory() as session:  # what GET /v1/jobs/{id} shows: all it cost, and what its budget counts
+        shown = job_spend(session, job.id)
+    assert (shown.cost_usd, shown.budget_cost_usd) == (1, 0)
     # Spent again on the content it had, then new content arrives while it runs: its rerun starts over.
     assert claim(factory, job.id, "w1", stale_after=60, budgets=JobBudgets(5, 20)) is not None
     with factory.begin() as session:

@@ -72,6 +72,8 @@ def expected_spend() -> dict[str, Any]:
         "cached_tokens": sum(c[3] for c in CALLS),
         "output_tokens": sum(c[4] for c in CALLS),
         "cost_usd": float(sum(usd(i, c, o, batch=b) for _, _, i, c, o, b in CALLS)),
+        # All of it counts against its own budget: nothing started it over.
+        "budget_cost_usd": float(sum(usd(i, c, o, batch=b) for _, _, i, c, o, b in CALLS)),
     }
 
 
@@ -97,6 +99,7 @@ def test_get_job_gives_its_tokens_cached_tokens_and_usd(
             "cached_tokens": 9,
             "output_tokens": 99,
             "cost_usd": float(usd(999, 9, 99)),
+            "budget_cost_usd": float(usd(999, 9, 99)),
         }
     )
     with tx_factory.begin() as session:
@@ -105,6 +108,7 @@ def test_get_job_gives_its_tokens_cached_tokens_and_usd(
         session.flush()
         idle_id = idle.id
     zero = {"calls": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
+    zero["budget_cost_usd"] = 0.0
     assert client.get(f"/v1/jobs/{idle_id}").json()["spend"] == zero
     # A read key sees the job, not what it cost: spend is the metrics' and the admin's, as everywhere
     # else a reader is kept from spend and budget figures.

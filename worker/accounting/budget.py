@@ -54,6 +54,11 @@ def parse_usd(value: str | None) -> Decimal | None:
     return amount
 
 
+# Which of a job's calls (llm_calls joined to jobs) count against its own budget (llm.budget_job_usd):
+# those since its budgets last started over (its creation, a rerun for new content, a retry).
+COUNTS_FOR_JOB_BUDGET = LLMCall.created_at >= Job.budget_since
+
+
 class Budget:
     """Checks spend (from llm_calls) against the live budgets before each call.
 
@@ -94,7 +99,7 @@ class Budget:
             spent = session.scalar(
                 select(func.coalesce(func.sum(LLMCall.cost_usd), 0))
                 .join(Job, Job.id == LLMCall.job_id)
-                .where(LLMCall.job_id == job_id, LLMCall.created_at >= Job.budget_since)
+                .where(LLMCall.job_id == job_id, COUNTS_FOR_JOB_BUDGET)
             )
         return Decimal(spent or 0)
 
@@ -136,7 +141,7 @@ class Budget:
                     .join(Job, Job.id == LLMCall.job_id)
                     .where(
                         LLMCall.job_id == any_(bindparam("ids", list(job_ids), type_=ARRAY(BigInteger))),
-                        LLMCall.created_at >= Job.budget_since,
+                        COUNTS_FOR_JOB_BUDGET,
                     )
                     .group_by(LLMCall.job_id)
                 ).all()

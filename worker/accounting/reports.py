@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import String, case, cast, func, select
 from sqlalchemy.orm import Session
 
-from models import LLMCall
+from models import Job, LLMCall
+from worker.accounting.budget import COUNTS_FOR_JOB_BUDGET
 
 GROUPS: dict[str, Any] = {
     "job": func.coalesce(cast(LLMCall.job_id, String), "none"),
@@ -98,13 +99,23 @@ class JobSpend:
     cached_tokens: int  # of input_tokens, read from the provider's prompt cache
     output_tokens: int
     cost_usd: Decimal
+    # Of cost_usd, what its own budget (llm.budget_job_usd) counts: since its budgets last started over.
+    budget_cost_usd: Decimal
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"cost_usd": float(self.cost_usd)}
+        return asdict(self) | {
+            "cost_usd": float(self.cost_usd),
+            "budget_cost_usd": float(self.budget_cost_usd),
+        }
 
 
 def job_spend(session: Session, job_id: int) -> JobSpend:
     """One job's spend, summed from its llm_calls rows (`GET /v1/jobs/{id}` and `factmill jobs show`)."""
-    row = session.execute(select(*_SUMS).where(LLMCall.job_id == job_id)).one()
-    calls, input_tokens, cached, output_tokens, usd = row
-    return JobSpend(int(calls), int(input_tokens), int(cached), int(output_tokens), Decimal(usd))
+    budgeted = func.coalesce(func.sum(LLMCall.cost_usd).filter(COUNTS_FOR_JOB_BUDGET), 0)
+    row = session.execute(
+        select(*_SUMS, budgeted).join(Job, Job.id == LLMCall.job_id).where(LLMCall.job_id == job_id)
+    ).one()
+    calls, input_tokens, cached, output_tokens, usd, budget_usd = row
+    return JobSpend(
+        int(calls), int(input_tokens), int(cached), int(output_tokens), Decimal(usd), Decimal(budget_usd)
+    )

@@ -38,6 +38,9 @@ class JobSpendOut(BaseModel):
     cached_tokens: int  # of input_tokens, read from the provider's prompt cache
     output_tokens: int
     cost_usd: float
+    # Of cost_usd, what the job's own budget (llm.budget_job_usd) counts: its calls since its budgets
+    # last started over (its creation, a rerun for new content, an operator's retry).
+    budget_cost_usd: float
 
 
 class JobOut(BaseModel):
