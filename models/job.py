@@ -74,7 +74,10 @@ class Job(Base):
     # rerun for new content or an operator's retry starts its budgets over. Counted from creation, a
     # job paused for its own budget held its page's one pending slot for good: every later delivery
     # merged into it, and a retry paused again at once.
-    budget_since: Mapped[datetime] = utcnow_column()
+    # Empty on jobs from before it (migration 0035): since their creation.
+    budget_since: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=True
+    )
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )

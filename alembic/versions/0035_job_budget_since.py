@@ -7,8 +7,8 @@ Create Date: 2026-12-05
 A job's own budget (llm.budget_job_usd) summed every call of the job since its creation, and a rerun
 for new content reuses the job: a page whose job paused for its own budget was frozen for good (each
 later delivery merged into the paused job, an operator's retry paused again at once). The budget now
-counts from budget_since, moved on when a rerun or a retry starts the job's budgets over. Pending
-jobs count from their creation, as before.
+counts from budget_since, moved on when a rerun or a retry starts the job's budgets over. The jobs
+there were keep it empty: they count from their creation, as before.
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    # now() is stable: Postgres keeps one default for the rows there are (no table rewrite, however
-    # many finished jobs are kept); only the pending jobs, whose budget is checked, count from their
-    # creation as before.
-    op.add_column(
-        "jobs",
-        sa.Column("budget_since", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-    )
-    op.execute("UPDATE jobs SET budget_since = created_at WHERE status IN ('queued', 'running', 'paused')")
+    # Added empty (no table rewrite, however many finished jobs are kept): empty means "since its
+    # creation", as before; new jobs get now().
+    op.add_column("jobs", sa.Column("budget_since", sa.DateTime(timezone=True), nullable=True))
+    op.alter_column("jobs", "budget_since", server_default=sa.func.now())
 
 
 def downgrade() -> None:

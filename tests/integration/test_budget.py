@@ -7,7 +7,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.cli import invoke_cli
@@ -262,6 +262,45 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
         request_job(session, EXTRACTION, "default|spent")
     finish(factory, job.id, "w3", "paused", pause_reason="budget")
     assert budget.jobs_with_room([job.id]) == [job.id]
+
+
+def test_a_job_from_before_budget_since_counts_from_its_creation(factory):
+    """Migration 0035 leaves the jobs there were without a budget_since (no rewrite of a table of
+    finished jobs): their budget, and the spend shown for it, count every call, as before."""
+    from worker.accounting.reports import job_spend
+
+    set_(factory, "llm.budget_job_usd", "1")
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    with factory.begin() as session:
+        job = Job(kind=EXTRACTION, subject="default|old", status="succeeded")
+        session.add(job)
+        session.flush()
+        session.add(
+            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+        session.execute(update(Job).where(Job.id == job.id).values(budget_since=None))
+    assert budget.spent_by_job(job.id) == 1 and not budget.has_room(job.id)
+    with factory() as session:
+        assert job_spend(session, job.id).budget_cost_usd == 1
+
+
+def test_new_work_renews_the_budget_of_a_paused_extraction_only(factory):
+    """A compaction is requested on every append past its threshold: renewed each time, a compaction job
+    paused for its own budget would have no cap but the day's."""
+    from worker.jobs.outbox import COMPACTION
+
+    set_(factory, "llm.budget_job_usd", "1")
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    with factory.begin() as session:
+        job = Job(kind=COMPACTION, subject="t1", status="paused", pause_reason="budget")
+        session.add(job)
+        session.flush()
+        session.add(
+            LLMCall(provider="p", model="m", purpose="compaction", outcome="ok", cost_usd=1, job_id=job.id)
+        )
+    with factory.begin() as session:
+        assert not request_job(session, COMPACTION, "t1").created
+    assert budget.jobs_with_room([job.id]) == []
 
 
 def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):

@@ -56,7 +56,7 @@ def parse_usd(value: str | None) -> Decimal | None:
 
 # Which of a job's calls (llm_calls joined to jobs) count against its own budget (llm.budget_job_usd):
 # those since its budgets last started over (its creation, a rerun for new content, a retry).
-COUNTS_FOR_JOB_BUDGET = LLMCall.created_at >= Job.budget_since
+COUNTS_FOR_JOB_BUDGET = LLMCall.created_at >= func.coalesce(Job.budget_since, Job.created_at)
 
 
 class Budget:

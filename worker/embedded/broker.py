@@ -141,26 +141,28 @@ def check_socket_owner(paths: BrokerPaths) -> None:
 
 
 def started_here(paths: BrokerPaths) -> bool:
-    """Whether the server answering on the socket is this folder's. Only positive evidence says no: its
-    working directory (Redis runs in its ``dir``) is not this folder, as when the folder was removed
-    under it ("remove var/ to start over"): a socket under /tmp still reached that server, whose saves
-    then failed in a folder that was gone, and Redis refused every write. A pid file deleted by hand,
-    or a system without /proc, is no such evidence: the server is kept."""
+    """Whether the server answering on the socket is this folder's. Only positive evidence says no: the
+    directory it runs in (Redis's ``dir``: empty once that directory was deleted) is not this folder,
+    as when the folder was removed under it ("remove var/ to start over"): a socket under /tmp still
+    reached that server, whose saves then failed in a folder that was gone, and Redis refused every
+    write. A pid file deleted by hand is no such evidence: the server is kept."""
     client = _client(paths.socket, 2.0)
     try:
         pid = int(client.info("server")["process_id"])
+        running_in = str(client.config_get("dir").get("dir", ""))
     except (redis.RedisError, OSError, KeyError, ValueError):
         return True  # cannot tell: kept
     finally:
         client.close()
     if read_pid(paths.pid_file) == pid:
         return True
+    if not running_in:
+        return False  # its directory was deleted
     try:
-        running_in = os.stat(f"/proc/{pid}/cwd")
-        folder = os.stat(paths.folder)
+        there, folder = os.stat(running_in), os.stat(paths.folder)
     except OSError:
-        return True  # cannot tell (not Linux, another user's process): kept
-    return (running_in.st_dev, running_in.st_ino) == (folder.st_dev, folder.st_ino)
+        return False
+    return (there.st_dev, there.st_ino) == (folder.st_dev, folder.st_ino)
 
 
 def stop_foreign(paths: BrokerPaths) -> None:

@@ -161,10 +161,12 @@ def _request(
         running = [row.id for row in existing if row.status == "running"]
         if running:
             session.execute(update(JOBS).where(JOBS.c.id.in_(running)).values(rerun_requested=True))
-        # New work for a job paused for its own budget: the budget starts over (it was spent on the
-        # work before), so the sweeper wakes it; else the subject's one pending slot stayed asleep.
+        # New content for a page whose job paused for its budget: the job's own budget starts over
+        # (it was spent on the content before), so the sweeper wakes it; else the page's one pending
+        # slot stayed asleep. Extraction only: a compaction is requested on every append past its
+        # threshold, and a fresh budget each time would have no cap but the day's.
         spent = [row.id for row in existing if row.status == "paused" and row.pause_reason == BUDGET]
-        if spent:
+        if spent and kind == EXTRACTION:
             session.execute(update(JOBS).where(JOBS.c.id.in_(spent)).values(budget_since=func.now()))
         found.update((row.subject, JobRequest(row.id, created=False)) for row in existing)
         left = [subject for subject in left if subject not in found]
