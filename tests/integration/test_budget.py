@@ -206,6 +206,16 @@ def test_the_sweep_wakes_only_the_budget_waiters_whose_own_budget_has_room(tx_fa
     assert budget.jobs_with_room([spent.id, fresh.id]) == []
 
 
+def job_that_spent(factory: Any, kind: str, subject: str, **state: Any) -> Job:
+    """A job (committed, with ``state``: status, pause_reason...) and one call of it that cost $1."""
+    with factory.begin() as session:
+        job = Job(kind=kind, subject=subject, **state)
+        session.add(job)
+        session.flush()
+        session.add(LLMCall(provider="p", model="m", purpose=kind, outcome="ok", cost_usd=1, job_id=job.id))
+    return job
+
+
 def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
     """A job's own budget counted every call since its creation: paused for it, the job held its page's
     one pending slot for good (each later delivery merged into it, an operator's retry paused again at
@@ -217,13 +227,7 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
 
     set_(factory, "llm.budget_job_usd", "1")
     budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
-    with factory.begin() as session:
-        job = Job(kind=EXTRACTION, subject="default|spent", status="paused", pause_reason="budget")
-        session.add(job)
-        session.flush()
-        session.add(
-            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
-        )
+    job = job_that_spent(factory, EXTRACTION, "default|spent", status="paused", pause_reason="budget")
     assert budget.jobs_with_room([job.id]) == [] and not budget.has_room(job.id)
     with factory.begin() as session:
         retry_job(session, job.id)  # the operator's retry
@@ -271,13 +275,8 @@ def test_a_job_from_before_budget_since_counts_from_its_creation(factory):
 
     set_(factory, "llm.budget_job_usd", "1")
     budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    job = job_that_spent(factory, EXTRACTION, "default|old", status="succeeded")
     with factory.begin() as session:
-        job = Job(kind=EXTRACTION, subject="default|old", status="succeeded")
-        session.add(job)
-        session.flush()
-        session.add(
-            LLMCall(provider="p", model="m", purpose="extraction", outcome="ok", cost_usd=1, job_id=job.id)
-        )
         session.execute(update(Job).where(Job.id == job.id).values(budget_since=None))
     assert budget.spent_by_job(job.id) == 1 and not budget.has_room(job.id)
     with factory() as session:
@@ -291,13 +290,7 @@ def test_new_work_renews_the_budget_of_a_paused_extraction_only(factory):
 
     set_(factory, "llm.budget_job_usd", "1")
     budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
-    with factory.begin() as session:
-        job = Job(kind=COMPACTION, subject="t1", status="paused", pause_reason="budget")
-        session.add(job)
-        session.flush()
-        session.add(
-            LLMCall(provider="p", model="m", purpose="compaction", outcome="ok", cost_usd=1, job_id=job.id)
-        )
+    job = job_that_spent(factory, COMPACTION, "t1", status="paused", pause_reason="budget")
     with factory.begin() as session:
         assert not request_job(session, COMPACTION, "t1").created
     assert budget.jobs_with_room([job.id]) == []
