@@ -526,11 +526,14 @@ def test_the_orphaned_link_read_can_use_its_partial_index(session: Session) -> N
     # The index is built by the migration and the query by the store: if their predicates drift
     # apart, the planner can no longer prove the query's rows are in the index and every extraction
     # scans its source's facts again. Sequential scans are priced out so the empty table still shows
-    # which plans are possible.
+    # which plans are possible; the other indexes on source_id are dropped (in the test's transaction,
+    # rolled back) since on an empty table the planner is free to prefer them.
     query = orphaned_links_query(["default"]).compile(
         dialect=session.get_bind().dialect, compile_kwargs={"literal_binds": True}
     )
     session.execute(text("SET LOCAL enable_seqscan = off"))
+    session.execute(text("DROP INDEX ix_facts_source_id_entity"))
+    session.execute(text("ALTER TABLE facts DROP CONSTRAINT uq_facts_source_id_source_markdown_slug_row_num"))
     plan = "\n".join(session.execute(text(f"EXPLAIN {query}")).scalars())
     assert "ix_facts_orphaned_links" in plan, plan
 
@@ -837,3 +840,31 @@ def test_a_fact_left_to_decide_again_that_a_later_fact_closes_is_decided(tx_fact
     with tx_factory() as session:
         row = session.get(Fact, lisbon.id)
         assert row is not None and row.status == "superseded" and row.consolidated_at is not None
+
+
+def test_an_entitys_orphan_repair_and_read_stay_inside_its_source_and_entity(tx_factory, llm) -> None:
+    # The orphan predicate is an OR: written into the WHERE without brackets it escaped the source
+    # and entity filters, and a run for Alice restored (and audited as hers) every orphan anywhere.
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    consolidate(tx_factory, llm)
+    with tx_factory.begin() as session:
+        elsewhere = session.scalars(
+            select(Fact).where(Fact.fact == "Alice Example is on the Basic plan.")
+        ).one()
+        elsewhere.source_id, elsewhere.entity_slug = "other", "people/bob-demo"
+        elsewhere.status, elsewhere.duplicate_of = "duplicate", None
+        orphan_id = elsewhere.id
+    with tx_factory() as session:
+        read = session.execute(orphaned_links_query(["default"])).all()
+    assert read == [], "another source's orphan is not this source's to read"
+    restored = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get)).repair_orphans(
+        "default", ALICE, None
+    )
+    with tx_factory() as session:
+        kept = session.get(Fact, orphan_id)
+        restores = session.scalars(
+            select(ConsolidationDecision).where(ConsolidationDecision.fact_id == orphan_id)
+        ).all()
+    assert restored == 0 and kept is not None and kept.status == "duplicate"
+    assert [r.decision for r in restores if r.decision == "restore"] == []

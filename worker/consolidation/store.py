@@ -164,8 +164,9 @@ def _entity(entity_key: str) -> Any:
 
 
 def _orphaned() -> Any:
-    # The partial index's own text (models.fact.ORPHANED_LINK_SQL), so the planner can use it.
-    return text(ORPHANED_LINK_SQL)
+    # The partial index's own text (models.fact.ORPHANED_LINK_SQL), so the planner can use it. Bracketed:
+    # a text clause is not grouped in an AND, and the OR inside escaped every filter beside it.
+    return text(f"({ORPHANED_LINK_SQL})")
 
 
 def lock_checkpoint(session: Session, source_id: str, entity_key: str) -> bool:
