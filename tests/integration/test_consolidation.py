@@ -868,3 +868,43 @@ def test_an_entitys_orphan_repair_and_read_stay_inside_its_source_and_entity(tx_
         ).all()
     assert restored == 0 and kept is not None and kept.status == "duplicate"
     assert [r.decision for r in restores if r.decision == "restore"] == []
+
+
+def test_pairs_a_reply_skipped_are_asked_again_once_then_kept_unrelated(tx_factory, sim) -> None:
+    # A reply in a Markdown fence (json_object mode allows one) that decides nothing: the skipped pairs
+    # went straight to "unrelated" for good (an update lost); now they are asked once more on their own.
+    from worker.core.consolidation_plan import UNANSWERED_REASON
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    consolidate(tx_factory, llm)
+    extract(tx_factory, llm, MAR_PAGE)
+    fenced = '```json\n{"decisions": []}\n```'
+    reply = {
+        "id": "chatcmpl-skip",
+        "object": "chat.completion",
+        "model": "simulator-1",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": fenced}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    }
+    sim.configure(raw_replies={"chat.completions": reply})
+    run = consolidate(tx_factory, llm)
+    assert run.llm_calls == 2 and calls(tx_factory) == 2, "one ask, then one more for the skipped pair"
+    facts = alice(tx_factory)
+    porto = facts["Alice Example lives in Porto now."][0]
+    with tx_factory() as session:
+        asked = session.scalars(
+            select(ConsolidationDecision).where(
+                ConsolidationDecision.fact_id == porto.id, ConsolidationDecision.decided_by == "model"
+            )
+        ).one()
+        second_call = session.scalars(
+            select(LLMCall.id).where(LLMCall.purpose == "consolidation").order_by(LLMCall.id.desc())
+        ).first()
+    assert (asked.decision, asked.reason) == ("unrelated", UNANSWERED_REASON)
+    assert asked.llm_call_id == second_call, "an unanswered pair names the last call that was asked"
+    assert facts["Alice Example lives in Lisbon now."][0].status == "current"

@@ -145,6 +145,20 @@ def test_parse_decisions_is_strict() -> None:
     assert stored[1].reason == "ab"
 
 
+def test_parse_decisions_reads_a_fenced_reply_and_refuses_an_endless_number() -> None:
+    # openai-compatible servers answer in json_object mode, where a Markdown fence is allowed.
+    fenced = '```json\n{"decisions": [{"pair": 1, "decision": "duplicate", "reason": "same"}]}\n```'
+    assert parse_decisions(fenced, [1])[1].verdict == "duplicate"
+    with pytest.raises(MalformedDecisionsError):  # a ValueError of Python's int limit, not JSON's
+        parse_decisions('{"decisions": [{"pair": 1' + "0" * 5000 + "}]}", [1])
+
+
+def test_the_prompt_spells_out_the_reply_shape_for_servers_without_a_schema() -> None:
+    from worker.core.consolidation_prompt import CONSOLIDATION_SYSTEM_PROMPT
+
+    assert '{"decisions": [{"pair": 1, "decision": ' in CONSOLIDATION_SYSTEM_PROMPT
+
+
 def test_entity_words_are_ignored_when_comparing_an_entitys_facts() -> None:
     from worker.core.consolidation import entity_words
 

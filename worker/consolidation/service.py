@@ -183,19 +183,37 @@ def _ask_model(
     if llm is None:
         raise ValueError("an LLM client is required to decide ambiguous pairs")
     for start in range(0, len(asked), MAX_PAIRS_PER_CALL):
-        run.guard()
         chunk = asked[start : start + MAX_PAIRS_PER_CALL]
-        response, call_id = _call(store, llm, run, chunk)
-        counters.llm_calls += 1
-        counters.pairs_asked += len(chunk)
-        counters.prompt_tokens += response.usage.input_tokens
-        try:
-            got = parse_decisions(response.text, [p.number for p in chunk])
-        except MalformedDecisionsError as exc:
-            raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
-        answers.update(got)
-        call_ids.update({p.number: call_id for p in chunk})
+        # Pairs a reply skipped are asked once more on their own; what is still unanswered then is kept
+        # as unrelated, with a reason that says so (not a retry of the job: it would pay for the round
+        # again, and a model that skips a pair twice would skip it on every retry too).
+        for _ask in range(2):
+            run.guard()
+            got, call_id = _decide_pairs(store, llm, run, chunk, counters)
+            answers.update(got)
+            call_ids.update({p.number: call_id for p in chunk})  # a pair still unanswered: its last ask
+            chunk = [p for p in chunk if p.number not in got]
+            if not chunk:
+                break
     return answers, call_ids
+
+
+def _decide_pairs(
+    store: ConsolidationStore,
+    llm: LLMClient,
+    run: EntityRun,
+    pairs: Sequence[AskedPair],
+    counters: ConsolidationCounters,
+) -> tuple[dict[int, PairDecision], int]:
+    """One call's decisions (by pair number) and its llm_calls row."""
+    response, call_id = _call(store, llm, run, pairs)
+    counters.llm_calls += 1
+    counters.pairs_asked += len(pairs)
+    counters.prompt_tokens += response.usage.input_tokens
+    try:
+        return parse_decisions(response.text, [p.number for p in pairs]), call_id
+    except MalformedDecisionsError as exc:
+        raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
 
 
 def _call(

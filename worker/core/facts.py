@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
 from worker.core.delimiters import wrap_in_tag
-from worker.core.jsonvalues import made_storable
+from worker.core.jsonvalues import made_storable, strip_code_fence
 
 FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
 NOTABILITY_LEVELS = ("high", "medium", "low")
@@ -239,14 +238,6 @@ def _confidence(value: Any) -> float:
     return min(1.0, max(0.0, number))
 
 
-def _strip_code_fence(text: str) -> str:
-    stripped = text.strip()
-    if stripped.startswith("```"):
-        stripped = re.sub(r"^```[a-zA-Z]*\s*", "", stripped)
-        stripped = re.sub(r"\s*```$", "", stripped)
-    return stripped
-
-
 def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[ExtractedFact]:
     """Validate and normalise a reply: unknown kind → fact, unknown notability → medium,
     confidence clamped to [0, 1], facts without text dropped, text clipped (MAX_FACT_CHARS, and
@@ -254,7 +245,7 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
     if not text or not text.strip():
         raise MalformedReplyError("the reply was empty")
     try:
-        payload = json.loads(_strip_code_fence(text))
+        payload = json.loads(strip_code_fence(text))
     except json.JSONDecodeError as exc:
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
     except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit

@@ -78,3 +78,17 @@ def storable_text(value: str) -> str:
 
 
 __all__ = ["json_integer", "made_storable", "not_json", "storable_text", "text_problem"]
+
+
+_FENCE_OPEN = re.compile(r"```[a-zA-Z]*")
+
+
+def strip_code_fence(text: str) -> str:
+    """A model's JSON reply without the Markdown code fence some providers wrap it in (json_object mode
+    does not forbid one). String operations, not a trailing-space pattern: linear in any reply."""
+    stripped = text.strip()
+    opening = _FENCE_OPEN.match(stripped)
+    if opening is None:
+        return stripped
+    stripped = stripped[opening.end() :].lstrip()
+    return stripped[:-3].rstrip() if stripped.endswith("```") else stripped
