@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import typing
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -240,6 +241,24 @@ def test_unsigned_json_bodies_are_capped_before_they_are_read(api: TestClient) -
         "/v1/config/search.x", content=b'{"value": "' + b"a" * (70 * 1024) + b'"}', headers=ADMIN_HEADERS
     )
     assert config.status_code == 413 and "65536-byte limit" in config.json()["detail"]
+
+
+def test_no_route_reads_its_body_before_its_credential(api: TestClient) -> None:
+    # A body parameter is read and parsed by FastAPI before any dependency (the key check) runs:
+    # POST /v1/backfills parsed up to 25 MiB of JSON for anyone. Routes read their bodies themselves.
+    from fastapi.routing import APIRoute
+
+    app = typing.cast(Any, api.app)
+    declared = [r.path for r in app.routes if isinstance(r, APIRoute) and r.body_field is not None]
+    assert declared == []
+    garbage = b"[" + b"{}," * 1000 + b"{}]"
+    anonymous = api.post("/v1/backfills", content=garbage, headers={"Content-Type": "application/json"})
+    assert anonymous.status_code == 401, anonymous.text
+    big = b'{"slug_prefix": "' + b"a" * (70 * 1024) + b'"}'
+    capped = api.post(
+        "/v1/backfills", content=big, headers={"Content-Type": "application/json"} | ADMIN_HEADERS
+    )
+    assert capped.status_code == 413 and "65536-byte limit" in capped.json()["detail"]
 
 
 def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClient) -> None:

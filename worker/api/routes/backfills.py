@@ -6,12 +6,14 @@ import logging
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from starlette.concurrency import run_in_threadpool
 
 from models.reads import read_only
+from worker.access import Principal
 from worker.api.auth import Admin
-from worker.api.deps import Context
+from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import BigIntIdPath, SourceIdField, StorableStr
 from worker.core.jsonvalues import BIGINT_MAX, json_integer
@@ -33,6 +35,7 @@ from worker.llm.batches import batch_unavailable
 logger = logging.getLogger(__name__)
 
 backfills_router = APIRouter(tags=["backfills"])
+MAX_BACKFILL_BODY_BYTES = 64 * 1024
 
 
 class BackfillIn(BaseModel):
@@ -62,14 +65,22 @@ class BackfillList(BaseModel):
     "/v1/backfills",
     status_code=202,
     response_model=BackfillCreated,
-    responses=error_responses(404, 409, 422),
+    responses=error_responses(404, 409, 413, 422),
     summary="Start a backfill through provider batches (half price)",
+    openapi_extra=json_request_body(BackfillIn.model_json_schema()),
 )
-def create_backfill(ctx: Context, principal: Admin, body: BackfillIn) -> BackfillCreated:
+async def create_backfill(request: Request, ctx: Context, principal: Admin) -> BackfillCreated:
     """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
     requests, sends them to the provider, and commits their results as they end. Answers at once;
     404 when no stored page matches the selection (nothing would be planned); 409 when the deployment's
     LLM provider has no batch API (FACTMILL_LLM=openai-compatible)."""
+    # Read here, after the admin check and under a small cap: a body parameter is read and parsed by
+    # FastAPI before any dependency runs, so anyone could make the API parse 25 MiB of JSON.
+    body = parse_json_model(await read_body(request, MAX_BACKFILL_BODY_BYTES), BackfillIn)
+    return await run_in_threadpool(_create_backfill, ctx, principal, body)
+
+
+def _create_backfill(ctx: ApiContext, principal: Principal, body: BackfillIn) -> BackfillCreated:
     unavailable = batch_unavailable(ctx.settings)
     if unavailable:
         raise ApiError(409, unavailable)
