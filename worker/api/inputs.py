@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from typing import Annotated, Any
 from urllib.parse import unquote
 
@@ -96,31 +97,48 @@ def _invalid(path: list[str | int], msg: str) -> ApiError:
 # limit less the frames below it, and every later step that walks the value (the page's content hash,
 # the JSONB encoder) recurses too: bodies nested 974-986 deep parsed, then failed as a 500.
 MAX_JSON_DEPTH = 64
+_TOO_DEEP = f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays"
+
+
+def _scalar_problem(node: Any) -> str | None:
+    if isinstance(node, _NonFinite):
+        return f"Input should be a finite number ({node.name} {node.why})"
+    return text_problem(node) if isinstance(node, str) else None
+
+
+def _members(node: dict[str, Any] | list[Any]) -> Iterator[tuple[str | int, Any]]:
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
 
 
 def check_json_text(data: Any, path: list[str | int] | None = None) -> None:
     """Raise a 422 naming the first string (key or value) holding NUL or a lone surrogate, NaN, or an
-    object or array nested deeper than MAX_JSON_DEPTH."""
-    root: list[str | int] = path or []
-    stack: list[tuple[Any, list[str | int]]] = [(data, root)]
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, dict | list) and len(where) - len(root) >= MAX_JSON_DEPTH:
-            raise _invalid(where, f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays")
-        if isinstance(node, _NonFinite):
-            raise _invalid(where, f"Input should be a finite number ({node.name} {node.why})")
-        if isinstance(node, str):
-            problem = text_problem(node)
-            if problem:
-                raise _invalid(where, problem)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                problem = text_problem(key)
-                if problem:
-                    raise _invalid(where, f"a key {problem}")
-                stack.append((value, [*where, key]))
-        elif isinstance(node, list):
-            stack.extend((item, [*where, index]) for index, item in enumerate(node))
+    object or array nested deeper than MAX_JSON_DEPTH.
+
+    A walk of one iterator per open container, the path built only for an error: a stack of every
+    member with its own path took about 90 times the body's size (a 25 MiB array of zeros, gigabytes)
+    and 3.5 times as long."""
+    where: list[str | int] = list(path or [])
+    if not isinstance(data, dict | list):
+        if problem := _scalar_problem(data):
+            raise _invalid(where, problem)
+        return
+    open_containers = [_members(data)]
+    while open_containers:
+        for key, value in open_containers[-1]:
+            if isinstance(key, str) and (problem := text_problem(key)):
+                raise _invalid(where, f"a key {problem}")
+            if isinstance(value, dict | list):
+                if len(open_containers) >= MAX_JSON_DEPTH:
+                    raise _invalid([*where, key], _TOO_DEEP)
+                where.append(key)
+                open_containers.append(_members(value))
+                break  # into the container; this one's iterator resumes after it
+            if isinstance(value, str | _NonFinite) and (problem := _scalar_problem(value)):
+                raise _invalid([*where, key], problem)
+        else:
+            open_containers.pop()
+            if open_containers:
+                where.pop()
 
 
 def strict_json_loads(body: bytes) -> Any:
