@@ -9,6 +9,8 @@ import re
 import uuid
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from worker.bodycap import ASGIApp, Receive, Scope, Send, send_json
 from worker.db import database_unavailable
 from worker.runtime.logs import log_context
@@ -48,10 +50,14 @@ def log_unexpected(method: str, route: str, request_id: str, exc: BaseException)
 
 # How long a client should wait before trying again while the database cannot serve.
 UNAVAILABLE_RETRY_AFTER_SECONDS = 5
+# The client went away before its body was read (nginx's code): no answer reaches it, nothing failed.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def unexpected_status(exc: BaseException) -> int:
     """The status ``unexpected_answer`` gives an exception no handler took (the request metrics count it)."""
+    if isinstance(exc, ClientDisconnect):
+        return CLIENT_CLOSED_REQUEST
     return 503 if database_unavailable(exc) else 500
 
 
@@ -62,8 +68,14 @@ def unexpected_answer(
 
     The database being unreachable, restarting or out of pooled connections is not a fault of the
     request nor a bug: 503 with Retry-After, so webhook senders and clients try again (a warning, as
-    the outage itself is what to look at). Anything else is a 500 with the request id."""
-    if unexpected_status(exc) == 503:
+    the outage itself is what to look at). A client that closed its request mid-body is no error of
+    ours (anyone could fill the error log and the 5xx series with them): one INFO line, 499. Anything
+    else is a 500 with the request id."""
+    status = unexpected_status(exc)
+    if status == CLIENT_CLOSED_REQUEST:
+        logger.info("client closed %s %s mid-body (request %s)", method[:16], route, request_id)
+        return status, {"detail": "the client closed the request", "request_id": request_id}, {}
+    if status == 503:
         logger.warning(
             "database unavailable (%s) on %s %s (request %s): answered 503",
             type(exc).__name__,

@@ -274,6 +274,54 @@ def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClie
     assert streamed.status_code == 413 and "1048576-byte limit" in streamed.json()["detail"]
 
 
+def test_a_client_that_hangs_up_mid_body_is_no_error(
+    database_url: str, factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Anyone could send a well-formed signature header, 10 bytes of a declared 1,000 and hang up: an
+    # ERROR line and a 500 in the request series each time. Now one INFO line and 499.
+    import asyncio
+
+    app = create_app(make_runtime(database_url, factory), sender=Recorder(factory))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/feedback",
+        "raw_path": b"/v1/feedback",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", b"1000"), (b"factmill-signature", b"t=1,v2=00"), (b"host", b"t")],
+        "client": ("127.0.0.1", 1),
+        "server": ("t", 80),
+    }
+    arriving = [
+        {"type": "http.request", "body": b"0123456789", "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            await app(scope, receive, send)
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert statuses in ([], [499]), statuses
+    access = [r.getMessage() for r in caplog.records if r.name == "worker.api.access"]
+    assert access and " 499 " in access[-1], access
+
+
 def test_every_answer_carries_a_request_id_and_a_sane_one_is_kept(api: TestClient) -> None:
     assert len(api.get("/healthz").headers["X-Request-ID"]) == 32
     assert api.get("/healthz", headers={"X-Request-ID": "abc-123"}).headers["X-Request-ID"] == "abc-123"
