@@ -349,6 +349,18 @@ def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) ->
     )
 
 
+def test_a_bar_in_a_transcript_id_does_not_make_two_deliveries_one(api: TestClient) -> None:
+    # Transcript "a|b" with key "k" and transcript "a" with key "b|k" hashed one scope: the second was
+    # answered with the first's stored answer and its messages were never stored.
+    messages = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
+    for transcript, key in (("bar%7Cb", "k"), ("bar", "b|k")):
+        path = f"/v1/transcripts/{transcript}/messages"
+        answer = api.post(path, content=messages, headers=signed(messages, path, idempotency_key=key))
+        assert answer.status_code == 201 and "Idempotent-Replayed" not in answer.headers, answer.text
+    stored = api.get("/v1/transcripts/bar/messages", headers=ADMIN_HEADERS).json()
+    assert [m["text"] for m in stored["messages"]] == ["hi"]
+
+
 def test_a_captured_v3_delivery_cannot_be_stored_again_under_another_key(api: TestClient) -> None:
     """v3 signs the Idempotency-Key: a copy sent again within the tolerance window keeps the key it was
     signed with (and gets the stored answer) or is refused; under v2 a new key made it a new delivery,
