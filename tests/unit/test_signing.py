@@ -191,3 +191,22 @@ def test_a_non_ascii_key_under_v3_is_refused_with_the_reason_not_a_mismatch() ->
     be signed as one text and checked as another, so it is refused as unsignable."""
     forged = f"t={NOW},v3=" + "0" * 64
     assert "printable ASCII" in keyed_reason(forged, "clÃ©-1")
+
+
+def test_checking_a_signature_copies_no_body() -> None:
+    # Each scheme's HMAC hashed ``message + body``: a copy of the body per scheme and per secret
+    # (v3, v2 and two secrets while one is rotated: four copies of up to 25 MiB a request).
+    import tracemalloc
+
+    from factmill_client.signing import sign
+    from worker.core.signing import verify
+
+    body = b"x" * (4 * 1024 * 1024)
+    header = sign(body, "new", method="POST", path="/v1/pages", idempotency_key="k")
+    tracemalloc.start()
+    try:
+        verify(header, body, ["old", "new"], 300, method="POST", path="/v1/pages", idempotency_key="k")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024, peak
