@@ -880,6 +880,13 @@ def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
     )
     gone = committed_client.delete("/v1/config/facts.extraction_enable", headers=ADMIN_HEADERS)
     assert gone.status_code == 404 and "did you mean 'facts.extraction_enabled'?" in gone.json()["detail"]
+    # The document says so too: DELETE's key has no enum (a generated client could not send an unread
+    # key), PUT's lists the keys.
+    paths = committed_client.get("/openapi.json").json()["paths"]["/v1/config/{key}"]
+    schema = {
+        m: next(p for p in paths[m]["parameters"] if p["name"] == "key")["schema"] for m in ("put", "delete")
+    }
+    assert "enum" in schema["put"] and "enum" not in schema["delete"]
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(ConfigEntry)) == 0
         assert session.scalar(select(Job.status).where(Job.id == paused_id)) == "queued"

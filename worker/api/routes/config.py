@@ -46,6 +46,16 @@ ConfigKey = Annotated[
         json_schema_extra={"enum": list(CONFIG_KEYS)},
     ),
 ]
+# DELETE also takes a key nothing reads (GET /v1/config lists such rows under "unread"): no enum, or a
+# client generated from the document could not remove them.
+StoredConfigKey = Annotated[
+    StorableStr,
+    Path(
+        min_length=1,
+        max_length=200,
+        description="A key to unset: any of PUT's, or one GET /v1/config lists under unread",
+    ),
+]
 
 
 class ConfigOut(BaseModel):
@@ -179,7 +189,7 @@ def unset_config_value(ctx: ApiContext, key: str, actor: str) -> ConfigSetOut:
 
 
 @config_router.delete("/v1/config/{key}", response_model=ConfigSetOut, responses=error_responses(401, 404))
-def delete_config_value(ctx: Context, admin: Admin, key: ConfigKey) -> ConfigSetOut:
+def delete_config_value(ctx: Context, admin: Admin, key: StoredConfigKey) -> ConfigSetOut:
     """Unset a key, so it means its default again (a kill switch: on, resuming its paused jobs).
 
     Unsetting a key that is not set changes nothing. A key nothing reads is 404 unless it is set
