@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     # rest idle, where a server-side idle timeout may close them (Postgres CPU 0.95x, bench/ab.py).
     db_pool_size: int = Field(default=40, ge=1)
     db_max_overflow: int = Field(default=40, ge=0)
+    # A server that drops packets (a failover, a partition) rather than refusing them: a connect gives up
+    # after this many seconds (libpq waits for ever by default), and an open connection is found dead by
+    # TCP keepalives within about a minute instead of the kernel's many.
+    db_connect_timeout_seconds: int = Field(default=10, ge=1, le=600)
 
     # LLM gateway. None means: the provider whose API key is set, else the bundled simulator.
     llm: LLMProvider | None = None

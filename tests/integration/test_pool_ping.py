@@ -118,3 +118,19 @@ def test_an_engine_s_errors_never_show_the_values_a_statement_was_given(
         conn.execute(text("SELECT pg_sleep(1), CAST(:fact AS text)"), {"fact": secret})
     assert secret not in str(failed.value) and "parameters hidden" in str(failed.value)
     assert error_summary(failed.value) == "OperationalError: QueryCanceled (SQLSTATE 57014)"
+
+
+def test_connections_give_up_on_a_silent_server_and_the_url_keeps_its_own_choices(database_url: str) -> None:
+    # libpq waits for ever on a connect and the kernel for many minutes on an open connection when the
+    # server's packets are dropped (a failover, a partition): /readyz, /metrics and claims hung with it.
+    settings = Settings(db_pool_size=1, db_max_overflow=0, db_connect_timeout_seconds=7)
+    named = database_url + ("&" if "?" in database_url else "?") + "keepalives_idle=11"
+    for url, idle in ((database_url, "30"), (named, "11")):
+        engine = db.create_pooled_engine(url, settings=settings)
+        try:
+            with engine.connect() as conn:
+                parameters = conn.connection.dbapi_connection.info.get_parameters()  # type: ignore[union-attr]
+        finally:
+            engine.dispose()
+        assert parameters["connect_timeout"] == "7"
+        assert (parameters["keepalives"], parameters["keepalives_idle"]) == ("1", idle)
