@@ -262,3 +262,22 @@ def test_an_exported_span_names_an_errors_class_never_its_message(exporter: InMe
     [event] = [e for e in span.events if e.name == "exception"]
     assert dict(event.attributes or {}) == {"exception.type": "worker.extraction.options.PageChangedError"}
     assert "jane" not in repr(span.to_json())
+
+
+def test_only_the_probe_and_scrape_routes_are_left_untraced() -> None:
+    # The patterns are searched anywhere in the URL: unanchored, any page slug or host holding
+    # "metrics" went untraced.
+    from opentelemetry.util.http import parse_excluded_urls
+
+    from worker.runtime.tracing import EXCLUDED_URLS
+
+    excluded = parse_excluded_urls(EXCLUDED_URLS)
+    for url in ("http://api:8000/healthz", "https://api.example/readyz", "http://10.0.0.1/metrics"):
+        assert excluded.url_disabled(url), url
+    for url in (
+        "http://api:8000/v1/pages/default/q3-metrics",
+        "http://metrics-api:8000/v1/search",
+        "http://api/v1/pages/default/healthz",
+        "http://api/metrics/x",
+    ):
+        assert not excluded.url_disabled(url), url

@@ -78,11 +78,12 @@ def test_keda_scales_each_worker_on_the_jobs_of_its_queues_kinds():
             assert set(kinds.split("|")) == expected, query
             assert 'status=~"queued|running"' in query and query.startswith("sum(max by (kind, status) (")
             assert int(trigger["metadata"]["threshold"]) > 0
-            if spec["minReplicaCount"] == 0:
-                # An empty answer (the scrape failing) must not read as "no jobs": KEDA's default
-                # (ignoreNullValues true) left a queue scaled to zero for as long as it lasted.
-                assert trigger["metadata"].get("ignoreNullValues") == "false", query
-                assert spec["fallback"]["replicas"] >= 1
+            # An empty answer (the scrape failing) must not read as "no jobs": KEDA's default
+            # (ignoreNullValues true) left a queue scaled to zero for as long as it lasted, and cut a
+            # busy extraction pool to its minimum mid-job. The fallback keeps what runs.
+            assert trigger["metadata"].get("ignoreNullValues") == "false", query
+        assert spec["fallback"]["replicas"] >= 1
+        assert spec["fallback"]["behavior"] == "currentReplicasIfHigher"
 
 
 def test_compose_is_valid_against_the_compose_spec():
@@ -107,3 +108,14 @@ def test_an_invalid_manifest_is_rejected():
     }
     with pytest.raises(Exception, match=r"replicas|selector|template"):
         validate_kubernetes(bad, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_readme_deployment_exports_every_variable_compose_requires():
+    # Compose checks ${VAR:?...} across the whole file: one missing from README's export line made
+    # every `docker compose` command of the Deployment steps abort.
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", (REPO / "docker-compose.yml").read_text()))
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Deployment") :]
+    [exports] = re.findall(r"^export (.+)$", section, re.MULTILINE)[:1]
+    exported = {part.split("=", 1)[0] for part in exports.split()}
+    assert required and required <= exported, required - exported

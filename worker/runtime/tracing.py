@@ -28,8 +28,10 @@ logger = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
 TRACEPARENT = "traceparent"
-# Probes and scrapes would drown the traces that matter.
-EXCLUDED_URLS = "healthz,readyz,metrics"
+# Probes and scrapes would drown the traces that matter. OpenTelemetry searches each pattern anywhere in
+# "<scheme>://<host><path>": unanchored, a page slug holding "metrics" (/v1/pages/default/q3-metrics) or
+# a host named metrics-api... lost its traces. One pattern (the list is split on commas).
+EXCLUDED_URLS = r"^[a-z]+://[^/]*/(healthz|readyz|metrics)$"
 # What the `otel` extra installs (the OTLP exporter depends on opentelemetry-proto).
 REQUIRED_MODULES = (
     "opentelemetry.sdk.trace",
