@@ -400,3 +400,31 @@ def test_totals_stay_exact_while_writers_come_and_go_and_the_sweep_folds(databas
         assert session.scalar(text("SELECT sum(n) FROM row_counts WHERE counter = 'facts'")) == 6 * (
             25 * 3 - 5 * 3
         )
+
+
+def test_a_scrape_reads_its_figures_in_one_snapshot(factory: sessionmaker[Session]) -> None:
+    # The call totals and the latency buckets are two statements: a call committed between them made a
+    # bucket count more calls than +Inf (and jobs and paused jobs disagreed the same way).
+    from sqlalchemy import event
+
+    engine = factory.kw["bind"]
+    wrote: list[bool] = []
+
+    def between(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if "unnest(t.latency_le)" in statement and not wrote:
+            wrote.append(True)
+            with factory.begin() as other:  # another connection: the pool hands out a second one
+                LEDGER.record_many(other, [call("extraction", "ok", 1, 50)])
+
+    with factory.begin() as session:
+        LEDGER.record_many(session, [call("extraction", "ok", 1, 50)])
+    event.listen(engine, "before_cursor_execute", between)
+    try:
+        families = {m.name: m for m in StoreCollector(factory).collect()}
+    finally:
+        event.remove(engine, "before_cursor_execute", between)
+    assert wrote
+    samples = {
+        s.labels["le"]: s.value for s in families["factmill_llm_latency_seconds"].samples if "le" in s.labels
+    }
+    assert samples["+Inf"] == 1 and max(samples.values()) == 1, samples

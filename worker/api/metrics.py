@@ -36,6 +36,7 @@ from models import (
     RowCount,
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES, ProviderCopy
+from models.reads import one_snapshot
 from worker.api.errors import one_line
 from worker.api.request_metrics import install_request_metrics
 from worker.config_store import KILL_SWITCHES, is_enabled
@@ -105,7 +106,9 @@ class _ScrapeTimeCollector(Generic[R]):
 
     def collect(self) -> list[Metric]:
         try:
-            with self.factory() as session, session.begin():
+            # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
+            # separate statements, and calls committed between them made a bucket exceed its +Inf.
+            with one_snapshot(self.factory) as session:
                 session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
                 rows = self.read(session)
         except Exception as exc:
