@@ -458,6 +458,26 @@ def test_lexical_prefix_phrase_and_exclusion(
     assert search(plain_factory, llm, 'lex: "milk oat"').results == ()
 
 
+def test_a_possessive_and_stop_words_beside_a_phrase_find_the_person(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    # "priya's" was priya AND s (only possessives matched), and `where is "Priya"` required "where"
+    # and "is": the rarest-first fallback kept those words and dropped Priya.
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact),
+            [
+                _row("default", "p1", 0, "Priya moved to Lisbon in May", "event", "priya", "c", None),
+                _row("default", "p2", 0, "Priya's passport expires in June", "fact", "priya", "c", None),
+                _row("default", "p3", 0, "Where the team meets is the cafe", "fact", "team", "c", None),
+            ],
+        )
+    assert facts_of(search(plain_factory, llm, "lex: priya's move"))[0] == "Priya moved to Lisbon in May"
+    assert "Where the team meets is the cafe" not in facts_of(
+        search(plain_factory, llm, 'lex: where is "Priya"')
+    )
+
+
 def test_lexical_exact_words_fill_the_list_before_prefixes(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -18,6 +18,7 @@ from worker.core.fusion import (
 from worker.core.lexing import (
     MAX_LEX_UNITS,
     LexItem,
+    LexQuery,
     idf,
     lex_items,
     lex_units,
@@ -46,6 +47,16 @@ def test_lex_units_prefix_long_words_and_restrict_strong_matches() -> None:
     # The exact match tried first: only where a prefix makes it differ.
     assert [u.exact for u in units] == ["('alice' & 'smith')", "", ""]
     assert excluded == ["!('tea')"]
+
+
+def test_a_word_postgres_splits_keeps_its_pieces_of_two_characters_or_more() -> None:
+    units, _ = lex_units([LexItem("w", "priya's"), LexItem("w", "a.b")], ["priya\x1fs", "a\x1fb"])
+    assert [u.match for u in units] == ["('priya':*)", "('a' & 'b')"]  # all short: all kept
+
+
+def test_stop_words_beside_a_phrase_drop_out() -> None:
+    assert parse_lex_query('where is "Priya"') == LexQuery((), ("Priya",), ())
+    assert parse_lex_query("where is -Priya").terms == ("where", "is")  # nothing else to search
 
 
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:

@@ -74,8 +74,9 @@ def parse_lex_query(query: str) -> LexQuery:
         elif word.upper() != "AND":
             terms.append(word)
     content = [t for t in terms if len(_bare(t)) > 1 and _bare(t) not in INTENT_STOP_WORDS]
-    # A query made only of stop words still searches for them.
-    return LexQuery(tuple(content or terms), tuple(phrases), tuple(excluded))
+    # A query made only of stop words still searches for them; beside a phrase they are dropped (`where
+    # is "Priya"` required "where" and "is" too, and the rarest-first fallback then kept them over Priya).
+    return LexQuery(tuple(content or ([] if phrases else terms)), tuple(phrases), tuple(excluded))
 
 
 def plain_text(query: str) -> str:
@@ -153,8 +154,12 @@ def lex_units(items: Sequence[LexItem], parsed: Sequence[str | None]) -> tuple[l
             continue
         seen.add((item.kind, value))
         if item.kind == "w":
+            # A word Postgres splits ("priya's": priya, s) keeps its pieces of two or more characters: a
+            # required "s" matched only possessives, and the unit could not drop it alone.
+            pieces = value.split("\x1f")
+            pieces = [x for x in pieces if len(x) > 1] or pieces
             # Prefix matching ("meet" finds "meetings") only for words long enough to mean something.
-            lexemes = [(_quote_lexeme(x), len(x) >= MIN_PREFIX_CHARS) for x in value.split("\x1f")]
+            lexemes = [(_quote_lexeme(x), len(x) >= MIN_PREFIX_CHARS) for x in pieces]
             match = " & ".join(f"{x}:*" if prefix else x for x, prefix in lexemes)
             strong = " & ".join(f"{x}:*AB" if prefix else f"{x}:AB" for x, prefix in lexemes)
             if any(prefix for _, prefix in lexemes):
