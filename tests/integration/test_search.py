@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event, insert, select, text
+from sqlalchemy import event, func, insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from models import Fact
+from models import Fact, LLMCall
 from tests.auth import send_key
 from tests.conftest import BACKENDS, fresh_database, rolled_back
 from worker import db
@@ -900,6 +900,39 @@ def test_new_facts_hook_embeds_one_page(vector_factory: sessionmaker[Session], l
     # A failing gateway is logged, not raised: the facts are already stored.
     broken = OpenAIChatClient(model="m", base_url="http://127.0.0.1:9/v1", timeout=1)
     assert embed_new_facts(vector_factory, broken, "default", "alice-chat") == 0
+
+
+def test_a_provider_without_embeddings_or_settings_leaves_plain_search_lexical(
+    vector_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    # Anthropic alone (no embeddings API) wrote a provider_error row on every plain search; incomplete
+    # LLM settings (FACTMILL_LLM=anthropic without its key) made every plain query a 500.
+    from worker.core.errors import LLMConfigurationError
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.search.errors import UNCONFIGURED
+
+    seed(vector_factory)
+    embed_facts(vector_factory, sim_client(simulator))
+    anthropic = AnthropicChatClient(
+        model="simulator-1", base_url=simulator.anthropic_base_url, provider="simulator"
+    )
+
+    def unconfigured() -> Any:
+        raise LLMConfigurationError("set ANTHROPIC_API_KEY")
+
+    with vector_factory() as session:
+        before = session.scalar(select(func.count()).select_from(LLMCall))
+    for source in (anthropic, unconfigured):
+        outcome = search(vector_factory, source, "where does alice live")
+        assert outcome.results and outcome.results[0].fact.startswith("Alice"), source
+        assert any("skipped" in note for note in outcome.notes), outcome.notes
+        with pytest.raises(EmbeddingFailedError) as refused:
+            search(vector_factory, source, "vec: where does alice live")
+        assert "unavailable" in str(refused.value) or str(refused.value) == UNCONFIGURED
+    with vector_factory() as session:
+        failures = session.scalar(select(func.count()).select_from(LLMCall).where(LLMCall.outcome != "ok"))
+        after = session.scalar(select(func.count()).select_from(LLMCall))
+    assert failures == 0 and after - before == 1, "one expansion call (Anthropic's chat), no failure rows"
 
 
 def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(

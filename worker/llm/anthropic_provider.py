@@ -6,7 +6,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Unpack
 
-from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.errors import LLMError, NoEmbeddingsError, to_llm_error
 from worker.llm.replies import ReplyShapeError, message_text, optional_text, token_count
 from worker.llm.types import (
     ChatRequest,
@@ -162,5 +162,5 @@ class AnthropicChatClient:
 
     def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
         if self.embeddings is None:
-            raise LLMError(NO_EMBEDDINGS, retryable=False)
+            raise NoEmbeddingsError(NO_EMBEDDINGS)
         return self.embeddings.embed(texts, purpose=purpose)

@@ -72,6 +72,14 @@ class LLMError(Exception):
         self.attempts: tuple[AttemptRecord, ...] = ()
 
 
+class NoEmbeddingsError(LLMError):
+    """The provider has no embeddings API (Anthropic without an OpenAI key): no call was made, and
+    trying again cannot help. Vector search is unavailable rather than failing."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False, deployment_fault=True)
+
+
 class BudgetExhaustedError(LLMError):
     """No LLM call was made: a budget is spent. Work waits (paused) until the budget has room."""
 

@@ -8,6 +8,7 @@ __all__ = [
     "BUDGET_SPENT",
     "UNAVAILABLE_NOT_SET_UP",
     "UNAVAILABLE_NO_EXTENSION",
+    "UNCONFIGURED",
     "EmbeddingFailedError",
     "SearchError",
     "VectorSearchUnavailableError",
@@ -23,6 +24,14 @@ class SearchError(ValueError):
 
 class VectorSearchUnavailableError(SearchError):
     """vec:/hyde: lines on a database without the pgvector store."""
+
+
+# A search that needs the model while the deployment's LLM settings are incomplete (FACTMILL_LLM=anthropic
+# without its key): the reader is told that much, the server log names what to set.
+UNCONFIGURED = (
+    "vector search failed: the deployment's LLM settings are incomplete (the server log names what to "
+    "set); lex: lines still work"
+)
 
 
 class EmbeddingFailedError(Exception):

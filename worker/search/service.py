@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from worker.accounting import LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import dimensions_problem, fact_embedding_text
-from worker.core.errors import error_summary
+from worker.core.errors import LLMConfigurationError, error_summary
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
     USER_LINE_WEIGHT,
@@ -48,10 +48,11 @@ from worker.core.fusion import (
 )
 from worker.core.intent import SearchType, StructuredQuery, has_strong_signal, parse_structured_query
 from worker.core.lexing import parse_expansion, parse_lex_query, plain_text
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
+    UNCONFIGURED,
     EmbeddingFailedError,
     SearchError,
     VectorSearchUnavailableError,
@@ -169,7 +170,7 @@ def _call_embeddings(
     started = time.perf_counter()
     try:
         response = llm.embed(texts, purpose=purpose)
-    except BudgetExhaustedError:
+    except (BudgetExhaustedError, NoEmbeddingsError):
         raise  # refused before any request: nothing to record (a row per refused search, 60 a minute a key)
     except Exception as exc:
         _record_failure(store, purpose, llm, exc, started)
@@ -285,7 +286,13 @@ def _plain_lists(
     extra: list[SearchLine] = []
     if status.available and llm is not None:
         extra.append(SearchLine("vec", plain, "query", USER_LINE_WEIGHT))
-    client = _resolve_llm(llm) if (expand and not gathered.strong) else None
+    client = None
+    if expand and not gathered.strong:
+        try:
+            client = _resolve_llm(llm)
+        except LLMConfigurationError as exc:
+            logger.warning("search ran without the LLM: %s", exc)  # the reader is told less
+            gathered.notes.append("query expansion skipped: the LLM settings are incomplete")
     if client is not None:
         expansion, note = expand_query(store, client, plain, intent)
         if note:
@@ -324,13 +331,19 @@ def _run_lines(
     vector_lines = [line for line in lines if line.type != "lex"]
     vectors: list[list[float]] = []
     if vector_lines:
-        client = _resolve_llm(llm)
+        try:
+            client = _resolve_llm(llm)
+        except LLMConfigurationError as exc:
+            logger.warning("search ran without the LLM: %s", exc)
+            raise EmbeddingFailedError(UNCONFIGURED) from exc
         if client is None:
             raise SearchError("vec: and hyde: lines need an LLM gateway to embed them; none is configured")
         try:
             vectors = embed_texts(store, client, [line.query for line in vector_lines], EMBEDDING_PURPOSE)
         except BudgetExhaustedError:
             raise
+        except NoEmbeddingsError as exc:
+            raise EmbeddingFailedError(f"vector search unavailable: {exc} (lex: lines still work)") from exc
         except LLMError as exc:  # recorded in llm_calls by embed_texts
             raise EmbeddingFailedError.of(exc) from exc
         problem = dimensions_problem(vectors)
