@@ -278,3 +278,36 @@ def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory
     assert outcome.status == "failed" and sent == [(job_id, EXTRACTION)]
     assert (state.status, state.attempts, state.rerun_requested) == ("queued", 0, False)
     assert "the page changed" in (state.last_error or "")
+
+
+def test_a_provider_outage_spends_the_worker_loss_budget_not_the_attempts(factory, runtime, sim) -> None:
+    """A page whose calls fail with retryable errors past the retry layer's wait was an attempt of its
+    own: five of them, backoffs of seconds apart, and every job in flight failed within ten minutes of
+    an outage. It is infrastructure, as the database going away is. A request the provider rejects
+    (the page's own fault) still spends an attempt."""
+    from tests.integration.test_extraction import put_page
+    from worker.jobs.outbox import page_subject
+
+    rt = runtime(
+        llm="simulator",
+        simulator_url=sim.base_url,
+        llm_max_attempts=2,
+        llm_backoff_base_seconds=0.01,
+        job_max_attempts=1,
+    )
+    put_page(factory, "chats/outage")
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, page_subject("default", "chats/outage")).job_id
+    sim.configure(rate_500=1.0)
+    first = run_job(rt, job_id, EXTRACTION)
+    state = job(factory, job_id)
+    assert first.status == "retry" and (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
+    assert "provider_error" in (state.last_error or "")
+    sim.configure(
+        rate_500=0.0, raw_replies={"chat.completions": {"error": {"message": "no"}}}, raw_status=400
+    )
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
+    second = run_job(rt, job_id, EXTRACTION)
+    state = job(factory, job_id)
+    assert second.status == "failed" and (state.attempts, state.worker_losses) == (1, 1), state.last_error

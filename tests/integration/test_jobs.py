@@ -237,7 +237,9 @@ def test_jobs_table_refuses_unknown_statuses(tx_factory):
 
 # Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).
 def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_url, simulator):
-    """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed."""
+    """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed. The
+    page's own failure (a request the provider rejects): an outage spends worker losses instead
+    (test_job_budgets)."""
     from tests.integration.test_extraction import put_page
     from worker.config_store import ConfigReader
     from worker.jobs.lifecycle import run_job
@@ -255,7 +257,7 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
     rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
     put_page(factory)
     job_id = new_job(factory, page_subject("default", "conversations/imessage/alice-example"))
-    simulator.configure(rate_500=1.0)
+    simulator.configure(raw_replies={"chat.completions": {"error": {"message": "rejected"}}}, raw_status=400)
     try:
         first = run_job(rt, job_id, EXTRACTION, Backoff(base_seconds=30, max_seconds=60))
         queued = job(factory, job_id)
@@ -266,7 +268,7 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
         assert second.status == "failed" and job(factory, job_id).status == "failed"
         assert (job(factory, job_id).attempts, job(factory, job_id).worker_losses) == (2, 0)
     finally:
-        simulator.configure(rate_500=0.0)  # the simulator is shared by the whole session
+        simulator.configure(raw_replies={}, raw_status=200)  # the simulator is shared by the whole session
         rt.close()
 
 

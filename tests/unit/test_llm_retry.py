@@ -369,6 +369,8 @@ def test_errors_that_blame_the_account_or_settings_never_count_against_a_segment
     assert llm_error.deployment_fault is blamed
     assert rejected_request(llm_error) is (not blamed and status in {400, 413})
     assert classify(llm_error).deployment_fault is blamed  # an LLMError keeps its classification
+    if blamed:  # waiting does not refill a quota: an insufficient_quota 429 is not throttling
+        assert not llm_error.retryable
 
 
 @pytest.mark.parametrize(

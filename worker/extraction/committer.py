@@ -128,6 +128,7 @@ class SegmentCommitter:
             tail += f" (permanent failure {failures}; the segment is skipped at {self.max_segment_failures})"
         self.counters.segments_failed += 1
         report.status, report.outcome = "failed", result.outcome
+        report.provider_away = result.outcome == "provider_error" and result.attempts[-1].retryable
         report.reason = f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}{tail}"
         return report
 

@@ -85,8 +85,13 @@ def extract_page(ctx: JobContext) -> WorkResult:
             detail="waiting for LLM budget",
         )
     if counters.pages_failed:
-        reason = "; ".join(p.reason for p in counters.pages if p.status == "failed")
-        return WorkResult("retry", counters=counters_dict, note=reason)
+        failed = [p for p in counters.pages if p.status == "failed"]
+        reason = "; ".join(p.reason for p in failed)
+        # A provider outage is infrastructure, as the database going away is: re-sent on the larger
+        # worker-loss budget (20 runs, backoff up to 5 minutes: about an hour and a quarter), where its
+        # five attempts failed every job in flight within ten minutes of an outage.
+        away = all(p.provider_away for p in failed)
+        return WorkResult("requeue" if away else "retry", counters=counters_dict, note=reason)
     if (
         counters.pages_considered
         and settings.consolidate_after_extraction

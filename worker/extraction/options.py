@@ -67,6 +67,9 @@ class PageReport:
     facts: int = 0
     outcome: str | None = None  # for a failed page: the outcome of the segment that failed
     skipped: int = 0  # poison segments the page went past (their facts are missing)
+    # The failed segment's provider was away (retryable errors past the retry layer's wait): not the
+    # page's fault, so the job is re-sent on the worker-loss budget, not its attempts.
+    provider_away: bool = False
 
 
 @dataclass

@@ -33,6 +33,7 @@ class Attempt:
     called: bool = True  # False: refused before any request (budget), so no llm_calls row
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
     rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
+    retryable: bool = False  # a provider error trying again may mend (an outage past the retry layer's wait)
 
     @classmethod
     def of(
@@ -124,6 +125,7 @@ def _ask(
                 llm.model,
                 exc.latency_ms,
                 rejected=rejected_request(exc),
+                retryable=exc.retryable,
             )
         )
     return None

@@ -209,14 +209,13 @@ def classify(exc: BaseException) -> Classification:
     if isinstance(exc, _loaded_errors(SDKS, "APIStatusError")):
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
-        retryable = status in RETRYABLE_STATUS or status >= 500
         message = _provider_message(exc)
+        blamed = _blames_deployment(exc.body, message)
+        # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
+        # refill the quota, and each call's tries only added to the outage.
+        retryable = (status in RETRYABLE_STATUS or status >= 500) and not blamed
         return Classification(
-            retryable,
-            status,
-            retry_after_seconds(_headers(exc)),
-            f"HTTP {status}: {message}",
-            _blames_deployment(exc.body, message),
+            retryable, status, retry_after_seconds(_headers(exc)), f"HTTP {status}: {message}", blamed
         )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
