@@ -908,3 +908,45 @@ def test_pairs_a_reply_skipped_are_asked_again_once_then_kept_unrelated(tx_facto
     assert (asked.decision, asked.reason) == ("unrelated", UNANSWERED_REASON)
     assert asked.llm_call_id == second_call, "an unanswered pair names the last call that was asked"
     assert facts["Alice Example lives in Lisbon now."][0].status == "current"
+
+
+def test_a_page_that_stops_being_extracted_sends_its_orphans_to_consolidation(factory, simulator) -> None:
+    # A page whose type extraction does not read loses its facts with the delivery: the facts of other
+    # pages that were duplicates of them (or closed by them) lost their link and stayed hidden, since
+    # the extraction job that followed found no page to extract and asked for no consolidation.
+    from worker.extraction.pages import PageIn, store_page
+    from worker.jobs.lifecycle import run_job
+    from worker.jobs.outbox import EXTRACTION
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, JAN_PAGE)
+    extract(factory, llm, MAR_PAGE)
+    consolidate(factory, llm)
+    assert [f.status for f in alice(factory)["Alice Example is on the Basic plan."]] == [
+        "current",
+        "duplicate",
+    ]
+    with factory.begin() as session:
+        session.execute(Job.__table__.delete().where(Job.kind == "consolidation"))
+        request = store_page(session, PageIn(slug=JAN_PAGE, type="note", title="x", compiled_truth=JAN_BODY))
+    assert request is not None
+    [orphan] = alice(factory)["Alice Example is on the Basic plan."]
+    assert (orphan.status, orphan.duplicate_of) == ("duplicate", None)
+    settings = Settings(
+        database_url=factory.kw["bind"].url.render_as_string(hide_password=False),
+        simulator_url=simulator.base_url,
+        llm="simulator",
+        embed_after_extraction=False,
+    )
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    try:
+        assert run_job(rt, request.job_id, EXTRACTION).status == "succeeded"
+    finally:
+        rt.close()
+    with factory() as session:
+        subjects = session.scalars(select(Job.subject).where(Job.kind == "consolidation")).all()
+    assert subjects == [f"default|{ALICE}"]

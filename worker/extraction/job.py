@@ -92,15 +92,12 @@ def extract_page(ctx: JobContext) -> WorkResult:
         # five attempts failed every job in flight within ten minutes of an outage.
         away = all(p.provider_away for p in failed)
         return WorkResult("requeue" if away else "retry", counters=counters_dict, note=reason)
-    if (
-        counters.pages_considered
-        and settings.consolidate_after_extraction
-        and not embedding_follows(rt, counters)
-    ):
-        # Lifecycle: one consolidation job per entity of the page's unconsolidated facts. On every
-        # successful run, not only when facts went in: a run that dies after its commits leaves them
-        # pending, and its retry requests them. When this run's facts are being embedded, the
-        # follow-up requests it once their vectors exist (its candidates use them).
+    if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
+        # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its
+        # source's orphaned links. On every successful run, not only when facts went in: a run that
+        # dies after its commits leaves them pending, and its retry requests them; a page that stopped
+        # being extracted (its type changed) took facts that others pointed to. When this run's facts
+        # are being embedded, the follow-up requests it once their vectors exist (its candidates use them).
         consolidate_page_entities(rt.factory, source_id, slug)
     note = None
     if counters.pages_considered == 0:
