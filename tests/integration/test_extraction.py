@@ -311,6 +311,36 @@ def test_each_segment_commits_audit_llm_call_and_checkpoint_together(pages, llm)
     assert (entry.source_id, entry.slug, entry.end_iso) == ("default", SLUG, "2024-03-16T08:05:00Z")
 
 
+def test_a_commit_that_fails_keeps_the_spend_of_its_segments(pages, llm, simulator):
+    # A deadlock, a statement timeout or a dropped connection mid-commit rolled back the llm_calls rows
+    # of every segment of the group with the facts: the budgets counted low and the retry paid again.
+    from sqlalchemy import event
+
+    engine = pages.kw["bind"].engine
+    failed: list[str] = []
+
+    def fail_once(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.startswith("INSERT INTO facts") and not failed:
+            failed.append(statement)
+            raise RuntimeError("the connection dropped mid-commit")
+
+    asked_before = simulator.stats()["by_route"].get("chat.completions", 0)
+    event.listen(engine, "before_cursor_execute", fail_once)
+    try:
+        with pytest.raises(RuntimeError, match="dropped mid-commit"):
+            run(pages, llm)
+    finally:
+        event.remove(engine, "before_cursor_execute", fail_once)
+    asked = simulator.stats()["by_route"].get("chat.completions", 0) - asked_before
+    with pages() as session:
+        calls = session.scalar(
+            select(func.count()).select_from(LLMCall).where(LLMCall.purpose == "extraction")
+        )
+        facts = session.scalar(select(func.count()).select_from(Fact))
+    assert failed and facts == 0 and asked >= 1
+    assert calls == asked, "every call was paid for: recorded though no fact was committed"
+
+
 def test_second_run_with_nothing_new_skips_and_calls_nothing(pages, llm, simulator):
     run(pages, llm)
     before_facts = [(f.row_num, f.fact) for f in page_facts(pages)]

@@ -102,6 +102,8 @@ class BackfillSegmentStore(ExtractionStore):
     """The extraction store whose segment transactions also mark the batch request they record
     (``marking``, set by the collector around each commit): paid once, committed once."""
 
+    results_read_again = True
+
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         super().__init__(factory, ledger)
         self.marking: tuple[int, str] | None = None  # (request id, status once recorded)

@@ -5,6 +5,7 @@ Writes go through ``factory.begin()`` opened here; llm_calls rows go through the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from worker.core.checkpoint import (
     segment_hash,
 )
 from worker.core.conversation import parse_conversation_messages
+from worker.core.errors import error_summary
 from worker.core.facts import ExtractedFact
 from worker.extraction.erase import page_body
 from worker.extraction.options import (
@@ -60,6 +62,8 @@ from worker.extraction.statements import (
     TERMINAL_ROW_NUM,
     UPSERT_TERMINAL,
 )
+
+logger = logging.getLogger(__name__)
 
 # One statement each, whatever the number of rows (see models.bulk).
 _INSERT_FACTS = BulkInsert(
@@ -113,6 +117,10 @@ class PageVersion:
 
 class ExtractionStore:
     """Owns its transactions: every method opens its own session (``factory.begin()`` for writes)."""
+
+    # Whether a segment's paid results can be read again after a failed commit (a backfill's, from the
+    # provider's batch): then they are collected again, not recorded as spent and discarded.
+    results_read_again = False
 
     def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
         self._factory = factory
@@ -338,11 +346,20 @@ class ExtractionStore:
     ) -> Iterator[None]:
         """When a commit is refused (the page changed, or another run moved its checkpoint on), its LLM
         calls were still paid for: keep their llm_calls rows (no audit rows: the page they describe may
-        be gone). A checkpoint conflict rolled them back unrecorded, and the budgets counted low."""
+        be gone). A checkpoint conflict rolled them back unrecorded, and the budgets counted low. So
+        did any other failure of the commit (a deadlock, a statement timeout, a dropped connection):
+        its spend is recorded as well as the database lets, unless the results can be read again."""
         try:
             yield
         except CheckpointConflictError:
             self.record_spend(spent)
+            raise
+        except Exception:
+            if not self.results_read_again:
+                try:
+                    self.record_spend(spent)
+                except Exception as exc:  # the database is away: the original error is the one to raise
+                    logger.warning("could not record the spend of a failed commit: %s", error_summary(exc))
             raise
 
     def record_spend(self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]) -> None:
