@@ -25,6 +25,25 @@ def test_a_skipped_segment_round_trips_through_its_json_and_is_named_by_its_mess
     assert CheckpointState(3, "h", 0).skipped == ()
 
 
+def test_a_segment_a_leading_orphan_joined_is_recorded_so_a_retry_rebuilds_it():
+    """Checkpoint after [a, b]; then an orphan 10 minutes after b, a lone message, and a conversation
+    [p2, p3] an hour later: the first segment is [orphan, p2, p3], not one run of the page. Recorded
+    as the run [end - 3, end) it named [lone, p2, p3]: the retry found no match and never sent it."""
+    from worker.core.checkpoint import skipped_record, with_leading_orphan
+    from worker.core.conversation import split_into_segments
+
+    times = ["09:00", "09:05", "09:15", "10:00", "11:00", "11:05"]
+    messages = [Message(f"P{i % 2}", f"2024-03-15T{t}:00Z", f"m{i}") for i, t in enumerate(times)]
+    segments = with_leading_orphan(messages[1], messages[2:], split_into_segments(messages[2:]))
+    assert [m.text for m in segments[0].messages] == ["m2", "m4", "m5"]
+    entry = skipped_record(messages, segments[0], 6)
+    assert (entry.first, entry.end, entry.joined) == (4, 6, 2)
+    assert SkippedSegment.from_json(entry.as_json()) == entry
+    assert segment_hash(segment_of(entry.messages_of(messages))) == entry.segment_hash
+    plain = skipped_record(MESSAGES, segment_of(MESSAGES[1:3]), 3)
+    assert (plain.first, plain.joined) == (1, None) and "joined" not in plain.as_json()
+
+
 def test_the_simulator_text_marker_names_a_fault():
     assert text_fault("hello [[sim:refusal]] there") is Fault.REFUSAL
     assert text_fault("[[sim:nonsense]] then [[sim:malformed]]") is Fault.MALFORMED

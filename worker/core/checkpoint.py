@@ -54,32 +54,56 @@ def page_key(source_id: str, slug: str) -> str:
 @dataclass(frozen=True)
 class SkippedSegment:
     """A segment the checkpoint moved past without its facts (a poison segment): the messages
-    ``[first, end)`` of the page, their digest, and their time span (for people reading it)."""
+    ``[first, end)`` of the page (led by message ``joined`` when a conversation's last message joined
+    it from before, ``with_leading_orphan``), their digest, and their time span (for people reading it)."""
 
     first: int
     end: int
     segment_hash: str
     start_iso: str
     end_iso: str
+    joined: int | None = None
+
+    def messages_of(self, messages: Sequence[Message]) -> list[Message]:
+        """The segment's messages, from the page's."""
+        run = list(messages[self.first : self.end])
+        return run if self.joined is None else [messages[self.joined], *run]
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "first": self.first,
             "end": self.end,
             "segment_hash": self.segment_hash,
             "start_iso": self.start_iso,
             "end_iso": self.end_iso,
         }
+        if self.joined is not None:
+            data["joined"] = self.joined
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SkippedSegment:
+        joined = data.get("joined")
         return cls(
             int(data["first"]),
             int(data["end"]),
             str(data["segment_hash"]),
             str(data["start_iso"]),
             str(data["end_iso"]),
+            None if joined is None else int(joined),
         )
+
+
+def skipped_record(messages: Sequence[Message], segment: Segment, end: int) -> SkippedSegment:
+    """The checkpoint's record of a skipped segment that ends just before message ``end``. A segment a
+    leading orphan joined is not one run of the page's messages (a lone message may sit between): its
+    run starts a message later and the orphan is named apart, or a retry rebuilt the wrong messages,
+    found they no longer matched, and never re-extracted it."""
+    first, joined = end - len(segment.messages), None
+    if messages[first] is not segment.messages[0]:
+        first += 1
+        joined = next(i for i in range(first - 1, -1, -1) if messages[i] is segment.messages[0])
+    return SkippedSegment(first, end, segment_hash(segment), segment.start_iso, segment.end_iso, joined)
 
 
 @dataclass(frozen=True)

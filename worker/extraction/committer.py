@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 
-from worker.core.checkpoint import CheckpointState, SkippedSegment, segment_hash
+from worker.core.checkpoint import CheckpointState, SkippedSegment, skipped_record
 from worker.core.conversation import Segment
 from worker.core.facts import ExtractedFact
 from worker.extraction.options import (
@@ -207,7 +207,7 @@ class SegmentCommitter:
         skipped = expected.skipped if expected else ()
         for commit, index in run:
             if commit.skip is not None:
-                skipped = (*skipped, skipped_entry(commit.place.segment, plan.ends[index]))
+                skipped = (*skipped, skipped_record(plan.messages, commit.place.segment, plan.ends[index]))
         last_commit, last = run[-1]
         end = plan.ends[last]
         new = CheckpointState(
@@ -286,7 +286,7 @@ class SegmentCommitter:
                 )
                 if skip is not None:  # its skipped row goes in with the swap that moves past it
                     skips.append((place, result.attempts, skip))
-                    skipped.append(skipped_entry(segment, plan.ends[index]))
+                    skipped.append(skipped_record(plan.messages, segment, plan.ends[index]))
                     self.count_skip(report, plan.slug)
                     continue
                 self.progress.segment_finished(plan.slug, result.outcome)
@@ -323,13 +323,6 @@ class SegmentCommitter:
         self.counters.facts_inserted += inserted
         report.facts = inserted
         return report
-
-
-def skipped_entry(segment: Segment, end: int) -> SkippedSegment:
-    """The checkpoint's record of a skipped segment: the messages [end - len, end) of the page."""
-    return SkippedSegment(
-        end - len(segment.messages), end, segment_hash(segment), segment.start_iso, segment.end_iso
-    )
 
 
 def segment_attributes(place: SegmentPlace, *, skipped: bool = False) -> dict[str, str | int | bool]:

@@ -16,6 +16,7 @@ from worker.core.checkpoint import (
 )
 from worker.core.conversation import (
     MAX_PAGE_BODY_BYTES,
+    Message,
     Segment,
     parse_conversation_messages,
     split_into_segments,
@@ -37,6 +38,7 @@ class PagePlan:
     checkpoint: CheckpointState | None  # as planned: each commit compares and sets it
     replace: bool  # force, or an edited page: all segments must succeed, then the facts are swapped
     version: PageVersion | None = None  # what the commits check the page against (None: no check)
+    messages: Sequence[Message] = ()  # the page's (a skipped segment's record names them by index)
 
 
 class PagePlanner:
@@ -94,5 +96,5 @@ class PagePlanner:
             return PageReport(slug, "dry_run", "", segments=len(segments))
         ends = segment_ends(messages, start, segments)
         return PagePlan(
-            ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited, version
+            ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited, version, messages
         )

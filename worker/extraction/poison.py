@@ -55,7 +55,7 @@ class SkippedRetry:
         report = PageReport(ref.slug, "processed")
         self.committer.progress.page_started(ref.slug, len(checkpoint.skipped))
         for index, entry in enumerate(checkpoint.skipped):
-            segment = segment_of(messages[entry.first : entry.end])
+            segment = segment_of(entry.messages_of(messages))
             if segment_hash(segment) != entry.segment_hash:  # cannot happen while the prefix is unchanged
                 logger.warning(  # the page by id: a slug can name a person, and logs name none
                     "skipped segment %s of page %s no longer matches its record", entry.first, ref.page_id
