@@ -683,6 +683,18 @@ def test_strong_signal_skips_expansion(
     assert outcome.results[0].lex_score >= 0.85  # type: ignore[operator]
 
 
+def test_a_word_found_only_as_the_start_of_longer_words_is_no_strong_signal(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    # The prefix pass scores as the exact one: "greyh" found only in "greyhound" was a clear top hit
+    # and skipped the expansion, for a word no fact holds.
+    seed(plain_factory)
+    before = chat_calls(simulator)
+    outcome = search(plain_factory, llm, "greyh pixel")
+    assert outcome.results[0].fact == "Bob adopted a greyhound named Pixel"
+    assert outcome.strong_signal is False and chat_calls(simulator) == before + 1
+
+
 def test_weak_signal_expands_once(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
 ) -> None:

@@ -277,20 +277,26 @@ def _ranked_matches(
             return list(session.execute(driven, params | {"match": match, "drive": matches[rarest]}))
         return list(session.execute(indexed, params | {"match": match}))
 
-    def answer(keep: int, prefix_rows: list[Any] | None = None) -> list[Any]:
-        """The rows of the rarest ``keep`` units: exact words first when they fill the list."""
+    def answer(keep: int, prefix_rows: list[Any] | None = None) -> tuple[list[Any], bool]:
+        """The rows of the rarest ``keep`` units, exact words first when they fill the list, and whether
+        some fact holds the words themselves (not only longer words they begin)."""
         kept = sorted(order[:keep])
+        exact_found = True
         if any(units[i].exact for i in kept):
             rows = ranked(kept, exact=True)
             if len(rows) >= limit:
-                return rows
-        return prefix_rows if prefix_rows is not None else ranked(kept, exact=False)
+                return rows, True
+            exact_found = bool(rows)
+        return (prefix_rows if prefix_rows is not None else ranked(kept, exact=False)), exact_found
 
     # A unit no fact holds (df 0, counted) matches nothing with any others: they go first, all at once.
     present = sum(df > 0 for df in dfs)
-    rows = answer(present) if present else []
+    rows, exact_found = answer(present) if present else ([], False)
     if rows or present == 0:
-        return [Hit(row[0], normalise_score(row[1])) for row in rows], bool(rows) and present == len(units)
+        # Complete: every word found as itself. "cat" found only in "category" is no clear answer, and
+        # skipping the expansion for it (a strong signal) left a word never found at that.
+        complete = bool(rows) and present == len(units) and exact_found
+        return [Hit(row[0], normalise_score(row[1])) for row in rows], complete
     # Nothing holds them all: from here on only the units some fact the caller may see holds, under
     # its filters (source, lifecycle, as_of, entity...). By the table-wide counts a word found only in
     # superseded facts, or only in another source, counted as present; halving kept it (the rarest) in
@@ -301,7 +307,7 @@ def _ranked_matches(
     tried_all = len(order) == present  # the first try held every visible unit (no hidden one)
     present = len(order)
     if present <= 1:
-        rows = answer(present) if present else []
+        rows = answer(present)[0] if present else []
         return [Hit(row[0], normalise_score(row[1])) for row in rows], False
     # Dropping a unit only widens the match, so the most units that still match are found by halving:
     # a line of hundreds of words costs a few queries, not one (or two) a word.
@@ -313,5 +319,5 @@ def _ranked_matches(
             keep, found, low = middle, middle_rows, middle + 1
         else:
             high = middle - 1
-    rows = answer(keep, found) if keep else []
+    rows = answer(keep, found)[0] if keep else []
     return [Hit(row[0], normalise_score(row[1])) for row in rows], False
