@@ -191,6 +191,21 @@ def test_plan_and_resolve_an_entity() -> None:
     assert resolve(by_id[4], {}).kind == "new"
 
 
+def test_a_late_fact_several_later_facts_update_ends_at_the_first_of_them() -> None:
+    from worker.core.consolidation_plan import FactPlan, resolve
+    from worker.core.consolidation_prompt import PairDecision
+
+    may = datetime(2026, 5, 1, tzinfo=UTC)
+    feb = fact(5, "Alice lives in Lyon", when=datetime(2026, 2, 1, tzinfo=UTC))
+    march, later = fact(6, "Alice lives in Porto", when=MAR), fact(7, "Alice lives in Oslo", when=may)
+    # The model's order (most similar first) put May first: applied first, it won.
+    plan = FactPlan(feb, asked=(AskedPair(1, feb, later, 0.9), AskedPair(2, feb, march, 0.8)))
+    answers = {1: PairDecision(1, "updates", "x"), 2: PairDecision(2, "updates", "y")}
+    closed = resolve(plan, answers)
+    assert [(c.older.id, c.newer.id, c.valid_to) for c in closed.closings] == [(5, 6, MAR)]
+    assert len(closed.rows) == 2, "both verdicts are kept in the audit"
+
+
 def test_a_plan_compares_each_new_fact_with_its_own_kind_only() -> None:
     """Planning triages a new fact against its kind's facts only (a fifth of the pairs on a pool of five
     kinds); the plans are those of triaging it against the whole entity, where the other kinds' pairs

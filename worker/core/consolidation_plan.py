@@ -171,7 +171,16 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
             closings.append(supersession(new, pair.old))
     if duplicate_of is not None:
         return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of, since=new.since)
-    return Resolved(new.id, tuple(rows), closings=tuple(closings))
+    return Resolved(new.id, tuple(rows), closings=_one_end(new, closings))
+
+
+def _one_end(new: FactView, closings: Sequence[Supersession]) -> tuple[Supersession, ...]:
+    """A late fact the model says several later facts update ends at the first of them: applied in the
+    model's order, the most similar won (May's end for a February fact changed in March), and as of
+    April it answered beside March's."""
+    own = [c for c in closings if c.older.id == new.id]
+    first = [min(own, key=lambda c: order_key(c.newer))] if own else []
+    return (*first, *(c for c in closings if c.older.id != new.id))
 
 
 EARLIER_SAYING_REASON = (
