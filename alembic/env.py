@@ -56,7 +56,13 @@ def run_migrations_online() -> None:
 
     on_step = config.attributes.get("on_step")
     extra = {"on_version_apply": _StepTimer(on_step)} if on_step is not None else {}
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    from worker.db import connect_args
+    from worker.settings import get_settings
+
+    url = _url()
+    # A silent server must not hang the migrate step for ever (worker.db.connect_args).
+    timeout = get_settings().db_connect_timeout_seconds
+    engine = create_engine(url, poolclass=pool.NullPool, connect_args=connect_args(url, timeout))
     with engine.connect() as connection:
         # One upgrade at a time: a second one (a repeated migrate step, `factmill demo` beside `db
         # upgrade`) waits here, then reads the version the first committed and has nothing to do; it

@@ -130,11 +130,12 @@ def get_engine(url: str) -> Engine:
     return create_pooled_engine(url)
 
 
-def _connect_args(url: str, connect_timeout: int) -> dict[str, int]:
-    """libpq's connect timeout and TCP keepalives (idle 30 s, then 3 probes 10 s apart): without them a
-    server behind a dropped route hung each connect for minutes and each open connection's statement
-    until the kernel gave up, and /readyz, /metrics and workers' claims hung with it. A parameter the URL
-    names itself (``?connect_timeout=3``) is the URL's."""
+def connect_args(url: str, connect_timeout: int) -> dict[str, int]:
+    """libpq's connect timeout, TCP keepalives (idle 30 s, then 3 probes 10 s apart: an idle connection)
+    and TCP user timeout (60 s of data unacknowledged: a statement sent to a silent server, which
+    keepalives do not cover): without them a server behind a dropped route hung each connect for
+    minutes and each statement until the kernel gave up (about 15 minutes), and /readyz, /metrics and
+    workers' claims hung with it. A parameter the URL names itself (``?connect_timeout=3``) is the URL's."""
     parsed = make_url(url)
     if not parsed.drivername.startswith("postgresql"):
         return {}
@@ -144,6 +145,7 @@ def _connect_args(url: str, connect_timeout: int) -> dict[str, int]:
         "keepalives_idle": 30,
         "keepalives_interval": 10,
         "keepalives_count": 3,
+        "tcp_user_timeout": 60_000,  # milliseconds
     }
     return {name: value for name, value in wanted.items() if name not in parsed.query}
 
@@ -163,7 +165,7 @@ def create_pooled_engine(
         max_overflow=settings.db_max_overflow,
         pool_use_lifo=True,
         hide_parameters=True,
-        connect_args=_connect_args(url, settings.db_connect_timeout_seconds),
+        connect_args=connect_args(url, settings.db_connect_timeout_seconds),
     )
     _ping_idle_connections(engine, ping_after_idle)
     _ENGINES.add(engine)

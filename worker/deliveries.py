@@ -61,11 +61,11 @@ def scoped_key(route: str, subject: str, key: str | None, sender: str) -> str | 
     person (``alice-chat-2024-03-15``), and an erasure could not know to remove it."""
     if key is None:
         return None
-    # The subject's own bars (and backslashes) escaped: transcript "a|b" with key "k" and transcript "a"
-    # with key "b|k" were one scope (the second got the first's answer, its messages never stored). A
-    # subject with neither keeps the digest it had.
-    escaped = subject.replace("\\", "\\\\").replace("|", "\\|")
-    scope = f"{route}|{escaped}|{key}"
+    # Transcript "a|b" with key "k" and transcript "a" with key "b|k" were one scope (the second got the
+    # first's answer, its messages never stored): a subject holding a bar is set apart by a control
+    # character no id or key may hold. Every other subject keeps the digest it had.
+    separator = "\x1e" if "|" in subject else "|"
+    scope = f"{route}{separator}{subject}{separator}{key}"
     if sender != WEBHOOK_SENDER:
         scope += f"\x1f{sender}"
     return hashlib.sha256(scope.encode()).hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -359,6 +360,12 @@ def test_a_bar_in_a_transcript_id_does_not_make_two_deliveries_one(api: TestClie
         assert answer.status_code == 201 and "Idempotent-Replayed" not in answer.headers, answer.text
     stored = api.get("/v1/transcripts/bar/messages", headers=ADMIN_HEADERS).json()
     assert [m["text"] for m in stored["messages"]] == ["hi"]
+    # Every subject without a bar keeps the digest stored answers were kept under (a backslash too).
+    from worker.deliveries import scoped_key
+
+    route = "POST /v1/transcripts/{id}/messages"
+    expected = hashlib.sha256(f"{route}|a\\b|k".encode()).hexdigest()
+    assert scoped_key(route, "a\\b", "k", "signature") == expected
 
 
 def test_a_captured_v3_delivery_cannot_be_stored_again_under_another_key(api: TestClient) -> None:

@@ -894,6 +894,7 @@ def test_pairs_a_reply_skipped_are_asked_again_once_then_kept_unrelated(tx_facto
     sim.configure(raw_replies={"chat.completions": reply})
     run = consolidate(tx_factory, llm)
     assert run.llm_calls == 2 and calls(tx_factory) == 2, "one ask, then one more for the skipped pair"
+    assert run.pairs_asked == 1, "a pair asked again is still one pair"
     facts = alice(tx_factory)
     porto = facts["Alice Example lives in Porto now."][0]
     with tx_factory() as session:

@@ -311,3 +311,24 @@ def test_a_provider_outage_spends_the_worker_loss_budget_not_the_attempts(factor
     second = run_job(rt, job_id, EXTRACTION)
     state = job(factory, job_id)
     assert second.status == "failed" and (state.attempts, state.worker_losses) == (1, 1), state.last_error
+
+
+def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(factory, runtime):
+    from worker.llm.errors import LLMError
+
+    rt = runtime(job_max_attempts=3, job_max_worker_losses=3)
+    raised: list[LLMError] = [LLMError("HTTP 503: overloaded", retryable=True, status=503)]
+
+    def work(ctx: JobContext) -> WorkResult:
+        raise raised[0]
+
+    kind, job_id = kind_doing(work), new_job(factory)
+    assert run_job(rt, job_id, kind).status == "retry"
+    state = job(factory, job_id)
+    assert (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
+    raised[0] = LLMError("HTTP 401: invalid key", retryable=False, status=401, deployment_fault=True)
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
+    run_job(rt, job_id, kind)
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (1, 1)

@@ -134,3 +134,4 @@ def test_connections_give_up_on_a_silent_server_and_the_url_keeps_its_own_choice
             engine.dispose()
         assert parameters["connect_timeout"] == "7"
         assert (parameters["keepalives"], parameters["keepalives_idle"]) == ("1", idle)
+        assert parameters["tcp_user_timeout"] == "60000"

@@ -938,7 +938,8 @@ def test_a_provider_without_embeddings_or_settings_leaves_plain_search_lexical(
         outcome = search(vector_factory, source, "where does alice live")
         assert outcome.results and outcome.results[0].fact.startswith("Alice"), source
         assert any("skipped" in note for note in outcome.notes), outcome.notes
-        with pytest.raises(EmbeddingFailedError) as refused:
+        # Refused as unavailable (the API's 501), not failed (a 503 to retry, for good).
+        with pytest.raises(VectorSearchUnavailableError) as refused:
             search(vector_factory, source, "vec: where does alice live")
         assert "unavailable" in str(refused.value) or str(refused.value) == UNCONFIGURED
     with vector_factory() as session:

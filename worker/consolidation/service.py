@@ -187,6 +187,7 @@ def _ask_model(
         # Pairs a reply skipped are asked once more on their own; what is still unanswered then is kept
         # as unrelated, with a reason that says so (not a retry of the job: it would pay for the round
         # again, and a model that skips a pair twice would skip it on every retry too).
+        counters.pairs_asked += len(chunk)  # once: a pair asked again is still one pair
         for _ask in range(2):
             run.guard()
             got, call_id = _decide_pairs(store, llm, run, chunk, counters)
@@ -208,7 +209,6 @@ def _decide_pairs(
     """One call's decisions (by pair number) and its llm_calls row."""
     response, call_id = _call(store, llm, run, pairs)
     counters.llm_calls += 1
-    counters.pairs_asked += len(pairs)
     counters.prompt_tokens += response.usage.input_tokens
     try:
         return parse_decisions(response.text, [p.number for p in pairs]), call_id

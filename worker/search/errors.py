@@ -29,7 +29,7 @@ class VectorSearchUnavailableError(SearchError):
 # A search that needs the model while the deployment's LLM settings are incomplete (FACTMILL_LLM=anthropic
 # without its key): the reader is told that much, the server log names what to set.
 UNCONFIGURED = (
-    "vector search failed: the deployment's LLM settings are incomplete (the server log names what to "
+    "vector search unavailable: the deployment's LLM settings are incomplete (the server log names what to "
     "set); lex: lines still work"
 )
 

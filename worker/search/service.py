@@ -307,11 +307,11 @@ def _plain_lists(
         gathered.expanded = bool(expansion)
     try:
         gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
-    except (BudgetExhaustedError, EmbeddingFailedError) as exc:
-        # The vector lines a plain query adds are a bonus: without budget, or while the embedding
-        # provider fails, the lexical lines still run.
-        spent = isinstance(exc, BudgetExhaustedError)
-        gathered.notes.append(f"vector search skipped: {'budget' if spent else 'the embedding call failed'}")
+    except (BudgetExhaustedError, EmbeddingFailedError, VectorSearchUnavailableError) as exc:
+        # The vector lines a plain query adds are a bonus: without budget, while the embedding provider
+        # fails, or where it has none, the lexical lines still run.
+        why = {BudgetExhaustedError: "budget", VectorSearchUnavailableError: "unavailable"}
+        gathered.notes.append(f"vector search skipped: {why.get(type(exc), 'the embedding call failed')}")
         lexical = [line for line in extra if line.type == "lex"]
         gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
     return gathered
@@ -335,15 +335,17 @@ def _run_lines(
             client = _resolve_llm(llm)
         except LLMConfigurationError as exc:
             logger.warning("search ran without the LLM: %s", exc)
-            raise EmbeddingFailedError(UNCONFIGURED) from exc
+            raise VectorSearchUnavailableError(UNCONFIGURED) from exc
         if client is None:
             raise SearchError("vec: and hyde: lines need an LLM gateway to embed them; none is configured")
         try:
             vectors = embed_texts(store, client, [line.query for line in vector_lines], EMBEDDING_PURPOSE)
         except BudgetExhaustedError:
             raise
-        except NoEmbeddingsError as exc:
-            raise EmbeddingFailedError(f"vector search unavailable: {exc} (lex: lines still work)") from exc
+        except NoEmbeddingsError as exc:  # the deployment's, for good: unavailable, not failed (no retry)
+            raise VectorSearchUnavailableError(
+                f"vector search unavailable: {exc} (lex: lines still work)"
+            ) from exc
         except LLMError as exc:  # recorded in llm_calls by embed_texts
             raise EmbeddingFailedError.of(exc) from exc
         problem = dimensions_problem(vectors)
