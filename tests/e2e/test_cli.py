@@ -416,7 +416,8 @@ def test_jobs_show_and_list_print_both_budgets(cli, factory):
 
 def test_a_model_that_cannot_be_used_is_one_line_on_every_command_that_calls_one(database_url):
     """`FACTMILL_LLM=openai` without its key, or production with no key (where the simulator must be
-    named to stand in), ended `search`, `compact --now` and `embed` in a traceback."""
+    named to stand in), ended `search`, `compact --now` and `embed` in a traceback. A plain search
+    needs no model: it answers lexically, says why in its notes, and the log names the setting once."""
     production = {
         "FACTMILL_ENVIRONMENT": "production",
         "FACTMILL_WEBHOOK_SECRET": "w" * 40,
@@ -429,7 +430,14 @@ def test_a_model_that_cannot_be_used_is_one_line_on_every_command_that_calls_one
     for values, says in cases:
         env = bare_env(FACTMILL_DATABASE_URL=database_url, **values)
         env = {k: v for k, v in env.items() if k not in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")}
-        for command in (["search", "alice"], ["compact", "t1", "--now"], ["embed"]):
+        searched = factmill(["search", "alice"], env)
+        assert searched.returncode == 0 and "Traceback" not in searched.stderr, searched.stderr
+        assert searched.stderr.count(says) == 1, searched.stderr
+        assert "note: query expansion skipped: the LLM settings are incomplete" in searched.stderr
+        vector = factmill(["search", "vec: alice"], env)  # a line that needs the model: unavailable
+        assert vector.returncode == 3 and "Traceback" not in vector.stderr, vector.stderr
+        assert says in vector.stderr and "vector search unavailable" in vector.stderr, vector.stderr
+        for command in (["compact", "t1", "--now"], ["embed"]):
             result = factmill(command, env)
             assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
             assert result.stderr.startswith(f"error: {says}"), (command, result.stderr)

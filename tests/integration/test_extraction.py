@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -339,6 +340,53 @@ def test_a_commit_that_fails_keeps_the_spend_of_its_segments(pages, llm, simulat
         facts = session.scalar(select(func.count()).select_from(Fact))
     assert failed and facts == 0 and asked >= 1
     assert calls == asked, "every call was paid for: recorded though no fact was committed"
+
+
+def test_a_failed_commit_keeps_the_spend_of_the_results_ready_beside_it(tx_factory):
+    # Two results ready together, the second refused (it ends the page); the first one's commit fails.
+    # The store keeps the spend it was given; the refused result, paid for too, was never handed to
+    # it and was lost (only a checkpoint conflict kept such results).
+    from sqlalchemy import event
+
+    from worker.accounting import Ledger
+    from worker.config_store import ConfigReader
+    from worker.core.facts import ExtractedFact
+    from worker.extraction import ExtractOptions
+    from worker.extraction.committer import SegmentCommitter
+    from worker.extraction.options import ExtractionCounters, NoProgress
+    from worker.extraction.planner import PagePlan, PagePlanner
+    from worker.extraction.segments import Attempt, SegmentResult
+    from worker.extraction.store import ExtractionStore
+    from worker.llm.types import ChatResponse, Usage
+
+    put_page(tx_factory)
+    store = ExtractionStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    planner = PagePlanner(store, ExtractOptions(slug=SLUG), ConfigReader(tx_factory, ttl=0))
+    plan = planner.plan(planner.pages()[0])
+    assert isinstance(plan, PagePlan) and len(plan.segments) == 2
+    reply = ChatResponse("{}", "end", Usage(input_tokens=100, output_tokens=10), "p", "m", 5)
+    fact = ExtractedFact("Alice signed with Acme.", "event", "alice", 0.9, "high")
+    results = [
+        (0, plan.segments[0], SegmentResult([Attempt.of(reply, "ok", facts=[fact])])),
+        (1, plan.segments[1], SegmentResult([Attempt.of(replace(reply, finish="refusal"), "refusal")], True)),
+    ]
+    committer = SegmentCommitter(store, planner, ExtractionCounters(), NoProgress(), 3)
+    engine = tx_factory.kw["bind"].engine
+    failed: list[str] = []
+
+    def fail_once(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.startswith("INSERT INTO facts") and not failed:
+            failed.append(statement)
+            raise RuntimeError("the connection dropped mid-commit")
+
+    event.listen(engine, "before_cursor_execute", fail_once)
+    try:
+        with pytest.raises(RuntimeError, match="dropped mid-commit"):
+            committer.commit_page(plan, (batch for batch in [results]))
+    finally:
+        event.remove(engine, "before_cursor_execute", fail_once)
+    assert failed and count(tx_factory, Fact) == 0
+    assert count(tx_factory, LLMCall) == 2, "both results were paid for"
 
 
 def test_second_run_with_nothing_new_skips_and_calls_nothing(pages, llm, simulator):

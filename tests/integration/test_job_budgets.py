@@ -326,9 +326,15 @@ def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(
     assert run_job(rt, job_id, kind).status == "retry"
     state = job(factory, job_id)
     assert (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
-    raised[0] = LLMError("HTTP 401: invalid key", retryable=False, status=401, deployment_fault=True)
-    with factory.begin() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
-    run_job(rt, job_id, kind)
+    # A key refused, or a timeout (a request too large to finish in time fails alike every try): the
+    # job's own, on its attempts.
+    for error in (
+        LLMError("HTTP 401: invalid key", retryable=False, status=401, deployment_fault=True),
+        LLMError("the provider timed out", retryable=True),
+    ):
+        raised[0] = error
+        with factory.begin() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
+        run_job(rt, job_id, kind)
     state = job(factory, job_id)
-    assert (state.attempts, state.worker_losses) == (1, 1)
+    assert (state.attempts, state.worker_losses) == (2, 1)

@@ -202,7 +202,8 @@ def test_a_late_fact_several_later_facts_update_ends_at_the_first_of_them() -> N
     plan = FactPlan(feb, asked=(AskedPair(1, feb, later, 0.9), AskedPair(2, feb, march, 0.8)))
     answers = {1: PairDecision(1, "updates", "x"), 2: PairDecision(2, "updates", "y")}
     closed = resolve(plan, answers)
-    assert [(c.older.id, c.newer.id, c.valid_to) for c in closed.closings] == [(5, 6, MAR)]
+    # Applied in order, the first closes it; the later one only slots it into its own chain.
+    assert [(c.older.id, c.newer.id, c.valid_to) for c in closed.closings] == [(5, 6, MAR), (5, 7, may)]
     assert len(closed.rows) == 2, "both verdicts are kept in the audit"
 
 

@@ -175,12 +175,12 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
 
 
 def _one_end(new: FactView, closings: Sequence[Supersession]) -> tuple[Supersession, ...]:
-    """A late fact the model says several later facts update ends at the first of them: applied in the
-    model's order, the most similar won (May's end for a February fact changed in March), and as of
-    April it answered beside March's."""
-    own = [c for c in closings if c.older.id == new.id]
-    first = [min(own, key=lambda c: order_key(c.newer))] if own else []
-    return (*first, *(c for c in closings if c.older.id != new.id))
+    """A late fact the model says several later facts update ends at the first of them: its closings
+    are applied earliest first (the first one closes it; the others still slot it into their chains).
+    In the model's order the most similar won (May's end for a February fact changed in March), and
+    as of April it answered beside March's."""
+    own = sorted((c for c in closings if c.older.id == new.id), key=lambda c: order_key(c.newer))
+    return (*own, *(c for c in closings if c.older.id != new.id))
 
 
 EARLIER_SAYING_REASON = (

@@ -13,6 +13,7 @@ from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.llm.batches import open_batch_client
+from worker.llm.errors import LLMError, provider_unavailable
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -83,6 +84,9 @@ KIND = register(
             ErrorRule(CheckpointConflictError, "retry"),
             ErrorRule(BackfillNotFoundError, "fail"),
             ErrorRule(LLMConfigurationError, "fail"),
+            # A send that failed once no batch was left in flight: the job's own error, on its attempts
+            # (its resends already waited RESEND_AFTER_SECONDS apart), not the outage rule's losses.
+            ErrorRule(LLMError, "retry", when=provider_unavailable),
         ),
         pause_reasons=(WAITING_FOR_BATCHES,),
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Sequence
 
 from worker.core.checkpoint import CheckpointState, SkippedSegment, skipped_record
 from worker.core.conversation import Segment
+from worker.core.errors import error_summary
 from worker.core.facts import ExtractedFact
 from worker.extraction.options import (
     CheckpointConflictError,
@@ -19,6 +21,8 @@ from worker.extraction.rows import SegmentPlace
 from worker.extraction.segments import Attempt, SegmentResult
 from worker.extraction.store import ExtractionStore, PageVersion, SegmentCommit, Terminal
 from worker.runtime import tracing
+
+logger = logging.getLogger(__name__)
 
 # (segment index, segment, its result), in page order; the consumer may stop early.
 SegmentResult3 = tuple[int, Segment, SegmentResult]
@@ -79,6 +83,11 @@ class SegmentCommitter:
         self.counters.add_calls(result)
         self._keep_spend(slug, index, segment, result, note)
 
+    def _keep_unhanded(self, slug: str, batch: Sequence[SegmentResult3], handed: set[int]) -> None:
+        for index, segment, result in batch:
+            if index not in handed:  # counted as calls already, when the page took them
+                self._keep_spend(slug, index, segment, result, DISCARDED_UNUSED)
+
     def _keep_spend(self, slug: str, index: int, segment: Segment, result: SegmentResult, note: str) -> None:
         """A paid result's rows: llm_calls and audit rows, or the calls alone when the page changed (its
         audit rows describe it, and an erasure has just taken them out)."""
@@ -128,7 +137,7 @@ class SegmentCommitter:
             tail += f" (permanent failure {failures}; the segment is skipped at {self.max_segment_failures})"
         self.counters.segments_failed += 1
         report.status, report.outcome = "failed", result.outcome
-        report.provider_away = result.outcome == "provider_error" and result.attempts[-1].retryable
+        report.provider_away = result.outcome == "provider_error" and result.attempts[-1].provider_away
         report.reason = f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}{tail}"
         return report
 
@@ -145,10 +154,17 @@ class SegmentCommitter:
                 # Another run moved the page on, or it changed: the rest of the batch was paid for too.
                 # A page changed (erased, perhaps) gets no audit rows: they describe it.
                 self.page_gone = isinstance(exc, PageChangedError)
-                for index, segment, result in batch:
-                    if index not in handed:  # counted as calls already, when the page took them
-                        self._keep_spend(plan.slug, index, segment, result, DISCARDED_UNUSED)
+                self._keep_unhanded(plan.slug, batch, handed)
                 raise
+            except Exception as exc:
+                # The commit failed otherwise (a deadlock, a timeout, the connection dropped): the store
+                # kept the spend of what it was given; the rest of the batch was paid for as well.
+                if not self.store.results_read_again:
+                    try:
+                        self._keep_unhanded(plan.slug, batch, handed)
+                    except Exception as keeping:  # the database is away: the first error is raised
+                        logger.warning("could not keep a failed batch's spend: %s", error_summary(keeping))
+                raise exc
             if isinstance(outcome, PageReport):
                 return outcome
             expected = outcome

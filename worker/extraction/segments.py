@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_reply, repair_user_message
 from worker.extraction.prompts import extraction_request, first_turn
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient
 
@@ -33,7 +33,7 @@ class Attempt:
     called: bool = True  # False: refused before any request (budget), so no llm_calls row
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
     rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
-    retryable: bool = False  # a provider error trying again may mend (an outage past the retry layer's wait)
+    provider_away: bool = False  # the provider was unavailable (llm.errors.provider_unavailable)
 
     @classmethod
     def of(
@@ -125,7 +125,7 @@ def _ask(
                 llm.model,
                 exc.latency_ms,
                 rejected=rejected_request(exc),
-                retryable=exc.retryable,
+                provider_away=provider_unavailable(exc),
             )
         )
     return None

@@ -21,7 +21,7 @@ from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lea
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
 from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError, get_kind
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.runtime import Runtime, tracing
 from worker.runtime.logs import log_context
 
@@ -46,9 +46,9 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     # the job's own failure, five pool timeouts on a busy worker failed a page for good.
     ErrorRule(SQLAlchemyError, "requeue", when=database_unavailable),
     ErrorRule(OperationalError, "retry"),
-    # The LLM provider away past the retry layer's patience (5xx, 429, timeouts): infrastructure too.
-    # As the job's own failure, an outage of minutes failed every job in flight.
-    ErrorRule(LLMError, "requeue", when=lambda exc: isinstance(exc, LLMError) and exc.retryable),
+    # The LLM provider unavailable past the retry layer's patience (429, 5xx): infrastructure too. As
+    # the job's own failure, an outage of minutes failed every job in flight.
+    ErrorRule(LLMError, "requeue", when=provider_unavailable),
 )
 
 

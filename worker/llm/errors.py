@@ -72,6 +72,14 @@ class LLMError(Exception):
         self.attempts: tuple[AttemptRecord, ...] = ()
 
 
+def provider_unavailable(exc: BaseException) -> bool:
+    """The provider said it cannot serve now (429, 5xx, 529) and the retry layer's patience ran out: an
+    outage, infrastructure's fault, not the job's. Timeouts and unreachable hosts are not counted: a
+    request too large to finish in time, or a base URL that does not resolve, fails the same way on
+    every try."""
+    return isinstance(exc, LLMError) and exc.retryable and exc.status is not None
+
+
 class NoEmbeddingsError(LLMError):
     """The provider has no embeddings API (Anthropic without an OpenAI key): no call was made, and
     trying again cannot help. Vector search is unavailable rather than failing."""

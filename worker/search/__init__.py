@@ -31,8 +31,9 @@ from worker.search.errors import (
     SearchError,
     VectorSearchUnavailableError,
 )
+from worker.search.llm_source import LLMSource
 from worker.search.prompts import EXPANSION_PURPOSE, EXPANSION_SYSTEM_PROMPT, expansion_request
-from worker.search.service import EMBEDDING_PURPOSE, LLMSource
+from worker.search.service import EMBEDDING_PURPOSE
 from worker.search.store import SearchStore, vector_search_status
 from worker.search.values import (
     DEFAULT_LIMIT,

@@ -19,7 +19,7 @@ from worker.core.intent import SearchType
 from worker.llm.types import LLMClient
 from worker.runtime import Runtime
 from worker.search import service
-from worker.search.service import LLMSource
+from worker.search.llm_source import LLMSource
 from worker.search.store import SearchStore
 from worker.search.values import (
     DEFAULT_LIMIT,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from worker.accounting import LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import dimensions_problem, fact_embedding_text
-from worker.core.errors import LLMConfigurationError, error_summary
+from worker.core.errors import error_summary
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
     USER_LINE_WEIGHT,
@@ -52,11 +52,11 @@ from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
-    UNCONFIGURED,
     EmbeddingFailedError,
     SearchError,
     VectorSearchUnavailableError,
 )
+from worker.search.llm_source import LLMSource, resolve_llm
 from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
 from worker.search.store import FactToEmbed, LineQuery, SearchStore
 from worker.search.values import (
@@ -88,16 +88,7 @@ __all__ = [
 EMBEDDING_PURPOSE = "search_embedding"  # vec/hyde lines of a search
 FACT_EMBEDDING_PURPOSE = "embedding"  # facts, by `factmill embed` and after extraction
 
-LLMSource = LLMClient | Callable[[], LLMClient] | None
 Lists = list[tuple[SearchLine, list[Hit]]]
-
-
-def _resolve_llm(llm: LLMSource) -> LLMClient | None:
-    if llm is None:
-        return None
-    if hasattr(llm, "chat"):
-        return llm  # type: ignore[return-value]
-    return llm()  # type: ignore[operator]
 
 
 # --------------------------------------------------------------------------- accounting
@@ -289,9 +280,8 @@ def _plain_lists(
     client = None
     if expand and not gathered.strong:
         try:
-            client = _resolve_llm(llm)
-        except LLMConfigurationError as exc:
-            logger.warning("search ran without the LLM: %s", exc)  # the reader is told less
+            client = resolve_llm(llm)
+        except VectorSearchUnavailableError:
             gathered.notes.append("query expansion skipped: the LLM settings are incomplete")
     if client is not None:
         expansion, note = expand_query(store, client, plain, intent)
@@ -331,11 +321,7 @@ def _run_lines(
     vector_lines = [line for line in lines if line.type != "lex"]
     vectors: list[list[float]] = []
     if vector_lines:
-        try:
-            client = _resolve_llm(llm)
-        except LLMConfigurationError as exc:
-            logger.warning("search ran without the LLM: %s", exc)
-            raise VectorSearchUnavailableError(UNCONFIGURED) from exc
+        client = resolve_llm(llm)
         if client is None:
             raise SearchError("vec: and hyde: lines need an LLM gateway to embed them; none is configured")
         try:
