@@ -552,6 +552,32 @@ def test_a_lexical_search_past_its_time_limit_is_refused_with_a_reason(
         search(plain_factory, llm, "lex: alice lisbon")
 
 
+def test_a_search_s_lines_all_end_within_its_deadline(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each statement had its own 5 s: a document of 20 broad lex: lines ran ~10 statements each and
+    held a connection and a thread for minutes. The whole search now ends by SEARCH_SECONDS: a line
+    started after it is refused, and a statement running into it is cut there."""
+    from worker.search import lexical as search_lexical
+    from worker.search import values
+
+    seed(plain_factory)
+    monkeypatch.setattr(values, "SEARCH_SECONDS", 0.3)
+    ran: list[str] = []
+    ranked = search_lexical._ranked_matches
+
+    def slow_ranked(session, *args):  # type: ignore[no-untyped-def]
+        ran.append("line")
+        session.execute(text("SELECT pg_sleep(0.2)"))  # a broad line: 0.2 s of ranking
+        return ranked(session, *args)
+
+    monkeypatch.setattr(search_lexical, "_ranked_matches", slow_ranked)
+    document = "\n".join(f"lex: alice word{i}" for i in range(5))
+    with pytest.raises(SearchError, match=r"ran past its 0\.3 s limit"):
+        search(plain_factory, llm, document)
+    assert len(ran) < 5, "the lines after the deadline are not run"
+
+
 def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_together(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -28,7 +28,7 @@ from worker.core.lexing import (
 )
 from worker.db import statement_timed_out
 from worker.search.errors import SearchError
-from worker.search.values import SearchFilters
+from worker.search.values import Deadline, SearchFilters
 
 __all__ = ["filter_sql", "lexical_search"]
 
@@ -80,7 +80,7 @@ def filter_sql(filters: SearchFilters, alias: str = "f") -> tuple[str, dict[str,
 
 
 def lexical_search(
-    session: Session, query: str, filters: SearchFilters, limit: int
+    session: Session, query: str, filters: SearchFilters, limit: int, deadline: Deadline | None = None
 ) -> tuple[list[Hit], bool]:
     """Facts matching ``query``, best first, with scores in [0, 1), and whether they hold every word.
 
@@ -92,6 +92,12 @@ def lexical_search(
     units, excluded = lex_units(items, _parse_items(session, items)) if items else ([], [])
     if not units:
         return [], True
+    # Each statement is cut at LEX_STATEMENT_TIMEOUT, or where the whole search's time ends if sooner.
+    limit_ms = (
+        _ms(LEX_STATEMENT_TIMEOUT)
+        if deadline is None
+        else min(_ms(LEX_STATEMENT_TIMEOUT), deadline.remaining_ms())
+    )
     # The planner prices a tsvector match like any operator and so prefers a sequential scan once a
     # term is in a few percent of the rows; the GIN bitmap scan is several times faster there.
     # Disabling a scan only adds a huge cost to it, and a statement that must scan anyway (counting a
@@ -103,11 +109,13 @@ def lexical_search(
             "current_setting('statement_timeout'), set_config('enable_seqscan', 'off', true), "
             "set_config('jit', 'off', true), set_config('statement_timeout', :limit, true)"
         ),
-        {"limit": LEX_STATEMENT_TIMEOUT},
+        {"limit": f"{limit_ms}ms"},
     ).one()[:3]
     try:
-        hits = _ranked_matches(session, units, excluded, filters, limit)
+        hits = _ranked_matches(session, units, excluded, filters, limit, deadline)
     except DBAPIError as exc:  # the transaction is aborted, and its local settings with it
+        if statement_timed_out(exc) and deadline is not None and limit_ms < _ms(LEX_STATEMENT_TIMEOUT):
+            raise deadline.passed() from exc
         if statement_timed_out(exc):
             raise SearchError(
                 f"the lexical search ran past its {LEX_STATEMENT_TIMEOUT} limit; search for fewer or "
@@ -251,8 +259,18 @@ def _ranking_statements(
     return indexed, driven
 
 
+def _ms(duration: str) -> int:
+    """A Postgres duration of LEX_STATEMENT_TIMEOUT's form ("5s", "50ms") in milliseconds."""
+    return int(duration[:-2]) if duration.endswith("ms") else int(float(duration[:-1]) * 1000)
+
+
 def _ranked_matches(
-    session: Session, units: list[LexUnit], excluded: list[str], filters: SearchFilters, limit: int
+    session: Session,
+    units: list[LexUnit],
+    excluded: list[str],
+    filters: SearchFilters,
+    limit: int,
+    deadline: Deadline | None = None,
 ) -> tuple[list[Hit], bool]:
     """The ranked search of ``lexical_search``, exact words first.
 
@@ -270,6 +288,8 @@ def _ranked_matches(
     order = rarest_first(dfs)
 
     def ranked(kept: list[int], exact: bool) -> list[Any]:
+        if deadline is not None:
+            deadline.check()
         matches = {i: units[i].exact if exact and units[i].exact else units[i].match for i in kept}
         match = " & ".join(matches.values()) + negation
         rarest = min(kept, key=lambda i: dfs[i])

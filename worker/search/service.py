@@ -64,6 +64,7 @@ from worker.search.values import (
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
     MIN_CANDIDATES,
+    Deadline,
     EmbedReport,
     SearchFilters,
     SearchOutcome,
@@ -212,6 +213,7 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
             "searched in one request"
         )
     candidates = max(MIN_CANDIDATES, limit * 3)
+    store = store.with_deadline(Deadline.after())  # every line's statements end within SEARCH_SECONDS
     status = store.status()
     if parsed is not None:
         gathered = _structured_lists(store, llm, parsed, intent, filters, candidates, status)

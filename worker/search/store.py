@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any
 
 from sqlalchemy import Row, RowMapping, bindparam, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.packed import PackedFloats
@@ -21,9 +22,10 @@ from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import dimensions_problem, vector_literal, version_tuple
 from worker.core.fusion import Hit
+from worker.db import statement_timed_out
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
 from worker.search.lexical import filter_sql, lexical_search
-from worker.search.values import HNSW_EF_SEARCH, SearchFilters, VectorSearchStatus
+from worker.search.values import HNSW_EF_SEARCH, Deadline, SearchFilters, VectorSearchStatus
 from worker.search.vector_ddl import VECTOR_STORE_DDL
 
 __all__ = ["FactToEmbed", "LineQuery", "SearchStore", "vector_search_status"]
@@ -87,9 +89,16 @@ class SearchStore:
     autocommit (``read_only``).
     """
 
-    def __init__(self, factory: sessionmaker[Session], ledger: Ledger) -> None:
+    def __init__(
+        self, factory: sessionmaker[Session], ledger: Ledger, deadline: Deadline | None = None
+    ) -> None:
         self._factory = factory
         self._ledger = ledger
+        self._deadline = deadline  # the search's: its statements stop there (values.SEARCH_SECONDS)
+
+    def with_deadline(self, deadline: Deadline) -> SearchStore:
+        """This store for one search, whose lexical and vector reads all end by ``deadline``."""
+        return SearchStore(self._factory, self._ledger, deadline)
 
     def status(self) -> VectorSearchStatus:
         with read_only(self._factory) as session:
@@ -111,7 +120,7 @@ class SearchStore:
     def lexical(self, query: str, filters: SearchFilters, limit: int) -> tuple[list[Hit], bool]:
         """(hits, whether they hold every word: False when words had to be dropped)."""
         with self._factory.begin() as session:  # commits: see the class docstring
-            return lexical_search(session, query, filters, limit)
+            return lexical_search(session, query, filters, limit, self._deadline)
 
     def search_lines(
         self, queries: Sequence[LineQuery], filters: SearchFilters, limit: int, extension_version: str
@@ -119,9 +128,9 @@ class SearchStore:
         """The hits of each line, in one transaction: lexical for a text, nearest facts for a vector."""
         with self._factory.begin() as session:  # commits: see the class docstring
             return [
-                lexical_search(session, query, filters, limit)[0]
+                lexical_search(session, query, filters, limit, self._deadline)[0]
                 if isinstance(query, str)
-                else _vector_search(session, query, filters, limit, extension_version)
+                else _vector_search(session, query, filters, limit, extension_version, self._deadline)
                 for query in queries
             ]
 
@@ -196,12 +205,21 @@ def vector_search_status(session: Session) -> VectorSearchStatus:
 
 
 def _vector_search(
-    session: Session, vector: Sequence[float], filters: SearchFilters, limit: int, extension_version: str
+    session: Session,
+    vector: Sequence[float],
+    filters: SearchFilters,
+    limit: int,
+    extension_version: str,
+    deadline: Deadline | None = None,
 ) -> list[Hit]:
     """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]."""
     problem = dimensions_problem([vector])
     if problem:
         raise SearchError(problem)
+    if deadline is not None:
+        deadline.check()
+        timeout = f"{deadline.remaining_ms()}ms"
+        session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": timeout})
     where, params = filter_sql(filters)
     # Filters are applied after the index scan: look at enough neighbours that a filtered search
     # still fills its list (pgvector >= 0.8 keeps scanning on its own with iterative scans).
@@ -213,14 +231,19 @@ def _vector_search(
     # ORDER BY the distance alone: the HNSW index can only yield that order, and any second sort key
     # (a tie-break on f.id) makes the planner scan and sort every vector instead (bench/search.py).
     # Ties are broken below, after the fetch.
-    rows = session.execute(
-        text(
-            "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
-            "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
-            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
-        ),
-        params,
-    ).all()
+    try:
+        rows = session.execute(
+            text(
+                "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
+                "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
+                f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
+            ),
+            params,
+        ).all()
+    except DBAPIError as exc:
+        if deadline is not None and statement_timed_out(exc):
+            raise deadline.passed() from exc
+        raise
     # Orthogonal or opposite vectors share nothing with the query: not a hit, however near in rank.
     hits = [Hit(row[0], min(1.0, 1.0 - float(row[1]))) for row in rows if float(row[1]) < 1.0]
     # relaxed_order may return neighbours slightly out of order.

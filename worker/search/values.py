@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -14,12 +15,45 @@ from worker.core.fusion import SearchLine
 from worker.core.moments import as_utc
 from worker.search.errors import SearchError
 
+# One search's database work, every line together: each statement is cut at the lexical limit too, but a
+# document of 20 lex: lines of broad words ran 10 statements each, and held a connection and a thread
+# for minutes (the per-minute rate limit does not bound searches running at once).
+SEARCH_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When one search's database work must have ended."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float | None = None) -> Deadline:
+        return cls(time.monotonic() + (SEARCH_SECONDS if seconds is None else seconds))
+
+    def remaining_ms(self) -> int:
+        return max(1, int((self.at - time.monotonic()) * 1000))
+
+    def check(self) -> None:
+        """SearchError once the time is up (checked before each statement)."""
+        if time.monotonic() >= self.at:
+            raise self.passed()
+
+    @staticmethod
+    def passed() -> SearchError:
+        return SearchError(
+            f"the search ran past its {SEARCH_SECONDS:g} s limit; search fewer lines or rarer words"
+        )
+
+
 __all__ = [
     "DEFAULT_LIMIT",
     "HNSW_EF_SEARCH",
     "MAX_LIMIT",
     "MAX_QUERY_CHARS",
     "MIN_CANDIDATES",
+    "SEARCH_SECONDS",
+    "Deadline",
     "EmbedReport",
     "SearchFilters",
     "SearchOutcome",
