@@ -951,3 +951,29 @@ def test_a_page_that_stops_being_extracted_sends_its_orphans_to_consolidation(fa
     with factory() as session:
         subjects = session.scalars(select(Job.subject).where(Job.kind == "consolidation")).all()
     assert subjects == [f"default|{ALICE}"]
+
+
+def test_a_fact_a_late_one_ends_earlier_lets_its_later_restatement_answer(tx_factory, llm) -> None:
+    # Paris (Jan 10) and Paris again (Mar 1, its duplicate); Berlin (Apr 1) closed January's Paris.
+    # Lyon (Feb 1) arrived late: slotted into Berlin's chain, January's Paris ends at Lyon's start,
+    # and March's Paris, a duplicate of a fact ended before it was said, answered nothing: as of Mar 15
+    # only Lyon. Now it is reopened and decided again in the same run: Paris from March 1 until Berlin.
+    arrive(
+        tx_factory,
+        llm,
+        lives("2026-01-10", "Paris"),
+        lives("2026-03-01", "Paris"),
+        lives("2026-04-01", "Berlin"),
+    )
+    arrive(tx_factory, llm, lives("2026-02-01", "Lyon"))
+    facts = alice(tx_factory)
+    january, march = facts["Alice Example lives in Paris now."]
+    lyon, berlin = (
+        facts["Alice Example lives in Lyon now."][0],
+        facts["Alice Example lives in Berlin now."][0],
+    )
+    at = lambda day: datetime.fromisoformat(f"2026-{day}T09:00:00+00:00")  # noqa: E731
+    assert (january.superseded_by, january.valid_to) == (lyon.id, at("02-01"))
+    assert (march.status, march.superseded_by, march.valid_to) == ("superseded", berlin.id, at("04-01"))
+    assert (lyon.superseded_by, lyon.valid_to) == (march.id, at("03-01"))
+    assert berlin.status == "current"

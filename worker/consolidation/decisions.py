@@ -151,20 +151,27 @@ def _slot_into_chain(
         rows.append(
             (new_id, Row(old.id, "updates", "rule", SLOTTED_REASON.format(old=old.id, newer=newer_id)))
         )
+        # It ends earlier now: what restated it after this end restates it once it had changed.
+        rows += _reopen_restatements_after(session, old.id, new_id, start)
     return rows
 
 
 def _reopen_later_restatements(session: Session, closing: Supersession) -> list[tuple[int, Row]]:
+    return _reopen_restatements_after(session, closing.older.id, closing.newer.id, closing.newer.since)
+
+
+def _reopen_restatements_after(
+    session: Session, older_id: int, newer_id: int, closed_at: datetime | None
+) -> list[tuple[int, Row]]:
     """A fact closed now (by one that arrived late) may have duplicates said after the closing, in
     earlier runs: each restates it once it had changed ("Paris" in June, after "Berlin" in March),
     so it is current again, as ``reopen_restatements`` decides within one run; as a duplicate of a
     closed fact it answered nothing."""
-    closed_at = closing.newer.since
     if closed_at is None:
         return []
     duplicates = session.execute(
         select(Fact.id, Fact.valid_from, Fact.context, Fact.created_at).where(
-            Fact.duplicate_of == closing.older.id, Fact.status == DUPLICATE
+            Fact.duplicate_of == older_id, Fact.status == DUPLICATE
         )
     ).all()
     rows: list[tuple[int, Row]] = []
@@ -178,8 +185,8 @@ def _reopen_later_restatements(session: Session, closing: Supersession) -> list[
             .where(Fact.id == dup.id)
             .values(status=CURRENT, duplicate_of=None, consolidated_at=None)
         )
-        reason = RESTATED_REASON.format(old=closing.older.id, newer=closing.newer.id)
-        rows.append((dup.id, Row(closing.older.id, "new", "rule", reason)))
+        reason = RESTATED_REASON.format(old=older_id, newer=newer_id)
+        rows.append((dup.id, Row(older_id, "new", "rule", reason)))
     return rows
 
 
