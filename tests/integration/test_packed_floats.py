@@ -73,20 +73,20 @@ def test_fill_embeddings_stores_each_facts_own_vector_and_keeps_one_already_ther
     with tx_factory.begin() as session:
         session.execute(text("UPDATE facts SET embedding = '{9,9,9}' WHERE id = :id"), {"id": ids[2]})
     vectors = [[float(n), n + 0.5, -n / 3] for n in range(4)]
-    assert store.fill_embeddings(ids, vectors) == 3  # the third had one: a concurrent writer's stays
+    assert store.fill_embeddings(ids, vectors, model="m") == 3  # the third had one: a concurrent writer's stays
     with tx_factory() as session:
         stored = dict(session.execute(select(Fact.id, Fact.embedding).where(Fact.id.in_(ids))).all())
     assert [stored[i] for i in ids] == [vectors[0], vectors[1], [9.0, 9.0, 9.0], vectors[3]]
-    assert store.fill_embeddings([], []) == 0
+    assert store.fill_embeddings([], [], model="m") == 0
 
 
 def test_fill_embeddings_refuses_vectors_of_different_sizes(tx_factory: sessionmaker[Session]) -> None:
     store = SearchStore(tx_factory, Ledger(lambda key: None))
     ids = facts(tx_factory, 2)
     with pytest.raises(ValueError, match="same number of dimensions"):
-        store.fill_embeddings(ids, [[1.0, 2.0], [1.0]])
+        store.fill_embeddings(ids, [[1.0, 2.0], [1.0]], model="m")
     with pytest.raises(ValueError, match="2 facts but 1 embeddings"):
-        store.fill_embeddings(ids, [[1.0, 2.0]])
+        store.fill_embeddings(ids, [[1.0, 2.0]], model="m")
 
 
 def test_fill_embeddings_records_the_call_that_bought_them_with_them(
@@ -96,7 +96,7 @@ def test_fill_embeddings_records_the_call_that_bought_them_with_them(
     ids = facts(tx_factory, 2)
     # A model the list prices know, so the row's cost shows the ledger costed it.
     call = LLMCallRecord("fact_embedding", "openai", "gpt-4o-mini", Usage(input_tokens=1_000_000), 12, "ok")
-    assert store.fill_embeddings(ids, [[1.0], [2.0]], call=call) == 2
+    assert store.fill_embeddings(ids, [[1.0], [2.0]], model="m", call=call) == 2
     with tx_factory() as session:
         rows = session.execute(select(LLMCall.purpose, LLMCall.input_tokens, LLMCall.cost_usd)).all()
     assert [(purpose, tokens) for purpose, tokens, _ in rows] == [("fact_embedding", 1_000_000)]

@@ -1052,6 +1052,38 @@ def test_plain_query_fuses_lex_vec_and_expansions(
     assert top.vec_score is not None
 
 
+def test_a_query_is_compared_only_with_vectors_of_its_own_model(
+    vector_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    # Only the dimension was checked: after a change of embedding model of the same size, queries of
+    # the new model were compared with facts of the old one (near-random neighbours at full weight).
+    seed(vector_factory)
+    old = sim_client(simulator)
+    new = OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        embedding_model="other-embed-2",
+    )
+    embed_facts(vector_factory, old)
+    assert [h for h in search(vector_factory, old, "vec: greyhound pixel").results]
+    assert search(vector_factory, new, "vec: greyhound pixel").results == ()
+    # Vectors made before models were kept are compared with any query, as before.
+    with vector_factory.begin() as session:
+        session.execute(text("UPDATE facts SET embedding_model = NULL"))
+    assert search(vector_factory, new, "vec: greyhound pixel").results
+    report = embed_facts(vector_factory, new, every=True)  # `factmill embed --reembed`
+    assert report.embedded == len(CORPUS) + 61
+    with vector_factory() as session:
+        models = set(session.scalars(text("SELECT DISTINCT embedding_model FROM facts WHERE NOT is_audit")))
+    assert models == {"other-embed-2"}
+    assert (
+        search(vector_factory, new, "vec: greyhound pixel").results[0].fact
+        == "Bob adopted a greyhound named Pixel"
+    )
+    assert search(vector_factory, old, "vec: greyhound pixel").results == ()
+
+
 def test_vector_filters_and_audit(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
     seed(vector_factory)
     with vector_factory.begin() as session:  # an audit row with an embedding still never shows

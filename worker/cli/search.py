@@ -145,6 +145,14 @@ def embed_command(
     batch_size: Annotated[
         int | None, typer.Option(min=1, max=2048, help="Facts per embedding call (default from settings).")
     ] = None,
+    reembed: Annotated[
+        bool,
+        typer.Option(
+            "--reembed",
+            help="Embed every fact again, replacing its vector: after a change of embedding model (a "
+            "search compares a query only with vectors of its own model).",
+        ),
+    ] = False,
 ) -> None:
     """Embed every fact that has no embedding yet (and set up the pgvector store when the server has it)."""
     settings = get_settings()
@@ -156,7 +164,11 @@ def embed_command(
 
     try:
         report = embed_facts(
-            factory, runtime.llm, batch_size or settings.search_embed_batch_size, progress=progress
+            factory,
+            runtime.llm,
+            batch_size or settings.search_embed_batch_size,
+            progress=progress,
+            every=reembed,
         )
     except (SearchError, LLMError) as exc:  # LLMError: no embeddings API, the provider, a spent budget
         raise _fail(str(exc)) from exc

@@ -123,11 +123,13 @@ def embed_facts(
     progress: Callable[[EmbedReport], None] | None = None,
     set_up_vector_store: bool = True,
     ledger: Ledger | None = None,
+    every: bool = False,
 ) -> EmbedReport:
-    """Backfill embeddings for every fact that has none (see worker.search.service.embed_facts)."""
+    """Backfill embeddings for every fact that has none, or ``every`` fact (see
+    worker.search.service.embed_facts)."""
     store = open_store(factory, ledger)
     return service.embed_facts(
-        store, llm, batch_size, progress=progress, set_up_vector_store=set_up_vector_store
+        store, llm, batch_size, progress=progress, set_up_vector_store=set_up_vector_store, every=every
     )
 
 

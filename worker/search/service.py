@@ -147,11 +147,13 @@ def expand_query(
     return parse_expansion(response.text, query), None
 
 
-def embed_texts(store: SearchStore, llm: LLMClient, texts: list[str], purpose: str) -> list[list[float]]:
-    """One embedding call for ``texts``, accounted under ``purpose``; a provider error is raised."""
+def embed_texts(
+    store: SearchStore, llm: LLMClient, texts: list[str], purpose: str
+) -> tuple[list[list[float]], str]:
+    """One embedding call for ``texts``, accounted under ``purpose``: (the vectors, their model)."""
     vectors, call = _call_embeddings(store, llm, texts, purpose)
     _record(store, call)
-    return vectors
+    return vectors, call.model
 
 
 def _call_embeddings(
@@ -322,12 +324,14 @@ def _run_lines(
         return []
     vector_lines = [line for line in lines if line.type != "lex"]
     vectors: list[list[float]] = []
+    model: str | None = None
     if vector_lines:
         client = resolve_llm(llm)
         if client is None:
             raise SearchError("vec: and hyde: lines need an LLM gateway to embed them; none is configured")
         try:
-            vectors = embed_texts(store, client, [line.query for line in vector_lines], EMBEDDING_PURPOSE)
+            texts = [line.query for line in vector_lines]
+            vectors, model = embed_texts(store, client, texts, EMBEDDING_PURPOSE)
         except BudgetExhaustedError:
             raise
         except NoEmbeddingsError as exc:  # the deployment's, for good: unavailable, not failed (no retry)
@@ -341,7 +345,7 @@ def _run_lines(
             raise EmbeddingFailedError(f"vector search failed: {problem}")
     by_line = iter(vectors)
     queries: list[LineQuery] = [line.query if line.type == "lex" else next(by_line) for line in lines]
-    hits = store.search_lines(queries, filters, candidates, status.extension_version or "0")
+    hits = store.search_lines(queries, filters, candidates, status.extension_version or "0", model)
     return [(replace(line, hits=len(found)), found) for line, found in zip(lines, hits, strict=True)]
 
 
@@ -383,7 +387,13 @@ def _build_results(
 # --------------------------------------------------------------------------- embeddings
 
 
-def _embed_rows(store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed], report: EmbedReport) -> None:
+def _embed_rows(
+    store: SearchStore,
+    llm: LLMClient,
+    rows: Sequence[FactToEmbed],
+    report: EmbedReport,
+    replace: bool = False,
+) -> None:
     texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
     vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
     problem = dimensions_problem(vectors)
@@ -392,7 +402,8 @@ def _embed_rows(store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed],
         raise SearchError(problem)
     try:
         # The call's llm_calls row commits with the vectors it bought: one transaction, not two.
-        stored = store.fill_embeddings([row.id for row in rows], vectors, call=call)
+        ids = [row.id for row in rows]
+        stored = store.fill_embeddings(ids, vectors, model=call.model, call=call, replace=replace)
     except Exception:
         _record(store, call)  # the vectors could not be stored; the call was paid all the same
         raise
@@ -408,8 +419,10 @@ def embed_facts(
     *,
     progress: Callable[[EmbedReport], None] | None = None,
     set_up_vector_store: bool = True,
+    every: bool = False,
 ) -> EmbedReport:
-    """Backfill embeddings for every fact that has none (audit rows excluded), in id order.
+    """Backfill embeddings for every fact that has none (``every``: every fact, replacing what it has:
+    after a change of embedding model), audit rows excluded, in id order.
 
     First sets up the pgvector store (unless told not to) when the server has the extension but
     this database has no store yet. Embeddings land in ``facts.embedding``; triggers copy them to
@@ -420,8 +433,8 @@ def embed_facts(
     status = store.enable_vector_search() if set_up_vector_store else store.status()
     report = EmbedReport(vector_search="available" if status.available else "unavailable")
     last_id = 0
-    while rows := store.facts_to_embed(after_id=last_id, limit=batch_size):
-        _embed_rows(store, llm, rows, report)
+    while rows := store.facts_to_embed(after_id=last_id, limit=batch_size, every=every):
+        _embed_rows(store, llm, rows, report, replace=every)
         last_id = rows[-1].id
         if progress is not None:
             progress(report)

@@ -63,6 +63,7 @@ _RESULT_NEIGHBOURS = (
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
+_TO_REEMBED = "SELECT id, fact, entity_slug FROM facts WHERE NOT is_audit AND id > :last ORDER BY id LIMIT :n"
 _PAGES_TO_EMBED = text(
     _TO_EMBED.format(
         where="(source_id, source_markdown_slug) IN "
@@ -72,9 +73,10 @@ _PAGES_TO_EMBED = text(
 # The vectors arrive end to end in one packed float8[] (models.packed): fact n's is its n-th slice.
 _FILL_EMBEDDINGS = text(
     """
-    UPDATE facts AS f SET embedding = (CAST(:vectors AS float8[]))[(v.n - 1) * :dim + 1 : v.n * :dim]
+    UPDATE facts AS f SET embedding = (CAST(:vectors AS float8[]))[(v.n - 1) * :dim + 1 : v.n * :dim],
+        embedding_model = :model
     FROM unnest(CAST(:ids AS bigint[])) WITH ORDINALITY AS v(id, n)
-    WHERE f.id = v.id AND f.embedding IS NULL
+    WHERE f.id = v.id AND (f.embedding IS NULL OR :replace)
     RETURNING f.id
     """
 )
@@ -123,14 +125,19 @@ class SearchStore:
             return lexical_search(session, query, filters, limit, self._deadline)
 
     def search_lines(
-        self, queries: Sequence[LineQuery], filters: SearchFilters, limit: int, extension_version: str
+        self,
+        queries: Sequence[LineQuery],
+        filters: SearchFilters,
+        limit: int,
+        extension_version: str,
+        model: str | None = None,
     ) -> list[list[Hit]]:
         """The hits of each line, in one transaction: lexical for a text, nearest facts for a vector."""
         with self._factory.begin() as session:  # commits: see the class docstring
             return [
                 lexical_search(session, query, filters, limit, self._deadline)[0]
                 if isinstance(query, str)
-                else _vector_search(session, query, filters, limit, extension_version, self._deadline)
+                else _vector_search(session, query, filters, limit, extension_version, model, self._deadline)
                 for query in queries
             ]
 
@@ -150,10 +157,11 @@ class SearchStore:
                 neighbours.setdefault(result_id, []).append((row_num, fact))
         return facts, neighbours
 
-    def facts_to_embed(self, *, after_id: int, limit: int) -> list[FactToEmbed]:
-        """The next facts (audit rows excluded) with no embedding, in id order."""
+    def facts_to_embed(self, *, after_id: int, limit: int, every: bool = False) -> list[FactToEmbed]:
+        """The next facts (audit rows excluded) with no embedding (``every``: embedded or not), in id
+        order."""
         with read_only(self._factory) as session:
-            sql = text(_TO_EMBED.format(where="id > :last") + " LIMIT :n")
+            sql = text(_TO_REEMBED if every else _TO_EMBED.format(where="id > :last") + " LIMIT :n")
             return list(session.execute(sql, {"last": after_id, "n": limit}).all())
 
     def pages_facts_to_embed(self, pages: Sequence[tuple[str, str]]) -> list[FactToEmbed]:
@@ -165,10 +173,17 @@ class SearchStore:
             return list(session.execute(_PAGES_TO_EMBED, params).all())
 
     def fill_embeddings(
-        self, ids: Sequence[int], vectors: Sequence[Sequence[float]], *, call: LLMCallRecord | None = None
+        self,
+        ids: Sequence[int],
+        vectors: Sequence[Sequence[float]],
+        *,
+        model: str,
+        call: LLMCallRecord | None = None,
+        replace: bool = False,
     ) -> int:
-        """Store embeddings where a fact has none yet; returns how many were stored. ``call``, the
-        embedding call that returned them, is recorded (costed by the ledger) in the same transaction."""
+        """Store embeddings of ``model`` where a fact has none yet (``replace``: in place of any);
+        returns how many were stored. ``call``, the embedding call that returned them, is recorded
+        (costed by the ledger) in the same transaction."""
         if len(ids) != len(vectors):
             raise ValueError(f"{len(ids)} facts but {len(vectors)} embeddings")
         if not ids:
@@ -176,7 +191,13 @@ class SearchStore:
         dim = len(vectors[0])
         if any(len(vector) != dim for vector in vectors):
             raise ValueError("the embeddings of one batch must all have the same number of dimensions")
-        params = {"ids": list(ids), "dim": dim, "vectors": PackedFloats(chain.from_iterable(vectors))}
+        params = {
+            "ids": list(ids),
+            "dim": dim,
+            "vectors": PackedFloats(chain.from_iterable(vectors)),
+            "model": model,
+            "replace": replace,
+        }
         with self._factory.begin() as session:
             if call is not None:
                 self._ledger.record(session, call)
@@ -210,9 +231,12 @@ def _vector_search(
     filters: SearchFilters,
     limit: int,
     extension_version: str,
+    model: str | None = None,
     deadline: Deadline | None = None,
 ) -> list[Hit]:
-    """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]."""
+    """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]: among the
+    facts whose vector ``model`` made (or whose model was not kept); another model's vectors are not
+    comparable, whatever their dimension."""
     problem = dimensions_problem([vector])
     if problem:
         raise SearchError(problem)
@@ -227,7 +251,8 @@ def _vector_search(
     session.execute(text("SELECT set_config('hnsw.ef_search', :ef, true)"), {"ef": str(ef_search)})
     if version_tuple(extension_version) >= (0, 8):
         session.execute(text("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"))
-    params |= {"qv": vector_literal(vector), "limit": limit}
+    params |= {"qv": vector_literal(vector), "limit": limit, "model": model}
+    where += " AND (f.embedding_model IS NULL OR CAST(:model AS text) IS NULL OR f.embedding_model = :model)"
     # ORDER BY the distance alone: the HNSW index can only yield that order, and any second sort key
     # (a tie-break on f.id) makes the planner scan and sort every vector instead (bench/search.py).
     # Ties are broken below, after the fetch.
