@@ -977,3 +977,26 @@ def test_a_fact_a_late_one_ends_earlier_lets_its_later_restatement_answer(tx_fac
     assert (march.status, march.superseded_by, march.valid_to) == ("superseded", berlin.id, at("04-01"))
     assert (lyon.superseded_by, lyon.valid_to) == (march.id, at("03-01"))
     assert berlin.status == "current"
+
+
+def test_vectors_of_another_embedding_model_are_not_compared(tx_factory, llm) -> None:
+    # After a change of embedding model, the pending facts' vectors were compared with the old model's:
+    # near-random cosines ranked the candidates (and could call a pair near-identical).
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    consolidate(tx_factory, llm)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, MAR_PAGE)
+    with tx_factory.begin() as session:
+        session.execute(text("UPDATE facts SET embedding = '{1,0,0}', embedding_model = 'p/old'"))
+        session.execute(
+            text("UPDATE facts SET embedding_model = 'p/new' WHERE consolidated_at IS NULL AND NOT is_audit")
+        )
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    pending, pool = store.entity_facts("default", ALICE)
+    assert pending and pool
+    assert all(f.embedding is not None for f in pending)
+    assert all(f.embedding is None for f in pool), "another model's vectors are left out"
+    with tx_factory.begin() as session:  # vectors whose model was not kept: compared, as before
+        session.execute(text("UPDATE facts SET embedding_model = NULL WHERE consolidated_at IS NOT NULL"))
+    assert all(f.embedding is not None for f in store.entity_facts("default", ALICE)[1])

@@ -73,7 +73,8 @@ def test_fill_embeddings_stores_each_facts_own_vector_and_keeps_one_already_ther
     with tx_factory.begin() as session:
         session.execute(text("UPDATE facts SET embedding = '{9,9,9}' WHERE id = :id"), {"id": ids[2]})
     vectors = [[float(n), n + 0.5, -n / 3] for n in range(4)]
-    assert store.fill_embeddings(ids, vectors, model="m") == 3  # the third had one: a concurrent writer's stays
+    # The third had one: a concurrent writer's stays.
+    assert store.fill_embeddings(ids, vectors, model="m") == 3
     with tx_factory() as session:
         stored = dict(session.execute(select(Fact.id, Fact.embedding).where(Fact.id.in_(ids))).all())
     assert [stored[i] for i in ids] == [vectors[0], vectors[1], [9.0, 9.0, 9.0], vectors[3]]

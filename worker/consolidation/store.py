@@ -60,6 +60,7 @@ _ENTITY_FACTS = (
         Fact.kind,
         Fact.valid_from,
         func.array_send(Fact.embedding).label("embedding"),
+        Fact.embedding_model,
         Fact.context,
         Fact.created_at,
     )
@@ -69,8 +70,12 @@ _ENTITY_FACTS = (
 )
 
 
-def _view(row: Any) -> FactView:
-    vector = unpack_floats(row.embedding) if row.embedding is not None else None
+def _view(row: Any, model: str | None) -> FactView:
+    """The rules' view of a fact row; its vector only when ``model`` (the pending facts' embedding
+    model) made it, or either is unknown: vectors of two models are not comparable (after a change of
+    model, near-random cosines ranked the candidates until `factmill embed --reembed`)."""
+    comparable = row.embedding_model is None or model is None or row.embedding_model == model
+    vector = unpack_floats(row.embedding) if row.embedding is not None and comparable else None
     said = said_at(row.context, row.created_at)
     return FactView(row.id, row.fact, row.kind, row.valid_from, vector or None, row.id, said)
 
@@ -90,7 +95,16 @@ class ConsolidationStore:
         mine = _ENTITY_FACTS.where(Fact.source_id == source_id, _entity(entity_key))
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
-            pending = [_view(row) for row in session.execute(mine.where(Fact.consolidated_at.is_(None)))]
+            unconsolidated = (~Fact.is_audit, Fact.source_id == source_id, _entity(entity_key))
+            model = session.scalar(  # the model most pending facts were embedded by (None: none was)
+                select(Fact.embedding_model)
+                .where(*unconsolidated, Fact.consolidated_at.is_(None), Fact.embedding_model.is_not(None))
+                .group_by(Fact.embedding_model)
+                .order_by(func.count().desc(), Fact.embedding_model)
+                .limit(1)
+            )
+            rows = session.execute(mine.where(Fact.consolidated_at.is_(None)))
+            pending = [_view(row, model) for row in rows]
             if not pending:
                 return [], []
             decided = mine.where(
@@ -98,7 +112,7 @@ class ConsolidationStore:
                 Fact.status == CURRENT,
                 Fact.kind.in_(sorted({fact.kind for fact in pending})),
             )
-            return pending, [_view(row) for row in session.execute(decided)]
+            return pending, [_view(row, model) for row in session.execute(decided)]
 
     def repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or

@@ -37,7 +37,7 @@ from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core import progress
 from worker.core.checkpoint import segment_hash
-from worker.extraction.backfill_request import BackfillSelection
+from worker.extraction.backfill_request import BackfillSelection, BatchSendFailedError
 from worker.extraction.backfill_store import (
     SEND_FAILED,
     BackfillSegmentStore,
@@ -453,7 +453,7 @@ class BackfillPass:
             # Nothing left to collect: the job waits for budget, or retries the send with backoff (and
             # fails once its attempts are spent). While paid batches are out it waits on them instead
             # (a failed job strands them: nothing polls it), sending again every RESEND_AFTER_SECONDS.
-            raise stopped
+            raise stopped if isinstance(stopped, BudgetExhaustedError) else BatchSendFailedError(str(stopped))
         if open_batches:
             return PassResult(False, open_batches, "running", troubled=self.troubled)
         status = "cancelled" if self.cancelling() else "done"

@@ -6,14 +6,13 @@ from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
 from worker.extraction.backfill import BackfillDeps, BackfillNotFoundError, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
-from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
+from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES, BatchSendFailedError
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.llm.batches import open_batch_client
-from worker.llm.errors import LLMError, provider_unavailable
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -84,9 +83,7 @@ KIND = register(
             ErrorRule(CheckpointConflictError, "retry"),
             ErrorRule(BackfillNotFoundError, "fail"),
             ErrorRule(LLMConfigurationError, "fail"),
-            # A send that failed once no batch was left in flight: the job's own error, on its attempts
-            # (its resends already waited RESEND_AFTER_SECONDS apart), not the outage rule's losses.
-            ErrorRule(LLMError, "retry", when=provider_unavailable),
+            ErrorRule(BatchSendFailedError, "retry"),  # the job's own: its attempts, not losses
         ),
         pause_reasons=(WAITING_FOR_BATCHES,),
     )

@@ -56,6 +56,11 @@ class BackfillSelection:
         )
 
 
+class BatchSendFailedError(RuntimeError):
+    """A batch's send failed and no batch is left in flight to wait on: the job's own error, retried on
+    its attempts (the sends already waited RESEND_AFTER_SECONDS apart), whatever the provider said."""
+
+
 class NothingToBackfillError(LookupError):
     """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
 

@@ -189,7 +189,7 @@ class SegmentCommitter:
                 self.store.record_attempts(place, result.attempts, permanent=result.permanent)
                 handed.add(index)
                 self.progress.segment_finished(plan.slug, result.outcome)
-                self.discard(plan.slug, batch[position + 1 :])
+                self.discard(plan.slug, batch[position + 1 :], handed)
                 return self.fail_page(report, index, result, failures=failures)
             first_row = expected.next_row_num if expected else 0
             first_row += sum(len(c.facts) for c, _ in pending)
@@ -200,8 +200,9 @@ class SegmentCommitter:
                 pending = []
         return self._commit_run(plan, pending, expected, report)
 
-    def discard(self, slug: str, rest: Sequence[SegmentResult3]) -> None:
-        """Results the page got but cannot use (after a failed segment): recorded, facts unused."""
+    def discard(self, slug: str, rest: Sequence[SegmentResult3], handed: set[int] | None = None) -> None:
+        """Results the page got but cannot use (after a failed segment): recorded, facts unused (each
+        added to ``handed`` once recorded, so a failure part way does not record it twice)."""
         for index, segment, result in rest:
             self.store.record_attempts(
                 self.planner.place(slug, index, segment),
@@ -209,6 +210,8 @@ class SegmentCommitter:
                 note=DISCARDED_UNUSED,
                 permanent=result.permanent,
             )
+            if handed is not None:
+                handed.add(index)
 
     def _commit_run(
         self,

@@ -74,10 +74,10 @@ class LLMError(Exception):
 
 def provider_unavailable(exc: BaseException) -> bool:
     """The provider said it cannot serve now (429, 5xx, 529) and the retry layer's patience ran out: an
-    outage, infrastructure's fault, not the job's. Timeouts and unreachable hosts are not counted: a
+    outage, infrastructure's fault, not the job's. Timeouts (408 too) and unreachable hosts are not: a
     request too large to finish in time, or a base URL that does not resolve, fails the same way on
     every try."""
-    return isinstance(exc, LLMError) and exc.retryable and exc.status is not None
+    return isinstance(exc, LLMError) and exc.retryable and exc.status is not None and exc.status != 408
 
 
 class NoEmbeddingsError(LLMError):

@@ -9,6 +9,7 @@ __all__ = [
     "UNAVAILABLE_NOT_SET_UP",
     "UNAVAILABLE_NO_EXTENSION",
     "UNCONFIGURED",
+    "DeadlineExceededError",
     "EmbeddingFailedError",
     "SearchError",
     "VectorSearchUnavailableError",
@@ -20,6 +21,10 @@ BUDGET_SPENT = "the search LLM budget for today is spent; lex: lines still work"
 
 class SearchError(ValueError):
     """A search that cannot run as asked; the message says what to change."""
+
+
+class DeadlineExceededError(SearchError):
+    """A search's database work ran past its time (worker.search.values.SEARCH_SECONDS)."""
 
 
 class VectorSearchUnavailableError(SearchError):

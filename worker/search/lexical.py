@@ -88,16 +88,20 @@ def lexical_search(
     holds are dropped, then the most common word, then the next, until some fact matches (the
     rarer words say more); a dropped word still adds to the score of the facts that hold it.
     """
+    if deadline is not None:
+        deadline.check()
     items = lex_items(parse_lex_query(query))
-    units, excluded = lex_units(items, _parse_items(session, items)) if items else ([], [])
+    try:
+        units, excluded = lex_units(items, _parse_items(session, items)) if items else ([], [])
+    except DBAPIError as exc:  # cut where an earlier line's statement_timeout left it: the time is up
+        if deadline is not None and statement_timed_out(exc):
+            raise deadline.passed() from exc
+        raise
     if not units:
         return [], True
-    # Each statement is cut at LEX_STATEMENT_TIMEOUT, or where the whole search's time ends if sooner.
-    limit_ms = (
-        _ms(LEX_STATEMENT_TIMEOUT)
-        if deadline is None
-        else min(_ms(LEX_STATEMENT_TIMEOUT), deadline.remaining_ms())
-    )
+    # Each statement is cut at LEX_STATEMENT_TIMEOUT, or where the read's time ends if sooner (set again
+    # before each statement once that is nearer: _bound).
+    limit_ms = _ms(LEX_STATEMENT_TIMEOUT) if deadline is None else _limit_ms(deadline)
     # The planner prices a tsvector match like any operator and so prefers a sequential scan once a
     # term is in a few percent of the rows; the GIN bitmap scan is several times faster there.
     # Disabling a scan only adds a huge cost to it, and a statement that must scan anyway (counting a
@@ -114,7 +118,7 @@ def lexical_search(
     try:
         hits = _ranked_matches(session, units, excluded, filters, limit, deadline)
     except DBAPIError as exc:  # the transaction is aborted, and its local settings with it
-        if statement_timed_out(exc) and deadline is not None and limit_ms < _ms(LEX_STATEMENT_TIMEOUT):
+        if statement_timed_out(exc) and deadline is not None and deadline.expired(slack=0.05):
             raise deadline.passed() from exc
         if statement_timed_out(exc):
             raise SearchError(
@@ -264,6 +268,21 @@ def _ms(duration: str) -> int:
     return int(duration[:-2]) if duration.endswith("ms") else int(float(duration[:-1]) * 1000)
 
 
+def _limit_ms(deadline: Deadline) -> int:
+    return min(_ms(LEX_STATEMENT_TIMEOUT), deadline.remaining_ms())
+
+
+def _bound(session: Session, deadline: Deadline | None) -> None:
+    """Before a statement: the read's time is not up, and the statement stops where it ends when that
+    is nearer than LEX_STATEMENT_TIMEOUT (a round trip only then)."""
+    if deadline is None:
+        return
+    deadline.check()
+    limit_ms = _limit_ms(deadline)
+    if limit_ms < _ms(LEX_STATEMENT_TIMEOUT):
+        session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{limit_ms}ms"})
+
+
 def _ranked_matches(
     session: Session,
     units: list[LexUnit],
@@ -280,6 +299,7 @@ def _ranked_matches(
     a longer word. A broad prefix (in a million facts, one word's prefix matched 59,196 of them) is
     then ranked only when the exact word is too rare to fill the list.
     """
+    _bound(session, deadline)
     dfs, total = _document_frequencies(session, units, filters.source_ids)
     where, params = filter_sql(filters)
     params["limit"] = limit
@@ -288,8 +308,7 @@ def _ranked_matches(
     order = rarest_first(dfs)
 
     def ranked(kept: list[int], exact: bool) -> list[Any]:
-        if deadline is not None:
-            deadline.check()
+        _bound(session, deadline)
         matches = {i: units[i].exact if exact and units[i].exact else units[i].match for i in kept}
         match = " & ".join(matches.values()) + negation
         rarest = min(kept, key=lambda i: dfs[i])
@@ -322,6 +341,7 @@ def _ranked_matches(
     # superseded facts, or only in another source, counted as present; halving kept it (the rarest) in
     # every try and the answer was empty, while a word found nowhere was dropped: an empty answer told
     # a key limited to one source that the word was in another's facts.
+    _bound(session, deadline)
     visible = _visible_units(session, units, where, params)
     order = [i for i in order if visible[i]]
     tried_all = len(order) == present  # the first try held every visible unit (no hidden one)

@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+from worker.accounting import LLMCallRecord
 from worker.core.errors import LLMConfigurationError
 from worker.llm.types import LLMClient
 from worker.search.errors import UNCONFIGURED, VectorSearchUnavailableError
@@ -14,6 +15,12 @@ from worker.search.errors import UNCONFIGURED, VectorSearchUnavailableError
 logger = logging.getLogger(__name__)
 
 LLMSource = LLMClient | Callable[[], LLMClient] | None
+
+
+def vector_model(call: LLMCallRecord) -> str:
+    """What names a vector's model (facts.embedding_model): the provider and the model it answered
+    with (an OpenAI-compatible server and OpenAI may both answer "text-embedding-3-small")."""
+    return f"{call.provider}/{call.model}"
 
 
 @functools.cache
@@ -35,4 +42,4 @@ def resolve_llm(llm: LLMSource) -> LLMClient | None:
         raise VectorSearchUnavailableError(UNCONFIGURED) from exc
 
 
-__all__ = ["LLMSource", "resolve_llm"]
+__all__ = ["LLMSource", "resolve_llm", "vector_model"]

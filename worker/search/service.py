@@ -52,11 +52,12 @@ from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
+    DeadlineExceededError,
     EmbeddingFailedError,
     SearchError,
     VectorSearchUnavailableError,
 )
-from worker.search.llm_source import LLMSource, resolve_llm
+from worker.search.llm_source import LLMSource, resolve_llm, vector_model
 from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
 from worker.search.store import FactToEmbed, LineQuery, SearchStore
 from worker.search.values import (
@@ -64,7 +65,6 @@ from worker.search.values import (
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
     MIN_CANDIDATES,
-    Deadline,
     EmbedReport,
     SearchFilters,
     SearchOutcome,
@@ -139,9 +139,8 @@ def expand_query(
         logger.warning("query expansion failed: %s", error_summary(exc))
         _record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
         return [], "query expansion failed (the LLM did not answer); searched the query alone"
-    _record(
-        store, _answered(EXPANSION_PURPOSE, response, "ok" if response.finish == "end" else response.finish)
-    )
+    outcome = "ok" if response.finish == "end" else response.finish
+    _record(store, _answered(EXPANSION_PURPOSE, response, outcome))
     if response.finish == "refusal":
         return [], "query expansion was refused by the model; searched the query alone"
     return parse_expansion(response.text, query), None
@@ -153,7 +152,7 @@ def embed_texts(
     """One embedding call for ``texts``, accounted under ``purpose``: (the vectors, their model)."""
     vectors, call = _call_embeddings(store, llm, texts, purpose)
     _record(store, call)
-    return vectors, call.model
+    return vectors, vector_model(call)
 
 
 def _call_embeddings(
@@ -194,13 +193,11 @@ class _Gathered:
 
 
 def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> SearchOutcome:
-    """Run a plain query or a structured query document over the facts.
-
-    ``llm`` (a client, or a callable returning one, so callers can open it lazily) embeds vec/hyde
-    lines and expands plain queries; with None, plain queries are searched lexically only.
-    Raises ``QueryParseError`` for a bad query document, ``VectorSearchUnavailableError`` for
-    vec:/hyde: lines without pgvector, and ``SearchError`` for other requests that cannot run.
-    """
+    """Run a plain query or a structured query document over the facts. ``llm`` (a client, or a
+    callable returning one, opened lazily) embeds vec/hyde lines and expands plain queries; with None,
+    plain queries are searched lexically only. Raises ``QueryParseError`` for a bad query document,
+    ``VectorSearchUnavailableError`` for vec:/hyde: lines without vector search, and ``SearchError``
+    (``DeadlineExceededError``: past SEARCH_SECONDS) for other requests that cannot run."""
     started = time.perf_counter()
     query, limit, filters = request.query, request.limit, request.filters
     if not 1 <= limit <= MAX_LIMIT:
@@ -215,7 +212,7 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
             "searched in one request"
         )
     candidates = max(MIN_CANDIDATES, limit * 3)
-    store = store.with_deadline(Deadline.after())  # every line's statements end within SEARCH_SECONDS
+    store = store.bounded()  # each read's statements end within SEARCH_SECONDS
     status = store.status()
     if parsed is not None:
         gathered = _structured_lists(store, llm, parsed, intent, filters, candidates, status)
@@ -301,6 +298,8 @@ def _plain_lists(
         gathered.expanded = bool(expansion)
     try:
         gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
+    except DeadlineExceededError:  # the probe's answer stands
+        gathered.notes.append("the lines added to the query were skipped: the search ran out of time")
     except (BudgetExhaustedError, EmbeddingFailedError, VectorSearchUnavailableError) as exc:
         # The vector lines a plain query adds are a bonus: without budget, while the embedding provider
         # fails, or where it has none, the lexical lines still run.
@@ -388,12 +387,8 @@ def _build_results(
 
 
 def _embed_rows(
-    store: SearchStore,
-    llm: LLMClient,
-    rows: Sequence[FactToEmbed],
-    report: EmbedReport,
-    replace: bool = False,
-) -> None:
+    store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed], report: EmbedReport, replace: bool
+) -> str:
     texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
     vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
     problem = dimensions_problem(vectors)
@@ -403,13 +398,14 @@ def _embed_rows(
     try:
         # The call's llm_calls row commits with the vectors it bought: one transaction, not two.
         ids = [row.id for row in rows]
-        stored = store.fill_embeddings(ids, vectors, model=call.model, call=call, replace=replace)
+        stored = store.fill_embeddings(ids, vectors, model=vector_model(call), call=call, replace=replace)
     except Exception:
         _record(store, call)  # the vectors could not be stored; the call was paid all the same
         raise
     report.embedded += stored
     report.skipped += len(rows) - stored
     report.batches += 1
+    return vector_model(call)
 
 
 def embed_facts(
@@ -433,8 +429,9 @@ def embed_facts(
     status = store.enable_vector_search() if set_up_vector_store else store.status()
     report = EmbedReport(vector_search="available" if status.available else "unavailable")
     last_id = 0
-    while rows := store.facts_to_embed(after_id=last_id, limit=batch_size, every=every):
-        _embed_rows(store, llm, rows, report, replace=every)
+    model: str | None = None
+    while rows := store.facts_to_embed(after_id=last_id, limit=batch_size, every=every, model=model):
+        model = _embed_rows(store, llm, rows, report, replace=every)
         last_id = rows[-1].id
         if progress is not None:
             progress(report)
@@ -475,7 +472,7 @@ def embed_pages_facts(
         report = EmbedReport()
         if not failed.is_set():
             try:
-                _embed_rows(store, llm, batch, report)
+                _embed_rows(store, llm, batch, report, False)
             except Exception as exc:
                 failed.set()
                 _could_not_embed(pages, exc)

@@ -63,7 +63,12 @@ _RESULT_NEIGHBOURS = (
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
-_TO_REEMBED = "SELECT id, fact, entity_slug FROM facts WHERE NOT is_audit AND id > :last ORDER BY id LIMIT :n"
+# Every fact again, but those the current model already made (known after the first call: a --reembed
+# run stopped part way starts over at the first fact, then skips what it did).
+_TO_REEMBED = (
+    "SELECT id, fact, entity_slug FROM facts WHERE NOT is_audit AND id > :last "
+    "AND (CAST(:model AS text) IS NULL OR embedding_model IS DISTINCT FROM :model) ORDER BY id LIMIT :n"
+)
 _PAGES_TO_EMBED = text(
     _TO_EMBED.format(
         where="(source_id, source_markdown_slug) IN "
@@ -91,16 +96,18 @@ class SearchStore:
     autocommit (``read_only``).
     """
 
-    def __init__(
-        self, factory: sessionmaker[Session], ledger: Ledger, deadline: Deadline | None = None
-    ) -> None:
+    def __init__(self, factory: sessionmaker[Session], ledger: Ledger, *, bounded: bool = False) -> None:
         self._factory = factory
         self._ledger = ledger
-        self._deadline = deadline  # the search's: its statements stop there (values.SEARCH_SECONDS)
+        self._bounded = bounded  # each read's statements end within values.SEARCH_SECONDS
 
-    def with_deadline(self, deadline: Deadline) -> SearchStore:
-        """This store for one search, whose lexical and vector reads all end by ``deadline``."""
-        return SearchStore(self._factory, self._ledger, deadline)
+    def bounded(self) -> SearchStore:
+        """This store for a search: each read (the probe; every line together) ends within
+        SEARCH_SECONDS, or raises DeadlineExceededError."""
+        return SearchStore(self._factory, self._ledger, bounded=True)
+
+    def _deadline(self) -> Deadline | None:
+        return Deadline.after() if self._bounded else None
 
     def status(self) -> VectorSearchStatus:
         with read_only(self._factory) as session:
@@ -122,7 +129,7 @@ class SearchStore:
     def lexical(self, query: str, filters: SearchFilters, limit: int) -> tuple[list[Hit], bool]:
         """(hits, whether they hold every word: False when words had to be dropped)."""
         with self._factory.begin() as session:  # commits: see the class docstring
-            return lexical_search(session, query, filters, limit, self._deadline)
+            return lexical_search(session, query, filters, limit, self._deadline())
 
     def search_lines(
         self,
@@ -133,11 +140,12 @@ class SearchStore:
         model: str | None = None,
     ) -> list[list[Hit]]:
         """The hits of each line, in one transaction: lexical for a text, nearest facts for a vector."""
+        deadline = self._deadline()
         with self._factory.begin() as session:  # commits: see the class docstring
             return [
-                lexical_search(session, query, filters, limit, self._deadline)[0]
+                lexical_search(session, query, filters, limit, deadline)[0]
                 if isinstance(query, str)
-                else _vector_search(session, query, filters, limit, extension_version, model, self._deadline)
+                else _vector_search(session, query, filters, limit, extension_version, model, deadline)
                 for query in queries
             ]
 
@@ -157,12 +165,14 @@ class SearchStore:
                 neighbours.setdefault(result_id, []).append((row_num, fact))
         return facts, neighbours
 
-    def facts_to_embed(self, *, after_id: int, limit: int, every: bool = False) -> list[FactToEmbed]:
-        """The next facts (audit rows excluded) with no embedding (``every``: embedded or not), in id
-        order."""
+    def facts_to_embed(
+        self, *, after_id: int, limit: int, every: bool = False, model: str | None = None
+    ) -> list[FactToEmbed]:
+        """The next facts (audit rows excluded) with no embedding (``every``: embedded or not, but not
+        by ``model``), in id order."""
         with read_only(self._factory) as session:
             sql = text(_TO_REEMBED if every else _TO_EMBED.format(where="id > :last") + " LIMIT :n")
-            return list(session.execute(sql, {"last": after_id, "n": limit}).all())
+            return list(session.execute(sql, {"last": after_id, "n": limit, "model": model}).all())
 
     def pages_facts_to_embed(self, pages: Sequence[tuple[str, str]]) -> list[FactToEmbed]:
         """The facts with no embedding of these (source id, slug) pages, in id order (one query)."""
@@ -240,6 +250,23 @@ def _vector_search(
     problem = dimensions_problem([vector])
     if problem:
         raise SearchError(problem)
+    try:
+        return _nearest(session, vector, filters, limit, extension_version, model, deadline)
+    except DBAPIError as exc:
+        if deadline is not None and statement_timed_out(exc):
+            raise deadline.passed() from exc
+        raise
+
+
+def _nearest(
+    session: Session,
+    vector: Sequence[float],
+    filters: SearchFilters,
+    limit: int,
+    extension_version: str,
+    model: str | None,
+    deadline: Deadline | None,
+) -> list[Hit]:
     if deadline is not None:
         deadline.check()
         timeout = f"{deadline.remaining_ms()}ms"
@@ -256,19 +283,14 @@ def _vector_search(
     # ORDER BY the distance alone: the HNSW index can only yield that order, and any second sort key
     # (a tie-break on f.id) makes the planner scan and sort every vector instead (bench/search.py).
     # Ties are broken below, after the fetch.
-    try:
-        rows = session.execute(
-            text(
-                "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
-                "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
-                f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
-            ),
-            params,
-        ).all()
-    except DBAPIError as exc:
-        if deadline is not None and statement_timed_out(exc):
-            raise deadline.passed() from exc
-        raise
+    rows = session.execute(
+        text(
+            "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
+            "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
+            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
+        ),
+        params,
+    ).all()
     # Orthogonal or opposite vectors share nothing with the query: not a hit, however near in rank.
     hits = [Hit(row[0], min(1.0, 1.0 - float(row[1]))) for row in rows if float(row[1]) < 1.0]
     # relaxed_order may return neighbours slightly out of order.

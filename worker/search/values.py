@@ -13,17 +13,18 @@ from models import FACT_KINDS
 from worker.core.facts import entity_slug
 from worker.core.fusion import SearchLine
 from worker.core.moments import as_utc
-from worker.search.errors import SearchError
+from worker.search.errors import DeadlineExceededError, SearchError
 
-# One search's database work, every line together: each statement is cut at the lexical limit too, but a
-# document of 20 lex: lines of broad words ran 10 statements each, and held a connection and a thread
-# for minutes (the per-minute rate limit does not bound searches running at once).
+# A search's database reads (the probe; then every line together): each statement is cut at the lexical
+# limit too, but a document of 20 lex: lines of broad words ran 10 statements each, and held a
+# connection and a thread for minutes (the per-minute rate limit does not bound searches running at
+# once). LLM calls are bounded by their own timeouts, not by this.
 SEARCH_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
 class Deadline:
-    """When one search's database work must have ended."""
+    """When one read's statements must have ended."""
 
     at: float
 
@@ -34,14 +35,17 @@ class Deadline:
     def remaining_ms(self) -> int:
         return max(1, int((self.at - time.monotonic()) * 1000))
 
+    def expired(self, slack: float = 0.0) -> bool:
+        return time.monotonic() >= self.at - slack
+
     def check(self) -> None:
-        """SearchError once the time is up (checked before each statement)."""
-        if time.monotonic() >= self.at:
+        """DeadlineExceededError once the time is up (checked before each statement)."""
+        if self.expired():
             raise self.passed()
 
     @staticmethod
-    def passed() -> SearchError:
-        return SearchError(
+    def passed() -> DeadlineExceededError:
+        return DeadlineExceededError(
             f"the search ran past its {SEARCH_SECONDS:g} s limit; search fewer lines or rarer words"
         )
 
