@@ -578,6 +578,30 @@ def test_a_search_s_lines_all_end_within_its_deadline(
     assert len(ran) < 5, "the lines after the deadline are not run"
 
 
+def test_a_plain_query_whose_added_lines_run_out_of_time_answers_from_its_probe(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The added lines are a bonus: past the read's time (a slow vector scan here, cut by the
+    statement timeout the deadline set), the probe's answer stands, with a note."""
+    from worker.search import store as search_store
+    from worker.search import values
+
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    monkeypatch.setattr(values, "SEARCH_SECONDS", 2.0)  # the probe's read finishes well within it
+    nearest = search_store._nearest
+
+    def slow_nearest(session, *args):  # type: ignore[no-untyped-def]
+        hits = nearest(session, *args)  # sets the statement timeout to the time left
+        session.execute(text("SELECT pg_sleep(30)"))  # a scan of a big store: cut at the time left
+        return hits
+
+    monkeypatch.setattr(search_store, "_nearest", slow_nearest)
+    outcome = search(vector_factory, llm, "where does alice live")
+    assert "the lines added to the query were skipped: the search ran out of time" in outcome.notes
+    assert "Alice moved to Lisbon in March 2024" in facts_of(outcome)
+
+
 def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_together(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

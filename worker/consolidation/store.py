@@ -4,7 +4,9 @@ row, entity checkpoint advanced), so each is committed exactly once."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import (
@@ -95,18 +97,17 @@ class ConsolidationStore:
         mine = _ENTITY_FACTS.where(Fact.source_id == source_id, _entity(entity_key))
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
-            unconsolidated = (~Fact.is_audit, Fact.source_id == source_id, _entity(entity_key))
-            model = session.scalar(  # the model most pending facts were embedded by (None: none was)
-                select(Fact.embedding_model)
-                .where(*unconsolidated, Fact.consolidated_at.is_(None), Fact.embedding_model.is_not(None))
-                .group_by(Fact.embedding_model)
-                .order_by(func.count().desc(), Fact.embedding_model)
-                .limit(1)
-            )
-            rows = session.execute(mine.where(Fact.consolidated_at.is_(None)))
-            pending = [_view(row, model) for row in rows]
-            if not pending:
+            # One read of the pending facts: their views, then the model most of them were embedded by
+            # (None: none was), and the vectors of another model left out.
+            seen = [
+                (_view(row, None), row.embedding_model)
+                for row in session.execute(mine.where(Fact.consolidated_at.is_(None)))
+            ]
+            if not seen:
                 return [], []
+            models = Counter(name for _, name in seen if name is not None)
+            model = models.most_common(1)[0][0] if models else None
+            pending = [v if name in (None, model) else replace(v, embedding=None) for v, name in seen]
             decided = mine.where(
                 Fact.consolidated_at.is_not(None),
                 Fact.status == CURRENT,

@@ -100,23 +100,31 @@ def lexical_search(
     if not units:
         return [], True
     # Each statement is cut at LEX_STATEMENT_TIMEOUT, or where the read's time ends if sooner (set again
-    # before each statement once that is nearer: _bound).
+    # before each ranking and count once that is nearer: _bound; a count of several statements gives
+    # each the limit set before it, so a read may pass its time by up to one such limit).
     limit_ms = _ms(LEX_STATEMENT_TIMEOUT) if deadline is None else _limit_ms(deadline)
     # The planner prices a tsvector match like any operator and so prefers a sequential scan once a
     # term is in a few percent of the rows; the GIN bitmap scan is several times faster there.
     # Disabling a scan only adds a huge cost to it, and a statement that must scan anyway (counting a
     # small table's facts) then looks costly enough to JIT-compile: about 27 ms a search on a small
     # table, where the whole search takes 9. So JIT goes off with it.
-    seqscan, jit, timeout = session.execute(
-        text(
-            "SELECT current_setting('enable_seqscan'), current_setting('jit'), "
-            "current_setting('statement_timeout'), set_config('enable_seqscan', 'off', true), "
-            "set_config('jit', 'off', true), set_config('statement_timeout', :limit, true)"
-        ),
-        {"limit": f"{limit_ms}ms"},
-    ).one()[:3]
     try:
+        seqscan, jit, timeout = session.execute(
+            text(
+                "SELECT current_setting('enable_seqscan'), current_setting('jit'), "
+                "current_setting('statement_timeout'), set_config('enable_seqscan', 'off', true), "
+                "set_config('jit', 'off', true), set_config('statement_timeout', :limit, true)"
+            ),
+            {"limit": f"{limit_ms}ms"},
+        ).one()[:3]
         hits = _ranked_matches(session, units, excluded, filters, limit, deadline)
+        session.execute(
+            text(
+                "SELECT set_config('enable_seqscan', :seqscan, true), set_config('jit', :jit, true), "
+                "set_config('statement_timeout', :timeout, true)"
+            ),
+            {"seqscan": seqscan, "jit": jit, "timeout": timeout},
+        )
     except DBAPIError as exc:  # the transaction is aborted, and its local settings with it
         if statement_timed_out(exc) and deadline is not None and deadline.expired(slack=0.05):
             raise deadline.passed() from exc
@@ -126,13 +134,6 @@ def lexical_search(
                 "rarer words"
             ) from exc
         raise
-    session.execute(
-        text(
-            "SELECT set_config('enable_seqscan', :seqscan, true), set_config('jit', :jit, true), "
-            "set_config('statement_timeout', :timeout, true)"
-        ),
-        {"seqscan": seqscan, "jit": jit, "timeout": timeout},
-    )
     return hits
 
 

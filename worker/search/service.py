@@ -306,7 +306,10 @@ def _plain_lists(
         why = {BudgetExhaustedError: "budget", VectorSearchUnavailableError: "unavailable"}
         gathered.notes.append(f"vector search skipped: {why.get(type(exc), 'the embedding call failed')}")
         lexical = [line for line in extra if line.type == "lex"]
-        gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
+        try:
+            gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
+        except DeadlineExceededError:
+            gathered.notes.append("the lines added to the query were skipped: the search ran out of time")
     return gathered
 
 
