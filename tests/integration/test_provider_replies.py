@@ -154,6 +154,27 @@ def test_an_extraction_records_the_odd_reply_and_goes_on(tx_factory: sessionmake
     )
 
 
+def test_a_reply_of_the_wrong_shape_is_still_billed_for_what_it_counted(
+    tx_factory: sessionmaker[Session], sim
+):
+    """The provider answered (and billed) a reply whose content could not be used: the failure was
+    recorded with no usage, so the call cost nothing in llm_calls and the budgets."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+        set_config(session, "llm.prices", '{"odd-1": {"input": 10, "output": 20}}')
+    put_page(tx_factory)
+    sim.configure(raw_replies={"chat.completions": completion(content={"not": "text"})})
+    with pytest.raises(LLMError) as caught:
+        openai_client(sim).chat(REQUEST)
+    assert (caught.value.usage.input_tokens, caught.value.usage.output_tokens) == (10, 5)  # type: ignore[union-attr]
+    run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    with tx_factory() as session:
+        calls = session.execute(select(LLMCall.outcome, LLMCall.input_tokens, LLMCall.cost_usd)).all()
+    assert calls and all(
+        outcome == "provider_error" and tokens == 10 and cost > 0 for outcome, tokens, cost in calls
+    ), calls
+
+
 def test_a_call_at_the_largest_counts_and_price_is_costed_and_committed(tx_factory, sim):
     """2^31-1 tokens each way at the highest price llm.prices takes: $42.9 million, which llm_calls
     holds (its numeric(12, 6) did not: the segment's commit failed on every retry)."""

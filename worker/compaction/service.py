@@ -222,7 +222,7 @@ class CompactionRun:
             call_id = self._record_call(
                 self.llm.provider,
                 self.llm.model,
-                Usage(),
+                exc.usage or Usage(),
                 exc.latency_ms,
                 getattr(exc, "outcome", "provider_error"),
                 str(exc),

@@ -146,7 +146,7 @@ def call_records(
             purpose=LLM_PURPOSE,
             provider=a.provider,
             model=a.model,
-            usage=a.response.usage if a.response else None,
+            usage=a.response.usage if a.response else a.usage,
             latency_ms=a.latency_ms,
             outcome=a.outcome,
             job_id=place.job_id,

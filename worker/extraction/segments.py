@@ -9,7 +9,7 @@ from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_re
 from worker.extraction.prompts import extraction_request, first_turn
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.retry import AttemptRecord
-from worker.llm.types import ChatRequest, ChatResponse, LLMClient
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 # A truncated reply is retried once with this many times the output cap, up to the ceiling.
 TRUNCATION_RETRY_FACTOR = 2
@@ -34,6 +34,7 @@ class Attempt:
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
     rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
     provider_away: bool = False  # the provider was unavailable (llm.errors.provider_unavailable)
+    usage: Usage | None = None  # billed for a reply that failed (LLMError.usage); a response has its own
 
     @classmethod
     def of(
@@ -126,6 +127,7 @@ def _ask(
                 exc.latency_ms,
                 rejected=rejected_request(exc),
                 provider_away=provider_unavailable(exc),
+                usage=exc.usage,
             )
         )
     return None

@@ -41,6 +41,18 @@ NO_EMBEDDINGS = (
 )
 
 
+def _billed(message: Any) -> Usage | None:
+    """The token counts of a message that cannot be used otherwise, when they can be read (None else)."""
+    try:
+        usage = message.usage
+        return Usage(
+            input_tokens=token_count(usage.input_tokens, "usage.input_tokens"),
+            output_tokens=token_count(usage.output_tokens, "usage.output_tokens"),
+        )
+    except (ReplyShapeError, AttributeError, TypeError):
+        return None
+
+
 class AnthropicChatClient:
     """Messages API through the official SDK; its own retries are off (one retry layer, ours).
 
@@ -117,7 +129,10 @@ class AnthropicChatClient:
         except (ReplyShapeError, AttributeError, TypeError) as exc:  # the SDK builds replies unvalidated
             detail = str(exc) if isinstance(exc, ReplyShapeError) else type(exc).__name__
             raise LLMError(
-                f"the provider's reply is not a message ({detail})", retryable=False, latency_ms=latency_ms
+                f"the provider's reply is not a message ({detail})",
+                retryable=False,
+                latency_ms=latency_ms,
+                usage=_billed(message),
             ) from exc
 
     def _read(self, message: Message, request: ChatRequest, latency_ms: int) -> ChatResponse:

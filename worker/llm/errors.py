@@ -12,6 +12,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
 
 from worker.core.jsonvalues import made_storable
+from worker.llm.types import Usage
 
 if TYPE_CHECKING:
     import anthropic
@@ -62,6 +63,7 @@ class LLMError(Exception):
         retry_after: float | None = None,
         latency_ms: int = 0,
         deployment_fault: bool = False,
+        usage: Usage | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
@@ -69,6 +71,9 @@ class LLMError(Exception):
         self.status = status
         self.retry_after = retry_after
         self.latency_ms = latency_ms
+        # What the provider billed for a reply it answered but that could not be used (a 200 of the
+        # wrong shape): recorded with the failure, or such a call cost nothing in the budgets.
+        self.usage = usage
         self.attempts: tuple[AttemptRecord, ...] = ()
 
 
@@ -238,4 +243,5 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         retry_after=c.retry_after,
         latency_ms=latency_ms,
         deployment_fault=c.deployment_fault,
+        usage=exc.usage if isinstance(exc, LLMError) else None,
     )

@@ -42,6 +42,18 @@ def bounded_cache_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:48]
 
 
+def _billed(completion: Any) -> Usage | None:
+    """The token counts of a reply that cannot be used otherwise, when they can be read (None else)."""
+    try:
+        usage = completion.get("usage") or {}
+        return Usage(
+            input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
+            output_tokens=token_count(usage.get("completion_tokens"), "usage.completion_tokens"),
+        )
+    except (ReplyShapeError, AttributeError, TypeError):
+        return None
+
+
 class OpenAIChatClient:
     """Chat Completions through the official SDK; its own retries are off (one retry layer, ours)."""
 
@@ -139,12 +151,13 @@ class OpenAIChatClient:
             model = optional_text(completion.get("model"), "model")
         except ReplyShapeError as exc:
             reason = f"the provider's reply is not a chat completion ({exc})"
-            raise LLMError(reason, retryable=False, latency_ms=latency_ms) from exc
+            raise LLMError(reason, retryable=False, latency_ms=latency_ms, usage=_billed(completion)) from exc
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise LLMError(
                 f"the provider's reply is not a chat completion ({type(exc).__name__}: {exc})",
                 retryable=False,
                 latency_ms=latency_ms,
+                usage=_billed(completion),
             ) from exc
         finish: Finish = "end"
         if refusal or reason == "content_filter":

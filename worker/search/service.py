@@ -108,7 +108,7 @@ def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Excep
         purpose=purpose,
         provider=getattr(llm, "provider", "unknown"),
         model=getattr(llm, "model", "unknown"),
-        usage=None,
+        usage=getattr(exc, "usage", None),
         latency_ms=int((time.perf_counter() - started) * 1000),
         outcome=getattr(exc, "outcome", "provider_error"),
         error=str(exc)[:500],
