@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -312,12 +314,13 @@ def test_each_segment_commits_audit_llm_call_and_checkpoint_together(pages, llm)
     assert (entry.source_id, entry.slug, entry.end_iso) == ("default", SLUG, "2024-03-16T08:05:00Z")
 
 
-def test_a_commit_that_fails_keeps_the_spend_of_its_segments(pages, llm, simulator):
-    # A deadlock, a statement timeout or a dropped connection mid-commit rolled back the llm_calls rows
-    # of every segment of the group with the facts: the budgets counted low and the retry paid again.
+@contextmanager
+def first_facts_insert_fails(factory: sessionmaker[Session]) -> Iterator[list[str]]:
+    """The first INSERT INTO facts on the factory's engine raises (a connection dropped mid-commit);
+    yields the statements it refused."""
     from sqlalchemy import event
 
-    engine = pages.kw["bind"].engine
+    engine = factory.kw["bind"].engine
     failed: list[str] = []
 
     def fail_once(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
@@ -325,13 +328,19 @@ def test_a_commit_that_fails_keeps_the_spend_of_its_segments(pages, llm, simulat
             failed.append(statement)
             raise RuntimeError("the connection dropped mid-commit")
 
-    asked_before = simulator.stats()["by_route"].get("chat.completions", 0)
     event.listen(engine, "before_cursor_execute", fail_once)
     try:
-        with pytest.raises(RuntimeError, match="dropped mid-commit"):
-            run(pages, llm)
+        yield failed
     finally:
         event.remove(engine, "before_cursor_execute", fail_once)
+
+
+def test_a_commit_that_fails_keeps_the_spend_of_its_segments(pages, llm, simulator):
+    # A deadlock, a statement timeout or a dropped connection mid-commit rolled back the llm_calls rows
+    # of every segment of the group with the facts: the budgets counted low and the retry paid again.
+    asked_before = simulator.stats()["by_route"].get("chat.completions", 0)
+    with first_facts_insert_fails(pages) as failed, pytest.raises(RuntimeError, match="dropped mid-commit"):
+        run(pages, llm)
     asked = simulator.stats()["by_route"].get("chat.completions", 0) - asked_before
     with pages() as session:
         calls = session.scalar(
@@ -346,7 +355,6 @@ def test_a_failed_commit_keeps_the_spend_of_the_results_ready_beside_it(tx_facto
     # Two results ready together, the second refused (it ends the page); the first one's commit fails.
     # The store keeps the spend it was given; the refused result, paid for too, was never handed to
     # it and was lost (only a checkpoint conflict kept such results).
-    from sqlalchemy import event
 
     from worker.accounting import Ledger
     from worker.config_store import ConfigReader
@@ -371,20 +379,8 @@ def test_a_failed_commit_keeps_the_spend_of_the_results_ready_beside_it(tx_facto
         (1, plan.segments[1], SegmentResult([Attempt.of(replace(reply, finish="refusal"), "refusal")], True)),
     ]
     committer = SegmentCommitter(store, planner, ExtractionCounters(), NoProgress(), 3)
-    engine = tx_factory.kw["bind"].engine
-    failed: list[str] = []
-
-    def fail_once(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if statement.startswith("INSERT INTO facts") and not failed:
-            failed.append(statement)
-            raise RuntimeError("the connection dropped mid-commit")
-
-    event.listen(engine, "before_cursor_execute", fail_once)
-    try:
-        with pytest.raises(RuntimeError, match="dropped mid-commit"):
-            committer.commit_page(plan, (batch for batch in [results]))
-    finally:
-        event.remove(engine, "before_cursor_execute", fail_once)
+    with first_facts_insert_fails(tx_factory) as failed, pytest.raises(RuntimeError, match="mid-commit"):
+        committer.commit_page(plan, (batch for batch in [results]))
     assert failed and count(tx_factory, Fact) == 0
     assert count(tx_factory, LLMCall) == 2, "both results were paid for"
 
