@@ -167,12 +167,40 @@ def test_a_reply_of_the_wrong_shape_is_still_billed_for_what_it_counted(
     with pytest.raises(LLMError) as caught:
         openai_client(sim).chat(REQUEST)
     assert (caught.value.usage.input_tokens, caught.value.usage.output_tokens) == (10, 5)  # type: ignore[union-attr]
-    run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
+    counters = run_extract_conversation_facts(tx_factory, openai_client(sim), ExtractOptions())
     with tx_factory() as session:
         calls = session.execute(select(LLMCall.outcome, LLMCall.input_tokens, LLMCall.cost_usd)).all()
     assert calls and all(
         outcome == "provider_error" and tokens == 10 and cost > 0 for outcome, tokens, cost in calls
     ), calls
+    assert counters.input_tokens == 10 * len(calls), "the run's totals count them as llm_calls does"
+
+
+def test_a_billed_failure_counts_tokens_as_a_good_reply_does() -> None:
+    """Anthropic's input_tokens leaves out the cached parts: a reply of the wrong shape is counted with
+    them, as a good reply is (and OpenAI's cached tokens are broken out), or its cost is wrong."""
+    from types import SimpleNamespace
+
+    from worker.llm import anthropic_provider, openai_compat
+
+    usage = SimpleNamespace(
+        input_tokens=12, output_tokens=3, cache_read_input_tokens=5000, cache_creation_input_tokens=0
+    )
+    billed = anthropic_provider._billed(SimpleNamespace(usage=usage))
+    assert billed is not None and (billed.input_tokens, billed.cache_read_tokens) == (5012, 5000)
+    completion = {
+        "usage": {
+            "prompt_tokens": 100,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 80},
+        }
+    }
+    openai_billed = openai_compat._billed(completion)
+    assert openai_billed is not None and (openai_billed.input_tokens, openai_billed.cache_read_tokens) == (
+        100,
+        80,
+    )
+    assert anthropic_provider._billed(SimpleNamespace()) is None  # nothing readable: nothing billed
 
 
 def test_a_call_at_the_largest_counts_and_price_is_costed_and_committed(tx_factory, sim):

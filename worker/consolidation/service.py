@@ -233,7 +233,7 @@ def _call(
                 purpose=CONSOLIDATION_PURPOSE,
                 provider=getattr(llm, "provider", "unknown"),
                 model=getattr(llm, "model", "unknown"),
-                usage=None,
+                usage=getattr(exc, "usage", None),  # a reply of the wrong shape was billed all the same
                 latency_ms=int((time.perf_counter() - started) * 1000),
                 outcome=getattr(exc, "outcome", "provider_error"),
                 job_id=run.job_id,

@@ -102,9 +102,9 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
     """One batch result as a segment's single attempt (no repair turn in batch mode)."""
     if item.response is None:
         error = item.error or "the batch request failed"
-        return SegmentResult(
-            [Attempt("provider_error", None, [], error, client.provider, client.model, batch=True)]
-        )
+        provider, model = client.provider, client.model
+        failed = Attempt("provider_error", None, [], error, provider, model, batch=True, usage=item.usage)
+        return SegmentResult([failed])
     attempt = classify_reply(item.response, max_facts, cap)
     attempt.batch = True
     # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).

@@ -114,9 +114,10 @@ class ExtractionCounters:
         """Count a segment's LLM requests and tokens (every attempt that reached the provider)."""
         self.llm_calls += sum(attempt.called for attempt in result.attempts)
         for attempt in result.attempts:
-            if attempt.response is not None:
-                self.input_tokens += attempt.response.usage.input_tokens
-                self.output_tokens += attempt.response.usage.output_tokens
+            usage = attempt.response.usage if attempt.response is not None else attempt.usage
+            if usage is not None:  # a failed reply's billed counts too, as llm_calls has them
+                self.input_tokens += usage.input_tokens
+                self.output_tokens += usage.output_tokens
 
 
 class ExtractionProgress(Protocol):

@@ -41,14 +41,28 @@ NO_EMBEDDINGS = (
 )
 
 
+def _usage(message: Any) -> Usage:
+    """A message's token counts (ReplyShapeError when one is not a count). Anthropic's input_tokens
+    leaves out the cached parts; ours counts every prompt token, as OpenAI's prompt_tokens does, with
+    the cached parts broken out beside it."""
+    usage = message.usage
+    cache_read = token_count(usage.cache_read_input_tokens, "usage.cache_read_input_tokens")
+    cache_write = token_count(usage.cache_creation_input_tokens, "usage.cache_creation_input_tokens")
+    return Usage(
+        input_tokens=token_count(
+            token_count(usage.input_tokens, "usage.input_tokens") + cache_read + cache_write,
+            "usage.input_tokens (with the cached parts)",
+        ),
+        output_tokens=token_count(usage.output_tokens, "usage.output_tokens"),
+        cache_read_tokens=cache_read,
+        cache_write_tokens=cache_write,
+    )
+
+
 def _billed(message: Any) -> Usage | None:
     """The token counts of a message that cannot be used otherwise, when they can be read (None else)."""
     try:
-        usage = message.usage
-        return Usage(
-            input_tokens=token_count(usage.input_tokens, "usage.input_tokens"),
-            output_tokens=token_count(usage.output_tokens, "usage.output_tokens"),
-        )
+        return _usage(message)
     except (ReplyShapeError, AttributeError, TypeError):
         return None
 
@@ -151,23 +165,10 @@ class AnthropicChatClient:
         # The forced tool's input is the JSON answer; a cut-off tool call still says what it got so far.
         text = json.dumps(tool_input, ensure_ascii=False) if tool_input is not None else "".join(texts)
 
-        usage = message.usage
-        cache_read = token_count(usage.cache_read_input_tokens, "usage.cache_read_input_tokens")
-        cache_write = token_count(usage.cache_creation_input_tokens, "usage.cache_creation_input_tokens")
         return ChatResponse(
             text=text if finish != "refusal" else "",
             finish=finish,
-            # Anthropic's input_tokens leaves out the cached parts; ours counts every prompt token, as
-            # OpenAI's prompt_tokens does, with the cached parts broken out beside it.
-            usage=Usage(
-                input_tokens=token_count(
-                    token_count(usage.input_tokens, "usage.input_tokens") + cache_read + cache_write,
-                    "usage.input_tokens (with the cached parts)",
-                ),
-                output_tokens=token_count(usage.output_tokens, "usage.output_tokens"),
-                cache_read_tokens=cache_read,
-                cache_write_tokens=cache_write,
-            ),
+            usage=_usage(message),
             provider=self.provider,
             model=optional_text(message.model, "model") or self.model,
             latency_ms=latency_ms,

@@ -17,7 +17,7 @@ from worker.llm.errors import LLMError, to_llm_error
 from worker.llm.gateway import LLMConfigurationError, provider_client
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy
-from worker.llm.types import ChatRequest, ChatResponse
+from worker.llm.types import ChatRequest, ChatResponse, Usage
 from worker.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class BatchItem:
 
     response: ChatResponse | None
     error: str | None = None
+    usage: Usage | None = None  # billed for a reply of the wrong shape (LLMError.usage)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             try:
                 items[custom_id] = BatchItem(self.chat.response_from(body, 0))
             except LLMError as exc:
-                items[custom_id] = BatchItem(None, str(exc))
+                items[custom_id] = BatchItem(None, str(exc), exc.usage)
             return
         error = body.get("error") if isinstance(body, Mapping) else None
         message = error.get("message") if isinstance(error, Mapping) else None
@@ -368,7 +369,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
                 problems = exc.error_count()
                 return BatchItem(None, f"the provider's reply is not a message ({problems} problems)")
             except LLMError as exc:
-                return BatchItem(None, str(exc))
+                return BatchItem(None, str(exc), exc.usage)
         if result.get("type") == "errored":
             error = result.get("error")
             inner = error.get("error") if isinstance(error, Mapping) else None

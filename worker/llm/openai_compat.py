@@ -42,14 +42,23 @@ def bounded_cache_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:48]
 
 
+def _usage(completion: Any) -> Usage:
+    """A completion's token counts (ReplyShapeError when one is not a count)."""
+    usage = completion.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(
+        input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
+        output_tokens=token_count(usage.get("completion_tokens"), "usage.completion_tokens"),
+        cache_read_tokens=token_count(
+            details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens"
+        ),
+    )
+
+
 def _billed(completion: Any) -> Usage | None:
     """The token counts of a reply that cannot be used otherwise, when they can be read (None else)."""
     try:
-        usage = completion.get("usage") or {}
-        return Usage(
-            input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
-            output_tokens=token_count(usage.get("completion_tokens"), "usage.completion_tokens"),
-        )
+        return _usage(completion)
     except (ReplyShapeError, AttributeError, TypeError):
         return None
 
@@ -138,16 +147,10 @@ class OpenAIChatClient:
         try:
             choice = completion["choices"][0]
             message = choice["message"]
-            usage = completion.get("usage") or {}
+            usage = _usage(completion)
             text = message_text(message.get("content"), "choices[0].message.content")
             refusal = optional_text(message.get("refusal"), "choices[0].message.refusal")
             reason = optional_text(choice.get("finish_reason"), "choices[0].finish_reason")
-            details = usage.get("prompt_tokens_details") or {}
-            cached = token_count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens")
-            counts = (
-                token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"),
-                token_count(usage.get("completion_tokens"), "usage.completion_tokens"),
-            )
             model = optional_text(completion.get("model"), "model")
         except ReplyShapeError as exc:
             reason = f"the provider's reply is not a chat completion ({exc})"
@@ -167,7 +170,7 @@ class OpenAIChatClient:
         return ChatResponse(
             text=text,
             finish=finish,
-            usage=Usage(input_tokens=counts[0], output_tokens=counts[1], cache_read_tokens=cached),
+            usage=usage,
             provider=self.provider,
             model=model or self.model,
             latency_ms=latency_ms,
