@@ -3,6 +3,7 @@ a body over its cap is refused with 413 before, or as soon as, it passes the cap
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -55,19 +56,45 @@ async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> boo
     return False
 
 
+# A body past this many bytes is large: it is read, checked and parsed a few at a time.
+LARGE_BODY_BYTES = 1024 * 1024
+
+
+def _large(scope: Scope) -> bool:
+    """A request whose body is large, or of unknown length (chunked)."""
+    for name, value in scope.get("headers", ()):
+        lowered = name.lower()
+        if lowered == b"content-length":
+            return value.strip().isdigit() and int(value) > LARGE_BODY_BYTES
+        if lowered == b"transfer-encoding" and b"chunked" in value.lower():
+            return True
+    return False
+
+
 class BodyCapMiddleware:
     """Refuses a body over ``cap`` bytes before any of it is read: at once on its Content-Length, else
     as soon as the stream passes it (BodyTooLargeError, which the API's handlers answer with 413).
-    Routes read smaller caps of their own on top (read_body)."""
+    Routes read smaller caps of their own on top (read_body).
 
-    def __init__(self, app: ASGIApp, cap: int) -> None:
+    With ``large_at_once``, at most that many requests with a large body (over LARGE_BODY_BYTES, or
+    chunked) are handled at a time; the others wait, their bodies unread (the server stops reading a
+    socket whose buffer is full). Reading, signing and parsing a 25 MiB page body takes several times
+    its size (the bytes, the text, the parsed JSON): ten at once passed an API pod's 512 MiB, and no
+    credential is known before the body is read."""
+
+    def __init__(self, app: ASGIApp, cap: int, large_at_once: int = 0) -> None:
         self.app, self.cap = app, cap
+        self._large_gate = asyncio.Semaphore(large_at_once) if large_at_once > 0 else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if await _refused_by_declared_length(scope, send, self.cap):
+            return
+        if self._large_gate is not None and _large(scope):
+            async with self._large_gate:
+                await self.capped(scope, receive, send)
             return
         await self.capped(scope, receive, send)
 
@@ -126,4 +153,11 @@ class ForeignAppBodyCap(BodyCapMiddleware):
             await refuse()
 
 
-__all__ = ["BodyCapMiddleware", "BodyTooLargeError", "ForeignAppBodyCap", "send_json", "too_large_detail"]
+__all__ = [
+    "LARGE_BODY_BYTES",
+    "BodyCapMiddleware",
+    "BodyTooLargeError",
+    "ForeignAppBodyCap",
+    "send_json",
+    "too_large_detail",
+]

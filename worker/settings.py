@@ -155,6 +155,9 @@ class Settings(BaseSettings):
     webhook_previous_secret: str | None = Field(default=None, repr=False)
     webhook_tolerance_seconds: int = Field(default=300, gt=0)
     max_body_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+    # Requests with a body over 1 MiB an API process handles at once (the rest wait, unread): each may
+    # take several times its size while read, signed and parsed. 0: no limit.
+    max_large_bodies: int = Field(default=2, ge=0, le=1000)
     # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)

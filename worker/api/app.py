@@ -108,7 +108,12 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         lifespan=_thread_limit(runtime.settings.api_threads),
     )
     # Innermost first: the body cap, then the metrics, then the request id around everything.
-    app.add_middleware(BodyCapMiddleware, cap=runtime.settings.max_body_bytes)  # type: ignore[arg-type]
+    settings = runtime.settings
+    app.add_middleware(
+        BodyCapMiddleware,  # type: ignore[arg-type]
+        cap=settings.max_body_bytes,
+        large_at_once=settings.max_large_bodies,
+    )
     registry = install_metrics(app, runtime.factory, runtime.settings.prometheus_multiproc_dir)
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
     context = app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
