@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
 from tests.integration.test_extraction import fmt, put_page
+from tests.integration.test_provider_replies import completion
 from worker.accounting import Ledger
 from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
 from worker.consolidation import consolidate_pages_entities, request_consolidation
@@ -214,6 +215,15 @@ def arrive(factory: sessionmaker[Session], llm: Any, *pages: tuple[str, str], ea
         if each:
             counters = consolidate(factory, llm)
     return counters if each else consolidate(factory, llm)
+
+
+def both_pages_consolidated(factory: sessionmaker[Session], llm: Any) -> None:
+    """January's and March's pages stored, extracted and consolidated together."""
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, JAN_PAGE)
+    extract(factory, llm, MAR_PAGE)
+    consolidate(factory, llm)
 
 
 def test_a_change_that_arrives_late_reopens_what_restated_the_old_fact_after_it(tx_factory, llm) -> None:
@@ -882,16 +892,7 @@ def test_pairs_a_reply_skipped_are_asked_again_once_then_kept_unrelated(tx_facto
     consolidate(tx_factory, llm)
     extract(tx_factory, llm, MAR_PAGE)
     fenced = '```json\n{"decisions": []}\n```'
-    reply = {
-        "id": "chatcmpl-skip",
-        "object": "chat.completion",
-        "model": "simulator-1",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": fenced}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
-    }
-    sim.configure(raw_replies={"chat.completions": reply})
+    sim.configure(raw_replies={"chat.completions": completion(content=fenced, model="simulator-1")})
     run = consolidate(tx_factory, llm)
     assert run.llm_calls == 2 and calls(tx_factory) == 2, "one ask, then one more for the skipped pair"
     assert run.pairs_asked == 1, "a pair asked again is still one pair"
@@ -922,11 +923,7 @@ def test_a_page_that_stops_being_extracted_sends_its_orphans_to_consolidation(fa
     from worker.settings import Settings
 
     llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
-    put_page(factory, JAN_PAGE, JAN_BODY)
-    put_page(factory, MAR_PAGE, MAR_BODY)
-    extract(factory, llm, JAN_PAGE)
-    extract(factory, llm, MAR_PAGE)
-    consolidate(factory, llm)
+    both_pages_consolidated(factory, llm)
     assert [f.status for f in alice(factory)["Alice Example is on the Basic plan."]] == [
         "current",
         "duplicate",

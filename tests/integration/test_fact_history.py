@@ -17,14 +17,9 @@ from tests.auth import send_key
 from tests.integration.test_api import Recorder, make_runtime
 from tests.integration.test_consolidation import (
     ALICE,
-    JAN_BODY,
     JAN_PAGE,
-    MAR_BODY,
-    MAR_PAGE,
-    consolidate,
-    extract,
+    both_pages_consolidated,
 )
-from tests.integration.test_extraction import put_page
 from worker.api.app import create_app
 from worker.api.metrics import ConsolidationCollector
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
@@ -42,11 +37,7 @@ APR = datetime(2026, 4, 1, tzinfo=UTC)
 @pytest.fixture
 def consolidated(tx_factory: sessionmaker[Session], simulator: Any) -> sessionmaker[Session]:
     llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
-    put_page(tx_factory, JAN_PAGE, JAN_BODY)
-    put_page(tx_factory, MAR_PAGE, MAR_BODY)
-    extract(tx_factory, llm, JAN_PAGE)
-    extract(tx_factory, llm, MAR_PAGE)
-    consolidate(tx_factory, llm)
+    both_pages_consolidated(tx_factory, llm)
     return tx_factory
 
 
