@@ -544,6 +544,18 @@ def test_a_failed_try_gives_its_output_cap_back_and_a_reply_without_usage_keeps_
     ]
 
 
+def test_a_reply_that_could_not_be_used_is_charged_what_it_billed() -> None:
+    """A 200 of the wrong shape was billed (LLMError.usage) but refunded its output cap like a refused
+    try: the limiter ran ahead of what the provider counted against the key."""
+    limiter = RecordingLimiter()
+    billed = LLMError("not JSON", retryable=False, usage=Usage(input_tokens=140, output_tokens=90))
+    limited = RateLimitedClient(ScriptedClient(billed), limiter)
+    with pytest.raises(LLMError):
+        limited.chat(REQUEST)
+    estimate = estimate_request_tokens(REQUEST)
+    assert limiter.calls[-1] == ("reconcile", "fake:fake-1", estimate, 230)
+
+
 def test_a_call_reporting_billions_of_tokens_is_charged_what_its_prompt_could_come_to() -> None:
     """An odd OpenAI-compatible server reported two billion tokens for one call: at 100k tokens a
     minute the limiter (shared by every worker, through Redis) moved two weeks ahead, and every call

@@ -338,10 +338,17 @@ class RateLimitedClient:
             logger.debug("waited %.3fs for the %s rate limit", waited, self._chat_key)
         try:
             response = self.inner.chat(request)
-        except LLMError:
-            # A failed try wrote nothing: its output cap is given back (its prompt may have counted).
+        except LLMError as exc:
+            # A refused try wrote nothing: its output cap is given back (its prompt may have counted).
             # Kept whole, every try of a 429 storm charged the cap again and pushed the limiter ahead.
-            self.limiter.reconcile(self._chat_key, estimated, estimated - request.max_tokens)
+            # A reply the provider answered but that could not be used counted what it billed.
+            billed = exc.usage
+            actual = (
+                estimated - request.max_tokens
+                if billed is None
+                else _charged(estimated, billed.input_tokens + billed.output_tokens)
+            )
+            self.limiter.reconcile(self._chat_key, estimated, actual)
             raise
         usage = response.usage
         self.limiter.reconcile(
