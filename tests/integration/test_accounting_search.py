@@ -4,8 +4,10 @@ worked out by hand from the override, as in test_accounting.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import struct
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from worker import db
 from worker.accounting import PRICES_KEY, Ledger
 from worker.config_store import ConfigReader, set_config
 from worker.embedded import to_sqlalchemy_url
+from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import embed_facts, embed_new_facts, search
 
@@ -190,3 +193,24 @@ def test_a_failed_record_never_fails_the_search(
     assert "could not record a search_expansion LLM call" in caplog.text
     with tx_factory() as session:
         assert session.scalar(text("SELECT count(*) FROM llm_calls")) == 0
+
+
+def test_an_embeddings_reply_of_the_wrong_shape_is_billed_as_the_embedding_model(
+    tx_factory: sessionmaker[Session], sim: Any
+) -> None:
+    """An embeddings reply the provider billed but that could not be used (a NaN in a vector) was
+    recorded with no tokens, under the chat model: it cost nothing in llm_calls and the budgets."""
+    _set_prices(tx_factory)
+    _seed_facts(tx_factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
+    nan = base64.b64encode(struct.pack("<3f", 0.1, float("nan"), 0.3)).decode()
+    sim.configure(
+        raw_replies={"embeddings": {"data": [{"index": 0, "embedding": nan}], "usage": {"prompt_tokens": 9}}}
+    )
+    with pytest.raises(LLMError, match="NaN"):
+        embed_facts(tx_factory, _sim_llm(sim), batch_size=1, set_up_vector_store=False)
+    with tx_factory() as session:
+        row = session.execute(
+            text("SELECT model, outcome, input_tokens, cost_usd FROM llm_calls WHERE purpose = 'embedding'")
+        ).one()
+    assert (row.model, row.outcome, row.input_tokens) == ("simulator-embedding-1", "provider_error", 9)
+    assert row.cost_usd == usd_by_hand(OVERRIDE["simulator-embedding-1"], (9, 0, 0, 0))

@@ -70,6 +70,20 @@ class LLMCallRecord:
     error: str | None = None
     batch: bool = False  # billed through a provider batch (half price)
 
+    @classmethod
+    def failed(
+        cls, purpose: str, llm: object, exc: BaseException, latency_ms: int, job_id: int | None = None
+    ) -> LLMCallRecord:
+        """The record of a call through ``llm`` that raised ``exc``: what a reply the provider answered
+        but that could not be used billed (``LLMError.usage``), priced as the model that answered it."""
+        provider, model = getattr(exc, "answered_by", None) or (
+            getattr(llm, "provider", "unknown"),
+            getattr(llm, "model", "unknown"),
+        )
+        outcome = getattr(exc, "outcome", "provider_error")
+        usage = getattr(exc, "usage", None)
+        return cls(purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc)[:500])
+
 
 def kept_error(call: LLMCallRecord) -> str | None:
     """What the ledger keeps of a call's error. A refusal's "reason" is the model's own words, often

@@ -219,14 +219,8 @@ class CompactionRun:
         except BudgetExhaustedError:
             raise  # no call was made: the job waits for budget (paused), as extraction's do
         except LLMError as exc:
-            call_id = self._record_call(
-                self.llm.provider,
-                self.llm.model,
-                exc.usage or Usage(),
-                exc.latency_ms,
-                getattr(exc, "outcome", "provider_error"),
-                str(exc),
-            )
+            failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
+            call_id = self.store.record_llm_call(failed)
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
             return self._finish("failed", error=f"the summarizer call failed: {exc}")
         result = response_outcome(response.finish, response.text)

@@ -228,18 +228,8 @@ def _call(
     except BudgetExhaustedError:
         raise
     except Exception as exc:
-        store.record_call(
-            LLMCallRecord(
-                purpose=CONSOLIDATION_PURPOSE,
-                provider=getattr(llm, "provider", "unknown"),
-                model=getattr(llm, "model", "unknown"),
-                usage=getattr(exc, "usage", None),  # a reply of the wrong shape was billed all the same
-                latency_ms=int((time.perf_counter() - started) * 1000),
-                outcome=getattr(exc, "outcome", "provider_error"),
-                job_id=run.job_id,
-                error=str(exc)[:500],
-            )
-        )
+        latency_ms = int((time.perf_counter() - started) * 1000)
+        store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
         raise
     outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)
     call_id = store.record_call(

@@ -64,6 +64,7 @@ class LLMError(Exception):
         latency_ms: int = 0,
         deployment_fault: bool = False,
         usage: Usage | None = None,
+        answered_by: tuple[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
@@ -74,6 +75,9 @@ class LLMError(Exception):
         # What the provider billed for a reply it answered but that could not be used (a 200 of the
         # wrong shape): recorded with the failure, or such a call cost nothing in the budgets.
         self.usage = usage
+        # (provider, model) of that reply where it is not the client's chat model (an embeddings
+        # endpoint): its tokens are priced as that model's.
+        self.answered_by = answered_by
         self.attempts: tuple[AttemptRecord, ...] = ()
 
 

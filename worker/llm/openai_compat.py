@@ -208,6 +208,8 @@ class OpenAIChatClient:
                 f"the provider's reply is not an embeddings list ({type(exc).__name__}: {exc})",
                 retryable=False,
                 latency_ms=latency_ms,
+                usage=_embeddings_billed(result),
+                answered_by=(self.provider, self.embedding_model),
             ) from exc
         return EmbeddingResponse(
             vectors=vectors,
@@ -216,6 +218,15 @@ class OpenAIChatClient:
             model=model or self.embedding_model,
             latency_ms=latency_ms,
         )
+
+
+def _embeddings_billed(result: Any) -> Usage | None:
+    """The tokens an embeddings reply that cannot be used billed, when they can be read (None else)."""
+    try:
+        usage = result.get("usage") or {}
+        return Usage(input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"))
+    except (ReplyShapeError, AttributeError, TypeError):
+        return None
 
 
 def _vector(embedding: Any) -> list[float]:

@@ -104,16 +104,7 @@ def _record(store: SearchStore, call: LLMCallRecord) -> None:
 
 
 def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Exception, started: float) -> None:
-    call = LLMCallRecord(
-        purpose=purpose,
-        provider=getattr(llm, "provider", "unknown"),
-        model=getattr(llm, "model", "unknown"),
-        usage=getattr(exc, "usage", None),
-        latency_ms=int((time.perf_counter() - started) * 1000),
-        outcome=getattr(exc, "outcome", "provider_error"),
-        error=str(exc)[:500],
-    )
-    _record(store, call)
+    _record(store, LLMCallRecord.failed(purpose, llm, exc, int((time.perf_counter() - started) * 1000)))
 
 
 def _answered(purpose: str, response: ChatResponse | EmbeddingResponse, outcome: str) -> LLMCallRecord:
