@@ -39,6 +39,19 @@ class BodyTooLargeError(Exception):
         self.cap = cap
 
 
+class BodyReadTimeoutError(Exception):
+    """A large body did not arrive in time (answered 408 by the API's handlers): a slow upload would
+    hold one of the few places large bodies have for as long as its sender liked."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
+def too_slow_detail(seconds: float) -> str:
+    return f"the request body did not arrive within {seconds:g} s; send it again, or in smaller requests"
+
+
 def too_large_detail(cap: int) -> str:
     return f"request body is over the {cap}-byte limit; send fewer or smaller pages per request"
 
@@ -80,11 +93,16 @@ class BodyCapMiddleware:
     chunked) are handled at a time; the others wait, their bodies unread (the server stops reading a
     socket whose buffer is full). Reading, signing and parsing a 25 MiB page body takes several times
     its size (the bytes, the text, the parsed JSON): ten at once passed an API pod's 512 MiB, and no
-    credential is known before the body is read."""
+    credential is known before the body is read. A large body must then arrive within
+    ``large_body_seconds`` (BodyReadTimeoutError, answered 408): two slow uploads held both places for
+    as long as their senders liked, and every large ingestion waited behind them."""
 
-    def __init__(self, app: ASGIApp, cap: int, large_at_once: int = 0) -> None:
+    def __init__(
+        self, app: ASGIApp, cap: int, large_at_once: int = 0, large_body_seconds: float | None = None
+    ) -> None:
         self.app, self.cap = app, cap
         self._large_gate = asyncio.Semaphore(large_at_once) if large_at_once > 0 else None
+        self._large_body_seconds = large_body_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,9 +112,25 @@ class BodyCapMiddleware:
             return
         if self._large_gate is not None and _large(scope):
             async with self._large_gate:
-                await self.capped(scope, receive, send)
+                await self.capped(scope, self._timed(receive), send)
             return
         await self.capped(scope, receive, send)
+
+    def _timed(self, receive: Receive) -> Receive:
+        """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now."""
+        seconds = self._large_body_seconds
+        if seconds is None:
+            return receive
+        deadline = asyncio.get_running_loop().time() + seconds
+
+        async def timed_receive() -> Any:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await receive()
+            except TimeoutError:
+                raise BodyReadTimeoutError(seconds) from None
+
+        return timed_receive
 
     async def capped(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the app on a body stream that stops at the cap (a request with no or a small length)."""
@@ -156,8 +190,10 @@ class ForeignAppBodyCap(BodyCapMiddleware):
 __all__ = [
     "LARGE_BODY_BYTES",
     "BodyCapMiddleware",
+    "BodyReadTimeoutError",
     "BodyTooLargeError",
     "ForeignAppBodyCap",
     "send_json",
     "too_large_detail",
+    "too_slow_detail",
 ]

@@ -158,6 +158,9 @@ class Settings(BaseSettings):
     # Requests with a body over 1 MiB an API process handles at once (the rest wait, unread): each may
     # take several times its size while read, signed and parsed. 0: no limit.
     max_large_bodies: int = Field(default=2, ge=0, le=1000)
+    # Seconds a large body (one of those) has to arrive once its turn comes, else 408: a slow upload
+    # held its place for as long as its sender liked. 25 MiB in 120 s is about 220 KB/s.
+    large_body_seconds: float = Field(default=120.0, gt=0, le=3600)
     # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)

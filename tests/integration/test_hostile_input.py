@@ -322,6 +322,60 @@ def test_a_client_that_hangs_up_mid_body_is_no_error(
     assert access and " 499 " in access[-1], access
 
 
+def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its_place(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    # Two uploads of a declared 2 MiB that never came held both places large bodies have: every large
+    # ingestion waited behind them for as long as their senders liked. Now 408 past the deadline.
+    import asyncio
+
+    runtime = make_runtime(database_url, factory, max_large_bodies=1, large_body_seconds=0.3)
+    app = create_app(runtime, sender=Recorder(factory))
+    length = str(2 * 1024 * 1024).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/pages",
+        "raw_path": b"/v1/pages",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", length), (b"factmill-signature", b"t=1,v2=00"), (b"host", b"t")],
+        "client": ("127.0.0.1", 1),
+        "server": ("t", 80),
+    }
+
+    async def one_request() -> list[dict[str, Any]]:
+        arriving = [{"type": "http.request", "body": b"[" * 1000, "more_body": True}]
+
+        async def receive() -> dict[str, Any]:
+            if arriving:
+                return arriving.pop(0)
+            await asyncio.Event().wait()  # the rest never comes
+            raise AssertionError("unreachable")
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent
+
+    async def run() -> list[list[dict[str, Any]]]:
+        async with app.router.lifespan_context(app):
+            # The second waits for the first's place, then has its own 0.3 s: both end, one after the other.
+            return await asyncio.wait_for(asyncio.gather(one_request(), one_request()), timeout=30)
+
+    for sent in asyncio.run(run()):
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert start["status"] == 408, (start, body)
+        assert "did not arrive within 0.3 s" in json.loads(body)["detail"]
+
+
 def test_every_answer_carries_a_request_id_and_a_sane_one_is_kept(api: TestClient) -> None:
     assert len(api.get("/healthz").headers["X-Request-ID"]) == 32
     assert api.get("/healthz", headers={"X-Request-ID": "abc-123"}).headers["X-Request-ID"] == "abc-123"

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.bodycap import BodyTooLargeError, too_large_detail
+from worker.bodycap import BodyReadTimeoutError, BodyTooLargeError, too_large_detail, too_slow_detail
 from worker.deliveries import DeliveryKeyReusedError
 from worker.guards import request_id_of, route_template, unexpected_answer
 
@@ -82,6 +82,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         # FastAPI turns any exception while it reads a model's body into "400 error parsing the body":
         # a chunked body past the cap on a route with a body model (POST /v1/backfills) said 400.
         return await _body_too_large(request, exc.__cause__)
+    if isinstance(exc.__cause__, BodyReadTimeoutError):
+        return await _body_too_slow(request, exc.__cause__)
     return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
 
 
@@ -101,6 +103,11 @@ async def _body_too_large(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": too_large_detail(exc.cap)}, 413)
 
 
+async def _body_too_slow(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BodyReadTimeoutError)
+    return JSONResponse({"detail": too_slow_detail(exc.seconds)}, 408, headers={"Connection": "close"})
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # RequestIdMiddleware answers unexpected errors first; this is the fallback outside it.
     request_id = request_id_of(request.scope)
@@ -115,6 +122,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BodyTooLargeError, _body_too_large)
+    app.add_exception_handler(BodyReadTimeoutError, _body_too_slow)
     app.add_exception_handler(DeliveryKeyReusedError, _key_reused)
     app.add_exception_handler(Exception, _unexpected_error)
 
