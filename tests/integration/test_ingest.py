@@ -34,3 +34,37 @@ def test_a_changed_file_whose_job_is_still_pending_is_not_sent_again(tx_factory,
     page.write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hello\n")
     second = ingest_paths(tx_factory, [page], "files")
     assert first.created == first.jobs and second.jobs == first.jobs and second.created == []
+
+
+def test_two_files_of_one_page_are_refused_not_one_silently_replacing_the_other(
+    tx_factory, tmp_path: Path
+) -> None:
+    """a/chat.md and b/chat.md given as files (or x.md and x.txt in one folder) are one slug: the second
+    replaced the first, whose text was gone, and the run said both were ingested."""
+    for folder, speaker in (("a", "Ann"), ("b", "Bo")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "chat.md").write_text(
+            f"---\ntype: conversation\n---\n[2024-01-01 10:00] {speaker}: hi\n"
+        )
+    (tmp_path / "a" / "chat.txt").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Cy: hi\n")
+    report = ingest_paths(tx_factory, [tmp_path / "a" / "chat.md", tmp_path / "b" / "chat.md"], "files")
+    assert report.ingested == ["chat"]
+    assert [(Path(p).parent.name, "same page as" in why) for p, why in report.errors] == [("b", True)]
+    walked = ingest_paths(tx_factory, [tmp_path / "a"], "walked")
+    assert walked.ingested == ["chat"] and len(walked.errors) == 1
+    assert "give one a 'slug:'" in walked.errors[0][1]
+
+
+def test_a_symlinked_folder_is_walked_once_and_a_link_to_a_parent_is_no_loop(
+    tx_factory, tmp_path: Path
+) -> None:
+    """rglob skipped symlinked folders without a word: their pages were never ingested."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "far.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "back").symlink_to(root, target_is_directory=True)
+    report = ingest_paths(tx_factory, [root], "files")
+    assert report.ingested == ["linked/far"] and report.errors == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
@@ -150,17 +151,40 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
         raise PageFileError(problems) from exc
 
 
-def iter_page_files(paths: Iterable[Path]) -> Iterator[tuple[Path, Path | None]]:
-    """Each file to ingest with the root its slug is relative to; directories are walked recursively."""
+def _is_page_file(path: Path) -> bool:
+    return path.suffix.lower() in PAGE_SUFFIXES and path.name.lower() != "readme.md"
+
+
+def _walk(root: Path, on_error: Callable[[Path, str], None] | None) -> list[Path]:
+    """The page files under ``root``, sorted. Symlinked directories are followed (once each: a link to
+    a parent is no loop); a directory that cannot be read is reported to ``on_error`` (rglob skipped
+    both without a word, so their files were never ingested and the run said nothing was wrong)."""
+    found: list[Path] = []
+    seen: set[str] = set()
+
+    def unreadable(exc: OSError) -> None:
+        if on_error is not None:
+            on_error(Path(exc.filename or root), f"cannot read the directory ({exc.strerror or exc})")
+
+    for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        found.extend(p for name in files if _is_page_file(p := Path(folder, name)) and p.is_file())
+    return sorted(found)
+
+
+def iter_page_files(
+    paths: Iterable[Path], on_error: Callable[[Path, str], None] | None = None
+) -> Iterator[tuple[Path, Path | None]]:
+    """Each file to ingest with the root its slug is relative to; directories are walked recursively
+    (a directory that cannot be read is reported to ``on_error``)."""
     for path in paths:
         if path.is_dir():
-            for child in sorted(path.rglob("*")):
-                if (
-                    child.is_file()
-                    and child.suffix.lower() in PAGE_SUFFIXES
-                    and child.name.lower() != "readme.md"
-                ):
-                    yield child, path
+            for child in _walk(path, on_error):
+                yield child, path
         else:
             yield path, None
 
@@ -175,15 +199,25 @@ def ingest_paths(
     path); a bad file is reported and the rest still go in. The caller enqueues ``report.created``.
     ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
     report = IngestReport()
-    for path, root in iter_page_files(paths):
-        _ingest_file(factory, path, root, source_id, report)
+    taken: dict[tuple[str, str], Path] = {}  # each page of this run: the file it came from
+
+    def unreadable(path: Path, reason: str) -> None:
+        report.errors.append((str(path), reason))
+
+    for path, root in iter_page_files(paths, on_error=unreadable):
+        _ingest_file(factory, path, root, source_id, report, taken)
         if on_file is not None:
             on_file(path)
     return report
 
 
 def _ingest_file(
-    factory: sessionmaker[Session], path: Path, root: Path | None, source_id: str, report: IngestReport
+    factory: sessionmaker[Session],
+    path: Path,
+    root: Path | None,
+    source_id: str,
+    report: IngestReport,
+    taken: dict[tuple[str, str], Path],
 ) -> None:
     try:
         page = load_page_file(path, root, source_id)
@@ -192,6 +226,14 @@ def _ingest_file(
         return
     except (PageFileError, OSError) as exc:
         report.errors.append((str(path), str(exc)))
+        return
+    first = taken.setdefault((page.source_id, page.slug), path)
+    if first != path:
+        # Two files of one run, one page (a/chat.md and b/chat.md; x.md and x.txt): the second silently
+        # replaced the first, whose text was gone, and the run said both were ingested.
+        report.errors.append(
+            (str(path), f"same page as {first} (slug {page.slug!r}); give one a 'slug:' in its front matter")
+        )
         return
     with factory.begin() as session:
         job = store_page(session, page)
