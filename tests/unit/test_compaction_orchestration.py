@@ -91,7 +91,20 @@ def test_parse_message_reads_every_field() -> None:
             "only assistant messages carry tool_calls",
         ),
         ({"role": "assistant", "tool_calls": [{"id": "", "name": "n"}]}, "tool_calls[0].id must be 1 to 200"),
-        ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "tool_calls[0].name must be a non-empty"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c"}]},
+            "tool_calls[0].name must be a tool name of 1 to",
+        ),
+        # A name was counted neither in stored bytes nor in tokens: 25 MB names passed every memory cap.
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c", "name": "n" * 201}]},
+            "tool_calls[0].name must be a tool name of 1 to 200 characters",
+        ),
+        (
+            {"role": "tool", "text": "", "tool_call_id": "c", "tool_name": "n" * 5_000_000},
+            "tool_name must be a tool name of 1 to 200 characters",
+        ),
+        ({"role": "tool", "text": "", "tool_call_id": "c" * 201}, "tool_call_id must be at most 200"),
         (
             {"role": "assistant", "tool_calls": [{"id": "c", "name": "n", "arguments": 3}]},
             "arguments must be",

@@ -21,6 +21,9 @@ from worker.core.labels import is_word_label
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
 MAX_MESSAGES_PER_REQUEST: Final = 10_000
 MAX_TOOL_CALL_ID_LENGTH: Final = 200
+# Tool names as providers take them (OpenAI 64 characters, Anthropic 128), with room: a name was not
+# counted in a transcript's stored bytes nor its tokens, so 25 MB names passed every memory cap.
+MAX_TOOL_NAME_LENGTH: Final = 200
 MAX_INSTRUCTIONS_LENGTH: Final = 8_000
 MAX_TOKEN_SETTING: Final = 100_000_000
 SETTING_NAMES: Final = (
@@ -75,8 +78,10 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
         raise MessageError(
             index, f"{where}.id must be 1 to {MAX_TOOL_CALL_ID_LENGTH} characters, got {call_id!r}"
         )
-    if not isinstance(name, str) or not name:
-        raise MessageError(index, f"{where}.name must be a non-empty tool name, got {name!r}")
+    if not isinstance(name, str) or not name or len(name) > MAX_TOOL_NAME_LENGTH:
+        raise MessageError(
+            index, f"{where}.name must be a tool name of 1 to {MAX_TOOL_NAME_LENGTH} characters"
+        )
     if arguments is None:
         arguments = "{}"
     if isinstance(arguments, Mapping):
@@ -123,8 +128,14 @@ def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:
     if role == "tool":
         if not isinstance(tool_call_id, str) or not tool_call_id:
             raise MessageError(index, "a tool result needs tool_call_id: the id of the call it answers")
-        if tool_name is not None and (not isinstance(tool_name, str) or not tool_name):
-            raise MessageError(index, f"tool_name must be a non-empty string, got {tool_name!r}")
+        if len(tool_call_id) > MAX_TOOL_CALL_ID_LENGTH:
+            raise MessageError(index, f"tool_call_id must be at most {MAX_TOOL_CALL_ID_LENGTH} characters")
+        if tool_name is not None and (
+            not isinstance(tool_name, str) or not tool_name or len(tool_name) > MAX_TOOL_NAME_LENGTH
+        ):
+            raise MessageError(
+                index, f"tool_name must be a tool name of 1 to {MAX_TOOL_NAME_LENGTH} characters"
+            )
     elif not text and not calls:
         raise MessageError(index, "the message is empty; send text (or tool_calls for an assistant turn)")
     return TranscriptMessage(
