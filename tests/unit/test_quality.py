@@ -318,6 +318,24 @@ def test_lex_words_leading_combining_mark_matches_whole_text_segmentation() -> N
     assert lex_words(text) == _words_from_segments(uax29_segments(text)) == ["a", " \u3000\uff9e"]
 
 
+def test_lex_words_segments_only_the_glued_chunk_slowly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One combining mark after a space made lex_words run the pure-Python segmenter over the whole text:
+    12 s for a 384k-character compaction head (750 times the fast path), holding the GIL. Only that
+    chunk, with the whitespace before it, is segmented so now."""
+    from worker.core import quality
+
+    segmented: list[int] = []
+
+    def counted(text: str) -> object:
+        segmented.append(len(text))
+        return uax29_segments(text)
+
+    monkeypatch.setattr(quality, "words", counted)
+    text = "x \u0301a " + "plain words éé here " * 5000 + "  \u3000\uff9e end"
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+    assert segmented and max(segmented) <= 8, max(segmented)
+
+
 LEX_ALPHABET = [
     *"aZ7.',_-:\"",
     " ", "\t", "\n", "\r", "\u00a0", "\u3000", "\u202f", "\u0301", "\u200d", "\u00ad", "\u2019",
