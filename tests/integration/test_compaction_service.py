@@ -42,7 +42,7 @@ from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT
 from worker.core.signing import sign
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
-from worker.llm.errors import LLMError
+from worker.llm.errors import LLMError, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
 from worker.runtime import Runtime
@@ -511,8 +511,8 @@ def test_the_previous_summary_is_folded_into_the_next(
     [
         ("   \n", "the summarizer returned an empty reply", "empty_output"),
         (
-            LLMError("HTTP 500: boom", retryable=True, status=500),
-            "the summarizer call failed: HTTP 500: boom",
+            LLMError("the provider's reply is not text", retryable=False),
+            "the summarizer call failed: the provider's reply is not text",
             "provider_error",
         ),
         (
@@ -552,14 +552,16 @@ def test_an_empty_reply_an_error_or_a_refusal_is_a_failed_compaction_and_changes
     assert "Goal" not in (call.error or "")
 
 
-def test_a_provider_error_through_the_simulator_is_a_failed_compaction(
+def test_a_provider_outage_through_the_simulator_is_raised_for_the_job_to_try_again(
     tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     simulator.configure(rate_500=1.0)
     append(tx_factory, "down", session_messages(25), settings=SETTINGS)
-    outcome = compact_transcript(tx_factory, llm_for(simulator), "down", threshold=lambda: FALLBACK)
-    assert outcome.status == "failed" and "HTTP 500" in outcome.detail
-    assert [c.status for c in compactions(tx_factory)] == ["failed"]
+    with pytest.raises(LLMError, match="500") as caught:
+        compact_transcript(tx_factory, llm_for(simulator), "down", threshold=lambda: FALLBACK)
+    assert provider_unavailable(caught.value)
+    assert compactions(tx_factory) == []
+    assert {call.outcome for call in llm_calls(tx_factory)} == {"provider_error"}
     with tx_factory() as session:
         assert context_view(session, "down").compaction_id is None
 
@@ -1523,3 +1525,57 @@ def test_the_simulator_lossy_knob_touches_compaction_prompts_only_and_logs_reque
     assert simulator.recent_requests() == logged["requests"]
     simulator.reset()
     assert simulator.recent_requests() == []
+
+
+def test_a_provider_outage_queues_the_compaction_again_and_stores_no_failed_compaction(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A 5xx past the retry layer was a failed compaction: the job ended failed, and the failed row held
+    the next compaction off for the retrigger wait. An outage failed every compaction in flight."""
+    request = append(tx_factory, "outage", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    down = LLMError("HTTP 503: overloaded", retryable=True, status=503)
+    outcome = run_job(runtime(database_url, tx_factory, ScriptedLLM(down)), job_id, jobs.COMPACTION)
+    assert outcome.status == "retry"
+    assert compactions(tx_factory) == []
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["provider_error"]  # its try is recorded
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued"
+
+
+def test_a_summary_answered_while_the_worker_begins_to_stop_is_kept(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """SIGTERM during the summarizer call (a rolling deploy) threw the paid summary away at the write."""
+    from worker.jobs import shutdown
+
+    request = append(tx_factory, "deploy", session_messages(25), settings=SETTINGS)
+    activate_threshold(tx_factory, 0.0)
+
+    def stop_meanwhile(request: ChatRequest) -> str:
+        shutdown._stopping.set()
+        return f"## Goal\n{GOAL}"
+
+    try:
+        rt = runtime(database_url, tx_factory, ScriptedLLM(stop_meanwhile))
+        assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "succeeded"
+    finally:
+        shutdown._stopping.clear()
+    assert [c.status for c in compactions(tx_factory)] == ["accepted"]
+
+
+def test_the_per_job_budget_is_checked_before_each_summarizer_call(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The gateway's budget check knows no job: llm.budget_job_usd went unread for compaction."""
+    request = append(tx_factory, "per-job", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    with tx_factory.begin() as session:
+        set_config(session, "llm.budget_job_usd", "0")
+    llm = ScriptedLLM(f"## Goal\n{GOAL}")
+    assert run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION).status == "paused"
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and (job.status, job.pause_reason) == ("paused", "budget")
+    assert llm.requests == [] and compactions(tx_factory) == []

@@ -46,6 +46,11 @@ def compact_job(ctx: JobContext) -> WorkResult:
         if waiting is not None:
             return WorkResult("succeeded", counters={"status": "waiting"}, note=waiting, detail=waiting)
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
+
+    def guard() -> None:  # before each summarizer call: the lease, the worker stopping, both budgets
+        ctx.guard()
+        rt.budget.check(job.id)  # the gateway's own check knows no job: llm.budget_job_usd went unread
+
     outcome = compact(
         TranscriptStore(rt.factory, rt.ledger),
         rt.llm,
@@ -53,7 +58,8 @@ def compact_job(ctx: JobContext) -> WorkResult:
         threshold=gate.get,
         force=force,
         job_id=job.id,
-        guard=ctx.guard,
+        guard=guard,
+        lease=ctx.lease,
         enabled=ctx.enabled,
         max_output_tokens=settings.compaction_max_output_tokens,
         intent_messages=settings.compaction_intent_messages,

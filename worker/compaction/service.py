@@ -34,7 +34,7 @@ from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.types import ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class CompactOptions(TypedDict, total=False):
 
     force: bool  # compact even while the context is within window - reserve [False]
     job_id: int | None  # the job its rows belong to [None]
-    guard: Callable[[], None] | None  # called before every LLM call and write: a job's lease check [None]
+    guard: Callable[[], None] | None  # called before every LLM call: a job's lease and budget checks [None]
+    lease: Callable[[], None] | None  # called before the row is written: a job's lease check [guard]
     enabled: Callable[[], bool] | None  # the kill switch, read before every LLM call [None: always on]
     max_output_tokens: int  # the summarizer's output cap [DEFAULT_MAX_OUTPUT_TOKENS]
     intent_messages: int  # how many latest user messages the intent is read from [DEFAULT_INTENT_MESSAGES]
@@ -155,6 +156,7 @@ def compact(
         outcome=outcome,
         job_id=options.get("job_id"),
         guard=options.get("guard"),
+        lease=options.get("lease"),
         enabled=options.get("enabled"),
         max_output_tokens=options.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
     )
@@ -176,6 +178,7 @@ class CompactionRun:
     outcome: CompactionOutcome
     job_id: int | None = None
     guard: Callable[[], None] | None = None
+    lease: Callable[[], None] | None = None
     enabled: Callable[[], bool] | None = None
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     log: list[dict[str, Any]] = field(default_factory=list)
@@ -197,7 +200,7 @@ class CompactionRun:
             missed = step
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _check_lease(self) -> None:
+    def _guard(self) -> None:
         if self.guard is not None:
             self.guard()
 
@@ -205,7 +208,7 @@ class CompactionRun:
         """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""
         if self.enabled is not None and not self.enabled():
             raise CompactionDisabledError(PAUSED_REASON)
-        self._check_lease()
+        self._guard()
         request = summarizer_request(
             self.plan.serialized,
             self.timeline.settings.instructions,
@@ -221,6 +224,11 @@ class CompactionRun:
         except LLMError as exc:
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
+            if provider_unavailable(exc):
+                # An outage (429/5xx past the retry layer): the job is queued again, as extraction's are.
+                # Stored as a failed compaction, it ended the job and held off the next for the retrigger
+                # wait: an outage failed every compaction in flight and stalled their transcripts.
+                raise
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
             return self._finish("failed", error=f"the summarizer call failed: {exc}")
         result = response_outcome(response.finish, response.text)
@@ -296,8 +304,12 @@ class CompactionRun:
         error: str | None = None,
         gate: GateResult | None = None,
     ) -> CompactionOutcome:
-        """Store the compaction row and fill in the outcome from what was stored."""
-        self._check_lease()
+        """Store the compaction row and fill in the outcome from what was stored (the lease checked, not
+        whether the worker is stopping: what was paid for is kept)."""
+        if self.lease is not None:
+            self.lease()
+        else:
+            self._guard()
         summary_info = self.timeline.summary
         saved = self.store.save_compaction(
             CompactionRecord(

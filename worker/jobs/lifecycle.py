@@ -81,6 +81,9 @@ class JobContext:
     job: Job
     kind: JobKind
     guard: Callable[[], None] = field(default=lambda: None)
+    # The lease alone, for writing what is already paid for: the guard also raises once the worker
+    # begins to stop, which threw away a summary answered and paid for (a rolling deploy).
+    lease: Callable[[], None] = field(default=lambda: None)
 
     def enabled(self) -> bool:
         return self.rt.config.enabled(self.kind.switch)
@@ -179,7 +182,7 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
                 check_stopping()
 
             try:
-                result = spec.work(JobContext(rt, job, spec, guard))
+                result = spec.work(JobContext(rt, job, spec, guard, beat.check))
             except Exception as exc:
                 result = result_for_error(spec, exc)
     return settle(rt, lease, result, backoff or spec.backoff)
