@@ -243,7 +243,8 @@ def test_a_rerun_or_a_retry_starts_a_job_s_own_budget_over(factory):
         )
         assert not request_job(session, EXTRACTION, "default|spent").created  # a rerun is asked
     assert not budget.has_room(job.id)
-    assert finish(factory, job.id, "w1", "succeeded", attempt=True) is not None  # sent again, for the new
+    done = finish(factory, job.id, "w1", "succeeded", attempt=True)
+    assert done is not None and done.rerun is not None  # sent again, for the new
     assert budget.has_room(job.id)
     # Spent again and paused for it: new content for the page (merged into the paused job) starts it over,
     # so the sweeper wakes it; before, only an operator could.

@@ -1579,3 +1579,46 @@ def test_the_per_job_budget_is_checked_before_each_summarizer_call(
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.pause_reason) == ("paused", "budget")
     assert llm.requests == [] and compactions(tx_factory) == []
+
+
+def test_a_rerun_for_new_content_is_not_forced_again(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """`factmill compact` forces one run; the flag stayed on the job row, so every rerun that appends over
+    the threshold asked for skipped the wait after a miss, and an active agent paid two calls a run."""
+    append(tx_factory, "forced", session_messages(25), settings=SETTINGS)
+    with tx_factory.begin() as session:
+        job_id = request_compaction(session, "forced", force=True).job_id
+
+    def appended_meanwhile(request: ChatRequest) -> str:
+        with tx_factory.begin() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(rerun_requested=True))
+        return f"## Goal\n{GOAL}"
+
+    rt = runtime(database_url, tx_factory, ScriptedLLM(appended_meanwhile, f"## Goal\n{GOAL}"))
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued" and "force" not in job.options, job.options
+
+
+def test_a_run_whose_lease_was_taken_over_sends_no_retry(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A stale worker's retry message claimed the job of the worker that took it over, before the
+    backoff that worker's own run had set."""
+    request = append(tx_factory, "taken", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+
+    def taken_over_then_broken(request: ChatRequest) -> str:
+        with tx_factory.begin() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(worker="another-worker"))
+        raise RuntimeError("a bug nobody sorted yet")
+
+    outcome = run_job(
+        runtime(database_url, tx_factory, ScriptedLLM(taken_over_then_broken)), job_id, jobs.COMPACTION
+    )
+    assert (outcome.status, outcome.retry_in) == ("lost", None)
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and (job.status, job.worker, job.attempts) == ("running", "another-worker", 0)

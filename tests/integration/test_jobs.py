@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql
 
 from models import Job
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.leases import claim, finish, heartbeat, now
+from worker.jobs.leases import Finished, claim, finish, heartbeat, now
 from worker.jobs.outbox import EXTRACTION, enqueue, page_subject, request_job, request_jobs, retry_job, sweep
 from worker.jobs.queries import job_list_query, list_jobs
 from worker.jobs.registry import Backoff
@@ -70,7 +70,7 @@ def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
         during = request_job(session, EXTRACTION, "default|p")
     assert during.job_id == first and job(tx_factory, first).rerun_requested
     rerun = finish(tx_factory, first, "w1", "succeeded", counters={"facts_inserted": 1}, attempt=True)
-    assert rerun == (first, EXTRACTION)
+    assert rerun == Finished((first, EXTRACTION))
     assert job(tx_factory, first).status == "queued" and not job(tx_factory, first).rerun_requested
     assert job(tx_factory, first).attempts == 0, "a rerun reads new content: its budgets start over"
     # A finished job no longer blocks a new one for the same page.
@@ -93,8 +93,8 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
     assert paused.counters == {"pages": 1}
 
     claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
-    later = now() + timedelta(minutes=5)
-    finish(tx_factory, job_id, "w2", "queued", last_error="lost", requeue_at=later, worker_lost=True)
+    before = now()
+    finish(tx_factory, job_id, "w2", "queued", last_error="lost", requeue_in=300, worker_lost=True)
     requeued = job(tx_factory, job_id)
     assert (requeued.status, requeued.pause_reason, requeued.attempts, requeued.worker_losses) == (
         "queued",
@@ -103,7 +103,8 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
         1,
     )
     assert requeued.counters == {"pages": 1}, "no counters given: the last ones stay"
-    assert requeued.enqueued_at == later and requeued.finished_at is None
+    later = requeued.enqueued_at
+    assert later is not None and later - before > timedelta(seconds=299) and requeued.finished_at is None
 
     claim(tx_factory, job_id, "w3", stale_after=60, budgets=BUDGETS)
     assert finish(tx_factory, job_id, "w-other", "failed") is None, "not our lease: nothing written"
@@ -418,7 +419,9 @@ def test_the_run_that_reads_new_content_is_the_rerun_it_asked_for(tx_factory):
     assert job(tx_factory, job_id).rerun_requested
     claimed = claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
     assert claimed is not None and not claimed.rerun_requested and not job(tx_factory, job_id).rerun_requested
-    assert finish(tx_factory, job_id, "w2", "failed", attempt=True) is None  # no restart for the same content
+    assert finish(tx_factory, job_id, "w2", "failed", attempt=True) == Finished(
+        None
+    )  # no restart for the same content
     assert (job(tx_factory, job_id).status, job(tx_factory, job_id).attempts) == ("failed", 2)
 
 
@@ -480,6 +483,30 @@ def test_a_run_that_reaches_no_check_lets_its_lease_lapse(factory):
             beat.check()  # woken at last: it stops here
 
 
+def test_a_run_whose_heartbeats_fail_stops_before_its_lease_can_go_stale(factory, database_url):
+    """A failed beat (pool timeouts, a hung connection) was only logged, and check() tripped only on a
+    beat that got through and found the lease gone: the sweeper handed the job to another worker at
+    stale_after, and this run went on making LLM calls beside it."""
+    import time as clock
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.jobs.leases import Heartbeat, LeaseLostError
+
+    job_id = new_job(factory, "default|silent")
+    assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+    with Heartbeat(sessionmaker(nowhere), job_id, "w1", interval=0.05, stale_after=0.6) as beat:
+        beat.check()  # just claimed: the claim was a beat
+        deadline = clock.monotonic() + 10
+        with pytest.raises(LeaseLostError, match="no heartbeat got through"):
+            while clock.monotonic() < deadline:
+                beat.check()
+                clock.sleep(0.05)
+    nowhere.dispose()
+
+
 def test_a_run_that_spent_the_last_worker_loss_is_not_rerun_for_new_content(tx_factory):
     """finish restarted the rerun with fresh counters after any failure: a page whose runs kill the
     database backend (or the worker) crash-looped for as long as deliveries came."""
@@ -489,9 +516,9 @@ def test_a_run_that_spent_the_last_worker_loss_is_not_rerun_for_new_content(tx_f
     with tx_factory.begin() as session:
         request_job(session, EXTRACTION, "default|crash")  # new content for both
         request_job(session, EXTRACTION, "default|fail")
-    assert finish(tx_factory, crashing, "w1", "failed", worker_lost=True) is None
+    assert finish(tx_factory, crashing, "w1", "failed", worker_lost=True) == Finished(None)
     assert job(tx_factory, crashing).status == "failed"
-    assert finish(tx_factory, failing, "w1", "failed", attempt=True) == (failing, EXTRACTION)
+    assert finish(tx_factory, failing, "w1", "failed", attempt=True) == Finished((failing, EXTRACTION))
     rerun = job(tx_factory, failing)
     assert (rerun.status, rerun.attempts, rerun.worker_losses) == ("queued", 0, 0)
 

@@ -119,5 +119,6 @@ KIND = register(
         switch=EXTRACTION_ENABLED,
         work=extract_page,
         errors=(ErrorRule(CheckpointConflictError, "retry"),),
+        one_run_options=("force", RETRY_SKIPPED),
     )
 )

@@ -7,10 +7,11 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Interval, and_, bindparam, case, func, or_, update
+from sqlalchemy import ARRAY, Boolean, Float, Interval, Text, and_, bindparam, case, func, or_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -163,10 +164,11 @@ class Heartbeat:
         token: str,
         interval: float,
         stall_after: float | None = None,
+        stale_after: float | None = None,
     ) -> None:
         self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
-        self.stall_after = stall_after
-        self._progress = time.monotonic()
+        self.stall_after, self.stale_after = stall_after, stale_after
+        self._progress = self._beaten = time.monotonic()  # the claim beat first
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
@@ -197,6 +199,7 @@ class Heartbeat:
                 if not heartbeat(self.factory, self.job_id, self.token):
                     self._lost.set()
                     return
+                self._beaten = time.monotonic()
             except Exception as exc:  # a database blip must not kill the job; the next beat retries
                 logger.warning("heartbeat for job %s failed: %s", self.job_id, error_summary(exc))
 
@@ -208,6 +211,16 @@ class Heartbeat:
         self.touch()
         if self._lost.is_set():
             raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
+        if self.stale_after is not None:
+            # No beat got through (pool timeouts, a hung connection): the sweeper may hand the job to
+            # another worker at stale_after, so stop a beat before. A failed beat was only logged, and
+            # this run went on making LLM calls beside the new holder's.
+            silent = time.monotonic() - self._beaten
+            if silent > self.stale_after - self.interval:
+                raise LeaseLostError(
+                    f"job {self.job_id}: no heartbeat got through for {silent:.0f} s; another worker may "
+                    "hold it now"
+                )
 
     def __enter__(self) -> Heartbeat:
         progress.listen(self.touch)  # entered on the job's own thread
@@ -240,10 +253,22 @@ _FINISH = (
             else_=JOBS.c.worker_losses + bindparam("loss_spent"),
         ),
         finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
-        enqueued_at=func.coalesce(bindparam("requeue_at", type_=DateTime(timezone=True)), JOBS.c.enqueued_at),
+        # The database's clock, as the sweeper compares it with its own now(): a worker's clock behind
+        # by more than the backoff made the retry look overdue at once (sent again, its backoff skipped).
+        enqueued_at=func.coalesce(
+            func.now() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam("requeue_in", type_=Float)),
+            JOBS.c.enqueued_at,
+        ),
     )
     .returning(JOBS.c.rerun_requested, JOBS.c.kind)
 )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run's end, written: ``rerun`` is (job id, kind) when the job must be sent again."""
+
+    rerun: tuple[int, str] | None = None
 
 
 def finish(
@@ -254,12 +279,13 @@ def finish(
     *,
     counters: dict[str, Any] | None = None,
     last_error: str | None = None,
-    requeue_at: datetime | None = None,
+    requeue_in: float | None = None,
     pause_reason: str | None = None,
     attempt: bool = False,
     worker_lost: bool = False,
     budgets_renewed: bool = False,
-) -> tuple[int, str] | None:
+    one_run_options: tuple[str, ...] = (),
+) -> Finished | None:
     """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
 
     ``attempt``: the run reached a verdict of its own (it counts against max_attempts);
@@ -267,10 +293,14 @@ def finish(
     neither. ``budgets_renewed``: a run that paused after making progress starts both counters over
     (a job that lives through many runs, as a backfill's does, spent its five attempts over days).
 
-    Returns (job id, kind) when the job must be sent again: a rerun was requested while it ran (new
-    content arrived) and it succeeded or failed; the rerun reads the new content, so it starts with
-    fresh budgets (a failure of the old content does not stand for the new). Writes nothing if the
-    lease is no longer ours.
+    ``requeue_in``: seconds from the database's now() before the sweeper may send it again.
+
+    ``Finished.rerun`` names the job when it must be sent again: a rerun was requested while it ran
+    (new content arrived) and it succeeded or failed; the rerun reads the new content, so it starts with
+    fresh budgets (a failure of the old content does not stand for the new), and without
+    ``one_run_options`` (what an operator asked of one run: a forced run, `jobs retry --skipped`; kept,
+    every rerun for new content paid for them again). Returns None, writing nothing, if the lease is no
+    longer ours.
     """
     params = {
         "job_id": job_id,
@@ -283,12 +313,13 @@ def finish(
         "loss_spent": 1 if worker_lost else 0,
         "finished": status in FINISHED,
         "budgets_renewed": budgets_renewed,
-        "requeue_at": requeue_at,
+        "requeue_in": requeue_in,
     }
     with factory.begin() as session:
         job = session.execute(_FINISH, params).one_or_none()
         if job is None:
             return None
+        rerun: tuple[int, str] | None = None
         # Not after a run that spent the last worker loss: a page that kills its workers would crash-loop
         # for as long as deliveries came (an operator's retry runs the new content then).
         crash_loop = status == "failed" and worker_lost
@@ -308,7 +339,10 @@ def finish(
                     attempts=0,
                     worker_losses=0,
                     budget_since=func.now(),
+                    options=JOBS.c.options.op("-", return_type=JSONB)(
+                        bindparam("one_run", list(one_run_options), type_=ARRAY(Text))
+                    ),
                 )
             )
-            return job_id, job.kind
-    return None
+            rerun = (job_id, job.kind)
+    return Finished(rerun)

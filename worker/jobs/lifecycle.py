@@ -8,7 +8,6 @@ import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Literal
 
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
@@ -17,9 +16,16 @@ from models import Job
 from worker.core.errors import error_summary
 from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
-from worker.jobs.leases import Heartbeat, LeaseLostError, claim, finish, new_lease_token, now
+from worker.jobs.leases import Finished, Heartbeat, LeaseLostError, claim, finish, new_lease_token
 from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
-from worker.jobs.registry import Backoff, ErrorRule, JobKind, KillSwitchOffError, get_kind
+from worker.jobs.registry import (
+    Backoff,
+    ErrorRule,
+    JobKind,
+    KillSwitchOffError,
+    UnknownJobKindError,
+    get_kind,
+)
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.runtime import Runtime, tracing
@@ -175,7 +181,15 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
         result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     else:
         stall_after = rt.settings.task_time_limit_seconds
-        with Heartbeat(rt.factory, job_id, token, rt.settings.job_heartbeat_seconds, stall_after) as beat:
+        settings = rt.settings
+        with Heartbeat(
+            rt.factory,
+            job_id,
+            token,
+            settings.job_heartbeat_seconds,
+            stall_after,
+            settings.job_stale_after_seconds,
+        ) as beat:
 
             def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
                 beat.check()
@@ -205,27 +219,33 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
             result.counters,
             worker_lost=result.status == "requeue",
         )
-    if result.status in ("failed", "paused"):
-        rerun = finish(
-            rt.factory,
-            job_id,
-            token,
-            result.status,
-            counters=result.counters,
-            last_error=result.note,
-            pause_reason=result.pause_reason,
-            attempt=result.status == "failed",
-            budgets_renewed=result.status == "paused" and result.progressed,
-        )
-        if rerun is not None:
-            enqueue(rt.factory, [rerun])
-        return JobOutcome(result.status, detail=result.detail)
-    rerun = finish(
-        rt.factory, job_id, token, "succeeded", counters=result.counters, last_error=result.note, attempt=True
+    status = result.status if result.status in ("failed", "paused") else "succeeded"
+    done = finish(
+        rt.factory,
+        job_id,
+        token,
+        status,
+        counters=result.counters,
+        last_error=result.note,
+        pause_reason=result.pause_reason if status == "paused" else None,
+        attempt=status != "paused",
+        budgets_renewed=status == "paused" and result.progressed,
+        one_run_options=_one_run_options(lease),
     )
-    if rerun is not None:
-        enqueue(rt.factory, [rerun])
-    return JobOutcome("succeeded", detail=result.detail)
+    _send_rerun(rt, done)
+    return JobOutcome(status, detail=result.detail)
+
+
+def _one_run_options(lease: Lease) -> tuple[str, ...]:
+    try:
+        return get_kind(lease.job.kind).one_run_options
+    except UnknownJobKindError:  # a row of a kind this release does not know: failed as such
+        return ()
+
+
+def _send_rerun(rt: Runtime, done: Finished | None) -> None:
+    if done is not None and done.rerun is not None:  # new content arrived meanwhile: a run of its own
+        enqueue(rt.factory, [done.rerun])
 
 
 def retry_or_fail(
@@ -245,26 +265,27 @@ def retry_or_fail(
     attempts = lease.job.attempts + (0 if worker_lost else 1)
     losses = lease.job.worker_losses + (1 if worker_lost else 0)
     spent = budgets.losses_spent(losses) if worker_lost else budgets.attempts_spent(attempts)
+    delay = None if spent else backoff.delay(losses if worker_lost else attempts)
     if spent:
         reason = f"{worker_lost_reason(losses)}; last: {reason}" if worker_lost else reason
-        requeue_at = None
-    else:
-        delay = backoff.delay(losses if worker_lost else attempts)
-        requeue_at = now() + timedelta(seconds=delay)
-    rerun = finish(
+    done = finish(
         rt.factory,
         job_id,
         token,
         "failed" if spent else "queued",
         counters=counters,
         last_error=reason,
-        requeue_at=requeue_at,
+        requeue_in=delay,
         attempt=not worker_lost,
         worker_lost=worker_lost,
+        one_run_options=_one_run_options(lease),
     )
-    if rerun is not None:  # failed, but new content arrived meanwhile: it gets a run of its own
-        enqueue(rt.factory, [rerun])
-    if spent:
+    if done is None:
+        # Another worker holds the job now: a retry message of ours would claim it before the backoff
+        # that worker's run set (or run a job cancelled meanwhile).
+        return JobOutcome("lost", detail="the lease was taken over; the retry is the new holder's")
+    _send_rerun(rt, done)
+    if spent or delay is None:
         return JobOutcome("failed", detail=reason)
     return JobOutcome("retry", retry_in=delay, detail=reason)
 

@@ -74,6 +74,9 @@ class JobKind:
     # Pause reasons of this kind's own, beside the kill switch and the budget every kind can pause for
     # (the metrics list each one, so its series exists before the first job pauses).
     pause_reasons: tuple[str, ...] = ()
+    # Job options that ask something of one run (a forced run, re-extracting skipped segments): a rerun
+    # for content that arrived meanwhile goes without them.
+    one_run_options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
