@@ -68,3 +68,20 @@ def test_a_symlinked_folder_is_walked_once_and_a_link_to_a_parent_is_no_loop(
     (elsewhere / "back").symlink_to(root, target_is_directory=True)
     report = ingest_paths(tx_factory, [root], "files")
     assert report.ingested == ["linked/far"] and report.errors == []
+
+
+def test_each_created_job_is_sent_as_its_page_commits(tx_factory, tmp_path: Path) -> None:
+    """Sent all at the end of a long ingest, every job went twice: the sweeper sends jobs left unsent
+    for two seconds, and had sent them meanwhile."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.md").write_text(f"---\ntype: conversation\n---\n[2024-01-01 10:00] {name}: hi\n")
+    heard: list[str] = []
+    sends: list[tuple[int, list[tuple[int, str]]]] = []
+
+    def send(created: list[tuple[int, str]]) -> int:
+        sends.append((len(heard), created))
+        return len(created)
+
+    report = ingest_paths(tx_factory, [tmp_path], "sent", on_file=lambda p: heard.append(p.name), send=send)
+    assert [(files_done, len(jobs)) for files_done, jobs in sends] == [(0, 1), (1, 1)]
+    assert [job for _, jobs in sends for job in jobs] == report.created and report.enqueued == 2

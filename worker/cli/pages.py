@@ -45,8 +45,9 @@ def ingest(
     factory = checked_factory()
     files = sum(1 for _ in iter_page_files(paths))
     with counting_bar("page files", files, enabled=not as_json) as advance:
-        report = ingest_paths(factory, paths, source_id, on_file=advance)
-    sent = send_jobs(factory, report.created) if enqueue and report.created else 0
+        send = (lambda created: send_jobs(factory, created)) if enqueue else None
+        report = ingest_paths(factory, paths, source_id, on_file=advance, send=send)
+    sent = report.enqueued
     if as_json:
         print_json(
             {

@@ -36,6 +36,7 @@ class IngestReport:
     jobs: list[tuple[int, str]] = field(default_factory=list)  # (job id, kind) of the changed pages
     # The jobs this run created, to enqueue after the commit (a pending one has its message already).
     created: list[tuple[int, str]] = field(default_factory=list)
+    enqueued: int = 0  # of those, how many ``send`` handed to the broker
 
 
 def _jsonable(value: Any) -> Any:
@@ -194,10 +195,13 @@ def ingest_paths(
     paths: Iterable[Path],
     source_id: str = "default",
     on_file: Callable[[Path], None] | None = None,
+    send: Callable[[list[tuple[int, str]]], int] | None = None,
 ) -> IngestReport:
     """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
-    path); a bad file is reported and the rest still go in. The caller enqueues ``report.created``.
-    ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
+    path); a bad file is reported and the rest still go in. ``send`` (worker.jobs.outbox.enqueue) hands
+    each created job to the broker as its page commits: sent all at the end of a long ingest, every job
+    went twice, as the sweeper had sent those waiting unsent meanwhile. Without it the sweeper sends
+    them. ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
     report = IngestReport()
     taken: dict[tuple[str, str], Path] = {}  # each page of this run: the file it came from
 
@@ -205,7 +209,10 @@ def ingest_paths(
         report.errors.append((str(path), reason))
 
     for path, root in iter_page_files(paths, on_error=unreadable):
+        created = len(report.created)
         _ingest_file(factory, path, root, source_id, report, taken)
+        if send is not None and len(report.created) > created:
+            report.enqueued += send(report.created[created:])
         if on_file is not None:
             on_file(path)
     return report
