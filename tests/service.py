@@ -25,8 +25,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from worker import db
+from worker.core.redis_urls import redis_py_url
 from worker.jobs.celery_app import create_app
-from worker.llm.ratelimit import redis_py_url
 from worker.settings import Settings
 
 T = TypeVar("T")

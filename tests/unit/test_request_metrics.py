@@ -9,8 +9,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest, values
 
-from worker.api.probes import redis_py_url
 from worker.api.request_metrics import install_request_metrics
+from worker.core.redis_urls import redis_py_url
 
 
 def test_a_multiprocess_folder_prometheus_client_never_saw_still_counts(
@@ -58,3 +58,17 @@ def test_the_broker_probe_reads_celerys_spelling_of_the_tls_check(url: str, read
         "none",
         "optional",
     )
+
+
+def test_the_shared_rate_limiters_read_celerys_spelling_of_the_tls_check() -> None:
+    """The limiters had a copy of their own that only mapped redis+socket: with CERT_REQUIRED every call
+    failed, the search limit fell back to per-process counts and the LLM limits to none."""
+    from worker.access.ratelimit import PerKeyLimiter
+    from worker.llm.ratelimit import RateLimits, RedisRateLimiter
+
+    url = "rediss://:pw@cache:6380/0?ssl_cert_reqs=CERT_REQUIRED"
+    llm = RedisRateLimiter.from_url(url, RateLimits(requests_per_minute=1))
+    search = PerKeyLimiter(10, url)
+    for client in (llm._redis, search._redis):
+        assert client is not None
+        assert client.connection_pool.connection_kwargs["ssl_cert_reqs"] == "required"

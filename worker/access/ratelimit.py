@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import redis
 
-from worker.llm.ratelimit import ratelimit_redis_url, redis_py_url
+from worker.core.redis_urls import redis_py_url
+from worker.llm.ratelimit import ratelimit_redis_url
 from worker.runtime import Runtime
 from worker.settings import Settings
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from kombu import Connection
@@ -14,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import read_only
 from worker.api.errors import one_line
+from worker.core.redis_urls import redis_py_url
 
 logger = logging.getLogger(__name__)
 
@@ -23,24 +23,6 @@ READY_TIMEOUT_SECONDS = 2.0
 def ping_database(factory: sessionmaker[Session]) -> None:
     with read_only(factory) as session:
         session.execute(text("SELECT 1"))
-
-
-# Celery and kombu spell ssl_cert_reqs as Python's ssl constants; redis-py takes only its own words.
-_CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
-
-
-def redis_py_url(url: str) -> str:
-    """A broker URL as redis-py reads it: ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented spelling)
-    made every ping fail ("Invalid SSL Certificate Requirements Flag"), so /readyz said degraded and
-    factmill_broker_up stayed 0 against a broker Celery used fine."""
-    parts = urlsplit(url)
-    if not parts.query:
-        return url
-    query = [
-        (name, _CERT_REQS.get(value.lower(), value) if name == "ssl_cert_reqs" else value)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
-    ]
-    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 def ping_broker(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import redis
 
+from worker.core.redis_urls import redis_py_url
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -279,13 +280,6 @@ class RedisRateLimiter:
             self._reconcile(keys=[self._keys(key)[1]], args=[delta])
         except redis.RedisError as exc:
             self._redis_failed(exc)
-
-
-def redis_py_url(url: str) -> str:
-    """Kombu's ``redis+socket://PATH`` (the embedded broker) as redis-py spells it: ``unix://PATH``."""
-    if url.startswith("redis+socket://"):
-        return "unix://" + url.removeprefix("redis+socket://")
-    return url
 
 
 def ratelimit_redis_url(settings: Settings) -> str | None:
