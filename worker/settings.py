@@ -27,6 +27,7 @@ class InsecureSecretsError(ValueError):
 
 
 PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "dev-secret"})
+SECRET_NAMES = ("webhook_secret", "admin_token", "webhook_previous_secret")
 
 
 class Settings(BaseSettings):
@@ -307,16 +308,15 @@ class Settings(BaseSettings):
         simulator."""
         if self.environment != "production":
             return
-        for name in ("webhook_secret", "admin_token", "webhook_previous_secret"):
+        placeholders = self.placeholder_secrets()
+        if placeholders:
+            raise InsecureSecretsError(
+                f"FACTMILL_{placeholders[0].upper()} is a placeholder; set a real secret before running "
+                "with FACTMILL_ENVIRONMENT=production"
+            )
+        for name in SECRET_NAMES:
             value = getattr(self, name)
-            if value is None:
-                continue
-            if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"):
-                raise InsecureSecretsError(
-                    f"FACTMILL_{name.upper()} is a placeholder; set a real secret before running "
-                    "with FACTMILL_ENVIRONMENT=production"
-                )
-            if len(value.encode("utf-8")) < MIN_PRODUCTION_SECRET_BYTES:
+            if value is not None and len(value.encode("utf-8")) < MIN_PRODUCTION_SECRET_BYTES:
                 raise InsecureSecretsError(
                     f"FACTMILL_{name.upper()} is {len(value.encode('utf-8'))} bytes; production needs at "
                     f"least {MIN_PRODUCTION_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"
@@ -331,6 +331,16 @@ class Settings(BaseSettings):
         refused = self.unchosen_simulator() if calls_models else None
         if refused:
             raise InsecureSecretsError(refused)
+
+    def placeholder_secrets(self) -> list[str]:
+        """The secrets (field names) set to a placeholder anyone can guess: a published default
+        ("dev-admin-token", "dev-secret", any "dev-..."), "changeme", "secret" or empty."""
+        return [
+            name
+            for name in SECRET_NAMES
+            if (value := getattr(self, name)) is not None
+            and (value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"))
+        ]
 
     def unchosen_simulator(self) -> str | None:
         """Why the simulator may not stand in for a model here, or None: in production it runs only when

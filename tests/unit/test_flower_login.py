@@ -78,7 +78,12 @@ def test_the_published_development_secrets_are_refused_beyond_this_host(
         refuse_published_secrets(development, "0.0.0.0")
     assert refused.value.exit_code == 2
     said = capsys.readouterr().err
-    assert "FACTMILL_ADMIN_TOKEN and FACTMILL_WEBHOOK_SECRET still hold the published development" in said
+    assert "FACTMILL_WEBHOOK_SECRET and FACTMILL_ADMIN_TOKEN still hold a published or placeholder" in said
     assert "dev-admin-token" not in said
     own = development.model_copy(update={"admin_token": "a" * 40, "webhook_secret": "w" * 40})
     refuse_published_secrets(own, "0.0.0.0")
+    # A rotation away from the default kept the published secret signing pages; "changeme" passed.
+    for weak in ({"webhook_previous_secret": "dev-secret"}, {"admin_token": "changeme"}):
+        with pytest.raises(typer.Exit):
+            refuse_published_secrets(own.model_copy(update=weak), "0.0.0.0")
+        assert f"FACTMILL_{next(iter(weak)).upper()} still hold" in capsys.readouterr().err

@@ -216,17 +216,15 @@ def refuse_open_flower(settings: Settings, host: str) -> None:
 def refuse_published_secrets(settings: Settings, host: str) -> None:
     """Beyond this host, a development default secret is everyone's credential: the admin token
     "dev-admin-token" gave whoever reached the port every route (erase, config, keys' work), and the
-    webhook secret "dev-secret" let anyone sign pages. Refused in every environment (exit 2)."""
+    webhook secret "dev-secret" let anyone sign pages. Refused in every environment (exit 2), as are
+    the other placeholders production refuses ("changeme", "secret"), and the previous webhook secret
+    of a rotation away from the default (it still signed pages)."""
     if is_loopback(host):
         return
-    published = [
-        f"FACTMILL_{name.upper()}"
-        for name in ("admin_token", "webhook_secret")
-        if getattr(settings, name) == Settings.model_fields[name].default
-    ]
+    published = [f"FACTMILL_{name.upper()}" for name in settings.placeholder_secrets()]
     if published:
         raise fail(
-            f"{' and '.join(published)} still hold the published development default, and "
+            f"{' and '.join(published)} still hold a published or placeholder value, and "
             f"{host or 'every address'} is reachable beyond this host: set your own (e.g. `openssl rand "
             "-hex 32`), or listen on 127.0.0.1",
             code=2,
