@@ -98,8 +98,10 @@ class Settings(BaseSettings):
 
     # Extraction.
     extraction_max_facts: int = Field(default=10, ge=1, le=25)
-    # Workers read the config table (kill switches, tunables) through a cache this old at most.
-    config_cache_seconds: float = Field(default=2.0, ge=0)
+    # Workers read the config table (kill switches, tunables) through a cache refreshed this often: a
+    # value is at most this old, or twice this while a refresh is running (the readers take the value
+    # held meanwhile instead of each querying). At most an hour: past that a switch is as good as unread.
+    config_cache_seconds: float = Field(default=2.0, ge=0, le=3600)
 
     # Jobs and workers.
     # LLM calls in flight per worker process, shared by every page it works on (the LLM pipe).

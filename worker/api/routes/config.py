@@ -167,7 +167,8 @@ async def put_config_value(request: Request, ctx: Context, admin: Admin, key: Co
     """Set a key. Turning a kill switch on resumes every paused job of its kinds.
 
     Turning one off needs nothing more: workers read the switch before every LLM call (through
-    a cache at most FACTMILL_CONFIG_CACHE_SECONDS old) and pause their jobs themselves.
+    a cache refreshed every FACTMILL_CONFIG_CACHE_SECONDS, twice that at most while a refresh runs) and
+    pause their jobs themselves.
     """
     body = parse_json_model(await read_body(request, MAX_CONFIG_BODY_BYTES), ConfigSet)
     return await run_in_threadpool(set_config_value, ctx, key, body, admin.actor)
