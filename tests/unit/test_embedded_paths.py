@@ -41,3 +41,15 @@ def test_a_redis_socket_a_url_cannot_carry_moves_to_a_short_path(tmp_path: Path,
     paths = broker_paths(tmp_path / name / "var")
     assert paths.socket.parent == Path("/tmp") and paths.url == f"redis+socket://{paths.socket}"
     assert broker_paths(tmp_path / "plain" / "var").socket.parent != Path("/tmp")
+
+
+def test_pgservers_dump_of_the_server_log_reaches_no_log(caplog: pytest.LogCaptureFixture) -> None:
+    """pgserver logs the whole Postgres server log at ERROR when a start fails or is slow: it only
+    grows, and keeps the rows a constraint refused (slugs, fact text)."""
+    import logging
+
+    import worker.embedded.postgres  # noqa: F401  (quiets it on import)
+
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("pgserver").error("Failed to start server. Showing contents of the log below: x")
+    assert caplog.records == []

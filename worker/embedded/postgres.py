@@ -21,6 +21,9 @@ from worker.embedded.base import (
 )
 
 logger = logging.getLogger(__name__)
+# pgserver logs the whole server log (which only grows, and keeps rows a constraint refused: slugs, fact
+# text) at ERROR when a start fails or takes over 10 s. Our own error names the file to read instead.
+logging.getLogger("pgserver").setLevel(logging.CRITICAL)
 
 STOP_TIMEOUT_SECONDS = 60.0
 # pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
@@ -48,7 +51,7 @@ def embedded_postgres_url(data_dir: Path) -> str:
             server = pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:
         raise EmbeddedUnavailableError(
-            f"could not start the embedded Postgres in {pgdata}: {exc}; "
+            f"could not start the embedded Postgres in {pgdata}: {exc} (its server log: {pgdata / 'log'}); "
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
     return socket_url(server.get_uri())
