@@ -342,6 +342,18 @@ def test_a_database_that_cannot_be_reached_is_one_line_for_every_command():
         assert "pw-not-shown" not in result.stderr
 
 
+def test_an_unknown_loglevel_is_one_line_and_exit_2_before_any_wait():
+    """`worker --loglevel verbose` was a traceback from the logging setup (one per child process), after
+    a wait for the database."""
+    env = bare_env(FACTMILL_DATABASE_URL="postgresql+psycopg://127.0.0.1:1/none")
+    for command in (["worker", "--processes", "2"], ["beat"]):
+        result = factmill([*command, "--loglevel", "verbose"], env, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert (
+            "--loglevel must be one of debug, info, warning, error, critical, not 'verbose'" in result.stderr
+        )
+
+
 def test_flower_beyond_this_host_needs_a_login_in_production():
     """Flower shows every task, worker and queue; it listened on every address with no login."""
     env = bare_env(FACTMILL_ENVIRONMENT="production", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")

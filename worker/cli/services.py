@@ -23,6 +23,16 @@ from worker.runtime.tracing import TracingUnavailableError, require_packages
 from worker.settings import InsecureSecretsError, Settings, get_settings
 
 POOLS = ("threads", "prefork", "solo")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOGLEVEL_HELP = "debug, info, warning, error or critical."
+
+
+def checked_loglevel(loglevel: str) -> str:
+    """--loglevel, refused at once (exit 2) unless a level: an unknown one was a traceback from the
+    logging setup in every process, after a wait for the database."""
+    if loglevel.lower() not in LOG_LEVELS:
+        raise fail(f"--loglevel must be one of {', '.join(LOG_LEVELS)}, not {loglevel!r}", code=2)
+    return loglevel.lower()
 
 
 def refuse_insecure_secrets(settings: Settings, *, calls_models: bool = True) -> None:
@@ -114,7 +124,7 @@ def worker(
         ),
     ] = None,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
-    loglevel: Annotated[str, typer.Option()] = "info",
+    loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info",
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
 ) -> None:
     """Run Celery workers for the given queues: one process per core unless --processes says otherwise.
@@ -129,6 +139,7 @@ def worker(
         raise fail(str(exc), code=2) from exc
     if pool not in POOLS:
         raise fail("--pool must be threads, prefork or solo", code=2)
+    loglevel = checked_loglevel(loglevel)
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
     # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
     checked_factory(settings, wait=True)
@@ -162,8 +173,9 @@ def worker_queues(text: str, known: Sequence[str]) -> str:
     return ",".join(names)
 
 
-def beat(loglevel: Annotated[str, typer.Option()] = "info") -> None:
+def beat(loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info") -> None:
     """Run Celery beat (the sweeper every 30 s, and later schedules)."""
+    loglevel = checked_loglevel(loglevel)
     settings = get_settings()
     refuse_insecure_secrets(settings, calls_models=False)  # it only schedules: workers call the model
     refuse_missing_tracing(settings)
