@@ -714,8 +714,8 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     extract(factory, llm, MAR_PAGE)
     env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
 
-    def run(*args: str) -> Any:
-        return invoke_cli(database_url, "facts", "consolidate", "--entity", ALICE, *args, **env)
+    def run(*args: str, entity: str = ALICE) -> Any:
+        return invoke_cli(database_url, "facts", "consolidate", "--entity", entity, *args, **env)
 
     configure(factory, CONSOLIDATION_ENABLED, "false")
     refused = run()
@@ -727,7 +727,8 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     assert stopped.exit_code == 1 and "budget is exhausted" in stopped.output, stopped.output
     assert isinstance(stopped.exception, SystemExit)  # one line, no traceback
     configure(factory, "llm.budget_daily_usd", "100")
-    done = run("--override-disabled")
+    # Named as `facts history` takes it: taken as typed, it consolidated nothing and said so, exit 0.
+    done = run("--override-disabled", entity="People/Alice Example")
     assert done.exit_code == 0, done.output
     assert {d for d, _ in decisions(factory)} == {"new", "duplicate", "updates"}
 

@@ -15,6 +15,7 @@ from worker.core.consolidation import (
     supersession,
     triage_pair,
     true_at,
+    typed_entity_key,
     word_overlap,
 )
 from worker.core.consolidation_plan import plan_consolidation
@@ -421,3 +422,11 @@ def test_a_duplicate_said_before_what_its_canonical_closes_in_the_run_is_split_o
     # Nothing closed in the run: December's stays March's duplicate.
     kept = {r.fact_id: r for _, r in split_earlier_sayings([(p, resolve(p, {})) for p in plans])}
     assert kept[2].duplicate_of == 1 and kept[2].restates is None
+
+
+def test_an_entity_a_user_types_is_read_as_other_commands_read_it() -> None:
+    """`facts consolidate --entity "People/Alice Example"` compared the text as typed: nothing was
+    consolidated, exit 0, where `facts history` found the entity's facts."""
+    assert typed_entity_key("People/Alice Example") == "people/alice-example"
+    assert typed_entity_key("people/alice-example") == "people/alice-example"
+    assert typed_entity_key("page:notes/cafe\u0301") == "page:notes/caf\u00e9"  # NFD as macOS types it

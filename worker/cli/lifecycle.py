@@ -6,7 +6,16 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import fail, folding_table, id_argument, out, print_json, source_option, styled
+from worker.cli.console import (
+    counting_bar,
+    fail,
+    folding_table,
+    id_argument,
+    out,
+    print_json,
+    source_option,
+    styled,
+)
 from worker.cli.sessions import checked_factory
 from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
@@ -17,6 +26,7 @@ from worker.consolidation.service import (
     consolidate_entity,
 )
 from worker.consolidation.store import ConsolidationStore, unconsolidated_entity_keys
+from worker.core.consolidation import typed_entity_key
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.errors import LLMError
 from worker.runtime import build_runtime
@@ -124,14 +134,16 @@ def consolidate_command(
     total = ConsolidationCounters()
     try:
         with factory() as session:
-            keys = [entity] if entity else unconsolidated_entity_keys(session, source_id)
+            keys = [typed_entity_key(entity)] if entity else unconsolidated_entity_keys(session, source_id)
         store = ConsolidationStore(factory, runtime.ledger)
-        for key in keys:
-            done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key, guard=guard))
-            total.facts_considered += done.facts_considered
-            total.llm_calls += done.llm_calls
-            for kind, n in done.decisions.items():
-                total.decisions[kind] = total.decisions.get(kind, 0) + n
+        with counting_bar("entities", len(keys)) as advance:  # each may take many LLM calls
+            for key in keys:
+                done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key, guard=guard))
+                total.facts_considered += done.facts_considered
+                total.llm_calls += done.llm_calls
+                for kind, n in done.decisions.items():
+                    total.decisions[kind] = total.decisions.get(kind, 0) + n
+                advance()
     except KillSwitchOffError as exc:
         raise fail(str(exc), code=3) from exc
     except (LLMError, ConsolidationReplyError) as exc:  # a spent budget, the provider, an unusable reply

@@ -16,6 +16,8 @@ from typing import Literal
 from worker.core.consolidation_prompt import (
     VERDICTS,
 )
+from worker.core.facts import entity_slug
+from worker.core.slugs import stored_form
 
 FACT_STATUSES = ("current", "superseded", "duplicate")
 CURRENT, SUPERSEDED, DUPLICATE = FACT_STATUSES
@@ -44,6 +46,15 @@ PAGE_KEY_PREFIX = "page:"
 def entity_key(entity_slug: str | None, page_slug: str) -> str:
     """The consolidation unit of a fact: its entity, or its page when it names none."""
     return entity_slug if entity_slug else f"{PAGE_KEY_PREFIX}{page_slug}"
+
+
+def typed_entity_key(text: str) -> str:
+    """The consolidation unit a user names (`--entity`): an entity as any spelling of it ("People/Alice
+    Example"), or page:SLUG in any Unicode form. Taken as typed, a name that other commands find
+    (`facts history`) consolidated nothing and said so with exit 0."""
+    if text.startswith(PAGE_KEY_PREFIX):
+        return PAGE_KEY_PREFIX + stored_form(text.removeprefix(PAGE_KEY_PREFIX))
+    return entity_slug(text) or text
 
 
 def entity_key_filter(key: str) -> tuple[str | None, str | None]:
