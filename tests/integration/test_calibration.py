@@ -1032,7 +1032,7 @@ def test_cli_import_reports_bad_rows_by_line(
     path = tmp_path / "labels.csv"
     path.write_text(CSV)
     result = cli("import", str(path))
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # the good rows stored; a script must see rows were dropped
     assert "6 row(s): 3 added, 0 duplicate(s), 3 error(s)" in result.output
     assert "line 3:" in result.output and "line 6:" in result.output and "line 8:" in result.output
     report = json.loads(cli("import", str(path), "--json").stdout)
@@ -1042,6 +1042,13 @@ def test_cli_import_reports_bad_rows_by_line(
     assert cli("import", str(bad)).exit_code == 1  # nothing usable
     missing = cli("import", str(tmp_path / "missing.csv"))
     assert missing.exit_code == 2 and "no such file" in missing.output
+    # An --origin no row can take was refused on every row, a line each: once, before any row.
+    tabbed = cli("import", str(path), "--origin", "a\tb")
+    assert tabbed.exit_code == 2 and "origin must be 1 to 200 printable characters" in tabbed.output
+    assert tabbed.output.count("\n") <= 2, tabbed.output
+    odd = tmp_path / "tab\tname.csv"  # a name no origin can hold: its rows take the file's digest
+    odd.write_text("0.9,true\n")
+    assert cli("import", str(odd)).exit_code == 0
     latin1 = tmp_path / "latin1.csv"
     latin1.write_bytes("0.5,true,caf\xe9\n".encode("latin-1"))
     refused = cli("import", str(latin1))

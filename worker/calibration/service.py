@@ -35,11 +35,13 @@ from worker.core.calibration import (
     SplitCounts,
     UnknownCompactionError,
     check_parameters,
+    checked_origin,
     describe_succession,
     evaluate,
 )
 from worker.core.calibration_csv import decode_csv, parse_observations_csv
 from worker.core.errors import error_summary
+from worker.core.labels import clean_label
 from worker.core.ttl_cache import TtlCache
 from worker.jobs.outbox import CALIBRATION, JobRequest, Sender
 
@@ -97,6 +99,15 @@ class ImportReport:
         return pending_recompute(self.recompute)
 
 
+def _import_origin(origin: str | None, path: Path, digest: str) -> str:
+    """The origin of rows that leave theirs blank: ``origin`` (ObservationError at once if it is none: every
+    row was refused alone, a line each), else the file's name, or its digest when the name is not
+    printable text (a tab, or bytes of another encoding)."""
+    if origin is not None:
+        return checked_origin(origin)
+    return clean_label(f"csv:{path.name}"[:MAX_ORIGIN_LENGTH], MAX_ORIGIN_LENGTH) or f"csv:{digest}"
+
+
 def import_csv(
     store: CalibrationStore,
     path: Path,
@@ -113,9 +124,9 @@ def import_csv(
     """
     with path.open("rb") as file:  # no further than the cap: a path may be huge, or /dev/zero
         data = file.read(MAX_CSV_BYTES + 1)
-    content = decode_csv(data, str(path))
-    default_origin = origin or f"csv:{path.name}"[:MAX_ORIGIN_LENGTH]
     digest = hashlib.sha256(data).hexdigest()[:16]
+    default_origin = _import_origin(origin, path, digest)
+    content = decode_csv(data, str(path))
     parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
     good = parsed.good
     report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)

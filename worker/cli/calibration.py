@@ -153,8 +153,8 @@ def import_file(
                 recompute_every=get_settings().calibration_recompute_every,
                 progress=lambda stored, total: move(completed=stored, total=total),
             )
-    except (CsvFormatError, OSError) as exc:
-        raise fail(str(exc), code=2) from exc  # each names the file
+    except (CsvFormatError, OSError, ObservationError) as exc:
+        raise fail(str(exc), code=2) from exc  # each names the file, or the --origin refused
     sent = _send(factory, report.pending_jobs()) if enqueue else 0
     job = report.recompute.job_id if report.recompute is not None else None
     if as_json:
@@ -188,7 +188,7 @@ def import_file(
             )
         if job is not None:
             out.print(f"recompute job {job} requested")
-    if report.errors and not report.added and not report.duplicates:
+    if report.errors:  # the good rows are stored, but a script must see that rows were dropped
         raise typer.Exit(1)
 
 

@@ -76,6 +76,11 @@ def _check_text(value: object, name: str, limit: int) -> str:
     return cleaned
 
 
+def checked_origin(value: object) -> str:
+    """An origin as observations store it (ObservationError says what is wrong)."""
+    return _check_text(value, "origin", MAX_ORIGIN_LENGTH)
+
+
 def idempotency_dedupe_key(sender: str, key: str) -> str:
     """The stored form of a submission's idempotency key: a digest of its sender and the key. Two senders'
     equal keys collided (one's observation was dropped as the other's duplicate), and the key was kept as
@@ -104,7 +109,7 @@ class ObservationIn:
         object.__setattr__(self, "coverage", _check_coverage(self.coverage))
         if not isinstance(self.answer_kept, bool):
             raise ObservationError(f"answer_kept must be true or false, got {self.answer_kept!r}")
-        object.__setattr__(self, "origin", _check_text(self.origin, "origin", MAX_ORIGIN_LENGTH))
+        object.__setattr__(self, "origin", checked_origin(self.origin))
         if self.compaction_id is not None and (
             isinstance(self.compaction_id, bool)
             or not isinstance(self.compaction_id, int)
