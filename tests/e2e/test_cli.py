@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from models import ConfigEntry
 from tests.service import REPO
@@ -221,7 +222,7 @@ def test_config_unset_restores_the_default_and_removes_keys_nothing_reads(cli, f
     assert unknown.returncode == 2 and "did you mean 'facts.extraction_enabled'?" in unknown.stderr
 
 
-def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
+def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, factory):
     bad_since = cli("extract", "--since", "yesterday", check=False)
     assert bad_since.returncode == 2 and "ISO-8601" in bad_since.stderr
     # A port out of range is a usage error for every server command (flower's was a socket traceback).
@@ -269,6 +270,11 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url):
     # An extraction of a source with no page ran as a run of nothing; it still runs, and says why.
     nothing = cli("extract", "--source-id", "no-such-source", check=False)
     assert nothing.returncode == 0 and "no page in source 'no-such-source' to extract" in nothing.stderr
+    # Typed to see the subcommands, a bare `backfill` queued a paid backfill of the default source.
+    bare = cli("backfill")
+    assert "Start one by naming at least --source" in " ".join(bare.stdout.split()), bare.stdout
+    with factory() as session:
+        assert session.scalar(text("SELECT count(*) FROM backfills")) == 0
     # A backfill that matches no stored page plans nothing: said so, nothing queued.
     empty = cli("backfill", "--source", "no-such-source", check=False)
     assert empty.returncode == 1 and "no page in source 'no-such-source'" in empty.stderr

@@ -36,7 +36,10 @@ from worker.llm.gateway import LLMConfigurationError
 from worker.settings import get_settings
 
 backfill_app = typer.Typer(
-    help="Backfills: pending segments of many pages through provider batches (half price), on the queue.",
+    help=(
+        "Backfills: pending segments of many pages through provider batches (half price), on the queue. "
+        "Start one by naming at least --source (`--source default`: every page of the default source)."
+    ),
     invoke_without_command=True,
 )
 
@@ -56,6 +59,12 @@ def backfill(
     commits their results as they end (`factmill backfill show ID` follows it). Returns at once."""
     if ctx.invoked_subcommand is not None:
         return
+    selection_options = ("source", "since", "slug_prefix", "max_segments")
+    # By name: typer (0.29) carries a click of its own, whose ParameterSource is not click's.
+    if all(getattr(ctx.get_parameter_source(name), "name", None) == "DEFAULT" for name in selection_options):
+        # Typed to see the subcommands, it queued a paid backfill of every page of the default source.
+        out.print(ctx.get_help(), highlight=False)
+        raise typer.Exit(0)
     unavailable = batch_unavailable(get_settings())
     if unavailable:
         raise fail(unavailable, code=2)
