@@ -253,6 +253,32 @@ def test_expired_batch_commits_a_prefix_and_a_rerun_completes_it(store, clean_si
     assert_complete_like_online(store)
 
 
+def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_rest(
+    store, clean_sim, monkeypatch
+):
+    """Only the request count was capped: tens of thousands of pending segments made a file past the
+    providers' ~200 MB, refused alike on every run. Here each request "costs" 1,000 bytes and a batch
+    holds 2,500: the first page sends its first two segments, the others wait for the next run."""
+    from worker.extraction import batch as batch_module
+
+    run_online(store, clean_sim)
+    monkeypatch.setattr(batch_module, "request_overhead_bytes", lambda max_facts, cap: 0)
+    monkeypatch.setattr(batch_module, "segment_bytes", lambda segment, label="": 1000)
+    monkeypatch.setattr(batch_module, "MAX_BATCH_BYTES", 2500)
+    first = run_batch(store, openai_batch(clean_sim))
+    reports = {report.slug: report for report in first.pages}
+    assert first.segments_submitted == 2
+    assert (reports["conversations/alice"].status, reports["conversations/alice"].segments) == (
+        "incomplete",
+        2,
+    )
+    assert {reports[s].status for s in ("conversations/carol", "conversations/dave")} == {"skipped"}
+    assert "the batch is full" in reports["conversations/carol"].reason
+    monkeypatch.setattr(batch_module, "MAX_BATCH_BYTES", 1_000_000)
+    run_batch(store, openai_batch(clean_sim))
+    assert_complete_like_online(store)
+
+
 def test_faulted_requests_leave_pages_incomplete_and_recorded_then_a_rerun_finishes(store, clean_sim):
     run_online(store, clean_sim)
     clean_sim.configure(seed=7, rate_500=0.2, rate_malformed=0.1, rate_refusal=0.05, rate_truncated=0.05)

@@ -98,6 +98,17 @@ def segment_bytes(segment: Segment, label: str = "") -> int:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def _leading_fit(costs: list[int], requests: int, size: int) -> int:
+    """How many of the leading ``costs`` fit in ``requests`` requests and ``size`` bytes."""
+    fits = 0
+    for cost in costs[: max(0, requests)]:
+        if cost > size:
+            break
+        size -= cost
+        fits += 1
+    return fits
+
+
 def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int, cap: int) -> SegmentResult:
     """One batch result as a segment's single attempt (no repair turn in batch mode)."""
     if item.response is None:
@@ -126,6 +137,7 @@ class BatchExtraction:
     def __init__(self, run: ExtractionRun, counters: BatchExtractionCounters) -> None:
         self.run = run
         self.batch = counters
+        self.sendable: dict[str, int] = {}  # per planned page: how many of its segments the batch holds
 
     def finish(self, report: PageReport) -> None:
         if report.status != "incomplete":
@@ -136,26 +148,44 @@ class BatchExtraction:
         self.run.progress.page_finished(report)
 
     def plans(self) -> list[PagePlan]:
+        """The pages one batch holds, by requests and by bytes (the providers refuse a file over about
+        200 MB: a run of tens of thousands of pending segments failed alike on every run). A page past
+        what is left waits for the next run; the first page alone past a batch sends its first segments
+        (the next run extracts the rest), unless it is replaced whole, which needs every result at once."""
         plans: list[PagePlan] = []
-        queued = 0
+        queued = size = 0
+        overhead = request_overhead_bytes(self.run.max_facts, self.run.options.max_output_tokens)
         for ref in self.run.list_pages():
             plan = self.run.plan(ref)
             if plan is None:
                 continue
-            if queued + len(plan.segments) > MAX_BATCH_REQUESTS and plans:
+            costs = [overhead + segment_bytes(segment, plan.label) for segment in plan.segments]
+            fits = _leading_fit(costs, MAX_BATCH_REQUESTS - queued, MAX_BATCH_BYTES - size)
+            if fits < len(costs) and plans:
                 self.finish(
                     PageReport(ref.slug, "skipped", f"the batch is full ({queued} requests); run again")
                 )
+            elif fits < len(costs) and plan.replace:
+                self.finish(
+                    PageReport(
+                        ref.slug,
+                        "failed",
+                        f"it is re-extracted whole and its {len(costs)} segments are more than one batch "
+                        "takes; extract it online (`factmill extract --slug`)",
+                    )
+                )
             else:
                 plans.append(plan)
-                queued += len(plan.segments)
+                self.sendable[plan.slug] = fits
+                queued += fits
+                size += sum(costs[:fits])
         return plans
 
     def requests(self, plans: list[PagePlan]) -> dict[str, ChatRequest]:
         requests: dict[str, ChatRequest] = {}
         cap = self.run.options.max_output_tokens
         for plan in plans:
-            for index, segment in enumerate(plan.segments):
+            for index, segment in enumerate(plan.segments[: self.sendable.get(plan.slug)]):
                 requests[custom_id(plan, index)] = segment_request(
                     plan.label, segment, self.run.max_facts, cap
                 )
