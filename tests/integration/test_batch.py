@@ -279,6 +279,19 @@ def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_re
     assert_complete_like_online(store)
 
 
+def test_a_batch_the_provider_fails_as_a_whole_says_why_and_a_rerun_sends_it_again(store, clean_sim):
+    """OpenAI fails a batch as a whole past the queued-token limit (or for a bad line): it was read as
+    expired, its reason (the batch's ``errors``) never read, and the simulator never did it."""
+    run_online(store, clean_sim)
+    clean_sim.configure(batch_fail="token_limit_exceeded")
+    first = run_batch(store, openai_batch(clean_sim))
+    assert first.batch_status is not None and first.batch_status.startswith("failed: token_limit_exceeded")
+    assert first.pages_incomplete == 3 and facts_of(store, "batch") == []
+    clean_sim.configure(batch_fail=None)
+    run_batch(store, openai_batch(clean_sim))
+    assert_complete_like_online(store)
+
+
 def test_faulted_requests_leave_pages_incomplete_and_recorded_then_a_rerun_finishes(store, clean_sim):
     run_online(store, clean_sim)
     clean_sim.configure(seed=7, rate_500=0.2, rate_malformed=0.1, rate_refusal=0.05, rate_truncated=0.05)

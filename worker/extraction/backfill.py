@@ -16,7 +16,7 @@ Each pass of the job (its first run, then one per beat poll while provider batch
 A result commits only onto the segment it was asked for (same end message, same messages' digest) when
 that segment is still the page's next one. A paid result whose page has moved on (edited during the
 batch, or an earlier segment failed or expired) is recorded as discarded: its llm_calls row is written,
-its facts are not. Requests an expired or cancelled batch never ran are left for the next run.
+its facts are not. Requests an expired, cancelled or failed batch never ran are left for the next run.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ class BackfillPass:
         if not status.ended:
             self.store.set_batch(batch.id, provider_status=status.status)
             return
-        self.collect(batch, status.status)
+        self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
 
     def collect(self, batch: BatchRow, provider_status: str, *, fetch: bool = True) -> None:
         """Commit an ended batch's results page by page (the kill switch is read before each page);

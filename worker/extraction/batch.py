@@ -305,7 +305,7 @@ class BatchExtraction:
         """Commit what the ended batch answered, page by page; a batch that never ended commits nothing."""
         batch_id = self.batch.batch_id
         assert batch_id is not None
-        self.batch.batch_status = status.status if status is not None else None
+        self.batch.batch_status = status.said() if status is not None else None
         label = f"batch {batch_id} ({self.batch.batch_status or 'unknown status'})"
         copies = self.run.committer.store.provider_copies
         if status is None or not status.ended:

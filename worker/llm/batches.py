@@ -42,6 +42,22 @@ class BatchStatus:
     status: str  # the provider's word: completed, expired, cancelled, failed, in_progress, ended, ...
     ended: bool
     counts: dict[str, int] = field(default_factory=dict)
+    error: str | None = None  # why the provider failed the batch as a whole (OpenAI's ``errors``)
+
+    def said(self) -> str:
+        """The provider's word on the batch, with its reason when it failed the batch as a whole."""
+        return self.status if self.error is None else f"{self.status}: {self.error}"
+
+
+def _batch_error(batch: Any) -> str | None:
+    """Why OpenAI failed a batch as a whole (a bad input line, the queued-token limit), or None. Read as
+    it came (the SDK's model or plain data), at most 300 characters."""
+    errors = getattr(batch, "errors", None)
+    data = getattr(errors, "data", None) or []
+    said = "; ".join(
+        f"{getattr(e, 'code', None) or 'error'}: {getattr(e, 'message', None) or ''}".strip() for e in data
+    )
+    return said[:300] or None
 
 
 class Undetermined:
@@ -230,7 +246,7 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
     def status(self, batch_id: str) -> BatchStatus:
         batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
         counts = batch.request_counts.model_dump() if batch.request_counts else {}
-        return BatchStatus(batch.id, batch.status, batch.status in OPENAI_ENDED, counts)
+        return BatchStatus(batch.id, batch.status, batch.status in OPENAI_ENDED, counts, _batch_error(batch))
 
     def cancel(self, batch_id: str) -> None:
         _call("cancel", lambda: self._sdk.batches.cancel(batch_id), self.policy)

@@ -86,6 +86,7 @@ class Batch:
     on_end: OnEnd | None = field(default=None, repr=False)
     settled: bool = False  # on_end has run
     metadata: dict[str, str] | None = None
+    failure: str | None = None  # the error code of a batch that failed before running any request
 
     def ended(self, now: float) -> bool:
         return self.cancelled_at is not None or now - self.created_at >= self.delay
@@ -102,6 +103,8 @@ class Batch:
         return self.custom_ids[len(self.kept()) :]
 
     def final_status(self) -> str:
+        if self.failure is not None:
+            return "failed"
         if self.cancelled_at is not None:
             return "cancelled"
         return "expired" if self.expire else "completed"
@@ -210,7 +213,10 @@ async def start_batch(
     is stored before the create is answered (batch_create_hold_seconds later)."""
     config = state.config
     expire = config.batch_expire
+    failure = config.batch_fail if wire == "openai" else None
     answered = requests[: int(len(requests) * config.batch_expire_share)] if expire else requests
+    if failure is not None:
+        answered = []
     items = []
     for custom_id, body in answered:
         response = await answer(body)
@@ -226,6 +232,7 @@ async def start_batch(
         input_file_id=input_file_id,
         on_end=on_end,
         metadata=metadata,
+        failure=failure,
     )
     state.store.add_batch(batch)
     state.record_batch(len(requests))

@@ -119,6 +119,12 @@ class SimulatorConfig(BaseModel):
         default=False,
         description="batches end expired, with results for only the first batch_expire_share of requests",
     )
+    batch_fail: str | None = Field(
+        default=None,
+        max_length=100,
+        description="OpenAI batches end 'failed' with this error code (token_limit_exceeded, say), running "
+        "none of their requests, as OpenAI fails a batch past the organisation's queued-token limit",
+    )
     batch_expire_share: float = Field(
         default=0.5, ge=0, le=1, description="the share of an expiring batch's requests that it answers"
     )

@@ -110,7 +110,10 @@ def _input_lines(content: bytes) -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def _write_result_files(store: BatchStore, batch: Batch, garbled: int = 0) -> None:
-    """An ended batch's output file (the 200s) and error file (the rest, and requests never run)."""
+    """An ended batch's output file (the 200s) and error file (the rest, and requests never run); a
+    failed batch has neither, as OpenAI's has none."""
+    if batch.failure is not None:
+        return
     output: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     for item in batch.kept():
@@ -155,7 +158,7 @@ def _batch_json(batch: Batch) -> dict[str, Any]:
         "id": batch.id,
         "object": "batch",
         "endpoint": batch.endpoint,
-        "errors": None,
+        "errors": _failure_errors(batch.failure) if times.ended and batch.failure else None,
         "input_file_id": batch.input_file_id,
         "completion_window": "24h",
         "status": status,
@@ -166,7 +169,7 @@ def _batch_json(batch: Batch) -> dict[str, Any]:
         "expires_at": created + BATCH_COMPLETION_WINDOW_SECONDS,
         "finalizing_at": end if times.ended else None,
         "completed_at": end if status == "completed" else None,
-        "failed_at": None,
+        "failed_at": end if status == "failed" else None,
         "expired_at": end if status == "expired" else None,
         "cancelling_at": end if status == "cancelled" else None,
         "cancelled_at": end if status == "cancelled" else None,
@@ -177,6 +180,12 @@ def _batch_json(batch: Batch) -> dict[str, Any]:
         },
         "metadata": batch.metadata,
     }
+
+
+def _failure_errors(code: str) -> dict[str, Any]:
+    """The ``errors`` of a batch OpenAI failed as a whole (its requests never ran)."""
+    message = f"The batch failed as a whole ({code}); none of its requests ran. (simulated)"
+    return {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
 
 
 async def create_batch(request: Request) -> Response:
