@@ -25,6 +25,7 @@ from factmill_client.transport import (
     RetryPolicy,
     build_request,
     give_up_message,
+    http_timeout,
     note_retry,
     parse,
 )
@@ -49,7 +50,10 @@ class AsyncClient:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._http = httpx.AsyncClient(
-            base_url=base_url, timeout=timeout, transport=transport, headers={"User-Agent": USER_AGENT}
+            base_url=base_url,
+            timeout=http_timeout(timeout),
+            transport=transport,
+            headers={"User-Agent": USER_AGENT},
         )
         self._credentials = Credentials(api_key, webhook_secret, clock)
         self.retry = retry or RetryPolicy()

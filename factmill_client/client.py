@@ -23,6 +23,7 @@ from factmill_client.transport import (
     RetryPolicy,
     build_request,
     give_up_message,
+    http_timeout,
     note_retry,
     parse,
 )
@@ -54,7 +55,10 @@ class Client:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._http = httpx.Client(
-            base_url=base_url, timeout=timeout, transport=transport, headers={"User-Agent": USER_AGENT}
+            base_url=base_url,
+            timeout=http_timeout(timeout),
+            transport=transport,
+            headers={"User-Agent": USER_AGENT},
         )
         self._credentials = Credentials(api_key, webhook_secret, clock)
         self.retry = retry or RetryPolicy()

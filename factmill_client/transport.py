@@ -29,6 +29,17 @@ logger = logging.getLogger("factmill_client")
 
 # Errors raised before a request left the client: the server cannot have acted on it.
 UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Seconds a write may wait at least: a server handles a few large bodies at a time (the others wait, their
+# bodies unread, FACTMILL_MAX_LARGE_BODIES), so a large page upload may wait minutes for its turn. At the
+# client's 30 s it timed out and was sent again, whole, to the back of the line.
+WRITE_TIMEOUT_SECONDS = 300.0
+
+
+def http_timeout(seconds: float) -> httpx.Timeout:
+    """The clients' timeouts: ``seconds`` to connect, read and wait for a pooled connection, and at least
+    WRITE_TIMEOUT_SECONDS to write."""
+    return httpx.Timeout(seconds, write=max(seconds, WRITE_TIMEOUT_SECONDS))
+
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -41,7 +52,7 @@ class RetryPolicy:
     backoff: float = 0.25  # seconds before the first resend; doubled for each one after
     max_backoff: float = 8.0
     max_retry_after: float = 60.0  # a longer Retry-After is raised to the caller, not waited out
-    statuses: frozenset[int] = field(default=frozenset({429, 500, 502, 503, 504}))
+    statuses: frozenset[int] = field(default=frozenset({408, 429, 500, 502, 503, 504}))
 
     def pause(self, attempt: int, retry_after: float | None = None) -> float:
         if retry_after is not None:
@@ -65,7 +76,8 @@ class RetryPolicy:
         retry_after = retry_after_seconds(response.headers)
         if retry_after is not None and retry_after > self.max_retry_after:
             return None
-        if status == 429 or call.replayable:
+        # 429, and 408 (the body did not arrive in time: no route read it), say the server did nothing.
+        if status in (408, 429) or call.replayable:
             return self.pause(attempt, retry_after)
         return None
 

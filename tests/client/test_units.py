@@ -104,6 +104,18 @@ def test_retry_rules():
     assert policy.after_error(retry, httpx.ConnectError("refused", request=request), 1) is not None
     assert policy.after_error(retry, httpx.ReadTimeout("slow", request=request), 1) is None
     assert policy.after_error(ingest, httpx.ReadTimeout("slow", request=request), 1) is not None
+    # A body the server's large-body line did not get in time (408): no route read it, any call goes again.
+    assert policy.after_response(retry, answer(408), 1) is not None
+
+
+def test_a_large_upload_may_wait_its_turn_at_the_server_past_the_read_timeout():
+    """The server reads a few large bodies at a time and leaves the others unread: at the client's 30 s
+    write timeout a 25 MiB ingest waiting its turn was sent again, whole, to the back of the line."""
+    from factmill_client import AsyncClient, Client
+
+    for made in (Client("http://x"), AsyncClient("http://x")):
+        timeout = made._http.timeout
+        assert (timeout.read, timeout.connect, timeout.write) == (30.0, 30.0, 300.0)
 
 
 def test_requests_carry_the_key_and_a_fresh_signature_over_the_path_as_sent():
