@@ -168,6 +168,9 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert seen["entity_then"]["total"] == 0 and seen["page_then"]["facts"] == []  # nothing known in 2000
     limit = seen["schemas"]["list_entity_facts"]["properties"]["limit"]
     assert (limit["type"], limit["minimum"], limit["maximum"]) == ("integer", 1, 1000)  # bounds a client sees
+    # A page's facts: 10,000 were tens of MB, sent twice by the SDK; no agent's context holds that.
+    page_limit = seen["schemas"]["list_page_facts"]["properties"]["limit"]
+    assert (page_limit["maximum"], page_limit["default"]) == (1000, 200)
     refused = _error_text(seen["append"])
     assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
 

@@ -280,9 +280,11 @@ class FactmillTools:
             Text, Field(min_length=1, description="The page's slug, e.g. 'conversations/alice'.")
         ],
         source_id: Annotated[Text, Field(min_length=1, description="The page's source.")] = "default",
+        # At most 1,000 (the API's 10,000 facts are tens of MB, sent twice by the SDK: no agent's context
+        # holds that); offset pages on, as for an entity's facts.
         limit: Annotated[
-            int, Strict(), Field(ge=1, le=10_000), JSON_INTEGER, Field(description="At most this many facts.")
-        ] = 1000,
+            int, Strict(), Field(ge=1, le=1000), JSON_INTEGER, Field(description="At most this many facts.")
+        ] = 200,
         offset: Offset = 0,
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
