@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from sqlalchemy import delete, event, func, select
+from sqlalchemy import delete, event, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -441,7 +441,7 @@ def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: ses
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
     assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
-    assert row.split_method == "stratified-sha256-alternate-v1"
+    assert row.split_method == "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases"
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 
@@ -532,6 +532,18 @@ def test_nothing_new_writes_nothing_unless_forced(tx_factory: sessionmaker[Sessi
     assert other_alpha.version == first.version + 1
     forced = recompute(tx_factory, force=True, **(PARAMS | {"alpha": 0.2}))
     assert forced.version == first.version + 2
+
+
+def test_a_version_made_under_other_rules_is_recomputed(tx_factory: sessionmaker[Session]) -> None:
+    """ "Unchanged" compared observations and parameters only: after a release that changed the split or
+    the activation rule, a version earned under the old ones stayed active until new feedback came."""
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
+    with tx_factory.begin() as session:  # as a version written by the release before
+        session.execute(update(CalibrationThreshold).values(split_method="stratified-sha256-alternate-v1"))
+    again = recompute(tx_factory, **PARAMS)
+    assert again.outcome != "unchanged" and again.version == first.version + 1
+    assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
 
 
 def test_recompute_rejects_bad_parameters(tx_factory: sessionmaker[Session]) -> None:
@@ -710,6 +722,27 @@ def test_kill_switch_pauses_the_job_and_turning_it_on_resumes_it(
     assert run_job(rt, request.job_id, jobs.CALIBRATION).status == "succeeded"
     [only] = versions(tx_factory)  # the first version, whatever id the sequence gave it
     assert current(tx_factory).version == only.version
+
+
+def test_a_switch_turned_off_while_the_recompute_ran_activates_nothing(
+    database_url: str, tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch was read at the claim only: a recompute that waited for its lock behind a long one
+    wrote and activated a new τ after the operator had turned calibration off."""
+    from worker.calibration import service
+
+    add(tx_factory, separated())
+    evaluate = service.evaluate
+
+    def switched_off_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        with tx_factory.begin() as session:
+            set_config(session, CALIBRATION_ENABLED, "false", updated_by="test")
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(service, "evaluate", switched_off_meanwhile)
+    request = request_recompute(tx_factory, "schedule", sender=Recorder(tx_factory))
+    assert run_job(runtime(database_url, tx_factory), request.job_id, jobs.CALIBRATION).status == "paused"
+    assert versions(tx_factory) == [] and current(tx_factory) == FALLBACK
 
 
 def test_a_job_of_another_kind_fails(database_url: str, tx_factory: sessionmaker[Session]) -> None:

@@ -7,7 +7,7 @@ from worker.calibration.store import CalibrationStore
 from worker.config_store import CALIBRATION_ENABLED
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.outbox import CALIBRATION
-from worker.jobs.registry import ErrorRule, JobKind, register
+from worker.jobs.registry import ErrorRule, JobKind, KillSwitchOffError, register
 
 PAUSED_REASON = paused_reason(CALIBRATION_ENABLED)
 
@@ -15,6 +15,12 @@ PAUSED_REASON = paused_reason(CALIBRATION_ENABLED)
 def recompute_job(ctx: JobContext) -> WorkResult:
     """The calibration job kind's work: recompute τ from the observations and activate it if it holds."""
     settings = ctx.rt.settings
+
+    def guard() -> None:  # before the version is written and activated
+        ctx.guard()
+        if not ctx.enabled():  # turned off while the recompute waited for its lock: no new τ goes live
+            raise KillSwitchOffError(PAUSED_REASON)
+
     result = recompute(
         CalibrationStore(ctx.rt.factory),
         alpha=settings.calibration_alpha,
@@ -22,7 +28,7 @@ def recompute_job(ctx: JobContext) -> WorkResult:
         min_observations=settings.calibration_min_observations,
         trigger=str(ctx.option("trigger", "manual")),
         job_id=ctx.job.id,
-        guard=ctx.guard,
+        guard=guard,
     )
     return WorkResult("succeeded", counters=result.as_dict(), detail=result.reason)
 

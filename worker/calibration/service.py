@@ -29,6 +29,7 @@ from worker.core.calibration import (
     COUNT_FIELDS,
     MAX_CSV_BYTES,
     MAX_ORIGIN_LENGTH,
+    METHOD,
     ActiveThreshold,
     ObservationError,
     ObservationIn,
@@ -192,7 +193,14 @@ def _result(
 
 
 def _computed_from(row: CalibrationThreshold) -> tuple[Any, ...]:
-    return (row.max_observation_id, row.n, row.alpha, row.target_recall, row.min_observations)
+    return (
+        row.max_observation_id,
+        row.n,
+        row.alpha,
+        row.target_recall,
+        row.min_observations,
+        row.split_method,
+    )
 
 
 def recompute(
@@ -220,7 +228,7 @@ def recompute(
         latest = versions.latest()
         # Counted in Postgres before anything is loaded: an hourly schedule with no new feedback read
         # every observation ever stored into Python to find that out (bench/recompute_unchanged.py).
-        inputs = (*versions.extent(), alpha, target_recall, min_observations)
+        inputs = (*versions.extent(), alpha, target_recall, min_observations, METHOD)
         if not force and latest is not None and _computed_from(latest) == inputs:
             logger.info("calibration unchanged since version %s; nothing written", latest.version)
             return _result("unchanged", latest, current)

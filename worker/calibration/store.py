@@ -17,7 +17,7 @@ from models import CalibrationThreshold
 from models.reads import read_only
 from worker.calibration import queries
 from worker.calibration.queries import AddReport
-from worker.core.calibration import SPLIT_METHOD, ActiveThreshold, Evaluation, Observation, ObservationIn
+from worker.core.calibration import METHOD, ActiveThreshold, Evaluation, Observation, ObservationIn
 from worker.jobs.outbox import JobRequest, Sender, enqueue
 
 
@@ -70,7 +70,7 @@ class VersionWriter:
             target_recall=target_recall,
             min_observations=min_observations,
             max_observation_id=max_observation_id,
-            split_method=SPLIT_METHOD,
+            split_method=METHOD,
             active=evaluation.activate,
             activated_at=func.now() if evaluation.activate else None,
             reason=reason,
