@@ -34,6 +34,7 @@ from worker.calibration import (
     CsvFormatError,
     ObservationError,
     ObservationIn,
+    StoredObservation,
     ThresholdCache,
     active_threshold,
     add_observation,
@@ -277,6 +278,23 @@ def test_deleting_a_compaction_keeps_its_observations_without_the_id(
     first, second = (rows[s.id] for s in report.stored)
     assert first.compaction_id is None and (first.coverage, first.answer_kept) == (0.6, True)
     assert second.compaction_id == kept
+
+
+def test_a_resubmission_after_its_compaction_was_erased_is_a_duplicate(
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """An at-least-once sender's retry after the transcript's erasure got "no such compaction" (409):
+    the key was never looked up, though the observation was stored."""
+    gone = judged[0]
+    sent = ObservationIn(0.6, True, "eval", compaction_id=gone, idempotency_key="k-erased")
+    [first] = add(tx_factory, [sent]).stored
+    with tx_factory.begin() as session:
+        session.execute(delete(Compaction).where(Compaction.id == gone))
+    new = ObservationIn(0.7, True, "eval", compaction_id=gone, idempotency_key="k2")
+    again = add(tx_factory, [sent, new])
+    assert again.stored == [StoredObservation(0, first.id, True)]
+    assert [index for index, _ in again.conflicts] == [1]  # a new observation of it: no such compaction
+    assert count(tx_factory, CalibrationObservation) == 1
 
 
 def test_a_large_batch_in_chunks(tx_factory: sessionmaker[Session]) -> None:

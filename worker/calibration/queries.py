@@ -84,11 +84,38 @@ def _conflict_message(obs: ObservationIn, row: Row[Any]) -> str:
     )
 
 
-def _says_the_same(obs: ObservationIn, row: Row[Any]) -> bool:
+def _says_the_same(obs: ObservationIn, row: Row[Any], *, erased: bool = False) -> bool:
     """The stored row says what ``obs`` says (the origin aside when it is a default: a copy of the same
-    file under another name, or with --origin, is the same rows, not a conflict on every line)."""
-    ignored = "origin" if not obs.origin_given else None
-    return all(getattr(row, name) == value for name, value in obs.recorded().items() if name != ignored)
+    file under another name, or with --origin, is the same rows, not a conflict on every line; with
+    ``erased``, the compaction aside: its erasure set the row's to NULL)."""
+    ignored = {"origin"} if not obs.origin_given else set()
+    if erased:
+        ignored.add("compaction_id")
+    return all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
+
+
+def _erased_since(
+    session: Session, observations: Sequence[ObservationIn], unknown: set[int]
+) -> dict[int, StoredObservation]:
+    """By position: the resubmissions (same key, same observation) of rows whose compaction was erased
+    since. Refused as naming no compaction, an at-least-once sender's retry after an erasure got a 409
+    instead of its duplicate answer."""
+    keyed = {
+        index: key
+        for index, obs in enumerate(observations)
+        if obs.compaction_id in unknown and (key := obs.dedupe_key()) is not None
+    }
+    if not keyed:
+        return {}
+    rows = session.connection().execute(_KEYED_ROWS, {"keys": sorted(set(keyed.values()))})
+    found = {row.dedupe_key: row for row in rows}
+    return {
+        index: StoredObservation(index, row.id, True)
+        for index, key in keyed.items()
+        if (row := found.get(key)) is not None
+        and row.compaction_id is None
+        and _says_the_same(observations[index], row, erased=True)
+    }
 
 
 def store_observations(
@@ -102,8 +129,12 @@ def store_observations(
     session.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
     report = AddReport()
     unknown = _unknown_compactions(session, observations)
+    erased = _erased_since(session, observations, unknown)
+    report.stored.extend(erased.values())
     indexed: list[tuple[int, ObservationIn]] = []
     for index, obs in enumerate(observations):
+        if index in erased:
+            continue
         if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
             report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
             report.unknown_compactions.append(index)
