@@ -1452,7 +1452,7 @@ def cli(
 
 
 def test_cli_compact_queues_or_runs_now_and_transcripts_show(
-    cli: Any, factory: sessionmaker[Session]
+    cli: Any, factory: sessionmaker[Session], simulator: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     append(factory, "cli", session_messages(12), settings={**SETTINGS, "keep_recent_tokens": 500})
     queued = cli("compact", "cli", "--json")
@@ -1496,6 +1496,17 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
     append(factory, "cli", rounds(12, 12))
     spent = cli("compact", "cli", "--now")  # said, and no failed compaction recorded for it
     assert spent.exit_code == 1 and "the day LLM budget is exhausted" in spent.output, spent.output
+    assert len(compactions(factory)) == 1
+    # A provider outage is raised for a job to try again: here one line, exit 1, nothing stored.
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "100")
+    monkeypatch.setenv("FACTMILL_LLM_MAX_ATTEMPTS", "1")
+    simulator.configure(rate_500=1.0)
+    try:
+        down = cli("compact", "cli", "--now")
+    finally:
+        simulator.configure(rate_500=0.0)
+    assert down.exit_code == 1 and "nothing was stored, try again later" in down.output, down.output
     assert len(compactions(factory)) == 1
 
 
@@ -1622,3 +1633,24 @@ def test_a_run_whose_lease_was_taken_over_sends_no_retry(
     with tx_factory() as session:
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.worker, job.attempts) == ("running", "another-worker", 0)
+
+
+def test_a_compaction_forced_while_its_job_runs_forces_the_rerun(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """`factmill compaction compact` while the transcript's job ran set force on the running job, and
+    the rerun dropped it with the run's own one-run options: the forced compaction never happened."""
+    request = append(tx_factory, "forced-later", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+
+    def forced_meanwhile(request: ChatRequest) -> str:
+        with tx_factory.begin() as session:
+            assert not request_compaction(session, "forced-later", force=True).created
+        return f"## Goal\n{GOAL}"
+
+    rt = runtime(database_url, tx_factory, ScriptedLLM(forced_meanwhile, f"## Goal\n{GOAL}"))
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued"
+        assert job.options.get("force") is True and "next_run" not in job.options, job.options

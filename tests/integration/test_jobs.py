@@ -507,6 +507,22 @@ def test_a_run_whose_heartbeats_fail_stops_before_its_lease_can_go_stale(factory
     nowhere.dispose()
 
 
+def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(factory):
+    """stale_after may be two beats; stopping a full beat before it left one beat, and a check between a
+    beat's wait and its write (every beat getting through) stopped a healthy run."""
+    import time as clock
+
+    from worker.jobs.leases import Heartbeat
+
+    job_id = new_job(factory, "default|healthy")
+    assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    with Heartbeat(factory, job_id, "w1", interval=0.3, stale_after=0.6) as beat:
+        deadline = clock.monotonic() + 3
+        while clock.monotonic() < deadline:
+            beat.check()
+            clock.sleep(0.01)
+
+
 def test_a_run_that_spent_the_last_worker_loss_is_not_rerun_for_new_content(tx_factory):
     """finish restarted the rerun with fresh counters after any failure: a page whose runs kill the
     database backend (or the worker) crash-looped for as long as deliveries came."""

@@ -27,7 +27,7 @@ from worker.compaction import (
 from worker.compaction.erase import erase_transcript
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
 from worker.jobs.outbox import COMPACTION, enqueue
-from worker.llm.errors import BudgetExhaustedError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.runtime import Runtime
 from worker.settings import get_settings
 
@@ -139,6 +139,8 @@ def compact_command(
         raise fail(str(exc)) from exc
     except (CompactionDisabledError, BudgetExhaustedError) as exc:
         raise fail(str(exc)) from exc
+    except LLMError as exc:  # the provider unavailable past the retries: nothing stored, try again later
+        raise fail(f"the summarizer call failed: {exc}; nothing was stored, try again later") from exc
     finally:
         runtime.close()
     if as_json:

@@ -30,7 +30,7 @@ from worker.core.transcripts import (
     stored_message,
     tool_calls_json,
 )
-from worker.jobs.leases import now
+from worker.jobs.leases import now, options_for_its_next_run
 from worker.jobs.outbox import COMPACTION, JobRequest, request_job
 
 
@@ -297,18 +297,16 @@ def request_compaction(
 ) -> JobRequest:
     """Request a compaction job (one pending per transcript) in the caller's transaction.
 
-    A forced request marks a pending job as forced too, so it compacts even under the threshold. The
-    transcript's row is locked first, as appends and erasure lock it: a request racing an erasure
-    waits for it and finds no transcript (read unlocked, it inserted a job named by the erased id after
-    the erasure's scrub).
+    A forced request marks a pending job as forced too, so it compacts even under the threshold (a
+    running one, its rerun: the run in progress read its options when it began). The transcript's row
+    is locked first, as appends and erasure lock it: a request racing an erasure waits for it and finds
+    no transcript (read unlocked, it inserted a job named by the erased id after the erasure's scrub).
     """
     lock_transcript(session, transcript_id, create=False)
     job = request_job(session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger})
     if force and not job.created:
         session.execute(
-            update(Job)
-            .where(Job.id == job.job_id)
-            .values(options=Job.options.op("||")(func.jsonb_build_object("force", True)))
+            update(Job).where(Job.id == job.job_id).values(options=options_for_its_next_run(force=True))
         )
     return job
 

@@ -213,10 +213,11 @@ class Heartbeat:
             raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
         if self.stale_after is not None:
             # No beat got through (pool timeouts, a hung connection): the sweeper may hand the job to
-            # another worker at stale_after, so stop a beat before. A failed beat was only logged, and
-            # this run went on making LLM calls beside the new holder's.
+            # another worker at stale_after, so stop half a beat before. A failed beat was only logged,
+            # and this run went on making LLM calls beside the new holder's. (A full beat before was
+            # one beat at the smallest stale_after allowed, two beats: a healthy run tripped between.)
             silent = time.monotonic() - self._beaten
-            if silent > self.stale_after - self.interval:
+            if silent > self.stale_after - self.interval / 2:
                 raise LeaseLostError(
                     f"job {self.job_id}: no heartbeat got through for {silent:.0f} s; another worker may "
                     "hold it now"
@@ -262,6 +263,31 @@ _FINISH = (
     )
     .returning(JOBS.c.rerun_requested, JOBS.c.kind)
 )
+
+
+# Options asked of a job's rerun while it runs (a forced compaction requested meanwhile): the run in
+# progress read its own at its claim, and its one-run options are dropped when it reruns.
+NEXT_RUN = "next_run"
+
+
+def options_for_its_next_run(**values: Any) -> Any:
+    """The options column after a request sets ``values`` on a pending job: at once on a queued or
+    paused one, for its rerun on one running now (set at once, the rerun dropped them with the run's)."""
+    asked = func.jsonb_build_object(*(part for item in values.items() for part in item))
+    held = func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
+    later = JOBS.c.options.op("||", return_type=JSONB)(
+        func.jsonb_build_object(NEXT_RUN, held.op("||", return_type=JSONB)(asked))
+    )
+    return case((JOBS.c.status == "running", later), else_=JOBS.c.options.op("||", return_type=JSONB)(asked))
+
+
+def _rerun_options(one_run_options: tuple[str, ...]) -> Any:
+    """A rerun's options: the run's, less its one-run options, plus what was asked of the rerun."""
+    kept = JOBS.c.options.op("-", return_type=JSONB)(
+        bindparam("one_run", list(one_run_options), type_=ARRAY(Text))
+    )
+    asked = func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
+    return kept.op("||", return_type=JSONB)(asked).op("-", return_type=JSONB)(NEXT_RUN)
 
 
 @dataclass(frozen=True)
@@ -339,9 +365,7 @@ def finish(
                     attempts=0,
                     worker_losses=0,
                     budget_since=func.now(),
-                    options=JOBS.c.options.op("-", return_type=JSONB)(
-                        bindparam("one_run", list(one_run_options), type_=ARRAY(Text))
-                    ),
+                    options=_rerun_options(one_run_options),
                 )
             )
             rerun = (job_id, job.kind)
