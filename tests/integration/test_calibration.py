@@ -552,16 +552,26 @@ def test_nothing_new_writes_nothing_unless_forced(tx_factory: sessionmaker[Sessi
     assert forced.version == first.version + 2
 
 
-def test_a_version_made_under_other_rules_is_recomputed(tx_factory: sessionmaker[Session]) -> None:
+def test_a_version_made_under_other_rules_is_recomputed_and_retired_unless_earned_again(
+    tx_factory: sessionmaker[Session],
+) -> None:
     """ "Unchanged" compared observations and parameters only: after a release that changed the split or
-    the activation rule, a version earned under the old ones stayed active until new feedback came."""
+    the activation rule, a version earned under the old ones stayed active until new feedback came,
+    and for good when the new rules do not earn it."""
     add(tx_factory, separated())
     first = recompute(tx_factory, **PARAMS)
+    old_rules = "stratified-sha256-alternate-v1"
     with tx_factory.begin() as session:  # as a version written by the release before
-        session.execute(update(CalibrationThreshold).values(split_method="stratified-sha256-alternate-v1"))
+        session.execute(update(CalibrationThreshold).values(split_method=old_rules))
     again = recompute(tx_factory, **PARAMS)
-    assert again.outcome != "unchanged" and again.version == first.version + 1
+    assert (again.outcome, again.version) == ("activated", first.version + 1)  # earned again: replaces it
     assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
+    # Not earned under these rules (more observations than it asks for at 1,000): retired, the fallback.
+    with tx_factory.begin() as session:
+        session.execute(update(CalibrationThreshold).values(split_method=old_rules))
+    kept = recompute(tx_factory, **(PARAMS | {"min_observations": 1000}))
+    assert kept.outcome == "kept" and kept.active == FALLBACK and current(tx_factory) == FALLBACK
+    assert "was made under other rules and is retired" in kept.reason
 
 
 def test_recompute_rejects_bad_parameters(tx_factory: sessionmaker[Session]) -> None:

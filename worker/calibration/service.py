@@ -24,9 +24,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from models import CalibrationThreshold
 from worker.calibration.queries import AddReport, pending_recompute
-from worker.calibration.store import CalibrationStore
+from worker.calibration.store import CalibrationStore, VersionWriter
 from worker.core.calibration import (
     COUNT_FIELDS,
+    FALLBACK,
     MAX_CSV_BYTES,
     MAX_ORIGIN_LENGTH,
     METHOD,
@@ -38,6 +39,7 @@ from worker.core.calibration import (
     check_parameters,
     checked_origin,
     describe_succession,
+    describe_tau,
     evaluate,
 )
 from worker.core.calibration_csv import decode_csv, parse_observations_csv
@@ -203,6 +205,20 @@ def _computed_from(row: CalibrationThreshold) -> tuple[Any, ...]:
     )
 
 
+def _succession(
+    versions: VersionWriter, activate: bool, current: ActiveThreshold
+) -> tuple[str, ActiveThreshold]:
+    """What the new version means for the active one (for its reason), and the version active after it
+    (before an activating one is written). An active version made under rules this release does not
+    hold to (an activation on "1 of 1 kept"), and not earned again under these, is retired: it stayed
+    active for good, the gates on a τ nothing supports."""
+    if activate or current.version is None or versions.method_of(current.version) == METHOD:
+        return describe_succession(activate, current), current
+    versions.retire_active()
+    retired = f"; version {current.version} (τ={describe_tau(current.tau)}) was made under other rules"
+    return f"{retired} and is retired" + describe_succession(False, FALLBACK), FALLBACK
+
+
 def recompute(
     store: CalibrationStore,
     *,
@@ -239,13 +255,14 @@ def recompute(
         )
         if guard is not None:
             guard()
+        succession, current = _succession(versions, evaluation.activate, current)
         row = versions.record(
             evaluation,
             alpha=alpha,
             target_recall=target_recall,
             min_observations=min_observations,
             max_observation_id=max_id,
-            reason=evaluation.reason + describe_succession(evaluation.activate, current),
+            reason=evaluation.reason + succession,
             trigger=trigger,
             job_id=job_id,
         )

@@ -49,6 +49,14 @@ class VersionWriter:
     def latest(self) -> CalibrationThreshold | None:
         return queries.latest_version(self._session)
 
+    def method_of(self, version: int) -> str | None:
+        row = self._session.get(CalibrationThreshold, version)
+        return None if row is None else row.split_method
+
+    def retire_active(self) -> None:
+        """No version is active after this (gates take the shipped fallback τ)."""
+        queries.deactivate_versions(self._session)
+
     def record(
         self,
         evaluation: Evaluation,
