@@ -316,6 +316,10 @@ def test_lex_words_leading_combining_mark_matches_whole_text_segmentation() -> N
     # WB3d joins an ASCII space to a following ideographic space, and WB4 glues a letter-like mark on.
     text = "a \u3000\uff9e"
     assert lex_words(text) == _words_from_segments(uax29_segments(text)) == ["a", " \u3000\uff9e"]
+    # WB3d across chunks: an ideographic space ending the chunk before joins the space, and the mark.
+    for text in ("x\u3000 \uff9e", "x\u3000 \u3000 \uff9e a", "x\u3000\t\uff9e"):
+        assert lex_words(text) == _words_from_segments(uax29_segments(text)), text
+    assert lex_words("x\u3000 \uff9e") == ["x", "\u3000 \uff9e"]
 
 
 def test_lex_words_segments_only_the_glued_chunk_slowly(monkeypatch: pytest.MonkeyPatch) -> None:
