@@ -85,3 +85,18 @@ def test_each_created_job_is_sent_as_its_page_commits(tx_factory, tmp_path: Path
     report = ingest_paths(tx_factory, [tmp_path], "sent", on_file=lambda p: heard.append(p.name), send=send)
     assert [(files_done, len(jobs)) for files_done, jobs in sends] == [(0, 1), (1, 1)]
     assert [job for _, jobs in sends for job in jobs] == report.created and report.enqueued == 2
+
+
+def test_a_broker_that_is_away_is_tried_once_not_once_a_page(tx_factory, tmp_path: Path) -> None:
+    """Each page's send waits on a broker that is down (Celery's publish retries): tried for every page
+    of a large ingest, that was minutes to hours. The sweeper sends what is left."""
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.md").write_text(f"---\ntype: conversation\n---\n[2024-01-01 10:00] {name}: hi\n")
+    tries: list[int] = []
+
+    def away(created: list[tuple[int, str]]) -> int:
+        tries.append(len(created))
+        return 0
+
+    report = ingest_paths(tx_factory, [tmp_path], "away", send=away)
+    assert tries == [1] and report.enqueued == 0 and len(report.created) == 3

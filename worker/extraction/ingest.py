@@ -212,7 +212,11 @@ def ingest_paths(
         created = len(report.created)
         _ingest_file(factory, path, root, source_id, report, taken)
         if send is not None and len(report.created) > created:
-            report.enqueued += send(report.created[created:])
+            asked = report.created[created:]
+            sent = send(asked)
+            report.enqueued += sent
+            if sent < len(asked):  # the broker is away: each try waits on it; the sweeper sends the rest
+                send = None
         if on_file is not None:
             on_file(path)
     return report
