@@ -44,7 +44,7 @@ class AsyncClient:
         *,
         api_key: str | None = None,
         webhook_secret: Secrets | None = None,
-        timeout: float = 30.0,
+        timeout: float | httpx.Timeout | None = 30.0,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,

@@ -49,7 +49,7 @@ class Client:
         *,
         api_key: str | None = None,
         webhook_secret: Secrets | None = None,
-        timeout: float = 30.0,
+        timeout: float | httpx.Timeout | None = 30.0,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,

@@ -29,16 +29,32 @@ logger = logging.getLogger("factmill_client")
 
 # Errors raised before a request left the client: the server cannot have acted on it.
 UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-# Seconds a write may wait at least: a server handles a few large bodies at a time (the others wait, their
-# bodies unread, FACTMILL_MAX_LARGE_BODIES), so a large page upload may wait minutes for its turn. At the
-# client's 30 s it timed out and was sent again, whole, to the back of the line.
-WRITE_TIMEOUT_SECONDS = 300.0
+# Seconds a large body's request may wait at least, to write and to read its answer: a server handles a
+# few bodies over 1 MiB at a time (the others wait, unread, FACTMILL_MAX_LARGE_BODIES), so a large page
+# upload may wait minutes for its turn. At the client's 30 s it timed out and was sent again, whole, to
+# the back of the line (a body the socket buffers held whole waited in the read).
+LARGE_BODY_TIMEOUT_SECONDS = 300.0
+LARGE_BODY_BYTES = 1024 * 1024  # the server's own line (worker.bodycap.LARGE_BODY_BYTES)
 
 
-def http_timeout(seconds: float) -> httpx.Timeout:
-    """The clients' timeouts: ``seconds`` to connect, read and wait for a pooled connection, and at least
-    WRITE_TIMEOUT_SECONDS to write."""
-    return httpx.Timeout(seconds, write=max(seconds, WRITE_TIMEOUT_SECONDS))
+def http_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | float | None:
+    """The clients' timeouts: ``timeout`` seconds for everything, but at least
+    LARGE_BODY_TIMEOUT_SECONDS to write; an httpx.Timeout (or None: no timeout) is taken as given."""
+    if isinstance(timeout, int | float):
+        return httpx.Timeout(timeout, write=max(timeout, LARGE_BODY_TIMEOUT_SECONDS))
+    return timeout
+
+
+def _large_body_timeout(http: httpx.Client | httpx.AsyncClient) -> dict[str, float | None]:
+    """The client's timeouts with at least LARGE_BODY_TIMEOUT_SECONDS to read the answer and write."""
+    current = http.timeout
+
+    def at_least(seconds: float | None) -> float | None:
+        return None if seconds is None else max(seconds, LARGE_BODY_TIMEOUT_SECONDS)
+
+    return httpx.Timeout(
+        connect=current.connect, read=at_least(current.read), write=at_least(current.write), pool=current.pool
+    ).as_dict()
 
 
 T = TypeVar("T", bound=BaseModel)
@@ -105,6 +121,8 @@ def build_request(
     request = http.build_request(
         call.method, call.path, params=call.params, content=call.body, headers=headers
     )
+    if call.body is not None and len(call.body) > LARGE_BODY_BYTES:
+        request.extensions["timeout"] = _large_body_timeout(http)
     if call.signed and credentials.webhook_secret:
         path = request.url.raw_path.decode("ascii").partition("?")[0]
         request.headers[SIGNATURE_HEADER] = sign(

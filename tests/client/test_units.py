@@ -16,7 +16,7 @@ import pytest
 
 import worker.core.signing as server_signing
 from factmill_client import calls, errors, signing
-from factmill_client.transport import Credentials, RetryPolicy, build_request, parse
+from factmill_client.transport import Credentials, RetryPolicy, build_request, http_timeout, parse
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,6 +116,15 @@ def test_a_large_upload_may_wait_its_turn_at_the_server_past_the_read_timeout():
     for made in (Client("http://x"), AsyncClient("http://x")):
         timeout = made._http.timeout
         assert (timeout.read, timeout.connect, timeout.write) == (30.0, 30.0, 300.0)
+    # A body the socket buffers hold whole waits for its turn in the read: a large one reads longer too.
+    http = httpx.Client(base_url="http://x", timeout=http_timeout(30.0))
+    credentials = Credentials(None, None)
+    large = build_request(http, calls.ingest({"pages": ["x" * (1024 * 1024)]}, None), credentials)
+    small = build_request(http, calls.ingest({"pages": []}, None), credentials)
+    assert large.extensions["timeout"]["read"] == 300.0 and small.extensions["timeout"]["read"] == 30.0
+    http.close()
+    # httpx's own forms are taken as given, as httpx took them before.
+    assert http_timeout(None) is None and http_timeout(httpx.Timeout(5.0)) == httpx.Timeout(5.0)
 
 
 def test_requests_carry_the_key_and_a_fresh_signature_over_the_path_as_sent():
