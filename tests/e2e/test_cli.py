@@ -272,7 +272,9 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
     assert nothing.returncode == 0 and "no page in source 'no-such-source' to extract" in nothing.stderr
     # Typed to see the subcommands, a bare `backfill` queued a paid backfill of the default source.
     bare = cli("backfill")
-    assert "Start one by naming at least --source" in " ".join(bare.stdout.split()), bare.stdout
+    assert "Start one by naming a selection" in " ".join(bare.stdout.split()), bare.stdout
+    scripted = cli("backfill", "--json", check=False)
+    assert scripted.returncode == 2 and "name a selection to start a backfill" in scripted.stderr
     with factory() as session:
         assert session.scalar(text("SELECT count(*) FROM backfills")) == 0
     # A backfill that matches no stored page plans nothing: said so, nothing queued.

@@ -258,14 +258,16 @@ def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_re
 ):
     """Only the request count was capped: tens of thousands of pending segments made a file past the
     providers' ~200 MB, refused alike on every run. Here each request "costs" 1,000 bytes and a batch
-    holds 2,500: the first page sends its first two segments, the others wait for the next run."""
+    holds 2,500 (FACTMILL_BACKFILL_BATCH_MAX_BYTES, as backfills take it): the first page sends its first
+    two segments, the others wait for the next run."""
     from worker.extraction import batch as batch_module
 
     run_online(store, clean_sim)
     monkeypatch.setattr(batch_module, "request_overhead_bytes", lambda max_facts, cap: 0)
     monkeypatch.setattr(batch_module, "segment_bytes", lambda segment, label="": 1000)
-    monkeypatch.setattr(batch_module, "MAX_BATCH_BYTES", 2500)
-    first = run_batch(store, openai_batch(clean_sim))
+    first = run_batch_extraction(
+        store, openai_batch(clean_sim), ExtractOptions(source_id="batch"), poll_seconds=POLL, max_bytes=2500
+    )
     reports = {report.slug: report for report in first.pages}
     assert first.segments_submitted == 2
     assert (reports["conversations/alice"].status, reports["conversations/alice"].segments) == (
@@ -274,8 +276,8 @@ def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_re
     )
     assert {reports[s].status for s in ("conversations/carol", "conversations/dave")} == {"skipped"}
     assert "the batch is full" in reports["conversations/carol"].reason
-    monkeypatch.setattr(batch_module, "MAX_BATCH_BYTES", 1_000_000)
-    run_batch(store, openai_batch(clean_sim))
+    assert "the batch is full (2 requests, about 2000 bytes)" in reports["conversations/carol"].reason
+    run_batch(store, openai_batch(clean_sim))  # at FACTMILL_BACKFILL_BATCH_MAX_BYTES's default
     assert_complete_like_online(store)
 
 

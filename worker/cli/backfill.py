@@ -37,8 +37,9 @@ from worker.settings import get_settings
 
 backfill_app = typer.Typer(
     help=(
-        "Backfills: pending segments of many pages through provider batches (half price), on the queue. "
-        "Start one by naming at least --source (`--source default`: every page of the default source)."
+        "Backfills: pending segments of many pages through provider batches (half price), on the queue."
+        "\n\nStart one by naming a selection: --source (`--source default` for every page of the default "
+        "source), --since, --slug-prefix or --max-segments."
     ),
     invoke_without_command=True,
 )
@@ -63,6 +64,8 @@ def backfill(
     # By name: typer (0.29) carries a click of its own, whose ParameterSource is not click's.
     if all(getattr(ctx.get_parameter_source(name), "name", None) == "DEFAULT" for name in selection_options):
         # Typed to see the subcommands, it queued a paid backfill of every page of the default source.
+        if as_json:  # a script asked for a backfill's JSON: no help text and exit 0 for it
+            raise fail("name a selection to start a backfill (e.g. --source default)", code=2)
         out.print(ctx.get_help(), highlight=False)
         raise typer.Exit(0)
     unavailable = batch_unavailable(get_settings())

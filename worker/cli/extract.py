@@ -110,7 +110,12 @@ def run_extraction(
                 extraction_progress(show_progress) as progress,
             ):
                 return run_batch_extraction(
-                    factory, client, options, poll_seconds=batch_poll_seconds, progress=progress
+                    factory,
+                    client,
+                    options,
+                    poll_seconds=batch_poll_seconds,
+                    progress=progress,
+                    max_bytes=settings.backfill_batch_max_bytes,
                 )
         if options.dry_run:
             with extraction_progress(show_progress) as progress:

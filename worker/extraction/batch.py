@@ -134,9 +134,12 @@ class _Submitted:
 class BatchExtraction:
     """The batch path over an ExtractionRun: plan every page, submit one batch, wait, commit page by page."""
 
-    def __init__(self, run: ExtractionRun, counters: BatchExtractionCounters) -> None:
+    def __init__(
+        self, run: ExtractionRun, counters: BatchExtractionCounters, max_bytes: int = MAX_BATCH_BYTES
+    ) -> None:
         self.run = run
         self.batch = counters
+        self.max_bytes = max_bytes
         self.sendable: dict[str, int] = {}  # per planned page: how many of its segments the batch holds
 
     def finish(self, report: PageReport) -> None:
@@ -160,11 +163,10 @@ class BatchExtraction:
             if plan is None:
                 continue
             costs = [overhead + segment_bytes(segment, plan.label) for segment in plan.segments]
-            fits = _leading_fit(costs, MAX_BATCH_REQUESTS - queued, MAX_BATCH_BYTES - size)
+            fits = _leading_fit(costs, MAX_BATCH_REQUESTS - queued, self.max_bytes - size)
             if fits < len(costs) and plans:
-                self.finish(
-                    PageReport(ref.slug, "skipped", f"the batch is full ({queued} requests); run again")
-                )
+                full = f"the batch is full ({queued} requests, about {size} bytes); run again"
+                self.finish(PageReport(ref.slug, "skipped", full))
             elif fits < len(costs) and plan.replace:
                 self.finish(
                     PageReport(
@@ -338,6 +340,7 @@ def batch_extraction(
     progress: ExtractionProgress | None = None,
     guard: Callable[[], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    max_bytes: int = MAX_BATCH_BYTES,
 ) -> BatchExtractionCounters:
     """The batch run over a store: see ``run_batch_extraction``."""
     counters = BatchExtractionCounters()
@@ -349,7 +352,7 @@ def batch_extraction(
     if client is None:
         raise ValueError("a batch LLM client is required unless dry_run is set")
     run.check_switch()
-    batch = BatchExtraction(run, counters)
+    batch = BatchExtraction(run, counters, max_bytes)
     sent = batch.submit(client)
     if sent is not None:
         assert counters.batch_id is not None
@@ -388,11 +391,13 @@ def run_batch_extraction(
     budget: Budget | None = None,
     ledger: Ledger | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    max_bytes: int = MAX_BATCH_BYTES,
 ) -> BatchExtractionCounters:
     """Extract the pending segments of one source (or one page) through the provider's batch API.
 
     Same page selection, kill switch, size cap and resume rules as ``run_extract_conversation_facts``;
-    one batch per run, polled every ``poll_seconds``; results are committed page by page, in segment
+    one batch per run of at most ``max_bytes`` (FACTMILL_BACKFILL_BATCH_MAX_BYTES), polled every
+    ``poll_seconds``; results are committed page by page, in segment
     order, through the online run's per-segment transaction. Blocks until the batch ends (or
     ``timeout_seconds``, when it is cancelled and whatever finished is committed).
     """
@@ -409,4 +414,5 @@ def run_batch_extraction(
         progress=progress,
         guard=guard,
         sleep=sleep,
+        max_bytes=max_bytes,
     )
