@@ -338,6 +338,12 @@ def test_lex_words_segments_only_the_glued_chunk_slowly(monkeypatch: pytest.Monk
     text = "x \u0301a " + "plain words éé here " * 5000 + "  \u3000\uff9e end"
     assert lex_words(text) == _words_from_segments(uax29_segments(text))
     assert segmented and max(segmented) <= 8, max(segmented)
+    # WB3d chains (ideographic and ASCII spaces alternating): each chunk once, not the run before it
+    # again (that was quadratic: 1,600 characters took 27 s).
+    segmented.clear()
+    text = "x" + "\u3000 " * 5000 + "\uff9e"
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+    assert sum(segmented) <= 3 * len(text), sum(segmented)
 
 
 LEX_ALPHABET = [
