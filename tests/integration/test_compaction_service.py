@@ -1648,9 +1648,16 @@ def test_a_compaction_forced_while_its_job_runs_forces_the_rerun(
             assert not request_compaction(session, "forced-later", force=True).created
         return f"## Goal\n{GOAL}"
 
-    rt = runtime(database_url, tx_factory, ScriptedLLM(forced_meanwhile, f"## Goal\n{GOAL}"))
+    activate_threshold(tx_factory, 0.0)
+    llm = ScriptedLLM(forced_meanwhile, f"## Goal\n{GOAL}")
+    rt = runtime(database_url, tx_factory, llm)
     assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
     with tx_factory() as session:
         job = session.get(Job, job_id)
-        assert job is not None and job.status == "queued"
-        assert job.options.get("force") is True and "next_run" not in job.options, job.options
+        assert job is not None and job.status == "queued" and job.options["next_run"] == {"force": True}
+    # The context is under its threshold now: only a forced run goes past the threshold check.
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and "next_run" not in job.options, job.options
+        assert job.counters["status"] != "not_needed", job.counters

@@ -110,8 +110,9 @@ def compact_command(
         elif job.created:
             out.print(f"compaction job {job.job_id} queued for transcript {transcript_id}")
         else:
-            out.print(
-                f"compaction job {job.job_id} was already pending for {transcript_id}; it is now forced"
+            out.print(  # a running one takes it at its next run (queued when this one ends)
+                f"compaction job {job.job_id} was already pending for {transcript_id}; it is now forced "
+                "(if it is running, its next run is)"
             )
         return
 

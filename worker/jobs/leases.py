@@ -38,6 +38,40 @@ def new_lease_token() -> str:
     return f"{socket.gethostname()}:{uuid.uuid4().hex[:12]}"
 
 
+# Options asked of a job's rerun while it runs (a forced compaction requested meanwhile): the run in
+# progress read its own at its claim, and its one-run options are dropped when it reruns.
+NEXT_RUN = "next_run"
+
+
+def options_for_its_next_run(**values: Any) -> Any:
+    """The options column after a request sets ``values`` on a pending job: at once on a queued or
+    paused one; on one running now, for its next run (set at once, its rerun dropped them with the
+    run's own one-run options), which takes them at its claim."""
+    asked = func.jsonb_build_object(*(part for item in values.items() for part in item))
+    held = func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
+    later = JOBS.c.options.op("||", return_type=JSONB)(
+        func.jsonb_build_object(NEXT_RUN, held.op("||", return_type=JSONB)(asked))
+    )
+    return case((JOBS.c.status == "running", later), else_=JOBS.c.options.op("||", return_type=JSONB)(asked))
+
+
+def _rerun_options(one_run_options: tuple[str, ...]) -> Any:
+    """A rerun's options: the run's, less its one-run options (what was asked of the rerun meanwhile
+    waits in next_run for its claim)."""
+    return JOBS.c.options.op("-", return_type=JSONB)(
+        bindparam("one_run", list(one_run_options), type_=ARRAY(Text))
+    )
+
+
+# The options a claimed run reads: what was asked of the next run while the last one ran joins them, on
+# whatever path that run ended (a rerun, a retry, a pause, a release, a lease taken over).
+_CLAIMED_OPTIONS = (
+    JOBS.c.options.op("||", return_type=JSONB)(
+        func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
+    )
+).op("-", return_type=JSONB)(NEXT_RUN)
+
+
 # The claim, one statement built once (a job's claim runs for every page): the row is taken if it is
 # claimable, its lock held by the UPDATE itself, so a second claimer waits and then finds it running.
 # The SET clause reads the row as it was: taking over a running job (a stale lease) counts a loss.
@@ -63,6 +97,7 @@ _CLAIM = (
         heartbeat_at=func.now(),
         started_at=func.coalesce(JOBS.c.started_at, func.now()),
         last_error=None,
+        options=_CLAIMED_OPTIONS,
     )
     .returning(*JOBS.c)
 )
@@ -196,10 +231,11 @@ class Heartbeat:
             if self._stalled():
                 return
             try:
+                began = time.monotonic()  # heartbeat_at is the database's now() at the beat's start
                 if not heartbeat(self.factory, self.job_id, self.token):
                     self._lost.set()
                     return
-                self._beaten = time.monotonic()
+                self._beaten = began
             except Exception as exc:  # a database blip must not kill the job; the next beat retries
                 logger.warning("heartbeat for job %s failed: %s", self.job_id, error_summary(exc))
 
@@ -263,31 +299,6 @@ _FINISH = (
     )
     .returning(JOBS.c.rerun_requested, JOBS.c.kind)
 )
-
-
-# Options asked of a job's rerun while it runs (a forced compaction requested meanwhile): the run in
-# progress read its own at its claim, and its one-run options are dropped when it reruns.
-NEXT_RUN = "next_run"
-
-
-def options_for_its_next_run(**values: Any) -> Any:
-    """The options column after a request sets ``values`` on a pending job: at once on a queued or
-    paused one, for its rerun on one running now (set at once, the rerun dropped them with the run's)."""
-    asked = func.jsonb_build_object(*(part for item in values.items() for part in item))
-    held = func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
-    later = JOBS.c.options.op("||", return_type=JSONB)(
-        func.jsonb_build_object(NEXT_RUN, held.op("||", return_type=JSONB)(asked))
-    )
-    return case((JOBS.c.status == "running", later), else_=JOBS.c.options.op("||", return_type=JSONB)(asked))
-
-
-def _rerun_options(one_run_options: tuple[str, ...]) -> Any:
-    """A rerun's options: the run's, less its one-run options, plus what was asked of the rerun."""
-    kept = JOBS.c.options.op("-", return_type=JSONB)(
-        bindparam("one_run", list(one_run_options), type_=ARRAY(Text))
-    )
-    asked = func.coalesce(JOBS.c.options[NEXT_RUN], func.jsonb_build_object())
-    return kept.op("||", return_type=JSONB)(asked).op("-", return_type=JSONB)(NEXT_RUN)
 
 
 @dataclass(frozen=True)
