@@ -572,6 +572,16 @@ def test_a_version_made_under_other_rules_is_recomputed_and_retired_unless_earne
     kept = recompute(tx_factory, **(PARAMS | {"min_observations": 1000}))
     assert kept.outcome == "kept" and kept.active == FALLBACK and current(tx_factory) == FALLBACK
     assert "was made under other rules and is retired" in kept.reason
+    # An old-rules version still active beside a latest one made under these (kept, as a release
+    # between wrote it): "unchanged" no longer stands in the way of retiring it.
+    with tx_factory.begin() as session:
+        session.execute(
+            update(CalibrationThreshold)
+            .where(CalibrationThreshold.version == first.version)
+            .values(active=True, split_method=old_rules)
+        )
+    again_kept = recompute(tx_factory, **(PARAMS | {"min_observations": 1000}))
+    assert again_kept.outcome == "kept" and current(tx_factory) == FALLBACK
 
 
 def test_recompute_rejects_bad_parameters(tx_factory: sessionmaker[Session]) -> None:

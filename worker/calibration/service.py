@@ -245,7 +245,8 @@ def recompute(
         # Counted in Postgres before anything is loaded: an hourly schedule with no new feedback read
         # every observation ever stored into Python to find that out (bench/recompute_unchanged.py).
         inputs = (*versions.extent(), alpha, target_recall, min_observations, METHOD)
-        if not force and latest is not None and _computed_from(latest) == inputs:
+        stale = current.version is not None and versions.method_of(current.version) != METHOD
+        if not force and latest is not None and _computed_from(latest) == inputs and not stale:
             logger.info("calibration unchanged since version %s; nothing written", latest.version)
             return _result("unchanged", latest, current)
         observations = versions.observations()

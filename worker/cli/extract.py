@@ -116,6 +116,7 @@ def run_extraction(
                     poll_seconds=batch_poll_seconds,
                     progress=progress,
                     max_bytes=settings.backfill_batch_max_bytes,
+                    max_requests=settings.backfill_batch_max_requests,
                 )
         if options.dry_run:
             with extraction_progress(show_progress) as progress:

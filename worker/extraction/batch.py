@@ -135,11 +135,15 @@ class BatchExtraction:
     """The batch path over an ExtractionRun: plan every page, submit one batch, wait, commit page by page."""
 
     def __init__(
-        self, run: ExtractionRun, counters: BatchExtractionCounters, max_bytes: int = MAX_BATCH_BYTES
+        self,
+        run: ExtractionRun,
+        counters: BatchExtractionCounters,
+        max_bytes: int = MAX_BATCH_BYTES,
+        max_requests: int = MAX_BATCH_REQUESTS,
     ) -> None:
         self.run = run
         self.batch = counters
-        self.max_bytes = max_bytes
+        self.max_bytes, self.max_requests = max_bytes, max_requests
         self.sendable: dict[str, int] = {}  # per planned page: how many of its segments the batch holds
 
     def finish(self, report: PageReport) -> None:
@@ -163,7 +167,7 @@ class BatchExtraction:
             if plan is None:
                 continue
             costs = [overhead + segment_bytes(segment, plan.label) for segment in plan.segments]
-            fits = _leading_fit(costs, MAX_BATCH_REQUESTS - queued, self.max_bytes - size)
+            fits = _leading_fit(costs, self.max_requests - queued, self.max_bytes - size)
             if fits < len(costs) and plans:
                 full = f"the batch is full ({queued} requests, about {size} bytes); run again"
                 self.finish(PageReport(ref.slug, "skipped", full))
@@ -341,6 +345,7 @@ def batch_extraction(
     guard: Callable[[], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     max_bytes: int = MAX_BATCH_BYTES,
+    max_requests: int = MAX_BATCH_REQUESTS,
 ) -> BatchExtractionCounters:
     """The batch run over a store: see ``run_batch_extraction``."""
     counters = BatchExtractionCounters()
@@ -352,7 +357,7 @@ def batch_extraction(
     if client is None:
         raise ValueError("a batch LLM client is required unless dry_run is set")
     run.check_switch()
-    batch = BatchExtraction(run, counters, max_bytes)
+    batch = BatchExtraction(run, counters, max_bytes, max_requests)
     sent = batch.submit(client)
     if sent is not None:
         assert counters.batch_id is not None
@@ -392,12 +397,13 @@ def run_batch_extraction(
     ledger: Ledger | None = None,
     sleep: Callable[[float], None] = time.sleep,
     max_bytes: int = MAX_BATCH_BYTES,
+    max_requests: int = MAX_BATCH_REQUESTS,
 ) -> BatchExtractionCounters:
     """Extract the pending segments of one source (or one page) through the provider's batch API.
 
     Same page selection, kill switch, size cap and resume rules as ``run_extract_conversation_facts``;
-    one batch per run of at most ``max_bytes`` (FACTMILL_BACKFILL_BATCH_MAX_BYTES), polled every
-    ``poll_seconds``; results are committed page by page, in segment
+    one batch per run of at most ``max_requests`` and ``max_bytes`` (the FACTMILL_BACKFILL_BATCH_MAX_*
+    settings), polled every ``poll_seconds``; results are committed page by page, in segment
     order, through the online run's per-segment transaction. Blocks until the batch ends (or
     ``timeout_seconds``, when it is cancelled and whatever finished is committed).
     """
@@ -415,4 +421,5 @@ def run_batch_extraction(
         guard=guard,
         sleep=sleep,
         max_bytes=max_bytes,
+        max_requests=max_requests,
     )
