@@ -122,7 +122,10 @@ def _glued_lex_words(text: str) -> list[str]:
                 segments[0] = "".join(run) + segments[0][1:]
             tokens.extend(_words_from_segments(segments))
         else:
-            tokens.extend(cache.get(chunk) or cache.setdefault(chunk, _chunk_words(chunk)))
+            found = cache.get(chunk)
+            if found is None:  # a chunk of no words is cached as [] and must not be segmented again
+                found = cache[chunk] = _chunk_words(chunk)
+            tokens.extend(found)
         tail = _wsegspace_tail(piece)
         if len(tail) == len(piece):
             run.append(piece)
