@@ -274,6 +274,28 @@ def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClie
     assert streamed.status_code == 413 and "1048576-byte limit" in streamed.json()["detail"]
 
 
+def signed_post_scope(path: str, content_length: bytes) -> dict[str, Any]:
+    """The ASGI scope of a POST to ``path`` declaring ``content_length`` bytes, with a (bad) signature."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-length", content_length),
+            (b"factmill-signature", b"t=1,v2=00"),
+            (b"host", b"t"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("t", 80),
+    }
+
+
 def test_a_client_that_hangs_up_mid_body_is_no_error(
     database_url: str, factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -282,20 +304,7 @@ def test_a_client_that_hangs_up_mid_body_is_no_error(
     import asyncio
 
     app = create_app(make_runtime(database_url, factory), sender=Recorder(factory))
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/feedback",
-        "raw_path": b"/v1/feedback",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-length", b"1000"), (b"factmill-signature", b"t=1,v2=00"), (b"host", b"t")],
-        "client": ("127.0.0.1", 1),
-        "server": ("t", 80),
-    }
+    scope = signed_post_scope("/v1/feedback", b"1000")
     arriving = [
         {"type": "http.request", "body": b"0123456789", "more_body": True},
         {"type": "http.disconnect"},
@@ -331,21 +340,7 @@ def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its
 
     runtime = make_runtime(database_url, factory, max_large_bodies=1, large_body_seconds=0.3)
     app = create_app(runtime, sender=Recorder(factory))
-    length = str(2 * 1024 * 1024).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/pages",
-        "raw_path": b"/v1/pages",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-length", length), (b"factmill-signature", b"t=1,v2=00"), (b"host", b"t")],
-        "client": ("127.0.0.1", 1),
-        "server": ("t", 80),
-    }
+    scope = signed_post_scope("/v1/pages", str(2 * 1024 * 1024).encode())
 
     async def one_request() -> list[dict[str, Any]]:
         arriving = [{"type": "http.request", "body": b"[" * 1000, "more_body": True}]
