@@ -57,12 +57,14 @@ def _requests_of(body: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]
     if not isinstance(raw, list) or not raw:
         raise BadRequest("requests: at least one request is required")
     requests: list[tuple[str, Mapping[str, Any]]] = []
+    seen: set[str] = set()
     for index, entry in enumerate(raw):
         if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
             raise BadRequest(f"requests.{index}: custom_id and params are required")
         custom_id = entry.get("custom_id")
-        if not isinstance(custom_id, str) or any(custom_id == c for c, _ in requests):
+        if not isinstance(custom_id, str) or custom_id in seen:
             raise BadRequest(f"requests.{index}.custom_id: must be a string, unique in the batch")
+        seen.add(custom_id)
         requests.append((custom_id, entry["params"]))
     return requests
 

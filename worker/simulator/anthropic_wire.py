@@ -110,10 +110,11 @@ def flatten(body: Mapping[str, Any]) -> FlatPrompt:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise BadRequest("tools: Input should be a valid list")
-    for tool in tools:
-        if isinstance(tool, Mapping):
-            clean = {k: v for k, v in tool.items() if k != "cache_control"}
-            parts.append((json.dumps(clean, ensure_ascii=False), "cache_control" in tool))
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise BadRequest(f"tools.{index}.name: Field required (a non-empty string)")
+        clean = {k: v for k, v in tool.items() if k != "cache_control"}
+        parts.append((json.dumps(clean, ensure_ascii=False), "cache_control" in tool))
 
     messages: list[PromptMessage] = []
     system = body.get("system")
@@ -177,7 +178,7 @@ def _parse_message(
     if tool_choice is not None and not isinstance(tool_choice, Mapping):
         raise BadRequest("tool_choice: Input should be an object")
     if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "tool":
-        names = {t.get("name") for t in body.get("tools") or [] if isinstance(t, Mapping)}
+        names = [t["name"] for t in body.get("tools") or []]  # flatten() checked each is a named object
         if tool_choice.get("name") not in names:
             raise BadRequest(f"tool_choice: tool {tool_choice.get('name')!r} is not in tools")
     if body.get("stream"):

@@ -27,7 +27,7 @@ from worker.simulator.batches import (
 from worker.simulator.config import sim_id
 from worker.simulator.openai_wire import answer_chat_completion, invalid_request, openai_error
 from worker.simulator.state import state_of
-from worker.simulator.wire import BadRequest, read_json
+from worker.simulator.wire import BadRequest, json_document, read_json
 
 
 def _parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
@@ -91,10 +91,7 @@ def _input_lines(content: bytes) -> list[tuple[str, Mapping[str, Any]]]:
     for number, line in enumerate(content.decode("utf-8").split("\n"), start=1):  # JSON Lines: "\n" only
         if not line.strip():
             continue
-        try:
-            entry = json.loads(line)
-        except ValueError as exc:
-            raise BadRequest(f"line {number} of the input file is not JSON: {exc}") from exc
+        entry = json_document(line, f"line {number} of the input file")
         if not isinstance(entry, dict) or not isinstance(entry.get("body"), dict):
             raise BadRequest(f"line {number}: each line needs custom_id, method, url and a body object.")
         custom_id = entry.get("custom_id")

@@ -58,6 +58,7 @@ def openai_error(
 
 
 PROMPT_CACHE_KEY_MAX_CHARS = 64
+MAX_CHOICES = 128
 
 
 def invalid_request(exc: BadRequest) -> Response:
@@ -161,6 +162,8 @@ def _parse_chat(
     max_tokens = positive_int(body.get("max_completion_tokens"), "max_completion_tokens")
     max_tokens = max_tokens or positive_int(body.get("max_tokens"), "max_tokens")
     choices = positive_int(body.get("n"), "n") or 1
+    if choices > MAX_CHOICES:  # OpenAI's own bound
+        raise BadRequest(f"n must be at most {MAX_CHOICES}.", "n")
     if body.get("stream"):
         raise BadRequest("The Factmill LLM simulator does not stream; send stream=false.", "stream")
     cache_key = str(body.get("prompt_cache_key") or "")

@@ -207,8 +207,9 @@ def fill_json_schema(schema: Mapping[str, Any] | None, text: str) -> Any:
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
-    if schema.get("enum"):
-        return schema["enum"][0]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
     if "const" in schema:
         return schema["const"]
     for combinator in ("anyOf", "oneOf", "allOf"):
@@ -216,8 +217,8 @@ def fill_json_schema(schema: Mapping[str, Any] | None, text: str) -> Any:
         if isinstance(options, list) and options:
             return fill_json_schema(options[0], text)
     if kind == "object" or (kind is None and "properties" in schema):
-        properties = schema.get("properties") or {}
-        if not properties:
+        properties = schema.get("properties")
+        if not isinstance(properties, Mapping) or not properties:
             return {"text": text}
         return {name: fill_json_schema(sub, text) for name, sub in properties.items()}
     if kind == "array":

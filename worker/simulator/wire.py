@@ -80,11 +80,41 @@ class Parsed(Protocol):
 P = TypeVar("P", bound=Parsed)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+# Deeper documents are refused at the door: every step after (flattening, schema filling, json.dumps)
+# recurses over the document, and the real APIs refuse far shallower schemas (OpenAI: 10 levels).
+MAX_JSON_DEPTH = 64
+
+
+def _depth_exceeds(document: Any, limit: int) -> bool:
+    """Whether `document` nests deeper than `limit` (iterative: it must not recurse itself)."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def json_document(raw: bytes | str, what: str) -> Any:
+    """`raw` parsed as JSON, or BadRequest naming `what` (bad JSON, bad UTF-8, or nested too deeply)."""
+    too_deep = BadRequest(f"{what} nests JSON deeper than {MAX_JSON_DEPTH} levels.")
     try:
-        body = json.loads(await request.body())
+        document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError:  # the decoder's own limit (about 1,000 levels)
+        raise too_deep from None
+    if _depth_exceeds(document, MAX_JSON_DEPTH):
+        raise too_deep
+    return document
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    body = json_document(await request.body(), "The request body")
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     return body
