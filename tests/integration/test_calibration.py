@@ -1046,13 +1046,13 @@ def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
 def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Runs `factmill calibration ...` against the test database; jobs go to a recorder, not a broker."""
     from worker.cli import app
-    from worker.jobs import outbox as jobs_module
+    from worker.jobs import sending
     from worker.settings import get_settings
 
     monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
     monkeypatch.setenv("FACTMILL_CALIBRATION_RECOMPUTE_EVERY", "1000")
     recorder = Recorder(factory)
-    monkeypatch.setattr(jobs_module, "celery_sender", recorder)
+    monkeypatch.setattr(sending, "celery_sender", recorder)
     get_settings.cache_clear()
     runner = CliRunner()
 

@@ -41,6 +41,7 @@ from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
 from worker.core.signing import sign
 from worker.jobs import outbox as jobs
+from worker.jobs import sending
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
@@ -1437,7 +1438,7 @@ def cli(
     monkeypatch.setenv("FACTMILL_LLM", "simulator")
     monkeypatch.setenv("FACTMILL_SIMULATOR_URL", simulator.base_url)
     recorder = Recorder(factory)
-    monkeypatch.setattr(jobs, "celery_sender", recorder)
+    monkeypatch.setattr(sending, "celery_sender", recorder)
     get_settings.cache_clear()
     runner = CliRunner()
 

@@ -11,11 +11,13 @@ from sqlalchemy import event, select, text, update
 from sqlalchemy.dialects import postgresql
 
 from models import Job
+from worker.jobs import sending
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import Finished, claim, finish, heartbeat, now
-from worker.jobs.outbox import EXTRACTION, enqueue, page_subject, request_job, request_jobs, retry_job, sweep
+from worker.jobs.outbox import EXTRACTION, page_subject, request_job, request_jobs, retry_job, sweep
 from worker.jobs.queries import job_list_query, list_jobs
 from worker.jobs.registry import Backoff
+from worker.jobs.sending import enqueue
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +119,22 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
         "bad",
     )
     assert failed.counters == {"pages": 2} and failed.finished_at is not None and failed.enqueued_at == later
+
+
+def test_a_long_send_marks_the_jobs_it_sent_as_it_goes(factory, monkeypatch):
+    """The sweeper sends again a job left unmarked for 2 s: a send loop that marked its jobs only at
+    its end (a sweep of thousands, a slow broker) had its first jobs sent twice."""
+    monkeypatch.setattr(sending, "MARK_EVERY_SECONDS", 0.0)  # a slice per send
+    ids = [new_job(factory, f"default|p{i}") for i in range(4)]
+    seen_marked: list[bool] = []
+
+    def slow_broker(task: str, job_id: int, queue: str) -> None:
+        if job_id != ids[0]:  # a separate connection: what the sweeper would read meanwhile
+            seen_marked.append(job(factory, ids[ids.index(job_id) - 1]).enqueued_at is not None)
+
+    assert enqueue(factory, [(i, EXTRACTION) for i in ids], slow_broker) == 4
+    assert seen_marked == [True, True, True]
+    assert all(job(factory, i).enqueued_at is not None for i in ids)
 
 
 def test_a_broker_outage_loses_nothing_and_tries_only_once(tx_factory):

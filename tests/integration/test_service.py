@@ -29,8 +29,9 @@ from worker import db
 from worker.config_store import set_config
 from worker.extraction import PER_SEGMENT_SOURCE_PREFIX, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.pages import PageIn, upsert_page
-from worker.jobs.outbox import EXTRACTION, apply_switch_change, enqueue, page_subject, request_job
+from worker.jobs.outbox import EXTRACTION, apply_switch_change, page_subject, request_job
 from worker.jobs.registry import get_kind
+from worker.jobs.sending import enqueue
 from worker.llm.openai_compat import OpenAIChatClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

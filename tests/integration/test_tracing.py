@@ -31,7 +31,8 @@ from tests.tracing_helpers import (
 from worker.api.app import create_app
 from worker.config_store import set_config
 from worker.jobs.lifecycle import run_job
-from worker.jobs.outbox import EXTRACTION, enqueue, request_job
+from worker.jobs.outbox import EXTRACTION, request_job
+from worker.jobs.sending import enqueue
 from worker.runtime import tracing
 from worker.settings import Settings
 

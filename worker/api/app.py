@@ -32,7 +32,7 @@ from worker.bodycap import BodyCapMiddleware
 from worker.core.signing import EXPECTED_FORMAT, SIGNATURE_HEADER
 from worker.guards import RequestIdMiddleware
 from worker.jobs.celery_app import start_tracing
-from worker.jobs.outbox import Sender
+from worker.jobs.sending import Sender
 from worker.runtime import Runtime, get_runtime, tracing
 
 TAGS = [

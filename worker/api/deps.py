@@ -20,7 +20,7 @@ from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
 from worker.core.signing import IDEMPOTENCY_HEADER, SignatureError, verify
-from worker.jobs import outbox
+from worker.jobs import sending
 from worker.runtime import Runtime
 from worker.settings import Settings
 
@@ -35,7 +35,7 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 255
 @dataclass
 class ApiContext:
     runtime: Runtime
-    sender: outbox.Sender | None
+    sender: sending.Sender | None
     registry: CollectorRegistry
     _broker_url: str | None = field(default=None, repr=False)
     _search_limiter: PerKeyLimiter | None = field(default=None, repr=False)
@@ -82,7 +82,7 @@ class ApiContext:
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:
         """Hand (job id, kind) pairs to the broker; call it only after their transaction committed."""
-        return outbox.enqueue(self.factory, pairs, self.sender) if pairs else 0
+        return sending.enqueue(self.factory, pairs, self.sender) if pairs else 0
 
 
 async def _context(request: Request) -> ApiContext:
@@ -94,7 +94,7 @@ async def _context(request: Request) -> ApiContext:
 Context = Annotated[ApiContext, Depends(_context)]
 
 
-def celery_sender_for(settings: Settings) -> outbox.Sender:
+def celery_sender_for(settings: Settings) -> sending.Sender:
     """A sender over a Celery app configured from ``settings`` (not the process-wide settings)."""
     celery = celery_app.create_app(settings)  # configured lazily: no broker connection until the first send
 

@@ -46,7 +46,8 @@ from worker.core.calibration_csv import decode_csv, parse_observations_csv
 from worker.core.errors import error_summary
 from worker.core.labels import clean_label
 from worker.core.ttl_cache import TtlCache
-from worker.jobs.outbox import CALIBRATION, JobRequest, Sender
+from worker.jobs.outbox import CALIBRATION, JobRequest
+from worker.jobs.sending import Sender
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from models.reads import read_only
 from worker.calibration import queries
 from worker.calibration.queries import AddReport
 from worker.core.calibration import METHOD, ActiveThreshold, Evaluation, Observation, ObservationIn
-from worker.jobs.outbox import JobRequest, Sender, enqueue
+from worker.jobs.outbox import JobRequest
+from worker.jobs.sending import Sender, enqueue
 
 
 class VersionWriter:

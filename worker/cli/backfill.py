@@ -30,7 +30,7 @@ from worker.extraction.backfill_request import (
     request_backfill,
 )
 from worker.extraction.provider_copies import SWEEP_LIMIT, ProviderCopies, sweep_provider_copies
-from worker.jobs.outbox import enqueue as send_jobs
+from worker.jobs.sending import enqueue as send_jobs
 from worker.llm.batches import batch_unavailable
 from worker.llm.gateway import LLMConfigurationError
 from worker.settings import get_settings

@@ -30,7 +30,7 @@ from worker.cli.console import counting_bar, err, fail, fields, folding_table, o
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.jobs.outbox import enqueue
+from worker.jobs.sending import enqueue
 from worker.settings import get_settings
 
 calibration_app = typer.Typer(

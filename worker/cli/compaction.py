@@ -26,7 +26,8 @@ from worker.compaction import (
 )
 from worker.compaction.erase import erase_transcript
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
-from worker.jobs.outbox import COMPACTION, enqueue
+from worker.jobs.outbox import COMPACTION
+from worker.jobs.sending import enqueue
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.runtime import Runtime
 from worker.settings import get_settings

@@ -16,7 +16,8 @@ from worker.config_store import (
     set_config,
     unset_config,
 )
-from worker.jobs.outbox import enqueue, resume_for_config_change
+from worker.jobs.outbox import resume_for_config_change
+from worker.jobs.sending import enqueue
 
 config_app = typer.Typer(help="Runtime configuration: kill switches and tunables.", no_args_is_help=True)
 

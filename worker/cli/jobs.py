@@ -11,8 +11,8 @@ from worker.accounting.reports import job_spend
 from worker.cli.console import fail, fields, folding_table, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
 from worker.jobs import queries
-from worker.jobs.outbox import enqueue as send_jobs
 from worker.jobs.registry import kind_names
+from worker.jobs.sending import enqueue as send_jobs
 
 jobs_app = typer.Typer(help="Jobs: the outbox and its history.", no_args_is_help=True)
 

@@ -28,7 +28,7 @@ from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
 from worker.extraction.erase import erase_page
 from worker.extraction.ingest import ingest_paths, iter_page_files
-from worker.jobs.outbox import enqueue as send_jobs
+from worker.jobs.sending import enqueue as send_jobs
 
 
 def ingest(

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.consolidation.store import forgotten_entity_keys, pending_entity_keys
-from worker.jobs.outbox import CONSOLIDATION, JobRequest, enqueue, page_subject, request_jobs
+from worker.jobs.outbox import CONSOLIDATION, JobRequest, page_subject, request_jobs
+from worker.jobs.sending import enqueue
 
 
 def _request_jobs(session: Session, pages: Sequence[tuple[str, str]]) -> list[JobRequest]:

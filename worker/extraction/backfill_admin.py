@@ -15,7 +15,8 @@ from models.backfill import REQUEST_STATUSES
 from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
-from worker.jobs.outbox import BUDGET, enqueue, resume_paused, retry_job
+from worker.jobs.outbox import BUDGET, resume_paused, retry_job
+from worker.jobs.sending import enqueue
 from worker.llm.gateway import LLMConfigurationError
 from worker.settings import Settings
 

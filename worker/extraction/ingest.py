@@ -198,7 +198,7 @@ def ingest_paths(
     send: Callable[[list[tuple[int, str]]], int] | None = None,
 ) -> IngestReport:
     """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
-    path); a bad file is reported and the rest still go in. ``send`` (worker.jobs.outbox.enqueue) hands
+    path); a bad file is reported and the rest still go in. ``send`` (worker.jobs.sending.enqueue) hands
     each created job to the broker as its page commits: sent all at the end of a long ingest, every job
     went twice, as the sweeper had sent those waiting unsent meanwhile. Without it the sweeper sends
     them. ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""

@@ -17,7 +17,7 @@ from worker.core.errors import error_summary
 from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Finished, Heartbeat, LeaseLostError, claim, finish, new_lease_token
-from worker.jobs.outbox import BUDGET, KILL_SWITCH, enqueue, traceparents
+from worker.jobs.outbox import BUDGET, KILL_SWITCH
 from worker.jobs.registry import (
     Backoff,
     ErrorRule,
@@ -26,6 +26,7 @@ from worker.jobs.registry import (
     UnknownJobKindError,
     get_kind,
 )
+from worker.jobs.sending import enqueue, traceparents
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.runtime import Runtime, tracing

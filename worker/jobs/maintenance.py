@@ -13,8 +13,9 @@ from datetime import timedelta
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.outbox import SweepReport, broker_queue_depth, sweep
+from worker.jobs.outbox import SweepReport, sweep
 from worker.jobs.registry import all_kinds
+from worker.jobs.sending import broker_queue_depth
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)

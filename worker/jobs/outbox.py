@@ -1,10 +1,10 @@
-"""The Postgres outbox: request a job inside the caller's transaction, send it after the commit, and
-sweep what the broker lost. Operators' retry and resume live here too."""
+"""The Postgres outbox: request a job inside the caller's transaction (worker.jobs.sending sends it
+after the commit), and sweep what the broker lost. Operators' retry and resume live here too."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -14,11 +14,9 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
-from models.reads import one_statement
 from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.celery_app import app
 from worker.jobs.leases import fail_if_spent
 from worker.jobs.losses import Overdue, QueueDepth, only_missing
 from worker.jobs.registry import (
@@ -29,6 +27,7 @@ from worker.jobs.registry import (
     get_kind,
     kind_names,
 )
+from worker.jobs.sending import Sender, enqueue
 from worker.runtime import tracing
 
 logger = logging.getLogger(__name__)
@@ -181,82 +180,6 @@ def _request(
             f"({REQUEST_JOB_ROUNDS} rounds); try again"
         )
     return [found[subject] for subject in subjects]
-
-
-Sender = Callable[[str, int, str], None]  # (task name, job id, queue)
-
-
-def celery_sender(task_name: str, job_id: int, queue: str) -> None:
-    app.send_task(task_name, args=[job_id], queue=queue)
-
-
-def broker_queue_depth(queue: str) -> int | None:
-    """Messages waiting in ``queue`` on the broker, or None when it cannot say (it is down). Declaring
-    the queue (not passively: Redis keeps no record of a queue only sent to) creates nothing a worker
-    would not; an empty or flushed queue answers 0."""
-    try:
-        with app.connection_for_read() as connection:
-            return int(connection.default_channel.queue_declare(queue=queue).message_count)
-    except Exception:
-        return None
-
-
-# One array parameter: an IN list of the jobs sent (one parameter each) failed past 65,535 of them,
-# after they had all gone to the broker.
-_MARK_ENQUEUED = (
-    update(JOBS)
-    .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
-    .values(enqueued_at=func.now())
-)
-
-
-def enqueue(
-    factory: sessionmaker[Session], jobs: Iterable[tuple[int, str]], sender: Sender | None = None
-) -> int:
-    """Hand (job id, kind) pairs to the broker after their transaction committed; returns how many went.
-
-    A broker that is down loses nothing: the job stays queued in Postgres and the sweeper sends it.
-    """
-    send = sender or celery_sender
-    sent: list[int] = []
-    pending = list(jobs)
-    parents = traceparents(factory, [job_id for job_id, _ in pending]) if tracing.enabled() else {}
-    for index, (job_id, kind) in enumerate(pending):
-        spec = get_kind(kind)
-        try:
-            # Sent in the trace of the request that created the job, even from the sweeper.
-            with tracing.resumed(parents.get(job_id)):
-                send(spec.task_name, job_id, spec.queue)
-        except Exception as exc:
-            # The broker is down: the rest would fail the same way (slowly). They stay queued in
-            # Postgres, and the sweeper sends them once the broker is back.
-            logger.warning(
-                "could not enqueue %s job(s) from job %s on (the broker said: %s); they stay queued and "
-                "the sweeper will send them",
-                len(pending) - index,
-                job_id,
-                exc,
-            )
-            break
-        sent.append(job_id)
-    if sent:
-        with one_statement(factory) as session:
-            session.connection().execute(_MARK_ENQUEUED, {"ids": sent})
-    return len(sent)
-
-
-def traceparents(factory: sessionmaker[Session], job_ids: Sequence[int]) -> dict[int, str]:
-    """The stored traceparents of these jobs (tracing on only: one query per enqueue)."""
-    if not job_ids:
-        return {}
-    with factory() as session:
-        rows = session.execute(
-            select(Job.id, Job.traceparent).where(
-                Job.id == any_(bindparam("traced_ids", list(job_ids), type_=ARRAY(BigInteger))),
-                Job.traceparent.is_not(None),
-            )
-        ).all()
-    return {row.id: row.traceparent for row in rows}
 
 
 # ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from models import Job, page_id_of
 from models.job import PAGE_JOB, PAGE_SOURCE
 from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
-from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry()
+from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry
 
 
 class JobNotFoundError(LookupError):

@@ -47,7 +47,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
-from worker.jobs import outbox
+from worker.jobs import sending
 from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
@@ -395,7 +395,7 @@ class FactmillTools:
         if pending is None:
             return answer | {"replayed": True}
         try:
-            outbox.enqueue(self.runtime.factory, pending)  # only after the commit
+            sending.enqueue(self.runtime.factory, pending)  # only after the commit
         except Exception as exc:  # stored: the sweeper sends a job left queued; not the caller's failure
             logger.warning(
                 "MCP append: the compaction job was not sent (%s); the sweeper sends it", type(exc).__name__
@@ -443,7 +443,7 @@ class FactmillTools:
             report = add_observation(
                 self.runtime.factory, observation, recompute_every=settings.calibration_recompute_every
             )
-        outbox.enqueue(self.runtime.factory, report.pending_jobs())  # only after the commit
+        sending.enqueue(self.runtime.factory, report.pending_jobs())  # only after the commit
         [stored] = report.stored
         return {
             "id": stored.id,

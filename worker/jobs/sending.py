@@ -1,0 +1,111 @@
+"""Sending jobs to the broker after their transaction committed, and what the broker holds."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from sqlalchemy import BigInteger, any_, bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Job
+from models.reads import one_statement
+from models.tables import JOBS
+from worker.jobs.celery_app import app
+from worker.jobs.registry import get_kind
+from worker.runtime import tracing
+
+logger = logging.getLogger(__name__)
+
+
+Sender = Callable[[str, int, str], None]  # (task name, job id, queue)
+
+
+def celery_sender(task_name: str, job_id: int, queue: str) -> None:
+    app.send_task(task_name, args=[job_id], queue=queue)
+
+
+def broker_queue_depth(queue: str) -> int | None:
+    """Messages waiting in ``queue`` on the broker, or None when it cannot say (it is down). Declaring
+    the queue (not passively: Redis keeps no record of a queue only sent to) creates nothing a worker
+    would not; an empty or flushed queue answers 0."""
+    try:
+        with app.connection_for_read() as connection:
+            return int(connection.default_channel.queue_declare(queue=queue).message_count)
+    except Exception:
+        return None
+
+
+# One array parameter: an IN list of the jobs sent (one parameter each) failed past 65,535 of them,
+# after they had all gone to the broker.
+_MARK_ENQUEUED = (
+    update(JOBS)
+    .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .values(enqueued_at=func.now())
+)
+
+
+# Sent jobs are marked in slices: the sweeper sends again a job left unmarked for 2 s, so marking them
+# only after a long send loop (a sweep of thousands, a slow broker) sent the first ones twice.
+MARK_EVERY_SECONDS = 0.5
+
+
+def enqueue(
+    factory: sessionmaker[Session], jobs: Iterable[tuple[int, str]], sender: Sender | None = None
+) -> int:
+    """Hand (job id, kind) pairs to the broker after their transaction committed; returns how many went.
+
+    A broker that is down loses nothing: the job stays queued in Postgres and the sweeper sends it.
+    """
+    send = sender or celery_sender
+    sent: list[int] = []
+    unmarked: list[int] = []
+    pending = list(jobs)
+    parents = traceparents(factory, [job_id for job_id, _ in pending]) if tracing.enabled() else {}
+    marked_at = time.monotonic()
+    for index, (job_id, kind) in enumerate(pending):
+        spec = get_kind(kind)
+        try:
+            # Sent in the trace of the request that created the job, even from the sweeper.
+            with tracing.resumed(parents.get(job_id)):
+                send(spec.task_name, job_id, spec.queue)
+        except Exception as exc:
+            # The broker is down: the rest would fail the same way (slowly). They stay queued in
+            # Postgres, and the sweeper sends them once the broker is back.
+            logger.warning(
+                "could not enqueue %s job(s) from job %s on (the broker said: %s); they stay queued and "
+                "the sweeper will send them",
+                len(pending) - index,
+                job_id,
+                exc,
+            )
+            break
+        sent.append(job_id)
+        unmarked.append(job_id)
+        if time.monotonic() - marked_at >= MARK_EVERY_SECONDS:
+            _mark_enqueued(factory, unmarked)
+            unmarked, marked_at = [], time.monotonic()
+    _mark_enqueued(factory, unmarked)
+    return len(sent)
+
+
+def _mark_enqueued(factory: sessionmaker[Session], job_ids: list[int]) -> None:
+    if job_ids:
+        with one_statement(factory) as session:
+            session.connection().execute(_MARK_ENQUEUED, {"ids": job_ids})
+
+
+def traceparents(factory: sessionmaker[Session], job_ids: Sequence[int]) -> dict[int, str]:
+    """The stored traceparents of these jobs (tracing on only: one query per enqueue)."""
+    if not job_ids:
+        return {}
+    with factory() as session:
+        rows = session.execute(
+            select(Job.id, Job.traceparent).where(
+                Job.id == any_(bindparam("traced_ids", list(job_ids), type_=ARRAY(BigInteger))),
+                Job.traceparent.is_not(None),
+            )
+        ).all()
+    return {row.id: row.traceparent for row in rows}
