@@ -12,7 +12,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, insert, select
+from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,6 +35,12 @@ _STORED_ANSWER = select(WEBHOOK_DELIVERIES.c.body_hash, WEBHOOK_DELIVERIES.c.res
     WEBHOOK_DELIVERIES.c.idempotency_key == bindparam("key")
 )
 _KEEP_ANSWER = insert(WEBHOOK_DELIVERIES)
+# Copies of one keyed delivery take turns: a retry sent while its first try still ran read no stored
+# answer, wrote beside it, and failed on what the first stored ("tool call already answered": 422;
+# "older than the stored page": 409) before reaching the key's unique index, which would have replayed
+# the answer. Two 32-bit keys: a key space apart from the one-bigint locks elsewhere.
+DELIVERY_LOCK_CLASS = 0x464D_444C  # "FMDL"
+_TAKE_TURNS = select(func.pg_advisory_xact_lock(DELIVERY_LOCK_CLASS, func.hashtext(bindparam("key"))))
 
 
 def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
@@ -84,6 +90,7 @@ def deliver_once(
     try:
         with factory.begin() as session:
             if key is not None:
+                session.connection().execute(_TAKE_TURNS, {"key": key})
                 prior = _stored_answer(session, key, body_hash)
                 if prior is not None:
                     return prior, None

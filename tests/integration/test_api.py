@@ -28,7 +28,7 @@ from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
 from worker.config_store import CONFIG_KEYS, ConfigReader
 from worker.core.signing import sign
-from worker.deliveries import scoped_key
+from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.pages import PageIn
 from worker.jobs.maintenance import maintain
 from worker.jobs.registry import kind_names
@@ -338,6 +338,39 @@ def test_concurrent_duplicate_delivery_returns_the_stored_answer(factory: sessio
         other.close()
     assert (response, pending, replayed) == (stored, [], True)
     assert count(factory, Page) == 0 and count(factory, Job) == 0  # our work was rolled back
+
+
+# Truncation: two threads, each with its own connection.
+def test_a_second_copy_waits_for_the_first_and_replays_its_answer(factory: sessionmaker[Session]) -> None:
+    """A client's retry that arrives while its first try still runs: it read no stored answer, ran its own
+    write beside the first, and that write failed on what the first had stored (a tool result "already
+    answered": 422) before it reached the key's unique index that would have replayed the answer."""
+    import threading
+
+    first_writing, release = threading.Event(), threading.Event()
+    writes: list[str] = []
+
+    def write(name: str) -> Any:
+        def run(session: Session) -> tuple[dict[str, Any], str]:
+            writes.append(name)
+            if name == "first":
+                first_writing.set()
+                assert release.wait(10)
+            return {"stored_by": name}, name
+
+        return run
+
+    key = scoped_key("/v1/transcripts/t/messages", "t", "retry-key", "signature")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(deliver_once, factory, key, "hash", write("first"))
+        assert first_writing.wait(10)
+        second = pool.submit(deliver_once, factory, key, "hash", write("second"))
+        with pytest.raises(TimeoutError):
+            second.result(timeout=0.5)  # waits on the first copy's key
+        release.set()
+        assert first.result(timeout=10) == ({"stored_by": "first"}, "first")
+        assert second.result(timeout=10) == ({"stored_by": "first"}, None)
+    assert writes == ["first"]
 
 
 @pytest.mark.parametrize(
