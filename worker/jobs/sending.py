@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import BigInteger, any_, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
@@ -57,13 +59,19 @@ def enqueue(
 ) -> int:
     """Hand (job id, kind) pairs to the broker after their transaction committed; returns how many went.
 
-    A broker that is down loses nothing: the job stays queued in Postgres and the sweeper sends it.
+    A broker that is down loses nothing: the job stays queued in Postgres and the sweeper sends it. Nor
+    does a database that fails now: the jobs committed already, so it never raises for it (an API route
+    answered 503 "try again" for a delivery it had stored, and an unkeyed retry stored it twice); a job
+    it could not mark is sent once more by the sweeper, and its claim takes it once.
     """
     send = sender or celery_sender
     sent: list[int] = []
     unmarked: list[int] = []
     pending = list(jobs)
-    parents = traceparents(factory, [job_id for job_id, _ in pending]) if tracing.enabled() else {}
+    parents: dict[int, str] = {}
+    if tracing.enabled():
+        with _database_may_fail("read the traceparents of the jobs to send"):
+            parents = traceparents(factory, [job_id for job_id, _ in pending])
     marked_at = time.monotonic()
     for index, (job_id, kind) in enumerate(pending):
         spec = get_kind(kind)
@@ -93,8 +101,20 @@ def enqueue(
 
 def _mark_enqueued(factory: sessionmaker[Session], job_ids: list[int]) -> None:
     if job_ids:
-        with one_statement(factory) as session:
+        with _database_may_fail("mark the jobs just sent"), one_statement(factory) as session:
             session.connection().execute(_MARK_ENQUEUED, {"ids": job_ids})
+
+
+@contextlib.contextmanager
+def _database_may_fail(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        logger.warning(
+            "could not %s (the database said: %s); the sweeper sends them again",
+            doing,
+            type(exc).__name__,
+        )
 
 
 def traceparents(factory: sessionmaker[Session], job_ids: Sequence[int]) -> dict[int, str]:
