@@ -1028,14 +1028,29 @@ def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(
 
 
 def test_a_failed_batch_stops_the_batches_not_yet_started(vector_factory: sessionmaker[Session]) -> None:
+    """...and what the batches log carries the caller's log fields (the job's id): the pool's tasks ran
+    in a copy of their own thread's empty context."""
+    import logging
+
+    from worker.runtime.logs import ContextFilter, log_context
+
     seed(vector_factory)
-    with Simulator(SimulatorConfig(latency_ms=100)) as sim:
-        sim.configure(rate_500=1.0)  # every call fails (no retrying client here)
-        assert (
-            embed_pages_facts(vector_factory, sim_client(sim), [("default", "eve-diary-2")], 1, concurrency=2)
-            == 0
-        )
-        assert sim.stats()["requests_total"] == 2  # the first two; the other eight never started
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    handler.addFilter(ContextFilter())
+    service_log = logging.getLogger("worker.search.service")
+    service_log.addHandler(handler)
+    try:
+        with Simulator(SimulatorConfig(latency_ms=100)) as sim, log_context(job_id=77):
+            sim.configure(rate_500=1.0)  # every call fails (no retrying client here)
+            pages = [("default", "eve-diary-2")]
+            assert embed_pages_facts(vector_factory, sim_client(sim), pages, 1, concurrency=2) == 0
+            assert sim.stats()["requests_total"] == 2  # the first two; the other eight never started
+    finally:
+        service_log.removeHandler(handler)
+    failures = [r for r in records if r.getMessage().startswith("could not embed")]
+    assert failures and all(getattr(r, "job_id", None) == 77 for r in failures)
 
 
 @pytest.mark.parametrize(
@@ -1262,6 +1277,10 @@ def _plain_and_vec(url: str, factory: sessionmaker[Session], sim: Simulator) -> 
         (  # a model of another size (every answer one 64-dimension vector)
             {"raw_replies": {"embeddings": {"data": [{"index": 0, "embedding": SIXTY_FOUR}], "usage": {}}}},
             "the embedding model returned 64 dimensions",
+        ),
+        (  # no vector for the texts sent (the gateway's ReplyShapeError)
+            {"raw_replies": {"embeddings": {"data": [], "usage": {}}}},
+            "the embedding call did not succeed (provider_error)",
         ),
     ],
 )

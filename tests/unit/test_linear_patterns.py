@@ -4,12 +4,16 @@ old patterns run into the suite's per-test timeout; the assertions check the ans
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from worker.core.compaction import wrap_untrusted_data
 from worker.core.delimiters import neutralize_tags
 from worker.core.intent import parse_structured_query
-from worker.core.lexing import parse_expansion
+from worker.core.lexing import _bare, parse_expansion
 
 pytestmark = pytest.mark.timeout(60)  # linear: milliseconds; the quadratic patterns took hours
 
@@ -40,3 +44,14 @@ def test_an_expansion_line_with_a_million_spaces_inside_is_read_in_linear_time()
     lines = parse_expansion("lex: alpha" + RUN + "beta  \n- vec:  where alice works  ", "q")
     assert ("vec", "where alice works") in lines
     assert [kind for kind, _ in lines] == ["lex", "vec"]
+
+
+def test_a_word_with_a_million_punctuation_marks_inside_is_stripped_in_linear_time() -> None:
+    """The regex ``^\\W+|\\W+$`` retried its tail match at each mark of the run: 3 s for 20,000."""
+    word = "a" + "!" * 1_000_000 + "b"
+    assert _bare(word) == word and _bare("¿¡" + word.upper() + "!?") == word.lower()
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=12))
+def test_the_word_stripper_matches_the_regex_it_replaced(word: str) -> None:
+    assert _bare(word) == re.sub(r"^\W+|\W+$", "", word.lower())

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import math
 
-from worker.core.embeddings import fact_embedding_text, vector_literal, version_tuple
+from worker.core.embeddings import (
+    EMBEDDING_DIMENSIONS,
+    fact_embedding_text,
+    vector_literal,
+    vectors_problem,
+    version_tuple,
+)
 from worker.core.fusion import (
     FIRST_PLACE_BONUS,
     PODIUM_BONUS,
@@ -124,3 +130,12 @@ def test_embedding_text_names_the_entity_once() -> None:
     assert fact_embedding_text("Moved to Lisbon", "alice-smith") == "Moved to Lisbon (alice smith)"
     assert vector_literal([1, 0.5]) == "[1.0,0.5]"
     assert version_tuple("0.8.0") >= (0, 8) > version_tuple("0.7.4")
+
+
+def test_vectors_problem_names_a_wrong_count_size_or_value() -> None:
+    good = [0.5] * EMBEDDING_DIMENSIONS
+    assert vectors_problem([good, good], 2) is None
+    assert vectors_problem([good], 2) == "the embedding model returned 1 vectors for 2 texts"
+    assert "returned 3 dimensions" in (vectors_problem([[0.1, 0.2, 0.3]]) or "")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert "not a finite number" in (vectors_problem([[*good[:-1], bad]], 1) or "")

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
 __all__ = [
     "EMBEDDING_DIMENSIONS",
-    "dimensions_problem",
     "fact_embedding_text",
     "vector_literal",
+    "vectors_problem",
     "version_tuple",
 ]
 
 EMBEDDING_DIMENSIONS = 256  # the vector(256) column of search.fact_embeddings
 
 
-def dimensions_problem(vectors: Sequence[Sequence[float]]) -> str | None:
-    """Why these vectors cannot go into (or search) the vector store, or None when they can."""
+def vectors_problem(vectors: Sequence[Sequence[float]], count: int | None = None) -> str | None:
+    """Why these vectors cannot go into (or search) the vector store, or None when they can: not one per
+    text sent (``count``), another dimension, or a value that is not a finite number (pgvector refuses
+    NaN and infinity with an error of its own, a 500 where the store was asked)."""
+    if count is not None and len(vectors) != count:
+        return f"the embedding model returned {len(vectors)} vectors for {count} texts"
     for vector in vectors:
         if len(vector) != EMBEDDING_DIMENSIONS:
             return (
@@ -25,6 +30,8 @@ def dimensions_problem(vectors: Sequence[Sequence[float]]) -> str | None:
                 f"{EMBEDDING_DIMENSIONS}. Configure an embedding model with {EMBEDDING_DIMENSIONS} "
                 "dimensions."
             )
+        if not all(math.isfinite(value) for value in vector):
+            return "the embedding model returned a vector holding a value that is not a finite number"
     return None
 
 

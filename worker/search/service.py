@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.history import Lifecycle
-from worker.core.embeddings import dimensions_problem, fact_embedding_text
+from worker.core.embeddings import fact_embedding_text, vectors_problem
 from worker.core.errors import error_summary
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
@@ -149,8 +149,8 @@ def embed_texts(
 def _call_embeddings(
     store: SearchStore, llm: LLMClient, texts: list[str], purpose: str
 ) -> tuple[list[list[float]], LLMCallRecord]:
-    """(the vectors, the answered call's record, for the caller to store). A failed call, or one that
-    did not answer one vector per text, is recorded here and raised."""
+    """(the vectors, the answered call's record, for the caller to store). A failed call is recorded
+    here and raised; the caller checks the vectors (``vectors_problem``)."""
     started = time.perf_counter()
     try:
         response = llm.embed(texts, purpose=purpose)
@@ -159,13 +159,7 @@ def _call_embeddings(
     except Exception as exc:
         _record_failure(store, purpose, llm, exc, started)
         raise
-    call = _answered(purpose, response, "ok")
-    if len(response.vectors) != len(texts):
-        _record(store, call)
-        raise SearchError(
-            f"the embedding model returned {len(response.vectors)} vectors for {len(texts)} texts"
-        )
-    return response.vectors, call
+    return response.vectors, _answered(purpose, response, "ok")
 
 
 # --------------------------------------------------------------------------- search
@@ -333,7 +327,7 @@ def _run_lines(
             ) from exc
         except LLMError as exc:  # recorded in llm_calls by embed_texts
             raise EmbeddingFailedError.of(exc) from exc
-        problem = dimensions_problem(vectors)
+        problem = vectors_problem(vectors, len(texts))
         if problem:  # the deployment's model, not the query: no vector line can run
             raise EmbeddingFailedError(f"vector search failed: {problem}")
     by_line = iter(vectors)
@@ -385,7 +379,7 @@ def _embed_rows(
 ) -> str:
     texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
     vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
-    problem = dimensions_problem(vectors)
+    problem = vectors_problem(vectors, len(texts))
     if problem:
         _record(store, call)
         raise SearchError(problem)
@@ -476,9 +470,11 @@ def embed_pages_facts(
         return sum(embed(batch) for batch in batches)
     # A large page's backlog (thousands of facts): its calls wait on the model and its vectors' index
     # inserts on Postgres, so several at once shorten the vectors' lag (bench/pipeline.py, one page of
-    # 4,000 segments). Each task runs in a copy of this thread's context, as the caller's call would.
+    # 4,000 segments). Each task runs in a copy of this thread's context, as the caller's call would
+    # (taken here: copy_context() inside the task copied the pool thread's own, empty one).
+    caller = contextvars.copy_context()
     with ThreadPoolExecutor(min(concurrency, len(batches)), thread_name_prefix="embed") as pool:
-        return sum(pool.map(lambda batch: contextvars.copy_context().run(embed, batch), batches))
+        return sum(pool.map(lambda batch: caller.copy().run(embed, batch), batches))
 
 
 def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:

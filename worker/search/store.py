@@ -20,7 +20,7 @@ from models.packed import PackedFloats
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
-from worker.core.embeddings import dimensions_problem, vector_literal, version_tuple
+from worker.core.embeddings import vector_literal, vectors_problem, version_tuple
 from worker.core.fusion import Hit
 from worker.db import statement_timed_out
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
@@ -247,7 +247,7 @@ def _vector_search(
     """Nearest facts by cosine distance (HNSW), with scores 1 - distance clamped to [0, 1]: among the
     facts whose vector ``model`` made (or whose model was not kept); another model's vectors are not
     comparable, whatever their dimension."""
-    problem = dimensions_problem([vector])
+    problem = vectors_problem([vector])
     if problem:
         raise SearchError(problem)
     try:
