@@ -34,9 +34,14 @@ from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
-from worker.extraction.backfill import RESEND_AFTER_SECONDS, BackfillPass
+from worker.extraction.backfill import BackfillPass
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
-from worker.extraction.backfill_request import BATCH_EXTRACTION, BackfillSelection, request_backfill
+from worker.extraction.backfill_request import (
+    BATCH_EXTRACTION,
+    RESEND_AFTER_SECONDS,
+    BackfillSelection,
+    request_backfill,
+)
 from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
 from worker.extraction.options import CheckpointConflictError
@@ -496,6 +501,29 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
 
 
+def test_a_page_edited_before_its_batch_is_sent_sends_only_the_segments_before_the_edit(factory, rt, sim):
+    """Results commit in order: a request after the edited segment (unchanged itself) was sent, paid
+    for, and discarded at collection, though the README says a page changed before sending is dropped."""
+    slugs = seed_pages(factory, "bf", 6)  # three batches of two pages (eight requests) each
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0.01")  # the first batch goes; the others wait
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused" and sim.stats()["batches"]["created"] == 1
+    name, company = person(2)[1:]  # a page of the second batch, its third segment of four edited
+    edited = page_body(name, company).replace("moved to Lisbon", "moved to Porto")
+    put_page(factory, slugs[2], edited, title=f"chat: {name}", source_id="bf")
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "100000")
+    sim.configure(batch_delay_seconds=0.05)
+    sim.end_batches()
+    with factory.begin() as session:
+        resume_paused(session, [BATCH_EXTRACTION], reason="budget")
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 22, "dropped": 2}
+    assert len(calls_of(factory, job_id)) == 22, "nothing paid for and thrown away"
+
+
 @pytest.mark.parametrize("budget", ["llm.budget_daily_usd", "llm.budget_job_usd"])
 def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim, budget):
     """A batch's spend is recorded when it is collected, hours after it was sent: a pass that sent
@@ -745,6 +773,23 @@ def test_cancel_stops_the_running_batch_and_sends_no_more(factory, rt, sim):
     assert calls_of(factory, job_id) == []
     with factory.begin() as session:
         assert cancel_backfill(session, backfill_id) is None  # finished: nothing to cancel
+
+
+def test_a_cancel_the_provider_refuses_ends_neither_the_pass_nor_the_job(factory, rt, sim):
+    """A batch that ended between its poll and its cancel (the provider answers 400): the refusal
+    escaped the pass, the other batches went unpolled, and the job spent an attempt on each pass."""
+    seed_pages(factory, "bf", 4)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # sent, waiting
+    sim.configure(batch_cancel_fails=True)
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert run_pass(rt, job_id).status == "paused", "refused: it is asked again next pass"
+    assert job_row(factory, job_id).attempts == 0
+    sim.configure(batch_cancel_fails=False)
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
 
 
 def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(factory, rt, sim):

@@ -37,7 +37,14 @@ from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core import progress
 from worker.core.checkpoint import segment_hash
-from worker.extraction.backfill_request import BackfillSelection, BatchSendFailedError
+from worker.extraction.backfill_request import (
+    GONE,
+    RESEND_AFTER_SECONDS,
+    WINDING_DOWN,
+    BackfillNotFoundError,
+    BackfillSelection,
+    BatchSendFailedError,
+)
 from worker.extraction.backfill_store import (
     SEND_FAILED,
     BackfillSegmentStore,
@@ -47,6 +54,7 @@ from worker.extraction.backfill_store import (
     PlannedRequest,
     RequestRow,
     group_by_page,
+    matching_run,
 )
 from worker.extraction.batch import (
     MAX_BATCH_BYTES,
@@ -69,8 +77,6 @@ from worker.llm.types import ChatRequest
 
 logger = logging.getLogger(__name__)
 
-GONE = "gone"  # a batch's provider status when the provider answers 404 for it
-
 
 @dataclass
 class BackfillDeps:
@@ -88,15 +94,6 @@ class BackfillDeps:
     guard: Callable[[], None] = field(default=lambda: None)
     # Called once per transaction that committed a page's facts, as an online run does (embedding them).
     on_facts_committed: FactsCommitted | None = None
-
-
-# A batch whose send failed is sent again no sooner than this: a pass runs every poll (a minute) while
-# other batches are in flight, and each failed upload may leave the pages' text at the provider.
-RESEND_AFTER_SECONDS = 600.0
-
-
-class BackfillNotFoundError(LookupError):
-    """The job names a backfill that is not stored (its job fails; nothing to retry)."""
 
 
 @dataclass(frozen=True)
@@ -219,22 +216,22 @@ class BackfillPass:
         return self.run.plan(PageRef(page_id, slug, 0), finish=False)
 
     def requests_to_send(self, batch: BatchRow) -> dict[str, ChatRequest]:
-        """The batch's requests rebuilt from their pages as they are now; a request whose segment is no
-        longer its page's (an edit before sending) is dropped, never sent."""
-        pending = self.store.pending_requests(batch.id)
+        """The batch's requests rebuilt from their pages as they are now. What the page can no longer
+        use is dropped, never sent: a request whose segment changed (an edit before sending), those
+        after it, and all of a page now re-extracted whole that they do not cover."""
         requests: dict[str, ChatRequest] = {}
         dropped: list[int] = []
-        for (page_id, slug), rows in group_by_page(pending):
+        for (page_id, slug), rows in group_by_page(self.store.pending_requests(batch.id)):
             plan = self.page_plan(page_id, slug)
-            segments = {} if plan is None else dict(zip(plan.ends, plan.segments, strict=True))
-            for row in rows:
-                segment = segments.get(row.end_message)
-                if plan is None or segment is None or segment_hash(segment) != row.segment_hash:
-                    dropped.append(row.id)
-                    continue
-                requests[row.custom_id] = segment_request(
-                    plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
-                )
+            if plan is not None:
+                run = matching_run(plan, rows)
+                if plan.replace and len(run) < len(plan.segments):
+                    run = []  # swapped only once every segment has its result: a part buys nothing
+                for _, segment, row in run:
+                    requests[row.custom_id] = segment_request(
+                        plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
+                    )
+            dropped += [row.id for row in rows if row.custom_id not in requests]
         self.store.mark_requests(dropped, "dropped")
         return requests
 
@@ -307,7 +304,8 @@ class BackfillPass:
 
     def cancel(self, batch: BatchRow) -> None:
         """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider and then
-        collected as usual (what they finished was paid for)."""
+        collected as usual (what they finished was paid for). A refused cancel ends neither the pass nor
+        the job: the other batches are still polled, and the cancel is asked again next pass."""
         if batch.status == "submitting":
             found = self.deps.client.find(batch.key)
             if found is UNDETERMINED:
@@ -325,8 +323,12 @@ class BackfillPass:
                 raise
             self.collect(batch, GONE, fetch=False)
             return
-        if not status.ended:
+        if status.ended or status.status in WINDING_DOWN:
+            return
+        try:
             self.deps.client.cancel(batch.provider_batch_id)
+        except LLMError as exc:  # it may have ended meanwhile: polling, as the pass goes on, will tell
+            logger.warning("cancelling batch %s failed (%s); next pass", batch.provider_batch_id, exc)
 
     # --- collecting ---------------------------------------------------------------------------------
 
@@ -415,11 +417,9 @@ class BackfillPass:
         self, plan: PagePlan, rows: Sequence[RequestRow], items: dict[str, BatchItem]
     ) -> SegmentResults:
         """The page's results from its next segment on, while each is the one its request asked for."""
-        by_end = {row.end_message: row for row in rows}
-        for index, segment in enumerate(plan.segments):
-            row = by_end.get(plan.ends[index])
-            item = items.get(row.custom_id) if row is not None else None
-            if row is None or item is None or row.segment_hash != segment_hash(segment):
+        for index, segment, row in matching_run(plan, rows):
+            item = items.get(row.custom_id)
+            if item is None:
                 return
             result = batch_segment_result(
                 item, self.deps.client, self.run.max_facts, self.deps.max_output_tokens

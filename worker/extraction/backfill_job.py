@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
-from worker.extraction.backfill import BackfillDeps, BackfillNotFoundError, run_backfill_pass
+from worker.extraction.backfill import BackfillDeps, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
-from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES, BatchSendFailedError
+from worker.extraction.backfill_request import (
+    BATCH_EXTRACTION,
+    WAITING_FOR_BATCHES,
+    BackfillNotFoundError,
+    BatchSendFailedError,
+)
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError

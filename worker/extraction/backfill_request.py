@@ -56,6 +56,18 @@ class BackfillSelection:
         )
 
 
+GONE = "gone"  # a batch's provider status when the provider answers 404 for it
+# A batch cancelled already, or closing (OpenAI's finalizing: up to 10 minutes): no cancel is sent again.
+WINDING_DOWN = frozenset({"cancelling", "canceling", "finalizing"})
+# A batch whose send failed is sent again no sooner than this: a pass runs every poll (a minute) while
+# other batches are in flight, and each failed upload may leave the pages' text at the provider.
+RESEND_AFTER_SECONDS = 600.0
+
+
+class BackfillNotFoundError(LookupError):
+    """The job names a backfill that is not stored (its job fails; nothing to retry)."""
+
+
 class BatchSendFailedError(RuntimeError):
     """A batch's send failed and no batch is left in flight to wait on: the job's own error, retried on
     its attempts (the sends already waited RESEND_AFTER_SECONDS apart), whatever the provider said."""

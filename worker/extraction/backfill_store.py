@@ -13,7 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
 from models.reads import read_only
 from worker.accounting import Ledger
+from worker.core.checkpoint import segment_hash
 from worker.core.conversation import Segment
+from worker.extraction.planner import PagePlan
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
 from worker.extraction.statements import PAGE_VERSION
@@ -84,6 +86,20 @@ def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], lis
     for row in rows:
         groups.setdefault((row.page_id, row.slug), []).append(row)
     return list(groups.items())
+
+
+def matching_run(plan: PagePlan, rows: Sequence[RequestRow]) -> list[tuple[int, Segment, RequestRow]]:
+    """(index, segment, request) for the page's requests that still ask for its segments as they are
+    now, from its next segment on and without a gap: results commit in order, so one after a gap (an
+    edit inside an earlier segment) could only be paid for and discarded."""
+    by_end = {row.end_message: row for row in rows}
+    run: list[tuple[int, Segment, RequestRow]] = []
+    for index, segment in enumerate(plan.segments):
+        row = by_end.get(plan.ends[index])
+        if row is None or row.segment_hash != segment_hash(segment):
+            break
+        run.append((index, segment, row))
+    return run
 
 
 def _mark(session: Session, request_id: int, status: str) -> None:

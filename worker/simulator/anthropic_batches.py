@@ -118,6 +118,8 @@ async def cancel_batch(request: Request) -> Response:
     batch = _batch_or_404(request)
     if isinstance(batch, Response):
         return batch
+    if state_of(request).config.batch_cancel_fails:
+        return invalid_request(BadRequest(f"Batch {batch.id} has ended and cannot be cancelled (simulated)."))
     batch.cancel()
     return JSONResponse(_batch_json(batch, request))
 

@@ -156,6 +156,10 @@ class SimulatorConfig(BaseModel):
         description="deleting a batch's copy (OpenAI: a file; Anthropic: a batch) answers 500: an outage "
         "at the moment Factmill deletes the pages' text it sent",
     )
+    batch_cancel_fails: bool = Field(
+        default=False,
+        description="cancelling a batch answers 400, as a provider does for a batch that ended meanwhile",
+    )
     raw_replies: dict[str, Any] = Field(
         default_factory=dict,
         description="route (chat.completions, messages, embeddings) → a JSON body answered (raw_status) "

@@ -260,6 +260,9 @@ async def cancel_batch(request: Request) -> Response:
     batch = _batch_or_404(request)
     if isinstance(batch, Response):
         return batch
+    if state_of(request).config.batch_cancel_fails:
+        message = f"Cannot cancel a batch with status 'completed' ({batch.id}; simulated)."
+        return openai_error(400, message, "invalid_request_error")
     if batch.cancel():
         state_of(request).store.settle()
     return JSONResponse(_batch_json(batch))
