@@ -998,3 +998,42 @@ def test_vectors_of_another_embedding_model_are_not_compared(tx_factory, llm) ->
     with tx_factory.begin() as session:  # vectors whose model was not kept: compared, as before
         session.execute(text("UPDATE facts SET embedding_model = NULL WHERE consolidated_at IS NOT NULL"))
     assert all(f.embedding is not None for f in store.entity_facts("default", ALICE)[1])
+
+
+@pytest.mark.parametrize("when", ["before the call", "during the call"])
+def test_a_page_erased_mid_run_is_neither_sent_to_the_model_nor_linked_to(factory, llm, when: str) -> None:
+    """Alice's Lisbon (January's page) and Porto (March's) are asked of the model; January's page is
+    erased meanwhile. Its facts' text went to the provider after the erasure had returned, and the
+    decision linking to a deleted fact failed its foreign key at commit: the round's other decisions
+    rolled back with it and the job retried, paying for the round again."""
+    from worker.extraction.erase import erase_page
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(factory, slug, body)
+        extract(factory, llm, slug)
+    erased: list[bool] = []
+
+    def erase_january() -> None:
+        if not erased:
+            erased.append(True)
+            erase_page(factory, "default", JAN_PAGE, "test")
+
+    class ErasedDuringItsCall:  # the real simulator client; the erasure lands while it is asked
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            erase_january()
+            return llm.chat(request)
+
+    store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
+    if when == "before the call":
+        counters = consolidate_entity(store, llm, EntityRun("default", ALICE, guard=erase_january))
+        assert counters.llm_calls == 0 and calls(factory) == 0, "nothing of the erased page was sent"
+    else:
+        counters = consolidate_entity(store, ErasedDuringItsCall(), EntityRun("default", ALICE))
+    assert erased
+    facts = alice(factory)
+    assert "Alice Example lives in Lisbon now." not in facts
+    [porto] = facts["Alice Example lives in Porto now."]
+    assert (porto.status, porto.superseded_by, porto.valid_to) == ("current", None, None)
+    assert all(f.consolidated_at is not None for fs in facts.values() for f in fs), "all decided"

@@ -683,6 +683,7 @@ def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
         assert "alice" not in job.subject
     # The run's next commit, already past its lease check: nothing of it is written, nothing comes back.
     store = ConsolidationStore(enabled, Ledger(ConfigReader(enabled, ttl=0).get))
-    assert store.commit_decisions("default", ALICE, job_id, [(Resolved(fact_id, ()), None)]) == [False]
+    written = store.commit_decisions("default", ALICE, job_id, [(Resolved(fact_id, ()), None)])
+    assert written == [None], "its fact was erased: not written"
     with enabled() as session:
         assert session.scalars(select(ConsolidationCheckpoint.entity_key)).all() == []

@@ -158,7 +158,7 @@ def _consolidate_round(
         chunk = resolved[start : start + DECISIONS_PER_COMMIT]
         written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
         for (decision, _), ok in zip(chunk, written, strict=True):
-            if decision.reconsider:
+            if decision.reconsider or ok is None:
                 continue  # counted when decided for good (or closed), under what it came to
             if ok:
                 counters.decisions[decision.kind] = counters.decisions.get(decision.kind, 0) + 1
@@ -190,6 +190,12 @@ def _ask_model(
         counters.pairs_asked += len(chunk)  # once: a pair asked again is still one pair
         for _ask in range(2):
             run.guard()
+            # Not a fact an erasure (or a re-extraction) removed since the round was read: its text
+            # goes to no provider after the erasure returned (its decision would not be written).
+            there = store.existing({fact.id for pair in chunk for fact in (pair.new, pair.old)})
+            chunk = [pair for pair in chunk if pair.new.id in there and pair.old.id in there]
+            if not chunk:
+                break
             got, call_id = _decide_pairs(store, llm, run, chunk, counters)
             answers.update(got)
             call_ids.update({p.number: call_id for p in chunk})  # a pair still unanswered: its last ask

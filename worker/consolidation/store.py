@@ -10,12 +10,14 @@ from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     BindParameter,
     ColumnElement,
     Float,
     Integer,
     Select,
     and_,
+    any_,
     bindparam,
     func,
     literal,
@@ -25,6 +27,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import ConsolidationCheckpoint, Fact
 from models.fact import ORPHANED_LINK_SQL
 from models.packed import unpack_floats
+from models.reads import read_only
 from models.tables import FACTS, JOBS
 from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.decisions import insert_rows, write_decision
@@ -129,6 +133,14 @@ class ConsolidationStore:
             insert_rows(session, source_id, entity_key, job_id, rows)
         return len(ids)
 
+    def existing(self, fact_ids: set[int]) -> set[int]:
+        """Which of ``fact_ids`` still exist (an erasure or a re-extraction removes facts mid-run)."""
+        if not fact_ids:
+            return set()
+        ids = bindparam("ids", sorted(fact_ids), type_=ARRAY(BigInteger))
+        with read_only(self._factory) as session:
+            return set(session.scalars(select(Fact.id).where(Fact.id == any_(ids))))
+
     def record_call(self, call: LLMCallRecord) -> int:
         """The batched call's llm_calls row (committed at once: it was paid for whatever follows)."""
         with self._factory.begin() as session:
@@ -140,15 +152,21 @@ class ConsolidationStore:
         entity_key: str,
         job_id: int | None,
         decisions: Sequence[tuple[Resolved, int | None]],
-    ) -> list[bool]:
+    ) -> list[bool | None]:
         """One transaction for a run of decisions (each with the llm_calls row it came from): the
         entity's checkpoint row locked, then per decision the new fact marked consolidated (only if it
         was not: False for it and nothing of it written), its effect (duplicate link, intervals
-        closed) and its audit rows; the checkpoint advanced by the decisions written."""
-        done: list[bool] = []
+        closed) and its audit rows; the checkpoint advanced by the decisions written. A decision naming
+        a fact an erasure or a re-extraction removed since it was planned is not written (None): its
+        link would fail the foreign key, and with it the other decisions of the transaction."""
+        done: list[bool | None] = []
         with self._factory.begin() as session:
             created = lock_checkpoint(session, source_id, entity_key)
+            present = _hold_facts(session, {i for decision, _ in decisions for i in decision.fact_ids})
             for decision, llm_call_id in decisions:
+                if not decision.fact_ids <= present:
+                    done.append(None)  # a fact it names went meanwhile: the next round decides it again
+                    continue
                 done.append(write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
             # Decisions written (a fact left to decide again is written, and counted, twice).
             written = [d.fact_id for (d, _), ok in zip(decisions, done, strict=True) if ok]
@@ -182,6 +200,20 @@ def _orphaned() -> Any:
     # The partial index's own text (models.fact.ORPHANED_LINK_SQL), so the planner can use it. Bracketed:
     # a text clause is not grouped in an AND, and the OR inside escaped every filter beside it.
     return text(f"({ORPHANED_LINK_SQL})")
+
+
+def _hold_facts(session: Session, fact_ids: set[int]) -> set[int]:
+    """Which of ``fact_ids`` still exist, each held (FOR KEY SHARE) until the commit: a delete waits
+    for the decisions that link to it, and a decision never links to a fact deleted meanwhile."""
+    if not fact_ids:
+        return set()
+    held = (
+        select(Fact.id)
+        .where(Fact.id == any_(bindparam("ids", sorted(fact_ids), type_=ARRAY(BigInteger))))
+        .order_by(Fact.id)
+        .with_for_update(key_share=True)
+    )
+    return set(session.scalars(held))
 
 
 def lock_checkpoint(session: Session, source_id: str, entity_key: str) -> bool:

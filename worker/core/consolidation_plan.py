@@ -135,6 +135,13 @@ class Resolved:
     restates: int | None = None
 
     @property
+    def fact_ids(self) -> frozenset[int]:
+        """Every fact the decision writes or links to: all must still exist when it is written."""
+        named = {self.fact_id, self.duplicate_of, self.restates, *(row.other_fact_id for row in self.rows)}
+        named.update(fact.id for closing in self.closings for fact in (closing.older, closing.newer))
+        return frozenset(fact_id for fact_id in named if fact_id is not None)
+
+    @property
     def kind(self) -> str:
         """The decision by type, for the metrics: duplicate, supersede, new or unrelated."""
         if self.duplicate_of is not None:
