@@ -653,6 +653,52 @@ def test_an_erasure_finds_no_reason_quoting_facts_an_earlier_version_of_the_page
         assert not [r for r in session.scalars(select(ConsolidationDecision.reason)) if "Porto" in r]
 
 
+@pytest.mark.parametrize("how", ["re-extracted", "stored as a type not extracted"])
+def test_an_entity_no_fact_names_any_more_leaves_under_its_erased_label(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient, how: str
+) -> None:
+    """The only page naming Alice was edited (or stored as a type extraction skips): her facts went, but
+    her name stayed as the key of their decisions and checkpoint, and the page's erasure, which looks
+    at the facts the page has now, never renamed it: her name outlived the erasure."""
+    from models import ConsolidationCheckpoint, ConsolidationDecision
+    from tests.integration.test_consolidation import ALICE, JAN_BODY, JAN_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.consolidation.erasure import erased_entity_key
+    from worker.jobs.outbox import CONSOLIDATION, request_job
+
+    with enabled.begin() as session:
+        store_page(session, PageIn(slug=JAN_PAGE, type="conversation", compiled_truth=JAN_BODY))
+    extract_page(enabled, llm, JAN_PAGE)
+    consolidate(enabled, llm)
+    with enabled.begin() as session:
+        job_id = request_job(session, CONSOLIDATION, f"default|{ALICE}").job_id
+
+    def keys() -> set[str]:
+        with enabled() as session:
+            return {
+                *session.scalars(select(ConsolidationDecision.entity_key)),
+                *session.scalars(select(ConsolidationCheckpoint.entity_key)),
+                *session.scalars(select(Job.subject).where(Job.kind == CONSOLIDATION)),
+            }
+
+    assert ALICE in keys()
+    page = PageIn(slug=JAN_PAGE, type="conversation", compiled_truth=JAN_BODY.replace("Alice", "Carol"))
+    if how != "re-extracted":
+        page = PageIn(slug=JAN_PAGE, type="note", compiled_truth="nothing to extract")
+    with enabled.begin() as session:
+        store_page(session, page)
+    if how == "re-extracted":
+        extract_page(enabled, llm, JAN_PAGE)
+    assert not any("alice" in key for key in keys())
+    erased = erased_entity_key("default", ALICE)
+    assert erased in keys() and f"default|{erased}" in keys()
+    with enabled() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "failed", "nothing is left for it to consolidate"
+    assert erase_page(enabled, "default", JAN_PAGE, "api") is not None
+    assert not any("alice" in key for key in keys())
+
+
 def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

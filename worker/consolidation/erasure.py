@@ -60,7 +60,7 @@ def page_facts(source_id: str, slug: str) -> Select[Any]:
     )
 
 
-def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -> None:
+def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -> set[tuple[str, str]]:
     """Before these facts are deleted, in the caller's transaction: the reasons of the decisions about
     them become ``reason`` (the decision and who made it stay). The one place a deletion of facts
     forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say.
@@ -75,7 +75,8 @@ def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -
         .where(Fact.id.in_(fact_ids))
         .distinct()
     ).all()
-    for source_id, key in sorted({(s, entity_key(e, page)) for s, e, page in entities}):
+    keys = {(s, entity_key(e, page)) for s, e, page in entities}
+    for source_id, key in sorted(keys):
         if lock_checkpoint(session, source_id, key):
             # Made only to be held (no run has written one): gone again, still held until the end.
             session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": key})
@@ -88,6 +89,26 @@ def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -
             .values(reason=reason)
             .execution_options(synchronize_session=False)
         )
+    return keys
+
+
+_NAMED = text(
+    "SELECT EXISTS (SELECT 1 FROM facts WHERE source_id = :source_id AND entity_slug = :entity "
+    "AND NOT is_audit)"
+)
+
+
+def retire_unnamed_keys(session: Session, keys: set[tuple[str, str]]) -> None:
+    """After a page's facts were deleted and replaced (``keys``: what ``forget_reasons_about`` returned),
+    in the caller's transaction: an entity no fact of its source names any more leaves under its erased
+    label, as an erasure's does. Kept, its name stayed in the decisions, checkpoint and jobs of facts
+    that are gone, and a later erasure of the page that named it looked only at the facts it has now,
+    so it never renamed it. A page's own key stays: the page still names it (its erasure renames it)."""
+    for source_id, key in sorted(keys):
+        if key.startswith(PAGE_KEY_PREFIX):
+            continue
+        if not session.scalar(_NAMED, {"source_id": source_id, "entity": key}):
+            _rename_key(session, source_id, key, erased_entity_key(source_id, key))
 
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
@@ -124,4 +145,5 @@ __all__ = [
     "forget_page_decisions",
     "forget_reasons_about",
     "page_facts",
+    "retire_unnamed_keys",
 ]

@@ -19,6 +19,7 @@ from worker.consolidation.erasure import (
     forget_page_decisions,
     forget_reasons_about,
     page_facts,
+    retire_unnamed_keys,
 )
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
@@ -108,7 +109,7 @@ def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
     The caller holds the page row locked (an upsert or ``FOR UPDATE``); an extraction commit takes it
     ``FOR SHARE`` first (ExtractionStore), so no commit can slip facts in after this and before the end.
     """
-    forget_reasons_about(session, page_facts(source_id, slug), REPLACED_REASON)
+    keys = forget_reasons_about(session, page_facts(source_id, slug), REPLACED_REASON)
     if session.scalar(_HAS_VECTOR_STORE):
         # ON DELETE CASCADE would do it too; explicit, so nothing depends on how the table was built.
         session.execute(_DELETE_VECTORS, {"source_id": source_id, "slug": slug})
@@ -120,6 +121,7 @@ def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
     checkpoints = session.execute(
         delete(OpCheckpoint).where(OpCheckpoint.page_key == page_key(source_id, slug))
     ).rowcount  # type: ignore[attr-defined]
+    retire_unnamed_keys(session, keys)
     return DerivedRemoved(
         facts=sum(not is_audit for is_audit, _ in removed),
         embeddings=sum(not is_audit and embedded for is_audit, embedded in removed),

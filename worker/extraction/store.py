@@ -19,7 +19,7 @@ from models.bulk import BulkInsert
 from models.reads import read_only
 from models.tables import EXTRACTION_AUDIT, FACTS
 from worker.accounting import Ledger
-from worker.consolidation.erasure import REPLACED_REASON, forget_reasons_about
+from worker.consolidation.erasure import REPLACED_REASON, forget_reasons_about, retire_unnamed_keys
 from worker.core.checkpoint import (
     CheckpointState,
     PrefixHasher,
@@ -330,11 +330,12 @@ class ExtractionStore:
                 Fact.source_markdown_slug == slug,
                 Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
             )
-            forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
+            keys = forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
             session.execute(delete(Fact).where(*replaced))
             inserted = 0
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
                 inserted += _insert_facts(session, rows[chunk_start : chunk_start + _SWAP_CHUNK])
+            retire_unnamed_keys(session, keys)
             _INSERT_AUDIT.execute(session, [skip_row(place, tried, why) for place, tried, why in skips])
             self._advance_checkpoint(session, fingerprint, last, expected, new)
             _upsert_terminal(session, source_id, slug)
