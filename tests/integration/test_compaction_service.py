@@ -39,7 +39,7 @@ from worker.compaction import (
 )
 from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
-from worker.core.signing import sign
+from worker.core.signing import sign, signed_json_headers
 from worker.jobs import outbox as jobs
 from worker.jobs import sending
 from worker.jobs.lifecycle import run_job
@@ -1355,6 +1355,28 @@ def test_idempotent_appends_replay_and_refuse_a_different_body(
     assert other.status_code == 422 and "reused with a different body" in other.json()["detail"]
     # The same key on another transcript is another delivery.
     assert post_messages(client, "idem-2", payload, key="k1").json()["transcript_id"] == "idem-2"
+
+
+def test_a_settings_change_sent_again_changes_nothing(client: TestClient) -> None:
+    """A captured PUT sent again within the signature's window (v3 signs its Idempotency-Key) undid
+    the settings changed after it: a smaller window could then queue a compaction."""
+    path = "/v1/transcripts/settings-replay"
+
+    def put(payload: Any, key: str) -> Any:
+        body = json.dumps(payload).encode()
+        headers = signed_json_headers(body, SECRET, method="PUT", path=path, idempotency_key=key)
+        return client.put(path, content=body, headers={**headers, "Idempotency-Key": key})
+
+    first = put({"context_window": 32000}, "s1")
+    assert first.status_code == 200, first.text
+    assert "Idempotent-Replayed" not in first.headers
+    assert put({"context_window": 128000}, "s2").json()["settings"]["context_window"] == 128000
+    again = put({"context_window": 32000}, "s1")
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json() == first.json()
+    assert client.get(path).json()["settings"]["context_window"] == 128000, "the later change stands"
+    other = put({"context_window": 33000}, "s1")
+    assert other.status_code == 422 and "reused with a different body" in other.json()["detail"]
 
 
 def test_a_compaction_can_be_labelled_through_feedback(

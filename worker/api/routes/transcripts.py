@@ -203,20 +203,34 @@ def _transcript_out(ctx: ApiContext, transcript_id: str) -> TranscriptOut:
     return TranscriptOut.model_validate(stats.as_dict())
 
 
-def accept_settings(ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest) -> JSONResponse:
+def accept_settings(
+    ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None = None
+) -> JSONResponse:
+    """A repeat with the same Idempotency-Key (which v3 signatures sign, and require here) gets the stored
+    answer and changes nothing: a captured change of settings sent again within the signature's window
+    undid the changes made after it."""
     ingest.verify(ctx, body)
+    key = check_idempotency_key(key)
     data = load_json_object(body)
+
+    def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        _, trigger = update_settings(
+            session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
+        )
+        stats = TranscriptOut.model_validate(transcript_stats(session, transcript_id).as_dict())
+        pending = [(trigger.job.job_id, outbox.COMPACTION)] if trigger.job and trigger.job.created else []
+        return stats.model_dump(mode="json"), pending
+
+    delivery_key = scoped_key("PUT /v1/transcripts/{id}", transcript_id, key, ingest.sender)
     try:
-        with ctx.factory.begin() as session:
-            _, trigger = update_settings(
-                session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
-            )
-            pending = [(trigger.job.job_id, outbox.COMPACTION)] if trigger.job and trigger.job.created else []
+        response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
+    if pending is None:
+        return JSONResponse(response, 200, headers=REPLAYED_HEADERS)
     ctx.enqueue(pending)
     logger.info("transcript settings changed: %s", sorted(data))
-    return JSONResponse(_transcript_out(ctx, transcript_id).model_dump(mode="json"), 200)
+    return JSONResponse(response, 200)
 
 
 @compaction_router.post(
@@ -252,12 +266,17 @@ async def post_messages(
     openapi_extra=json_request_body(SettingsIn.model_json_schema()),
 )
 async def put_transcript(
-    request: Request, ctx: Context, transcript_id: TranscriptId, ingest: TranscriptIngester
+    request: Request,
+    ctx: Context,
+    transcript_id: TranscriptId,
+    ingest: TranscriptIngester,
+    idempotency_key: IdempotencyHeader = None,
 ) -> Response:
     """Only the settings sent change. A smaller window can put the context over its threshold at once:
-    then a compaction is queued as for an append."""
+    then a compaction is queued as for an append. A repeat with the same Idempotency-Key gets the first
+    answer (header `Idempotent-Replayed: true`) and changes nothing."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    return await run_in_threadpool(accept_settings, ctx, transcript_id, body, ingest)
+    return await run_in_threadpool(accept_settings, ctx, transcript_id, body, ingest, idempotency_key)
 
 
 # ---------------------------------------------------------------------------
