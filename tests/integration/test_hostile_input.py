@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -270,12 +271,15 @@ def test_every_route_is_capped_by_content_length_and_by_the_stream(api: TestClie
         for _ in range(40):
             yield b"a" * 65536
 
-    streamed = api.post("/v1/pages", content=chunks(), headers={"Factmill-Signature": "t=1,v1=00"})
+    fresh = {"Factmill-Signature": f"t={int(time.time())},v2=00"}  # its match is checked once the body is in
+    streamed = api.post("/v1/pages", content=chunks(), headers=fresh)
     assert streamed.status_code == 413 and "1048576-byte limit" in streamed.json()["detail"]
 
 
-def signed_post_scope(path: str, content_length: bytes) -> dict[str, Any]:
-    """The ASGI scope of a POST to ``path`` declaring ``content_length`` bytes, with a (bad) signature."""
+def signed_post_scope(path: str, content_length: bytes, signed_at: int | None = None) -> dict[str, Any]:
+    """The ASGI scope of a POST to ``path`` declaring ``content_length`` bytes, with a signature that is
+    fresh (by default: checked only once the body is in) and does not match."""
+    signed_at = int(time.time()) if signed_at is None else signed_at
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -288,7 +292,7 @@ def signed_post_scope(path: str, content_length: bytes) -> dict[str, Any]:
         "root_path": "",
         "headers": [
             (b"content-length", content_length),
-            (b"factmill-signature", b"t=1,v2=00"),
+            (b"factmill-signature", f"t={signed_at},v2=00".encode()),
             (b"host", b"t"),
         ],
         "client": ("127.0.0.1", 1),
@@ -369,6 +373,38 @@ def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         assert start["status"] == 408, (start, body)
         assert "did not arrive within 0.3 s" in json.loads(body)["detail"]
+
+
+def test_a_stale_signature_is_refused_before_a_byte_of_the_body_is_read(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    # Anyone could hold the places large bodies have with a header of the right form and any timestamp,
+    # sending the body a byte at a time: its age was checked only once the body was in.
+    import asyncio
+
+    app = create_app(make_runtime(database_url, factory, max_large_bodies=1), sender=Recorder(factory))
+    scope = signed_post_scope("/v1/pages", str(2 * 1024 * 1024).encode(), signed_at=1)
+    reads: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        reads.append(1)
+        await asyncio.Event().wait()  # the body never comes
+        raise AssertionError("unreachable")
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+
+    asyncio.run(run())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 401 and "too old" in json.loads(body)["detail"]
+    assert reads == []
 
 
 def test_every_answer_carries_a_request_id_and_a_sane_one_is_kept(api: TestClient) -> None:

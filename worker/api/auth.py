@@ -17,14 +17,12 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
-from worker.api.deps import ApiContext, Context, verify_signature
+from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import ApiError
 from worker.core.signing import (
     EXPECTED_FORMAT,
     IDEMPOTENCY_HEADER,
     SIGNATURE_HEADER,
-    SignatureError,
-    parse_header,
 )
 from worker.db import database_unavailable
 from worker.deliveries import WEBHOOK_SENDER
@@ -155,7 +153,8 @@ class Ingest:
 
 def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
     """A dependency for ingestion routes: a key with the ingest scope or a signature header that is
-    well formed (checked here, before the body is read). Whatever credential is sent must be valid."""
+    well formed, of a scheme this server checks and fresh (checked here, before the body is read).
+    Whatever credential is sent must be valid."""
 
     def dependency(
         request: Request, ctx: Context, credentials: Credentials, signature: SignatureHeader
@@ -163,21 +162,19 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
         principal = resolve(ctx, credentials)
         if principal is not None:
             _check_scope(principal, "ingest", all_sources)
-        if signature is not None or principal is None:
-            if signature is None:
-                raise ApiError(
-                    401,
-                    f"missing {SIGNATURE_HEADER} header: sign the request, or send "
-                    "'Authorization: Bearer <API key>' with the 'ingest' scope",
-                    headers=CHALLENGE,
-                )
-            try:
-                parse_header(signature)
-            except SignatureError as exc:
-                raise ApiError(401, exc.reason) from None
+        if signature is None and principal is None:
+            raise ApiError(
+                401,
+                f"missing {SIGNATURE_HEADER} header: sign the request, or send "
+                "'Authorization: Bearer <API key>' with the 'ingest' scope",
+                headers=CHALLENGE,
+            )
         key = request.headers.get(IDEMPOTENCY_HEADER)
         key = key.strip() if key is not None else None
-        return Ingest(principal, signature, request.method, request_path(request), key)
+        path = request_path(request)
+        if signature is not None:
+            check_signature_header(ctx, signature, request.method, path, key)
+        return Ingest(principal, signature, request.method, path, key)
 
     return dependency
 

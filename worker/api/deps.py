@@ -19,7 +19,7 @@ from worker.api.errors import ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
-from worker.core.signing import IDEMPOTENCY_HEADER, SignatureError, verify
+from worker.core.signing import IDEMPOTENCY_HEADER, SignatureError, check_header, verify
 from worker.jobs import sending
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -155,6 +155,25 @@ async def read_body(request: Request, cap: int) -> bytes:
         if int(declared) > cap:
             raise _too_large(cap)
     return await _read_capped(request, cap)
+
+
+def check_signature_header(
+    ctx: ApiContext, signature: str | None, method: str, path: str, idempotency_key: str | None
+) -> None:
+    """The body-free part of ``verify_signature`` (401 with the reason), run before the body is read."""
+    settings = ctx.settings
+    try:
+        check_header(
+            signature,
+            settings.webhook_tolerance_seconds,
+            method=method,
+            path=path,
+            idempotency_key=idempotency_key,
+            accept_v2=settings.accept_v2_signatures,
+            accept_v1=settings.accept_v1_signatures,
+        )
+    except SignatureError as exc:
+        raise ApiError(401, exc.reason) from None
 
 
 def verify_signature(

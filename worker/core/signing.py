@@ -95,6 +95,29 @@ def _check_age(timestamp: int, tolerance: int, now: float | None) -> None:
         )
 
 
+def check_header(
+    header: str | None,
+    tolerance: int,
+    now: float | None = None,
+    *,
+    method: str | None = None,
+    path: str | None = None,
+    idempotency_key: str | None = None,
+    accept_v2: bool = True,
+    accept_v1: bool = False,
+) -> tuple[int, dict[str, list[str]]]:
+    """What ``verify`` checks before it needs the body: the header's form, a scheme this server checks
+    for the request, and the timestamp's age. A route runs it before reading the body, so a stale or
+    unusable header never holds one of the few places a large body reads in."""
+    timestamp, signatures = parse_header(header)
+    if method is not None or path is not None:
+        why = _unusable(signatures, idempotency_key, accept_v2, accept_v1)
+        if why is not None:
+            raise SignatureError(why)
+    _check_age(timestamp, tolerance, now)
+    return timestamp, signatures
+
+
 def _any_match(expected: str, candidates: list[str]) -> bool:
     # Compare against every candidate (no early exit) so timing says nothing about which one matched.
     matched = False
@@ -147,13 +170,17 @@ def verify(
         parse_header(header)  # a missing header is still reported as missing
         # An empty key would let anyone compute a valid signature.
         raise SignatureError("webhook signing secret is not configured (set FACTMILL_WEBHOOK_SECRET)")
-    timestamp, signatures = parse_header(header)
+    timestamp, signatures = check_header(
+        header,
+        tolerance,
+        now,
+        method=method,
+        path=path,
+        idempotency_key=idempotency_key,
+        accept_v2=accept_v2,
+        accept_v1=accept_v1,
+    )
     bound = method is not None or path is not None
-    if bound:
-        why = _unusable(signatures, idempotency_key, accept_v2, accept_v1)
-        if why is not None:
-            raise SignatureError(why)
-    _check_age(timestamp, tolerance, now)
     matched = False
     # Every secret is tried (no early exit), as every candidate is; a scheme the header carries no entry
     # of is not computed (a hash of the whole body each: the sender knows what it sent, timing tells it
@@ -186,6 +213,7 @@ __all__ = [
     "SCHEME",
     "SIGNATURE_HEADER",
     "SignatureError",
+    "check_header",
     "compute_signature",
     "parse_header",
     "sign",
