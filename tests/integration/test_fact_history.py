@@ -157,3 +157,45 @@ def test_the_timeline_of_an_entity_of_tens_of_thousands_of_facts(tx_factory: ses
     with tx_factory() as session:
         timeline = entity_timeline(session, "people/big")
     assert len(timeline) == 34_000 and timeline[0].reason == "the first" and timeline[1].reason is None
+
+
+def test_the_as_of_sql_and_its_pure_rule_agree_on_every_kind_of_fact(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """The SQL read an undated fact as begun when it was stored; true_at, which it says it mirrors (and
+    which the unit tests pinned), read it as always true: the one oracle was not what production ran."""
+    from itertools import product
+
+    from sqlalchemy import text
+
+    from worker.consolidation.history import Lifecycle
+    from worker.core.consolidation import true_at
+
+    moments = [datetime(2026, month, 1, tzinfo=UTC) for month in (1, 3, 5, 7)]
+    starts, ends = [None, *moments], [None, *moments]
+    rows = [
+        (n, start, end, status, stored)
+        for n, (start, end, status, stored) in enumerate(
+            product(starts, ends, ("current", "superseded", "duplicate"), moments)
+        )
+    ]
+    insert = text(
+        "INSERT INTO facts (source_id, fact, kind, confidence, notability, source, source_session, "
+        "source_markdown_slug, row_num, valid_from, valid_to, status, created_at) "
+        "VALUES ('default', 'f', 'fact', 0.9, 'medium', 'cli:extract-conversation-facts', 's', 'p', "
+        ":n, :start, :end, :status, :stored)"
+    )
+    with tx_factory.begin() as session:
+        for n, start, end, status, stored in rows:
+            session.execute(insert, {"n": n, "start": start, "end": end, "status": status, "stored": stored})
+    for as_of in [*moments, datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC)]:
+        where, params = Lifecycle(as_of=as_of).clause("facts")
+        with tx_factory() as session:
+            found = set(session.scalars(text(f"SELECT row_num FROM facts WHERE {where}"), params))
+        expected = {
+            n
+            for n, start, end, status, stored in rows
+            if true_at(start, end, status, as_of, stored_at=stored)
+        }
+        assert found == expected, as_of
+        assert found, "a moment at which nothing was true would check nothing"

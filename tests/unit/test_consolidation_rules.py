@@ -102,12 +102,14 @@ def test_close_interval_never_ends_before_it_began() -> None:
 
 
 def test_true_at() -> None:
-    assert true_at(JAN, None, "current", MAR)
-    assert not true_at(JAN, MAR, "superseded", MAR)
-    assert true_at(JAN, MAR, "superseded", datetime(2026, 2, 1, tzinfo=UTC))
-    assert not true_at(MAR, None, "current", JAN)
-    assert not true_at(JAN, None, "duplicate", MAR)
-    assert true_at(None, None, "current", JAN)
+    assert true_at(JAN, None, "current", MAR, stored_at=MAR)
+    assert not true_at(JAN, MAR, "superseded", MAR, stored_at=MAR)
+    assert true_at(JAN, MAR, "superseded", datetime(2026, 2, 1, tzinfo=UTC), stored_at=MAR)
+    assert not true_at(MAR, None, "current", JAN, stored_at=JAN)
+    assert not true_at(JAN, None, "duplicate", MAR, stored_at=MAR)
+    # Undated: from when it was stored (it read as always true here, while the SQL said otherwise).
+    assert true_at(None, None, "current", MAR, stored_at=JAN)
+    assert not true_at(None, None, "current", JAN, stored_at=MAR)
 
 
 def test_render_pairs_numbers_each_pair_and_escapes_the_tag() -> None:

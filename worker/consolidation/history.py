@@ -9,8 +9,9 @@ from typing import Any
 
 from worker.core.moments import as_utc
 
-# {a} is the facts table's alias. A duplicate never answers: the fact it repeats does. Mirrors
-# worker.core.consolidation.true_at (tests/unit/test_consolidation_rules.py).
+# {a} is the facts table's alias. A duplicate never answers: the fact it repeats does; an undated fact
+# begins when it was stored. The same rule as worker.core.consolidation.true_at (tests/integration/
+# test_fact_history.py runs both over the same rows).
 CURRENT_SQL = "{a}.status = 'current'"
 AS_OF_SQL = (
     "{a}.status <> 'duplicate' AND COALESCE({a}.valid_from, {a}.created_at) <= :lifecycle_as_of "

@@ -295,11 +295,14 @@ def close_interval(valid_from: datetime | None, closing_at: datetime | None) -> 
     return closing_at
 
 
-def true_at(valid_from: datetime | None, valid_to: datetime | None, status: str, as_of: datetime) -> bool:
-    """Was a fact true at ``as_of``: begun by then (undated counts as always) and not yet closed.
-    Duplicates never answer: their canonical fact does."""
+def true_at(
+    valid_from: datetime | None, valid_to: datetime | None, status: str, as_of: datetime, *, stored_at: datetime
+) -> bool:
+    """Was a fact true at ``as_of``: begun by then (an undated one begins when it was stored) and not
+    yet closed. Duplicates never answer: their canonical fact does. The rule the as-of reads run in SQL
+    (worker.consolidation.history.AS_OF_SQL; a test holds the two together)."""
     if status == DUPLICATE:
         return False
-    if valid_from is not None and valid_from > as_of:
+    if (valid_from if valid_from is not None else stored_at) > as_of:
         return False
     return valid_to is None or valid_to > as_of
