@@ -1438,6 +1438,27 @@ def test_cli_errors(monkeypatch: pytest.MonkeyPatch, plain_database_url: str, si
         assert costs.exit_code == 0, costs.output
 
 
+def test_a_database_without_the_store_asks_what_is_installable_once_a_minute(server_url: str) -> None:
+    """On a lexical-only deployment every search read every extension's control file from the server's
+    disk (pg_available_extensions) to say why vector search was unavailable."""
+    from sqlalchemy import event
+
+    with fresh_database(server_url, "nostore") as url:
+        db.upgrade(url)
+        engine = db.get_engine(url)
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA IF EXISTS search CASCADE"))
+        asked: list[str] = []
+        event.listen(engine, "before_cursor_execute", lambda *a: asked.append(a[2]))
+        factory = sessionmaker(engine)
+        reasons = set()
+        for _ in range(3):
+            with factory() as session:
+                reasons.add(vector_search_status(session).reason)
+        assert len(reasons) == 1 and None not in reasons
+        assert sum("pg_available_extensions" in statement for statement in asked) == 1
+
+
 def test_embed_sets_up_a_missing_store(server_url: str, llm: OpenAIChatClient) -> None:
     """pgvector installed after migration 0003 ran: `factmill embed` creates the store and fills it."""
     with fresh_database(server_url, "late") as url:

@@ -296,7 +296,12 @@ def close_interval(valid_from: datetime | None, closing_at: datetime | None) -> 
 
 
 def true_at(
-    valid_from: datetime | None, valid_to: datetime | None, status: str, as_of: datetime, *, stored_at: datetime
+    valid_from: datetime | None,
+    valid_to: datetime | None,
+    status: str,
+    as_of: datetime,
+    *,
+    stored_at: datetime,
 ) -> bool:
     """Was a fact true at ``as_of``: begun by then (an undated one begins when it was stored) and not
     yet closed. Duplicates never answer: their canonical fact does. The rule the as-of reads run in SQL

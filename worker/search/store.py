@@ -8,6 +8,7 @@ and like the others it never commits.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -221,12 +222,23 @@ class SearchStore:
             self._ledger.record(session, call)
 
 
+# Whether pgvector could be installed, by server, for a minute: on a lexical-only deployment the store is
+# always missing, and every search read every extension's control file to say why.
+INSTALLABLE_SECONDS = 60.0
+_installable: dict[str, tuple[float, bool]] = {}
+
+
 def vector_search_status(session: Session) -> VectorSearchStatus:
     """Whether this database has the pgvector store (and, if not, why not)."""
     set_up, version = session.execute(_STATUS).one()
     if set_up and version:
         return VectorSearchStatus(True, version, None)
-    installable = session.scalar(_INSTALLABLE)
+    server = session.get_bind().engine.url.render_as_string(hide_password=True)
+    known = _installable.get(server)
+    if known is None or time.monotonic() - known[0] > INSTALLABLE_SECONDS:
+        known = (time.monotonic(), bool(session.scalar(_INSTALLABLE)))
+        _installable[server] = known
+    installable = known[1]
     return VectorSearchStatus(
         False, version, UNAVAILABLE_NOT_SET_UP if installable else UNAVAILABLE_NO_EXTENSION
     )
