@@ -1094,6 +1094,40 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
     engine.dispose()
 
 
+def test_a_scrape_tries_a_database_it_cannot_reach_once(database_url: str) -> None:
+    """Each of the five collectors waited out its own connect timeout: against a silent server a scrape
+    took minutes, past Prometheus's timeout, so factmill_store_up 0 never reached it."""
+    import psycopg
+    from prometheus_client import CollectorRegistry, generate_latest
+    from sqlalchemy import event
+    from sqlalchemy.pool import NullPool
+
+    from worker.api import metrics
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    attempts: list[int] = []
+
+    @event.listens_for(engine, "do_connect")
+    def refuse(*_: Any) -> None:
+        attempts.append(1)
+        raise psycopg.OperationalError("connection timed out (the test's outage)")
+
+    gated = sessionmaker(engine)
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in (
+        metrics.StoreCollector,
+        metrics.CompactionCollector,
+        metrics.ConsolidationCollector,
+        metrics.BackfillCollector,
+        metrics.PostgresCollector,
+    ):
+        registry.register(collector(gated))  # type: ignore[arg-type]
+    assert b"factmill_store_up 0.0" in generate_latest(registry)
+    assert b"factmill_store_up 0.0" in generate_latest(registry)  # the next scrape, soon after
+    assert len(attempts) == 1
+    engine.dispose()
+
+
 def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: str) -> None:
     """Every pooled connection busy past the pool's timeout: a capacity limit, answered as one."""
     engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)

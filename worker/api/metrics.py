@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -36,21 +36,17 @@ from models import (
     RowCount,
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES, ProviderCopy
-from models.reads import one_snapshot
-from worker.api.errors import one_line
 from worker.api.request_metrics import install_request_metrics
+from worker.api.scrape_reads import ScrapeTimeCollector
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.core.consolidation import FACT_STATUSES
 from worker.jobs.registry import KILL_SWITCH, kind_names, pause_reasons
 
 logger = logging.getLogger(__name__)
 
-METRICS_STATEMENT_TIMEOUT = "5s"
 # llm_calls.latency_ms buckets for the latency histogram, in milliseconds.
 LLM_LATENCY_BUCKETS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000)
 STORE_UP_HELP = "1 if the metrics query reached Postgres"
-
-R = TypeVar("R")
 
 _JOB_TOTALS = select(
     JobTotal.status,
@@ -87,43 +83,6 @@ _LATENCY_BUCKETS = text(
     "FROM llm_call_totals t, unnest(t.latency_le) WITH ORDINALITY AS u(le, i) "
     "GROUP BY t.purpose, u.i ORDER BY t.purpose, u.i"
 )
-
-
-class _ScrapeTimeCollector(Generic[R]):
-    """A Prometheus collector that reads Postgres at scrape time, under a statement timeout.
-
-    Postgres is the source of truth, so the numbers are the same whichever API replica is
-    scraped and survive restarts; there is no in-process counter to keep in step.
-    """
-
-    reads = "the store"  # for the warning when the read fails
-
-    def __init__(self, factory: sessionmaker[Session]) -> None:
-        self.factory = factory
-
-    def describe(self) -> list[Metric]:
-        return []  # keeps registration from querying the database
-
-    def collect(self) -> list[Metric]:
-        try:
-            # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
-            # separate statements, and calls committed between them made a bucket exceed its +Inf.
-            with one_snapshot(self.factory) as session:
-                session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
-                rows = self.read(session)
-        except Exception as exc:
-            logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
-            return self.unreadable()
-        return self.metrics(rows)
-
-    def read(self, session: Session) -> R:
-        raise NotImplementedError
-
-    def metrics(self, rows: R) -> list[Metric]:
-        raise NotImplementedError
-
-    def unreadable(self) -> list[Metric]:
-        return []
 
 
 class _StoreRows:
@@ -182,7 +141,7 @@ def _paused_jobs(paused: dict[tuple[str, str], int], kinds: list[str]) -> GaugeM
     return gauge
 
 
-class StoreCollector(_ScrapeTimeCollector[_StoreRows]):
+class StoreCollector(ScrapeTimeCollector[_StoreRows]):
     """Jobs by status and kind, facts, segment attempts by outcome, LLM calls, tokens, spend, latency."""
 
     def read(self, session: Session) -> _StoreRows:
@@ -303,7 +262,7 @@ def _latency(rows: _StoreRows) -> Metric:
     return latency
 
 
-class CompactionCollector(_ScrapeTimeCollector[tuple[dict[str, int], int]]):
+class CompactionCollector(ScrapeTimeCollector[tuple[dict[str, int], int]]):
     """Prometheus collector over the compactions' running totals, read at scrape time (Postgres is the
     truth).
 
@@ -337,7 +296,7 @@ class CompactionCollector(_ScrapeTimeCollector[tuple[dict[str, int], int]]):
         return [outcomes, saved]
 
 
-class ConsolidationCollector(_ScrapeTimeCollector[tuple[dict[str, int], dict[str, int]]]):
+class ConsolidationCollector(ScrapeTimeCollector[tuple[dict[str, int], dict[str, int]]]):
     """The fact lifecycle, read at scrape time: ``factmill_consolidation_decisions_total{decision,
     decided_by}`` (the audit rows: duplicate, updates, contradicts, unrelated, new by rule or model;
     unmerge, restore by operators) and ``factmill_facts_by_status{status}``."""
@@ -364,7 +323,7 @@ class ConsolidationCollector(_ScrapeTimeCollector[tuple[dict[str, int], dict[str
         return [decisions, statuses]
 
 
-class BackfillCollector(_ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]):
+class BackfillCollector(ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]):
     """Backfills (batch_extraction jobs) at scrape time.
 
     ``factmill_backfills{status}``: backfills by status (planning, running, done, cancelled);
@@ -428,7 +387,7 @@ _CONNECTIONS = text(
 )
 
 
-class PostgresCollector(_ScrapeTimeCollector[tuple[int, int]]):
+class PostgresCollector(ScrapeTimeCollector[tuple[int, int]]):
     """The Postgres server's connections against its limit, at scrape time.
 
     ``factmill_postgres_connections``: backends connected now, from every process and client of the

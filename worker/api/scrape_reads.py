@@ -1,0 +1,78 @@
+"""The collectors that read Postgres when Prometheus scrapes, and what they share within one scrape."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Generic, TypeVar
+
+from prometheus_client.core import Metric
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from models.reads import one_snapshot
+from worker.api.errors import one_line
+from worker.db import statement_timed_out
+
+logger = logging.getLogger(__name__)
+
+METRICS_STATEMENT_TIMEOUT = "5s"
+# After one collector could not reach Postgres, the others of the scrape (and of scrapes this soon after)
+# answer "unreadable" at once: each waited out its own connect timeout, six in a row, and a scrape took
+# minutes, far past Prometheus's own timeout, so factmill_store_up 0 never reached it.
+OUTAGE_SECONDS = 15.0
+# factory -> when a collector last failed to reach the store through it (weak: a factory's id is reused)
+_outages: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.WeakKeyDictionary()
+
+R = TypeVar("R")
+
+
+def _outage_seen(factory: sessionmaker[Session]) -> bool:
+    seen = _outages.get(factory)
+    return seen is not None and time.monotonic() - seen < OUTAGE_SECONDS
+
+
+class ScrapeTimeCollector(Generic[R]):
+    """A Prometheus collector that reads Postgres at scrape time, under a statement timeout.
+
+    Postgres is the source of truth, so the numbers are the same whichever API replica is
+    scraped and survive restarts; there is no in-process counter to keep in step.
+    """
+
+    reads = "the store"  # for the warning when the read fails
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+
+    def describe(self) -> list[Metric]:
+        return []  # keeps registration from querying the database
+
+    def collect(self) -> list[Metric]:
+        if _outage_seen(self.factory):
+            return self.unreadable()
+        try:
+            # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
+            # separate statements, and calls committed between them made a bucket exceed its +Inf.
+            with one_snapshot(self.factory) as session:
+                session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
+                rows = self.read(session)
+        except Exception as exc:
+            logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
+            if isinstance(exc, OperationalError) and not statement_timed_out(exc):
+                _outages[self.factory] = time.monotonic()
+            return self.unreadable()
+        return self.metrics(rows)
+
+    def read(self, session: Session) -> R:
+        raise NotImplementedError
+
+    def metrics(self, rows: R) -> list[Metric]:
+        raise NotImplementedError
+
+    def unreadable(self) -> list[Metric]:
+        return []
+
+
+__all__ = ["METRICS_STATEMENT_TIMEOUT", "OUTAGE_SECONDS", "ScrapeTimeCollector"]
