@@ -276,7 +276,7 @@ def test_planning_holds_one_page_s_messages_at_a_time(factory, rt, sim):
         return real_plan(ref, **kw)
 
     planning.run.plan = counted  # type: ignore[method-assign]
-    plans = planning.plans()
+    plans = planning.planner().plans()
     first = next(plans)
     assert planned == [first.slug]  # the next page is planned when the first is done with
     assert len(list(plans)) == 2 and len(planned) == 3

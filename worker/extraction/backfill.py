@@ -22,8 +22,7 @@ its facts are not. Requests an expired, cancelled or failed batch never ran are 
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -35,8 +34,7 @@ from models import Backfill
 from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
-from worker.core import progress
-from worker.core.checkpoint import segment_hash
+from worker.extraction.backfill_plan import BackfillPlanner, BatchBounds
 from worker.extraction.backfill_request import (
     GONE,
     RESEND_AFTER_SECONDS,
@@ -50,8 +48,6 @@ from worker.extraction.backfill_store import (
     BackfillSegmentStore,
     BackfillStore,
     BatchRow,
-    PlannedBatch,
-    PlannedRequest,
     RequestRow,
     group_by_page,
     matching_run,
@@ -60,8 +56,6 @@ from worker.extraction.batch import (
     MAX_BATCH_BYTES,
     MAX_BATCH_REQUESTS,
     batch_segment_result,
-    request_overhead_bytes,
-    segment_bytes,
     segment_request,
 )
 from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a_time
@@ -132,83 +126,14 @@ class BackfillPass:
 
     # --- planning -----------------------------------------------------------------------------------
 
-    def plans(self, enough: Callable[[], bool] = lambda: False) -> Iterator[PagePlan]:
-        """The selected pages' plans, in slug order, one at a time (a plan holds its page's messages:
-        the list of them all held a whole corpus's text at once, and a worker out of memory planned
-        again from scratch on every retry)."""
-        for ref in self.run.list_pages():
-            if enough():  # asked before each page is read: the rest of the corpus is not loaded
-                return
-            if self.selection.slug is not None and ref.slug != self.selection.slug:
-                continue
-            if self.selection.slug_prefix and not ref.slug.startswith(self.selection.slug_prefix):
-                continue
-            progress.mark()  # planning a large selection reaches no job check for a while: no stall
-            plan = self.run.plan(ref)
-            if plan is not None:
-                yield plan
+    def planner(self) -> BackfillPlanner:
+        deps = self.deps
+        bounds = BatchBounds(deps.max_requests, deps.max_bytes, deps.max_output_tokens)
+        return BackfillPlanner(self.run, self.selection, self.store, deps.client, bounds)
 
     def plan(self) -> None:
-        """Store every batch and request of the backfill; pages are never split across two batches
-        (a page longer than a batch, or past ``max_segments``, sends its first segments only)."""
-        client = self.deps.client
-        limit = self.selection.max_segments
-        overhead = request_overhead_bytes(self.run.max_facts, self.deps.max_output_tokens)
-        batches: list[list[PlannedRequest]] = [[]]
-        sizes = [0]  # each batch's bytes, bounded above
-        total = 0
-        # Counted by what is planned: a page left for another run takes none of it. The check reads
-        # ``total`` as it stands when the next page is about to be read (late binding is the point).
-        for plan in self.plans(lambda: limit is not None and total >= limit):  # noqa: B023
-            room = self.deps.max_requests if limit is None else min(self.deps.max_requests, limit - total)
-            requests, size = self.page_requests(plan, room, overhead)
-            full = len(batches[-1]) + len(requests) > self.deps.max_requests
-            if full or sizes[-1] + size > self.deps.max_bytes:
-                batches.append([])
-                sizes.append(0)
-            batches[-1] += requests
-            sizes[-1] += size
-            total += len(requests)
-        planned = []
-        tag = uuid.uuid4().hex[:8]
-        for number, requests in enumerate(b for b in batches if b):
-            key = f"fm{tag}b{self.backfill.id}n{number}"
-            named = [
-                PlannedRequest(
-                    f"{key}-p{r.page_id}-m{r.end_message}", r.page_id, r.slug, r.end_message, r.segment_hash
-                )
-                for r in requests
-            ]
-            planned.append(PlannedBatch(key, client.provider, client.model, named))
-        self.store.store_plan(self.backfill.id, planned)
-        logger.info(
-            "backfill %s planned %d request(s) in %d batch(es)", self.backfill.id, total, len(planned)
-        )
-
-    def page_requests(self, plan: PagePlan, room: int, overhead: int) -> tuple[list[PlannedRequest], int]:
-        """The page's first ``room`` requests, as many as one batch's bytes hold (a page longer than a
-        batch sends its first segments only), and their bytes (bounded above)."""
-        requests: list[PlannedRequest] = []
-        size = 0
-        for i, segment in enumerate(plan.segments[:room]):
-            cost = overhead + segment_bytes(segment, plan.label)
-            if requests and size + cost > self.deps.max_bytes:
-                break
-            requests.append(PlannedRequest("", plan.page_id, plan.slug, plan.ends[i], segment_hash(segment)))
-            size += cost
-        if plan.replace and len(requests) < len(plan.segments):
-            # A page whose facts are replaced whole (edited, or forced) is swapped only once every
-            # segment has its result: cut short, its results were paid for, its requests marked done,
-            # and nothing was stored. It waits for a run with room for all of it.
-            logger.info(
-                "backfill %s: page %s is re-extracted whole (%d segments) and does not fit what is "
-                "left of this backfill; it waits for another run",
-                self.backfill.id,
-                plan.page_id,
-                len(plan.segments),
-            )
-            return [], 0
-        return requests, size
+        """Store every batch and request of the backfill (worker.extraction.backfill_plan)."""
+        self.planner().plan(self.backfill.id)
 
     # --- sending ------------------------------------------------------------------------------------
 
