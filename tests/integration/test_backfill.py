@@ -820,6 +820,25 @@ def anthropic_rt(factory: sessionmaker[Session], database_url: str, sim: Simulat
     )
 
 
+def test_a_batch_sent_to_another_provider_than_the_one_configured_now_is_left_alone(
+    factory, rt, anthropic_rt, sim
+):
+    """Asked of the provider configured after the switch, the batch was "gone" (404): its paid results
+    counted expired, the other provider kept the pages' text, and nothing said so."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # sent through the OpenAI wire, waiting
+    sim.end_batches()
+    assert run_pass(anthropic_rt, job_id).status == "paused", "waits for its provider to come back"
+    with factory() as session:
+        [held] = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id))
+    assert held.status == "submitted" and (held.provider_status or "").startswith("held at simulator")
+    assert request_statuses(factory, backfill_id) == {"pending": 8}
+    assert drive(rt, job_id).status == "succeeded"  # configured back: collected as usual
+    assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
 def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(factory, anthropic_rt, sim):
     """Anthropic deletes the batch itself on discard: a pass that died between the delete and marking it
     collected met a 404 on every pass after, until the job failed and the backfill stayed running."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -164,6 +164,8 @@ class BackfillPass:
         """Send one stored batch, at most once: a batch whose send began is looked up first. False when
         it waits for the batches in flight (the budget), and the batches after it wait too."""
         client = self.deps.client
+        if self.held_elsewhere(batch):
+            return False  # the batches after it wait too
         if batch.status == "submitting":
             found = client.find(batch.key)
             if found is UNDETERMINED:
@@ -192,7 +194,13 @@ class BackfillPass:
             return False
         self.deps.guard()
         # Committed before the provider hears of it; counted against the budgets until collected.
-        self.store.set_batch(batch.id, status="submitting", estimated_cost_usd=estimate)
+        self.store.set_batch(
+            batch.id,
+            status="submitting",
+            estimated_cost_usd=estimate,
+            provider=client.provider,  # where it goes: planned under another, it was never sent
+            model=client.model,
+        )
         try:
             provider_id = client.submit(list(requests.items()), key=batch.key)
         except LLMError as exc:
@@ -231,13 +239,15 @@ class BackfillPass:
         """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider and then
         collected as usual (what they finished was paid for). A refused cancel ends neither the pass nor
         the job: the other batches are still polled, and the cancel is asked again next pass."""
+        if self.held_elsewhere(batch):
+            return
         if batch.status == "submitting":
             found = self.deps.client.find(batch.key)
             if found is UNDETERMINED:
                 return
             if isinstance(found, str):
                 self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
-                batch = BatchRow(batch.id, batch.key, "submitted", found)
+                batch = replace(batch, status="submitted", provider_batch_id=found)
         if batch.provider_batch_id is None:
             self.store.set_batch(batch.id, status="cancelled")
             return
@@ -259,6 +269,8 @@ class BackfillPass:
 
     def poll(self, batch: BatchRow) -> None:
         assert batch.provider_batch_id is not None
+        if self.held_elsewhere(batch):
+            return
         self.deps.guard()
         try:
             status = self.deps.client.status(batch.provider_batch_id)
@@ -406,6 +418,18 @@ class BackfillPass:
                 self.troubled = True
                 return exc, batch.id
         return None, None
+
+    def held_elsewhere(self, batch: BatchRow) -> bool:
+        """Whether ``batch`` went (or began to go) to another provider than the one configured now. It
+        is left as it is: asked of this provider, it was "gone" (404), its paid results were counted
+        expired, and the other provider kept the pages' text; one whose send began was sent again."""
+        if batch.status == "planned" or batch.provider == self.deps.client.provider:
+            return False
+        why = f"held at {batch.provider}: configure that provider again to collect it"
+        logger.warning("backfill %s: batch %s is %s", self.backfill.id, batch.key, why)
+        self.store.set_batch(batch.id, provider_status=why)
+        self.troubled = True
+        return True
 
     def cancelling(self) -> bool:
         """Whether the backfill is to stop: read again each time until it is (the backfill was loaded

@@ -67,6 +67,7 @@ class BatchRow:
     provider_batch_id: str | None
     # Seconds since its send last failed (SEND_FAILED in provider_status); None: no send failed.
     since_failed_send: float | None = None
+    provider: str = ""  # where it was (or is to be) sent
 
 
 @dataclass(frozen=True)
@@ -246,13 +247,19 @@ class BackfillStore:
                     BackfillBatch.status,
                     BackfillBatch.provider_batch_id,
                     failed_ago,
+                    BackfillBatch.provider,
                 )
                 .where(BackfillBatch.backfill_id == backfill_id, BackfillBatch.status.in_(statuses))
                 .order_by(BackfillBatch.id)
             ).all()
         return [
             BatchRow(
-                row.id, row.key, row.status, row.provider_batch_id, None if row[4] is None else float(row[4])
+                row.id,
+                row.key,
+                row.status,
+                row.provider_batch_id,
+                None if row[4] is None else float(row[4]),
+                row.provider,
             )
             for row in rows
         ]
