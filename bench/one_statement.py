@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from models.reads import one_statement  # noqa: E402
 from tests.service import fresh_database  # noqa: E402
 from worker import db  # noqa: E402
-from worker.jobs.outbox import _MARK_ENQUEUED  # noqa: E402
+from worker.jobs.sending import _MARK_ENQUEUED  # noqa: E402
 from worker.settings import Settings  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

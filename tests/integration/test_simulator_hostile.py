@@ -44,6 +44,14 @@ VALID: dict[str, dict[str, Any]] = {
         "tools": [{"name": "f", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "tool", "name": "f"},
     },
+    # tool_choice "any" makes the simulator pick a tool by its schema (the forced one above does not).
+    MESSAGES + "#any": {
+        "model": "simulator-1",
+        "max_tokens": 200,
+        "messages": USER,
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"facts": {}}}}],
+        "tool_choice": {"type": "any"},
+    },
     "/v1/messages/count_tokens": {"model": "simulator-1", "messages": USER},
     "/v1/embeddings": {"model": "simulator-1", "input": ["a", "b"]},
     "/v1/messages/batches": {"requests": [{"custom_id": "a", "params": {"model": "m", "max_tokens": 9}}]},
@@ -89,6 +97,16 @@ def _nested(depth: int) -> str:
             "tools.0.name",
         ),
         (MESSAGES, {**VALID[MESSAGES], "tools": ["f"]}, "tools.0.name"),
+        # A tool schema's properties as a number, the tool picked by its schema ("facts" in 5).
+        (
+            MESSAGES,
+            {
+                **VALID[MESSAGES],
+                "tools": [{"name": "f", "input_schema": {"properties": 5}}],
+                "tool_choice": {"type": "any"},
+            },
+            None,
+        ),
         # Ten million choices were built in memory (and answered) before; OpenAI's bound is 128.
         (CHAT, {**VALID[CHAT], "n": 10**7}, "at most 128"),
         (
@@ -97,7 +115,14 @@ def _nested(depth: int) -> str:
             "unique in the batch",
         ),
     ],
-    ids=["enum-object", "tool-name-list", "tool-not-object", "n-huge", "batch-duplicate-id"],
+    ids=[
+        "enum-object",
+        "tool-name-list",
+        "tool-not-object",
+        "properties-number",
+        "n-huge",
+        "batch-duplicate-id",
+    ],
 )
 def test_odd_shapes_are_refused_or_answered_never_a_500(
     http: httpx.Client, route: str, body: dict[str, Any], says: str | None
@@ -169,5 +194,5 @@ def test_a_valid_body_with_any_part_replaced_is_never_a_500(http: httpx.Client, 
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = data.draw(JSON_VALUES)
-    response = http.post(route, json=body)
+    response = http.post(route.partition("#")[0], json=body)
     assert response.status_code < 500, (route, body, response.text[:300])

@@ -164,7 +164,7 @@ def _unknown_compactions(session: Session, observations: Sequence[ObservationIn]
     found = session.scalars(
         select(Compaction.id)
         .where(Compaction.id == any_(bindparam("ids", sorted(ids), type_=ARRAY(BigInteger))))
-        .with_for_update(key_share=True)
+        .with_for_update(read=True, key_share=True)
     )
     return ids - set(found)
 

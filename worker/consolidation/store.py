@@ -211,7 +211,7 @@ def _hold_facts(session: Session, fact_ids: set[int]) -> set[int]:
         select(Fact.id)
         .where(Fact.id == any_(bindparam("ids", sorted(fact_ids), type_=ARRAY(BigInteger))))
         .order_by(Fact.id)
-        .with_for_update(key_share=True)
+        .with_for_update(read=True, key_share=True)
     )
     return set(session.scalars(held))
 

@@ -72,7 +72,7 @@ def enqueue(
     if tracing.enabled():
         with _database_may_fail("read the traceparents of the jobs to send"):
             parents = traceparents(factory, [job_id for job_id, _ in pending])
-    marked_at = time.monotonic()
+    marked_at, marking = time.monotonic(), True
     for index, (job_id, kind) in enumerate(pending):
         spec = get_kind(kind)
         try:
@@ -92,17 +92,24 @@ def enqueue(
             break
         sent.append(job_id)
         unmarked.append(job_id)
-        if time.monotonic() - marked_at >= MARK_EVERY_SECONDS:
-            _mark_enqueued(factory, unmarked)
+        if marking and time.monotonic() - marked_at >= MARK_EVERY_SECONDS:
+            # A database that failed once is not asked again in this loop: each try could wait out
+            # a connect timeout (a silent server), slice after slice.
+            marking = _mark_enqueued(factory, unmarked)
             unmarked, marked_at = [], time.monotonic()
-    _mark_enqueued(factory, unmarked)
+    if marking:
+        _mark_enqueued(factory, unmarked)
     return len(sent)
 
 
-def _mark_enqueued(factory: sessionmaker[Session], job_ids: list[int]) -> None:
-    if job_ids:
-        with _database_may_fail("mark the jobs just sent"), one_statement(factory) as session:
-            session.connection().execute(_MARK_ENQUEUED, {"ids": job_ids})
+def _mark_enqueued(factory: sessionmaker[Session], job_ids: list[int]) -> bool:
+    """Mark ``job_ids`` sent; False when the database failed (the sweeper sends them again)."""
+    if not job_ids:
+        return True
+    with _database_may_fail("mark the jobs just sent"), one_statement(factory) as session:
+        session.connection().execute(_MARK_ENQUEUED, {"ids": job_ids})
+        return True
+    return False
 
 
 @contextlib.contextmanager

@@ -199,7 +199,8 @@ def _pick_tool(body: Mapping[str, Any], reply: SimReply) -> Mapping[str, Any] | 
 
     def wants_facts(tool: Mapping[str, Any]) -> bool:
         schema = tool.get("input_schema")
-        return isinstance(schema, Mapping) and "facts" in (schema.get("properties") or {})
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        return isinstance(properties, Mapping) and "facts" in properties
 
     if choice_type == "tool":
         return next((t for t in tools if t["name"] == choice.get("name")), None)
