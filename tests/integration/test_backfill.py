@@ -633,6 +633,23 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
     assert BackfillStore(factory).in_flight_estimate() == 0
 
 
+def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(factory, rt, sim, monkeypatch):
+    """A send that kept failing (a retryable error) left its batch "submitting" with its estimate; once
+    the job failed nothing would collect it, and it held every other backfill under a day budget."""
+    seed_pages(factory, "bf", 2)
+
+    def fail(self: Any, requests: Any, key: str | None = None) -> str:
+        raise LLMError("HTTP 503: overloaded", retryable=True, status=503)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", fail)
+    _, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "retry"
+    assert BackfillStore(factory).in_flight_estimate() > 0, "the provider may hold it: counted"
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status="failed"))
+    assert BackfillStore(factory).in_flight_estimate() == 0
+
+
 @pytest.mark.parametrize("retryable", [False, True])
 def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collected(
     factory, rt, sim, monkeypatch, retryable

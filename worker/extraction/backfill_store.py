@@ -266,9 +266,14 @@ class BackfillStore:
 
     def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
         """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may
-        still cost."""
+        still cost. Not those of a backfill whose job failed: nothing will collect them, and counted for
+        good (a send that kept failing left its batch "submitting"), they held every other backfill's
+        batches waiting under a day budget."""
+        stranded = select(Backfill.id).join(Job, Job.id == Backfill.job_id).where(Job.status == "failed")
         query = select(func.coalesce(func.sum(BackfillBatch.estimated_cost_usd), 0)).where(
-            BackfillBatch.status.in_(("submitting", "submitted")), BackfillBatch.id != (but or 0)
+            BackfillBatch.status.in_(("submitting", "submitted")),
+            BackfillBatch.id != (but or 0),
+            BackfillBatch.backfill_id.not_in(stranded),
         )
         if backfill_id is not None:
             query = query.where(BackfillBatch.backfill_id == backfill_id)
