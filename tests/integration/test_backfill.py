@@ -9,7 +9,7 @@ import logging
 import time
 import typing
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -50,7 +50,7 @@ from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.jobs.outbox import resume_paused
 from worker.llm.anthropic_provider import AnthropicChatClient
-from worker.llm.batches import UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.batches import FIND_MARGIN, UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import Usage
@@ -1114,6 +1114,10 @@ def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
         assert client.find("fmmineb1n0") == mine
     else:  # Message Batches keep no metadata: while a batch runs, any of them may be it
         assert client.find("fmmineb1n0") is UNDETERMINED
+        # ...unless it was created well before the send began: any batch running in the workspace
+        # kept every lookup undecided (and each read the first result of every ended batch).
+        later = datetime.now(UTC) + FIND_MARGIN + timedelta(minutes=1)
+        assert client.find("fmmineb1n0", later) is None
     sim.end_batches()
     assert client.find("fmmineb1n0") == mine
     assert client.find("fmotherb1n0") == other

@@ -166,8 +166,15 @@ class BackfillPass:
         client = self.deps.client
         if self.held_elsewhere(batch):
             return False  # the batches after it wait too
+        if batch.since_failed_send is not None and batch.since_failed_send < RESEND_AFTER_SECONDS:
+            logger.info(
+                "backfill %s: batch %s is sent again %.0f s after its send failed",
+                self.backfill.id, batch.key, RESEND_AFTER_SECONDS - batch.since_failed_send,
+            )  # fmt: skip
+            self.troubled = True
+            return False  # the batches after it wait too (and it is looked up then, not each pass)
         if batch.status == "submitting":
-            found = client.find(batch.key)
+            found = client.find(batch.key, batch.submit_started_at)
             if found is UNDETERMINED:
                 logger.info(
                     "batch %s: the provider cannot tell yet whether it holds it; next pass", batch.key
@@ -177,13 +184,6 @@ class BackfillPass:
                 logger.info("batch %s was accepted before its sender died: %s", batch.key, found)
                 self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
                 return True
-        if batch.since_failed_send is not None and batch.since_failed_send < RESEND_AFTER_SECONDS:
-            logger.info(
-                "backfill %s: batch %s is sent again %.0f s after its send failed",
-                self.backfill.id, batch.key, RESEND_AFTER_SECONDS - batch.since_failed_send,
-            )  # fmt: skip
-            self.troubled = True
-            return False  # the batches after it wait too
         requests = self.requests_to_send(batch)
         if not requests:
             self.store.set_batch(batch.id, status="collected", provider_status="nothing to send")
@@ -242,7 +242,7 @@ class BackfillPass:
         if self.held_elsewhere(batch):
             return
         if batch.status == "submitting":
-            found = self.deps.client.find(batch.key)
+            found = self.deps.client.find(batch.key, batch.submit_started_at)
             if found is UNDETERMINED:
                 return
             if isinstance(found, str):

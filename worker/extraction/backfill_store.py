@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -68,6 +69,7 @@ class BatchRow:
     # Seconds since its send last failed (SEND_FAILED in provider_status); None: no send failed.
     since_failed_send: float | None = None
     provider: str = ""  # where it was (or is to be) sent
+    submit_started_at: datetime | None = None  # when its (last) send began
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ class BackfillStore:
                     BackfillBatch.provider_batch_id,
                     failed_ago,
                     BackfillBatch.provider,
+                    BackfillBatch.submit_started_at,
                 )
                 .where(BackfillBatch.backfill_id == backfill_id, BackfillBatch.status.in_(statuses))
                 .order_by(BackfillBatch.id)
@@ -260,6 +263,7 @@ class BackfillStore:
                 row.provider_batch_id,
                 None if row[4] is None else float(row[4]),
                 row.provider,
+                row.submit_started_at,
             )
             for row in rows
         ]

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -70,6 +71,9 @@ class Undetermined:
 UNDETERMINED = Undetermined()
 # How far back ``find`` looks through the provider's batch list (newest first).
 FIND_LIMIT = 1000
+# A batch created this long before its send began (or its last failed send, which moves that time on)
+# is not the one sought: clocks differ, and a create that timed out may have been made minutes before.
+FIND_MARGIN = timedelta(minutes=30)
 
 
 class BatchLLMClient(Protocol):
@@ -84,7 +88,11 @@ class BatchLLMClient(Protocol):
     model: str
 
     def submit(self, requests: Sequence[tuple[str, ChatRequest]], key: str | None = None) -> str: ...
-    def find(self, key: str) -> str | Undetermined | None: ...
+    def find(self, key: str, since: datetime | None = None) -> str | Undetermined | None:
+        """The provider's id of the batch sent under ``key`` (its send began at ``since``, if known), None
+        when it holds none, UNDETERMINED when it cannot tell yet."""
+        ...
+
     def status(self, batch_id: str) -> BatchStatus: ...
     def cancel(self, batch_id: str) -> None: ...
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]: ...
@@ -233,7 +241,7 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
                 "batch input file %s: its delete failed (%s); delete it at the provider", file_id, exc
             )
 
-    def find(self, key: str) -> str | Undetermined | None:
+    def find(self, key: str, since: datetime | None = None) -> str | Undetermined | None:
         """The batch whose metadata carries ``key`` (OpenAI keeps a batch's metadata)."""
         listed = _call(
             "list", lambda: list(islice(self._sdk.batches.list(limit=100), FIND_LIMIT)), self.policy
@@ -306,14 +314,19 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
         batch = _call("create", lambda: self._sdk.messages.batches.create(requests=entries), CREATE_ONCE)
         return batch.id
 
-    def find(self, key: str) -> str | Undetermined | None:
+    def find(self, key: str, since: datetime | None = None) -> str | Undetermined | None:
         """Message Batches keep no metadata: an ended batch is known by its results' custom ids (each
-        begins with ``key``); while any listed batch is still running, it may be the one."""
+        begins with ``key``); while any listed batch is still running, it may be the one. Only batches
+        created since the send began (``since``, less FIND_MARGIN) are looked at: any batch running in
+        the workspace (other backfills', other tools') kept the answer undecided, and every pass read
+        the first result of up to a thousand ended batches."""
         listed = _call(
             "list", lambda: list(islice(self._sdk.messages.batches.list(limit=100), FIND_LIMIT)), self.policy
         )
         running = False
         for batch in listed:
+            if since is not None and batch.created_at < since - FIND_MARGIN:
+                continue  # older than the send: not the one
             if batch.processing_status != "ended":
                 running = True
                 continue
