@@ -69,3 +69,19 @@ def test_an_upload_is_tried_once_and_named_by_its_batch_key() -> None:
     with pytest.raises(LLMError, match="timed out"):
         client(sdk).submit([("bf-7-1:seg-1", REQUEST)], key="bf-7-1")
     assert sdk.uploads == ["factmill-extraction-bf-7-1.jsonl"] and sdk.create_calls == 0
+
+
+def test_result_lines_are_read_chunk_by_chunk_and_end_at_newlines_only() -> None:
+    """A results file is streamed (read whole, a large batch's took the worker's memory on every retry);
+    a chunk may end inside a line or a character, and only b"\\n" ends a line (U+2028 is text)."""
+    from worker.llm.batches import jsonl_lines
+
+    text = '{"a": "x\u2028y"}\n\n{"b": "é\u0085"}\r\n{"c": 1}'.encode()
+    for size in (1, 2, 3, 7, len(text)):
+        chunks = [text[i : i + size] for i in range(0, len(text), size)]
+        assert list(jsonl_lines(chunks)) == [
+            (1, '{"a": "x\u2028y"}'),
+            (3, '{"b": "é\u0085"}\r'),
+            (4, '{"c": 1}'),
+        ]
+    assert list(jsonl_lines([])) == [] and list(jsonl_lines([b"\n \n"])) == []

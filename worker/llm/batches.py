@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -110,6 +110,23 @@ def _delete(what: str, fn: Callable[[], object], policy: RetryPolicy) -> None:
     except LLMError as exc:
         if exc.status != 404:
             raise
+
+
+def jsonl_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines of a JSON Lines stream, read chunk by chunk. Lines end
+    at b"\\n" only: a reply may hold U+2028 or U+0085 unescaped, where str.splitlines (and httpx's
+    iter_lines, which follows it) would cut its line in two and the paid result be lost."""
+    pending = b""
+    number = 0
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            number += 1
+            if line.strip():
+                yield number, line.decode("utf-8", "replace")
+    if pending.strip():
+        yield number + 1, pending.decode("utf-8", "replace")
 
 
 def _result_line(batch_id: str, number: int, text: str) -> Mapping[str, Any] | None:
@@ -260,17 +277,24 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
         _call("cancel", lambda: self._sdk.batches.cancel(batch_id), self.policy)
 
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
+        """The results of ``requests``, streamed line by line (a batch of 50,000 results is hundreds of
+        megabytes: read whole, as text, then split, a worker could run out of memory, and every retry
+        downloaded the same file and died again)."""
         batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
         items: dict[str, BatchItem] = {}
         for file_id in (batch.output_file_id, batch.error_file_id):
-            if not file_id:
-                continue
-            text = _call("download", functools.partial(self._download, file_id), self.policy)
-            # JSON Lines end at "\n" only: a reply may hold U+2028 or U+0085 unescaped, where
-            # str.splitlines would cut its line in two (and the paid result be lost).
-            for number, line in enumerate(text.split("\n"), start=1):
-                if line.strip():
-                    self._read_line(batch_id, number, line, items)
+            if file_id:
+                read = functools.partial(self._read_file, batch_id, file_id, requests)
+                items.update(_call("download", read, self.policy))
+        return items
+
+    def _read_file(
+        self, batch_id: str, file_id: str, requests: Mapping[str, ChatRequest]
+    ) -> dict[str, BatchItem]:
+        items: dict[str, BatchItem] = {}  # fresh on each try: a retry reads the file again
+        with self._sdk.files.with_streaming_response.content(file_id) as response:
+            for number, line in jsonl_lines(response.iter_bytes()):
+                self._read_line(batch_id, number, line, requests, items)
         return items
 
     def discard(self, batch_id: str) -> None:
@@ -279,10 +303,14 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             if file_id:
                 _delete("file delete", functools.partial(self._sdk.files.delete, file_id), self.policy)
 
-    def _download(self, file_id: str) -> str:
-        return self._sdk.files.content(file_id).text
-
-    def _read_line(self, batch_id: str, number: int, text: str, items: dict[str, BatchItem]) -> None:
+    def _read_line(
+        self,
+        batch_id: str,
+        number: int,
+        text: str,
+        requests: Mapping[str, ChatRequest],
+        items: dict[str, BatchItem],
+    ) -> None:
         line = _result_line(batch_id, number, text)
         if line is None:
             return
@@ -290,6 +318,8 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
         response = line.get("response")
         if not isinstance(custom_id, str) or not isinstance(response, Mapping):
             return  # never ran (batch_expired, batch_cancelled): no result, the segment waits for a rerun
+        if custom_id not in requests:
+            return  # committed by an earlier pass: nothing to keep of it
         body = response.get("body") or {}
         if response.get("status_code") == 200:
             # Per-request latency is not reported by the Batch API; the batch's turnaround is in the log.
@@ -355,34 +385,34 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
         _delete("delete", functools.partial(self._sdk.messages.batches.delete, batch_id), self.policy)
 
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
-        """The results read line by line from the raw JSONL (the SDK's own reader stopped at the first
-        line that was not JSON, and with it the whole collection)."""
-        items: dict[str, BatchItem] = {}
-        for entry in self._entries(batch_id):
-            request = requests.get(str(entry.get("custom_id")))
-            item = self._item(entry.get("result"), request) if request is not None else None
-            if item is not None:
-                items[str(entry["custom_id"])] = item
+        """The results of ``requests``, streamed line by line from the raw JSONL (the SDK's own reader
+        stopped at the first line that was not JSON, and with it the whole collection; read whole, a
+        large batch's results could take the worker's memory, on every retry)."""
+        return _call("download", functools.partial(self._read_results, batch_id, requests), self.policy)
+
+    def _read_results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]:
+        items: dict[str, BatchItem] = {}  # fresh on each try: a retry reads the results again
+        with self._sdk.messages.batches.with_streaming_response.results(batch_id) as response:
+            for number, line in jsonl_lines(response.iter_bytes()):
+                entry = _result_line(batch_id, number, line)
+                if entry is None:
+                    continue
+                custom_id = str(entry.get("custom_id"))
+                request = requests.get(custom_id)
+                item = self._item(entry.get("result"), request) if request is not None else None
+                if item is not None:
+                    items[custom_id] = item
         return items
 
     def _first_entry(self, batch_id: str) -> Mapping[str, Any] | None:
         """The first result line that is a JSON object, streamed: ``find`` looks at up to FIND_LIMIT
         batches, and downloading each one's whole results would read gigabytes."""
         with self._sdk.messages.batches.with_streaming_response.results(batch_id) as response:
-            for number, line in enumerate(response.iter_lines(), start=1):
-                entry = _result_line(batch_id, number, line) if line.strip() else None
+            for number, line in jsonl_lines(response.iter_bytes()):
+                entry = _result_line(batch_id, number, line)
                 if entry is not None:
                     return entry
         return None
-
-    def _entries(self, batch_id: str) -> list[Mapping[str, Any]]:
-        """The batch's result lines that are JSON objects (the others are warned about and skipped)."""
-        raw = self._sdk.messages.batches.with_raw_response
-        text = _call("download", lambda: raw.results(batch_id).text(), self.policy)
-        lines = (
-            _result_line(batch_id, n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()
-        )
-        return [line for line in lines if line is not None]
 
     def _item(self, result: object, request: ChatRequest) -> BatchItem | None:
         """One request's result; None when it never ran (expired, canceled): it waits for a rerun."""
