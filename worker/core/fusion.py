@@ -97,6 +97,23 @@ def segment_range(context: str) -> tuple[str | None, str | None]:
     return (match.group(1), match.group(2)) if match else (None, None)
 
 
+# Snippets score every line of a result's segment against every query and intent word, twice a result:
+# a 2,000-character query of 660 short words and a 500-character intent cost 1.2 s of CPU a request at
+# limit 100, after the search's own deadline. Past this many words, the first distinct ones are used
+# (the lexical search itself matches at most worker.core.lexing.MAX_LEX_UNITS).
+MAX_SNIPPET_TERMS = 32
+
+
+def bounded_terms(text: str | None) -> str | None:
+    """``text`` as it is, or, past MAX_SNIPPET_TERMS words, its first distinct ones (lowered)."""
+    if text is None:
+        return None
+    words = text.split()
+    if len(words) <= MAX_SNIPPET_TERMS:
+        return text
+    return " ".join(list(dict.fromkeys(word.lower() for word in words))[:MAX_SNIPPET_TERMS])
+
+
 def best_chunk(lines: Sequence[str], own: int, query: str, intent: str | None) -> int:
     """The line of a result's segment that best answers the query, intent-weighted (own line on ties)."""
     best, best_score = own, score_chunk(lines[own], query, intent)

@@ -42,6 +42,7 @@ from worker.core.fusion import (
     Fused,
     Hit,
     SearchLine,
+    bounded_terms,
     fuse,
     segment_range,
     segment_snippet,
@@ -347,6 +348,7 @@ def _build_results(
         return []
     lifecycle = Lifecycle(filters.include_history, filters.as_of)
     facts, neighbours = store.result_rows([entry.fact_id for entry in fused], lifecycle)
+    snippet_query, intent = bounded_terms(snippet_query) or "", bounded_terms(intent)
     results: list[SearchResult] = []
     for entry in fused:
         row = facts.get(entry.fact_id)
