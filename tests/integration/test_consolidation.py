@@ -1037,3 +1037,35 @@ def test_a_page_erased_mid_run_is_neither_sent_to_the_model_nor_linked_to(factor
     [porto] = facts["Alice Example lives in Porto now."]
     assert (porto.status, porto.superseded_by, porto.valid_to) == ("current", None, None)
     assert all(f.consolidated_at is not None for fs in facts.values() for f in fs), "all decided"
+
+
+def test_a_round_reads_whole_only_the_facts_it_decides(tx_factory, llm) -> None:
+    """Each round read every pending fact whole, vectors included (a backfill's 200,000 on one entity),
+    to decide the first 500: the pending facts are listed light, and the round's own read whole."""
+    from sqlalchemy import event
+
+    for month, city in (("07", "Braga"), ("01", "Lisbon"), ("05", "Faro"), ("03", "Porto")):
+        slug, body = lives(f"2026-{month}-05", city)
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    with tx_factory() as session:
+        bind = session.get_bind()
+    event.listen(bind, "before_cursor_execute", record)
+    try:
+        pending, batch, _ = store.entity_round("default", ALICE, 2)
+    finally:
+        event.remove(bind, "before_cursor_execute", record)
+    assert len(pending) == 4
+    assert [fact.text for fact in batch] == [
+        "Alice Example lives in Lisbon now.",
+        "Alice Example lives in Porto now.",
+    ]
+    whole = [s for s in statements if "array_send" in s]
+    assert any("ANY" in s for s in whole), "the round's facts are read whole by their ids"
+    assert not [s for s in whole if "consolidated_at IS NULL" in s], "no pending fact is read whole else"

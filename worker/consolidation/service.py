@@ -11,7 +11,7 @@ from typing import Any
 
 from worker.accounting import LLMCallRecord
 from worker.consolidation.store import ConsolidationStore
-from worker.core.consolidation import FactView, order_key
+from worker.core.consolidation import FactView
 from worker.core.consolidation_plan import (
     FactPlan,
     plan_consolidation,
@@ -97,7 +97,7 @@ class EntityRun:
 # round committed before the next is asked: a run of thousands asked every pair before committing one
 # decision, and a time limit, a budget pause or one unusable answer threw all of it away (and paid for it
 # again on every retry). A round's reopened restatements are decided again in a later round, once.
-MAX_FACTS_PER_ROUND = 500  # at most ~63 calls at risk; each round reads the entity again (see the note)
+MAX_FACTS_PER_ROUND = 500  # at most ~63 calls at risk; each round lists the pending facts again
 MAX_ROUNDS = 10_000  # a guard: every round commits its facts' decisions, so pending runs out well before
 
 
@@ -112,13 +112,12 @@ def consolidate_entity(
     reconsidered: set[int] = set()
     awaiting: set[int] = set()  # left to decide again, not counted yet
     for _ in range(MAX_ROUNDS):
-        pending, pool = store.entity_facts(run.source_id, run.entity_key)
-        closed = awaiting - {fact.id for fact in pending}  # a later fact of their round closed them
+        pending, batch, pool = store.entity_round(run.source_id, run.entity_key, MAX_FACTS_PER_ROUND)
+        closed = awaiting - pending  # a later fact of their round closed them
         counters.decisions["supersede"] = counters.decisions.get("supersede", 0) + len(closed)
         awaiting -= closed
         if not pending:
             break
-        batch = sorted(pending, key=order_key)[:MAX_FACTS_PER_ROUND]
         decided = {fact.id for fact in batch}
         considered |= decided
         again = _consolidate_round(store, llm, run, batch, pool, counters, final=reconsidered)

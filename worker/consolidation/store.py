@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import (
@@ -45,6 +44,7 @@ from worker.core.consolidation import (
     FactView,
     entity_key,
     entity_key_filter,
+    order_key,
     said_at,
 )
 from worker.core.consolidation_plan import Resolved, Row
@@ -76,6 +76,20 @@ _ENTITY_FACTS = (
 )
 
 
+# The pending facts listed light (no text, no vector), to pick a round's facts before reading them whole.
+_PENDING_LIST = (
+    select(Fact.id, Fact.kind, Fact.valid_from, Fact.context, Fact.created_at, Fact.embedding_model)
+    .where(~Fact.is_audit, Fact.consolidated_at.is_(None))
+    .order_by(Fact.id)
+)
+
+
+def _listed_order(row: Any) -> tuple[float, int]:
+    """A listed pending fact's place in order_key's order (when it became true, then arrival)."""
+    said = said_at(row.context, row.created_at)
+    return order_key(FactView(row.id, "", row.kind, row.valid_from, None, row.id, said))
+
+
 def _view(row: Any, model: str | None) -> FactView:
     """The rules' view of a fact row; its vector only when ``model`` (the pending facts' embedding
     model) made it, or either is unknown: vectors of two models are not comparable (after a change of
@@ -95,29 +109,44 @@ class ConsolidationStore:
 
     def entity_facts(self, source_id: str, entity_key: str) -> tuple[list[FactView], list[FactView]]:
         """(the entity's unconsolidated facts, to decide; its current facts of the same kinds, to decide
-        them against), each in arrival order, audit rows excluded. Other kinds are never compared, so
-        they are not read, and nothing is when nothing is pending. Streamed, each vector kept as an
-        array of doubles: as Python lists the vectors of a 50,000-fact entity took 414 MiB."""
+        them against), each in arrival order, audit rows excluded (``entity_round`` with no limit)."""
+        _, pending, pool = self.entity_round(source_id, entity_key, None)
+        return pending, pool
+
+    def entity_round(
+        self, source_id: str, entity_key: str, limit: int | None
+    ) -> tuple[set[int], list[FactView], list[FactView]]:
+        """(the ids of every unconsolidated fact of the entity; the first ``limit`` of them by when they
+        became true, to decide now (all, in arrival order, with no limit); the current facts of their
+        kinds, to decide them against). Other kinds are never compared, so they are not read, and
+        nothing is when nothing is pending. The pending facts are listed without their text and
+        vectors first: each round read every pending fact whole (a backfill's 200,000 on one entity,
+        vectors included) to decide 500 of them. Streamed, each vector kept as an array of doubles."""
         mine = _ENTITY_FACTS.where(Fact.source_id == source_id, _entity(entity_key))
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
-            # One read of the pending facts: their views, then the model most of them were embedded by
-            # (None: none was), and the vectors of another model left out.
-            seen = [
-                (_view(row, None), row.embedding_model)
-                for row in session.execute(mine.where(Fact.consolidated_at.is_(None)))
-            ]
-            if not seen:
-                return [], []
-            models = Counter(name for _, name in seen if name is not None)
+            listed = session.execute(
+                _PENDING_LIST.where(Fact.source_id == source_id, _entity(entity_key))
+            ).all()
+            if not listed:
+                return set(), [], []
+            # The model most of them were embedded by (None: none was): another model's vectors are
+            # left out of the comparisons.
+            models = Counter(row.embedding_model for row in listed if row.embedding_model is not None)
             model = models.most_common(1)[0][0] if models else None
-            pending = [v if name in (None, model) else replace(v, embedding=None) for v, name in seen]
+            chosen = listed if limit is None else sorted(listed, key=_listed_order)[:limit]
+            ids = bindparam("ids", [row.id for row in chosen], type_=ARRAY(BigInteger))
+            which = Fact.consolidated_at.is_(None) if limit is None else Fact.id == any_(ids)
+            pending = [_view(row, model) for row in session.execute(mine.where(which))]
+            if limit is not None:
+                pending.sort(key=order_key)
             decided = mine.where(
                 Fact.consolidated_at.is_not(None),
                 Fact.status == CURRENT,
-                Fact.kind.in_(sorted({fact.kind for fact in pending})),
+                Fact.kind.in_(sorted({row.kind for row in chosen})),
             )
-            return pending, [_view(row, model) for row in session.execute(decided)]
+            pool = [_view(row, model) for row in session.execute(decided)]
+            return {row.id for row in listed}, pending, pool
 
     def repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
