@@ -240,6 +240,21 @@ def test_a_backfill_extracts_every_page_once_through_batches_at_half_price(facto
     assert [b["status"] for b in report["batches"]] == ["collected"] * 3  # type: ignore[union-attr]
 
 
+def test_a_second_backfill_leaves_the_pages_a_first_still_extracts_to_it(factory, rt, sim):
+    """Two overlapping backfills (a source and a prefix of it, or one asked twice) each planned and
+    sent the same segments: paid twice, and the second to collect discarded its results."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    first, first_job = start(factory, "bf")
+    assert run_pass(rt, first_job).status == "paused" and sim.stats()["batches"]["created"] == 1
+    second, second_job = start(factory, "bf")
+    assert run_pass(rt, second_job).status == "succeeded", "nothing left for it to plan"
+    assert sim.stats()["batches"]["created"] == 1 and request_statuses(factory, second) == {}
+    sim.end_batches()
+    assert drive(rt, first_job).status == "succeeded"
+    assert request_statuses(factory, first) == {"done": 8}
+
+
 def test_selection_narrows_by_slug_prefix_and_caps_the_segments(factory, rt, sim):
     seed_pages(factory, "bf", 4)
     put_page(factory, "other/x", page_body("Zed", "Zeta"), title="chat: Zed", source_id="bf")

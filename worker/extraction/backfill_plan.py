@@ -45,21 +45,34 @@ class BackfillPlanner:
         self.client = client
         self.bounds = bounds
 
-    def plans(self, enough: Callable[[], bool] = lambda: False) -> Iterator[PagePlan]:
+    def plans(
+        self, enough: Callable[[], bool] = lambda: False, backfill_id: int | None = None
+    ) -> Iterator[PagePlan]:
         """The selected pages' plans, in slug order, one at a time (a plan holds its page's messages:
         the list of them all held a whole corpus's text at once, and a worker out of memory planned
-        again from scratch on every retry)."""
+        again from scratch on every retry). Not a page another backfill still has requests out for:
+        two overlapping backfills (a source and a prefix of it, a repeated request) paid for its
+        segments twice, and the second to collect discarded its results."""
+        taken = self.store.pages_in_flight(but=backfill_id or 0)
+        skipped = 0
         for ref in self.run.list_pages():
             if enough():  # asked before each page is read: the rest of the corpus is not loaded
-                return
+                break
             if self.selection.slug is not None and ref.slug != self.selection.slug:
                 continue
             if self.selection.slug_prefix and not ref.slug.startswith(self.selection.slug_prefix):
+                continue
+            if ref.page_id in taken:
+                skipped += 1
                 continue
             progress.mark()  # planning a large selection reaches no job check for a while: no stall
             plan = self.run.plan(ref)
             if plan is not None:
                 yield plan
+        if skipped:
+            logger.info(
+                "backfill %s: %d page(s) left to the other backfill extracting them", backfill_id, skipped
+            )
 
     def plan(self, backfill_id: int) -> None:
         """Store every batch and request of the backfill; pages are never split across two batches
@@ -72,7 +85,7 @@ class BackfillPlanner:
         total = 0
         # Counted by what is planned: a page left for another run takes none of it. The check reads
         # ``total`` as it stands when the next page is about to be read (late binding is the point).
-        for plan in self.plans(lambda: limit is not None and total >= limit):  # noqa: B023
+        for plan in self.plans(lambda: limit is not None and total >= limit, backfill_id):  # noqa: B023
             room = self.bounds.max_requests if limit is None else min(self.bounds.max_requests, limit - total)
             requests, size = self.page_requests(plan, room, overhead, backfill_id)
             full = len(batches[-1]) + len(requests) > self.bounds.max_requests

@@ -284,6 +284,22 @@ class BackfillStore:
         with read_only(self._factory) as session:
             return Decimal(session.scalar(query) or 0)
 
+    def pages_in_flight(self, but: int) -> set[int]:
+        """The pages another unfinished backfill (not ``but``) still has pending requests for."""
+        query = (
+            select(BackfillRequest.page_id)
+            .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
+            .join(Backfill, Backfill.id == BackfillBatch.backfill_id)
+            .where(
+                BackfillRequest.status == "pending",
+                BackfillBatch.backfill_id != but,
+                Backfill.status.not_in(("done", "cancelled")),
+            )
+            .distinct()
+        )
+        with read_only(self._factory) as session:
+            return set(session.scalars(query))
+
     def pending_requests(self, batch_id: int) -> list[RequestRow]:
         """The batch's requests still waiting for a result, in page order (slug, then segment)."""
         with read_only(self._factory) as session:
