@@ -648,6 +648,37 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
     assert BackfillStore(factory).in_flight_estimate() == 0
 
 
+def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(factory, rt, sim, monkeypatch):
+    """Another run recorded the batch's send while this one (its lease lapsed during a long upload) sent
+    it too: this run's id overwrote the first, which was never polled nor collected, nor deleted."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    real_submit = OpenAIBatchClient.submit
+    firsts: list[str] = []
+
+    def raced(self: Any, requests: Any, key: str | None = None) -> str:
+        first = real_submit(self, requests, key=key)  # the other run's send, recorded by it meanwhile
+        firsts.append(first)
+        with factory.begin() as session:
+            session.execute(
+                update(BackfillBatch)
+                .where(BackfillBatch.key == key)
+                .values(status="submitted", provider_batch_id=first)
+            )
+        return real_submit(self, requests, key=key)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", raced)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory() as session:
+        [kept] = session.scalars(select(BackfillBatch.provider_batch_id)).all()
+        owed = session.scalars(select(ProviderCopy.batch_id)).all()
+    assert [kept] == firsts and len(owed) == 1 and owed[0] != kept, "the second copy is owed its delete"
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
 def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(factory, rt, sim, monkeypatch):
     """A send that kept failing (a retryable error) left its batch "submitting" with its estimate; once
     the job failed nothing would collect it, and it held every other backfill under a day budget."""

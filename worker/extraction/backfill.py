@@ -212,9 +212,26 @@ class BackfillPass:
                 failed |= {"status": "planned", "estimated_cost_usd": None}
             self.store.set_batch(batch.id, **failed)
             raise
-        self.store.set_batch(batch.id, status="submitted", provider_batch_id=provider_id)
+        if not self.store.record_sent(batch.id, provider_id):
+            self.second_copy(batch, provider_id)
+            return True
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
         return True
+
+    def second_copy(self, batch: BatchRow, provider_id: str) -> None:
+        """Another run recorded this batch's send while this one sent it (this run's lease lapsed during
+        a long upload): the copy sent here is a second one. It is cancelled, and its delete owed (the poll
+        deletes it once it ends); overwritten, the first copy was never polled nor collected."""
+        logger.warning(
+            "backfill %s: batch %s was sent by another run meanwhile; cancelling this run's copy %s",
+            self.backfill.id, batch.key, provider_id,
+        )  # fmt: skip
+        try:
+            self.deps.client.cancel(provider_id)
+        except LLMError as exc:
+            logger.warning("cancelling the second copy %s failed (%s)", provider_id, exc)
+        copies = ProviderCopies(self.deps.factory)
+        copies.owe(self.deps.client.provider, provider_id, "a second copy of a batch sent by another run")
 
     def within_budget(self, batch: BatchRow, estimate: Decimal) -> bool:
         """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is

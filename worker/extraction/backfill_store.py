@@ -338,6 +338,24 @@ class BackfillStore:
                 .values(status=status, updated_at=func.now())
             )
 
+    def record_sent(self, batch_id: int, provider_batch_id: str) -> bool:
+        """Record the provider's id of a batch this run sent; False (nothing written) when another run
+        recorded one first."""
+        with self._factory.begin() as session:
+            return (
+                session.execute(
+                    update(BackfillBatch)
+                    .where(
+                        BackfillBatch.id == batch_id,
+                        BackfillBatch.status == "submitting",
+                        BackfillBatch.provider_batch_id.is_(None),
+                    )
+                    .values(status="submitted", provider_batch_id=provider_batch_id, submitted_at=func.now())
+                    .returning(BackfillBatch.id)
+                ).first()
+                is not None
+            )
+
     def set_batch(self, batch_id: int, **values: Any) -> None:
         """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once."""
         timestamps = {
