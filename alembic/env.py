@@ -69,6 +69,11 @@ def run_migrations_online() -> None:
         # ran the same migrations and failed on a duplicate table, "rolled back", exit 1. A session lock,
         # held across the migrations' own transactions (and let go with the connection).
         connection.execute(text("SELECT pg_advisory_lock(:id)"), {"id": MIGRATIONS_LOCK_ID})
+        # Then each migration waits at most this long for a table's lock (worker.db.upgrade says why,
+        # and tries again): for the session, so every migration's transaction has it.
+        lock_timeout_ms = int(config.attributes.get("lock_timeout_ms") or 0)
+        if lock_timeout_ms:
+            connection.execute(text(f"SET lock_timeout = {lock_timeout_ms}"))
         connection.commit()
         # Each migration commits on its own: in one transaction, the first one's locks (an ALTER of
         # llm_calls, which every segment commit writes) were held until the last one (an index over

@@ -250,14 +250,49 @@ def alembic_config(url: str):  # type: ignore[no-untyped-def]
 OnStep = Callable[[str, float, str], None]
 
 
-def upgrade(url: str, revision: str = "head", on_step: OnStep | None = None) -> None:
+# A migration waits at most this long for a table's lock (a long query or transaction of the running
+# service holds it): while it waited, its ALTER queued every new query of that table behind it, and the
+# service stalled with it. It gives up, and the upgrade goes on again from it (the migrations before it
+# are committed) a few times, MIGRATION_LOCK_WAIT_SECONDS apart.
+MIGRATION_LOCK_TIMEOUT_SECONDS = 5.0
+MIGRATION_LOCK_TRIES = 12
+MIGRATION_LOCK_WAIT_SECONDS = 5.0
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def upgrade(
+    url: str,
+    revision: str = "head",
+    on_step: OnStep | None = None,
+    *,
+    lock_timeout: float = MIGRATION_LOCK_TIMEOUT_SECONDS,
+    tries: int = MIGRATION_LOCK_TRIES,
+    wait: float = MIGRATION_LOCK_WAIT_SECONDS,
+) -> None:
     """Build or update the schema with the migrations (never create_all); ``on_step`` hears of each
-    one as it finishes (each commits on its own: alembic/env.py)."""
+    one as it finishes (each commits on its own: alembic/env.py). A migration that cannot take its
+    lock within ``lock_timeout`` seconds is tried again, up to ``tries`` times in all."""
     from alembic import command
 
     config = alembic_config(url)
     config.attributes["on_step"] = on_step
-    command.upgrade(config, revision)
+    config.attributes["lock_timeout_ms"] = max(1, round(lock_timeout * 1000))
+    for attempt in range(1, tries + 1):
+        try:
+            command.upgrade(config, revision)
+            return
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE or attempt == tries:
+                raise
+            logger.warning(
+                "a migration waited %g s for a lock the running service holds; trying again in %g s "
+                "(%d of %d)",
+                lock_timeout,
+                wait,
+                attempt,
+                tries,
+            )
+            time.sleep(wait)
 
 
 def pending_revisions(url: str, revision: str = "head") -> list[str]:

@@ -445,3 +445,43 @@ def test_checks_and_index_definitions_match_models(server_url: str) -> None:
                 conn.execute(text("DROP TABLE scratch"))
         engine.dispose()
     assert checked["checks"] > 10 and checked["indexes"] > 10, checked
+
+
+def test_a_migration_gives_up_a_lock_the_service_holds_and_tries_again(
+    server_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long transaction of the running service held jobs: 0035's ALTER waited for it, and every new
+    query of jobs (claims, the sweeper, the API's job reads) queued behind the ALTER for as long. Now it
+    waits at most its lock_timeout, and the upgrade goes on again from it until the lock comes free."""
+    import logging
+    import threading
+
+    with fresh_database(server_url, "locktimeout") as url:
+        db.upgrade(url, "0034")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        holder = engine.connect()
+        holder.execute(text("LOCK TABLE jobs IN ACCESS SHARE MODE"))  # a long read of jobs, in flight
+        errors: list[BaseException] = []
+
+        def migrate() -> None:
+            try:
+                db.upgrade(url, lock_timeout=0.2, tries=200, wait=0.05)
+            except BaseException as exc:
+                errors.append(exc)
+
+        with caplog.at_level(logging.WARNING, logger="worker.db"):
+            upgrading = threading.Thread(target=migrate)
+            upgrading.start()
+            for _ in range(400):
+                if "waited 0.2 s for a lock" in caplog.text:
+                    break
+                threading.Event().wait(0.05)
+            assert "waited 0.2 s for a lock" in caplog.text, "it never gave the lock up"
+            with engine.connect() as reader:  # a new query of jobs is not stuck behind the ALTER
+                reader.execute(text("SET lock_timeout = '2s'"))
+                assert reader.execute(text("SELECT count(*) FROM jobs")).scalar() == 0
+            holder.rollback()
+            holder.close()
+            upgrading.join(timeout=60)
+        engine.dispose()
+        assert not errors and db.pending_revisions(url) == [], errors
