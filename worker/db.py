@@ -257,7 +257,6 @@ OnStep = Callable[[str, float, str], None]
 MIGRATION_LOCK_TIMEOUT_SECONDS = 5.0
 MIGRATION_LOCK_TRIES = 12
 MIGRATION_LOCK_WAIT_SECONDS = 5.0
-_LOCK_NOT_AVAILABLE = "55P03"
 
 
 def upgrade(
@@ -282,7 +281,7 @@ def upgrade(
             command.upgrade(config, revision)
             return
         except OperationalError as exc:
-            if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE or attempt == tries:
+            if not lock_timed_out(exc) or attempt == tries:
                 raise
             logger.warning(
                 "a migration waited %g s for a lock the running service holds; trying again in %g s "

@@ -694,6 +694,9 @@ def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(fa
     with factory.begin() as session:
         session.execute(update(Job).where(Job.id == job_id).values(status="failed"))
     assert BackfillStore(factory).in_flight_estimate() == 0
+    with factory.begin() as session:  # a batch the provider got runs and is billed: still counted
+        session.execute(update(BackfillBatch).values(status="submitted", provider_batch_id="sim-batch_sent"))
+    assert BackfillStore(factory).in_flight_estimate() > 0
 
 
 @pytest.mark.parametrize("retryable", [False, True])

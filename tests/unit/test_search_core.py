@@ -147,6 +147,10 @@ def test_snippet_terms_are_bounded_for_long_queries_only() -> None:
 
     assert bounded_terms(None) is None
     assert bounded_terms("Where does Alice work alice") == "Where does Alice work alice"  # as it was
-    long = " ".join(["Alice", "alice", *(f"w{i}" for i in range(100))])
+    long = " ".join(["Alice", "alice,", *(f"w{i}" for i in range(100))])
     bounded = (bounded_terms(long) or "").split()
     assert len(bounded) == MAX_SNIPPET_TERMS and bounded[:3] == ["alice", "w0", "w1"]
+    # Short words and stop words do not take the places of the words that find the line.
+    question = "so where is it that the one we met at the fair in the old town of the city by the sea " * 2
+    found = bounded_terms(question + "is living these days, Lisbon or Porto?") or ""
+    assert "lisbon" in found.split() and "porto" in found.split() and "the" not in found.split()

@@ -9,12 +9,11 @@ from typing import Generic, TypeVar
 
 from prometheus_client.core import Metric
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import one_snapshot
 from worker.api.errors import one_line
-from worker.db import statement_timed_out
+from worker.db import database_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class ScrapeTimeCollector(Generic[R]):
                 rows = self.read(session)
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
-            if isinstance(exc, OperationalError) and not statement_timed_out(exc):
+            if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
                 _outages[self.factory] = time.monotonic()
             return self.unreadable()
         return self.metrics(rows)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from worker.core.intent import SearchType, SnippetResult, extract_snippet, score_chunk
+from worker.core.intent import SearchType, SnippetResult, extract_intent_terms, extract_snippet, score_chunk
 
 __all__ = [
     "EXPANSION_LINE_WEIGHT",
@@ -99,19 +99,17 @@ def segment_range(context: str) -> tuple[str | None, str | None]:
 
 # Snippets score every line of a result's segment against every query and intent word, twice a result:
 # a 2,000-character query of 660 short words and a 500-character intent cost 1.2 s of CPU a request at
-# limit 100, after the search's own deadline. Past this many words, the first distinct ones are used
-# (the lexical search itself matches at most worker.core.lexing.MAX_LEX_UNITS).
+# limit 100, after the search's own deadline. Past this many words, the first distinct content words
+# are used (as an intent's are read: lowered, punctuation stripped from their ends, stop words dropped;
+# short words and stop words took the places of the words that find the line).
 MAX_SNIPPET_TERMS = 32
 
 
 def bounded_terms(text: str | None) -> str | None:
-    """``text`` as it is, or, past MAX_SNIPPET_TERMS words, its first distinct ones (lowered)."""
-    if text is None:
-        return None
-    words = text.split()
-    if len(words) <= MAX_SNIPPET_TERMS:
+    """``text`` as it is, or, past MAX_SNIPPET_TERMS words, its first distinct content words."""
+    if text is None or len(text.split()) <= MAX_SNIPPET_TERMS:
         return text
-    return " ".join(list(dict.fromkeys(word.lower() for word in words))[:MAX_SNIPPET_TERMS])
+    return " ".join(list(dict.fromkeys(extract_intent_terms(text)))[:MAX_SNIPPET_TERMS])
 
 
 def best_chunk(lines: Sequence[str], own: int, query: str, intent: str | None) -> int:

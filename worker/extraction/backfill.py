@@ -444,7 +444,8 @@ class BackfillPass:
             return False
         why = f"held at {batch.provider}: configure that provider again to collect it"
         logger.warning("backfill %s: batch %s is %s", self.backfill.id, batch.key, why)
-        self.store.set_batch(batch.id, provider_status=why)
+        if batch.since_failed_send is None:  # a failed send's marker times its resend: kept
+            self.store.set_batch(batch.id, provider_status=why)
         self.troubled = True
         return True
 

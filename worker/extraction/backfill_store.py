@@ -8,7 +8,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
@@ -270,14 +270,21 @@ class BackfillStore:
 
     def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
         """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may
-        still cost. Not those of a backfill whose job failed: nothing will collect them, and counted for
-        good (a send that kept failing left its batch "submitting"), they held every other backfill's
-        batches waiting under a day budget."""
-        stranded = select(Backfill.id).join(Job, Job.id == Backfill.job_id).where(Job.status == "failed")
+        still cost. Not a batch whose send kept failing when its backfill's job then failed: nothing will
+        send it again, and counted for good (left "submitting"), it held every other backfill's batches
+        waiting under a day budget."""
+        failed_jobs = select(Backfill.id).join(Job, Job.id == Backfill.job_id).where(Job.status == "failed")
+        # A sent batch stays counted (the provider runs it and bills it, collected or not).
+        stranded = and_(
+            BackfillBatch.status == "submitting",
+            BackfillBatch.provider_batch_id.is_(None),
+            BackfillBatch.provider_status.startswith(SEND_FAILED),
+            BackfillBatch.backfill_id.in_(failed_jobs),
+        )
         query = select(func.coalesce(func.sum(BackfillBatch.estimated_cost_usd), 0)).where(
             BackfillBatch.status.in_(("submitting", "submitted")),
             BackfillBatch.id != (but or 0),
-            BackfillBatch.backfill_id.not_in(stranded),
+            ~stranded,
         )
         if backfill_id is not None:
             query = query.where(BackfillBatch.backfill_id == backfill_id)
