@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -26,6 +27,8 @@ from worker.settings import Settings
 
 MAX_REMEMBERED_KEYS = 64
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # Per-app context.
@@ -161,19 +164,7 @@ def check_signature_header(
     ctx: ApiContext, signature: str | None, method: str, path: str, idempotency_key: str | None
 ) -> None:
     """The body-free part of ``verify_signature`` (401 with the reason), run before the body is read."""
-    settings = ctx.settings
-    try:
-        check_header(
-            signature,
-            settings.webhook_tolerance_seconds,
-            method=method,
-            path=path,
-            idempotency_key=idempotency_key,
-            accept_v2=settings.accept_v2_signatures,
-            accept_v1=settings.accept_v1_signatures,
-        )
-    except SignatureError as exc:
-        raise ApiError(401, exc.reason) from None
+    _signature_checked(ctx, check_header, (signature,), method, path, idempotency_key)
 
 
 def verify_signature(
@@ -187,12 +178,23 @@ def verify_signature(
     """The webhook signature check every signed route runs first: 401 with the reason; returns the
     signed timestamp. With ``method`` and ``path`` the signature must be v3 (bound to them and to
     ``idempotency_key``), or v2 / v1 while FACTMILL_ACCEPT_V2_SIGNATURES / _V1_ are on."""
+    secrets = ctx.settings.webhook_secrets()
+    return _signature_checked(ctx, verify, (signature, body, secrets), method, path, idempotency_key)
+
+
+def _signature_checked(
+    ctx: ApiContext,
+    check: Callable[..., T],
+    leading: tuple[Any, ...],
+    method: str | None,
+    path: str | None,
+    idempotency_key: str | None,
+) -> T:
+    """``check`` (the header's check, or the whole one) under the deployment's rules; 401 when it fails."""
     settings = ctx.settings
     try:
-        return verify(
-            signature,
-            body,
-            settings.webhook_secrets(),
+        return check(
+            *leading,
             settings.webhook_tolerance_seconds,
             method=method,
             path=path,
