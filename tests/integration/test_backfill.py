@@ -631,15 +631,20 @@ def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):
     assert sim.stats()["batches"]["created"] == 4 and request_statuses(factory, backfill_id) == {"done": 16}
 
 
+def sends_fail(monkeypatch: pytest.MonkeyPatch, error: LLMError) -> None:
+    """Every batch create fails with ``error`` (a provider refusing or failing the upload)."""
+
+    def fail(self: Any, requests: Any, key: str | None = None) -> str:
+        raise error
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", fail)
+
+
 def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim, monkeypatch):
     """A create refused outright (a 400 or 413) left the batch "submitting" with its estimate, counted
     against every backfill's day budget for good, though the provider held nothing."""
     seed_pages(factory, "bf", 2)
-
-    def refuse(self: Any, requests: Any, key: str | None = None) -> str:
-        raise LLMError("HTTP 413: the batch file is too large", retryable=False, status=413)
-
-    monkeypatch.setattr(OpenAIBatchClient, "submit", refuse)
+    sends_fail(monkeypatch, LLMError("HTTP 413: the batch file is too large", retryable=False, status=413))
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "retry"
     with factory() as session:
@@ -683,11 +688,7 @@ def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(fa
     """A send that kept failing (a retryable error) left its batch "submitting" with its estimate; once
     the job failed nothing would collect it, and it held every other backfill under a day budget."""
     seed_pages(factory, "bf", 2)
-
-    def fail(self: Any, requests: Any, key: str | None = None) -> str:
-        raise LLMError("HTTP 503: overloaded", retryable=True, status=503)
-
-    monkeypatch.setattr(OpenAIBatchClient, "submit", fail)
+    sends_fail(monkeypatch, LLMError("HTTP 503: overloaded", retryable=True, status=503))
     _, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "retry"
     assert BackfillStore(factory).in_flight_estimate() > 0, "the provider may hold it: counted"
