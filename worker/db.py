@@ -276,6 +276,7 @@ def upgrade(
     config = alembic_config(url)
     config.attributes["on_step"] = on_step
     config.attributes["lock_timeout_ms"] = max(1, round(lock_timeout * 1000))
+    tries = max(1, tries)
     for attempt in range(1, tries + 1):
         try:
             command.upgrade(config, revision)

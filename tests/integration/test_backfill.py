@@ -18,7 +18,17 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Backfill, BackfillBatch, BackfillRequest, ExtractionAudit, Fact, Job, LLMCall, ProviderCopy
+from models import (
+    Backfill,
+    BackfillBatch,
+    BackfillRequest,
+    ExtractionAudit,
+    Fact,
+    Job,
+    LLMCall,
+    Page,
+    ProviderCopy,
+)
 from models.backfill import BACKFILL_STATUSES
 from tests.auth import send_key
 from tests.cli import invoke_cli
@@ -253,6 +263,43 @@ def test_a_second_backfill_leaves_the_pages_a_first_still_extracts_to_it(factory
     sim.end_batches()
     assert drive(rt, first_job).status == "succeeded"
     assert request_statuses(factory, first) == {"done": 8}
+
+
+def test_two_backfills_planned_at_once_store_each_page_once(factory, rt, sim):
+    """Each read the pages in flight before its planning, which can run for minutes: two planned at
+    once both saw none, and both stored every page. The store checks again, one plan at a time."""
+    from worker.extraction.backfill_store import BackfillStore as Store
+    from worker.extraction.backfill_store import PlannedBatch, PlannedRequest
+
+    [slug] = seed_pages(factory, "bf", 1)
+    with factory() as session:
+        page_id = session.scalars(select(Page.id).where(Page.slug == slug)).one()
+    first, _ = start(factory, "bf")
+    second, _ = start(factory, "bf")
+
+    def plan(key: str) -> list[PlannedBatch]:
+        requests = [PlannedRequest(f"{key}-p{page_id}-m{m}", page_id, slug, m, "h") for m in (2, 4)]
+        return [PlannedBatch(key, "simulator", "simulator-1", requests)]
+
+    store = Store(factory)
+    store.store_plan(first, plan("fmfirst"))
+    store.store_plan(second, plan("fmsecond"))  # planned beside the first, stored after it
+    assert request_statuses(factory, first) == {"pending": 2}
+    assert request_statuses(factory, second) == {}
+
+
+def test_a_backfill_whose_job_failed_holds_no_page_from_the_next(factory, rt, sim):
+    """Its pending requests held their pages from every later backfill, for good once its job was gone."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    _, first_job = start(factory, "bf")
+    assert run_pass(rt, first_job).status == "paused"
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == first_job).values(status="failed"))
+    second, second_job = start(factory, "bf")
+    assert run_pass(rt, second_job).status == "paused"
+    assert request_statuses(factory, second) == {"pending": 8}
+    sim.end_batches()
 
 
 def test_selection_narrows_by_slug_prefix_and_caps_the_segments(factory, rt, sim):
@@ -651,6 +698,33 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
     assert (batch.status, batch.estimated_cost_usd) == ("planned", None)
     assert BackfillStore(factory).in_flight_estimate() == 0
+
+
+def test_a_copy_another_run_found_and_recorded_is_this_run_s_own(factory, rt, sim, monkeypatch):
+    """Another run looked the batch up while this one sent it, found this run's copy and recorded it:
+    this run took it for a second copy, cancelled it and owed its delete, though it was the only one."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    real_submit = OpenAIBatchClient.submit
+
+    def found_by_another_run(self: Any, requests: Any, key: str | None = None) -> str:
+        sent = real_submit(self, requests, key=key)
+        with factory.begin() as session:
+            session.execute(
+                update(BackfillBatch)
+                .where(BackfillBatch.key == key)
+                .values(status="submitted", provider_batch_id=sent)
+            )
+        return sent
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", found_by_another_run)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory() as session:
+        assert session.scalars(select(ProviderCopy.batch_id)).all() == [], "nothing to delete: it is the one"
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
 def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(factory, rt, sim, monkeypatch):

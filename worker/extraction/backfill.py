@@ -182,7 +182,8 @@ class BackfillPass:
                 return True
             if isinstance(found, str):
                 logger.info("batch %s was accepted before its sender died: %s", batch.key, found)
-                self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
+                if not self.store.record_sent(batch.id, found):
+                    self.second_copy(batch, found)
                 return True
         requests = self.requests_to_send(batch)
         if not requests:
@@ -193,14 +194,18 @@ class BackfillPass:
         if not self.within_budget(batch, estimate):
             return False
         self.deps.guard()
-        # Committed before the provider hears of it; counted against the budgets until collected.
-        self.store.set_batch(
+        # Committed before the provider hears of it; counted against the budgets until collected. Not
+        # when another run recorded its send meanwhile (it is sent: this run has nothing to do).
+        began = self.store.set_batch(
             batch.id,
+            unsent_only=True,
             status="submitting",
             estimated_cost_usd=estimate,
             provider=client.provider,  # where it goes: planned under another, it was never sent
             model=client.model,
         )
+        if not began:
+            return True
         try:
             provider_id = client.submit(list(requests.items()), key=batch.key)
         except LLMError as exc:
@@ -210,7 +215,7 @@ class BackfillPass:
                 # Left "submitting", its estimate counted in flight for good (other backfills' batches
                 # waited on it under a day budget) though no batch held it.
                 failed |= {"status": "planned", "estimated_cost_usd": None}
-            self.store.set_batch(batch.id, **failed)
+            self.store.set_batch(batch.id, unsent_only=True, **failed)
             raise
         if not self.store.record_sent(batch.id, provider_id):
             self.second_copy(batch, provider_id)
@@ -226,12 +231,13 @@ class BackfillPass:
             "backfill %s: batch %s was sent by another run meanwhile; cancelling this run's copy %s",
             self.backfill.id, batch.key, provider_id,
         )  # fmt: skip
+        # Owed first: a worker that dies in the cancel leaves it on record, to be deleted once it ends.
+        copies = ProviderCopies(self.deps.factory)
+        copies.owe(self.deps.client.provider, provider_id, "a second copy of a batch sent by another run")
         try:
             self.deps.client.cancel(provider_id)
         except LLMError as exc:
             logger.warning("cancelling the second copy %s failed (%s)", provider_id, exc)
-        copies = ProviderCopies(self.deps.factory)
-        copies.owe(self.deps.client.provider, provider_id, "a second copy of a batch sent by another run")
 
     def within_budget(self, batch: BatchRow, estimate: Decimal) -> bool:
         """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is
@@ -263,7 +269,9 @@ class BackfillPass:
             if found is UNDETERMINED:
                 return
             if isinstance(found, str):
-                self.store.set_batch(batch.id, status="submitted", provider_batch_id=found)
+                if not self.store.record_sent(batch.id, found):
+                    self.second_copy(batch, found)
+                    return
                 batch = replace(batch, status="submitted", provider_batch_id=found)
         if batch.provider_batch_id is None:
             self.store.set_batch(batch.id, status="cancelled")

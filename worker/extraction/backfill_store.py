@@ -8,7 +8,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, case, func, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
@@ -81,6 +81,15 @@ class RequestRow:
     end_message: int
     segment_hash: str
     status: str
+
+
+# Backfills with no job to run them: it failed, or job retention deleted it.
+_JOBLESS_BACKFILLS = (
+    select(Backfill.id)
+    .outerjoin(Job, Job.id == Backfill.job_id)
+    .where(or_(Backfill.job_id.is_(None), Job.status == "failed"))
+)
+PLANS_LOCK_ID = 0x464D_504C_414E  # "FMPLAN": one backfill's plan stored at a time
 
 
 def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
@@ -209,12 +218,19 @@ class BackfillStore:
             return session.get(Backfill, backfill_id)
 
     def store_plan(self, backfill_id: int, batches: Sequence[PlannedBatch]) -> None:
-        """Every batch and request of the backfill, in one transaction, before anything is sent."""
+        """Every batch and request of the backfill, in one transaction, before anything is sent; not a
+        page another backfill stored requests for since this one began to plan (two planned at once)."""
         with self._factory.begin() as session:
             backfill = session.get(Backfill, backfill_id, with_for_update=True)
             if backfill is None or backfill.status != "planning":
                 return  # planned already (a run that died after this commit)
+            session.execute(select(func.pg_advisory_xact_lock(PLANS_LOCK_ID)))  # one plan stored at a time
+            taken = self.pages_in_flight(but=backfill_id, session=session)
             for planned in batches:
+                kept = [r for r in planned.requests if r.page_id not in taken]
+                if not kept:
+                    continue
+                planned = replace(planned, requests=kept)
                 batch = BackfillBatch(
                     backfill_id=backfill_id, key=planned.key, provider=planned.provider, model=planned.model
                 )
@@ -273,13 +289,12 @@ class BackfillStore:
         still cost. Not a batch whose send kept failing when its backfill's job then failed: nothing will
         send it again, and counted for good (left "submitting"), it held every other backfill's batches
         waiting under a day budget."""
-        failed_jobs = select(Backfill.id).join(Job, Job.id == Backfill.job_id).where(Job.status == "failed")
         # A sent batch stays counted (the provider runs it and bills it, collected or not).
         stranded = and_(
             BackfillBatch.status == "submitting",
             BackfillBatch.provider_batch_id.is_(None),
-            BackfillBatch.provider_status.startswith(SEND_FAILED),
-            BackfillBatch.backfill_id.in_(failed_jobs),
+            func.coalesce(BackfillBatch.provider_status, "").startswith(SEND_FAILED),
+            BackfillBatch.backfill_id.in_(_JOBLESS_BACKFILLS),
         )
         query = select(func.coalesce(func.sum(BackfillBatch.estimated_cost_usd), 0)).where(
             BackfillBatch.status.in_(("submitting", "submitted")),
@@ -291,8 +306,9 @@ class BackfillStore:
         with read_only(self._factory) as session:
             return Decimal(session.scalar(query) or 0)
 
-    def pages_in_flight(self, but: int) -> set[int]:
-        """The pages another unfinished backfill (not ``but``) still has pending requests for."""
+    def pages_in_flight(self, but: int, session: Session | None = None) -> set[int]:
+        """The pages another unfinished backfill (not ``but``) still has pending requests for; not one
+        whose job failed or is gone (nothing runs it: its pages would be held from every later one)."""
         query = (
             select(BackfillRequest.page_id)
             .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
@@ -301,11 +317,14 @@ class BackfillStore:
                 BackfillRequest.status == "pending",
                 BackfillBatch.backfill_id != but,
                 Backfill.status.not_in(("done", "cancelled")),
+                Backfill.id.not_in(_JOBLESS_BACKFILLS),
             )
             .distinct()
         )
-        with read_only(self._factory) as session:
+        if session is not None:
             return set(session.scalars(query))
+        with read_only(self._factory) as reading:
+            return set(reading.scalars(query))
 
     def pending_requests(self, batch_id: int) -> list[RequestRow]:
         """The batch's requests still waiting for a result, in page order (slug, then segment)."""
@@ -346,25 +365,25 @@ class BackfillStore:
             )
 
     def record_sent(self, batch_id: int, provider_batch_id: str) -> bool:
-        """Record the provider's id of a batch this run sent; False (nothing written) when another run
-        recorded one first."""
+        """Record the provider's id of a batch this run sent (or found); False (nothing written) when
+        another run recorded another one first. The same id recorded already (another run found this
+        run's copy) is this run's: True."""
         with self._factory.begin() as session:
-            return (
-                session.execute(
-                    update(BackfillBatch)
-                    .where(
-                        BackfillBatch.id == batch_id,
-                        BackfillBatch.status == "submitting",
-                        BackfillBatch.provider_batch_id.is_(None),
-                    )
-                    .values(status="submitted", provider_batch_id=provider_batch_id, submitted_at=func.now())
-                    .returning(BackfillBatch.id)
-                ).first()
-                is not None
+            recorded = session.execute(
+                select(BackfillBatch.provider_batch_id).where(BackfillBatch.id == batch_id).with_for_update()
+            ).scalar_one_or_none()
+            if recorded is not None:
+                return bool(recorded == provider_batch_id)
+            session.execute(
+                update(BackfillBatch)
+                .where(BackfillBatch.id == batch_id)
+                .values(status="submitted", provider_batch_id=provider_batch_id, submitted_at=func.now())
             )
+            return True
 
-    def set_batch(self, batch_id: int, **values: Any) -> None:
-        """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once."""
+    def set_batch(self, batch_id: int, *, unsent_only: bool = False, **values: Any) -> bool:
+        """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once; with
+        ``unsent_only``, only while no run has recorded its send. Whether it was moved."""
         timestamps = {
             "submitting": "submit_started_at",
             "submitted": "submitted_at",
@@ -373,14 +392,20 @@ class BackfillStore:
         stamp = timestamps.get(values.get("status", ""))
         if stamp is not None:
             values[stamp] = func.now()
+        which = [BackfillBatch.id == batch_id]
+        if unsent_only:
+            which.append(BackfillBatch.provider_batch_id.is_(None))
         with self._factory.begin() as session:
-            session.execute(update(BackfillBatch).where(BackfillBatch.id == batch_id).values(**values))
-            if values.get("status") == "cancelled":
+            moved = session.execute(
+                update(BackfillBatch).where(*which).values(**values).returning(BackfillBatch.id)
+            ).first()
+            if moved is not None and values.get("status") == "cancelled":
                 session.execute(
                     update(BackfillRequest)
                     .where(BackfillRequest.batch_id == batch_id, BackfillRequest.status == "pending")
                     .values(status="cancelled", updated_at=func.now())
                 )
+        return moved is not None
 
     def cancel_requested(self, backfill_id: int) -> bool:
         with read_only(self._factory) as session:
