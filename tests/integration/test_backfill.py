@@ -265,9 +265,10 @@ def test_a_second_backfill_leaves_the_pages_a_first_still_extracts_to_it(factory
     assert request_statuses(factory, first) == {"done": 8}
 
 
-def test_two_backfills_planned_at_once_store_each_page_once(factory, rt, sim):
+def test_a_plan_stored_after_another_s_drops_the_pages_that_one_took(factory, rt, sim):
     """Each read the pages in flight before its planning, which can run for minutes: two planned at
-    once both saw none, and both stored every page. The store checks again, one plan at a time."""
+    once both saw none, and both stored every page. The store checks again (one plan at a time, under
+    an advisory lock; here the two stores run one after the other)."""
     from worker.extraction.backfill_store import BackfillStore as Store
     from worker.extraction.backfill_store import PlannedBatch, PlannedRequest
 
@@ -288,7 +289,8 @@ def test_two_backfills_planned_at_once_store_each_page_once(factory, rt, sim):
     assert request_statuses(factory, second) == {}
 
 
-def test_a_backfill_whose_job_failed_holds_no_page_from_the_next(factory, rt, sim):
+@pytest.mark.parametrize("job", ["failed", "deleted by retention"])
+def test_a_backfill_whose_job_failed_holds_no_page_from_the_next(factory, rt, sim, job):
     """Its pending requests held their pages from every later backfill, for good once its job was gone."""
     seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)
@@ -296,6 +298,10 @@ def test_a_backfill_whose_job_failed_holds_no_page_from_the_next(factory, rt, si
     assert run_pass(rt, first_job).status == "paused"
     with factory.begin() as session:
         session.execute(update(Job).where(Job.id == first_job).values(status="failed"))
+        if job != "failed":
+            session.execute(
+                update(Backfill).values(job_id=None)
+            )  # what retention's ON DELETE SET NULL leaves
     second, second_job = start(factory, "bf")
     assert run_pass(rt, second_job).status == "paused"
     assert request_statuses(factory, second) == {"pending": 8}
@@ -725,6 +731,63 @@ def test_a_copy_another_run_found_and_recorded_is_this_run_s_own(factory, rt, si
     sim.end_batches()
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
+@pytest.mark.parametrize("meanwhile", ["cancelled", "recorded, then this send failed"])
+def test_a_send_that_ends_after_another_run_moved_its_batch_on(factory, rt, sim, monkeypatch, meanwhile):
+    """Cancelled by another run during this run's upload, the batch came back as "submitted" in a
+    finished backfill (never polled, its copy never deleted); a send of this run that failed after
+    another run recorded its own was reported failed (an attempt spent, the job failed at the last)."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    real_submit = OpenAIBatchClient.submit
+    sent: list[str] = []
+
+    def raced(self: Any, requests: Any, key: str | None = None) -> str:
+        copy = real_submit(self, requests, key=key)
+        sent.append(copy)
+        with factory.begin() as session:
+            if meanwhile == "cancelled":
+                session.execute(update(BackfillBatch).values(status="cancelled"))
+                return copy
+            session.execute(update(BackfillBatch).values(status="submitted", provider_batch_id=copy))
+        raise LLMError("HTTP 502: bad gateway", retryable=True, status=502)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", raced)
+    backfill_id, job_id = start(factory, "bf")
+    outcome = run_pass(rt, job_id).status
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch)).one()
+        owed = session.scalars(select(ProviderCopy.batch_id)).all()
+    if meanwhile == "cancelled":
+        assert (batch.status, batch.provider_batch_id) == ("cancelled", None)
+        assert owed == sent, "this run's copy is owed its delete (and cancelled)"
+    else:
+        assert outcome == "paused" and (batch.status, batch.provider_batch_id) == ("submitted", sent[0])
+        sim.end_batches()
+        assert drive(rt, job_id).status == "succeeded"
+        assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
+def test_a_retried_backfill_drops_the_pages_another_sent_meanwhile(factory, rt, sim):
+    """Its job failed, so another backfill took its pages; retried, it sent them too (paid twice)."""
+    seed_pages(factory, "bf", 4)  # two batches of two pages
+    with factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0.01")  # its second batch waits
+    sim.configure(batch_delay_seconds=3600)
+    first, first_job = start(factory, "bf")
+    assert run_pass(rt, first_job).status == "paused" and sim.stats()["batches"]["created"] == 1
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == first_job).values(status="failed"))
+        set_config(session, "llm.budget_daily_usd", "100000")
+    _, second_job = start(factory, "bf")
+    assert run_pass(rt, second_job).status == "paused" and sim.stats()["batches"]["created"] == 3
+    with factory.begin() as session:  # an operator retries the first
+        session.execute(update(Job).where(Job.id == first_job).values(status="queued"))
+    assert run_pass(rt, first_job).status == "paused"
+    assert sim.stats()["batches"]["created"] == 3, "nothing sent twice"
+    assert request_statuses(factory, first) == {"pending": 8, "dropped": 8}
+    sim.end_batches()
 
 
 def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(factory, rt, sim, monkeypatch):

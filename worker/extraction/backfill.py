@@ -143,11 +143,16 @@ class BackfillPass:
     def requests_to_send(self, batch: BatchRow) -> dict[str, ChatRequest]:
         """The batch's requests rebuilt from their pages as they are now. What the page can no longer
         use is dropped, never sent: a request whose segment changed (an edit before sending), those
-        after it, and all of a page now re-extracted whole that they do not cover."""
+        after it, all of a page now re-extracted whole that they do not cover, and a page another live
+        backfill has requests out for."""
         requests: dict[str, ChatRequest] = {}
         dropped: list[int] = []
+        # A page another live backfill sent requests for since this one planned it (this one's job had
+        # failed, and was retried): paid twice, and the second to collect discarded its results. (Only
+        # sent ones: two both still unsent would each drop the page, and neither extract it.)
+        taken = self.store.pages_in_flight(but=self.backfill.id, sent_only=True)
         for (page_id, slug), rows in group_by_page(self.store.pending_requests(batch.id)):
-            plan = self.page_plan(page_id, slug)
+            plan = None if page_id in taken else self.page_plan(page_id, slug)
             if plan is not None:
                 run = matching_run(plan, rows)
                 if plan.replace and len(run) < len(plan.segments):
@@ -187,7 +192,10 @@ class BackfillPass:
                 return True
         requests = self.requests_to_send(batch)
         if not requests:
-            self.store.set_batch(batch.id, status="collected", provider_status="nothing to send")
+            # (Unless another run sent it meanwhile: then it is polled as sent.)
+            self.store.set_batch(
+                batch.id, unsent_only=True, status="collected", provider_status="nothing to send"
+            )
             return True
         self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
         estimate = estimated_batch_cost(client.model, requests.values(), self.deps.ledger.prices())
@@ -215,7 +223,8 @@ class BackfillPass:
                 # Left "submitting", its estimate counted in flight for good (other backfills' batches
                 # waited on it under a day budget) though no batch held it.
                 failed |= {"status": "planned", "estimated_cost_usd": None}
-            self.store.set_batch(batch.id, unsent_only=True, **failed)
+            if not self.store.set_batch(batch.id, unsent_only=True, **failed):
+                return True  # another run's send is recorded: the batch is in flight, not failed
             raise
         if not self.store.record_sent(batch.id, provider_id):
             self.second_copy(batch, provider_id)
@@ -274,7 +283,9 @@ class BackfillPass:
                     return
                 batch = replace(batch, status="submitted", provider_batch_id=found)
         if batch.provider_batch_id is None:
-            self.store.set_batch(batch.id, status="cancelled")
+            # Not one another run recorded a send of meanwhile: that one is cancelled at the provider
+            # by the pass (next), as every sent batch is.
+            self.store.set_batch(batch.id, unsent_only=True, status="cancelled")
             return
         try:
             status = self.deps.client.status(batch.provider_batch_id)

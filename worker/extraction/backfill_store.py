@@ -90,6 +90,7 @@ _JOBLESS_BACKFILLS = (
     .where(or_(Backfill.job_id.is_(None), Job.status == "failed"))
 )
 PLANS_LOCK_ID = 0x464D_504C_414E  # "FMPLAN": one backfill's plan stored at a time
+UNSENT = ("planned", "submitting")  # a batch whose send may still begin, or be recorded
 
 
 def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
@@ -306,9 +307,12 @@ class BackfillStore:
         with read_only(self._factory) as session:
             return Decimal(session.scalar(query) or 0)
 
-    def pages_in_flight(self, but: int, session: Session | None = None) -> set[int]:
-        """The pages another unfinished backfill (not ``but``) still has pending requests for; not one
-        whose job failed or is gone (nothing runs it: its pages would be held from every later one)."""
+    def pages_in_flight(
+        self, but: int, session: Session | None = None, *, sent_only: bool = False
+    ) -> set[int]:
+        """The pages another unfinished backfill (not ``but``) still has pending requests for (with
+        ``sent_only``, in batches whose send began); not one whose job failed or is gone (nothing runs
+        it: its pages would be held from every later one)."""
         query = (
             select(BackfillRequest.page_id)
             .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
@@ -321,6 +325,8 @@ class BackfillStore:
             )
             .distinct()
         )
+        if sent_only:
+            query = query.where(BackfillBatch.status.in_(("submitting", "submitted")))
         if session is not None:
             return set(session.scalars(query))
         with read_only(self._factory) as reading:
@@ -369,11 +375,15 @@ class BackfillStore:
         another run recorded another one first. The same id recorded already (another run found this
         run's copy) is this run's: True."""
         with self._factory.begin() as session:
-            recorded = session.execute(
-                select(BackfillBatch.provider_batch_id).where(BackfillBatch.id == batch_id).with_for_update()
-            ).scalar_one_or_none()
+            status, recorded = session.execute(
+                select(BackfillBatch.status, BackfillBatch.provider_batch_id)
+                .where(BackfillBatch.id == batch_id)
+                .with_for_update()
+            ).one()
             if recorded is not None:
                 return bool(recorded == provider_batch_id)
+            if status not in UNSENT:
+                return False  # cancelled or finished meanwhile: nothing would poll it
             session.execute(
                 update(BackfillBatch)
                 .where(BackfillBatch.id == batch_id)
@@ -383,7 +393,8 @@ class BackfillStore:
 
     def set_batch(self, batch_id: int, *, unsent_only: bool = False, **values: Any) -> bool:
         """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once; with
-        ``unsent_only``, only while no run has recorded its send. Whether it was moved."""
+        ``unsent_only``, only while no run has recorded its send and it is not cancelled or finished.
+        Whether it was moved."""
         timestamps = {
             "submitting": "submit_started_at",
             "submitted": "submitted_at",
@@ -394,7 +405,7 @@ class BackfillStore:
             values[stamp] = func.now()
         which = [BackfillBatch.id == batch_id]
         if unsent_only:
-            which.append(BackfillBatch.provider_batch_id.is_(None))
+            which += [BackfillBatch.provider_batch_id.is_(None), BackfillBatch.status.in_(UNSENT)]
         with self._factory.begin() as session:
             moved = session.execute(
                 update(BackfillBatch).where(*which).values(**values).returning(BackfillBatch.id)
