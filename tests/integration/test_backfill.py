@@ -821,6 +821,35 @@ def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(fa
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
+def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again(
+    factory, rt, sim, monkeypatch
+):
+    """A create that timed out after its upload left the pages' text at the provider, named nowhere
+    (only in a log line); the resend uploaded it a second time beside it."""
+    seed_pages(factory, "bf", 2)
+    orphans: list[str] = []
+
+    def upload_then_time_out(self: Any, requests: Any, key: str | None = None) -> str:
+        upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
+        orphans.append(upload.id)
+        raise LLMError("the create timed out", retryable=True)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "retry"
+    assert sim.state.store.find_file(orphans[0]) is not None
+    monkeypatch.undo()
+    with factory.begin() as session:  # the resend is due
+        session.execute(
+            update(BackfillBatch).values(
+                submit_started_at=func.now() - timedelta(seconds=RESEND_AFTER_SECONDS + 1)
+            )
+        )
+    assert drive(rt, job_id).status == "succeeded"
+    assert sim.state.store.find_file(orphans[0]) is None, "deleted before the batch went again"
+    assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
 def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(factory, rt, sim, monkeypatch):
     """A send that kept failing (a retryable error) left its batch "submitting" with its estimate; once
     the job failed nothing would collect it, and it held every other backfill under a day budget."""

@@ -190,6 +190,9 @@ class BackfillPass:
                 if not self.store.record_sent(batch.id, found):
                     self.second_copy(batch, found)
                 return True
+            # No batch holds it: what an earlier send uploaded (its create failed) is the pages' text,
+            # named nowhere; it goes before the batch is sent again.
+            client.forget_uploads(batch.key)
         requests = self.requests_to_send(batch)
         if not requests:
             # (Unless another run sent it meanwhile: then it is polled as sent.)

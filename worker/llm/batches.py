@@ -93,6 +93,11 @@ class BatchLLMClient(Protocol):
         when it holds none, UNDETERMINED when it cannot tell yet."""
         ...
 
+    def forget_uploads(self, key: str) -> int:
+        """Delete the input uploads of ``key`` that no batch holds (a create that failed or timed out
+        left them: the pages' text, named nowhere); how many. Asked once ``find`` found no batch."""
+        ...
+
     def status(self, batch_id: str) -> BatchStatus: ...
     def cancel(self, batch_id: str) -> None: ...
     def results(self, batch_id: str, requests: Mapping[str, ChatRequest]) -> dict[str, BatchItem]: ...
@@ -112,21 +117,30 @@ def _delete(what: str, fn: Callable[[], object], policy: RetryPolicy) -> None:
             raise
 
 
+def _upload_name(key: str | None) -> str:
+    """The file name a batch's input is uploaded under (its key: how an orphaned upload is found)."""
+    return f"factmill-extraction-{key}.jsonl" if key else "factmill-extraction.jsonl"
+
+
 def jsonl_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, str]]:
     """(line number, text) of the non-blank lines of a JSON Lines stream, read chunk by chunk. Lines end
     at b"\\n" only: a reply may hold U+2028 or U+0085 unescaped, where str.splitlines (and httpx's
     iter_lines, which follows it) would cut its line in two and the paid result be lost."""
-    pending = b""
+    held: list[bytes] = []  # the line so far (a long line's chunks are joined once, at its end)
     number = 0
     for chunk in chunks:
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            held.append(chunk[start:end])
+            line, held = b"".join(held), []
             number += 1
             if line.strip():
                 yield number, line.decode("utf-8", "replace")
-    if pending.strip():
-        yield number + 1, pending.decode("utf-8", "replace")
+            start = end + 1
+        held.append(chunk[start:])
+    tail = b"".join(held)
+    if tail.strip():
+        yield number + 1, tail.decode("utf-8", "replace")
 
 
 def _result_line(batch_id: str, number: int, text: str) -> Mapping[str, Any] | None:
@@ -209,7 +223,7 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
         # Tried once, as the create is: an upload that timed out may have been stored, and a second
         # one left the first (the pages' text) at the provider, named nowhere. A failed send is sent
         # again by the next pass (or the next `extract --batch`).
-        name = f"factmill-extraction-{key}.jsonl" if key else "factmill-extraction.jsonl"
+        name = _upload_name(key)
         try:
             uploaded = _call(
                 "upload", lambda: self._sdk.files.create(file=(name, data), purpose="batch"), CREATE_ONCE
@@ -267,6 +281,16 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             if (batch.metadata or {}).get("factmill_key") == key:
                 return str(batch.id)
         return None
+
+    def forget_uploads(self, key: str) -> int:
+        name = _upload_name(key)
+        listed = _call(
+            "list files", lambda: list(islice(self._sdk.files.list(purpose="batch"), FIND_LIMIT)), self.policy
+        )
+        orphans = [upload.id for upload in listed if upload.filename == name]
+        for file_id in orphans:
+            _delete("file delete", functools.partial(self._sdk.files.delete, file_id), self.policy)
+        return len(orphans)
 
     def status(self, batch_id: str) -> BatchStatus:
         batch = _call("poll", lambda: self._sdk.batches.retrieve(batch_id), self.policy)
@@ -372,6 +396,9 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             if first is not None and str(first.get("custom_id")).startswith(f"{key}-"):
                 return str(batch.id)
         return UNDETERMINED if running else None
+
+    def forget_uploads(self, key: str) -> int:
+        return 0  # Message Batches take their requests inline: nothing is uploaded apart
 
     def status(self, batch_id: str) -> BatchStatus:
         batch = _call("poll", lambda: self._sdk.messages.batches.retrieve(batch_id), self.policy)

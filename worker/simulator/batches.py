@@ -191,6 +191,17 @@ class BatchStore:
             newest_first = newest_first[ids.index(after) + 1 :] if after in ids else []
         return newest_first[:limit], len(newest_first) > limit
 
+    def list_files(self, purpose: str | None, limit: int, after: str | None) -> tuple[list[StoredFile], bool]:
+        """One page of the files (of ``purpose``, if given), newest first, after the one with id ``after``;
+        and whether more follow."""
+        self.settle()
+        with self._lock:
+            newest_first = [f for f in reversed(self.files.values()) if purpose in (None, f.purpose)]
+        if after is not None:
+            ids = [f.id for f in newest_first]
+            newest_first = newest_first[ids.index(after) + 1 :] if after in ids else []
+        return newest_first[:limit], len(newest_first) > limit
+
     def find_batch(self, batch_id: str, wire: str) -> Batch | None:
         self.settle()
         batch = self.batches.get(batch_id)

@@ -64,6 +64,23 @@ async def upload_file(request: Request) -> Response:
     return JSONResponse(stored.as_json())
 
 
+async def list_files(request: Request) -> Response:
+    """GET /v1/files (OpenAI): newest first, ``purpose``, ``limit`` and the ``after`` cursor."""
+    page, more = state_of(request).store.list_files(
+        request.query_params.get("purpose"), list_limit(request, 10_000), request.query_params.get("after")
+    )
+    data = [stored.as_json() for stored in page]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
 async def file_content(request: Request) -> Response:
     """GET /v1/files/{file_id}/content (OpenAI)."""
     state = state_of(request)

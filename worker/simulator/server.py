@@ -131,6 +131,7 @@ def create_app(config: SimulatorConfig | None = None) -> Starlette:
             Route("/v1/embeddings", openai_wire.embeddings, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/files", openai_batches.upload_file, methods=["POST"]),
+            Route("/v1/files", openai_batches.list_files, methods=["GET"]),
             Route("/v1/files/{file_id}/content", openai_batches.file_content, methods=["GET"]),
             Route("/v1/files/{file_id}", openai_batches.delete_file, methods=["DELETE"]),
             Route("/v1/batches", openai_batches.create_batch, methods=["POST"]),
