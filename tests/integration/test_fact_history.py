@@ -199,3 +199,25 @@ def test_the_as_of_sql_and_its_pure_rule_agree_on_every_kind_of_fact(
         }
         assert found == expected, as_of
         assert found, "a moment at which nothing was true would check nothing"
+
+
+def test_an_undated_fact_is_true_from_when_it_was_said(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """Facts with no date of their own (a model that gave none): the as-of reads started them when they
+    were stored (December here, as a backfill of old chats does), while consolidation closed Lisbon at
+    Porto's March: it ended before it began, and was true as of no moment."""
+    from sqlalchemy import text
+
+    from tests.integration.test_consolidation import JAN_BODY, MAR_BODY, MAR_PAGE, consolidate, extract
+    from tests.integration.test_extraction import put_page
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    with tx_factory.begin() as session:  # undated, and stored long after they were said
+        session.execute(text("UPDATE facts SET valid_from = NULL, created_at = '2026-12-01T00:00:00Z'"))
+    consolidate(tx_factory, llm)
+    assert found(tx_factory, as_of=FEB) == [(LISBON, "superseded")], "in February she lived in Lisbon"
+    assert found(tx_factory, as_of=APR) == [(PORTO, "current")]

@@ -31,6 +31,11 @@ def write_decision(
     llm_call_id: int | None,
 ) -> bool:
     values: dict[str, Any] = {"consolidated_at": None if decision.reconsider else func.now()}
+    if decision.since is not None:
+        # An undated fact begins when it was said (its segment's time), as the rules here read it: the
+        # as-of reads took the time it was stored, so a backfilled fact (said in 2024, stored in 2026)
+        # closed by a later saying ended before it began, and was never true as of any moment.
+        values["valid_from"] = func.coalesce(Fact.valid_from, decision.since)
     rows = [(decision.fact_id, row) for row in decision.rows]
     canonical = decision.duplicate_of if decision.duplicate_of is not None else decision.restates
     changed = _first_change(session, decision, canonical)
@@ -66,6 +71,7 @@ def write_decision(
             .values(
                 status=SUPERSEDED,
                 superseded_by=closing.newer.id,
+                valid_from=func.coalesce(Fact.valid_from, closing.older.since),  # see write_decision
                 valid_to=closing.valid_to,
                 consolidated_at=func.coalesce(Fact.consolidated_at, func.now()),
             )

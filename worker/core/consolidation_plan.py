@@ -126,7 +126,7 @@ class Resolved:
     rows: tuple[Row, ...]
     duplicate_of: int | None = None
     closings: tuple[Supersession, ...] = ()
-    since: datetime | None = None  # when the new fact became true (a duplicate's canonical starts by then)
+    since: datetime | None = None  # when the new fact became true (its valid_from, else when it was said)
     # Written current but left unconsolidated, to be decided again against what is current after this
     # run (a restatement this run reopened was never compared with the facts planned after it).
     reconsider: bool = False
@@ -164,7 +164,7 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
         row = Row(plan.rule.old.id, DUPLICATE, "rule", reason, plan.rule.similarity)
         return Resolved(new.id, (row,), duplicate_of=plan.rule.old.id, since=new.since)
     if not plan.asked:
-        return Resolved(new.id, (Row(None, "new", "rule", NO_CANDIDATE_REASON),))
+        return Resolved(new.id, (Row(None, "new", "rule", NO_CANDIDATE_REASON),), since=new.since)
     rows: list[Row] = []
     duplicate_of: int | None = None
     closings: list[Supersession] = []
@@ -178,7 +178,7 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
             closings.append(supersession(new, pair.old))
     if duplicate_of is not None:
         return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of, since=new.since)
-    return Resolved(new.id, tuple(rows), closings=_one_end(new, closings))
+    return Resolved(new.id, tuple(rows), closings=_one_end(new, closings), since=new.since)
 
 
 def _one_end(new: FactView, closings: Sequence[Supersession]) -> tuple[Supersession, ...]:
