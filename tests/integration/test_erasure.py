@@ -408,6 +408,22 @@ def test_a_page_erased_under_a_run_gets_no_audit_rows_for_its_calls_in_flight(
     assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
 
 
+def test_a_page_erased_under_a_failing_segment_gets_no_audit_rows_for_it(
+    enabled: sessionmaker[Session], sim: Any
+) -> None:
+    """A segment that failed (every reply malformed) recorded its attempts with audit rows (the page's
+    slug, the segment's times, the model's reply) outside any commit's page check, after the erasure
+    had deleted the page's own rows."""
+    sim.configure(rate_malformed=1.0)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    store(enabled, BODY)
+    racing = Interrupting(llm, lambda: erase_page(enabled, "default", SLUG, "api"))
+    result = run_extract_conversation_facts(enabled, racing, ExtractOptions(slug=SLUG))
+    assert racing.fired and result.pages_failed == 1
+    assert counted(enabled, ExtractionAudit) == 0
+    assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
+
+
 def test_a_page_re_extracted_whole_and_erased_under_the_run_gets_no_audit_rows(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -235,6 +235,49 @@ def test_honors_facts_extraction_enabled_kill_switch(pages, llm, simulator):
     assert sim_requests(simulator) == before
 
 
+def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
+    """Read before a segment's first attempt only: a malformed first reply was followed by up to three
+    paid retries and repair turns (the segment's whole text again) after the switch went off."""
+    from worker.config_store import ConfigReader
+
+    sim.configure(rate_malformed=1.0)  # every reply needs the repair turn
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    asked: list[int] = []
+
+    def switch_off_during_the_first_call() -> None:
+        asked.append(1)
+        if len(asked) == 1:
+            with pages.begin() as session:
+                set_config(session, "facts.extraction_enabled", "false")
+
+    with pytest.raises(ExtractionDisabledError):
+        run_extract_conversation_facts(
+            pages,
+            llm,
+            ExtractOptions(slug=SLUG),
+            config=ConfigReader(pages, ttl=0),
+            guard=switch_off_during_the_first_call,
+        )
+    assert sim_requests(sim) == 1, "no attempt after the switch went off"
+    assert count(pages, ExtractionAudit) >= 1, "the paid attempt is recorded"
+
+
+def test_a_refusal_s_words_stay_out_of_the_page_s_failure_reason(pages, sim):
+    """The reason (jobs.last_error for a page job) quoted the model's refusal, which can paraphrase the
+    page, and no erasure of the page reads last_error; the audit rows keep it, and go with the page."""
+    sim.configure(rate_refusal=1.0)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    [report] = run(pages, llm).pages
+    assert report.status == "failed" and report.reason.startswith("segment 1: refusal (permanent failure 1;")
+    assert "simulated refusal" not in report.reason
+    with pages() as session:
+        kept = (
+            session.scalars(select(ExtractionAudit.error)).all()
+            + session.scalars(select(ExtractionAudit.reply)).all()
+        )
+    assert any("simulated refusal" in (text or "") for text in kept), "the audit row keeps it"
+
+
 def test_override_disabled_bypasses_kill_switch(pages, llm):
     with pages.begin() as session:
         set_config(session, "facts.extraction_enabled", "false")

@@ -11,8 +11,8 @@ from worker.core.moments import as_utc
 
 # {a} is the facts table's alias. A duplicate never answers: the fact it repeats does; an undated fact
 # begins when it was stored until it is consolidated, which dates it by when it was said
-# (worker.consolidation.decisions.write_decision). The same rule as worker.core.consolidation.true_at (tests/integration/
-# test_fact_history.py runs both over the same rows).
+# (worker.consolidation.decisions.write_decision). The same rule as worker.core.consolidation.true_at
+# (tests/integration/test_fact_history.py runs both over the same rows).
 CURRENT_SQL = "{a}.status = 'current'"
 AS_OF_SQL = (
     "{a}.status <> 'duplicate' AND COALESCE({a}.valid_from, {a}.created_at) <= :lifecycle_as_of "

@@ -45,6 +45,10 @@ def one_at_a_time(results: SegmentResults) -> ResultBatches:
         results.close()
 
 
+# The failures whose error text is the infrastructure's, not the model's.
+INFRASTRUCTURE_OUTCOMES = ("provider_error", "budget_exhausted")
+
+
 class SegmentCommitter:
     """Writes segment results through the store and keeps the run's counters and progress."""
 
@@ -64,6 +68,9 @@ class SegmentCommitter:
         self.max_segment_failures = max_segment_failures
         self.on_facts_committed = on_facts_committed
         self.page_gone = False  # a commit found the page changed: what it discards gets no audit rows
+        # The page being committed, as planned: attempts recorded outside a commit hold its row and
+        # write no audit rows once an erasure took it (they named it after the erasure had run).
+        self.version: PageVersion | None = None
 
     def facts_committed(self, slug: str, inserted: int) -> None:
         """Facts of page ``slug`` were committed (``inserted`` of them, in one transaction): the one
@@ -95,7 +102,9 @@ class SegmentCommitter:
         if self.page_gone:
             self.store.record_spend([(place, result.attempts)])
         else:
-            self.store.record_attempts(place, result.attempts, note=note, permanent=result.permanent)
+            self.store.record_attempts(
+                place, result.attempts, note=note, permanent=result.permanent, page=self.version
+            )
 
     def poison(self, place: SegmentPlace, result: SegmentResult) -> tuple[str | None, int]:
         """(why the segment is skipped, or None to fail the page as before; its permanent failures
@@ -123,6 +132,7 @@ class SegmentCommitter:
         run in one transaction that moves the checkpoint over all of it."""
         self.progress.page_started(plan.slug, len(plan.segments))
         self.page_gone = False  # set when a commit finds the page changed: what it discards gets no audit
+        self.version = plan.version
         try:
             if plan.replace:
                 return self._commit_replacing(plan, results)
@@ -138,7 +148,11 @@ class SegmentCommitter:
         self.counters.segments_failed += 1
         report.status, report.outcome = "failed", result.outcome
         report.provider_away = result.outcome == "provider_error" and result.attempts[-1].provider_away
-        report.reason = f"segment {index + 1}: {result.outcome}: {result.attempts[-1].error or ''}{tail}"
+        # The provider's or the budget's words only: a refusal's (or a malformed reply's) are the model's,
+        # which can paraphrase the page, and the reason goes into jobs.last_error, which no erasure of
+        # the page reads (the audit rows keep them, and go with it).
+        said = result.attempts[-1].error if result.outcome in INFRASTRUCTURE_OUTCOMES else None
+        report.reason = f"segment {index + 1}: {result.outcome}{f': {said}' if said else ''}{tail}"
         return report
 
     def _commit_incremental(self, plan: PagePlan, batches: ResultBatches) -> PageReport:
@@ -186,7 +200,9 @@ class SegmentCommitter:
             skip, failures = self.poison(place, result)
             if not result.ok and skip is None:
                 expected = self._commit_run(plan, pending, expected, report)
-                self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+                self.store.record_attempts(
+                    place, result.attempts, permanent=result.permanent, page=self.version
+                )
                 handed.add(index)
                 self.progress.segment_finished(plan.slug, result.outcome)
                 self.discard(plan.slug, batch[position + 1 :], handed)
@@ -209,6 +225,7 @@ class SegmentCommitter:
                 result.attempts,
                 note=DISCARDED_UNUSED,
                 permanent=result.permanent,
+                page=self.version,
             )
             if handed is not None:
                 handed.add(index)

@@ -83,12 +83,12 @@ class SkippedRetry:
             result = self.extract(label, place.segment)
         except SegmentAbortedError as aborted:  # paid attempts, then an error: recorded, then raised on
             self.counters.add_calls(SegmentResult(aborted.attempts))
-            self.store.record_attempts(place, aborted.attempts, note=DISCARDED_ABORTED)
+            self.store.record_attempts(place, aborted.attempts, note=DISCARDED_ABORTED, page=version)
             raise aborted.cause from None
         self.counters.add_calls(result)
         skip, failures = self.committer.poison(place, result)
         if not result.ok and skip is None:
-            self.store.record_attempts(place, result.attempts, permanent=result.permanent)
+            self.store.record_attempts(place, result.attempts, permanent=result.permanent, page=version)
             self.committer.progress.segment_finished(slug, result.outcome)
             self.committer.fail_page(report, place.index, result, " (a skipped segment)", failures)
             return expected, True

@@ -134,17 +134,25 @@ class OnlineExtraction:
         return outcome.result()
 
     def call(self, label: str, segment: Segment) -> SegmentResult:
-        """One segment's LLM attempts; runs on the pipe's threads, so it touches no shared state."""
+        """One segment's LLM attempts; runs on the pipe's threads, so it touches no shared state. The
+        kill switch, the guard (lease, stopping worker) and the budget are read before every attempt:
+        read before the first only, a malformed first reply was followed by up to three paid retries
+        and repair turns (the whole segment's text again) after the switch went off or the page was
+        erased. A raise between attempts keeps the attempts made (SegmentAbortedError)."""
         run = self.run
-        run.check_switch()
-        if run.guard is not None:
-            run.guard()
+
+        def before_call() -> None:
+            run.check_switch()
+            if run.guard is not None:
+                run.guard()
+            run.budget.check(run.options.job_id)
+
         return extract_segment(
             self.llm,
             render_segment_for_extraction(label, segment),
             run.max_facts,
             run.options.max_output_tokens,
-            before_call=lambda: run.budget.check(run.options.job_id),
+            before_call=before_call,
         )
 
     def ordered_results(self, plan: PagePlan) -> ResultBatches:
