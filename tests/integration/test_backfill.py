@@ -821,11 +821,15 @@ def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(fa
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
+@pytest.mark.parametrize("delete_fails", [False, True])
 def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again(
-    factory, rt, sim, monkeypatch
+    factory, rt, sim, monkeypatch, delete_fails
 ):
     """A create that timed out after its upload left the pages' text at the provider, named nowhere
-    (only in a log line); the resend uploaded it a second time beside it."""
+    (only in a log line); the resend uploaded it a second time beside it. A delete that fails does not
+    hold the resend back."""
+    from worker.extraction import backfill as backfill_module
+
     seed_pages(factory, "bf", 2)
     orphans: list[str] = []
 
@@ -834,19 +838,18 @@ def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again
         orphans.append(upload.id)
         raise LLMError("the create timed out", retryable=True)
 
-    monkeypatch.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
-    backfill_id, job_id = start(factory, "bf")
-    assert run_pass(rt, job_id).status == "retry"
+    with monkeypatch.context() as patched:
+        patched.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
+        backfill_id, job_id = start(factory, "bf")
+        assert run_pass(rt, job_id).status == "retry"
     assert sim.state.store.find_file(orphans[0]) is not None
-    monkeypatch.undo()
-    with factory.begin() as session:  # the resend is due
-        session.execute(
-            update(BackfillBatch).values(
-                submit_started_at=func.now() - timedelta(seconds=RESEND_AFTER_SECONDS + 1)
-            )
-        )
+    monkeypatch.setattr(backfill_module, "RESEND_AFTER_SECONDS", 0.0)  # the resend is due at once
+    sim.configure(batch_delete_fails=delete_fails)
+    assert run_pass(rt, job_id).status == "paused", "sent again, waiting for the batch"
+    held = sim.state.store.find_file(orphans[0]) is not None
+    assert held == delete_fails, "deleted before the batch went again (unless the provider failed it)"
+    sim.configure(batch_delete_fails=False)
     assert drive(rt, job_id).status == "succeeded"
-    assert sim.state.store.find_file(orphans[0]) is None, "deleted before the batch went again"
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 

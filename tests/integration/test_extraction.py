@@ -262,6 +262,24 @@ def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
     assert count(pages, ExtractionAudit) >= 1, "the paid attempt is recorded"
 
 
+def test_a_stopping_worker_finishes_the_segment_it_began_paying_for(pages, sim):
+    """Stopping is checked at segment boundaries: between a segment's attempts it threw the paid first
+    attempt away, and the next worker paid for the whole segment again."""
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    sim.configure(rate_malformed=1.0)  # the first reply needs the repair turn
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    asked: list[int] = []
+
+    def stopping_after_the_first_call() -> None:
+        asked.append(1)
+        if len(asked) > 1:
+            raise WorkerStoppingError("the worker is stopping")
+
+    run_extract_conversation_facts(pages, llm, ExtractOptions(slug=SLUG), guard=stopping_after_the_first_call)
+    assert sim_requests(sim) == 2, "the repair turn of the segment begun was still asked"
+
+
 def test_a_refusal_s_words_stay_out_of_the_page_s_failure_reason(pages, sim):
     """The reason (jobs.last_error for a page job) quoted the model's refusal, which can paraphrase the
     page, and no erasure of the page reads last_error; the audit rows keep it, and go with the page."""

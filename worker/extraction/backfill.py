@@ -190,9 +190,10 @@ class BackfillPass:
                 if not self.store.record_sent(batch.id, found):
                     self.second_copy(batch, found)
                 return True
-            # No batch holds it: what an earlier send uploaded (its create failed) is the pages' text,
-            # named nowhere; it goes before the batch is sent again.
-            client.forget_uploads(batch.key)
+        if batch.status == "submitting" or batch.since_failed_send is not None:
+            # No batch holds it: what an earlier send uploaded (its create failed, or timed out) is the
+            # pages' text, named nowhere; it goes before the batch is sent again.
+            self.forget_uploads(batch)
         requests = self.requests_to_send(batch)
         if not requests:
             # (Unless another run sent it meanwhile: then it is polled as sent.)
@@ -234,6 +235,17 @@ class BackfillPass:
             return True
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
         return True
+
+    def forget_uploads(self, batch: BatchRow) -> None:
+        """An earlier send's uploads deleted; a provider that fails it does not hold the send back (the
+        next resend tries again)."""
+        try:
+            forgotten = self.deps.client.forget_uploads(batch.key, batch.submit_started_at)
+        except LLMError as exc:
+            logger.warning("batch %s: deleting an earlier send's upload failed (%s)", batch.key, exc)
+            return
+        if forgotten:
+            logger.info("batch %s: deleted %d upload(s) an earlier send left", batch.key, forgotten)
 
     def second_copy(self, batch: BatchRow, provider_id: str) -> None:
         """Another run recorded this batch's send while this one sent it (this run's lease lapsed during

@@ -32,6 +32,7 @@ from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
 from worker.extraction.segments import SegmentAbortedError, SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
+from worker.jobs.shutdown import WorkerStoppingError
 from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
 
@@ -138,14 +139,22 @@ class OnlineExtraction:
         kill switch, the guard (lease, stopping worker) and the budget are read before every attempt:
         read before the first only, a malformed first reply was followed by up to three paid retries
         and repair turns (the whole segment's text again) after the switch went off or the page was
-        erased. A raise between attempts keeps the attempts made (SegmentAbortedError)."""
+        erased. A raise between attempts keeps the attempts made (SegmentAbortedError); a stopping worker
+        (the one guard that costs) stops at the segment's end, not between its attempts."""
         run = self.run
+        paid = False  # an attempt made: a stopping worker finishes the segment it began paying for
 
         def before_call() -> None:
+            nonlocal paid
             run.check_switch()
             if run.guard is not None:
-                run.guard()
+                try:
+                    run.guard()
+                except WorkerStoppingError:
+                    if not paid:
+                        raise  # (released at this segment's boundary, costing nothing)
             run.budget.check(run.options.job_id)
+            paid = True
 
         return extract_segment(
             self.llm,

@@ -93,9 +93,11 @@ class BatchLLMClient(Protocol):
         when it holds none, UNDETERMINED when it cannot tell yet."""
         ...
 
-    def forget_uploads(self, key: str) -> int:
-        """Delete the input uploads of ``key`` that no batch holds (a create that failed or timed out
-        left them: the pages' text, named nowhere); how many. Asked once ``find`` found no batch."""
+    def forget_uploads(self, key: str, before: datetime | None) -> int:
+        """Delete the input uploads of ``key`` made before ``before`` (the current send's start: an
+        upload of a send still going on is not touched) that no batch holds: a create that failed or
+        timed out left them, the pages' text named nowhere; how many. Asked when ``find`` found no
+        batch, before the batch is sent again."""
         ...
 
     def status(self, batch_id: str) -> BatchStatus: ...
@@ -282,12 +284,17 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
                 return str(batch.id)
         return None
 
-    def forget_uploads(self, key: str) -> int:
+    def forget_uploads(self, key: str, before: datetime | None) -> int:
         name = _upload_name(key)
         listed = _call(
             "list files", lambda: list(islice(self._sdk.files.list(purpose="batch"), FIND_LIMIT)), self.policy
         )
-        orphans = [upload.id for upload in listed if upload.filename == name]
+        until = None if before is None else before.timestamp()
+        orphans = [
+            upload.id
+            for upload in listed
+            if upload.filename == name and (until is None or upload.created_at < until)
+        ]
         for file_id in orphans:
             _delete("file delete", functools.partial(self._sdk.files.delete, file_id), self.policy)
         return len(orphans)
@@ -397,7 +404,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
                 return str(batch.id)
         return UNDETERMINED if running else None
 
-    def forget_uploads(self, key: str) -> int:
+    def forget_uploads(self, key: str, before: datetime | None) -> int:
         return 0  # Message Batches take their requests inline: nothing is uploaded apart
 
     def status(self, batch_id: str) -> BatchStatus:
