@@ -64,12 +64,8 @@ async def upload_file(request: Request) -> Response:
     return JSONResponse(stored.as_json())
 
 
-async def list_files(request: Request) -> Response:
-    """GET /v1/files (OpenAI): newest first, ``purpose``, ``limit`` and the ``after`` cursor."""
-    page, more = state_of(request).store.list_files(
-        request.query_params.get("purpose"), list_limit(request, 10_000), request.query_params.get("after")
-    )
-    data = [stored.as_json() for stored in page]
+def _page(data: list[dict[str, Any]], more: bool) -> Response:
+    """One page of an OpenAI list, with its cursor ids."""
     return JSONResponse(
         {
             "object": "list",
@@ -79,6 +75,15 @@ async def list_files(request: Request) -> Response:
             "has_more": more,
         }
     )
+
+
+async def list_files(request: Request) -> Response:
+    """GET /v1/files (OpenAI): newest first, ``purpose``, ``limit`` and the ``after`` cursor."""
+    page, more = state_of(request).store.list_files(
+        request.query_params.get("purpose"), list_limit(request, 10_000), request.query_params.get("after")
+    )
+    data = [stored.as_json() for stored in page]
+    return _page(data, more)
 
 
 async def file_content(request: Request) -> Response:
@@ -248,15 +253,7 @@ async def list_batches(request: Request) -> Response:
         "openai", list_limit(request, 20), request.query_params.get("after")
     )
     data = [_batch_json(batch) for batch in page]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+    return _page(data, more)
 
 
 def _batch_or_404(request: Request) -> Batch | Response:
