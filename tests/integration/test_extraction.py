@@ -296,6 +296,32 @@ def test_a_refusal_s_words_stay_out_of_the_page_s_failure_reason(pages, sim):
     assert any("simulated refusal" in (text or "") for text in kept), "the audit row keeps it"
 
 
+def test_a_database_error_holding_a_forced_run_s_result_keeps_the_batch_s_spend(
+    pages, sim, monkeypatch: pytest.MonkeyPatch
+):
+    """On the whole-page path one failed hold (a deadlock, a timeout) raised with the rest of the batch
+    taken from the feed and paid for, and nothing recorded its calls: the budgets counted low."""
+    from sqlalchemy.exc import OperationalError
+
+    from worker.extraction.store import ExtractionStore
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    real_hold = ExtractionStore.hold_attempts
+    holds: list[int] = []
+
+    def fails_once(self: Any, *args: Any, **kwargs: Any) -> None:
+        holds.append(1)
+        if len(holds) == 1:
+            raise OperationalError("INSERT ...", {}, Exception("deadlock detected (the test's)"))
+        real_hold(self, *args, **kwargs)
+
+    monkeypatch.setattr(ExtractionStore, "hold_attempts", fails_once)
+    with pytest.raises(OperationalError):
+        run(pages, llm, force=True, segment_concurrency=2)  # two segments, one batch
+    assert sim_requests(sim) == 2
+    assert count(pages, LLMCall) == 2, "both paid calls are recorded"
+
+
 def test_override_disabled_bypasses_kill_switch(pages, llm):
     with pages.begin() as session:
         set_config(session, "facts.extraction_enabled", "false")

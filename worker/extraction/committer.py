@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
 
 from worker.core.checkpoint import CheckpointState, SkippedSegment, skipped_record
 from worker.core.conversation import Segment
@@ -310,29 +311,23 @@ class SegmentCommitter:
     def _commit_replacing(self, plan: PagePlan, batches: ResultBatches) -> PageReport:
         """Re-extract the page and swap its facts in one transaction, only if every segment succeeded."""
         report = PageReport(plan.slug, "processed")
-        segment_facts: list[tuple[SegmentPlace, Sequence[ExtractedFact]]] = []
-        skips: list[tuple[SegmentPlace, Sequence[Attempt], str]] = []
-        skipped: list[SkippedSegment] = []
+        held = _Held()
         for batch in batches:
-            for position, (index, segment, result) in enumerate(batch):
-                place = self.planner.place(plan.slug, index, segment)
-                skip, failures = self.poison(place, result)
-                self.store.hold_attempts(
-                    place, result.attempts, permanent=result.permanent, page=plan.version
-                )
-                if skip is not None:  # its skipped row goes in with the swap that moves past it
-                    skips.append((place, result.attempts, skip))
-                    skipped.append(skipped_record(plan.messages, segment, plan.ends[index]))
-                    self.count_skip(report, plan.slug)
-                    continue
-                self.progress.segment_finished(plan.slug, result.outcome)
-                if not result.ok:
-                    self.store.release_held()
-                    self.discard(plan.slug, batch[position + 1 :])
-                    tail = "; the page's earlier facts were kept"
-                    return self.fail_page(report, index, result, tail, failures=failures)
-                segment_facts.append((place, result.facts))
-                report.segments += 1
+            handed: set[int] = set()  # indexes whose attempts are recorded (held, or discarded)
+            try:
+                failed = self._hold_batch(plan, batch, report, held, handed)
+            except Exception as exc:
+                # Holding one failed (a deadlock, a timeout, the connection dropped): the rest of the
+                # batch was taken from the feed and paid for too, and nothing else records it.
+                if not self.store.results_read_again:
+                    try:
+                        self._keep_unhanded(plan.slug, batch, handed)
+                    except Exception as keeping:  # the database is away: the first error is raised
+                        logger.warning("could not keep a failed batch's spend: %s", error_summary(keeping))
+                raise exc
+            if failed is not None:
+                return failed
+        segment_facts, skips, skipped = held.segment_facts, held.skips, held.skipped
         missing = len(plan.segments) - report.segments - report.skipped
         if missing:
             # The results ran out (a batch that expired): swapping now would drop the page's later facts.
@@ -359,6 +354,44 @@ class SegmentCommitter:
         self.counters.facts_inserted += inserted
         report.facts = inserted
         return report
+
+    def _hold_batch(
+        self,
+        plan: PagePlan,
+        batch: Sequence[SegmentResult3],
+        report: PageReport,
+        held: _Held,
+        handed: set[int],
+    ) -> PageReport | None:
+        """Hold one batch of results for the swap; the page's report when a failed segment ended it."""
+        for position, (index, segment, result) in enumerate(batch):
+            place = self.planner.place(plan.slug, index, segment)
+            skip, failures = self.poison(place, result)
+            self.store.hold_attempts(place, result.attempts, permanent=result.permanent, page=plan.version)
+            handed.add(index)
+            if skip is not None:  # its skipped row goes in with the swap that moves past it
+                held.skips.append((place, result.attempts, skip))
+                held.skipped.append(skipped_record(plan.messages, segment, plan.ends[index]))
+                self.count_skip(report, plan.slug)
+                continue
+            self.progress.segment_finished(plan.slug, result.outcome)
+            if not result.ok:
+                self.store.release_held()
+                self.discard(plan.slug, batch[position + 1 :], handed)
+                tail = "; the page's earlier facts were kept"
+                return self.fail_page(report, index, result, tail, failures=failures)
+            held.segment_facts.append((place, result.facts))
+            report.segments += 1
+        return None
+
+
+@dataclass
+class _Held:
+    """What a whole-page re-extraction holds for its swap: each segment's facts, and the skipped ones."""
+
+    segment_facts: list[tuple[SegmentPlace, Sequence[ExtractedFact]]] = field(default_factory=list)
+    skips: list[tuple[SegmentPlace, Sequence[Attempt], str]] = field(default_factory=list)
+    skipped: list[SkippedSegment] = field(default_factory=list)
 
 
 def segment_attributes(place: SegmentPlace, *, skipped: bool = False) -> dict[str, str | int | bool]:
