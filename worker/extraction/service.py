@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction
+from worker.core.errors import error_summary
 from worker.extraction.committer import (
     MAX_SEGMENTS_PER_COMMIT,
     FactsCommitted,
@@ -37,6 +39,8 @@ from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
 
 DISCARDED_IN_FLIGHT = "discarded: an earlier segment did not complete"
+
+logger = logging.getLogger(__name__)
 
 
 class ExtractionRun:
@@ -194,12 +198,22 @@ class OnlineExtraction:
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
+            # Each recorded on its own, and none raised from here: one that failed (the database away)
+            # lost the others' spend, and hid the error that ended the page.
+            lost, why = 0, ""
             for outcome in [*taken_after_error, *feed.close()]:
                 paid = _paid_result(outcome)
-                if paid is not None:
+                if paid is None:
+                    continue
+                try:
                     self.run.committer.record_discarded(
                         plan.slug, outcome.index, segments[outcome.index], paid, DISCARDED_IN_FLIGHT
                     )
+                except Exception as exc:
+                    lost += 1
+                    why = error_summary(exc)
+            if lost:
+                logger.warning("could not record the spend of %d result(s) in flight: %s", lost, why)
 
 
 def _paid_result(outcome: Outcome[SegmentResult]) -> SegmentResult | None:
