@@ -96,6 +96,17 @@ class SegmentCommitter:
             if index not in handed:  # counted as calls already, when the page took them
                 self._keep_spend(slug, index, segment, result, DISCARDED_UNUSED)
 
+    def _keep_after_failure(self, slug: str, batch: Sequence[SegmentResult3], handed: set[int]) -> None:
+        """After a database error in a batch, the spend of its results not yet recorded (unless the store
+        can read them again: a backfill's stay at the provider). Never raises: the first error is the
+        one to raise (the database is probably away)."""
+        if self.store.results_read_again:
+            return
+        try:
+            self._keep_unhanded(slug, batch, handed)
+        except Exception as keeping:
+            logger.warning("could not keep a failed batch's spend: %s", error_summary(keeping))
+
     def _keep_spend(self, slug: str, index: int, segment: Segment, result: SegmentResult, note: str) -> None:
         """A paid result's rows: llm_calls and audit rows, or the calls alone when the page changed (its
         audit rows describe it, and an erasure has just taken them out)."""
@@ -171,15 +182,11 @@ class SegmentCommitter:
                 self.page_gone = isinstance(exc, PageChangedError)
                 self._keep_unhanded(plan.slug, batch, handed)
                 raise
-            except Exception as exc:
+            except Exception:
                 # The commit failed otherwise (a deadlock, a timeout, the connection dropped): the store
                 # kept the spend of what it was given; the rest of the batch was paid for as well.
-                if not self.store.results_read_again:
-                    try:
-                        self._keep_unhanded(plan.slug, batch, handed)
-                    except Exception as keeping:  # the database is away: the first error is raised
-                        logger.warning("could not keep a failed batch's spend: %s", error_summary(keeping))
-                raise exc
+                self._keep_after_failure(plan.slug, batch, handed)
+                raise
             if isinstance(outcome, PageReport):
                 return outcome
             expected = outcome
@@ -316,15 +323,11 @@ class SegmentCommitter:
             handed: set[int] = set()  # indexes whose attempts are recorded (held, or discarded)
             try:
                 failed = self._hold_batch(plan, batch, report, held, handed)
-            except Exception as exc:
+            except Exception:
                 # Holding one failed (a deadlock, a timeout, the connection dropped): the rest of the
                 # batch was taken from the feed and paid for too, and nothing else records it.
-                if not self.store.results_read_again:
-                    try:
-                        self._keep_unhanded(plan.slug, batch, handed)
-                    except Exception as keeping:  # the database is away: the first error is raised
-                        logger.warning("could not keep a failed batch's spend: %s", error_summary(keeping))
-                raise exc
+                self._keep_after_failure(plan.slug, batch, handed)
+                raise
             if failed is not None:
                 return failed
         segment_facts, skips, skipped = held.segment_facts, held.skips, held.skipped
