@@ -60,7 +60,8 @@ from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.jobs.outbox import resume_paused
 from worker.llm.anthropic_provider import AnthropicChatClient
-from worker.llm.batches import FIND_MARGIN, UNDETERMINED, AnthropicBatchClient, OpenAIBatchClient
+from worker.llm.batch_api import FIND_MARGIN, UNDETERMINED
+from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import Usage

@@ -38,7 +38,8 @@ from worker.extraction.provider_copies import (
     sweep_provider_copies,
 )
 from worker.llm.anthropic_provider import AnthropicChatClient
-from worker.llm.batches import AnthropicBatchClient, BatchLLMClient, OpenAIBatchClient
+from worker.llm.batch_api import BatchLLMClient
+from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy

@@ -74,7 +74,7 @@ def test_an_upload_is_tried_once_and_named_by_its_batch_key() -> None:
 def test_result_lines_are_read_chunk_by_chunk_and_end_at_newlines_only() -> None:
     """A results file is streamed (read whole, a large batch's took the worker's memory on every retry);
     a chunk may end inside a line or a character, and only b"\\n" ends a line (U+2028 is text)."""
-    from worker.llm.batches import jsonl_lines
+    from worker.llm.batch_api import jsonl_lines
 
     text = '{"a": "x\u2028y"}\n\n{"b": "é\u0085"}\r\n{"c": 1}'.encode()
     for size in (1, 2, 3, 7, len(text)):

@@ -65,7 +65,7 @@ from worker.extraction.prompts import extraction_request, first_turn
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
-from worker.llm.batches import UNDETERMINED, BatchItem, BatchLLMClient
+from worker.llm.batch_api import UNDETERMINED, BatchItem, BatchLLMClient
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 

@@ -14,7 +14,7 @@ from worker.extraction.backfill_store import BackfillStore, PlannedBatch, Planne
 from worker.extraction.batch import request_overhead_bytes, segment_bytes
 from worker.extraction.planner import PagePlan
 from worker.extraction.service import ExtractionRun
-from worker.llm.batches import BatchLLMClient
+from worker.llm.batch_api import BatchLLMClient
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from worker.extraction.provider_copies import discard_batch
 from worker.extraction.segments import Attempt, SegmentResult, classify_reply
 from worker.extraction.service import ExtractionRun, extract_pages
 from worker.extraction.store import ExtractionStore
-from worker.llm.batches import BatchItem, BatchLLMClient, BatchStatus
+from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 

@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import ProviderCopy
 from models.reads import read_only
 from worker.core.jsonvalues import made_storable
-from worker.llm.batches import BATCH_PROVIDERS, BatchLLMClient, open_batch_client
+from worker.llm.batch_api import BatchLLMClient
+from worker.llm.batches import BATCH_PROVIDERS, open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.retry import RetryPolicy
 from worker.settings import Settings
