@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from models.bulk import BulkInsert  # noqa: E402
 from models.tables import LLM_CALLS  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import at_least, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import SEARCH_PURPOSES, Budget, Ledger, LLMCallRecord  # noqa: E402
 from worker.accounting.ledger import _COLUMNS  # noqa: E402
@@ -146,10 +146,25 @@ def writes(factory: sessionmaker, rounds: int) -> None:  # type: ignore[type-arg
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=1_000_000, help="llm_calls rows dated today")
-    parser.add_argument("--backends", type=int, default=500, help="connections that wrote the day's spend")
-    parser.add_argument("--checks", type=int, default=200)
-    parser.add_argument("--writes", type=int, default=400, help="transactions of each kind in part 2")
+    parser.add_argument(
+        "--calls",
+        type=at_least(1, "the day's spend must be a sum of calls"),
+        default=1_000_000,
+        help="llm_calls rows dated today",
+    )
+    parser.add_argument(
+        "--backends",
+        type=at_least(1, "the spend is kept in one row a connection at least"),
+        default=500,
+        help="connections that wrote the day's spend",
+    )
+    parser.add_argument("--checks", type=at_least(1, "a median needs a sample"), default=200)
+    parser.add_argument(
+        "--writes",
+        type=at_least(20, "the writes alternate in rounds of 20"),
+        default=400,
+        help="transactions of each kind in part 2",
+    )
     args = parser.parse_args()
     with fresh_database(SERVER, "bench") as url:
         db.upgrade(url)

@@ -32,7 +32,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.llm_call import expire_ledger  # noqa: E402
-from tests.service import drop_index, fill_table, migrated_database, rolled_back_ms, rolled_back_runs  # noqa: E402
+from tests.service import (  # noqa: E402
+    at_least,
+    drop_index,
+    fill_table,
+    migrated_database,
+    rolled_back_ms,
+    rolled_back_runs,
+)
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
@@ -85,9 +92,11 @@ def rounds(factory: sessionmaker, batch: int, count: int) -> tuple[list[float], 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--calls", type=int, default=1_000_000)
-    parser.add_argument("--batch", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--calls", type=at_least(WRITES, f"the audit inserts name calls 1 to {WRITES:,}"), default=1_000_000
+    )
+    parser.add_argument("--batch", type=at_least(1, "a sweep deletes at least one row"), default=10_000)
+    parser.add_argument("--rounds", type=at_least(1, "a median needs a sample"), default=5)
     args = parser.parse_args(argv)
     small = max(1, args.batch // 100)
     with migrated_database(SERVER) as (url, factory):

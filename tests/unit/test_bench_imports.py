@@ -3,6 +3,7 @@ another left bench/one_statement.py failing at import, unseen until someone ran 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +41,45 @@ def test_every_benchmark_answers_help() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+# One size each below what the bench's figures need; each used to fill a database, then fail on an
+# empty sample (or print a slope of one point).
+TOO_SMALL = {
+    "budget.py": ["--writes", "5"],
+    "ledger_retention.py": ["--calls", "100"],
+    "page_list.py": ["--pages", "150"],
+    "transcript_list.py": ["--transcripts", "10"],
+    "quality.py": ["--max-tokens", "2000"],
+}
+REFUSE_ALL = """
+import contextlib, io, json, runpy, sys
+codes = {}
+for path, *args in json.loads(sys.argv[1]):
+    sys.argv = [path, *args]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(path, run_name="__main__")
+        codes[path] = [None, err.getvalue()]
+    except SystemExit as exc:
+        codes[path] = [exc.code, err.getvalue()]
+print(json.dumps(codes))
+"""
+
+
+def test_benchmarks_refuse_a_size_their_figures_cannot_come_from() -> None:
+    runs = [[str(BENCH / name), *args] for name, args in TOO_SMALL.items()]
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSE_ALL, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCH.parent,
+        env={**os.environ, "PYTHONPATH": f"{BENCH}:{BENCH.parent}"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    for path, (code, err) in codes.items():
+        assert code == 2, (path, code, err[-500:])
+        assert "must be at least" in err or "is below" in err, (path, err[-500:])
