@@ -76,18 +76,22 @@ def forget_page_in_deliveries(session: Session, source_id: str, slug: str, name:
     ).rowcount
 
 
-# The answer of a transcript append names its transcript at the top ({"transcript_id": ..., ...}).
+# The answers of a transcript append and of a settings change name their transcript at the top
+# ({"transcript_id": ..., ...}); a settings answer also echoes the summarizer's instructions, a user's
+# own words (``settings.instructions``; no change where the answer has none).
 _FORGET_TRANSCRIPT = text(
-    "UPDATE webhook_deliveries "
-    "SET response = jsonb_set(response, '{transcript_id}', to_jsonb(CAST(:name AS text))) "
+    "UPDATE webhook_deliveries SET response = jsonb_set("
+    " jsonb_set(response, '{transcript_id}', to_jsonb(CAST(:name AS text))),"
+    " '{settings,instructions}', 'null'::jsonb, false) "
     "WHERE response @> jsonb_build_object('transcript_id', CAST(:transcript_id AS text))"
 )
 
 
 def forget_transcript_in_deliveries(session: Session, transcript_id: str, name: str) -> int:
-    """Replace the transcript's id by ``name`` in every stored append answer that names it, in the
-    caller's transaction; returns how many changed. A repeated append is still answered (and so does
-    not bring the erased messages back), naming the transcript as the erasure left it."""
+    """Replace the transcript's id by ``name`` (and its instructions by null) in every stored answer
+    that names it, in the caller's transaction; returns how many changed. A repeated append or settings
+    change is still answered (and so brings nothing back), naming the transcript as the erasure left
+    it."""
     return session.execute(  # type: ignore[attr-defined]
         _FORGET_TRANSCRIPT, {"transcript_id": transcript_id, "name": name}
     ).rowcount

@@ -242,11 +242,13 @@ def post_messages(client: TestClient, transcript_id: str, payload: Any, *, key: 
     return client.post(path, content=body, headers=headers)
 
 
-def put_settings(client: TestClient, transcript_id: str, payload: Any) -> Any:
+def put_settings(client: TestClient, transcript_id: str, payload: Any, *, key: str | None = None) -> Any:
     body = json.dumps(payload).encode()
     path = f"/v1/transcripts/{transcript_id}"
     signature = sign(body, SECRET, method="PUT", path=path)
     headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
+    if key is not None:
+        headers["Idempotency-Key"] = key
     return client.put(path, content=body, headers=headers)
 
 

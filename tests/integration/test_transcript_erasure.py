@@ -28,6 +28,7 @@ from tests.integration.test_compaction_service import (
     append,
     llm_for,
     post_messages,
+    put_settings,
     session_messages,
 )
 from worker.api.app import create_app
@@ -61,6 +62,10 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
     )
     assert appended.status_code == 201, appended.text
     messages = appended.json()["appended"]
+    # The settings' answer is kept by its key, and echoes the instructions: a person's words.
+    instructions = "focus on the diagnosis Dr Okafor gave"
+    changed = put_settings(client, TRANSCRIPT, {"instructions": instructions}, key="settings-1")
+    assert changed.status_code == 200 and changed.json()["settings"]["instructions"] == instructions
     summary = compact_transcript(
         factory, llm_for(simulator), TRANSCRIPT, threshold=lambda: FALLBACK, force=True
     )
@@ -95,7 +100,10 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
         assert observation.compaction_id is None  # the label stays, no longer naming the summary
         jobs = session.scalars(select(Job).where(Job.kind == COMPACTION)).all()
         leaks = session.scalar(
-            select(func.count()).where(func.cast(WebhookDelivery.response, Text).contains(TRANSCRIPT))
+            select(func.count()).where(
+                func.cast(WebhookDelivery.response, Text).contains(TRANSCRIPT)
+                | func.cast(WebhookDelivery.response, Text).contains("Okafor")
+            )
         )
         [row] = session.scalars(select(TranscriptErasure)).all()
     assert jobs and {job.subject for job in jobs} == {erased_transcript_name(TRANSCRIPT)}
@@ -119,6 +127,10 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
     assert replay.status_code == 201 and replay.headers.get("Idempotent-Replayed") == "true"
     assert replay.json()["transcript_id"] == erased_transcript_name(TRANSCRIPT)
     assert counted(factory, TranscriptMessageRow) == 0
+    again = put_settings(client, TRANSCRIPT, {"instructions": instructions}, key="settings-1")
+    assert again.status_code == 200 and again.headers.get("Idempotent-Replayed") == "true"
+    assert again.json()["transcript_id"] == erased_transcript_name(TRANSCRIPT)
+    assert again.json()["settings"]["instructions"] is None
     missing = client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS)
     assert missing.status_code == 404 and missing.json()["detail"] == f"no transcript {TRANSCRIPT!r}"
     assert counted(factory, TranscriptErasure) == 1
