@@ -800,6 +800,62 @@ def test_a_context_left_over_its_threshold_by_an_accepted_summary_waits_too(
     assert "left the context at" in (held.trigger.note or ""), held.trigger.note
 
 
+def test_an_append_during_an_accepted_run_that_left_the_context_over_waits_too(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The rerun an append asked for while the job ran skipped the wait after an accepted summary that
+    left the context over its threshold (appends are held by it): it paid for another summary at once,
+    and each append during that run asked for one more."""
+    tight = {"context_window": 3000, "reserve_tokens": 1000, "keep_recent_tokens": 1800}
+    request = append(tx_factory, "tight-busy", session_messages(25), settings=tight)
+    job_id = request.trigger.job.job_id
+    summary = "## Goal\n" + "Deploy payments to Frankfurt behind the canary flag. " * 40
+
+    def append_meanwhile(request: ChatRequest) -> str:  # enough to move older messages out of the tail
+        append(tx_factory, "tight-busy", session_messages(8, first="And another thing."))
+        return summary
+
+    llm = ScriptedLLM(append_meanwhile, summary)
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(database_url, tx_factory, llm, compaction_retrigger_seconds=300)
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    [row] = compactions(tx_factory, "tight-busy")
+    assert row.status == "accepted" and (row.tokens_after or 0) > 2000  # over window - reserve
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued"  # the rerun the append asked for
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    assert len(llm.requests) == 1 and len(compactions(tx_factory, "tight-busy")) == 1  # it waits: no call
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and "was accepted" in (job.last_error or "") + str(job.counters)
+
+
+def test_a_forced_compaction_over_the_summarizers_input_goes_on_until_the_head_is_summarized(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A forced run (no window: no threshold) over the summarizer's input summarized its first part and
+    asked for the next; the next run was not forced (a one-run option), found no threshold passed and
+    stopped, the rest of the head never summarized."""
+    # No window: no threshold to pass.
+    append(tx_factory, "forced-big", session_messages(60), settings={"keep_recent_tokens": 1500})
+    with tx_factory.begin() as session:
+        job_id = request_compaction(session, "forced-big", force=True).job_id
+    activate_threshold(tx_factory, 0.0)
+    llm = ScriptedLLM(*[f"## Goal\n{GOAL}"] * 40)
+    rt = runtime(database_url, tx_factory, llm, compaction_max_input_tokens=1000)
+    for _ in range(40):
+        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+        with tx_factory() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            if job.status != "queued":
+                break
+    rows = compactions(tx_factory, "forced-big")
+    assert len(rows) > 2 and {r.status for r in rows} == {"accepted"}, [r.status for r in rows]
+    assert job.counters["head_capped"] is False  # the last run's head fitted whole
+
+
 def test_a_context_its_compactions_cannot_bring_under_waits_after_an_accepted_one_too(
     tx_factory: sessionmaker[Session], simulator: Any
 ) -> None:

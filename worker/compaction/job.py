@@ -9,7 +9,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import read_only
 from worker.calibration import ThresholdCache
-from worker.compaction.queries import TranscriptNotFoundError, recent_miss, request_compaction, retrigger_wait
+from worker.compaction.queries import (
+    CONTINUATION,
+    TranscriptNotFoundError,
+    compaction_wait,
+    request_compaction,
+    transcript_settings,
+)
 from worker.compaction.service import compact
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_ENABLED
@@ -36,13 +42,14 @@ def compact_job(ctx: JobContext) -> WorkResult:
     rt, job = ctx.rt, ctx.job
     settings = rt.settings
     force = bool(ctx.option("force", False))
-    if not force:
+    if not force and not ctx.option(CONTINUATION, False):
         # An append over the threshold while this job ran asked for a rerun, sent as soon as the run
-        # ended: after a rejected or failed summary, the wait the request path keeps was skipped, and an
-        # active agent paid for two more calls on nearly the same head every time.
+        # ended: the wait the request path keeps (after a rejected or failed summary, or an accepted one
+        # that left the context over its threshold) was skipped, and an active agent paid for another
+        # call on nearly the same head every time.
         with read_only(rt.factory) as session:
-            missed = recent_miss(session, job.subject, settings.compaction_retrigger_seconds)
-            waiting = retrigger_wait(missed, settings.compaction_retrigger_seconds) if missed else None
+            current = transcript_settings(session, job.subject)
+            waiting, _ = compaction_wait(session, job.subject, current, settings.compaction_retrigger_seconds)
         if waiting is not None:
             return WorkResult("succeeded", counters={"status": "waiting"}, note=waiting, detail=waiting)
     gate = threshold_cache(rt.factory, settings.threshold_cache_seconds)
@@ -67,9 +74,10 @@ def compact_job(ctx: JobContext) -> WorkResult:
     )
     if outcome.status == "accepted" and outcome.head_capped:
         # Only part of the head fitted the summarizer: the rest goes next, without waiting for an
-        # append (a rerun of this job, sent when it finishes; it stops once under the threshold).
+        # append (a rerun of this job, sent when it finishes; it stops once under the threshold, or,
+        # forced, once the head is summarized: a forced run's continuation is forced too).
         with contextlib.suppress(TranscriptNotFoundError), rt.factory.begin() as session:
-            request_compaction(session, job.subject, trigger="continue")  # unless erased meanwhile
+            request_compaction(session, job.subject, force=force, trigger="continue")  # unless erased
     counters = outcome.job_counters()
     if outcome.status == "failed":
         # The job's note names the compaction, not its error (a provider's message may quote the
@@ -90,6 +98,6 @@ KIND = register(
         errors=(ErrorRule(TranscriptNotFoundError, "fail"),),
         # A forced run skips the wait after a miss: kept for reruns, an agent appending over the
         # threshold paid two calls a run for as long as the gate rejected.
-        one_run_options=("force",),
+        one_run_options=("force", CONTINUATION),
     )
 )

@@ -292,23 +292,69 @@ def retrigger_wait(missed: Compaction, retrigger_seconds: float) -> str:
     )
 
 
+# A job option: this run continues an accepted summary of part of the head (it did not fit the
+# summarizer), so the wait after an accepted summary that left the context over its threshold does not
+# hold it. Asked of the running job's next run only (a one-run option of the compaction kind).
+CONTINUATION = "continuation"
+
+
 def request_compaction(
     session: Session, transcript_id: str, *, force: bool = False, trigger: str = "manual"
 ) -> JobRequest:
     """Request a compaction job (one pending per transcript) in the caller's transaction.
 
     A forced request marks a pending job as forced too, so it compacts even under the threshold (a
-    running one, its rerun: the run in progress read its options when it began). The transcript's row
-    is locked first, as appends and erasure lock it: a request racing an erasure waits for it and finds
-    no transcript (read unlocked, it inserted a job named by the erased id after the erasure's scrub).
+    running one, its rerun: the run in progress read its options when it began); a "continue" request
+    (from the running job itself) marks its rerun as a continuation. The transcript's row is locked
+    first, as appends and erasure lock it: a request racing an erasure waits for it and finds no
+    transcript (read unlocked, it inserted a job named by the erased id after the erasure's scrub).
     """
     lock_transcript(session, transcript_id, create=False)
-    job = request_job(session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger})
-    if force and not job.created:
+    asked = {"force": True} if force else {}
+    if trigger == "continue":
+        asked[CONTINUATION] = True
+    job = request_job(
+        session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger, **asked}
+    )
+    if asked and not job.created:
         session.execute(
-            update(Job).where(Job.id == job.job_id).values(options=options_for_its_next_run(force=True))
+            update(Job).where(Job.id == job.job_id).values(options=options_for_its_next_run(**asked))
         )
     return job
+
+
+def compaction_wait(
+    session: Session, transcript_id: str, settings: TranscriptSettings, retrigger_seconds: float
+) -> tuple[str | None, str | None]:
+    """(why no compaction runs now, or None; why none can bring the context under its threshold, or
+    None): the last compaction missed lately (rejected or failed), or was accepted lately and left the
+    context over its threshold (its summary and the kept messages do not fit under it), or any accepted
+    one lately when keep_recent_tokens alone does not fit. Without the wait, every append (and every
+    rerun an append asked for) paid for another summary of nearly the same head. The request path and
+    the job both ask it."""
+    misfit: str | None = None
+    if settings.trigger_tokens is not None and settings.keep_recent_tokens >= settings.trigger_tokens:
+        misfit = (
+            f"keep_recent_tokens ({settings.keep_recent_tokens}) is not below window - reserve "
+            f"({settings.trigger_tokens}), so no compaction can bring this context under its threshold; "
+            "lower keep_recent_tokens"
+        )
+    missed = recent_miss(
+        session,
+        transcript_id,
+        retrigger_seconds,
+        accepted_too=misfit is not None,
+        accepted_over=settings.trigger_tokens,
+    )
+    if missed is None:
+        return None, misfit
+    if missed.status == "accepted" and misfit is None:
+        misfit = (
+            f"it left the context at {missed.tokens_after} tokens, over window - reserve "
+            f"({settings.trigger_tokens}): its summary and keep_recent_tokens "
+            f"({settings.keep_recent_tokens}) do not fit under it; lower keep_recent_tokens"
+        )
+    return retrigger_wait(missed, retrigger_seconds), misfit
 
 
 def check_trigger(
@@ -319,32 +365,11 @@ def check_trigger(
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
-    misfit: str | None = None
-    if settings.trigger_tokens is not None and settings.keep_recent_tokens >= settings.trigger_tokens:
-        misfit = (
-            f"keep_recent_tokens ({settings.keep_recent_tokens}) is not below window - reserve "
-            f"({settings.trigger_tokens}), so no compaction can bring this context under its threshold; "
-            "lower keep_recent_tokens"
+    waiting, misfit = compaction_wait(session, transcript_id, settings, retrigger_seconds)
+    if waiting is not None:
+        return TriggerCheck(
+            tokens, settings.trigger_tokens, None, waiting + (f"; {misfit}" if misfit else "")
         )
-    # Such a context is over its threshold again right after an accepted summary (or was left over it
-    # by one: the summary and the kept messages do not fit under it): without the wait, every append
-    # would pay for another summary.
-    missed = recent_miss(
-        session,
-        transcript_id,
-        retrigger_seconds,
-        accepted_too=misfit is not None,
-        accepted_over=settings.trigger_tokens,
-    )
-    if missed is not None:
-        note = retrigger_wait(missed, retrigger_seconds)
-        if missed.status == "accepted" and misfit is None:
-            misfit = (
-                f"it left the context at {missed.tokens_after} tokens, over window - reserve "
-                f"({settings.trigger_tokens}): its summary and keep_recent_tokens "
-                f"({settings.keep_recent_tokens}) do not fit under it; lower keep_recent_tokens"
-            )
-        return TriggerCheck(tokens, settings.trigger_tokens, None, note + (f"; {misfit}" if misfit else ""))
     job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
     return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
 
