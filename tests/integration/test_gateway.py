@@ -5,7 +5,9 @@ Faults are injected by the simulator (a forcing header or seeded rates), never b
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -645,3 +647,39 @@ def test_rate_limited_client_reconciles_tokens_with_actual_usage(
     finally:
         for stale in client.scan_iter(f"{prefix}*"):
             client.delete(stale)
+
+
+def test_a_redis_that_never_answers_holds_no_call_for_long() -> None:
+    """A limiter's Redis that accepts and never answers (paused, a partition) held every LLM call in
+    every worker: no socket timeout, and the fail-open path waited for an error. Now a command gives
+    up, and the calls after it skip Redis for a while instead of each waiting out the timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # takes connections, reads nothing, answers nothing
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                accepted.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    limiter = RedisRateLimiter.from_url(url, RateLimits(requests_per_minute=60, tokens_per_minute=600_000))
+    done: list[float] = []
+    try:
+        caller = threading.Thread(
+            target=lambda: done.extend(limiter.acquire("k", 10) for _ in range(50)), daemon=True
+        )
+        caller.start()
+        caller.join(timeout=20)  # fifty calls; before, the first one never came back
+        assert not caller.is_alive(), "a call is still waiting on a Redis that never answers"
+        assert done == [0.0] * 50  # unthrottled while Redis is away (fail open), as on any Redis error
+        assert len(accepted) == 1  # the calls after the first failure did not ask it again
+        limiter.reconcile("k", 10, 500)  # nor does reconciling, while it is away
+        assert len(accepted) == 1
+    finally:
+        stop.set()
+        for connection in accepted:
+            connection.close()
+        listener.close()

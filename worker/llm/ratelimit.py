@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4
 MICROS = 1_000_000
 KEY_NAMESPACE = "factmill:llm-ratelimit"
+# A Redis that accepts and never answers (paused, starved, a partition) held every LLM call in every
+# worker for as long as it hung: no timeout was set, and the fail-open path waits for an error. Each
+# command now gives up after this long, and after a failure calls skip Redis for REDIS_AWAY_SECONDS
+# (else each paid the timeout).
+REDIS_TIMEOUT_SECONDS = 1.0
+REDIS_AWAY_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,19 @@ class RedisRateLimiter:
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._reconcile = client.register_script(_RECONCILE_LUA)
         self._warned = False
+        self._away_until = 0.0  # monotonic time; Redis is not asked before it
 
     @classmethod
     def from_url(cls, url: str, limits: RateLimits, *, prefix: str = "") -> RedisRateLimiter:
-        return cls(redis.Redis.from_url(redis_py_url(url)), limits, prefix=prefix)
+        client = redis.Redis.from_url(
+            redis_py_url(url),
+            socket_timeout=REDIS_TIMEOUT_SECONDS,
+            socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+        )
+        return cls(client, limits, prefix=prefix)
+
+    def _away(self) -> bool:
+        return time.monotonic() < self._away_until
 
     def _keys(self, key: str) -> list[str]:
         return [f"{self._prefix}:{key}:rpm", f"{self._prefix}:{key}:tpm"]
@@ -244,6 +259,7 @@ class RedisRateLimiter:
     def _redis_failed(self, exc: redis.RedisError) -> None:
         # Fail open: the provider's own 429s (retried with Retry-After) still hold the line, and a Redis
         # outage must not stop extraction. Said once per process, not once per call.
+        self._away_until = time.monotonic() + REDIS_AWAY_SECONDS
         if not self._warned:
             self._warned = True
             logger.warning("rate limiter Redis unavailable, calls go unthrottled until it is back: %s", exc)
@@ -259,7 +275,7 @@ class RedisRateLimiter:
         ]
         keys = self._keys(key)
         waited = 0.0
-        while True:
+        while not self._away():
             try:
                 wait_us = int(self._acquire(keys=keys, args=args))
             except redis.RedisError as exc:
@@ -270,10 +286,11 @@ class RedisRateLimiter:
                 return waited
             self._sleep(wait_us / MICROS)
             waited += wait_us / MICROS
+        return waited
 
     def reconcile(self, key: str, estimated: int, actual: int) -> None:
         per_minute = self.limits.tokens_per_minute
-        if per_minute <= 0 or actual == estimated:
+        if per_minute <= 0 or actual == estimated or self._away():
             return
         delta = round((actual - estimated) * self.limits.interval_us(per_minute))
         try:
