@@ -256,6 +256,20 @@ class Settings(BaseSettings):
     def _strip_optional(cls, value: str | None) -> str | None:
         return (value.strip() or None) if value is not None else None  # empty: not rotating
 
+    @field_validator("openai_api_key", "anthropic_api_key")
+    @classmethod
+    def _api_key(cls, value: str | None) -> str | None:
+        """A key read from a secret file ends in a newline: sent in a header, every call failed as a
+        retried "connection error" (the HTTP layer refuses the header, quoting the whole key)."""
+        if value is None:
+            return None
+        key = value.strip()
+        if any(char.isspace() or not char.isprintable() for char in key):
+            raise ValueError(
+                "an API key holds no spaces, line breaks or control characters; check the secret"
+            )
+        return key or None
+
     def webhook_secrets(self) -> list[str]:
         """The secrets a webhook signature may be made with: the current one, then the previous one
         while it is rotated."""

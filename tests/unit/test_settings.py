@@ -95,3 +95,24 @@ def test_the_alpha_settings_take_is_the_one_a_recompute_takes() -> None:
 
     bounds = [getattr(m, "ge", None) for m in Settings.model_fields["calibration_alpha"].metadata]
     assert MIN_ALPHA in bounds
+
+
+def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_refused_unquoted(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read from a secret file, a key ends in a newline: every call then failed as a retried "connection
+    error" (the HTTP layer refused the header, quoting the whole key in the exception)."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-0123456789\n")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "  sk-ant-0123456789\r\n")
+    settings = fresh_settings()
+    assert (settings.openai_api_key, settings.anthropic_api_key) == (
+        "sk-test-0123456789",
+        "sk-ant-0123456789",
+    )
+    fresh_settings.cache_clear()
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-01234\n56789")
+    with pytest.raises(InvalidSettingsError) as caught:
+        fresh_settings()
+    assert "OPENAI_API_KEY" in str(caught.value) and "no spaces, line breaks" in str(caught.value)
+    assert "56789" not in str(caught.value)
+    assert Settings(openai_api_key="  ").openai_api_key is None  # blank: no key set
