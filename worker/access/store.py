@@ -105,6 +105,9 @@ def create_key(
     if sources is not None and "admin" in chosen:
         # Admin routes (config, retries, keys, metrics) are not partitioned by source.
         raise KeyStoreError("an admin key covers every source; drop --source or the admin scope")
+    if sources is not None and "metrics" in chosen:
+        # /metrics counts every source and refuses a source-limited key: such a key got 403 on each scrape.
+        raise KeyStoreError("a metrics key covers every source; drop --source or the metrics scope")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(
         name=name.strip(),
