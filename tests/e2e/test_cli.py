@@ -65,12 +65,16 @@ def as_json(result: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(result.stdout)
 
 
-def test_ingest_extract_rerun_and_force_on_the_examples(cli):
+def test_ingest_extract_rerun_and_force_on_the_examples(cli, simulator):
     ingested = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
     assert len(ingested["ingested"]) == 23 and ingested["errors"] == []
     dry = as_json(cli("extract", "--dry-run", "--json"))
     assert (dry["pages_considered"], dry["pages_processed"], dry["llm_calls"]) == (22, 22, 0)
-    first = as_json(cli("extract", "--json"))
+    simulator.configure(latency_ms=100)  # each call lasts long enough for the next ones to start beside it
+    simulator.reset()
+    first = as_json(cli("extract", "--segment-concurrency", "1", "--json"))
+    assert simulator.stats()["max_in_flight"] == 1
+    simulator.restore()
     assert (first["pages_processed"], first["pages_failed"]) == (22, 0)
     assert first["facts_inserted"] > 0 and first["segments_processed"] == dry["segments_processed"]
     slug = "conversations/imessage/alice-and-bob-new-job"
@@ -78,8 +82,12 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli):
     assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
     rerun = as_json(cli("extract", "--json"))
     assert (rerun["pages_skipped"], rerun["facts_inserted"], rerun["llm_calls"]) == (22, 0, 0)
-    forced = as_json(cli("extract", "--force", "--json"))
+    simulator.configure(latency_ms=100)
+    simulator.reset()
+    forced = as_json(cli("extract", "--force", "--json"))  # 4 calls in flight a page by default
     assert forced["facts_inserted"] == first["facts_inserted"]
+    assert simulator.stats()["max_in_flight"] > 1
+    simulator.restore()
     assert as_json(cli("facts", "list", "--slug", slug, "--json")) == facts
     # The API's query (GET /v1/pages/.../facts): current facts, --history adds the rest with a status.
     history = as_json(cli("facts", "list", "--slug", slug, "--history", "--json"))

@@ -149,6 +149,12 @@ def extract(
         bool, typer.Option(help="Run even if facts.extraction_enabled is off.")
     ] = False,
     max_facts: Annotated[int | None, typer.Option(min=1, max=25, help="Facts per segment (1-25).")] = None,
+    segment_concurrency: Annotated[
+        int,
+        typer.Option(
+            min=1, max=64, help="LLM calls in flight per page (online); results still commit in page order."
+        ),
+    ] = 4,
     as_json: Annotated[bool, typer.Option("--json", help="Print the counters as JSON.")] = False,
     batch: Annotated[
         bool,
@@ -185,6 +191,7 @@ def extract(
         max_facts=max_facts,
         max_output_tokens=settings.llm_max_output_tokens,
         retry_skipped=skipped,
+        segment_concurrency=segment_concurrency,
     )
     if not as_json and not dry_run:
         err.print(describe(settings))
