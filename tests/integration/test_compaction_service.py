@@ -1569,7 +1569,7 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
     with factory.begin() as session:
         set_config(session, COMPACTION_ENABLED, "false", updated_by="test")
     off = cli("compact", "cli", "--now")
-    assert off.exit_code == 1 and "compaction.enabled is off" in off.output
+    assert off.exit_code == 3 and "compaction.enabled is off" in off.output
     with factory.begin() as session:
         set_config(session, COMPACTION_ENABLED, "true", updated_by="test")
         set_config(session, "llm.prices", json.dumps({"simulator-1": {"input": 1, "output": 1}}))

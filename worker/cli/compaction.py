@@ -120,9 +120,10 @@ def compact_command(
     settings = get_settings()
     config = ConfigReader(factory, ttl=0)
     if not config.enabled(COMPACTION_ENABLED):
-        raise fail(
+        raise fail(  # 3, as every command a kill switch stops (a script tells "off" from "failed")
             f"{COMPACTION_ENABLED} is off, so nothing is compacted; "
-            f"turn it on with `factmill config set {COMPACTION_ENABLED} true`"
+            f"turn it on with `factmill config set {COMPACTION_ENABLED} true`",
+            code=3,
         )
     runtime = Runtime(settings=settings, factory=factory, config=config)
     try:
@@ -139,7 +140,9 @@ def compact_command(
         )
     except TranscriptNotFoundError as exc:
         raise fail(str(exc)) from exc
-    except (CompactionDisabledError, BudgetExhaustedError) as exc:
+    except CompactionDisabledError as exc:
+        raise fail(str(exc), code=3) from exc
+    except BudgetExhaustedError as exc:
         raise fail(str(exc)) from exc
     except LLMError as exc:  # the provider unavailable past the retries: nothing stored, try again later
         raise fail(f"the summarizer call failed: {exc}; nothing was stored, try again later") from exc
