@@ -16,6 +16,7 @@ from sqlalchemy import text
 
 from models import ConfigEntry
 from tests.service import REPO
+from worker.core.conversation import MAX_PAGE_BODY_BYTES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -136,6 +137,14 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
         (tmp_path / f"{name}.md").write_text(f"---\n{typed}{line}\n---\nbody")
     with (tmp_path / "huge.md").open("wb") as huge:  # sparse: 1 GiB that takes no disk
         huge.truncate(1 << 30)
+    # Under the file cap, over the body cap: stored, it was never extracted, and ingest said all was well.
+    with (tmp_path / "long-body.md").open("w") as long_body:
+        long_body.write("---\ntype: conversation\n---\n")
+        long_body.write("x" * (MAX_PAGE_BODY_BYTES + 10))
+    # A Latin-1 file name: --json ended in a traceback (its lone surrogates), the report never written.
+    latin1_name = os.path.join(os.fsencode(tmp_path), b"caf\xe9.md")
+    with open(latin1_name, "wb") as named:
+        named.write(b"---\ntype: conversation\n---\nbody")
     result = cli("ingest", str(tmp_path), "--no-enqueue", "--json", check=False)
     assert result.returncode == 1  # the good page is stored, and a script sees that files were skipped
     report = as_json(result)
@@ -149,6 +158,8 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert reasons["laughs.md"] == "front matter uses a YAML alias (line 4); write the value out instead"
     assert reasons["deep.md"] == "front matter nests deeper than 32 levels (line 3)"
     assert "past the page cap" in reasons["huge.md"]  # refused after reading no more than the cap
+    assert "over the 26214400-byte cap extraction takes" in reasons["long-body.md"]
+    assert "the file name is not UTF-8" in reasons["caf\\xe9.md"], reasons
     for name in ("feb30", "year0", "digits"):
         assert "front matter holds a value that cannot be read" in reasons[f"{name}.md"], reasons
     assert "must not contain NUL" in reasons["nul.md"] and "must not contain NUL" in reasons["nul-type.md"]
@@ -164,6 +175,17 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]
     missing = cli("ingest", str(tmp_path / "nope.md"), check=False)
     assert missing.returncode == 1 and "no such file" in missing.stderr
+    # One file reached by two paths of one run (a folder and a file in it): its slugs differ, and it was
+    # stored as two pages, each extracted.
+    nested = tmp_path / "nest" / "2024"
+    nested.mkdir(parents=True)
+    (nested / "a.md").write_text("---\ntype: conversation\n---\n**A** (2024-01-01 9:00 AM): hi\n")
+    overlap = cli(
+        "ingest", str(tmp_path / "nest"), str(nested / "a.md"), "--no-enqueue", "--json", check=False
+    )
+    assert overlap.returncode == 1 and as_json(overlap)["ingested"] == ["2024/a"]
+    [twice] = as_json(overlap)["errors"]
+    assert twice["path"] == str(nested / "a.md") and "the same file as" in twice["reason"]
 
 
 def test_an_argument_of_bytes_that_are_not_utf8_is_refused_naming_it(cli):

@@ -134,9 +134,14 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     if slug is None:
         base = path.relative_to(root) if root and path.is_relative_to(root) else Path(path.name)
         slug = base.with_suffix("").as_posix()
+        if not _utf8(slug):  # a Latin-1 file name: its bytes reach Python as lone surrogates
+            raise PageFileError(
+                "the file name is not UTF-8, so no slug can be made of it; give the page a 'slug:' in its "
+                "front matter (or rename the file)"
+            )
     extra = {k: v for k, v in meta.items() if k not in FRONT_MATTER_KEYS}
     try:
-        return PageIn(
+        page = PageIn(
             source_id=str(meta.get("source_id", source_id)),
             slug=str(slug),
             type=str(meta["type"]),
@@ -150,6 +155,27 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
             for e in exc.errors()
         )
         raise PageFileError(problems) from exc
+    if page.body_bytes() > MAX_PAGE_BODY_BYTES:
+        # Stored, it was never extracted (the job skips a body over the cap) while ingest said all was well.
+        raise PageFileError(
+            f"the page's body is {page.body_bytes()} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap "
+            "extraction takes; split it into pages"
+        )
+    return page
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_path(path: Path | str) -> str:
+    """A path as a report shows it: a name that is not UTF-8 keeps its bytes as ``\\xe9`` escapes (its
+    lone surrogates stopped ``ingest --json`` with a traceback, the report never written)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _is_page_file(path: Path) -> bool:
@@ -204,13 +230,14 @@ def ingest_paths(
     them. ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
     report = IngestReport()
     taken: dict[tuple[str, str], Path] = {}  # each page of this run: the file it came from
+    files: dict[str, str] = {}  # each file of this run (its real path): the slug it was stored under
 
     def unreadable(path: Path, reason: str) -> None:
-        report.errors.append((str(path), reason))
+        report.errors.append((shown_path(path), reason))
 
     for path, root in iter_page_files(paths, on_error=unreadable):
         created = len(report.created)
-        _ingest_file(factory, path, root, source_id, report, taken)
+        _ingest_file(factory, path, root, source_id, report, taken, files)
         if send is not None and len(report.created) > created:
             asked = report.created[created:]
             sent = send(asked)
@@ -229,22 +256,33 @@ def _ingest_file(
     source_id: str,
     report: IngestReport,
     taken: dict[tuple[str, str], Path],
+    files: dict[str, str],
 ) -> None:
     try:
         page = load_page_file(path, root, source_id)
     except FileNotFoundError:
-        report.errors.append((str(path), "no such file or directory"))
+        report.errors.append((shown_path(path), "no such file or directory"))
         return
     except (PageFileError, OSError) as exc:
-        report.errors.append((str(path), str(exc)))
+        report.errors.append((shown_path(path), str(exc)))
         return
     first = taken.setdefault((page.source_id, page.slug), path)
     if first != path:
         # Two files of one run, one page (a/chat.md and b/chat.md; x.md and x.txt): the second silently
         # replaced the first, whose text was gone, and the run said both were ingested.
         report.errors.append(
-            (str(path), f"same page as {first} (slug {page.slug!r}); give one a 'slug:' in its front matter")
+            (
+                shown_path(path),
+                f"same page as {shown_path(first)} (slug {page.slug!r}); "
+                "give one a 'slug:' in its front matter",
+            )
         )
+        return
+    # One file reached twice (`ingest notes notes/2024`): its slugs differ (relative to each root), and
+    # both pages were stored and extracted, every fact twice.
+    again = files.setdefault(os.path.realpath(path), page.slug)
+    if again != page.slug:
+        report.errors.append((shown_path(path), f"the same file as page {again!r}, ingested once"))
         return
     with factory.begin() as session:
         job = store_page(session, page)
