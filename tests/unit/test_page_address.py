@@ -39,3 +39,13 @@ def test_a_root_path_that_begins_like_the_routes_is_stripped_only_when_the_raw_p
     """A root of /v1 under a server that leaves it out of the raw path: stripped all the same, the raw
     path no longer began with /v1/pages/ and Starlette's decoded split stood."""
     assert page_address(request(raw, "/v1"), "team", "a/notes") == ("team/a", "notes")
+
+
+@pytest.mark.parametrize(
+    "raw", [b"/v1/%70ages/team%2Fa/notes", b"/v1%2Fpages/team%2Fa/notes", b"/%76%31/pages/team%2Fa/notes"]
+)
+def test_a_percent_encoded_prefix_still_reads_the_source_from_the_raw_path(raw: bytes) -> None:
+    """Matched on its literal bytes, ``/v1/%70ages/...`` fell back to Starlette's decoded split, and
+    DELETE erased page a/notes of source team."""
+    assert page_address(request(raw), "team", "a/notes") == ("team/a", "notes")
+    assert page_address(request(b"/api" + raw, "/api"), "team", "a/notes") == ("team/a", "notes")

@@ -33,7 +33,21 @@ class TextPathConvertor(PathConvertor):
 # Registered as this module is imported: the route modules import it before their paths compile.
 register_url_convertor("text", TextPathConvertor())
 
-PAGES_PATH = "/v1/pages/"
+PAGES_PATH = "/v1/pages"
+
+
+def _segment_after(raw: bytes, prefix: str) -> str | None:
+    """The decoded raw-path segment that follows ``prefix`` (a decoded path), when the raw path's leading
+    segments, each decoded, spell it (``/v1/%70ages`` is ``/v1/pages``: matched on the literal bytes,
+    such a path fell back to Starlette's split); None when they do not."""
+    spelled = ""
+    for segment in raw.split(b"/")[1:]:
+        if spelled == prefix:
+            return unquote(segment.decode("ascii", "replace"))  # as the server decoded the path
+        spelled += "/" + unquote(segment.decode("ascii", "replace"))
+        if not prefix.startswith(spelled):
+            return None
+    return None
 
 
 def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]:
@@ -43,14 +57,20 @@ def page_address(request: Request, source_id: str, slug: str) -> tuple[str, str]
     source id is read from the raw path instead, whose first segment ends at the first real '/'; a path
     whose raw source leaves no slug (``/v1/pages/team%2Fa``) names no page (404)."""
     raw = request.scope.get("raw_path") or b""
-    root = request.scope.get("root_path", "").rstrip("/").encode()
-    # Mounted under a prefix (uvicorn --root-path), the raw path holds it; a server may leave it out.
-    unrooted = raw[len(root) :] if root and raw.startswith(root + b"/") else raw
-    raw = next((path for path in (unrooted, raw) if path.startswith(PAGES_PATH.encode())), b"")
-    if not raw:
+    if not raw:  # a server that keeps no raw path: the decoded one is all there is
         return source_id, slug
-    encoded, _, _ = raw[len(PAGES_PATH) :].partition(b"/")
-    named = unquote(encoded.decode("ascii", "replace"))  # as the server decoded the path
+    root = request.scope.get("root_path", "").rstrip("/")
+    # Mounted under a prefix (uvicorn --root-path), the raw path holds it; a server may leave it out.
+    named = next(
+        (
+            found
+            for prefix in (root + PAGES_PATH, PAGES_PATH)
+            if (found := _segment_after(raw, prefix)) is not None
+        ),
+        None,
+    )
+    if named is None:
+        raise ApiError(404, "no page named: the path does not start with /v1/pages/")
     if named == source_id:
         return source_id, slug
     matched = f"{source_id}/{slug}"  # the decoded path Starlette split, which starts with the source
