@@ -45,6 +45,7 @@ from worker.jobs import sending
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.retry import RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -567,6 +568,27 @@ def test_a_provider_outage_through_the_simulator_is_raised_for_the_job_to_try_ag
     assert {call.outcome for call in llm_calls(tx_factory)} == {"provider_error"}
     with tx_factory() as session:
         assert context_view(session, "down").compaction_id is None
+
+
+def test_the_kill_switch_stops_a_summarizer_call_between_the_gateways_tries(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """Read before each summarizer call only: under it the retry layer went on trying for minutes after
+    the switch went off during a provider's incident."""
+    simulator.configure(rate_500=1.0)
+    append(tx_factory, "incident", session_messages(25), settings=SETTINGS)
+    before = simulator.stats()["requests_total"]
+    reads: list[int] = []
+
+    def enabled() -> bool:  # on for the first read (before the call), off from the second
+        reads.append(1)
+        return len(reads) == 1
+
+    llm = RetryingClient(llm_for(simulator), RetryPolicy(max_attempts=5), sleep=lambda seconds: None)
+    with pytest.raises(CompactionDisabledError):
+        compact_transcript(tx_factory, llm, "incident", threshold=lambda: FALLBACK, enabled=enabled)
+    assert simulator.stats()["requests_total"] - before == 1, "no try after the switch went off"
+    assert compactions(tx_factory, "incident") == []
 
 
 def test_a_retry_that_keeps_the_missed_terms_is_accepted(tx_factory: sessionmaker[Session]) -> None:

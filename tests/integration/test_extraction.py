@@ -262,6 +262,37 @@ def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
     assert count(pages, ExtractionAudit) >= 1, "the paid attempt is recorded"
 
 
+def test_the_kill_switch_is_read_between_the_gateways_tries_of_one_call(pages, sim):
+    """Read before each attempt only: under it the retry layer went on trying one call for minutes (five
+    tries, two minutes of backoff) after the switch went off during a provider's incident, when it is
+    used. The try made before it is recorded."""
+    from worker.config_store import ConfigReader
+    from worker.llm.retry import RetryingClient, RetryPolicy
+
+    sim.configure(rate_500=1.0)  # every try fails, and is retried
+    provider = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    llm = RetryingClient(provider, RetryPolicy(max_attempts=5), sleep=lambda seconds: None)
+    asked: list[int] = []
+
+    def switch_off_during_the_first_call() -> None:
+        asked.append(1)
+        if len(asked) == 1:
+            with pages.begin() as session:
+                set_config(session, "facts.extraction_enabled", "false")
+
+    with pytest.raises(ExtractionDisabledError):
+        run_extract_conversation_facts(
+            pages,
+            llm,
+            ExtractOptions(slug=SLUG),
+            config=ConfigReader(pages, ttl=0),
+            guard=switch_off_during_the_first_call,
+        )
+    assert sim_requests(sim) == 1, "no try after the switch went off"
+    with pages() as session:
+        assert session.scalars(select(LLMCall.outcome)).all() == ["provider_error"], "the try is recorded"
+
+
 def test_a_stopping_worker_finishes_the_segment_it_began_paying_for(pages, sim):
     """Stopping is checked at segment boundaries: between a segment's attempts it threw the paid first
     attempt away, and the next worker paid for the whole segment again."""

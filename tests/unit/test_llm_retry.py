@@ -608,3 +608,54 @@ def test_a_body_that_is_no_json_error_is_described_never_quoted(sdk: Any) -> Non
     c = classify(error)
     assert c.retryable and "diagnosis" not in c.message
     assert c.message == "HTTP 502: a reply that is not a JSON error (50 bytes, text/html; not kept)"
+
+
+def test_a_call_that_waited_for_the_rate_limit_asks_the_callers_check_before_it_goes() -> None:
+    """A rate limit's wait can be long: a kill switch turned off meanwhile let the call go all the same.
+    The caller's check (worker.llm.between_tries) is asked after a wait; what it raises ends the call,
+    and the tokens charged for it are given back."""
+    from worker.llm.between_tries import checked_between_tries
+
+    class Stopped(Exception):
+        pass
+
+    class Waits(RecordingLimiter):
+        def acquire(self, key: str, tokens: int) -> float:
+            super().acquire(key, tokens)
+            return 2.5
+
+    def switched_off() -> None:
+        raise Stopped("the kill switch is off")
+
+    inner = ScriptedClient(ok_response())
+    limiter = Waits()
+    with checked_between_tries(switched_off), pytest.raises(Stopped):
+        RateLimitedClient(inner, limiter).chat(REQUEST)
+    estimate = estimate_request_tokens(REQUEST)
+    assert inner.calls == 0
+    assert limiter.calls == [("acquire", "fake:fake-1", estimate), ("reconcile", "fake:fake-1", estimate, 0)]
+    # No wait: no check asked (it was asked before the call, by the caller).
+    RateLimitedClient(inner, RecordingLimiter()).chat(REQUEST)
+    assert inner.calls == 1
+
+
+def test_the_callers_check_is_asked_before_each_retry_and_the_tries_before_it_are_kept() -> None:
+    from worker.llm.between_tries import checked_between_tries, tries_before_stop
+
+    class Stopped(Exception):
+        pass
+
+    asked: list[int] = []
+
+    def off_at_the_second_retry() -> None:
+        asked.append(1)
+        if len(asked) == 2:
+            raise Stopped("off")
+
+    inner = ScriptedClient(retryable(), retryable(), retryable(), ok_response())
+    client = RetryingClient(inner, RetryPolicy(max_attempts=5), sleep=Sleeps())
+    with checked_between_tries(off_at_the_second_retry), pytest.raises(Stopped) as stopped:
+        client.chat(REQUEST)
+    assert inner.calls == 2 and len(asked) == 2  # not before the first try: the caller asked then
+    assert [record.number for record in tries_before_stop(stopped.value)] == [1, 2]
+    assert client.chat(REQUEST) is not None  # outside the block, no check is asked

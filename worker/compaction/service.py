@@ -34,6 +34,7 @@ from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
+from worker.llm.between_tries import checked_between_tries
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.types import ChatResponse, LLMClient, Usage
 
@@ -200,15 +201,17 @@ class CompactionRun:
             missed = step
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _guard(self) -> None:
+    def _check(self) -> None:
+        """What stops the run: the kill switch, then the job's guard (lease, worker stopping, budgets).
+        Asked before each summarizer call and between the gateway's tries of one."""
+        if self.enabled is not None and not self.enabled():
+            raise CompactionDisabledError(PAUSED_REASON)
         if self.guard is not None:
             self.guard()
 
     def _attempt(self, attempt: int, missed: list[str]) -> CompactionOutcome | list[str]:
         """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""
-        if self.enabled is not None and not self.enabled():
-            raise CompactionDisabledError(PAUSED_REASON)
-        self._guard()
+        self._check()
         request = summarizer_request(
             self.plan.serialized,
             self.timeline.settings.instructions,
@@ -218,7 +221,8 @@ class CompactionRun:
         )
         entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
         try:
-            response = self.llm.chat(request)
+            with checked_between_tries(self._check):
+                response = self.llm.chat(request)
         except BudgetExhaustedError:
             raise  # no call was made: the job waits for budget (paused), as extraction's do
         except LLMError as exc:
@@ -308,8 +312,8 @@ class CompactionRun:
         whether the worker is stopping: what was paid for is kept)."""
         if self.lease is not None:
             self.lease()
-        else:
-            self._guard()
+        elif self.guard is not None:
+            self.guard()
         summary_info = self.timeline.summary
         saved = self.store.save_compaction(
             CompactionRecord(

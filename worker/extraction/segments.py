@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_reply, repair_user_message
 from worker.extraction.prompts import extraction_request, first_turn
+from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
@@ -109,8 +110,10 @@ def _ask(
     try:
         if before_call is not None:
             before_call()
-        return _chat_recording_retries(llm, request, attempts)
-    except BudgetExhaustedError as exc:  # refused by a budget check: no request made
+        with checked_between_tries(before_call):  # and between the gateway's tries of this call
+            return _chat_recording_retries(llm, request, attempts)
+    except BudgetExhaustedError as exc:  # refused by a budget check: no request made (by this try)
+        attempts.extend(_retried_failures(getattr(exc, "attempts", ())))  # the tries before it, if any
         attempts.append(
             Attempt("budget_exhausted", None, [], str(exc), llm.provider, llm.model, called=False)
         )
@@ -130,6 +133,9 @@ def _ask(
                 usage=exc.usage,
             )
         )
+    except Exception as exc:  # stopped between the gateway's tries: those it made are recorded
+        attempts.extend(_retried_failures(tries_before_stop(exc)))
+        raise
     return None
 
 

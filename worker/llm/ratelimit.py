@@ -22,6 +22,7 @@ from typing import Protocol
 import redis
 
 from worker.core.redis_urls import redis_py_url
+from worker.llm.between_tries import between_tries
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -347,6 +348,11 @@ class RateLimitedClient:
         waited = self.limiter.acquire(self._chat_key, estimated)
         if waited > 0:
             logger.debug("waited %.3fs for the %s rate limit", waited, self._chat_key)
+            try:
+                between_tries()  # the wait may have been long: what stops the caller is asked again
+            except Exception:
+                self.limiter.reconcile(self._chat_key, estimated, 0)  # no call made: nothing charged
+                raise
         try:
             response = self.inner.chat(request)
         except LLMError as exc:

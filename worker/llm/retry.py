@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 import tenacity
 
 from worker.core.errors import error_summary
+from worker.llm.between_tries import TRIES_ATTRIBUTE, between_tries
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -218,6 +219,10 @@ class RetryingClient:
                     exc,
                 )
             raise
+        except Exception as exc:  # the caller's check stopped it between tries: they are its to record
+            if records:
+                setattr(exc, TRIES_ATTRIBUTE, tuple(records))
+            raise
         success = AttemptRecord(
             len(records) + 1, None, value.latency_ms, purpose, self.provider, self.model, response=value
         )
@@ -228,6 +233,8 @@ class RetryingClient:
     def _attempt(self, call: _Call, fn: Callable[[], R]) -> R:
         # Providers turn every SDK failure into an LLMError (classified in errors.py); anything else is
         # a bug and propagates untouched, never retried.
+        if call.records:  # a retry: what stops the caller (a kill switch, a lost lease) is asked first
+            between_tries()
         try:
             return fn()
         except LLMError as exc:

@@ -1,0 +1,42 @@
+"""A check the gateway runs between the tries of one call: the caller's kill switch, lease and budgets.
+
+A call can last minutes under the gateway (five tries of up to a minute each, two minutes of backoff,
+and a rate limit's wait before each), while its caller checks what stops it only before the call: a
+kill switch turned off during a provider's incident (when it is used) let every call in flight go on
+retrying for as long. The caller sets its check for the calls it makes (``checked_between_tries``); the
+retry layer runs it before each try after the first, the rate limiter after each wait. What the check
+raises ends the call; the tries made before it are on the exception (``tries_before_stop``) for the
+caller to record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+_CHECK: ContextVar[Callable[[], None] | None] = ContextVar("factmill_llm_between_tries", default=None)
+TRIES_ATTRIBUTE = "llm_tries_before_stop"
+
+
+@contextmanager
+def checked_between_tries(check: Callable[[], None] | None) -> Iterator[None]:
+    """Run ``check`` between the tries of the calls made inside (in this thread or task)."""
+    token = _CHECK.set(check)
+    try:
+        yield
+    finally:
+        _CHECK.reset(token)
+
+
+def between_tries() -> None:
+    """Run the caller's check, if it set one."""
+    check = _CHECK.get()
+    if check is not None:
+        check()
+
+
+def tries_before_stop(exc: BaseException) -> tuple[Any, ...]:
+    """The gateway's tries (AttemptRecord) made before ``exc`` stopped the call between two of them."""
+    return tuple(getattr(exc, TRIES_ATTRIBUTE, ()))
