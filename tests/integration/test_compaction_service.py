@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -771,6 +772,34 @@ def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sess
         session.execute(update(Job).values(status="succeeded"))
         forced = request_compaction(session, "wait", force=True)
     assert forced.created
+
+
+def test_a_compaction_paused_for_its_own_budget_starts_it_over_for_new_content_after_the_wait(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """Appends reused the paused job and never renewed its budget (extraction's alone did): the sweeper
+    never found room, and the transcript was not compacted again until an operator's retry. Now an
+    append past the threshold starts the budget over once it has run the retrigger wait."""
+    request = append(tx_factory, "spent", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    spent_at = datetime.now(UTC) - timedelta(seconds=60)
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(status="paused", pause_reason="budget", budget_since=spent_at))
+
+    def budget_since() -> datetime:
+        with tx_factory() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.status == "paused"
+            return job.budget_since
+
+    again = append(tx_factory, "spent", [{"role": "user", "text": "more"}], retrigger_seconds=300)
+    assert again.trigger.job == jobs.JobRequest(job_id, created=False)
+    assert budget_since() == spent_at  # within the wait: its budget still runs
+    older = spent_at - timedelta(seconds=300)
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(budget_since=older))
+    append(tx_factory, "spent", [{"role": "user", "text": "and more"}], retrigger_seconds=300)
+    assert budget_since() > older + timedelta(seconds=300)  # started over: the sweeper finds it room
 
 
 def test_an_append_during_a_rejected_run_waits_the_retrigger_time_too(

@@ -370,7 +370,13 @@ def check_trigger(
         return TriggerCheck(
             tokens, settings.trigger_tokens, None, waiting + (f"; {misfit}" if misfit else "")
         )
-    job = request_job(session, COMPACTION, transcript_id, options={"force": False, "trigger": "threshold"})
+    job = request_job(
+        session,
+        COMPACTION,
+        transcript_id,
+        options={"force": False, "trigger": "threshold"},
+        renew_spent_budget_after=retrigger_seconds,  # a job paused for its own budget wakes for new content
+    )
     return TriggerCheck(tokens, settings.trigger_tokens, job, misfit)
 
 

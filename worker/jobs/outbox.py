@@ -106,13 +106,16 @@ def request_job(
     *,
     options: dict[str, Any] | None = None,
     idempotency_key: str | None = None,
+    renew_spent_budget_after: float | None = None,
 ) -> JobRequest:
     """Insert a queued job, or reuse the pending one for the same subject (one pending job per subject).
 
     A job that is already running may have read the old content, so it is marked to run again
-    when it finishes; a queued or paused one will read the new content anyway.
+    when it finishes; a queued or paused one will read the new content anyway. One paused for its own
+    budget starts that budget over for the new content (an extraction's at once; another kind's when
+    given ``renew_spent_budget_after``, once its budget has run that many seconds).
     """
-    [request] = _request(session, kind, [subject], options, idempotency_key)
+    [request] = _request(session, kind, [subject], options, idempotency_key, renew_spent_budget_after)
     return request
 
 
@@ -134,6 +137,7 @@ def _request(
     subjects: Sequence[str],
     options: dict[str, Any] | None,
     idempotency_key: str | None,
+    renew_spent_budget_after: float | None = None,
 ) -> list[JobRequest]:
     """The requests for ``subjects`` (distinct, sorted: rows are inserted and locked in that order, so
     two callers with overlapping subjects cannot deadlock)."""
@@ -162,11 +166,20 @@ def _request(
             session.execute(update(JOBS).where(JOBS.c.id.in_(running)).values(rerun_requested=True))
         # New content for a page whose job paused for its budget: the job's own budget starts over
         # (it was spent on the content before), so the sweeper wakes it; else the page's one pending
-        # slot stayed asleep. Extraction only: a compaction is requested on every append past its
-        # threshold, and a fresh budget each time would have no cap but the day's.
+        # slot stayed asleep. A compaction is requested on every append past its threshold, and a
+        # fresh budget each time would have no cap but the day's: its caller says how long a budget
+        # runs first (its retrigger wait; without it, a compaction paused for its budget never woke).
         spent = [row.id for row in existing if row.status == "paused" and row.pause_reason == BUDGET]
-        if spent and kind == EXTRACTION:
-            session.execute(update(JOBS).where(JOBS.c.id.in_(spent)).values(budget_since=func.now()))
+        renew_after = 0.0 if kind == EXTRACTION else renew_spent_budget_after
+        if spent and renew_after is not None:
+            ran_long_enough = JOBS.c.budget_since <= func.now() - func.make_interval(
+                0, 0, 0, 0, 0, 0, bindparam("renew_after", renew_after)
+            )
+            session.execute(
+                update(JOBS)
+                .where(JOBS.c.id.in_(spent), or_(JOBS.c.budget_since.is_(None), ran_long_enough))
+                .values(budget_since=func.now())
+            )
         found.update((row.subject, JobRequest(row.id, created=False)) for row in existing)
         left = [subject for subject in left if subject not in found]
         if not left:
