@@ -1326,3 +1326,34 @@ def test_a_recompute_that_never_finds_the_observations_lock_free_gives_up_and_sh
         assert observations_bound(session, poll_seconds=0.05, patience=0.1) is None
         assert session.scalar(text("SELECT current_setting('lock_timeout')")) == before
     storer.join(5)
+
+
+def test_a_session_lock_whose_unlock_cannot_run_goes_with_its_connection(
+    factory: sessionmaker[Session], database_url: str
+) -> None:
+    """The observations' exclusive lock is session-level: a rollback does not release it. An error that
+    left the transaction failed before the unlock sent the pooled connection back still holding it, and
+    every storing transaction (feedback, imports) queued behind it for good."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import DBAPIError
+    from sqlalchemy.pool import NullPool
+
+    from worker.calibration.queries import OBSERVATIONS_LOCK_ID, release_session_lock
+
+    lock = {"id": OBSERVATIONS_LOCK_ID}
+    session = factory()
+    try:
+        assert session.scalar(text("SELECT pg_advisory_lock(:id) IS NULL"), lock) is not None
+        with pytest.raises(DBAPIError):
+            session.execute(text("SELECT 1 / 0"))  # the transaction is failed: no statement runs now
+        with pytest.raises(DBAPIError):
+            release_session_lock(session, OBSERVATIONS_LOCK_ID)
+    finally:
+        session.close()
+    # Asked on a connection of its own (a pooled one may be the very connection that holds it).
+    other = create_engine(database_url, poolclass=NullPool)
+    try:
+        with other.begin() as connection:  # free: the connection that held it was closed
+            assert connection.scalar(text("SELECT pg_try_advisory_xact_lock(:id)"), lock) is True
+    finally:
+        other.dispose()

@@ -320,8 +320,19 @@ def observations_bound(
         with session.begin_nested():
             newest = session.scalar(select(func.max(CalibrationObservation.id)))
     finally:
-        session.execute(text("SELECT pg_advisory_unlock(:id)"), lock)
+        release_session_lock(session, lock["id"])
     return int(newest) if newest is not None else None
+
+
+def release_session_lock(session: Session, lock_id: int) -> None:
+    """Unlock a session-level advisory lock; if the unlock cannot run (the transaction failed), the
+    connection is closed instead, which releases it: a rollback does not, and the pooled connection
+    held the exclusive lock for good, every storing transaction queued behind it."""
+    try:
+        session.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": lock_id})
+    except BaseException:
+        session.connection().invalidate()
+        raise
 
 
 def _queue_for(session: Session, lock: dict[str, int]) -> None:
@@ -331,9 +342,13 @@ def _queue_for(session: Session, lock: dict[str, int]) -> None:
         with session.begin_nested():  # a refusal rolls the savepoint back, and the setting with it
             session.execute(text(f"SET LOCAL lock_timeout = '{QUEUED_LOCK_TIMEOUT}'"))
             session.execute(text("SELECT pg_advisory_lock(:id)"), lock)
-            # Taken: the rest of the recompute waits for its locks as before (a released savepoint
-            # keeps what SET LOCAL did).
-            session.execute(text("SELECT set_config('lock_timeout', :was, true)"), {"was": before})
+            try:
+                # Taken: the rest of the recompute waits for its locks as before (a released savepoint
+                # keeps what SET LOCAL did).
+                session.execute(text("SELECT set_config('lock_timeout', :was, true)"), {"was": before})
+            except BaseException:
+                release_session_lock(session, lock["id"])
+                raise
     except OperationalError as exc:
         if not lock_timed_out(exc):
             raise
