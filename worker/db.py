@@ -115,13 +115,22 @@ def lock_timed_out(exc: BaseException) -> bool:
     return getattr(getattr(exc, "orig", None), "sqlstate", None) == LOCK_NOT_AVAILABLE
 
 
+# SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
+# connections (53300). The server's state, not the work's: a disk full for two minutes failed every job
+# in flight for good (each retry spent an attempt, five used in about 75 s).
+SERVER_OUT_OF_RESOURCES_CLASS = "53"
+
+
 def database_unavailable(exc: BaseException) -> bool:
     """The database cannot serve now, through no fault of the work asked of it: it is unreachable or
-    restarting, or every pooled connection stayed busy past the pool's timeout. The answer is to try
-    again shortly: the API says 503 with Retry-After."""
+    restarting, out of disk, memory or connections, or every pooled connection stayed busy past the
+    pool's timeout. The answer is to try again shortly: the API says 503 with Retry-After."""
     if isinstance(exc, PoolTimeoutError):
         return True
-    return isinstance(exc, OperationalError) and database_went_away(exc)
+    if not isinstance(exc, OperationalError):
+        return False
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+    return database_went_away(exc) or sqlstate.startswith(SERVER_OUT_OF_RESOURCES_CLASS)
 
 
 @lru_cache(maxsize=8)

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from worker.db import database_went_away
+from worker.db import database_unavailable, database_went_away
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.lifecycle import classify, result_for_error
 from worker.jobs.registry import get_kind
@@ -52,6 +52,15 @@ def test_the_database_going_away_is_a_worker_loss_and_other_database_errors_are_
     assert database_went_away(error) is (action == "requeue")
     rule = classify(get_kind("extraction"), error)
     assert rule is not None and rule.action == action
+
+
+@pytest.mark.parametrize("sqlstate", ["53100", "53200", "53300"])  # disk full, out of memory, connections
+def test_a_server_out_of_resources_is_a_worker_loss_not_an_attempt(sqlstate: str) -> None:
+    """Retried as the job's own failure, a disk full for two minutes failed every job in flight for
+    good (five attempts spent in about 75 s of backoff)."""
+    rule = classify(get_kind("extraction"), wrapped(sqlstate))
+    assert rule is not None and rule.action == "requeue"
+    assert database_unavailable(wrapped(sqlstate)) and not database_went_away(wrapped(sqlstate))
 
 
 def test_a_pool_timeout_is_a_worker_loss_not_an_attempt():
