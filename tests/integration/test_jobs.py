@@ -414,6 +414,37 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
     assert sorted(resent(None)) == sorted([*sent, never])
 
 
+def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_does(tx_factory):
+    """A row of another kind (a newer version's, mid-deploy; an older one's after a downgrade) was asked
+    for its queue and failed every sweep: no lost job was sent again, no dead worker's job taken over."""
+    lost = new_job(tx_factory, "default|lost")
+    with tx_factory.begin() as session:
+        stranger = Job(kind="retired_kind", subject="x", status="queued")
+        running = Job(
+            kind="retired_kind", subject="y", status="running", heartbeat_at=now() - timedelta(hours=1)
+        )
+        session.add_all([stranger, running])
+        session.flush()
+        strangers = [stranger.id, running.id]
+        session.execute(update(Job).values(created_at=now() - timedelta(seconds=200)))
+    recorder = Recorder()
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=30,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=recorder,
+        queue_depth=lambda queue: 0,
+    )
+    assert [job_id for _, job_id, _ in recorder.sent] == [lost] and report.failed_spent == []
+    with tx_factory() as session:
+        left = (
+            session.execute(select(Job.status).where(Job.id.in_(strangers)).order_by(Job.id)).scalars().all()
+        )
+    assert left == ["queued", "running"]  # as they were
+
+
 def test_a_lost_message_behind_a_steady_backlog_of_fresh_ones_is_sent_again(tx_factory):
     """The broker's depth counted the messages of jobs sent lately too: while a bulk ingest kept more
     than requeue_after's worth of them queued, a job whose message was lost (a flush) was never sent

@@ -305,7 +305,7 @@ def _overdue_queue_depths(
     cutoff = func.now() - timedelta(seconds=requeue_after)
     with factory() as session:
         kinds = session.scalars(
-            select(Job.kind).where(Job.status == "queued", Job.enqueued_at < cutoff).distinct()
+            select(Job.kind).where(Job.status == "queued", Job.enqueued_at < cutoff, _known_kind()).distinct()
         ).all()
         if not kinds:
             return {}
@@ -313,7 +313,12 @@ def _overdue_queue_depths(
         # worker until due, not queued, so it is in no depth.
         fresh_by_kind = session.execute(
             select(Job.kind, func.count())
-            .where(Job.status == "queued", Job.enqueued_at >= cutoff, Job.enqueued_at <= func.now())
+            .where(
+                Job.status == "queued",
+                Job.enqueued_at >= cutoff,
+                Job.enqueued_at <= func.now(),
+                _known_kind(),
+            )
             .group_by(Job.kind)
         ).all()
     fresh: dict[str, int] = {}
@@ -329,6 +334,13 @@ def _overdue_queue_depths(
 
 # The most jobs of each sort (stale, overdue) one sweep locks and looks at; the rest wait for the next.
 SWEEP_BATCH = 5_000
+
+
+def _known_kind() -> ColumnElement[bool]:
+    """A job of a kind this version runs. A pending row of another (left by a newer version during a
+    rolling deploy, or by an older one after a downgrade) is left as it is for a version that knows it:
+    asked for its queue, it failed every sweep, and no lost job was sent again nor paused one resumed."""
+    return Job.kind.in_(kind_names())
 
 
 def sweep(
@@ -353,7 +365,11 @@ def sweep(
     with factory.begin() as session:
         stale = session.execute(
             select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
-            .where(Job.status == "running", Job.heartbeat_at < func.now() - timedelta(seconds=stale_after))
+            .where(
+                Job.status == "running",
+                Job.heartbeat_at < func.now() - timedelta(seconds=stale_after),
+                _known_kind(),
+            )
             .order_by(Job.heartbeat_at)
             .limit(SWEEP_BATCH)
             .with_for_update(skip_locked=True)
@@ -382,6 +398,7 @@ def sweep(
                     Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
                     Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),
                 ),
+                _known_kind(),
             )
             .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
             .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the oldest go first, the rest next sweep
