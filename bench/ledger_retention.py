@@ -3,8 +3,9 @@ the indexes of migration 0027 and without them.
 
     .venv/bin/python bench/ledger_retention.py [--calls 1000000] [--batch 10000] [--rounds 5]
 
-Fills ``llm_calls`` with ``--calls`` calls spread over 60 days, each named by one extraction audit row
-of the same age and every tenth by a consolidation decision, then times
+Fills ``llm_calls`` with ``--calls`` calls spread over 60 days (a job a hundred, one job in a hundred
+still pending, whose calls the sweep keeps), each named by one extraction audit row of the same age and
+every tenth by a consolidation decision, then times
 ``models.llm_call.expire_ledger`` with 30 days kept (about half the rows are past it), each DELETE
 rolled back so every round sees the same tables: first with migration 0027's indexes, then without
 them (the baseline: every deleted call's ON DELETE SET NULL reads extraction_audit and the decisions
@@ -45,10 +46,17 @@ SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
 AGE = "now() - (g::bigint * 5184000 / %(rows)s) * interval '1 s'"  # row g of n, spread over 60 days
 
+# A job a hundred calls, one in a hundred of them still pending (paused for its budget): the sweep
+# keeps a pending job's calls (its own budget sums them), asked of jobs for every call it deletes.
+JOBS = (
+    "INSERT INTO jobs (id, kind, subject, status, pause_reason) SELECT g, 'extraction', 'default|p-' || g, "
+    "CASE WHEN g %% 100 = 0 THEN 'paused' ELSE 'succeeded' END, CASE WHEN g %% 100 = 0 THEN 'budget' END "
+    "FROM generate_series(1, %(rows)s / 100 + 1) g"
+)
 CALLS = (
     "INSERT INTO llm_calls (id, provider, model, purpose, outcome, input_tokens, output_tokens, cost_usd, "
-    f"created_at) SELECT g, 'openai', 'gpt-4o-mini', 'extraction', 'ok', 900, 120, 0.0002, {AGE} "
-    "FROM generate_series(1, %(rows)s) g"
+    f"job_id, created_at) SELECT g, 'openai', 'gpt-4o-mini', 'extraction', 'ok', 900, 120, 0.0002, "
+    f"g / 100 + 1, {AGE} FROM generate_series(1, %(rows)s) g"
 )
 AUDIT = (
     "INSERT INTO extraction_audit (source_id, page_slug, segment_index, segment_start, segment_end, "
@@ -101,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     small = max(1, args.batch // 100)
     with migrated_database(SERVER) as (url, factory):
         started = time.perf_counter()
+        fill_table(url, "jobs", JOBS, rows=args.calls)
         fill_table(url, "llm_calls", CALLS, rows=args.calls)
         fill_table(url, "extraction_audit", AUDIT, rows=args.calls)
         fill_table(url, "consolidation_decisions", DECISIONS, rows=args.calls)

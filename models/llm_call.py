@@ -60,14 +60,22 @@ def _expire(table: str) -> str:
 
 
 _EXPIRE_AUDIT = text(_expire("extraction_audit"))
-_EXPIRE_CALLS = text(_expire("llm_calls"))
+# Not the calls of a job still pending: its own budget is the sum of its calls since it last started
+# over (worker.accounting.budget.spent_by_job), and a job paused for that budget longer than the ledger
+# is kept had its spend deleted, found room, and spent its whole budget again every retention period.
+_EXPIRE_CALLS = text(
+    "DELETE FROM llm_calls WHERE ctid = ANY(ARRAY(SELECT c.ctid FROM llm_calls c"
+    " WHERE c.created_at < now() - :kept AND (c.job_id IS NULL OR NOT EXISTS ("
+    "  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.status IN ('queued', 'running', 'paused')))"
+    " ORDER BY c.created_at LIMIT :limit FOR UPDATE OF c SKIP LOCKED))"
+)
 
 
 def expire_ledger(session: Session, kept: timedelta, limit: int) -> tuple[int, int]:
     """Delete up to ``limit`` extraction_audit rows and then up to ``limit`` llm_calls rows older than
     ``kept``, oldest first, in the caller's transaction; returns how many of each went. Decisions and
-    newer audit rows naming a deleted call keep their place with llm_call_id NULL. The spend budgets
-    read llm_spend_days, not these rows."""
+    newer audit rows naming a deleted call keep their place with llm_call_id NULL. The day budgets read
+    llm_spend_days, not these rows; a pending job's calls are kept (its own budget sums them)."""
     audit = session.execute(_EXPIRE_AUDIT, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]
     calls = session.execute(_EXPIRE_CALLS, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]
     return audit, calls

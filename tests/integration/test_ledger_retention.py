@@ -15,6 +15,7 @@ from models import (
     SEGMENTS_COUNTER,
     ConsolidationDecision,
     ExtractionAudit,
+    Job,
     LLMCall,
     LLMCallTotal,
     LLMSpendDay,
@@ -23,6 +24,7 @@ from models import (
 )
 from tests.integration.test_api import make_runtime
 from worker.accounting import Ledger, LLMCallRecord
+from worker.config_store import ConfigReader
 from worker.jobs.maintenance import maintain
 from worker.llm.types import Usage
 from worker.settings import Settings
@@ -133,3 +135,31 @@ def test_the_sweep_deletes_them_only_when_a_retention_is_set(
 def test_a_retention_under_a_week_is_refused() -> None:
     with pytest.raises(ValueError, match="ledger_retention_days"):
         Settings(ledger_retention_days=6)
+
+
+def test_a_pending_jobs_calls_stay_its_own_budget_sums_them(tx_factory: sessionmaker[Session]) -> None:
+    """A job paused for its own budget longer than the ledger is kept had its calls deleted: its spend
+    read $0, the sweeper found it room, and it spent its whole budget again every retention period."""
+    from worker.accounting import Budget
+    from worker.config_store import set_config
+
+    with tx_factory.begin() as session:
+        paused = Job(kind="extraction", subject="default|p", status="paused", pause_reason="budget")
+        done = Job(kind="extraction", subject="default|q", status="succeeded")
+        session.add_all([paused, done])
+        session.flush()
+        session.execute(update(Job).values(budget_since=func.now() - timedelta(days=60)))
+        set_config(session, "llm.budget_job_usd", "0.000001")
+    calls = {job.id: call(tx_factory, 40) for job in (paused, done)}
+    with tx_factory.begin() as session:
+        for job_id, call_id in calls.items():
+            session.execute(update(LLMCall).where(LLMCall.id == call_id).values(job_id=job_id))
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    assert budget.spent_by_job(paused.id) > 0
+    with tx_factory.begin() as session:
+        assert expire_ledger(session, KEPT, 10) == (0, 1)  # the finished job's call alone
+    assert left(tx_factory)[0] == {calls[paused.id]}
+    assert budget.spent_by_job(paused.id) > 0  # still spent: not woken
+    with tx_factory.begin() as session:
+        session.execute(update(Job).where(Job.id == paused.id).values(status="failed"))
+        assert expire_ledger(session, KEPT, 10) == (0, 1)  # ended: its calls go as any other
