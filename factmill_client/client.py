@@ -77,9 +77,11 @@ class Client:
     def send(self, call: calls.Call[T]) -> T:
         """Send ``call`` (retrying as ``self.retry`` says) and answer its model."""
         attempt = 0
+        signed_at: int | None = None
         while True:
             attempt += 1
-            request = build_request(self._http, call, self._credentials)
+            signed_at = self._credentials.signing_time(signed_at)
+            request = build_request(self._http, call, self._credentials, signed_at)
             try:
                 response = self._http.send(request)
             except httpx.TransportError as exc:

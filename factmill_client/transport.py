@@ -98,19 +98,37 @@ class RetryPolicy:
         return None
 
 
+# How long a call's retries keep the time its first attempt was signed with: below the server's default
+# tolerance (FACTMILL_WEBHOOK_TOLERANCE_SECONDS, 300), so a retry is still taken.
+REDATE_AFTER_SECONDS = 240.0
+
+
 @dataclass(frozen=True)
 class Credentials:
     api_key: str | None = field(default=None, repr=False)
     webhook_secret: Secrets | None = field(default=None, repr=False)  # several while it is rotated
     clock: Callable[[], float] = field(default=time.time, repr=False)  # dates signatures
+    redate_after_seconds: float = REDATE_AFTER_SECONDS
+
+    def signing_time(self, first: int | None) -> int:
+        """When an attempt is signed: the call's first attempt's time, while a server still takes it.
+        The server keeps the page of the newest delivery by its signed time: a retry dated anew, after
+        another sender stored a newer version of the page meanwhile, looked newer and rolled it back."""
+        now = int(self.clock())
+        if first is None or now - first > self.redate_after_seconds:
+            return now
+        return first
 
 
 def build_request(
-    http: httpx.Client | httpx.AsyncClient, call: Call[Any], credentials: Credentials
+    http: httpx.Client | httpx.AsyncClient,
+    call: Call[Any],
+    credentials: Credentials,
+    signed_at: int | None = None,
 ) -> httpx.Request:
-    """The request for one attempt of ``call``. A signed call is signed again for each attempt (the
-    signature is dated, and the server refuses one past its tolerance), over the path as sent and, with
-    v3, the call's Idempotency-Key (the same for every attempt)."""
+    """The request for one attempt of ``call``. A signed call is signed for each attempt at
+    ``signed_at`` (``Credentials.signing_time``; None: now), over the path as sent and, with v3, the
+    call's Idempotency-Key (the same for every attempt)."""
     headers: dict[str, str] = {}
     if call.body is not None:
         headers["Content-Type"] = "application/json"
@@ -128,7 +146,7 @@ def build_request(
         request.headers[SIGNATURE_HEADER] = sign(
             call.body or b"",
             credentials.webhook_secret,
-            int(credentials.clock()),
+            int(credentials.clock()) if signed_at is None else signed_at,
             method=call.method,
             path=path,
             idempotency_key=call.idempotency_key,

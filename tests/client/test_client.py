@@ -163,6 +163,57 @@ def test_a_lost_answer_is_retried_with_the_same_key_and_makes_one_job(service: S
     assert sorted(slugs) == ["conversations/client/10", "conversations/client/11"]
 
 
+class RefusedOnce(Recording):
+    """Answers the first request 503 itself (nothing reaches the server); ``meanwhile`` runs first."""
+
+    def __init__(self, meanwhile: Any) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not self.requests:
+            self.requests.append(request)
+            self.meanwhile()
+            return httpx.Response(503, headers={"Retry-After": "0"}, json={"detail": "busy"}, request=request)
+        return super().handle_request(request)
+
+
+def test_a_retry_keeps_its_first_signed_time_and_rolls_no_newer_page_back(service: Service, factory):
+    """The server keeps a page's newest delivery by its signed time. A retry was signed anew: after
+    another sender stored a newer version meanwhile, the retried older one looked newer and replaced
+    it. The call's attempts keep its first time (re-dated only once a server would refuse it)."""
+    slug = "conversations/client/raced"
+    older, newer = dict(page(40), slug=slug, title="older"), dict(page(41), slug=slug, title="newer")
+
+    stored: list[int] = []
+
+    def another_sender_stores_the_newer_one() -> None:
+        with Client(service.base_url, webhook_secret=SECRET) as other:
+            stored.extend(job.job_id for job in other.ingest_page(newer).jobs)
+
+    offsets = iter([-20.0, 30.0, 30.0, 30.0])  # the first attempt signed 20 s ago, the retry later
+    transport = RefusedOnce(another_sender_stores_the_newer_one)
+    fast = RetryPolicy(backoff=0.01)
+    with (
+        Client(
+            service.base_url,
+            webhook_secret=SECRET,
+            transport=transport,
+            retry=fast,
+            clock=lambda: time.time() + next(offsets),
+        ) as sender,
+        pytest.raises(Conflict, match="older than the stored one"),
+    ):
+        sender.ingest_page(older)
+    first, second = transport.requests
+    assert first.headers[SIGNATURE_HEADER].split(",")[0] == second.headers[SIGNATURE_HEADER].split(",")[0]
+    with Client(service.base_url, webhook_secret=SECRET) as reader_of_the_stored:
+        again = reader_of_the_stored.ingest_page(newer)  # unchanged: the stored page is still the newer one
+    assert [ref.slug for ref in again.unchanged] == [slug], again
+    with Client(service.base_url, api_key=new_key(factory, ["read"])) as reader:
+        settle(reader, stored)
+
+
 def test_iter_jobs_follows_the_cursor_over_more_jobs_than_a_page(service: Service, factory):
     with Client(service.base_url, webhook_secret=SECRET) as sender:
         accepted = sender.ingest_pages([page(n) for n in range(20, 27)])
