@@ -418,3 +418,17 @@ def test_a_version_never_activates_on_a_rate_of_a_handful_of_held_out_cases() ->
             assert "too few accepted cases" in verdict.reason
             refused_small += verdict.held_out_rate >= 0.9  # what activated before
     assert refused_small > 0
+
+
+def test_an_observations_csv_past_the_row_cap_is_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte cap was to mean about two million rows; rows of "0,1" fit 16.7 million into it, parsed
+    whole (gigabytes) into one transaction holding the observations' lock."""
+    from worker.core import calibration_csv
+
+    monkeypatch.setattr(calibration_csv, "MAX_CSV_ROWS", 3)
+    ok = calibration_csv.parse_observations_csv(
+        "0.5,1\n0.2,0\n# note\n\n0.9,1\n", default_origin="csv", file_digest="d"
+    )
+    assert ok.rows == 3 and not ok.errors
+    with pytest.raises(calibration_csv.CsvFormatError, match="more than 3 rows; import it in parts"):
+        calibration_csv.parse_observations_csv("0.5,1\n" * 4, default_origin="csv", file_digest="d")

@@ -19,7 +19,7 @@ SPLIT_METHOD = "stratified-sha256-alternate-v1"
 SPLIT_SALT = "factmill-calibration-split-v1"
 MAX_ORIGIN_LENGTH = 200
 MAX_KEY_LENGTH = 255
-# An observations CSV is read whole; past this (some two million rows) it is refused, to be split.
+# An observations CSV is read whole; past this size (or MAX_CSV_ROWS rows) it is refused, to be split.
 MAX_CSV_BYTES = 64 * 1024 * 1024
 RATE_TOLERANCE = 1e-9  # the same slack calibrate_threshold gives its own recall check
 # A version activates only on a rate measured over at least this many accepted held-out cases: "1 of 1
