@@ -403,6 +403,19 @@ def test_cli_extract_batch_json(committed_store, clean_sim, database_url, monkey
         counters = json.loads(result.output)
         assert counters["batch_id"].startswith("sim-batch_") and counters["batch_status"] == "completed"
         assert counters["pages_processed"] == 3 and counters["segments_submitted"] == 12
+        # A batch that expires runs none of what it was sent: exit 0 read as "all committed".
+        put_page(
+            committed_store,
+            "conversations/erin",
+            page_body("Erin Case", "Hooli"),
+            title="chat: Erin",
+            source_id="batch",
+        )
+        clean_sim.configure(batch_expire=True)
+        expired = CliRunner().invoke(app, args)
+        assert expired.exit_code == 4, expired.output
+        assert json.loads(expired.output)["segments_missing"] > 0
+        clean_sim.configure(batch_expire=False)
         monkeypatch.setenv("FACTMILL_LLM", "openai-compatible")
         monkeypatch.setenv("FACTMILL_LLM_BASE_URL", clean_sim.base_url)
         get_settings.cache_clear()

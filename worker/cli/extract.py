@@ -204,7 +204,10 @@ def extract(
         batch_poll_seconds=poll_seconds if batch else None,
     )
     _report(counters, source_id, as_json, time.perf_counter() - started)
-    if counters.pages_failed:
+    # A batch that expired, failed or did not end in time ran none of what it was sent: nothing was
+    # extracted, and a script read exit 0 as "all committed".
+    missing = isinstance(counters, BatchExtractionCounters) and counters.segments_missing > 0
+    if counters.pages_failed or missing:
         raise typer.Exit(4)
 
 
