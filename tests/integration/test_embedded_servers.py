@@ -259,6 +259,53 @@ def test_db_stop_stops_the_embedded_postgres_a_killed_client_still_names(tmp_pat
             os.kill(leftover, signal.SIGKILL)
 
 
+def test_a_postgres_killed_without_its_clean_up_is_started_again_when_its_pid_is_reused(
+    tmp_path: Path,
+) -> None:
+    """A postmaster killed with SIGKILL leaves postmaster.pid; once its pid belongs to another process
+    (here: a sleeping child), pgserver took the server for running and handed back a dead socket."""
+    data_dir = tmp_path / "var"
+    program = (
+        "import sys; from pathlib import Path; from sqlalchemy import create_engine, text; "
+        "from worker.embedded import embedded_postgres_url; "
+        "url = embedded_postgres_url(Path(sys.argv[1])); "
+        "engine = create_engine(url, connect_args={'connect_timeout': 10}); "
+        "print(engine.connect().execute(text('SELECT 41 + 1')).scalar())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    pgdata = (data_dir / "pg").resolve()
+    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        first = subprocess.run(
+            [sys.executable, "-c", program, str(data_dir)],
+            cwd=REPO,
+            env=env,
+            timeout=120,
+            capture_output=True,
+        )
+        assert first.stdout.strip() == b"42", first.stderr[-2000:]
+        postmaster = read_pid(pgdata / "postmaster.pid")
+        assert postmaster is not None
+        os.kill(postmaster, signal.SIGKILL)
+        assert wait_exited(postmaster, 30)
+        lines = (pgdata / "postmaster.pid").read_text().split("\n")
+        (pgdata / "postmaster.pid").write_text("\n".join([str(squatter.pid), *lines[1:]]))  # the pid reused
+        again = subprocess.run(
+            [sys.executable, "-c", program, str(data_dir)],
+            cwd=REPO,
+            env=env,
+            timeout=180,
+            capture_output=True,
+        )
+        assert again.stdout.strip() == b"42", again.stderr[-2000:]
+        assert read_pid(pgdata / "postmaster.pid") not in (None, squatter.pid)
+    finally:
+        squatter.kill()
+        leftover = read_pid(pgdata / "postmaster.pid")
+        if leftover and leftover != squatter.pid and pid_alive(leftover):
+            os.kill(leftover, signal.SIGKILL)
+
+
 def test_rate_limits_are_shared_through_the_embedded_redis(data_dir: Path) -> None:
     """With no Redis named, every process counted the rate limits on its own: a worker's children, the
     API and each MCP server each let through the whole rate. Two runtimes (two processes' worth) on one

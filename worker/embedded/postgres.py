@@ -46,6 +46,7 @@ def embedded_postgres_url(data_dir: Path) -> str:
             "which its server command line cannot carry; set FACTMILL_DATA_DIR to a folder without them, "
             "or FACTMILL_DATABASE_URL to a Postgres server"
         )
+    _forget_a_dead_servers_pid_file(pgdata)
     try:
         with quiet_runtime_dir():
             server = pgserver.get_server(pgdata, cleanup_mode=None)
@@ -55,6 +56,25 @@ def embedded_postgres_url(data_dir: Path) -> str:
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
     return socket_url(server.get_uri())
+
+
+def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
+    """Remove a postmaster.pid whose pid is no server of ``pgdata``: a postmaster killed without its
+    clean-up (OOM, a container restart) leaves it, and once its pid is reused by any process, pgserver
+    took the server for running and handed back a dead socket (every command waited 60 s and failed)."""
+    pid_file = pgdata / "postmaster.pid"
+    pid = read_pid(pid_file)
+    if pid is None or is_process_of(pid, str(pgdata)):
+        return
+    logger.warning("the embedded Postgres in %s died without its clean-up; starting it again", pgdata)
+    pid_file.unlink(missing_ok=True)
+    # Its socket's lock file names the dead postmaster too; Postgres refuses to start while that pid is
+    # a process at all (an unreaped zombie, or the pid reused), so it goes with its socket.
+    for lock in pgdata.glob(".s.PGSQL.*.lock"):
+        holder = read_pid(lock)
+        if holder is None or not is_process_of(holder, str(pgdata)):
+            lock.unlink(missing_ok=True)
+            lock.with_suffix("").unlink(missing_ok=True)
 
 
 def socket_url(uri: str) -> str:
