@@ -26,7 +26,19 @@ def test_an_open_flower_is_refused_in_production_unless_it_has_a_login(
     with pytest.raises(typer.Exit) as refused:
         refuse_open_flower(production, "0.0.0.0")
     assert refused.value.exit_code == 2
-    refuse_open_flower(Settings(environment="production", FLOWER_BASIC_AUTH="ops:pw"), "0.0.0.0")
+    refuse_open_flower(
+        Settings(environment="production", FLOWER_BASIC_AUTH="ops:9f2c1d7e0a4b8c3d"), "0.0.0.0"
+    )
+    # README's and the compose file's example, copied, was a login anyone could guess.
+    for weak, why in (
+        ("user:password", "placeholder"),
+        ("ops:ops", "placeholder"),
+        ("ops:pw", "shorter than 12"),
+    ):
+        with pytest.raises(typer.Exit) as refused:
+            refuse_open_flower(Settings(environment="production", FLOWER_BASIC_AUTH=weak), "0.0.0.0")
+        assert refused.value.exit_code == 2 and why in capsys.readouterr().err
+    refuse_open_flower(Settings(environment="production", FLOWER_BASIC_AUTH="user:password"), "127.0.0.1")
     refuse_open_flower(Settings(environment="production", FLOWER_AUTH=r".*@example\.com"), "0.0.0.0")
     capsys.readouterr()
     refuse_open_flower(Settings(environment="development"), "0.0.0.0")  # warned, not refused
@@ -39,10 +51,10 @@ def test_a_login_set_in_dotenv_reaches_flower(tmp_path, monkeypatch: pytest.Monk
     monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
     monkeypatch.delenv("FLOWER_AUTH", raising=False)
     dotenv = tmp_path / ".env"
-    dotenv.write_text("FLOWER_BASIC_AUTH=ops:pw\n")
+    dotenv.write_text("FLOWER_BASIC_AUTH=ops:9f2c1d7e0a4b8c3d\n")
     settings = Settings(_env_file=dotenv)  # type: ignore[call-arg]
     refuse_open_flower(settings.model_copy(update={"environment": "production"}), "0.0.0.0")
-    assert flower_logins(settings) == {"FLOWER_BASIC_AUTH": "ops:pw"}
+    assert flower_logins(settings) == {"FLOWER_BASIC_AUTH": "ops:9f2c1d7e0a4b8c3d"}
     assert flower_logins(Settings(_env_file=None)) == {}  # type: ignore[call-arg]
 
 

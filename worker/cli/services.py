@@ -211,10 +211,37 @@ def flower_logins(settings: Settings) -> dict[str, str]:
     return {name: value for name, value in logins.items() if value}
 
 
+# Flower's own login: the shortest password production takes beyond this host, and the ones refused
+# whatever their length (README and the compose file show `user:password`; a copied example was a login).
+MIN_FLOWER_PASSWORD_CHARS = 12
+PLACEHOLDER_FLOWER_PASSWORDS = frozenset({"password", "changeme", "change-me", "secret", "admin", "flower"})
+
+
+def weak_flower_login(basic_auth: str) -> str | None:
+    """Why a FLOWER_BASIC_AUTH (``user:password[,user:password]``) is not a login production may publish
+    (the user it concerns named, never the password), or None."""
+    for entry in basic_auth.split(","):
+        user, _, password = entry.strip().partition(":")
+        if password.lower() in PLACEHOLDER_FLOWER_PASSWORDS or password == user:
+            return f"FLOWER_BASIC_AUTH's password for {user!r} is a placeholder"
+        if len(password) < MIN_FLOWER_PASSWORD_CHARS:
+            return (
+                f"FLOWER_BASIC_AUTH's password for {user!r} is shorter than {MIN_FLOWER_PASSWORD_CHARS} "
+                "characters (e.g. `openssl rand -hex 16`)"
+            )
+    return None
+
+
 def refuse_open_flower(settings: Settings, host: str) -> None:
-    """Flower with no login shows every task, worker and queue to whoever reaches it: beyond this host,
-    refused in production (exit 2) and warned about otherwise."""
-    if is_loopback(host) or settings.flower_basic_auth or settings.flower_auth:
+    """Flower with no login shows every task, worker and queue to whoever reaches it (and can shut
+    workers down): beyond this host, refused in production (exit 2) and warned about otherwise; as is,
+    in production, a placeholder or short password."""
+    if is_loopback(host):
+        return
+    weak = weak_flower_login(settings.flower_basic_auth) if settings.flower_basic_auth else None
+    if weak and settings.environment == "production":
+        raise fail(f"{weak}; Flower on {host or 'every address'} can stop workers", code=2, highlight=False)
+    if settings.flower_basic_auth or settings.flower_auth:
         return
     message = (
         f"Flower on {host or 'every address'} would show every task, worker and queue to anyone who "
