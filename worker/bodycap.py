@@ -40,16 +40,27 @@ class BodyTooLargeError(Exception):
 
 
 class BodyReadTimeoutError(Exception):
-    """A large body did not arrive in time (answered 408 by the API's handlers): a slow upload would
-    hold one of the few places large bodies have for as long as its sender liked."""
+    """A large body did not arrive in time, or arrived slower than the least rate taken (answered 408 by
+    the API's handlers): a slow upload would hold one of the few places large bodies have for as long
+    as its sender liked."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, min_rate: int | None = None) -> None:
         super().__init__(seconds)
-        self.seconds = seconds
+        self.seconds, self.min_rate = seconds, min_rate
 
 
-def too_slow_detail(seconds: float) -> str:
+def too_slow_detail(seconds: float, min_rate: int | None = None) -> str:
+    if min_rate is not None:
+        return (
+            f"the request body arrived slower than {min_rate} bytes a second; send it again over a faster "
+            "link, or in smaller requests"
+        )
     return f"the request body did not arrive within {seconds:g} s; send it again, or in smaller requests"
+
+
+# A large body's first seconds are not held to the least rate (a connection's slow start, a proxy's
+# buffering); past them it must have come at least that fast on average.
+LARGE_BODY_GRACE_SECONDS = 5.0
 
 
 def too_large_detail(cap: int) -> str:
@@ -95,14 +106,24 @@ class BodyCapMiddleware:
     its size (the bytes, the text, the parsed JSON): ten at once passed an API pod's 512 MiB, and no
     credential is known before the body is read. A large body must then arrive within
     ``large_body_seconds`` (BodyReadTimeoutError, answered 408): two slow uploads held both places for
-    as long as their senders liked, and every large ingestion waited behind them."""
+    as long as their senders liked, and every large ingestion waited behind them. And, after the first
+    LARGE_BODY_GRACE_SECONDS, at least ``large_body_min_rate`` bytes a second on average: a forged
+    signature header passes the checks made before the body (its form and age), and a trickle of a
+    byte a second held a place for the whole deadline; two such connections, renewed, stalled every
+    real large delivery."""
 
     def __init__(
-        self, app: ASGIApp, cap: int, large_at_once: int = 0, large_body_seconds: float | None = None
+        self,
+        app: ASGIApp,
+        cap: int,
+        large_at_once: int = 0,
+        large_body_seconds: float | None = None,
+        large_body_min_rate: int = 0,
     ) -> None:
         self.app, self.cap = app, cap
         self._large_gate = asyncio.Semaphore(large_at_once) if large_at_once > 0 else None
         self._large_body_seconds = large_body_seconds
+        self._min_rate = large_body_min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,18 +138,29 @@ class BodyCapMiddleware:
         await self.capped(scope, receive, send)
 
     def _timed(self, receive: Receive) -> Receive:
-        """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now."""
-        seconds = self._large_body_seconds
-        if seconds is None:
+        """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now, or once the
+        body has come slower than the least rate (after the grace seconds)."""
+        seconds, min_rate = self._large_body_seconds, self._min_rate
+        if seconds is None and min_rate <= 0:
             return receive
-        deadline = asyncio.get_running_loop().time() + seconds
+        start = asyncio.get_running_loop().time()
+        deadline = start + seconds if seconds is not None else float("inf")
+        received = 0
 
         async def timed_receive() -> Any:
+            nonlocal received
+            limit, slow = deadline, False
+            if min_rate > 0:
+                paced = start + LARGE_BODY_GRACE_SECONDS + received / min_rate
+                limit, slow = min(deadline, paced), paced < deadline
             try:
-                async with asyncio.timeout_at(deadline):
-                    return await receive()
+                async with asyncio.timeout_at(limit):
+                    message = await receive()
             except TimeoutError:
-                raise BodyReadTimeoutError(seconds) from None
+                raise BodyReadTimeoutError(seconds or 0.0, min_rate if slow else None) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+            return message
 
         return timed_receive
 

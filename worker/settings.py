@@ -164,6 +164,8 @@ class Settings(BaseSettings):
     # Seconds a large body (one of those) has to arrive once its turn comes, else 408: a slow upload
     # held its place for as long as its sender liked. 25 MiB in 120 s is about 220 KB/s.
     large_body_seconds: float = Field(default=120.0, gt=0, le=3600)
+    # ...and, after its first 5 s, at least this many bytes a second on average (0: no floor).
+    large_body_min_bytes_per_second: int = Field(default=32 * 1024, ge=0, le=1 << 30)
     # Blocking route work runs on at most this many threads; fewer threads contend less for the GIL,
     # so the event loop (and /healthz on it) keeps answering under load.
     api_threads: int = Field(default=8, ge=1, le=200)

@@ -375,6 +375,47 @@ def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its
         assert "did not arrive within 0.3 s" in json.loads(body)["detail"]
 
 
+def test_a_large_body_trickling_in_slower_than_the_least_rate_is_answered_408(
+    database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged header of the right form and age passes what is checked before the body: a byte a second
+    held a large-body place for the whole deadline (two minutes), two such connections every real large
+    delivery. Past its grace a large body must keep the least average rate."""
+    import asyncio
+
+    from worker import bodycap
+
+    monkeypatch.setattr(bodycap, "LARGE_BODY_GRACE_SECONDS", 0.2)
+    runtime = make_runtime(
+        database_url, factory, max_large_bodies=1, large_body_seconds=60, large_body_min_bytes_per_second=1024
+    )
+    app = create_app(runtime, sender=Recorder(factory))
+    scope = signed_post_scope("/v1/pages", str(2 * 1024 * 1024).encode())
+    chunks = 0
+
+    async def receive() -> dict[str, Any]:  # 10 bytes every 50 ms: 200 bytes a second
+        nonlocal chunks
+        chunks += 1
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" " * 10, "more_body": True}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+
+    asyncio.run(run())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 408, (start, body)
+    assert "arrived slower than 1024 bytes a second" in json.loads(body)["detail"]
+    assert chunks < 100  # cut after its grace, not at the minute's deadline (1,200 chunks)
+
+
 def test_a_stale_signature_is_refused_before_a_byte_of_the_body_is_read(
     database_url: str, factory: sessionmaker[Session]
 ) -> None:

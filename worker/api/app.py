@@ -114,6 +114,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         cap=settings.max_body_bytes,
         large_at_once=settings.max_large_bodies,
         large_body_seconds=settings.large_body_seconds,
+        large_body_min_rate=settings.large_body_min_bytes_per_second,
     )
     registry = install_metrics(app, runtime.factory, runtime.settings.prometheus_multiproc_dir)
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]

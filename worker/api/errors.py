@@ -105,7 +105,8 @@ async def _body_too_large(_: Request, exc: Exception) -> JSONResponse:
 
 async def _body_too_slow(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BodyReadTimeoutError)
-    return JSONResponse({"detail": too_slow_detail(exc.seconds)}, 408, headers={"Connection": "close"})
+    detail = too_slow_detail(exc.seconds, exc.min_rate)
+    return JSONResponse({"detail": detail}, 408, headers={"Connection": "close"})
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
