@@ -590,6 +590,7 @@ def test_the_kill_switch_stops_a_summarizer_call_between_the_gateways_tries(
         compact_transcript(tx_factory, llm, "incident", threshold=lambda: FALLBACK, enabled=enabled)
     assert simulator.stats()["requests_total"] - before == 1, "no try after the switch went off"
     assert compactions(tx_factory, "incident") == []
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["provider_error"], "the try is recorded"
 
 
 def test_a_retry_that_keeps_the_missed_terms_is_accepted(tx_factory: sessionmaker[Session]) -> None:

@@ -659,3 +659,19 @@ def test_the_callers_check_is_asked_before_each_retry_and_the_tries_before_it_ar
     assert inner.calls == 2 and len(asked) == 2  # not before the first try: the caller asked then
     assert [record.number for record in tries_before_stop(stopped.value)] == [1, 2]
     assert client.chat(REQUEST) is not None  # outside the block, no check is asked
+
+
+def test_a_budget_that_refuses_a_retry_is_no_try_of_the_call() -> None:
+    """The budget is asked again after a rate limit's wait (worker.llm.between_tries): refused there, it
+    was recorded as a failed try, and extraction wrote a provider error for a request never sent."""
+    from decimal import Decimal
+
+    from worker.llm.errors import BudgetExhaustedError
+
+    spent = BudgetExhaustedError("day", Decimal("1"), Decimal("1.2"), key="llm.budget_daily_usd")
+    inner = ScriptedClient(retryable(), spent)
+    client = RetryingClient(inner, RetryPolicy(max_attempts=5), sleep=Sleeps())
+    with pytest.raises(BudgetExhaustedError) as refused:
+        client.chat(REQUEST)
+    assert inner.calls == 2 and [record.number for record in refused.value.attempts] == [1]
+    assert refused.value.attempts[0].error is not spent

@@ -10,7 +10,7 @@ applied. An LLM error, a refusal or an empty reply is stored as ``failed``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, TypedDict, Unpack, cast
 
@@ -34,7 +34,7 @@ from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
-from worker.llm.between_tries import checked_between_tries
+from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
 from worker.llm.types import ChatResponse, LLMClient, Usage
 
@@ -209,6 +209,15 @@ class CompactionRun:
         if self.guard is not None:
             self.guard()
 
+    def _record_tries(self, tries: Sequence[Any]) -> None:
+        """The gateway's failed tries of a call that a stop ended between them, each an llm_calls row."""
+        for tried in tries:
+            if tried.error is not None:
+                failed = LLMCallRecord.failed(
+                    LLM_PURPOSE, self.llm, tried.error, tried.latency_ms, self.job_id
+                )
+                self.store.record_llm_call(failed)
+
     def _attempt(self, attempt: int, missed: list[str]) -> CompactionOutcome | list[str]:
         """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""
         self._check()
@@ -223,8 +232,11 @@ class CompactionRun:
         try:
             with checked_between_tries(self._check):
                 response = self.llm.chat(request)
-        except BudgetExhaustedError:
-            raise  # no call was made: the job waits for budget (paused), as extraction's do
+        except BudgetExhaustedError as exc:
+            # No call was made by this try: the job waits for budget (paused), as extraction's do. The
+            # failed tries before it (a budget asked again between them) are recorded.
+            self._record_tries(getattr(exc, "attempts", ()))
+            raise
         except LLMError as exc:
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
@@ -235,6 +247,9 @@ class CompactionRun:
                 raise
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
             return self._finish("failed", error=f"the summarizer call failed: {exc}")
+        except Exception as exc:  # stopped between the gateway's tries (the switch, the lease)
+            self._record_tries(tries_before_stop(exc))
+            raise
         result = response_outcome(response.finish, response.text)
         entry["llm_call_id"] = self._record_response(response, result)
         if result == "refusal":

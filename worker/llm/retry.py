@@ -13,7 +13,7 @@ import tenacity
 
 from worker.core.errors import error_summary
 from worker.llm.between_tries import TRIES_ATTRIBUTE, between_tries
-from worker.llm.errors import LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
 
@@ -237,6 +237,8 @@ class RetryingClient:
             between_tries()
         try:
             return fn()
+        except BudgetExhaustedError:
+            raise  # a budget refused the try (after a rate limit's wait): no request was made
         except LLMError as exc:
             records = call.records
             records.append(
