@@ -143,12 +143,14 @@ class BodyCapMiddleware:
         seconds, min_rate = self._large_body_seconds, self._min_rate
         if seconds is None and min_rate <= 0:
             return receive
-        start = asyncio.get_running_loop().time()
-        deadline = start + seconds if seconds is not None else float("inf")
+        deadline = asyncio.get_running_loop().time() + seconds if seconds is not None else float("inf")
+        start: float | None = None  # the first read: the route may wait for a thread before it reads
         received = 0
 
         async def timed_receive() -> Any:
-            nonlocal received
+            nonlocal received, start
+            if start is None:
+                start = asyncio.get_running_loop().time()
             limit, slow = deadline, False
             if min_rate > 0:
                 paced = start + LARGE_BODY_GRACE_SECONDS + received / min_rate

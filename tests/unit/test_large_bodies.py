@@ -46,3 +46,37 @@ def test_large_bodies_are_handled_a_few_at_a_time_and_small_ones_never_wait() ->
     asyncio.run(run())
     assert most["large"] == 2, most
     assert most["small"] == 6, "a small body never waits on the large ones"
+
+
+def test_the_least_rate_counts_from_the_first_read_not_from_the_place_taken(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The route may wait for a thread (its key checked in the pool) before it reads the body: counted
+    from when the place was taken, a fast upload behind a busy pool was refused as too slow."""
+    from worker import bodycap
+
+    monkeypatch.setattr(bodycap, "LARGE_BODY_GRACE_SECONDS", 0.1)
+    read: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.3)  # waiting for a thread, past the grace
+        while True:
+            message = await receive()
+            read.append(len(message.get("body", b"")))
+            if not message.get("more_body"):
+                return
+
+    chunks = [b"x" * (64 * 1024)] * 32  # 2 MiB, at once
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0)  # the network: a point where a deadline passed is noticed
+        body = chunks.pop() if chunks else b""
+        return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+
+    async def send(message: Any) -> None:
+        return None
+
+    gated = BodyCapMiddleware(
+        app, cap=25 * LARGE_BODY_BYTES, large_at_once=1, large_body_seconds=60, large_body_min_rate=1024
+    )
+    big = [(b"content-length", str(2 * LARGE_BODY_BYTES).encode())]
+    asyncio.run(gated(_scope(big), receive, send))
+    assert sum(read) == 2 * LARGE_BODY_BYTES
