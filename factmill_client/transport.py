@@ -98,9 +98,10 @@ class RetryPolicy:
         return None
 
 
-# How long a call's retries keep the time its first attempt was signed with: below the server's default
-# tolerance (FACTMILL_WEBHOOK_TOLERANCE_SECONDS, 300), so a retry is still taken.
-REDATE_AFTER_SECONDS = 240.0
+# How long a call's retries keep the time its first attempt was signed with: well inside the server's
+# default tolerance (FACTMILL_WEBHOOK_TOLERANCE_SECONDS, 300), which a retry must meet once its body has
+# arrived too (a large one takes a while), and whatever the skew between the two clocks.
+REDATE_AFTER_SECONDS = 60.0
 
 
 @dataclass(frozen=True)

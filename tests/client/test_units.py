@@ -190,10 +190,10 @@ def test_a_success_answer_of_another_shape_is_an_api_error_not_a_pydantic_one():
 
 
 def test_a_call_keeps_its_first_signed_time_until_a_server_would_refuse_it():
-    ticks = iter([1_700_000_000, 1_700_000_100, 1_700_000_241, 1_700_000_300])
+    ticks = iter([1_700_000_000, 1_700_000_030, 1_700_000_061, 1_700_000_090])
     credentials = Credentials(None, "s3cret", clock=lambda: next(ticks))
     first = credentials.signing_time(None)
     assert first == 1_700_000_000
-    assert credentials.signing_time(first) == first  # 100 s on: still taken, and still the call's time
-    redated = credentials.signing_time(first)  # 241 s on: past REDATE_AFTER_SECONDS, dated anew
-    assert redated == 1_700_000_241 and credentials.signing_time(redated) == redated
+    assert credentials.signing_time(first) == first  # 30 s on: still taken, and still the call's time
+    redated = credentials.signing_time(first)  # 61 s on: past REDATE_AFTER_SECONDS, dated anew
+    assert redated == 1_700_000_061 and credentials.signing_time(redated) == redated
