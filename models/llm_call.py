@@ -60,13 +60,14 @@ def _expire(table: str) -> str:
 
 
 _EXPIRE_AUDIT = text(_expire("extraction_audit"))
-# Not the calls of a job still pending: its own budget is the sum of its calls since it last started
-# over (worker.accounting.budget.spent_by_job), and a job paused for that budget longer than the ledger
-# is kept had its spend deleted, found room, and spent its whole budget again every retention period.
+# Not the calls a pending job's own budget counts (worker.accounting.budget.COUNTS_FOR_JOB_BUDGET: its
+# calls since it last started over): a job paused for that budget longer than the ledger is kept had
+# its spend deleted, found room, and spent its whole budget again every retention period.
 _EXPIRE_CALLS = text(
     "DELETE FROM llm_calls WHERE ctid = ANY(ARRAY(SELECT c.ctid FROM llm_calls c"
     " WHERE c.created_at < now() - :kept AND (c.job_id IS NULL OR NOT EXISTS ("
-    "  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.status IN ('queued', 'running', 'paused')))"
+    "  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.status IN ('queued', 'running', 'paused')"
+    "  AND c.created_at >= coalesce(j.budget_since, j.created_at)))"
     " ORDER BY c.created_at LIMIT :limit FOR UPDATE OF c SKIP LOCKED))"
 )
 

@@ -160,6 +160,15 @@ def test_a_pending_jobs_calls_stay_its_own_budget_sums_them(tx_factory: sessionm
         assert expire_ledger(session, KEPT, 10) == (0, 1)  # the finished job's call alone
     assert left(tx_factory)[0] == {calls[paused.id]}
     assert budget.spent_by_job(paused.id) > 0  # still spent: not woken
+    # A call from before its budget last started over is no longer counted: it goes.
+    counted_before = call(tx_factory, 50)
+    with tx_factory.begin() as session:
+        session.execute(update(LLMCall).where(LLMCall.id == counted_before).values(job_id=paused.id))
+        session.execute(
+            update(Job).where(Job.id == paused.id).values(budget_since=func.now() - timedelta(days=45))
+        )
+        assert expire_ledger(session, KEPT, 10) == (0, 1)
+    assert left(tx_factory)[0] == {calls[paused.id]}
     with tx_factory.begin() as session:
         session.execute(update(Job).where(Job.id == paused.id).values(status="failed"))
         assert expire_ledger(session, KEPT, 10) == (0, 1)  # ended: its calls go as any other
