@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -11,8 +12,10 @@ from sqlalchemy.engine import make_url
 from worker.embedded.base import (
     EmbeddedUnavailableError,
     StopOutcome,
+    command_line,
     folder,
     is_process_of,
+    pid_alive,
     quiet_runtime_dir,
     read_pid,
     server_library,
@@ -46,7 +49,10 @@ def embedded_postgres_url(data_dir: Path) -> str:
             "which its server command line cannot carry; set FACTMILL_DATA_DIR to a folder without them, "
             "or FACTMILL_DATABASE_URL to a Postgres server"
         )
-    _forget_a_dead_servers_pid_file(pgdata)
+    # Under pgserver's own start lock: a process that starts the server meanwhile writes a pid file
+    # this one must not take for the dead one's.
+    with getattr(getattr(pgserver, "PostgresServer", None), "_lock", contextlib.nullcontext()):
+        _forget_a_dead_servers_pid_file(pgdata)
     try:
         with quiet_runtime_dir():
             server = pgserver.get_server(pgdata, cleanup_mode=None)
@@ -64,7 +70,7 @@ def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
     took the server for running and handed back a dead socket (every command waited 60 s and failed)."""
     pid_file = pgdata / "postmaster.pid"
     pid = read_pid(pid_file)
-    if pid is None or is_process_of(pid, str(pgdata)):
+    if pid is None or not _no_server_of(pgdata, pid):
         return
     logger.warning("the embedded Postgres in %s died without its clean-up; starting it again", pgdata)
     pid_file.unlink(missing_ok=True)
@@ -72,9 +78,18 @@ def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
     # a process at all (an unreaped zombie, or the pid reused), so it goes with its socket.
     for lock in pgdata.glob(".s.PGSQL.*.lock"):
         holder = read_pid(lock)
-        if holder is None or not is_process_of(holder, str(pgdata)):
+        if holder is None or _no_server_of(pgdata, holder):
             lock.unlink(missing_ok=True)
             lock.with_suffix("").unlink(missing_ok=True)
+
+
+def _no_server_of(pgdata: Path, pid: int) -> bool:
+    """Whether ``pid`` is surely no server of ``pgdata``: gone, or a process whose command line names
+    another thing. One whose command line cannot be read (/proc hidden) may be the server: not surely."""
+    if not pid_alive(pid):
+        return True
+    line = command_line(pid)
+    return line is not None and str(pgdata) not in line
 
 
 def socket_url(uri: str) -> str:
