@@ -117,8 +117,9 @@ def lock_timed_out(exc: BaseException) -> bool:
 
 # SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
 # connections (53300). The server's state, not the work's: a disk full for two minutes failed every job
-# in flight for good (each retry spent an attempt, five used in about 75 s).
-SERVER_OUT_OF_RESOURCES_CLASS = "53"
+# in flight for good (each retry spent an attempt, five used in about 75 s). Not 53400, a configured
+# limit (temp_file_limit) the statement itself passes, the same way every time.
+SERVER_OUT_OF_RESOURCES = frozenset({"53000", "53100", "53200", "53300"})
 
 
 def database_unavailable(exc: BaseException) -> bool:
@@ -130,7 +131,7 @@ def database_unavailable(exc: BaseException) -> bool:
     if not isinstance(exc, OperationalError):
         return False
     sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
-    return database_went_away(exc) or sqlstate.startswith(SERVER_OUT_OF_RESOURCES_CLASS)
+    return database_went_away(exc) or sqlstate in SERVER_OUT_OF_RESOURCES
 
 
 @lru_cache(maxsize=8)

@@ -63,6 +63,12 @@ def test_a_server_out_of_resources_is_a_worker_loss_not_an_attempt(sqlstate: str
     assert database_unavailable(wrapped(sqlstate)) and not database_went_away(wrapped(sqlstate))
 
 
+def test_a_configured_limit_the_statement_passes_is_the_jobs_own_failure() -> None:
+    """53400 (temp_file_limit, say): the statement passes it the same way every time."""
+    rule = classify(get_kind("extraction"), wrapped("53400"))
+    assert rule is not None and rule.action == "retry" and not database_unavailable(wrapped("53400"))
+
+
 def test_a_pool_timeout_is_a_worker_loss_not_an_attempt():
     """Every pooled connection busy past the pool's timeout (64 job threads, their heartbeats, the pipe's
     budget checks): retried as the job's own failure, five of them failed the page for good."""
