@@ -194,6 +194,8 @@ class Settings(BaseSettings):
     accept_v1_signatures: bool = False
     # Searches per minute per API key (each may call the LLM); 0 = unlimited.
     search_rate_per_minute: int = Field(default=60, ge=0)
+    # Searches one key may have running at once in an API process (0: no limit).
+    search_concurrency_per_key: int = Field(default=2, ge=0, le=1000)
 
     # Calibration
     # ge: worker.core.calibration.MIN_ALPHA (not imported: it would load the lexer at every start;

@@ -146,3 +146,34 @@ def test_searches_per_minute_are_limited_per_key(api: TestClient, factory: sessi
     assert limited.status_code == 429 and "at most 3 a minute" in limited.json()["detail"]
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
     assert api.post("/v1/search", json={"q": "lex: lisbon"}, headers=second).status_code == 200
+
+
+def test_a_key_has_at_most_its_share_of_searches_running_and_another_key_is_not_held(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """The per-minute limit counts searches begun: sixty slow ones begun at once took every thread of
+    the API's pool, and every other tenant's request waited. Two running per key, then 429."""
+    from worker.access import principal_for
+
+    busy_key, other_key = new_key(factory), new_key(factory)
+    busy = principal_for(factory, busy_key)
+    assert busy is not None
+    running = api.app.state.factmill.searches_running()  # two of its searches still running
+    assert running.most == 2 and running.enter(busy.rate_key) and running.enter(busy.rate_key)
+    try:
+        for refused in (
+            api.get("/v1/search", params={"q": "lex: lisbon"}, headers=bearer(busy_key)),
+            api.post("/v1/search", json={"q": "lex: lisbon"}, headers=bearer(busy_key)),
+        ):
+            assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+            assert "this key has 2 searches running" in refused.json()["detail"]
+        assert (
+            api.get("/v1/search", params={"q": "lex: lisbon"}, headers=bearer(other_key)).status_code == 200
+        )
+    finally:
+        running.leave(busy.rate_key)
+    # One finished: the next goes (the third of the minute's 3), and gives its slot back as it answers.
+    assert api.post("/v1/search", json={"q": "lex: lisbon"}, headers=bearer(busy_key)).status_code == 200
+    running.leave(busy.rate_key)
+    assert running.enter(busy.rate_key) and running.enter(busy.rate_key)  # both free again
+    assert not running.enter(busy.rate_key)

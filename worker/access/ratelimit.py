@@ -86,4 +86,36 @@ class PerKeyLimiter:
             return self._local[(who, window)]
 
 
-__all__ = ["PerKeyLimiter", "Verdict"]
+class InFlightPerKey:
+    """How many requests each key has running in this process, at most ``most`` (0: no limit). The
+    per-minute limit counts requests begun: sixty slow searches begun at once (each may wait a minute
+    on the LLM) took every thread of the API's pool, and every other tenant's request waited."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._running: dict[str, int] = {}
+
+    def enter(self, who: str) -> bool:
+        """Count one more of ``who``'s requests, or False (nothing counted) when it has ``most`` already."""
+        if self.most <= 0:
+            return True
+        with self._lock:
+            running = self._running.get(who, 0)
+            if running >= self.most:
+                return False
+            self._running[who] = running + 1
+            return True
+
+    def leave(self, who: str) -> None:
+        if self.most <= 0:
+            return
+        with self._lock:
+            left = self._running.get(who, 0) - 1
+            if left > 0:
+                self._running[who] = left
+            else:
+                self._running.pop(who, None)
+
+
+__all__ = ["InFlightPerKey", "PerKeyLimiter", "Verdict"]

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker import celery_app
 from worker.access import Principal
-from worker.access.ratelimit import PerKeyLimiter
+from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
 from worker.api.errors import ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
@@ -42,6 +42,7 @@ class ApiContext:
     registry: CollectorRegistry
     _broker_url: str | None = field(default=None, repr=False)
     _search_limiter: PerKeyLimiter | None = field(default=None, repr=False)
+    _searches_running: InFlightPerKey | None = field(default=None, repr=False)
     # Keys that passed the check, by digest: (principal, when, monotonic), for routes served through a
     # database outage (the metrics scrape: factmill_store_up 0 is what it is for).
     _verified: dict[str, tuple[Principal, float]] = field(default_factory=dict, repr=False)
@@ -82,6 +83,12 @@ class ApiContext:
         if self._search_limiter is None:
             self._search_limiter = PerKeyLimiter.for_runtime(self.runtime)
         return self._search_limiter
+
+    def searches_running(self) -> InFlightPerKey:
+        """Searches each key has running in this process (FACTMILL_SEARCH_CONCURRENCY_PER_KEY)."""
+        if self._searches_running is None:
+            self._searches_running = InFlightPerKey(self.settings.search_concurrency_per_key)
+        return self._searches_running
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:
         """Hand (job id, kind) pairs to the broker; call it only after their transaction committed."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -209,6 +211,24 @@ def _limited(ctx: ApiContext, principal: Principal) -> None:
         )
 
 
+@contextmanager
+def _running(ctx: ApiContext, principal: Principal) -> Iterator[None]:
+    """429 when this key already has its searches running in this process (each holds a thread of the
+    API's pool, maybe for a minute on the LLM): one key's burst took every thread, and every other
+    tenant's request waited behind it."""
+    running = ctx.searches_running()
+    if not running.enter(principal.rate_key):
+        raise ApiError(
+            429,
+            f"this key has {running.most} searches running; send the next one when one has answered",
+            headers={"Retry-After": "1"},
+        )
+    try:
+        yield
+    finally:
+        running.leave(principal.rate_key)
+
+
 @search_router.get(
     "/v1/search",
     response_model=SearchOut,
@@ -217,7 +237,8 @@ def _limited(ctx: ApiContext, principal: Principal) -> None:
 )
 def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
     _limited(ctx, principal)
-    return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
+    with _running(ctx, principal):
+        return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
 
 
 @search_router.post(
@@ -230,7 +251,8 @@ def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, 
 async def search_post(request: Request, ctx: Context, principal: Reader) -> dict[str, Any]:
     body = parse_json_model(await read_body(request, MAX_SEARCH_BODY_BYTES), SearchBody)
     await run_in_threadpool(_limited, ctx, principal)
-    return await run_in_threadpool(run_search, ctx.runtime, body, principal)
+    with _running(ctx, principal):  # taken before a thread is: a key over its share waits for none
+        return await run_in_threadpool(run_search, ctx.runtime, body, principal)
 
 
 __all__ = ["SearchBody", "run_search", "search_router"]
