@@ -103,6 +103,10 @@ def test_a_database_error_is_noted_by_its_classes_not_by_the_values_it_quotes(
     assert result.status == "retry"
     assert result.note == "DataError: InvalidTextRepresentation (SQLSTATE 22P02)"
     assert SECRET not in caplog.text
+    # Any other unsorted error: its class and where, not its message (a KeyError quotes the key it missed).
+    missed = raised(KeyError(SECRET))
+    note = result_for_error(get_kind("extraction"), missed).note or ""
+    assert note.startswith("KeyError at ") and "test_job_budgets.py" in note and SECRET not in note
     assert "raised DataError at test_job_budgets.py" in caplog.text
     # One that never reached a server keeps the driver's line: it names no data, only where it went.
     refused = raised(OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused\nmore")))

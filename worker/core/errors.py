@@ -48,6 +48,16 @@ def error_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {type(orig).__name__}: {first}"[:300]
 
 
+def unsorted_error_note(exc: BaseException, where: str) -> str:
+    """A job's note for an error no rule sorts (a bug, an outage nobody classified): a database error as
+    ``error_summary`` tells it (its classes and SQLSTATE, none of the values), any other by its class and
+    the place our code met it, not its message, which may quote what the job was working on (the note
+    is shown by the API and the CLI, and outlives a page's erasure)."""
+    if getattr(exc, "orig", None) is not None and hasattr(exc, "statement"):
+        return error_summary(exc)
+    return f"{type(exc).__name__} at {where} (its message is logged at DEBUG)"
+
+
 def connection_failure(exc: BaseException) -> str | None:
     """The driver's first line when ``exc`` is a database error from a connection that never opened
     (refused, unknown host, no such database or role): SQLAlchemy's ``OperationalError`` over the

@@ -13,7 +13,8 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from models import Job
-from worker.core.errors import error_summary
+from worker.core.errors import error_summary, unsorted_error_note
+from worker.core.jsonvalues import made_storable
 from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
 from worker.jobs.leases import Finished, Heartbeat, LeaseLostError, claim, finish, new_lease_token
@@ -41,6 +42,9 @@ RELEASED_NOTE = "released by a stopping worker; re-sent to the next one"
 def paused_reason(switch: str) -> str:
     return f"paused: {switch} is off; it resumes when the switch is turned on"
 
+
+# The longest note a failed job keeps (its last_error): a rule's error message, cut there.
+MAX_NOTE_CHARS = 2000
 
 # The common rows of the exception table; a kind's own rows (JobKind.errors) are read first.
 COMMON_ERRORS: tuple[ErrorRule, ...] = (
@@ -112,9 +116,10 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
         # Not a known class: a bug or an outage nobody sorted yet. Retry with backoff (bounded by the
         # attempts cap) rather than leave the job running until the sweeper notices. The line names the
         # error and where our code met it; its message (it may quote a page) and traceback go to DEBUG.
-        logger.warning("job of kind %s raised %s at %s; retrying", kind.name, type(exc).__name__, _where(exc))
+        where = _where(exc)
+        logger.warning("job of kind %s raised %s at %s; retrying", kind.name, type(exc).__name__, where)
         logger.debug("traceback of the %s job's error", kind.name, exc_info=exc)
-        return WorkResult("retry", note=error_summary(exc))
+        return WorkResult("retry", note=unsorted_error_note(exc, where))
     if rule.action == "pause":
         note = paused_reason(kind.switch) if rule.pause_reason == KILL_SWITCH else str(exc)
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
@@ -124,7 +129,7 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
         return WorkResult("lost", detail=str(exc))
     if rule.action == "release":
         return WorkResult("released", note=RELEASED_NOTE, detail=str(exc))
-    return WorkResult("failed", note=str(exc), detail=str(exc))
+    return WorkResult("failed", note=made_storable(str(exc))[:MAX_NOTE_CHARS], detail=str(exc))
 
 
 def _where(exc: BaseException) -> str:
