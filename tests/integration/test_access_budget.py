@@ -17,6 +17,7 @@ from tests.auth import bearer, new_key
 from tests.integration.test_api import Recorder, make_runtime
 from tests.integration.test_search import seed
 from worker.accounting import (
+    DAILY_BUDGET_KEY,
     PRICES_KEY,
     SEARCH_DAILY_BUDGET_KEY,
     SEARCH_PURPOSES,
@@ -177,3 +178,25 @@ def test_a_key_has_at_most_its_share_of_searches_running_and_another_key_is_not_
     running.leave(busy.rate_key)
     assert running.enter(busy.rate_key) and running.enter(busy.rate_key)  # both free again
     assert not running.enter(busy.rate_key)
+
+
+def test_near_its_limit_the_day_budget_reads_the_spend_fresh(factory: sessionmaker[Session]) -> None:
+    """The day's total is cached a second in each process: every call checked in that second passed a
+    budget already spent. Far from the limit the cache serves; within a tenth of it, each check reads."""
+
+    def get(key: str) -> str | None:
+        with factory() as session:
+            return get_config(session, key)
+
+    configure(factory, DAILY_BUDGET_KEY, "2")
+    far = Budget(factory, get, ttl=3600)  # the cache never expires within the test
+    spend(factory, "extraction", "0.50")
+    far.check()  # cached: $0.50
+    spend(factory, "extraction", "1.60")  # $2.10
+    far.check()  # far from the limit, the cached $0.50 is what it knows: no query a check
+    near = Budget(factory, get, ttl=3600)
+    configure(factory, DAILY_BUDGET_KEY, "2.20")
+    near.check()  # cached: $2.10, within a tenth of $2.20
+    spend(factory, "extraction", "0.20")  # $2.30, after the check cached $2.10
+    with pytest.raises(BudgetExhaustedError):
+        near.check()

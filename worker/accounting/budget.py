@@ -59,12 +59,18 @@ def parse_usd(value: str | None) -> Decimal | None:
 COUNTS_FOR_JOB_BUDGET = LLMCall.created_at >= func.coalesce(Job.budget_since, Job.created_at)
 
 
+# The share of a day budget past which its spend is read fresh at every check.
+NEAR_LIMIT = Decimal("0.9")
+
+
 class Budget:
     """Checks spend (from llm_calls) against the live budgets before each call.
 
-    The day total is cached for ``ttl`` seconds, so a check costs one query per ttl; concurrent
-    calls may overshoot a budget by the calls already in flight, never by more. One per process:
-    every client and runner shares its cache.
+    The day total is cached for ``ttl`` seconds, so a check costs one query per ttl; within
+    NEAR_LIMIT of the limit it is read fresh at each check (cached, the calls a second's worth of
+    checks let through all went past a spent budget). Concurrent calls may overshoot a budget by the
+    calls in flight and the paid results not yet committed. One per process: every client and runner
+    shares its cache.
     """
 
     def __init__(
@@ -108,6 +114,8 @@ class Budget:
         daily = self._limit(self._daily_key)
         if daily is not None:
             spent = self.spent_today()
+            if daily * NEAR_LIMIT <= spent < daily:
+                spent = self._day.load(None)  # close to it: the cached total may be a second behind
             if spent >= daily:
                 scope = "search day" if self._search else "day"
                 raise BudgetExhaustedError(scope, daily, spent, key=self._daily_key)
