@@ -99,3 +99,10 @@ def test_the_published_development_secrets_are_refused_beyond_this_host(
         with pytest.raises(typer.Exit):
             refuse_published_secrets(own.model_copy(update=weak), "0.0.0.0")
         assert f"FACTMILL_{next(iter(weak)).upper()} still hold" in capsys.readouterr().err
+
+
+def test_all_the_queues_by_default() -> None:
+    """The default was extraction and maintenance: consolidation (asked for by every extraction),
+    compaction and calibration jobs stayed queued for good under `factmill worker` alone."""
+    known = ["extraction", "consolidation", "compaction", "calibration", "maintenance"]
+    assert worker_queues("all", known) == worker_queues(" ALL ", known) == ",".join(known)

@@ -105,8 +105,8 @@ MAX_JOBS_IN_FLIGHT = 4096  # as FACTMILL_LLM_CONCURRENCY: one thread a job
 
 def worker(
     queues: Annotated[
-        str, typer.Option(help="Comma-separated queues to consume.")
-    ] = "extraction,maintenance",
+        str, typer.Option(help="Comma-separated queues to consume; all: every job kind's and maintenance.")
+    ] = "all",
     concurrency: Annotated[
         int | None,
         typer.Option(
@@ -164,6 +164,10 @@ def worker(
 def worker_queues(text: str, known: Sequence[str]) -> str:
     """``--queues`` as Celery must get it: names stripped, in order, once each. Celery splits on commas
     without stripping, so "extraction, maintenance" consumed a queue " maintenance" no one sends to."""
+    if text.strip().lower() == "all":
+        # The default: "extraction,maintenance" left consolidation (asked for by every extraction),
+        # compaction and calibration queued for good on a setup that ran `factmill worker` alone.
+        return ",".join(known)
     names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     unknown = [name for name in names if name not in known]
     if unknown or not names:
