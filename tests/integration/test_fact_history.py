@@ -3,6 +3,7 @@ as_of a time (search, the facts route over HTTP, the timeline), the operators' u
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationDecision, Fact
 from tests.auth import send_key
+from tests.cli import invoke_cli
 from tests.integration.test_api import Recorder, make_runtime
 from tests.integration.test_consolidation import (
     ALICE,
@@ -221,3 +223,21 @@ def test_an_undated_fact_is_true_from_when_it_was_said(
     consolidate(tx_factory, llm)
     assert found(tx_factory, as_of=FEB) == [(LISBON, "superseded")], "in February she lived in Lisbon"
     assert found(tx_factory, as_of=APR) == [(PORTO, "current")]
+
+
+def test_facts_history_json_writes_an_open_end_as_null(
+    factory: sessionmaker[Session], simulator: Any, database_url: str
+) -> None:
+    """--json wrote "…" for a fact with no end (or no start), the table's way of saying it, where the
+    API and a JSON reader expect null; and a start to the minute only."""
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    both_pages_consolidated(factory, llm)
+    shown = invoke_cli(database_url, "facts", "history", ALICE, "--json")
+    assert shown.exit_code == 0, shown.output
+    timeline = json.loads(shown.output)
+    assert timeline and "…" not in shown.output
+    current = [entry for entry in timeline if entry["status"] == "current"]
+    assert current and all(entry["valid_to"] is None for entry in current)
+    assert all(
+        entry["valid_from"] is None or datetime.fromisoformat(entry["valid_from"]) for entry in timeline
+    )

@@ -106,3 +106,14 @@ def test_all_the_queues_by_default() -> None:
     compaction and calibration jobs stayed queued for good under `factmill worker` alone."""
     known = ["extraction", "consolidation", "compaction", "calibration", "maintenance"]
     assert worker_queues("all", known) == worker_queues(" ALL ", known) == ",".join(known)
+
+
+def test_serve_takes_no_more_processes_than_a_worker_does() -> None:
+    """`serve --workers` had no bound (`worker --processes` is capped at 64 for that reason): a typo of
+    a few zeros forked uvicorn processes until the machine gave out."""
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+
+    refused = CliRunner().invoke(app, ["serve", "--workers", "1000"])
+    assert refused.exit_code == 2 and "less than or equal to 64" in refused.output

@@ -39,6 +39,10 @@ def _day(value: object) -> str:
     return value.isoformat(timespec="minutes") if hasattr(value, "isoformat") else "…"  # type: ignore[union-attr]
 
 
+def _iso(value: object) -> str | None:
+    return value.isoformat() if hasattr(value, "isoformat") else None  # type: ignore[union-attr]
+
+
 def history(
     entity: Annotated[str, typer.Argument(help="The entity slug, e.g. people/alice-example.")],
     source_id: Annotated[str | None, source_option(help="Only facts from this source.")] = None,
@@ -51,8 +55,12 @@ def history(
         entries = entity_timeline(session, entity, [source_id] if source_id else None)
         named = [] if entries else entities_named(session, entity)
     if as_json:
+        # An open end is null, as the API writes it ("…" is the table's way of saying it).
         print_json(
-            [vars(e) | {"valid_from": _day(e.valid_from), "valid_to": _day(e.valid_to)} for e in entries]
+            [
+                vars(e) | {"valid_from": _iso(e.valid_from), "valid_to": _iso(e.valid_to)}
+                for e in entries
+            ]
         )
         return
     if not entries:

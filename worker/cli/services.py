@@ -51,10 +51,18 @@ def refuse_missing_tracing(settings: Settings) -> None:
         raise fail(str(exc), code=2) from None
 
 
+# `--processes 100000` forked until the machine gave out. Each process holds its own connection pools
+# and LLM pipe; past a few per core they only compete for it: more throughput means more hosts.
+MAX_WORKER_PROCESSES = 64
+MAX_JOBS_IN_FLIGHT = 4096  # as FACTMILL_LLM_CONCURRENCY: one thread a job
+
+
 def serve(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, port_option(help="The port the API listens on.")] = 8000,
-    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes.")] = 1,
+    workers: Annotated[
+        int, typer.Option(min=1, max=MAX_WORKER_PROCESSES, help="uvicorn worker processes.")
+    ] = 1,
 ) -> None:
     """Run the HTTP API (webhooks, jobs, facts, config, health, metrics)."""
     settings = get_settings()
@@ -95,12 +103,6 @@ def request_counts_shared(settings: Settings, workers: int) -> Iterator[None]:
         yield
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-# `--processes 100000` forked until the machine gave out. Each process holds its own connection pools
-# and LLM pipe; past a few per core they only compete for it: more throughput means more hosts.
-MAX_WORKER_PROCESSES = 64
-MAX_JOBS_IN_FLIGHT = 4096  # as FACTMILL_LLM_CONCURRENCY: one thread a job
 
 
 def worker(
