@@ -84,6 +84,8 @@ class AsyncClient:
                 if pause is None:
                     raise ApiConnectionError(give_up_message(call, exc, attempt)) from exc
                 note_retry(call, attempt, f"failed ({type(exc).__name__})", pause)
+            except httpx.RequestError as exc:  # an answer that could not be read (its encoding broken)
+                raise ApiConnectionError(give_up_message(call, exc, attempt)) from exc
             else:
                 pause = self.retry.after_response(call, response, attempt)
                 if pause is None:

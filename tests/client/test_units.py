@@ -197,3 +197,26 @@ def test_a_call_keeps_its_first_signed_time_until_a_server_would_refuse_it():
     assert credentials.signing_time(first) == first  # 30 s on: still taken, and still the call's time
     redated = credentials.signing_time(first)  # 61 s on: past REDATE_AFTER_SECONDS, dated anew
     assert redated == 1_700_000_061 and credentials.signing_time(redated) == redated
+
+
+def test_an_answer_that_cannot_be_decoded_is_a_factmill_error() -> None:
+    """httpx's DecodingError (a body its Content-Encoding does not describe) is no TransportError: it
+    escaped the client's classes, against "FactmillError: anything the client raises"."""
+    import asyncio
+
+    from factmill_client import ApiConnectionError, AsyncClient, Client, FactmillError
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Encoding": "gzip"}, content=b"not gzip at all")
+
+    with Client("http://factmill.test", transport=httpx.MockTransport(broken)) as client:
+        with pytest.raises(ApiConnectionError) as caught:
+            client.get_job(1)
+    assert isinstance(caught.value, FactmillError) and "DecodingError" in str(caught.value)
+
+    async def run() -> None:
+        async with AsyncClient("http://factmill.test", transport=httpx.MockTransport(broken)) as client:
+            with pytest.raises(ApiConnectionError):
+                await client.get_job(1)
+
+    asyncio.run(run())
