@@ -209,9 +209,11 @@ def test_an_answer_that_cannot_be_decoded_is_a_factmill_error() -> None:
     def broken(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"Content-Encoding": "gzip"}, content=b"not gzip at all")
 
-    with Client("http://factmill.test", transport=httpx.MockTransport(broken)) as client:
-        with pytest.raises(ApiConnectionError) as caught:
-            client.get_job(1)
+    with (
+        Client("http://factmill.test", transport=httpx.MockTransport(broken)) as client,
+        pytest.raises(ApiConnectionError) as caught,
+    ):
+        client.get_job(1)
     assert isinstance(caught.value, FactmillError) and "DecodingError" in str(caught.value)
 
     async def run() -> None:
