@@ -31,7 +31,14 @@ from worker.compaction import append_messages, parse_messages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-READ_TOOLS = {"search_facts", "list_entity_facts", "list_pages", "list_page_facts", "get_transcript_context"}
+READ_TOOLS = {
+    "search_facts",
+    "list_entity_facts",
+    "list_pages",
+    "list_page_facts",
+    "get_transcript_context",
+    "list_transcript_messages",
+}
 WRITE_TOOLS = {"append_transcript_messages", "record_summary_feedback"}
 FACTS = [
     ("Alice moved to Lisbon in March 2024", "event"),
@@ -200,6 +207,14 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
         )
     )
     huge = await session.call_tool("get_transcript_context", {"transcript_id": "huge"})
+    # What that error points to, a tool an MCP client has (it named an HTTP route alone).
+    paged = [_payload(await session.call_tool("list_transcript_messages", {"transcript_id": "huge"}))]
+    while paged[-1]["next_after_seq"] is not None:
+        after = {"transcript_id": "huge", "after_seq": paged[-1]["next_after_seq"]}
+        paged.append(_payload(await session.call_tool("list_transcript_messages", after)))
+    first_two = _payload(
+        await session.call_tool("list_transcript_messages", {"transcript_id": "agent-1", "limit": 2})
+    )
     windowed = _payload(
         await session.call_tool(
             "append_transcript_messages",
@@ -241,6 +256,8 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
         "bad": bad,
         "feedback": feedback,
         "huge": huge,
+        "paged": paged,
+        "first_two": first_two,
         "windowed": windowed,
     }
 
@@ -262,6 +279,12 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert "tool_calls[0].arguments.q: must not contain lone surrogates" in unstorable, unstorable
     huge = _error_text(seen["huge"])
     assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
+    assert "list_transcript_messages" in huge
+    # Its 11 MiB messages a page each (a page holds 4 MiB, or its one message past it).
+    assert [[m["seq"] for m in page["messages"]] for page in seen["paged"]] == [[0], [1], [2]]
+    first_two = seen["first_two"]
+    assert [m["role"] for m in first_two["messages"]] == ["user", "assistant"]
+    assert first_two["next_after_seq"] == 1 and first_two["messages"][1]["tool_calls"][0]["name"] == "search"
     assert seen["windowed"]["trigger_tokens"] == 8000 - 1000  # the settings went in with the append
     # A retried append with its key is answered as before and appends nothing twice.
     first, again, other, texts = seen["keyed"]

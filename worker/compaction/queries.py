@@ -158,7 +158,7 @@ class ContextTooLargeError(Exception):
             f"transcript {transcript_id!r}: its context view is {size:,} bytes, past the {limit:,} one read "
             "returns; no accepted summary has cut it down (give the transcript a context_window, check "
             "that compaction.enabled is on and see its compactions), or read the history in pages "
-            "(GET /v1/transcripts/{id}/messages)"
+            "(GET /v1/transcripts/{id}/messages, or the MCP tool list_transcript_messages)"
         )
         self.transcript_id = transcript_id
 

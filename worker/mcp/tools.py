@@ -32,6 +32,7 @@ from worker.compaction import (
     append_messages,
     check_transcript_id,
     context_view,
+    list_messages,
     parse_messages,
 )
 from worker.consolidation.history import Lifecycle
@@ -325,6 +326,42 @@ class FactmillTools:
             "messages": [m.as_dict() for m in view.messages],
         }
 
+    def list_transcript_messages(
+        self,
+        transcript_id: Annotated[
+            Text, Field(min_length=1, max_length=200, description="The transcript's id.")
+        ],
+        after_seq: Annotated[
+            int | None,
+            Field(
+                ge=-1, le=2**31 - 1, description="Only messages after this seq: the next_after_seq of a page."
+            ),
+        ] = None,
+        limit: Annotated[int, Field(ge=1, le=1000, description="Messages a page holds at most.")] = 100,
+    ) -> dict[str, Any]:
+        """An agent transcript's full history in order, a page at a time (compaction never deletes a
+        message): for a history whose context view is past what one read returns."""
+        transcript_id = _transcript(transcript_id)
+        with _refusals(), self.runtime.factory() as session:
+            rows, more = list_messages(
+                session, transcript_id, after_seq=after_seq, limit=limit, max_bytes=MCP_CONTEXT_MAX_BYTES
+            )
+            messages = [
+                {
+                    "seq": row.seq,
+                    "role": row.role,
+                    "text": row.text,
+                    "tool_calls": row.tool_calls,
+                    "tool_call_id": row.tool_call_id,
+                    "tool_name": row.tool_name,
+                    "tokens": row.tokens,
+                    "created_at": row.created_at.isoformat(),
+                }
+                for row in rows
+            ]
+        next_after = messages[-1]["seq"] if more and messages else None
+        return {"transcript_id": transcript_id, "messages": messages, "next_after_seq": next_after}
+
     def append_transcript_messages(
         self,
         transcript_id: Annotated[
@@ -459,6 +496,7 @@ class FactmillTools:
             (self.list_pages, Access("read"), True),
             (self.list_page_facts, Access("read"), True),
             (self.get_transcript_context, Access("read", "transcripts"), True),
+            (self.list_transcript_messages, Access("read", "transcripts"), True),
             (self.append_transcript_messages, Access("ingest", "transcripts"), False),
             (self.record_summary_feedback, Access("ingest", "calibration feedback"), False),
         ]
