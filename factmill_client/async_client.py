@@ -188,9 +188,10 @@ class AsyncClient:
         offset: int = 0,
         include_history: bool = False,
         as_of: datetime | None = None,
+        after_row_num: int | None = None,
     ) -> models.PageFactsPage:
         history = {"include_history": include_history or None, "as_of": as_of}
-        return await self.send(calls.page_facts(source_id, slug, limit, offset, history))
+        return await self.send(calls.page_facts(source_id, slug, limit, offset, history, after_row_num))
 
     def iter_page_facts(
         self,
@@ -213,9 +214,10 @@ class AsyncClient:
         offset: int = 0,
         include_history: bool = False,
         as_of: datetime | None = None,
+        after: str | None = None,
     ) -> models.EntityFactsPage:
         history = {"include_history": include_history or None, "as_of": as_of}
-        return await self.send(calls.entity_facts(entity, source_id, limit, offset, history))
+        return await self.send(calls.entity_facts(entity, source_id, limit, offset, history, after))
 
     def iter_entity_facts(
         self,

@@ -233,21 +233,30 @@ def pages_paging(
 
 
 def page_facts(
-    source_id: str, slug: str, limit: int, offset: int, history: Mapping[str, Any] | None = None
+    source_id: str,
+    slug: str,
+    limit: int,
+    offset: int,
+    history: Mapping[str, Any] | None = None,
+    after_row_num: int | None = None,
 ) -> Call[models.PageFactsPage]:
     """``history``: include_history / as_of (current facts only by default)."""
     path = page_path(source_id, slug) + "/facts"
-    return Call(
-        "GET", path, models.PageFactsPage, params=_query(limit=limit, offset=offset, **(history or {}))
-    )
+    params = _query(limit=limit, offset=offset, after_row_num=after_row_num, **(history or {}))
+    return Call("GET", path, models.PageFactsPage, params=params)
 
 
 def entity_facts(
-    entity: str, source_id: str | None, limit: int, offset: int, history: Mapping[str, Any] | None = None
+    entity: str,
+    source_id: str | None,
+    limit: int,
+    offset: int,
+    history: Mapping[str, Any] | None = None,
+    after: str | None = None,
 ) -> Call[models.EntityFactsPage]:
     """``history``: include_history / as_of (current facts only by default)."""
     path = f"/v1/entities/{quote(entity, safe='/')}/facts"  # a slug holds '/' (people/alice)
-    params = _query(source_id=source_id, limit=limit, offset=offset, **(history or {}))
+    params = _query(source_id=source_id, limit=limit, offset=offset, after=after, **(history or {}))
     return Call("GET", path, models.EntityFactsPage, params=params)
 
 
@@ -313,10 +322,13 @@ def jobs_paging(
 def facts_paging(
     source_id: str, slug: str, page_size: int, history: Mapping[str, Any] | None = None
 ) -> Paging[models.PageFactsPage, models.FactRecord]:
-    """Row order, by offset, until ``total`` facts were read."""
+    """Row order, by the ``next_after_row_num`` cursor (offset paging read a fact twice, or skipped one,
+    when the page's facts changed between two reads); by offset from a server that answers none."""
 
     def after(page: models.PageFactsPage, seen: int) -> Call[models.PageFactsPage] | None:
-        if not page.facts or seen >= page.total:
+        if page.next_after_row_num is not None:
+            return page_facts(source_id, slug, page_size, 0, history, page.next_after_row_num)
+        if not page.facts or seen >= page.total or "next_after_row_num" in page.model_fields_set:
             return None
         return page_facts(source_id, slug, page_size, seen, history)
 
@@ -326,10 +338,13 @@ def facts_paging(
 def entity_facts_paging(
     entity: str, source_id: str | None, page_size: int, history: Mapping[str, Any] | None = None
 ) -> Paging[models.EntityFactsPage, models.EntityFact]:
-    """Newest first, by offset, until ``total`` facts were read."""
+    """Newest first, by the ``next_after`` cursor (by offset, facts stored or superseded meanwhile were
+    read twice or skipped); by offset from a server that answers none."""
 
     def after(page: models.EntityFactsPage, seen: int) -> Call[models.EntityFactsPage] | None:
-        if not page.facts or seen >= page.total:
+        if page.next_after is not None:
+            return entity_facts(entity, source_id, page_size, 0, history, page.next_after)
+        if not page.facts or seen >= page.total or "next_after" in page.model_fields_set:
             return None
         return entity_facts(entity, source_id, page_size, seen, history)
 

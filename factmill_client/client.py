@@ -207,10 +207,12 @@ class Client:
         offset: int = 0,
         include_history: bool = False,
         as_of: datetime | None = None,
+        after_row_num: int | None = None,
     ) -> models.PageFactsPage:
-        """One page of a page's facts, in row order."""
+        """One page of a page's facts, in row order (``after_row_num``: the ``next_after_row_num`` of
+        the page before)."""
         history = {"include_history": include_history or None, "as_of": as_of}
-        return self.send(calls.page_facts(source_id, slug, limit, offset, history))
+        return self.send(calls.page_facts(source_id, slug, limit, offset, history, after_row_num))
 
     def iter_page_facts(
         self,
@@ -234,10 +236,12 @@ class Client:
         offset: int = 0,
         include_history: bool = False,
         as_of: datetime | None = None,
+        after: str | None = None,
     ) -> models.EntityFactsPage:
-        """One page of an entity's facts (its slug, e.g. people/alice-example), newest first."""
+        """One page of an entity's facts (its slug, e.g. people/alice-example), newest first (``after``:
+        the ``next_after`` of the page before)."""
         history = {"include_history": include_history or None, "as_of": as_of}
-        return self.send(calls.entity_facts(entity, source_id, limit, offset, history))
+        return self.send(calls.entity_facts(entity, source_id, limit, offset, history, after))
 
     def iter_entity_facts(
         self,

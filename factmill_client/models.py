@@ -184,6 +184,9 @@ class PageFactsPage(Model):
     page_id: int
     total: int
     facts: list[FactRecord]
+    next_after_row_num: int | None = (
+        None  # the after_row_num of the next page; None: the last (or an older server)
+    )
 
 
 class EntityFact(FactRecord):
@@ -195,6 +198,7 @@ class EntityFactsPage(Model):
     entity: str
     total: int
     facts: list[EntityFact]
+    next_after: str | None = None  # the after of the next page; None: the last (or an older server)
 
 
 # ---------------------------------------------------------------------------- config

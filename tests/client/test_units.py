@@ -222,3 +222,28 @@ def test_an_answer_that_cannot_be_decoded_is_a_factmill_error() -> None:
                 await client.get_job(1)
 
     asyncio.run(run())
+
+
+def test_the_facts_lists_are_walked_by_their_cursor_and_by_offset_from_an_older_server() -> None:
+    """By offset, a fact stored or superseded between two reads was read twice or skipped."""
+    from factmill_client import models
+
+    paging = calls.entity_facts_paging("people/alice", None, 2)
+    fact = {
+        "id": 7, "row_num": 0, "fact": "f", "kind": "fact", "entity_slug": "people/alice", "confidence": 1.0,
+        "notability": "high", "context": "", "valid_from": None, "source": "s", "source_session": "s",
+        "claim_metric": None, "claim_value": None, "claim_unit": None, "claim_period": None,
+        "created_at": "2024-03-01T00:00:00Z", "status": "current", "valid_to": None, "superseded_by": None,
+        "duplicate_of": None, "source_id": "default", "source_markdown_slug": "p",
+    }  # fmt: skip
+    page = {"entity": "people/alice", "total": 9, "facts": [fact, fact]}
+    following = paging.after(models.EntityFactsPage.model_validate(page | {"next_after": "|7"}), 2)
+    assert following is not None and following.params["after"] == "|7" and following.params["offset"] == 0
+    assert paging.after(models.EntityFactsPage.model_validate(page | {"next_after": None}), 2) is None
+    older = paging.after(models.EntityFactsPage.model_validate(page), 2)  # a server that answers no cursor
+    assert older is not None and older.params["offset"] == 2 and "after" not in older.params
+    rows = calls.facts_paging("default", "p", 2)
+    by_row = {"source_id": "default", "slug": "p", "page_id": 1, "total": 9, "facts": [fact, fact]}
+    following = rows.after(models.PageFactsPage.model_validate(by_row | {"next_after_row_num": 4}), 2)
+    assert following is not None and following.params["after_row_num"] == 4
+    assert rows.after(models.PageFactsPage.model_validate(by_row | {"next_after_row_num": None}), 2) is None

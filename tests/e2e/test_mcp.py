@@ -208,8 +208,10 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
     )
     huge = await session.call_tool("get_transcript_context", {"transcript_id": "huge"})
     # What that error points to, a tool an MCP client has (it named an HTTP route alone).
-    paged = [_payload(await session.call_tool("list_transcript_messages", {"transcript_id": "huge"}))]
-    while paged[-1]["next_after_seq"] is not None:
+    paged: list[dict[str, Any]] = []
+    if "its context view" in _error_text(huge):  # stored by the test that runs this
+        paged.append(_payload(await session.call_tool("list_transcript_messages", {"transcript_id": "huge"})))
+    while paged and paged[-1]["next_after_seq"] is not None:
         after = {"transcript_id": "huge", "after_seq": paged[-1]["next_after_seq"]}
         paged.append(_payload(await session.call_tool("list_transcript_messages", after)))
     first_two = _payload(

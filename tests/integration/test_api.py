@@ -12,7 +12,7 @@ import typing
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -732,6 +732,49 @@ def test_facts_endpoint_excludes_audit_rows(client: TestClient, tx_factory: sess
     ]
     paged = client.get(f"/v1/pages/default/{slug}/facts", params={"offset": 1, "limit": 1}).json()
     assert [f["row_num"] for f in paged["facts"]] == [1] and paged["total"] == 2
+
+
+def test_facts_are_paged_by_cursor_and_facts_that_change_between_reads_are_neither_repeated_nor_skipped(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """Paged by offset, a fact stored newer than those read (an entity's list is newest first) shifted
+    the rest: one was read twice; a fact superseded between two reads shifted them back: one was
+    skipped. The lists answer a cursor past their last fact."""
+    slug = "conversations/imessage/paged"
+    assert post(client, page(slug)).status_code == 202
+    when = datetime(2024, 3, 1, tzinfo=UTC)
+    with tx_factory.begin() as session:
+        rows = [fact_row(slug, n, f"Alice did thing {n}.") for n in range(5)]
+        for n, row in enumerate(rows):
+            row.entity_slug, row.valid_from = "people/alice", (when + timedelta(days=n) if n != 4 else None)
+        session.add_all(rows)
+    entity_url = "/v1/entities/people/alice/facts"
+    first = client.get(entity_url, params={"limit": 2}).json()
+    assert [f["fact"][-3:-1] for f in first["facts"]] == [" 3", " 2"] and first["next_after"]
+    with tx_factory.begin() as session:  # a newer fact comes, and one not yet read is superseded
+        newer = fact_row(slug, 5, "Alice did thing 5.")
+        newer.entity_slug, newer.valid_from = "people/alice", when + timedelta(days=9)
+        session.add(newer)
+    rest, after = [], first["next_after"]
+    while after is not None:
+        got = client.get(entity_url, params={"limit": 2, "after": after}).json()
+        rest += [f["fact"] for f in got["facts"]]
+        after = got["next_after"]
+    assert rest == ["Alice did thing 1.", "Alice did thing 0.", "Alice did thing 4."]  # undated last
+    refused = client.get(entity_url, params={"after": "not a cursor"})
+    assert refused.status_code == 422 and "not a cursor this list answered" in refused.json()["detail"]
+    # A page's facts, by row: past the cursor, whatever came before it meanwhile.
+    page_url = f"/v1/pages/default/{slug}/facts"
+    head = client.get(page_url, params={"limit": 3}).json()
+    assert [f["row_num"] for f in head["facts"]] == [0, 1, 2] and head["next_after_row_num"] == 2
+    with tx_factory.begin() as session:
+        session.execute(
+            update(Fact)
+            .where(Fact.row_num == 0, Fact.source_markdown_slug == slug)
+            .values(status="superseded")
+        )
+    tail = client.get(page_url, params={"limit": 3, "after_row_num": head["next_after_row_num"]}).json()
+    assert [f["row_num"] for f in tail["facts"]] == [3, 4, 5] and tail["next_after_row_num"] is None
 
 
 def test_facts_of_an_unknown_page_is_404(client: TestClient) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import ColumnElement, func, select, text
+from sqlalchemy import ColumnElement, and_, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from models import Fact, page_id_of
@@ -56,6 +56,9 @@ class PageFactsPage(BaseModel):
     page_id: int
     total: int
     facts: list[FactRecord]
+    # Pass as after_row_num for the next page; None: this was the last. Paged by offset, facts a
+    # re-extraction or a consolidation moved meanwhile were read twice or skipped.
+    next_after_row_num: int | None = None
 
 
 class EntityFact(FactRecord):
@@ -71,6 +74,37 @@ class EntityFactsPage(BaseModel):
     entity: str
     total: int
     facts: list[EntityFact]
+    next_after: str | None = None  # pass as after for the next page; None: this was the last
+
+
+class FactCursorError(ValueError):
+    """An ``after`` cursor that no page of an entity's facts answered."""
+
+
+def entity_cursor(fact: EntityFact) -> str:
+    """Where a page of an entity's facts ended: ``<valid_from ISO>|<id>`` (an undated fact: ``|<id>``)."""
+    return f"{fact.valid_from.isoformat() if fact.valid_from else ''}|{fact.id}"
+
+
+def _after_entity_cursor(after: str) -> ColumnElement[bool]:
+    """The facts past ``after`` in the order valid_from descending (undated last), then id descending."""
+    moment, bar, fact_id = after.rpartition("|")
+    try:
+        if not bar or not fact_id.isdigit() or len(after) > 100:
+            raise ValueError
+        last_id = int(fact_id)
+        when = datetime.fromisoformat(moment) if moment else None
+    except ValueError:
+        raise FactCursorError(
+            f"after {after[:100]!r} is not a cursor this list answered (its next_after)"
+        ) from None
+    if when is None:  # among the undated, the last page: smaller ids only
+        return and_(Fact.valid_from.is_(None), Fact.id < last_id)
+    return or_(
+        Fact.valid_from < when,
+        and_(Fact.valid_from == when, Fact.id < last_id),
+        Fact.valid_from.is_(None),
+    )
 
 
 def _lifecycle(lifecycle: Lifecycle) -> list[ColumnElement[bool]]:
@@ -86,9 +120,11 @@ def read_page_facts(
     limit: int = 1000,
     offset: int = 0,
     lifecycle: Lifecycle = CURRENT_ONLY,
+    after_row_num: int | None = None,
 ) -> PageFactsPage | None:
     """The facts extracted from one page, in row order (current ones unless ``lifecycle`` says
-    otherwise); None when there is no such page. The slug is read in NFC, as slugs are stored."""
+    otherwise), past ``after_row_num`` when given; None when there is no such page. The slug is read
+    in NFC, as slugs are stored."""
     slug = stored_form(slug)
     page_id = page_id_of(session, source_id, slug)
     if page_id is None:
@@ -101,9 +137,22 @@ def read_page_facts(
         *_lifecycle(lifecycle),
     )
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
-    rows = session.scalars(select(Fact).where(*where).order_by(Fact.row_num).offset(offset).limit(limit))
-    facts = [FactRecord.model_validate(f) for f in rows]
-    return PageFactsPage(source_id=source_id, slug=slug, page_id=page_id, total=total, facts=facts)
+    past = () if after_row_num is None else (Fact.row_num > after_row_num,)
+    rows = list(
+        session.scalars(
+            select(Fact).where(*where, *past).order_by(Fact.row_num).offset(offset).limit(limit + 1)
+        )
+    )
+    facts = [FactRecord.model_validate(f) for f in rows[:limit]]
+    more = len(rows) > limit
+    return PageFactsPage(
+        source_id=source_id,
+        slug=slug,
+        page_id=page_id,
+        total=total,
+        facts=facts,
+        next_after_row_num=facts[-1].row_num if more else None,
+    )
 
 
 class EntityNameError(ValueError):
@@ -127,10 +176,12 @@ def read_entity_facts(
     limit: int = 100,
     offset: int = 0,
     lifecycle: Lifecycle = CURRENT_ONLY,
+    after: str | None = None,
 ) -> EntityFactsPage:
     """The facts about ``entity`` (its slug, or a name the slug rule turns into it), newest first,
-    from ``source_ids`` only when given (current ones unless ``lifecycle`` says otherwise). Raises
-    EntityNameError when ``entity`` names no slug."""
+    from ``source_ids`` only when given (current ones unless ``lifecycle`` says otherwise), past the
+    ``after`` cursor when given. Raises EntityNameError when ``entity`` names no slug, FactCursorError
+    for a cursor no page answered."""
     entity = entity_key(entity)
     where: list[ColumnElement[bool]] = [
         Fact.entity_slug == entity,
@@ -140,21 +191,28 @@ def read_entity_facts(
     if source_ids is not None:
         where.append(Fact.source_id.in_(list(source_ids)))
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
-    rows = session.scalars(
-        select(Fact)
-        .where(*where)
-        .order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
-        .offset(offset)
-        .limit(limit)
+    past = () if after is None else (_after_entity_cursor(after),)
+    rows = list(
+        session.scalars(
+            select(Fact)
+            .where(*where, *past)
+            .order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
+            .offset(offset)
+            .limit(limit + 1)
+        )
     )
-    facts = [EntityFact.model_validate(f) for f in rows]
-    return EntityFactsPage(entity=entity, total=total, facts=facts)
+    facts = [EntityFact.model_validate(f) for f in rows[:limit]]
+    more = len(rows) > limit
+    return EntityFactsPage(
+        entity=entity, total=total, facts=facts, next_after=entity_cursor(facts[-1]) if more else None
+    )
 
 
 __all__ = [
     "EntityFact",
     "EntityFactsPage",
     "EntityNameError",
+    "FactCursorError",
     "FactRecord",
     "PageFactsPage",
     "entity_key",

@@ -9,142 +9,61 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from mcp.server.mcpserver.exceptions import ToolError
-from pydantic import AfterValidator as After
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
+from pydantic import Field, Strict, StrictBool
 from sqlalchemy.orm import Session
 
 from models.reads import read_only
-from worker.access import AccessRefusedError, Principal, readable_sources
+from worker.access import Principal, readable_sources
 from worker.access.ratelimit import PerKeyLimiter
-from worker.calibration import ObservationError, ObservationIn, add_observation
+from worker.calibration import ObservationIn, add_observation
 from worker.compaction import (
     MAX_MESSAGES_PER_REQUEST,
-    ContextTooLargeError,
-    TranscriptError,
-    TranscriptNotFoundError,
     append_messages,
-    check_transcript_id,
     context_view,
     list_messages,
     parse_messages,
 )
 from worker.consolidation.history import Lifecycle
-from worker.core.intent import QueryParseError
-from worker.core.jsonvalues import BIGINT_MAX, json_integer, storable_text
-from worker.core.labels import check_source_id, clean_label
-from worker.deliveries import DeliveryKeyReusedError, deliver_once, scoped_key
+from worker.core.jsonvalues import BIGINT_MAX
+from worker.core.labels import clean_label
+from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
     EntityFactsPage,
-    EntityNameError,
     PageFactsPage,
     read_entity_facts,
     read_page_facts,
 )
 from worker.jobs import sending
-from worker.llm.errors import BudgetExhaustedError
+from worker.mcp.inputs import (
+    JSON_INTEGER,
+    MCP_APPEND,
+    MCP_CONTEXT_MAX_BYTES,
+    Access,
+    AsOf,
+    IncludeHistory,
+    KindName,
+    MessageIn,
+    Offset,
+    SourceIdFilter,
+    Text,
+    ToolCallIn,
+    checked_transcript_id,
+    refusals,
+)
 from worker.runtime import Runtime
 from worker.search import (
-    BUDGET_SPENT,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
-    EmbeddingFailedError,
-    SearchError,
     search_as,
 )
 
 logger = logging.getLogger(__name__)
-
-
-Text = Annotated[str, After(storable_text)]
-SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
-# JSON's integers, as the API's bodies take them: true is not a limit (1.0 is an integer in JSON). The
-# bounds go before the validator, so that the tool's schema states them as minimum/maximum.
-JSON_INTEGER = BeforeValidator(json_integer)
-Offset = Annotated[
-    int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
-]
-# A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
-# text), and no agent's context holds more; past it the error points to the history's pages.
-MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
-MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency keys are scoped by
-KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
-AsOf = Annotated[
-    datetime | None,
-    Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
-]
-IncludeHistory = Annotated[
-    StrictBool,
-    Field(description="Also superseded and duplicate facts (the timeline); by default only current ones."),
-]
-
-
-@dataclass(frozen=True)
-class Access:
-    """What a tool needs: a scope, and (``all_sources``) data not partitioned by source, which a
-    source-limited key may not touch (the API's rule for the same data)."""
-
-    scope: str
-    all_sources: str | None = None
-
-
-class ToolCallIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: Annotated[Text, Field(min_length=1, description="The call's id; its tool result names it.")]
-    name: Annotated[Text, Field(min_length=1, description="The tool the assistant called.")]
-    # As the API takes them: an object, or its JSON text (how OpenAI's tool calls carry them).
-    arguments: Annotated[dict[str, Any] | Text, Field(description="The call's arguments.")] = {}
-    type: Annotated[Text | None, Field(description="OpenAI's call type ('function'), if sent.")] = None
-
-
-class MessageIn(BaseModel):
-    """One transcript message, as POST /v1/transcripts/{id}/messages takes it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["user", "assistant", "tool"]
-    text: Annotated[
-        Text | None, Field(description="The message text (may be empty or null for a tool-calling turn).")
-    ] = ""
-    tool_calls: Annotated[
-        list[ToolCallIn] | None, Field(description="Assistant turns only: the tools it called.")
-    ] = None
-    tool_call_id: Annotated[
-        Text | None, Field(description="Tool results only: the id of the call this answers.")
-    ] = None
-    tool_name: Annotated[Text | None, Field(description="Tool results only: the tool that ran.")] = None
-
-
-@contextmanager
-def _refusals() -> Iterator[None]:
-    """The errors a caller can cause, as refusals whose message says what was wrong."""
-    try:
-        yield
-    except BudgetExhaustedError:
-        raise ToolError(BUDGET_SPENT) from None
-    except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
-        raise ToolError(str(exc)) from None
-    except DeliveryKeyReusedError:
-        raise ToolError(
-            "idempotency_key was used before with other messages; use a new key per append"
-        ) from None
-    except (TranscriptNotFoundError, ContextTooLargeError, EmbeddingFailedError, EntityNameError) as exc:
-        raise ToolError(str(exc)) from None
-
-
-def _transcript(transcript_id: str) -> str:
-    try:
-        return check_transcript_id(transcript_id)
-    except TranscriptError as exc:
-        raise ToolError(f"transcript_id: {exc}") from None
 
 
 class FactmillTools:
@@ -204,7 +123,7 @@ class FactmillTools:
                 f"too many searches for this key: at most {self.limiter.per_minute} a minute; "
                 f"retry in {verdict.retry_after} s"
             )
-        with _refusals():
+        with refusals():
             outcome = search_as(
                 self.runtime,
                 principal,
@@ -231,13 +150,16 @@ class FactmillTools:
         offset: Offset = 0,
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
+        after: Annotated[
+            Text | None, Field(max_length=100, description="next_after of the previous answer, to go on.")
+        ] = None,
     ) -> EntityFactsPage:
         """The current facts about one entity (a person, team or thing, by its slug), newest first,
         with the page each came from; with include_history, its whole timeline (each fact's status,
         interval and links). Use it to see all that is known about someone."""
-        with _refusals():
+        with refusals():
             sources = readable_sources(self.principal(), source_id)
-        with self.runtime.factory() as session, _refusals():
+        with self.runtime.factory() as session, refusals():
             return read_entity_facts(
                 session,
                 entity,
@@ -245,6 +167,7 @@ class FactmillTools:
                 limit=limit,
                 offset=offset,
                 lifecycle=Lifecycle(include_history, as_of),
+                after=after,
             )
 
     def list_pages(
@@ -266,7 +189,7 @@ class FactmillTools:
     ) -> PageList:
         """The stored pages (conversations) by source and slug, each with its current facts and its last
         extraction job. Use it to find a page's slug for list_page_facts."""
-        with _refusals():
+        with refusals():
             sources = readable_sources(self.principal(), source_id)
         try:
             cursor = page_cursor(after)
@@ -289,12 +212,19 @@ class FactmillTools:
         offset: Offset = 0,
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
+        after_row_num: Annotated[
+            int | None,
+            Strict(),
+            Field(ge=-1, le=2**31 - 1),
+            JSON_INTEGER,
+            Field(description="next_after_row_num of the previous answer, to go on."),
+        ] = None,
     ) -> PageFactsPage:
         """The facts extracted from one page (a stored conversation), in the order they were found:
         the current ones, or with include_history / as_of its timeline or what was true then."""
         if not self.principal().sees(source_id):
             raise ToolError(f"this key may not read source {source_id!r}")
-        with self.runtime.factory() as session, _refusals():
+        with self.runtime.factory() as session, refusals():
             found = read_page_facts(
                 session,
                 source_id,
@@ -302,6 +232,7 @@ class FactmillTools:
                 limit=limit,
                 offset=offset,
                 lifecycle=Lifecycle(include_history, as_of),
+                after_row_num=after_row_num,
             )
         if found is None:
             raise ToolError(f"no page {slug!r} in source {source_id!r}")
@@ -315,8 +246,8 @@ class FactmillTools:
     ) -> dict[str, Any]:
         """What to send a model now for an agent transcript: the newest accepted summary, then every
         message after it, repaired so each tool call has its result."""
-        transcript_id = _transcript(transcript_id)
-        with _refusals(), self.runtime.factory() as session:
+        transcript_id = checked_transcript_id(transcript_id)
+        with refusals(), self.runtime.factory() as session:
             view = context_view(session, transcript_id, max_bytes=MCP_CONTEXT_MAX_BYTES)
         return {
             "transcript_id": transcript_id,
@@ -341,8 +272,8 @@ class FactmillTools:
     ) -> dict[str, Any]:
         """An agent transcript's full history in order, a page at a time (compaction never deletes a
         message): for a history whose context view is past what one read returns."""
-        transcript_id = _transcript(transcript_id)
-        with _refusals(), self.runtime.factory() as session:
+        transcript_id = checked_transcript_id(transcript_id)
+        with refusals(), self.runtime.factory() as session:
             rows, more = list_messages(
                 session, transcript_id, after_seq=after_seq, limit=limit, max_bytes=MCP_CONTEXT_MAX_BYTES
             )
@@ -396,7 +327,7 @@ class FactmillTools:
         """Add messages to the end of an agent transcript. A tool result must answer a call of the
         assistant turn right before it. A compaction (summary) is queued once the context passes its
         trigger (give the transcript a context_window in settings, once)."""
-        transcript_id = _transcript(transcript_id)
+        transcript_id = checked_transcript_id(transcript_id)
         raw = [m.model_dump(exclude_none=True) for m in messages]
         retrigger = self.runtime.settings.compaction_retrigger_seconds
         key = clean_label(idempotency_key, 255) if idempotency_key is not None else None
@@ -424,7 +355,7 @@ class FactmillTools:
         # raw body's digest, this one the arguments').
         scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
-        with _refusals():
+        with refusals():
             parsed = parse_messages(raw)
             answer, pending = deliver_once(
                 self.runtime.factory, scoped, hashlib.sha256(said.encode()).hexdigest(), write
@@ -468,7 +399,7 @@ class FactmillTools:
         """Say whether a transcript summary (a compaction) kept what was needed to answer. This tunes
         the quality threshold summaries must pass."""
         settings = self.runtime.settings
-        with _refusals():
+        with refusals():
             observation = ObservationIn(
                 coverage=coverage,
                 answer_kept=answer_kept,

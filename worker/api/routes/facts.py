@@ -18,10 +18,12 @@ from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr, page_addr
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
 from worker.core.facts import ENTITY_PATTERN
+from worker.core.jsonvalues import INT4_MAX
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
     EntityFactsPage,
     EntityNameError,
+    FactCursorError,
     PageFactsPage,
     read_entity_facts,
     read_page_facts,
@@ -85,13 +87,24 @@ def page_facts(
     offset: OffsetQuery = 0,
     include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
     as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
+    after_row_num: Annotated[
+        int | None,
+        Query(ge=-1, le=INT4_MAX, description="Only facts past this row: the next_after_row_num of a page"),
+    ] = None,
 ) -> PageFactsPage:
-    """A source id holding '/' is sent as %2F."""
+    """A source id holding '/' is sent as %2F. Page by ``after_row_num`` (offset paging reads a fact
+    twice, or skips one, when the page's facts change between two reads)."""
     source_id, slug = page_address(request, source_id, slug)
     _readable(principal, source_id)  # 403 for a source the key may not read
     with read_only(ctx.factory) as session:
         found = read_page_facts(
-            session, source_id, slug, limit=limit, offset=offset, lifecycle=Lifecycle(include_history, as_of)
+            session,
+            source_id,
+            slug,
+            limit=limit,
+            offset=offset,
+            lifecycle=Lifecycle(include_history, as_of),
+            after_row_num=after_row_num,
         )
     if found is None:
         raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
@@ -119,9 +132,13 @@ def entity_facts(
     offset: OffsetQuery = 0,
     include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
     as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
+    after: Annotated[
+        str | None, Query(max_length=100, description="Only facts past this cursor: the next_after of a page")
+    ] = None,
 ) -> EntityFactsPage:
     """An entity that has no facts (or none the key may read) answers an empty list, as a search would.
-    A key limited to some sources reads only theirs; asking for another source is 403."""
+    A key limited to some sources reads only theirs; asking for another source is 403. Page by
+    ``after`` (offset paging reads a fact twice, or skips one, when facts come or change meanwhile)."""
     sources = _readable(principal, source_id)
     with read_only(ctx.factory) as session:
         try:
@@ -132,8 +149,9 @@ def entity_facts(
                 limit=limit,
                 offset=offset,
                 lifecycle=Lifecycle(include_history, as_of),
+                after=after,
             )
-        except EntityNameError as exc:
+        except (EntityNameError, FactCursorError) as exc:
             raise ApiError(422, str(exc)) from None
 
 

@@ -1,0 +1,136 @@
+"""What the MCP tools take and how they refuse: argument types, message shapes, access rules, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import AfterValidator as After
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
+
+from worker.access import AccessRefusedError
+from worker.calibration import ObservationError
+from worker.compaction import (
+    ContextTooLargeError,
+    TranscriptError,
+    TranscriptNotFoundError,
+    check_transcript_id,
+)
+from worker.core.intent import QueryParseError
+from worker.core.jsonvalues import json_integer, storable_text
+from worker.core.labels import check_source_id
+from worker.deliveries import DeliveryKeyReusedError
+from worker.extraction.facts import EntityNameError, FactCursorError
+from worker.llm.errors import BudgetExhaustedError
+from worker.search import BUDGET_SPENT, EmbeddingFailedError, SearchError
+
+Text = Annotated[str, After(storable_text)]
+SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
+# JSON's integers, as the API's bodies take them: true is not a limit (1.0 is an integer in JSON). The
+# bounds go before the validator, so that the tool's schema states them as minimum/maximum.
+JSON_INTEGER = BeforeValidator(json_integer)
+Offset = Annotated[
+    int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
+]
+# A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
+# text), and no agent's context holds more; past it the error points to the history's pages.
+MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
+MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency keys are scoped by
+KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+AsOf = Annotated[
+    datetime | None,
+    Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
+]
+IncludeHistory = Annotated[
+    StrictBool,
+    Field(description="Also superseded and duplicate facts (the timeline); by default only current ones."),
+]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a tool needs: a scope, and (``all_sources``) data not partitioned by source, which a
+    source-limited key may not touch (the API's rule for the same data)."""
+
+    scope: str
+    all_sources: str | None = None
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[Text, Field(min_length=1, description="The call's id; its tool result names it.")]
+    name: Annotated[Text, Field(min_length=1, description="The tool the assistant called.")]
+    # As the API takes them: an object, or its JSON text (how OpenAI's tool calls carry them).
+    arguments: Annotated[dict[str, Any] | Text, Field(description="The call's arguments.")] = {}
+    type: Annotated[Text | None, Field(description="OpenAI's call type ('function'), if sent.")] = None
+
+
+class MessageIn(BaseModel):
+    """One transcript message, as POST /v1/transcripts/{id}/messages takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant", "tool"]
+    text: Annotated[
+        Text | None, Field(description="The message text (may be empty or null for a tool-calling turn).")
+    ] = ""
+    tool_calls: Annotated[
+        list[ToolCallIn] | None, Field(description="Assistant turns only: the tools it called.")
+    ] = None
+    tool_call_id: Annotated[
+        Text | None, Field(description="Tool results only: the id of the call this answers.")
+    ] = None
+    tool_name: Annotated[Text | None, Field(description="Tool results only: the tool that ran.")] = None
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """The errors a caller can cause, as refusals whose message says what was wrong."""
+    try:
+        yield
+    except BudgetExhaustedError:
+        raise ToolError(BUDGET_SPENT) from None
+    except (AccessRefusedError, QueryParseError, SearchError, TranscriptError, ObservationError) as exc:
+        raise ToolError(str(exc)) from None
+    except DeliveryKeyReusedError:
+        raise ToolError(
+            "idempotency_key was used before with other messages; use a new key per append"
+        ) from None
+    except (
+        TranscriptNotFoundError,
+        ContextTooLargeError,
+        EmbeddingFailedError,
+        EntityNameError,
+        FactCursorError,
+    ) as exc:
+        raise ToolError(str(exc)) from None
+
+
+def checked_transcript_id(transcript_id: str) -> str:
+    try:
+        return check_transcript_id(transcript_id)
+    except TranscriptError as exc:
+        raise ToolError(f"transcript_id: {exc}") from None
+
+
+__all__ = [
+    "JSON_INTEGER",
+    "MCP_APPEND",
+    "MCP_CONTEXT_MAX_BYTES",
+    "Access",
+    "AsOf",
+    "IncludeHistory",
+    "KindName",
+    "MessageIn",
+    "Offset",
+    "SourceIdFilter",
+    "Text",
+    "ToolCallIn",
+    "checked_transcript_id",
+    "refusals",
+]
