@@ -237,8 +237,8 @@ def test_the_facts_lists_are_walked_by_their_cursor_and_by_offset_from_an_older_
         "duplicate_of": None, "source_id": "default", "source_markdown_slug": "p",
     }  # fmt: skip
     page = {"entity": "people/alice", "total": 9, "facts": [fact, fact]}
-    following = paging.after(models.EntityFactsPage.model_validate(page | {"next_after": "|7"}), 2)
-    assert following is not None and following.params["after"] == "|7" and following.params["offset"] == 0
+    following = paging.after(models.EntityFactsPage.model_validate(page | {"next_after": "n:7"}), 2)
+    assert following is not None and following.params["after"] == "n:7" and following.params["offset"] == 0
     assert paging.after(models.EntityFactsPage.model_validate(page | {"next_after": None}), 2) is None
     older = paging.after(models.EntityFactsPage.model_validate(page), 2)  # a server that answers no cursor
     assert older is not None and older.params["offset"] == 2 and "after" not in older.params

@@ -173,8 +173,10 @@ def test_a_key_has_at_most_its_share_of_searches_running_and_another_key_is_not_
         )
     finally:
         running.leave(busy.rate_key)
-    # One finished: the next goes (the third of the minute's 3), and gives its slot back as it answers.
+    # One finished: the next ones go (the refused ones spent none of the minute's 3), and each gives its
+    # slot back as it answers.
     assert api.post("/v1/search", json={"q": "lex: lisbon"}, headers=bearer(busy_key)).status_code == 200
+    assert api.get("/v1/search", params={"q": "lex: lisbon"}, headers=bearer(busy_key)).status_code == 200
     running.leave(busy.rate_key)
     assert running.enter(busy.rate_key) and running.enter(busy.rate_key)  # both free again
     assert not running.enter(busy.rate_key)
@@ -190,10 +192,15 @@ def test_near_its_limit_the_day_budget_reads_the_spend_fresh(factory: sessionmak
 
     configure(factory, DAILY_BUDGET_KEY, "2")
     far = Budget(factory, get, ttl=3600)  # the cache never expires within the test
+    loads: list[int] = []
+    load = far._day._load
+    far._day._load = lambda key: loads.append(1) or load(key)  # type: ignore[method-assign]
     spend(factory, "extraction", "0.50")
     far.check()  # cached: $0.50
     spend(factory, "extraction", "1.60")  # $2.10
-    far.check()  # far from the limit, the cached $0.50 is what it knows: no query a check
+    far.check()
+    far.check()
+    assert len(loads) == 1  # far from the limit, the cached $0.50 is what it knows: no query a check
     near = Budget(factory, get, ttl=3600)
     configure(factory, DAILY_BUDGET_KEY, "2.20")
     near.check()  # cached: $2.10, within a tenth of $2.20

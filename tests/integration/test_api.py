@@ -754,19 +754,23 @@ def test_facts_are_paged_by_cursor_and_facts_that_change_between_reads_are_neith
     with tx_factory.begin() as session:  # a newer fact comes, and one not yet read is superseded
         newer = fact_row(slug, 5, "Alice did thing 5.")
         newer.entity_slug, newer.valid_from = "people/alice", when + timedelta(days=9)
-        session.add(newer)
+        undated = [fact_row(slug, n, f"Alice did thing {n}.") for n in (6, 7)]
+        for row in undated:
+            row.entity_slug = "people/alice"
+        session.add_all([newer, *undated])
+        session.execute(update(Fact).where(Fact.fact == "Alice did thing 1.").values(status="superseded"))
     rest, after = [], first["next_after"]
-    while after is not None:
-        got = client.get(entity_url, params={"limit": 2, "after": after}).json()
+    while after is not None:  # a fact a page: the undated ones are paged by id alone
+        got = client.get(entity_url, params={"limit": 1, "after": after}).json()
         rest += [f["fact"] for f in got["facts"]]
         after = got["next_after"]
-    assert rest == ["Alice did thing 1.", "Alice did thing 0.", "Alice did thing 4."]  # undated last
+    assert rest == [f"Alice did thing {n}." for n in (0, 7, 6, 4)]  # undated last, newest id first
     refused = client.get(entity_url, params={"after": "not a cursor"})
-    assert refused.status_code == 422 and "not a cursor this list answered" in refused.json()["detail"]
+    assert refused.status_code == 422, refused.text
     # A page's facts, by row: past the cursor, whatever came before it meanwhile.
     page_url = f"/v1/pages/default/{slug}/facts"
     head = client.get(page_url, params={"limit": 3}).json()
-    assert [f["row_num"] for f in head["facts"]] == [0, 1, 2] and head["next_after_row_num"] == 2
+    assert [f["row_num"] for f in head["facts"]] == [0, 2, 3] and head["next_after_row_num"] == 3
     with tx_factory.begin() as session:
         session.execute(
             update(Fact)
@@ -774,7 +778,13 @@ def test_facts_are_paged_by_cursor_and_facts_that_change_between_reads_are_neith
             .values(status="superseded")
         )
     tail = client.get(page_url, params={"limit": 3, "after_row_num": head["next_after_row_num"]}).json()
-    assert [f["row_num"] for f in tail["facts"]] == [3, 4, 5] and tail["next_after_row_num"] is None
+    assert [f["row_num"] for f in tail["facts"]] == [4, 5, 6] and tail["next_after_row_num"] == 6
+    assert [f["row_num"] for f in client.get(page_url, params={"after_row_num": 6}).json()["facts"]] == [7]
+    # Every cursor of the document's form is a place in the list (a start past datetime's range is its
+    # bound; ids stop short of a bigint's), never a 500.
+    for far in ("9" * 18 + ":" + "9" * 18, "-" + "9" * 18 + ":1", "n:" + "9" * 18):
+        assert client.get(entity_url, params={"after": far}).status_code == 200, far
+    assert client.get(entity_url, params={"after": "n:" + "9" * 19}).status_code == 422
 
 
 def test_facts_of_an_unknown_page_is_404(client: TestClient) -> None:

@@ -113,3 +113,13 @@ def test_a_database_error_is_noted_by_its_classes_not_by_the_values_it_quotes(
     assert result_for_error(get_kind("extraction"), refused).note == (
         "OperationalError: OperationalError: connection refused"
     )
+
+
+def test_a_provider_error_that_is_no_outage_is_retried_and_noted_in_the_providers_words() -> None:
+    """A 401 or an unknown model, met by a consolidation: sorted with the unknown errors, the note named
+    only "LLMError at ..." and the operator never saw what to fix."""
+    from worker.llm.errors import LLMError
+
+    refused = raised(LLMError("HTTP 401: invalid x-api-key", retryable=False, status=401))
+    result = result_for_error(get_kind("consolidation"), refused)
+    assert result.status == "retry" and "HTTP 401: invalid x-api-key" in (result.note or "")

@@ -84,10 +84,13 @@ class ApiContext:
             self._search_limiter = PerKeyLimiter.for_runtime(self.runtime)
         return self._search_limiter
 
+    def __post_init__(self) -> None:
+        # Made now, not on first use: two first searches at once each made a count of their own.
+        self._searches_running = InFlightPerKey(self.settings.search_concurrency_per_key)
+
     def searches_running(self) -> InFlightPerKey:
         """Searches each key has running in this process (FACTMILL_SEARCH_CONCURRENCY_PER_KEY)."""
-        if self._searches_running is None:
-            self._searches_running = InFlightPerKey(self.settings.search_concurrency_per_key)
+        assert self._searches_running is not None
         return self._searches_running
 
     def enqueue(self, pairs: list[tuple[int, str]]) -> int:

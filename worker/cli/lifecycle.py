@@ -57,10 +57,7 @@ def history(
     if as_json:
         # An open end is null, as the API writes it ("…" is the table's way of saying it).
         print_json(
-            [
-                vars(e) | {"valid_from": _iso(e.valid_from), "valid_to": _iso(e.valid_to)}
-                for e in entries
-            ]
+            [vars(e) | {"valid_from": _iso(e.valid_from), "valid_to": _iso(e.valid_to)} for e in entries]
         )
         return
     if not entries:

@@ -6,8 +6,9 @@ The API's facts route and the MCP server's tools both read through here, so what
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import ColumnElement, and_, func, or_, select, text
@@ -78,28 +79,35 @@ class EntityFactsPage(BaseModel):
 
 
 class FactCursorError(ValueError):
-    """An ``after`` cursor that no page of an entity's facts answered."""
+    """An ``after`` cursor that is not of the form a page of an entity's facts answers."""
+
+
+# Where a page of an entity's facts ended: its last fact's start in microseconds since the epoch (``n``:
+# undated) and its id, e.g. ``1709251200000000:42``. Every string of this form is a place in the list (a
+# start past datetime's range is taken as its bound), so the document's pattern states the rule exactly.
+ENTITY_CURSOR_PATTERN = r"^(-?[0-9]{1,18}|n):[0-9]{1,18}$"
+_ENTITY_CURSOR = re.compile(ENTITY_CURSOR_PATTERN.removeprefix("^").removesuffix("$"))  # fullmatch: no "\n"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
 
 
 def entity_cursor(fact: EntityFact) -> str:
-    """Where a page of an entity's facts ended: ``<valid_from ISO>|<id>`` (an undated fact: ``|<id>``)."""
-    return f"{fact.valid_from.isoformat() if fact.valid_from else ''}|{fact.id}"
+    start = "n" if fact.valid_from is None else str((fact.valid_from - _EPOCH) // _MICROSECOND)
+    return f"{start}:{fact.id}"
 
 
 def _after_entity_cursor(after: str) -> ColumnElement[bool]:
     """The facts past ``after`` in the order valid_from descending (undated last), then id descending."""
-    moment, bar, fact_id = after.rpartition("|")
-    try:
-        if not bar or not fact_id.isdigit() or len(after) > 100:
-            raise ValueError
-        last_id = int(fact_id)
-        when = datetime.fromisoformat(moment) if moment else None
-    except ValueError:
-        raise FactCursorError(
-            f"after {after[:100]!r} is not a cursor this list answered (its next_after)"
-        ) from None
-    if when is None:  # among the undated, the last page: smaller ids only
+    if not _ENTITY_CURSOR.fullmatch(after):
+        raise FactCursorError(f"after {after[:100]!r} is not a cursor this list answers (its next_after)")
+    start, _, fact_id = after.partition(":")
+    last_id = int(fact_id)
+    if start == "n":  # among the undated, the last ones: smaller ids only
         return and_(Fact.valid_from.is_(None), Fact.id < last_id)
+    try:
+        when = _EPOCH + int(start) * _MICROSECOND
+    except OverflowError:
+        when = (datetime.max if int(start) > 0 else datetime.min).replace(tzinfo=UTC)
     return or_(
         Fact.valid_from < when,
         and_(Fact.valid_from == when, Fact.id < last_id),
@@ -209,6 +217,7 @@ def read_entity_facts(
 
 
 __all__ = [
+    "ENTITY_CURSOR_PATTERN",
     "EntityFact",
     "EntityFactsPage",
     "EntityNameError",

@@ -60,6 +60,9 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     # The LLM provider unavailable past the retry layer's patience (429, 5xx): infrastructure too. As
     # the job's own failure, an outage of minutes failed every job in flight.
     ErrorRule(LLMError, "requeue", when=provider_unavailable),
+    # Any other provider error (a 401, a model that does not exist): retried, noted in the provider's
+    # words (what to fix is there; sorted with the unknown errors, the note named its class only).
+    ErrorRule(LLMError, "retry"),
 )
 
 

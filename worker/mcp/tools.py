@@ -34,6 +34,7 @@ from worker.core.labels import clean_label
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
+    ENTITY_CURSOR_PATTERN,
     EntityFactsPage,
     PageFactsPage,
     read_entity_facts,
@@ -151,7 +152,10 @@ class FactmillTools:
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
         after: Annotated[
-            Text | None, Field(max_length=100, description="next_after of the previous answer, to go on.")
+            Text | None,
+            Field(
+                max_length=40, pattern=ENTITY_CURSOR_PATTERN, description="next_after of the previous answer."
+            ),
         ] = None,
     ) -> EntityFactsPage:
         """The current facts about one entity (a person, team or thing, by its slug), newest first,
@@ -264,11 +268,18 @@ class FactmillTools:
         ],
         after_seq: Annotated[
             int | None,
-            Field(
-                ge=-1, le=2**31 - 1, description="Only messages after this seq: the next_after_seq of a page."
-            ),
+            Strict(),
+            Field(ge=-1, le=2**31 - 1),
+            JSON_INTEGER,
+            Field(description="Only messages after this seq: the next_after_seq of a page."),
         ] = None,
-        limit: Annotated[int, Field(ge=1, le=1000, description="Messages a page holds at most.")] = 100,
+        limit: Annotated[
+            int,
+            Strict(),
+            Field(ge=1, le=1000),
+            JSON_INTEGER,
+            Field(description="Messages a page holds at most."),
+        ] = 100,
     ) -> dict[str, Any]:
         """An agent transcript's full history in order, a page at a time (compaction never deletes a
         message): for a history whose context view is past what one read returns."""

@@ -21,6 +21,7 @@ from worker.core.facts import ENTITY_PATTERN
 from worker.core.jsonvalues import INT4_MAX
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
+    ENTITY_CURSOR_PATTERN,
     EntityFactsPage,
     EntityNameError,
     FactCursorError,
@@ -133,7 +134,12 @@ def entity_facts(
     include_history: Annotated[bool, Query(description=INCLUDE_HISTORY_DESCRIPTION)] = False,
     as_of: Annotated[datetime | None, Query(description=AS_OF_DESCRIPTION)] = None,
     after: Annotated[
-        str | None, Query(max_length=100, description="Only facts past this cursor: the next_after of a page")
+        str | None,
+        Query(
+            max_length=40,
+            json_schema_extra={"pattern": ENTITY_CURSOR_PATTERN},
+            description="Only facts past this cursor: the next_after of a page",
+        ),
     ] = None,
 ) -> EntityFactsPage:
     """An entity that has no facts (or none the key may read) answers an empty list, as a search would.

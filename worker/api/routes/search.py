@@ -236,8 +236,8 @@ def _running(ctx: ApiContext, principal: Principal) -> Iterator[None]:
     summary="Search the facts (plain query or lex:/vec:/hyde:/intent: query document)",
 )
 def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, Depends()]) -> dict[str, Any]:
-    _limited(ctx, principal)
-    with _running(ctx, principal):
+    with _running(ctx, principal):  # first: a search refused for its running ones spends no minute's one
+        _limited(ctx, principal)
         return run_search(ctx.runtime, SearchBody.model_validate(asdict(params)), principal)
 
 
@@ -250,8 +250,8 @@ def search_get(ctx: Context, principal: Reader, params: Annotated[SearchParams, 
 )
 async def search_post(request: Request, ctx: Context, principal: Reader) -> dict[str, Any]:
     body = parse_json_model(await read_body(request, MAX_SEARCH_BODY_BYTES), SearchBody)
-    await run_in_threadpool(_limited, ctx, principal)
     with _running(ctx, principal):  # taken before a thread is: a key over its share waits for none
+        await run_in_threadpool(_limited, ctx, principal)
         return await run_in_threadpool(run_search, ctx.runtime, body, principal)
 
 
