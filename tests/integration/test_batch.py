@@ -709,3 +709,35 @@ def test_cli_backfill_copies_lists_and_deletes_the_owed_copies(
     elsewhere = cli("--delete")  # owed by a provider this deployment is not configured with
     assert elsewhere.exit_code == 0 and "1 still owed" in elsewhere.stdout
     assert "belong to another provider than the configured one (simulator)" in elsewhere.stderr
+
+
+def test_an_online_run_stopped_by_sigterm_stops_as_ctrl_c_does(committed_store, database_url):
+    """Online, SIGTERM (a `timeout`, a CI cancel) killed the run at once: the clean-up that records the
+    calls answered but not yet committed never ran, and budgets and `factmill costs` counted low. It now
+    ends the run as Ctrl-C does (exit 128 + 15 from its own handler, not death by the signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with Simulator(SimulatorConfig(latency_ms=3000)) as slow:
+        env = dict(os.environ) | {
+            "FACTMILL_DATABASE_URL": database_url,
+            "FACTMILL_LLM": "simulator",
+            "FACTMILL_SIMULATOR_URL": slow.url,
+        }
+        args = [sys.executable, "-m", "worker.cli", "extract", "--source-id", "batch", "--json"]
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)  # fmt: skip
+        try:
+            for _ in range(300):
+                if slow.stats()["in_flight"] >= 1:
+                    break
+                time.sleep(0.1)
+            assert slow.stats()["in_flight"] >= 1, "no call in flight to stop"
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr

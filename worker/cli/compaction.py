@@ -12,6 +12,7 @@ from rich.table import Table
 from models.reads import read_only
 from worker.calibration import ThresholdCache, describe_tau
 from worker.cli.console import YES_OPTION_HELP, confirmed, fail, fields, folding_table, out, print_json, when
+from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.compaction import (
     CompactionDisabledError,
@@ -90,6 +91,7 @@ def _print_outcome(outcome: CompactionOutcome) -> None:
         out.print(outcome.detail)
 
 
+@stops_on_signals
 def compact_command(
     transcript_id: Annotated[str, typer.Argument(help="The transcript to compact.")],
     now: Annotated[

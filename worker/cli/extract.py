@@ -101,11 +101,23 @@ def run_extraction(
     show_progress: bool,
     batch_poll_seconds: float | None = None,
 ) -> ExtractionCounters:
-    """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API."""
+    """Run an extraction online, or (``batch_poll_seconds`` set) through the provider's batch API.
+    SIGTERM and SIGHUP end it as Ctrl-C does, so what is in flight is recorded: online, Python died at
+    once, and the spend of the calls answered but not yet committed was lost (budgets counted low)."""
+    with stopped_by_signals():
+        return _run_extraction(settings, factory, options, show_progress, batch_poll_seconds)
+
+
+def _run_extraction(
+    settings: Settings,
+    factory: sessionmaker[Session],
+    options: ExtractOptions,
+    show_progress: bool,
+    batch_poll_seconds: float | None,
+) -> ExtractionCounters:
     try:
         if batch_poll_seconds is not None and not options.dry_run:
             with (
-                stopped_by_signals(),
                 open_batch_client(settings) as client,
                 extraction_progress(show_progress) as progress,
             ):

@@ -16,6 +16,7 @@ from worker.cli.console import (
     source_option,
     styled,
 )
+from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
@@ -108,6 +109,7 @@ def restore_command(
     _undo("restore", fact_id, by)
 
 
+@stops_on_signals
 def consolidate_command(
     source_id: Annotated[str, source_option(help="The source whose facts to consolidate.")] = "default",
     entity: Annotated[

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # SIGHUP (a closed terminal) is passed on as SIGTERM: Celery restarts on a SIGHUP, and not passed on,
 # the parent died and its children (each in a process group of its own, so the terminal's hang-up
@@ -131,3 +135,15 @@ def stopped_by_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stops_on_signals(command: Callable[P, R]) -> Callable[P, R]:
+    """A command that SIGTERM and SIGHUP end as Ctrl-C does (``stopped_by_signals``), so the spend of
+    the LLM calls it has in flight is recorded as it stops."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with stopped_by_signals():
+            return command(*args, **kwargs)
+
+    return run

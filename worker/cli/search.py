@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from worker.cli.console import err, fail, folding_table, iso_moment, out, print_json, source_option, styled
+from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import text_problem
@@ -141,6 +142,7 @@ def search_command(
     _print_outcome(outcome)
 
 
+@stops_on_signals
 def embed_command(
     batch_size: Annotated[
         int | None, typer.Option(min=1, max=2048, help="Facts per embedding call (default from settings).")
