@@ -1794,3 +1794,18 @@ def test_a_compaction_forced_while_its_job_runs_forces_the_rerun(
         job = session.get(Job, job_id)
         assert job is not None and "next_run" not in job.options, job.options
         assert job.counters["status"] != "not_needed", job.counters
+
+
+def test_the_intents_user_messages_are_read_only_as_far_as_the_gate_reads_them(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """Read whole, a few pasted files of 25 MiB were loaded (per job thread) to keep 4,000 characters of
+    each; they are cut in the database where intent_terms cuts them."""
+    from worker.compaction.queries import latest_user_texts
+    from worker.core.compaction_gate import INTENT_TEXT_LIMIT
+
+    pasted = "é" + "x" * (3 * INTENT_TEXT_LIMIT)
+    append(tx_factory, "pasted", [{"role": "user", "text": pasted}, {"role": "user", "text": "short"}])
+    with tx_factory() as session:
+        texts = latest_user_texts(session, "pasted", 3)
+    assert texts == [pasted[:INTENT_TEXT_LIMIT], "short"]  # characters, as Python cuts them
