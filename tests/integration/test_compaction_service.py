@@ -1809,3 +1809,24 @@ def test_the_intents_user_messages_are_read_only_as_far_as_the_gate_reads_them(
     with tx_factory() as session:
         texts = latest_user_texts(session, "pasted", 3)
     assert texts == [pasted[:INTENT_TEXT_LIMIT], "short"]  # characters, as Python cuts them
+
+
+def test_each_try_the_gateway_retried_is_a_call_of_its_own(tx_factory: sessionmaker[Session]) -> None:
+    """Through ``chat`` the retry layer's tries were hidden: one llm_calls row a summarizer call, and the
+    call counts in `factmill costs` and the metrics ran low (extraction recorded each try)."""
+    busy = LLMError("HTTP 429: slow down", retryable=True, status=429, latency_ms=7)
+    summary = f"## Goal\n{GOAL}"
+    llm = RetryingClient(ScriptedLLM(busy, busy, summary), RetryPolicy(max_attempts=5), sleep=lambda s: None)
+    append(tx_factory, "retried", session_messages(25), settings=SETTINGS)
+    done = compact_transcript(
+        tx_factory, llm, "retried", threshold=lambda: ActiveThreshold(0.0, None), force=True
+    )
+    assert done.status == "accepted"
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["provider_error", "provider_error", "ok"]
+    # Given up after its tries: each is recorded, the last as the failure.
+    append(tx_factory, "down", session_messages(25), settings=SETTINGS)
+    refused = LLMError("HTTP 400: bad request", retryable=False, status=400, latency_ms=3)
+    failing = RetryingClient(ScriptedLLM(busy, refused), RetryPolicy(max_attempts=5), sleep=lambda s: None)
+    failed = compact_transcript(tx_factory, failing, "down", threshold=lambda: FALLBACK, force=True)
+    assert failed.status == "failed"
+    assert [call.outcome for call in llm_calls(tx_factory)][3:] == ["provider_error", "provider_error"]

@@ -36,7 +36,7 @@ from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
-from worker.llm.types import ChatResponse, LLMClient, Usage
+from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,16 @@ class CompactionRun:
         if self.guard is not None:
             self.guard()
 
+    def _chat(self, request: ChatRequest) -> ChatResponse:
+        """The summarizer's reply; the gateway's failed tries of it (a 429, a 5xx it retried) are each an
+        llm_calls row, as extraction records them (through ``chat`` they were hidden: counts ran low)."""
+        traced = getattr(self.llm, "chat_traced", None)
+        if traced is None:
+            return self.llm.chat(request)
+        result = traced(request)
+        self._record_tries(result.failed_attempts)
+        return result.value  # type: ignore[no-any-return]
+
     def _record_tries(self, tries: Sequence[Any]) -> None:
         """The gateway's failed tries of a call that a stop ended between them, each an llm_calls row."""
         for tried in tries:
@@ -231,13 +241,14 @@ class CompactionRun:
         entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
         try:
             with checked_between_tries(self._check):
-                response = self.llm.chat(request)
+                response = self._chat(request)
         except BudgetExhaustedError as exc:
             # No call was made by this try: the job waits for budget (paused), as extraction's do. The
             # failed tries before it (a budget asked again between them) are recorded.
             self._record_tries(getattr(exc, "attempts", ()))
             raise
         except LLMError as exc:
+            self._record_tries(getattr(exc, "attempts", ())[:-1])  # the gateway's tries before the last
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
             if provider_unavailable(exc):
