@@ -21,7 +21,9 @@ from worker.consolidation import consolidate_pages_entities, request_consolidati
 from worker.consolidation.service import EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore, orphaned_links_query
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.retry import RetryingClient, RetryPolicy
 
 pytestmark = pytest.mark.integration
 
@@ -1069,3 +1071,34 @@ def test_a_round_reads_whole_only_the_facts_it_decides(tx_factory, llm) -> None:
     whole = [s for s in statements if "array_send" in s]
     assert any("ANY" in s for s in whole), "the round's facts are read whole by their ids"
     assert not [s for s in whole if "consolidated_at IS NULL" in s], "no pending fact is read whole else"
+
+
+class FailsFirst:
+    """``llm``, but its first chat fails as a 429 would (the retry layer above tries again)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.provider, self.model, self.failed = llm, llm.provider, llm.model, False
+
+    def chat(self, request: Any) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise LLMError("HTTP 429: slow down", retryable=True, status=429, latency_ms=4)
+        return self.llm.chat(request)
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+        return self.llm.embed(texts, purpose=purpose)
+
+
+def test_each_try_the_gateway_retried_for_a_decision_is_a_call_of_its_own(tx_factory, llm) -> None:
+    """Through ``chat`` the retry layer's tries were hidden: one llm_calls row a consolidation call."""
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    retried = RetryingClient(FailsFirst(llm), RetryPolicy(max_attempts=3), sleep=lambda seconds: None)
+    assert consolidate(tx_factory, retried).llm_calls == 1
+    with tx_factory() as session:
+        outcomes = session.scalars(
+            select(LLMCall.outcome).where(LLMCall.purpose == "consolidation").order_by(LLMCall.id)
+        ).all()
+    assert outcomes == ["provider_error", "ok"]

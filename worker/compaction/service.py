@@ -36,6 +36,7 @@ from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
+from worker.llm.retry import chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -212,12 +213,9 @@ class CompactionRun:
     def _chat(self, request: ChatRequest) -> ChatResponse:
         """The summarizer's reply; the gateway's failed tries of it (a 429, a 5xx it retried) are each an
         llm_calls row, as extraction records them (through ``chat`` they were hidden: counts ran low)."""
-        traced = getattr(self.llm, "chat_traced", None)
-        if traced is None:
-            return self.llm.chat(request)
-        result = traced(request)
-        self._record_tries(result.failed_attempts)
-        return result.value  # type: ignore[no-any-return]
+        response, failed = chat_with_tries(self.llm, request)
+        self._record_tries(failed)
+        return response
 
     def _record_tries(self, tries: Sequence[Any]) -> None:
         """The gateway's failed tries of a call that a stop ended between them, each an llm_calls row."""

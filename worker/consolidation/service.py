@@ -29,7 +29,9 @@ from worker.core.consolidation_prompt import (
     parse_decisions,
     render_pairs,
 )
-from worker.llm.errors import BudgetExhaustedError
+from worker.llm.between_tries import checked_between_tries, tries_before_stop
+from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,11 @@ class EntityRun:
     job_id: int | None = None
     guard: Callable[[], None] = lambda: None  # between decisions: lease lost? worker stopping? switch off?
     before_call: Callable[[], None] = lambda: None  # the budget check before the call
+
+    def between_tries(self) -> None:
+        """Asked between the gateway's tries of one call (a retry waits minutes on an outage)."""
+        self.guard()
+        self.before_call()
 
 
 # An entity's pending facts are decided in rounds of at most this many (the earliest said first), each
@@ -228,14 +235,33 @@ def _call(
     request = consolidation_request(run.entity_key, pairs)
     run.before_call()
     started = time.perf_counter()
+
+    def record_tries(tries: Sequence[AttemptRecord]) -> None:  # the gateway's, before the last
+        for tried in tries:
+            if tried.error is not None:
+                failed = LLMCallRecord.failed(
+                    CONSOLIDATION_PURPOSE, llm, tried.error, tried.latency_ms, run.job_id
+                )
+                store.record_call(failed)
+
     try:
-        response = llm.chat(request)
-    except BudgetExhaustedError:
+        with checked_between_tries(run.between_tries):  # the switch, the lease, the budget
+            response, tried = chat_with_tries(llm, request)
+    except BudgetExhaustedError as exc:
+        record_tries(getattr(exc, "attempts", ()))
         raise
-    except Exception as exc:
+    except LLMError as exc:
+        record_tries(getattr(exc, "attempts", ())[:-1])
         latency_ms = int((time.perf_counter() - started) * 1000)
         store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
         raise
+    except Exception as exc:
+        record_tries(tries_before_stop(exc))
+        latency_ms = int((time.perf_counter() - started) * 1000)
+        if not tries_before_stop(exc):  # not a stop between tries: the call itself failed
+            store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
+        raise
+    record_tries(tried)
     outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)
     call_id = store.record_call(
         LLMCallRecord(

@@ -9,7 +9,7 @@ from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_re
 from worker.extraction.prompts import extraction_request, first_turn
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
-from worker.llm.retry import AttemptRecord
+from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 # A truncated reply is retried once with this many times the output cap, up to the ceiling.
@@ -82,12 +82,9 @@ def _retried_failures(records: Sequence[AttemptRecord]) -> list[Attempt]:
 
 
 def _chat_recording_retries(llm: LLMClient, request: ChatRequest, attempts: list[Attempt]) -> ChatResponse:
-    traced = getattr(llm, "chat_traced", None)
-    if traced is None:
-        return llm.chat(request)
-    result = traced(request)
-    attempts.extend(_retried_failures(result.failed_attempts))
-    return result.value  # type: ignore[no-any-return]
+    response, failed = chat_with_tries(llm, request)
+    attempts.extend(_retried_failures(failed))
+    return response
 
 
 def classify_reply(response: ChatResponse, max_facts: int, cap: int) -> Attempt:

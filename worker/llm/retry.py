@@ -275,3 +275,14 @@ class _Call:
     operation: str
     purpose: str
     records: list[AttemptRecord] = field(default_factory=list)
+
+
+def chat_with_tries(llm: LLMClient, request: ChatRequest) -> tuple[ChatResponse, tuple[AttemptRecord, ...]]:
+    """``llm``'s reply to ``request`` and the failed tries the retry layer made before it (each cost a
+    request, and the caller records each as a call: through ``chat`` they were hidden). None from a
+    client without a retry layer."""
+    traced = getattr(llm, "chat_traced", None)
+    if traced is None:
+        return llm.chat(request), ()
+    result: Traced[ChatResponse] = traced(request)
+    return result.value, result.failed_attempts
