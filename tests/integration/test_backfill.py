@@ -845,11 +845,14 @@ def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again
         assert run_pass(rt, job_id).status == "retry"
     assert sim.state.store.find_file(orphans[0]) is not None
     monkeypatch.setattr(backfill_module, "RESEND_AFTER_SECONDS", 0.0)  # the resend is due at once
-    sim.configure(batch_delete_fails=delete_fails)
+    # The batch runs until the test lets it end (ended within the pass on a loaded host, it was collected
+    # in the same pass: "succeeded", not "paused").
+    sim.configure(batch_delete_fails=delete_fails, batch_delay_seconds=3600)
     assert run_pass(rt, job_id).status == "paused", "sent again, waiting for the batch"
     held = sim.state.store.find_file(orphans[0]) is not None
     assert held == delete_fails, "deleted before the batch went again (unless the provider failed it)"
     sim.configure(batch_delete_fails=False)
+    sim.end_batches()
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
