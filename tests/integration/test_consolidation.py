@@ -1102,3 +1102,38 @@ def test_each_try_the_gateway_retried_for_a_decision_is_a_call_of_its_own(tx_fac
             select(LLMCall.outcome).where(LLMCall.purpose == "consolidation").order_by(LLMCall.id)
         ).all()
     assert outcomes == ["provider_error", "ok"]
+
+
+def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> None:
+    """Stopped while the first try waited on the rate limiter (the switch turned off), the stop was
+    written as a provider_error call, though no request went out."""
+    from worker.jobs.registry import KillSwitchOffError
+    from worker.llm.ratelimit import RateLimitedClient, RateLimits
+
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    put_page(tx_factory, MAR_PAGE, MAR_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    extract(tx_factory, llm, MAR_PAGE)
+    switched_off: list[bool] = []
+
+    class Waits:
+        limits = RateLimits(requests_per_minute=1)
+
+        def acquire(self, key: str, tokens: int) -> float:
+            switched_off.append(True)  # the operator turns the switch off while the call waits
+            return 2.5
+
+        def reconcile(self, key: str, estimated: int, actual: int) -> None:
+            return None
+
+    def guard() -> None:
+        if switched_off:
+            raise KillSwitchOffError("consolidation.enabled was turned off")
+
+    limited = RetryingClient(
+        RateLimitedClient(llm, Waits()), RetryPolicy(max_attempts=3), sleep=lambda s: None
+    )
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(KillSwitchOffError):
+        consolidate_entity(store, limited, EntityRun("default", ALICE, guard=guard))
+    assert calls(tx_factory) == 0

@@ -675,3 +675,19 @@ def test_a_budget_that_refuses_a_retry_is_no_try_of_the_call() -> None:
         client.chat(REQUEST)
     assert inner.calls == 2 and [record.number for record in refused.value.attempts] == [1]
     assert refused.value.attempts[0].error is not spent
+
+
+def test_a_sigterm_between_tries_keeps_the_tries_made_before_it() -> None:
+    """A SIGTERM is raised as SystemExit, no Exception: the tries made before it were not attached, and
+    the callers' stop branches (Exception only) never recorded them."""
+    from worker.llm.between_tries import checked_between_tries, tries_before_stop
+
+    def terminated() -> None:
+        raise SystemExit(143)
+
+    client = RetryingClient(
+        ScriptedClient(retryable(), ok_response()), RetryPolicy(max_attempts=5), sleep=Sleeps()
+    )
+    with checked_between_tries(terminated), pytest.raises(SystemExit) as stopped:
+        client.chat(REQUEST)
+    assert [record.number for record in tries_before_stop(stopped.value)] == [1]

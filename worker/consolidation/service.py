@@ -252,14 +252,13 @@ def _call(
         raise
     except LLMError as exc:
         record_tries(getattr(exc, "attempts", ())[:-1])
-        latency_ms = int((time.perf_counter() - started) * 1000)
+        latency_ms = exc.latency_ms or int((time.perf_counter() - started) * 1000)  # the last try's own
         store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
         raise
-    except Exception as exc:
+    except (
+        BaseException
+    ) as exc:  # a stop between tries (the switch, the lease, a SIGTERM): no call of its own
         record_tries(tries_before_stop(exc))
-        latency_ms = int((time.perf_counter() - started) * 1000)
-        if not tries_before_stop(exc):  # not a stop between tries: the call itself failed
-            store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
         raise
     record_tries(tried)
     outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)

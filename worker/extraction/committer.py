@@ -182,9 +182,10 @@ class SegmentCommitter:
                 self.page_gone = isinstance(exc, PageChangedError)
                 self._keep_unhanded(plan.slug, batch, handed)
                 raise
-            except Exception:
-                # The commit failed otherwise (a deadlock, a timeout, the connection dropped): the store
-                # kept the spend of what it was given; the rest of the batch was paid for as well.
+            except BaseException:
+                # The commit failed otherwise (a deadlock, a timeout, the connection dropped; or a
+                # SIGTERM, raised as SystemExit): the store kept the spend of what it was given; the rest
+                # of the batch was paid for as well.
                 self._keep_after_failure(plan.slug, batch, handed)
                 raise
             if isinstance(outcome, PageReport):
@@ -323,9 +324,9 @@ class SegmentCommitter:
             handed: set[int] = set()  # indexes whose attempts are recorded (held, or discarded)
             try:
                 failed = self._hold_batch(plan, batch, report, held, handed)
-            except Exception:
-                # Holding one failed (a deadlock, a timeout, the connection dropped): the rest of the
-                # batch was taken from the feed and paid for too, and nothing else records it.
+            except BaseException:
+                # Holding one failed (a deadlock, a timeout, the connection dropped, a SIGTERM): the rest
+                # of the batch was taken from the feed and paid for too, and nothing else records it.
                 self._keep_after_failure(plan.slug, batch, handed)
                 raise
             if failed is not None:

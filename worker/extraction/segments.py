@@ -130,7 +130,7 @@ def _ask(
                 usage=exc.usage,
             )
         )
-    except Exception as exc:  # stopped between the gateway's tries: those it made are recorded
+    except BaseException as exc:  # stopped between the gateway's tries (or a SIGTERM): those it made are kept
         attempts.extend(_retried_failures(tries_before_stop(exc)))
         raise
     return None

@@ -127,6 +127,7 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
         note = paused_reason(kind.switch) if rule.pause_reason == KILL_SWITCH else str(exc)
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
     if rule.action in ("retry", "requeue"):
+        logger.warning("job of kind %s raised %s; %s", kind.name, type(exc).__name__, rule.action)
         return WorkResult("retry" if rule.action == "retry" else "requeue", note=error_summary(exc))
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))

@@ -219,7 +219,7 @@ class RetryingClient:
                     exc,
                 )
             raise
-        except Exception as exc:  # the caller's check stopped it between tries: they are its to record
+        except BaseException as exc:  # the caller's check (or a SIGTERM) stopped it between tries
             if records:
                 setattr(exc, TRIES_ATTRIBUTE, tuple(records))
             raise
