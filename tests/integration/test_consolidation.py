@@ -15,13 +15,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
 from tests.integration.test_extraction import fmt, put_page
 from tests.integration.test_provider_replies import completion
+from tests.llm_wrappers import FailsFirst
 from worker.accounting import Ledger
 from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
 from worker.consolidation import consolidate_pages_entities, request_consolidation
 from worker.consolidation.service import EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore, orphaned_links_query
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
-from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryingClient, RetryPolicy
 
@@ -1071,22 +1071,6 @@ def test_a_round_reads_whole_only_the_facts_it_decides(tx_factory, llm) -> None:
     whole = [s for s in statements if "array_send" in s]
     assert any("ANY" in s for s in whole), "the round's facts are read whole by their ids"
     assert not [s for s in whole if "consolidated_at IS NULL" in s], "no pending fact is read whole else"
-
-
-class FailsFirst:
-    """``llm``, but its first chat fails as a 429 would (the retry layer above tries again)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm, self.provider, self.model, self.failed = llm, llm.provider, llm.model, False
-
-    def chat(self, request: Any) -> Any:
-        if not self.failed:
-            self.failed = True
-            raise LLMError("HTTP 429: slow down", retryable=True, status=429, latency_ms=4)
-        return self.llm.chat(request)
-
-    def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
-        return self.llm.embed(texts, purpose=purpose)
 
 
 def test_each_try_the_gateway_retried_for_a_decision_is_a_call_of_its_own(tx_factory, llm) -> None:

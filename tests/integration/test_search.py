@@ -765,6 +765,23 @@ def test_weak_signal_expands_once(
     assert "search_expansion" in purposes
 
 
+def test_each_try_the_gateway_retried_for_an_expansion_is_a_call_of_its_own(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Through ``chat`` the retry layer's tries were hidden: one llm_calls row an expansion."""
+    from tests.llm_wrappers import FailsFirst
+    from worker.llm.retry import RetryingClient, RetryPolicy
+
+    seed(plain_factory)
+    retried = RetryingClient(FailsFirst(llm), RetryPolicy(max_attempts=3), sleep=lambda seconds: None)
+    assert search(plain_factory, retried, "what does alice drink with coffee").expanded is True
+    with plain_factory() as session:
+        outcomes = session.scalars(
+            text("SELECT outcome FROM llm_calls WHERE purpose = 'search_expansion' ORDER BY id")
+        ).all()
+    assert outcomes == ["provider_error", "ok"]
+
+
 def test_an_intent_always_expands(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
 ) -> None:

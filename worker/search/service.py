@@ -50,6 +50,7 @@ from worker.core.fusion import (
 from worker.core.intent import SearchType, StructuredQuery, has_strong_signal, parse_structured_query
 from worker.core.lexing import parse_expansion, parse_lex_query, plain_text
 from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
+from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
@@ -108,6 +109,12 @@ def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Excep
     _record(store, LLMCallRecord.failed(purpose, llm, exc, int((time.perf_counter() - started) * 1000)))
 
 
+def _record_tries(store: SearchStore, llm: LLMClient, tries: Sequence[AttemptRecord]) -> None:
+    for tried in tries:
+        if tried.error is not None:
+            _record(store, LLMCallRecord.failed(EXPANSION_PURPOSE, llm, tried.error, tried.latency_ms))
+
+
 def _answered(purpose: str, response: ChatResponse | EmbeddingResponse, outcome: str) -> LLMCallRecord:
     return LLMCallRecord(
         purpose, response.provider, response.model, response.usage, response.latency_ms, outcome
@@ -123,14 +130,16 @@ def expand_query(
     """(expansion lines, note): an LLM failure yields no lines and a note, never an error."""
     started = time.perf_counter()
     try:
-        response = llm.chat(expansion_request(query, intent))
+        response, tried = chat_with_tries(llm, expansion_request(query, intent))
     except BudgetExhaustedError:
         # No call was made; readers never see spend or budget figures.
         return [], "query expansion skipped: budget; searched the query alone"
     except Exception as exc:
         logger.warning("query expansion failed: %s", error_summary(exc))
+        _record_tries(store, llm, getattr(exc, "attempts", ())[:-1])
         _record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
         return [], "query expansion failed (the LLM did not answer); searched the query alone"
+    _record_tries(store, llm, tried)  # each try the gateway retried is a call of its own
     outcome = "ok" if response.finish == "end" else response.finish
     _record(store, _answered(EXPANSION_PURPOSE, response, outcome))
     if response.finish == "refusal":
