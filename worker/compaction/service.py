@@ -256,7 +256,7 @@ class CompactionRun:
                 raise
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
             return self._finish("failed", error=f"the summarizer call failed: {exc}")
-        except BaseException as exc:  # stopped between the gateway's tries (the switch, the lease, SIGTERM)
+        except BaseException as exc:  # stopped between the gateway's tries (switch, lease, SIGTERM)
             self._record_tries(tries_before_stop(exc))
             raise
         result = response_outcome(response.finish, response.text)

@@ -255,9 +255,8 @@ def _call(
         latency_ms = exc.latency_ms or int((time.perf_counter() - started) * 1000)  # the last try's own
         store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
         raise
-    except (
-        BaseException
-    ) as exc:  # a stop between tries (the switch, the lease, a SIGTERM): no call of its own
+    except BaseException as exc:
+        # A stop between tries (the switch, the lease, a SIGTERM): no call of its own.
         record_tries(tries_before_stop(exc))
         raise
     record_tries(tried)

@@ -130,7 +130,8 @@ def _ask(
                 usage=exc.usage,
             )
         )
-    except BaseException as exc:  # stopped between the gateway's tries (or a SIGTERM): those it made are kept
+    except BaseException as exc:
+        # Stopped between the gateway's tries (or by a SIGTERM): those it made are kept.
         attempts.extend(_retried_failures(tries_before_stop(exc)))
         raise
     return None
@@ -144,7 +145,7 @@ class SegmentAbortedError(Exception):
     stopping, the database gone at a budget check): ``attempts`` to record, ``cause`` to raise on.
     The attempts were a local list, lost with the exception: the job's retry paid for them again."""
 
-    def __init__(self, attempts: list[Attempt], cause: Exception) -> None:
+    def __init__(self, attempts: list[Attempt], cause: BaseException) -> None:
         super().__init__(str(cause))
         self.attempts, self.cause = attempts, cause
 
@@ -170,7 +171,7 @@ def extract_segment(
     attempts: list[Attempt] = []
     try:
         return _extract(llm, rendered, max_facts, max_output_tokens, before_call, attempts)
-    except Exception as exc:
+    except BaseException as exc:  # a SIGTERM (SystemExit) too: the paid attempts are recorded first
         if any(attempt.called for attempt in attempts):
             raise SegmentAbortedError(list(attempts), exc) from exc
         raise
