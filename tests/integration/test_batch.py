@@ -629,7 +629,8 @@ def test_a_batch_run_stopped_by_sigterm_owes_the_batch_it_leaves_at_the_provider
         _sigterm_a_batch_run(own, committed_store, database_url)
 
 
-def _sigterm_a_batch_run(sim: Simulator, committed_store: sessionmaker[Session], database_url: str) -> None:
+def sigterm_extract(sim: Simulator, database_url: str, args: list[str], ready: Any) -> tuple[int, bytes]:
+    """`factmill extract ARGS` on ``sim``, sent SIGTERM once ``ready()``: its exit code and stderr."""
     import os
     import signal
     import subprocess
@@ -640,22 +641,34 @@ def _sigterm_a_batch_run(sim: Simulator, committed_store: sessionmaker[Session],
         "FACTMILL_LLM": "simulator",
         "FACTMILL_SIMULATOR_URL": sim.url,
     }
-    args = [sys.executable, "-m", "worker.cli", "extract", "--source-id", "batch", "--batch"]
-    proc = subprocess.Popen([*args, "--poll-seconds", "0.1"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    command = [sys.executable, "-m", "worker.cli", "extract", "--source-id", "batch", *args]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
     try:
         for _ in range(300):
-            if sim.stats()["batches"]["created"] == 1:
+            if ready():
                 break
             time.sleep(0.1)
-        assert sim.stats()["batches"]["created"] == 1
-        time.sleep(0.3)  # waiting on the batch now
+        assert ready(), "the run never reached the moment to stop it"
+        time.sleep(0.3)  # waiting on it now
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    return proc.returncode, stderr
+
+
+def _sigterm_a_batch_run(sim: Simulator, committed_store: sessionmaker[Session], database_url: str) -> None:
+    import signal
+
+    returncode, stderr = sigterm_extract(
+        sim,
+        database_url,
+        ["--batch", "--poll-seconds", "0.1"],
+        lambda: sim.stats()["batches"]["created"] == 1,
+    )
+    assert returncode == 128 + signal.SIGTERM, stderr
     [(provider, _, _, error)] = owed(committed_store)
     assert provider == "simulator" and "SystemExit" in (error or ""), error
 
@@ -715,29 +728,10 @@ def test_an_online_run_stopped_by_sigterm_stops_as_ctrl_c_does(committed_store, 
     """Online, SIGTERM (a `timeout`, a CI cancel) killed the run at once: the clean-up that records the
     calls answered but not yet committed never ran, and budgets and `factmill costs` counted low. It now
     ends the run as Ctrl-C does (exit 128 + 15 from its own handler, not death by the signal)."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     with Simulator(SimulatorConfig(latency_ms=3000)) as slow:
-        env = dict(os.environ) | {
-            "FACTMILL_DATABASE_URL": database_url,
-            "FACTMILL_LLM": "simulator",
-            "FACTMILL_SIMULATOR_URL": slow.url,
-        }
-        args = [sys.executable, "-m", "worker.cli", "extract", "--source-id", "batch", "--json"]
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)  # fmt: skip
-        try:
-            for _ in range(300):
-                if slow.stats()["in_flight"] >= 1:
-                    break
-                time.sleep(0.1)
-            assert slow.stats()["in_flight"] >= 1, "no call in flight to stop"
-            proc.send_signal(signal.SIGTERM)
-            _, stderr = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+        returncode, stderr = sigterm_extract(
+            slow, database_url, ["--json"], lambda: slow.stats()["in_flight"] >= 1
+        )
+    assert returncode == 128 + signal.SIGTERM, stderr

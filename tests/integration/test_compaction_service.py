@@ -682,6 +682,19 @@ def test_a_long_summary_is_capped(tx_factory: sessionmaker[Session]) -> None:
     assert row.summary == long_summary[:SUMMARY_CHAR_LIMIT].strip()
 
 
+def run_until_no_rerun(rt: Runtime, factory: sessionmaker[Session], job_id: int, most: int = 40) -> Job:
+    """Run the compaction job until it asks for no rerun (each accepted part of a long head asks for
+    the next); the job as it ends."""
+    for _ in range(most):
+        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+        with factory() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            if job.status != "queued":
+                return job
+    raise AssertionError(f"still queued after {most} runs")
+
+
 def test_a_head_over_the_summarizers_input_is_compacted_oldest_part_first(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
@@ -694,13 +707,7 @@ def test_a_head_over_the_summarizers_input_is_compacted_oldest_part_first(
     activate_threshold(tx_factory, 0.0)
     llm = ScriptedLLM(*[f"## Goal\n{GOAL}"] * 40)
     rt = runtime(database_url, tx_factory, llm, compaction_max_input_tokens=1000)
-    for _ in range(40):
-        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
-        with tx_factory() as session:
-            job = session.get(Job, job_id)
-            assert job is not None
-            if job.status != "queued":
-                break
+    job = run_until_no_rerun(rt, tx_factory, job_id)
     rows = compactions(tx_factory, "big")
     assert len(rows) == len(llm.requests) > 2 and {r.status for r in rows} == {"accepted"}
     assert [r.cut_seq for r in rows] == sorted({r.cut_seq for r in rows})
@@ -896,13 +903,7 @@ def test_a_forced_compaction_over_the_summarizers_input_goes_on_until_the_head_i
     activate_threshold(tx_factory, 0.0)
     llm = ScriptedLLM(*[f"## Goal\n{GOAL}"] * 40)
     rt = runtime(database_url, tx_factory, llm, compaction_max_input_tokens=1000)
-    for _ in range(40):
-        assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
-        with tx_factory() as session:
-            job = session.get(Job, job_id)
-            assert job is not None
-            if job.status != "queued":
-                break
+    job = run_until_no_rerun(rt, tx_factory, job_id)
     rows = compactions(tx_factory, "forced-big")
     assert len(rows) > 2 and {r.status for r in rows} == {"accepted"}, [r.status for r in rows]
     assert job.counters["head_capped"] is False  # the last run's head fitted whole

@@ -273,16 +273,20 @@ def test_a_postgres_killed_without_its_clean_up_is_started_again_when_its_pid_is
         "print(engine.connect().execute(text('SELECT 41 + 1')).scalar())"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    pgdata = (data_dir / "pg").resolve()
-    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    try:
-        first = subprocess.run(
+
+    def connect() -> subprocess.CompletedProcess[bytes]:  # a process that starts (or finds) the server
+        return subprocess.run(
             [sys.executable, "-c", program, str(data_dir)],
             cwd=REPO,
             env=env,
-            timeout=120,
+            timeout=180,
             capture_output=True,
         )
+
+    pgdata = (data_dir / "pg").resolve()
+    squatter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        first = connect()
         assert first.stdout.strip() == b"42", first.stderr[-2000:]
         postmaster = read_pid(pgdata / "postmaster.pid")
         assert postmaster is not None
@@ -290,13 +294,7 @@ def test_a_postgres_killed_without_its_clean_up_is_started_again_when_its_pid_is
         assert wait_exited(postmaster, 30)
         lines = (pgdata / "postmaster.pid").read_text().split("\n")
         (pgdata / "postmaster.pid").write_text("\n".join([str(squatter.pid), *lines[1:]]))  # the pid reused
-        again = subprocess.run(
-            [sys.executable, "-c", program, str(data_dir)],
-            cwd=REPO,
-            env=env,
-            timeout=180,
-            capture_output=True,
-        )
+        again = connect()
         assert again.stdout.strip() == b"42", again.stderr[-2000:]
         assert read_pid(pgdata / "postmaster.pid") not in (None, squatter.pid)
     finally:

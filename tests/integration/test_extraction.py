@@ -235,13 +235,10 @@ def test_honors_facts_extraction_enabled_kill_switch(pages, llm, simulator):
     assert sim_requests(simulator) == before
 
 
-def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
-    """Read before a segment's first attempt only: a malformed first reply was followed by up to three
-    paid retries and repair turns (the segment's whole text again) after the switch went off."""
+def run_switching_off_during_the_first_call(pages: Any, llm: Any) -> None:
+    """Extract SLUG; the guard turns the kill switch off while the first call is made."""
     from worker.config_store import ConfigReader
 
-    sim.configure(rate_malformed=1.0)  # every reply needs the repair turn
-    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
     asked: list[int] = []
 
     def switch_off_during_the_first_call() -> None:
@@ -258,6 +255,14 @@ def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
             config=ConfigReader(pages, ttl=0),
             guard=switch_off_during_the_first_call,
         )
+
+
+def test_the_kill_switch_is_read_before_every_attempt_of_a_segment(pages, sim):
+    """Read before a segment's first attempt only: a malformed first reply was followed by up to three
+    paid retries and repair turns (the segment's whole text again) after the switch went off."""
+    sim.configure(rate_malformed=1.0)  # every reply needs the repair turn
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_switching_off_during_the_first_call(pages, llm)
     assert sim_requests(sim) == 1, "no attempt after the switch went off"
     assert count(pages, ExtractionAudit) >= 1, "the paid attempt is recorded"
 
@@ -266,31 +271,37 @@ def test_the_kill_switch_is_read_between_the_gateways_tries_of_one_call(pages, s
     """Read before each attempt only: under it the retry layer went on trying one call for minutes (five
     tries, two minutes of backoff) after the switch went off during a provider's incident, when it is
     used. The try made before it is recorded."""
-    from worker.config_store import ConfigReader
     from worker.llm.retry import RetryingClient, RetryPolicy
 
     sim.configure(rate_500=1.0)  # every try fails, and is retried
     provider = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
     llm = RetryingClient(provider, RetryPolicy(max_attempts=5), sleep=lambda seconds: None)
-    asked: list[int] = []
-
-    def switch_off_during_the_first_call() -> None:
-        asked.append(1)
-        if len(asked) == 1:
-            with pages.begin() as session:
-                set_config(session, "facts.extraction_enabled", "false")
-
-    with pytest.raises(ExtractionDisabledError):
-        run_extract_conversation_facts(
-            pages,
-            llm,
-            ExtractOptions(slug=SLUG),
-            config=ConfigReader(pages, ttl=0),
-            guard=switch_off_during_the_first_call,
-        )
+    run_switching_off_during_the_first_call(pages, llm)
     assert sim_requests(sim) == 1, "no try after the switch went off"
     with pages() as session:
         assert session.scalars(select(LLMCall.outcome)).all() == ["provider_error"], "the try is recorded"
+
+
+def test_a_sigterm_between_a_segments_attempts_keeps_the_paid_one(sim) -> None:
+    """A SIGTERM is raised as SystemExit, no Exception: between a segment's attempts it escaped with the
+    paid first attempt in a local list, and no row recorded it."""
+    from worker.extraction.segments import SegmentAbortedError, extract_segment
+
+    sim.configure(rate_malformed=1.0)  # the first reply needs the repair turn
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    asked: list[int] = []
+
+    def terminated_after_the_first() -> None:
+        asked.append(1)
+        if len(asked) > 1:
+            raise SystemExit(143)
+
+    with pytest.raises(SegmentAbortedError) as aborted:
+        extract_segment(
+            llm, "**A** (2024-01-01 9:00 AM): hi", 10, 1024, before_call=terminated_after_the_first
+        )
+    assert isinstance(aborted.value.cause, SystemExit)
+    assert [a.outcome for a in aborted.value.attempts] == ["malformed_output"]
 
 
 def test_a_stopping_worker_finishes_the_segment_it_began_paying_for(pages, sim):

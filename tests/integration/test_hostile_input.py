@@ -375,6 +375,25 @@ def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its
         assert "did not arrive within 0.3 s" in json.loads(body)["detail"]
 
 
+def served_once(app: Any, scope: dict[str, Any], receive: Any) -> tuple[int, bytes]:
+    """One request through the app (its lifespan around it), its body read by ``receive``: the answer's
+    status and body."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+
+    asyncio.run(run())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
 def test_a_large_body_trickling_in_slower_than_the_least_rate_is_answered_408(
     database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -399,19 +418,8 @@ def test_a_large_body_trickling_in_slower_than_the_least_rate_is_answered_408(
         await asyncio.sleep(0.05)
         return {"type": "http.request", "body": b" " * 10, "more_body": True}
 
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def run() -> None:
-        async with app.router.lifespan_context(app):
-            await asyncio.wait_for(app(scope, receive, send), timeout=30)
-
-    asyncio.run(run())
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    assert start["status"] == 408, (start, body)
+    status, body = served_once(app, scope, receive)
+    assert status == 408, body
     assert "arrived slower than 1024 bytes a second" in json.loads(body)["detail"]
     assert chunks < 100  # cut after its grace, not at the minute's deadline (1,200 chunks)
 
@@ -432,19 +440,8 @@ def test_a_stale_signature_is_refused_before_a_byte_of_the_body_is_read(
         await asyncio.Event().wait()  # the body never comes
         raise AssertionError("unreachable")
 
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def run() -> None:
-        async with app.router.lifespan_context(app):
-            await asyncio.wait_for(app(scope, receive, send), timeout=30)
-
-    asyncio.run(run())
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    assert start["status"] == 401 and "too old" in json.loads(body)["detail"]
+    status, body = served_once(app, scope, receive)
+    assert status == 401 and "too old" in json.loads(body)["detail"]
     assert reads == []
 
 

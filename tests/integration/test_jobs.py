@@ -427,17 +427,8 @@ def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_d
         session.flush()
         strangers = [stranger.id, running.id]
         session.execute(update(Job).values(created_at=now() - timedelta(seconds=200)))
-    recorder = Recorder()
-    report = sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=30,
-        enabled=lambda key: True,
-        job_budgets=BUDGETS,
-        sender=recorder,
-        queue_depth=lambda queue: 0,
-    )
-    assert [job_id for _, job_id, _ in recorder.sent] == [lost] and report.failed_spent == []
+    report, sent = swept(tx_factory, queue_depth=lambda queue: 0)
+    assert sent == [lost] and report.failed_spent == []
     with tx_factory() as session:
         left = (
             session.execute(select(Job.status).where(Job.id.in_(strangers)).order_by(Job.id)).scalars().all()

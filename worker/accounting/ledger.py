@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -14,6 +14,7 @@ from models.tables import LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 from worker.core.jsonvalues import made_storable
+from worker.llm.retry import AttemptRecord
 from worker.llm.types import Usage
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,14 @@ class LLMCallRecord:
         outcome = getattr(exc, "outcome", "provider_error")
         usage = getattr(exc, "usage", None)
         return cls(purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc)[:500])
+
+    @classmethod
+    def failed_tries(
+        cls, purpose: str, llm: object, tries: Iterable[AttemptRecord], job_id: int | None = None
+    ) -> list[LLMCallRecord]:
+        """The records of the retry layer's failed tries of one call: each cost a request and is a
+        call of its own."""
+        return [cls.failed(purpose, llm, t.error, t.latency_ms, job_id) for t in tries if t.error is not None]
 
 
 def kept_error(call: LLMCallRecord) -> str | None:

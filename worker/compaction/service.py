@@ -36,7 +36,7 @@ from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
-from worker.llm.retry import chat_with_tries
+from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
 logger = logging.getLogger(__name__)
@@ -217,14 +217,10 @@ class CompactionRun:
         self._record_tries(failed)
         return response
 
-    def _record_tries(self, tries: Sequence[Any]) -> None:
+    def _record_tries(self, tries: Sequence[AttemptRecord]) -> None:
         """The gateway's failed tries of a call that a stop ended between them, each an llm_calls row."""
-        for tried in tries:
-            if tried.error is not None:
-                failed = LLMCallRecord.failed(
-                    LLM_PURPOSE, self.llm, tried.error, tried.latency_ms, self.job_id
-                )
-                self.store.record_llm_call(failed)
+        for failed in LLMCallRecord.failed_tries(LLM_PURPOSE, self.llm, tries, self.job_id):
+            self.store.record_llm_call(failed)
 
     def _attempt(self, attempt: int, missed: list[str]) -> CompactionOutcome | list[str]:
         """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""

@@ -237,12 +237,8 @@ def _call(
     started = time.perf_counter()
 
     def record_tries(tries: Sequence[AttemptRecord]) -> None:  # the gateway's, before the last
-        for tried in tries:
-            if tried.error is not None:
-                failed = LLMCallRecord.failed(
-                    CONSOLIDATION_PURPOSE, llm, tried.error, tried.latency_ms, run.job_id
-                )
-                store.record_call(failed)
+        for failed in LLMCallRecord.failed_tries(CONSOLIDATION_PURPOSE, llm, tries, run.job_id):
+            store.record_call(failed)
 
     try:
         with checked_between_tries(run.between_tries):  # the switch, the lease, the budget

@@ -110,9 +110,8 @@ def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Excep
 
 
 def _record_tries(store: SearchStore, llm: LLMClient, tries: Sequence[AttemptRecord]) -> None:
-    for tried in tries:
-        if tried.error is not None:
-            _record(store, LLMCallRecord.failed(EXPANSION_PURPOSE, llm, tried.error, tried.latency_ms))
+    for failed in LLMCallRecord.failed_tries(EXPANSION_PURPOSE, llm, tries):
+        _record(store, failed)
 
 
 def _answered(purpose: str, response: ChatResponse | EmbeddingResponse, outcome: str) -> LLMCallRecord:
