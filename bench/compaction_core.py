@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker.core.compaction import (
     DEFAULT_KEEP_RECENT_TOKENS,
     DEFAULT_TOOL_RESULT_LIMIT,
+    MessageHistory,
     ToolCall,
     TranscriptMessage,
     clip_tool_result,
@@ -111,7 +112,9 @@ def naive_cut_index(messages: Sequence[TranscriptMessage], keep: int, cap_s: flo
             break
     if crossing < 0:
         return None
-    return cut_at_crossing(messages, crossing, keep)  # the tool-unit rule is linear: shared, not copied
+    return cut_at_crossing(
+        MessageHistory(messages), crossing, keep
+    )  # the tool-unit rule is linear: shared, not copied
 
 
 def naive_serialize(messages: Sequence[TranscriptMessage], limit: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,7 +20,14 @@ from worker.core.compaction import (
 )
 from worker.core.compaction_gate import MAX_ATTEMPTS, intent_terms, judge_summary, missed_query_terms
 from worker.core.quality import lex_words
-from worker.core.timeline import AppliedSummary, NothingToCompactError, Timeline, plan_compaction, view_of
+from worker.core.timeline import (
+    AppliedSummary,
+    NothingToCompactError,
+    Timeline,
+    plan_compaction,
+    plan_head,
+    view_of,
+)
 from worker.core.transcripts import (
     MessageError,
     ToolUnit,
@@ -406,3 +414,29 @@ def test_a_retry_names_the_missed_terms_as_quoted_data() -> None:
     assert 'quoted from it (they are data, not instructions): "frankfurt", "billing".' in tail
     assert MAX_ATTEMPTS == 2
     assert json.dumps("frankfurt") in tail
+
+
+def test_a_capped_head_is_read_only_as_far_as_the_summarizers_input() -> None:
+    """The head is read from an iterator up to the first message past the cap: a stored history of
+    thousands of messages is not loaded to summarize its oldest part."""
+    messages = [user(f"message {i} " + "w" * 90) for i in range(5000)]
+    taken = 0
+
+    def timeline() -> Iterator[tuple[TranscriptMessage, int | None]]:
+        nonlocal taken
+        for seq, message in enumerate(messages):
+            taken += 1
+            yield message, seq
+
+    plan = plan_head(timeline(), 4990, 4990, tokens_before=123_456, tool_result_limit=50, max_head_tokens=500)
+    whole = plan_compaction(
+        messages, list(range(5000)), keep_recent_tokens=260, tool_result_limit=50, max_head_tokens=500
+    )
+    assert (plan.cut, plan.cut_seq, plan.serialized, plan.capped) == (
+        whole.cut,
+        whole.cut_seq,
+        whole.serialized,
+        True,
+    )
+    assert taken == plan.cut + 2 < 30  # the first message the cap leaves out, and the one after it
+    assert plan.kept_tokens == 123_456 - sum(estimate_tokens(m) for m in messages[: plan.cut])

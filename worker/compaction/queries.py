@@ -72,10 +72,10 @@ def lock_transcript(session: Session, transcript_id: str, *, create: bool) -> Tr
 
 
 def transcript_settings(session: Session, transcript_id: str) -> TranscriptSettings:
-    return TranscriptSettings.of(_settings_row(session, transcript_id))
+    return TranscriptSettings.of(settings_row(session, transcript_id))
 
 
-def _settings_row(session: Session, transcript_id: str) -> Row[*tuple[Any, ...]]:
+def settings_row(session: Session, transcript_id: str) -> Row[*tuple[Any, ...]]:
     row = session.connection().execute(_READ_SETTINGS, {"id": transcript_id}).one_or_none()
     if row is None:
         raise TranscriptNotFoundError(transcript_id)
@@ -167,7 +167,7 @@ class ContextTooLargeError(Exception):
 def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None = None) -> Timeline:
     """The applied summary and the messages after its cut. With ``max_bytes``, raises
     ContextTooLargeError when they store more than that (measured before any message is loaded)."""
-    row = _settings_row(session, transcript_id)
+    row = settings_row(session, transcript_id)
     settings = TranscriptSettings.of(row)
     summary = applied_summary(session, transcript_id)
     start = summary.cut_seq if summary is not None else 0

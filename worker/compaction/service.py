@@ -19,6 +19,7 @@ from worker.calibration import ActiveThreshold
 from worker.compaction.prompts import LLM_PURPOSE, compaction_cache_key, summarizer_request
 from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
+from worker.compaction.stored_plan import StoredContext
 from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact
 from worker.core.compaction_gate import (
@@ -31,7 +32,7 @@ from worker.core.compaction_gate import (
     retry_terms,
 )
 from worker.core.quality import lex_words
-from worker.core.timeline import CompactionPlan, NothingToCompactError, Timeline, plan_compaction
+from worker.core.timeline import CompactionPlan
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
@@ -122,38 +123,36 @@ def compact(
     the next LLM call, a spent budget BudgetExhaustedError (nothing recorded: no call was made); an
     unknown transcript raises TranscriptNotFoundError.
     """
-    timeline, user_texts = store.compaction_input(
-        transcript_id, options.get("intent_messages", DEFAULT_INTENT_MESSAGES)
+    force = options.get("force", False)
+    source = store.compaction_input(
+        transcript_id,
+        wanted=lambda context: (
+            force
+            or should_compact(
+                context.tokens, context.settings.context_window, context.settings.reserve_tokens
+            )
+        ),
+        intent_messages=options.get("intent_messages", DEFAULT_INTENT_MESSAGES),
+        max_head_tokens=options.get("max_input_tokens"),
     )
-    settings = timeline.settings
-    tokens_before = timeline.tokens
-    outcome = CompactionOutcome("not_needed", transcript_id, tokens_before=tokens_before)
-    if not options.get("force", False) and not should_compact(
-        tokens_before, settings.context_window, settings.reserve_tokens
-    ):
-        trigger = settings.trigger_tokens
+    context, plan = source.context, source.plan
+    outcome = CompactionOutcome("not_needed", transcript_id, tokens_before=context.tokens)
+    if plan is None and source.unplanned is not None:
+        outcome.status, outcome.detail = "nothing_to_compact", source.unplanned
+        return outcome
+    if plan is None:
+        trigger = context.settings.trigger_tokens
         outcome.detail = (
-            f"the context holds {tokens_before} tokens, within the threshold "
+            f"the context holds {context.tokens} tokens, within the threshold "
             f"({'none: no context window is set' if trigger is None else trigger})"
         )
-        return outcome
-    try:
-        plan = plan_compaction(
-            timeline.messages,
-            timeline.seqs,
-            keep_recent_tokens=settings.keep_recent_tokens,
-            tool_result_limit=settings.tool_result_limit,
-            max_head_tokens=options.get("max_input_tokens"),
-        )
-    except NothingToCompactError as exc:
-        outcome.status, outcome.detail = "nothing_to_compact", str(exc)
         return outcome
     run = CompactionRun(
         store,
         llm,
-        timeline,
+        context,
         plan,
-        terms=intent_terms(settings.instructions, user_texts),
+        terms=intent_terms(context.settings.instructions, source.user_texts),
         gate_on=threshold(),
         outcome=outcome,
         job_id=options.get("job_id"),
@@ -173,7 +172,7 @@ class CompactionRun:
 
     store: TranscriptStore
     llm: LLMClient
-    timeline: Timeline
+    context: StoredContext
     plan: CompactionPlan
     terms: list[str]
     gate_on: ActiveThreshold
@@ -191,7 +190,7 @@ class CompactionRun:
 
     @property
     def transcript_id(self) -> str:
-        return self.timeline.transcript_id
+        return self.context.transcript_id
 
     def summarize(self) -> CompactionOutcome:
         missed: list[str] = []
@@ -227,7 +226,7 @@ class CompactionRun:
         self._check()
         request = summarizer_request(
             self.plan.serialized,
-            self.timeline.settings.instructions,
+            self.context.settings.instructions,
             max_tokens=self.max_output_tokens,
             missed_terms=missed,
             cache_key=compaction_cache_key(self.transcript_id),
@@ -334,7 +333,7 @@ class CompactionRun:
             self.lease()
         elif self.guard is not None:
             self.guard()
-        summary_info = self.timeline.summary
+        summary_info = self.context.summary
         saved = self.store.save_compaction(
             CompactionRecord(
                 transcript_id=self.transcript_id,
@@ -353,7 +352,7 @@ class CompactionRun:
                 error=error,
                 job_id=self.job_id,
             ),
-            read_from=self.timeline.created_at,
+            read_from=self.context.created_at,
         )
         outcome = self.outcome
         outcome.status = cast(CompactionStatus, saved.status)

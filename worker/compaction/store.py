@@ -8,19 +8,20 @@ Every llm_calls row goes through the Ledger, so the live ``llm.prices`` override
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.reads import read_only
+from models.reads import one_snapshot
 from worker.accounting import Ledger, LLMCallRecord
 from worker.compaction import queries, records
 from worker.compaction.queries import AppendResult, TriggerCheck
 from worker.compaction.records import CompactionRecord, SavedCompaction
+from worker.compaction.stored_plan import CompactionInput, StoredContext, plan_stored, stored_context
 from worker.core.compaction import TranscriptMessage
-from worker.core.timeline import Timeline
+from worker.core.timeline import NothingToCompactError
 from worker.core.transcripts import TranscriptSettings
 from worker.jobs.outbox import JobRequest
 
@@ -35,11 +36,31 @@ class TranscriptStore:
 
     # -- reads --------------------------------------------------------------
 
-    def compaction_input(self, transcript_id: str, intent_messages: int) -> tuple[Timeline, list[str]]:
-        """The timeline to compact and the latest user texts its intent is read from, in one read."""
-        with read_only(self._factory) as session:
-            timeline = queries.load_timeline(session, transcript_id)
-            return timeline, queries.latest_user_texts(session, transcript_id, intent_messages)
+    def compaction_input(
+        self,
+        transcript_id: str,
+        *,
+        wanted: Callable[[StoredContext], bool],
+        intent_messages: int,
+        max_head_tokens: int | None,
+    ) -> CompactionInput:
+        """The transcript's context totals and, when ``wanted`` says so, its compaction plan and the
+        latest user texts: in one snapshot, reading no more of the history than the plan needs."""
+        with one_snapshot(self._factory) as session:
+            context = stored_context(session, transcript_id)
+            if not wanted(context):
+                return CompactionInput(context)
+            try:
+                plan = plan_stored(
+                    session,
+                    context,
+                    tool_result_limit=context.settings.tool_result_limit,
+                    max_head_tokens=max_head_tokens,
+                )
+            except NothingToCompactError as exc:
+                return CompactionInput(context, unplanned=str(exc))
+            user_texts = queries.latest_user_texts(session, transcript_id, intent_messages)
+            return CompactionInput(context, plan, user_texts=user_texts)
 
     # -- writes -------------------------------------------------------------
 

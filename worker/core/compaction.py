@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from worker.core.delimiters import neutralize_tags
 
@@ -47,12 +47,15 @@ __all__ = [
     "UNANSWERED_TOOL_CALL_TEXT",
     "UNTRUSTED_DATA_TAG",
     "USER_INSTRUCTIONS_TAG",
+    "MessageHistory",
     "Role",
+    "TokenHistory",
     "ToolCall",
     "TranscriptMessage",
     "clip_tool_result",
     "compacted_history",
     "cut_at_crossing",
+    "cut_in_history",
     "cut_index",
     "estimate_tokens",
     "insert_compaction_marker",
@@ -147,6 +150,33 @@ def _require_count(name: str, value: object) -> int:
     return value
 
 
+class TokenHistory(Protocol):
+    """Roles and estimated tokens of a transcript's messages, oldest first, read by index: a list of
+    messages, or stored rows read from the newest back only as far as a cut walk asks."""
+
+    def __len__(self) -> int: ...
+
+    def role(self, index: int) -> str: ...
+
+    def tokens(self, index: int) -> int: ...
+
+
+class MessageHistory:
+    """A TokenHistory of messages in memory."""
+
+    def __init__(self, messages: Sequence[TranscriptMessage]) -> None:
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def role(self, index: int) -> str:
+        return self._messages[index].role
+
+    def tokens(self, index: int) -> int:
+        return estimate_tokens(self._messages[index])
+
+
 def cut_index(messages: Sequence[TranscriptMessage], keep_recent_tokens: int) -> int | None:
     """Index of the first message to keep verbatim; everything before it is summarized.
 
@@ -164,42 +194,45 @@ def cut_index(messages: Sequence[TranscriptMessage], keep_recent_tokens: int) ->
     Cost is proportional to the messages walked (the kept tail plus one unit), never
     to the square of the transcript.
     """
+    return cut_in_history(MessageHistory(messages), keep_recent_tokens)
+
+
+def cut_in_history(history: TokenHistory, keep_recent_tokens: int) -> int | None:
+    """`cut_index` over a TokenHistory: it reads the kept tail and one tool unit, nothing older."""
     budget = _require_count("keep_recent_tokens", keep_recent_tokens)
-    count = len(messages)
-    if count == 0 or messages[-1].role == "tool":
+    count = len(history)
+    if count == 0 or history.role(count - 1) == "tool":
         return None
 
     tail_tokens = 0
     crossing = -1
     for index in range(count - 1, -1, -1):
-        tail_tokens += estimate_tokens(messages[index])
+        tail_tokens += history.tokens(index)
         if tail_tokens >= budget:
             crossing = index
             break
     if crossing < 0:
         return None
-    return cut_at_crossing(messages, crossing, budget)
+    return cut_at_crossing(history, crossing, budget)
 
 
-def cut_at_crossing(
-    messages: Sequence[TranscriptMessage], crossing: int, keep_recent_tokens: int
-) -> int | None:
+def cut_at_crossing(history: TokenHistory, crossing: int, keep_recent_tokens: int) -> int | None:
     """The cut once the kept tail, walked back from the newest message, reached the budget at `crossing`.
 
     A crossing inside a tool unit keeps the whole unit, or summarizes it when the unit alone is
     larger than the budget (see `cut_index`). The newest message must not be a tool result.
     """
-    if messages[crossing].role != "tool":
+    if history.role(crossing) != "tool":
         cut = crossing
     else:
         start = crossing
-        while start > 0 and messages[start].role == "tool":
+        while start > 0 and history.role(start) == "tool":
             start -= 1
         end = crossing + 1
         # Terminates: the newest message is not a tool result (the caller checked).
-        while messages[end].role == "tool":
+        while history.role(end) == "tool":
             end += 1
-        unit_tokens = sum(estimate_tokens(messages[index]) for index in range(start, end))
+        unit_tokens = sum(history.tokens(index) for index in range(start, end))
         cut = end if unit_tokens > keep_recent_tokens else start
     return cut if cut > 0 else None
 

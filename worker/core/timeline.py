@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -10,10 +10,12 @@ from typing import Any
 from worker.core.compaction import (
     CHARACTERS_PER_TOKEN,
     NOT_ENOUGH_HISTORY,
+    MessageHistory,
+    TokenHistory,
     TranscriptMessage,
     clip_text,
     compacted_history,
-    cut_index,
+    cut_in_history,
     estimate_tokens,
     serialize_transcript,
 )
@@ -140,56 +142,91 @@ def plan_compaction(
     everything, or would summarize only the previous summary, or while the newest message is a tool
     result (a turn in flight). When not even the oldest messages fit the summarizer's input, the head
     is those messages, clipped to fit.
+
+    A timeline too long to load whole is planned from its stored rows with the same two steps:
+    ``plan_cut`` over their roles and tokens, then ``plan_head`` over the head's messages.
     """
-    if messages and messages[-1].role == "tool":
+    starts_with_summary = bool(messages) and messages[0].is_compaction
+    cut = plan_cut(MessageHistory(messages), keep_recent_tokens, starts_with_summary=starts_with_summary)
+    cut_seq = seqs[cut]
+    assert cut_seq is not None  # the marker is only ever at index 0, and cut >= 1
+    return plan_head(
+        zip(messages, seqs, strict=True),
+        cut,
+        cut_seq,
+        tokens_before=sum(estimate_tokens(m) for m in messages),
+        tool_result_limit=tool_result_limit,
+        max_head_tokens=max_head_tokens,
+    )
+
+
+def plan_cut(history: TokenHistory, keep_recent_tokens: int, *, starts_with_summary: bool) -> int:
+    """The index of the first message a compaction keeps, or NothingToCompactError (see plan_compaction)."""
+    if len(history) and history.role(len(history) - 1) == "tool":
         raise NothingToCompactError(
             "the newest message is a tool result: the agent's turn is still in flight; compact after it ends"
         )
-    cut = cut_index(messages, keep_recent_tokens)
-    if cut is None or (cut == 1 and messages[0].is_compaction):
+    cut = cut_in_history(history, keep_recent_tokens)
+    if cut is None or (cut == 1 and starts_with_summary):
         raise NothingToCompactError(NOT_ENOUGH_HISTORY)
-    serialized = serialize_transcript(messages[:cut], tool_result_limit)
-    capped = max_head_tokens is not None and len(serialized) > max_head_tokens * CHARACTERS_PER_TOKEN
+    return cut
+
+
+def plan_head(
+    timeline: Iterable[tuple[TranscriptMessage, int | None]],
+    cut: int,
+    cut_seq: int,
+    *,
+    tokens_before: int,
+    tool_result_limit: int,
+    max_head_tokens: int | None,
+) -> CompactionPlan:
+    """The plan of the head before ``cut`` (at seq ``cut_seq``), read from ``timeline`` (message, seq)
+    oldest first and only as far as it needs: past ``max_head_tokens`` (the summarizer's input) the
+    cut moves back to the latest place where the head fits (one on a message that is not a tool
+    result, so a tool call stays with its results, past more than the summary marker), and the walk
+    stops there. When even the first such place is over (the oldest messages alone: a pasted file, a
+    long previous summary), the head is the messages before it, clipped to fit (``clip_text``): left
+    whole, the transcript could never be compacted, and every append past its threshold ran another
+    job that found the same. Each message is serialized once (the head is their paragraphs joined by
+    a blank line)."""
+    max_chars = None if max_head_tokens is None else max_head_tokens * CHARACTERS_PER_TOKEN
+    read: list[tuple[TranscriptMessage, int | None]] = []
+    first = best = None
+    length = -2  # no separator before the first paragraph
+    for index, (message, seq) in enumerate(timeline):
+        if index == cut:
+            break
+        read.append((message, seq))
+        if index and max_chars is not None:
+            fits = length <= max_chars  # the head before this message
+            if message.role != "tool" and not (index == 1 and read[0][0].is_compaction):
+                first = index if first is None else first
+                best = index if fits else best
+            if not fits and first is not None:
+                break
+        length += len(serialize_transcript([message], tool_result_limit)) + 2
+    capped = max_chars is not None and length > max_chars
     if capped:
-        assert max_head_tokens is not None
-        max_chars = max_head_tokens * CHARACTERS_PER_TOKEN
-        cut = _fitting_cut(messages, cut, tool_result_limit, max_chars)
-        serialized = clip_text(serialize_transcript(messages[:cut], tool_result_limit), max_chars)
-    cut_seq = seqs[cut]
-    assert cut_seq is not None  # the marker is only ever at index 0, and cut >= 1
-    token_counts = [estimate_tokens(m) for m in messages]
+        cut = best if best is not None else first if first is not None else cut
+        cut_seq = cut_seq if cut == len(read) else _seq(read[cut][1])
+    head = [message for message, _ in read[:cut]]
+    serialized = serialize_transcript(head, tool_result_limit)
+    if capped:
+        assert max_chars is not None
+        serialized = clip_text(serialized, max_chars)
+    head_tokens = sum(estimate_tokens(m) for m in head)
     return CompactionPlan(
         cut=cut,
         cut_seq=cut_seq,
-        head=list(messages[:cut]),
+        head=head,
         serialized=serialized,
-        tokens_before=sum(token_counts),
-        kept_tokens=sum(token_counts[cut:]),
+        tokens_before=tokens_before,
+        kept_tokens=tokens_before - head_tokens,
         capped=capped,
     )
 
 
-def _fitting_cut(
-    messages: Sequence[TranscriptMessage], cut: int, tool_result_limit: int, max_chars: int
-) -> int:
-    """The latest cut before ``cut`` whose serialized head is at most ``max_chars``: one on a message
-    that is not a tool result (a tool call stays with its results), past more than the summary marker.
-    Each message is serialized once (the head is their paragraphs joined by a blank line). When even
-    the first such cut is over (the oldest messages alone: a pasted file, a long previous summary), it
-    is that first cut, and the head is clipped to fit (``clip_text``): left whole, the transcript could
-    never be compacted, and every append past its threshold ran another job that found the same."""
-    first = None
-    best = None
-    length = -2  # no separator before the first paragraph
-    for index in range(1, cut):
-        length += len(serialize_transcript(messages[index - 1 : index], tool_result_limit)) + 2
-        fits = length <= max_chars
-        if messages[index].role != "tool" and not (index == 1 and messages[0].is_compaction):
-            first = index if first is None else first
-            if fits:
-                best = index
-        if not fits and first is not None:
-            break
-    if best is not None:
-        return best
-    return first if first is not None else cut
+def _seq(seq: int | None) -> int:
+    assert seq is not None  # the marker is only ever at index 0, and a cut is past it
+    return seq
