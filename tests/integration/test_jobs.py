@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import timedelta
 from typing import Any
@@ -651,3 +652,38 @@ def test_a_source_limited_job_list_reads_its_sources_jobs_by_their_index(tx_fact
         )
         plan = "\n".join(session.scalars(text(f"EXPLAIN {statement}")))
         assert "ix_jobs_page_source" in plan, plan
+
+
+def test_the_max_facts_setting_is_what_an_extraction_job_asks_for(factory, database_url, simulator):
+    """FACTMILL_EXTRACTION_MAX_FACTS was documented and read by nothing: every job asked for 10 facts
+    a segment whatever it said. The config key still overrides it."""
+    import httpx
+
+    from tests.integration.test_extraction import put_page
+    from worker.config_store import EXTRACTION_MAX_FACTS, ConfigReader, set_config
+    from worker.jobs.lifecycle import run_job
+    from worker.jobs.outbox import page_subject
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    settings = Settings(
+        database_url=database_url, simulator_url=simulator.base_url, llm="simulator", extraction_max_facts=3
+    )
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    put_page(factory)
+    subject = page_subject("default", "conversations/imessage/alice-example")
+
+    def last_prompt() -> str:
+        return json.dumps(httpx.get(f"{simulator.url}/_simulator/requests").json()["requests"][-1])
+
+    try:
+        assert run_job(rt, new_job(factory, subject), EXTRACTION).status == "succeeded"
+        assert "Return at most 3 facts" in last_prompt()
+        with factory.begin() as session:
+            set_config(session, EXTRACTION_MAX_FACTS, "5", updated_by="test")
+        put_page(factory, slug="conversations/imessage/bob-example")
+        second = new_job(factory, page_subject("default", "conversations/imessage/bob-example"))
+        assert run_job(rt, second, EXTRACTION).status == "succeeded"
+        assert "Return at most 5 facts" in last_prompt()
+    finally:
+        rt.close()

@@ -201,6 +201,7 @@ def extract(
         since_iso=since,
         override_disabled=override_disabled,
         max_facts=max_facts,
+        default_max_facts=settings.extraction_max_facts,
         max_output_tokens=settings.llm_max_output_tokens,
         retry_skipped=skipped,
         segment_concurrency=segment_concurrency,

@@ -34,6 +34,7 @@ from models import Backfill
 from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
+from worker.core.facts import DEFAULT_MAX_FACTS
 from worker.extraction.backfill_plan import BackfillPlanner, BatchBounds
 from worker.extraction.backfill_request import (
     GONE,
@@ -52,12 +53,7 @@ from worker.extraction.backfill_store import (
     group_by_page,
     matching_run,
 )
-from worker.extraction.batch import (
-    MAX_BATCH_BYTES,
-    MAX_BATCH_REQUESTS,
-    batch_segment_result,
-    segment_request,
-)
+from worker.extraction.batch import MAX_BATCH_BYTES, MAX_BATCH_REQUESTS, batch_segment_result, segment_request
 from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.planner import PagePlan
@@ -85,6 +81,7 @@ class BackfillDeps:
     max_requests: int = MAX_BATCH_REQUESTS
     max_bytes: int = MAX_BATCH_BYTES
     max_output_tokens: int = 1024
+    default_max_facts: int = DEFAULT_MAX_FACTS  # FACTMILL_EXTRACTION_MAX_FACTS
     guard: Callable[[], None] = field(default=lambda: None)
     # Called once per transaction that committed a page's facts, as an online run does (embedding them).
     on_facts_committed: FactsCommitted | None = None
@@ -114,6 +111,7 @@ class BackfillPass:
             force=self.selection.force,
             job_id=deps.job_id,
             max_output_tokens=deps.max_output_tokens,
+            default_max_facts=deps.default_max_facts,
         )
         self.run = ExtractionRun(
             self.segments,

@@ -50,6 +50,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
             max_requests=settings.backfill_batch_max_requests,
             max_bytes=settings.backfill_batch_max_bytes,
             max_output_tokens=settings.llm_max_output_tokens,
+            default_max_facts=settings.extraction_max_facts,
             guard=ctx.guard,
             on_facts_committed=committed,
         )

@@ -61,6 +61,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         retry_skipped=bool(ctx.option(RETRY_SKIPPED, False)),
         job_id=job.id,
         max_output_tokens=settings.llm_max_output_tokens,
+        default_max_facts=settings.extraction_max_facts,
     )
     store = ExtractionStore(rt.factory, rt.ledger)
     counters = extract_conversation_facts(

@@ -14,6 +14,7 @@ from worker.config_store import (
     ConfigReader,
 )
 from worker.core.conversation import narrow_page_types
+from worker.core.facts import DEFAULT_MAX_FACTS
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
 
@@ -51,7 +52,8 @@ class ExtractOptions:
     force: bool = False
     since_iso: str | None = None
     override_disabled: bool = False
-    max_facts: int | None = None  # None: config extraction.max_facts, else 10
+    max_facts: int | None = None  # None: config extraction.max_facts, else default_max_facts
+    default_max_facts: int = DEFAULT_MAX_FACTS  # FACTMILL_EXTRACTION_MAX_FACTS
     max_output_tokens: int = 1024
     job_id: int | None = None
     segment_concurrency: int = 1  # LLM calls in flight per page; results still commit in order
@@ -169,12 +171,13 @@ def page_types(config: ConfigReader) -> tuple[str, ...]:
 
 
 def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:
-    """The cap on facts per segment: the option, else `extraction.max_facts`, else 10 (1..25)."""
+    """The cap on facts per segment: the option, else `extraction.max_facts`, else the option's default
+    (FACTMILL_EXTRACTION_MAX_FACTS), each 1..25."""
     if options.max_facts is not None:
         value = options.max_facts
     else:
         raw = config.get(EXTRACTION_MAX_FACTS)
-        value = int(raw) if raw and raw.strip().isdigit() else 10
+        value = int(raw) if raw and raw.strip().isdigit() else options.default_max_facts
     if not 1 <= value <= 25:
         raise ValueError(f"max_facts must be between 1 and 25, got {value}")
     return value
