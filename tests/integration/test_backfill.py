@@ -1175,8 +1175,10 @@ def recorder(tx_factory: sessionmaker[Session]) -> Recorder:
 
 
 @pytest.fixture
-def client(database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder) -> Iterator[TestClient]:
-    runtime = make_runtime(database_url, tx_factory)
+def client(
+    database_url: str, tx_factory: sessionmaker[Session], recorder: Recorder, sim: Simulator
+) -> Iterator[TestClient]:
+    runtime = make_runtime(database_url, tx_factory, simulator_url=sim.base_url)
     with TestClient(create_app(runtime, sender=recorder)) as test_client:
         send_key(test_client, tx_factory)  # a read-scoped key; admin calls pass ADMIN_HEADERS
         yield test_client
@@ -1196,6 +1198,28 @@ def test_a_provider_without_a_batch_api_refuses_the_backfill_up_front(database_u
     with tx_factory() as session:
         assert session.scalar(select(func.count()).select_from(Backfill)) == 0
     assert recorder.calls == []
+
+
+def test_a_simulator_each_worker_starts_for_itself_refuses_the_backfill(database_url, tx_factory, recorder):
+    """With FACTMILL_LLM=simulator and no FACTMILL_SIMULATOR_URL each pass of a backfill started a
+    simulator of its own and stopped it when the pass ended: the next pass found every batch gone (404)
+    and the backfill ended "done" with no fact. The API refuses it up front (409)."""
+    seed_pages(tx_factory, "bf", 1)
+    runtime = make_runtime(database_url, tx_factory, llm="simulator", simulator_url=None)
+    with TestClient(create_app(runtime, sender=recorder)) as api:
+        refused = api.post("/v1/backfills", json={"source_id": "bf"}, headers=ADMIN_HEADERS)
+    assert refused.status_code == 409 and "FACTMILL_SIMULATOR_URL" in refused.json()["detail"]
+
+
+def test_a_worker_with_a_simulator_of_its_own_fails_a_backfill_before_sending(database_url, factory):
+    """A backfill taken by an API configured otherwise: the worker fails its job saying why."""
+    seed_pages(factory, "bf", 1)
+    _, job_id = start(factory, "bf")
+    for rt in backfill_runtime(factory, database_url, llm="simulator", simulator_url=None):
+        assert run_pass(rt, job_id).status == "failed"
+    assert "FACTMILL_SIMULATOR_URL" in (job_row(factory, job_id).last_error or "")
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(BackfillBatch)) == 0
 
 
 def test_the_cli_refuses_a_backfill_the_provider_cannot_batch(database_url, factory):

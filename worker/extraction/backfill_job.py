@@ -17,7 +17,7 @@ from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.registry import ErrorRule, JobKind, register
-from worker.llm.batches import open_batch_client
+from worker.llm.batches import batch_unavailable, open_batch_client
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -38,6 +38,9 @@ def follow_ups(rt: Runtime) -> tuple[FactsCommitted | None, list[tuple[str, str]
 def backfill_pass(ctx: JobContext) -> WorkResult:
     rt, settings = ctx.rt, ctx.rt.settings
     backfill_id = int(ctx.option("backfill"))
+    unavailable = batch_unavailable(settings)
+    if unavailable is not None:  # this worker's settings, which may differ from the API's that took it
+        raise LLMConfigurationError(unavailable)
     committed, to_consolidate = follow_ups(rt)
     with open_batch_client(settings) as client:
         deps = BackfillDeps(

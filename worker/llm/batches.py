@@ -385,11 +385,23 @@ def no_batch_api(provider: str) -> str:
     )
 
 
+# A backfill's batches outlive the pass that sent them; the simulator a process starts for itself stops
+# with the pass, and the next pass found every batch gone (404): the backfill ended "done", no fact read.
+OWN_SIMULATOR = (
+    "a backfill needs a simulator that outlives each pass of its job: set FACTMILL_SIMULATOR_URL to a "
+    "running one (`factmill simulator`; `factmill demo` and compose start one), or use "
+    "`factmill extract --batch`, which waits for its batch in one process"
+)
+
+
 def batch_unavailable(settings: Settings) -> str | None:
-    """Why this deployment's provider cannot take batches, or None: a backfill is refused up front
-    rather than queued for a job that can only fail."""
+    """Why this deployment cannot run a backfill, or None: a backfill is refused up front rather than
+    queued for a job that can only fail (its provider has no batch API, or it is a simulator each
+    worker process starts for itself)."""
     provider = settings.resolved_llm()
-    return None if provider in BATCH_PROVIDERS else no_batch_api(provider)
+    if provider not in BATCH_PROVIDERS:
+        return no_batch_api(provider)
+    return OWN_SIMULATOR if provider == "simulator" and not settings.simulator_url else None
 
 
 def batch_client_for(provider: object, policy: RetryPolicy | None = None) -> BatchLLMClient:
