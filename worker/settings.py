@@ -22,8 +22,12 @@ YEAR_SECONDS = 366 * 24 * 3600
 CENTURY_DAYS = 36_525
 
 
-class InsecureSecretsError(ValueError):
-    """Production settings with a placeholder, short or shared secret; the message is one line."""
+class RefusedSettingsError(ValueError):
+    """Settings a service refuses to start with; the message is one line."""
+
+
+class InsecureSecretsError(RefusedSettingsError):
+    """Production settings with a placeholder, short or shared secret."""
 
 
 PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "dev-secret"})
@@ -70,7 +74,7 @@ class Settings(BaseSettings):
     llm: LLMProvider | None = None
     llm_model: str | None = None
     llm_base_url: str | None = Field(default=None, repr=False)  # may carry credentials (user:pass@)
-    llm_timeout_seconds: float = Field(default=60.0, gt=0)
+    llm_timeout_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
     openai_api_key: str | None = Field(
         default=None, repr=False, validation_alias=AliasChoices("OPENAI_API_KEY", "FACTMILL_OPENAI_API_KEY")
@@ -82,13 +86,15 @@ class Settings(BaseSettings):
     )
     # The bundled simulator (used when llm resolves to "simulator").
     simulator_url: str | None = None
-    simulator_latency_ms: int = Field(default=0, ge=0)
+    simulator_latency_ms: int = Field(default=0, ge=0, le=3_600_000)
 
     # LLM gateway: retries and rate limits
     llm_max_attempts: int = Field(default=5, ge=1, le=50)  # every try of one call, the first included
-    llm_max_total_wait_seconds: float = Field(default=120.0, ge=0)  # sleeping between tries, per call
-    llm_backoff_base_seconds: float = Field(default=0.5, ge=0)
-    llm_backoff_max_seconds: float = Field(default=20.0, ge=0)
+    llm_max_total_wait_seconds: float = Field(
+        default=120.0, ge=0, le=YEAR_SECONDS
+    )  # sleeping between tries, per call
+    llm_backoff_base_seconds: float = Field(default=0.5, ge=0, le=YEAR_SECONDS)
+    llm_backoff_max_seconds: float = Field(default=20.0, ge=0, le=YEAR_SECONDS)
     llm_rpm: int = Field(default=0, ge=0)  # requests per minute per provider+model; 0 = unlimited
     llm_tpm: int = Field(default=0, ge=0)  # tokens per minute per provider+model; 0 = unlimited
     # Redis shared by every worker for the limits; None: the broker when it is Redis, else in-process.
@@ -117,16 +123,16 @@ class Settings(BaseSettings):
     # How long a service process may take to stop on SIGTERM: a worker releases the jobs it holds at
     # their next segment boundary and exits after this long even if one is still inside a call (the
     # sweeper then requeues it); the API stops waiting for open requests after this long.
-    grace_seconds: float = Field(default=30.0, gt=0)
+    grace_seconds: float = Field(default=30.0, gt=0, le=YEAR_SECONDS)
     # How long serve, worker and beat wait at start for a database that is unreachable or restarting
     # (a failover, the embedded server starting) before they exit 1; commands an operator types do not.
-    startup_wait_seconds: float = Field(default=60.0, ge=0)
+    startup_wait_seconds: float = Field(default=60.0, ge=0, le=YEAR_SECONDS)
     # How long the API and the MCP server keep an idle client connection open (uvicorn's
     # timeout_keep_alive, 5 s of its own). Longer than the idle timeout of the load balancers in front
     # of them (AWS's ALB: 60 s) and of httpx's pool (5 s), so the client always retires an idle
     # connection first: a server closing one as a request arrives on it resets that request
     # (bench/load.py saw a ReadError in 1 of 1,000).
-    api_keep_alive_seconds: int = Field(default=75, ge=1)
+    api_keep_alive_seconds: int = Field(default=75, ge=1, le=YEAR_SECONDS)
     sweep_interval_seconds: float = Field(default=30.0, gt=0, le=YEAR_SECONDS)
     # How long a delivery's answer is kept for its Idempotency-Key: a repeat within it is replayed, a
     # repeat after it is a new delivery. A week covers the retry windows of common webhook senders
@@ -141,8 +147,8 @@ class Settings(BaseSettings):
     # reads its own calls' cost for days (the providers' batch window is 24 h, then polls), and
     # `factmill costs` reports only what is kept. Budgets and /metrics do not read these rows.
     ledger_retention_days: int | None = Field(default=None, ge=7, le=CENTURY_DAYS)
-    task_soft_time_limit_seconds: int = Field(default=3300, gt=0)
-    task_time_limit_seconds: int = Field(default=3600, gt=0)
+    task_soft_time_limit_seconds: int = Field(default=3300, gt=0, le=YEAR_SECONDS)
+    task_time_limit_seconds: int = Field(default=3600, gt=0, le=YEAR_SECONDS)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
     broker_key_prefix: str = ""
     # Celery's task events, which Flower shows. Off: a worker sends none until Flower (or `celery
@@ -218,7 +224,9 @@ class Settings(BaseSettings):
     calibration_min_observations: int = Field(
         default=20, ge=4, le=2**31 - 1
     )  # fewer: no threshold is computed
-    threshold_cache_seconds: float = Field(default=30.0, ge=0)  # gates re-read the active τ this often
+    threshold_cache_seconds: float = Field(
+        default=30.0, ge=0, le=YEAR_SECONDS
+    )  # gates re-read the active τ this often
 
     # Search
     search_expand: bool = True  # let the LLM expand plain queries (off: lexical + vector of the query only)
@@ -248,7 +256,7 @@ class Settings(BaseSettings):
     # The summarizer's input: a longer head is summarized oldest part first, over several compactions.
     compaction_max_input_tokens: int = Field(default=96_000, ge=1_000, le=10_000_000)
     # After a rejected or failed compaction, appends wait this long before triggering another one.
-    compaction_retrigger_seconds: float = Field(default=300.0, ge=0)
+    compaction_retrigger_seconds: float = Field(default=300.0, ge=0, le=YEAR_SECONDS)
 
     @field_validator("webhook_secret", "admin_token")
     @classmethod
@@ -297,6 +305,16 @@ class Settings(BaseSettings):
                 f"FACTMILL_JOB_RETENTION_DAYS ({self.job_retention_days}) is shorter than "
                 f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a replayed delivery "
                 "would name jobs already deleted"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _soft_limit_first(self) -> Settings:
+        if self.task_soft_time_limit_seconds >= self.task_time_limit_seconds:
+            raise ValueError(
+                f"FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS ({self.task_soft_time_limit_seconds}) is not below "
+                f"FACTMILL_TASK_TIME_LIMIT_SECONDS ({self.task_time_limit_seconds}): the soft limit, which "
+                "lets a task stop cleanly, would never come before the hard one kills it"
             )
         return self
 
@@ -351,6 +369,34 @@ class Settings(BaseSettings):
         refused = self.unchosen_simulator() if calls_models else None
         if refused:
             raise InsecureSecretsError(refused)
+        # Unset, each process started an embedded server of its own: the API queued jobs in its own
+        # Redis, which no worker read, and /readyz said ok.
+        for name in ("database_url", "broker_url"):
+            if not getattr(self, name):
+                raise RefusedSettingsError(
+                    f"FACTMILL_{name.upper()} is not set: production runs on real servers (the embedded "
+                    "Postgres and Redis under ./var are one machine's, for development and the demo)"
+                )
+
+    def check_service_settings(self, *, calls_models: bool = True) -> None:
+        """What a service (API, worker, beat, MCP server) refuses to start with, RefusedSettingsError:
+        production's weak secrets, missing servers or unchosen simulator, and, for a process that calls
+        a model, a provider missing the key or URL it needs (every call, so every job, would fail)."""
+        self.check_production_secrets(calls_models=calls_models)
+        missing = self.llm_unconfigured() if calls_models else None
+        if missing:
+            raise RefusedSettingsError(missing)
+
+    def llm_unconfigured(self) -> str | None:
+        """Why the configured provider cannot be called, or None (the gateway refuses the call so)."""
+        provider = self.resolved_llm()
+        if provider == "openai" and not self.openai_api_key:
+            return "FACTMILL_LLM=openai needs OPENAI_API_KEY"
+        if provider == "anthropic" and not self.anthropic_api_key:
+            return "FACTMILL_LLM=anthropic needs ANTHROPIC_API_KEY"
+        if provider == "openai-compatible" and not self.llm_base_url:
+            return "FACTMILL_LLM=openai-compatible needs FACTMILL_LLM_BASE_URL"
+        return self.unchosen_simulator()
 
     def placeholder_secrets(self) -> list[str]:
         """The secrets (field names) set to a placeholder anyone can guess: a published default

@@ -687,3 +687,25 @@ def test_the_max_facts_setting_is_what_an_extraction_job_asks_for(factory, datab
         assert "Return at most 5 facts" in last_prompt()
     finally:
         rt.close()
+
+
+def test_a_provider_missing_its_key_fails_the_job_at_once_saying_what_to_set(factory, database_url):
+    """Unsorted, it was retried with backoff until the attempts ran out: five runs, each failing alike."""
+    from tests.integration.test_extraction import put_page
+    from worker.config_store import ConfigReader
+    from worker.jobs.lifecycle import run_job
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    settings = Settings(database_url=database_url, llm="openai", openai_api_key=None, job_max_attempts=5)
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    put_page(factory)
+    job_id = new_job(factory, page_subject("default", "conversations/imessage/alice-example"))
+    try:
+        assert run_job(rt, job_id, EXTRACTION).status == "failed"
+        failed = job(factory, job_id)
+        assert failed.attempts == 1 and "FACTMILL_LLM=openai needs OPENAI_API_KEY" in (
+            failed.last_error or ""
+        )
+    finally:
+        rt.close()

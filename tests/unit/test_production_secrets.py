@@ -6,14 +6,20 @@ import pytest
 from typer.testing import CliRunner
 
 from worker.cli.app import app as cli
-from worker.settings import InsecureSecretsError, Settings
+from worker.settings import InsecureSecretsError, RefusedSettingsError, Settings
 
 STRONG = "w" * 32
 OTHER = "a" * 32
 
 
 def production(**values: str | None) -> Settings:
-    chosen = {"webhook_secret": STRONG, "admin_token": OTHER, "openai_api_key": "sk-test"} | values
+    chosen = {
+        "webhook_secret": STRONG,
+        "admin_token": OTHER,
+        "openai_api_key": "sk-test",
+        "database_url": "postgresql+psycopg://db.internal/factmill",
+        "broker_url": "redis://redis.internal:6379/0",
+    } | values
     return Settings(_env_file=None, environment="production", **chosen)  # type: ignore[arg-type]
 
 
@@ -72,6 +78,33 @@ def test_production_needs_a_model_or_the_simulator_named() -> None:
     production(openai_api_key=None).check_production_secrets(calls_models=False)  # beat: schedules only
 
 
+@pytest.mark.parametrize("name", ["database_url", "broker_url"])
+def test_production_refuses_to_start_an_embedded_server_of_its_own(name: str) -> None:
+    """A Secret missing FACTMILL_BROKER_URL (envFrom skips a missing key): each pod started its own
+    Redis, the API queued jobs no worker read, and /readyz said ok."""
+    with pytest.raises(RefusedSettingsError, match=f"FACTMILL_{name.upper()} is not set: production runs"):
+        production(**{name: None}).check_service_settings(calls_models=False)
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"llm": "openai", "openai_api_key": None}, "FACTMILL_LLM=openai needs OPENAI_API_KEY"),
+        ({"llm": "anthropic"}, "FACTMILL_LLM=anthropic needs ANTHROPIC_API_KEY"),
+        ({"llm": "openai-compatible"}, "FACTMILL_LLM=openai-compatible needs FACTMILL_LLM_BASE_URL"),
+    ],
+)
+def test_a_service_that_calls_a_model_refuses_a_provider_missing_its_key(
+    values: dict[str, str], says: str
+) -> None:
+    """Such a worker started, passed its health checks, and failed every job after its retries: the
+    first call was where the gateway found the key missing. In any environment; beat calls no model."""
+    for settings in (production(**values), Settings(_env_file=None, **values)):  # type: ignore[arg-type]
+        with pytest.raises(RefusedSettingsError, match=says):
+            settings.check_service_settings()
+        settings.check_service_settings(calls_models=False)
+
+
 def test_an_empty_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """compose's `FACTMILL_LLM: ${FACTMILL_LLM:-}` passed "" through: every container refused it as no
     provider (and an empty FACTMILL_LLM_MODEL was sent to the provider as the model)."""
@@ -111,3 +144,21 @@ def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
     shown = repr(Settings(**secrets)) + str(Settings(**secrets))
     for value in ("w" * 40, "p" * 40, "t" * 40, "o" * 40, "n" * 40, "password"):
         assert value not in shown
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_services_refuse_a_provider_missing_its_key_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    from worker.settings import get_settings
+
+    monkeypatch.setenv("FACTMILL_LLM", "openai")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, [command])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]

@@ -69,6 +69,10 @@ def test_a_refused_environment_names_each_variable_and_not_its_value(
         ("FACTMILL_JOB_RETENTION_DAYS", "10000000", "less than or equal to 36525"),
         ("FACTMILL_LEDGER_RETENTION_DAYS", "10000000", "less than or equal to 36525"),
         ("FACTMILL_IDEMPOTENCY_KEY_HOURS", "1000000000", "less than or equal to 876600"),
+        # now() plus it overflowed a datetime: every append after a rejected compaction was a 500.
+        ("FACTMILL_COMPACTION_RETRIGGER_SECONDS", "1e11", "less than or equal to 31622400"),
+        # threading.Timer raised in its own thread: the grace deadline never came.
+        ("FACTMILL_GRACE_SECONDS", "1e12", "less than or equal to 31622400"),
     ],
 )
 def test_values_no_worker_could_use_are_refused_at_start(
@@ -78,6 +82,16 @@ def test_values_no_worker_could_use_are_refused_at_start(
     with pytest.raises(InvalidSettingsError) as caught:
         fresh_settings()
     assert f"{variable}: " in str(caught.value) and said in str(caught.value)
+
+
+def test_the_soft_time_limit_comes_before_the_hard_one(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the hard limit the soft one never fired: under the calibration worker's prefork pool a task
+    was killed without the chance to stop cleanly it was set for."""
+    monkeypatch.setenv("FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS", "7200")
+    with pytest.raises(InvalidSettingsError, match="never come before the hard one kills it"):
+        fresh_settings()
 
 
 def test_a_job_is_stale_only_after_two_heartbeats(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:

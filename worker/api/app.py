@@ -87,7 +87,7 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         runtime = get_runtime()
     elif sender is None:
         sender = celery_sender_for(runtime.settings)
-    runtime.settings.check_production_secrets()
+    runtime.settings.check_service_settings()
     if start_tracing(runtime.settings, "factmill-api"):  # FACTMILL_OTEL_ENDPOINT; nothing otherwise
         tracing.instrument_engine(runtime.factory.kw.get("bind"))  # a runtime built before tracing was on
 

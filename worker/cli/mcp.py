@@ -11,7 +11,7 @@ from worker.cli.console import fail, port_option
 from worker.cli.services import refuse_published_secrets
 from worker.cli.sessions import checked_factory
 from worker.runtime import build_runtime
-from worker.settings import InsecureSecretsError, get_settings
+from worker.settings import RefusedSettingsError, get_settings
 
 NO_KEY = (
     "no API key for the MCP server: set FACTMILL_MCP_API_KEY (or name another variable with --key-env) "
@@ -56,8 +56,8 @@ def mcp_command(
     # As `serve` does: the HTTP server took the placeholder admin token as the bootstrap admin in
     # production (every tool, every source), and stdio searches call the model as the API does.
     try:
-        settings.check_production_secrets()
-    except InsecureSecretsError as exc:
+        settings.check_service_settings()
+    except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
     if http is not None:
         refuse_published_secrets(settings, host)

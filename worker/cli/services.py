@@ -20,7 +20,7 @@ from worker.cli.sessions import checked_factory
 from worker.jobs.registry import queues as known_queues
 from worker.runtime.logs import configure_logging, logging_config
 from worker.runtime.tracing import TracingUnavailableError, require_packages
-from worker.settings import InsecureSecretsError, Settings, get_settings
+from worker.settings import RefusedSettingsError, Settings, get_settings
 
 POOLS = ("threads", "prefork", "solo")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -36,10 +36,11 @@ def checked_loglevel(loglevel: str) -> str:
 
 
 def refuse_insecure_secrets(settings: Settings, *, calls_models: bool = True) -> None:
-    """Production with a weak secret: one clear line and exit 2, never a traceback."""
+    """Settings a service refuses (a weak secret in production, a provider missing its key): one clear
+    line and exit 2, never a traceback."""
     try:
-        settings.check_production_secrets(calls_models=calls_models)
-    except InsecureSecretsError as exc:
+        settings.check_service_settings(calls_models=calls_models)
+    except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
 
 

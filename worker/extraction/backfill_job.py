@@ -91,7 +91,6 @@ KIND = register(
         errors=(
             ErrorRule(CheckpointConflictError, "retry"),
             ErrorRule(BackfillNotFoundError, "fail"),
-            ErrorRule(LLMConfigurationError, "fail"),
             ErrorRule(BatchSendFailedError, "retry"),  # the job's own: its attempts, not losses
         ),
         pause_reasons=(WAITING_FOR_BATCHES,),

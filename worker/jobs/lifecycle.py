@@ -13,7 +13,7 @@ from typing import Any, Literal
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from models import Job
-from worker.core.errors import error_summary, unsorted_error_note
+from worker.core.errors import LLMConfigurationError, error_summary, unsorted_error_note
 from worker.core.jsonvalues import made_storable
 from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
@@ -63,6 +63,9 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     # Any other provider error (a 401, a model that does not exist): retried, noted in the provider's
     # words (what to fix is there; sorted with the unknown errors, the note named its class only).
     ErrorRule(LLMError, "retry"),
+    # A provider missing its key or URL (services refuse to start so; a worker's settings changed under
+    # a running job): every try would fail alike, so the job fails at once, saying what to set.
+    ErrorRule(LLMConfigurationError, "fail"),
 )
 
 

@@ -93,10 +93,10 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     provider = settings.resolved_llm()
     model = settings.llm_model or DEFAULT_MODELS[provider]
     timeout = settings.llm_timeout_seconds
+    refused = settings.llm_unconfigured()
+    if refused:
+        raise LLMConfigurationError(refused)
     if provider == "simulator":
-        refused = settings.unchosen_simulator()
-        if refused:
-            raise LLMConfigurationError(refused)
         if settings.simulator_url:
             return _simulator_client(settings, model, settings.simulator_url)
         # Here, not at the top: production never loads the simulator (nor the web server under it).
@@ -107,8 +107,6 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
         stack.callback(simulator.stop)
         return _simulator_client(settings, model, simulator.url)
     if provider == "openai":
-        if not settings.openai_api_key:
-            raise LLMConfigurationError("FACTMILL_LLM=openai needs OPENAI_API_KEY")
         return OpenAIChatClient(
             model=model,
             base_url=settings.llm_base_url,
@@ -117,8 +115,6 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
             keep_alive=keep_alive(settings),
         )
     if provider == "anthropic":
-        if not settings.anthropic_api_key:
-            raise LLMConfigurationError("FACTMILL_LLM=anthropic needs ANTHROPIC_API_KEY")
         embeddings = None
         if settings.openai_api_key:
             embeddings = OpenAIChatClient(model=model, api_key=settings.openai_api_key, timeout=timeout)
@@ -131,8 +127,6 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
             keep_alive=keep_alive(settings),
         )
     if provider == "openai-compatible":
-        if not settings.llm_base_url:
-            raise LLMConfigurationError("FACTMILL_LLM=openai-compatible needs FACTMILL_LLM_BASE_URL")
         return OpenAIChatClient(
             model=model,
             base_url=settings.llm_base_url,
