@@ -312,3 +312,11 @@ def test_the_image_build_sends_no_local_clutter_and_copies_nothing_ignored():
     assert not [s for s in copied for p in ignored if fnmatch.fnmatch(s, p.removeprefix("**/"))]
     dependencies = dockerfile.index("pip install '.[otel]'")
     assert dockerfile.index("README.md ./") > dependencies  # the real README only after the deps
+
+
+def test_the_image_leaves_the_code_read_only_to_its_service_user():
+    """`chown -R factmill /app` let the service user rewrite worker/ and alembic/ (and doubled the
+    code's layer); only its data folder, also its home, is its own."""
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert "chown -R" not in dockerfile
+    assert "chown factmill:factmill /app/var" in dockerfile and "--home /app/var" in dockerfile
