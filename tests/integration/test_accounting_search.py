@@ -185,7 +185,7 @@ def test_a_failed_record_never_fails_the_search(
         raise RuntimeError("config table unreachable")
 
     _seed_facts(tx_factory, "bob-chat", ["Bob adopted a greyhound named Pixel"])
-    with caplog.at_level(logging.WARNING, logger="worker.search.service"):
+    with caplog.at_level(logging.WARNING, logger="worker.search.calls"):
         outcome = search(
             tx_factory, _sim_llm(simulator), "who has a dog", intent="pets", ledger=Ledger(broken_config)
         )

@@ -602,6 +602,35 @@ def test_a_plain_query_whose_added_lines_run_out_of_time_answers_from_its_probe(
     assert "Alice moved to Lisbon in March 2024" in facts_of(outcome)
 
 
+def test_a_plain_query_whose_expansion_line_is_too_slow_answers_from_its_probe(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expansion's lex: line past the statement limit (a common word on a large table), with time
+    left before the search's deadline, was a 400 telling the user to search for rarer words: their own
+    results were thrown away for a line the model wrote. The probe's answer stands, with a note."""
+    from worker.search import lexical as search_lexical
+
+    seed(plain_factory)
+    monkeypatch.setattr(search_lexical, "LEX_STATEMENT_TIMEOUT", "50ms")
+    ranked = search_lexical._ranked_matches
+    lines: list[str] = []
+
+    def slow_after_the_probe(session, *args):  # type: ignore[no-untyped-def]
+        lines.append("line")
+        if len(lines) > 1:  # the lines the expansion added
+            session.execute(text("SELECT pg_sleep(2)"))
+        return ranked(session, *args)
+
+    monkeypatch.setattr(search_lexical, "_ranked_matches", slow_after_the_probe)
+    outcome = search(plain_factory, llm, "alice lisbon", intent="where she lives")
+    assert outcome.expanded and len(lines) > 1
+    assert any(
+        note.startswith("the lines added to the query were skipped: the lexical search ran past")
+        for note in outcome.notes
+    ), outcome.notes
+    assert "Alice moved to Lisbon in March 2024" in facts_of(outcome)
+
+
 def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_together(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:
@@ -780,6 +809,30 @@ def test_each_try_the_gateway_retried_for_an_expansion_is_a_call_of_its_own(
             text("SELECT outcome FROM llm_calls WHERE purpose = 'search_expansion' ORDER BY id")
         ).all()
     assert outcomes == ["provider_error", "ok"]
+
+
+def test_each_try_the_gateway_retried_for_an_embedding_is_a_call_named_by_its_model(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    """Through ``embed`` the retry layer's tries were hidden (one row a call, the 429 before it not
+    counted), and a failed embedding call was named by the chat model."""
+    from worker.llm.retry import RetryingClient, RetryPolicy
+
+    seed(vector_factory)
+    simulator.configure(raw_replies={"embeddings": {"error": {"message": "slow down"}}}, raw_status=429)
+    try:
+        retried = RetryingClient(
+            llm, RetryPolicy(max_attempts=3), sleep=lambda seconds: simulator.configure(raw_replies={})
+        )
+        assert embed_facts(vector_factory, retried).embedded > 0
+    finally:
+        simulator.configure(raw_replies={}, raw_status=200)
+    with vector_factory() as session:
+        rows = session.execute(
+            text("SELECT outcome, model FROM llm_calls WHERE purpose = 'embedding' ORDER BY id")
+        ).all()
+    assert rows[0] == ("provider_error", llm.embedding_model)  # the 429 the gateway retried
+    assert {tuple(row) for row in rows[1:]} == {("ok", llm.embedding_model)}  # a call a batch of facts
 
 
 def test_an_intent_always_expands(
@@ -1056,7 +1109,7 @@ def test_a_failed_batch_stops_the_batches_not_yet_started(vector_factory: sessio
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     handler.addFilter(ContextFilter())
-    service_log = logging.getLogger("worker.search.service")
+    service_log = logging.getLogger("worker.search.embedding")
     service_log.addHandler(handler)
     try:
         with Simulator(SimulatorConfig(latency_ms=100)) as sim, log_context(job_id=77):

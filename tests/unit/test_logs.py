@@ -117,7 +117,7 @@ def test_no_service_process_logs_the_llm_requests_urls() -> None:
 
 def test_a_failed_embedding_names_no_page_and_no_providers_body(caplog: pytest.LogCaptureFixture) -> None:
     """It logged every page's source/slug (a slug can name a person) and the raw error."""
-    from worker.search.service import _could_not_embed
+    from worker.search.embedding import _could_not_embed
 
     with caplog.at_level(logging.WARNING):
         _could_not_embed([("default", "people/jane-roe-clinic")], RuntimeError("boom"))

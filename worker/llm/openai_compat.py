@@ -193,7 +193,10 @@ class OpenAIChatClient:
         try:
             result: Any = self._client.post("/embeddings", body=body, cast_to=object)
         except Exception as exc:
-            raise to_llm_error(exc, int((time.perf_counter() - started) * 1000)) from exc
+            error = to_llm_error(exc, int((time.perf_counter() - started) * 1000))
+            # The call's row names the model it asked for (the chat model's name otherwise).
+            error.answered_by = error.answered_by or (self.provider, self.embedding_model)
+            raise error from exc
         latency_ms = int((time.perf_counter() - started) * 1000)
         try:
             items = sorted(result["data"], key=lambda item: item["index"])

@@ -286,3 +286,14 @@ def chat_with_tries(llm: LLMClient, request: ChatRequest) -> tuple[ChatResponse,
         return llm.chat(request), ()
     result: Traced[ChatResponse] = traced(request)
     return result.value, result.failed_attempts
+
+
+def embed_with_tries(
+    llm: LLMClient, texts: list[str], purpose: str
+) -> tuple[EmbeddingResponse, tuple[AttemptRecord, ...]]:
+    """``chat_with_tries`` for an embedding call."""
+    traced = getattr(llm, "embed_traced", None)
+    if traced is None:
+        return llm.embed(texts, purpose=purpose), ()
+    result: Traced[EmbeddingResponse] = traced(texts, purpose=purpose)
+    return result.value, result.failed_attempts

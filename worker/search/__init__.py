@@ -1,10 +1,10 @@
 """Intent-aware search over facts: lexical and vector lists, fused, with snippets; fact embeddings.
 
-The package: ``store`` (the SQL, owning its transactions), ``service`` (search and embeddings on a
-store, every LLM call accounted), ``entrypoints`` (the same from a sessionmaker, as callers use it),
-``prompts`` (query expansion), ``values``, ``errors`` and ``vector_ddl`` (the pgvector store, shared
-with migration 0003). The pure pieces live in ``worker.core.lexing``, ``worker.core.fusion`` and
-``worker.core.embeddings``.
+The package: ``store`` (the SQL, owning its transactions), ``service`` (search on a store),
+``embedding`` (fact embeddings), ``calls`` (the LLM calls of both, each accounted), ``entrypoints``
+(the same from a sessionmaker, as callers use it), ``prompts`` (query expansion), ``values``,
+``errors`` and ``vector_ddl`` (the pgvector store, shared with migration 0003). The pure pieces live
+in ``worker.core.lexing``, ``worker.core.fusion`` and ``worker.core.embeddings``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from worker.core.embeddings import EMBEDDING_DIMENSIONS, fact_embedding_text
 from worker.core.fusion import RRF_K, SearchLine, best_chunk, fuse
 from worker.core.intent import QueryParseError
 from worker.core.lexing import normalise_score, parse_expansion, parse_lex_query
+from worker.search.calls import EMBEDDING_PURPOSE
 from worker.search.entrypoints import (
     embed_facts,
     embed_new_facts,
@@ -33,7 +34,6 @@ from worker.search.errors import (
 )
 from worker.search.llm_source import LLMSource
 from worker.search.prompts import EXPANSION_PURPOSE, EXPANSION_SYSTEM_PROMPT, expansion_request
-from worker.search.service import EMBEDDING_PURPOSE
 from worker.search.store import SearchStore, vector_search_status
 from worker.search.values import (
     DEFAULT_LIMIT,

@@ -18,7 +18,7 @@ from worker.config_store import ConfigReader
 from worker.core.intent import SearchType
 from worker.llm.types import LLMClient
 from worker.runtime import Runtime
-from worker.search import service
+from worker.search import calls, embedding, service
 from worker.search.llm_source import LLMSource
 from worker.search.store import SearchStore
 from worker.search.values import (
@@ -112,7 +112,7 @@ def expand_query(
     ledger: Ledger | None = None,
 ) -> tuple[list[tuple[SearchType, str]], str | None]:
     """(expansion lines, note): an LLM failure yields no lines and a note, never an error."""
-    return service.expand_query(open_store(factory, ledger), llm, query, intent)
+    return calls.expand_query(open_store(factory, ledger), llm, query, intent)
 
 
 def embed_facts(
@@ -126,9 +126,9 @@ def embed_facts(
     every: bool = False,
 ) -> EmbedReport:
     """Backfill embeddings for every fact that has none, or ``every`` fact (see
-    worker.search.service.embed_facts)."""
+    worker.search.embedding.embed_facts)."""
     store = open_store(factory, ledger)
-    return service.embed_facts(
+    return embedding.embed_facts(
         store, llm, batch_size, progress=progress, set_up_vector_store=set_up_vector_store, every=every
     )
 
@@ -142,8 +142,8 @@ def embed_new_facts(
     *,
     ledger: Ledger | None = None,
 ) -> int:
-    """Embed a page's facts that have none yet; never raises (see worker.search.service.embed_new_facts)."""
-    return service.embed_new_facts(open_store(factory, ledger), llm, source_id, slug, batch_size)
+    """Embed a page's facts that have none yet; never raises (see worker.search.embedding.embed_new_facts)."""
+    return embedding.embed_new_facts(open_store(factory, ledger), llm, source_id, slug, batch_size)
 
 
 def embed_pages_facts(
@@ -157,7 +157,7 @@ def embed_pages_facts(
 ) -> int:
     """Embed the facts of several pages that have none yet, batched across pages, up to
     ``concurrency`` batches at once; never raises."""
-    return service.embed_pages_facts(
+    return embedding.embed_pages_facts(
         open_store(factory, ledger), llm, pages, batch_size, concurrency=concurrency
     )
 

@@ -1,4 +1,4 @@
-"""Intent-aware search over facts, and fact embeddings, on a SearchStore; every LLM call is accounted.
+"""Intent-aware search over facts on a SearchStore; every LLM call is accounted (``calls``).
 
 A query is either a plain query or a structured query document (``lex:``/``vec:``/``hyde:``/``intent:``
 lines, parsed by ``worker.core.intent.parse_structured_query``). Each search line yields a ranked list
@@ -18,24 +18,19 @@ of its conversation segment chosen with the intent.
 - Fusion: RRF with k = 60, weight 2 for the user's own lines and 1 for expansions, plus a small
   bonus for a first (or second/third) place in any list.
 
-Every LLM call (expansion, query and fact embeddings) is recorded in llm_calls through the store's
-ledger, so the `llm.prices` override costs it; a failed record is logged, never raised.
+Every LLM call (expansion, query embeddings) is recorded in llm_calls through the store's ledger
+(``worker.search.calls``). Fact embeddings are ``worker.search.embedding``'s.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from worker.accounting import LLMCallRecord
 from worker.consolidation.history import Lifecycle
-from worker.core.embeddings import fact_embedding_text, vectors_problem
-from worker.core.errors import error_summary
+from worker.core.embeddings import vectors_problem
 from worker.core.fusion import (
     EXPANSION_LINE_WEIGHT,
     USER_LINE_WEIGHT,
@@ -47,11 +42,10 @@ from worker.core.fusion import (
     segment_range,
     segment_snippet,
 )
-from worker.core.intent import SearchType, StructuredQuery, has_strong_signal, parse_structured_query
-from worker.core.lexing import parse_expansion, parse_lex_query, plain_text
+from worker.core.intent import StructuredQuery, has_strong_signal, parse_structured_query
+from worker.core.lexing import parse_lex_query, plain_text
 from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
-from worker.llm.retry import AttemptRecord, chat_with_tries
-from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
+from worker.search.calls import EMBEDDING_PURPOSE, embed_texts, expand_query
 from worker.search.errors import (
     UNAVAILABLE_NO_EXTENSION,
     DeadlineExceededError,
@@ -59,15 +53,13 @@ from worker.search.errors import (
     SearchError,
     VectorSearchUnavailableError,
 )
-from worker.search.llm_source import LLMSource, resolve_llm, vector_model
-from worker.search.prompts import EXPANSION_PURPOSE, expansion_request
-from worker.search.store import FactToEmbed, LineQuery, SearchStore
+from worker.search.llm_source import LLMSource, resolve_llm
+from worker.search.store import LineQuery, SearchStore
 from worker.search.values import (
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
     MIN_CANDIDATES,
-    EmbedReport,
     SearchFilters,
     SearchOutcome,
     SearchRequest,
@@ -77,98 +69,9 @@ from worker.search.values import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "EMBEDDING_PURPOSE",
-    "FACT_EMBEDDING_PURPOSE",
-    "LLMSource",
-    "embed_facts",
-    "embed_new_facts",
-    "embed_texts",
-    "expand_query",
-    "search",
-]
-
-EMBEDDING_PURPOSE = "search_embedding"  # vec/hyde lines of a search
-FACT_EMBEDDING_PURPOSE = "embedding"  # facts, by `factmill embed` and after extraction
+__all__ = ["LLMSource", "search"]
 
 Lists = list[tuple[SearchLine, list[Hit]]]
-
-
-# --------------------------------------------------------------------------- accounting
-
-
-def _record(store: SearchStore, call: LLMCallRecord) -> None:
-    try:
-        store.record_llm_call(call)
-    except Exception as exc:  # accounting must never take search down
-        logger.warning("could not record a %s LLM call: %s", call.purpose, error_summary(exc))
-        logger.debug("traceback of the record's error", exc_info=exc)
-
-
-def _record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Exception, started: float) -> None:
-    _record(store, LLMCallRecord.failed(purpose, llm, exc, int((time.perf_counter() - started) * 1000)))
-
-
-def _record_tries(store: SearchStore, llm: LLMClient, tries: Sequence[AttemptRecord]) -> None:
-    for failed in LLMCallRecord.failed_tries(EXPANSION_PURPOSE, llm, tries):
-        _record(store, failed)
-
-
-def _answered(purpose: str, response: ChatResponse | EmbeddingResponse, outcome: str) -> LLMCallRecord:
-    return LLMCallRecord(
-        purpose, response.provider, response.model, response.usage, response.latency_ms, outcome
-    )
-
-
-# --------------------------------------------------------------------------- LLM calls
-
-
-def expand_query(
-    store: SearchStore, llm: LLMClient, query: str, intent: str | None
-) -> tuple[list[tuple[SearchType, str]], str | None]:
-    """(expansion lines, note): an LLM failure yields no lines and a note, never an error."""
-    started = time.perf_counter()
-    try:
-        response, tried = chat_with_tries(llm, expansion_request(query, intent))
-    except BudgetExhaustedError:
-        # No call was made; readers never see spend or budget figures.
-        return [], "query expansion skipped: budget; searched the query alone"
-    except Exception as exc:
-        logger.warning("query expansion failed: %s", error_summary(exc))
-        _record_tries(store, llm, getattr(exc, "attempts", ())[:-1])
-        _record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
-        return [], "query expansion failed (the LLM did not answer); searched the query alone"
-    _record_tries(store, llm, tried)  # each try the gateway retried is a call of its own
-    outcome = "ok" if response.finish == "end" else response.finish
-    _record(store, _answered(EXPANSION_PURPOSE, response, outcome))
-    if response.finish == "refusal":
-        return [], "query expansion was refused by the model; searched the query alone"
-    return parse_expansion(response.text, query), None
-
-
-def embed_texts(
-    store: SearchStore, llm: LLMClient, texts: list[str], purpose: str
-) -> tuple[list[list[float]], str]:
-    """One embedding call for ``texts``, accounted under ``purpose``: (the vectors, their model)."""
-    vectors, call = _call_embeddings(store, llm, texts, purpose)
-    _record(store, call)
-    return vectors, vector_model(call)
-
-
-def _call_embeddings(
-    store: SearchStore, llm: LLMClient, texts: list[str], purpose: str
-) -> tuple[list[list[float]], LLMCallRecord]:
-    """(the vectors, the answered call's record, for the caller to store). A failed call is recorded
-    here and raised; the caller checks the vectors (``vectors_problem``)."""
-    started = time.perf_counter()
-    try:
-        response = llm.embed(texts, purpose=purpose)
-    except (BudgetExhaustedError, NoEmbeddingsError):
-        raise  # refused before any request: nothing to record (a row per refused search, 60 a minute a key)
-    except Exception as exc:
-        _record_failure(store, purpose, llm, exc, started)
-        raise
-    return response.vectors, _answered(purpose, response, "ok")
 
 
 # --------------------------------------------------------------------------- search
@@ -290,21 +193,35 @@ def _plain_lists(
                 continue  # the probe already ran exactly this search
             extra.append(SearchLine(kind, body, "expansion", EXPANSION_LINE_WEIGHT))
         gathered.expanded = bool(expansion)
-    try:
-        gathered.lists += _run_lines(store, llm, extra, filters, candidates, status)
-    except DeadlineExceededError:  # the probe's answer stands
-        gathered.notes.append("the lines added to the query were skipped: the search ran out of time")
-    except (BudgetExhaustedError, EmbeddingFailedError, VectorSearchUnavailableError) as exc:
-        # The vector lines a plain query adds are a bonus: without budget, while the embedding provider
-        # fails, or where it has none, the lexical lines still run.
-        why = {BudgetExhaustedError: "budget", VectorSearchUnavailableError: "unavailable"}
-        gathered.notes.append(f"vector search skipped: {why.get(type(exc), 'the embedding call failed')}")
-        lexical = [line for line in extra if line.type == "lex"]
-        try:
-            gathered.lists += _run_lines(store, llm, lexical, filters, candidates, status)
-        except DeadlineExceededError:
-            gathered.notes.append("the lines added to the query were skipped: the search ran out of time")
+    gathered.lists += _run_added(store, llm, extra, filters, candidates, status, gathered.notes)
     return gathered
+
+
+def _run_added(
+    store: SearchStore,
+    llm: LLMSource,
+    lines: list[SearchLine],
+    filters: SearchFilters,
+    candidates: int,
+    status: VectorSearchStatus,
+    notes: list[str],
+) -> Lists:
+    """The lines a plain query adds (its own vector line, the expansion's): a bonus, so the probe's
+    answer stands when they fail, with a note. The vector lines go without budget, while the embedding
+    provider fails, or where it has none, and the lexical ones still run; an expansion's lex: line
+    slower than a search may be was a 400 that threw the user's own results away."""
+    try:
+        return _run_lines(store, llm, lines, filters, candidates, status)
+    except (BudgetExhaustedError, EmbeddingFailedError, VectorSearchUnavailableError) as exc:
+        why = {BudgetExhaustedError: "budget", VectorSearchUnavailableError: "unavailable"}
+        notes.append(f"vector search skipped: {why.get(type(exc), 'the embedding call failed')}")
+        lexical = [line for line in lines if line.type == "lex"]
+        return _run_added(store, llm, lexical, filters, candidates, status, notes) if lexical else []
+    except DeadlineExceededError:
+        notes.append("the lines added to the query were skipped: the search ran out of time")
+    except SearchError as exc:
+        notes.append(f"the lines added to the query were skipped: {exc}")
+    return []
 
 
 def _run_lines(
@@ -379,119 +296,3 @@ def _build_results(
             )
         )
     return results
-
-
-# --------------------------------------------------------------------------- embeddings
-
-
-def _embed_rows(
-    store: SearchStore, llm: LLMClient, rows: Sequence[FactToEmbed], report: EmbedReport, replace: bool
-) -> str:
-    texts = [fact_embedding_text(r.fact, r.entity_slug) for r in rows]
-    vectors, call = _call_embeddings(store, llm, texts, FACT_EMBEDDING_PURPOSE)
-    problem = vectors_problem(vectors, len(texts))
-    if problem:
-        _record(store, call)
-        raise SearchError(problem)
-    try:
-        # The call's llm_calls row commits with the vectors it bought: one transaction, not two.
-        ids = [row.id for row in rows]
-        stored = store.fill_embeddings(ids, vectors, model=vector_model(call), call=call, replace=replace)
-    except Exception:
-        _record(store, call)  # the vectors could not be stored; the call was paid all the same
-        raise
-    report.embedded += stored
-    report.skipped += len(rows) - stored
-    report.batches += 1
-    return vector_model(call)
-
-
-def embed_facts(
-    store: SearchStore,
-    llm: LLMClient,
-    batch_size: int = 64,
-    *,
-    progress: Callable[[EmbedReport], None] | None = None,
-    set_up_vector_store: bool = True,
-    every: bool = False,
-) -> EmbedReport:
-    """Backfill embeddings for every fact that has none (``every``: every fact, replacing what it has:
-    after a change of embedding model), audit rows excluded, in id order.
-
-    First sets up the pgvector store (unless told not to) when the server has the extension but
-    this database has no store yet. Embeddings land in ``facts.embedding``; triggers copy them to
-    the store.
-    """
-    if batch_size < 1:
-        raise SearchError("batch size must be at least 1")
-    status = store.enable_vector_search() if set_up_vector_store else store.status()
-    report = EmbedReport(vector_search="available" if status.available else "unavailable")
-    last_id = 0
-    model: str | None = None
-    while rows := store.facts_to_embed(after_id=last_id, limit=batch_size, every=every, model=model):
-        model = _embed_rows(store, llm, rows, report, replace=every)
-        last_id = rows[-1].id
-        if progress is not None:
-            progress(report)
-    return report
-
-
-def embed_new_facts(
-    store: SearchStore, llm: LLMClient, source_id: str, slug: str, batch_size: int = 64
-) -> int:
-    """Embed a page's facts that have no embedding yet; the hook extraction calls after a commit.
-
-    Never raises: a failed embedding call is logged and left to `factmill embed` to fill later,
-    because the facts themselves are already safely stored. Returns how many facts were embedded.
-    """
-    return embed_pages_facts(store, llm, [(source_id, slug)], batch_size)
-
-
-def embed_pages_facts(
-    store: SearchStore,
-    llm: LLMClient,
-    pages: Sequence[tuple[str, str]],
-    batch_size: int = 64,
-    *,
-    concurrency: int = 1,
-) -> int:
-    """Embed the facts of several pages ((source id, slug) each) that have no embedding yet, in
-    batches that may span pages (fewer embedding calls), up to ``concurrency`` batches at once. Never
-    raises, as ``embed_new_facts``: a failed batch is logged and no other starts after it."""
-    try:
-        rows = store.pages_facts_to_embed(pages)
-    except Exception as exc:
-        _could_not_embed(pages, exc)
-        return 0
-    batches = [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
-    failed = threading.Event()  # after a failure no new batch starts: the gateway may be down
-
-    def embed(batch: Sequence[FactToEmbed]) -> int:
-        report = EmbedReport()
-        if not failed.is_set():
-            try:
-                _embed_rows(store, llm, batch, report, False)
-            except Exception as exc:
-                failed.set()
-                _could_not_embed(pages, exc)
-        return report.embedded
-
-    if concurrency <= 1 or len(batches) <= 1:
-        return sum(embed(batch) for batch in batches)
-    # A large page's backlog (thousands of facts): its calls wait on the model and its vectors' index
-    # inserts on Postgres, so several at once shorten the vectors' lag (bench/pipeline.py, one page of
-    # 4,000 segments). Each task runs in a copy of this thread's context, as the caller's call would
-    # (taken here: copy_context() inside the task copied the pool thread's own, empty one).
-    caller = contextvars.copy_context()
-    with ThreadPoolExecutor(min(concurrency, len(batches)), thread_name_prefix="embed") as pool:
-        return sum(pool.map(lambda batch: caller.copy().run(embed, batch), batches))
-
-
-def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:
-    # How many pages, not which (a slug can name a person: logs name none), and the error's class and
-    # first line without the provider's body (error_summary).
-    logger.warning(
-        "could not embed the facts of %s page(s) (%s); `factmill embed` will fill them in",
-        len(pages),
-        error_summary(exc),
-    )
