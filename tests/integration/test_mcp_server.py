@@ -56,3 +56,23 @@ def test_http_a_database_outage_at_the_key_check_is_a_503_with_retry_after(
         answer = client.post("/mcp", json=body, headers=headers)
     assert answer.status_code == 503, answer.text
     assert answer.headers["Retry-After"] == "5" and "database is unavailable" in answer.json()["detail"]
+
+
+def test_a_keys_searches_running_at_once_are_capped_as_the_apis_are(
+    database_url: str, tx_factory: Any
+) -> None:
+    """The API caps a key's searches running at once (each holds a thread, maybe for a minute on the
+    LLM); the MCP tool counted only searches begun a minute, so one key's burst took every thread of
+    the server's pool. The slot is given back when a search ends."""
+    from worker.access import Principal
+    from worker.mcp.tools import FactmillTools
+
+    runtime = make_runtime(database_url, tx_factory, search_concurrency_per_key=1, search_expand=False)
+    reader = Principal("reader", frozenset({"read"}), None, key_id=7)
+    tools = FactmillTools(runtime, lambda: reader)
+    assert tools.search_facts("lex: alice")["results"] == []  # a search that ends gives its slot back
+    assert tools.running.enter(reader.rate_key)  # one running (another thread's)
+    with pytest.raises(ToolError, match="this key has 1 searches running"):
+        tools.search_facts("lex: alice")
+    tools.running.leave(reader.rate_key)
+    assert tools.search_facts("lex: alice")["results"] == []

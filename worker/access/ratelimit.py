@@ -8,6 +8,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
@@ -106,6 +108,16 @@ class InFlightPerKey:
                 return False
             self._running[who] = running + 1
             return True
+
+    @contextmanager
+    def held(self, who: str, refused: Callable[[], Exception]) -> Iterator[None]:
+        """One of ``who``'s places for the block, or ``refused()`` raised when it has none left."""
+        if not self.enter(who):
+            raise refused()
+        try:
+            yield
+        finally:
+            self.leave(who)
 
     def leave(self, who: str) -> None:
         if self.most <= 0:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from models.reads import read_only
 from worker.access import Principal, readable_sources
-from worker.access.ratelimit import PerKeyLimiter
+from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
 from worker.calibration import ObservationIn, add_observation
 from worker.compaction import (
     MAX_MESSAGES_PER_REQUEST,
@@ -76,6 +76,9 @@ class FactmillTools:
         self.runtime = runtime
         self.principal = principal
         self.limiter = limiter or PerKeyLimiter.for_runtime(runtime)
+        # As the API's: a key's searches running at once in this process (each holds a thread of the
+        # server's pool, maybe for a minute on the LLM).
+        self.running = InFlightPerKey(runtime.settings.search_concurrency_per_key)
 
     def search_facts(
         self,
@@ -118,28 +121,34 @@ class FactmillTools:
         current facts unless as_of or include_history. Start here to answer a question about
         people, plans or events."""
         principal = self.principal()
-        verdict = self.limiter.hit(principal.rate_key)
-        if not verdict.allowed:
-            raise ToolError(
-                f"too many searches for this key: at most {self.limiter.per_minute} a minute; "
-                f"retry in {verdict.retry_after} s"
-            )
-        with refusals():
-            outcome = search_as(
-                self.runtime,
-                principal,
-                query,
-                intent=intent,
-                source_id=source_id,
-                entity=entity,
-                kind=kind,
-                since=since,
-                limit=limit,
-                expand=expand,
-                include_history=include_history,
-                as_of=as_of,
-            )
+        with self.running.held(principal.rate_key, self._too_many_running):
+            verdict = self.limiter.hit(principal.rate_key)
+            if not verdict.allowed:
+                raise ToolError(
+                    f"too many searches for this key: at most {self.limiter.per_minute} a minute; "
+                    f"retry in {verdict.retry_after} s"
+                )
+            with refusals():
+                outcome = search_as(
+                    self.runtime,
+                    principal,
+                    query,
+                    intent=intent,
+                    source_id=source_id,
+                    entity=entity,
+                    kind=kind,
+                    since=since,
+                    limit=limit,
+                    expand=expand,
+                    include_history=include_history,
+                    as_of=as_of,
+                )
         return outcome.as_dict()
+
+    def _too_many_running(self) -> ToolError:
+        return ToolError(
+            f"this key has {self.running.most} searches running; send the next one when one has answered"
+        )
 
     def list_entity_facts(
         self,

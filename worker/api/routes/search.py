@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -211,22 +210,19 @@ def _limited(ctx: ApiContext, principal: Principal) -> None:
         )
 
 
-@contextmanager
-def _running(ctx: ApiContext, principal: Principal) -> Iterator[None]:
+def _running(ctx: ApiContext, principal: Principal) -> AbstractContextManager[None]:
     """429 when this key already has its searches running in this process (each holds a thread of the
     API's pool, maybe for a minute on the LLM): one key's burst took every thread, and every other
     tenant's request waited behind it."""
     running = ctx.searches_running()
-    if not running.enter(principal.rate_key):
-        raise ApiError(
+    return running.held(
+        principal.rate_key,
+        lambda: ApiError(
             429,
             f"this key has {running.most} searches running; send the next one when one has answered",
             headers={"Retry-After": "1"},
-        )
-    try:
-        yield
-    finally:
-        running.leave(principal.rate_key)
+        ),
+    )
 
 
 @search_router.get(
