@@ -432,3 +432,35 @@ def test_an_entity_a_user_types_is_read_as_other_commands_read_it() -> None:
     assert typed_entity_key("People/Alice Example") == "people/alice-example"
     assert typed_entity_key("people/alice-example") == "people/alice-example"
     assert typed_entity_key("page:notes/cafe\u0301") == "page:notes/caf\u00e9"  # NFD as macOS types it
+
+
+def test_an_update_of_a_fact_the_same_run_makes_a_duplicate_closes_its_canonical() -> None:
+    """N2 (Porto, Mar) was planned against N1 only (Lisbon, Feb; P was not similar enough to be shown)
+    and the model said it updates N1, which it also called a duplicate of P (Lisbon, Jan): the closing
+    found N1 no longer current and closed nothing, and P answered beside Porto."""
+    from worker.core.consolidation_plan import (
+        close_canonicals,
+        plan_consolidation,
+        reopen_restatements,
+        resolve,
+        split_earlier_sayings,
+    )
+    from worker.core.consolidation_prompt import PairDecision
+
+    feb = datetime(2026, 2, 1, tzinfo=UTC)
+    p = fact(1, "Alice lives in Lisbon", when=JAN)
+    n1 = fact(2, "Alice is based in Lisbon city", when=feb)
+    n2 = fact(3, "Alice is based in Porto city now", when=MAR)
+    plans = plan_consolidation([n1, n2], [p], "people/alice")
+    by_id = {plan.new.id: plan for plan in plans}
+    assert [a.old.id for a in by_id[3].asked] == [2]  # P is never asked about against Porto
+    answers = {a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[2].asked if a.old.id == 1}
+    answers |= {a.number: PairDecision(a.number, "updates", "moved") for a in by_id[3].asked}
+    decided = [(plan, resolve(plan, answers)) for plan in plans]
+    out = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
+    assert out[2].duplicate_of == 1
+    closing = out[3].closings[0]
+    assert (closing.older.id, closing.newer.id, closing.older.since, closing.newer.since) == (1, 3, JAN, MAR)
+    assert out[3].rows[-1].other_fact_id == 1 and "made a duplicate of fact 1" in out[3].rows[-1].reason
+    before = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(decided))}
+    assert before[3].closings[0].older.id == 2  # what was written before: the duplicate, closing nothing

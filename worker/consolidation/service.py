@@ -14,6 +14,7 @@ from worker.consolidation.store import ConsolidationStore
 from worker.core.consolidation import FactView
 from worker.core.consolidation_plan import (
     FactPlan,
+    close_canonicals,
     plan_consolidation,
     reopen_restatements,
     resolve,
@@ -152,7 +153,7 @@ def _consolidate_round(
     decisions = [
         replace(decision, reconsider=False) if decision.fact_id in final else decision
         for decision in reopen_restatements(
-            split_earlier_sayings([(plan, resolve(plan, answers)) for plan in plans])
+            split_earlier_sayings(close_canonicals([(plan, resolve(plan, answers)) for plan in plans]))
         )
     ]
     resolved = [

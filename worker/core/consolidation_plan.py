@@ -210,18 +210,64 @@ def _to_canonicals(
     R's canonical, looked at N1 and missed A's closing. When N1 itself is reopened, R stays its
     duplicate (two current copies of one restatement is one too many)."""
     links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
+    out = []
+    for plan, r in decided:
+        if r.duplicate_of is not None:
+            r = replace(r, duplicate_of=_chain_end(links, r.duplicate_of, reopened))
+        out.append((plan, r))
+    return out
 
-    def root(fact_id: int) -> int:
-        seen = {fact_id}
-        while fact_id in links and fact_id not in reopened and links[fact_id] not in seen:
-            fact_id = links[fact_id]
-            seen.add(fact_id)
-        return fact_id
 
-    return [
-        (plan, replace(r, duplicate_of=root(r.duplicate_of)) if r.duplicate_of is not None else r)
-        for plan, r in decided
-    ]
+CANONICAL_CLOSED_REASON = (
+    "rule: fact {newer} updates fact {duplicate}, which this run made a duplicate of fact {canonical}: "
+    "it closes fact {canonical}"
+)
+
+
+def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
+    """One run's resolutions, with each closing of a fact the same run makes a duplicate moved to the
+    fact its chain ends at, when that one is older than the closer. "Alice is based in Lisbon" (Feb),
+    a duplicate of a current "Alice lives in Lisbon" (Jan), and "Alice is based in Porto now" (Mar),
+    which the model said updates the February saying (the only one it was shown: it was planned before
+    the model answered): the closing found the February fact no longer current and closed nothing,
+    and January's Lisbon answered beside Porto."""
+    views: dict[int, FactView] = {}
+    for plan, _ in decided:
+        olds = [pair.old for pair in plan.asked] + ([plan.rule.old] if plan.rule is not None else [])
+        views.update((fact.id, fact) for fact in (plan.new, *olds))
+    links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
+    out: list[tuple[FactPlan, Resolved]] = []
+    for plan, resolved in decided:
+        closings: list[Supersession] = []
+        rows = list(resolved.rows)
+        for closing in resolved.closings:
+            canonical = views.get(_chain_end(links, closing.older.id))
+            if (
+                canonical is None
+                or canonical.id == closing.older.id
+                or order_key(canonical) >= order_key(closing.newer)
+            ):
+                closings.append(closing)
+                continue
+            closings.append(supersession(closing.newer, canonical))
+            reason = CANONICAL_CLOSED_REASON.format(
+                newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id
+            )
+            rows.append(Row(canonical.id, "updates", "rule", reason))
+        changed = tuple(closings) != resolved.closings
+        out.append(
+            (plan, replace(resolved, closings=tuple(closings), rows=tuple(rows)) if changed else resolved)
+        )
+    return out
+
+
+def _chain_end(links: dict[int, int], fact_id: int, stop: frozenset[int] | set[int] = frozenset()) -> int:
+    """Where a chain of duplicate links from ``fact_id`` ends (at a fact in ``stop`` at the latest)."""
+    seen = {fact_id}
+    while fact_id in links and fact_id not in stop and links[fact_id] not in seen:
+        fact_id = links[fact_id]
+        seen.add(fact_id)
+    return fact_id
 
 
 def split_earlier_sayings(
