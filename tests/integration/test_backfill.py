@@ -707,6 +707,36 @@ def test_a_batch_the_provider_refused_is_not_counted_in_flight(factory, rt, sim,
     assert BackfillStore(factory).in_flight_estimate() == 0
 
 
+def test_a_send_that_failed_after_the_provider_took_it_is_looked_up_not_paid_twice(
+    factory, rt, sim, monkeypatch
+):
+    """An error without an HTTP status (the SDK could not read the create's answer) was taken for a
+    refusal: the batch went back to "planned" and the next pass sent a second, paid copy; the first
+    was never polled, collected or deleted. Only a 4xx is a refusal; otherwise it is looked up."""
+    from worker.extraction import backfill as backfill_module
+
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    monkeypatch.setattr(backfill_module, "RESEND_AFTER_SECONDS", 0.0)
+    real_submit = OpenAIBatchClient.submit
+
+    def answer_unread(self: Any, requests: Any, key: str | None = None) -> str:
+        real_submit(self, requests, key=key)
+        raise LLMError("ValidationError: the reply did not parse", retryable=False)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", answer_unread)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "retry"
+    monkeypatch.setattr(OpenAIBatchClient, "submit", real_submit)
+    assert run_pass(rt, job_id).status == "paused"
+    assert sim.stats()["batches"]["created"] == 1
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+    assert batch.status == "submitted" and batch.provider_batch_id is not None
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+
+
 def test_a_copy_another_run_found_and_recorded_is_this_run_s_own(factory, rt, sim, monkeypatch):
     """Another run looked the batch up while this one sent it, found this run's copy and recorded it:
     this run took it for a second copy, cancelled it and owed its delete, though it was the only one."""
@@ -1028,6 +1058,30 @@ def test_a_cancel_the_provider_refuses_ends_neither_the_pass_nor_the_job(factory
     assert run_pass(rt, job_id).status == "paused", "refused: it is asked again next pass"
     assert job_row(factory, job_id).attempts == 0
     sim.configure(batch_cancel_fails=False)
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+
+
+def test_a_status_the_provider_cannot_give_now_ends_neither_a_cancels_pass_nor_its_job(
+    factory, rt, sim, monkeypatch
+):
+    """A 429 asking for a batch's status before cancelling it escaped the pass (polling logged it and
+    went on): the other batches went uncancelled and unpolled, and the job spent an attempt."""
+    seed_pages(factory, "bf", 4)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    real_status = OpenAIBatchClient.status
+
+    def busy(self: Any, batch_id: str) -> Any:
+        raise LLMError("HTTP 429: slow down", retryable=True, status=429)
+
+    monkeypatch.setattr(OpenAIBatchClient, "status", busy)
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert run_pass(rt, job_id).status == "paused", "asked again next pass"
+    assert job_row(factory, job_id).attempts == 0
+    monkeypatch.setattr(OpenAIBatchClient, "status", real_status)
     assert drive(rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "cancelled"
 

@@ -58,10 +58,10 @@ from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a
 from worker.extraction.options import CheckpointConflictError, ExtractOptions
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
-from worker.extraction.provider_copies import ProviderCopies, discard_batch
+from worker.extraction.provider_copies import ProviderCopies, discard_batch, forget_uploads
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
-from worker.llm.batch_api import UNDETERMINED, BatchItem, BatchLLMClient
+from worker.llm.batch_api import UNDETERMINED, BatchItem, BatchLLMClient, BatchStatus
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest
 
@@ -191,7 +191,7 @@ class BackfillPass:
         if batch.status == "submitting" or batch.since_failed_send is not None:
             # No batch holds it: what an earlier send uploaded (its create failed, or timed out) is the
             # pages' text, named nowhere; it goes before the batch is sent again.
-            self.forget_uploads(batch)
+            forget_uploads(self.deps.client, batch.key, batch.submit_started_at)
         requests = self.requests_to_send(batch)
         if not requests:
             # (Unless another run sent it meanwhile: then it is polled as sent.)
@@ -221,9 +221,11 @@ class BackfillPass:
         except LLMError as exc:
             failed: dict[str, Any] = {"provider_status": f"{SEND_FAILED} ({type(exc).__name__})"}
             failed["submit_started_at"] = func.now()  # the resend waits from the failure, not the start
-            if not exc.retryable:  # refused outright: nothing at the provider, nothing in flight
-                # Left "submitting", its estimate counted in flight for good (other backfills' batches
-                # waited on it under a day budget) though no batch held it.
+            # Refused outright (a 4xx): nothing at the provider, nothing in flight; left "submitting",
+            # its estimate counted in flight for good though no batch held it. Any other error (no
+            # status: the create's answer could not be read) may follow an accepted create: it stays
+            # "submitting", looked up by its key before any resend (else a second, paid copy).
+            if not exc.retryable and exc.status is not None and 400 <= exc.status < 500:
                 failed |= {"status": "planned", "estimated_cost_usd": None}
             if not self.store.set_batch(batch.id, unsent_only=True, **failed):
                 return True  # another run's send is recorded: the batch is in flight, not failed
@@ -233,17 +235,6 @@ class BackfillPass:
             return True
         logger.info("backfill %s sent batch %s (%d requests)", self.backfill.id, provider_id, len(requests))
         return True
-
-    def forget_uploads(self, batch: BatchRow) -> None:
-        """An earlier send's uploads deleted; a provider that fails it does not hold the send back (the
-        next resend tries again)."""
-        try:
-            forgotten = self.deps.client.forget_uploads(batch.key, batch.submit_started_at)
-        except LLMError as exc:
-            logger.warning("batch %s: deleting an earlier send's upload failed (%s)", batch.key, exc)
-            return
-        if forgotten:
-            logger.info("batch %s: deleted %d upload(s) an earlier send left", batch.key, forgotten)
 
     def second_copy(self, batch: BatchRow, provider_id: str) -> None:
         """Another run recorded this batch's send while this one sent it (this run's lease lapsed during
@@ -300,14 +291,8 @@ class BackfillPass:
             # by the pass (next), as every sent batch is.
             self.store.set_batch(batch.id, unsent_only=True, status="cancelled")
             return
-        try:
-            status = self.deps.client.status(batch.provider_batch_id)
-        except LLMError as exc:
-            if exc.status != 404:
-                raise
-            self.collect(batch, GONE, fetch=False)
-            return
-        if status.ended or status.status in WINDING_DOWN:
+        status = self.status_of(batch)
+        if status is None or status.ended or status.status in WINDING_DOWN:
             return
         try:
             self.deps.client.cancel(batch.provider_batch_id)
@@ -321,23 +306,32 @@ class BackfillPass:
         if self.held_elsewhere(batch):
             return
         self.deps.guard()
+        status = self.status_of(batch)
+        if status is None:
+            return
+        if not status.ended:
+            self.store.set_batch(batch.id, provider_status=status.status)
+            return
+        self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
+
+    def status_of(self, batch: BatchRow) -> BatchStatus | None:
+        """A sent batch's status at the provider; None when it holds the batch no more (collected as
+        gone) or a passing fault hid it (asked again next pass: polling or cancelling, one batch's
+        429 ended the whole pass)."""
+        assert batch.provider_batch_id is not None
         try:
-            status = self.deps.client.status(batch.provider_batch_id)
+            return self.deps.client.status(batch.provider_batch_id)
         except LLMError as exc:
             if exc.status == 404:
                 # The provider holds it no more: Anthropic deletes a batch itself on discard, so a pass
                 # that died between the delete and marking it collected got a 404 on every pass after
                 # (the job failed, the backfill stayed running for good). What it still owed is missing.
                 self.collect(batch, GONE, fetch=False)
-                return
+                return None
             if not exc.retryable:
                 raise
-            logger.warning("polling batch %s failed (%s); next pass", batch.provider_batch_id, exc)
-            return
-        if not status.ended:
-            self.store.set_batch(batch.id, provider_status=status.status)
-            return
-        self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
+            logger.warning("asking for batch %s failed (%s); next pass", batch.provider_batch_id, exc)
+            return None
 
     def collect(self, batch: BatchRow, provider_status: str, *, fetch: bool = True) -> None:
         """Commit an ended batch's results page by page (the kill switch is read before each page);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Row, delete, func, select, update
@@ -98,6 +98,18 @@ class ProviderCopies:
         )
         with self._factory.begin() as session:
             session.execute(gone)
+
+
+def forget_uploads(client: BatchLLMClient, key: str, since: datetime | None) -> None:
+    """The uploads an earlier send of batch ``key`` left (its create failed or timed out) deleted; a
+    provider that fails it does not hold the send back (the next resend tries again)."""
+    try:
+        forgotten = client.forget_uploads(key, since)
+    except LLMError as exc:
+        logger.warning("batch %s: deleting an earlier send's upload failed (%s)", key, exc)
+        return
+    if forgotten:
+        logger.info("batch %s: deleted %d upload(s) an earlier send left", key, forgotten)
 
 
 def discard_batch(client: BatchLLMClient, batch_id: str, copies: ProviderCopies) -> bool:
