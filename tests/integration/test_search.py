@@ -631,6 +631,33 @@ def test_a_plain_query_whose_expansion_line_is_too_slow_answers_from_its_probe(
     assert "Alice moved to Lisbon in March 2024" in facts_of(outcome)
 
 
+def test_a_fact_superseded_while_the_search_ran_is_not_a_current_result(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The results were read again by id alone: a fact superseded after the lists were built (while the
+    search waited on the LLM) came back, marked superseded, in a search of current facts."""
+    from worker.search.store import SearchStore
+
+    ids = seed(plain_factory)
+    lisbon = ids["Alice moved to Lisbon in March 2024"]
+    read = SearchStore.result_rows
+
+    def superseded_meanwhile(self: SearchStore, *args: Any) -> Any:
+        with plain_factory.begin() as session:
+            session.execute(
+                text("UPDATE facts SET status = 'superseded', valid_to = now() WHERE id = :id"),
+                {"id": lisbon},
+            )
+        return read(self, *args)
+
+    monkeypatch.setattr(SearchStore, "result_rows", superseded_meanwhile)
+    assert "Alice moved to Lisbon in March 2024" not in facts_of(
+        search(plain_factory, llm, "lex: alice lisbon")
+    )
+    history = search(plain_factory, llm, "lex: alice lisbon", filters=SearchFilters(include_history=True))
+    assert [r.status for r in history.results if r.fact_id == lisbon] == ["superseded"]
+
+
 def test_a_word_only_another_source_holds_is_dropped_and_the_rest_still_match_together(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

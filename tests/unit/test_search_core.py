@@ -154,3 +154,15 @@ def test_snippet_terms_are_bounded_for_long_queries_only() -> None:
     question = "so where is it that the one we met at the fair in the old town of the city by the sea " * 2
     found = bounded_terms(question + "is living these days, Lisbon or Porto?") or ""
     assert "lisbon" in found.split() and "porto" in found.split() and "the" not in found.split()
+
+
+def test_an_expansion_line_of_the_users_words_in_another_order_is_the_same_search() -> None:
+    """Compared in order, "lex: lisbon alice" ran the probe's search for "alice lisbon" again and
+    weighed its hits twice in the fusion."""
+    probe = parse_lex_query("alice lisbon").search_key
+    assert parse_lex_query("Lisbon ALICE").search_key == probe
+    assert parse_lex_query("alice lisbon alice").search_key == probe
+    assert parse_lex_query("alice porto").search_key != probe
+    assert parse_lex_query('alice "lisbon"').search_key != probe  # a phrase is another search
+    assert parse_lex_query('"alice lisbon"').search_key != parse_lex_query('"lisbon alice"').search_key
+    assert parse_lex_query("alice lisbon -porto").search_key != probe

@@ -56,6 +56,15 @@ class LexQuery:
     phrases: tuple[str, ...]  # quoted phrases, matched in order
     excluded: tuple[str, ...]  # -word / -"phrase"
 
+    @property
+    def search_key(self) -> tuple[frozenset[str], ...]:
+        """What the search matches on: its words ANDed in any order, any case (an expansion that wrote
+        the user's words in another order ran the same search again, weighing its hits twice)."""
+        return tuple(
+            frozenset(part.casefold() for part in parts)
+            for parts in (self.terms, self.phrases, self.excluded)
+        )
+
 
 def parse_lex_query(query: str) -> LexQuery:
     """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-character

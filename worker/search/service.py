@@ -185,11 +185,11 @@ def _plain_lists(
         expansion, note = expand_query(store, client, plain, intent)
         if note:
             gathered.notes.append(note)
-        query_words = parse_lex_query(plain)
+        probed = parse_lex_query(plain).search_key
         for kind, body in expansion:
             if kind != "lex" and not status.available:
                 continue  # no vector store: lexical expansions only
-            if kind == "lex" and parse_lex_query(body) == query_words:
+            if kind == "lex" and parse_lex_query(body).search_key == probed:
                 continue  # the probe already ran exactly this search
             extra.append(SearchLine(kind, body, "expansion", EXPANSION_LINE_WEIGHT))
         gathered.expanded = bool(expansion)

@@ -45,12 +45,14 @@ _STATUS = text(
 # Asked only when the store is missing: pg_available_extensions reads every extension's control file
 # from the server's disk, and every search asked it.
 _INSTALLABLE = text("SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')")
-_RESULT_FACTS = text(
+# The results read again pass the search's lifecycle clause ({lifecycle}) too: a fact superseded while
+# the search waited on the LLM (seconds) came back marked superseded in a search of current facts.
+_RESULT_FACTS = (
     "SELECT id AS fact_id, fact, kind, entity_slug AS entity, source_id, source_markdown_slug AS page_slug, "
     "context AS segment, row_num, confidence, notability, valid_from, "
     "status, valid_to, superseded_by, duplicate_of "
-    "FROM facts WHERE id IN :ids AND NOT is_audit"
-).bindparams(bindparam("ids", expanding=True))
+    "FROM facts WHERE id IN :ids AND NOT is_audit AND {lifecycle}"
+)
 # The neighbours a snippet quotes pass the search's own lifecycle clause ({lifecycle}): a superseded
 # or duplicate line (or, as of a time, one not yet or no longer true) was quoted, and could be the
 # line the snippet centred on.
@@ -155,12 +157,18 @@ class SearchStore:
     ) -> tuple[dict[int, RowMapping], dict[int, list[tuple[int, str]]]]:
         """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num,
         those ``lifecycle`` lets through: the search's own)."""
-        clause, params = (lifecycle or Lifecycle()).clause("n")
+        lifecycle = lifecycle or Lifecycle()
+        clause, params = lifecycle.clause("n")
         neighbours_sql = text(_RESULT_NEIGHBOURS.format(lifecycle=clause or "TRUE")).bindparams(
             bindparam("ids", expanding=True)
         )
+        facts_sql = text(_RESULT_FACTS.format(lifecycle=lifecycle.clause("facts")[0] or "TRUE")).bindparams(
+            bindparam("ids", expanding=True)
+        )
         with read_only(self._factory) as session:
-            facts = {row["fact_id"]: row for row in session.execute(_RESULT_FACTS, {"ids": ids}).mappings()}
+            facts = {
+                row["fact_id"]: row for row in session.execute(facts_sql, {"ids": ids, **params}).mappings()
+            }
             neighbours: dict[int, list[tuple[int, str]]] = {}
             for result_id, row_num, fact in session.execute(neighbours_sql, {"ids": ids, **params}):
                 neighbours.setdefault(result_id, []).append((row_num, fact))
