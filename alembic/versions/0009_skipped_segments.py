@@ -50,6 +50,18 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # A checkpoint's skipped list is the only record of the segments it moved past: dropped, their facts
+    # were never extracted and nothing said which they were.
+    skipping = (
+        op.get_bind()
+        .execute(sa.text("SELECT count(*) FROM op_checkpoints WHERE skipped <> '[]'"))
+        .scalar_one()
+    )
+    if skipping:
+        raise RuntimeError(
+            f"{skipping} page checkpoint(s) list skipped segments: re-extract them (`factmill extract "
+            "--skipped`) before downgrading past 0009, or they are forgotten"
+        )
     op.drop_column("op_checkpoints", "skipped")
     op.execute("DELETE FROM extraction_audit WHERE outcome = 'skipped'")
     _outcome_check(OLD_OUTCOMES)

@@ -39,4 +39,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Each row is a provider batch whose files (the pages' text, maybe of pages since erased) are owed
+    # a delete: dropped, they stayed at the provider for good, and nothing said so.
+    owed = op.get_bind().execute(sa.text("SELECT count(*) FROM provider_copies")).scalar_one()
+    if owed:
+        raise RuntimeError(
+            f"{owed} provider batch(es) still owe their delete (provider_copies): run the maintenance "
+            "sweep until none is left (or delete the rows knowingly), then downgrade"
+        )
     op.drop_table("provider_copies")

@@ -485,3 +485,33 @@ def test_a_migration_gives_up_a_lock_the_service_holds_and_tries_again(
             upgrading.join(timeout=60)
         engine.dispose()
         assert not errors and db.pending_revisions(url) == [], errors
+
+
+def test_a_downgrade_that_would_forget_what_is_owed_refuses(server_url: str) -> None:
+    """Past 0028 the provider batches still owed a delete (the pages' text, maybe of erased pages) were
+    dropped with their table, and past 0009 the checkpoints' lists of skipped segments: nothing said so,
+    and neither could come back. Each refuses while it holds any."""
+    from alembic import command
+
+    with fresh_database(server_url, "owed") as url:
+        db.upgrade(url)
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO provider_copies (provider, batch_id) VALUES ('openai', 'batch_1')")
+            )
+        with pytest.raises(RuntimeError, match="1 provider batch"):
+            command.downgrade(db.alembic_config(url), "0027")
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM provider_copies"))
+        command.downgrade(db.alembic_config(url), "0009")
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO op_checkpoints (op, fingerprint, page_key, completed_key, messages_done, "
+                    "prefix_hash, next_row_num, skipped) VALUES ('x', 'f', 'p', 'k', 0, 'h', 0, '[\"s\"]')"
+                )
+            )
+        with pytest.raises(RuntimeError, match="1 page checkpoint"):
+            command.downgrade(db.alembic_config(url), "0008")
+        engine.dispose()
