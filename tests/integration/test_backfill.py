@@ -887,6 +887,33 @@ def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
+def test_an_upload_whose_create_failed_is_deleted_when_the_backfill_is_cancelled(
+    factory, rt, sim, monkeypatch
+):
+    """Cancelled before its resend, the batch was marked cancelled and the earlier send's upload (the
+    pages' text, named nowhere) stayed at the provider for good."""
+    from worker.extraction import backfill as backfill_module
+
+    seed_pages(factory, "bf", 2)
+    orphans: list[str] = []
+
+    def upload_then_time_out(self: Any, requests: Any, key: str | None = None) -> str:
+        upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
+        orphans.append(upload.id)
+        raise LLMError("the create timed out", retryable=True)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "retry"
+    assert sim.state.store.find_file(orphans[0]) is not None
+    monkeypatch.setattr(backfill_module, "RESEND_AFTER_SECONDS", 0.0)  # looked up at once
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert sim.state.store.find_file(orphans[0]) is None
+
+
 def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(factory, rt, sim, monkeypatch):
     """A send that kept failing (a retryable error) left its batch "submitting" with its estimate; once
     the job failed nothing would collect it, and it held every other backfill under a day budget."""
