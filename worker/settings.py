@@ -310,7 +310,14 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _soft_limit_first(self) -> Settings:
-        if self.task_soft_time_limit_seconds >= self.task_time_limit_seconds:
+        soft, hard = self.task_soft_time_limit_seconds, self.task_time_limit_seconds
+        if soft >= hard and "task_soft_time_limit_seconds" not in self.model_fields_set:
+            # The hard limit lowered alone (it is the stall detector too): the default soft limit
+            # follows it, as 3300 does 3600.
+            if hard > 1:
+                self.task_soft_time_limit_seconds = hard - max(1, hard // 12)
+            return self
+        if soft >= hard:
             raise ValueError(
                 f"FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS ({self.task_soft_time_limit_seconds}) is not below "
                 f"FACTMILL_TASK_TIME_LIMIT_SECONDS ({self.task_time_limit_seconds}): the soft limit, which "

@@ -464,3 +464,40 @@ def test_an_update_of_a_fact_the_same_run_makes_a_duplicate_closes_its_canonical
     assert out[3].rows[-1].other_fact_id == 1 and "made a duplicate of fact 1" in out[3].rows[-1].reason
     before = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(decided))}
     assert before[3].closings[0].older.id == 2  # what was written before: the duplicate, closing nothing
+
+
+def test_an_update_of_a_duplicate_whose_canonical_the_run_closes_stays_on_the_duplicate() -> None:
+    """X (Berlin, Jan 15) closes P (Lisbon, Jan); N1 (Lisbon, Feb) is a duplicate of P and is reopened
+    (said after Berlin); N2 (Porto, Mar) updates N1. Moved to P, the closing changed nothing (X had
+    closed P) and the reopened N1 stood beside Porto: it stays on N1."""
+    from worker.core.consolidation_plan import (
+        close_canonicals,
+        plan_consolidation,
+        reopen_restatements,
+        resolve,
+        split_earlier_sayings,
+    )
+    from worker.core.consolidation_prompt import PairDecision
+
+    p = fact(1, "Alice lives in Lisbon", when=JAN)
+    x = fact(2, "Alice lives in Berlin", when=datetime(2026, 1, 15, tzinfo=UTC))
+    n1 = fact(3, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
+    n2 = fact(4, "Alice is based in Porto city now", when=MAR)
+    plans = plan_consolidation([x, n1, n2], [p], "people/alice")
+    by_id = {plan.new.id: plan for plan in plans}
+    answers: dict[int, PairDecision] = {}
+    for pair in by_id[2].asked:
+        if pair.old.id == 1:
+            answers[pair.number] = PairDecision(pair.number, "updates", "moved")
+    for pair in by_id[3].asked:
+        verdict = "duplicate" if pair.old.id == 1 else "unrelated"
+        answers[pair.number] = PairDecision(pair.number, verdict, "same")  # type: ignore[arg-type]
+    for pair in by_id[4].asked:
+        if pair.old.id == 3:
+            answers[pair.number] = PairDecision(pair.number, "updates", "moved")
+    assert any(pair.old.id == 1 for pair in by_id[2].asked)
+    assert any(pair.old.id == 3 for pair in by_id[4].asked), [p.old.id for p in by_id[4].asked]
+    decided = [(plan, resolve(plan, answers)) for plan in plans]
+    out = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
+    assert out[3].duplicate_of is None  # reopened: said after Berlin closed Lisbon
+    assert [(c.older.id, c.newer.id) for c in out[4].closings] == [(3, 4)]

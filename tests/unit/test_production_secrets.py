@@ -9,7 +9,20 @@ from worker.cli.app import app as cli
 from worker.settings import InsecureSecretsError, RefusedSettingsError, Settings
 
 STRONG = "w" * 32
+KEY_VARIABLES = (
+    "OPENAI_API_KEY",
+    "FACTMILL_OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "FACTMILL_ANTHROPIC_API_KEY",
+)
 OTHER = "a" * 32
+
+
+@pytest.fixture(autouse=True)
+def _no_provider_settings_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's shell may export a key or a provider setting; these tests choose their own."""
+    for name in (*KEY_VARIABLES, "FACTMILL_LLM", "FACTMILL_LLM_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def production(**values: str | None) -> Settings:
@@ -153,7 +166,6 @@ def test_services_refuse_a_provider_missing_its_key_with_one_line(
     from worker.settings import get_settings
 
     monkeypatch.setenv("FACTMILL_LLM", "openai")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     get_settings.cache_clear()
     try:
         result = CliRunner().invoke(cli, [command])

@@ -92,6 +92,11 @@ def test_the_soft_time_limit_comes_before_the_hard_one(
     monkeypatch.setenv("FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS", "7200")
     with pytest.raises(InvalidSettingsError, match="never come before the hard one kills it"):
         fresh_settings()
+    # The hard limit lowered alone (it is the stall detector too): the default soft one follows it.
+    monkeypatch.delenv("FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS")
+    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "1800")
+    lowered = fresh_settings()
+    assert (lowered.task_soft_time_limit_seconds, lowered.task_time_limit_seconds) == (1650, 1800)
 
 
 def test_a_job_is_stale_only_after_two_heartbeats(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:

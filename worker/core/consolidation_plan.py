@@ -236,6 +236,9 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
         olds = [pair.old for pair in plan.asked] + ([plan.rule.old] if plan.rule is not None else [])
         views.update((fact.id, fact) for fact in (plan.new, *olds))
     links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
+    # A fact another closing of the run ends keeps it (its duplicates said after that are reopened, and
+    # the closing stays on them): moved there, the closing changed nothing and the reopened one stood.
+    closed = {closing.older.id for _, r in decided for closing in r.closings}
     out: list[tuple[FactPlan, Resolved]] = []
     for plan, resolved in decided:
         closings: list[Supersession] = []
@@ -245,6 +248,7 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
             if (
                 canonical is None
                 or canonical.id == closing.older.id
+                or canonical.id in closed
                 or order_key(canonical) >= order_key(closing.newer)
             ):
                 closings.append(closing)
@@ -254,10 +258,9 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
                 newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id
             )
             rows.append(Row(canonical.id, "updates", "rule", reason))
-        changed = tuple(closings) != resolved.closings
-        out.append(
-            (plan, replace(resolved, closings=tuple(closings), rows=tuple(rows)) if changed else resolved)
-        )
+        if tuple(closings) != resolved.closings:
+            resolved = replace(resolved, closings=tuple(closings), rows=tuple(rows))
+        out.append((plan, resolved))
     return out
 
 

@@ -389,7 +389,7 @@ def no_batch_api(provider: str) -> str:
 # with the pass, and the next pass found every batch gone (404): the backfill ended "done", no fact read.
 OWN_SIMULATOR = (
     "a backfill needs a simulator that outlives each pass of its job: set FACTMILL_SIMULATOR_URL to a "
-    "running one (`factmill simulator`; `factmill demo` and compose start one), or use "
+    "running one (`factmill simulator`; `factmill demo` starts one), or use "
     "`factmill extract --batch`, which waits for its batch in one process"
 )
 
