@@ -311,11 +311,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _soft_limit_first(self) -> Settings:
         soft, hard = self.task_soft_time_limit_seconds, self.task_time_limit_seconds
-        if soft >= hard and "task_soft_time_limit_seconds" not in self.model_fields_set:
+        if soft >= hard and hard > 1 and "task_soft_time_limit_seconds" not in self.model_fields_set:
             # The hard limit lowered alone (it is the stall detector too): the default soft limit
             # follows it, as 3300 does 3600.
-            if hard > 1:
-                self.task_soft_time_limit_seconds = hard - max(1, hard // 12)
+            self.task_soft_time_limit_seconds = hard - max(1, hard // 12)
             return self
         if soft >= hard:
             raise ValueError(

@@ -52,6 +52,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     # A checkpoint's skipped list is the only record of the segments it moved past: dropped, their facts
     # were never extracted and nothing said which they were.
+    op.execute("LOCK TABLE op_checkpoints IN EXCLUSIVE MODE")  # no worker adds one between count and drop
     skipping = (
         op.get_bind()
         .execute(sa.text("SELECT count(*) FROM op_checkpoints WHERE skipped <> '[]'"))
@@ -60,7 +61,9 @@ def downgrade() -> None:
     if skipping:
         raise RuntimeError(
             f"{skipping} page checkpoint(s) list skipped segments: re-extract them (`factmill extract "
-            "--skipped`) before downgrading past 0009, or they are forgotten"
+            "--skipped`) before downgrading past 0009, or they are forgotten; lists it cannot empty "
+            "(an old fingerprint, a page edited since) are cleared knowingly with "
+            "UPDATE op_checkpoints SET skipped = '[]'"
         )
     op.drop_column("op_checkpoints", "skipped")
     op.execute("DELETE FROM extraction_audit WHERE outcome = 'skipped'")

@@ -41,6 +41,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     # Each row is a provider batch whose files (the pages' text, maybe of pages since erased) are owed
     # a delete: dropped, they stayed at the provider for good, and nothing said so.
+    # Locked first: a row a live worker adds between the count and the drop would go unsaid.
+    op.execute("LOCK TABLE provider_copies IN EXCLUSIVE MODE")
     owed = op.get_bind().execute(sa.text("SELECT count(*) FROM provider_copies")).scalar_one()
     if owed:
         raise RuntimeError(

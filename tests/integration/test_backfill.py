@@ -892,8 +892,6 @@ def test_an_upload_whose_create_failed_is_deleted_when_the_backfill_is_cancelled
 ):
     """Cancelled before its resend, the batch was marked cancelled and the earlier send's upload (the
     pages' text, named nowhere) stayed at the provider for good."""
-    from worker.extraction import backfill as backfill_module
-
     seed_pages(factory, "bf", 2)
     orphans: list[str] = []
 
@@ -906,7 +904,6 @@ def test_an_upload_whose_create_failed_is_deleted_when_the_backfill_is_cancelled
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "retry"
     assert sim.state.store.find_file(orphans[0]) is not None
-    monkeypatch.setattr(backfill_module, "RESEND_AFTER_SECONDS", 0.0)  # looked up at once
     with factory.begin() as session:
         cancel_backfill(session, backfill_id)
     assert drive(rt, job_id).status == "succeeded"

@@ -501,3 +501,58 @@ def test_an_update_of_a_duplicate_whose_canonical_the_run_closes_stays_on_the_du
     out = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
     assert out[3].duplicate_of is None  # reopened: said after Berlin closed Lisbon
     assert [(c.older.id, c.newer.id) for c in out[4].closings] == [(3, 4)]
+
+
+def _decide_run(facts: list[FactView], pool: list[FactView], verdicts: dict[tuple[int, int], str]) -> dict:
+    """One run's decisions as the service makes them, the model answering ``verdicts`` (new id, old
+    id) and "unrelated" to every other pair it is asked; each verdict's pair must have been asked."""
+    from worker.core.consolidation_plan import (
+        close_canonicals,
+        plan_consolidation,
+        reopen_restatements,
+        resolve,
+        split_earlier_sayings,
+    )
+    from worker.core.consolidation_prompt import PairDecision
+
+    plans = plan_consolidation(facts, pool, "people/alice")
+    asked = {(pair.new.id, pair.old.id): pair.number for plan in plans for pair in plan.asked}
+    assert set(verdicts) <= set(asked), sorted(asked)
+    answers = {
+        number: PairDecision(number, verdicts.get(pair, "unrelated"), "r")  # type: ignore[arg-type]
+        for pair, number in asked.items()
+    }
+    decided = [(plan, resolve(plan, answers)) for plan in plans]
+    return {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
+
+
+def test_a_later_closing_of_the_canonical_does_not_keep_an_update_on_its_duplicate() -> None:
+    """C (Lisbon, Jan); N, its duplicate (Feb); M (Porto, Mar) updates N; X (Berlin, Apr) updates C.
+    Kept on N because X closes C too, M's closing changed nothing (N is a duplicate and not reopened:
+    X came after it), and Lisbon answered beside Porto until April."""
+    c = fact(1, "Alice lives in Lisbon", when=JAN)
+    n = fact(2, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
+    m = fact(3, "Alice is based in Porto city now", when=MAR)
+    x = fact(4, "Alice lives in Berlin", when=datetime(2026, 4, 1, tzinfo=UTC))
+    out = _decide_run([n, m, x], [c], {(2, 1): "duplicate", (3, 2): "updates", (4, 1): "updates"})
+    assert out[2].duplicate_of == 1
+    assert [(s.older.id, s.newer.id) for s in out[3].closings] == [(1, 3)]
+    assert [(s.older.id, s.newer.id) for s in out[4].closings] == [(1, 4)]
+
+
+def test_a_closing_moved_to_the_canonical_reopens_a_later_duplicate_whose_own_update_stays_on_it() -> None:
+    """C (Lisbon, Jan); N1 its duplicate (Feb), updated by M (Porto, Mar); N2 its duplicate again
+    (Apr); Y (Madrid, May) updates Lisbon. M's closing moves to C, so N2 (said after it) is reopened,
+    and Y's must end N2, the saying current at May, not C again (closed already: it changed nothing,
+    and N2 stood beside Madrid)."""
+    c = fact(1, "Alice lives in Lisbon", when=JAN)
+    n1 = fact(2, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
+    m = fact(3, "Alice is based in Porto city now", when=MAR)
+    n2 = fact(4, "Alice lives in Lisbon.", when=datetime(2026, 4, 1, tzinfo=UTC))  # C's words: by rule
+    y = fact(5, "Alice is based in Madrid city now", when=datetime(2026, 5, 1, tzinfo=UTC))
+    # N2 is C's duplicate by rule, so Y is asked about N1 (and M), never about N2.
+    verdicts = {(2, 1): "duplicate", (3, 2): "updates", (5, 2): "updates"}
+    out = _decide_run([n1, m, n2, y], [c], verdicts)
+    assert [(s.older.id, s.newer.id) for s in out[3].closings] == [(1, 3)]
+    assert out[4].duplicate_of is None  # Lisbon again after Porto: current
+    assert [(s.older.id, s.newer.id) for s in out[5].closings] == [(4, 5)]

@@ -97,6 +97,10 @@ def test_the_soft_time_limit_comes_before_the_hard_one(
     monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "1800")
     lowered = fresh_settings()
     assert (lowered.task_soft_time_limit_seconds, lowered.task_time_limit_seconds) == (1650, 1800)
+    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "1")  # no soft limit fits below it
+    fresh_settings.cache_clear()
+    with pytest.raises(InvalidSettingsError, match="never come before the hard one kills it"):
+        fresh_settings()
 
 
 def test_a_job_is_stale_only_after_two_heartbeats(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -226,42 +226,69 @@ CANONICAL_CLOSED_REASON = (
 
 def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
     """One run's resolutions, with each closing of a fact the same run makes a duplicate moved to the
-    fact its chain ends at, when that one is older than the closer. "Alice is based in Lisbon" (Feb),
-    a duplicate of a current "Alice lives in Lisbon" (Jan), and "Alice is based in Porto now" (Mar),
-    which the model said updates the February saying (the only one it was shown: it was planned before
-    the model answered): the closing found the February fact no longer current and closed nothing,
-    and January's Lisbon answered beside Porto."""
+    fact its chain ends at, when that one is older than the closer and the duplicate stays one.
+    "Alice is based in Lisbon" (Feb), a duplicate of a current "Alice lives in Lisbon" (Jan), and
+    "Alice is based in Porto now" (Mar), which the model said updates the February saying (the only one
+    it was shown: it was planned before the model answered): the closing found the February fact no
+    longer current and closed nothing, and January's Lisbon answered beside Porto.
+
+    A duplicate said after a closing of its canonical is reopened (``reopen_restatements``): current
+    again, it is what a later closer ends (the latest such saying before the closer). Closings are
+    moved in the order of their closers, each one moved to the canonical counted as its closing: a
+    closer that can reopen a saying comes before any closer of that saying."""
     views: dict[int, FactView] = {}
     for plan, _ in decided:
         olds = [pair.old for pair in plan.asked] + ([plan.rule.old] if plan.rule is not None else [])
         views.update((fact.id, fact) for fact in (plan.new, *olds))
     links = {r.fact_id: r.duplicate_of for _, r in decided if r.duplicate_of is not None}
-    # A fact another closing of the run ends keeps it (its duplicates said after that are reopened, and
-    # the closing stays on them): moved there, the closing changed nothing and the reopened one stood.
-    closed = {closing.older.id for _, r in decided for closing in r.closings}
-    out: list[tuple[FactPlan, Resolved]] = []
-    for plan, resolved in decided:
-        closings: list[Supersession] = []
-        rows = list(resolved.rows)
-        for closing in resolved.closings:
-            canonical = views.get(_chain_end(links, closing.older.id))
-            if (
-                canonical is None
-                or canonical.id == closing.older.id
-                or canonical.id in closed
-                or order_key(canonical) >= order_key(closing.newer)
-            ):
-                closings.append(closing)
-                continue
-            closings.append(supersession(closing.newer, canonical))
-            reason = CANONICAL_CLOSED_REASON.format(
-                newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id
-            )
-            rows.append(Row(canonical.id, "updates", "rule", reason))
-        if tuple(closings) != resolved.closings:
-            resolved = replace(resolved, closings=tuple(closings), rows=tuple(rows))
-        out.append((plan, resolved))
-    return out
+    closings = [closing for _, r in decided for closing in r.closings]
+    closers: dict[int, list[FactView]] = {}
+    for closing in closings:
+        if closing.older.id not in links:
+            closers.setdefault(closing.older.id, []).append(closing.newer)
+    members: dict[int, list[FactView]] = {}
+    for fact_id in links:
+        if fact_id in views:
+            members.setdefault(_chain_end(links, fact_id), []).append(views[fact_id])
+    moved: dict[tuple[int, int], Supersession] = {}
+    for closing in sorted((c for c in closings if c.older.id in links), key=lambda c: order_key(c.newer)):
+        canonical = views.get(_chain_end(links, closing.older.id))
+        if canonical is None or order_key(canonical) >= order_key(closing.newer):
+            continue
+        # What says it at the closer's time: the latest of its sayings reopened before the closer (said
+        # after a closing of the canonical), else the canonical itself.
+        closed_at = [order_key(closer) for closer in closers.get(canonical.id, [])]
+        reopened = [
+            fact
+            for fact in members.get(canonical.id, [])
+            if order_key(fact) < order_key(closing.newer) and any(at <= order_key(fact) for at in closed_at)
+        ]
+        target = max(reopened, key=order_key) if reopened else canonical
+        if target.id == closing.older.id:
+            continue
+        moved[(closing.older.id, closing.newer.id)] = supersession(closing.newer, target)
+        if target is canonical:
+            closers.setdefault(canonical.id, []).append(closing.newer)
+    return [(plan, _moved(resolved, moved)) for plan, resolved in decided]
+
+
+def _moved(resolved: Resolved, moved: dict[tuple[int, int], Supersession]) -> Resolved:
+    """``resolved`` with its moved closings in place, each with the rule's audit row."""
+    if not any((c.older.id, c.newer.id) in moved for c in resolved.closings):
+        return resolved
+    closings: list[Supersession] = []
+    rows = list(resolved.rows)
+    for closing in resolved.closings:
+        to = moved.get((closing.older.id, closing.newer.id))
+        if to is None:
+            closings.append(closing)
+            continue
+        closings.append(to)
+        reason = CANONICAL_CLOSED_REASON.format(
+            newer=closing.newer.id, duplicate=closing.older.id, canonical=to.older.id
+        )
+        rows.append(Row(to.older.id, "updates", "rule", reason))
+    return replace(resolved, closings=tuple(closings), rows=tuple(rows))
 
 
 def _chain_end(links: dict[int, int], fact_id: int, stop: frozenset[int] | set[int] = frozenset()) -> int:

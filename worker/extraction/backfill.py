@@ -290,7 +290,7 @@ class BackfillPass:
             if batch.status == "submitting" or batch.since_failed_send is not None:
                 # What an earlier send uploaded (the pages' text), which no batch holds and no send will
                 # now: left at the provider for good before.
-                forget_uploads(self.deps.client, batch.key, None)
+                forget_uploads(self.deps.client, batch.key, batch.submit_started_at)
             # Not one another run recorded a send of meanwhile: that one is cancelled at the provider
             # by the pass (next), as every sent batch is.
             self.store.set_batch(batch.id, unsent_only=True, status="cancelled")
