@@ -852,6 +852,17 @@ def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(fa
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
+def upload_then_time_out(orphans: list[str]) -> Any:
+    """A batch create that uploads the requests and then times out (the upload's id kept in ``orphans``)."""
+
+    def submit(self: Any, requests: Any, key: str | None = None) -> str:
+        upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
+        orphans.append(upload.id)
+        raise LLMError("the create timed out", retryable=True)
+
+    return submit
+
+
 @pytest.mark.parametrize("delete_fails", [False, True])
 def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again(
     factory, rt, sim, monkeypatch, delete_fails
@@ -864,13 +875,8 @@ def test_an_upload_whose_create_failed_is_deleted_before_the_batch_is_sent_again
     seed_pages(factory, "bf", 2)
     orphans: list[str] = []
 
-    def upload_then_time_out(self: Any, requests: Any, key: str | None = None) -> str:
-        upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
-        orphans.append(upload.id)
-        raise LLMError("the create timed out", retryable=True)
-
     with monkeypatch.context() as patched:
-        patched.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
+        patched.setattr(OpenAIBatchClient, "submit", upload_then_time_out(orphans))
         backfill_id, job_id = start(factory, "bf")
         assert run_pass(rt, job_id).status == "retry"
     assert sim.state.store.find_file(orphans[0]) is not None
@@ -895,12 +901,7 @@ def test_an_upload_whose_create_failed_is_deleted_when_the_backfill_is_cancelled
     seed_pages(factory, "bf", 2)
     orphans: list[str] = []
 
-    def upload_then_time_out(self: Any, requests: Any, key: str | None = None) -> str:
-        upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
-        orphans.append(upload.id)
-        raise LLMError("the create timed out", retryable=True)
-
-    monkeypatch.setattr(OpenAIBatchClient, "submit", upload_then_time_out)
+    monkeypatch.setattr(OpenAIBatchClient, "submit", upload_then_time_out(orphans))
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "retry"
     assert sim.state.store.find_file(orphans[0]) is not None

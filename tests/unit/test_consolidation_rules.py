@@ -438,67 +438,25 @@ def test_an_update_of_a_fact_the_same_run_makes_a_duplicate_closes_its_canonical
     """N2 (Porto, Mar) was planned against N1 only (Lisbon, Feb; P was not similar enough to be shown)
     and the model said it updates N1, which it also called a duplicate of P (Lisbon, Jan): the closing
     found N1 no longer current and closed nothing, and P answered beside Porto."""
-    from worker.core.consolidation_plan import (
-        close_canonicals,
-        plan_consolidation,
-        reopen_restatements,
-        resolve,
-        split_earlier_sayings,
-    )
-    from worker.core.consolidation_prompt import PairDecision
-
-    feb = datetime(2026, 2, 1, tzinfo=UTC)
     p = fact(1, "Alice lives in Lisbon", when=JAN)
-    n1 = fact(2, "Alice is based in Lisbon city", when=feb)
+    n1 = fact(2, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
     n2 = fact(3, "Alice is based in Porto city now", when=MAR)
-    plans = plan_consolidation([n1, n2], [p], "people/alice")
-    by_id = {plan.new.id: plan for plan in plans}
-    assert [a.old.id for a in by_id[3].asked] == [2]  # P is never asked about against Porto
-    answers = {a.number: PairDecision(a.number, "duplicate", "same") for a in by_id[2].asked if a.old.id == 1}
-    answers |= {a.number: PairDecision(a.number, "updates", "moved") for a in by_id[3].asked}
-    decided = [(plan, resolve(plan, answers)) for plan in plans]
-    out = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
+    out = _decide_run([n1, n2], [p], {(2, 1): "duplicate", (3, 2): "updates"})
     assert out[2].duplicate_of == 1
     closing = out[3].closings[0]
     assert (closing.older.id, closing.newer.id, closing.older.since, closing.newer.since) == (1, 3, JAN, MAR)
     assert out[3].rows[-1].other_fact_id == 1 and "made a duplicate of fact 1" in out[3].rows[-1].reason
-    before = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(decided))}
-    assert before[3].closings[0].older.id == 2  # what was written before: the duplicate, closing nothing
 
 
 def test_an_update_of_a_duplicate_whose_canonical_the_run_closes_stays_on_the_duplicate() -> None:
     """X (Berlin, Jan 15) closes P (Lisbon, Jan); N1 (Lisbon, Feb) is a duplicate of P and is reopened
     (said after Berlin); N2 (Porto, Mar) updates N1. Moved to P, the closing changed nothing (X had
     closed P) and the reopened N1 stood beside Porto: it stays on N1."""
-    from worker.core.consolidation_plan import (
-        close_canonicals,
-        plan_consolidation,
-        reopen_restatements,
-        resolve,
-        split_earlier_sayings,
-    )
-    from worker.core.consolidation_prompt import PairDecision
-
     p = fact(1, "Alice lives in Lisbon", when=JAN)
     x = fact(2, "Alice lives in Berlin", when=datetime(2026, 1, 15, tzinfo=UTC))
     n1 = fact(3, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
     n2 = fact(4, "Alice is based in Porto city now", when=MAR)
-    plans = plan_consolidation([x, n1, n2], [p], "people/alice")
-    by_id = {plan.new.id: plan for plan in plans}
-    answers: dict[int, PairDecision] = {}
-    for pair in by_id[2].asked:
-        if pair.old.id == 1:
-            answers[pair.number] = PairDecision(pair.number, "updates", "moved")
-    for pair in by_id[3].asked:
-        verdict = "duplicate" if pair.old.id == 1 else "unrelated"
-        answers[pair.number] = PairDecision(pair.number, verdict, "same")  # type: ignore[arg-type]
-    for pair in by_id[4].asked:
-        if pair.old.id == 3:
-            answers[pair.number] = PairDecision(pair.number, "updates", "moved")
-    assert any(pair.old.id == 1 for pair in by_id[2].asked)
-    assert any(pair.old.id == 3 for pair in by_id[4].asked), [p.old.id for p in by_id[4].asked]
-    decided = [(plan, resolve(plan, answers)) for plan in plans]
-    out = {d.fact_id: d for d in reopen_restatements(split_earlier_sayings(close_canonicals(decided)))}
+    out = _decide_run([x, n1, n2], [p], {(2, 1): "updates", (3, 1): "duplicate", (4, 3): "updates"})
     assert out[3].duplicate_of is None  # reopened: said after Berlin closed Lisbon
     assert [(c.older.id, c.newer.id) for c in out[4].closings] == [(3, 4)]
 
@@ -540,19 +498,28 @@ def test_a_later_closing_of_the_canonical_does_not_keep_an_update_on_its_duplica
     assert [(s.older.id, s.newer.id) for s in out[4].closings] == [(1, 4)]
 
 
-def test_a_closing_moved_to_the_canonical_reopens_a_later_duplicate_whose_own_update_stays_on_it() -> None:
+def test_a_closing_moved_to_the_canonical_reopens_a_later_saying_of_it() -> None:
     """C (Lisbon, Jan); N1 its duplicate (Feb), updated by M (Porto, Mar); N2 its duplicate again
-    (Apr); Y (Madrid, May) updates Lisbon. M's closing moves to C, so N2 (said after it) is reopened,
-    and Y's must end N2, the saying current at May, not C again (closed already: it changed nothing,
-    and N2 stood beside Madrid)."""
+    (Apr). M's closing moves to C, so N2, said after it, is Lisbon again: current."""
     c = fact(1, "Alice lives in Lisbon", when=JAN)
     n1 = fact(2, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
     m = fact(3, "Alice is based in Porto city now", when=MAR)
     n2 = fact(4, "Alice lives in Lisbon.", when=datetime(2026, 4, 1, tzinfo=UTC))  # C's words: by rule
-    y = fact(5, "Alice is based in Madrid city now", when=datetime(2026, 5, 1, tzinfo=UTC))
-    # N2 is C's duplicate by rule, so Y is asked about N1 (and M), never about N2.
-    verdicts = {(2, 1): "duplicate", (3, 2): "updates", (5, 2): "updates"}
-    out = _decide_run([n1, m, n2, y], [c], verdicts)
+    out = _decide_run([n1, m, n2], [c], {(2, 1): "duplicate", (3, 2): "updates"})
     assert [(s.older.id, s.newer.id) for s in out[3].closings] == [(1, 3)]
-    assert out[4].duplicate_of is None  # Lisbon again after Porto: current
-    assert [(s.older.id, s.newer.id) for s in out[5].closings] == [(4, 5)]
+    assert out[4].duplicate_of is None
+
+
+def test_an_update_of_a_saying_current_again_stays_on_it() -> None:
+    """P (Lisbon, Jan 10) closed by X (Berlin, Jan 15); D (Lisbon, Feb 1) its duplicate, said after
+    Berlin: current again; R, D's words again (Feb 15), a duplicate of D; N (Porto, Mar) updates D.
+    Moved to R (a copy that stays a duplicate) or to P (closed already), the closing changed nothing
+    and D stood beside Porto."""
+    p = fact(1, "Alice lives in Lisbon", when=JAN)
+    x = fact(2, "Alice lives in Berlin", when=datetime(2026, 1, 15, tzinfo=UTC))
+    d = fact(3, "Alice is based in Lisbon city", when=datetime(2026, 2, 1, tzinfo=UTC))
+    r = fact(4, "Alice is based in Lisbon city.", when=datetime(2026, 2, 15, tzinfo=UTC))
+    n = fact(5, "Alice is based in Porto city now", when=MAR)
+    out = _decide_run([x, d, r, n], [p], {(2, 1): "updates", (3, 1): "duplicate", (5, 3): "updates"})
+    assert out[3].duplicate_of is None  # said after Berlin: Lisbon again
+    assert [(s.older.id, s.newer.id) for s in out[5].closings] == [(3, 5)]

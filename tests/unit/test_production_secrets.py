@@ -64,20 +64,25 @@ def test_development_keeps_its_short_defaults() -> None:
 
 @pytest.mark.parametrize("command", ["serve", "worker", "beat"])
 def test_services_refuse_weak_secrets_with_one_line(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
-    from worker.settings import get_settings
-
     monkeypatch.setenv("FACTMILL_ENVIRONMENT", "production")
     monkeypatch.setenv("FACTMILL_WEBHOOK_SECRET", STRONG)
     monkeypatch.setenv("FACTMILL_ADMIN_TOKEN", STRONG)
+    lines = refused_lines(command)
+    assert len(lines) == 1 and "are the same value" in lines[0]
+
+
+def refused_lines(command: str) -> list[str]:
+    """The lines a service command printed as it refused to start (exit 2), settings read afresh."""
+    from worker.settings import get_settings
+
     get_settings.cache_clear()
     try:
         result = CliRunner().invoke(cli, [command])
     finally:
         get_settings.cache_clear()
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "are the same value" in lines[0]
     assert "Traceback" not in result.output
+    return [line for line in result.output.splitlines() if line.strip()]
 
 
 def test_production_needs_a_model_or_the_simulator_named() -> None:
@@ -163,14 +168,5 @@ def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
 def test_services_refuse_a_provider_missing_its_key_with_one_line(
     monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
-    from worker.settings import get_settings
-
     monkeypatch.setenv("FACTMILL_LLM", "openai")
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(cli, [command])
-    finally:
-        get_settings.cache_clear()
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]
+    assert refused_lines(command) == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]

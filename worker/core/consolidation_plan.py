@@ -226,16 +226,16 @@ CANONICAL_CLOSED_REASON = (
 
 def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
     """One run's resolutions, with each closing of a fact the same run makes a duplicate moved to the
-    fact its chain ends at, when that one is older than the closer and the duplicate stays one.
-    "Alice is based in Lisbon" (Feb), a duplicate of a current "Alice lives in Lisbon" (Jan), and
-    "Alice is based in Porto now" (Mar), which the model said updates the February saying (the only one
-    it was shown: it was planned before the model answered): the closing found the February fact no
-    longer current and closed nothing, and January's Lisbon answered beside Porto.
+    fact its chain ends at, when that one is older than the closer. "Alice is based in Lisbon" (Feb),
+    a duplicate of a current "Alice lives in Lisbon" (Jan), and "Alice is based in Porto now" (Mar),
+    which the model said updates the February saying (the only one it was shown: it was planned before
+    the model answered): the closing found the February fact no longer current and closed nothing,
+    and January's Lisbon answered beside Porto.
 
-    A duplicate said after a closing of its canonical is reopened (``reopen_restatements``): current
-    again, it is what a later closer ends (the latest such saying before the closer). Closings are
-    moved in the order of their closers, each one moved to the canonical counted as its closing: a
-    closer that can reopen a saying comes before any closer of that saying."""
+    Left as the model said when a saying is current again at the closer's time: the duplicate itself,
+    or another saying of its canonical, said after a closing of a fact its chain runs to
+    (``reopen_restatements`` reopens it). Closings are moved in the order of their closers, each moved
+    one counted as a closing of its canonical: a closer that can reopen a saying comes first."""
     views: dict[int, FactView] = {}
     for plan, _ in decided:
         olds = [pair.old for pair in plan.asked] + ([plan.rule.old] if plan.rule is not None else [])
@@ -244,50 +244,52 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
     closings = [closing for _, r in decided for closing in r.closings]
     closers: dict[int, list[FactView]] = {}
     for closing in closings:
-        if closing.older.id not in links:
-            closers.setdefault(closing.older.id, []).append(closing.newer)
+        closers.setdefault(closing.older.id, []).append(closing.newer)
     members: dict[int, list[FactView]] = {}
     for fact_id in links:
         if fact_id in views:
             members.setdefault(_chain_end(links, fact_id), []).append(views[fact_id])
+
+    def reopened(fact: FactView) -> bool:
+        """Said after a closing of a fact its duplicate chain runs to: current again after the run."""
+        target, seen = links.get(fact.id), {fact.id}
+        while target is not None and target not in seen:
+            if any(order_key(closer) <= order_key(fact) for closer in closers.get(target, [])):
+                return True
+            seen.add(target)
+            target = links.get(target)
+        return False
+
     moved: dict[tuple[int, int], Supersession] = {}
     for closing in sorted((c for c in closings if c.older.id in links), key=lambda c: order_key(c.newer)):
         canonical = views.get(_chain_end(links, closing.older.id))
         if canonical is None or order_key(canonical) >= order_key(closing.newer):
             continue
-        # What says it at the closer's time: the latest of its sayings reopened before the closer (said
-        # after a closing of the canonical), else the canonical itself.
-        closed_at = [order_key(closer) for closer in closers.get(canonical.id, [])]
-        reopened = [
-            fact
-            for fact in members.get(canonical.id, [])
-            if order_key(fact) < order_key(closing.newer) and any(at <= order_key(fact) for at in closed_at)
-        ]
-        target = max(reopened, key=order_key) if reopened else canonical
-        if target.id == closing.older.id:
+        sayings = members.get(canonical.id, [])
+        if any(reopened(f) for f in sayings if order_key(f) < order_key(closing.newer)):
             continue
-        moved[(closing.older.id, closing.newer.id)] = supersession(closing.newer, target)
-        if target is canonical:
-            closers.setdefault(canonical.id, []).append(closing.newer)
+        moved[(closing.older.id, closing.newer.id)] = supersession(closing.newer, canonical)
+        closers.setdefault(canonical.id, []).append(closing.newer)
     return [(plan, _moved(resolved, moved)) for plan, resolved in decided]
 
 
 def _moved(resolved: Resolved, moved: dict[tuple[int, int], Supersession]) -> Resolved:
-    """``resolved`` with its moved closings in place, each with the rule's audit row."""
+    """``resolved`` with its moved closings in place (one a fact: the closer may have updated two of its
+    sayings), each with the rule's audit row."""
     if not any((c.older.id, c.newer.id) in moved for c in resolved.closings):
         return resolved
     closings: list[Supersession] = []
     rows = list(resolved.rows)
     for closing in resolved.closings:
-        to = moved.get((closing.older.id, closing.newer.id))
-        if to is None:
-            closings.append(closing)
+        to = moved.get((closing.older.id, closing.newer.id), closing)
+        if any(kept.older.id == to.older.id for kept in closings):
             continue
         closings.append(to)
-        reason = CANONICAL_CLOSED_REASON.format(
-            newer=closing.newer.id, duplicate=closing.older.id, canonical=to.older.id
-        )
-        rows.append(Row(to.older.id, "updates", "rule", reason))
+        if to is not closing:
+            reason = CANONICAL_CLOSED_REASON.format(
+                newer=closing.newer.id, duplicate=closing.older.id, canonical=to.older.id
+            )
+            rows.append(Row(to.older.id, "updates", "rule", reason))
     return replace(resolved, closings=tuple(closings), rows=tuple(rows))
 
 
