@@ -384,12 +384,13 @@ class Settings(BaseSettings):
                     "Postgres and Redis under ./var are one machine's, for development and the demo)"
                 )
 
-    def check_service_settings(self, *, calls_models: bool = True) -> None:
+    def check_service_settings(self, *, calls_models: bool = True, runs_jobs: bool = False) -> None:
         """What a service (API, worker, beat, MCP server) refuses to start with, RefusedSettingsError:
-        production's weak secrets, missing servers or unchosen simulator, and, for a process that calls
-        a model, a provider missing the key or URL it needs (every call, so every job, would fail)."""
+        production's weak secrets, missing servers or unchosen simulator, and, for a worker
+        (``runs_jobs``), a provider missing the key or URL it needs: every job would fail after its
+        retries. (The API and the MCP server call a model for search only, which goes on lexically.)"""
         self.check_production_secrets(calls_models=calls_models)
-        missing = self.llm_unconfigured() if calls_models else None
+        missing = self.llm_unconfigured() if runs_jobs else None
         if missing:
             raise RefusedSettingsError(missing)
 

@@ -119,8 +119,8 @@ def test_a_service_that_calls_a_model_refuses_a_provider_missing_its_key(
     first call was where the gateway found the key missing. In any environment; beat calls no model."""
     for settings in (production(**values), Settings(_env_file=None, **values)):  # type: ignore[arg-type]
         with pytest.raises(RefusedSettingsError, match=says):
-            settings.check_service_settings()
-        settings.check_service_settings(calls_models=False)
+            settings.check_service_settings(runs_jobs=True)
+        settings.check_service_settings()  # the API and the MCP server: their search goes on lexically
 
 
 def test_an_empty_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,9 +164,6 @@ def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
         assert value not in shown
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
-def test_services_refuse_a_provider_missing_its_key_with_one_line(
-    monkeypatch: pytest.MonkeyPatch, command: str
-) -> None:
+def test_a_worker_refuses_a_provider_missing_its_key_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FACTMILL_LLM", "openai")
-    assert refused_lines(command) == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]
+    assert refused_lines("worker") == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]

@@ -35,11 +35,13 @@ def checked_loglevel(loglevel: str) -> str:
     return loglevel.lower()
 
 
-def refuse_insecure_secrets(settings: Settings, *, calls_models: bool = True) -> None:
-    """Settings a service refuses (a weak secret in production, a provider missing its key): one clear
-    line and exit 2, never a traceback."""
+def refuse_insecure_secrets(
+    settings: Settings, *, calls_models: bool = True, runs_jobs: bool = False
+) -> None:
+    """Settings a service refuses (a weak secret in production, a worker's provider missing its key):
+    one clear line and exit 2, never a traceback."""
     try:
-        settings.check_service_settings(calls_models=calls_models)
+        settings.check_service_settings(calls_models=calls_models, runs_jobs=runs_jobs)
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
 
@@ -134,7 +136,7 @@ def worker(
 
     Each process runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once."""
     settings = get_settings()
-    refuse_insecure_secrets(settings)
+    refuse_insecure_secrets(settings, runs_jobs=True)
     refuse_missing_tracing(settings)
     try:
         queues = worker_queues(queues, known_queues())
