@@ -523,3 +523,22 @@ def test_an_update_of_a_saying_current_again_stays_on_it() -> None:
     out = _decide_run([x, d, r, n], [p], {(2, 1): "updates", (3, 1): "duplicate", (5, 3): "updates"})
     assert out[3].duplicate_of is None  # said after Berlin: Lisbon again
     assert [(s.older.id, s.newer.id) for s in out[5].closings] == [(3, 5)]
+
+
+def test_an_update_of_an_earlier_saying_of_a_later_fact_is_closed_by_that_fact() -> None:
+    """C (Lisbon, Apr) is stored; D (Lisbon, Jan) is its duplicate; N (Porto, Feb) updates D. The
+    closing stayed on D, a duplicate (closing nothing), and D's date moved C's start back to January:
+    Lisbon and Porto both held from February on. C now closes N, and D, said before a fact its
+    canonical closes, is a fact of its own, closed by N: Lisbon Jan-Feb, Porto Feb-Apr, Lisbon from Apr."""
+    apr = datetime(2026, 4, 1, tzinfo=UTC)
+    feb = datetime(2026, 2, 1, tzinfo=UTC)
+    c = fact(1, "Alice lives in Lisbon", when=apr)
+    d = fact(2, "Alice is based in Lisbon city", when=JAN)
+    n = fact(3, "Alice is based in Porto city now", when=feb)
+    out = _decide_run([d, n], [c], {(2, 1): "duplicate", (3, 2): "updates"})
+    assert [(s.older.id, s.newer.id, s.older.since, s.newer.since) for s in out[3].closings] == [
+        (3, 1, feb, apr)
+    ]
+    assert out[2].duplicate_of is None
+    assert [(s.older.id, s.newer.id) for s in out[2].closings] == [(2, 3)]
+    assert "said later: fact 1 closes it" in out[3].rows[-1].reason

@@ -222,6 +222,10 @@ CANONICAL_CLOSED_REASON = (
     "rule: fact {newer} updates fact {duplicate}, which this run made a duplicate of fact {canonical}: "
     "it closes fact {canonical}"
 )
+CANONICAL_LATER_REASON = (
+    "rule: fact {newer} updates fact {duplicate}, which this run made a duplicate of fact {canonical}, "
+    "said later: fact {canonical} closes it"
+)
 
 
 def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple[FactPlan, Resolved]]:
@@ -260,36 +264,43 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
             target = links.get(target)
         return False
 
-    moved: dict[tuple[int, int], Supersession] = {}
+    moved: dict[tuple[int, int], tuple[Supersession, str]] = {}
     for closing in sorted((c for c in closings if c.older.id in links), key=lambda c: order_key(c.newer)):
         canonical = views.get(_chain_end(links, closing.older.id))
-        if canonical is None or order_key(canonical) >= order_key(closing.newer):
+        if canonical is None:
             continue
         sayings = members.get(canonical.id, [])
         if any(reopened(f) for f in sayings if order_key(f) < order_key(closing.newer)):
             continue
-        moved[(closing.older.id, closing.newer.id)] = supersession(closing.newer, canonical)
-        closers.setdefault(canonical.id, []).append(closing.newer)
+        reason = (
+            CANONICAL_CLOSED_REASON
+            if order_key(canonical) < order_key(closing.newer)
+            else CANONICAL_LATER_REASON
+        )
+        text = reason.format(newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id)
+        # A canonical said after the closer closes it in turn (Lisbon, Porto, Lisbon again): the earlier
+        # saying, now before a fact its canonical closes, is then a fact of its own (split_earlier_sayings).
+        moved[(closing.older.id, closing.newer.id)] = (supersession(closing.newer, canonical), text)
+        if order_key(canonical) < order_key(closing.newer):
+            closers.setdefault(canonical.id, []).append(closing.newer)
     return [(plan, _moved(resolved, moved)) for plan, resolved in decided]
 
 
-def _moved(resolved: Resolved, moved: dict[tuple[int, int], Supersession]) -> Resolved:
-    """``resolved`` with its moved closings in place (one a fact: the closer may have updated two of its
-    sayings), each with the rule's audit row."""
+def _moved(resolved: Resolved, moved: dict[tuple[int, int], tuple[Supersession, str]]) -> Resolved:
+    """``resolved`` with its moved closings in place (one a pair of facts: the closer may have updated
+    two of a fact's sayings), each with the rule's audit row."""
     if not any((c.older.id, c.newer.id) in moved for c in resolved.closings):
         return resolved
     closings: list[Supersession] = []
     rows = list(resolved.rows)
     for closing in resolved.closings:
-        to = moved.get((closing.older.id, closing.newer.id), closing)
-        if any(kept.older.id == to.older.id for kept in closings):
+        to, reason = moved.get((closing.older.id, closing.newer.id), (closing, ""))
+        if any((kept.older.id, kept.newer.id) == (to.older.id, to.newer.id) for kept in closings):
             continue
         closings.append(to)
         if to is not closing:
-            reason = CANONICAL_CLOSED_REASON.format(
-                newer=closing.newer.id, duplicate=closing.older.id, canonical=to.older.id
-            )
-            rows.append(Row(to.older.id, "updates", "rule", reason))
+            other = to.older.id if to.older.id != resolved.fact_id else to.newer.id
+            rows.append(Row(other, "updates", "rule", reason))
     return replace(resolved, closings=tuple(closings), rows=tuple(rows))
 
 
