@@ -542,3 +542,42 @@ def test_an_update_of_an_earlier_saying_of_a_later_fact_is_closed_by_that_fact()
     assert out[2].duplicate_of is None
     assert [(s.older.id, s.newer.id) for s in out[2].closings] == [(2, 3)]
     assert "said later: fact 1 closes it" in out[3].rows[-1].reason
+
+
+def test_the_later_canonical_s_closing_reopens_a_later_saying_of_the_closer() -> None:
+    """C (Lisbon, Apr) stored; D (Lisbon, Jan) its duplicate; N (Porto, Feb) updates D; R (Porto, May)
+    a duplicate of N; M (Madrid, Jun) updates R. C closes N, so R is Porto again (current): M's closing
+    stays on R. Counted as no closing of N, it was moved to N (closed already) and changed nothing."""
+    c = fact(1, "Alice lives in Lisbon", when=datetime(2026, 4, 1, tzinfo=UTC))
+    d = fact(2, "Alice is based in Lisbon city", when=JAN)
+    n = fact(3, "Alice is based in Porto city now", when=datetime(2026, 2, 1, tzinfo=UTC))
+    r = fact(4, "Alice is based in Porto city again", when=datetime(2026, 5, 1, tzinfo=UTC))
+    m = fact(5, "Alice is based in Madrid city now", when=datetime(2026, 6, 1, tzinfo=UTC))
+    verdicts = {(2, 1): "duplicate", (3, 2): "updates", (4, 3): "duplicate", (5, 4): "updates"}
+    out = _decide_run([d, n, r, m], [c], verdicts)
+    assert [(s.older.id, s.newer.id) for s in out[3].closings] == [(3, 1)]
+    assert out[4].duplicate_of is None
+    assert [(s.older.id, s.newer.id) for s in out[5].closings] == [(4, 5)]
+
+
+def test_a_saying_at_the_closer_s_own_time_is_left_as_the_model_said() -> None:
+    """D and N said in one segment (the same time): D is never split off as before N, so a closing of N
+    by the later canonical left D a duplicate that pulled C back over N's span."""
+    feb = datetime(2026, 2, 1, tzinfo=UTC)
+    c = fact(1, "Alice lives in Lisbon", when=datetime(2026, 4, 1, tzinfo=UTC))
+    d = fact(2, "Alice is based in Lisbon city", when=feb)
+    n = fact(3, "Alice is based in Porto city now", when=feb)
+    out = _decide_run([d, n], [c], {(2, 1): "duplicate", (3, 2): "updates"})
+    assert [(s.older.id, s.newer.id) for s in out[3].closings] == [(2, 3)]
+
+
+def test_a_moved_closing_of_the_fact_itself_comes_first_when_it_ends_it_first() -> None:
+    """N (Porto, Feb) updates D (Lisbon, Jan; a duplicate of C, Lisbon Mar) and is itself updated by L
+    (Berlin, Apr): C closes N at March, before L; in the model's order L's closing came first, closed
+    N at April, and C's found N closed: Porto and Lisbon overlapped in March."""
+    c = fact(1, "Alice lives in Lisbon", when=MAR)
+    d = fact(2, "Alice is based in Lisbon city", when=JAN)
+    n = fact(3, "Alice is based in Porto city now", when=datetime(2026, 2, 1, tzinfo=UTC))
+    later = fact(4, "Alice is based in Berlin city now", when=datetime(2026, 4, 1, tzinfo=UTC))
+    out = _decide_run([d, n], [c, later], {(2, 1): "duplicate", (3, 4): "updates", (3, 2): "updates"})
+    assert [(s.older.id, s.newer.id) for s in out[3].closings][:1] == [(3, 1)]

@@ -255,14 +255,15 @@ def supersession(new: FactView, old: FactView) -> Supersession:
     first: the earlier is closed at the later one's valid_from (its segment's time when it has none).
     Said at the same time (one segment), the model's direction decides: ``new`` wins (by arrival, the
     loser was whichever came first in the page, whatever the model said)."""
-    if _since_key(new) == _since_key(old):
+    if since_key(new) == since_key(old):
         older, newer = old, new
     else:
         older, newer = sorted((new, old), key=order_key)
     return Supersession(older, newer, close_interval(older.since, newer.since))
 
 
-def _since_key(fact: FactView) -> float:
+def since_key(fact: FactView) -> float:
+    """When a fact became true, as ``order_key`` weighs it (without its arrival, which breaks ties)."""
     return order_key(fact)[0]
 
 

@@ -22,6 +22,7 @@ from worker.core.consolidation import (
     order_key,
     pair_verdict,
     set_overlap,
+    since_key,
     supersession,
 )
 from worker.core.consolidation_prompt import AskedPair, PairDecision
@@ -178,16 +179,16 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
             closings.append(supersession(new, pair.old))
     if duplicate_of is not None:
         return Resolved(new.id, tuple(rows), duplicate_of=duplicate_of, since=new.since)
-    return Resolved(new.id, tuple(rows), closings=_one_end(new, closings), since=new.since)
+    return Resolved(new.id, tuple(rows), closings=_one_end(new.id, closings), since=new.since)
 
 
-def _one_end(new: FactView, closings: Sequence[Supersession]) -> tuple[Supersession, ...]:
+def _one_end(fact_id: int, closings: Sequence[Supersession]) -> tuple[Supersession, ...]:
     """A late fact the model says several later facts update ends at the first of them: its closings
     are applied earliest first (the first one closes it; the others still slot it into their chains).
     In the model's order the most similar won (May's end for a February fact changed in March), and
     as of April it answered beside March's."""
-    own = sorted((c for c in closings if c.older.id == new.id), key=lambda c: order_key(c.newer))
-    return (*own, *(c for c in closings if c.older.id != new.id))
+    own = sorted((c for c in closings if c.older.id == fact_id), key=lambda c: order_key(c.newer))
+    return (*own, *(c for c in closings if c.older.id != fact_id))
 
 
 EARLIER_SAYING_REASON = (
@@ -272,17 +273,19 @@ def close_canonicals(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[tuple
         sayings = members.get(canonical.id, [])
         if any(reopened(f) for f in sayings if order_key(f) < order_key(closing.newer)):
             continue
-        reason = (
-            CANONICAL_CLOSED_REASON
-            if order_key(canonical) < order_key(closing.newer)
-            else CANONICAL_LATER_REASON
-        )
-        text = reason.format(newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id)
+        earlier = order_key(canonical) < order_key(closing.newer)
         # A canonical said after the closer closes it in turn (Lisbon, Porto, Lisbon again): the earlier
-        # saying, now before a fact its canonical closes, is then a fact of its own (split_earlier_sayings).
+        # saying, now before a fact its canonical closes, is then a fact of its own (split_earlier_sayings,
+        # which splits only a saying said strictly before: said at the closer's time, it is left).
+        if not earlier and since_key(closing.older) >= since_key(closing.newer):
+            continue
+        reason = CANONICAL_CLOSED_REASON if earlier else CANONICAL_LATER_REASON
+        text = reason.format(newer=closing.newer.id, duplicate=closing.older.id, canonical=canonical.id)
         moved[(closing.older.id, closing.newer.id)] = (supersession(closing.newer, canonical), text)
-        if order_key(canonical) < order_key(closing.newer):
+        if earlier:
             closers.setdefault(canonical.id, []).append(closing.newer)
+        else:  # the closer's own sayings after the canonical are current again
+            closers.setdefault(closing.newer.id, []).append(canonical)
     return [(plan, _moved(resolved, moved)) for plan, resolved in decided]
 
 
@@ -301,7 +304,8 @@ def _moved(resolved: Resolved, moved: dict[tuple[int, int], tuple[Supersession, 
         if to is not closing:
             other = to.older.id if to.older.id != resolved.fact_id else to.newer.id
             rows.append(Row(other, "updates", "rule", reason))
-    return replace(resolved, closings=tuple(closings), rows=tuple(rows))
+    closings_in_order = _one_end(resolved.fact_id, closings)  # a moved self-closing may end it first
+    return replace(resolved, closings=closings_in_order, rows=tuple(rows))
 
 
 def _chain_end(links: dict[int, int], fact_id: int, stop: frozenset[int] | set[int] = frozenset()) -> int:
