@@ -339,6 +339,25 @@ def test_an_unchanged_redelivery_still_dates_the_page_so_an_older_change_cannot_
         assert session.scalars(select(Page.compiled_truth)).one().endswith("x")
 
 
+def test_a_delivery_signed_before_the_page_was_erased_cannot_bring_it_back(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """The page row, and the time of its newest delivery, went with the erasure: a delivery signed
+    before it (late in transit, or a sender's retry of one that never arrived) stored the erased
+    content again and its facts were extracted again. One signed after it is a new page."""
+    now = int(time.time())
+    page = page_body("erase/a", body=CONVERSATION + "\nsecret")
+    assert api.post("/v1/pages", content=page, headers=signed(page, timestamp=now - 30)).status_code == 202
+    erased = api.delete("/v1/pages/default/erase/a", headers=ADMIN_HEADERS)
+    assert erased.status_code == 200, erased.text
+    late = api.post("/v1/pages", content=page, headers=signed(page, timestamp=now - 20))
+    assert late.status_code == 409 and "older than the page's erasure" in late.json()["detail"]
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).all() == []
+    again = page_body("erase/a", body=CONVERSATION + "\nagain")
+    assert api.post("/v1/pages", content=again, headers=signed(again, timestamp=now + 1)).status_code == 202
+
+
 def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) -> None:
     pages = page_body("idem/a")
     first = api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"})

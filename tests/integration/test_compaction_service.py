@@ -234,20 +234,34 @@ def api(
         yield client
 
 
-def post_messages(client: TestClient, transcript_id: str, payload: Any, *, key: str | None = None) -> Any:
+def post_messages(
+    client: TestClient,
+    transcript_id: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    timestamp: int | None = None,
+) -> Any:
     body = json.dumps(payload).encode()
     path = f"/v1/transcripts/{transcript_id}/messages"
-    signature = sign(body, SECRET, method="POST", path=path)
+    signature = sign(body, SECRET, timestamp, method="POST", path=path)
     headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     if key is not None:
         headers["Idempotency-Key"] = key
     return client.post(path, content=body, headers=headers)
 
 
-def put_settings(client: TestClient, transcript_id: str, payload: Any, *, key: str | None = None) -> Any:
+def put_settings(
+    client: TestClient,
+    transcript_id: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    timestamp: int | None = None,
+) -> Any:
     body = json.dumps(payload).encode()
     path = f"/v1/transcripts/{transcript_id}"
-    signature = sign(body, SECRET, method="PUT", path=path)
+    signature = sign(body, SECRET, timestamp, method="PUT", path=path)
     headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     if key is not None:
         headers["Idempotency-Key"] = key

@@ -4,6 +4,7 @@ transaction, leaving one content-free row; real Postgres and the simulator over 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from models import (
     CalibrationObservation,
     Compaction,
     Job,
+    Transcript,
     TranscriptErasure,
     TranscriptMessageRow,
     WebhookDelivery,
@@ -146,3 +148,22 @@ def test_cli_transcripts_erase(database_url: str, factory: sessionmaker[Session]
     assert missing.exit_code == 1 and f"no transcript {TRANSCRIPT!r}; nothing was erased" in missing.output
     with factory() as session:
         assert session.scalars(select(TranscriptErasure.requested_by)).all() == ["cli"]
+
+
+def test_a_delivery_signed_before_the_erasure_cannot_begin_the_transcript_again(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """An append (or a settings change) signed before the erasure, late in transit or a sender's retry of
+    one that never arrived, began the transcript again with the erased messages. One signed after it
+    begins a new transcript."""
+    now = int(time.time())
+    words = {"messages": [{"role": "user", "text": "my card number is 4111"}]}
+    assert post_messages(client, TRANSCRIPT, words, timestamp=now - 30).status_code == 201
+    assert client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS).status_code == 200
+    late = post_messages(client, TRANSCRIPT, words, timestamp=now - 20)
+    assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"]
+    settings = put_settings(client, TRANSCRIPT, {"context_window": 9000}, timestamp=now - 20)
+    assert settings.status_code == 409
+    assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+    fresh = {"messages": [{"role": "user", "text": "a new session"}]}
+    assert post_messages(client, TRANSCRIPT, fresh, timestamp=now + 1).status_code == 201

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from datetime import datetime
 
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -49,6 +50,32 @@ class TranscriptErasureReport:
 def erased_transcript_digest(transcript_id: str) -> str:
     """What the transcript_erasures row keeps instead of the id (which can itself name a person)."""
     return erased_digest(transcript_id)
+
+
+class ErasedSinceSignedError(Exception):
+    """A delivery signed before the transcript was erased: it must not create the transcript again."""
+
+    def __init__(self, signed_at: datetime, erased_at: datetime) -> None:
+        super().__init__(
+            f"this delivery (signed at {signed_at.isoformat()}) is older than the transcript's erasure "
+            f"({erased_at.isoformat()}); send it again with a fresh signature to begin a new transcript"
+        )
+
+
+def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime | None) -> None:
+    """ErasedSinceSignedError when no transcript holds ``transcript_id`` and it was erased after
+    ``signed_at``: an append or a settings change signed before the erasure (late in transit, or a
+    sender's retry of one that never arrived) began the transcript again with the erased messages."""
+    if signed_at is None or session.get(Transcript, transcript_id) is not None:
+        return
+    erased_at = session.scalar(
+        select(func.max(TranscriptErasure.erased_at)).where(
+            TranscriptErasure.transcript_sha256 == erased_transcript_digest(transcript_id),
+            TranscriptErasure.erased_at > signed_at,
+        )
+    )
+    if erased_at is not None:
+        raise ErasedSinceSignedError(signed_at, erased_at)
 
 
 def erased_transcript_name(transcript_id: str) -> str:

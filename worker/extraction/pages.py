@@ -13,6 +13,7 @@ from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from models import Erasure
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.core.jsonvalues import not_json, text_problem
@@ -25,6 +26,7 @@ from worker.core.labels import (
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
+    erased_slug_digest,
     extracted_types,
     has_derived,
     is_extractable,
@@ -145,11 +147,20 @@ class UpsertResult:
 class StaleDeliveryError(ValueError):
     """A delivery older than the one that stored the page: it must not roll the page back."""
 
-    def __init__(self, source_id: str, slug: str, delivered_at: datetime, stored_at: datetime | None) -> None:
+    def __init__(
+        self,
+        source_id: str,
+        slug: str,
+        delivered_at: datetime,
+        stored_at: datetime | None,
+        *,
+        erased: bool = False,
+    ) -> None:
         stored = stored_at.isoformat() if stored_at is not None else "a later time"
+        newer = f"the page's erasure ({stored})" if erased else f"the stored one ({stored})"
         super().__init__(
             f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
-            f"older than the stored one ({stored}); send the newest content with a fresh signature"
+            f"older than {newer}; send the newest content with a fresh signature"
         )
         self.source_id, self.slug = source_id, slug
 
@@ -178,6 +189,13 @@ _UPSERT = _INSERT.on_conflict_do_update(
 ).returning(PAGES.c.id)
 
 
+# An erasure is the newest thing said of a page: a delivery signed before it (late on the network, or a
+# sender's retry of one that never arrived) stored the erased content again, its page row (and the time
+# it held) gone with the erasure. Asked only when no page row holds the slug.
+_ERASED_SINCE = select(func.max(Erasure.erased_at)).where(
+    Erasure.slug_sha256 == bindparam("digest"), Erasure.erased_at > bindparam("at")
+)
+
 _DELIVERED = (
     update(PAGES)
     .where(
@@ -205,6 +223,11 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
             # The newest delivery says this content: an older one still in flight must not replace it.
             connection.execute(_DELIVERED, {"page_id": existing.id, "at": delivered_at})
         return UpsertResult(existing.id, changed=False)
+    if existing is None and delivered_at is not None:
+        digest_of_slug = erased_slug_digest(page.source_id, page.slug)
+        erased_at = connection.execute(_ERASED_SINCE, {"digest": digest_of_slug, "at": delivered_at}).scalar()
+        if erased_at is not None:
+            raise StaleDeliveryError(page.source_id, page.slug, delivered_at, erased_at, erased=True)
     values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
     page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
     if page_id is None:

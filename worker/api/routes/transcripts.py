@@ -16,6 +16,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -69,7 +70,7 @@ from worker.compaction import (
     transcript_stats,
     update_settings,
 )
-from worker.compaction.erase import erase_transcript
+from worker.compaction.erase import ErasedSinceSignedError, erase_transcript, refuse_if_erased_since
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
@@ -133,15 +134,21 @@ def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[s
         raise _unprocessable(exc) from None
 
 
+def _signed_time(signed_at: float | None) -> datetime | None:
+    """A delivery's signed time (None: a keyed delivery without a signature, dated as it arrives)."""
+    return None if signed_at is None else datetime.fromtimestamp(signed_at, UTC)
+
+
 def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    ingest.verify(ctx, body)
+    signed_at = _signed_time(ingest.verify(ctx, body))
     key = check_idempotency_key(key)
     messages, settings = _parse_append(load_json_object(body))
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        refuse_if_erased_since(session, transcript_id, signed_at)
         result = append_messages(
             session,
             transcript_id,
@@ -172,6 +179,8 @@ def accept_messages(
         response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
+    except ErasedSinceSignedError as exc:
+        raise ApiError(409, str(exc)) from None
     if pending is None:
         return JSONResponse(response, 201, headers=REPLAYED_HEADERS)
     sent = ctx.enqueue(pending)
@@ -209,11 +218,12 @@ def accept_settings(
     """A repeat with the same Idempotency-Key (which v3 signatures sign, and require here) gets the stored
     answer and changes nothing: a captured change of settings sent again within the signature's window
     undid the changes made after it."""
-    ingest.verify(ctx, body)
+    signed_at = _signed_time(ingest.verify(ctx, body))
     key = check_idempotency_key(key)
     data = load_json_object(body)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        refuse_if_erased_since(session, transcript_id, signed_at)
         _, trigger = update_settings(
             session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
         )
@@ -226,6 +236,8 @@ def accept_settings(
         response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
+    except ErasedSinceSignedError as exc:
+        raise ApiError(409, str(exc)) from None
     if pending is None:
         return JSONResponse(response, 200, headers=REPLAYED_HEADERS)
     ctx.enqueue(pending)
@@ -238,7 +250,7 @@ def accept_settings(
     status_code=201,
     response_model=AppendOut,
     summary="Append messages to a transcript (signed webhook); queues a compaction when it is due",
-    responses=error_responses(400, 401, 403, 413, 422),
+    responses=error_responses(400, 401, 403, 409, 413, 422),
     openapi_extra=json_request_body(AppendIn.model_json_schema()),
 )
 async def post_messages(
@@ -262,7 +274,7 @@ async def post_messages(
     "/v1/transcripts/{transcript_id}",
     response_model=TranscriptOut,
     summary="Create a transcript or change its settings (signed)",
-    responses=error_responses(400, 401, 403, 413, 422),
+    responses=error_responses(400, 401, 403, 409, 413, 422),
     openapi_extra=json_request_body(SettingsIn.model_json_schema()),
 )
 async def put_transcript(
