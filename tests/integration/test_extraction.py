@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -163,6 +165,22 @@ def test_since_iso_filters_already_processed_history(pages, llm):
     result = run(pages, llm, dry_run=True, since_iso="2099-01-01T00:00:00Z")
     assert result.pages_processed == 0
     assert result.pages_skipped == 1
+
+
+def test_a_since_run_sends_a_late_reply_the_last_run_left_alone(pages, llm, simulator):
+    """A reply appended to an extracted conversation, then a new conversation the next day: a run with
+    --since dropped the reply for being alone (only a run without --since joined it to the first new
+    segment) and moved the checkpoint past it, so no run ever sent it."""
+    run(pages, llm)
+    late = fmt("Bob Demo", "2024-03-16", "8:20 AM", "Also: my sister Zebedee moves to Oslo in May.")
+    next_day = [
+        fmt("Alice Example", "2024-03-17", "9:00 AM", "Lunch on Friday?"),
+        fmt("Bob Demo", "2024-03-17", "9:02 AM", "Sure, noon works."),
+    ]
+    put_page(pages, body="\n".join([*SAMPLE_LINES, late, *next_day]))
+    run(pages, llm, since_iso="2024-03-01T00:00:00Z")
+    logged = httpx.get(f"{simulator.url}/_simulator/requests").json()["requests"]
+    assert any("Zebedee" in json.dumps(request) for request in logged[-2:]), "the late reply was sent"
 
 
 def test_writes_facts_with_per_segment_source_session_and_terminal_audit_row(pages, llm):

@@ -18,6 +18,7 @@ from worker.core.conversation import (
     MAX_PAGE_BODY_BYTES,
     Message,
     Segment,
+    instant_micros,
     parse_conversation_messages,
     split_into_segments,
 )
@@ -88,7 +89,11 @@ class PagePlanner:
         # replacement deleted the facts from before ``since`` and moved the checkpoint past them).
         since = None if edited else self.options.since_iso
         segments = split_into_segments(messages[start:], since_iso=since)
-        if start > 0 and since is None:  # resuming: a last message left alone joins the first segment
+        # Resuming: a conversation's last message left alone joins the first segment (with --since too,
+        # when it is after it: else the checkpoint moved past it and no run ever sent it).
+        if start > 0 and (
+            since is None or instant_micros(messages[start].timestamp) > instant_micros(since.strip())
+        ):
             segments = with_leading_orphan(messages[start - 1], messages[start:], segments)
         if not segments:
             return PageReport(slug, "skipped", "nothing new since the last extraction")
