@@ -382,6 +382,25 @@ def test_a_database_error_holding_a_forced_run_s_result_keeps_the_batch_s_spend(
     assert count(pages, LLMCall) == 2, "both paid calls are recorded"
 
 
+def test_a_sigterm_inside_a_commit_keeps_the_batch_s_spend(pages, sim, monkeypatch: pytest.MonkeyPatch):
+    """A SIGTERM (SystemExit) landing in a commit rolled it back, and only an Exception had its calls
+    recorded: the committer counts every segment handed to the store as kept, so a batch of paid calls
+    went unrecorded and the budgets counted low."""
+    from worker.extraction.store import ExtractionStore
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+
+    def stopped(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(ExtractionStore, "_advance_checkpoint", stopped)
+    with pytest.raises(SystemExit):
+        run(pages, llm)
+    assert sim_requests(sim) >= 1
+    assert count(pages, LLMCall) == sim_requests(sim), "each paid call is recorded"
+    assert count(pages, Fact) == 0
+
+
 def test_override_disabled_bypasses_kill_switch(pages, llm):
     with pages.begin() as session:
         set_config(session, "facts.extraction_enabled", "false")

@@ -355,7 +355,9 @@ class ExtractionStore:
         except CheckpointConflictError:
             self.record_spend(spent)
             raise
-        except Exception:
+        except (Exception, SystemExit, KeyboardInterrupt):
+            # A SIGTERM (SystemExit) or Ctrl-C landing in the commit too: the committer counts the spend
+            # of every segment handed here as kept, and a batch of 256 went unrecorded.
             if not self.results_read_again:
                 try:
                     self.record_spend(spent)
