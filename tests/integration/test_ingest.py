@@ -100,3 +100,42 @@ def test_a_broker_that_is_away_is_tried_once_not_once_a_page(tx_factory, tmp_pat
 
     report = ingest_paths(tx_factory, [tmp_path], "away", send=away)
     assert tries == [1] and report.enqueued == 0 and len(report.created) == 3
+
+
+def test_a_newer_delivery_of_the_stored_content_wins_over_an_older_change_committed_meanwhile(
+    factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """D3 (signed last, the stored content C1) read the page unlocked and found it unchanged; D2 (signed
+    earlier, content C2) committed before D3 dated the row; the dating, which did not look at the
+    content, stamped D3's time on C2: the page kept the older content, and C1 was lost."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import event, select
+
+    from models import Page
+    from worker.extraction.pages import PageIn, upsert_page
+
+    t1 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
+    c1 = PageIn(source_id="default", slug="race/a", type="conversation", title="t", compiled_truth="one")
+    c2 = PageIn(source_id="default", slug="race/a", type="conversation", title="t", compiled_truth="two")
+    with factory.begin() as session:
+        upsert_page(session, c1, t1)
+
+    with factory.begin() as session:
+        connection = session.connection()
+
+        raced: list[bool] = []
+
+        def d2_commits_first(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
+            if statement.lstrip().startswith("UPDATE pages SET delivered_at") and not raced:
+                raced.append(True)
+                with factory.begin() as other:
+                    upsert_page(other, c2, t1 + timedelta(seconds=10))
+
+        event.listen(connection, "before_cursor_execute", d2_commits_first)
+        result = upsert_page(session, c1, t1 + timedelta(seconds=20))
+        event.remove(connection, "before_cursor_execute", d2_commits_first)
+    assert raced
+    assert result.changed
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth).where(Page.slug == "race/a")).one() == "one"

@@ -196,13 +196,17 @@ _ERASED_SINCE = select(func.max(Erasure.erased_at)).where(
     Erasure.slug_sha256 == bindparam("digest"), Erasure.erased_at > bindparam("at")
 )
 
+# Only while the page still holds the content this delivery found: an older delivery with other content
+# could commit in between (the row is read unlocked), and the newer time stamped on it kept it.
 _DELIVERED = (
     update(PAGES)
     .where(
         PAGES.c.id == bindparam("page_id"),
+        PAGES.c.content_hash == bindparam("digest"),
         or_(PAGES.c.delivered_at.is_(None), PAGES.c.delivered_at < bindparam("at")),
     )
     .values(delivered_at=bindparam("at"))
+    .returning(PAGES.c.id)
 )
 
 
@@ -217,12 +221,18 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     where = {"source_id": page.source_id, "slug": page.slug}
     existing = connection.execute(_STORED, where).one_or_none()
     if existing is not None and existing.content_hash == digest:
-        if delivered_at is not None and (
-            existing.delivered_at is None or existing.delivered_at < delivered_at
+        if delivered_at is None or (
+            existing.delivered_at is not None and existing.delivered_at >= delivered_at
         ):
-            # The newest delivery says this content: an older one still in flight must not replace it.
-            connection.execute(_DELIVERED, {"page_id": existing.id, "at": delivered_at})
-        return UpsertResult(existing.id, changed=False)
+            return UpsertResult(existing.id, changed=False)
+        # The newest delivery says this content: an older one still in flight must not replace it.
+        dated = {"page_id": existing.id, "digest": digest, "at": delivered_at}
+        if connection.execute(_DELIVERED, dated).first() is not None:
+            return UpsertResult(existing.id, changed=False)
+        existing = connection.execute(_STORED, where).one_or_none()
+        if existing is not None and existing.content_hash == digest:
+            return UpsertResult(existing.id, changed=False)  # a newer delivery of it dated it meanwhile
+        # Another delivery changed the page since it was read: this one is stored as a change.
     if existing is None and delivered_at is not None:
         digest_of_slug = erased_slug_digest(page.source_id, page.slug)
         erased_at = connection.execute(_ERASED_SINCE, {"digest": digest_of_slug, "at": delivered_at}).scalar()
