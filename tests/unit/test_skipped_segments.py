@@ -65,13 +65,15 @@ class _Answers:
 
     def __init__(self, *answers: object) -> None:
         self.answers = list(answers)
+        self.requests: list[ChatRequest] = []
 
     def chat(self, request: ChatRequest) -> ChatResponse:
+        self.requests.append(request)
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
         finish = answer if answer in ("refusal", "truncated") else "end"
-        text = '{"facts": []}' if answer == "ok" else "not json"
+        text = {"ok": '{"facts": []}', "blank": "  "}.get(str(answer), "not json")
         return ChatResponse(text, finish, Usage(1, 1), self.provider, self.model, 1)  # type: ignore[arg-type]
 
     def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
@@ -99,6 +101,16 @@ def test_which_failures_are_permanent(answers: tuple[object, ...], permanent: bo
     result = extract_segment(client, "segment text", max_facts=5, max_output_tokens=64)
     assert result.permanent is permanent
     assert not client.answers, "every scripted answer was asked for"
+
+
+def test_a_blank_reply_is_asked_again_without_an_empty_assistant_turn() -> None:
+    """The repair turn quoted the blank reply as an assistant turn: Anthropic refuses an empty one with
+    a 400, so the segment was recorded as the provider's permanent refusal, not a malformed reply."""
+    client = _Answers("blank", "ok")
+    result = extract_segment(client, "segment text", max_facts=5, max_output_tokens=64)
+    assert [a.outcome for a in result.attempts] == ["malformed_output", "ok"]
+    assert all(text.strip() for request in client.requests for _, text in request.messages)
+    assert client.requests[1].messages == client.requests[0].messages
 
 
 def test_an_error_between_a_segments_attempts_keeps_the_paid_ones() -> None:

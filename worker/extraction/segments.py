@@ -204,11 +204,12 @@ def _extract(
             if repaired:
                 return _given_up(attempts)
             repaired = True
-            turns = [
-                *turns,
-                ("assistant", response.text),
-                ("user", repair_user_message(response.text, attempt.error or "")),
-            ]
+            if response.text.strip():  # a blank reply is asked again: an empty assistant turn is a 400
+                turns = [
+                    *turns,
+                    ("assistant", response.text),
+                    ("user", repair_user_message(response.text, attempt.error or "")),
+                ]
             continue
         if attempt.outcome == "refusal":
             return _given_up(attempts)
