@@ -243,3 +243,30 @@ def test_only_extraction_jobs_take_skipped(tx_factory):
     finish(tx_factory, page_job, "w", "succeeded", attempt=True)
     with tx_factory.begin() as session:  # a plain retry turns it off again
         assert queries.retry(session, page_job).options[RETRY_SKIPPED] is False
+
+
+def test_a_conflict_in_a_skipped_segments_retry_reports_the_page_and_the_run_goes_on(
+    tx_factory, sim, llm, monkeypatch: pytest.MonkeyPatch
+):
+    """`factmill extract --skipped` with another run changing a page during its retry: the conflict
+    escaped the run (the retry ran outside the per-page report), the pages after it were never
+    extracted, nothing was counted, and the CLI printed a traceback."""
+    from worker.extraction.options import CheckpointConflictError
+    from worker.extraction.poison import SkippedRetry
+
+    put_page(tx_factory, page_body(marker=""))
+    other = "conversations/poison-b"
+    with tx_factory.begin() as session:
+        upsert_page(session, PageIn(slug=other, type="conversation", title="B", compiled_truth=page_body("")))
+    raised: list[str] = []
+
+    def conflicted(self: Any, ref: Any) -> Any:
+        if not raised:
+            raised.append(ref.slug)
+            raise CheckpointConflictError("another run moved the page's checkpoint on")
+        return None
+
+    monkeypatch.setattr(SkippedRetry, "retry_page", conflicted)
+    result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(retry_skipped=True))
+    assert len(raised) == 1
+    assert (result.pages_failed, result.pages_processed) == (1, 1), result.pages

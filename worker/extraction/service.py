@@ -276,30 +276,30 @@ def extract_pages(
     with run_pipe(run.options, pipe) as (chosen, window):
         online = OnlineExtraction(run, llm, chosen, window)
         for ref in run.list_pages():
-            earlier = online.retry_skipped(ref) if run.options.retry_skipped else None
-            if earlier is not None and earlier.status == "failed":
-                run.committer.finish(earlier)  # the job retries; its later segments wait for that
-                continue
-            plan = run.plan(ref, finish=earlier is None)
-            if plan is None and earlier is not None:
-                run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
-            elif plan is not None:
-                _extract_or_report(run, online, plan, earlier)
+            try:
+                _extract_page(run, online, ref)
+            except CheckpointConflictError as exc:
+                # A run outside a job (the CLI) reports a page another run changed under it, its skipped
+                # segments' retry too, and goes on to the next (it raised out of the run: the pages after
+                # it were never extracted, nothing was counted, and the CLI printed a traceback). A job
+                # raises, so the lifecycle retries it on the page as it is.
+                if run.options.job_id is not None:
+                    raise
+                run.committer.finish(PageReport(ref.slug, "failed", f"{exc}; run again to extract it"))
     return run.counters
 
 
-def _extract_or_report(
-    run: ExtractionRun, online: OnlineExtraction, plan: PagePlan, earlier: PageReport | None
-) -> None:
-    """One page; a run outside a job (the CLI) reports a page another run changed under it and goes on
-    to the next (it raised out of the run: the pages after it were never extracted, nothing was counted,
-    and the CLI printed a traceback). A job raises, so the lifecycle retries it on the page as it is."""
-    try:
+def _extract_page(run: ExtractionRun, online: OnlineExtraction, ref: PageRef) -> None:
+    """One page: its skipped segments first when the run retries them, then what is new."""
+    earlier = online.retry_skipped(ref) if run.options.retry_skipped else None
+    if earlier is not None and earlier.status == "failed":
+        run.committer.finish(earlier)  # the job retries; its later segments wait for that
+        return
+    plan = run.plan(ref, finish=earlier is None)
+    if plan is None and earlier is not None:
+        run.committer.finish(earlier)  # nothing new on the page: the skipped ones were all it had
+    elif plan is not None:
         online.extract_page(plan, earlier)
-    except CheckpointConflictError as exc:
-        if run.options.job_id is not None:
-            raise
-        run.committer.finish(PageReport(plan.slug, "failed", f"{exc}; run again to extract it"))
 
 
 def run_extract_conversation_facts(
