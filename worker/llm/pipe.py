@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from worker.core import progress
-from worker.core.errors import error_summary
+from worker.core.errors import unsorted_error_note
 
 logger = logging.getLogger(__name__)
 
@@ -315,8 +315,8 @@ class FollowUps:
                 try:
                     work(items)
                 except Exception as exc:  # its message may quote a page: at DEBUG, with the traceback
-                    logger.error("background work failed: %s", error_summary(exc))
-                    logger.debug("traceback of the background work's error", exc_info=exc)
+                    logger.error("background work failed: %s", unsorted_error_note(exc, f"follow-up {key}"))
+                    logger.debug("the background work's error: %s", exc, exc_info=exc)
                 finally:
                     self._cond.acquire()
                 self._running.difference_update((key, item) for item in items)
