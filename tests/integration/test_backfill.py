@@ -673,6 +673,27 @@ def test_a_request_s_bytes_stay_under_their_bound_on_both_wires(sim):
                 assert len(json.dumps(line, ensure_ascii=False).encode()) <= bound
 
 
+def test_a_page_erased_while_the_plan_was_read_keeps_no_request_nor_slug(factory, rt, sim, monkeypatch):
+    """Planning reads pages without a lock and can take minutes: a page erased meanwhile had its requests
+    stored after the erasure had renamed its slug everywhere, so its slug stayed in them."""
+    from worker.extraction.erase import erase_page
+
+    slugs = seed_pages(factory, "bf", 2)
+    real_store = BackfillStore.store_plan
+
+    def erased_meanwhile(self: Any, backfill_id: int, batches: Any) -> None:
+        erase_page(factory, "bf", slugs[0], "test")
+        real_store(self, backfill_id, batches)
+
+    monkeypatch.setattr(BackfillStore, "store_plan", erased_meanwhile)
+    backfill_id, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    with factory() as session:
+        stored = set(session.scalars(select(BackfillRequest.slug)))
+    assert slugs[0] not in stored and slugs[1] in stored
+    assert request_statuses(factory, backfill_id) == {"done": 4}
+
+
 def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):
     seed_pages(factory, "bf", 4)  # four requests a page: two pages a batch by count
     segments = split_into_segments(parse_conversation_messages(page_body("Ann Example", "Acme")))

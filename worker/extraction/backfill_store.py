@@ -8,11 +8,13 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, case, func, or_, select, update
+from sqlalchemy import BigInteger, and_, any_, bindparam, case, func, or_, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
 from models.reads import read_only
+from models.tables import PAGES
 from worker.accounting import Ledger
 from worker.core.checkpoint import segment_hash
 from worker.core.conversation import Segment
@@ -227,8 +229,18 @@ class BackfillStore:
                 return  # planned already (a run that died after this commit)
             session.execute(select(func.pg_advisory_xact_lock(PLANS_LOCK_ID)))  # one plan stored at a time
             taken = self.pages_in_flight(but=backfill_id, session=session)
+            # Only pages that still exist, held (FOR SHARE) until the plan commits: a page erased while
+            # the plan was read kept its slug in the requests stored after its erasure had renamed them.
+            planned_ids = sorted({r.page_id for b in batches for r in b.requests})
+            present = set(
+                session.scalars(
+                    select(PAGES.c.id)
+                    .where(PAGES.c.id == any_(bindparam("ids", planned_ids, type_=ARRAY(BigInteger))))
+                    .with_for_update(read=True)
+                )
+            )
             for planned in batches:
-                kept = [r for r in planned.requests if r.page_id not in taken]
+                kept = [r for r in planned.requests if r.page_id not in taken and r.page_id in present]
                 if not kept:
                     continue
                 planned = replace(planned, requests=kept)
