@@ -181,6 +181,9 @@ def test_a_since_run_sends_a_late_reply_the_last_run_left_alone(pages, llm, simu
     run(pages, llm, since_iso="2024-03-01T00:00:00Z")
     logged = httpx.get(f"{simulator.url}/_simulator/requests").json()["requests"]
     assert any("Zebedee" in json.dumps(request) for request in logged[-2:]), "the late reply was sent"
+    # Extracted to its end, the page has nothing new (and nothing after the checkpoint to join).
+    again = run(pages, llm, since_iso="2024-03-01T00:00:00Z")
+    assert again.pages[0].status == "skipped" and "nothing new" in again.pages[0].reason
 
 
 def test_writes_facts_with_per_segment_source_session_and_terminal_audit_row(pages, llm):

@@ -91,7 +91,7 @@ class PagePlanner:
         segments = split_into_segments(messages[start:], since_iso=since)
         # Resuming: a conversation's last message left alone joins the first segment (with --since too,
         # when it is after it: else the checkpoint moved past it and no run ever sent it).
-        if start > 0 and (
+        if 0 < start < len(messages) and (
             since is None or instant_micros(messages[start].timestamp) > instant_micros(since.strip())
         ):
             segments = with_leading_orphan(messages[start - 1], messages[start:], segments)
