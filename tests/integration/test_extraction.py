@@ -404,6 +404,26 @@ def test_a_sigterm_inside_a_commit_keeps_the_batch_s_spend(pages, sim, monkeypat
     assert count(pages, Fact) == 0
 
 
+def test_a_sigterm_after_a_commit_records_its_calls_once(pages, sim, monkeypatch: pytest.MonkeyPatch):
+    """A signal handled once the batch's COMMIT returned: the rows are stored, so its spend is not
+    recorded a second time (the budgets counted high)."""
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session as OrmSession
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+
+    def stopped_after(session: Any) -> None:
+        raise SystemExit(143)
+
+    event.listen(OrmSession, "after_commit", stopped_after)
+    try:
+        with pytest.raises(SystemExit):
+            run(pages, llm)
+    finally:
+        event.remove(OrmSession, "after_commit", stopped_after)
+    assert count(pages, LLMCall) == sim_requests(sim) >= 1
+
+
 def test_override_disabled_bypasses_kill_switch(pages, llm):
     with pages.begin() as session:
         set_config(session, "facts.extraction_enabled", "false")

@@ -161,9 +161,15 @@ def test_a_delivery_signed_before_the_erasure_cannot_begin_the_transcript_again(
     assert post_messages(client, TRANSCRIPT, words, timestamp=now - 30).status_code == 201
     assert client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS).status_code == 200
     late = post_messages(client, TRANSCRIPT, words, timestamp=now - 20)
-    assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"]
-    settings = put_settings(client, TRANSCRIPT, {"context_window": 9000}, timestamp=now - 20)
+    assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"], (
+        late.text
+    )
+    settings = put_settings(client, TRANSCRIPT, SETTINGS, timestamp=now - 20)
     assert settings.status_code == 409
     assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
     fresh = {"messages": [{"role": "user", "text": "a new session"}]}
-    assert post_messages(client, TRANSCRIPT, fresh, timestamp=now + 1).status_code == 201
+    assert post_messages(client, TRANSCRIPT, fresh, timestamp=now + 5).status_code == 201
+    # Begun again after the erasure, it takes no append signed before it either.
+    late_again = post_messages(client, TRANSCRIPT, words, timestamp=now - 10)
+    assert late_again.status_code == 409, late_again.text
+    assert counted(factory, TranscriptMessageRow) == 1

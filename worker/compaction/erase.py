@@ -63,10 +63,12 @@ class ErasedSinceSignedError(Exception):
 
 
 def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime | None) -> None:
-    """ErasedSinceSignedError when no transcript holds ``transcript_id`` and it was erased after
-    ``signed_at``: an append or a settings change signed before the erasure (late in transit, or a
-    sender's retry of one that never arrived) began the transcript again with the erased messages."""
-    if signed_at is None or session.get(Transcript, transcript_id) is not None:
+    """ErasedSinceSignedError when ``transcript_id`` was erased after ``signed_at``: an append or a
+    settings change signed before the erasure (late in transit, or a sender's retry of one that never
+    arrived) began the transcript again with the erased messages, or went into the one begun after it.
+    Asked after the write, in its transaction (which the error rolls back): an erasure committed while
+    the write waited on the row it deleted is seen then."""
+    if signed_at is None:
         return
     erased_at = session.scalar(
         select(func.max(TranscriptErasure.erased_at)).where(

@@ -236,6 +236,7 @@ class BackfillStore:
                 session.scalars(
                     select(PAGES.c.id)
                     .where(PAGES.c.id == any_(bindparam("ids", planned_ids, type_=ARRAY(BigInteger))))
+                    .order_by(PAGES.c.id)
                     .with_for_update(read=True)
                 )
             )

@@ -191,7 +191,7 @@ _UPSERT = _INSERT.on_conflict_do_update(
 
 # An erasure is the newest thing said of a page: a delivery signed before it (late on the network, or a
 # sender's retry of one that never arrived) stored the erased content again, its page row (and the time
-# it held) gone with the erasure. Asked only when no page row holds the slug.
+# it held) gone with the erasure.
 _ERASED_SINCE = select(func.max(Erasure.erased_at)).where(
     Erasure.slug_sha256 == bindparam("digest"), Erasure.erased_at > bindparam("at")
 )
@@ -210,11 +210,15 @@ _DELIVERED = (
 )
 
 
-def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
+def upsert_page(
+    session: Session, page: PageIn, delivered_at: datetime | None = None, *, signed: bool = True
+) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
-    ``delivered_at`` (the signed time of the delivery) must not be older than the stored one, else
-    StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency.
+    ``delivered_at`` (the delivery's time) must not be older than the stored one, else
+    StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency. When
+    it is the sender's ``signed`` time, it must not be older than the page's latest erasure either (the
+    caller's transaction then rolls the write back); an unsigned delivery is dated as it arrives.
     """
     digest = content_hash(page)
     connection = session.connection()
@@ -233,13 +237,15 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
         if existing is not None and existing.content_hash == digest:
             return UpsertResult(existing.id, changed=False)  # a newer delivery of it dated it meanwhile
         # Another delivery changed the page since it was read: this one is stored as a change.
-    if existing is None and delivered_at is not None:
+    values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
+    page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
+    if page_id is not None and signed and delivered_at is not None:
+        # Asked after the write: an erasure committed while this delivery waited on the row it deleted is
+        # seen now (a check before it missed that one, and the insert restored the erased page).
         digest_of_slug = erased_slug_digest(page.source_id, page.slug)
         erased_at = connection.execute(_ERASED_SINCE, {"digest": digest_of_slug, "at": delivered_at}).scalar()
         if erased_at is not None:
             raise StaleDeliveryError(page.source_id, page.slug, delivered_at, erased_at, erased=True)
-    values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
-    page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
     if page_id is None:
         assert delivered_at is not None  # only a dated delivery can fail the WHERE
         stored = connection.execute(_STORED, where).one_or_none()
@@ -249,7 +255,9 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     return UpsertResult(page_id, changed=True)
 
 
-def store_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> JobRequest | None:
+def store_page(
+    session: Session, page: PageIn, delivered_at: datetime | None = None, *, signed: bool = True
+) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
     changed, request its extraction job in the same transaction. None when nothing changed.
 
@@ -258,7 +266,7 @@ def store_page(session: Session, page: PageIn, delivered_at: datetime | None = N
     longer what it says, so nothing drawn from it may stay searchable. The job is still requested (it
     finds nothing and says so), so the answer lists the page like any other change.
     """
-    if not upsert_page(session, page, delivered_at).changed:
+    if not upsert_page(session, page, delivered_at, signed=signed).changed:
         return None
     if has_derived(session, page.source_id, page.slug) and not is_extractable(
         page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)

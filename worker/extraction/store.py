@@ -255,7 +255,8 @@ class ExtractionStore:
         (after the last): all of them commit, or none (exactly once, as for one segment)."""
         last = segments[-1].place
         spent = [(s.place, s.attempts) for s in segments]
-        with self._spend_kept_on_refusal(spent), self._factory.begin() as session:
+        committing: list[bool] = []
+        with self._spend_kept_on_refusal(spent, committing), self._factory.begin() as session:
             if page is not None:
                 _check_page(session, page, last.slug, new)
             self._write_segment_rows(session, segments)
@@ -266,6 +267,7 @@ class ExtractionStore:
                 _upsert_terminal(session, last.source_id, last.slug)
             elif terminal == "clear":
                 _delete_terminal(session, last.source_id, last.slug)
+            committing.append(True)
         return inserted
 
     def _write_segment_rows(self, session: Session, segments: Sequence[SegmentCommit]) -> None:
@@ -343,7 +345,7 @@ class ExtractionStore:
 
     @contextmanager
     def _spend_kept_on_refusal(
-        self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]
+        self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]], committing: Sequence[bool] = ()
     ) -> Iterator[None]:
         """When a commit is refused (the page changed, or another run moved its checkpoint on), its LLM
         calls were still paid for: keep their llm_calls rows (no audit rows: the page they describe may
@@ -355,10 +357,13 @@ class ExtractionStore:
         except CheckpointConflictError:
             self.record_spend(spent)
             raise
-        except (Exception, SystemExit, KeyboardInterrupt):
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             # A SIGTERM (SystemExit) or Ctrl-C landing in the commit too: the committer counts the spend
-            # of every segment handed here as kept, and a batch of 256 went unrecorded.
-            if not self.results_read_again:
+            # of every segment handed here as kept, and a batch of 256 went unrecorded. Not once its rows
+            # were all written (``committing``): a signal is handled after the COMMIT call returns, so
+            # the transaction most likely committed, and its rows would be recorded twice.
+            signal = not isinstance(exc, Exception)
+            if not self.results_read_again and not (signal and committing):
                 try:
                     self.record_spend(spent)
                 except Exception as exc:  # the database is away: the original error is the one to raise

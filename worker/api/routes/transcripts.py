@@ -148,7 +148,6 @@ def accept_messages(
     messages, settings = _parse_append(load_json_object(body))
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
-        refuse_if_erased_since(session, transcript_id, signed_at)
         result = append_messages(
             session,
             transcript_id,
@@ -156,6 +155,7 @@ def accept_messages(
             settings=settings,
             retrigger_seconds=ctx.settings.compaction_retrigger_seconds,
         )
+        refuse_if_erased_since(session, transcript_id, signed_at)
         trigger = result.trigger
         response = AppendOut(
             transcript_id=transcript_id,
@@ -223,10 +223,10 @@ def accept_settings(
     data = load_json_object(body)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
-        refuse_if_erased_since(session, transcript_id, signed_at)
         _, trigger = update_settings(
             session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
         )
+        refuse_if_erased_since(session, transcript_id, signed_at)
         stats = TranscriptOut.model_validate(transcript_stats(session, transcript_id).as_dict())
         pending = [(trigger.job.job_id, outbox.COMPACTION)] if trigger.job and trigger.job.created else []
         return stats.model_dump(mode="json"), pending
