@@ -164,7 +164,8 @@ def test_a_delivery_signed_before_the_erasure_cannot_begin_the_transcript_again(
     assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"], (
         late.text
     )
-    settings = put_settings(client, TRANSCRIPT, SETTINGS, timestamp=now - 20)
+    # A change valid only against the erased state is refused as late (409), not as invalid (422).
+    settings = put_settings(client, TRANSCRIPT, {"context_window": 9000}, timestamp=now - 20)
     assert settings.status_code == 409
     assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
     fresh = {"messages": [{"role": "user", "text": "a new session"}]}

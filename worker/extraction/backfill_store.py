@@ -236,7 +236,7 @@ class BackfillStore:
                 session.scalars(
                     select(PAGES.c.id)
                     .where(PAGES.c.id == any_(bindparam("ids", planned_ids, type_=ARRAY(BigInteger))))
-                    .order_by(PAGES.c.id)
+                    .order_by(PAGES.c.source_id, PAGES.c.slug)  # as a webhook's pages lock theirs
                     .with_for_update(read=True)
                 )
             )

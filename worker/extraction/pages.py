@@ -210,15 +210,12 @@ _DELIVERED = (
 )
 
 
-def upsert_page(
-    session: Session, page: PageIn, delivered_at: datetime | None = None, *, signed: bool = True
-) -> UpsertResult:
+def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
     ``delivered_at`` (the delivery's time) must not be older than the stored one, else
-    StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency. When
-    it is the sender's ``signed`` time, it must not be older than the page's latest erasure either (the
-    caller's transaction then rolls the write back); an unsigned delivery is dated as it arrives.
+    StaleDeliveryError; the check is part of the upsert statement, so it holds under concurrency. Nor
+    older than the page's latest erasure (the caller's transaction then rolls the write back).
     """
     digest = content_hash(page)
     connection = session.connection()
@@ -239,7 +236,7 @@ def upsert_page(
         # Another delivery changed the page since it was read: this one is stored as a change.
     values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
     page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
-    if page_id is not None and signed and delivered_at is not None:
+    if page_id is not None and delivered_at is not None:
         # Asked after the write: an erasure committed while this delivery waited on the row it deleted is
         # seen now (a check before it missed that one, and the insert restored the erased page).
         digest_of_slug = erased_slug_digest(page.source_id, page.slug)
@@ -255,9 +252,7 @@ def upsert_page(
     return UpsertResult(page_id, changed=True)
 
 
-def store_page(
-    session: Session, page: PageIn, delivered_at: datetime | None = None, *, signed: bool = True
-) -> JobRequest | None:
+def store_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> JobRequest | None:
     """The outbox step shared by the webhook and `factmill ingest`: upsert the page and, when its content
     changed, request its extraction job in the same transaction. None when nothing changed.
 
@@ -266,7 +261,7 @@ def store_page(
     longer what it says, so nothing drawn from it may stay searchable. The job is still requested (it
     finds nothing and says so), so the answer lists the page like any other change.
     """
-    if not upsert_page(session, page, delivered_at, signed=signed).changed:
+    if not upsert_page(session, page, delivered_at).changed:
         return None
     if has_derived(session, page.source_id, page.slug) and not is_extractable(
         page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)

@@ -135,15 +135,13 @@ def store_pages(
     key: str | None,
     body_hash: str,
     delivered_at: datetime | None = None,
-    *,
-    signed: bool = True,
 ) -> tuple[dict[str, Any], list[tuple[int, str]], bool]:
     """Upsert the pages and request their jobs in ONE transaction.
 
     Returns (response, jobs to enqueue after the commit, replayed). A repeated delivery with the
     same Idempotency-Key returns the stored response and changes nothing. A page stored by a newer
-    delivery than ``delivered_at``, or erased after it was ``signed``, raises StaleDeliveryError and
-    nothing of the request is kept.
+    delivery than ``delivered_at``, or erased after it, raises StaleDeliveryError and nothing of the
+    request is kept.
     """
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
@@ -151,7 +149,7 @@ def store_pages(
         order = sorted(range(len(pages)), key=lambda i: (pages[i].source_id, pages[i].slug))
         results: list[outbox.JobRequest | None] = [None] * len(pages)
         for index in order:
-            results[index] = store_page(session, pages[index], delivered_at, signed=signed)
+            results[index] = store_page(session, pages[index], delivered_at)
         response = {
             "jobs": [
                 {"job_id": r.job_id, "source_id": p.source_id, "slug": p.slug, "created": r.created}
@@ -189,9 +187,7 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
     delivered_at = datetime.fromtimestamp(signed_at, UTC) if signed_at is not None else datetime.now(UTC)
     delivery = scoped_key("POST /v1/pages", "", key, ingest.sender)
     try:
-        response, pending, replayed = store_pages(
-            ctx.factory, pages, delivery, body_hash, delivered_at, signed=signed_at is not None
-        )
+        response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)
     except StaleDeliveryError as exc:
         raise ApiError(409, str(exc), source_id=exc.source_id, slug=exc.slug) from None
     if replayed:

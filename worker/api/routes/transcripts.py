@@ -148,6 +148,9 @@ def accept_messages(
     messages, settings = _parse_append(load_json_object(body))
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        # Before (the 409 says why, not a 422 about the erased state) and after (an erasure committed
+        # while the write waited on the row it deleted).
+        refuse_if_erased_since(session, transcript_id, signed_at)
         result = append_messages(
             session,
             transcript_id,
@@ -223,6 +226,7 @@ def accept_settings(
     data = load_json_object(body)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        refuse_if_erased_since(session, transcript_id, signed_at)  # before and after, as for appends
         _, trigger = update_settings(
             session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
         )
