@@ -242,13 +242,8 @@ def post_messages(
     key: str | None = None,
     timestamp: int | None = None,
 ) -> Any:
-    body = json.dumps(payload).encode()
     path = f"/v1/transcripts/{transcript_id}/messages"
-    signature = sign(body, SECRET, timestamp, method="POST", path=path)
-    headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    return client.post(path, content=body, headers=headers)
+    return signed_request(client, "POST", path, payload, key=key, timestamp=timestamp)
 
 
 def put_settings(
@@ -259,13 +254,21 @@ def put_settings(
     key: str | None = None,
     timestamp: int | None = None,
 ) -> Any:
+    return signed_request(
+        client, "PUT", f"/v1/transcripts/{transcript_id}", payload, key=key, timestamp=timestamp
+    )
+
+
+def signed_request(
+    client: TestClient, method: str, path: str, payload: Any, *, key: str | None, timestamp: int | None
+) -> Any:
+    """``payload`` as JSON, signed (at ``timestamp``: now by default), with an Idempotency-Key if given."""
     body = json.dumps(payload).encode()
-    path = f"/v1/transcripts/{transcript_id}"
-    signature = sign(body, SECRET, timestamp, method="PUT", path=path)
+    signature = sign(body, SECRET, timestamp, method=method, path=path)
     headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     if key is not None:
         headers["Idempotency-Key"] = key
-    return client.put(path, content=body, headers=headers)
+    return client.request(method, path, content=body, headers=headers)
 
 
 def pending_compactions(factory: sessionmaker[Session]) -> int:
