@@ -36,6 +36,8 @@ JSON_INTEGER = BeforeValidator(json_integer)
 Offset = Annotated[
     int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
 ]
+# A cursor over an int4 position (a page's row_num, a transcript's seq): -1 is before the first.
+SeqCursor = Annotated[int | None, Strict(), Field(ge=-1, le=2**31 - 1), JSON_INTEGER]
 # A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
 # text), and no agent's context holds more; past it the error points to the history's pages.
 MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024

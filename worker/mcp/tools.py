@@ -51,6 +51,7 @@ from worker.mcp.inputs import (
     KindName,
     MessageIn,
     Offset,
+    SeqCursor,
     SourceIdFilter,
     Text,
     ToolCallIn,
@@ -226,11 +227,7 @@ class FactmillTools:
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
         after_row_num: Annotated[
-            int | None,
-            Strict(),
-            Field(ge=-1, le=2**31 - 1),
-            JSON_INTEGER,
-            Field(description="next_after_row_num of the previous answer, to go on."),
+            SeqCursor, Field(description="next_after_row_num of the previous answer, to go on.")
         ] = None,
     ) -> PageFactsPage:
         """The facts extracted from one page (a stored conversation), in the order they were found:
@@ -276,11 +273,7 @@ class FactmillTools:
             Text, Field(min_length=1, max_length=200, description="The transcript's id.")
         ],
         after_seq: Annotated[
-            int | None,
-            Strict(),
-            Field(ge=-1, le=2**31 - 1),
-            JSON_INTEGER,
-            Field(description="Only messages after this seq: the next_after_seq of a page."),
+            SeqCursor, Field(description="Only messages after this seq: the next_after_seq of a page.")
         ] = None,
         limit: Annotated[
             int,
