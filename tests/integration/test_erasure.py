@@ -4,6 +4,8 @@ runs that cannot bring facts back for a page erased or emptied under them; real 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -495,6 +497,62 @@ def test_a_running_job_for_an_erased_page_ends_failed_and_stores_nothing(
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
     assert page_facts(enabled) == 0 and checkpoints(enabled) == 0
+
+
+def test_a_running_job_makes_no_llm_call_once_its_page_s_erasure_commits(
+    database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The erasure's commit reaches the worker at once (worker.jobs.revocations); the erased page's text
+    went on being sent until the run's next commit or heartbeat (10 s by default)."""
+    hours = [
+        f"**Alice Example** (2024-03-15 {h}:00 AM): Segment {h} starts.\n**Bob Demo** (2024-03-15 "
+        f"{h}:01 AM): Segment {h} goes on."
+        for h in range(1, 9)
+    ]
+    with enabled.begin() as session:
+        stored = store_page(session, PageIn(slug=SLUG, type="conversation", compiled_truth="\n".join(hours)))
+        assert stored is not None and stored.job_id is not None
+    heard = "its lease was revoked"
+
+    def erase_and_wait_until_heard() -> None:
+        erase_page(enabled, "default", SLUG, "api")
+        for _ in range(100):  # the notice crosses a connection: wait for it (5 s at most), not a guess
+            if any(heard in record.getMessage() for record in caplog.records):
+                break
+            time.sleep(0.05)
+
+    racing = Interrupting(llm, erase_and_wait_until_heard)
+    calls_after = Counting(racing)
+    settings = Settings(database_url=database_url, llm_concurrency=1)
+    rt = Runtime(settings=settings, factory=enabled, config=ConfigReader(enabled, ttl=0), _llm=calls_after)
+    with caplog.at_level(logging.INFO, logger="worker.jobs.revocations"):
+        run_job(rt, stored.job_id, EXTRACTION)
+    # Before, the next segment went out (a pipe of 64 sends up to 64): the run stopped only when its
+    # next commit found the page gone, or at its next heartbeat.
+    assert racing.fired and calls_after.after_first == 0
+    with enabled() as session:
+        job = session.get(Job, stored.job_id)
+        assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
+    assert page_facts(enabled) == 0 and checkpoints(enabled) == 0
+
+
+class Counting:
+    """Counts the chat calls after the first."""
+
+    def __init__(self, inner: Interrupting) -> None:
+        self.inner, self.provider, self.model = inner, inner.provider, inner.model
+        self.calls = 0
+
+    @property
+    def after_first(self) -> int:
+        return max(0, self.calls - 1)
+
+    def chat(self, request: ChatRequest) -> ChatResponse:
+        self.calls += 1
+        return self.inner.chat(request)
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+        return self.inner.embed(texts, purpose=purpose)
 
 
 def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(

@@ -7,11 +7,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ARRAY, Boolean, Float, Interval, Text, and_, bindparam, case, func, or_, update
+from sqlalchemy import ARRAY, Boolean, Engine, Float, Interval, Text, and_, bindparam, case, func, or_, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,6 +20,7 @@ from models import Job
 from models.tables import JOBS
 from worker.core import progress
 from worker.core.errors import error_summary
+from worker.jobs import revocations
 from worker.jobs.budgets import JobBudgets
 
 logger = logging.getLogger(__name__)
@@ -206,7 +208,11 @@ class Heartbeat:
         self._progress = self._beaten = time.monotonic()  # the claim beat first
         self._stop = threading.Event()
         self._lost = threading.Event()
+        self._revoked = threading.Event()  # set by worker.jobs.revocations the moment a transaction says so
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+        bind = factory.kw.get("bind")
+        self._engine = bind if isinstance(bind, Engine) else None
+        self._unwatch: Callable[[], None] = lambda: None
 
     def _stalled(self) -> bool:
         """The run has shown no progress (a check, or a wait's mark) for ``stall_after`` seconds.
@@ -245,6 +251,8 @@ class Heartbeat:
 
     def check(self) -> None:
         self.touch()
+        if self._revoked.is_set():
+            raise LeaseLostError(f"job {self.job_id}'s lease was revoked (its subject was erased)")
         if self._lost.is_set():
             raise LeaseLostError(f"job {self.job_id} was taken over by another worker")
         if self.stale_after is not None:
@@ -261,11 +269,14 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         progress.listen(self.touch)  # entered on the job's own thread
+        if self._engine is not None:
+            self._unwatch = revocations.watch(self._engine, self.job_id, self._revoked)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         progress.listen(None)
+        self._unwatch()
         self._stop.set()
         self._thread.join(timeout=self.interval + 5)
 

@@ -27,6 +27,7 @@ from worker.jobs.registry import (
     get_kind,
     kind_names,
 )
+from worker.jobs.revocations import announce_revoked
 from worker.jobs.sending import Sender, enqueue
 from worker.runtime import tracing
 
@@ -206,8 +207,9 @@ class JobHasNoSegmentsError(ValueError):
 
 def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
     """Fail the pending jobs of ``kind`` on ``subject`` with ``reason`` in the caller's transaction (its
-    subject erased); returns how many. A running one loses its lease (worker cleared): its heartbeat
-    stops it before its next LLM call, and its finish writes nothing."""
+    subject erased); returns how many. A running one loses its lease (worker cleared), and its worker
+    hears so at the commit (worker.jobs.revocations; its heartbeat, should that notice be missed): it
+    stops before its next LLM call, and its finish writes nothing."""
     cancelled = session.execute(
         update(Job)
         .where(Job.kind == kind, Job.subject == subject, Job.status.in_(PENDING))
@@ -222,7 +224,9 @@ def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
         )
         .returning(Job.id)
     )
-    return len(cancelled.all())
+    job_ids = cancelled.scalars().all()
+    announce_revoked(session, job_ids)  # a running one stops before its next LLM call, not its next beat
+    return len(job_ids)
 
 
 def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
