@@ -3,13 +3,16 @@ K times is skipped and its page goes on; `--skipped` re-extracts it exactly once
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, Job, OpCheckpoint
+from models import ExtractionAudit, Fact, Job, LLMCall, OpCheckpoint
 from tests.conftest import fresh_database
 from worker import db
 from worker.config_store import set_config
@@ -169,6 +172,41 @@ def test_a_skipped_segment_that_still_fails_stays_skipped_on_retry(tx_factory, s
     assert facts(tx_factory) == stored
     assert len(checkpoint(tx_factory).skipped) == 1
     assert len(audits(tx_factory, "skipped")) == 2
+
+
+class SignalsMidCall:
+    """A chat client that signals this process while its call is in flight (on a pipe thread), so the
+    main thread is interrupted waiting for it, as `extract --skipped` is by a SIGTERM."""
+
+    def __init__(self, inner: OpenAIChatClient) -> None:
+        self.inner, self.provider, self.model = inner, inner.provider, inner.model
+
+    def chat(self, request: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)  # the main thread is interrupted before the answer comes back
+        return self.inner.chat(request)
+
+
+def test_a_skipped_segment_s_retry_interrupted_in_flight_still_records_its_call(tx_factory, sim, llm):
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body())
+    assert run(tx_factory, llm).segments_skipped == 1
+    with tx_factory() as session:
+        calls_before = session.scalar(select(func.count()).select_from(LLMCall))
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGUSR2, stop)  # (refused off the main thread: no silent pass)
+    try:
+        with pytest.raises(SystemExit):
+            run(tx_factory, SignalsMidCall(llm), retry_skipped=True)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    with tx_factory() as session:
+        calls_after = session.scalar(select(func.count()).select_from(LLMCall))
+    assert calls_after == calls_before + 1  # before: the retry's paid call went unrecorded
 
 
 def test_malformed_after_its_repair_turn_counts_once_per_try(tx_factory, sim, llm):

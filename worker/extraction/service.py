@@ -131,9 +131,14 @@ class OnlineExtraction:
         limit the setting matched)."""
         feed: Feed[SegmentResult] = self.pipe.open(1, lambda _: self.call(label, segment), window=1)
         try:
-            [outcome] = feed.take()
-        finally:
-            feed.close()
+            taken = feed.take()
+        except BaseException as stopped:  # (SIGTERM in the CLI): the call in flight finishes, paid for
+            paid = [result for result in map(_paid_result, feed.close()) if result is not None]
+            if paid:  # the caller records its attempts, then raises on
+                raise SegmentAbortedError(paid[0].attempts, stopped) from stopped
+            raise
+        feed.close()
+        [outcome] = taken
         if outcome.error is not None:
             raise outcome.error  # a SegmentAbortedError too: the retry records its attempts
         return outcome.result()
