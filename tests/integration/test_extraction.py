@@ -602,6 +602,22 @@ def test_appended_messages_extract_only_the_new_segments(pages, llm):
     assert terminal_rows(pages) == 1
 
 
+def test_an_extracted_page_whose_first_appended_segment_fails_is_no_longer_marked_complete(
+    pages, llm, simulator
+):
+    run(pages, llm)
+    assert terminal_rows(pages) == 1
+    appended = [
+        *SAMPLE_LINES,
+        fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon last weekend."),
+        fmt("Bob Demo", "2024-03-20", "7:02 PM", "I love Lisbon, I will visit you in May."),
+    ]
+    put_page(pages, body="\n".join(appended))
+    assert run(pages, faulty_llm(simulator, "500")).pages_failed == 1
+    assert terminal_rows(pages) == 0  # before: the page was still marked extracted to its end
+    assert run(pages, llm).segments_processed == 1 and terminal_rows(pages) == 1
+
+
 def test_trailing_single_message_is_picked_up_once_it_has_company(pages, llm):
     lone = [*SAMPLE_LINES, fmt("Alice Example", "2024-03-20", "7:00 PM", "I moved to Lisbon.")]
     put_page(pages, body="\n".join(lone))

@@ -210,7 +210,11 @@ class SegmentCommitter:
             if not result.ok and skip is None:
                 expected = self._commit_run(plan, pending, expected, report)
                 self.store.record_attempts(
-                    place, result.attempts, permanent=result.permanent, page=self.version
+                    place,
+                    result.attempts,
+                    permanent=result.permanent,
+                    page=self.version,
+                    incomplete=index == 0 and plan.checkpoint is not None,  # (appended, none committed)
                 )
                 handed.add(index)
                 self.progress.segment_finished(plan.slug, result.outcome)

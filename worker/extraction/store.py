@@ -161,17 +161,22 @@ class ExtractionStore:
         *,
         permanent: bool = False,
         page: PageVersion | None = None,
+        incomplete: bool = False,
     ) -> None:
         """A segment's attempts alone (it failed, its facts wait for the swap, or they were discarded);
         ``permanent`` marks the last one as a failure that counts towards skipping the segment. With
         ``page``, its row is held FOR SHARE and, when an erasure took it meanwhile, only the calls are
-        recorded (audit rows name the page, and the erasure has deleted its own)."""
+        recorded (audit rows name the page, and the erasure has deleted its own). ``incomplete``: the
+        first segment of messages appended to an extracted page failed, so its terminal row goes (the
+        commit of that segment would have taken it out)."""
         with self._factory.begin() as session:
             if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
                 self._paid(session, discarded=True)
                 self._ledger.record_many(session, call_records(place, attempts, note))
                 return
             self._write_attempts(session, place, attempts, note, permanent=permanent)
+            if incomplete:
+                _delete_terminal(session, place.source_id, place.slug)
 
     def hold_attempts(
         self, place: SegmentPlace, attempts: Sequence[Attempt], *, permanent: bool, page: PageVersion | None
