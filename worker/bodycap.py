@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -84,6 +85,17 @@ async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> boo
 LARGE_BODY_BYTES = 1024 * 1024
 
 
+# When the request's head reached the server (epoch seconds), before it waited for a large-body place:
+# a webhook signature's age is measured to this moment (worker.api.deps), not to when its route ran.
+ARRIVED_AT_SCOPE_KEY = "factmill.arrived_at"
+
+
+def arrived_at(scope: Scope) -> float | None:
+    """When the request reached the body cap (None for one that did not pass through it)."""
+    value = scope.get(ARRIVED_AT_SCOPE_KEY)
+    return value if isinstance(value, float) else None
+
+
 def _large(scope: Scope) -> bool:
     """A request whose body is large, or of unknown length (chunked)."""
     for name, value in scope.get("headers", ()):
@@ -129,6 +141,7 @@ class BodyCapMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault(ARRIVED_AT_SCOPE_KEY, time.time())
         if await _refused_by_declared_length(scope, send, self.cap):
             return
         if self._large_gate is not None and _large(scope):

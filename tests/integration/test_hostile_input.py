@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.integration.test_api import ADMIN_HEADERS, SECRET, Recorder, make_runtime, page
+from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Recorder, make_runtime, page
 from tests.service import fresh_database
 from worker.api.app import create_app
 from worker.api.inputs import MAX_JSON_DEPTH
@@ -373,6 +373,58 @@ def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         assert start["status"] == 408, (start, body)
         assert "did not arrive within 0.3 s" in json.loads(body)["detail"]
+
+
+def test_a_signed_large_delivery_that_waited_for_its_turn_is_judged_by_when_it_arrived(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """A large body waits unread while others hold the places large bodies are read in (the client
+    allows it minutes). Its signature's age was measured when its turn came: signed when it was sent
+    and fresh when it arrived, it was refused as too old, and its resend (signed at the same time)
+    waited again."""
+    import asyncio
+
+    runtime = make_runtime(
+        database_url, factory, max_large_bodies=1, large_body_seconds=2.5, webhook_tolerance_seconds=1
+    )
+    app = create_app(runtime, sender=Recorder(factory))
+    body = json.dumps(page("conversations/large", CONVERSATION + "\n" + " " * (1024 * 1024 + 10))).encode()
+    signature = sign(body, SECRET, method="POST", path="/v1/pages")
+    waiting = {
+        **signed_post_scope("/v1/pages", str(len(body)).encode()),
+        "headers": [
+            (b"content-length", str(len(body)).encode()),
+            (b"content-type", b"application/json"),
+            (b"factmill-signature", signature.encode()),
+            (b"host", b"t"),
+        ],
+    }
+
+    async def answer(scope: dict[str, Any], receive: Any) -> int:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    async def never_arrives() -> dict[str, Any]:  # holds the only place until its 2.5 s run out
+        await asyncio.sleep(60)
+        raise AssertionError("unreachable")
+
+    async def whole() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def run() -> list[int]:
+        async with app.router.lifespan_context(app):
+            holder = signed_post_scope("/v1/pages", str(2 * 1024 * 1024).encode())
+            return await asyncio.wait_for(
+                asyncio.gather(answer(holder, never_arrives), answer(waiting, whole)), timeout=30
+            )
+
+    held, delivered = asyncio.run(run())
+    assert held == 408 and delivered == 202  # before: 401, "signature timestamp is too old (2 s ...)"
 
 
 def served_once(app: Any, scope: dict[str, Any], receive: Any) -> tuple[int, bytes]:

@@ -19,6 +19,7 @@ from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import ApiError
+from worker.bodycap import arrived_at
 from worker.core.signing import (
     EXPECTED_FORMAT,
     IDEMPOTENCY_HEADER,
@@ -129,13 +130,16 @@ class Ingest:
     method: str
     path: str
     idempotency_key: str | None = None  # the header as sent (surrounding spaces stripped)
+    arrived_at: float | None = None  # when the request reached the server (the signature's age is to it)
 
     def verify(self, ctx: ApiContext, body: bytes) -> int | None:
         """The signed timestamp when a signature was sent (401 unless it signs this method, path,
         body and, v3, Idempotency-Key); None for a keyed delivery without one."""
         if self.signature is None:
             return None
-        return verify_signature(ctx, body, self.signature, self.method, self.path, self.idempotency_key)
+        return verify_signature(
+            ctx, body, self.signature, self.method, self.path, self.idempotency_key, self.arrived_at
+        )
 
     @property
     def sender(self) -> str:
@@ -172,9 +176,10 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
         key = request.headers.get(IDEMPOTENCY_HEADER)
         key = key.strip() if key is not None else None
         path = request_path(request)
+        arrived = arrived_at(request.scope)
         if signature is not None:
-            check_signature_header(ctx, signature, request.method, path, key)
-        return Ingest(principal, signature, request.method, path, key)
+            check_signature_header(ctx, signature, request.method, path, key, arrived)
+        return Ingest(principal, signature, request.method, path, key, arrived)
 
     return dependency
 

@@ -171,10 +171,15 @@ async def read_body(request: Request, cap: int) -> bytes:
 
 
 def check_signature_header(
-    ctx: ApiContext, signature: str | None, method: str, path: str, idempotency_key: str | None
+    ctx: ApiContext,
+    signature: str | None,
+    method: str,
+    path: str,
+    idempotency_key: str | None,
+    arrived_at: float | None = None,
 ) -> None:
     """The body-free part of ``verify_signature`` (401 with the reason), run before the body is read."""
-    _signature_checked(ctx, check_header, (signature,), method, path, idempotency_key)
+    _signature_checked(ctx, check_header, (signature,), method, path, idempotency_key, arrived_at)
 
 
 def verify_signature(
@@ -184,12 +189,18 @@ def verify_signature(
     method: str | None = None,
     path: str | None = None,
     idempotency_key: str | None = None,
+    arrived_at: float | None = None,
 ) -> int:
     """The webhook signature check every signed route runs first: 401 with the reason; returns the
     signed timestamp. With ``method`` and ``path`` the signature must be v3 (bound to them and to
-    ``idempotency_key``), or v2 / v1 while FACTMILL_ACCEPT_V2_SIGNATURES / _V1_ are on."""
+    ``idempotency_key``), or v2 / v1 while FACTMILL_ACCEPT_V2_SIGNATURES / _V1_ are on. Its age is
+    measured at ``arrived_at`` (worker.bodycap.arrived_at; None: now): a large delivery signed when it
+    was sent waited unread for a place to be read in, up to the client's patience, and was refused as
+    too old once its turn came (the sender's resend, signed at the same time, waited again)."""
     secrets = ctx.settings.webhook_secrets()
-    return _signature_checked(ctx, verify, (signature, body, secrets), method, path, idempotency_key)
+    return _signature_checked(
+        ctx, verify, (signature, body, secrets), method, path, idempotency_key, arrived_at
+    )
 
 
 def _signature_checked(
@@ -199,6 +210,7 @@ def _signature_checked(
     method: str | None,
     path: str | None,
     idempotency_key: str | None,
+    arrived_at: float | None,
 ) -> T:
     """``check`` (the header's check, or the whole one) under the deployment's rules; 401 when it fails."""
     settings = ctx.settings
@@ -206,6 +218,7 @@ def _signature_checked(
         return check(
             *leading,
             settings.webhook_tolerance_seconds,
+            now=arrived_at,
             method=method,
             path=path,
             idempotency_key=idempotency_key,
