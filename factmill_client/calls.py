@@ -79,9 +79,15 @@ def segment(value: str | int) -> str:
     return quote(text, safe="")
 
 
+def slash_path(value: str) -> str:
+    """A name that holds '/' (a slug: conversations/2024/alice), which the route takes as a path: each
+    part encoded as ``segment`` does, so a "." or ".." part is not resolved away either
+    ("people/../alice" went to alice's facts)."""
+    return "/".join(segment(part) for part in value.split("/"))
+
+
 def page_path(source_id: str, slug: str) -> str:
-    # A slug holds '/' (conversations/2024/alice): the route takes it as a path, so '/' stays.
-    return f"/v1/pages/{segment(source_id)}/{quote(slug, safe='/')}"
+    return f"/v1/pages/{segment(source_id)}/{slash_path(slug)}"
 
 
 def _query(**values: Any) -> dict[str, Any]:
@@ -185,8 +191,9 @@ def set_config(key: str, value: ConfigValue) -> Call[models.ConfigSetOut]:
 
 
 def unset_config(key: str) -> Call[models.ConfigSetOut]:
-    # Unsetting twice leaves the key unset either way: safe to resend.
-    return Call("DELETE", f"/v1/config/{segment(key)}", models.ConfigSetOut)
+    # Only resent when it surely did not arrive: unsetting a key nothing reads removes it from the
+    # table, and a resend of one that went through answers 404 (the unset worked).
+    return Call("DELETE", f"/v1/config/{segment(key)}", models.ConfigSetOut, replayable=False)
 
 
 def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:
@@ -255,7 +262,7 @@ def entity_facts(
     after: str | None = None,
 ) -> Call[models.EntityFactsPage]:
     """``history``: include_history / as_of (current facts only by default)."""
-    path = f"/v1/entities/{quote(entity, safe='/')}/facts"  # a slug holds '/' (people/alice)
+    path = f"/v1/entities/{slash_path(entity)}/facts"  # a slug holds '/' (people/alice)
     params = _query(source_id=source_id, limit=limit, offset=offset, after=after, **(history or {}))
     return Call("GET", path, models.EntityFactsPage, params=params)
 

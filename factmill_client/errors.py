@@ -7,6 +7,9 @@ catch what it can handle: a bad key (``AuthenticationError``), a missing scope (
 
 from __future__ import annotations
 
+import time
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -29,6 +32,11 @@ class ApiError(FactmillError):
         self.detail = detail
         self.body = body
         self.headers = headers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from all four (pickle calls __init__ with the args alone): an error raised in a
+        # process pool's worker reached the caller as a TypeError.
+        return (type(self), (self.status_code, self.detail, self.body, self.headers))
 
     @property
     def errors(self) -> list[dict[str, Any]]:
@@ -111,15 +119,24 @@ BY_STATUS: dict[int, type[ApiError]] = {
 }
 
 
-def retry_after_seconds(headers: httpx.Headers) -> float | None:
-    """Retry-After as seconds (the server sends delta-seconds only), None when absent or not a number."""
+def retry_after_seconds(headers: httpx.Headers, now: float | None = None) -> float | None:
+    """Retry-After as seconds from ``now`` (default: the clock), None when absent or unreadable. Factmill
+    sends delta-seconds; a proxy or load balancer in front of it may send an HTTP-date (RFC 9110),
+    which was taken as no header at all: a 503 "retry in an hour" was resent at once, three times."""
     value = headers.get("retry-after")
     if value is None:
         return None
     try:
         return max(0.0, float(value))
     except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
         return None
+    if when.tzinfo is None:  # "-0000": UTC by RFC 5322
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def error_for(response: httpx.Response) -> ApiError:

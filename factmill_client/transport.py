@@ -155,12 +155,21 @@ def build_request(
     return request
 
 
+def route_of(path: str) -> str:
+    """The path's API group only ("/v1/pages/…"): the rest holds transcript ids, slugs and entity names,
+    which can name a person, and the server keeps them out of its own logs too."""
+    parts = path.split("/")
+    return "/".join(parts[:3]) + "/…" if len(parts) > 3 else path
+
+
 def give_up_message(call: Call[Any], exc: Exception, attempt: int) -> str:
-    return f"{call.method} {call.path}: no answer after {attempt} attempt(s): {type(exc).__name__}: {exc}"
+    where = route_of(call.path)
+    return f"{call.method} {where}: no answer after {attempt} attempt(s): {type(exc).__name__}: {exc}"
 
 
 def note_retry(call: Call[Any], attempt: int, why: str, pause: float) -> None:
-    logger.info("%s %s: attempt %s %s; sending again in %.2f s", call.method, call.path, attempt, why, pause)
+    where = route_of(call.path)
+    logger.info("%s %s: attempt %s %s; sending again in %.2f s", call.method, where, attempt, why, pause)
 
 
 def parse(call: Call[T], response: httpx.Response) -> T:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import pickle
 import subprocess
 import sys
 import textwrap
 import tomllib
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from pathlib import Path
 
 import httpx
@@ -167,6 +170,53 @@ def test_a_dot_segment_id_is_escaped_so_httpx_keeps_it_on_its_route():
     with httpx.Client(base_url="http://factmill.test") as http:
         request = build_request(http, call, Credentials(None, "s3cret"))
     assert request.url.raw_path.decode() == "/v1/transcripts/%2E%2E/messages"
+
+
+def test_dot_parts_of_a_slug_or_an_entity_name_stay_on_their_route():
+    """ "people/../alice" went to alice's facts, and "x/.." to no route: httpx resolved the parts."""
+    with httpx.Client(base_url="http://factmill.test") as http:
+        entity = build_request(http, calls.entity_facts("people/../alice", None, 10, 0), Credentials())
+        page = build_request(http, calls.page_facts("default", "a/./b", 10, None), Credentials())
+    assert entity.url.raw_path.decode().startswith("/v1/entities/people/%2E%2E/alice/facts")
+    assert page.url.raw_path.decode().startswith("/v1/pages/default/a/%2E/b/facts")
+    assert calls.slash_path("conversations/2024/zoë") == "conversations/2024/zo%C3%AB"
+
+
+def test_retry_after_as_an_http_date_is_waited_for_or_raised():
+    """A proxy's 503 "Retry-After: <date>" was read as no header: resent at once, three times."""
+    in_an_hour = httpx.Headers({"Retry-After": "Wed, 21 Oct 2026 08:28:00 GMT"})
+    assert errors.retry_after_seconds(in_an_hour, now=1_792_567_680) == 3600.0
+    assert errors.retry_after_seconds(httpx.Headers({"Retry-After": "soon"})) is None
+    past = httpx.Headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
+    assert errors.retry_after_seconds(past) == 0.0
+    policy = RetryPolicy(attempts=3, max_retry_after=30)
+    proxied = httpx.Response(
+        503, headers={"Retry-After": format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)}
+    )
+    assert policy.after_response(calls.ingest({}, None), proxied, 1) is None  # past the cap: raised
+
+
+def test_an_unset_is_resent_only_when_it_surely_did_not_arrive():
+    # A resend of an unset that went through answers 404 for a key nothing reads: the caller saw
+    # NotFound for an unset that worked.
+    assert calls.unset_config("facts.extraction_enabled").replayable is False
+
+
+def test_api_errors_cross_a_process_boundary():
+    error = errors.error_for(httpx.Response(409, json={"detail": "busy"}, headers={"Retry-After": "3"}))
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is errors.Conflict and (again.status_code, again.detail) == (409, "busy")
+    assert again.retry_after == 3.0
+
+
+def test_retries_are_logged_without_the_ids_in_the_path(caplog: pytest.LogCaptureFixture):
+    from factmill_client.transport import give_up_message, note_retry
+
+    call = calls.append_messages("alice-smith-diary", [{"role": "user", "text": "hi"}], None, None)
+    with caplog.at_level("INFO", logger="factmill_client"):
+        note_retry(call, 1, "answered 503", 0.5)
+    said = caplog.records[-1].getMessage() + give_up_message(call, TimeoutError("t"), 4)
+    assert "/v1/transcripts/…" in said and "alice-smith" not in said
 
 
 def test_an_unsignable_idempotency_key_is_refused_when_the_call_is_made():
