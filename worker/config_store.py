@@ -58,6 +58,11 @@ def validate_value(key: str, value: str) -> str:
     store."""
     check_key(key)
     cleaned = value.strip()
+    if not cleaned:  # read as the default: an empty budget lifted the cap (and woke its paused jobs)
+        raise ValueError(
+            f"{key} needs a value; to return it to its default, unset it "
+            f"(DELETE /v1/config/{key}, or `factmill config unset {key}`)"
+        )
     if key in KILL_SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
     if key == EXTRACTION_MAX_FACTS and (not cleaned.isdigit() or not 1 <= int(cleaned) <= 25):

@@ -73,6 +73,9 @@ def test_bad_budget_values_are_refused_at_config_set(session):
         set_config(session, "llm.budget_daily_usd", "a lot")
     with pytest.raises(ValueError, match=r"llm\.prices"):
         set_config(session, "llm.prices", '{"m": {"input": 1}}')
+    for key in ("llm.budget_daily_usd", "llm.budget_job_usd", "llm.prices", "facts.extraction_enabled"):
+        with pytest.raises(ValueError, match="needs a value; .* unset it"):  # before: a blank cap was none
+            set_config(session, key, "   ")
 
 
 def test_price_override_is_what_llm_calls_record(tx_factory, llm):
