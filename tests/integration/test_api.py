@@ -682,6 +682,22 @@ def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(
         assert session.scalar(select(Job.status).where(Job.id == old)) == "failed"
 
 
+def test_a_retry_of_a_job_of_a_kind_this_release_does_not_run_is_409_and_changes_nothing(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A row left by another release (a rolling deploy, a downgrade): the retry committed it queued,
+    then its send failed (a 500), and no worker or sweep would ever take it."""
+    with tx_factory.begin() as session:
+        job = Job(kind="summarize-v9", subject="default|x", status="failed", last_error="old")
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    response = client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
+    assert response.status_code == 409 and "'summarize-v9', which this release does not run" in response.text
+    with tx_factory() as session:
+        assert session.scalar(select(Job.status).where(Job.id == job_id)) == "failed"
+
+
 def test_a_retry_409_names_the_pending_job_of_its_own_kind(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:

@@ -12,6 +12,7 @@ from models import Job, page_id_of
 from models.job import PAGE_JOB, PAGE_SOURCE
 from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry
+from worker.jobs.registry import kind_names
 
 
 class JobNotFoundError(LookupError):
@@ -26,6 +27,19 @@ class JobNotRetryableError(ValueError):
     def __init__(self, job_id: int, status: str) -> None:
         super().__init__(f"job {job_id} is {status}; only a failed, paused or succeeded job can be retried")
         self.job_id, self.status = job_id, status
+
+
+class JobKindUnknownError(JobNotRetryableError):
+    """A job of a kind this release does not run (a row from another version): queued, no worker would
+    take it, and the sweeper passes it by."""
+
+    def __init__(self, job_id: int, kind: str) -> None:
+        ValueError.__init__(
+            self,
+            f"job {job_id} is of kind {kind!r}, which this release does not run "
+            f"(it runs {', '.join(kind_names())}): retry it from a release that does",
+        )
+        self.job_id, self.status = job_id, "unknown kind"
 
 
 class JobPageGoneError(ValueError):
@@ -99,6 +113,8 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     try:
         with session.begin_nested():
             job = retry_job(session, job_id, skipped=skipped)
+            if job.kind not in kind_names():  # (its send would fail after the commit: a 500, stuck queued)
+                raise JobKindUnknownError(job_id, job.kind)
             if not inspect(job).attrs.status.history.has_changes():
                 raise JobNotRetryableError(job_id, job.status)
             if job.kind == EXTRACTION and page_id_of(session, *split_page_subject(job.subject)) is None:
