@@ -134,7 +134,7 @@ def test_coverage_that_does_not_separate_is_refused() -> None:
     assert not result.activate
     assert result.tau == 1.0
     assert result.held_out_rate == 0.0 and result.held_out_accepted == 10
-    assert "below the target 0.9" in result.reason
+    assert "full coverage (1.0)" in result.reason
 
 
 def test_no_accepted_held_out_case_is_refused_as_unmeasurable() -> None:
@@ -418,6 +418,21 @@ def test_a_version_never_activates_on_a_rate_of_a_handful_of_held_out_cases() ->
             assert "too few accepted cases" in verdict.reason
             refused_small += verdict.held_out_rate >= 0.9  # what activated before
     assert refused_small > 0
+
+
+def test_a_lost_case_at_full_coverage_never_activates_a_tau_of_one() -> None:
+    """τ = min(1.0 + ε, 1.0) = 1.0 accepts the lost case at 1.0 and reverts every good summary below it;
+    the held-out check looked only at cases at exactly 1.0, mostly kept, and activated it."""
+    kept = [0.6 + 0.01 * i for i in range(30)] + [1.0] * 30
+    lost = [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 1.0]
+    at_one = [
+        evaluate(observations(kept, lost), alpha=0.1, target_recall=0.9, min_observations=20, salt=f"s{i}")
+        for i in range(40)
+    ]
+    at_one = [verdict for verdict in at_one if verdict.tau == 1.0]
+    assert at_one  # the split put the lost case at 1.0 in the calibration half
+    for verdict in at_one:
+        assert not verdict.activate and "full coverage (1.0)" in verdict.reason
 
 
 def test_an_observations_csv_past_the_row_cap_is_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -294,7 +294,9 @@ def evaluate(
     observed); no case that kept it; or a single lost case (it cannot both set τ and test it).
     Otherwise τ = calibrate_threshold(calibration half) and the held-out cases with coverage ≥ τ are
     the accepted ones: the version activates only if at least MIN_HELD_OUT_ACCEPTED are accepted and
-    the share of them that kept the answer is at least ``target_recall``.
+    the share of them that kept the answer is at least ``target_recall``. Nor does one whose τ is 1.0
+    because a lost case it was computed from has full coverage: no τ in [0, 1] rejects that case, and
+    τ = 1 would revert every summary short of full coverage while still accepting it.
     """
     check_parameters(alpha, target_recall, min_observations)
     n = len(observations)
@@ -316,6 +318,13 @@ def evaluate(
         held_out_accepted=len(accepted),
         held_out_rate=kept / len(accepted) if accepted else None,
     )
+    if tau >= 1.0 and any(not o.answer_kept and o.coverage >= 1.0 for o in calibration):
+        reason = (
+            "a case that lost the answer has full coverage (1.0), and the rank puts τ on it: no τ in [0, 1] "
+            "rejects it, and τ=1 would revert every summary short of full coverage while still accepting "
+            "it, so the version is not activated (the coverage's query words miss what such answers need)"
+        )
+        return Evaluation(tau=tau, activate=False, reason=reason, **counts.counts())
     return _judge(tau, kept, counts, alpha=alpha, target_recall=target_recall)
 
 
