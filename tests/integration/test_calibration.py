@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from sqlalchemy import delete, event, func, select, update
+from sqlalchemy import delete, event, func, select, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -1173,6 +1173,36 @@ def test_cli_recompute_now_honours_the_kill_switch(cli: Any, factory: sessionmak
     assert cli("recompute", "--now", "--override-disabled").exit_code == 0
     assert len(versions(factory)) == 1
     assert cli("recompute", "--override-disabled").exit_code == 2  # only with --now
+
+
+def test_cli_recompute_now_turned_off_while_it_waits_for_the_lock_writes_nothing(
+    cli: Any, factory: sessionmaker[Session]
+) -> None:
+    """It checked the switch once, then waited behind a running recompute and activated a τ after the
+    switch had gone off (the job path checks again before writing; the CLI did not)."""
+    import threading
+
+    from worker.calibration.queries import lock_recompute
+
+    add(factory, separated())
+    outcome: list[Any] = []
+    with factory.begin() as holder:  # a recompute in progress: holds the lock
+        lock_recompute(holder)
+        waiting = threading.Thread(target=lambda: outcome.append(cli("recompute", "--now")))
+        waiting.start()
+        for _ in range(200):  # until the command waits on the lock (its session shows it)
+            with factory() as session:
+                if session.scalar(
+                    text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                ):
+                    break
+            time.sleep(0.05)
+        with factory.begin() as session:
+            set_config(session, CALIBRATION_ENABLED, "off", updated_by="test")
+    waiting.join(timeout=60)
+    [refused] = outcome
+    assert refused.exit_code == 3 and "calibration is disabled" in refused.output, refused.output
+    assert versions(factory) == []
 
 
 def test_cli_recompute_queues_one_job(cli: Any, factory: sessionmaker[Session]) -> None:

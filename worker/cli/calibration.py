@@ -317,15 +317,23 @@ def recompute_command(
         else:
             out.print(f"recompute job {request.job_id} is already pending")
         return
-    with factory() as session:
-        enabled = is_enabled(get_config(session, CALIBRATION_ENABLED))
-    if not enabled and not override_disabled:
-        raise fail(
-            f"calibration is disabled ({CALIBRATION_ENABLED}=false). Turn it on with "
-            f"`factmill config set {CALIBRATION_ENABLED} true`, "
-            "or pass --override-disabled for a one-off run.",
-            code=3,
-        )
+
+    def refuse_if_disabled() -> None:
+        """Before the run, and again before its version is written: it may have waited on the recompute
+        lock behind a job meanwhile, and a τ went live after the switch went off (the job checks too)."""
+        if override_disabled:
+            return
+        with factory() as session:
+            enabled = is_enabled(get_config(session, CALIBRATION_ENABLED))
+        if not enabled:
+            raise fail(
+                f"calibration is disabled ({CALIBRATION_ENABLED}=false). Turn it on with "
+                f"`factmill config set {CALIBRATION_ENABLED} true`, "
+                "or pass --override-disabled for a one-off run.",
+                code=3,
+            )
+
+    refuse_if_disabled()
     try:
         result = recompute(
             factory,
@@ -334,6 +342,7 @@ def recompute_command(
             min_observations=settings.calibration_min_observations,
             trigger="manual",
             force=force,
+            guard=refuse_if_disabled,
         )
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
