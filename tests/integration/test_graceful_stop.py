@@ -153,6 +153,19 @@ def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory
     assert lease(factory, job_id)[0] == "running"
 
 
+def test_the_exit_code_of_a_celery_command_reaches_the_shell(env):
+    """`factmill worker`, `beat` and `flower` ran Celery through Celery.worker_main / start, which drop
+    its exit code: after Celery's "Unrecoverable error" the worker exited 0, so restart-on-failure
+    never fired. ``celery_exit_code`` runs them all; here on a command that fails at once."""
+    import subprocess
+    import sys
+
+    asked = "from worker.cli.services import celery_exit_code as c; raise SystemExit(c(%r))"
+    argv = ["inspect", "ping", "--timeout", "0.3"]  # no worker answers: EX_UNAVAILABLE
+    done = subprocess.run([sys.executable, "-c", asked % argv], env=env, capture_output=True, text=True)
+    assert done.returncode == 69 and "No nodes replied" in done.stderr, done.stderr[-2000:]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -243,7 +256,8 @@ def test_the_parent_kills_a_child_still_there_past_its_grace_period() -> None:
         started = time.monotonic()
         parent.send_signal(signal.SIGTERM)
         code = parent.wait(timeout=30)
-        assert code != 0 and time.monotonic() - started < 10  # killed after 0.5 s of grace + 0.5 s
+        assert time.monotonic() - started < 10  # killed after 0.5 s of grace + 0.5 s
+        assert code == 128 + signal.SIGKILL  # the shell's code for it (before: 247, from exit(-9))
 
 
 COUNTING_PARENT = """

@@ -109,7 +109,8 @@ def run_children(
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(child.pid, signal.SIGKILL)
             time.sleep(0.2)
-        return next((code for code in codes.values() if code != 0), 0)
+        # A child killed by a signal has -N: the shell's 128 + N (typer.Exit(-9) exited 247).
+        return next((code if code > 0 else 128 - code for code in codes.values() if code != 0), 0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated
 
+import click
 import typer
 import uvicorn
 
@@ -163,7 +164,27 @@ def worker(
         argv.append("-E")
     if hostname:
         argv += ["-n", hostname]
-    celery.worker_main(argv)
+    raise typer.Exit(celery_exit_code(argv))
+
+
+def celery_exit_code(argv: list[str]) -> int:
+    """Run the Celery command ``argv`` and return its exit code. ``Celery.worker_main`` and ``start``
+    drop it (click returns it with standalone_mode off), so `factmill worker` exited 0 after an
+    unrecoverable error or a cold shutdown, and a supervisor's restart-on-failure never fired. This is
+    what ``Celery.start`` does, keeping the code."""
+    from celery.bin.celery import celery as celery_command  # (100 ms of imports every command skips)
+
+    celery_command.params[0].default = celery  # the --app option's default: this app
+    try:
+        code = celery_command.main(args=argv, standalone_mode=False)
+    except click.ClickException as exc:  # what click's standalone mode shows and exits with
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        return 1
+    finally:
+        celery_command.params[0].default = None
+    return code if isinstance(code, int) else 0
 
 
 def worker_queues(text: str, known: Sequence[str]) -> str:
@@ -193,7 +214,9 @@ def beat(loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info") ->
     )  # its sweeps read and write the jobs as the migrations last left them
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(settings, loglevel)
-    celery.start(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
+    raise typer.Exit(
+        celery_exit_code(["beat", "-l", loglevel, "-s", str(settings.data_dir / "celerybeat-schedule")])
+    )
 
 
 def flower(
@@ -210,7 +233,7 @@ def flower(
     settings = get_settings()
     refuse_open_flower(settings, host)
     os.environ.update(flower_logins(settings))
-    celery.start(["flower", f"--address={host}", f"--port={port}"])
+    raise typer.Exit(celery_exit_code(["flower", f"--address={host}", f"--port={port}"]))
 
 
 def flower_logins(settings: Settings) -> dict[str, str]:
