@@ -67,3 +67,13 @@ def test_the_demos_processes_stop_with_it(tmp_path: Path, stop: signal.Signals) 
             if target is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(target, signal.SIGKILL)
+
+
+def test_the_demos_worker_is_one_process_its_stop_reaches() -> None:
+    """Without --processes the worker started one child per core, each in a process group of its own:
+    the demo's stop (killpg on the worker's group, SIGKILL after 15 s) left them running on the
+    embedded servers after the demo had returned."""
+    from worker.cli.demo import _worker_args
+
+    args = _worker_args(16)
+    assert args[args.index("--processes") + 1] == "1"

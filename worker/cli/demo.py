@@ -140,6 +140,10 @@ def _worker_args(concurrency: int) -> list[str]:
         queues,
         "--concurrency",
         str(concurrency),
+        # One process, in the demo's process group: a worker of one process per core starts each in a
+        # group of its own, which the demo's stop (killpg) did not reach; they ran on after it.
+        "--processes",
+        "1",
         "--pool",
         "threads",
         "--loglevel",
