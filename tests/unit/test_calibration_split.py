@@ -306,7 +306,7 @@ def test_csv_bad_rows_are_reported_by_line_and_good_rows_kept() -> None:
     assert [(line, o.coverage) for line, o in good] == [(2, 0.9)]
     messages = dict(errors)
     assert sorted(messages) == [3, 4, 5, 6, 7, 8, 9, 11]
-    assert "origin must be 1 to 200 printable characters" in messages[9]
+    assert "lines 9 to 10 were read as one row" in messages[9]  # no value here may hold a line end
     assert "coverage must be a number from 0 to 1" in messages[3] and "nan" in messages[3]
     assert "got 1.5" in messages[4]
     assert messages[5] == "coverage 'abc' is not a number"
@@ -440,10 +440,24 @@ def test_an_observations_csv_past_the_row_cap_is_refused_whole(monkeypatch: pyte
     whole (gigabytes) into one transaction holding the observations' lock."""
     from worker.core import calibration_csv
 
-    monkeypatch.setattr(calibration_csv, "MAX_CSV_ROWS", 3)
+    monkeypatch.setattr(calibration_csv, "MAX_CSV_ROWS", 4)
     ok = calibration_csv.parse_observations_csv(
         "0.5,1\n0.2,0\n# note\n\n0.9,1\n", default_origin="csv", file_digest="d"
     )
-    assert ok.rows == 3 and not ok.errors
-    with pytest.raises(calibration_csv.CsvFormatError, match="more than 3 rows; import it in parts"):
-        calibration_csv.parse_observations_csv("0.5,1\n" * 4, default_origin="csv", file_digest="d")
+    assert ok.rows == 3 and not ok.errors and ok.comments == [3]
+    past = "more than 4 rows \\(comment lines included\\); import it in parts"
+    with pytest.raises(calibration_csv.CsvFormatError, match=past):
+        calibration_csv.parse_observations_csv("0.5,1\n" * 5, default_origin="csv", file_digest="d")
+    # Comment lines were listed without a cap: a 64 MiB file of "#" lines held 33 million numbers.
+    with pytest.raises(calibration_csv.CsvFormatError, match=past):
+        calibration_csv.parse_observations_csv("#\n" * 5, default_origin="csv", file_digest="d")
+
+
+def test_a_stray_quote_names_every_line_it_swallowed() -> None:
+    """Lines 2 to 4 were read as one record and only line 2 was named: 'rows' said 3 for 5 data rows,
+    and once line 2 was mended a re-import stored the others a second time."""
+    content = '0.9,1\n0.4,false,"b\n0.5,1\n0.6,1,"c\n0.7,1\n'
+    parsed = parse_observations_csv(content, default_origin="csv", file_digest="d")
+    assert [line for line, _ in parsed.good] == [1, 5]
+    [(line, message)] = parsed.errors
+    assert line == 2 and "lines 2 to 4 were read as one row" in message

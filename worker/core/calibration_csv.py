@@ -128,13 +128,19 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
             continue
         if cells[0].startswith("#"):
             comments.append(start)
+            # Counted against the cap too: a 64 MiB file of "#" lines listed 33 million line numbers.
+            if len(comments) + rows > MAX_CSV_ROWS:
+                raise _too_many()
             continue
         if columns is None and rows == 0 and cells[0].lower() in CSV_COLUMNS and not _is_number(cells[0]):
             columns = _header(cells, start)
             continue
         rows += 1
-        if rows > MAX_CSV_ROWS:
-            raise CsvFormatError(f"the file holds more than {MAX_CSV_ROWS:,} rows; import it in parts")
+        if len(comments) + rows > MAX_CSV_ROWS:
+            raise _too_many()
+        if reader.line_num > start:  # a quoted value crossed a line end: no value here may hold one
+            errors.append((start, _spanning(start, reader.line_num)))
+            continue
         width_error = _width_error(cells, columns)
         if width_error is not None:
             errors.append((start, width_error))
@@ -145,6 +151,19 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
         except ObservationError as exc:
             errors.append((start, str(exc)))
     return ParsedCsv(good, errors, rows, comments)
+
+
+def _too_many() -> CsvFormatError:
+    return CsvFormatError(
+        f"the file holds more than {MAX_CSV_ROWS:,} rows (comment lines included); import it in parts"
+    )
+
+
+def _spanning(start: int, end: int) -> str:
+    return (
+        f"lines {start} to {end} were read as one row: a quote opened on line {start} is closed only on "
+        f'line {end} (a stray "?); none of those lines was imported'
+    )
 
 
 def _is_number(cell: str) -> bool:
