@@ -1205,6 +1205,36 @@ def test_cli_recompute_now_turned_off_while_it_waits_for_the_lock_writes_nothing
     assert versions(factory) == []
 
 
+def test_a_version_is_dated_when_it_was_written_not_when_its_recompute_began_waiting(
+    factory: sessionmaker[Session],
+) -> None:
+    import threading
+
+    from worker.calibration import recompute
+    from worker.calibration.queries import lock_recompute
+
+    add(factory, separated())
+    with factory.begin() as holder:  # a recompute in progress: holds the lock
+        lock_recompute(holder)
+        waiting = threading.Thread(
+            target=recompute,
+            args=(factory,),
+            kwargs={"alpha": 0.1, "target_recall": 0.9, "min_observations": 20},
+        )
+        waiting.start()
+        for _ in range(200):  # until the second recompute waits on the lock
+            with factory() as session:
+                if session.scalar(
+                    text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                ):
+                    break
+            time.sleep(0.05)
+        released = holder.scalar(text("SELECT clock_timestamp()"))
+    waiting.join(timeout=60)
+    [version] = versions(factory)
+    assert version.active and version.computed_at >= released and version.activated_at >= released
+
+
 def test_cli_recompute_queues_one_job(cli: Any, factory: sessionmaker[Session]) -> None:
     first = cli("recompute")
     assert first.exit_code == 0 and "recompute job 1 queued" in first.output

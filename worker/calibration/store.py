@@ -81,7 +81,10 @@ class VersionWriter:
             max_observation_id=max_observation_id,
             split_method=METHOD,
             active=evaluation.activate,
-            activated_at=func.now() if evaluation.activate else None,
+            # When this statement ran, not when the transaction began (now()): before the recompute
+            # lock's wait, so a version seemed computed and active before its predecessor's commit.
+            computed_at=func.statement_timestamp(),
+            activated_at=func.statement_timestamp() if evaluation.activate else None,
             reason=reason,
             trigger=trigger,
             job_id=job_id,
