@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
@@ -1071,6 +1072,32 @@ def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 8}
     assert sim.stats()["batches"]["created"] == 1
+
+
+def test_a_cancel_while_extraction_is_switched_off_cancels_the_batches_at_the_provider(factory, rt, sim):
+    """The cancel woke no job paused by the kill switch (and a woken one paused again before its pass):
+    the batches ran on at the provider, paid for, until someone turned extraction back on."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # sent; waiting for the batch
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "false")
+    assert run_pass(rt, job_id).status == "paused" and job_row(factory, job_id).pause_reason == "kill_switch"
+    with factory.begin() as session:
+        assert cancel_backfill(session, backfill_id) == [(job_id, BATCH_EXTRACTION)]
+    assert run_pass(rt, job_id).status == "paused"
+    job = job_row(factory, job_id)
+    assert job.pause_reason == "kill_switch" and "1 batch(es) of backfill" in (job.last_error or "")
+    with factory() as session:
+        [provider_id] = session.scalars(select(BackfillBatch.provider_batch_id)).all()
+    status = httpx.get(f"{sim.base_url}/batches/{provider_id}", headers={"Authorization": "Bearer x"})
+    assert status.json()["status"] == "cancelled"  # stopped now, not when the switch is on again
+    assert facts_of(factory, "bf") == []  # nothing collected while the switch is off
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
 
 
 def test_cancel_stops_the_running_batch_and_sends_no_more(factory, rt, sim):

@@ -16,6 +16,7 @@ from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BAT
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
 from worker.jobs.outbox import BUDGET, resume_paused, retry_job
+from worker.jobs.registry import KILL_SWITCH
 from worker.jobs.sending import enqueue
 from worker.llm.gateway import LLMConfigurationError
 from worker.settings import Settings
@@ -36,6 +37,9 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
     woken = resume_waiting(session, job_id=backfill.job_id)
     if backfill.job_id is not None:  # one waiting for budget: cancelling needs none
         woken += resume_paused(session, [BATCH_EXTRACTION], BUDGET, [backfill.job_id])
+        # Nor the kill switch: the run cancels the batches at the provider, and waits for the switch
+        # to collect them (worker.extraction.backfill_job.cancel_while_switched_off).
+        woken += resume_paused(session, [BATCH_EXTRACTION], KILL_SWITCH, [backfill.job_id])
         job = session.get(Job, backfill.job_id, with_for_update=True)
         if job is not None and job.status == "failed":
             # Its retries spent (the provider kept refusing): nothing would run the cancel, and the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
-from worker.extraction.backfill import BackfillDeps, run_backfill_pass
+from worker.extraction.backfill import BackfillDeps, BackfillPass, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
@@ -12,12 +14,13 @@ from worker.extraction.backfill_request import (
     BackfillNotFoundError,
     BatchSendFailedError,
 )
+from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
-from worker.jobs.lifecycle import JobContext, WorkResult
-from worker.jobs.registry import ErrorRule, JobKind, register
-from worker.llm.batches import batch_unavailable, open_batch_client
+from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
+from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, register
+from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -35,6 +38,24 @@ def follow_ups(rt: Runtime) -> tuple[FactsCommitted | None, list[tuple[str, str]
     return lambda source_id, slug, inserted: pages.append((source_id, slug)), pages
 
 
+def pass_deps(ctx: JobContext, client: BatchLLMClient, committed: FactsCommitted | None) -> BackfillDeps:
+    rt, settings = ctx.rt, ctx.rt.settings
+    return BackfillDeps(
+        rt.factory,
+        rt.ledger,
+        rt.config,
+        rt.budget,
+        client,
+        ctx.job.id,
+        max_requests=settings.backfill_batch_max_requests,
+        max_bytes=settings.backfill_batch_max_bytes,
+        max_output_tokens=settings.llm_max_output_tokens,
+        default_max_facts=settings.extraction_max_facts,
+        guard=ctx.guard,
+        on_facts_committed=committed,
+    )
+
+
 def backfill_pass(ctx: JobContext) -> WorkResult:
     rt, settings = ctx.rt, ctx.rt.settings
     backfill_id = int(ctx.option("backfill"))
@@ -43,20 +64,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
         raise LLMConfigurationError(unavailable)
     committed, to_consolidate = follow_ups(rt)
     with open_batch_client(settings) as client:
-        deps = BackfillDeps(
-            rt.factory,
-            rt.ledger,
-            rt.config,
-            rt.budget,
-            client,
-            ctx.job.id,
-            max_requests=settings.backfill_batch_max_requests,
-            max_bytes=settings.backfill_batch_max_bytes,
-            max_output_tokens=settings.llm_max_output_tokens,
-            default_max_facts=settings.extraction_max_facts,
-            guard=ctx.guard,
-            on_facts_committed=committed,
-        )
+        deps = pass_deps(ctx, client, committed)
         try:
             result = run_backfill_pass(deps, backfill_id)
         finally:
@@ -81,6 +89,36 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
     )
 
 
+def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> int:
+    """A cancelled backfill's batches cancelled (unsent ones never go), nothing collected; how many."""
+    backfill = BackfillStore(deps.factory).load(backfill_id)
+    if backfill is None or not backfill.cancel_requested or backfill.status in ("done", "cancelled"):
+        return 0
+    run = BackfillPass(deps, backfill)
+    batches = run.store.batches(backfill_id, ("planned", "submitting", "submitted"))
+    for batch in batches:
+        run.cancel(batch)
+    return len(batches)
+
+
+def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
+    """A backfill cancelled while extraction is switched off: its batches are cancelled at the provider
+    now (the switch held the cancel back, and they ran on, paid for, for up to a day); what they
+    finished is collected once the switch is on again. Otherwise it pauses for the switch as any job."""
+    paused = WorkResult("paused", note=paused_reason(EXTRACTION_ENABLED), pause_reason=KILL_SWITCH)
+    backfill_id = int(ctx.option("backfill"))
+    if batch_unavailable(ctx.rt.settings) is not None:
+        return paused
+    with open_batch_client(ctx.rt.settings) as client:
+        cancelled = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
+    if not cancelled:
+        return paused
+    note = (
+        f"{paused.note}; {cancelled} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
+    )
+    return replace(paused, note=note)
+
+
 KIND = register(
     JobKind(
         name=BATCH_EXTRACTION,
@@ -94,5 +132,6 @@ KIND = register(
             ErrorRule(BatchSendFailedError, "retry"),  # the job's own: its attempts, not losses
         ),
         pause_reasons=(WAITING_FOR_BATCHES,),
+        while_switched_off=cancel_while_switched_off,
     )
 )

@@ -190,9 +190,10 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
     lease = Lease(job, token)
     if job.kind != spec.name:
         result = WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
-    elif not rt.config.enabled(spec.switch):
+    elif (switched_off := not rt.config.enabled(spec.switch)) and spec.while_switched_off is None:
         result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     else:
+        work = spec.while_switched_off if switched_off and spec.while_switched_off else spec.work
         stall_after = rt.settings.task_time_limit_seconds
         settings = rt.settings
         with Heartbeat(
@@ -209,7 +210,7 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
                 check_stopping()
 
             try:
-                result = spec.work(JobContext(rt, job, spec, guard, beat.check))
+                result = work(JobContext(rt, job, spec, guard, beat.check))
             except Exception as exc:
                 result = result_for_error(spec, exc)
     return settle(rt, lease, result, backoff or spec.backoff)

@@ -77,6 +77,10 @@ class JobKind:
     # Job options that ask something of one run (a forced run, re-extracting skipped segments): a rerun
     # for content that arrived meanwhile goes without them.
     one_run_options: tuple[str, ...] = ()
+    # What a run does while the kind's switch is off, instead of pausing at once (under the lease, as
+    # ``work``): what the switch must not hold back (a backfill's cancel at the provider, which stops
+    # its spend). It returns the run's result, a pause for the switch as a rule.
+    while_switched_off: Callable[[JobContext], WorkResult] | None = None
 
 
 @dataclass(frozen=True)
