@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Text, func, select, text, update
+from sqlalchemy import Text, event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
@@ -497,6 +497,37 @@ def test_a_running_job_for_an_erased_page_ends_failed_and_stores_nothing(
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
     assert page_facts(enabled) == 0 and checkpoints(enabled) == 0
+
+
+def test_a_page_appended_mid_run_is_read_again_once_not_at_every_later_commit(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Each commit after the append re-read the page's whole body and parsed it again (megabytes for a
+    long chat, at every commit): once it is known to hold every planned message, its hash does."""
+    hours = [
+        f"**Alice Example** (2024-03-15 {h}:00 AM): Part {h} begins.\n"
+        f"**Bob Demo** (2024-03-15 {h}:01 AM): Part {h} goes on."
+        for h in range(1, 7)
+    ]
+    body = "\n".join(hours)
+    store(enabled, body)
+    racing = Interrupting(llm, lambda: store(enabled, body + "\n**Bob Demo** (2024-03-15 11:30 AM): Later."))
+    reads: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("SELECT pages.compiled_truth, pages.timeline \nFROM pages"):  # a commit's
+            reads.append(statement)
+
+    engine = enabled.kw["bind"]
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        result = run_extract_conversation_facts(
+            enabled, racing, ExtractOptions(slug=SLUG, segment_concurrency=1)
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert result.segments_processed == 6 and checkpoints(enabled) == 1
+    assert len(reads) == 1  # before: 6, one per commit after the append
 
 
 def test_a_running_job_makes_no_llm_call_once_its_page_s_erasure_commits(

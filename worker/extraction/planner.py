@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from worker.config_store import ConfigReader
@@ -74,14 +75,16 @@ class PagePlanner:
         if stored is None:
             return PageReport(slug, "skipped", "the page was deleted before it could be extracted")
         label, checkpoint = stored.label, stored.checkpoint
-        version = PageVersion(ref.page_id, stored.content_hash, page_types(self.config))
         messages = parse_conversation_messages(stored.body)
-        del stored  # the body may be large: keep only its messages
         if not messages:
             return PageReport(
                 slug, "skipped", "no message lines (expected **Name** (YYYY-MM-DD H:MM AM): text)"
             )
         hasher = PrefixHasher(messages)
+        version = PageVersion(
+            ref.page_id, stored.content_hash, page_types(self.config), planned_digest(messages)
+        )
+        del stored  # the body may be large: keep only its messages
         # A forced run starts over, but keeps the checkpoint it saw: its swap is refused if another run
         # moves it on meanwhile (it would take that run's facts out and move the checkpoint back).
         start, edited = resume_point(messages, hasher, None if force else checkpoint)
@@ -103,3 +106,9 @@ class PagePlanner:
         return PagePlan(
             ref.page_id, slug, label, hasher, segments, ends, checkpoint, force or edited, version, messages
         )
+
+
+def planned_digest(messages: Sequence[Message]) -> Callable[[], tuple[int, str]]:
+    """(how many, their prefix digest) of the messages a run planned from, computed once if a commit
+    finds the page changed (a pass over every message that a run with no append never needs)."""
+    return functools.cache(lambda: (len(messages), PrefixHasher(messages).digest(len(messages))))

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, OpCheckpoint, Page
+from models import ExtractionAudit, Fact, OpCheckpoint
 from models.bulk import BulkInsert
 from models.reads import read_only
 from models.tables import EXTRACTION_AUDIT, FACTS
@@ -22,13 +22,11 @@ from worker.accounting import Ledger
 from worker.consolidation.erasure import REPLACED_REASON, forget_reasons_about, retire_unnamed_keys
 from worker.core.checkpoint import (
     CheckpointState,
-    PrefixHasher,
     SkippedSegment,
     encode_checkpoint_entry,
     page_key,
     segment_hash,
 )
-from worker.core.conversation import parse_conversation_messages
 from worker.core.errors import error_summary
 from worker.core.facts import ExtractedFact
 from worker.extraction.erase import page_body
@@ -37,8 +35,8 @@ from worker.extraction.options import (
     PER_SEGMENT_SOURCE_PREFIX,
     TERMINAL_AUDIT_SOURCE,
     CheckpointConflictError,
-    PageChangedError,
 )
+from worker.extraction.page_version import PageVersion, check_page
 from worker.extraction.provider_copies import ProviderCopies
 from worker.extraction.rows import (
     AUDIT_COLUMNS,
@@ -103,16 +101,6 @@ class StoredPage:
     label: str
     checkpoint: CheckpointState | None
     content_hash: str
-
-
-@dataclass(frozen=True)
-class PageVersion:
-    """The page as a run planned it: a commit stores facts only while the page still says what they
-    were drawn from (erased, emptied or edited since: PageChangedError, nothing stored)."""
-
-    page_id: int
-    content_hash: str
-    types: tuple[str, ...]  # the page types the run extracts
 
 
 class ExtractionStore:
@@ -232,7 +220,7 @@ class ExtractionStore:
         """One transaction: the attempts, the facts (rows from ``expected.next_row_num``), the checkpoint
         moved from ``expected`` to ``new`` (or CheckpointConflictError, rolling back all of it), the
         terminal row. Returns how many facts went in. With ``page``, the page row is held ``FOR SHARE``
-        and checked first (see ``_check_page``). With ``skip`` (the reason), the segment failed
+        and checked first (see ``check_page``). With ``skip`` (the reason), the segment failed
         permanently once too often: its last attempt counts as such, a ``skipped`` audit row says why,
         and ``new`` (which lists it among the skipped) moves the checkpoint past it."""
         first_row = expected.next_row_num if expected else 0
@@ -263,7 +251,7 @@ class ExtractionStore:
         committing: list[bool] = []
         with self._spend_kept_on_refusal(spent, committing), self._factory.begin() as session:
             if page is not None:
-                _check_page(session, page, last.slug, new)
+                check_page(session, page, last.slug, new)
             self._write_segment_rows(session, segments)
             rows = [row for s in segments for row in fact_rows(s.facts, s.place, s.first_row)]
             inserted = _insert_facts(session, rows)
@@ -314,7 +302,7 @@ class ExtractionStore:
             rows += fact_rows(facts, place, len(rows))
         with self._factory.begin() as session:
             if page is not None:  # the page first, as every commit and erasure lock it (page, then rows)
-                _check_page(session, page, slug, new)
+                check_page(session, page, slug, new)
             # Before the checkpoint's check: a refusal there rolls them back with the rest.
             self._write_held(session)
             current = session.execute(
@@ -449,34 +437,6 @@ def _state(row: Any) -> CheckpointState:
         row.next_row_num,
         tuple(SkippedSegment.from_json(entry) for entry in row.skipped or ()),
     )
-
-
-def _check_page(session: Session, page: PageVersion, slug: str, new: CheckpointState) -> None:
-    """Hold the page row ``FOR SHARE`` for the commit and raise PageChangedError unless the facts still
-    describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and
-    still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
-    its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
-    # The hash first: the body (megabytes for a long chat) is read only when the page did change.
-    # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
-    # Python per call (py-spy, bench/pipeline.py).
-    row = session.execute(PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
-    if row is None:
-        raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
-    if row.content_hash == page.content_hash:
-        return
-    body = session.execute(
-        select(Page.compiled_truth, Page.timeline).where(Page.id == page.page_id)
-    ).one()  # the row is held FOR SHARE already
-    messages = parse_conversation_messages(page_body(body.compiled_truth, body.timeline))
-    if (
-        row.type not in page.types
-        or len(messages) < new.messages_done
-        or PrefixHasher(messages).digest(new.messages_done) != new.prefix_hash
-    ):
-        raise PageChangedError(
-            f"{slug!r} changed while it was extracted and no longer holds the messages these facts came "
-            "from; they were not stored"
-        )
 
 
 def _insert_facts(session: Session, rows: list[dict[str, Any]]) -> int:

@@ -1,0 +1,66 @@
+"""The page a run planned from, and the check every commit makes that the page still holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from models import Page
+from worker.core.checkpoint import CheckpointState, PrefixHasher
+from worker.core.conversation import parse_conversation_messages
+from worker.extraction.erase import page_body
+from worker.extraction.options import PageChangedError
+from worker.extraction.statements import PAGE_VERSION
+
+
+@dataclass(frozen=True)
+class PageVersion:
+    """The page as a run planned it: a commit stores facts only while the page still says what they
+    were drawn from (erased, emptied or edited since: PageChangedError, nothing stored)."""
+
+    page_id: int
+    content_hash: str
+    types: tuple[str, ...]  # the page types the run extracts
+    # (messages, their prefix digest): what the run planned from, computed when first asked
+    planned: Callable[[], tuple[int, str]] | None = None
+    # Versions found to hold every planned message unchanged (appended to): a later commit of the run
+    # takes them on their hash. Each commit re-read and re-parsed the whole body (megabytes) before.
+    appended: set[str] = field(default_factory=set, compare=False)
+
+
+def check_page(session: Session, page: PageVersion, slug: str, new: CheckpointState) -> None:
+    """Hold the page row ``FOR SHARE`` for the commit and raise PageChangedError unless the facts still
+    describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and
+    still of an extracted type. Erasure and ``store_page`` hold the row ``FOR UPDATE`` while they drop
+    its facts, so a commit runs wholly before them (and is dropped with the rest) or sees their result."""
+    # The hash first: the body (megabytes for a long chat) is read only when the page did change.
+    # Core statements on the tables in the commit path: ORM-enabled ones cost several times as much
+    # Python per call (py-spy, bench/pipeline.py).
+    row = session.execute(PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
+    if row is None:
+        raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
+    if row.content_hash == page.content_hash or (
+        row.content_hash in page.appended and row.type in page.types
+    ):
+        return
+    body = session.execute(
+        select(Page.compiled_truth, Page.timeline).where(Page.id == page.page_id)
+    ).one()  # the row is held FOR SHARE already
+    messages = parse_conversation_messages(page_body(body.compiled_truth, body.timeline))
+    hasher = PrefixHasher(messages)
+    if (
+        row.type not in page.types
+        or len(messages) < new.messages_done
+        or hasher.digest(new.messages_done) != new.prefix_hash
+    ):
+        raise PageChangedError(
+            f"{slug!r} changed while it was extracted and no longer holds the messages these facts came "
+            "from; they were not stored"
+        )
+    if page.planned is not None:
+        count, digest = page.planned()
+        if len(messages) >= count and hasher.digest(count) == digest:
+            page.appended.add(row.content_hash)
