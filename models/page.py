@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, UniqueConstraint, func, select
+from sqlalchemy import BigInteger, CheckConstraint, DateTime, UniqueConstraint, func, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
@@ -14,7 +14,11 @@ from models.base import Base, utcnow_column
 
 class Page(Base):
     __tablename__ = "pages"
-    __table_args__ = (UniqueConstraint("source_id", "slug"),)
+    __table_args__ = (
+        UniqueConstraint("source_id", "slug"),
+        # '|' joins a source and a slug in the keys of jobs, checkpoints and erasures (migration 0037).
+        CheckConstraint("strpos(source_id, '|') = 0", name="source_id"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     source_id: Mapped[str]

@@ -8,6 +8,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import CheckConstraint, create_engine, inspect, pool, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.schema import CreateIndex
 
 import models
@@ -412,6 +413,28 @@ _INDEX_OF = text(
 
 def _without_table(indexdef: str | None) -> str | None:
     return None if indexdef is None else re.sub(r" ON \S+ USING ", " ON t USING ", indexdef)
+
+
+def test_0037_refuses_a_source_id_holding_a_pipe_and_says_what_to_do(server_url: str) -> None:
+    """'|' joins source and slug in jobs', checkpoints' and erasures' keys: a page of source "a|b" and
+    slug "c" and one of source "a" and slug "b|c" shared them. The app refused it; a row written around
+    it (a restore, a script) was taken."""
+    insert = (
+        "INSERT INTO pages (source_id, slug, type, content_hash) VALUES (:source, 'c', 'conversation', 'h')"
+    )
+    with fresh_database(server_url, "pipes") as url:
+        db.upgrade(url, "0036")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(text(insert), {"source": "a|b"})
+        with pytest.raises(Exception, match=r"1 page\(s\) have a source id holding '\|'"):
+            db.upgrade(url)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE pages SET source_id = replace(source_id, '|', '-')"))
+        db.upgrade(url)
+        with pytest.raises(IntegrityError, match="ck_pages_source_id"), engine.begin() as conn:
+            conn.execute(text(insert), {"source": "x|y"})
+        engine.dispose()
 
 
 def test_checks_and_index_definitions_match_models(server_url: str) -> None:

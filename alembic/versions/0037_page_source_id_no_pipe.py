@@ -1,0 +1,40 @@
+"""pages.source_id: no '|', checked by the database too
+
+Revision ID: 0037
+Revises: 0036
+Create Date: 2026-12-05
+
+A page's jobs, checkpoints and erasure digests join its source and slug with '|' (``source|slug``), so a
+source id holding one names two pages at once. Every route and command refuses it
+(worker.core.labels.check_source_id); a row written around them (a restore, a script) was not. The
+check scans the pages once; a database that already holds such a row is refused with what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0037"
+down_revision: str | None = "0036"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    held = op.get_bind().scalar(sa.text("SELECT count(*) FROM pages WHERE strpos(source_id, '|') > 0"))
+    if held:
+        raise RuntimeError(
+            f"{held} page(s) have a source id holding '|', which Factmill cannot tell apart from its "
+            "source|slug keys; give them a source id without one (UPDATE pages SET source_id = "
+            "replace(source_id, '|', '-') WHERE strpos(source_id, '|') > 0, after checking no such "
+            "source exists), then upgrade again"
+        )
+    op.create_check_constraint("source_id", "pages", "strpos(source_id, '|') = 0")
+
+
+def downgrade() -> None:
+    op.drop_constraint("source_id", "pages", type_="check")
