@@ -191,9 +191,9 @@ def set_config(key: str, value: ConfigValue) -> Call[models.ConfigSetOut]:
 
 
 def unset_config(key: str) -> Call[models.ConfigSetOut]:
-    # Only resent when it surely did not arrive: unsetting a key nothing reads removes it from the
-    # table, and a resend of one that went through answers 404 (the unset worked).
-    return Call("DELETE", f"/v1/config/{segment(key)}", models.ConfigSetOut, replayable=False)
+    # Unsetting a key twice leaves it unset: safe to resend. (A resend for a row of a key nothing reads,
+    # which the first one removed, answers 404: such keys are only ever removed, once.)
+    return Call("DELETE", f"/v1/config/{segment(key)}", models.ConfigSetOut)
 
 
 def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:

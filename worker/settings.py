@@ -117,6 +117,10 @@ class Settings(BaseSettings):
     # so faults rarely fail a page, yet a page that kills every worker it touches ends failed.
     job_max_worker_losses: int = Field(default=20, ge=1)
     job_heartbeat_seconds: float = Field(default=10.0, gt=0, le=YEAR_SECONDS)
+    # A worker LISTENs on one connection of its own for its jobs' leases revoked (an erasure), so they
+    # stop before their next LLM call; off behind a transaction-mode pooler, where LISTEN cannot work
+    # (the jobs then stop at their next heartbeat).
+    job_revocation_listen: bool = True
     # Running with an older heartbeat = lost: at least two heartbeats (checked below).
     job_stale_after_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     job_requeue_after_seconds: float = Field(default=300.0, gt=0, le=YEAR_SECONDS)  # queued this long = lost

@@ -196,12 +196,6 @@ def test_retry_after_as_an_http_date_is_waited_for_or_raised():
     assert policy.after_response(calls.ingest({}, None), proxied, 1) is None  # past the cap: raised
 
 
-def test_an_unset_is_resent_only_when_it_surely_did_not_arrive():
-    # A resend of an unset that went through answers 404 for a key nothing reads: the caller saw
-    # NotFound for an unset that worked.
-    assert calls.unset_config("facts.extraction_enabled").replayable is False
-
-
 def test_api_errors_cross_a_process_boundary():
     error = errors.error_for(httpx.Response(409, json={"detail": "busy"}, headers={"Retry-After": "3"}))
     again = pickle.loads(pickle.dumps(error))

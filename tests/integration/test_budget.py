@@ -74,7 +74,7 @@ def test_bad_budget_values_are_refused_at_config_set(session):
     with pytest.raises(ValueError, match=r"llm\.prices"):
         set_config(session, "llm.prices", '{"m": {"input": 1}}')
     for key in ("llm.budget_daily_usd", "llm.budget_job_usd", "llm.prices", "facts.extraction_enabled"):
-        with pytest.raises(ValueError, match="needs a value; .* unset it"):  # before: a blank cap was none
+        with pytest.raises(ValueError, match=r"needs a value; .* unset it"):  # before: a blank cap was none
             set_config(session, key, "   ")
 
 

@@ -459,7 +459,10 @@ def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: ses
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
     assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
-    assert row.split_method == "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases"
+    assert row.split_method == (
+        "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases; "
+        "never tau=1 on a lost case at full coverage"
+    )
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 

@@ -461,3 +461,10 @@ def test_a_stray_quote_names_every_line_it_swallowed() -> None:
     assert [line for line, _ in parsed.good] == [1, 5]
     [(line, message)] = parsed.errors
     assert line == 2 and "lines 2 to 4 were read as one row" in message
+    # Opened in a comment or past the field limit, it named nothing, or only its first line.
+    commented = 'coverage,answer_kept,origin\n#note,"oops\n0.5,true,a\n0.7,true,"c"\n0.8,true,d\n'
+    parsed = parse_observations_csv(commented, default_origin="csv", file_digest="d")
+    assert [line for line, _ in parsed.good] == [5] and "lines 2 to 4 were read" in parsed.errors[0][1]
+    overlong = '0.5,1,"oops\n' + "0.5,1,a\n" * 20_000
+    parsed = parse_observations_csv(overlong, default_origin="csv", file_digest="d")
+    assert any("lines 1 to " in message for _, message in parsed.errors), parsed.errors[:2]

@@ -120,11 +120,18 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
                 break
             previous_end = reader.line_num
             rows += 1
-            errors.append((start, f"unreadable CSV: {exc}"))
+            spanned = f" ({_spanning(start, reader.line_num)})" if reader.line_num > start else ""
+            errors.append((start, f"unreadable CSV: {exc}{spanned}"))
             continue
         previous_end = reader.line_num
         cells = [cell.strip() for cell in record]
         if not any(cells):
+            continue
+        if reader.line_num > start:  # a quoted value crossed a line end: no value here may hold one
+            rows += 1  # (whatever it was, a comment or a header too: the lines it took are named)
+            if len(comments) + rows > MAX_CSV_ROWS:
+                raise _too_many()
+            errors.append((start, _spanning(start, reader.line_num)))
             continue
         if cells[0].startswith("#"):
             comments.append(start)
@@ -138,9 +145,6 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
         rows += 1
         if len(comments) + rows > MAX_CSV_ROWS:
             raise _too_many()
-        if reader.line_num > start:  # a quoted value crossed a line end: no value here may hold one
-            errors.append((start, _spanning(start, reader.line_num)))
-            continue
         width_error = _width_error(cells, columns)
         if width_error is not None:
             errors.append((start, width_error))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
+from worker.core.errors import error_summary
 from worker.extraction.backfill import BackfillDeps, BackfillPass, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import (
@@ -18,11 +20,15 @@ from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
+from worker.jobs.leases import LeaseLostError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, register
+from worker.jobs.shutdown import WorkerStoppingError
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
+
+logger = logging.getLogger(__name__)
 
 
 def follow_ups(rt: Runtime) -> tuple[FactsCommitted | None, list[tuple[str, str]]]:
@@ -109,8 +115,17 @@ def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
     backfill_id = int(ctx.option("backfill"))
     if batch_unavailable(ctx.rt.settings) is not None:
         return paused
-    with open_batch_client(ctx.rt.settings) as client:
-        cancelled = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
+    try:
+        with open_batch_client(ctx.rt.settings) as client:
+            cancelled = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
+    except (LeaseLostError, WorkerStoppingError):
+        raise
+    except Exception as exc:  # the provider away: the pass asks again once the switch is on, and a
+        # switched-off job spends none of its attempts (they end a backfill's job, stranding its batches)
+        logger.warning(
+            "backfill %s: cancelling while switched off failed (%s)", backfill_id, error_summary(exc)
+        )
+        return paused
     if not cancelled:
         return paused
     note = (

@@ -202,6 +202,7 @@ class Heartbeat:
         interval: float,
         stall_after: float | None = None,
         stale_after: float | None = None,
+        listen: bool = True,  # for a revocation (worker.jobs.revocations) besides the beats
     ) -> None:
         self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
         self.stall_after, self.stale_after = stall_after, stale_after
@@ -211,7 +212,7 @@ class Heartbeat:
         self._revoked = threading.Event()  # set by worker.jobs.revocations the moment a transaction says so
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
         bind = factory.kw.get("bind")
-        self._engine = bind if isinstance(bind, Engine) else None
+        self._engine = bind if isinstance(bind, Engine) and listen else None
         self._unwatch: Callable[[], None] = lambda: None
 
     def _stalled(self) -> bool:
@@ -269,9 +270,9 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         progress.listen(self.touch)  # entered on the job's own thread
+        self._thread.start()  # first: the watch may wait for its listener, the beats may not
         if self._engine is not None:
             self._unwatch = revocations.watch(self._engine, self.job_id, self._revoked)
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

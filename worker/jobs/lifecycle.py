@@ -203,6 +203,7 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
             settings.job_heartbeat_seconds,
             stall_after,
             settings.job_stale_after_seconds,
+            listen=settings.job_revocation_listen,
         ) as beat:
 
             def guard() -> None:  # called between segments: lost the lease? is the worker stopping?

@@ -33,8 +33,9 @@ _IDS_PER_NOTICE = 500
 _READY_WAIT_SECONDS = 2.0
 _RECONNECT_SECONDS = 2.0
 _POLL_SECONDS = 0.5
-# A listener outlives its last job by this much, so a worker running job after job keeps one connection.
-_LINGER_SECONDS = 5.0
+# A listener outlives its last job by this much, so a worker fed a job now and then keeps its connection
+# (each new one is a connect and a LISTEN before the job's first call).
+_LINGER_SECONDS = 60.0
 
 
 def announce_revoked(session: Session, job_ids: Iterable[int]) -> None:
@@ -85,6 +86,12 @@ class _Listener:
             if not self.watched:
                 self.idle_since = time.monotonic()
 
+    def _unwatched(self) -> bool:
+        with self.lock:
+            if not self.watched:
+                self.closing = True
+            return self.closing
+
     def _idle(self) -> bool:
         with self.lock:
             if not self.watched and time.monotonic() - self.idle_since > _LINGER_SECONDS:
@@ -107,10 +114,12 @@ class _Listener:
                 try:
                     self._listen()
                 except Exception as exc:  # the heartbeat still covers every job; try again shortly
+                    self.settled.set()
+                    if self._unwatched():  # (its database dropped, or restarting): none to try for
+                        return
                     if not warned:
                         logger.warning("lease revocations not heard (%s); retrying", error_summary(exc))
                         warned = True
-                    self.settled.set()
                     time.sleep(_RECONNECT_SECONDS)
         finally:
             _forget(self)
