@@ -471,6 +471,13 @@ def test_a_swap_given_up_records_its_earlier_results_as_discarded_not_done(facto
     assert not any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))  # the old facts stand
 
 
+def test_max_segments_has_one_bound_for_the_api_and_the_cli(factory):
+    """The API refused more than 10,000,000 and the CLI took any bigint: one operation, two rules."""
+    seed_pages(factory, "bf", 1)
+    with pytest.raises(ValueError, match="max_segments must be from 1 to 10,000,000"):
+        start(factory, "bf", max_segments=10_000_001)
+
+
 def test_a_page_left_for_another_run_takes_none_of_max_segments(factory, rt, sim):
     """The plans counted a page re-extracted whole against max_segments before it was left out: the
     first page used the limit up, nothing was planned, and every run with that limit did the same."""

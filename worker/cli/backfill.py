@@ -21,10 +21,10 @@ from worker.cli.console import (
     when,
 )
 from worker.cli.sessions import checked_factory
-from worker.core.jsonvalues import BIGINT_MAX
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
+    MAX_BACKFILL_SEGMENTS,
     BackfillSelection,
     NothingToBackfillError,
     request_backfill,
@@ -52,7 +52,7 @@ def backfill(
     since: Annotated[str | None, typer.Option(help="Only segments after this ISO-8601 time.")] = None,
     slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
     max_segments: Annotated[
-        int | None, typer.Option(min=1, max=BIGINT_MAX, help="At most this many requests.")
+        int | None, typer.Option(min=1, max=MAX_BACKFILL_SEGMENTS, help="At most this many requests.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:

@@ -90,14 +90,18 @@ def backfill_subject(backfill_id: int) -> str:
     return f"backfill:{backfill_id}"
 
 
+# The most segments one backfill may plan (the API's and the CLI's bound: one rule).
+MAX_BACKFILL_SEGMENTS = 10_000_000
+
+
 def request_backfill(
     session: Session, selection: BackfillSelection, created_by: str | None = None
 ) -> tuple[int, int]:
     """Store a backfill and request its batch_extraction job in the caller's transaction; returns
     (backfill id, job id): enqueue the job once that transaction commits."""
     validate_since(selection.since_iso, selection.force)
-    if selection.max_segments is not None and selection.max_segments < 1:
-        raise ValueError("--max-segments must be at least 1")
+    if selection.max_segments is not None and not 1 <= selection.max_segments <= MAX_BACKFILL_SEGMENTS:
+        raise ValueError(f"max_segments must be from 1 to {MAX_BACKFILL_SEGMENTS:,}")
     if not _matches_a_page(session, selection):
         narrowed = f" whose slug starts with {selection.slug_prefix!r}" if selection.slug_prefix else ""
         raise NothingToBackfillError(

@@ -26,6 +26,7 @@ from worker.extraction.backfill_admin import (
 )
 from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
+    MAX_BACKFILL_SEGMENTS,
     BackfillSelection,
     NothingToBackfillError,
     request_backfill,
@@ -45,7 +46,7 @@ class BackfillIn(BaseModel):
     since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=500)] = None
     max_segments: (
-        Annotated[int, Strict(), Field(ge=1, le=10_000_000), BeforeValidator(json_integer)] | None
+        Annotated[int, Strict(), Field(ge=1, le=MAX_BACKFILL_SEGMENTS), BeforeValidator(json_integer)] | None
     ) = None  # a JSON integer: true is not 1
 
 
