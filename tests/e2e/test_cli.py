@@ -279,12 +279,14 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
         ["facts", "restore", too_big],
         ["backfill", "show", too_big],
         ["backfill", "cancel", too_big],
-        ["backfill", "--max-segments", too_big],
         ["calibration", "add", "--coverage", "0.5", "--kept", "--compaction-id", too_big],
     ):
         bad_id = cli(*command, check=False)
         assert bad_id.returncode == 2 and "Traceback" not in bad_id.stderr, command
         assert "Invalid value for" in bad_id.stderr and "9223372036854775807" in bad_id.stderr, command
+    # The API's bound, one rule (the CLI took any bigint).
+    over = cli("backfill", "--max-segments", "10000001", check=False)
+    assert over.returncode == 2 and "Invalid value for" in over.stderr and "10000000" in over.stderr
     # An unknown job kind listed nothing, as if there were no such jobs; --status already said so.
     bad_kind = cli("jobs", "list", "--kind", "extracton", check=False)
     assert bad_kind.returncode == 2 and "--kind must be one of extraction," in bad_kind.stderr

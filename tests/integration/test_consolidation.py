@@ -735,6 +735,41 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     assert {d for d, _ in decisions(factory)} == {"new", "duplicate", "updates"}
 
 
+def test_the_cli_run_leaves_an_entity_a_worker_is_consolidating_and_runs_the_rest_as_jobs(
+    factory, database_url, simulator
+) -> None:
+    """`factmill facts consolidate` ran beside a worker's job for the same entity: both asked the model
+    about the same pairs, and paid twice. It now runs each entity as its job, under its lease."""
+    from sqlalchemy import update
+
+    from tests.cli import invoke_cli
+    from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, JAN_PAGE)
+    extract(factory, llm, MAR_PAGE)
+    env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+    subject = page_subject("default", ALICE)
+    with factory.begin() as session:  # a worker holds Alice's job now (its heartbeat is fresh)
+        job_id = request_job(session, CONSOLIDATION, subject).job_id
+        session.execute(
+            update(Job).where(Job.id == job_id).values(status="running", worker="w1", heartbeat_at=func.now())
+        )
+    before = calls(factory)
+    held = invoke_cli(database_url, "facts", "consolidate", "--entity", ALICE, **env)
+    assert held.exit_code == 0 and f"job {job_id} is consolidating it now" in held.output, held.output
+    assert calls(factory) == before and decisions(factory) == []
+    with factory.begin() as session:  # the worker finished (or died): the CLI runs it as that job
+        session.execute(update(Job).where(Job.id == job_id).values(status="failed", worker=None))
+    done = invoke_cli(database_url, "facts", "consolidate", "--entity", ALICE, **env)
+    assert done.exit_code == 0 and {d for d, _ in decisions(factory)} == {"new", "duplicate", "updates"}
+    with factory() as session:
+        ran = session.scalars(select(Job).where(Job.kind == CONSOLIDATION, Job.subject == subject)).all()
+    assert [j.status for j in ran if j.id != job_id] == ["succeeded"]  # its run is in the job history
+
+
 def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrote(factory, llm) -> None:
     """Alice's facts are on two pages, so erasing one renames no key and held no checkpoint: a
     consolidation commit in flight inserted a reason quoting a fact of the erased page unseen by the

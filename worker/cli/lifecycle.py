@@ -8,6 +8,7 @@ import typer
 
 from worker.cli.console import (
     counting_bar,
+    err,
     fail,
     folding_table,
     id_argument,
@@ -19,17 +20,11 @@ from worker.cli.console import (
 from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.config_store import CONSOLIDATION_ENABLED
+from worker.consolidation.job import RunHere, consolidate_here
 from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
-from worker.consolidation.service import (
-    ConsolidationCounters,
-    ConsolidationReplyError,
-    EntityRun,
-    consolidate_entity,
-)
-from worker.consolidation.store import ConsolidationStore, unconsolidated_entity_keys
+from worker.consolidation.service import ConsolidationCounters
+from worker.consolidation.store import unconsolidated_entity_keys
 from worker.core.consolidation import typed_entity_key
-from worker.jobs.registry import KillSwitchOffError
-from worker.llm.errors import LLMError
 from worker.runtime import build_runtime
 from worker.settings import get_settings
 
@@ -109,6 +104,15 @@ def restore_command(
     _undo("restore", fact_id, by)
 
 
+def _stop_unless_done(done: RunHere) -> None:
+    """End the command (one line, no traceback) on a run that stopped: the kill switch turned off during
+    it (3), a budget spent, the provider or an unusable reply (1; the job is left to retry or resume)."""
+    if done.status in ("succeeded", "held"):
+        return
+    said = f"consolidation stopped (job {done.job_id}, {done.status}): {done.note or 'no reason given'}"
+    raise fail(said, code=3 if done.note and CONSOLIDATION_ENABLED in done.note else 1)
+
+
 @stops_on_signals
 def consolidate_command(
     source_id: Annotated[str, source_option(help="The source whose facts to consolidate.")] = "default",
@@ -134,29 +138,26 @@ def consolidate_command(
             code=3,
         )
 
-    def guard() -> None:
-        if not override_disabled and not runtime.config.enabled(CONSOLIDATION_ENABLED):
-            raise KillSwitchOffError(f"stopped: {CONSOLIDATION_ENABLED} was turned off")
-
     total = ConsolidationCounters()
+    held: list[str] = []
     try:
         with factory() as session:
             keys = [typed_entity_key(entity)] if entity else unconsolidated_entity_keys(session, source_id)
-        store = ConsolidationStore(factory, runtime.ledger)
         with counting_bar("entities", len(keys)) as advance:  # each may take many LLM calls
             for key in keys:
-                done = consolidate_entity(store, runtime.llm, EntityRun(source_id, key, guard=guard))
-                total.facts_considered += done.facts_considered
-                total.llm_calls += done.llm_calls
-                for kind, n in done.decisions.items():
-                    total.decisions[kind] = total.decisions.get(kind, 0) + n
+                done = consolidate_here(runtime, source_id, key, override_switch=override_disabled)
+                _stop_unless_done(done)
+                if done.status == "held":
+                    held.append(f"{key} ({done.note})")
+                total.facts_considered += int(done.counters.get("facts_considered", 0))
+                total.llm_calls += int(done.counters.get("llm_calls", 0))
+                for kind, n in dict(done.counters.get("decisions", {})).items():
+                    total.decisions[kind] = total.decisions.get(kind, 0) + int(n)
                 advance()
-    except KillSwitchOffError as exc:
-        raise fail(str(exc), code=3) from exc
-    except (LLMError, ConsolidationReplyError) as exc:  # a spent budget, the provider, an unusable reply
-        raise fail(f"consolidation stopped: {exc}") from exc
     finally:
         runtime.close()
+    for entry in held:
+        err.print(styled(("skipped:", "yellow"), f" {entry}; a worker consolidates it"), highlight=False)
     decided = ", ".join(f"{n} {kind}" for kind, n in sorted(total.decisions.items())) or "nothing"
     out.print(
         f"{len(keys)} entit{'y' if len(keys) == 1 else 'ies'}, {total.facts_considered} fact(s): {decided}; "

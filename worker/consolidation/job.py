@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
+from sqlalchemy import select
+
+from models import Job
 from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation import catch_up_consolidation
 from worker.consolidation.service import ConsolidationReplyError, EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore
-from worker.jobs.lifecycle import JobContext, WorkResult
+from worker.jobs.lifecycle import JobContext, WorkResult, run_job
 from worker.jobs.maintenance import sweep_step
-from worker.jobs.outbox import CONSOLIDATION, split_page_subject
+from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, KillSwitchOffError, register
 from worker.runtime import Runtime
 
@@ -38,6 +43,36 @@ def consolidate_job(ctx: JobContext) -> WorkResult:
     counters = consolidate_entity(ConsolidationStore(rt.factory, rt.ledger), rt.llm, run)
     note = None if counters.facts_considered else "nothing to consolidate: every fact was decided"
     return WorkResult("succeeded", counters=counters.as_dict(), note=note)
+
+
+@dataclass(frozen=True)
+class RunHere:
+    """How an entity's consolidation run here and now ended (``consolidate_here``)."""
+
+    status: str  # a JobOutcome's status, or "held": a worker is consolidating the entity now
+    job_id: int
+    counters: dict[str, Any]
+    note: str | None
+
+
+def consolidate_here(rt: Runtime, source_id: str, key: str, *, override_switch: bool = False) -> RunHere:
+    """One entity consolidated in this process, as its consolidation job (its lease, budget and
+    history): run beside a worker's job for the same entity, `factmill facts consolidate` paid for
+    the same pairs twice. An entity a worker is consolidating now is left to it ("held")."""
+    subject = page_subject(source_id, key)
+    with rt.factory.begin() as session:
+        running = session.scalar(
+            select(Job.id).where(Job.kind == CONSOLIDATION, Job.subject == subject, Job.status == "running")
+        )
+        if running is not None:  # (asked for again, it would be run once more after the worker's)
+            return RunHere("held", running, {}, f"job {running} is consolidating it now")
+        job_id = request_job(session, CONSOLIDATION, subject).job_id
+    outcome = run_job(rt, job_id, CONSOLIDATION, override_switch=override_switch)
+    with rt.factory() as session:
+        job = session.get(Job, job_id)
+        counters, note = (dict(job.counters or {}), job.last_error) if job is not None else ({}, None)
+    status = "held" if outcome.status == "skipped" else outcome.status
+    return RunHere(status, job_id, counters, note or outcome.detail or None)
 
 
 @sweep_step("consolidations_caught_up")

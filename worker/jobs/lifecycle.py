@@ -101,9 +101,10 @@ class JobContext:
     # The lease alone, for writing what is already paid for: the guard also raises once the worker
     # begins to stop, which threw away a summary answered and paid for (a rolling deploy).
     lease: Callable[[], None] = field(default=lambda: None)
+    switch_overridden: bool = False  # an operator's one-off run despite the kill switch (the CLI's)
 
     def enabled(self) -> bool:
-        return self.rt.config.enabled(self.kind.switch)
+        return self.switch_overridden or self.rt.config.enabled(self.kind.switch)
 
     def option(self, name: str, default: Any = None) -> Any:
         return self.job.options.get(name, default)
@@ -155,15 +156,23 @@ class Lease:
     token: str
 
 
-def run_job(rt: Runtime, job_id: int, kind: JobKind | str, backoff: Backoff | None = None) -> JobOutcome:
-    """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
+def run_job(
+    rt: Runtime,
+    job_id: int,
+    kind: JobKind | str,
+    backoff: Backoff | None = None,
+    *,
+    override_switch: bool = False,
+) -> JobOutcome:
+    """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs.
+    ``override_switch``: an operator's one-off run here and now despite the kind's kill switch."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
     attributes: dict[str, str | int] = {"factmill.job.id": job_id, "factmill.job.kind": spec.name}
     with (
         log_context(job_id=job_id, job_kind=spec.name),
         tracing.span(f"job {spec.name}", attributes, parent=_stored_traceparent(rt, job_id)),
     ):
-        outcome = _run_job(rt, job_id, spec, backoff)
+        outcome = _run_job(rt, job_id, spec, backoff, override_switch)
         tracing.annotate("factmill.job.outcome", outcome.status)
     return outcome
 
@@ -175,7 +184,9 @@ def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
     return traceparents(rt.factory, [job_id]).get(job_id)
 
 
-def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -> JobOutcome:
+def _run_job(
+    rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None, override_switch: bool
+) -> JobOutcome:
     if stopping():  # a message this worker took before it began to stop: pass it on untouched
         enqueue(rt.factory, [(job_id, spec.name)])
         return JobOutcome("released", detail="the worker is stopping; message re-sent")
@@ -190,7 +201,9 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
     lease = Lease(job, token)
     if job.kind != spec.name:
         result = WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
-    elif (switched_off := not rt.config.enabled(spec.switch)) and spec.while_switched_off is None:
+    elif (
+        switched_off := not override_switch and not rt.config.enabled(spec.switch)
+    ) and spec.while_switched_off is None:
         result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     else:
         work = spec.while_switched_off if switched_off and spec.while_switched_off else spec.work
@@ -211,7 +224,7 @@ def _run_job(rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None) -
                 check_stopping()
 
             try:
-                result = work(JobContext(rt, job, spec, guard, beat.check))
+                result = work(JobContext(rt, job, spec, guard, beat.check, override_switch))
             except Exception as exc:
                 result = result_for_error(spec, exc)
     return settle(rt, lease, result, backoff or spec.backoff)
