@@ -6,8 +6,12 @@ Create Date: 2026-12-05
 
 A page's jobs, checkpoints and erasure digests join its source and slug with '|' (``source|slug``), so a
 source id holding one names two pages at once. Every route and command refuses it
-(worker.core.labels.check_source_id); a row written around them (a restore, a script) was not. The
-check scans the pages once; a database that already holds such a row is refused with what to do.
+(worker.core.labels.check_source_id); a row written around them (a restore, a script) was not.
+
+The constraint goes on NOT VALID here (a moment's lock, no scan: every row written from now on is
+checked) and 0038 validates the rows already there, a scan that lets reads and writes go on (checked
+while adding it, the scan held every webhook, commit and search on the pages). A database that already
+holds such a row is refused first, with what to do.
 """
 
 from __future__ import annotations
@@ -25,15 +29,21 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    held = op.get_bind().scalar(sa.text("SELECT count(*) FROM pages WHERE strpos(source_id, '|') > 0"))
+    held = op.get_bind().scalar(
+        sa.text("SELECT EXISTS (SELECT 1 FROM pages WHERE strpos(source_id, '|') > 0)")
+    )
     if held:
         raise RuntimeError(
-            f"{held} page(s) have a source id holding '|', which Factmill cannot tell apart from its "
+            "some page has a source id holding '|', which Factmill cannot tell apart from its "
             "source|slug keys; give them a source id without one (UPDATE pages SET source_id = "
             "replace(source_id, '|', '-') WHERE strpos(source_id, '|') > 0, after checking no such "
             "source exists), then upgrade again"
         )
-    op.create_check_constraint("source_id", "pages", "strpos(source_id, '|') = 0")
+    op.execute(
+        sa.text(
+            "ALTER TABLE pages ADD CONSTRAINT ck_pages_source_id CHECK (strpos(source_id, '|') = 0) NOT VALID"
+        )
+    )
 
 
 def downgrade() -> None:

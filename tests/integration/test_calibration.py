@@ -459,10 +459,7 @@ def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: ses
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
     assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
-    assert row.split_method == (
-        "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases; "
-        "never tau=1 on a lost case at full coverage"
-    )
+    assert row.split_method == "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases"
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 
@@ -553,6 +550,25 @@ def test_nothing_new_writes_nothing_unless_forced(tx_factory: sessionmaker[Sessi
     assert other_alpha.version == first.version + 1
     forced = recompute(tx_factory, force=True, **(PARAMS | {"alpha": 0.2}))
     assert forced.version == first.version + 2
+
+
+def test_an_active_tau_of_one_an_earlier_release_activated_is_retired_at_the_next_recompute(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """Only a lost case at full coverage puts τ at 1.0, and no version activates so now; one an earlier
+    release activated reverted every summary short of full coverage, and "unchanged" kept it."""
+    add(tx_factory, separated())
+    first = recompute(tx_factory, **PARAMS)
+    with tx_factory.begin() as session:  # as the earlier rule left it: τ = 1.0, active
+        session.execute(update(CalibrationThreshold).values(tau=1.0))
+    assert current(tx_factory).tau == 1.0
+    again = recompute(tx_factory, **PARAMS)  # the τ=1 version's own inputs: it was "unchanged"
+    assert again.outcome == "activated" and 0 < current(tx_factory).tau < 1.0, again
+    with tx_factory.begin() as session:
+        session.execute(update(CalibrationThreshold).where(CalibrationThreshold.active).values(tau=1.0))
+    kept = recompute(tx_factory, **(PARAMS | {"min_observations": 1000}))  # and not earned again
+    assert kept.outcome == "kept" and current(tx_factory) == FALLBACK, kept
+    assert f"version {first.version + 1} (τ=1) accepts only full coverage" in kept.reason
 
 
 def test_a_version_made_under_other_rules_is_recomputed_and_retired_unless_earned_again(

@@ -213,10 +213,18 @@ def _succession(
     (before an activating one is written). An active version made under rules this release does not
     hold to (an activation on "1 of 1 kept"), and not earned again under these, is retired: it stayed
     active for good, the gates on a τ nothing supports."""
-    if activate or current.version is None or versions.method_of(current.version) == METHOD:
+    if activate or current.version is None:
+        return describe_succession(activate, current), current
+    if current.tau >= 1.0:
+        # Only a lost case at full coverage puts τ at 1.0, and no version activates so now (evaluate):
+        # one an earlier release activated reverted every summary short of full coverage.
+        why = "accepts only full coverage, where a case lost the answer"
+    elif versions.method_of(current.version) != METHOD:
+        why = "was made under other rules"
+    else:
         return describe_succession(activate, current), current
     versions.retire_active()
-    retired = f"; version {current.version} (τ={describe_tau(current.tau)}) was made under other rules"
+    retired = f"; version {current.version} (τ={describe_tau(current.tau)}) {why}"
     return f"{retired} and is retired" + describe_succession(False, FALLBACK), FALLBACK
 
 
@@ -246,7 +254,9 @@ def recompute(
         # Counted in Postgres before anything is loaded: an hourly schedule with no new feedback read
         # every observation ever stored into Python to find that out (bench/recompute_unchanged.py).
         inputs = (*versions.extent(), alpha, target_recall, min_observations, METHOD)
-        stale = current.version is not None and versions.method_of(current.version) != METHOD
+        stale = current.version is not None and (
+            current.tau >= 1.0 or versions.method_of(current.version) != METHOD  # (_succession retires it)
+        )
         if not force and latest is not None and _computed_from(latest) == inputs and not stale:
             logger.info("calibration unchanged since version %s; nothing written", latest.version)
             return _result("unchanged", latest, current)

@@ -120,7 +120,12 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
                 break
             previous_end = reader.line_num
             rows += 1
-            spanned = f" ({_spanning(start, reader.line_num)})" if reader.line_num > start else ""
+            spanned = (
+                f" (lines {start} to {reader.line_num} were read as one value before the reader gave up: "
+                "none of them was imported)"
+                if reader.line_num > start
+                else ""
+            )
             errors.append((start, f"unreadable CSV: {exc}{spanned}"))
             continue
         previous_end = reader.line_num
@@ -128,7 +133,10 @@ def parse_observations_csv(content: str, *, default_origin: str, file_digest: st
         if not any(cells):
             continue
         if reader.line_num > start:  # a quoted value crossed a line end: no value here may hold one
-            rows += 1  # (whatever it was, a comment or a header too: the lines it took are named)
+            if cells[0].startswith("#"):  # a comment still (a header may come after it)
+                comments.append(start)
+            else:
+                rows += 1
             if len(comments) + rows > MAX_CSV_ROWS:
                 raise _too_many()
             errors.append((start, _spanning(start, reader.line_num)))

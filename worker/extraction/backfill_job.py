@@ -7,7 +7,6 @@ from dataclasses import replace
 
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
-from worker.core.errors import error_summary
 from worker.extraction.backfill import BackfillDeps, BackfillPass, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import (
@@ -20,11 +19,10 @@ from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
-from worker.jobs.leases import LeaseLostError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, register
-from worker.jobs.shutdown import WorkerStoppingError
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
+from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -95,43 +93,42 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
     )
 
 
-def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> int:
-    """A cancelled backfill's batches cancelled (unsent ones never go), nothing collected; how many."""
+def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int]:
+    """A cancelled backfill's batches cancelled (unsent ones never go), nothing collected: (how many,
+    how many of them the provider refused: asked again by the next pass)."""
     backfill = BackfillStore(deps.factory).load(backfill_id)
     if backfill is None or not backfill.cancel_requested or backfill.status in ("done", "cancelled"):
-        return 0
+        return 0, 0
     run = BackfillPass(deps, backfill)
     batches = run.store.batches(backfill_id, ("planned", "submitting", "submitted"))
+    refused = 0
     for batch in batches:
-        run.cancel(batch)
-    return len(batches)
+        try:
+            run.cancel(batch)
+        except LLMError as exc:  # this one only: the others are still cancelled
+            refused += 1
+            logger.warning("backfill %s: cancelling batch %s failed (%s)", backfill_id, batch.key, exc)
+    return len(batches), refused
 
 
 def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
     """A backfill cancelled while extraction is switched off: its batches are cancelled at the provider
     now (the switch held the cancel back, and they ran on, paid for, for up to a day); what they
-    finished is collected once the switch is on again. Otherwise it pauses for the switch as any job."""
+    finished is collected once the switch is on again. Otherwise it pauses for the switch as any job.
+    A batch the provider refuses to cancel is asked again by the pass once the switch is on (the job
+    waits for the switch: it spends no attempt); a database error goes to the common rules."""
     paused = WorkResult("paused", note=paused_reason(EXTRACTION_ENABLED), pause_reason=KILL_SWITCH)
     backfill_id = int(ctx.option("backfill"))
     if batch_unavailable(ctx.rt.settings) is not None:
         return paused
-    try:
-        with open_batch_client(ctx.rt.settings) as client:
-            cancelled = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
-    except (LeaseLostError, WorkerStoppingError):
-        raise
-    except Exception as exc:  # the provider away: the pass asks again once the switch is on, and a
-        # switched-off job spends none of its attempts (they end a backfill's job, stranding its batches)
-        logger.warning(
-            "backfill %s: cancelling while switched off failed (%s)", backfill_id, error_summary(exc)
-        )
-        return paused
+    with open_batch_client(ctx.rt.settings) as client:
+        cancelled, refused = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
     if not cancelled:
         return paused
-    note = (
-        f"{paused.note}; {cancelled} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
-    )
-    return replace(paused, note=note)
+    done = f"{cancelled - refused} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
+    if refused:
+        done += f"; the provider refused to cancel {refused} (asked again then)"
+    return replace(paused, note=f"{paused.note}; {done}")
 
 
 KIND = register(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.config_store import ConfigReader
@@ -82,7 +81,7 @@ class PagePlanner:
             )
         hasher = PrefixHasher(messages)
         version = PageVersion(
-            ref.page_id, stored.content_hash, page_types(self.config), planned_digest(messages)
+            ref.page_id, stored.content_hash, page_types(self.config), PlannedDigest(messages)
         )
         del stored  # the body may be large: keep only its messages
         # A forced run starts over, but keeps the checkpoint it saw: its swap is refused if another run
@@ -108,7 +107,18 @@ class PagePlanner:
         )
 
 
-def planned_digest(messages: Sequence[Message]) -> Callable[[], tuple[int, str]]:
+class PlannedDigest:
     """(how many, their prefix digest) of the messages a run planned from, computed once if a commit
-    finds the page changed (a pass over every message that a run with no append never needs)."""
-    return functools.cache(lambda: (len(messages), PrefixHasher(messages).digest(len(messages))))
+    finds the page changed (a pass over every message that a run with no append never needs); the
+    messages are let go once it is (a page's version outlives its plan)."""
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages: Sequence[Message] | None = messages
+        self._digest: tuple[int, str] | None = None
+
+    def __call__(self) -> tuple[int, str]:
+        if self._digest is None:
+            messages = self._messages or ()
+            self._digest = (len(messages), PrefixHasher(messages).digest(len(messages)))
+            self._messages = None
+        return self._digest

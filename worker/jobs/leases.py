@@ -272,7 +272,11 @@ class Heartbeat:
         progress.listen(self.touch)  # entered on the job's own thread
         self._thread.start()  # first: the watch may wait for its listener, the beats may not
         if self._engine is not None:
-            self._unwatch = revocations.watch(self._engine, self.job_id, self._revoked)
+            try:
+                self._unwatch = revocations.watch(self._engine, self.job_id, self._revoked)
+            except BaseException:  # (no thread to spare): no __exit__ comes, so the beats stop here
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:

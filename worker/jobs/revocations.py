@@ -56,9 +56,11 @@ class _Listener:
     closes once no job has been watched for a moment (tests drop databases, and an idle process
     holds no connection for it)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, job_id: int, revoked: threading.Event) -> None:
         self.engine = engine
-        self.watched: dict[int, set[threading.Event]] = {}
+        # Its first job watched before its thread starts: a first connect failing at once found nothing
+        # watched and closed the listener before the job was in.
+        self.watched: dict[int, set[threading.Event]] = {job_id: {revoked}}
         self.lock = threading.Lock()
         self.settled = (
             threading.Event()
@@ -166,8 +168,7 @@ def watch(engine: Engine, job_id: int, revoked: threading.Event) -> Callable[[],
     with _listeners_lock:
         listener = _listeners.get(id(engine))
         if listener is None or not listener.watch(job_id, revoked):
-            listener = _listeners[id(engine)] = _Listener(engine)
-            listener.watch(job_id, revoked)
+            listener = _listeners[id(engine)] = _Listener(engine, job_id, revoked)
             started = listener
         else:
             started = None
