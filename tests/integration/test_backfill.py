@@ -1061,13 +1061,19 @@ def test_a_pass_that_ends_waiting_on_its_batches_starts_the_job_s_budgets_over(f
     assert drive(rt, job_id).status == "succeeded"
 
 
-def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
+def sent_then_switched_off(factory: sessionmaker[Session], rt: Runtime, sim: Simulator) -> tuple[int, int]:
+    """A backfill of two pages whose batch was sent (it runs an hour), then extraction switched off."""
     seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"  # sent; waiting for the batch
     with factory.begin() as session:
         set_config(session, "facts.extraction_enabled", "false")
+    return backfill_id, job_id
+
+
+def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
+    backfill_id, job_id = sent_then_switched_off(factory, rt, sim)
     sim.end_batches()
     assert run_pass(rt, job_id).status == "paused"
     job = job_row(factory, job_id)
@@ -1084,12 +1090,7 @@ def test_the_kill_switch_pauses_collection_and_resumes_it(factory, rt, sim):
 def test_a_cancel_while_extraction_is_switched_off_cancels_the_batches_at_the_provider(factory, rt, sim):
     """The cancel woke no job paused by the kill switch (and a woken one paused again before its pass):
     the batches ran on at the provider, paid for, until someone turned extraction back on."""
-    seed_pages(factory, "bf", 2)
-    sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = start(factory, "bf")
-    assert run_pass(rt, job_id).status == "paused"  # sent; waiting for the batch
-    with factory.begin() as session:
-        set_config(session, "facts.extraction_enabled", "false")
+    backfill_id, job_id = sent_then_switched_off(factory, rt, sim)
     assert run_pass(rt, job_id).status == "paused" and job_row(factory, job_id).pause_reason == "kill_switch"
     with factory.begin() as session:
         assert cancel_backfill(session, backfill_id) == [(job_id, BATCH_EXTRACTION)]

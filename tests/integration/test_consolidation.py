@@ -701,6 +701,16 @@ def test_forgetting_the_reasons_about_a_pages_facts_can_use_each_sides_index(ses
     assert "ix_consolidation_decisions_other_fact_id" in plans[1], plans[1]
 
 
+def both_pages_extracted(factory: sessionmaker[Session], simulator: Any) -> dict[str, str]:
+    """The January and March pages stored and extracted (nothing consolidated yet); the environment a
+    `factmill` command needs to reach the same simulator."""
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(factory, slug, body)
+        extract(factory, llm, slug)
+    return {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+
+
 def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     factory, database_url, simulator
 ) -> None:
@@ -709,12 +719,7 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     from tests.cli import invoke_cli
     from tests.integration.test_access_budget import configure, spend
 
-    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
-    put_page(factory, JAN_PAGE, JAN_BODY)
-    put_page(factory, MAR_PAGE, MAR_BODY)
-    extract(factory, llm, JAN_PAGE)
-    extract(factory, llm, MAR_PAGE)
-    env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+    env = both_pages_extracted(factory, simulator)
 
     def run(*args: str, entity: str = ALICE) -> Any:
         return invoke_cli(database_url, "facts", "consolidate", "--entity", entity, *args, **env)
@@ -745,12 +750,7 @@ def test_the_cli_run_leaves_an_entity_a_worker_is_consolidating_and_runs_the_res
     from tests.cli import invoke_cli
     from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
 
-    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
-    put_page(factory, JAN_PAGE, JAN_BODY)
-    put_page(factory, MAR_PAGE, MAR_BODY)
-    extract(factory, llm, JAN_PAGE)
-    extract(factory, llm, MAR_PAGE)
-    env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+    env = both_pages_extracted(factory, simulator)
     subject = page_subject("default", ALICE)
     with factory.begin() as session:  # a worker holds Alice's job now (its heartbeat is fresh)
         job_id = request_job(session, CONSOLIDATION, subject).job_id
