@@ -1217,6 +1217,26 @@ def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: st
         engine.dispose()
 
 
+def test_a_busy_pool_is_no_outage_a_remembered_metrics_key_passes_through(database_url: str, factory) -> None:
+    """The grace that lets a scrape through a database outage took a pool busy past its timeout for
+    one: a key revoked meanwhile (seen by another API process) was still served the figures."""
+    from tests.auth import bearer, new_key
+
+    engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    gated = sessionmaker(engine)
+    scraper = bearer(new_key(factory, ["metrics"]))
+    runtime = make_runtime(database_url, gated)
+    try:
+        app = create_app(runtime, sender=Recorder(gated))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            assert client.get("/metrics", headers=scraper).status_code == 200  # checked: remembered
+            with engine.connect():  # the pool's only connection, held
+                busy = client.get("/metrics", headers=scraper)
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "5"
+    finally:
+        engine.dispose()
+
+
 def test_metrics_exposes_jobs_facts_llm_and_requests(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
@@ -81,7 +82,9 @@ def _resolved(
     except Exception as exc:
         digest = hash_key(credentials.credentials)
         remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
-        if remembered is None or not database_unavailable(exc):
+        # An outage only: not a pool busy past its timeout (the database up, a key revoked meanwhile
+        # was taken for up to the grace), which the 503 it gets answers.
+        if remembered is None or not database_unavailable(exc) or isinstance(exc, PoolTimeoutError):
             raise
         return remembered, False
     if principal is None:
