@@ -568,7 +568,7 @@ def test_an_active_tau_of_one_an_earlier_release_activated_is_retired_at_the_nex
         session.execute(update(CalibrationThreshold).where(CalibrationThreshold.active).values(tau=1.0))
     kept = recompute(tx_factory, **(PARAMS | {"min_observations": 1000}))  # and not earned again
     assert kept.outcome == "kept" and current(tx_factory) == FALLBACK, kept
-    assert f"version {first.version + 1} (τ=1) accepts only full coverage" in kept.reason
+    assert f"version {first.version + 1} (τ=1) accepts only full coverage and is retired" in kept.reason
 
 
 def test_a_version_made_under_other_rules_is_recomputed_and_retired_unless_earned_again(

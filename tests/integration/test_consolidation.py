@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event as sqlalchemy_event
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
@@ -768,6 +768,53 @@ def test_the_cli_run_leaves_an_entity_a_worker_is_consolidating_and_runs_the_res
     with factory() as session:
         ran = session.scalars(select(Job).where(Job.kind == CONSOLIDATION, Job.subject == subject)).all()
     assert [j.status for j in ran if j.id != job_id] == ["succeeded"]  # its run is in the job history
+
+
+class Interrupted:
+    """A chat client whose call is cut short by the operator's Ctrl-C."""
+
+    provider, model = "simulator", "simulator-1"
+
+    def chat(self, request: Any) -> Any:
+        raise KeyboardInterrupt
+
+    def embed(self, texts: Any, *, purpose: str = "embedding") -> Any:
+        raise AssertionError("not asked")
+
+
+def test_a_run_here_interrupted_gives_its_job_back_and_a_paused_one_starts_over(
+    factory, database_url, simulator
+) -> None:
+    """Ctrl-C in `facts consolidate` left its job "running" under the command's lease: for a minute the
+    next run said a worker held it, then the sweeper counted a worker lost. And a job paused for its
+    own budget paused again at once, stopping every run of the command at that entity."""
+    from worker.consolidation.job import consolidate_here
+    from worker.jobs.lifecycle import INTERRUPTED_NOTE
+    from worker.jobs.outbox import CONSOLIDATION, page_subject
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    both_pages_extracted(factory, simulator)
+    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    cut = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0), _llm=Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        consolidate_here(cut, "default", ALICE)
+    with factory() as session:
+        [job] = session.scalars(select(Job).where(Job.subject == page_subject("default", ALICE))).all()
+    assert (job.kind, job.status, job.worker, job.last_error) == (
+        CONSOLIDATION,
+        "queued",
+        None,
+        INTERRUPTED_NOTE,
+    )
+    with factory.begin() as session:  # as a worker's run left it: its own budget spent
+        session.execute(update(Job).where(Job.id == job.id).values(status="paused", pause_reason="budget"))
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    try:
+        done = consolidate_here(rt, "default", ALICE)
+    finally:
+        rt.close()
+    assert (done.status, done.job_id) == ("succeeded", job.id) and done.counters["llm_calls"] > 0
 
 
 def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrote(factory, llm) -> None:

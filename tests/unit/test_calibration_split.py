@@ -433,6 +433,10 @@ def test_a_lost_case_at_full_coverage_never_activates_a_tau_of_one() -> None:
     assert at_one  # the split put the lost case at 1.0 in the calibration half
     for verdict in at_one:
         assert not verdict.activate and "full coverage (1.0)" in verdict.reason
+    # Just below full coverage, τ is capped at 1.0 as well: it would accept full coverage only.
+    below = [0.9999999999999998] * 20
+    verdict = evaluate(observations([1.0] * 40, below), alpha=0.1, target_recall=0.9, min_observations=20)
+    assert verdict.tau == 1.0 and not verdict.activate and "just below full coverage" in verdict.reason
 
 
 def test_an_observations_csv_past_the_row_cap_is_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:

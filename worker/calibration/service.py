@@ -216,9 +216,9 @@ def _succession(
     if activate or current.version is None:
         return describe_succession(activate, current), current
     if current.tau >= 1.0:
-        # Only a lost case at full coverage puts τ at 1.0, and no version activates so now (evaluate):
-        # one an earlier release activated reverted every summary short of full coverage.
-        why = "accepts only full coverage, where a case lost the answer"
+        # No version activates at τ = 1 now (evaluate): one an earlier release activated reverted
+        # every summary short of full coverage.
+        why = "accepts only full coverage"
     elif versions.method_of(current.version) != METHOD:
         why = "was made under other rules"
     else:

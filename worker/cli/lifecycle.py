@@ -107,7 +107,7 @@ def restore_command(
 def _stop_unless_done(done: RunHere) -> None:
     """End the command (one line, no traceback) on a run that stopped: the kill switch turned off during
     it (3), a budget spent, the provider or an unusable reply (1; the job is left to retry or resume)."""
-    if done.status in ("succeeded", "held"):
+    if done.status in ("succeeded", "held", "lost"):  # one entity's: the others go on
         return
     said = f"consolidation stopped (job {done.job_id}, {done.status}): {done.note or 'no reason given'}"
     raise fail(said, code=3 if done.note and CONSOLIDATION_ENABLED in done.note else 1)
@@ -148,7 +148,9 @@ def consolidate_command(
                 done = consolidate_here(runtime, source_id, key, override_switch=override_disabled)
                 _stop_unless_done(done)
                 if done.status == "held":
-                    held.append(f"{key} ({done.note})")
+                    held.append(f"{key} ({done.note}); a worker consolidates it")
+                elif done.status == "lost":
+                    held.append(f"{key} (its run stopped: {done.note})")
                 total.facts_considered += int(done.counters.get("facts_considered", 0))
                 total.llm_calls += int(done.counters.get("llm_calls", 0))
                 for kind, n in dict(done.counters.get("decisions", {})).items():
@@ -157,7 +159,7 @@ def consolidate_command(
     finally:
         runtime.close()
     for entry in held:
-        err.print(styled(("skipped:", "yellow"), f" {entry}; a worker consolidates it"), highlight=False)
+        err.print(styled(("skipped:", "yellow"), f" {entry}"), highlight=False)
     decided = ", ".join(f"{n} {kind}" for kind, n in sorted(total.decisions.items())) or "nothing"
     out.print(
         f"{len(keys)} entit{'y' if len(keys) == 1 else 'ies'}, {total.facts_considered} fact(s): {decided}; "

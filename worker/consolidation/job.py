@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from models import Job
 from worker.config_store import CONSOLIDATION_ENABLED
@@ -15,7 +16,14 @@ from worker.consolidation.service import ConsolidationReplyError, EntityRun, con
 from worker.consolidation.store import ConsolidationStore
 from worker.jobs.lifecycle import JobContext, WorkResult, run_job
 from worker.jobs.maintenance import sweep_step
-from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job, split_page_subject
+from worker.jobs.outbox import (
+    CONSOLIDATION,
+    PENDING,
+    page_subject,
+    request_job,
+    retry_job,
+    split_page_subject,
+)
 from worker.jobs.registry import ErrorRule, JobKind, KillSwitchOffError, register
 from worker.runtime import Runtime
 
@@ -58,21 +66,31 @@ class RunHere:
 def consolidate_here(rt: Runtime, source_id: str, key: str, *, override_switch: bool = False) -> RunHere:
     """One entity consolidated in this process, as its consolidation job (its lease, budget and
     history): run beside a worker's job for the same entity, `factmill facts consolidate` paid for
-    the same pairs twice. An entity a worker is consolidating now is left to it ("held")."""
+    the same pairs twice. An entity a worker is consolidating now is left to it ("held"); a job paused
+    (its own budget spent, say) starts over as an operator's retry does."""
     subject = page_subject(source_id, key)
+    fresh = func.now() - timedelta(seconds=rt.settings.job_stale_after_seconds)
     with rt.factory.begin() as session:
-        running = session.scalar(
-            select(Job.id).where(Job.kind == CONSOLIDATION, Job.subject == subject, Job.status == "running")
-        )
-        if running is not None:  # (asked for again, it would be run once more after the worker's)
-            return RunHere("held", running, {}, f"job {running} is consolidating it now")
-        job_id = request_job(session, CONSOLIDATION, subject).job_id
+        pending = session.execute(
+            select(Job.id, Job.status, Job.heartbeat_at > fresh)
+            .where(Job.kind == CONSOLIDATION, Job.subject == subject, Job.status.in_(PENDING))
+            .with_for_update()
+        ).first()
+        if pending is None:
+            job_id = request_job(session, CONSOLIDATION, subject).job_id
+        elif pending.status == "running" and pending[2]:  # a worker's, alive (a stale one is taken over)
+            return RunHere("held", pending.id, {}, f"job {pending.id} is consolidating it now")
+        else:
+            job_id = pending.id
+            if pending.status == "paused":
+                retry_job(session, job_id)
     outcome = run_job(rt, job_id, CONSOLIDATION, override_switch=override_switch)
+    if outcome.status in ("skipped", "lost"):  # a worker took it first, or an erasure took its facts
+        return RunHere("held" if outcome.status == "skipped" else "lost", job_id, {}, outcome.detail or None)
     with rt.factory() as session:
         job = session.get(Job, job_id)
         counters, note = (dict(job.counters or {}), job.last_error) if job is not None else ({}, None)
-    status = "held" if outcome.status == "skipped" else outcome.status
-    return RunHere(status, job_id, counters, note or outcome.detail or None)
+    return RunHere(outcome.status, job_id, counters, note or outcome.detail or None)
 
 
 @sweep_step("consolidations_caught_up")

@@ -295,8 +295,8 @@ def evaluate(
     Otherwise τ = calibrate_threshold(calibration half) and the held-out cases with coverage ≥ τ are
     the accepted ones: the version activates only if at least MIN_HELD_OUT_ACCEPTED are accepted and
     the share of them that kept the answer is at least ``target_recall``. Nor does one whose τ is 1.0
-    because a lost case it was computed from has full coverage: no τ in [0, 1] rejects that case, and
-    τ = 1 would revert every summary short of full coverage while still accepting it.
+    (a lost case it was computed from has full coverage, or all but): τ = 1 reverts every summary
+    short of full coverage, and no τ in [0, 1] rejects a lost case at full coverage.
     """
     check_parameters(alpha, target_recall, min_observations)
     n = len(observations)
@@ -318,11 +318,17 @@ def evaluate(
         held_out_accepted=len(accepted),
         held_out_rate=kept / len(accepted) if accepted else None,
     )
-    if tau >= 1.0 and any(not o.answer_kept and o.coverage >= 1.0 for o in calibration):
+    if tau >= 1.0:  # (calibrate_threshold caps it there)
+        at_full = any(not o.answer_kept and o.coverage >= 1.0 for o in calibration)
+        why = (
+            "a case that lost the answer has full coverage (1.0), and the rank puts τ on it: no τ in "
+            "[0, 1] rejects it, and τ=1 would revert every summary short of full coverage while still "
+            "accepting it"
+            if at_full
+            else "a case that lost the answer sits just below full coverage: τ=1 accepts full coverage only"
+        )
         reason = (
-            "a case that lost the answer has full coverage (1.0), and the rank puts τ on it: no τ in [0, 1] "
-            "rejects it, and τ=1 would revert every summary short of full coverage while still accepting "
-            "it, so the version is not activated (the coverage's query words miss what such answers need)"
+            f"{why}, so the version is not activated (the coverage's query words miss what such answers need)"
         )
         return Evaluation(tau=tau, activate=False, reason=reason, **counts.counts())
     return _judge(tau, kept, counts, alpha=alpha, target_recall=target_recall)

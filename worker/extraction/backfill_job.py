@@ -20,7 +20,7 @@ from worker.extraction.committer import FactsCommitted
 from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
-from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, register
+from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
 from worker.llm.errors import LLMError
 from worker.llm.gateway import LLMConfigurationError
@@ -105,7 +105,8 @@ def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int]
     for batch in batches:
         try:
             run.cancel(batch)
-        except LLMError as exc:  # this one only: the others are still cancelled
+        except (LLMError, KillSwitchOffError) as exc:  # this one only: the others are still cancelled
+            # (KillSwitchOffError: the provider holds it no more, and its collection waits for the pass)
             refused += 1
             logger.warning("backfill %s: cancelling batch %s failed (%s)", backfill_id, batch.key, exc)
     return len(batches), refused

@@ -3,6 +3,7 @@ work, sort its exceptions through one table, and record how the run ended."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 Status = Literal["succeeded", "failed", "retry", "requeue", "paused", "lost", "released"]
 RELEASED_NOTE = "released by a stopping worker; re-sent to the next one"
+INTERRUPTED_NOTE = "its run was interrupted; released and re-sent to a worker"
 
 
 def paused_reason(switch: str) -> str:
@@ -227,6 +229,10 @@ def _run_job(
                 result = work(JobContext(rt, job, spec, guard, beat.check, override_switch))
             except Exception as exc:
                 result = result_for_error(spec, exc)
+            except BaseException:  # Ctrl-C or a signal in a CLI run: the lease goes back, not left held
+                with contextlib.suppress(Exception):
+                    release(rt, lease, WorkResult("released", note=INTERRUPTED_NOTE))
+                raise
     return settle(rt, lease, result, backoff or spec.backoff)
 
 
