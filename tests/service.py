@@ -221,28 +221,14 @@ def _exited(pid: int, timeout: float) -> bool:
     return False
 
 
-def redis_servers_on(sock: Path) -> list[int]:
-    """Every live redis-server whose command line (its title) names this socket."""
-    from worker.embedded.base import pid_alive
-
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if str(sock) in line and "redis-server" in line and pid_alive(int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
-
-
 def stop_embedded_broker(data_dir: Path) -> None:
     """Clean-up even when a test failed half-way: no embedded redis-server outlives the test."""
     from worker.embedded import broker_paths, stop_embedded_redis
+    from worker.embedded.broker import servers_on
 
     with contextlib.suppress(Exception):
         stop_embedded_redis(data_dir, timeout=10)
-    for pid in redis_servers_on(broker_paths(data_dir).socket):
+    for pid in servers_on(broker_paths(data_dir).socket):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         _exited(pid, timeout=10)

@@ -19,7 +19,6 @@ from tests.service import (
     REPO,
     ServiceProcess,
     free_port,
-    redis_servers_on,
     running,
     service_env,
     start_beat,
@@ -29,6 +28,7 @@ from tests.service import (
 )
 from worker.embedded import broker_paths
 from worker.embedded.base import pid_alive, read_pid
+from worker.embedded.broker import servers_on
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -99,7 +99,7 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
             facts = reader.page_facts("default", PAGE["slug"]).facts
             assert any("Acme" in fact.fact for fact in facts)
             server = read_pid(paths.pid_file)
-            assert server is not None and redis_servers_on(paths.socket) == [server]  # one, for all three
+            assert server is not None and servers_on(paths.socket) == [server]  # one, for all three
 
         down = subprocess.run(
             [sys.executable, "-m", "worker.cli", "down"],
@@ -112,7 +112,7 @@ def test_separate_service_processes_share_the_embedded_broker_and_down_stops_it(
         assert down.returncode == 0, down.stdout + down.stderr
         assert f"embedded Redis: stopped (pid {server})" in down.stdout
         assert "Postgres" not in down.stdout  # FACTMILL_DATABASE_URL is set: not ours to stop
-        assert not pid_alive(server) and redis_servers_on(paths.socket) == []
+        assert not pid_alive(server) and servers_on(paths.socket) == []
         assert not os.path.exists(paths.socket)
     finally:
         for process in processes:

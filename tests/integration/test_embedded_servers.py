@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.service import REPO, redis_servers_on, stop_embedded_broker
+from tests.service import REPO, stop_embedded_broker
 from worker.embedded import broker_paths, embedded_redis_url, stop_embedded_redis
 from worker.embedded.base import pid_alive, read_pid, wait_exited
-from worker.embedded.broker import answers
+from worker.embedded.broker import answers, servers_on
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +50,9 @@ def test_the_first_call_starts_the_server_and_later_ones_reuse_it(data_dir: Path
     url = embedded_redis_url(data_dir)
     paths = broker_paths(data_dir)
     pid = read_pid(paths.pid_file)
-    assert url == paths.url and pid is not None and redis_servers_on(paths.socket) == [pid]
+    assert url == paths.url and pid is not None and servers_on(paths.socket) == [pid]
     assert embedded_redis_url(data_dir) == url
-    assert read_pid(paths.pid_file) == pid and redis_servers_on(paths.socket) == [pid]
+    assert read_pid(paths.pid_file) == pid and servers_on(paths.socket) == [pid]
 
 
 def test_processes_starting_at_once_share_one_server(data_dir: Path) -> None:
@@ -75,7 +75,7 @@ def test_processes_starting_at_once_share_one_server(data_dir: Path) -> None:
     assert all(proc.returncode == 0 for proc in starters)
     paths = broker_paths(data_dir)
     assert urls == {paths.url}
-    assert redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
+    assert servers_on(paths.socket) == [read_pid(paths.pid_file)]
 
 
 def test_a_dead_servers_pid_file_and_socket_are_replaced(data_dir: Path) -> None:
@@ -89,7 +89,7 @@ def test_a_dead_servers_pid_file_and_socket_are_replaced(data_dir: Path) -> None
     assert paths.socket.exists() and not answers(paths.socket)
     embedded_redis_url(data_dir)
     pid = read_pid(paths.pid_file)
-    assert pid != gone.pid and answers(paths.socket) and redis_servers_on(paths.socket) == [pid]
+    assert pid != gone.pid and answers(paths.socket) and servers_on(paths.socket) == [pid]
 
 
 def test_a_hung_server_is_replaced(data_dir: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_hung_server_is_replaced(data_dir: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)
     assert wait_exited(hung, 10)
-    assert read_pid(paths.pid_file) != hung and redis_servers_on(paths.socket) == [read_pid(paths.pid_file)]
+    assert read_pid(paths.pid_file) != hung and servers_on(paths.socket) == [read_pid(paths.pid_file)]
 
 
 def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) -> None:
@@ -145,6 +145,22 @@ def test_a_server_whose_folder_was_removed_under_it_is_replaced_not_reused(tmp_p
         stop_embedded_broker(deep)
 
 
+def test_a_server_whose_folder_and_socket_were_removed_under_it_is_stopped(data_dir: Path) -> None:
+    """`rm -rf var` without `factmill down`, on a short path (its socket inside the folder): no socket,
+    no pid file, so nothing found it; a second server started beside it and the first ran for good."""
+    import shutil
+
+    embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    old = read_pid(paths.pid_file)
+    assert old is not None and paths.socket.parent == paths.folder
+    shutil.rmtree(data_dir)
+    assert embedded_redis_url(data_dir) == paths.url
+    new = read_pid(paths.pid_file)
+    assert new is not None and new != old and wait_exited(old, 10)
+    assert servers_on(paths.socket) == [new]
+
+
 def test_a_server_whose_pid_file_was_deleted_by_hand_is_kept(tmp_path: Path) -> None:
     """Only positive evidence stops a server: one running in this folder is kept without its pid file
     (stopped without saving, it lost what its queue held since its last save)."""
@@ -155,7 +171,7 @@ def test_a_server_whose_pid_file_was_deleted_by_hand_is_kept(tmp_path: Path) -> 
         pid = read_pid(paths.pid_file)
         paths.pid_file.unlink()
         embedded_redis_url(deep)
-        assert pid is not None and pid_alive(pid) and redis_servers_on(paths.socket) == [pid]
+        assert pid is not None and pid_alive(pid) and servers_on(paths.socket) == [pid]
     finally:
         with contextlib.suppress(Exception):
             if pid is not None:

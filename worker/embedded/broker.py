@@ -10,6 +10,7 @@ Postgres, until `factmill db stop` (or `factmill down`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -32,6 +33,7 @@ from redis.retry import Retry
 from worker.embedded.base import (
     EmbeddedUnavailableError,
     StopOutcome,
+    command_line,
     is_process_of,
     read_pid,
     signal_and_wait,
@@ -266,14 +268,38 @@ def server_pid(paths: BrokerPaths) -> int | None:
 
 def replace_stale(paths: BrokerPaths) -> None:
     """Clear what a dead or hung server left. A server that runs but does not answer (hung, stopped)
-    is made to exit: a new one needs its socket and data file."""
+    is made to exit: a new one needs its socket and data file. So does one whose folder (its socket in
+    it) was removed while it ran ("rm -rf var"): nothing could reach or stop it, and it ran for good."""
     pid = read_pid(paths.pid_file)
     if pid is not None and is_process_of(pid, str(paths.socket)):
         logger.warning("the embedded Redis (pid %s) does not answer on %s; replacing it", pid, paths.socket)
-        if signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS).state != "stopped":
-            os.kill(pid, signal.SIGKILL)
-            wait_exited(pid, STOP_TIMEOUT_SECONDS)
+        _end(pid)
+    for orphan in servers_on(paths.socket):
+        logger.warning(
+            "the embedded Redis (pid %s) for %s lost its folder; stopping it", orphan, paths.socket
+        )
+        _end(orphan)
     clear_files(paths)
+
+
+def _end(pid: int) -> None:
+    if signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS).state != "stopped":
+        with contextlib.suppress(ProcessLookupError):  # it went just after the wait
+            os.kill(pid, signal.SIGKILL)
+        wait_exited(pid, STOP_TIMEOUT_SECONDS)
+
+
+def servers_on(socket: Path) -> list[int]:
+    """Every live redis-server whose command line (its title) names ``socket`` (Linux: read from
+    /proc; elsewhere none are found)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and is_process_of(int(entry.name), str(socket)):
+                line = command_line(int(entry.name)) or ""
+                if "redis-server" in line:
+                    found.append(int(entry.name))
+    return found
 
 
 def clear_files(paths: BrokerPaths) -> None:
