@@ -108,6 +108,12 @@ def setup(settings: Settings, service: str, *, exporter: Any = None) -> bool:
     return True
 
 
+# How long one export (its retries included) and the flush at exit may take: a collector that accepts
+# connections and never answers held every process's exit 30 s and more (the SDK's defaults), past a
+# worker's grace period and Kubernetes' termination period. Spans left then are dropped.
+EXPORT_TIMEOUT_SECONDS = 5
+
+
 def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
     from opentelemetry import trace
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
@@ -121,8 +127,9 @@ def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         assert settings.otel_endpoint is not None  # wanted() checked it
+        otlp = OTLPSpanExporter(traces_url(settings.otel_endpoint), timeout=EXPORT_TIMEOUT_SECONDS)
         provider.add_span_processor(
-            BatchSpanProcessor(_scrubbing(OTLPSpanExporter(traces_url(settings.otel_endpoint))))
+            BatchSpanProcessor(_scrubbing(otlp), export_timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
         )
         trace.set_tracer_provider(provider)  # for any other library that traces through the global one
     else:
