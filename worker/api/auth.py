@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.exc import OperationalError
 
 from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
@@ -26,7 +26,7 @@ from worker.core.signing import (
     IDEMPOTENCY_HEADER,
     SIGNATURE_HEADER,
 )
-from worker.db import database_unavailable
+from worker.db import database_went_away
 from worker.deliveries import WEBHOOK_SENDER
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -82,9 +82,10 @@ def _resolved(
     except Exception as exc:
         digest = hash_key(credentials.credentials)
         remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
-        # An outage only: not a pool busy past its timeout (the database up, a key revoked meanwhile
-        # was taken for up to the grace), which the 503 it gets answers.
-        if remembered is None or not database_unavailable(exc) or isinstance(exc, PoolTimeoutError):
+        # An outage only (the database unreachable or restarting): not a pool busy past its timeout,
+        # nor a server out of connections or disk, which is up and says a key revoked meanwhile is
+        # (one was taken for up to the grace); those get the 503 they get anywhere.
+        if remembered is None or not (isinstance(exc, OperationalError) and database_went_away(exc)):
             raise
         return remembered, False
     if principal is None:

@@ -7,24 +7,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from models import Job
 from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation import catch_up_consolidation
 from worker.consolidation.service import ConsolidationReplyError, EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore
-from worker.jobs.lifecycle import JobContext, WorkResult, run_job
+from worker.jobs.lifecycle import JobContext, OperatorRun, WorkResult, run_job
 from worker.jobs.maintenance import sweep_step
 from worker.jobs.outbox import (
     CONSOLIDATION,
     PENDING,
     page_subject,
     request_job,
-    retry_job,
     split_page_subject,
 )
-from worker.jobs.registry import ErrorRule, JobKind, KillSwitchOffError, register
+from worker.jobs.registry import BUDGET, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -67,24 +66,26 @@ def consolidate_here(rt: Runtime, source_id: str, key: str, *, override_switch: 
     """One entity consolidated in this process, as its consolidation job (its lease, budget and
     history): run beside a worker's job for the same entity, `factmill facts consolidate` paid for
     the same pairs twice. An entity a worker is consolidating now is left to it ("held"); a job paused
-    (its own budget spent, say) starts over as an operator's retry does."""
+    for its own budget gets a new one."""
     subject = page_subject(source_id, key)
     fresh = func.now() - timedelta(seconds=rt.settings.job_stale_after_seconds)
     with rt.factory.begin() as session:
         pending = session.execute(
-            select(Job.id, Job.status, Job.heartbeat_at > fresh)
+            select(Job.id, Job.status, Job.pause_reason, Job.heartbeat_at > fresh)
             .where(Job.kind == CONSOLIDATION, Job.subject == subject, Job.status.in_(PENDING))
             .with_for_update()
         ).first()
         if pending is None:
             job_id = request_job(session, CONSOLIDATION, subject).job_id
-        elif pending.status == "running" and pending[2]:  # a worker's, alive (a stale one is taken over)
+        elif pending.status == "running" and pending[3]:  # a worker's, alive (a stale one is taken over)
             return RunHere("held", pending.id, {}, f"job {pending.id} is consolidating it now")
         else:
             job_id = pending.id
-            if pending.status == "paused":
-                retry_job(session, job_id)
-    outcome = run_job(rt, job_id, CONSOLIDATION, override_switch=override_switch)
+            if pending.status == "paused" and pending.pause_reason == BUDGET:
+                # Its own budget starts over, as an append's does for an extraction (claims take a
+                # paused job): spent, it paused again at once and stopped the command at this entity.
+                session.execute(update(Job).where(Job.id == job_id).values(budget_since=func.now()))
+    outcome = run_job(rt, job_id, CONSOLIDATION, operator=OperatorRun(override_switch))
     if outcome.status in ("skipped", "lost"):  # a worker took it first, or an erasure took its facts
         return RunHere("held" if outcome.status == "skipped" else "lost", job_id, {}, outcome.detail or None)
     with rt.factory() as session:

@@ -93,23 +93,25 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
     )
 
 
-def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int]:
+def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int, int]:
     """A cancelled backfill's batches cancelled (unsent ones never go), nothing collected: (how many,
-    how many of them the provider refused: asked again by the next pass)."""
+    how many the provider refused: asked again by the next pass, how many it holds no more: collected
+    by the next pass, the switch being off)."""
     backfill = BackfillStore(deps.factory).load(backfill_id)
     if backfill is None or not backfill.cancel_requested or backfill.status in ("done", "cancelled"):
-        return 0, 0
+        return 0, 0, 0
     run = BackfillPass(deps, backfill)
     batches = run.store.batches(backfill_id, ("planned", "submitting", "submitted"))
-    refused = 0
-    for batch in batches:
+    refused = gone = 0
+    for batch in batches:  # one's failure leaves the others' cancels to go on
         try:
             run.cancel(batch)
-        except (LLMError, KillSwitchOffError) as exc:  # this one only: the others are still cancelled
-            # (KillSwitchOffError: the provider holds it no more, and its collection waits for the pass)
+        except LLMError as exc:
             refused += 1
             logger.warning("backfill %s: cancelling batch %s failed (%s)", backfill_id, batch.key, exc)
-    return len(batches), refused
+        except KillSwitchOffError:  # gone at the provider: its collection reads the switch and waits
+            gone += 1
+    return len(batches), refused, gone
 
 
 def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
@@ -123,12 +125,15 @@ def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
     if batch_unavailable(ctx.rt.settings) is not None:
         return paused
     with open_batch_client(ctx.rt.settings) as client:
-        cancelled, refused = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
-    if not cancelled:
+        batches, refused, gone = cancel_open_batches(pass_deps(ctx, client, None), backfill_id)
+    if not batches:
         return paused
-    done = f"{cancelled - refused} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
+    cancelled = batches - refused - gone
+    done = f"{cancelled} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
     if refused:
         done += f"; the provider refused to cancel {refused} (asked again then)"
+    if gone:
+        done += f"; {gone} gone at the provider (collected then)"
     return replace(paused, note=f"{paused.note}; {done}")
 
 

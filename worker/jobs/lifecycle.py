@@ -158,23 +158,32 @@ class Lease:
     token: str
 
 
+@dataclass(frozen=True)
+class OperatorRun:
+    """A run an operator started in this process (a CLI command), not a worker's: an interrupt (Ctrl-C,
+    a signal turned SystemExit) hands the lease back at once (left held, the next command took the job
+    for a worker's for a minute, and the sweeper counted a worker lost); ``override_switch`` runs it
+    despite the kind's kill switch. A worker's interrupt stays a lost worker (counted, bounded)."""
+
+    override_switch: bool = False
+
+
 def run_job(
     rt: Runtime,
     job_id: int,
     kind: JobKind | str,
     backoff: Backoff | None = None,
     *,
-    override_switch: bool = False,
+    operator: OperatorRun | None = None,
 ) -> JobOutcome:
-    """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs.
-    ``override_switch``: an operator's one-off run here and now despite the kind's kill switch."""
+    """Run one job of ``kind`` under a lease; the only place a job's state moves while it runs."""
     spec = get_kind(kind) if isinstance(kind, str) else kind
     attributes: dict[str, str | int] = {"factmill.job.id": job_id, "factmill.job.kind": spec.name}
     with (
         log_context(job_id=job_id, job_kind=spec.name),
         tracing.span(f"job {spec.name}", attributes, parent=_stored_traceparent(rt, job_id)),
     ):
-        outcome = _run_job(rt, job_id, spec, backoff, override_switch)
+        outcome = _run_job(rt, job_id, spec, backoff, operator)
         tracing.annotate("factmill.job.outcome", outcome.status)
     return outcome
 
@@ -187,7 +196,7 @@ def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
 
 
 def _run_job(
-    rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None, override_switch: bool
+    rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None, operator: OperatorRun | None
 ) -> JobOutcome:
     if stopping():  # a message this worker took before it began to stop: pass it on untouched
         enqueue(rt.factory, [(job_id, spec.name)])
@@ -201,39 +210,45 @@ def _run_job(
     if job.status == "failed":  # a budget was spent: the claim failed it instead of running it
         return JobOutcome("failed", detail=job.last_error or "")
     lease = Lease(job, token)
+    if operator is None:
+        return settle(rt, lease, _work(rt, lease, spec, False), backoff or spec.backoff)
+    try:
+        return settle(rt, lease, _work(rt, lease, spec, operator.override_switch), backoff or spec.backoff)
+    except (KeyboardInterrupt, SystemExit):  # from the claim to the settle: the lease goes back
+        with contextlib.suppress(Exception):
+            release(rt, lease, WorkResult("released", note=INTERRUPTED_NOTE))
+        raise
+
+
+def _work(rt: Runtime, lease: Lease, spec: JobKind, override_switch: bool) -> WorkResult:
+    """The claimed job's run: its kind's work under a heartbeat (or what it does while its switch is
+    off), its exception sorted into a result."""
+    job = lease.job
     if job.kind != spec.name:
-        result = WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
-    elif (
-        switched_off := not override_switch and not rt.config.enabled(spec.switch)
-    ) and spec.while_switched_off is None:
-        result = WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
-    else:
-        work = spec.while_switched_off if switched_off and spec.while_switched_off else spec.work
-        stall_after = rt.settings.task_time_limit_seconds
-        settings = rt.settings
-        with Heartbeat(
-            rt.factory,
-            job_id,
-            token,
-            settings.job_heartbeat_seconds,
-            stall_after,
-            settings.job_stale_after_seconds,
-            listen=settings.job_revocation_listen,
-        ) as beat:
+        return WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
+    switched_off = not override_switch and not rt.config.enabled(spec.switch)
+    if switched_off and spec.while_switched_off is None:
+        return WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
+    work = spec.while_switched_off if switched_off and spec.while_switched_off else spec.work
+    settings = rt.settings
+    with Heartbeat(
+        rt.factory,
+        job.id,
+        lease.token,
+        settings.job_heartbeat_seconds,
+        settings.task_time_limit_seconds,
+        settings.job_stale_after_seconds,
+        listen=settings.job_revocation_listen,
+    ) as beat:
 
-            def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
-                beat.check()
-                check_stopping()
+        def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
+            beat.check()
+            check_stopping()
 
-            try:
-                result = work(JobContext(rt, job, spec, guard, beat.check, override_switch))
-            except Exception as exc:
-                result = result_for_error(spec, exc)
-            except BaseException:  # Ctrl-C or a signal in a CLI run: the lease goes back, not left held
-                with contextlib.suppress(Exception):
-                    release(rt, lease, WorkResult("released", note=INTERRUPTED_NOTE))
-                raise
-    return settle(rt, lease, result, backoff or spec.backoff)
+        try:
+            return work(JobContext(rt, job, spec, guard, beat.check, override_switch))
+        except Exception as exc:
+            return result_for_error(spec, exc)
 
 
 def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> JobOutcome:
@@ -329,7 +344,8 @@ def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:
     message after that commit, so another worker claims it at once. Neither budget is spent: the run
     reached no verdict, and a lease given back is not a lost worker (the next claim sees "queued")."""
     job_id, token = lease.job.id, lease.token
-    finish(rt.factory, job_id, token, "queued", counters=result.counters, last_error=result.note)
+    if finish(rt.factory, job_id, token, "queued", counters=result.counters, last_error=result.note) is None:
+        return JobOutcome("lost", detail="the lease was no longer this run's; nothing re-sent")
     enqueue(rt.factory, [(job_id, lease.job.kind)])
     logger.info("job %s released by its stopping worker and re-sent", job_id)
     return JobOutcome("released", detail=result.detail)
