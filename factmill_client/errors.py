@@ -132,7 +132,7 @@ def retry_after_seconds(headers: httpx.Headers, now: float | None = None) -> flo
         pass
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # (an offset past any time zone)
         return None
     if when.tzinfo is None:  # "-0000": UTC by RFC 5322
         when = when.replace(tzinfo=UTC)

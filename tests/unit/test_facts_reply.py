@@ -95,6 +95,21 @@ def test_code_fenced_json_is_accepted():
 
 
 @pytest.mark.parametrize(
+    "wrap",
+    [
+        "{} and that is all I found.",  # prose after the object: json_object mode allows it
+        "\ufeff{}",  # a byte-order mark
+        "Here are the facts:\n```json\n{}\n```",  # prose before a fence
+        "{}\n```",  # a stray closing fence
+    ],
+)
+def test_a_whole_object_with_prose_around_it_is_the_answer(wrap):
+    """Each was a malformed reply: a paid repair turn resending the segment, and a second one counted
+    towards skipping it. The first whole object is the answer; a cut-off one is still malformed."""
+    assert parse_facts_reply(wrap.replace("{}", reply({"fact": "x"})))[0].fact == "x"
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         ("", "empty"),

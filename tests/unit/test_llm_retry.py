@@ -127,6 +127,17 @@ def test_delay_honours_retry_after_within_the_remaining_budget() -> None:
     assert policy.delay(1, 30.0, 4.0, rng) == 6.0  # capped by what is left of the total wait
     assert policy.delay(1, None, 10.0, rng) == 0.0
     assert policy.wait_budget_spent(10.0) and not policy.wait_budget_spent(9.9)
+    # A Retry-After of 0 (some gateways send it) is no shorter than the backoff: the tries went out
+    # within a second of each other.
+    assert policy.delay(3, 0.0, 0.0, random.Random(3)) >= 1.0  # the third backoff: 2 s, less half jitter
+
+
+def test_a_retry_after_date_with_an_impossible_offset_is_no_header() -> None:
+    """parsedate_to_datetime raised OverflowError, out of the error's classification: the try went
+    unrecorded and was not retried."""
+    from worker.llm.errors import retry_after_seconds
+
+    assert retry_after_seconds({"retry-after": "Wed, 21 Oct 2015 07:28:00 +99999999999999999999"}) is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,7 +300,7 @@ def status_error(sdk: Any, status: int, headers: dict[str, str] | None = None) -
 
 
 @pytest.mark.parametrize("sdk", [openai, anthropic])
-@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 529])
+@pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504, 529])
 def test_throttling_and_server_errors_retry(sdk: Any, status: int) -> None:
     c = classify(status_error(sdk, status))
     assert c.retryable and c.status == status
@@ -297,7 +308,7 @@ def test_throttling_and_server_errors_retry(sdk: Any, status: int) -> None:
 
 
 @pytest.mark.parametrize("sdk", [openai, anthropic])
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
 def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, status: int) -> None:
     c = classify(status_error(sdk, status))
     assert not c.retryable
@@ -691,3 +702,33 @@ def test_a_sigterm_between_tries_keeps_the_tries_made_before_it() -> None:
     with checked_between_tries(terminated), pytest.raises(SystemExit) as stopped:
         client.chat(REQUEST)
     assert [record.number for record in tries_before_stop(stopped.value)] == [1]
+
+
+def test_an_anthropic_tool_answer_cut_in_a_surrogate_pair_is_storable_text() -> None:
+    """Cut off at max_tokens inside an escaped emoji, the forced tool's input held a lone surrogate: every
+    other reply is cleaned, this one was not, and the audit row quoting it failed the page's commit."""
+    from anthropic.types import Message
+
+    from worker.llm.anthropic_provider import AnthropicChatClient
+
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    message = Message.model_validate(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "stop_reason": "max_tokens",
+            "usage": {"input_tokens": 10, "output_tokens": 5},
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "t1",
+                    "name": REQUEST.schema_name,
+                    "input": {"facts": [{"fact": "\ud83d"}]},
+                }
+            ],
+        }
+    )
+    response = chat._read(message, REQUEST, 5)
+    assert response.finish == "truncated" and response.text.encode("utf-8")

@@ -238,6 +238,27 @@ def _confidence(value: Any) -> float:
     return min(1.0, max(0.0, number))
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _json_object_in(text: str) -> Any:
+    """The reply's JSON: the whole of it (a code fence and a byte-order mark taken off), else the first
+    whole object in it, with prose around it ("Here are the facts: {...}", a stray fence after it),
+    which json_object mode does not forbid: each such reply cost a paid repair turn resending the
+    segment, and a second one counted towards skipping it. The first error stands otherwise."""
+    body = strip_code_fence(text.lstrip("\ufeff"))
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as first:
+        start = body.find("{")
+        if start < 0:
+            raise
+        try:
+            return _DECODER.raw_decode(body, start)[0]
+        except json.JSONDecodeError:
+            raise first from None
+
+
 def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[ExtractedFact]:
     """Validate and normalise a reply: unknown kind → fact, unknown notability → medium,
     confidence clamped to [0, 1], facts without text dropped, text clipped (MAX_FACT_CHARS, and
@@ -245,7 +266,7 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
     if not text or not text.strip():
         raise MalformedReplyError("the reply was empty")
     try:
-        payload = json.loads(strip_code_fence(text))
+        payload = _json_object_in(text)
     except json.JSONDecodeError as exc:
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
     except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit

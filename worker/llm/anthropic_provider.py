@@ -6,6 +6,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Unpack
 
+from worker.core.jsonvalues import made_storable
 from worker.llm.errors import LLMError, NoEmbeddingsError, to_llm_error
 from worker.llm.replies import ReplyShapeError, message_text, optional_text, token_count
 from worker.llm.types import (
@@ -163,7 +164,13 @@ class AnthropicChatClient:
         if finish == "refusal":
             refusal = "".join(texts) or "the model refused"
         # The forced tool's input is the JSON answer; a cut-off tool call still says what it got so far.
-        text = json.dumps(tool_input, ensure_ascii=False) if tool_input is not None else "".join(texts)
+        # Cleaned as every other reply is (made_storable): a lone surrogate, a \ud83d cut off at
+        # max_tokens, failed the commit of the audit row quoting it, and the repair turn resending it.
+        text = (
+            made_storable(json.dumps(tool_input, ensure_ascii=False))
+            if tool_input is not None
+            else "".join(texts)
+        )
 
         return ChatResponse(
             text=text if finish != "refusal" else "",

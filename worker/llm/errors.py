@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
     from worker.llm.retry import AttemptRecord
 
-# Status codes worth another try: throttling, a request timeout, and every server-side failure
+# Status codes worth another try: throttling, a request timeout, a conflict, and every server-side failure
 # (500, 502, 503, 504, and Anthropic's 529 overloaded).
-RETRYABLE_STATUS = frozenset({408, 429})
+RETRYABLE_STATUS = frozenset({408, 409, 429})  # 409: a conflict or lock timeout (the SDKs retry it)
 # Errors that blame the account or the deployment's settings, not the request's content: a spent credit
 # balance (Anthropic answers it with a 400), a parameter the configured model does not take (OpenAI's
 # reasoning models refuse max_tokens), a model or key that is wrong. Another segment gets the same
@@ -142,7 +142,7 @@ def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = N
         pass
     try:
         parsed = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # (an offset past any time zone)
         return None
     return max(0.0, parsed.timestamp() - (time.time() if now is None else now))
 

@@ -78,8 +78,10 @@ class RetryPolicy:
     ) -> float:
         """The sleep before retry ``retry_number``: Retry-After if given, within the remaining wait budget."""
         if retry_after is not None:
-            # A little jitter on top only: the provider said "not before".
-            wanted = retry_after + self.jitter * self.backoff_base_seconds * (rng or random).random()
+            # A little jitter on top only: the provider said "not before". Never less than the backoff:
+            # a Retry-After of 0 (some gateways send it) had the five tries go out within a second.
+            jittered = retry_after + self.jitter * self.backoff_base_seconds * (rng or random).random()
+            wanted = max(jittered, self.backoff(retry_number, rng))
         else:
             wanted = self.backoff(retry_number, rng)
         return max(0.0, min(wanted, self.max_total_wait_seconds - waited_seconds))
