@@ -732,3 +732,24 @@ def test_an_anthropic_tool_answer_cut_in_a_surrogate_pair_is_storable_text() -> 
     )
     response = chat._read(message, REQUEST, 5)
     assert response.finish == "truncated" and response.text.encode("utf-8")
+
+
+def test_an_anthropic_batch_reply_the_sdk_cannot_read_keeps_its_billed_usage() -> None:
+    """A content block newer than the installed SDK knows: the result was "not a message" at $0,
+    though the provider billed it, so budgets undercounted."""
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.llm.batches import AnthropicBatchClient
+
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 1200, "output_tokens": 300},
+        "content": {"not": "a list"},  # what no SDK reads as a message
+    }
+    item = AnthropicBatchClient(chat)._item({"type": "succeeded", "message": message}, REQUEST)
+    assert item is not None and item.response is None and "not a message" in (item.error or "")
+    assert item.usage is not None and (item.usage.input_tokens, item.usage.output_tokens) == (1200, 300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Unpack
 
 from worker.core.jsonvalues import made_storable
@@ -65,6 +66,19 @@ def _billed(message: Any) -> Usage | None:
     try:
         return _usage(message)
     except (ReplyShapeError, AttributeError, TypeError):
+        return None
+
+
+def billed_in(raw: object) -> Usage | None:
+    """The token counts of a message the SDK cannot read as one (a content block or stop reason newer
+    than it knows), from its ``usage`` alone: such a reply was billed all the same."""
+    from anthropic.types import Usage as SdkUsage  # with the SDK, which the chat client has imported
+    from pydantic import ValidationError
+
+    usage = raw.get("usage") if isinstance(raw, dict) else None
+    try:
+        return _billed(SimpleNamespace(usage=SdkUsage.model_validate(usage)))
+    except ValidationError:
         return None
 
 

@@ -12,7 +12,7 @@ from datetime import datetime
 from itertools import islice
 from typing import Any, Generic, TypeVar
 
-from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.anthropic_provider import AnthropicChatClient, billed_in
 from worker.llm.batch_api import (
     FIND_LIMIT,
     FIND_MARGIN,
@@ -360,9 +360,10 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             try:
                 message = Message.model_validate(result.get("message"))
                 return BatchItem(self.chat.response_from(message, request, 0))
-            except ValidationError as exc:
+            except ValidationError as exc:  # still billed: its usage, when that much can be read
                 problems = exc.error_count()
-                return BatchItem(None, f"the provider's reply is not a message ({problems} problems)")
+                said = f"the provider's reply is not a message ({problems} problems)"
+                return BatchItem(None, said, billed_in(result.get("message")))
             except LLMError as exc:
                 return BatchItem(None, str(exc), exc.usage)
         if result.get("type") == "errored":
