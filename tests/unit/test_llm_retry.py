@@ -753,3 +753,46 @@ def test_an_anthropic_batch_reply_the_sdk_cannot_read_keeps_its_billed_usage() -
     item = AnthropicBatchClient(chat)._item({"type": "succeeded", "message": message}, REQUEST)
     assert item is not None and item.response is None and "not a message" in (item.error or "")
     assert item.usage is not None and (item.usage.input_tokens, item.usage.output_tokens) == (1200, 300)
+
+
+def test_a_batch_request_the_provider_rejects_is_a_permanent_failure_told_in_few_words() -> None:
+    """A batch's 400 kept only a string: it never counted towards skipping the segment (the page failed
+    on every pass), and an error without a message stored the provider's whole body, page text and all."""
+    import json
+
+    from worker.extraction.batch import batch_segment_result
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.llm.batches import AnthropicBatchClient, OpenAIBatchClient
+    from worker.llm.openai_compat import OpenAIChatClient
+
+    openai_batches = OpenAIBatchClient(
+        OpenAIChatClient(model="gpt-4o-mini", base_url="http://127.0.0.1:9/v1")
+    )
+    items: dict[str, Any] = {}
+    echoed = {"status_code": 400, "body": {"echo": "Alice's private diagnosis " * 200}}
+    refused = {
+        "status_code": 400,
+        "body": {"error": {"message": "context too long", "type": "invalid_request_error"}},
+    }
+    broke = {"status_code": 400, "body": {"error": {"message": "no credit", "code": "insufficient_quota"}}}
+    for custom_id, response in (("a", echoed), ("b", refused), ("c", broke)):
+        line = json.dumps({"custom_id": custom_id, "response": response})
+        openai_batches._read_line("batch_1", 1, line, {"a": REQUEST, "b": REQUEST, "c": REQUEST}, items)
+    assert "Alice" not in (items["a"].error or "") and "not kept" in (items["a"].error or "")
+    assert items["b"].error == "HTTP 400: context too long"
+    results = {key: batch_segment_result(item, openai_batches, 10, 100) for key, item in items.items()}
+    assert results["a"].permanent and results["b"].permanent and results["b"].attempts[0].rejected
+    assert not results["c"].permanent  # the account's fault, not the segment's
+    anthropic_batches = AnthropicBatchClient(
+        AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    )
+    errored = {
+        "type": "errored",
+        "error": {"type": "error", "error": {"type": "invalid_request_error", "message": "too long"}},
+    }
+    item = anthropic_batches._item(errored, REQUEST)
+    assert (
+        item is not None
+        and item.status == 400
+        and batch_segment_result(item, anthropic_batches, 10, 100).permanent
+    )

@@ -38,7 +38,7 @@ from worker.extraction.options import (
 from worker.extraction.planner import PagePlan
 from worker.extraction.prompts import extraction_request, first_turn
 from worker.extraction.provider_copies import discard_batch
-from worker.extraction.segments import Attempt, SegmentResult, classify_reply
+from worker.extraction.segments import REJECTED_REQUEST_STATUSES, Attempt, SegmentResult, classify_reply
 from worker.extraction.service import ExtractionRun, extract_pages
 from worker.extraction.store import ExtractionStore
 from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
@@ -114,8 +114,21 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
     if item.response is None:
         error = item.error or "the batch request failed"
         provider, model = client.provider, client.model
-        failed = Attempt("provider_error", None, [], error, provider, model, batch=True, usage=item.usage)
-        return SegmentResult([failed])
+        # A request the provider rejects (400/413/422, not the deployment's fault) repeats: it counts
+        # towards skipping the segment, as online (it failed the page on every pass).
+        rejected = item.status in REJECTED_REQUEST_STATUSES and not item.deployment_fault
+        failed = Attempt(
+            "provider_error",
+            None,
+            [],
+            error,
+            provider,
+            model,
+            batch=True,
+            rejected=rejected,
+            usage=item.usage,
+        )
+        return SegmentResult([failed], permanent=rejected)
     attempt = classify_reply(item.response, max_facts, cap)
     attempt.batch = True
     # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).

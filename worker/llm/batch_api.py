@@ -22,6 +22,11 @@ class BatchItem:
     response: ChatResponse | None
     error: str | None = None
     usage: Usage | None = None  # billed for a reply of the wrong shape (LLMError.usage)
+    # The HTTP status the provider answered the request with (an error's), and whether its body blamed
+    # the account or the settings: what the online path reads to tell a request the provider rejects
+    # (it repeats, and counts towards skipping the segment) from a deployment's fault.
+    status: int | None = None
+    deployment_fault: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from worker.llm.batch_api import (
     jsonl_lines,
     result_line,
 )
-from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.errors import LLMError, blames_deployment, body_message, to_llm_error
 from worker.llm.gateway import LLMConfigurationError, provider_client
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryPolicy
@@ -261,9 +261,30 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             except LLMError as exc:
                 items[custom_id] = BatchItem(None, str(exc), exc.usage)
             return
-        error = body.get("error") if isinstance(body, Mapping) else None
-        message = error.get("message") if isinstance(error, Mapping) else None
-        items[custom_id] = BatchItem(None, f"HTTP {response.get('status_code')}: {message or body}")
+        status = response.get("status_code")
+        status = status if isinstance(status, int) else None
+        message = body_message(
+            body, "the batch's error line"
+        )  # the online path's words: clipped, never a body
+        items[custom_id] = BatchItem(
+            None,
+            f"HTTP {status}: {message}",
+            status=status,
+            deployment_fault=blames_deployment(body, message),
+        )
+
+
+# The HTTP status each Anthropic error type stands for (a batch's errored result names the type only).
+ANTHROPIC_ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
 
 
 class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
@@ -370,8 +391,18 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
             error = result.get("error")
             inner = error.get("error") if isinstance(error, Mapping) else None
             inner = inner if isinstance(inner, Mapping) else {}
-            kind, message_text = inner.get("type", "error"), inner.get("message", "the request failed")
-            return BatchItem(None, f"{kind}: {message_text}")
+            kind = str(inner.get("type", "error"))
+            said = (
+                body_message(error, "the batch's error")
+                if isinstance(error, Mapping)
+                else "the request failed"
+            )
+            return BatchItem(
+                None,
+                f"{kind}: {said}",
+                status=ANTHROPIC_ERROR_STATUS.get(kind),
+                deployment_fault=blames_deployment(error, said),
+            )
         return None
 
 

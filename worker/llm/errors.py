@@ -179,7 +179,16 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
     MAX_PROVIDER_MESSAGE_CHARS. A body that is no JSON error (a proxy's HTML page, a server that echoes
     the request) is described, never quoted: the SDKs' own message is that body, and it went into the
     logs, llm_calls, the audit and the job's last error, page text and all."""
-    body: Any = exc.body
+    response: Any = getattr(exc, "response", None)
+    kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
+    size = len(getattr(response, "content", b"") or b"") if response is not None else 0
+    return body_message(exc.body, f"{size} bytes, {kind}")
+
+
+def body_message(body: Any, described: str) -> str:
+    """An error body's own words (``error.message``, or ``message``, in either wire format), clipped to
+    MAX_PROVIDER_MESSAGE_CHARS; a body that is no JSON error is ``described``, never quoted (a proxy's
+    page, a server echoing the request: page text and all)."""
     message: str | None = None
     if isinstance(body, Mapping):
         inner = body.get("error")
@@ -188,13 +197,15 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
         elif isinstance(body.get("message"), str):
             message = str(body["message"])
     if message is None:
-        response: Any = getattr(exc, "response", None)
-        kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
-        size = len(getattr(response, "content", b"") or b"") if response is not None else 0
-        message = f"a reply that is not a JSON error ({size} bytes, {kind}; not kept)"
+        message = f"a reply that is not a JSON error ({described}; not kept)"
     if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
         message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
     return message
+
+
+def blames_deployment(body: Any, message: str) -> bool:
+    """Whether an error body blames the account or the settings (``LLMError.deployment_fault``)."""
+    return _blames_deployment(body, message)
 
 
 SDKS = ("openai", "anthropic")
