@@ -14,6 +14,7 @@ from worker.core.facts import (
     MAX_FACT_FIELD_CHARS,
     SEGMENT_CLOSE,
     SEGMENT_OPEN,
+    WORKED_EXAMPLE_REPLY,
     MalformedReplyError,
     entity_slug,
     extraction_system_prompt,
@@ -105,8 +106,24 @@ def test_code_fenced_json_is_accepted():
 )
 def test_a_whole_object_with_prose_around_it_is_the_answer(wrap):
     """Each was a malformed reply: a paid repair turn resending the segment, and a second one counted
-    towards skipping it. The first whole object is the answer; a cut-off one is still malformed."""
+    towards skipping it. The one whole object is the answer; a cut-off one is still malformed."""
     assert parse_facts_reply(wrap.replace("{}", reply({"fact": "x"})))[0].fact == "x"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'The rules say reply {"facts":[]} when nothing is worth keeping. Here: ' + reply({"fact": "x"}),
+        "<think>draft: " + reply({"fact": "draft"}) + "</think> " + reply({"fact": "x"}),
+        reply({"fact": "a"}) + " " + reply({"fact": "b"}),
+        "As in the example, " + WORKED_EXAMPLE_REPLY,  # the prompt's own example, echoed
+    ],
+)
+def test_which_object_is_meant_is_not_guessed(text):
+    """Taken as the answer, the first object stored nothing ("ok, 0 facts": the checkpoint moved past
+    the segment), a draft, or the example's facts as this page's."""
+    with pytest.raises(MalformedReplyError, match="not JSON"):
+        parse_facts_reply(text)
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,22 @@ def facts_json_schema(max_facts: int = DEFAULT_MAX_FACTS) -> dict[str, Any]:
 # first (before the segment), so the providers' prompt caches can serve them: both cache only a prefix of
 # at least 1024 tokens (OpenAI; Claude Sonnet/Opus), and with the facts schema ahead of the system prompt
 # this text carries the stable prefix past that line. Nothing in it may vary per call: no page, no date.
+WORKED_EXAMPLE_REPLY = (
+    '{"facts":[{"fact":"Mateo Quispe got married in Cusco on 2024-03-09, with about 80 guests.",'
+    '"kind":"event","entity":"people/mateo-quispe","confidence":0.95,"notability":"high",'
+    '"metric":"wedding guests","value":80,"unit":"people","period":"2024-03-09"},'
+    '{"fact":"Olivia Bennett left Initech in January 2024 and opened her own bakery, Crumb & Copper.",'
+    '"kind":"event","entity":"people/olivia-bennett","confidence":0.95,"notability":"high",'
+    '"metric":null,"value":null,"unit":null,"period":null},'
+    '{"fact":"Crumb & Copper sells about 300 croissants a day.","kind":"fact",'
+    '"entity":"companies/crumb-and-copper","confidence":0.9,"notability":"medium",'
+    '"metric":"croissants sold","value":300,"unit":"croissants","period":"per day"},'
+    '{"fact":"Mateo Quispe will order a cake from Crumb & Copper for his housewarming on 2024-06-29.",'
+    '"kind":"commitment","entity":"people/mateo-quispe","confidence":0.85,"notability":"medium",'
+    '"metric":null,"value":null,"unit":null,"period":null}]}'
+)
+
+
 EXTRACTION_RULES = (
     "How to choose and write facts:\n"
     "- kind is one of: event (something that happened or will happen at a time: a move, a wedding, a "
@@ -131,19 +147,7 @@ EXTRACTION_RULES = (
     "Olivia Bennett (2024-04-20T10:39:00Z): I quit Initech in January and opened my own bakery, Crumb & "
     "Copper. We sell about 300 croissants a day.\n"
     "Mateo Quispe (2024-04-20T10:42:00Z): I'll order a cake for our housewarming on June 29.\n"
-    "a good reply is:\n"
-    '{"facts":[{"fact":"Mateo Quispe got married in Cusco on 2024-03-09, with about 80 guests.",'
-    '"kind":"event","entity":"people/mateo-quispe","confidence":0.95,"notability":"high",'
-    '"metric":"wedding guests","value":80,"unit":"people","period":"2024-03-09"},'
-    '{"fact":"Olivia Bennett left Initech in January 2024 and opened her own bakery, Crumb & Copper.",'
-    '"kind":"event","entity":"people/olivia-bennett","confidence":0.95,"notability":"high",'
-    '"metric":null,"value":null,"unit":null,"period":null},'
-    '{"fact":"Crumb & Copper sells about 300 croissants a day.","kind":"fact",'
-    '"entity":"companies/crumb-and-copper","confidence":0.9,"notability":"medium",'
-    '"metric":"croissants sold","value":300,"unit":"croissants","period":"per day"},'
-    '{"fact":"Mateo Quispe will order a cake from Crumb & Copper for his housewarming on 2024-06-29.",'
-    '"kind":"commitment","entity":"people/mateo-quispe","confidence":0.85,"notability":"medium",'
-    '"metric":null,"value":null,"unit":null,"period":null}]}\n'
+    "a good reply is:\n" + WORKED_EXAMPLE_REPLY + "\n"
     "The greeting and the question about the wedding are not facts."
 )
 
@@ -239,13 +243,16 @@ def _confidence(value: Any) -> float:
 
 
 _DECODER = json.JSONDecoder()
+_WORKED_EXAMPLE = json.loads(WORKED_EXAMPLE_REPLY)
 
 
 def _json_object_in(text: str) -> Any:
-    """The reply's JSON: the whole of it (a code fence and a byte-order mark taken off), else the first
-    whole object in it, with prose around it ("Here are the facts: {...}", a stray fence after it),
-    which json_object mode does not forbid: each such reply cost a paid repair turn resending the
-    segment, and a second one counted towards skipping it. The first error stands otherwise."""
+    """The reply's JSON: the whole of it (a code fence and a byte-order mark taken off), else its one
+    whole object with prose around it ("Here are the facts: {...}", a stray fence after it), which
+    json_object mode does not forbid: each such reply cost a paid repair turn resending the segment,
+    and a second one counted towards skipping it. Not when a second object follows (a draft, or the
+    prompt's own '{"facts":[]}' quoted before the answer: which one is meant is a guess), nor the
+    prompt's worked example echoed: those stay malformed, so the repair turn asks again."""
     body = strip_code_fence(text.lstrip("\ufeff"))
     try:
         return json.loads(body)
@@ -254,9 +261,22 @@ def _json_object_in(text: str) -> Any:
         if start < 0:
             raise
         try:
-            return _DECODER.raw_decode(body, start)[0]
+            found, end = _DECODER.raw_decode(body, start)
         except json.JSONDecodeError:
             raise first from None
+        if found == _WORKED_EXAMPLE or _object_at(body, body.find("{", end)):
+            raise first from None
+        return found
+
+
+def _object_at(body: str, start: int) -> bool:
+    """Whether a whole JSON object begins at ``start`` (-1: none does)."""
+    if start < 0:
+        return False
+    try:
+        return isinstance(_DECODER.raw_decode(body, start)[0], dict)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        return False
 
 
 def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[ExtractedFact]:

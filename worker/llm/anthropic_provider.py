@@ -70,16 +70,17 @@ def _billed(message: Any) -> Usage | None:
 
 
 def billed_in(raw: object) -> Usage | None:
-    """The token counts of a message the SDK cannot read as one (a content block or stop reason newer
-    than it knows), from its ``usage`` alone: such a reply was billed all the same."""
-    from anthropic.types import Usage as SdkUsage  # with the SDK, which the chat client has imported
-    from pydantic import ValidationError
-
+    """The token counts of a message the SDK cannot read as one (a content block, a stop reason or a
+    usage field newer than it knows), from its ``usage`` counts alone, not validated as the SDK's
+    Usage (whose strict fields may be what it could not read): such a reply was billed all the same."""
     usage = raw.get("usage") if isinstance(raw, dict) else None
-    try:
-        return _billed(SimpleNamespace(usage=SdkUsage.model_validate(usage)))
-    except ValidationError:
+    if not isinstance(usage, dict):
         return None
+    counts = {name: usage.get(name) for name in _USAGE_COUNTS}
+    return _billed(SimpleNamespace(usage=SimpleNamespace(**counts)))
+
+
+_USAGE_COUNTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 class AnthropicChatClient:

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
     from worker.llm.retry import AttemptRecord
 
-# Status codes worth another try: throttling, a request timeout, a conflict, and every server-side failure
+# Status codes worth another try: throttling, a request timeout, and every server-side failure
 # (500, 502, 503, 504, and Anthropic's 529 overloaded).
-RETRYABLE_STATUS = frozenset({408, 409, 429})  # 409: a conflict or lock timeout (the SDKs retry it)
+RETRYABLE_STATUS = frozenset({408, 429})
 # Errors that blame the account or the deployment's settings, not the request's content: a spent credit
 # balance (Anthropic answers it with a 400), a parameter the configured model does not take (OpenAI's
 # reasoning models refuse max_tokens), a model or key that is wrong. Another segment gets the same

@@ -31,8 +31,9 @@ class RetryPolicy:
     spent sleeping between tries of one call (not the time the tries themselves take). The n-th
     retry sleeps ``backoff_base_seconds * 2**(n-1)`` capped at ``backoff_max_seconds``, shortened by
     up to ``jitter`` of itself at random (0 = none, 1 = "full jitter"), so workers that failed together
-    do not retry together. A ``Retry-After`` from the provider replaces the backoff (never shortened,
-    plus a little jitter on top), but no sleep is longer than what is left of the total wait; a
+    do not retry together. A ``Retry-After`` from the provider is waited instead when it is longer
+    (never shortened, plus a little jitter on top; a shorter one, 0 even, waits the backoff), but no
+    sleep is longer than what is left of the total wait; a
     Retry-After past what is left ends the tries at once (sleeping the rest of the budget only to try
     once more before the provider said held a slot for minutes and spent a request for nothing).
     """
