@@ -122,6 +122,12 @@ def test_render_pairs_numbers_each_pair_and_escapes_the_tag() -> None:
 def test_parse_decisions_is_strict() -> None:
     ok = parse_decisions('{"decisions": [{"pair": 1, "decision": "updates", "reason": "new job"}]}', [1, 2])
     assert ok[1].verdict == "updates" and ok[1].reason == "new job" and 2 not in ok
+    # One object with prose around it is the answer, as for extraction (worker.core.jsonvalues.reply_json);
+    # two are a guess, and malformed.
+    said = 'My decisions: {"decisions": [{"pair": 1, "decision": "updates", "reason": "r"}]} Done.'
+    assert parse_decisions(said, [1])[1].verdict == "updates"
+    with pytest.raises(MalformedDecisionsError):
+        parse_decisions(said + ' {"decisions": []}', [1])
     for bad in (
         "not json",
         "[]",

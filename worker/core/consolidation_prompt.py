@@ -4,14 +4,13 @@ holds the rules that pick the pairs and apply the answers)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from worker.core.delimiters import wrap_in_tag
-from worker.core.jsonvalues import made_storable, strip_code_fence
+from worker.core.jsonvalues import made_storable, reply_json
 
 if TYPE_CHECKING:  # the pairs hold the rules' FactView, which imports this module
     from worker.core.consolidation import FactView
@@ -100,7 +99,7 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
     """The model's decisions by pair number. Pairs it skipped are absent (the caller asks for them
     again); unknown pair numbers, bad verdicts and a non-object reply raise."""
     try:
-        document = json.loads(strip_code_fence(text))
+        document = reply_json(text)  # (the one rule for a reply's JSON: worker.core.jsonvalues)
     except (ValueError, TypeError, RecursionError) as exc:  # ValueError: JSON, or an int of 4,300+ digits
         raise MalformedDecisionsError(f"the reply is not JSON: {exc}") from None
     items = document.get("decisions") if isinstance(document, dict) else None

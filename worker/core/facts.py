@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.core.delimiters import wrap_in_tag
-from worker.core.jsonvalues import made_storable, strip_code_fence
+from worker.core.jsonvalues import made_storable, reply_json
 
 FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
 NOTABILITY_LEVELS = ("high", "medium", "low")
@@ -242,41 +242,7 @@ def _confidence(value: Any) -> float:
     return min(1.0, max(0.0, number))
 
 
-_DECODER = json.JSONDecoder()
 _WORKED_EXAMPLE = json.loads(WORKED_EXAMPLE_REPLY)
-
-
-def _json_object_in(text: str) -> Any:
-    """The reply's JSON: the whole of it (a code fence and a byte-order mark taken off), else its one
-    whole object with prose around it ("Here are the facts: {...}", a stray fence after it), which
-    json_object mode does not forbid: each such reply cost a paid repair turn resending the segment,
-    and a second one counted towards skipping it. Not when a second object follows (a draft, or the
-    prompt's own '{"facts":[]}' quoted before the answer: which one is meant is a guess), nor the
-    prompt's worked example echoed: those stay malformed, so the repair turn asks again."""
-    body = strip_code_fence(text.lstrip("\ufeff"))
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError as first:
-        start = body.find("{")
-        if start < 0:
-            raise
-        try:
-            found, end = _DECODER.raw_decode(body, start)
-        except json.JSONDecodeError:
-            raise first from None
-        if found == _WORKED_EXAMPLE or _object_at(body, body.find("{", end)):
-            raise first from None
-        return found
-
-
-def _object_at(body: str, start: int) -> bool:
-    """Whether a whole JSON object begins at ``start`` (-1: none does)."""
-    if start < 0:
-        return False
-    try:
-        return isinstance(_DECODER.raw_decode(body, start)[0], dict)
-    except (json.JSONDecodeError, RecursionError, ValueError):
-        return False
 
 
 def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[ExtractedFact]:
@@ -286,7 +252,7 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
     if not text or not text.strip():
         raise MalformedReplyError("the reply was empty")
     try:
-        payload = _json_object_in(text)
+        payload = reply_json(text, echoes=(_WORKED_EXAMPLE,))
     except json.JSONDecodeError as exc:
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
     except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Sequence
+from typing import Any
 
 BIGINT_MAX = 2**63 - 1  # Postgres bigint (every id column)
 INT4_MAX = 2**31 - 1  # Postgres integer (seq, token counts, settings)
@@ -92,3 +95,39 @@ def strip_code_fence(text: str) -> str:
         return stripped
     stripped = stripped[opening.end() :].lstrip()
     return stripped[:-3].rstrip() if stripped.endswith("```") else stripped
+
+
+_DECODER = json.JSONDecoder()
+
+
+def reply_json(text: str, *, echoes: Sequence[Any] = ()) -> Any:
+    """A model's JSON reply: the whole of it (a code fence and a byte-order mark taken off), else its
+    one whole object with prose around it ("Here are the facts: {...}", a stray fence after it), which
+    json_object mode does not forbid: each such reply cost a paid repair turn. Not when a second object
+    follows (a draft, or the prompt's own '{"facts":[]}' quoted before the answer: which one is meant
+    is a guess), nor one of ``echoes`` (the prompt's worked example): the first error stands, and the
+    caller asks again. Raises what json.loads raises."""
+    body = strip_code_fence(text.lstrip("\ufeff"))
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as first:
+        start = body.find("{")
+        if start < 0:
+            raise
+        try:
+            found, end = _DECODER.raw_decode(body, start)
+        except json.JSONDecodeError:
+            raise first from None
+        if any(found == echo for echo in echoes) or _object_at(body, body.find("{", end)):
+            raise first from None
+        return found
+
+
+def _object_at(body: str, start: int) -> bool:
+    """Whether a whole JSON object begins at ``start`` (-1: none does)."""
+    if start < 0:
+        return False
+    try:
+        return isinstance(_DECODER.raw_decode(body, start)[0], dict)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        return False
