@@ -681,11 +681,13 @@ def test_a_budget_that_refuses_a_retry_is_no_try_of_the_call() -> None:
 
     spent = BudgetExhaustedError("day", Decimal("1"), Decimal("1.2"), key="llm.budget_daily_usd")
     inner = ScriptedClient(retryable(), spent)
-    client = RetryingClient(inner, RetryPolicy(max_attempts=5), sleep=Sleeps())
+    seen: list[AttemptRecord] = []
+    client = RetryingClient(inner, RetryPolicy(max_attempts=5), sleep=Sleeps(), on_attempt=seen.append)
     with pytest.raises(BudgetExhaustedError) as refused:
         client.chat(REQUEST)
     assert inner.calls == 2 and [record.number for record in refused.value.attempts] == [1]
     assert refused.value.attempts[0].error is not spent
+    assert [record.number for record in seen] == [1]  # told once (it was told twice: a listener's row each)
 
 
 def test_a_sigterm_between_tries_keeps_the_tries_made_before_it() -> None:

@@ -209,7 +209,7 @@ class RetryingClient:
             value = self._retrying(self._attempt, call, fn)
         except LLMError as exc:
             exc.attempts = tuple(records)
-            if records:
+            if records and records[-1].retry_in_seconds is None:  # a retried one was told in _before_sleep
                 self._emit(records[-1])
             if len(records) > 1:
                 logger.warning(
