@@ -109,7 +109,7 @@ def reply_json(text: str, *, echoes: Sequence[Any] = ()) -> Any:
     caller asks again. Raises what json.loads raises."""
     body = strip_code_fence(text.lstrip("\ufeff"))
     try:
-        return json.loads(body)
+        found = json.loads(body)
     except json.JSONDecodeError as first:
         start = body.find("{")
         if start < 0:
@@ -118,16 +118,24 @@ def reply_json(text: str, *, echoes: Sequence[Any] = ()) -> Any:
             found, end = _DECODER.raw_decode(body, start)
         except json.JSONDecodeError:
             raise first from None
-        if any(found == echo for echo in echoes) or _object_at(body, body.find("{", end)):
-            raise first from None
-        return found
+        after = body.find("{", end)
+        if _object_at(body, after):
+            raise json.JSONDecodeError(
+                "more than one JSON object (which is the answer?)", body, after
+            ) from None
+    if any(found == echo for echo in echoes):  # alone or with prose: the prompt's, not an answer
+        raise json.JSONDecodeError("the prompt's worked example, not an answer", body, 0)
+    return found
 
 
 def _object_at(body: str, start: int) -> bool:
-    """Whether a whole JSON object begins at ``start`` (-1: none does)."""
+    """Whether a JSON object (or what may be one: too deep, or a number past Python's int limit) begins
+    at ``start`` (-1: none does)."""
     if start < 0:
         return False
     try:
         return isinstance(_DECODER.raw_decode(body, start)[0], dict)
-    except (json.JSONDecodeError, RecursionError, ValueError):
+    except json.JSONDecodeError:
         return False
+    except (RecursionError, ValueError):
+        return True

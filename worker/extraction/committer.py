@@ -114,9 +114,9 @@ class SegmentCommitter:
         if self.page_gone:
             self.store.record_spend([(place, result.attempts)])
         else:
-            self.store.record_attempts(
-                place, result.attempts, note=note, permanent=result.permanent, page=self.version
-            )
+            # Not counted towards skipping: only a failure the page reached in order does (a batch
+            # whose every request a setting rejected counted each page's every segment at once).
+            self.store.record_attempts(place, result.attempts, note=note, permanent=False, page=self.version)
 
     def poison(self, place: SegmentPlace, result: SegmentResult) -> tuple[str | None, int]:
         """(why the segment is skipped, or None to fail the page as before; its permanent failures
@@ -237,7 +237,7 @@ class SegmentCommitter:
                 self.planner.place(slug, index, segment),
                 result.attempts,
                 note=DISCARDED_UNUSED,
-                permanent=result.permanent,
+                permanent=False,  # (see _keep_spend)
                 page=self.version,
             )
             if handed is not None:

@@ -6,7 +6,7 @@ import email.utils
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
@@ -180,12 +180,16 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
     the request) is described, never quoted: the SDKs' own message is that body, and it went into the
     logs, llm_calls, the audit and the job's last error, page text and all."""
     response: Any = getattr(exc, "response", None)
-    kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
-    size = len(getattr(response, "content", b"") or b"") if response is not None else 0
-    return body_message(exc.body, f"{size} bytes, {kind}")
+
+    def described() -> str:  # only for a body with no message: a streamed response is read then only
+        kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
+        size = len(getattr(response, "content", b"") or b"") if response is not None else 0
+        return f"{size} bytes, {kind}"
+
+    return body_message(exc.body, described)
 
 
-def body_message(body: Any, described: str) -> str:
+def body_message(body: Any, described: str | Callable[[], str]) -> str:
     """An error body's own words (``error.message``, or ``message``, in either wire format), clipped to
     MAX_PROVIDER_MESSAGE_CHARS; a body that is no JSON error is ``described``, never quoted (a proxy's
     page, a server echoing the request: page text and all)."""
@@ -197,7 +201,8 @@ def body_message(body: Any, described: str) -> str:
         elif isinstance(body.get("message"), str):
             message = str(body["message"])
     if message is None:
-        message = f"a reply that is not a JSON error ({described}; not kept)"
+        what = described() if callable(described) else described
+        message = f"a reply that is not a JSON error ({what}; not kept)"
     if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
         message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
     return message

@@ -77,7 +77,8 @@ class RetryPolicy:
         waited_seconds: float,
         rng: random.Random | None = None,
     ) -> float:
-        """The sleep before retry ``retry_number``: Retry-After if given, within the remaining wait budget."""
+        """The sleep before retry ``retry_number``: the backoff, or a longer Retry-After (a little jitter
+        on top), within the remaining wait budget."""
         if retry_after is not None:
             # A little jitter on top only: the provider said "not before". Never less than the backoff:
             # a Retry-After of 0 (some gateways send it) had the five tries go out within a second.
