@@ -530,11 +530,17 @@ def test_a_page_appended_mid_run_is_read_again_once_not_at_every_later_commit(
     assert len(reads) == 1  # before: 6, one per commit after the append
 
 
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "FACTMILL_JOB_REVOCATION_LISTEN=false"])
 def test_a_running_job_makes_no_llm_call_once_its_page_s_erasure_commits(
-    database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient, caplog: pytest.LogCaptureFixture
+    database_url: str,
+    enabled: sessionmaker[Session],
+    llm: OpenAIChatClient,
+    caplog: pytest.LogCaptureFixture,
+    listen: bool,
 ) -> None:
     """The erasure's commit reaches the worker at once (worker.jobs.revocations); the erased page's text
-    went on being sent until the run's next commit or heartbeat (10 s by default)."""
+    went on being sent until the run's next commit or heartbeat (10 s by default), as it still does with
+    the listener turned off (behind a transaction-mode pooler)."""
     hours = [
         f"**Alice Example** (2024-03-15 {h}:00 AM): Segment {h} starts.\n**Bob Demo** (2024-03-15 "
         f"{h}:01 AM): Segment {h} goes on."
@@ -547,20 +553,20 @@ def test_a_running_job_makes_no_llm_call_once_its_page_s_erasure_commits(
 
     def erase_and_wait_until_heard() -> None:
         erase_page(enabled, "default", SLUG, "api")
-        for _ in range(100):  # the notice crosses a connection: wait for it (5 s at most), not a guess
+        for _ in range(100 if listen else 0):  # the notice crosses a connection: wait for it (5 s at most)
             if any(heard in record.getMessage() for record in caplog.records):
                 break
             time.sleep(0.05)
 
     racing = Interrupting(llm, erase_and_wait_until_heard)
     calls_after = Counting(racing)
-    settings = Settings(database_url=database_url, llm_concurrency=1)
+    settings = Settings(database_url=database_url, llm_concurrency=1, job_revocation_listen=listen)
     rt = Runtime(settings=settings, factory=enabled, config=ConfigReader(enabled, ttl=0), _llm=calls_after)
     with caplog.at_level(logging.INFO, logger="worker.jobs.revocations"):
         run_job(rt, stored.job_id, EXTRACTION)
     # Before, the next segment went out (a pipe of 64 sends up to 64): the run stopped only when its
     # next commit found the page gone, or at its next heartbeat.
-    assert racing.fired and calls_after.after_first == 0
+    assert racing.fired and calls_after.after_first == (0 if listen else 1)
     with enabled() as session:
         job = session.get(Job, stored.job_id)
         assert job is not None and (job.status, job.last_error) == ("failed", PAGE_ERASED)
