@@ -24,9 +24,14 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    # (0037 refused a database holding such a row; one written in the moment between its check and its
-    # constraint fails this scan, naming ck_pages_source_id: 0037 says what to do.)
-    op.execute(sa.text("ALTER TABLE pages VALIDATE CONSTRAINT ck_pages_source_id"))
+    try:
+        op.execute(sa.text("ALTER TABLE pages VALIDATE CONSTRAINT ck_pages_source_id"))
+    except sa.exc.IntegrityError as exc:  # a row written between 0037's check and its constraint
+        raise RuntimeError(
+            "some page has a source id holding '|' (written while 0037 ran); give it one without: UPDATE "
+            "pages SET source_id = replace(source_id, '|', '-') WHERE strpos(source_id, '|') > 0, after "
+            "checking no such source exists, then upgrade again"
+        ) from exc
 
 
 def downgrade() -> None:

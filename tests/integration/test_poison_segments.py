@@ -209,17 +209,26 @@ def test_a_skipped_segment_s_retry_interrupted_in_flight_still_records_its_call(
     assert calls_after == calls_before + 1  # before: the retry's paid call went unrecorded
 
 
-def test_a_failure_discarded_behind_an_earlier_one_does_not_count_towards_skipping(tx_factory, sim, llm):
-    """Only a failure the page reaches in order counts: one discarded behind it counted too, so a batch
-    whose every request a setting rejected counted every segment of every page at once, and pages were
-    skipped whole."""
+def test_a_rejected_request_discarded_behind_an_earlier_failure_does_not_count_towards_skipping(
+    tx_factory, sim, llm
+):
+    """A refusal discarded behind an earlier failure counts (it is the segment's: several poison
+    segments in a page are all skipped within max_segment_failures runs); a rejected request does not
+    (a setting the provider does not blame itself for rejects every request alike: a batch of them
+    counted every segment of every page at once, and skipped pages whole)."""
+    from worker.extraction.committer import counts_when_discarded
+    from worker.extraction.segments import Attempt, SegmentResult
+
     with tx_factory.begin() as session:
         set_config(session, "extraction.max_segment_failures", "2")
     body = "\n".join([*segment_lines(15), *segment_lines(16, POISON), *segment_lines(17, POISON)])
     put_page(tx_factory, body)
     assert run(tx_factory, llm, segment_concurrency=3).pages_failed == 1  # the three asked at once
-    counted = [a.segment_start for a in audits(tx_factory) if a.permanent]
-    assert counted == [MIDDLE_START]  # not the last one's, discarded behind it
+    assert len([a for a in audits(tx_factory) if a.permanent]) == 2  # the refusal behind counts too
+    rejected = Attempt("provider_error", None, [], "HTTP 400: max_tokens too large", rejected=True)
+    assert not counts_when_discarded(SegmentResult([rejected], permanent=True))
+    refused = Attempt("refusal", None, [], "no")
+    assert counts_when_discarded(SegmentResult([refused], permanent=True))
 
 
 def test_malformed_after_its_repair_turn_counts_once_per_try(tx_factory, sim, llm):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.core.delimiters import wrap_in_tag
-from worker.core.jsonvalues import made_storable, reply_json
+from worker.core.jsonvalues import EchoedExampleError, SecondObjectError, made_storable, reply_json
 
 FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
 NOTABILITY_LEVELS = ("high", "medium", "low")
@@ -253,6 +253,14 @@ def parse_facts_reply(text: str, max_facts: int = DEFAULT_MAX_FACTS) -> list[Ext
         raise MalformedReplyError("the reply was empty")
     try:
         payload = reply_json(text, echoes=(_WORKED_EXAMPLE,))
+    except EchoedExampleError:  # (said to the model in the repair turn: what to do instead)
+        raise MalformedReplyError(
+            "the reply repeats the prompt's worked example instead of this segment's facts"
+        ) from None
+    except SecondObjectError:
+        raise MalformedReplyError(
+            "the reply holds more than one JSON object; reply with the one object"
+        ) from None
     except json.JSONDecodeError as exc:
         raise MalformedReplyError(f"the reply is not JSON ({exc.msg} at position {exc.pos})") from exc
     except RecursionError:  # a reply of thousands of nested arrays: the decoder's own limit

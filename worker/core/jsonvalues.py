@@ -80,7 +80,17 @@ def storable_text(value: str) -> str:
     return value
 
 
-__all__ = ["json_integer", "made_storable", "not_json", "storable_text", "text_problem"]
+__all__ = [
+    "EchoedExampleError",
+    "SecondObjectError",
+    "json_integer",
+    "made_storable",
+    "not_json",
+    "reply_json",
+    "storable_text",
+    "strip_code_fence",
+    "text_problem",
+]
 
 
 _FENCE_OPEN = re.compile(r"```[a-zA-Z]*")
@@ -103,10 +113,11 @@ _DECODER = json.JSONDecoder()
 def reply_json(text: str, *, echoes: Sequence[Any] = ()) -> Any:
     """A model's JSON reply: the whole of it (a code fence and a byte-order mark taken off), else its
     one whole object with prose around it ("Here are the facts: {...}", a stray fence after it), which
-    json_object mode does not forbid: each such reply cost a paid repair turn. Not when a second object
-    follows (a draft, or the prompt's own '{"facts":[]}' quoted before the answer: which one is meant
-    is a guess), nor one of ``echoes`` (the prompt's worked example): the first error stands, and the
-    caller asks again. Raises what json.loads raises."""
+    json_object mode does not forbid: each such reply cost a paid repair turn. Not when another object
+    (whole, or begun and broken) follows: a draft, or the prompt's own '{"facts":[]}' quoted before the
+    answer, was taken for it (0 facts, the checkpoint past the segment); nor one of ``echoes`` (the
+    prompt's worked example): the caller asks again (EchoedExampleError for an echo). Raises what
+    json.loads raises."""
     body = strip_code_fence(text.lstrip("\ufeff"))
     try:
         found = json.loads(body)
@@ -118,24 +129,36 @@ def reply_json(text: str, *, echoes: Sequence[Any] = ()) -> Any:
             found, end = _DECODER.raw_decode(body, start)
         except json.JSONDecodeError:
             raise first from None
-        after = body.find("{", end)
-        if _object_at(body, after):
-            raise json.JSONDecodeError(
-                "more than one JSON object (which is the answer?)", body, after
-            ) from None
+        if _another_object_after(body, end):
+            raise SecondObjectError("more than one JSON object (which is the answer?)", body, end) from None
     if any(found == echo for echo in echoes):  # alone or with prose: the prompt's, not an answer
-        raise json.JSONDecodeError("the prompt's worked example, not an answer", body, 0)
+        raise EchoedExampleError(
+            "the reply repeats the prompt's worked example, not this segment's answer", body, 0
+        )
     return found
 
 
-def _object_at(body: str, start: int) -> bool:
-    """Whether a JSON object (or what may be one: too deep, or a number past Python's int limit) begins
-    at ``start`` (-1: none does)."""
-    if start < 0:
-        return False
-    try:
-        return isinstance(_DECODER.raw_decode(body, start)[0], dict)
-    except json.JSONDecodeError:
-        return False
-    except (RecursionError, ValueError):
-        return True
+class EchoedExampleError(json.JSONDecodeError):
+    """The reply is the prompt's worked example, repeated: valid JSON, and no answer."""
+
+
+class SecondObjectError(json.JSONDecodeError):
+    """The reply holds an object with prose around it, and another object (or the start of one) after."""
+
+
+def _another_object_after(body: str, end: int) -> bool:
+    """Whether an object begins after ``end``: one that decodes, or one begun and broken past its first
+    character (a trailing comma, cut off), or too deep or too big to read. A brace in prose ("{note}")
+    fails at once and is passed over. Linear: each brace's try fails or ends within its own object."""
+    start = body.find("{", end)
+    while start >= 0:
+        try:
+            if isinstance(_DECODER.raw_decode(body, start)[0], dict):
+                return True
+        except json.JSONDecodeError as exc:
+            if exc.pos > start + 1:
+                return True
+        except (RecursionError, ValueError):
+            return True
+        start = body.find("{", start + 1)
+    return False

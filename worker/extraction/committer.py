@@ -50,6 +50,15 @@ def one_at_a_time(results: SegmentResults) -> ResultBatches:
 INFRASTRUCTURE_OUTCOMES = ("provider_error", "budget_exhausted")
 
 
+def counts_when_discarded(result: SegmentResult) -> bool:
+    """Whether a permanent failure the page got but could not use (behind an earlier failure) counts
+    towards skipping its segment: a refusal or an unusable reply does (it is the segment's; a page with
+    several poison segments skips them all within max_segment_failures runs), a request the provider
+    rejected does not (a setting it did not blame itself for rejects every request alike: a batch of them
+    counted every segment of every page at once, and skipped pages whole)."""
+    return result.permanent and not (result.attempts and result.attempts[-1].rejected)
+
+
 class SegmentCommitter:
     """Writes segment results through the store and keeps the run's counters and progress."""
 
@@ -114,9 +123,9 @@ class SegmentCommitter:
         if self.page_gone:
             self.store.record_spend([(place, result.attempts)])
         else:
-            # Not counted towards skipping: only a failure the page reached in order does (a batch
-            # whose every request a setting rejected counted each page's every segment at once).
-            self.store.record_attempts(place, result.attempts, note=note, permanent=False, page=self.version)
+            self.store.record_attempts(
+                place, result.attempts, note=note, permanent=counts_when_discarded(result), page=self.version
+            )
 
     def poison(self, place: SegmentPlace, result: SegmentResult) -> tuple[str | None, int]:
         """(why the segment is skipped, or None to fail the page as before; its permanent failures
@@ -237,7 +246,7 @@ class SegmentCommitter:
                 self.planner.place(slug, index, segment),
                 result.attempts,
                 note=DISCARDED_UNUSED,
-                permanent=False,  # (see _keep_spend)
+                permanent=counts_when_discarded(result),
                 page=self.version,
             )
             if handed is not None:

@@ -181,7 +181,7 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
     logs, llm_calls, the audit and the job's last error, page text and all."""
     response: Any = getattr(exc, "response", None)
 
-    def described() -> str:  # only for a body with no message: a streamed response is read then only
+    def described() -> str:  # asked only of a body with no message of its own
         kind = getattr(response, "headers", {}).get("content-type", "no content type") if response else "?"
         size = len(getattr(response, "content", b"") or b"") if response is not None else 0
         return f"{size} bytes, {kind}"
