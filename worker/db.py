@@ -89,6 +89,10 @@ PING_AFTER_IDLE_SECONDS = 1.0
 DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
 
 
+class MigrationRefusedError(RuntimeError):
+    """A migration that will not run on the data it found, saying what to do (alembic/versions)."""
+
+
 def database_went_away(exc: BaseException) -> bool:
     """The database restarted or the connection broke (not a deadlock or a statement timeout, which
     are the statement's own failures). No SQLSTATE at all means the server never answered. Meant for an

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from alembic import op
+from worker.db import MigrationRefusedError
 
 revision: str = "0037"
 down_revision: str | None = "0036"
@@ -33,7 +34,7 @@ def upgrade() -> None:
         sa.text("SELECT EXISTS (SELECT 1 FROM pages WHERE strpos(source_id, '|') > 0)")
     )
     if held:
-        raise RuntimeError(
+        raise MigrationRefusedError(
             "some page has a source id holding '|', which Factmill cannot tell apart from its "
             "source|slug keys; give them a source id without one (UPDATE pages SET source_id = "
             "replace(source_id, '|', '-') WHERE strpos(source_id, '|') > 0, after checking no such "

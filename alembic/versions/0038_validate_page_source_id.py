@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from alembic import op
+from worker.db import MigrationRefusedError
 
 revision: str = "0038"
 down_revision: str | None = "0037"
@@ -27,7 +28,7 @@ def upgrade() -> None:
     try:
         op.execute(sa.text("ALTER TABLE pages VALIDATE CONSTRAINT ck_pages_source_id"))
     except sa.exc.IntegrityError as exc:  # a row written between 0037's check and its constraint
-        raise RuntimeError(
+        raise MigrationRefusedError(
             "some page has a source id holding '|' (written while 0037 ran); give it one without: UPDATE "
             "pages SET source_id = replace(source_id, '|', '-') WHERE strpos(source_id, '|') > 0, after "
             "checking no such source exists, then upgrade again"

@@ -427,7 +427,7 @@ def test_0037_refuses_a_source_id_holding_a_pipe_and_says_what_to_do(server_url:
         engine = create_engine(url, poolclass=pool.NullPool)
         with engine.begin() as conn:
             conn.execute(text(insert), {"source": "a|b"})
-        with pytest.raises(Exception, match=r"some page has a source id holding '\|'"):
+        with pytest.raises(db.MigrationRefusedError, match=r"some page has a source id holding '\|'"):
             db.upgrade(url)
         with engine.begin() as conn:
             conn.execute(text("UPDATE pages SET source_id = replace(source_id, '|', '-')"))

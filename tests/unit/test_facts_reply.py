@@ -102,9 +102,11 @@ def test_code_fenced_json_is_accepted():
         "\ufeff{}",  # a byte-order mark
         "Here are the facts:\n```json\n{}\n```",  # prose before a fence
         "{}\n```",  # a stray closing fence
+        "{} (see {note}; the set { a, b })",  # braces in prose after it
     ],
 )
 def test_a_whole_object_with_prose_around_it_is_the_answer(wrap):
+    # (and braces in prose after it are prose: "{note}", "{ a, b }")
     """Each was a malformed reply: a paid repair turn resending the segment, and a second one counted
     towards skipping it. The one whole object is the answer; a cut-off one is still malformed."""
     assert parse_facts_reply(wrap.replace("{}", reply({"fact": "x"})))[0].fact == "x"
@@ -123,6 +125,7 @@ def test_a_whole_object_with_prose_around_it_is_the_answer(wrap):
         "<think>draft: " + reply({"fact": "draft"}) + '</think> {"facts":[{"fact":"x"},]}',  # broken after
         '{"facts":[]} but actually {"facts": [{"fact": "Alice moved"}',  # cut off after
         reply({"fact": "a"}) + " (see {note}) " + reply({"fact": "b"}),  # a brace in prose between
+        '{"facts":[]} but actually {"fac',  # cut off in its first key
     ],
 )
 def test_which_object_is_meant_is_not_guessed(text):

@@ -56,6 +56,8 @@ def db_upgrade(
             f"the upgrade failed, its last migration rolled back (the schema stays at {stays}; run it "
             f"again to go on from there): {error_summary(exc)}"
         ) from None
+    except db.MigrationRefusedError as exc:  # what to do is its message
+        raise fail(f"{exc} (the schema stays at {db.current_revision(url) or 'no schema'})") from None
     out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
 
 
