@@ -159,7 +159,7 @@ def _headers(exc: BaseException) -> Mapping[str, str] | None:
 MAX_PROVIDER_MESSAGE_CHARS = 1_000
 
 
-def _blames_deployment(body: Any, message: str) -> bool:
+def blames_deployment(body: Any, message: str) -> bool:
     """Whether an error body blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's
     type or code (both wire formats name them so) or, for Anthropic's credit balance, its words."""
     inner = body.get("error") if isinstance(body, Mapping) else None
@@ -208,11 +208,6 @@ def body_message(body: Any, described: str | Callable[[], str]) -> str:
     return message
 
 
-def blames_deployment(body: Any, message: str) -> bool:
-    """Whether an error body blames the account or the settings (``LLMError.deployment_fault``)."""
-    return _blames_deployment(body, message)
-
-
 SDKS = ("openai", "anthropic")
 # The SDKs ride on httpx or its fork httpx2: their own exceptions wrap these, but a raw one may escape.
 HTTP_LIBRARIES = ("httpx", "httpx2")
@@ -243,7 +238,7 @@ def classify(exc: BaseException) -> Classification:
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         message = _provider_message(exc)
-        blamed = _blames_deployment(exc.body, message)
+        blamed = blames_deployment(exc.body, message)
         # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
         # refill the quota, and each call's tries only added to the outage.
         retryable = (status in RETRYABLE_STATUS or status >= 500) and not blamed
