@@ -108,6 +108,34 @@ def test_a_hung_server_is_replaced(data_dir: Path) -> None:
     assert read_pid(paths.pid_file) != hung and servers_on(paths.socket) == [read_pid(paths.pid_file)]
 
 
+def test_a_hung_server_this_user_may_not_signal_is_a_clear_error(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's hung server on the socket: its SIGKILL raised PermissionError as a traceback."""
+    from worker.embedded.base import EmbeddedUnavailableError
+
+    embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    hung = read_pid(paths.pid_file)
+    assert hung is not None
+    real_kill = os.kill
+
+    def kill(pid: int, signum: int) -> None:
+        if pid == hung:
+            raise PermissionError(1, "Operation not permitted")  # as for another user's process
+        real_kill(pid, signum)
+
+    real_kill(hung, signal.SIGSTOP)
+    try:
+        monkeypatch.setattr(os, "kill", kill)
+        with pytest.raises(EmbeddedUnavailableError, match=f"pid {hung} belongs to another user"):
+            embedded_redis_url(data_dir)
+    finally:
+        monkeypatch.undo()
+        real_kill(hung, signal.SIGCONT)
+    assert pid_alive(hung)
+
+
 def test_a_long_data_folder_runs_its_server_on_a_short_socket(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
     try:

@@ -283,10 +283,20 @@ def replace_stale(paths: BrokerPaths) -> None:
 
 
 def _end(pid: int) -> None:
-    if signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS).state != "stopped":
-        with contextlib.suppress(ProcessLookupError):  # it went just after the wait
-            os.kill(pid, signal.SIGKILL)
-        wait_exited(pid, STOP_TIMEOUT_SECONDS)
+    """Make a stale server exit, killing it if it ignores SIGTERM; one this user may not signal
+    (another user's) is an error that says so, not a traceback."""
+    outcome = signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS)
+    if outcome.state == "stopped":
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it went just after the wait
+        return
+    except PermissionError as exc:
+        raise EmbeddedUnavailableError(
+            f"cannot replace a stale embedded Redis: {outcome.detail}, or set FACTMILL_BROKER_URL"
+        ) from exc
+    wait_exited(pid, STOP_TIMEOUT_SECONDS)
 
 
 def servers_on(socket: Path) -> list[int]:
