@@ -437,6 +437,35 @@ def test_0037_refuses_a_source_id_holding_a_pipe_and_says_what_to_do(server_url:
         engine.dispose()
 
 
+def test_0038_refuses_a_pipe_written_while_0037_ran_and_says_what_to_do(server_url: str) -> None:
+    """0037 adds its constraint NOT VALID after checking the rows; one written between the two is
+    found by 0038's VALIDATE, which said so as an IntegrityError traceback."""
+    with fresh_database(server_url, "pipes_late") as url:
+        db.upgrade(url, "0037")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:  # the constraint as 0037 left it, with a row it never checked
+            definition = conn.execute(_CHECK_NAMED, {"table": "pages", "name": "ck_pages_source_id"}).scalar()
+            assert definition is not None and definition.endswith("NOT VALID")
+            conn.execute(text("ALTER TABLE pages DROP CONSTRAINT ck_pages_source_id"))
+            conn.execute(
+                text(
+                    "INSERT INTO pages (source_id, slug, type, content_hash) "
+                    "VALUES ('a|b', 'c', 'conversation', 'h')"
+                )
+            )
+            conn.execute(text(f"ALTER TABLE pages ADD CONSTRAINT ck_pages_source_id {definition}"))
+        with pytest.raises(db.MigrationRefusedError, match=r"written while 0037 ran.*upgrade again"):
+            db.upgrade(url)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0037"
+            conn.execute(text("UPDATE pages SET source_id = replace(source_id, '|', '-')"))
+        db.upgrade(url)
+        with engine.begin() as conn:
+            definition = conn.execute(_CHECK_NAMED, {"table": "pages", "name": "ck_pages_source_id"}).scalar()
+        assert definition is not None and "NOT VALID" not in definition
+        engine.dispose()
+
+
 def test_checks_and_index_definitions_match_models(server_url: str) -> None:
     tables = [t for t in models.Base.metadata.sorted_tables if t.schema is None]
     checked = {"checks": 0, "indexes": 0}
