@@ -216,6 +216,32 @@ def test_a_pause_costs_no_attempt_whether_at_claim_mid_run_or_for_the_llm_budget
     assert run_and_read() == ("succeeded", "succeeded", 1, 0, None), "it ran once: one attempt"
 
 
+def test_a_release_whose_lease_was_taken_over_re_sends_nothing(factory, runtime, monkeypatch):
+    """A stopping worker whose lease went to another (it beat too late) hands back nothing: the job
+    is the new holder's, and a message re-sent for it would only be skipped, or taken as lost."""
+    from worker.jobs import lifecycle
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    rt, sent = runtime(), []
+    monkeypatch.setattr(lifecycle, "enqueue", lambda factory, jobs, sender=None: sent.extend(jobs))
+
+    def work(ctx: JobContext) -> WorkResult:
+        set_job(factory, ctx.job.id, worker="another-worker")  # the sweeper gave the lease away
+        raise WorkerStoppingError("the worker is stopping")
+
+    kind, job_id = kind_doing(work), new_job(factory)
+    outcome = run_job(rt, job_id, kind)
+    assert (outcome.status, outcome.detail) == ("lost", "the lease was no longer this run's; nothing re-sent")
+    assert sent == []
+    state = job(factory, job_id)
+    assert (state.status, state.worker, state.attempts, state.worker_losses) == (
+        "running",
+        "another-worker",
+        0,
+        0,
+    )
+
+
 def test_own_failures_stop_at_max_attempts_on_every_path(factory, runtime):
     rt = runtime(job_max_attempts=3, job_max_worker_losses=20)
 
