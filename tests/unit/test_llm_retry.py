@@ -621,6 +621,24 @@ def test_a_body_that_is_no_json_error_is_described_never_quoted(sdk: Any) -> Non
     assert c.message == "HTTP 502: a reply that is not a JSON error (50 bytes, text/html; not kept)"
 
 
+def test_a_bodys_own_message_is_kept_clipped_and_only_a_body_without_one_is_described() -> None:
+    """The description reads the response (its size: a large body's length); asked of every error
+    it cost a read per retry, so it is asked only of a body that has no message of its own."""
+    from worker.llm.errors import MAX_PROVIDER_MESSAGE_CHARS, body_message
+
+    def never() -> str:
+        raise AssertionError("a body with a message of its own was described")
+
+    assert body_message({"error": {"message": "model not found"}}, never) == "model not found"
+    assert body_message({"message": "overloaded", "type": "error"}, never) == "overloaded"
+    clipped = body_message({"error": {"message": "x" * 10_000}}, never)
+    assert len(clipped) == MAX_PROVIDER_MESSAGE_CHARS and clipped.endswith("…")
+    calls: list[int] = []
+    described = body_message({"error": {"message": 42}}, lambda: calls.append(1) or "7 bytes, text/plain")
+    assert described == "a reply that is not a JSON error (7 bytes, text/plain; not kept)" and calls == [1]
+    assert body_message(None, "no body") == "a reply that is not a JSON error (no body; not kept)"
+
+
 def test_a_call_that_waited_for_the_rate_limit_asks_the_callers_check_before_it_goes() -> None:
     """A rate limit's wait can be long: a kill switch turned off meanwhile let the call go all the same.
     The caller's check (worker.llm.between_tries) is asked after a wait; what it raises ends the call,
