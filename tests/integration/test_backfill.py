@@ -1108,6 +1108,25 @@ def test_a_cancel_while_extraction_is_switched_off_cancels_the_batches_at_the_pr
     assert backfill_report(factory, backfill_id)["status"] == "cancelled"
 
 
+def test_a_cancel_refused_while_switched_off_pauses_and_is_asked_again_once_it_is_on(factory, rt, sim):
+    """The provider refuses the cancel while the switch is off: the job waits for the switch, spends
+    no attempt, says so, and the pass asks again once extraction is back on."""
+    backfill_id, job_id = sent_then_switched_off(factory, rt, sim)
+    sim.configure(batch_cancel_fails=True)
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert run_pass(rt, job_id).status == "paused"
+    job = job_row(factory, job_id)
+    assert job.pause_reason == "kill_switch" and job.attempts == 0
+    assert "the provider did not cancel 1 now (asked again then)" in (job.last_error or "")
+    sim.configure(batch_cancel_fails=False)
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+    assert drive(rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert facts_of(factory, "bf") == []
+
+
 def test_cancel_stops_the_running_batch_and_sends_no_more(factory, rt, sim):
     seed_pages(factory, "bf", 4)
     sim.configure(batch_delay_seconds=3600)

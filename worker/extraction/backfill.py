@@ -271,20 +271,20 @@ class BackfillPass:
                 return False
         return True
 
-    def cancel(self, batch: BatchRow) -> None:
-        """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider and then
-        collected as usual (what they finished was paid for). A refused cancel ends neither the pass nor
-        the job: the other batches are still polled, and the cancel is asked again next pass."""
+    def cancel(self, batch: BatchRow) -> bool:
+        """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider, then collected
+        as usual (what they finished was paid for). False: it is asked again next pass (refused, its
+        state unknown now, or collected as gone), which ends neither this pass nor the job."""
         if self.held_elsewhere(batch):
-            return
+            return True  # that run cancels it
         if batch.status == "submitting":
             found = self.deps.client.find(batch.key, batch.submit_started_at)
             if found is UNDETERMINED:
-                return
+                return False
             if isinstance(found, str):
                 if not self.store.record_sent(batch.id, found):
                     self.second_copy(batch, found)
-                    return
+                    return True
                 batch = replace(batch, status="submitted", provider_batch_id=found)
         if batch.provider_batch_id is None:
             if batch.status == "submitting" or batch.since_failed_send is not None:
@@ -294,14 +294,18 @@ class BackfillPass:
             # Not one another run recorded a send of meanwhile: that one is cancelled at the provider
             # by the pass (next), as every sent batch is.
             self.store.set_batch(batch.id, unsent_only=True, status="cancelled")
-            return
+            return True
         status = self.status_of(batch)
-        if status is None or status.ended or status.status in WINDING_DOWN:
-            return
+        if status is None:
+            return False
+        if status.ended or status.status in WINDING_DOWN:
+            return True
         try:
             self.deps.client.cancel(batch.provider_batch_id)
         except LLMError as exc:  # it may have ended meanwhile: polling, as the pass goes on, will tell
             logger.warning("cancelling batch %s failed (%s); next pass", batch.provider_batch_id, exc)
+            return False
+        return True
 
     # --- collecting ---------------------------------------------------------------------------------
 

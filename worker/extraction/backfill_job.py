@@ -95,8 +95,8 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
 
 def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int, int]:
     """A cancelled backfill's batches cancelled (unsent ones never go), nothing collected: (how many,
-    how many the provider refused: asked again by the next pass, how many it holds no more: collected
-    by the next pass, the switch being off)."""
+    how many the provider did not cancel now: asked again by the next pass, how many it holds no
+    more: collected by the next pass, the switch being off)."""
     backfill = BackfillStore(deps.factory).load(backfill_id)
     if backfill is None or not backfill.cancel_requested or backfill.status in ("done", "cancelled"):
         return 0, 0, 0
@@ -105,7 +105,8 @@ def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int,
     refused = gone = 0
     for batch in batches:  # one's failure leaves the others' cancels to go on
         try:
-            run.cancel(batch)
+            if not run.cancel(batch):
+                refused += 1
         except LLMError as exc:
             refused += 1
             logger.warning("backfill %s: cancelling batch %s failed (%s)", backfill_id, batch.key, exc)
@@ -131,7 +132,7 @@ def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
     cancelled = batches - refused - gone
     done = f"{cancelled} batch(es) of backfill {backfill_id} cancelled, collected once it is on"
     if refused:
-        done += f"; the provider refused to cancel {refused} (asked again then)"
+        done += f"; the provider did not cancel {refused} now (asked again then)"
     if gone:
         done += f"; {gone} gone at the provider (collected then)"
     return replace(paused, note=f"{paused.note}; {done}")
