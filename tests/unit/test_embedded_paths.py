@@ -53,3 +53,43 @@ def test_pgservers_dump_of_the_server_log_reaches_no_log(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO):
         logging.getLogger("pgserver").error("Failed to start server. Showing contents of the log below: x")
     assert caplog.records == []
+
+
+def _postmaster_pid(pgdata: Path, pid: int, status: str | None) -> None:
+    """A postmaster.pid as Postgres writes it: pid, data folder, start time, port, socket folder,
+    listen address, shared memory key, then its status once it has one."""
+    lines = [str(pid), str(pgdata), "1764979200", "5432", str(pgdata), "", "  1234567    98304"]
+    (pgdata / "postmaster.pid").write_text("\n".join([*lines, *([status] if status else [])]) + "\n")
+
+
+def test_a_server_still_starting_is_waited_for_and_one_starting_too_long_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """A server replaying its WAL after a kill outlasts pgserver's 10 s start: it was handed back as
+    running, and the first query failed with "the database system is starting up"."""
+    import subprocess
+    import sys
+    import threading
+
+    from worker.embedded.postgres import postmaster_status, wait_until_ready
+
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    assert postmaster_status(pgdata) is None and wait_until_ready(pgdata, timeout=0.1) is False
+    # A live process whose command line names the folder stands for its postmaster.
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pgdata)])
+    try:
+        _postmaster_pid(pgdata, server.pid, None)  # no status written yet: starting
+        assert postmaster_status(pgdata) == "starting"
+        with pytest.raises(EmbeddedUnavailableError, match=r"still starting after 0 s \(its server log: "):
+            wait_until_ready(pgdata, timeout=0.3)
+        _postmaster_pid(pgdata, server.pid, "starting")
+        ready = threading.Timer(0.5, _postmaster_pid, (pgdata, server.pid, "ready   "))
+        ready.start()
+        assert wait_until_ready(pgdata, timeout=30) is True
+        assert postmaster_status(pgdata) == "ready"
+        ready.join()
+    finally:
+        server.kill()
+        server.wait()
+    assert postmaster_status(pgdata) is None  # its server is gone: nothing to wait for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -29,6 +30,11 @@ logger = logging.getLogger(__name__)
 logging.getLogger("pgserver").setLevel(logging.CRITICAL)
 
 STOP_TIMEOUT_SECONDS = 60.0
+# A server killed mid-write replays its WAL before it takes connections; pgserver's pg_ctl gives a start
+# 10 s, and a server still starting after that was handed back as running ("the database system is
+# starting up" on the first query), or its start reported failed while it went on recovering.
+READY_TIMEOUT_SECONDS = 300.0
+STATUS_LINE = 7  # postmaster.pid's line 8: starting, ready, stopping or standby
 # pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
 # unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
 SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
@@ -54,14 +60,54 @@ def embedded_postgres_url(data_dir: Path) -> str:
     with getattr(getattr(pgserver, "PostgresServer", None), "_lock", contextlib.nullcontext()):
         _forget_a_dead_servers_pid_file(pgdata)
     try:
-        with quiet_runtime_dir():
-            server = pgserver.get_server(pgdata, cleanup_mode=None)
+        try:
+            with quiet_runtime_dir():
+                server = pgserver.get_server(pgdata, cleanup_mode=None)
+        except Exception:
+            if not wait_until_ready(pgdata):  # not a slow recovery: the start failed
+                raise
+            with quiet_runtime_dir():
+                server = pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:
         raise EmbeddedUnavailableError(
             f"could not start the embedded Postgres in {pgdata}: {exc} (its server log: {pgdata / 'log'}); "
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
+    wait_until_ready(pgdata)
     return socket_url(server.get_uri())
+
+
+def wait_until_ready(pgdata: Path, timeout: float = READY_TIMEOUT_SECONDS) -> bool:
+    """Wait while the server of ``pgdata`` is starting (replaying its WAL after a kill); whether one
+    was. A server still starting after ``timeout`` is an error naming its log."""
+    deadline, waited = time.monotonic() + timeout, False
+    while postmaster_status(pgdata) == "starting":
+        if not waited:
+            logger.warning("the embedded Postgres in %s is starting (recovering?); waiting for it", pgdata)
+            waited = True
+        if time.monotonic() >= deadline:
+            raise EmbeddedUnavailableError(
+                f"the embedded Postgres in {pgdata} is still starting after {timeout:.0f} s (its server log: "
+                f"{pgdata / 'log'}); try again once it is up, or set FACTMILL_DATABASE_URL"
+            )
+        time.sleep(0.2)
+    return waited
+
+
+def postmaster_status(pgdata: Path) -> str | None:
+    """What the live server of ``pgdata`` says it is doing (postmaster.pid's status line: a server
+    that wrote no status yet is starting); None when no server of it runs."""
+    pid_file = pgdata / "postmaster.pid"
+    pid = read_pid(pid_file)
+    if pid is None or _no_server_of(pgdata, pid):
+        return None
+    try:
+        lines = pid_file.read_text().split("\n")
+    except OSError:
+        return None
+    return (
+        lines[STATUS_LINE].strip() if len(lines) > STATUS_LINE and lines[STATUS_LINE].strip() else "starting"
+    )
 
 
 def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
