@@ -80,3 +80,14 @@ def test_the_least_rate_counts_from_the_first_read_not_from_the_place_taken(monk
     big = [(b"content-length", str(2 * LARGE_BODY_BYTES).encode())]
     asyncio.run(gated(_scope(big), receive, send))
     assert sum(read) == 2 * LARGE_BODY_BYTES
+
+
+def test_a_chunked_body_sent_with_a_small_content_length_is_still_large() -> None:
+    """h11 reads such a body as chunked (up to the cap); the gate read the Content-Length first and let
+    it by without a place, a deadline or a least rate."""
+    from worker.bodycap import _large
+
+    small, chunked = (b"content-length", b"10"), (b"transfer-encoding", b"chunked")
+    assert _large(_scope([small, chunked])) and _large(_scope([chunked, small]))
+    assert _large(_scope([(b"content-length", str(LARGE_BODY_BYTES + 1).encode())]))
+    assert not _large(_scope([small])) and not _large(_scope([]))
