@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -321,6 +322,46 @@ def test_an_older_page_delivery_cannot_overwrite_a_newer_one(
         assert session.scalars(select(Page.compiled_truth)).one().endswith("new")
     later = page_body("order/a", body=CONVERSATION + "\nlater")
     assert api.post("/v1/pages", content=later, headers=signed(later, timestamp=now + 1)).status_code == 202
+
+
+def test_an_operators_ingest_is_dated_so_a_senders_older_retry_cannot_undo_it(
+    api: TestClient, factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """`factmill ingest` stored the page undated: the sender's retry of a delivery signed before the
+    ingest passed the newest-delivery check and replaced the operator's content."""
+    from worker.extraction.ingest import ingest_paths
+
+    now = int(time.time())
+    first = page_body("order/cli", body=CONVERSATION + "\nfirst")
+    assert api.post("/v1/pages", content=first, headers=signed(first, timestamp=now - 60)).status_code == 202
+    (tmp_path / "cli.md").write_text(
+        f"---\ntype: conversation\nslug: order/cli\n---\n{CONVERSATION}\noperator\n"
+    )
+    report = ingest_paths(factory, [tmp_path / "cli.md"])
+    assert report.ingested == ["order/cli"] and report.errors == []
+    retry = page_body("order/cli", body=CONVERSATION + "\nretried")
+    late = api.post("/v1/pages", content=retry, headers=signed(retry, timestamp=now - 30))
+    assert late.status_code == 409 and "older than the stored one" in late.json()["detail"]
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).one().endswith("operator\n")
+
+
+def test_a_delivery_naming_one_page_twice_is_refused_whole(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """Both were upserted in turn and both answered stored: the later replaced the earlier unsaid.
+    NFC and NFD spellings of a slug name one page."""
+    pages = [
+        {"slug": "twice/caf\u00e9", "type": "conversation", "compiled_truth": CONVERSATION + "\na"},
+        {"slug": "other", "type": "conversation", "compiled_truth": CONVERSATION},
+        {"slug": "twice/cafe\u0301", "type": "conversation", "compiled_truth": CONVERSATION + "\nb"},
+    ]
+    body = json.dumps({"pages": pages}).encode()
+    refused = api.post("/v1/pages", content=body, headers=signed(body))
+    assert refused.status_code == 422
+    assert refused.json()["detail"].startswith("pages[2]: the same page as pages[0]")
+    with factory() as session:
+        assert session.scalars(select(Page.slug)).all() == []
 
 
 def test_an_unchanged_redelivery_still_dates_the_page_so_an_older_change_cannot_follow_it(

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -833,8 +834,14 @@ def test_failure_in_second_segment_keeps_first_and_resumes_later(pages, llm, sim
 
 
 def test_too_large_page_is_skipped_and_never_sent(tx_factory, llm, simulator):
+    """The webhook and ingest refuse such a page; one stored before they did (or by SQL) is skipped."""
     line = fmt("Alice Example", "2024-03-15", "9:00 AM", "x" * 1000)
-    put_page(tx_factory, "big/page", body="\n".join([line] * (MAX_PAGE_BODY_BYTES // len(line) + 2)))
+    body = "\n".join([line] * (MAX_PAGE_BODY_BYTES // len(line) + 2))
+    with pytest.raises(ValidationError, match="over the 26214400-byte cap extraction takes"):
+        PageIn(slug="big/page", type="conversation", compiled_truth=body)
+    with tx_factory.begin() as session:
+        small = PageIn(slug="big/page", type="conversation").model_dump()
+        upsert_page(session, PageIn.model_construct(**{**small, "compiled_truth": body}))
     put_page(tx_factory)
     before = sim_requests(simulator)
     result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions())

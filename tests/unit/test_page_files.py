@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,25 @@ def test_a_value_json_cannot_hold_is_refused_for_that_file(
     with pytest.raises(PageFileError) as refused:
         load_page_file(page_file(tmp_path, front_matter))
     assert str(refused.value) == f"frontmatter: {problem} (front matter is stored as JSON)"
+
+
+@pytest.mark.parametrize(
+    ("front_matter", "said"),
+    [
+        ("type: conversation\nslug: 007", "front matter 'slug' must be text, got 7; quote it"),
+        ("type: conversation\nsource_id:", "front matter 'source_id' must be text, got nothing"),
+        ("type:", "front matter 'type' must be text, got nothing"),
+        ("type: 2024-01-01", "front matter 'type' must be text, got datetime.date(2024, 1, 1)"),
+    ],
+    ids=["number slug", "blank source", "blank type", "date type"],
+)
+def test_a_key_yaml_reads_as_no_text_is_refused(tmp_path: Path, front_matter: str, said: str) -> None:
+    """Stored as str() of what YAML made of it: slug "7" for 007, a blank source_id as source "None"
+    (over --source), a blank type as a page of type "none" that extraction never read."""
+    path = tmp_path / "page.md"
+    path.write_text(f"---\n{front_matter}\n---\nbody\n")
+    with pytest.raises(PageFileError, match=f"^{re.escape(said)}"):
+        load_page_file(path, source_id="s")
+    path.write_text('---\ntype: conversation\nslug: "007"\nsource_id: "s2"\n---\nbody\n')
+    page = load_page_file(path, source_id="s")
+    assert (page.source_id, page.slug, page.type) == ("s2", "007", "conversation")

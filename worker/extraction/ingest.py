@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.extraction.pages import PageIn, store_page
+from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs.outbox import EXTRACTION
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,14 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     meta, body = _split_front_matter(text)
     if "type" not in meta:
         raise PageFileError("front matter has no 'type' (e.g. type: conversation)")
+    for key in ("source_id", "slug", "type"):
+        # YAML reads "slug: 007" as 7 and a blank value as null: stored as "7" or "None" (a blank
+        # source_id overrode --source, a blank type passed as a page of type "none").
+        if key in meta and not isinstance(meta[key], str):
+            got = "nothing" if meta[key] is None else repr(meta[key])
+            raise PageFileError(
+                f"front matter '{key}' must be text, got {got}; quote it (e.g. {key}: \"007\")"
+            )
     slug = meta.get("slug")
     if slug is None:
         base = path.relative_to(root) if root and path.is_relative_to(root) else Path(path.name)
@@ -142,25 +150,24 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     extra = {k: v for k, v in meta.items() if k not in FRONT_MATTER_KEYS}
     try:
         page = PageIn(
-            source_id=str(meta.get("source_id", source_id)),
-            slug=str(slug),
-            type=str(meta["type"]),
+            source_id=meta.get("source_id", source_id),
+            slug=slug,
+            type=meta["type"],
             title=str(meta.get("title") or ""),
             compiled_truth=body.lstrip("\n"),
             frontmatter=_jsonable(extra),
         )
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+            ": ".join(
+                [
+                    *([".".join(map(str, e["loc"]))] if e["loc"] else []),
+                    e["msg"].removeprefix("Value error, "),
+                ]
+            )
             for e in exc.errors()
         )
         raise PageFileError(problems) from exc
-    if page.body_bytes() > MAX_PAGE_BODY_BYTES:
-        # Stored, it was never extracted (the job skips a body over the cap) while ingest said all was well.
-        raise PageFileError(
-            f"the page's body is {page.body_bytes()} bytes, over the {MAX_PAGE_BODY_BYTES}-byte cap "
-            "extraction takes; split it into pages"
-        )
     return page
 
 
@@ -284,8 +291,14 @@ def _ingest_file(
     if again != page.slug:
         report.errors.append((shown_path(path), f"the same file as page {again!r}, ingested once"))
         return
-    with factory.begin() as session:
-        job = store_page(session, page)
+    try:
+        # Dated now, as a keyed delivery is: undated, it was undone by a sender's retry of an older
+        # delivery (signed before this ingest, it still passed the page's newest-delivery check).
+        with factory.begin() as session:
+            job = store_page(session, page, datetime.now(UTC))
+    except StaleDeliveryError as exc:  # a delivery signed later (a sender's clock ahead) stored it
+        report.errors.append((shown_path(path), str(exc)))
+        return
     if job is None:
         report.unchanged.append(page.slug)
     else:

@@ -125,6 +125,18 @@ class PageIn(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _body_within_the_cap(self) -> PageIn:
+        # Stored, it was never extracted (the job skips a body over the cap) while the sender was told
+        # it was: a raised FACTMILL_MAX_BODY_BYTES let such a page through the webhook.
+        size = self.body_bytes()
+        if size > MAX_PAGE_BODY_BYTES:
+            raise ValueError(
+                f"the page's body (compiled_truth and timeline) is {size} bytes of UTF-8, over the "
+                f"{MAX_PAGE_BODY_BYTES}-byte cap extraction takes; split it into pages"
+            )
+        return self
+
     def body_bytes(self) -> int:
         return len(self.compiled_truth.encode("utf-8")) + len(self.timeline.encode("utf-8"))
 

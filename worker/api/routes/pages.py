@@ -126,6 +126,15 @@ def parse_pages(body: bytes) -> list[PageIn]:
             problems += problems_of(exc.errors(include_url=False), prefix)
     if problems:
         raise ApiError(422, summarize(problems), errors=problems[:100])
+    seen: dict[tuple[str, str], int] = {}
+    for index, page in enumerate(pages):  # the later copy replaced the earlier, both answered stored
+        first = seen.setdefault((page.source_id, page.slug), index)
+        if first != index:
+            raise ApiError(
+                422,
+                f"pages[{index}]: the same page as pages[{first}] (source_id {page.source_id!r}, slug "
+                f"{page.slug!r} once normalized); send each page once per request",
+            )
     return pages
 
 
