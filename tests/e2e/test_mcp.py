@@ -237,6 +237,15 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
     unstorable = await session.call_tool(
         "append_transcript_messages", {"transcript_id": "agent-1", "messages": surrogate}
     )
+    # The settings are a plain dict: NUL and a lone surrogate in instructions reached the insert and
+    # the digest ("failed on the server").
+    bad_settings = [
+        await session.call_tool(
+            "append_transcript_messages",
+            {"transcript_id": "agent-4", "messages": [{"role": "user", "text": "hi"}], "settings": settings},
+        )
+        for settings in ({"instructions": "a\u0000b"}, '{"instructions": "\\ud800"}')
+    ]
     once = {
         "transcript_id": "agent-3",
         "messages": [{"role": "user", "text": "sent twice"}],
@@ -250,6 +259,7 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
     keyed = _payload(await session.call_tool("get_transcript_context", {"transcript_id": "agent-3"}))
     return {
         "keyed": (first, again, _error_text(other), [m["text"] for m in keyed["messages"]]),
+        "bad_settings": [_error_text(result) for result in bad_settings],
         "lax": lax,
         "unstorable": unstorable,
         "tools": tools,
@@ -279,6 +289,9 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert "coverage" in lax and "compaction_id" in lax and "valid" in lax, lax
     unstorable = _error_text(seen["unstorable"])
     assert "tool_calls[0].arguments.q: must not contain lone surrogates" in unstorable, unstorable
+    nul, surrogate = seen["bad_settings"]
+    assert "settings.instructions must not contain NUL" in nul, nul
+    assert "settings.instructions must not contain lone surrogates" in surrogate, surrogate
     huge = _error_text(seen["huge"])
     assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
     assert "list_transcript_messages" in huge

@@ -174,3 +174,32 @@ def test_a_delivery_signed_before_the_erasure_cannot_begin_the_transcript_again(
     late_again = post_messages(client, TRANSCRIPT, words, timestamp=now - 10)
     assert late_again.status_code == 409, late_again.text
     assert counted(factory, TranscriptMessageRow) == 1
+
+
+def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it_again(
+    client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delivery with an API key (no signature) was undated, so neither check ran: an append that
+    arrived before the erasure and was written after it began the transcript again with its words."""
+    from tests.auth import bearer, new_key
+    from worker.api.routes import transcripts as routes
+    from worker.compaction.erase import erase_transcript
+
+    headers = bearer(new_key(factory, ["ingest"]))
+    path = f"/v1/transcripts/{TRANSCRIPT}/messages"
+    words = {"messages": [{"role": "user", "text": "my card number is 4111"}]}
+    assert client.post(path, json=words, headers=headers).status_code == 201
+    parse = routes._parse_append
+
+    def erased_meanwhile(data: Any) -> Any:  # the erasure commits after the append arrived
+        assert erase_transcript(factory, TRANSCRIPT, "test") is not None
+        return parse(data)
+
+    monkeypatch.setattr(routes, "_parse_append", erased_meanwhile)
+    late = client.post(path, json=words, headers=headers)
+    assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"], (
+        late.text
+    )
+    assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+    monkeypatch.undo()
+    assert client.post(path, json=words, headers=headers).status_code == 201  # after it: a new transcript

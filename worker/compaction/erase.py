@@ -57,19 +57,17 @@ class ErasedSinceSignedError(Exception):
 
     def __init__(self, signed_at: datetime, erased_at: datetime) -> None:
         super().__init__(
-            f"this delivery (signed at {signed_at.isoformat()}) is older than the transcript's erasure "
-            f"({erased_at.isoformat()}); send it again with a fresh signature to begin a new transcript"
+            f"this delivery (of {signed_at.isoformat()}) is older than the transcript's erasure "
+            f"({erased_at.isoformat()}); send it again (freshly signed, if signed) to begin a new transcript"
         )
 
 
-def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime | None) -> None:
+def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime) -> None:
     """ErasedSinceSignedError when ``transcript_id`` was erased after ``signed_at``: an append or a
     settings change signed before the erasure (late in transit, or a sender's retry of one that never
     arrived) began the transcript again with the erased messages, or went into the one begun after it.
     Asked after the write, in its transaction (which the error rolls back): an erasure committed while
     the write waited on the row it deleted is seen then."""
-    if signed_at is None:
-        return
     erased_at = session.scalar(
         select(func.max(TranscriptErasure.erased_at)).where(
             TranscriptErasure.transcript_sha256 == erased_transcript_digest(transcript_id),

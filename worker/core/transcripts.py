@@ -232,6 +232,8 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
         elif name == "instructions":
             if value is not None and not isinstance(value, str):
                 raise TranscriptError(f"settings.instructions must be text or null, got {value!r}")
+            if value is not None and (problem := text_problem(value)):  # the MCP tool's dict is unchecked
+                raise TranscriptError(f"settings.instructions {problem}")
             if value is not None and len(value) > MAX_INSTRUCTIONS_LENGTH:
                 raise TranscriptError(
                     f"settings.instructions is {len(value)} characters; keep it to {MAX_INSTRUCTIONS_LENGTH}"

@@ -20,6 +20,7 @@ from worker.compaction import (
     TranscriptNotFoundError,
     check_transcript_id,
 )
+from worker.compaction.erase import ErasedSinceSignedError
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import check_source_id
@@ -104,6 +105,7 @@ def refusals() -> Iterator[None]:
             "idempotency_key was used before with other messages; use a new key per append"
         ) from None
     except (
+        ErasedSinceSignedError,
         TranscriptNotFoundError,
         ContextTooLargeError,
         EmbeddingFailedError,

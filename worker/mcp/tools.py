@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from mcp.server.mcpserver.exceptions import ToolError
@@ -28,6 +28,7 @@ from worker.compaction import (
     list_messages,
     parse_messages,
 )
+from worker.compaction.erase import refuse_if_erased_since
 from worker.consolidation.history import Lifecycle
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import clean_label
@@ -347,10 +348,14 @@ class FactmillTools:
         if idempotency_key is not None and key is None:
             raise ToolError("idempotency_key must be 1 to 255 printable characters")
 
+        arrived = datetime.now(UTC)  # an append in flight while its transcript was erased is refused
+
         def write(session: Session) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+            refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
             result = append_messages(
                 session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
             )
+            refuse_if_erased_since(session, transcript_id, arrived)
             trigger = result.trigger
             answer = {
                 "transcript_id": transcript_id,
@@ -368,11 +373,10 @@ class FactmillTools:
         # raw body's digest, this one the arguments').
         scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
+        digest = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()  # refused when parsed
         with refusals():
             parsed = parse_messages(raw)
-            answer, pending = deliver_once(
-                self.runtime.factory, scoped, hashlib.sha256(said.encode()).hexdigest(), write
-            )
+            answer, pending = deliver_once(self.runtime.factory, scoped, digest, write)
         if pending is None:
             return answer | {"replayed": True}
         try:

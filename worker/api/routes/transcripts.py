@@ -134,16 +134,17 @@ def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[s
         raise _unprocessable(exc) from None
 
 
-def _signed_time(signed_at: float | None) -> datetime | None:
-    """A delivery's signed time (None: a keyed delivery without a signature, dated as it arrives)."""
-    return None if signed_at is None else datetime.fromtimestamp(signed_at, UTC)
+def _delivered_at(signed_at: float | None) -> datetime:
+    """A delivery's signed time; a keyed delivery without a signature is dated as it arrives (undated,
+    one in flight while its transcript was erased began it again with the erased messages)."""
+    return datetime.now(UTC) if signed_at is None else datetime.fromtimestamp(signed_at, UTC)
 
 
 def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    signed_at = _signed_time(ingest.verify(ctx, body))
+    signed_at = _delivered_at(ingest.verify(ctx, body))
     key = check_idempotency_key(key)
     messages, settings = _parse_append(load_json_object(body))
 
@@ -221,7 +222,7 @@ def accept_settings(
     """A repeat with the same Idempotency-Key (which v3 signatures sign, and require here) gets the stored
     answer and changes nothing: a captured change of settings sent again within the signature's window
     undid the changes made after it."""
-    signed_at = _signed_time(ingest.verify(ctx, body))
+    signed_at = _delivered_at(ingest.verify(ctx, body))
     key = check_idempotency_key(key)
     data = load_json_object(body)
 
