@@ -300,6 +300,42 @@ def test_new_work_renews_the_budget_of_a_paused_extraction_only(factory):
     assert budget.jobs_with_room([job.id]) == []
 
 
+def test_new_facts_renew_a_paused_consolidations_budget_and_a_forced_compaction_its_own(factory, llm):
+    """A consolidation paused for its own budget was reused by every later request and never woke (the
+    entity's one pending slot, held for good); `factmill compact` said "it is now forced" of a job that
+    then never ran."""
+    from worker.compaction import append_messages, parse_messages, request_compaction
+    from worker.consolidation import consolidate_page_entities
+    from worker.jobs.outbox import COMPACTION, CONSOLIDATION
+
+    set_(factory, "llm.budget_job_usd", "1")
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    put_page(factory)
+    run_extract_conversation_facts(factory, llm, ExtractOptions(slug=SLUG))
+    assert consolidate_page_entities(factory, "default", SLUG) >= 1
+    with factory.begin() as session:
+        job_ids = session.scalars(select(Job.id).where(Job.kind == CONSOLIDATION)).all()
+        session.execute(update(Job).values(status="paused", pause_reason="budget"))
+        for job_id in job_ids:
+            session.add(
+                LLMCall(
+                    provider="p", model="m", purpose="consolidation", outcome="ok", cost_usd=1, job_id=job_id
+                )
+            )
+    assert budget.jobs_with_room(job_ids) == []
+    consolidate_page_entities(factory, "default", SLUG)  # the page's facts are still to consolidate
+    assert budget.jobs_with_room(job_ids) == job_ids
+    with factory.begin() as session:
+        append_messages(session, "t1", parse_messages([{"role": "user", "text": "hello"}]))
+    job = job_that_spent(factory, COMPACTION, "t1", status="paused", pause_reason="budget")
+    with factory.begin() as session:
+        assert not request_compaction(session, "t1").created  # an append's request: within its wait
+    assert budget.jobs_with_room([job.id]) == []
+    with factory.begin() as session:
+        assert not request_compaction(session, "t1", force=True).created
+    assert budget.jobs_with_room([job.id]) == [job.id]
+
+
 def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):
     """A day's ingest paused for budget: the waiters' ids went in IN lists, one parameter each, and past
     65,535 the driver refused the query: the whole sweep rolled back, every sweep (nothing re-sent)."""

@@ -315,7 +315,13 @@ def request_compaction(
     if trigger == "continue":
         asked[CONTINUATION] = True
     job = request_job(
-        session, COMPACTION, transcript_id, options={"force": force, "trigger": trigger, **asked}
+        session,
+        COMPACTION,
+        transcript_id,
+        options={"force": force, "trigger": trigger, **asked},
+        # An operator's forced run starts a job paused for its own budget over ("it is now forced",
+        # and it never ran); a continuation is the running job's own.
+        renew_spent_budget_after=0.0 if force else None,
     )
     if asked and not job.created:
         session.execute(

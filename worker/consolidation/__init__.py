@@ -18,7 +18,9 @@ from worker.jobs.sending import enqueue
 
 def _request_jobs(session: Session, pages: Sequence[tuple[str, str]]) -> list[JobRequest]:
     subjects = [page_subject(source_id, key) for source_id, key in pending_entity_keys(session, pages)]
-    return request_jobs(session, CONSOLIDATION, subjects)
+    # New facts are new work, as a page's new content is: a job paused for its own budget, reused by
+    # every later request, held the entity's one pending slot for good (the sweeper found no room).
+    return request_jobs(session, CONSOLIDATION, subjects, renew_spent_budget_after=0.0)
 
 
 def request_consolidation(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:

@@ -121,14 +121,20 @@ def request_job(
 
 
 def request_jobs(
-    session: Session, kind: str, subjects: Sequence[str], *, options: dict[str, Any] | None = None
+    session: Session,
+    kind: str,
+    subjects: Sequence[str],
+    *,
+    options: dict[str, Any] | None = None,
+    renew_spent_budget_after: float | None = None,
 ) -> list[JobRequest]:
     """``request_job`` for many subjects of one kind, in one INSERT (and at most one SELECT) a round
     instead of two statements each; one request per subject, in the order given."""
     if not subjects:
         return []
     distinct = sorted(set(subjects))
-    found = dict(zip(distinct, _request(session, kind, distinct, options, None), strict=True))
+    requests = _request(session, kind, distinct, options, None, renew_spent_budget_after)
+    found = dict(zip(distinct, requests, strict=True))
     return [found[subject] for subject in subjects]
 
 
