@@ -17,7 +17,14 @@ from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.lifecycle import run_job
-from worker.jobs.outbox import EXTRACTION, page_subject, request_job, resume_for_config_change, sweep
+from worker.jobs.outbox import (
+    EXTRACTION,
+    SWEEP_BATCH,
+    page_subject,
+    request_job,
+    resume_for_config_change,
+    sweep,
+)
 from worker.llm.errors import BudgetExhaustedError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
@@ -352,8 +359,38 @@ def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_fact
             )
         )
     budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    with tx_factory() as session:
+        ids = session.scalars(select(Job.id).order_by(Job.id)).all()
     report = sweep_waking(tx_factory, budget)
-    assert len(report.resumed_paused) == 70_000
+    # A batch a sweep (the whole backlog in one transaction held its rows, then sent them all), lowest
+    # ids first; the next sweep takes the next batch.
+    assert sorted(report.resumed_paused) == ids[:SWEEP_BATCH]
+    assert sorted(sweep_waking(tx_factory, budget).resumed_paused) == ids[SWEEP_BATCH : 2 * SWEEP_BATCH]
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).where(Job.status == "paused")) == 70_000 - 2 * SWEEP_BATCH
+
+
+def test_a_switch_turned_on_resumes_a_batch_at_once_and_the_sweeper_the_rest(tx_factory):
+    """Turned on over a day's paused ingest, the config change updated and sent every job inside its
+    request."""
+    from sqlalchemy import text
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status, pause_reason, options, attempts, worker_losses) "
+                "SELECT 'extraction', 'default|p' || n, 'paused', 'kill_switch', '{}', 0, 0 "
+                "FROM generate_series(1, :n) AS n"
+            ),
+            {"n": SWEEP_BATCH + 10},
+        )
+    with tx_factory.begin() as session:
+        resumed = resume_for_config_change(session, "facts.extraction_enabled", "true")
+    assert len(resumed) == SWEEP_BATCH
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    assert len(sweep_waking(tx_factory, budget).resumed_paused) == 10
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).where(Job.status == "paused")) == 0
 
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.

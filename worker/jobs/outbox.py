@@ -257,19 +257,38 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     return job
 
 
+# The most jobs of each sort (stale, overdue, resumed) one sweep locks and looks at; the rest: the next.
+SWEEP_BATCH = 5_000
+
+
 def resume_paused(
-    session: Session, kinds: Sequence[str], reason: str = KILL_SWITCH, job_ids: Sequence[int] | None = None
+    session: Session,
+    kinds: Sequence[str],
+    reason: str = KILL_SWITCH,
+    job_ids: Sequence[int] | None = None,
+    *,
+    limit: int = SWEEP_BATCH,
 ) -> list[tuple[int, str]]:
-    """Turn jobs of these kinds (only ``job_ids``, when given) paused for ``reason`` back into queued
-    ones; returns them for enqueueing."""
+    """Turn at most ``limit`` jobs of these kinds (only ``job_ids``, when given) paused for ``reason``
+    back into queued ones, oldest first; returns them for enqueueing. The sweeper resumes the rest, a
+    batch a sweep: a switch turned on over a day's paused ingest updated and sent every job in one
+    transaction (a config change's request, minutes long)."""
     matches = Job.pause_reason == reason
     if reason == KILL_SWITCH:
         matches = or_(matches, Job.pause_reason.is_(None))  # paused before reasons were recorded
     if job_ids is not None:  # one array parameter: an IN list past 65,535 ids is refused
         matches = matches & (Job.id == any_(bindparam("resumed_ids", list(job_ids), type_=ARRAY(BigInteger))))
+    batch = (
+        select(Job.id)
+        .where(Job.status == "paused", Job.kind.in_(kinds), matches)
+        .order_by(Job.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)  # one a claim or a cancel holds: the next sweep's
+        .scalar_subquery()
+    )
     rows = session.execute(
         update(Job)
-        .where(Job.status == "paused", Job.kind.in_(kinds), matches)
+        .where(Job.id.in_(batch), Job.status == "paused")
         .values(status="queued", last_error=None, pause_reason=None)
         .returning(Job.id, Job.kind)
     ).all()
@@ -340,10 +359,6 @@ def _overdue_queue_depths(
         depth = queue_depth(queue)
         depths[queue] = None if depth is None else max(0, depth - fresh.get(queue, 0))
     return depths
-
-
-# The most jobs of each sort (stale, overdue) one sweep locks and looks at; the rest wait for the next.
-SWEEP_BATCH = 5_000
 
 
 def _known_kind() -> ColumnElement[bool]:
