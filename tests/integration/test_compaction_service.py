@@ -1848,3 +1848,24 @@ def test_each_try_the_gateway_retried_is_a_call_of_its_own(tx_factory: sessionma
     failed = compact_transcript(tx_factory, failing, "down", threshold=lambda: FALLBACK, force=True)
     assert failed.status == "failed"
     assert [call.outcome for call in llm_calls(tx_factory)][3:] == ["provider_error", "provider_error"]
+
+
+def test_the_gate_scores_a_summary_against_the_heads_words_not_its_speaker_labels(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """A question about a "tool result" made the serializer's labels ("[Tool result]", "[Assistant tool
+    calls] sh(...)") units of coverage no summary keeps: a summary with every fact was rejected."""
+    question = "Did any tool result show pods that are not running?"
+    summary = (
+        f"## Goal\n{GOAL}\n## Progress\n- Checking namespace staging-0 to staging-24: kubectl get pods -n s0 "
+        "to s24 said pod-0 Running to pod-24 Running; all pods are running."
+    )
+    llm = ScriptedLLM(summary, summary)
+    append(
+        tx_factory, "labels", [*session_messages(25), {"role": "user", "text": question}], settings=SETTINGS
+    )
+    version = activate_threshold(tx_factory, 0.5)
+    outcome = compact_transcript(tx_factory, llm, "labels", threshold=lambda: ActiveThreshold(0.5, version))
+    [row] = compactions(tx_factory, "labels")
+    assert (outcome.status, row.attempts) == ("accepted", 1), (row.missed_terms, row.coverage)
+    assert "tool" not in row.missed_terms and row.coverage is not None and row.coverage >= 0.5

@@ -29,6 +29,7 @@ from worker.core.compaction import (
     serialize_transcript,
     should_compact,
     summarizer_system_prompt,
+    without_labels,
     wrap_untrusted_data,
 )
 
@@ -822,3 +823,18 @@ def test_cut_and_serialize_a_million_token_transcript() -> None:
 
     assert cut == 1  # the latest boundary holding the budget
     assert len(text) > 4_000_000
+
+
+def test_without_labels_drops_each_paragraphs_speaker_label_and_keeps_every_word_of_the_text() -> None:
+    """What the quality gate scores a summary against: the labels are the serializer's, not the head's."""
+    messages = [
+        user("why does the build fail? [User] is not a label mid-line"),
+        TranscriptMessage("assistant", "checking", tool_calls=(ToolCall("c1", "bash", '{"cmd": "make"}'),)),
+        TranscriptMessage("tool", "error: missing foo.h", tool_call_id="c1", tool_name="bash"),
+        TranscriptMessage("tool", "no name", tool_call_id="c2"),
+        TranscriptMessage("assistant", "Goal: ship", is_compaction=True),
+    ]
+    assert without_labels(serialize_transcript(messages)) == (
+        "why does the build fail? [User] is not a label mid-line\n\nchecking\n\n"
+        'bash({"cmd": "make"})\n\nerror: missing foo.h\n\nno name\n\nGoal: ship'
+    )

@@ -1,8 +1,9 @@
 """One compaction of a transcript: cut, summarize the head, gate the summary, record it (through the store).
 
 The head is serialized (a previous summary is folded into the new one) and sent to the LLM inside
-``<untrusted-data>``. Coverage of the summary against the serialized head, on the query terms of the
-transcript's intent, must reach the active calibrated threshold. Below it the summarizer gets one
+``<untrusted-data>``. Coverage of the summary against the head's words (without the serializer's
+speaker labels), on the query terms of the transcript's intent, must reach the active calibrated
+threshold. Below it the summarizer gets one
 retry that names the missed terms; still below, the summary is stored as ``rejected`` and never
 applied. An LLM error, a refusal or an empty reply is stored as ``failed``.
 """
@@ -21,7 +22,7 @@ from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.compaction.stored_plan import StoredContext
 from worker.config_store import COMPACTION_ENABLED
-from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact
+from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact, without_labels
 from worker.core.compaction_gate import (
     MAX_ATTEMPTS,
     GateResult,
@@ -186,7 +187,7 @@ class CompactionRun:
     source_tokens: list[str] = field(init=False)  # the lexed head every attempt is judged against
 
     def __post_init__(self) -> None:
-        self.source_tokens = lex_words(self.plan.serialized)
+        self.source_tokens = lex_words(without_labels(self.plan.serialized))
 
     @property
     def transcript_id(self) -> str:

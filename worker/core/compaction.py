@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
@@ -299,6 +300,19 @@ def serialize_transcript(
     if parts:
         parts.pop()
     return _neutralize_delimiters("".join(parts))
+
+
+# The labels serialize_transcript puts before each paragraph (a tool result's names its tool).
+_LABELS = re.compile(
+    r"(?:^|(?<=\n\n))\[(?:Previous summary|User|Assistant(?: tool calls)?|Tool result(?:: [^\]\n]*)?)\] "
+)
+
+
+def without_labels(serialized: str) -> str:
+    """A serialized transcript without its speaker labels: what the quality gate scores a summary
+    against. The labels are no content a summary keeps: a question about a "tool result" made the
+    label's word pairs (tool, result) units no summary covers, and good summaries were rejected."""
+    return _LABELS.sub("", serialized)
 
 
 def wrap_untrusted_data(text: str) -> str:
