@@ -1869,3 +1869,23 @@ def test_the_gate_scores_a_summary_against_the_heads_words_not_its_speaker_label
     [row] = compactions(tx_factory, "labels")
     assert (outcome.status, row.attempts) == ("accepted", 1), (row.missed_terms, row.coverage)
     assert "tool" not in row.missed_terms and row.coverage is not None and row.coverage >= 0.5
+
+
+def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(tx_factory: sessionmaker[Session]) -> None:
+    """Its age was the worker's clock minus the database's: a host clock a few minutes ahead took a
+    rejection of seconds ago for an old one, and each append past the threshold paid for a summary."""
+    from sqlalchemy import text as sql
+
+    from worker.compaction.queries import recent_miss
+
+    append(tx_factory, "aged", session_messages(3), settings=SETTINGS)
+    with tx_factory.begin() as session:
+        session.execute(
+            sql(
+                "INSERT INTO compactions (transcript_id, status, cut_seq, tokens_before, attempts, "
+                "created_at) VALUES ('aged', 'rejected', 1, 100, 2, now() - interval '10 seconds')"
+            )
+        )
+    with tx_factory() as session:
+        assert recent_miss(session, "aged", 300) is not None
+        assert recent_miss(session, "aged", 5) is None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Row, bindparam, case, func, literal, select, true, update
@@ -31,7 +31,7 @@ from worker.core.transcripts import (
     stored_message,
     tool_calls_json,
 )
-from worker.jobs.leases import now, options_for_its_next_run
+from worker.jobs.leases import options_for_its_next_run
 from worker.jobs.outbox import COMPACTION, JobRequest, request_job
 
 
@@ -266,19 +266,26 @@ def recent_miss(
     ``within_seconds`` ago."""
     if within_seconds <= 0:
         return None
-    newest = session.scalars(
-        select(Compaction)
+    # Its age by the database's clock, which dated it: a host clock ahead took a rejection of seconds
+    # ago for an old one, and every append past the threshold paid for another summary.
+    found = session.execute(
+        select(
+            Compaction,
+            Compaction.created_at
+            >= func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("within", within_seconds)),
+        )
         .where(Compaction.transcript_id == transcript_id)
         .order_by(Compaction.id.desc())
         .limit(1)
     ).first()
-    if newest is None:
+    if found is None:
         return None
+    newest, recent = found
     if newest.status == "accepted" and not accepted_too:
         left_over = accepted_over is not None and (newest.tokens_after or 0) > accepted_over
         if not left_over:
             return None
-    if newest.created_at < now() - timedelta(seconds=within_seconds):
+    if not recent:
         return None
     return newest
 
