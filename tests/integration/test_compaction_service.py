@@ -1889,3 +1889,29 @@ def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(tx_factory: s
     with tx_factory() as session:
         assert recent_miss(session, "aged", 300) is not None
         assert recent_miss(session, "aged", 5) is None
+
+
+def test_a_summary_that_leaves_the_context_no_smaller_is_not_applied(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """A small head (one short message before a large one the budget keeps): a summary that passed the
+    gate was applied, and the context grew (606 -> 657 tokens), still over its trigger."""
+    summary = "## Goal\nFix the disk.\n" + "".join(f"## {heading}\n- none\n" for heading in ("Constraints",
+              "Progress", "Key Decisions", "Next Steps", "Critical Context"))  # fmt: skip
+    llm = ScriptedLLM(summary)
+    messages = [
+        {"role": "user", "text": "fix the disk"},
+        {"role": "assistant", "text": "Disk report: " + "sda1 at 97% used; " * 130},
+        {"role": "user", "text": "ok, fix the disk then"},
+    ]
+    append(tx_factory, "small-head", messages, settings={"context_window": 1000, "keep_recent_tokens": 500,
+           "reserve_tokens": 200})  # fmt: skip
+    version = activate_threshold(tx_factory, 0.1)
+    outcome = compact_transcript(
+        tx_factory, llm, "small-head", threshold=lambda: ActiveThreshold(0.1, version), force=True
+    )
+    [row] = compactions(tx_factory, "small-head")
+    assert (outcome.status, row.status, row.attempts) == ("rejected", "rejected", 1), row.attempt_log
+    assert row.tokens_after is not None and row.tokens_before is not None
+    assert row.tokens_after >= row.tokens_before and "not applied" in (row.error or "")
+    assert [a["outcome"] for a in row.attempt_log] == ["no_saving"] and len(llm.requests) == 1

@@ -292,10 +292,12 @@ class CompactionRun:
         """Gate a summary: accept it, reject it after the last attempt, or name what the next one keeps."""
         tau = self.gate_on.tau
         gate = judge_summary(self.source_tokens, summary, self.terms, tau)
+        after, before = self.plan.tokens_after(summary), self.plan.tokens_before
+        grows = gate.passed and after >= before  # a small head: applied, the context grew
         self.log.append(
             {
                 **entry,
-                "outcome": "passed" if gate.passed else "below_threshold",
+                "outcome": "no_saving" if grows else "passed" if gate.passed else "below_threshold",
                 "coverage": gate.coverage,
                 "density": gate.density,
                 "threshold_tau": tau,
@@ -306,6 +308,9 @@ class CompactionRun:
                 "truncated": truncated,
             }
         )
+        if grows:  # no retry: a summary of the headings alone is as long
+            error = f"the summary leaves the context at {after} tokens, not under its {before}; not applied"
+            return self._finish("rejected", summary=summary, gate=gate, error=error)
         if gate.passed:
             return self._finish("accepted", summary=summary, gate=gate)
         if attempt == MAX_ATTEMPTS:
