@@ -737,6 +737,42 @@ def test_a_head_over_the_summarizers_input_is_compacted_oldest_part_first(
     assert stats.context_tokens <= 4000 < stats.history_tokens
 
 
+def test_an_accepted_part_of_the_head_requests_the_rest_in_its_own_transaction(
+    database_url: str, tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next part was requested after the accepted row committed: a worker that died in between
+    left the rest to the retrigger wait and an append (its redelivered run found an accepted summary
+    that left the context over its threshold, and waited)."""
+    from worker.compaction import job as compaction_job
+
+    request = append(tx_factory, "parts", session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(
+        database_url, tx_factory, ScriptedLLM(*[f"## Goal\n{GOAL}"] * 2), compaction_max_input_tokens=1000
+    )
+    real_compact = compaction_job.compact
+
+    def dies_after_the_row(*args: Any, **kwargs: Any) -> Any:
+        real_compact(*args, **kwargs)
+        raise SystemExit("SIGKILL")  # the worker is gone: nothing after the compaction runs
+
+    monkeypatch.setattr(compaction_job, "compact", dies_after_the_row)
+    with pytest.raises(SystemExit):
+        run_job(rt, job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "parts")
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and row.status == "accepted"
+        assert job.rerun_requested and job.status == "running"  # its redelivery runs the rest
+    monkeypatch.undo()
+    with tx_factory.begin() as session:  # its heartbeat goes stale: the redelivered message takes it over
+        session.execute(update(Job).values(heartbeat_at=func.now() - timedelta(minutes=10)))
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    assert [r.status for r in compactions(tx_factory, "parts")] == ["accepted", "accepted"]
+
+
 def test_the_oldest_message_over_the_summarizers_input_is_sent_clipped(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:

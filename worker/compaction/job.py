@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -13,7 +12,6 @@ from worker.compaction.queries import (
     CONTINUATION,
     TranscriptNotFoundError,
     compaction_wait,
-    request_compaction,
     transcript_settings,
 )
 from worker.compaction.service import compact
@@ -71,13 +69,11 @@ def compact_job(ctx: JobContext) -> WorkResult:
         max_output_tokens=settings.compaction_max_output_tokens,
         intent_messages=settings.compaction_intent_messages,
         max_input_tokens=settings.compaction_max_input_tokens,
-    )
-    if outcome.status == "accepted" and outcome.head_capped:
-        # Only part of the head fitted the summarizer: the rest goes next, without waiting for an
+        # Only part of the head fitting the summarizer, the rest goes next, without waiting for an
         # append (a rerun of this job, sent when it finishes; it stops once under the threshold, or,
         # forced, once the head is summarized: a forced run's continuation is forced too).
-        with contextlib.suppress(TranscriptNotFoundError), rt.factory.begin() as session:
-            request_compaction(session, job.subject, force=force, trigger="continue")  # unless erased
+        continue_capped=True,
+    )
     counters = outcome.job_counters()
     if outcome.status == "failed":
         # The job's note names the compaction, not its error (a provider's message may quote the

@@ -16,7 +16,12 @@ from sqlalchemy.orm import Session
 
 from models import Compaction
 from models.tables import COMPACTIONS
-from worker.compaction.queries import applied_summary, get_transcript, transcript_created_at
+from worker.compaction.queries import (
+    applied_summary,
+    get_transcript,
+    request_compaction,
+    transcript_created_at,
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,17 @@ ERASED_MEANWHILE = "the transcript was erased while this compaction ran; nothing
 
 
 def save_compaction(
-    session: Session, record: CompactionRecord, read_from: datetime | None = None
+    session: Session,
+    record: CompactionRecord,
+    read_from: datetime | None = None,
+    continue_forced: bool | None = None,
 ) -> SavedCompaction:
     """Insert a compaction row; an accepted one is applied only over the summary it was computed from.
     Nothing is written when the transcript the run read (created at ``read_from``) is gone, erased,
-    or erased and begun again under its id: the row would hold the erased messages' summary."""
+    or erased and begun again under its id: the row would hold the erased messages' summary.
+    ``continue_forced`` (not None): an accepted row of part of the head requests the rest's
+    compaction in this transaction (forced or not): requested after it, a worker that died in between
+    left the rest waiting for the retrigger wait and an append."""
     # Appends and applies serialize on the transcript row.
     created = transcript_created_at(session, record.transcript_id, lock=True)
     if created is None or (read_from is not None and created != read_from):
@@ -82,6 +93,8 @@ def save_compaction(
     tokens_after = record.tokens_after if status != "failed" else None
     columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
     saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
+    if status == "accepted" and continue_forced is not None:
+        request_compaction(session, record.transcript_id, force=continue_forced, trigger="continue")
     return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)
 
 

@@ -108,6 +108,9 @@ class CompactOptions(TypedDict, total=False):
     max_output_tokens: int  # the summarizer's output cap [DEFAULT_MAX_OUTPUT_TOKENS]
     intent_messages: int  # how many latest user messages the intent is read from [DEFAULT_INTENT_MESSAGES]
     max_input_tokens: int | None  # the summarizer's input; a longer head is cut earlier [None: no cap]
+    # An accepted summary of part of the head requests the next part's compaction in its own
+    # transaction (forced when this one was) [False: the caller decides]
+    continue_capped: bool
 
 
 def compact(
@@ -161,6 +164,7 @@ def compact(
         lease=options.get("lease"),
         enabled=options.get("enabled"),
         max_output_tokens=options.get("max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS),
+        continuation=force if plan.capped and options.get("continue_capped", False) else None,
     )
     outcome.cut_seq, outcome.head_capped = plan.cut_seq, plan.capped
     outcome.threshold_tau, outcome.threshold_version = run.gate_on.tau, run.gate_on.version
@@ -183,6 +187,7 @@ class CompactionRun:
     lease: Callable[[], None] | None = None
     enabled: Callable[[], bool] | None = None
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+    continuation: bool | None = None  # once accepted, request the rest's compaction (forced or not)
     log: list[dict[str, Any]] = field(default_factory=list)
     source_tokens: list[str] = field(init=False)  # the lexed head every attempt is judged against
 
@@ -359,6 +364,7 @@ class CompactionRun:
                 job_id=self.job_id,
             ),
             read_from=self.context.created_at,
+            continue_forced=self.continuation,
         )
         outcome = self.outcome
         outcome.status = cast(CompactionStatus, saved.status)

@@ -97,8 +97,11 @@ class TranscriptStore:
         with self._factory.begin() as session:
             return self._ledger.record(session, call)
 
-    def save_compaction(self, record: CompactionRecord, read_from: datetime | None = None) -> SavedCompaction:
+    def save_compaction(
+        self, record: CompactionRecord, read_from: datetime | None = None, continue_forced: bool | None = None
+    ) -> SavedCompaction:
         """The compaction row; an accepted summary computed from a replaced timeline is stored as failed,
-        and nothing when the transcript created at ``read_from`` was erased meanwhile."""
+        and nothing when the transcript created at ``read_from`` was erased meanwhile. With
+        ``continue_forced``, an accepted one requests the next part's compaction with it."""
         with self._factory.begin() as session:
-            return records.save_compaction(session, record, read_from)
+            return records.save_compaction(session, record, read_from, continue_forced)
