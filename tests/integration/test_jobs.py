@@ -490,8 +490,7 @@ def test_a_job_spent_while_new_content_waited_runs_again_for_it(tx_factory):
     """A delivery asked for a rerun while the job was running; its last attempt then failed it at the
     next claim, and the rerun was lost: the new content was never extracted, though the delivery was
     answered with this job. As finish does, the rerun starts with fresh attempts. Not after its last
-    worker loss (here, workers that crashed): a page that kills its workers would crash-loop for as
-    long as deliveries came during its runs, and never show as failed."""
+    worker loss: a page that kills its workers would crash-loop for as long as deliveries came."""
     spent, crashing = new_job(tx_factory, "default|spent"), new_job(tx_factory, "default|crashing")
     for job_id in (spent, crashing):
         assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
@@ -585,20 +584,20 @@ def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(facto
             clock.sleep(0.01)
 
 
-def test_a_run_that_failed_on_its_own_or_through_an_outage_is_rerun_for_new_content(tx_factory):
-    """A run reaches finish with its last worker loss only through an outage (a crashed worker never
-    reaches it): the rerun was dropped there, and the content a delivery was answered for mid-run was
-    never extracted (one delivered a moment later got a job of its own)."""
-    outage, failing = new_job(tx_factory, "default|outage"), new_job(tx_factory, "default|fail")
-    for job_id in (outage, failing):
+def test_a_run_that_spent_the_last_worker_loss_is_not_rerun_for_new_content(tx_factory):
+    """finish restarted the rerun with fresh counters after any failure: a page whose runs kill the
+    database backend (or the worker) crash-looped for as long as deliveries came."""
+    crashing, failing = new_job(tx_factory, "default|crash"), new_job(tx_factory, "default|fail")
+    for job_id in (crashing, failing):
         assert claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
     with tx_factory.begin() as session:
-        request_job(session, EXTRACTION, "default|outage")  # new content for both
+        request_job(session, EXTRACTION, "default|crash")  # new content for both
         request_job(session, EXTRACTION, "default|fail")
-    assert finish(tx_factory, outage, "w1", "failed", worker_lost=True) == Finished((outage, EXTRACTION))
+    assert finish(tx_factory, crashing, "w1", "failed", worker_lost=True) == Finished(None)
+    assert job(tx_factory, crashing).status == "failed"
     assert finish(tx_factory, failing, "w1", "failed", attempt=True) == Finished((failing, EXTRACTION))
-    for rerun in (job(tx_factory, outage), job(tx_factory, failing)):
-        assert (rerun.status, rerun.attempts, rerun.worker_losses) == ("queued", 0, 0)
+    rerun = job(tx_factory, failing)
+    assert (rerun.status, rerun.attempts, rerun.worker_losses) == ("queued", 0, 0)
 
 
 def test_the_sweep_asks_the_broker_before_it_locks_a_row_and_takes_a_batch_at_a_time(factory, monkeypatch):

@@ -373,16 +373,15 @@ def finish(
         if job is None:
             return None
         rerun: tuple[int, str] | None = None
+        # Not after a run that spent the last worker loss: a page that kills its workers would crash-loop
+        # for as long as deliveries came (an operator's retry runs the new content then).
+        crash_loop = status == "failed" and worker_lost
         if status == "paused" and job.rerun_requested:
             # New content came while it ran, and it paused (for budget, say): the next claim reads the
             # new content, for which its own budget starts over (else a job paused for its budget
             # with new content waiting was never woken).
             session.execute(update(JOBS).where(JOBS.c.id == job_id).values(budget_since=func.now()))
-        # After a run that spent its last worker loss too: a run reaches finish only through an outage
-        # (the database or the provider away); a worker that crashed never does (the claim and the
-        # sweeper fail it, and keep their own rule). Dropped, the rerun lost the content a delivery was
-        # answered for mid-run, while one delivered a moment later got a job of its own.
-        if status in ("succeeded", "failed") and job.rerun_requested:
+        if status in ("succeeded", "failed") and job.rerun_requested and not crash_loop:
             session.execute(
                 update(JOBS)
                 .where(JOBS.c.id == job_id)
