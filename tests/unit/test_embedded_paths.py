@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -93,3 +94,37 @@ def test_a_server_still_starting_is_waited_for_and_one_starting_too_long_is_a_cl
         server.kill()
         server.wait()
     assert postmaster_status(pgdata) is None  # its server is gone: nothing to wait for
+
+
+def test_a_failed_start_drops_pgservers_half_made_handle_so_the_next_ask_reads_the_server_anew(
+    tmp_path: Path,
+) -> None:
+    """pgserver caches its handle before starting the server; a start that timed out left it without
+    postmaster info, and the retry after the wait got that handle back (its get_uri asserted)."""
+    from types import SimpleNamespace
+
+    from worker.embedded.postgres import _server_uri
+
+    class Server:
+        _instances: ClassVar[dict[Path, Any]] = {}
+
+        def __init__(self, pgdata: Path, uri: str | None) -> None:
+            self.uri = uri
+            Server._instances[pgdata] = self
+            if uri is None:
+                raise TimeoutError("pg_ctl: server did not start in time")
+
+        def get_uri(self) -> str:
+            assert self.uri is not None, "no postmaster info"
+            return self.uri
+
+    uris = iter([None, "postgresql://postgres:@/postgres?host=/s"])
+
+    def get_server(pgdata: Path, cleanup_mode: str | None) -> Server:
+        return Server._instances.get(pgdata) or Server(pgdata, next(uris))
+
+    pgserver = SimpleNamespace(PostgresServer=Server, get_server=get_server)
+    with pytest.raises(TimeoutError):
+        _server_uri(pgserver, tmp_path)
+    assert tmp_path not in Server._instances
+    assert _server_uri(pgserver, tmp_path) == "postgresql://postgres:@/postgres?host=/s"

@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import make_url
 
@@ -61,20 +62,30 @@ def embedded_postgres_url(data_dir: Path) -> str:
         _forget_a_dead_servers_pid_file(pgdata)
     try:
         try:
-            with quiet_runtime_dir():
-                server = pgserver.get_server(pgdata, cleanup_mode=None)
+            uri = _server_uri(pgserver, pgdata)
         except Exception:
             if not wait_until_ready(pgdata):  # not a slow recovery: the start failed
                 raise
-            with quiet_runtime_dir():
-                server = pgserver.get_server(pgdata, cleanup_mode=None)
+            uri = _server_uri(pgserver, pgdata)
     except Exception as exc:
         raise EmbeddedUnavailableError(
             f"could not start the embedded Postgres in {pgdata}: {exc} (its server log: {pgdata / 'log'}); "
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
     wait_until_ready(pgdata)
-    return socket_url(server.get_uri())
+    return socket_url(uri)
+
+
+def _server_uri(pgserver: Any, pgdata: Path) -> str:
+    """pgserver's URI of the server of ``pgdata``, starting it if none runs. A start that failed (its
+    pg_ctl gave up after 10 s) leaves pgserver's handle cached half made (no postmaster info: its
+    get_uri asserts): it is dropped, so the next ask reads the server anew."""
+    try:
+        with quiet_runtime_dir():
+            return str(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
+    except BaseException:
+        getattr(getattr(pgserver, "PostgresServer", None), "_instances", {}).pop(pgdata, None)
+        raise
 
 
 def wait_until_ready(pgdata: Path, timeout: float = READY_TIMEOUT_SECONDS) -> bool:
