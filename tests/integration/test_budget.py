@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -312,7 +313,7 @@ def test_new_facts_renew_a_paused_consolidations_budget_and_a_forced_compaction_
     entity's one pending slot, held for good); `factmill compact` said "it is now forced" of a job that
     then never ran."""
     from worker.compaction import append_messages, parse_messages, request_compaction
-    from worker.consolidation import consolidate_page_entities
+    from worker.consolidation import BUDGET_RENEW_SECONDS, consolidate_page_entities
     from worker.jobs.outbox import COMPACTION, CONSOLIDATION
 
     set_(factory, "llm.budget_job_usd", "1")
@@ -330,6 +331,11 @@ def test_new_facts_renew_a_paused_consolidations_budget_and_a_forced_compaction_
                 )
             )
     assert budget.jobs_with_room(job_ids) == []
+    consolidate_page_entities(factory, "default", SLUG)  # within the hour: an entity on every page
+    assert budget.jobs_with_room(job_ids) == []  # would start it over with every page's extraction
+    with factory.begin() as session:
+        session.execute(update(Job).values(budget_since=func.now() - timedelta(seconds=BUDGET_RENEW_SECONDS)))
+        session.execute(update(LLMCall).values(created_at=func.now() - timedelta(hours=2)))
     consolidate_page_entities(factory, "default", SLUG)  # the page's facts are still to consolidate
     assert budget.jobs_with_room(job_ids) == job_ids
     with factory.begin() as session:

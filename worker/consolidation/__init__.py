@@ -15,12 +15,17 @@ from worker.consolidation.store import forgotten_entity_keys, pending_entity_key
 from worker.jobs.outbox import CONSOLIDATION, JobRequest, page_subject, request_jobs
 from worker.jobs.sending import enqueue
 
+# How long a consolidation job's own budget runs before a request for its entity starts it over.
+BUDGET_RENEW_SECONDS = 3_600.0
+
 
 def _request_jobs(session: Session, pages: Sequence[tuple[str, str]]) -> list[JobRequest]:
     subjects = [page_subject(source_id, key) for source_id, key in pending_entity_keys(session, pages)]
     # New facts are new work, as a page's new content is: a job paused for its own budget, reused by
-    # every later request, held the entity's one pending slot for good (the sweeper found no room).
-    return request_jobs(session, CONSOLIDATION, subjects, renew_spent_budget_after=0.0)
+    # every later request, held the entity's one pending slot for good (the sweeper found no room). Not
+    # at once: an entity named on every page is requested on every page's extraction, and its budget,
+    # started over each time, would cap nothing but the day's; so it spends at most one a budget hour.
+    return request_jobs(session, CONSOLIDATION, subjects, renew_spent_budget_after=BUDGET_RENEW_SECONDS)
 
 
 def request_consolidation(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:
@@ -68,6 +73,7 @@ def catch_up_consolidation(factory: sessionmaker[Session], scan: int = CATCH_UP_
 
 
 __all__ = [
+    "BUDGET_RENEW_SECONDS",
     "catch_up_consolidation",
     "consolidate_page_entities",
     "consolidate_pages_entities",
