@@ -346,6 +346,22 @@ def test_an_operators_ingest_is_dated_so_a_senders_older_retry_cannot_undo_it(
         assert session.scalars(select(Page.compiled_truth)).one().endswith("operator\n")
 
 
+def test_an_ingest_dated_before_a_delivery_from_a_clock_ahead_says_so_and_replaces_nothing(
+    api: TestClient, factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from worker.extraction.ingest import ingest_paths
+
+    ahead = page_body("order/ahead", body=CONVERSATION + "\nahead")
+    sent = api.post("/v1/pages", content=ahead, headers=signed(ahead, timestamp=int(time.time()) + 120))
+    assert sent.status_code == 202, sent.text
+    (tmp_path / "a.md").write_text(f"---\ntype: conversation\nslug: order/ahead\n---\n{CONVERSATION}\nfile\n")
+    report = ingest_paths(factory, [tmp_path / "a.md"])
+    [(_, reason)] = report.errors
+    assert "after this ingest (its sender's clock is ahead)" in reason and "ingest it again" in reason
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).one().endswith("ahead")
+
+
 def test_a_delivery_naming_one_page_twice_is_refused_whole(
     api: TestClient, factory: sessionmaker[Session]
 ) -> None:
@@ -471,3 +487,17 @@ def test_the_openapi_document_shows_the_security_scheme(api: TestClient) -> None
     assert document["components"]["securitySchemes"]["ApiKey"]["scheme"] == "bearer"
     assert {"ApiKey": []} in document["paths"]["/v1/jobs"]["get"]["security"]
     assert "security" not in document["paths"]["/healthz"]["get"]
+
+
+def test_a_keyed_delivery_is_dated_when_it_reached_the_server_not_when_its_body_was_read() -> None:
+    """Dated after its body was read (a wait for a large-body place, a slow upload), a keyed append sent
+    before its transcript's erasure was taken for one sent after it, and began it again."""
+    from datetime import UTC, datetime
+
+    from worker.api.auth import Ingest
+
+    arrived = time.time() - 90
+    keyed = Ingest(principal=None, signature=None, method="POST", path="/v1/pages", arrived_at=arrived)
+    assert keyed.delivered_at(None, b"{}") == datetime.fromtimestamp(arrived, UTC)  # type: ignore[arg-type]
+    unknown = Ingest(principal=None, signature=None, method="POST", path="/v1/pages")
+    assert abs(unknown.delivered_at(None, b"{}").timestamp() - time.time()) < 60  # type: ignore[arg-type]

@@ -8,8 +8,10 @@ also take a webhook signature instead, for senders that hold only the shared sec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -144,6 +146,15 @@ class Ingest:
         return verify_signature(
             ctx, body, self.signature, self.method, self.path, self.idempotency_key, self.arrived_at
         )
+
+    def delivered_at(self, ctx: ApiContext, body: bytes) -> datetime:
+        """``verify``, then when the delivery was made: its signed time, or a keyed one's arrival (when
+        it reached the server, before any wait for a large-body place or its upload: dated after its
+        body was read, one sent before an erasure was taken for one sent after it)."""
+        signed_at = self.verify(ctx, body)
+        if signed_at is not None:
+            return datetime.fromtimestamp(signed_at, UTC)
+        return datetime.fromtimestamp(self.arrived_at if self.arrived_at is not None else time.time(), UTC)
 
     @property
     def sender(self) -> str:

@@ -6,12 +6,13 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
@@ -292,12 +293,20 @@ def _ingest_file(
         report.errors.append((shown_path(path), f"the same file as page {again!r}, ingested once"))
         return
     try:
-        # Dated now, as a keyed delivery is: undated, it was undone by a sender's retry of an older
-        # delivery (signed before this ingest, it still passed the page's newest-delivery check).
+        # Dated by the database's clock (which dates erasures; an operator's laptop's may be off):
+        # undated, it was undone by a sender's retry of an older delivery (signed before this ingest,
+        # it still passed the page's newest-delivery check).
         with factory.begin() as session:
-            job = store_page(session, page, datetime.now(UTC))
-    except StaleDeliveryError as exc:  # a delivery signed later (a sender's clock ahead) stored it
-        report.errors.append((shown_path(path), str(exc)))
+            job = store_page(session, page, session.scalar(select(func.now())))
+    except StaleDeliveryError as exc:  # a delivery dated later (its sender's clock ahead) stored it
+        at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
+        report.errors.append(
+            (
+                shown_path(path),
+                f"a delivery dated {at}, after this ingest (its sender's clock is ahead), stored this page; "
+                "not replaced: ingest it again after that time",
+            )
+        )
         return
     if job is None:
         report.unchanged.append(page.slug)

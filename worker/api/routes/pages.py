@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -187,13 +187,11 @@ def store_pages(
 
 def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue (runs on a worker thread: all of it blocks)."""
-    signed_at = ingest.verify(ctx, body)
+    delivered_at = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     pages = parse_pages(body)
     ingest.check_sources(page.source_id for page in pages)
     body_hash = hashlib.sha256(body).hexdigest()
-    # A keyed delivery without a signature is dated when it arrives.
-    delivered_at = datetime.fromtimestamp(signed_at, UTC) if signed_at is not None else datetime.now(UTC)
     delivery = scoped_key("POST /v1/pages", "", key, ingest.sender)
     try:
         response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)

@@ -16,7 +16,6 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -134,24 +133,18 @@ def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[s
         raise _unprocessable(exc) from None
 
 
-def _delivered_at(signed_at: float | None) -> datetime:
-    """A delivery's signed time; a keyed delivery without a signature is dated as it arrives (undated,
-    one in flight while its transcript was erased began it again with the erased messages)."""
-    return datetime.now(UTC) if signed_at is None else datetime.fromtimestamp(signed_at, UTC)
-
-
 def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    signed_at = _delivered_at(ingest.verify(ctx, body))
+    delivered_at = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     messages, settings = _parse_append(load_json_object(body))
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
         # Before (the 409 says why, not a 422 about the erased state) and after (an erasure committed
         # while the write waited on the row it deleted).
-        refuse_if_erased_since(session, transcript_id, signed_at)
+        refuse_if_erased_since(session, transcript_id, delivered_at)
         result = append_messages(
             session,
             transcript_id,
@@ -159,7 +152,7 @@ def accept_messages(
             settings=settings,
             retrigger_seconds=ctx.settings.compaction_retrigger_seconds,
         )
-        refuse_if_erased_since(session, transcript_id, signed_at)
+        refuse_if_erased_since(session, transcript_id, delivered_at)
         trigger = result.trigger
         response = AppendOut(
             transcript_id=transcript_id,
@@ -222,16 +215,16 @@ def accept_settings(
     """A repeat with the same Idempotency-Key (which v3 signatures sign, and require here) gets the stored
     answer and changes nothing: a captured change of settings sent again within the signature's window
     undid the changes made after it."""
-    signed_at = _delivered_at(ingest.verify(ctx, body))
+    delivered_at = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     data = load_json_object(body)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
-        refuse_if_erased_since(session, transcript_id, signed_at)  # before and after, as for appends
+        refuse_if_erased_since(session, transcript_id, delivered_at)  # before and after, as for appends
         _, trigger = update_settings(
             session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
         )
-        refuse_if_erased_since(session, transcript_id, signed_at)
+        refuse_if_erased_since(session, transcript_id, delivered_at)
         stats = TranscriptOut.model_validate(transcript_stats(session, transcript_id).as_dict())
         pending = [(trigger.job.job_id, outbox.COMPACTION)] if trigger.job and trigger.job.created else []
         return stats.model_dump(mode="json"), pending
