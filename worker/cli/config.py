@@ -16,7 +16,7 @@ from worker.config_store import (
     set_config,
     unset_config,
 )
-from worker.jobs.outbox import resume_for_config_change
+from worker.jobs.outbox import SWEEP_BATCH, resume_for_config_change
 from worker.jobs.sending import enqueue
 
 config_app = typer.Typer(help="Runtime configuration: kill switches and tunables.", no_args_is_help=True)
@@ -47,7 +47,7 @@ def config_set(
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
     enqueue(factory, resumed)
-    out.print(f"{key} = {stored}" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
+    out.print(f"{key} = {stored}" + _resumed_note(resumed))
 
 
 @config_app.command("unset")
@@ -64,7 +64,7 @@ def config_unset(key: str) -> None:
     if not removed:
         out.print(f"{key} was not set")
         return
-    out.print(f"{key} unset" + (f" ({len(resumed)} paused job(s) resumed)" if resumed else ""))
+    out.print(f"{key} unset" + _resumed_note(resumed))
 
 
 @config_app.command("list")
@@ -86,3 +86,10 @@ def config_list() -> None:
             f"Nothing reads {', '.join(unread)} (set before keys were checked); "
             "remove them with `factmill config unset KEY`."
         )
+
+
+def _resumed_note(resumed: list[tuple[int, str]]) -> str:
+    if not resumed:
+        return ""
+    rest = "; the sweeper resumes the rest" if len(resumed) >= SWEEP_BATCH else ""
+    return f" ({len(resumed)} paused job(s) resumed{rest})"

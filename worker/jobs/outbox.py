@@ -283,7 +283,9 @@ def resume_paused(
         .where(Job.status == "paused", Job.kind.in_(kinds), matches)
         .order_by(Job.id)
         .limit(limit)
-        .with_for_update(skip_locked=True)  # one a claim or a cancel holds: the next sweep's
+        # One a claim or a cancel holds is the next sweep's; named ones are waited for (their callers,
+        # a backfill's cancel, resume them once, with no sweep after).
+        .with_for_update(skip_locked=job_ids is None)
         .scalar_subquery()
     )
     rows = session.execute(

@@ -90,7 +90,9 @@ class ConfigSet(BaseModel):
 
 
 class ConfigSetOut(ConfigOut):
-    resumed: int = 0  # paused jobs queued again because their kill switch was turned on
+    # paused jobs queued again at once because their kill switch was turned on (at most a sweep batch,
+    # 5,000; the sweeper resumes the rest, a batch a sweep)
+    resumed: int = 0
 
 
 class ConfigList(BaseModel):
@@ -164,7 +166,8 @@ def set_config_value(ctx: ApiContext, key: str, body: ConfigSet, actor: str) -> 
     openapi_extra=json_request_body(ConfigSet.model_json_schema()),
 )
 async def put_config_value(request: Request, ctx: Context, admin: Admin, key: ConfigKey) -> ConfigSetOut:
-    """Set a key. Turning a kill switch on resumes every paused job of its kinds.
+    """Set a key. Turning a kill switch on resumes the paused jobs of its kinds (a batch of up to 5,000 at
+    once, counted in ``resumed``; the sweeper resumes the rest, a batch a sweep).
 
     Turning one off needs nothing more: workers read the switch before every LLM call (through
     a cache refreshed every FACTMILL_CONFIG_CACHE_SECONDS, twice that at most while a refresh runs) and
