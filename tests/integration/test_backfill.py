@@ -1533,3 +1533,27 @@ def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
         sim.configure(batch_results_gone=[gone])
         assert client.find("fmmineb1n0") == mine
         assert client.find("fmgoneb1n0") is None
+
+
+def test_a_batch_gone_with_nothing_pending_is_not_reported_as_a_refused_cancel(factory, anthropic_rt, sim):
+    """Cancelled while extraction is switched off, a batch the provider holds no more (deleted by a pass
+    that died before marking it collected) was collected at once, and counted as a cancel refused."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    sim.end_batches()
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        for request in session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)):
+            request.status = "done"  # committed before the pass died
+        provider_batch_id = batch.provider_batch_id
+        set_config(session, "facts.extraction_enabled", "false")
+    assert provider_batch_id is not None
+    chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
+    AnthropicBatchClient(chat).discard(provider_batch_id)
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    note = job_row(factory, job_id).last_error or ""
+    assert "1 gone at the provider" in note and "did not cancel" not in note, note

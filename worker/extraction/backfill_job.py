@@ -102,17 +102,24 @@ def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int,
         return 0, 0, 0
     run = BackfillPass(deps, backfill)
     batches = run.store.batches(backfill_id, ("planned", "submitting", "submitted"))
-    refused = gone = 0
+    asked_again: list[int] = []
+    gone = 0
     for batch in batches:  # one's failure leaves the others' cancels to go on
         try:
             if not run.cancel(batch):
-                refused += 1
+                asked_again.append(batch.id)
         except LLMError as exc:
-            refused += 1
+            asked_again.append(batch.id)
             logger.warning("backfill %s: cancelling batch %s failed (%s)", backfill_id, batch.key, exc)
         except KillSwitchOffError:  # gone at the provider: its collection reads the switch and waits
             gone += 1
-    return len(batches), refused, gone
+    if asked_again:  # one gone with nothing pending was collected at once: gone, not refused
+        still_open = {
+            batch.id for batch in run.store.batches(backfill_id, ("planned", "submitting", "submitted"))
+        }
+        gone += sum(1 for batch_id in asked_again if batch_id not in still_open)
+        asked_again = [batch_id for batch_id in asked_again if batch_id in still_open]
+    return len(batches), len(asked_again), gone
 
 
 def cancel_while_switched_off(ctx: JobContext) -> WorkResult:
