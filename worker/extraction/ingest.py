@@ -298,15 +298,15 @@ def _ingest_file(
         # it still passed the page's newest-delivery check).
         with factory.begin() as session:
             job = store_page(session, page, session.scalar(select(func.now())))
-    except StaleDeliveryError as exc:  # a delivery dated later (its sender's clock ahead) stored it
+    except StaleDeliveryError as exc:  # erased while it waited, or stored by a delivery dated later
         at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
-        report.errors.append(
-            (
-                shown_path(path),
-                f"a delivery dated {at}, after this ingest (its sender's clock is ahead), stored this page; "
-                "not replaced: ingest it again after that time",
-            )
+        said = (
+            f"the page was erased ({at}) while this ingest ran; not stored: ingest it again to store it anew"
+            if exc.erased
+            else f"a delivery dated {at}, later than this ingest, stored this page; not replaced: ingest it "
+            "again to replace it"
         )
+        report.errors.append((shown_path(path), said))
         return
     if job is None:
         report.unchanged.append(page.slug)

@@ -174,7 +174,7 @@ class StaleDeliveryError(ValueError):
             f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
             f"older than {newer}; send the newest content with a fresh signature"
         )
-        self.source_id, self.slug, self.stored_at = source_id, slug, stored_at
+        self.source_id, self.slug, self.stored_at, self.erased = source_id, slug, stored_at, erased
 
 
 # Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement

@@ -130,8 +130,8 @@ def parse_pages(body: bytes) -> list[PageIn]:
     for index, page in enumerate(pages):  # the later copy replaced the earlier, both answered stored
         first = seen.setdefault((page.source_id, page.slug), index)
         if first != index:
-            raise ApiError(
-                422,
+            raise ApiError(  # each valid alone: the request conflicts with itself (409, not 422)
+                409,
                 f"pages[{index}]: the same page as pages[{first}] (source_id {page.source_id!r}, slug "
                 f"{page.slug!r} once normalized); send each page once per request",
             )
