@@ -349,6 +349,22 @@ def test_new_facts_renew_a_paused_consolidations_budget_and_a_forced_compaction_
     assert budget.jobs_with_room([job.id]) == [job.id]
 
 
+def test_the_sweep_skips_a_budget_waiter_whose_row_another_transaction_holds(factory):
+    """The sweep holds every row it locked: waiting on one a delivery or a claim held kept them all
+    waiting (and a delivery that then wanted one of the sweep's rows deadlocked)."""
+    set_(factory, "llm.budget_daily_usd", "100")
+    with factory.begin() as session:
+        waiters = [Job(kind=EXTRACTION, subject=s, status="paused", pause_reason="budget") for s in "abc"]
+        session.add_all(waiters)
+    budget = Budget(factory, ConfigReader(factory, ttl=0).get, ttl=0)
+    held = waiters[1].id
+    with factory.begin() as holder:
+        holder.execute(select(Job.id).where(Job.id == held).with_for_update())
+        report = sweep_waking(factory, budget)  # waited here for ever (until the holder's commit)
+        assert sorted(report.resumed_paused) == sorted(j.id for j in waiters if j.id != held)
+    assert sweep_waking(factory, budget).resumed_paused == [held]
+
+
 def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):
     """A day's ingest paused for budget: the waiters' ids went in IN lists, one parameter each, and past
     65,535 the driver refused the query: the whole sweep rolled back, every sweep (nothing re-sent)."""

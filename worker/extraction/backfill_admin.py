@@ -36,10 +36,10 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
     backfill.cancel_requested = True
     woken = resume_waiting(session, job_id=backfill.job_id)
     if backfill.job_id is not None:  # one waiting for budget: cancelling needs none
-        woken += resume_paused(session, [BATCH_EXTRACTION], BUDGET, [backfill.job_id])
+        woken += resume_paused(session, [BATCH_EXTRACTION], BUDGET, [backfill.job_id], wait=True)
         # Nor the kill switch: the run cancels the batches at the provider, and waits for the switch
         # to collect them (worker.extraction.backfill_job.cancel_while_switched_off).
-        woken += resume_paused(session, [BATCH_EXTRACTION], KILL_SWITCH, [backfill.job_id])
+        woken += resume_paused(session, [BATCH_EXTRACTION], KILL_SWITCH, [backfill.job_id], wait=True)
         job = session.get(Job, backfill.job_id, with_for_update=True)
         if job is not None and job.status == "failed":
             # Its retries spent (the provider kept refusing): nothing would run the cancel, and the
@@ -51,7 +51,7 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
 def resume_waiting(session: Session, job_id: int | None = None) -> list[tuple[int, str]]:
     """Queue again the backfill jobs paused while their batches run (all, or one); to enqueue after."""
     job_ids = None if job_id is None else [job_id]
-    return resume_paused(session, [BATCH_EXTRACTION], WAITING_FOR_BATCHES, job_ids)
+    return resume_paused(session, [BATCH_EXTRACTION], WAITING_FOR_BATCHES, job_ids, wait=job_id is not None)
 
 
 def poll_backfills(factory: sessionmaker[Session], settings: Settings) -> int:

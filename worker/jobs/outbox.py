@@ -268,6 +268,7 @@ def resume_paused(
     job_ids: Sequence[int] | None = None,
     *,
     limit: int = SWEEP_BATCH,
+    wait: bool = False,
 ) -> list[tuple[int, str]]:
     """Turn at most ``limit`` jobs of these kinds (only ``job_ids``, when given) paused for ``reason``
     back into queued ones, oldest first; returns them for enqueueing. The sweeper resumes the rest, a
@@ -283,9 +284,9 @@ def resume_paused(
         .where(Job.status == "paused", Job.kind.in_(kinds), matches)
         .order_by(Job.id)
         .limit(limit)
-        # One a claim or a cancel holds is the next sweep's; named ones are waited for (their callers,
-        # a backfill's cancel, resume them once, with no sweep after).
-        .with_for_update(skip_locked=job_ids is None)
+        # One a claim or a cancel holds is the next sweep's (the sweep holds the rows it locked: it must
+        # not wait); ``wait``: a caller that resumes named jobs once (a backfill's cancel) waits for them.
+        .with_for_update(skip_locked=not wait)
         .scalar_subquery()
     )
     rows = session.execute(
