@@ -100,7 +100,8 @@ class Compaction(Base):
     """One compaction run: a summary of a transcript's head, and whether the quality gate let it stand.
 
     ``accepted``: the summary stands in for every message before ``cut_seq`` in the context view.
-    ``rejected``: its coverage stayed below the threshold after one retry; stored, never applied.
+    ``rejected``: its coverage stayed below the threshold after one retry, or it would have left the
+    context no smaller; stored, never applied.
     ``failed``: no usable summary (an LLM error, an empty reply, a refusal); nothing changed.
     """
 

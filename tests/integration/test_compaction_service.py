@@ -691,7 +691,7 @@ def test_a_compaction_jobs_row_keeps_figures_not_the_transcripts_words(
 
 def test_a_long_summary_is_capped(tx_factory: sessionmaker[Session]) -> None:
     long_summary = f"## Goal\n{GOAL}\n" + "detail " * 5000
-    append(tx_factory, "cap", session_messages(25), settings=SETTINGS)
+    append(tx_factory, "cap", session_messages(60), settings=SETTINGS)  # a head the capped summary saves on
     outcome = compact_transcript(tx_factory, ScriptedLLM(long_summary), "cap", threshold=lambda: FALLBACK)
     assert outcome.status == "accepted"
     [row] = compactions(tx_factory)
@@ -771,6 +771,26 @@ def test_an_accepted_part_of_the_head_requests_the_rest_in_its_own_transaction(
         session.execute(update(Job).values(heartbeat_at=func.now() - timedelta(minutes=10)))
     assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
     assert [r.status for r in compactions(tx_factory, "parts")] == ["accepted", "accepted"]
+
+
+def test_a_continuation_request_that_fails_keeps_the_accepted_summary(
+    database_url: str, tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requested in the row's transaction, a request that failed (its job row contended) rolled the
+    accepted summary back with it: paid for, passed, and lost."""
+    from worker.compaction import records
+    from worker.jobs.outbox import JobRequestContendedError
+
+    def contended(*args: Any, **kwargs: Any) -> Any:
+        raise JobRequestContendedError("its pending job kept changing")
+
+    monkeypatch.setattr(records, "request_compaction", contended)
+    request = append(tx_factory, "kept", session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
+    assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "succeeded"
+    assert [row.status for row in compactions(tx_factory, "kept")] == ["accepted"]
 
 
 def test_the_oldest_message_over_the_summarizers_input_is_sent_clipped(
@@ -1907,12 +1927,18 @@ def test_the_gate_scores_a_summary_against_the_heads_words_not_its_speaker_label
     assert "tool" not in row.missed_terms and row.coverage is not None and row.coverage >= 0.5
 
 
-def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(tx_factory: sessionmaker[Session]) -> None:
+def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(
+    tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Its age was the worker's clock minus the database's: a host clock a few minutes ahead took a
     rejection of seconds ago for an old one, and each append past the threshold paid for a summary."""
     from sqlalchemy import text as sql
 
+    from worker.compaction import queries
     from worker.compaction.queries import recent_miss
+
+    # The host's clock an hour ahead of the database's (what the wait read it from before).
+    monkeypatch.setattr(queries, "now", lambda: datetime.now(UTC) + timedelta(hours=1), raising=False)
 
     append(tx_factory, "aged", session_messages(3), settings=SETTINGS)
     with tx_factory.begin() as session:

@@ -6,12 +6,14 @@ the one it was computed from, under the transcript's lock (``worker.compaction.q
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from models import Compaction
@@ -22,6 +24,7 @@ from worker.compaction.queries import (
     request_compaction,
     transcript_created_at,
 )
+from worker.jobs.outbox import JobRequestContendedError
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class SavedCompaction:
     error: str | None
     tokens_after: int | None
 
+
+logger = logging.getLogger(__name__)
 
 _INSERT_COMPACTION = insert(COMPACTIONS).returning(COMPACTIONS.c.id)
 
@@ -94,7 +99,11 @@ def save_compaction(
     columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
     saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
     if status == "accepted" and continue_forced is not None:
-        request_compaction(session, record.transcript_id, force=continue_forced, trigger="continue")
+        try:  # a request that fails loses its continuation (an append asks again), not the summary
+            with session.begin_nested():
+                request_compaction(session, record.transcript_id, force=continue_forced, trigger="continue")
+        except (SQLAlchemyError, JobRequestContendedError) as exc:
+            logger.warning("compaction of part of a head: the rest's request failed (%s)", type(exc).__name__)
     return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)
 
 

@@ -3,9 +3,9 @@
 The head is serialized (a previous summary is folded into the new one) and sent to the LLM inside
 ``<untrusted-data>``. Coverage of the summary against the head's words (without the serializer's
 speaker labels), on the query terms of the transcript's intent, must reach the active calibrated
-threshold. Below it the summarizer gets one
-retry that names the missed terms; still below, the summary is stored as ``rejected`` and never
-applied. An LLM error, a refusal or an empty reply is stored as ``failed``.
+threshold. Below it the summarizer gets one retry that names the missed terms; still below, the
+summary is stored as ``rejected`` and never applied, as is one that would leave the context no smaller
+(at once). An LLM error, a refusal or an empty reply is stored as ``failed``.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class CompactionRun:
         tau = self.gate_on.tau
         gate = judge_summary(self.source_tokens, summary, self.terms, tau)
         after, before = self.plan.tokens_after(summary), self.plan.tokens_before
-        grows = gate.passed and after >= before  # a small head: applied, the context grew
+        grows = after >= before  # a small head: applied, the context grew (no retry: it would be longer)
         self.log.append(
             {
                 **entry,
@@ -313,7 +313,7 @@ class CompactionRun:
                 "truncated": truncated,
             }
         )
-        if grows:  # no retry: a summary of the headings alone is as long
+        if grows:
             error = f"the summary leaves the context at {after} tokens, not under its {before}; not applied"
             return self._finish("rejected", summary=summary, gate=gate, error=error)
         if gate.passed:

@@ -10,11 +10,12 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field, Strict, StrictBool
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models.reads import read_only
@@ -348,9 +349,12 @@ class FactmillTools:
         if idempotency_key is not None and key is None:
             raise ToolError("idempotency_key must be 1 to 255 printable characters")
 
-        arrived = datetime.now(UTC)  # an append in flight while its transcript was erased is refused
-
         def write(session: Session) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+            # Dated by the database's clock, which dates erasures (stdio runs on the agent's machine),
+            # as its transaction began: an erasure that commits while the write waits on the
+            # transcript's row is later, and refuses it.
+            arrived = session.scalar(select(func.now()))
+            assert arrived is not None
             refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
             result = append_messages(
                 session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
