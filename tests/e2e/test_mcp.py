@@ -126,6 +126,15 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
     piped = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source_id": "a|b"})
     boolean = await session.call_tool("list_entity_facts", {"entity": "alice", "limit": True})
     unnamed = await session.call_tool("list_entity_facts", {"entity": "---"})  # the API's 422
+    huge = [
+        await session.call_tool(tool, arguments)
+        for tool, arguments in (
+            ("list_entity_facts", {"entity": "a" * 1001}),
+            ("search_facts", {"query": "lex: a", "entity": "-" * 1001}),
+            ("list_page_facts", {"slug": "s" * 1001}),
+            ("list_page_facts", {"slug": "s", "source_id": "s" * 1000}),
+        )
+    ]
     misspelled = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source": "work"})
     then = {"as_of": "2000-01-01T00:00:00Z"}
     entity_then = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"} | then))
@@ -147,6 +156,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "piped": piped,
         "boolean": boolean,
         "unnamed": unnamed,
+        "huge": huge,
         "misspelled": misspelled,
         "entity_then": entity_then,
         "page_then": page_then,
@@ -170,6 +180,10 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     assert "is not a source id" in _error_text(seen["piped"])  # not an empty answer
     assert "valid integer" in _error_text(seen["boolean"])  # true is not a limit of 1
     assert "entity '---' has no letters or digits" in _error_text(seen["unnamed"])  # not an empty list
+    # Megabytes of entity were walked a character at a time and quoted back whole.
+    for refused in seen["huge"]:
+        said = _error_text(refused)
+        assert "at most" in said and len(said) < 1000, said
     # A misspelled filter was dropped (every source searched); as_of was dropped (today's facts).
     assert "search_facts takes no argument 'source'" in _error_text(seen["misspelled"])
     assert seen["entity_then"]["total"] == 0 and seen["page_then"]["facts"] == []  # nothing known in 2000

@@ -20,6 +20,10 @@ SEGMENT_OPEN = f"<{SEGMENT_TAG}>"
 SEGMENT_CLOSE = f"</{SEGMENT_TAG}>"
 
 MAX_ENTITY_SLUG_CHARS = 200
+# The longest entity a filter may name (a slug, or a name the slug rule reads): five times a slug, for
+# the spaces and punctuation a name drops. Unbounded, a reader's megabytes were walked a character at a
+# time (0.3 s a MB) and quoted back whole.
+MAX_ENTITY_NAME_CHARS = 1_000
 # A fact is a sentence or two; a reply's longer text is clipped. Past about 0.8 MB a fact's search
 # vector exceeded Postgres's 1 MB tsvector limit and failed its segment's commit on every retry.
 MAX_FACT_CHARS = 2_000
@@ -208,6 +212,12 @@ def entity_slug(text: str) -> str | None:
             parts.append("-".join(words))
     slug = "/".join(parts)[:MAX_ENTITY_SLUG_CHARS].strip("-/")
     return slug if any(unicodedata.category(ch)[0] in "LN" for ch in slug) else None
+
+
+def no_entity_slug(entity: str) -> str:
+    """What is said of an entity filter that names no slug (quoted, clipped to 100 characters)."""
+    shown = entity if len(entity) <= 100 else entity[:100] + "…"
+    return f"entity {shown!r} has no letters or digits; give an entity slug"
 
 
 def _slugify_entity(entity: Any) -> str | None:

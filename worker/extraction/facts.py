@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from models import Fact, page_id_of
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
-from worker.core.facts import entity_slug
+from worker.core.facts import entity_slug, no_entity_slug
 from worker.core.slugs import stored_form
 
 
@@ -172,7 +172,7 @@ def entity_key(entity: str) -> str:
     EntityNameError saying why it names none."""
     slug = entity_slug(entity)
     if slug is None:
-        raise EntityNameError(f"entity {entity!r} has no letters or digits; give an entity slug")
+        raise EntityNameError(no_entity_slug(entity))
     return slug
 
 

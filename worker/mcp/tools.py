@@ -31,8 +31,9 @@ from worker.compaction import (
 )
 from worker.compaction.erase import refuse_if_erased_since
 from worker.consolidation.history import Lifecycle
+from worker.core.facts import MAX_ENTITY_NAME_CHARS
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.core.labels import clean_label
+from worker.core.labels import MAX_SOURCE_ID_LENGTH, clean_label
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
@@ -42,6 +43,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
+from worker.extraction.pages import MAX_SLUG_LENGTH
 from worker.jobs import sending
 from worker.mcp.inputs import (
     JSON_INTEGER,
@@ -103,7 +105,11 @@ class FactmillTools:
         ] = None,
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         entity: Annotated[
-            Text | None, Field(description="Only facts about this entity slug (e.g. 'alice').")
+            Text | None,
+            Field(
+                max_length=MAX_ENTITY_NAME_CHARS,
+                description="Only facts about this entity slug (e.g. 'alice').",
+            ),
         ] = None,
         kind: Annotated[KindName | None, Field(description="Only facts of this kind.")] = None,
         since: Annotated[
@@ -155,7 +161,12 @@ class FactmillTools:
 
     def list_entity_facts(
         self,
-        entity: Annotated[Text, Field(min_length=1, description="The entity slug, e.g. 'alice'.")],
+        entity: Annotated[
+            Text,
+            Field(
+                min_length=1, max_length=MAX_ENTITY_NAME_CHARS, description="The entity slug, e.g. 'alice'."
+            ),
+        ],
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         limit: Annotated[
             int, Strict(), Field(ge=1, le=1000), JSON_INTEGER, Field(description="At most this many facts.")
@@ -217,9 +228,17 @@ class FactmillTools:
     def list_page_facts(
         self,
         slug: Annotated[
-            Text, Field(min_length=1, description="The page's slug, e.g. 'conversations/alice'.")
+            Text,
+            # Twice the stored cap: a decomposed (NFD) spelling of a slug at it is longer
+            Field(
+                min_length=1,
+                max_length=2 * MAX_SLUG_LENGTH,
+                description="The page's slug, e.g. 'conversations/alice'.",
+            ),
         ],
-        source_id: Annotated[Text, Field(min_length=1, description="The page's source.")] = "default",
+        source_id: Annotated[
+            Text, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH, description="The page's source.")
+        ] = "default",
         # At most 1,000 (the API's 10,000 facts are tens of MB, sent twice by the SDK: no agent's context
         # holds that); offset pages on, as for an entity's facts.
         limit: Annotated[

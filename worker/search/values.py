@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import PlainSerializer
 
 from models import FACT_KINDS
-from worker.core.facts import entity_slug
+from worker.core.facts import entity_slug, no_entity_slug
 from worker.core.fusion import SearchLine
 from worker.core.moments import as_utc
 from worker.search.errors import DeadlineExceededError, SearchError
@@ -123,7 +123,7 @@ class SearchFilters:
             # Read with the rule facts are stored under: "People/Zoë Ångström" finds people/zoë-ångström.
             slug = entity_slug(self.entity)
             if slug is None:
-                raise SearchError(f"entity {self.entity!r} has no letters or digits; give an entity slug")
+                raise SearchError(no_entity_slug(self.entity))
             object.__setattr__(self, "entity", slug)
 
 

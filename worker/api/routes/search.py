@@ -17,7 +17,7 @@ from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import SourceIdField, SourceIdQuery, StorableStr
-from worker.core.facts import ENTITY_PATTERN
+from worker.core.facts import ENTITY_PATTERN, MAX_ENTITY_NAME_CHARS
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
@@ -80,7 +80,11 @@ class SearchBody(BaseModel):
     intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
     source_id: SourceIdField | None = None
     entity: StorableStr | None = Field(
-        default=None, description=ENTITY_DESCRIPTION, min_length=1, json_schema_extra=ENTITY_FORMAT
+        default=None,
+        description=ENTITY_DESCRIPTION,
+        min_length=1,
+        max_length=MAX_ENTITY_NAME_CHARS,
+        json_schema_extra=ENTITY_FORMAT,
     )
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
@@ -109,7 +113,12 @@ class SearchParams:
     source_id: SourceIdQuery = None
     entity: Annotated[
         StorableStr | None,
-        Query(description=ENTITY_DESCRIPTION, min_length=1, json_schema_extra=ENTITY_FORMAT),
+        Query(
+            description=ENTITY_DESCRIPTION,
+            min_length=1,
+            max_length=MAX_ENTITY_NAME_CHARS,
+            json_schema_extra=ENTITY_FORMAT,
+        ),
     ] = None
     kind: KindName | None = None
     since: datetime | None = None
