@@ -108,7 +108,12 @@ def test_content_sent_as_text_parts_is_read(sim):
 def test_an_embedding_holding_nan_or_too_few_vectors_is_a_provider_error(sim):
     nan = base64.b64encode(struct.pack("<3f", 0.1, float("nan"), 0.3)).decode()
     sim.configure(raw_replies={"embeddings": {"data": [{"index": 0, "embedding": nan}], "usage": {}}})
-    with pytest.raises(LLMError, match="NaN or an infinity"):
+    with pytest.raises(LLMError, match="a NaN, an infinity"):
+        openai_client(sim).embed(["one"])
+    # Finite as JSON's float64, past the float4 pgvector stores: the store's error was a 500.
+    past = {"data": [{"index": 0, "embedding": [0.1, 1e39, 0.3]}], "usage": {}}
+    sim.configure(raw_replies={"embeddings": past})
+    with pytest.raises(LLMError, match="past float32's range"):
         openai_client(sim).embed(["one"])
     one = base64.b64encode(struct.pack("<3f", 0.1, 0.2, 0.3)).decode()
     sim.configure(raw_replies={"embeddings": {"data": [{"index": 0, "embedding": one}], "usage": {}}})

@@ -137,7 +137,7 @@ def test_vectors_problem_names_a_wrong_count_size_or_value() -> None:
     assert vectors_problem([good, good], 2) is None
     assert vectors_problem([good], 2) == "the embedding model returned 1 vectors for 2 texts"
     assert "returned 3 dimensions" in (vectors_problem([[0.1, 0.2, 0.3]]) or "")
-    for bad in (float("nan"), float("inf"), -float("inf")):
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e39, -1e39):
         assert "not a finite number" in (vectors_problem([[*good[:-1], bad]], 1) or "")
 
 

@@ -10,9 +10,9 @@ page goes on by the failure policy).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from worker.core.embeddings import storable_vector
 from worker.core.jsonvalues import made_storable
 
 # llm_calls keeps token counts in 32-bit integer columns.
@@ -65,11 +65,11 @@ def optional_text(value: object, field: str) -> str | None:
 
 
 def finite_vector(values: Sequence[float], field: str) -> list[float]:
-    """An embedding whose every value is finite (pgvector stores no NaN or infinity)."""
+    """An embedding whose every value is a finite number within float32's range (pgvector stores
+    float4, and no NaN or infinity)."""
     vector = list(values)
-    # A NaN or an infinity makes the sum one; finite float32 values never overflow a float64 sum.
-    if not math.isfinite(sum(vector)):
-        raise ReplyShapeError(f"{field} holds a NaN or an infinity")
+    if not storable_vector(vector):
+        raise ReplyShapeError(f"{field} holds a NaN, an infinity or a value past float32's range")
     return vector
 
 
