@@ -912,6 +912,19 @@ def test_user_lines_outweigh_expansions(plain_factory: sessionmaker[Session], ll
 # --------------------------------------------------------------------------- intent and snippets
 
 
+def test_a_quoted_phrase_steers_the_snippet_by_its_words(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """Split on spaces as written, '"performance' and 'review"' matched no line (their quote marks):
+    the intent alone chose the snippet, the line the user had not asked for."""
+    seed(plain_factory)
+    review = "The performance review cycle starts in June"
+    outcome = search(plain_factory, llm, 'lex: "performance review"\nintent: web page load times')
+    result = next(r for r in outcome.results if r.fact == review)
+    shown = result.snippet.splitlines()[1 + (result.snippet_line - 1 - _start(result.snippet))]
+    assert "review cycle" in shown, result.snippet
+
+
 def test_intent_changes_which_snippet_is_shown(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

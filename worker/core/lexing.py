@@ -30,6 +30,7 @@ __all__ = [
     "plain_text",
     "rarest_first",
     "restrict_weights",
+    "snippet_words",
 ]
 
 # BM25-style lexical scoring.
@@ -86,6 +87,21 @@ def parse_lex_query(query: str) -> LexQuery:
     # A query made only of stop words still searches for them; beside a phrase they are dropped (`where
     # is "Priya"` required "where" and "is" too, and the rarest-first fallback then kept them over Priya).
     return LexQuery(tuple(content or ([] if phrases else terms)), tuple(phrases), tuple(excluded))
+
+
+def snippet_words(query: str) -> str:
+    """What a snippet looks for in a lex line: its words and its phrases' words, without the quote
+    marks, and not what it excludes (split on spaces as written, '"project' and 'apollo"' matched no
+    line, and '-budget' drew the snippet to the very line excluded)."""
+    words: list[str] = []
+    for match in _LEX_TOKEN.finditer(query):
+        negated, phrase, word = match.group(1), match.group(2), match.group(3)
+        if phrase is not None:
+            if not negated:
+                words.append(phrase)
+        elif not (word.startswith("-") and len(word) > 1) and word.upper() != "AND":
+            words.append(word)  # stop words too: qmd's snippet terms are every word of the query
+    return " ".join(words)
 
 
 def plain_text(query: str) -> str:
