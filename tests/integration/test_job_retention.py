@@ -100,3 +100,26 @@ def test_the_sweep_deletes_jobs_only_when_a_retention_is_set(
     assert maintain(runtime).expired_jobs == 1
     assert jobs_left(tx_factory) == {kept}
     assert maintain(runtime, expire_batch=10).expired_jobs == 0
+
+
+def test_a_sweep_step_that_fails_skips_none_of_the_others(
+    database_url: str, tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """One step failing on every beat (a lock or statement timeout on a large table) skipped every step
+    after it, the consolidation catch-up and the retention among them."""
+    from worker.jobs import maintenance
+
+    def times_out(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("canceling statement due to lock timeout on row 'alice-chat'")
+
+    monkeypatch.setattr(maintenance, "forget_deliveries", times_out)
+    gone = finished_job(tx_factory, "a", age_days=10)
+    report = maintain(make_runtime(database_url, tx_factory, job_retention_days=7))
+    assert (
+        report.failed == ["forget_deliveries"]
+        and report.expired_jobs == 1
+        and gone not in jobs_left(tx_factory)
+    )
+    assert "consolidations_caught_up" in report.steps
+    said = [r.getMessage() for r in caplog.records if "forget_deliveries" in r.getMessage()]
+    assert said and not any("alice" in line for line in said)  # its class, not its text

@@ -6,10 +6,14 @@ requests a dead worker never made (the features' SWEEP_STEPS)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
+
+from sqlalchemy.orm import Session
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
 from worker.jobs.budgets import JobBudgets
@@ -19,6 +23,7 @@ from worker.jobs.sending import broker_queue_depth
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Stored answers deleted a sweep at most: at one sweep each 30 s, 28 million a day, while each DELETE
 # stays short however large a backlog an upgrade finds.
@@ -53,6 +58,23 @@ class MaintenanceReport:
     expired_audit_rows: int = 0
     expired_llm_calls: int = 0
     steps: dict[str, int] = field(default_factory=dict)  # what each feature's sweep step did
+    failed: list[str] = field(default_factory=list)  # the steps that raised (the others still ran)
+
+
+class _Steps:
+    """Runs each step of a sweep on its own: one that fails on every beat (a lock or statement
+    timeout on a large table) skipped every step after it, the consolidation catch-up among them."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def run(self, name: str, step: Callable[[], _T], otherwise: _T) -> _T:
+        try:
+            return step()
+        except Exception as exc:  # its class only: a database error's text may quote a row
+            logger.error("maintenance step %s failed (%s); the other steps ran", name, type(exc).__name__)
+            self.failed.append(name)
+            return otherwise
 
 
 def maintain(
@@ -61,40 +83,59 @@ def maintain(
     expire_batch: int = EXPIRE_BATCH,
     ledger_batch: int = LEDGER_BATCH,
 ) -> MaintenanceReport:
-    settings = rt.settings
-    jobs = sweep(
-        rt.factory,
-        stale_after=settings.job_stale_after_seconds,
-        requeue_after=settings.job_requeue_after_seconds,
-        enabled=rt.config.enabled,
-        job_budgets=JobBudgets.from_settings(settings),
-        budget_room_for=rt.budget.jobs_with_room,
-        queue_depth=broker_queue_depth,
+    settings, steps = rt.settings, _Steps()
+    jobs = steps.run(
+        "sweep",
+        lambda: sweep(
+            rt.factory,
+            stale_after=settings.job_stale_after_seconds,
+            requeue_after=settings.job_requeue_after_seconds,
+            enabled=rt.config.enabled,
+            job_budgets=JobBudgets.from_settings(settings),
+            budget_room_for=rt.budget.jobs_with_room,
+            queue_depth=broker_queue_depth,
+        ),
+        SweepReport([], [], []),
     )
-    with rt.factory.begin() as session:  # the running totals of gone connections, into one row each
-        fold_totals(session)
-    with rt.factory.begin() as session:
-        forgotten = forget_deliveries(session, timedelta(hours=settings.idempotency_key_hours), forget_batch)
-    if forgotten:
-        logger.info("forgot %s delivery answers older than %s h", forgotten, settings.idempotency_key_hours)
-    expired = 0
-    if settings.job_retention_days is not None:
-        with rt.factory.begin() as session:
-            expired = expire_jobs(session, timedelta(days=settings.job_retention_days), expire_batch)
-        if expired:
-            logger.info("deleted %s jobs finished over %s days ago", expired, settings.job_retention_days)
-    audit = calls = 0
-    if settings.ledger_retention_days is not None:
-        kept = timedelta(days=settings.ledger_retention_days)
-        with rt.factory.begin() as session:
-            audit, calls = expire_ledger(session, kept, ledger_batch)
-        if audit or calls:
-            logger.info(
-                "deleted %s extraction_audit rows and %s llm_calls rows over %s days old",
-                audit,
-                calls,
-                settings.ledger_retention_days,
-            )
+    steps.run("fold_totals", lambda: _in_transaction(rt, fold_totals), None)  # gone connections' totals
+    forgotten = steps.run("forget_deliveries", lambda: _forget(rt, forget_batch), 0)
+    expired = steps.run("expire_jobs", lambda: _expire_jobs(rt, expire_batch), 0)
+    audit, calls = steps.run("expire_ledger", lambda: _expire_ledger(rt, ledger_batch), (0, 0))
     all_kinds()  # every kind's module imported, so its sweep step is registered
-    steps = {name: step(rt) for name, step in SWEEP_STEPS.items()}
-    return MaintenanceReport(jobs, forgotten, expired, audit, calls, steps)
+    done = {name: steps.run(name, functools.partial(step, rt), 0) for name, step in SWEEP_STEPS.items()}
+    return MaintenanceReport(jobs, forgotten, expired, audit, calls, done, steps.failed)
+
+
+def _in_transaction(rt: Runtime, work: Callable[[Session], _T]) -> _T:
+    with rt.factory.begin() as session:
+        return work(session)
+
+
+def _forget(rt: Runtime, batch: int) -> int:
+    hours = rt.settings.idempotency_key_hours
+    forgotten = _in_transaction(rt, lambda session: forget_deliveries(session, timedelta(hours=hours), batch))
+    if forgotten:
+        logger.info("forgot %s delivery answers older than %s h", forgotten, hours)
+    return forgotten
+
+
+def _expire_jobs(rt: Runtime, batch: int) -> int:
+    days = rt.settings.job_retention_days
+    if days is None:
+        return 0
+    expired = _in_transaction(rt, lambda session: expire_jobs(session, timedelta(days=days), batch))
+    if expired:
+        logger.info("deleted %s jobs finished over %s days ago", expired, days)
+    return expired
+
+
+def _expire_ledger(rt: Runtime, batch: int) -> tuple[int, int]:
+    days = rt.settings.ledger_retention_days
+    if days is None:
+        return 0, 0
+    audit, calls = _in_transaction(rt, lambda session: expire_ledger(session, timedelta(days=days), batch))
+    if audit or calls:
+        logger.info(
+            "deleted %s extraction_audit rows and %s llm_calls rows over %s days old", audit, calls, days
+        )
+    return audit, calls
