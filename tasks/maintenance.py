@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from worker.jobs.celery_app import app
-from worker.jobs.maintenance import maintain
+from worker.jobs.maintenance import sweep_task
 
 
 @app.task(name="tasks.maintenance.sweep", bind=True, ignore_result=True)
 def sweep(self: Any) -> int:
-    return maintain(self.resources).jobs.total
+    return sweep_task(self.resources)

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import JOB_STATUSES, ConfigEntry, Fact, Job, Page, WebhookDelivery, forget_deliveries
 from tests.auth import send_key
+from tests.maintenance import maintained
 from tests.service import SessionBroker
 from worker.api.app import create_app
 from worker.api.routes.jobs import JobKind, JobStatus
@@ -30,7 +31,6 @@ from worker.config_store import CONFIG_KEYS, ConfigReader
 from worker.core.signing import sign
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.pages import PageIn
-from worker.jobs.maintenance import maintain
 from worker.jobs.registry import kind_names
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -283,10 +283,10 @@ def test_an_answer_past_its_window_is_forgotten_and_its_key_is_new_again(
     runtime = make_runtime(database_url, tx_factory, idempotency_key_hours=24)
     assert post(client, page("window/a"), key="k-w").status_code == 202
     age_deliveries(tx_factory, 23)
-    assert maintain(runtime).forgotten_deliveries == 0
+    assert maintained(runtime).forgotten_deliveries == 0
     assert post(client, page("window/b"), key="k-w").status_code == 422  # kept: still the same delivery
     age_deliveries(tx_factory, 25)
-    assert maintain(runtime).forgotten_deliveries == 1
+    assert maintained(runtime).forgotten_deliveries == 1
     again = post(client, page("window/b"), key="k-w")
     assert again.status_code == 202 and "Idempotent-Replayed" not in again.headers
     assert count(tx_factory, Page) == 2 and count(tx_factory, WebhookDelivery) == 1

@@ -593,7 +593,7 @@ def test_the_sweep_requests_the_consolidation_a_dead_worker_never_requested(
     from datetime import timedelta
 
     from tests.integration.test_api import make_runtime
-    from worker.jobs.maintenance import maintain
+    from tests.maintenance import maintained
     from worker.jobs.outbox import CONSOLIDATION, page_subject
 
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
@@ -604,19 +604,19 @@ def test_the_sweep_requests_the_consolidation_a_dead_worker_never_requested(
         with tx_factory() as session:
             return list(session.execute(select(Job.subject, Job.status).where(Job.kind == CONSOLIDATION)))
 
-    assert maintain(rt).steps["consolidations_caught_up"] == 0 and jobs() == []  # within the grace
+    assert maintained(rt).steps["consolidations_caught_up"] == 0 and jobs() == []  # within the grace
     with tx_factory.begin() as session:
         session.execute(Fact.__table__.update().values(created_at=func.now() - timedelta(minutes=20)))
-    assert maintain(rt).steps["consolidations_caught_up"] == 1
+    assert maintained(rt).steps["consolidations_caught_up"] == 1
     assert jobs() == [(page_subject("default", ALICE), "queued")]
-    assert maintain(rt).steps["consolidations_caught_up"] == 0  # a job is pending
+    assert maintained(rt).steps["consolidations_caught_up"] == 0  # a job is pending
     with tx_factory.begin() as session:  # it failed: an operator's retry, not a new job every sweep
         session.execute(Job.__table__.update().values(status="failed"))
-    assert maintain(rt).steps["consolidations_caught_up"] == 0
+    assert maintained(rt).steps["consolidations_caught_up"] == 0
     with tx_factory.begin() as session:
         session.execute(Job.__table__.delete())
         session.execute(Fact.__table__.update().values(created_at=func.now() - timedelta(days=2)))
-    assert maintain(rt).steps["consolidations_caught_up"] == 0  # past the day: `factmill facts consolidate`
+    assert maintained(rt).steps["consolidations_caught_up"] == 0  # past the day: `factmill facts consolidate`
 
 
 def test_a_backlog_of_covered_facts_hides_no_lost_request(tx_factory) -> None:

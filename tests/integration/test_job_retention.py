@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
 from tests.integration.test_api import make_runtime
+from tests.maintenance import maintained
 from worker.jobs.maintenance import maintain
 from worker.jobs.outbox import EXTRACTION, request_job
 
@@ -94,12 +95,12 @@ def test_the_sweep_deletes_jobs_only_when_a_retention_is_set(
 ) -> None:
     gone = finished_job(tx_factory, "a", age_days=10)
     kept = finished_job(tx_factory, "b", age_days=6)
-    assert maintain(make_runtime(database_url, tx_factory)).expired_jobs == 0
+    assert maintained(make_runtime(database_url, tx_factory)).expired_jobs == 0
     assert jobs_left(tx_factory) == {gone, kept}
     runtime = make_runtime(database_url, tx_factory, job_retention_days=7)
-    assert maintain(runtime).expired_jobs == 1
+    assert maintained(runtime).expired_jobs == 1
     assert jobs_left(tx_factory) == {kept}
-    assert maintain(runtime, expire_batch=10).expired_jobs == 0
+    assert maintained(runtime, expire_batch=10).expired_jobs == 0
 
 
 def test_a_sweep_step_that_fails_skips_none_of_the_others(
@@ -123,3 +124,6 @@ def test_a_sweep_step_that_fails_skips_none_of_the_others(
     assert "consolidations_caught_up" in report.steps
     said = [r.getMessage() for r in caplog.records if "forget_deliveries" in r.getMessage()]
     assert said and not any("alice" in line for line in said)  # its class, not its text
+    # The task fails once every step has run: Flower and the task events show it.
+    with pytest.raises(maintenance.MaintenanceStepsFailedError, match="forget_deliveries"):
+        maintenance.sweep_task(make_runtime(database_url, tx_factory))

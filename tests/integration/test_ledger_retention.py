@@ -23,9 +23,9 @@ from models import (
     expire_ledger,
 )
 from tests.integration.test_api import make_runtime
+from tests.maintenance import maintained
 from worker.accounting import Ledger, LLMCallRecord
 from worker.config_store import ConfigReader
-from worker.jobs.maintenance import maintain
 from worker.llm.types import Usage
 from worker.settings import Settings
 
@@ -124,10 +124,10 @@ def test_the_sweep_deletes_them_only_when_a_retention_is_set(
 ) -> None:
     gone, kept = call(tx_factory, 10), call(tx_factory, 6)
     audit(tx_factory, gone, 10)
-    report = maintain(make_runtime(database_url, tx_factory))
+    report = maintained(make_runtime(database_url, tx_factory))
     assert (report.expired_audit_rows, report.expired_llm_calls) == (0, 0)
     runtime = make_runtime(database_url, tx_factory, ledger_retention_days=7)
-    report = maintain(runtime)
+    report = maintained(runtime)
     assert (report.expired_audit_rows, report.expired_llm_calls) == (1, 1)
     assert left(tx_factory) == ({kept}, {})
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.orm import Session
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
@@ -71,10 +72,32 @@ class _Steps:
     def run(self, name: str, step: Callable[[], _T], otherwise: _T) -> _T:
         try:
             return step()
-        except Exception as exc:  # its class only: a database error's text may quote a row
-            logger.error("maintenance step %s failed (%s); the other steps ran", name, type(exc).__name__)
+        except SoftTimeLimitExceeded:  # the task's time is up: no step after it
+            raise
+        except Exception as exc:  # its class and SQLSTATE only: a database error's text may quote a row
+            sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+            logger.error(
+                "maintenance step %s failed (%s%s); the other steps ran",
+                name,
+                type(exc).__name__,
+                f", SQLSTATE {sqlstate}" if sqlstate else "",
+            )
             self.failed.append(name)
             return otherwise
+
+
+class MaintenanceStepsFailedError(RuntimeError):
+    """Steps of a sweep failed (each logged); the others ran. Raised once they all have, so the task
+    fails where Flower and the task events show it."""
+
+
+def sweep_task(rt: Runtime) -> int:
+    """The maintenance task's work: a sweep, failing (after every step ran) if any step failed; how
+    many jobs it sent again."""
+    report = maintain(rt)
+    if report.failed:
+        raise MaintenanceStepsFailedError(f"maintenance steps failed: {', '.join(report.failed)}")
+    return report.jobs.total
 
 
 def maintain(
