@@ -74,7 +74,8 @@ class NotFound(ApiError):
 
 
 class Conflict(ApiError):
-    """409: the request clashes with the current state (a newer delivery, a job already queued)."""
+    """409: the request clashes with the current state (a newer delivery, a job already queued) or with
+    itself (one page named twice in a delivery: nothing of it was stored)."""
 
 
 class PayloadTooLarge(ApiError):

@@ -131,7 +131,7 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         for tool, arguments in (
             ("list_entity_facts", {"entity": "a" * 1001}),
             ("search_facts", {"query": "lex: a", "entity": "-" * 1001}),
-            ("list_page_facts", {"slug": "s" * 1001}),
+            ("list_page_facts", {"slug": "s" * 2001}),
             ("list_page_facts", {"slug": "s", "source_id": "s" * 1000}),
         )
     ]

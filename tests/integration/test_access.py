@@ -357,7 +357,7 @@ def test_an_ingest_dated_before_a_delivery_from_a_clock_ahead_says_so_and_replac
     (tmp_path / "a.md").write_text(f"---\ntype: conversation\nslug: order/ahead\n---\n{CONVERSATION}\nfile\n")
     report = ingest_paths(factory, [tmp_path / "a.md"])
     [(_, reason)] = report.errors
-    assert "later than this ingest, stored this page; not replaced" in reason, reason
+    assert "later than this ingest (its sender's clock is ahead)" in reason and "after that time" in reason
     with factory() as session:
         assert session.scalars(select(Page.compiled_truth)).one().endswith("ahead")
 

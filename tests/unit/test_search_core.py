@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from worker.core.embeddings import (
     EMBEDDING_DIMENSIONS,
     fact_embedding_text,
@@ -166,3 +168,19 @@ def test_an_expansion_line_of_the_users_words_in_another_order_is_the_same_searc
     assert parse_lex_query('alice "lisbon"').search_key != probe  # a phrase is another search
     assert parse_lex_query('"alice lisbon"').search_key != parse_lex_query('"lisbon alice"').search_key
     assert parse_lex_query("alice lisbon -porto").search_key != probe
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('"project apollo" -budget launch', "project apollo launch"),  # phrase words, no exclusion
+        ('"performance review', "performance review"),  # a quote left open is no quote (as searched)
+        ("Tom and Jerry", "Tom and Jerry"),  # every word: stop words and a lower-case "and" too
+        ('alice AND "oat milk"', "alice oat milk"),  # the AND operator is syntax
+        ('-budget -"q3 plan"', ""),  # only exclusions: nothing to look for
+    ],
+)
+def test_a_snippet_looks_for_a_lex_lines_words_as_the_search_reads_them(line: str, words: str) -> None:
+    from worker.core.lexing import snippet_words
+
+    assert snippet_words(line) == words

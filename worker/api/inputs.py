@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from worker.api.errors import ApiError
+from worker.core.facts import MAX_ENTITY_NAME_CHARS
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 
@@ -187,6 +188,11 @@ def strict_json_loads(body: bytes) -> Any:
 
 # A path or query string the store can hold (no NUL, no lone surrogate).
 StorableStr = Annotated[str, AfterValidator(storable_text)]
+# An entity a filter names: bounded before the storable check (a bound put on StorableStr is checked
+# after it: the whole input scanned first, and "at most 1000 items after validation" said of text).
+EntityName = Annotated[
+    str, Field(min_length=1, max_length=MAX_ENTITY_NAME_CHARS), AfterValidator(storable_text)
+]
 
 # A source id a client names (a filter, a backfill): the rule pages are stored under, so a source no
 # page can have is a 422 naming the field, not an empty answer. The pattern reaches the document as

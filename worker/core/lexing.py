@@ -97,10 +97,12 @@ def snippet_words(query: str) -> str:
     for match in _LEX_TOKEN.finditer(query):
         negated, phrase, word = match.group(1), match.group(2), match.group(3)
         if phrase is not None:
-            if not negated:
-                words.append(phrase)
-        elif not (word.startswith("-") and len(word) > 1) and word.upper() != "AND":
-            words.append(word)  # stop words too: qmd's snippet terms are every word of the query
+            if not negated and phrase.strip():
+                words.append(phrase.strip())
+        elif not (word.startswith("-") and len(word) > 1) and word != "AND" and word.strip('"'):
+            # Stop words too: qmd's snippet terms are every word of the query. A quote left open is
+            # read by the search as no quote at all.
+            words.append(word.strip('"'))
     return " ".join(words)
 
 

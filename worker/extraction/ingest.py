@@ -303,8 +303,8 @@ def _ingest_file(
         said = (
             f"the page was erased ({at}) while this ingest ran; not stored: ingest it again to store it anew"
             if exc.erased
-            else f"a delivery dated {at}, later than this ingest, stored this page; not replaced: ingest it "
-            "again to replace it"
+            else f"a delivery dated {at}, later than this ingest (its sender's clock is ahead), stored this "
+            "page; not replaced: ingest it again after that time"
         )
         report.errors.append((shown_path(path), said))
         return

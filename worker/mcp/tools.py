@@ -6,6 +6,7 @@ principal may not use is neither listed nor callable (``worker.mcp.server`` enfo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -31,9 +32,9 @@ from worker.compaction import (
 )
 from worker.compaction.erase import refuse_if_erased_since
 from worker.consolidation.history import Lifecycle
-from worker.core.facts import MAX_ENTITY_NAME_CHARS
+from worker.core.compaction import TranscriptMessage
 from worker.core.jsonvalues import BIGINT_MAX
-from worker.core.labels import MAX_SOURCE_ID_LENGTH, clean_label
+from worker.core.labels import clean_label
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
@@ -43,7 +44,6 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
-from worker.extraction.pages import MAX_SLUG_LENGTH
 from worker.jobs import sending
 from worker.mcp.inputs import (
     JSON_INTEGER,
@@ -51,11 +51,14 @@ from worker.mcp.inputs import (
     MCP_CONTEXT_MAX_BYTES,
     Access,
     AsOf,
+    EntityName,
     IncludeHistory,
     KindName,
     MessageIn,
     Offset,
+    PageSlug,
     SeqCursor,
+    SourceId,
     SourceIdFilter,
     Text,
     ToolCallIn,
@@ -70,6 +73,36 @@ from worker.search import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _append(
+    transcript_id: str,
+    parsed: list[TranscriptMessage],
+    settings: dict[str, Any] | None,
+    retrigger: float,
+    session: Session,
+) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """An MCP append in its delivery's transaction: the answer, and the jobs to send after the commit.
+    Dated by the database's clock, which dates erasures (stdio runs on the agent's machine), as its
+    transaction began: an erasure that commits while the write waits on the transcript's row is
+    later, and refuses it."""
+    arrived = session.scalar(select(func.now()))
+    assert arrived is not None
+    refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
+    result = append_messages(session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger)
+    refuse_if_erased_since(session, transcript_id, arrived)
+    trigger = result.trigger
+    answer = {
+        "transcript_id": transcript_id,
+        "appended": len(parsed),
+        "first_seq": result.first_seq,
+        "last_seq": result.last_seq,
+        "context_tokens": trigger.context_tokens,
+        "trigger_tokens": trigger.trigger_tokens,
+        "compaction_job_id": trigger.job.job_id if trigger.job is not None else None,
+        "note": trigger.note,
+    }
+    return answer, result.pending_jobs()
 
 
 class FactmillTools:
@@ -105,11 +138,7 @@ class FactmillTools:
         ] = None,
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         entity: Annotated[
-            Text | None,
-            Field(
-                max_length=MAX_ENTITY_NAME_CHARS,
-                description="Only facts about this entity slug (e.g. 'alice').",
-            ),
+            EntityName | None, Field(description="Only facts about this entity slug (e.g. 'alice').")
         ] = None,
         kind: Annotated[KindName | None, Field(description="Only facts of this kind.")] = None,
         since: Annotated[
@@ -161,12 +190,7 @@ class FactmillTools:
 
     def list_entity_facts(
         self,
-        entity: Annotated[
-            Text,
-            Field(
-                min_length=1, max_length=MAX_ENTITY_NAME_CHARS, description="The entity slug, e.g. 'alice'."
-            ),
-        ],
+        entity: Annotated[EntityName, Field(description="The entity slug, e.g. 'alice'.")],
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         limit: Annotated[
             int, Strict(), Field(ge=1, le=1000), JSON_INTEGER, Field(description="At most this many facts.")
@@ -227,18 +251,8 @@ class FactmillTools:
 
     def list_page_facts(
         self,
-        slug: Annotated[
-            Text,
-            # Twice the stored cap: a decomposed (NFD) spelling of a slug at it is longer
-            Field(
-                min_length=1,
-                max_length=2 * MAX_SLUG_LENGTH,
-                description="The page's slug, e.g. 'conversations/alice'.",
-            ),
-        ],
-        source_id: Annotated[
-            Text, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH, description="The page's source.")
-        ] = "default",
+        slug: Annotated[PageSlug, Field(description="The page's slug, e.g. 'conversations/alice'.")],
+        source_id: Annotated[SourceId, Field(description="The page's source.")] = "default",
         # At most 1,000 (the API's 10,000 facts are tens of MB, sent twice by the SDK: no agent's context
         # holds that); offset pages on, as for an entity's facts.
         limit: Annotated[
@@ -368,37 +382,13 @@ class FactmillTools:
         if idempotency_key is not None and key is None:
             raise ToolError("idempotency_key must be 1 to 255 printable characters")
 
-        def write(session: Session) -> tuple[dict[str, Any], list[tuple[int, str]]]:
-            # Dated by the database's clock, which dates erasures (stdio runs on the agent's machine),
-            # as its transaction began: an erasure that commits while the write waits on the
-            # transcript's row is later, and refuses it.
-            arrived = session.scalar(select(func.now()))
-            assert arrived is not None
-            refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
-            result = append_messages(
-                session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger
-            )
-            refuse_if_erased_since(session, transcript_id, arrived)
-            trigger = result.trigger
-            answer = {
-                "transcript_id": transcript_id,
-                "appended": len(parsed),
-                "first_seq": result.first_seq,
-                "last_seq": result.last_seq,
-                "context_tokens": trigger.context_tokens,
-                "trigger_tokens": trigger.trigger_tokens,
-                "compaction_job_id": trigger.job.job_id if trigger.job is not None else None,
-                "note": trigger.note,
-            }
-            return answer, result.pending_jobs()
-
         # A key of its own route: the same key through the API is another delivery (the API's keeps the
         # raw body's digest, this one the arguments').
         scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
         digest = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()  # refused when parsed
         with refusals():
-            parsed = parse_messages(raw)
+            write = functools.partial(_append, transcript_id, parse_messages(raw), settings, retrigger)
             answer, pending = deliver_once(self.runtime.factory, scoped, digest, write)
         if pending is None:
             return answer | {"replayed": True}

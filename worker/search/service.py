@@ -146,9 +146,10 @@ def _structured_lists(
         raise VectorSearchUnavailableError(status.reason or UNAVAILABLE_NO_EXTENSION)
     lists = _run_lines(store, llm, user_lines, filters, candidates, status)
     # Snippets look for the words the user searched with (hyde lines are prose, used last).
-    snippet_query = " ".join(
+    said = (
         snippet_words(s.query) if s.type == "lex" else s.query for s in parsed.searches if s.type != "hyde"
-    ) or " ".join(s.query for s in parsed.searches)
+    )
+    snippet_query = " ".join(words for words in said if words) or " ".join(s.query for s in parsed.searches)
     return _Gathered(lists, snippet_query, parsed.intent or intent)
 
 
@@ -167,7 +168,7 @@ def _plain_lists(
         raise SearchError("the query is empty; give some words to search for")
     probe, complete = store.lexical(plain, filters, candidates)
     probe_line = SearchLine("lex", plain, "query", USER_LINE_WEIGHT, hits=len(probe))
-    gathered = _Gathered([(probe_line, probe)], snippet_words(plain) or plain, intent)
+    gathered = _Gathered([(probe_line, probe)], plain, intent)  # qmd's rule: the query's words as sent
     top = probe[0].score if probe else 0.0
     second = probe[1].score if len(probe) > 1 else 0.0
     # A result that lacks some of the query's words is never "already clear".

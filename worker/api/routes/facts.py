@@ -14,10 +14,10 @@ from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.api.auth import Reader
 from worker.api.deps import Context
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import OffsetQuery, SourceIdQuery, StorableStr, page_address
+from worker.api.inputs import EntityName, OffsetQuery, SourceIdQuery, StorableStr, page_address
 from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPTION
 from worker.consolidation.history import Lifecycle
-from worker.core.facts import ENTITY_PATTERN, MAX_ENTITY_NAME_CHARS
+from worker.core.facts import ENTITY_PATTERN
 from worker.core.jsonvalues import INT4_MAX
 from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
 from worker.extraction.facts import (
@@ -122,10 +122,9 @@ def entity_facts(
     ctx: Context,
     principal: Reader,
     entity: Annotated[
-        StorableStr,
+        EntityName,
         Path(
             description="The entity's slug (people/alice-example); a name is read with the slug rule",
-            max_length=MAX_ENTITY_NAME_CHARS,
             json_schema_extra={"pattern": ENTITY_PATTERN},
         ),
     ],

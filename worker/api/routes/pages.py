@@ -134,6 +134,8 @@ def parse_pages(body: bytes) -> list[PageIn]:
                 409,
                 f"pages[{index}]: the same page as pages[{first}] (source_id {page.source_id!r}, slug "
                 f"{page.slug!r} once normalized); send each page once per request",
+                source_id=page.source_id,
+                slug=page.slug,
             )
     return pages
 
@@ -225,7 +227,8 @@ async def post_pages(
 ) -> Response:
     """One page, a list of pages, or `{"pages": [...]}` (at most 1,000). Unchanged pages queue nothing.
 
-    A page stored by a newer delivery (by signed timestamp) is not overwritten: 409 with the reason."""
+    A page stored by a newer delivery (by signed timestamp) is not overwritten: 409 with the reason;
+    so is a request that names one page twice (nothing of it is stored)."""
     body = await read_body(request, ctx.settings.max_body_bytes)
     return await run_in_threadpool(accept_pages, ctx, body, ingest, idempotency_key)
 

@@ -16,8 +16,8 @@ from worker.access import AccessRefusedError, Principal
 from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
-from worker.api.inputs import SourceIdField, SourceIdQuery, StorableStr
-from worker.core.facts import ENTITY_PATTERN, MAX_ENTITY_NAME_CHARS
+from worker.api.inputs import EntityName, SourceIdField, SourceIdQuery, StorableStr
+from worker.core.facts import ENTITY_PATTERN
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
@@ -79,12 +79,8 @@ class SearchBody(BaseModel):
     )
     intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
     source_id: SourceIdField | None = None
-    entity: StorableStr | None = Field(
-        default=None,
-        description=ENTITY_DESCRIPTION,
-        min_length=1,
-        max_length=MAX_ENTITY_NAME_CHARS,
-        json_schema_extra=ENTITY_FORMAT,
+    entity: EntityName | None = Field(
+        default=None, description=ENTITY_DESCRIPTION, json_schema_extra=ENTITY_FORMAT
     )
     kind: KindName | None = None
     since: datetime | None = Field(default=None, description="Only facts valid (or written) since then.")
@@ -112,13 +108,7 @@ class SearchParams:
     intent: Annotated[StorableStr | None, Query(max_length=500)] = None
     source_id: SourceIdQuery = None
     entity: Annotated[
-        StorableStr | None,
-        Query(
-            description=ENTITY_DESCRIPTION,
-            min_length=1,
-            max_length=MAX_ENTITY_NAME_CHARS,
-            json_schema_extra=ENTITY_FORMAT,
-        ),
+        EntityName | None, Query(description=ENTITY_DESCRIPTION, json_schema_extra=ENTITY_FORMAT)
     ] = None
     kind: KindName | None = None
     since: datetime | None = None
