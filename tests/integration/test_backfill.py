@@ -1186,9 +1186,11 @@ def test_a_status_the_provider_cannot_give_now_ends_neither_a_cancels_pass_nor_i
     assert backfill_report(factory, backfill_id)["status"] == "cancelled"
 
 
-def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(factory, rt, sim):
-    """Every result committed and the provider's copy deleted, then the worker died before marking the
-    batch collected: the next pass downloads nothing (there is nothing left) and finishes."""
+def ended_with_every_request_committed(
+    factory: sessionmaker[Session], rt: Runtime, sim: Simulator
+) -> tuple[int, int, str]:
+    """A backfill of two pages whose batch ended and whose every request committed (as its pages'
+    commits mark them), the batch not yet marked collected: (backfill id, job id, provider batch id)."""
     seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)
     backfill_id, job_id = start(factory, "bf")
@@ -1197,9 +1199,16 @@ def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(
     with factory.begin() as session:
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
         for request in session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)):
-            request.status = "done"  # as its page commits marked them
+            request.status = "done"
         provider_batch_id = batch.provider_batch_id
     assert provider_batch_id is not None
+    return backfill_id, job_id, provider_batch_id
+
+
+def test_a_pass_that_died_after_deleting_the_providers_copy_finishes_without_it(factory, rt, sim):
+    """Every result committed and the provider's copy deleted, then the worker died before marking the
+    batch collected: the next pass downloads nothing (there is nothing left) and finishes."""
+    backfill_id, job_id, provider_batch_id = ended_with_every_request_committed(factory, rt, sim)
     OpenAIBatchClient(OpenAIChatClient(model="simulator-1", base_url=sim.base_url)).discard(provider_batch_id)
     assert drive(rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "done"
@@ -1538,18 +1547,9 @@ def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
 def test_a_batch_gone_with_nothing_pending_is_not_reported_as_a_refused_cancel(factory, anthropic_rt, sim):
     """Cancelled while extraction is switched off, a batch the provider holds no more (deleted by a pass
     that died before marking it collected) was collected at once, and counted as a cancel refused."""
-    seed_pages(factory, "bf", 2)
-    sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = start(factory, "bf")
-    assert run_pass(anthropic_rt, job_id).status == "paused"
-    sim.end_batches()
+    backfill_id, job_id, provider_batch_id = ended_with_every_request_committed(factory, anthropic_rt, sim)
     with factory.begin() as session:
-        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
-        for request in session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)):
-            request.status = "done"  # committed before the pass died
-        provider_batch_id = batch.provider_batch_id
         set_config(session, "facts.extraction_enabled", "false")
-    assert provider_batch_id is not None
     chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
     AnthropicBatchClient(chat).discard(provider_batch_id)
     with factory.begin() as session:
