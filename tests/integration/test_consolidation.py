@@ -534,6 +534,18 @@ def test_pages_request_their_entities_jobs_together_and_a_pending_job_is_sent_on
     assert jobs() == sent, "a pending job's message is already on its way: it is not sent again"
 
 
+def test_more_pages_than_a_query_has_parameters_request_their_entities(tx_factory, llm) -> None:
+    """A tuple IN list took two parameters a page: past 32,767 pages (a backfill pass's) the driver
+    refused the query, after the pass's facts had committed."""
+    from worker.consolidation.store import pending_entity_keys
+
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+    pages = [("default", f"never-stored-{n}") for n in range(40_000)] + [("default", JAN_PAGE)]
+    with tx_factory() as session:
+        assert ("default", ALICE) in pending_entity_keys(session, pages)
+
+
 def test_the_orphaned_link_read_can_use_its_partial_index(session: Session) -> None:
     # The index is built by the migration and the query by the store: if their predicates drift
     # apart, the planner can no longer prove the query's rows are in the index and every extraction

@@ -15,9 +15,11 @@ from sqlalchemy import (
     Float,
     Integer,
     Select,
+    Text,
     and_,
     any_,
     bindparam,
+    cast,
     func,
     literal,
     or_,
@@ -280,10 +282,17 @@ def orphaned_links_query(source_ids: Sequence[str] | BindParameter[Any]) -> Any:
 
 
 # Built once (this runs for every extracted page): Core on the table, not ORM-enabled (models.tables).
+# The pages as two array parameters: a tuple IN list took two parameters a page, and past 32,767 pages
+# (a backfill pass's) the driver refused the query, after the pass's facts had committed.
+_PAGES = func.unnest(
+    cast(bindparam("sources"), ARRAY(Text)), cast(bindparam("slugs"), ARRAY(Text))
+).table_valued("source_id", "slug").render_derived()
 _PAGES_UNCONSOLIDATED = (
     select(FACTS.c.source_id, FACTS.c.entity_slug, FACTS.c.source_markdown_slug)
     .where(
-        tuple_(FACTS.c.source_id, FACTS.c.source_markdown_slug).in_(bindparam("pages", expanding=True)),
+        tuple_(FACTS.c.source_id, FACTS.c.source_markdown_slug).in_(
+            select(_PAGES.c.source_id, _PAGES.c.slug)
+        ),
         ~FACTS.c.is_audit,
         FACTS.c.consolidated_at.is_(None),
     )
@@ -299,7 +308,8 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
     orphans."""
     if not pages:
         return []
-    new = session.execute(_PAGES_UNCONSOLIDATED, {"pages": list(pages)}).all()
+    sources, slugs = [source for source, _ in pages], [slug for _, slug in pages]
+    new = session.execute(_PAGES_UNCONSOLIDATED, {"sources": sources, "slugs": slugs}).all()
     orphans = session.execute(
         _ORPHANED_LINKS, {"sources": sorted({source_id for source_id, _ in pages})}
     ).all()
