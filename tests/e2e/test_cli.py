@@ -404,6 +404,17 @@ def test_flower_beyond_this_host_needs_a_login_in_production():
         assert "set FLOWER_BASIC_AUTH=user:password (or FLOWER_AUTH), or listen on 127.0.0.1" in result.stderr
 
 
+def test_a_migrate_or_flower_with_no_server_set_is_refused_in_production(tmp_path: Path):
+    """A migrate Job whose Secret missed FACTMILL_DATABASE_URL migrated a throwaway embedded Postgres
+    and succeeded; Flower without FACTMILL_BROKER_URL watched an empty Redis of its own."""
+    env = bare_env(FACTMILL_ENVIRONMENT="production", FACTMILL_DATA_DIR=str(tmp_path / "var"))
+    for command, unset in ((["db", "upgrade"], "DATABASE_URL"), (["flower"], "BROKER_URL")):
+        result = factmill(command, env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert f"FACTMILL_{unset} is not set: production runs on real servers" in result.stderr
+    assert not (tmp_path / "var").exists()  # no embedded server was started
+
+
 def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):
     """No library warning reaches the terminal: importing pgserver made platformdirs warn that
     XDG_RUNTIME_DIR is unset (as in containers and CI) on every command using the embedded Postgres."""

@@ -8,7 +8,7 @@ import typer
 
 from worker import db
 from worker.cli.console import err, fail, out
-from worker.cli.sessions import database_url, schema_state
+from worker.cli.sessions import database_url, refuse_unset_servers, schema_state
 from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
 from worker.settings import Settings, get_settings
@@ -39,6 +39,7 @@ def db_upgrade(
     from sqlalchemy.exc import DBAPIError
 
     settings = get_settings()
+    refuse_unset_servers(settings, "database_url")  # a migrate Job migrated a throwaway embedded Postgres
     url = database_url(settings)
     state = schema_state(settings, url, wait=wait)
     if state.unknown:  # upgraded by a newer release: alembic would only say it cannot find the revision

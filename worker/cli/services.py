@@ -17,7 +17,7 @@ import uvicorn
 from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children
-from worker.cli.sessions import checked_factory
+from worker.cli.sessions import checked_factory, refuse_unset_servers
 from worker.jobs.registry import queues as known_queues
 from worker.runtime.logs import configure_logging, logging_config
 from worker.runtime.tracing import TracingUnavailableError, require_packages
@@ -231,6 +231,7 @@ def flower(
 ) -> None:
     """Run Flower on the same broker to watch workers, queues and tasks."""
     settings = get_settings()
+    refuse_unset_servers(settings, "broker_url")
     refuse_open_flower(settings, host)
     os.environ.update(flower_logins(settings))
     raise typer.Exit(celery_exit_code(["flower", f"--address={host}", f"--port={port}"]))

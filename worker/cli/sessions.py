@@ -8,7 +8,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_de
 from worker import db
 from worker.cli.console import err, fail
 from worker.core.errors import InvalidSettingsError, connection_failure, error_summary
-from worker.settings import Settings, get_settings
+from worker.settings import RefusedSettingsError, Settings, get_settings
 
 
 def database_url(settings: Settings) -> str:
@@ -54,3 +54,11 @@ def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> 
     if problem:
         raise fail(problem)
     return db.session_factory(url)
+
+
+def refuse_unset_servers(settings: Settings, *names: str) -> None:
+    """Settings.require_servers as one line and exit 2 (a command that needs only these servers)."""
+    try:
+        settings.require_servers(*names)
+    except RefusedSettingsError as exc:
+        raise fail(str(exc), code=2) from None

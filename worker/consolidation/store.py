@@ -284,9 +284,11 @@ def orphaned_links_query(source_ids: Sequence[str] | BindParameter[Any]) -> Any:
 # Built once (this runs for every extracted page): Core on the table, not ORM-enabled (models.tables).
 # The pages as two array parameters: a tuple IN list took two parameters a page, and past 32,767 pages
 # (a backfill pass's) the driver refused the query, after the pass's facts had committed.
-_PAGES = func.unnest(
-    cast(bindparam("sources"), ARRAY(Text)), cast(bindparam("slugs"), ARRAY(Text))
-).table_valued("source_id", "slug").render_derived()
+_PAGES = (
+    func.unnest(cast(bindparam("sources"), ARRAY(Text)), cast(bindparam("slugs"), ARRAY(Text)))
+    .table_valued("source_id", "slug")
+    .render_derived()
+)
 _PAGES_UNCONSOLIDATED = (
     select(FACTS.c.source_id, FACTS.c.entity_slug, FACTS.c.source_markdown_slug)
     .where(
