@@ -365,7 +365,7 @@ def test_the_sweep_skips_a_budget_waiter_whose_row_another_transaction_holds(fac
     assert sweep_waking(factory, budget).resumed_paused == [held]
 
 
-def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory):
+def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_factory, caplog):
     """A day's ingest paused for budget: the waiters' ids went in IN lists, one parameter each, and past
     65,535 the driver refused the query: the whole sweep rolled back, every sweep (nothing re-sent)."""
     from sqlalchemy import text
@@ -381,12 +381,16 @@ def test_the_sweep_wakes_more_budget_waiters_than_a_query_has_parameters(tx_fact
             )
         )
     budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    caplog.set_level("INFO", logger="worker.jobs.outbox")
     with tx_factory() as session:
         ids = session.scalars(select(Job.id).order_by(Job.id)).all()
     report = sweep_waking(tx_factory, budget)
     # A batch a sweep (the whole backlog in one transaction held its rows, then sent them all), lowest
     # ids first; the next sweep takes the next batch.
     assert sorted(report.resumed_paused) == ids[:SWEEP_BATCH]
+    # Counts and a few ids: every id made one 45 KB line, split by Docker's 16 KB lines.
+    [said] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sweep re-sent")]
+    assert f"{SWEEP_BATCH} resumed" in said and len(said) < 500, said[:200]
     assert sorted(sweep_waking(tx_factory, budget).resumed_paused) == ids[SWEEP_BATCH : 2 * SWEEP_BATCH]
     with tx_factory() as session:
         assert session.scalar(select(func.count()).where(Job.status == "paused")) == 70_000 - 2 * SWEEP_BATCH

@@ -428,3 +428,17 @@ def test_a_scrape_reads_its_figures_in_one_snapshot(factory: sessionmaker[Sessio
         s.labels["le"]: s.value for s in families["factmill_llm_latency_seconds"].samples if "le" in s.labels
     }
     assert samples["+Inf"] == 1 and max(samples.values()) == 1, samples
+
+
+def test_a_family_that_cannot_be_built_costs_the_scrape_only_its_own_figures(
+    factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built outside the read's error handling, one family that failed (stored latency buckets that no
+    longer match the code's) failed the whole /metrics request: every series gone."""
+    collector = StoreCollector(factory)
+
+    def mismatched(rows: object) -> list[object]:
+        raise ValueError("zip() argument 2 is shorter than argument 1")
+
+    monkeypatch.setattr(collector, "metrics", mismatched)
+    assert [m.name for m in collector.collect()] == [m.name for m in collector.unreadable()]

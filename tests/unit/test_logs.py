@@ -122,3 +122,11 @@ def test_a_failed_embedding_names_no_page_and_no_providers_body(caplog: pytest.L
     with caplog.at_level(logging.WARNING):
         _could_not_embed([("default", "people/jane-roe-clinic")], RuntimeError("boom"))
     assert "jane" not in caplog.text and "1 page(s)" in caplog.text and "RuntimeError: boom" in caplog.text
+
+
+def test_the_sdks_request_logs_stay_off_at_debug() -> None:
+    """At DEBUG the SDKs log each request's options whole: every prompt, a batch in one line."""
+    from worker.runtime.logs import logging_config
+
+    loggers = logging_config(Settings(), "DEBUG")["loggers"]
+    assert loggers["openai"]["level"] == loggers["anthropic"]["level"] == "WARNING"

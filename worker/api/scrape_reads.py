@@ -57,12 +57,14 @@ class ScrapeTimeCollector(Generic[R]):
             with one_snapshot(self.factory) as session:
                 session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
                 rows = self.read(session)
+            # Inside the try: a family that cannot be built (stored buckets that no longer match the
+            # code's) failed the whole scrape, every series gone.
+            return self.metrics(rows)
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
             if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
                 _outages[self.factory] = time.monotonic()
             return self.unreadable()
-        return self.metrics(rows)
 
     def read(self, session: Session) -> R:
         raise NotImplementedError

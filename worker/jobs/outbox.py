@@ -448,8 +448,16 @@ def sweep(
     report = SweepReport(
         [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
     )
-    if report.total or failed:
-        logger.info("sweep re-sent %s job(s) and failed %s: %s", report.total, len(failed), report)
+    if report.total or failed:  # counts and a few ids: 15,000 ids made one 45 KB line (split by Docker)
+        logger.info(
+            "sweep re-sent %s job(s) (%s stale, %s lost, %s resumed; first ids %s) and failed %s",
+            report.total,
+            len(report.requeued_stale),
+            len(report.resent_queued),
+            len(report.resumed_paused),
+            [*report.requeued_stale, *report.resent_queued, *report.resumed_paused][:10],
+            len(failed),
+        )
     return report
 
 

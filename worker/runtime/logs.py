@@ -85,7 +85,9 @@ def wants_json(settings: Settings) -> bool:
 # httpx logs each request's URL at INFO: one line an LLM call (noise beside the llm_calls rows, ~5% of a
 # worker's CPU at a hundred calls a second), and the URL's user:password when FACTMILL_LLM_BASE_URL
 # carries them. Quiet in every process: the API's and the MCP server's logged them at INFO.
-QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2")
+# At DEBUG the SDKs log each request's options whole (every prompt, a batch in one line): kept at
+# WARNING whatever --loglevel says.
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "anthropic")
 
 
 def logging_config(settings: Settings, level: str = "INFO") -> dict[str, Any]:
