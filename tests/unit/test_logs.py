@@ -130,3 +130,29 @@ def test_the_sdks_request_logs_stay_off_at_debug() -> None:
 
     loggers = logging_config(Settings(), "DEBUG")["loggers"]
     assert loggers["openai"]["level"] == loggers["anthropic"]["level"] == "WARNING"
+
+
+def test_an_exception_logged_as_an_argument_says_its_status_and_code_not_the_providers_words() -> None:
+    """A provider's error message went into WARNING lines word for word, and a gateway may quote the
+    request in it: a page's text. Its status and code say what went wrong; the words stay in llm_calls."""
+    import httpx2
+    import openai
+
+    from worker.llm.errors import to_llm_error
+    from worker.runtime.logs import ContextFilter
+
+    said = "Invalid value in messages[1].content: 'Alice told Bob her diagnosis'"
+    body = {"error": {"message": said, "type": "invalid_request_error", "code": "invalid_value"}}
+    response = httpx2.Response(400, json=body, request=httpx2.Request("POST", "http://provider/v1/chat"))
+    error = to_llm_error(openai.APIStatusError(said, response=response, body=body))
+    assert said in str(error)  # kept where it is stored
+    record = logging.LogRecord(
+        "worker.llm.retry", logging.WARNING, __file__, 1, "call failed (%s)", (error,), None
+    )
+    assert ContextFilter().filter(record)
+    assert record.getMessage() == "call failed (HTTP 400 (invalid_value))"
+    unreachable = logging.LogRecord(
+        "worker.x", logging.WARNING, __file__, 1, "%s", (ConnectionRefusedError(111, "refused"),), None
+    )
+    ContextFilter().filter(unreachable)
+    assert unreachable.getMessage() == "ConnectionRefusedError: [Errno 111] refused"

@@ -27,6 +27,13 @@ class MigrationsMissingError(RuntimeError):
     does not carry it. Raised by worker.db; here so the CLI's entry point can say it in one line."""
 
 
+def loggable(exc: BaseException) -> str:
+    """What a log line says of ``exc``: an LLM error's ``log_text`` (its status and code, never the
+    provider's words), else ``error_summary`` (no value a database error quotes)."""
+    text = getattr(exc, "log_text", None)
+    return text if isinstance(text, str) else error_summary(exc)
+
+
 def error_summary(exc: BaseException) -> str:
     """``exc`` in one line, without the data a database error quotes.
 

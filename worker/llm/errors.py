@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +55,15 @@ class LLMError(Exception):
 
     outcome = "provider_error"
 
+    @property
+    def log_text(self) -> str:
+        """What a log line says of it: an HTTP error's status and the provider's code, never its words
+        (a gateway may quote the request in them: page text); our own words otherwise (a timeout, an
+        unreachable host, a reply of the wrong shape). The words stay in llm_calls and the audit."""
+        if self.status is None:
+            return str(self)
+        return f"HTTP {self.status}" + (f" ({self.code})" if self.code else "")
+
     def __init__(
         self,
         message: str,
@@ -65,8 +75,10 @@ class LLMError(Exception):
         deployment_fault: bool = False,
         usage: Usage | None = None,
         answered_by: tuple[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.code = code
         self.retryable = retryable
         self.deployment_fault = deployment_fault
         self.status = status
@@ -118,6 +130,7 @@ class Classification:
     retry_after: float | None
     message: str
     deployment_fault: bool = False
+    code: str | None = None  # the error body's code or type ("rate_limit_exceeded"), for log lines
 
 
 def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
@@ -157,6 +170,18 @@ def _headers(exc: BaseException) -> Mapping[str, str] | None:
 # many characters: a server that answers an error with a whole page of HTML, or echoes the request,
 # would otherwise put all of it in every row and line.
 MAX_PROVIDER_MESSAGE_CHARS = 1_000
+
+
+_CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def error_code(body: Any) -> str | None:
+    """An error body's code, else its type (either wire format), when it is a short identifier."""
+    inner = body.get("error") if isinstance(body, Mapping) else None
+    for candidate in (inner.get("code"), inner.get("type")) if isinstance(inner, Mapping) else ():
+        if isinstance(candidate, str) and _CODE.fullmatch(candidate):
+            return candidate
+    return None
 
 
 def blames_deployment(body: Any, message: str) -> bool:
@@ -224,7 +249,9 @@ def _loaded_errors(modules: tuple[str, ...], name: str) -> tuple[type[BaseExcept
 def classify(exc: BaseException) -> Classification:
     """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
     if isinstance(exc, LLMError):
-        return Classification(exc.retryable, exc.status, exc.retry_after, str(exc), exc.deployment_fault)
+        return Classification(
+            exc.retryable, exc.status, exc.retry_after, str(exc), exc.deployment_fault, exc.code
+        )
     timeouts = (*_loaded_errors(SDKS, "APITimeoutError"), *_loaded_errors(HTTP_LIBRARIES, "TimeoutException"))
     if isinstance(exc, timeouts):
         return Classification(True, None, None, f"the provider timed out: {exc}")
@@ -243,7 +270,12 @@ def classify(exc: BaseException) -> Classification:
         # refill the quota, and each call's tries only added to the outage.
         retryable = (status in RETRYABLE_STATUS or status >= 500) and not blamed
         return Classification(
-            retryable, status, retry_after_seconds(_headers(exc)), f"HTTP {status}: {message}", blamed
+            retryable,
+            status,
+            retry_after_seconds(_headers(exc)),
+            f"HTTP {status}: {message}",
+            blamed,
+            error_code(exc.body),
         )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
@@ -259,4 +291,5 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         latency_ms=latency_ms,
         deployment_fault=c.deployment_fault,
         usage=exc.usage if isinstance(exc, LLMError) else None,
+        code=c.code,
     )

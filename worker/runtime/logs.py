@@ -20,6 +20,7 @@ from typing import Any
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
+from worker.core.errors import loggable
 from worker.settings import Settings
 
 _FIELDS: contextvars.ContextVar[dict[str, str | int] | None] = contextvars.ContextVar(
@@ -44,9 +45,13 @@ def bound_fields() -> dict[str, str | int]:
 
 
 class ContextFilter(logging.Filter):
-    """Copies the bound fields onto each record (as attributes, as ``extra=`` would)."""
+    """Copies the bound fields onto each record (as attributes, as ``extra=`` would), and writes each
+    exception among its arguments as ``loggable`` says (a provider's words may quote a page, a database
+    error's DETAIL a row): one rule for every ``logger.warning("...: %s", exc)``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
+            record.args = tuple(loggable(a) if isinstance(a, BaseException) else a for a in record.args)
         fields = _FIELDS.get()
         if fields:
             record.__dict__.update(fields)

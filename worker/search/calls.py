@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from worker.accounting import LLMCallRecord
-from worker.core.errors import error_summary
+from worker.core.errors import error_summary, loggable
 from worker.core.intent import SearchType
 from worker.core.lexing import parse_expansion
 from worker.llm.errors import BudgetExhaustedError, NoEmbeddingsError
@@ -60,7 +60,7 @@ def expand_query(
         # No call was made; readers never see spend or budget figures.
         return [], "query expansion skipped: budget; searched the query alone"
     except Exception as exc:
-        logger.warning("query expansion failed: %s", error_summary(exc))
+        logger.warning("query expansion failed: %s", loggable(exc))
         record_tries(store, EXPANSION_PURPOSE, llm, getattr(exc, "attempts", ())[:-1])
         record_failure(store, EXPANSION_PURPOSE, llm, exc, started)
         return [], "query expansion failed (the LLM did not answer); searched the query alone"

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from worker.core.embeddings import fact_embedding_text, vectors_problem
-from worker.core.errors import error_summary
+from worker.core.errors import loggable
 from worker.llm.types import LLMClient
 from worker.search.calls import FACT_EMBEDDING_PURPOSE, call_embeddings, record
 from worker.search.errors import SearchError
@@ -125,10 +125,10 @@ def embed_pages_facts(
 
 
 def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:
-    # How many pages, not which (a slug can name a person: logs name none), and the error's class and
-    # first line without the provider's body (error_summary).
+    # How many pages, not which (a slug can name a person: logs name none), and the error by its status
+    # and code, never the provider's words (loggable).
     logger.warning(
         "could not embed the facts of %s page(s) (%s); `factmill embed` will fill them in",
         len(pages),
-        error_summary(exc),
+        loggable(exc),
     )
