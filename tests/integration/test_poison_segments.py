@@ -330,3 +330,43 @@ def test_a_conflict_in_a_skipped_segments_retry_reports_the_page_and_the_run_goe
     result = run_extract_conversation_facts(tx_factory, llm, ExtractOptions(retry_skipped=True))
     assert len(raised) == 1
     assert (result.pages_failed, result.pages_processed) == (1, 1), result.pages
+
+
+class SlowFor:
+    """``llm``, its answer to a prompt holding ``words`` held back ``seconds`` (the next segment's
+    comes first: both are ready together)."""
+
+    def __init__(self, llm: Any, words: str, seconds: float) -> None:
+        self.llm, self.words, self.seconds = llm, words, seconds
+        self.provider, self.model = llm.provider, llm.model
+
+    def chat(self, request: Any) -> Any:
+        if any(self.words in text for _, text in request.messages):
+            time.sleep(self.seconds)
+        return self.llm.chat(request)
+
+
+def test_a_database_error_reading_a_failed_segments_count_keeps_the_spend_of_the_good_ones_before_it(
+    tx_factory, llm, sim, monkeypatch
+) -> None:
+    """A run of ready results, a good segment then one that failed: reading the failed one's count
+    raised (a database blip), and the good one, marked handed to a commit never asked, had no llm_calls
+    row: budgets undercounted it, and the job's retry paid for it again."""
+    from sqlalchemy.exc import OperationalError
+
+    from worker.extraction import store
+
+    put_page(tx_factory, page_body())
+
+    def blip(self: Any, place: Any) -> int:
+        raise OperationalError("SELECT count(*) FROM extraction_audit", {}, Exception("server closed"))
+
+    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", blip)
+    slow, before = SlowFor(llm, "in 2015", 1.0), requests(sim)
+    with pytest.raises(OperationalError):
+        run(tx_factory, slow, segment_concurrency=3)
+    with tx_factory() as session:
+        calls = session.scalar(
+            select(func.count()).select_from(LLMCall).where(LLMCall.purpose == "extraction")
+        )
+    assert calls == requests(sim) - before == 3  # every segment's call was paid: every one recorded

@@ -217,7 +217,7 @@ class SegmentCommitter:
             place = self.planner.place(plan.slug, index, segment)
             skip, failures = self.poison(place, result)
             if not result.ok and skip is None:
-                expected = self._commit_run(plan, pending, expected, report)
+                expected = self._commit_run(plan, pending, expected, report, handed)
                 self.store.record_attempts(
                     place,
                     result.attempts,
@@ -231,12 +231,13 @@ class SegmentCommitter:
                 return self.fail_page(report, index, result, failures=failures)
             first_row = expected.next_row_num if expected else 0
             first_row += sum(len(c.facts) for c, _ in pending)
+            # Handed when its commit is asked (not now): a later segment's database read that failed
+            # before the run's commit left these paid results unrecorded.
             pending.append((SegmentCommit(place, result.attempts, result.facts, first_row, skip), index))
-            handed.add(index)
             if len(pending) >= MAX_SEGMENTS_PER_COMMIT:
-                expected = self._commit_run(plan, pending, expected, report)
+                expected = self._commit_run(plan, pending, expected, report, handed)
                 pending = []
-        return self._commit_run(plan, pending, expected, report)
+        return self._commit_run(plan, pending, expected, report, handed)
 
     def discard(self, slug: str, rest: Sequence[SegmentResult3], handed: set[int] | None = None) -> None:
         """Results the page got but cannot use (after a failed segment): recorded, facts unused (each
@@ -258,8 +259,10 @@ class SegmentCommitter:
         run: Sequence[tuple[SegmentCommit, int]],
         expected: CheckpointState | None,
         report: PageReport,
+        handed: set[int] | None = None,
     ) -> CheckpointState | None:
-        """Commit consecutive segments in one transaction; the checkpoint they moved to."""
+        """Commit consecutive segments in one transaction; the checkpoint they moved to. Their indexes go
+        into ``handed`` as the store is asked (it keeps the spend of a commit it refuses)."""
         if not run:
             return expected
         skipped = expected.skipped if expected else ()
@@ -278,6 +281,8 @@ class SegmentCommitter:
             terminal = "clear"  # appended messages: the page is incomplete until its last new segment
         # One span per transaction: it covers len(run) consecutive segments from the first's index.
         attributes = {**segment_attributes(run[0][0].place), "factmill.segments": len(run)}
+        if handed is not None:
+            handed.update(index for _, index in run)
         with tracing.span("segment commit", attributes):
             inserted = self.store.commit_segments(
                 [commit for commit, _ in run],
