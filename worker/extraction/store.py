@@ -253,9 +253,12 @@ class ExtractionStore:
             if page is not None:
                 check_page(session, page, last.slug, new)
             self._write_segment_rows(session, segments)
+            # The checkpoint before the facts, as a whole-page swap takes them: facts first, a swap
+            # inserting from row 0 waited on this run's rows while this run waited on its checkpoint
+            # (a deadlock, 40P01, where a checkpoint conflict was due).
+            self._advance_checkpoint(session, fingerprint, last, expected, new)
             rows = [row for s in segments for row in fact_rows(s.facts, s.place, s.first_row)]
             inserted = _insert_facts(session, rows)
-            self._advance_checkpoint(session, fingerprint, last, expected, new)
             if terminal == "set":
                 _upsert_terminal(session, last.source_id, last.slug)
             elif terminal == "clear":
