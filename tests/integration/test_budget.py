@@ -490,3 +490,28 @@ def test_every_runtime_call_is_budgeted(tx_factory, database_url, simulator):
         assert simulator.stats()["requests_total"] == before
     finally:
         rt.close()
+
+
+def test_more_pending_subjects_than_a_query_has_parameters_are_requested_again(tx_factory):
+    """A backfill pass's entities, each with a consolidation job pending: the pending read took one
+    parameter a subject (and the rerun and renewal one a job), and past 65,535 the driver refused it
+    after the pass's facts had committed."""
+    from sqlalchemy import text
+
+    from worker.jobs.outbox import CONSOLIDATION, request_jobs
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status, options, attempts, worker_losses) "
+                "SELECT 'consolidation', 'default|e' || n, "
+                "CASE WHEN n % 2 = 0 THEN 'running' ELSE 'queued' END, '{}', 0, 0 "
+                "FROM generate_series(1, 70000) AS n"
+            )
+        )
+    subjects = [f"default|e{n}" for n in range(1, 70_001)]
+    with tx_factory.begin() as session:
+        requests = request_jobs(session, CONSOLIDATION, subjects, renew_spent_budget_after=0.0)
+    assert len(requests) == 70_000 and not any(r.created for r in requests)
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).where(Job.rerun_requested)) == 35_000

@@ -430,15 +430,17 @@ def test_a_scrape_reads_its_figures_in_one_snapshot(factory: sessionmaker[Sessio
     assert samples["+Inf"] == 1 and max(samples.values()) == 1, samples
 
 
-def test_a_family_that_cannot_be_built_costs_the_scrape_only_its_own_figures(
+def test_figures_read_but_not_built_fail_no_scrape_and_say_the_store_is_up(
     factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Built outside the read's error handling, one family that failed (stored latency buckets that no
-    longer match the code's) failed the whole /metrics request: every series gone."""
+    longer match the code's) failed the whole /metrics request: every series gone. It answers that the
+    store is up (it was read), and the families' absence says the rest."""
     collector = StoreCollector(factory)
 
     def mismatched(rows: object) -> list[object]:
         raise ValueError("zip() argument 2 is shorter than argument 1")
 
     monkeypatch.setattr(collector, "metrics", mismatched)
-    assert [m.name for m in collector.collect()] == [m.name for m in collector.unreadable()]
+    [up] = collector.collect()  # read: the store is up (an alert that it is down would lie)
+    assert up.name == "factmill_store_up" and [s.value for s in up.samples] == [1]

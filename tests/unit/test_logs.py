@@ -144,7 +144,9 @@ def test_an_exception_logged_as_an_argument_says_its_status_and_code_not_the_pro
     said = "Invalid value in messages[1].content: 'Alice told Bob her diagnosis'"
     body = {"error": {"message": said, "type": "invalid_request_error", "code": "invalid_value"}}
     response = httpx2.Response(400, json=body, request=httpx2.Request("POST", "http://provider/v1/chat"))
-    error = to_llm_error(openai.APIStatusError(said, response=response, body=body))
+    client = openai.OpenAI(api_key="sk-test", base_url="http://provider/v1")
+    # As the SDK makes it (its body is the inner error object, not the whole body).
+    error = to_llm_error(client._make_status_error_from_response(response))
     assert said in str(error)  # kept where it is stored
     record = logging.LogRecord(
         "worker.llm.retry", logging.WARNING, __file__, 1, "call failed (%s)", (error,), None
@@ -156,3 +158,22 @@ def test_an_exception_logged_as_an_argument_says_its_status_and_code_not_the_pro
     )
     ContextFilter().filter(unreachable)
     assert unreachable.getMessage() == "ConnectionRefusedError: [Errno 111] refused"
+
+
+def test_the_cli_writes_exceptions_logged_as_arguments_by_the_same_rule() -> None:
+    """`factmill extract`, `search`, `mcp` over stdio log through the CLI's own handler: the provider's
+    words reached it (a retry's warning), where the services' filter had them out."""
+    import subprocess
+
+    script = (
+        "import logging, sys\n"
+        "from worker.cli.app import main\n"
+        "sys.argv = ['factmill', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "from worker.llm.errors import LLMError\n"
+        "logging.getLogger('worker.llm.retry').warning('gave up: %s', LLMError(\n"
+        "    'HTTP 400: quoting Alice told Bob', retryable=False, status=400, code='invalid_value'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "WARNING worker.llm.retry: gave up: HTTP 400 (invalid_value)" in done.stderr, done.stderr
+    assert "Alice" not in done.stderr

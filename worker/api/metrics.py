@@ -150,6 +150,9 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
     def unreadable(self) -> list[Metric]:
         return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=0)]
 
+    def unbuildable(self) -> list[Metric]:  # read: the store is up (FactmillStoreDown would lie)
+        return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)]
+
     def metrics(self, rows: _StoreRows) -> list[Metric]:
         up = GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)
         jobs_gauge = GaugeMetricFamily("factmill_jobs", "Jobs by status and kind", labels=["status", "kind"])

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import one_snapshot
 from worker.api.errors import one_line
+from worker.core.errors import loggable
 from worker.db import database_unavailable
 
 logger = logging.getLogger(__name__)
@@ -57,14 +58,16 @@ class ScrapeTimeCollector(Generic[R]):
             with one_snapshot(self.factory) as session:
                 session.execute(text(f"SET LOCAL statement_timeout = '{METRICS_STATEMENT_TIMEOUT}'"))
                 rows = self.read(session)
-            # Inside the try: a family that cannot be built (stored buckets that no longer match the
-            # code's) failed the whole scrape, every series gone.
-            return self.metrics(rows)
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
             if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
                 _outages[self.factory] = time.monotonic()
             return self.unreadable()
+        try:
+            return self.metrics(rows)
+        except Exception as exc:  # read, but not built (stored buckets that no longer match the code's)
+            logger.error("metrics: could not build %s from what was read (%s)", self.reads, loggable(exc))
+            return self.unbuildable()
 
     def read(self, session: Session) -> R:
         raise NotImplementedError
@@ -73,6 +76,11 @@ class ScrapeTimeCollector(Generic[R]):
         raise NotImplementedError
 
     def unreadable(self) -> list[Metric]:
+        return []
+
+    def unbuildable(self) -> list[Metric]:
+        """What a scrape answers when the figures were read but could not be built: the whole scrape
+        failed before (every series gone), and "the store is down" would be no truer."""
         return []
 
 

@@ -24,6 +24,7 @@ from worker.core.errors import (
     EmbeddedUnavailableError,
     InvalidSettingsError,
     LLMConfigurationError,
+    LoggableArguments,
     MigrationsMissingError,
     connection_failure,
 )
@@ -265,6 +266,8 @@ def _root() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # the services' rule for exceptions logged as arguments
+        handler.addFilter(LoggableArguments())
     undecodable = _undecodable_argument(sys.argv[1:])
     if undecodable is not None:
         _error(undecodable)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from worker.core.jsonvalues import made_storable  # standard library only: math, re
 
 
@@ -32,6 +34,22 @@ def loggable(exc: BaseException) -> str:
     provider's words), else ``error_summary`` (no value a database error quotes)."""
     text = getattr(exc, "log_text", None)
     return text if isinstance(text, str) else error_summary(exc)
+
+
+def loggable_arguments(record: logging.LogRecord) -> None:
+    """Write each exception among a log record's arguments as ``loggable`` says: one rule for every
+    ``logger.warning("...: %s", exc)`` (a provider's words may quote a page, a database error's DETAIL a
+    row). Applied by the services' log filter and the CLI's."""
+    if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
+        record.args = tuple(loggable(a) if isinstance(a, BaseException) else a for a in record.args)
+
+
+class LoggableArguments(logging.Filter):
+    """``loggable_arguments`` as a handler's filter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        loggable_arguments(record)
+        return True
 
 
 def error_summary(exc: BaseException) -> str:

@@ -18,9 +18,10 @@ from sqlalchemy.orm import Session
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.outbox import SweepReport, sweep
+from worker.jobs.outbox import sweep
 from worker.jobs.registry import all_kinds
 from worker.jobs.sending import broker_queue_depth
+from worker.jobs.sweep_report import SweepReport
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)

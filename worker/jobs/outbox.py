@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, any_, bindparam, func, literal, or_, select, text, update
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Text,
+    any_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +41,7 @@ from worker.jobs.registry import (
 )
 from worker.jobs.revocations import announce_revoked
 from worker.jobs.sending import Sender, enqueue
+from worker.jobs.sweep_report import SweepReport
 from worker.runtime import tracing
 
 logger = logging.getLogger(__name__)
@@ -88,11 +101,16 @@ _INSERT_JOBS = text(
     "FROM unnest(CAST(:subjects AS TEXT[])) WITH ORDINALITY AS given(subject, n) ORDER BY n "
     f"ON CONFLICT (kind, subject) WHERE {PENDING_PREDICATE.text} DO NOTHING RETURNING id, subject"
 ).bindparams(bindparam("options", type_=JSONB))
+
+
+_MARK_RERUN = update(JOBS).where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+_MARK_RERUN = _MARK_RERUN.values(rerun_requested=True)
 _PENDING_OF = (
     select(JOBS.c.id, JOBS.c.subject, JOBS.c.status, JOBS.c.pause_reason)
     .where(
         JOBS.c.kind == bindparam("kind"),
-        JOBS.c.subject.in_(bindparam("subjects", expanding=True)),
+        # Arrays (here and below): an IN list past 65,535 subjects or jobs was refused (a backfill pass).
+        JOBS.c.subject == any_(bindparam("subjects", type_=ARRAY(Text))),
         JOBS.c.status.in_(PENDING),
     )
     .order_by(JOBS.c.subject)
@@ -113,9 +131,8 @@ def request_job(
 
     A job that is already running may have read the old content, so it is marked to run again
     when it finishes; a queued or paused one will read the new content anyway. One paused for its own
-    budget starts that budget over for the new content (an extraction's at once; another kind's when
-    given ``renew_spent_budget_after``, once its budget has run that many seconds).
-    """
+    budget starts it over (an extraction's at once; another's once it has run
+    ``renew_spent_budget_after`` seconds, when given)."""
     [request] = _request(session, kind, [subject], options, idempotency_key, renew_spent_budget_after)
     return request
 
@@ -170,12 +187,10 @@ def _request(
         existing = session.execute(_PENDING_OF, {"kind": kind, "subjects": left}).all()
         running = [row.id for row in existing if row.status == "running"]
         if running:
-            session.execute(update(JOBS).where(JOBS.c.id.in_(running)).values(rerun_requested=True))
-        # New content for a page whose job paused for its budget: the job's own budget starts over
-        # (it was spent on the content before), so the sweeper wakes it; else the page's one pending
-        # slot stayed asleep. A compaction is requested on every append past its threshold, and a
-        # fresh budget each time would have no cap but the day's: its caller says how long a budget
-        # runs first (its retrigger wait; without it, a compaction paused for its budget never woke).
+            session.execute(_MARK_RERUN, {"ids": running})
+        # New content for a job paused for its own budget starts that budget over (else its subject's
+        # one pending slot stayed asleep); but for a page's at once, after the caller's wait: a budget
+        # started over on every request (an append, an entity's facts) would cap nothing but the day's.
         spent = [row.id for row in existing if row.status == "paused" and row.pause_reason == BUDGET]
         renew_after = 0.0 if kind == EXTRACTION else renew_spent_budget_after
         if spent and renew_after is not None:
@@ -184,7 +199,10 @@ def _request(
             )
             session.execute(
                 update(JOBS)
-                .where(JOBS.c.id.in_(spent), or_(JOBS.c.budget_since.is_(None), ran_long_enough))
+                .where(
+                    JOBS.c.id == any_(bindparam(None, spent, type_=ARRAY(BigInteger))),
+                    or_(JOBS.c.budget_since.is_(None), ran_long_enough),
+                )
                 .values(budget_since=func.now())
             )
         found.update((row.subject, JobRequest(row.id, created=False)) for row in existing)
@@ -314,19 +332,6 @@ def kinds_for_switch(key: str) -> list[str]:
     return [name for name in kind_names() if get_kind(name).switch == key]
 
 
-@dataclass
-class SweepReport:
-    requeued_stale: list[int]
-    resent_queued: list[int]
-    resumed_paused: list[int]
-    failed_spent: list[int] = field(default_factory=list)  # a budget ran out: failed, not re-sent
-
-    @property
-    def total(self) -> int:
-        """Jobs re-sent to the broker."""
-        return len(self.requeued_stale) + len(self.resent_queued) + len(self.resumed_paused)
-
-
 def _overdue_queue_depths(
     factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
 ) -> dict[str, int | None]:
@@ -448,16 +453,7 @@ def sweep(
     report = SweepReport(
         [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
     )
-    if report.total or failed:  # counts and a few ids: 15,000 ids made one 45 KB line (split by Docker)
-        logger.info(
-            "sweep re-sent %s job(s) (%s stale, %s lost, %s resumed; first ids %s) and failed %s",
-            report.total,
-            len(report.requeued_stale),
-            len(report.resent_queued),
-            len(report.resumed_paused),
-            [*report.requeued_stale, *report.resent_queued, *report.resumed_paused][:10],
-            len(failed),
-        )
+    report.log()
     return report
 
 

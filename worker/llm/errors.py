@@ -176,8 +176,9 @@ _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def error_code(body: Any) -> str | None:
-    """An error body's code, else its type (either wire format), when it is a short identifier."""
-    inner = body.get("error") if isinstance(body, Mapping) else None
+    """An error body's code, else its type (either wire format: the OpenAI SDK hands over the inner
+    error object, Anthropic's the whole body), when it is a short identifier."""
+    inner = body.get("error", body) if isinstance(body, Mapping) else None
     for candidate in (inner.get("code"), inner.get("type")) if isinstance(inner, Mapping) else ():
         if isinstance(candidate, str) and _CODE.fullmatch(candidate):
             return candidate

@@ -238,7 +238,6 @@ def run_http(runtime: Runtime, host: str, port: int) -> None:
         port=port,
         log_level=level.lower(),
         log_config=logging_config(runtime.settings, level),
-        access_log=False,  # a raw request line (path and query) is no line of ours to log
         timeout_keep_alive=runtime.settings.api_keep_alive_seconds,
     )
     logger.info(

@@ -20,7 +20,7 @@ from typing import Any
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from worker.core.errors import loggable
+from worker.core.errors import loggable_arguments
 from worker.settings import Settings
 
 _FIELDS: contextvars.ContextVar[dict[str, str | int] | None] = contextvars.ContextVar(
@@ -50,8 +50,7 @@ class ContextFilter(logging.Filter):
     error's DETAIL a row): one rule for every ``logger.warning("...: %s", exc)``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
-            record.args = tuple(loggable(a) if isinstance(a, BaseException) else a for a in record.args)
+        loggable_arguments(record)
         fields = _FIELDS.get()
         if fields:
             record.__dict__.update(fields)
