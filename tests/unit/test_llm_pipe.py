@@ -347,3 +347,25 @@ def test_a_retry_of_skipped_segments_takes_a_slot_of_the_pipe() -> None:
     finally:
         release.set()
         pipe.close()
+
+
+def test_follow_up_work_runs_in_its_submitters_context() -> None:
+    """The embedding and consolidation follow-ups logged with no job id and traced apart from their
+    job: their threads never had the submitter's context (its bound fields, its span)."""
+    from worker.runtime.logs import bound_fields, log_context
+
+    follow = FollowUps(threads=1)
+    seen: list[dict[str, object]] = []
+    done = threading.Event()
+
+    def work(items: list[object]) -> None:
+        seen.append(bound_fields())
+        done.set()
+
+    try:
+        with log_context(job_id=42, job_kind="extraction"):
+            follow.submit("embed", "page-1", work)
+        assert done.wait(10)
+    finally:
+        follow.close()
+    assert seen == [{"job_id": 42, "job_kind": "extraction"}]

@@ -252,6 +252,9 @@ class FollowUps:
         self._pending: dict[Hashable, dict[Hashable, None]] = {}  # key -> items, in submission order
         self._work: dict[Hashable, Callable[[list[Hashable]], object]] = {}
         self._running: set[tuple[Hashable, Hashable]] = set()
+        # Each item's submitter's context (its job's bound log fields, its trace): a run goes on in its
+        # first item's, so its lines name a job and its calls join that job's trace.
+        self._contexts: dict[tuple[Hashable, Hashable], contextvars.Context] = {}
         self._batch = max(1, batch)
         self._closing = False
         self._drain_seconds = drain_seconds
@@ -267,6 +270,7 @@ class FollowUps:
         with self._cond:
             self._work[key] = work
             self._pending.setdefault(key, {})[item] = None
+            self._contexts[(key, item)] = contextvars.copy_context()
             self._cond.notify()
 
     def pending(self) -> int:
@@ -283,6 +287,7 @@ class FollowUps:
             while (self._pending or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             self._pending.clear()
+            self._contexts.clear()
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=1)
@@ -311,9 +316,14 @@ class FollowUps:
                     continue
                 key, items = chosen
                 work = self._work[key]
+                contexts = [self._contexts.pop((key, item), None) for item in items]
                 self._cond.release()
                 try:
-                    work(items)
+                    context = next((c for c in contexts if c is not None), None)
+                    if context is None:
+                        work(items)
+                    else:
+                        context.run(work, items)
                 except Exception as exc:  # its message may quote a page: at DEBUG, with the traceback
                     logger.error("background work failed: %s", unsorted_error_note(exc, f"follow-up {key}"))
                     logger.debug("the background work's error: %s", exc, exc_info=exc)
