@@ -265,6 +265,23 @@ def test_an_exported_span_names_an_errors_class_never_its_message(exporter: InMe
     assert "jane" not in repr(span.to_json())
 
 
+def test_a_statement_outside_any_span_is_no_trace_of_its_own(
+    exporter: InMemorySpanExporter, factory: sessionmaker[Session]
+) -> None:
+    """A scrape's, a probe's, a heartbeat's statements each became a trace of one span (25 a scrape, 6 a
+    second for a busy extraction pod) and buried the traces an operator looks for."""
+    from sqlalchemy import text
+
+    tracing.instrument_engine(factory.kw["bind"])
+    with factory() as session:
+        session.execute(text("SELECT 1"))  # a heartbeat's, a probe's
+        with tracing.span("segment commit"):
+            session.execute(text("SELECT 2"))
+    spans = exporter.get_finished_spans()
+    [statement] = [span for span in spans if span.name.startswith("SELECT")]  # the second only
+    assert statement.parent is not None and len(spans) == 2, [s.name for s in spans]
+
+
 def test_only_the_probe_and_scrape_routes_are_left_untraced() -> None:
     # The patterns are searched anywhere in the URL: unanchored, any page slug or host holding
     # "metrics" went untraced.

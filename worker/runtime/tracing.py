@@ -114,6 +114,27 @@ def setup(settings: Settings, service: str, *, exporter: Any = None) -> bool:
 EXPORT_TIMEOUT_SECONDS = 5
 
 
+def _sampler() -> Any:
+    """Every span, but a client span (a statement, an HTTP call) with no parent: each was a trace of its
+    own, and the scrapes', probes' and heartbeats' statements (25 a scrape, 6 a second for a busy
+    extraction pod) buried the traces an operator looks for."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
+    from opentelemetry.trace import SpanKind
+
+    class NoOrphanClients(Sampler):
+        def should_sample(
+            self, parent_context: Any, trace_id: int, name: str, kind: Any = None, *args: Any, **kw: Any
+        ) -> Any:
+            if kind == SpanKind.CLIENT:
+                return SamplingResult(Decision.DROP)
+            return ALWAYS_ON.should_sample(parent_context, trace_id, name, kind, *args, **kw)
+
+        def get_description(self) -> str:
+            return "NoOrphanClients"
+
+    return ParentBased(root=NoOrphanClients())
+
+
 def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
     from opentelemetry import trace
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
@@ -122,7 +143,7 @@ def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=_sampler())
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
