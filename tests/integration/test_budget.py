@@ -505,8 +505,15 @@ def test_more_pending_subjects_than_a_query_has_parameters_are_requested_again(t
             text(
                 "INSERT INTO jobs (kind, subject, status, options, attempts, worker_losses) "
                 "SELECT 'consolidation', 'default|e' || n, "
-                "CASE WHEN n % 2 = 0 THEN 'running' ELSE 'queued' END, '{}', 0, 0 "
+                "CASE n % 3 WHEN 0 THEN 'running' WHEN 1 THEN 'queued' ELSE 'paused' END, '{}', 0, 0 "
                 "FROM generate_series(1, 70000) AS n"
+            )
+        )
+    with tx_factory.begin() as session:  # the paused ones paused for their own budget long ago
+        session.execute(
+            text(
+                "UPDATE jobs SET pause_reason = 'budget', budget_since = now() - interval '1 day' "
+                "WHERE status = 'paused'"
             )
         )
     subjects = [f"default|e{n}" for n in range(1, 70_001)]
@@ -514,4 +521,8 @@ def test_more_pending_subjects_than_a_query_has_parameters_are_requested_again(t
         requests = request_jobs(session, CONSOLIDATION, subjects, renew_spent_budget_after=0.0)
     assert len(requests) == 70_000 and not any(r.created for r in requests)
     with tx_factory() as session:
-        assert session.scalar(select(func.count()).where(Job.rerun_requested)) == 35_000
+        assert session.scalar(select(func.count()).where(Job.rerun_requested)) == 23_333  # the running ones
+        renewed = select(func.count()).where(
+            Job.status == "paused", Job.budget_since > func.now() - timedelta(hours=1)
+        )
+        assert session.scalar(renewed) == 23_333  # every paused one's budget started over

@@ -282,6 +282,20 @@ def test_a_statement_outside_any_span_is_no_trace_of_its_own(
     assert statement.parent is not None and len(spans) == 2, [s.name for s in spans]
 
 
+def test_the_sdks_sampler_variables_still_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler of our own passed to the provider made the SDK ignore OTEL_TRACES_SAMPLER: a deployment
+    sampling 10% of its traces kept all of them."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    spans = InMemorySpanExporter()
+    assert tracing.setup(Settings(), "factmill-test", exporter=spans)
+    try:
+        with tracing.span("segment commit"):
+            pass
+    finally:
+        tracing.shutdown()
+    assert spans.get_finished_spans() == ()
+
+
 def test_only_the_probe_and_scrape_routes_are_left_untraced() -> None:
     # The patterns are searched anywhere in the URL: unanchored, any page slug or host holding
     # "metrics" went untraced.

@@ -369,3 +369,35 @@ def test_follow_up_work_runs_in_its_submitters_context() -> None:
     finally:
         follow.close()
     assert seen == [{"job_id": 42, "job_kind": "extraction"}]
+
+
+def test_a_follow_up_run_of_several_jobs_items_names_none_of_them() -> None:
+    """One embedding call for several pages, each its own job's: run in the first's context, every line
+    named that job, and the others' consolidation jobs joined its trace."""
+    from worker.runtime.logs import bound_fields, log_context
+
+    follow = FollowUps(threads=1, batch=4)
+    seen: list[tuple[list[object], dict[str, object]]] = []
+    hold, started, done = threading.Event(), threading.Event(), threading.Event()
+
+    def work(items: list[object]) -> None:
+        if items == ["first"]:
+            started.set()
+            hold.wait(10)  # the next two queue up meanwhile, and go as one run
+        seen.append((items, bound_fields()))
+        if len(seen) == 2:
+            done.set()
+
+    try:
+        with log_context(job_id=1):
+            follow.submit("embed", "first", work)
+        assert started.wait(10)
+        with log_context(job_id=2):
+            follow.submit("embed", "page-2", work)
+        with log_context(job_id=3):
+            follow.submit("embed", "page-3", work)
+        hold.set()
+        assert done.wait(10)
+    finally:
+        follow.close()
+    assert seen == [(["first"], {"job_id": 1}), (["page-2", "page-3"], {})]

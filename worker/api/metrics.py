@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # llm_calls.latency_ms buckets for the latency histogram, in milliseconds.
 LLM_LATENCY_BUCKETS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000)
 STORE_UP_HELP = "1 if the metrics query reached Postgres"
+UNBUILT_HELP = "1 if the figures were read from Postgres but could not be built into metrics (see the log)"
 
 _JOB_TOTALS = select(
     JobTotal.status,
@@ -150,8 +151,14 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
     def unreadable(self) -> list[Metric]:
         return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=0)]
 
-    def unbuildable(self) -> list[Metric]:  # read: the store is up (FactmillStoreDown would lie)
-        return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)]
+    def unbuildable(self) -> list[Metric]:
+        """Read, so the store is up (FactmillStoreDown would lie); the families that could not be built
+        are absent, and factmill_metrics_unbuilt says so (FactmillMetricsUnbuilt), or their own alerts
+        would go quiet unsaid."""
+        return [
+            GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1),
+            GaugeMetricFamily("factmill_metrics_unbuilt", UNBUILT_HELP, value=1),
+        ]
 
     def metrics(self, rows: _StoreRows) -> list[Metric]:
         up = GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)

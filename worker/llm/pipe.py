@@ -252,8 +252,9 @@ class FollowUps:
         self._pending: dict[Hashable, dict[Hashable, None]] = {}  # key -> items, in submission order
         self._work: dict[Hashable, Callable[[list[Hashable]], object]] = {}
         self._running: set[tuple[Hashable, Hashable]] = set()
-        # Each item's submitter's context (its job's bound log fields, its trace): a run goes on in its
-        # first item's, so its lines name a job and its calls join that job's trace.
+        # Each item's submitter's context (its job's bound log fields, its trace): a run of one item goes
+        # on in it, so its lines name the job and its calls join the job's trace. A run of several (one
+        # embedding call for several pages, each its own job's) is no one job's: it runs in none.
         self._contexts: dict[tuple[Hashable, Hashable], contextvars.Context] = {}
         self._batch = max(1, batch)
         self._closing = False
@@ -319,7 +320,7 @@ class FollowUps:
                 contexts = [self._contexts.pop((key, item), None) for item in items]
                 self._cond.release()
                 try:
-                    context = next((c for c in contexts if c is not None), None)
+                    context = contexts[0] if len(contexts) == 1 else None
                     if context is None:
                         work(items)
                     else:

@@ -238,6 +238,7 @@ def run_http(runtime: Runtime, host: str, port: int) -> None:
         port=port,
         log_level=level.lower(),
         log_config=logging_config(runtime.settings, level),
+        access_log=False,  # a raw request line (any path and query a client or scanner sends): not ours
         timeout_keep_alive=runtime.settings.api_keep_alive_seconds,
     )
     logger.info(

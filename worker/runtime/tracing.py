@@ -115,24 +115,28 @@ EXPORT_TIMEOUT_SECONDS = 5
 
 
 def _sampler() -> Any:
-    """Every span, but a client span (a statement, an HTTP call) with no parent: each was a trace of its
-    own, and the scrapes', probes' and heartbeats' statements (25 a scrape, 6 a second for a busy
-    extraction pod) buried the traces an operator looks for."""
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
-    from opentelemetry.trace import SpanKind
+    """The SDK's own sampler (OTEL_TRACES_SAMPLER and its argument still apply; by default every span
+    a parent's sampling allows), but a client span (a statement, an HTTP call) with no parent is not
+    sampled: each was a trace of its own, and the scrapes', probes' and heartbeats' statements (25 a
+    scrape, 6 a second for a busy extraction pod) buried the traces an operator looks for."""
+    from opentelemetry.sdk.trace import sampling
+    from opentelemetry.trace import SpanKind, get_current_span
 
-    class NoOrphanClients(Sampler):
+    configured = getattr(sampling, "_get_from_env_or_default", lambda: sampling.DEFAULT_ON)()
+
+    class NoOrphanClients(sampling.Sampler):
         def should_sample(
             self, parent_context: Any, trace_id: int, name: str, kind: Any = None, *args: Any, **kw: Any
         ) -> Any:
-            if kind == SpanKind.CLIENT:
-                return SamplingResult(Decision.DROP)
-            return ALWAYS_ON.should_sample(parent_context, trace_id, name, kind, *args, **kw)
+            orphan = not get_current_span(parent_context).get_span_context().is_valid
+            if kind == SpanKind.CLIENT and orphan:
+                return sampling.SamplingResult(sampling.Decision.DROP)
+            return configured.should_sample(parent_context, trace_id, name, kind, *args, **kw)
 
         def get_description(self) -> str:
-            return "NoOrphanClients"
+            return f"NoOrphanClients{{{configured.get_description()}}}"
 
-    return ParentBased(root=NoOrphanClients())
+    return NoOrphanClients()
 
 
 def _start(settings: Settings, service: str, exporter: Any) -> _Tracing:
