@@ -209,6 +209,32 @@ def test_a_skipped_segment_s_retry_interrupted_in_flight_still_records_its_call(
     assert calls_after == calls_before + 1  # before: the retry's paid call went unrecorded
 
 
+def test_a_skipped_segment_s_retry_whose_failure_count_cannot_be_read_still_records_its_call(
+    tx_factory, sim, llm, monkeypatch
+):
+    """The retry's reply came back paid, then reading its failure count raised (the database away), and
+    nothing recorded the call: budgets counted low, and the next retry paid for it again."""
+    from sqlalchemy.exc import OperationalError
+
+    from worker.extraction import store
+
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body())
+    assert run(tx_factory, llm).segments_skipped == 1
+    with tx_factory() as session:
+        calls_before = session.scalar(select(func.count()).select_from(LLMCall))
+
+    def blip(self: Any, place: Any) -> int:
+        raise OperationalError("SELECT count(*) FROM extraction_audit", {}, Exception("server closed"))
+
+    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", blip)
+    with pytest.raises(OperationalError):
+        run(tx_factory, llm, retry_skipped=True)
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).select_from(LLMCall)) == calls_before + 1
+
+
 def test_a_rejected_request_discarded_behind_an_earlier_failure_does_not_count_towards_skipping(
     tx_factory, sim, llm
 ):

@@ -105,7 +105,7 @@ class SegmentCommitter:
             if index not in handed:  # counted as calls already, when the page took them
                 self._keep_spend(slug, index, segment, result, DISCARDED_UNUSED)
 
-    def _keep_after_failure(self, slug: str, batch: Sequence[SegmentResult3], handed: set[int]) -> None:
+    def keep_after_failure(self, slug: str, batch: Sequence[SegmentResult3], handed: set[int]) -> None:
         """After a database error in a batch, the spend of its results not yet recorded (unless the store
         can read them again: a backfill's stay at the provider). Never raises: the first error is the
         one to raise (the database is probably away)."""
@@ -195,7 +195,7 @@ class SegmentCommitter:
                 # The commit failed otherwise (a deadlock, a timeout, the connection dropped; or a
                 # SIGTERM, raised as SystemExit): the store kept the spend of what it was given; the rest
                 # of the batch was paid for as well.
-                self._keep_after_failure(plan.slug, batch, handed)
+                self.keep_after_failure(plan.slug, batch, handed)
                 raise
             if isinstance(outcome, PageReport):
                 return outcome
@@ -345,7 +345,7 @@ class SegmentCommitter:
             except BaseException:
                 # Holding one failed (a deadlock, a timeout, the connection dropped, a SIGTERM): the rest
                 # of the batch was taken from the feed and paid for too, and nothing else records it.
-                self._keep_after_failure(plan.slug, batch, handed)
+                self.keep_after_failure(plan.slug, batch, handed)
                 raise
             if failed is not None:
                 return failed

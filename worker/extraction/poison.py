@@ -86,7 +86,11 @@ class SkippedRetry:
             self.store.record_attempts(place, aborted.attempts, note=DISCARDED_ABORTED, page=version)
             raise aborted.cause from None
         self.counters.add_calls(result)
-        skip, failures = self.committer.poison(place, result)
+        try:
+            skip, failures = self.committer.poison(place, result)
+        except BaseException:  # its count unread (the database away): the paid retry is still recorded
+            self.committer.keep_after_failure(slug, [(place.index, place.segment, result)], set())
+            raise
         if not result.ok and skip is None:
             self.store.record_attempts(place, result.attempts, permanent=result.permanent, page=version)
             self.committer.progress.segment_finished(slug, result.outcome)
