@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+
+def now() -> datetime:
+    """This host's time, aware (to date rows a test ages against the database's now())."""
+    return datetime.now(UTC)
+
 
 class FakeClock:
     """Returns ``now`` when called; ``sleep`` moves it on instead of waiting."""

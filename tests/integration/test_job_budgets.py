@@ -12,9 +12,10 @@ from sqlalchemy import text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from tests.clock import now
 from worker.config_store import ConfigReader, set_config
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.leases import claim, finish, now
+from worker.jobs.leases import claim, finish
 from worker.jobs.lifecycle import JobContext, WorkResult, run_job
 from worker.jobs.outbox import EXTRACTION, request_job, resume_paused, retry_job, sweep
 from worker.jobs.registry import Backoff, JobKind, KillSwitchOffError

@@ -12,9 +12,10 @@ from sqlalchemy import event, select, text, update
 from sqlalchemy.dialects import postgresql
 
 from models import Job
+from tests.clock import now
 from worker.jobs import sending
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.leases import Finished, claim, finish, heartbeat, now
+from worker.jobs.leases import Finished, claim, finish, heartbeat
 from worker.jobs.outbox import EXTRACTION, page_subject, request_job, request_jobs, retry_job, sweep
 from worker.jobs.queries import job_list_query, list_jobs
 from worker.jobs.registry import Backoff

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ExtractionAudit, Fact, Job, LLMCall, OpCheckpoint
@@ -174,6 +175,21 @@ def test_a_skipped_segment_that_still_fails_stays_skipped_on_retry(tx_factory, s
     assert len(audits(tx_factory, "skipped")) == 2
 
 
+def skipped_once(factory: sessionmaker[Session], llm: Any) -> int:
+    """The page's poison segment skipped at its first failure; how many llm_calls rows there are then."""
+    with factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(factory, page_body())
+    assert run(factory, llm).segments_skipped == 1
+    with factory() as session:
+        return session.scalar(select(func.count()).select_from(LLMCall)) or 0
+
+
+def failure_count_unreadable(self: Any, place: Any) -> int:
+    """ExtractionStore.permanent_failures with the database away."""
+    raise OperationalError("SELECT count(*) FROM extraction_audit", {}, Exception("server closed"))
+
+
 class SignalsMidCall:
     """A chat client that signals this process while its call is in flight (on a pipe thread), so the
     main thread is interrupted waiting for it, as `extract --skipped` is by a SIGTERM."""
@@ -188,12 +204,7 @@ class SignalsMidCall:
 
 
 def test_a_skipped_segment_s_retry_interrupted_in_flight_still_records_its_call(tx_factory, sim, llm):
-    with tx_factory.begin() as session:
-        set_config(session, "extraction.max_segment_failures", "1")
-    put_page(tx_factory, page_body())
-    assert run(tx_factory, llm).segments_skipped == 1
-    with tx_factory() as session:
-        calls_before = session.scalar(select(func.count()).select_from(LLMCall))
+    calls_before = skipped_once(tx_factory, llm)
 
     def stop(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -214,21 +225,11 @@ def test_a_skipped_segment_s_retry_whose_failure_count_cannot_be_read_still_reco
 ):
     """The retry's reply came back paid, then reading its failure count raised (the database away), and
     nothing recorded the call: budgets counted low, and the next retry paid for it again."""
-    from sqlalchemy.exc import OperationalError
-
     from worker.extraction import store
 
-    with tx_factory.begin() as session:
-        set_config(session, "extraction.max_segment_failures", "1")
-    put_page(tx_factory, page_body())
-    assert run(tx_factory, llm).segments_skipped == 1
-    with tx_factory() as session:
-        calls_before = session.scalar(select(func.count()).select_from(LLMCall))
+    calls_before = skipped_once(tx_factory, llm)
 
-    def blip(self: Any, place: Any) -> int:
-        raise OperationalError("SELECT count(*) FROM extraction_audit", {}, Exception("server closed"))
-
-    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", blip)
+    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", failure_count_unreadable)
     with pytest.raises(OperationalError):
         run(tx_factory, llm, retry_skipped=True)
     with tx_factory() as session:
@@ -378,16 +379,11 @@ def test_a_database_error_reading_a_failed_segments_count_keeps_the_spend_of_the
     """A run of ready results, a good segment then one that failed: reading the failed one's count
     raised (a database blip), and the good one, marked handed to a commit never asked, had no llm_calls
     row: budgets undercounted it, and the job's retry paid for it again."""
-    from sqlalchemy.exc import OperationalError
-
     from worker.extraction import store
 
     put_page(tx_factory, page_body())
 
-    def blip(self: Any, place: Any) -> int:
-        raise OperationalError("SELECT count(*) FROM extraction_audit", {}, Exception("server closed"))
-
-    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", blip)
+    monkeypatch.setattr(store.ExtractionStore, "permanent_failures", failure_count_unreadable)
     slow, before = SlowFor(llm, "in 2015", 1.0), requests(sim)
     with pytest.raises(OperationalError):
         run(tx_factory, slow, segment_concurrency=3)

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import ARRAY, Boolean, Engine, Float, Interval, Text, and_, bindparam, case, func, or_, update
@@ -26,10 +26,6 @@ from worker.jobs.budgets import JobBudgets
 logger = logging.getLogger(__name__)
 
 FINISHED = ("succeeded", "failed")
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
 
 
 class LeaseLostError(RuntimeError):
