@@ -177,3 +177,88 @@ def test_the_cli_writes_exceptions_logged_as_arguments_by_the_same_rule() -> Non
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "WARNING worker.llm.retry: gave up: HTTP 400 (invalid_value)" in done.stderr, done.stderr
     assert "Alice" not in done.stderr
+
+
+def _database_error_quoting_a_row() -> BaseException:
+    """A unique violation as SQLAlchemy raises it from psycopg: its DETAIL quotes the row's key."""
+    import psycopg
+    from sqlalchemy.exc import IntegrityError
+
+    detail = (
+        "duplicate key value violates unique constraint\nDETAIL:  Key (slug)=(people/jane-roe-clinic) exists."
+    )
+    try:
+        try:
+            raise psycopg.errors.UniqueViolation(detail)
+        except psycopg.Error as orig:
+            raise IntegrityError("INSERT INTO pages ...", None, orig) from orig
+    except IntegrityError as exc:
+        try:
+            raise RuntimeError("could not settle the job") from exc
+        except RuntimeError as outer:
+            return outer
+
+
+def test_a_traceback_keeps_its_frames_and_tells_each_exception_of_its_chain_without_its_data() -> None:
+    """A traceback (exc_info) was printed whole: a database error's DETAIL, a provider's words, a page's
+    slug reached the log the ``%s`` rule keeps them from."""
+    error = _database_error_quoting_a_row()
+    record = logging.LogRecord(
+        "worker.jobs",
+        logging.ERROR,
+        __file__,
+        1,
+        "settle failed",
+        (),
+        (type(error), error, error.__traceback__),
+    )
+    assert ContextFilter().filter(record)
+    for formatted in (
+        TextFormatter("%(message)s").format(record),
+        json.loads(json_formatter().format(record))["exc_info"],
+    ):
+        assert "jane" not in formatted
+        assert "IntegrityError: UniqueViolation (SQLSTATE 23505)" in formatted  # told, not quoted
+        assert "The above exception was the direct cause of the following exception:" in formatted
+        assert formatted.count("Traceback (most recent call last):") == 3
+        assert 'raise RuntimeError("could not settle the job") from exc' in formatted  # the frames stay
+        assert formatted.endswith("RuntimeError: could not settle the job")
+
+
+def test_celerys_record_of_a_task_that_raised_tells_its_error_without_its_data() -> None:
+    """An error that escapes a job's run (the claim's or the settle's database error) is logged by
+    Celery's tracer: its message, its traceback and (JSON lines) its ``data`` field carried the DETAIL."""
+    from billiard.einfo import ExceptionInfo
+    from celery import Celery
+    from celery.app.task import Context
+    from celery.app.trace import TraceInfo
+
+    error = _database_error_quoting_a_row()
+    app = Celery("logs-test", set_as_current=False)
+
+    @app.task(name="tasks.test.settle")
+    def task() -> None: ...
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    handler.addFilter(ContextFilter())
+    trace_logger = logging.getLogger("celery.app.trace")
+    trace_logger.addHandler(handler)
+    try:
+        try:
+            raise error
+        except RuntimeError:
+            einfo = ExceptionInfo()
+        request = Context(hostname="w1", id="t-1", args=(12,), kwargs={}, argsrepr="(12,)", kwargsrepr="{}")
+        TraceInfo("FAILURE", error)._log_error(task, request, einfo)
+    finally:
+        trace_logger.removeHandler(handler)
+    (record,) = seen
+    text = TextFormatter("%(message)s").format(record)
+    line = json_formatter().format(record)
+    assert "jane" not in text and "jane" not in line
+    assert text.startswith(
+        "Task tasks.test.settle[t-1] raised unexpected: RuntimeError: could not settle the job"
+    )
+    assert "IntegrityError: UniqueViolation (SQLSTATE 23505)" in json.loads(line)["data"]["traceback"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 
 from worker.core.jsonvalues import made_storable  # standard library only: math, re
 
@@ -36,19 +37,54 @@ def loggable(exc: BaseException) -> str:
     return text if isinstance(text, str) else error_summary(exc)
 
 
-def loggable_arguments(record: logging.LogRecord) -> None:
-    """Write each exception among a log record's arguments as ``loggable`` says: one rule for every
+def loggable_record(record: logging.LogRecord) -> None:
+    """Write what ``record`` carries of exceptions as ``loggable`` says: one rule for every
     ``logger.warning("...: %s", exc)`` (a provider's words may quote a page, a database error's DETAIL a
-    row). Applied by the services' log filter and the CLI's."""
+    row), for a traceback (``exc_info``: its frames kept, each exception of its chain told by
+    ``loggable``) and for Celery's record of a task that raised (its ``exc`` and ``traceback`` fields,
+    also under ``data`` for JSON lines). Applied by the services' log filter and the CLI's."""
     if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
         record.args = tuple(loggable(a) if isinstance(a, BaseException) else a for a in record.args)
+    exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+    if exc is None:
+        return
+    # A formatter writes exc_text when exc_info is gone (python-json-logger would format exc_info anew).
+    record.exc_info, record.exc_text = None, loggable_traceback(exc)
+    if isinstance(record.args, dict) and "exc" in record.args:  # celery.app.trace's record of a task
+        told = {**record.args, "exc": loggable(exc), "traceback": record.exc_text}
+        record.args = told
+        if isinstance(getattr(record, "data", None), dict):
+            record.data = told
+
+
+def loggable_traceback(exc: BaseException) -> str:
+    """A traceback as Python prints it, each exception of the chain told by ``loggable`` instead of its
+    message: the frames (our code's lines) say where, the message may quote what the job worked on."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    parts: list[str] = []
+    for earlier, later in zip([None, *reversed(chain)], reversed(chain), strict=False):
+        if earlier is not None:
+            parts.append(_CAUSE if later.__cause__ is earlier else _CONTEXT)
+        frames = "".join(traceback.format_tb(later.__traceback__))
+        parts.append(
+            f"Traceback (most recent call last):\n{frames}{loggable(later)}" if frames else loggable(later)
+        )
+    return "\n".join(parts)
+
+
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n"
 
 
 class LoggableArguments(logging.Filter):
-    """``loggable_arguments`` as a handler's filter."""
+    """``loggable_record`` as a handler's filter."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        loggable_arguments(record)
+        loggable_record(record)
         return True
 
 
@@ -64,6 +100,9 @@ def error_summary(exc: BaseException) -> str:
     and the driver's exception), so this module needs no database library.
     """
     orig = getattr(exc, "orig", None)
+    driver_sqlstate = getattr(exc, "sqlstate", None)  # the driver's own error (a traceback's cause)
+    if orig is None and isinstance(driver_sqlstate, str):
+        return f"{type(exc).__name__} (SQLSTATE {driver_sqlstate})"
     if orig is None or not hasattr(exc, "statement"):
         return made_storable(f"{type(exc).__name__}: {exc}")  # stored as the job's last error
     sqlstate = getattr(orig, "sqlstate", None)

@@ -20,7 +20,7 @@ from typing import Any
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from worker.core.errors import loggable_arguments
+from worker.core.errors import loggable_record
 from worker.settings import Settings
 
 _FIELDS: contextvars.ContextVar[dict[str, str | int] | None] = contextvars.ContextVar(
@@ -46,11 +46,11 @@ def bound_fields() -> dict[str, str | int]:
 
 class ContextFilter(logging.Filter):
     """Copies the bound fields onto each record (as attributes, as ``extra=`` would), and writes each
-    exception among its arguments as ``loggable`` says (a provider's words may quote a page, a database
-    error's DETAIL a row): one rule for every ``logger.warning("...: %s", exc)``."""
+    exception it carries (an argument, a traceback, Celery's record of a task that raised) as
+    ``loggable`` says: a provider's words may quote a page, a database error's DETAIL a row."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        loggable_arguments(record)
+        loggable_record(record)
         fields = _FIELDS.get()
         if fields:
             record.__dict__.update(fields)
