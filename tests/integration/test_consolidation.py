@@ -905,7 +905,7 @@ def test_a_run_commits_round_by_round_so_a_failure_keeps_what_was_decided(
             self.calls += 1
             if self.calls == 2:
                 raise LLMError("HTTP 500: the provider failed", retryable=True, status=500)
-            return llm.chat(request)
+            return llm.chat(with_cap(request, max_tokens=100))
 
     with pytest.raises(LLMError):
         consolidate(tx_factory, FailsOnItsSecondCall())
@@ -1119,7 +1119,7 @@ def test_a_page_erased_mid_run_is_neither_sent_to_the_model_nor_linked_to(factor
 
         def chat(self, request: Any) -> Any:
             erase_january()
-            return llm.chat(request)
+            return llm.chat(with_cap(request, max_tokens=100))
 
     store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
     if when == "before the call":
@@ -1215,3 +1215,45 @@ def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> Non
     with pytest.raises(KillSwitchOffError):
         consolidate_entity(store, limited, EntityRun("default", ALICE, guard=guard))
     assert calls(tx_factory) == 0
+
+
+def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(tx_factory, llm) -> None:
+    """A reply cut off at max_tokens (a model's long reasons) failed the job, and its retry asked the
+    same pairs under the same cap: cut at the same place, paid for again on every retry. The halves
+    fit; every pair is decided, each under the call that answered it."""
+    from dataclasses import replace as with_cap
+
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora")  # 10 pairs: one answer too long for the cap
+    pages = [lives(f"2026-0{month}-05", city) for month, city in enumerate(cities, start=1)]
+    for slug, body in pages:
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+
+    class CappedModel:  # the real simulator client under a provider's output cap of 100 tokens
+        provider, model = llm.provider, llm.model
+
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def chat(self, request: Any) -> Any:
+            self.asked.append(request.messages[0][1].count(" OLD ("))
+            return llm.chat(with_cap(request, max_tokens=100))
+
+    capped = CappedModel()
+    counters = consolidate(tx_factory, capped)
+    assert max(capped.asked) >= 4 and min(capped.asked) < max(capped.asked)  # cut, then asked in halves
+    with tx_factory() as session:
+        outcomes = session.execute(
+            select(LLMCall.outcome, func.count())
+            .where(LLMCall.purpose == "consolidation")
+            .group_by(LLMCall.outcome)
+        ).all()
+        unlinked = session.scalar(
+            select(func.count()).where(
+                ConsolidationDecision.decided_by == "model", ConsolidationDecision.llm_call_id.is_(None)
+            )
+        )
+    assert dict(outcomes).get("truncated_output", 0) >= 1 and dict(outcomes)["ok"] >= 2
+    assert counters.llm_calls == sum(n for _, n in outcomes) and unlinked == 0
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert current == ["Alice Example lives in Evora now."]

@@ -203,9 +203,9 @@ def _ask_model(
             chunk = [pair for pair in chunk if pair.new.id in there and pair.old.id in there]
             if not chunk:
                 break
-            got, call_id = _decide_pairs(store, llm, run, chunk, counters)
+            got, asked_in = _decide_pairs(store, llm, run, chunk, counters)
             answers.update(got)
-            call_ids.update({p.number: call_id for p in chunk})  # a pair still unanswered: its last ask
+            call_ids.update(asked_in)  # a pair still unanswered: its last ask
             chunk = [p for p in chunk if p.number not in got]
             if not chunk:
                 break
@@ -218,13 +218,27 @@ def _decide_pairs(
     run: EntityRun,
     pairs: Sequence[AskedPair],
     counters: ConsolidationCounters,
-) -> tuple[dict[int, PairDecision], int]:
-    """One call's decisions (by pair number) and its llm_calls row."""
+) -> tuple[dict[int, PairDecision], dict[int, int]]:
+    """The decisions (by pair number) and the llm_calls row each pair was asked in. An answer cut off
+    at its token cap (a model's long reasons) is asked again in halves: asked again whole, it was cut
+    at the same place on every retry of the job, each paid for. One pair's cut-off answer is an
+    unusable answer (the job retries)."""
     response, call_id = _call(store, llm, run, pairs)
     counters.llm_calls += 1
     counters.prompt_tokens += response.usage.input_tokens
+    if response.finish == "truncated" and len(pairs) > 1:
+        answers: dict[int, PairDecision] = {}
+        asked_in: dict[int, int] = {}
+        for half in (pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]):
+            run.guard()
+            got, ids = _decide_pairs(store, llm, run, half, counters)
+            answers.update(got)
+            asked_in.update(ids)
+        return answers, asked_in
+    if response.finish != "end":
+        raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
     try:
-        return parse_decisions(response.text, [p.number for p in pairs]), call_id
+        return parse_decisions(response.text, [p.number for p in pairs]), {p.number: call_id for p in pairs}
     except MalformedDecisionsError as exc:
         raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
 
@@ -269,6 +283,4 @@ def _call(
             job_id=run.job_id,
         )
     )
-    if response.finish != "end":
-        raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
     return response, call_id
