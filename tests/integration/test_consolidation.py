@@ -905,7 +905,7 @@ def test_a_run_commits_round_by_round_so_a_failure_keeps_what_was_decided(
             self.calls += 1
             if self.calls == 2:
                 raise LLMError("HTTP 500: the provider failed", retryable=True, status=500)
-            return llm.chat(with_cap(request, max_tokens=100))
+            return llm.chat(request)
 
     with pytest.raises(LLMError):
         consolidate(tx_factory, FailsOnItsSecondCall())
@@ -1119,7 +1119,7 @@ def test_a_page_erased_mid_run_is_neither_sent_to_the_model_nor_linked_to(factor
 
         def chat(self, request: Any) -> Any:
             erase_january()
-            return llm.chat(with_cap(request, max_tokens=100))
+            return llm.chat(request)
 
     store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
     if when == "before the call":
@@ -1257,3 +1257,12 @@ def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(tx_factory,
     assert counters.llm_calls == sum(n for _, n in outcomes) and unlinked == 0
     current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
     assert current == ["Alice Example lives in Evora now."]
+
+
+def test_a_backfill_of_a_years_moves_leaves_only_the_last_current(tx_factory, llm) -> None:
+    """Seven sayings of where Alice lives, consolidated in one round (a backfill): the last was asked
+    about the five oldest, not June's, and June's and July's both stayed current."""
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert current == ["Alice Example lives in Aveiro now."]

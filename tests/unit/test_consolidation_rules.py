@@ -587,3 +587,20 @@ def test_a_moved_closing_of_the_fact_itself_comes_first_when_it_ends_it_first() 
     later = fact(4, "Alice is based in Berlin city now", when=datetime(2026, 4, 1, tzinfo=UTC))
     out = _decide_run([d, n], [c, later], {(2, 1): "duplicate", (3, 4): "updates", (3, 2): "updates"})
     assert [(s.older.id, s.newer.id) for s in out[3].closings][:1] == [(3, 1)]
+
+
+def test_equally_similar_candidates_nearest_in_time_are_asked_first() -> None:
+    """A backfill plans a year of "Alice lives in X" in one round, each earlier saying still in the
+    pool: the five oldest were asked (ties by id), never the one in force just before, and both stayed
+    current. Of equally similar facts, those nearest the new one in time are asked."""
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")
+    sayings = [
+        fact(n, f"Alice lives in {city}", when=datetime(2026, n, 5, tzinfo=UTC))
+        for n, city in enumerate(cities, 1)
+    ]
+    plans = {plan.new.id: plan for plan in plan_consolidation(sayings, [], "people/alice")}
+    assert [pair.old.id for pair in plans[7].asked] == [6, 5, 4, 3, 2]
+    late = fact(8, "Alice lives in Tavira", when=datetime(2026, 4, 10, tzinfo=UTC))  # said late, between
+    assert [c.old.id for c in candidates(late, sayings)][:2] == [4, 5]
+    undated = fact(9, "Alice lives in Tomar", when=None)
+    assert [c.old.id for c in candidates(undated, sayings)] == [7, 6, 5, 4, 3]  # the latest arrivals

@@ -221,17 +221,27 @@ def candidates(
 ) -> list[PairTriage]:
     """The pool's facts worth deciding against ``new``: certain duplicates first, then the most similar
     ambiguous ones (at most ``limit`` of those); unrelated ones are dropped."""
-    return chosen([triage_pair(new, old, ignore) for old in pool if old.id != new.id], limit)
+    return chosen(new, [triage_pair(new, old, ignore) for old in pool if old.id != new.id], limit)
 
 
-def chosen(triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
+def chosen(new: FactView, triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
+    """The certain duplicate, else at most ``limit`` ambiguous pairs: the most similar, and of equally
+    similar ones those nearest ``new`` in time. A backfill plans a year of "Alice lives in X" in one
+    round, every earlier saying still in the pool: by id, the five oldest were asked and the one in
+    force just before ``new`` never was, and both stayed current."""
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
         return sorted(certain, key=lambda t: (t.triage != "exact", order_key(t.old)))[:1]
     ambiguous = [t for t in triaged if t.triage == "ambiguous"]
-    ambiguous.sort(key=lambda t: (-t.similarity, t.old.id))
+    ambiguous.sort(key=lambda t: (-t.similarity, _apart(new, t.old), -order_key(t.old)[1]))
     return ambiguous[:limit]
+
+
+def _apart(new: FactView, old: FactView) -> float:
+    """How far apart in time two facts became true (an undated one: as far as can be)."""
+    gap = abs(since_key(new) - since_key(old))
+    return gap if math.isfinite(gap) else math.inf
 
 
 def order_key(fact: FactView) -> tuple[float, int]:

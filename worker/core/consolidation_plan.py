@@ -58,7 +58,7 @@ def plan_consolidation(
     number = 1
     for new in sorted(pending, key=order_key):
         same_kind = known[new.kind]
-        found = chosen(same_kind.triaged(new), MAX_CANDIDATES)
+        found = chosen(new, same_kind.triaged(new), MAX_CANDIDATES)
         if found and found[0].triage in ("exact", "near"):
             plans.append(FactPlan(new, rule=found[0]))
             continue
