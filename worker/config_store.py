@@ -20,6 +20,9 @@ EXTRACTION_ENABLED = "facts.extraction_enabled"
 COMPACTION_ENABLED = "compaction.enabled"
 CALIBRATION_ENABLED = "calibration.enabled"
 CONSOLIDATION_ENABLED = "consolidation.enabled"
+# Off, every summary that makes the context smaller is applied, whatever its coverage (seed 002's
+# quality_gate = false: the token gate alone); on by default.
+COMPACTION_QUALITY_GATE = "compaction.quality_gate"
 EXTRACTION_PAGE_TYPES = "extraction.page_types"
 EXTRACTION_MAX_FACTS = "extraction.max_facts"
 # How many permanent failures (across attempts and runs) skip a poison segment.
@@ -27,7 +30,13 @@ EXTRACTION_MAX_SEGMENT_FAILURES = "extraction.max_segment_failures"
 MAX_SEGMENT_FAILURES_CEILING = 100
 
 KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED, CONSOLIDATION_ENABLED)
-TUNABLES = (EXTRACTION_PAGE_TYPES, EXTRACTION_MAX_FACTS, EXTRACTION_MAX_SEGMENT_FAILURES)
+TUNABLES = (
+    EXTRACTION_PAGE_TYPES,
+    EXTRACTION_MAX_FACTS,
+    EXTRACTION_MAX_SEGMENT_FAILURES,
+    COMPACTION_QUALITY_GATE,
+)
+SWITCHES = (*KILL_SWITCHES, COMPACTION_QUALITY_GATE)  # true/false values; a missing one means on
 # Every key something reads. Setting another is refused: `facts.extraction_enable false` stored
 # quietly would leave an operator sure the extraction is off while every worker carries on.
 CONFIG_KEYS = (*KILL_SWITCHES, *TUNABLES, *BUDGET_KEYS, PRICES_KEY)
@@ -63,18 +72,23 @@ def validate_value(key: str, value: str) -> str:
             f"{key} needs a value; to return it to its default, unset it "
             f"(DELETE /v1/config/{key}, or `factmill config unset {key}`)"
         )
-    if key in KILL_SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
+    if key in SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
-    if key == EXTRACTION_MAX_FACTS and (not cleaned.isdigit() or not 1 <= int(cleaned) <= 25):
+    if key == EXTRACTION_MAX_FACTS and (not _is_count(cleaned) or not 1 <= int(cleaned) <= 25):
         raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
     if key == EXTRACTION_MAX_SEGMENT_FAILURES and (
-        not cleaned.isdigit() or not 1 <= int(cleaned) <= MAX_SEGMENT_FAILURES_CEILING
+        not _is_count(cleaned) or not 1 <= int(cleaned) <= MAX_SEGMENT_FAILURES_CEILING
     ):
         raise ValueError(f"{key} must be an integer from 1 to {MAX_SEGMENT_FAILURES_CEILING}, got {value!r}")
     if key == EXTRACTION_PAGE_TYPES:
         check_page_types(cleaned)
     validate_config_value(key, cleaned)
     return cleaned
+
+
+def _is_count(text: str) -> bool:
+    """ASCII digits only: "²".isdigit() is true, and int("²") raised past the message naming the key."""
+    return text.isascii() and text.isdigit()
 
 
 def get_config(session: Session, key: str) -> str | None:

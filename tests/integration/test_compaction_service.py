@@ -38,7 +38,7 @@ from worker.compaction import (
     request_compaction,
     transcript_stats,
 )
-from worker.config_store import COMPACTION_ENABLED, ConfigReader, set_config
+from worker.config_store import COMPACTION_ENABLED, COMPACTION_QUALITY_GATE, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
 from worker.core.signing import sign, signed_json_headers
 from worker.jobs import outbox as jobs
@@ -377,6 +377,26 @@ def test_a_lossy_summary_is_rejected_after_one_retry_and_the_context_stays_whole
     # And the next append does not hammer the summarizer again at once.
     again = post_messages(api, "lossy", {"messages": [{"role": "user", "text": "Any news?"}]})
     assert again.json()["compaction"] is None and "was rejected" in again.json()["note"]
+
+
+def test_with_the_quality_gate_off_a_worker_applies_the_lossy_summary(
+    api: TestClient, factory: sessionmaker[Session], worker: Any, simulator: Any
+) -> None:
+    """Seed 002's quality_gate = false, through the config an operator sets: the summary that loses the
+    answer is applied at its first attempt, its coverage recorded and the attempt marked not judged."""
+    simulator.configure(lossy_summary=True)
+    with factory.begin() as session:
+        set_config(session, COMPACTION_QUALITY_GATE, "off", updated_by="test")
+    answer = post_messages(api, "ungated", {"messages": session_messages(25), "settings": SETTINGS})
+    assert answer.status_code == 201 and answer.json()["compaction"]["created"] is True
+    wait_for(lambda: job_statuses(factory) == ["succeeded"], 60, "the compaction job",
+             diagnostics=lambda: f"{job_statuses(factory)}\n{worker.tail()}")  # fmt: skip
+    [applied] = compactions(factory, "ungated")
+    assert applied.status == "accepted" and applied.attempts == 1 and applied.summary == LOSSY_SUMMARY
+    assert applied.coverage == 0.0 and not applied.missed_terms
+    assert [(a["outcome"], a["judged"]) for a in applied.attempt_log] == [("passed", False)]
+    context = api.get("/v1/transcripts/ungated/context").json()
+    assert context["compaction_id"] == applied.id
 
 
 def test_prompt_injection_inside_the_transcript_stays_inside_untrusted_data(

@@ -52,9 +52,11 @@ def test_the_simulator_text_marker_names_a_fault():
 
 def test_max_segment_failures_is_validated():
     assert validate_value("extraction.max_segment_failures", " 3 ") == "3"
-    for bad in ("0", "-1", "three", "101"):
-        with pytest.raises(ValueError, match="max_segment_failures"):
+    for bad in ("0", "-1", "three", "101", "²", "٣"):  # "²".isdigit(), and int("²") raised bare
+        with pytest.raises(ValueError, match="max_segment_failures must be an integer from 1 to 100"):
             validate_value("extraction.max_segment_failures", bad)
+    with pytest.raises(ValueError, match="max_facts must be an integer from 1 to 25"):
+        validate_value("extraction.max_facts", "²")
 
 
 class _Answers:

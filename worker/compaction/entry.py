@@ -11,7 +11,7 @@ from worker.accounting import Ledger
 from worker.calibration import ActiveThreshold
 from worker.compaction.service import CompactionOutcome, CompactOptions, compact
 from worker.compaction.store import TranscriptStore
-from worker.config_store import ConfigReader
+from worker.config_store import COMPACTION_QUALITY_GATE, ConfigReader
 from worker.llm.types import LLMClient
 
 
@@ -28,8 +28,9 @@ def compact_transcript(
 
     ``ledger`` costs the llm_calls rows (a runtime passes ``rt.ledger``); without one, a Ledger reads
     the ``llm.prices`` override fresh from this factory's config table, so the override always applies.
+    The quality gate's switch (``compaction.quality_gate``) is read there too, unless ``options`` say.
     """
-    store = TranscriptStore(
-        factory, ledger if ledger is not None else Ledger(ConfigReader(factory, ttl=0).get)
-    )
+    config = ConfigReader(factory, ttl=0)
+    store = TranscriptStore(factory, ledger if ledger is not None else Ledger(config.get))
+    options.setdefault("quality_gate", config.enabled(COMPACTION_QUALITY_GATE))
     return compact(store, llm, transcript_id, threshold=threshold, **options)

@@ -16,7 +16,7 @@ from worker.compaction.queries import (
 )
 from worker.compaction.service import compact
 from worker.compaction.store import TranscriptStore
-from worker.config_store import COMPACTION_ENABLED
+from worker.config_store import COMPACTION_ENABLED, COMPACTION_QUALITY_GATE
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.outbox import COMPACTION
 from worker.jobs.registry import ErrorRule, JobKind, register
@@ -73,6 +73,7 @@ def compact_job(ctx: JobContext) -> WorkResult:
         # append (a rerun of this job, sent when it finishes; it stops once under the threshold, or,
         # forced, once the head is summarized: a forced run's continuation is forced too).
         continue_capped=True,
+        quality_gate=rt.config.enabled(COMPACTION_QUALITY_GATE),
     )
     counters = outcome.job_counters()
     if outcome.status == "failed":

@@ -111,6 +111,7 @@ class CompactOptions(TypedDict, total=False):
     # An accepted summary of part of the head requests the next part's compaction in its own
     # transaction (forced when this one was) [False: the caller decides]
     continue_capped: bool
+    quality_gate: bool  # the gate judges each summary (config compaction.quality_gate) [True]
 
 
 def compact(
@@ -158,6 +159,7 @@ def compact(
         plan,
         terms=intent_terms(context.settings.instructions, source.user_texts),
         gate_on=threshold(),
+        enforced=options.get("quality_gate", True),
         outcome=outcome,
         job_id=options.get("job_id"),
         guard=options.get("guard"),
@@ -181,6 +183,7 @@ class CompactionRun:
     plan: CompactionPlan
     terms: list[str]
     gate_on: ActiveThreshold
+    enforced: bool  # the gate's verdict holds (config compaction.quality_gate)
     outcome: CompactionOutcome
     job_id: int | None = None
     guard: Callable[[], None] | None = None
@@ -296,7 +299,7 @@ class CompactionRun:
     ) -> CompactionOutcome | list[str]:
         """Gate a summary: accept it, reject it after the last attempt, or name what the next one keeps."""
         tau = self.gate_on.tau
-        gate = judge_summary(self.source_tokens, summary, self.terms, tau)
+        gate = judge_summary(self.source_tokens, summary, self.terms, tau, enforced=self.enforced)
         after, before = self.plan.tokens_after(summary), self.plan.tokens_before
         grows = after >= before  # a small head: applied, the context grew (no retry: it would be longer)
         self.log.append(

@@ -70,18 +70,26 @@ def missed_query_terms(
 
 
 def judge_summary(
-    source_tokens: Sequence[str], summary: str, query_terms: Sequence[str], tau: float
+    source_tokens: Sequence[str],
+    summary: str,
+    query_terms: Sequence[str],
+    tau: float,
+    *,
+    enforced: bool = True,
 ) -> GateResult:
-    """Coverage of ``summary`` against the lexed head on the intent's query terms, gated on ``tau``.
+    """Coverage of ``summary`` against the lexed head on the intent's query terms, gated on ``tau``
+    (inclusive: a summary at τ stands).
 
-    With no lexable query words the gate does not judge (worker.core.quality.gate_summary's rule):
-    the summary stands, and coverage falls back to the share of source bigrams kept.
+    With no lexable query words the gate does not judge (seed 002: it gates only on a known question;
+    the query-agnostic fallback would penalise exactly the pruning a compaction is for): the summary
+    stands, and coverage falls back to the share of source bigrams kept. Not ``enforced`` (the config's
+    ``compaction.quality_gate`` off), it stands too, its coverage still measured.
     """
     summary_tokens = lex_words(summary)
     query_words = [w for term in query_terms for w in lex_words(term)]
     score = coverage_from_tokens(source_tokens, summary_tokens, query_terms)
     dens = density_from_tokens(source_tokens, summary_tokens)
-    if not query_words:
+    if not query_words or not enforced:
         return GateResult(score, dens, True, [], judged=False)
     passed = score >= tau
     missed = [] if passed else missed_query_terms(source_tokens, summary_tokens, query_words)

@@ -23,7 +23,6 @@ __all__ = [
     "coverage_from_tokens",
     "density",
     "density_from_tokens",
-    "gate_summary",
     "lex_words",
 ]
 
@@ -255,21 +254,6 @@ def _bigram_coverage(src: Sequence[str], comp: Sequence[str]) -> float:
     src_bigrams = set(itertools.pairwise(src))
     comp_bigrams = set(itertools.pairwise(comp))
     return len(src_bigrams & comp_bigrams) / len(src_bigrams)
-
-
-def gate_summary(
-    source: str, summary: str, query_terms: Iterable[str] | str, threshold: float = COVERAGE_THRESHOLD
-) -> bool:
-    """Whether a lossy cut of ``source`` into ``summary`` may stand (True) or must be reverted (False).
-
-    The cut stands when ``coverage`` of the query terms is at least ``threshold``. With no query terms
-    the gate does not judge and the cut stands: without a known question, the query-agnostic fallback
-    would penalise exactly the pruning a compaction is for (the seed gates only on a known question).
-    """
-    terms = [query_terms] if isinstance(query_terms, str) else list(query_terms)
-    if not any(lex_words(term) for term in terms):
-        return True
-    return coverage(source, summary, terms) >= threshold
 
 
 # ---------------------------------------------------------------------------------------------------------
