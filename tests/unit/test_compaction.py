@@ -23,7 +23,6 @@ from worker.core.compaction import (
     compacted_history,
     cut_index,
     estimate_tokens,
-    insert_compaction_marker,
     repair_orphaned_tool_results,
     repair_unanswered_tool_calls,
     serialize_transcript,
@@ -32,6 +31,15 @@ from worker.core.compaction import (
     without_labels,
     wrap_untrusted_data,
 )
+from worker.core.timeline import (
+    AppliedSummary,
+    ContextView,
+    NothingToCompactError,
+    applied_timeline,
+    plan_compaction,
+    view_of,
+)
+from worker.core.transcripts import TranscriptSettings
 
 
 def user(text: str) -> TranscriptMessage:
@@ -184,30 +192,44 @@ def test_the_threshold_fires_only_inside_the_reserve() -> None:
 # ---------------------------------------------------------------------------
 # Seed 004 twins: applying a compaction. Termind's ConversationModel is a UI model
 # (visible messages, a timeline, an ephemeral activity row). Factmill's analogue is
-# the stored history (never shortened), the history with the summary marker inserted
-# at the cut, and `compacted_history` of that: what is sent.
+# the stored history (never shortened), the timeline of an applied summary (its
+# marker, then the messages from its cut on) and its context view: what is sent.
+# These run the production path: plan_compaction, applied_timeline, view_of.
+
+
+def stored(history: Sequence[TranscriptMessage]) -> list[int | None]:
+    return list(range(len(history)))
+
+
+def apply_summary(history: Sequence[TranscriptMessage], keep_recent_tokens: int, summary: str) -> ContextView:
+    """Plan the cut as a worker does, apply ``summary`` there, and view what is sent next."""
+    plan = plan_compaction(
+        history, stored(history), keep_recent_tokens=keep_recent_tokens, tool_result_limit=2000
+    )
+    applied = AppliedSummary(1, plan.cut_seq, summary)
+    kept = [(seq, m) for seq, m in enumerate(history) if seq >= plan.cut_seq]
+    return view_of(applied_timeline("t", TranscriptSettings(), applied, kept))
 
 
 def test_applying_replaces_what_is_sent_and_keeps_what_is_shown() -> None:
     history: list[TranscriptMessage] = []
     for index in range(6):
         append_user_turn(history, f"turn {index} {filler(300)}")
-    visible_before = len(history)
+    snapshot = list(history)
     cut = cut_index(history, keep_recent_tokens=600)
     assert cut is not None
 
-    timeline = insert_compaction_marker(history, cut, "## Goal\nFix the disk")
-    sent = compacted_history(timeline)
+    view = apply_summary(history, 600, "## Goal\nFix the disk")
+    sent = [v.message for v in view.messages]
 
     # What is sent shrank.
-    assert len(sent) == 1 + (visible_before - cut)
+    assert len(sent) == 1 + (len(history) - cut)
     assert sent[0].is_compaction
     assert "Fix the disk" in sent[0].text
     assert sent[1:] == history[cut:]
     # What is shown did not: compaction shapes the request, never history.
-    assert len(history) == visible_before
-    assert [m for m in timeline if not m.is_compaction] == history
-    assert sum(m.is_compaction for m in timeline) == 1
+    assert history == snapshot
+    assert sum(m.is_compaction for m in sent) == 1
 
 
 def test_compaction_activity_is_ephemeral_and_never_becomes_a_message() -> None:
@@ -216,34 +238,31 @@ def test_compaction_activity_is_ephemeral_and_never_becomes_a_message() -> None:
     append_user_turn(history, "recent " + filler(20))
     snapshot = list(history)
 
-    cut = cut_index(history, keep_recent_tokens=20)
-    assert cut == 1
-    timeline = insert_compaction_marker(history, cut, "summary")
+    assert cut_index(history, keep_recent_tokens=20) == 1
+    view = apply_summary(history, 20, "summary")
 
     # The summary is a marker, not a conversation turn: no assistant message appears,
     # and the history itself is untouched.
     assert history == snapshot
-    assert [m for m in timeline if not m.is_compaction] == snapshot
-    assert not any(m.role == "assistant" for m in timeline)
-    (marker,) = [m for m in timeline if m.is_compaction]
-    assert marker.role == "user"
-    assert marker.text == "summary"
+    assert [v.message for v in view.messages if not v.message.is_compaction] == snapshot[1:]
+    assert not any(v.message.role == "assistant" for v in view.messages)
+    (marker,) = [v for v in view.messages if v.message.is_compaction]
+    assert (marker.message.role, marker.message.text, marker.seq) == ("user", "summary", None)
 
 
 def test_failed_compaction_keeps_a_ui_result_without_writing_assistant_history() -> None:
     history: list[TranscriptMessage] = []
 
     assert cut_index(history, keep_recent_tokens=DEFAULT_KEEP_RECENT_TOKENS) is None
-    with pytest.raises(ValueError) as failure:
-        insert_compaction_marker(history, 1, "summary")
+    with pytest.raises(NothingToCompactError) as failure:
+        plan_compaction(history, [], keep_recent_tokens=DEFAULT_KEEP_RECENT_TOKENS, tool_result_limit=2000)
 
     # The failure carries a reason a user can read, and nothing was written.
     assert str(failure.value) == NOT_ENOUGH_HISTORY == "There is not enough history to compact yet."
     assert history == []
     assert compacted_history(history) == []
-    # An empty reply from the summarizer is a failure too, never a blank summary.
-    with pytest.raises(ValueError, match="summary is empty"):
-        insert_compaction_marker([user("a"), user("b")], 1, "   ")
+    # An empty reply from the summarizer is a failed compaction, never a blank summary: the service's
+    # rule, tests/integration/test_compaction_service.py (test_an_unusable_summarizer_reply_*).
 
 
 def test_the_marker_sorts_where_the_cut_happened() -> None:
@@ -253,12 +272,11 @@ def test_the_marker_sorts_where_the_cut_happened() -> None:
     cut = cut_index(history, keep_recent_tokens=600)
     assert cut is not None
 
-    timeline = insert_compaction_marker(history, cut, "summary")
-    mark_index = next(i for i, m in enumerate(timeline) if m.is_compaction)
+    view = apply_summary(history, 600, "summary")
+    seqs = [v.seq for v in view.messages]
 
-    assert mark_index > 0
-    assert mark_index < len(timeline) - 1
-    assert mark_index == cut
+    assert 0 < cut < len(history) - 1
+    assert view.cut_seq == cut and seqs == [None, *range(cut, len(history))]  # the marker stands for 0..cut-1
 
 
 # ---------------------------------------------------------------------------
@@ -637,21 +655,32 @@ def test_restore_repairs_a_cut_that_split_a_pair() -> None:
 
 
 def test_the_marker_is_refused_where_it_would_split_a_pair_or_precede_a_newer_summary() -> None:
-    messages = [user("a"), assistant("", calls=[call("x")]), tool_result("r", call_id="x"), user("b")]
+    messages = [
+        user("a" * 400),
+        user("c" * 400),
+        assistant("", calls=[call("x")]),
+        tool_result("r" * 400, call_id="x"),
+        user("b"),
+    ]
 
-    with pytest.raises(ValueError, match="lands on a tool result"):
-        insert_compaction_marker(messages, 2, "summary")
-    with pytest.raises(ValueError, match="outside the history"):
-        insert_compaction_marker(messages, 0, "summary")
-    timeline = insert_compaction_marker(messages, 3, "summary")
-    with pytest.raises(ValueError, match="falls before the compaction summary"):
-        insert_compaction_marker(timeline, 1, "older summary")
+    # Keeping 105 tokens reaches into the tool result: the cut moves back before its call.
+    plan = plan_compaction(messages, stored(messages), keep_recent_tokens=105, tool_result_limit=2000)
+    assert plan.cut == 1 and messages[plan.cut].role == "user"
+    view = apply_summary(messages, 105, "summary")
+    assert [v.seq for v in view.messages] == [None, 1, 2, 3, 4]  # the call and its result stay together
+    # Behind an applied summary, a cut that would summarize only that summary is refused.
+    timeline = [v.message for v in view.messages]
+    with pytest.raises(NothingToCompactError, match="not enough history"):
+        plan_compaction(
+            timeline, [v.seq for v in view.messages], keep_recent_tokens=205, tool_result_limit=2000
+        )
 
 
 def test_the_summary_is_capped() -> None:
-    timeline = insert_compaction_marker([user("a"), user("b")], 1, "  " + "s" * (SUMMARY_CHAR_LIMIT + 50))
+    from worker.core.compaction_gate import summary_of
 
-    assert timeline[1].text == "s" * SUMMARY_CHAR_LIMIT
+    assert summary_of("  " + "s" * (SUMMARY_CHAR_LIMIT + 50)) == "s" * SUMMARY_CHAR_LIMIT
+    assert summary_of(" \n ") == ""  # no summary: a failed compaction
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from models import Compaction, Job, Transcript
 from models.tables import COMPACTIONS, TRANSCRIPT_MESSAGES, TRANSCRIPTS
 from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
 from worker.core.compaction_gate import INTENT_TEXT_LIMIT
-from worker.core.timeline import AppliedSummary, Timeline
+from worker.core.timeline import AppliedSummary, Timeline, applied_timeline
 from worker.core.transcripts import (
     ToolUnit,
     TranscriptError,
@@ -177,15 +177,11 @@ def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None
         if size > max_bytes:
             raise ContextTooLargeError(transcript_id, size, max_bytes)
     rows = session.connection().execute(_TIMELINE_MESSAGES, {"id": transcript_id, "start": start}).all()
-    messages: list[TranscriptMessage] = []
-    seqs: list[int | None] = []
-    if summary is not None:
-        messages.append(summary.marker())
-        seqs.append(None)
-    for seq, role, text, calls, call_id, name in rows:
-        messages.append(stored_message(role, text, calls, call_id, name))
-        seqs.append(seq)
-    return Timeline(transcript_id, settings, summary, messages, seqs, row.created_at)
+    kept = (
+        (seq, stored_message(role, text, calls, call_id, name))
+        for seq, role, text, calls, call_id, name in rows
+    )
+    return applied_timeline(transcript_id, settings, summary, kept, row.created_at)
 
 
 # The context view holds the applied summary and the messages from its cut on: their tokens, in one

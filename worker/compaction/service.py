@@ -31,6 +31,7 @@ from worker.core.compaction_gate import (
     judge_summary,
     response_outcome,
     retry_terms,
+    summary_of,
 )
 from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan
@@ -274,7 +275,7 @@ class CompactionRun:
                 "failed",
                 error=f"the summarizer refused ({len(said)} characters of reply, kept in the attempt log)",
             )
-        summary = response.text.strip()[:SUMMARY_CHAR_LIMIT].strip()
+        summary = summary_of(response.text)
         if not summary:
             self.log.append({**entry, "outcome": "empty_output"})
             return self._finish(

@@ -59,7 +59,6 @@ __all__ = [
     "cut_in_history",
     "cut_index",
     "estimate_tokens",
-    "insert_compaction_marker",
     "repair_orphaned_tool_results",
     "repair_unanswered_tool_calls",
     "serialize_transcript",
@@ -456,31 +455,3 @@ def compacted_history(messages: Sequence[TranscriptMessage]) -> list[TranscriptM
             start = index
             break
     return repair_orphaned_tool_results(repair_unanswered_tool_calls(messages[start:]))
-
-
-def insert_compaction_marker(
-    messages: Sequence[TranscriptMessage], cut: int, summary: str
-) -> list[TranscriptMessage]:
-    """The full history with a summary marker placed at `cut`; nothing is removed.
-
-    The summary is trimmed and capped at SUMMARY_CHAR_LIMIT characters. Feed the
-    result to `compacted_history` for what to send; the history itself stays whole.
-    """
-    if not isinstance(cut, int) or isinstance(cut, bool):
-        raise TypeError(f"cut must be an integer, got {type(cut).__name__}")
-    if not messages:
-        raise ValueError(NOT_ENOUGH_HISTORY)
-    if not 0 < cut <= len(messages):
-        raise ValueError(f"cut {cut} is outside the history; use a value from 1 to {len(messages)}")
-    if cut < len(messages) and messages[cut].role == "tool":
-        raise ValueError(f"cut {cut} lands on a tool result and would separate it from its call")
-    for index in range(cut, len(messages)):
-        if messages[index].is_compaction:
-            raise ValueError(
-                f"cut {cut} falls before the compaction summary at {index}; cut the newest compacted context"
-            )
-    text = summary.strip() if isinstance(summary, str) else ""
-    if not text:
-        raise ValueError("the compaction summary is empty; record a failed compaction instead")
-    marker = TranscriptMessage(role="user", text=text[:SUMMARY_CHAR_LIMIT], is_compaction=True)
-    return [*messages[:cut], marker, *messages[cut:]]

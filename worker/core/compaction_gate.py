@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from worker.core.compaction import SUMMARY_CHAR_LIMIT
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
 
@@ -105,6 +106,12 @@ def retry_terms(gate: GateResult, query_terms: Sequence[str]) -> list[str]:
         return gate.missed_terms
     words = dict.fromkeys(w for term in query_terms for w in lex_words(term))
     return [w for w in words if len(w) <= MAX_TERM_LENGTH][:MAX_MISSED_TERMS]
+
+
+def summary_of(reply: str) -> str:
+    """The summary a summarizer's reply gives: trimmed, capped at SUMMARY_CHAR_LIMIT characters (empty:
+    no summary, a failed compaction)."""
+    return reply.strip()[:SUMMARY_CHAR_LIMIT].strip()
 
 
 def response_outcome(finish: str, text: str) -> ResponseOutcome:

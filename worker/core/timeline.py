@@ -87,6 +87,23 @@ class ContextView:
         return sum(estimate_tokens(v.message) for v in self.messages)
 
 
+def applied_timeline(
+    transcript_id: str,
+    settings: TranscriptSettings,
+    summary: AppliedSummary | None,
+    kept: Iterable[tuple[int, TranscriptMessage]],
+    created_at: datetime | None = None,
+) -> Timeline:
+    """The timeline of a history whose ``summary`` is applied: its marker, then the stored messages from
+    its cut on (``kept``: (seq, message), oldest first). What is sent shrinks; the history stays whole."""
+    messages: list[TranscriptMessage] = [summary.marker()] if summary is not None else []
+    seqs: list[int | None] = [None] if summary is not None else []
+    for seq, message in kept:
+        messages.append(message)
+        seqs.append(seq)
+    return Timeline(transcript_id, settings, summary, messages, seqs, created_at)
+
+
 def view_of(timeline: Timeline) -> ContextView:
     """The timeline as a model should receive it: repaired so every tool call has its results, in place."""
     seq_of = {id(message): seq for message, seq in zip(timeline.messages, timeline.seqs, strict=True)}
