@@ -59,7 +59,8 @@ def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
         return result
 
     run.env = env  # type: ignore[attr-defined]  # for a test that runs the command its own way
-    return run
+    yield run
+    simulator.restore()  # the knobs a test turned (latency, faults) never reach the next one
 
 
 def as_json(result: subprocess.CompletedProcess[str]) -> Any:

@@ -1947,18 +1947,15 @@ def test_the_gate_scores_a_summary_against_the_heads_words_not_its_speaker_label
     assert "tool" not in row.missed_terms and row.coverage is not None and row.coverage >= 0.5
 
 
-def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(
-    tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(tx_factory: sessionmaker[Session]) -> None:
     """Its age was the worker's clock minus the database's: a host clock a few minutes ahead took a
-    rejection of seconds ago for an old one, and each append past the threshold paid for a summary."""
+    rejection of seconds ago for an old one, and each append past the threshold paid for a summary.
+    The two clocks agree here, so the read itself is checked: it ages the row by now(), sending no
+    host time to compare with."""
+    from sqlalchemy import event as sqlalchemy_event
     from sqlalchemy import text as sql
 
-    from worker.compaction import queries
     from worker.compaction.queries import recent_miss
-
-    # The host's clock an hour ahead of the database's (what the wait read it from before).
-    monkeypatch.setattr(queries, "now", lambda: datetime.now(UTC) + timedelta(hours=1), raising=False)
 
     append(tx_factory, "aged", session_messages(3), settings=SETTINGS)
     with tx_factory.begin() as session:
@@ -1968,9 +1965,26 @@ def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(
                 "created_at) VALUES ('aged', 'rejected', 1, 100, 2, now() - interval '10 seconds')"
             )
         )
+    sent: list[tuple[str, Any]] = []
+
+    def seen(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        sent.append((statement, parameters))
+
     with tx_factory() as session:
-        assert recent_miss(session, "aged", 300) is not None
-        assert recent_miss(session, "aged", 5) is None
+        sqlalchemy_event.listen(session.get_bind(), "before_cursor_execute", seen)
+        try:
+            assert recent_miss(session, "aged", 300) is not None
+            assert recent_miss(session, "aged", 5) is None
+        finally:
+            sqlalchemy_event.remove(session.get_bind(), "before_cursor_execute", seen)
+    reads = [(statement, parameters) for statement, parameters in sent if "FROM compactions" in statement]
+    assert len(reads) == 2 and all("now()" in statement for statement, _ in reads)
+    values = [
+        v
+        for _, parameters in reads
+        for v in (parameters.values() if isinstance(parameters, dict) else parameters)
+    ]
+    assert not any(isinstance(v, datetime) for v in values), values
 
 
 def test_a_summary_that_leaves_the_context_no_smaller_is_not_applied(
