@@ -7,6 +7,7 @@ import contextlib
 import os
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,47 @@ ANY_ROW = text(
 def _truncate(url: str) -> None:
     with db.get_engine(url).begin() as conn:
         conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+
+
+def has_vector_store(url: str) -> bool:
+    with db.get_engine(url).connect() as conn:
+        return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
+
+
+def _no_vector_store(reason: str) -> None:
+    """Skipped on a laptop (the summary says so); in CI a failure: the vector tests must run there."""
+    if os.environ.get("CI"):
+        pytest.fail(f"no pgvector in CI: {reason}", pytrace=False)
+    BACKENDS["pgvector"] = f"vector tests SKIPPED: {reason}"
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vector_database_url(database_url: str) -> Iterator[str]:
+    """A database with the pgvector store: the test database when its server has pgvector, else one on
+    the embedded pgserver (which bundles pgvector)."""
+    if has_vector_store(database_url):
+        yield database_url
+        return
+    with quiet_runtime_dir():  # pgserver's import makes platformdirs warn where XDG_RUNTIME_DIR is unset
+        import pgserver
+    with tempfile.TemporaryDirectory(prefix="factmill-test-pgvector-") as tmp:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            _no_vector_store(f"the test server lacks it and the embedded pgserver failed: {exc}")
+        try:
+            with fresh_database(to_sqlalchemy_url(server.get_uri()), "vec") as url:
+                db.upgrade(url)
+                if not has_vector_store(url):
+                    _no_vector_store("neither the test server nor the embedded pgserver has it")
+                BACKENDS["pgvector"] = "vector tests on an embedded pgserver (the server has no pgvector)"
+                yield url
+        finally:
+            with quiet_runtime_dir():
+                server.cleanup()
 
 
 @pytest.fixture

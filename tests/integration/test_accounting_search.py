@@ -8,10 +8,6 @@ import base64
 import json
 import logging
 import struct
-import tempfile
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,12 +15,11 @@ from sqlalchemy import insert, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact
-from tests.conftest import TABLES, fresh_database
+from tests.conftest import TABLES
 from tests.integration.test_accounting import usd_by_hand
 from worker import db
 from worker.accounting import PRICES_KEY, Ledger
 from worker.config_store import ConfigReader, set_config
-from worker.embedded import to_sqlalchemy_url
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import embed_facts, embed_new_facts, search
@@ -95,33 +90,6 @@ def _seed_facts(factory: sessionmaker[Session], page: str, facts: list[str]) -> 
     ]
     with factory.begin() as session:
         session.execute(insert(Fact), rows)
-
-
-def _has_vector_store(url: str) -> bool:
-    with db.get_engine(url).connect() as conn:
-        return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
-
-
-@pytest.fixture(scope="module")
-def vector_database_url(database_url: str) -> Iterator[str]:
-    """A database with the pgvector store: the test database when its server has pgvector, else one on
-    the embedded pgserver (which bundles pgvector)."""
-    if _has_vector_store(database_url):
-        yield database_url
-        return
-    pgserver = pytest.importorskip("pgserver", reason="no pgvector on the test server and no pgserver")
-    with tempfile.TemporaryDirectory(prefix="factmill-test-accounting-") as tmp:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
-        try:
-            with fresh_database(to_sqlalchemy_url(server.get_uri()), "acct") as url:
-                db.upgrade(url)
-                if not _has_vector_store(url):
-                    pytest.skip("no pgvector on the test server nor in the embedded pgserver")
-                yield url
-        finally:
-            server.cleanup()
 
 
 # Truncation: the vector store may be another database (the embedded pgserver, its own engine from a URL).

@@ -7,11 +7,8 @@ import base64
 import contextlib
 import json
 import struct
-import tempfile
-import warnings
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,13 +21,11 @@ from typer.testing import CliRunner
 
 from models import Fact, LLMCall
 from tests.auth import send_key
-from tests.conftest import BACKENDS, fresh_database, rolled_back
+from tests.conftest import fresh_database, has_vector_store, rolled_back
 from worker import db
 from worker.config_store import ConfigReader
 from worker.core.folding import fold_accents
 from worker.core.intent import QueryParseError
-from worker.embedded import to_sqlalchemy_url
-from worker.embedded.base import quiet_runtime_dir
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
@@ -184,11 +179,6 @@ def facts_of(outcome: Any) -> list[str]:
 # ------------------------------------------------------------------ databases with and without pgvector
 
 
-def _has_store(url: str) -> bool:
-    with db.get_engine(url).connect() as conn:
-        return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
-
-
 def _empty(url: str) -> sessionmaker[Session]:
     engine = db.get_engine(url)
     with engine.begin() as conn:
@@ -197,43 +187,10 @@ def _empty(url: str) -> sessionmaker[Session]:
 
 
 @pytest.fixture(scope="session")
-def vector_database_url(database_url: str) -> Iterator[str]:
-    """A database with the pgvector store: the test database when its server has pgvector, else one on
-    the embedded pgserver (which bundles pgvector)."""
-    if _has_store(database_url):
-        yield database_url
-        return
-    try:
-        with quiet_runtime_dir():  # pgserver's import makes platformdirs warn where XDG_RUNTIME_DIR is unset
-            import pgserver
-    except ImportError:
-        pytest.skip(
-            "no pgvector: the test server lacks it (deploy/install-pgvector.sh) and pgserver is missing"
-        )
-    with tempfile.TemporaryDirectory(prefix="factmill-test-pgvector-") as tmp:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                server = pgserver.get_server(Path(tmp), cleanup_mode="stop")
-        except Exception as exc:  # pragma: no cover - depends on the machine
-            pytest.skip(f"no pgvector: the test server lacks it and the embedded pgserver failed: {exc}")
-        try:
-            with fresh_database(to_sqlalchemy_url(server.get_uri()), "vec") as url:
-                db.upgrade(url)
-                if not _has_store(url):
-                    pytest.skip("no pgvector on the test server nor in the embedded pgserver")
-                BACKENDS["pgvector"] = "vector tests on an embedded pgserver (the server has no pgvector)"
-                yield url
-        finally:
-            with quiet_runtime_dir():
-                server.cleanup()
-
-
-@pytest.fixture(scope="session")
 def plain_database_url(server_url: str, database_url: str) -> Iterator[str]:
     """A database without the pgvector store: the test database when its server lacks pgvector,
     else a fresh one whose store and extension were dropped (what a server without pgvector has)."""
-    if not _has_store(database_url):
+    if not has_vector_store(database_url):
         yield database_url
         return
     with fresh_database(server_url, "novec") as url:
