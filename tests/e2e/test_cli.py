@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,11 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli, simulator):
     assert len(slugs) == 23 and slugs == sorted(slugs) and rest["next_after"] is None
     [alice] = [p for p in listed["pages"] + rest["pages"] if p["slug"] == slug]
     assert alice["facts"] == len(facts) and alice["last_job_status"] == "queued"  # --no-enqueue
+    # The hint to go on is quoted for a shell: a source id may hold a quote or a space.
+    cli("ingest", str(EXAMPLES), "--source-id", "o'reilly docs", "--no-enqueue")
+    table = cli("pages", "list", "--source-id", "o'reilly docs", "--limit", "1").stdout
+    [hint] = [line for line in table.splitlines() if line.startswith("more: --after ")]
+    assert shlex.split(hint)[2].startswith("o'reilly docs|"), hint
 
 
 def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
@@ -205,6 +211,45 @@ def test_an_argument_of_bytes_that_are_not_utf8_is_refused_naming_it(cli):
         assert "holds bytes that are not UTF-8 text" in stderr and "\\x" in stderr
 
 
+def test_a_file_named_in_another_encoding_is_ingested_by_its_name_beside_the_others(cli, tmp_path: Path):
+    """Named on the command line, a Latin-1 file name refused the whole run (nothing stored, not even
+    the good file) with advice that could not work: retyped as UTF-8, it names no file."""
+    good = tmp_path / "good.md"
+    good.write_text("---\ntype: conversation\n---\n**A** (2024-01-01 9:00 AM): hi\n")
+    latin1 = os.path.join(os.fsencode(tmp_path), b"caf\xe9.md")
+    with open(latin1, "wb") as named:
+        named.write(
+            b"---\ntype: conversation\nslug: conversations/cafe\n---\n**A** (2024-01-01 9:00 AM): hi\n"
+        )
+    args = [
+        b"ingest",
+        os.fsencode(good),
+        latin1,
+        os.path.join(os.fsencode(tmp_path), b"gon\xe9.md"),
+        b"--json",
+        b"--no-enqueue",
+    ]
+    result = subprocess.run(
+        [sys.executable.encode(), b"-m", b"worker.cli", *args],
+        cwd=REPO,
+        env=cli.env | {"LC_ALL": "C.UTF-8"},
+        capture_output=True,
+        timeout=120,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr  # the file that is not there
+    assert "argument 4" in stderr and "rename it, or pass its folder" in stderr
+    result = subprocess.run(
+        [sys.executable.encode(), b"-m", b"worker.cli", *args[:3], *args[4:]],
+        cwd=REPO,
+        env=cli.env | {"LC_ALL": "C.UTF-8"},
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert sorted(json.loads(result.stdout)["ingested"]) == ["conversations/cafe", "good"]
+
+
 def test_messages_are_never_broken_across_lines(cli, tmp_path: Path):
     """The consoles soft-wrap: a long path and its reason stay on one line for people and tests."""
     missing = tmp_path / ("a-long-folder-name-" * 8) / "nope.md"
@@ -253,7 +298,7 @@ def test_config_unset_restores_the_default_and_removes_keys_nothing_reads(cli, f
     assert unknown.returncode == 2 and "did you mean 'facts.extraction_enabled'?" in unknown.stderr
 
 
-def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, factory):
+def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, factory, tmp_path: Path):
     bad_since = cli("extract", "--since", "yesterday", check=False)
     assert bad_since.returncode == 2 and "ISO-8601" in bad_since.stderr
     # A port out of range is a usage error for every server command (flower's was a socket traceback).
@@ -267,9 +312,19 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
         ["worker", "--concurrency", "4097"],
         ["demo", "--show", "-1"],
         ["demo", "--concurrency", "257"],
+        ["extract", "--batch", "--poll-seconds", "inf"],  # time.sleep(inf): a traceback after paying
+        ["extract", "--batch", "--poll-seconds", "0"],  # a tight loop on the provider's status endpoint
     ):
         bounded = cli(*command, check=False)
         assert bounded.returncode == 2 and "Invalid value for" in bounded.stderr, command
+    # A folder with no page was found out after the servers and the API had started, and was said to
+    # be "unchanged since the last demo".
+    (tmp_path / "no-pages").mkdir()
+    empty = cli("demo", "--examples", str(tmp_path / "no-pages"), check=False)
+    assert empty.returncode == 1 and "no page files to post in" in empty.stderr, empty.stderr
+    assert "API on" not in empty.stderr  # nothing was started
+    folder = cli("calibration", "import", str(tmp_path), check=False)
+    assert folder.returncode == 2 and "is a directory; give a CSV file" in folder.stderr, folder.stderr
     # An id past Postgres's bigint was the database's "bigint out of range" traceback.
     too_big = str(2**63)
     for command in (

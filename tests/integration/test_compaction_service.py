@@ -1735,6 +1735,14 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
         simulator.configure(rate_500=0.0)
     assert down.exit_code == 1 and "nothing was stored, try again later" in down.output, down.output
     assert len(compactions(factory)) == 1
+    # A summary the gate rejects (paid for, nothing applied) is not a success for a script.
+    simulator.configure(lossy_summary=True)
+    try:
+        rejected = cli("compact", "cli", "--now")
+    finally:
+        simulator.configure(lossy_summary=False)
+    assert rejected.exit_code == 5 and "rejected" in rejected.output, rejected.output
+    assert [c.status for c in compactions(factory)] == ["accepted", "rejected"]
 
 
 # ---------------------------------------------------------------------------

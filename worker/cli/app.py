@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
@@ -309,18 +310,28 @@ def os_failure(exc: OSError) -> str | None:
     return None
 
 
+# Commands whose arguments may name files: a file named in another encoding is still that file (open()
+# takes its bytes back), and the command says per file what it could not use of it.
+PATH_COMMANDS = (("ingest",), ("demo",), ("calibration", "import"), ("calibration", "show"))
+
+
 def _undecodable_argument(arguments: list[str]) -> str | None:
     """Why an argument cannot be used, or None: Python keeps bytes that are not text in the locale's
     encoding as lone surrogates, which no query can send (a UnicodeEncodeError traceback, as
-    `factmill pages erase default $'caf\\xe9'` gave in a Latin-1 terminal)."""
+    `factmill pages erase default $'caf\\xe9'` gave in a Latin-1 terminal). An existing file's name given
+    to a command that reads files is left to it."""
+    takes_paths = any(tuple(arguments[: len(command)]) == command for command in PATH_COMMANDS)
     for position, argument in enumerate(arguments, start=1):
         try:
             argument.encode("utf-8")
         except UnicodeEncodeError:
+            if takes_paths and os.path.lexists(argument):
+                continue
             shown = argument.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
             return (
                 f"argument {position} ({shown}) holds bytes that are not UTF-8 text; "
                 "set the terminal to UTF-8, or type the name as UTF-8"
+                + ("; a file of that name: rename it, or pass its folder" if takes_paths else "")
             )
     return None
 

@@ -161,6 +161,8 @@ def compact_command(
             )
     if outcome.status == "failed":
         raise typer.Exit(1)
+    if outcome.status == "rejected":  # paid for, and nothing applied: a script must not read it as done
+        raise typer.Exit(5)
 
 
 def _token_table(stats: TranscriptStats) -> Table:

@@ -155,6 +155,13 @@ def run_demo(
     settings: Settings, examples: Path, console: Console, err: Console, show: int = 3, concurrency: int = 16
 ) -> int:
     started = time.perf_counter()
+    # Read before anything starts: a folder with no page in it was found out after the servers, the API
+    # and a wait for it, and then said to be "unchanged since the last demo".
+    pages = load_examples(examples, err)
+    if not pages:
+        raise DemoError(
+            f"no page files to post in {examples} (Markdown or YAML, each with a type: and a body)"
+        )
     database_url = db.database_url(settings)
     db.upgrade(database_url)
     broker = broker_url(settings)
@@ -195,7 +202,6 @@ def run_demo(
         err.print(f"API on {base} · worker (threads × {concurrency}) · beat · logs in {log_dir}")
         with Client(base, timeout=2) as probe:
             _wait(probe.ready, API_READY_SECONDS, "the API to be ready", children)
-        pages = load_examples(examples, err)
         job_ids, unchanged = post_pages(base, settings.webhook_secret, pages)
         err.print(
             f"posted {len(pages)} page(s) as signed webhooks: {len(job_ids)} job(s), {unchanged} unchanged"

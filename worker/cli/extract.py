@@ -175,7 +175,9 @@ def extract(
             "24 h); waits for it, then commits like an online run. For backfills."
         ),
     ] = False,
-    poll_seconds: Annotated[float, typer.Option(min=0.0, help="With --batch: seconds between polls.")] = 30.0,
+    poll_seconds: Annotated[
+        float, typer.Option(min=0.01, max=3600.0, help="With --batch: seconds between polls (at most 3600).")
+    ] = 30.0,
     skipped: Annotated[
         bool,
         typer.Option(

@@ -77,7 +77,7 @@ def jobs_show(job_id: Annotated[int, id_argument("The job id (`factmill jobs lis
 
 @jobs_app.command("retry")
 def jobs_retry(
-    job_id: Annotated[int, id_argument("The failed or paused job to queue again.")],
+    job_id: Annotated[int, id_argument("The job to queue again: failed, paused or succeeded.")],
     skipped: Annotated[
         bool,
         typer.Option(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -106,7 +107,7 @@ def pages_list(
         table.add_row(page.source_id, page.slug, page.type, str(page.facts), job, when(page.updated_at))
     out.print(table)
     if listed.next_after:
-        out.print(f"more: --after '{listed.next_after}'", highlight=False)
+        out.print(f"more: --after {shlex.quote(listed.next_after)}", highlight=False)
 
 
 @pages_app.command("erase")

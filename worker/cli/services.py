@@ -129,7 +129,7 @@ def worker(
             help="Worker processes, each with its own LLM pipe; default one per core.",
         ),
     ] = None,
-    pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls) or prefork.")] = "threads",
+    pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls), prefork or solo.")] = "threads",
     loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info",
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
 ) -> None:
