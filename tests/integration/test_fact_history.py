@@ -241,3 +241,21 @@ def test_facts_history_json_writes_an_open_end_as_null(
     assert all(
         entry["valid_from"] is None or datetime.fromisoformat(entry["valid_from"]) for entry in timeline
     )
+
+
+def test_the_timeline_credits_a_change_to_the_fact_it_closed(tx_factory, simulator: Any) -> None:
+    """A late "Paris" (January) said to update the current "Berlin" (March) is itself closed, Berlin
+    staying current; the timeline gave Berlin that verdict as the reason it changed."""
+    from tests.integration.test_consolidation import arrive, lives
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    arrive(tx_factory, llm, lives("2026-03-05", "Berlin"), lives("2026-01-05", "Paris"))
+    with tx_factory() as session:
+        timeline = {entry.fact: entry for entry in entity_timeline(session, ALICE)}
+    paris, berlin = (
+        timeline["Alice Example lives in Paris now."],
+        timeline["Alice Example lives in Berlin now."],
+    )
+    assert (paris.status, paris.superseded_by, berlin.status) == ("superseded", berlin.id, "current")
+    assert paris.reason is not None and "Paris" in paris.reason
+    assert berlin.reason is not None and berlin.reason.startswith("rule: "), berlin.reason  # its own

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, Select, select, union, update
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
@@ -67,28 +68,36 @@ def entity_timeline(
     ).all()
     reasons: dict[int, str] = {}
     if facts:
-        ids = select(Fact.id).where(*where).scalar_subquery()
-        rows = session.execute(
-            select(
-                ConsolidationDecision.fact_id,
-                ConsolidationDecision.other_fact_id,
-                ConsolidationDecision.decision,
-                ConsolidationDecision.reason,
-            )
-            .where(
-                ConsolidationDecision.fact_id.in_(ids)
-                | (ConsolidationDecision.other_fact_id.in_(ids) & ConsolidationDecision.decision.in_(CLOSING))
-            )
-            .order_by(ConsolidationDecision.id)
-        )
-        for fact_id, other_id, decision, reason in rows:
+        closed_by = {row.id: row.superseded_by for row in facts}
+        for fact_id, other_id, decision, reason in session.execute(_decisions_about(where)):
             # What changed the fact: the decision that superseded it (recorded on the newer fact's row),
-            # else its own latest decision other than "unrelated".
-            if decision in CLOSING and other_id is not None:
+            # else its own latest decision other than "unrelated". A verdict closes whichever of the two
+            # became true first: a late fact "updating" a later one is itself closed, and the later one's
+            # reason stays its own.
+            if decision in CLOSING and other_id is not None and closed_by.get(other_id) == fact_id:
                 reasons[other_id] = reason
             if fact_id is not None and (decision != "unrelated" or fact_id not in reasons):
                 reasons[fact_id] = reason
     return [TimelineEntry(*row, reasons.get(row.id)) for row in facts]
+
+
+def _decisions_about(where: list[ColumnElement[bool]]) -> Select[Any]:
+    """The decisions on the facts ``where`` selects, and the closing ones naming them, oldest first: two
+    branches of one UNION, each on its column's index (an OR of the two IN lists scanned the table)."""
+    ids = select(Fact.id).where(*where).scalar_subquery()
+    columns = (
+        ConsolidationDecision.id,
+        ConsolidationDecision.fact_id,
+        ConsolidationDecision.other_fact_id,
+        ConsolidationDecision.decision,
+        ConsolidationDecision.reason,
+    )
+    on_them = select(*columns).where(ConsolidationDecision.fact_id.in_(ids))
+    closing_them = select(*columns).where(
+        ConsolidationDecision.other_fact_id.in_(ids), ConsolidationDecision.decision.in_(CLOSING)
+    )
+    both = union(on_them, closing_them).subquery()
+    return select(both.c.fact_id, both.c.other_fact_id, both.c.decision, both.c.reason).order_by(both.c.id)
 
 
 _TIMELINE_COLUMNS = (
