@@ -350,6 +350,7 @@ def test_a_duplicate_of_a_fact_the_same_run_closes_before_it_is_kept_current() -
     assert out[2].kind == "supersede" and out[2].closings[0].older.id == 1
     assert (out[3].kind, out[3].duplicate_of) == ("new", None)  # said after Porto closed Lisbon
     assert out[3].rows[0].other_fact_id == 1 and "fact 2" in out[3].rows[0].reason
+    assert out[3].since == jun  # kept: written as final in a later round, it had no valid_from
     assert (out[4].kind, out[4].duplicate_of) == ("duplicate", 1)  # said while Lisbon still held
     unanswered = reopen_restatements([(plan, resolve(plan, {})) for plan in plans])
     assert {d.fact_id: d.duplicate_of for d in unanswered}[3] == 1  # nothing closed: a duplicate

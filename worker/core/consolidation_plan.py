@@ -385,5 +385,13 @@ def reopen_restatements(decided: Sequence[tuple[FactPlan, Resolved]]) -> list[Re
             continue
         first = min(newer, key=order_key)
         reason = RESTATED_REASON.format(old=original, newer=first.id)
-        out.append(Resolved(resolved.fact_id, (Row(original, "new", "rule", reason),), reconsider=True))
+        # Its start kept: decided again in a later round as final, it was written with no valid_from.
+        out.append(
+            Resolved(
+                resolved.fact_id,
+                (Row(original, "new", "rule", reason),),
+                since=resolved.since,
+                reconsider=True,
+            )
+        )
     return out
