@@ -1266,3 +1266,39 @@ def test_a_backfill_of_a_years_moves_leaves_only_the_last_current(tx_factory, ll
     arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
     current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
     assert current == ["Alice Example lives in Aveiro now."]
+
+
+def test_an_operators_undo_waits_for_a_consolidation_commit_of_its_entity(factory, llm) -> None:
+    """An undo wrote its fact without the entity's checkpoint: a round committing between the undo's
+    read and its write closed a fact the operator had just made current (half undone, unsaid)."""
+    import threading
+
+    from worker.consolidation.operators import restore
+    from worker.consolidation.store import lock_checkpoint
+
+    both_pages_consolidated(factory, llm)
+    [lisbon] = [f for f in alice(factory)["Alice Example lives in Lisbon now."] if f.status == "superseded"]
+    done: list[int] = []
+
+    def undo() -> None:
+        with factory.begin() as session:
+            done.append(restore(session, lisbon.id, "test"))
+
+    with factory() as commit, commit.begin():  # a consolidation round, committing
+        lock_checkpoint(commit, "default", ALICE)
+        undoing = threading.Thread(target=undo)
+        undoing.start()
+        with factory() as watch:
+            for _ in range(200):
+                waiting = watch.scalar(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND datname = current_database()"
+                    )
+                )
+                if waiting:
+                    break
+                threading.Event().wait(0.05)
+        assert waiting and not done, "the undo never waited for the round in flight"
+    undoing.join(timeout=30)
+    assert done and done[0] > 0

@@ -11,6 +11,7 @@ from sqlalchemy import ColumnElement, Select, select, union, update
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
+from worker.consolidation.store import lock_checkpoint
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
 from worker.core.facts import entity_slug
 
@@ -114,9 +115,15 @@ _TIMELINE_COLUMNS = (
 
 
 def _locked(session: Session, fact_id: int) -> Fact:
-    fact = session.scalars(
-        select(Fact).where(Fact.id == fact_id, ~Fact.is_audit).with_for_update()
-    ).one_or_none()
+    """The fact, locked after its entity's checkpoint: one writer of an entity's lifecycle at a time
+    (a consolidation committing a round, an erasure renaming its decisions), taken in their order."""
+    where = (Fact.id == fact_id, ~Fact.is_audit)
+    found = session.execute(
+        select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug).where(*where)
+    ).first()
+    if found is not None:
+        lock_checkpoint(session, found.source_id, entity_key(found.entity_slug, found.source_markdown_slug))
+    fact = session.scalars(select(Fact).where(*where).with_for_update()).one_or_none()
     if fact is None:
         raise UndoError(
             f"there is no fact {fact_id}; `factmill facts history ENTITY` lists an entity's facts"

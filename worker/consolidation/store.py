@@ -154,6 +154,7 @@ class ConsolidationStore:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
         erased) become current and unconsolidated again, each with an audit row; returns how many."""
         with self._factory.begin() as session:
+            lock_checkpoint(session, source_id, entity_key)  # an operator's undo, an erasure: one at a time
             ids = session.scalars(
                 update(Fact)
                 .where(Fact.source_id == source_id, _entity(entity_key), _orphaned())
