@@ -124,7 +124,7 @@ class BodyCapMiddleware:
     LARGE_BODY_GRACE_SECONDS, at least ``large_body_min_rate`` bytes a second on average: a forged
     signature header passes the checks made before the body (its form and age), and a trickle of a
     byte a second held a place for the whole deadline; two such connections, renewed, stalled every
-    real large delivery."""
+    real large delivery. A small body is held to the same deadline and rate, from its arrival."""
 
     def __init__(
         self,
@@ -150,7 +150,9 @@ class BodyCapMiddleware:
             async with self._large_gate:
                 await self.capped(scope, self._timed(receive), send)
             return
-        await self.capped(scope, receive, send)
+        # A small body has the same time to arrive: unbounded, a request whose key was checked before its
+        # body came acted hours later, the key revoked meanwhile (and held a connection all along).
+        await self.capped(scope, self._timed(receive), send)
 
     def _timed(self, receive: Receive) -> Receive:
         """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now, or once the

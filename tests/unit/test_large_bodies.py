@@ -91,3 +91,31 @@ def test_a_chunked_body_sent_with_a_small_content_length_is_still_large() -> Non
     assert _large(_scope([small, chunked])) and _large(_scope([chunked, small]))
     assert _large(_scope([(b"content-length", str(LARGE_BODY_BYTES + 1).encode())]))
     assert not _large(_scope([small])) and not _large(_scope([]))
+
+
+def test_a_small_body_has_the_same_time_to_arrive() -> None:
+    """A small body could take hours: its request's key, checked before the body came, acted long after
+    it was revoked (and the connection was held all along)."""
+    from worker.bodycap import BodyReadTimeoutError
+
+    outcome: list[object] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            while (await receive()).get("more_body"):
+                pass
+            outcome.append("read")
+        except BodyReadTimeoutError as exc:
+            outcome.append(exc)
+
+    async def trickle() -> dict[str, Any]:
+        await asyncio.sleep(0.05)  # a byte at a time, never done
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def send(message: Any) -> None:
+        return None
+
+    gated = BodyCapMiddleware(app, cap=LARGE_BODY_BYTES, large_at_once=2, large_body_seconds=0.3)
+    asyncio.run(asyncio.wait_for(gated(_scope([(b"content-length", b"100")]), trickle, send), 10))
+    [error] = outcome
+    assert isinstance(error, BodyReadTimeoutError) and error.seconds == 0.3
