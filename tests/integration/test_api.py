@@ -963,6 +963,9 @@ def test_deleting_a_config_key_restores_its_default_and_resumes_what_it_paused(
         False,
     )
     assert listed["compaction.enabled"]["enabled"] is True and listed["llm.prices"]["value"] is None
+    assert listed["compaction.quality_gate"]["enabled"] is True  # a switch, on when unset
+    gate = committed_client.get("/v1/config/compaction.quality_gate", headers=ADMIN_HEADERS)
+    assert gate.status_code == 200 and gate.json()["enabled"] is True, gate.text
     with caplog.at_level("INFO", logger="worker.api.routes.config"):
         response = committed_client.delete(key, headers=ADMIN_HEADERS)
     assert "config facts.extraction_enabled unset by api admin token" in caplog.text  # who, when the row goes

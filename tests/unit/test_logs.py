@@ -262,3 +262,39 @@ def test_celerys_record_of_a_task_that_raised_tells_its_error_without_its_data()
         "Task tasks.test.settle[t-1] raised unexpected: RuntimeError: could not settle the job"
     )
     assert "IntegrityError: UniqueViolation (SQLSTATE 23505)" in json.loads(line)["data"]["traceback"]
+
+
+def test_a_traceback_of_an_llm_error_tells_its_sdk_cause_by_status_not_by_the_providers_words() -> None:
+    """An LLMError is raised from the SDK's error, whose message is the provider's body: the traceback
+    printed it as the LLMError's cause."""
+    import httpx2
+    import openai
+
+    from worker.llm.errors import to_llm_error
+
+    said = "Invalid value in messages[1].content: 'Alice told Bob her diagnosis'"
+    body = {"error": {"message": said, "type": "invalid_request_error", "code": "invalid_value"}}
+    response = httpx2.Response(400, json=body, request=httpx2.Request("POST", "http://provider/v1/chat"))
+    sdk_error = openai.OpenAI(
+        api_key="sk-test", base_url="http://provider/v1"
+    )._make_status_error_from_response(response)
+    try:
+        try:
+            raise sdk_error
+        except openai.APIStatusError as exc:
+            raise to_llm_error(exc) from exc
+    except Exception as error:
+        record = logging.LogRecord(
+            "worker.jobs",
+            logging.ERROR,
+            __file__,
+            1,
+            "run failed",
+            (),
+            (type(error), error, error.__traceback__),
+        )
+    assert ContextFilter().filter(record)
+    formatted = TextFormatter("%(message)s").format(record)
+    assert "Alice" not in formatted and "diagnosis" not in formatted, formatted
+    assert "BadRequestError: HTTP 400" in formatted
+    assert formatted.splitlines()[-1] == "LLMError: HTTP 400 (invalid_value)", formatted

@@ -32,9 +32,16 @@ class MigrationsMissingError(RuntimeError):
 
 def loggable(exc: BaseException) -> str:
     """What a log line says of ``exc``: an LLM error's ``log_text`` (its status and code, never the
-    provider's words), else ``error_summary`` (no value a database error quotes)."""
+    provider's words); an HTTP client's or an SDK's error about a response by its class and status (the
+    SDK's message is the provider's body: an LLMError's cause, in a traceback); else ``error_summary``
+    (no value a database error quotes)."""
     text = getattr(exc, "log_text", None)
-    return text if isinstance(text, str) else error_summary(exc)
+    if isinstance(text, str):
+        return text
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return f"{type(exc).__name__}: HTTP {status}"
+    return error_summary(exc)
 
 
 def loggable_record(record: logging.LogRecord) -> None:
@@ -70,9 +77,10 @@ def loggable_traceback(exc: BaseException) -> str:
         if earlier is not None:
             parts.append(_CAUSE if later.__cause__ is earlier else _CONTEXT)
         frames = "".join(traceback.format_tb(later.__traceback__))
-        parts.append(
-            f"Traceback (most recent call last):\n{frames}{loggable(later)}" if frames else loggable(later)
-        )
+        told = loggable(later)
+        name = type(later).__name__
+        told = told if told.startswith(name) else f"{name}: {told}"  # its class, as Python prints it
+        parts.append(f"Traceback (most recent call last):\n{frames}{told}" if frames else told)
     return "\n".join(parts)
 
 

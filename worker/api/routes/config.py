@@ -20,7 +20,7 @@ from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import StorableStr
 from worker.config_store import (
     CONFIG_KEYS,
-    KILL_SWITCHES,
+    SWITCHES,
     UnknownConfigKeyError,
     check_key,
     config_table,
@@ -102,13 +102,13 @@ class ConfigList(BaseModel):
 
 def _entry_out(key: str, entry: ConfigEntry | None) -> ConfigOut | None:
     if entry is None:
-        if key in KILL_SWITCHES:
+        if key in SWITCHES:
             return ConfigOut(key=key, value=None, enabled=True)
         return None
     return ConfigOut(
         key=key,
         value=entry.value,
-        enabled=is_enabled(entry.value) if key in KILL_SWITCHES else None,
+        enabled=is_enabled(entry.value) if key in SWITCHES else None,
         updated_at=entry.updated_at,
         updated_by=entry.updated_by,
     )
@@ -188,7 +188,7 @@ def unset_config_value(ctx: ApiContext, key: str, actor: str) -> ConfigSetOut:
     if removed:
         # The row is gone, so the log is the record of who unset it (a kill switch turned back on).
         logger.info("config %s unset by %s; %s paused job(s) resumed", key, actor, len(resumed))
-    enabled = True if key in KILL_SWITCHES else None
+    enabled = True if key in SWITCHES else None
     return ConfigSetOut(key=key, value=None, enabled=enabled, resumed=len(resumed))
 
 
