@@ -1217,46 +1217,55 @@ def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> Non
     assert calls(tx_factory) == 0
 
 
-def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(tx_factory, llm) -> None:
-    """A reply cut off at max_tokens (a model's long reasons) failed the job, and its retry asked the
-    same pairs under the same cap: cut at the same place, paid for again on every retry. The halves
-    fit; every pair is decided, each under the call that answered it."""
-    from dataclasses import replace as with_cap
+def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
+    tx_factory, llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply cut off at max_tokens (a model's reasons longer than the cap allows a pair) failed the
+    job, and its retry asked the same pairs under the same cap: cut at the same place, paid for again on
+    every retry. The halves are asked under at least the cap their question was cut at (under their own
+    smaller one, each was cut again); every pair is decided, under the call that answered it."""
+    from worker.consolidation import service
 
-    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora")  # 10 pairs: one answer too long for the cap
-    pages = [lives(f"2026-0{month}-05", city) for month, city in enumerate(cities, start=1)]
-    for slug, body in pages:
-        put_page(tx_factory, slug, body)
-        extract(tx_factory, llm, slug)
+    monkeypatch.setattr(service, "OUTPUT_TOKENS_PER_PAIR", 15)  # a model wordier than the allowance
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")  # 20 pairs in one question
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
 
-    class CappedModel:  # the real simulator client under a provider's output cap of 100 tokens
+    class Recording:  # the real simulator client, each question's pairs and cap noted
         provider, model = llm.provider, llm.model
 
         def __init__(self) -> None:
-            self.asked: list[int] = []
+            self.asked: list[tuple[int, int]] = []
 
         def chat(self, request: Any) -> Any:
-            self.asked.append(request.messages[0][1].count(" OLD ("))
-            return llm.chat(with_cap(request, max_tokens=100))
+            self.asked.append((request.messages[0][1].count(" OLD ("), request.max_tokens))
+            return llm.chat(request)
 
-    capped = CappedModel()
-    counters = consolidate(tx_factory, capped)
-    assert max(capped.asked) >= 4 and min(capped.asked) < max(capped.asked)  # cut, then asked in halves
+    with tx_factory.begin() as session:  # decide again, through the recording client
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    model = Recording()
+    counters = consolidate(tx_factory, model)
+    first_pairs, first_cap = model.asked[0]
+    assert (first_pairs, first_cap) == (20, 300) and len(model.asked) > 1, model.asked
+    assert all(cap >= first_cap for _, cap in model.asked[1:]), model.asked  # never a smaller cap
     with tx_factory() as session:
-        outcomes = session.execute(
-            select(LLMCall.outcome, func.count())
-            .where(LLMCall.purpose == "consolidation")
-            .group_by(LLMCall.outcome)
-        ).all()
+        outcomes = dict(
+            session.execute(
+                select(LLMCall.outcome, func.count())
+                .where(LLMCall.purpose == "consolidation", LLMCall.id > 0)
+                .group_by(LLMCall.outcome)
+            ).all()
+        )
         unlinked = session.scalar(
             select(func.count()).where(
                 ConsolidationDecision.decided_by == "model", ConsolidationDecision.llm_call_id.is_(None)
             )
         )
-    assert dict(outcomes).get("truncated_output", 0) >= 1 and dict(outcomes)["ok"] >= 2
-    assert counters.llm_calls == sum(n for _, n in outcomes) and unlinked == 0
+    assert outcomes.get("truncated_output", 0) >= 1 and counters.llm_calls == len(model.asked)
+    assert unlinked == 0
     current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
-    assert current == ["Alice Example lives in Evora now."]
+    assert current == ["Alice Example lives in Aveiro now."]
 
 
 def test_a_backfill_of_a_years_moves_leaves_only_the_last_current(tx_factory, llm) -> None:

@@ -605,3 +605,28 @@ def test_equally_similar_candidates_nearest_in_time_are_asked_first() -> None:
     assert [c.old.id for c in candidates(late, sayings)][:2] == [4, 5]
     undated = fact(9, "Alice lives in Tomar", when=None)
     assert [c.old.id for c in candidates(undated, sayings)] == [7, 6, 5, 4, 3]  # the latest arrivals
+
+
+def test_candidates_with_vectors_nearly_as_similar_are_taken_nearest_in_time() -> None:
+    """With embeddings the cosines never tie exactly: the oldest sayings, a hair more similar, still
+    took every place and the one in force just before the new fact was not asked."""
+    import math
+
+    def towards(angle: float) -> list[float]:
+        return [math.cos(angle), math.sin(angle)]
+
+    new = fact(9, "Alice lives in Aveiro", when=datetime(2026, 7, 5, tzinfo=UTC), vec=towards(0.0))
+    # cosines 0.9281 (the oldest) down to 0.9253 (the latest): all 0.93 at two decimals
+    sayings = [
+        fact(
+            n,
+            f"Alice lives in city {n}",
+            when=datetime(2026, n, 5, tzinfo=UTC),
+            vec=towards(0.38 + 0.0015 * n),
+        )
+        for n in range(1, 7)
+    ]
+    cosines = [round(cosine(new.embedding, s.embedding) or 0, 4) for s in sayings]
+    assert cosines == sorted(cosines, reverse=True) and {round(c, 2) for c in cosines} == {0.93}, cosines
+    chosen_ids = [c.old.id for c in candidates(new, sayings)]
+    assert 6 in chosen_ids, (chosen_ids, cosines)  # the saying in force just before is asked

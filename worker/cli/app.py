@@ -325,7 +325,8 @@ def _undecodable_argument(arguments: list[str]) -> str | None:
         try:
             argument.encode("utf-8")
         except UnicodeEncodeError:
-            if takes_paths and os.path.lexists(argument):
+            named = argument.split("=", 1)[1] if argument.startswith("-") and "=" in argument else argument
+            if takes_paths and os.path.lexists(named):  # a path, or --examples=PATH
                 continue
             shown = argument.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
             return (

@@ -72,13 +72,14 @@ class ConsolidationCounters:
         }
 
 
-def consolidation_request(entity: str, pairs: Sequence[AskedPair]) -> ChatRequest:
-    """The one batched question about an entity's ambiguous pairs, with the strict answer schema."""
+def consolidation_request(entity: str, pairs: Sequence[AskedPair], at_least: int = 0) -> ChatRequest:
+    """The one batched question about an entity's ambiguous pairs, with the strict answer schema; its
+    reply cap at least ``at_least`` tokens (the cap of a question its pairs were cut off in)."""
     return ChatRequest(
         purpose=CONSOLIDATION_PURPOSE,
         system=CONSOLIDATION_SYSTEM_PROMPT,
         messages=(("user", render_pairs(entity, pairs)),),
-        max_tokens=max(256, OUTPUT_TOKENS_PER_PAIR * len(pairs)),
+        max_tokens=max(256, OUTPUT_TOKENS_PER_PAIR * len(pairs), at_least),
         json_schema=decisions_json_schema(len(pairs)),
         schema_name=SCHEMA_NAME,
         cache_key="factmill-consolidation-v1",
@@ -196,17 +197,10 @@ def _ask_model(
         # again, and a model that skips a pair twice would skip it on every retry too).
         counters.pairs_asked += len(chunk)  # once: a pair asked again is still one pair
         for _ask in range(2):
-            run.guard()
-            # Not a fact an erasure (or a re-extraction) removed since the round was read: its text
-            # goes to no provider after the erasure returned (its decision would not be written).
-            there = store.existing({fact.id for pair in chunk for fact in (pair.new, pair.old)})
-            chunk = [pair for pair in chunk if pair.new.id in there and pair.old.id in there]
-            if not chunk:
-                break
             got, asked_in = _decide_pairs(store, llm, run, chunk, counters)
             answers.update(got)
             call_ids.update(asked_in)  # a pair still unanswered: its last ask
-            chunk = [p for p in chunk if p.number not in got]
+            chunk = [p for p in chunk if p.number in asked_in and p.number not in got]
             if not chunk:
                 break
     return answers, call_ids
@@ -218,20 +212,28 @@ def _decide_pairs(
     run: EntityRun,
     pairs: Sequence[AskedPair],
     counters: ConsolidationCounters,
+    at_least: int = 0,
 ) -> tuple[dict[int, PairDecision], dict[int, int]]:
-    """The decisions (by pair number) and the llm_calls row each pair was asked in. An answer cut off
-    at its token cap (a model's long reasons) is asked again in halves: asked again whole, it was cut
-    at the same place on every retry of the job, each paid for. One pair's cut-off answer is an
-    unusable answer (the job retries)."""
-    response, call_id = _call(store, llm, run, pairs)
+    """The decisions (by pair number) and the llm_calls row each pair was asked in (a pair whose facts
+    are gone is not asked). An answer cut off at its token cap (a model's long reasons) is asked again
+    in halves, each under at least that cap: asked again whole, it was cut at the same place on every
+    retry of the job, each paid for. One pair's cut-off answer is an unusable answer (the job retries)."""
+    run.guard()
+    # Not a fact an erasure (or a re-extraction) removed since the round was read: its text goes to no
+    # provider after the erasure returned (its decision would not be written).
+    there = store.existing({fact.id for pair in pairs for fact in (pair.new, pair.old)})
+    pairs = [pair for pair in pairs if pair.new.id in there and pair.old.id in there]
+    if not pairs:
+        return {}, {}
+    request = consolidation_request(run.entity_key, pairs, at_least)
+    response, call_id = _call(store, llm, run, request)
     counters.llm_calls += 1
     counters.prompt_tokens += response.usage.input_tokens
     if response.finish == "truncated" and len(pairs) > 1:
         answers: dict[int, PairDecision] = {}
         asked_in: dict[int, int] = {}
         for half in (pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]):
-            run.guard()
-            got, ids = _decide_pairs(store, llm, run, half, counters)
+            got, ids = _decide_pairs(store, llm, run, half, counters, request.max_tokens)
             answers.update(got)
             asked_in.update(ids)
         return answers, asked_in
@@ -244,10 +246,9 @@ def _decide_pairs(
 
 
 def _call(
-    store: ConsolidationStore, llm: LLMClient, run: EntityRun, pairs: Sequence[AskedPair]
+    store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest
 ) -> tuple[ChatResponse, int]:
     """One call, recorded in llm_calls whatever its end (a budget refusal makes no call and no row)."""
-    request = consolidation_request(run.entity_key, pairs)
     run.before_call()
     started = time.perf_counter()
 

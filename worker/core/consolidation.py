@@ -226,15 +226,16 @@ def candidates(
 
 def chosen(new: FactView, triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
     """The certain duplicate, else at most ``limit`` ambiguous pairs: the most similar, and of equally
-    similar ones those nearest ``new`` in time. A backfill plans a year of "Alice lives in X" in one
-    round, every earlier saying still in the pool: by id, the five oldest were asked and the one in
-    force just before ``new`` never was, and both stayed current."""
+    similar ones (to two decimals: cosines of "Alice lives in X" sayings differ in the third) those
+    nearest ``new`` in time. A backfill plans a year of such sayings in one round, every earlier one
+    still in the pool: by id, the five oldest were asked and the one in force just before ``new`` never
+    was, and both stayed current."""
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
         return sorted(certain, key=lambda t: (t.triage != "exact", order_key(t.old)))[:1]
     ambiguous = [t for t in triaged if t.triage == "ambiguous"]
-    ambiguous.sort(key=lambda t: (-t.similarity, _apart(new, t.old), -order_key(t.old)[1]))
+    ambiguous.sort(key=lambda t: (-round(t.similarity, 2), _apart(new, t.old), -order_key(t.old)[1]))
     return ambiguous[:limit]
 
 
