@@ -195,17 +195,22 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
     assert twice["path"] == str(nested / "a.md") and "the same file as" in twice["reason"]
 
 
+def run_bytes(cli: Any, args: list[bytes]) -> subprocess.CompletedProcess[bytes]:
+    """`factmill` with arguments given as bytes (a terminal in another encoding), in a UTF-8 locale."""
+    return subprocess.run(
+        [sys.executable.encode(), b"-m", b"worker.cli", *args],
+        cwd=REPO,
+        env=cli.env | {"LC_ALL": "C.UTF-8"},
+        capture_output=True,
+        timeout=120,
+    )
+
+
 def test_an_argument_of_bytes_that_are_not_utf8_is_refused_naming_it(cli):
     """A Latin-1 terminal's "café" reaches Python as a lone surrogate, which no query can send: a
     UnicodeEncodeError traceback from `pages erase`, `extract --slug`, `--source-id`."""
     for args in ([b"pages", b"erase", b"default", b"caf\xe9"], [b"extract", b"--source-id", b"\xff"]):
-        result = subprocess.run(
-            [sys.executable.encode(), b"-m", b"worker.cli", *args],
-            cwd=REPO,
-            env=cli.env | {"LC_ALL": "C.UTF-8"},
-            capture_output=True,
-            timeout=120,
-        )
+        result = run_bytes(cli, args)
         stderr = result.stderr.decode()
         assert result.returncode == 2 and "Traceback" not in stderr, stderr
         assert "holds bytes that are not UTF-8 text" in stderr and "\\x" in stderr
@@ -229,23 +234,11 @@ def test_a_file_named_in_another_encoding_is_ingested_by_its_name_beside_the_oth
         b"--json",
         b"--no-enqueue",
     ]
-    result = subprocess.run(
-        [sys.executable.encode(), b"-m", b"worker.cli", *args],
-        cwd=REPO,
-        env=cli.env | {"LC_ALL": "C.UTF-8"},
-        capture_output=True,
-        timeout=120,
-    )
+    result = run_bytes(cli, args)
     stderr = result.stderr.decode()
     assert result.returncode == 2 and "Traceback" not in stderr, stderr  # the file that is not there
     assert "argument 4" in stderr and "rename it, or pass its folder" in stderr
-    result = subprocess.run(
-        [sys.executable.encode(), b"-m", b"worker.cli", *args[:3], *args[4:]],
-        cwd=REPO,
-        env=cli.env | {"LC_ALL": "C.UTF-8"},
-        capture_output=True,
-        timeout=120,
-    )
+    result = run_bytes(cli, [*args[:3], *args[4:]])
     assert result.returncode == 0, result.stderr.decode()
     assert sorted(json.loads(result.stdout)["ingested"]) == ["conversations/cafe", "good"]
 
