@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 
 from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.cli import invoke_cli
@@ -130,6 +130,27 @@ def test_budget_spent_part_way_stops_before_the_next_call(tx_factory, llm):
     assert result.segments_processed == 1 and result.pages[0].outcome == "budget_exhausted"
     with pytest.raises(BudgetExhaustedError, match="day LLM budget is exhausted"):
         budget.check()
+
+
+def test_a_stored_budget_no_rule_takes_is_spent_not_lifted(tx_factory, caplog):
+    """A value written before the rules (or by hand) was read as no limit, unsaid: a negative budget
+    let every call through. It reads as 0 now, said once in the log; a huge one as the most there is."""
+    from models import ConfigEntry
+
+    with tx_factory.begin() as session:  # past validate_value, as an old release or psql wrote it
+        session.add(ConfigEntry(key="llm.budget_daily_usd", value="-5"))
+        session.add(ConfigEntry(key="llm.budget_job_usd", value="1e1000000"))
+    budget = Budget(tx_factory, ConfigReader(tx_factory, ttl=0).get, ttl=0)
+    with caplog.at_level("WARNING", logger="worker.accounting.budget"):
+        with pytest.raises(BudgetExhaustedError, match="day LLM budget is exhausted"):
+            budget.check()
+        with pytest.raises(BudgetExhaustedError):
+            budget.check()
+    assert caplog.text.count("config llm.budget_daily_usd holds a value no budget takes") == 1
+    with tx_factory.begin() as session:
+        session.execute(delete(ConfigEntry).where(ConfigEntry.key == "llm.budget_daily_usd"))
+    budget.check()  # the huge job budget is no limit in practice, and no warning
+    assert "llm.budget_job_usd" not in caplog.text
 
 
 # Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
@@ -14,6 +15,9 @@ from models import Job, LLMCall, LLMSpendDay
 from models.reads import read_only
 from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
+
+logger = logging.getLogger(__name__)
+_SAID_UNREADABLE: set[tuple[str, str]] = set()  # said once a process: each check reads it
 
 DAILY_BUDGET_KEY = "llm.budget_daily_usd"
 JOB_BUDGET_KEY = "llm.budget_job_usd"
@@ -164,7 +168,22 @@ class Budget:
         return True
 
     def _limit(self, key: str) -> Decimal | None:
+        """The budget ``key`` sets. A stored value it refuses (written before the rules, or by hand) was
+        read as no limit, unsaid: a huge one stands for MAX_BUDGET_USD, any other for 0 (spent), said in
+        the log, as the check's refusal says which key to fix."""
+        value = self._get(key)
         try:
-            return parse_usd(self._get(key))
+            return parse_usd(value)
         except ValueError:
-            return None
+            try:
+                huge = value is not None and Decimal(value.strip()) > MAX_BUDGET_USD
+            except InvalidOperation:
+                huge = False
+            if huge:
+                return MAX_BUDGET_USD
+            if (key, str(value)) not in _SAID_UNREADABLE:
+                _SAID_UNREADABLE.add((key, str(value)))
+                logger.warning(
+                    "config %s holds a value no budget takes; read as 0 until it is set again", key
+                )
+            return Decimal(0)
