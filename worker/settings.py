@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hmac
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import InvalidSettingsError
@@ -29,6 +30,17 @@ class RefusedSettingsError(ValueError):
 class InsecureSecretsError(RefusedSettingsError):
     """Production settings with a placeholder, short or shared secret."""
 
+
+CELERY_BROKER_VARIABLES = ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL")
+# The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).
+_HTTP = ("http", "https")
+URL_SCHEMES: dict[str, tuple[str, ...] | None] = {
+    "llm_base_url": _HTTP,
+    "simulator_url": _HTTP,
+    "otel_endpoint": _HTTP,
+    "ratelimit_redis_url": ("redis", "rediss", "unix"),
+    "broker_url": None,
+}
 
 PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "dev-secret"})
 SECRET_NAMES = ("webhook_secret", "admin_token", "webhook_previous_secret")
@@ -268,6 +280,25 @@ class Settings(BaseSettings):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @field_validator("llm_base_url", "simulator_url", "otel_endpoint", "ratelimit_redis_url", "broker_url")
+    @classmethod
+    def _url_scheme(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A server URL names its scheme: "localhost:6379" or "localhost:8000/v1" started cleanly and
+        failed at first use (every search a 500, every LLM call a retried "connection error"). The
+        value is never quoted (it may carry credentials)."""
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        scheme, sep, _ = value.partition("://")
+        wanted = URL_SCHEMES.get(info.field_name or "")
+        if not sep or (wanted is not None and scheme.lower() not in wanted):
+            if wanted is None:
+                raise ValueError(
+                    "must be a URL naming its transport, e.g. redis://host:6379/0 or amqp://host//"
+                )
+            raise ValueError(f"must be a URL beginning with {' or '.join(f'{s}://' for s in wanted)}")
+        return value
+
     @field_validator("webhook_previous_secret")
     @classmethod
     def _strip_optional(cls, value: str | None) -> str | None:
@@ -292,6 +323,19 @@ class Settings(BaseSettings):
         while it is rotated."""
         previous = [self.webhook_previous_secret] if self.webhook_previous_secret else []
         return [self.webhook_secret, *previous]
+
+    @model_validator(mode="after")
+    def _one_broker(self) -> Settings:
+        """Celery reads CELERY_BROKER_URL (and its read and write twins) before any configuration: left
+        in an image's environment, workers, beat and sends went to that broker while /readyz, the
+        metrics and the rate limits watched FACTMILL_BROKER_URL's."""
+        overriding = [name for name in CELERY_BROKER_VARIABLES if os.environ.get(name)]
+        if overriding:
+            raise ValueError(
+                f"{', '.join(overriding)} is set: Celery would use it instead of FACTMILL_BROKER_URL; "
+                "unset it and set FACTMILL_BROKER_URL"
+            )
+        return self
 
     @model_validator(mode="after")
     def _stale_after_two_heartbeats(self) -> Settings:

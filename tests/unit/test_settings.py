@@ -139,3 +139,31 @@ def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_ref
     assert "OPENAI_API_KEY" in str(caught.value) and "no spaces, line breaks" in str(caught.value)
     assert "56789" not in str(caught.value)
     assert Settings(openai_api_key="  ").openai_api_key is None  # blank: no key set
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("FACTMILL_RATELIMIT_REDIS_URL", "localhost:6379", "redis:// or rediss:// or unix://"),
+        ("FACTMILL_LLM_BASE_URL", "localhost:8000/v1", "http:// or https://"),
+        ("FACTMILL_OTEL_ENDPOINT", "collector:4318", "http:// or https://"),
+        ("FACTMILL_BROKER_URL", "localhost:6379", "naming its transport"),
+    ],
+)
+def test_a_server_url_without_its_scheme_is_refused_at_start(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, said: str
+) -> None:
+    """Accepted, each failed at first use: every search a 500 (the rate limiter's Redis URL), every LLM
+    call a retried "connection error" (a base URL read as scheme "localhost")."""
+    monkeypatch.setenv(variable, value.replace("localhost", "user:s3cret@localhost", 1))
+    with pytest.raises(InvalidSettingsError, match=said) as refused:
+        fresh_settings()
+    assert variable in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+def test_celerys_own_broker_variable_is_refused(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery reads CELERY_BROKER_URL before its configuration: workers and sends used that broker while
+    /readyz and the metrics watched FACTMILL_BROKER_URL's."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://elsewhere:6379/0")
+    with pytest.raises(InvalidSettingsError, match="CELERY_BROKER_URL is set: Celery would use it"):
+        fresh_settings()
