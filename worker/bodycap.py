@@ -124,7 +124,7 @@ class BodyCapMiddleware:
     LARGE_BODY_GRACE_SECONDS, at least ``large_body_min_rate`` bytes a second on average: a forged
     signature header passes the checks made before the body (its form and age), and a trickle of a
     byte a second held a place for the whole deadline; two such connections, renewed, stalled every
-    real large delivery. A small body is held to the same deadline and rate, from its arrival."""
+    real large delivery. A small body is held to the same deadline and rate, from its first read."""
 
     def __init__(
         self,
@@ -150,13 +150,14 @@ class BodyCapMiddleware:
             async with self._large_gate:
                 await self.capped(scope, self._timed(receive), send)
             return
-        # A small body has the same time to arrive: unbounded, a request whose key was checked before its
-        # body came acted hours later, the key revoked meanwhile (and held a connection all along).
-        await self.capped(scope, self._timed(receive), send)
+        # A small body has the same time to arrive, from its first read (a wait for a thread is the
+        # server's): unbounded, a request whose key was checked before its body came acted hours later,
+        # the key revoked meanwhile (and held a connection all along).
+        await self.capped(scope, self._timed(receive, from_first_read=True), send)
 
-    def _timed(self, receive: Receive) -> Receive:
-        """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now, or once the
-        body has come slower than the least rate (after the grace seconds)."""
+    def _timed(self, receive: Receive, *, from_first_read: bool = False) -> Receive:
+        """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now (or from the
+        first read), or once the body has come slower than the least rate (after the grace seconds)."""
         seconds, min_rate = self._large_body_seconds, self._min_rate
         if seconds is None and min_rate <= 0:
             return receive
@@ -165,9 +166,11 @@ class BodyCapMiddleware:
         received = 0
 
         async def timed_receive() -> Any:
-            nonlocal received, start
+            nonlocal received, start, deadline
             if start is None:
                 start = asyncio.get_running_loop().time()
+                if from_first_read and seconds is not None:
+                    deadline = start + seconds
             limit, slow = deadline, False
             if min_rate > 0:
                 paced = start + LARGE_BODY_GRACE_SECONDS + received / min_rate

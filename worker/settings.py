@@ -185,7 +185,7 @@ class Settings(BaseSettings):
     max_large_bodies: int = Field(default=2, ge=0, le=1000)
     # Seconds a large body (one of those) has to arrive once its turn comes, else 408: a slow upload
     # held its place for as long as its sender liked. 25 MiB in 120 s is about 220 KB/s. A small body
-    # has as long from its arrival.
+    # has as long from its first read.
     large_body_seconds: float = Field(default=120.0, gt=0, le=3600)
     # ...and, after its first 5 s, at least this many bytes a second on average (0: no floor).
     large_body_min_bytes_per_second: int = Field(default=32 * 1024, ge=0, le=1 << 30)

@@ -1305,3 +1305,12 @@ def test_an_operators_undo_waits_for_a_consolidation_commit_of_its_entity(factor
         assert lock_waited_on(factory) and not done, "the undo never waited for the round in flight"
     undoing.join(timeout=30)
     assert done and done[0] > 0
+
+
+def test_the_orphan_repair_of_an_entity_with_nothing_leaves_no_checkpoint(tx_factory) -> None:
+    """A consolidation job claimed just before an erasure took the entity's last fact away: its repair
+    made the checkpoint the erasure had dropped (keyed by the erased name), and left it."""
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    assert store.repair_orphans("default", "people/erased-person", None) == 0
+    with tx_factory() as session:
+        assert session.get(ConsolidationCheckpoint, ("default", "people/erased-person")) is None

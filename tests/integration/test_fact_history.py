@@ -259,3 +259,10 @@ def test_the_timeline_credits_a_change_to_the_fact_it_closed(tx_factory, simulat
     assert (paris.status, paris.superseded_by, berlin.status) == ("superseded", berlin.id, "current")
     assert paris.reason is not None and "Paris" in paris.reason
     assert berlin.reason is not None and berlin.reason.startswith("rule: "), berlin.reason  # its own
+    # Paris's page erased, the verdict's fact id goes NULL, as does Berlin's superseded_by: no match.
+    from worker.extraction.erase import erase_page
+
+    erase_page(tx_factory, "default", lives("2026-01-05", "Paris")[0], "test")
+    with tx_factory() as session:
+        [after] = [e for e in entity_timeline(session, ALICE) if e.id == berlin.id]
+    assert after.reason == berlin.reason

@@ -119,3 +119,31 @@ def test_a_small_body_has_the_same_time_to_arrive() -> None:
     asyncio.run(asyncio.wait_for(gated(_scope([(b"content-length", b"100")]), trickle, send), 10))
     [error] = outcome
     assert isinstance(error, BodyReadTimeoutError) and error.seconds == 0.3
+
+
+def test_a_small_bodys_time_counts_from_its_first_read() -> None:
+    """The route checks the key on a thread before it reads: a busy pool's wait was counted against the
+    sender, and a body that was coming at once was refused as late."""
+    read: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.5)  # waiting for a thread, past the body's 0.3 s
+        while True:
+            message = await receive()
+            read.append(len(message.get("body", b"")))
+            if not message.get("more_body"):
+                return
+
+    chunks = [b"x" * 100, b"y" * 100]
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.01)  # arriving now, well within its time
+        body = chunks.pop()
+        return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+
+    async def send(message: Any) -> None:
+        return None
+
+    gated = BodyCapMiddleware(app, cap=LARGE_BODY_BYTES, large_at_once=2, large_body_seconds=0.3)
+    asyncio.run(gated(_scope([(b"content-length", b"200")]), receive, send))
+    assert read == [100, 100]

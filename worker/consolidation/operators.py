@@ -75,7 +75,8 @@ def entity_timeline(
             # else its own latest decision other than "unrelated". A verdict closes whichever of the two
             # became true first: a late fact "updating" a later one is itself closed, and the later one's
             # reason stays its own.
-            if decision in CLOSING and other_id is not None and closed_by.get(other_id) == fact_id:
+            closer = fact_id is not None and closed_by.get(other_id) == fact_id  # (a deleted one closes none)
+            if decision in CLOSING and other_id is not None and closer:
                 reasons[other_id] = reason
             if fact_id is not None and (decision != "unrelated" or fact_id not in reasons):
                 reasons[fact_id] = reason

@@ -154,13 +154,17 @@ class ConsolidationStore:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
         erased) become current and unconsolidated again, each with an audit row; returns how many."""
         with self._factory.begin() as session:
-            lock_checkpoint(session, source_id, entity_key)  # an operator's undo, an erasure: one at a time
+            # An operator's undo, an erasure: one at a time. A checkpoint made only for this (an entity an
+            # erasure just took away) goes again: it would keep the erased name.
+            created = lock_checkpoint(session, source_id, entity_key)
             ids = session.scalars(
                 update(Fact)
                 .where(Fact.source_id == source_id, _entity(entity_key), _orphaned())
                 .values(status=CURRENT, valid_to=None, consolidated_at=None)
                 .returning(Fact.id)
             ).all()
+            if created and not ids:
+                session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": entity_key})
             rows = [(i, Row(None, "restore", "rule", ORPHAN_REASON)) for i in ids]
             insert_rows(session, source_id, entity_key, job_id, rows)
         return len(ids)

@@ -28,6 +28,8 @@ DECIDERS = ("rule", "model", "operator")
 # Cosine similarity at or above which two facts of one entity and kind are the same statement (the
 # simulator's and real embedding models' paraphrases both land above it only for near-identical text).
 DUPLICATE_COSINE = 0.97
+# Candidates within one such step of each other are equally similar (then the nearest in time first).
+SIMILARITY_STEP = 0.01
 # Below this (and below CANDIDATE_OVERLAP) a pair is unrelated without asking anyone.
 CANDIDATE_COSINE = 0.55
 CANDIDATE_OVERLAP = 0.25
@@ -226,16 +228,21 @@ def candidates(
 
 def chosen(new: FactView, triaged: Sequence[PairTriage], limit: int) -> list[PairTriage]:
     """The certain duplicate, else at most ``limit`` ambiguous pairs: the most similar, and of equally
-    similar ones (to two decimals: cosines of "Alice lives in X" sayings differ in the third) those
-    nearest ``new`` in time. A backfill plans a year of such sayings in one round, every earlier one
-    still in the pool: by id, the five oldest were asked and the one in force just before ``new`` never
-    was, and both stayed current."""
+    similar ones (in the same SIMILARITY_STEP counted down from the best: cosines of "Alice lives in X"
+    sayings differ in the third decimal) those nearest ``new`` in time. A backfill plans a year of such
+    sayings in one round, every earlier one still in the pool: by id, the five oldest were asked and
+    the one in force just before ``new`` never was, and both stayed current."""
     certain = [t for t in triaged if t.triage in ("exact", "near")]
     if certain:
         # The earliest such fact is the one the new fact duplicates.
         return sorted(certain, key=lambda t: (t.triage != "exact", order_key(t.old)))[:1]
     ambiguous = [t for t in triaged if t.triage == "ambiguous"]
-    ambiguous.sort(key=lambda t: (-round(t.similarity, 2), _apart(new, t.old), -order_key(t.old)[1]))
+    if not ambiguous:
+        return []
+    best = max(t.similarity for t in ambiguous)
+    ambiguous.sort(
+        key=lambda t: (int((best - t.similarity) / SIMILARITY_STEP), _apart(new, t.old), -order_key(t.old)[1])
+    )
     return ambiguous[:limit]
 
 
