@@ -1530,6 +1530,10 @@ def test_a_batch_is_found_at_the_provider_by_its_key(sim, wire):
         # kept every lookup undecided (and each read the first result of every ended batch).
         later = datetime.now(UTC) + FIND_MARGIN + timedelta(minutes=1)
         assert client.find("fmmineb1n0", later) is None
+        # ...or well after it (this backfill's later sends, other tools' batches): the send that died
+        # before its create reached the provider was undecided until every one of them ended.
+        earlier = datetime.now(UTC) - FIND_MARGIN - timedelta(minutes=1)
+        assert client.find("fmmineb1n0", earlier) is None
     sim.end_batches()
     assert client.find("fmmineb1n0") == mine
     assert client.find("fmotherb1n0") == other

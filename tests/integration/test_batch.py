@@ -514,10 +514,11 @@ def test_a_failed_delete_is_owed_and_deleted_by_the_poll(store, clean_sim, caplo
     assert timedelta(0) < RETRY_AFTER
 
 
-def test_a_run_stopped_while_its_batch_runs_owes_its_delete(store, clean_sim):
+def test_a_run_stopped_while_its_batch_runs_cancels_it_and_owes_its_delete(store, clean_sim):
     """Ctrl-C in a wait of hours (or a cancel, a poll or a download that failed) left the batch and its
-    files at the provider, and nothing else knew its id. Now its delete is owed."""
-    clean_sim.configure(batch_delay_seconds=1.0)
+    files at the provider, and nothing else knew its id. Now its delete is owed; and the batch is
+    cancelled (left running, it was billed whole and its results deleted unread)."""
+    clean_sim.configure(batch_delay_seconds=30.0)
     client = openai_batch(clean_sim)
 
     def interrupted(_: float) -> None:
@@ -531,6 +532,7 @@ def test_a_run_stopped_while_its_batch_runs_owes_its_delete(store, clean_sim):
     assert (who, attempts) == ("simulator", 0) and "stopped before collecting it (KeyboardInterrupt)" in (
         error or ""
     )
+    assert client.status(batch_id).status in ("cancelling", "cancelled")  # not left to run for 30 s
     deadline = time.monotonic() + 30
     while not client.status(batch_id).ended:  # then beat's sweep deletes it (here, its function)
         assert time.monotonic() < deadline

@@ -374,12 +374,27 @@ def batch_extraction(
     sent = batch.submit(client)
     if sent is not None:
         assert counters.batch_id is not None
+        status: BatchStatus | None = None
         try:
-            batch.collect(sent, batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep))
+            status = batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep)
+            batch.collect(sent, status)
         except BaseException as exc:  # Ctrl-C in a wait of hours, a cancel or a download that failed
+            if status is None or not status.ended:
+                _cancel_abandoned(client, counters.batch_id)
             _owe_abandoned(store, client.provider, counters.batch_id, exc)
             raise
     return counters
+
+
+def _cancel_abandoned(client: BatchLLMClient, batch_id: str) -> None:
+    """A batch the run stops waiting for (Ctrl-C, SIGTERM, polls that failed for good) is cancelled:
+    left running, it was billed whole and its results deleted unread, and the next run paid again."""
+    try:
+        client.cancel(batch_id)
+    except Exception as exc:
+        logger.error("batch %s could not be cancelled (%s); it runs on at the provider", batch_id, exc)
+    else:
+        logger.warning("batch %s: the run stopped waiting for it; cancelled", batch_id)
 
 
 def _owe_abandoned(store: ExtractionStore, provider: str, batch_id: str, exc: BaseException) -> None:

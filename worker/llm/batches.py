@@ -301,16 +301,16 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
     def find(self, key: str, since: datetime | None = None) -> str | Undetermined | None:
         """Message Batches keep no metadata: an ended batch is known by its results' custom ids (each
         begins with ``key``); while any listed batch is still running, it may be the one. Only batches
-        created since the send began (``since``, less FIND_MARGIN) are looked at: any batch running in
-        the workspace (other backfills', other tools') kept the answer undecided, and every pass read
-        the first result of up to a thousand ended batches."""
+        created within FIND_MARGIN of when the send began (``since``) are looked at: any batch running
+        in the workspace (other backfills', other tools', this backfill's later sends) kept the answer
+        undecided, and every pass read the first result of up to a thousand ended batches."""
         listed = _call(
             "list", lambda: list(islice(self._sdk.messages.batches.list(limit=100), FIND_LIMIT)), self.policy
         )
         running = False
         for batch in listed:
-            if since is not None and batch.created_at < since - FIND_MARGIN:
-                continue  # older than the send: not the one
+            if since is not None and not since - FIND_MARGIN <= batch.created_at <= since + FIND_MARGIN:
+                continue  # long before or after the send (a create is one call of minutes): not the one
             if batch.processing_status != "ended":
                 running = True
                 continue
