@@ -242,7 +242,11 @@ def test_compose_runs_with_what_its_header_says_to_export(monkeypatch, exported,
     factmill container: `FACTMILL_LLM: ${FACTMILL_LLM:-}` arrived as "", refused as no provider."""
     from worker.settings import InsecureSecretsError, Settings
 
-    secrets = {"FACTMILL_WEBHOOK_SECRET": "w" * 64, "FACTMILL_ADMIN_TOKEN": "a" * 64}
+    secrets = {
+        "FACTMILL_WEBHOOK_SECRET": "w" * 64,
+        "FACTMILL_ADMIN_TOKEN": "a" * 64,
+        "POSTGRES_PASSWORD": "p" * 32,
+    }
     for name in list(os.environ):
         if name.startswith(("FACTMILL_", "FLOWER_")) or name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
             monkeypatch.delenv(name)
