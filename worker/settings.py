@@ -31,14 +31,22 @@ class InsecureSecretsError(RefusedSettingsError):
     """Production settings with a placeholder, short or shared secret."""
 
 
-CELERY_BROKER_VARIABLES = ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL")
+# Celery's own: its configuration reads the first three before any other, and its command line (-b)
+# takes BROKER_URL or CELERY_BROKER and writes CELERY_BROKER_URL from it.
+CELERY_BROKER_VARIABLES = (
+    "CELERY_BROKER_URL",
+    "CELERY_BROKER_READ_URL",
+    "CELERY_BROKER_WRITE_URL",
+    "BROKER_URL",
+    "CELERY_BROKER",
+)
 # The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).
 _HTTP = ("http", "https")
 URL_SCHEMES: dict[str, tuple[str, ...] | None] = {
     "llm_base_url": _HTTP,
     "simulator_url": _HTTP,
     "otel_endpoint": _HTTP,
-    "ratelimit_redis_url": ("redis", "rediss", "unix"),
+    "ratelimit_redis_url": ("redis", "rediss", "unix", "redis+socket"),
     "broker_url": None,
 }
 

@@ -14,6 +14,7 @@ from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.cli import invoke_cli
 from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
 from worker.accounting import Budget, parse_prices, parse_usd
+from worker.accounting.budget import MAX_BUDGET_USD
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.jobs.budgets import JobBudgets
@@ -150,6 +151,7 @@ def test_a_stored_budget_no_rule_takes_is_spent_not_lifted(tx_factory, caplog):
     with tx_factory.begin() as session:
         session.execute(delete(ConfigEntry).where(ConfigEntry.key == "llm.budget_daily_usd"))
     budget.check()  # the huge job budget is no limit in practice, and no warning
+    assert budget.room(job_id=1) == (None, MAX_BUDGET_USD)  # the most there is (no calls for job 1)
     assert "llm.budget_job_usd" not in caplog.text
 
 

@@ -161,9 +161,20 @@ def test_a_server_url_without_its_scheme_is_refused_at_start(
     assert variable in str(refused.value) and "s3cret" not in str(refused.value)
 
 
-def test_celerys_own_broker_variable_is_refused(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Celery reads CELERY_BROKER_URL before its configuration: workers and sends used that broker while
-    /readyz and the metrics watched FACTMILL_BROKER_URL's."""
-    monkeypatch.setenv("CELERY_BROKER_URL", "redis://elsewhere:6379/0")
-    with pytest.raises(InvalidSettingsError, match="CELERY_BROKER_URL is set: Celery would use it"):
+@pytest.mark.parametrize("variable", ["CELERY_BROKER_URL", "BROKER_URL", "CELERY_BROKER"])
+def test_celerys_own_broker_variable_is_refused(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """Celery reads CELERY_BROKER_URL before its configuration (its -b option writes it from BROKER_URL
+    or CELERY_BROKER): workers and sends used that broker while /readyz and the metrics watched
+    FACTMILL_BROKER_URL's."""
+    monkeypatch.setenv(variable, "redis://elsewhere:6379/0")
+    with pytest.raises(InvalidSettingsError, match=f"{variable} is set: Celery would use it"):
         fresh_settings()
+
+
+def test_the_rate_limiters_redis_may_be_a_socket(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in ("redis+socket:///tmp/redis.sock", "unix:///tmp/redis.sock", "rediss://h:6380/0"):
+        monkeypatch.setenv("FACTMILL_RATELIMIT_REDIS_URL", url)
+        fresh_settings.cache_clear()
+        assert fresh_settings().ratelimit_redis_url == url

@@ -379,9 +379,9 @@ def batch_extraction(
             status = batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep)
             batch.collect(sent, status)
         except BaseException as exc:  # Ctrl-C in a wait of hours, a cancel or a download that failed
+            _owe_abandoned(store, client.provider, counters.batch_id, exc)  # first: a stop in the cancel
             if status is None or not status.ended:
                 _cancel_abandoned(client, counters.batch_id)
-            _owe_abandoned(store, client.provider, counters.batch_id, exc)
             raise
     return counters
 
@@ -391,8 +391,8 @@ def _cancel_abandoned(client: BatchLLMClient, batch_id: str) -> None:
     left running, it was billed whole and its results deleted unread, and the next run paid again."""
     try:
         client.cancel(batch_id)
-    except Exception as exc:
-        logger.error("batch %s could not be cancelled (%s); it runs on at the provider", batch_id, exc)
+    except Exception as exc:  # (or it ended meanwhile); a second Ctrl-C stops the cancel, its delete owed
+        logger.error("batch %s could not be cancelled (%s); it may run on at the provider", batch_id, exc)
     else:
         logger.warning("batch %s: the run stopped waiting for it; cancelled", batch_id)
 

@@ -52,8 +52,9 @@ class Undetermined:
 UNDETERMINED = Undetermined()
 # How far back ``find`` looks through the provider's batch list (newest first).
 FIND_LIMIT = 1000
-# A batch created this long before its send began (or its last failed send, which moves that time on)
-# is not the one sought: clocks differ, and a create that timed out may have been made minutes before.
+# A batch created this long before or after its send began (or its last failed send, which moves that
+# time on) is not the one sought: clocks differ, and a create that timed out may have been made minutes
+# away from it. (Batches the same backfill sent within the margin still count: undecided until they end.)
 FIND_MARGIN = timedelta(minutes=30)
 
 
