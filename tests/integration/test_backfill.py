@@ -702,6 +702,26 @@ def test_a_page_erased_while_the_plan_was_read_keeps_no_request_nor_slug(factory
     assert request_statuses(factory, backfill_id) == {"done": 4}
 
 
+def test_an_erased_page_a_backfill_named_is_taken_out_of_its_filters(factory, rt, sim):
+    """A backfill of one page (its slug, or a prefix that is the slug) kept the slug in its filters,
+    shown by `factmill backfill show` and GET /v1/backfills after the page was erased."""
+    from models import Backfill
+    from worker.extraction.erase import erase_page, erased_name
+
+    slugs = seed_pages(factory, "bf", 2)
+    by_slug, _ = start(factory, "bf", slug=slugs[0])
+    by_prefix, _ = start(factory, "bf", slug_prefix=slugs[0])
+    folder = slugs[0].rsplit("/", 1)[0] + "/"
+    by_folder, _ = start(factory, "bf", slug_prefix=folder)
+    erase_page(factory, "bf", slugs[0], "test")
+    with factory() as session:
+        filters = {b.id: b.filters for b in session.scalars(select(Backfill))}
+    name = erased_name("bf", slugs[0])
+    assert filters[by_slug]["slug"] == name and filters[by_prefix]["slug_prefix"] == name
+    assert filters[by_folder]["slug_prefix"] == folder  # names more than the page: kept
+    assert slugs[0] not in json.dumps(filters)
+
+
 def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):
     seed_pages(factory, "bf", 4)  # four requests a page: two pages a batch by count
     segments = split_into_segments(parse_conversation_messages(page_body("Ann Example", "Acme")))

@@ -7,10 +7,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from sqlalchemy import bindparam, delete, or_, select, text
+from sqlalchemy import bindparam, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
+from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, OP_CHECKPOINTS
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.consolidation import request_consolidation
@@ -166,6 +166,18 @@ def erased_subject(source_id: str, slug: str) -> str:
 _FORGET_PAGE_IN_BACKFILLS = text("UPDATE backfill_requests SET slug = :name WHERE page_id = :page_id")
 
 
+def _forget_page_in_backfill_filters(session: Session, source_id: str, slug: str, name: str) -> None:
+    """A backfill asked for this one page (its ``slug`` filter, or a ``slug_prefix`` that is the slug)
+    kept the slug in its filters, shown by `factmill backfill show` and GET /v1/backfills for good. (A
+    prefix naming more pages is left: a running backfill would select none of them any more.)"""
+    for key in ("slug", "slug_prefix"):
+        session.execute(
+            update(Backfill)
+            .where(Backfill.source_id == source_id, Backfill.filters[key].astext == slug)
+            .values(filters=Backfill.filters.op("||")(func.jsonb_build_object(key, name)))
+        )
+
+
 def forget_page_name(session: Session, source_id: str, slug: str, page_id: int) -> None:
     """Take the page's slug out of its extraction jobs, finished ones included, out of the requests
     backfills planned for it, and out of the answers kept for repeated webhook deliveries, in the
@@ -173,6 +185,7 @@ def forget_page_name(session: Session, source_id: str, slug: str, page_id: int) 
     requests and drops them, as for any page erased under it."""
     name = erased_name(source_id, slug)
     session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": name, "page_id": page_id})
+    _forget_page_in_backfill_filters(session, source_id, slug, name)
     forget_page_in_deliveries(session, source_id, slug, name)
     session.execute(
         _FORGET_PAGE_IN_JOBS,
