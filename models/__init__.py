@@ -11,7 +11,14 @@ from models.compaction import COMPACTION_STATUSES, MESSAGE_ROLES, Compaction, Tr
 from models.config import ConfigEntry
 from models.consolidation import ConsolidationCheckpoint, ConsolidationDecision
 from models.erasure import Erasure, TranscriptErasure
-from models.fact import FACT_KINDS, NOTABILITY_LEVELS, SEGMENT_OUTCOMES, ExtractionAudit, Fact
+from models.fact import (
+    FACT_KINDS,
+    NOTABILITY_LEVELS,
+    SEGMENT_OUTCOMES,
+    ExtractionAudit,
+    Fact,
+    existing_fact_ids,
+)
 from models.job import JOB_STATUSES, Job, expire_jobs
 from models.llm_call import LLMCall, LLMSpendDay, expire_ledger
 from models.page import Page, page_id_of
@@ -81,6 +88,7 @@ __all__ = [
     "TranscriptErasure",
     "TranscriptMessageRow",
     "WebhookDelivery",
+    "existing_fact_ids",
     "expire_jobs",
     "expire_ledger",
     "fold_totals",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 
 from sqlalchemy import (
@@ -14,10 +15,13 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     UniqueConstraint,
+    any_,
+    bindparam,
+    select,
     text,
 )
 from sqlalchemy.dialects.postgresql import TSVECTOR
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, count_column, utcnow_column
 from worker.core.consolidation import DUPLICATE, FACT_STATUSES, SUPERSEDED
@@ -166,3 +170,13 @@ class ExtractionAudit(Base):
         ForeignKey("llm_calls.id", ondelete="SET NULL"), index=True
     )
     created_at: Mapped[datetime] = utcnow_column()
+
+
+def existing_fact_ids(session: Session, fact_ids: Iterable[int]) -> set[int]:
+    """Which of ``fact_ids`` still exist: an erasure or a re-extraction removes facts under a run, and
+    their text goes to no provider after the erasure returned (consolidation's and embedding's asks)."""
+    wanted = sorted(set(fact_ids))
+    if not wanted:
+        return set()
+    ids = bindparam("ids", wanted, type_=ARRAY(BigInteger))
+    return set(session.scalars(select(Fact.id).where(Fact.id == any_(ids))))

@@ -1065,6 +1065,32 @@ def test_a_provider_without_embeddings_or_settings_leaves_plain_search_lexical(
     assert failures == 0 and after - before == 1, "one expansion call (Anthropic's chat), no failure rows"
 
 
+def test_facts_erased_under_their_embedding_go_to_no_provider(
+    vector_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """A large page's backlog is read once and sent batch after batch: its page erased meanwhile, the
+    rest of its facts' text still went to the embedding provider after the erasure returned."""
+    seed(vector_factory)  # eve-diary-0 holds ten facts
+    inner = sim_client(simulator)
+    sent: list[list[str]] = []
+
+    class ErasedDuringTheFirstCall:
+        provider, model = inner.provider, inner.model
+
+        def chat(self, request: Any) -> Any:
+            return inner.chat(request)
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+            if not sent:
+                with vector_factory.begin() as session:  # the page's erasure, as far as its facts go
+                    session.execute(text("DELETE FROM facts WHERE source_markdown_slug = 'eve-diary-0'"))
+            sent.append(list(texts))
+            return inner.embed(texts, purpose=purpose)
+
+    assert embed_pages_facts(vector_factory, ErasedDuringTheFirstCall(), [("default", "eve-diary-0")], 2) == 0
+    assert len(sent) == 1, sent  # the first call was under way; no batch after it
+
+
 def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(
     vector_factory: sessionmaker[Session],
 ) -> None:

@@ -34,7 +34,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, Fact
-from models.fact import ORPHANED_LINK_SQL
+from models.fact import ORPHANED_LINK_SQL, existing_fact_ids
 from models.packed import unpack_floats
 from models.reads import read_only
 from models.tables import FACTS, JOBS
@@ -171,11 +171,8 @@ class ConsolidationStore:
 
     def existing(self, fact_ids: set[int]) -> set[int]:
         """Which of ``fact_ids`` still exist (an erasure or a re-extraction removes facts mid-run)."""
-        if not fact_ids:
-            return set()
-        ids = bindparam("ids", sorted(fact_ids), type_=ARRAY(BigInteger))
         with read_only(self._factory) as session:
-            return set(session.scalars(select(Fact.id).where(Fact.id == any_(ids))))
+            return existing_fact_ids(session, fact_ids)
 
     def record_call(self, call: LLMCallRecord) -> int:
         """The batched call's llm_calls row (committed at once: it was paid for whatever follows)."""

@@ -107,7 +107,12 @@ def embed_pages_facts(
         report = EmbedReport()
         if not failed.is_set():
             try:
-                _embed_rows(store, llm, batch, report, False)
+                # Not a fact an erasure removed since they were read (a large page's backlog takes
+                # minutes): its text goes to no provider after the erasure returned.
+                there = store.existing(row.id for row in batch)
+                batch = [row for row in batch if row.id in there]
+                if batch:
+                    _embed_rows(store, llm, batch, report, False)
             except Exception as exc:
                 failed.set()
                 _could_not_embed(pages, exc)

@@ -9,7 +9,7 @@ and like the others it never commits.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -17,6 +17,7 @@ from sqlalchemy import Row, RowMapping, bindparam, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.fact import existing_fact_ids
 from models.packed import PackedFloats
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
@@ -182,6 +183,11 @@ class SearchStore:
         with read_only(self._factory) as session:
             sql = text(_TO_REEMBED if every else _TO_EMBED.format(where="id > :last") + " LIMIT :n")
             return list(session.execute(sql, {"last": after_id, "n": limit, "model": model}).all())
+
+    def existing(self, fact_ids: Iterable[int]) -> set[int]:
+        """Which of ``fact_ids`` still exist (an erasure removes a page's facts under its embedding)."""
+        with read_only(self._factory) as session:
+            return existing_fact_ids(session, fact_ids)
 
     def pages_facts_to_embed(self, pages: Sequence[tuple[str, str]]) -> list[FactToEmbed]:
         """The facts with no embedding of these (source id, slug) pages, in id order (one query)."""
