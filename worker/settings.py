@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.core.errors import InvalidSettingsError
+from worker.core.errors import InvalidSettingsError, describe_invalid
 
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
@@ -31,8 +31,7 @@ class InsecureSecretsError(RefusedSettingsError):
     """Production settings with a placeholder, short or shared secret."""
 
 
-# Celery's own: its configuration reads the first three before any other, and its command line (-b)
-# takes BROKER_URL or CELERY_BROKER and writes CELERY_BROKER_URL from it.
+# Celery's own broker variables: read before its configuration (-b writes the first from the last two).
 CELERY_BROKER_VARIABLES = (
     "CELERY_BROKER_URL",
     "CELERY_BROKER_READ_URL",
@@ -491,22 +490,6 @@ class Settings(BaseSettings):
         )
 
 
-def describe_invalid(exc: ValidationError) -> str:
-    """One line naming each refused variable (FACTMILL_JOB_MAX_ATTEMPTS, or the alias it came from)
-    and pydantic's reason, without the value."""
-    problems = []
-    for error in exc.errors(include_input=False, include_url=False):
-        reason = str(error["msg"]).removeprefix("Value error, ")
-        loc = error["loc"]
-        if not loc:
-            problems.append(reason)
-            continue
-        name = str(loc[0])
-        variable = f"FACTMILL_{name.upper()}" if name in Settings.model_fields else name
-        problems.append(f"{variable}: {reason}")
-    return "invalid setting: " + "; ".join(problems)
-
-
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings (read once; tests build their own Settings instead). A refused value
@@ -514,4 +497,4 @@ def get_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        raise InvalidSettingsError(describe_invalid(exc)) from None
+        raise InvalidSettingsError(describe_invalid(exc, Settings.model_fields)) from None

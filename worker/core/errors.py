@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Container
+from typing import Any
 
 from worker.core.jsonvalues import made_storable  # standard library only: math, re
 
@@ -141,3 +143,20 @@ def connection_failure(exc: BaseException) -> str | None:
         return None
     first = (str(orig).strip().splitlines() or [""])[0]
     return first.removeprefix("connection failed: ")[:300]
+
+
+def describe_invalid(exc: Any, fields: Container[str]) -> str:
+    """One line naming each variable a pydantic ValidationError (``exc``) of the Settings refused
+    (FACTMILL_JOB_MAX_ATTEMPTS for a field among ``fields``, else the alias it came from) and
+    pydantic's reason, without the value (it may be a secret)."""
+    problems = []
+    for error in exc.errors(include_input=False, include_url=False):
+        reason = str(error["msg"]).removeprefix("Value error, ")
+        loc = error["loc"]
+        if not loc:
+            problems.append(reason)
+            continue
+        name = str(loc[0])
+        variable = f"FACTMILL_{name.upper()}" if name in fields else name
+        problems.append(f"{variable}: {reason}")
+    return "invalid setting: " + "; ".join(problems)
