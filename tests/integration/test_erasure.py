@@ -848,29 +848,3 @@ def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
     assert written == [None], "its fact was erased: not written"
     with enabled() as session:
         assert session.scalars(select(ConsolidationCheckpoint.entity_key)).all() == []
-
-
-def test_an_unchanged_delivery_in_flight_holds_the_page_an_erasure_waits_for(enabled) -> None:
-    """A delivery found the page unchanged (an older time) without a lock: an erasure ran while its
-    transaction was open, took the slug out of every stored answer, and then the delivery's answer,
-    naming the page, was stored and kept for every replay. The erasure waits for it now."""
-    import threading
-    from datetime import UTC, datetime, timedelta
-
-    from tests.integration.test_consolidation import lock_waited_on
-    from worker.extraction.erase import erase_page
-    from worker.extraction.pages import upsert_page
-
-    now = datetime.now(UTC)
-    page_in = PageIn(slug=SLUG, type="conversation", title="Alice", compiled_truth=BODY)
-    with enabled.begin() as session:
-        upsert_page(session, page_in, delivered_at=now)
-    erasing: threading.Thread | None = None
-    with enabled() as delivery, delivery.begin():
-        assert not upsert_page(delivery, page_in, delivered_at=now - timedelta(seconds=5)).changed
-        erasing = threading.Thread(target=erase_page, args=(enabled, "default", SLUG, "test"))
-        erasing.start()
-        assert lock_waited_on(enabled), "the erasure went ahead under the delivery in flight"
-    erasing.join(timeout=30)
-    with enabled() as session:
-        assert session.scalar(select(func.count()).select_from(Page)) == 0

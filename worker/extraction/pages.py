@@ -182,10 +182,6 @@ class StaleDeliveryError(ValueError):
 _STORED = select(PAGES.c.id, PAGES.c.content_hash, PAGES.c.delivered_at).where(
     PAGES.c.source_id == bindparam("source_id"), PAGES.c.slug == bindparam("slug")
 )
-# The first read holds the row (FOR KEY SHARE: writes of the page go on, its delete waits): an answer
-# "unchanged" naming the page committed after an erasure that ran meanwhile had taken the slug out of
-# every stored answer, and kept it for every replay of the delivery.
-_STORED_HELD = _STORED.with_for_update(read=True, key_share=True)
 _INSERT = insert(PAGES)
 _UPSERT = _INSERT.on_conflict_do_update(
     index_elements=[PAGES.c.source_id, PAGES.c.slug],
@@ -236,7 +232,7 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     digest = content_hash(page)
     connection = session.connection()
     where = {"source_id": page.source_id, "slug": page.slug}
-    existing = connection.execute(_STORED_HELD, where).one_or_none()
+    existing = connection.execute(_STORED, where).one_or_none()
     if existing is not None and existing.content_hash == digest:
         if delivered_at is None or (
             existing.delivered_at is not None and existing.delivered_at >= delivered_at
