@@ -709,16 +709,20 @@ def test_an_erased_page_a_backfill_named_is_taken_out_of_its_filters(factory, rt
     from worker.extraction.erase import erase_page, erased_name
 
     slugs = seed_pages(factory, "bf", 2)
+    put_page(factory, f"{slugs[1]}-old", page_body("Old Example", "Acme"), source_id="bf")
     by_slug, _ = start(factory, "bf", slug=slugs[0])
     by_prefix, _ = start(factory, "bf", slug_prefix=slugs[0])
     folder = slugs[0].rsplit("/", 1)[0] + "/"
     by_folder, _ = start(factory, "bf", slug_prefix=folder)
+    wider, _ = start(factory, "bf", slug_prefix=slugs[1])  # slugs[1] and slugs[1]-old
     erase_page(factory, "bf", slugs[0], "test")
+    erase_page(factory, "bf", slugs[1], "test")
     with factory() as session:
         filters = {b.id: b.filters for b in session.scalars(select(Backfill))}
     name = erased_name("bf", slugs[0])
     assert filters[by_slug]["slug"] == name and filters[by_prefix]["slug_prefix"] == name
     assert filters[by_folder]["slug_prefix"] == folder  # names more than the page: kept
+    assert filters[wider]["slug_prefix"] == slugs[1]  # so does a slug that prefixes another page's
     assert slugs[0] not in json.dumps(filters)
 
 

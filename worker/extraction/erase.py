@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from sqlalchemy import bindparam, delete, func, or_, select, text, update
+from sqlalchemy import bindparam, delete, func, literal_column, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
@@ -166,26 +166,37 @@ def erased_subject(source_id: str, slug: str) -> str:
 _FORGET_PAGE_IN_BACKFILLS = text("UPDATE backfill_requests SET slug = :name WHERE page_id = :page_id")
 
 
-def _forget_page_in_backfill_filters(session: Session, source_id: str, slug: str, name: str) -> None:
-    """A backfill asked for this one page (its ``slug`` filter, or a ``slug_prefix`` that is the slug)
-    kept the slug in its filters, shown by `factmill backfill show` and GET /v1/backfills for good. (A
-    prefix naming more pages is left: a running backfill would select none of them any more.)"""
+def backfills_of_the_page_alone(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:
+    """The backfills that asked for this page alone, locked, with the filter that names it: ``slug``, or
+    a ``slug_prefix`` that is the slug and covers no other page (a prefix of more pages is left: a
+    backfill still planning would select none of them). Taken before the page's lock, in the order a
+    backfill storing its plan takes them (its row, then its pages)."""
+    found: list[tuple[int, str]] = []
     for key in ("slug", "slug_prefix"):
-        session.execute(
-            update(Backfill)
-            .where(Backfill.source_id == source_id, Backfill.filters[key].astext == slug)
-            .values(filters=Backfill.filters.op("||")(func.jsonb_build_object(key, name)))
-        )
+        named = func.normalize(Backfill.filters[key].astext, literal_column("NFC")) == slug  # (NFD once)
+        query = select(Backfill.id).where(Backfill.source_id == source_id, named)
+        if key == "slug_prefix":
+            others = select(Page.id).where(
+                Page.source_id == source_id, func.starts_with(Page.slug, slug), Page.slug != slug
+            )
+            query = query.where(~others.exists())
+        found += [(backfill_id, key) for backfill_id in session.scalars(query.with_for_update())]
+    return found
 
 
-def forget_page_name(session: Session, source_id: str, slug: str, page_id: int) -> None:
+def forget_page_name(
+    session: Session, source_id: str, slug: str, page_id: int, backfills: Sequence[tuple[int, str]] = ()
+) -> None:
     """Take the page's slug out of its extraction jobs, finished ones included, out of the requests
     backfills planned for it, and out of the answers kept for repeated webhook deliveries, in the
     caller's transaction (run after ``cancel_page_jobs``). A backfill then finds no page for those
-    requests and drops them, as for any page erased under it."""
+    requests and drops them, as for any page erased under it. ``backfills``: those that asked for the
+    page alone (``backfills_of_the_page_alone``), whose filter names it."""
     name = erased_name(source_id, slug)
     session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": name, "page_id": page_id})
-    _forget_page_in_backfill_filters(session, source_id, slug, name)
+    for backfill_id, key in backfills:  # kept the slug, shown by backfill show and GET /v1/backfills
+        named = Backfill.filters.op("||")(func.jsonb_build_object(key, name))
+        session.execute(update(Backfill).where(Backfill.id == backfill_id).values(filters=named))
     forget_page_in_deliveries(session, source_id, slug, name)
     session.execute(
         _FORGET_PAGE_IN_JOBS,
@@ -207,6 +218,7 @@ def erase_page(
     ``erasures``; None (nothing written) when there is no such page. The caller sends
     ``report.pending`` after this returns (the commit is done)."""
     with factory.begin() as session:
+        backfills = backfills_of_the_page_alone(session, source_id, slug)
         page_id = session.scalar(
             select(Page.id).where(Page.source_id == source_id, Page.slug == slug).with_for_update()
         )
@@ -226,7 +238,7 @@ def erase_page(
             audit_rows_removed=audit_rows,
             jobs_cancelled=cancel_page_jobs(session, source_id, slug),
         )
-        forget_page_name(session, source_id, slug, page_id)
+        forget_page_name(session, source_id, slug, page_id, backfills)
         session.execute(delete(Page).where(Page.id == page_id))
         report.pending.extend(request_consolidation(session, source_id, slug))
         session.add(

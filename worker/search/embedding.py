@@ -108,7 +108,8 @@ def embed_pages_facts(
         if not failed.is_set():
             try:
                 # Not a fact an erasure removed since they were read (a large page's backlog takes
-                # minutes): its text goes to no provider after the erasure returned.
+                # minutes): after the erasure returns, only a batch already checked (in flight, or
+                # checked a moment before) may still carry its text to the provider.
                 there = store.existing(row.id for row in batch)
                 batch = [row for row in batch if row.id in there]
                 if batch:
