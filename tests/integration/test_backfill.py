@@ -724,6 +724,11 @@ def test_an_erased_page_a_backfill_named_is_taken_out_of_its_filters(factory, rt
     assert filters[by_folder]["slug_prefix"] == folder  # names more than the page: kept
     assert filters[wider]["slug_prefix"] == slugs[1]  # so does a slug that prefixes another page's
     assert slugs[0] not in json.dumps(filters)
+    # ...until the last page under it goes: the prefix, an erased slug itself, is taken out then.
+    erase_page(factory, "bf", f"{slugs[1]}-old", "test")
+    with factory() as session:
+        widened = session.get(Backfill, wider)
+        assert widened is not None and widened.filters["slug_prefix"] == erased_name("bf", slugs[1])
 
 
 def test_batches_are_cut_by_their_bytes_too(factory, rt, sim):

@@ -4,6 +4,7 @@ the page itself), each time inside one transaction."""
 from __future__ import annotations
 
 import logging
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -166,26 +167,38 @@ def erased_subject(source_id: str, slug: str) -> str:
 _FORGET_PAGE_IN_BACKFILLS = text("UPDATE backfill_requests SET slug = :name WHERE page_id = :page_id")
 
 
-def backfills_of_the_page_alone(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:
-    """The backfills that asked for this page alone, locked, with the filter that names it: ``slug``, or
-    a ``slug_prefix`` that is the slug and covers no other page (a prefix of more pages is left: a
-    backfill still planning would select none of them). Taken before the page's lock, in the order a
+def backfills_of_the_page_alone(session: Session, source_id: str, slug: str) -> list[tuple[int, str, str]]:
+    """The backfills whose filter names only erased pages once this one goes, locked, each with the
+    filter's key and the erasure's name for it: a ``slug`` filter that is the slug, or a ``slug_prefix``
+    that is this slug or one erased before, with no other page under it (a prefix of live pages is left:
+    a backfill still planning would select none of them). Taken before the page's lock, in the order a
     backfill storing its plan takes them (its row, then its pages)."""
-    found: list[tuple[int, str]] = []
+    found: list[tuple[int, str, str]] = []
+    stored = select(Backfill.id, Backfill.filters["slug"].astext, Backfill.filters["slug_prefix"].astext)
     for key in ("slug", "slug_prefix"):
-        named = func.normalize(Backfill.filters[key].astext, literal_column("NFC")) == slug  # (NFD once)
-        query = select(Backfill.id).where(Backfill.source_id == source_id, named)
-        if key == "slug_prefix":
+        named = func.normalize(Backfill.filters[key].astext, literal_column("NFC"))  # (NFD once)
+        query = stored.where(Backfill.source_id == source_id)
+        if key == "slug":
+            query = query.where(named == slug)
+        else:
             others = select(Page.id).where(
-                Page.source_id == source_id, func.starts_with(Page.slug, slug), Page.slug != slug
+                Page.source_id == source_id, func.starts_with(Page.slug, named), Page.slug != slug
             )
-            query = query.where(~others.exists())
-        found += [(backfill_id, key) for backfill_id in session.scalars(query.with_for_update())]
+            query = query.where(func.starts_with(slug, named), ~others.exists())
+        for backfill_id, *values in session.execute(query.with_for_update()).all():
+            value = unicodedata.normalize("NFC", values[0 if key == "slug" else 1])
+            if value == slug or _erased(session, source_id, value):
+                found.append((backfill_id, key, erased_name(source_id, value)))
     return found
 
 
+def _erased(session: Session, source_id: str, slug: str) -> bool:
+    digest = erased_slug_digest(source_id, slug)
+    return session.scalar(select(Erasure.id).where(Erasure.slug_sha256 == digest).limit(1)) is not None
+
+
 def forget_page_name(
-    session: Session, source_id: str, slug: str, page_id: int, backfills: Sequence[tuple[int, str]] = ()
+    session: Session, source_id: str, slug: str, page_id: int, backfills: Sequence[tuple[int, str, str]] = ()
 ) -> None:
     """Take the page's slug out of its extraction jobs, finished ones included, out of the requests
     backfills planned for it, and out of the answers kept for repeated webhook deliveries, in the
@@ -194,8 +207,8 @@ def forget_page_name(
     page alone (``backfills_of_the_page_alone``), whose filter names it."""
     name = erased_name(source_id, slug)
     session.execute(_FORGET_PAGE_IN_BACKFILLS, {"name": name, "page_id": page_id})
-    for backfill_id, key in backfills:  # kept the slug, shown by backfill show and GET /v1/backfills
-        named = Backfill.filters.op("||")(func.jsonb_build_object(key, name))
+    for backfill_id, key, erased in backfills:  # kept the slug: shown by backfill show, GET /v1/backfills
+        named = Backfill.filters.op("||")(func.jsonb_build_object(key, erased))
         session.execute(update(Backfill).where(Backfill.id == backfill_id).values(filters=named))
     forget_page_in_deliveries(session, source_id, slug, name)
     session.execute(
