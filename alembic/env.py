@@ -49,6 +49,7 @@ class _StepTimer:
 
 
 MIGRATIONS_LOCK_ID = 0x666D_6D69_6772  # "fmmigr": an advisory lock key of its own
+MIGRATIONS_LOCK_POLL_SECONDS = 0.5
 
 
 def run_migrations_online() -> None:
@@ -67,8 +68,14 @@ def run_migrations_online() -> None:
         # One upgrade at a time: a second one (a repeated migrate step, `factmill demo` beside `db
         # upgrade`) waits here, then reads the version the first committed and has nothing to do; it
         # ran the same migrations and failed on a duplicate table, "rolled back", exit 1. A session lock,
-        # held across the migrations' own transactions (and let go with the connection).
-        connection.execute(text("SELECT pg_advisory_lock(:id)"), {"id": MIGRATIONS_LOCK_ID})
+        # held across the migrations' own transactions (and let go with the connection). Asked for again
+        # and again rather than waited on: a session waiting inside a statement is a transaction, which
+        # the first upgrade's CREATE INDEX CONCURRENTLY waits for (0039), while it waits for the lock.
+        while not connection.execute(
+            text("SELECT pg_try_advisory_lock(:id)"), {"id": MIGRATIONS_LOCK_ID}
+        ).scalar():
+            connection.commit()
+            time.sleep(MIGRATIONS_LOCK_POLL_SECONDS)
         # Then each migration waits at most this long for a table's lock (worker.db.upgrade says why,
         # and tries again): for the session, so every migration's transaction has it.
         lock_timeout_ms = int(config.attributes.get("lock_timeout_ms") or 0)

@@ -85,7 +85,8 @@ class Fact(Base):
         Index("ix_facts_source_session", "source_session"),
         # Lifecycle: a consolidation job reads one entity's facts of one source.
         Index("ix_facts_source_id_entity", "source_id", "entity_slug"),
-        Index("ix_facts_entity_slug", "entity_slug"),
+        # An entity's facts in the order they are listed (newest first, by a cursor); entity lookups too.
+        Index("ix_facts_entity_timeline", "entity_slug", "valid_from", "id"),
         Index("ix_facts_orphaned_links", "source_id", postgresql_where=text(ORPHANED_LINK_SQL)),
         Index("ix_facts_search_vector", "search_vector", postgresql_using="gin"),  # Search
         # The sweep's catch-up of consolidation requests that were lost (worker.consolidation).

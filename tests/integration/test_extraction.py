@@ -935,3 +935,61 @@ def test_a_page_whose_source_and_slug_fill_the_key_budget_is_stored_extracted_an
     result = run(pages, llm, source_id=source_id, slug=slug)
     assert result.pages_processed == 1 and result.facts_inserted > 0
     assert erase_page(pages, source_id, slug, "test") is not None
+
+
+def test_a_page_of_an_entitys_facts_reads_its_own_rows(tx_factory) -> None:
+    """Every page of an entity's list read and sorted all of its facts (one ordered read, undated
+    last: an order no index had): an entity named in 200,000 facts cost that much a page. Each page
+    reads about its own rows now, dated and undated, through ix_facts_entity_timeline."""
+    import json as json_module
+
+    from sqlalchemy import event as sqlalchemy_event
+
+    from worker.extraction.facts import entity_cursor
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num, valid_from) "
+                "SELECT 'default', 'fact ' || n, 'fact', 'people/busy', 0.9, 'medium', 's', 's', "
+                "'conversations/busy', n, CASE WHEN n % 10 = 0 THEN NULL "
+                "ELSE timestamptz '2024-01-01' + n * interval '1 minute' END "
+                "FROM generate_series(0, 2999) AS n"
+            )
+        )
+        session.execute(text("ANALYZE facts"))
+    with tx_factory() as session:
+        listed: list = []
+        after = None
+        while True:  # the whole list, 500 a page: in order, each fact once
+            page = read_entity_facts(session, "people/busy", limit=500, after=after)
+            listed += page.facts
+            after = page.next_after
+            if after is None:
+                break
+        dated = [f for f in listed if f.valid_from is not None]
+        assert len(listed) == 3000 and len({f.id for f in listed}) == 3000
+        assert dated == sorted(dated, key=lambda f: (f.valid_from, f.id), reverse=True)
+        assert all(f.valid_from is None for f in listed[len(dated) :])  # undated last
+        plans: list[dict] = []
+
+        @sqlalchemy_event.listens_for(session.get_bind(), "before_cursor_execute", retval=True)
+        def explain(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            if "UNION ALL" in statement:
+                cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, parameters)
+                plans.append(cursor.fetchone()[0][0]["Plan"])
+            return statement, parameters
+
+        try:
+            middle = read_entity_facts(session, "people/busy", limit=10, after=entity_cursor(listed[1500]))
+        finally:
+            sqlalchemy_event.remove(session.get_bind(), "before_cursor_execute", explain)
+    assert [f.id for f in middle.facts] == [f.id for f in listed[1501:1511]]
+
+    def scanned(node: dict) -> int:
+        own = node.get("Actual Rows", 0) if "Scan" in node.get("Node Type", "") else 0
+        return own + sum(scanned(child) for child in node.get("Plans", ()))
+
+    [plan] = plans
+    assert "ix_facts_entity_timeline" in json_module.dumps(plan) and scanned(plan) <= 40, plan

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import ColumnElement, and_, func, or_, select, text
+from sqlalchemy import ColumnElement, bindparam, func, select, text, tuple_, union_all
 from sqlalchemy.orm import Session, defer
 
 from models import Fact, page_id_of
@@ -100,23 +100,44 @@ def entity_cursor(fact: EntityFact) -> str:
     return f"{start}:{fact.id}"
 
 
-def _after_entity_cursor(after: str) -> ColumnElement[bool]:
-    """The facts past ``after`` in the order valid_from descending (undated last), then id descending."""
+def _entity_cursor(after: str) -> tuple[datetime | None, int]:
+    """The (valid_from, id) of the last fact a page listed (valid_from None: an undated one)."""
     if not _ENTITY_CURSOR.fullmatch(after):
         raise FactCursorError(f"after {after[:100]!r} is not a cursor this list answers (its next_after)")
     start, _, fact_id = after.partition(":")
-    last_id = int(fact_id)
-    if start == "n":  # among the undated, the last ones: smaller ids only
-        return and_(Fact.valid_from.is_(None), Fact.id < last_id)
+    if start == "n":
+        return None, int(fact_id)
     try:
         when = _EPOCH + int(start) * _MICROSECOND
     except OverflowError:
         when = (datetime.max if int(start) > 0 else datetime.min).replace(tzinfo=UTC)
-    return or_(
-        Fact.valid_from < when,
-        and_(Fact.valid_from == when, Fact.id < last_id),
-        Fact.valid_from.is_(None),
-    )
+    return when, int(fact_id)
+
+
+def _entity_page_ids(
+    session: Session, where: list[ColumnElement[bool]], after: str | None, offset: int, limit: int
+) -> list[int]:
+    """The ids of one page of an entity's facts, newest first (undated last): the dated ones past the
+    cursor and the undated ones, two reads each bounded by the page and in the order of the index
+    ix_facts_entity_timeline, merged. One ordered read over both reads and sorts every fact of the
+    entity (NULLS LAST is no order that index has), at every page."""
+    when, last_id = _entity_cursor(after) if after is not None else (None, None)
+    enough = offset + limit + 1
+    reads = []
+    if after is None or when is not None:  # a cursor among the undated has passed every dated fact
+        past = (
+            []
+            if when is None
+            else [tuple_(Fact.valid_from, Fact.id) < tuple_(bindparam("when", when), last_id)]
+        )
+        dated = select(Fact.id, Fact.valid_from).where(*where, Fact.valid_from.is_not(None), *past)
+        reads.append(dated.order_by(Fact.valid_from.desc(), Fact.id.desc()).limit(enough))
+    past = [] if when is not None or last_id is None else [Fact.id < last_id]
+    undated = select(Fact.id, Fact.valid_from).where(*where, Fact.valid_from.is_(None), *past)
+    reads.append(undated.order_by(Fact.id.desc()).limit(enough))
+    both = union_all(*reads).subquery()
+    ordered = both.c.valid_from.desc().nulls_last(), both.c.id.desc()
+    return list(session.scalars(select(both.c.id).order_by(*ordered).offset(offset).limit(limit + 1)))
 
 
 def _lifecycle(lifecycle: Lifecycle) -> list[ColumnElement[bool]]:
@@ -208,17 +229,9 @@ def read_entity_facts(
     if source_ids is not None:
         where.append(Fact.source_id.in_(list(source_ids)))
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
-    past = () if after is None else (_after_entity_cursor(after),)
-    rows = list(
-        session.scalars(
-            select(Fact)
-            .options(*_UNSHOWN)
-            .where(*where, *past)
-            .order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
-            .offset(offset)
-            .limit(limit + 1)
-        )
-    )
+    ids = _entity_page_ids(session, where, after, offset, limit)
+    by_id = {f.id: f for f in session.scalars(select(Fact).options(*_UNSHOWN).where(Fact.id.in_(ids)))}
+    rows = [by_id[i] for i in ids if i in by_id]
     facts = [EntityFact.model_validate(f) for f in rows[:limit]]
     more = len(rows) > limit
     return EntityFactsPage(
