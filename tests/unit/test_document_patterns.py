@@ -166,10 +166,10 @@ def test_a_page_is_stored_only_under_a_printable_source_id() -> None:
 def test_the_entity_cursor_pattern_is_the_rule_the_facts_list_reads_it_by(value: str) -> None:
     """Every cursor the document's pattern takes is a place in the list (else the fuzzer's valid data
     was refused with a 422), and nothing else is."""
-    from worker.extraction.facts import ENTITY_CURSOR_PATTERN, FactCursorError, _after_entity_cursor
+    from worker.extraction.facts import ENTITY_CURSOR_PATTERN, FactCursorError, _entity_cursor
 
     try:
-        _after_entity_cursor(value)
+        _entity_cursor(value)
         taken = True
     except FactCursorError:
         taken = False

@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import ColumnElement, bindparam, func, select, text, tuple_, union_all
+from sqlalchemy import ColumnElement, Select, bindparam, func, select, text, tuple_, union_all
 from sqlalchemy.orm import Session, defer
 
 from models import Fact, page_id_of
 from worker.consolidation.history import CURRENT_ONLY, Lifecycle
 from worker.core.facts import entity_slug, no_entity_slug
+from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.slugs import stored_form
 
 # Columns no listing shows: a fact's vector is 256 floats parsed from text (about 1 µs each), 2.6 s of
@@ -114,15 +115,15 @@ def _entity_cursor(after: str) -> tuple[datetime | None, int]:
     return when, int(fact_id)
 
 
-def _entity_page_ids(
-    session: Session, where: list[ColumnElement[bool]], after: str | None, offset: int, limit: int
-) -> list[int]:
-    """The ids of one page of an entity's facts, newest first (undated last): the dated ones past the
-    cursor and the undated ones, two reads each bounded by the page and in the order of the index
-    ix_facts_entity_timeline, merged. One ordered read over both reads and sorts every fact of the
-    entity (NULLS LAST is no order that index has), at every page."""
+def _entity_page(
+    where: list[ColumnElement[bool]], after: str | None, offset: int, limit: int
+) -> Select[Fact]:
+    """One page of an entity's facts, newest first (undated last), in one statement: the dated ones
+    past the cursor and the undated ones, two reads each bounded by the page and in the order of the
+    index ix_facts_entity_timeline, merged. One ordered read over both read and sorted every fact of
+    the entity (NULLS LAST is no order that index has), at every page."""
     when, last_id = _entity_cursor(after) if after is not None else (None, None)
-    enough = offset + limit + 1
+    enough = min(offset + limit + 1, BIGINT_MAX)
     reads = []
     if after is None or when is not None:  # a cursor among the undated has passed every dated fact
         past = (
@@ -136,8 +137,14 @@ def _entity_page_ids(
     undated = select(Fact.id, Fact.valid_from).where(*where, Fact.valid_from.is_(None), *past)
     reads.append(undated.order_by(Fact.id.desc()).limit(enough))
     both = union_all(*reads).subquery()
-    ordered = both.c.valid_from.desc().nulls_last(), both.c.id.desc()
-    return list(session.scalars(select(both.c.id).order_by(*ordered).offset(offset).limit(limit + 1)))
+    order = (both.c.valid_from.desc().nulls_last(), both.c.id.desc())
+    page = select(both.c.id, both.c.valid_from).order_by(*order).offset(offset).limit(limit + 1).subquery()
+    return (
+        select(Fact)
+        .options(*_UNSHOWN)
+        .join(page, Fact.id == page.c.id)
+        .order_by(page.c.valid_from.desc().nulls_last(), page.c.id.desc())
+    )
 
 
 def _lifecycle(lifecycle: Lifecycle) -> list[ColumnElement[bool]]:
@@ -229,9 +236,7 @@ def read_entity_facts(
     if source_ids is not None:
         where.append(Fact.source_id.in_(list(source_ids)))
     total = session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
-    ids = _entity_page_ids(session, where, after, offset, limit)
-    by_id = {f.id: f for f in session.scalars(select(Fact).options(*_UNSHOWN).where(Fact.id.in_(ids)))}
-    rows = [by_id[i] for i in ids if i in by_id]
+    rows = list(session.scalars(_entity_page(where, after, offset, limit)))
     facts = [EntityFact.model_validate(f) for f in rows[:limit]]
     more = len(rows) > limit
     return EntityFactsPage(
