@@ -178,18 +178,23 @@ def backfills_of_the_page_alone(session: Session, source_id: str, slug: str) -> 
     for key in ("slug", "slug_prefix"):
         named = func.normalize(Backfill.filters[key].astext, literal_column("NFC"))  # (NFD once)
         query = stored.where(Backfill.source_id == source_id)
-        if key == "slug":
-            query = query.where(named == slug)
-        else:
-            others = select(Page.id).where(
-                Page.source_id == source_id, func.starts_with(Page.slug, named), Page.slug != slug
-            )
-            query = query.where(func.starts_with(slug, named), ~others.exists())
+        query = query.where(named == slug) if key == "slug" else query.where(func.starts_with(slug, named))
         for backfill_id, *values in session.execute(query.with_for_update()).all():
             value = unicodedata.normalize("NFC", values[0 if key == "slug" else 1])
+            # Read once the row is held: an erasure of the other last page under it, run at once, has
+            # committed by then, and is seen gone (read in the locking statement, each saw the other).
+            if key == "slug_prefix" and _other_pages_under(session, source_id, value, slug):
+                continue
             if value == slug or _erased(session, source_id, value):
                 found.append((backfill_id, key, erased_name(source_id, value)))
     return found
+
+
+def _other_pages_under(session: Session, source_id: str, prefix: str, slug: str) -> bool:
+    under = select(Page.id).where(
+        Page.source_id == source_id, func.starts_with(Page.slug, prefix), Page.slug != slug
+    )
+    return session.scalar(under.limit(1)) is not None
 
 
 def _erased(session: Session, source_id: str, slug: str) -> bool:
