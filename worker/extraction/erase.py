@@ -4,7 +4,6 @@ the page itself), each time inside one transaction."""
 from __future__ import annotations
 
 import logging
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -174,19 +173,27 @@ def backfills_of_the_page_alone(session: Session, source_id: str, slug: str) -> 
     a backfill still planning would select none of them). Taken before the page's lock, in the order a
     backfill storing its plan takes them (its row, then its pages)."""
     found: list[tuple[int, str, str]] = []
-    stored = select(Backfill.id, Backfill.filters["slug"].astext, Backfill.filters["slug_prefix"].astext)
-    for key in ("slug", "slug_prefix"):
-        named = func.normalize(Backfill.filters[key].astext, literal_column("NFC"))  # (NFD once)
-        query = stored.where(Backfill.source_id == source_id)
-        query = query.where(named == slug) if key == "slug" else query.where(func.starts_with(slug, named))
-        for backfill_id, *values in session.execute(query.with_for_update()).all():
-            value = unicodedata.normalize("NFC", values[0 if key == "slug" else 1])
-            # Read once the row is held: an erasure of the other last page under it, run at once, has
-            # committed by then, and is seen gone (read in the locking statement, each saw the other).
-            if key == "slug_prefix" and _other_pages_under(session, source_id, value, slug):
-                continue
-            if value == slug or _erased(session, source_id, value):
-                found.append((backfill_id, key, erased_name(source_id, value)))
+    by_slug = func.normalize(Backfill.filters["slug"].astext, literal_column("NFC"))  # (NFD once)
+    by_prefix = func.normalize(Backfill.filters["slug_prefix"].astext, literal_column("NFC"))
+    held = (
+        select(Backfill.id, by_slug, by_prefix)
+        .where(Backfill.source_id == source_id, or_(by_slug == slug, func.starts_with(slug, by_prefix)))
+        .order_by(Backfill.id)  # one statement, one order: two erasures take them alike
+        .with_for_update(of=Backfill)
+    )
+    for backfill_id, named, prefix in session.execute(held).all():
+        if named == slug:
+            found.append((backfill_id, "slug", erased_name(source_id, slug)))
+        # Read once the row is held: an erasure of the other last page under it, run at once, has
+        # committed by then, and is seen gone (read in the locking statement, each saw the other).
+        if (
+            prefix is None
+            or not slug.startswith(prefix)
+            or _other_pages_under(session, source_id, prefix, slug)
+        ):
+            continue
+        if prefix == slug or _erased(session, source_id, prefix):
+            found.append((backfill_id, "slug_prefix", erased_name(source_id, prefix)))
     return found
 
 
