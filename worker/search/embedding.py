@@ -109,9 +109,11 @@ def embed_pages_facts(
             try:
                 # Not a fact an erasure removed since they were read (a large page's backlog takes
                 # minutes): after the erasure returns, only a batch already checked (in flight, or
-                # checked a moment before) may still carry its text to the provider.
-                there = store.existing(row.id for row in batch)
-                batch = [row for row in batch if row.id in there]
+                # checked a moment before) may still carry its text to the provider. The first batch
+                # was read a moment ago: a page of one batch (most pages) pays no second read.
+                if batch is not batches[0]:
+                    there = store.existing(row.id for row in batch)
+                    batch = [row for row in batch if row.id in there]
                 if batch:
                     _embed_rows(store, llm, batch, report, False)
             except Exception as exc:
