@@ -7,10 +7,12 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from worker.cli import console as cli_console
 from worker.cli.console import TerminalConsole, folding_table, print_json, styled, visible
+from worker.cli.costs import usd
 
 
 def test_a_table_folds_a_long_word_onto_more_lines_and_never_cuts_it() -> None:
@@ -68,3 +70,11 @@ def test_no_cli_module_writes_rich_markup() -> None:
         p.name for p in sources if re.search(r"\[/\]|\[(bold|dim|red|yellow|green|strike)\]", p.read_text())
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("amount", "shown"),
+    [(0.0, "0.0000"), (1.5, "1.5000"), (0.0001, "0.0001"), (0.00001234, "0.000012"), (5.1e-8, "0.000000051")],
+)
+def test_costs_shows_a_spend_of_millionths_rather_than_zero(amount: float, shown: str):
+    assert usd(amount) == shown

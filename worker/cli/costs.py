@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
@@ -41,6 +42,15 @@ def costs(
             str(r.input_tokens),
             f"{r.cached_share:.0%}",
             str(r.output_tokens),
-            f"{r.cost_usd:.4f}",
+            usd(r.cost_usd),
         )
     out.print(table)
+
+
+def usd(amount: float) -> str:
+    """Dollars to four places, or to two significant figures below a hundredth of a cent: a group of
+    embedding calls costs millionths, and read 0.0000 as if nothing had been spent."""
+    if amount == 0 or abs(amount) >= 0.0001:
+        return f"{amount:.4f}"
+    places = 1 - math.floor(math.log10(abs(amount)))
+    return f"{amount:.{places}f}"
