@@ -31,14 +31,14 @@ class InsecureSecretsError(RefusedSettingsError):
     """Production settings with a placeholder, short or shared secret."""
 
 
-# Celery's own broker variables: read before its configuration (-b writes the first from the last two).
-CELERY_BROKER_VARIABLES = (
-    "CELERY_BROKER_URL",
-    "CELERY_BROKER_READ_URL",
-    "CELERY_BROKER_WRITE_URL",
-    "BROKER_URL",
-    "CELERY_BROKER",
-)
+# Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
+# from the last two); the SDKs' base URL (calls went there, priced and limited as the provider's own).
+_CELERY = "CELERY_BROKER_URL CELERY_BROKER_READ_URL CELERY_BROKER_WRITE_URL BROKER_URL CELERY_BROKER"
+FOREIGN_VARIABLES = {
+    **dict.fromkeys(_CELERY.split(), ("Celery", "FACTMILL_BROKER_URL")),
+    "OPENAI_BASE_URL": ("the OpenAI SDK", "FACTMILL_LLM_BASE_URL"),
+    "ANTHROPIC_BASE_URL": ("the Anthropic SDK", "FACTMILL_LLM_BASE_URL"),
+}
 # The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).
 _HTTP = ("http", "https")
 URL_SCHEMES: dict[str, tuple[str, ...] | None] = {
@@ -332,16 +332,15 @@ class Settings(BaseSettings):
         return [self.webhook_secret, *previous]
 
     @model_validator(mode="after")
-    def _one_broker(self) -> Settings:
+    def _no_foreign_variables(self) -> Settings:
         """Celery reads CELERY_BROKER_URL (and its read and write twins) before any configuration: left
         in an image's environment, workers, beat and sends went to that broker while /readyz, the
-        metrics and the rate limits watched FACTMILL_BROKER_URL's."""
-        overriding = [name for name in CELERY_BROKER_VARIABLES if os.environ.get(name)]
-        if overriding:
-            raise ValueError(
-                f"{', '.join(overriding)} is set: Celery would use it instead of FACTMILL_BROKER_URL; "
-                "unset it and set FACTMILL_BROKER_URL"
-            )
+        metrics and the rate limits watched FACTMILL_BROKER_URL's. The SDKs read their base URL alike."""
+        for name, (reader, ours) in FOREIGN_VARIABLES.items():
+            if os.environ.get(name):
+                raise ValueError(
+                    f"{name} is set: {reader} would use it instead of {ours}; unset it, set {ours}"
+                )
         return self
 
     @model_validator(mode="after")

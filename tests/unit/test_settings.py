@@ -173,6 +173,20 @@ def test_celerys_own_broker_variable_is_refused(
         fresh_settings()
 
 
+@pytest.mark.parametrize("variable", ["OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"])
+def test_an_sdks_own_base_url_variable_is_refused(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """The SDK read it when FACTMILL_LLM_BASE_URL was unset: calls went to that server while prices,
+    rate limits and /readyz took them for the provider's own."""
+    monkeypatch.setenv(variable, "https://proxy.example/v1")
+    with pytest.raises(
+        InvalidSettingsError,
+        match=f"{variable} is set: the .* SDK would use it instead of FACTMILL_LLM_BASE_URL",
+    ):
+        fresh_settings()
+
+
 def test_the_rate_limiters_redis_may_be_a_socket(fresh_settings, monkeypatch: pytest.MonkeyPatch) -> None:
     for url in ("redis+socket:///tmp/redis.sock", "unix:///tmp/redis.sock", "rediss://h:6380/0"):
         monkeypatch.setenv("FACTMILL_RATELIMIT_REDIS_URL", url)
