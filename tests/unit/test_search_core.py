@@ -127,6 +127,20 @@ def test_segment_range_and_snippet() -> None:
     assert "Alice prefers oat milk" in snippet.snippet
 
 
+def test_a_segment_snippet_shows_whole_lines_around_the_best_one() -> None:
+    """qmd's chunk window (100 characters either side) began the line before mid-word and cut the
+    lines after it, in every search result whose neighbouring facts were long."""
+    before = "Priya " + "talked about the quarterly offsite in Lisbon she had planned since spring " * 3
+    after = "Sam congratulated Priya on the Acme offer " + "and said the team would miss her badly " * 3
+    last = "Priya starts at Acme in June " + "after a month of travelling with her family " * 3
+    segment = [(0, before.strip()), (1, "Priya signed the Acme offer"), (2, after.strip()), (3, last.strip())]
+    snippet = segment_snippet(segment, 1, "signed acme offer", None, max_chars=2000)
+    assert snippet.line == 2
+    header, *shown = snippet.snippet.split("\n")
+    assert header == "@@ -1,4 @@ (0 before, 0 after)"
+    assert shown == [fact for _, fact in segment]
+
+
 def test_embedding_text_names_the_entity_once() -> None:
     assert fact_embedding_text("Bob is allergic to peanuts", "bob") == "Bob is allergic to peanuts"
     assert fact_embedding_text("Moved to Lisbon", "alice-smith") == "Moved to Lisbon (alice smith)"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from worker.core.intent import SearchType, SnippetResult, extract_intent_terms, extract_snippet, score_chunk
+from worker.core.intent import SearchType, SnippetResult, extract_intent_terms, score_chunk, snippet_around
 
 __all__ = [
     "EXPANSION_LINE_WEIGHT",
@@ -133,7 +133,6 @@ def segment_snippet(
     # A fact's own line breaks would shift the numbering, so they become spaces.
     lines = [" ".join(fact.split()) for _, fact in segment]
     own = next((i for i, (num, _) in enumerate(segment) if num == own_row), 0)
-    chunk = best_chunk(lines, own, query, intent)
-    body = "\n".join(lines)
-    chunk_pos = sum(len(line) + 1 for line in lines[:chunk])
-    return extract_snippet(body, query, max_chars, chunk_pos, max(1, len(lines[chunk])), intent)
+    # Whole lines around the best one: qmd's chunk window (100 characters either side of it) began the
+    # line before mid-word and cut the lines after, in every search result.
+    return snippet_around(lines, best_chunk(lines, own, query, intent), max_chars)

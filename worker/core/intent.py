@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,7 @@ __all__ = [
     "parse_structured_query",
     "score_chunk",
     "search_type",
+    "snippet_around",
 ]
 
 INTENT_WEIGHT_SNIPPET = 0.3
@@ -190,16 +192,26 @@ def extract_snippet(
         # Nothing matched near the chunk: anchor on the line the chunk starts in.
         best_index = search_body.count("\n", 0, window_pos - context_start)
 
-    start = max(0, best_index - 1)
-    end = min(len(lines), best_index + 3)
-    shown = lines[start:end]
-    text = "\n".join(shown)
-
     # The anchored window can be blank (e.g. a position past the end of the body):
     # show the best of the whole body rather than an empty snippet.
-    if window_pos and not text.strip():
+    if window_pos and not "\n".join(lines[max(0, best_index - 1) : best_index + 3]).strip():
         return extract_snippet(body, query, max_len, None, None, intent)
+    return snippet_around(lines, best_index, max_len, line_offset, total_lines)
 
+
+def snippet_around(
+    lines: Sequence[str],
+    best_index: int,
+    max_len: int = 500,
+    line_offset: int = 0,
+    total_lines: int | None = None,
+) -> SnippetResult:
+    """The snippet of ``lines`` (of a body of ``total_lines``, the first of them its line
+    ``line_offset + 1``) around its best line: one line before it and two after, under the header."""
+    total_lines = len(lines) if total_lines is None else total_lines
+    start = max(0, best_index - 1)
+    shown = lines[start : best_index + 3]
+    text = "\n".join(shown)
     if len(text) > max_len:
         text = text[: max(0, max_len - 3)] + "..."
 
