@@ -14,6 +14,7 @@ from worker.core.compaction import wrap_untrusted_data
 from worker.core.delimiters import neutralize_tags
 from worker.core.intent import parse_structured_query
 from worker.core.lexing import _bare, parse_expansion
+from worker.simulator.heuristics import classify
 
 pytestmark = pytest.mark.timeout(60)  # linear: milliseconds; the quadratic patterns took hours
 
@@ -55,3 +56,12 @@ def test_a_word_with_a_million_punctuation_marks_inside_is_stripped_in_linear_ti
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=12))
 def test_the_word_stripper_matches_the_regex_it_replaced(word: str) -> None:
     assert _bare(word) == re.sub(r"^\W+|\W+$", "", word.lower())
+
+
+def test_a_repeated_softener_is_classified_without_backtracking_through_every_reading() -> None:
+    """The simulator's softeners listed "definitely" twice, so each of a run of them could be either:
+    a message of 30 of them and no verb after froze the simulator (and the worker it ran in, the GIL
+    held) for half an hour, 2^n readings. A segment holds about 590."""
+    sentence = "I " + "definitely " * 590 + "zzz"
+    assert classify(sentence) == "fact"
+    assert classify("I " + "definitely " * 590 + "will call Bob") == "commitment"

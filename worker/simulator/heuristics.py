@@ -17,7 +17,7 @@ FIRST_PLURAL = re.compile(r"\b(?:we|we're|we've|we'll|we'd|us|our|ours|ourselves
 
 # Kinds are read from what the speaker says about themselves (or their "we"), right after the subject.
 _SOFTENERS = (
-    r"(?:really|also|just|absolutely|totally|still|truly|genuinely|generally|usually|definitely|actually|"
+    r"(?:really|also|just|absolutely|totally|still|truly|genuinely|generally|usually|actually|"
     r"honestly|now|kinda|much|do|don't|do\s+not|would|sort\s+of|kind\s+of|definitely|certainly|finally)"
 )
 _COMMITMENT = re.compile(
