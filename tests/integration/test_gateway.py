@@ -333,6 +333,21 @@ def test_structured_facts_and_prompt_caching(sim: Simulator, api: str) -> None:
         assert sim.stats()["by_route"] == {"chat.completions": 2}
 
 
+@pytest.mark.parametrize("model", ["o4-mini", "gpt-5", "gpt-5-mini-2025-08-07"])
+def test_a_reasoning_model_is_sent_the_output_cap_it_takes(sim: Simulator, model: str) -> None:
+    """OpenAI's reasoning models refuse max_tokens (400 unsupported_parameter, a deployment fault: nothing
+    was ever extracted); every OpenAI chat model takes max_completion_tokens. The simulator refuses as
+    OpenAI does."""
+    client = OpenAIChatClient(model=model, base_url=sim.base_url, timeout=10, provider="simulator")
+    assert client.chat(facts_request()).finish == "end"
+    compatible = OpenAIChatClient(
+        model=model, base_url=sim.base_url, timeout=10, provider="openai-compatible"
+    )
+    with pytest.raises(LLMError, match="'max_tokens' is not supported with this model") as refused:
+        compatible.chat(facts_request())
+    assert refused.value.deployment_fault and not refused.value.retryable
+
+
 def test_anthropic_embeddings_are_refused_clearly_without_an_embedding_provider(sim: Simulator) -> None:
     with pytest.raises(LLMError, match="Anthropic has no embeddings API") as caught:
         provider("anthropic", sim).embed(["hello"])

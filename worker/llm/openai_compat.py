@@ -116,7 +116,10 @@ class OpenAIChatClient:
         """The /chat/completions request body (also one line's body in a Batch API input file)."""
         messages: list[dict[str, str]] = [{"role": "system", "content": request.system}]
         messages += [{"role": role, "content": content} for role, content in request.messages]
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": request.max_tokens}
+        # OpenAI's reasoning models refuse max_tokens (400 unsupported_parameter: every call a deployment
+        # fault); all its chat models take max_completion_tokens. Compatible servers know the old name.
+        cap = "max_tokens" if self.provider == "openai-compatible" else "max_completion_tokens"
+        body: dict[str, Any] = {"model": self.model, "messages": messages, cap: request.max_tokens}
         response_format = self._response_format(request)
         if response_format is not None:
             body["response_format"] = response_format

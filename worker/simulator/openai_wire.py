@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import struct
 import time
 from collections.abc import Mapping
@@ -58,11 +59,13 @@ def openai_error(
 
 
 PROMPT_CACHE_KEY_MAX_CHARS = 64
+# OpenAI's reasoning models, which refuse max_tokens (max_completion_tokens only).
+REASONING_MODEL = re.compile(r"(?:o\d|gpt-5)(?:$|[-.])")
 MAX_CHOICES = 128
 
 
 def invalid_request(exc: BadRequest) -> Response:
-    return openai_error(400, exc.message, "invalid_request_error", param=exc.param)
+    return openai_error(400, exc.message, "invalid_request_error", exc.code, param=exc.param)
 
 
 def _fault_response(fault: Fault, config: SimulatorConfig, model: str) -> Response:
@@ -159,6 +162,13 @@ def _parse_chat(
     model = required_model(body, "you must provide a model parameter", "model")
     prompt = flatten(body)
     state.remember(route, prompt.messages)
+    if "max_tokens" in body and REASONING_MODEL.match(model):  # OpenAI's own answer
+        raise BadRequest(
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+            "'max_completion_tokens' instead.",
+            "max_tokens",
+            "unsupported_parameter",
+        )
     max_tokens = positive_int(body.get("max_completion_tokens"), "max_completion_tokens")
     max_tokens = max_tokens or positive_int(body.get("max_tokens"), "max_tokens")
     choices = positive_int(body.get("n"), "n") or 1

@@ -55,10 +55,11 @@ Answer = Callable[[SimulatorState, str, Mapping[str, Any], Fault | None, Hang | 
 class BadRequest(Exception):
     """The request is invalid; each wire format turns this into its own 400."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
