@@ -530,3 +530,35 @@ def test_64_concurrent_requests_at_100ms_overlap(sim: Simulator) -> None:
     stats = sim.stats()
     assert stats["by_outcome"] == {"ok": 64}
     assert stats["max_in_flight"] > 1
+
+
+def test_an_ended_openai_batch_keeps_its_answers_in_its_files_only(
+    sim: Simulator, oai: openai.OpenAI
+) -> None:
+    """No route deletes an OpenAI batch, and each kept every answer beside its result file: a
+    long-running simulator held every answer of every backfill (50,000 a batch) after the caller
+    deleted the files."""
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "simulator-1", "messages": [{"role": "user", "content": USER}]},
+        }
+        for i in range(3)
+    ]
+    upload = oai.files.create(
+        file=("in.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()), purpose="batch"
+    )
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    sim.end_batches()
+    ended = oai.batches.retrieve(batch.id)
+    assert ended.status == "completed" and ended.request_counts is not None
+    assert ended.request_counts.completed == 3
+    assert ended.output_file_id is not None
+    output = oai.files.content(ended.output_file_id).text
+    assert sorted(json.loads(line)["custom_id"] for line in output.splitlines()) == ["r0", "r1", "r2"]
+    assert sim.stats()["batches"]["held"]["answers"] == 0
+    assert oai.batches.retrieve(batch.id).request_counts.completed == 3  # the counts outlive the answers

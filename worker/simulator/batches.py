@@ -165,9 +165,10 @@ class BatchStore:
         return self.files.get(file_id)
 
     def held(self) -> dict[str, int]:
-        """What the store keeps: files (uploads and results) and batches."""
+        """What the store keeps: files (uploads and results), batches, and the answers batches hold."""
         with self._lock:
-            return {"files": len(self.files), "batches": len(self.batches)}
+            answers = sum(1 for batch in self.batches.values() for item in batch.items if item.body)
+            return {"files": len(self.files), "batches": len(self.batches), "answers": answers}
 
     def delete_file(self, file_id: str) -> bool:
         """Forget an uploaded or result file; False if there was none."""

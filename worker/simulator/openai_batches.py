@@ -18,6 +18,7 @@ from worker.simulator.batches import (
     BATCH_COMPLETION_WINDOW_SECONDS,
     BATCH_EXPIRED_MESSAGE,
     Batch,
+    BatchItem,
     BatchStore,
     StoredFile,
     hold_results,
@@ -162,6 +163,9 @@ def _write_result_files(store: BatchStore, batch: Batch, garbled: int = 0) -> No
             )
             store.add_file(stored)
             setattr(batch, attr, stored.id)
+    # The answers live in the files now, which the caller deletes: an OpenAI batch is never deleted (no
+    # route does), so a long-running simulator held every answer of every batch (50,000 a backfill's).
+    batch.items = [BatchItem(item.custom_id, item.status, {}) for item in batch.kept()]
 
 
 def _batch_json(batch: Batch) -> dict[str, Any]:
