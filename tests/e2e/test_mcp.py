@@ -381,6 +381,23 @@ def test_stdio_without_a_valid_key_refuses_to_start(env):
         assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
 
 
+def test_a_server_database_without_a_broker_is_refused(env, factory):
+    """The README's client config named the database only: the transcripts' compaction jobs went to an
+    embedded Redis under the agent's folder, which no worker reads."""
+    unbrokered = {k: v for k, v in env.items() if k != "FACTMILL_BROKER_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "mcp"],
+        cwd=REPO,
+        env=unbrokered | {"FACTMILL_MCP_API_KEY": new_key(factory, ["read"])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "FACTMILL_BROKER_URL is not" in result.stderr
+
+
 def test_the_http_server_refuses_to_start_in_production_on_placeholder_secrets(env):
     """`serve` refused the placeholder admin token in production; `mcp --http` started and took it as
     the bootstrap admin: every tool, every source, for whoever read the README."""
@@ -472,6 +489,34 @@ def test_http_refuses_a_body_over_the_cap_with_413_and_keeps_serving(env, factor
         assert httpx.post(url, content=chunks(), headers=rpc, timeout=30).status_code == 401  # no key
         reader = anyio.run(_http_session, url, key, _search_and_list)  # and it still serves
     assert reader["tools"] == READ_TOOLS
+
+
+def test_http_takes_a_body_up_to_factmills_cap_and_holds_no_session(http_server, factory):
+    """The SDK's own body limit (4 MiB) stood below FACTMILL_MAX_BODY_BYTES (25 MiB): a tool result of
+    5 MB was a plain-text 413 over HTTP, and taken over stdio and by the API. And its sessions (10,000
+    for the whole server, 30 minutes idle) let one key's initializes hold every slot: none is kept."""
+    key = new_key(factory, ["read"])
+    rpc = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {key}"}
+    pad = "a" * (5 * 1024 * 1024)
+    answer = httpx.post(
+        http_server,
+        json={"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"pad": pad}},
+        headers=rpc,
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text[:200]
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    started = httpx.post(http_server, json=initialize, headers=rpc, timeout=30)
+    assert started.status_code == 200 and "mcp-session-id" not in started.headers
 
 
 async def _http_session(url: str, key: str, job: Any) -> Any:

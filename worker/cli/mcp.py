@@ -59,6 +59,15 @@ def mcp_command(
         settings.check_service_settings()
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
+    if settings.database_url and not settings.broker_url:
+        # An agent starts the server from a folder of its own: jobs went to an embedded Redis under it,
+        # which no worker reads (run only when the sweeper took them for lost), and each machine counted
+        # its own search limits.
+        raise fail(
+            "FACTMILL_DATABASE_URL is set but FACTMILL_BROKER_URL is not: the MCP server's jobs would go to "
+            "an embedded Redis no worker reads; set FACTMILL_BROKER_URL to the workers' broker",
+            code=2,
+        )
     if http is not None:
         refuse_published_secrets(settings, host)
     key = None if http is not None else _stdio_key(key_env, settings.mcp_api_key)

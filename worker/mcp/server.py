@@ -219,7 +219,12 @@ def http_app(server: FactmillMCP, runtime: Runtime, host: str) -> Any:
     """The streamable HTTP app behind the API's guards: the body cap, and a database outage during the
     key check answered 503 with Retry-After (it was a bare 500 and uvicorn's traceback), anything else
     unexpected logged as one line."""
-    app = server.streamable_http_app(host=host)
+    # Stateless: the tools keep nothing between calls and each request's key is checked anyway, while
+    # the SDK's sessions (10,000 for the whole server, 30 minutes idle) let one key hold every slot, and
+    # every other client was answered 503. Its own body limit (4 MiB) stood below Factmill's cap.
+    app = server.streamable_http_app(
+        host=host, stateless_http=True, max_request_body_size=runtime.settings.max_body_bytes
+    )
     # Inside the app's own ServerErrorMiddleware (which answers 500 before anything outside it could
     # answer), around the SDK's bearer check.
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
