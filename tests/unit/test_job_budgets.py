@@ -12,7 +12,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from worker.db import database_unavailable, database_went_away
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.lifecycle import classify, result_for_error
-from worker.jobs.registry import get_kind
+from worker.jobs.registry import Backoff, get_kind
 from worker.settings import Settings
 
 
@@ -123,3 +123,12 @@ def test_a_provider_error_that_is_no_outage_is_retried_and_noted_in_the_provider
     refused = raised(LLMError("HTTP 401: invalid x-api-key", retryable=False, status=401))
     result = result_for_error(get_kind("consolidation"), refused)
     assert result.status == "retry" and "HTTP 401: invalid x-api-key" in (result.note or "")
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 1025, 1026, 5000, 10**9])
+def test_the_backoff_is_bounded_at_any_attempt_a_budget_allows(attempt: int) -> None:
+    """2 ** 1025 is past a float: a job's 1,026th loss (a budget raised for a week-long outage) raised
+    OverflowError while settling, and the job stayed running with a dead lease."""
+    backoff = Backoff(base_seconds=5.0, max_seconds=300.0)
+    ceiling = min(300.0, 5.0 * 2 ** (attempt - 1)) if attempt < 10 else 300.0
+    assert ceiling / 2 <= backoff.delay(attempt) <= ceiling

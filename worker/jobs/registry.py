@@ -47,7 +47,9 @@ class Backoff:
     max_seconds: float = 300.0
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        ceiling = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempt - 1))
+        # The exponent bounded: 2**1025 is past a float, and a budget of 2,000 losses (a week of outage
+        # at five minutes each) raised OverflowError in settle, the job left running with a dead lease.
+        ceiling = min(self.max_seconds, self.base_seconds * 2.0 ** min(max(0, attempt - 1), 64))
         return (rng or random).uniform(ceiling / 2, ceiling)
 
 
