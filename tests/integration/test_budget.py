@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import OperationalError
 
 from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.cli import invoke_cli
@@ -17,6 +18,7 @@ from worker.accounting import Budget, parse_prices, parse_usd
 from worker.accounting.budget import MAX_BUDGET_USD
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.jobs import outbox
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.lifecycle import run_job
 from worker.jobs.outbox import (
@@ -549,3 +551,59 @@ def test_more_pending_subjects_than_a_query_has_parameters_are_requested_again(t
             Job.status == "paused", Job.budget_since > func.now() - timedelta(hours=1)
         )
         assert session.scalar(renewed) == 23_333  # every paused one's budget started over
+
+
+def test_the_budget_waiters_are_read_a_page_at_a_time_after_the_resends(tx_factory, monkeypatch):
+    """Every sweep read every job paused for budget (a spent day pauses hundreds of thousands) and asked
+    their spend in one query, inside the transaction that held the stale rows it had locked; and a
+    budget read that failed rolled the re-sends of dead workers' jobs back."""
+    monkeypatch.setattr(outbox, "SWEEP_BATCH", 2)
+    with tx_factory.begin() as session:
+        dead = Job(
+            kind=EXTRACTION, subject="dead", status="running", heartbeat_at=func.now() - timedelta(hours=1)
+        )
+        waiters = [
+            Job(kind=EXTRACTION, subject=f"w{i}", status="paused", pause_reason="budget") for i in range(5)
+        ]
+        session.add_all([dead, *waiters])
+        session.flush()
+    asked: list[list[int]] = []
+
+    def room_for(ids):  # type: ignore[no-untyped-def]
+        asked.append(list(ids))
+        return [i for i in ids if i in (waiters[3].id, waiters[4].id)]  # the first three's own budgets spent
+
+    sent: list[int] = []
+    report = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+        budget_room_for=room_for,
+        sender=lambda task, job_id, queue: sent.append(job_id),
+    )
+    assert max(len(page) for page in asked) <= 2
+    assert sorted(report.resumed_paused) == [waiters[3].id, waiters[4].id]
+    assert sent[0] == dead.id and sorted(sent[1:]) == [waiters[3].id, waiters[4].id]
+
+    def broken(ids):  # type: ignore[no-untyped-def]
+        raise OperationalError("SELECT sum(cost_usd) ...", {}, Exception("connection lost"))
+
+    with tx_factory.begin() as session:
+        session.execute(
+            update(Job)
+            .where(Job.id == dead.id)
+            .values(status="running", heartbeat_at=func.now() - timedelta(hours=1))
+        )
+    sent.clear()
+    again = sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=300,
+        enabled=lambda key: True,
+        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+        budget_room_for=broken,
+        sender=lambda task, job_id, queue: sent.append(job_id),
+    )
+    assert again.requeued_stale == [dead.id] and sent == [dead.id]

@@ -23,11 +23,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
+from worker.core.errors import loggable
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import fail_if_spent
 from worker.jobs.losses import Overdue, QueueDepth, only_missing
@@ -321,11 +323,20 @@ def resume_budget_waiters(
 ) -> list[tuple[int, str]]:
     """Queue the jobs of these kinds paused for budget that the budgets now have room for: asked per
     job, so one whose own budget is spent is not woken on every sweep only to pause again."""
-    waiting = session.scalars(
-        select(Job.id).where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET)
-    ).all()
-    ready = room_for(waiting) if waiting else []
-    return resume_paused(session, kinds, reason=BUDGET, job_ids=ready) if ready else []
+    ready: list[int] = []
+    after = 0
+    while len(ready) < SWEEP_BATCH:  # a page at a time: a spent day paused hundreds of thousands
+        waiting = session.scalars(
+            select(Job.id)
+            .where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET, Job.id > after)
+            .order_by(Job.id)
+            .limit(SWEEP_BATCH)
+        ).all()
+        if not waiting:
+            break
+        ready += room_for(waiting)
+        after = waiting[-1]
+    return resume_paused(session, kinds, reason=BUDGET, job_ids=ready[:SWEEP_BATCH]) if ready else []
 
 
 def kinds_for_switch(key: str) -> list[str]:
@@ -447,9 +458,17 @@ def sweep(
         lost_pairs = only_missing(overdue, None if depths is None else depths.get)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
-        if budget_room_for is not None and switched_on:
-            resumed += resume_budget_waiters(session, switched_on, budget_room_for)
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
+    if budget_room_for is not None and switched_on:
+        # After the re-sends, in a transaction of its own: the budgets' read (a sum over llm_calls for
+        # every waiter) held the rows the sweep had locked, and its failure rolled the re-sends back.
+        try:
+            with factory.begin() as session:
+                woken = resume_budget_waiters(session, switched_on, budget_room_for)
+            enqueue(factory, woken, sender)
+            resumed += woken
+        except SQLAlchemyError as exc:
+            logger.warning("the sweep could not read the budgets to wake their waiters: %s", loggable(exc))
     report = SweepReport(
         [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
     )
