@@ -10,6 +10,8 @@ from worker.jobs.registry import get_kind
 
 # How many messages wait in a queue on the broker (None: the broker cannot say).
 QueueDepth = Callable[[str], int | None]
+# How many of a queue's overdue jobs have no message on the broker (None: the broker cannot say).
+MissingMessages = Callable[[str], int | None]
 
 
 @dataclass(frozen=True)
@@ -21,20 +23,22 @@ class Overdue:
     sent_at: datetime | None  # its last send (enqueued_at); None: never sent
 
 
-def only_missing(overdue: list[Overdue], queue_depth: QueueDepth | None) -> list[tuple[int, str]]:
-    """Of the queued jobs overdue for a worker (oldest send first), those whose message the broker is
-    missing: every one never sent and, per queue, as many of the sent ones (oldest first) as the queue
-    holds fewer messages than there are of them. A queue at least that long is a backlog, not a loss;
-    re-sending all of it on every sweep grew the queue by the whole backlog each time (bench/chaos.py saw
-    52,000 messages for 400 jobs). Without a depth (unknown, or the broker cannot say) every overdue job
-    is re-sent: a duplicate costs a skipped claim, a loss would cost the job."""
+def only_missing(overdue: list[Overdue], missing_in: MissingMessages | None) -> list[tuple[int, str]]:
+    """Of the queued jobs overdue for a worker (never sent first, then the newest sends), those whose
+    message the broker is missing: every one never sent and, per queue, as many of the sent ones (newest
+    first: a broker loses its newest writes) as it is missing. A queue that holds as many as are overdue
+    is a backlog, not a loss; re-sending all of it on every sweep grew the queue by the whole backlog
+    each time (bench/chaos.py saw 52,000 messages for 400 jobs). Where the broker cannot say, every
+    overdue job is re-sent: a duplicate costs a skipped claim, a loss would cost the job. (The oldest
+    re-sent first, when the newest were lost, counted fresh at the next sweep and hid the loss until
+    the whole backlog had drained.)"""
     pairs = [(job.job_id, job.kind) for job in overdue if job.sent_at is None]
     by_queue: dict[str, list[Overdue]] = {}
     for job in overdue:
         if job.sent_at is not None:
             by_queue.setdefault(get_kind(job.kind).queue, []).append(job)
     for queue, waiting_jobs in by_queue.items():
-        depth = None if queue_depth is None else queue_depth(queue)
-        missing = len(waiting_jobs) if depth is None else max(0, len(waiting_jobs) - depth)
-        pairs += [(job.job_id, job.kind) for job in waiting_jobs[:missing]]
+        missing = None if missing_in is None else missing_in(queue)
+        count = len(waiting_jobs) if missing is None else missing
+        pairs += [(job.job_id, job.kind) for job in waiting_jobs[:count]]
     return pairs

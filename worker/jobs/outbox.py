@@ -343,19 +343,23 @@ def kinds_for_switch(key: str) -> list[str]:
     return [name for name in kind_names() if get_kind(name).switch == key]
 
 
-def _overdue_queue_depths(
+def _missing_messages(
     factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
 ) -> dict[str, int | None]:
-    """Of each queue that has jobs sent and overdue (none asked when none has): how many messages the
-    broker holds that are not those of jobs sent lately (within ``requeue_after``). Those fresh messages
-    are no overdue job's: counted in, a steady backlog of them hid every lost message behind it, and
-    the jobs that lost theirs were never sent again while the backlog lasted."""
+    """Of each queue that has jobs sent and overdue (none asked when none has): how many of those jobs'
+    messages the broker is missing (None: it cannot say). Its depth counts the messages of jobs sent
+    lately (within ``requeue_after``) too: counted as overdue ones', a steady backlog of them hid every
+    lost message behind it, and the jobs that lost theirs were never sent again while the backlog lasted.
+    All the overdue jobs are counted, not the sweep's batch of them: measured against a batch, a backlog
+    longer than one hid the losses behind it."""
     cutoff = func.now() - timedelta(seconds=requeue_after)
     with factory() as session:
-        kinds = session.scalars(
-            select(Job.kind).where(Job.status == "queued", Job.enqueued_at < cutoff, _known_kind()).distinct()
+        overdue_by_kind = session.execute(
+            select(Job.kind, func.count())
+            .where(Job.status == "queued", Job.enqueued_at < cutoff, _known_kind())
+            .group_by(Job.kind)
         ).all()
-        if not kinds:
+        if not overdue_by_kind:
             return {}
         # Not a job waiting out a retry's backoff (enqueued_at ahead): its delayed message is held by a
         # worker until due, not queued, so it is in no depth.
@@ -373,11 +377,15 @@ def _overdue_queue_depths(
     for kind, count in fresh_by_kind:
         queue = get_kind(kind).queue
         fresh[queue] = fresh.get(queue, 0) + int(count)
-    depths: dict[str, int | None] = {}
-    for queue in {get_kind(kind).queue for kind in kinds}:
+    overdue: dict[str, int] = {}
+    for kind, count in overdue_by_kind:
+        queue = get_kind(kind).queue
+        overdue[queue] = overdue.get(queue, 0) + int(count)
+    missing: dict[str, int | None] = {}
+    for queue, count in overdue.items():
         depth = queue_depth(queue)
-        depths[queue] = None if depth is None else max(0, depth - fresh.get(queue, 0))
-    return depths
+        missing[queue] = None if depth is None else max(0, count - max(0, depth - fresh.get(queue, 0)))
+    return missing
 
 
 def _known_kind() -> ColumnElement[bool]:
@@ -405,7 +413,7 @@ def sweep(
     failed: list[int] = []
     # Asked before the transaction: a broker that hangs must not hold the rows it locks (claims, webhook
     # deliveries and erasures of those jobs waited on it).
-    depths = _overdue_queue_depths(factory, requeue_after, queue_depth) if queue_depth is not None else None
+    missing = _missing_messages(factory, requeue_after, queue_depth) if queue_depth is not None else None
     with factory.begin() as session:
         stale = session.execute(
             select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
@@ -444,8 +452,10 @@ def sweep(
                 ),
                 _known_kind(),
             )
-            .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
-            .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the oldest go first, the rest next sweep
+            # Never sent first, then the newest sends: a broker loses its newest messages (a failover
+            # to a replica behind it), while the oldest, at the head of the queue, are the next taken.
+            .order_by(Job.enqueued_at.desc().nulls_first(), Job.id.desc())
+            .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the rest next sweep
             .with_for_update(skip_locked=True)
         ).all()
         overdue = []
@@ -455,7 +465,7 @@ def sweep(
                 failed.append(waiting.id)
             elif waiting.id not in {i for i, _ in stale_pairs}:
                 overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
-        lost_pairs = only_missing(overdue, None if depths is None else depths.get)
+        lost_pairs = only_missing(overdue, None if missing is None else missing.get)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
