@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from worker.core.intent import SearchType, SnippetResult, extract_intent_terms, score_chunk, snippet_around
+from worker.core.intent import (
+    SNIPPET_CHUNK_CONTEXT_CHARS,
+    SearchType,
+    SnippetResult,
+    best_snippet_line,
+    extract_intent_terms,
+    score_chunk,
+    snippet_around,
+)
 
 __all__ = [
     "EXPANSION_LINE_WEIGHT",
@@ -133,6 +141,15 @@ def segment_snippet(
     # A fact's own line breaks would shift the numbering, so they become spaces.
     lines = [" ".join(fact.split()) for _, fact in segment]
     own = next((i for i, (num, _) in enumerate(segment) if num == own_row), 0)
-    # Whole lines around the best one: qmd's chunk window (100 characters either side of it) began the
-    # line before mid-word and cut the lines after, in every search result.
-    return snippet_around(lines, best_chunk(lines, own, query, intent), max_chars)
+    chunk = best_chunk(lines, own, query, intent)
+    # qmd's rule: the snippet's line is the best (by the snippet's weights) within 100 characters either
+    # side of the chunk; here of whole lines, and shown whole (a window of characters began the line
+    # before mid-word and cut the lines after, in every search result).
+    starts = [0]
+    for line in lines[:-1]:
+        starts.append(starts[-1] + len(line) + 1)
+    low = starts[chunk] - SNIPPET_CHUNK_CONTEXT_CHARS
+    high = starts[chunk] + len(lines[chunk]) + SNIPPET_CHUNK_CONTEXT_CHARS
+    near = [i for i, start in enumerate(starts) if start + len(lines[i]) >= low and start <= high]
+    index, score = best_snippet_line(lines[near[0] : near[-1] + 1], query, intent)
+    return snippet_around(lines, near[0] + index if score > 0 else chunk, max_chars)

@@ -23,6 +23,7 @@ __all__ = [
     "SnippetResult",
     "StructuredQuery",
     "TypedSearch",
+    "best_snippet_line",
     "extract_intent_terms",
     "extract_snippet",
     "has_strong_signal",
@@ -139,6 +140,12 @@ def _best_line(lines: list[str], query_terms: list[str], intent_terms: list[str]
         if score > best_score:
             best_index, best_score = index, score
     return best_index, best_score
+
+
+def best_snippet_line(lines: Sequence[str], query: str, intent: str | None = None) -> tuple[int, float]:
+    """(index, score) of the line of ``lines`` a snippet centres on: 1 per query term, the intent's
+    terms ``INTENT_WEIGHT_SNIPPET`` each, the first on a tie."""
+    return _best_line(list(lines), _query_terms(query), extract_intent_terms(intent) if intent else [])
 
 
 def _split_lines(text: str) -> list[str]:
