@@ -1265,6 +1265,21 @@ def test_fusion_rewards_agreement(vector_factory: sessionmaker[Session], llm: Op
     assert top.score == pytest.approx(4 / 61 + 0.05)
 
 
+def test_a_plain_query_that_excludes_a_word_is_searched_lexically_only(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The probe honoured -budget, but the query's vector line embedded it (its nearest fact was the one
+    excluded) and an expansion's lines dropped it: the excluded fact could come out first."""
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    outcome = search(vector_factory, llm, "quarterly budget deck -budget")
+    assert all("budget" not in result.fact for result in outcome.results), [r.fact for r in outcome.results]
+    assert "searched lexically only: vector and expanded lines cannot exclude words" in outcome.notes
+    kept = search(vector_factory, llm, "quarterly budget deck")  # without the exclusion, the vector line runs
+    assert kept.results[0].fact == "Alice promised to send the quarterly budget deck by Friday"
+    assert not any("lexically only" in note for note in kept.notes)
+
+
 # --------------------------------------------------------------------------- HTTP API
 
 

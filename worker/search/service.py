@@ -174,10 +174,16 @@ def _plain_lists(
     # A result that lacks some of the query's words is never "already clear".
     gathered.strong = complete and has_strong_signal(top, second, intent)
     extra: list[SearchLine] = []
-    if status.available and llm is not None:
+    # A -word or -"phrase" is honoured by lexical lines alone: the query's vector line embedded it (its
+    # nearest facts were those excluded) and an expansion's lines dropped it, so either could rank an
+    # excluded fact first. Such a query is searched as written.
+    excluding = bool(parse_lex_query(plain).excluded)
+    if excluding and ((status.available and llm is not None) or (expand and not gathered.strong)):
+        gathered.notes.append("searched lexically only: vector and expanded lines cannot exclude words")
+    if status.available and llm is not None and not excluding:
         extra.append(SearchLine("vec", plain, "query", USER_LINE_WEIGHT))
     client = None
-    if expand and not gathered.strong:
+    if expand and not gathered.strong and not excluding:
         try:
             client = resolve_llm(llm)
         except VectorSearchUnavailableError:
