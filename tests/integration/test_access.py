@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ApiKey, Page
+from models import ApiKey, Erasure, Page
 from tests.auth import bearer, new_key
 from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Recorder, make_runtime, run_asgi
 from tests.integration.test_search import seed
@@ -409,8 +409,15 @@ def test_a_delivery_signed_before_the_page_was_erased_cannot_bring_it_back(
     assert erased.status_code == 200, erased.text
     late = api.post("/v1/pages", content=page, headers=signed(page, timestamp=now - 20))
     assert late.status_code == 409 and "older than the page's erasure" in late.json()["detail"]
+    assert "Retry-After" not in late.headers
     with factory() as session:
         assert session.scalars(select(Page.compiled_truth)).all() == []
+        erased_at = session.scalar(select(func.max(Erasure.erased_at)))
+    # Signed in the erasure's second (a signature is dated to the second): told to wait one.
+    assert erased_at is not None
+    same = api.post("/v1/pages", content=page, headers=signed(page, timestamp=int(erased_at.timestamp())))
+    assert same.status_code == 409 and "a second after the erasure" in same.json()["detail"]
+    assert same.headers["Retry-After"] == "1"
     again = page_body("erase/a", body=CONVERSATION + "\nagain")
     assert api.post("/v1/pages", content=again, headers=signed(again, timestamp=now + 5)).status_code == 202
 

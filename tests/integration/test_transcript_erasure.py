@@ -176,6 +176,28 @@ def test_a_delivery_signed_before_the_erasure_cannot_begin_the_transcript_again(
     assert counted(factory, TranscriptMessageRow) == 1
 
 
+def test_a_delivery_signed_in_the_erasures_second_is_told_to_wait_a_second(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """A signature is dated to the second, an erasure to the microsecond: an append signed just after
+    the erasure, in its second, was refused as older, and the 409's advice (re-sign it) was refused
+    again until the second had passed."""
+    words = {"messages": [{"role": "user", "text": "hello"}]}
+    assert post_messages(client, TRANSCRIPT, words).status_code == 201
+    assert client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS).status_code == 200
+    with factory() as session:
+        erased_at = session.scalar(select(func.max(TranscriptErasure.erased_at)))
+    assert erased_at is not None
+    second = int(erased_at.timestamp())
+    same = post_messages(client, TRANSCRIPT, words, timestamp=second)
+    assert same.status_code == 409 and "sign it again a second after the erasure" in same.json()["detail"]
+    assert same.headers["Retry-After"] == "1"
+    older = post_messages(client, TRANSCRIPT, words, timestamp=second - 5)
+    assert older.status_code == 409 and "Retry-After" not in older.headers
+    assert "a second after" not in older.json()["detail"]
+    assert post_messages(client, TRANSCRIPT, words, timestamp=second + 1).status_code == 201
+
+
 def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it_again(
     client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:

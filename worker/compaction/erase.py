@@ -17,6 +17,7 @@ from models import (
     forget_transcript_in_deliveries,
 )
 from worker.core.erasure import erased_digest, erased_label
+from worker.core.moments import erased_in_its_second
 from worker.jobs.outbox import COMPACTION, cancel_jobs
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,12 @@ class ErasedSinceSignedError(Exception):
         super().__init__(
             f"this delivery (of {signed_at.isoformat()}) is older than the transcript's erasure "
             f"({erased_at.isoformat()}); send it again (freshly signed, if signed) to begin a new transcript"
+            + erased_in_its_second(signed_at, erased_at)
         )
+        self.retry_after = 1 if erased_in_its_second(signed_at, erased_at) else None
+
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after else None
 
 
 def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 
 def as_utc(moment: datetime) -> datetime:
@@ -11,4 +11,13 @@ def as_utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
-__all__ = ["as_utc"]
+def erased_in_its_second(signed_at: datetime, erased_at: datetime) -> str:
+    """What a 409 for a delivery signed before an erasure adds when both fall in one second: a
+    signature is dated to the second, so one signed just after the erasure, in that second, counts as
+    older (re-signed at once, it was refused again)."""
+    if erased_at - signed_at >= timedelta(seconds=1):
+        return ""
+    return " (signatures are dated to the second: sign it again a second after the erasure)"
+
+
+__all__ = ["as_utc", "erased_in_its_second"]

@@ -177,7 +177,7 @@ def accept_messages(
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     except ErasedSinceSignedError as exc:
-        raise ApiError(409, str(exc)) from None
+        raise ApiError(409, str(exc), headers=exc.headers()) from None
     if pending is None:
         return JSONResponse(response, 201, headers=REPLAYED_HEADERS)
     sent = ctx.enqueue(pending)
@@ -235,7 +235,7 @@ def accept_settings(
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     except ErasedSinceSignedError as exc:
-        raise ApiError(409, str(exc)) from None
+        raise ApiError(409, str(exc), headers=exc.headers()) from None
     if pending is None:
         return JSONResponse(response, 200, headers=REPLAYED_HEADERS)
     ctx.enqueue(pending)
