@@ -35,7 +35,7 @@ from tests.integration.test_compaction_service import (
 )
 from worker.api.app import create_app
 from worker.calibration import FALLBACK
-from worker.compaction import compact_transcript, request_compaction
+from worker.compaction import compact_transcript, request_compaction, views
 from worker.compaction.erase import TRANSCRIPT_ERASED, erased_transcript_digest, erased_transcript_name
 from worker.jobs.outbox import COMPACTION
 
@@ -225,3 +225,20 @@ def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it
     assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
     monkeypatch.undo()
     assert client.post(path, json=words, headers=headers).status_code == 201  # after it: a new transcript
+
+
+def test_a_transcripts_figures_are_read_in_one_snapshot(
+    client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its figures came from several statements: an append committed between them (an agent appends
+    while it reads) counted more tokens in the context than in the whole history."""
+    append(factory, "snap", session_messages(2))
+    read_context = views.context_now
+
+    def appended_meanwhile(session: Session, transcript_id: str) -> Any:
+        append(factory, "snap", session_messages(3))
+        return read_context(session, transcript_id)
+
+    monkeypatch.setattr(views, "context_now", appended_meanwhile)
+    stats = client.get("/v1/transcripts/snap", headers=ADMIN_HEADERS).json()
+    assert stats["context_tokens"] <= stats["history_tokens"], stats

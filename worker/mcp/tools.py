@@ -19,7 +19,7 @@ from pydantic import Field, Strict, StrictBool
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from models.reads import read_only
+from models.reads import one_snapshot, read_only
 from worker.access import Principal, readable_sources
 from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
 from worker.calibration import ObservationIn, add_observation
@@ -292,7 +292,7 @@ class FactmillTools:
         """What to send a model now for an agent transcript: the newest accepted summary, then every
         message after it, repaired so each tool call has its result."""
         transcript_id = checked_transcript_id(transcript_id)
-        with refusals(), self.runtime.factory() as session:
+        with refusals(), one_snapshot(self.runtime.factory) as session:  # its statements agree
             view = context_view(session, transcript_id, max_bytes=MCP_CONTEXT_MAX_BYTES)
         return {
             "transcript_id": transcript_id,

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from models import Compaction
-from models.reads import read_only
+from models.reads import one_snapshot, read_only
 from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
 from worker.api.deps import (
     ApiContext,
@@ -195,8 +195,10 @@ def accept_messages(
 
 @contextmanager
 def _transcript_session(ctx: ApiContext) -> Iterator[Session]:
-    """A read session in which a transcript that does not exist is answered 404."""
-    with read_only(ctx.factory) as session:
+    """A read session in which a transcript that does not exist is answered 404. One snapshot: its
+    figures come from several statements, and an append committed between them (an agent appends
+    while it reads) counted more tokens in the context than in the whole history (saved_tokens < 0)."""
+    with one_snapshot(ctx.factory) as session:
         try:
             yield session
         except TranscriptNotFoundError as exc:
