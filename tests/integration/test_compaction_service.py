@@ -2019,3 +2019,31 @@ def test_a_summary_that_leaves_the_context_no_smaller_is_not_applied(
     assert row.tokens_after is not None and row.tokens_before is not None
     assert row.tokens_after >= row.tokens_before and "not applied" in (row.error or "")
     assert [a["outcome"] for a in row.attempt_log] == ["no_saving"] and len(llm.requests) == 1
+
+
+def test_a_superseded_run_is_no_miss_that_holds_the_next_compaction_back(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """A run whose summary another run's accepted one superseded is stored failed, newer by id than the
+    accepted one: taken for a miss, it held appends past the threshold (and the next jobs) back for the
+    whole retrigger wait, though the last summary had been accepted. A failure of its own still counts."""
+    from sqlalchemy import text as sql
+
+    from worker.compaction.queries import recent_miss
+
+    append(tx_factory, "superseded", session_messages(3), settings=SETTINGS)
+    insert = (
+        "INSERT INTO compactions (transcript_id, status, cut_seq, tokens_before, attempts, error) "
+        "VALUES ('superseded', :status, 1, 100, 1, :error)"
+    )
+    with tx_factory.begin() as session:
+        session.execute(sql(insert), {"status": "rejected", "error": None})
+        session.execute(sql(insert), {"status": "failed", "error": "superseded: compaction 7 was accepted"})
+    with tx_factory() as session:
+        missed = recent_miss(session, "superseded", 300)
+        assert missed is not None and missed.status == "rejected"
+    with tx_factory.begin() as session:
+        session.execute(sql(insert), {"status": "failed", "error": None})  # a failure of its own
+    with tx_factory() as session:
+        missed = recent_miss(session, "superseded", 300)
+        assert missed is not None and missed.status == "failed"

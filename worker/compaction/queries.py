@@ -249,6 +249,10 @@ class TriggerCheck:
         return self.trigger_tokens is not None and self.context_tokens > self.trigger_tokens
 
 
+# How the error of a run whose summary another accepted meanwhile begins (worker.compaction.records).
+SUPERSEDED = "superseded:"
+
+
 def recent_miss(
     session: Session,
     transcript_id: str,
@@ -270,7 +274,12 @@ def recent_miss(
             Compaction.created_at
             >= func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("within", within_seconds)),
         )
-        .where(Compaction.transcript_id == transcript_id)
+        .where(
+            Compaction.transcript_id == transcript_id,
+            # A run superseded by another's accepted summary judged nothing: newer by id than the
+            # accepted one, it held appends (and the next jobs) back as a miss for the whole wait.
+            ~((Compaction.status == "failed") & func.coalesce(Compaction.error, "").startswith(SUPERSEDED)),
+        )
         .order_by(Compaction.id.desc())
         .limit(1)
     ).first()

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from models import Compaction
 from models.tables import COMPACTIONS
 from worker.compaction.queries import (
+    SUPERSEDED,
     applied_summary,
     get_transcript,
     request_compaction,
@@ -92,7 +93,7 @@ def save_compaction(
         if current_id != record.previous_id:
             status = "failed"
             error = (
-                f"superseded: compaction {current_id} was accepted while this one ran, so this "
+                f"{SUPERSEDED} compaction {current_id} was accepted while this one ran, so this "
                 "summary (of an older timeline) was not applied"
             )
     tokens_after = record.tokens_after if status != "failed" else None
