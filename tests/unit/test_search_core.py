@@ -141,6 +141,17 @@ def test_a_segment_snippet_shows_whole_lines_around_the_best_one() -> None:
     assert shown == [fact for _, fact in segment]
 
 
+def test_a_long_fact_before_the_best_one_does_not_push_it_out_of_the_snippet() -> None:
+    """Whole lines cut at 500 characters: a previous fact of 598 filled the snippet, and the fact that
+    matched was not in it."""
+    long_before = "Priya talked about " + "the quarterly offsite in Lisbon and the plans for it " * 11
+    segment = [(0, long_before.strip()), (1, "Priya signed the Acme offer"), (2, "Sam was glad")]
+    snippet = segment_snippet(segment, 1, "signed acme offer", None)
+    header, *shown = snippet.snippet.split("\n")
+    assert header == "@@ -2,2 @@ (1 before, 0 after)" and snippet.line == 2
+    assert shown == ["Priya signed the Acme offer", "Sam was glad"]
+
+
 def test_embedding_text_names_the_entity_once() -> None:
     assert fact_embedding_text("Bob is allergic to peanuts", "bob") == "Bob is allergic to peanuts"
     assert fact_embedding_text("Moved to Lisbon", "alice-smith") == "Moved to Lisbon (alice smith)"

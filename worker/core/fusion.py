@@ -152,4 +152,8 @@ def segment_snippet(
     high = starts[chunk] + len(lines[chunk]) + SNIPPET_CHUNK_CONTEXT_CHARS
     near = [i for i, start in enumerate(starts) if start + len(lines[i]) >= low and start <= high]
     index, score = best_snippet_line(lines[near[0] : near[-1] + 1], query, intent)
-    return snippet_around(lines, near[0] + index if score > 0 else chunk, max_chars)
+    best = near[0] + index if score > 0 else chunk
+    # A long fact before the best one would fill the snippet and push the best one out of it: then the
+    # snippet begins at the best line.
+    crowded = best > 0 and len(lines[best - 1]) + 1 + len(lines[best]) > max_chars - 3
+    return snippet_around(lines, best, max_chars, before=0 if crowded else 1)

@@ -212,11 +212,12 @@ def snippet_around(
     max_len: int = 500,
     line_offset: int = 0,
     total_lines: int | None = None,
+    before: int = 1,
 ) -> SnippetResult:
     """The snippet of ``lines`` (of a body of ``total_lines``, the first of them its line
-    ``line_offset + 1``) around its best line: one line before it and two after, under the header."""
+    ``line_offset + 1``) around its best line: ``before`` lines before it and two after, under the header."""
     total_lines = len(lines) if total_lines is None else total_lines
-    start = max(0, best_index - 1)
+    start = max(0, best_index - before)
     shown = lines[start : best_index + 3]
     text = "\n".join(shown)
     if len(text) > max_len:
