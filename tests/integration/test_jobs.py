@@ -408,10 +408,9 @@ def test_the_sweeper_resends_only_as_many_as_the_broker_queue_is_missing(tx_fact
 
     # The queue still holds the four sent messages: only the job never sent goes.
     assert resent(4) == [never]
-    # Now five were sent and four wait: one is missing, and the newest send goes (a broker loses its
-    # newest writes; the oldest, at the head of its queue, are the next taken).
-    assert resent(4) == [never]
-    assert resent(2) == [never, sent[3], sent[2]]
+    # Now five were sent and four wait: one is missing, and the oldest goes.
+    assert resent(4) == [sent[0]]
+    assert resent(2) == sent[:3]
     # An empty queue (a flush), or a broker that cannot say: every overdue job goes again.
     assert sorted(resent(0)) == sorted([*sent, never])
     assert sorted(resent(None)) == sorted([*sent, never])
@@ -421,9 +420,7 @@ def test_the_missing_messages_are_counted_over_every_overdue_job_not_the_sweeps_
     tx_factory, monkeypatch
 ):
     """Measured against the sweep's batch (its 5,000 oldest), a backlog longer than one hid its losses:
-    a queue of 99,000 for 100,000 overdue jobs counted none missing of the batch. And the oldest were sent
-    again when the newest had been lost: counted fresh at the next sweep, those duplicates hid the loss
-    until the whole backlog had drained."""
+    a queue of 99,000 for 100,000 overdue jobs counted none missing of the batch."""
     monkeypatch.setattr(outbox, "SWEEP_BATCH", 2)
     sent = [new_job(tx_factory, f"default|c{i}") for i in range(4)]
     enqueue(tx_factory, [(i, EXTRACTION) for i in sent], Recorder())
@@ -440,9 +437,9 @@ def test_the_missing_messages_are_counted_over_every_overdue_job_not_the_sweeps_
         enabled=lambda key: True,
         job_budgets=BUDGETS,
         sender=recorder,
-        queue_depth=lambda queue: 2,  # the two oldest sends still wait; the two newest were lost
+        queue_depth=lambda queue: 2,  # two of the four overdue have no message
     )
-    assert sorted(job_id for _, job_id, _ in recorder.sent) == [sent[2], sent[3]]
+    assert [job_id for _, job_id, _ in recorder.sent] == [sent[0], sent[1]]  # the batch: its oldest two
 
 
 def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_does(tx_factory):

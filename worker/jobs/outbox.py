@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Job
 from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
-from worker.core.errors import loggable
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import fail_if_spent
 from worker.jobs.losses import Overdue, QueueDepth, only_missing
@@ -323,19 +322,18 @@ def resume_budget_waiters(
 ) -> list[tuple[int, str]]:
     """Queue the jobs of these kinds paused for budget that the budgets now have room for: asked per
     job, so one whose own budget is spent is not woken on every sweep only to pause again."""
+    waiting = session.scalars(
+        select(Job.id)
+        .where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET)
+        .order_by(Job.id)
+    ).all()
     ready: list[int] = []
-    after = 0
-    while len(ready) < SWEEP_BATCH:  # a page at a time: a spent day paused hundreds of thousands
-        waiting = session.scalars(
-            select(Job.id)
-            .where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET, Job.id > after)
-            .order_by(Job.id)
-            .limit(SWEEP_BATCH)
-        ).all()
-        if not waiting:
+    # Their spend asked a batch at a time, until a batch's worth has room (a spent day pauses hundreds
+    # of thousands; with no room left in the day, ``room_for`` answers at once, asking nothing).
+    for start in range(0, len(waiting), SWEEP_BATCH):
+        ready += room_for(waiting[start : start + SWEEP_BATCH])
+        if len(ready) >= SWEEP_BATCH:
             break
-        ready += room_for(waiting)
-        after = waiting[-1]
     return resume_paused(session, kinds, reason=BUDGET, job_ids=ready[:SWEEP_BATCH]) if ready else []
 
 
@@ -452,9 +450,9 @@ def sweep(
                 ),
                 _known_kind(),
             )
-            # Never sent first, then the newest sends: a broker loses its newest messages (a failover
-            # to a replica behind it), while the oldest, at the head of the queue, are the next taken.
-            .order_by(Job.enqueued_at.desc().nulls_first(), Job.id.desc())
+            # Never sent first, then the oldest sends: a dead worker's prefetched messages (its oldest)
+            # are off the queue until their visibility timeout, and a job sent again goes to the back.
+            .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
             .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the rest next sweep
             .with_for_update(skip_locked=True)
         ).all()
@@ -469,6 +467,7 @@ def sweep(
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
+    unread: SQLAlchemyError | None = None
     if budget_room_for is not None and switched_on:
         # After the re-sends, in a transaction of its own: the budgets' read (a sum over llm_calls for
         # every waiter) held the rows the sweep had locked, and its failure rolled the re-sends back.
@@ -478,11 +477,13 @@ def sweep(
             enqueue(factory, woken, sender)
             resumed += woken
         except SQLAlchemyError as exc:
-            logger.warning("the sweep could not read the budgets to wake their waiters: %s", loggable(exc))
+            unread = exc
     report = SweepReport(
         [i for i, _ in stale_pairs], [i for i, _ in lost_pairs], [i for i, _ in resumed], failed
     )
     report.log()
+    if unread is not None:  # the step fails (Flower shows it), its re-sends done and reported
+        raise unread
     return report
 
 
