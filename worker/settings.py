@@ -34,10 +34,14 @@ class InsecureSecretsError(RefusedSettingsError):
 # Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
 # from the last two); the SDKs' base URL (calls went there, priced and limited as the provider's own).
 _CELERY = "CELERY_BROKER_URL CELERY_BROKER_READ_URL CELERY_BROKER_WRITE_URL BROKER_URL CELERY_BROKER"
+_SDK_URL = "the SDK would send its calls there unseen; unset it (FACTMILL_LLM_BASE_URL sets the provider's)"
 FOREIGN_VARIABLES = {
-    **dict.fromkeys(_CELERY.split(), ("Celery", "FACTMILL_BROKER_URL")),
-    "OPENAI_BASE_URL": ("the OpenAI SDK", "FACTMILL_LLM_BASE_URL"),
-    "ANTHROPIC_BASE_URL": ("the Anthropic SDK", "FACTMILL_LLM_BASE_URL"),
+    **dict.fromkeys(
+        _CELERY.split(),
+        "Celery would use it instead of FACTMILL_BROKER_URL; unset it and set FACTMILL_BROKER_URL",
+    ),
+    "OPENAI_BASE_URL": _SDK_URL,  # an Anthropic deployment's OpenAI embeddings too: no setting moves those
+    "ANTHROPIC_BASE_URL": _SDK_URL,
 }
 # The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).
 _HTTP = ("http", "https")
@@ -336,11 +340,9 @@ class Settings(BaseSettings):
         """Celery reads CELERY_BROKER_URL (and its read and write twins) before any configuration: left
         in an image's environment, workers, beat and sends went to that broker while /readyz, the
         metrics and the rate limits watched FACTMILL_BROKER_URL's. The SDKs read their base URL alike."""
-        for name, (reader, ours) in FOREIGN_VARIABLES.items():
+        for name, why in FOREIGN_VARIABLES.items():
             if os.environ.get(name):
-                raise ValueError(
-                    f"{name} is set: {reader} would use it instead of {ours}; unset it, set {ours}"
-                )
+                raise ValueError(f"{name} is set: {why}")
         return self
 
     @model_validator(mode="after")

@@ -182,7 +182,7 @@ def test_an_sdks_own_base_url_variable_is_refused(
     monkeypatch.setenv(variable, "https://proxy.example/v1")
     with pytest.raises(
         InvalidSettingsError,
-        match=f"{variable} is set: the .* SDK would use it instead of FACTMILL_LLM_BASE_URL",
+        match=f"{variable} is set: the SDK would send its calls there unseen; unset it",
     ):
         fresh_settings()
 
