@@ -34,12 +34,10 @@ class InsecureSecretsError(RefusedSettingsError):
 # Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
 # from the last two); the SDKs' base URL (calls went there, priced and limited as the provider's own).
 _CELERY = "CELERY_BROKER_URL CELERY_BROKER_READ_URL CELERY_BROKER_WRITE_URL BROKER_URL CELERY_BROKER"
+_BROKER = "Celery would use it instead of FACTMILL_BROKER_URL; unset it and set FACTMILL_BROKER_URL"
 _SDK_URL = "the SDK would send its calls there unseen; unset it (FACTMILL_LLM_BASE_URL sets the provider's)"
 FOREIGN_VARIABLES = {
-    **dict.fromkeys(
-        _CELERY.split(),
-        "Celery would use it instead of FACTMILL_BROKER_URL; unset it and set FACTMILL_BROKER_URL",
-    ),
+    **dict.fromkeys(_CELERY.split(), _BROKER),
     "OPENAI_BASE_URL": _SDK_URL,  # an Anthropic deployment's OpenAI embeddings too: no setting moves those
     "ANTHROPIC_BASE_URL": _SDK_URL,
 }
