@@ -20,8 +20,10 @@ from worker.api.metrics import (
     LLM_LATENCY_BUCKETS_MS,
     BackfillCollector,
     ConsolidationCollector,
+    PostgresCollector,
     StoreCollector,
 )
+from worker.api.scrape_reads import MissingReadsCollector
 from worker.llm.types import Usage
 
 pytestmark = pytest.mark.integration
@@ -445,3 +447,27 @@ def test_figures_read_but_not_built_fail_no_scrape_and_say_the_store_is_up(
     families = {m.name: [s.value for s in m.samples] for m in collector.collect()}
     # Read: the store is up (an alert that it is down would lie), and the unbuilt figures are said.
     assert families == {"factmill_store_up": [1], "factmill_metrics_unbuilt": [1]}
+
+
+def test_a_collector_whose_figures_could_not_be_read_is_said(
+    factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the store's collector said it had failed: the others' families were simply absent, and the
+    alerts on them (a page's text still held at a provider, Postgres's connections) went quiet unsaid."""
+    backfills, postgres = BackfillCollector(factory), PostgresCollector(factory)
+    missing = MissingReadsCollector({"backfills": backfills, "postgres": postgres})
+
+    def timed_out(session: Session) -> object:
+        raise RuntimeError("a query's own failure (not an outage: that is factmill_store_up's)")
+
+    monkeypatch.setattr(backfills, "read", timed_out)
+    assert backfills.collect() == [] and postgres.collect() != []
+    (gauge,) = missing.collect()
+    assert gauge.name == "factmill_metrics_unread"
+    assert {s.labels["collector"]: s.value for s in gauge.samples} == {"backfills": 1, "postgres": 0}
+    monkeypatch.undo()
+    backfills.collect()
+    assert {s.labels["collector"]: s.value for s in missing.collect()[0].samples} == {
+        "backfills": 0,
+        "postgres": 0,
+    }

@@ -47,7 +47,12 @@ AGGREGATIONS = {
 }
 AGGREGATIONS |= {"quantile", "limitk", "limit_ratio"}
 # Read from Postgres at scrape time but about the replica itself: whether *it* reaches the store.
-PER_REPLICA = {"factmill_store_up", "factmill_broker_up", "factmill_metrics_unbuilt"}
+PER_REPLICA = {
+    "factmill_store_up",
+    "factmill_broker_up",
+    "factmill_metrics_unbuilt",
+    "factmill_metrics_unread",
+}
 
 
 def _declared() -> dict[str, str]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -49,7 +49,10 @@ class ScrapeTimeCollector(Generic[R]):
     def describe(self) -> list[Metric]:
         return []  # keeps registration from querying the database
 
+    failed = False  # the last scrape could not read or build this collector's figures (MissingReadsCollector)
+
     def collect(self) -> list[Metric]:
+        self.failed = True
         if _outage_seen(self.factory):
             return self.unreadable()
         try:
@@ -64,10 +67,12 @@ class ScrapeTimeCollector(Generic[R]):
                 _outages[self.factory] = time.monotonic()
             return self.unreadable()
         try:
-            return self.metrics(rows)
+            built = self.metrics(rows)
         except Exception as exc:  # read, but not built (stored buckets that no longer match the code's)
             logger.error("metrics: could not build %s from what was read (%s)", self.reads, loggable(exc))
             return self.unbuildable()
+        self.failed = False
+        return built
 
     def read(self, session: Session) -> R:
         raise NotImplementedError
@@ -84,4 +89,26 @@ class ScrapeTimeCollector(Generic[R]):
         return []
 
 
-__all__ = ["METRICS_STATEMENT_TIMEOUT", "OUTAGE_SECONDS", "ScrapeTimeCollector"]
+class MissingReadsCollector:
+    """``factmill_metrics_unread{collector}``: 1 for each collector whose figures the scrape could not
+    read or build (registered after them). Their families were simply absent, and the alerts on them
+    (a page's text still held at a provider, Postgres's connections) went quiet unsaid."""
+
+    def __init__(self, collectors: dict[str, ScrapeTimeCollector[Any]]) -> None:
+        self.collectors = collectors
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        gauge = GaugeMetricFamily(
+            "factmill_metrics_unread",
+            "1 if this scrape could not read or build a collector's figures from Postgres (see the log)",
+            labels=["collector"],
+        )
+        for name, collector in self.collectors.items():
+            gauge.add_metric([name], 1 if collector.failed else 0)
+        return [gauge]
+
+
+__all__ = ["METRICS_STATEMENT_TIMEOUT", "OUTAGE_SECONDS", "MissingReadsCollector", "ScrapeTimeCollector"]
