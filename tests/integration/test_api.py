@@ -1166,6 +1166,38 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
     engine.dispose()
 
 
+def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_figures(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """The remembered key was taken only after the key check had failed: against a database that drops
+    packets each scrape waited its connect timeout (10 s) there, then the collectors' own, past
+    Prometheus's scrape timeout, and factmill_store_up 0 never reached it."""
+    import psycopg
+    from sqlalchemy import event
+    from sqlalchemy.pool import NullPool
+
+    from tests.auth import bearer, new_key
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    down, attempts = [False], []
+
+    @event.listens_for(engine, "do_connect")
+    def refuse(*_: Any) -> None:
+        if down[0]:
+            attempts.append(1)
+            raise psycopg.OperationalError("connection timed out (the test's outage)")
+
+    gated = sessionmaker(engine)
+    scraper = bearer(new_key(factory, ["metrics"]))
+    with TestClient(create_app(make_runtime(database_url, gated), sender=Recorder(gated))) as client:
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        down[0] = True
+        for _ in range(3):
+            assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+    assert len(attempts) == 1
+    engine.dispose()
+
+
 def test_a_scrape_tries_a_database_it_cannot_reach_once(database_url: str) -> None:
     """Each of the five collectors waited out its own connect timeout: against a silent server a scrape
     took minutes, past Prometheus's timeout, so factmill_store_up 0 never reached it."""

@@ -22,6 +22,7 @@ from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import ApiError
+from worker.api.scrape_reads import note_outage, outage_seen
 from worker.bodycap import arrived_at
 from worker.core.signing import (
     EXPECTED_FORMAT,
@@ -79,16 +80,23 @@ def _resolved(
     """``resolve``'s principal, and whether the database checked it just now (not a remembered check)."""
     if credentials is None:
         return None, False
+    remembered = None
+    if through_outage:
+        remembered = ctx.remembered_key(hash_key(credentials.credentials), OUTAGE_GRACE_SECONDS)
+        if remembered is not None and outage_seen(ctx.factory):
+            # Not asked again while the outage lasts: a database that drops packets took the connect
+            # timeout (10 s, or a pooled connection's 60) per scrape before the collectors' own reads,
+            # past Prometheus's scrape timeout, and factmill_store_up 0 never reached it.
+            return remembered, False
     try:
         principal = principal_for(ctx.factory, credentials.credentials, ctx.settings.admin_token)
     except Exception as exc:
-        digest = hash_key(credentials.credentials)
-        remembered = ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) if through_outage else None
         # An outage only (the database unreachable or restarting): not a pool busy past its timeout,
         # nor a server out of connections or disk, which is up and says a key revoked meanwhile is
         # (one was taken for up to the grace); those get the 503 they get anywhere.
         if remembered is None or not (isinstance(exc, OperationalError) and database_went_away(exc)):
             raise
+        note_outage(ctx.factory)
         return remembered, False
     if principal is None:
         ctx.forget_key(hash_key(credentials.credentials))  # revoked: no longer taken through an outage

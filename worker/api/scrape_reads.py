@@ -29,9 +29,14 @@ _outages: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.Weak
 R = TypeVar("R")
 
 
-def _outage_seen(factory: sessionmaker[Session]) -> bool:
+def outage_seen(factory: sessionmaker[Session]) -> bool:
+    """Whether a scrape's read (or its key check) failed to reach the store through ``factory`` lately."""
     seen = _outages.get(factory)
     return seen is not None and time.monotonic() - seen < OUTAGE_SECONDS
+
+
+def note_outage(factory: sessionmaker[Session]) -> None:
+    _outages[factory] = time.monotonic()
 
 
 class ScrapeTimeCollector(Generic[R]):
@@ -53,7 +58,7 @@ class ScrapeTimeCollector(Generic[R]):
 
     def collect(self) -> list[Metric]:
         self.failed = True
-        if _outage_seen(self.factory):
+        if outage_seen(self.factory):
             return self.unreadable()
         try:
             # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
@@ -64,7 +69,7 @@ class ScrapeTimeCollector(Generic[R]):
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
             if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
-                _outages[self.factory] = time.monotonic()
+                note_outage(self.factory)
             return self.unreadable()
         try:
             built = self.metrics(rows)
@@ -111,4 +116,11 @@ class MissingReadsCollector:
         return [gauge]
 
 
-__all__ = ["METRICS_STATEMENT_TIMEOUT", "OUTAGE_SECONDS", "MissingReadsCollector", "ScrapeTimeCollector"]
+__all__ = [
+    "METRICS_STATEMENT_TIMEOUT",
+    "OUTAGE_SECONDS",
+    "MissingReadsCollector",
+    "ScrapeTimeCollector",
+    "note_outage",
+    "outage_seen",
+]
