@@ -795,6 +795,31 @@ def test_each_try_the_gateway_retried_for_an_expansion_is_a_call_of_its_own(
     assert outcomes == ["provider_error", "ok"]
 
 
+def test_a_searchs_llm_calls_end_with_its_deadline(
+    plain_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded by the gateway alone (five tries of up to a minute, two minutes of backoff), a slow
+    model's expansion ran on for minutes after the client (30 s) had given up and sent the search
+    again. Each try is cut to the time left, and no retry starts after it."""
+    from worker.llm.retry import RetryingClient, RetryPolicy
+    from worker.search import service
+
+    seed(plain_factory)
+    monkeypatch.setattr(service, "SEARCH_LLM_SECONDS", 1.0)
+    with Simulator(SimulatorConfig(latency_ms=4000)) as slow:
+        retried = RetryingClient(sim_client(slow), RetryPolicy(max_attempts=5, backoff_base_seconds=0.01))
+        outcome = search(plain_factory, retried, "what does alice drink with coffee")
+        assert len(slow.recent_requests()) == 1  # one try, cut at the deadline; none after it
+    assert outcome.expanded is False
+    assert "query expansion ran out of time (the LLM was slow); searched the query alone" in outcome.notes
+    assert "Alice prefers oat milk in her coffee" in facts_of(outcome)[:5]  # the probe's answer stands
+    with plain_factory() as session:
+        outcomes = session.scalars(
+            text("SELECT outcome FROM llm_calls WHERE purpose = 'search_expansion' ORDER BY id")
+        ).all()
+    assert outcomes == ["provider_error"]  # the try that timed out, recorded
+
+
 def test_each_try_the_gateway_retried_for_an_embedding_is_a_call_named_by_its_model(
     vector_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
 ) -> None:

@@ -11,13 +11,24 @@ caller to record.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from worker.llm.deadline import DEADLINE
+from worker.llm.errors import LLMError
+
 _CHECK: ContextVar[Callable[[], None] | None] = ContextVar("factmill_llm_between_tries", default=None)
 TRIES_ATTRIBUTE = "llm_tries_before_stop"
+
+
+class CallDeadlineError(LLMError):
+    """The caller's time for its calls ran out between two tries (``call_deadline``): no call was made."""
+
+    def __init__(self) -> None:
+        super().__init__("the time allowed for these calls ran out before another try", retryable=False)
 
 
 @contextmanager
@@ -31,10 +42,13 @@ def checked_between_tries(check: Callable[[], None] | None) -> Iterator[None]:
 
 
 def between_tries() -> None:
-    """Run the caller's check, if it set one."""
+    """Run the caller's check, if it set one; past the calls' deadline, CallDeadlineError."""
     check = _CHECK.get()
     if check is not None:
         check()
+    at = DEADLINE.get()
+    if at is not None and time.monotonic() >= at:
+        raise CallDeadlineError()
 
 
 def tries_before_stop(exc: BaseException) -> tuple[Any, ...]:

@@ -194,7 +194,10 @@ class OpenAIChatClient:
             body["dimensions"] = self.embedding_dimensions
         started = time.perf_counter()
         try:
-            result: Any = self._client.post("/embeddings", body=body, cast_to=object)
+            timeout = reply_timeout(self._sdk_module, self._timeout)  # a caller's deadline cuts it
+            result: Any = self._client.post(
+                "/embeddings", body=body, cast_to=object, options={"timeout": timeout}
+            )
         except Exception as exc:
             error = to_llm_error(exc, int((time.perf_counter() - started) * 1000))
             # The call's row names the model it asked for (the chat model's name otherwise).

@@ -13,6 +13,7 @@ import tenacity
 
 from worker.core.errors import error_summary
 from worker.llm.between_tries import TRIES_ATTRIBUTE, between_tries
+from worker.llm.deadline import time_left
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -253,7 +254,9 @@ class RetryingClient:
     def _wait(self, state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
         retry_after = exc.retry_after if isinstance(exc, LLMError) else None
-        return self.policy.delay(state.attempt_number, retry_after, state.idle_for, self._rng)
+        delay = self.policy.delay(state.attempt_number, retry_after, state.idle_for, self._rng)
+        left = time_left()  # a caller's deadline ends the wait (and the next try, between_tries)
+        return delay if left is None else min(delay, left)
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         call: _Call = state.args[0]

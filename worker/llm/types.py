@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict
 
+from worker.llm.deadline import time_left
+
 Finish = Literal["end", "truncated", "refusal"]
 
 
@@ -99,9 +101,14 @@ def sdk_options(
 
 
 def reply_timeout(sdk: Any, seconds: float, max_tokens: int = 0) -> Any:
-    """The SDK's Timeout for a call that may write ``max_tokens`` (see REPLY_TOKENS_PER_TIMEOUT)."""
+    """The SDK's Timeout for a call that may write ``max_tokens`` (see REPLY_TOKENS_PER_TIMEOUT), cut
+    to the time its caller's deadline leaves (worker.llm.between_tries.call_deadline; a second at least)."""
     read = seconds * max(1.0, max_tokens / REPLY_TOKENS_PER_TIMEOUT)
-    return sdk.Timeout(read, connect=min(seconds, CONNECT_TIMEOUT_SECONDS))
+    connect = min(seconds, CONNECT_TIMEOUT_SECONDS)
+    left = time_left()
+    if left is not None:
+        read, connect = min(read, max(left, 1.0)), min(connect, max(left, 1.0))
+    return sdk.Timeout(read, connect=connect)
 
 
 def keep_alive_http_client(sdk: Any, keep_alive: int | None) -> Any:

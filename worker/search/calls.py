@@ -12,6 +12,7 @@ from worker.accounting import LLMCallRecord
 from worker.core.errors import error_summary, loggable
 from worker.core.intent import SearchType
 from worker.core.lexing import parse_expansion
+from worker.llm.between_tries import CallDeadlineError
 from worker.llm.errors import BudgetExhaustedError, NoEmbeddingsError
 from worker.llm.retry import AttemptRecord, chat_with_tries, embed_with_tries
 from worker.llm.types import ChatResponse, EmbeddingResponse, LLMClient
@@ -59,6 +60,12 @@ def expand_query(
     except BudgetExhaustedError:
         # No call was made; readers never see spend or budget figures.
         return [], "query expansion skipped: budget; searched the query alone"
+    except CallDeadlineError as exc:  # between two tries: each try made is a call; no call more
+        record_tries(store, EXPANSION_PURPOSE, llm, exc.attempts)
+        return (
+            [],
+            "query expansion ran out of time (the LLM was slow); searched the query alone",
+        )
     except Exception as exc:
         logger.warning("query expansion failed: %s", loggable(exc))
         record_tries(store, EXPANSION_PURPOSE, llm, getattr(exc, "attempts", ())[:-1])
@@ -92,6 +99,9 @@ def call_embeddings(
         response, tried = embed_with_tries(llm, texts, purpose)
     except (BudgetExhaustedError, NoEmbeddingsError):
         raise  # refused before any request: nothing to record (a row per refused search, 60 a minute a key)
+    except CallDeadlineError as exc:  # between two tries: each try made is a call; no call more
+        record_tries(store, purpose, llm, exc.attempts)
+        raise
     except Exception as exc:
         record_tries(store, purpose, llm, getattr(exc, "attempts", ())[:-1])
         record_failure(store, purpose, llm, exc, started)

@@ -44,6 +44,7 @@ from worker.core.fusion import (
 )
 from worker.core.intent import StructuredQuery, has_strong_signal, parse_structured_query
 from worker.core.lexing import parse_lex_query, plain_text, snippet_words
+from worker.llm.deadline import call_deadline
 from worker.llm.errors import BudgetExhaustedError, LLMError, NoEmbeddingsError
 from worker.search.calls import EMBEDDING_PURPOSE, embed_texts, expand_query
 from worker.search.errors import (
@@ -60,6 +61,7 @@ from worker.search.values import (
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
     MIN_CANDIDATES,
+    SEARCH_LLM_SECONDS,
     SearchFilters,
     SearchOutcome,
     SearchRequest,
@@ -111,10 +113,11 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
     candidates = max(MIN_CANDIDATES, limit * 3)
     store = store.bounded()  # each read's statements end within SEARCH_SECONDS
     status = store.status()
-    if parsed is not None:
-        gathered = _structured_lists(store, llm, parsed, intent, filters, candidates, status)
-    else:
-        gathered = _plain_lists(store, llm, query, intent, filters, candidates, status, request.expand)
+    with call_deadline(SEARCH_LLM_SECONDS):
+        if parsed is not None:
+            gathered = _structured_lists(store, llm, parsed, intent, filters, candidates, status)
+        else:
+            gathered = _plain_lists(store, llm, query, intent, filters, candidates, status, request.expand)
     fused = fuse(gathered.lists)[:limit]
     return SearchOutcome(
         query=query,

@@ -18,8 +18,13 @@ from worker.search.errors import DeadlineExceededError, SearchError
 # A search's database reads (the probe; then every line together): each statement is cut at the lexical
 # limit too, but a document of 20 lex: lines of broad words ran 10 statements each, and held a
 # connection and a thread for minutes (the per-minute rate limit does not bound searches running at
-# once). LLM calls are bounded by their own timeouts, not by this.
+# once). The LLM calls have their own bound, below.
 SEARCH_SECONDS = 15.0
+# A search's LLM calls together (the expansion, the vec/hyde embeddings): each try's timeouts are cut to
+# what is left and no retry starts after it. Bounded by the gateway alone (five tries of a minute, two
+# minutes of backoff), a search ran on for minutes after its client (30 s) had given up and sent it
+# again, holding one of its key's concurrent searches and paying for the calls twice.
+SEARCH_LLM_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
