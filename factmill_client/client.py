@@ -6,6 +6,7 @@ walk a list endpoint page by page. Errors are factmill_client.errors exceptions.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -19,6 +20,7 @@ from factmill_client import calls, models
 from factmill_client.errors import ApiConnectionError
 from factmill_client.signing import Secrets
 from factmill_client.transport import (
+    REDATE_AFTER_SECONDS,
     Credentials,
     RetryPolicy,
     build_request,
@@ -41,7 +43,10 @@ class Client:
     key with the ingest scope; a list of secrets signs with each (while the server's secret is
     rotated). The server checks every credential a call carries: a key sent beside a signature must
     itself hold the ingest scope (a read-only key and the secret in one client get 403 on ingestion;
-    use a client without the key to deliver). ``transport`` is handed to httpx (tests, proxies)."""
+    use a client without the key to deliver). ``transport`` is handed to httpx (tests, proxies).
+    ``redate_after_seconds``: a retry of a signed call keeps its first attempt's signed time for this
+    long (the server keeps a page's newest delivery by that time), then is signed anew; keep it below
+    the server's FACTMILL_WEBHOOK_TOLERANCE_SECONDS (300 by default), or a retry is refused as too old."""
 
     def __init__(
         self,
@@ -53,14 +58,17 @@ class Client:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,
+        redate_after_seconds: float = REDATE_AFTER_SECONDS,
     ) -> None:
+        if not 0 <= redate_after_seconds < math.inf:
+            raise ValueError(f"redate_after_seconds must be 0 or more seconds; got {redate_after_seconds}")
         self._http = httpx.Client(
             base_url=base_url,
             timeout=http_timeout(timeout),
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        self._credentials = Credentials(api_key, webhook_secret, clock)
+        self._credentials = Credentials(api_key, webhook_secret, clock, redate_after_seconds)
         self.retry = retry or RetryPolicy()
 
     def __enter__(self) -> Client:

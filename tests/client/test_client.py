@@ -214,6 +214,27 @@ def test_a_retry_keeps_its_first_signed_time_and_rolls_no_newer_page_back(servic
         settle(reader, stored)
 
 
+def test_a_retry_is_signed_anew_after_the_time_the_client_is_told(service: Service):
+    """The 60 s a retry kept its first signed time was fixed: against a server whose tolerance is below
+    it (FACTMILL_WEBHOOK_TOLERANCE_SECONDS may be 30), a retry after a timeout was refused as too old
+    (401, not retried) and the delivery lost."""
+    offsets = iter([-20.0, 30.0, 30.0, 30.0])  # the first attempt signed 20 s ago, the retry 50 s after
+    transport = RefusedOnce(lambda: None)
+    with Client(
+        service.base_url,
+        webhook_secret=SECRET,
+        transport=transport,
+        retry=RetryPolicy(backoff=0.01),
+        clock=lambda: time.time() + next(offsets),
+        redate_after_seconds=10,
+    ) as sender:
+        sender.ingest_page(dict(page(42), slug="conversations/client/redated"))
+    first, second = transport.requests
+    assert first.headers[SIGNATURE_HEADER].split(",")[0] != second.headers[SIGNATURE_HEADER].split(",")[0]
+    with pytest.raises(ValueError, match="redate_after_seconds must be 0 or more"):
+        Client(service.base_url, redate_after_seconds=-1)
+
+
 def test_iter_jobs_follows_the_cursor_over_more_jobs_than_a_page(service: Service, factory):
     with Client(service.base_url, webhook_secret=SECRET) as sender:
         accepted = sender.ingest_pages([page(n) for n in range(20, 27)])
