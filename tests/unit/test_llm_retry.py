@@ -6,6 +6,7 @@ import random
 import threading
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -14,6 +15,8 @@ import openai
 import pytest
 
 from tests.clock import FakeClock
+from worker.llm import deadline
+from worker.llm.between_tries import CallDeadlineError
 from worker.llm.errors import LLMError, classify, retry_after_seconds, to_llm_error
 from worker.llm.ratelimit import (
     LocalRateLimiter,
@@ -795,3 +798,48 @@ def test_a_batch_request_the_provider_rejects_is_a_permanent_failure_told_in_few
         and item.status == 400
         and batch_segment_result(item, anthropic_batches, 10, 100).permanent
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# A caller's deadline (worker.llm.deadline)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_deadlines_clock_starts_at_the_first_call_and_ends_tries_and_waits(monkeypatch) -> None:
+    """A search's database reads before its first LLM call are not the calls' time; past it, a retry's
+    wait ends with the deadline, and neither a retry nor a new call's first try goes out."""
+    clock = FakeClock()
+    monkeypatch.setattr(deadline, "time", SimpleNamespace(monotonic=clock))
+    inner = ScriptedClient(retryable(), ok_response())
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the wait passes on the fake clock
+        sleeps.append(seconds)
+        clock.now += seconds
+
+    policy = RetryPolicy(max_attempts=5, backoff_base_seconds=4, max_total_wait_seconds=60)
+    retrying = RetryingClient(inner, policy, sleep=sleep, rng=random.Random(1))
+    with deadline.call_deadline(3.0):
+        clock.now += 100  # the reads before the first call
+        assert deadline.time_left() == 3.0
+        clock.now += 1
+        with pytest.raises(CallDeadlineError) as stopped:
+            retrying.chat(REQUEST)
+        assert sleeps == [2.0]  # the wait (2 to 4 s) cut to the time left
+        assert inner.calls == 1 and [a.number for a in stopped.value.attempts] == [1]
+        with pytest.raises(CallDeadlineError):
+            retrying.embed(["x"])  # begun past the deadline: no first try
+        assert inner.calls == 1
+    assert deadline.time_left() is None
+
+
+def test_a_deadline_that_refuses_a_try_inside_the_client_is_no_try() -> None:
+    """A rate limit's wait ended by the deadline raised inside the try: it was recorded as a failed call
+    (a row in llm_calls, the listener told) though no request was sent."""
+    heard: list[AttemptRecord] = []
+    retrying, _ = client(
+        ScriptedClient(CallDeadlineError()), RetryPolicy(max_attempts=3), on_attempt=heard.append
+    )
+    with pytest.raises(CallDeadlineError) as stopped:
+        retrying.chat(REQUEST)
+    assert stopped.value.attempts == () and heard == []

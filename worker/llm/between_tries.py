@@ -11,13 +11,12 @@ caller to record.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from worker.llm.deadline import DEADLINE
+from worker.llm.deadline import time_left
 from worker.llm.errors import LLMError
 
 _CHECK: ContextVar[Callable[[], None] | None] = ContextVar("factmill_llm_between_tries", default=None)
@@ -46,8 +45,8 @@ def between_tries() -> None:
     check = _CHECK.get()
     if check is not None:
         check()
-    at = DEADLINE.get()
-    if at is not None and time.monotonic() >= at:
+    left = time_left()
+    if left is not None and left <= 0:
         raise CallDeadlineError()
 
 

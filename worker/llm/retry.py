@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import tenacity
 
 from worker.core.errors import error_summary
-from worker.llm.between_tries import TRIES_ATTRIBUTE, between_tries
+from worker.llm.between_tries import TRIES_ATTRIBUTE, CallDeadlineError, between_tries
 from worker.llm.deadline import time_left
 from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
@@ -240,10 +240,12 @@ class RetryingClient:
         # a bug and propagates untouched, never retried.
         if call.records:  # a retry: what stops the caller (a kill switch, a lost lease) is asked first
             between_tries()
+        elif time_left() == 0:  # a call begun past its caller's deadline: no first try either
+            raise CallDeadlineError()
         try:
             return fn()
-        except BudgetExhaustedError:
-            raise  # a budget refused the try (after a rate limit's wait): no request was made
+        except (BudgetExhaustedError, CallDeadlineError):
+            raise  # a budget or the deadline refused the try (after a rate limit's wait): no request made
         except LLMError as exc:
             records = call.records
             records.append(
