@@ -1256,6 +1256,7 @@ def test_a_busy_pool_is_no_outage_a_remembered_metrics_key_passes_through(databa
     """The grace that lets a scrape through a database outage took a pool busy past its timeout for
     one: a key revoked meanwhile (seen by another API process) was still served the figures."""
     from tests.auth import bearer, new_key
+    from worker.api.scrape_reads import note_outage
 
     engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
     gated = sessionmaker(engine)
@@ -1267,7 +1268,11 @@ def test_a_busy_pool_is_no_outage_a_remembered_metrics_key_passes_through(databa
             assert client.get("/metrics", headers=scraper).status_code == 200  # checked: remembered
             with engine.connect():  # the pool's only connection, held
                 busy = client.get("/metrics", headers=scraper)
+                # A collector that found the pool busy too is no outage the key is taken through.
+                note_outage(gated, gone=False)
+                still = client.get("/metrics", headers=scraper)
         assert busy.status_code == 503 and busy.headers["Retry-After"] == "5"
+        assert still.status_code == 503
     finally:
         engine.dispose()
 

@@ -83,8 +83,9 @@ def _resolved(
     remembered = None
     if through_outage:
         remembered = ctx.remembered_key(hash_key(credentials.credentials), OUTAGE_GRACE_SECONDS)
-        if remembered is not None and outage_seen(ctx.factory):
-            # Not asked again while the outage lasts: a database that drops packets took the connect
+        if remembered is not None and outage_seen(ctx.factory, gone=True):
+            # Not asked again while the database is away (gone: not merely out of connections, when it
+            # is up and would say the key was revoked): a database that drops packets took the connect
             # timeout (10 s, or a pooled connection's 60) per scrape before the collectors' own reads,
             # past Prometheus's scrape timeout, and factmill_store_up 0 never reached it.
             return remembered, False
@@ -96,7 +97,7 @@ def _resolved(
         # (one was taken for up to the grace); those get the 503 they get anywhere.
         if remembered is None or not (isinstance(exc, OperationalError) and database_went_away(exc)):
             raise
-        note_outage(ctx.factory)
+        note_outage(ctx.factory, gone=True)
         return remembered, False
     if principal is None:
         ctx.forget_key(hash_key(credentials.credentials))  # revoked: no longer taken through an outage

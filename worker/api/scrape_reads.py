@@ -9,12 +9,13 @@ from typing import Any, Generic, TypeVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import one_snapshot
 from worker.api.errors import one_line
 from worker.core.errors import loggable
-from worker.db import database_unavailable
+from worker.db import database_unavailable, database_went_away
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +26,23 @@ METRICS_STATEMENT_TIMEOUT = "5s"
 OUTAGE_SECONDS = 15.0
 # factory -> when a collector last failed to reach the store through it (weak: a factory's id is reused)
 _outages: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.WeakKeyDictionary()
+_gone: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.WeakKeyDictionary()  # went away
 
 R = TypeVar("R")
 
 
-def outage_seen(factory: sessionmaker[Session]) -> bool:
-    """Whether a scrape's read (or its key check) failed to reach the store through ``factory`` lately."""
-    seen = _outages.get(factory)
+def outage_seen(factory: sessionmaker[Session], *, gone: bool = False) -> bool:
+    """Whether a scrape's read (or its key check) failed to reach the store through ``factory`` lately;
+    ``gone``: because the database went away (not one out of connections or a busy pool, which is up
+    and would say a key was revoked)."""
+    seen = (_gone if gone else _outages).get(factory)
     return seen is not None and time.monotonic() - seen < OUTAGE_SECONDS
 
 
-def note_outage(factory: sessionmaker[Session]) -> None:
+def note_outage(factory: sessionmaker[Session], *, gone: bool) -> None:
     _outages[factory] = time.monotonic()
+    if gone:
+        _gone[factory] = _outages[factory]
 
 
 class ScrapeTimeCollector(Generic[R]):
@@ -57,9 +63,16 @@ class ScrapeTimeCollector(Generic[R]):
     failed = False  # the last scrape could not read or build this collector's figures (MissingReadsCollector)
 
     def collect(self) -> list[Metric]:
-        self.failed = True
+        metrics, failed = self._collected()
+        # Set once, at the end: set first and cleared last, a scrape at the same moment (two Prometheus
+        # servers) read a collector that was doing fine as failed.
+        self.failed = failed
+        return metrics
+
+    def _collected(self) -> tuple[list[Metric], bool]:
+        """(what the scrape answers, whether the figures could not be read or built)."""
         if outage_seen(self.factory):
-            return self.unreadable()
+            return self.unreadable(), True
         try:
             # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
             # separate statements, and calls committed between them made a bucket exceed its +Inf.
@@ -69,15 +82,13 @@ class ScrapeTimeCollector(Generic[R]):
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
             if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
-                note_outage(self.factory)
-            return self.unreadable()
+                note_outage(self.factory, gone=isinstance(exc, OperationalError) and database_went_away(exc))
+            return self.unreadable(), True
         try:
-            built = self.metrics(rows)
+            return self.metrics(rows), False
         except Exception as exc:  # read, but not built (stored buckets that no longer match the code's)
             logger.error("metrics: could not build %s from what was read (%s)", self.reads, loggable(exc))
-            return self.unbuildable()
-        self.failed = False
-        return built
+            return self.unbuildable(), True
 
     def read(self, session: Session) -> R:
         raise NotImplementedError

@@ -24,14 +24,18 @@ class Overdue:
 
 
 def only_missing(overdue: list[Overdue], missing_in: MissingMessages | None) -> list[tuple[int, str]]:
-    """Of the queued jobs overdue for a worker (never sent first, then the newest sends), those whose
-    message the broker is missing: every one never sent and, per queue, as many of the sent ones (newest
-    first: a broker loses its newest writes) as it is missing. A queue that holds as many as are overdue
-    is a backlog, not a loss; re-sending all of it on every sweep grew the queue by the whole backlog
-    each time (bench/chaos.py saw 52,000 messages for 400 jobs). Where the broker cannot say, every
-    overdue job is re-sent: a duplicate costs a skipped claim, a loss would cost the job. (The oldest
-    re-sent first, when the newest were lost, counted fresh at the next sweep and hid the loss until
-    the whole backlog had drained.)"""
+    """Of the queued jobs overdue for a worker (never sent first, then the oldest sends), those whose
+    message the broker is missing: every one never sent and, per queue, as many of the sent ones
+    (oldest first) as it is missing. A queue that holds as many as are overdue is a backlog, not a
+    loss; re-sending all of it on every sweep grew the queue by the whole backlog each time
+    (bench/chaos.py saw 52,000 messages for 400 jobs). Where the broker cannot say, every overdue job
+    is re-sent: a duplicate costs a skipped claim, a loss would cost the job.
+
+    Which messages are missing the broker does not say. The oldest are the common loss (a dead
+    worker's prefetched messages, off the queue until their visibility timeout), and a job sent again
+    goes to the back of the line. When the newest were lost instead (a failover to a replica behind),
+    the oldest re-sent are duplicates that count as fresh at the next sweep, and the loss waits for
+    the backlog to drain."""
     pairs = [(job.job_id, job.kind) for job in overdue if job.sent_at is None]
     by_queue: dict[str, list[Overdue]] = {}
     for job in overdue:
