@@ -222,13 +222,15 @@ def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it
     assert late.status_code == 409 and "older than the transcript's erasure" in late.json()["detail"], (
         late.text
     )
+    # Dated to the microsecond on arrival, not signed: told nothing of signatures' seconds.
+    assert "Retry-After" not in late.headers and "signatures are dated" not in late.json()["detail"]
     assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
     monkeypatch.undo()
     assert client.post(path, json=words, headers=headers).status_code == 201  # after it: a new transcript
 
 
 def test_a_transcripts_figures_are_read_in_one_snapshot(
-    client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+    client: TestClient, database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its figures came from several statements: an append committed between them (an agent appends
     while it reads) counted more tokens in the context than in the whole history."""
@@ -242,3 +244,7 @@ def test_a_transcripts_figures_are_read_in_one_snapshot(
     monkeypatch.setattr(views, "context_now", appended_meanwhile)
     stats = client.get("/v1/transcripts/snap", headers=ADMIN_HEADERS).json()
     assert stats["context_tokens"] <= stats["history_tokens"], stats
+    shown = invoke_cli(database_url, "transcripts", "show", "snap", "--json")  # and `transcripts show`
+    assert shown.exit_code == 0, shown.output
+    figures = json.loads(shown.output)
+    assert figures["context_tokens"] <= figures["history_tokens"], figures

@@ -24,6 +24,7 @@ from worker.api.deps import ApiContext, Context, check_signature_header, verify_
 from worker.api.errors import ApiError
 from worker.api.scrape_reads import note_outage, outage_seen
 from worker.bodycap import arrived_at
+from worker.core.moments import SAME_SECOND_HINT
 from worker.core.signing import (
     EXPECTED_FORMAT,
     IDEMPOTENCY_HEADER,
@@ -164,6 +165,13 @@ class Ingest:
         if signed_at is not None:
             return datetime.fromtimestamp(signed_at, UTC)
         return datetime.fromtimestamp(self.arrived_at if self.arrived_at is not None else time.time(), UTC)
+
+    def erased_in_its_second(self, in_its_second: bool) -> tuple[str, dict[str, str] | None]:
+        """What a 409 for a delivery older than an erasure adds, and its headers: for a signed one the
+        erasure fell in the second of its signature, which is dated to the second, to wait one."""
+        if in_its_second and self.signature is not None:
+            return SAME_SECOND_HINT, {"Retry-After": "1"}
+        return "", None
 
     @property
     def sender(self) -> str:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from models.reads import read_only
+from models.reads import one_snapshot, read_only
 from worker.calibration import ThresholdCache, describe_tau
 from worker.cli.console import YES_OPTION_HELP, confirmed, fail, fields, folding_table, out, print_json, when
 from worker.cli.processes import stops_on_signals
@@ -196,7 +196,7 @@ def transcripts_show(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Tokens before and after compaction, the settings, and the newest compactions."""
-    with checked_factory()() as session:
+    with one_snapshot(checked_factory()) as session:  # its figures agree though an agent appends
         try:
             stats = transcript_stats(session, transcript_id)
         except TranscriptNotFoundError as exc:

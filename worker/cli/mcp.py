@@ -63,7 +63,7 @@ def mcp_command(
         http is None
         and settings.database_url
         and not settings.broker_url
-        and "data_dir" not in settings.model_fields_set
+        and not settings.data_dir.is_absolute()
     ):
         # An agent starts the stdio server from a folder of its own: jobs went to an embedded Redis under
         # it, which no worker reads (run only when the sweeper took them for lost), and each machine
@@ -71,7 +71,8 @@ def mcp_command(
         raise fail(
             "FACTMILL_DATABASE_URL is set but FACTMILL_BROKER_URL is not: the MCP server's jobs would go to "
             "an embedded Redis under this folder, which no worker reads; set FACTMILL_BROKER_URL to the "
-            "workers' broker (or FACTMILL_DATA_DIR to the workers' data folder, to share its embedded Redis)",
+            "workers' broker (or FACTMILL_DATA_DIR to the workers' data folder, an absolute path, to share "
+            "its embedded Redis)",
             code=2,
         )
     if http is not None:

@@ -17,7 +17,7 @@ from models import (
     forget_transcript_in_deliveries,
 )
 from worker.core.erasure import erased_digest, erased_label
-from worker.core.moments import erased_in_its_second
+from worker.core.moments import within_a_second
 from worker.jobs.outbox import COMPACTION, cancel_jobs
 
 logger = logging.getLogger(__name__)
@@ -54,18 +54,15 @@ def erased_transcript_digest(transcript_id: str) -> str:
 
 
 class ErasedSinceSignedError(Exception):
-    """A delivery signed before the transcript was erased: it must not create the transcript again."""
+    """A delivery signed before the transcript was erased: it must not create the transcript again.
+    ``in_its_second``: both fall in one second (moments.SAME_SECOND_HINT, for a signed delivery)."""
 
     def __init__(self, signed_at: datetime, erased_at: datetime) -> None:
         super().__init__(
             f"this delivery (of {signed_at.isoformat()}) is older than the transcript's erasure "
             f"({erased_at.isoformat()}); send it again (freshly signed, if signed) to begin a new transcript"
-            + erased_in_its_second(signed_at, erased_at)
         )
-        self.retry_after = 1 if erased_in_its_second(signed_at, erased_at) else None
-
-    def headers(self) -> dict[str, str] | None:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        self.in_its_second = within_a_second(signed_at, erased_at)
 
 
 def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: datetime) -> None:

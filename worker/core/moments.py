@@ -11,13 +11,15 @@ def as_utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
-def erased_in_its_second(signed_at: datetime, erased_at: datetime) -> str:
-    """What a 409 for a delivery signed before an erasure adds when both fall in one second: a
-    signature is dated to the second, so one signed just after the erasure, in that second, counts as
-    older (re-signed at once, it was refused again)."""
-    if erased_at - signed_at >= timedelta(seconds=1):
-        return ""
-    return " (signatures are dated to the second: sign it again a second after the erasure)"
+# What a 409 for a signed delivery older than an erasure adds when both fall in one second: a signature
+# is dated to the second, an erasure to the microsecond, so one signed just after the erasure, in its
+# second, counts as older (re-signed at once, it was refused again). A keyed delivery is dated to the
+# microsecond on arrival: the hint is not for it.
+SAME_SECOND_HINT = " (signatures are dated to the second: sign it again a second after the erasure)"
 
 
-__all__ = ["as_utc", "erased_in_its_second"]
+def within_a_second(earlier: datetime, later: datetime) -> bool:
+    return later - earlier < timedelta(seconds=1)
+
+
+__all__ = ["SAME_SECOND_HINT", "as_utc", "within_a_second"]

@@ -23,7 +23,7 @@ from worker.core.labels import (
     NOT_ONLY_SPACES_PATTERN,
     check_new_source_id,
 )
-from worker.core.moments import erased_in_its_second
+from worker.core.moments import within_a_second
 from worker.core.slugs import SLUG_PATTERN, SLUG_RULE, normalize_slug
 from worker.extraction.erase import (
     drop_derived,
@@ -174,11 +174,10 @@ class StaleDeliveryError(ValueError):
         super().__init__(
             f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
             f"older than {newer}; send the newest content with a fresh signature"
-            + (erased_in_its_second(delivered_at, stored_at) if erased and stored_at is not None else "")
         )
         self.source_id, self.slug, self.stored_at, self.erased = source_id, slug, stored_at, erased
-        in_its_second = erased and stored_at is not None and erased_in_its_second(delivered_at, stored_at)
-        self.retry_after = 1 if in_its_second else None
+        # Erased in the second it was signed in (moments.SAME_SECOND_HINT, for a signed delivery).
+        self.in_its_second = erased and stored_at is not None and within_a_second(delivered_at, stored_at)
 
 
 # Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement

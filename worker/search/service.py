@@ -181,7 +181,7 @@ def _plain_lists(
     # nearest facts were those excluded) and an expansion's lines dropped it, so either could rank an
     # excluded fact first. Such a query is searched as written.
     excluding = bool(parse_lex_query(plain).excluded)
-    if excluding and ((status.available and llm is not None) or (expand and not gathered.strong)):
+    if excluding and llm is not None and (status.available or (expand and not gathered.strong)):
         gathered.notes.append("searched lexically only: vector and expanded lines cannot exclude words")
     if status.available and llm is not None and not excluding:
         extra.append(SearchLine("vec", plain, "query", USER_LINE_WEIGHT))

@@ -198,8 +198,8 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
     try:
         response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)
     except StaleDeliveryError as exc:
-        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-        raise ApiError(409, str(exc), headers=retry, source_id=exc.source_id, slug=exc.slug) from None
+        hint, retry = ingest.erased_in_its_second(exc.in_its_second)
+        raise ApiError(409, str(exc) + hint, headers=retry, source_id=exc.source_id, slug=exc.slug) from None
     if replayed:
         # The digest's head, as stored: the sender's key may name a person.
         logger.info("replayed webhook delivery %s", (delivery or "")[:12])

@@ -177,7 +177,8 @@ def accept_messages(
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     except ErasedSinceSignedError as exc:
-        raise ApiError(409, str(exc), headers=exc.headers()) from None
+        hint, retry = ingest.erased_in_its_second(exc.in_its_second)
+        raise ApiError(409, str(exc) + hint, headers=retry) from None
     if pending is None:
         return JSONResponse(response, 201, headers=REPLAYED_HEADERS)
     sent = ctx.enqueue(pending)
@@ -237,7 +238,8 @@ def accept_settings(
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     except ErasedSinceSignedError as exc:
-        raise ApiError(409, str(exc), headers=exc.headers()) from None
+        hint, retry = ingest.erased_in_its_second(exc.in_its_second)
+        raise ApiError(409, str(exc) + hint, headers=retry) from None
     if pending is None:
         return JSONResponse(response, 200, headers=REPLAYED_HEADERS)
     ctx.enqueue(pending)
