@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from worker.simulator.caching import (
     ANTHROPIC_LOOKBACK_BLOCKS,
     CacheLookup,
+    anthropic_min_tokens,
     anthropic_prefixes,
     openai_prefixes,
 )
@@ -59,3 +62,21 @@ def test_cache_creation_is_what_was_written_beyond_what_was_read() -> None:
     assert CacheLookup(1500, writes).written_tokens == 500
     assert CacheLookup(2000, writes).written_tokens == 0
     assert CacheLookup(0, []).written_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "configured", "minimum"),
+    [
+        ("claude-3-5-haiku-latest", 1024, 2048),
+        ("claude-3-haiku-20240307", 1024, 2048),
+        ("claude-haiku-4-5", 1024, 4096),
+        ("claude-sonnet-4-5", 1024, 1024),
+        ("claude-sonnet-4-6", 0, 2048),
+        ("simulator-1", 0, 0),
+        ("claude-3-5-haiku-latest", 3000, 3000),
+    ],
+)
+def test_each_claude_model_caches_from_its_own_minimum(model: str, configured: int, minimum: int) -> None:
+    """The simulator cached the extraction prefix (about 1,380 tokens) for the default Anthropic model,
+    Claude 3.5 Haiku, which caches nothing under 2048: the caching figures it gave were not that model's."""
+    assert anthropic_min_tokens(model, configured) == minimum

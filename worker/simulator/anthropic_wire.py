@@ -10,7 +10,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from worker.simulator.caching import ANTHROPIC_MAX_BREAKPOINTS, CacheLookup, anthropic_prefixes
+from worker.simulator.caching import (
+    ANTHROPIC_MAX_BREAKPOINTS,
+    CacheLookup,
+    anthropic_min_tokens,
+    anthropic_prefixes,
+)
 from worker.simulator.config import OUTCOME_OK, Draw, Fault, SimulatorConfig, sim_id
 from worker.simulator.prompt import PromptMessage, estimate_tokens
 from worker.simulator.replies import SimReply, fill_json_schema
@@ -185,7 +190,8 @@ def _parse_message(
         raise BadRequest("stream: the Factmill LLM simulator does not stream; send stream=false")
     namespace = ("anthropic", model)
     ends, marks = prompt.block_ends, prompt.breakpoints
-    prefixes = anthropic_prefixes(namespace, prompt.text, ends, marks, config.cache_min_tokens)
+    minimum = anthropic_min_tokens(model, config.cache_min_tokens)
+    prefixes = anthropic_prefixes(namespace, prompt.text, ends, marks, minimum)
     cache = CacheLookup(state.cache_read(prefixes.lookups), prefixes.writes)
     return _MessageRequest(body, model, prompt, max_tokens, cache)
 

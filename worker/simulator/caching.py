@@ -1,8 +1,9 @@
 """Prompt caching as the two providers bill it: OpenAI's automatic prefix cache, Anthropic's breakpoints.
 
 Both caches hold *prefixes* of the prompt, matched byte for byte, and neither caches a prefix shorter
-than its minimum (``cache_min_tokens``, 1024 by default: OpenAI and Claude Sonnet/Opus; Claude Haiku
-needs 2048). The simulator counts about four characters a token, so a prefix of N tokens is the first
+than its minimum (``cache_min_tokens``, 1024 by default: OpenAI and Claude Sonnet/Opus; a Claude
+model that needs more is held to its own, ``anthropic_min_tokens``: 2048 for Claude 3.5 Haiku).
+The simulator counts about four characters a token, so a prefix of N tokens is the first
 4N characters of the flattened prompt.
 
 - OpenAI (automatic, no markers): a prompt of at least the minimum is cached as it is processed, in
@@ -22,6 +23,7 @@ answered, so requests sent at the same moment all miss (and, on Anthropic, each 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +84,23 @@ def anthropic_prefixes(
     marked = {block_ends[i] for i in breakpoints}
     writes = [by_end[end] for end in ends if end in marked and by_end[end][0] >= min_tokens]
     return AnthropicPrefixes(lookups, writes)
+
+
+# Anthropic's own minimum for the models that need more than 1024 tokens (by a word of their names):
+# Claude 3 and 3.5 Haiku 2048, Haiku 4.5 and Opus 4.5 4096, Sonnet 4.6 2048. The default Anthropic model
+# (claude-3-5-haiku) never cached the extraction prefix (about 1,380 tokens) that the simulator did.
+_ANTHROPIC_MINIMUMS = (
+    (re.compile(r"claude-3(?:-5)?-haiku"), 2048),
+    (re.compile(r"claude-(?:haiku|opus)-4-5"), 4096),
+    (re.compile(r"claude-opus-4-6"), 4096),
+    (re.compile(r"claude-sonnet-4-6"), 2048),
+)
+
+
+def anthropic_min_tokens(model: str, configured: int) -> int:
+    """The shortest prefix ``model`` caches: its own minimum, or the configured one if that is larger."""
+    own = next((tokens for pattern, tokens in _ANTHROPIC_MINIMUMS if pattern.search(model)), 0)
+    return max(own, configured)
 
 
 @dataclass(frozen=True)
