@@ -36,6 +36,7 @@ from worker.calibration import (
     ObservationIn,
     StoredObservation,
     ThresholdCache,
+    UnknownCompactionError,
     active_threshold,
     add_observation,
     add_observations,
@@ -88,7 +89,9 @@ def make_compactions(factory: sessionmaker[Session], ids: Iterable[int]) -> None
             session.add(Transcript(id="judged"))
             session.flush()
         session.add_all(
-            Compaction(id=id_, transcript_id="judged", status="failed", cut_seq=0, tokens_before=0)
+            Compaction(
+                id=id_, transcript_id="judged", status="rejected", cut_seq=0, tokens_before=0, coverage=0.5
+            )
             for id_ in ids
         )
 
@@ -206,6 +209,30 @@ def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
         assert list(session.scalars(select(CalibrationObservation.compaction_id))) == [judged[0]]
     with pytest.raises(ObservationError, match="no such compaction"):
         add_observation(tx_factory, ObservationIn(0.6, True, "eval", compaction_id=999), recompute_every=50)
+
+
+def test_a_label_of_a_compaction_never_judged_is_refused(tx_factory: sessionmaker[Session]) -> None:
+    """A compaction that failed before a coverage was measured has no summary to judge: its label was
+    stored with the client's number and fed the next threshold."""
+    with tx_factory.begin() as session:
+        session.add(Transcript(id="unjudged"))
+        session.flush()
+        failed = Compaction(transcript_id="unjudged", status="failed", cut_seq=0, tokens_before=0)
+        session.add(failed)
+        session.flush()
+        failed_id = failed.id
+    report = add(tx_factory, [ObservationIn(0.95, True, "eval", compaction_id=failed_id)])
+    assert report.added == [] and report.conflicts == [
+        (
+            0,
+            f"compaction_id {failed_id}: that compaction failed before its coverage was measured; only a "
+            "judged compaction (one with a coverage) can be labelled",
+        )
+    ]
+    with pytest.raises(UnknownCompactionError, match="failed before its coverage was measured"):
+        add_observation(
+            tx_factory, ObservationIn(0.95, True, "eval", compaction_id=failed_id), recompute_every=50
+        )
 
 
 def test_a_batch_naming_more_compactions_than_a_query_has_parameters_is_checked(

@@ -128,7 +128,7 @@ def store_observations(
     """
     session.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
     report = AddReport()
-    unknown = _unknown_compactions(session, observations)
+    unknown, unjudged = _unknown_compactions(session, observations)
     erased = _erased_since(session, observations, unknown)
     report.stored.extend(erased.values())
     indexed: list[tuple[int, ObservationIn]] = []
@@ -137,6 +137,15 @@ def store_observations(
             continue
         if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
             report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
+            report.unknown_compactions.append(index)
+        elif obs.compaction_id in unjudged:
+            report.conflicts.append(
+                (
+                    index,
+                    f"compaction_id {obs.compaction_id}: that compaction failed before its coverage was "
+                    "measured; only a judged compaction (one with a coverage) can be labelled",
+                )
+            )
             report.unknown_compactions.append(index)
         else:
             indexed.append((index, obs))
@@ -154,19 +163,25 @@ def store_observations(
     return report
 
 
-def _unknown_compactions(session: Session, observations: Sequence[ObservationIn]) -> set[int]:
-    """The judged compaction ids that name no compaction. The ones found are locked FOR KEY SHARE (as
-    the foreign key check itself does), so none can be deleted before this transaction commits."""
+def _unknown_compactions(
+    session: Session, observations: Sequence[ObservationIn]
+) -> tuple[set[int], set[int]]:
+    """(the labelled compaction ids that name no compaction, those that name one never judged: failed
+    before a coverage was measured, so a label of it is no calibration point). The ones found are
+    locked FOR KEY SHARE (as the foreign key check itself does): none can be deleted before this
+    transaction commits."""
     ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
     if not ids:
-        return set()
+        return set(), set()
     # One array parameter: an IN list of 65,536 ids or more is past the protocol's bind limit.
-    found = session.scalars(
-        select(Compaction.id)
-        .where(Compaction.id == any_(bindparam("ids", sorted(ids), type_=ARRAY(BigInteger))))
-        .with_for_update(read=True, key_share=True)
+    found = dict(
+        session.execute(
+            select(Compaction.id, Compaction.coverage)
+            .where(Compaction.id == any_(bindparam("ids", sorted(ids), type_=ARRAY(BigInteger))))
+            .with_for_update(read=True, key_share=True)
+        ).all()
     )
-    return ids - set(found)
+    return ids - set(found), {id_ for id_, coverage in found.items() if coverage is None}
 
 
 def _row(obs: ObservationIn) -> dict[str, Any]:

@@ -184,9 +184,9 @@ async def post_feedback(
     """Store one observation: 201 when new, 200 with `"duplicate": true` when resubmitted.
 
     Coverage must be a number from 0 to 1 (NaN and infinities are refused with 422), and a
-    `compaction_id` must name an existing compaction (else 409). A resubmission is
-    recognised by its `idempotency_key` (body or header), or, for a judgement of a known compaction,
-    by its identical origin, compaction_id, coverage and answer_kept.
+    `compaction_id` must name an existing compaction that was judged (one with a coverage; else 409).
+    A resubmission is recognised by its `idempotency_key` (body or header), or, for a judgement of a
+    known compaction, by its identical origin, compaction_id, coverage and answer_kept.
     """
     body = await read_body(request, min(ctx.settings.max_body_bytes, MAX_FEEDBACK_BYTES))
     return await run_in_threadpool(accept_feedback, ctx, body, ingest, idempotency_key)
