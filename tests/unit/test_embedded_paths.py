@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from worker.embedded import EmbeddedUnavailableError, broker_paths
+from worker.embedded.base import names_path
 from worker.embedded.postgres import embedded_postgres_url, socket_url
 
 
@@ -128,3 +129,14 @@ def test_a_failed_start_drops_pgservers_half_made_handle_so_the_next_ask_reads_t
         _server_uri(pgserver, tmp_path)
     assert tmp_path not in Server._instances
     assert _server_uri(pgserver, tmp_path) == "postgresql://postgres:@/postgres?host=/s"
+
+
+def test_a_server_is_known_by_its_whole_path_not_a_path_ending_in_it() -> None:
+    """Matched as a substring, /work/main/var's socket was found in /home/alice/work/main/var's server's
+    title: starting the one folder's Redis stopped the other's."""
+    socket = "/work/main/var/redis/redis.sock"
+    assert names_path(f"redis-server unixsocket:{socket}", socket)
+    assert not names_path(f"redis-server unixsocket:/home/alice{socket}", socket)
+    assert not names_path(f"redis-server unixsocket:{socket}.old", socket)
+    assert names_path("/usr/lib/postgresql/bin/postgres -D /srv/my data/pg -k /tmp", "/srv/my data/pg")
+    assert not names_path("postgres -D /srv/var/pg/pgdata2", "/srv/var/pg/pgdata")

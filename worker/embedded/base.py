@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -118,7 +119,14 @@ def is_process_of(pid: int, marker: str) -> bool:
     if not pid_alive(pid):
         return False
     line = command_line(pid)
-    return line is not None and marker in line
+    return line is not None and names_path(line, marker)
+
+
+def names_path(line: str, path: str) -> bool:
+    """Whether a command line names ``path`` whole (an argument, or after "name:" or "name="): as a
+    substring, /work/main/var's socket was found in /home/alice/work/main/var's server's title, and
+    starting the one folder's Redis stopped the other's."""
+    return re.search(rf"(?:^|[\s:=]){re.escape(path)}(?:$|\s)", line) is not None
 
 
 def wait_exited(pid: int, timeout: float, interval: float = 0.1) -> bool:
