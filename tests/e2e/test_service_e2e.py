@@ -152,6 +152,25 @@ def _answers(url: str) -> bool:
         return False
 
 
+def left_queued(data_dir: Path) -> None:
+    """One of the demo's extraction jobs back to queued and never sent, as a demo stopped early leaves it."""
+    from sqlalchemy import create_engine, text
+
+    from worker.embedded.postgres import embedded_postgres_url
+
+    engine = create_engine(embedded_postgres_url(data_dir))
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                text(
+                    "UPDATE jobs SET status = 'queued', enqueued_at = NULL, worker = NULL "
+                    "WHERE id = (SELECT min(id) FROM jobs WHERE kind = 'extraction')"
+                )
+            )
+    finally:
+        engine.dispose()
+
+
 def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
     """`factmill demo` with no server configured: embedded Postgres + Redis, API, worker, beat."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
@@ -185,6 +204,21 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
         )
         assert rerun.returncode == 0, rerun.stdout + rerun.stderr
         assert "nothing new to extract" in rerun.stderr
+        # A demo stopped before its jobs were done: a rerun followed none (its pages are unchanged),
+        # said there was nothing new, and stopped the worker again; they stayed pending for good.
+        left_queued(tmp_path / "var")
+        after_a_stop = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "demo", "--concurrency", "2"],
+            cwd=REPO,
+            env=env | {"FACTMILL_SWEEP_INTERVAL_SECONDS": "1"},  # the sweeper sends the unsent job
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        output = after_a_stop.stdout + after_a_stop.stderr
+        assert after_a_stop.returncode == 0, output
+        assert "1 extraction job(s) an earlier run left unfinished" in output
+        assert "nothing new to extract" not in output and "1 (1 succeeded)" in output
     finally:
         subprocess.run(
             [sys.executable, "-m", "worker.cli", "db", "stop"],

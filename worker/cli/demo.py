@@ -206,13 +206,19 @@ def run_demo(
         err.print(
             f"posted {len(pages)} page(s) as signed webhooks: {len(job_ids)} job(s), {unchanged} unchanged"
         )
+        reader = stack.enter_context(demo_read_key(database_url, err))
+        # An earlier demo stopped before its jobs were done left them pending, and its pages unchanged:
+        # a rerun followed nothing, said there was nothing new, and stopped the worker again.
+        left = [i for i in _pending_extraction(base, reader) if i not in job_ids]
+        if left:
+            err.print(f"{len(left)} extraction job(s) an earlier run left unfinished: following them too")
+        job_ids += left
         if not job_ids:
             err.print(
                 "every page is unchanged since the last demo: nothing new to extract "
                 f"(`factmill down` stops the embedded servers; then remove {settings.data_dir}/ to start "
                 "over: removed under a running server, the folder is gone but the server runs on)"
             )
-        reader = stack.enter_context(demo_read_key(database_url, err))
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
         _wait(lambda: _consolidated(base, reader), 120, "consolidation to finish", children)
         _print_facts(base, reader, pages, console, show)
@@ -280,6 +286,16 @@ def _follow_jobs(
         else:
             raise DemoError("jobs did not finish within 10 minutes; see the worker log")
     return list(jobs.values())
+
+
+def _pending_extraction(base: str, key: str) -> list[int]:
+    """The extraction jobs queued or running (not paused: a kill switch holds those)."""
+    with Client(base, api_key=key, timeout=10) as client:
+        return [
+            job.id
+            for status in ("queued", "running")
+            for job in client.iter_jobs(kind="extraction", status=status)
+        ]
 
 
 def _consolidated(base: str, key: str) -> bool:
