@@ -821,3 +821,30 @@ _other_line = st.one_of(
 def test_parse_matches_a_line_by_line_reference(lines: list[str]) -> None:
     body = "\n".join(lines)
     assert parse_conversation_messages(body) == _reference_parse(body)
+
+
+def _rendered_whole(page_label: str, segment: Segment) -> str:
+    """The rendering as it was: every message joined, then cut (the reference for the one that stops);
+    for a segment of Ann alone."""
+    span = f"from {segment.start_iso} to {segment.end_iso}"
+    header = f"Page: {page_label}\nConversation between Ann {span}\n---\n"
+    body = "\n".join(f"{m.speaker} ({m.timestamp}): {m.text}" for m in segment.messages)
+    if len(header) + len(body) <= SEGMENT_TEXT_CHAR_LIMIT:
+        return header + body
+    budget = max(0, SEGMENT_TEXT_CHAR_LIMIT - len(header))
+    kept = body[:budget]
+    if budget < len(body) and body[budget] != "\n" and (last_break := kept.rfind("\n")) > 0:
+        kept = kept[:last_break]
+    return header + kept + TRUNCATION_MARKER
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    texts=st.lists(st.one_of(st.text(max_size=40), st.text(min_size=3000, max_size=9000)), max_size=30),
+    label=st.one_of(st.just("p"), st.text(min_size=6400, max_size=7000)),
+)
+def test_rendering_stops_reading_at_the_cut_and_renders_the_same(texts: list[str], label: str) -> None:
+    """The whole of 30 long messages (a 25 MiB page's email bodies) was joined to keep 6,500 characters."""
+    messages = tuple(Message("Ann", f"2024-01-01T10:{i:02d}:00Z", text) for i, text in enumerate(texts))
+    segment = Segment(messages, ("Ann",), "2024-01-01T10:00:00Z", "2024-01-01T10:30:00Z")
+    assert render_segment_for_extraction(label, segment) == _rendered_whole(label, segment)

@@ -318,9 +318,16 @@ def render_segment_for_extraction(page_label: str, segment: Segment) -> str:
     else:
         between = "Conversation"
     header = f"Page: {page_label}\n{between} from {segment.start_iso} to {segment.end_iso}\n---\n"
-    body = "\n".join(
-        f"{message.speaker} ({message.timestamp}): {message.text}" for message in segment.messages
-    )
+    # Only as much text as the cut can keep, and the character after it: the whole of 30 long messages
+    # (a 25 MiB page's email bodies) was joined to keep 6,500 characters of it, on every pipe thread.
+    room = max(0, SEGMENT_TEXT_CHAR_LIMIT - len(header))
+    lines, length = [], -1
+    for message in segment.messages:
+        lines.append(f"{message.speaker} ({message.timestamp}): {message.text[: room + 1]}")
+        length += len(lines[-1]) + 1
+        if length > room:
+            break
+    body = "\n".join(lines)
     if len(header) + len(body) <= SEGMENT_TEXT_CHAR_LIMIT:
         return header + body
     budget = max(0, SEGMENT_TEXT_CHAR_LIMIT - len(header))
