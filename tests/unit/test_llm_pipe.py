@@ -307,6 +307,54 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
         pipe.close()
 
 
+def test_an_interrupt_while_a_stopped_page_waits_for_its_calls_records_what_they_cost(monkeypatch) -> None:
+    """Ctrl-C (or the CLI's SIGTERM) while a page that had failed waited for its calls in flight lost
+    their spend and that of the results taken with the failure: nothing was recorded."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.extraction.segments import Attempt, SegmentAbortedError
+    from worker.extraction.service import OnlineExtraction
+    from worker.llm.pipe import Feed
+
+    paid = Attempt("malformed_output", None, [], "not json", "stub", "stub-1")
+    release = threading.Event()
+    recorded: list[int] = []
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(
+            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
+        ),
+    )
+    real_close = Feed.close
+
+    def interrupted(self: Feed, timeout: float | None = None) -> list:  # type: ignore[type-arg]
+        if timeout is None:  # the first wait: the user presses Ctrl-C, the calls end soon after
+            threading.Timer(0.2, release.set).start()
+            raise KeyboardInterrupt
+        return real_close(self, timeout)
+
+    monkeypatch.setattr(Feed, "close", interrupted)
+    pipe = LLMPipe(5)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int) -> str:
+            if segment == 0:
+                raise SegmentAbortedError([paid], RuntimeError("the provider refused"))
+            release.wait(10)
+            return f"result {segment}"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1, 2], slug="p")
+        with pytest.raises(KeyboardInterrupt):
+            next(extraction.ordered_results(plan))  # type: ignore[arg-type]
+        assert sorted(recorded) == [0, 1, 2]  # the failure's paid attempt, and the two in flight
+    finally:
+        release.set()
+        pipe.close()
+
+
 def test_a_retry_of_skipped_segments_takes_a_slot_of_the_pipe() -> None:
     """`jobs retry --skipped` ran its calls on the job's own thread, beside the pipe: up to one more
     call per job thread than FACTMILL_LLM_CONCURRENCY, which operators match to a provider's limit."""

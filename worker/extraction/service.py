@@ -39,6 +39,8 @@ from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
 
 DISCARDED_IN_FLIGHT = "discarded: an earlier segment did not complete"
+# How long an interrupted page still waits for its calls in flight, to record what they cost.
+INTERRUPTED_WAIT_SECONDS = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -203,22 +205,35 @@ class OnlineExtraction:
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
-            # Each recorded on its own, and none raised from here: one that failed (the database away)
-            # lost the others' spend, and hid the error that ended the page.
-            lost, why = 0, ""
-            for outcome in [*taken_after_error, *feed.close()]:
-                paid = _paid_result(outcome)
-                if paid is None:
-                    continue
-                try:
-                    self.run.committer.record_discarded(
-                        plan.slug, outcome.index, segments[outcome.index], paid, DISCARDED_IN_FLIGHT
-                    )
-                except Exception as exc:
-                    lost += 1
-                    why = error_summary(exc)
-            if lost:
-                logger.warning("could not record the spend of %d result(s) in flight: %s", lost, why)
+            self._record_discarded(plan, taken_after_error)  # paid already: before any wait
+            try:
+                left = feed.close()
+            except BaseException:
+                # Interrupted while the calls in flight finished (Ctrl-C, or the SIGTERM the CLI turns
+                # into SystemExit, at a CLI that looked stuck): they are paid for. A while more for them,
+                # what came back recorded, and the stop goes on.
+                self._record_discarded(plan, feed.close(timeout=INTERRUPTED_WAIT_SECONDS))
+                raise
+            self._record_discarded(plan, left)
+
+    def _record_discarded(self, plan: PagePlan, outcomes: list[Outcome[SegmentResult]]) -> None:
+        """The spend of results paid for and never handed on. Each recorded on its own, and none raised
+        from here: one that failed (the database away) lost the others' spend, and hid the error that
+        ended the page."""
+        lost, why = 0, ""
+        for outcome in outcomes:
+            paid = _paid_result(outcome)
+            if paid is None:
+                continue
+            try:
+                self.run.committer.record_discarded(
+                    plan.slug, outcome.index, plan.segments[outcome.index], paid, DISCARDED_IN_FLIGHT
+                )
+            except Exception as exc:
+                lost += 1
+                why = error_summary(exc)
+        if lost:
+            logger.warning("could not record the spend of %d result(s) in flight: %s", lost, why)
 
 
 def _paid_result(outcome: Outcome[SegmentResult]) -> SegmentResult | None:

@@ -116,14 +116,18 @@ class Feed(Generic[T]):
                 self._handed += 1
             return taken
 
-    def close(self) -> list[Outcome[T]]:
-        """Start nothing more, wait for the calls in flight, and return every result not handed over
-        (they were paid for: the page records them)."""
+    def close(self, timeout: float | None = None) -> list[Outcome[T]]:
+        """Start nothing more, wait for the calls in flight (``timeout``: at most that long), and return
+        every result not handed over (they were paid for: the page records them)."""
         with self._pipe.lock:
             self.closed = True
             self._pipe.drop(self)
+            deadline = None if timeout is None else time.monotonic() + timeout
             while self.in_flight:
-                self._ready.wait()
+                left_seconds = None if deadline is None else deadline - time.monotonic()
+                if left_seconds is not None and left_seconds <= 0:
+                    break
+                self._ready.wait(left_seconds)
             left = [self._done[i] for i in sorted(self._done)]
             self._done.clear()
             return left
