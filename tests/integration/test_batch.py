@@ -18,7 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from models import ExtractionAudit, Fact, LLMCall, ProviderCopy
+from models import ExtractionAudit, Fact, LLMCall, Page, ProviderCopy
 from tests.integration.test_extraction import put_page
 from worker.accounting import Price, cost_usd
 from worker.config_store import set_config
@@ -279,6 +279,29 @@ def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_re
     assert "the batch is full" in reports["conversations/carol"].reason
     assert "the batch is full (2 requests, about 2000 bytes)" in reports["conversations/carol"].reason
     run_batch(store, openai_batch(clean_sim))  # at FACTMILL_BACKFILL_BATCH_MAX_BYTES's default
+    assert_complete_like_online(store)
+
+
+def test_a_batch_holds_as_many_pages_as_a_run_keeps_in_memory_and_a_rerun_sends_the_rest(
+    store, clean_sim, monkeypatch
+):
+    """A batch was measured by its requests and their bytes alone, while each planned page keeps its
+    parsed messages for the whole wait (up to a day): pages with a little new each made a batch of ten
+    thousand whole pages, tens of GB. Here a run keeps one page's body: the others wait."""
+    from worker.extraction import batch as batch_module
+
+    run_online(store, clean_sim)
+    with store() as session:
+        one_page = session.scalar(select(func.max(func.octet_length(Page.compiled_truth))))
+    monkeypatch.setattr(batch_module, "MAX_HELD_PAGE_BYTES", one_page)
+    first = run_batch_extraction(
+        store, openai_batch(clean_sim), ExtractOptions(source_id="batch"), poll_seconds=POLL
+    )
+    reports = {report.slug: report for report in first.pages}
+    assert [slug for slug, report in reports.items() if report.status != "skipped"] == ["conversations/alice"]
+    assert "as many as one run keeps; run again" in reports["conversations/carol"].reason
+    monkeypatch.undo()
+    run_batch(store, openai_batch(clean_sim))
     assert_complete_like_online(store)
 
 

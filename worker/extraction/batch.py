@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 # the next run rather than splitting one page across two batches.
 MAX_BATCH_REQUESTS = 50_000
 MAX_BATCH_BYTES = 95_000_000  # FACTMILL_BACKFILL_BATCH_MAX_BYTES's default
+# The page bodies one batch's plans may hold (a plan keeps its page's parsed messages, about 2.5 times the
+# body, for the whole wait, up to a day): measured by requests and request bytes alone, a batch of pages
+# with a little new each held ten thousand whole pages, tens of GB. Pages past it wait for the next run.
+MAX_HELD_PAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_POLL_SECONDS = 30.0
 # The providers' completion window is 24 h; past it (plus a little) the batch is cancelled.
 DEFAULT_TIMEOUT_SECONDS = 24 * 3600 + 600
@@ -153,10 +157,12 @@ class BatchExtraction:
         counters: BatchExtractionCounters,
         max_bytes: int = MAX_BATCH_BYTES,
         max_requests: int = MAX_BATCH_REQUESTS,
+        max_held: int | None = None,  # MAX_HELD_PAGE_BYTES
     ) -> None:
         self.run = run
         self.batch = counters
         self.max_bytes, self.max_requests = max_bytes, max_requests
+        self.max_held = MAX_HELD_PAGE_BYTES if max_held is None else max_held
         self.sendable: dict[str, int] = {}  # per planned page: how many of its segments the batch holds
 
     def finish(self, report: PageReport) -> None:
@@ -173,9 +179,13 @@ class BatchExtraction:
         what is left waits for the next run; the first page alone past a batch sends its first segments
         (the next run extracts the rest), unless it is replaced whole, which needs every result at once."""
         plans: list[PagePlan] = []
-        queued = size = 0
+        queued = size = held = 0
         overhead = request_overhead_bytes(self.run.max_facts, self.run.options.max_output_tokens)
         for ref in self.run.list_pages():
+            if plans and held + ref.size > self.max_held:  # before it is read and parsed
+                full = f"the batch holds {held} bytes of pages, as many as one run keeps; run again"
+                self.finish(PageReport(ref.slug, "skipped", full))
+                continue
             plan = self.run.plan(ref)
             if plan is None:
                 continue
@@ -198,6 +208,7 @@ class BatchExtraction:
                 self.sendable[plan.slug] = fits
                 queued += fits
                 size += sum(costs[:fits])
+                held += ref.size
         return plans
 
     def requests(self, plans: list[PagePlan]) -> dict[str, ChatRequest]:
