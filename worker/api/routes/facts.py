@@ -144,7 +144,9 @@ def entity_facts(
 ) -> EntityFactsPage:
     """An entity that has no facts (or none the key may read) answers an empty list, as a search would.
     A key limited to some sources reads only theirs; asking for another source is 403. Page by
-    ``after`` (offset paging reads a fact twice, or skips one, when facts come or change meanwhile)."""
+    ``after`` (offset paging reads a fact twice, or skips one, when facts come or change meanwhile;
+    the cursor is a fact's start, so a fact whose start consolidation moves while you page, an older
+    saying of it found, may come again: de-duplicate by id)."""
     sources = _readable(principal, source_id)
     with read_only(ctx.factory) as session:
         try:
