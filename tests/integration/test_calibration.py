@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from sqlalchemy import delete, event, func, select, text, update
+from sqlalchemy import delete, event, func, insert, select, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -233,6 +233,13 @@ def test_a_label_of_a_compaction_never_judged_is_refused(tx_factory: sessionmake
         add_observation(
             tx_factory, ObservationIn(0.95, True, "eval", compaction_id=failed_id), recompute_every=50
         )
+    # One stored before the rule: a sender's retry of it gets its duplicate answer, not a 409.
+    earlier = ObservationIn(0.9, True, "eval", idempotency_key="before", compaction_id=failed_id)
+    with tx_factory.begin() as session:
+        row = {**earlier.recorded(), "dedupe_key": earlier.dedupe_key()}
+        session.execute(insert(CalibrationObservation).values(**row))
+    retried = add(tx_factory, [earlier])
+    assert retried.conflicts == [] and [s.duplicate for s in retried.stored] == [True]
 
 
 def test_a_batch_naming_more_compactions_than_a_query_has_parameters_is_checked(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from typing import Any, Generic, TypeVar
@@ -56,17 +57,20 @@ class ScrapeTimeCollector(Generic[R]):
 
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
+        self._scrape = threading.local()
 
     def describe(self) -> list[Metric]:
         return []  # keeps registration from querying the database
 
-    failed = False  # the last scrape could not read or build this collector's figures (MissingReadsCollector)
+    @property
+    def failed(self) -> bool:
+        """This thread's scrape could not read or build this collector's figures (MissingReadsCollector,
+        registered after it: a scrape collects on one thread). Per thread: two scrapes at once (two
+        Prometheus servers) read each other's."""
+        return bool(getattr(self._scrape, "failed", False))
 
     def collect(self) -> list[Metric]:
-        metrics, failed = self._collected()
-        # Set once, at the end: set first and cleared last, a scrape at the same moment (two Prometheus
-        # servers) read a collector that was doing fine as failed.
-        self.failed = failed
+        metrics, self._scrape.failed = self._collected()
         return metrics
 
     def _collected(self) -> tuple[list[Metric], bool]:

@@ -94,6 +94,25 @@ def _says_the_same(obs: ObservationIn, row: Row[Any], *, erased: bool = False) -
     return all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
 
 
+def _stored_before(session: Session, observations: Sequence[ObservationIn], unjudged: set[int]) -> set[int]:
+    """The positions of labels of unjudged compactions already stored (before they were refused): a
+    sender's retry gets its duplicate answer, not a 409."""
+    keyed = {
+        index: key
+        for index, obs in enumerate(observations)
+        if obs.compaction_id in unjudged and (key := obs.dedupe_key()) is not None
+    }
+    if not keyed:
+        return set()
+    rows = session.connection().execute(_KEYED_ROWS_ANY, {"keys": sorted(set(keyed.values()))})
+    found = {row.dedupe_key: row for row in rows}
+    return {
+        index
+        for index, key in keyed.items()
+        if (row := found.get(key)) is not None and _says_the_same(observations[index], row)
+    }
+
+
 def _erased_since(
     session: Session, observations: Sequence[ObservationIn], unknown: set[int]
 ) -> dict[int, StoredObservation]:
@@ -130,6 +149,7 @@ def store_observations(
     report = AddReport()
     unknown, unjudged = _unknown_compactions(session, observations)
     erased = _erased_since(session, observations, unknown)
+    stored_before = _stored_before(session, observations, unjudged)
     report.stored.extend(erased.values())
     indexed: list[tuple[int, ObservationIn]] = []
     for index, obs in enumerate(observations):
@@ -138,7 +158,7 @@ def store_observations(
         if obs.compaction_id in unknown:  # the foreign key would refuse the whole batch
             report.conflicts.append((index, f"compaction_id {obs.compaction_id}: no such compaction"))
             report.unknown_compactions.append(index)
-        elif obs.compaction_id in unjudged:
+        elif obs.compaction_id in unjudged and index not in stored_before:
             report.conflicts.append(
                 (
                     index,

@@ -289,13 +289,10 @@ def _follow_jobs(
 
 
 def _pending_extraction(base: str, key: str) -> list[int]:
-    """The extraction jobs queued or running (not paused: a kill switch holds those)."""
+    """The extraction jobs queued or running (not paused: a kill switch holds those). One listing: two,
+    one per status, missed a job the sweeper moved from running to queued between them."""
     with Client(base, api_key=key, timeout=10) as client:
-        return [
-            job.id
-            for status in ("queued", "running")
-            for job in client.iter_jobs(kind="extraction", status=status)
-        ]
+        return [job.id for job in client.iter_jobs(kind="extraction") if job.status in ("queued", "running")]
 
 
 def _consolidated(base: str, key: str) -> bool:

@@ -60,9 +60,10 @@ def server_library(name: str, setting: str) -> ModuleType:
     try:
         with quiet_runtime_dir():
             return importlib.import_module(name)
-    except ImportError as exc:  # pragma: no cover - a declared dependency
+    except ImportError as exc:  # left out where it has no build (pgserver: Python 3.13+, Linux on ARM)
         raise EmbeddedUnavailableError(
-            f"{name} is not installed; install factmill's dependencies or set {setting}"
+            f"{name} is not installed (it has no build for every Python and platform: pgserver has none "
+            f"for Python 3.13 or Linux on ARM); use Python 3.11 or 3.12, or set {setting}"
         ) from exc
 
 

@@ -182,12 +182,12 @@ class BatchExtraction:
         queued = size = held = 0
         overhead = request_overhead_bytes(self.run.max_facts, self.run.options.max_output_tokens)
         for ref in self.run.list_pages():
-            if plans and held + ref.size > self.max_held:  # before it is read and parsed
-                full = f"the batch holds {held} bytes of pages, as many as one run keeps; run again"
-                self.finish(PageReport(ref.slug, "skipped", full))
-                continue
             plan = self.run.plan(ref)
             if plan is None:
+                continue
+            if plans and held + ref.size > self.max_held:  # a page with work (the parse is dropped)
+                full = f"the batch holds {held} bytes of pages, as many as one run keeps; run again"
+                self.finish(PageReport(ref.slug, "skipped", full))
                 continue
             costs = [overhead + segment_bytes(segment, plan.label) for segment in plan.segments]
             fits = _leading_fit(costs, self.max_requests - queued, self.max_bytes - size)

@@ -205,7 +205,9 @@ class OnlineExtraction:
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
-            self._record_discarded(plan, taken_after_error)  # paid already: before any wait
+            # The feed stopped first (it started calls for a failed page while the spend was written),
+            # then what is paid already recorded, before any wait.
+            self._record_discarded(plan, [*taken_after_error, *feed.close(timeout=0)])
             try:
                 left = feed.close()
             except BaseException:
