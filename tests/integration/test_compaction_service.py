@@ -387,6 +387,7 @@ def test_with_the_quality_gate_off_a_worker_applies_the_lossy_summary(
     simulator.configure(lossy_summary=True)
     with factory.begin() as session:
         set_config(session, COMPACTION_QUALITY_GATE, "off", updated_by="test")
+    time.sleep(1.0)  # past the workers' config cache (FACTMILL_CONFIG_CACHE_SECONDS, 0.5 s)
     answer = post_messages(api, "ungated", {"messages": session_messages(25), "settings": SETTINGS})
     assert answer.status_code == 201 and answer.json()["compaction"]["created"] is True
     wait_for(lambda: job_statuses(factory) == ["succeeded"], 60, "the compaction job",

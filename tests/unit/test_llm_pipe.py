@@ -339,7 +339,10 @@ def test_an_interrupt_while_a_stopped_page_waits_for_its_calls_records_what_they
     try:
         extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
 
+        started = threading.Barrier(3)  # the failure comes once both others are in flight
+
         def call(label: str, segment: int) -> str:
+            started.wait(10)
             if segment == 0:
                 raise SegmentAbortedError([paid], RuntimeError("the provider refused"))
             release.wait(10)

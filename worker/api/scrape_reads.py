@@ -65,8 +65,8 @@ class ScrapeTimeCollector(Generic[R]):
     @property
     def failed(self) -> bool:
         """This thread's scrape could not read or build this collector's figures (MissingReadsCollector,
-        registered after it: a scrape collects on one thread). Per thread: two scrapes at once (two
-        Prometheus servers) read each other's."""
+        registered after it: a scrape collects on one thread). Kept per thread: shared, two scrapes at
+        once (two Prometheus servers) read each other's."""
         return bool(getattr(self._scrape, "failed", False))
 
     def collect(self) -> list[Metric]:

@@ -296,15 +296,15 @@ def _pending_extraction(base: str, key: str) -> list[int]:
 
 
 def _consolidated(base: str, key: str) -> bool:
-    """No consolidation job is waiting or running (the extraction jobs requested them)."""
+    """No consolidation job is waiting or running (the extraction jobs requested them). One listing:
+    two, one per status, missed a job the sweeper moved from running to queued between them."""
     with Client(base, api_key=key, timeout=10) as client:
-        for status in ("queued", "running"):
-            try:
-                if client.list_jobs(kind="consolidation", status=status, limit=1).jobs:
-                    return False
-            except FactmillError:
-                return False
-    return True
+        try:
+            return not any(
+                job.status in ("queued", "running") for job in client.iter_jobs(kind="consolidation")
+            )
+        except FactmillError:
+            return False
 
 
 def _day(value: datetime | None) -> str:

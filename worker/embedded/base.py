@@ -63,7 +63,8 @@ def server_library(name: str, setting: str) -> ModuleType:
     except ImportError as exc:  # left out where it has no build (pgserver: Python 3.13+, Linux on ARM)
         raise EmbeddedUnavailableError(
             f"{name} is not installed (it has no build for every Python and platform: pgserver has none "
-            f"for Python 3.13 or Linux on ARM); use Python 3.11 or 3.12, or set {setting}"
+            f"for Python 3.13 nor for Linux on ARM); set {setting}, or use Python 3.11 or 3.12 on another "
+            "platform"
         ) from exc
 
 

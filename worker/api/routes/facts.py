@@ -145,8 +145,9 @@ def entity_facts(
     """An entity that has no facts (or none the key may read) answers an empty list, as a search would.
     A key limited to some sources reads only theirs; asking for another source is 403. Page by
     ``after`` (offset paging reads a fact twice, or skips one, when facts come or change meanwhile;
-    the cursor is a fact's start, so a fact whose start consolidation moves while you page, an older
-    saying of it found, may come again: de-duplicate by id)."""
+    the cursor is a fact's start, which consolidation may move while you page: a fact given an earlier
+    start may come again (de-duplicate by id), and an undated one given a start may be missed; read from
+    the start again for a complete list)."""
     sources = _readable(principal, source_id)
     with read_only(ctx.factory) as session:
         try:
