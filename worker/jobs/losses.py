@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from worker.jobs.registry import get_kind
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from models import Job
+from worker.jobs.registry import get_kind, kind_names
 
 # How many messages wait in a queue on the broker (None: the broker cannot say).
 QueueDepth = Callable[[str], int | None]
@@ -46,3 +50,55 @@ def only_missing(overdue: list[Overdue], missing_in: MissingMessages | None) -> 
         count = len(waiting_jobs) if missing is None else missing
         pairs += [(job.job_id, job.kind) for job in waiting_jobs[:count]]
     return pairs
+
+
+def known_kind() -> ColumnElement[bool]:
+    """A job of a kind this version runs. A pending row of another (left by a newer version during a
+    rolling deploy, or by an older one after a downgrade) is left as it is for a version that knows it:
+    asked for its queue, it failed every sweep, and no lost job was sent again nor paused one resumed."""
+    return Job.kind.in_(kind_names())
+
+
+def missing_messages(
+    factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
+) -> dict[str, int | None]:
+    """Of each queue that has jobs sent and overdue (none asked when none has): how many of those jobs'
+    messages the broker is missing (None: it cannot say). Its depth counts the messages of jobs sent
+    lately (within ``requeue_after``) too: counted as overdue ones', a steady backlog of them hid every
+    lost message behind it, and the jobs that lost theirs were never sent again while the backlog lasted.
+    All the overdue jobs are counted, not the sweep's batch of them: measured against a batch, a backlog
+    longer than one hid the losses behind it."""
+    cutoff = func.now() - timedelta(seconds=requeue_after)
+    with factory() as session:
+        overdue_by_kind = session.execute(
+            select(Job.kind, func.count())
+            .where(Job.status == "queued", Job.enqueued_at < cutoff, known_kind())
+            .group_by(Job.kind)
+        ).all()
+        if not overdue_by_kind:
+            return {}
+        # Not a job waiting out a retry's backoff (enqueued_at ahead): its delayed message is held by a
+        # worker until due, not queued, so it is in no depth.
+        fresh_by_kind = session.execute(
+            select(Job.kind, func.count())
+            .where(
+                Job.status == "queued",
+                Job.enqueued_at >= cutoff,
+                Job.enqueued_at <= func.now(),
+                known_kind(),
+            )
+            .group_by(Job.kind)
+        ).all()
+    fresh: dict[str, int] = {}
+    for kind, count in fresh_by_kind:
+        queue = get_kind(kind).queue
+        fresh[queue] = fresh.get(queue, 0) + int(count)
+    overdue: dict[str, int] = {}
+    for kind, count in overdue_by_kind:
+        queue = get_kind(kind).queue
+        overdue[queue] = overdue.get(queue, 0) + int(count)
+    missing: dict[str, int | None] = {}
+    for queue, count in overdue.items():
+        depth = queue_depth(queue)
+        missing[queue] = None if depth is None else max(0, count - max(0, depth - fresh.get(queue, 0)))
+    return missing

@@ -31,7 +31,7 @@ from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.losses import Overdue, QueueDepth, only_missing
+from worker.jobs.losses import Overdue, QueueDepth, known_kind, missing_messages, only_missing
 from worker.jobs.registry import (
     BUDGET,
     KILL_SWITCH,
@@ -341,56 +341,39 @@ def kinds_for_switch(key: str) -> list[str]:
     return [name for name in kind_names() if get_kind(name).switch == key]
 
 
-def _missing_messages(
-    factory: sessionmaker[Session], requeue_after: float, queue_depth: QueueDepth
-) -> dict[str, int | None]:
-    """Of each queue that has jobs sent and overdue (none asked when none has): how many of those jobs'
-    messages the broker is missing (None: it cannot say). Its depth counts the messages of jobs sent
-    lately (within ``requeue_after``) too: counted as overdue ones', a steady backlog of them hid every
-    lost message behind it, and the jobs that lost theirs were never sent again while the backlog lasted.
-    All the overdue jobs are counted, not the sweep's batch of them: measured against a batch, a backlog
-    longer than one hid the losses behind it."""
-    cutoff = func.now() - timedelta(seconds=requeue_after)
-    with factory() as session:
-        overdue_by_kind = session.execute(
-            select(Job.kind, func.count())
-            .where(Job.status == "queued", Job.enqueued_at < cutoff, _known_kind())
-            .group_by(Job.kind)
-        ).all()
-        if not overdue_by_kind:
-            return {}
-        # Not a job waiting out a retry's backoff (enqueued_at ahead): its delayed message is held by a
-        # worker until due, not queued, so it is in no depth.
-        fresh_by_kind = session.execute(
-            select(Job.kind, func.count())
-            .where(
-                Job.status == "queued",
-                Job.enqueued_at >= cutoff,
-                Job.enqueued_at <= func.now(),
-                _known_kind(),
+def _requeue_stale(
+    session: Session, stale_after: float, job_budgets: JobBudgets, failed: list[int]
+) -> list[tuple[int, str]]:
+    """The running jobs whose heartbeat stopped, queued again (a worker loss each), or failed (their
+    ids added to ``failed``) when their budgets are spent."""
+    stale = session.execute(
+        select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
+        .where(
+            Job.status == "running",
+            Job.heartbeat_at < func.now() - timedelta(seconds=stale_after),
+            known_kind(),
+        )
+        .order_by(Job.heartbeat_at)
+        .limit(SWEEP_BATCH)
+        .with_for_update(skip_locked=True)
+    ).all()
+    stale_pairs = []
+    for row in stale:
+        if fail_if_spent(session, row.id, row.attempts, row.worker_losses + 1, job_budgets) is not None:
+            failed.append(row.id)
+            continue
+        session.execute(
+            update(Job)
+            .where(Job.id == row.id)
+            .values(
+                status="queued",
+                worker=None,
+                worker_losses=Job.worker_losses + 1,
+                last_error="worker lost (stale heartbeat); requeued",
             )
-            .group_by(Job.kind)
-        ).all()
-    fresh: dict[str, int] = {}
-    for kind, count in fresh_by_kind:
-        queue = get_kind(kind).queue
-        fresh[queue] = fresh.get(queue, 0) + int(count)
-    overdue: dict[str, int] = {}
-    for kind, count in overdue_by_kind:
-        queue = get_kind(kind).queue
-        overdue[queue] = overdue.get(queue, 0) + int(count)
-    missing: dict[str, int | None] = {}
-    for queue, count in overdue.items():
-        depth = queue_depth(queue)
-        missing[queue] = None if depth is None else max(0, count - max(0, depth - fresh.get(queue, 0)))
-    return missing
-
-
-def _known_kind() -> ColumnElement[bool]:
-    """A job of a kind this version runs. A pending row of another (left by a newer version during a
-    rolling deploy, or by an older one after a downgrade) is left as it is for a version that knows it:
-    asked for its queue, it failed every sweep, and no lost job was sent again nor paused one resumed."""
-    return Job.kind.in_(kind_names())
+        )
+        stale_pairs.append((row.id, row.kind))
+    return stale_pairs
 
 
 def sweep(
@@ -411,35 +394,9 @@ def sweep(
     failed: list[int] = []
     # Asked before the transaction: a broker that hangs must not hold the rows it locks (claims, webhook
     # deliveries and erasures of those jobs waited on it).
-    missing = _missing_messages(factory, requeue_after, queue_depth) if queue_depth is not None else None
+    missing = missing_messages(factory, requeue_after, queue_depth) if queue_depth is not None else None
     with factory.begin() as session:
-        stale = session.execute(
-            select(Job.id, Job.kind, Job.attempts, Job.worker_losses)
-            .where(
-                Job.status == "running",
-                Job.heartbeat_at < func.now() - timedelta(seconds=stale_after),
-                _known_kind(),
-            )
-            .order_by(Job.heartbeat_at)
-            .limit(SWEEP_BATCH)
-            .with_for_update(skip_locked=True)
-        ).all()
-        stale_pairs = []
-        for row in stale:
-            if fail_if_spent(session, row.id, row.attempts, row.worker_losses + 1, job_budgets) is not None:
-                failed.append(row.id)
-                continue
-            session.execute(
-                update(Job)
-                .where(Job.id == row.id)
-                .values(
-                    status="queued",
-                    worker=None,
-                    worker_losses=Job.worker_losses + 1,
-                    last_error="worker lost (stale heartbeat); requeued",
-                )
-            )
-            stale_pairs.append((row.id, row.kind))
+        stale_pairs = _requeue_stale(session, stale_after, job_budgets, failed)
         lost = session.execute(
             select(Job.id, Job.kind, Job.attempts, Job.worker_losses, Job.enqueued_at)
             .where(
@@ -448,7 +405,7 @@ def sweep(
                     Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
                     Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),
                 ),
-                _known_kind(),
+                known_kind(),
             )
             # Never sent first, then the oldest sends: a dead worker's prefetched messages (its oldest)
             # are off the queue until their visibility timeout, and a job sent again goes to the back.
