@@ -266,3 +266,39 @@ def test_the_timeline_credits_a_change_to_the_fact_it_closed(tx_factory, simulat
     with tx_factory() as session:
         [after] = [e for e in entity_timeline(session, ALICE) if e.id == berlin.id]
     assert after.reason == berlin.reason
+
+
+def test_an_entitys_timeline_is_read_from_its_end_up_to_a_limit(
+    factory: sessionmaker[Session], database_url: str
+) -> None:
+    """`facts history` read and printed every fact of an entity (200,000 facts: every one, and every
+    decision on them). It shows the latest --limit (1,000 by default), in order, and says how many more."""
+    from sqlalchemy import text
+
+    from worker.consolidation.operators import count_entity_facts
+
+    with factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num, valid_from) "
+                "SELECT 'default', 'fact ' || n, 'fact', 'people/long', 0.9, 'medium', "
+                "'cli:extract-conversation-facts', 's', 'conversations/long', n, "
+                "timestamptz '2024-01-01' + n * interval '1 day' FROM generate_series(0, 4) AS n"
+            )
+        )
+        last = session.scalar(select(Fact.id).where(Fact.row_num == 4))
+        session.add(
+            ConsolidationDecision(
+                source_id="default", entity_key="people/long", fact_id=last, decision="new",
+                decided_by="rule", reason="the last",
+            )
+        )  # fmt: skip
+    with factory() as session:
+        tail = entity_timeline(session, "people/long", limit=2)
+        assert [e.fact for e in tail] == ["fact 3", "fact 4"] and tail[1].reason == "the last"
+        assert len(entity_timeline(session, "people/long")) == count_entity_facts(session, "people/long") == 5
+    shown = invoke_cli(database_url, "facts", "history", "people/long", "--limit", "2", "--json")
+    assert shown.exit_code == 0, shown.output
+    assert "the latest 2 of 5 facts; --limit shows more" in shown.stderr
+    assert [entry["fact"] for entry in json.loads(shown.stdout)] == ["fact 3", "fact 4"]

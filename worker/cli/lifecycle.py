@@ -21,7 +21,14 @@ from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.config_store import CONSOLIDATION_ENABLED
 from worker.consolidation.job import RunHere, consolidate_here
-from worker.consolidation.operators import UndoError, entities_named, entity_timeline, restore, unmerge
+from worker.consolidation.operators import (
+    UndoError,
+    count_entity_facts,
+    entities_named,
+    entity_timeline,
+    restore,
+    unmerge,
+)
 from worker.consolidation.service import ConsolidationCounters
 from worker.consolidation.store import unconsolidated_entity_keys
 from worker.core.consolidation import typed_entity_key
@@ -42,14 +49,21 @@ def _iso(value: object) -> str | None:
 def history(
     entity: Annotated[str, typer.Argument(help="The entity slug, e.g. people/alice-example.")],
     source_id: Annotated[str | None, source_option(help="Only facts from this source.")] = None,
+    limit: Annotated[
+        int, typer.Option(min=1, max=100_000, help="The latest this many facts (the timeline's end).")
+    ] = 1000,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """An entity's timeline: every fact in the order it became true.
+    """An entity's timeline: every fact in the order it became true (the latest --limit of them).
 
     Each fact with its status, interval, links and the reason of its last decision."""
+    sources = [source_id] if source_id else None
     with checked_factory()() as session:
-        entries = entity_timeline(session, entity, [source_id] if source_id else None)
+        entries = entity_timeline(session, entity, sources, limit=limit)
+        total = count_entity_facts(session, entity, sources) if len(entries) == limit else len(entries)
         named = [] if entries else entities_named(session, entity)
+    if total > len(entries):
+        err.print(f"the latest {len(entries)} of {total} facts; --limit shows more")
     if as_json:
         # An open end is null, as the API writes it ("…" is the table's way of saying it).
         print_json(

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, select, union, update
+from sqlalchemy import BigInteger, ColumnElement, Select, any_, bindparam, func, select, union, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
@@ -54,23 +55,27 @@ def entities_named(session: Session, name: str, limit: int = 5) -> list[str]:
 
 
 def entity_timeline(
-    session: Session, entity: str, source_ids: list[str] | None = None
+    session: Session, entity: str, source_ids: list[str] | None = None, *, limit: int | None = None
 ) -> list[TimelineEntry]:
     """Every fact about ``entity`` (its slug, or a name the slug rule turns into it), in the order they
-    became true, each with its latest decision."""
+    became true, each with its latest decision; with ``limit``, the latest that many (an entity of
+    200,000 facts was read and printed whole)."""
     where = [Fact.entity_slug == (entity_slug(entity) or entity), ~Fact.is_audit]
     if source_ids is not None:
         where.append(Fact.source_id.in_(source_ids))
     # The columns shown only (a fact's embedding is 256 floats, parsed one by one), and the decisions
     # by a subquery: a list of the ids bound two parameters a fact, past the protocol's 65,535 at
     # about 33,000 facts ("cannot reach the database").
-    facts = session.execute(
-        select(*_TIMELINE_COLUMNS).where(*where).order_by(Fact.valid_from.asc().nulls_first(), Fact.id)
-    ).all()
+    newest_first = (
+        select(*_TIMELINE_COLUMNS).where(*where).order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
+    )
+    facts = list(reversed(session.execute(newest_first.limit(limit)).all()))
     reasons: dict[int, str] = {}
     if facts:
         closed_by = {row.id: row.superseded_by for row in facts}
-        for fact_id, other_id, decision, reason in session.execute(_decisions_about(where)):
+        ids = bindparam("shown", [row.id for row in facts], type_=ARRAY(BigInteger))  # one parameter
+        shown = where if limit is None else [*where, Fact.id == any_(ids)]
+        for fact_id, other_id, decision, reason in session.execute(_decisions_about(shown)):
             # What changed the fact: the decision that superseded it (recorded on the newer fact's row),
             # else its own latest decision other than "unrelated". A verdict closes whichever of the two
             # became true first: a late fact "updating" a later one is itself closed, and the later one's
@@ -173,3 +178,11 @@ def restore(session: Session, fact_id: int, by: str) -> int:
     )
     _record(session, fact, other, "restore", by)
     return other or 0
+
+
+def count_entity_facts(session: Session, entity: str, source_ids: list[str] | None = None) -> int:
+    """How many facts ``entity_timeline`` would list without a limit."""
+    where = [Fact.entity_slug == (entity_slug(entity) or entity), ~Fact.is_audit]
+    if source_ids is not None:
+        where.append(Fact.source_id.in_(source_ids))
+    return session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
