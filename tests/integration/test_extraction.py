@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -449,6 +450,41 @@ def test_a_sigterm_after_a_commit_records_its_calls_once(pages, sim, monkeypatch
     finally:
         event.remove(OrmSession, "after_commit", stopped_after)
     assert count(pages, LLMCall) == sim_requests(sim) >= 1
+
+
+def test_a_commit_whose_commit_call_failed_after_committing_records_its_calls_once(
+    pages, sim, monkeypatch: pytest.MonkeyPatch
+):
+    """The connection dropped as the COMMIT ran, after the server had committed: the failed commit's
+    spend was recorded again (the budgets counted it twice). Its checkpoint moved says it committed."""
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session as OrmSession
+
+    from worker.extraction.store import ExtractionStore
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    advance = ExtractionStore._advance_checkpoint
+    failed: list[bool] = []
+
+    def marked(self: Any, session: Any, *args: Any) -> None:
+        session.info["moves_checkpoint"] = True
+        advance(self, session, *args)
+
+    def dropped_after(session: Any) -> None:
+        if not failed and session.info.pop("moves_checkpoint", False):
+            failed.append(True)
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(ExtractionStore, "_advance_checkpoint", marked)
+    event.listen(OrmSession, "after_commit", dropped_after)
+    try:
+        with contextlib.suppress(Exception):  # the page failed: its spend is what is checked
+            run(pages, llm)
+    finally:
+        event.remove(OrmSession, "after_commit", dropped_after)
+    assert failed, "a segment's commit ran"
+    assert count(pages, LLMCall) == sim_requests(sim), "each paid call is recorded once"
 
 
 def test_override_disabled_bypasses_kill_switch(pages, llm):

@@ -6,9 +6,10 @@ Writes go through ``factory.begin()`` opened here; llm_calls rows go through the
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from sqlalchemy import delete, func, select
@@ -249,7 +250,8 @@ class ExtractionStore:
         last = segments[-1].place
         spent = [(s.place, s.attempts) for s in segments]
         committing: list[bool] = []
-        with self._spend_kept_on_refusal(spent, committing), self._factory.begin() as session:
+        reached = partial(self._checkpoint_at, fingerprint, last, new)
+        with self._spend_kept_on_refusal(spent, committing, reached), self._factory.begin() as session:
             if page is not None:
                 check_page(session, page, last.slug, new)
             self._write_segment_rows(session, segments)
@@ -341,7 +343,10 @@ class ExtractionStore:
 
     @contextmanager
     def _spend_kept_on_refusal(
-        self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]], committing: Sequence[bool] = ()
+        self,
+        spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]],
+        committing: Sequence[bool] = (),
+        reached: Callable[[], bool] | None = None,
     ) -> Iterator[None]:
         """When a commit is refused (the page changed, or another run moved its checkpoint on), its LLM
         calls were still paid for: keep their llm_calls rows (no audit rows: the page they describe may
@@ -359,12 +364,29 @@ class ExtractionStore:
             # were all written (``committing``): a signal is handled after the COMMIT call returns, so
             # the transaction most likely committed, and its rows would be recorded twice.
             signal = not isinstance(exc, Exception)
-            if not self.results_read_again and not (signal and committing):
+            if (
+                not self.results_read_again
+                and not (signal and committing)
+                and not (committing and _committed_after_all(reached))
+            ):
                 try:
                     self.record_spend(spent)
                 except Exception as exc:  # the database is away: the original error is the one to raise
                     logger.warning("could not record the spend of a failed commit: %s", error_summary(exc))
             raise
+
+    def _checkpoint_at(self, fingerprint: str, place: SegmentPlace, state: CheckpointState) -> bool:
+        """Whether the page's checkpoint stands at ``state`` (a commit whose COMMIT failed may have
+        committed: its checkpoint moved is what says so)."""
+        with read_only(self._factory) as session:
+            row = session.execute(
+                select(OpCheckpoint.messages_done, OpCheckpoint.prefix_hash, OpCheckpoint.next_row_num).where(
+                    OpCheckpoint.op == OP_NAME,
+                    OpCheckpoint.fingerprint == fingerprint,
+                    OpCheckpoint.page_key == page_key(place.source_id, place.slug),
+                )
+            ).one_or_none()
+        return row is not None and tuple(row) == (state.messages_done, state.prefix_hash, state.next_row_num)
 
     def record_spend(self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]) -> None:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
@@ -460,3 +482,15 @@ def _delete_terminal(session: Session, source_id: str, slug: str) -> None:
             FACTS.c.row_num == TERMINAL_ROW_NUM,
         )
     )
+
+
+def _committed_after_all(reached: Callable[[], bool] | None) -> bool:
+    """A COMMIT that failed (the connection dropped as it ran) may have committed: when its checkpoint
+    moved, the spend is stored, and recorded again it counted twice. Unknown (the database away) is
+    taken for not committed: a spend counted once too often beats one lost."""
+    if reached is None:
+        return False
+    try:
+        return reached()
+    except Exception:
+        return False
