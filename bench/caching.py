@@ -5,13 +5,18 @@ Redis → a Celery worker process → the LLM simulator (its own process, whose 
 providers' rules: prefix match, 1024-token minimum, OpenAI's 128-token steps, Anthropic's
 cache_control breakpoints; see worker/simulator/caching.py). The baseline run starts its worker with
 the previous extraction system prompt (v1, below, verbatim), everything else equal; the simulator's
-cache is emptied before each run. Prints, per run, the cached share of extraction input tokens
-(cache reads / all input tokens, from llm_calls) and what the same tokens cost at list prices.
+cache is emptied before each run. Each worker is one process (``--processes 1``): the worker command
+otherwise starts one child per core with a fresh interpreter, which would not have the v1 prompt.
+Prints, per run, the cached share of extraction input tokens (cache reads / all input tokens, from
+llm_calls) and what the same tokens cost at list prices.
 
     .venv/bin/python bench/caching.py [--pages 1000] [--api openai|anthropic] [--latency-ms 20]
+                                      [--keep-logs]
 
 Pages are the bundled examples (examples/conversations, 20 conversations), each copy under its own
-slug with its years shifted, so no two pages share a segment. Needs the local Postgres and Redis.
+slug with its years shifted, so no two pages share a segment. Needs the local Postgres and Redis; each
+run's Redis keys (its own prefix) are deleted after it, and the services' logs go to a temporary folder
+removed at the end (unless --keep-logs, or the run failed).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import BROKER, SECRET, SERVER, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SECRET, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
 from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
@@ -142,19 +147,20 @@ def extraction_totals(dsn: str, seconds: float) -> Totals:
     return Totals(*(int(v) for v in row), seconds=seconds)
 
 
-def run_once(label: str, args: argparse.Namespace, simulator_url: str, worker_args: list[str]) -> Totals:
+def run_once(
+    label: str, args: argparse.Namespace, simulator_url: str, worker_args: list[str], logs: Path
+) -> Totals:
     """One pipeline run on a fresh database; the extraction llm_calls totals."""
     with fresh_database(SERVER, "bench_cache") as url:
-        return measure(label, args, url, simulator_url, worker_args)
+        return measure(label, args, url, simulator_url, worker_args, logs / label)
 
 
 def measure(
-    label: str, args: argparse.Namespace, url: str, simulator_url: str, worker_args: list[str]
+    label: str, args: argparse.Namespace, url: str, simulator_url: str, worker_args: list[str], logs: Path
 ) -> Totals:
-    """Webhook the pages, drain them with one worker, total its extraction calls."""
+    """Webhook the pages, drain them with one worker process, total its extraction calls."""
     name = str(make_url(url).database)
     dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
-    logs = Path("/tmp") / name
     logs.mkdir()
     procs = []
     try:
@@ -179,15 +185,10 @@ def measure(
                 response = client.post("/v1/pages", content=body, headers=headers)
                 assert response.status_code == 202, response.text
         httpx.post(simulator_url.removesuffix("/v1") + "/_simulator/reset").raise_for_status()
-        worker_cli = [
-            "worker",
-            "--queues",
-            "extraction",
-            "--concurrency",
-            str(args.jobs),
-            "--pool",
-            "threads",
-        ]
+        # One process: by default the worker command starts one child per core, each a fresh
+        # interpreter (``python -m worker.cli``) without the v1 prompt patched into this one.
+        worker_cli = ["worker", "--queues", "extraction", "--concurrency", str(args.jobs),
+                      "--processes", "1", "--pool", "threads"]  # fmt: skip
         log = logs / "worker.log"
         procs.append(spawn([*worker_args, *worker_cli, "--hostname", f"cache-{label}@%h"], env, log))
         started = time.monotonic()
@@ -195,6 +196,7 @@ def measure(
         return extraction_totals(dsn, time.monotonic() - started)
     finally:
         stop(procs)
+        forget_broker_keys(f"{name}:")
 
 
 def report(label: str, totals: Totals, api: str) -> None:
@@ -213,14 +215,20 @@ def main() -> None:
     parser.add_argument("--api", choices=("openai", "anthropic"), default="openai")
     parser.add_argument("--latency-ms", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=16, help="worker threads (pages in flight)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
     args = parser.parse_args()
+    with run_logs("factmill_bench_cache", args.keep_logs) as logs:
+        compare(args, logs)
+
+
+def compare(args: argparse.Namespace, logs: Path) -> None:
+    """The simulator, then the v1 run and the current one against it; both reported."""
     sim_port = free_port()
-    sim_log = Path("/tmp") / f"factmill_bench_cache_sim_{sim_port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
     simulator = spawn(
         ["-m", "worker.simulator", "--port", str(sim_port), "--latency-ms", str(args.latency_ms)],
         env,
-        sim_log,
+        logs / "simulator.log",
     )
     simulator_url = f"http://127.0.0.1:{sim_port}/v1"
     try:
@@ -230,8 +238,8 @@ def main() -> None:
             f"{args.pages} pages, {args.api} API, simulator latency {args.latency_ms} ms, "
             f"cache minimum {config.get('cache_min_tokens')} tokens"
         )
-        baseline = run_once("v1", args, simulator_url, ["-c", V1_WORKER, str(REPO / "bench")])
-        current = run_once("now", args, simulator_url, ["-m", "worker.cli"])
+        baseline = run_once("v1", args, simulator_url, ["-c", V1_WORKER, str(REPO / "bench")], logs)
+        current = run_once("now", args, simulator_url, ["-m", "worker.cli"], logs)
     finally:
         stop([simulator])
     report("baseline (v1 prompt)", baseline, args.api)

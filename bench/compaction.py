@@ -2,7 +2,7 @@
 summaries per second through the compaction queue against the ideal, measured in the same run.
 
     .venv/bin/python bench/compaction.py [--tokens 1000000] [--transcripts 960] [--concurrency 32]
-                                         [--latency-ms 500]
+                                         [--latency-ms 500] [--keep-logs]
 
 Part 1 builds the deterministic ~1M-token agent session of bench/compaction_core.py (imported, not
 copied) and times what a compaction job does before its LLM call: ``plan_compaction`` (cut_index +
@@ -17,7 +17,8 @@ simulator at 500 ms latency, sends the N jobs, and times until every job finishe
 calls in flight over the latency: C / 0.5 s.
 
 Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
-database and uses its own Redis key prefix.
+database and uses its own Redis key prefix (its keys deleted at the end). The services' logs go to a
+temporary folder, removed at the end unless --keep-logs is given or the run failed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
-from pipeline import BROKER, SERVER, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
 from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
@@ -214,7 +215,14 @@ def gate_per_compaction() -> None:
     )
 
 
-def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms: int) -> None:
+def part_two(
+    url: str, name: str, transcripts: int, concurrency: int, latency_ms: int, keep_logs: bool
+) -> None:
+    with run_logs(name, keep_logs) as logs:
+        queue_run(url, name, logs, transcripts, concurrency, latency_ms)
+
+
+def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: int, latency_ms: int) -> None:
     from celery import Celery
 
     from worker.celery_app import create_app
@@ -222,8 +230,6 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
     from worker.jobs.outbox import COMPACTION
     from worker.settings import Settings
 
-    logs = Path("/tmp") / name
-    logs.mkdir(exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
     try:
@@ -315,6 +321,7 @@ def part_two(url: str, name: str, transcripts: int, concurrency: int, latency_ms
         )
     finally:
         stop(procs)
+        forget_broker_keys(f"{name}:")
 
 
 def main() -> None:
@@ -324,6 +331,7 @@ def main() -> None:
     parser.add_argument("--transcripts", type=int, default=960)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency-ms", type=int, default=500)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
     args = parser.parse_args()
     print(f"factmill compaction benchmark - Python {platform.python_version()} on {platform.machine()}, "
           f"{psutil.cpu_count()} cores")  # fmt: skip
@@ -332,7 +340,8 @@ def main() -> None:
     with fresh_database(SERVER, "bench") as url:
         db.upgrade(url)
         part_one(args.tokens, url)
-        part_two(url, str(make_url(url).database), args.transcripts, args.concurrency, args.latency_ms)
+        name = str(make_url(url).database)
+        part_two(url, name, args.transcripts, args.concurrency, args.latency_ms, args.keep_logs)
     print(f"\ntotal benchmark time {time.perf_counter() - started:.1f} s")
 
 

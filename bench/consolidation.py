@@ -3,6 +3,7 @@ consolidation queue drains behind extraction.
 
     .venv/bin/python bench/consolidation.py [--people 40] [--pages 6] [--latency-ms 100]
                                             [--segments-per-s 122] [--concurrency 8] [--show-errors]
+                                            [--keep-logs]
 
 The corpus is generated here, not extracted: per person, a timeline of pages (dated weeks apart) whose
 segments state attributes (city, job, gym plan, morning drink) through several paraphrase templates.
@@ -20,9 +21,13 @@ labels); the simulator answers the ambiguous pairs.
 
 Facts are committed page by page at the pipeline benchmark's rate (segments per second, three facts a
 segment), embedded as the extraction job would, and a consolidation job is requested per entity as
-the extraction job does; real worker processes drain the consolidation queue from Redis. The figure
-is the time from the last commit until every fact is consolidated. Needs the local Postgres and
-Redis; creates and drops its own database and uses its own Redis key prefix.
+the extraction job does; one real worker process (``--concurrency`` threads) drains the consolidation
+queue from Redis. The figure is the time from the last commit until every fact is consolidated; the
+rate the producer reached (segments committed / the time it took) is printed beside the one it was
+paced for, which it falls short of when committing a page takes longer than its pace. Needs the local
+Postgres and Redis; creates and drops its own database and uses its own Redis key prefix (its keys
+deleted at the end); the services' logs go to a temporary folder, removed at the end unless
+--keep-logs is given or the run failed.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from pipeline import BROKER, SERVER, spawn, stop, wait_http  # noqa: E402
+from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
 from tests.service import free_port, fresh_database  # noqa: E402
 
@@ -206,6 +211,7 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, default=8, help="consolidation worker threads")
     parser.add_argument("--show-errors", action="store_true", help="print some wrong decisions")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
     args = parser.parse_args()
     with fresh_database(SERVER, "bench") as url:
         consolidate(args, url)
@@ -214,8 +220,11 @@ def main() -> None:
 def consolidate(args: argparse.Namespace, url: str) -> None:
     """A simulator and a consolidation worker on the fresh database at ``url``, then the run."""
     name = str(make_url(url).database)
-    logs = Path("/tmp") / name
-    logs.mkdir()
+    with run_logs(name, args.keep_logs) as logs:
+        consolidate_logged(args, url, name, logs)
+
+
+def consolidate_logged(args: argparse.Namespace, url: str, name: str, logs: Path) -> None:
     sim_port = free_port()
     simulator_url = f"http://127.0.0.1:{sim_port}/v1"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
@@ -240,18 +249,14 @@ def consolidate(args: argparse.Namespace, url: str) -> None:
             )
         )
         wait_http(f"http://127.0.0.1:{sim_port}/_simulator/health")
-        worker_args = [
-            "--queues",
-            "consolidation",
-            "--concurrency",
-            str(args.concurrency),
-            "--pool",
-            "threads",
-        ]
+        # One process: the worker command starts one per core by default, each with --concurrency threads.
+        worker_args = ["--queues", "consolidation", "--concurrency", str(args.concurrency),
+                       "--processes", "1", "--pool", "threads"]  # fmt: skip
         procs.append(spawn(["-m", "worker.cli", "worker", *worker_args], env, logs / "worker.log"))
         run(args, url, logs)
     finally:
         stop(procs)
+        forget_broker_keys(f"{name}:")
 
 
 def run(args: argparse.Namespace, url: str, logs: Path) -> None:
@@ -316,6 +321,7 @@ def run(args: argparse.Namespace, url: str, logs: Path) -> None:
         int(calls),
         int(prompt),
         int(jobs or 0),
+        3 * len(order),
         committed - started,
         drained - committed,
         by_rule,
@@ -323,7 +329,16 @@ def run(args: argparse.Namespace, url: str, logs: Path) -> None:
 
 
 def report(  # type: ignore[no-untyped-def]
-    args, labelled, status, calls: int, prompt: int, jobs: int, extract_s: float, drain_s: float, by_rule
+    args,
+    labelled,
+    status,
+    calls: int,
+    prompt: int,
+    jobs: int,
+    segments: int,
+    extract_s: float,
+    drain_s: float,
+    by_rule,
 ) -> None:
     planted_dup, planted_sup = truth(labelled)
     rp, _ = score(by_rule, planted_dup)
@@ -361,10 +376,10 @@ def report(  # type: ignore[no-untyped-def]
         f"{prompt / max(1, calls):.0f} prompt tokens/call, {prompt / new:.1f} prompt tokens/new fact; "
         f"{jobs} consolidation jobs"
     )
-    rate = new / extract_s
     print(
-        f"throughput: facts committed for {extract_s:.1f} s ({rate:.0f} facts/s, "
-        f"{args.segments_per_s:g} segments/s); backlog drained {drain_s:.2f} s after the last commit"
+        f"throughput: {new} facts of {segments} segments committed in {extract_s:.1f} s "
+        f"({new / extract_s:.0f} facts/s, {segments / extract_s:.1f} segments/s reached; paced for "
+        f"{args.segments_per_s:g}); backlog drained {drain_s:.2f} s after the last commit"
     )
 
 

@@ -8,11 +8,14 @@ Prints the status counts (no 5xx, no pool errors in the server log), and /health
 while the deliveries run, beside a baseline measured in the same run with no load. Goal: healthz
 p99 under 100 ms under load (a liveness probe must never wait on the thread pool).
 
-    .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port 8765] [--idempotency-keys]
-                                   [--route pages|messages|feedback] [--transcripts 200]
+    .venv/bin/python bench/load.py [--requests 200] [--concurrency 200] [--port PORT] [--idempotency-keys]
+                                   [--route pages|messages|feedback] [--transcripts 200] [--keep-logs]
 
-Needs the local Postgres (127.0.0.1:5432, or FACTMILL_TEST_DATABASE_URL) and a Redis at
-127.0.0.1:6379 (db 14); creates and drops its own database.
+The server listens on a free port unless --port names one. Needs the local Postgres (127.0.0.1:5432,
+or FACTMILL_TEST_DATABASE_URL) and a Redis at 127.0.0.1:6379 (db 14); creates and drops its own
+database, keeps its Redis keys (the jobs the deliveries queue) under a prefix of its own and deletes
+them at the end. The server's log goes to a temporary folder, removed at the end unless --keep-logs
+is given or the run failed.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.pipeline import cpu_by_pid, cpu_since, postgres_processes  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from bench.pipeline import cpu_by_pid, cpu_since, forget_broker_keys, postgres_processes, run_logs  # noqa: E402
+from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 
@@ -48,6 +51,7 @@ ADMIN = "bench-admin-token-" + "a" * 16
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 CONVERSATION = "**Alice** (2024-03-15 9:00 AM): I signed the offer.\n**Bob** (2024-03-15 9:01 AM): Congrats!"
 MESSAGE = "please run the test suite again and tell me which of the integration tests still fail"
+BROKER = "redis://127.0.0.1:6379/14"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -213,46 +217,91 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=200)
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     parser.add_argument("--idempotency-keys", action="store_true", help="a key of its own for each delivery")
     parser.add_argument("--route", choices=("pages", "messages", "feedback"), default="pages")
     parser.add_argument("--transcripts", type=int, default=200, help="with --route messages")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the server's log (path printed)")
     args = parser.parse_args()
-    server = None
     with fresh_database(SERVER, "load") as url:
-        log_path = Path(f"/tmp/{make_url(url).database}.log")
+        name = str(make_url(url).database)
+        with run_logs(name, args.keep_logs) as logs:
+            log_path = logs / "server.log"
+            try:
+                result, target = serve_and_load(args, url, name, log_path)
+            finally:
+                forget_broker_keys(f"{name}:", BROKER)
+            server_log = log_path.read_text()
+    report(args, result, target, server_log)
+
+
+def wait_healthy(base: str, server: subprocess.Popen[bytes], log_path: Path, timeout: float = 120) -> None:
+    """Until the server started here answers /healthz with 200; a clear failure (with its log's end)
+    if it exits first or never does within ``timeout`` seconds (a loaded machine starts it slowly)."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(
+                f"the server exited ({server.returncode}) before it was healthy; its log ends:\n"
+                f"{log_path.read_text(errors='replace')[-2000:]}"
+            )
         try:
-            db.upgrade(url)
-            env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
-                "FACTMILL_DATABASE_URL": url,
-                "FACTMILL_BROKER_URL": "redis://127.0.0.1:6379/14",
-                "FACTMILL_WEBHOOK_SECRET": SECRET,
-                "FACTMILL_ADMIN_TOKEN": ADMIN,
-                "PYTHONPATH": str(REPO),
-            }
-            log = open(log_path, "w")  # noqa: SIM115 - held for the server's lifetime
+            response = httpx.get(base + "/healthz", timeout=1)
+            if response.status_code == 200:
+                return
+            last = f"status {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise SystemExit(
+        f"the server at {base} was not healthy after {timeout:.0f} s (last: {last}); its log ends:\n"
+        f"{log_path.read_text(errors='replace')[-2000:]}"
+    )
+
+
+def serve_and_load(
+    args: argparse.Namespace, url: str, name: str, log_path: Path
+) -> tuple[dict[str, object], Route]:
+    """Start `factmill serve` on the fresh database at ``url``, run the deliveries against it, stop it
+    (killed if it has not exited 20 s after SIGTERM)."""
+    server: subprocess.Popen[bytes] | None = None
+    try:
+        db.upgrade(url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")} | {
+            "FACTMILL_DATABASE_URL": url,
+            "FACTMILL_BROKER_URL": BROKER,
+            "FACTMILL_BROKER_KEY_PREFIX": f"{name}:",
+            "FACTMILL_WEBHOOK_SECRET": SECRET,
+            "FACTMILL_ADMIN_TOKEN": ADMIN,
+            "PYTHONPATH": str(REPO),
+        }
+        port = args.port or free_port()
+        with log_path.open("wb") as log:  # the server holds its own copy of the descriptor
             server = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", "serve", "--port", str(args.port)],
+                [sys.executable, "-m", "worker.cli", "serve", "--port", str(port)],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-            base = f"http://127.0.0.1:{args.port}"
-            for _ in range(200):
-                try:
-                    if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            target = route(args.route, args.transcripts)
-            result = asyncio.run(
-                run(base, target, args.requests, args.concurrency, server.pid, args.idempotency_keys)
-            )
-        finally:
-            if server is not None:
-                server.terminate()
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, server, log_path)
+        target = route(args.route, args.transcripts)
+        result = asyncio.run(
+            run(base, target, args.requests, args.concurrency, server.pid, args.idempotency_keys)
+        )
+        return result, target
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
                 server.wait(timeout=20)
-    server_log = log_path.read_text()
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=20)
+
+
+def report(args: argparse.Namespace, result: dict[str, object], target: Route, server_log: str) -> None:
     pool_errors = server_log.count("QueuePool limit") + server_log.count("TimeoutError")
     baseline, loaded = result["baseline"], result["loaded"]
     assert isinstance(baseline, list) and isinstance(loaded, list)

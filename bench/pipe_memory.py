@@ -4,7 +4,9 @@
 
 Starts the simulator in its own process, warms the pipe with one round of N calls (threads, connections,
 SDK caches), then measures this process's resident memory (RSS, /proc) before the second round and at
-its peak while the N calls are open; prints the difference per call, and the same for the idle pipe.
+its peak while the N calls are open; prints the difference per call, and the same for the idle pipe
+per slot: per pipe thread the warm round left running (the pipe starts them as calls need them, so it
+is counted, not taken from --calls), beside the connections to the simulator it keeps alive.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +37,20 @@ from worker.llm.pipe import LLMPipe  # noqa: E402
 
 def rss() -> int:
     return int(psutil.Process().memory_info().rss)
+
+
+def pipe_threads(pipe: LLMPipe) -> int:
+    """The pipe's threads running now (named after it: ``llm-pipe-N``)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith(f"{pipe.name}-") and t.is_alive())
+
+
+def open_connections(port: int) -> int:
+    """This process's established TCP connections to the simulator on ``port``."""
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 def round_of(pipe: LLMPipe, llm: OpenAIChatClient, texts: list[str], calls: int) -> tuple[int, int]:
@@ -75,6 +92,7 @@ def main() -> None:
         pipe = LLMPipe(args.calls)
         round_of(pipe, llm, texts, args.calls)  # warm: threads, connections, SDK caches
         idle = rss()
+        threads, connections = pipe_threads(pipe), open_connections(port)
         peak, most = round_of(pipe, llm, texts, args.calls)
         pipe.close()
     finally:
@@ -82,9 +100,10 @@ def main() -> None:
         sim.wait(timeout=15)
     mib = 1024 * 1024
     print(f"{args.calls} calls ({most} at once) at {args.latency_ms} ms through the LLM pipe")
+    per_slot = (idle - before_pipe) / max(1, threads) / 1024
     print(
-        f"  idle pipe (threads + kept-alive connections): "
-        f"{(idle - before_pipe) / args.calls / 1024:.1f} KiB per slot"
+        f"  idle pipe (threads + kept-alive connections): {per_slot:.1f} KiB per slot ({threads} pipe "
+        f"threads and {connections} connections to the simulator open after the warm round, counted)"
     )
     print(f"  in flight over idle: {(peak - idle) / max(1, most) / 1024:.1f} KiB per call")
     print(f"  process RSS: {before_pipe / mib:.1f} MiB before the pipe, {peak / mib:.1f} MiB at the peak")

@@ -2,10 +2,12 @@
 
 Prints segments per second against the ideal (calls in flight / latency) and against the original
 sequential loop (one segment at a time with a 200 ms pause), both measured in the same run, plus
-worker CPU milliseconds per segment and webhook requests per second.
+worker CPU milliseconds per segment and webhook requests per second. The worker's CPU (ms per segment,
+cores) is read when the last job ends, over the drain's own time; the embedding that goes on after it
+(until every fact has its vector) is printed apart, as the tail.
 
     .venv/bin/python bench/pipeline.py [--pages 160] [--segments 8] [--latency-ms 100]
-                                       [--jobs 16] [--segment-concurrency 4]
+                                       [--jobs 16] [--segment-concurrency 4] [--keep-logs]
     .venv/bin/python bench/pipeline.py --pages 1 --segments 4000 --jobs 1 --segment-concurrency 64
 
 It also prints the CPU the rest of the machine spent per segment over the drain (Postgres's
@@ -17,7 +19,8 @@ the planned count; the in-flight count is sampled from the simulator every 0.1 s
 generator spaces segments two hours apart from 2024-06-01 08:00, so any size gives valid timestamps.
 
 Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
-database and uses its own Redis key prefix.
+database and uses its own Redis key prefix, whose keys it deletes at the end. The services' logs go to
+a temporary folder, removed at the end unless --keep-logs is given or the run failed.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -38,6 +44,7 @@ from pathlib import Path
 import httpx
 import psutil
 import psycopg
+import redis
 from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,6 +156,40 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             os.killpg(proc.pid, 9)
 
 
+@contextlib.contextmanager
+def run_logs(name: str, keep: bool = False) -> Iterator[Path]:
+    """A fresh folder (under the system's temporary directory) for a run's service logs: removed at
+    the end, unless ``keep`` (a bench's --keep-logs) or the run failed (its errors name the logs);
+    its path is printed (to stderr) when kept."""
+    logs = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    failed = False
+    try:
+        yield logs
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if keep or failed:
+            print(f"logs kept in {logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def forget_broker_keys(prefix: str, url: str = BROKER) -> int:
+    """Delete a run's keys under its own ``prefix`` (FACTMILL_BROKER_KEY_PREFIX: its queues, kombu's
+    bindings, rate-limit counters) from the benchmarks' Redis database; how many there were."""
+    if not prefix:
+        raise ValueError("a run's own key prefix is needed: an empty one would match every key")
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        for start in range(0, len(keys), 1000):
+            client.delete(*keys[start : start + 1000])
+        return len(keys)
+    finally:
+        client.close()
+
+
 def postgres_processes() -> list[psutil.Process]:
     """The local Postgres server's processes (the postmaster and every backend), where readable."""
     found = []
@@ -210,17 +251,22 @@ class Figures:
     ok: int  # distinct segments with an ok extraction, counted in the database
     attempted: int  # distinct segments with any audit row
     elapsed: float
-    worker_cpu: float
+    worker_cpu: float  # CPU seconds of the workers over the drain (until the last job ended)
+    tail_seconds: float  # from the last job's end until every fact had its vector (0 with --no-embed)
+    tail_worker_cpu: float  # CPU seconds of the workers over that tail (the embedding follow-ups)
     baseline: float  # sequential loop, segments/s, measured in this run
     webhook_rps: float
     failed_jobs: int
     others_cpu: dict[str, float]  # CPU seconds of the other processes over the drain (postgres, simulator)
+    tail_others_cpu: dict[str, float]  # the same over the embedding tail
     transactions: int  # transactions committed in the bench database over the drain (pg_stat_database)
     connections: int  # connections opened to the bench database over the drain (pg_stat_database)
     segment_commits: int  # transactions that committed ok segments (facts + audit + checkpoint)
 
 
 def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[int]) -> None:
+    # bench/ab.py reads "pipeline: ", "  vs ideal", "worker CPU: " and "  the rest of the machine per ok
+    # segment: postgres " from this output: keep those beginnings.
     rate = f.ok / f.elapsed
     ideal = in_flight / (args.latency_ms / 1000)
     print(
@@ -245,13 +291,21 @@ def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[i
     print(f"  {describe_in_flight(samples, in_flight)}")
     print(
         f"worker CPU: {1000 * f.worker_cpu / max(f.ok, 1):.2f} ms per ok segment "
-        f"({f.worker_cpu:.1f} s over {f.elapsed:.1f} s = {f.worker_cpu / f.elapsed:.2f} core, "
+        f"({f.worker_cpu:.1f} s over the {f.elapsed:.1f} s drain = {f.worker_cpu / f.elapsed:.2f} core, "
         f"{psutil.cpu_count()} cores)"
     )
     others = ", ".join(
         f"{name} {1000 * seconds / max(f.ok, 1):.2f} ms" for name, seconds in f.others_cpu.items()
     )
-    print(f"  the rest of the machine per ok segment: {others}")
+    print(f"  the rest of the machine per ok segment: {others} (over the drain)")
+    if f.tail_seconds:
+        tail_others = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in f.tail_others_cpu.items())
+        print(
+            f"embedding tail ({f.tail_seconds:.1f} s from the last job's end until every fact had its "
+            f"vector, or the 120 s limit): worker CPU {f.tail_worker_cpu:.1f} s "
+            f"({f.tail_worker_cpu / f.tail_seconds:.2f} core), {tail_others}; drain and tail together "
+            f"{1000 * (f.worker_cpu + f.tail_worker_cpu) / max(f.ok, 1):.2f} worker ms per ok segment"
+        )
     print(
         f"postgres: {f.transactions} transactions committed over the drain, "
         f"{f.transactions / max(f.ok, 1):.2f} per ok segment, "
@@ -271,6 +325,7 @@ def main() -> None:
     parser.add_argument("--baseline-samples", type=int, default=12)
     parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
     parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
     parser.add_argument(
         "--task-events",
         action="store_true",
@@ -292,8 +347,13 @@ def main() -> None:
 def drain(args: argparse.Namespace, url: str, per_worker: int, in_flight: int) -> None:
     """Webhook the pages into a fresh database, then time worker processes draining them."""
     name = str(make_url(url).database)
-    logs = Path("/tmp") / name
-    logs.mkdir()
+    with run_logs(name, args.keep_logs) as logs:
+        run_drain(args, url, name, logs, per_worker, in_flight)
+
+
+def run_drain(
+    args: argparse.Namespace, url: str, name: str, logs: Path, per_worker: int, in_flight: int
+) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         db.upgrade(url)
@@ -337,6 +397,7 @@ def drain(args: argparse.Namespace, url: str, per_worker: int, in_flight: int) -
             print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
     finally:
         stop(procs)
+        forget_broker_keys(f"{name}:")
 
 
 def post_pages(args: argparse.Namespace, api_port: int) -> tuple[int, float]:
@@ -395,14 +456,22 @@ def time_drain(
     webhook_rps: float,
 ) -> tuple[Figures, list[int], float | None]:
     """Phase 2, timed from the moment the workers are ready: wait for every job to end (and every
-    fact's vector), counting the CPU of the workers, Postgres and the simulator meanwhile."""
+    fact's vector), counting the CPU of the workers, Postgres and the simulator meanwhile: over the
+    drain (until the last job ended), and apart from it over the embedding tail after it."""
     sampler = InFlightSampler(f"http://127.0.0.1:{sim_port}/_simulator/stats")
     started = time.perf_counter()
     sampler.start()
     worker_ps = [psutil.Process(w.pid) for w in workers]
     others = {"postgres": postgres_processes, "simulator": lambda: [psutil.Process(simulator.pid)]}
-    cpu_before = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
-    others_before = {label: cpu_by_pid(group()) for label, group in others.items()}
+
+    def workers_cpu() -> float:
+        return sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
+
+    def others_cpu_now() -> dict[str, dict[int, float]]:
+        return {label: cpu_by_pid(group()) for label, group in others.items()}
+
+    cpu_before = workers_cpu()
+    others_before = others_cpu_now()
     with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
         transactions_before, connections_before = database_counts(conn, name)
         while True:
@@ -413,6 +482,8 @@ def time_drain(
                 raise SystemExit("pipeline did not finish in 10 minutes")
             time.sleep(0.05)
         finished = time.perf_counter()
+        # The drain's CPU, read as it ends: the embedding tail and the pauses below are counted apart.
+        cpu_drained, others_drained = workers_cpu(), others_cpu_now()
         vectors_lag = None
         while not args.no_embed and time.perf_counter() - finished < 120:
             missing = conn.execute(
@@ -422,10 +493,11 @@ def time_drain(
                 vectors_lag = time.perf_counter() - finished
                 break
             time.sleep(0.05)
+        tail_end = time.perf_counter() if not args.no_embed else finished
+        cpu_tailed, others_tailed = workers_cpu(), others_cpu_now()
         samples = sampler.finish()
-        others_cpu = {
-            label: cpu_since(others_before[label], cpu_by_pid(group())) for label, group in others.items()
-        }
+        others_cpu = {label: cpu_since(others_before[label], others_drained[label]) for label in others}
+        tail_others_cpu = {label: cpu_since(others_drained[label], others_tailed[label]) for label in others}
         time.sleep(1.5)  # backends flush their statistics at most once a second
         transactions, connections = database_counts(conn, name)
         transactions, connections = transactions - transactions_before, connections - connections_before
@@ -439,11 +511,12 @@ def time_drain(
         commits = conn.execute(
             "SELECT count(DISTINCT (page_slug, created_at)) FROM extraction_audit WHERE outcome = 'ok'"
         ).fetchone()
-    worker_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps) - cpu_before
+    worker_cpu = cpu_drained - cpu_before
     ok_segments, attempted = (measured[0], measured[1]) if measured else (0, 0)
 
-    figures = Figures(planned, ok_segments, attempted, finished - started, worker_cpu, baseline, webhook_rps,
-                      failed[0] if failed else -1, others_cpu, transactions, connections,
+    figures = Figures(planned, ok_segments, attempted, finished - started, worker_cpu, tail_end - finished,
+                      cpu_tailed - cpu_drained, baseline, webhook_rps, failed[0] if failed else -1,
+                      others_cpu, tail_others_cpu, transactions, connections,
                       commits[0] if commits else 0)  # fmt: skip
     return figures, samples, vectors_lag
 
