@@ -302,7 +302,11 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
         celery.close()
         worker_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
         n_calls = calls[0] if calls else 0
-        rate = len(jobs) / elapsed
+        # Summaries accepted, not jobs ended: a failed job, or one that made none, is no summary.
+        summaries = outcomes.get("accepted", 0)
+        if summaries < len(jobs):
+            print(f"  WARNING: {summaries} of {len(jobs)} jobs made an accepted summary (see the outcomes)")
+        rate = summaries / elapsed
         ideal = concurrency / (latency_ms / 1000)
         print(
             f"## 2. summaries through the queue: {len(jobs)} transcripts (~4,500 tokens each, just past "

@@ -50,7 +50,7 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import free_port, fresh_database  # noqa: E402
+from tests.service import at_least, free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 from worker.extraction import extract_segment  # noqa: E402
@@ -319,10 +319,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pages", type=int, default=160)
     parser.add_argument("--segments", type=int, default=8, help="segments per page")
-    parser.add_argument("--latency-ms", type=int, default=100)
+    parser.add_argument("--latency-ms", type=at_least(1, "the ideal rate divides by it"), default=100)
     parser.add_argument("--jobs", type=int, default=16, help="worker threads (pages in flight)")
     parser.add_argument("--segment-concurrency", type=int, default=4, help="LLM calls in flight per page")
-    parser.add_argument("--baseline-samples", type=int, default=12)
+    parser.add_argument(
+        "--baseline-samples", type=at_least(1, "the baseline's rate needs a sample"), default=12
+    )
     parser.add_argument("--workers", type=int, default=1, help="worker processes (each with --jobs threads)")
     parser.add_argument("--no-embed", action="store_true", help="leave embeddings to `factmill embed`")
     parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
