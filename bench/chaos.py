@@ -431,6 +431,10 @@ class Service:
         self.beat: ServiceProcess | None = None
         self.workers: list[ServiceProcess] = []
         self._lock = threading.Lock()
+        # Replacements still starting, and whether the service is stopping: one that became ready after
+        # stop() had taken its list ran on against servers then stopped and deleted.
+        self._replacing: list[threading.Thread] = []
+        self._stopping = False
 
     @property
     def api_base(self) -> str:
@@ -464,12 +468,20 @@ class Service:
             victim = rng.choice(self.workers)
             self.workers.remove(victim)
         victim.kill()
-        threading.Thread(target=self._replace, daemon=True).start()
+        self._start_replacement()
         return True
+
+    def _start_replacement(self) -> None:
+        thread = threading.Thread(target=self._replace, daemon=True)
+        with self._lock:
+            self._replacing.append(thread)
+        thread.start()
 
     def _replace(self) -> None:
         """Start a replacement, again and again if it exits before it is ready (as Kubernetes would)."""
         for attempt in range(1, 6):
+            if self._stopping:
+                return
             try:
                 fresh = self.new_worker()
             except RuntimeError as exc:
@@ -477,7 +489,10 @@ class Service:
                 time.sleep(2.0)
                 continue
             with self._lock:
-                self.workers.append(fresh)
+                if not self._stopping:
+                    self.workers.append(fresh)
+                    return
+            fresh.stop(timeout=GRACE_SECONDS + 10)  # ready after the stop began: stopped here
             return
 
     def supervise(self, report: PassReport) -> None:
@@ -490,12 +505,18 @@ class Service:
                 if process in self.workers:
                     with self._lock:
                         self.workers.remove(process)
-                    threading.Thread(target=self._replace, daemon=True).start()
+                    self._start_replacement()
                 else:
                     process.start(START_TIMEOUT)
 
     def stop(self) -> None:
-        """SIGTERM every process at once (each exits within its grace period), SIGKILL what is left."""
+        """SIGTERM every process at once (each exits within its grace period), SIGKILL what is left; a
+        replacement still starting is stopped once it is up."""
+        with self._lock:
+            self._stopping = True
+            replacing = list(self._replacing)
+        for thread in replacing:
+            thread.join()
         processes = [p for p in [*self.workers, self.beat, self.api, self.simulator] if p is not None]
         with ThreadPoolExecutor(len(processes)) as pool:
             list(pool.map(lambda process: process.stop(timeout=GRACE_SECONDS + 10), processes))
