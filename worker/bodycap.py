@@ -83,6 +83,17 @@ async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> boo
 
 # A body past this many bytes is large: it is read, checked and parsed a few at a time.
 LARGE_BODY_BYTES = 1024 * 1024
+# The small bodies a process reads at once, by their declared bytes: past it the next waits for a
+# large-body place. Counted by large requests alone, a sender with a forged signature header (checked
+# for its form and age only before the body) kept hundreds of bodies just under 1 MiB in memory.
+SMALL_BODIES_AT_ONCE_BYTES = 64 * LARGE_BODY_BYTES
+
+
+def _declared_length(scope: Scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length" and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 # When the request's head reached the server (epoch seconds), before it waited for a large-body place:
@@ -124,7 +135,8 @@ class BodyCapMiddleware:
     LARGE_BODY_GRACE_SECONDS, at least ``large_body_min_rate`` bytes a second on average: a forged
     signature header passes the checks made before the body (its form and age), and a trickle of a
     byte a second held a place for the whole deadline; two such connections, renewed, stalled every
-    real large delivery. A small body is held to the same deadline and rate, from its first read."""
+    real large delivery. A small body is held to the same deadline and rate, from its first read, and
+    waits for a large body's place too once SMALL_BODIES_AT_ONCE_BYTES of small bodies are being read."""
 
     def __init__(
         self,
@@ -138,6 +150,7 @@ class BodyCapMiddleware:
         self._large_gate = asyncio.Semaphore(large_at_once) if large_at_once > 0 else None
         self._large_body_seconds = large_body_seconds
         self._min_rate = large_body_min_rate
+        self._small_bytes = 0  # declared bytes of the small bodies being read (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -146,14 +159,20 @@ class BodyCapMiddleware:
         scope.setdefault(ARRIVED_AT_SCOPE_KEY, time.time())
         if await _refused_by_declared_length(scope, send, self.cap):
             return
-        if self._large_gate is not None and _large(scope):
+        length = _declared_length(scope)
+        crowded = self._small_bytes + length > SMALL_BODIES_AT_ONCE_BYTES
+        if self._large_gate is not None and (_large(scope) or crowded):
             async with self._large_gate:
                 await self.capped(scope, self._timed(receive), send)
             return
         # A small body has the same time to arrive, from its first read (a wait for a thread is the
         # server's): unbounded, a request whose key was checked before its body came acted hours later,
         # the key revoked meanwhile (and held a connection all along).
-        await self.capped(scope, self._timed(receive, from_first_read=True), send)
+        self._small_bytes += length
+        try:
+            await self.capped(scope, self._timed(receive, from_first_read=True), send)
+        finally:
+            self._small_bytes -= length
 
     def _timed(self, receive: Receive, *, from_first_read: bool = False) -> Receive:
         """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now (or from the

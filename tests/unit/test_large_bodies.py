@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from worker.bodycap import LARGE_BODY_BYTES, BodyCapMiddleware
+from worker.bodycap import LARGE_BODY_BYTES, SMALL_BODIES_AT_ONCE_BYTES, BodyCapMiddleware
 
 
 def _scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
@@ -46,6 +46,36 @@ def test_large_bodies_are_handled_a_few_at_a_time_and_small_ones_never_wait() ->
     asyncio.run(run())
     assert most["large"] == 2, most
     assert most["small"] == 6, "a small body never waits on the large ones"
+
+
+def test_small_bodies_past_a_byte_budget_wait_for_a_large_bodys_place() -> None:
+    """Only requests over 1 MiB were counted: a sender with a forged signature header (its form and age
+    are all that is checked before the body) kept hundreds of bodies just under 1 MiB in memory at once.
+    Past SMALL_BODIES_AT_ONCE_BYTES of declared small bodies, the next waits as a large one does."""
+    active, most = [0], [0]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        await asyncio.sleep(0.02)
+        active[0] -= 1
+
+    gated = BodyCapMiddleware(app, cap=25 * LARGE_BODY_BYTES, large_at_once=2)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        return None
+
+    under_a_mib = [(b"content-length", str(LARGE_BODY_BYTES).encode())]
+
+    async def run() -> None:
+        await asyncio.gather(*(gated(_scope(under_a_mib), receive, send) for _ in range(200)))
+
+    asyncio.run(run())
+    # The budget's worth at once, and the large gate's two beside them.
+    assert most[0] == SMALL_BODIES_AT_ONCE_BYTES // LARGE_BODY_BYTES + 2, most
 
 
 def test_the_least_rate_counts_from_the_first_read_not_from_the_place_taken(monkeypatch) -> None:  # type: ignore[no-untyped-def]
