@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
 from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
-from tests.service import free_port, fresh_database  # noqa: E402
+from tests.service import at_least, free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
     append_messages,
@@ -333,8 +333,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1_000_000)
     # 30 rounds of 32 in flight: with 10, the first and last rounds' ramp cost 0.1 of the ratio.
     parser.add_argument("--transcripts", type=int, default=960)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--latency-ms", type=int, default=500)
+    parser.add_argument("--concurrency", type=at_least(1, "the ideal rate is calls in flight"), default=32)
+    parser.add_argument("--latency-ms", type=at_least(1, "the ideal rate divides by it"), default=500)
     parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed)")
     args = parser.parse_args()
     print(f"factmill compaction benchmark - Python {platform.python_version()} on {platform.machine()}, "

@@ -83,8 +83,8 @@ async def _refused_by_declared_length(scope: Scope, send: Send, cap: int) -> boo
 
 # A body past this many bytes is large: it is read, checked and parsed a few at a time.
 LARGE_BODY_BYTES = 1024 * 1024
-# The small bodies a process reads at once, by their declared bytes: past it the next waits for a
-# large-body place. Counted by large requests alone, a sender with a forged signature header (checked
+# The small bodies a process reads at once, by their declared bytes: past it the next waits for one of
+# them to end. Counted by large requests alone, a sender with a forged signature header (checked
 # for its form and age only before the body) kept hundreds of bodies just under 1 MiB in memory.
 SMALL_BODIES_AT_ONCE_BYTES = 64 * LARGE_BODY_BYTES
 
@@ -136,7 +136,7 @@ class BodyCapMiddleware:
     signature header passes the checks made before the body (its form and age), and a trickle of a
     byte a second held a place for the whole deadline; two such connections, renewed, stalled every
     real large delivery. A small body is held to the same deadline and rate, from its first read, and
-    waits for a large body's place too once SMALL_BODIES_AT_ONCE_BYTES of small bodies are being read."""
+    waits for room once SMALL_BODIES_AT_ONCE_BYTES of small bodies are being read."""
 
     def __init__(
         self,
@@ -150,7 +150,8 @@ class BodyCapMiddleware:
         self._large_gate = asyncio.Semaphore(large_at_once) if large_at_once > 0 else None
         self._large_body_seconds = large_body_seconds
         self._min_rate = large_body_min_rate
-        self._small_bytes = 0  # declared bytes of the small bodies being read (one event loop: no lock)
+        self._small_bytes = 0  # declared bytes of the small bodies being read
+        self._room = asyncio.Condition()  # notified as they end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -159,20 +160,29 @@ class BodyCapMiddleware:
         scope.setdefault(ARRIVED_AT_SCOPE_KEY, time.time())
         if await _refused_by_declared_length(scope, send, self.cap):
             return
-        length = _declared_length(scope)
-        crowded = self._small_bytes + length > SMALL_BODIES_AT_ONCE_BYTES
-        if self._large_gate is not None and (_large(scope) or crowded):
+        if self._large_gate is not None and _large(scope):
             async with self._large_gate:
                 await self.capped(scope, self._timed(receive), send)
             return
-        # A small body has the same time to arrive, from its first read (a wait for a thread is the
-        # server's): unbounded, a request whose key was checked before its body came acted hours later,
-        # the key revoked meanwhile (and held a connection all along).
-        self._small_bytes += length
+        length = _declared_length(scope) if self._large_gate is not None else 0
+        if length:
+            # Its own wait, for room in the budget (behind a large body's place, a 1 KB request waited
+            # for an upload of up to two minutes to end).
+            async with self._room:
+                await self._room.wait_for(
+                    lambda: self._small_bytes == 0 or self._small_bytes + length <= SMALL_BODIES_AT_ONCE_BYTES
+                )
+                self._small_bytes += length
         try:
+            # A small body has the same time to arrive, from its first read (a wait for a thread is the
+            # server's): unbounded, a request whose key was checked before its body came acted hours
+            # later, the key revoked meanwhile (and held a connection all along).
             await self.capped(scope, self._timed(receive, from_first_read=True), send)
         finally:
-            self._small_bytes -= length
+            if length:
+                async with self._room:
+                    self._small_bytes -= length
+                    self._room.notify_all()
 
     def _timed(self, receive: Receive, *, from_first_read: bool = False) -> Receive:
         """``receive``, raising BodyReadTimeoutError past ``large_body_seconds`` from now (or from the

@@ -287,6 +287,15 @@ def test_an_entitys_timeline_is_read_from_its_end_up_to_a_limit(
                 "timestamptz '2024-01-01' + n * interval '1 day' FROM generate_series(0, 4) AS n"
             )
         )
+        session.execute(  # two undated facts: they come first in the timeline, last in its latest
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num) "
+                "SELECT 'default', 'undated ' || n, 'fact', 'people/long', 0.9, 'medium', "
+                "'cli:extract-conversation-facts', 's', 'conversations/long', 10 + n "
+                "FROM generate_series(0, 1) n"
+            )
+        )
         last = session.scalar(select(Fact.id).where(Fact.row_num == 4))
         session.add(
             ConsolidationDecision(
@@ -297,8 +306,12 @@ def test_an_entitys_timeline_is_read_from_its_end_up_to_a_limit(
     with factory() as session:
         tail = entity_timeline(session, "people/long", limit=2)
         assert [e.fact for e in tail] == ["fact 3", "fact 4"] and tail[1].reason == "the last"
-        assert len(entity_timeline(session, "people/long")) == count_entity_facts(session, "people/long") == 5
+        whole = entity_timeline(session, "people/long")
+        assert len(whole) == count_entity_facts(session, "people/long") == 7
+        assert [e.fact for e in whole[:2]] == ["undated 0", "undated 1"]
+        for limit in range(1, 9):  # the latest dated, then the latest undated: the whole's tail
+            assert entity_timeline(session, "people/long", limit=limit) == whole[-limit:]
     shown = invoke_cli(database_url, "facts", "history", "people/long", "--limit", "2", "--json")
     assert shown.exit_code == 0, shown.output
-    assert "the latest 2 of 5 facts; --limit shows more" in shown.stderr
+    assert "the latest 2 of 7 facts; --limit shows more" in shown.stderr
     assert [entry["fact"] for entry in json.loads(shown.stdout)] == ["fact 3", "fact 4"]

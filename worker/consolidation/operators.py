@@ -66,10 +66,22 @@ def entity_timeline(
     # The columns shown only (a fact's embedding is 256 floats, parsed one by one), and the decisions
     # by a subquery: a list of the ids bound two parameters a fact, past the protocol's 65,535 at
     # about 33,000 facts ("cannot reach the database").
-    newest_first = (
-        select(*_TIMELINE_COLUMNS).where(*where).order_by(Fact.valid_from.desc().nulls_last(), Fact.id.desc())
-    )
-    facts = list(reversed(session.execute(newest_first.limit(limit)).all()))
+    columns = select(*_TIMELINE_COLUMNS)
+    if limit is None:
+        facts = list(
+            session.execute(columns.where(*where).order_by(Fact.valid_from.asc().nulls_first(), Fact.id))
+        )
+    else:
+        # Two reads bounded by the limit, in the order of ix_facts_entity_timeline (the latest dated, then
+        # if they are fewer the latest undated): one ordered NULLS LAST read and sorted the whole entity.
+        dated = columns.where(*where, Fact.valid_from.is_not(None)).order_by(
+            Fact.valid_from.desc(), Fact.id.desc()
+        )
+        latest = list(session.execute(dated.limit(limit)))
+        if len(latest) < limit:
+            undated = columns.where(*where, Fact.valid_from.is_(None)).order_by(Fact.id.desc())
+            latest += session.execute(undated.limit(limit - len(latest)))
+        facts = latest[::-1]
     reasons: dict[int, str] = {}
     if facts:
         closed_by = {row.id: row.superseded_by for row in facts}

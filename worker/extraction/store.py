@@ -15,7 +15,7 @@ from typing import Any, Literal
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from models import ExtractionAudit, Fact, OpCheckpoint
+from models import ExtractionAudit, Fact, LLMCall, OpCheckpoint
 from models.bulk import BulkInsert
 from models.reads import read_only
 from models.tables import EXTRACTION_AUDIT, FACTS
@@ -250,11 +250,12 @@ class ExtractionStore:
         last = segments[-1].place
         spent = [(s.place, s.attempts) for s in segments]
         committing: list[bool] = []
-        reached = partial(self._checkpoint_at, fingerprint, last, new)
+        written: list[int] = []  # the llm_calls ids this transaction wrote
+        reached = partial(self._rows_stored, written)
         with self._spend_kept_on_refusal(spent, committing, reached), self._factory.begin() as session:
             if page is not None:
                 check_page(session, page, last.slug, new)
-            self._write_segment_rows(session, segments)
+            written += self._write_segment_rows(session, segments)
             # The checkpoint before the facts, as a whole-page swap takes them: facts first, a swap
             # inserting from row 0 waited on this run's rows while this run waited on its checkpoint
             # (a deadlock, 40P01, where a checkpoint conflict was due).
@@ -268,11 +269,13 @@ class ExtractionStore:
             committing.append(True)
         return inserted
 
-    def _write_segment_rows(self, session: Session, segments: Sequence[SegmentCommit]) -> None:
+    def _write_segment_rows(self, session: Session, segments: Sequence[SegmentCommit]) -> list[int]:
         """The segments' llm_calls rows (one statement) and their audit rows (one statement), in page
-        order: each segment's attempts, then its ``skipped`` row if it is skipped."""
+        order: each segment's attempts, then its ``skipped`` row if it is skipped. Returns the llm_calls
+        ids."""
         records = [call_records(s.place, s.attempts) for s in segments]
-        ids = iter(self._ledger.record_many(session, [r for per in records for r in per]))
+        written = list(self._ledger.record_many(session, [r for per in records for r in per]))
+        ids = iter(written)
         self._paid(session)
         audit: list[dict[str, Any]] = []
         for s in segments:
@@ -282,6 +285,7 @@ class ExtractionStore:
             if s.skip is not None:
                 audit.append(skip_row(s.place, s.attempts, s.skip))
         _INSERT_AUDIT.execute(session, audit)
+        return written
 
     def replace_page(
         self,
@@ -375,18 +379,14 @@ class ExtractionStore:
                     logger.warning("could not record the spend of a failed commit: %s", error_summary(exc))
             raise
 
-    def _checkpoint_at(self, fingerprint: str, place: SegmentPlace, state: CheckpointState) -> bool:
-        """Whether the page's checkpoint stands at ``state`` (a commit whose COMMIT failed may have
-        committed: its checkpoint moved is what says so)."""
+    def _rows_stored(self, written: Sequence[int]) -> bool:
+        """Whether a transaction whose COMMIT failed committed after all: its own llm_calls rows are
+        there (ids are never reused; another run moving the checkpoint to the same place says nothing
+        of this one). Without a row of its own (no call was made), taken for not committed."""
+        if not written:
+            return False
         with read_only(self._factory) as session:
-            row = session.execute(
-                select(OpCheckpoint.messages_done, OpCheckpoint.prefix_hash, OpCheckpoint.next_row_num).where(
-                    OpCheckpoint.op == OP_NAME,
-                    OpCheckpoint.fingerprint == fingerprint,
-                    OpCheckpoint.page_key == page_key(place.source_id, place.slug),
-                )
-            ).one_or_none()
-        return row is not None and tuple(row) == (state.messages_done, state.prefix_hash, state.next_row_num)
+            return session.scalar(select(LLMCall.id).where(LLMCall.id == written[0])) is not None
 
     def record_spend(self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]) -> None:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
