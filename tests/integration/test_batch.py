@@ -484,8 +484,17 @@ def test_a_create_whose_answer_is_lost_is_not_sent_again(provider):
         request = extraction_request([first_turn("**Ann** (2024-03-10 9:00 AM): I moved to Oslo.")], 10, 256)
         with pytest.raises(LLMError):
             client.submit([("k-1", request)], key="k")
-        time.sleep(2.0)  # every held create has stored its batch by now
-        assert sim.stats()["batches"]["held"]["batches"] == 1
+
+        def held() -> int:
+            return int(sim.stats()["batches"]["held"]["batches"])
+
+        # The held create stores its batch 1.5 s after it came (later on a loaded machine: a fixed
+        # 2 s wait failed in a full run); a create sent again would store its own within the hold.
+        deadline = time.monotonic() + 15
+        while held() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)
+        assert held() == 1
 
 
 def owed(factory: sessionmaker[Session]) -> list[tuple[str, str, int, str | None]]:

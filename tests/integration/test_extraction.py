@@ -456,7 +456,7 @@ def test_a_commit_whose_commit_call_failed_after_committing_records_its_calls_on
     pages, sim, monkeypatch: pytest.MonkeyPatch
 ):
     """The connection dropped as the COMMIT ran, after the server had committed: the failed commit's
-    spend was recorded again (the budgets counted it twice). Its checkpoint moved says it committed."""
+    spend was recorded again (the budgets counted it twice). Its own llm_calls row says it committed."""
     from sqlalchemy import event
     from sqlalchemy.exc import OperationalError
     from sqlalchemy.orm import Session as OrmSession
