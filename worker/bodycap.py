@@ -110,14 +110,11 @@ def arrived_at(scope: Scope) -> float | None:
 def _large(scope: Scope) -> bool:
     """A request whose body is large, or of unknown length (chunked). Every header is read: h11 takes
     a chunked body sent with a Content-Length too, which, read first, let it past the large-body gate."""
-    large = False
-    for name, value in scope.get("headers", ()):
-        lowered = name.lower()
-        if lowered == b"content-length" and value.strip().isdigit() and int(value) > LARGE_BODY_BYTES:
-            large = True
-        if lowered == b"transfer-encoding" and b"chunked" in value.lower():
-            return True
-    return large
+    chunked = any(
+        name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
+        for name, value in scope.get("headers", ())
+    )
+    return chunked or _declared_length(scope) > LARGE_BODY_BYTES
 
 
 class BodyCapMiddleware:

@@ -574,15 +574,19 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
         return [i for i in ids if i in (waiters[3].id, waiters[4].id)]  # the first three's own budgets spent
 
     sent: list[int] = []
-    report = sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=300,
-        enabled=lambda key: True,
-        job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
-        budget_room_for=room_for,
-        sender=lambda task, job_id, queue: sent.append(job_id),
-    )
+
+    def swept(budget_room_for):  # type: ignore[no-untyped-def]
+        return sweep(
+            tx_factory,
+            stale_after=60,
+            requeue_after=300,
+            enabled=lambda key: True,
+            job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
+            budget_room_for=budget_room_for,
+            sender=lambda task, job_id, queue: sent.append(job_id),
+        )
+
+    report = swept(room_for)
     assert max(len(page) for page in asked) <= 2
     assert sorted(report.resumed_paused) == [waiters[3].id, waiters[4].id]
     assert sent[0] == dead.id and sorted(sent[1:]) == [waiters[3].id, waiters[4].id]
@@ -598,15 +602,7 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
         )
     sent.clear()
     with pytest.raises(OperationalError):  # the step fails (Flower shows it) ...
-        sweep(
-            tx_factory,
-            stale_after=60,
-            requeue_after=300,
-            enabled=lambda key: True,
-            job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
-            budget_room_for=broken,
-            sender=lambda task, job_id, queue: sent.append(job_id),
-        )
+        swept(broken)
     assert sent == [dead.id]  # ... its re-sends done
     with tx_factory() as session:
         assert session.get(Job, dead.id).status == "queued"

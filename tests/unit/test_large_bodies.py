@@ -12,6 +12,15 @@ def _scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     return {"type": "http", "method": "POST", "path": "/v1/pages", "headers": headers}
 
 
+async def receive() -> dict[str, Any]:
+    """An empty body, at once."""
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def send(message: Any) -> None:
+    return None
+
+
 def test_large_bodies_are_handled_a_few_at_a_time_and_small_ones_never_wait() -> None:
     """Ten 25 MiB page bodies read, signed and parsed at once passed an API pod's memory; past the
     gate's two, the others wait with their bodies unread."""
@@ -26,12 +35,6 @@ def test_large_bodies_are_handled_a_few_at_a_time_and_small_ones_never_wait() ->
         active[kind] -= 1
 
     gated = BodyCapMiddleware(app, cap=25 * LARGE_BODY_BYTES, large_at_once=2)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        return None
 
     big = [(b"content-length", str(2 * LARGE_BODY_BYTES).encode())]
     chunked = [(b"transfer-encoding", b"chunked")]
@@ -62,12 +65,6 @@ def test_small_bodies_past_a_byte_budget_wait_for_room() -> None:
         active[0] -= 1
 
     gated = BodyCapMiddleware(app, cap=25 * LARGE_BODY_BYTES, large_at_once=2)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        return None
 
     under_a_mib = [(b"content-length", str(LARGE_BODY_BYTES).encode())]
 
@@ -192,12 +189,6 @@ def test_a_small_body_past_the_budget_does_not_wait_for_a_large_upload() -> None
         finished[scope["path"]] = asyncio.get_running_loop().time()
 
     gated = BodyCapMiddleware(app, cap=25 * LARGE_BODY_BYTES, large_at_once=2)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: Any) -> None:
-        return None
 
     big = [(b"content-length", str(2 * LARGE_BODY_BYTES).encode())]
     a_mib = [(b"content-length", str(LARGE_BODY_BYTES).encode())]

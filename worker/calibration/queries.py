@@ -94,23 +94,28 @@ def _says_the_same(obs: ObservationIn, row: Row[Any], *, erased: bool = False) -
     return all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
 
 
-def _stored_before(session: Session, observations: Sequence[ObservationIn], unjudged: set[int]) -> set[int]:
-    """The positions of labels of unjudged compactions already stored (before they were refused): a
-    sender's retry gets its duplicate answer, not a 409."""
+def _stored_rows(
+    session: Session, observations: Sequence[ObservationIn], naming: set[int]
+) -> dict[int, Row[Any]]:
+    """By position: the stored rows with the key of an observation naming one of the compactions
+    ``naming`` (what a resubmission of it finds)."""
     keyed = {
         index: key
         for index, obs in enumerate(observations)
-        if obs.compaction_id in unjudged and (key := obs.dedupe_key()) is not None
+        if obs.compaction_id in naming and (key := obs.dedupe_key()) is not None
     }
     if not keyed:
-        return set()
+        return {}
     rows = session.connection().execute(_KEYED_ROWS_ANY, {"keys": sorted(set(keyed.values()))})
     found = {row.dedupe_key: row for row in rows}
-    return {
-        index
-        for index, key in keyed.items()
-        if (row := found.get(key)) is not None and _says_the_same(observations[index], row)
-    }
+    return {index: row for index, key in keyed.items() if (row := found.get(key)) is not None}
+
+
+def _stored_before(session: Session, observations: Sequence[ObservationIn], unjudged: set[int]) -> set[int]:
+    """The positions of labels of unjudged compactions already stored (before they were refused): a
+    sender's retry gets its duplicate answer, not a 409."""
+    rows = _stored_rows(session, observations, unjudged)
+    return {index for index, row in rows.items() if _says_the_same(observations[index], row)}
 
 
 def _erased_since(
@@ -119,21 +124,10 @@ def _erased_since(
     """By position: the resubmissions (same key, same observation) of rows whose compaction was erased
     since. Refused as naming no compaction, an at-least-once sender's retry after an erasure got a 409
     instead of its duplicate answer."""
-    keyed = {
-        index: key
-        for index, obs in enumerate(observations)
-        if obs.compaction_id in unknown and (key := obs.dedupe_key()) is not None
-    }
-    if not keyed:
-        return {}
-    rows = session.connection().execute(_KEYED_ROWS_ANY, {"keys": sorted(set(keyed.values()))})
-    found = {row.dedupe_key: row for row in rows}
     return {
         index: StoredObservation(index, row.id, True)
-        for index, key in keyed.items()
-        if (row := found.get(key)) is not None
-        and row.compaction_id is None
-        and _says_the_same(observations[index], row, erased=True)
+        for index, row in _stored_rows(session, observations, unknown).items()
+        if row.compaction_id is None and _says_the_same(observations[index], row, erased=True)
     }
 
 
