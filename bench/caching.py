@@ -173,7 +173,6 @@ def measure(
             "FACTMILL_SIMULATOR_API": args.api,
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_WEBHOOK_SECRET": SECRET,
-            "FACTMILL_SEGMENT_CONCURRENCY": "4",
             "FACTMILL_EMBED_AFTER_EXTRACTION": "false",
         }
         api_port = free_port()

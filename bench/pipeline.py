@@ -321,7 +321,12 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=8, help="segments per page")
     parser.add_argument("--latency-ms", type=at_least(1, "the ideal rate divides by it"), default=100)
     parser.add_argument("--jobs", type=int, default=16, help="worker threads (pages in flight)")
-    parser.add_argument("--segment-concurrency", type=int, default=4, help="LLM calls in flight per page")
+    parser.add_argument(
+        "--segment-concurrency",
+        type=int,
+        default=4,
+        help="LLM calls a page keeps in flight: the default pipe is --jobs × this",
+    )
     parser.add_argument(
         "--baseline-samples", type=at_least(1, "the baseline's rate needs a sample"), default=12
     )
@@ -371,7 +376,6 @@ def run_drain(
             "FACTMILL_LLM": "simulator",
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_WEBHOOK_SECRET": SECRET,
-            "FACTMILL_SEGMENT_CONCURRENCY": str(args.segment_concurrency),
             "FACTMILL_LLM_CONCURRENCY": str(per_worker),
             "FACTMILL_EMBED_AFTER_EXTRACTION": "false" if args.no_embed else "true",
             "FACTMILL_TASK_EVENTS": "true" if args.task_events else "false",

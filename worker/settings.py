@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -12,6 +13,14 @@ from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import InvalidSettingsError, describe_invalid
+from worker.settings_rules import (
+    CROSS_FIELD_RULES,
+    no_foreign_variables,
+    unknown_variables,
+    variable_names,
+)
+
+logger = logging.getLogger(__name__)
 
 LLMProvider = Literal["openai", "anthropic", "openai-compatible", "simulator"]
 
@@ -31,16 +40,6 @@ class InsecureSecretsError(RefusedSettingsError):
     """Production settings with a placeholder, short or shared secret."""
 
 
-# Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
-# from the last two); the SDKs' base URL (calls went there, priced and limited as the provider's own).
-_CELERY = "CELERY_BROKER_URL CELERY_BROKER_READ_URL CELERY_BROKER_WRITE_URL BROKER_URL CELERY_BROKER"
-_BROKER = "Celery would use it instead of FACTMILL_BROKER_URL; unset it and set FACTMILL_BROKER_URL"
-_SDK_URL = "the SDK would send its calls there unseen; unset it (FACTMILL_LLM_BASE_URL sets the provider's)"
-FOREIGN_VARIABLES = {
-    **dict.fromkeys(_CELERY.split(), _BROKER),
-    "OPENAI_BASE_URL": _SDK_URL,  # an Anthropic deployment's OpenAI embeddings too: no setting moves those
-    "ANTHROPIC_BASE_URL": _SDK_URL,
-}
 # The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).
 _HTTP = ("http", "https")
 URL_SCHEMES: dict[str, tuple[str, ...] | None] = {
@@ -334,61 +333,10 @@ class Settings(BaseSettings):
         return [self.webhook_secret, *previous]
 
     @model_validator(mode="after")
-    def _no_foreign_variables(self) -> Settings:
-        """Celery reads CELERY_BROKER_URL (and its read and write twins) before any configuration: left
-        in an image's environment, workers, beat and sends went to that broker while /readyz, the
-        metrics and the rate limits watched FACTMILL_BROKER_URL's. The SDKs read their base URL alike."""
-        for name, why in FOREIGN_VARIABLES.items():
-            if os.environ.get(name):
-                raise ValueError(f"{name} is set: {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _stale_after_two_heartbeats(self) -> Settings:
-        if self.job_stale_after_seconds < 2 * self.job_heartbeat_seconds:
-            raise ValueError(
-                f"FACTMILL_JOB_STALE_AFTER_SECONDS ({self.job_stale_after_seconds:g}) must be at least two "
-                f"heartbeats (FACTMILL_JOB_HEARTBEAT_SECONDS={self.job_heartbeat_seconds:g}): a live job "
-                "whose beat came late would be taken for lost and run twice"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _retention_covers_replays(self) -> Settings:
-        if self.job_retention_days is not None and self.job_retention_days * 24 < self.idempotency_key_hours:
-            raise ValueError(
-                f"FACTMILL_JOB_RETENTION_DAYS ({self.job_retention_days}) is shorter than "
-                f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a replayed delivery "
-                "would name jobs already deleted"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _soft_limit_first(self) -> Settings:
-        soft, hard = self.task_soft_time_limit_seconds, self.task_time_limit_seconds
-        if soft >= hard and hard > 1 and "task_soft_time_limit_seconds" not in self.model_fields_set:
-            # The hard limit lowered alone (it is the stall detector too): the default soft limit
-            # follows it, as 3300 does 3600.
-            self.task_soft_time_limit_seconds = hard - max(1, hard // 12)
-            return self
-        if soft >= hard:
-            raise ValueError(
-                f"FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS ({self.task_soft_time_limit_seconds}) is not below "
-                f"FACTMILL_TASK_TIME_LIMIT_SECONDS ({self.task_time_limit_seconds}): the soft limit, which "
-                "lets a task stop cleanly, would never come before the hard one kills it"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _answers_outlive_signatures(self) -> Settings:
-        # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's
-        # fast clock holds for twice the tolerance after it first arrives.
-        if 2 * self.webhook_tolerance_seconds > self.idempotency_key_hours * 3600:
-            raise ValueError(
-                f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({self.webhook_tolerance_seconds}) is more than half "
-                f"of FACTMILL_IDEMPOTENCY_KEY_HOURS ({self.idempotency_key_hours} h): a signed delivery "
-                "sent again after its stored answer was forgotten would be stored twice"
-            )
+    def _cross_field_rules(self) -> Settings:
+        no_foreign_variables(os.environ)
+        for rule in CROSS_FIELD_RULES:
+            rule(self)
         return self
 
     def resolved_llm(self) -> LLMProvider:
@@ -494,6 +442,9 @@ def get_settings() -> Settings:
     """The process-wide settings (read once; tests build their own Settings instead). A refused value
     raises InvalidSettingsError, one line for a person, not pydantic's report."""
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as exc:
         raise InvalidSettingsError(describe_invalid(exc, Settings.model_fields)) from None
+    for line in unknown_variables(os.environ, variable_names(Settings)):
+        logger.warning(line)
+    return settings

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from worker.cli import app
 from worker.jobs.registry import queues
+from worker.settings import Settings
+from worker.settings_rules import variable_names
 
 QUEUES = queues()
 
@@ -75,25 +77,8 @@ def _deployed_env_names() -> set[str]:
     return names
 
 
-def _settings_env_names() -> set[str]:
-    from pydantic import AliasChoices
-
-    from worker.settings import Settings
-
-    prefix = Settings.model_config.get("env_prefix", "")
-    names: set[str] = set()
-    for field, info in Settings.model_fields.items():
-        names.add(f"{prefix}{field}".upper())
-        alias = info.validation_alias
-        if isinstance(alias, AliasChoices):
-            names |= {str(choice).upper() for choice in alias.choices}
-        elif isinstance(alias, str):
-            names.add(alias.upper())
-    return names
-
-
 def test_every_deployed_environment_variable_is_a_setting():
-    unknown = _deployed_env_names() - _settings_env_names()
+    unknown = _deployed_env_names() - variable_names(Settings)
     assert not unknown, f"compose/k8s set variables Settings does not read: {sorted(unknown)}"
 
 

@@ -192,3 +192,24 @@ def test_the_rate_limiters_redis_may_be_a_socket(fresh_settings, monkeypatch: py
         monkeypatch.setenv("FACTMILL_RATELIMIT_REDIS_URL", url)
         fresh_settings.cache_clear()
         assert fresh_settings().ratelimit_redis_url == url
+
+
+def test_a_factmill_variable_no_setting_reads_is_named_with_the_setting_meant(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo kept its setting's default without a word: FACTMILL_LLM_CONCURENCY ran 64 calls."""
+    monkeypatch.setenv("FACTMILL_LLM_CONCURENCY", "8")
+    monkeypatch.setenv("FACTMILL_NO_SUCH_THING", "1")
+    monkeypatch.setenv("FACTMILL_LLM_CONCURRENCY", "16")  # a setting: no word
+    monkeypatch.setenv("FACTMILL_LINT_IMPORTS", "0")  # ./dev's own: no word
+    monkeypatch.setenv("FACTMILL_FLOWER_AUTH", "x")  # the setting reads FLOWER_AUTH alone
+    with caplog.at_level("WARNING", logger="worker.settings"):
+        settings = fresh_settings()
+    assert settings.llm_concurrency == 16
+    assert caplog.messages == [
+        "FACTMILL_FLOWER_AUTH is not a Factmill setting and is ignored (did you mean FLOWER_AUTH?)",
+        "FACTMILL_LLM_CONCURENCY is not a Factmill setting and is ignored "
+        "(did you mean FACTMILL_LLM_CONCURRENCY?)",
+        "FACTMILL_NO_SUCH_THING is not a Factmill setting and is ignored",
+    ]
+    assert "8" not in " ".join(caplog.messages)  # a value is never quoted (it may be a secret)

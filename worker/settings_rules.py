@@ -1,0 +1,120 @@
+"""The settings' rules across fields and over the environment (given them: worker.settings alone reads it)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from pydantic import AliasChoices
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+ENV_PREFIX = "FACTMILL_"
+# Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
+# from the last two); the SDKs' base URL (calls went there, priced and limited as the provider's own).
+_CELERY = "CELERY_BROKER_URL CELERY_BROKER_READ_URL CELERY_BROKER_WRITE_URL BROKER_URL CELERY_BROKER"
+_BROKER = "Celery would use it instead of FACTMILL_BROKER_URL; unset it and set FACTMILL_BROKER_URL"
+_SDK_URL = "the SDK would send its calls there unseen; unset it (FACTMILL_LLM_BASE_URL sets the provider's)"
+FOREIGN_VARIABLES = {
+    **dict.fromkeys(_CELERY.split(), _BROKER),
+    "OPENAI_BASE_URL": _SDK_URL,  # an Anthropic deployment's OpenAI embeddings too: no setting moves those
+    "ANTHROPIC_BASE_URL": _SDK_URL,
+}
+# FACTMILL_ variables that are no setting: read by ./dev and by the test suite, not by the service.
+SCRIPT_VARIABLES = frozenset({"FACTMILL_LINT_IMPORTS", "FACTMILL_TEST_EMBEDDED_REDIS"})
+
+
+def no_foreign_variables(environ: Mapping[str, str]) -> None:
+    """Celery reads CELERY_BROKER_URL (and its read and write twins) before any configuration: left
+    in an image's environment, workers, beat and sends went to that broker while /readyz, the
+    metrics and the rate limits watched FACTMILL_BROKER_URL's. The SDKs read their base URL alike."""
+    for name, why in FOREIGN_VARIABLES.items():
+        if environ.get(name):
+            raise ValueError(f"{name} is set: {why}")
+
+
+def stale_after_two_heartbeats(settings: Settings) -> None:
+    if settings.job_stale_after_seconds < 2 * settings.job_heartbeat_seconds:
+        raise ValueError(
+            f"FACTMILL_JOB_STALE_AFTER_SECONDS ({settings.job_stale_after_seconds:g}) must be at least two "
+            f"heartbeats (FACTMILL_JOB_HEARTBEAT_SECONDS={settings.job_heartbeat_seconds:g}): a live job "
+            "whose beat came late would be taken for lost and run twice"
+        )
+
+
+def retention_covers_replays(settings: Settings) -> None:
+    days, hours = settings.job_retention_days, settings.idempotency_key_hours
+    if days is not None and days * 24 < hours:
+        raise ValueError(
+            f"FACTMILL_JOB_RETENTION_DAYS ({days}) is shorter than FACTMILL_IDEMPOTENCY_KEY_HOURS "
+            f"({hours} h): a replayed delivery would name jobs already deleted"
+        )
+
+
+def soft_limit_first(settings: Settings) -> None:
+    soft, hard = settings.task_soft_time_limit_seconds, settings.task_time_limit_seconds
+    if soft >= hard and hard > 1 and "task_soft_time_limit_seconds" not in settings.model_fields_set:
+        # The hard limit lowered alone (it is the stall detector too): the default soft limit
+        # follows it, as 3300 does 3600.
+        settings.task_soft_time_limit_seconds = hard - max(1, hard // 12)
+        return
+    if soft >= hard:
+        raise ValueError(
+            f"FACTMILL_TASK_SOFT_TIME_LIMIT_SECONDS ({soft}) is not below FACTMILL_TASK_TIME_LIMIT_SECONDS "
+            f"({hard}): the soft limit, which lets a task stop cleanly, would never come before the hard "
+            "one kills it"
+        )
+
+
+def answers_outlive_signatures(settings: Settings) -> None:
+    # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's
+    # fast clock holds for twice the tolerance after it first arrives.
+    tolerance, hours = settings.webhook_tolerance_seconds, settings.idempotency_key_hours
+    if 2 * tolerance > hours * 3600:
+        raise ValueError(
+            f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({tolerance}) is more than half of "
+            f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({hours} h): a signed delivery sent again after its stored "
+            "answer was forgotten would be stored twice"
+        )
+
+
+CROSS_FIELD_RULES: tuple[Callable[[Settings], None], ...] = (
+    stale_after_two_heartbeats,
+    retention_covers_replays,
+    soft_limit_first,
+    answers_outlive_signatures,
+)
+
+
+def variable_names(settings_type: type[Settings]) -> frozenset[str]:
+    """Every environment variable a Settings field reads (its aliases included), upper-cased."""
+    names: set[str] = set()
+    for field_name, field in settings_type.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(str(choice).upper() for choice in alias.choices)
+        elif isinstance(alias, str):
+            names.add(alias.upper())
+        else:
+            names.add(f"{ENV_PREFIX}{field_name}".upper())
+    return frozenset(names)
+
+
+def unknown_variables(environ: Mapping[str, str], known: Iterable[str]) -> list[str]:
+    """One line for each FACTMILL_ variable no setting reads (a typo kept its default unseen), with
+    the nearest setting's name where one is close."""
+    names = frozenset(known)
+    settings_names = sorted(name for name in names if name.startswith(ENV_PREFIX))
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in names or upper in SCRIPT_VARIABLES:
+            continue
+        unprefixed = upper.removeprefix(ENV_PREFIX)  # a setting read by another library's name
+        near = [unprefixed] if unprefixed in names else []
+        near = near or difflib.get_close_matches(upper, settings_names, n=1, cutoff=0.8)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        lines.append(f"{name} is not a Factmill setting and is ignored{hint}")
+    return lines
