@@ -30,6 +30,8 @@ from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.extraction.pages import PageIn, upsert_page
 from worker.extraction.rows import SKIPPED
 from worker.llm.anthropic_provider import AnthropicChatClient
+from worker.llm.between_tries import CallDeadlineError
+from worker.llm.deadline import call_deadline
 from worker.llm.errors import LLMError
 from worker.llm.gateway import open_llm_client
 from worker.llm.openai_compat import OpenAIChatClient
@@ -685,6 +687,24 @@ def test_rate_limited_client_reconciles_tokens_with_actual_usage(
         ahead = (int(client.get(key) or 0) - (seconds * 1_000_000 + micros)) / 1_000_000
         used = response.usage.input_tokens + response.usage.output_tokens
         assert ahead <= used * 60 / 600_000 + 0.05
+    finally:
+        for stale in client.scan_iter(f"{prefix}*"):
+            client.delete(stale)
+
+
+def test_the_shared_limiters_wait_past_a_deadline_ends_at_once(broker: SessionBroker) -> None:
+    """As the in-process limiter: a wait that would end past the calls' deadline is not slept out."""
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    client = broker.client()
+    slept: list[float] = []
+    limiter = RedisRateLimiter(
+        client, RateLimits(requests_per_minute=2, burst_seconds=0), prefix=prefix, sleep=slept.append
+    )
+    try:
+        assert limiter.acquire("p:m", 0) == 0.0  # the next may go 30 s later
+        with call_deadline(10.0), pytest.raises(CallDeadlineError):
+            limiter.acquire("p:m", 0)
+        assert slept == []
     finally:
         for stale in client.scan_iter(f"{prefix}*"):
             client.delete(stale)

@@ -833,6 +833,27 @@ def test_a_deadlines_clock_starts_at_the_first_call_and_ends_tries_and_waits(mon
     assert deadline.time_left() is None
 
 
+def test_a_rate_limits_wait_past_the_deadline_ends_the_call_at_once(monkeypatch) -> None:
+    """A search whose key's limit was 30 s ahead slept the 30 s out, then was refused (10 s of calls):
+    the client had given up long before. A wait that ends past the deadline ends the call now, charged
+    nothing; one that ends within it is waited."""
+    clock = FakeClock()
+    monkeypatch.setattr(deadline, "time", SimpleNamespace(monotonic=clock))
+    limiter = LocalRateLimiter(
+        RateLimits(requests_per_minute=2, burst_seconds=0), clock=clock, sleep=clock.sleep
+    )
+    inner = ScriptedClient(ok_response(), ok_response())
+    limited = RateLimitedClient(inner, limiter)
+    limited.chat(REQUEST)  # the next may go 30 s later
+    with deadline.call_deadline(10.0), pytest.raises(CallDeadlineError):
+        limited.chat(REQUEST)
+    assert inner.calls == 1 and clock.now == 1000.0  # no wait slept, no try sent
+    clock.now += 25
+    with deadline.call_deadline(10.0):  # 5 s to wait: within it
+        limited.chat(REQUEST)
+    assert inner.calls == 2 and clock.now == pytest.approx(1030.0)
+
+
 def test_a_deadline_that_refuses_a_try_inside_the_client_is_no_try() -> None:
     """A rate limit's wait ended by the deadline raised inside the try: it was recorded as a failed call
     (a row in llm_calls, the listener told) though no request was sent."""

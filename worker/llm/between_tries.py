@@ -50,6 +50,14 @@ def between_tries() -> None:
         raise CallDeadlineError()
 
 
+def refuse_wait_past_deadline(seconds: float) -> None:
+    """A rate limit's wait that would end at or past the calls' deadline: CallDeadlineError now, not
+    after it (a search whose key's limit was minutes ahead slept them out, then was refused)."""
+    left = time_left()
+    if left is not None and seconds >= left:
+        raise CallDeadlineError()
+
+
 def tries_before_stop(exc: BaseException) -> tuple[Any, ...]:
     """The gateway's tries (AttemptRecord) made before ``exc`` stopped the call between two of them."""
     return tuple(getattr(exc, TRIES_ATTRIBUTE, ()))

@@ -22,7 +22,7 @@ from typing import Protocol
 import redis
 
 from worker.core.redis_urls import redis_py_url
-from worker.llm.between_tries import between_tries
+from worker.llm.between_tries import between_tries, refuse_wait_past_deadline
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -151,6 +151,7 @@ class LocalRateLimiter:
     def acquire(self, key: str, tokens: int) -> float:
         waited = 0.0
         while (wait := self._try(key, tokens)) > 0:
+            refuse_wait_past_deadline(wait)  # nothing charged yet: a wait is charged when it goes
             self._sleep(wait)
             waited += wait
         return waited
@@ -285,6 +286,7 @@ class RedisRateLimiter:
             self._warned = False
             if wait_us <= 0:
                 return waited
+            refuse_wait_past_deadline(wait_us / MICROS)
             self._sleep(wait_us / MICROS)
             waited += wait_us / MICROS
         return waited

@@ -102,7 +102,7 @@ def sdk_options(
 
 def reply_timeout(sdk: Any, seconds: float, max_tokens: int = 0) -> Any:
     """The SDK's Timeout for a call that may write ``max_tokens`` (see REPLY_TOKENS_PER_TIMEOUT), cut
-    to the time its caller's deadline leaves (worker.llm.between_tries.call_deadline; a second at least)."""
+    to the time its caller's deadline leaves (worker.llm.deadline.call_deadline; a second at least)."""
     read = seconds * max(1.0, max_tokens / REPLY_TOKENS_PER_TIMEOUT)
     connect = min(seconds, CONNECT_TIMEOUT_SECONDS)
     left = time_left()
