@@ -323,6 +323,8 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
             f"  calls/s     {n_calls / elapsed:8.1f}   ratio to ideal {n_calls / elapsed / ideal:.2f}; "
             f"worker CPU {1000 * worker_cpu / max(len(jobs), 1):.1f} ms per compaction"
         )
+        if summaries < len(jobs):  # a failed run exits 1 and keeps its services' logs (run_logs)
+            raise SystemExit(f"{len(jobs) - summaries} transcript(s) made no accepted summary")
     finally:
         stop(procs)
         forget_broker_keys(f"{name}:")

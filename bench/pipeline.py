@@ -159,7 +159,8 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 @contextlib.contextmanager
 def run_logs(name: str, keep: bool = False) -> Iterator[Path]:
     """A fresh folder (under the system's temporary directory) for a run's service logs: removed at
-    the end, unless ``keep`` (a bench's --keep-logs) or the run failed (its errors name the logs);
+    the end, unless ``keep`` (a bench's --keep-logs) or the run failed (raised, or exited: a run that
+    finished with work not done exits 1 after its figures);
     its path is printed (to stderr) when kept."""
     logs = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     failed = False
@@ -401,6 +402,8 @@ def run_drain(
         report(args, figures, in_flight, samples)
         if vectors_lag is not None:
             print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
+        if figures.ok != figures.planned:  # a failed run exits 1 and keeps its services' logs (run_logs)
+            raise SystemExit(f"{figures.planned - figures.ok} planned segment(s) did not finish ok")
     finally:
         stop(procs)
         forget_broker_keys(f"{name}:")
