@@ -217,9 +217,13 @@ class Settings(BaseSettings):
     prometheus_multiproc_dir: Path | None = Field(default=None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
 
     # Access control (issue 11).
+    # Accept the v3 signature (its parts joined by dots, which a transcript id and a key may hold: one
+    # captured at PUT /v1/transcripts/abc with key K also verified, as v2, for transcript abc.K). Turn
+    # off once every sender signs v4 (factmill_client 0.3 does).
+    accept_v3_signatures: bool = True
     # Accept the v2 signature (bound to the route, not to the Idempotency-Key): a copy of a v2 delivery
     # sent again under a new key within the tolerance window is stored again. Turn off once every sender
-    # signs v3 (factmill_client does).
+    # signs v4.
     accept_v2_signatures: bool = True
     # Keep accepting the legacy v1 signature ("<t>.<body>", bound to no route) during a rotation only.
     accept_v1_signatures: bool = False

@@ -94,7 +94,7 @@ def test_the_webhook_secret_rotates_either_way_round(service: Service, factory):
         pytest.raises(AuthenticationError, match="does not match"),
     ):
         stranger.ingest_page(page(999))
-    assert transport.requests[0].headers[SIGNATURE_HEADER].count("v3=") == 2
+    assert transport.requests[0].headers[SIGNATURE_HEADER].count("v4=") == 2
 
 
 def test_errors_are_typed_and_carry_the_servers_detail(service: Service, factory):

@@ -29,7 +29,7 @@ def test_the_server_verifies_with_the_clients_own_signing_function():
     assert server_signing.compute_signature is signing.compute_signature
     body = b'{"slug": "x"}'
     header = signing.sign(body, "s3cret", 1_700_000_000, method="post", path="/v1/pages")
-    assert header.startswith("t=1700000000,v2=")
+    assert header.startswith("t=1700000000,v4=")
     now = 1_700_000_010
     assert (
         server_signing.verify(header, body, "s3cret", 300, now, method="POST", path="/v1/pages")
@@ -140,11 +140,12 @@ def test_requests_carry_the_key_and_a_fresh_signature_over_the_path_as_sent():
     assert first.url.raw_path.decode() == path
     assert first.headers["Authorization"] == "Bearer fm_key"
     assert first.headers["Idempotency-Key"] == second.headers["Idempotency-Key"] == call.idempotency_key
-    # v3: the key is signed too, so a copy sent again under another key (or none) is refused.
-    signed = f"1700000000.POST.{path}.{call.idempotency_key}.".encode() + first.content
+    # v4: the key is signed too, so a copy sent again under another key (or none) is refused.
+    key = call.idempotency_key
+    signed = f"v4\n1700000000\nPOST\n{len(path)}:{path}\n{len(key)}:{key}\n".encode() + first.content
     expected = hmac.new(b"s3cret", signed, hashlib.sha256).hexdigest()
-    assert first.headers[signing.SIGNATURE_HEADER] == f"t=1700000000,v3={expected}"
-    assert second.headers[signing.SIGNATURE_HEADER].startswith("t=1700000005,v3=")
+    assert first.headers[signing.SIGNATURE_HEADER] == f"t=1700000000,v4={expected}"
+    assert second.headers[signing.SIGNATURE_HEADER].startswith("t=1700000005,v4=")
     assert calls.ingest({}, None).idempotency_key != calls.ingest({}, None).idempotency_key
 
 

@@ -21,7 +21,7 @@ from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Reco
 from tests.integration.test_search import seed
 from worker.access import KeyStoreError, create_key, revoke_key
 from worker.api.app import create_app
-from worker.core.signing import sign, signed_json_headers
+from worker.core.signing import compute_signature, sign, signed_json_headers
 
 pytestmark = pytest.mark.integration
 
@@ -424,15 +424,15 @@ def test_a_delivery_signed_before_the_page_was_erased_cannot_bring_it_back(
 
 def test_one_idempotency_key_on_two_routes_is_two_deliveries(api: TestClient) -> None:
     pages = page_body("idem/a")
-    first = api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"})
+    first = api.post("/v1/pages", content=pages, headers=signed(pages, idempotency_key="k1"))
     assert first.status_code == 202
     messages = json.dumps({"messages": [{"role": "user", "text": "hi"}]}).encode()
     for transcript in ("a", "b"):
         path = f"/v1/transcripts/{transcript}/messages"
-        answer = api.post(path, content=messages, headers=signed(messages, path) | {"Idempotency-Key": "k1"})
+        answer = api.post(path, content=messages, headers=signed(messages, path, idempotency_key="k1"))
         assert answer.status_code == 201 and "Idempotent-Replayed" not in answer.headers, answer.text
     assert (
-        api.post("/v1/pages", content=pages, headers=signed(pages) | {"Idempotency-Key": "k1"}).headers[
+        api.post("/v1/pages", content=pages, headers=signed(pages, idempotency_key="k1")).headers[
             "Idempotent-Replayed"
         ]
         == "true"
@@ -457,14 +457,14 @@ def test_a_bar_in_a_transcript_id_does_not_make_two_deliveries_one(api: TestClie
     assert scoped_key(route, "a\\b", "k", "signature") == expected
 
 
-def test_a_captured_v3_delivery_cannot_be_stored_again_under_another_key(api: TestClient) -> None:
-    """v3 signs the Idempotency-Key: a copy sent again within the tolerance window keeps the key it was
+def test_a_captured_v4_delivery_cannot_be_stored_again_under_another_key(api: TestClient) -> None:
+    """v4 signs the Idempotency-Key: a copy sent again within the tolerance window keeps the key it was
     signed with (and gets the stored answer) or is refused; under v2 a new key made it a new delivery,
     and the transcript held the messages twice."""
     path = "/v1/transcripts/replayed/messages"
     body = json.dumps({"messages": [{"role": "user", "text": "pay the invoice on friday"}]}).encode()
     headers = signed(body, path, idempotency_key="delivery-1")
-    assert headers["Idempotency-Key"] == "delivery-1" and ",v3=" in headers["Factmill-Signature"]
+    assert headers["Idempotency-Key"] == "delivery-1" and ",v4=" in headers["Factmill-Signature"]
     assert api.post(path, content=body, headers=headers).status_code == 201
     again = api.post(path, content=body, headers=headers)
     assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
@@ -483,7 +483,10 @@ def test_v2_signatures_are_refused_once_the_setting_is_off(
     body = page_body("v2/a")
     runtime = make_runtime(database_url, factory, accept_v2_signatures=False)
     with TestClient(create_app(runtime, sender=Recorder(factory))) as client:
-        refused = client.post("/v1/pages", content=body, headers=signed(body) | {"Idempotency-Key": "p1"})
+        now = int(time.time())
+        v2 = f"t={now},v2={compute_signature(body, SECRET, now, 'POST', '/v1/pages')}"
+        old = {"Content-Type": "application/json", "Factmill-Signature": v2, "Idempotency-Key": "p1"}
+        refused = client.post("/v1/pages", content=body, headers=old)
         assert refused.status_code == 401 and "(v2 refused)" in refused.json()["detail"]
         accepted = client.post("/v1/pages", content=body, headers=signed(body, idempotency_key="p1"))
         assert accepted.status_code == 202, accepted.text

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from factmill_client.signing import signable_key
 from models import JOB_STATUSES, ConfigEntry, Fact, Job, Page, WebhookDelivery, forget_deliveries
 from tests.auth import send_key
 from tests.maintenance import maintained
@@ -28,7 +29,7 @@ from worker.api.app import create_app
 from worker.api.routes.jobs import JobKind, JobStatus
 from worker.api.routes.pages import store_pages
 from worker.config_store import CONFIG_KEYS, ConfigReader
-from worker.core.signing import sign
+from worker.core.signing import compute_signature, sign
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.pages import PageIn
 from worker.jobs.registry import kind_names
@@ -123,8 +124,13 @@ def post(
 ) -> Any:
     body = raw if raw is not None else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
-    if signature == "sign":
-        headers["Factmill-Signature"] = sign(body, secret, timestamp, method="POST", path="/v1/pages")
+    if signature == "sign" and (key is None or signable_key(key)):
+        headers["Factmill-Signature"] = sign(
+            body, secret, timestamp, method="POST", path="/v1/pages", idempotency_key=key
+        )
+    elif signature == "sign":  # a key no v4 signature binds: signed as a sender before v4 did (v2)
+        t = int(time.time()) if timestamp is None else timestamp
+        headers["Factmill-Signature"] = f"t={t},v2={compute_signature(body, secret, t, 'POST', '/v1/pages')}"
     elif signature is not None:
         headers["Factmill-Signature"] = signature
     if key is not None:

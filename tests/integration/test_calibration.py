@@ -901,7 +901,10 @@ def post_feedback(
     body = raw if raw is not None else json.dumps(payload).encode()
     all_headers = {"Content-Type": "application/json", **(headers or {})}
     if signed:
-        all_headers["Factmill-Signature"] = sign(body, secret, method="POST", path="/v1/feedback")
+        key = all_headers.get("Idempotency-Key")
+        all_headers["Factmill-Signature"] = sign(
+            body, secret, method="POST", path="/v1/feedback", idempotency_key=key
+        )
     return client.post("/v1/feedback", content=body, headers=all_headers)
 
 

@@ -264,7 +264,7 @@ def signed_request(
 ) -> Any:
     """``payload`` as JSON, signed (at ``timestamp``: now by default), with an Idempotency-Key if given."""
     body = json.dumps(payload).encode()
-    signature = sign(body, SECRET, timestamp, method=method, path=path)
+    signature = sign(body, SECRET, timestamp, method=method, path=path, idempotency_key=key)
     headers = {"Content-Type": "application/json", "Factmill-Signature": signature}
     if key is not None:
         headers["Idempotency-Key"] = key

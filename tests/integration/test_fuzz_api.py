@@ -32,9 +32,10 @@ pytestmark = pytest.mark.integration
 EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", "50"))
 
 
-def credentials(method: str, path: str, body: bytes) -> dict[str, str]:
-    """What a legitimate client sends: the admin token and a v2 signature of method, path and body."""
-    signature = sign(body, SECRET, method=method, path=path)
+def credentials(method: str, path: str, body: bytes, key: str | None = None) -> dict[str, str]:
+    """What a legitimate client sends: the admin token and a v4 signature of method, path, the
+    Idempotency-Key (``key``) and body."""
+    signature = sign(body, SECRET, method=method, path=path, idempotency_key=key)
     return {"Authorization": f"Bearer {ADMIN}", SIGNATURE_HEADER: signature}
 
 
@@ -156,7 +157,8 @@ def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool]) -> Any
         if isinstance(case.body, dict) and isinstance(case.body.get("idempotency_key"), str):
             case.body["idempotency_key"] = key
     body = body_bytes(case)
-    headers = credentials(case.method, case.formatted_path, body or b"") if authenticated else {}
+    sent_key = (case.headers or {}).get(IDEMPOTENCY_HEADER)
+    headers = credentials(case.method, case.formatted_path, body or b"", sent_key) if authenticated else {}
     if body is not None:
         headers["Content-Type"] = "application/json"
         return case.call_and_validate(headers=headers, data=body, excluded_checks=excluded)

@@ -222,6 +222,7 @@ def _signature_checked(
             method=method,
             path=path,
             idempotency_key=idempotency_key,
+            accept_v3=settings.accept_v3_signatures,
             accept_v2=settings.accept_v2_signatures,
             accept_v1=settings.accept_v1_signatures,
         )
