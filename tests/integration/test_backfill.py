@@ -1493,6 +1493,7 @@ def test_factmill_backfill_list(factory, database_url):
     )
     table = invoke_cli(database_url, "backfill", "list")
     assert table.exit_code == 0 and "┃ id ┃ source" in table.output and "planning" in table.output
+    assert "slug_prefi" in table.output and "force" not in table.output  # no flag not given
     refused = invoke_cli(database_url, "backfill", "list", "--status", "finished")
     assert (
         refused.exit_code == 2

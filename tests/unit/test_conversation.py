@@ -25,6 +25,7 @@ from worker.core.conversation import (
     render_segment_for_extraction,
     split_into_segments,
 )
+from worker.extraction.options import validate_since
 
 
 def fmt(name: str, date: str, time_of_day: str, body: str) -> str:
@@ -848,3 +849,19 @@ def test_rendering_stops_reading_at_the_cut_and_renders_the_same(texts: list[str
     messages = tuple(Message("Ann", f"2024-01-01T10:{i:02d}:00Z", text) for i, text in enumerate(texts))
     segment = Segment(messages, ("Ann",), "2024-01-01T10:00:00Z", "2024-01-01T10:30:00Z")
     assert render_segment_for_extraction(label, segment) == _rendered_whole(label, segment)
+
+
+@pytest.mark.parametrize("since", ["2024-03-15Z", "20240101Z", "yesterday", "2024-03-15T25:00:00Z"])
+def test_a_since_the_segmenter_cannot_read_is_refused_before_any_run(since: str) -> None:
+    """The run's check rewrote a Z before parsing, the segmenter did not: "2024-03-15Z" was accepted,
+    then every page failed (a backfill's planning, five attempts, for good)."""
+    with pytest.raises(ValueError, match="--since must be an ISO-8601 time"):
+        validate_since(since)
+    with pytest.raises(ValueError):
+        split_into_segments([at(0), at(1)], since_iso=since)  # what the run would have met
+
+
+@pytest.mark.parametrize("since", ["2024-03-15", "2024-03-15T00:00:00Z", " 2024-03-15T00:00:00+02:00 "])
+def test_a_since_the_segmenter_reads_passes_the_check(since: str) -> None:
+    validate_since(since)
+    split_into_segments([at(0), at(1)], since_iso=since)

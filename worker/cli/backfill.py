@@ -105,7 +105,7 @@ def backfill_list(
         return
     table = folding_table("id", "source", "selection", "status", "job", "created", "finished")
     for b in found:
-        selection = ", ".join(f"{k}={v}" for k, v in b["filters"].items() if v is not None)
+        selection = ", ".join(f"{k}={v}" for k, v in b["filters"].items() if v is not None and v is not False)
         job = f"{b['job_id']} {b['job_status']}" if b["job_id"] is not None else "-"
         table.add_row(
             str(b["id"]), str(b["source_id"]), selection or "every page", str(b["status"]), job,

@@ -13,7 +13,7 @@ from worker.config_store import (
     EXTRACTION_PAGE_TYPES,
     ConfigReader,
 )
-from worker.core.conversation import narrow_page_types
+from worker.core.conversation import instant_micros, narrow_page_types
 from worker.core.facts import DEFAULT_MAX_FACTS
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
@@ -152,11 +152,21 @@ def iso_to_datetime(iso: str) -> datetime | None:
         return None
 
 
+def _instant(iso: str) -> bool:
+    """Whether the segmenter reads ``iso`` (checked with its own parser: "2024-03-15Z" passed a check
+    that rewrote the Z first, then failed the run, or a backfill's every planning attempt)."""
+    try:
+        instant_micros(iso.strip())
+    except (ValueError, OverflowError):
+        return False
+    return True
+
+
 def validate_since(since_iso: str | None, force: bool = False) -> None:
     """``since`` narrows what a run extracts incrementally. A forced run replaces each page's facts with
     what it extracts: narrowed, it deleted every fact from before ``since`` and moved the checkpoint past
     them, for good; so the two are refused together."""
-    if since_iso is not None and iso_to_datetime(since_iso) is None:
+    if since_iso is not None and not _instant(since_iso):
         raise ValueError(f"--since must be an ISO-8601 time such as 2024-03-15T00:00:00Z, got {since_iso!r}")
     if since_iso is not None and force:
         raise ValueError(
