@@ -449,6 +449,10 @@ def get_settings() -> Settings:
         settings = Settings()
     except ValidationError as exc:
         raise InvalidSettingsError(describe_invalid(exc, Settings.model_fields)) from None
+    except UnicodeDecodeError as exc:  # python-dotenv reads .env as UTF-8 (a Windows editor's é)
+        raise InvalidSettingsError(
+            f".env in {Path.cwd()} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
+        ) from None
     for line in unknown_variables(os.environ, variable_names(Settings)):
         logger.warning(line)
     return settings

@@ -213,3 +213,12 @@ def test_a_factmill_variable_no_setting_reads_is_named_with_the_setting_meant(
         "FACTMILL_NO_SUCH_THING is not a Factmill setting and is ignored",
     ]
     assert "8" not in " ".join(caplog.messages)  # a value is never quoted (it may be a secret)
+
+
+def test_a_dotenv_file_that_is_not_utf8_is_one_line_not_a_traceback(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    (tmp_path / ".env").write_bytes("# contraseña\nFACTMILL_LLM=simulator\n".encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidSettingsError, match=r"\.env in .* is not UTF-8 text \(byte 10\)"):
+        fresh_settings()
