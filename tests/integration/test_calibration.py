@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -1217,6 +1218,12 @@ def test_cli_recompute_now_show_history_and_plot(
 
     with Image.open(plot) as image:
         image.verify()
+    # A name that is not UTF-8 (a Latin-1 terminal's "café"): written, then its report was a traceback.
+    latin1 = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.png"))
+    named = cli("show", "--plot", latin1)
+    assert named.exit_code == 0 and "caf\\xe9.png" in named.output, named.output
+    named = cli("show", "--plot", latin1, "--json")
+    assert named.exit_code == 0 and json.loads(named.stdout)["plot"].endswith("caf\\xe9.png")
 
 
 def test_cli_recompute_now_honours_the_kill_switch(cli: Any, factory: sessionmaker[Session]) -> None:

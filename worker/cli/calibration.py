@@ -30,6 +30,7 @@ from worker.cli.console import counting_bar, err, fail, fields, folding_table, o
 from worker.cli.sessions import checked_factory
 from worker.config_store import CALIBRATION_ENABLED, get_config, is_enabled
 from worker.core.jsonvalues import BIGINT_MAX
+from worker.extraction.ingest import shown_path
 from worker.jobs.sending import enqueue
 from worker.settings import get_settings
 
@@ -235,7 +236,7 @@ def show(
                 "observations": fields(stats, STATS_FIELDS),
                 "active": fields(active_row, VERSION_FIELDS) if active_row is not None else None,
                 "latest": fields(latest, VERSION_FIELDS) if latest is not None else None,
-                "plot": str(plot) if plot is not None else None,
+                "plot": shown_path(plot) if plot is not None else None,
             }
         )
         return
@@ -255,7 +256,7 @@ def show(
             highlight=False,
         )
     if plot is not None:
-        out.print(f"plot written to {plot}")
+        out.print(f"plot written to {shown_path(plot)}", highlight=False)
 
 
 @calibration_app.command("history")
