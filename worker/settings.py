@@ -453,6 +453,6 @@ def get_settings() -> Settings:
         raise InvalidSettingsError(
             f".env in {Path.cwd()} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
         ) from None
-    for line in unknown_variables(os.environ, variable_names(Settings)):
+    for line in unknown_variables(os.environ, variable_names(Settings.model_fields)):
         logger.warning(line)
     return settings

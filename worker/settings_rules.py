@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import AliasChoices
+from pydantic.fields import FieldInfo
 
-if TYPE_CHECKING:
-    from worker.settings import Settings
+
+class JudgedSettings(Protocol):
+    """The fields the rules judge, of worker.settings.Settings (described here: the two modules would
+    import each other)."""
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+    job_heartbeat_seconds: float
+    job_stale_after_seconds: float
+    idempotency_key_hours: int
+    job_retention_days: int | None
+    task_soft_time_limit_seconds: int
+    task_time_limit_seconds: int
+    webhook_tolerance_seconds: int
+
 
 ENV_PREFIX = "FACTMILL_"
 # Variables a library reads before the setting that should decide: Celery's broker (-b writes the first
@@ -35,7 +50,7 @@ def no_foreign_variables(environ: Mapping[str, str]) -> None:
             raise ValueError(f"{name} is set: {why}")
 
 
-def stale_after_two_heartbeats(settings: Settings) -> None:
+def stale_after_two_heartbeats(settings: JudgedSettings) -> None:
     if settings.job_stale_after_seconds < 2 * settings.job_heartbeat_seconds:
         raise ValueError(
             f"FACTMILL_JOB_STALE_AFTER_SECONDS ({settings.job_stale_after_seconds:g}) must be at least two "
@@ -44,7 +59,7 @@ def stale_after_two_heartbeats(settings: Settings) -> None:
         )
 
 
-def retention_covers_replays(settings: Settings) -> None:
+def retention_covers_replays(settings: JudgedSettings) -> None:
     days, hours = settings.job_retention_days, settings.idempotency_key_hours
     if days is not None and days * 24 < hours:
         raise ValueError(
@@ -53,7 +68,7 @@ def retention_covers_replays(settings: Settings) -> None:
         )
 
 
-def soft_limit_first(settings: Settings) -> None:
+def soft_limit_first(settings: JudgedSettings) -> None:
     soft, hard = settings.task_soft_time_limit_seconds, settings.task_time_limit_seconds
     if soft >= hard and hard > 1 and "task_soft_time_limit_seconds" not in settings.model_fields_set:
         # The hard limit lowered alone (it is the stall detector too): the default soft limit
@@ -68,7 +83,7 @@ def soft_limit_first(settings: Settings) -> None:
         )
 
 
-def answers_outlive_signatures(settings: Settings) -> None:
+def answers_outlive_signatures(settings: JudgedSettings) -> None:
     # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's
     # fast clock holds for twice the tolerance after it first arrives.
     tolerance, hours = settings.webhook_tolerance_seconds, settings.idempotency_key_hours
@@ -80,7 +95,7 @@ def answers_outlive_signatures(settings: Settings) -> None:
         )
 
 
-CROSS_FIELD_RULES: tuple[Callable[[Settings], None], ...] = (
+CROSS_FIELD_RULES: tuple[Callable[[JudgedSettings], None], ...] = (
     stale_after_two_heartbeats,
     retention_covers_replays,
     soft_limit_first,
@@ -88,10 +103,11 @@ CROSS_FIELD_RULES: tuple[Callable[[Settings], None], ...] = (
 )
 
 
-def variable_names(settings_type: type[Settings]) -> frozenset[str]:
-    """Every environment variable a Settings field reads (its aliases included), upper-cased."""
+def variable_names(fields: Mapping[str, FieldInfo]) -> frozenset[str]:
+    """Every environment variable a Settings field reads (its aliases included), upper-cased; ``fields``
+    is Settings.model_fields."""
     names: set[str] = set()
-    for field_name, field in settings_type.model_fields.items():
+    for field_name, field in fields.items():
         alias = field.validation_alias
         if isinstance(alias, AliasChoices):
             names.update(str(choice).upper() for choice in alias.choices)
