@@ -83,6 +83,10 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli, simulator):
     slug = "conversations/imessage/alice-and-bob-new-job"
     facts = as_json(cli("facts", "list", "--slug", slug, "--json"))
     assert facts and [f["row_num"] for f in facts] == list(range(len(facts)))
+    # Cut to --limit: the JSON list is the first ones, stderr says so (it said nothing past 10,000).
+    first_two = cli("facts", "list", "--slug", slug, "--json", "--limit", "2")
+    assert as_json(first_two) == facts[:2]
+    assert f"the first 2 of {len(facts)} facts; --limit shows more" in first_two.stderr
     rerun = as_json(cli("extract", "--json"))
     assert (rerun["pages_skipped"], rerun["facts_inserted"], rerun["llm_calls"]) == (22, 0, 0)
     simulator.configure(latency_ms=100)

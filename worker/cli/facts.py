@@ -8,14 +8,15 @@ import typer
 
 from models.reads import read_only
 from worker.cli import lifecycle
-from worker.cli.console import fail, folding_table, out, print_json, source_option
+from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
 from worker.consolidation.history import Lifecycle
 from worker.extraction.facts import FactRecord, read_page_facts
 
 facts_app = typer.Typer(help="Read extracted facts.", no_args_is_help=True)
 # The most `facts list` prints (the API's largest page); a page with more says how many it has.
-MAX_LISTED = 10_000
+DEFAULT_LISTED = 10_000
+MAX_LISTED = 1_000_000
 
 
 def _as_row(fact: FactRecord, with_status: bool) -> dict[str, Any]:
@@ -42,26 +43,37 @@ def facts_list(
     history: Annotated[
         bool, typer.Option("--history", help="Also superseded and duplicate facts, with their status.")
     ] = False,
+    limit: Annotated[
+        int, typer.Option(min=1, max=MAX_LISTED, help="The first this many facts, in row order.")
+    ] = DEFAULT_LISTED,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts)."""
+    """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts; the
+    first --limit of them, a note on stderr when there are more)."""
     with read_only(checked_factory()) as session:
         found = read_page_facts(
-            session, source_id, slug, limit=MAX_LISTED, lifecycle=Lifecycle(include_history=history)
+            session, source_id, slug, limit=limit, lifecycle=Lifecycle(include_history=history)
         )
     if found is None:
         raise fail(f"no page {slug!r} in source {source_id!r}")
     facts = [_as_row(fact, history) for fact in found.facts]
+    more = (
+        f"the first {len(facts)} of {found.total} facts; --limit shows more"
+        if found.total > len(facts)
+        else None
+    )
     if as_json:
         print_json(facts, ensure_ascii=False)
+        if more:  # a script reading stdout sees a list either way: the note is on stderr, as history's
+            err.print(more)
         return
     table = folding_table("#", "kind", "fact", "entity", "conf", *(["status"] if history else []), title=slug)
     for f in facts:
         cells = [str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}"]
         table.add_row(*cells, *([f["status"]] if history else []))
     out.print(table)
-    if found.total > len(facts):
-        out.print(f"the first {len(facts)} of {found.total} facts")
+    if more:
+        err.print(more)
 
 
 facts_app.command("history")(lifecycle.history)
