@@ -56,3 +56,33 @@ def test_the_gateways_default_embedding_model_has_a_price() -> None:
     assert price_of(default_model) is not None
     assert cost_usd(default_model, Usage(input_tokens=1_000_000)) == Decimal("0.02")
     assert cost_usd("text-embedding-3-large", Usage(input_tokens=1_000_000)) == Decimal("0.13")
+
+
+def test_a_model_with_no_price_is_named_once_and_an_override_of_zero_quiets_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gpt-5-mini or an OpenAI-compatible server's model cost $0 without a word: no budget counted
+    their calls. The simulator is unpriced on purpose; a call that used no tokens cost nothing."""
+    from worker.accounting import LLMCallRecord
+    from worker.llm.types import Usage
+
+    used = Usage(input_tokens=1000, output_tokens=100)
+
+    def call(model: str, provider: str = "openai", usage: Usage | None = used) -> LLMCallRecord:
+        return LLMCallRecord("extraction", provider, model, usage, 5, "ok")
+
+    stored: dict[str, str] = {}
+    ledger = Ledger(stored.get)
+    with caplog.at_level(logging.WARNING, logger="worker.accounting.ledger"):
+        assert ledger.cost(call("gpt-4o-mini-2024-07-18")) > 0  # priced: no word
+        assert ledger.cost(call("simulator-1", "simulator")) == 0
+        assert ledger.cost(call("gpt-5-mini", usage=Usage())) == 0  # no tokens: no word yet
+        assert [ledger.cost(call("gpt-5-mini")) for _ in range(3)] == [0, 0, 0]
+    (record,) = caplog.records
+    assert record.getMessage().startswith("no price for model gpt-5-mini: its calls are recorded at $0")
+    assert "set llm.prices" in record.getMessage()
+    caplog.clear()
+    stored["llm.prices"] = '{"local-llama": {"input": 0, "output": 0}}'
+    with caplog.at_level(logging.WARNING, logger="worker.accounting.ledger"):
+        assert ledger.cost(call("local-llama", "openai-compatible")) == 0
+    assert caplog.records == []

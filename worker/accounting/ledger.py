@@ -12,12 +12,14 @@ from sqlalchemy.orm import Session
 from models.bulk import BulkInsert
 from models.tables import LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
-from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices
+from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices, price_of
 from worker.core.jsonvalues import made_storable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import Usage
 
 logger = logging.getLogger(__name__)
+
+SIMULATOR_PROVIDER = "simulator"  # the bundled stand-in: unpriced on purpose (its calls cost nothing)
 
 _COLUMNS = (
     "job_id",
@@ -113,6 +115,7 @@ class Ledger:
         self._get = get_config
         # The override last read and the table it gave: parsed once per value, not once per call.
         self._parsed: tuple[str | None, dict[str, Price]] = (None, dict(PRICES))
+        self._unpriced_seen: set[str] = set()
 
     def prices(self) -> dict[str, Price]:
         value = self._get(PRICES_KEY)
@@ -136,8 +139,25 @@ class Ledger:
     def cost(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> Decimal:
         if call.usage is None:
             return Decimal(0)
-        return cost_usd(
-            call.model, call.usage, prices if prices is not None else self.prices(), batch=call.batch
+        table = prices if prices is not None else self.prices()
+        if call.provider != SIMULATOR_PROVIDER and price_of(call.model, table) is None:
+            self._unpriced(call)
+        return cost_usd(call.model, call.usage, table, batch=call.batch)
+
+    def _unpriced(self, call: LLMCallRecord) -> None:
+        """Said once per model and process: a model the list prices do not know (gpt-5-mini, an
+        OpenAI-compatible server's) was costed $0 without a word, so no budget ever counted its calls."""
+        if call.model in self._unpriced_seen or (
+            call.usage is not None and call.usage.input_tokens + call.usage.output_tokens == 0
+        ):
+            return
+        self._unpriced_seen.add(call.model)
+        logger.warning(
+            "no price for model %s: its calls are recorded at $0 and no budget counts them; set %s "
+            '(e.g. {"%s": {"input": 0.15, "output": 0.6}}, USD per 1M tokens; 0 for a free model)',
+            call.model,
+            PRICES_KEY,
+            call.model,
         )
 
     def row(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> dict[str, object]:

@@ -28,7 +28,7 @@ def _p(inp: str, out: str, read: str | None = None, write: str | None = None) ->
 PRICES_KEY = "llm.prices"
 
 # Published list prices (USD per 1M tokens) at the time of writing; a deployment overrides them with
-# the `llm.prices` config key. Unknown models cost 0.
+# the `llm.prices` config key. Unknown models cost 0 (the ledger names each in a warning, once a process).
 PRICES: dict[str, Price] = {
     "gpt-4o-mini": _p("0.15", "0.60", "0.075"),
     "gpt-4o": _p("2.50", "10.00", "1.25"),
