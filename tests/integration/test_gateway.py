@@ -710,6 +710,28 @@ def test_the_shared_limiters_wait_past_a_deadline_ends_at_once(broker: SessionBr
             client.delete(stale)
 
 
+def test_the_shared_limiter_books_a_large_calls_place(broker: SessionBroker) -> None:
+    """As the in-process limiter: a call larger than the burst books its place, so a smaller one that
+    asks after it waits behind it (it went first, and the large one waited while any asked)."""
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    client = broker.client()
+    limits = RateLimits(tokens_per_minute=600_000)  # 10,000 a second, the burst a second's worth
+    waits: dict[str, list[float]] = {"large": [], "small": []}
+
+    def limiter(name: str) -> RedisRateLimiter:  # one per process: they share the Redis key
+        return RedisRateLimiter(client, limits, prefix=prefix, sleep=waits.setdefault(name, []).append)
+
+    try:
+        assert limiter("filler").acquire("p:m", 10_000) == 0.0  # the bucket is full
+        large = limiter("large").acquire("p:m", 30_000)
+        small = limiter("small").acquire("p:m", 100)
+        assert 0.5 < large <= 1.0 and waits["large"] == [large]  # the full bucket drains first
+        assert small > large + 2.0 and waits["small"] == [small]  # then the large call's 3 s
+    finally:
+        for stale in client.scan_iter(f"{prefix}*"):
+            client.delete(stale)
+
+
 def test_a_redis_that_never_answers_holds_no_call_for_long() -> None:
     """A limiter's Redis that accepts and never answers (paused, a partition) held every LLM call in
     every worker: no socket timeout, and the fail-open path waited for an error. Now a command gives

@@ -486,6 +486,47 @@ class RecordingLimiter:
         self.calls.append(("reconcile", key, estimated, actual))
 
 
+def test_a_call_larger_than_the_burst_keeps_its_place_behind_smaller_ones() -> None:
+    """A call larger than the burst went only when the bucket was empty; asking again after each wait,
+    it never saw it empty while smaller calls kept asking (a compaction behind 64 extraction calls
+    waited for good). A call books its place when it asks: the ones asking after it wait behind it."""
+    clock = FakeClock()
+
+    class Queued(Exception):  # a smaller call that must wait: its thread sleeps, its place is booked
+        pass
+
+    big_sleeps: list[float] = []
+    small_waits: list[float] = []
+    in_small = False
+
+    def sleep(seconds: float) -> None:
+        nonlocal in_small
+        if in_small:
+            small_waits.append(seconds)
+            raise Queued()
+        big_sleeps.append(seconds)
+        assert len(big_sleeps) < 20, "the large call never went"
+        end = clock.now + seconds
+        while clock.now < end - 1e-9:  # meanwhile other threads ask for 30 tokens every 0.25 s
+            clock.now = min(end, clock.now + 0.25)
+            in_small = True
+            try:
+                limiter.acquire("p:m", 30)
+            except Queued:
+                pass
+            finally:
+                in_small = False
+
+    limiter = LocalRateLimiter(RateLimits(tokens_per_minute=6000), clock=clock, sleep=sleep)  # 100/s
+    start = clock.now
+    assert limiter.acquire("p:m", 100) == 0.0  # the burst's worth: the bucket is full
+    waited = limiter.acquire("p:m", 1000)
+    assert big_sleeps == [pytest.approx(1.0)] and waited == pytest.approx(1.0)  # the full bucket drained
+    assert clock.now - start == pytest.approx(1.0)
+    # The four that asked while it waited are booked behind it, each after the one before.
+    assert small_waits == pytest.approx([10.05, 10.1, 10.15, 10.2])
+
+
 def test_rate_limited_client_estimates_then_reconciles() -> None:
     limiter = RecordingLimiter()
     limited = RateLimitedClient(ScriptedClient(ok_response(tokens=(150, 20))), limiter)

@@ -3,10 +3,13 @@
 Both limits are GCRA (the generic cell rate algorithm, a leaky bucket kept as one timestamp per key):
 each unit (a request, a token) pushes the key's "theoretical arrival time" (TAT) forward by
 ``60 s / limit``; a call may go when the TAT it would leave is at most ``burst`` units ahead of now.
-In Redis one Lua script checks and charges both limits atomically on the server's clock, so any number
-of worker processes share one budget (Celery's ``rate_limit`` is per worker, which is not enough).
-Without Redis the same arithmetic runs in-process behind a lock. Waiting is never an error: ``acquire``
-sleeps until the call may go.
+A call books its place when it asks (the TAT moves on at once) and sleeps until its turn: calls go in
+the order they asked. Asking again after each wait instead, a call larger than the burst (a
+compaction's transcript behind 64 extraction calls) went only when the bucket was empty, which the
+small calls asking meanwhile never let it be: it waited for good. In Redis one Lua script books both
+limits atomically on the server's clock, so any number of worker processes share one budget (Celery's
+``rate_limit`` is per worker, which is not enough). Without Redis the same arithmetic runs in-process
+behind a lock. Waiting is never an error: ``acquire`` sleeps until the call may go.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Protocol
 import redis
 
 from worker.core.redis_urls import redis_py_url
-from worker.llm.between_tries import between_tries, refuse_wait_past_deadline
+from worker.llm.between_tries import CallDeadlineError, between_tries, refuse_wait_past_deadline
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
 from worker.settings import Settings
@@ -125,36 +128,44 @@ class LocalRateLimiter:
         self._lock = threading.Lock()
         self._tats: dict[str, float] = {}  # key -> TAT in microseconds on `clock`
 
-    def _try(self, key: str, tokens: int) -> float:
+    def _costs(self, key: str, tokens: int) -> list[tuple[str, float, float]]:
+        """(TAT name, cost µs, tolerance µs) of each limit that is on."""
         limits = self.limits
-        with self._lock:
-            now = self._clock() * MICROS
-            wait = 0.0
-            updates: dict[str, float] = {}
+        return [
+            (f"{key}:{suffix}", units * limits.interval_us(per_minute), limits.tolerance_us(per_minute))
             for suffix, per_minute, units in (
                 ("rpm", limits.requests_per_minute, 1),
                 ("tpm", limits.tokens_per_minute, tokens),
-            ):
-                if per_minute <= 0:
-                    continue
-                name = f"{key}:{suffix}"
-                interval = limits.interval_us(per_minute)
-                need, new_tat = _gcra_wait(
-                    self._tats.get(name, now), now, units * interval, limits.tolerance_us(per_minute)
-                )
+            )
+            if per_minute > 0
+        ]
+
+    def _book(self, key: str, tokens: int) -> float:
+        """Book the call's place in both limits; the seconds until it may go."""
+        with self._lock:
+            now = self._clock() * MICROS
+            wait = 0.0
+            for name, cost, tolerance in self._costs(key, tokens):
+                need, self._tats[name] = _gcra_wait(self._tats.get(name, now), now, cost, tolerance)
                 wait = max(wait, need)
-                updates[name] = new_tat
-            if wait == 0.0:
-                self._tats.update(updates)
             return wait / MICROS
 
+    def _unbook(self, key: str, tokens: int) -> None:
+        with self._lock:
+            now = self._clock() * MICROS
+            for name, cost, _ in self._costs(key, tokens):
+                self._tats[name] = max(self._tats.get(name, now) - cost, now)
+
     def acquire(self, key: str, tokens: int) -> float:
-        waited = 0.0
-        while (wait := self._try(key, tokens)) > 0:
-            refuse_wait_past_deadline(wait)  # nothing charged yet: a wait is charged when it goes
+        wait = self._book(key, tokens)
+        if wait > 0:
+            try:
+                refuse_wait_past_deadline(wait)
+            except CallDeadlineError:
+                self._unbook(key, tokens)  # the place is given back: no call goes in it
+                raise
             self._sleep(wait)
-            waited += wait
-        return waited
+        return wait
 
     def reconcile(self, key: str, estimated: int, actual: int) -> None:
         per_minute = self.limits.tokens_per_minute
@@ -169,7 +180,8 @@ class LocalRateLimiter:
 
 
 # KEYS[1] rpm key, KEYS[2] tpm key. ARGV: rpm interval µs, rpm tolerance µs, tpm interval µs,
-# tpm tolerance µs, tokens. Interval 0 = that limit is off. Returns 0 (charged) or the µs to wait.
+# tpm tolerance µs, tokens. Interval 0 = that limit is off. Books the call and returns the µs it waits
+# for its turn (0: it goes now).
 # The clock is the Redis server's, so every worker measures against the same time.
 _ACQUIRE_LUA = """
 local t = redis.call('TIME')
@@ -189,14 +201,14 @@ for i = 1, 2 do
     new_tats[i] = new_tat
   end
 end
-if wait > 0 then
-  return math.ceil(wait)
-end
 for i = 1, 2 do
   if new_tats[i] then
     local ttl = math.ceil((new_tats[i] - now) / 1000) + 1000
     redis.call('SET', KEYS[i], string.format('%.0f', new_tats[i]), 'PX', ttl)
   end
+end
+if wait > 0 then
+  return math.ceil(wait)
 end
 return 0
 """
@@ -276,20 +288,31 @@ class RedisRateLimiter:
             max(0, tokens),
         ]
         keys = self._keys(key)
-        waited = 0.0
-        while not self._away():
+        if self._away():
+            return 0.0
+        try:
+            wait = int(self._acquire(keys=keys, args=args)) / MICROS
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
+            return 0.0
+        self._warned = False
+        if wait > 0:
             try:
-                wait_us = int(self._acquire(keys=keys, args=args))
-            except redis.RedisError as exc:
-                self._redis_failed(exc)
-                return waited
-            self._warned = False
-            if wait_us <= 0:
-                return waited
-            refuse_wait_past_deadline(wait_us / MICROS)
-            self._sleep(wait_us / MICROS)
-            waited += wait_us / MICROS
-        return waited
+                refuse_wait_past_deadline(wait)
+            except CallDeadlineError:
+                self._unbook(keys, args)  # the place is given back: no call goes in it
+                raise
+            self._sleep(wait)
+        return wait
+
+    def _unbook(self, keys: list[str], args: list[float]) -> None:
+        rpm_interval, _, tpm_interval, _, tokens = args
+        try:
+            for name, cost in zip(keys, (rpm_interval, tpm_interval * tokens), strict=True):
+                if cost > 0:
+                    self._reconcile(keys=[name], args=[-round(cost)])
+        except redis.RedisError as exc:
+            self._redis_failed(exc)
 
     def reconcile(self, key: str, estimated: int, actual: int) -> None:
         per_minute = self.limits.tokens_per_minute
