@@ -595,6 +595,57 @@ def test_a_run_whose_heartbeats_fail_stops_before_its_lease_can_go_stale(factory
     nowhere.dispose()
 
 
+def test_a_lease_counts_from_its_claim_not_from_the_heartbeats_start(factory):
+    """The claim is the lease's first beat, but its silence was counted from the Heartbeat's start: a
+    wait between the two (the switch's read waiting for a pooled connection) let a run whose beats failed
+    go on past the time another worker may take the job."""
+    import time as clock
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.jobs.leases import Heartbeat, LeaseLostError
+
+    job_id = new_job(factory, "default|late-beat")
+    claimed_at = clock.monotonic() - 0.6  # claimed 0.6 s ago: the lease (stale after 0.6 s) is spent
+    assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
+    nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+    with (
+        Heartbeat(
+            sessionmaker(nowhere), job_id, "w1", interval=5, stale_after=0.6, claimed_at=claimed_at
+        ) as beat,
+        pytest.raises(LeaseLostError, match="no heartbeat got through"),
+    ):
+        beat.check()
+    nowhere.dispose()
+
+
+def test_a_message_whose_job_cannot_be_claimed_for_the_database_is_sent_again_later(database_url):
+    """A Postgres restart: the claim's error went out of the task, the message was acked and dropped,
+    and every thread took the next; the jobs waited for the sweeper. Now the task retries the message
+    in 5-15 s (an operator's run still raises, for the command to say)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.config_store import ConfigReader
+    from worker.jobs.lifecycle import OperatorRun, run_job
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+    away = sessionmaker(nowhere)
+    rt = Runtime(settings=Settings(database_url=database_url), factory=away, config=ConfigReader(away, ttl=0))
+    try:
+        outcome = run_job(rt, 1, EXTRACTION)
+        assert outcome.status == "unclaimed" and outcome.retry_in is not None and 5 <= outcome.retry_in <= 15
+        assert "the database is unavailable" in outcome.detail
+        with pytest.raises(OperationalError):
+            run_job(rt, 1, EXTRACTION, operator=OperatorRun(False))
+    finally:
+        nowhere.dispose()
+
+
 def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(factory):
     """stale_after may be two beats; stopping a full beat before it left one beat, and a check between a
     beat's wait and its write (every beat getting through) stopped a healthy run."""

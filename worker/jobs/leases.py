@@ -199,10 +199,16 @@ class Heartbeat:
         stall_after: float | None = None,
         stale_after: float | None = None,
         listen: bool = True,  # for a revocation (worker.jobs.revocations) besides the beats
+        claimed_at: float | None = None,  # time.monotonic() before the claim, its beat
     ) -> None:
         self.factory, self.job_id, self.token, self.interval = factory, job_id, token, interval
         self.stall_after, self.stale_after = stall_after, stale_after
-        self._progress = self._beaten = time.monotonic()  # the claim beat first
+        # The claim beat first: its lease counts from it. Counted from here instead, a wait between the
+        # two (a pooled connection for the switch's read, up to 30 s) let the run go on past the time
+        # the sweeper or another worker may take the job over, and both ran it.
+        began = time.monotonic()
+        self._progress = began
+        self._beaten = began if claimed_at is None else min(claimed_at, began)
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._revoked = threading.Event()  # set by worker.jobs.revocations the moment a transaction says so

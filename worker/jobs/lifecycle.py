@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +47,10 @@ def paused_reason(switch: str) -> str:
     return f"paused: {switch} is off; it resumes when the switch is turned on"
 
 
+# A message whose job could not be claimed, the database unavailable, is sent again this many seconds
+# later (drawn between the two, so a restart's backlog does not come back at once).
+DATABASE_AWAY_RETRY_SECONDS = (5.0, 15.0)
+
 # The longest note a failed job keeps (its last_error): a rule's error message, cut there.
 MAX_NOTE_CHARS = 2000
 
@@ -73,7 +79,7 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
 
 @dataclass(frozen=True)
 class JobOutcome:
-    status: str  # succeeded | failed | paused | retry | skipped | lost | released
+    status: str  # succeeded | failed | paused | retry | skipped | lost | released | unclaimed
     retry_in: float | None = None
     detail: str = ""
 
@@ -156,6 +162,7 @@ def _where(exc: BaseException) -> str:
 class Lease:
     job: Job
     token: str
+    claimed_at: float | None = None  # time.monotonic() just before the claim (the lease's first beat)
 
 
 @dataclass(frozen=True)
@@ -202,14 +209,29 @@ def _run_job(
         enqueue(rt.factory, [(job_id, spec.name)])
         return JobOutcome("released", detail="the worker is stopping; message re-sent")
     token = new_lease_token()
-    job = claim(
-        rt.factory, job_id, token, rt.settings.job_stale_after_seconds, JobBudgets.from_settings(rt.settings)
-    )
+    claimed_at = time.monotonic()
+    try:
+        job = claim(
+            rt.factory,
+            job_id,
+            token,
+            rt.settings.job_stale_after_seconds,
+            JobBudgets.from_settings(rt.settings),
+        )
+    except SQLAlchemyError as exc:
+        if operator is not None or not database_unavailable(exc):
+            raise
+        # Raised on, the message was acked (acks_on_failure): in a restart of Postgres every thread took
+        # message after message and dropped each, the jobs left to the sweeper minutes later.
+        wait = random.uniform(*DATABASE_AWAY_RETRY_SECONDS)
+        return JobOutcome(
+            "unclaimed", retry_in=wait, detail=f"the database is unavailable; sent again in {wait:.0f} s"
+        )
     if job is None:
         return JobOutcome("skipped", detail="already finished, or held by another worker")
     if job.status == "failed":  # a budget was spent: the claim failed it instead of running it
         return JobOutcome("failed", detail=job.last_error or "")
-    lease = Lease(job, token)
+    lease = Lease(job, token, claimed_at)
     if operator is None:
         return settle(rt, lease, _work(rt, lease, spec, False), backoff or spec.backoff)
     try:
@@ -239,6 +261,7 @@ def _work(rt: Runtime, lease: Lease, spec: JobKind, override_switch: bool) -> Wo
         settings.task_time_limit_seconds,
         settings.job_stale_after_seconds,
         listen=settings.job_revocation_listen,
+        claimed_at=lease.claimed_at,
     ) as beat:
 
         def guard() -> None:  # called between segments: lost the lease? is the worker stopping?
