@@ -343,6 +343,34 @@ def test_a_provider_outage_spends_the_worker_loss_budget_not_the_attempts(factor
     assert second.status == "failed" and (state.attempts, state.worker_losses) == (1, 1), state.last_error
 
 
+def test_a_spent_provider_account_spends_the_worker_loss_budget_not_the_attempts(
+    factory, runtime, sim
+) -> None:
+    """OpenAI's 429 insufficient_quota (and Anthropic's credit balance) blame the account, not the
+    request, and are not retried by the gateway: each page failed as an attempt of its own, and every job
+    in flight failed within a minute, none coming back after the top-up."""
+    from tests.integration.test_extraction import put_page
+    from worker.jobs.outbox import page_subject
+
+    rt = runtime(llm="simulator", simulator_url=sim.base_url, llm_max_attempts=2, job_max_attempts=1)
+    put_page(factory, "chats/quota")
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, page_subject("default", "chats/quota")).job_id
+    quota = {
+        "message": "You exceeded your current quota",
+        "type": "insufficient_quota",
+        "code": "insufficient_quota",
+    }
+    sim.configure(raw_replies={"chat.completions": {"error": quota}}, raw_status=429)
+    try:
+        first = run_job(rt, job_id, EXTRACTION)
+    finally:
+        sim.configure(raw_replies={}, raw_status=200)
+    state = job(factory, job_id)
+    assert first.status == "retry" and (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
+    assert "exceeded your current quota" in (state.last_error or "")
+
+
 def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(factory, runtime):
     from worker.llm.errors import LLMError
 
@@ -368,3 +396,16 @@ def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(
         run_job(rt, job_id, kind)
     state = job(factory, job_id)
     assert (state.attempts, state.worker_losses) == (2, 1)
+    # Any kind's call refused for the account's money: a worker loss, as an outage.
+    raised[0] = LLMError(
+        "HTTP 400: Your credit balance is too low to access the Anthropic API",
+        retryable=False,
+        status=400,
+        deployment_fault=True,
+        code="invalid_request_error",
+    )
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
+    assert run_job(rt, job_id, kind).status == "retry"
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (2, 2)

@@ -101,6 +101,22 @@ def provider_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, LLMError) and exc.retryable and exc.status is not None and exc.status != 408
 
 
+# What an account's money ran out says (OpenAI's 429 insufficient_quota and billing limit, Anthropic's
+# billing_error and its 400 about the credit balance).
+ACCOUNT_EXHAUSTED_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "billing_error"})
+
+
+def account_exhausted(exc: BaseException) -> bool:
+    """The provider refused for the account's money (a spent quota or credit balance): every call fails
+    alike until someone pays, then all succeed. No job's own fault: retried as a job's failure, its
+    five attempts failed every job in flight within a minute, and none came back after the top-up."""
+    return (
+        isinstance(exc, LLMError)
+        and exc.deployment_fault
+        and (exc.code in ACCOUNT_EXHAUSTED_CODES or "credit balance" in str(exc).lower())
+    )
+
+
 class NoEmbeddingsError(LLMError):
     """The provider has no embeddings API (Anthropic without an OpenAI key): no call was made, and
     trying again cannot help. Vector search is unavailable rather than failing."""
