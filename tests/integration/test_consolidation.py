@@ -662,6 +662,37 @@ def test_a_backlog_of_covered_facts_hides_no_lost_request(tx_factory) -> None:
     assert subjects == {"default|people/queued", "default|people/lost"}
 
 
+def test_the_catch_up_asks_for_the_orphans_a_lost_follow_up_would_have(tx_factory) -> None:
+    """A re-extraction deleted the fact that another had been closed by: the orphan's entity was asked
+    for by the page's follow-up only, and a worker that died before it left the orphan hidden from
+    current reads for good (the catch-up and `factmill facts consolidate` read unconsolidated facts
+    only). The catch-up asks for the sources' orphans with the facts it catches up, the work list too."""
+    from worker.consolidation import catch_up_consolidation
+    from worker.consolidation.store import unconsolidated_entity_keys
+
+    insert = (
+        "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+        "source_session, source_markdown_slug, row_num, created_at, status, consolidated_at) VALUES "
+    )
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                insert
+                + "('default', 'new', 'fact', 'people/new', 0.9, 'medium', 's', 's', 'conversations/p', 0, "
+                "now() - interval '1 hour', 'current', NULL), "
+                "('default', 'orphan', 'fact', 'people/orphan', 0.9, 'medium', 's', 's', 'conversations/o', 0, "
+                "now() - interval '3 days', 'superseded', now() - interval '2 days'), "
+                "('other', 'elsewhere', 'fact', 'people/else', 0.9, 'medium', 's', 's', 'conversations/e', 0, "
+                "now() - interval '3 days', 'superseded', now() - interval '2 days')"
+            )
+        )
+        assert unconsolidated_entity_keys(session, "default") == ["people/new", "people/orphan"]
+    assert catch_up_consolidation(tx_factory) == 2
+    with tx_factory() as session:
+        subjects = set(session.scalars(select(Job.subject).where(Job.kind == "consolidation")))
+    assert subjects == {"default|people/new", "default|people/orphan"}  # not the other source's
+
+
 def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
     from worker.consolidation.store import _FORGOTTEN
 

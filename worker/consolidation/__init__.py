@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from worker.consolidation.store import forgotten_entity_keys, pending_entity_keys
+from worker.consolidation.store import forgotten_entity_keys, orphaned_entity_keys, pending_entity_keys
 from worker.jobs.outbox import CONSOLIDATION, JobRequest, page_subject, request_jobs
 from worker.jobs.sending import enqueue
 
@@ -62,11 +62,14 @@ CATCH_UP_SCAN = 10_000
 def catch_up_consolidation(factory: sessionmaker[Session], scan: int = CATCH_UP_SCAN) -> int:
     """Request (and send) the consolidation jobs a worker's death left unrequested: a page's request
     is made on the follow-up thread that embeds its facts, after its job succeeded, so a deploy or an
-    OOM kill in between left the facts pending for good. Returns how many jobs were requested."""
+    OOM kill in between left the facts pending for good. As the follow-up would, it asks for their
+    sources' orphans too (facts whose link a re-extraction deleted: hidden from current reads until
+    another fact of their entity came). Returns how many jobs were requested."""
     with factory.begin() as session:
         keys = forgotten_entity_keys(
             session, grace_seconds=CATCH_UP_GRACE_SECONDS, window_seconds=CATCH_UP_WINDOW_SECONDS, scan=scan
         )
+        keys = sorted({*keys, *orphaned_entity_keys(session, [source_id for source_id, _ in keys])})
         requests = request_jobs(session, CONSOLIDATION, [page_subject(s, key) for s, key in keys])
     enqueue(factory, [(request.job_id, CONSOLIDATION) for request in requests if request.created])
     return len(requests)

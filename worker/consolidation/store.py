@@ -314,12 +314,8 @@ def pending_entity_keys(session: Session, pages: Sequence[tuple[str, str]]) -> l
         return []
     sources, slugs = [source for source, _ in pages], [slug for _, slug in pages]
     new = session.execute(_PAGES_UNCONSOLIDATED, {"sources": sources, "slugs": slugs}).all()
-    orphans = session.execute(
-        _ORPHANED_LINKS, {"sources": sorted({source_id for source_id, _ in pages})}
-    ).all()
-    return sorted(
-        {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in (*new, *orphans)}
-    )
+    keys = {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in new}
+    return sorted(keys | set(orphaned_entity_keys(session, sources)))
 
 
 def entity_key_sql(
@@ -386,11 +382,21 @@ def forgotten_entity_keys(
     return sorted({(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows})
 
 
+def orphaned_entity_keys(session: Session, source_ids: Sequence[str]) -> list[tuple[str, str]]:
+    """(source id, entity key) of these sources' facts whose lifecycle link went (ix_facts_orphaned_links)."""
+    if not source_ids:
+        return []
+    rows = session.execute(_ORPHANED_LINKS, {"sources": sorted(set(source_ids))}).all()
+    return sorted({(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows})
+
+
 def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:
-    """Every entity of the source with facts not yet consolidated (a backfill's work list)."""
+    """Every entity of the source with facts not yet consolidated, or whose link went (a backfill's or
+    an operator's work list: an orphan's request lost with its page's follow-up was found by neither)."""
     rows = session.execute(
         select(Fact.entity_slug, Fact.source_markdown_slug)
         .where(Fact.source_id == source_id, ~Fact.is_audit, Fact.consolidated_at.is_(None))
         .distinct()
     ).all()
-    return sorted({entity_key(row.entity_slug, row.source_markdown_slug) for row in rows})
+    keys = {entity_key(row.entity_slug, row.source_markdown_slug) for row in rows}
+    return sorted(keys | {key for _, key in orphaned_entity_keys(session, [source_id])})
