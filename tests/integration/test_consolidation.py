@@ -568,7 +568,14 @@ def test_the_job_kind_runs_under_its_kill_switch(factory, database_url, simulato
     from worker.runtime import Runtime
     from worker.settings import Settings
 
-    settings = Settings(database_url=database_url, simulator_url=simulator.base_url, llm="simulator")
+    # The facts are extracted here, not embedded: as by workers that embed none (with embedding on, a
+    # worker's run leaves facts stored in the last ten minutes without a vector for their follow-up).
+    settings = Settings(
+        database_url=database_url,
+        simulator_url=simulator.base_url,
+        llm="simulator",
+        embed_after_extraction=False,
+    )
     rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
     llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
     put_page(factory, JAN_PAGE, JAN_BODY)
@@ -662,6 +669,62 @@ def test_a_backlog_of_covered_facts_hides_no_lost_request(tx_factory) -> None:
     assert subjects == {"default|people/queued", "default|people/lost"}
 
 
+def test_a_job_leaves_facts_still_waiting_for_their_vectors_and_the_catch_up_sees_them_later(
+    tx_factory,
+) -> None:
+    """A page's facts commit, then its follow-up embeds them and asks for their entities: a job another
+    page asked for meanwhile decided them by their words only ("moved to Porto" and "lives in Lisbon"
+    share none: both current for good). Facts stored in the last ten minutes without a vector wait for
+    their own request; a job asked for in that time does not count as having covered them."""
+    from worker.consolidation import CATCH_UP_GRACE_SECONDS, catch_up_consolidation
+    from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
+
+    insert = (
+        "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+        "source_session, source_markdown_slug, row_num, created_at, embedding) VALUES "
+    )
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                insert
+                + "('default', 'fresh', 'fact', 'people/e', 0.9, 'medium', 's', 's', 'conversations/a', 0, "
+                "now(), NULL), "
+                "('default', 'embedded', 'fact', 'people/e', 0.9, 'medium', 's', 's', 'conversations/a', 1, "
+                "now(), ARRAY[0.6, 0.8]), "
+                "('default', 'old', 'fact', 'people/e', 0.9, 'medium', 's', 's', 'conversations/b', 0, "
+                "now() - interval '20 minutes', NULL)"
+            )
+        )
+    deferring = ConsolidationStore(
+        tx_factory, Ledger({}.get), defer_unembedded_seconds=CATCH_UP_GRACE_SECONDS
+    )
+    pending, batch, _ = deferring.entity_round("default", "people/e", 10)
+    assert sorted(f.text for f in batch) == ["embedded", "old"] and len(pending) == 2
+    everything = ConsolidationStore(tx_factory, Ledger({}.get))  # embedding off: nothing to wait for
+    assert len(everything.entity_round("default", "people/e", 10)[0]) == 3
+    # Nor is there with Anthropic alone (no embeddings API): its facts were deferred every time.
+    from worker.llm.gateway import can_embed
+    from worker.settings import Settings
+
+    assert not can_embed(Settings(llm="anthropic", anthropic_api_key="k"))
+    assert can_embed(Settings(llm="anthropic", anthropic_api_key="k", openai_api_key="o"))
+    assert can_embed(Settings(llm="simulator")) and can_embed(Settings(llm="openai", openai_api_key="o"))
+    # A job of the entity asked for a minute after the fresh fact (it passed the fact over): once the
+    # fact is past the grace, the catch-up asks for it again; a job asked for after that covers it.
+    with tx_factory.begin() as session:
+        session.execute(update(Fact).values(created_at=func.now() - text("interval '20 minutes'")))
+        job_id = request_job(session, CONSOLIDATION, page_subject("default", "people/e")).job_id
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(status="succeeded", created_at=func.now() - text("interval '19 minutes'"))
+        )
+    assert catch_up_consolidation(tx_factory) == 1
+    with tx_factory.begin() as session:
+        session.execute(update(Job).values(status="failed"))
+    assert catch_up_consolidation(tx_factory) == 0  # the job asked for after the grace covers it
+
+
 def test_the_catch_up_asks_for_the_orphans_a_lost_follow_up_would_have(tx_factory) -> None:
     """A re-extraction deleted the fact that another had been closed by: the orphan's entity was asked
     for by the page's follow-up only, and a worker that died before it left the orphan hidden from
@@ -680,9 +743,9 @@ def test_the_catch_up_asks_for_the_orphans_a_lost_follow_up_would_have(tx_factor
                 insert
                 + "('default', 'new', 'fact', 'people/new', 0.9, 'medium', 's', 's', 'conversations/p', 0, "
                 "now() - interval '1 hour', 'current', NULL), "
-                "('default', 'orphan', 'fact', 'people/orphan', 0.9, 'medium', 's', 's', 'conversations/o', 0, "
+                "('default', 'orphan', 'fact', 'people/orphan', 0.9, 'medium', 's', 's', 'chats/o', 0, "
                 "now() - interval '3 days', 'superseded', now() - interval '2 days'), "
-                "('other', 'elsewhere', 'fact', 'people/else', 0.9, 'medium', 's', 's', 'conversations/e', 0, "
+                "('other', 'elsewhere', 'fact', 'people/else', 0.9, 'medium', 's', 's', 'chats/e', 0, "
                 "now() - interval '3 days', 'superseded', now() - interval '2 days')"
             )
         )

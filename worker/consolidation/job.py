@@ -11,7 +11,7 @@ from sqlalchemy import func, select, update
 
 from models import Job
 from worker.config_store import CONSOLIDATION_ENABLED
-from worker.consolidation import catch_up_consolidation
+from worker.consolidation import CATCH_UP_GRACE_SECONDS, catch_up_consolidation
 from worker.consolidation.service import ConsolidationReplyError, EntityRun, consolidate_entity
 from worker.consolidation.store import ConsolidationStore
 from worker.jobs.lifecycle import JobContext, OperatorRun, WorkResult, run_job
@@ -24,6 +24,7 @@ from worker.jobs.outbox import (
     split_page_subject,
 )
 from worker.jobs.registry import BUDGET, ErrorRule, JobKind, KillSwitchOffError, register
+from worker.llm.gateway import can_embed
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,12 @@ def consolidate_job(ctx: JobContext) -> WorkResult:
         guard=guard,
         before_call=lambda: rt.budget.check(job.id),
     )
-    counters = consolidate_entity(ConsolidationStore(rt.factory, rt.ledger), rt.llm, run)
+    # A worker's run leaves the facts whose vectors their page's follow-up is still making for that
+    # follow-up's request (the catch-up's, should it be lost); an operator's decides what is there now.
+    waits = rt.settings.embed_after_extraction and can_embed(rt.settings) and not ctx.operator_run
+    defer = CATCH_UP_GRACE_SECONDS if waits else None
+    store = ConsolidationStore(rt.factory, rt.ledger, defer_unembedded_seconds=defer)
+    counters = consolidate_entity(store, rt.llm, run)
     note = None if counters.facts_considered else "nothing to consolidate: every fact was decided"
     return WorkResult("succeeded", counters=counters.as_dict(), note=note)
 

@@ -113,6 +113,7 @@ class JobContext:
     # begins to stop, which threw away a summary answered and paid for (a rolling deploy).
     lease: Callable[[], None] = field(default=lambda: None)
     switch_overridden: bool = False  # an operator's one-off run despite the kill switch (the CLI's)
+    operator_run: bool = False  # run by an operator's command in its own process, not by a worker
 
     def enabled(self) -> bool:
         return self.switch_overridden or self.rt.config.enabled(self.kind.switch)
@@ -236,21 +237,22 @@ def _run_job(
         return JobOutcome("failed", detail=job.last_error or "")
     lease = Lease(job, token, claimed_at)
     if operator is None:
-        return settle(rt, lease, _work(rt, lease, spec, False), backoff or spec.backoff)
+        return settle(rt, lease, _work(rt, lease, spec, None), backoff or spec.backoff)
     try:
-        return settle(rt, lease, _work(rt, lease, spec, operator.override_switch), backoff or spec.backoff)
+        return settle(rt, lease, _work(rt, lease, spec, operator), backoff or spec.backoff)
     except (KeyboardInterrupt, SystemExit):  # from the claim to the settle: the lease goes back
         with contextlib.suppress(Exception):
             release(rt, lease, WorkResult("released", note=INTERRUPTED_NOTE))
         raise
 
 
-def _work(rt: Runtime, lease: Lease, spec: JobKind, override_switch: bool) -> WorkResult:
+def _work(rt: Runtime, lease: Lease, spec: JobKind, operator: OperatorRun | None) -> WorkResult:
     """The claimed job's run: its kind's work under a heartbeat (or what it does while its switch is
     off), its exception sorted into a result."""
     job = lease.job
     if job.kind != spec.name:
         return WorkResult("failed", note=f"job kind {job.kind!r} is not {spec.name!r}")
+    override_switch = operator is not None and operator.override_switch
     switched_off = not override_switch and not rt.config.enabled(spec.switch)
     if switched_off and spec.while_switched_off is None:
         return WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
@@ -272,7 +274,7 @@ def _work(rt: Runtime, lease: Lease, spec: JobKind, override_switch: bool) -> Wo
             check_stopping()
 
         try:
-            return work(JobContext(rt, job, spec, guard, beat.check, override_switch))
+            return work(JobContext(rt, job, spec, guard, beat.check, override_switch, operator is not None))
         except Exception as exc:
             return result_for_error(spec, exc)
 

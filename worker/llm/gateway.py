@@ -142,6 +142,12 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     )
 
 
+def can_embed(settings: Settings) -> bool:
+    """Whether the configured provider has an embeddings API (Anthropic's has none: it embeds through
+    OpenAI when an OpenAI key is set too)."""
+    return settings.resolved_llm() != "anthropic" or bool(settings.openai_api_key)
+
+
 @contextmanager
 def open_llm_client(
     settings: Settings, *, budget: BudgetCheck | None = None, on_attempt: AttemptListener | None = None
