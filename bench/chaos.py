@@ -377,8 +377,8 @@ class Delivery:
 
 def delivery(page: dict[str, str], key: str) -> Delivery:
     body = json.dumps(page).encode()
-    headers = signed_json_headers(body, SECRET, method="POST", path="/v1/pages")
-    return Delivery(body, headers | {"Idempotency-Key": key})
+    headers = signed_json_headers(body, SECRET, method="POST", path="/v1/pages", idempotency_key=key)
+    return Delivery(body, headers)
 
 
 def send(client: httpx.Client, item: Delivery, deadline: float) -> int:

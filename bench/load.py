@@ -146,8 +146,9 @@ async def deliver(
         response = await client.post(
             path,
             content=body,
-            headers=signed_json_headers(body, SECRET, method="POST", path=path)
-            | ({"Idempotency-Key": f"load-{index}"} if keyed else {}),
+            headers=signed_json_headers(
+                body, SECRET, method="POST", path=path, idempotency_key=f"load-{index}" if keyed else None
+            ),
         )
     except httpx.HTTPError as exc:
         return type(exc).__name__

@@ -44,7 +44,7 @@ from worker.core.signing import sign, signed_json_headers
 from worker.jobs import outbox as jobs
 from worker.jobs import sending
 from worker.jobs.lifecycle import run_job
-from worker.llm.errors import LLMError, provider_unavailable
+from worker.llm.errors import LLMError, provider_cannot_serve, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
@@ -607,6 +607,26 @@ def test_a_provider_outage_through_the_simulator_is_raised_for_the_job_to_try_ag
     assert {call.outcome for call in llm_calls(tx_factory)} == {"provider_error"}
     with tx_factory() as session:
         assert context_view(session, "down").compaction_id is None
+
+
+def test_a_summarizer_call_refused_for_the_accounts_money_is_raised_for_the_job_to_try_again(
+    tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """A spent quota (not retried by the gateway: the same for every call until someone pays) was
+    stored as a failed compaction, which failed the job at once: none came back after the top-up."""
+    quota = {
+        "message": "You exceeded your current quota",
+        "type": "insufficient_quota",
+        "code": "insufficient_quota",
+    }
+    simulator.configure(raw_replies={"chat.completions": {"error": quota}}, raw_status=429)
+    try:
+        append(tx_factory, "broke", session_messages(25), settings=SETTINGS)
+        with pytest.raises(LLMError, match="quota") as caught:
+            compact_transcript(tx_factory, llm_for(simulator), "broke", threshold=lambda: FALLBACK)
+    finally:
+        simulator.configure(raw_replies={}, raw_status=200)
+    assert provider_cannot_serve(caught.value) and compactions(tx_factory) == []
 
 
 def test_the_kill_switch_stops_a_summarizer_call_between_the_gateways_tries(

@@ -38,7 +38,7 @@ from worker.core.timeline import CompactionPlan
 from worker.jobs.lifecycle import paused_reason
 from worker.jobs.registry import KillSwitchOffError
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
-from worker.llm.errors import BudgetExhaustedError, LLMError, provider_unavailable
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve
 from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
@@ -254,8 +254,9 @@ class CompactionRun:
             self._record_tries(getattr(exc, "attempts", ())[:-1])  # the gateway's tries before the last
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
-            if provider_unavailable(exc):
-                # An outage (429/5xx past the retry layer): the job is queued again, as extraction's are.
+            if provider_cannot_serve(exc):
+                # An outage (429/5xx past the retry layer), or the account's money spent: the job is
+                # queued again, as extraction's are.
                 # Stored as a failed compaction, it ended the job and held off the next for the retrigger
                 # wait: an outage failed every compaction in flight and stalled their transcripts.
                 raise

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from worker.core.facts import ExtractedFact, MalformedReplyError, parse_facts_reply, repair_user_message
 from worker.extraction.prompts import extraction_request, first_turn
 from worker.llm.between_tries import checked_between_tries, tries_before_stop
-from worker.llm.errors import BudgetExhaustedError, LLMError, account_exhausted, provider_unavailable
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve
 from worker.llm.retry import AttemptRecord, chat_with_tries
 from worker.llm.types import ChatRequest, ChatResponse, LLMClient, Usage
 
@@ -34,8 +34,7 @@ class Attempt:
     called: bool = True  # False: refused before any request (budget), so no llm_calls row
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
     rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
-    provider_away: bool = False  # unavailable, or the account spent (llm.errors: provider_unavailable,
-    # account_exhausted): none of the segment's doing
+    provider_away: bool = False  # llm.errors.provider_cannot_serve: none of the segment's doing
     usage: Usage | None = None  # billed for a reply that failed (LLMError.usage); a response has its own
 
     @classmethod
@@ -127,7 +126,7 @@ def _ask(
                 llm.model,
                 exc.latency_ms,
                 rejected=rejected_request(exc),
-                provider_away=provider_unavailable(exc) or account_exhausted(exc),
+                provider_away=provider_cannot_serve(exc),
                 usage=exc.usage,
             )
         )

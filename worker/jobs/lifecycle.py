@@ -32,7 +32,7 @@ from worker.jobs.registry import (
 )
 from worker.jobs.sending import enqueue, traceparents
 from worker.jobs.shutdown import WorkerStoppingError, check_stopping, stopping
-from worker.llm.errors import BudgetExhaustedError, LLMError, account_exhausted, provider_unavailable
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve
 from worker.runtime import Runtime, tracing
 from worker.runtime.logs import log_context
 
@@ -65,12 +65,10 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     # the job's own failure, five pool timeouts on a busy worker failed a page for good.
     ErrorRule(SQLAlchemyError, "requeue", when=database_unavailable),
     ErrorRule(OperationalError, "retry"),
-    # The LLM provider unavailable past the retry layer's patience (429, 5xx): infrastructure too. As
-    # the job's own failure, an outage of minutes failed every job in flight.
-    ErrorRule(LLMError, "requeue", when=provider_unavailable),
-    # The account's quota or credit spent: every job fails alike until someone pays. Re-sent on the
-    # worker-loss budget too (about 45 minutes), not failed within a minute on five attempts.
-    ErrorRule(LLMError, "requeue", when=account_exhausted),
+    # The LLM provider unavailable past the retry layer's patience (429, 5xx), or refusing for the
+    # account's money (every job fails alike until someone pays): infrastructure too. As the job's own
+    # failure, an outage of minutes (or a spent quota, within a minute) failed every job in flight.
+    ErrorRule(LLMError, "requeue", when=provider_cannot_serve),
     # Any other provider error (a 401, a model that does not exist): retried, noted in the provider's
     # words (what to fix is there; sorted with the unknown errors, the note named its class only).
     ErrorRule(LLMError, "retry"),

@@ -117,6 +117,13 @@ def account_exhausted(exc: BaseException) -> bool:
     )
 
 
+def provider_cannot_serve(exc: BaseException) -> bool:
+    """The provider cannot serve now through no request's doing: an outage past the retry layer's
+    patience (provider_unavailable), or the account's money spent (account_exhausted). The one test the
+    job kinds use to send the job again on the worker-loss budget, not fail it on its own."""
+    return provider_unavailable(exc) or account_exhausted(exc)
+
+
 class NoEmbeddingsError(LLMError):
     """The provider has no embeddings API (Anthropic without an OpenAI key): no call was made, and
     trying again cannot help. Vector search is unavailable rather than failing."""
