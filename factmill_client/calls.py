@@ -30,7 +30,7 @@ def new_idempotency_key() -> str:
 
 
 def delivery_key(key: str | None) -> str:
-    """The Idempotency-Key of an ingestion call: the caller's, checked (a v3 signature binds it, so it
+    """The Idempotency-Key of an ingestion call: the caller's, checked (a v4 signature binds it, so it
     must read alike on both sides: printable ASCII), else a new one."""
     if key is None:
         return new_idempotency_key()

@@ -128,8 +128,8 @@ def build_request(
     signed_at: int | None = None,
 ) -> httpx.Request:
     """The request for one attempt of ``call``. A signed call is signed for each attempt at
-    ``signed_at`` (``Credentials.signing_time``; None: now), over the path as sent and, with v3, the
-    call's Idempotency-Key (the same for every attempt)."""
+    ``signed_at`` (``Credentials.signing_time``; None: now), over the path as sent and the call's
+    Idempotency-Key (the same for every attempt; v4)."""
     headers: dict[str, str] = {}
     if call.body is not None:
         headers["Content-Type"] = "application/json"

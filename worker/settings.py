@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from dotenv import dotenv_values
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -453,6 +454,15 @@ def get_settings() -> Settings:
         raise InvalidSettingsError(
             f".env in {Path.cwd()} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
         ) from None
-    for line in unknown_variables(os.environ, variable_names(Settings.model_fields)):
+    for line in unknown_variables(_environment_names(), variable_names(Settings.model_fields)):
         logger.warning(line)
     return settings
+
+
+def _environment_names() -> dict[str, str]:
+    """The variables Settings read: the process's and the .env file's (names only from the file)."""
+    names = dict(os.environ)
+    env_file = Settings.model_config.get("env_file")
+    if isinstance(env_file, str) and Path(env_file).is_file():
+        names.update(dict.fromkeys((key for key in dotenv_values(env_file) if key), ""))
+    return names

@@ -607,20 +607,26 @@ def test_a_lease_counts_from_its_claim_not_from_the_heartbeats_start(factory):
     from worker.jobs.leases import Heartbeat, LeaseLostError
 
     job_id = new_job(factory, "default|late-beat")
-    claimed_at = clock.monotonic() - 0.6  # claimed 0.6 s ago: the lease (stale after 0.6 s) is spent
     assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
     nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
-    with (
-        Heartbeat(
-            sessionmaker(nowhere), job_id, "w1", interval=5, stale_after=0.6, claimed_at=claimed_at
-        ) as beat,
-        pytest.raises(LeaseLostError, match="no heartbeat got through"),
-    ):
-        beat.check()
-    nowhere.dispose()
+    away = sessionmaker(nowhere)
+    try:
+        # Started at the claim, a silence of 2 s is past stale_after less half a beat (1.5 s).
+        with Heartbeat(away, job_id, "w1", interval=1, stale_after=2) as beat:
+            beat.check()  # just claimed: fine
+        claimed_at = clock.monotonic() - 2  # claimed 2 s before the heartbeat started
+        with (
+            Heartbeat(away, job_id, "w1", interval=1, stale_after=2, claimed_at=claimed_at) as beat,
+            pytest.raises(LeaseLostError, match="no heartbeat got through"),
+        ):
+            beat.check()
+    finally:
+        nowhere.dispose()
 
 
-def test_a_message_whose_job_cannot_be_claimed_for_the_database_is_sent_again_later(database_url):
+def test_a_message_whose_job_cannot_be_claimed_for_the_database_is_sent_again_later(
+    database_url, monkeypatch
+):
     """A Postgres restart: the claim's error went out of the task, the message was acked and dropped,
     and every thread took the next; the jobs waited for the sweeper. Now the task retries the message
     in 5-15 s (an operator's run still raises, for the command to say)."""
@@ -642,6 +648,12 @@ def test_a_message_whose_job_cannot_be_claimed_for_the_database_is_sent_again_la
         assert "the database is unavailable" in outcome.detail
         with pytest.raises(OperationalError):
             run_job(rt, 1, EXTRACTION, operator=OperatorRun(False))
+        # Traced, a message sent untraced has its job's trace read first: that read is no claim.
+        from worker.runtime import tracing
+
+        monkeypatch.setattr(tracing, "enabled", lambda: True)
+        monkeypatch.setattr(tracing, "current_traceparent", lambda: None)
+        assert run_job(rt, 1, EXTRACTION).status == "unclaimed"
     finally:
         nowhere.dispose()
 

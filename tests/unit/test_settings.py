@@ -215,6 +215,19 @@ def test_a_factmill_variable_no_setting_reads_is_named_with_the_setting_meant(
     assert "8" not in " ".join(caplog.messages)  # a value is never quoted (it may be a secret)
 
 
+def test_a_dotenv_files_variable_no_setting_reads_is_named_too(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path
+) -> None:
+    (tmp_path / ".env").write_text("FACTMILL_LLM_CONCURENCY=8\nFACTMILL_LLM=simulator\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="worker.settings"):
+        assert fresh_settings().llm == "simulator"
+    assert caplog.messages == [
+        "FACTMILL_LLM_CONCURENCY is not a Factmill setting and is ignored "
+        "(did you mean FACTMILL_LLM_CONCURRENCY?)"
+    ]
+
+
 def test_a_dotenv_file_that_is_not_utf8_is_one_line_not_a_traceback(
     fresh_settings, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:

@@ -55,7 +55,7 @@ SignatureHeader = Annotated[str | None, Depends(_signature)]
 
 
 def request_path(request: Request) -> str:
-    """The path as the sender wrote it (percent-escapes kept, no query string): what v2 signs."""
+    """The path as the sender wrote it (percent-escapes kept, no query string): what v4 (and v3, v2) signs."""
     raw: bytes | None = request.scope.get("raw_path")
     return raw.decode("latin-1").partition("?")[0] if raw else request.url.path
 
@@ -150,7 +150,7 @@ class Ingest:
 
     def verify(self, ctx: ApiContext, body: bytes) -> int | None:
         """The signed timestamp when a signature was sent (401 unless it signs this method, path,
-        body and, v3, Idempotency-Key); None for a keyed delivery without one."""
+        body and Idempotency-Key); None for a keyed delivery without one."""
         if self.signature is None:
             return None
         return verify_signature(

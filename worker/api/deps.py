@@ -192,8 +192,9 @@ def verify_signature(
     arrived_at: float | None = None,
 ) -> int:
     """The webhook signature check every signed route runs first: 401 with the reason; returns the
-    signed timestamp. With ``method`` and ``path`` the signature must be v3 (bound to them and to
-    ``idempotency_key``), or v2 / v1 while FACTMILL_ACCEPT_V2_SIGNATURES / _V1_ are on. Its age is
+    signed timestamp. With ``method`` and ``path`` the signature must be v4 (bound to them and to
+    ``idempotency_key``; without a key only while v2 is accepted), or v3 / v2 / v1 while
+    FACTMILL_ACCEPT_V3_SIGNATURES / _V2_ / _V1_ are on. Its age is
     measured at ``arrived_at`` (worker.bodycap.arrived_at; None: now): a large delivery signed when it
     was sent waited unread for a place to be read in, up to the client's patience, and was refused as
     too old once its turn came (the sender's resend, signed at the same time, waited again)."""

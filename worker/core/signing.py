@@ -140,7 +140,9 @@ def _unusable(
     accept_v1: bool,
 ) -> str | None:
     """Why a bound request's header holds no entry this server checks, or None when it holds one."""
-    signable = idempotency_key is None or signable_key(idempotency_key)
+    # A v4 with no key binds its absence, but a copy sent again within the window is a new delivery
+    # (nothing to deduplicate it by): as exposed as v2, it passes while v2 does.
+    signable = signable_key(idempotency_key) if idempotency_key is not None else accept_v2
     if signatures[BOUND_SCHEME] and signable:
         return None
     keyed = idempotency_key is not None and signable_key(idempotency_key)
@@ -153,6 +155,11 @@ def _unusable(
         return f"a {signing[0]} signature signs only an {IDEMPOTENCY_HEADER} of printable ASCII characters"
     if accept_v3 and signatures[KEYED_SCHEME]:
         return f"a v3 signature signs the {IDEMPOTENCY_HEADER} header: send the key it was made with"
+    if signatures[BOUND_SCHEME]:
+        return (
+            f"a signed delivery needs an {IDEMPOTENCY_HEADER} here (without one a copy sent again would "
+            "be stored again; FACTMILL_ACCEPT_V2_SIGNATURES is off)"
+        )
     held = [
         s
         for s, on in ((KEYED_SCHEME, accept_v3), (SCHEME, accept_v2), (LEGACY_SCHEME, accept_v1))
@@ -202,7 +209,7 @@ def verify(
         accept_v1=accept_v1,
     )
     bound = method is not None or path is not None
-    signable = idempotency_key is None or signable_key(idempotency_key)
+    signable = signable_key(idempotency_key) if idempotency_key is not None else accept_v2
     matched = False
     # Every secret is tried (no early exit), as every candidate is; a scheme the header carries no entry
     # of is not computed (a hash of the whole body each: the sender knows what it sent, timing tells it

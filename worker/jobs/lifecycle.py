@@ -201,7 +201,12 @@ def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
     """The job's trace, for a message that came without one (its sender was not tracing)."""
     if not tracing.enabled() or tracing.current_traceparent() is not None:
         return None
-    return traceparents(rt.factory, [job_id]).get(job_id)
+    try:
+        return traceparents(rt.factory, [job_id]).get(job_id)
+    except SQLAlchemyError as exc:  # the claim, next, says what the database's absence means
+        if not database_unavailable(exc):
+            raise
+        return None
 
 
 def _run_job(

@@ -215,9 +215,9 @@ def _transcript_out(ctx: ApiContext, transcript_id: str) -> TranscriptOut:
 def accept_settings(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None = None
 ) -> JSONResponse:
-    """A repeat with the same Idempotency-Key (which v3 signatures sign, and require here) gets the stored
-    answer and changes nothing: a captured change of settings sent again within the signature's window
-    undid the changes made after it."""
+    """A repeat with the same Idempotency-Key (which signatures sign; one is needed once v2 is off) gets
+    the stored answer and changes nothing: a captured change of settings sent again within the
+    signature's window undid the changes made after it."""
     delivered_at = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     data = load_json_object(body)
