@@ -172,6 +172,19 @@ def left_queued(data_dir: Path) -> None:
         engine.dispose()
 
 
+def set_revision(data_dir: Path, revision: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    from worker.embedded.postgres import embedded_postgres_url
+
+    engine = create_engine(embedded_postgres_url(data_dir))
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": revision})
+    finally:
+        engine.dispose()
+
+
 def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
     """`factmill demo` with no server configured: embedded Postgres + Redis, API, worker, beat."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
@@ -223,6 +236,34 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
         assert after_a_stop.returncode == 0, output
         assert "1 extraction job(s) an earlier run left unfinished" in output
         assert "nothing new to extract" not in output and "1 (1 succeeded)" in output
+        # Its kill switch off (as the README shows how): the jobs are paused, and the demo says so at
+        # once, exit 3 (it watched a bar at 0 for ten minutes, then blamed the worker).
+        switched = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "config", "set", "facts.extraction_enabled", "false"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert switched.returncode == 0, switched.stdout + switched.stderr
+        new_page = tmp_path / "more" / "new.md"
+        new_page.parent.mkdir()
+        new_page.write_text(
+            "---\nslug: conversations/paused\ntype: conversation\ntitle: paused\n---\n"
+            "**Ana** (2024-04-20 10:30 AM): I moved to Lima.\n**Bo** (2024-04-20 10:31 AM): Congrats!\n"
+        )
+        demo_more = [sys.executable, "-m", "worker.cli", "demo", "--concurrency", "2", "--examples"]
+        paused = subprocess.run(
+            [*demo_more, str(new_page.parent)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+        )
+        output = paused.stdout + paused.stderr
+        assert paused.returncode == 3, output
+        assert "1 job(s) paused, waiting for an operator" in output and "facts.extraction_enabled" in output
+        # A schema a newer release upgraded: one line, as `db upgrade` says it (a traceback before).
+        set_revision(tmp_path / "var", "9999_from_the_future")
+        newer = subprocess.run(
+            [*demo_more, str(new_page.parent)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+        )
+        output = newer.stdout + newer.stderr
+        assert newer.returncode == 1 and "Traceback" not in output, output
+        assert "9999_from_the_future, newer than this factmill" in output
     finally:
         subprocess.run(
             [sys.executable, "-m", "worker.cli", "db", "stop"],

@@ -35,31 +35,51 @@ def db_upgrade(
     ] = False,
 ) -> None:
     """Build or update the schema with the migrations."""
-    from alembic.util import CommandError
-    from sqlalchemy.exc import DBAPIError
-
     settings = get_settings()
     refuse_unset_servers(settings, "database_url")  # a migrate Job migrated a throwaway embedded Postgres
     url = database_url(settings)
+    try:
+        upgrade_schema(settings, url, revision, wait=wait)
+    except SchemaUpgradeError as exc:
+        raise fail(str(exc), code=exc.code) from None
+    out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
+
+
+class SchemaUpgradeError(Exception):
+    """The schema could not be brought to the revision; the message says why and where it stays."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def upgrade_schema(settings: Settings, url: str, revision: str = "head", *, wait: bool = False) -> None:
+    """Run the migrations up to ``revision``, saying on stderr what it sets out to run and each step;
+    SchemaUpgradeError with one line for a person (`db upgrade` and the demo: the demo's own upgrade
+    was a traceback for a schema a newer release made, a refused migration or a table lock held)."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
     state = schema_state(settings, url, wait=wait)
     if state.unknown:  # upgraded by a newer release: alembic would only say it cannot find the revision
-        raise fail(str(state.problem()))
+        raise SchemaUpgradeError(str(state.problem()))
     try:
         pending = db.pending_revisions(url, revision)
         if pending:  # a migration over a large table (an index) can take minutes: say where it stands
             err.print(f"upgrading the schema: {len(pending)} migration(s), {pending[0]} to {pending[-1]}")
         db.upgrade(url, revision, on_step=_report_step)
     except CommandError as exc:  # a revision that is not one of the migrations'
-        raise fail(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
+        raise SchemaUpgradeError(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
     except DBAPIError as exc:  # each migration commits on its own (alembic/env.py): the failed one did not
         stays = db.current_revision(url) or "no schema"
-        raise fail(
+        raise SchemaUpgradeError(
             f"the upgrade failed, its last migration rolled back (the schema stays at {stays}; run it "
             f"again to go on from there): {error_summary(exc)}"
         ) from None
     except db.MigrationRefusedError as exc:  # what to do is its message
-        raise fail(f"{exc} (the schema stays at {db.current_revision(url) or 'no schema'})") from None
-    out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
+        raise SchemaUpgradeError(
+            f"{exc} (the schema stays at {db.current_revision(url) or 'no schema'})"
+        ) from None
 
 
 def _report_step(revision: str, seconds: float, doc: str) -> None:

