@@ -392,3 +392,39 @@ def test_a_database_error_reading_a_failed_segments_count_keeps_the_spend_of_the
             select(func.count()).select_from(LLMCall).where(LLMCall.purpose == "extraction")
         )
     assert calls == requests(sim) - before == 3  # every segment's call was paid: every one recorded
+
+
+def test_a_failed_pages_calls_in_flight_start_no_other_attempt(tx_factory, sim, llm):
+    """When a page fails its calls in flight finish (paid) and their results are discarded; a malformed
+    first reply among them still sent its repair turn (the segment's text again: paid, thrown away) and
+    the page's thread waited for it. Once the page stops, no call starts another attempt."""
+    import dataclasses
+    import json
+
+    from worker.llm.errors import LLMError
+
+    asked: list[int] = []
+
+    class Scripted:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            text = json.dumps(request.messages)
+            if "order 15" in text:  # the first segment fails at once: the page stops
+                raise LLMError("HTTP 500: down", retryable=True, status=500)
+            if "order 16" in text:  # in flight meanwhile; its reply is malformed after the page failed
+                asked.append(16)
+                time.sleep(0.5)
+                return dataclasses.replace(llm.chat(request), text="this is not JSON")
+            return llm.chat(request)
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+            return llm.embed(texts, purpose=purpose)
+
+    put_page(tx_factory, "\n".join([*segment_lines(15), *segment_lines(16), *segment_lines(17)]))
+    report = run(tx_factory, Scripted(), segment_concurrency=3)
+    assert report.pages_failed == 1
+    assert asked == [16], "the discarded segment's repair turn was sent"
+    with tx_factory() as session:  # its paid attempt is recorded all the same (discarded)
+        outcomes = session.scalars(select(LLMCall.outcome).order_by(LLMCall.id)).all()
+    assert outcomes.count("malformed_output") == 1 and outcomes.count("provider_error") == 1, outcomes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -99,6 +100,10 @@ class ExtractionRun:
         return None
 
 
+class PageAbandonedError(RuntimeError):
+    """A segment's call asked for another attempt after its page stopped (failed, or interrupted)."""
+
+
 class OnlineExtraction:
     """Segments sent to the LLM through a pipe (the worker process's shared one, or one of
     ``segment_concurrency`` slots for this run), committed in page order, consecutive ready ones
@@ -145,18 +150,25 @@ class OnlineExtraction:
             raise outcome.error  # a SegmentAbortedError too: the retry records its attempts
         return outcome.result()
 
-    def call(self, label: str, segment: Segment) -> SegmentResult:
+    def call(
+        self, label: str, segment: Segment, abandoned: Callable[[], bool] = lambda: False
+    ) -> SegmentResult:
         """One segment's LLM attempts; runs on the pipe's threads, so it touches no shared state. The
         kill switch, the guard (lease, stopping worker) and the budget are read before every attempt:
         read before the first only, a malformed first reply was followed by up to three paid retries
         and repair turns (the whole segment's text again) after the switch went off or the page was
         erased. A raise between attempts keeps the attempts made (SegmentAbortedError); a stopping worker
-        (the one guard that costs) stops at the segment's end, not between its attempts."""
+        (the one guard that costs) stops at the segment's end, not between its attempts. Once its page is
+        ``abandoned`` (it failed, or the run was interrupted) a call starts no other attempt: a malformed
+        first reply still sent its repair turn (the segment's text again), paid and thrown away, and the
+        page's thread waited for it."""
         run = self.run
         paid = False  # an attempt made: a stopping worker finishes the segment it began paying for
 
         def before_call() -> None:
             nonlocal paid
+            if abandoned():
+                raise PageAbandonedError("the page stopped: its results are discarded")
             run.check_switch()
             if run.guard is not None:
                 try:
@@ -183,8 +195,11 @@ class OnlineExtraction:
         are recorded (they cost money) but their facts are discarded; calls not yet started never are.
         """
         counters, label, segments = self.run.counters, plan.label, plan.segments
+        abandoned = threading.Event()
         feed: Feed[SegmentResult] = self.pipe.open(
-            len(segments), lambda index: self.call(label, segments[index]), window=self.window
+            len(segments),
+            lambda index: self.call(label, segments[index], abandoned.is_set),
+            window=self.window,
         )
         taken_after_error: list[Outcome[SegmentResult]] = []
         try:
@@ -205,8 +220,9 @@ class OnlineExtraction:
                     ready.append((outcome.index, segments[outcome.index], result))
                 yield ready
         finally:
-            # The feed stopped first (it started calls for a failed page while the spend was written),
-            # then what is paid already recorded, before any wait.
+            # The calls in flight start no other attempt, the feed stops (it started calls for a failed
+            # page while the spend was written), then what is paid already is recorded, before any wait.
+            abandoned.set()
             self._record_discarded(plan, [*taken_after_error, *feed.close(timeout=0)])
             try:
                 left = feed.close()
