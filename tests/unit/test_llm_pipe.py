@@ -284,7 +284,7 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
     try:
         extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
 
-        def call(label: str, segment: int) -> str:
+        def call(label: str, segment: int, abandoned: object = None) -> str:
             if segment >= 2:
                 others_done.wait(10)
                 return f"result {segment}"
@@ -341,7 +341,7 @@ def test_an_interrupt_while_a_stopped_page_waits_for_its_calls_records_what_they
 
         started = threading.Barrier(3)  # the failure comes once both others are in flight
 
-        def call(label: str, segment: int) -> str:
+        def call(label: str, segment: int, abandoned: object = None) -> str:
             started.wait(10)
             if segment == 0:
                 raise SegmentAbortedError([paid], RuntimeError("the provider refused"))

@@ -48,8 +48,9 @@ def facts_list(
     ] = DEFAULT_LISTED,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts; the
-    first --limit of them, a note on stderr when there are more)."""
+    """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts).
+
+    The first --limit of them; a note on stderr says when there are more."""
     with read_only(checked_factory()) as session:
         found = read_page_facts(
             session, source_id, slug, limit=limit, lifecycle=Lifecycle(include_history=history)
