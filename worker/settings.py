@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     llm: LLMProvider | None = None
     llm_model: str | None = None
     llm_base_url: str | None = Field(default=None, repr=False)  # may carry credentials (user:pass@)
+    # The embeddings model (OpenAI's API: the `dimensions` parameter asks for 256, the vector store's
+    # size). Unset: text-embedding-3-small on OpenAI; none on an OpenAI-compatible server, whose models
+    # are its own (every embedding call asked it for OpenAI's, a 404 for each page and each search).
+    embedding_model: str | None = Field(default=None, min_length=1, max_length=200)
     llm_timeout_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
     openai_api_key: str | None = Field(

@@ -356,6 +356,28 @@ def test_anthropic_embeddings_are_refused_clearly_without_an_embedding_provider(
     assert not caught.value.retryable
 
 
+def test_an_openai_compatible_server_embeds_only_with_a_model_named_for_it(sim: Simulator) -> None:
+    """Its embeddings were asked of OpenAI's text-embedding-3-small, which such a server does not serve:
+    a 404 for every page's follow-up and every vector line of a search, and no setting to change it."""
+    from worker.llm.errors import NoEmbeddingsError
+    from worker.llm.gateway import can_embed
+
+    base = {"llm": "openai-compatible", "llm_base_url": sim.base_url, "llm_model": "local-chat", "llm_rpm": 0}
+    unnamed = Settings(**base)
+    assert not can_embed(unnamed)
+    with open_llm_client(unnamed) as client:
+        before = sim.stats()["requests_total"]
+        with pytest.raises(NoEmbeddingsError, match="set FACTMILL_EMBEDDING_MODEL"):
+            client.embed(["hello"])
+        assert sim.stats()["requests_total"] == before  # no call made
+    named = Settings(**base, embedding_model="local-embed")
+    assert can_embed(named)
+    with open_llm_client(named) as client:
+        response = client.embed(["hello"])
+    assert len(response.vectors) == 1 and len(response.vectors[0]) == 256
+    assert response.model == "local-embed"  # the simulator answers as the model asked for
+
+
 def test_openai_embeddings_decode_to_the_simulators_vectors(sim: Simulator) -> None:
     """Asked for as base64 float32 (the SDK's own default) and decoded here, not by the SDK's model."""
     texts = ["Alice loves hiking", "revenue grew"]

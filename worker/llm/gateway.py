@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 from worker.core.errors import LLMConfigurationError
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.budgeted import BudgetCheck, BudgetedClient
-from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.openai_compat import DEFAULT_EMBEDDING_MODEL, OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, build_rate_limiter
 from worker.llm.retry import AttemptListener, RetryingClient, RetryPolicy
 from worker.llm.types import LLMClient
@@ -106,18 +106,22 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
         simulator.start()
         stack.callback(simulator.stop)
         return _simulator_client(settings, model, simulator.url)
+    embedding_model = settings.embedding_model or DEFAULT_EMBEDDING_MODEL
     if provider == "openai":
         return OpenAIChatClient(
             model=model,
             base_url=settings.llm_base_url,
             api_key=settings.openai_api_key,
             timeout=timeout,
+            embedding_model=embedding_model,
             keep_alive=keep_alive(settings),
         )
     if provider == "anthropic":
         embeddings = None
         if settings.openai_api_key:
-            embeddings = OpenAIChatClient(model=model, api_key=settings.openai_api_key, timeout=timeout)
+            embeddings = OpenAIChatClient(
+                model=model, api_key=settings.openai_api_key, timeout=timeout, embedding_model=embedding_model
+            )
         return AnthropicChatClient(
             model=model,
             base_url=settings.llm_base_url,
@@ -135,6 +139,7 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
             json_mode="json_object",
             provider="openai-compatible",
             send_prompt_cache_key=False,
+            embedding_model=settings.embedding_model,  # its own models: none unless named
             keep_alive=keep_alive(settings),
         )
     raise LLMConfigurationError(
@@ -144,8 +149,14 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
 
 def can_embed(settings: Settings) -> bool:
     """Whether the configured provider has an embeddings API (Anthropic's has none: it embeds through
-    OpenAI when an OpenAI key is set too)."""
-    return settings.resolved_llm() != "anthropic" or bool(settings.openai_api_key)
+    OpenAI when an OpenAI key is set too; an OpenAI-compatible server, when FACTMILL_EMBEDDING_MODEL names
+    one of its models)."""
+    provider = settings.resolved_llm()
+    if provider == "anthropic":
+        return bool(settings.openai_api_key)
+    if provider == "openai-compatible":
+        return settings.embedding_model is not None
+    return True
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
-from worker.llm.errors import LLMError, to_llm_error
+from worker.llm.errors import LLMError, NoEmbeddingsError, to_llm_error
 from worker.llm.replies import ReplyShapeError, finite_vector, message_text, optional_text, token_count
 from worker.llm.types import (
     ChatRequest,
@@ -63,6 +63,13 @@ def _billed(completion: Any) -> Usage | None:
         return None
 
 
+DEFAULT_EMBEDDING_MODEL = "text-embedding-3-small"
+NO_EMBEDDING_MODEL = (
+    "no embeddings model is set for this OpenAI-compatible server: set FACTMILL_EMBEDDING_MODEL to one of "
+    "its models that answers 256 dimensions (vector search is off until then)"
+)
+
+
 class OpenAIChatClient:
     """Chat Completions through the official SDK; its own retries are off (one retry layer, ours)."""
 
@@ -72,7 +79,7 @@ class OpenAIChatClient:
         model: str,
         json_mode: JsonMode = "json_schema",
         provider: str = "openai",
-        embedding_model: str = "text-embedding-3-small",
+        embedding_model: str | None = DEFAULT_EMBEDDING_MODEL,  # None: no embeddings (NoEmbeddingsError)
         embedding_dimensions: int | None = 256,
         send_prompt_cache_key: bool = True,
         keep_alive: int | None = None,
@@ -188,7 +195,9 @@ class OpenAIChatClient:
         JSON: its typed transform of the params and its CreateEmbeddingResponse model were half of an
         embedding call's CPU in a worker (py-spy, bench/pipeline.py). The vectors come as base64
         float32, as the SDK asks for them by default; a server that sends float lists instead is read
-        as well."""
+        as well. With no embeddings model, NoEmbeddingsError (no call made)."""
+        if self.embedding_model is None:
+            raise NoEmbeddingsError(NO_EMBEDDING_MODEL)
         body: dict[str, Any] = {"model": self.embedding_model, "input": texts, "encoding_format": "base64"}
         if self.embedding_dimensions is not None:
             body["dimensions"] = self.embedding_dimensions
