@@ -1470,13 +1470,19 @@ def test_cli_search_and_embed(
     simulator: Any,
 ) -> None:
     from worker.cli import app
+    from worker.search import count_facts_to_embed
 
     seed(vector_factory)
     runner = CliRunner()
+    # The progress bar's total (stderr a terminal; it printed a line a batch, with no total).
+    assert count_facts_to_embed(vector_factory) == count_facts_to_embed(vector_factory, every=True)
+    assert count_facts_to_embed(vector_factory) == len(CORPUS) + 61
     with cli_env(monkeypatch, vector_database_url, simulator):
         embedded = runner.invoke(app, ["embed", "--batch-size", "50"])
         assert embedded.exit_code == 0, embedded.output
         assert f"embedded {len(CORPUS) + 61} fact(s); vector search available" in embedded.output
+        assert "batch(es)" not in embedded.output
+        assert count_facts_to_embed(vector_factory) == 0
         result = runner.invoke(app, ["search", "lex: greyhound\\nvec: pet dog", "--json"])
         assert result.exit_code == 0, result.output
         body = json.loads(result.stdout)

@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, fail, folding_table, iso_moment, out, print_json, source_option, styled
+from worker.cli.console import (
+    counting_bar,
+    err,
+    fail,
+    folding_table,
+    iso_moment,
+    out,
+    print_json,
+    source_option,
+    styled,
+)
 from worker.cli.processes import stops_on_signals
 from worker.cli.sessions import checked_factory
 from worker.core.intent import QueryParseError
@@ -22,6 +32,7 @@ from worker.search import (
     SearchError,
     SearchOutcome,
     VectorSearchUnavailableError,
+    count_facts_to_embed,
     embed_facts,
     search_as,
 )
@@ -160,18 +171,21 @@ def embed_command(
     settings = get_settings()
     factory = checked_factory(settings)
     runtime = build_runtime(settings)
-
-    def progress(report: EmbedReport) -> None:
-        err.print(f"embedded {report.embedded} fact(s) in {report.batches} batch(es)", highlight=False)
-
+    # A bar (a million facts printed about 3,900 lines, one a batch, with no total); a --reembed run's
+    # total counts every fact, those its model already made too (skipped, not counted as they go).
     try:
-        report = embed_facts(
-            factory,
-            runtime.llm,
-            batch_size or settings.search_embed_batch_size,
-            progress=progress,
-            every=reembed,
-        )
+        with counting_bar("facts embedded", count_facts_to_embed(factory, every=reembed)) as moved:
+
+            def progress(report: EmbedReport) -> None:
+                moved(completed=report.embedded + report.skipped)
+
+            report = embed_facts(
+                factory,
+                runtime.llm,
+                batch_size or settings.search_embed_batch_size,
+                progress=progress,
+                every=reembed,
+            )
     except (SearchError, LLMError) as exc:  # LLMError: no embeddings API, the provider, a spent budget
         raise _fail(str(exc)) from exc
     finally:

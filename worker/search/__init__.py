@@ -15,6 +15,7 @@ from worker.core.intent import QueryParseError
 from worker.core.lexing import normalise_score, parse_expansion, parse_lex_query
 from worker.search.calls import EMBEDDING_PURPOSE
 from worker.search.entrypoints import (
+    count_facts_to_embed,
     embed_facts,
     embed_new_facts,
     embed_pages_facts,
@@ -73,6 +74,7 @@ __all__ = [
     "SearchStore",
     "VectorSearchUnavailableError",
     "best_chunk",
+    "count_facts_to_embed",
     "embed_facts",
     "embed_new_facts",
     "embed_pages_facts",

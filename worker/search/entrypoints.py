@@ -31,6 +31,7 @@ from worker.search.values import (
 )
 
 __all__ = [
+    "count_facts_to_embed",
     "embed_facts",
     "embed_new_facts",
     "enable_vector_search",
@@ -131,6 +132,11 @@ def embed_facts(
     return embedding.embed_facts(
         store, llm, batch_size, progress=progress, set_up_vector_store=set_up_vector_store, every=every
     )
+
+
+def count_facts_to_embed(factory: sessionmaker[Session], *, every: bool = False) -> int:
+    """How many facts ``embed_facts`` has to go through (a progress bar's total)."""
+    return open_store(factory).count_facts_to_embed(every=every)
 
 
 def embed_new_facts(

@@ -184,6 +184,12 @@ class SearchStore:
             sql = text(_TO_REEMBED if every else _TO_EMBED.format(where="id > :last") + " LIMIT :n")
             return list(session.execute(sql, {"last": after_id, "n": limit, "model": model}).all())
 
+    def count_facts_to_embed(self, *, every: bool = False) -> int:
+        """How many facts ``facts_to_embed`` would go through (``every``: every fact: at most)."""
+        missing = "" if every else " AND embedding IS NULL"
+        with read_only(self._factory) as session:
+            return int(session.scalar(text(f"SELECT count(*) FROM facts WHERE NOT is_audit{missing}")) or 0)
+
     def existing(self, fact_ids: Iterable[int]) -> set[int]:
         """Which of ``fact_ids`` still exist (an erasure removes a page's facts under its embedding)."""
         with read_only(self._factory) as session:
