@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from worker.core import progress
 from worker.core.checkpoint import segment_hash
@@ -80,32 +80,28 @@ class BackfillPlanner:
         client = self.client
         limit = self.selection.max_segments
         overhead = request_overhead_bytes(self.run.max_facts, self.bounds.max_output_tokens)
-        batches: list[list[PlannedRequest]] = [[]]
-        sizes = [0]  # each batch's bytes, bounded above
+        tag = uuid.uuid4().hex[:8]
+        batches: list[tuple[str, list[PlannedRequest]]] = []  # (key, requests)
+        sizes: list[int] = []  # each batch's bytes, bounded above
         total = 0
         # Counted by what is planned: a page left for another run takes none of it. The check reads
         # ``total`` as it stands when the next page is about to be read (late binding is the point).
         for plan in self.plans(lambda: limit is not None and total >= limit, backfill_id):  # noqa: B023
             room = self.bounds.max_requests if limit is None else min(self.bounds.max_requests, limit - total)
             requests, size = self.page_requests(plan, room, overhead, backfill_id)
-            full = len(batches[-1]) + len(requests) > self.bounds.max_requests
-            if full or sizes[-1] + size > self.bounds.max_bytes:
-                batches.append([])
+            if not requests:
+                continue
+            full = bool(batches) and len(batches[-1][1]) + len(requests) > self.bounds.max_requests
+            if not batches or full or sizes[-1] + size > self.bounds.max_bytes:
+                batches.append((f"fm{tag}b{backfill_id}n{len(batches)}", []))
                 sizes.append(0)
-            batches[-1] += requests
+            # Named once, as they join their batch: the plan is held in memory once (held unnamed, then
+            # named, a million requests were twice the memory until the plan was stored).
+            key, held = batches[-1]
+            held += (replace(r, custom_id=f"{key}-p{r.page_id}-m{r.end_message}") for r in requests)
             sizes[-1] += size
             total += len(requests)
-        planned = []
-        tag = uuid.uuid4().hex[:8]
-        for number, requests in enumerate(b for b in batches if b):
-            key = f"fm{tag}b{backfill_id}n{number}"
-            named = [
-                PlannedRequest(
-                    f"{key}-p{r.page_id}-m{r.end_message}", r.page_id, r.slug, r.end_message, r.segment_hash
-                )
-                for r in requests
-            ]
-            planned.append(PlannedBatch(key, client.provider, client.model, named))
+        planned = [PlannedBatch(key, client.provider, client.model, held) for key, held in batches]
         self.store.store_plan(backfill_id, planned)
         logger.info("backfill %s planned %d request(s) in %d batch(es)", backfill_id, total, len(planned))
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, and_, any_, bindparam, case, func, or_, select, update
+from sqlalchemy import BigInteger, and_, any_, bindparam, case, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -84,6 +84,9 @@ class RequestRow:
     segment_hash: str
     status: str
 
+
+# A plan's requests go in this many a statement (each a multi-row INSERT the driver pages).
+_PLAN_INSERT_CHUNK = 5_000
 
 # Backfills with no job to run them: it failed, or job retention deleted it.
 _JOBLESS_BACKFILLS = (
@@ -244,23 +247,28 @@ class BackfillStore:
                 kept = [r for r in planned.requests if r.page_id not in taken and r.page_id in present]
                 if not kept:
                     continue
-                planned = replace(planned, requests=kept)
                 batch = BackfillBatch(
                     backfill_id=backfill_id, key=planned.key, provider=planned.provider, model=planned.model
                 )
                 session.add(batch)
                 session.flush()
-                session.add_all(
-                    BackfillRequest(
-                        batch_id=batch.id,
-                        custom_id=r.custom_id,
-                        page_id=r.page_id,
-                        slug=r.slug,
-                        end_message=r.end_message,
-                        segment_hash=r.segment_hash,
+                # Inserted in chunks, not as ORM objects: a million of them, kept in the session until
+                # the commit, were several times the plan's own size.
+                for start in range(0, len(kept), _PLAN_INSERT_CHUNK):
+                    session.execute(
+                        insert(BackfillRequest),
+                        [
+                            {
+                                "batch_id": batch.id,
+                                "custom_id": r.custom_id,
+                                "page_id": r.page_id,
+                                "slug": r.slug,
+                                "end_message": r.end_message,
+                                "segment_hash": r.segment_hash,
+                            }
+                            for r in kept[start : start + _PLAN_INSERT_CHUNK]
+                        ],
                     )
-                    for r in planned.requests
-                )
             backfill.status = "running"
 
     def batches(self, backfill_id: int, statuses: Sequence[str] = OPEN_BATCHES) -> list[BatchRow]:
