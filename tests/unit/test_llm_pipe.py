@@ -452,3 +452,46 @@ def test_a_follow_up_run_of_several_jobs_items_names_none_of_them() -> None:
     finally:
         follow.close()
     assert seen == [(["first"], {"job_id": 1}), (["page-2", "page-3"], {})]
+
+
+def test_an_interrupt_that_waits_for_calls_in_flight_says_so(monkeypatch, caplog) -> None:
+    """Ctrl-C during `factmill extract` waited for the calls in flight without a word: a CLI that looked
+    stuck. It says what it waits for, and that a second Ctrl-C stops now."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.extraction.service import OnlineExtraction
+    from worker.llm.pipe import Feed
+
+    release = threading.Event()
+    in_flight = threading.Barrier(3)  # the two calls and the page's thread
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(record_discarded=lambda *args: None),
+    )
+
+    def pressed(self: Feed, limit: int | None = None) -> list:  # type: ignore[type-arg]
+        in_flight.wait(10)
+        threading.Timer(0.2, release.set).start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Feed, "take", pressed)
+    pipe = LLMPipe(5)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int, abandoned: object = None) -> str:
+            in_flight.wait(10)
+            release.wait(10)
+            return f"result {segment}"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1], slug="p")
+        with caplog.at_level("WARNING", logger="worker.extraction.service"), pytest.raises(KeyboardInterrupt):
+            next(extraction.ordered_results(plan))  # type: ignore[arg-type]
+        assert caplog.messages == [
+            "stopping: waiting for 2 LLM call(s) in flight (paid for: recorded); Ctrl-C again to stop now"
+        ]
+    finally:
+        release.set()
+        pipe.close()

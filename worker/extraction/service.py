@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -224,6 +225,18 @@ class OnlineExtraction:
             # page while the spend was written), then what is paid already is recorded, before any wait.
             abandoned.set()
             self._record_discarded(plan, [*taken_after_error, *feed.close(timeout=0)])
+            interrupted = sys.exc_info()[0]
+            if (
+                feed.in_flight
+                and interrupted is not None
+                and issubclass(interrupted, (KeyboardInterrupt, SystemExit))
+            ):
+                # Ctrl-C, or the CLI's SIGTERM: a CLI that waited without a word looked stuck.
+                logger.warning(
+                    "stopping: waiting for %d LLM call(s) in flight (paid for: recorded); Ctrl-C again to "
+                    "stop now",
+                    feed.in_flight,
+                )
             try:
                 left = feed.close()
             except BaseException:
