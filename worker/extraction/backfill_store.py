@@ -17,7 +17,7 @@ from models.reads import read_only
 from models.tables import PAGES
 from worker.accounting import Ledger
 from worker.core.checkpoint import segment_hash
-from worker.core.conversation import Segment
+from worker.core.conversation import Segment, segment_of
 from worker.extraction.planner import PagePlan
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
@@ -114,8 +114,17 @@ def matching_run(plan: PagePlan, rows: Sequence[RequestRow]) -> list[tuple[int, 
     run: list[tuple[int, Segment, RequestRow]] = []
     for index, segment in enumerate(plan.segments):
         row = by_end.get(plan.ends[index])
-        if row is None or row.segment_hash != segment_hash(segment):
+        if row is None:
             break
+        if row.segment_hash != segment_hash(segment):
+            # Planned from the page's start, a conversation's lone last message after a full segment was
+            # dropped; resumed past that segment, it leads the next one (worker.core.checkpoint's
+            # with_leading_orphan), which then matched no request: a paid result discarded, paid again.
+            # The request as planned is committed: the message is dropped as the plan dropped it.
+            planned = segment_of(segment.messages[1:]) if index == 0 and len(segment.messages) > 2 else None
+            if planned is None or row.segment_hash != segment_hash(planned):
+                break
+            segment = planned
         run.append((index, segment, row))
     return run
 
