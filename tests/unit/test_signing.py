@@ -158,7 +158,7 @@ def test_v4_signs_its_name_the_route_the_idempotency_key_and_the_body() -> None:
     assert "does not match" in keyed_reason(unkeyed, "added-later")  # nor can a key be added
     # With no key, a copy sent again within the window is a new delivery (v2's exposure): refused once
     # v2 is, as an unkeyed delivery was before v4.
-    assert "needs an Idempotency-Key here" in keyed_reason(unkeyed, None, accept_v2=False)
+    assert "needs an Idempotency-Key header here" in keyed_reason(unkeyed, None, accept_v2=False)
 
 
 def test_a_v3_delivery_verifies_while_v3_is_accepted() -> None:

@@ -32,6 +32,7 @@ from worker.cli.console import fail, folding_table, styled
 from worker.cli.console import out as stdout_console
 from worker.cli.db import SchemaUpgradeError, upgrade_schema
 from worker.cli.processes import stop_with_parent, stopped_by_signals
+from worker.config_store import KILL_SWITCHES
 from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
@@ -46,9 +47,12 @@ class DemoError(RuntimeError):
 
 class DemoPausedError(DemoError):
     """A job the demo follows was paused (a kill switch off, a budget spent): it waits for an operator,
-    so the demo stops at once, saying why (it waited ten minutes, then blamed the worker)."""
+    so the demo stops at once, saying why (it waited ten minutes, then blamed the worker). Exit 3 for a
+    kill switch, as the other commands that meet one; 1 otherwise (a spent budget)."""
 
-    exit_code = 3  # as the other commands that meet a kill switch
+    def __init__(self, message: str, *, switched_off: bool) -> None:
+        super().__init__(message)
+        self.exit_code = 3 if switched_off else 1
 
 
 def _free_port() -> int:
@@ -291,9 +295,10 @@ def _follow_jobs(
                     jobs[job_id] = client.get_job(job_id)
             paused = [j for j in jobs.values() if j.status == "paused"]
             if paused:
+                why = paused[0].last_error or "paused"
                 raise DemoPausedError(
-                    f"{len(paused)} job(s) paused, waiting for an operator: job {paused[0].id}: "
-                    f"{paused[0].last_error or 'paused'}"
+                    f"{len(paused)} job(s) paused, waiting for an operator: job {paused[0].id}: {why}",
+                    switched_off=any(switch in why for switch in KILL_SWITCHES),
                 )
             done = sum(1 for j in jobs.values() if j.done)
             bar.update(task, completed=done)

@@ -157,8 +157,9 @@ def _unusable(
         return f"a v3 signature signs the {IDEMPOTENCY_HEADER} header: send the key it was made with"
     if signatures[BOUND_SCHEME]:
         return (
-            f"a signed delivery needs an {IDEMPOTENCY_HEADER} here (without one a copy sent again would "
-            "be stored again; FACTMILL_ACCEPT_V2_SIGNATURES is off)"
+            f"a signed delivery needs an {IDEMPOTENCY_HEADER} header here, which the signature binds (a "
+            "key in the body does not count: a copy of the delivery sent again within the signature's "
+            "window could come under another; FACTMILL_ACCEPT_V2_SIGNATURES is off)"
         )
     held = [
         s
