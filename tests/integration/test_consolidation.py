@@ -700,6 +700,7 @@ def test_a_job_leaves_facts_still_waiting_for_their_vectors_and_the_catch_up_see
     )
     pending, batch, _ = deferring.entity_round("default", "people/e", 10)
     assert sorted(f.text for f in batch) == ["embedded", "old"] and len(pending) == 2
+    assert deferring.deferred == 1  # the job says so ("every fact was decided" said of a pending one)
     everything = ConsolidationStore(tx_factory, Ledger({}.get))  # embedding off: nothing to wait for
     assert len(everything.entity_round("default", "people/e", 10)[0]) == 3
     # Nor is there with Anthropic alone (no embeddings API): its facts were deferred every time.

@@ -55,6 +55,11 @@ def consolidate_job(ctx: JobContext) -> WorkResult:
     store = ConsolidationStore(rt.factory, rt.ledger, defer_unembedded_seconds=defer)
     counters = consolidate_entity(store, rt.llm, run)
     note = None if counters.facts_considered else "nothing to consolidate: every fact was decided"
+    if store.deferred:  # ("every fact was decided" said of facts still pending)
+        note = (
+            f"{store.deferred} fact(s) stored in the last {CATCH_UP_GRACE_SECONDS / 60:.0f} minutes wait for "
+            "their vectors; their page's follow-up (or the sweep) asks for them again"
+        )
     return WorkResult("succeeded", counters=counters.as_dict(), note=note)
 
 

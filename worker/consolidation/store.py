@@ -115,6 +115,7 @@ class ConsolidationStore:
         # embeds them, then asks for the entity again): decided now, they were compared by their words
         # only ("moved to Porto" and "lives in Lisbon" shared none: both kept current, for good).
         self._defer_unembedded = defer_unembedded_seconds
+        self.deferred = 0  # the facts the last round's listing left for their vectors
 
     def entity_facts(self, source_id: str, entity_key: str) -> tuple[list[FactView], list[FactView]]:
         """(the entity's unconsolidated facts, to decide; its current facts of the same kinds, to decide
@@ -136,10 +137,14 @@ class ConsolidationStore:
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
             listing = _PENDING_LIST.where(Fact.source_id == source_id, _entity(entity_key))
-            if self._defer_unembedded is not None:
+            if self._defer_unembedded is None:
+                listed = session.execute(listing).all()
+            else:
                 fresh = func.now() - timedelta(seconds=self._defer_unembedded)
-                listing = listing.where(or_(Fact.embedding.is_not(None), Fact.created_at < fresh))
-            listed = session.execute(listing).all()
+                waits = and_(Fact.embedding.is_(None), Fact.created_at >= fresh).label("waits")
+                rows = session.execute(listing.add_columns(waits)).all()
+                listed = [row for row in rows if not row.waits]
+                self.deferred = len(rows) - len(listed)
             if not listed:
                 return set(), [], []
             # The model most of them were embedded by (None: none was): another model's vectors are
@@ -337,9 +342,10 @@ def entity_key_sql(
 
 def _forgotten() -> Select[Any]:
     """The unconsolidated facts of the last day stored before the grace, oldest first
-    (ix_facts_unconsolidated), whose entity has no consolidation job pending nor requested since the fact
-    was stored: the requests a dead worker's follow-up never made. A failed job requested after the fact
-    covers it too (an operator's retry, not a new job every sweep), and a day bounds the scan. Covered
+    (ix_facts_unconsolidated), whose entity has no consolidation job pending nor requested a grace or
+    more after the fact was stored: the requests a dead worker's follow-up never made. A failed job
+    requested then covers it too (an operator's retry, not a new job every sweep), and a day bounds the
+    scan. Covered
     facts are passed over before the limit (a backlog of queued or paused jobs filled a limit taken first,
     every sweep, and hid the lost)."""
     fact = FACTS.alias("f")

@@ -53,7 +53,8 @@ INFRASTRUCTURE_OUTCOMES = ("provider_error", "budget_exhausted")
 def counts_when_discarded(result: SegmentResult) -> bool:
     """Whether a permanent failure the page got but could not use (behind an earlier failure) counts
     towards skipping its segment: a refusal or an unusable reply does (it is the segment's; a page with
-    several poison segments skips them all within max_segment_failures runs), a request the provider
+    several poison segments skips those whose attempts ended within max_segment_failures runs: one whose
+    repair turn the page's stop refused has not ended, and counts on a later run), a request the provider
     rejected does not (a setting it did not blame itself for rejects every request alike: a batch of them
     counted every segment of every page at once, and skipped pages whole)."""
     return result.permanent and not (result.attempts and result.attempts[-1].rejected)
