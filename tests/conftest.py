@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import psycopg
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 import models
@@ -142,8 +144,18 @@ ANY_ROW = text(
 
 
 def _truncate(url: str) -> None:
-    with db.get_engine(url).begin() as conn:
-        conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+    """Empty every table. A worker process the test started may still be writing (an embedding
+    follow-up after its job ended): its row locks and the TRUNCATE's table locks can deadlock, and
+    Postgres then ends one of the two, here the TRUNCATE (a setup error in a full run): tried again."""
+    for attempt in range(5):
+        try:
+            with db.get_engine(url).begin() as conn:
+                conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+            return
+        except OperationalError as exc:
+            if attempt == 4 or not isinstance(exc.orig, psycopg.errors.DeadlockDetected):
+                raise
+            time.sleep(0.2)
 
 
 def has_vector_store(url: str) -> bool:
