@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from worker.core.checkpoint import PrefixHasher, segment_ends, segment_hash, with_leading_orphan
 from worker.core.conversation import parse_conversation_messages, split_into_segments
-from worker.extraction.backfill_store import RequestRow, matching_run
+from worker.extraction.backfill_matching import matching_run
+from worker.extraction.backfill_store import RequestRow
 from worker.extraction.planner import PagePlan
 
 
@@ -42,3 +43,18 @@ def test_a_resumed_page_commits_the_result_planned_before_its_lone_message_joine
     # A segment whose messages changed otherwise (an edit) still matches nothing.
     edited = RequestRow(9, "r9", 1, "p", 34, "0" * 64, "pending")
     assert matching_run(resumed, [edited]) == []
+
+
+def test_a_message_an_edit_brought_within_the_gap_of_the_next_is_no_orphan() -> None:
+    """Planned with a lone message an hour before the conversation (dropped), then edited to a minute
+    before it: the segment now opens with it (no resumed page's orphan), and its request, planned without
+    it, is not committed (the checkpoint would move past a message no run would send)."""
+    conversation = [f"**Alice** (2024-03-15 11:{i:02d} AM): later {i}" for i in range(3)]
+    planned = parse_conversation_messages("\n".join(["**Bob** (2024-03-15 9:00 AM): early", *conversation]))
+    fresh = plan_from(planned, 0)
+    assert [len(s.messages) for s in fresh.segments] == [3] and list(fresh.ends) == [4]
+    request = RequestRow(1, "r1", 1, "p", 4, segment_hash(fresh.segments[0]), "pending")
+    edited = parse_conversation_messages("\n".join(["**Bob** (2024-03-15 10:59 AM): early", *conversation]))
+    now = plan_from(edited, 0)
+    assert [len(s.messages) for s in now.segments] == [4] and list(now.ends) == [4]
+    assert matching_run(now, [request]) == []

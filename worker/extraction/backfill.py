@@ -35,6 +35,7 @@ from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core.facts import DEFAULT_MAX_FACTS
+from worker.extraction.backfill_matching import group_by_page, matching_run
 from worker.extraction.backfill_plan import BackfillPlanner, BatchBounds
 from worker.extraction.backfill_request import (
     GONE,
@@ -50,8 +51,6 @@ from worker.extraction.backfill_store import (
     BackfillStore,
     BatchRow,
     RequestRow,
-    group_by_page,
-    matching_run,
 )
 from worker.extraction.batch import MAX_BATCH_BYTES, MAX_BATCH_REQUESTS, batch_segment_result, segment_request
 from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a_time

@@ -16,9 +16,9 @@ from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
 from models.reads import read_only
 from models.tables import PAGES
 from worker.accounting import Ledger
-from worker.core.checkpoint import segment_hash
-from worker.core.conversation import Segment, segment_of
-from worker.extraction.planner import PagePlan
+from worker.core.conversation import (
+    Segment,
+)
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
 from worker.extraction.statements import PAGE_VERSION
@@ -96,37 +96,6 @@ _JOBLESS_BACKFILLS = (
 )
 PLANS_LOCK_ID = 0x464D_504C_414E  # "FMPLAN": one backfill's plan stored at a time
 UNSENT = ("planned", "submitting")  # a batch whose send may still begin, or be recorded
-
-
-def group_by_page(rows: Sequence[RequestRow]) -> list[tuple[tuple[int, str], list[RequestRow]]]:
-    """Requests grouped by page, pages and segments in the order given (page order)."""
-    groups: dict[tuple[int, str], list[RequestRow]] = {}
-    for row in rows:
-        groups.setdefault((row.page_id, row.slug), []).append(row)
-    return list(groups.items())
-
-
-def matching_run(plan: PagePlan, rows: Sequence[RequestRow]) -> list[tuple[int, Segment, RequestRow]]:
-    """(index, segment, request) for the page's requests that still ask for its segments as they are
-    now, from its next segment on and without a gap: results commit in order, so one after a gap (an
-    edit inside an earlier segment) could only be paid for and discarded."""
-    by_end = {row.end_message: row for row in rows}
-    run: list[tuple[int, Segment, RequestRow]] = []
-    for index, segment in enumerate(plan.segments):
-        row = by_end.get(plan.ends[index])
-        if row is None:
-            break
-        if row.segment_hash != segment_hash(segment):
-            # Planned from the page's start, a conversation's lone last message after a full segment was
-            # dropped; resumed past that segment, it leads the next one (worker.core.checkpoint's
-            # with_leading_orphan), which then matched no request: a paid result discarded, paid again.
-            # The request as planned is committed: the message is dropped as the plan dropped it.
-            planned = segment_of(segment.messages[1:]) if index == 0 and len(segment.messages) > 2 else None
-            if planned is None or row.segment_hash != segment_hash(planned):
-                break
-            segment = planned
-        run.append((index, segment, row))
-    return run
 
 
 def _mark(session: Session, request_id: int, status: str) -> None:
