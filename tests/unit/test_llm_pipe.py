@@ -490,7 +490,55 @@ def test_an_interrupt_that_waits_for_calls_in_flight_says_so(monkeypatch, caplog
         with caplog.at_level("WARNING", logger="worker.extraction.service"), pytest.raises(KeyboardInterrupt):
             next(extraction.ordered_results(plan))  # type: ignore[arg-type]
         assert caplog.messages == [
-            "stopping: waiting for 2 LLM call(s) in flight (paid for: recorded); Ctrl-C again to stop now"
+            "stopping: waiting for 2 LLM call(s) in flight (paid for: recorded as they end); interrupted "
+            "again, it waits 30 s at most"
+        ]
+    finally:
+        release.set()
+        pipe.close()
+
+
+def test_an_interrupt_while_committing_still_says_what_it_waits_for(monkeypatch, caplog) -> None:
+    """Ctrl-C more often lands in the commit than in the wait for a result: the results' generator was
+    then closed (GeneratorExit), and its wait for the calls in flight said nothing."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.extraction.committer import SegmentCommitter
+    from worker.extraction.service import OnlineExtraction
+
+    release = threading.Event()
+    in_flight = threading.Barrier(2)  # the second call and the committer
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(record_discarded=lambda *args: None),
+    )
+    pipe = LLMPipe(5)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int, abandoned: object = None) -> str:
+            if segment == 1:
+                in_flight.wait(10)
+                release.wait(10)
+            return f"result {segment}"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1], slug="p", replace=False, version=None)
+
+        def commit(self: SegmentCommitter, plan: object, results: object) -> None:
+            next(results)  # type: ignore[call-overload]  # the first result, while the second is in flight
+            in_flight.wait(10)
+            threading.Timer(0.2, release.set).start()
+            raise KeyboardInterrupt  # pressed while committing it
+
+        monkeypatch.setattr(SegmentCommitter, "_commit_incremental", commit)
+        committer = SegmentCommitter.__new__(SegmentCommitter)
+        committer.progress = SimpleNamespace(page_started=lambda *args: None)  # type: ignore[assignment]
+        with caplog.at_level("WARNING", logger="worker.extraction.service"), pytest.raises(KeyboardInterrupt):
+            committer.commit_page(plan, extraction.ordered_results(plan))  # type: ignore[arg-type]
+        assert [m.split(";")[0] for m in caplog.messages] == [
+            "stopping: waiting for 1 LLM call(s) in flight (paid for: recorded as they end)"
         ]
     finally:
         release.set()

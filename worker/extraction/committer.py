@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,11 @@ class SegmentCommitter:
             if plan.replace:
                 return self._commit_replacing(plan, results)
             return self._commit_incremental(plan, results)
+        except (KeyboardInterrupt, SystemExit) as stopped:
+            # Into the results' generator, not a GeneratorExit: its wait for the calls in flight says why.
+            with contextlib.suppress(BaseException):
+                results.throw(stopped)
+            raise
         finally:
             results.close()
 

@@ -233,9 +233,10 @@ class OnlineExtraction:
             ):
                 # Ctrl-C, or the CLI's SIGTERM: a CLI that waited without a word looked stuck.
                 logger.warning(
-                    "stopping: waiting for %d LLM call(s) in flight (paid for: recorded); Ctrl-C again to "
-                    "stop now",
+                    "stopping: waiting for %d LLM call(s) in flight (paid for: recorded as they end); "
+                    "interrupted again, it waits %d s at most",
                     feed.in_flight,
+                    INTERRUPTED_WAIT_SECONDS,
                 )
             try:
                 left = feed.close()
