@@ -77,6 +77,16 @@ def _deployed_env_names() -> set[str]:
     return names
 
 
+def test_every_setting_that_chooses_the_model_reaches_the_compose_services():
+    """Compose passes only the variables it lists: FACTMILL_EMBEDDING_MODEL, exported as the README
+    says, never reached the containers (an OpenAI-compatible deployment's vector search stayed off)."""
+    choosing = {"FACTMILL_LLM", "FACTMILL_LLM_MODEL", "FACTMILL_LLM_BASE_URL", "FACTMILL_EMBEDDING_MODEL"}
+    for name in ("api", "worker-extraction"):
+        env = SERVICES[name].get("environment") or {}
+        missing = (choosing | {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"}) - set(env)
+        assert not missing, f"{name} does not pass {sorted(missing)}"
+
+
 def test_every_deployed_environment_variable_is_a_setting():
     unknown = _deployed_env_names() - variable_names(Settings.model_fields)
     assert not unknown, f"compose/k8s set variables Settings does not read: {sorted(unknown)}"

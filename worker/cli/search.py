@@ -173,8 +173,10 @@ def embed_command(
     runtime = build_runtime(settings)
     # A bar (a million facts printed about 3,900 lines, one a batch, with no total); a --reembed run's
     # total counts every fact, those its model already made too (skipped, not counted as they go).
+    # Counted only for a bar that shows (a count of every fact, no index: a script's run pays none).
+    total = count_facts_to_embed(factory, every=reembed) if err.is_terminal else None
     try:
-        with counting_bar("facts embedded", count_facts_to_embed(factory, every=reembed)) as moved:
+        with counting_bar("facts embedded", total) as moved:
 
             def progress(report: EmbedReport) -> None:
                 moved(completed=report.embedded + report.skipped)
