@@ -112,6 +112,19 @@ def _gcra_wait(tat: float, now: float, cost: float, tolerance: float) -> tuple[f
     return max(0.0, new_tat - now - max(tolerance, cost)), new_tat
 
 
+def _wait_for_place(wait: float, sleep: Callable[[float], None], unbook: Callable[[], None]) -> float:
+    """Sleep until a booked place's turn (``wait`` seconds); one that would come past the calls' deadline
+    is given back (``unbook``: no call goes in it) and the call refused now (CallDeadlineError)."""
+    if wait > 0:
+        try:
+            refuse_wait_past_deadline(wait)
+        except CallDeadlineError:
+            unbook()
+            raise
+        sleep(wait)
+    return wait
+
+
 class LocalRateLimiter:
     """The limits within one process (all its threads), for when no Redis is configured."""
 
@@ -157,15 +170,7 @@ class LocalRateLimiter:
                 self._tats[name] = max(self._tats.get(name, now) - cost, now)
 
     def acquire(self, key: str, tokens: int) -> float:
-        wait = self._book(key, tokens)
-        if wait > 0:
-            try:
-                refuse_wait_past_deadline(wait)
-            except CallDeadlineError:
-                self._unbook(key, tokens)  # the place is given back: no call goes in it
-                raise
-            self._sleep(wait)
-        return wait
+        return _wait_for_place(self._book(key, tokens), self._sleep, lambda: self._unbook(key, tokens))
 
     def reconcile(self, key: str, estimated: int, actual: int) -> None:
         per_minute = self.limits.tokens_per_minute
@@ -296,14 +301,7 @@ class RedisRateLimiter:
             self._redis_failed(exc)
             return 0.0
         self._warned = False
-        if wait > 0:
-            try:
-                refuse_wait_past_deadline(wait)
-            except CallDeadlineError:
-                self._unbook(keys, args)  # the place is given back: no call goes in it
-                raise
-            self._sleep(wait)
-        return wait
+        return _wait_for_place(wait, self._sleep, lambda: self._unbook(keys, args))
 
     def _unbook(self, keys: list[str], args: list[float]) -> None:
         rpm_interval, _, tpm_interval, _, tokens = args
