@@ -112,11 +112,17 @@ def statement_timed_out(exc: BaseException) -> bool:
 
 
 LOCK_NOT_AVAILABLE = "55P03"  # a lock_timeout (or NOWAIT) gave up waiting for a lock
+DEADLOCK_DETECTED = "40P01"
 
 
 def lock_timed_out(exc: BaseException) -> bool:
     """The statement gave up waiting for a lock (its lock_timeout): others held it, no fault."""
     return getattr(getattr(exc, "orig", None), "sqlstate", None) == LOCK_NOT_AVAILABLE
+
+
+def deadlocked(exc: BaseException) -> bool:
+    """Postgres ended the transaction to break a deadlock with another: trying again is the answer."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == DEADLOCK_DETECTED
 
 
 # SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
@@ -284,7 +290,9 @@ def upgrade(
 ) -> None:
     """Build or update the schema with the migrations (never create_all); ``on_step`` hears of each
     one as it finishes (each commits on its own: alembic/env.py). A migration that cannot take its
-    lock within ``lock_timeout`` seconds is tried again, up to ``tries`` times in all."""
+    lock within ``lock_timeout`` seconds, or that Postgres ends to break a deadlock with the running
+    service (0016 locks tables in another order than a segment's commit writes them), is tried again, up
+    to ``tries`` times in all (each migration is its own transaction: it rolled back whole)."""
     from alembic import command
 
     config = alembic_config(url)
@@ -296,16 +304,14 @@ def upgrade(
             command.upgrade(config, revision)
             return
         except OperationalError as exc:
-            if not lock_timed_out(exc) or attempt == tries:
+            if not (lock_timed_out(exc) or deadlocked(exc)) or attempt == tries:
                 raise
-            logger.warning(
-                "a migration waited %g s for a lock the running service holds; trying again in %g s "
-                "(%d of %d)",
-                lock_timeout,
-                wait,
-                attempt,
-                tries,
+            why = (
+                f"waited {lock_timeout:g} s for a lock the running service holds"
+                if lock_timed_out(exc)
+                else "met a deadlock with the running service (Postgres ended it)"
             )
+            logger.warning("a migration %s; trying again in %g s (%d of %d)", why, wait, attempt, tries)
             time.sleep(wait)
 
 

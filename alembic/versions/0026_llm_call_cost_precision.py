@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from alembic import op
+from worker.db import MigrationRefusedError
 
 revision: str = "0026"
 down_revision: str | None = "0025"
@@ -39,4 +40,16 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # A call of a million dollars or more (what the upgrade admits) overflowed the narrowing midway.
+    op.execute("LOCK TABLE llm_calls IN EXCLUSIVE MODE")  # no call recorded between count and narrowing
+    too_large = (
+        op.get_bind()
+        .execute(sa.text("SELECT count(*) FROM llm_calls WHERE abs(cost_usd) >= 1000000"))
+        .scalar_one()
+    )
+    if too_large:
+        raise MigrationRefusedError(
+            f"{too_large} LLM call(s) cost $1,000,000 or more, past what the schema before 0026 holds: "
+            "correct or delete them (llm_calls.cost_usd) before downgrading past 0026"
+        )
     _cost_column(sa.Numeric(12, 6), sa.Numeric(18, 6))

@@ -539,6 +539,35 @@ def test_a_migration_gives_up_a_lock_the_service_holds_and_tries_again(
         assert not errors and db.pending_revisions(url) == [], errors
 
 
+def test_a_migration_that_postgres_ends_for_a_deadlock_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """0016 locks tables in another order than a segment's commit writes them: Postgres ended one of
+    the two, and when it was the migration, the upgrade failed at once (a lock timeout was tried again,
+    a deadlock, as safe, was not)."""
+    import logging
+
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    from alembic import command
+
+    calls: list[str] = []
+
+    def upgrade(config: object, revision: str) -> None:
+        calls.append(revision)
+        if len(calls) == 1:
+            raise OperationalError(
+                "LOCK TABLE extraction_audit IN SHARE MODE", {}, psycopg.errors.DeadlockDetected()
+            )
+
+    monkeypatch.setattr(command, "upgrade", upgrade)
+    with caplog.at_level(logging.WARNING, logger="worker.db"):
+        db.upgrade("postgresql+psycopg://127.0.0.1:9/none", tries=3, wait=0.01)
+    assert calls == ["head", "head"]
+    assert "met a deadlock with the running service" in caplog.text
+
+
 def test_a_downgrade_that_would_forget_what_is_owed_refuses(server_url: str) -> None:
     """Past 0028 the provider batches still owed a delete (the pages' text, maybe of erased pages) were
     dropped with their table, and past 0009 the checkpoints' lists of skipped segments: nothing said so,
@@ -556,6 +585,17 @@ def test_a_downgrade_that_would_forget_what_is_owed_refuses(server_url: str) -> 
             command.downgrade(db.alembic_config(url), "0027")
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM provider_copies"))
+            # A call the upgrade to 0026 admits overflowed the narrowing back midway.
+            conn.execute(
+                text(
+                    "INSERT INTO llm_calls (provider, model, purpose, latency_ms, outcome, cost_usd) "
+                    "VALUES ('openai', 'm', 'extraction', 1, 'ok', 1234567.5)"
+                )
+            )
+        with pytest.raises(RuntimeError, match=r"1 LLM call\(s\) cost \$1,000,000 or more"):
+            command.downgrade(db.alembic_config(url), "0025")
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM llm_calls"))
         command.downgrade(db.alembic_config(url), "0009")
         with engine.begin() as conn:
             conn.execute(
