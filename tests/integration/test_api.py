@@ -400,6 +400,7 @@ def test_unsigned_or_badly_signed_webhook_is_401(
     response = post(client, page("unsigned/a"), **kwargs)
     assert response.status_code == 401
     assert reason in response.json()["detail"]
+    assert response.headers["WWW-Authenticate"] == "Bearer"  # every 401 names a challenge (RFC 9110)
     assert count(tx_factory, Page) == 0 and recorder.calls == []
 
 
@@ -1371,6 +1372,7 @@ def test_openapi_lists_the_routes(client: TestClient) -> None:
     }
     post_pages = spec["paths"]["/v1/pages"]["post"]
     assert {p["name"] for p in post_pages["parameters"]} == {"Idempotency-Key"}
+    assert "408" in post_pages["responses"]  # a body too slow to arrive: answered, so documented
     # Either credential: an ingest key, or the webhook signature (a security scheme, not a parameter).
     assert post_pages["security"] == [{"ApiKey": []}, {"WebhookSignature": []}]
     assert spec["components"]["securitySchemes"]["WebhookSignature"] == {

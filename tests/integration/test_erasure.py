@@ -289,6 +289,14 @@ def test_a_dot_segment_is_no_source_id_to_store_pages_under(client: TestClient, 
     assert response.status_code == 422 and "dropped from URLs" in response.text, response.text
 
 
+@pytest.mark.parametrize("source_id", ["/team", "/"])
+def test_a_leading_slash_is_no_source_id_to_store_pages_under(client: TestClient, source_id: str) -> None:
+    """Sent as %2F, it leaves the page routes' source segment empty (/v1/pages//...): stored, the page
+    could be neither read nor erased over HTTP (404 "Not Found")."""
+    response = post(client, page("notes", source_id=source_id))
+    assert response.status_code == 422 and "leading '/'" in response.text, response.text
+
+
 def test_delete_finds_an_nfc_slug_sent_as_nfd(client: TestClient, enabled: sessionmaker[Session]) -> None:
     assert post(client, page("café/notes")).status_code == 202
     response = client.delete("/v1/pages/default/cafe\u0301/notes", headers=ADMIN_HEADERS)

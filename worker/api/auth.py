@@ -21,7 +21,7 @@ from sqlalchemy.exc import OperationalError
 from worker.access import Principal, principal_for, refusal
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
-from worker.api.errors import ApiError
+from worker.api.errors import CHALLENGE, ApiError
 from worker.api.scrape_reads import note_outage, outage_seen
 from worker.bodycap import arrived_at
 from worker.core.moments import SAME_SECOND_HINT
@@ -32,8 +32,6 @@ from worker.core.signing import (
 )
 from worker.db import database_went_away
 from worker.deliveries import WEBHOOK_SENDER
-
-CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 _bearer = HTTPBearer(
     auto_error=False,

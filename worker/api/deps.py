@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from worker import celery_app
 from worker.access import Principal
 from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
-from worker.api.errors import ApiError, problems_of, summarize
+from worker.api.errors import CHALLENGE, ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
@@ -227,8 +227,8 @@ def _signature_checked(
             accept_v2=settings.accept_v2_signatures,
             accept_v1=settings.accept_v1_signatures,
         )
-    except SignatureError as exc:
-        raise ApiError(401, exc.reason) from None
+    except SignatureError as exc:  # an ingest key may be sent instead: the challenge says so
+        raise ApiError(401, exc.reason, headers=CHALLENGE) from None
 
 
 def check_idempotency_key(key: str | None) -> str | None:

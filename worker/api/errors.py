@@ -19,6 +19,8 @@ from worker.guards import request_id_of, route_template, unexpected_answer
 logger = logging.getLogger(__name__)
 
 MAX_LISTED_PROBLEMS = 20
+# What a 401 says may be sent instead (RFC 9110 asks every 401 for a challenge): an API key.
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
 class ApiError(Exception):

@@ -30,6 +30,8 @@ ERROR = {"type": "object", "required": ["detail"], "properties": {"detail": {"ty
 # database unavailable (with Retry-After).
 COMMON_ERRORS = {
     "400": "Malformed request",
+    "408": "The body did not arrive in time (too slow, or past its deadline once its turn came); send it "
+    "again",
     "413": "Body over its cap",
     "500": "Internal error",
     "503": "The database is unavailable (unreachable, restarting or out of connections); try again "

@@ -67,8 +67,10 @@ DOT_SEGMENTS = (".", "..")
 
 def is_new_source_id(value: str) -> bool:
     """A source id pages may be stored under: ``is_source_id``, printable (``str.isprintable``), so it
-    shows as it is in a terminal, a log or a dashboard, and not a dot segment (``DOT_SEGMENTS``)."""
-    return is_source_id(value) and value.isprintable() and value not in DOT_SEGMENTS
+    shows as it is in a terminal, a log or a dashboard, not a dot segment (``DOT_SEGMENTS``) and not
+    beginning with ``/``."""
+    routable = value not in DOT_SEGMENTS and not value.startswith("/")
+    return is_source_id(value) and value.isprintable() and routable
 
 
 def check_new_source_id(value: str) -> str:
@@ -80,6 +82,11 @@ def check_new_source_id(value: str) -> str:
         raise ValueError(
             f"{value!r} is not a source id to store pages under: '.' and '..' are dropped from URLs by "
             "HTTP clients, so the page routes could not name it"
+        )
+    if value.startswith("/"):
+        raise ValueError(
+            f"{value!r} is not a source id to store pages under: a leading '/' leaves the page routes' "
+            "source segment empty (/v1/pages//...), so they could not name it"
         )
     if not value.isprintable():
         raise ValueError(
@@ -94,7 +101,7 @@ SOURCE_ID_PATTERN = rf"^(?:[^|{_SPACES}]|[^|{_SPACES}][^|]*[^|{_SPACES}])$"
 
 # What ``is_new_source_id`` accepts: visible ends, and inside them visible characters or plain spaces.
 _SOURCE_VISIBLE = r"[^|\p{C}\p{Z}]"
-NEW_SOURCE_ID_PATTERN = rf"^(?!\.\.?$){_SOURCE_VISIBLE}(?:(?:{_SOURCE_VISIBLE}| )*{_SOURCE_VISIBLE})?$"
+NEW_SOURCE_ID_PATTERN = rf"^(?!\.\.?$)(?!/){_SOURCE_VISIBLE}(?:(?:{_SOURCE_VISIBLE}| )*{_SOURCE_VISIBLE})?$"
 
 # What ``is_word_label`` accepts: every Z character is either whitespace or not printable, and the
 # C characters that are whitespace (tab, newline...) are not printable either.
