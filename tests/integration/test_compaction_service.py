@@ -1635,6 +1635,22 @@ def test_openapi_lists_the_transcript_routes(client: TestClient) -> None:
     assert "get" in paths["/v1/transcripts/{transcript_id}/compactions"]
 
 
+def test_the_transcript_bodies_are_documented_as_they_are_parsed(client: TestClient) -> None:
+    """The document said a role was any string, tool names had no length and settings had defaults (a
+    generated client filling them in reset settings its caller never sent); the parser says otherwise."""
+    document = client.get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    assert schemas["MessageIn"]["properties"]["role"]["enum"] == ["user", "assistant", "tool"]
+    tool_call = schemas["ToolCallIn"]
+    assert tool_call["additionalProperties"] is False and tool_call["properties"]["name"]["maxLength"] == 200
+    put = document["paths"]["/v1/transcripts/{transcript_id}"]["put"]
+    settings = put["requestBody"]["content"]["application/json"]["schema"]
+    settings = schemas[settings["$ref"].rsplit("/", 1)[1]] if "$ref" in settings else settings
+    for name in ("reserve_tokens", "keep_recent_tokens", "tool_result_limit"):
+        assert "default" not in settings["properties"][name], name
+        assert settings["properties"][name]["type"] == "integer"  # never null: the parser refuses it
+
+
 # ---------------------------------------------------------------------------
 # Metrics and CLI
 # ---------------------------------------------------------------------------

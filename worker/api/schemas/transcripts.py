@@ -7,25 +7,57 @@ request models here document them in OpenAPI.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
-from worker.core.transcripts import MAX_INSTRUCTIONS_LENGTH, MAX_MESSAGES_PER_REQUEST, MAX_TOKEN_SETTING
+from worker.core.transcripts import (
+    MAX_INSTRUCTIONS_LENGTH,
+    MAX_MESSAGES_PER_REQUEST,
+    MAX_TOKEN_SETTING,
+    MAX_TOOL_CALL_ID_LENGTH,
+    MAX_TOOL_NAME_LENGTH,
+)
 
 
 class ToolCallIn(BaseModel):
-    id: str = Field(min_length=1, max_length=200)
-    name: str = Field(min_length=1)
+    model_config = ConfigDict(extra="forbid")  # as the parser: any other field is refused
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_LENGTH)
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_LENGTH)
     arguments: dict[str, Any] | str = Field(default="{}", description="A JSON object, or its JSON text")
+    type: Any = Field(default=None, description="Accepted and ignored (OpenAI's wire format sends it)")
 
 
 class MessageIn(BaseModel):
-    role: str = Field(description="user, assistant or tool")
+    role: Literal["user", "assistant", "tool"]
     text: str = ""
     tool_calls: list[ToolCallIn] = Field(default_factory=list, description="Assistant turns only")
-    tool_call_id: str | None = Field(default=None, description="Tool results: the call this answers")
-    tool_name: str | None = Field(default=None, description="Tool results: defaults to the call's name")
+    tool_call_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOOL_CALL_ID_LENGTH,
+        description="Tool results (required there): the call this answers",
+    )
+    tool_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOOL_NAME_LENGTH,
+        description="Tool results: defaults to the call's name",
+    )
+
+
+# An integer setting that may be left out but never sent as null (the parser refuses null for these),
+# and has no default in the document (left out, the stored value stays).
+_Setting = Annotated[int, Field(ge=0, le=MAX_TOKEN_SETTING)] | SkipJsonSchema[None]
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+_UNSENT: Any = Field(default=None, json_schema_extra=_no_default)
 
 
 class SettingsIn(BaseModel):
@@ -38,9 +70,12 @@ class SettingsIn(BaseModel):
     context_window: Annotated[int, Field(ge=1, le=MAX_TOKEN_SETTING)] | None = Field(
         default=None, description="null: unknown, never compact"
     )
-    reserve_tokens: int = Field(default=16_384, ge=0, le=MAX_TOKEN_SETTING)
-    keep_recent_tokens: int = Field(default=20_000, ge=0, le=MAX_TOKEN_SETTING)
-    tool_result_limit: int = Field(default=2_000, ge=0, le=MAX_TOKEN_SETTING)
+    # No defaults here: a field not sent keeps its stored value (a generated client that filled in
+    # defaults would reset what its caller never meant to change); a new transcript's are 16,384,
+    # 20,000 and 2,000.
+    reserve_tokens: _Setting = _UNSENT
+    keep_recent_tokens: _Setting = _UNSENT
+    tool_result_limit: _Setting = _UNSENT
     instructions: str | None = Field(
         default=None, max_length=MAX_INSTRUCTIONS_LENGTH, description="Steers the summarizer (quoted as data)"
     )
