@@ -167,3 +167,16 @@ def test_no_secret_shows_in_a_repr_of_the_settings() -> None:
 def test_a_worker_refuses_a_provider_missing_its_key_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FACTMILL_LLM", "openai")
     assert refused_lines("worker") == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]
+
+
+def test_a_worker_refuses_a_stall_limit_shorter_than_one_llm_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job shows no progress while a call waits for its reply: past FACTMILL_TASK_TIME_LIMIT_SECONDS it
+    was taken for stalled and run twice, every slow call paid twice."""
+    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "250")  # a try of 8,192 tokens: 4 x 60 s + 10 s
+    [line] = refused_lines("worker")
+    assert line.startswith(
+        "error: FACTMILL_TASK_TIME_LIMIT_SECONDS (250) is not above the longest LLM try (250 s"
+    )
+    monkeypatch.setenv("FACTMILL_LLM_TIMEOUT_SECONDS", "30")  # 4 x 30 s + 10 s fits: on to the next check
+    monkeypatch.setenv("FACTMILL_LLM", "openai")
+    assert refused_lines("worker") == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]

@@ -18,7 +18,9 @@ from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory, refuse_unset_servers
+from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING
 from worker.jobs.registry import queues as known_queues
+from worker.llm.types import longest_try_seconds
 from worker.runtime.logs import configure_logging, logging_config
 from worker.runtime.tracing import TracingUnavailableError, require_packages
 from worker.settings import RefusedSettingsError, Settings, get_settings
@@ -45,6 +47,25 @@ def refuse_insecure_secrets(
         settings.check_service_settings(calls_models=calls_models, runs_jobs=runs_jobs)
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
+
+
+def refuse_a_stall_limit_below_a_call(settings: Settings) -> None:
+    """A job that shows no progress for FACTMILL_TASK_TIME_LIMIT_SECONDS is taken for stalled (its lease
+    lapses, another worker runs it), and a call waiting for its reply shows none: a limit shorter than
+    one try of the largest reply asked for (extraction's truncation retry, a compaction's summary) had
+    every slow call's job run twice. Exit 2, saying what to raise."""
+    largest = max(
+        MAX_OUTPUT_TOKENS_CEILING, settings.llm_max_output_tokens, settings.compaction_max_output_tokens
+    )
+    longest = longest_try_seconds(settings.llm_timeout_seconds, largest)
+    if settings.task_time_limit_seconds <= longest:
+        raise fail(
+            f"FACTMILL_TASK_TIME_LIMIT_SECONDS ({settings.task_time_limit_seconds}) is not above the longest "
+            f"LLM try ({longest:g} s: FACTMILL_LLM_TIMEOUT_SECONDS={settings.llm_timeout_seconds:g} for each "
+            f"2,048 tokens of a {largest:,}-token reply, and the connection): a job waiting for a slow reply "
+            "would be taken for stalled and run twice; raise the one or lower the other",
+            code=2,
+        )
 
 
 def refuse_missing_tracing(settings: Settings) -> None:
@@ -138,6 +159,7 @@ def worker(
     Each process runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once."""
     settings = get_settings()
     refuse_insecure_secrets(settings, runs_jobs=True)
+    refuse_a_stall_limit_below_a_call(settings)
     refuse_missing_tracing(settings)
     try:
         queues = worker_queues(queues, known_queues())

@@ -100,6 +100,12 @@ def sdk_options(
     }
 
 
+def longest_try_seconds(seconds: float, max_tokens: int) -> float:
+    """How long one try of a call that may write ``max_tokens`` may wait for its reply and connection
+    (``reply_timeout``'s two parts, before any caller's deadline cuts them)."""
+    return seconds * max(1.0, max_tokens / REPLY_TOKENS_PER_TIMEOUT) + min(seconds, CONNECT_TIMEOUT_SECONDS)
+
+
 def reply_timeout(sdk: Any, seconds: float, max_tokens: int = 0) -> Any:
     """The SDK's Timeout for a call that may write ``max_tokens`` (see REPLY_TOKENS_PER_TIMEOUT), cut
     to the time its caller's deadline leaves (worker.llm.deadline.call_deadline; a second at least)."""
