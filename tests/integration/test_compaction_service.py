@@ -1360,6 +1360,16 @@ def test_an_invalid_message_is_422_naming_it_and_nothing_is_stored(
         ([ok, {"role": "system", "text": "x"}], 1, "messages[1]: unknown role 'system'"),
         ([ok, {"role": ["user"], "text": "x"}], 1, "messages[1]: role must be a string"),  # was a 500
         ([{"role": {"user": 1}, "text": "x"}], 0, "messages[0]: role must be a string"),
+        # OpenAI's shape: the result's words were dropped, and it was stored with no text.
+        (
+            [
+                {"role": "assistant", "tool_calls": [{"id": "c1", "name": "sql"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42 rows"},
+            ],
+            1,
+            "messages[1]: unknown field(s) content; use role, text, tool_calls, tool_call_id, tool_name "
+            "(a message's words go in text)",
+        ),
         (
             [
                 ok,
@@ -1646,9 +1656,17 @@ def test_the_transcript_bodies_are_documented_as_they_are_parsed(client: TestCli
     put = document["paths"]["/v1/transcripts/{transcript_id}"]["put"]
     settings = put["requestBody"]["content"]["application/json"]["schema"]
     settings = schemas[settings["$ref"].rsplit("/", 1)[1]] if "$ref" in settings else settings
-    for name in ("reserve_tokens", "keep_recent_tokens", "tool_result_limit"):
+    for name in (
+        "context_window",
+        "reserve_tokens",
+        "keep_recent_tokens",
+        "tool_result_limit",
+        "instructions",
+    ):
         assert "default" not in settings["properties"][name], name
+    for name in ("reserve_tokens", "keep_recent_tokens", "tool_result_limit"):
         assert settings["properties"][name]["type"] == "integer"  # never null: the parser refuses it
+    assert schemas["MessageIn"]["additionalProperties"] is False
 
 
 # ---------------------------------------------------------------------------

@@ -99,8 +99,19 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
     return ToolCall(call_id, name, arguments)
 
 
+MESSAGE_FIELDS = ("role", "text", "tool_calls", "tool_call_id", "tool_name")
+
+
 def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:
-    """One appended message from its JSON fields; MessageError names the message and what is wrong."""
+    """One appended message from its JSON fields; MessageError names the message and what is wrong. A
+    field it does not know is refused: an OpenAI-shaped tool result's ``content`` was dropped, and the
+    result stored with no text (compaction and the context view lost it)."""
+    unknown = sorted(str(key) for key in raw if key not in MESSAGE_FIELDS)
+    if unknown:
+        hint = " (a message's words go in text)" if "content" in unknown else ""
+        raise MessageError(
+            index, f"unknown field(s) {', '.join(unknown)}; use {', '.join(MESSAGE_FIELDS)}{hint}"
+        )
     role = raw.get("role")
     if role is not None and not isinstance(role, str):  # a list or an object is unhashable: no set test
         raise MessageError(

@@ -25,6 +25,7 @@ from worker.core.facts import MAX_ENTITY_NAME_CHARS
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, check_source_id
+from worker.core.transcripts import MAX_TOOL_CALL_ID_LENGTH, MAX_TOOL_NAME_LENGTH
 from worker.deliveries import DeliveryKeyReusedError
 from worker.extraction.facts import EntityNameError, FactCursorError
 from worker.extraction.pages import MAX_SLUG_LENGTH
@@ -75,8 +76,18 @@ class Access:
 class ToolCallIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: Annotated[Text, Field(min_length=1, description="The call's id; its tool result names it.")]
-    name: Annotated[Text, Field(min_length=1, description="The tool the assistant called.")]
+    id: Annotated[
+        Text,
+        Field(
+            min_length=1,
+            max_length=MAX_TOOL_CALL_ID_LENGTH,
+            description="The call's id; its tool result names it.",
+        ),
+    ]
+    name: Annotated[
+        Text,
+        Field(min_length=1, max_length=MAX_TOOL_NAME_LENGTH, description="The tool the assistant called."),
+    ]
     # As the API takes them: an object, or its JSON text (how OpenAI's tool calls carry them).
     arguments: Annotated[dict[str, Any] | Text, Field(description="The call's arguments.")] = {}
     type: Annotated[Text | None, Field(description="OpenAI's call type ('function'), if sent.")] = None
@@ -95,9 +106,16 @@ class MessageIn(BaseModel):
         list[ToolCallIn] | None, Field(description="Assistant turns only: the tools it called.")
     ] = None
     tool_call_id: Annotated[
-        Text | None, Field(description="Tool results only: the id of the call this answers.")
+        Text | None,
+        Field(
+            max_length=MAX_TOOL_CALL_ID_LENGTH,
+            description="Tool results only: the id of the call this answers.",
+        ),
     ] = None
-    tool_name: Annotated[Text | None, Field(description="Tool results only: the tool that ran.")] = None
+    tool_name: Annotated[
+        Text | None,
+        Field(max_length=MAX_TOOL_NAME_LENGTH, description="Tool results only: the tool that ran."),
+    ] = None
 
 
 @contextmanager

@@ -26,14 +26,18 @@ class ToolCallIn(BaseModel):
 
     id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_LENGTH)
     name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_LENGTH)
-    arguments: dict[str, Any] | str = Field(default="{}", description="A JSON object, or its JSON text")
+    arguments: dict[str, Any] | str | None = Field(
+        default="{}", description="A JSON object, or its JSON text"
+    )
     type: Any = Field(default=None, description="Accepted and ignored (OpenAI's wire format sends it)")
 
 
 class MessageIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # as the parser: a `content` field is refused, not dropped
+
     role: Literal["user", "assistant", "tool"]
-    text: str = ""
-    tool_calls: list[ToolCallIn] = Field(default_factory=list, description="Assistant turns only")
+    text: str | None = ""
+    tool_calls: list[ToolCallIn] | None = Field(default_factory=list, description="Assistant turns only")
     tool_call_id: str | None = Field(
         default=None,
         min_length=1,
@@ -67,17 +71,20 @@ class SettingsIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    context_window: Annotated[int, Field(ge=1, le=MAX_TOKEN_SETTING)] | None = Field(
-        default=None, description="null: unknown, never compact"
-    )
     # No defaults here: a field not sent keeps its stored value (a generated client that filled in
-    # defaults would reset what its caller never meant to change); a new transcript's are 16,384,
-    # 20,000 and 2,000.
+    # defaults would reset what its caller never meant to change: a null window stops compaction); a
+    # new transcript's are no window, 16,384, 20,000, 2,000 and no instructions.
+    context_window: Annotated[int, Field(ge=1, le=MAX_TOKEN_SETTING)] | None = Field(
+        default=None, description="null: unknown, never compact", json_schema_extra=_no_default
+    )
     reserve_tokens: _Setting = _UNSENT
     keep_recent_tokens: _Setting = _UNSENT
     tool_result_limit: _Setting = _UNSENT
     instructions: str | None = Field(
-        default=None, max_length=MAX_INSTRUCTIONS_LENGTH, description="Steers the summarizer (quoted as data)"
+        default=None,
+        max_length=MAX_INSTRUCTIONS_LENGTH,
+        description="Steers the summarizer (quoted as data); null: none",
+        json_schema_extra=_no_default,
     )
 
 
