@@ -169,14 +169,31 @@ def test_a_worker_refuses_a_provider_missing_its_key_with_one_line(monkeypatch: 
     assert refused_lines("worker") == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]
 
 
-def test_a_worker_refuses_a_stall_limit_shorter_than_one_llm_try(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job shows no progress while a call waits for its reply: past FACTMILL_TASK_TIME_LIMIT_SECONDS it
-    was taken for stalled and run twice, every slow call paid twice."""
-    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "250")  # a try of 8,192 tokens: 4 x 60 s + 10 s
+def test_a_worker_refuses_a_stall_limit_shorter_than_a_jobs_wait_on_one_llm_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job shows no progress from one try's start to the next's (the try, then the wait before the
+    next): past FACTMILL_TASK_TIME_LIMIT_SECONDS it was taken for stalled and run twice."""
+    from typer import Exit
+
+    from worker.cli.services import largest_reply_tokens, refuse_a_stall_limit_below_a_call
+    from worker.settings import Settings
+
+    settings = Settings()  # a 1,024-token cap (retried at 2,048), compaction's 4,096, waits of 120 s
+    assert largest_reply_tokens(settings, ["extraction"]) == 2048
+    assert largest_reply_tokens(settings, ["extraction", "compaction"]) == 4096
+    assert largest_reply_tokens(settings, ["consolidation"]) == 2400
+    assert largest_reply_tokens(Settings(llm_max_output_tokens=16_384), ["extraction"]) == 16_384
+    assert largest_reply_tokens(settings, ["maintenance", "calibration"]) == 0  # no model: no check
+    # 4 x 60 s + the 10 s connection + 120 s of waiting before the next try: 250 s.
+    refuse_a_stall_limit_below_a_call(Settings(task_time_limit_seconds=251), ["compaction"])
+    with pytest.raises(Exit):
+        refuse_a_stall_limit_below_a_call(Settings(task_time_limit_seconds=250), ["compaction"])
+    refuse_a_stall_limit_below_a_call(Settings(task_time_limit_seconds=60), ["maintenance"])
+    # Through the command: one line, exit 2.
+    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "250")
     [line] = refused_lines("worker")
     assert line.startswith(
-        "error: FACTMILL_TASK_TIME_LIMIT_SECONDS (250) is not above the longest LLM try (250 s"
+        "error: FACTMILL_TASK_TIME_LIMIT_SECONDS (250) is not above the longest a job may wait on an LLM "
+        "call (250 s"
     )
-    monkeypatch.setenv("FACTMILL_LLM_TIMEOUT_SECONDS", "30")  # 4 x 30 s + 10 s fits: on to the next check
-    monkeypatch.setenv("FACTMILL_LLM", "openai")
-    assert refused_lines("worker") == ["error: FACTMILL_LLM=openai needs OPENAI_API_KEY"]

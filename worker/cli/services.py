@@ -18,7 +18,8 @@ from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory, refuse_unset_servers
-from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING
+from worker.consolidation.service import MAX_PAIRS_PER_CALL, OUTPUT_TOKENS_PER_PAIR
+from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING, TRUNCATION_RETRY_FACTOR
 from worker.jobs.registry import queues as known_queues
 from worker.llm.types import longest_try_seconds
 from worker.runtime.logs import configure_logging, logging_config
@@ -49,21 +50,39 @@ def refuse_insecure_secrets(
         raise fail(str(exc), code=2) from None
 
 
-def refuse_a_stall_limit_below_a_call(settings: Settings) -> None:
+def largest_reply_tokens(settings: Settings, queues: Sequence[str]) -> int:
+    """The largest reply cap the jobs of these queues ask a model for (0: they call none): extraction's
+    truncation retry (twice the cap, to the ceiling), a compaction's summary, a consolidation's batch of
+    pairs."""
+    caps = [0]
+    if "extraction" in queues:
+        first = settings.llm_max_output_tokens
+        retried = min(first * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
+        caps.append(first if first >= MAX_OUTPUT_TOKENS_CEILING else retried)
+    if "compaction" in queues:
+        caps.append(settings.compaction_max_output_tokens)
+    if "consolidation" in queues:
+        caps.append(MAX_PAIRS_PER_CALL * OUTPUT_TOKENS_PER_PAIR)
+    return max(caps)
+
+
+def refuse_a_stall_limit_below_a_call(settings: Settings, queues: Sequence[str]) -> None:
     """A job that shows no progress for FACTMILL_TASK_TIME_LIMIT_SECONDS is taken for stalled (its lease
-    lapses, another worker runs it), and a call waiting for its reply shows none: a limit shorter than
-    one try of the largest reply asked for (extraction's truncation retry, a compaction's summary) had
-    every slow call's job run twice. Exit 2, saying what to raise."""
-    largest = max(
-        MAX_OUTPUT_TOKENS_CEILING, settings.llm_max_output_tokens, settings.compaction_max_output_tokens
-    )
-    longest = longest_try_seconds(settings.llm_timeout_seconds, largest)
-    if settings.task_time_limit_seconds <= longest:
+    lapses, another worker runs it), and a call shows none from one try's start to the next's: the try
+    waiting for its reply, then the wait before the next (FACTMILL_LLM_MAX_TOTAL_WAIT_SECONDS at most). A
+    limit shorter had every slow call's job run twice. Exit 2, saying what to raise."""
+    largest = largest_reply_tokens(settings, queues)
+    if not largest:
+        return  # these queues' jobs call no model
+    silent = longest_try_seconds(settings.llm_timeout_seconds, largest) + settings.llm_max_total_wait_seconds
+    if settings.task_time_limit_seconds <= silent:
+        timeout, wait = settings.llm_timeout_seconds, settings.llm_max_total_wait_seconds
         raise fail(
             f"FACTMILL_TASK_TIME_LIMIT_SECONDS ({settings.task_time_limit_seconds}) is not above the longest "
-            f"LLM try ({longest:g} s: FACTMILL_LLM_TIMEOUT_SECONDS={settings.llm_timeout_seconds:g} for each "
-            f"2,048 tokens of a {largest:,}-token reply, and the connection): a job waiting for a slow reply "
-            "would be taken for stalled and run twice; raise the one or lower the other",
+            f"a job may wait on an LLM call ({silent:g} s: a try of a {largest:,}-token reply at "
+            f"FACTMILL_LLM_TIMEOUT_SECONDS={timeout:g} for each 2,048 tokens, and the wait before the next, "
+            f"FACTMILL_LLM_MAX_TOTAL_WAIT_SECONDS={wait:g}): such a job would be taken for stalled and run "
+            "twice; raise the one or lower the others",
             code=2,
         )
 
@@ -159,12 +178,12 @@ def worker(
     Each process runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once."""
     settings = get_settings()
     refuse_insecure_secrets(settings, runs_jobs=True)
-    refuse_a_stall_limit_below_a_call(settings)
     refuse_missing_tracing(settings)
     try:
         queues = worker_queues(queues, known_queues())
     except ValueError as exc:
         raise fail(str(exc), code=2) from exc
+    refuse_a_stall_limit_below_a_call(settings, queues.split(","))
     if pool not in POOLS:
         raise fail("--pool must be threads, prefork or solo", code=2)
     loglevel = checked_loglevel(loglevel)

@@ -89,8 +89,8 @@ class ToolCallIn(BaseModel):
         Field(min_length=1, max_length=MAX_TOOL_NAME_LENGTH, description="The tool the assistant called."),
     ]
     # As the API takes them: an object, or its JSON text (how OpenAI's tool calls carry them).
-    arguments: Annotated[dict[str, Any] | Text, Field(description="The call's arguments.")] = {}
-    type: Annotated[Text | None, Field(description="OpenAI's call type ('function'), if sent.")] = None
+    arguments: Annotated[dict[str, Any] | Text | None, Field(description="The call's arguments.")] = {}
+    type: Annotated[Any, Field(description="OpenAI's call type ('function'), if sent; not used.")] = None
 
 
 class MessageIn(BaseModel):
