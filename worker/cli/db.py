@@ -53,8 +53,11 @@ class SchemaUpgradeError(Exception):
         self.code = code
 
 
-def upgrade_schema(settings: Settings, url: str, revision: str = "head", *, wait: bool = False) -> None:
-    """Run the migrations up to ``revision``, saying on stderr what it sets out to run and each step;
+def upgrade_schema(
+    settings: Settings, url: str, revision: str = "head", *, wait: bool = False, quiet: bool = False
+) -> None:
+    """Run the migrations up to ``revision``, saying on stderr what it sets out to run and each step
+    (unless ``quiet``: the demo's own database, built from nothing, 39 lines of it);
     SchemaUpgradeError with one line for a person (`db upgrade` and the demo: the demo's own upgrade
     was a traceback for a schema a newer release made, a refused migration or a table lock held)."""
     from alembic.util import CommandError
@@ -65,9 +68,9 @@ def upgrade_schema(settings: Settings, url: str, revision: str = "head", *, wait
         raise SchemaUpgradeError(str(state.problem()))
     try:
         pending = db.pending_revisions(url, revision)
-        if pending:  # a migration over a large table (an index) can take minutes: say where it stands
+        if pending and not quiet:  # a migration over a large table can take minutes: say where it stands
             err.print(f"upgrading the schema: {len(pending)} migration(s), {pending[0]} to {pending[-1]}")
-        db.upgrade(url, revision, on_step=_report_step)
+        db.upgrade(url, revision, on_step=None if quiet else _report_step)
     except CommandError as exc:  # a revision that is not one of the migrations'
         raise SchemaUpgradeError(f"cannot upgrade to {revision!r}: {exc}", code=2) from None
     except DBAPIError as exc:  # each migration commits on its own (alembic/env.py): the failed one did not

@@ -176,7 +176,7 @@ def run_demo(
         )
     database_url = db.database_url(settings)
     try:
-        upgrade_schema(settings, database_url)
+        upgrade_schema(settings, database_url, quiet=True)
     except SchemaUpgradeError as exc:
         raise DemoError(str(exc)) from None
     broker = broker_url(settings)
