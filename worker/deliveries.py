@@ -54,6 +54,16 @@ def _stored_answer(session: Session, key: str, body_hash: str) -> Answer | None:
     return dict(prior.response)
 
 
+def replayed_answer(factory: sessionmaker[Session], key: str | None, body_hash: str) -> Answer | None:
+    """The answer stored for this delivery, or None: asked when its body no longer passes the checks (a
+    rule tightened by a release since it was accepted), so the sender's retry within the window still
+    gets what it was answered, as the README promises, not a 422 for a body already stored."""
+    if key is None:
+        return None
+    with factory() as session:
+        return _stored_answer(session, key, body_hash)
+
+
 WEBHOOK_SENDER = "signature"  # Ingest.sender of a delivery signed with the webhook secret
 
 
@@ -117,5 +127,6 @@ __all__ = [
     "Answer",
     "DeliveryKeyReusedError",
     "deliver_once",
+    "replayed_answer",
     "scoped_key",
 ]

@@ -511,3 +511,39 @@ def test_a_keyed_delivery_is_dated_when_it_reached_the_server_not_when_its_body_
     assert keyed.delivered_at(None, b"{}") == datetime.fromtimestamp(arrived, UTC)  # type: ignore[arg-type]
     unknown = Ingest(principal=None, signature=None, method="POST", path="/v1/pages")
     assert abs(unknown.delivered_at(None, b"{}").timestamp() - time.time()) < 60  # type: ignore[arg-type]
+
+
+def test_a_delivery_stored_before_a_rule_tightened_gets_its_stored_answer_when_sent_again(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """A release refuses what an earlier one stored (a source id beginning with '/', a message's unknown
+    field): the sender's retry of such a delivery, within the window and under its key, was a 422 for a
+    body already stored, and the client believed nothing was."""
+
+    from worker.deliveries import WEBHOOK_SENDER, deliver_once, scoped_key
+
+    def stored_before(route: str, subject: str, key: str, body: bytes, answer: dict[str, Any]) -> None:
+        scoped = scoped_key(route, subject, key, WEBHOOK_SENDER)
+        deliver_once(factory, scoped, hashlib.sha256(body).hexdigest(), lambda session: (answer, None))
+
+    page = json.dumps({"source_id": "/team", "slug": "notes/a", "type": "conversation"}).encode()
+    accepted = {
+        "jobs": [{"job_id": 7, "source_id": "/team", "slug": "notes/a", "created": True}],
+        "unchanged": [],
+    }
+    stored_before("POST /v1/pages", "", "d-1", page, accepted)
+    again = api.post("/v1/pages", content=page, headers=signed(page, idempotency_key="d-1"))
+    assert again.status_code == 202 and again.headers["Idempotent-Replayed"] == "true", again.text
+    assert again.json() == accepted
+    refused = api.post("/v1/pages", content=page, headers=signed(page, idempotency_key="d-2"))
+    assert refused.status_code == 422 and "leading '/'" in refused.text  # a new delivery: today's rules
+
+    path = "/v1/transcripts/t1/messages"
+    messages = json.dumps({"messages": [{"role": "user", "text": "hi", "content": "hi"}]}).encode()
+    appended = {"transcript_id": "t1", "appended": 1, "first_seq": 1, "last_seq": 1}
+    stored_before("POST /v1/transcripts/{id}/messages", "t1", "m-1", messages, appended)
+    again = api.post(path, content=messages, headers=signed(messages, path, idempotency_key="m-1"))
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true", again.text
+    assert again.json() == appended
+    refused = api.post(path, content=messages, headers=signed(messages, path, idempotency_key="m-2"))
+    assert refused.status_code == 422 and "unknown field(s) content" in refused.text

@@ -72,7 +72,7 @@ from worker.compaction import (
 from worker.compaction.erase import ErasedSinceSignedError, erase_transcript, refuse_if_erased_since
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
-from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, scoped_key
+from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,15 @@ def accept_messages(
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
     delivered_at = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
-    messages, settings = _parse_append(load_json_object(body))
+    # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
+    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
+    try:
+        messages, settings = _parse_append(load_json_object(body))
+    except ApiError:  # a rule tightened since this delivery was stored: its retry gets the stored answer
+        prior = replayed_answer(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest())
+        if prior is None:
+            raise
+        return JSONResponse(prior, 201, headers=REPLAYED_HEADERS)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
         # Before (the 409 says why, not a 422 about the erased state) and after (an erasure committed
@@ -170,8 +178,6 @@ def accept_messages(
         )
         return response.model_dump(mode="json"), result.pending_jobs()
 
-    # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
-    delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
     try:
         response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
     except TranscriptError as exc:
