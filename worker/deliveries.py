@@ -111,10 +111,7 @@ def deliver_once(
                 )
     except IntegrityError:
         # A concurrent delivery with the same key committed first: answer what it answered.
-        if key is None:
-            raise
-        with factory() as session:
-            prior = _stored_answer(session, key, body_hash)
+        prior = replayed_answer(factory, key, body_hash)
         if prior is None:
             raise
         return prior, None

@@ -18,8 +18,6 @@ from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children
 from worker.cli.sessions import checked_factory, refuse_unset_servers
-from worker.consolidation.service import MAX_PAIRS_PER_CALL, OUTPUT_TOKENS_PER_PAIR
-from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING, TRUNCATION_RETRY_FACTOR
 from worker.jobs.registry import queues as known_queues
 from worker.llm.types import longest_try_seconds
 from worker.runtime.logs import configure_logging, logging_config
@@ -54,6 +52,11 @@ def largest_reply_tokens(settings: Settings, queues: Sequence[str]) -> int:
     """The largest reply cap the jobs of these queues ask a model for (0: they call none): extraction's
     truncation retry (twice the cap, to the ceiling), a compaction's summary, a consolidation's batch of
     pairs."""
+    # Here, not at the top: asked by `factmill worker` alone, whose jobs load these anyway; serve and beat
+    # need not pay for consolidation's imports (about 0.1 s) at start.
+    from worker.consolidation.service import MAX_PAIRS_PER_CALL, OUTPUT_TOKENS_PER_PAIR
+    from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING, TRUNCATION_RETRY_FACTOR
+
     caps = [0]
     if "extraction" in queues:
         first = settings.llm_max_output_tokens

@@ -141,10 +141,11 @@ def accept_messages(
     key = check_idempotency_key(key)
     # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
     delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
+    body_hash = hashlib.sha256(body).hexdigest()
     try:
         messages, settings = _parse_append(load_json_object(body))
     except ApiError:  # a rule tightened since this delivery was stored: its retry gets the stored answer
-        prior = replayed_answer(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest())
+        prior = replayed_answer(ctx.factory, delivery_key, body_hash)
         if prior is None:
             raise
         return JSONResponse(prior, 201, headers=REPLAYED_HEADERS)
@@ -179,7 +180,7 @@ def accept_messages(
         return response.model_dump(mode="json"), result.pending_jobs()
 
     try:
-        response, pending = deliver_once(ctx.factory, delivery_key, hashlib.sha256(body).hexdigest(), write)
+        response, pending = deliver_once(ctx.factory, delivery_key, body_hash, write)
     except TranscriptError as exc:
         raise _unprocessable(exc) from None
     except ErasedSinceSignedError as exc:
