@@ -1,6 +1,7 @@
 """The long fuzz run: schemathesis against the real API and Postgres (ASGI in-process), every operation
 signed with the admin token and anonymous, --examples cases each, with the checks and case rules of
-tests/integration/test_fuzz_api.py; prints cases, 5xx and the first failure per operation.
+tests/integration/test_fuzz_api.py; prints cases, 5xx and the first failure per operation; exits 1 on
+any 5xx or failed check.
 
     .venv/bin/python bench/fuzz.py [--examples 500]
 
@@ -31,7 +32,7 @@ from worker.api.app import create_app  # noqa: E402
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=500)
     args = parser.parse_args()
@@ -52,13 +53,14 @@ def main() -> None:
                 try:
                     fuzz_operation(operation, authenticated, document, config, tally)
                     failure = "-"
-                except Exception as exc:
+                except (Exception, BaseExceptionGroup) as exc:  # schemathesis raises a FailureGroup
                     failure = str(exc).splitlines()[0][:200]
                 total.update(tally)
                 mode = "authenticated" if authenticated else "anonymous"
                 print(f"{operation.label:55} {mode:13} {tally['cases']:6} {tally['5xx']:4}  {failure}")
         print(f"total: {total['cases']} cases, {total['5xx']} 5xx, {total['failures']} failed checks")
+    return 1 if total["5xx"] or total["failures"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
