@@ -41,6 +41,11 @@ def run_pipeline(root: Path, args: list[str]) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "bench/pipeline.py", *args], cwd=root, capture_output=True, text=True, check=False
     )
+    if done.returncode != 0:  # a partial run's figures are not the same work as the other tree's
+        raise SystemExit(
+            f"bench/pipeline.py in {root} failed (exit {done.returncode}):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
     figures = {}
     for name, pattern in FIGURES.items():
         found = pattern.search(done.stdout)

@@ -9,7 +9,8 @@ the same run from the same llm_calls rows, through the one costing function), an
     .venv/bin/python bench/backfill.py [--pages 2000] [--batch-max 2000] [--batch-seconds 5]
 
 Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
-database and uses its own Redis key prefix.
+database and uses its own Redis key prefix in the benchmarks' Redis database (15), deleted at the end;
+exits 1 when a page was not extracted exactly once.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ sys.path.insert(0, str(REPO))
 
 from sqlalchemy.orm import sessionmaker  # noqa: E402
 
+from bench.pipeline import BROKER, forget_broker_keys  # noqa: E402
 from tests.integration.backfill_crash import run_crash_scenario  # noqa: E402
 from tests.integration.test_backfill import SEGMENTS_PER_PAGE, seed_pages  # noqa: E402
-from tests.service import fresh_database, service_env, session_broker  # noqa: E402
+from tests.service import fresh_database, service_env  # noqa: E402
 from worker import db  # noqa: E402
 from worker.simulator import Simulator, SimulatorConfig  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=2000)
     parser.add_argument("--batch-max", type=int, default=2000, help="requests per provider batch")
@@ -45,7 +47,6 @@ def main() -> None:
     segments = args.pages * SEGMENTS_PER_PAGE
     with (
         fresh_database(SERVER, "bench_backfill") as url,
-        session_broker() as broker,
         Simulator(SimulatorConfig(batch_delay_seconds=args.batch_seconds)) as sim,
         tempfile.TemporaryDirectory(prefix="factmill-bench-backfill-") as data_dir,
     ):
@@ -56,21 +57,24 @@ def main() -> None:
         seed_seconds = time.monotonic() - seeded
         env = service_env(
             url,
-            broker.url,
+            BROKER,
             sim.base_url,
             backfill_poll_seconds=0.5,
             backfill_batch_max_requests=args.batch_max,
         )
-        figures = run_crash_scenario(
-            factory,
-            env,
-            sim,
-            Path(data_dir),
-            source="bf",
-            pages=args.pages,
-            segments=segments,
-            timeout=3600,
-        )
+        try:
+            figures = run_crash_scenario(
+                factory,
+                env,
+                sim,
+                Path(data_dir),
+                source="bf",
+                pages=args.pages,
+                segments=segments,
+                timeout=3600,
+            )
+        finally:
+            forget_broker_keys(env["FACTMILL_BROKER_KEY_PREFIX"])
     result = asdict(figures)
     result["seed_seconds"] = round(seed_seconds, 1)
     result["exactly_once"] = (
@@ -84,7 +88,8 @@ def main() -> None:
         float(figures.cost_usd / figures.online_cost_usd) if figures.online_cost_usd else None
     )
     print(json.dumps(result, indent=2, default=str))
+    return 0 if result["exactly_once"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

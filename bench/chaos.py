@@ -451,10 +451,14 @@ class Service:
             ]
             beat = pool.submit(start_beat, self.env, self.root / "beat", START_TIMEOUT)
             workers = [pool.submit(self.new_worker) for _ in range(self.options.workers)]
-            for future in started:
-                future.result()
-            self.beat = beat.result()
-            self.workers = [future.result() for future in workers]
+        # Every process that did start is kept, for stop(): one failure raised here first left beat and
+        # the workers already up running on, in their own sessions, after the run.
+        errors = [future.exception() for future in [*started, beat, *workers]]
+        self.beat = beat.result() if beat.exception() is None else None
+        self.workers = [future.result() for future in workers if future.exception() is None]
+        failed = [error for error in errors if error is not None]
+        if failed:
+            raise failed[0]
 
     def new_worker(self) -> ServiceProcess:
         return start_worker(self.env, concurrency=self.options.concurrency, timeout=START_TIMEOUT)

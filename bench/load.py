@@ -214,7 +214,7 @@ async def run(
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=200)
@@ -233,7 +233,7 @@ def main() -> None:
             finally:
                 forget_broker_keys(f"{name}:", BROKER)
             server_log = log_path.read_text()
-    report(args, result, target, server_log)
+    return report(args, result, target, server_log)
 
 
 def wait_healthy(base: str, server: subprocess.Popen[bytes], log_path: Path, timeout: float = 120) -> None:
@@ -302,7 +302,8 @@ def serve_and_load(
                 server.wait(timeout=20)
 
 
-def report(args: argparse.Namespace, result: dict[str, object], target: Route, server_log: str) -> None:
+def report(args: argparse.Namespace, result: dict[str, object], target: Route, server_log: str) -> int:
+    """Prints the figures; 1 when a delivery got a 5xx or no answer, or the server logged a pool error."""
     pool_errors = server_log.count("QueuePool limit") + server_log.count("TimeoutError")
     baseline, loaded = result["baseline"], result["loaded"]
     assert isinstance(baseline, list) and isinstance(loaded, list)
@@ -338,7 +339,8 @@ def report(args: argparse.Namespace, result: dict[str, object], target: Route, s
         f"/healthz under load (n={len(loaded)}): p50 {statistics.median(loaded):.1f} ms, "
         f"p99 {percentile(loaded, 0.99):.1f} ms, max {max(loaded):.1f} ms"
     )
+    return 1 if server_errors or unanswered or pool_errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
