@@ -36,10 +36,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -273,8 +275,8 @@ def report(args: argparse.Namespace, f: Figures, in_flight: int, samples: list[i
     print(
         f"pages {args.pages} × {args.segments} segments: {f.planned} segments planned, {f.attempted} "
         f"attempted, {f.ok} ok (measured in extraction_audit); {in_flight} LLM calls in flight "
-        f"({args.workers} worker(s) × {args.jobs} jobs × {args.segment_concurrency}); simulator latency "
-        f"{args.latency_ms} ms; failed jobs {f.failed_jobs}"
+        f"({args.workers} worker(s) × {in_flight // args.workers} calls, {args.jobs} jobs each); "
+        f"simulator latency {args.latency_ms} ms; failed jobs {f.failed_jobs}"
     )
     if f.ok != f.planned:
         print(
@@ -326,7 +328,7 @@ def main() -> None:
         "--segment-concurrency",
         type=int,
         default=4,
-        help="LLM calls a page keeps in flight: the default pipe is --jobs × this",
+        help="sizes the default pipe (FACTMILL_LLM_CONCURRENCY = --jobs × this); no page has a window",
     )
     parser.add_argument(
         "--baseline-samples", type=at_least(1, "the baseline's rate needs a sample"), default=12
@@ -393,6 +395,7 @@ def run_drain(
             args,
             name,
             workers,
+            logs,
             procs[0],
             sim_port,
             planned=planned,
@@ -404,6 +407,8 @@ def run_drain(
             print(f"  every fact embedded {vectors_lag:.2f} s after the last job finished")
         if figures.ok != figures.planned:  # a failed run exits 1 and keeps its services' logs (run_logs)
             raise SystemExit(f"{figures.planned - figures.ok} planned segment(s) did not finish ok")
+        if vectors_lag is None and not args.no_embed:
+            raise SystemExit("some facts were still without a vector 120 s after the last job finished")
     finally:
         stop(procs)
         forget_broker_keys(f"{name}:")
@@ -437,26 +442,38 @@ def post_pages(args: argparse.Namespace, api_port: int) -> tuple[int, float]:
 
 
 def start_workers(args: argparse.Namespace, env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
-    """Phase 2's worker processes, returned once every one of them is ready."""
+    """Phase 2's worker processes, started (``time_drain`` waits for each to be ready)."""
     workers = []
     for n in range(args.workers):
         command = ["-m", "worker.cli", "worker", "--queues", "extraction", "--concurrency", str(args.jobs),
                    "--processes", "1", "--pool", "threads", "--loglevel", "info"]  # fmt: skip
         workers.append(spawn([*command, "--hostname", f"bench{n}@%h"], env, logs / f"worker{n}.log"))
+    return workers
+
+
+def wait_ready(logs: Path, cpu_of: list[Callable[[], float]], first_ready: Callable[[], None]) -> float:
+    """Until each worker logged "ready.": the sum of their CPU seconds, each read as that worker became
+    ready (its start-up not counted), ``first_ready`` called the moment the first one was. The first
+    one drains the queue while the others start, so the drain is timed from it, not from the last."""
+    at_ready: dict[int, float] = {}
     deadline = time.monotonic() + 180  # a loaded machine takes a while to import the worker
-    while not all(
-        "ready." in (logs / f"worker{n}.log").read_text(errors="replace") for n in range(args.workers)
-    ):
+    while len(at_ready) < len(cpu_of):
+        for n, cpu in enumerate(cpu_of):
+            if n not in at_ready and "ready." in (logs / f"worker{n}.log").read_text(errors="replace"):
+                if not at_ready:
+                    first_ready()
+                at_ready[n] = cpu()
         if time.monotonic() > deadline:
             raise SystemExit("workers did not start; see " + str(logs))
         time.sleep(0.02)
-    return workers
+    return sum(at_ready.values())
 
 
 def time_drain(
     args: argparse.Namespace,
     name: str,
     workers: list[subprocess.Popen[bytes]],
+    logs: Path,
     simulator: subprocess.Popen[bytes],
     sim_port: int,
     *,
@@ -464,25 +481,36 @@ def time_drain(
     baseline: float,
     webhook_rps: float,
 ) -> tuple[Figures, list[int], float | None]:
-    """Phase 2, timed from the moment the workers are ready: wait for every job to end (and every
-    fact's vector), counting the CPU of the workers, Postgres and the simulator meanwhile: over the
-    drain (until the last job ended), and apart from it over the embedding tail after it."""
+    """Phase 2, timed from the moment the first worker is ready: wait for every job to end (and every
+    fact's vector), counting the CPU of the workers (each from its own ready moment), Postgres and the
+    simulator meanwhile: over the drain (until the last job ended), and apart from it over the
+    embedding tail after it."""
     sampler = InFlightSampler(f"http://127.0.0.1:{sim_port}/_simulator/stats")
-    started = time.perf_counter()
-    sampler.start()
     worker_ps = [psutil.Process(w.pid) for w in workers]
     others = {"postgres": postgres_processes, "simulator": lambda: [psutil.Process(simulator.pid)]}
 
+    def cpu_of(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system)
+
     def workers_cpu() -> float:
-        return sum(p.cpu_times().user + p.cpu_times().system for p in worker_ps)
+        return sum(cpu_of(p) for p in worker_ps)
 
     def others_cpu_now() -> dict[str, dict[int, float]]:
         return {label: cpu_by_pid(group()) for label, group in others.items()}
 
-    cpu_before = workers_cpu()
-    others_before = others_cpu_now()
     with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
-        transactions_before, connections_before = database_counts(conn, name)
+        start: dict[str, Any] = {}
+
+        def first_ready() -> None:
+            start["at"] = time.perf_counter()
+            sampler.start()
+            start["others"] = others_cpu_now()
+            start["database"] = database_counts(conn, name)
+
+        cpu_before = wait_ready(logs, [partial(cpu_of, p) for p in worker_ps], first_ready)
+        started, others_before = float(start["at"]), start["others"]
+        transactions_before, connections_before = start["database"]
         while True:
             done = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')").fetchone()
             if done and done[0] >= args.pages:
