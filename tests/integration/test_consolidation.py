@@ -750,7 +750,15 @@ def test_the_catch_up_asks_for_the_orphans_a_lost_follow_up_would_have(tx_factor
                 "now() - interval '3 days', 'superseded', now() - interval '2 days')"
             )
         )
-        assert unconsolidated_entity_keys(session, "default") == ["people/new", "people/orphan"]
+        assert unconsolidated_entity_keys(session, "default") == [
+            ("default", "people/new"),
+            ("default", "people/orphan"),
+        ]
+        assert unconsolidated_entity_keys(session, None) == [
+            ("default", "people/new"),
+            ("default", "people/orphan"),
+            ("other", "people/else"),
+        ]
     assert catch_up_consolidation(tx_factory) == 2
     with tx_factory() as session:
         subjects = set(session.scalars(select(Job.subject).where(Job.kind == "consolidation")))
@@ -1409,3 +1417,33 @@ def test_the_orphan_repair_of_an_entity_with_nothing_leaves_no_checkpoint(tx_fac
     assert store.repair_orphans("default", "people/erased-person", None) == 0
     with tx_factory() as session:
         assert session.get(ConsolidationCheckpoint, ("default", "people/erased-person")) is None
+
+
+def test_the_cli_run_without_a_source_consolidates_every_source(factory, database_url, simulator) -> None:
+    """`factmill facts consolidate` (the README's catch-up for consolidation turned off after
+    extraction) read the default source alone: another source's facts stayed unconsolidated, and the
+    run said "0 entities". Without --source-id it takes every source; with it, that source alone."""
+    from tests.cli import invoke_cli
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    put_page(factory, JAN_PAGE, JAN_BODY, source_id="tenant-a")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="tenant-a", slug=JAN_PAGE))
+    env = {"FACTMILL_LLM": "simulator", "FACTMILL_SIMULATOR_URL": simulator.base_url}
+
+    def sources_decided() -> set[str]:
+        with factory() as session:
+            return set(session.scalars(select(ConsolidationDecision.source_id)))
+
+    only_default = invoke_cli(database_url, "facts", "consolidate", "--source-id", "default", **env)
+    assert only_default.exit_code == 0 and "0 entities" in only_default.output, only_default.output
+    assert sources_decided() == set()
+    every = invoke_cli(database_url, "facts", "consolidate", **env)
+    assert every.exit_code == 0, every.output
+    assert sources_decided() == {"tenant-a"}
+    with factory() as session:
+        left = session.scalar(
+            select(func.count()).where(
+                Fact.source_id == "tenant-a", ~Fact.is_audit, Fact.consolidated_at.is_(None)
+            )
+        )
+    assert left == 0

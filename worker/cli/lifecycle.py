@@ -129,7 +129,10 @@ def _stop_unless_done(done: RunHere) -> None:
 
 @stops_on_signals
 def consolidate_command(
-    source_id: Annotated[str, source_option(help="The source whose facts to consolidate.")] = "default",
+    source_id: Annotated[
+        str | None,
+        source_option(help="Only this source's facts (default: every source; 'default' with --entity)."),
+    ] = None,
     entity: Annotated[
         str | None, typer.Option(help="Only this entity (or page:SLUG for a page's facts without one).")
     ] = None,
@@ -156,15 +159,19 @@ def consolidate_command(
     held: list[str] = []
     try:
         with factory() as session:
-            keys = [typed_entity_key(entity)] if entity else unconsolidated_entity_keys(session, source_id)
+            if entity:
+                keys = [(source_id or "default", typed_entity_key(entity))]
+            else:
+                keys = unconsolidated_entity_keys(session, source_id)
         with counting_bar("entities", len(keys)) as advance:  # each may take many LLM calls
-            for key in keys:
-                done = consolidate_here(runtime, source_id, key, override_switch=override_disabled)
+            for source, key in keys:
+                done = consolidate_here(runtime, source, key, override_switch=override_disabled)
                 _stop_unless_done(done)
+                named = key if source_id is not None or entity else f"{source}|{key}"
                 if done.status == "held":
-                    held.append(f"{key} ({done.note}); a worker consolidates it")
+                    held.append(f"{named} ({done.note}); a worker consolidates it")
                 elif done.status == "lost":
-                    held.append(f"{key} (its run stopped: {done.note})")
+                    held.append(f"{named} (its run stopped: {done.note})")
                 total.facts_considered += int(done.counters.get("facts_considered", 0))
                 total.llm_calls += int(done.counters.get("llm_calls", 0))
                 for kind, n in dict(done.counters.get("decisions", {})).items():

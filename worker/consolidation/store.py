@@ -409,13 +409,18 @@ def orphaned_entity_keys(session: Session, source_ids: Sequence[str]) -> list[tu
     return sorted({(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows})
 
 
-def unconsolidated_entity_keys(session: Session, source_id: str) -> list[str]:
-    """Every entity of the source with facts not yet consolidated, or whose link went (a backfill's or
-    an operator's work list: an orphan's request lost with its page's follow-up was found by neither)."""
-    rows = session.execute(
-        select(Fact.entity_slug, Fact.source_markdown_slug)
-        .where(Fact.source_id == source_id, ~Fact.is_audit, Fact.consolidated_at.is_(None))
-        .distinct()
-    ).all()
-    keys = {entity_key(row.entity_slug, row.source_markdown_slug) for row in rows}
-    return sorted(keys | {key for _, key in orphaned_entity_keys(session, [source_id])})
+def unconsolidated_entity_keys(session: Session, source_id: str | None) -> list[tuple[str, str]]:
+    """(source id, entity key) of every entity of the source (of every source when None) with facts not
+    yet consolidated, or whose link went (a backfill's or an operator's work list: an orphan's request
+    lost with its page's follow-up was found by neither)."""
+    query = select(Fact.source_id, Fact.entity_slug, Fact.source_markdown_slug).where(
+        ~Fact.is_audit, Fact.consolidated_at.is_(None)
+    )
+    if source_id is not None:
+        query = query.where(Fact.source_id == source_id)
+    rows = session.execute(query.distinct()).all()
+    keys = {(row.source_id, entity_key(row.entity_slug, row.source_markdown_slug)) for row in rows}
+    sources = (
+        [source_id] if source_id is not None else list(session.scalars(select(Fact.source_id).distinct()))
+    )
+    return sorted(keys | set(orphaned_entity_keys(session, sources)))
