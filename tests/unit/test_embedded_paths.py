@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -10,7 +13,12 @@ from sqlalchemy.engine import make_url
 
 from worker.embedded import EmbeddedUnavailableError, broker_paths
 from worker.embedded.base import names_path
-from worker.embedded.postgres import embedded_postgres_url, socket_url
+from worker.embedded.postgres import (
+    _forget_a_dead_servers_pid_file,
+    _no_server_of,
+    embedded_postgres_url,
+    socket_url,
+)
 
 
 @pytest.mark.parametrize("folder", ["/home/c++/var/pg", "/srv/100%/pg", "/data/a=b/pg", "/tmp/plain/pg"])
@@ -140,3 +148,58 @@ def test_a_server_is_known_by_its_whole_path_not_a_path_ending_in_it() -> None:
     assert not names_path(f"redis-server unixsocket:{socket}.old", socket)
     assert names_path("/usr/lib/postgresql/bin/postgres -D /srv/my data/pg -k /tmp", "/srv/my data/pg")
     assert not names_path("postgres -D /srv/var/pg/pgdata2", "/srv/var/pg/pgdata")
+
+
+@pytest.fixture
+def lookalike(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A data folder and a live process whose command line names a path inside it (as `tail -F
+    <pgdata>/log` does) and is no server of it."""
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pgdata / "log")])
+    try:
+        yield pgdata, process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_process_naming_a_path_inside_the_data_folder_is_no_server_of_it(lookalike) -> None:
+    """The Postgres check matched the data folder as a substring: a postmaster killed without its
+    clean-up whose pid went to `tail -F var/pg/log` was taken for running, and every command waited
+    on its dead socket."""
+    pgdata, pid = lookalike
+    assert _no_server_of(pgdata, pid)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-D", str(pgdata)])
+    try:
+        assert not _no_server_of(pgdata, server.pid)  # one naming the folder itself may be its server
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_dead_servers_socket_lock_is_cleared_in_the_socket_folder_its_pid_file_names(
+    lookalike, tmp_path: Path
+) -> None:
+    """A data folder whose path is too long for a socket has its socket in pgserver's runtime folder:
+    only pgdata's socket locks were cleared, and one naming the dead postmaster's pid, now another
+    process's, kept Postgres from starting until someone deleted it by hand."""
+    pgdata, reused = lookalike
+    sockets = tmp_path / "runtime"
+    sockets.mkdir()
+    lines = [str(dead_pid()), str(pgdata), "1700000000", "5432", str(sockets), "", "0", "ready", ""]
+    (pgdata / "postmaster.pid").write_text("\n".join(lines))
+    for folder in (pgdata, sockets):
+        (folder / ".s.PGSQL.5432.lock").write_text(f"{reused}\n")
+        (folder / ".s.PGSQL.5432").write_text("")
+    _forget_a_dead_servers_pid_file(pgdata)
+    assert not (pgdata / "postmaster.pid").exists()
+    for folder in (pgdata, sockets):
+        assert not (folder / ".s.PGSQL.5432.lock").exists()
+        assert not (folder / ".s.PGSQL.5432").exists()

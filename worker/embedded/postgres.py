@@ -17,6 +17,7 @@ from worker.embedded.base import (
     command_line,
     folder,
     is_process_of,
+    names_path,
     pid_alive,
     quiet_runtime_dir,
     read_pid,
@@ -36,6 +37,7 @@ STOP_TIMEOUT_SECONDS = 60.0
 # starting up" on the first query), or its start reported failed while it went on recovering.
 READY_TIMEOUT_SECONDS = 300.0
 STATUS_LINE = 7  # postmaster.pid's line 8: starting, ready, stopping or standby
+SOCKET_LINE = 4  # its line 5: the (first) Unix socket folder
 # pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
 # unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
 SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
@@ -130,23 +132,37 @@ def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
     if pid is None or not _no_server_of(pgdata, pid):
         return
     logger.warning("the embedded Postgres in %s died without its clean-up; starting it again", pgdata)
+    folders = {pgdata, *_socket_folder(pid_file)}
     pid_file.unlink(missing_ok=True)
     # Its socket's lock file names the dead postmaster too; Postgres refuses to start while that pid is
-    # a process at all (an unreaped zombie, or the pid reused), so it goes with its socket.
-    for lock in pgdata.glob(".s.PGSQL.*.lock"):
-        holder = read_pid(lock)
-        if holder is None or _no_server_of(pgdata, holder):
-            lock.unlink(missing_ok=True)
-            lock.with_suffix("").unlink(missing_ok=True)
+    # a process at all (an unreaped zombie, or the pid reused), so it goes with its socket. The socket is
+    # in pgdata, or in pgserver's runtime folder when pgdata's path is too long for a socket.
+    for where in folders:
+        for lock in where.glob(".s.PGSQL.*.lock"):
+            holder = read_pid(lock)
+            if holder is None or _no_server_of(pgdata, holder):
+                lock.unlink(missing_ok=True)
+                lock.with_suffix("").unlink(missing_ok=True)
+
+
+def _socket_folder(pid_file: Path) -> list[Path]:
+    """The socket folder a postmaster.pid names (its fifth line), if it names one."""
+    try:
+        lines = pid_file.read_text().split("\n")
+    except OSError:
+        return []
+    named = lines[SOCKET_LINE].strip() if len(lines) > SOCKET_LINE else ""
+    return [Path(named)] if named.startswith("/") else []
 
 
 def _no_server_of(pgdata: Path, pid: int) -> bool:
-    """Whether ``pid`` is surely no server of ``pgdata``: gone, or a process whose command line names
-    another thing. One whose command line cannot be read (/proc hidden) may be the server: not surely."""
+    """Whether ``pid`` is surely no server of ``pgdata``: gone, or a process whose command line does not
+    name pgdata whole (``tail -F <pgdata>/log`` names a path in it; another folder's server, a path
+    ending in it). One whose command line cannot be read (/proc hidden) may be the server: not surely."""
     if not pid_alive(pid):
         return True
     line = command_line(pid)
-    return line is not None and str(pgdata) not in line
+    return line is not None and not names_path(line, str(pgdata))
 
 
 def socket_url(uri: str) -> str:
