@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class RetryPolicy:
 # default tolerance (FACTMILL_WEBHOOK_TOLERANCE_SECONDS, 300), which a retry must meet once its body has
 # arrived too (a large one takes a while), and whatever the skew between the two clocks.
 REDATE_AFTER_SECONDS = 60.0
+_HEADER_SAFE = re.compile(r"[!-~]+")  # visible ASCII: what a Bearer token may hold
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,15 @@ class Credentials:
     webhook_secret: Secrets | None = field(default=None, repr=False)  # several while it is rotated
     clock: Callable[[], float] = field(default=time.time, repr=False)  # dates signatures
     redate_after_seconds: float = REDATE_AFTER_SECONDS
+
+    def __post_init__(self) -> None:
+        # A key read from a file with its newline: httpx refused the header and quoted it whole in its
+        # error, which the client's own ApiConnectionError carried on into whatever logged it.
+        if self.api_key and not _HEADER_SAFE.fullmatch(self.api_key):
+            raise ValueError(
+                "api_key holds whitespace, a control character or a non-ASCII character (read from a "
+                "file with its trailing newline?); the key itself is not shown"
+            )
 
     def signing_time(self, first: int | None) -> int:
         """When an attempt is signed: the call's first attempt's time, while a server still takes it.

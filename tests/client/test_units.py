@@ -292,3 +292,17 @@ def test_the_facts_lists_are_walked_by_their_cursor_and_by_offset_from_an_older_
     following = rows.after(models.PageFactsPage.model_validate(by_row | {"next_after_row_num": 4}), 2)
     assert following is not None and following.params["after_row_num"] == 4
     assert rows.after(models.PageFactsPage.model_validate(by_row | {"next_after_row_num": None}), 2) is None
+
+
+@pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
+def test_an_api_key_no_header_can_carry_is_refused_without_quoting_it(key: str) -> None:
+    """A key read from a file with its newline: httpx refused the header and quoted it whole in its
+    error, and the client's ApiConnectionError (after three retries of a GET) carried the key into any
+    log that recorded it."""
+    from factmill_client import Client
+
+    with pytest.raises(ValueError, match="api_key holds") as refused:
+        Client("http://127.0.0.1:9", api_key=key)
+    assert "secret" not in str(refused.value)
+    with Client("http://127.0.0.1:9", api_key="fm_secretkey"):  # a key of visible ASCII is taken
+        pass
