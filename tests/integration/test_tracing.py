@@ -313,3 +313,26 @@ def test_only_the_probe_and_scrape_routes_are_left_untraced() -> None:
         "http://api/metrics/x",
     ):
         assert not excluded.url_disabled(url), url
+
+
+def test_a_job_sent_without_a_trace_rejoins_its_request_in_a_traced_worker(
+    exporter: InMemorySpanExporter, factory: sessionmaker[Session], database_url: str
+) -> None:
+    """The CLI does not trace: a job it re-sent (`config set` turning a switch back on, `jobs retry`)
+    reached a traced worker without trace headers, the Celery instrumentation began a root span for it,
+    and the job's stored traceparent was never read: the page's run was an orphan trace."""
+    runtime = make_runtime(database_url, factory)
+    with tracing.span("POST /v1/pages"), factory.begin() as session:  # the request that stored the job
+        job_id = request_job(session, EXTRACTION, "default|conversations/traced-later").job_id
+    stored = job_row(factory, job_id).traceparent
+    with factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "false")  # a short run: paused at its switch
+    try:
+        with tracing.span("run/tasks.extraction.extract_page"):  # Celery's root span for the message
+            run_job(runtime, job_id, EXTRACTION)
+    finally:
+        runtime.close()
+    [job_span] = [s for s in exporter.get_finished_spans() if s.name == "job extraction"]
+    assert job_span.context is not None and job_span.parent is not None
+    assert format(job_span.context.trace_id, "032x") == trace_id(stored)
+    assert format(job_span.parent.span_id, "016x") == stored.split("-")[2]

@@ -199,7 +199,7 @@ def run_job(
 
 def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
     """The job's trace, for a message that came without one (its sender was not tracing)."""
-    if not tracing.enabled() or tracing.current_traceparent() is not None:
+    if not tracing.enabled() or tracing.continues():
         return None
     try:
         return traceparents(rt.factory, [job_id]).get(job_id)

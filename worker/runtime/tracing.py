@@ -305,17 +305,27 @@ def instrument_engine(bind: Any) -> None:
 def span(name: str, attributes: Attributes | None = None, *, parent: str | None = None) -> Any:
     """A span around a block (a context manager yielding the span, or None when tracing is off).
 
-    ``parent`` (a traceparent) is used only when nothing is being traced here yet, e.g. a job whose
-    message came from a process that did not trace."""
+    ``parent`` (a traceparent) is used only when the current span continues no trace (``continues``),
+    e.g. a job whose message came from a process that did not trace: the Celery instrumentation's run
+    span for it is a root of its own."""
     active = _active
     if active is None:
         return nullcontext()
+    context = _extract(parent) if parent and not continues() else None
+    return active.tracer.start_as_current_span(name, context=context, attributes=attributes)
+
+
+def continues() -> bool:
+    """Whether the current span continues a trace: it has a parent (a remote one a message or a
+    request carried, or an enclosing span here). False when nothing is traced here, or the current
+    span is a root this process began (Celery's run span for a message sent without a trace: the CLI
+    does not trace, so a job it re-sent lost its request's trace)."""
+    if _active is None:
+        return False
     from opentelemetry import trace
 
-    context = None
-    if parent and not trace.get_current_span().get_span_context().is_valid:
-        context = _extract(parent)
-    return active.tracer.start_as_current_span(name, context=context, attributes=attributes)
+    current = trace.get_current_span()
+    return current.get_span_context().is_valid and getattr(current, "parent", None) is not None
 
 
 def annotate(key: str, value: str | int | float | bool) -> None:
