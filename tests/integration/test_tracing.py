@@ -336,3 +336,37 @@ def test_a_job_sent_without_a_trace_rejoins_its_request_in_a_traced_worker(
     assert job_span.context is not None and job_span.parent is not None
     assert format(job_span.context.trace_id, "032x") == trace_id(stored)
     assert format(job_span.parent.span_id, "016x") == stored.split("-")[2]
+
+
+def test_a_rerun_and_an_operators_retry_run_in_the_trace_of_the_request_that_asked(
+    exporter: InMemorySpanExporter, factory: sessionmaker[Session]
+) -> None:
+    """A page posted again while its job ran (trace B) had its rerun, which extracts B's content, sent
+    in the first request's trace A (B ended at its database write); an operator's retry ran in the
+    job's first trace, weeks old maybe, not the retry request's."""
+    from sqlalchemy import update
+
+    from worker.jobs.outbox import retry_job
+
+    subject = "default|conversations/posted-twice"
+
+    def asked_in(name: str) -> tuple[int, str]:
+        with tracing.span(name), factory.begin() as session:
+            job_id = request_job(session, EXTRACTION, subject).job_id
+            return job_id, trace_id(tracing.current_traceparent())
+
+    def set_status(job_id: int, status: str) -> None:
+        with factory.begin() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(status=status))
+
+    job_id, first = asked_in("POST first")
+    set_status(job_id, "running")
+    same_job, second = asked_in("POST second")
+    assert same_job == job_id
+    row = job_row(factory, job_id)
+    assert row.rerun_requested and trace_id(row.traceparent) == second != first
+    set_status(job_id, "failed")
+    with tracing.span("POST retry"), factory.begin() as session:
+        retry_job(session, job_id)
+        retried = trace_id(tracing.current_traceparent())
+    assert trace_id(job_row(factory, job_id).traceparent) == retried not in (first, second)

@@ -105,7 +105,11 @@ _INSERT_JOBS = text(
 
 
 _MARK_RERUN = update(JOBS).where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
-_MARK_RERUN = _MARK_RERUN.values(rerun_requested=True)
+# The rerun joins the trace of the request that asked for it (when tracing), not the first run's.
+_MARK_RERUN = _MARK_RERUN.values(
+    rerun_requested=True,
+    traceparent=func.coalesce(bindparam("traceparent", type_=Text), JOBS.c.traceparent),
+)
 _PENDING_OF = (
     select(JOBS.c.id, JOBS.c.subject, JOBS.c.status, JOBS.c.pause_reason)
     .where(
@@ -188,7 +192,7 @@ def _request(
         existing = session.execute(_PENDING_OF, {"kind": kind, "subjects": left}).all()
         running = [row.id for row in existing if row.status == "running"]
         if running:
-            session.execute(_MARK_RERUN, {"ids": running})
+            session.execute(_MARK_RERUN, {"ids": running, "traceparent": values["traceparent"]})
         # New content for a job paused for its own budget starts that budget over (else its subject's
         # one pending slot stayed asleep); but for a page's at once, after the caller's wait: a budget
         # started over on every request (an append, an entity's facts) would cap nothing but the day's.
@@ -273,6 +277,7 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         job.attempts = 0
         job.worker_losses = 0
         job.budget_since = func.now()  # and its own LLM budget (a job paused for it would pause again)
+        job.traceparent = tracing.current_traceparent() or job.traceparent  # the retry's trace (if tracing)
     return job
 
 
