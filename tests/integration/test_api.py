@@ -121,9 +121,10 @@ def post(
     secret: str = SECRET,
     timestamp: int | None = None,
     signature: str | None = "sign",
+    extra_headers: dict[str, str] | None = None,
 ) -> Any:
     body = raw if raw is not None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if signature == "sign" and (key is None or signable_key(key)):
         headers["Factmill-Signature"] = sign(
             body, secret, timestamp, method="POST", path="/v1/pages", idempotency_key=key

@@ -370,3 +370,25 @@ def test_a_rerun_and_an_operators_retry_run_in_the_trace_of_the_request_that_ask
         retry_job(session, job_id)
         retried = trace_id(tracing.current_traceparent())
     assert trace_id(job_row(factory, job_id).traceparent) == retried not in (first, second)
+
+
+@pytest.mark.parametrize("flag", ["00", "01"])
+def test_a_requests_traceparent_joins_the_trace_but_does_not_decide_its_sampling(
+    exporter: InMemorySpanExporter, factory: sessionmaker[Session], database_url: str, flag: str
+) -> None:
+    """The sender's traceparent flag decided the sampling of the whole pipeline: anyone posting a page
+    (unsigned requests are traced too) with `-00` kept its run and LLM calls out of every trace. The
+    API decides as for a root and stores its own decision with the job."""
+    sender_trace, sender_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    runtime = make_runtime(database_url, factory)
+    sent = TraceRecorder(factory)
+    with TestClient(create_app(runtime, sender=sent)) as client:
+        response = post(
+            client, PAGE, extra_headers={"traceparent": f"00-{sender_trace}-{sender_span}-{flag}"}
+        )
+    assert response.status_code in (200, 202), response.text
+    [root] = [s for s in from_sdk(exporter.get_finished_spans()) if s.name.startswith("POST /v1/pages")]
+    assert (root.trace_id, root.parent_id) == (sender_trace, sender_span)
+    [job_id] = sent.job_ids
+    stored = job_row(factory, job_id).traceparent
+    assert stored is not None and stored.endswith("-01") and trace_id(stored) == sender_trace

@@ -118,7 +118,13 @@ def _sampler() -> Any:
     """The SDK's own sampler (OTEL_TRACES_SAMPLER and its argument still apply; by default every span
     a parent's sampling allows), but a client span (a statement, an HTTP call) with no parent is not
     sampled: each was a trace of its own, and the scrapes', probes' and heartbeats' statements (25 a
-    scrape, 6 a second for a busy extraction pod) buried the traces an operator looks for."""
+    scrape, 6 a second for a busy extraction pod) buried the traces an operator looks for.
+
+    A request's server span is sampled as a root even when the request carried a traceparent: the
+    header is the sender's, whoever it is (unsigned requests are traced too), and its flag decided the
+    whole pipeline: ``-00`` kept a page's run and its LLM calls out of every trace, ``-01`` traced each
+    such request under a 1% ratio. The span still joins the sender's trace; our decision rides on."""
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import sampling
     from opentelemetry.trace import SpanKind, get_current_span
 
@@ -128,9 +134,13 @@ def _sampler() -> Any:
         def should_sample(
             self, parent_context: Any, trace_id: int, name: str, kind: Any = None, *args: Any, **kw: Any
         ) -> Any:
-            orphan = not get_current_span(parent_context).get_span_context().is_valid
-            if kind == SpanKind.CLIENT and orphan:
+            parent = get_current_span(parent_context).get_span_context()
+            if kind == SpanKind.CLIENT and not parent.is_valid:
                 return sampling.SamplingResult(sampling.Decision.DROP)
+            if kind == SpanKind.SERVER and parent.is_remote:
+                # Decided as a root (an empty context: None reads the current one, where the ASGI
+                # middleware attached the sender's); the trace id stays the sender's.
+                parent_context = Context()
             return configured.should_sample(parent_context, trace_id, name, kind, *args, **kw)
 
         def get_description(self) -> str:
