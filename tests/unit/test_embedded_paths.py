@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,7 +13,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from worker.embedded import EmbeddedUnavailableError, broker_paths
-from worker.embedded.base import names_path
+from worker.embedded.base import command_line, names_path
 from worker.embedded.postgres import (
     _forget_a_dead_servers_pid_file,
     _no_server_of,
@@ -156,12 +157,23 @@ def lookalike(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     <pgdata>/log` does) and is no server of it."""
     pgdata = tmp_path / "pg"
     pgdata.mkdir()
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pgdata / "log")])
+    process = sleeper(str(pgdata / "log"))
     try:
         yield pgdata, process.pid
     finally:
         process.kill()
         process.wait()
+
+
+def sleeper(*args: str) -> subprocess.Popen[bytes]:
+    """A process whose command line ends with ``args``, returned once /proc shows it (until its exec
+    the child's command line is still this process's)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    deadline = time.monotonic() + 10
+    while not (command_line(process.pid) or "").endswith(" ".join(args)):
+        assert time.monotonic() < deadline, "the child never showed its command line"
+        time.sleep(0.01)
+    return process
 
 
 def dead_pid() -> int:
@@ -176,7 +188,7 @@ def test_a_process_naming_a_path_inside_the_data_folder_is_no_server_of_it(looka
     on its dead socket."""
     pgdata, pid = lookalike
     assert _no_server_of(pgdata, pid)
-    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-D", str(pgdata)])
+    server = sleeper("-D", str(pgdata))
     try:
         assert not _no_server_of(pgdata, server.pid)  # one naming the folder itself may be its server
     finally:
