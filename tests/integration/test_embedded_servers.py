@@ -189,6 +189,22 @@ def test_a_server_whose_folder_and_socket_were_removed_under_it_is_stopped(data_
     assert servers_on(paths.socket) == [new]
 
 
+def test_down_stops_a_server_whose_folder_was_removed_under_it(data_dir: Path) -> None:
+    """`rm -rf var`, then `factmill down`: it said "not running" as soon as the folder was missing,
+    and the Redis ran on for good (only a later start for the same path found it)."""
+    import shutil
+
+    embedded_redis_url(data_dir)
+    paths = broker_paths(data_dir)
+    pid = read_pid(paths.pid_file)
+    assert pid is not None
+    shutil.rmtree(data_dir)
+    outcome = stop_embedded_redis(data_dir)
+    assert outcome.state == "stopped", outcome.describe()
+    assert wait_exited(pid, 10) and servers_on(paths.socket) == []
+    assert stop_embedded_redis(data_dir).state == "not running"
+
+
 def test_a_server_whose_pid_file_was_deleted_by_hand_is_kept(tmp_path: Path) -> None:
     """Only positive evidence stops a server: one running in this folder is kept without its pid file
     (stopped without saving, it lost what its queue held since its last save)."""

@@ -190,7 +190,14 @@ def stop_embedded_redis(data_dir: Path, timeout: float = STOP_TIMEOUT_SECONDS) -
     """Stop the embedded Redis for ``data_dir`` (it saves its data first) and wait until it has exited."""
     paths = broker_paths(data_dir)
     if not paths.folder.is_dir():
-        return StopOutcome("Redis", "not running")
+        # Its folder removed while it ran ("rm -rf var"): no pid file, no lock, but the server runs on
+        # (Redis does not notice; "not running" left it for good).
+        orphans = servers_on(paths.socket)
+        for orphan in orphans:
+            outcome = signal_and_wait("Redis", orphan, _stop_signal(orphan), timeout)
+            if outcome.state != "stopped":
+                return outcome
+        return StopOutcome("Redis", "stopped" if orphans else "not running")
     with folder_lock(paths):
         pid = server_pid(paths)
         if pid is None:
@@ -282,10 +289,21 @@ def replace_stale(paths: BrokerPaths) -> None:
     clear_files(paths)
 
 
+def _stop_signal(pid: int) -> int:
+    """SIGKILL for a server whose folder was removed under it (Redis runs in its ``dir``; Linux then
+    reads its cwd as "... (deleted)"): it has nothing left to save, and SIGTERM made it try, fail and
+    refuse to exit (waited out for a minute). SIGTERM otherwise: it saves its queue first."""
+    try:
+        removed = os.readlink(f"/proc/{pid}/cwd").endswith(" (deleted)")
+    except OSError:
+        removed = False
+    return signal.SIGKILL if removed else signal.SIGTERM
+
+
 def _end(pid: int) -> None:
     """Make a stale server exit, killing it if it ignores SIGTERM; one this user may not signal
     (another user's) is an error that says so, not a traceback."""
-    outcome = signal_and_wait("Redis", pid, signal.SIGTERM, STOP_TIMEOUT_SECONDS)
+    outcome = signal_and_wait("Redis", pid, _stop_signal(pid), STOP_TIMEOUT_SECONDS)
     if outcome.state == "stopped":
         return
     try:
