@@ -5,11 +5,14 @@ summaries per second through the compaction queue against the ideal, measured in
                                          [--latency-ms 500] [--keep-logs]
 
 Part 1 builds the deterministic ~1M-token agent session of bench/compaction_core.py (imported, not
-copied) and times what a compaction job does before its LLM call: ``plan_compaction`` (cut_index +
-serialize_transcript of the head + token sums), the quality gate's lexing of that head, and, through
-the store, appending the transcript to Postgres once and ``load_timeline`` + plan as the job does.
-Baselines in the same run: the copy floor (one join of every message's text) and the core's bare
-cut + serialize.
+copied). In memory, over the whole uncompacted head (no input cap: the throughput of the pieces):
+``plan_compaction`` (cut_index + serialize_transcript + token sums) and the quality gate's lexing,
+against the copy floor (one join of every message's text), the core's bare cut + serialize and the
+uniseg lexer, in the same run. Then what a compaction job does before its LLM call: the transcript
+appended to Postgres once, the plan read from the stored rows (``stored_context`` + ``plan_stored``)
+with the summarizer's input capped as the job caps it (FACTMILL_COMPACTION_MAX_INPUT_TOKENS, 96,000
+tokens), and the gate's lexing of that capped head. bench/compaction_plan.py compares the stored plan
+with the whole timeline loaded and planned.
 
 Part 2 stores N transcripts, each just past its window, starts one real worker process
 (``factmill worker --queues compaction --pool threads --concurrency C``) against the bundled
@@ -46,13 +49,14 @@ sys.path.insert(0, str(REPO))
 from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E402
 from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
+from models.reads import one_snapshot  # noqa: E402
 from tests.service import at_least, free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
     append_messages,
     judge_summary,
-    load_timeline,
     plan_compaction,
+    stored_plan,
 )
 from worker.core.compaction import (  # noqa: E402
     DEFAULT_KEEP_RECENT_TOKENS,
@@ -62,7 +66,10 @@ from worker.core.compaction import (  # noqa: E402
     serialize_transcript,
 )
 from worker.core.quality import _GLUES_TO_PREVIOUS, _words_from_segments, lex_words  # noqa: E402
+from worker.core.timeline import CompactionPlan  # noqa: E402
+from worker.settings import Settings  # noqa: E402
 
+MAX_INPUT_TOKENS = Settings.model_fields["compaction_max_input_tokens"].default  # what a job reads
 GOAL = "Deploy the payments service to the Frankfurt region behind the canary flag."
 
 
@@ -116,6 +123,7 @@ def part_one(tokens: int, url: str) -> None:
     core_s, serialized = best_of(3, core)
     assert serialized == plan.serialized
     floor_s, _ = best_of(3, partial(copy_floor, messages[: plan.cut]))
+    print("  the whole head, in memory (no input cap):")
     print(
         f"  plan_compaction (cut + serialize + sums) {ms(plan_s):>12}  head "
         f"{len(plan.serialized) / 1e6:.2f} MB, {plan.kept_tokens:,} tokens kept from seq {plan.cut_seq:,}"
@@ -146,33 +154,36 @@ def part_one(tokens: int, url: str) -> None:
         f"MB/s, same tokens); baseline / lex_words {ref_s / lex_s:.1f}x"
     )
 
-    # Through the store: the transcript appended once, then what the job reads and plans.
+    # Through the store, as the job: the transcript appended once, then the plan read from the stored
+    # rows with the summarizer's input capped, and the gate's lexing of that capped head.
     factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
     started = time.perf_counter()
     with factory.begin() as session:
         append_messages(session, "bench-1m", messages, settings={"context_window": 2_000_000})
     append_s = time.perf_counter() - started
 
-    def through_store() -> int:
-        with factory() as session:
-            timeline = load_timeline(session, "bench-1m")
-        return plan_compaction(
-            timeline.messages,
-            timeline.seqs,
-            keep_recent_tokens=keep,
-            tool_result_limit=DEFAULT_TOOL_RESULT_LIMIT,
-        ).cut_seq
+    def as_the_job() -> CompactionPlan:
+        with one_snapshot(factory) as session:
+            context = stored_plan.stored_context(session, "bench-1m")
+            return stored_plan.plan_stored(
+                session,
+                context,
+                tool_result_limit=context.settings.tool_result_limit,
+                max_head_tokens=MAX_INPUT_TOKENS,
+            )
 
-    store_s, cut_seq = best_of(3, through_store)
-    assert cut_seq == plan.cut_seq
+    job_s, job_plan = best_of(3, as_the_job)
+    job_lex_s, _ = best_of(3, partial(lex_words, job_plan.serialized))
+    print(f"  as a job, from Postgres (input capped at {MAX_INPUT_TOKENS:,} tokens):")
     print(
         f"  append to Postgres (one transaction)     {ms(append_s):>12}  "
         f"{len(messages) / append_s:,.0f} messages/s"
     )
     print(
-        f"  load_timeline + plan from Postgres       {ms(store_s):>12}  "
-        f"store / pure plan {store_s / plan_s:.1f}x"
+        f"  stored_context + plan_stored             {ms(job_s):>12}  head "
+        f"{len(job_plan.serialized) / 1e6:.2f} MB (of {len(plan.serialized) / 1e6:.2f} MB uncapped)"
     )
+    print(f"  gate: lex_words of that head             {ms(job_lex_s):>12}")
     print()
 
 
