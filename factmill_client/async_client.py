@@ -7,7 +7,6 @@ only the waiting differs from the sync client.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
@@ -52,15 +51,14 @@ class AsyncClient:
         clock: Callable[[], float] = time.time,
         redate_after_seconds: float = REDATE_AFTER_SECONDS,
     ) -> None:
-        if not 0 <= redate_after_seconds < math.inf:
-            raise ValueError(f"redate_after_seconds must be 0 or more seconds; got {redate_after_seconds}")
+        # Checked before the connection pool is made: a refused argument leaves nothing open.
+        self._credentials = Credentials(api_key, webhook_secret, clock, redate_after_seconds)
         self._http = httpx.AsyncClient(
             base_url=base_url,
             timeout=http_timeout(timeout),
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        self._credentials = Credentials(api_key, webhook_secret, clock, redate_after_seconds)
         self.retry = retry or RetryPolicy()
 
     async def __aenter__(self) -> AsyncClient:

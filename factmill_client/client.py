@@ -6,7 +6,6 @@ walk a list endpoint page by page. Errors are factmill_client.errors exceptions.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -60,15 +59,14 @@ class Client:
         clock: Callable[[], float] = time.time,
         redate_after_seconds: float = REDATE_AFTER_SECONDS,
     ) -> None:
-        if not 0 <= redate_after_seconds < math.inf:
-            raise ValueError(f"redate_after_seconds must be 0 or more seconds; got {redate_after_seconds}")
+        # Checked before the connection pool is made: a refused argument leaves nothing open.
+        self._credentials = Credentials(api_key, webhook_secret, clock, redate_after_seconds)
         self._http = httpx.Client(
             base_url=base_url,
             timeout=http_timeout(timeout),
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        self._credentials = Credentials(api_key, webhook_secret, clock, redate_after_seconds)
         self.retry = retry or RetryPolicy()
 
     def __enter__(self) -> Client:

@@ -12,6 +12,7 @@ that never opened, means the server did nothing: any call is resent then.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import time
@@ -114,6 +115,9 @@ class Credentials:
     redate_after_seconds: float = REDATE_AFTER_SECONDS
 
     def __post_init__(self) -> None:
+        if not 0 <= self.redate_after_seconds < math.inf:
+            given = self.redate_after_seconds
+            raise ValueError(f"redate_after_seconds must be 0 or more seconds; got {given}")
         # A key read from a file with its newline: httpx refused the header and quoted it whole in its
         # error, which the client's own ApiConnectionError carried on into whatever logged it.
         if self.api_key and not _HEADER_SAFE.fullmatch(self.api_key):

@@ -295,14 +295,24 @@ def test_the_facts_lists_are_walked_by_their_cursor_and_by_offset_from_an_older_
 
 
 @pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
-def test_an_api_key_no_header_can_carry_is_refused_without_quoting_it(key: str) -> None:
+def test_an_api_key_no_header_can_carry_is_refused_without_quoting_it(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A key read from a file with its newline: httpx refused the header and quoted it whole in its
     error, and the client's ApiConnectionError (after three retries of a GET) carried the key into any
-    log that recorded it."""
-    from factmill_client import Client
+    log that recorded it. Refused before the connection pool is made (it was left open)."""
+    from factmill_client import AsyncClient, Client
 
-    with pytest.raises(ValueError, match="api_key holds") as refused:
-        Client("http://127.0.0.1:9", api_key=key)
-    assert "secret" not in str(refused.value)
+    pools: list[object] = []
+    for name in ("Client", "AsyncClient"):
+        made = getattr(httpx, name)
+        monkeypatch.setattr(
+            httpx, name, lambda *a, made=made, **kw: pools.append(made(*a, **kw)) or pools[-1]
+        )
+    for client in (Client, AsyncClient):
+        with pytest.raises(ValueError, match="api_key holds") as refused:
+            client("http://127.0.0.1:9", api_key=key)
+        assert "secret" not in str(refused.value)
+    assert pools == []
     with Client("http://127.0.0.1:9", api_key="fm_secretkey"):  # a key of visible ASCII is taken
         pass
