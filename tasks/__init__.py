@@ -8,6 +8,7 @@ from typing import Any
 from worker.jobs.celery_app import app
 from worker.jobs.lifecycle import run_job
 from worker.jobs.registry import get_kind
+from worker.runtime import tracing
 from worker.runtime.logs import log_context
 
 
@@ -20,7 +21,8 @@ def job_task(kind_name: str) -> Any:
         with log_context(task_id=str(self.request.id)):
             outcome = run_job(self.resources, int(job_id), kind)
         if outcome.retry_in is not None:
-            raise self.retry(countdown=outcome.retry_in)
+            with tracing.resumed(outcome.traceparent):  # sent in the job's trace
+                raise self.retry(countdown=outcome.retry_in)
         return outcome.status
 
     return run

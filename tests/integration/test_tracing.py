@@ -392,3 +392,54 @@ def test_a_requests_traceparent_joins_the_trace_but_does_not_decide_its_sampling
     [job_id] = sent.job_ids
     stored = job_row(factory, job_id).traceparent
     assert stored is not None and stored.endswith("-01") and trace_id(stored) == sender_trace
+
+
+def test_a_senders_trace_id_does_not_decide_a_ratio_samplers_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ratio sampler reads a trace id's low bits, and a request's traceparent names the trace id its
+    sender chose: one ending in zeros was traced every time under a 1% ratio, whatever its flag."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.01")
+    sampler = tracing._sampler()
+    chosen = int("4bf92f3577b34da6" + "0" * 16, 16)  # below every ratio's bound
+    sampled = 0
+    for flags in (TraceFlags.DEFAULT, TraceFlags.SAMPLED) * 100:
+        remote = SpanContext(chosen, 0x00F067AA0BA902B7, is_remote=True, trace_flags=TraceFlags(flags))
+        parent = set_span_in_context(NonRecordingSpan(remote))
+        sampled += sampler.should_sample(
+            parent, chosen, "POST /v1/pages", SpanKind.SERVER
+        ).decision.is_sampled()
+    assert sampled < 20, f"{sampled} of 200 sender-chosen requests sampled at a 1% ratio"
+
+
+def test_a_retry_is_sent_in_the_jobs_trace(
+    exporter: InMemorySpanExporter, database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The task sent its retry after the job's span ended, from Celery's run span: for a message that
+    came without a trace (the CLI's) that span is a root of its own, so the retry carried an orphan
+    trace and every later attempt stayed out of the request's. The outcome carries the job's span."""
+    from tests.integration.test_compaction_service import (
+        SETTINGS,
+        ScriptedLLM,
+        append,
+        runtime,
+        session_messages,
+    )
+    from worker.jobs.outbox import COMPACTION
+    from worker.llm.errors import LLMError
+
+    with tracing.span("POST /v1/transcripts/{transcript_id}/messages"):
+        request = append(tx_factory, "traced-retry", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    stored = job_row(tx_factory, job_id).traceparent
+    down = LLMError("HTTP 503: overloaded", retryable=True, status=503)
+    with tracing.span("run/tasks.compaction.compact_transcript"):  # Celery's root span for the message
+        outcome = run_job(runtime(database_url, tx_factory, ScriptedLLM(down)), job_id, COMPACTION)
+    assert outcome.status == "retry" and outcome.retry_in is not None
+    [job_span] = [s for s in from_sdk(exporter.get_finished_spans()) if s.name == "job compaction"]
+    assert outcome.traceparent is not None and outcome.traceparent.split("-")[1:3] == [
+        job_span.trace_id,
+        job_span.span_id,
+    ]
+    assert job_span.trace_id == trace_id(stored)

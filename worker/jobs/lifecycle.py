@@ -10,7 +10,7 @@ import random
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
@@ -83,6 +83,10 @@ class JobOutcome:
     status: str  # succeeded | failed | paused | retry | skipped | lost | released | unclaimed
     retry_in: float | None = None
     detail: str = ""
+    # The job's span, for the retry message the task sends after it ended (else sent from the Celery
+    # run span: a root of its own for a message that came without a trace, and the retry lost the
+    # request's trace, which a message with one then kept from the stored one).
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,8 @@ def run_job(
     ):
         outcome = _run_job(rt, job_id, spec, backoff, operator)
         tracing.annotate("factmill.job.outcome", outcome.status)
+        if outcome.retry_in is not None:
+            outcome = replace(outcome, traceparent=tracing.current_traceparent())
     return outcome
 
 

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import random
 import re
 import threading
 import weakref
@@ -139,8 +140,9 @@ def _sampler() -> Any:
                 return sampling.SamplingResult(sampling.Decision.DROP)
             if kind == SpanKind.SERVER and parent.is_remote:
                 # Decided as a root (an empty context: None reads the current one, where the ASGI
-                # middleware attached the sender's); the trace id stays the sender's.
-                parent_context = Context()
+                # middleware attached the sender's), on a trace id of our own (a ratio sampler reads
+                # its bits, and the sender chose them); the span keeps the sender's trace id.
+                parent_context, trace_id = Context(), random.getrandbits(128)
             return configured.should_sample(parent_context, trace_id, name, kind, *args, **kw)
 
         def get_description(self) -> str:
