@@ -1959,13 +1959,13 @@ def test_the_intents_user_messages_are_read_only_as_far_as_the_gate_reads_them(
     """Read whole, a few pasted files of 25 MiB were loaded (per job thread) to keep 4,000 characters of
     each; they are cut in the database where intent_terms cuts them."""
     from worker.compaction.queries import latest_user_texts
-    from worker.core.compaction_gate import INTENT_TEXT_LIMIT
+    from worker.core.compaction_gate import QUESTION_CHAR_LIMIT
 
-    pasted = "é" + "x" * (3 * INTENT_TEXT_LIMIT)
+    pasted = "é" + "x" * (3 * QUESTION_CHAR_LIMIT)
     append(tx_factory, "pasted", [{"role": "user", "text": pasted}, {"role": "user", "text": "short"}])
     with tx_factory() as session:
         texts = latest_user_texts(session, "pasted", 3)
-    assert texts == [pasted[:INTENT_TEXT_LIMIT], "short"]  # characters, as Python cuts them
+    assert texts == [pasted[:QUESTION_CHAR_LIMIT], "short"]  # characters, as Python cuts them
 
 
 def test_each_try_the_gateway_retried_is_a_call_of_its_own(tx_factory: sessionmaker[Session]) -> None:

@@ -18,7 +18,13 @@ from worker.core.compaction import (
     serialize_transcript,
     summarizer_system_prompt,
 )
-from worker.core.compaction_gate import MAX_ATTEMPTS, intent_terms, judge_summary, missed_query_terms
+from worker.core.compaction_gate import (
+    MAX_ATTEMPTS,
+    QUESTION_CHAR_LIMIT,
+    intent_terms,
+    judge_summary,
+    missed_query_terms,
+)
 from worker.core.quality import lex_words
 from worker.core.timeline import (
     AppliedSummary,
@@ -362,6 +368,26 @@ def test_intent_terms_come_from_the_instructions_and_latest_user_messages() -> N
         "again",
     ]
     assert intent_terms(None, []) == []
+
+
+def test_a_long_user_message_is_context_not_a_question_and_gives_no_query_terms() -> None:
+    """Seed 002 ("quality_gate_skipped_without_a_distinct_question"): a user turn of 600 characters or
+    more is bulk context, not a question. A pasted 2,000-character log gave the gate a hundred query
+    terms, and a faithful summary of the head, which had no reason to keep the log's words, was judged
+    against them and rejected; a transcript of such pastes stayed over its threshold."""
+    log = " ".join(f"error{i} timeout at worker{i}" for i in range(100))
+    assert len(log) >= QUESTION_CHAR_LIMIT
+    assert intent_terms(None, [log]) == []
+    assert intent_terms("Keep the DSN", [log, "Deploy to Frankfurt"]) == [
+        "keep",
+        "dsn",
+        "deploy",
+        "frankfurt",
+    ]
+    assert intent_terms(None, [log[: QUESTION_CHAR_LIMIT - 1]])  # just under the floor: a question
+    head = lex_words("[User] Deploy the billing service.\n\n[Assistant] Deployed billing.")
+    gate = judge_summary(head, "## Goal\nDeploy billing.", intent_terms(None, [log]), 0.9)
+    assert not gate.judged and gate.passed  # no question: the summary stands
 
 
 def test_the_gate_passes_at_the_threshold_and_names_what_a_lossy_summary_missed() -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from models import Compaction, Job, Transcript
 from models.tables import COMPACTIONS, TRANSCRIPT_MESSAGES, TRANSCRIPTS
 from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
-from worker.core.compaction_gate import INTENT_TEXT_LIMIT
+from worker.core.compaction_gate import QUESTION_CHAR_LIMIT
 from worker.core.timeline import AppliedSummary, Timeline, applied_timeline
 from worker.core.transcripts import (
     ToolUnit,
@@ -468,10 +468,11 @@ def update_settings(
     return current, check_trigger(session, transcript_id, current, retrigger_seconds)
 
 
-# Cut where the gate cuts them (intent_terms reads INTENT_TEXT_LIMIT characters of each), in the
-# database: read whole, a few pasted files of 25 MiB each were loaded to keep 4,000 characters.
+# Cut in the database as far as the gate reads them (a text QUESTION_CHAR_LIMIT long or longer is no
+# question to it, so that many characters tell): read whole, a few pasted files of 25 MiB each were
+# loaded for a few characters.
 _LATEST_USER_TEXTS = (
-    select(func.left(TRANSCRIPT_MESSAGES.c.text, INTENT_TEXT_LIMIT))
+    select(func.left(TRANSCRIPT_MESSAGES.c.text, QUESTION_CHAR_LIMIT))
     .where(TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.role == "user")
     .order_by(TRANSCRIPT_MESSAGES.c.seq.desc())
     .limit(bindparam("n"))

@@ -11,8 +11,12 @@ from worker.core.compaction import SUMMARY_CHAR_LIMIT
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
 
-# Each latest user message contributes the intent terms of at most this many characters.
+# The instructions contribute the intent terms of at most this many characters.
 INTENT_TEXT_LIMIT: Final = 4_000
+# A user message this long or longer is context (a pasted log, a document, a monolithic prompt), not a
+# question, and gives no query terms (seed 002's rule, its 600-character floor): its words made a
+# faithful summary of the head look like it had dropped the answer, and the gate rejected it.
+QUESTION_CHAR_LIMIT: Final = 600
 MAX_MISSED_TERMS: Final = 40
 MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not worth naming
 # A first summary below the threshold gets one retry that names what it missed (seed 002's revert rule,
@@ -23,11 +27,13 @@ ResponseOutcome = Literal["refusal", "empty_output", "truncated_output", "ok"]
 
 
 def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
-    """Query terms of a transcript's intent: extract_intent_terms over the instructions and the latest
-    user messages (each capped at INTENT_TEXT_LIMIT characters), first occurrence order, no repeats."""
+    """Query terms of a transcript's intent: extract_intent_terms over the instructions (capped at
+    INTENT_TEXT_LIMIT characters) and those of the latest user messages that are questions (under
+    QUESTION_CHAR_LIMIT characters), first occurrence order, no repeats."""
+    questions = [text for text in user_texts if len(text) < QUESTION_CHAR_LIMIT]
     terms: list[str] = []
-    for text in (instructions or "", *user_texts):
-        terms.extend(extract_intent_terms(text[:INTENT_TEXT_LIMIT]))
+    for text in ((instructions or "")[:INTENT_TEXT_LIMIT], *questions):
+        terms.extend(extract_intent_terms(text))
     return list(dict.fromkeys(terms))
 
 
