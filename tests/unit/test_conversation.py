@@ -377,12 +377,30 @@ def test_markdown_that_is_not_a_message_line_is_text() -> None:
             fmt("Alice", "2024-03-15", "9:00 AM", "list:"),
             "**Note** this is bold, not a speaker",
             "**Bob** (tomorrow): also not a message",
-            "**A*B** (2024-03-15 9:01 AM): a name may not contain '*'",
+            "** Bob** (2024-03-15 9:01 AM: no closing parenthesis before the colon",
         ]
     )
     msgs = parse_conversation_messages(body)
     assert len(msgs) == 1
     assert msgs[0].text.splitlines()[1:] == body.splitlines()[1:]
+
+
+def test_a_name_may_hold_stars_inside_as_a_masked_number_does() -> None:
+    """An iMessage export writes a contact without a name as a masked number: a name could not hold
+    `*`, so its line was text, and what the contact said was read as the previous speaker's
+    (gbrain reads the shortest name the rest of the line matches)."""
+    body = "\n".join(
+        [
+            fmt("Alice Example", "2024-03-15", "9:38 AM", "Call me later"),
+            fmt("+155****0135", "2024-03-15", "9:39 AM", "Will do, I am moving to Oslo in May"),
+            fmt("A*B", "2024-03-15", "9:40 AM", "x"),
+        ]
+    )
+    assert [(m.speaker, m.text) for m in parse_conversation_messages(body)] == [
+        ("Alice Example", "Call me later"),
+        ("+155****0135", "Will do, I am moving to Oslo in May"),
+        ("A*B", "x"),
+    ]
 
 
 def test_a_message_line_does_not_span_lines() -> None:
@@ -742,7 +760,7 @@ def test_since_equals_splitting_the_messages_after_it(deltas: list[int], since_o
 
 # A plain line-by-line statement of the parsing contract, to check the whole-body parser against.
 _REFERENCE_LINE = re.compile(
-    r"\*\*\s*(?P<speaker>[^\s*](?:[^*]*[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
+    r"\*\*\s*(?P<speaker>[^\s*](?:.*?[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})(?:\s*(?P<meridiem>[AaPp][Mm]))?\s*\)\s*:\s*(?P<text>.*)"
 )
 
