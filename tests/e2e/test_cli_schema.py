@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -203,7 +204,7 @@ def forwarding(port: int, to: tuple[str, int]) -> Iterator[None]:
         listener.close()
 
 
-def test_a_service_started_while_the_database_is_down_waits_for_it(server_url):
+def test_a_service_started_while_the_database_is_down_waits_for_it(server_url, tmp_path: Path):
     """A worker replaced during a Postgres restart exited 1 ("cannot reach the database"): on Kubernetes
     a crash-loop backoff of minutes, and the chaos test lost every worker. The services now wait for
     the database (FACTMILL_STARTUP_WAIT_SECONDS) and start once it answers."""
@@ -212,7 +213,11 @@ def test_a_service_started_while_the_database_is_down_waits_for_it(server_url):
         assert factmill(["db", "upgrade"], env).returncode == 0
         real = make_url(url)
         port = free_port()
-        late = env | {"FACTMILL_DATABASE_URL": real.set(port=port).render_as_string(False)}
+        late = env | {
+            "FACTMILL_DATABASE_URL": real.set(port=port).render_as_string(False),
+            # Its schedule file in the test's own folder, not the checkout's ./var (a demo's beat's).
+            "FACTMILL_DATA_DIR": str(tmp_path / "var"),
+        }
         beat = ServiceProcess(["beat"], late, ready_marker=None, name="beat").start()
         try:
             wait_for(lambda: "waiting for it" in beat.tail(), 30, "beat to wait", diagnostics=beat.tail)
