@@ -110,7 +110,9 @@ def _in_process_sends(broker: SessionBroker) -> Iterator[None]:
     """Code under test that uses the process-wide settings (the Celery app's sends: reruns, releases,
     consolidation requests; tracing's set-up) finds the session's Redis under a key prefix of its own,
     never an embedded broker started under ./var. Processes the tests start get their own FACTMILL_*
-    environment (tests.service.service_env drops these). The prefix's keys are deleted at the end."""
+    environment (tests.service.service_env drops these). The prefix's keys are deleted at the end, and
+    so are those of every service environment's prefix on this broker (tests.service.SERVICE_PREFIXES)."""
+    from tests.service import SERVICE_PREFIXES
     from worker.settings import get_settings
 
     prefix = f"factmill-test-inproc-{uuid.uuid4().hex[:8]}:"
@@ -120,10 +122,12 @@ def _in_process_sends(broker: SessionBroker) -> Iterator[None]:
         get_settings.cache_clear()
         yield
     get_settings.cache_clear()
+    prefixes = [prefix, *(made for url, made in SERVICE_PREFIXES if url == broker.url)]
     client = broker.client()
     try:
-        for key in client.scan_iter(f"{prefix}*"):
-            client.delete(key)
+        for each in prefixes:
+            for key in client.scan_iter(f"{each}*", count=1000):
+                client.delete(key)
     finally:
         client.close()
 

@@ -234,14 +234,21 @@ def stop_embedded_broker(data_dir: Path) -> None:
         _exited(pid, timeout=10)
 
 
+# The broker key prefix of every service environment made in this process, with its broker's URL: the
+# session's end deletes their keys (kombu's bindings, queues, what a killed worker left unacked).
+SERVICE_PREFIXES: list[tuple[str, str]] = []
+
+
 def service_env(database_url: str, broker_url: str, simulator_url: str, **extra: Any) -> dict[str, str]:
     """Environment for service processes: fast heartbeats and sweeps so failures recover in seconds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
+    prefix = f"factmill-test-{uuid.uuid4().hex[:8]}:"
+    SERVICE_PREFIXES.append((broker_url, prefix))
     env.update(
         {
             "FACTMILL_DATABASE_URL": database_url,
             "FACTMILL_BROKER_URL": broker_url,
-            "FACTMILL_BROKER_KEY_PREFIX": f"factmill-test-{uuid.uuid4().hex[:8]}:",
+            "FACTMILL_BROKER_KEY_PREFIX": prefix,
             "FACTMILL_LLM": "simulator",
             "FACTMILL_SIMULATOR_URL": simulator_url,
             "FACTMILL_CONFIG_CACHE_SECONDS": "0.5",
