@@ -1238,6 +1238,20 @@ def test_cli_recompute_now_honours_the_kill_switch(cli: Any, factory: sessionmak
     assert cli("recompute", "--override-disabled").exit_code == 2  # only with --now
 
 
+def advisory_waiter(factory: sessionmaker[Session]) -> bool:
+    """Whether a session of this test's database waits for an advisory lock (pg_locks is the
+    cluster's: another test process's waiter counted)."""
+    with factory() as session:
+        return bool(
+            session.scalar(
+                text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                )
+            )
+        )
+
+
 def test_cli_recompute_now_turned_off_while_it_waits_for_the_lock_writes_nothing(
     cli: Any, factory: sessionmaker[Session]
 ) -> None:
@@ -1253,13 +1267,9 @@ def test_cli_recompute_now_turned_off_while_it_waits_for_the_lock_writes_nothing
         lock_recompute(holder)
         waiting = threading.Thread(target=lambda: outcome.append(cli("recompute", "--now")))
         waiting.start()
-        for _ in range(200):  # until the command waits on the lock (its session shows it)
-            with factory() as session:
-                if session.scalar(
-                    text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                ):
-                    break
-            time.sleep(0.05)
+        # Until the command waits on the lock (a poll that fell through flipped the switch before it
+        # waited, and the test passed with or without the check it guards).
+        wait_for(lambda: advisory_waiter(factory), 30, "the command to wait on the recompute lock")
         with factory.begin() as session:
             set_config(session, CALIBRATION_ENABLED, "off", updated_by="test")
     waiting.join(timeout=60)
@@ -1285,13 +1295,7 @@ def test_a_version_is_dated_when_it_was_written_not_when_its_recompute_began_wai
             kwargs={"alpha": 0.1, "target_recall": 0.9, "min_observations": 20},
         )
         waiting.start()
-        for _ in range(200):  # until the second recompute waits on the lock
-            with factory() as session:
-                if session.scalar(
-                    text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                ):
-                    break
-            time.sleep(0.05)
+        wait_for(lambda: advisory_waiter(factory), 30, "the second recompute to wait on the lock")
         released = holder.scalar(text("SELECT clock_timestamp()"))
     waiting.join(timeout=60)
     [version] = versions(factory)

@@ -667,8 +667,10 @@ def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(facto
 
     job_id = new_job(factory, "default|healthy")
     assert claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS) is not None
-    with Heartbeat(factory, job_id, "w1", interval=0.3, stale_after=0.6) as beat:
-        deadline = clock.monotonic() + 3
+    # Two beats a second apart: half a beat (0.5 s) of margin for a slow write on a loaded machine
+    # (at 0.3 s a beat, 150 ms of fsync or scheduling failed a healthy run).
+    with Heartbeat(factory, job_id, "w1", interval=1.0, stale_after=2.0) as beat:
+        deadline = clock.monotonic() + 4.5
         while clock.monotonic() < deadline:
             beat.check()
             clock.sleep(0.01)

@@ -14,6 +14,7 @@ from sqlalchemy import Connection, create_engine, pool, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import fold_totals
+from tests.service import wait_for
 from worker import db
 from worker.accounting import PRICES_KEY, Ledger, LLMCallRecord
 from worker.api.metrics import (
@@ -316,10 +317,14 @@ def test_each_connection_counts_on_rows_of_its_own_and_the_fold_keeps_every_tota
         assert before[0] == {"current": 3, "duplicate": 1} and before[1] == {"ok": 2, "skipped": 1}
         backends = set(session.scalars(text("SELECT DISTINCT backend FROM row_counts")))
         assert backends == {gone, live}
-    for _ in range(50):  # the closed backend leaves pg_stat_activity a moment after its socket closes
+
+    def backend_gone() -> bool:  # it leaves pg_stat_activity a moment after its socket closes
         with factory() as session:
-            if not session.scalar(text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": gone}):
-                break
+            return not session.scalar(
+                text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": gone}
+            )
+
+    wait_for(backend_gone, 30, "the closed connection's backend to exit")
     with factory.begin() as session:
         assert fold_totals(session) > 0
     with factory() as session:
