@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from worker.calibration import (
@@ -181,10 +181,35 @@ def test_bad_parameters_raise(kwargs: dict[str, float], message: str) -> None:
         evaluate(separated(), **(PARAMS | kwargs))
 
 
+@st.composite
+def mostly_separable(draw: st.DrawFn) -> list[tuple[float, bool]]:
+    """Coverages whose answer was kept above a cut and lost below it, a few flipped: data a threshold
+    can serve (independent coins almost never activate, and the activation branch went untested)."""
+    cut = draw(st.floats(0.2, 0.8))
+    coverages = draw(st.lists(st.floats(0, 1), min_size=20, max_size=80))
+    flips = draw(st.lists(st.integers(0, 24), min_size=len(coverages), max_size=len(coverages)))
+    return [(c, (c >= cut) != (flip == 0)) for c, flip in zip(coverages, flips, strict=True)]
+
+
+CALIBRATION_CASES = st.one_of(
+    st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=20, max_size=80), mostly_separable()
+)
+
+
+def as_observations(cases: list[tuple[float, bool]]) -> list[Observation]:
+    return [Observation(i + 1, c, k) for i, (c, k) in enumerate(cases)]
+
+
+def test_the_calibration_cases_reach_activation() -> None:
+    """The property below checks activation only where it happens: its cases must reach it."""
+    found = find(mostly_separable(), lambda cases: evaluate(as_observations(cases), **PARAMS).activate)
+    assert evaluate(as_observations(found), **PARAMS).activate
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=20, max_size=80))
+@given(CALIBRATION_CASES)
 def test_activation_means_the_held_out_rate_met_the_target(cases: list[tuple[float, bool]]) -> None:
-    data = [Observation(i + 1, c, k) for i, (c, k) in enumerate(cases)]
+    data = as_observations(cases)
     result = evaluate(data, **PARAMS)
     if result.activate:
         assert result.tau is not None and result.held_out_rate is not None
