@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,6 +96,22 @@ class SessionBroker:
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(redis_py_url(self.url))
+
+    def queued(self, queue: str) -> Counter[tuple[str, int]]:
+        """(task name, job id) of the messages waiting in ``queue`` under this process's own key prefix
+        (conftest's _in_process_sends): what code under test sent through the real Celery sender.
+        Earlier tests' messages may wait there too: compare a reading before with one after."""
+        prefix = os.environ.get("FACTMILL_BROKER_KEY_PREFIX", "")
+        client = self.client()
+        try:
+            raw = client.lrange(f"{prefix}{queue}", 0, -1)
+        finally:
+            client.close()
+        found: Counter[tuple[str, int]] = Counter()
+        for message in raw:
+            headers = json.loads(message)["headers"]
+            found[(headers["task"], int(ast.literal_eval(headers["argsrepr"])[0]))] += 1
+        return found
 
 
 def _where(url: str) -> str:

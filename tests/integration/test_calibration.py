@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from models import CalibrationObservation, CalibrationThreshold, Compaction, Job
 from tests.auth import send_key
 from tests.clock import FakeClock
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import running, service_env, start_worker, wait_for
+from tests.service import SessionBroker, running, service_env, start_worker, wait_for
 from worker.api.app import create_app
 from worker.calibration import (
     FALLBACK,
@@ -1100,23 +1101,20 @@ def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL (so every test_cli_* truncates).
 @pytest.fixture
-def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Runs `factmill calibration ...` against the test database; jobs go to a recorder, not a broker."""
+def cli(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Runs `factmill calibration ...` against the test database; its jobs go to the session's Redis
+    through the real Celery sender (``SessionBroker.queued`` reads them)."""
     from worker.cli import app
-    from worker.jobs import sending
     from worker.settings import get_settings
 
     monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
     monkeypatch.setenv("FACTMILL_CALIBRATION_RECOMPUTE_EVERY", "1000")
-    recorder = Recorder(factory)
-    monkeypatch.setattr(sending, "celery_sender", recorder)
     get_settings.cache_clear()
     runner = CliRunner()
 
     def invoke(*args: str) -> Any:
         return runner.invoke(app, ["calibration", *args], catch_exceptions=False)
 
-    invoke.recorder = recorder  # type: ignore[attr-defined]
     try:
         yield invoke
     finally:
@@ -1302,11 +1300,12 @@ def test_a_version_is_dated_when_it_was_written_not_when_its_recompute_began_wai
     assert version.active and version.computed_at >= released and version.activated_at >= released
 
 
-def test_cli_recompute_queues_one_job(cli: Any, factory: sessionmaker[Session]) -> None:
+def test_cli_recompute_queues_one_job(cli: Any, broker: SessionBroker) -> None:
+    before = broker.queued("calibration")
     first = cli("recompute")
     assert first.exit_code == 0 and "recompute job 1 queued" in first.output
     assert "recompute job 1 is already pending" in cli("recompute").output
-    assert cli.recorder.calls == [("tasks.calibration.recompute", 1, "calibration")]
+    assert broker.queued("calibration") - before == Counter({("tasks.calibration.recompute", 1): 1})
     assert cli("recompute", "--force").exit_code == 2
 
 

@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 from models import CalibrationThreshold, Compaction, Job, LLMCall, TranscriptMessageRow
 from tests.auth import send_key
 from tests.integration.test_api import Recorder, make_runtime
-from tests.service import celery_sender, running, service_env, start_worker, wait_for
+from tests.service import SessionBroker, celery_sender, running, service_env, start_worker, wait_for
 from worker.api.app import create_app
 from worker.api.metrics import CompactionCollector
 from worker.calibration import FALLBACK, ActiveThreshold
@@ -42,7 +43,6 @@ from worker.config_store import COMPACTION_ENABLED, COMPACTION_QUALITY_GATE, Con
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
 from worker.core.signing import sign, signed_json_headers
 from worker.jobs import outbox as jobs
-from worker.jobs import sending
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError, provider_cannot_serve, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
@@ -1708,25 +1708,21 @@ def test_metrics_count_compactions_by_outcome_and_tokens_saved(
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL.
 @pytest.fixture
-def cli(
-    database_url: str, factory: sessionmaker[Session], simulator: Any, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Any]:
-    """Runs `factmill ...` against the test database and the simulator; jobs go to a recorder."""
+def cli(database_url: str, simulator: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Runs `factmill ...` against the test database and the simulator; its jobs go to the session's
+    Redis through the real Celery sender (``SessionBroker.queued`` reads them)."""
     from worker.cli import app
     from worker.settings import get_settings
 
     monkeypatch.setenv("FACTMILL_DATABASE_URL", database_url)
     monkeypatch.setenv("FACTMILL_LLM", "simulator")
     monkeypatch.setenv("FACTMILL_SIMULATOR_URL", simulator.base_url)
-    recorder = Recorder(factory)
-    monkeypatch.setattr(sending, "celery_sender", recorder)
     get_settings.cache_clear()
     runner = CliRunner()
 
     def invoke(*args: str) -> Any:
         return runner.invoke(app, list(args), catch_exceptions=False)
 
-    invoke.recorder = recorder  # type: ignore[attr-defined]
     try:
         yield invoke
     finally:
@@ -1734,13 +1730,19 @@ def cli(
 
 
 def test_cli_compact_queues_or_runs_now_and_transcripts_show(
-    cli: Any, factory: sessionmaker[Session], simulator: Any, monkeypatch: pytest.MonkeyPatch
+    cli: Any,
+    factory: sessionmaker[Session],
+    simulator: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    broker: SessionBroker,
 ) -> None:
     append(factory, "cli", session_messages(12), settings={**SETTINGS, "keep_recent_tokens": 500})
+    before = broker.queued("compaction")
     queued = cli("compact", "cli", "--json")
     assert queued.exit_code == 0, queued.output
     job_id = json.loads(queued.stdout)["job_id"]
-    assert cli.recorder.calls == [("tasks.compaction.compact_transcript", job_id, "compaction")]
+    sent = broker.queued("compaction") - before
+    assert sent == Counter({("tasks.compaction.compact_transcript", job_id): 1})
     again = cli("compact", "cli")
     assert f"compaction job {job_id} was already pending for cli; it is now forced" in again.output
     with factory() as session:

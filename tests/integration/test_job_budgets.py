@@ -3,6 +3,7 @@ held on every path: the claim, the sweeper, the lifecycle's retries, pauses and 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
@@ -217,14 +218,12 @@ def test_a_pause_costs_no_attempt_whether_at_claim_mid_run_or_for_the_llm_budget
     assert run_and_read() == ("succeeded", "succeeded", 1, 0, None), "it ran once: one attempt"
 
 
-def test_a_release_whose_lease_was_taken_over_re_sends_nothing(factory, runtime, monkeypatch):
+def test_a_release_whose_lease_was_taken_over_re_sends_nothing(factory, runtime, broker):
     """A stopping worker whose lease went to another (it beat too late) hands back nothing: the job
     is the new holder's, and a message re-sent for it would only be skipped, or taken as lost."""
-    from worker.jobs import lifecycle
     from worker.jobs.shutdown import WorkerStoppingError
 
-    rt, sent = runtime(), []
-    monkeypatch.setattr(lifecycle, "enqueue", lambda factory, jobs, sender=None: sent.extend(jobs))
+    rt, before = runtime(), broker.queued("extraction")
 
     def work(ctx: JobContext) -> WorkResult:
         set_job(factory, ctx.job.id, worker="another-worker")  # the sweeper gave the lease away
@@ -233,7 +232,7 @@ def test_a_release_whose_lease_was_taken_over_re_sends_nothing(factory, runtime,
     kind, job_id = kind_doing(work), new_job(factory)
     outcome = run_job(rt, job_id, kind)
     assert (outcome.status, outcome.detail) == ("lost", "the lease was no longer this run's; nothing re-sent")
-    assert sent == []
+    assert broker.queued("extraction") - before == Counter()
     state = job(factory, job_id)
     assert (state.status, state.worker, state.attempts, state.worker_losses) == (
         "running",
@@ -287,14 +286,11 @@ def test_the_database_going_away_mid_run_is_a_worker_loss_not_an_attempt(factory
     assert (state.last_error or "").startswith("worker lost 2 times")
 
 
-def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory, runtime, monkeypatch):
+def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory, runtime, broker):
     """A delivery during a run marks the job for a rerun, and the webhook answers that the running job
     will read it; only a success honoured the mark. A run failing on its last attempt (say, on the
     very change that arrived) left the new content with no job at all."""
-    from worker.jobs import lifecycle
-
-    sent: list[tuple[int, str]] = []
-    monkeypatch.setattr(lifecycle, "enqueue", lambda _factory, jobs: sent.extend(jobs) or len(jobs))
+    before = broker.queued("extraction")
     rt = runtime(job_max_attempts=1)
     job_id = new_job(factory)
 
@@ -305,7 +301,8 @@ def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory
 
     outcome = run_job(rt, job_id, kind_doing(work))
     state = job(factory, job_id)
-    assert outcome.status == "failed" and sent == [(job_id, EXTRACTION)]
+    assert outcome.status == "failed"
+    assert broker.queued("extraction") - before == Counter({("tasks.extraction.extract_page", job_id): 1})
     assert (state.status, state.attempts, state.rerun_requested) == ("queued", 0, False)
     assert (state.last_error or "").startswith("RuntimeError at ")
 
