@@ -63,10 +63,9 @@ def test_a_page_waiting_for_a_slot_says_it_is_waiting_but_not_while_its_call_run
     """A job's heartbeat lets the lease of a run showing no progress lapse: a page whose calls wait for
     slots other pages hold (a bulk ingest of long pages) must not look stalled, but one whose own call
     hangs (in the database) must."""
-    import worker.llm.pipe as pipe_module
     from worker.core import progress
 
-    monkeypatch.setattr(pipe_module, "PROGRESS_MARK_SECONDS", 0.01)
+    monkeypatch.setattr(progress, "MARK_EVERY_SECONDS", 0.01)
     marks: list[int] = []
     progress.listen(lambda: marks.append(1))
     try:
@@ -89,6 +88,30 @@ def test_a_page_waiting_for_a_slot_says_it_is_waiting_but_not_while_its_call_run
         pipe.close()
     finally:
         progress.listen(None)
+
+
+def test_a_call_waiting_on_a_pipe_thread_reaches_its_jobs_heartbeat():
+    """A page's calls run on the pipe's threads: a call waiting for its rate-limit place there marked
+    progress on a thread no heartbeat listened to, and a long wait let the job's lease lapse. The
+    listener is the job's context, which the pipe's calls run in."""
+    from worker.core import progress
+
+    marks: list[str] = []
+    progress.listen(lambda: marks.append(threading.current_thread().name))
+    try:
+        pipe = LLMPipe(1)
+
+        def waits_its_turn(index: int) -> str:
+            progress.mark()  # as the rate limiter does between the slices of its wait
+            return "done"
+
+        feed = pipe.open(1, waits_its_turn)
+        assert [o.result() for o in feed.take()] == ["done"]
+        feed.close()
+        pipe.close()
+    finally:
+        progress.listen(None)
+    assert marks and all(name != threading.current_thread().name for name in marks)
 
 
 def test_results_come_back_in_page_order_whatever_order_they_finish_in():

@@ -491,19 +491,14 @@ def test_a_call_larger_than_the_burst_keeps_its_place_behind_smaller_ones() -> N
     it never saw it empty while smaller calls kept asking (a compaction behind 64 extraction calls
     waited for good). A call books its place when it asks: the ones asking after it wait behind it."""
     clock = FakeClock()
-
-    class Queued(Exception):  # a smaller call that must wait: its thread sleeps, its place is booked
-        pass
-
     big_sleeps: list[float] = []
-    small_waits: list[float] = []
+    small_waits: list[float] = []  # what each smaller call was told to wait (its place is booked)
     in_small = False
 
     def sleep(seconds: float) -> None:
         nonlocal in_small
-        if in_small:
-            small_waits.append(seconds)
-            raise Queued()
+        if in_small:  # a smaller call's thread sleeps its turn out apart from this one: not modelled
+            return
         big_sleeps.append(seconds)
         assert len(big_sleeps) < 20, "the large call never went"
         end = clock.now + seconds
@@ -511,9 +506,7 @@ def test_a_call_larger_than_the_burst_keeps_its_place_behind_smaller_ones() -> N
             clock.now = min(end, clock.now + 0.25)
             in_small = True
             try:
-                limiter.acquire("p:m", 30)
-            except Queued:
-                pass
+                small_waits.append(limiter.acquire("p:m", 30))
             finally:
                 in_small = False
 
@@ -525,6 +518,31 @@ def test_a_call_larger_than_the_burst_keeps_its_place_behind_smaller_ones() -> N
     assert clock.now - start == pytest.approx(1.0)
     # The four that asked while it waited are booked behind it, each after the one before.
     assert small_waits == pytest.approx([10.05, 10.1, 10.15, 10.2])
+
+
+def test_a_long_wait_for_a_place_says_now_and_then_that_it_is_a_wait() -> None:
+    """At a tight limit behind a long queue a call may wait its turn for longer than the job's stall
+    limit: one sleep said nothing meanwhile, and the job's heartbeat let the lease lapse under a run
+    that was only waiting (the sweeper counted a worker loss, again and again)."""
+    from worker.core import progress
+
+    clock, sleeps, marks = FakeClock(), [], []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.now += seconds
+
+    limiter = LocalRateLimiter(RateLimits(tokens_per_minute=60), clock=clock, sleep=sleep)  # 1 a second
+    assert limiter.acquire("p:m", 60) == 0.0
+    progress.listen(lambda: marks.append(clock.now))
+    try:
+        waited = limiter.acquire("p:m", 45)
+    finally:
+        progress.listen(None)
+    assert (
+        waited >= 45 and sum(sleeps) == pytest.approx(waited) and max(sleeps) <= progress.MARK_EVERY_SECONDS
+    )
+    assert len(marks) == len(sleeps) >= 5  # one after each slice of the wait
 
 
 def test_rate_limited_client_estimates_then_reconciles() -> None:

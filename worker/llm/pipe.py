@@ -33,8 +33,6 @@ from worker.core.errors import unsorted_error_note
 
 logger = logging.getLogger(__name__)
 
-# How often a page waiting for its next result says it is waiting, not stalled (worker.core.progress).
-PROGRESS_MARK_SECONDS = 10.0
 
 T = TypeVar("T")
 
@@ -108,7 +106,7 @@ class Feed(Generic[T]):
                 # Waiting for a slot other pages hold is no stall: say so now and then. Not once the
                 # call is running (it has the provider's timeouts; one that hangs in the database is
                 # the stall the job's heartbeat looks for).
-                if not self._ready.wait(timeout=PROGRESS_MARK_SECONDS) and self.started <= self._handed:
+                if not self._ready.wait(timeout=progress.MARK_EVERY_SECONDS) and self.started <= self._handed:
                     progress.mark()
             taken: list[Outcome[T]] = []
             while self._handed in self._done and (limit is None or len(taken) < limit):

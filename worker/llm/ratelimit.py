@@ -24,6 +24,7 @@ from typing import Protocol
 
 import redis
 
+from worker.core import progress
 from worker.core.redis_urls import redis_py_url
 from worker.llm.between_tries import CallDeadlineError, between_tries, refuse_wait_past_deadline
 from worker.llm.errors import LLMError
@@ -114,14 +115,21 @@ def _gcra_wait(tat: float, now: float, cost: float, tolerance: float) -> tuple[f
 
 def _wait_for_place(wait: float, sleep: Callable[[float], None], unbook: Callable[[], None]) -> float:
     """Sleep until a booked place's turn (``wait`` seconds); one that would come past the calls' deadline
-    is given back (``unbook``: no call goes in it) and the call refused now (CallDeadlineError)."""
+    is given back (``unbook``: no call goes in it) and the call refused now (CallDeadlineError). A long
+    wait says now and then that it is a wait (worker.core.progress): at a tight limit behind a long
+    queue it may pass the job's stall limit, and the lease lapsed under a run that was only waiting."""
     if wait > 0:
         try:
             refuse_wait_past_deadline(wait)
         except CallDeadlineError:
             unbook()
             raise
-        sleep(wait)
+        left = wait
+        while left > 0:
+            step = min(left, progress.MARK_EVERY_SECONDS)
+            sleep(step)
+            left -= step
+            progress.mark()
     return wait
 
 
