@@ -1847,6 +1847,24 @@ def test_a_provider_outage_queues_the_compaction_again_and_stores_no_failed_comp
         assert job is not None and job.status == "queued"
 
 
+def test_a_key_or_model_the_provider_refuses_retries_the_job_and_stores_no_failed_compaction(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A 401 (a key rotated wrong for a minute) or a 404 model was a failed compaction: the job ended
+    at once and the transcript waited for another append and the retrigger wait, while extraction's
+    jobs were retried by the lifecycle's table. The provider blamed the settings, not the request."""
+    request = append(tx_factory, "bad-key", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    refused = LLMError("HTTP 401: invalid api key", retryable=False, status=401, deployment_fault=True)
+    outcome = run_job(runtime(database_url, tx_factory, ScriptedLLM(refused)), job_id, jobs.COMPACTION)
+    assert outcome.status == "retry", outcome
+    assert compactions(tx_factory) == []
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["provider_error"]
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "queued" and "invalid api key" in (job.last_error or "")
+
+
 def test_a_summary_answered_while_the_worker_begins_to_stop_is_kept(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:

@@ -254,11 +254,12 @@ class CompactionRun:
             self._record_tries(getattr(exc, "attempts", ())[:-1])  # the gateway's tries before the last
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
-            if provider_cannot_serve(exc):
-                # An outage (429/5xx past the retry layer), or the account's money spent: the job is
-                # queued again, as extraction's are.
-                # Stored as a failed compaction, it ended the job and held off the next for the retrigger
-                # wait: an outage failed every compaction in flight and stalled their transcripts.
+            if provider_cannot_serve(exc) or exc.deployment_fault:
+                # An outage (429/5xx past the retry layer), the account's money spent, or the provider
+                # blaming the settings (a 401 key, a model it does not have), not this request: the
+                # lifecycle's table decides (queued again, or retried in the provider's words), as for
+                # extraction. Stored as a failed compaction, it ended the job and held off the next for
+                # the retrigger wait: a minute's wrong key failed every compaction in flight.
                 raise
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
             return self._finish("failed", error=f"the summarizer call failed: {exc}")
