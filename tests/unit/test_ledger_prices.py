@@ -86,3 +86,15 @@ def test_a_model_with_no_price_is_named_once_and_an_override_of_zero_quiets_it(
     with caplog.at_level(logging.WARNING, logger="worker.accounting.ledger"):
         assert ledger.cost(call("local-llama", "openai-compatible")) == 0
     assert caplog.records == []
+
+
+def test_a_provider_error_is_kept_as_far_as_every_purpose_keeps_it() -> None:
+    """A provider's words are kept to 1,000 characters (the README, extraction's rows); compaction's,
+    consolidation's and search's rows cut them again at 500."""
+    from worker.accounting import LLMCallRecord
+    from worker.accounting.ledger import kept_error
+    from worker.llm.errors import LLMError
+
+    said = "HTTP 503: " + "the upstream said why at length " * 28  # about 900 characters
+    record = LLMCallRecord.failed("compaction", object(), LLMError(said, retryable=True, status=503), 12)
+    assert kept_error(record) == said

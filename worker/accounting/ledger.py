@@ -85,7 +85,9 @@ class LLMCallRecord:
         )
         outcome = getattr(exc, "outcome", "provider_error")
         usage = getattr(exc, "usage", None)
-        return cls(purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc)[:500])
+        # Uncut: a provider's words are already kept to MAX_PROVIDER_MESSAGE_CHARS (worker.llm.errors), as
+        # extraction's rows keep them; cut again to 500 here, three purposes' rows kept half of it.
+        return cls(purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc))
 
     @classmethod
     def failed_tries(
