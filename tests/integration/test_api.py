@@ -1433,3 +1433,22 @@ def test_webhook_sends_through_the_real_celery_sender(
         for key in client.scan_iter(f"{prefix}*"):
             client.delete(key)
         client.close()
+
+
+def test_front_matter_nesting_has_one_limit_whichever_way_the_page_comes_in(client: TestClient) -> None:
+    """`factmill ingest` refused a page file's front matter nested past 32 levels; the webhook stored
+    one nested 63 deep (only the request's own JSON depth cap applied): the same page in or out by
+    its way in."""
+    from worker.extraction.pages import MAX_FRONT_MATTER_DEPTH
+
+    def nested(levels: int) -> dict[str, Any]:
+        value: dict[str, Any] = {"leaf": 1}
+        for _ in range(levels - 1):
+            value = {"k": value}
+        return value
+
+    deepest = post(client, page("fm/deepest", frontmatter=nested(MAX_FRONT_MATTER_DEPTH)))
+    assert deepest.status_code == 202, deepest.text
+    deeper = post(client, page("fm/deeper", frontmatter=nested(MAX_FRONT_MATTER_DEPTH + 8)))
+    assert deeper.status_code == 422, deeper.text
+    assert f"front matter nests deeper than {MAX_FRONT_MATTER_DEPTH} levels" in deeper.text

@@ -30,3 +30,13 @@ def test_an_attempt_s_error_is_stored_without_a_nul():
     attempts = [Attempt("provider_error", None, [], "HTTP 400: a\x00b"), Attempt("ok", None, [])]
     assert errors_of(attempts, None) == ["HTTP 400: ab", None]
     assert errors_of(attempts, "note") == ["HTTP 400: ab; note", "note"]
+
+
+def test_nesting_depth_counts_mappings_and_lists_without_recursing() -> None:
+    from worker.core.jsonvalues import nesting_depth
+
+    assert [nesting_depth(v) for v in (1, "x", {}, [], {"a": [1]}, [[], [[{}]]])] == [0, 0, 1, 1, 2, 4]
+    deep: list[object] = []
+    for _ in range(50_000):  # past the interpreter's recursion limit
+        deep = [deep]
+    assert nesting_depth(deep) == 50_001

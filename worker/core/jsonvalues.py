@@ -57,6 +57,21 @@ def not_json(value: object, path: str = "") -> str | None:
     return None
 
 
+def nesting_depth(value: object) -> int:
+    """How many mappings and lists deep ``value`` nests (a scalar 0, ``{}`` 1, ``{"a": [1]}`` 2), walked
+    without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list | tuple):
+            deepest = max(deepest, depth + 1)
+            stack.extend((item, depth + 1) for item in node)
+    return deepest
+
+
 def made_storable(text: str) -> str:
     """A model's text as Postgres can store it: NUL characters dropped and each lone surrogate replaced
     by U+FFFD, everything else as it was. Refusing instead would fail a segment (or a summary) whose

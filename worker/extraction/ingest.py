@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
+from worker.extraction.pages import MAX_FRONT_MATTER_DEPTH, PageIn, StaleDeliveryError, store_page
 from worker.jobs.outbox import EXTRACTION
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     return value
-
-
-# Front matter is a few key: value lines; mappings and lists nested deeper than this (the front matter's
-# own mapping is the first level) are refused, not recursed into.
-MAX_FRONT_MATTER_DEPTH = 32
 
 
 class _FrontMatterLoader(yaml.SafeLoader):

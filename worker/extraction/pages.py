@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from models import Erasure
 from models.tables import PAGES
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
-from worker.core.jsonvalues import not_json, text_problem
+from worker.core.jsonvalues import nesting_depth, not_json, text_problem
 from worker.core.labels import (
     MAX_SOURCE_ID_LENGTH,
     NEW_SOURCE_ID_PATTERN,
@@ -42,6 +42,10 @@ MAX_PAGE_KEY_BYTES = 2_400
 
 
 MAX_SLUG_LENGTH = 500  # characters, once normalized; GET /v1/pages' next_after cursor is sized by it
+
+# Front matter is a few key: value lines; mappings and lists nested deeper than this (the front matter's
+# own mapping is the first level) are refused, whichever way the page came in (webhook, page file).
+MAX_FRONT_MATTER_DEPTH = 32
 
 
 def page_key_bytes(source_id: str, slug: str) -> int:
@@ -104,6 +108,10 @@ class PageIn(BaseModel):
         problem = not_json(value)
         if problem:
             raise ValueError(f"{problem} (front matter is stored as JSON)")
+        # One rule for every way in: the webhook took what the request's own depth cap let through (up
+        # to 63 levels), while `factmill ingest` refused a page file's from 33.
+        if nesting_depth(value) > MAX_FRONT_MATTER_DEPTH:
+            raise ValueError(f"front matter nests deeper than {MAX_FRONT_MATTER_DEPTH} levels")
         return value
 
     @field_validator("type", "title", "compiled_truth", "timeline", mode="before")
