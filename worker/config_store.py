@@ -14,6 +14,7 @@ from models import ConfigEntry
 from models.reads import read_only
 from worker.accounting import BUDGET_KEYS, PRICES_KEY, validate_config_value
 from worker.core.conversation import check_page_types
+from worker.core.facts import MAX_FACTS_LIMIT
 from worker.core.ttl_cache import TtlCache
 
 EXTRACTION_ENABLED = "facts.extraction_enabled"
@@ -28,6 +29,11 @@ EXTRACTION_MAX_FACTS = "extraction.max_facts"
 # How many permanent failures (across attempts and runs) skip a poison segment.
 EXTRACTION_MAX_SEGMENT_FAILURES = "extraction.max_segment_failures"
 MAX_SEGMENT_FAILURES_CEILING = 100
+# The count settings and their ceilings (from 1): one rule for the writer and the readers (stored_count).
+COUNTS = {
+    EXTRACTION_MAX_FACTS: MAX_FACTS_LIMIT,
+    EXTRACTION_MAX_SEGMENT_FAILURES: MAX_SEGMENT_FAILURES_CEILING,
+}
 
 KILL_SWITCHES = (EXTRACTION_ENABLED, COMPACTION_ENABLED, CALIBRATION_ENABLED, CONSOLIDATION_ENABLED)
 TUNABLES = (
@@ -74,21 +80,23 @@ def validate_value(key: str, value: str) -> str:
         )
     if key in SWITCHES and cleaned.lower() not in DISABLED_VALUES | ENABLED_VALUES:
         raise ValueError(f"{key} must be one of true/false/1/0/yes/no/on/off, got {value!r}")
-    if key == EXTRACTION_MAX_FACTS and (not _is_count(cleaned) or not 1 <= int(cleaned) <= 25):
-        raise ValueError(f"{key} must be an integer from 1 to 25, got {value!r}")
-    if key == EXTRACTION_MAX_SEGMENT_FAILURES and (
-        not _is_count(cleaned) or not 1 <= int(cleaned) <= MAX_SEGMENT_FAILURES_CEILING
-    ):
-        raise ValueError(f"{key} must be an integer from 1 to {MAX_SEGMENT_FAILURES_CEILING}, got {value!r}")
+    for counted, ceiling in COUNTS.items():
+        if key == counted and stored_count(cleaned, ceiling) is None:
+            raise ValueError(f"{key} must be an integer from 1 to {ceiling}, got {value!r}")
     if key == EXTRACTION_PAGE_TYPES:
         check_page_types(cleaned)
     validate_config_value(key, cleaned)
     return cleaned
 
 
-def _is_count(text: str) -> bool:
-    """ASCII digits only: "²".isdigit() is true, and int("²") raised past the message naming the key."""
-    return text.isascii() and text.isdigit()
+def stored_count(value: str | None, ceiling: int) -> int | None:
+    """A count setting's value as the writer and every reader take it: ASCII digits (``"²".isdigit()``
+    is true, and ``int("²")`` raised in the extraction job that read it), 1 to ``ceiling``; else None
+    (a reader then uses its default)."""
+    text = (value or "").strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= ceiling:
+        return None
+    return int(text)
 
 
 def get_config(session: Session, key: str) -> str | None:

@@ -164,3 +164,26 @@ def test_a_retry_of_a_skipped_segment_records_the_attempts_an_error_cut_short() 
     with pytest.raises(RuntimeError, match="lease lost"):
         retry._retry_one(SimpleNamespace(slug="p"), "label", None, None, place, None)  # type: ignore[arg-type]
     assert recorded == [(place, [paid], DISCARDED_ABORTED)] and len(counted) == 1
+
+
+@pytest.mark.parametrize("stored", ["²", "0", "101", " 7x", "-3"])
+def test_a_count_setting_no_writer_takes_is_read_as_its_default(stored: str) -> None:
+    """The writer took ASCII digits in range; the readers took what str.isdigit did: "²" (stored by
+    hand, or by an older release) raised ValueError from int() in every extraction job, retried until
+    it failed; one past 100 failures was used as it was."""
+    from worker.config_store import EXTRACTION_MAX_FACTS, EXTRACTION_MAX_SEGMENT_FAILURES
+    from worker.extraction.options import (
+        DEFAULT_MAX_SEGMENT_FAILURES,
+        ExtractOptions,
+        resolve_max_facts,
+        resolve_max_segment_failures,
+    )
+
+    class Stored:
+        def get(self, key: str) -> str | None:
+            return {EXTRACTION_MAX_FACTS: stored, EXTRACTION_MAX_SEGMENT_FAILURES: stored}.get(key)
+
+    assert resolve_max_facts(ExtractOptions(default_max_facts=9), Stored()) == 9  # type: ignore[arg-type]
+    assert resolve_max_segment_failures(Stored()) == DEFAULT_MAX_SEGMENT_FAILURES  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be an integer from 1 to"):
+        validate_value(EXTRACTION_MAX_FACTS, stored)

@@ -11,10 +11,12 @@ from worker.config_store import (
     EXTRACTION_MAX_FACTS,
     EXTRACTION_MAX_SEGMENT_FAILURES,
     EXTRACTION_PAGE_TYPES,
+    MAX_SEGMENT_FAILURES_CEILING,
     ConfigReader,
+    stored_count,
 )
 from worker.core.conversation import instant_micros, narrow_page_types
-from worker.core.facts import DEFAULT_MAX_FACTS
+from worker.core.facts import DEFAULT_MAX_FACTS, MAX_FACTS_LIMIT
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
 
@@ -185,20 +187,18 @@ def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:
     (FACTMILL_EXTRACTION_MAX_FACTS), each 1..25."""
     if options.max_facts is not None:
         value = options.max_facts
-    else:
-        raw = config.get(EXTRACTION_MAX_FACTS)
-        value = int(raw) if raw and raw.strip().isdigit() else options.default_max_facts
-    if not 1 <= value <= 25:
-        raise ValueError(f"max_facts must be between 1 and 25, got {value}")
+    else:  # a stored value no writer would take now (an older release's, a hand-written row): the default
+        stored = stored_count(config.get(EXTRACTION_MAX_FACTS), MAX_FACTS_LIMIT)
+        value = options.default_max_facts if stored is None else stored
+    if not 1 <= value <= MAX_FACTS_LIMIT:
+        raise ValueError(f"max_facts must be between 1 and {MAX_FACTS_LIMIT}, got {value}")
     return value
 
 
 def resolve_max_segment_failures(config: ConfigReader) -> int:
     """How many permanent failures skip a segment: `extraction.max_segment_failures`, else 3."""
-    raw = config.get(EXTRACTION_MAX_SEGMENT_FAILURES)
-    if raw and raw.strip().isdigit() and int(raw.strip()) >= 1:
-        return int(raw.strip())
-    return DEFAULT_MAX_SEGMENT_FAILURES
+    stored = stored_count(config.get(EXTRACTION_MAX_SEGMENT_FAILURES), MAX_SEGMENT_FAILURES_CEILING)
+    return DEFAULT_MAX_SEGMENT_FAILURES if stored is None else stored
 
 
 def ensure_enabled(options: ExtractOptions, config: ConfigReader) -> None:
