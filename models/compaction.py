@@ -21,10 +21,10 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
+from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
 
 MESSAGE_ROLES = ("user", "assistant", "tool")
 COMPACTION_STATUSES = ("accepted", "rejected", "failed")
-MAX_TRANSCRIPT_ID_LENGTH = 200
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:

@@ -20,13 +20,18 @@ from worker.api.errors import CHALLENGE, ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
 from worker.core.labels import LABEL_PATTERN, clean_label
-from worker.core.signing import IDEMPOTENCY_HEADER, SignatureError, check_header, verify
+from worker.core.signing import (
+    IDEMPOTENCY_HEADER,
+    MAX_IDEMPOTENCY_KEY_LENGTH,
+    SignatureError,
+    check_header,
+    verify,
+)
 from worker.jobs import sending
 from worker.runtime import Runtime
 from worker.settings import Settings
 
 MAX_REMEMBERED_KEYS = 64
-MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
 T = TypeVar("T")
 

@@ -37,6 +37,8 @@ from factmill_client.signing import (
     signed_json_headers,
 )
 
+MAX_IDEMPOTENCY_KEY_LENGTH = 255  # an Idempotency-Key's characters (the API's header, the MCP tools' key)
+
 EXPECTED_FORMAT = (
     "t=<unix seconds>,v4=<hex HMAC-SHA256 of 'v4\\n<t>\\n<METHOD>\\n<len(path)>:<path>\\n"
     "<len(Idempotency-Key)>:<Idempotency-Key>\\n<body>'>"

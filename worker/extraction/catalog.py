@@ -11,10 +11,14 @@ from sqlalchemy import ColumnElement, func, literal, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.tables import FACTS, JOBS, PAGES
+from worker.core.labels import MAX_SOURCE_ID_LENGTH
 from worker.core.slugs import stored_form
+from worker.extraction.pages import MAX_SLUG_LENGTH
 from worker.jobs.outbox import EXTRACTION, page_subject_sql, split_page_subject
 
 MAX_LISTED_PAGES = 1000
+# A page cursor (next_after): a source id, '|', a slug.
+MAX_PAGE_CURSOR_LENGTH = MAX_SOURCE_ID_LENGTH + 1 + MAX_SLUG_LENGTH
 
 
 class PageSummary(BaseModel):
@@ -106,4 +110,11 @@ def list_pages(
     return PageList(pages=pages, next_after=f"{pages[-1].source_id}|{pages[-1].slug}" if full else None)
 
 
-__all__ = ["MAX_LISTED_PAGES", "PageList", "PageSummary", "list_pages", "page_cursor"]
+__all__ = [
+    "MAX_LISTED_PAGES",
+    "MAX_PAGE_CURSOR_LENGTH",
+    "PageList",
+    "PageSummary",
+    "list_pages",
+    "page_cursor",
+]

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from models.reads import one_snapshot, read_only
 from worker.access import Principal, readable_sources
 from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
-from worker.calibration import ObservationIn, add_observation
+from worker.calibration import MAX_KEY_LENGTH, MAX_ORIGIN_LENGTH, ObservationIn, add_observation
 from worker.compaction import (
     MAX_MESSAGES_PER_REQUEST,
     append_messages,
@@ -35,8 +35,16 @@ from worker.consolidation.history import Lifecycle
 from worker.core.compaction import TranscriptMessage
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import clean_label
+from worker.core.signing import MAX_IDEMPOTENCY_KEY_LENGTH
+from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
 from worker.deliveries import deliver_once, scoped_key
-from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
+from worker.extraction.catalog import (
+    MAX_LISTED_PAGES,
+    MAX_PAGE_CURSOR_LENGTH,
+    PageList,
+    list_pages,
+    page_cursor,
+)
 from worker.extraction.facts import (
     ENTITY_CURSOR_PATTERN,
     EntityFactsPage,
@@ -44,6 +52,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
+from worker.extraction.pages import MAX_SLUG_LENGTH
 from worker.jobs import sending
 from worker.mcp.inputs import (
     JSON_INTEGER,
@@ -67,6 +76,7 @@ from worker.mcp.inputs import (
 )
 from worker.runtime import Runtime
 from worker.search import (
+    MAX_INTENT_CHARS,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     search_as,
@@ -134,7 +144,10 @@ class FactmillTools:
         ],
         intent: Annotated[
             Text | None,
-            Field(max_length=500, description="What you want the facts for; sharpens ranking and snippets."),
+            Field(
+                max_length=MAX_INTENT_CHARS,
+                description="What you want the facts for; sharpens ranking and snippets.",
+            ),
         ] = None,
         source_id: Annotated[SourceIdFilter | None, Field(description="Only facts from this source.")] = None,
         entity: Annotated[
@@ -225,7 +238,8 @@ class FactmillTools:
         self,
         source_id: Annotated[SourceIdFilter | None, Field(description="Only pages of this source.")] = None,
         slug_prefix: Annotated[
-            Text | None, Field(max_length=500, description="Only pages whose slug starts with this.")
+            Text | None,
+            Field(max_length=MAX_SLUG_LENGTH, description="Only pages whose slug starts with this."),
         ] = None,
         limit: Annotated[
             int,
@@ -235,7 +249,10 @@ class FactmillTools:
             Field(description="At most this many."),
         ] = 100,
         after: Annotated[
-            Text | None, Field(max_length=701, description="next_after of the previous answer, to go on.")
+            Text | None,
+            Field(
+                max_length=MAX_PAGE_CURSOR_LENGTH, description="next_after of the previous answer, to go on."
+            ),
         ] = None,
     ) -> PageList:
         """The stored pages (conversations) by source and slug, each with its current facts and its last
@@ -286,7 +303,7 @@ class FactmillTools:
     def get_transcript_context(
         self,
         transcript_id: Annotated[
-            Text, Field(min_length=1, max_length=200, description="The transcript's id.")
+            Text, Field(min_length=1, max_length=MAX_TRANSCRIPT_ID_LENGTH, description="The transcript's id.")
         ],
     ) -> dict[str, Any]:
         """What to send a model now for an agent transcript: the newest accepted summary, then every
@@ -305,7 +322,7 @@ class FactmillTools:
     def list_transcript_messages(
         self,
         transcript_id: Annotated[
-            Text, Field(min_length=1, max_length=200, description="The transcript's id.")
+            Text, Field(min_length=1, max_length=MAX_TRANSCRIPT_ID_LENGTH, description="The transcript's id.")
         ],
         after_seq: Annotated[
             SeqCursor, Field(description="Only messages after this seq: the next_after_seq of a page.")
@@ -345,7 +362,11 @@ class FactmillTools:
         self,
         transcript_id: Annotated[
             Text,
-            Field(min_length=1, max_length=200, description="The transcript's id (created on first use)."),
+            Field(
+                min_length=1,
+                max_length=MAX_TRANSCRIPT_ID_LENGTH,
+                description="The transcript's id (created on first use).",
+            ),
         ],
         messages: Annotated[
             list[MessageIn],
@@ -364,7 +385,7 @@ class FactmillTools:
         idempotency_key: Annotated[
             Text | None,
             Field(
-                max_length=255,
+                max_length=MAX_IDEMPOTENCY_KEY_LENGTH,
                 description=(
                     "A key of your own for this append (1 to 255 printable characters): sent again with the "
                     "same key and messages, it is answered as before and nothing is appended twice."
@@ -412,7 +433,8 @@ class FactmillTools:
             StrictBool, Field(description="Did the summarised context still let you answer correctly?")
         ],
         origin: Annotated[
-            Text, Field(min_length=1, max_length=200, description="Who judged, e.g. 'agent:me'.")
+            Text,
+            Field(min_length=1, max_length=MAX_ORIGIN_LENGTH, description="Who judged, e.g. 'agent:me'."),
         ],
         compaction_id: Annotated[
             int,
@@ -423,7 +445,8 @@ class FactmillTools:
         ]
         | None = None,
         idempotency_key: Annotated[
-            Text | None, Field(max_length=255, description="A resubmission with this key is stored once.")
+            Text | None,
+            Field(max_length=MAX_KEY_LENGTH, description="A resubmission with this key is stored once."),
         ] = None,
     ) -> dict[str, Any]:
         """Say whether a transcript summary (a compaction) kept what was needed to answer. This tunes

@@ -38,6 +38,7 @@ from worker.search.prompts import EXPANSION_PURPOSE, EXPANSION_SYSTEM_PROMPT, ex
 from worker.search.store import SearchStore, vector_search_status
 from worker.search.values import (
     DEFAULT_LIMIT,
+    MAX_INTENT_CHARS,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
@@ -55,6 +56,7 @@ __all__ = [
     "EMBEDDING_PURPOSE",
     "EXPANSION_PURPOSE",
     "EXPANSION_SYSTEM_PROMPT",
+    "MAX_INTENT_CHARS",
     "MAX_LIMIT",
     "MAX_QUERY_CHARS",
     "MAX_SEARCH_LINES",

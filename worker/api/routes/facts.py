@@ -19,7 +19,13 @@ from worker.api.routes.search import AS_OF_DESCRIPTION, INCLUDE_HISTORY_DESCRIPT
 from worker.consolidation.history import Lifecycle
 from worker.core.facts import ENTITY_PATTERN
 from worker.core.jsonvalues import INT4_MAX
-from worker.extraction.catalog import MAX_LISTED_PAGES, PageList, list_pages, page_cursor
+from worker.extraction.catalog import (
+    MAX_LISTED_PAGES,
+    MAX_PAGE_CURSOR_LENGTH,
+    PageList,
+    list_pages,
+    page_cursor,
+)
 from worker.extraction.facts import (
     ENTITY_CURSOR_PATTERN,
     EntityFactsPage,
@@ -29,6 +35,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
+from worker.extraction.pages import MAX_SLUG_LENGTH
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -51,12 +58,12 @@ def pages(
     ctx: Context,
     principal: Reader,
     source_id: SourceIdQuery = None,
-    slug_prefix: Annotated[StorableStr | None, Query(max_length=500)] = None,
+    slug_prefix: Annotated[StorableStr | None, Query(max_length=MAX_SLUG_LENGTH)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LISTED_PAGES)] = 100,
     after: Annotated[
         StorableStr | None,
         Query(
-            max_length=701,
+            max_length=MAX_PAGE_CURSOR_LENGTH,
             json_schema_extra={"pattern": r"^[^|]+\|"},  # checked by list_pages (a 422)
             description="next_after of the previous answer: the pages after that one",
         ),

@@ -24,6 +24,7 @@ from worker.llm.errors import BudgetExhaustedError
 from worker.runtime import Runtime
 from worker.search import (
     BUDGET_SPENT,
+    MAX_INTENT_CHARS,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
@@ -77,7 +78,9 @@ class SearchBody(BaseModel):
         description=QUERY_DESCRIPTION,
         json_schema_extra=QUERY_FORMAT,
     )
-    intent: StorableStr | None = Field(default=None, max_length=500, description="What the user is after.")
+    intent: StorableStr | None = Field(
+        default=None, max_length=MAX_INTENT_CHARS, description="What the user is after."
+    )
     source_id: SourceIdField | None = None
     entity: EntityName | None = Field(
         default=None, description=ENTITY_DESCRIPTION, json_schema_extra=ENTITY_FORMAT
@@ -105,7 +108,7 @@ class SearchParams:
             json_schema_extra=QUERY_FORMAT,
         ),
     ]
-    intent: Annotated[StorableStr | None, Query(max_length=500)] = None
+    intent: Annotated[StorableStr | None, Query(max_length=MAX_INTENT_CHARS)] = None
     source_id: SourceIdQuery = None
     entity: Annotated[
         EntityName | None, Query(description=ENTITY_DESCRIPTION, json_schema_extra=ENTITY_FORMAT)

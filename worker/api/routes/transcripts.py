@@ -72,6 +72,7 @@ from worker.compaction import (
 from worker.compaction.erase import ErasedSinceSignedError, erase_transcript, refuse_if_erased_since
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
+from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.jobs import outbox
 
@@ -92,7 +93,7 @@ TranscriptId = Annotated[
     str,
     Path(
         min_length=1,
-        max_length=200,
+        max_length=MAX_TRANSCRIPT_ID_LENGTH,
         pattern=WORD_LABEL_PATTERN,
         description=(
             "The client's own id for the transcript: 1-200 printable characters, no whitespace "
