@@ -55,13 +55,11 @@ def largest_reply_tokens(settings: Settings, queues: Sequence[str]) -> int:
     # Here, not at the top: asked by `factmill worker` alone, whose jobs load these anyway; serve and beat
     # need not pay for consolidation's imports (about 0.1 s) at start.
     from worker.consolidation.service import MAX_PAIRS_PER_CALL, OUTPUT_TOKENS_PER_PAIR
-    from worker.extraction.segments import MAX_OUTPUT_TOKENS_CEILING, TRUNCATION_RETRY_FACTOR
+    from worker.extraction.segments import largest_reply_cap
 
     caps = [0]
     if "extraction" in queues:
-        first = settings.llm_max_output_tokens
-        retried = min(first * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
-        caps.append(first if first >= MAX_OUTPUT_TOKENS_CEILING else retried)
+        caps.append(largest_reply_cap(settings.llm_max_output_tokens))
     if "compaction" in queues:
         caps.append(settings.compaction_max_output_tokens)
     if "consolidation" in queues:

@@ -71,6 +71,17 @@ class SegmentResult:
         return self.attempts[-1].outcome
 
 
+def truncation_retry_cap(cap: int) -> int:
+    """The reply cap a truncated reply is asked again with: twice the cap, to the ceiling."""
+    return min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
+
+
+def largest_reply_cap(first: int) -> int:
+    """The largest reply cap a segment's calls ask for when the first asks ``first`` (one at the ceiling
+    is not asked again)."""
+    return first if first >= MAX_OUTPUT_TOKENS_CEILING else truncation_retry_cap(first)
+
+
 def _retried_failures(records: Sequence[AttemptRecord]) -> list[Attempt]:
     """The gateway's failed tries (429, 5xx, timeouts it retried) as attempts: each cost a request and is
     recorded in llm_calls and extraction_audit like any other."""
@@ -198,7 +209,7 @@ def _extract(
             if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
                 return _given_up(attempts)
             retried_truncation = True
-            cap = min(cap * TRUNCATION_RETRY_FACTOR, MAX_OUTPUT_TOKENS_CEILING)
+            cap = truncation_retry_cap(cap)
             continue
         if attempt.outcome == "malformed_output":
             if repaired:
