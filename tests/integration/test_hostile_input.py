@@ -24,7 +24,7 @@ from worker.api.app import create_app
 from worker.api.inputs import MAX_JSON_DEPTH
 from worker.api.routes.health import healthz
 from worker.core.signing import sign
-from worker.extraction.pages import PageIn, store_page
+from worker.extraction.pages import MAX_FRONT_MATTER_DEPTH, PageIn, store_page
 
 pytestmark = pytest.mark.integration
 
@@ -127,8 +127,11 @@ def nested_page(slug: str, levels: int) -> bytes:
 def test_a_body_nested_past_the_cap_is_422_at_every_depth_never_a_500(api: TestClient) -> None:
     """Bodies nested 974-986 deep passed the parser (whose limit is the recursion limit less the
     frames below it) and failed later as a 500; the cap is a fixed, documented depth now."""
-    # The body and the front matter are two levels: 62 arrays in them reach level 64.
-    assert signed(api, "/v1/pages", nested_page("deep/ok", MAX_JSON_DEPTH - 2)).status_code == 202
+    # Parsed (the body and the front matter are two levels: 62 arrays in them reach level 64), then
+    # refused by the front matter's own rule (32 levels, as a page file's), not by the parser's cap.
+    assert_422(signed(api, "/v1/pages", nested_page("deep/ok", MAX_JSON_DEPTH - 2)), "nests deeper than 32")
+    fits = signed(api, "/v1/pages", nested_page("deep/fm", MAX_FRONT_MATTER_DEPTH - 1))  # with its mapping
+    assert fits.status_code == 202, fits.text
     for levels in (MAX_JSON_DEPTH - 1, *range(900, 1000, 2), 100_000):
         response = signed(api, "/v1/pages", nested_page(f"deep/{levels}", levels))
         assert response.status_code == 422, (levels, response.text)
