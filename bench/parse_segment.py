@@ -44,6 +44,7 @@ SPEAKERS = (
     "Alice Example",
     "Bob Demo",
     "Carol Zhang",
+    "+155****0135",  # a contact without a name, as iMessage masks its number
     "Dmitri Ivanov",
     "Zoë Ångström",
     "李小龙",
@@ -102,7 +103,7 @@ def generate_page(size_mib: float, seed: int = 20240315) -> str:
 # --- naive baseline: the straightforward port, kept deliberately plain -------------
 
 NAIVE_PATTERN = (
-    r"^\*\*\s*(?P<speaker>[^\s*](?:[^*]*[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
+    r"^\*\*\s*(?P<speaker>[^\s*](?:(?:[^*]|(?<=[^\s*])\*+(?=[^\s*]))*?[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})(?:\s*(?P<ampm>[AaPp][Mm]))?\s*\)\s*:\s*(?P<text>.*)$"
 )
 
@@ -276,6 +277,8 @@ def hostile_lines(page: str, runs: int) -> float:
         "**" + " " * n,
         "** a" + " a" * (n // 2) + " **",
         "**a** (2024-03-15" + " " * n,
+        "**a" + "**b" * (n // 3),  # a name may hold '*' runs between letters: each run a candidate end
+        "**a" + "*b" * (n // 2),
     ]
     block = "\n".join([fmt_line("Alice", "2024-03-15 9:00 AM", "a"), *shapes])
     hostile = "\n".join([block] * max(1, len(page) // len(block)))

@@ -378,6 +378,8 @@ def test_markdown_that_is_not_a_message_line_is_text() -> None:
             "**Note** this is bold, not a speaker",
             "**Bob** (tomorrow): also not a message",
             "** Bob** (2024-03-15 9:01 AM: no closing parenthesis before the colon",
+            "**Note:** forwarded from **Bob** (2024-03-15 9:01 AM): bold prose, not a speaker",
+            "**Alice** (2024-03-15 9:02 AM) said to **Bob** (2024-03-15 9:03 AM): nor this",
         ]
     )
     msgs = parse_conversation_messages(body)
@@ -760,7 +762,7 @@ def test_since_equals_splitting_the_messages_after_it(deltas: list[int], since_o
 
 # A plain line-by-line statement of the parsing contract, to check the whole-body parser against.
 _REFERENCE_LINE = re.compile(
-    r"\*\*\s*(?P<speaker>[^\s*](?:.*?[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
+    r"\*\*\s*(?P<speaker>[^\s*](?:(?:[^*]|(?<=[^\s*])\*+(?=[^\s*]))*?[^\s*])?)\s*\*\*\s*\(\s*(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})\s+"
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})(?:\s*(?P<meridiem>[AaPp][Mm]))?\s*\)\s*:\s*(?P<text>.*)"
 )
 

@@ -99,11 +99,11 @@ class Segment:
 # YYYY-MM-DD with years 0000-9999, months 00-13 and days 00-32.
 #
 # A name starts and ends with a character that is neither a space nor `*`, and may
-# hold `*` inside (a masked number, `**+155****0135**`, as iMessage exports write a
-# contact's; gbrain reads the shortest name the rest of the line then matches, and so
-# does the lazy group here). Its ends keep the whitespace around it out of it, so
-# matching stays linear in the line length on hostile input: each candidate end is
-# tried once, against the `**` and `(` that must follow it.
+# hold `*` inside, in runs between two such characters (a masked number,
+# `**+155****0135**`, as iMessage exports write a contact's): not `** ` or ` **`, so
+# `**Note:** forwarded from **Bob** (…): x` stays text, not a message from a speaker
+# `Note:** forwarded from **Bob`. Its ends keep the whitespace around it out of it, so
+# matching stays linear in the line length on hostile input (bench/parse_segment.py).
 _WS: Final = r"[^\S\n]"
 _LEAP_YEAR: Final = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
 _DATE: Final = (
@@ -116,7 +116,7 @@ _DATE: Final = (
 # 12-hour clock: hours 1-12 with AM/PM in any case; 24-hour clock: hours 0-23.
 _CLOCK: Final = rf"(?:(?:0?[1-9]|1[0-2]):[0-5][0-9]{_WS}*[AaPp][Mm]|(?:[01]?[0-9]|2[0-3]):[0-5][0-9])"
 _MESSAGE_LINE: Final = re.compile(
-    rf"^{_WS}*\*\*{_WS}*(?P<speaker>[^\s*](?:[^\n]*?[^\s*])?){_WS}*\*\*{_WS}*"
+    rf"^{_WS}*\*\*{_WS}*(?P<speaker>[^\s*](?:(?:[^*\n]|(?<=[^\s*])\*+(?=[^\s*]))*?[^\s*])?){_WS}*\*\*{_WS}*"
     rf"\({_WS}*(?P<date>{_DATE}){_WS}+(?P<clock>{_CLOCK}){_WS}*\)"
     rf"{_WS}*:{_WS}*(?P<text>[^\n]*)",
     re.MULTILINE,
