@@ -1790,7 +1790,18 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
         down = cli("compact", "cli", "--now")
     finally:
         simulator.configure(rate_500=0.0)
-    assert down.exit_code == 1 and "nothing was stored, try again later" in down.output, down.output
+    assert down.exit_code == 1 and "no compaction was stored, try again later" in down.output, down.output
+    assert len(compactions(factory)) == 1
+    # A key the provider refuses (a deployment fault) is not fixed by waiting: the line says what is.
+    refused = {
+        "error": {"message": "Incorrect API key", "type": "invalid_request_error", "code": "invalid_api_key"}
+    }
+    simulator.configure(raw_replies={"chat.completions": refused}, raw_status=401)
+    try:
+        bad_key = cli("compact", "cli", "--now")
+    finally:
+        simulator.configure(raw_replies={}, raw_status=200)
+    assert bad_key.exit_code == 1 and "fix the provider's key or model" in bad_key.output, bad_key.output
     assert len(compactions(factory)) == 1
     # A summary the gate rejects (paid for, nothing applied) is not a success for a script.
     simulator.configure(lossy_summary=True)

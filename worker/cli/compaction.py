@@ -146,8 +146,13 @@ def compact_command(
         raise fail(str(exc), code=3) from exc
     except BudgetExhaustedError as exc:
         raise fail(str(exc)) from exc
-    except LLMError as exc:  # the provider unavailable past the retries: nothing stored, try again later
-        raise fail(f"the summarizer call failed: {exc}; nothing was stored, try again later") from exc
+    except LLMError as exc:  # no compaction stored (its calls are in llm_calls)
+        later = (
+            "fix the provider's key or model (FACTMILL_LLM_*), then run it again"
+            if exc.deployment_fault
+            else "try again later"
+        )
+        raise fail(f"the summarizer call failed: {exc}; no compaction was stored, {later}") from exc
     finally:
         runtime.close()
     if as_json:
