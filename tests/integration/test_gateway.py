@@ -645,7 +645,9 @@ def test_shared_rpm_limit_holds_across_two_processes(broker: SessionBroker) -> N
     limit = rpm / 60
     rate = achieved_rate(first + second)
     assert rate <= limit * 1.1, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
-    assert rate >= limit * 0.7, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
+    # The lower bound only says the limiter does not starve them: a loaded machine delays the stamps,
+    # and at 0.7 a second of scheduling delay in a 3-second run would have failed it.
+    assert rate >= limit * 0.5, f"{rate:.1f}/s against a limit of {limit:.0f}/s"
     # Both processes ran at the same time and shared the budget while they did (one may start a little
     # later and have it to itself at first, so only the overlap is compared). Two processes that each
     # kept a limit of their own would run at twice the limit there. How the shared budget splits between
@@ -665,7 +667,7 @@ def test_shared_tpm_limit_holds_across_two_processes(broker: SessionBroker) -> N
     first, second = run_limited_processes(broker, 2, 30, tpm=tpm, tokens=tokens)
     limit = tpm / 60
     rate = achieved_rate(first + second) * tokens
-    assert limit * 0.7 <= rate <= limit * 1.1, f"{rate:.0f} tokens/s against {limit:.0f}"
+    assert limit * 0.5 <= rate <= limit * 1.1, f"{rate:.0f} tokens/s against {limit:.0f}"  # (as above)
 
 
 def test_in_process_limiter_holds_its_rate_across_threads() -> None:
