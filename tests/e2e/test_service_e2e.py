@@ -203,6 +203,7 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
         output = result.stdout + result.stderr
         assert result.returncode == 0, output
         assert "simulator" in output and "not a real model" in output
+        assert "not a real model" in result.stdout  # beside the facts it made, not only on stderr
         assert "23 (23 succeeded)" in output  # 22 conversations + 1 person page, every job done
         assert "facts" in output and "LLM calls" in output
         # The lifecycle: Priya moved from Lisbon to Porto; the demo shows the current and the old fact.

@@ -237,7 +237,7 @@ def run_demo(
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
         _wait(lambda: _consolidated(base, reader), 120, "consolidation to finish", children)
         _print_facts(base, reader, pages, console, show)
-        _print_summary(jobs, len(pages), time.perf_counter() - started, console)
+        _print_summary(jobs, len(pages), time.perf_counter() - started, console, settings)
     _say_what_keeps_running(settings, err)
     failed = [j for j in jobs if j.status == "failed"]
     for job in failed:
@@ -363,7 +363,9 @@ def _print_facts(base: str, key: str, pages: list[dict[str, Any]], console: Cons
                 )
 
 
-def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Console) -> None:
+def _print_summary(
+    jobs: list[JobOut], pages: int, seconds: float, console: Console, settings: Settings
+) -> None:
     totals: dict[str, int] = {}
     for job in jobs:
         for key in ("segments_processed", "facts_inserted", "llm_calls", "input_tokens", "output_tokens"):
@@ -376,6 +378,12 @@ def _print_summary(jobs: list[JobOut], pages: int, seconds: float, console: Cons
     table.add_row("LLM calls", str(totals.get("llm_calls", 0)))
     table.add_row("tokens in / out", f"{totals.get('input_tokens', 0)} / {totals.get('output_tokens', 0)}")
     table.add_row("seconds", f"{seconds:.1f}")
+    # The facts above came from it: said where they are read, not only on stderr before them.
+    simulated = settings.resolved_llm() == "simulator"
+    table.add_row(
+        "LLM",
+        "bundled simulator, not a real model" if simulated else describe(settings).removeprefix("LLM: "),
+    )
     console.print(table)
 
 
@@ -387,7 +395,8 @@ def demo(
     """Boot the service on the embedded default and run the examples through it.
 
     The API, a worker and beat start on the embedded Postgres and Redis; the examples are posted as
-    signed webhooks, the jobs followed, and the facts printed with a summary."""
+    signed webhooks, the jobs followed, and the facts printed with a summary. The LLM is the bundled
+    simulator (not a real model) unless OPENAI_API_KEY or ANTHROPIC_API_KEY is set."""
     try:
         with stopped_by_signals():
             code = run_demo(
