@@ -13,6 +13,10 @@ from models.base import Base, count_column, utcnow_column
 
 JOB_STATUSES = ("queued", "running", "paused", "succeeded", "failed")
 FINISHED = "status IN ('succeeded', 'failed')"
+# A job still to run or running: at most one a subject (uq_jobs_pending_subject), kept with its budget's
+# calls (models.llm_call.expire_ledger), what a new request for its subject finds (worker.jobs.outbox).
+PENDING_STATUSES = ("queued", "running", "paused")
+PENDING = f"status IN ({', '.join(repr(s) for s in PENDING_STATUSES)})"
 # The source of a page job's subject `source|slug` (source ids never hold '|'), and what makes a job a
 # page job: the expression and predicate of ix_jobs_page_source, which the job list filters on as written.
 PAGE_SOURCE = "split_part(subject, '|', 1)"
@@ -32,7 +36,7 @@ class Job(Base):
             "kind",
             "subject",
             unique=True,
-            postgresql_where=text("status IN ('queued', 'running', 'paused')"),
+            postgresql_where=text(PENDING),
         ),
         # The finished jobs, oldest first, for expire_jobs (FACTMILL_JOB_RETENTION_DAYS).
         Index("ix_jobs_finished_at", "finished_at", postgresql_where=text(FINISHED)),

@@ -9,6 +9,7 @@ from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, 
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, count_column, utcnow_column
+from models.job import PENDING
 
 
 class LLMCall(Base):
@@ -66,7 +67,7 @@ _EXPIRE_AUDIT = text(_expire("extraction_audit"))
 _EXPIRE_CALLS = text(
     "DELETE FROM llm_calls WHERE ctid = ANY(ARRAY(SELECT c.ctid FROM llm_calls c"
     " WHERE c.created_at < now() - :kept AND (c.job_id IS NULL OR NOT EXISTS ("
-    "  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.status IN ('queued', 'running', 'paused')"
+    f"  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.{PENDING}"
     "  AND c.created_at >= coalesce(j.budget_since, j.created_at)))"
     " ORDER BY c.created_at LIMIT :limit FOR UPDATE OF c SKIP LOCKED))"
 )

@@ -27,6 +27,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
+from models.job import PENDING as PENDING_SQL
+from models.job import PENDING_STATUSES
 from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
@@ -52,11 +54,11 @@ COMPACTION = "compaction"
 CALIBRATION = "calibration"
 CONSOLIDATION = "consolidation"
 
-PENDING = ("queued", "running", "paused")
+PENDING = PENDING_STATUSES
 # The extraction job option that re-extracts a page's skipped (poison) segments (`jobs retry --skipped`).
 RETRY_SKIPPED = "retry_skipped"
 # Literal SQL so Postgres can match ON CONFLICT to the partial unique index uq_jobs_pending_subject.
-PENDING_PREDICATE = text("status IN ('queued', 'running', 'paused')")
+PENDING_PREDICATE = text(PENDING_SQL)
 # The config keys whose change resumes jobs waiting for budget (worker.accounting owns their meaning).
 BUDGET_KEYS = ("llm.budget_daily_usd", "llm.budget_job_usd")
 
