@@ -198,6 +198,38 @@ def test_a_delivery_signed_in_the_erasures_second_is_told_to_wait_a_second(
     assert post_messages(client, TRANSCRIPT, words, timestamp=second + 1).status_code == 201
 
 
+def test_an_mcp_append_that_waited_past_the_erasure_cannot_begin_the_transcript_again(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """An MCP append was dated when its transaction began: one that arrived before the erasure and
+    waited (for a thread of the server's pool, a pooled connection) past it began the transcript again
+    with its words. It is dated when it arrived (the server sets ARRIVED before the wait)."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from worker.access import Principal
+    from worker.compaction.erase import erase_transcript
+    from worker.mcp.inputs import MessageIn
+    from worker.mcp.tools import ARRIVED, FactmillTools
+
+    runtime = make_runtime(database_url, factory)
+    agent = Principal("agent", frozenset({"ingest", "read"}), None, key_id=9)
+    tools = FactmillTools(runtime, lambda: agent)
+    words = [MessageIn(role="user", text="my card number is 4111")]
+    try:
+        assert tools.append_transcript_messages(TRANSCRIPT, words)["appended"] == 1
+        arrived = ARRIVED.set(time.monotonic())  # the call arrives, then waits for a thread
+        try:
+            assert erase_transcript(factory, TRANSCRIPT, "test") is not None  # committed meanwhile
+            with pytest.raises(ToolError, match="older than the transcript's erasure"):
+                tools.append_transcript_messages(TRANSCRIPT, words)
+        finally:
+            ARRIVED.reset(arrived)
+        assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+        assert tools.append_transcript_messages(TRANSCRIPT, words)["appended"] == 1  # after it: a new one
+    finally:
+        runtime.close()
+
+
 def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it_again(
     client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:

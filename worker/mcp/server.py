@@ -10,6 +10,7 @@ source-limited key) is missing from the tool list and refused when called.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -28,7 +29,7 @@ from worker.access import Principal, principal_for, refusal
 from worker.bodycap import ForeignAppBodyCap
 from worker.db import database_unavailable
 from worker.guards import RequestIdMiddleware
-from worker.mcp.tools import Access, FactmillTools
+from worker.mcp.tools import ARRIVED, Access, FactmillTools
 from worker.runtime import Runtime
 from worker.runtime.logs import logging_config
 
@@ -179,6 +180,7 @@ class FactmillMCP(MCPServer[Any]):
         unknown = self._unknown_arguments(name, arguments)
         if unknown:
             raise ToolError(f"{name} takes no argument {', '.join(map(repr, unknown))}")
+        arrived = ARRIVED.set(time.monotonic())  # before the wait for a thread (an append's date)
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
@@ -186,6 +188,8 @@ class FactmillMCP(MCPServer[Any]):
             cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "error"
             logger.error("MCP tool %s failed: %s", name, cause)
             raise ToolError(f"{name} failed on the server ({cause}); try again later") from None
+        finally:
+            ARRIVED.reset(arrived)
 
 
 def stdio_server(runtime: Runtime, key: str) -> FactmillMCP:

@@ -10,7 +10,9 @@ import functools
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -84,6 +86,10 @@ from worker.search import (
 
 logger = logging.getLogger(__name__)
 
+# When the current tool call arrived (time.monotonic(), set by the server before the call waits for a
+# thread of its pool or a pooled connection): None outside a served call.
+ARRIVED: ContextVar[float | None] = ContextVar("factmill_mcp_arrived", default=None)
+
 
 def _append(
     transcript_id: str,
@@ -93,10 +99,14 @@ def _append(
     session: Session,
 ) -> tuple[dict[str, Any], list[tuple[int, str]]]:
     """An MCP append in its delivery's transaction: the answer, and the jobs to send after the commit.
-    Dated by the database's clock, which dates erasures (stdio runs on the agent's machine), as its
-    transaction began: an erasure that commits while the write waits on the transcript's row is
-    later, and refuses it."""
-    arrived = session.scalar(select(func.now()))
+    Dated by the database's clock, which dates erasures (stdio runs on the agent's machine), less the
+    time the call waited since it arrived (ARRIVED: a thread of the pool, a pooled connection; dated as
+    its transaction began, an append that arrived before an erasure and waited past it began the
+    transcript again with its words); an erasure that commits while the write waits on the
+    transcript's row is later, and refuses it."""
+    since = ARRIVED.get()
+    waited = 0.0 if since is None else max(0.0, time.monotonic() - since)
+    arrived = session.scalar(select(func.now() - func.make_interval(0, 0, 0, 0, 0, 0, waited)))
     assert arrived is not None
     refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
     result = append_messages(session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger)
@@ -399,9 +409,11 @@ class FactmillTools:
         transcript_id = checked_transcript_id(transcript_id)
         raw = [m.model_dump(exclude_none=True) for m in messages]
         retrigger = self.runtime.settings.compaction_retrigger_seconds
-        key = clean_label(idempotency_key, 255) if idempotency_key is not None else None
+        key = (
+            clean_label(idempotency_key, MAX_IDEMPOTENCY_KEY_LENGTH) if idempotency_key is not None else None
+        )
         if idempotency_key is not None and key is None:
-            raise ToolError("idempotency_key must be 1 to 255 printable characters")
+            raise ToolError(f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters")
 
         # A key of its own route: the same key through the API is another delivery (the API's keeps the
         # raw body's digest, this one the arguments').
