@@ -856,3 +856,38 @@ def test_a_consolidation_running_through_an_erasure_brings_no_erased_key_back(
     assert written == [None], "its fact was erased: not written"
     with enabled() as session:
         assert session.scalars(select(ConsolidationCheckpoint.entity_key)).all() == []
+
+
+def test_an_erasure_that_waited_is_dated_after_a_delivery_it_erased(
+    factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An erasure was dated as its transaction began: one that waited (on a backfill's row) while a
+    delivery stored new content and committed erased that content but was dated before it, so the
+    same delivery sent again (a late duplicate, a retry) was stored again."""
+    from datetime import UTC, datetime
+
+    from worker.extraction import erase as erasing
+    from worker.extraction.pages import StaleDeliveryError
+
+    slug = "conversations/raced"
+    first = PageIn(slug=slug, type="conversation", title="t", compiled_truth="before")
+    with factory.begin() as session:
+        store_page(session, first, datetime.now(UTC))
+    delivered: list[datetime] = []
+    waited_on = erasing.backfills_of_the_page_alone
+
+    def a_delivery_commits_meanwhile(session: Session, source_id: str, page_slug: str) -> Any:
+        session.execute(text("SELECT 1"))  # the erasure's transaction has begun (now() is fixed)
+        time.sleep(0.05)
+        delivered.append(datetime.now(UTC))
+        with factory.begin() as other:
+            store_page(other, first.model_copy(update={"compiled_truth": "after"}), delivered[0])
+        return waited_on(session, source_id, page_slug)
+
+    monkeypatch.setattr(erasing, "backfills_of_the_page_alone", a_delivery_commits_meanwhile)
+    assert erase_page(factory, "default", slug, "test") is not None
+    monkeypatch.undo()
+    with pytest.raises(StaleDeliveryError), factory.begin() as session:  # the same delivery, again
+        store_page(session, first.model_copy(update={"compiled_truth": "after"}), delivered[0])
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(Page)) == 0

@@ -121,6 +121,7 @@ def erase_transcript(
             TranscriptErasure(
                 transcript_sha256=erased_transcript_digest(transcript_id),
                 requested_by=requested_by,
+                erased_at=func.clock_timestamp(),  # when written, its locks held (as a page's erasure)
                 **report.as_dict(),
             )
         )

@@ -271,6 +271,10 @@ def erase_page(
                 source_id=source_id,
                 slug_sha256=erased_slug_digest(source_id, slug),
                 requested_by=requested_by,
+                # Dated when written, the page's lock held: dated as its transaction began (now()), an
+                # erasure that waited on a backfill's row was older than a delivery it then erased, and
+                # that delivery sent again was stored again.
+                erased_at=func.clock_timestamp(),
                 **report.as_dict(),
             )
         )
