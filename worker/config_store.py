@@ -94,10 +94,11 @@ def stored_count(value: str | None, ceiling: int) -> int | None:
     is true, and ``int("²")`` raised in the extraction job that read it), 1 to ``ceiling``; else None
     (a reader then uses its default)."""
     text = (value or "").strip()
-    # (Its length first: int() refuses past 4,300 digits, which a hand-written row may hold.)
+    # (Its length first: int() refuses past 4,300 digits, which a hand-written row may hold; leading
+    # zeros, which the writer always took, do not count.)
     if (
         not (text.isascii() and text.isdigit())
-        or len(text) > len(str(ceiling))
+        or len(text.lstrip("0")) > len(str(ceiling))
         or not 1 <= int(text) <= ceiling
     ):
         return None

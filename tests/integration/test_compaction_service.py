@@ -1803,6 +1803,15 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
         simulator.configure(raw_replies={}, raw_status=200)
     assert bad_key.exit_code == 1 and "fix the provider's key or model" in bad_key.output, bad_key.output
     assert len(compactions(factory)) == 1
+    # A spent account is fixed by paying, not by another key.
+    spent_quota = {"error": {"message": "You exceeded your quota", "type": "x", "code": "insufficient_quota"}}
+    simulator.configure(raw_replies={"chat.completions": spent_quota}, raw_status=429)
+    try:
+        broke = cli("compact", "cli", "--now")
+    finally:
+        simulator.configure(raw_replies={}, raw_status=200)
+    assert broke.exit_code == 1 and "top it up" in broke.output, broke.output
+    assert len(compactions(factory)) == 1
     # A summary the gate rejects (paid for, nothing applied) is not a success for a script.
     simulator.configure(lossy_summary=True)
     try:

@@ -187,3 +187,11 @@ def test_a_count_setting_no_writer_takes_is_read_as_its_default(stored: str) -> 
     assert resolve_max_segment_failures(Stored()) == DEFAULT_MAX_SEGMENT_FAILURES  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be an integer from 1 to"):
         validate_value(EXTRACTION_MAX_FACTS, stored)
+
+
+def test_a_count_setting_with_leading_zeros_is_read_as_its_number() -> None:
+    """The writer always took "005"; a length check against the ceiling's digits read it as unset."""
+    from worker.config_store import EXTRACTION_MAX_FACTS, stored_count
+
+    assert stored_count("005", 25) == 5 and stored_count("0100", 100) == 100
+    assert validate_value(EXTRACTION_MAX_FACTS, "005") == "005"

@@ -29,7 +29,7 @@ from worker.compaction.erase import erase_transcript
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
 from worker.jobs.outbox import COMPACTION
 from worker.jobs.sending import enqueue
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, account_exhausted
 from worker.runtime import Runtime
 from worker.settings import get_settings
 
@@ -147,11 +147,12 @@ def compact_command(
     except BudgetExhaustedError as exc:
         raise fail(str(exc)) from exc
     except LLMError as exc:  # no compaction stored (its calls are in llm_calls)
-        later = (
-            "fix the provider's key or model (FACTMILL_LLM_*), then run it again"
-            if exc.deployment_fault
-            else "try again later"
-        )
+        if account_exhausted(exc):
+            later = "the provider's account is out of credit or quota: top it up, then run it again"
+        elif exc.deployment_fault:
+            later = "fix the provider's key or model (OPENAI_API_KEY / ANTHROPIC_API_KEY, FACTMILL_LLM_MODEL)"
+        else:
+            later = "try again later"
         raise fail(f"the summarizer call failed: {exc}; no compaction was stored, {later}") from exc
     finally:
         runtime.close()

@@ -396,7 +396,7 @@ def demo(
 
     The API, a worker and beat start on the embedded Postgres and Redis; the examples are posted as
     signed webhooks, the jobs followed, and the facts printed with a summary. The LLM is the bundled
-    simulator (not a real model) unless OPENAI_API_KEY or ANTHROPIC_API_KEY is set."""
+    simulator (not a real model) unless FACTMILL_LLM names another provider or an API key is set."""
     try:
         with stopped_by_signals():
             code = run_demo(

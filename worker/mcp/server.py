@@ -174,14 +174,14 @@ class FactmillMCP(MCPServer[Any]):
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult | InputRequiredResult:
-        refused = self._refused(self._checked_principal(), name)
-        if refused is not None:
-            raise ToolError(f"{name} refused: {refused}")
-        unknown = self._unknown_arguments(name, arguments)
-        if unknown:
-            raise ToolError(f"{name} takes no argument {', '.join(map(repr, unknown))}")
-        arrived = ARRIVED.set(time.monotonic())  # before the wait for a thread (an append's date)
+        arrived = ARRIVED.set(time.monotonic())  # first: the key's check and a thread's wait come after
         try:
+            refused = self._refused(self._checked_principal(), name)
+            if refused is not None:
+                raise ToolError(f"{name} refused: {refused}")
+            unknown = self._unknown_arguments(name, arguments)
+            if unknown:
+                raise ToolError(f"{name} takes no argument {', '.join(map(repr, unknown))}")
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
             # One line, the exception's class only: its text or traceback could carry stored text.

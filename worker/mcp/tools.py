@@ -106,7 +106,9 @@ def _append(
     transcript's row is later, and refuses it."""
     since = ARRIVED.get()
     waited = 0.0 if since is None else max(0.0, time.monotonic() - since)
-    arrived = session.scalar(select(func.now() - func.make_interval(0, 0, 0, 0, 0, 0, waited)))
+    # clock_timestamp(), not now(): the transaction may have begun on the key's lock, whose wait is in
+    # ``waited`` already (counted twice, an append sent just after an erasure was dated before it).
+    arrived = session.scalar(select(func.clock_timestamp() - func.make_interval(0, 0, 0, 0, 0, 0, waited)))
     assert arrived is not None
     refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
     result = append_messages(session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger)
