@@ -1792,26 +1792,20 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
         simulator.configure(rate_500=0.0)
     assert down.exit_code == 1 and "no compaction was stored, try again later" in down.output, down.output
     assert len(compactions(factory)) == 1
-    # A key the provider refuses (a deployment fault) is not fixed by waiting: the line says what is.
-    refused = {
-        "error": {"message": "Incorrect API key", "type": "invalid_request_error", "code": "invalid_api_key"}
-    }
-    simulator.configure(raw_replies={"chat.completions": refused}, raw_status=401)
-    try:
-        bad_key = cli("compact", "cli", "--now")
-    finally:
-        simulator.configure(raw_replies={}, raw_status=200)
-    assert bad_key.exit_code == 1 and "fix the provider's key or model" in bad_key.output, bad_key.output
-    assert len(compactions(factory)) == 1
-    # A spent account is fixed by paying, not by another key.
-    spent_quota = {"error": {"message": "You exceeded your quota", "type": "x", "code": "insufficient_quota"}}
-    simulator.configure(raw_replies={"chat.completions": spent_quota}, raw_status=429)
-    try:
-        broke = cli("compact", "cli", "--now")
-    finally:
-        simulator.configure(raw_replies={}, raw_status=200)
-    assert broke.exit_code == 1 and "top it up" in broke.output, broke.output
-    assert len(compactions(factory)) == 1
+    # A key the provider refuses (a deployment fault) is not fixed by waiting, nor a spent account by
+    # another key: the line says what is.
+    for status, code, said in (
+        (401, "invalid_api_key", "fix the provider's key or model"),
+        (429, "insufficient_quota", "top it up"),
+    ):
+        error = {"error": {"message": "refused", "type": "invalid_request_error", "code": code}}
+        simulator.configure(raw_replies={"chat.completions": error}, raw_status=status)
+        try:
+            refused = cli("compact", "cli", "--now")
+        finally:
+            simulator.configure(raw_replies={}, raw_status=200)
+        assert refused.exit_code == 1 and said in refused.output, refused.output
+        assert len(compactions(factory)) == 1
     # A summary the gate rejects (paid for, nothing applied) is not a success for a script.
     simulator.configure(lossy_summary=True)
     try:

@@ -208,8 +208,9 @@ def test_an_mcp_append_that_waited_past_the_erasure_cannot_begin_the_transcript_
 
     from worker.access import Principal
     from worker.compaction.erase import erase_transcript
+    from worker.mcp.arrival import ARRIVED
     from worker.mcp.inputs import MessageIn
-    from worker.mcp.tools import ARRIVED, FactmillTools
+    from worker.mcp.tools import FactmillTools
 
     runtime = make_runtime(database_url, factory)
     agent = Principal("agent", frozenset({"ingest", "read"}), None, key_id=9)

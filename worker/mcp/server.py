@@ -29,7 +29,8 @@ from worker.access import Principal, principal_for, refusal
 from worker.bodycap import ForeignAppBodyCap
 from worker.db import database_unavailable
 from worker.guards import RequestIdMiddleware
-from worker.mcp.tools import ARRIVED, Access, FactmillTools
+from worker.mcp.arrival import ARRIVED
+from worker.mcp.tools import Access, FactmillTools
 from worker.runtime import Runtime
 from worker.runtime.logs import logging_config
 

@@ -10,15 +10,12 @@ import functools
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Callable
-from contextvars import ContextVar
 from datetime import datetime
 from typing import Annotated, Any
 
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field, Strict, StrictBool
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models.reads import one_snapshot, read_only
@@ -56,6 +53,7 @@ from worker.extraction.facts import (
 )
 from worker.extraction.pages import MAX_SLUG_LENGTH
 from worker.jobs import sending
+from worker.mcp.arrival import arrived_at
 from worker.mcp.inputs import (
     JSON_INTEGER,
     MCP_APPEND,
@@ -86,10 +84,6 @@ from worker.search import (
 
 logger = logging.getLogger(__name__)
 
-# When the current tool call arrived (time.monotonic(), set by the server before the call waits for a
-# thread of its pool or a pooled connection): None outside a served call.
-ARRIVED: ContextVar[float | None] = ContextVar("factmill_mcp_arrived", default=None)
-
 
 def _append(
     transcript_id: str,
@@ -99,17 +93,9 @@ def _append(
     session: Session,
 ) -> tuple[dict[str, Any], list[tuple[int, str]]]:
     """An MCP append in its delivery's transaction: the answer, and the jobs to send after the commit.
-    Dated by the database's clock, which dates erasures (stdio runs on the agent's machine), less the
-    time the call waited since it arrived (ARRIVED: a thread of the pool, a pooled connection; dated as
-    its transaction began, an append that arrived before an erasure and waited past it began the
-    transcript again with its words); an erasure that commits while the write waits on the
+    Dated when the call arrived (``arrived_at``); an erasure that commits while the write waits on the
     transcript's row is later, and refuses it."""
-    since = ARRIVED.get()
-    waited = 0.0 if since is None else max(0.0, time.monotonic() - since)
-    # clock_timestamp(), not now(): the transaction may have begun on the key's lock, whose wait is in
-    # ``waited`` already (counted twice, an append sent just after an erasure was dated before it).
-    arrived = session.scalar(select(func.clock_timestamp() - func.make_interval(0, 0, 0, 0, 0, 0, waited)))
-    assert arrived is not None
+    arrived = arrived_at(session)
     refuse_if_erased_since(session, transcript_id, arrived)  # before (why), after (waited on it)
     result = append_messages(session, transcript_id, parsed, settings=settings, retrigger_seconds=retrigger)
     refuse_if_erased_since(session, transcript_id, arrived)
