@@ -231,6 +231,38 @@ def test_an_mcp_append_that_waited_past_the_erasure_cannot_begin_the_transcript_
         runtime.close()
 
 
+def test_the_mcp_server_dates_a_call_when_it_arrives(
+    database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server half: it notes the call's arrival before the tool runs, so an erasure that commits
+    in between (here while the messages are parsed) is later than the append, which it refuses."""
+    import anyio
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from tests.auth import new_key
+    from worker.compaction.erase import erase_transcript
+    from worker.mcp import tools as mcp_tools
+    from worker.mcp.server import stdio_server
+
+    runtime = make_runtime(database_url, factory)
+    server = stdio_server(runtime, new_key(factory, ["ingest"]))
+    words = {"transcript_id": TRANSCRIPT, "messages": [{"role": "user", "text": "my card number is 4111"}]}
+    try:
+        anyio.run(server.call_tool, "append_transcript_messages", words)
+        parse = mcp_tools.parse_messages
+
+        def erased_meanwhile(raw: Any) -> Any:
+            assert erase_transcript(factory, TRANSCRIPT, "test") is not None
+            return parse(raw)
+
+        monkeypatch.setattr(mcp_tools, "parse_messages", erased_meanwhile)
+        with pytest.raises(ToolError, match="older than the transcript's erasure"):
+            anyio.run(server.call_tool, "append_transcript_messages", words)
+        assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+    finally:
+        runtime.close()
+
+
 def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it_again(
     client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
