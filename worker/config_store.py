@@ -94,15 +94,13 @@ def stored_count(value: str | None, ceiling: int) -> int | None:
     is true, and ``int("²")`` raised in the extraction job that read it), 1 to ``ceiling``; else None
     (a reader then uses its default)."""
     text = (value or "").strip()
-    # (Its length first: int() refuses past 4,300 digits, which a hand-written row may hold; leading
-    # zeros, which the writer always took, do not count.)
-    if (
-        not (text.isascii() and text.isdigit())
-        or len(text.lstrip("0")) > len(str(ceiling))
-        or not 1 <= int(text) <= ceiling
-    ):
+    # Read without its leading zeros (which the writer always took), and its length checked first:
+    # int() refuses past 4,300 digits, zeros included, which a hand-written row may hold.
+    digits = text.lstrip("0")
+    if not (text.isascii() and text.isdigit()) or len(digits) > len(str(ceiling)):
         return None
-    return int(text)
+    count = int(digits or "0")
+    return count if 1 <= count <= ceiling else None
 
 
 def get_config(session: Session, key: str) -> str | None:

@@ -1795,7 +1795,7 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
     # A key the provider refuses (a deployment fault) is not fixed by waiting, nor a spent account by
     # another key: the line says what is.
     for status, code, said in (
-        (401, "invalid_api_key", "fix the provider's key or model"),
+        (401, "invalid_api_key", "fix the provider's key, model or URL"),
         (429, "insufficient_quota", "top it up"),
     ):
         error = {"error": {"message": "refused", "type": "invalid_request_error", "code": code}}

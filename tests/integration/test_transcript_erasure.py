@@ -259,6 +259,61 @@ def test_the_mcp_server_dates_a_call_when_it_arrives(
         with pytest.raises(ToolError, match="older than the transcript's erasure"):
             anyio.run(server.call_tool, "append_transcript_messages", words)
         assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+        monkeypatch.undo()
+        # Noted before the key's check too (over stdio a database read, which may wait).
+        anyio.run(server.call_tool, "append_transcript_messages", words)
+        check = server._checked_principal
+
+        def erased_during_the_check() -> Any:
+            assert erase_transcript(factory, TRANSCRIPT, "test") is not None
+            return check()
+
+        monkeypatch.setattr(server, "_checked_principal", erased_during_the_check)
+        with pytest.raises(ToolError, match="older than the transcript's erasure"):
+            anyio.run(server.call_tool, "append_transcript_messages", words)
+    finally:
+        runtime.close()
+
+
+def test_a_keyed_mcp_append_that_waited_on_its_key_is_dated_when_it_arrived(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """Dated by now() less its wait, an append whose transaction began on its key's lock counted that
+    wait twice: one sent just after an erasure, which waited a second on a copy of itself, was dated
+    before the erasure and refused."""
+    import threading
+
+    from sqlalchemy import text as sql
+
+    from worker.access import Principal
+    from worker.compaction.erase import erase_transcript
+    from worker.deliveries import DELIVERY_LOCK_CLASS, scoped_key
+    from worker.mcp.arrival import ARRIVED
+    from worker.mcp.inputs import MCP_APPEND, MessageIn
+    from worker.mcp.tools import FactmillTools
+
+    runtime = make_runtime(database_url, factory)
+    agent = Principal("agent", frozenset({"ingest", "read"}), None, key_id=9)
+    tools = FactmillTools(runtime, lambda: agent)
+    words = [MessageIn(role="user", text="hello again")]
+    try:
+        tools.append_transcript_messages(TRANSCRIPT, words)
+        assert erase_transcript(factory, TRANSCRIPT, "test") is not None
+        key = scoped_key(MCP_APPEND, TRANSCRIPT, "k-1", agent.sender)
+        holder = factory()
+        holder.execute(
+            sql("SELECT pg_advisory_xact_lock(:c, hashtext(:k))"), {"c": DELIVERY_LOCK_CLASS, "k": key}
+        )
+        released = threading.Timer(1.0, holder.rollback)  # a copy of it holds the key for a second
+        arrived = ARRIVED.set(time.monotonic())  # sent after the erasure
+        try:
+            released.start()
+            answer = tools.append_transcript_messages(TRANSCRIPT, words, idempotency_key="k-1")
+        finally:
+            ARRIVED.reset(arrived)
+            released.join()
+            holder.close()
+        assert answer["appended"] == 1  # a new transcript, begun after the erasure
     finally:
         runtime.close()
 

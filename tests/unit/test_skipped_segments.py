@@ -166,7 +166,9 @@ def test_a_retry_of_a_skipped_segment_records_the_attempts_an_error_cut_short() 
     assert recorded == [(place, [paid], DISCARDED_ABORTED)] and len(counted) == 1
 
 
-@pytest.mark.parametrize("stored", ["²", "0", "101", " 7x", "-3", "9" * 5000])
+@pytest.mark.parametrize(
+    "stored", ["²", "0", "101", " 7x", "-3", "9" * 5000, "0" * 5000, "0" * 4300 + "3000"]
+)
 def test_a_count_setting_no_writer_takes_is_read_as_its_default(stored: str) -> None:
     """The writer took ASCII digits in range; the readers took what str.isdigit did: "²" (stored by
     hand, or by an older release) raised ValueError from int() in every extraction job, retried until

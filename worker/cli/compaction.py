@@ -150,7 +150,10 @@ def compact_command(
         if account_exhausted(exc):
             later = "the provider's account is out of credit or quota: top it up, then run it again"
         elif exc.deployment_fault:
-            later = "fix the provider's key or model (OPENAI_API_KEY / ANTHROPIC_API_KEY, FACTMILL_LLM_MODEL)"
+            later = (
+                "fix the provider's key, model or URL (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
+                "FACTMILL_LLM_MODEL, FACTMILL_LLM_BASE_URL), then run it again"
+            )
         else:
             later = "try again later"
         raise fail(f"the summarizer call failed: {exc}; no compaction was stored, {later}") from exc

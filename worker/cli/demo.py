@@ -396,7 +396,8 @@ def demo(
 
     The API, a worker and beat start on the embedded Postgres and Redis; the examples are posted as
     signed webhooks, the jobs followed, and the facts printed with a summary. The LLM is the bundled
-    simulator (not a real model) unless FACTMILL_LLM names another provider or an API key is set."""
+    simulator (not a real model) unless FACTMILL_LLM names another provider, or it is unset and an API
+    key is set."""
     try:
         with stopped_by_signals():
             code = run_demo(

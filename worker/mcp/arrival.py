@@ -21,8 +21,10 @@ def arrived_at(session: Session) -> datetime:
     again with its words. clock_timestamp(), not now(): the transaction may have begun on a key's lock,
     whose wait is in the call's already (counted twice, an append sent just after an erasure was dated
     before it)."""
+    connection = session.connection()  # first: a pooled connection's wait is in the call's wait too
     since = ARRIVED.get()
     waited = 0.0 if since is None else max(0.0, time.monotonic() - since)
-    arrived = session.scalar(select(func.clock_timestamp() - func.make_interval(0, 0, 0, 0, 0, 0, waited)))
+    interval = func.make_interval(0, 0, 0, 0, 0, 0, waited)
+    arrived = connection.execute(select(func.clock_timestamp() - interval)).scalar()
     assert arrived is not None
     return arrived
