@@ -237,7 +237,8 @@ def _signature_checked(
 
 
 def check_idempotency_key(key: str | None) -> str | None:
-    """The Idempotency-Key header, stripped; 422 unless it is 1 to 255 printable characters."""
+    """The Idempotency-Key header, stripped; 422 unless it is 1 to MAX_IDEMPOTENCY_KEY_LENGTH printable
+    characters."""
     if key is None:
         return None
     cleaned = clean_label(key, MAX_IDEMPOTENCY_KEY_LENGTH)

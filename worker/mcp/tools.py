@@ -385,8 +385,9 @@ class FactmillTools:
             Field(
                 max_length=MAX_IDEMPOTENCY_KEY_LENGTH,
                 description=(
-                    "A key of your own for this append (1 to 255 printable characters): sent again with the "
-                    "same key and messages, it is answered as before and nothing is appended twice."
+                    f"A key of your own for this append (1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable "
+                    "characters): sent again with the same key and messages, it is answered as before and "
+                    "nothing is appended twice."
                 ),
             ),
         ] = None,
