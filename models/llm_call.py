@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from datetime import date, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric, text
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    ColumnElement,
+    ForeignKey,
+    Index,
+    Interval,
+    Numeric,
+    any_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal_column,
+    or_,
+    select,
+    text,
+)
+from sqlalchemy.orm import Mapped, Session, aliased, mapped_column
 
 from models.base import Base, count_column, utcnow_column
-from models.job import PENDING
+from models.job import PENDING_STATUSES, Job
 
 
 class LLMCall(Base):
@@ -61,16 +80,39 @@ def _expire(table: str) -> str:
 
 
 _EXPIRE_AUDIT = text(_expire("extraction_audit"))
-# Not the calls a pending job's own budget counts (worker.accounting.budget.COUNTS_FOR_JOB_BUDGET: its
-# calls since it last started over): a job paused for that budget longer than the ledger is kept had
-# its spend deleted, found room, and spent its whole budget again every retention period.
-_EXPIRE_CALLS = text(
-    "DELETE FROM llm_calls WHERE ctid = ANY(ARRAY(SELECT c.ctid FROM llm_calls c"
-    " WHERE c.created_at < now() - :kept AND (c.job_id IS NULL OR NOT EXISTS ("
-    f"  SELECT 1 FROM jobs j WHERE j.id = c.job_id AND j.{PENDING}"
-    "  AND c.created_at >= coalesce(j.budget_since, j.created_at)))"
-    " ORDER BY c.created_at LIMIT :limit FOR UPDATE OF c SKIP LOCKED))"
-)
+
+
+def counts_for_job_budget(call: type[LLMCall] = LLMCall) -> ColumnElement[bool]:
+    """Which of a job's calls (``call`` joined to jobs) count against its own budget
+    (llm.budget_job_usd): those since its budgets last started over (its creation, a rerun for new
+    content, a retry). The budget's check, the job's reported spend and the ledger's retention read it."""
+    return call.created_at >= func.coalesce(Job.budget_since, Job.created_at)
+
+
+def _expire_calls() -> Any:
+    # Not the calls a pending job's own budget counts: a job paused for that budget longer than the
+    # ledger is kept had its spend deleted, found room, and spent its whole budget again every
+    # retention period. Oldest first, by ctid, SKIP LOCKED, as _expire.
+    old = aliased(LLMCall, name="c")
+    budgeted = exists().where(
+        Job.id == old.job_id, Job.status.in_(PENDING_STATUSES), counts_for_job_budget(old)
+    )
+    expired = (
+        select(literal_column("c.ctid"))
+        .where(
+            old.created_at < func.now() - bindparam("kept", type_=Interval),
+            or_(old.job_id.is_(None), ~budgeted),
+        )
+        .order_by(old.created_at)
+        .limit(bindparam("limit"))
+        .with_for_update(of=old, skip_locked=True)
+    )
+    return delete(LLMCall.__table__).where(
+        literal_column("ctid") == any_(func.array(expired.scalar_subquery()))
+    )
+
+
+_EXPIRE_CALLS = _expire_calls()
 
 
 def expire_ledger(session: Session, kept: timedelta, limit: int) -> tuple[int, int]:

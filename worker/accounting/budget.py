@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job, LLMCall, LLMSpendDay
+from models.llm_call import counts_for_job_budget
 from models.reads import read_only
 from worker.core.ttl_cache import TtlCache
 from worker.llm.errors import BudgetExhaustedError
@@ -58,9 +59,8 @@ def parse_usd(value: str | None) -> Decimal | None:
     return amount
 
 
-# Which of a job's calls (llm_calls joined to jobs) count against its own budget (llm.budget_job_usd):
-# those since its budgets last started over (its creation, a rerun for new content, a retry).
-COUNTS_FOR_JOB_BUDGET = LLMCall.created_at >= func.coalesce(Job.budget_since, Job.created_at)
+# Which of a job's calls count against its own budget: models.llm_call.counts_for_job_budget.
+COUNTS_FOR_JOB_BUDGET = counts_for_job_budget()
 
 
 # The share of a day budget past which its spend is read fresh at every check.
