@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -15,6 +15,8 @@ from sqlalchemy import (
     Index,
     Interval,
     Numeric,
+    Select,
+    Table,
     any_,
     bindparam,
     delete,
@@ -97,7 +99,7 @@ def _expire_calls() -> Any:
     budgeted = exists().where(
         Job.id == old.job_id, Job.status.in_(PENDING_STATUSES), counts_for_job_budget(old)
     )
-    expired = (
+    expired: Select[Any] = (
         select(literal_column("c.ctid"))
         .where(
             old.created_at < func.now() - bindparam("kept", type_=Interval),
@@ -107,7 +109,7 @@ def _expire_calls() -> Any:
         .limit(bindparam("limit"))
         .with_for_update(of=old, skip_locked=True)
     )
-    return delete(LLMCall.__table__).where(
+    return delete(cast(Table, LLMCall.__table__)).where(
         literal_column("ctid") == any_(func.array(expired.scalar_subquery()))
     )
 
