@@ -318,6 +318,47 @@ def test_a_keyed_mcp_append_that_waited_on_its_key_is_dated_when_it_arrived(
         runtime.close()
 
 
+def test_an_mcp_append_that_waited_for_a_pooled_connection_is_dated_when_it_arrived(
+    database_url: str,
+) -> None:
+    """The wait for a pooled connection is part of the call's wait: measured before the connection was
+    taken, an append that arrived before an erasure and waited for a connection past it was dated
+    after the erasure, and began the transcript again with its words."""
+    import threading
+
+    from sqlalchemy import create_engine, func, select
+    from sqlalchemy.orm import sessionmaker as make_sessions
+
+    from worker.mcp.arrival import ARRIVED, arrived_at
+
+    engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=30)
+    released_at: list[Any] = []
+    holding = threading.Event()
+
+    def hold_the_only_connection() -> None:
+        with engine.connect() as connection:
+            holding.set()
+            time.sleep(1.0)
+            released_at.append(connection.execute(select(func.clock_timestamp())).scalar())
+
+    holder = threading.Thread(target=hold_the_only_connection)
+    try:
+        holder.start()
+        assert holding.wait(10)
+        arrived = ARRIVED.set(time.monotonic())  # the call arrives while the pool has no connection
+        try:
+            with make_sessions(engine)() as session:
+                dated = arrived_at(session)  # waits about a second for the connection
+        finally:
+            ARRIVED.reset(arrived)
+        holder.join()
+        # Before the connection came back (by the database's clock), not after it.
+        assert (released_at[0] - dated).total_seconds() > 0.5
+    finally:
+        holder.join()
+        engine.dispose()
+
+
 def test_a_keyed_append_in_flight_while_the_transcript_is_erased_cannot_begin_it_again(
     client: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
