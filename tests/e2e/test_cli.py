@@ -183,7 +183,7 @@ def test_ingest_reports_each_bad_file_and_keeps_the_rest(cli, tmp_path: Path):
         coloured.stdout
     )
     endless = cli("ingest", "/dev/zero", "--no-enqueue", "--json", check=False)
-    assert endless.returncode == 1 and "past the page cap" in as_json(endless)["errors"][0]["reason"]
+    assert endless.returncode == 1 and "not a regular file" in as_json(endless)["errors"][0]["reason"]
     missing = cli("ingest", str(tmp_path / "nope.md"), check=False)
     assert missing.returncode == 1 and "no such file" in missing.stderr
     # One file reached by two paths of one run (a folder and a file in it): its slugs differ, and it was

@@ -70,6 +70,23 @@ def test_a_symlinked_folder_is_walked_once_and_a_link_to_a_parent_is_no_loop(
     assert report.ingested == ["linked/far"] and report.errors == []
 
 
+def test_a_walked_named_pipe_or_broken_link_is_reported_not_skipped_in_silence(
+    tx_factory, tmp_path: Path
+) -> None:
+    """A folder's page-named entry that is no regular file was left out without a word."""
+    import os
+
+    (tmp_path / "a.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    os.mkfifo(tmp_path / "pipe.md")
+    (tmp_path / "gone.md").symlink_to(tmp_path / "nowhere.md")
+    report = ingest_paths(tx_factory, [tmp_path], "files")
+    assert report.ingested == ["a"]
+    assert sorted((Path(p).name, "not a regular file" in why) for p, why in report.errors) == [
+        ("gone.md", True),
+        ("pipe.md", True),
+    ]
+
+
 def test_each_created_job_is_sent_as_its_page_commits(tx_factory, tmp_path: Path) -> None:
     """Sent all at the end of a long ingest, every job went twice: the sweeper sends jobs left unsent
     for two seconds, and had sent them meanwhile."""

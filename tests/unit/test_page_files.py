@@ -84,3 +84,29 @@ def test_a_key_yaml_reads_as_no_text_is_refused(tmp_path: Path, front_matter: st
     path.write_text('---\ntype: conversation\nslug: "007"\nsource_id: "s2"\n---\nbody\n')
     page = load_page_file(path, source_id="s")
     assert (page.source_id, page.slug, page.type) == ("s2", "007", "conversation")
+
+
+def test_front_matter_past_its_cap_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """PyYAML parses in pure Python: 2 MB of front matter took 19 s and 676 MB, and the file cap let
+    25 MiB through, so one file could stop a whole ingest (and every rerun, at the same file)."""
+    from worker.extraction.ingest import MAX_FRONT_MATTER_BYTES
+
+    values = ",".join(["0"] * (MAX_FRONT_MATTER_BYTES // 2))
+    with pytest.raises(PageFileError, match=r"front matter is [\d,]+ bytes, over its cap of 65,536"):
+        load_page_file(page_file(tmp_path, f"k: [{values}]"))
+    under = ",".join(["0"] * (MAX_FRONT_MATTER_BYTES // 2 - 40))  # just under: read as before
+    assert len(load_page_file(page_file(tmp_path, f"k: [{under}]")).frontmatter["k"]) > 30_000
+
+
+@pytest.mark.timeout(30)
+def test_a_named_pipe_or_a_device_is_refused_without_waiting(tmp_path: Path) -> None:
+    """Opening a named pipe for reading waits for a writer (and a terminal's read for a line): named on
+    the ingest command line, one hung the run forever, the files after it never ingested."""
+    import os
+
+    fifo = tmp_path / "pipe.md"
+    os.mkfifo(fifo)
+    with pytest.raises(PageFileError, match=r"not a regular file \(a named pipe\)"):
+        load_page_file(fifo)
+    with pytest.raises(PageFileError, match=r"not a regular file \(a character device\)"):
+        load_page_file(Path("/dev/zero"))  # endless: refused before the cap is read

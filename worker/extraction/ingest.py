@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
@@ -80,6 +81,11 @@ class _FrontMatterLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+# A page file's front matter: its metadata, never the conversation. PyYAML is pure Python: 2 MB of it
+# took 19 s and 676 MB to parse, and a file under the page cap could hold 25 MiB.
+MAX_FRONT_MATTER_BYTES = 64 * 1024
+
+
 def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     if not text.startswith("---"):
         return {}, text
@@ -89,6 +95,11 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     for index in range(1, len(lines)):
         if lines[index].strip() in ("---", "..."):
             raw = "".join(lines[1:index])
+            if (size := len(raw.encode("utf-8", "surrogatepass"))) > MAX_FRONT_MATTER_BYTES:
+                raise PageFileError(
+                    f"front matter is {size:,} bytes, over its cap of {MAX_FRONT_MATTER_BYTES:,} (64 KiB); "
+                    "keep it to the page's metadata and put the conversation in the body"
+                )
             try:
                 data = yaml.load(raw, Loader=_FrontMatterLoader) or {}
             except yaml.YAMLError as exc:
@@ -105,13 +116,34 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
 
 
 # A page file's body may be as long as a webhook's, plus its front matter.
-MAX_PAGE_FILE_BYTES = MAX_PAGE_BODY_BYTES + 64 * 1024
+MAX_PAGE_FILE_BYTES = MAX_PAGE_BODY_BYTES + MAX_FRONT_MATTER_BYTES
+
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _read_page_bytes(path: Path) -> bytes:
+    """The file's bytes, no further than the cap (a path may be huge). Only a regular file is read: a
+    named pipe or a terminal (/dev/tty) blocked the run forever on its open or its read, the files
+    after it never ingested, and a device such as /dev/zero has no end."""
+    # O_NONBLOCK: opening a named pipe for reading otherwise waits for a writer before fstat can tell.
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(descriptor, "rb") as file:
+        mode = os.fstat(descriptor).st_mode
+        for is_kind, kind in _NOT_REGULAR:
+            if is_kind(mode):
+                raise PageFileError(f"not a regular file ({kind}); write the page to a file and ingest that")
+        return file.read(MAX_PAGE_FILE_BYTES + 1)
 
 
 def load_page_file(path: Path, root: Path | None = None, source_id: str = "default") -> PageIn:
     """Read one page file; the slug defaults to the path below ``root`` without its suffix."""
-    with path.open("rb") as file:  # read no further than the cap: a path may be huge, or /dev/zero
-        raw = file.read(MAX_PAGE_FILE_BYTES + 1)
+    raw = _read_page_bytes(path)
     if len(raw) > MAX_PAGE_FILE_BYTES:
         raise PageFileError(
             f"file is over {MAX_PAGE_FILE_BYTES} bytes, past the page cap ({MAX_PAGE_BODY_BYTES} bytes of "
@@ -202,7 +234,13 @@ def _walk(root: Path, on_error: Callable[[Path, str], None] | None) -> list[Path
             dirs[:] = []
             continue
         seen.add(real)
-        found.extend(p for name in files if _is_page_file(p := Path(folder, name)) and p.is_file())
+        for name in files:
+            if not _is_page_file(path := Path(folder, name)):
+                continue
+            if path.is_file():
+                found.append(path)
+            elif on_error is not None:  # a named pipe, a socket, a link to nothing: skipped without a word
+                on_error(path, "not a regular file (a named pipe, socket or broken link); not read")
     return sorted(found)
 
 
