@@ -291,16 +291,20 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
     import threading
     from types import SimpleNamespace
 
-    from worker.extraction.segments import Attempt, SegmentAbortedError
+    from worker.extraction.committer import DISCARDED_UNUSED
+    from worker.extraction.segments import DISCARDED_ABORTED, Attempt, SegmentAbortedError
     from worker.extraction.service import OnlineExtraction
 
     paid = Attempt("malformed_output", None, [], "not json", "stub", "stub-1")
     others_done = threading.Barrier(4)  # calls 2, 3, 4 and the test's own wait
     recorded: list[int] = []
+    notes: dict[int, str] = {}
     run = SimpleNamespace(
         counters=SimpleNamespace(add_calls=lambda result: None),
         committer=SimpleNamespace(
-            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
+            record_discarded=lambda slug, index, segment, result, note: (
+                recorded.append(index) or notes.update({index: note})
+            )
         ),
     )
     pipe = LLMPipe(5)
@@ -326,6 +330,8 @@ def test_results_taken_with_a_failed_call_are_recorded_as_discarded() -> None:
         with pytest.raises(RuntimeError, match="could not reach the database"):
             next(batches)
         assert sorted(recorded) == [1, 2, 3, 4]  # the failed one's paid attempt too
+        # The one that stopped between its own attempts says so; the others were an earlier one's loss.
+        assert notes == {1: DISCARDED_ABORTED} | dict.fromkeys([2, 3, 4], DISCARDED_UNUSED)
     finally:
         pipe.close()
 
@@ -565,4 +571,66 @@ def test_an_interrupt_while_committing_still_says_what_it_waits_for(monkeypatch,
         ]
     finally:
         release.set()
+        pipe.close()
+
+
+class RefusedThreads:
+    """``threading.Thread`` in the pipe's module, refusing starts past ``allowed`` as a container's
+    process limit does (RuntimeError: can't start new thread)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, allowed: int) -> None:
+        import worker.llm.pipe as pipe_module
+
+        self.allowed = allowed
+        refusals = self
+
+        class Thread(threading.Thread):
+            def start(self) -> None:
+                if refusals.allowed <= 0:
+                    raise RuntimeError("can't start new thread")
+                refusals.allowed -= 1
+                super().start()
+
+        monkeypatch.setattr(pipe_module.threading, "Thread", Thread)
+
+
+def test_a_page_the_pipe_has_no_thread_for_is_refused_and_not_left_to_run_later(monkeypatch) -> None:
+    """Its feed stayed open with no one to take its results: the next page's thread ran its calls
+    (paid, never recorded), and each refused thread was counted, so the pipe ran narrower for good."""
+    refused = RefusedThreads(monkeypatch, allowed=0)
+    gate = Gate()
+    gate.release.set()
+    pipe = LLMPipe(2)
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            pipe.open(3, gate.call("orphan"))
+        refused.allowed = 2
+        later = pipe.open(2, gate.call("later"))
+        results: list[str] = []
+        while not later.finished():
+            results.extend(outcome.result() for outcome in later.take())
+        assert results == ["later0", "later1"]
+        assert [name for name, _ in gate.started] == ["later", "later"]  # the refused page's never ran
+        later.close()
+    finally:
+        pipe.close()
+
+
+def test_a_pipe_refused_more_threads_runs_every_call_on_those_it_has(monkeypatch, caplog) -> None:
+    """Each refusal took a slot for good; once every slot was refused, no thread ran and each page waited
+    for its first result forever, its lease kept fresh by the wait."""
+    RefusedThreads(monkeypatch, allowed=1)
+    gate = Gate()
+    gate.release.set()
+    pipe = LLMPipe(4)
+    try:
+        with caplog.at_level("WARNING", logger="worker.llm.pipe"):
+            feed = pipe.open(6, gate.call("p"))
+            results: list[str] = []
+            while not feed.finished():
+                results.extend(outcome.result() for outcome in feed.take())
+        assert results == [f"p{i}" for i in range(6)] and gate.peak == 1
+        assert "runs 1 of its 4 slots" in caplog.text
+        feed.close()
+    finally:
         pipe.close()

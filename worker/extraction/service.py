@@ -15,6 +15,7 @@ from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction
 from worker.core.errors import error_summary
 from worker.extraction.committer import (
+    DISCARDED_UNUSED,
     MAX_SEGMENTS_PER_COMMIT,
     FactsCommitted,
     ResultBatches,
@@ -34,13 +35,12 @@ from worker.extraction.options import (
 )
 from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
-from worker.extraction.segments import SegmentAbortedError, SegmentResult, extract_segment
+from worker.extraction.segments import DISCARDED_ABORTED, SegmentAbortedError, SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
 from worker.jobs.shutdown import WorkerStoppingError
 from worker.llm.pipe import Feed, LLMPipe, Outcome
 from worker.llm.types import LLMClient
 
-DISCARDED_IN_FLIGHT = "discarded: an earlier segment did not complete"
 # How long an interrupted page still waits for its calls in flight, to record what they cost.
 INTERRUPTED_WAIT_SECONDS = 30.0
 
@@ -258,8 +258,11 @@ class OnlineExtraction:
             if paid is None:
                 continue
             try:
+                # A segment stopped between its own attempts is no casualty of an earlier one.
+                aborted = isinstance(outcome.error, SegmentAbortedError)
+                note = DISCARDED_ABORTED if aborted else DISCARDED_UNUSED
                 self.run.committer.record_discarded(
-                    plan.slug, outcome.index, plan.segments[outcome.index], paid, DISCARDED_IN_FLIGHT
+                    plan.slug, outcome.index, plan.segments[outcome.index], paid, note
                 )
             except Exception as exc:
                 lost += 1

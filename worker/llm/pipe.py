@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# After the system refuses the pipe a thread, how long it goes on with those it has before asking again.
+REFUSED_THREAD_PAUSE_SECONDS = 10.0
+
 
 @dataclass(frozen=True)
 class Outcome(Generic[T]):
@@ -145,6 +148,7 @@ class LLMPipe:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._closing = False
+        self._refused_until = 0.0  # the system refused a thread: no other is asked for until then
 
     def open(self, count: int, call: Callable[[int], T], *, window: int | None = None) -> Feed[T]:
         """A feed of ``count`` calls (``call(index)``); ``window`` caps its calls started and not yet
@@ -160,7 +164,13 @@ class LLMPipe:
             if self._closing:
                 raise RuntimeError("the LLM pipe is closed")
             self._feeds.append(feed)  # type: ignore[arg-type]
-            self._grow(self._demand())
+            try:
+                self._grow(self._demand())
+            except BaseException:
+                # No thread to run it: left open, the page's calls ran later for no one (unrecorded,
+                # paid again by the job's retry).
+                self._feeds.remove(feed)  # type: ignore[arg-type]
+                raise
             self._work.notify(min(count, feed.window))
         return feed
 
@@ -195,14 +205,36 @@ class LLMPipe:
             thread.join(timeout=60)
 
     def _grow(self, wanted: int) -> None:
-        """Under the lock: start threads (up to the width) so ``wanted`` calls can run at once."""
+        """Under the lock: start threads (up to the width) so ``wanted`` calls can run at once.
+
+        A thread the system refuses (``can't start new thread``: a container's process limit) is not
+        counted: counted, each refusal took a slot for good and, once all had been refused, no thread ran
+        and every page waited for its first result forever (its lease kept fresh by the wait). With
+        threads running, the pipe goes on narrower (and tries again a while later); with none, the
+        refusal is raised to the page that needed one."""
+        if time.monotonic() < self._refused_until:
+            if self._threads:
+                return
+            self._refused_until = 0.0
         while len(self._threads) < self.width and self._idle < wanted:
             thread = threading.Thread(
                 target=self._serve, name=f"{self.name}-{len(self._threads)}", daemon=True
             )
-            self._threads.append(thread)
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                if not self._threads:
+                    raise
+                self._refused_until = time.monotonic() + REFUSED_THREAD_PAUSE_SECONDS
+                logger.warning(
+                    "the LLM pipe runs %d of its %d slots: the system refused another thread (%s)",
+                    len(self._threads),
+                    self.width,
+                    exc,
+                )
+                return
+            self._threads.append(thread)  # (it waits for the lock this holds before taking work)
             self._idle += 1
-            thread.start()
 
     def _pick(self) -> Feed[object] | None:
         """Under the lock: the oldest feed that may start a call and holds less than its share, else
