@@ -328,6 +328,28 @@ def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, stat
             True,
         ),
         (anthropic, 402, {"type": "billing_error", "message": "payment method declined"}, True),
+        # Anthropic names the organization's, the key's and the workspace's troubles in
+        # error.details.error_code under a plain invalid_request_error: read as the segment's own.
+        *(
+            (
+                anthropic,
+                400,
+                {"type": "invalid_request_error", "message": "denied", "details": {"error_code": code}},
+                True,
+            )
+            for code in ("organization_on_hold", "cmek_key_disabled", "workspace_policy_violation")
+        ),
+        (
+            anthropic,
+            403,
+            {
+                "type": "permission_error",
+                "message": "no",
+                "details": {"error_code": "user_profile_not_billable"},
+            },
+            True,
+        ),
+        (anthropic, 402, {"type": "error", "message": "payment required"}, True),
         # An OpenAI reasoning model given max_tokens.
         (
             openai,
@@ -384,6 +406,74 @@ def test_errors_that_blame_the_account_or_settings_never_count_against_a_segment
     assert classify(llm_error).deployment_fault is blamed  # an LLMError keeps its classification
     if blamed:  # waiting does not refill a quota: an insufficient_quota 429 is not throttling
         assert not llm_error.retryable
+
+
+def _anthropic_error(kind: str, code: str | None = None) -> dict[str, Any]:
+    return {"type": kind, "message": "said"} | ({"details": {"error_code": code}} if code else {})
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "code"),
+    [
+        (
+            429,
+            _anthropic_error("rate_limit_error", "enforced_spend_limit_reached"),
+            "enforced_spend_limit_reached",
+        ),
+        (
+            429,
+            _anthropic_error("rate_limit_error", "contract_spend_limit_reached"),
+            "contract_spend_limit_reached",
+        ),
+        (
+            402,
+            _anthropic_error("error", "linked_organization_spend_limit_reached"),
+            "linked_organization_spend_limit_reached",
+        ),
+        (402, _anthropic_error("error"), "error"),  # a 402 is the account's money whatever it names
+        (400, _anthropic_error("billing_error", "something_newer"), "billing_error"),  # the blaming name
+    ],
+)
+def test_an_anthropic_spend_limit_is_the_accounts_money_not_throttling(
+    status: int, error: dict[str, Any], code: str
+) -> None:
+    """A spend limit reached came as a 429 rate_limit_error with the reason in details.error_code: tried
+    five times a call against a closed account, and compact --now said "try again later", not "top up"."""
+    from worker.llm.errors import account_exhausted, provider_cannot_serve
+
+    response = httpx2.Response(status, request=HTTP_REQUEST)
+    exc = anthropic.APIStatusError("Error", response=response, body={"type": "error", "error": error})
+    llm_error = to_llm_error(exc)
+    assert llm_error.deployment_fault and not llm_error.retryable
+    assert account_exhausted(llm_error) and provider_cannot_serve(llm_error)
+    assert llm_error.code == code
+
+
+def test_an_anthropic_rate_limit_without_a_spend_code_is_still_throttling() -> None:
+    from worker.llm.errors import account_exhausted
+
+    response = httpx2.Response(429, request=HTTP_REQUEST)
+    body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    llm_error = to_llm_error(anthropic.APIStatusError("Error", response=response, body=body))
+    assert llm_error.retryable and not llm_error.deployment_fault and not account_exhausted(llm_error)
+    assert llm_error.code == "rate_limit_error"
+
+
+def test_an_anthropic_batch_error_read_by_its_details_code_blames_the_account() -> None:
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.llm.batches import AnthropicBatchClient
+
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    error = {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "on hold",
+            "details": {"error_code": "organization_on_hold"},
+        },
+    }
+    item = AnthropicBatchClient(chat)._item({"type": "errored", "error": error}, REQUEST)
+    assert item is not None and item.deployment_fault and item.status == 400
 
 
 @pytest.mark.parametrize(

@@ -270,7 +270,7 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
             None,
             f"HTTP {status}: {message}",
             status=status,
-            deployment_fault=blames_deployment(body, message),
+            deployment_fault=blames_deployment(body, message, status),
         )
 
 
@@ -397,11 +397,12 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
                 if isinstance(error, Mapping)
                 else "the request failed"
             )
+            status = ANTHROPIC_ERROR_STATUS.get(kind)
             return BatchItem(
                 None,
                 f"{kind}: {said}",
-                status=ANTHROPIC_ERROR_STATUS.get(kind),
-                deployment_fault=blames_deployment(error, said),
+                status=status,
+                deployment_fault=blames_deployment(error, said, status),
             )
         return None
 

@@ -31,15 +31,39 @@ RETRYABLE_STATUS = frozenset({408, 429})
 DEPLOYMENT_ERROR_TYPES = frozenset(
     {"authentication_error", "permission_error", "not_found_error", "billing_error", "insufficient_quota"}
 )
-DEPLOYMENT_ERROR_CODES = frozenset(
+# What an account's money ran out says (OpenAI's 429 insufficient_quota and billing limit, Anthropic's
+# billing_error, its 400 about the credit balance, and the error_code of its spend-limit 429s and 402s).
+ACCOUNT_EXHAUSTED_CODES = frozenset(
     {
         "insufficient_quota",
         "billing_hard_limit_reached",
+        "billing_error",
+        "enforced_spend_limit_reached",
+        "contract_spend_limit_reached",
+        "linked_organization_spend_limit_reached",
+        "linked_organization_billing_unavailable",
+    }
+)
+DEPLOYMENT_ERROR_CODES = ACCOUNT_EXHAUSTED_CODES | frozenset(
+    {
         "account_deactivated",
         "invalid_api_key",
         "model_not_found",
         "unsupported_parameter",
         "unsupported_value",
+        # Anthropic's error.details.error_code under a 400 or 403 about the organization, the key or the
+        # workspace's settings (the SDK's ERROR_CLASSES names them): no segment's doing.
+        "organization_on_hold",
+        "cmek_key_disabled",
+        "cmek_key_network_blocked",
+        "workspace_policy_violation",
+        "key_profile_mismatch",
+        "user_profile_required",
+        "user_profile_not_found",
+        "user_profile_cleared",
+        "user_profile_not_billable",
+        "user_profile_billing_not_authorized",
+        "api_key_requester_unconfirmed",
     }
 )
 DEPLOYMENT_ERROR_PHRASES = ("credit balance",)
@@ -101,11 +125,6 @@ def provider_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, LLMError) and exc.retryable and exc.status is not None and exc.status != 408
 
 
-# What an account's money ran out says (OpenAI's 429 insufficient_quota and billing limit, Anthropic's
-# billing_error and its 400 about the credit balance).
-ACCOUNT_EXHAUSTED_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "billing_error"})
-
-
 def account_exhausted(exc: BaseException) -> bool:
     """The provider refused for the account's money (a spent quota or credit balance): every call fails
     alike until someone pays, then all succeed. No job's own fault: retried as a job's failure, its
@@ -113,7 +132,7 @@ def account_exhausted(exc: BaseException) -> bool:
     return (
         isinstance(exc, LLMError)
         and exc.deployment_fault
-        and (exc.code in ACCOUNT_EXHAUSTED_CODES or "credit balance" in str(exc).lower())
+        and (exc.code in ACCOUNT_EXHAUSTED_CODES or exc.status == 402 or "credit balance" in str(exc).lower())
     )
 
 
@@ -198,26 +217,39 @@ MAX_PROVIDER_MESSAGE_CHARS = 1_000
 _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
-def error_code(body: Any) -> str | None:
-    """An error body's code, else its type (either wire format: the OpenAI SDK hands over the inner
-    error object, Anthropic's the whole body), when it is a short identifier."""
+def _error_names(body: Any) -> tuple[list[str], list[str]]:
+    """(codes, types) an error body names, most specific first: Anthropic's ``error.details.error_code``,
+    then ``error.code``, and ``error.type`` (either wire format: the OpenAI SDK hands over the inner
+    error object, Anthropic's the whole body). Only strings: an odd server's list or object there is
+    no code (and unhashable)."""
     inner = body.get("error", body) if isinstance(body, Mapping) else None
-    for candidate in (inner.get("code"), inner.get("type")) if isinstance(inner, Mapping) else ():
-        if isinstance(candidate, str) and _CODE.fullmatch(candidate):
-            return candidate
-    return None
+    if not isinstance(inner, Mapping):
+        return [], []
+    details = inner.get("details")
+    detail = details.get("error_code") if isinstance(details, Mapping) else None
+    codes = [c for c in (detail, inner.get("code")) if isinstance(c, str)]
+    kind = inner.get("type")
+    return codes, [kind] if isinstance(kind, str) else []
 
 
-def blames_deployment(body: Any, message: str) -> bool:
-    """Whether an error body blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's
-    type or code (both wire formats name them so) or, for Anthropic's credit balance, its words."""
-    inner = body.get("error") if isinstance(body, Mapping) else None
-    fields = inner if isinstance(inner, Mapping) else body if isinstance(body, Mapping) else {}
-    kind, code = fields.get("type"), fields.get("code")
-    # Only strings are looked up: an odd server's list or object there is no code (and unhashable).
-    if (isinstance(kind, str) and kind in DEPLOYMENT_ERROR_TYPES) or (
-        isinstance(code, str) and code in DEPLOYMENT_ERROR_CODES
-    ):
+def error_code(body: Any) -> str | None:
+    """An error body's code, else its type, when it is a short identifier: the one that blames the
+    account or the settings when one does (account_exhausted reads it), else the most specific."""
+    codes, types = _error_names(body)
+    named = [name for name in (*codes, *types) if _CODE.fullmatch(name)]
+    blaming = [name for name in named if name in DEPLOYMENT_ERROR_CODES or name in DEPLOYMENT_ERROR_TYPES]
+    return (blaming or named or [None])[0]
+
+
+def blames_deployment(body: Any, message: str, status: int | None = None) -> bool:
+    """Whether an error blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's type or
+    codes (Anthropic names the account's and the settings' troubles in ``details.error_code`` under a
+    plain invalid_request_error or rate_limit_error), an HTTP 402 (payment required), or, for
+    Anthropic's credit balance, its words."""
+    codes, types = _error_names(body)
+    if status == 402 or any(c in DEPLOYMENT_ERROR_CODES for c in codes):
+        return True
+    if any(t in DEPLOYMENT_ERROR_TYPES for t in types):
         return True
     lowered = message.lower()
     return any(phrase in lowered for phrase in DEPLOYMENT_ERROR_PHRASES)
@@ -289,7 +321,7 @@ def classify(exc: BaseException) -> Classification:
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         message = _provider_message(exc)
-        blamed = blames_deployment(exc.body, message)
+        blamed = blames_deployment(exc.body, message, status)
         # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
         # refill the quota, and each call's tries only added to the outage.
         retryable = (status in RETRYABLE_STATUS or status >= 500) and not blamed
