@@ -238,7 +238,8 @@ def error_code(body: Any) -> str | None:
     codes, types = _error_names(body)
     named = [name for name in (*codes, *types) if _CODE.fullmatch(name)]
     blaming = [name for name in named if name in DEPLOYMENT_ERROR_CODES or name in DEPLOYMENT_ERROR_TYPES]
-    return (blaming or named or [None])[0]
+    first = blaming or named
+    return first[0] if first else None
 
 
 def blames_deployment(body: Any, message: str, status: int | None = None) -> bool:
