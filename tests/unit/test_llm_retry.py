@@ -906,6 +906,36 @@ def test_an_anthropic_batch_reply_the_sdk_cannot_read_keeps_its_billed_usage() -
     assert item.usage is not None and (item.usage.input_tokens, item.usage.output_tokens) == (1200, 300)
 
 
+def test_an_anthropic_batch_reply_with_values_newer_than_the_sdk_is_read_as_online() -> None:
+    """Validated strictly (the online path and the SDK's own batch reader build replies unchecked), a
+    sound, paid reply with a usage value, a stop reason or a block type the installed SDK does not know
+    was "not a message": its facts dropped, the segment sent and paid for again on every pass."""
+    from worker.llm.anthropic_provider import AnthropicChatClient
+    from worker.llm.batches import AnthropicBatchClient
+
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "stop_reason": "end_turn",
+        "stop_details": {"category": "something_newer"},
+        "usage": {"input_tokens": 1200, "output_tokens": 300, "speed": "turbo", "service_tier": "flex"},
+        "content": [
+            {"type": "thinking_summary_v9", "summary": "a block type newer than the SDK"},
+            {"type": "text", "text": '{"facts": []}'},
+        ],
+    }
+    item = AnthropicBatchClient(chat)._item({"type": "succeeded", "message": message}, REQUEST)
+    assert item is not None and item.error is None and item.response is not None
+    assert item.response.text == '{"facts": []}' and item.response.finish == "end"
+    assert (item.response.usage.input_tokens, item.response.usage.output_tokens) == (1200, 300)
+    newer_stop = message | {"stop_reason": "a_reason_newer_than_the_sdk"}
+    later = AnthropicBatchClient(chat)._item({"type": "succeeded", "message": newer_stop}, REQUEST)
+    assert later is not None and later.response is not None  # read as online reads it
+
+
 def test_a_batch_request_the_provider_rejects_is_a_permanent_failure_told_in_few_words() -> None:
     """A batch's 400 kept only a string: it never counted towards skipping the segment (the page failed
     on every pass), and an error without a message stored the provider's whole body, page text and all."""

@@ -373,20 +373,23 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
 
     def _item(self, result: object, request: ChatRequest) -> BatchItem | None:
         """One request's result; None when it never ran (expired, canceled): it waits for a rerun."""
-        from anthropic.types import Message  # with the SDK, which the chat client has imported
-        from pydantic import ValidationError
+        # With the SDK, which the chat client has imported. Built as the SDK builds a reply, online and
+        # in its own batch reader (``construct_type_unchecked``), not validated: a sound, paid reply with
+        # any value newer than the installed SDK knows (a usage field, a stop reason, a block type) was
+        # "not a message", its facts dropped and the segment sent (and paid for) again on every pass.
+        from anthropic._models import construct_type_unchecked
+        from anthropic.types import Message
 
         result = result if isinstance(result, Mapping) else {}
         if result.get("type") == "succeeded":
+            raw = result.get("message")
+            if not isinstance(raw, Mapping):
+                return BatchItem(None, "the provider's reply is not a message (no object)", billed_in(raw))
             try:
-                message = Message.model_validate(result.get("message"))
+                message = construct_type_unchecked(value=raw, type_=Message)
                 return BatchItem(self.chat.response_from(message, request, 0))
-            except ValidationError as exc:  # still billed: its usage, when that much can be read
-                problems = exc.error_count()
-                said = f"the provider's reply is not a message ({problems} problems)"
-                return BatchItem(None, said, billed_in(result.get("message")))
-            except LLMError as exc:
-                return BatchItem(None, str(exc), exc.usage)
+            except LLMError as exc:  # response_from's: a shape it cannot read, still billed
+                return BatchItem(None, str(exc), exc.usage or billed_in(raw))
         if result.get("type") == "errored":
             error = result.get("error")
             inner = error.get("error") if isinstance(error, Mapping) else None
