@@ -1043,3 +1043,48 @@ def test_a_deadline_that_refuses_a_try_inside_the_client_is_no_try() -> None:
     with pytest.raises(CallDeadlineError) as stopped:
         retrying.chat(REQUEST)
     assert stopped.value.attempts == () and heard == []
+
+
+def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_cap() -> None:
+    """Anthropic's model_context_window_exceeded was read as a reply over its cap: the segment was asked
+    again with twice the cap, which stopped at the same window (a paid call lost per segment)."""
+    from anthropic._models import construct_type_unchecked
+    from anthropic.types import Message
+
+    from worker.extraction.segments import extract_segment
+    from worker.llm.anthropic_provider import AnthropicChatClient
+
+    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    raw = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "stop_reason": "model_context_window_exceeded",
+        "usage": {"input_tokens": 199_000, "output_tokens": 1000},
+        "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],
+    }
+    cut = chat.response_from(construct_type_unchecked(value=raw, type_=Message), REQUEST, 5)
+    assert cut.finish == "truncated" and cut.window_full
+    capped = chat.response_from(
+        construct_type_unchecked(value=raw | {"stop_reason": "max_tokens"}, type_=Message), REQUEST, 5
+    )
+    assert capped.finish == "truncated" and not capped.window_full
+
+    class Replying:
+        provider, model = "anthropic", "claude-sonnet-4-5"
+
+        def __init__(self, response: ChatResponse) -> None:
+            self.response, self.caps = response, []  # type: list[int]
+
+        def chat(self, request: ChatRequest) -> ChatResponse:
+            self.caps.append(request.max_tokens)
+            return self.response
+
+    window = Replying(cut)
+    result = extract_segment(window, "**A** (2024-01-01 9:00 AM): hi", 10, 1024)  # type: ignore[arg-type]
+    assert window.caps == [1024] and [a.outcome for a in result.attempts] == ["truncated_output"]
+    assert "context window" in (result.attempts[0].error or "")
+    over_cap = Replying(capped)  # a reply over its cap is still asked again, with twice the cap
+    extract_segment(over_cap, "**A** (2024-01-01 9:00 AM): hi", 10, 1024)  # type: ignore[arg-type]
+    assert over_cap.caps == [1024, 2048]

@@ -102,6 +102,13 @@ def classify_reply(response: ChatResponse, max_facts: int, cap: int) -> Attempt:
     """One reply as an attempt: refusal, truncated_output, malformed_output, or ok with its facts."""
     if response.finish == "refusal":
         return Attempt.of(response, "refusal", error=response.refusal or "the model refused")
+    if response.window_full:
+        return Attempt.of(
+            response,
+            "truncated_output",
+            error="the reply ran out of the model's context window (the segment's prompt and the cap "
+            "together); a larger cap cannot help: use a model with a larger window",
+        )
     if response.finish == "truncated":
         return Attempt.of(response, "truncated_output", error=f"output hit the {cap}-token cap")
     try:
@@ -206,7 +213,8 @@ def _extract(
         attempt = classify_reply(response, max_facts, cap)
         attempts.append(attempt)
         if attempt.outcome == "truncated_output":
-            if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING:
+            # Cut off by the context window: twice the cap stopped at the same window, a paid call lost.
+            if retried_truncation or cap >= MAX_OUTPUT_TOKENS_CEILING or response.window_full:
                 return _given_up(attempts)
             retried_truncation = True
             cap = truncation_retry_cap(cap)

@@ -11,6 +11,7 @@ from worker.core.jsonvalues import made_storable
 from worker.llm.errors import LLMError, NoEmbeddingsError, to_llm_error
 from worker.llm.replies import ReplyShapeError, message_text, optional_text, token_count
 from worker.llm.types import (
+    CONTEXT_WINDOW_FULL,
     ChatRequest,
     ChatResponse,
     EmbeddingResponse,
@@ -34,7 +35,7 @@ STOP_REASONS: dict[str, Finish] = {
     "stop_sequence": "end",
     "pause_turn": "end",
     "max_tokens": "truncated",
-    "model_context_window_exceeded": "truncated",
+    CONTEXT_WINDOW_FULL: "truncated",  # (ChatResponse.window_full says which)
     "refusal": "refusal",
 }
 NO_EMBEDDINGS = (

@@ -31,6 +31,10 @@ class Usage:
     cache_write_tokens: int = 0
 
 
+# The stop reason of a reply cut off by the model's context window (prompt and reply together).
+CONTEXT_WINDOW_FULL = "model_context_window_exceeded"
+
+
 @dataclass(frozen=True)
 class ChatResponse:
     text: str
@@ -41,6 +45,12 @@ class ChatResponse:
     latency_ms: int
     refusal: str | None = None
     raw_finish_reason: str | None = field(default=None, compare=False)
+
+    @property
+    def window_full(self) -> bool:
+        """Cut off by the model's context window, not the reply's cap (Anthropic's
+        model_context_window_exceeded): a larger cap cannot help; a shorter prompt can."""
+        return self.finish == "truncated" and self.raw_finish_reason == CONTEXT_WINDOW_FULL
 
 
 class LLMClient(Protocol):
