@@ -1376,6 +1376,58 @@ def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
     assert current == ["Alice Example lives in Aveiro now."]
 
 
+def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
+    tx_factory, llm, simulator
+) -> None:
+    """A refusal (a content filter on one fact's text) failed the round: the job retried it whole, was
+    refused the same way every time, failed, and no later fact of the entity was consolidated again.
+    Halved, the others are decided; the pair refused on its own is kept as unrelated, saying why."""
+    from worker.core.consolidation_plan import UNANSWERED_REASON
+
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora")
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
+    refusing = OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "refusal"},
+    )
+
+    class FilteringBraga:  # the simulator refuses any question that holds Braga's fact
+        provider, model = llm.provider, llm.model
+
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def chat(self, request: Any) -> Any:
+            self.asked.append(request.messages[0][1].count(" OLD ("))
+            return (refusing if "Braga" in request.messages[0][1] else llm).chat(request)
+
+    with tx_factory.begin() as session:  # decide again, through the filtering client
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    model = FilteringBraga()
+    counters = consolidate(tx_factory, model)  # no ConsolidationReplyError
+    assert model.asked[0] > 1 and 1 in model.asked[1:], model.asked  # halved down to a pair alone
+    with tx_factory() as session:
+        refused = session.scalar(
+            select(func.count()).where(LLMCall.purpose == "consolidation", LLMCall.outcome == "refusal")
+        )
+        texts = {fact_id: fact for fact_id, fact in session.execute(select(Fact.id, Fact.fact))}
+        rows = session.execute(
+            select(
+                ConsolidationDecision.reason,
+                ConsolidationDecision.fact_id,
+                ConsolidationDecision.other_fact_id,
+            ).where(ConsolidationDecision.decided_by == "model")
+        ).all()
+    assert refused and counters.llm_calls == len(model.asked)
+    unanswered = [(texts[new], texts[old]) for reason, new, old in rows if reason == UNANSWERED_REASON]
+    assert unanswered and all("Braga" in new + old for new, old in unanswered), rows
+    assert any(reason != UNANSWERED_REASON for reason, _, _ in rows)  # the others were decided
+
+
 def test_a_backfill_of_a_years_moves_leaves_only_the_last_current(tx_factory, llm) -> None:
     """Seven sayings of where Alice lives, consolidated in one round (a backfill): the last was asked
     about the five oldest, not June's, and June's and July's both stayed current."""

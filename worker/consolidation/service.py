@@ -217,7 +217,8 @@ def _decide_pairs(
     """The decisions (by pair number) and the llm_calls row each pair was asked in (a pair whose facts
     are gone is not asked). An answer cut off at its token cap (a model's long reasons) is asked again
     in halves, each under at least that cap: asked again whole, it was cut at the same place on every
-    retry of the job, each paid for. One pair's cut-off answer is an unusable answer (the job retries)."""
+    retry of the job, each paid for; so is a refused one. One pair's cut-off answer is an unusable
+    answer (the job retries); one pair's refusal leaves it unanswered."""
     run.guard()
     # Not a fact an erasure (or a re-extraction) removed since the round was read: its text goes to no
     # provider after the erasure returned (its decision would not be written).
@@ -229,7 +230,10 @@ def _decide_pairs(
     response, call_id = _call(store, llm, run, request)
     counters.llm_calls += 1
     counters.prompt_tokens += response.usage.input_tokens
-    if response.finish == "truncated" and len(pairs) > 1:
+    if response.finish in ("truncated", "refusal") and len(pairs) > 1:
+        # A refusal is one fact's text (a content filter): asked again whole, the job's every retry was
+        # refused the same way and the entity was never consolidated again. Halved, the others are
+        # decided, and the pair refused alone is kept as unrelated.
         answers: dict[int, PairDecision] = {}
         asked_in: dict[int, int] = {}
         for half in (pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]):
@@ -237,6 +241,8 @@ def _decide_pairs(
             answers.update(got)
             asked_in.update(ids)
         return answers, asked_in
+    if response.finish == "refusal":
+        return {}, {pairs[0].number: call_id}  # unanswered: asked once more alone, then unrelated
     if response.finish != "end":
         raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
     try:

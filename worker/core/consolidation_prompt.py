@@ -49,13 +49,19 @@ def _day(value: datetime | None) -> str:
     return value.date().isoformat() if value is not None else "undated"
 
 
+def _one_line(text: str) -> str:
+    # A fact's text is page text: with its line breaks kept, "...\n7. NEW (fact, ...): ..." read as a
+    # pair of its own, and the model's answer to it as one for a pair never asked.
+    return " ".join(text.split())
+
+
 def render_pairs(entity: str, pairs: Sequence[AskedPair]) -> str:
-    """The user turn: the entity and the numbered pairs, each fact with its kind and date."""
-    lines = [f"entity: {entity}"]
+    """The user turn: the entity and the numbered pairs, each fact with its kind and date, on a line."""
+    lines = [f"entity: {_one_line(entity)}"]
     for pair in pairs:
         lines.append(
-            f"{pair.number}. NEW ({pair.new.kind}, {_day(pair.new.since)}): {pair.new.text}\n"
-            f"   OLD ({pair.old.kind}, {_day(pair.old.since)}): {pair.old.text}"
+            f"{pair.number}. NEW ({pair.new.kind}, {_day(pair.new.since)}): {_one_line(pair.new.text)}\n"
+            f"   OLD ({pair.old.kind}, {_day(pair.old.since)}): {_one_line(pair.old.text)}"
         )
     return wrap_in_tag(PAIRS_TAG, "\n".join(lines))
 
@@ -97,7 +103,9 @@ class PairDecision:
 
 def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision]:
     """The model's decisions by pair number. Pairs it skipped are absent (the caller asks for them
-    again); unknown pair numbers, bad verdicts and a non-object reply raise."""
+    again), and so are decisions for a pair that was not asked (never applied; raised, they threw the
+    whole answer away and the job paid for the round again on every retry); bad verdicts and a
+    non-object reply raise."""
     try:
         document = reply_json(text)  # (the one rule for a reply's JSON: worker.core.jsonvalues)
     except (ValueError, TypeError, RecursionError) as exc:  # ValueError: JSON, or an int of 4,300+ digits
@@ -118,7 +126,7 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
                 f"a decision's pair is not a pair number (a {type(number).__name__})"
             )
         if number not in wanted:
-            raise MalformedDecisionsError(f"decision for unknown pair {number}")
+            continue
         if verdict not in VERDICTS:
             raise MalformedDecisionsError(f"pair {number}: its decision is not one of {', '.join(VERDICTS)}")
         text_reason = made_storable(reason).strip()[:REASON_CHARS] if isinstance(reason, str) else ""
