@@ -4,6 +4,7 @@ re-extracted page re-consolidated, and the job kind under the kill switch."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -1325,6 +1326,10 @@ def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> Non
     assert calls(tx_factory) == 0
 
 
+# A pair as a question states it: its new fact's text and its old fact's.
+ASKED_PAIR = re.compile(r"^\d+\. NEW \([^)]*\): (.*)\n   OLD \([^)]*\): (.*)$", re.MULTILINE)
+
+
 def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
     tx_factory, llm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1343,9 +1348,12 @@ def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
 
         def __init__(self) -> None:
             self.asked: list[tuple[int, int]] = []
+            self.pairs: list[set[tuple[str, str]]] = []  # each question's (new, old) texts
 
         def chat(self, request: Any) -> Any:
-            self.asked.append((request.messages[0][1].count(" OLD ("), request.max_tokens))
+            question = request.messages[0][1]
+            self.asked.append((question.count(" OLD ("), request.max_tokens))
+            self.pairs.append(set(ASKED_PAIR.findall(question)))
             return llm.chat(request)
 
     with tx_factory.begin() as session:  # decide again, through the recording client
@@ -1372,6 +1380,27 @@ def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
         )
     assert outcomes.get("truncated_output", 0) >= 1 and counters.llm_calls == len(model.asked)
     assert unlinked == 0
+    # Each verdict names the call that was asked its pair (every row of a fact named its first pair's
+    # call, though the fact's pairs were answered across the halves).
+    with tx_factory() as session:
+        texts = {fact_id: fact for fact_id, fact in session.execute(select(Fact.id, Fact.fact))}
+        order = list(
+            session.scalars(select(LLMCall.id).where(LLMCall.purpose == "consolidation").order_by(LLMCall.id))
+        )
+        rows = session.execute(
+            select(
+                ConsolidationDecision.fact_id,
+                ConsolidationDecision.other_fact_id,
+                ConsolidationDecision.llm_call_id,
+            ).where(ConsolidationDecision.decided_by == "model")
+        ).all()
+    order = order[-len(model.asked) :]  # the recorded questions' calls (the first run's came before)
+    wrong = [
+        (texts[new], texts[old])
+        for new, old, call in rows
+        if (texts[new], texts[old]) not in model.pairs[order.index(call)]
+    ]
+    assert not wrong and len({call for _, _, call in rows}) > 1, wrong
     current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
     assert current == ["Alice Example lives in Aveiro now."]
 

@@ -4,7 +4,7 @@ reopened) and its audit rows, in the caller's transaction (``ConsolidationStore.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +28,7 @@ def write_decision(
     entity_key: str,
     job_id: int | None,
     decision: Resolved,
-    llm_call_id: int | None,
+    call_ids: Mapping[int, int] | None,
 ) -> bool:
     values: dict[str, Any] = {"consolidated_at": None if decision.reconsider else func.now()}
     if decision.since is not None:
@@ -80,7 +80,7 @@ def write_decision(
             rows += _slot_into_chain(session, closing.older.id, closing.older.since, closing.newer.id)
         else:
             rows += _reopen_later_restatements(session, closing)
-    insert_rows(session, source_id, entity_key, job_id, rows, llm_call_id)
+    insert_rows(session, source_id, entity_key, job_id, rows, call_ids)
     return True
 
 
@@ -202,10 +202,14 @@ def insert_rows(
     entity_key: str,
     job_id: int | None,
     rows: Sequence[tuple[int, Row]],
-    llm_call_id: int | None = None,
+    call_ids: Mapping[int, int] | None = None,
 ) -> None:
+    """The audit rows; a model row names the llm_calls row that answered its own pair (``call_ids`` by
+    pair number): a fact's pairs may be answered by several calls (across a question's boundary, in
+    the halves of a cut-off or refused one, a skipped pair asked alone), and each row named the first."""
     if not rows:
         return
+    answered_by = call_ids or {}
     session.execute(
         pg_insert(ConsolidationDecision),
         [
@@ -219,7 +223,7 @@ def insert_rows(
                 "decided_by": row.decided_by,
                 "reason": row.reason,
                 "similarity": row.similarity,
-                "llm_call_id": llm_call_id if row.decided_by == "model" else None,
+                "llm_call_id": answered_by.get(row.pair) if row.pair is not None else None,
             }
             for fact_id, row in rows
         ],

@@ -158,7 +158,7 @@ def _consolidate_round(
         )
     ]
     resolved = [
-        (decision, next((call_ids[p.number] for p in plan.asked if p.number in call_ids), None))
+        (decision, {p.number: call_ids[p.number] for p in plan.asked if p.number in call_ids})
         for plan, decision in zip(plans, decisions, strict=True)
     ]
     for start in range(0, len(resolved), DECISIONS_PER_COMMIT):

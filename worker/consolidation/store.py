@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -199,9 +199,10 @@ class ConsolidationStore:
         source_id: str,
         entity_key: str,
         job_id: int | None,
-        decisions: Sequence[tuple[Resolved, int | None]],
+        decisions: Sequence[tuple[Resolved, Mapping[int, int] | None]],
     ) -> list[bool | None]:
-        """One transaction for a run of decisions (each with the llm_calls row it came from): the
+        """One transaction for a run of decisions (each with the llm_calls rows its pairs' answers came
+        from, by pair number): the
         entity's checkpoint row locked, then per decision the new fact marked consolidated (only if it
         was not: False for it and nothing of it written), its effect (duplicate link, intervals
         closed) and its audit rows; the checkpoint advanced by the decisions written. A decision naming
@@ -211,11 +212,11 @@ class ConsolidationStore:
         with self._factory.begin() as session:
             created = lock_checkpoint(session, source_id, entity_key)
             present = _hold_facts(session, {i for decision, _ in decisions for i in decision.fact_ids})
-            for decision, llm_call_id in decisions:
+            for decision, call_ids in decisions:
                 if not decision.fact_ids <= present:
                     done.append(None)  # a fact it names went meanwhile: the next round decides it again
                     continue
-                done.append(write_decision(session, source_id, entity_key, job_id, decision, llm_call_id))
+                done.append(write_decision(session, source_id, entity_key, job_id, decision, call_ids))
             # Decisions written (a fact left to decide again is written, and counted, twice).
             written = [d.fact_id for (d, _), ok in zip(decisions, done, strict=True) if ok]
             if created and not any(done):

@@ -117,6 +117,7 @@ class Row:
     decided_by: str
     reason: str
     similarity: float | None = None
+    pair: int | None = None  # a model row's pair number: which call answered it is looked up by it
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def resolve(plan: FactPlan, answers: dict[int, PairDecision]) -> Resolved:
     for pair in plan.asked:
         answer = answers.get(pair.number)
         verdict, reason = (answer.verdict, answer.reason) if answer else ("unrelated", UNANSWERED_REASON)
-        rows.append(Row(pair.old.id, verdict, "model", reason, pair.similarity))
+        rows.append(Row(pair.old.id, verdict, "model", reason, pair.similarity, pair.number))
         if verdict == "duplicate" and duplicate_of is None:
             duplicate_of = pair.old.id
         elif verdict in ("updates", "contradicts"):
