@@ -1457,6 +1457,39 @@ def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
     assert any(reason != UNANSWERED_REASON for reason, _, _ in rows)  # the others were decided
 
 
+def test_a_stopping_worker_writes_the_answers_its_round_paid_for(tx_factory, llm) -> None:
+    """The guard (which raises once the worker begins to stop) ran before each commit: a SIGTERM after a
+    round's questions were answered threw every answer away, and the next worker paid for them again.
+    What is paid for is written while the lease holds; the stop comes at the next question."""
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    arrive(tx_factory, llm, lives("2026-01-05", "Lisbon"), lives("2026-02-05", "Porto"), each=False)
+    with tx_factory.begin() as session:  # decide again, under a worker that begins to stop
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    asked: list[int] = []
+
+    class Asked:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(1)
+            return llm.chat(request)
+
+    def stopping_once_answered() -> None:
+        if asked:
+            raise WorkerStoppingError("the worker is stopping")
+
+    leases: list[int] = []
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    run = EntityRun("default", ALICE, guard=stopping_once_answered, lease=lambda: leases.append(1))
+    counters = consolidate_entity(store, Asked(), run)
+    assert asked == [1] and leases and counters.llm_calls == 1
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert current == ["Alice Example lives in Porto now."]  # Porto's answer was written
+
+
 def test_a_backfill_of_a_years_moves_leaves_only_the_last_current(tx_factory, llm) -> None:
     """Seven sayings of where Alice lives, consolidated in one round (a backfill): the last was asked
     about the five oldest, not June's, and June's and July's both stayed current."""

@@ -47,6 +47,7 @@ def consolidate_job(ctx: JobContext) -> WorkResult:
         job_id=job.id,
         guard=guard,
         before_call=lambda: rt.budget.check(job.id),
+        lease=ctx.lease,
     )
     # A worker's run leaves the facts whose vectors their page's follow-up is still making for that
     # follow-up's request (the catch-up's, should it be lost); an operator's decides what is there now.

@@ -95,6 +95,9 @@ class EntityRun:
     job_id: int | None = None
     guard: Callable[[], None] = lambda: None  # between decisions: lease lost? worker stopping? switch off?
     before_call: Callable[[], None] = lambda: None  # the budget check before the call
+    # Before writing answers already paid for: the lease alone. The guard also raises once the worker
+    # begins to stop, which threw away a round's answers (up to ~63 calls) and the next worker paid again.
+    lease: Callable[[], None] = lambda: None
 
     def between_tries(self) -> None:
         """Asked between the gateway's tries of one call (a retry waits minutes on an outage)."""
@@ -162,7 +165,7 @@ def _consolidate_round(
         for plan, decision in zip(plans, decisions, strict=True)
     ]
     for start in range(0, len(resolved), DECISIONS_PER_COMMIT):
-        run.guard()
+        run.lease()
         chunk = resolved[start : start + DECISIONS_PER_COMMIT]
         written = store.commit_decisions(run.source_id, run.entity_key, run.job_id, chunk)
         for (decision, _), ok in zip(chunk, written, strict=True):
