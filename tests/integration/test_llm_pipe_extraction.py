@@ -154,3 +154,37 @@ def test_pages_of_several_jobs_share_one_pipe_and_each_commits_exactly_once(fact
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(Fact).where(Fact.is_audit)) == len(pages)
+
+
+def test_a_run_whose_lease_lapsed_commits_nothing_more_and_keeps_the_spend(factory, simulator) -> None:
+    """The lease was checked on the pipe's threads before calls only: a worker whose lease lapsed went
+    on committing every result it held, and the worker that had taken the job over met a checkpoint
+    conflict, spending an attempt and its own paid window. Checked before each commit now; what was
+    paid for and not committed is still recorded."""
+    from models import LLMCall
+    from worker.accounting import Budget, Ledger
+    from worker.config_store import ConfigReader
+    from worker.extraction.service import extract_conversation_facts
+    from worker.extraction.store import ExtractionStore
+    from worker.jobs.leases import LeaseLostError
+
+    slug = "conversations/lapsed"
+    put_pages(factory, {slug: conversation(12, segments=4)})
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    checks: list[int] = []
+
+    def lease() -> None:
+        checks.append(1)
+        if len(checks) > 1:
+            raise LeaseLostError("the job's lease lapsed")
+
+    config = ConfigReader(factory, ttl=0)
+    options = ExtractOptions(slug=slug, override_disabled=True, segment_concurrency=1)
+    store = ExtractionStore(factory, Ledger(config.get))
+    with pytest.raises(LeaseLostError):
+        extract_conversation_facts(store, llm, options, config, Budget(factory, config.get), lease=lease)
+    with factory() as session:
+        checkpoint = session.scalars(select(OpCheckpoint)).one()
+        calls = session.scalar(select(func.count()).select_from(LLMCall))
+    assert checkpoint.messages_done == 3  # the first segment's commit, and nothing after the lapse
+    assert calls == 2  # the second segment was paid for: its call is recorded

@@ -79,6 +79,12 @@ class SegmentCommitter:
         self.progress = progress
         self.max_segment_failures = max_segment_failures
         self.on_facts_committed = on_facts_committed
+        # The job's lease alone, checked before each commit on the page's thread: the guard runs on the
+        # pipe's threads before calls, so a worker whose lease lapsed went on committing every result it
+        # held (up to twice the pipe), and the worker that took the job over met a checkpoint conflict,
+        # spending an attempt and throwing its own paid window away. Not the stopping worker's check:
+        # what is paid for is written while the lease holds.
+        self.lease: Callable[[], None] | None = None
         self.page_gone = False  # a commit found the page changed: what it discards gets no audit rows
         # The page being committed, as planned: attempts recorded outside a commit hold its row and
         # write no audit rows once an erasure took it (they named it after the erasure had run).
@@ -272,6 +278,8 @@ class SegmentCommitter:
         into ``handed`` as the store is asked (it keeps the spend of a commit it refuses)."""
         if not run:
             return expected
+        if self.lease is not None:
+            self.lease()  # LeaseLostError: the caller keeps the spend of what it was not handed
         skipped = expected.skipped if expected else ()
         for commit, index in run:
             if commit.skip is not None:

@@ -71,6 +71,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         rt.config,
         rt.budget,
         guard=ctx.guard,
+        lease=ctx.lease,
         pipe=rt.llm_pipe,
         on_facts_committed=embed_in_background(rt) if settings.embed_after_extraction else None,
     )

@@ -306,13 +306,16 @@ def extract_conversation_facts(
     *,
     progress: ExtractionProgress | None = None,
     guard: Callable[[], None] | None = None,
+    lease: Callable[[], None] | None = None,
     pipe: LLMPipe | None = None,
     on_facts_committed: FactsCommitted | None = None,
 ) -> ExtractionCounters:
-    """The run over a store: see ``run_extract_conversation_facts``."""
+    """The run over a store: see ``run_extract_conversation_facts``. ``lease`` (a job's) is checked
+    before each commit; ``guard`` before each call."""
     run = ExtractionRun(
         store, options, config, budget, progress=progress, guard=guard, on_facts_committed=on_facts_committed
     )
+    run.committer.lease = lease
     return extract_pages(run, llm, pipe)
 
 
