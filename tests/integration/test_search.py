@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import struct
+import typing
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -1447,6 +1448,14 @@ def test_an_embedding_fault_skips_a_plain_querys_vectors_and_refuses_a_vec_line_
 def test_api_is_in_the_openapi_document(api: TestClient) -> None:
     paths = api.get("/openapi.json").json()["paths"]
     assert {"get", "post"} <= set(paths["/v1/search"])
+    # The kinds it takes are the facts' kinds (the API and the MCP tool each wrote the list out again:
+    # a kind added to the facts was refused by both while the CLI took it).
+    from worker.core.facts import FACT_KINDS
+    from worker.mcp.inputs import KindName
+
+    [kind] = [p for p in paths["/v1/search"]["get"]["parameters"] if p["name"] == "kind"]
+    assert [s.get("enum") for s in kind["schema"]["anyOf"] if "enum" in s] == [list(FACT_KINDS)]
+    assert typing.get_args(KindName) == FACT_KINDS
 
 
 # --------------------------------------------------------------------------- CLI

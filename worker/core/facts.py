@@ -6,12 +6,15 @@ import json
 import math
 import unicodedata
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from worker.core.delimiters import wrap_in_tag
 from worker.core.jsonvalues import EchoedExampleError, SecondObjectError, made_storable, reply_json
 
-FACT_KINDS = ("event", "preference", "commitment", "belief", "fact")
+# A fact's kind, as a type (the API's and the MCP tool's inputs take it) and as the tuple the schema,
+# the database's check and validation read: one list.
+FactKind = Literal["event", "preference", "commitment", "belief", "fact"]
+FACT_KINDS: tuple[str, ...] = get_args(FactKind)
 NOTABILITY_LEVELS = ("high", "medium", "low")
 DEFAULT_MAX_FACTS = 10
 MAX_FACTS_LIMIT = 25

@@ -21,7 +21,7 @@ from worker.compaction import (
     check_transcript_id,
 )
 from worker.compaction.erase import ErasedSinceSignedError
-from worker.core.facts import MAX_ENTITY_NAME_CHARS
+from worker.core.facts import MAX_ENTITY_NAME_CHARS, FactKind
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, check_source_id
@@ -53,7 +53,7 @@ SeqCursor = Annotated[int | None, Strict(), Field(ge=-1, le=2**31 - 1), JSON_INT
 # text), and no agent's context holds more; past it the error points to the history's pages.
 MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
 MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency keys are scoped by
-KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+KindName = FactKind
 AsOf = Annotated[
     datetime | None,
     Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),

@@ -6,7 +6,7 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
@@ -17,7 +17,7 @@ from worker.api.auth import Reader
 from worker.api.deps import ApiContext, Context, json_request_body, parse_json_model, read_body
 from worker.api.errors import ApiError, error_responses
 from worker.api.inputs import EntityName, SourceIdField, SourceIdQuery, StorableStr
-from worker.core.facts import ENTITY_PATTERN
+from worker.core.facts import ENTITY_PATTERN, FactKind
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer
 from worker.llm.errors import BudgetExhaustedError
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # A search body is a query document of at most MAX_QUERY_CHARS and a few filters.
 MAX_SEARCH_BODY_BYTES = 64 * 1024
-KindName = Literal["event", "preference", "commitment", "belief", "fact"]  # = models.FACT_KINDS
+KindName = FactKind
 
 
 # A query document is a small language JSON Schema cannot state, so the document names it as a format
