@@ -1381,6 +1381,22 @@ def test_a_document_of_more_search_lines_than_one_request_runs_is_400(api: TestC
     assert api.get("/v1/search", params={"q": within + "\nlex: one more"}).status_code == 400
 
 
+def test_an_intent_past_its_limit_is_refused_by_every_door(
+    api: TestClient, plain_factory: sessionmaker[Session], llm: Any
+) -> None:
+    """Only the API's and the MCP tool's input schemas held the intent to its limit: the CLI's --intent
+    sent any length into the expansion prompt (paid from the readers' budget), and a document's
+    intent: line passed the API's own limit."""
+    from worker.search import MAX_INTENT_CHARS
+
+    long = "x" * (MAX_INTENT_CHARS + 1)
+    with pytest.raises(SearchError, match=f"the intent is {MAX_INTENT_CHARS + 1} characters"):
+        search(plain_factory, llm, "alice", intent=long)  # the service, as the CLI calls it
+    response = api.post("/v1/search", json={"q": f"intent: {long}\nlex: alice"})
+    assert response.status_code == 400 and "the intent is" in response.json()["detail"]
+    assert api.post("/v1/search", json={"q": f"intent: {long[1:]}\nlex: alice"}).status_code == 200
+
+
 def test_api_vec_without_pgvector_is_501(api: TestClient) -> None:
     response = api.get("/v1/search", params={"q": "vec: dogs"})
     assert response.status_code == 501

@@ -57,6 +57,7 @@ from worker.search.errors import (
 from worker.search.llm_source import LLMSource, resolve_llm
 from worker.search.store import LineQuery, SearchStore
 from worker.search.values import (
+    MAX_INTENT_CHARS,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
     MAX_SEARCH_LINES,
@@ -105,6 +106,11 @@ def search(store: SearchStore, llm: LLMSource, request: SearchRequest) -> Search
         raise SearchError(f"the query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}")
     intent = request.intent.strip() if request.intent and request.intent.strip() else None
     parsed = parse_structured_query(query)
+    # The intent goes into the expansion prompt (paid from the readers' budget) and back in the answer:
+    # held to its limit here, where the CLI's --intent and a document's intent: line meet the API's.
+    for said in (intent, parsed.intent if parsed is not None else None):
+        if said is not None and len(said) > MAX_INTENT_CHARS:
+            raise SearchError(f"the intent is {len(said)} characters; keep it to {MAX_INTENT_CHARS}")
     if parsed is not None and len(parsed.searches) > MAX_SEARCH_LINES:
         raise SearchError(
             f"the query document has {len(parsed.searches)} search lines; at most {MAX_SEARCH_LINES} are "
