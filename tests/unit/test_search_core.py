@@ -102,6 +102,14 @@ def test_idf_falls_as_a_word_gets_common() -> None:
 
 def test_plain_text_strips_an_expand_line() -> None:
     assert plain_text("  expand:  where   did alice move ") == "where did alice move"
+    # Trimmed by the parser's own rule: with a byte-order mark (a file saved with one) the parser read a
+    # plain expand: line while "expand" stayed a search word, and a BOM alone was a paid query.
+    from worker.core.intent import parse_structured_query
+
+    assert parse_structured_query("\ufeffexpand: team growth") is None
+    assert plain_text("\ufeffexpand: team growth\u3000") == "team growth"
+    assert plain_text("\ufeff") == plain_text("   ") == ""
+    assert plain_text("EXPAND:\tx") == "x"
 
 
 def test_fusion_sums_reciprocal_ranks_and_rewards_the_top() -> None:

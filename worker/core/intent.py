@@ -314,6 +314,19 @@ def _trim(text: str) -> str:
     return text.strip(_EDGE_SPACE)
 
 
+def plain_query_text(query: str) -> str | None:
+    """What a plain query (``parse_structured_query`` returned None for it) asks, trimmed as the parser
+    trims a line (byte-order mark included), without a single ``expand:`` line's prefix; None when
+    nothing is left. One rule with the parser: trimmed apart, a document saved with a BOM kept
+    "expand:" as a search word (and sent it to the model), and a BOM alone was a query that paid for
+    an expansion and an embedding where blanks got a 400."""
+    line = _trim(query)
+    expand = _EXPAND_PREFIX.match(line)
+    if expand is not None:
+        line = _trim(line[expand.end() :])
+    return line or None
+
+
 def parse_structured_query(text: str) -> StructuredQuery | None:
     """Parse a query document of ``lex:``/``vec:``/``hyde:``/``intent:`` lines.
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.core.intent import INTENT_STOP_WORDS, SearchType, search_type
+from worker.core.intent import INTENT_STOP_WORDS, SearchType, plain_query_text, search_type
 
 __all__ = [
     "BM25_B",
@@ -108,11 +108,8 @@ def snippet_words(query: str) -> str:
 
 def plain_text(query: str) -> str:
     """A plain query's words, one space apart; a single "expand: ..." line is a plain query spelled out
-    (the structured-query parser returns None for it)."""
-    stripped = query.strip()
-    if stripped.lower().startswith("expand:"):
-        stripped = stripped[len("expand:") :].strip()
-    return " ".join(stripped.split())
+    (the structured-query parser returns None for it). Trimmed by the parser's rule (plain_query_text)."""
+    return " ".join((plain_query_text(query) or "").split())
 
 
 def _bare(word: str) -> str:
