@@ -1461,6 +1461,48 @@ def test_an_embedding_fault_skips_a_plain_querys_vectors_and_refuses_a_vec_line_
             search(vector_factory, sim_client(faulty), "vec: greyhound pet")
 
 
+def test_an_embedding_the_provider_refuses_for_the_deployment_is_unavailable_not_retried(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """A wrong key or embedding model (the provider's 401 or 404, deployment_fault) was answered "try
+    again shortly" with Retry-After: 30, and clients retried it for good. It is the deployment's: vector
+    search is unavailable (the API's 501, no retry hint), saying so without the provider's words."""
+    import httpx2
+    import openai
+
+    from worker.llm.errors import to_llm_error
+
+    seed(vector_factory)
+    embed_facts(vector_factory, llm)
+    refusal = openai.AuthenticationError(
+        "Incorrect API key provided: sk-abc***",
+        response=httpx2.Response(
+            401, request=httpx2.Request("POST", "https://api.openai.example/v1/embeddings")
+        ),
+        body={
+            "message": "Incorrect API key provided: sk-abc***",
+            "type": "invalid_request_error",
+            "code": "invalid_api_key",
+        },
+    )
+
+    class WrongKey:  # the simulator's chat, an embedding call the provider refuses as real ones do
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            return llm.chat(request)
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+            raise to_llm_error(refusal)
+
+    with pytest.raises(VectorSearchUnavailableError) as refused:
+        search(vector_factory, WrongKey(), "vec: greyhound pet")
+    said = str(refused.value)
+    assert "HTTP 401 (invalid_api_key)" in said and "sk-abc" not in said and "try again" not in said
+    plain = search(vector_factory, WrongKey(), "greyhound")  # a plain query's vectors: a skipped bonus
+    assert plain.results and plain.results[0].fact == "Bob adopted a greyhound named Pixel"
+
+
 def test_api_is_in_the_openapi_document(api: TestClient) -> None:
     paths = api.get("/openapi.json").json()["paths"]
     assert {"get", "post"} <= set(paths["/v1/search"])

@@ -13,6 +13,7 @@ __all__ = [
     "EmbeddingFailedError",
     "SearchError",
     "VectorSearchUnavailableError",
+    "refused_by_provider",
 ]
 
 # What a search refused for a spent budget says (the API's 503, the MCP tool's refusal).
@@ -51,6 +52,15 @@ class EmbeddingFailedError(Exception):
             f"vector search failed: the embedding call did not succeed ({cause.outcome}{status}); "
             "try again shortly (lex: lines still work)"
         )
+
+
+def refused_by_provider(cause: LLMError) -> str:
+    """Why vector search is unavailable when the provider blamed the deployment (its key, its embedding
+    model, its account): answered "try again shortly" with Retry-After, clients retried it for good."""
+    return (
+        f"vector search unavailable: the provider refused the deployment's embedding call ({cause.log_text}: "
+        "its key, model or account; the server's operator must set it right); lex: lines still work"
+    )
 
 
 UNAVAILABLE_NO_EXTENSION = (

@@ -53,6 +53,7 @@ from worker.search.errors import (
     EmbeddingFailedError,
     SearchError,
     VectorSearchUnavailableError,
+    refused_by_provider,
 )
 from worker.search.llm_source import LLMSource, resolve_llm
 from worker.search.store import LineQuery, SearchStore
@@ -268,6 +269,8 @@ def _run_lines(
                 f"vector search unavailable: {exc} (lex: lines still work)"
             ) from exc
         except LLMError as exc:  # recorded in llm_calls by embed_texts
+            if exc.deployment_fault:  # a wrong key or model, a spent account: no retry helps the reader
+                raise VectorSearchUnavailableError(refused_by_provider(exc)) from exc
             raise EmbeddingFailedError.of(exc) from exc
         problem = vectors_problem(vectors, len(texts))
         if problem:  # the deployment's model, not the query: no vector line can run
