@@ -79,6 +79,8 @@ def test_a_walked_named_pipe_or_broken_link_is_reported_not_skipped_in_silence(
     (tmp_path / "a.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
     os.mkfifo(tmp_path / "pipe.md")
     (tmp_path / "gone.md").symlink_to(tmp_path / "nowhere.md")
+    # An editor's lock beside a page being edited (Emacs: a link to nowhere) is no page, and no error.
+    (tmp_path / ".#a.md").symlink_to("user@host.1234:1700000000")
     report = ingest_paths(tx_factory, [tmp_path], "files")
     assert report.ingested == ["a"]
     assert sorted((Path(p).name, "not a regular file" in why) for p, why in report.errors) == [

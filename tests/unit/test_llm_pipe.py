@@ -634,3 +634,25 @@ def test_a_pipe_refused_more_threads_runs_every_call_on_those_it_has(monkeypatch
         feed.close()
     finally:
         pipe.close()
+
+
+def test_on_a_pipe_narrowed_by_refused_threads_a_second_page_still_gets_its_share(monkeypatch) -> None:
+    """A page's share was half the width: on a pipe the system had let start one thread of four, a page
+    never reached it, took every slot, and a second page's first call waited for all of the first's."""
+    RefusedThreads(monkeypatch, allowed=2)
+    gate = Gate()
+    pipe = LLMPipe(8)
+    try:
+        first = pipe.open(40, gate.call("a"))
+        gate.wait_running(2)
+        second = pipe.open(3, gate.call("b"))
+        gate.release.set()
+        for feed in (first, second):
+            while not feed.finished():
+                feed.take()
+        order = [name for name, _ in gate.started]
+        assert order.index("b") < 10, order  # soon after it opened, not after all forty of a's
+        first.close()
+        second.close()
+    finally:
+        pipe.close()

@@ -1088,3 +1088,11 @@ def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_
     over_cap = Replying(capped)  # a reply over its cap is still asked again, with twice the cap
     extract_segment(over_cap, "**A** (2024-01-01 9:00 AM): hi", 10, 1024)  # type: ignore[arg-type]
     assert over_cap.caps == [1024, 2048]
+    # A batch's (a backfill's) repeats on every pass at the same cap: permanent, as a refusal is.
+    from worker.extraction.batch import batch_segment_result
+    from worker.llm.batch_api import BatchItem
+    from worker.llm.batches import AnthropicBatchClient
+
+    batches = AnthropicBatchClient(chat)
+    assert batch_segment_result(BatchItem(cut), batches, 10, 1024).permanent
+    assert not batch_segment_result(BatchItem(capped), batches, 10, 1024).permanent

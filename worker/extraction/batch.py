@@ -135,8 +135,10 @@ def batch_segment_result(item: BatchItem, client: BatchLLMClient, max_facts: int
         return SegmentResult([failed], permanent=rejected)
     attempt = classify_reply(item.response, max_facts, cap)
     attempt.batch = True
-    # Without a repair turn or a retry only a refusal is a permanent failure here (it repeats).
-    return SegmentResult([attempt], permanent=attempt.outcome == "refusal")
+    # Without a repair turn or a retry only what repeats is a permanent failure here: a refusal, and a
+    # reply cut off by the context window (each pass sent it again at the same cap, paid for).
+    permanent = attempt.outcome == "refusal" or item.response.window_full
+    return SegmentResult([attempt], permanent=permanent)
 
 
 @dataclass

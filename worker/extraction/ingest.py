@@ -239,7 +239,9 @@ def _walk(root: Path, on_error: Callable[[Path, str], None] | None) -> list[Path
                 continue
             if path.is_file():
                 found.append(path)
-            elif on_error is not None:  # a named pipe, a socket, a link to nothing: skipped without a word
+            elif on_error is not None and not name.startswith("."):
+                # A named pipe, a socket, a link to nothing: skipped without a word. Not a hidden one: an
+                # editor's lock (Emacs's .#page.md, a link to nowhere) failed the run of a healthy folder.
                 on_error(path, "not a regular file (a named pipe, socket or broken link); not read")
     return sorted(found)
 

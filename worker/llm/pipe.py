@@ -240,9 +240,12 @@ class LLMPipe:
         """Under the lock: the oldest feed that may start a call and holds less than its share, else
         the oldest that may start one at all (a lone large page takes the whole pipe)."""
         fallback = None
+        # A feed's share of the threads running (fewer than the width when the system refused some):
+        # of the width, a page on a narrowed pipe never reached its share and took every slot.
+        cap = max(1, len(self._threads) // 2)
         for feed in self._feeds:
             if feed.startable():
-                if feed.in_flight < feed.share:
+                if feed.in_flight < min(feed.share, cap):
                     return feed
                 if fallback is None:
                     fallback = feed
