@@ -1457,6 +1457,43 @@ def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
     assert any(reason != UNANSWERED_REASON for reason, _, _ in rows)  # the others were decided
 
 
+def test_a_model_that_refuses_the_whole_entity_fails_the_round_after_a_few_calls(
+    tx_factory, llm, simulator
+) -> None:
+    """Halving a refused question down to its last pair is for one fact's text: when the model refuses
+    what every question shares (the entity), each question of 40 pairs cost 79 calls and every pair was
+    written as unrelated. Once SHARED_REFUSAL_PAIRS are refused alone with none answered, the round
+    stops unwritten and the job retries, as before the split."""
+    from worker.consolidation.service import SHARED_REFUSAL_PAIRS, ConsolidationReplyError
+
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")  # 20 pairs
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
+    refusing = OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "refusal"},
+    )
+    asked: list[int] = []
+
+    class RefusingAll:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(request.messages[0][1].count(" OLD ("))
+            return refusing.chat(request)
+
+    with tx_factory.begin() as session:  # decide again, through the refusing client
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    with pytest.raises(ConsolidationReplyError, match="refuses what they share"):
+        consolidate(tx_factory, RefusingAll())
+    assert asked.count(1) == SHARED_REFUSAL_PAIRS and len(asked) < 3 * SHARED_REFUSAL_PAIRS, asked
+    with tx_factory() as session:
+        assert not session.scalar(select(func.count()).select_from(ConsolidationDecision))
+
+
 def test_a_stopping_worker_writes_the_answers_its_round_paid_for(tx_factory, llm) -> None:
     """The guard (which raises once the worker begins to stop) ran before each commit: a SIGTERM after a
     round's questions were answered threw every answer away, and the next worker paid for them again.

@@ -56,6 +56,8 @@ class ConsolidationCounters:
     decisions: dict[str, int] = field(default_factory=dict)
     llm_calls: int = 0
     pairs_asked: int = 0
+    pairs_answered: int = 0
+    pairs_refused: int = 0  # refused by the model on their own (kept as unrelated)
     prompt_tokens: int = 0
     restored: int = 0
     already_decided: int = 0
@@ -66,6 +68,7 @@ class ConsolidationCounters:
             "decisions": dict(self.decisions),
             "llm_calls": self.llm_calls,
             "pairs_asked": self.pairs_asked,
+            "pairs_refused": self.pairs_refused,
             "prompt_tokens": self.prompt_tokens,
             "restored": self.restored,
             "already_decided": self.already_decided,
@@ -199,14 +202,73 @@ def _ask_model(
         # as unrelated, with a reason that says so (not a retry of the job: it would pay for the round
         # again, and a model that skips a pair twice would skip it on every retry too).
         counters.pairs_asked += len(chunk)  # once: a pair asked again is still one pair
-        for _ask in range(2):
-            got, asked_in = _decide_pairs(store, llm, run, chunk, counters)
-            answers.update(got)
-            call_ids.update(asked_in)  # a pair still unanswered: its last ask
-            chunk = [p for p in chunk if p.number in asked_in and p.number not in got]
+        for _asked_twice in range(2):
+            decided = _decide_pairs(store, llm, run, chunk, counters)
+            answers.update(decided.answers)
+            call_ids.update(decided.asked_in)  # a pair still unanswered: its last ask
+            chunk = [
+                p
+                for p in chunk
+                if p.number in decided.asked_in
+                and p.number not in decided.answers
+                and p.number not in decided.refused
+            ]
             if not chunk:
                 break
     return answers, call_ids
+
+
+@dataclass
+class _Decided:
+    """What a question (and the questions it was split into) came to: the decisions by pair number,
+    the llm_calls row each pair was last asked in, and the pairs refused on their own (not asked
+    again: a refusal of one pair alone repeats)."""
+
+    answers: dict[int, PairDecision] = field(default_factory=dict)
+    asked_in: dict[int, int] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)
+
+    def add(self, other: _Decided) -> None:
+        self.answers.update(other.answers)
+        self.asked_in.update(other.asked_in)
+        self.refused |= other.refused
+
+
+# A run in which the model refused this many pairs on their own and answered none refuses what they
+# share (the entity, its subject), not one fact's text: the job retries as before. Halved to the last
+# pair, each question of 40 such pairs cost 79 calls, and every pair was written as unrelated.
+SHARED_REFUSAL_PAIRS = 8
+
+# A question asked: the pairs it held (those whose facts are still there), the request, the reply and its
+# llm_calls row.
+_Question = tuple[list[AskedPair], ChatRequest, ChatResponse, int]
+
+
+def _halves(pairs: Sequence[AskedPair]) -> tuple[Sequence[AskedPair], Sequence[AskedPair]]:
+    return pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]
+
+
+def _ask(
+    store: ConsolidationStore,
+    llm: LLMClient,
+    run: EntityRun,
+    pairs: Sequence[AskedPair],
+    counters: ConsolidationCounters,
+    at_least: int = 0,
+) -> _Question | None:
+    """One question on ``pairs``; None when none of their facts is left to ask about."""
+    run.guard()
+    # Not a fact an erasure (or a re-extraction) removed since the round was read: its text goes to no
+    # provider after the erasure returned (its decision would not be written).
+    there = store.existing({fact.id for pair in pairs for fact in (pair.new, pair.old)})
+    kept = [pair for pair in pairs if pair.new.id in there and pair.old.id in there]
+    if not kept:
+        return None
+    request = consolidation_request(run.entity_key, kept, at_least)
+    response, call_id = _call(store, llm, run, request)
+    counters.llm_calls += 1
+    counters.prompt_tokens += response.usage.input_tokens
+    return kept, request, response, call_id
 
 
 def _decide_pairs(
@@ -216,42 +278,66 @@ def _decide_pairs(
     pairs: Sequence[AskedPair],
     counters: ConsolidationCounters,
     at_least: int = 0,
-) -> tuple[dict[int, PairDecision], dict[int, int]]:
-    """The decisions (by pair number) and the llm_calls row each pair was asked in (a pair whose facts
-    are gone is not asked). An answer cut off at its token cap (a model's long reasons) is asked again
-    in halves, each under at least that cap: asked again whole, it was cut at the same place on every
-    retry of the job, each paid for; so is a refused one. One pair's cut-off answer is an unusable
-    answer (the job retries); one pair's refusal leaves it unanswered."""
-    run.guard()
-    # Not a fact an erasure (or a re-extraction) removed since the round was read: its text goes to no
-    # provider after the erasure returned (its decision would not be written).
-    there = store.existing({fact.id for pair in pairs for fact in (pair.new, pair.old)})
-    pairs = [pair for pair in pairs if pair.new.id in there and pair.old.id in there]
-    if not pairs:
-        return {}, {}
-    request = consolidation_request(run.entity_key, pairs, at_least)
-    response, call_id = _call(store, llm, run, request)
-    counters.llm_calls += 1
-    counters.prompt_tokens += response.usage.input_tokens
-    if response.finish in ("truncated", "refusal") and len(pairs) > 1:
-        # A refusal is one fact's text (a content filter): asked again whole, the job's every retry was
-        # refused the same way and the entity was never consolidated again. Halved, the others are
-        # decided, and the pair refused alone is kept as unrelated.
-        answers: dict[int, PairDecision] = {}
-        asked_in: dict[int, int] = {}
-        for half in (pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]):
-            got, ids = _decide_pairs(store, llm, run, half, counters, request.max_tokens)
-            answers.update(got)
-            asked_in.update(ids)
-        return answers, asked_in
+) -> _Decided:
+    """The decisions for ``pairs`` (a pair whose facts are gone is not asked)."""
+    question = _ask(store, llm, run, pairs, counters, at_least)
+    return _Decided() if question is None else _answered(store, llm, run, counters, question)
+
+
+def _answered(
+    store: ConsolidationStore,
+    llm: LLMClient,
+    run: EntityRun,
+    counters: ConsolidationCounters,
+    question: _Question,
+) -> _Decided:
+    """What a question's reply says. An answer cut off at its token cap (a model's long reasons) is asked
+    again in halves, each under at least that cap: asked again whole, it was cut at the same place on
+    every retry of the job, each paid for. One pair's cut-off answer is an unusable answer (the job
+    retries). A refusal is split (``_refused``)."""
+    pairs, request, response, call_id = question
+    if response.finish == "truncated" and len(pairs) > 1:
+        decided = _Decided()
+        for half in _halves(pairs):
+            decided.add(_decide_pairs(store, llm, run, half, counters, request.max_tokens))
+        return decided
     if response.finish == "refusal":
-        return {}, {pairs[0].number: call_id}  # unanswered: asked once more alone, then unrelated
+        return _refused(store, llm, run, counters, question)
     if response.finish != "end":
         raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
     try:
-        return parse_decisions(response.text, [p.number for p in pairs]), {p.number: call_id for p in pairs}
+        answers = parse_decisions(response.text, [p.number for p in pairs])
     except MalformedDecisionsError as exc:
         raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
+    counters.pairs_answered += len(answers)
+    return _Decided(answers, {p.number: call_id for p in pairs})
+
+
+def _refused(
+    store: ConsolidationStore,
+    llm: LLMClient,
+    run: EntityRun,
+    counters: ConsolidationCounters,
+    question: _Question,
+) -> _Decided:
+    """A refused question. One fact's text (a content filter) is refused in every question that holds
+    it: asked again whole, the job's every retry was refused and the entity was never consolidated
+    again. So it is halved, and a refused half halved again, down to the pairs refused alone, kept as
+    unrelated and not asked again; the rest are decided. A run that has had SHARED_REFUSAL_PAIRS refused
+    alone and none answered stops (the job retries, as before this split)."""
+    pairs, request, _, call_id = question
+    if len(pairs) == 1:
+        counters.pairs_refused += 1
+        if counters.pairs_refused >= SHARED_REFUSAL_PAIRS and not counters.pairs_answered:
+            raise ConsolidationReplyError(
+                f"the model refused {counters.pairs_refused} pairs on their own and answered none: it "
+                "refuses what they share (the entity, its subject), not one fact"
+            )
+        return _Decided(asked_in={pairs[0].number: call_id}, refused={pairs[0].number})
+    decided = _Decided()
+    for half in _halves(pairs):
+        decided.add(_decide_pairs(store, llm, run, half, counters, request.max_tokens))
+    return decided
 
 
 def _call(
