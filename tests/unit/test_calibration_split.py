@@ -359,6 +359,12 @@ def test_describe_tau_marks_the_epsilon_bump() -> None:
     assert describe_tau(0.0) == "0"
     assert describe_tau(1.0) == "1"
     assert describe_tau(0.123456) == "0.1235"
+    # Rounded to 4 places these read "1" (a τ of 1 is never activated) and lost their mark.
+    eps = sys.float_info.epsilon
+    assert describe_tau(0.99996 + eps) == "0.99996+ε"
+    assert describe_tau(1e-05 + eps) == "1e-05+ε"
+    assert describe_tau(0.999996) == "0.999996"
+    assert describe_tau(0.6153846153846154 + eps) == "0.6154"  # no round value under it: 4 digits
 
 
 def histogram_bin(value: float, edges: list[float]) -> int:

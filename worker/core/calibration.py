@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,10 +42,17 @@ def describe_tau(tau: float) -> str:
     calibrate_threshold puts τ one machine epsilon above a lost case's coverage so that case is
     rejected; printing it as plain ``0.5`` would suggest a summary at exactly 0.5 passes.
     """
-    rounded = round(tau, 4)
-    if tau != rounded and abs(tau - rounded) < 1e-9:
-        return f"{rounded:g}+ε" if tau > rounded else f"{rounded:g}-ε"
-    return f"{tau:.4g}"
+    # The round value it sits by, written in up to 8 significant digits: rounded to 4 places, 0.99996+ε
+    # read "τ = 1" (no τ of 1 is ever activated) and 1e-05+ε lost its mark.
+    for digits in range(4, 9):
+        for sign, mark in ((1, "+ε"), (-1, "-ε")):
+            base = float(f"{tau - sign * sys.float_info.epsilon:.{digits}g}")
+            if base != tau and base + sign * sys.float_info.epsilon == tau:
+                return f"{base:.{digits}g}{mark}"
+    digits = 4
+    while digits < 17 and tau not in (0.0, 1.0) and float(f"{tau:.{digits}g}") in (0.0, 1.0):
+        digits += 1  # never "1" (or "0") for a τ that is not
+    return f"{tau:.{digits}g}"
 
 
 class ObservationError(ValueError):
