@@ -1244,6 +1244,40 @@ def test_a_page_erased_mid_run_is_neither_sent_to_the_model_nor_linked_to(factor
     assert all(f.consolidated_at is not None for fs in facts.values() for f in fs), "all decided"
 
 
+def test_a_page_erased_while_its_call_waits_to_try_again_is_not_sent_on_the_next_try(factory, llm) -> None:
+    """The facts were looked up once, before the call: an erasure that returned during the gateway's
+    backoff (minutes in an outage) had its page's text sent to the provider on the next try."""
+    from worker.extraction.erase import erase_page
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(factory, slug, body)
+        extract(factory, llm, slug)
+    sent: list[str] = []
+
+    class Sent:  # the real simulator client, what reaches it noted
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            sent.append(request.messages[0][1])
+            return llm.chat(request)
+
+    def erase_january_in_the_backoff(_seconds: float) -> None:
+        erase_page(factory, "default", JAN_PAGE, "test")
+
+    retrying = RetryingClient(
+        FailsFirst(Sent()), RetryPolicy(max_attempts=3), sleep=erase_january_in_the_backoff
+    )
+    store = ConsolidationStore(factory, Ledger(ConfigReader(factory, ttl=0).get))
+    consolidate_entity(store, retrying, EntityRun("default", ALICE))
+    assert not any("Lisbon" in question for question in sent), sent
+    with factory() as session:  # the failed first try is recorded (it was a request)
+        outcomes = list(session.scalars(select(LLMCall.outcome).where(LLMCall.purpose == "consolidation")))
+    assert outcomes == ["provider_error"]
+    facts = alice(factory)
+    [porto] = facts["Alice Example lives in Porto now."]
+    assert porto.status == "current" and porto.consolidated_at is not None
+
+
 def test_a_round_reads_whole_only_the_facts_it_decides(tx_factory, llm) -> None:
     """Each round read every pending fact whole, vectors included (a backfill's 200,000 on one entity),
     to decide the first 500: the pending facts are listed light, and the round's own read whole."""

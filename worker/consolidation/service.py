@@ -265,7 +265,10 @@ def _ask(
     if not kept:
         return None
     request = consolidation_request(run.entity_key, kept, at_least)
-    response, call_id = _call(store, llm, run, request)
+    try:
+        response, call_id = _call(store, llm, run, request, {f.id for p in kept for f in (p.new, p.old)})
+    except _FactsGoneError:  # its tries so far are recorded: asked again without the facts that went
+        return _ask(store, llm, run, kept, counters, at_least)
     counters.llm_calls += 1
     counters.prompt_tokens += response.usage.input_tokens
     return kept, request, response, call_id
@@ -340,19 +343,30 @@ def _refused(
     return decided
 
 
+class _FactsGoneError(Exception):
+    """A fact of the question went (an erasure, a re-extraction) while its call waited to try again."""
+
+
 def _call(
-    store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest
+    store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest, fact_ids: set[int]
 ) -> tuple[ChatResponse, int]:
-    """One call, recorded in llm_calls whatever its end (a budget refusal makes no call and no row)."""
+    """One call, recorded in llm_calls whatever its end (a budget refusal makes no call and no row).
+    Between the gateway's tries (a retry's backoff, a rate limit's wait: minutes in an outage) its facts
+    are looked up again: an erasure that returned meanwhile had its page's text sent on the next try."""
     run.before_call()
     started = time.perf_counter()
+
+    def between_tries() -> None:
+        run.between_tries()  # the switch, the lease, the budget
+        if store.existing(fact_ids) != fact_ids:
+            raise _FactsGoneError()
 
     def record_tries(tries: Sequence[AttemptRecord]) -> None:  # the gateway's, before the last
         for failed in LLMCallRecord.failed_tries(CONSOLIDATION_PURPOSE, llm, tries, run.job_id):
             store.record_call(failed)
 
     try:
-        with checked_between_tries(run.between_tries):  # the switch, the lease, the budget
+        with checked_between_tries(between_tries):
             response, tried = chat_with_tries(llm, request)
     except BudgetExhaustedError as exc:
         record_tries(getattr(exc, "attempts", ()))
