@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -499,7 +500,7 @@ def test_an_interrupt_that_waits_for_calls_in_flight_says_so(monkeypatch, caplog
         committer=SimpleNamespace(record_discarded=lambda *args: None),
     )
 
-    def pressed(self: Feed, limit: int | None = None) -> list:  # type: ignore[type-arg]
+    def pressed(self: Feed, limit: int | None = None, patience: Any = None) -> list:  # type: ignore[type-arg]
         in_flight.wait(10)
         threading.Timer(0.2, release.set).start()
         raise KeyboardInterrupt
@@ -655,4 +656,49 @@ def test_on_a_pipe_narrowed_by_refused_threads_a_second_page_still_gets_its_shar
         first.close()
         second.close()
     finally:
+        pipe.close()
+
+
+def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_its_grace_ends(
+    monkeypatch,
+) -> None:
+    """The page waited for its next result (a long retry) however long the stop's grace lasted: the exit
+    then lost every paid result ready behind it (no llm_calls row, paid for again by the next worker).
+    While stopping it waits only until the grace nears its end, records what is ready, and releases."""
+    import time
+    from types import SimpleNamespace
+
+    from worker.extraction import service
+    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    exits_at = time.monotonic() + STOP_RECORD_SECONDS + 0.5  # the grace ends half a second after that
+    monkeypatch.setattr(service, "grace_left", lambda: exits_at - time.monotonic())
+    recorded: list[int] = []
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(
+            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
+        ),
+    )
+    slow = threading.Event()
+    pipe = LLMPipe(4)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int, abandoned: object = None) -> str:
+            if segment == 0:
+                assert slow.wait(WAIT)  # the page's next result: a call still retrying
+            return f"result {segment}"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1, 2, 3], slug="p")
+        batches = extraction.ordered_results(plan)  # type: ignore[arg-type]
+        started = time.monotonic()
+        with pytest.raises(WorkerStoppingError):
+            next(batches)
+        assert time.monotonic() - started < WAIT  # not the slow call's end
+        assert sorted(recorded) == [1, 2, 3]  # paid and ready: recorded before the exit
+    finally:
+        slow.set()
         pipe.close()

@@ -37,8 +37,8 @@ from worker.extraction.planner import PagePlan, PagePlanner
 from worker.extraction.poison import SkippedRetry
 from worker.extraction.segments import DISCARDED_ABORTED, SegmentAbortedError, SegmentResult, extract_segment
 from worker.extraction.store import ExtractionStore, PageRef
-from worker.jobs.shutdown import WorkerStoppingError
-from worker.llm.pipe import Feed, LLMPipe, Outcome
+from worker.jobs.shutdown import WorkerStoppingError, grace_left
+from worker.llm.pipe import Feed, LLMPipe, Outcome, WaitOverError
 from worker.llm.types import LLMClient
 
 # How long an interrupted page still waits for its calls in flight, to record what they cost.
@@ -206,7 +206,15 @@ class OnlineExtraction:
         try:
             while not feed.finished():
                 ready: list[tuple[int, Segment, SegmentResult]] = []
-                taken = feed.take(MAX_SEGMENTS_PER_COMMIT)
+                try:
+                    taken = feed.take(MAX_SEGMENTS_PER_COMMIT, patience=_stop_patience)
+                except WaitOverError:
+                    # The worker is stopping and the page's next result is still out (a long retry): the
+                    # results ready behind it are recorded now, before the grace period's exit loses
+                    # them; the job is released, and its next run asks for them again.
+                    raise WorkerStoppingError(
+                        "the worker is stopping; the job is released to another worker"
+                    ) from None
                 for position, outcome in enumerate(taken):
                     if outcome.error is not None:
                         # It, if it had paid attempts, and those taken with it and finished after it:
@@ -239,7 +247,7 @@ class OnlineExtraction:
                     INTERRUPTED_WAIT_SECONDS,
                 )
             try:
-                left = feed.close()
+                left = feed.close(timeout=_stop_patience())  # stopping: only while the grace lasts
             except BaseException:
                 # Interrupted while the calls in flight finished (Ctrl-C, or the SIGTERM the CLI turns
                 # into SystemExit, at a CLI that looked stuck): they are paid for. A while more for them,
@@ -269,6 +277,18 @@ class OnlineExtraction:
                 why = error_summary(exc)
         if lost:
             logger.warning("could not record the spend of %d result(s) in flight: %s", lost, why)
+
+
+# What a stopping worker keeps of its grace period to record what its pages' calls cost.
+STOP_RECORD_SECONDS = 5.0
+
+
+def _stop_patience() -> float | None:
+    """While the worker stops: how long a page may still wait for a result (the grace period less
+    STOP_RECORD_SECONDS); None otherwise. Waited out, the exit lost every paid result ready behind a
+    slow one (up to twice the pipe): no llm_calls row, and the next worker paid for them again."""
+    left = grace_left()
+    return None if left is None else max(0.0, left - STOP_RECORD_SECONDS)
 
 
 def _paid_result(outcome: Outcome[SegmentResult]) -> SegmentResult | None:

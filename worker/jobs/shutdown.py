@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from worker.settings import get_settings
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _stopping = threading.Event()
 _deadline: threading.Timer | None = None
+_exits_at: float | None = None  # time.monotonic() at which the grace period ends
 
 
 class WorkerStoppingError(RuntimeError):
@@ -28,6 +30,11 @@ class WorkerStoppingError(RuntimeError):
 
 def stopping() -> bool:
     return _stopping.is_set()
+
+
+def grace_left() -> float | None:
+    """Seconds until the grace period ends and the process exits (None: not stopping, or no deadline)."""
+    return None if _exits_at is None else _exits_at - time.monotonic()
 
 
 def check_stopping() -> None:
@@ -47,9 +54,10 @@ def _grace_over(grace_seconds: float) -> None:
 def request_stop(grace_seconds: float) -> None:
     """Set the flag (running jobs release at their next check) and arm the grace-period deadline.
     Called from signal handlers, which Python runs on the main thread only: no lock, no logging."""
-    global _deadline
+    global _deadline, _exits_at
     _stopping.set()
     if _deadline is None:
+        _exits_at = time.monotonic() + grace_seconds
         _deadline = threading.Timer(grace_seconds, _grace_over, args=(grace_seconds,))
         _deadline.daemon = True
         _deadline.start()
@@ -59,10 +67,11 @@ def on_worker_shutdown(**_: Any) -> None:
     """Celery's ``worker_shutdown``: its pool has ended (every job finished or released), so the
     deadline has nothing left to bound. Left armed, it fired during the exit's own clean-up (the
     embedding follow-ups' drain) and turned a clean stop into exit 1, dropping what was still queued."""
-    global _deadline
+    global _deadline, _exits_at
     if _deadline is not None:
         _deadline.cancel()
         _deadline = None
+        _exits_at = None
 
 
 def on_worker_shutting_down(**_: Any) -> None:
@@ -73,6 +82,7 @@ def on_worker_shutting_down(**_: Any) -> None:
 __all__ = [
     "WorkerStoppingError",
     "check_stopping",
+    "grace_left",
     "on_worker_shutdown",
     "on_worker_shutting_down",
     "request_stop",

@@ -40,6 +40,10 @@ T = TypeVar("T")
 REFUSED_THREAD_PAUSE_SECONDS = 10.0
 
 
+class WaitOverError(Exception):
+    """A page stopped waiting for its next result (``Feed.take``'s patience ran out)."""
+
+
 @dataclass(frozen=True)
 class Outcome(Generic[T]):
     """What one call gave: its value, or the exception it raised (re-raised to the page, in order)."""
@@ -96,9 +100,12 @@ class Feed(Generic[T]):
     def finished(self) -> bool:
         return self._handed >= self.count
 
-    def take(self, limit: int | None = None) -> list[Outcome[T]]:
+    def take(
+        self, limit: int | None = None, patience: Callable[[], float | None] | None = None
+    ) -> list[Outcome[T]]:
         """The next results in page order (at least one; waits for it), as many as are ready up to
-        ``limit``; taking also frees the window of what the previous ``take`` returned."""
+        ``limit``; taking also frees the window of what the previous ``take`` returned. ``patience``
+        says how many seconds more the page may wait (None: no limit); past it, WaitOverError."""
         with self._pipe.lock:
             if self._acked < self._handed:
                 self._pipe.wake(self._handed - self._acked)
@@ -106,10 +113,14 @@ class Feed(Generic[T]):
             if self.finished():
                 return []
             while self._handed not in self._done:
+                left = patience() if patience is not None else None
+                if left is not None and left <= 0:
+                    raise WaitOverError(f"result {self._handed} of the page did not come in time")
+                wait = progress.MARK_EVERY_SECONDS if left is None else min(progress.MARK_EVERY_SECONDS, left)
                 # Waiting for a slot other pages hold is no stall: say so now and then. Not once the
                 # call is running (it has the provider's timeouts; one that hangs in the database is
                 # the stall the job's heartbeat looks for).
-                if not self._ready.wait(timeout=progress.MARK_EVERY_SECONDS) and self.started <= self._handed:
+                if not self._ready.wait(timeout=wait) and self.started <= self._handed:
                     progress.mark()
             taken: list[Outcome[T]] = []
             while self._handed in self._done and (limit is None or len(taken) < limit):
