@@ -465,6 +465,33 @@ def test_lexical_exact_words_fill_the_list_before_prefixes(
     assert set(facts_of(search(plain_factory, llm, "lex: meetings", limit=10))) == set(longer)
 
 
+def test_a_longer_list_keeps_the_exact_words_ahead_of_longer_ones(
+    plain_factory: sessionmaker[Session],
+) -> None:
+    """Exact matches between the two lists' candidate counts: at limit 10 they filled the list, at 20
+    the prefix ranking replaced them, and its length term put the short "Meetings N" first: the top ten
+    of the longer list shared nothing with the shorter one."""
+    from worker.search.lexical import lexical_search
+
+    exact = [f"Grace will meet the auditors about invoice batch {i}" for i in range(40)]
+    rows = [
+        _row("default", "standup", i, fact, "event", "team", "notes", None)
+        for i, fact in enumerate([*exact, *(f"Meetings {i}" for i in range(40))])
+    ]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+    with plain_factory() as session:
+        ten, _ = lexical_search(session, "meet", SearchFilters(), 30)  # a limit of 10's candidates
+        sixty, _ = lexical_search(session, "meet", SearchFilters(), 60)  # a limit of 20's
+        texts = dict(session.execute(select(Fact.id, Fact.fact)).all())
+    assert all(texts[hit.fact_id] in exact for hit in ten)
+    assert [hit.fact_id for hit in sixty[:40]] == [
+        hit.fact_id for hit in sixty if texts[hit.fact_id] in exact
+    ]
+    assert {hit.fact_id for hit in ten} <= {hit.fact_id for hit in sixty[:40]}
+    assert len(sixty) == 60 and all(texts[hit.fact_id].startswith("Meetings") for hit in sixty[40:])
+
+
 def test_lexical_search_runs_without_jit_and_leaves_the_settings_as_it_found_them(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

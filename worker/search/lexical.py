@@ -318,16 +318,24 @@ def _ranked_matches(
         return list(session.execute(indexed, params | {"match": match}))
 
     def answer(keep: int, prefix_rows: list[Any] | None = None) -> tuple[list[Any], bool]:
-        """The rows of the rarest ``keep`` units, exact words first when they fill the list, and whether
-        some fact holds the words themselves (not only longer words they begin)."""
+        """The rows of the rarest ``keep`` units, and whether some fact holds the words themselves (not
+        only longer words they begin). Facts holding the words themselves come first, and longer words'
+        after them: replaced by the prefix ranking when they did not fill the list, a list of more
+        results lost the exact ones a list of fewer had ("meet": the top ten were the meetings of a
+        twenty, the meeting of Grace of a ten)."""
         kept = sorted(order[:keep])
         exact_found = True
+        exact_rows: list[Any] = []
         if any(units[i].exact for i in kept):
-            rows = ranked(kept, exact=True)
-            if len(rows) >= limit:
-                return rows, True
-            exact_found = bool(rows)
-        return (prefix_rows if prefix_rows is not None else ranked(kept, exact=False)), exact_found
+            exact_rows = ranked(kept, exact=True)
+            if len(exact_rows) >= limit:
+                return exact_rows, True
+            exact_found = bool(exact_rows)
+        rows = prefix_rows if prefix_rows is not None else ranked(kept, exact=False)
+        if not exact_rows:
+            return rows, exact_found
+        first = {row[0] for row in exact_rows}
+        return (exact_rows + [row for row in rows if row[0] not in first])[:limit], exact_found
 
     # A unit no fact holds (df 0, counted) matches nothing with any others: they go first, all at once.
     present = sum(df > 0 for df in dfs)
