@@ -465,6 +465,24 @@ def test_lexical_exact_words_fill_the_list_before_prefixes(
     assert set(facts_of(search(plain_factory, llm, "lex: meetings", limit=10))) == set(longer)
 
 
+def test_a_line_past_its_unit_cap_is_no_complete_answer(plain_factory: sessionmaker[Session]) -> None:
+    """The words past MAX_LEX_UNITS are never searched: a fact holding the first 32 made a "complete"
+    answer (a strong signal, and a plain query skipped its expansion) though the rest went unread."""
+    from worker.core.lexing import MAX_LEX_UNITS
+    from worker.search.lexical import lexical_search
+
+    words = [f"word{chr(97 + i // 26)}{chr(97 + i % 26)}" for i in range(MAX_LEX_UNITS + 1)]
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact), [_row("default", "notes", 0, " ".join(words), "fact", "team", "", None)]
+        )
+    with plain_factory() as session:
+        hits, complete = lexical_search(session, " ".join(words[:MAX_LEX_UNITS]), SearchFilters(), 10)
+        assert hits and complete
+        hits, complete = lexical_search(session, " ".join(words), SearchFilters(), 10)
+        assert hits and not complete
+
+
 def test_a_longer_list_keeps_the_exact_words_ahead_of_longer_ones(
     plain_factory: sessionmaker[Session],
 ) -> None:

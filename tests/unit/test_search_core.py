@@ -85,6 +85,28 @@ def test_a_repeated_word_is_one_unit_and_a_line_keeps_at_most_its_first_units() 
     assert excluded == [f"!(not{i})" for i in range(MAX_LEX_UNITS)]
 
 
+def test_a_line_keeps_its_first_units_as_written_and_says_when_it_left_some_out() -> None:
+    """Words came before phrases whatever the order written: a phrase written first, behind 40 words,
+    was dropped without a note, and the 32 words searched could still count as a clear answer."""
+    from worker.core.lexing import units_left_out
+
+    words = [f"w{i}" for i in range(40)]
+    items = lex_items(parse_lex_query('"oat milk" ' + " ".join(words)))
+    parsed = [f"'{item.text}'" for item in items]
+    units, _ = lex_units(items, parsed)
+    assert units[0].match == "('oat milk')" and len(units) == MAX_LEX_UNITS
+    assert units_left_out(items, parsed, units)
+    few = lex_items(parse_lex_query('"oat milk" alice alice -tea'))
+    assert [(i.kind, i.text) for i in few] == [
+        ("p", "oat milk"),
+        ("w", "alice"),
+        ("w", "alice"),
+        ("x", "tea"),
+    ]
+    few_units, _ = lex_units(few, [f"'{i.text}'" for i in few])
+    assert not units_left_out(few, [f"'{i.text}'" for i in few], few_units)  # a repeat is no unit left out
+
+
 def test_quotes_inside_lexemes_are_escaped() -> None:
     units, _ = lex_units([LexItem("w", "o'neil")], ["o'neil"])
     assert units[0].match == "('o''neil':*)"

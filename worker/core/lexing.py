@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, cast
 
 from worker.core.intent import INTENT_STOP_WORDS, SearchType, plain_query_text, search_type
 
@@ -31,6 +31,7 @@ __all__ = [
     "rarest_first",
     "restrict_weights",
     "snippet_words",
+    "units_left_out",
 ]
 
 # BM25-style lexical scoring.
@@ -56,6 +57,8 @@ class LexQuery:
     terms: tuple[str, ...]  # plain words, each ANDed (prefix match)
     phrases: tuple[str, ...]  # quoted phrases, matched in order
     excluded: tuple[str, ...]  # -word / -"phrase"
+    # All of them as written, each as (kind, text): "w" word, "p" phrase, "x" excluded (lex_items).
+    written: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
     def search_key(self) -> tuple[frozenset[str], ...]:
@@ -70,23 +73,33 @@ class LexQuery:
 def parse_lex_query(query: str) -> LexQuery:
     """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-character
     words drop out of the plain words (unless nothing else is left)."""
-    terms: list[str] = []
-    phrases: list[str] = []
-    excluded: list[str] = []
+    written: list[tuple[str, str]] = []
     for match in _LEX_TOKEN.finditer(query):
         negated, phrase, word = match.group(1), match.group(2), match.group(3)
         if phrase is not None:
             if phrase.strip():
-                (excluded if negated else phrases).append(phrase.strip())
-            continue
-        if word.startswith("-") and len(word) > 1:
-            excluded.append(word[1:])
+                written.append(("x" if negated else "p", phrase.strip()))
+        elif word.startswith("-") and len(word) > 1:
+            written.append(("x", word[1:]))
         elif word.upper() != "AND":
-            terms.append(word)
-    content = [t for t in terms if len(_bare(t)) > 1 and _bare(t) not in INTENT_STOP_WORDS]
+            written.append(("w", word))
+    phrases = [text for kind, text in written if kind == "p"]
+    content = [(kind, t) for kind, t in written if kind != "w" or _content_word(t)]
     # A query made only of stop words still searches for them; beside a phrase they are dropped (`where
     # is "Priya"` required "where" and "is" too, and the rarest-first fallback then kept them over Priya).
-    return LexQuery(tuple(content or ([] if phrases else terms)), tuple(phrases), tuple(excluded))
+    if not any(kind == "w" for kind, _ in content) and not phrases:
+        content = written
+    return LexQuery(
+        tuple(t for kind, t in content if kind == "w"),
+        tuple(phrases),
+        tuple(t for kind, t in written if kind == "x"),
+        tuple(content),
+    )
+
+
+def _content_word(word: str) -> bool:
+    bare = _bare(word)
+    return len(bare) > 1 and bare not in INTENT_STOP_WORDS
 
 
 def snippet_words(query: str) -> str:
@@ -162,12 +175,22 @@ class LexUnit:
 
 
 def lex_items(lex: LexQuery) -> list[LexItem]:
-    """Words, then phrases, then exclusions, in the order ``lex_units`` expects their parses."""
+    """Its words, phrases and exclusions in the order written (the first MAX_LEX_UNITS are searched:
+    words first, a phrase written before them was left out), in the order ``lex_units`` expects their
+    parses. A LexQuery built by hand, with no written order: words, then phrases, then exclusions."""
+    if lex.written:
+        return [LexItem(cast(LexKind, kind), text) for kind, text in lex.written]
     return (
         [LexItem("w", t) for t in lex.terms]
         + [LexItem("p", p) for p in lex.phrases]
         + [LexItem("x", x) for x in lex.excluded]
     )
+
+
+def units_left_out(items: Sequence[LexItem], parsed: Sequence[str | None], units: Sequence[LexUnit]) -> bool:
+    """Whether ``lex_units`` left searchable words or phrases out (past MAX_LEX_UNITS): a list that
+    holds the units searched is no complete answer to the line."""
+    return len({(i.kind, v) for i, v in zip(items, parsed, strict=True) if v and i.kind != "x"}) > len(units)
 
 
 # Words and phrases of one lex line that are searched (the first ones, repeats counted once) and

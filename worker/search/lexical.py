@@ -25,6 +25,7 @@ from worker.core.lexing import (
     normalise_score,
     parse_lex_query,
     rarest_first,
+    units_left_out,
 )
 from worker.db import statement_timed_out
 from worker.search.errors import SearchError
@@ -92,7 +93,8 @@ def lexical_search(
         deadline.check()
     items = lex_items(parse_lex_query(query))
     try:
-        units, excluded = lex_units(items, _parse_items(session, items)) if items else ([], [])
+        parsed = _parse_items(session, items) if items else []
+        units, excluded = lex_units(items, parsed) if items else ([], [])
     except DBAPIError as exc:  # cut where an earlier line's statement_timeout left it: the time is up
         if deadline is not None and statement_timed_out(exc):
             raise deadline.passed() from exc
@@ -134,7 +136,9 @@ def lexical_search(
                 "rarer words"
             ) from exc
         raise
-    return hits
+    found, complete = hits
+    # Words the line's cap left out were never searched: no clear answer to it (no strong signal).
+    return found, complete and not units_left_out(items, parsed, units)
 
 
 def _parse_items(session: Session, items: Sequence[LexItem]) -> list[str | None]:
