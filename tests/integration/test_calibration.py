@@ -83,6 +83,8 @@ def count(factory: sessionmaker[Session], model: Any) -> int:
 
 # The compaction ids the tests below judge: observations may only name compactions that exist.
 JUDGED = (3, 5, 9, 17)
+# The coverage the gate measured for each (a label of a compaction carries it: queries.store_observations).
+MEASURED = {3: 0.6, 5: 0.82, 9: 0.4, 17: 0.2}
 
 
 def make_compactions(factory: sessionmaker[Session], ids: Iterable[int]) -> None:
@@ -92,7 +94,12 @@ def make_compactions(factory: sessionmaker[Session], ids: Iterable[int]) -> None
             session.flush()
         session.add_all(
             Compaction(
-                id=id_, transcript_id="judged", status="rejected", cut_seq=0, tokens_before=0, coverage=0.5
+                id=id_,
+                transcript_id="judged",
+                status="rejected",
+                cut_seq=0,
+                tokens_before=0,
+                coverage=MEASURED.get(id_, 0.5),
             )
             for id_ in ids
         )
@@ -129,13 +136,13 @@ def current(factory: sessionmaker[Session]) -> ActiveThreshold:
 
 def test_add_observations_stores_them(tx_factory: sessionmaker[Session], judged: tuple[int, ...]) -> None:
     report = add(
-        tx_factory, [ObservationIn(0.8, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
+        tx_factory, [ObservationIn(0.6, True, "eval", compaction_id=3), ObservationIn(0.1, False, "eval")]
     )
     assert [s.duplicate for s in report.stored] == [False, False] and report.conflicts == []
     with tx_factory() as session:
         rows = session.scalars(select(CalibrationObservation).order_by(CalibrationObservation.id)).all()
         assert [(r.coverage, r.answer_kept, r.origin, r.compaction_id) for r in rows] == [
-            (0.8, True, "eval", 3),
+            (0.6, True, "eval", 3),
             (0.1, False, "eval", None),
         ]
         assert rows[0].dedupe_key is not None and rows[1].dedupe_key is None
@@ -198,7 +205,7 @@ def test_an_observation_of_a_compaction_that_does_not_exist_is_refused(
         tx_factory,
         [
             ObservationIn(0.6, True, "eval", compaction_id=999),
-            ObservationIn(0.7, True, "eval", compaction_id=judged[0]),
+            ObservationIn(0.6, True, "eval", compaction_id=judged[0]),
             ObservationIn(0.2, False, "eval", idempotency_key="k-404", compaction_id=404),
         ],
     )
@@ -250,7 +257,7 @@ def test_a_batch_naming_more_compactions_than_a_query_has_parameters_is_checked(
     """The ids were looked up in one IN list, a parameter each: past 65,535 the driver refused the
     query and the whole import failed as "cannot reach the database"."""
     unknown = [ObservationIn(0.5, True, "eval", compaction_id=10**9 + i) for i in range(70_000)]
-    report = add(tx_factory, [ObservationIn(0.7, True, "eval", compaction_id=judged[0]), *unknown])
+    report = add(tx_factory, [ObservationIn(0.6, True, "eval", compaction_id=judged[0]), *unknown])
     assert len(report.conflicts) == 70_000 and report.conflicts[0] == (
         1,
         f"compaction_id {10**9}: no such compaction",
@@ -296,6 +303,30 @@ def test_a_recompute_reads_up_to_an_id_below_which_nothing_is_still_uncommitted(
     assert row is not None and (row.n, row.max_observation_id) == (62, newest)
 
 
+def test_a_label_of_a_compaction_carries_the_coverage_it_was_measured_at(
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """Any number was stored with a compaction's label (0.615, as `transcripts show` prints 0.6153...):
+    τ was computed on coverages the gate never measured, and could pass the very case it should reject."""
+    report = add(
+        tx_factory,
+        [
+            ObservationIn(0.615, False, "eval", compaction_id=3),
+            ObservationIn(MEASURED[3], False, "eval", compaction_id=3),
+        ],
+    )
+    assert report.conflicts == [
+        (
+            0,
+            f"compaction_id 3: its coverage was measured as {MEASURED[3]!r}, not 0.615; send the measured "
+            "coverage (GET /v1/transcripts/{id} shows it) or leave compaction_id out",
+        )
+    ]
+    assert [s.index for s in report.added] == [1]
+    with pytest.raises(UnknownCompactionError, match="measured as"):  # the API's 409
+        add_observation(tx_factory, ObservationIn(0.9, True, "eval", compaction_id=5), recompute_every=50)
+
+
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(
     tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
@@ -304,7 +335,7 @@ def test_deleting_a_compaction_keeps_its_observations_without_the_id(
         tx_factory,
         [
             ObservationIn(0.6, True, "eval", compaction_id=gone),
-            ObservationIn(0.3, False, "eval", compaction_id=kept),
+            ObservationIn(0.82, False, "eval", compaction_id=kept),
         ],
     )
     with tx_factory.begin() as session:

@@ -7,6 +7,7 @@ transactions it owns.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ class AddReport:
     stored: list[StoredObservation] = field(default_factory=list)
     # (index, message): refused, nothing stored (a reused key, a compaction that does not exist)
     conflicts: list[tuple[int, str]] = field(default_factory=list)
-    unknown_compactions: list[int] = field(default_factory=list)  # the indexes of those conflicts
+    # The indexes of conflicts with a stored compaction (none, never judged, measured at another coverage).
+    unknown_compactions: list[int] = field(default_factory=list)
     recompute: JobRequest | None = None
 
     @property
@@ -141,7 +143,7 @@ def store_observations(
     """
     session.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
     report = AddReport()
-    unknown, unjudged = _unknown_compactions(session, observations)
+    unknown, unjudged, measured = _unknown_compactions(session, observations)
     erased = _erased_since(session, observations, unknown)
     stored_before = _stored_before(session, observations, unjudged)
     report.stored.extend(erased.values())
@@ -161,6 +163,23 @@ def store_observations(
                 )
             )
             report.unknown_compactions.append(index)
+        elif (
+            obs.compaction_id in measured
+            and index not in stored_before
+            and not _same_coverage(obs.coverage, measured[obs.compaction_id])
+        ):
+            # A label of a compaction is a point of the gate's own measure: calibrated on a number the
+            # client sent (0.615, as `transcripts show` prints 0.6153846...), τ could land just under the
+            # coverage the gate measured, and pass the very case it was meant to reject.
+            report.conflicts.append(
+                (
+                    index,
+                    f"compaction_id {obs.compaction_id}: its coverage was measured as "
+                    f"{measured[obs.compaction_id]!r}, not {obs.coverage!r}; send the measured coverage "
+                    "(GET /v1/transcripts/{id} shows it) or leave compaction_id out",
+                )
+            )
+            report.unknown_compactions.append(index)
         else:
             indexed.append((index, obs))
     # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids
@@ -177,16 +196,21 @@ def store_observations(
     return report
 
 
+def _same_coverage(sent: float, measured: float) -> bool:
+    # Up to a float's round trip through another language's JSON (a last digit), no further.
+    return math.isclose(sent, measured, rel_tol=1e-12, abs_tol=1e-15)
+
+
 def _unknown_compactions(
     session: Session, observations: Sequence[ObservationIn]
-) -> tuple[set[int], set[int]]:
+) -> tuple[set[int], set[int], dict[int, float]]:
     """(the labelled compaction ids that name no compaction, those that name one never judged: failed
-    before a coverage was measured, so a label of it is no calibration point). The ones found are
-    locked FOR KEY SHARE (as the foreign key check itself does): none can be deleted before this
-    transaction commits."""
+    before a coverage was measured, so a label of it is no calibration point, and the coverage each
+    judged one was measured at). The ones found are locked FOR KEY SHARE (as the foreign key check
+    itself does): none can be deleted before this transaction commits."""
     ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
     if not ids:
-        return set(), set()
+        return set(), set(), {}
     # One array parameter: an IN list of 65,536 ids or more is past the protocol's bind limit.
     found = dict(
         session.execute(
@@ -195,7 +219,9 @@ def _unknown_compactions(
             .with_for_update(read=True, key_share=True)
         ).all()
     )
-    return ids - set(found), {id_ for id_, coverage in found.items() if coverage is None}
+    unjudged = {id_ for id_, coverage in found.items() if coverage is None}
+    measured = {id_: float(coverage) for id_, coverage in found.items() if coverage is not None}
+    return ids - set(found), unjudged, measured
 
 
 def _row(obs: ObservationIn) -> dict[str, Any]:
