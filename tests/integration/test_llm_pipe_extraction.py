@@ -188,3 +188,21 @@ def test_a_run_whose_lease_lapsed_commits_nothing_more_and_keeps_the_spend(facto
         calls = session.scalar(select(func.count()).select_from(LLMCall))
     assert checkpoint.messages_done == 3  # the first segment's commit, and nothing after the lapse
     assert calls == 2  # the second segment was paid for: its call is recorded
+
+    # A whole-page swap (--force, an edited page) swaps nothing in once the lease lapsed.
+    extract_conversation_facts(store, llm, options, config, Budget(factory, config.get))  # the rest
+    with factory() as session:
+        before = sorted(session.scalars(select(Fact.id).where(Fact.source_markdown_slug == slug)))
+        calls = session.scalar(select(func.count()).select_from(LLMCall))
+
+    def lapsed() -> None:
+        raise LeaseLostError("the job's lease lapsed")
+
+    forced = ExtractOptions(slug=slug, override_disabled=True, force=True)
+    with pytest.raises(LeaseLostError):
+        extract_conversation_facts(store, llm, forced, config, Budget(factory, config.get), lease=lapsed)
+    with factory() as session:
+        after = sorted(session.scalars(select(Fact.id).where(Fact.source_markdown_slug == slug)))
+        paid = session.scalar(select(func.count()).select_from(LLMCall))
+    assert before and after == before  # the page's facts as they were
+    assert paid == calls + 4  # the four segments' calls of the swap that never happened, recorded

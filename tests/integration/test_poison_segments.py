@@ -428,3 +428,36 @@ def test_a_failed_pages_calls_in_flight_start_no_other_attempt(tx_factory, sim, 
     with tx_factory() as session:  # its paid attempt is recorded all the same (discarded)
         outcomes = session.scalars(select(LLMCall.outcome).order_by(LLMCall.id)).all()
     assert outcomes.count("malformed_output") == 1 and outcomes.count("provider_error") == 1, outcomes
+
+
+def test_a_skipped_segments_retry_whose_lease_lapsed_commits_nothing_and_keeps_the_spend(
+    tx_factory, sim, llm
+):
+    """The retry of a skipped segment committed with no look at the lease: a run whose lease had lapsed
+    moved the page on under the worker that had taken the job over (its commit then a conflict)."""
+    from worker.accounting import Budget, Ledger
+    from worker.config_store import ConfigReader
+    from worker.extraction.service import extract_conversation_facts
+    from worker.extraction.store import ExtractionStore
+    from worker.jobs.leases import LeaseLostError
+
+    put_page(tx_factory, page_body())
+    for _ in range(3):  # skipped at its third permanent failure
+        run(tx_factory, llm)
+    assert checkpoint(tx_factory).skipped
+    stored = facts(tx_factory)
+    sim.configure(text_faults=False)
+    config = ConfigReader(tx_factory, ttl=0)
+
+    def lapsed() -> None:
+        raise LeaseLostError("the job's lease lapsed")
+
+    with tx_factory() as session:
+        calls = session.scalar(select(func.count()).select_from(LLMCall))
+    store = ExtractionStore(tx_factory, Ledger(config.get))
+    options = ExtractOptions(slug=SLUG, retry_skipped=True)
+    with pytest.raises(LeaseLostError):
+        extract_conversation_facts(store, llm, options, config, Budget(tx_factory, config.get), lease=lapsed)
+    assert facts(tx_factory) == stored and checkpoint(tx_factory).skipped  # nothing committed
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).select_from(LLMCall)) == calls + 1  # its call, recorded

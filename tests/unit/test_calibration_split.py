@@ -365,6 +365,8 @@ def test_describe_tau_marks_the_epsilon_bump() -> None:
     assert describe_tau(1e-05 + eps) == "1e-05+ε"
     assert describe_tau(0.999996) == "0.999996"
     assert describe_tau(0.6153846153846154 + eps) == "0.6154"  # no round value under it: 4 digits
+    assert describe_tau(0.30000000000000004) == "0.3+ε"  # a few steps above: marked still
+    assert describe_tau(0.7999999999999999 + eps) == "0.8+ε"
 
 
 def histogram_bin(value: float, edges: list[float]) -> int:

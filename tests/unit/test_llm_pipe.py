@@ -702,3 +702,49 @@ def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_it
     finally:
         slow.set()
         pipe.close()
+
+
+def test_a_stop_that_begins_while_the_page_waits_is_noticed_before_a_short_grace_ends(monkeypatch) -> None:
+    """The page looked at its patience only when its wait (MARK_EVERY_SECONDS, 10 s) ended: a stop with a
+    short grace that began during the wait was noticed past the exit, the ready results lost."""
+    import time
+    from types import SimpleNamespace
+
+    from worker.core import progress
+    from worker.extraction import service
+    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    exits_at: list[float] = []  # set once the stop begins, after the page began to wait
+    monkeypatch.setattr(service, "grace_left", lambda: exits_at[0] - time.monotonic() if exits_at else None)
+    recorded: list[int] = []
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(
+            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
+        ),
+    )
+    slow = threading.Event()
+    pipe = LLMPipe(4)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int, abandoned: object = None) -> str:
+            if segment == 0:
+                assert slow.wait(WAIT)
+            return f"result {segment}"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1, 2], slug="p")
+        batches = extraction.ordered_results(plan)  # type: ignore[arg-type]
+        grace = STOP_RECORD_SECONDS + 1.0
+        stop = threading.Timer(0.3, lambda: exits_at.append(time.monotonic() + grace))
+        stop.start()
+        started = time.monotonic()
+        with pytest.raises(WorkerStoppingError):
+            next(batches)
+        assert time.monotonic() - started < progress.MARK_EVERY_SECONDS  # before the exit, not after
+        assert sorted(recorded) == [1, 2]
+    finally:
+        slow.set()
+        pipe.close()

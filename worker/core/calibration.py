@@ -49,6 +49,9 @@ def describe_tau(tau: float) -> str:
             base = float(f"{tau - sign * sys.float_info.epsilon:.{digits}g}")
             if base != tau and base + sign * sys.float_info.epsilon == tau:
                 return f"{base:.{digits}g}{mark}"
+    rounded = round(tau, 4)  # a few steps off a round value (0.30000000000000004): marked too
+    if rounded not in (0.0, 1.0) and tau != rounded and abs(tau - rounded) < 1e-9:
+        return f"{rounded:g}+ε" if tau > rounded else f"{rounded:g}-ε"
     digits = 4
     while digits < 17 and tau not in (0.0, 1.0) and float(f"{tau:.{digits}g}") in (0.0, 1.0):
         digits += 1  # never "1" (or "0") for a τ that is not

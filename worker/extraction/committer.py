@@ -375,6 +375,12 @@ class SegmentCommitter:
         end = plan.ends[-1]
         total = sum(len(facts) for _, facts in segment_facts)
         last = self.planner.place(plan.slug, len(plan.segments) - 1, plan.segments[-1])
+        if self.lease is not None:  # (see _commit_run): a lapsed run swaps nothing in
+            try:
+                self.lease()
+            except BaseException:
+                self.store.release_held()  # what was held for the swap is recorded on its own
+                raise
         with tracing.span("page replace", {**segment_attributes(last), "factmill.segments": report.segments}):
             inserted = self.store.replace_page(
                 self.planner.fingerprint,

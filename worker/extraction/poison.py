@@ -100,6 +100,12 @@ class SkippedRetry:
         new = CheckpointState(
             expected.messages_done, expected.prefix_hash, expected.next_row_num + len(result.facts), remaining
         )
+        if self.committer.lease is not None:
+            try:
+                self.committer.lease()  # a lapsed run commits nothing more (SegmentCommitter.lease)
+            except BaseException:
+                self.store.record_attempts(place, result.attempts, permanent=result.permanent, page=version)
+                raise
         inserted = self.committer.commit(
             place, result, expected=expected, new=new, terminal="keep", page=version, skip=skip
         )

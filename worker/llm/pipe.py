@@ -112,16 +112,24 @@ class Feed(Generic[T]):
                 self._acked = self._handed
             if self.finished():
                 return []
+            marked = time.monotonic()
             while self._handed not in self._done:
                 left = patience() if patience is not None else None
                 if left is not None and left <= 0:
                     raise WaitOverError(f"result {self._handed} of the page did not come in time")
-                wait = progress.MARK_EVERY_SECONDS if left is None else min(progress.MARK_EVERY_SECONDS, left)
+                # With patience, looked at every second: a stop's short grace (10 s) began while the page
+                # waited a whole MARK_EVERY_SECONDS, and it woke past the exit.
+                every = progress.MARK_EVERY_SECONDS
+                self._ready.wait(
+                    timeout=every if patience is None else min(1.0, left if left is not None else 1.0)
+                )
                 # Waiting for a slot other pages hold is no stall: say so now and then. Not once the
                 # call is running (it has the provider's timeouts; one that hangs in the database is
                 # the stall the job's heartbeat looks for).
-                if not self._ready.wait(timeout=wait) and self.started <= self._handed:
-                    progress.mark()
+                if time.monotonic() - marked >= every and self._handed not in self._done:
+                    marked = time.monotonic()
+                    if self.started <= self._handed:
+                        progress.mark()
             taken: list[Outcome[T]] = []
             while self._handed in self._done and (limit is None or len(taken) < limit):
                 taken.append(self._done.pop(self._handed))
