@@ -1491,6 +1491,41 @@ def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
     assert any(reason != UNANSWERED_REASON for reason, _, _ in rows)  # the others were decided
 
 
+def test_two_filtered_facts_at_the_head_of_a_round_are_no_shared_refusal(tx_factory, llm, simulator) -> None:
+    """Depth first, the earliest pending facts' pairs are asked alone before any other: two filtered
+    facts at the head of a round (five pairs each) made eight refusals with none answered yet, and the
+    round stopped as if the entity were refused, on every retry. Two facts are in every refused pair:
+    they are kept as unrelated and the others decided."""
+    earlier = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra")
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(earlier, 1)], each=False)
+    later = ("Zurich", "Zagreb", "Aveiro", "Tavira", "Lagos")  # the first two are filtered
+    arrive(tx_factory, llm, *[lives(f"2026-{n:02d}-05", city) for n, city in enumerate(later, 7)], each=False)
+    with tx_factory.begin() as session:  # the later five decided again, through the filtering client
+        later_facts = Fact.fact.in_([f"Alice Example lives in {city} now." for city in later])
+        session.execute(text("DELETE FROM consolidation_decisions WHERE fact_id IN (SELECT id FROM facts "
+                             "WHERE fact ~ 'lives in (Zurich|Zagreb|Aveiro|Tavira|Lagos) now')"))  # fmt: skip
+        session.execute(update(Fact).where(later_facts).values(status="current", superseded_by=None,
+                        duplicate_of=None, valid_to=None, consolidated_at=None))  # fmt: skip
+        session.execute(update(Fact).where(~later_facts, ~Fact.is_audit).values(status="current",
+                        superseded_by=None, valid_to=None))  # fmt: skip
+    refusing = OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "refusal"},
+    )
+
+    class FilteringTwo:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            question = request.messages[0][1]
+            return (refusing if "Zurich" in question or "Zagreb" in question else llm).chat(request)
+
+    counters = consolidate(tx_factory, FilteringTwo())
+    assert counters.pairs_refused >= 8 and counters.pairs_answered, counters.as_dict()
+
+
 def test_a_model_that_refuses_the_whole_entity_fails_the_round_after_a_few_calls(
     tx_factory, llm, simulator
 ) -> None:

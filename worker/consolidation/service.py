@@ -3,6 +3,7 @@ ambiguous pairs, and commit each new fact's decision (with its audit rows) exact
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ class ConsolidationCounters:
     pairs_asked: int = 0
     pairs_answered: int = 0
     pairs_refused: int = 0  # refused by the model on their own (kept as unrelated)
+    refused_pairs: list[tuple[int, int]] = field(default_factory=list, repr=False)  # their (new, old) facts
     prompt_tokens: int = 0
     restored: int = 0
     already_decided: int = 0
@@ -234,10 +236,24 @@ class _Decided:
         self.refused |= other.refused
 
 
-# A run in which the model refused this many pairs on their own and answered none refuses what they
-# share (the entity, its subject), not one fact's text: the job retries as before. Halved to the last
-# pair, each question of 40 such pairs cost 79 calls, and every pair was written as unrelated.
+# A run in which the model refused this many pairs on their own, answered none, and no two facts are in
+# every one of them refuses what they share (the entity, its subject), not a fact's text: the job
+# retries as before. Halved to the last pair, each question of 40 such pairs cost 79 calls, and every
+# pair was written as unrelated. (Two facts: a page's two filtered sayings at the head of a round, each in
+# its five pairs, are no shared refusal.)
 SHARED_REFUSAL_PAIRS = 8
+EXPLAINING_FACTS = 2
+
+
+def _explained_by_few_facts(pairs: Sequence[tuple[int, int]], most: int = EXPLAINING_FACTS) -> bool:
+    """Whether at most ``most`` facts are, between them, in every one of ``pairs`` (fact ids)."""
+    facts = sorted({fact for pair in pairs for fact in pair})
+    return any(
+        all(not chosen.isdisjoint(pair) for pair in pairs)
+        for size in range(1, most + 1)
+        for chosen in map(set, itertools.combinations(facts, size))
+    )
+
 
 # A question asked: the pairs it held (those whose facts are still there), the request, the reply and its
 # llm_calls row.
@@ -327,11 +343,17 @@ def _refused(
     it: asked again whole, the job's every retry was refused and the entity was never consolidated
     again. So it is halved, and a refused half halved again, down to the pairs refused alone, kept as
     unrelated and not asked again; the rest are decided. A run that has had SHARED_REFUSAL_PAIRS refused
-    alone and none answered stops (the job retries, as before this split)."""
+    alone, none answered, and not two facts in all of them stops (the job retries, as before this
+    split)."""
     pairs, request, _, call_id = question
     if len(pairs) == 1:
         counters.pairs_refused += 1
-        if counters.pairs_refused >= SHARED_REFUSAL_PAIRS and not counters.pairs_answered:
+        counters.refused_pairs.append((pairs[0].new.id, pairs[0].old.id))
+        if (
+            counters.pairs_refused >= SHARED_REFUSAL_PAIRS
+            and not counters.pairs_answered
+            and not _explained_by_few_facts(counters.refused_pairs)
+        ):
             raise ConsolidationReplyError(
                 f"the model refused {counters.pairs_refused} pairs on their own and answered none: it "
                 "refuses what they share (the entity, its subject), not one fact"
