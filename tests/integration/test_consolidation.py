@@ -1563,6 +1563,51 @@ def test_a_model_that_refuses_the_whole_entity_fails_the_round_after_a_few_calls
         assert not session.scalar(select(func.count()).select_from(ConsolidationDecision))
 
 
+def test_a_stop_between_a_rounds_questions_writes_the_facts_already_answered(
+    tx_factory, llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop (a SIGTERM, the switch, the budget) between question k and k+1 of a round threw away the
+    answers to questions 1..k, and the next run paid for them again. The leading facts whose every pair
+    was answered are written as a smaller round; the rest wait, and only they are asked next time."""
+    from worker.consolidation import service
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    monkeypatch.setattr(service, "MAX_PAIRS_PER_CALL", 5)  # 20 pairs: four questions
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")
+    for n, city in enumerate(cities, 1):
+        slug, body = lives(f"2026-0{n}-05", city)
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    asked: list[int] = []
+    new_facts: set[str] = set()
+
+    class Asked:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(request.messages[0][1].count(" OLD ("))
+            new_facts.update(new for new, _ in ASKED_PAIR.findall(request.messages[0][1]))
+            return llm.chat(request)
+
+    def stopping_after_two_questions() -> None:
+        if len(asked) >= 2:
+            raise WorkerStoppingError("the worker is stopping")
+
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(WorkerStoppingError):
+        consolidate_entity(store, Asked(), EntityRun("default", ALICE, guard=stopping_after_two_questions))
+    assert asked == [5, 5]
+    decided = {t for t, rows in alice(tx_factory).items() for r in rows if r.consolidated_at is not None}
+    assert decided == {
+        f"Alice Example lives in {c} now." for c in ("Lisbon", "Porto", "Faro", "Braga", "Evora")
+    }
+    new_facts.clear()
+    consolidate_entity(store, Asked(), EntityRun("default", ALICE))
+    assert new_facts == {"Alice Example lives in Sintra now.", "Alice Example lives in Aveiro now."}
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert current == ["Alice Example lives in Aveiro now."]
+
+
 def test_a_stopping_worker_writes_the_answers_its_round_paid_for(tx_factory, llm) -> None:
     """The guard (which raises once the worker begins to stop) ran before each commit: a SIGTERM after a
     round's questions were answered threw every answer away, and the next worker paid for them again.

@@ -158,7 +158,46 @@ def _consolidate_round(
     """Plan, ask and commit one round; the facts left to decide again (reopened restatements, unless
     one is in ``final``: decided again once already)."""
     plans = plan_consolidation(pending, pool, run.entity_key)
-    answers, call_ids = _ask_model(store, llm, run, plans, counters)
+    answers: dict[int, PairDecision] = {}
+    call_ids: dict[int, int] = {}
+    try:
+        _ask_model(store, llm, run, plans, counters, answers, call_ids)
+    except Exception:
+        # Stopped while asking (the worker stopping, the switch, the budget, an outage, an unusable
+        # answer): the answers paid for so far were thrown away, and the next run paid for them again.
+        # The leading facts whose every pair is answered are written as a smaller round (a round is any
+        # run of the pending facts from the earliest); the rest wait for the next run.
+        answered = _answered_prefix(plans, answers)
+        if answered:
+            try:
+                _commit_round(store, run, answered, answers, call_ids, counters, final)
+            except Exception as exc:  # (a lost lease among them): what stopped the run is raised
+                logger.warning("the answers already paid for could not be written: %s", type(exc).__name__)
+        raise
+    return _commit_round(store, run, plans, answers, call_ids, counters, final)
+
+
+def _answered_prefix(plans: Sequence[FactPlan], answers: dict[int, PairDecision]) -> list[FactPlan]:
+    """The leading plans whose every asked pair has an answer."""
+    done: list[FactPlan] = []
+    for plan in plans:
+        if any(pair.number not in answers for pair in plan.asked):
+            break
+        done.append(plan)
+    return done
+
+
+def _commit_round(
+    store: ConsolidationStore,
+    run: EntityRun,
+    plans: Sequence[FactPlan],
+    answers: dict[int, PairDecision],
+    call_ids: dict[int, int],
+    counters: ConsolidationCounters,
+    final: set[int],
+) -> set[int]:
+    """Resolve the plans by the answers and commit them, a chunk a transaction; the facts left to decide
+    again."""
     decisions = [
         replace(decision, reconsider=False) if decision.fact_id in final else decision
         for decision in reopen_restatements(
@@ -189,13 +228,14 @@ def _ask_model(
     run: EntityRun,
     plans: Sequence[FactPlan],
     counters: ConsolidationCounters,
-) -> tuple[dict[int, PairDecision], dict[int, int]]:
-    """The model's decisions for every asked pair, and the llm_calls row each came from."""
+    answers: dict[int, PairDecision],
+    call_ids: dict[int, int],
+) -> None:
+    """The model's decisions for every asked pair into ``answers``, and the llm_calls row each came from
+    into ``call_ids`` (filled as they come: a run stopped part way keeps what it paid for)."""
     asked = [pair for plan in plans for pair in plan.asked]
-    answers: dict[int, PairDecision] = {}
-    call_ids: dict[int, int] = {}
     if not asked:
-        return answers, call_ids
+        return
     if llm is None:
         raise ValueError("an LLM client is required to decide ambiguous pairs")
     for start in range(0, len(asked), MAX_PAIRS_PER_CALL):
@@ -217,7 +257,6 @@ def _ask_model(
             ]
             if not chunk:
                 break
-    return answers, call_ids
 
 
 @dataclass
