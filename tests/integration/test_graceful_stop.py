@@ -137,8 +137,11 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
     assert fact_rows(factory) == expected_facts(server_url, pages, simulator)
 
 
-def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory, env, sender, simulator):
-    # Each call takes a minute: the job never reaches a segment boundary while the worker stops.
+def test_a_worker_stuck_in_a_call_hands_its_job_back_within_its_grace_period(factory, env, sender, simulator):
+    """Each call takes a minute: the job never reaches a segment boundary while the worker stops. The
+    page waited for its call past the grace period, the process was killed (what was ready behind the
+    call lost), and the job waited for the stale-lease sweep. The page now stops waiting while the grace
+    lasts: what it holds is recorded, the job handed back, and the worker exits in time."""
     simulator.configure(latency_ms=60_000)
     worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "2"}, concurrency=1)
     with running(worker):
@@ -148,9 +151,11 @@ def test_a_worker_stuck_in_a_call_still_exits_when_its_grace_period_ends(factory
         wait_for(lambda: simulator.stats()["in_flight"] > 0, 60, "the worker's call to reach the simulator")
         code = worker.terminate(EXIT_TIMEOUT)
         assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
-        assert code == 1 and "grace period of 2s is over" in "".join(worker.output), worker.tail()
-    # The lease was not handed back (the job was inside a call): the stale-lease sweep takes it over.
-    assert lease(factory, job_id)[0] == "running"
+        output = "".join(worker.output)
+        assert "released by its stopping worker" in output and "grace period of 2s is over" not in output, (
+            worker.tail()
+        )
+    assert lease(factory, job_id) == ("queued", None)  # handed back, not left to the stale-lease sweep
 
 
 def test_the_exit_code_of_a_celery_command_reaches_the_shell(env):
@@ -342,3 +347,34 @@ def test_under_nohup_a_hang_up_stops_nothing() -> None:
         parent.send_signal(signal.SIGTERM)
         out, _ = parent.communicate(timeout=30)
         assert out.split() == ["term", "term"]
+
+
+def test_a_worker_stuck_in_the_database_still_exits_when_its_grace_period_ends(
+    factory, env, sender, simulator
+) -> None:
+    """What the page cannot stop waiting for (a statement held by a lock) is bounded by the grace period:
+    the process exits, and the stale-lease sweep takes the job over."""
+    from sqlalchemy import text as sql
+
+    worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "2"}, concurrency=1)
+    with running(worker), factory() as holder:
+        holder.execute(sql("LOCK TABLE op_checkpoints IN ACCESS EXCLUSIVE MODE"))  # held until the end
+        (job_id,) = add_pages(factory, {"conversations/locked": conversation(3, segments=2)}, sender)
+        wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the worker to claim the job")
+        wait_for(
+            lambda: (
+                holder.connection()
+                .exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks "
+                    "WHERE relation = 'op_checkpoints'::regclass AND NOT granted"
+                )
+                .scalar()
+            ),
+            60,
+            "the worker to wait on the lock",
+        )
+        code = worker.terminate(EXIT_TIMEOUT)
+        assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
+        assert code == 1 and "grace period of 2s is over" in "".join(worker.output), worker.tail()
+        holder.rollback()
+    assert lease(factory, job_id)[0] == "running"  # not handed back: the sweep takes it over
