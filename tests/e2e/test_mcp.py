@@ -296,6 +296,7 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert seen["tools"] == READ_TOOLS | WRITE_TOOLS
     assert (seen["appended"]["appended"], seen["appended"]["first_seq"]) == (4, 0)
     assert [m["role"] for m in seen["context"]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert seen["context"]["compaction_id"] is None and seen["context"]["coverage"] is None  # none yet
     assert seen["context"]["messages"][1]["tool_calls"][0]["arguments"] == '{"q": "Alice"}'
     assert "messages[0]: tool result answers no earlier call" in _error_text(seen["bad"])
     assert seen["feedback"]["duplicate"] is False and seen["feedback"]["id"] >= 1

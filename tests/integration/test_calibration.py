@@ -325,6 +325,45 @@ def test_a_label_of_a_compaction_carries_the_coverage_it_was_measured_at(
     assert [s.index for s in report.added] == [1]
     with pytest.raises(UnknownCompactionError, match="measured as"):  # the API's 409
         add_observation(tx_factory, ObservationIn(0.9, True, "eval", compaction_id=5), recompute_every=50)
+    # Within a last digit's rounding (a spreadsheet's 15 digits) it is stored as measured: stored as
+    # sent, τ (the lost coverage plus ε) sat under the measured coverage, and the gate passed the case.
+    near = MEASURED[9] * (1 - 4e-16)
+    assert near != MEASURED[9]
+    [stored] = add(tx_factory, [ObservationIn(near, False, "eval", compaction_id=9)]).added
+    with tx_factory() as session:
+        row = session.get(CalibrationObservation, stored.id)
+        assert row is not None and row.coverage == MEASURED[9]
+
+
+def test_the_measured_coverage_a_label_carries_is_what_the_mcp_context_gives(
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """An MCP agent saw the compaction's id but not its coverage, and its label was refused for a number
+    it could not know (get_transcript_context gives it with the id now)."""
+    from worker.compaction.views import measured_coverage
+
+    with tx_factory() as session:
+        assert measured_coverage(session, 3) == MEASURED[3] and measured_coverage(session, None) is None
+
+
+def test_a_label_stored_before_labels_carried_the_measured_coverage_is_still_a_duplicate(
+    tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """A keyed retry (or a re-import) of a label stored at another coverage before the rule got a 409,
+    and with the measured coverage a key conflict: it is the duplicate it always was."""
+    sent = ObservationIn(0.615, False, "eval", compaction_id=3, idempotency_key="old-1")
+    with tx_factory.begin() as session:  # as stored before the rule
+        session.add(
+            CalibrationObservation(
+                coverage=0.615,
+                answer_kept=False,
+                origin="eval",
+                compaction_id=3,
+                dedupe_key=sent.dedupe_key(),
+            )
+        )
+    report = add(tx_factory, [sent])
+    assert report.conflicts == [] and [s.duplicate for s in report.stored] == [True]
 
 
 def test_deleting_a_compaction_keeps_its_observations_without_the_id(

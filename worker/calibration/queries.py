@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -114,8 +114,8 @@ def _stored_rows(
 
 
 def _stored_before(session: Session, observations: Sequence[ObservationIn], unjudged: set[int]) -> set[int]:
-    """The positions of labels of unjudged compactions already stored (before they were refused): a
-    sender's retry gets its duplicate answer, not a 409."""
+    """The positions of labels of compactions in ``unjudged`` already stored (before they were
+    refused): a sender's retry gets its duplicate answer, not a 409."""
     rows = _stored_rows(session, observations, unjudged)
     return {index for index, row in rows.items() if _says_the_same(observations[index], row)}
 
@@ -145,7 +145,9 @@ def store_observations(
     report = AddReport()
     unknown, unjudged, measured = _unknown_compactions(session, observations)
     erased = _erased_since(session, observations, unknown)
-    stored_before = _stored_before(session, observations, unjudged)
+    # A label stored before it was refused (a compaction never judged, or one labelled at another
+    # coverage before labels carried the measured one): a sender's retry gets its duplicate answer.
+    stored_before = _stored_before(session, observations, unjudged | set(measured))
     report.stored.extend(erased.values())
     indexed: list[tuple[int, ObservationIn]] = []
     for index, obs in enumerate(observations):
@@ -180,6 +182,10 @@ def store_observations(
                 )
             )
             report.unknown_compactions.append(index)
+        elif obs.compaction_id in measured and index not in stored_before:
+            # Stored as measured, not as sent: within a last digit's rounding (a spreadsheet's 15
+            # significant digits), τ computed on the sent value sat under the measured one.
+            indexed.append((index, replace(obs, coverage=measured[obs.compaction_id])))
         else:
             indexed.append((index, obs))
     # Runs of keyed and of unkeyed observations are inserted differently; taking runs in order keeps ids

@@ -238,7 +238,8 @@ def transcripts_show(
             c["status"],
             f"seq {c['cut_seq']}",
             f"{c['tokens_before']:,} → {after:,}" if after is not None else f"{c['tokens_before']:,} → —",
-            _number(c["coverage"]),
+            # In full: a label of the compaction (`calibration add --compaction-id`) carries exactly it.
+            "—" if c["coverage"] is None else repr(c["coverage"]),
             _tau(c["threshold_tau"], c["threshold_version"]),
             str(c["attempts"]),
         )

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from models import Job, Transcript, TranscriptMessageRow
+from models import Compaction, Job, Transcript, TranscriptMessageRow
 from models.tables import TRANSCRIPT_MESSAGES
 from worker.compaction.queries import STORED_BYTES, context_now, get_transcript, load_timeline
 from worker.core.compaction import estimate_tokens
@@ -157,3 +157,10 @@ def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
         created_at=transcript.created_at,
         updated_at=transcript.updated_at,
     )
+
+
+def measured_coverage(session: Session, compaction_id: int | None) -> float | None:
+    """The coverage the gate measured for a compaction (what a label of it carries); None without one."""
+    if compaction_id is None:
+        return None
+    return session.scalar(select(Compaction.coverage).where(Compaction.id == compaction_id))

@@ -51,6 +51,10 @@ Offset = Annotated[
 SeqCursor = Annotated[int | None, Strict(), Field(ge=-1, le=2**31 - 1), JSON_INTEGER]
 # A context view a tool answers with: the SDK sends a result twice (structured, and as indented JSON
 # text), and no agent's context holds more; past it the error points to the history's pages.
+SCORED_COVERAGE = (
+    "The coverage the summary scored: with compaction_id, exactly the coverage get_transcript_context "
+    "gave for it (another is refused)."
+)
 MCP_CONTEXT_MAX_BYTES = 4 * 1024 * 1024
 MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency keys are scoped by
 KindName = FactKind
@@ -153,6 +157,7 @@ __all__ = [
     "JSON_INTEGER",
     "MCP_APPEND",
     "MCP_CONTEXT_MAX_BYTES",
+    "SCORED_COVERAGE",
     "Access",
     "AsOf",
     "EntityName",

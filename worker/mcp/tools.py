@@ -30,6 +30,7 @@ from worker.compaction import (
     parse_messages,
 )
 from worker.compaction.erase import refuse_if_erased_since
+from worker.compaction.views import measured_coverage
 from worker.consolidation.history import Lifecycle
 from worker.core.compaction import TranscriptMessage
 from worker.core.jsonvalues import BIGINT_MAX
@@ -58,6 +59,7 @@ from worker.mcp.inputs import (
     JSON_INTEGER,
     MCP_APPEND,
     MCP_CONTEXT_MAX_BYTES,
+    SCORED_COVERAGE,
     Access,
     AsOf,
     EntityName,
@@ -309,9 +311,12 @@ class FactmillTools:
         transcript_id = checked_transcript_id(transcript_id)
         with refusals(), one_snapshot(self.runtime.factory) as session:  # its statements agree
             view = context_view(session, transcript_id, max_bytes=MCP_CONTEXT_MAX_BYTES)
+            scored = measured_coverage(session, view.compaction_id)
         return {
             "transcript_id": transcript_id,
             "compaction_id": view.compaction_id,
+            # What a label of it (record_summary_feedback) carries: the coverage the gate measured.
+            "coverage": scored,
             "cut_seq": view.cut_seq,
             "tokens": view.tokens,
             "messages": [m.as_dict() for m in view.messages],
@@ -426,9 +431,7 @@ class FactmillTools:
         self,
         coverage: Annotated[  # strict: true is not a coverage of 1 (the API's rule)
             float,
-            Field(
-                ge=0, le=1, allow_inf_nan=False, strict=True, description="The coverage the summary scored."
-            ),
+            Field(ge=0, le=1, allow_inf_nan=False, strict=True, description=SCORED_COVERAGE),
         ],
         answer_kept: Annotated[
             StrictBool, Field(description="Did the summarised context still let you answer correctly?")
@@ -442,7 +445,7 @@ class FactmillTools:
             Strict(),
             Field(ge=1, le=BIGINT_MAX),
             JSON_INTEGER,
-            Field(description="The compaction judged."),
+            Field(description="The compaction judged (get_transcript_context's compaction_id)."),
         ]
         | None = None,
         idempotency_key: Annotated[
