@@ -1610,6 +1610,35 @@ def test_a_stop_between_a_rounds_questions_writes_the_facts_already_answered(
     assert current == ["Alice Example lives in Aveiro now."]
 
 
+def test_a_stop_writes_no_duplicate_whose_place_depends_on_a_later_fact_of_its_round(tx_factory, llm) -> None:
+    """Paris (March) is known; a late page says Paris (January) and another Berlin (February). Written
+    alone before Berlin's answer, January's Paris was a plain duplicate of March's and moved its start back
+    to January, and Berlin then closed it: Berlin became the answer. The duplicate waits for its round."""
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    arrive(tx_factory, llm, lives("2026-03-05", "Paris"))
+    march = alice(tx_factory)["Alice Example lives in Paris now."][0]
+    for day, city in (("2026-01-05", "Paris"), ("2026-02-05", "Berlin")):
+        slug, body = lives(day, city)
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+
+    def stopping() -> None:
+        raise WorkerStoppingError("the worker is stopping")
+
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(WorkerStoppingError):
+        consolidate_entity(store, llm, EntityRun("default", ALICE, guard=stopping))
+    with tx_factory() as session:
+        again = session.get(Fact, march.id)
+        assert again is not None and again.valid_from == march.valid_from  # its start where it was
+        undecided = select(func.count()).where(Fact.consolidated_at.is_(None), ~Fact.is_audit)
+        assert session.scalar(undecided) == 2  # January's Paris waits for its round, with Berlin
+    consolidate(tx_factory, llm)
+    current = [t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current"]
+    assert "Alice Example lives in Berlin now." not in current, current
+
+
 def test_a_stopping_worker_writes_the_answers_its_round_paid_for(tx_factory, llm) -> None:
     """The guard (which raises once the worker begins to stop) ran before each commit: a SIGTERM after a
     round's questions were answered threw every answer away, and the next worker paid for them again.

@@ -160,14 +160,15 @@ def _consolidate_round(
     plans = plan_consolidation(pending, pool, run.entity_key)
     answers: dict[int, PairDecision] = {}
     call_ids: dict[int, int] = {}
+    refused: set[int] = set()
     try:
-        _ask_model(store, llm, run, plans, counters, answers, call_ids)
+        _ask_model(store, llm, run, plans, counters, answers, call_ids, refused)
     except Exception:
         # Stopped while asking (the worker stopping, the switch, the budget, an outage, an unusable
         # answer): the answers paid for so far were thrown away, and the next run paid for them again.
         # The leading facts whose every pair is answered are written as a smaller round (a round is any
         # run of the pending facts from the earliest); the rest wait for the next run.
-        answered = _answered_prefix(plans, answers)
+        answered = _answered_prefix(plans, answers, refused)
         if answered:
             try:
                 _commit_round(store, run, answered, answers, call_ids, counters, final)
@@ -177,11 +178,18 @@ def _consolidate_round(
     return _commit_round(store, run, plans, answers, call_ids, counters, final)
 
 
-def _answered_prefix(plans: Sequence[FactPlan], answers: dict[int, PairDecision]) -> list[FactPlan]:
-    """The leading plans whose every asked pair has an answer."""
+def _answered_prefix(
+    plans: Sequence[FactPlan], answers: dict[int, PairDecision], refused: set[int]
+) -> list[FactPlan]:
+    """The leading plans whose every asked pair is settled (answered, or refused on its own: kept as
+    unrelated), up to the first duplicate: whether a duplicate said before its canonical's change is
+    the canonical's saying depends on the later facts of its round (split_earlier_sayings), so it waits
+    for them (written alone, it moved the canonical's start back, and the change then closed it)."""
     done: list[FactPlan] = []
     for plan in plans:
-        if any(pair.number not in answers for pair in plan.asked):
+        if any(pair.number not in answers and pair.number not in refused for pair in plan.asked):
+            break
+        if resolve(plan, answers).duplicate_of is not None:
             break
         done.append(plan)
     return done
@@ -230,9 +238,11 @@ def _ask_model(
     counters: ConsolidationCounters,
     answers: dict[int, PairDecision],
     call_ids: dict[int, int],
+    refused: set[int],
 ) -> None:
-    """The model's decisions for every asked pair into ``answers``, and the llm_calls row each came from
-    into ``call_ids`` (filled as they come: a run stopped part way keeps what it paid for)."""
+    """The model's decisions for every asked pair into ``answers``, the llm_calls row each came from into
+    ``call_ids``, and the pairs refused on their own into ``refused`` (filled as they come: a run
+    stopped part way keeps what it paid for)."""
     asked = [pair for plan in plans for pair in plan.asked]
     if not asked:
         return
@@ -248,6 +258,7 @@ def _ask_model(
             decided = _decide_pairs(store, llm, run, chunk, counters)
             answers.update(decided.answers)
             call_ids.update(decided.asked_in)  # a pair still unanswered: its last ask
+            refused |= decided.refused
             chunk = [
                 p
                 for p in chunk
