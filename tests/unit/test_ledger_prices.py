@@ -61,8 +61,9 @@ def test_the_gateways_default_embedding_model_has_a_price() -> None:
 def test_a_model_with_no_price_is_named_once_and_an_override_of_zero_quiets_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """gpt-5-mini or an OpenAI-compatible server's model cost $0 without a word: no budget counted
-    their calls. The simulator is unpriced on purpose; a call that used no tokens cost nothing."""
+    """A model the list prices do not know (a newer release, an OpenAI-compatible server's) cost $0
+    without a word: no budget counted its calls. The simulator is unpriced on purpose; a call that used
+    no tokens cost nothing."""
     from worker.accounting import LLMCallRecord
     from worker.llm.types import Usage
 
@@ -76,10 +77,10 @@ def test_a_model_with_no_price_is_named_once_and_an_override_of_zero_quiets_it(
     with caplog.at_level(logging.WARNING, logger="worker.accounting.ledger"):
         assert ledger.cost(call("gpt-4o-mini-2024-07-18")) > 0  # priced: no word
         assert ledger.cost(call("simulator-1", "simulator")) == 0
-        assert ledger.cost(call("gpt-5-mini", usage=Usage())) == 0  # no tokens: no word yet
-        assert [ledger.cost(call("gpt-5-mini")) for _ in range(3)] == [0, 0, 0]
+        assert ledger.cost(call("gpt-9-mini", usage=Usage())) == 0  # no tokens: no word yet
+        assert [ledger.cost(call("gpt-9-mini")) for _ in range(3)] == [0, 0, 0]
     (record,) = caplog.records
-    assert record.getMessage().startswith("no price for model gpt-5-mini: its calls are recorded at $0")
+    assert record.getMessage().startswith("no price for model gpt-9-mini: its calls are recorded at $0")
     assert "set llm.prices" in record.getMessage()
     caplog.clear()
     stored["llm.prices"] = '{"local-llama": {"input": 0, "output": 0}}'
@@ -98,3 +99,20 @@ def test_a_provider_error_is_kept_as_far_as_every_purpose_keeps_it() -> None:
     said = "HTTP 503: " + "the upstream said why at length " * 28  # about 900 characters
     record = LLMCallRecord.failed("compaction", object(), LLMError(said, retryable=True, status=503), 12)
     assert kept_error(record) == said
+
+
+@pytest.mark.parametrize(
+    ("model", "listed"),
+    [
+        ("gpt-5-mini-2025-08-07", "gpt-5-mini"),
+        ("gpt-5-2025-08-07", "gpt-5"),
+        ("claude-haiku-4-5-20251001", "claude-haiku-4-5"),
+        ("claude-opus-4-5-20251101", "claude-opus-4-5"),
+    ],
+)
+def test_current_models_have_list_prices(model: str, listed: str) -> None:
+    """The models the installed SDKs name (a reply names its dated snapshot) were unpriced: their calls
+    cost $0 and no budget ever counted them."""
+    from worker.accounting.prices import PRICES, price_of
+
+    assert price_of(model) == PRICES[listed] and PRICES[listed].input > 0

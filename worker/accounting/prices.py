@@ -34,8 +34,14 @@ PRICES: dict[str, Price] = {
     "gpt-4o": _p("2.50", "10.00", "1.25"),
     "gpt-4.1-mini": _p("0.40", "1.60", "0.10"),
     "gpt-4.1": _p("2.00", "8.00", "0.50"),
+    # A reply names its dated snapshot (gpt-5-mini-2025-08-07, claude-haiku-4-5-20251001): priced by these.
+    "gpt-5-nano": _p("0.05", "0.40", "0.005"),
+    "gpt-5-mini": _p("0.25", "2.00", "0.025"),
+    "gpt-5": _p("1.25", "10.00", "0.125"),
     "claude-3-5-haiku-latest": _p("0.80", "4.00", "0.08", "1.00"),
+    "claude-haiku-4-5": _p("1.00", "5.00", "0.10", "1.25"),
     "claude-sonnet-4-5": _p("3.00", "15.00", "0.30", "3.75"),
+    "claude-opus-4-5": _p("5.00", "25.00", "0.50", "6.25"),
     # Embeddings bill input only. The gateway embeds with text-embedding-3-small by default (with the
     # Anthropic provider too): unpriced, every embedding cost 0 and the search budget never saw one.
     "text-embedding-3-small": _p("0.02", "0"),
