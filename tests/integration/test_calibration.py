@@ -319,7 +319,8 @@ def test_a_label_of_a_compaction_carries_the_coverage_it_was_measured_at(
         (
             0,
             f"compaction_id 3: its coverage was measured as {MEASURED[3]!r}, not 0.615; send the measured "
-            "coverage (GET /v1/transcripts/{id} shows it) or leave compaction_id out",
+            "coverage (the transcript's context, or GET /v1/transcripts/{id}/compactions, gives it) or "
+            "leave compaction_id out",
         )
     ]
     assert [s.index for s in report.added] == [1]
@@ -333,6 +334,13 @@ def test_a_label_of_a_compaction_carries_the_coverage_it_was_measured_at(
     with tx_factory() as session:
         row = session.get(CalibrationObservation, stored.id)
         assert row is not None and row.coverage == MEASURED[9]
+    # Resent after its transcript's erasure (its compaction gone), a keyed one is still its duplicate.
+    keyed = ObservationIn(MEASURED[17] * (1 + 4e-16), True, "eval", compaction_id=17, idempotency_key="n-1")
+    [first] = add(tx_factory, [keyed]).added
+    with tx_factory.begin() as session:
+        session.execute(delete(Compaction).where(Compaction.id == 17))
+    again = add(tx_factory, [keyed])
+    assert again.conflicts == [] and again.stored == [StoredObservation(0, first.id, True)]
 
 
 def test_the_measured_coverage_a_label_carries_is_what_the_mcp_context_gives(

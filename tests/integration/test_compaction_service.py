@@ -285,7 +285,7 @@ def job_statuses(factory: sessionmaker[Session]) -> list[str]:
 
 
 def test_a_transcript_past_its_window_is_summarized_by_a_worker(
-    api: TestClient, factory: sessionmaker[Session], worker: Any, simulator: Any
+    api: TestClient, factory: sessionmaker[Session], worker: Any, simulator: Any, database_url: str
 ) -> None:
     messages = session_messages(25)
     first = post_messages(api, "grow", {"messages": messages[:31], "settings": SETTINGS})
@@ -319,6 +319,31 @@ def test_a_transcript_past_its_window_is_summarized_by_a_worker(
     assert context["tokens"] <= 4000 < accepted.tokens_before
     assert accepted.tokens_after is not None and accepted.tokens_after < accepted.tokens_before
     assert accepted.coverage is not None and accepted.coverage >= 0.5
+    # The context gives the coverage a label of it carries, through the API and the MCP tool alike; the
+    # label sent back with it is stored (another number is refused).
+    assert context["coverage"] == accepted.coverage
+    from worker.access import Principal
+    from worker.calibration import add_observation
+    from worker.core.calibration import ObservationIn, UnknownCompactionError
+    from worker.mcp.tools import FactmillTools
+
+    runtime = make_runtime(database_url, factory)
+    try:
+        agent = Principal("agent", frozenset({"ingest", "read"}), None, key_id=9)
+        given = FactmillTools(runtime, lambda: agent).get_transcript_context("grow")
+    finally:
+        runtime.close()
+    assert (given["compaction_id"], given["coverage"]) == (accepted.id, accepted.coverage)
+    label = ObservationIn(given["coverage"], False, "agent:test", compaction_id=accepted.id)
+    assert add_observation(factory, label, recompute_every=1000).added
+    with pytest.raises(UnknownCompactionError, match="measured as"):
+        add_observation(
+            factory,
+            ObservationIn(
+                round(accepted.coverage, 3) + 0.0001, False, "agent:test", compaction_id=accepted.id
+            ),
+            recompute_every=1000,
+        )
     assert (accepted.threshold_tau, accepted.threshold_version, accepted.attempts) == (0.5, None, 1)
     assert accepted.job_id is not None and accepted.density is not None and accepted.density > 0
 

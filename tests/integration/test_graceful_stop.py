@@ -143,7 +143,8 @@ def test_a_worker_stuck_in_a_call_hands_its_job_back_within_its_grace_period(fac
     call lost), and the job waited for the stale-lease sweep. The page now stops waiting while the grace
     lasts: what it holds is recorded, the job handed back, and the worker exits in time."""
     simulator.configure(latency_ms=60_000)
-    worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "2"}, concurrency=1)
+    # 4 s: under STOP_RECORD_SECONDS (the page stops waiting at once), with room for the release.
+    worker = start_worker({**env, "FACTMILL_GRACE_SECONDS": "4"}, concurrency=1)
     with running(worker):
         (job_id,) = add_pages(factory, {"conversations/stuck": conversation(3, segments=2)}, sender)
         wait_for(lambda: lease(factory, job_id)[0] == "running", 60, "the worker to claim the job")
@@ -152,7 +153,7 @@ def test_a_worker_stuck_in_a_call_hands_its_job_back_within_its_grace_period(fac
         code = worker.terminate(EXIT_TIMEOUT)
         assert code is not None, f"the worker outlived its grace period:\n{worker.tail()}"
         output = "".join(worker.output)
-        assert "released by its stopping worker" in output and "grace period of 2s is over" not in output, (
+        assert "released by its stopping worker" in output and "grace period of 4s is over" not in output, (
             worker.tail()
         )
     assert lease(factory, job_id) == ("queued", None)  # handed back, not left to the stale-lease sweep

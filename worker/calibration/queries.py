@@ -7,21 +7,21 @@ transactions it owns.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Row, Text, any_, bindparam, func, select, text, update
+from sqlalchemy import Row, Text, any_, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from models import CalibrationObservation, CalibrationThreshold, Compaction
+from models import CalibrationObservation, CalibrationThreshold
 from models.bulk import BulkInsert
 from models.tables import CALIBRATION_OBSERVATIONS, CALIBRATION_THRESHOLDS
+from worker.calibration.judged import judged_compactions, same_coverage
 from worker.core import progress
 from worker.core.calibration import FALLBACK, RECORDED_FIELDS, ActiveThreshold, Observation, ObservationIn
 from worker.db import lock_timed_out
@@ -90,10 +90,13 @@ def _says_the_same(obs: ObservationIn, row: Row[Any], *, erased: bool = False) -
     """The stored row says what ``obs`` says (the origin aside when it is a default: a copy of the same
     file under another name, or with --origin, is the same rows, not a conflict on every line; with
     ``erased``, the compaction aside: its erasure set the row's to NULL)."""
-    ignored = {"origin"} if not obs.origin_given else set()
+    ignored = {"origin", "coverage"} if not obs.origin_given else {"coverage"}
     if erased:
         ignored.add("compaction_id")
-    return all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
+    # A coverage within rounding of the stored one is the same (a label is stored at its compaction's
+    # measured coverage: its resend, after an erasure too, is the duplicate it was).
+    same = all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
+    return same and same_coverage(obs.coverage, row.coverage)
 
 
 def _stored_rows(
@@ -143,11 +146,16 @@ def store_observations(
     """
     session.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": OBSERVATIONS_LOCK_ID})
     report = AddReport()
-    unknown, unjudged, measured = _unknown_compactions(session, observations)
+    unknown, unjudged, measured = judged_compactions(session, observations)
     erased = _erased_since(session, observations, unknown)
     # A label stored before it was refused (a compaction never judged, or one labelled at another
     # coverage before labels carried the measured one): a sender's retry gets its duplicate answer.
-    stored_before = _stored_before(session, observations, unjudged | set(measured))
+    off_measure = {
+        obs.compaction_id
+        for obs in observations
+        if obs.compaction_id in measured and obs.coverage != measured[obs.compaction_id]
+    }
+    stored_before = _stored_before(session, observations, unjudged | off_measure)
     report.stored.extend(erased.values())
     indexed: list[tuple[int, ObservationIn]] = []
     for index, obs in enumerate(observations):
@@ -168,7 +176,7 @@ def store_observations(
         elif (
             obs.compaction_id in measured
             and index not in stored_before
-            and not _same_coverage(obs.coverage, measured[obs.compaction_id])
+            and not same_coverage(obs.coverage, measured[obs.compaction_id])
         ):
             # A label of a compaction is a point of the gate's own measure: calibrated on a number the
             # client sent (0.615, as `transcripts show` prints 0.6153846...), τ could land just under the
@@ -178,7 +186,8 @@ def store_observations(
                     index,
                     f"compaction_id {obs.compaction_id}: its coverage was measured as "
                     f"{measured[obs.compaction_id]!r}, not {obs.coverage!r}; send the measured coverage "
-                    "(GET /v1/transcripts/{id} shows it) or leave compaction_id out",
+                    "(the transcript's context, or GET /v1/transcripts/{id}/compactions, gives it) or leave "
+                    "compaction_id out",
                 )
             )
             report.unknown_compactions.append(index)
@@ -200,34 +209,6 @@ def store_observations(
     report.stored.sort(key=lambda s: s.index)
     report.conflicts.sort()
     return report
-
-
-def _same_coverage(sent: float, measured: float) -> bool:
-    # Up to a float's round trip through another language's JSON (a last digit), no further.
-    return math.isclose(sent, measured, rel_tol=1e-12, abs_tol=1e-15)
-
-
-def _unknown_compactions(
-    session: Session, observations: Sequence[ObservationIn]
-) -> tuple[set[int], set[int], dict[int, float]]:
-    """(the labelled compaction ids that name no compaction, those that name one never judged: failed
-    before a coverage was measured, so a label of it is no calibration point, and the coverage each
-    judged one was measured at). The ones found are locked FOR KEY SHARE (as the foreign key check
-    itself does): none can be deleted before this transaction commits."""
-    ids = {obs.compaction_id for obs in observations if obs.compaction_id is not None}
-    if not ids:
-        return set(), set(), {}
-    # One array parameter: an IN list of 65,536 ids or more is past the protocol's bind limit.
-    found = dict(
-        session.execute(
-            select(Compaction.id, Compaction.coverage)
-            .where(Compaction.id == any_(bindparam("ids", sorted(ids), type_=ARRAY(BigInteger))))
-            .with_for_update(read=True, key_share=True)
-        ).all()
-    )
-    unjudged = {id_ for id_, coverage in found.items() if coverage is None}
-    measured = {id_: float(coverage) for id_, coverage in found.items() if coverage is not None}
-    return ids - set(found), unjudged, measured
 
 
 def _row(obs: ObservationIn) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def _print_outcome(outcome: CompactionOutcome) -> None:
         f"{outcome.tokens_before if outcome.tokens_before is not None else '—'} → "
         f"{outcome.tokens_after if outcome.tokens_after is not None else '—'}",
         str(outcome.tokens_saved),
-        _number(outcome.coverage),
+        "—" if outcome.coverage is None else repr(outcome.coverage),  # in full, as a label carries it
         _tau(outcome.threshold_tau, outcome.threshold_version),
         str(outcome.attempts),
     )

@@ -241,8 +241,8 @@ def _ask_model(
     refused: set[int],
 ) -> None:
     """The model's decisions for every asked pair into ``answers``, the llm_calls row each came from into
-    ``call_ids``, and the pairs refused on their own into ``refused`` (filled as they come: a run
-    stopped part way keeps what it paid for)."""
+    ``call_ids``, and the pairs settled without one into ``refused`` (refused on their own, or skipped
+    twice: kept as unrelated) (filled as they come: a run stopped part way keeps what it paid for)."""
     asked = [pair for plan in plans for pair in plan.asked]
     if not asked:
         return
@@ -268,6 +268,8 @@ def _ask_model(
             ]
             if not chunk:
                 break
+        else:
+            refused.update(p.number for p in chunk)  # skipped twice: settled, kept as unrelated
 
 
 @dataclass

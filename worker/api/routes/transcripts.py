@@ -70,6 +70,7 @@ from worker.compaction import (
     update_settings,
 )
 from worker.compaction.erase import ErasedSinceSignedError, erase_transcript, refuse_if_erased_since
+from worker.compaction.views import measured_coverage
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
 from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
@@ -351,9 +352,11 @@ def get_context(ctx: Context, _: TranscriptReader, transcript_id: TranscriptId) 
             view = context_view(session, transcript_id)
         except ContextTooLargeError as exc:
             raise ApiError(409, str(exc)) from None
+        scored = measured_coverage(session, view.compaction_id)
     return ContextOut(
         transcript_id=transcript_id,
         compaction_id=view.compaction_id,
+        coverage=scored,
         cut_seq=view.cut_seq,
         tokens=view.tokens,
         messages=[ContextMessageOut.model_validate(m.as_dict()) for m in view.messages],

@@ -174,6 +174,9 @@ class ContextMessageOut(BaseModel):
 class ContextOut(BaseModel):
     transcript_id: str
     compaction_id: int | None
+    coverage: float | None = Field(
+        description="The coverage the gate measured for the compaction: what a label of it carries"
+    )
     cut_seq: int | None
     tokens: int
     messages: list[ContextMessageOut]
