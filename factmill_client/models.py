@@ -347,6 +347,7 @@ class ContextMessageOut(Model):
 class ContextOut(Model):
     transcript_id: str
     compaction_id: int | None
+    coverage: float | None  # the compaction's measured coverage: what a label of it carries
     cut_seq: int | None
     tokens: int
     messages: list[ContextMessageOut]

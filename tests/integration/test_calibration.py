@@ -357,8 +357,9 @@ def test_the_measured_coverage_a_label_carries_is_what_the_mcp_context_gives(
 def test_a_label_stored_before_labels_carried_the_measured_coverage_is_still_a_duplicate(
     tx_factory: sessionmaker[Session], judged: tuple[int, ...]
 ) -> None:
-    """A keyed retry (or a re-import) of a label stored at another coverage before the rule got a 409,
-    and with the measured coverage a key conflict: it is the duplicate it always was."""
+    """A keyed retry (or a re-import) of a label stored at another coverage before the rule got a 409: it
+    is the duplicate it always was. (The same key with the measured coverage is a key conflict: the key
+    names the label stored; a new key stores the measured one beside it.)"""
     sent = ObservationIn(0.615, False, "eval", compaction_id=3, idempotency_key="old-1")
     with tx_factory.begin() as session:  # as stored before the rule
         session.add(

@@ -1782,12 +1782,14 @@ def test_cli_compact_queues_or_runs_now_and_transcripts_show(
     assert shown.exit_code == 0, shown.output
     assert "full history" in shown.output and f"summary of compaction {row.id}" in shown.output
     assert "saved" in shown.output and "accepted" in shown.output
+    # The coverage in full, as a label of the compaction carries it (printed to 3 places, it was refused).
+    assert row.coverage is not None and f"measured coverage {row.coverage!r}" in now.output
     data = json.loads(cli("transcripts", "show", "cli", "--json").stdout)
     assert (
         data["compaction_id"] == row.id
         and data["saved_tokens"] == data["history_tokens"] - data["context_tokens"]
     )
-    assert data["compactions"][0]["id"] == row.id
+    assert data["compactions"][0]["id"] == row.id and data["compactions"][0]["coverage"] == row.coverage
     listed = json.loads(cli("transcripts", "list", "--json").stdout)
     assert [r["transcript_id"] for r in listed] == ["cli"]
 

@@ -1118,6 +1118,44 @@ def test_pairs_a_reply_skipped_are_asked_again_once_then_kept_unrelated(tx_facto
     assert facts["Alice Example lives in Lisbon now."][0].status == "current"
 
 
+def test_a_pair_skipped_twice_is_settled_in_a_stopped_rounds_head(tx_factory, llm, monkeypatch) -> None:
+    """A pair the model skips twice is kept as unrelated by a whole round; a stop later in the round
+    wrote nothing from its fact on (it counted as unanswered), and the next run paid for it again."""
+    from worker.consolidation import service
+    from worker.jobs.shutdown import WorkerStoppingError
+    from worker.simulator import Simulator, SimulatorConfig
+
+    monkeypatch.setattr(service, "MAX_PAIRS_PER_CALL", 1)  # a question a pair
+    cities = ("Lisbon", "Porto", "Faro")  # pairs: Porto-Lisbon, then Faro's two
+    for n, city in enumerate(cities, 1):
+        slug, body = lives(f"2026-0{n}-05", city)
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    fenced = '```json\n{"decisions": []}\n```'  # a reply that decides nothing
+    asked: list[int] = []
+    with Simulator(SimulatorConfig()) as other:
+        other.configure(raw_replies={"chat.completions": completion(content=fenced, model="simulator-1")})
+        skipping = OpenAIChatClient(model="simulator-1", base_url=other.base_url, provider="simulator")
+
+        class SkipsTheFirstPairTwice:
+            provider, model = llm.provider, llm.model
+
+            def chat(self, request: Any) -> Any:
+                asked.append(1)
+                return (skipping if len(asked) <= 2 else llm).chat(request)
+
+        def stopping_at_the_fourth_question() -> None:
+            if len(asked) >= 3:
+                raise WorkerStoppingError("the worker is stopping")
+
+        store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+        run = EntityRun("default", ALICE, guard=stopping_at_the_fourth_question)
+        with pytest.raises(WorkerStoppingError):
+            consolidate_entity(store, SkipsTheFirstPairTwice(), run)
+    decided = {t for t, rows in alice(tx_factory).items() for r in rows if r.consolidated_at is not None}
+    assert decided == {"Alice Example lives in Lisbon now.", "Alice Example lives in Porto now."}
+
+
 def test_a_page_that_stops_being_extracted_sends_its_orphans_to_consolidation(factory, simulator) -> None:
     # A page whose type extraction does not read loses its facts with the delivery: the facts of other
     # pages that were duplicates of them (or closed by them) lost their link and stayed hidden, since

@@ -147,7 +147,7 @@ class Ledger:
         return cost_usd(call.model, call.usage, table, batch=call.batch)
 
     def _unpriced(self, call: LLMCallRecord) -> None:
-        """Said once per model and process: a model the list prices do not know (gpt-5-mini, an
+        """Said once per model and process: a model the list prices do not know (a newer release, an
         OpenAI-compatible server's) was costed $0 without a word, so no budget ever counted its calls."""
         if call.model in self._unpriced_seen or (
             call.usage is not None and call.usage.input_tokens + call.usage.output_tokens == 0

@@ -96,6 +96,8 @@ def _says_the_same(obs: ObservationIn, row: Row[Any], *, erased: bool = False) -
     # A coverage within rounding of the stored one is the same (a label is stored at its compaction's
     # measured coverage: its resend, after an erasure too, is the duplicate it was).
     same = all(getattr(row, name) == value for name, value in obs.recorded().items() if name not in ignored)
+    if obs.compaction_id is None:  # stored as sent: an honest resend is the same number
+        return same and obs.coverage == row.coverage
     return same and same_coverage(obs.coverage, row.coverage)
 
 

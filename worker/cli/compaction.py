@@ -80,7 +80,7 @@ def _print_outcome(outcome: CompactionOutcome) -> None:
         f"{outcome.tokens_before if outcome.tokens_before is not None else '—'} → "
         f"{outcome.tokens_after if outcome.tokens_after is not None else '—'}",
         str(outcome.tokens_saved),
-        "—" if outcome.coverage is None else repr(outcome.coverage),  # in full, as a label carries it
+        _number(outcome.coverage),
         _tau(outcome.threshold_tau, outcome.threshold_version),
         str(outcome.attempts),
     )
@@ -89,6 +89,10 @@ def _print_outcome(outcome: CompactionOutcome) -> None:
         out.print(f"missed terms: {', '.join(outcome.missed_terms)}")
     if outcome.detail:
         out.print(outcome.detail)
+    if outcome.coverage is not None and outcome.compaction_id is not None:
+        # In full (a table folds it): a label of the compaction carries exactly it.
+        said = f"a label of compaction {outcome.compaction_id} carries it"
+        out.print(f"measured coverage {outcome.coverage!r} ({said})")
 
 
 @stops_on_signals
