@@ -288,6 +288,16 @@ def _bound(session: Session, deadline: Deadline | None) -> None:
         session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{limit_ms}ms"})
 
 
+def _exact_first(exact_rows: list[Any], rows: list[Any], limit: int) -> list[Any]:
+    """Facts holding the words themselves, then those holding only longer words they begin. Replaced by
+    the prefix ranking when they did not fill the list, a list of more results lost the exact ones a list
+    of fewer had ("meet": the top ten of twenty were the meetings, of ten the meeting of Grace)."""
+    if not exact_rows:
+        return rows
+    first = {row[0] for row in exact_rows}
+    return (exact_rows + [row for row in rows if row[0] not in first])[:limit]
+
+
 def _ranked_matches(
     session: Session,
     units: list[LexUnit],
@@ -322,11 +332,8 @@ def _ranked_matches(
         return list(session.execute(indexed, params | {"match": match}))
 
     def answer(keep: int, prefix_rows: list[Any] | None = None) -> tuple[list[Any], bool]:
-        """The rows of the rarest ``keep`` units, and whether some fact holds the words themselves (not
-        only longer words they begin). Facts holding the words themselves come first, and longer words'
-        after them: replaced by the prefix ranking when they did not fill the list, a list of more
-        results lost the exact ones a list of fewer had ("meet": the top ten were the meetings of a
-        twenty, the meeting of Grace of a ten)."""
+        """The rows of the rarest ``keep`` units, exact words first (_exact_first), and whether some
+        fact holds the words themselves (not only longer words they begin)."""
         kept = sorted(order[:keep])
         exact_found = True
         exact_rows: list[Any] = []
@@ -336,10 +343,7 @@ def _ranked_matches(
                 return exact_rows, True
             exact_found = bool(exact_rows)
         rows = prefix_rows if prefix_rows is not None else ranked(kept, exact=False)
-        if not exact_rows:
-            return rows, exact_found
-        first = {row[0] for row in exact_rows}
-        return (exact_rows + [row for row in rows if row[0] not in first])[:limit], exact_found
+        return _exact_first(exact_rows, rows, limit), exact_found
 
     # A unit no fact holds (df 0, counted) matches nothing with any others: they go first, all at once.
     present = sum(df > 0 for df in dfs)
