@@ -1398,6 +1398,21 @@ def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> Non
     assert calls(tx_factory) == 0
 
 
+def model_verdicts(factory: sessionmaker[Session]) -> tuple[dict[int, str], list[Any]]:
+    """The facts' texts by id, and the model's verdicts: (reason, fact, other fact, llm call)."""
+    with factory() as session:
+        texts = {fact_id: fact for fact_id, fact in session.execute(select(Fact.id, Fact.fact))}
+        verdicts = session.execute(
+            select(
+                ConsolidationDecision.reason,
+                ConsolidationDecision.fact_id,
+                ConsolidationDecision.other_fact_id,
+                ConsolidationDecision.llm_call_id,
+            ).where(ConsolidationDecision.decided_by == "model")
+        ).all()
+    return texts, list(verdicts)
+
+
 # A pair as a question states it: its new fact's text and its old fact's.
 ASKED_PAIR = re.compile(r"^\d+\. NEW \([^)]*\): (.*)\n   OLD \([^)]*\): (.*)$", re.MULTILINE)
 
@@ -1455,17 +1470,11 @@ def test_an_answer_cut_off_at_its_token_cap_is_asked_again_in_halves(
     # Each verdict names the call that was asked its pair (every row of a fact named its first pair's
     # call, though the fact's pairs were answered across the halves).
     with tx_factory() as session:
-        texts = {fact_id: fact for fact_id, fact in session.execute(select(Fact.id, Fact.fact))}
         order = list(
             session.scalars(select(LLMCall.id).where(LLMCall.purpose == "consolidation").order_by(LLMCall.id))
         )
-        rows = session.execute(
-            select(
-                ConsolidationDecision.fact_id,
-                ConsolidationDecision.other_fact_id,
-                ConsolidationDecision.llm_call_id,
-            ).where(ConsolidationDecision.decided_by == "model")
-        ).all()
+    texts, verdicts = model_verdicts(tx_factory)
+    rows = [(new, old, call) for _, new, old, call in verdicts]
     order = order[-len(model.asked) :]  # the recorded questions' calls (the first run's came before)
     wrong = [
         (texts[new], texts[old])
@@ -1515,14 +1524,8 @@ def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
         refused = session.scalar(
             select(func.count()).where(LLMCall.purpose == "consolidation", LLMCall.outcome == "refusal")
         )
-        texts = {fact_id: fact for fact_id, fact in session.execute(select(Fact.id, Fact.fact))}
-        rows = session.execute(
-            select(
-                ConsolidationDecision.reason,
-                ConsolidationDecision.fact_id,
-                ConsolidationDecision.other_fact_id,
-            ).where(ConsolidationDecision.decided_by == "model")
-        ).all()
+    texts, verdicts = model_verdicts(tx_factory)
+    rows = [(reason, new, old) for reason, new, old, _ in verdicts]
     assert refused and counters.llm_calls == len(model.asked)
     unanswered = [(texts[new], texts[old]) for reason, new, old in rows if reason == UNANSWERED_REASON]
     assert unanswered and all("Braga" in new + old for new, old in unanswered), rows

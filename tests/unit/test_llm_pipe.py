@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -659,21 +660,18 @@ def test_on_a_pipe_narrowed_by_refused_threads_a_second_page_still_gets_its_shar
         pipe.close()
 
 
-def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_its_grace_ends(
-    monkeypatch,
-) -> None:
-    """The page waited for its next result (a long retry) however long the stop's grace lasted: the exit
-    then lost every paid result ready behind it (no llm_calls row, paid for again by the next worker).
-    While stopping it waits only until the grace nears its end, records what is ready, and releases."""
-    import time
+@contextlib.contextmanager
+def page_behind_a_slow_call(
+    monkeypatch: pytest.MonkeyPatch, grace_left: Callable[[], float | None], segments: int
+) -> Iterator[tuple[Any, list[int]]]:
+    """A page whose first segment's call does not end (a long retry) while the others return: its
+    result batches, and the indexes whose spend was recorded as discarded."""
     from types import SimpleNamespace
 
     from worker.extraction import service
-    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
-    from worker.jobs.shutdown import WorkerStoppingError
+    from worker.extraction.service import OnlineExtraction
 
-    exits_at = time.monotonic() + STOP_RECORD_SECONDS + 0.5  # the grace ends half a second after that
-    monkeypatch.setattr(service, "grace_left", lambda: exits_at - time.monotonic())
+    monkeypatch.setattr(service, "grace_left", grace_left)
     recorded: list[int] = []
     run = SimpleNamespace(
         counters=SimpleNamespace(add_calls=lambda result: None),
@@ -692,59 +690,52 @@ def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_it
             return f"result {segment}"
 
         extraction.call = call  # type: ignore[method-assign]
-        plan = SimpleNamespace(label="page", segments=[0, 1, 2, 3], slug="p")
-        batches = extraction.ordered_results(plan)  # type: ignore[arg-type]
+        plan = SimpleNamespace(label="page", segments=list(range(segments)), slug="p")
+        yield extraction.ordered_results(plan), recorded  # type: ignore[arg-type]
+    finally:
+        slow.set()
+        pipe.close()
+
+
+def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_its_grace_ends(
+    monkeypatch,
+) -> None:
+    """The page waited for its next result (a long retry) however long the stop's grace lasted: the exit
+    then lost every paid result ready behind it (no llm_calls row, paid for again by the next worker).
+    While stopping it waits only until the grace nears its end, records what is ready, and releases."""
+    import time
+
+    from worker.extraction.service import STOP_RECORD_SECONDS
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    exits_at = time.monotonic() + STOP_RECORD_SECONDS + 0.5  # the grace ends half a second after that
+    with page_behind_a_slow_call(monkeypatch, lambda: exits_at - time.monotonic(), 4) as (batches, recorded):
         started = time.monotonic()
         with pytest.raises(WorkerStoppingError):
             next(batches)
         assert time.monotonic() - started < WAIT  # not the slow call's end
         assert sorted(recorded) == [1, 2, 3]  # paid and ready: recorded before the exit
-    finally:
-        slow.set()
-        pipe.close()
 
 
 def test_a_stop_that_begins_while_the_page_waits_is_noticed_before_a_short_grace_ends(monkeypatch) -> None:
     """The page looked at its patience only when its wait (MARK_EVERY_SECONDS, 10 s) ended: a stop with a
     short grace that began during the wait was noticed past the exit, the ready results lost."""
     import time
-    from types import SimpleNamespace
 
     from worker.core import progress
-    from worker.extraction import service
-    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
+    from worker.extraction.service import STOP_RECORD_SECONDS
     from worker.jobs.shutdown import WorkerStoppingError
 
     exits_at: list[float] = []  # set once the stop begins, after the page began to wait
-    monkeypatch.setattr(service, "grace_left", lambda: exits_at[0] - time.monotonic() if exits_at else None)
-    recorded: list[int] = []
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(
-            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
-        ),
-    )
-    slow = threading.Event()
-    pipe = LLMPipe(4)
-    try:
-        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
 
-        def call(label: str, segment: int, abandoned: object = None) -> str:
-            if segment == 0:
-                assert slow.wait(WAIT)
-            return f"result {segment}"
+    def grace_left() -> float | None:
+        return exits_at[0] - time.monotonic() if exits_at else None
 
-        extraction.call = call  # type: ignore[method-assign]
-        plan = SimpleNamespace(label="page", segments=[0, 1, 2], slug="p")
-        batches = extraction.ordered_results(plan)  # type: ignore[arg-type]
+    with page_behind_a_slow_call(monkeypatch, grace_left, 3) as (batches, recorded):
         grace = STOP_RECORD_SECONDS + 1.0
-        stop = threading.Timer(0.3, lambda: exits_at.append(time.monotonic() + grace))
-        stop.start()
+        threading.Timer(0.3, lambda: exits_at.append(time.monotonic() + grace)).start()
         started = time.monotonic()
         with pytest.raises(WorkerStoppingError):
             next(batches)
         assert time.monotonic() - started < progress.MARK_EVERY_SECONDS  # before the exit, not after
         assert sorted(recorded) == [1, 2]
-    finally:
-        slow.set()
-        pipe.close()
