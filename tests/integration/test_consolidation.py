@@ -1398,6 +1398,16 @@ def test_a_stop_during_a_rate_limits_wait_writes_no_call(tx_factory, llm) -> Non
     assert calls(tx_factory) == 0
 
 
+def refusing_client(simulator: Any) -> OpenAIChatClient:
+    """The simulator's client, every answer a refusal (as a provider's content filter answers)."""
+    return OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "refusal"},
+    )
+
+
 def model_verdicts(factory: sessionmaker[Session]) -> tuple[dict[int, str], list[Any]]:
     """The facts' texts by id, and the model's verdicts: (reason, fact, other fact, llm call)."""
     with factory() as session:
@@ -1496,12 +1506,7 @@ def test_a_pair_the_model_refuses_is_asked_apart_and_the_others_are_decided(
 
     cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora")
     arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
-    refusing = OpenAIChatClient(
-        model="simulator-1",
-        base_url=simulator.base_url,
-        provider="simulator",
-        default_headers={"x-simulator-fault": "refusal"},
-    )
+    refusing = refusing_client(simulator)
 
     class FilteringBraga:  # the simulator refuses any question that holds Braga's fact
         provider, model = llm.provider, llm.model
@@ -1549,12 +1554,7 @@ def test_two_filtered_facts_at_the_head_of_a_round_are_no_shared_refusal(tx_fact
                         duplicate_of=None, valid_to=None, consolidated_at=None))  # fmt: skip
         session.execute(update(Fact).where(~later_facts, ~Fact.is_audit).values(status="current",
                         superseded_by=None, valid_to=None))  # fmt: skip
-    refusing = OpenAIChatClient(
-        model="simulator-1",
-        base_url=simulator.base_url,
-        provider="simulator",
-        default_headers={"x-simulator-fault": "refusal"},
-    )
+    refusing = refusing_client(simulator)
 
     class FilteringTwo:
         provider, model = llm.provider, llm.model
@@ -1578,12 +1578,7 @@ def test_a_model_that_refuses_the_whole_entity_fails_the_round_after_a_few_calls
 
     cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")  # 20 pairs
     arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
-    refusing = OpenAIChatClient(
-        model="simulator-1",
-        base_url=simulator.base_url,
-        provider="simulator",
-        default_headers={"x-simulator-fault": "refusal"},
-    )
+    refusing = refusing_client(simulator)
     asked: list[int] = []
 
     class RefusingAll:
