@@ -1078,6 +1078,20 @@ def test_malformed_and_oversized_feedback(client: TestClient) -> None:
     assert response.status_code == 413 and "65536-byte limit" in response.json()["detail"]
 
 
+def test_feedback_answers_the_coverage_as_stored(
+    client: TestClient, tx_factory: sessionmaker[Session], judged: tuple[int, ...]
+) -> None:
+    """A label within a last digit of its compaction's measured coverage is stored as measured: the
+    answer said the number sent, not the one stored."""
+    near = MEASURED[5] * (1 + 4e-16)
+    assert near != MEASURED[5]
+    response = post_feedback(client, FEEDBACK | {"coverage": near})
+    assert response.status_code == 201, response.text
+    assert response.json()["coverage"] == MEASURED[5]
+    again = post_feedback(client, FEEDBACK | {"coverage": near})
+    assert again.status_code == 200 and again.json()["coverage"] == MEASURED[5]
+
+
 def test_duplicate_feedback_is_200_and_stored_once(
     client: TestClient, tx_factory: sessionmaker[Session], recorder: Recorder, judged: tuple[int, ...]
 ) -> None:

@@ -47,6 +47,7 @@ class StoredObservation:
     index: int  # position in the submitted sequence
     id: int
     duplicate: bool  # True: an earlier submission with the same key was found; nothing new was stored
+    coverage: float | None = field(default=None, compare=False)  # as stored (a label: its measured one)
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _erased_since(
     since. Refused as naming no compaction, an at-least-once sender's retry after an erasure got a 409
     instead of its duplicate answer."""
     return {
-        index: StoredObservation(index, row.id, True)
+        index: StoredObservation(index, row.id, True, row.coverage)
         for index, row in _stored_rows(session, observations, unknown).items()
         if row.compaction_id is None and _says_the_same(observations[index], row, erased=True)
     }
@@ -238,7 +239,9 @@ _INSERT_KEYED = BulkInsert(
 
 def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
     ids = session.connection().execute(_INSERT_UNKEYED, [_row(obs) for _, obs in chunk]).scalars().all()
-    report.stored.extend(StoredObservation(i, id_, False) for (i, _), id_ in zip(chunk, ids, strict=True))
+    report.stored.extend(
+        StoredObservation(i, id_, False, obs.coverage) for (i, obs), id_ in zip(chunk, ids, strict=True)
+    )
 
 
 def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
@@ -254,11 +257,11 @@ def _store_keyed(session: Session, chunk: list[tuple[int, ObservationIn]], repor
         assert key is not None
         if key in inserted and key not in claimed:  # the first submission with a key is the one stored
             claimed.add(key)
-            report.stored.append(StoredObservation(index, inserted[key], False))
+            report.stored.append(StoredObservation(index, inserted[key], False, obs.coverage))
             continue
         stored = existing[key]
         if _says_the_same(obs, stored):
-            report.stored.append(StoredObservation(index, stored.id, True))
+            report.stored.append(StoredObservation(index, stored.id, True, stored.coverage))
         else:
             report.conflicts.append((index, _conflict_message(obs, stored)))
 

@@ -144,7 +144,7 @@ def accept_feedback(ctx: ApiContext, body: bytes, ingest: Ingest, header_key: st
     out = FeedbackOut(
         id=stored.id,
         duplicate=stored.duplicate,
-        coverage=observation.coverage,
+        coverage=observation.coverage if stored.coverage is None else stored.coverage,  # as stored
         answer_kept=observation.answer_kept,
         origin=observation.origin,
         compaction_id=observation.compaction_id,
