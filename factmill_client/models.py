@@ -133,6 +133,7 @@ class BackfillSummary(Model):
     filters: dict[str, Any]
     status: str
     cancel_requested: bool
+    pages_left_to_others: int  # selected pages an overlapping backfill was extracting: not this one's
     job_id: int | None
     job_status: str | None
     job_note: str | None

@@ -41,6 +41,8 @@ class Backfill(Base):
     filters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     status: Mapped[str] = mapped_column(server_default="planning")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    # Selected pages left to an overlapping backfill that still had requests out for them (its plan's).
+    pages_left_to_others: Mapped[int] = count_column()
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), index=True)
     created_by: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()

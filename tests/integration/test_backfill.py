@@ -262,6 +262,12 @@ def test_a_second_backfill_leaves_the_pages_a_first_still_extracts_to_it(factory
     second, second_job = start(factory, "bf")
     assert run_pass(rt, second_job).status == "succeeded", "nothing left for it to plan"
     assert sim.stats()["batches"]["created"] == 1 and request_statuses(factory, second) == {}
+    # Its report says what it left to the other (only a worker's log line did: "done", and a cancel of
+    # the first left the pages unextracted without a word).
+    from worker.extraction.backfill_admin import backfill_report
+
+    assert backfill_report(factory, second)["pages_left_to_others"] == 2
+    assert backfill_report(factory, first)["pages_left_to_others"] == 0
     sim.end_batches()
     assert drive(rt, first_job).status == "succeeded"
     assert request_statuses(factory, first) == {"done": 8}
@@ -289,6 +295,9 @@ def test_a_plan_stored_after_another_s_drops_the_pages_that_one_took(factory, rt
     store.store_plan(second, plan("fmsecond"))  # planned beside the first, stored after it
     assert request_statuses(factory, first) == {"pending": 2}
     assert request_statuses(factory, second) == {}
+    from worker.extraction.backfill_admin import backfill_report
+
+    assert backfill_report(factory, second)["pages_left_to_others"] == 1  # dropped when stored
 
 
 @pytest.mark.parametrize("job", ["failed", "deleted by retention"])
@@ -689,9 +698,9 @@ def test_a_page_erased_while_the_plan_was_read_keeps_no_request_nor_slug(factory
     slugs = seed_pages(factory, "bf", 2)
     real_store = BackfillStore.store_plan
 
-    def erased_meanwhile(self: Any, backfill_id: int, batches: Any) -> None:
+    def erased_meanwhile(self: Any, backfill_id: int, batches: Any, **counts: int) -> None:
         erase_page(factory, "bf", slugs[0], "test")
-        real_store(self, backfill_id, batches)
+        real_store(self, backfill_id, batches, **counts)
 
     monkeypatch.setattr(BackfillStore, "store_plan", erased_meanwhile)
     backfill_id, job_id = start(factory, "bf")

@@ -75,6 +75,9 @@ class BackfillSummary(TypedDict):
     filters: dict[str, Any]
     status: str
     cancel_requested: bool
+    # Selected pages left to an overlapping backfill that had requests out for them: not extracted by
+    # this one (a cancel of the other leaves them to a later run).
+    pages_left_to_others: int
     job_id: int | None
     job_status: str | None
     job_note: str | None
@@ -90,6 +93,7 @@ def backfill_summary(backfill: Backfill, job: str | None, job_note: str | None) 
         "filters": backfill.filters,
         "status": backfill.status,
         "cancel_requested": backfill.cancel_requested,
+        "pages_left_to_others": backfill.pages_left_to_others,
         "job_id": backfill.job_id,
         "job_status": job,
         "job_note": job_note,

@@ -44,6 +44,7 @@ class BackfillPlanner:
         self.store = store
         self.client = client
         self.bounds = bounds
+        self.left_to_others = 0  # pages ``plans`` left to another backfill (its last run's)
 
     def plans(
         self, enough: Callable[[], bool] = lambda: False, backfill_id: int | None = None
@@ -54,7 +55,7 @@ class BackfillPlanner:
         two overlapping backfills (a source and a prefix of it, a repeated request) paid for its
         segments twice, and the second to collect discarded its results."""
         taken = self.store.pages_in_flight(but=backfill_id or 0)
-        skipped = 0
+        skipped = self.left_to_others = 0
         for ref in self.run.list_pages():
             if enough():  # asked before each page is read: the rest of the corpus is not loaded
                 break
@@ -69,6 +70,7 @@ class BackfillPlanner:
             plan = self.run.plan(ref)
             if plan is not None:
                 yield plan
+        self.left_to_others = skipped
         if skipped:
             logger.info(
                 "backfill %s: %d page(s) left to the other backfill extracting them", backfill_id, skipped
@@ -102,7 +104,7 @@ class BackfillPlanner:
             sizes[-1] += size
             total += len(requests)
         planned = [PlannedBatch(key, client.provider, client.model, held) for key, held in batches]
-        self.store.store_plan(backfill_id, planned)
+        self.store.store_plan(backfill_id, planned, left_to_others=self.left_to_others)
         logger.info("backfill %s planned %d request(s) in %d batch(es)", backfill_id, total, len(planned))
 
     def page_requests(

@@ -201,9 +201,12 @@ class BackfillStore:
         with read_only(self._factory) as session:
             return session.get(Backfill, backfill_id)
 
-    def store_plan(self, backfill_id: int, batches: Sequence[PlannedBatch]) -> None:
+    def store_plan(
+        self, backfill_id: int, batches: Sequence[PlannedBatch], *, left_to_others: int = 0
+    ) -> None:
         """Every batch and request of the backfill, in one transaction, before anything is sent; not a
-        page another backfill stored requests for since this one began to plan (two planned at once)."""
+        page another backfill stored requests for since this one began to plan (two planned at once).
+        The pages left to others (``left_to_others`` when planned, and those) are counted with it."""
         with self._factory.begin() as session:
             backfill = session.get(Backfill, backfill_id, with_for_update=True)
             if backfill is None or backfill.status != "planning":
@@ -247,6 +250,8 @@ class BackfillStore:
                             for r in kept[start : start + _PLAN_INSERT_CHUNK]
                         ],
                     )
+            dropped = {r.page_id for b in batches for r in b.requests if r.page_id in taken}
+            backfill.pages_left_to_others = left_to_others + len(dropped)
             backfill.status = "running"
 
     def batches(self, backfill_id: int, statuses: Sequence[str] = OPEN_BATCHES) -> list[BatchRow]:
