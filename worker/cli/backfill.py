@@ -103,12 +103,13 @@ def backfill_list(
     if as_json:
         print_json(found)
         return
-    table = folding_table("id", "source", "selection", "status", "job", "created", "finished")
+    table = folding_table("id", "source", "selection", "status", "left", "job", "created", "finished")
     for b in found:
         selection = ", ".join(f"{k}={v}" for k, v in b["filters"].items() if v is not None and v is not False)
         job = f"{b['job_id']} {b['job_status']}" if b["job_id"] is not None else "-"
         table.add_row(
-            str(b["id"]), str(b["source_id"]), selection or "every page", str(b["status"]), job,
+            str(b["id"]), str(b["source_id"]), selection or "every page", str(b["status"]),
+            str(b["pages_left_to_others"] or "-"), job,
             when(b["created_at"]), when(b["finished_at"]),
         )  # fmt: skip
     out.print(table)

@@ -148,8 +148,12 @@ class BackfillPass:
         # failed, and was retried): paid twice, and the second to collect discarded its results. (Only
         # sent ones: two both still unsent would each drop the page, and neither extract it.)
         taken = self.store.pages_in_flight(but=self.backfill.id, sent_only=True)
+        left: list[int] = []  # the requests of pages left to the other backfill
         for (page_id, slug), rows in group_by_page(self.store.pending_requests(batch.id)):
-            plan = None if page_id in taken else self.page_plan(page_id, slug)
+            if page_id in taken:
+                left += [row.id for row in rows]
+                continue
+            plan = self.page_plan(page_id, slug)
             if plan is not None:
                 run = matching_run(plan, rows)
                 if plan.replace and len(run) < len(plan.segments):
@@ -159,6 +163,7 @@ class BackfillPass:
                         plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
                     )
             dropped += [row.id for row in rows if row.custom_id not in requests]
+        self.store.leave_pages(self.backfill.id, left)
         self.store.mark_requests(dropped, "dropped")
         return requests
 

@@ -75,7 +75,8 @@ class BackfillSummary(TypedDict):
     filters: dict[str, Any]
     status: str
     cancel_requested: bool
-    # Selected pages left to an overlapping backfill that had requests out for them: not extracted by
+    # Selected pages (by source and slug; a --since applies when a page is planned) left to an
+    # overlapping backfill that had requests out for them, when planned or when sent: not extracted by
     # this one (a cancel of the other leaves them to a later run).
     pages_left_to_others: int
     job_id: int | None

@@ -75,9 +75,18 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
             if to_consolidate:  # what committed, even when the pass then stopped on an error
                 consolidate_pages_entities(rt.factory, list(dict.fromkeys(to_consolidate)))
     report = backfill_report(rt.factory, backfill_id)
-    counters = {"backfill": backfill_id, "requests": report["requests"], "cost_usd": report["cost_usd"]}
+    left = report["pages_left_to_others"]
+    counters = {
+        "backfill": backfill_id,
+        "requests": report["requests"],
+        "cost_usd": report["cost_usd"],
+        "pages_left_to_others": left,
+    }
     if result.finished:
-        return WorkResult("succeeded", counters=counters, note=f"backfill {backfill_id} {result.status}")
+        others = f"; {left} page(s) left to an overlapping backfill" if left else ""
+        return WorkResult(
+            "succeeded", counters=counters, note=f"backfill {backfill_id} {result.status}{others}"
+        )
     return WorkResult(
         "paused",
         counters=counters,

@@ -250,7 +250,9 @@ class BackfillStore:
                             for r in kept[start : start + _PLAN_INSERT_CHUNK]
                         ],
                     )
-            dropped = {r.page_id for b in batches for r in b.requests if r.page_id in taken}
+            dropped = {
+                r.page_id for b in batches for r in b.requests if r.page_id in taken and r.page_id in present
+            }
             backfill.pages_left_to_others = left_to_others + len(dropped)
             backfill.status = "running"
 
@@ -362,6 +364,27 @@ class BackfillStore:
                 )
             )
             return set(rows)
+
+    def leave_pages(self, backfill_id: int, request_ids: Sequence[int]) -> None:
+        """Requests of pages another backfill sent for (dropped), and those pages counted as left to it
+        (pages_left_to_others), in one transaction: once not pending, a rerun cannot count them again."""
+        if not request_ids:
+            return
+        with self._factory.begin() as session:
+            pages = set(
+                session.scalars(
+                    update(BackfillRequest)
+                    .where(BackfillRequest.id.in_(request_ids), BackfillRequest.status == "pending")
+                    .values(status="dropped", updated_at=func.now())
+                    .returning(BackfillRequest.page_id)
+                )
+            )
+            if pages:
+                session.execute(
+                    update(Backfill)
+                    .where(Backfill.id == backfill_id)
+                    .values(pages_left_to_others=Backfill.pages_left_to_others + len(pages))
+                )
 
     def mark_requests(self, request_ids: Sequence[int], status: str) -> None:
         """Requests that end without a result (expired, cancelled, dropped before sending)."""
