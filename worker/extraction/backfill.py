@@ -143,17 +143,13 @@ class BackfillPass:
         after it, all of a page now re-extracted whole that they do not cover, and a page another live
         backfill has requests out for."""
         requests: dict[str, ChatRequest] = {}
-        dropped: list[int] = []
+        dropped: dict[bool, list[int]] = {True: [], False: []}  # by whether another backfill took the page
         # A page another live backfill sent requests for since this one planned it (this one's job had
         # failed, and was retried): paid twice, and the second to collect discarded its results. (Only
         # sent ones: two both still unsent would each drop the page, and neither extract it.)
         taken = self.store.pages_in_flight(but=self.backfill.id, sent_only=True)
-        left: list[int] = []  # the requests of pages left to the other backfill
         for (page_id, slug), rows in group_by_page(self.store.pending_requests(batch.id)):
-            if page_id in taken:
-                left += [row.id for row in rows]
-                continue
-            plan = self.page_plan(page_id, slug)
+            plan = None if page_id in taken else self.page_plan(page_id, slug)
             if plan is not None:
                 run = matching_run(plan, rows)
                 if plan.replace and len(run) < len(plan.segments):
@@ -162,9 +158,9 @@ class BackfillPass:
                     requests[row.custom_id] = segment_request(
                         plan.label, segment, self.run.max_facts, self.deps.max_output_tokens
                     )
-            dropped += [row.id for row in rows if row.custom_id not in requests]
-        self.store.leave_pages(self.backfill.id, left)
-        self.store.mark_requests(dropped, "dropped")
+            dropped[page_id in taken] += [row.id for row in rows if row.custom_id not in requests]
+        self.store.leave_pages(self.backfill.id, dropped[True])  # counted as left to the other backfill
+        self.store.mark_requests(dropped[False], "dropped")
         return requests
 
     def send(self, batch: BatchRow) -> bool:
