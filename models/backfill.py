@@ -41,7 +41,7 @@ class Backfill(Base):
     filters: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     status: Mapped[str] = mapped_column(server_default="planning")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
-    # Selected pages left to an overlapping backfill that still had requests out for them (its plan's).
+    # Selected pages left to an overlapping backfill that had requests out for them (planned or sent).
     pages_left_to_others: Mapped[int] = count_column()
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), index=True)
     created_by: Mapped[str | None]

@@ -1096,3 +1096,35 @@ def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_
     batches = AnthropicBatchClient(chat)
     assert batch_segment_result(BatchItem(cut), batches, 10, 1024).permanent
     assert not batch_segment_result(BatchItem(capped), batches, 10, 1024).permanent
+
+
+def test_compact_now_says_what_to_do_by_whose_fault_a_failed_call_was() -> None:
+    """An organization on hold or a workspace's policy (deployment faults since Anthropic's details codes
+    are read) was told to fix the key, model or URL, which none of them is."""
+    from worker.cli.compaction import _what_to_do
+
+    def error(status: int, error: dict[str, Any]) -> LLMError:
+        response = httpx2.Response(status, request=HTTP_REQUEST)
+        return to_llm_error(
+            anthropic.APIStatusError("Error", response=response, body={"type": "error", "error": error})
+        )
+
+    on_hold = error(
+        400,
+        {"type": "invalid_request_error", "message": "x", "details": {"error_code": "organization_on_hold"}},
+    )
+    assert "refuses this account's or settings' requests" in _what_to_do(on_hold)
+    assert "fix the provider's key" in _what_to_do(
+        error(401, {"type": "authentication_error", "message": "bad key"})
+    )
+    assert "top it up" in _what_to_do(
+        error(
+            429,
+            {
+                "type": "rate_limit_error",
+                "message": "x",
+                "details": {"error_code": "enforced_spend_limit_reached"},
+            },
+        )
+    )
+    assert _what_to_do(error(529, {"type": "overloaded_error", "message": "busy"})) == "try again later"

@@ -95,6 +95,20 @@ def _print_outcome(outcome: CompactionOutcome) -> None:
         out.print(f"measured coverage {outcome.coverage!r} ({said})")
 
 
+def _what_to_do(exc: LLMError) -> str:
+    """What a user does about a summarizer call that failed, by whose fault it was."""
+    if account_exhausted(exc):
+        return "the provider's account is out of credit or quota: top it up, then run it again"
+    if exc.deployment_fault and exc.status in (401, 404):
+        return (
+            "fix the provider's key, model or URL (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
+            "FACTMILL_LLM_MODEL, FACTMILL_LLM_BASE_URL), then run it again"
+        )
+    if exc.deployment_fault:  # an organization on hold, a workspace's policy, a parameter refused
+        return "the provider refuses this account's or settings' requests (its message says why)"
+    return "try again later"
+
+
 @stops_on_signals
 def compact_command(
     transcript_id: Annotated[str, typer.Argument(help="The transcript to compact.")],
@@ -151,16 +165,9 @@ def compact_command(
     except BudgetExhaustedError as exc:
         raise fail(str(exc)) from exc
     except LLMError as exc:  # no compaction stored (its calls are in llm_calls)
-        if account_exhausted(exc):
-            later = "the provider's account is out of credit or quota: top it up, then run it again"
-        elif exc.deployment_fault:
-            later = (
-                "fix the provider's key, model or URL (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
-                "FACTMILL_LLM_MODEL, FACTMILL_LLM_BASE_URL), then run it again"
-            )
-        else:
-            later = "try again later"
-        raise fail(f"the summarizer call failed: {exc}; no compaction was stored, {later}") from exc
+        raise fail(
+            f"the summarizer call failed: {exc}; no compaction was stored, {_what_to_do(exc)}"
+        ) from exc
     finally:
         runtime.close()
     if as_json:

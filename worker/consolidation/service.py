@@ -48,7 +48,8 @@ SCHEMA_NAME = "consolidation_decisions"
 
 
 class ConsolidationReplyError(RuntimeError):
-    """The model's answer could not be used (malformed, refused, cut off): the job retries."""
+    """The model's answer could not be used (malformed, cut off alone, refused for what every question
+    shares): the job retries."""
 
 
 @dataclass
@@ -98,7 +99,7 @@ class EntityRun:
     source_id: str
     entity_key: str
     job_id: int | None = None
-    guard: Callable[[], None] = lambda: None  # between decisions: lease lost? worker stopping? switch off?
+    guard: Callable[[], None] = lambda: None  # before each question and between tries: lease, stop, switch
     before_call: Callable[[], None] = lambda: None  # the budget check before the call
     # Before writing answers already paid for: the lease alone. The guard also raises once the worker
     # begins to stop, which threw away a round's answers (up to ~63 calls) and the next worker paid again.

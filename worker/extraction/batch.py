@@ -4,7 +4,9 @@ They come back through the same per-segment transaction as online extraction.
 
 Differences from an online run, on purpose:
 - no repair turn and no bigger-cap retry: a malformed, truncated or refused reply is recorded with its
-  outcome (llm_calls + extraction_audit) and its page stops there; the next run (online or batch) asks again;
+  outcome (llm_calls + extraction_audit) and its page stops there; the next run (online or batch) asks
+  again, except after a refusal or a reply cut off by the context window (they repeat: permanent, counted
+  towards skipping the segment);
 - a request the batch never ran (expired, cancelled) leaves no row at all: its page stops at it, the
   checkpoint stays before it, and the next run extracts it. Nothing is lost and nothing is duplicated,
   because a page's segments are committed in order and each commit moves the checkpoint guard.

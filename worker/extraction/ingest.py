@@ -97,7 +97,8 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
             raw = "".join(lines[1:index])
             if (size := len(raw.encode("utf-8", "surrogatepass"))) > MAX_FRONT_MATTER_BYTES:
                 raise PageFileError(
-                    f"front matter is {size:,} bytes, over its cap of {MAX_FRONT_MATTER_BYTES:,} (64 KiB); "
+                    f"front matter is {size:,} bytes, over its cap of {MAX_FRONT_MATTER_BYTES:,} "
+                    f"({MAX_FRONT_MATTER_BYTES // 1024} KiB); "
                     "keep it to the page's metadata and put the conversation in the body"
                 )
             try:
@@ -147,7 +148,7 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     if len(raw) > MAX_PAGE_FILE_BYTES:
         raise PageFileError(
             f"file is over {MAX_PAGE_FILE_BYTES} bytes, past the page cap ({MAX_PAGE_BODY_BYTES} bytes of "
-            "body and 64 KiB of front matter)"
+            f"body and {MAX_FRONT_MATTER_BYTES // 1024} KiB of front matter)"
         )
     if b"\x00" in raw:
         raise PageFileError("file contains NUL bytes; it looks binary, not a text page")

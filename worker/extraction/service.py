@@ -192,8 +192,10 @@ class OnlineExtraction:
         """The page's segment results in page order, in runs of those ready together.
 
         Committing strictly in order keeps the checkpoint monotonic. When the consumer stops early (a
-        failed segment, the kill switch, a stopping worker), calls already in flight still finish and
-        are recorded (they cost money) but their facts are discarded; calls not yet started never are.
+        failed segment, the kill switch), calls already in flight still finish and are recorded (they
+        cost money) but their facts are discarded; calls not yet started never are. A stopping worker
+        waits for them only while its grace period lasts (_stop_patience): what is still out then is
+        left, the rest recorded.
         """
         counters, label, segments = self.run.counters, plan.label, plan.segments
         abandoned = threading.Event()

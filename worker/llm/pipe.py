@@ -66,12 +66,11 @@ class Feed(Generic[T]):
     sequential: no call starts before the previous result was committed or refused.
     """
 
-    def __init__(self, pipe: LLMPipe, count: int, call: Callable[[int], T], window: int, share: int) -> None:
+    def __init__(self, pipe: LLMPipe, count: int, call: Callable[[int], T], window: int) -> None:
         self._pipe = pipe
         self.count = count
         self._call = call
         self.window = max(1, window)
-        self.share = max(1, share)  # calls it may hold while another page waits for a slot
         self._ready = threading.Condition(pipe.lock)
         self._done: dict[int, Outcome[T]] = {}
         self.started = 0  # calls handed to the pipe's threads (index of the next one)
@@ -178,7 +177,7 @@ class LLMPipe:
         def in_context(index: int) -> T:
             return opener.copy().run(call, index)
 
-        feed: Feed[T] = Feed(self, count, in_context, window or 2 * self.width, share=max(1, self.width // 2))
+        feed: Feed[T] = Feed(self, count, in_context, window or 2 * self.width)
         with self.lock:
             if self._closing:
                 raise RuntimeError("the LLM pipe is closed")
@@ -259,12 +258,12 @@ class LLMPipe:
         """Under the lock: the oldest feed that may start a call and holds less than its share, else
         the oldest that may start one at all (a lone large page takes the whole pipe)."""
         fallback = None
-        # A feed's share of the threads running (fewer than the width when the system refused some):
-        # of the width, a page on a narrowed pipe never reached its share and took every slot.
-        cap = max(1, len(self._threads) // 2)
+        # A feed's share: half the threads running (fewer than the width when the system refused some:
+        # half the width, a page on a narrowed pipe never reached its share and took every slot).
+        share = max(1, len(self._threads) // 2)
         for feed in self._feeds:
             if feed.startable():
-                if feed.in_flight < min(feed.share, cap):
+                if feed.in_flight < share:
                     return feed
                 if fallback is None:
                     fallback = feed

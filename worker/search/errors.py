@@ -29,7 +29,8 @@ class DeadlineExceededError(SearchError):
 
 
 class VectorSearchUnavailableError(SearchError):
-    """vec:/hyde: lines on a database without the pgvector store."""
+    """vec:/hyde: lines that cannot run here: no pgvector store, no embeddings API, or the provider
+    refusing the deployment's embedding call."""
 
 
 # A search that needs the model while the deployment's LLM settings are incomplete (FACTMILL_LLM=anthropic

@@ -83,7 +83,7 @@ MIN_CANDIDATES = 30
 # 20 ms); at 1M 0.828 at 400 (p95 30 ms, index in shared_buffers). Below the 0.95 goal: BENCHMARKS.md.
 HNSW_EF_SEARCH = 400
 MAX_QUERY_CHARS = 2000
-MAX_INTENT_CHARS = 500  # a search's intent (the API's and the MCP tool's limit)
+MAX_INTENT_CHARS = 500  # a search's intent (held by the service; the API's and MCP's inputs say it)
 # Search lines a query document may hold: each is one query on the facts (an index scan; 25 ms at p50,
 # over 100 ms for a broad prefix, at a million facts), so 2,000 characters of "lex: a" lines asked for
 # some 280 of them in one request. LLM expansion adds at most 6 (2 a type).
