@@ -884,6 +884,10 @@ def test_an_anthropic_tool_answer_cut_in_a_surrogate_pair_is_storable_text() -> 
     assert response.finish == "truncated" and response.text.encode("utf-8")
 
 
+# A Messages API reply as the wire carries it, less its stop reason, usage and content.
+ANTHROPIC_MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5"}
+
+
 def test_an_anthropic_batch_reply_the_sdk_cannot_read_keeps_its_billed_usage() -> None:
     """A content block newer than the installed SDK knows: the result was "not a message" at $0,
     though the provider billed it, so budgets undercounted."""
@@ -892,10 +896,7 @@ def test_an_anthropic_batch_reply_the_sdk_cannot_read_keeps_its_billed_usage() -
 
     chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
     message = {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
+        **ANTHROPIC_MESSAGE,
         "stop_reason": "end_turn",
         # A usage field newer than the SDK knows too (its Usage refuses "flex"): the counts are read.
         "usage": {"input_tokens": 1200, "output_tokens": 300, "service_tier": "flex"},
@@ -915,10 +916,7 @@ def test_an_anthropic_batch_reply_with_values_newer_than_the_sdk_is_read_as_onli
 
     chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
     message = {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
+        **ANTHROPIC_MESSAGE,
         "stop_reason": "end_turn",
         "stop_details": {"category": "something_newer"},
         "usage": {"input_tokens": 1200, "output_tokens": 300, "speed": "turbo", "service_tier": "flex"},
@@ -1056,10 +1054,7 @@ def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_
 
     chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
     raw = {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
+        **ANTHROPIC_MESSAGE,
         "stop_reason": "model_context_window_exceeded",
         "usage": {"input_tokens": 199_000, "output_tokens": 1000},
         "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],

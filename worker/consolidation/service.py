@@ -59,11 +59,15 @@ class ConsolidationCounters:
     llm_calls: int = 0
     pairs_asked: int = 0
     pairs_answered: int = 0
-    pairs_refused: int = 0  # refused by the model on their own (kept as unrelated)
-    refused_pairs: list[tuple[int, int]] = field(default_factory=list, repr=False)  # their (new, old) facts
+    # The pairs the model refused on their own (kept as unrelated), by their (new, old) facts.
+    refused_pairs: list[tuple[int, int]] = field(default_factory=list, repr=False)
     prompt_tokens: int = 0
     restored: int = 0
     already_decided: int = 0
+
+    @property
+    def pairs_refused(self) -> int:
+        return len(self.refused_pairs)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -400,7 +404,6 @@ def _refused(
     split)."""
     pairs, request, _, call_id = question
     if len(pairs) == 1:
-        counters.pairs_refused += 1
         counters.refused_pairs.append((pairs[0].new.id, pairs[0].old.id))
         if (
             counters.pairs_refused >= SHARED_REFUSAL_PAIRS
