@@ -234,11 +234,12 @@ def test_a_label_of_a_compaction_never_judged_is_refused(tx_factory: sessionmake
     assert report.added == [] and report.conflicts == [
         (
             0,
-            f"compaction_id {failed_id}: that compaction failed before its coverage was measured; only a "
-            "judged compaction (one with a coverage) can be labelled",
+            f"compaction_id {failed_id}: that compaction has no measured coverage (it failed, or its "
+            "transcript gave the gate no query words to judge it on); only a judged compaction (one with a "
+            "coverage) can be labelled",
         )
     ]
-    with pytest.raises(UnknownCompactionError, match="failed before its coverage was measured"):
+    with pytest.raises(UnknownCompactionError, match="has no measured coverage"):
         add_observation(
             tx_factory, ObservationIn(0.95, True, "eval", compaction_id=failed_id), recompute_every=50
         )

@@ -732,7 +732,11 @@ def test_a_compaction_jobs_row_keeps_figures_not_the_transcripts_words(
     assert request.trigger.job is not None
     job_id = request.trigger.job.job_id
     activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes: rejected, with missed terms
-    run_job(runtime(database_url, tx_factory, ScriptedLLM("nope", "nope")), job_id, jobs.COMPACTION)
+    run_job(
+        runtime(database_url, tx_factory, ScriptedLLM("## Goal\nnope", "## Goal\nnope")),
+        job_id,
+        jobs.COMPACTION,
+    )
     [row] = compactions(tx_factory, "words")
     assert row.status == "rejected" and row.missed_terms
     with tx_factory() as session:
@@ -904,7 +908,9 @@ def test_appends_wait_after_a_rejection_before_triggering_again(tx_factory: sess
     append(tx_factory, "wait", session_messages(25), settings=SETTINGS)
     with tx_factory.begin() as session:
         session.execute(update(Job).values(status="succeeded"))
-    compact_transcript(tx_factory, ScriptedLLM("nope", "nope"), "wait", threshold=lambda: FALLBACK)
+    compact_transcript(
+        tx_factory, ScriptedLLM("## Goal\nnope", "## Goal\nnope"), "wait", threshold=lambda: FALLBACK
+    )
     assert [c.status for c in compactions(tx_factory)] == ["rejected"]
     held = append(tx_factory, "wait", [{"role": "user", "text": "next"}], retrigger_seconds=300)
     assert held.trigger.job is None and held.trigger.over and "was rejected" in (held.trigger.note or "")
@@ -960,9 +966,9 @@ def test_an_append_during_a_rejected_run_waits_the_retrigger_time_too(
     def append_meanwhile(request: ChatRequest) -> str:
         if len(llm.requests) == 1:  # the agent goes on while the summary is written
             append(tx_factory, "busy", [{"role": "user", "text": "and another thing"}], retrigger_seconds=300)
-        return "nope"
+        return "## Goal\nnope"
 
-    llm = ScriptedLLM(append_meanwhile, "nope")
+    llm = ScriptedLLM(append_meanwhile, "## Goal\nnope")
     rt = runtime(database_url, tx_factory, llm, compaction_retrigger_seconds=300)
     assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
     assert [c.status for c in compactions(tx_factory)] == ["rejected"] and len(llm.requests) == 2
@@ -1149,10 +1155,10 @@ def test_a_transcript_erased_while_its_compaction_runs_gets_nothing_of_it(
         assert erase_transcript(factory, "gone", "test") is not None
         if begun_again:
             append(factory, "gone", session_messages(2, first="A new start."), settings=SETTINGS)
-        return "lossy"
+        return "## Goal\nlossy"
 
     outcome = compact_transcript(
-        factory, ScriptedLLM(erase_meanwhile, "lossy"), "gone", threshold=lambda: FALLBACK
+        factory, ScriptedLLM(erase_meanwhile, "## Goal\nlossy"), "gone", threshold=lambda: FALLBACK
     )
     assert (outcome.status, outcome.detail, outcome.compaction_id) == ("failed", ERASED_MEANWHILE, None)
     assert compactions(factory) == []
@@ -1202,7 +1208,7 @@ def test_the_kill_switch_stops_before_the_retry(database_url: str, tx_factory: s
     def switch_off(request: ChatRequest) -> str:
         with tx_factory.begin() as session:
             set_config(session, COMPACTION_ENABLED, "off", updated_by="test")
-        return "lossy"
+        return "## Goal\nlossy"
 
     rt._llm = ScriptedLLM(switch_off)  # type: ignore[assignment]
     assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "paused"

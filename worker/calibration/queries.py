@@ -171,8 +171,9 @@ def store_observations(
             report.conflicts.append(
                 (
                     index,
-                    f"compaction_id {obs.compaction_id}: that compaction failed before its coverage was "
-                    "measured; only a judged compaction (one with a coverage) can be labelled",
+                    f"compaction_id {obs.compaction_id}: that compaction has no measured coverage (it "
+                    "failed, or its transcript gave the gate no query words to judge it on); only a judged "
+                    "compaction (one with a coverage) can be labelled",
                 )
             )
             report.unknown_compactions.append(index)

@@ -5,7 +5,8 @@ The head is serialized (a previous summary is folded into the new one) and sent 
 speaker labels), on the query terms of the transcript's intent, must reach the active calibrated
 threshold. Below it the summarizer gets one retry that names the missed terms; still below, the
 summary is stored as ``rejected`` and never applied, as is one that would leave the context no smaller
-(at once). An LLM error, a refusal or an empty reply is stored as ``failed``.
+(at once). An LLM error, a refusal or an empty reply is stored as ``failed``, as is a reply that twice
+is not a summary (it does not open with the ``## Goal`` heading).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.compaction.stored_plan import StoredContext
 from worker.config_store import COMPACTION_ENABLED
-from worker.core.compaction import SUMMARY_CHAR_LIMIT, should_compact, without_labels
+from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS, should_compact, without_labels
 from worker.core.compaction_gate import (
     MAX_ATTEMPTS,
     GateResult,
@@ -283,6 +284,19 @@ class CompactionRun:
             return self._finish(
                 "failed", error="the summarizer returned an empty reply; the history was left as it was"
             )
+        if result == "malformed_output":
+            # Not a summary (prose, an obeyed instruction): its words stay in the attempt log, as a
+            # refusal's do; the next attempt asks again as the first did.
+            self.log.append({**entry, "outcome": result, "reply": summary})
+            if attempt < MAX_ATTEMPTS:
+                return []
+            return self._finish(
+                "failed",
+                error=(
+                    "the summarizer's reply was not a summary (it did not open with "
+                    f"{SUMMARY_HEADINGS[0]!r}) after {MAX_ATTEMPTS} attempts; the history was left as it was"
+                ),
+            )
         return self._judge(attempt, entry, summary, truncated=result == "truncated_output")
 
     def _record_response(self, response: ChatResponse, result: ResponseOutcome) -> int:
@@ -363,7 +377,7 @@ class CompactionRun:
                 attempt_log=self.log,
                 summary=summary,
                 tokens_after=self.plan.tokens_after(summary) if summary is not None else None,
-                coverage=gate.coverage if gate else None,
+                coverage=gate.gate_coverage if gate else None,
                 density=gate.density if gate else None,
                 missed_terms=gate.missed_terms if gate else [],
                 error=error,
@@ -379,13 +393,12 @@ class CompactionRun:
         outcome.tokens_after = saved.tokens_after
         if gate is not None:
             outcome.coverage, outcome.density, outcome.missed_terms = (
-                gate.coverage,
+                gate.gate_coverage,
                 gate.density,
                 gate.missed_terms,
             )
-        outcome.detail = saved.error or (
-            f"coverage {gate.coverage:.3f} against τ={self.gate_on.tau:.4g}" if gate is not None else ""
-        )
+        judged = _judged_as(gate, self.gate_on.tau)
+        outcome.detail = saved.error or judged
         # Neither the transcript's id (a client's label) nor an error's text (a provider's message may
         # quote the request): the job id is bound to the line, and the compaction row has the rest.
         logger.info(
@@ -396,6 +409,15 @@ class CompactionRun:
             self.plan.tokens_before,
             outcome.tokens_after,
             len(self.log),
-            f": coverage {gate.coverage:.3f} against τ={self.gate_on.tau:.4g}" if gate is not None else "",
+            f": {judged}" if judged else "",
         )
         return outcome
+
+
+def _judged_as(gate: GateResult | None, tau: float) -> str:
+    """What the gate said of a summary, for the job's note and the log line."""
+    if gate is None:
+        return ""
+    if not gate.on_terms:
+        return "not judged: the transcript's intent gave the gate no query words"
+    return f"coverage {gate.coverage:.3f} against τ={tau:.4g}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -23,7 +24,12 @@ MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not wor
 # with a second chance): two attempts in all.
 MAX_ATTEMPTS: Final = 2
 
-ResponseOutcome = Literal["refusal", "empty_output", "truncated_output", "ok"]
+ResponseOutcome = Literal["refusal", "empty_output", "malformed_output", "truncated_output", "ok"]
+# A summary opens with the first of SUMMARY_HEADINGS, as the prompt asks (any heading level, any case,
+# a trailing colon allowed). A reply that does not is not a summary: a refusal in prose the provider did
+# not flag, an instruction inside the transcript obeyed ("reply only with OK"), chat. Its query words
+# could all be missing from the head (coverage 1.0) or absent (not judged), and it replaced the history.
+_GOAL_HEADING: Final = re.compile(r"#{1,6}[ \t]*goal[ \t]*:?[ \t]*", re.IGNORECASE)
 
 
 def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
@@ -45,7 +51,14 @@ class GateResult:
     density: float
     passed: bool
     missed_terms: list[str]
-    judged: bool  # False: the intent has no lexable query words, so the gate let the summary stand
+    judged: bool  # False: no lexable query words, or the gate is off, so the summary stood
+    on_terms: bool  # coverage is of the intent's query words (False: the share of the head's bigrams kept)
+
+    @property
+    def gate_coverage(self) -> float | None:
+        """The coverage as the gate measures it, what a compaction stores and a label carries: None when
+        the intent had no query words (the bigram share is another measure; τ never judges it)."""
+        return self.coverage if self.on_terms else None
 
 
 def missed_query_terms(
@@ -89,18 +102,20 @@ def judge_summary(
 
     With no lexable query words the gate does not judge (seed 002: it gates only on a known question;
     the query-agnostic fallback would penalise exactly the pruning a compaction is for): the summary
-    stands, and coverage falls back to the share of source bigrams kept. Not ``enforced`` (the config's
+    stands, and coverage falls back to the share of source bigrams kept (kept in the attempt log; not
+    what the compaction stores, see ``gate_coverage``). Not ``enforced`` (the config's
     ``compaction.quality_gate`` off), it stands too, its coverage still measured.
     """
     summary_tokens = lex_words(summary)
     query_words = [w for term in query_terms for w in lex_words(term)]
     score = coverage_from_tokens(source_tokens, summary_tokens, query_terms)
     dens = density_from_tokens(source_tokens, summary_tokens)
-    if not query_words or not enforced:
-        return GateResult(score, dens, True, [], judged=False)
+    on_terms = bool(query_words)
+    if not on_terms or not enforced:
+        return GateResult(score, dens, True, [], judged=False, on_terms=on_terms)
     passed = score >= tau
     missed = [] if passed else missed_query_terms(source_tokens, summary_tokens, query_words)
-    return GateResult(score, dens, passed, missed, judged=True)
+    return GateResult(score, dens, passed, missed, judged=True, on_terms=True)
 
 
 def retry_terms(gate: GateResult, query_terms: Sequence[str]) -> list[str]:
@@ -120,12 +135,20 @@ def summary_of(reply: str) -> str:
     return reply.strip()[:SUMMARY_CHAR_LIMIT].strip()
 
 
+def opens_as_summary(text: str) -> bool:
+    """Whether a reply opens with the summary's first heading (``## Goal``) on its first non-blank line."""
+    first = text.strip().split("\n", 1)[0].strip()
+    return _GOAL_HEADING.fullmatch(first) is not None
+
+
 def response_outcome(finish: str, text: str) -> ResponseOutcome:
     """How a summarizer reply ended, as its llm_calls row records it."""
     if finish == "refusal":
         return "refusal"
     if not text.strip():
         return "empty_output"
+    if not opens_as_summary(text):
+        return "malformed_output"
     if finish == "truncated":
         return "truncated_output"  # still usable: the summary is capped at SUMMARY_CHAR_LIMIT anyway
     return "ok"

@@ -1,0 +1,116 @@
+"""Summarizer replies the gate must not apply, and summaries it could not judge (real Postgres)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.integration.test_compaction_service import (
+    GOAL,
+    QUESTION,
+    SETTINGS,
+    ScriptedLLM,
+    append,
+    compactions,
+    llm_calls,
+    rounds,
+    runtime,
+)
+from worker.calibration import ObservationIn, UnknownCompactionError, add_observation
+from worker.compaction import context_view
+from worker.core.compaction_gate import opens_as_summary, response_outcome
+from worker.jobs import outbox as jobs
+from worker.jobs.lifecycle import run_job
+
+REFUSAL_IN_PROSE = "I'm sorry, but I can't help with that request."
+
+
+def head_without_the_question(first: str = "Do it.", last: str = QUESTION) -> list[dict[str, Any]]:
+    """A transcript whose head holds none of its latest question's words: whatever the summary says,
+    coverage on them is 1.0 (seed 002: nothing relevant to lose)."""
+    return [{"role": "user", "text": first}, *rounds(0, 25), {"role": "user", "text": last}]
+
+
+def context_messages(factory: sessionmaker[Session], transcript_id: str) -> list[dict[str, Any]]:
+    with factory() as session:
+        return [v.as_dict() for v in context_view(session, transcript_id).messages]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("## Goal\nShip it.", True),
+        ("\n\n  ## Goal  \n- ship", True),
+        ("# goal:\nship", True),
+        ("### GOAL\n", True),
+        ("Goal\nship", False),
+        ("## Goals of the session\n", False),
+        (REFUSAL_IN_PROSE, False),
+        ("OK", False),
+        ("Here is the summary:\n## Goal\nShip it.", False),
+    ],
+)
+def test_a_summary_opens_with_its_goal_heading(text: str, expected: bool) -> None:
+    assert opens_as_summary(text) is expected
+    assert (response_outcome("end", text) == "ok") is expected
+
+
+def test_a_reply_that_is_not_a_summary_is_asked_again_then_stored_as_failed(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A refusal in prose the provider did not flag (or an instruction in the transcript obeyed) scored
+    coverage 1.0 on a question the head never mentions, and replaced the transcript's history."""
+    request = append(tx_factory, "prose", head_without_the_question(), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    before = context_messages(tx_factory, "prose")
+    outcome = run_job(
+        runtime(database_url, tx_factory, ScriptedLLM(REFUSAL_IN_PROSE, "OK")), job_id, jobs.COMPACTION
+    )
+    assert outcome.status == "failed"
+    [row] = compactions(tx_factory, "prose")
+    assert row.status == "failed" and row.summary is None and row.coverage is None
+    assert row.error is not None and row.error.startswith("the summarizer's reply was not a summary")
+    assert [(a["outcome"], a["reply"]) for a in row.attempt_log] == [
+        ("malformed_output", REFUSAL_IN_PROSE),
+        ("malformed_output", "OK"),
+    ]
+    assert context_messages(tx_factory, "prose") == before
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["malformed_output"] * 2
+
+
+def test_a_reply_that_is_not_a_summary_then_a_summary_applies_the_summary(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    request = append(tx_factory, "second", head_without_the_question(first=GOAL), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    llm = ScriptedLLM("OK", f"## Goal\n{GOAL}")
+    run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "second")
+    assert row.status == "accepted" and row.summary == f"## Goal\n{GOAL}"
+    assert [a["outcome"] for a in row.attempt_log] == ["malformed_output", "passed"]
+    assert row.attempt_log[1]["missed_terms_named"] == []  # asked again as the first time
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["malformed_output", "ok"]
+
+
+def test_a_summary_the_gate_could_not_judge_stores_no_coverage_and_takes_no_label(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """With no query words (no instructions, user messages of stop words only) the gate lets a summary
+    stand and measures the share of the head's bigrams kept: stored as the compaction's coverage, a label
+    of it fed τ a number of another measure, one τ never judges."""
+    raw = head_without_the_question(first="Do it.", last="Can you do it?")
+    request = append(tx_factory, "unjudged", raw, settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    run_job(runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}")), job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "unjudged")
+    assert row.status == "accepted" and row.coverage is None and row.density is not None
+    [attempt] = row.attempt_log
+    assert attempt["judged"] is False and isinstance(attempt["coverage"], float)
+    with pytest.raises(UnknownCompactionError, match="has no measured coverage"):
+        add_observation(
+            tx_factory,
+            ObservationIn(attempt["coverage"], False, "eval", compaction_id=row.id),
+            recompute_every=50,
+        )
