@@ -26,8 +26,9 @@ COMPACTIONS_COUNTER = "compactions"
 TOKENS_SAVED_COUNTER = "compaction_tokens_saved"
 BACKFILL_REQUESTS_COUNTER = "backfill_requests"
 BACKFILL_COST_COUNTER = "backfill_cost_micro_usd"  # micro-dollars (cost_usd has six places), label ""
-# Jobs that ended, by "status/kind" (succeeded or failed), counted as each ends (migration 0024): a
-# counter, so a retry of a failed job or a job deleted past its retention takes nothing away.
+# Jobs that ended, by "status/kind" (succeeded or failed; cancelled, migration 0041: failed because its
+# subject was erased), counted as each ends (migration 0024): a counter, so a retry of a failed job or a
+# job deleted past its retention takes nothing away.
 JOBS_ENDED_COUNTER = "jobs_ended"
 COUNTERS = (
     FACTS_COUNTER,

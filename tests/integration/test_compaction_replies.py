@@ -5,24 +5,31 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from models import Job
 from tests.integration.test_compaction_service import (
+    FALLBACK,
     GOAL,
     QUESTION,
     SETTINGS,
     ScriptedLLM,
     append,
+    compact_transcript,
     compactions,
     llm_calls,
+    llm_for,
     rounds,
     runtime,
+    session_messages,
 )
 from worker.calibration import ObservationIn, UnknownCompactionError, add_observation
 from worker.compaction import context_view
 from worker.core.compaction_gate import opens_as_summary, response_outcome
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
+from worker.llm.types import ChatRequest
 
 REFUSAL_IN_PROSE = "I'm sorry, but I can't help with that request."
 
@@ -114,3 +121,32 @@ def test_a_summary_the_gate_could_not_judge_stores_no_coverage_and_takes_no_labe
             ObservationIn(attempt["coverage"], False, "eval", compaction_id=row.id),
             recompute_every=50,
         )
+
+
+def test_a_compaction_job_superseded_by_another_compaction_succeeds(
+    database_url: str, tx_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """A worker's summary of a timeline another compaction replaced meanwhile (`compact --now` beside
+    it) is kept as failed and not applied, as it should be; but its job failed with it, and fired the
+    failing-jobs alert over a summary that was applied."""
+    request = append(tx_factory, "race", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    winner: dict[str, Any] = {}
+
+    def compact_meanwhile(request: ChatRequest) -> str:
+        winner["outcome"] = compact_transcript(
+            tx_factory, llm_for(simulator), "race", threshold=lambda: FALLBACK
+        )
+        return f"## Goal\n{GOAL}"
+
+    run_job(runtime(database_url, tx_factory, ScriptedLLM(compact_meanwhile)), job_id, jobs.COMPACTION)
+    loser = next(row for row in compactions(tx_factory, "race") if row.id != winner["outcome"].compaction_id)
+    assert winner["outcome"].status == "accepted" and loser.status == "failed"
+    with tx_factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and job.status == "succeeded", (job.status, job.last_error)
+        assert job.last_error == f"compaction {loser.id} {loser.error}"
+        ended = session.execute(
+            text("SELECT label, sum(n) FROM row_counts WHERE counter = 'jobs_ended' GROUP BY 1")
+        ).all()
+    assert dict(ended) == {"succeeded/compaction": 1}

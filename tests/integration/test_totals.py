@@ -197,6 +197,33 @@ def test_jobs_that_end_are_counted_and_nothing_takes_the_count_back(
     assert ended[("succeeded", "consolidation")] == 0  # every kind's series, from its first scrape
 
 
+def test_jobs_cancelled_by_an_erasure_are_counted_apart_from_failures(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """Erasing a page or a transcript fails its pending jobs: counted as failed, a routine erasure fired
+    FactmillJobsFailing (it watches status="failed")."""
+    from worker.jobs.outbox import cancel_jobs
+
+    with tx_factory.begin() as session:
+        session.execute(
+            text(
+                "INSERT INTO jobs (kind, subject, status) VALUES "
+                "('extraction', 'gone', 'running'), ('compaction', 'gone', 'paused'), ('extraction', 'kept', 'queued')"
+            )
+        )
+        assert cancel_jobs(session, "extraction", "gone", "page erased") == 1
+        assert cancel_jobs(session, "compaction", "gone", "transcript erased") == 1
+        # The naming ends with the update: a job that fails after it, in the same transaction, is a failure.
+        session.execute(text("UPDATE jobs SET status = 'failed' WHERE subject = 'kept'"))
+        assert session.execute(ENDED).all() == [
+            ("cancelled/compaction", 1), ("cancelled/extraction", 1), ("failed/extraction", 1),
+        ]  # fmt: skip
+    samples = dict(scrape([StoreCollector(tx_factory)]))["factmill_jobs_ended"]
+    ended = {(dict(labels)["status"], dict(labels)["kind"]): value for _, labels, value in samples}
+    assert ended[("cancelled", "extraction")] == 1 and ended[("failed", "extraction")] == 1
+    assert ended[("cancelled", "compaction")] == 1 and ended[("failed", "compaction")] == 0
+
+
 def test_compactions_and_decisions_are_counted_through_updates_and_cascades(
     tx_factory: sessionmaker[Session],
 ) -> None:

@@ -182,12 +182,13 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
                 losses.add_metric([status, kind], spent_losses)
         ended = CounterMetricFamily(
             "factmill_jobs_ended",
-            "Jobs that ended, by status (succeeded, failed) and kind, counted as each ends: a retry or a "
-            "deletion past the retention takes nothing away (alert on its increase, not the gauge's)",
+            "Jobs that ended, by status (succeeded, failed, cancelled: its page or transcript erased) and "
+            "kind, counted as each ends: a retry or a deletion past the retention takes nothing away (alert "
+            "on its increase, not the gauge's)",
             labels=["status", "kind"],
         )
         ended_kinds = set(kinds) | {label.partition("/")[2] for label in rows.jobs_ended}
-        for status in ("succeeded", "failed"):
+        for status in ("succeeded", "failed", "cancelled"):
             for kind in sorted(ended_kinds):  # zeros too: increase() misses a series' first sample
                 ended.add_metric([status, kind], rows.jobs_ended.get(f"{status}/{kind}", 0))
         facts_gauge = GaugeMetricFamily(

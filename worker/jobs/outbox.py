@@ -236,11 +236,18 @@ class JobHasNoSegmentsError(ValueError):
     """``--skipped`` asked of a job that is not an extraction job (only those skip segments)."""
 
 
+# What the jobs-ended trigger counts the jobs an update ends as, in place of their status, until cleared
+# ("" counts the status): transaction-local, read by count_job_ending() (migration 0041).
+_COUNT_ENDINGS_AS = text("SELECT set_config('factmill.job_ending', :status, true)")
+
+
 def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
     """Fail the pending jobs of ``kind`` on ``subject`` with ``reason`` in the caller's transaction (its
     subject erased); returns how many. A running one loses its lease (worker cleared), and its worker
     hears so at the commit (worker.jobs.revocations; its heartbeat, should that notice be missed): it
-    stops before its next LLM call, and its finish writes nothing."""
+    stops before its next LLM call, and its finish writes nothing. The jobs-ended counter counts them as
+    cancelled (migration 0041), not failed: an erasure is not a failure to alert on."""
+    session.execute(_COUNT_ENDINGS_AS, {"status": "cancelled"})
     cancelled = session.execute(
         update(Job)
         .where(Job.kind == kind, Job.subject == subject, Job.status.in_(PENDING))
@@ -256,6 +263,7 @@ def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
         .returning(Job.id)
     )
     job_ids = cancelled.scalars().all()
+    session.execute(_COUNT_ENDINGS_AS, {"status": ""})
     announce_revoked(session, job_ids)  # a running one stops before its next LLM call, not its next beat
     return len(job_ids)
 
