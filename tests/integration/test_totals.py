@@ -207,8 +207,8 @@ def test_jobs_cancelled_by_an_erasure_are_counted_apart_from_failures(
     with tx_factory.begin() as session:
         session.execute(
             text(
-                "INSERT INTO jobs (kind, subject, status) VALUES "
-                "('extraction', 'gone', 'running'), ('compaction', 'gone', 'paused'), ('extraction', 'kept', 'queued')"
+                "INSERT INTO jobs (kind, subject, status) VALUES ('extraction', 'gone', 'running'), "
+                "('compaction', 'gone', 'paused'), ('extraction', 'kept', 'queued')"
             )
         )
         assert cancel_jobs(session, "extraction", "gone", "page erased") == 1

@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from models.reads import read_only
 from worker.calibration import ThresholdCache
 from worker.compaction.queries import (
-    SUPERSEDED,
     CONTINUATION,
+    SUPERSEDED,
     TranscriptNotFoundError,
     compaction_wait,
     transcript_settings,
