@@ -731,6 +731,35 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
     assert named and not [key for key in named if "alice" in key or "bob" in key], named
 
 
+def test_an_erasure_does_not_send_again_a_consolidation_job_already_pending(
+    database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The erasure requests consolidation of the entities its page's facts left behind, and sent every
+    job it got back, a pending one too: one waiting out its retry's backoff ran at once, spending an
+    attempt (a paused one was woken to pause again)."""
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.jobs.outbox import CONSOLIDATION, request_job
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+        consolidate(enabled, llm)
+    with enabled.begin() as session:
+        waiting = request_job(session, CONSOLIDATION, "default|people/alice-example")
+        assert waiting.created
+    sent = Recorder(enabled)
+    with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
+        assert client.delete(f"/v1/pages/default/{MAR_PAGE}", headers=ADMIN_HEADERS).status_code == 200
+    with enabled() as session:
+        pending = session.scalars(
+            select(Job.id).where(Job.kind == CONSOLIDATION, Job.status == "queued")
+        ).all()
+    assert pending == [waiting.job_id]  # reused for the erasure's request: its message is on its way
+    assert sent.job_ids == []
+
+
 # ------------------------------------------------------------------ the injection, end to end
 
 

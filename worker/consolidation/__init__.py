@@ -30,8 +30,11 @@ def _request_jobs(session: Session, pages: Sequence[tuple[str, str]]) -> list[Jo
 
 def request_consolidation(session: Session, source_id: str, slug: str) -> list[tuple[int, str]]:
     """In the caller's transaction: one consolidation job per entity the page's extraction left to
-    consolidate (a pending one is reused); returns the (job id, kind) pairs to enqueue after commit."""
-    return [(request.job_id, CONSOLIDATION) for request in _request_jobs(session, [(source_id, slug)])]
+    consolidate (a pending one is reused); returns the (job id, kind) pairs of the new ones, to enqueue
+    after commit. A pending job is not sent again (as ``consolidate_pages_entities`` has it): a second
+    message ran one waiting out its retry's backoff at once, spending an attempt."""
+    requests = _request_jobs(session, [(source_id, slug)])
+    return [(request.job_id, CONSOLIDATION) for request in requests if request.created]
 
 
 def consolidate_pages_entities(factory: sessionmaker[Session], pages: Sequence[tuple[str, str]]) -> int:
