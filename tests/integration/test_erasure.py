@@ -199,6 +199,65 @@ def test_delete_erases_everything_and_leaves_one_content_free_row(
     assert client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS).status_code == 404
 
 
+@pytest.mark.parametrize("erased", ["page", "transcript"])
+def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
+    enabled: sessionmaker[Session], erased: str
+) -> None:
+    """A provider's error message may quote the request: it stayed in the page's job's note (the page's
+    reason for failing) and in the ledger's rows, which outlive the erasure, unless it named the slug."""
+    from tests.integration.test_compaction_service import append, session_messages
+    from worker.accounting import ERASED_CALL_ERROR
+    from worker.compaction.erase import TRANSCRIPT_ERASED, erase_transcript
+    from worker.extraction.erase import erase_page
+    from worker.jobs.outbox import COMPACTION, page_subject
+
+    quoted = "upstream said: cannot process 'Alice Example accepted the Acme Corp offer'"
+    with enabled.begin() as session:
+        if erased == "page":
+            store_page(session, PageIn(slug=SLUG, type="conversation", compiled_truth=BODY))
+            kind, subject, note = EXTRACTION, page_subject("default", SLUG), PAGE_ERASED
+        else:
+            kind, subject, note = COMPACTION, "support-chat", TRANSCRIPT_ERASED
+        job = Job(kind=kind, subject=subject, status="failed", last_error=quoted)
+        other = Job(kind=kind, subject="default|other", status="failed", last_error=quoted)
+        session.add_all([job, other])
+        session.flush()
+        calls = [
+            LLMCall(
+                provider="p", model="m", purpose="extraction", outcome=outcome, job_id=job_id, error=error
+            )
+            for job_id, outcome, error in (
+                (job.id, "provider_error", quoted),
+                (
+                    job.id,
+                    "refusal",
+                    "the model refused (40 characters of reply, kept with what it was about)",
+                ),
+                (job.id, "ok", None),
+                (other.id, "provider_error", quoted),
+            )
+        ]
+        session.add_all(calls)
+        session.flush()
+        ids = (job.id, other.id, [call.id for call in calls])
+    if erased == "transcript":
+        append(enabled, "support-chat", session_messages(2))
+        assert erase_transcript(enabled, "support-chat", "test") is not None
+    else:
+        assert erase_page(enabled, "default", SLUG, "test") is not None
+    job_id, other_id, call_ids = ids
+    with enabled() as session:
+        assert session.get(Job, job_id).last_error == note  # type: ignore[union-attr]
+        assert session.get(Job, other_id).last_error == quoted  # type: ignore[union-attr]
+        errors = [session.get(LLMCall, call_id).error for call_id in call_ids]  # type: ignore[union-attr]
+    assert errors == [
+        ERASED_CALL_ERROR,
+        "the model refused (40 characters of reply, kept with what it was about)",
+        None,
+        quoted,  # another job's call
+    ]
+
+
 def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
     client: TestClient, enabled: sessionmaker[Session]
 ) -> None:

@@ -11,7 +11,7 @@ from worker.accounting.budget import (
     Budget,
     parse_usd,
 )
-from worker.accounting.ledger import Ledger, LLMCallRecord
+from worker.accounting.ledger import ERASED_CALL_ERROR, Ledger, LLMCallRecord, forget_call_errors
 from worker.accounting.prices import BATCH_DISCOUNT, PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 
 
@@ -27,6 +27,7 @@ __all__ = [
     "BATCH_DISCOUNT",
     "BUDGET_KEYS",
     "DAILY_BUDGET_KEY",
+    "ERASED_CALL_ERROR",
     "JOB_BUDGET_KEY",
     "PRICES",
     "PRICES_KEY",
@@ -37,6 +38,7 @@ __all__ = [
     "Ledger",
     "Price",
     "cost_usd",
+    "forget_call_errors",
     "parse_prices",
     "parse_usd",
     "validate_config_value",

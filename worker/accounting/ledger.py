@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from models.bulk import BulkInsert
@@ -108,6 +109,26 @@ def kept_error(call: LLMCallRecord) -> str | None:
     if call.outcome == "refusal":
         return f"the model refused ({len(call.error)} characters of reply, kept with what it was about)"
     return made_storable(call.error)
+
+
+# What an erasure leaves of a provider's message on the calls of the erased page's or transcript's jobs.
+ERASED_CALL_ERROR = "the provider's message went with the erasure of what the call was about"
+
+
+def forget_call_errors(session: Session, job_ids: Sequence[int]) -> None:
+    """In the caller's transaction (an erasure's): the provider's words leave the llm_calls rows of these
+    jobs. A provider's error message may quote the request (page text, a transcript); the rows outlive
+    the erasure, and a refusal's already keeps only its length (``kept_error``)."""
+    if job_ids:
+        session.execute(
+            update(LLM_CALLS)
+            .where(
+                LLM_CALLS.c.job_id.in_(job_ids),
+                LLM_CALLS.c.error.is_not(None),
+                LLM_CALLS.c.outcome != "refusal",
+            )
+            .values(error=ERASED_CALL_ERROR)
+        )
 
 
 class Ledger:

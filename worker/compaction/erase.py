@@ -16,6 +16,7 @@ from models import (
     TranscriptMessageRow,
     forget_transcript_in_deliveries,
 )
+from worker.accounting import forget_call_errors
 from worker.core.erasure import erased_digest, erased_label
 from worker.core.moments import within_a_second
 from worker.jobs.outbox import COMPACTION, cancel_jobs
@@ -25,15 +26,17 @@ logger = logging.getLogger(__name__)
 TRANSCRIPT_ERASED = "transcript erased"
 
 # Its compaction jobs keep their history (status, attempts, counts, times) but not its id, which is the
-# client's own label and can name a person: the subject becomes the erasure's digest, a note that
-# quotes the id becomes "transcript erased", and counters older jobs kept of its id and words go.
+# client's own label and can name a person: the subject becomes the erasure's digest, a note becomes
+# "transcript erased" (one may quote the id, or a provider's message quoting the transcript), counters
+# older jobs kept of its id and words go, and so do their calls' provider messages (forget_call_errors).
 _FORGET_TRANSCRIPT_IN_JOBS = text(
     """
     UPDATE jobs SET
         subject = :erased,
-        last_error = CASE WHEN strpos(last_error, :transcript_id) > 0 THEN :note ELSE last_error END,
+        last_error = CASE WHEN last_error IS NULL THEN NULL ELSE :note END,
         counters = counters - 'transcript_id' - 'detail' - 'missed_terms'
     WHERE kind = :kind AND subject = :transcript_id
+    RETURNING id
     """
 )
 
@@ -110,10 +113,11 @@ def erase_transcript(
             jobs_cancelled=cancel_jobs(session, COMPACTION, transcript_id, TRANSCRIPT_ERASED),
         )
         name = erased_transcript_name(transcript_id)
-        session.execute(
+        job_ids = session.execute(
             _FORGET_TRANSCRIPT_IN_JOBS,
-            {"erased": name, "transcript_id": transcript_id, "note": TRANSCRIPT_ERASED, "kind": COMPACTION},
-        )
+            {"erased": name, "note": TRANSCRIPT_ERASED, "kind": COMPACTION, "transcript_id": transcript_id},
+        ).scalars()
+        forget_call_errors(session, list(job_ids))
         forget_transcript_in_deliveries(session, transcript_id, name)
         # Its messages and compactions go with it (ON DELETE CASCADE).
         session.execute(delete(Transcript).where(Transcript.id == transcript_id))

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, OP_CHECKPOINTS
+from worker.accounting import forget_call_errors
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.consolidation import request_consolidation
 from worker.consolidation.erasure import (
@@ -136,12 +137,13 @@ def cancel_page_jobs(session: Session, source_id: str, slug: str, reason: str = 
 
 # The page's jobs keep their history (status, attempts, counts, times) but not its name: the slug in the
 # subject becomes the erasure's digest, and so does the slug of the page's entry in their counters (its
-# reason, which may quote it, goes), and a note that quotes the slug becomes "page erased".
+# reason, which may quote it, goes), and a note becomes "page erased" (one may quote the slug, or a
+# provider's message quoting the page); their calls' provider messages go too (forget_call_errors).
 _FORGET_PAGE_IN_JOBS = text(
     """
     UPDATE jobs SET
         subject = :erased,
-        last_error = CASE WHEN strpos(last_error, :slug) > 0 THEN :note ELSE last_error END,
+        last_error = CASE WHEN last_error IS NULL THEN NULL ELSE :note END,
         counters = CASE WHEN jsonb_typeof(counters -> 'pages') = 'array' THEN jsonb_set(counters, '{pages}', (
             SELECT coalesce(jsonb_agg(CASE WHEN entry ->> 'slug' = :slug
                 THEN (entry - 'reason') || jsonb_build_object('slug', CAST(:name AS text))
@@ -149,6 +151,7 @@ _FORGET_PAGE_IN_JOBS = text(
             FROM jsonb_array_elements(counters -> 'pages') WITH ORDINALITY AS e(entry, n)
         )) ELSE counters END
     WHERE kind = :kind AND subject = :subject
+    RETURNING id
     """
 )
 
@@ -223,7 +226,7 @@ def forget_page_name(
         named = Backfill.filters.op("||")(func.jsonb_build_object(key, erased))
         session.execute(update(Backfill).where(Backfill.id == backfill_id).values(filters=named))
     forget_page_in_deliveries(session, source_id, slug, name)
-    session.execute(
+    job_ids = session.execute(
         _FORGET_PAGE_IN_JOBS,
         {
             "erased": erased_subject(source_id, slug),
@@ -233,7 +236,8 @@ def forget_page_name(
             "kind": EXTRACTION,
             "subject": page_subject(source_id, slug),
         },
-    )
+    ).scalars()
+    forget_call_errors(session, list(job_ids))
 
 
 def erase_page(
