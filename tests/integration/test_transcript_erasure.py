@@ -134,7 +134,12 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
     assert again.json()["transcript_id"] == erased_transcript_name(TRANSCRIPT)
     assert again.json()["settings"]["instructions"] is None
     missing = client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS)
-    assert missing.status_code == 404 and missing.json()["detail"] == f"no transcript {TRANSCRIPT!r}"
+    # A retried erasure (its first answer lost) is told it was erased, not that it never was.
+    with factory() as session:
+        [erased_at] = session.scalars(select(TranscriptErasure.erased_at)).all()
+    assert missing.status_code == 404 and missing.json()["detail"] == (
+        f"no transcript {TRANSCRIPT!r} (it was erased at {erased_at.isoformat(timespec='seconds')})"
+    )
     assert counted(factory, TranscriptErasure) == 1
 
 
@@ -145,7 +150,10 @@ def test_cli_transcripts_erase(database_url: str, factory: sessionmaker[Session]
     assert json.loads(result.output)["messages_removed"] == len(session_messages(3))
     assert counted(factory, TranscriptMessageRow) == 0
     missing = invoke_cli(database_url, "transcripts", "erase", TRANSCRIPT)
-    assert missing.exit_code == 1 and f"no transcript {TRANSCRIPT!r}; nothing was erased" in missing.output
+    assert missing.exit_code == 1 and f"no transcript {TRANSCRIPT!r} (it was erased at " in missing.output
+    assert "; nothing was erased" in missing.output
+    never = invoke_cli(database_url, "transcripts", "erase", "never-stored")
+    assert never.exit_code == 1 and "no transcript 'never-stored'; nothing was erased" in never.output
     with factory() as session:
         assert session.scalars(select(TranscriptErasure.requested_by)).all() == ["cli"]
 

@@ -25,7 +25,7 @@ from worker.compaction import (
     request_compaction,
     transcript_stats,
 )
-from worker.compaction.erase import erase_transcript
+from worker.compaction.erase import erase_transcript, no_transcript_to_erase
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
 from worker.jobs.outbox import COMPACTION
 from worker.jobs.sending import enqueue
@@ -300,7 +300,7 @@ def transcripts_erase(
         raise fail("nothing was erased")
     report = erase_transcript(factory, transcript_id, requested_by="cli")
     if report is None:
-        raise fail(f"no transcript {transcript_id!r}; nothing was erased")
+        raise fail(f"{no_transcript_to_erase(factory, transcript_id)}; nothing was erased")
     if as_json:
         print_json({"transcript_id": transcript_id, **report.as_dict()}, ensure_ascii=False)
         return

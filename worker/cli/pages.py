@@ -27,7 +27,7 @@ from worker.cli.console import (
 from worker.cli.sessions import checked_factory
 from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
-from worker.extraction.erase import erase_page
+from worker.extraction.erase import erase_page, no_page_to_erase
 from worker.extraction.ingest import ingest_paths, iter_page_files
 from worker.jobs.sending import enqueue as send_jobs
 
@@ -127,7 +127,7 @@ def pages_erase(
         raise fail("nothing was erased")
     report = erase_page(factory, source_id, slug, requested_by="cli")
     if report is None:
-        raise fail(f"no page {slug!r} in source {source_id!r}; nothing was erased")
+        raise fail(f"{no_page_to_erase(factory, source_id, slug)}; nothing was erased")
     if report.pending:  # unsent (no broker), the sweeper sends them
         send_jobs(factory, report.pending)
     if as_json:

@@ -17,7 +17,7 @@ from models import (
     forget_transcript_in_deliveries,
 )
 from worker.accounting import forget_call_errors
-from worker.core.erasure import erased_digest, erased_label
+from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
 from worker.core.moments import within_a_second
 from worker.jobs.outbox import COMPACTION, cancel_jobs
 
@@ -84,6 +84,18 @@ def refuse_if_erased_since(session: Session, transcript_id: str, signed_at: date
         raise ErasedSinceSignedError(signed_at, erased_at)
 
 
+def no_transcript_to_erase(factory: sessionmaker[Session], transcript_id: str) -> str:
+    """Why ``erase_transcript`` found nothing, for its caller to say: no such transcript, and when it was
+    erased if it was."""
+    with factory() as session:
+        erased_at = session.scalar(
+            select(func.max(TranscriptErasure.erased_at)).where(
+                TranscriptErasure.transcript_sha256 == erased_transcript_digest(transcript_id)
+            )
+        )
+    return nothing_to_erase(f"no transcript {transcript_id!r}", erased_at)
+
+
 def erased_transcript_name(transcript_id: str) -> str:
     """What stands for an erased transcript's id in its jobs and in the answers kept for its appends."""
     return erased_label(transcript_id)
@@ -139,4 +151,5 @@ __all__ = [
     "erase_transcript",
     "erased_transcript_digest",
     "erased_transcript_name",
+    "no_transcript_to_erase",
 ]

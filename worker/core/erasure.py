@@ -8,6 +8,7 @@ name one already knows, not to list what was erased. One rule for every erasure.
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 
 ERASED_PREFIX = "erased:"
 
@@ -22,4 +23,12 @@ def erased_label(*parts: str) -> str:
     return ERASED_PREFIX + erased_digest(*parts)
 
 
-__all__ = ["ERASED_PREFIX", "erased_digest", "erased_label"]
+def nothing_to_erase(missing: str, erased_at: datetime | None) -> str:
+    """What an erasure that found nothing says: ``missing`` ("no page 'x' in source 'y'"), and when the
+    name was erased before (a retried erasure whose first answer was lost was told the page never was)."""
+    if erased_at is None:
+        return missing
+    return f"{missing} (it was erased at {erased_at.isoformat(timespec='seconds')})"
+
+
+__all__ = ["ERASED_PREFIX", "erased_digest", "erased_label", "nothing_to_erase"]

@@ -24,7 +24,7 @@ from worker.consolidation.erasure import (
 )
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
-from worker.core.erasure import erased_digest, erased_label
+from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
 from worker.extraction.options import narrow_page_types
 from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
@@ -102,6 +102,19 @@ def has_derived(session: Session, source_id: str, slug: str) -> bool:
 def erased_slug_digest(source_id: str, slug: str) -> str:
     """What the erasures table keeps instead of the slug (which can itself name a person)."""
     return erased_digest(source_id, slug)
+
+
+def no_page_to_erase(factory: sessionmaker[Session], source_id: str, slug: str) -> str:
+    """Why ``erase_page`` found nothing, for its caller to say (the API's 404, the CLI's error): no such
+    page, and when it was erased if it was."""
+    digest = erased_slug_digest(source_id, slug)
+    with factory() as session:
+        erased_at = session.scalar(
+            select(func.max(Erasure.erased_at)).where(
+                Erasure.source_id == source_id, Erasure.slug_sha256 == digest
+            )
+        )
+    return nothing_to_erase(f"no page {slug!r} in source {source_id!r}", erased_at)
 
 
 def drop_derived(session: Session, source_id: str, slug: str) -> DerivedRemoved:
@@ -300,5 +313,6 @@ __all__ = [
     "forget_page_name",
     "has_derived",
     "is_extractable",
+    "no_page_to_erase",
     "page_body",
 ]

@@ -32,7 +32,7 @@ from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.api.inputs import StorableStr, page_address
 from worker.core.slugs import stored_form
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
-from worker.extraction.erase import erase_page
+from worker.extraction.erase import erase_page, no_page_to_erase
 from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
 from worker.jobs import outbox
 
@@ -256,7 +256,7 @@ def delete_page(
     slug = stored_form(slug)
     report = erase_page(ctx.factory, source_id, slug, requested_by=admin.actor)
     if report is None:
-        raise ApiError(404, f"no page {slug!r} in source {source_id!r}")
+        raise ApiError(404, no_page_to_erase(ctx.factory, source_id, slug))
     ctx.enqueue(report.pending)
     return PageErased(source_id=source_id, slug=slug, **report.as_dict())
 

@@ -69,7 +69,12 @@ from worker.compaction import (
     transcript_stats,
     update_settings,
 )
-from worker.compaction.erase import ErasedSinceSignedError, erase_transcript, refuse_if_erased_since
+from worker.compaction.erase import (
+    ErasedSinceSignedError,
+    erase_transcript,
+    no_transcript_to_erase,
+    refuse_if_erased_since,
+)
 from worker.compaction.views import measured_coverage
 from worker.core.compaction import TranscriptMessage
 from worker.core.labels import WORD_LABEL_PATTERN
@@ -414,7 +419,7 @@ def delete_transcript(ctx: Context, admin: Admin, transcript_id: TranscriptId) -
     id's sha256, no text). Its jobs and the answers kept for its appends name it by that digest."""
     report = erase_transcript(ctx.factory, transcript_id, requested_by=admin.actor)
     if report is None:
-        raise ApiError(404, f"no transcript {transcript_id!r}")
+        raise ApiError(404, no_transcript_to_erase(ctx.factory, transcript_id))
     return TranscriptErased(transcript_id=transcript_id, **report.as_dict())
 
 
