@@ -198,8 +198,9 @@ def test_delete_erases_everything_and_leaves_one_content_free_row(
     assert "alice" not in stored.lower() and "Acme" not in stored
     # A retried erasure (its first answer lost) is told the page was erased, not that it never was.
     again = client.delete(f"/v1/pages/default/{SLUG}", headers=ADMIN_HEADERS)
+    when = row.erased_at.isoformat(timespec="seconds")
     assert again.status_code == 404 and again.json()["detail"] == (
-        f"no page {SLUG!r} in source 'default' (it was erased at {row.erased_at.isoformat(timespec='seconds')})"
+        f"no page {SLUG!r} in source 'default' (it was erased at {when})"
     )
 
 
