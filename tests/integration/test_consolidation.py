@@ -507,7 +507,9 @@ def test_request_consolidation_asks_one_job_per_entity_and_groups_facts_without_
         first = request_consolidation(session, "default", JAN_PAGE)
         again = request_consolidation(session, "default", JAN_PAGE)
     assert sorted(_subjects(tx_factory, first)) == sorted([ALICE, f"page:{JAN_PAGE}"])
-    assert again == first, "one pending job per entity: asking again reuses it"
+    assert again == [], "one pending job per entity: asking again reuses it, with nothing new to send"
+    with tx_factory() as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "queued")) == 2
     consolidate(tx_factory, llm)
     consolidate(tx_factory, llm, key=f"page:{JAN_PAGE}")
     with tx_factory.begin() as session:

@@ -15,7 +15,7 @@ from models import Job
 from tests.clock import now
 from worker.jobs import outbox, sending
 from worker.jobs.budgets import JobBudgets
-from worker.jobs.leases import Finished, claim, finish, heartbeat
+from worker.jobs.leases import Finished, claim, finish, heartbeat, not_due_in
 from worker.jobs.outbox import EXTRACTION, page_subject, request_job, request_jobs, retry_job, sweep
 from worker.jobs.queries import job_list_query, list_jobs
 from worker.jobs.registry import Backoff
@@ -83,6 +83,22 @@ def test_one_pending_job_per_subject_and_a_rerun_when_it_is_running(tx_factory):
     assert new_job(tx_factory) != first
 
 
+def test_a_send_does_not_mark_a_job_whose_retry_is_ahead_as_freshly_sent(tx_factory):
+    """A long send loop marks what it sent in slices: a job that ran and ended in a retry meanwhile (its
+    enqueued_at put at its backoff's end) was marked sent now, and looked like a fresh message to the
+    sweeper's count of missing ones."""
+    job_id = new_job(tx_factory)
+    claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
+    finish(tx_factory, job_id, "w1", "queued", last_error="retry", requeue_in=120, attempt=True)
+    due = job(tx_factory, job_id).enqueued_at
+    sent: list[int] = []
+    assert (
+        enqueue(tx_factory, [(job_id, EXTRACTION)], sender=lambda task, sent_id, queue: sent.append(sent_id))
+        == 1
+    )
+    assert sent == [job_id] and job(tx_factory, job_id).enqueued_at == due
+
+
 def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
     """One statement records every ending: what a call leaves out (counters, a requeue time) stays
     as it was, a pause counts neither budget, a verdict counts an attempt, a lost worker a loss."""
@@ -110,7 +126,11 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
     later = requeued.enqueued_at
     assert later is not None and later - before > timedelta(seconds=299) and requeued.finished_at is None
 
-    claim(tx_factory, job_id, "w3", stale_after=60, budgets=BUDGETS)
+    # A worker's message before the requeue time does not run it (a second message skipped the wait);
+    # an operator's run does.
+    assert claim(tx_factory, job_id, "w3", stale_after=60, budgets=BUDGETS) is None
+    assert 290 < (not_due_in(tx_factory, job_id) or 0) <= 300
+    claim(tx_factory, job_id, "w3", stale_after=60, budgets=BUDGETS, due_only=False)
     assert finish(tx_factory, job_id, "w-other", "failed") is None, "not our lease: nothing written"
     finish(tx_factory, job_id, "w3", "failed", counters={"pages": 2}, last_error="bad", attempt=True)
     failed = job(tx_factory, job_id)
@@ -277,14 +297,18 @@ def test_jobs_table_refuses_unknown_statuses(tx_factory):
 
 
 # Truncation: run_job extraction runs segment_concurrency=8 (threads share the factory).
-def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_url, simulator):
+@pytest.mark.parametrize("by_operator", [False, True])
+def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_url, simulator, by_operator):
     """retry_or_fail: requeued with enqueued_at in the future while attempts remain, then failed. The
     page's own failure (a request the provider rejects): an outage spends worker losses instead
-    (test_job_budgets)."""
+    (test_job_budgets). A worker's retry message is the task's to send (countdown); an operator's run
+    (`factmill facts consolidate`) has no task: its retry was left to the sweeper, minutes late."""
     from tests.integration.test_extraction import put_page
     from worker.config_store import ConfigReader
-    from worker.jobs.lifecycle import run_job
+    from worker.jobs.celery_app import app
+    from worker.jobs.lifecycle import OperatorRun, run_job
     from worker.jobs.outbox import page_subject
+    from worker.jobs.sending import broker_queue_depth
     from worker.runtime import Runtime
     from worker.settings import Settings
 
@@ -300,11 +324,21 @@ def test_a_failing_page_is_retried_with_backoff_then_failed(factory, database_ur
     job_id = new_job(factory, page_subject("default", "conversations/imessage/alice-example"))
     simulator.configure(raw_replies={"chat.completions": {"error": {"message": "rejected"}}}, raw_status=400)
     try:
-        first = run_job(rt, job_id, EXTRACTION, Backoff(base_seconds=30, max_seconds=60))
+        depth = broker_queue_depth("extraction")
+        operator = OperatorRun() if by_operator else None
+        first = run_job(rt, job_id, EXTRACTION, Backoff(base_seconds=30, max_seconds=60), operator=operator)
+        assert broker_queue_depth("extraction") == (depth or 0) + by_operator
+        with app.connection_for_write() as connection:  # no stray message for a later test's worker
+            connection.default_channel.queue_purge("extraction")
         queued = job(factory, job_id)
         assert first.status == "retry" and 15 <= first.retry_in <= 30
         assert queued.status == "queued" and queued.enqueued_at > now() + timedelta(seconds=10)
         assert "provider_error" in queued.last_error and queued.counters["pages_failed"] == 1
+        early = run_job(rt, job_id, EXTRACTION)  # a second message, before the backoff ends: held
+        assert early.status == "not_due" and 10 < (early.retry_in or 0) <= 30
+        assert job(factory, job_id).status == "queued" and job(factory, job_id).attempts == 1
+        with factory.begin() as session:  # the backoff over
+            session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=text("now()")))
         second = run_job(rt, job_id, EXTRACTION)
         assert second.status == "failed" and job(factory, job_id).status == "failed"
         assert (job(factory, job_id).attempts, job(factory, job_id).worker_losses) == (2, 0)

@@ -12,7 +12,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import ARRAY, Boolean, Engine, Float, Interval, Text, and_, bindparam, case, func, or_, update
+from sqlalchemy import (
+    ARRAY,
+    Boolean,
+    Engine,
+    Float,
+    Interval,
+    Text,
+    and_,
+    bindparam,
+    case,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -70,6 +84,17 @@ _CLAIMED_OPTIONS = (
 ).op("-", return_type=JSONB)(NEXT_RUN)
 
 
+# A worker's message for a job waiting out a retry's backoff (enqueued_at ahead) runs it only this close
+# to its time: Celery's countdown runs by the worker's clock, which may be a little ahead of the database's.
+DUE_SLACK_SECONDS = 5.0
+# Whether a queued job is due: its backoff over (or nearly), or never put off. An operator's run (due_only
+# false) takes it whenever asked.
+_DUE = or_(
+    ~bindparam("due_only", type_=Boolean),
+    JOBS.c.enqueued_at.is_(None),
+    JOBS.c.enqueued_at <= func.now() + timedelta(seconds=DUE_SLACK_SECONDS),
+)
+
 # The claim, one statement built once (a job's claim runs for every page): the row is taken if it is
 # claimable, its lock held by the UPDATE itself, so a second claimer waits and then finds it running.
 # The SET clause reads the row as it was: taking over a running job (a stale lease) counts a loss.
@@ -78,7 +103,8 @@ _CLAIM = (
     .where(
         JOBS.c.id == bindparam("job_id"),
         or_(
-            JOBS.c.status.in_(("queued", "paused")),
+            and_(JOBS.c.status == "queued", _DUE),
+            JOBS.c.status == "paused",
             and_(
                 JOBS.c.status == "running",
                 or_(
@@ -102,16 +128,30 @@ _CLAIM = (
 
 
 def claim(
-    factory: sessionmaker[Session], job_id: int, token: str, stale_after: float, budgets: JobBudgets
+    factory: sessionmaker[Session],
+    job_id: int,
+    token: str,
+    stale_after: float,
+    budgets: JobBudgets,
+    *,
+    due_only: bool = True,
 ) -> Job | None:
     """Take the job if it is queued (or paused, or running with a stale heartbeat); None otherwise.
 
-    A redelivered message for a job another worker holds, or one that already finished, gets None.
+    A redelivered message for a job another worker holds, or one that already finished, gets None; so
+    does one for a job still waiting out a retry's backoff (``due_only``: a worker's message; a second
+    message, the sweeper's or a stopping worker's, ran it at once, the backoff skipped: ``not_due_in``
+    says how long it has to wait).
     Taking over a stale lease counts a worker loss (its worker died without a word). A job with a
     spent budget is failed here instead of run, and returned with status "failed". The claim itself
     costs no attempt: ``finish`` counts one when the run reaches a verdict of its own.
     """
-    params = {"job_id": job_id, "token": token, "stale_after": timedelta(seconds=stale_after)}
+    params = {
+        "job_id": job_id,
+        "token": token,
+        "stale_after": timedelta(seconds=stale_after),
+        "due_only": due_only,
+    }
     with factory.begin() as session:
         claimed = session.execute(_CLAIM, params).one_or_none()
         if claimed is None:
@@ -131,6 +171,19 @@ def claim(
     # A detached Job with the claimed row's values (what the ORM's own UPDATE ... RETURNING gave, at a
     # fraction of its cost: see ``finish``).
     return Job(**claimed._mapping)
+
+
+def not_due_in(factory: sessionmaker[Session], job_id: int) -> float | None:
+    """Seconds until a queued job's backoff ends, when a claim found it not yet due; None otherwise."""
+    with factory() as session:
+        left = session.scalar(
+            select(func.extract("epoch", JOBS.c.enqueued_at - func.now())).where(
+                JOBS.c.id == job_id,
+                JOBS.c.status == "queued",
+                JOBS.c.enqueued_at > func.now() + timedelta(seconds=DUE_SLACK_SECONDS),
+            )
+        )
+    return None if left is None else float(left)
 
 
 def fail_if_spent(

@@ -20,7 +20,15 @@ from worker.core.errors import LLMConfigurationError, error_summary, unsorted_er
 from worker.core.jsonvalues import made_storable
 from worker.db import database_unavailable
 from worker.jobs.budgets import JobBudgets, worker_lost_reason
-from worker.jobs.leases import Finished, Heartbeat, LeaseLostError, claim, finish, new_lease_token
+from worker.jobs.leases import (
+    Finished,
+    Heartbeat,
+    LeaseLostError,
+    claim,
+    finish,
+    new_lease_token,
+    not_due_in,
+)
 from worker.jobs.outbox import BUDGET, KILL_SWITCH
 from worker.jobs.registry import (
     Backoff,
@@ -80,7 +88,7 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
 
 @dataclass(frozen=True)
 class JobOutcome:
-    status: str  # succeeded | failed | paused | retry | skipped | lost | released | unclaimed
+    status: str  # succeeded | failed | paused | retry | skipped | lost | released | unclaimed | not_due
     retry_in: float | None = None
     detail: str = ""
     # The job's span, for the retry message the task sends after it ended (else sent from the Celery
@@ -200,6 +208,11 @@ def run_job(
         tracing.annotate("factmill.job.outcome", outcome.status)
         if outcome.retry_in is not None:
             outcome = replace(outcome, traceparent=tracing.current_traceparent())
+            if operator is not None and outcome.status == "retry":
+                # No task sends an operator's retry: the job is handed to the workers now, and the one
+                # that takes the message holds it until its backoff ends (a claim that is not due). Left
+                # to the sweeper, it waited minutes past its backoff, behind any backlog.
+                enqueue(rt.factory, [(job_id, spec.name)])
     return outcome
 
 
@@ -230,6 +243,7 @@ def _run_job(
             token,
             rt.settings.job_stale_after_seconds,
             JobBudgets.from_settings(rt.settings),
+            due_only=operator is None,
         )
     except SQLAlchemyError as exc:
         if operator is not None or not database_unavailable(exc):
@@ -241,6 +255,11 @@ def _run_job(
             "unclaimed", retry_in=wait, detail=f"the database is unavailable; sent again in {wait:.0f} s"
         )
     if job is None:
+        due_in = not_due_in(rt.factory, job_id) if operator is None else None
+        if due_in is not None:  # a second message for a job waiting out its backoff: held till it ends
+            return JobOutcome(
+                "not_due", retry_in=due_in, detail=f"waiting out a retry's backoff; due in {due_in:.0f} s"
+            )
         return JobOutcome("skipped", detail="already finished, or held by another worker")
     if job.status == "failed":  # a budget was spent: the claim failed it instead of running it
         return JobOutcome("failed", detail=job.last_error or "")

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from sqlalchemy import BigInteger, any_, bindparam, func, select, update
+from sqlalchemy import BigInteger, any_, bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -42,9 +42,12 @@ def broker_queue_depth(queue: str) -> int | None:
 
 # One array parameter: an IN list of the jobs sent (one parameter each) failed past 65,535 of them,
 # after they had all gone to the broker.
+# A job whose retry ran while the loop went on (its finish put enqueued_at ahead, the backoff's end) keeps
+# that time: marked now, it looked freshly sent, and the sweeper's count of missing messages ran short.
 _MARK_ENQUEUED = (
     update(JOBS)
     .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .where(or_(JOBS.c.enqueued_at.is_(None), JOBS.c.enqueued_at <= func.now()))
     .values(enqueued_at=func.now())
 )
 
