@@ -15,6 +15,7 @@ from tests.integration.test_compaction_service import (
     QUESTION,
     SETTINGS,
     ScriptedLLM,
+    activate_threshold,
     append,
     compact_transcript,
     compactions,
@@ -26,7 +27,7 @@ from tests.integration.test_compaction_service import (
 )
 from worker.calibration import ObservationIn, UnknownCompactionError, add_observation
 from worker.compaction import context_view
-from worker.core.compaction_gate import opens_as_summary, response_outcome
+from worker.core.compaction_gate import opens_as_summary, response_outcome, summary_of
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.llm.types import ChatRequest
@@ -56,7 +57,13 @@ def context_messages(factory: sessionmaker[Session], transcript_id: str) -> list
         ("## Goals of the session\n", False),
         (REFUSAL_IN_PROSE, False),
         ("OK", False),
-        ("Here is the summary:\n## Goal\nShip it.", False),
+        ("Here is the summary:\n## Goal\nShip it.", True),  # a line of preamble
+        ("# Summary\n\n## Goal\nShip it.", True),  # a title
+        ("## Goal: ship the release\n## Progress", True),  # the goal on the heading's line
+        ("```markdown\n## Goal\nShip it.\n```", True),  # in a code fence
+        ("\ufeff## Goal\nShip it.", True),  # a byte-order mark
+        ("## Goal of the session\n", False),
+        ("One.\nTwo.\nThree.\n## Goal\nShip it.", False),  # past the first three lines
     ],
 )
 def test_a_summary_opens_with_its_goal_heading(text: str, expected: bool) -> None:
@@ -78,7 +85,10 @@ def test_a_reply_that_is_not_a_summary_is_asked_again_then_stored_as_failed(
     assert outcome.status == "failed"
     [row] = compactions(tx_factory, "prose")
     assert row.status == "failed" and row.summary is None and row.coverage is None
-    assert row.error is not None and row.error.startswith("the summarizer's reply was not a summary")
+    assert row.error == (
+        "the summarizer's reply was not a summary (it had no '## Goal' heading) 2 times; the history was "
+        "left as it was"
+    )
     assert [(a["outcome"], a["reply"]) for a in row.attempt_log] == [
         ("malformed_output", REFUSAL_IN_PROSE),
         ("malformed_output", "OK"),
@@ -146,7 +156,55 @@ def test_a_compaction_job_superseded_by_another_compaction_succeeds(
         job = session.get(Job, job_id)
         assert job is not None and job.status == "succeeded", (job.status, job.last_error)
         assert job.last_error == f"compaction {loser.id} {loser.error}"
+        assert job.counters["status"] == "superseded" and job.counters["compaction_id"] == loser.id
         ended = session.execute(
             text("SELECT label, sum(n) FROM row_counts WHERE counter = 'jobs_ended' GROUP BY 1")
         ).all()
     assert dict(ended) == {"succeeded/compaction": 1}
+
+
+def test_a_code_fence_around_a_summary_is_not_stored() -> None:
+    assert summary_of("```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
+    assert summary_of("\ufeff## Goal\nShip it.") == "## Goal\nShip it."
+
+
+def test_a_summary_below_tau_then_replies_that_are_not_summaries_is_rejected_as_judged(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The retry that names the missed terms came back as prose: the run was stored as failed ("not a
+    summary after 2 attempts", one was), the first summary's coverage lost, the job failed."""
+    request = append(tx_factory, "below", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes
+    llm = ScriptedLLM("## Goal\nnope", "OK", "Sure.")
+    outcome = run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    assert outcome.status == "succeeded"
+    [row] = compactions(tx_factory, "below")
+    assert (row.status, row.summary) == ("rejected", "## Goal\nnope")
+    assert row.coverage is not None and row.coverage < 1.0 and row.missed_terms
+    assert row.error is not None and "the retry's reply was not a summary" in row.error
+    assert [a["outcome"] for a in row.attempt_log] == [
+        "below_threshold",
+        "malformed_output",
+        "malformed_output",
+    ]
+    # Both asks after the first name what it missed.
+    assert [bool(a["missed_terms_named"]) for a in row.attempt_log] == [False, True, True]
+
+
+def test_a_reply_that_is_not_a_summary_does_not_take_the_retry_naming_the_missed_terms(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    request = append(tx_factory, "first", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)
+    llm = ScriptedLLM("OK", "## Goal\nnope", "## Goal\nnope again")
+    run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "first")
+    assert (row.status, row.summary) == ("rejected", "## Goal\nnope again")
+    assert [a["outcome"] for a in row.attempt_log] == [
+        "malformed_output",
+        "below_threshold",
+        "below_threshold",
+    ]
+    assert [bool(a["missed_terms_named"]) for a in row.attempt_log] == [False, False, True]

@@ -179,7 +179,7 @@ def compact_command(
                 "the history before the cut is over the summarizer's input (FACTMILL_COMPACTION_MAX_INPUT_"
                 "TOKENS), so only its oldest part was summarized; run this again for the rest"
             )
-    if outcome.status == "failed":
+    if outcome.status == "failed" and not outcome.superseded:  # superseded: another summary was applied
         raise typer.Exit(1)
     if outcome.status == "rejected":  # paid for, and nothing applied: a script must not read it as done
         raise typer.Exit(5)

@@ -10,7 +10,6 @@ from models.reads import read_only
 from worker.calibration import ThresholdCache
 from worker.compaction.queries import (
     CONTINUATION,
-    SUPERSEDED,
     TranscriptNotFoundError,
     compaction_wait,
     transcript_settings,
@@ -77,10 +76,11 @@ def compact_job(ctx: JobContext) -> WorkResult:
         quality_gate=rt.config.enabled(COMPACTION_QUALITY_GATE),
     )
     counters = outcome.job_counters()
-    if outcome.status == "failed" and outcome.detail.startswith(SUPERSEDED):
+    if outcome.superseded:
         # Another compaction was applied over the timeline this one summarized: nothing failed, and a
         # failed job fired the failing-jobs alert for an operator's `compact --now` beside a worker's run.
         superseded = f"compaction {outcome.compaction_id} {outcome.detail}"
+        counters["status"] = "superseded"
         return WorkResult("succeeded", counters=counters, note=superseded, detail=superseded)
     if outcome.status == "failed":
         # The job's note names the compaction, not its error (a provider's message may quote the

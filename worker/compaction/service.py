@@ -5,8 +5,9 @@ The head is serialized (a previous summary is folded into the new one) and sent 
 speaker labels), on the query terms of the transcript's intent, must reach the active calibrated
 threshold. Below it the summarizer gets one retry that names the missed terms; still below, the
 summary is stored as ``rejected`` and never applied, as is one that would leave the context no smaller
-(at once). An LLM error, a refusal or an empty reply is stored as ``failed``, as is a reply that twice
-is not a summary (it does not open with the ``## Goal`` heading).
+(at once). An LLM error, a refusal or an empty reply is stored as ``failed``. A reply that is not a
+summary (no ``## Goal`` heading) is asked for once more; a second ends the run, ``failed`` (or
+``rejected``, after a summary judged below τ).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Final, Literal, TypedDict, Unpack, cast
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
 from worker.compaction.prompts import LLM_PURPOSE, compaction_cache_key, summarizer_request
+from worker.compaction.queries import SUPERSEDED
 from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.compaction.stored_plan import StoredContext
@@ -26,6 +28,7 @@ from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS, should_compact, without_labels
 from worker.core.compaction_gate import (
     MAX_ATTEMPTS,
+    MAX_NOT_SUMMARIES,
     GateResult,
     ResponseOutcome,
     intent_terms,
@@ -81,6 +84,12 @@ class CompactionOutcome:
         if self.status != "accepted" or self.tokens_before is None or self.tokens_after is None:
             return 0
         return self.tokens_before - self.tokens_after
+
+    @property
+    def superseded(self) -> bool:
+        """Not applied because another compaction, accepted while this one ran, replaced the timeline it
+        summarized: nothing failed (a job so ended succeeds; `compact --now` exits 0)."""
+        return self.status == "failed" and self.detail.startswith(SUPERSEDED)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -175,6 +184,15 @@ def compact(
     return run.summarize()
 
 
+@dataclass(frozen=True)
+class _Below:
+    """A summary judged below τ with an attempt to come: what the next one is told it missed."""
+
+    summary: str
+    gate: GateResult
+    missed: list[str]
+
+
 @dataclass
 class CompactionRun:
     """The attempts of one compaction over a planned cut, and the row that records how they ended."""
@@ -204,13 +222,37 @@ class CompactionRun:
         return self.context.transcript_id
 
     def summarize(self) -> CompactionOutcome:
-        missed: list[str] = []
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            step = self._attempt(attempt, missed)
+        """Up to MAX_ATTEMPTS summaries judged (the second told what the first missed), and a reply that
+        is not a summary asked for again (MAX_NOT_SUMMARIES such replies end the run): three calls at most."""
+        below: _Below | None = None
+        judged = not_summaries = 0
+        while True:
+            step = self._attempt(judged + not_summaries + 1, below, last=judged + 1 == MAX_ATTEMPTS)
             if isinstance(step, CompactionOutcome):
                 return step
-            missed = step
-        raise AssertionError("unreachable")  # pragma: no cover
+            if step is None:
+                not_summaries += 1
+                if not_summaries == MAX_NOT_SUMMARIES:
+                    return self._not_a_summary(below)
+            else:
+                judged, below = judged + 1, step
+
+    def _not_a_summary(self, below: _Below | None) -> CompactionOutcome:
+        """The run's end after a second reply that is not a summary: the summary judged below τ before
+        it, if any, is rejected as it was judged; else the compaction failed."""
+        if below is not None:
+            error = (
+                f"coverage {below.gate.coverage:.3f} was below τ={self.gate_on.tau:.4g}, and the retry's "
+                "reply was not a summary; the summary was not applied"
+            )
+            return self._finish("rejected", summary=below.summary, gate=below.gate, error=error)
+        return self._finish(
+            "failed",
+            error=(
+                "the summarizer's reply was not a summary (it had no "
+                f"{SUMMARY_HEADINGS[0]!r} heading) {MAX_NOT_SUMMARIES} times; the history was left as it was"
+            ),
+        )
 
     def _check(self) -> None:
         """What stops the run: the kill switch, then the job's guard (lease, worker stopping, budgets).
@@ -232,9 +274,14 @@ class CompactionRun:
         for failed in LLMCallRecord.failed_tries(LLM_PURPOSE, self.llm, tries, self.job_id):
             self.store.record_llm_call(failed)
 
-    def _attempt(self, attempt: int, missed: list[str]) -> CompactionOutcome | list[str]:
-        """One summarizer call: the outcome when this attempt ends the run, else the terms to name next."""
+    def _attempt(
+        self, attempt: int, below: _Below | None, *, last: bool
+    ) -> CompactionOutcome | _Below | None:
+        """One summarizer call: the outcome when this attempt ends the run, else the summary judged below
+        τ (what the next attempt is told it missed), or None for a reply that is not a summary. ``last``:
+        no judged attempt comes after this one."""
         self._check()
+        missed = below.missed if below is not None else []
         request = summarizer_request(
             self.plan.serialized,
             self.context.settings.instructions,
@@ -286,18 +333,10 @@ class CompactionRun:
             )
         if result == "malformed_output":
             # Not a summary (prose, an obeyed instruction): its words stay in the attempt log, as a
-            # refusal's do; the next attempt asks again as the first did.
+            # refusal's do; the next attempt asks again as this one did.
             self.log.append({**entry, "outcome": result, "reply": summary})
-            if attempt < MAX_ATTEMPTS:
-                return []
-            return self._finish(
-                "failed",
-                error=(
-                    "the summarizer's reply was not a summary (it did not open with "
-                    f"{SUMMARY_HEADINGS[0]!r}) after {MAX_ATTEMPTS} attempts; the history was left as it was"
-                ),
-            )
-        return self._judge(attempt, entry, summary, truncated=result == "truncated_output")
+            return None
+        return self._judge(entry, summary, truncated=result == "truncated_output", last=last)
 
     def _record_response(self, response: ChatResponse, result: ResponseOutcome) -> int:
         error = response.refusal if result == "refusal" else None
@@ -312,8 +351,8 @@ class CompactionRun:
         return self.store.record_llm_call(record)
 
     def _judge(
-        self, attempt: int, entry: dict[str, Any], summary: str, *, truncated: bool
-    ) -> CompactionOutcome | list[str]:
+        self, entry: dict[str, Any], summary: str, *, truncated: bool, last: bool
+    ) -> CompactionOutcome | _Below:
         """Gate a summary: accept it, reject it after the last attempt, or name what the next one keeps."""
         tau = self.gate_on.tau
         gate = judge_summary(self.source_tokens, summary, self.terms, tau, enforced=self.enforced)
@@ -338,7 +377,7 @@ class CompactionRun:
             return self._finish("rejected", summary=summary, gate=gate, error=error)
         if gate.passed:
             return self._finish("accepted", summary=summary, gate=gate)
-        if attempt == MAX_ATTEMPTS:
+        if last:
             return self._finish(
                 "rejected",
                 summary=summary,
@@ -348,7 +387,7 @@ class CompactionRun:
                     "attempts; the summary was not applied"
                 ),
             )
-        return retry_terms(gate, self.terms)
+        return _Below(summary, gate, retry_terms(gate, self.terms))
 
     def _finish(
         self,

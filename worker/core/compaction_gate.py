@@ -23,13 +23,19 @@ MAX_TERM_LENGTH: Final = 64  # a longer "word" (a hash, a base64 run) is not wor
 # A first summary below the threshold gets one retry that names what it missed (seed 002's revert rule,
 # with a second chance): two attempts in all.
 MAX_ATTEMPTS: Final = 2
+# A reply that is not a summary is asked for once more, outside those two: two such replies end the run.
+MAX_NOT_SUMMARIES: Final = 2
 
 ResponseOutcome = Literal["refusal", "empty_output", "malformed_output", "truncated_output", "ok"]
-# A summary opens with the first of SUMMARY_HEADINGS, as the prompt asks (any heading level, any case,
-# a trailing colon allowed). A reply that does not is not a summary: a refusal in prose the provider did
-# not flag, an instruction inside the transcript obeyed ("reply only with OK"), chat. Its query words
-# could all be missing from the head (coverage 1.0) or absent (not judged), and it replaced the history.
-_GOAL_HEADING: Final = re.compile(r"#{1,6}[ \t]*goal[ \t]*:?[ \t]*", re.IGNORECASE)
+# A summary has the first of SUMMARY_HEADINGS, as the prompt asks, among its first lines (any heading
+# level, any case, a colon and the goal itself allowed on the line; a line of preamble or a title before
+# it, the whole in a code fence, are a model's habits). A reply without it is not a summary: a refusal in
+# prose the provider did not flag, an instruction inside the transcript obeyed ("reply only with OK"),
+# chat. Its query words could all be missing from the head (coverage 1.0) or absent (not judged), and it
+# replaced the history.
+_GOAL_HEADING: Final = re.compile(r"#{1,6}[ \t]*goal\b[ \t]*(?::.*)?", re.IGNORECASE)
+SUMMARY_LEAD_LINES: Final = 3
+_FENCE_OPEN: Final = re.compile(r"```[\w.+-]*[ \t]*")
 
 
 def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
@@ -129,16 +135,28 @@ def retry_terms(gate: GateResult, query_terms: Sequence[str]) -> list[str]:
     return [w for w in words if len(w) <= MAX_TERM_LENGTH][:MAX_MISSED_TERMS]
 
 
+def _unfenced(reply: str) -> str:
+    """The reply without a byte-order mark and without a code fence around the whole of it."""
+    text = reply.lstrip("\ufeff").strip()
+    first, _, rest = text.partition("\n")
+    if _FENCE_OPEN.fullmatch(first.strip()):
+        text = rest.rstrip()
+        if text.endswith("```"):
+            text = text[:-3]
+    return text.strip()
+
+
 def summary_of(reply: str) -> str:
-    """The summary a summarizer's reply gives: trimmed, capped at SUMMARY_CHAR_LIMIT characters (empty:
-    no summary, a failed compaction)."""
-    return reply.strip()[:SUMMARY_CHAR_LIMIT].strip()
+    """The summary a summarizer's reply gives: trimmed (a fence around it taken off), capped at
+    SUMMARY_CHAR_LIMIT characters (empty: no summary, a failed compaction)."""
+    return _unfenced(reply)[:SUMMARY_CHAR_LIMIT].strip()
 
 
 def opens_as_summary(text: str) -> bool:
-    """Whether a reply opens with the summary's first heading (``## Goal``) on its first non-blank line."""
-    first = text.strip().split("\n", 1)[0].strip()
-    return _GOAL_HEADING.fullmatch(first) is not None
+    """Whether a reply has the summary's first heading (``## Goal``) among its first SUMMARY_LEAD_LINES
+    non-blank lines (a fence around it not counted)."""
+    lines = [line.strip() for line in _unfenced(text).splitlines() if line.strip()]
+    return any(_GOAL_HEADING.fullmatch(line) for line in lines[:SUMMARY_LEAD_LINES])
 
 
 def response_outcome(finish: str, text: str) -> ResponseOutcome:
