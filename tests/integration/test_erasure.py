@@ -211,7 +211,7 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
     """A provider's error message may quote the request: it stayed in the page's job's note (the page's
     reason for failing) and in the ledger's rows, which outlive the erasure, unless it named the slug."""
     from tests.integration.test_compaction_service import append, session_messages
-    from worker.accounting import ERASED_CALL_ERROR
+    from worker.accounting import ERASED_CALL_ERROR, Ledger, LLMCallRecord
     from worker.compaction.erase import TRANSCRIPT_ERASED, erase_transcript
     from worker.extraction.erase import erase_page
     from worker.jobs.outbox import COMPACTION, page_subject
@@ -261,6 +261,14 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
         None,
         quoted,  # another job's call
     ]
+    # A call in flight through the erasure, failed and recorded after it, keeps no provider message either.
+    late = LLMCallRecord("extraction", "p", "m", None, 5, "provider_error", job_id, quoted)
+    elsewhere = LLMCallRecord("extraction", "p", "m", None, 5, "provider_error", other_id, quoted)
+    with enabled.begin() as session:
+        late_id, elsewhere_id = Ledger(lambda key: None).record_many(session, [late, elsewhere])
+    with enabled() as session:
+        assert session.get(LLMCall, late_id).error == ERASED_CALL_ERROR  # type: ignore[union-attr]
+        assert session.get(LLMCall, elsewhere_id).error == quoted  # type: ignore[union-attr]
 
 
 def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(

@@ -7,13 +7,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlalchemy import update
+from sqlalchemy import BigInteger, any_, bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from models.bulk import BulkInsert
-from models.tables import LLM_CALLS
+from models.tables import JOBS, LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices, price_of
+from worker.core.erasure import ERASED_PREFIX
 from worker.core.jsonvalues import made_storable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import Usage
@@ -115,20 +117,34 @@ def kept_error(call: LLMCallRecord) -> str | None:
 ERASED_CALL_ERROR = "the provider's message went with the erasure of what the call was about"
 
 
-def forget_call_errors(session: Session, job_ids: Sequence[int]) -> None:
-    """In the caller's transaction (an erasure's): the provider's words leave the llm_calls rows of these
-    jobs. A provider's error message may quote the request (page text, a transcript); the rows outlive
-    the erasure, and a refusal's already keeps only its length (``kept_error``)."""
-    if job_ids:
-        session.execute(
-            update(LLM_CALLS)
-            .where(
-                LLM_CALLS.c.job_id.in_(job_ids),
-                LLM_CALLS.c.error.is_not(None),
-                LLM_CALLS.c.outcome != "refusal",
-            )
-            .values(error=ERASED_CALL_ERROR)
+def forget_call_errors(session: Session, kind: str, subject: str) -> None:
+    """In the caller's transaction (an erasure's, after it renamed the jobs' subject): the provider's
+    words leave the llm_calls rows of the jobs of ``kind`` on ``subject``. A provider's error message may
+    quote the request (page text, a transcript); the rows outlive the erasure, and a refusal's already
+    keeps only its length (``kept_error``). A call still in flight is recorded without them (``record``)."""
+    jobs = select(JOBS.c.id).where(JOBS.c.kind == kind, JOBS.c.subject == subject)
+    session.execute(
+        update(LLM_CALLS)
+        .where(
+            LLM_CALLS.c.job_id.in_(jobs),
+            LLM_CALLS.c.error.is_not(None),
+            LLM_CALLS.c.outcome != "refusal",
         )
+        .values(error=ERASED_CALL_ERROR)
+    )
+
+
+def _erased_jobs(session: Session, calls: Sequence[LLMCallRecord]) -> set[int]:
+    """The jobs of these calls whose page or transcript was erased (their subject renamed): a failed call
+    in flight through the erasure is recorded after it, and its provider message may quote the request."""
+    ids = {c.job_id for c in calls if c.job_id is not None and c.error is not None and c.outcome != "refusal"}
+    if not ids:
+        return set()
+    erased = select(JOBS.c.id).where(
+        JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+        func.strpos(JOBS.c.subject, ERASED_PREFIX) > 0,
+    )
+    return set(session.scalars(erased, {"ids": sorted(ids)}))
 
 
 class Ledger:
@@ -183,7 +199,11 @@ class Ledger:
             call.model,
         )
 
-    def row(self, call: LLMCallRecord, prices: dict[str, Price] | None = None) -> dict[str, object]:
+    def row(
+        self, call: LLMCallRecord, prices: dict[str, Price] | None = None, *, erased: bool = False
+    ) -> dict[str, object]:
+        """The llm_calls row of a call; ``erased``: its job's page or transcript is gone (no provider
+        message kept)."""
         usage = call.usage or Usage()
         return {
             "job_id": call.job_id,
@@ -198,7 +218,7 @@ class Ledger:
             "outcome": call.outcome,
             "cost_usd": self.cost(call, prices),
             "batch": call.batch,
-            "error": kept_error(call),
+            "error": ERASED_CALL_ERROR if erased and call.error is not None else kept_error(call),
         }
 
     def record(self, session: Session, call: LLMCallRecord) -> int:
@@ -210,4 +230,5 @@ class Ledger:
         if not calls:
             return []
         prices = self.prices()
-        return _INSERT.new_keys(session, [self.row(call, prices) for call in calls])
+        erased = _erased_jobs(session, calls)
+        return _INSERT.new_keys(session, [self.row(c, prices, erased=c.job_id in erased) for c in calls])

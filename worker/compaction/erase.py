@@ -36,7 +36,6 @@ _FORGET_TRANSCRIPT_IN_JOBS = text(
         last_error = CASE WHEN last_error IS NULL THEN NULL ELSE :note END,
         counters = counters - 'transcript_id' - 'detail' - 'missed_terms'
     WHERE kind = :kind AND subject = :transcript_id
-    RETURNING id
     """
 )
 
@@ -125,11 +124,11 @@ def erase_transcript(
             jobs_cancelled=cancel_jobs(session, COMPACTION, transcript_id, TRANSCRIPT_ERASED),
         )
         name = erased_transcript_name(transcript_id)
-        job_ids = session.execute(
+        session.execute(
             _FORGET_TRANSCRIPT_IN_JOBS,
             {"erased": name, "note": TRANSCRIPT_ERASED, "kind": COMPACTION, "transcript_id": transcript_id},
-        ).scalars()
-        forget_call_errors(session, list(job_ids))
+        )
+        forget_call_errors(session, COMPACTION, name)
         forget_transcript_in_deliveries(session, transcript_id, name)
         # Its messages and compactions go with it (ON DELETE CASCADE).
         session.execute(delete(Transcript).where(Transcript.id == transcript_id))

@@ -164,7 +164,6 @@ _FORGET_PAGE_IN_JOBS = text(
             FROM jsonb_array_elements(counters -> 'pages') WITH ORDINALITY AS e(entry, n)
         )) ELSE counters END
     WHERE kind = :kind AND subject = :subject
-    RETURNING id
     """
 )
 
@@ -239,7 +238,7 @@ def forget_page_name(
         named = Backfill.filters.op("||")(func.jsonb_build_object(key, erased))
         session.execute(update(Backfill).where(Backfill.id == backfill_id).values(filters=named))
     forget_page_in_deliveries(session, source_id, slug, name)
-    job_ids = session.execute(
+    session.execute(
         _FORGET_PAGE_IN_JOBS,
         {
             "erased": erased_subject(source_id, slug),
@@ -249,8 +248,8 @@ def forget_page_name(
             "kind": EXTRACTION,
             "subject": page_subject(source_id, slug),
         },
-    ).scalars()
-    forget_call_errors(session, list(job_ids))
+    )
+    forget_call_errors(session, EXTRACTION, erased_subject(source_id, slug))
 
 
 def erase_page(
