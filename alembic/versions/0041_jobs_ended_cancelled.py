@@ -42,11 +42,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(_FUNCTION.format(counted_as="NEW.status"))
-    # Cancellations fold back into the failures 0024 counts them as.
-    op.execute(
-        "INSERT INTO row_counts AS r (counter, label, backend, n) "
-        "SELECT counter, 'failed/' || split_part(label, '/', 2), backend, n FROM row_counts "
-        "WHERE counter = 'jobs_ended' AND label LIKE 'cancelled/%' "
-        "ON CONFLICT (counter, label, backend) DO UPDATE SET n = r.n + EXCLUDED.n"
-    )
+    # The cancellations counted go (the older collector exports no such status). Not folded into the
+    # failures: the failed series would jump by every past erasure, and FactmillJobsFailing fire.
     op.execute("DELETE FROM row_counts WHERE counter = 'jobs_ended' AND label LIKE 'cancelled/%'")

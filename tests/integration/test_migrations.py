@@ -365,6 +365,29 @@ def test_0032_keeps_the_length_of_the_refusals_recorded_before_not_their_words(s
     assert errors == [kept_error(record), None, "HTTP 500: boom"]  # in the ledger's own words
 
 
+def test_0041_counts_cancellations_apart_and_its_downgrade_adds_none_to_the_failures(server_url: str) -> None:
+    from alembic import command
+
+    ended = text("SELECT label, sum(n) FROM row_counts WHERE counter = 'jobs_ended' GROUP BY 1 ORDER BY 1")
+    with fresh_database(server_url, "cancelled") as url:
+        db.upgrade(url)
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO jobs (kind, subject, status) VALUES ('extraction', 'a', 'queued')")
+            )
+            conn.execute(text("SELECT set_config('factmill.job_ending', 'cancelled', true)"))
+            conn.execute(text("UPDATE jobs SET status = 'failed'"))
+        with engine.connect() as conn:
+            assert conn.execute(ended).all() == [("cancelled/extraction", 1)]
+        command.downgrade(db.alembic_config(url), "0040")
+        with engine.connect() as conn:
+            # Folded into the failures, every past erasure fired FactmillJobsFailing at once.
+            assert conn.execute(ended).all() == []
+        db.upgrade(url)
+        engine.dispose()
+
+
 def test_0033_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_finds(server_url: str) -> None:
     from worker.core.calibration import ObservationIn
 
