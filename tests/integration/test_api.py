@@ -32,6 +32,7 @@ from worker.config_store import CONFIG_KEYS, ConfigReader
 from worker.core.signing import compute_signature, sign
 from worker.deliveries import deliver_once, scoped_key
 from worker.extraction.pages import PageIn
+from worker.jobs import outbox
 from worker.jobs.registry import kind_names
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -674,6 +675,20 @@ def test_retry_a_failed_job(
     assert committed_recorder.calls == [("tasks.extraction.extract_page", job_id, "extraction")]
     assert committed_recorder.committed == [True, True]
     assert committed_client.post("/v1/jobs/999999/retry", headers=ADMIN_HEADERS).status_code == 404
+
+
+def test_retry_skipped_of_a_job_that_skips_no_segments_is_422(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A bad argument, not a state to wait out: a 409 tells a client to follow the pending job. (The CLI
+    calls it a usage error, exit 2.)"""
+    with tx_factory.begin() as session:
+        job_id = outbox.request_job(session, "compaction", "a-transcript").job_id
+    set_job(tx_factory, job_id, status="failed")
+    refused = client.post(f"/v1/jobs/{job_id}/retry?skipped=true", headers=ADMIN_HEADERS)
+    assert refused.status_code == 422 and refused.json()["detail"] == (
+        f"job {job_id} is a compaction job; only extraction jobs skip segments"
+    )
 
 
 def test_retry_when_a_newer_job_for_the_page_is_pending_is_409(

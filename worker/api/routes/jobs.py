@@ -127,7 +127,7 @@ def _visible(principal: Principal, job: Job) -> bool:
     "/v1/jobs/{job_id}/retry",
     status_code=202,
     response_model=JobOut,
-    responses=error_responses(404, 409),
+    responses=error_responses(404, 409, 422),
     summary="Queue a failed, paused or succeeded job again",
 )
 def retry(
@@ -147,15 +147,18 @@ def retry(
 
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
-    So is an extraction job whose page was erased: there is nothing left to extract.
+    So is an extraction job whose page was erased: there is nothing left to extract. ``skipped`` on a
+    job of another kind is 422 (only extraction jobs skip segments).
     """
     try:
         with ctx.factory.begin() as session:
             out = JobOut.of(queries.retry(session, job_id, skipped=skipped))
     except queries.JobNotFoundError as exc:
         raise ApiError(404, str(exc)) from None
-    except (queries.JobNotRetryableError, queries.JobHasNoSegmentsError, queries.JobPageGoneError) as exc:
+    except (queries.JobNotRetryableError, queries.JobPageGoneError) as exc:
         raise ApiError(409, str(exc)) from None
+    except queries.JobHasNoSegmentsError as exc:
+        raise ApiError(422, str(exc)) from None
     except queries.JobAlreadyPendingError as exc:
         raise ApiError(409, str(exc), pending_job_id=exc.pending_job_id) from None
     ctx.enqueue([(out.id, out.kind)])
