@@ -553,6 +553,17 @@ def test_http_each_request_carries_its_key(http_server, factory):
     writer = anyio.run(_http_session, http_server, new_key(factory, ["read", "ingest"]), _append_and_read)
     assert writer["tools"] == READ_TOOLS | WRITE_TOOLS
     assert writer["appended"]["appended"] == 4
+    # The key as the API reads it: a second space before it (typed, or pasted from a file).
+    spaced = httpx.post(
+        http_server,
+        headers={
+            "Authorization": f"Bearer  {new_key(factory, ['read'])}",
+            "Accept": "application/json, text/event-stream",
+        },
+        json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        timeout=10,
+    )
+    assert spaced.status_code == 200, spaced.text
     # Without a key (or with a wrong one) the endpoint answers 401 before any tool runs.
     for headers in ({}, {"Authorization": "Bearer fm_wrong"}):
         answer = httpx.post(

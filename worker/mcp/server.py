@@ -83,8 +83,10 @@ class KeyVerifier:
         """The key's principal as an access token; None (401) for an unknown or revoked key. A database
         that cannot answer raises (the HTTP app's guard answers 503 with Retry-After, as the API does)."""
         settings = self.runtime.settings
+        # Stripped as the API's header parsing strips it (the SDK keeps what follows "Bearer "): a key
+        # sent with a second space, or a trailing one from a file, worked there and was a 401 here.
         principal = await anyio.to_thread.run_sync(
-            principal_for, self.runtime.factory, token, settings.admin_token
+            principal_for, self.runtime.factory, token.strip(), settings.admin_token
         )
         if principal is None:
             return None
