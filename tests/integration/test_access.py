@@ -102,6 +102,28 @@ def test_every_route_but_the_open_ones_refuses_an_anonymous_caller(api: TestClie
         assert call(api, method, url).status_code == 200, url  # /readyz: "degraded" without a broker
 
 
+def test_a_config_write_checks_its_key_once(api: TestClient, factory: sessionmaker[Session]) -> None:
+    """The config router's admin check and its handlers' were two dependencies: every write looked the
+    key up twice, in two transactions (under pool pressure, a 503 from the second after the first)."""
+    from sqlalchemy import event
+
+    headers = bearer(new_key(factory, ["admin"]))
+    lookups: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM api_keys" in statement:
+            lookups.append(statement)
+
+    engine = factory.kw["bind"]
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        answer = api.put("/v1/config/extraction.max_facts", json={"value": "7"}, headers=headers)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert answer.status_code == 200, answer.text
+    assert len(lookups) == 1
+
+
 def test_a_key_without_the_scope_is_403_naming_it(api: TestClient, factory: sessionmaker[Session]) -> None:
     keys = {scope: bearer(new_key(factory, [scope])) for scope in ("read", "ingest", "metrics")}
     for method, url, needed in ROUTES:

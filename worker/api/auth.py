@@ -8,6 +8,7 @@ also take a webhook signature instead, for senders that hold only the shared sec
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -111,12 +112,15 @@ def _check_scope(principal: Principal, scope: str, all_sources: str | None) -> P
     return principal
 
 
+@functools.cache
 def require(
     scope: str, *, all_sources: str | None = None, through_outage: bool = False
 ) -> Callable[..., Principal]:
     """A dependency: the caller's principal, 401 without a credential, 403 without ``scope``. With
     ``all_sources`` (what the route serves, e.g. "transcripts") a source-limited key is refused too;
-    ``through_outage``: see ``resolve``."""
+    ``through_outage``: see ``resolve``. One callable per arguments (cached): FastAPI resolves a
+    dependency once a request by its callable, so a router's ``require("admin")`` and a handler's
+    ``Admin`` check the key once (as two closures, twice: two transactions, and a 503 from the second)."""
 
     def dependency(ctx: Context, credentials: Credentials) -> Principal:
         principal, checked = _resolved(ctx, credentials, through_outage)
