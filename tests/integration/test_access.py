@@ -102,6 +102,36 @@ def test_every_route_but_the_open_ones_refuses_an_anonymous_caller(api: TestClie
         assert call(api, method, url).status_code == 200, url  # /readyz: "degraded" without a broker
 
 
+def test_a_reader_sees_no_spend_among_a_jobs_counters(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """A job's spend is the metrics' and the admin's (GET /v1/jobs/{id} showed it to them alone), but a
+    backfill's cost and a consolidation's prompt tokens were in the counters every reader listed."""
+    from models import Job
+
+    with factory.begin() as session:
+        session.add_all(
+            [
+                Job(kind="batch_extraction", subject="backfill:1", status="succeeded",
+                    counters={"backfill": 1, "requests": 3, "cost_usd": 1.25}),
+                Job(kind="consolidation", subject="default|people/a", status="succeeded",
+                    counters={"pairs": 4, "prompt_tokens": 900}),
+            ]
+        )  # fmt: skip
+    shown = {}
+    for scopes in (["read"], ["read", "metrics"]):
+        listed = api.get("/v1/jobs", headers=bearer(new_key(factory, scopes))).json()["jobs"]
+        shown[scopes[-1]] = {job["kind"]: job["counters"] for job in listed}
+    assert shown["read"] == {
+        "batch_extraction": {"backfill": 1, "requests": 3},
+        "consolidation": {"pairs": 4},
+    }
+    assert shown["metrics"]["batch_extraction"]["cost_usd"] == 1.25
+    assert shown["metrics"]["consolidation"]["prompt_tokens"] == 900
+    one = api.get(f"/v1/jobs/{listed[0]['id']}", headers=bearer(new_key(factory, ["read"]))).json()
+    assert not {"cost_usd", "prompt_tokens"} & set(one["counters"])
+
+
 def test_a_config_write_checks_its_key_once(api: TestClient, factory: sessionmaker[Session]) -> None:
     """The config router's admin check and its handlers' were two dependencies: every write looked the
     key up twice, in two transactions (under pool pressure, a 503 from the second after the first)."""

@@ -14,6 +14,15 @@ from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subjec
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry
 from worker.jobs.registry import kind_names
 
+# A job's counters that are spend (a backfill's cost, a consolidation's prompt tokens): shown only to a
+# key that may see figures (metrics or admin), as a job's spend is; a reader's list showed them.
+SPEND_COUNTERS = frozenset({"cost_usd", "prompt_tokens"})
+
+
+def counters_shown(counters: dict[str, object], *, figures: bool) -> dict[str, object]:
+    """A job's counters as a caller sees them: without the spend unless it may see ``figures``."""
+    return dict(counters) if figures else {k: v for k, v in counters.items() if k not in SPEND_COUNTERS}
+
 
 class JobNotFoundError(LookupError):
     def __init__(self, job_id: int) -> None:

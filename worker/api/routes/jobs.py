@@ -68,8 +68,10 @@ class JobOut(BaseModel):
     spend: JobSpendOut | None = None  # GET /v1/jobs/{id}, for a key with the metrics or admin scope
 
     @classmethod
-    def of(cls, job: Job) -> JobOut:
+    def of(cls, job: Job, principal: Principal) -> JobOut:
+        """The job as ``principal`` sees it: spend among its counters only with the metrics scope."""
         out = cls.model_validate(job)
+        out.counters = queries.counters_shown(out.counters, figures=principal.has("metrics"))
         if job.kind == outbox.EXTRACTION:
             out.source_id, out.slug = outbox.split_page_subject(job.subject)
         return out
@@ -99,7 +101,7 @@ def list_jobs(
             before_id=before_id,
             source_ids=principal.source_ids,
         )
-        return JobList(jobs=[JobOut.of(job) for job in found])
+        return JobList(jobs=[JobOut.of(job, principal) for job in found])
 
 
 @jobs_router.get(
@@ -110,7 +112,7 @@ def get_job(ctx: Context, principal: Reader, job_id: JobId) -> JobOut:
         job = session.get(Job, job_id)
         if job is None or not _visible(principal, job):
             raise ApiError(404, f"no job {job_id}")
-        out = JobOut.of(job)
+        out = JobOut.of(job, principal)
         if principal.has("metrics"):  # spend is the metrics' and the admin's (readers see no figures)
             out.spend = JobSpendOut(**job_spend(session, job_id).as_dict())
         return out
@@ -132,7 +134,7 @@ def _visible(principal: Principal, job: Job) -> bool:
 )
 def retry(
     ctx: Context,
-    _: Admin,
+    admin: Admin,
     job_id: JobId,
     skipped: Annotated[
         bool,
@@ -152,7 +154,7 @@ def retry(
     """
     try:
         with ctx.factory.begin() as session:
-            out = JobOut.of(queries.retry(session, job_id, skipped=skipped))
+            out = JobOut.of(queries.retry(session, job_id, skipped=skipped), admin)
     except queries.JobNotFoundError as exc:
         raise ApiError(404, str(exc)) from None
     except (queries.JobNotRetryableError, queries.JobPageGoneError) as exc:
