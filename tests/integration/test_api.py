@@ -1062,9 +1062,9 @@ def test_paused_jobs_are_counted_by_why(client: TestClient, tx_factory: sessionm
     assert 'factmill_jobs_paused{kind="compaction",reason="kill_switch"} 1.0' in text  # no reason: a switch
 
 
-def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -> None:
-    """Slow searches held every request thread (FACTMILL_API_THREADS), and /readyz, a plain def, waited
-    behind them: past the probe's timeout Kubernetes took every replica out of service."""
+def answers_while_every_request_thread_is_busy(client: TestClient, path: str, **kw: Any) -> Any:
+    """GET ``path`` while every request thread (FACTMILL_API_THREADS) is held; the answer, or None when
+    it waited for one."""
     import threading
 
     import anyio.to_thread
@@ -1076,16 +1076,30 @@ def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -
     for holder in holders[: int(limiter.total_tokens)]:
         portal.call(limiter.acquire_on_behalf_of_nowait, holder)
     answers: list[Any] = []
-    asker = threading.Thread(target=lambda: answers.append(client.get("/readyz")), daemon=True)
+    asker = threading.Thread(target=lambda: answers.append(client.get(path, **kw)), daemon=True)
     asker.start()
     asker.join(10)
-    answered_while_busy = bool(answers)
+    answered_while_busy = list(answers)
     for holder in holders[: int(limiter.total_tokens)]:
         portal.call(limiter.release_on_behalf_of, holder)
     asker.join(10)
-    assert answered_while_busy
-    [response] = answers
-    assert response.status_code == 200 and response.json()["status"] == "ready"
+    return answered_while_busy[0] if answered_while_busy else None
+
+
+def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -> None:
+    """Slow searches held every request thread (FACTMILL_API_THREADS), and /readyz, a plain def, waited
+    behind them: past the probe's timeout Kubernetes took every replica out of service."""
+    response = answers_while_every_request_thread_is_busy(client, "/readyz")
+    assert response is not None and response.status_code == 200 and response.json()["status"] == "ready"
+
+
+def test_metrics_answer_while_every_request_thread_is_busy(client: TestClient) -> None:
+    """/metrics and its key check waited for a request thread too: the scrape timed out, every series
+    went stale (FactmillMetricsAbsent fired, naming the key) and the store and broker alerts went blind."""
+    response = answers_while_every_request_thread_is_busy(client, "/metrics", headers=ADMIN_HEADERS)
+    assert response is not None and response.status_code == 200 and "factmill_jobs" in response.text
+    reader = answers_while_every_request_thread_is_busy(client, "/metrics")  # the client's read key
+    assert reader is not None and reader.status_code == 403 and "'metrics'" in reader.json()["detail"]
 
 
 def test_readyz_names_the_unreachable_broker(

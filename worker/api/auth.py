@@ -8,12 +8,14 @@ also take a webhook signature instead, for senders that hold only the shared sec
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -221,10 +223,24 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
 Reader = Annotated[Principal, Depends(require("read"))]
 Admin = Annotated[Principal, Depends(require("admin"))]
 # The figures cover every source, like the transcripts: a key limited to sources gets 403.
-# The scrape is served through a database outage (it reports the outage).
-MetricsReader = Annotated[
-    Principal, Depends(require("metrics", all_sources="the metrics", through_outage=True))
-]
+# The scrape is served through a database outage (it reports the outage), and its key is checked on
+# threads of its own (as /readyz's probes run): slow searches holding every request thread made the
+# scrape time out, every series went stale and the alerts that need them could not fire.
+_SCRAPE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="metrics")
+T = TypeVar("T")
+_metrics_key = require("metrics", all_sources="the metrics", through_outage=True)
+
+
+async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
+    return await asyncio.wrap_future(_SCRAPE_THREADS.submit(_metrics_key, ctx, credentials))
+
+
+async def on_scrape_threads(work: Callable[[], T]) -> T:
+    """``work`` on the scrape's own threads, never on the request threads."""
+    return await asyncio.wrap_future(_SCRAPE_THREADS.submit(work))
+
+
+MetricsReader = Annotated[Principal, Depends(_metrics_reader)]
 TranscriptReader = Annotated[Principal, Depends(require("read", all_sources="transcripts"))]
 CalibrationReader = Annotated[Principal, Depends(require("read", all_sources="calibration figures"))]
 PageIngester = Annotated[Ingest, Depends(require_ingest())]

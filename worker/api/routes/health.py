@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from worker.api.auth import MetricsReader
+from worker.api.auth import MetricsReader, on_scrape_threads
 from worker.api.deps import Context
 from worker.api.errors import error_responses, one_line
 from worker.api.probes import READY_TIMEOUT_SECONDS, ping_broker, ping_database
@@ -73,9 +73,12 @@ async def readyz(ctx: Context) -> JSONResponse:
 
 
 @ops_router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics(ctx: Context, _: MetricsReader) -> Response:
-    """Prometheus figures: a key with the metrics scope (or admin) scrapes them."""
-    return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(ctx: Context, _: MetricsReader) -> Response:
+    """Prometheus figures: a key with the metrics scope (or admin) scrapes them. The key's check and the
+    figures' reads run on threads of their own, so a scrape answers while searches hold every request
+    thread."""
+    body = await on_scrape_threads(lambda: generate_latest(ctx.registry))
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 __all__ = ["ops_router"]
