@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,23 @@ def test_the_shared_rate_limiters_read_celerys_spelling_of_the_tls_check() -> No
     for client in (llm._redis, search._redis):
         assert client is not None
         assert client.connection_pool.connection_kwargs["ssl_cert_reqs"] == "required"
+
+
+def test_a_multiprocess_folder_the_operator_names_is_made_and_cleared_of_earlier_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named in PROMETHEUS_MULTIPROC_DIR was neither made (missing, every API process failed
+    to start) nor cleared (a restarted process reusing a pid went on from its predecessor's counts)."""
+    from worker.cli.services import request_counts_shared
+    from worker.settings import Settings
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    missing = tmp_path / "volume" / "metrics"
+    with request_counts_shared(Settings(prometheus_multiproc_dir=missing), workers=2):
+        assert missing.is_dir()
+    (missing / "counter_7.db").write_bytes(b"earlier run")
+    (missing / "README").write_text("not ours")
+    with request_counts_shared(Settings(prometheus_multiproc_dir=missing), workers=2):
+        assert sorted(p.name for p in missing.iterdir()) == ["README"]
+        assert Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) == missing
+    assert missing.is_dir()  # the operator's: kept

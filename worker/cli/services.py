@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import click
@@ -133,11 +134,18 @@ def serve(
 @contextmanager
 def request_counts_shared(settings: Settings, workers: int) -> Iterator[None]:
     """For several API processes, a fresh PROMETHEUS_MULTIPROC_DIR they all count requests into (unless
-    one is set), removed when they have exited; one process needs none."""
+    one is set), removed when they have exited; one process needs none. A folder the operator set is
+    made if missing and cleared of the counts of earlier runs (prometheus_client's rule: a process
+    reusing a pid, as a container's do, went on from its predecessor's counts; a missing folder stopped
+    every API process at start)."""
     if settings.prometheus_multiproc_dir is not None:
+        named = Path(settings.prometheus_multiproc_dir)
+        named.mkdir(parents=True, exist_ok=True)
+        for stale in named.glob("*.db"):
+            stale.unlink(missing_ok=True)
         # Exported: a folder named in .env alone reached Settings but not prometheus_client, which reads
         # the environment once, at import, in each process uvicorn starts.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(settings.prometheus_multiproc_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(named)
     if workers == 1 or settings.prometheus_multiproc_dir is not None:
         yield
         return
