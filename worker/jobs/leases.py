@@ -95,6 +95,13 @@ _DUE = or_(
     JOBS.c.enqueued_at <= func.now() + timedelta(seconds=DUE_SLACK_SECONDS),
 )
 
+# Seconds until a queued job is due, when it is not (what a claim that found it so answers).
+_NOT_DUE_IN = select(func.extract("epoch", JOBS.c.enqueued_at - func.now())).where(
+    JOBS.c.id == bindparam("job_id"),
+    JOBS.c.status == "queued",
+    JOBS.c.enqueued_at > func.now() + timedelta(seconds=DUE_SLACK_SECONDS),
+)
+
 # The claim, one statement built once (a job's claim runs for every page): the row is taken if it is
 # claimable, its lock held by the UPDATE itself, so a second claimer waits and then finds it running.
 # The SET clause reads the row as it was: taking over a running job (a stale lease) counts a loss.
@@ -127,6 +134,13 @@ _CLAIM = (
 )
 
 
+@dataclass(frozen=True)
+class NotDue:
+    """A claim's answer for a queued job still waiting out a retry's backoff: due in ``seconds``."""
+
+    seconds: float
+
+
 def claim(
     factory: sessionmaker[Session],
     job_id: int,
@@ -135,13 +149,13 @@ def claim(
     budgets: JobBudgets,
     *,
     due_only: bool = True,
-) -> Job | None:
+) -> Job | NotDue | None:
     """Take the job if it is queued (or paused, or running with a stale heartbeat); None otherwise.
 
-    A redelivered message for a job another worker holds, or one that already finished, gets None; so
-    does one for a job still waiting out a retry's backoff (``due_only``: a worker's message; a second
-    message, the sweeper's or a stopping worker's, ran it at once, the backoff skipped: ``not_due_in``
-    says how long it has to wait).
+    A redelivered message for a job another worker holds, or one that already finished, gets None. One
+    for a job still waiting out a retry's backoff gets NotDue (``due_only``, a worker's message: a
+    second message, the sweeper's or a stopping worker's, ran it at once, the backoff skipped), read in
+    the claim's own transaction, so the two answers agree on the time.
     Taking over a stale lease counts a worker loss (its worker died without a word). A job with a
     spent budget is failed here instead of run, and returned with status "failed". The claim itself
     costs no attempt: ``finish`` counts one when the run reaches a verdict of its own.
@@ -155,7 +169,8 @@ def claim(
     with factory.begin() as session:
         claimed = session.execute(_CLAIM, params).one_or_none()
         if claimed is None:
-            return None
+            left = session.scalar(_NOT_DUE_IN, {"job_id": job_id}) if due_only else None
+            return None if left is None else NotDue(float(left))
         spent = fail_if_spent(session, job_id, claimed.attempts, claimed.worker_losses, budgets)
         if spent is not None:
             return spent
@@ -171,19 +186,6 @@ def claim(
     # A detached Job with the claimed row's values (what the ORM's own UPDATE ... RETURNING gave, at a
     # fraction of its cost: see ``finish``).
     return Job(**claimed._mapping)
-
-
-def not_due_in(factory: sessionmaker[Session], job_id: int) -> float | None:
-    """Seconds until a queued job's backoff ends, when a claim found it not yet due; None otherwise."""
-    with factory() as session:
-        left = session.scalar(
-            select(func.extract("epoch", JOBS.c.enqueued_at - func.now())).where(
-                JOBS.c.id == job_id,
-                JOBS.c.status == "queued",
-                JOBS.c.enqueued_at > func.now() + timedelta(seconds=DUE_SLACK_SECONDS),
-            )
-        )
-    return None if left is None else float(left)
 
 
 def fail_if_spent(
@@ -363,9 +365,11 @@ _FINISH = (
         finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
         # The database's clock, as the sweeper compares it with its own now(): a worker's clock behind
         # by more than the backoff made the retry look overdue at once (sent again, its backoff skipped).
+        # Without a requeue time, a time still ahead (an operator's run took the job during its
+        # backoff) comes back to now: kept, a retry or a rerun of the job waited out the old backoff.
         enqueued_at=func.coalesce(
             func.now() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam("requeue_in", type_=Float)),
-            JOBS.c.enqueued_at,
+            func.least(JOBS.c.enqueued_at, func.now()),
         ),
     )
     .returning(JOBS.c.rerun_requested, JOBS.c.kind)

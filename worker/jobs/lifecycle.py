@@ -24,10 +24,10 @@ from worker.jobs.leases import (
     Finished,
     Heartbeat,
     LeaseLostError,
+    NotDue,
     claim,
     finish,
     new_lease_token,
-    not_due_in,
 )
 from worker.jobs.outbox import BUDGET, KILL_SWITCH
 from worker.jobs.registry import (
@@ -254,12 +254,13 @@ def _run_job(
         return JobOutcome(
             "unclaimed", retry_in=wait, detail=f"the database is unavailable; sent again in {wait:.0f} s"
         )
+    if isinstance(job, NotDue):  # a second message for a job waiting out its backoff: held till it ends
+        return JobOutcome(
+            "not_due",
+            retry_in=job.seconds,
+            detail=f"waiting out a retry's backoff; due in {job.seconds:.0f} s",
+        )
     if job is None:
-        due_in = not_due_in(rt.factory, job_id) if operator is None else None
-        if due_in is not None:  # a second message for a job waiting out its backoff: held till it ends
-            return JobOutcome(
-                "not_due", retry_in=due_in, detail=f"waiting out a retry's backoff; due in {due_in:.0f} s"
-            )
         return JobOutcome("skipped", detail="already finished, or held by another worker")
     if job.status == "failed":  # a budget was spent: the claim failed it instead of running it
         return JobOutcome("failed", detail=job.last_error or "")

@@ -385,6 +385,8 @@ def _requeue_stale(
                 worker=None,
                 worker_losses=Job.worker_losses + 1,
                 last_error="worker lost (stale heartbeat); requeued",
+                # Due now (an operator's run may have taken it during a backoff, whose end stayed ahead).
+                enqueued_at=func.least(Job.enqueued_at, func.now()),
             )
         )
         stale_pairs.append((row.id, row.kind))
