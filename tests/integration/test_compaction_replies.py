@@ -208,3 +208,17 @@ def test_a_reply_that_is_not_a_summary_does_not_take_the_retry_naming_the_missed
         "below_threshold",
     ]
     assert [bool(a["missed_terms_named"]) for a in row.attempt_log] == [False, False, True]
+
+
+def test_a_superseded_outcome_says_so_in_its_json() -> None:
+    """`compact --now --json` printed "failed" and exited 0 for a run another compaction superseded."""
+    from worker.compaction.queries import SUPERSEDED
+    from worker.compaction.service import CompactionOutcome
+
+    superseded = CompactionOutcome(
+        "failed", "t", detail=f"{SUPERSEDED} compaction 6 was accepted while this one ran"
+    )
+    assert superseded.as_dict()["superseded"] is True and "superseded" not in superseded.job_counters()
+    assert (
+        CompactionOutcome("failed", "t", detail="the summarizer call failed").as_dict()["superseded"] is False
+    )

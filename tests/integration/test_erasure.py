@@ -271,6 +271,49 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
         assert session.get(LLMCall, elsewhere_id).error == quoted  # type: ignore[union-attr]
 
 
+def test_a_failed_call_recorded_while_an_erasure_renames_its_job_waits_for_it(
+    factory: sessionmaker[Session],
+) -> None:
+    """Recorded from another transaction while the erasure ran, the call's row was written with the
+    provider's message (the rename not yet visible) after the erasure had replaced the messages it
+    could see: both committed, the quote outlived the erasure. A live name holding "erased:" keeps its
+    messages."""
+    import threading
+
+    from worker.accounting import ERASED_CALL_ERROR, Ledger, LLMCallRecord
+    from worker.core.erasure import erased_label
+
+    quoted = "upstream said: cannot process 'Alice Example accepted the Acme Corp offer'"
+    with factory.begin() as session:
+        jobs = [
+            Job(kind="compaction", subject=name, status="running")
+            for name in ("support-chat", "chat-erased:1")
+        ]
+        session.add_all(jobs)
+        session.flush()
+        erased_id, live_id = (job.id for job in jobs)
+    recorded: list[int] = []
+
+    def record() -> None:
+        calls = [
+            LLMCallRecord("compaction", "p", "m", None, 5, "provider_error", job_id, quoted)
+            for job_id in (erased_id, live_id)
+        ]
+        with factory.begin() as session:
+            recorded.extend(Ledger(lambda key: None).record_many(session, calls))
+
+    with factory.begin() as erasure:  # the erasure's rename, not yet committed
+        erasure.execute(update(Job).where(Job.id == erased_id).values(subject=erased_label("support-chat")))
+        recorder = threading.Thread(target=record)
+        recorder.start()
+        recorder.join(1.0)
+        assert recorder.is_alive(), "the recording waits for the erasure's transaction"
+    recorder.join(10)
+    with factory() as session:
+        errors = [session.get(LLMCall, call_id).error for call_id in recorded]  # type: ignore[union-attr]
+    assert errors == [ERASED_CALL_ERROR, quoted]
+
+
 def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
     client: TestClient, enabled: sessionmaker[Session]
 ) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, any_, bindparam, func, select, update
+from sqlalchemy import BigInteger, any_, bindparam, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
@@ -15,7 +15,7 @@ from models.bulk import BulkInsert
 from models.tables import JOBS, LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices, price_of
-from worker.core.erasure import ERASED_PREFIX
+from worker.core.erasure import is_erased_name
 from worker.core.jsonvalues import made_storable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import Usage
@@ -134,17 +134,24 @@ def forget_call_errors(session: Session, kind: str, subject: str) -> None:
     )
 
 
+# The jobs of failed calls with their subjects, locked FOR SHARE: an erasure renaming one meanwhile is
+# waited for (its new subject read), or waits for this insert (and then finds the row it writes).
+_JOB_SUBJECTS = (
+    select(JOBS.c.id, JOBS.c.subject)
+    .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .order_by(JOBS.c.id)
+    .with_for_update(read=True)
+)
+
+
 def _erased_jobs(session: Session, calls: Sequence[LLMCallRecord]) -> set[int]:
     """The jobs of these calls whose page or transcript was erased (their subject renamed): a failed call
     in flight through the erasure is recorded after it, and its provider message may quote the request."""
     ids = {c.job_id for c in calls if c.job_id is not None and c.error is not None and c.outcome != "refusal"}
     if not ids:
         return set()
-    erased = select(JOBS.c.id).where(
-        JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-        func.strpos(JOBS.c.subject, ERASED_PREFIX) > 0,
-    )
-    return set(session.scalars(erased, {"ids": sorted(ids)}))
+    rows = session.execute(_JOB_SUBJECTS, {"ids": sorted(ids)}).all()
+    return {job_id for job_id, subject in rows if is_erased_name(subject)}
 
 
 class Ledger:

@@ -94,6 +94,7 @@ class CompactionOutcome:
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["tokens_saved"] = self.tokens_saved
+        data["superseded"] = self.superseded  # `compact --now --json`: "failed", yet nothing to do
         return data
 
     def job_counters(self) -> dict[str, Any]:
@@ -105,7 +106,7 @@ class CompactionOutcome:
         return data
 
 
-_NOT_IN_JOB_ROWS = frozenset({"transcript_id", "detail", "missed_terms"})
+_NOT_IN_JOB_ROWS = frozenset({"transcript_id", "detail", "missed_terms", "superseded"})
 
 
 class CompactOptions(TypedDict, total=False):

@@ -8,9 +8,13 @@ name one already knows, not to list what was erased. One rule for every erasure.
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import datetime
 
 ERASED_PREFIX = "erased:"
+# An erased name where a record still names it: ``erased:<sha256>`` alone (a transcript's jobs) or after
+# a source (``<source>|erased:<sha256>``, a page's).
+_ERASED_NAME = re.compile(r"(?:^|.*\|)" + re.escape(ERASED_PREFIX) + r"[0-9a-f]{64}", re.DOTALL)
 
 
 def erased_digest(*parts: str) -> str:
@@ -23,6 +27,12 @@ def erased_label(*parts: str) -> str:
     return ERASED_PREFIX + erased_digest(*parts)
 
 
+def is_erased_name(name: str) -> bool:
+    """Whether ``name`` (a job's subject) is what an erasure left of a name: a live transcript's id may
+    hold "erased:" itself."""
+    return _ERASED_NAME.fullmatch(name) is not None
+
+
 def nothing_to_erase(missing: str, erased_at: datetime | None) -> str:
     """What an erasure that found nothing says: ``missing`` ("no page 'x' in source 'y'"), and when the
     name was erased before (a retried erasure whose first answer was lost was told the page never was)."""
@@ -31,4 +41,4 @@ def nothing_to_erase(missing: str, erased_at: datetime | None) -> str:
     return f"{missing} (it was erased at {erased_at.isoformat(timespec='seconds')})"
 
 
-__all__ = ["ERASED_PREFIX", "erased_digest", "erased_label", "nothing_to_erase"]
+__all__ = ["ERASED_PREFIX", "erased_digest", "erased_label", "is_erased_name", "nothing_to_erase"]
