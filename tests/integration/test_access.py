@@ -108,10 +108,14 @@ def test_a_reader_sees_no_spend_among_a_jobs_counters(
     """A job's spend is the metrics' and the admin's (GET /v1/jobs/{id} showed it to them alone), but a
     backfill's cost and a consolidation's prompt tokens were in the counters every reader listed."""
     from models import Job
+    from worker.extraction.options import ExtractionCounters
 
+    extraction = ExtractionCounters(pages_processed=1, llm_calls=3, input_tokens=1200, output_tokens=300)
     with factory.begin() as session:
         session.add_all(
             [
+                Job(kind="extraction", subject="default|p", status="succeeded",
+                    counters=extraction.as_dict(with_pages=False)),
                 Job(kind="batch_extraction", subject="backfill:1", status="succeeded",
                     counters={"backfill": 1, "requests": 3, "cost_usd": 1.25}),
                 Job(kind="consolidation", subject="default|people/a", status="succeeded",
@@ -122,14 +126,16 @@ def test_a_reader_sees_no_spend_among_a_jobs_counters(
     for scopes in (["read"], ["read", "metrics"]):
         listed = api.get("/v1/jobs", headers=bearer(new_key(factory, scopes))).json()["jobs"]
         shown[scopes[-1]] = {job["kind"]: job["counters"] for job in listed}
-    assert shown["read"] == {
-        "batch_extraction": {"backfill": 1, "requests": 3},
-        "consolidation": {"pairs": 4},
-    }
+    assert shown["read"]["batch_extraction"] == {"backfill": 1, "requests": 3}
+    assert shown["read"]["consolidation"] == {"pairs": 4}
+    assert shown["read"]["extraction"]["pages_processed"] == 1
+    assert not {"llm_calls", "input_tokens", "output_tokens"} & set(shown["read"]["extraction"])
+    assert shown["metrics"]["extraction"]["input_tokens"] == 1200
     assert shown["metrics"]["batch_extraction"]["cost_usd"] == 1.25
     assert shown["metrics"]["consolidation"]["prompt_tokens"] == 900
-    one = api.get(f"/v1/jobs/{listed[0]['id']}", headers=bearer(new_key(factory, ["read"]))).json()
-    assert not {"cost_usd", "prompt_tokens"} & set(one["counters"])
+    for job in listed:
+        one = api.get(f"/v1/jobs/{job['id']}", headers=bearer(new_key(factory, ["read"]))).json()
+        assert not {"cost_usd", "prompt_tokens", "llm_calls", "input_tokens"} & set(one["counters"])
 
 
 def test_a_config_write_checks_its_key_once(api: TestClient, factory: sessionmaker[Session]) -> None:

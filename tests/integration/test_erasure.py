@@ -271,47 +271,32 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
         assert session.get(LLMCall, elsewhere_id).error == quoted  # type: ignore[union-attr]
 
 
-def test_a_failed_call_recorded_while_an_erasure_renames_its_job_waits_for_it(
-    factory: sessionmaker[Session],
+def test_a_failed_call_recorded_after_its_job_s_name_was_erased_keeps_no_provider_message(
+    tx_factory: sessionmaker[Session],
 ) -> None:
-    """Recorded from another transaction while the erasure ran, the call's row was written with the
-    provider's message (the rename not yet visible) after the erasure had replaced the messages it
-    could see: both committed, the quote outlived the erasure. A live name holding "erased:" keeps its
-    messages."""
-    import threading
-
+    """Any erased name counts, a page key's (`page:erased:...`, a consolidation job's) too; a live name
+    that holds "erased:" (a transcript's id may) keeps its messages."""
     from worker.accounting import ERASED_CALL_ERROR, Ledger, LLMCallRecord
     from worker.core.erasure import erased_label
 
     quoted = "upstream said: cannot process 'Alice Example accepted the Acme Corp offer'"
-    with factory.begin() as session:
-        jobs = [
-            Job(kind="compaction", subject=name, status="running")
-            for name in ("support-chat", "chat-erased:1")
-        ]
+    names = (
+        ("compaction", erased_label("support-chat")),
+        ("consolidation", f"default|page:{erased_label('default', 'p')}"),
+        ("compaction", "chat-erased:1"),
+    )
+    with tx_factory.begin() as session:
+        jobs = [Job(kind=kind, subject=name, status="running") for kind, name in names]
         session.add_all(jobs)
         session.flush()
-        erased_id, live_id = (job.id for job in jobs)
-    recorded: list[int] = []
-
-    def record() -> None:
         calls = [
-            LLMCallRecord("compaction", "p", "m", None, 5, "provider_error", job_id, quoted)
-            for job_id in (erased_id, live_id)
+            LLMCallRecord(kind, "p", "m", None, 5, "provider_error", job.id, quoted)
+            for (kind, _), job in zip(names, jobs, strict=True)
         ]
-        with factory.begin() as session:
-            recorded.extend(Ledger(lambda key: None).record_many(session, calls))
-
-    with factory.begin() as erasure:  # the erasure's rename, not yet committed
-        erasure.execute(update(Job).where(Job.id == erased_id).values(subject=erased_label("support-chat")))
-        recorder = threading.Thread(target=record)
-        recorder.start()
-        recorder.join(1.0)
-        assert recorder.is_alive(), "the recording waits for the erasure's transaction"
-    recorder.join(10)
-    with factory() as session:
+        recorded = Ledger(lambda key: None).record_many(session, calls)
+    with tx_factory() as session:
         errors = [session.get(LLMCall, call_id).error for call_id in recorded]  # type: ignore[union-attr]
-    assert errors == [ERASED_CALL_ERROR, quoted]
+    assert errors == [ERASED_CALL_ERROR, ERASED_CALL_ERROR, quoted]
 
 
 def test_the_answers_kept_for_repeated_deliveries_forget_the_erased_page_s_name(
@@ -815,6 +800,14 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
             )
         )
         page_job = request_job(session, CONSOLIDATION, f"default|{key}").job_id
+        # A provider's message on one of its calls may quote the facts it was sent.
+        quoting = LLMCall(
+            provider="p", model="m", purpose="consolidation", outcome="provider_error", job_id=page_job,
+            error="cannot process 'Alice Example lives in Porto'",
+        )  # fmt: skip
+        session.add(quoting)
+        session.flush()
+        quoting_id = quoting.id
     sent = Recorder(enabled)
     with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
         assert client.delete(f"/v1/pages/default/{MAR_PAGE}", headers=ADMIN_HEADERS).status_code == 200
@@ -826,6 +819,7 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
         assert not [d for d in decisions if MAR_PAGE in d.entity_key]
         assert session.get(ConsolidationCheckpoint, ("default", key)) is None
         assert MAR_PAGE not in (session.get(Job, page_job) or Job()).subject
+        assert "Porto" not in (session.get(LLMCall, quoting_id) or LLMCall()).error
         requested = session.scalars(
             select(Job).where(Job.kind == CONSOLIDATION, Job.status == "queued")
         ).all()

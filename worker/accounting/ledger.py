@@ -134,13 +134,12 @@ def forget_call_errors(session: Session, kind: str, subject: str) -> None:
     )
 
 
-# The jobs of failed calls with their subjects, locked FOR SHARE: an erasure renaming one meanwhile is
-# waited for (its new subject read), or waits for this insert (and then finds the row it writes).
-_JOB_SUBJECTS = (
-    select(JOBS.c.id, JOBS.c.subject)
-    .where(JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
-    .order_by(JOBS.c.id)
-    .with_for_update(read=True)
+# The jobs of failed calls with their subjects, as committed. Not locked: FOR SHARE, held to the end of
+# the recording transaction (a whole-page swap records first), kept the job's heartbeat from writing and
+# lost the run its lease. A call recorded while an erasure's own transaction is open can still keep its
+# message (a window of that transaction's length).
+_JOB_SUBJECTS = select(JOBS.c.id, JOBS.c.subject).where(
+    JOBS.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
 )
 
 

@@ -15,6 +15,7 @@ from sqlalchemy import Select, select, text, update
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
+from worker.accounting import forget_call_errors
 from worker.consolidation.store import DROP_CHECKPOINT, lock_checkpoint
 from worker.core.consolidation import PAGE_KEY_PREFIX, entity_key
 from worker.core.erasure import erased_label
@@ -136,6 +137,8 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None
             "erased": page_subject(source_id, erased),
         },
     )
+    # Their calls' provider messages may quote the facts sent (as the page's extraction calls' may).
+    forget_call_errors(session, CONSOLIDATION, page_subject(source_id, erased))
 
 
 __all__ = [

@@ -14,9 +14,10 @@ from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subjec
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry
 from worker.jobs.registry import kind_names
 
-# A job's counters that are spend (a backfill's cost, a consolidation's prompt tokens): shown only to a
-# key that may see figures (metrics or admin), as a job's spend is; a reader's list showed them.
-SPEND_COUNTERS = frozenset({"cost_usd", "prompt_tokens"})
+# A job's counters that are spend (a backfill's cost, an extraction's calls and tokens, a consolidation's
+# prompt tokens): shown only to a key that may see figures (metrics or admin), as a job's spend is; a
+# reader's list showed them. (A compaction's tokens before and after are the transcript's size.)
+SPEND_COUNTERS = frozenset({"cost_usd", "llm_calls", "input_tokens", "output_tokens", "prompt_tokens"})
 
 
 def counters_shown(counters: dict[str, object], *, figures: bool) -> dict[str, object]:
