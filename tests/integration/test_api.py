@@ -1086,6 +1086,23 @@ def answers_while_every_request_thread_is_busy(client: TestClient, path: str, **
     return answered_while_busy[0] if answered_while_busy else None
 
 
+def test_the_scrape_threads_run_in_the_request_s_context() -> None:
+    """The executor's threads do not copy context variables as anyio's do: the key check's and the
+    collectors' log lines lost the request id, their database spans the request's."""
+    import asyncio
+    import contextvars
+
+    from worker.api.auth import on_scrape_threads
+
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+
+    async def scrape() -> str:
+        request_id.set("req-1")
+        return await on_scrape_threads(request_id.get)
+
+    assert asyncio.run(scrape()) == "req-1"
+
+
 def test_readyz_answers_while_every_request_thread_is_busy(client: TestClient) -> None:
     """Slow searches held every request thread (FACTMILL_API_THREADS), and /readyz, a plain def, waited
     behind them: past the probe's timeout Kubernetes took every replica out of service."""

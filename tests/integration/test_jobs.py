@@ -149,6 +149,22 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
     assert isinstance(claim(tx_factory, job_id, "w4", stale_after=60, budgets=BUDGETS), Job)
 
 
+def test_a_stale_lease_requeued_by_the_sweeper_is_due_at_once(factory):
+    """An operator's run took the job during a retry's backoff and died: requeued with that backoff's end
+    still ahead, the sweeper's message was held until it came."""
+    job_id = new_job(factory)
+    claim(factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
+    finish(factory, job_id, "w1", "queued", last_error="retry", requeue_in=250, attempt=True)
+    claim(factory, job_id, "operator", stale_after=60, budgets=BUDGETS, due_only=False)
+    with factory.begin() as session:  # the operator's process died: its heartbeat went stale
+        session.execute(
+            update(Job).where(Job.id == job_id).values(heartbeat_at=text("now() - interval '5 minutes'"))
+        )
+    _, sent = swept(factory)
+    assert sent == [job_id]
+    assert isinstance(claim(factory, job_id, "w2", stale_after=60, budgets=BUDGETS), Job)
+
+
 def test_a_long_send_marks_the_jobs_it_sent_as_it_goes(factory, monkeypatch):
     """The sweeper sends again a job left unmarked for 2 s: a send loop that marked its jobs only at
     its end (a sweep of thousands, a slow broker) had its first jobs sent twice."""

@@ -9,6 +9,7 @@ also take a webhook signature instead, for senders that hold only the shared sec
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -231,13 +232,15 @@ T = TypeVar("T")
 _metrics_key = require("metrics", all_sources="the metrics", through_outage=True)
 
 
-async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
-    return await asyncio.wrap_future(_SCRAPE_THREADS.submit(_metrics_key, ctx, credentials))
-
-
 async def on_scrape_threads(work: Callable[[], T]) -> T:
-    """``work`` on the scrape's own threads, never on the request threads."""
-    return await asyncio.wrap_future(_SCRAPE_THREADS.submit(work))
+    """``work`` on the scrape's own threads, never on the request threads, in the request's context (its
+    request id on the log lines, its span the parent of the database's), as anyio's threads run it."""
+    context = contextvars.copy_context()
+    return await asyncio.wrap_future(_SCRAPE_THREADS.submit(context.run, work))
+
+
+async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
+    return await on_scrape_threads(lambda: _metrics_key(ctx, credentials))
 
 
 MetricsReader = Annotated[Principal, Depends(_metrics_reader)]
