@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,6 +207,9 @@ def test_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path):
         assert "not a real model" in result.stdout  # beside the facts it made, not only on stderr
         assert "23 (23 succeeded)" in output  # 22 conversations + 1 person page, every job done
         assert "facts" in output and "LLM calls" in output
+        # The calls and tokens are counted (a reader's key, as the demo's was, sees no spend: it said 0).
+        calls = re.search(r"LLM calls\s*│?\s*(\d+)", result.stdout)
+        assert calls is not None and int(calls.group(1)) > 0, result.stdout
         # The lifecycle: Priya moved from Lisbon to Porto; the demo shows the current and the old fact.
         assert "Priya Raman lives in Porto now." in output
         assert "Priya Raman lives in Lisbon now." in output and "superseded by fact" in output

@@ -262,12 +262,13 @@ def _say_what_keeps_running(settings: Settings, err: Console) -> None:
 
 @contextmanager
 def demo_read_key(database_url: str, err: Console) -> Iterator[str]:
-    """A read-scoped API key for the demo's reads, revoked when the demo ends. Only its display prefix
-    is printed."""
+    """An API key for the demo's reads, revoked when the demo ends: read, and metrics for the calls and
+    tokens its summary adds up (a reader's job counters leave them out). Only its display prefix is
+    printed."""
     factory = db.session_factory(database_url)
     with factory.begin() as session:
-        created = access.create_key(session, "demo (read)", ["read"])
-    err.print(f"created API key {created.id} ({created.prefix}…, scope read) for the demo's reads")
+        created = access.create_key(session, "demo (read)", ["read", "metrics"])
+    err.print(f"created API key {created.id} ({created.prefix}…, scopes read, metrics) for the demo's reads")
     try:
         yield created.key
     finally:
