@@ -163,9 +163,21 @@ def test_a_compaction_job_superseded_by_another_compaction_succeeds(
     assert dict(ended) == {"succeeded/compaction": 1}
 
 
-def test_a_code_fence_around_a_summary_is_not_stored() -> None:
+def test_a_code_fence_or_a_preamble_around_a_summary_is_not_stored() -> None:
     assert summary_of("```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
     assert summary_of("\ufeff## Goal\nShip it.") == "## Goal\nShip it."
+    assert summary_of("Here is the summary:\n\n## Goal\nShip it.") == "## Goal\nShip it."
+
+
+def test_the_heading_the_gate_looks_for_is_the_one_the_prompt_asks_for_and_the_simulator_writes() -> None:
+    """One rule: the gate's Goal heading is SUMMARY_HEADINGS' first, which the prompt lists and the
+    simulator's summaries open with (renamed in one place, every reply would be "not a summary")."""
+    from worker.core.compaction import SUMMARY_HEADINGS, summarizer_system_prompt
+    from worker.simulator import LOSSY_SUMMARY
+
+    prompt = summarizer_system_prompt().splitlines()
+    assert all(heading in prompt for heading in SUMMARY_HEADINGS)
+    assert opens_as_summary(LOSSY_SUMMARY) and LOSSY_SUMMARY.startswith(SUMMARY_HEADINGS[0])
 
 
 def test_a_summary_below_tau_then_replies_that_are_not_summaries_is_rejected_as_judged(

@@ -149,6 +149,16 @@ def test_finish_writes_what_each_ending_says_and_keeps_the_rest(tx_factory):
     assert isinstance(claim(tx_factory, job_id, "w4", stale_after=60, budgets=BUDGETS), Job)
 
 
+def test_an_operators_retry_of_a_job_cancelled_during_its_backoff_is_due_at_once(tx_factory):
+    job_id = new_job(tx_factory)
+    claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
+    finish(tx_factory, job_id, "w1", "queued", last_error="retry", requeue_in=250, attempt=True)
+    with tx_factory.begin() as session:  # its page erased while it waited out the backoff
+        outbox.cancel_jobs(session, EXTRACTION, "default|p", "page erased")
+        retry_job(session, job_id)
+    assert isinstance(claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS), Job)
+
+
 def test_a_stale_lease_requeued_by_the_sweeper_is_due_at_once(factory):
     """An operator's run took the job during a retry's backoff and died: requeued with that backoff's end
     still ahead, the sweeper's message was held until it came."""

@@ -182,9 +182,9 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
                 losses.add_metric([status, kind], spent_losses)
         ended = CounterMetricFamily(
             "factmill_jobs_ended",
-            "Jobs that ended, by status (succeeded, failed, cancelled: its page or transcript erased) and "
-            "kind, counted as each ends: a retry or a deletion past the retention takes nothing away (alert "
-            "on its increase, not the gauge's)",
+            "Jobs that ended, by status (succeeded, failed, cancelled: its page, transcript or entity "
+            "erased) and kind, counted as each ends: a retry or a deletion past the retention takes nothing "
+            "away (alert on its increase, not the gauge's)",
             labels=["status", "kind"],
         )
         ended_kinds = set(kinds) | {label.partition("/")[2] for label in rows.jobs_ended}

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from worker.core.compaction import SUMMARY_CHAR_LIMIT
+from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS
 from worker.core.intent import extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
 
@@ -33,7 +33,9 @@ ResponseOutcome = Literal["refusal", "empty_output", "malformed_output", "trunca
 # prose the provider did not flag, an instruction inside the transcript obeyed ("reply only with OK"),
 # chat. Its query words could all be missing from the head (coverage 1.0) or absent (not judged), and it
 # replaced the history.
-_GOAL_HEADING: Final = re.compile(r"#{1,6}[ \t]*goal\b[ \t]*(?::.*)?", re.IGNORECASE)
+_GOAL_HEADING: Final = re.compile(
+    r"#{1,6}[ \t]*" + re.escape(SUMMARY_HEADINGS[0].lstrip("# ")) + r"\b[ \t]*(?::.*)?", re.IGNORECASE
+)
 SUMMARY_LEAD_LINES: Final = 3
 _FENCE_OPEN: Final = re.compile(r"```[\w.+-]*[ \t]*")
 
@@ -146,17 +148,34 @@ def _unfenced(reply: str) -> str:
     return text.strip()
 
 
+def _from_goal(text: str) -> str | None:
+    """``text`` from the summary's first heading on, when that heading is among its first
+    SUMMARY_LEAD_LINES non-blank lines; None otherwise."""
+    lines = text.splitlines()
+    seen = 0
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        if _GOAL_HEADING.fullmatch(line.strip()):
+            return "\n".join(lines[index:]).strip()
+        seen += 1
+        if seen == SUMMARY_LEAD_LINES:
+            return None
+    return None
+
+
 def summary_of(reply: str) -> str:
-    """The summary a summarizer's reply gives: trimmed (a fence around it taken off), capped at
-    SUMMARY_CHAR_LIMIT characters (empty: no summary, a failed compaction)."""
-    return _unfenced(reply)[:SUMMARY_CHAR_LIMIT].strip()
+    """The summary a summarizer's reply gives: trimmed, a fence around it and a line or two before its
+    first heading (a title, "Here is the summary:") taken off, capped at SUMMARY_CHAR_LIMIT characters
+    (empty: no summary, a failed compaction)."""
+    text = _unfenced(reply)
+    return (_from_goal(text) or text)[:SUMMARY_CHAR_LIMIT].strip()
 
 
 def opens_as_summary(text: str) -> bool:
     """Whether a reply has the summary's first heading (``## Goal``) among its first SUMMARY_LEAD_LINES
     non-blank lines (a fence around it not counted)."""
-    lines = [line.strip() for line in _unfenced(text).splitlines() if line.strip()]
-    return any(_GOAL_HEADING.fullmatch(line) for line in lines[:SUMMARY_LEAD_LINES])
+    return _from_goal(_unfenced(text)) is not None
 
 
 def response_outcome(finish: str, text: str) -> ResponseOutcome:

@@ -11,11 +11,16 @@ import hashlib
 import re
 from datetime import datetime
 
+from worker.core.consolidation import PAGE_KEY_PREFIX
+
 ERASED_PREFIX = "erased:"
 # An erased name where a record still names it: ``erased:<sha256>`` alone (a transcript's jobs) or after
 # a source (``<source>|erased:<sha256>``, a page's, or an entity's key; ``<source>|page:erased:<sha256>``,
 # the key of a page's facts that name no entity).
-_ERASED_NAME = re.compile(r"(?:^|.*\|)(?:page:)?" + re.escape(ERASED_PREFIX) + r"[0-9a-f]{64}", re.DOTALL)
+_ERASED_NAME = re.compile(
+    r"(?:^|.*\|)(?:" + re.escape(PAGE_KEY_PREFIX) + r")?" + re.escape(ERASED_PREFIX) + r"[0-9a-f]{64}",
+    re.DOTALL,
+)
 
 
 def erased_digest(*parts: str) -> str:

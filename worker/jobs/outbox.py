@@ -287,6 +287,9 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         job.attempts = 0
         job.worker_losses = 0
         job.budget_since = func.now()  # and its own LLM budget (a job paused for it would pause again)
+        # Due at once: a backoff's end still ahead (the job failed or was cancelled while waiting it out)
+        # would hold the operator's retry until then.
+        job.enqueued_at = func.least(Job.enqueued_at, func.now())
         job.traceparent = tracing.current_traceparent() or job.traceparent  # the retry's trace (if tracing)
     return job
 
