@@ -18,6 +18,7 @@ from models import (
     Backfill,
     BackfillBatch,
     BackfillRequest,
+    Compaction,
     Erasure,
     ExtractionAudit,
     Fact,
@@ -245,12 +246,35 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
         session.add_all(calls)
         session.flush()
         ids = (job.id, other.id, [call.id for call in calls])
+    # A call under no job of the page's or transcript's (`factmill extract`, a backfill, `compact --now`),
+    # named by the page's audit row or the transcript's compaction.
+    with enabled.begin() as session:
+        jobless = LLMCall(provider="p", model="m", purpose=kind, outcome="provider_error", error=quoted)
+        session.add(jobless)
+        session.flush()
+        if erased == "transcript":
+            append(enabled, "support-chat", session_messages(2))
+            session.add(
+                Compaction(
+                    transcript_id="support-chat", status="failed", cut_seq=0, tokens_before=0,
+                    attempt_log=[{"attempt": 1, "outcome": "provider_error", "llm_call_id": jobless.id}],
+                )
+            )  # fmt: skip
+        else:
+            session.add(
+                ExtractionAudit(
+                    source_id="default", page_slug=SLUG, segment_index=0, segment_start="a", segment_end="b",
+                    outcome="provider_error", llm_call_id=jobless.id,
+                )
+            )  # fmt: skip
+        jobless_id = jobless.id
     if erased == "transcript":
-        append(enabled, "support-chat", session_messages(2))
         assert erase_transcript(enabled, "support-chat", "test") is not None
     else:
         assert erase_page(enabled, "default", SLUG, "test") is not None
     job_id, other_id, call_ids = ids
+    with enabled() as session:
+        assert session.get(LLMCall, jobless_id).error == ERASED_CALL_ERROR  # type: ignore[union-attr]
     with enabled() as session:
         assert session.get(Job, job_id).last_error == note  # type: ignore[union-attr]
         assert session.get(Job, other_id).last_error == quoted  # type: ignore[union-attr]

@@ -11,7 +11,13 @@ from worker.accounting.budget import (
     Budget,
     parse_usd,
 )
-from worker.accounting.ledger import ERASED_CALL_ERROR, Ledger, LLMCallRecord, forget_call_errors
+from worker.accounting.ledger import (
+    ERASED_CALL_ERROR,
+    Ledger,
+    LLMCallRecord,
+    forget_call_errors,
+    forget_errors_of,
+)
 from worker.accounting.prices import BATCH_DISCOUNT, PRICES, PRICES_KEY, Price, cost_usd, parse_prices
 
 
@@ -39,6 +45,7 @@ __all__ = [
     "Price",
     "cost_usd",
     "forget_call_errors",
+    "forget_errors_of",
     "parse_prices",
     "parse_usd",
     "validate_config_value",

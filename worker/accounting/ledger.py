@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, any_, bindparam, select, update
+from sqlalchemy import BigInteger, ColumnElement, any_, bindparam, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
@@ -123,13 +123,16 @@ def forget_call_errors(session: Session, kind: str, subject: str) -> None:
     quote the request (page text, a transcript); the rows outlive the erasure, and a refusal's already
     keeps only its length (``kept_error``). A call still in flight is recorded without them (``record``)."""
     jobs = select(JOBS.c.id).where(JOBS.c.kind == kind, JOBS.c.subject == subject)
+    forget_errors_of(session, LLM_CALLS.c.job_id.in_(jobs))
+
+
+def forget_errors_of(session: Session, calls: ColumnElement[bool]) -> None:
+    """In the caller's transaction: the provider's words leave the llm_calls rows ``calls`` selects
+    (``forget_call_errors``; an erasure also names the calls its page's audit rows or its transcript's
+    compactions recorded, which a CLI run or a backfill made under no job of the page's)."""
     session.execute(
         update(LLM_CALLS)
-        .where(
-            LLM_CALLS.c.job_id.in_(jobs),
-            LLM_CALLS.c.error.is_not(None),
-            LLM_CALLS.c.outcome != "refusal",
-        )
+        .where(calls, LLM_CALLS.c.error.is_not(None), LLM_CALLS.c.outcome != "refusal")
         .values(error=ERASED_CALL_ERROR)
     )
 

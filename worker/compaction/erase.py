@@ -6,7 +6,7 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import BigInteger, column, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
@@ -16,7 +16,8 @@ from models import (
     TranscriptMessageRow,
     forget_transcript_in_deliveries,
 )
-from worker.accounting import forget_call_errors
+from models.tables import LLM_CALLS
+from worker.accounting import forget_call_errors, forget_errors_of
 from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
 from worker.core.moments import within_a_second
 from worker.jobs.outbox import COMPACTION, cancel_jobs
@@ -38,6 +39,14 @@ _FORGET_TRANSCRIPT_IN_JOBS = text(
     WHERE kind = :kind AND subject = :transcript_id
     """
 )
+
+
+# The llm_calls its compactions' attempt logs name.
+_LOGGED_CALLS = text(
+    "SELECT (attempt ->> 'llm_call_id')::bigint AS id FROM compactions CROSS JOIN LATERAL "
+    "jsonb_array_elements(CASE WHEN jsonb_typeof(attempt_log) = 'array' THEN attempt_log ELSE '[]' END) "
+    "AS attempt WHERE transcript_id = :transcript_id AND jsonb_typeof(attempt -> 'llm_call_id') = 'number'"
+).columns(column("id", BigInteger))
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ def erase_transcript(
             {"erased": name, "note": TRANSCRIPT_ERASED, "kind": COMPACTION, "transcript_id": transcript_id},
         )
         forget_call_errors(session, COMPACTION, name)
+        # And the calls its compactions logged: `compact --now`'s are under no job.
+        forget_errors_of(session, LLM_CALLS.c.id.in_(_LOGGED_CALLS.bindparams(transcript_id=transcript_id)))
         forget_transcript_in_deliveries(session, transcript_id, name)
         # Its messages and compactions go with it (ON DELETE CASCADE).
         session.execute(delete(Transcript).where(Transcript.id == transcript_id))

@@ -11,8 +11,8 @@ from sqlalchemy import bindparam, delete, func, literal_column, or_, select, tex
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
-from models.tables import FACTS, OP_CHECKPOINTS
-from worker.accounting import forget_call_errors
+from models.tables import FACTS, LLM_CALLS, OP_CHECKPOINTS
+from worker.accounting import forget_call_errors, forget_errors_of
 from worker.config_store import EXTRACTION_PAGE_TYPES, get_config
 from worker.consolidation import request_consolidation
 from worker.consolidation.erasure import (
@@ -267,6 +267,15 @@ def erase_page(
             return None
         forget_page_decisions(session, source_id, slug, erased_name(source_id, slug))
         derived = drop_derived(session, source_id, slug)
+        # The calls its audit rows name: a CLI run's or a backfill's are under no job of the page's.
+        forget_errors_of(
+            session,
+            LLM_CALLS.c.id.in_(
+                select(ExtractionAudit.llm_call_id).where(
+                    ExtractionAudit.source_id == source_id, ExtractionAudit.page_slug == slug
+                )
+            ),
+        )
         audit_rows = session.execute(
             delete(ExtractionAudit).where(
                 ExtractionAudit.source_id == source_id, ExtractionAudit.page_slug == slug
