@@ -167,6 +167,10 @@ def test_a_code_fence_or_a_preamble_around_a_summary_is_not_stored() -> None:
     assert summary_of("```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
     assert summary_of("\ufeff## Goal\nShip it.") == "## Goal\nShip it."
     assert summary_of("Here is the summary:\n\n## Goal\nShip it.") == "## Goal\nShip it."
+    assert summary_of("Here is the summary:\n```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
+    # A section the model put before the Goal is the summary's own: kept, with the rest.
+    first = "## Constraints & Preferences\n- keep the canary\n## Goal\nShip it."
+    assert summary_of(first) == first
 
 
 def test_the_heading_the_gate_looks_for_is_the_one_the_prompt_asks_for_and_the_simulator_writes() -> None:

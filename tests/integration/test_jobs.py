@@ -157,6 +157,12 @@ def test_an_operators_retry_of_a_job_cancelled_during_its_backoff_is_due_at_once
         outbox.cancel_jobs(session, EXTRACTION, "default|p", "page erased")
         retry_job(session, job_id)
     assert isinstance(claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS), Job)
+    # One never sent stays so: should the retry's send fail, the sweeper sends it in seconds, not minutes.
+    never_sent = new_job(tx_factory, "default|q")
+    with tx_factory.begin() as session:
+        outbox.cancel_jobs(session, EXTRACTION, "default|q", "page erased")
+        retry_job(session, never_sent)
+    assert job(tx_factory, never_sent).enqueued_at is None
 
 
 def test_a_stale_lease_requeued_by_the_sweeper_is_due_at_once(factory):

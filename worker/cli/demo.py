@@ -1,7 +1,7 @@
 """`factmill demo`: the service on the embedded default, fed the bundled examples as signed webhooks.
 
 It drives the API the way a user's code does, through factmill_client: signed batches, then reads
-with a read-scoped key.
+with a key of its own (read, and metrics for the calls and tokens its summary adds up).
 """
 
 from __future__ import annotations

@@ -164,12 +164,25 @@ def _from_goal(text: str) -> str | None:
     return None
 
 
+def _is_content(line: str) -> bool:
+    """A line of the summary's own (a heading, a list item), not a preamble's."""
+    return line.lstrip().startswith(("#", "-", "*", "+"))
+
+
 def summary_of(reply: str) -> str:
-    """The summary a summarizer's reply gives: trimmed, a fence around it and a line or two before its
-    first heading (a title, "Here is the summary:") taken off, capped at SUMMARY_CHAR_LIMIT characters
-    (empty: no summary, a failed compaction)."""
+    """The summary a summarizer's reply gives: trimmed, a fence around it taken off, and a line or two
+    of preamble before its first heading (a title line that is not a heading, "Here is the summary:"),
+    capped at SUMMARY_CHAR_LIMIT characters (empty: no summary, a failed compaction). Lines before the
+    heading that are the summary's own (a section put first) keep the reply whole."""
     text = _unfenced(reply)
-    return (_from_goal(text) or text)[:SUMMARY_CHAR_LIMIT].strip()
+    from_goal = _from_goal(text)
+    if from_goal is not None:
+        before = text[: len(text) - len(from_goal)].rstrip()
+        if not any(_is_content(line) for line in before.splitlines()):
+            text = from_goal
+            if "```" in before and text.endswith("```"):  # a fence opened after the preamble
+                text = text[:-3]
+    return text[:SUMMARY_CHAR_LIMIT].strip()
 
 
 def opens_as_summary(text: str) -> bool:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
+    case,
     func,
     literal,
     or_,
@@ -289,7 +290,8 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         job.budget_since = func.now()  # and its own LLM budget (a job paused for it would pause again)
         # Due at once: a backoff's end still ahead (the job failed or was cancelled while waiting it out)
         # would hold the operator's retry until then.
-        job.enqueued_at = func.least(Job.enqueued_at, func.now())
+        # (never sent, NULL: left so, the sweeper sends it in seconds should this send fail)
+        job.enqueued_at = case((Job.enqueued_at > func.now(), func.now()), else_=Job.enqueued_at)
         job.traceparent = tracing.current_traceparent() or job.traceparent  # the retry's trace (if tracing)
     return job
 
