@@ -81,7 +81,9 @@ def test_a_server_still_starting_is_waited_for_and_one_starting_too_long_is_a_cl
     import subprocess
     import sys
     import threading
+    import time
 
+    from worker.embedded.base import command_line
     from worker.embedded.postgres import postmaster_status, wait_until_ready
 
     pgdata = tmp_path / "pg"
@@ -90,6 +92,11 @@ def test_a_server_still_starting_is_waited_for_and_one_starting_too_long_is_a_cl
     # A live process whose command line names the folder stands for its postmaster.
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(pgdata)])
     try:
+        # Until the child has exec'd, its command line is this process's (a loaded machine took longer
+        # than the next line, and the "server" was no server of the folder).
+        deadline = time.monotonic() + 30
+        while str(pgdata) not in (command_line(server.pid) or "") and time.monotonic() < deadline:
+            time.sleep(0.01)
         _postmaster_pid(pgdata, server.pid, None)  # no status written yet: starting
         assert postmaster_status(pgdata) == "starting"
         with pytest.raises(EmbeddedUnavailableError, match=r"still starting after 0 s \(its server log: "):
