@@ -69,11 +69,12 @@ class Interrupting:
         self.fired = False
 
     def chat(self, request: ChatRequest) -> ChatResponse:
-        response = self.inner.chat(request)
-        if not self.fired:
-            self.fired = True
-            self.during()
-        return response
+        try:
+            return self.inner.chat(request)
+        finally:  # an answer or an error: either way the erasure commits while the call is out
+            if not self.fired:
+                self.fired = True
+                self.during()
 
     def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
         return self.inner.embed(texts, purpose=purpose)
@@ -549,13 +550,25 @@ def test_a_page_erased_under_a_run_gets_no_audit_rows_for_its_calls_in_flight(
     assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"rate_malformed": 1.0},
+        # A provider's message quoting the request (an OpenAI-compatible gateway's, say).
+        {
+            "raw_replies": {"chat.completions": {"error": {"message": f"cannot process: {LINES[0]}"}}},
+            "raw_status": 400,
+        },
+    ],
+    ids=["malformed", "quoting_400"],
+)
 def test_a_page_erased_under_a_failing_segment_gets_no_audit_rows_for_it(
-    enabled: sessionmaker[Session], sim: Any
+    enabled: sessionmaker[Session], sim: Any, fault: dict[str, Any]
 ) -> None:
     """A segment that failed (every reply malformed) recorded its attempts with audit rows (the page's
     slug, the segment's times, the model's reply) outside any commit's page check, after the erasure
     had deleted the page's own rows."""
-    sim.configure(rate_malformed=1.0)
+    sim.configure(**fault)
     llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
     store(enabled, BODY)
     racing = Interrupting(llm, lambda: erase_page(enabled, "default", SLUG, "api"))
@@ -563,6 +576,13 @@ def test_a_page_erased_under_a_failing_segment_gets_no_audit_rows_for_it(
     assert racing.fired and result.pages_failed == 1
     assert counted(enabled, ExtractionAudit) == 0
     assert counted(enabled, LLMCall) >= 1  # paid: their spend stays
+    # Without what the model or the provider said (a malformed reply's excerpt, a message quoting the
+    # page): recorded after the erasure, under no job, nothing else would take it out.
+    from worker.accounting import ERASED_CALL_ERROR
+
+    with enabled() as session:
+        errors = set(session.scalars(select(LLMCall.error).where(LLMCall.error.is_not(None))))
+    assert errors == {ERASED_CALL_ERROR}, errors
 
 
 def test_a_page_re_extracted_whole_and_erased_under_the_run_gets_no_audit_rows(

@@ -234,10 +234,16 @@ class Ledger:
         """Insert one llm_calls row in the caller's transaction; returns its id."""
         return self.record_many(session, [call])[0]
 
-    def record_many(self, session: Session, calls: Sequence[LLMCallRecord]) -> list[int]:
-        """Insert the rows in one statement, in the caller's transaction; ids in the same order."""
+    def record_many(
+        self, session: Session, calls: Sequence[LLMCallRecord], *, erased: bool = False
+    ) -> list[int]:
+        """Insert the rows in one statement, in the caller's transaction; ids in the same order.
+        ``erased``: what the calls were about is gone (a page erased under the run), so no provider
+        message is kept; nor is one of a call whose job's name an erasure took."""
         if not calls:
             return []
         prices = self.prices()
-        erased = _erased_jobs(session, calls)
-        return _INSERT.new_keys(session, [self.row(c, prices, erased=c.job_id in erased) for c in calls])
+        gone = _erased_jobs(session, calls)
+        return _INSERT.new_keys(
+            session, [self.row(c, prices, erased=erased or c.job_id in gone) for c in calls]
+        )

@@ -160,8 +160,9 @@ class ExtractionStore:
         commit of that segment would have taken it out)."""
         with self._factory.begin() as session:
             if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
+                # Erased meanwhile: the calls, without a provider's message (it may quote the page).
                 self._paid(session, discarded=True)
-                self._ledger.record_many(session, call_records(place, attempts, note))
+                self._ledger.record_many(session, call_records(place, attempts, note), erased=True)
                 return
             self._write_attempts(session, place, attempts, note, permanent=permanent)
             if incomplete:
