@@ -1117,6 +1117,25 @@ def test_metrics_answer_while_every_request_thread_is_busy(client: TestClient) -
     assert response is not None and response.status_code == 200 and "factmill_jobs" in response.text
     reader = answers_while_every_request_thread_is_busy(client, "/metrics")  # the client's read key
     assert reader is not None and reader.status_code == 403 and "'metrics'" in reader.json()["detail"]
+    # No key at all: 401 on the event loop, without queueing for the scrape's two threads.
+    import threading
+
+    from worker.api import auth
+
+    release = threading.Event()
+    busy = [auth._SCRAPE_THREADS.submit(release.wait, 30) for _ in range(2)]
+    answers: list[Any] = []
+    asker = threading.Thread(
+        target=lambda: answers.append(client.get("/metrics", headers={"Authorization": ""}))
+    )
+    asker.start()
+    asker.join(10)
+    answered_while_held = list(answers)
+    release.set()
+    asker.join(10)
+    for held in busy:
+        held.result()
+    assert answered_while_held and answered_while_held[0].status_code == 401
 
 
 def test_readyz_names_the_unreachable_broker(

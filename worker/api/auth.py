@@ -240,6 +240,8 @@ async def on_scrape_threads(work: Callable[[], T]) -> T:
 
 
 async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
+    if credentials is None:  # the 401, on the event loop: no lookup to make, no thread to queue for
+        return _metrics_key(ctx, None)
     return await on_scrape_threads(lambda: _metrics_key(ctx, credentials))
 
 
