@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
@@ -238,3 +238,45 @@ def test_a_superseded_outcome_says_so_in_its_json() -> None:
     assert (
         CompactionOutcome("failed", "t", detail="the summarizer call failed").as_dict()["superseded"] is False
     )
+
+
+def test_a_failed_call_of_a_run_whose_transcript_was_erased_meanwhile_keeps_no_provider_message(
+    factory: sessionmaker[Session],
+) -> None:
+    """`compact --now` (no job) whose summarizer call failed with a message quoting the transcript while
+    the transcript was erased: the call was recorded with it, and no compaction row named it for the
+    erasure to find. (Real commits: the erasure runs in its own transaction.)"""
+    from models import LLMCall
+    from worker.accounting import ERASED_CALL_ERROR
+    from worker.compaction.erase import erase_transcript
+    from worker.llm.errors import LLMError
+
+    quoted = "HTTP 400: cannot process 'Deploy the payments service to the Frankfurt region'"
+    append(factory, "gone", session_messages(25), settings=SETTINGS)
+
+    def erase_then_fail(request: ChatRequest) -> str:
+        assert erase_transcript(factory, "gone", "test") is not None
+        raise LLMError(quoted, retryable=False, status=400)
+
+    outcome = compact_transcript(factory, ScriptedLLM(erase_then_fail), "gone", threshold=lambda: FALLBACK)
+    assert outcome.status == "failed" and outcome.compaction_id is None
+    with factory() as session:
+        errors = list(session.scalars(select(LLMCall.error)))
+    assert errors == [ERASED_CALL_ERROR]
+
+
+def test_calls_recorded_for_an_erased_page_keep_a_refusals_length_not_a_providers_message(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    from models import LLMCall
+    from worker.accounting import ERASED_CALL_ERROR, Ledger, LLMCallRecord
+    from worker.accounting.ledger import kept_error
+
+    refusal = LLMCallRecord(
+        "extraction", "p", "m", None, 5, "refusal", None, "I will not repeat Alice's offer"
+    )
+    failed = LLMCallRecord("extraction", "p", "m", None, 5, "provider_error", None, "HTTP 400: Alice's offer")
+    with tx_factory.begin() as session:
+        ids = Ledger(lambda key: None).record_many(session, [refusal, failed], erased=True)
+    with tx_factory() as session:
+        assert [session.get(LLMCall, i).error for i in ids] == [kept_error(refusal), ERASED_CALL_ERROR]  # type: ignore[union-attr]

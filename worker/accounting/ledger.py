@@ -227,7 +227,10 @@ class Ledger:
             "outcome": call.outcome,
             "cost_usd": self.cost(call, prices),
             "batch": call.batch,
-            "error": ERASED_CALL_ERROR if erased and call.error is not None else kept_error(call),
+            # (a refusal keeps its length only, as on every path: no provider message to take out)
+            "error": ERASED_CALL_ERROR
+            if erased and call.error is not None and call.outcome != "refusal"
+            else kept_error(call),
         }
 
     def record(self, session: Session, call: LLMCallRecord) -> int:

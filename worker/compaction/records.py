@@ -17,7 +17,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from models import Compaction
-from models.tables import COMPACTIONS
+from models.tables import COMPACTIONS, LLM_CALLS
+from worker.accounting import forget_errors_of
 from worker.compaction.queries import (
     SUPERSEDED,
     applied_summary,
@@ -83,6 +84,13 @@ def save_compaction(
     # Appends and applies serialize on the transcript row.
     created = transcript_created_at(session, record.transcript_id, lock=True)
     if created is None or (read_from is not None and created != read_from):
+        # The run's calls were recorded as it went, and no row of it will name them for the erasure
+        # (`compact --now` has no job either): their provider messages go here.
+        logged = [
+            entry["llm_call_id"] for entry in record.attempt_log if isinstance(entry.get("llm_call_id"), int)
+        ]
+        if logged:
+            forget_errors_of(session, LLM_CALLS.c.id.in_(logged))
         return SavedCompaction(None, "failed", ERASED_MEANWHILE, None)
     status, error = record.status, record.error
     if status == "accepted":

@@ -175,11 +175,14 @@ class BackfillSegmentStore(ExtractionStore):
             self.marking = outer
 
     def _write_spend(self, session: Session, held: Sequence[_Held]) -> None:
-        """Their calls alone (llm_calls rows) and their requests marked discarded."""
+        """Their calls alone (llm_calls rows, without a provider's message: the page was erased, and the
+        backfill's job is not one of the page's for the erasure to find) and their requests marked
+        discarded."""
         for one in held:
             if one.marking is not None:
                 _mark(session, one.marking[0], "discarded")
-        self._ledger.record_many(session, [r for one in held for r in call_records(one.place, one.attempts)])
+        calls = [r for one in held for r in call_records(one.place, one.attempts)]
+        self._ledger.record_many(session, calls, erased=True)
 
     def record_discarded_result(
         self, request_id: int, job_id: int | None, source_id: str, slug: str, attempts: Sequence[Attempt]
