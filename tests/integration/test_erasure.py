@@ -585,6 +585,67 @@ def test_a_page_erased_under_a_failing_segment_gets_no_audit_rows_for_it(
     assert errors == {ERASED_CALL_ERROR}, errors
 
 
+def test_a_page_erased_under_a_segment_s_re_ask_keeps_no_message_of_its_failed_attempt(
+    enabled: sessionmaker[Session], sim: Any
+) -> None:
+    """A segment's first reply malformed, its re-ask answered while the page was erased: the commit is
+    refused and the calls are recorded after the erasure, under no job of the page's (a CLI run's).
+    The malformed reply's excerpt (the model's words on the page) was kept in llm_calls.error."""
+    sim.configure(rate_malformed=1.0)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    store(enabled, BODY)
+
+    def heal_then_erase() -> None:
+        sim.configure(rate_malformed=0.0)  # the re-ask answers well, after the erasure ran
+        erase_page(enabled, "default", SLUG, "api")
+
+    racing = Interrupting(llm, heal_then_erase)
+    refused(extract(enabled, racing), "erased")
+    assert racing.fired
+    assert counted(enabled, ExtractionAudit) == 0 and page_facts(enabled) == 0
+    from worker.accounting import ERASED_CALL_ERROR
+
+    with enabled() as session:
+        calls = session.execute(select(LLMCall.outcome, LLMCall.error).order_by(LLMCall.id)).all()
+    assert [c.outcome for c in calls] == ["malformed_output", "ok"], calls  # both paid: both recorded
+    assert calls[0].error == ERASED_CALL_ERROR, calls
+
+
+def test_a_page_erased_under_re_asked_segments_in_flight_keeps_no_message_of_their_failures(
+    enabled: sessionmaker[Session], sim: Any
+) -> None:
+    """The same with four segments in flight: those the refused commit was not given are recorded by
+    the committer after it (their spend kept), and kept the malformed replies' excerpts."""
+    sim.configure(rate_malformed=1.0)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    days = [f"2024-03-{day:02d}" for day in (15, 16, 17, 18)]
+    store(
+        enabled,
+        "\n".join(
+            line
+            for day in days
+            for line in (
+                f"**Alice Example** ({day} 9:00 AM): I signed the offer letter for Acme Corp on {day}.",
+                f"**Bob Demo** ({day} 9:01 AM): Congrats on {day}!",
+            )
+        ),
+    )
+
+    def heal_then_erase() -> None:
+        sim.configure(rate_malformed=0.0)
+        erase_page(enabled, "default", SLUG, "api")
+
+    racing = Interrupting(llm, heal_then_erase)
+    refused(run_extract_conversation_facts(enabled, racing, ExtractOptions(slug=SLUG, segment_concurrency=4)))
+    assert racing.fired and counted(enabled, ExtractionAudit) == 0
+    from worker.accounting import ERASED_CALL_ERROR
+
+    with enabled() as session:
+        calls = session.execute(select(LLMCall.outcome, LLMCall.error)).all()
+    assert sum(c.outcome == "malformed_output" for c in calls) >= 1, calls
+    assert {c.error for c in calls if c.error is not None} == {ERASED_CALL_ERROR}, calls
+
+
 def test_a_page_re_extracted_whole_and_erased_under_the_run_gets_no_audit_rows(
     enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

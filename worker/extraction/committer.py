@@ -16,6 +16,7 @@ from worker.extraction.options import (
     ExtractionCounters,
     ExtractionProgress,
     PageChangedError,
+    PageErasedError,
     PageReport,
 )
 from worker.extraction.planner import PagePlan, PagePlanner
@@ -85,7 +86,8 @@ class SegmentCommitter:
         # spending an attempt and throwing its own paid window away. Not the stopping worker's check:
         # what is paid for is written while the lease holds.
         self.lease: Callable[[], None] | None = None
-        self.page_gone = False  # a commit found the page changed: what it discards gets no audit rows
+        # A commit found the page changed (erased, perhaps): what it discards gets no audit rows.
+        self.page_gone: PageChangedError | None = None
         # The page being committed, as planned: attempts recorded outside a commit hold its row and
         # write no audit rows once an erasure took it (they named it after the erasure had run).
         self.version: PageVersion | None = None
@@ -126,10 +128,12 @@ class SegmentCommitter:
 
     def _keep_spend(self, slug: str, index: int, segment: Segment, result: SegmentResult, note: str) -> None:
         """A paid result's rows: llm_calls and audit rows, or the calls alone when the page changed (its
-        audit rows describe it, and an erasure has just taken them out)."""
+        audit rows describe it, and an erasure has just taken them out; an erasure's, without a provider's
+        message either)."""
         place = self.planner.place(slug, index, segment)
-        if self.page_gone:
-            self.store.record_spend([(place, result.attempts)])
+        if self.page_gone is not None:
+            erased = isinstance(self.page_gone, PageErasedError)
+            self.store.record_spend([(place, result.attempts)], erased=erased)
         else:
             self.store.record_attempts(
                 place, result.attempts, note=note, permanent=counts_when_discarded(result), page=self.version
@@ -160,7 +164,7 @@ class SegmentCommitter:
         """Commit a planned page's segment results (in page order, in runs of consecutive ones): each
         run in one transaction that moves the checkpoint over all of it."""
         self.progress.page_started(plan.slug, len(plan.segments))
-        self.page_gone = False  # set when a commit finds the page changed: what it discards gets no audit
+        self.page_gone = None  # set when a commit finds the page changed: what it discards gets no audit
         self.version = plan.version
         try:
             if plan.replace:
@@ -201,7 +205,7 @@ class SegmentCommitter:
             except CheckpointConflictError as exc:
                 # Another run moved the page on, or it changed: the rest of the batch was paid for too.
                 # A page changed (erased, perhaps) gets no audit rows: they describe it.
-                self.page_gone = isinstance(exc, PageChangedError)
+                self.page_gone = exc if isinstance(exc, PageChangedError) else None
                 self._keep_unhanded(plan.slug, batch, handed)
                 raise
             except BaseException:

@@ -46,6 +46,12 @@ class PageChangedError(CheckpointConflictError):
     (a conflict like any other: the job is retried, and the retry plans the page as it is now)."""
 
 
+class PageErasedError(PageChangedError):
+    """The page was erased while it was extracted: the calls its refused commit paid for are recorded
+    without a provider's message (it may quote the page, and the erasure has run: nothing else takes it
+    out of a call made under no job of the page's, a CLI run's or a backfill's)."""
+
+
 @dataclass(frozen=True)
 class ExtractOptions:
     source_id: str = "default"

@@ -12,7 +12,7 @@ from models import Page
 from worker.core.checkpoint import CheckpointState, PrefixHasher
 from worker.core.conversation import parse_conversation_messages
 from worker.extraction.erase import page_body
-from worker.extraction.options import PageChangedError
+from worker.extraction.options import PageChangedError, PageErasedError
 from worker.extraction.statements import PAGE_VERSION
 
 
@@ -41,7 +41,7 @@ def check_page(session: Session, page: PageVersion, slug: str, new: CheckpointSt
     # Python per call (py-spy, bench/pipeline.py).
     row = session.execute(PAGE_VERSION, {"page_id": page.page_id}).one_or_none()
     if row is None:
-        raise PageChangedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
+        raise PageErasedError(f"{slug!r} was erased while it was extracted; its facts were not stored")
     if row.content_hash == page.content_hash or (
         row.content_hash in page.appended and row.type in page.types
     ):

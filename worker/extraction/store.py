@@ -36,6 +36,7 @@ from worker.extraction.options import (
     PER_SEGMENT_SOURCE_PREFIX,
     TERMINAL_AUDIT_SOURCE,
     CheckpointConflictError,
+    PageErasedError,
 )
 from worker.extraction.page_version import PageVersion, check_page
 from worker.extraction.provider_copies import ProviderCopies
@@ -360,8 +361,8 @@ class ExtractionStore:
         its spend is recorded as well as the database lets, unless the results can be read again."""
         try:
             yield
-        except CheckpointConflictError:
-            self.record_spend(spent)
+        except CheckpointConflictError as exc:
+            self.record_spend(spent, erased=isinstance(exc, PageErasedError))
             raise
         except (Exception, SystemExit, KeyboardInterrupt) as exc:
             # A SIGTERM (SystemExit) or Ctrl-C landing in the commit too: the committer counts the spend
@@ -389,13 +390,18 @@ class ExtractionStore:
         with read_only(self._factory) as session:
             return session.scalar(select(LLMCall.id).where(LLMCall.id == written[0])) is not None
 
-    def record_spend(self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]]) -> None:
+    def record_spend(
+        self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]], *, erased: bool = False
+    ) -> None:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
-        only, no audit rows (which describe the page: an erasure has just taken its out)."""
+        only, no audit rows (which describe the page: an erasure has just taken its out). ``erased``:
+        without a provider's message either (it may quote the page, and the erasure has run)."""
         with self._factory.begin() as session:
             self._paid(session, discarded=True)
             self._ledger.record_many(
-                session, [r for place, attempts in spent for r in call_records(place, attempts)]
+                session,
+                [r for place, attempts in spent for r in call_records(place, attempts)],
+                erased=erased,
             )
 
     def _paid(self, session: Session, *, discarded: bool = False) -> None:
