@@ -1246,6 +1246,8 @@ def test_a_spent_budget_pauses_the_compaction_job_and_fails_nothing(
             job = session.get(Job, job_id)
             assert job is not None and (job.status, job.pause_reason, job.attempts) == ("paused", "budget", 0)
             assert "budget is exhausted" in (job.last_error or "")
+            # Without the figures: any read key reads the note, a tenant's too (spend is the admin's).
+            assert "$" not in (job.last_error or "") and "0.0000" not in (job.last_error or "")
         assert compactions(tx_factory) == [] and llm_calls(tx_factory) == []
         assert summarizer_prompts(simulator) == []
         with tx_factory.begin() as session:

@@ -157,8 +157,11 @@ class BudgetExhaustedError(LLMError):
     outcome = "budget_exhausted"
 
     def __init__(self, scope: str, limit: Decimal, spent: Decimal, *, key: str) -> None:
+        # No figures in the words: they become the paused job's note (and its pages' reasons), which any
+        # read key sees, a tenant's included; spend and budgets are the metrics' and the admin's
+        # (`factmill costs`, the spend counters on /metrics). The figures stay on the exception.
         super().__init__(
-            f"the {scope} LLM budget is exhausted (spent ${spent:.4f} of ${limit:.4f}); raise it with "
+            f"the {scope} LLM budget is exhausted (`factmill costs` shows the spend); raise it with "
             f"`factmill config set {key} <usd>`; waiting jobs resume by themselves",
             retryable=False,
         )
