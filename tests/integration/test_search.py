@@ -28,6 +28,7 @@ from worker import db
 from worker.config_store import ConfigReader
 from worker.core.folding import fold_accents
 from worker.core.intent import QueryParseError
+from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.runtime import Runtime
 from worker.search import (
@@ -889,6 +890,26 @@ def test_each_try_the_gateway_retried_for_an_embedding_is_a_call_named_by_its_mo
         ).all()
     assert rows[0] == ("provider_error", llm.embedding_model)  # the 429 the gateway retried
     assert {tuple(row) for row in rows[1:]} == {("ok", llm.embedding_model)}  # a call a batch of facts
+
+
+def test_a_failed_fact_embedding_keeps_the_error_s_status_not_the_provider_s_words(
+    vector_factory: sessionmaker[Session], llm: OpenAIChatClient, simulator: Any
+) -> None:
+    """A gateway's 400 may quote its input, the facts' text; the call is under no job an erasure of their
+    page could find it by, so its row keeps the status and code, never the words (a chat call's do)."""
+    seed(vector_factory)
+    quoted = {"error": {"message": "cannot embed: Bob adopted a greyhound named Pixel", "code": "bad_input"}}
+    simulator.configure(raw_replies={"embeddings": quoted}, raw_status=400)
+    try:
+        with pytest.raises(LLMError, match="HTTP 400"):
+            embed_facts(vector_factory, llm)
+    finally:
+        simulator.configure(raw_replies={}, raw_status=200)
+    with vector_factory() as session:
+        errors = session.scalars(
+            text("SELECT error FROM llm_calls WHERE purpose = 'embedding' AND outcome <> 'ok'")
+        ).all()
+    assert errors == ["HTTP 400 (bad_input)"], errors
 
 
 def test_an_intent_always_expands(

@@ -4,6 +4,7 @@ it; a failed record is logged, never raised (accounting never takes a search dow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -34,14 +35,25 @@ def record(store: SearchStore, call: LLMCallRecord) -> None:
         logger.debug("traceback of the record's error", exc_info=exc)
 
 
+def failed_call(purpose: str, llm: LLMClient, exc: BaseException, latency_ms: int) -> LLMCallRecord:
+    """The record of a failed call. A fact embedding's keeps the error's status and code, not the
+    provider's words: a gateway's 400 may quote its input (fact text, of any pages), and the call is
+    under no job an erasure of those pages could find it by."""
+    call = LLMCallRecord.failed(purpose, llm, exc, latency_ms)
+    if purpose == FACT_EMBEDDING_PURPOSE:
+        return dataclasses.replace(call, error=loggable(exc))
+    return call
+
+
 def record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Exception, started: float) -> None:
-    record(store, LLMCallRecord.failed(purpose, llm, exc, int((time.perf_counter() - started) * 1000)))
+    record(store, failed_call(purpose, llm, exc, int((time.perf_counter() - started) * 1000)))
 
 
 def record_tries(store: SearchStore, purpose: str, llm: LLMClient, tries: Sequence[AttemptRecord]) -> None:
     """Each try the gateway retried before a call's answer (or its last failure) is a call of its own."""
-    for failed in LLMCallRecord.failed_tries(purpose, llm, tries):
-        record(store, failed)
+    for tried in tries:
+        if tried.error is not None:
+            record(store, failed_call(purpose, llm, tried.error, tried.latency_ms))
 
 
 def answered(purpose: str, response: ChatResponse | EmbeddingResponse, outcome: str) -> LLMCallRecord:
