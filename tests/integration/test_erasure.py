@@ -911,8 +911,23 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
             error="cannot process 'Alice Example lives in Porto'",
         )  # fmt: skip
         session.add(quoting)
+        # Finished jobs keep a note, here a provider's message quoting the facts they sent: one under
+        # the page's own key, one under an entity another page names too (Alice, on the January one),
+        # whose calls may quote this page's facts as well.
+        said = "LLMError: HTTP 400: cannot process 'Alice Example lives in Porto'"
+        done = [
+            Job(kind=CONSOLIDATION, subject=f"default|{name}", status="failed", last_error=said)
+            for name in (key, "people/alice-example")
+        ]
+        session.add_all(done)
         session.flush()
-        quoting_id = quoting.id
+        shared = LLMCall(
+            provider="p", model="m", purpose="consolidation", outcome="provider_error", job_id=done[1].id,
+            error=said,
+        )  # fmt: skip
+        session.add(shared)
+        session.flush()
+        quoting_id, shared_id, done_ids = quoting.id, shared.id, [job.id for job in done]
     sent = Recorder(enabled)
     with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
         assert client.delete(f"/v1/pages/default/{MAR_PAGE}", headers=ADMIN_HEADERS).status_code == 200
@@ -925,6 +940,9 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
         assert session.get(ConsolidationCheckpoint, ("default", key)) is None
         assert MAR_PAGE not in (session.get(Job, page_job) or Job()).subject
         assert "Porto" not in (session.get(LLMCall, quoting_id) or LLMCall()).error
+        assert "Porto" not in (session.get(LLMCall, shared_id) or LLMCall()).error
+        notes = [(session.get(Job, job_id) or Job()).last_error for job_id in done_ids]
+        assert notes and not [note for note in notes if note is None or "Porto" in note], notes
         requested = session.scalars(
             select(Job).where(Job.kind == CONSOLIDATION, Job.status == "queued")
         ).all()

@@ -39,6 +39,13 @@ _RENAME_DECISIONS = text(
     "WHERE source_id = :source_id AND entity_key = :key"
 )
 _RENAME_JOBS = text("UPDATE jobs SET subject = :erased WHERE kind = :kind AND subject = :subject")
+# What an erasure leaves of the notes of the consolidation jobs that judged the page's facts (a failed
+# one's is a provider's message, which may quote the facts it sent); a cancellation's stays.
+NOTE_ERASED = "the note went with the erasure of a page whose facts this job judged"
+_FORGET_NOTES = text(
+    "UPDATE jobs SET last_error = :note WHERE kind = :kind AND subject = :subject "
+    "AND last_error IS NOT NULL AND last_error <> :cancelled"
+)
 
 
 def forget_page_decisions(session: Session, source_id: str, slug: str, erased_slug: str) -> None:
@@ -46,12 +53,16 @@ def forget_page_decisions(session: Session, source_id: str, slug: str, erased_sl
     about them become ``ERASED_REASON`` (the decision and who made it stay); the page's own key becomes
     ``page:<erased_slug>``, and each entity only its facts name ``erased:<sha256>``, in decisions and
     jobs; their checkpoints go (no fact is left under them)."""
-    forget_reasons_about(session, page_facts(source_id, slug), ERASED_REASON)
+    judged = forget_reasons_about(session, page_facts(source_id, slug), ERASED_REASON)
     keys = {PAGE_KEY_PREFIX + slug: PAGE_KEY_PREFIX + erased_slug}
     for entity in session.scalars(_ONLY_THIS_PAGE, {"source_id": source_id, "slug": slug}):
         keys[entity] = erased_entity_key(source_id, entity)
     for key, erased in keys.items():
         _rename_key(session, source_id, key, erased)
+    # An entity other pages name too keeps its key, and its jobs' calls sent this page's facts as well.
+    for judged_source, key in sorted(judged):  # the page's source: its facts are all in it
+        if key not in keys:
+            _forget_job_words(session, judged_source, key)
 
 
 def page_facts(source_id: str, slug: str) -> Select[Any]:
@@ -137,8 +148,16 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None
             "erased": page_subject(source_id, erased),
         },
     )
-    # Their calls' provider messages may quote the facts sent (as the page's extraction calls' may).
-    forget_call_errors(session, CONSOLIDATION, page_subject(source_id, erased))
+    _forget_job_words(session, source_id, erased)
+
+
+def _forget_job_words(session: Session, source_id: str, key: str) -> None:
+    """The notes of the consolidation jobs under ``key`` and their calls' provider messages go: either
+    may quote the facts the jobs sent (as the page's extraction calls' may)."""
+    subject = page_subject(source_id, key)
+    names = {"note": NOTE_ERASED, "cancelled": KEY_ERASED, "kind": CONSOLIDATION, "subject": subject}
+    session.execute(_FORGET_NOTES, names)
+    forget_call_errors(session, CONSOLIDATION, subject)
 
 
 __all__ = [
