@@ -663,9 +663,10 @@ def test_on_a_pipe_narrowed_by_refused_threads_a_second_page_still_gets_its_shar
 @contextlib.contextmanager
 def page_behind_a_slow_call(
     monkeypatch: pytest.MonkeyPatch, grace_left: Callable[[], float | None], segments: int
-) -> Iterator[tuple[Any, list[int]]]:
+) -> Iterator[tuple[Any, list[int], threading.Event]]:
     """A page whose first segment's call does not end (a long retry) while the others return: its
-    result batches, and the indexes whose spend was recorded as discarded."""
+    result batches, the indexes whose spend was recorded as discarded, and the event that ends the
+    slow call."""
     from types import SimpleNamespace
 
     from worker.extraction import service
@@ -691,7 +692,7 @@ def page_behind_a_slow_call(
 
         extraction.call = call  # type: ignore[method-assign]
         plan = SimpleNamespace(label="page", segments=list(range(segments)), slug="p")
-        yield extraction.ordered_results(plan), recorded  # type: ignore[arg-type]
+        yield extraction.ordered_results(plan), recorded, slow  # type: ignore[arg-type]
     finally:
         slow.set()
         pipe.close()
@@ -703,18 +704,29 @@ def test_a_stopping_worker_records_the_results_ready_behind_a_slow_one_before_it
     """The page waited for its next result (a long retry) however long the stop's grace lasted: the exit
     then lost every paid result ready behind it (no llm_calls row, paid for again by the next worker).
     While stopping it waits only until the grace nears its end, records what is ready, and releases."""
-    import time
-
     from worker.extraction.service import STOP_RECORD_SECONDS
     from worker.jobs.shutdown import WorkerStoppingError
 
-    exits_at = time.monotonic() + STOP_RECORD_SECONDS + 0.5  # the grace ends half a second after that
-    with page_behind_a_slow_call(monkeypatch, lambda: exits_at - time.monotonic(), 4) as (batches, recorded):
-        started = time.monotonic()
+    # The grace left, as the page reads it: a third of a second more than the time kept to record, then
+    # exactly that. A page that waited past it (its patience the whole grace) would read it again and
+    # again until the slow call's end (WAIT), and hand that result on instead of stopping.
+    reads = iter([STOP_RECORD_SECONDS + 0.3])
+    with page_behind_a_slow_call(monkeypatch, lambda: next(reads, STOP_RECORD_SECONDS), 4) as (
+        batches,
+        recorded,
+        _,
+    ):
         with pytest.raises(WorkerStoppingError):
             next(batches)
-        assert time.monotonic() - started < WAIT  # not the slow call's end
         assert sorted(recorded) == [1, 2, 3]  # paid and ready: recorded before the exit
+
+
+def test_a_page_may_wait_only_for_the_grace_less_the_time_kept_to_record(monkeypatch) -> None:
+    from worker.extraction import service
+
+    for left, patience in ((None, None), (service.STOP_RECORD_SECONDS + 0.5, 0.5), (1.0, 0.0)):
+        monkeypatch.setattr(service, "grace_left", lambda left=left: left)
+        assert service._stop_patience() == patience
 
 
 def test_a_stop_that_begins_while_the_page_waits_is_noticed_before_a_short_grace_ends(monkeypatch) -> None:
@@ -731,11 +743,12 @@ def test_a_stop_that_begins_while_the_page_waits_is_noticed_before_a_short_grace
     def grace_left() -> float | None:
         return exits_at[0] - time.monotonic() if exits_at else None
 
-    with page_behind_a_slow_call(monkeypatch, grace_left, 3) as (batches, recorded):
+    with page_behind_a_slow_call(monkeypatch, grace_left, 3) as (batches, recorded, slow):
         grace = STOP_RECORD_SECONDS + 1.0
+        assert grace + 0.3 < progress.MARK_EVERY_SECONDS  # a page that looked only then: past the exit
         threading.Timer(0.3, lambda: exits_at.append(time.monotonic() + grace)).start()
-        started = time.monotonic()
+        # The exit ends the slow call: a page that noticed the stop only after it hands its result on.
+        threading.Timer(0.3 + grace, slow.set).start()
         with pytest.raises(WorkerStoppingError):
             next(batches)
-        assert time.monotonic() - started < progress.MARK_EVERY_SECONDS  # before the exit, not after
         assert sorted(recorded) == [1, 2]
