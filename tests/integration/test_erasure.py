@@ -496,7 +496,10 @@ def test_the_drop_is_part_of_the_storing_transaction(enabled: sessionmaker[Sessi
     facts = extracted_page(enabled, llm)
     with pytest.raises(RuntimeError), enabled.begin() as session:
         store_page(session, PageIn(slug=SLUG, type="conversation", compiled_truth="emptied"))
-        with enabled() as other:  # another connection still sees the facts: nothing committed yet
+        # Dropped in this transaction (not after its commit, nor in one of its own)...
+        mine = select(func.count()).where(Fact.source_markdown_slug == SLUG, Fact.is_audit.is_(False))
+        assert session.scalar(mine) == 0
+        with enabled() as other:  # ...and another connection still sees the facts: nothing committed yet
             assert other.scalar(select(func.count()).where(Fact.source_markdown_slug == SLUG)) > facts - 1
         raise RuntimeError("roll back")
     assert page_facts(enabled) > 0 and checkpoints(enabled) == 1  # rolled back together with the page

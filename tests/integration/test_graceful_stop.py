@@ -210,11 +210,22 @@ def test_every_factmill_process_exits_on_sigterm(env, tmp_path: Path):
         sim_url = f"http://127.0.0.1:{sim_port}"
         threading.Thread(target=slow_request, args=(sim_url,), daemon=True).start()
         time.sleep(1.0)  # let the call reach the simulator, which holds it for 30 s
-        still_running = []
+        # Each still running: one that had died already would count as one the signal stopped.
+        dead = [f"{p.name}:\n{p.tail(20)}" for p in processes if p.proc is None or p.proc.poll() is not None]
+        assert not dead, "\n".join(dead)
+        still_running, codes = [], {}
         for process in processes:
-            if process.terminate(EXIT_TIMEOUT) is None:
+            code = process.terminate(EXIT_TIMEOUT)
+            if code is None:
                 still_running.append(f"{process.name}:\n{process.tail(20)}")
+            codes[process.name] = code
         assert not still_running, "\n".join(still_running)
+        # Uvicorn ends its shutdown by raising the signal again (the exit says what stopped it).
+        by_signal = -signal.SIGTERM
+        expected = {"simulator": by_signal, "api": by_signal, "worker": 0, "beat": 0, "flower": 0}
+        assert codes == expected, codes
+        for served in (simulator, api):
+            assert "Application shutdown complete" in served.tail(40), served.tail(40)
 
 
 @contextlib.contextmanager
