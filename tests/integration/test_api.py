@@ -876,6 +876,9 @@ def test_config_get_and_put(client: TestClient) -> None:
     assert re.fullmatch(r"api key \d+ \(ops-alice\)", by) and ops not in by
 
     assert client.put(key, json={"value": True}, headers=ADMIN_HEADERS).json()["value"] == "true"
+    bare = client.put(key, json=False, headers=ADMIN_HEADERS)  # the value alone, not {"value": ...}
+    assert bare.json()["detail"] == 'body must be a JSON object with the fields "value"', bare.text
+    assert client.get(key, headers=ADMIN_HEADERS).json()["value"] == "true"  # nothing stored
     assert (
         client.put("/v1/config/extraction.max_facts", json={"value": 7}, headers=ADMIN_HEADERS).status_code
         == 200

@@ -267,8 +267,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parse_json_model(body: bytes, model: type[M]) -> M:
-    """A (capped) body loaded strictly and validated as ``model``; 422 naming each field that is wrong."""
-    data = load_json_body(body)
+    """A (capped) body loaded strictly and validated as ``model``; 422 naming each field that is wrong,
+    or the fields an object must have (pydantic's word named our class: "instance of ConfigSet")."""
+    fields = ", ".join(f'"{name}"' for name in model.model_fields)
+    data = load_json_object(body, f"a JSON object with the fields {fields}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
