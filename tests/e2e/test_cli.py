@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from models import ConfigEntry
-from tests.cli import invoke_cli
+from tests.cli import Ran, invoke_cli, run_main
 from tests.service import REPO
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 
@@ -42,8 +42,7 @@ def bare_env(**values: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("FACTMILL_", "FLOWER_"))} | values
 
 
-@pytest.fixture
-def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
+def cli_env(database_url: str, simulator: Any) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTMILL_")}
     env.update(
         {
@@ -53,6 +52,13 @@ def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
             "FACTMILL_BROKER_URL": "redis://127.0.0.1:1/0",  # unreachable on purpose: ingest must not need it
         }
     )
+    return env
+
+
+@pytest.fixture
+def cli_process(factory, database_url, simulator):  # type: ignore[no-untyped-def]
+    """``factmill ARGS`` as a user runs it: a process of its own."""
+    env = cli_env(database_url, simulator)
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = factmill(list(args), env, timeout=240)
@@ -65,11 +71,29 @@ def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
     simulator.restore()  # the knobs a test turned (latency, faults) never reach the next one
 
 
+@pytest.fixture
+def cli(factory, database_url, simulator):  # type: ignore[no-untyped-def]
+    """``factmill ARGS`` through its entry point in this process (``run_main``): the tests that check
+    what a command says and stores; ``cli_process`` for those about the process itself."""
+    env = cli_env(database_url, simulator)
+
+    def run(*args: str, check: bool = True) -> Ran:
+        result = run_main(list(args), env)
+        if check:
+            assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+    run.env = env  # type: ignore[attr-defined]  # for a test that runs the command its own way
+    yield run
+    simulator.restore()
+
+
 def as_json(result: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(result.stdout)
 
 
-def test_ingest_extract_rerun_and_force_on_the_examples(cli, simulator):
+def test_ingest_extract_rerun_and_force_on_the_examples(cli_process, simulator):
+    cli = cli_process  # the flagship run, as a user makes it: each command a process of its own
     ingested = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
     assert len(ingested["ingested"]) == 23 and ingested["errors"] == []
     dry = as_json(cli("extract", "--dry-run", "--json"))
