@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import LLMCall
 from tests.auth import bearer, new_key
+from tests.conftest import TABLES
 from tests.integration.test_api import Recorder, make_runtime
-from tests.integration.test_search import _empty, seed
+from tests.integration.test_search import seed
+from worker import db
 from worker.accounting import (
     DAILY_BUDGET_KEY,
     PRICES_KEY,
@@ -101,8 +103,16 @@ def vector_api(
     vector_database_url: str, factory: sessionmaker[Session], simulator: Any
 ) -> Iterator[tuple[TestClient, sessionmaker[Session]]]:
     """The API on the database with the vector store (the test database where its server has pgvector),
-    and a factory on it."""
-    vectors = _empty(vector_database_url)
+    and a factory on it. Emptied before and after: where it is a database of its own (the embedded
+    pgserver), ``factory`` truncates another, and a spent budget or a key left here met later tests."""
+    engine = db.get_engine(vector_database_url)
+
+    def truncate() -> None:
+        with engine.begin() as conn:
+            conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+
+    truncate()
+    vectors = sessionmaker(engine, expire_on_commit=False)
     runtime = make_runtime(
         vector_database_url,
         vectors,
@@ -110,9 +120,12 @@ def vector_api(
         simulator_url=simulator.base_url,
         search_rate_per_minute=3,
     )
-    with TestClient(create_app(runtime, sender=Recorder(vectors))) as client:
-        yield client, vectors
-    runtime.close()
+    try:
+        with TestClient(create_app(runtime, sender=Recorder(vectors))) as client:
+            yield client, vectors
+    finally:
+        runtime.close()
+        truncate()
 
 
 def ledger_rows(factory: sessionmaker[Session]) -> int:
