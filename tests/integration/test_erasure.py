@@ -969,6 +969,37 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
     assert named and not [key for key in named if "alice" in key or "bob" in key], named
 
 
+def test_an_erasure_keeps_the_note_of_a_paused_consolidation_job_that_says_why_it_waits(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The notes of the jobs under an entity the erased page named go (they may quote its facts), but a
+    paused job's says why it waits (the kill switch, a budget) and quotes nothing."""
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.jobs.outbox import CONSOLIDATION
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+        consolidate(enabled, llm)
+    waiting = "fact consolidation is disabled (consolidation.enabled=false)"
+    with enabled.begin() as session:
+        paused = Job(
+            kind=CONSOLIDATION,
+            subject="default|people/alice-example",  # named by the January page too: not renamed
+            status="paused",
+            pause_reason="kill_switch",
+            last_error=waiting,
+        )
+        session.add(paused)
+        session.flush()
+        paused_id = paused.id
+    assert erase_page(enabled, "default", MAR_PAGE, "test") is not None
+    with enabled() as session:
+        assert (session.get(Job, paused_id) or Job()).last_error == waiting
+
+
 def test_an_erasure_does_not_send_again_a_consolidation_job_already_pending(
     database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -40,11 +40,13 @@ _RENAME_DECISIONS = text(
 )
 _RENAME_JOBS = text("UPDATE jobs SET subject = :erased WHERE kind = :kind AND subject = :subject")
 # What an erasure leaves of the notes of the consolidation jobs that judged the page's facts (a failed
-# one's is a provider's message, which may quote the facts it sent); a cancellation's stays.
+# one's is a provider's message, which may quote the facts it sent), and a re-extraction of those under
+# an entity no fact names any more. A cancellation's stays, and a paused job's (why it waits).
 NOTE_ERASED = "the note went with the erasure of a page whose facts this job judged"
+NOTE_REPLACED = "the note went with the facts it was about, deleted when their page changed"
 _FORGET_NOTES = text(
     "UPDATE jobs SET last_error = :note WHERE kind = :kind AND subject = :subject "
-    "AND last_error IS NOT NULL AND last_error <> :cancelled"
+    "AND last_error IS NOT NULL AND last_error <> :cancelled AND status <> 'paused'"
 )
 
 
@@ -58,11 +60,11 @@ def forget_page_decisions(session: Session, source_id: str, slug: str, erased_sl
     for entity in session.scalars(_ONLY_THIS_PAGE, {"source_id": source_id, "slug": slug}):
         keys[entity] = erased_entity_key(source_id, entity)
     for key, erased in keys.items():
-        _rename_key(session, source_id, key, erased)
+        _rename_key(session, source_id, key, erased, NOTE_ERASED)
     # An entity other pages name too keeps its key, and its jobs' calls sent this page's facts as well.
     for judged_source, key in sorted(judged):  # the page's source: its facts are all in it
         if key not in keys:
-            _forget_job_words(session, judged_source, key)
+            _forget_job_words(session, judged_source, key, NOTE_ERASED)
 
 
 def page_facts(source_id: str, slug: str) -> Select[Any]:
@@ -120,7 +122,7 @@ def retire_unnamed_keys(session: Session, keys: set[tuple[str, str]]) -> None:
         if key.startswith(PAGE_KEY_PREFIX):
             continue
         if not session.scalar(_NAMED, {"source_id": source_id, "entity": key}):
-            _rename_key(session, source_id, key, erased_entity_key(source_id, key))
+            _rename_key(session, source_id, key, erased_entity_key(source_id, key), NOTE_REPLACED)
 
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
@@ -128,7 +130,7 @@ def erased_entity_key(source_id: str, entity_key: str) -> str:
     return erased_label(source_id, entity_key)
 
 
-def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None:
+def _rename_key(session: Session, source_id: str, key: str, erased: str, note: str) -> None:
     """``key`` becomes ``erased`` in the source's decisions and consolidation jobs; its checkpoint goes.
 
     First its checkpoint is locked: a run's commit of decisions in flight ends before the renaming (its
@@ -148,14 +150,14 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str) -> None
             "erased": page_subject(source_id, erased),
         },
     )
-    _forget_job_words(session, source_id, erased)
+    _forget_job_words(session, source_id, erased, note)
 
 
-def _forget_job_words(session: Session, source_id: str, key: str) -> None:
-    """The notes of the consolidation jobs under ``key`` and their calls' provider messages go: either
-    may quote the facts the jobs sent (as the page's extraction calls' may)."""
+def _forget_job_words(session: Session, source_id: str, key: str, note: str) -> None:
+    """The notes of the consolidation jobs under ``key`` become ``note`` and their calls' provider
+    messages go: either may quote the facts the jobs sent (as the page's extraction calls' may)."""
     subject = page_subject(source_id, key)
-    names = {"note": NOTE_ERASED, "cancelled": KEY_ERASED, "kind": CONSOLIDATION, "subject": subject}
+    names = {"note": note, "cancelled": KEY_ERASED, "kind": CONSOLIDATION, "subject": subject}
     session.execute(_FORGET_NOTES, names)
     forget_call_errors(session, CONSOLIDATION, subject)
 
