@@ -587,6 +587,25 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
 
 
+def test_a_page_erased_during_its_batch_keeps_no_provider_message_on_its_discarded_calls(factory, rt, sim):
+    """Its results, recorded as discarded after the erasure, are under the backfill's job with no audit
+    row: no erasure finds them, and a malformed reply's excerpt (the model's words on the page) stayed."""
+    from worker.accounting import ERASED_CALL_ERROR
+    from worker.extraction.erase import erase_page
+
+    [slug] = seed_pages(factory, "bf", 1)
+    sim.configure(batch_delay_seconds=3600, rate_malformed=1.0)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    assert erase_page(factory, "bf", slug, "test") is not None
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"discarded": 4}
+    calls = calls_of(factory, job_id)
+    assert len(calls) == 4 and {call.outcome for call in calls} == {"malformed_output"}  # paid: kept
+    assert {call.error for call in calls} == {ERASED_CALL_ERROR}, [call.error for call in calls]
+
+
 def test_a_page_edited_before_its_batch_is_sent_sends_only_the_segments_before_the_edit(factory, rt, sim):
     """Results commit in order: a request after the edited segment (unchanged itself) was sent, paid
     for, and discarded at collection, though the README says a page changed before sending is dropped."""

@@ -397,7 +397,7 @@ class BackfillPass:
                 item, self.deps.client, self.run.max_facts, self.deps.max_output_tokens
             )
             self.segments.record_discarded_result(
-                row.id, self.deps.job_id, self.backfill.source_id, slug, result.attempts
+                row.id, self.deps.job_id, (page_id, self.backfill.source_id, slug), result.attempts
             )
         self.store.mark_requests(no_result, missing)
 

@@ -185,13 +185,19 @@ class BackfillSegmentStore(ExtractionStore):
         self._ledger.record_many(session, calls, erased=True)
 
     def record_discarded_result(
-        self, request_id: int, job_id: int | None, source_id: str, slug: str, attempts: Sequence[Attempt]
+        self, request_id: int, job_id: int | None, page: tuple[int, str, str], attempts: Sequence[Attempt]
     ) -> None:
-        """A paid result its page could not use: its llm_calls rows and the request's mark, together."""
+        """A paid result its page (id, source, slug) could not use: its llm_calls rows and the request's
+        mark, together; without a provider's message when the page was erased (the calls are under the
+        backfill's job, with no audit row: no erasure finds them)."""
+        page_id, source_id, slug = page
         place = SegmentPlace(job_id, source_id, slug, -1, NO_SEGMENT)
         with self._factory.begin() as session:
+            erased = session.execute(PAGE_VERSION, {"page_id": page_id}).first() is None
             _mark(session, request_id, "discarded")
-            self._ledger.record_many(session, call_records(place, attempts, "discarded: the page moved on"))
+            self._ledger.record_many(
+                session, call_records(place, attempts, "discarded: the page moved on"), erased=erased
+            )
 
 
 class BackfillStore:
