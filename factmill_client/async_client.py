@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -99,12 +99,12 @@ class AsyncClient:
     async def iterate(self, paging: calls.Paging[P, I]) -> AsyncIterator[I]:
         """Every item of a list endpoint, fetching each page when the one before it is used up."""
         call: calls.Call[P] | None = paging.first
-        seen = 0
+        seen, keys = 0, set[Hashable]()
         while call is not None:
             page = await self.send(call)
             items = paging.items(page)
             seen += len(items)
-            for item in items:
+            for item in paging.unseen(items, keys):
                 yield item
             call = paging.after(page, seen)
 

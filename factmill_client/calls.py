@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Any, Generic, TypeVar
@@ -311,6 +311,21 @@ class Paging(Generic[P, I]):
     first: Call[P]
     items: Callable[[P], Sequence[I]]
     after: Callable[[P, int], Call[P] | None] = field(repr=False)
+    # Where an item read already may come again on a later page (its place moved past the cursor
+    # meanwhile): what names it, so a walk yields it once.
+    key: Callable[[I], Hashable] | None = field(default=None, repr=False)
+
+    def unseen(self, items: Sequence[I], keys: set[Hashable]) -> list[I]:
+        """``items`` less those a walk yielded already (``keys``, which it updates)."""
+        if self.key is None:
+            return list(items)
+        fresh = []
+        for item in items:
+            name = self.key(item)
+            if name not in keys:
+                keys.add(name)
+                fresh.append(item)
+        return fresh
 
 
 def jobs_paging(
@@ -356,7 +371,9 @@ def entity_facts_paging(
         return entity_facts(entity, source_id, page_size, seen, history)
 
     first = entity_facts(entity, source_id, page_size, 0, history)
-    return Paging(first, lambda page: page.facts, after)
+    # A consolidation that moves a fact's start earlier while the walk goes on puts it past the cursor
+    # again (the route says: de-duplicate by id).
+    return Paging(first, lambda page: page.facts, after, key=lambda fact: fact.id)
 
 
 def messages_paging(

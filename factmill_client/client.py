@@ -7,7 +7,7 @@ walk a list endpoint page by page. Errors are factmill_client.errors exceptions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -107,12 +107,12 @@ class Client:
     def iterate(self, paging: calls.Paging[P, I]) -> Iterator[I]:
         """Every item of a list endpoint, fetching each page when the one before it is used up."""
         call: calls.Call[P] | None = paging.first
-        seen = 0
+        seen, keys = 0, set[Hashable]()
         while call is not None:
             page = self.send(call)
             items = paging.items(page)
             seen += len(items)
-            yield from items
+            yield from paging.unseen(items, keys)
             call = paging.after(page, seen)
 
     def ready(self) -> bool:

@@ -294,6 +294,41 @@ def test_the_facts_lists_are_walked_by_their_cursor_and_by_offset_from_an_older_
     assert rows.after(models.PageFactsPage.model_validate(by_row | {"next_after_row_num": None}), 2) is None
 
 
+def test_an_entity_walk_yields_a_fact_the_cursor_met_again_once() -> None:
+    """A consolidation moved a fact read already past the cursor (its start made earlier): the next page
+    held it again, and the walk, which promises every fact, yielded it twice."""
+    import asyncio
+    from typing import Any
+
+    from factmill_client import AsyncClient, Client
+
+    def fact(fact_id: int) -> dict[str, Any]:
+        return {
+            "id": fact_id, "row_num": 0, "fact": f"f{fact_id}", "kind": "fact", "entity_slug": "people/alice",
+            "confidence": 1.0, "notability": "high", "context": "", "valid_from": None, "source": "s",
+            "source_session": "s", "claim_metric": None, "claim_value": None, "claim_unit": None,
+            "claim_period": None, "created_at": "2024-03-01T00:00:00Z", "status": "current", "valid_to": None,
+            "superseded_by": None, "duplicate_of": None, "source_id": "default", "source_markdown_slug": "p",
+        }  # fmt: skip
+
+    def pages(request: httpx.Request) -> httpx.Response:
+        later = request.url.params.get("after") == "c1"
+        facts = [fact(2), fact(3)] if later else [fact(1), fact(2)]
+        cursor = None if later else "c1"
+        return httpx.Response(
+            200, json={"entity": "people/alice", "total": 3, "facts": facts, "next_after": cursor}
+        )
+
+    with Client("http://factmill.test", transport=httpx.MockTransport(pages)) as client:
+        assert [f.id for f in client.iter_entity_facts("people/alice", page_size=2)] == [1, 2, 3]
+
+    async def walk() -> list[int]:
+        async with AsyncClient("http://factmill.test", transport=httpx.MockTransport(pages)) as client:
+            return [f.id async for f in client.iter_entity_facts("people/alice", page_size=2)]
+
+    assert asyncio.run(walk()) == [1, 2, 3]
+
+
 @pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
 def test_an_api_key_no_header_can_carry_is_refused_without_quoting_it(
     key: str, monkeypatch: pytest.MonkeyPatch
