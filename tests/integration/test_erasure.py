@@ -1000,6 +1000,35 @@ def test_an_erasure_keeps_the_note_of_a_paused_consolidation_job_that_says_why_i
         assert (session.get(Job, paused_id) or Job()).last_error == waiting
 
 
+def test_a_consolidation_call_failing_through_an_erasure_keeps_no_provider_message_quoting_its_facts(
+    enabled: sessionmaker[Session], sim: Any
+) -> None:
+    """Alice is named by both pages: her key stays, so an erasure of one finds no row of her job's calls
+    by name. A call in flight through the erasure that failed with a message quoting the facts it sent
+    (an OpenAI-compatible gateway's 400) was recorded after it with those words, and into the job's note."""
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+    quoting = {"error": {"message": "cannot process: Alice Example lives in Porto now."}}
+    sim.configure(raw_replies={"chat.completions": quoting}, raw_status=400)
+
+    def heal_then_erase() -> None:
+        sim.configure(raw_replies={}, raw_status=200)  # the question asked again answers
+        assert erase_page(enabled, "default", MAR_PAGE, "test") is not None
+
+    racing = Interrupting(llm, heal_then_erase)
+    consolidate(enabled, racing)
+    assert racing.fired
+    with enabled() as session:
+        errors = session.scalars(select(LLMCall.error).where(LLMCall.purpose == "consolidation")).all()
+    assert errors and not [e for e in errors if e is not None and "Porto" in e], errors
+
+
 def test_an_erasure_does_not_send_again_a_consolidation_job_already_pending(
     database_url: str, enabled: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -425,6 +425,15 @@ class _FactsGoneError(Exception):
     """A fact of the question went (an erasure, a re-extraction) while its call waited to try again."""
 
 
+def _facts_gone(store: ConsolidationStore, fact_ids: set[int]) -> bool:
+    """Whether a fact of the call went meanwhile; False when the database cannot say (the call's error
+    is the one to raise)."""
+    try:
+        return store.existing(fact_ids) != fact_ids
+    except Exception:
+        return False
+
+
 def _call(
     store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest, fact_ids: set[int]
 ) -> tuple[ChatResponse, int]:
@@ -439,9 +448,9 @@ def _call(
         if store.existing(fact_ids) != fact_ids:
             raise _FactsGoneError()
 
-    def record_tries(tries: Sequence[AttemptRecord]) -> None:  # the gateway's, before the last
+    def record_tries(tries: Sequence[AttemptRecord], *, erased: bool = False) -> None:  # before the last
         for failed in LLMCallRecord.failed_tries(CONSOLIDATION_PURPOSE, llm, tries, run.job_id):
-            store.record_call(failed)
+            store.record_call(failed, erased=erased)
 
     try:
         with checked_between_tries(between_tries):
@@ -450,13 +459,19 @@ def _call(
         record_tries(getattr(exc, "attempts", ()))
         raise
     except LLMError as exc:
-        record_tries(getattr(exc, "attempts", ())[:-1])
+        # Facts it was sent went during the call (an erasure): the provider's words may quote them, and
+        # under an entity other pages name too the job keeps its name, so no erasure finds the row.
+        gone = _facts_gone(store, fact_ids)
+        record_tries(getattr(exc, "attempts", ())[:-1], erased=gone)
         latency_ms = exc.latency_ms or int((time.perf_counter() - started) * 1000)  # the last try's own
-        store.record_call(LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id))
+        failed = LLMCallRecord.failed(CONSOLIDATION_PURPOSE, llm, exc, latency_ms, run.job_id)
+        store.record_call(failed, erased=gone)
+        if gone:
+            raise _FactsGoneError() from None  # asked again without them (nor the words in a job note)
         raise
     except BaseException as exc:
-        # A stop between tries (the switch, the lease, a SIGTERM): no call of its own.
-        record_tries(tries_before_stop(exc))
+        # A stop between tries (the switch, the lease, a SIGTERM; facts gone): no call of its own.
+        record_tries(tries_before_stop(exc), erased=isinstance(exc, _FactsGoneError))
         raise
     record_tries(tried)
     outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)

@@ -189,10 +189,11 @@ class ConsolidationStore:
         with read_only(self._factory) as session:
             return existing_fact_ids(session, fact_ids)
 
-    def record_call(self, call: LLMCallRecord) -> int:
-        """The batched call's llm_calls row (committed at once: it was paid for whatever follows)."""
+    def record_call(self, call: LLMCallRecord, *, erased: bool = False) -> int:
+        """The batched call's llm_calls row (committed at once: it was paid for whatever follows);
+        ``erased``: facts it was sent went meanwhile, so no provider message is kept."""
         with self._factory.begin() as session:
-            return self._ledger.record(session, call)
+            return self._ledger.record_many(session, [call], erased=erased)[0]
 
     def commit_decisions(
         self,
