@@ -72,11 +72,20 @@ def at_least(minimum: int, why: str) -> Callable[[str], int]:
     return parse
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server a test starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server a test starts; never one
+    this process handed out before (two asked for before either server binds could get the same port
+    from the kernel: the chaos run's Postgres and Redis once did, and Redis could not start)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def redis_reachable(url: str) -> bool:
