@@ -780,7 +780,7 @@ class Verdict:
             f"pages that differ {len(self.differ)}, "
             f"failed jobs {len(self.failed)}, skipped segments {len(self.skipped)} [{skips}] "
             f"(not planted: {len(self.unexpected_skips)}), wall {self.wall:.1f} s "
-            f"(clean pass {self.clean_wall:.1f} s)"
+            f"(clean pass {self.clean_wall:.1f} s, {self.wall / max(self.clean_wall, 1e-9):.1f}x)"
         )
 
 

@@ -106,7 +106,10 @@ def main() -> None:
         f"threads and {connections} connections to the simulator open after the warm round, counted)"
     )
     print(f"  in flight over idle: {(peak - idle) / max(1, most) / 1024:.1f} KiB per call")
-    print(f"  process RSS: {before_pipe / mib:.1f} MiB before the pipe, {peak / mib:.1f} MiB at the peak")
+    print(
+        f"  process RSS: {before_pipe / mib:.1f} MiB before the pipe (the baseline, this run), "
+        f"{peak / mib:.1f} MiB at the peak ({peak / before_pipe:.2f}x)"
+    )
 
 
 if __name__ == "__main__":
