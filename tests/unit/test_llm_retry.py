@@ -769,6 +769,32 @@ def test_a_bodys_own_message_is_kept_clipped_and_only_a_body_without_one_is_desc
     assert body_message(None, "no body") == "a reply that is not a JSON error (no body; not kept)"
 
 
+@pytest.mark.parametrize(
+    ("said", "kept"),
+    [
+        (
+            "Rate limit reached for gpt-4o in organization org-AbC123xyz on tokens per min (TPM)",
+            "Rate limit reached for gpt-4o in organization [account id] on tokens per min (TPM)",
+        ),
+        ("Incorrect API key provided: sk-proj-********wxyz.", "Incorrect API key provided: [account id]."),
+        (
+            "would exceed your organization's (5f1c2a3b-1234-4cde-8f00-123456789abc) rate limit",
+            "would exceed your organization's ([account id]) rate limit",
+        ),
+        (
+            "model gpt-4o-mini-2024 not found; see the org-chart",
+            "model gpt-4o-mini-2024 not found; see the org-chart",
+        ),
+    ],
+)
+def test_a_provider_message_keeps_no_id_of_the_deployments_account(said: str, kept: str) -> None:
+    """The words reach a job's note, which any read key reads, a tenant's too: the organization, the
+    project and the tail of the API key are the deployment's, not the job's."""
+    from worker.llm.errors import body_message
+
+    assert body_message({"error": {"message": said}}, "no body") == kept
+
+
 def test_a_call_that_waited_for_the_rate_limit_asks_the_callers_check_before_it_goes() -> None:
     """A rate limit's wait can be long: a kill switch turned off meanwhile let the call go all the same.
     The caller's check (worker.llm.between_tries) is asked after a wait; what it raises ends the call,

@@ -218,6 +218,15 @@ MAX_PROVIDER_MESSAGE_CHARS = 1_000
 
 
 _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# What names the deployment's account in a provider's words ("Rate limit reached ... in organization
+# org-AbC123 ...", "Incorrect API key provided: sk-proj-****wxyz", a project or a UUID): the words reach
+# a job's note, which a tenant's read key reads, and they are the deployment's, not the job's.
+_ACCOUNT_IDS = re.compile(
+    r"\b(?:org|proj|user)[-_][A-Za-z0-9]{6,}\b"
+    r"|\bsk-[A-Za-z0-9*_\-]{3,}"
+    r"|\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+)
+ACCOUNT_ID_MASK = "[account id]"
 
 
 def _error_names(body: Any) -> tuple[list[str], list[str]]:
@@ -276,8 +285,9 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
 
 def body_message(body: Any, described: str | Callable[[], str]) -> str:
     """An error body's own words (``error.message``, or ``message``, in either wire format), clipped to
-    MAX_PROVIDER_MESSAGE_CHARS; a body that is no JSON error is ``described``, never quoted (a proxy's
-    page, a server echoing the request: page text and all)."""
+    MAX_PROVIDER_MESSAGE_CHARS, the account's ids masked (``_ACCOUNT_IDS``); a body that is no JSON
+    error is ``described``, never quoted (a proxy's page, a server echoing the request: page text and
+    all)."""
     message: str | None = None
     if isinstance(body, Mapping):
         inner = body.get("error")
@@ -288,6 +298,7 @@ def body_message(body: Any, described: str | Callable[[], str]) -> str:
     if message is None:
         what = described() if callable(described) else described
         message = f"a reply that is not a JSON error ({what}; not kept)"
+    message = _ACCOUNT_IDS.sub(ACCOUNT_ID_MASK, message)
     if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
         message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
     return message
