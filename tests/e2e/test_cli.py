@@ -92,6 +92,19 @@ def as_json(result: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(result.stdout)
 
 
+def test_run_main_gives_the_command_its_own_logging_and_puts_pytests_back(database_url):
+    """In this process the command's log lines went to pytest's handlers (not its stderr, where a
+    process prints them), and the filter main() adds stayed on them, rewriting every later test's
+    records (a test that a secret is not logged then passed whatever was logged)."""
+    import logging
+
+    root = logging.getLogger()
+    before = (root.handlers[:], [handler.filters[:] for handler in root.handlers], root.level)
+    ran = run_main(["jobs", "list"], {"FACTMILL_DATABASE_URL": database_url, "FACTMILL_NO_SUCH_SETTING": "1"})
+    assert ran.returncode == 0 and "FACTMILL_NO_SUCH_SETTING is not a Factmill setting" in ran.stderr
+    assert (root.handlers, [handler.filters for handler in root.handlers], root.level) == before
+
+
 def test_ingest_extract_rerun_and_force_on_the_examples(cli_process, simulator):
     cli = cli_process  # the flagship run, as a user makes it: each command a process of its own
     ingested = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))
@@ -332,7 +345,7 @@ def usage_error(database_url: str, *args: str) -> str:
 
 def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, factory, tmp_path: Path):
     url = cli.env["FACTMILL_DATABASE_URL"]
-    bad_since = cli("extract", "--since", "yesterday", check=False)  # one through a real process
+    bad_since = cli("extract", "--since", "yesterday", check=False)  # one through the entry point (main)
     assert bad_since.returncode == 2 and "ISO-8601" in bad_since.stderr
     # A port out of range is a usage error for every server command (flower's was a socket traceback).
     for command in (["serve", "--port", "70000"], ["flower", "--port", "-1"], ["simulator", "--port", "0"]):
