@@ -9,6 +9,7 @@ hidden from search until its entity is consolidated again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Select, select, text, update
@@ -23,6 +24,7 @@ from worker.jobs.outbox import CONSOLIDATION, cancel_jobs, page_subject
 
 ERASED_REASON = "erased with its page"
 KEY_ERASED = "every fact it would consolidate was erased with its page"
+KEY_REPLACED = "every fact it would consolidate was deleted when its page changed"
 # A decision about facts a re-extraction (or a page with nothing left to extract) deleted: its reason
 # quoted them, and once they are gone (the decision's fact ids set null) no erasure could find it.
 REPLACED_REASON = "its facts were deleted when their page changed"
@@ -44,10 +46,25 @@ _RENAME_JOBS = text("UPDATE jobs SET subject = :erased WHERE kind = :kind AND su
 # an entity no fact names any more. A cancellation's stays, and a paused job's (why it waits).
 NOTE_ERASED = "the note went with the erasure of a page whose facts this job judged"
 NOTE_REPLACED = "the note went with the facts it was about, deleted when their page changed"
+# Notes that quote nothing: kept (an erasure's stays when the same transaction then retires the key).
+_CONTENT_FREE = (KEY_ERASED, KEY_REPLACED, NOTE_ERASED, NOTE_REPLACED)
 _FORGET_NOTES = text(
     "UPDATE jobs SET last_error = :note WHERE kind = :kind AND subject = :subject "
-    "AND last_error IS NOT NULL AND last_error <> :cancelled AND status <> 'paused'"
+    "AND last_error IS NOT NULL AND last_error NOT IN (:free0, :free1, :free2, :free3) "
+    "AND status <> 'paused'"
 )
+
+
+@dataclass(frozen=True)
+class _Why:
+    """Why a key's facts went: what its cancelled jobs and the notes of the others say."""
+
+    cancelled: str
+    note: str
+
+
+_ERASED = _Why(KEY_ERASED, NOTE_ERASED)
+_REPLACED = _Why(KEY_REPLACED, NOTE_REPLACED)
 
 
 def forget_page_decisions(session: Session, source_id: str, slug: str, erased_slug: str) -> None:
@@ -60,11 +77,11 @@ def forget_page_decisions(session: Session, source_id: str, slug: str, erased_sl
     for entity in session.scalars(_ONLY_THIS_PAGE, {"source_id": source_id, "slug": slug}):
         keys[entity] = erased_entity_key(source_id, entity)
     for key, erased in keys.items():
-        _rename_key(session, source_id, key, erased, NOTE_ERASED)
+        _rename_key(session, source_id, key, erased, _ERASED)
     # An entity other pages name too keeps its key, and its jobs' calls sent this page's facts as well.
     for judged_source, key in sorted(judged):  # the page's source: its facts are all in it
         if key not in keys:
-            _forget_job_words(session, judged_source, key, NOTE_ERASED)
+            _forget_job_words(session, judged_source, key, _ERASED.note)
 
 
 def page_facts(source_id: str, slug: str) -> Select[Any]:
@@ -122,7 +139,7 @@ def retire_unnamed_keys(session: Session, keys: set[tuple[str, str]]) -> None:
         if key.startswith(PAGE_KEY_PREFIX):
             continue
         if not session.scalar(_NAMED, {"source_id": source_id, "entity": key}):
-            _rename_key(session, source_id, key, erased_entity_key(source_id, key), NOTE_REPLACED)
+            _rename_key(session, source_id, key, erased_entity_key(source_id, key), _REPLACED)
 
 
 def erased_entity_key(source_id: str, entity_key: str) -> str:
@@ -130,7 +147,7 @@ def erased_entity_key(source_id: str, entity_key: str) -> str:
     return erased_label(source_id, entity_key)
 
 
-def _rename_key(session: Session, source_id: str, key: str, erased: str, note: str) -> None:
+def _rename_key(session: Session, source_id: str, key: str, erased: str, why: _Why) -> None:
     """``key`` becomes ``erased`` in the source's decisions and consolidation jobs; its checkpoint goes.
 
     First its checkpoint is locked: a run's commit of decisions in flight ends before the renaming (its
@@ -139,7 +156,7 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str, note: s
     under the old key again."""
     names = {"source_id": source_id, "key": key, "erased": erased}
     lock_checkpoint(session, source_id, key)
-    cancel_jobs(session, CONSOLIDATION, page_subject(source_id, key), KEY_ERASED)
+    cancel_jobs(session, CONSOLIDATION, page_subject(source_id, key), why.cancelled)
     session.execute(_RENAME_DECISIONS, names)
     session.execute(DROP_CHECKPOINT, names)
     session.execute(
@@ -150,15 +167,15 @@ def _rename_key(session: Session, source_id: str, key: str, erased: str, note: s
             "erased": page_subject(source_id, erased),
         },
     )
-    _forget_job_words(session, source_id, erased, note)
+    _forget_job_words(session, source_id, erased, why.note)
 
 
 def _forget_job_words(session: Session, source_id: str, key: str, note: str) -> None:
     """The notes of the consolidation jobs under ``key`` become ``note`` and their calls' provider
     messages go: either may quote the facts the jobs sent (as the page's extraction calls' may)."""
     subject = page_subject(source_id, key)
-    names = {"note": note, "cancelled": KEY_ERASED, "kind": CONSOLIDATION, "subject": subject}
-    session.execute(_FORGET_NOTES, names)
+    free = {f"free{n}": kept for n, kept in enumerate(_CONTENT_FREE)}
+    session.execute(_FORGET_NOTES, {"note": note, "kind": CONSOLIDATION, "subject": subject, **free})
     forget_call_errors(session, CONSOLIDATION, subject)
 
 
