@@ -957,9 +957,22 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
     assert restored is not None and (restored.status, restored.valid_to) == ("current", None)
 
     # Alice's facts are on the January page alone now: erased too, her entity's key ("people/alice-
-    # example", her name) leaves the decisions, checkpoints and jobs with them.
+    # example", her name) leaves the decisions, checkpoints and jobs with them, and a job's note that
+    # quoted her facts says the erasure took it (the same transaction then retires the key: its note
+    # said the page had changed).
+    from worker.consolidation.erasure import NOTE_ERASED
+
+    with enabled.begin() as session:
+        failed = Job(
+            kind=CONSOLIDATION, subject="default|people/alice-example", status="failed", last_error=said
+        )
+        session.add(failed)
+        session.flush()
+        failed_id = failed.id
     with TestClient(create_app(make_runtime(database_url, enabled), sender=sent)) as client:
         assert client.delete(f"/v1/pages/default/{JAN_PAGE}", headers=ADMIN_HEADERS).status_code == 200
+    with enabled() as session:
+        assert (session.get(Job, failed_id) or Job()).last_error == NOTE_ERASED
     with enabled() as session:
         named = [
             *session.scalars(select(ConsolidationDecision.entity_key)),
@@ -1027,6 +1040,51 @@ def test_a_consolidation_call_failing_through_an_erasure_keeps_no_provider_messa
     with enabled() as session:
         errors = session.scalars(select(LLMCall.error).where(LLMCall.purpose == "consolidation")).all()
     assert errors and not [e for e in errors if e is not None and "Porto" in e], errors
+
+
+def test_a_consolidation_try_that_failed_before_an_erasure_keeps_no_provider_message_quoting_its_facts(
+    enabled: sessionmaker[Session], sim: Any
+) -> None:
+    """The same when the gateway tries again (a 500 quoting the facts, then an answer) and the erasure
+    commits as the second try goes out: the failed try is recorded after it, with the call's answer."""
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+    from worker.llm.retry import RetryingClient, RetryPolicy
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with enabled.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(enabled, llm, slug)
+    quoting = {"error": {"message": "overloaded while reading: Alice Example lives in Porto now."}}
+    sim.configure(raw_replies={"chat.completions": quoting}, raw_status=500)
+
+    class HealedThenErased:  # the first try fails; the erasure commits while the second is out
+        provider, model = llm.provider, llm.model
+        tries = 0
+
+        def chat(self, request: ChatRequest) -> ChatResponse:
+            self.tries += 1
+            try:
+                return llm.chat(request)
+            finally:
+                if self.tries == 1:
+                    sim.configure(raw_replies={}, raw_status=200)
+                elif self.tries == 2:
+                    assert erase_page(enabled, "default", MAR_PAGE, "test") is not None
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> EmbeddingResponse:
+            return llm.embed(texts, purpose=purpose)
+
+    racing = HealedThenErased()
+    consolidate(enabled, RetryingClient(racing, RetryPolicy(max_attempts=3), sleep=lambda seconds: None))
+    assert racing.tries >= 2
+    with enabled() as session:
+        calls = session.execute(
+            select(LLMCall.outcome, LLMCall.error).where(LLMCall.purpose == "consolidation")
+        ).all()
+    assert "provider_error" in {c.outcome for c in calls}, calls  # the failed try: paid, recorded
+    assert not [c for c in calls if c.error is not None and "Porto" in c.error], calls
 
 
 def test_an_erasure_does_not_send_again_a_consolidation_job_already_pending(
@@ -1142,9 +1200,12 @@ def test_an_entity_no_fact_names_any_more_leaves_under_its_erased_label(
     assert not any("alice" in key for key in keys())
     erased = erased_entity_key("default", ALICE)
     assert erased in keys() and f"default|{erased}" in keys()
+    from worker.consolidation.erasure import KEY_REPLACED
+
     with enabled() as session:
         job = session.get(Job, job_id)
         assert job is not None and job.status == "failed", "nothing is left for it to consolidate"
+        assert job.last_error == KEY_REPLACED  # its page changed: no erasure happened
     assert erase_page(enabled, "default", JAN_PAGE, "api") is not None
     assert not any("alice" in key for key in keys())
 

@@ -448,9 +448,15 @@ def _call(
         if store.existing(fact_ids) != fact_ids:
             raise _FactsGoneError()
 
-    def record_tries(tries: Sequence[AttemptRecord], *, erased: bool = False) -> None:  # before the last
-        for failed in LLMCallRecord.failed_tries(CONSOLIDATION_PURPOSE, llm, tries, run.job_id):
-            store.record_call(failed, erased=erased)
+    def record_tries(tries: Sequence[AttemptRecord], *, erased: bool | None = None) -> None:
+        """The gateway's failed tries before the last; ``erased`` None: asked only when there are some
+        (an erasure that took facts they were sent, as the next try went out, leaves none of their
+        words)."""
+        failed = LLMCallRecord.failed_tries(CONSOLIDATION_PURPOSE, llm, tries, run.job_id)
+        if failed and erased is None:
+            erased = _facts_gone(store, fact_ids)
+        for record in failed:
+            store.record_call(record, erased=bool(erased))
 
     try:
         with checked_between_tries(between_tries):
