@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
@@ -383,6 +383,50 @@ def test_a_page_re_extracted_whole_is_never_sent_cut_short(factory, rt, sim):
     assert drive(rt, second_job).status == "succeeded"
     assert request_statuses(factory, second_id) == {"done": SEGMENTS_PER_PAGE}
     assert any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))
+
+
+def test_a_page_swapped_down_to_no_facts_still_asks_for_its_entities_consolidation(factory, rt, sim):
+    """The swap deleted the page's facts and stored none: facts of other pages that they had closed stay
+    closed by nothing (out of search) until consolidation repairs them, and only a swap that stored
+    facts asked for it (an online run asks on every successful run)."""
+    from tests.integration.test_batch import fmt
+
+    [slug] = seed_pages(factory, "bf", 1)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    run_extract_conversation_facts(factory, llm, ExtractOptions(source_id="bf"))
+    assert facts_of(factory, "bf")
+    with factory.begin() as session:  # what the online run asked for is done
+        session.execute(update(Job).where(Job.kind == "consolidation").values(status="succeeded"))
+        # A fact of another page the swap's deleted facts had closed: closed by nothing now.
+        session.execute(
+            text(
+                "INSERT INTO facts (source_id, fact, kind, entity_slug, confidence, notability, source, "
+                "source_session, source_markdown_slug, row_num, created_at, status, consolidated_at) VALUES "
+                "('bf', 'Ann lived in Paris', 'fact', 'people/ann', 0.9, 'medium', 's', 's', 'chats/q', 0, "
+                "now(), 'superseded', now())"
+            )
+        )
+    chat = [
+        fmt(who, day, t, "Hi there.")
+        for day in (10, 11)
+        for who, t in (("Ann", "9:00 AM"), ("Bob", "9:01 AM"))
+    ]
+    put_page(factory, slug, "\n".join(chat), title="chat", source_id="bf")  # edited: nothing to extract
+    _, job_id = start(factory, "bf")
+    assert drive(rt, job_id).status == "succeeded"
+    assert [slug for slug, _, _ in facts_of(factory, "bf")] == ["chats/q"]  # the page's: swapped to none
+
+    def asked() -> bool:
+        with factory() as session:
+            return bool(
+                session.scalar(
+                    select(func.count()).where(
+                        Job.kind == "consolidation", Job.status == "queued", Job.subject == "bf|people/ann"
+                    )
+                )
+            )
+
+    wait_for(asked, 10, "a consolidation request for the page's entities and its source's orphans")
 
 
 def test_a_pass_that_dies_before_a_whole_page_swap_leaves_its_results_to_be_collected_again(

@@ -92,10 +92,12 @@ class SegmentCommitter:
         # write no audit rows once an erasure took it (they named it after the erasure had run).
         self.version: PageVersion | None = None
 
-    def facts_committed(self, slug: str, inserted: int) -> None:
+    def facts_committed(self, slug: str, inserted: int, *, replaced: bool = False) -> None:
         """Facts of page ``slug`` were committed (``inserted`` of them, in one transaction): the one
-        place that says so, whichever path committed them (so follow-up work hooks here)."""
-        if inserted and self.on_facts_committed is not None:
+        place that says so, whichever path committed them (so follow-up work hooks here). ``replaced``:
+        the page's facts were swapped whole, so it says so with none inserted too (facts of other pages
+        the old ones had closed wait for the consolidation the follow-up asks for)."""
+        if (inserted or replaced) and self.on_facts_committed is not None:
             self.on_facts_committed(self.planner.options.source_id, slug, inserted)
 
     def finish(self, report: PageReport) -> None:
@@ -397,7 +399,7 @@ class SegmentCommitter:
             )
         self.counters.segments_processed += report.segments
         self.counters.facts_extracted += total
-        self.facts_committed(plan.slug, inserted)
+        self.facts_committed(plan.slug, inserted, replaced=True)
         self.counters.facts_inserted += inserted
         report.facts = inserted
         return report
