@@ -81,6 +81,16 @@ def test_a_slug_longer_than_500_once_normalized_is_refused() -> None:
     assert len(page("\u0958" * 250).slug) == 500
 
 
+def test_a_slug_within_500_once_normalized_is_taken_whatever_its_length_as_sent() -> None:
+    """The 500 was checked on the slug as sent too: 300 Hangul syllables sent decomposed (NFD, as macOS
+    names files) are 600 code points, refused, though their NFC form is 300; a slug past the input's own
+    cap is still refused before it is normalized."""
+    sent = unicodedata.normalize("NFD", "가" * 300)
+    assert len(sent) == 600 and page(sent).slug == "가" * 300
+    with pytest.raises(ValidationError, match="at most 2000 characters"):
+        page("a" * 2001)
+
+
 def test_the_rule_names_what_it_allows() -> None:
     for words in ("letter or digit", "any script", "'/'", "'.', '_' and '-'", "trailing"):
         assert words in SLUG_RULE

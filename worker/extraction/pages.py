@@ -42,6 +42,9 @@ MAX_PAGE_KEY_BYTES = 2_400
 
 
 MAX_SLUG_LENGTH = 500  # characters, once normalized; GET /v1/pages' next_after cursor is sized by it
+# A slug as sent, before it is normalized (NFC): a decomposed (NFD) spelling of one at the cap is longer
+# (a Hangul syllable is three code points, some Greek letters four), and macOS names files in NFD.
+MAX_SLUG_INPUT_LENGTH = 4 * MAX_SLUG_LENGTH
 
 # Front matter is a few key: value lines; mappings and lists nested deeper than this (the front matter's
 # own mapping is the first level) are refused, whichever way the page came in (webhook, page file).
@@ -65,7 +68,7 @@ class PageIn(BaseModel):
     )
     slug: str = Field(
         min_length=1,
-        max_length=MAX_SLUG_LENGTH,
+        max_length=MAX_SLUG_INPUT_LENGTH,  # the normalized slug's cap is checked in _slug
         description=SLUG_RULE,
         json_schema_extra={"pattern": SLUG_PATTERN},
     )
@@ -85,8 +88,8 @@ class PageIn(BaseModel):
     def _slug(cls, value: str) -> str:
         slug = normalize_slug(value)
         # max_length is checked on the slug as sent; NFC can lengthen it ("\u0958" becomes two code
-        # points), and a stored slug past 500 made a next_after cursor longer than the listing accepts:
-        # the pages after it could not be paged to.
+        # points) or shorten it (NFD Hangul), and a stored slug past 500 made a next_after cursor longer
+        # than the listing accepts: the pages after it could not be paged to.
         if len(slug) > MAX_SLUG_LENGTH:
             raise ValueError(
                 f"must be at most {MAX_SLUG_LENGTH} characters once normalized (NFC), got {len(slug)}"

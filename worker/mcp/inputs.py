@@ -28,7 +28,7 @@ from worker.core.labels import MAX_SOURCE_ID_LENGTH, check_source_id
 from worker.core.transcripts import MAX_TOOL_CALL_ID_LENGTH, MAX_TOOL_NAME_LENGTH
 from worker.deliveries import DeliveryKeyReusedError
 from worker.extraction.facts import EntityNameError, FactCursorError
-from worker.extraction.pages import MAX_SLUG_LENGTH
+from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 from worker.llm.errors import BudgetExhaustedError
 from worker.search import BUDGET_SPENT, EmbeddingFailedError, SearchError
 
@@ -36,9 +36,8 @@ Text = Annotated[str, After(storable_text)]
 # Bounded before the storable check (a bound on Text is checked after it: the whole input scanned, and
 # "at most N items after validation" said of text).
 EntityName = Annotated[str, Field(min_length=1, max_length=MAX_ENTITY_NAME_CHARS), After(storable_text)]
-# Four times the stored cap: a decomposed (NFD) spelling of a slug at it is longer (a Hangul syllable
-# is three code points, some Greek letters four).
-PageSlug = Annotated[str, Field(min_length=1, max_length=4 * MAX_SLUG_LENGTH), After(storable_text)]
+# The slug as sent (the stored cap is checked once it is normalized).
+PageSlug = Annotated[str, Field(min_length=1, max_length=MAX_SLUG_INPUT_LENGTH), After(storable_text)]
 SourceId = Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH), After(storable_text)]
 SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
 # JSON's integers, as the API's bodies take them: true is not a limit (1.0 is an integer in JSON). The
