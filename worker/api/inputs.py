@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from worker.api.errors import ApiError
-from worker.core.facts import MAX_ENTITY_NAME_CHARS
+from worker.core.facts import MAX_ENTITY_NAME_CHARS, entity_slug, no_entity_slug
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 
@@ -188,10 +188,23 @@ def strict_json_loads(body: bytes) -> Any:
 
 # A path or query string the store can hold (no NUL, no lone surrogate).
 StorableStr = Annotated[str, AfterValidator(storable_text)]
+
+
 # An entity a filter names: bounded before the storable check (a bound put on StorableStr is checked
 # after it: the whole input scanned first, and "at most 1000 items after validation" said of text).
+def _names_an_entity(value: str) -> str:
+    """A name facts can be filed under (the rule they are stored by); a 422 naming the field, on every
+    route alike (search answered 400 for what the entity route answered 422)."""
+    if entity_slug(value) is None:
+        raise ValueError(no_entity_slug(value))
+    return value
+
+
 EntityName = Annotated[
-    str, Field(min_length=1, max_length=MAX_ENTITY_NAME_CHARS), AfterValidator(storable_text)
+    str,
+    Field(min_length=1, max_length=MAX_ENTITY_NAME_CHARS),
+    AfterValidator(storable_text),
+    AfterValidator(_names_an_entity),
 ]
 
 # A source id a client names (a filter, a backfill): the rule pages are stored under, so a source no
