@@ -56,6 +56,7 @@ from worker.extraction.backfill_request import (
 from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
 from worker.extraction.options import CheckpointConflictError
+from worker.extraction.pages import PageIn, store_page
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
 from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobOutcome, run_job
@@ -1584,10 +1585,14 @@ def test_a_backfill_that_matches_no_stored_page_is_refused_and_stores_nothing(cl
     """A source or prefix typed wrong used to be accepted and plan nothing: a job that succeeded
     having done nothing, and no word of why."""
     seed_pages(tx_factory, "bf", 1)  # chats/p0000
+    with tx_factory.begin() as session:
+        store_page(session, PageIn(source_id="bf-notes", slug="notes/a", type="note", compiled_truth="x"))
     for body, said in [
-        ({"source_id": "bf-typo"}, "no page in source 'bf-typo': nothing to backfill"),
+        ({"source_id": "bf-typo"}, "in source 'bf-typo': nothing to backfill"),
         ({"source_id": "bf", "slug_prefix": "chat/"}, "in source 'bf' whose slug starts with 'chat/'"),
         ({"source_id": "bf", "slug_prefix": "chats%"}, "whose slug starts with 'chats%'"),  # % is no wildcard
+        # Pages extraction never reads (the planner lists none): accepted, it ended "done" with nothing.
+        ({"source_id": "bf-notes"}, "no page of a type extraction reads (conversation"),
     ]:
         refused = client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS)
         assert refused.status_code == 404 and said in refused.json()["detail"], refused.text

@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session
 from models import Backfill
 from models.tables import PAGES
 from worker.core.slugs import stored_form
-from worker.extraction.options import validate_since
+from worker.extraction.erase import extracted_types
+from worker.extraction.options import EXTRACTION_PAGE_TYPES, validate_since
 from worker.jobs.outbox import request_job
 
 BATCH_EXTRACTION = "batch_extraction"
@@ -77,8 +78,10 @@ class NothingToBackfillError(LookupError):
     """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
 
 
-def _matches_a_page(session: Session, selection: BackfillSelection) -> bool:
-    query = select(PAGES.c.id).where(PAGES.c.source_id == selection.source_id)
+def _matches_a_page(session: Session, selection: BackfillSelection, types: tuple[str, ...]) -> bool:
+    """Whether a stored page the backfill would plan matches: of a type extraction reads (the planner
+    lists no other), in the source, under the prefix or the slug."""
+    query = select(PAGES.c.id).where(PAGES.c.source_id == selection.source_id, PAGES.c.type.in_(types))
     if selection.slug_prefix:
         query = query.where(PAGES.c.slug.startswith(selection.slug_prefix, autoescape=True))
     if selection.slug is not None:
@@ -102,11 +105,13 @@ def request_backfill(
     validate_since(selection.since_iso, selection.force)
     if selection.max_segments is not None and not 1 <= selection.max_segments <= MAX_BACKFILL_SEGMENTS:
         raise ValueError(f"max_segments must be from 1 to {MAX_BACKFILL_SEGMENTS:,}")
-    if not _matches_a_page(session, selection):
+    types = extracted_types(session)
+    if not _matches_a_page(session, selection, types):
         narrowed = f" whose slug starts with {selection.slug_prefix!r}" if selection.slug_prefix else ""
         raise NothingToBackfillError(
-            f"no page in source {selection.source_id!r}{narrowed}: nothing to backfill "
-            "(`factmill ingest` or POST /v1/pages stores pages)"
+            f"no page of a type extraction reads ({', '.join(types)}: config {EXTRACTION_PAGE_TYPES}) in "
+            f"source {selection.source_id!r}{narrowed}: nothing to backfill (`factmill ingest` or "
+            "POST /v1/pages stores pages)"
         )
     backfill = Backfill(source_id=selection.source_id, filters=selection.as_filters(), created_by=created_by)
     session.add(backfill)
