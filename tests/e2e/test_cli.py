@@ -407,7 +407,7 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
         assert session.scalar(text("SELECT count(*) FROM backfills")) == 0
     # A backfill that matches no stored page plans nothing: said so, nothing queued.
     empty = cli("backfill", "--source", "no-such-source", check=False)
-    assert empty.returncode == 1 and "no page in source 'no-such-source'" in empty.stderr
+    assert empty.returncode == 1 and "in source 'no-such-source': nothing to backfill" in empty.stderr
     # A page that is not there is said so, not answered with a run of nothing.
     missing = cli("extract", "--slug", "no/such/page", check=False)
     assert missing.returncode == 1 and "no page 'no/such/page' in source 'default'" in missing.stderr
