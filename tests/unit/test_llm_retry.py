@@ -773,8 +773,8 @@ def test_a_bodys_own_message_is_kept_clipped_and_only_a_body_without_one_is_desc
     ("said", "kept"),
     [
         (
-            "Rate limit reached for gpt-4o in organization org-AbC123xyz on tokens per min (TPM)",
-            "Rate limit reached for gpt-4o in organization [account id] on tokens per min (TPM)",
+            "Rate limit reached for gpt-4o in organization org-AbC123xyzAbC123xyzAbC12 on tokens per min",
+            "Rate limit reached for gpt-4o in organization [account id] on tokens per min",
         ),
         ("Incorrect API key provided: sk-proj-********wxyz.", "Incorrect API key provided: [account id]."),
         (
@@ -784,6 +784,15 @@ def test_a_bodys_own_message_is_kept_clipped_and_only_a_body_without_one_is_desc
         (
             "model gpt-4o-mini-2024 not found; see the org-chart",
             "model gpt-4o-mini-2024 not found; see the org-chart",
+        ),
+        # What operators need stays: a request id, and words that only look like an id's start.
+        (
+            "Please include the request ID 5f1c2a3b-1234-4cde-8f00-123456789abc in your message.",
+            "Please include the request ID 5f1c2a3b-1234-4cde-8f00-123456789abc in your message.",
+        ),
+        (
+            "user-provided content; user_location must be an object",
+            "user-provided content; user_location must be an object",
         ),
     ],
 )

@@ -219,14 +219,21 @@ MAX_PROVIDER_MESSAGE_CHARS = 1_000
 
 _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # What names the deployment's account in a provider's words ("Rate limit reached ... in organization
-# org-AbC123 ...", "Incorrect API key provided: sk-proj-****wxyz", a project or a UUID): the words reach
-# a job's note, which a tenant's read key reads, and they are the deployment's, not the job's.
-_ACCOUNT_IDS = re.compile(
-    r"\b(?:org|proj|user)[-_][A-Za-z0-9]{6,}\b"
-    r"|\bsk-[A-Za-z0-9*_\-]{3,}"
-    r"|\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+# org-<24 characters> ...", "Incorrect API key provided: sk-proj-****wxyz", "your organization (<uuid>)"):
+# the words reach a job's note, which a tenant's read key reads, and they are the deployment's, not the
+# job's. A request id stays (the one id a provider's support asks for), and words like "user-provided".
+_ACCOUNT_IDS = re.compile(r"\b(?:org|proj|user)[-_][A-Za-z0-9]{16,}\b|\bsk-[A-Za-z0-9*_\-]{3,}")
+_ACCOUNT_UUID = re.compile(
+    r"(?i)\b((?:organization|organisation|project|account|workspace)'?s?\W{1,4})"
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"
 )
 ACCOUNT_ID_MASK = "[account id]"
+
+
+def without_account_ids(message: str) -> str:
+    """``message`` with the deployment's account ids masked (``_ACCOUNT_IDS``, ``_ACCOUNT_UUID``)."""
+    message = _ACCOUNT_IDS.sub(ACCOUNT_ID_MASK, message)
+    return _ACCOUNT_UUID.sub(lambda found: found.group(1) + ACCOUNT_ID_MASK, message)
 
 
 def _error_names(body: Any) -> tuple[list[str], list[str]]:
@@ -285,7 +292,7 @@ def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> 
 
 def body_message(body: Any, described: str | Callable[[], str]) -> str:
     """An error body's own words (``error.message``, or ``message``, in either wire format), clipped to
-    MAX_PROVIDER_MESSAGE_CHARS, the account's ids masked (``_ACCOUNT_IDS``); a body that is no JSON
+    MAX_PROVIDER_MESSAGE_CHARS, the account's ids masked (``without_account_ids``); a body that is no JSON
     error is ``described``, never quoted (a proxy's page, a server echoing the request: page text and
     all)."""
     message: str | None = None
@@ -298,7 +305,7 @@ def body_message(body: Any, described: str | Callable[[], str]) -> str:
     if message is None:
         what = described() if callable(described) else described
         message = f"a reply that is not a JSON error ({what}; not kept)"
-    message = _ACCOUNT_IDS.sub(ACCOUNT_ID_MASK, message)
+    message = without_account_ids(message)
     if len(message) > MAX_PROVIDER_MESSAGE_CHARS:
         message = message[: MAX_PROVIDER_MESSAGE_CHARS - 1] + "…"
     return message
