@@ -1614,6 +1614,16 @@ def test_a_slug_or_prefix_typed_in_nfd_finds_the_nfc_slugs(client, tx_factory):
     assert client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS).status_code == 202
     facts = client.get(f"/v1/pages/bf/{nfd}chat-1/facts", headers=ADMIN_HEADERS)  # so is a page's slug
     assert facts.status_code == 200 and facts.json()["slug"] == "café/chat-1"
+    # A prefix is held to the cap of a slug as sent, not as stored: 300 syllables decomposed are 600.
+    import unicodedata
+
+    long_slug = "가" * 300
+    put_page(tx_factory, long_slug, page_body("Ana Example", "Acme"), source_id="bf")
+    decomposed = unicodedata.normalize("NFD", long_slug)
+    listed = client.get("/v1/pages", params={"slug_prefix": decomposed}, headers=ADMIN_HEADERS)
+    assert [p["slug"] for p in listed.json()["pages"]] == [long_slug], listed.text
+    body = {"source_id": "bf", "slug_prefix": decomposed}
+    assert client.post("/v1/backfills", json=body, headers=ADMIN_HEADERS).status_code == 202
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])

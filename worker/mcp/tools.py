@@ -52,7 +52,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
-from worker.extraction.pages import MAX_SLUG_LENGTH
+from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 from worker.jobs import sending
 from worker.mcp.arrival import arrived_at
 from worker.mcp.inputs import (
@@ -239,7 +239,7 @@ class FactmillTools:
         source_id: Annotated[SourceIdFilter | None, Field(description="Only pages of this source.")] = None,
         slug_prefix: Annotated[
             Text | None,
-            Field(max_length=MAX_SLUG_LENGTH, description="Only pages whose slug starts with this."),
+            Field(max_length=MAX_SLUG_INPUT_LENGTH, description="Only pages whose slug starts with this."),
         ] = None,
         limit: Annotated[
             int,

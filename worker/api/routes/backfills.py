@@ -31,7 +31,7 @@ from worker.extraction.backfill_request import (
     NothingToBackfillError,
     request_backfill,
 )
-from worker.extraction.pages import MAX_SLUG_LENGTH
+from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 from worker.llm.batches import batch_unavailable
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class BackfillIn(BaseModel):
 
     source_id: SourceIdField = "default"
     since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
-    slug_prefix: Annotated[StorableStr | None, Field(max_length=MAX_SLUG_LENGTH)] = None
+    slug_prefix: Annotated[StorableStr | None, Field(max_length=MAX_SLUG_INPUT_LENGTH)] = None
     max_segments: (
         Annotated[int, Strict(), Field(ge=1, le=MAX_BACKFILL_SEGMENTS), BeforeValidator(json_integer)] | None
     ) = None  # a JSON integer: true is not 1

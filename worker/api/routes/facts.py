@@ -35,7 +35,7 @@ from worker.extraction.facts import (
     read_entity_facts,
     read_page_facts,
 )
-from worker.extraction.pages import MAX_SLUG_LENGTH
+from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 
 facts_router = APIRouter(tags=["facts"])
 
@@ -58,7 +58,7 @@ def pages(
     ctx: Context,
     principal: Reader,
     source_id: SourceIdQuery = None,
-    slug_prefix: Annotated[StorableStr | None, Query(max_length=MAX_SLUG_LENGTH)] = None,
+    slug_prefix: Annotated[StorableStr | None, Query(max_length=MAX_SLUG_INPUT_LENGTH)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LISTED_PAGES)] = 100,
     after: Annotated[
         StorableStr | None,
