@@ -396,13 +396,10 @@ class ExtractionStore:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
         only, no audit rows (which describe the page: an erasure has just taken its out). ``erased``:
         without a provider's message either (it may quote the page, and the erasure has run)."""
+        calls = [record for place, attempts in spent for record in call_records(place, attempts)]
         with self._factory.begin() as session:
             self._paid(session, discarded=True)
-            self._ledger.record_many(
-                session,
-                [r for place, attempts in spent for r in call_records(place, attempts)],
-                erased=erased,
-            )
+            self._ledger.record_many(session, calls, erased=erased)
 
     def _paid(self, session: Session, *, discarded: bool = False) -> None:
         """Called in the transaction that records a segment's LLM calls (``discarded``: without its
