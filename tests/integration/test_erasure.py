@@ -874,6 +874,20 @@ def test_an_erased_page_s_jobs_keep_their_history_but_not_its_name(
     }
 
 
+def two_alice_pages(factory: sessionmaker[Session], llm: Any, *, consolidated: bool = False) -> None:
+    """The consolidation tests' January and March pages (Alice in Lisbon, then in Porto) stored and
+    extracted, each consolidated after its extraction when ``consolidated``."""
+    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import extract as extract_page
+
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        with factory.begin() as session:
+            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
+        extract_page(factory, llm, slug)
+        if consolidated:
+            consolidate(factory, llm)
+
+
 # ------------------------------------------------------------------ the fact lifecycle
 
 
@@ -884,16 +898,11 @@ def test_an_erasure_leaves_no_trace_in_the_fact_lifecycle_and_puts_back_what_the
     entity are consolidated under `page:<slug>`; and the Lisbon fact the page had superseded stayed
     superseded by nothing, out of search, until some later extraction of the source."""
     from models import ConsolidationCheckpoint, ConsolidationDecision
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
-    from tests.integration.test_consolidation import extract as extract_page
+    from tests.integration.test_consolidation import JAN_PAGE, MAR_PAGE, consolidate
     from worker.consolidation.erasure import ERASED_REASON
     from worker.jobs.outbox import CONSOLIDATION, request_job
 
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
-        consolidate(enabled, llm)
+    two_alice_pages(enabled, llm, consolidated=True)
     lisbon = "Alice Example lives in Lisbon now."
     with enabled.begin() as session:
         [kept] = session.scalars(select(Fact).where(Fact.fact == lisbon, Fact.status == "superseded")).all()
@@ -987,15 +996,10 @@ def test_an_erasure_keeps_the_note_of_a_paused_consolidation_job_that_says_why_i
 ) -> None:
     """The notes of the jobs under an entity the erased page named go (they may quote its facts), but a
     paused job's says why it waits (the kill switch, a budget) and quotes nothing."""
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
-    from tests.integration.test_consolidation import extract as extract_page
+    from tests.integration.test_consolidation import MAR_PAGE
     from worker.jobs.outbox import CONSOLIDATION
 
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
-        consolidate(enabled, llm)
+    two_alice_pages(enabled, llm, consolidated=True)
     waiting = "fact consolidation is disabled (consolidation.enabled=false)"
     with enabled.begin() as session:
         paused = Job(
@@ -1019,14 +1023,10 @@ def test_a_consolidation_call_failing_through_an_erasure_keeps_no_provider_messa
     """Alice is named by both pages: her key stays, so an erasure of one finds no row of her job's calls
     by name. A call in flight through the erasure that failed with a message quoting the facts it sent
     (an OpenAI-compatible gateway's 400) was recorded after it with those words, and into the job's note."""
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
-    from tests.integration.test_consolidation import extract as extract_page
+    from tests.integration.test_consolidation import MAR_PAGE, consolidate
 
     llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
+    two_alice_pages(enabled, llm)
     quoting = {"error": {"message": "cannot process: Alice Example lives in Porto now."}}
     sim.configure(raw_replies={"chat.completions": quoting}, raw_status=400)
 
@@ -1047,15 +1047,11 @@ def test_a_consolidation_try_that_failed_before_an_erasure_keeps_no_provider_mes
 ) -> None:
     """The same when the gateway tries again (a 500 quoting the facts, then an answer) and the erasure
     commits as the second try goes out: the failed try is recorded after it, with the call's answer."""
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
-    from tests.integration.test_consolidation import extract as extract_page
+    from tests.integration.test_consolidation import MAR_PAGE, consolidate
     from worker.llm.retry import RetryingClient, RetryPolicy
 
     llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
+    two_alice_pages(enabled, llm)
     quoting = {"error": {"message": "overloaded while reading: Alice Example lives in Porto now."}}
     sim.configure(raw_replies={"chat.completions": quoting}, raw_status=500)
 
@@ -1093,15 +1089,10 @@ def test_an_erasure_does_not_send_again_a_consolidation_job_already_pending(
     """The erasure requests consolidation of the entities its page's facts left behind, and sent every
     job it got back, a pending one too: one waiting out its retry's backoff ran at once, spending an
     attempt (a paused one was woken to pause again)."""
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
-    from tests.integration.test_consolidation import extract as extract_page
+    from tests.integration.test_consolidation import MAR_PAGE
     from worker.jobs.outbox import CONSOLIDATION, request_job
 
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
-        consolidate(enabled, llm)
+    two_alice_pages(enabled, llm, consolidated=True)
     with enabled.begin() as session:
         waiting = request_job(session, CONSOLIDATION, "default|people/alice-example")
         assert waiting.created
@@ -1137,15 +1128,11 @@ def test_an_erasure_finds_no_reason_quoting_facts_an_earlier_version_of_the_page
     nothing (their fact ids set null), so the erasure, which finds decisions by the page's facts, left
     the model's reasons quoting the earlier version ("Porto ...") for good."""
     from models import ConsolidationDecision
-    from tests.integration.test_consolidation import JAN_BODY, JAN_PAGE, MAR_BODY, MAR_PAGE, consolidate
+    from tests.integration.test_consolidation import MAR_BODY, MAR_PAGE
     from tests.integration.test_consolidation import extract as extract_page
     from worker.consolidation.erasure import REPLACED_REASON
 
-    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
-        with enabled.begin() as session:
-            store_page(session, PageIn(slug=slug, type="conversation", compiled_truth=body))
-        extract_page(enabled, llm, slug)
-        consolidate(enabled, llm)
+    two_alice_pages(enabled, llm, consolidated=True)
     with enabled() as session:
         assert any("Porto" in r for r in session.scalars(select(ConsolidationDecision.reason)))
     edited = MAR_BODY.replace("I live in Porto now.", "I moved to Faro.")
