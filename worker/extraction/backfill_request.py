@@ -75,7 +75,8 @@ class BatchSendFailedError(RuntimeError):
 
 
 class NothingToBackfillError(LookupError):
-    """No stored page matches the selection: a source or prefix typed wrong, or pages not yet stored."""
+    """No stored page of a type extraction reads matches the selection: a source or prefix typed wrong,
+    pages not yet stored, or only pages of other types (config extraction.page_types)."""
 
 
 def _matches_a_page(session: Session, selection: BackfillSelection, types: tuple[str, ...]) -> bool:

@@ -74,7 +74,8 @@ class BackfillList(BaseModel):
 async def create_backfill(request: Request, ctx: Context, principal: Admin) -> BackfillCreated:
     """A batch_extraction job plans the selected pages' pending segments, stores every batch and its
     requests, sends them to the provider, and commits their results as they end. Answers at once;
-    404 when no stored page matches the selection (nothing would be planned); 409 when the deployment's
+    404 when no stored page of a type extraction reads (config extraction.page_types) matches the
+    selection (nothing would be planned); 409 when the deployment's
     LLM provider has no batch API (FACTMILL_LLM=openai-compatible)."""
     # Read here, after the admin check and under a small cap: a body parameter is read and parsed by
     # FastAPI before any dependency runs, so anyone could make the API parse 25 MiB of JSON.
