@@ -1544,6 +1544,8 @@ def test_two_filtered_facts_at_the_head_of_a_round_are_no_shared_refusal(tx_fact
     facts at the head of a round (five pairs each) made eight refusals with none answered yet, and the
     round stopped as if the entity were refused, on every retry. Two facts are in every refused pair:
     they are kept as unrelated and the others decided."""
+    from worker.core.consolidation_plan import UNANSWERED_REASON
+
     earlier = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra")
     arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(earlier, 1)], each=False)
     later = ("Zurich", "Zagreb", "Aveiro", "Tavira", "Lagos")  # the first two are filtered
@@ -1567,6 +1569,13 @@ def test_two_filtered_facts_at_the_head_of_a_round_are_no_shared_refusal(tx_fact
 
     counters = consolidate(tx_factory, FilteringTwo())
     assert counters.pairs_refused >= 8 and counters.pairs_answered, counters.as_dict()
+    texts, verdicts = model_verdicts(tx_factory)
+    rows = [(reason, texts[new], texts[old]) for reason, new, old, _ in verdicts]
+    unanswered = [(new, old) for reason, new, old in rows if reason == UNANSWERED_REASON]
+    # Kept as unrelated: only pairs holding one of the two; every other pair was decided.
+    assert unanswered and all("Zurich" in n + o or "Zagreb" in n + o for n, o in unanswered), rows
+    decided = [(new, old) for reason, new, old in rows if reason != UNANSWERED_REASON]
+    assert any("Aveiro" in n + o or "Tavira" in n + o or "Lagos" in n + o for n, o in decided), rows
 
 
 def test_a_model_that_refuses_the_whole_entity_fails_the_round_after_a_few_calls(
