@@ -41,7 +41,15 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.pipeline import cpu_by_pid, cpu_since, forget_broker_keys, postgres_processes, run_logs  # noqa: E402
+from bench.pipeline import (  # noqa: E402
+    commits_elsewhere,
+    cpu_by_pid,
+    cpu_since,
+    forget_broker_keys,
+    postgres_processes,
+    run_logs,
+    warn_if_busy_elsewhere,
+)
 from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
@@ -182,7 +190,7 @@ async def deliver_all(
 
 
 async def run(
-    base: str, target: Route, requests: int, concurrency: int, server_pid: int, keyed: bool
+    base: str, target: Route, requests: int, concurrency: int, server_pid: int, keyed: bool, name: str
 ) -> dict[str, object]:
     baseline: list[float] = []
     stop, thread = probing(base, baseline)
@@ -192,11 +200,13 @@ async def run(
     loaded: list[float] = []
     stop, thread = probing(base, loaded)
     api = psutil.Process(server_pid)
+    elsewhere = commits_elsewhere(name)
     api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
     started = time.perf_counter()
     statuses, deliveries = await deliver_all(base, target, requests, concurrency, keyed)
     took = time.perf_counter() - started
     api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
+    warn_if_busy_elsewhere(elsewhere, commits_elsewhere(name))
     api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
     postgres_cpu = cpu_since(postgres_before, postgres_after)
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
@@ -289,7 +299,7 @@ def serve_and_load(
         wait_healthy(base, server, log_path)
         target = route(args.route, args.transcripts)
         result = asyncio.run(
-            run(base, target, args.requests, args.concurrency, server.pid, args.idempotency_keys)
+            run(base, target, args.requests, args.concurrency, server.pid, args.idempotency_keys, name)
         )
         return result, target
     finally:

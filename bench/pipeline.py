@@ -221,6 +221,32 @@ def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
     return sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
 
 
+# The benchmark's own readings and autovacuum commit a few transactions elsewhere during a run.
+OTHER_COMMITS_NOTED = 100
+
+
+def commits_elsewhere(name: str) -> int:
+    """Transactions committed so far in every database but ``name``: read before and after a run, the
+    work the Postgres CPU figures count though it is not the benchmark's (they add up the CPU of every
+    Postgres process on the machine: a test suite beside the run, another benchmark)."""
+    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database "
+            "WHERE datname IS NOT NULL AND datname <> %s",
+            (name,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def warn_if_busy_elsewhere(before: int, after: int) -> None:
+    if after - before > OTHER_COMMITS_NOTED:
+        print(
+            f"warning: other databases committed {after - before:,} transactions during the run; the "
+            "Postgres CPU figures count their work too (measure on a quiet machine)"
+        )
+
+
 def database_counts(conn: psycopg.Connection[tuple[int, int]], name: str) -> tuple[int, int]:
     """(transactions committed, connections opened) so far in database ``name`` (statistics are
     flushed within a second)."""
@@ -507,6 +533,7 @@ def time_drain(
             sampler.start()
             start["others"] = others_cpu_now()
             start["database"] = database_counts(conn, name)
+            start["elsewhere"] = commits_elsewhere(name)
 
         cpu_before = wait_ready(logs, [partial(cpu_of, p) for p in worker_ps], first_ready)
         started, others_before = float(start["at"]), start["others"]
@@ -545,6 +572,7 @@ def time_drain(
         others_cpu = {label: cpu_since(others_before[label], others_drained[label]) for label in others}
         tail_others_cpu = {label: cpu_since(others_drained[label], others_tailed[label]) for label in others}
         time.sleep(1.5)  # backends flush their statistics at most once a second
+        warn_if_busy_elsewhere(int(start["elsewhere"]), commits_elsewhere(name))
         transactions, connections = database_counts(conn, name)
         transactions, connections = transactions - transactions_before, connections - connections_before
         failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
