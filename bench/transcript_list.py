@@ -3,8 +3,8 @@ only their messages counted, against the query before it, which counted every tr
 
     .venv/bin/python bench/transcript_list.py [--transcripts 10000] [--messages 100] [--reads 20]
 
-Fills a scratch database by SQL, then times ``worker.compaction.recent_transcripts`` (50 transcripts)
-and the previous query, alternating; prints medians and the ratio.
+Fills a scratch database by SQL, then times the previous query ``--reads`` times, then
+``worker.compaction.recent_transcripts`` (50 transcripts) as many; prints medians and the ratio.
 
 Needs the local Postgres (127.0.0.1:5432); creates and drops its own database.
 """
