@@ -200,13 +200,13 @@ async def run(
     loaded: list[float] = []
     stop, thread = probing(base, loaded)
     api = psutil.Process(server_pid)
-    elsewhere = commits_elsewhere(name)
+    elsewhere = commits_elsewhere(SERVER, name)
     api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
     started = time.perf_counter()
     statuses, deliveries = await deliver_all(base, target, requests, concurrency, keyed)
     took = time.perf_counter() - started
     api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
-    warn_if_busy_elsewhere(elsewhere, commits_elsewhere(name))
+    warn_if_busy_elsewhere(elsewhere, commits_elsewhere(SERVER, name))
     api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
     postgres_cpu = cpu_since(postgres_before, postgres_after)
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:

@@ -225,24 +225,40 @@ def cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
 OTHER_COMMITS_NOTED = 100
 
 
-def commits_elsewhere(name: str) -> int:
-    """Transactions committed so far in every database but ``name``: read before and after a run, the
-    work the Postgres CPU figures count though it is not the benchmark's (they add up the CPU of every
-    Postgres process on the machine: a test suite beside the run, another benchmark)."""
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute(
-            "SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database "
-            "WHERE datname IS NOT NULL AND datname <> %s",
-            (name,),
-        ).fetchone()
-    return int(row[0]) if row else 0
+def commits_elsewhere(server: str, name: str) -> dict[int, int] | None:
+    """Transactions committed so far in each database but ``name`` on ``server`` (an SQLAlchemy URL), by
+    database id; None when it cannot be read. Read before and after a run: the work the Postgres CPU
+    figures count though it is not the benchmark's (they add up the CPU of every Postgres process on
+    the machine: a test suite beside the run, another benchmark)."""
+    url = make_url(server).set(drivername="postgresql", database="postgres")
+    try:
+        with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            rows = conn.execute(
+                "SELECT datid, xact_commit FROM pg_stat_database WHERE datname IS NOT NULL AND datname <> %s",
+                (name,),
+            ).fetchall()
+    except psycopg.Error:
+        return None
+    return {int(datid): int(commits) for datid, commits in rows}
 
 
-def warn_if_busy_elsewhere(before: int, after: int) -> None:
-    if after - before > OTHER_COMMITS_NOTED:
+def busy_elsewhere(before: dict[int, int], after: dict[int, int]) -> tuple[int, bool]:
+    """(transactions other databases committed between the readings, whether one was dropped meanwhile:
+    its commits leave the statistics with it, so someone else was at work whatever the count says)."""
+    committed = sum(max(0, after.get(datid, 0) - before.get(datid, 0)) for datid in {*before, *after})
+    return committed, bool(set(before) - set(after))
+
+
+def warn_if_busy_elsewhere(before: dict[int, int] | None, after: dict[int, int] | None) -> None:
+    if before is None or after is None:
+        print("note: the other databases' work during the run could not be read")
+        return
+    committed, dropped = busy_elsewhere(before, after)
+    if committed > OTHER_COMMITS_NOTED or dropped:
+        also = " and a database was dropped" if dropped else ""
         print(
-            f"warning: other databases committed {after - before:,} transactions during the run; the "
+            f"warning: other databases committed {committed:,} transactions during the run{also}; the "
             "Postgres CPU figures count their work too (measure on a quiet machine)"
         )
 
@@ -533,7 +549,7 @@ def time_drain(
             sampler.start()
             start["others"] = others_cpu_now()
             start["database"] = database_counts(conn, name)
-            start["elsewhere"] = commits_elsewhere(name)
+            start["elsewhere"] = commits_elsewhere(SERVER, name)
 
         cpu_before = wait_ready(logs, [partial(cpu_of, p) for p in worker_ps], first_ready)
         started, others_before = float(start["at"]), start["others"]
@@ -572,7 +588,7 @@ def time_drain(
         others_cpu = {label: cpu_since(others_before[label], others_drained[label]) for label in others}
         tail_others_cpu = {label: cpu_since(others_drained[label], others_tailed[label]) for label in others}
         time.sleep(1.5)  # backends flush their statistics at most once a second
-        warn_if_busy_elsewhere(int(start["elsewhere"]), commits_elsewhere(name))
+        warn_if_busy_elsewhere(start["elsewhere"], commits_elsewhere(SERVER, name))
         transactions, connections = database_counts(conn, name)
         transactions, connections = transactions - transactions_before, connections - connections_before
         failed = conn.execute("SELECT count(*) FROM jobs WHERE status = 'failed'").fetchone()
