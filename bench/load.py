@@ -41,15 +41,7 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.pipeline import (  # noqa: E402
-    commits_elsewhere,
-    cpu_by_pid,
-    cpu_since,
-    forget_broker_keys,
-    postgres_processes,
-    run_logs,
-    warn_if_busy_elsewhere,
-)
+import bench.pipeline as pipe  # noqa: E402
 from tests.service import free_port, fresh_database  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
@@ -200,15 +192,15 @@ async def run(
     loaded: list[float] = []
     stop, thread = probing(base, loaded)
     api = psutil.Process(server_pid)
-    elsewhere = commits_elsewhere(SERVER, name)
-    api_before, postgres_before = api.cpu_times(), cpu_by_pid(postgres_processes())
+    elsewhere = pipe.commits_elsewhere(SERVER, name)
+    api_before, postgres_before = api.cpu_times(), pipe.cpu_by_pid(pipe.postgres_processes())
     started = time.perf_counter()
     statuses, deliveries = await deliver_all(base, target, requests, concurrency, keyed)
     took = time.perf_counter() - started
-    api_after, postgres_after = api.cpu_times(), cpu_by_pid(postgres_processes())
-    warn_if_busy_elsewhere(elsewhere, commits_elsewhere(SERVER, name))
+    api_after, postgres_after = api.cpu_times(), pipe.cpu_by_pid(pipe.postgres_processes())
+    pipe.warn_if_busy_elsewhere(elsewhere, pipe.commits_elsewhere(SERVER, name))
     api_cpu = api_after.user + api_after.system - api_before.user - api_before.system
-    postgres_cpu = cpu_since(postgres_before, postgres_after)
+    postgres_cpu = pipe.cpu_since(postgres_before, postgres_after)
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
     stop.set()
@@ -236,12 +228,12 @@ def main() -> int:
     args = parser.parse_args()
     with fresh_database(SERVER, "load") as url:
         name = str(make_url(url).database)
-        with run_logs(name, args.keep_logs) as logs:
+        with pipe.run_logs(name, args.keep_logs) as logs:
             log_path = logs / "server.log"
             try:
                 result, target = serve_and_load(args, url, name, log_path)
             finally:
-                forget_broker_keys(f"{name}:", BROKER)
+                pipe.forget_broker_keys(f"{name}:", BROKER)
             server_log = log_path.read_text()
     return report(args, result, target, server_log)
 
