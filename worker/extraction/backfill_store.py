@@ -19,9 +19,9 @@ from worker.accounting import Ledger
 from worker.core.conversation import (
     Segment,
 )
+from worker.extraction.page_version import page_erased
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
-from worker.extraction.statements import PAGE_VERSION
 from worker.extraction.store import ExtractionStore, PageVersion
 
 OPEN_BATCHES = ("planned", "submitting", "submitted")
@@ -150,7 +150,7 @@ class BackfillSegmentStore(ExtractionStore):
         ]
         page = held[0].page
         with self._factory.begin() as session:
-            if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
+            if page is not None and page_erased(session, page.page_id):
                 self._write_spend(session, unused)
                 return
             self._write_rows(session, unused)
@@ -193,7 +193,7 @@ class BackfillSegmentStore(ExtractionStore):
         page_id, source_id, slug = page
         place = SegmentPlace(job_id, source_id, slug, -1, NO_SEGMENT)
         with self._factory.begin() as session:
-            erased = session.execute(PAGE_VERSION, {"page_id": page_id}).first() is None
+            erased = page_erased(session, page_id)
             _mark(session, request_id, "discarded")
             self._ledger.record_many(
                 session, call_records(place, attempts, "discarded: the page moved on"), erased=erased

@@ -31,6 +31,13 @@ class PageVersion:
     appended: set[str] = field(default_factory=set, compare=False)
 
 
+def page_erased(session: Session, page_id: int) -> bool:
+    """Whether the page is gone (erased), its row held ``FOR SHARE`` to the end of the caller's
+    transaction when it is not: what is recorded for it then names a page that still exists (an
+    erasure's own transaction is waited out, then seen)."""
+    return session.execute(PAGE_VERSION, {"page_id": page_id}).first() is None
+
+
 def check_page(session: Session, page: PageVersion, slug: str, new: CheckpointState) -> None:
     """Hold the page row ``FOR SHARE`` for the commit and raise PageChangedError unless the facts still
     describe it: unchanged, or changed only past the messages the new checkpoint covers (an append) and

@@ -38,7 +38,7 @@ from worker.extraction.options import (
     CheckpointConflictError,
     PageErasedError,
 )
-from worker.extraction.page_version import PageVersion, check_page
+from worker.extraction.page_version import PageVersion, check_page, page_erased
 from worker.extraction.provider_copies import ProviderCopies
 from worker.extraction.rows import (
     AUDIT_COLUMNS,
@@ -58,7 +58,6 @@ from worker.extraction.statements import (
     LIST_PAGES,
     LOAD_PAGE,
     LOAD_PAGE_WITH_CHECKPOINT,
-    PAGE_VERSION,
     TERMINAL_ROW_NUM,
     UPSERT_TERMINAL,
 )
@@ -160,7 +159,7 @@ class ExtractionStore:
         first segment of messages appended to an extracted page failed, so its terminal row goes (the
         commit of that segment would have taken it out)."""
         with self._factory.begin() as session:
-            if page is not None and session.execute(PAGE_VERSION, {"page_id": page.page_id}).first() is None:
+            if page is not None and page_erased(session, page.page_id):
                 # Erased meanwhile: the calls, without a provider's message (it may quote the page).
                 self._paid(session, discarded=True)
                 self._ledger.record_many(session, call_records(place, attempts, note), erased=True)
