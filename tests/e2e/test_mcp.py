@@ -258,7 +258,7 @@ async def _append_and_read(session: ClientSession) -> dict[str, Any]:
             "append_transcript_messages",
             {"transcript_id": "agent-4", "messages": [{"role": "user", "text": "hi"}], "settings": settings},
         )
-        for settings in ({"instructions": "a\u0000b"}, '{"instructions": "\\ud800"}')
+        for settings in ({"instructions": "a\u0000b"}, '{"instructions": "\\ud800"}', '{"\\ud800": 1}')
     ]
     once = {
         "transcript_id": "agent-3",
@@ -304,9 +304,11 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     assert "coverage" in lax and "compaction_id" in lax and "valid" in lax, lax
     unstorable = _error_text(seen["unstorable"])
     assert "tool_calls[0].arguments.q: must not contain lone surrogates" in unstorable, unstorable
-    nul, surrogate = seen["bad_settings"]
+    nul, surrogate, surrogate_name = seen["bad_settings"]
     assert "settings.instructions must not contain NUL" in nul, nul
     assert "settings.instructions must not contain lone surrogates" in surrogate, surrogate
+    # A name that is no text is refused in words the reply can carry (raw, the session ended).
+    assert "unknown setting(s) '\\ud800'" in surrogate_name, surrogate_name
     huge = _error_text(seen["huge"])
     assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
     assert "list_transcript_messages" in huge

@@ -221,6 +221,14 @@ def test_settings_are_validated_and_cleaned() -> None:
             clean_settings(bad)
 
 
+@pytest.mark.parametrize("name", ["\ud800", "a\x00b"])
+def test_a_setting_name_that_is_no_text_is_refused_in_words_that_can_be_sent(name: str) -> None:
+    with pytest.raises(TranscriptError, match="unknown setting") as refused:
+        clean_settings({name: 1})
+    assert str(refused.value).encode("utf-8")  # raw, a lone surrogate could not be encoded (MCP's reply)
+    assert "\x00" not in str(refused.value)
+
+
 def test_trigger_tokens_follow_should_compact() -> None:
     assert TranscriptSettings(context_window=100_000, reserve_tokens=16_384).trigger_tokens == 83_616
     assert TranscriptSettings(context_window=None).trigger_tokens is None

@@ -234,7 +234,10 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a partial settings update; returns the columns to set. Unknown names are an error."""
     unknown = sorted(set(changes) - set(SETTING_NAMES))
     if unknown:
-        raise TranscriptError(f"unknown setting(s) {', '.join(unknown)}; use {', '.join(SETTING_NAMES)}")
+        # A name that is no text (a lone surrogate: the MCP tool's settings are a parsed dict, unchecked)
+        # is shown escaped: raw, the refusal could not be encoded, and the MCP reply carrying it failed.
+        shown = ", ".join(name if text_problem(name) is None else ascii(name) for name in unknown)
+        raise TranscriptError(f"unknown setting(s) {shown}; use {', '.join(SETTING_NAMES)}")
     cleaned: dict[str, Any] = {}
     for name, value in changes.items():
         if name == "context_window":
