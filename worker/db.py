@@ -65,6 +65,11 @@ def url_problem(url: str) -> str | None:
         return f"is not a database URL: expected {DATABASE_URL_FORM}"
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         return f"must be a Postgres URL: expected {DATABASE_URL_FORM}"
+    if parsed.get_driver_name() != "psycopg":  # another driver: a traceback naming a missing module
+        return (
+            f"names the {parsed.get_driver_name()} driver; Factmill connects with psycopg 3: "
+            f"expected {DATABASE_URL_FORM} (or postgresql+psycopg://)"
+        )
     # An '@' the credentials did not take (p@ss, p@ss/w@db) lands in the host or the database name; a
     # database name with an escaped one (x%40y) is no such case.
     unescaped = url.partition("://")[2].partition("?")[0].count("@") > 1

@@ -8,6 +8,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -314,7 +315,21 @@ class Settings(BaseSettings):
                     "must be a URL naming its transport, e.g. redis://host:6379/0 or amqp://host//"
                 )
             raise ValueError(f"must be a URL beginning with {' or '.join(f'{s}://' for s in wanted)}")
+        # A port that is no number ("host:6379:0", a "${PORT}" left unexpanded, 70000) passed here and
+        # failed at first use: every search a 500 (the rate limiter's client), the workers at connect.
+        # Kombu's failover form joins URLs with ';'.
+        for part in value.split(";"):
+            try:
+                urlsplit(part.strip()).port  # noqa: B018 (read for its check)
+            except ValueError:
+                raise ValueError("names a port that is not a number from 0 to 65535") from None
         return value
+
+    @field_validator("database_url", "test_database_url")
+    @classmethod
+    def _strip_database_url(cls, value: str | None) -> str | None:
+        """A URL read from a secret file ends in a newline, which became part of the database name."""
+        return (value.strip() or None) if value is not None else None
 
     @field_validator("webhook_previous_secret")
     @classmethod

@@ -438,6 +438,7 @@ def test_a_setting_out_of_its_range_is_one_line_naming_the_variable_not_its_valu
         ("postgresql://u:p@hunter2@db/x", "holds an '@' after its credentials: percent-encode"),
         ("postgresql://u:p@hunter2/w@db/x", "holds an '@' after its credentials: percent-encode"),
         ("postgresql://u:hunter2@db:99999/x", "names port 99999: a port is 1 to 65535"),
+        ("postgresql+asyncpg://u:hunter2@db/x", "names the asyncpg driver; Factmill connects with psycopg"),
     ],
 )
 def test_a_database_url_that_does_not_parse_is_one_line_that_never_quotes_it(url: str, says: str):

@@ -148,6 +148,10 @@ def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_ref
         ("FACTMILL_LLM_BASE_URL", "localhost:8000/v1", "http:// or https://"),
         ("FACTMILL_OTEL_ENDPOINT", "collector:4318", "http:// or https://"),
         ("FACTMILL_BROKER_URL", "localhost:6379", "naming its transport"),
+        ("FACTMILL_BROKER_URL", "redis://localhost:6379:0", "names a port that is not a number"),
+        ("FACTMILL_BROKER_URL", "redis://localhost:${REDIS_PORT}/0", "names a port that is not a number"),
+        ("FACTMILL_BROKER_URL", "redis://a:6379;redis://localhost:70000", "names a port that is not"),
+        ("FACTMILL_RATELIMIT_REDIS_URL", "redis://localhost:6379:0", "names a port that is not a number"),
     ],
 )
 def test_a_server_url_without_its_scheme_is_refused_at_start(
@@ -159,6 +163,20 @@ def test_a_server_url_without_its_scheme_is_refused_at_start(
     with pytest.raises(InvalidSettingsError, match=said) as refused:
         fresh_settings()
     assert variable in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+def test_server_urls_that_parse_are_kept_and_a_database_urls_newline_is_dropped(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kombu's failover form and a socket path pass the port check; a URL read from a secret file ends
+    in a newline, which became part of the database name."""
+    monkeypatch.setenv("FACTMILL_BROKER_URL", "redis://a:6379/0;redis://b:6380/0")
+    monkeypatch.setenv("FACTMILL_RATELIMIT_REDIS_URL", "unix:///run/redis.sock?db=2")
+    monkeypatch.setenv("FACTMILL_DATABASE_URL", "postgresql://fm:pw@db/factmill\n")
+    settings = fresh_settings()
+    assert settings.broker_url == "redis://a:6379/0;redis://b:6380/0"
+    assert settings.ratelimit_redis_url == "unix:///run/redis.sock?db=2"
+    assert settings.database_url == "postgresql://fm:pw@db/factmill"
 
 
 @pytest.mark.parametrize("variable", ["CELERY_BROKER_URL", "BROKER_URL", "CELERY_BROKER"])
