@@ -3,10 +3,12 @@ time; what named them stays, and a job a backfill or a threshold version names s
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
@@ -127,3 +129,47 @@ def test_a_sweep_step_that_fails_skips_none_of_the_others(
     # The task fails once every step has run: Flower and the task events show it.
     with pytest.raises(maintenance.MaintenanceStepsFailedError, match="forget_deliveries"):
         maintenance.sweep_task(make_runtime(database_url, tx_factory))
+
+
+def test_a_retention_sweep_gives_way_to_an_erasure_holding_the_rows_its_cascade_needs(
+    database_url: str, factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page's erasure deletes its audit rows, then takes its jobs; a retention DELETE takes a job,
+    then (its ON DELETE SET NULL) the audit rows naming it: the reverse order. They deadlocked, and
+    Postgres ended one: the sweep step failed, or the erasure (a 500). The sweep now gives way."""
+    job = finished_job(factory, "erased", age_days=40)
+    with factory.begin() as session:
+        session.add(
+            ExtractionAudit(
+                job_id=job,
+                source_id="default",
+                page_slug="erased",
+                segment_index=0,
+                segment_start="s",
+                segment_end="e",
+                outcome="ok",
+            )
+        )
+    runtime = make_runtime(database_url, factory, job_retention_days=30)
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE 'DELETE FROM jobs%'"
+    )
+    with factory() as erasure, ThreadPoolExecutor(1) as pool:
+        erasure.execute(delete(ExtractionAudit).where(ExtractionAudit.page_slug == "erased"))
+        sweeping = pool.submit(maintain, runtime)
+        seen = False
+        deadline = time.monotonic() + 10
+        while not seen and not sweeping.done() and time.monotonic() < deadline:
+            with factory() as probe:
+                seen = bool(probe.scalar(waiting))
+            time.sleep(0.005)
+        assert seen, "the sweep's DELETE never waited on the erasure's rows"
+        # The erasure's next step, its jobs: it waited on the sweep's lock, and one of the two was ended.
+        erasure.execute(update(Job).where(Job.id == job).values(subject="default|forgotten"))
+        erasure.commit()
+        report = sweeping.result(timeout=30)
+    assert report.failed == [] and report.expired_jobs == 0
+    assert any("expire_jobs gave way" in r.getMessage() for r in caplog.records)
+    assert maintained(runtime).expired_jobs == 1  # the next sweep takes it
+    assert jobs_left(factory) == set()

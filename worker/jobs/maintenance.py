@@ -14,9 +14,11 @@ from datetime import timedelta
 from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from models import expire_jobs, expire_ledger, fold_totals, forget_deliveries
+from worker.db import lock_timed_out
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.outbox import sweep
 from worker.jobs.registry import all_kinds
@@ -37,6 +39,13 @@ EXPIRE_BATCH = 1_000
 # llm_calls and extraction_audit rows deleted a sweep at most, of each: 28 million a day at one sweep
 # each 30 s, above what a worker fleet writes (bench/ledger_retention.py times one batch).
 LEDGER_BATCH = 10_000
+# How long a retention DELETE waits for a row lock before it leaves the batch to the next sweep. Its
+# cascades (job_id and llm_call_id set NULL in the rows naming what it deletes) wait on whoever holds
+# those rows: a page's erasure locks its audit rows and then its jobs, the reverse order, and the two
+# deadlocked (Postgres ended one, the erasure's DELETE a 500 when it was the one). Under Postgres's
+# deadlock_timeout (1 s), so the sweep always gives way first; background work never makes a user's
+# transaction wait longer than this.
+RETENTION_LOCK_TIMEOUT_MS = 200
 
 
 # A feature's own step of each sweep (registered beside its job kind: the jobs package imports no
@@ -75,16 +84,25 @@ class _Steps:
             return step()
         except SoftTimeLimitExceeded:  # the task's time is up: no step after it
             raise
-        except Exception as exc:  # its class and SQLSTATE only: a database error's text may quote a row
-            sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-            logger.error(
-                "maintenance step %s failed (%s%s); the other steps ran",
-                name,
-                type(exc).__name__,
-                f", SQLSTATE {sqlstate}" if sqlstate else "",
+        except Exception as exc:
+            if not lock_timed_out(exc):
+                return self._failed(name, exc, otherwise)
+            logger.warning(
+                "maintenance step %s gave way to a transaction holding its rows; the next sweep goes on", name
             )
-            self.failed.append(name)
             return otherwise
+
+    def _failed(self, name: str, exc: Exception, otherwise: _T) -> _T:
+        # Its class and SQLSTATE only: a database error's text may quote a row.
+        sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+        logger.error(
+            "maintenance step %s failed (%s%s); the other steps ran",
+            name,
+            type(exc).__name__,
+            f", SQLSTATE {sqlstate}" if sqlstate else "",
+        )
+        self.failed.append(name)
+        return otherwise
 
 
 class MaintenanceStepsFailedError(RuntimeError):
@@ -130,8 +148,12 @@ def maintain(
     return MaintenanceReport(jobs, forgotten, expired, audit, calls, done, steps.failed)
 
 
-def _in_transaction(rt: Runtime, work: Callable[[Session], _T]) -> _T:
+def _in_transaction(rt: Runtime, work: Callable[[Session], _T], *, give_way: bool = False) -> _T:
+    """``work`` in a transaction of its own; ``give_way``: each lock it waits for, at most
+    RETENTION_LOCK_TIMEOUT_MS (a retention step: see there)."""
     with rt.factory.begin() as session:
+        if give_way:
+            session.execute(text(f"SET LOCAL lock_timeout = {RETENTION_LOCK_TIMEOUT_MS}"))
         return work(session)
 
 
@@ -147,7 +169,9 @@ def _expire_jobs(rt: Runtime, batch: int) -> int:
     days = rt.settings.job_retention_days
     if days is None:
         return 0
-    expired = _in_transaction(rt, lambda session: expire_jobs(session, timedelta(days=days), batch))
+    expired = _in_transaction(
+        rt, lambda session: expire_jobs(session, timedelta(days=days), batch), give_way=True
+    )
     if expired:
         logger.info("deleted %s jobs finished over %s days ago", expired, days)
     return expired
@@ -157,7 +181,9 @@ def _expire_ledger(rt: Runtime, batch: int) -> tuple[int, int]:
     days = rt.settings.ledger_retention_days
     if days is None:
         return 0, 0
-    audit, calls = _in_transaction(rt, lambda session: expire_ledger(session, timedelta(days=days), batch))
+    audit, calls = _in_transaction(
+        rt, lambda session: expire_ledger(session, timedelta(days=days), batch), give_way=True
+    )
     if audit or calls:
         logger.info(
             "deleted %s extraction_audit rows and %s llm_calls rows over %s days old", audit, calls, days
