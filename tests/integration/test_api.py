@@ -1274,6 +1274,48 @@ def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_fi
     engine.dispose()
 
 
+@pytest.mark.parametrize("remembered_first", [True, False], ids=["seen-by-the-scrape", "seen-by-the-key"])
+def test_a_key_no_scrape_checked_is_refused_during_an_outage_without_a_lookup(
+    database_url: str, factory: sessionmaker[Session], remembered_first: bool
+) -> None:
+    """Only a remembered key skipped the lookup: anyone sending made-up keys held the scrape's two
+    threads, each for the connect timeout of a database that drops packets, and the real scrape timed
+    out behind them (factmill_store_up 0 never reached Prometheus)."""
+    import psycopg
+    from sqlalchemy import event
+    from sqlalchemy.pool import NullPool
+
+    from tests.auth import bearer, new_key
+
+    made_up = {"Authorization": "Bearer fm_made_up_key"}
+    scraper = bearer(new_key(factory, ["metrics"]))
+    engine = create_engine(database_url, poolclass=NullPool)
+    down, attempts = [False], []
+
+    @event.listens_for(engine, "do_connect")
+    def refuse(*_: Any) -> None:
+        if down[0]:
+            attempts.append(1)
+            raise psycopg.OperationalError("connection timed out (the test's outage)")
+
+    gated = sessionmaker(engine)
+    app = create_app(make_runtime(database_url, gated), sender=Recorder(gated))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        down[0] = True
+        if remembered_first:  # the outage seen by the real scrape
+            assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+        else:  # or by a made-up key's own lookup, the one it makes
+            assert client.get("/metrics", headers=made_up).status_code == 503
+        seen = len(attempts)
+        for _ in range(3):
+            refused = client.get("/metrics", headers=made_up)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        assert len(attempts) == seen
+        assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+    engine.dispose()
+
+
 def test_a_scrape_tries_a_database_it_cannot_reach_once(database_url: str) -> None:
     """Each of the five collectors waited out its own connect timeout: against a silent server a scrape
     took minutes, past Prometheus's timeout, so factmill_store_up 0 never reached it."""

@@ -36,6 +36,7 @@ from worker.core.signing import (
 )
 from worker.db import database_went_away
 from worker.deliveries import WEBHOOK_SENDER
+from worker.guards import UNAVAILABLE_RETRY_AFTER_SECONDS
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -98,9 +99,11 @@ def _resolved(
         # An outage only (the database unreachable or restarting): not a pool busy past its timeout,
         # nor a server out of connections or disk, which is up and says a key revoked meanwhile is
         # (one was taken for up to the grace); those get the 503 they get anywhere.
-        if remembered is None or not (isinstance(exc, OperationalError) and database_went_away(exc)):
+        went_away = isinstance(exc, OperationalError) and database_went_away(exc)
+        if through_outage and went_away:
+            note_outage(ctx.factory, gone=True)  # a key not remembered too: the next are refused at once
+        if remembered is None or not went_away:
             raise
-        note_outage(ctx.factory, gone=True)
         return remembered, False
     if principal is None:
         ctx.forget_key(hash_key(credentials.credentials))  # revoked: no longer taken through an outage
@@ -242,6 +245,16 @@ async def on_scrape_threads(work: Callable[[], T]) -> T:
 async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
     if credentials is None:  # the 401, on the event loop: no lookup to make, no thread to queue for
         return _metrics_key(ctx, None)
+    digest = hash_key(credentials.credentials)
+    if ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) is None and outage_seen(ctx.factory, gone=True):
+        # A key no scrape checked lately, while the database is away: it cannot be checked, and each
+        # lookup held one of the scrape's two threads for the connect timeout. Anyone could send such
+        # keys, and the scrape with the real key timed out behind them (factmill_store_up 0 unseen).
+        raise ApiError(
+            503,
+            "the database is unavailable; try again shortly",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        )
     return await on_scrape_threads(lambda: _metrics_key(ctx, credentials))
 
 
