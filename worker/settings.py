@@ -374,17 +374,20 @@ class Settings(BaseSettings):
         return "simulator"
 
     def check_production_secrets(self, *, calls_models: bool = True) -> None:
-        """Refuse placeholder, short or shared secrets in production (InsecureSecretsError, one line);
-        and, for a process that calls a model (``calls_models``: the API, a worker), the unchosen
-        simulator."""
-        if self.environment != "production":
+        """Refuse placeholder secrets outside development (a shared test deployment answers anyone who
+        reads the published defaults too), and in production short or shared secrets and, for a process
+        that calls a model (``calls_models``: the API, a worker), the unchosen simulator
+        (InsecureSecretsError, one line)."""
+        if self.environment == "development":
             return
         placeholders = self.placeholder_secrets()
         if placeholders:
             raise InsecureSecretsError(
                 f"FACTMILL_{placeholders[0].upper()} is a placeholder; set a real secret before running "
-                "with FACTMILL_ENVIRONMENT=production"
+                f"with FACTMILL_ENVIRONMENT={self.environment}"
             )
+        if self.environment != "production":
+            return
         for name in SECRET_NAMES:
             value = getattr(self, name)
             if value is not None and len(value.encode("utf-8")) < MIN_PRODUCTION_SECRET_BYTES:
@@ -446,7 +449,7 @@ class Settings(BaseSettings):
             name
             for name in SECRET_NAMES
             if (value := getattr(self, name)) is not None
-            and (value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-"))
+            and (value.lower() in PLACEHOLDER_SECRETS or value.lower().startswith("dev-"))
         ]
 
     def unchosen_simulator(self) -> str | None:

@@ -62,6 +62,18 @@ def test_development_keeps_its_short_defaults() -> None:
     Settings(environment="development", webhook_secret="x", admin_token="x").check_production_secrets()
 
 
+def test_a_test_environment_refuses_placeholders_and_keeps_the_rest_lax() -> None:
+    """Placeholders are refused outside development (the conventions' rule): "test" took none of the
+    checks, so a shared test deployment answered anyone who read the published defaults."""
+    lax = {"_env_file": None, "environment": "test", "webhook_secret": "x" * 8, "admin_token": "y" * 8}
+    Settings(**lax).check_production_secrets()  # short, no servers, the simulator: not production
+    for placeholder in ("dev-admin-token", "Dev-" + "s" * 40, "CHANGEME"):
+        with pytest.raises(InsecureSecretsError, match=r"placeholder; .* FACTMILL_ENVIRONMENT=test"):
+            Settings(**lax | {"admin_token": placeholder}).check_production_secrets()
+    with pytest.raises(InsecureSecretsError, match="FACTMILL_WEBHOOK_SECRET is a placeholder"):
+        production(webhook_secret="DEV-" + "s" * 40).check_production_secrets()  # 44 bytes, guessable
+
+
 @pytest.mark.parametrize("command", ["serve", "worker", "beat"])
 def test_services_refuse_weak_secrets_with_one_line(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
     monkeypatch.setenv("FACTMILL_ENVIRONMENT", "production")
