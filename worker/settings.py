@@ -14,7 +14,7 @@ from dotenv import dotenv_values
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.core.errors import InvalidSettingsError, describe_invalid
+from worker.core.errors import InvalidSettingsError, RefusedSettingsError, describe_invalid
 from worker.settings_rules import (
     CROSS_FIELD_RULES,
     no_foreign_variables,
@@ -32,10 +32,6 @@ YEAR_SECONDS = 366 * 24 * 3600
 # The longest retention window: now() minus much more (10,000,000 days) is out of Postgres's range, and
 # every sweep failed there, before the ledger retention and the features' sweep steps could run.
 CENTURY_DAYS = 36_525
-
-
-class RefusedSettingsError(ValueError):
-    """Settings a service refuses to start with; the message is one line."""
 
 
 class InsecureSecretsError(RefusedSettingsError):

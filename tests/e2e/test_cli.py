@@ -505,7 +505,12 @@ def test_a_migrate_or_flower_with_no_server_set_is_refused_in_production(tmp_pat
     """A migrate Job whose Secret missed FACTMILL_DATABASE_URL migrated a throwaway embedded Postgres
     and succeeded; Flower without FACTMILL_BROKER_URL watched an empty Redis of its own."""
     env = bare_env(FACTMILL_ENVIRONMENT="production", FACTMILL_DATA_DIR=str(tmp_path / "var"))
-    for command, unset in ((["db", "upgrade"], "DATABASE_URL"), (["flower"], "BROKER_URL")):
+    refused = (
+        (["db", "upgrade"], "DATABASE_URL"),
+        (["flower"], "BROKER_URL"),
+        (["jobs", "list"], "DATABASE_URL"),
+    )
+    for command, unset in refused:
         result = factmill(command, env)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
         assert f"FACTMILL_{unset} is not set: production runs on real servers" in result.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -209,3 +211,16 @@ def test_a_worker_refuses_a_stall_limit_shorter_than_a_jobs_wait_on_one_llm_call
         "error: FACTMILL_TASK_TIME_LIMIT_SECONDS (250) is not above the longest a job may wait on an LLM "
         "call (250 s"
     )
+
+
+def test_a_send_in_production_without_a_broker_url_is_refused_not_sent_to_a_redis_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """An operator's `factmill jobs retry` in a container without FACTMILL_BROKER_URL sent the job to an
+    embedded Redis there, which no worker read (the services refuse at start; a command did not)."""
+    from worker.jobs.celery_app import broker_url
+
+    with pytest.raises(RefusedSettingsError, match="FACTMILL_BROKER_URL is not set: production runs"):
+        broker_url(production(broker_url=None, data_dir=str(tmp_path / "var")))
+    assert not (tmp_path / "var").exists()  # no embedded server started
+    assert broker_url(production()) == "redis://redis.internal:6379/0"

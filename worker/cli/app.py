@@ -27,6 +27,7 @@ from worker.core.errors import (
     LLMConfigurationError,
     LoggableArguments,
     MigrationsMissingError,
+    RefusedSettingsError,
     connection_failure,
 )
 
@@ -275,7 +276,7 @@ def main() -> None:
         raise SystemExit(2)
     try:
         app()
-    except InvalidSettingsError as exc:  # a FACTMILL_ variable out of its range: one line, exit 2
+    except (InvalidSettingsError, RefusedSettingsError) as exc:  # one line, exit 2: a setting to fix
         _error(str(exc))
         raise SystemExit(2) from None
     except MigrationsMissingError as exc:  # installed from a wheel: no command can check the schema

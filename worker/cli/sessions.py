@@ -12,7 +12,9 @@ from worker.settings import RefusedSettingsError, Settings, get_settings
 
 
 def database_url(settings: Settings) -> str:
-    """The configured database URL (starting the embedded server if that is the default)."""
+    """The configured database URL (starting the embedded server if that is the default; refused in
+    production, where a command run without FACTMILL_DATABASE_URL changed a throwaway database)."""
+    refuse_unset_servers(settings, "database_url")
     try:
         return db.database_url(settings)
     except InvalidSettingsError:

