@@ -45,6 +45,10 @@ def test_a_multiprocess_folder_prometheus_client_never_saw_still_counts(
         ("rediss://cache/1?ssl_cert_reqs=CERT_NONE&x=1", "rediss://cache/1?ssl_cert_reqs=none&x=1"),
         ("rediss://cache/1?ssl_cert_reqs=optional", "rediss://cache/1?ssl_cert_reqs=optional"),
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://a:6379/2;redis://b:6380/0", "redis://a:6379/2"),  # kombu's failover list: its first
+        ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),  # was "unix:/run/...", refused
+        ("redis+socket:///tmp/r.sock?db=1", "unix:///tmp/r.sock?db=1"),
+        ("rediss://a:6379?ssl_cert_reqs=CERT_NONE; redis://b", "rediss://a:6379?ssl_cert_reqs=none"),
     ],
 )
 def test_the_broker_probe_reads_celerys_spelling_of_the_tls_check(url: str, read: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from worker.access.ratelimit import PerKeyLimiter
 from worker.settings import InvalidSettingsError, Settings, get_settings
 
 
@@ -170,13 +171,19 @@ def test_server_urls_that_parse_are_kept_and_a_database_urls_newline_is_dropped(
 ) -> None:
     """Kombu's failover form and a socket path pass the port check; a URL read from a secret file ends
     in a newline, which became part of the database name."""
-    monkeypatch.setenv("FACTMILL_BROKER_URL", "redis://a:6379/0;redis://b:6380/0")
+    monkeypatch.setenv("FACTMILL_BROKER_URL", "redis://a:6379;redis://b:6380")
     monkeypatch.setenv("FACTMILL_RATELIMIT_REDIS_URL", "unix:///run/redis.sock?db=2")
     monkeypatch.setenv("FACTMILL_DATABASE_URL", "postgresql://fm:pw@db/factmill\n")
     settings = fresh_settings()
-    assert settings.broker_url == "redis://a:6379/0;redis://b:6380/0"
+    assert settings.broker_url == "redis://a:6379;redis://b:6380"
     assert settings.ratelimit_redis_url == "unix:///run/redis.sock?db=2"
     assert settings.database_url == "postgresql://fm:pw@db/factmill"
+    # The failover list as the search limiter's Redis (no rate-limit URL set): its first server; the
+    # whole list was read as one URL, and every search was a 500.
+    monkeypatch.delenv("FACTMILL_RATELIMIT_REDIS_URL")
+    fresh_settings.cache_clear()
+    limiter = PerKeyLimiter.from_settings(fresh_settings())
+    assert limiter._redis is not None and limiter._redis.connection_pool.connection_kwargs["port"] == 6379
 
 
 @pytest.mark.parametrize("variable", ["CELERY_BROKER_URL", "BROKER_URL", "CELERY_BROKER"])

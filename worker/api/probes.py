@@ -28,16 +28,10 @@ def ping_database(factory: sessionmaker[Session]) -> None:
 def ping_broker(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
     """Raise unless the broker answers within ``timeout`` seconds."""
     scheme = url.partition("://")[0].lower()
-    if scheme in ("redis", "rediss", "redis+socket", "unix"):
-        if scheme == "redis+socket":  # kombu's spelling of a Unix socket (the embedded Redis)
-            path = url.partition("://")[2]
-            client = redis.Redis(
-                unix_socket_path=path, socket_timeout=timeout, socket_connect_timeout=timeout
-            )
-        else:
-            client = redis.Redis.from_url(
-                redis_py_url(url), socket_timeout=timeout, socket_connect_timeout=timeout
-            )
+    if scheme in ("redis", "rediss", "redis+socket", "unix"):  # redis+socket: the embedded Redis
+        client = redis.Redis.from_url(
+            redis_py_url(url), socket_timeout=timeout, socket_connect_timeout=timeout
+        )
         try:
             client.ping()
         finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 # Celery and kombu spell ssl_cert_reqs as Python's ssl constants; redis-py takes only its own words.
 _CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
@@ -13,17 +13,23 @@ def redis_py_url(url: str) -> str:
     ``unix://PATH``, and ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented spelling) is ``required``.
     redis-py refused the latter ("Invalid SSL Certificate Requirements Flag") on first use: /readyz
     said degraded, and the shared rate limiters fell back to per-process counts (the search limit a
-    key's limit times the processes) or, for the LLM, to none at all."""
+    key's limit times the processes) or, for the LLM, to none at all.
+
+    A kombu failover list (``redis://a:6379;redis://b:6379``) is its first server: redis-py read the
+    whole list as one URL and failed ("Port could not be cast"), every search a 500."""
+    url = url.split(";", 1)[0].strip()
     if url.startswith("redis+socket://"):
         url = "unix://" + url.removeprefix("redis+socket://")
-    parts = urlsplit(url)
-    if not parts.query:
+    # The query is rewritten by hand: urlunsplit drops an empty host, and "unix:///run/redis.sock?db=2"
+    # came back as "unix:/run/...", which redis-py refused (every search a 500, /readyz degraded).
+    base, sep, query = url.partition("?")
+    if not sep:
         return url
-    query = [
+    pairs = [
         (name, _CERT_REQS.get(value.lower(), value) if name == "ssl_cert_reqs" else value)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        for name, value in parse_qsl(query, keep_blank_values=True)
     ]
-    return urlunsplit(parts._replace(query=urlencode(query)))
+    return f"{base}?{urlencode(pairs)}"
 
 
 __all__ = ["redis_py_url"]
