@@ -7,11 +7,12 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Text, event, func, select, text, update
+from sqlalchemy import Text, delete, event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import (
@@ -42,7 +43,7 @@ from worker.extraction.erase import (
 )
 from worker.extraction.pages import PageIn, store_page
 from worker.jobs.lifecycle import run_job
-from worker.jobs.outbox import EXTRACTION
+from worker.jobs.outbox import EXTRACTION, request_job
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse
 from worker.runtime import Runtime
@@ -1266,3 +1267,41 @@ def test_an_erasure_that_waited_is_dated_after_a_delivery_it_erased(
         store_page(session, first.model_copy(update={"compiled_truth": "after"}), delivered[0])
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(Page)) == 0
+
+
+def test_an_erasure_that_deadlocks_with_a_job_s_expiry_is_made_again(factory: sessionmaker[Session]) -> None:
+    """A retention sweep takes an old job, then (its ON DELETE SET NULL) the audit rows naming it; the
+    erasure takes the page's audit rows, then its jobs. When the erasure waited first, Postgres ended
+    it to break the deadlock: a 500 to the admin. All of it was rolled back, so it is made again."""
+    store(factory)
+    with factory.begin() as session:
+        job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
+        session.add(
+            ExtractionAudit(
+                job_id=job,
+                source_id="default",
+                page_slug=SLUG,
+                segment_index=0,
+                segment_start="s",
+                segment_end="e",
+                outcome="ok",
+            )
+        )
+    erasure_waits = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND query ILIKE '%jobs%'"
+    )
+    with factory() as sweep, ThreadPoolExecutor(1) as pool:
+        sweep.execute(select(Job.id).where(Job.id == job).with_for_update())  # the sweep's hold on the job
+        erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
+        deadline, seen = time.monotonic() + 20, False
+        while not seen and not erasing.done() and time.monotonic() < deadline:
+            with factory() as probe:
+                seen = bool(probe.scalar(erasure_waits))
+            time.sleep(0.01)
+        assert seen, "the erasure never waited on the job the sweep holds"
+        sweep.execute(delete(Job).where(Job.id == job))  # its cascade needs the audit rows the erasure holds
+        sweep.commit()
+        report = erasing.result(timeout=60)
+    assert report is not None and report.audit_rows_removed == 1
+    assert counted(factory, Page, Page.slug == SLUG) == 0 and counted(factory, Erasure) == 1

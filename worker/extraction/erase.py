@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from sqlalchemy import bindparam, delete, func, literal_column, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random
 
 from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, LLM_CALLS, OP_CHECKPOINTS
@@ -25,6 +26,7 @@ from worker.consolidation.erasure import (
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
+from worker.db import deadlocked
 from worker.extraction.options import narrow_page_types
 from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
@@ -252,12 +254,32 @@ def forget_page_name(
     forget_call_errors(session, EXTRACTION, erased_subject(source_id, slug))
 
 
+# An erasure takes the page's dependent rows (facts, audit rows, calls) before its jobs; a retention
+# sweep's DELETE of an old job takes the job, then (its ON DELETE SET NULL) the rows naming it. When the
+# two meet the other way round from the one the sweep gives way in (worker.jobs.maintenance), Postgres
+# ends the erasure: all of it rolled back, so it is simply made again (it was a 500 to the admin).
+_ERASE_TRIES = 3
+
+
 def erase_page(
     factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
 ) -> ErasureReport | None:
     """Erase the page and everything drawn from it in ONE transaction, leaving one content-free row in
     ``erasures``; None (nothing written) when there is no such page. The caller sends
-    ``report.pending`` after this returns (the commit is done)."""
+    ``report.pending`` after this returns (the commit is done). A transaction Postgres ended to break a
+    deadlock is made again, up to _ERASE_TRIES times."""
+    retrying = Retrying(
+        retry=retry_if_exception(deadlocked),
+        stop=stop_after_attempt(_ERASE_TRIES),
+        wait=wait_random(0.05, 0.25),
+        reraise=True,
+    )
+    return retrying(_erase_page_once, factory, source_id, slug, requested_by)
+
+
+def _erase_page_once(
+    factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
+) -> ErasureReport | None:
     with factory.begin() as session:
         backfills = backfills_of_the_page_alone(session, source_id, slug)
         page_id = session.scalar(
