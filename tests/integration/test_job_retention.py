@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import delete, func, select, text, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
@@ -20,6 +21,10 @@ from worker.jobs.outbox import EXTRACTION, request_job
 pytestmark = pytest.mark.integration
 
 KEPT = timedelta(days=30)
+
+
+class LockTimedOut(Exception):
+    sqlstate = "55P03"  # as psycopg's LockNotAvailable says it
 
 
 def finished_job(
@@ -126,17 +131,32 @@ def test_a_sweep_step_that_fails_skips_none_of_the_others(
     assert "consolidations_caught_up" in report.steps
     said = [r.getMessage() for r in caplog.records if "forget_deliveries" in r.getMessage()]
     assert said and not any("alice" in line for line in said)  # its class, not its text
+
+    # A lock timeout in a step that does not give way (a DBA's lock_timeout on the role) is a failure.
+    def lock_times_out(*args: object, **kwargs: object) -> int:
+        raise OperationalError("DELETE FROM webhook_deliveries", {}, LockTimedOut())
+
+    monkeypatch.setattr(maintenance, "forget_deliveries", lock_times_out)
+    assert maintain(make_runtime(database_url, tx_factory)).failed == ["forget_deliveries"]
     # The task fails once every step has run: Flower and the task events show it.
     with pytest.raises(maintenance.MaintenanceStepsFailedError, match="forget_deliveries"):
         maintenance.sweep_task(make_runtime(database_url, tx_factory))
 
 
 def test_a_retention_sweep_gives_way_to_an_erasure_holding_the_rows_its_cascade_needs(
-    database_url: str, factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+    database_url: str,
+    factory: sessionmaker[Session],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A page's erasure deletes its audit rows, then takes its jobs; a retention DELETE takes a job,
     then (its ON DELETE SET NULL) the audit rows naming it: the reverse order. They deadlocked, and
     Postgres ended one: the sweep step failed, or the erasure (a 500). The sweep now gives way."""
+    from worker.jobs import maintenance
+
+    # Still under the deadlock check's 1 s; long enough for the probe below to see the wait on a busy
+    # machine (at 200 ms a scheduling gap could hide it).
+    monkeypatch.setattr(maintenance, "RETENTION_LOCK_TIMEOUT_MS", 800)
     job = finished_job(factory, "erased", age_days=40)
     with factory.begin() as session:
         session.add(
