@@ -1313,6 +1313,12 @@ def test_a_key_no_scrape_checked_is_refused_during_an_outage_without_a_lookup(
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
         assert len(attempts) == seen
         assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+        # Told without the database: the admin token (admin implies metrics) is let in, and what has no
+        # key's form is refused (it opened a transaction to find no row).
+        admin = client.get("/metrics", headers=ADMIN_HEADERS)
+        assert admin.status_code == 200 and "factmill_store_up 0.0" in admin.text
+        assert client.get("/metrics", headers={"Authorization": "Bearer not-a-key"}).status_code == 401
+        assert len(attempts) == seen
     engine.dispose()
 
 

@@ -188,15 +188,27 @@ def principal_for(
 ) -> Principal | None:
     """The principal a bearer credential names: the bootstrap admin for ``admin_token``, a live key's
     principal, or None (unknown, malformed or revoked)."""
-    if admin_token and hmac.compare_digest(key.encode("utf-8"), admin_token.encode("utf-8")):
+    if is_admin_token(key, admin_token):
         return BOOTSTRAP_ADMIN
+    if not may_be_a_key(key):  # no transaction for what no row can match
+        return None
     with factory.begin() as session:
         return authenticate(session, key)
 
 
+def is_admin_token(key: str, admin_token: str | None) -> bool:
+    """Whether a bearer credential is the bootstrap admin token (a constant-time compare, no lookup)."""
+    return bool(admin_token) and hmac.compare_digest(key.encode("utf-8"), (admin_token or "").encode("utf-8"))
+
+
+def may_be_a_key(key: str) -> bool:
+    """Whether a bearer credential has an API key's form, so that only a lookup can tell it."""
+    return key.startswith(KEY_PREFIX) and len(key) <= 200 and key.isascii()
+
+
 def authenticate(session: Session, key: str) -> Principal | None:
     """The principal of a live key, or None (unknown, malformed or revoked: the caller says 401)."""
-    if not key.startswith(KEY_PREFIX) or len(key) > 200 or not key.isascii():
+    if not may_be_a_key(key):
         return None
     digest = hash_key(key)
     row = session.execute(

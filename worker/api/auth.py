@@ -22,7 +22,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import OperationalError
 
-from worker.access import Principal, principal_for, refusal
+from worker.access import Principal, is_admin_token, may_be_a_key, principal_for, refusal
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import CHALLENGE, ApiError
@@ -245,11 +245,17 @@ async def on_scrape_threads(work: Callable[[], T]) -> T:
 async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
     if credentials is None:  # the 401, on the event loop: no lookup to make, no thread to queue for
         return _metrics_key(ctx, None)
-    digest = hash_key(credentials.credentials)
-    if ctx.remembered_key(digest, OUTAGE_GRACE_SECONDS) is None and outage_seen(ctx.factory, gone=True):
+    key = credentials.credentials
+    looked_up = may_be_a_key(key) and not is_admin_token(key, ctx.settings.admin_token)
+    if (
+        looked_up
+        and ctx.remembered_key(hash_key(key), OUTAGE_GRACE_SECONDS) is None
+        and outage_seen(ctx.factory, gone=True)
+    ):
         # A key no scrape checked lately, while the database is away: it cannot be checked, and each
         # lookup held one of the scrape's two threads for the connect timeout. Anyone could send such
         # keys, and the scrape with the real key timed out behind them (factmill_store_up 0 unseen).
+        # The admin token and what has no key's form are told without the database.
         raise ApiError(
             503,
             "the database is unavailable; try again shortly",
