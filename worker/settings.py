@@ -318,7 +318,10 @@ class Settings(BaseSettings):
             try:
                 urlsplit(part.strip()).port  # noqa: B018 (read for its check)
             except ValueError:
-                raise ValueError("names a port that is not a number from 0 to 65535") from None
+                raise ValueError(
+                    "names a port that is not a number from 0 to 65535 (or holds an unescaped '/', '?', "
+                    "'#', '[' or ']' in its password: percent-encode it)"
+                ) from None
         return value
 
     @field_validator("database_url", "test_database_url")
