@@ -85,8 +85,11 @@ Secrets = str | Sequence[str]
 
 
 def secrets_of(secret: Secrets) -> list[str]:
-    """The secrets to sign with, in order; ValueError when there is none (or one is empty)."""
-    secrets = [secret] if isinstance(secret, str) else list(secret)
+    """The secrets to sign with, in order, without surrounding whitespace, as the server reads its own
+    (FACTMILL_WEBHOOK_SECRET): a secret read from the server's file with its trailing newline signed
+    every request with a key the server does not hold, each a 401. ValueError when there is none (or
+    one is empty)."""
+    secrets = [s.strip() for s in ([secret] if isinstance(secret, str) else list(secret))]
     if not secrets or not all(secrets):
         raise ValueError("a webhook secret to sign with is required (an empty one signs nothing)")
     return secrets

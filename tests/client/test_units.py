@@ -39,6 +39,20 @@ def test_the_server_verifies_with_the_clients_own_signing_function():
         server_signing.verify(header, body, "s3cret", 300, now, method="POST", path="/v1/other")
 
 
+def test_a_secret_read_with_its_newline_signs_as_the_server_reads_it():
+    """The server strips FACTMILL_WEBHOOK_SECRET; the client signed with the newline a secret file ends
+    in, and every signed call was a 401 "wrong secret"."""
+    from worker.settings import Settings
+
+    held = Settings(_env_file=None, webhook_secret="whsec-abc\n").webhook_secrets()
+    body = b'{"slug": "x"}'
+    for given in ("whsec-abc\n", ["  whsec-abc\r\n"]):
+        header = signing.sign(body, given, 1_700_000_000, method="POST", path="/v1/pages")
+        assert server_signing.verify(header, body, held, 300, 1_700_000_001, method="POST", path="/v1/pages")
+    with pytest.raises(ValueError, match="required"):
+        signing.sign(body, " \n", 1_700_000_000, method="POST", path="/v1/pages")
+
+
 def run_python(code: str, **env: str) -> str:
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
