@@ -1305,3 +1305,49 @@ def test_an_erasure_that_deadlocks_with_a_job_s_expiry_is_made_again(factory: se
         report = erasing.result(timeout=60)
     assert report is not None and report.audit_rows_removed == 1
     assert counted(factory, Page, Page.slug == SLUG) == 0 and counted(factory, Erasure) == 1
+
+
+def test_an_erasure_while_a_delivery_lists_the_page_unchanged_still_forgets_its_kept_answer(
+    factory: sessionmaker[Session],
+) -> None:
+    """The unchanged page was only read: an erasure committing before the delivery could not see the
+    answer the delivery then kept, which named the erased page to its sender for the key's lifetime.
+    The page is now held until the delivery commits, and the erasure, waiting, sees that answer."""
+    import threading
+
+    from worker.deliveries import deliver_once
+    from worker.extraction.pages import upsert_page
+
+    store(factory)
+    upserted, go = threading.Event(), threading.Event()
+
+    def write(session: Session) -> tuple[dict[str, Any], None]:
+        result = upsert_page(
+            session, PageIn(slug=SLUG, type="conversation", title="Alice", compiled_truth=BODY)
+        )
+        assert not result.changed
+        upserted.set()
+        assert go.wait(30)
+        return {"jobs": [], "unchanged": [{"source_id": "default", "slug": SLUG}]}, None
+
+    erasure_waits = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
+    )
+    with ThreadPoolExecutor(2) as pool:
+        delivering = pool.submit(deliver_once, factory, "delivery-1", "body-digest", write)
+        assert upserted.wait(30)
+        erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
+        deadline = time.monotonic() + 10  # until the erasure is done (unheld) or waits on the page
+        while not erasing.done() and time.monotonic() < deadline:
+            with factory() as probe:
+                if probe.scalar(erasure_waits):
+                    break
+            time.sleep(0.01)
+        go.set()
+        delivering.result(timeout=30)
+        assert erasing.result(timeout=30) is not None
+    with factory() as session:
+        kept = session.scalars(select(WebhookDelivery.response)).all()
+    assert len(kept) == 1 and SLUG not in json.dumps(kept), kept
+    assert erased_name("default", SLUG) in json.dumps(kept)

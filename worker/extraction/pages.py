@@ -236,6 +236,17 @@ _DELIVERED = (
 )
 
 
+# An unchanged page is held (FOR SHARE) until the delivery commits: read unlocked, an erasure committing
+# meanwhile could not see the answer the delivery was about to keep (it is written after), and that
+# answer, naming the erased page, was replayed to its sender for the key's lifetime. Only the unchanged
+# page is held so: two deliveries changing a page, each holding it shared, deadlocked on their writes.
+_HELD_UNCHANGED = (
+    select(PAGES.c.id)
+    .where(PAGES.c.id == bindparam("page_id"), PAGES.c.content_hash == bindparam("digest"))
+    .with_for_update(read=True)
+)
+
+
 def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = None) -> UpsertResult:
     """Insert or update a page; an unchanged page (same content hash) is left alone.
 
@@ -248,18 +259,19 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     where = {"source_id": page.source_id, "slug": page.slug}
     existing = connection.execute(_STORED, where).one_or_none()
     if existing is not None and existing.content_hash == digest:
+        held = {"page_id": existing.id, "digest": digest}
         if delivered_at is None or (
             existing.delivered_at is not None and existing.delivered_at >= delivered_at
         ):
-            return UpsertResult(existing.id, changed=False)
-        # The newest delivery says this content: an older one still in flight must not replace it.
-        dated = {"page_id": existing.id, "digest": digest, "at": delivered_at}
-        if connection.execute(_DELIVERED, dated).first() is not None:
-            return UpsertResult(existing.id, changed=False)
-        existing = connection.execute(_STORED, where).one_or_none()
-        if existing is not None and existing.content_hash == digest:
-            return UpsertResult(existing.id, changed=False)  # a newer delivery of it dated it meanwhile
-        # Another delivery changed the page since it was read: this one is stored as a change.
+            if connection.execute(_HELD_UNCHANGED, held).first() is not None:
+                return UpsertResult(existing.id, changed=False)
+        else:
+            # The newest delivery says this content: an older one still in flight must not replace it.
+            if connection.execute(_DELIVERED, held | {"at": delivered_at}).first() is not None:
+                return UpsertResult(existing.id, changed=False)
+            if connection.execute(_HELD_UNCHANGED, held).first() is not None:
+                return UpsertResult(existing.id, changed=False)  # a newer delivery dated it meanwhile
+        # Another delivery changed the page (or an erasure took it) since it was read: stored as a change.
     values = page.model_dump() | {"content_hash": digest, "delivered_at": delivered_at}
     page_id = connection.execute(_UPSERT, values).scalar_one_or_none()
     if page_id is not None and delivered_at is not None:
