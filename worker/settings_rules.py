@@ -24,6 +24,7 @@ class JudgedSettings(Protocol):
     task_soft_time_limit_seconds: int
     task_time_limit_seconds: int
     webhook_tolerance_seconds: int
+    large_body_seconds: float
 
 
 ENV_PREFIX = "FACTMILL_"
@@ -83,14 +84,22 @@ def soft_limit_first(settings: JudgedSettings) -> None:
         )
 
 
+# How long a delivery may wait between its arrival (where its signature is judged) and the look-up of
+# its stored answer, beyond reading a large body: for a large-body place and for a request thread.
+ANSWER_LOOKUP_ALLOWANCE_SECONDS = 300
+
+
 def answers_outlive_signatures(settings: JudgedSettings) -> None:
-    # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's
-    # fast clock holds for twice the tolerance after it first arrives.
+    # Twice: a timestamp is taken that far either way, so a signature dated ahead by a sender's fast
+    # clock holds for twice the tolerance after it first arrives; and a copy judged at its arrival looks
+    # its answer up only once its body is read (up to FACTMILL_LARGE_BODY_SECONDS) and it has a thread.
     tolerance, hours = settings.webhook_tolerance_seconds, settings.idempotency_key_hours
-    if 2 * tolerance > hours * 3600:
+    reading = settings.large_body_seconds
+    if 2 * tolerance + reading + ANSWER_LOOKUP_ALLOWANCE_SECONDS > hours * 3600:
         raise ValueError(
-            f"FACTMILL_WEBHOOK_TOLERANCE_SECONDS ({tolerance}) is more than half of "
-            f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({hours} h): a signed delivery sent again after its stored "
+            f"FACTMILL_IDEMPOTENCY_KEY_HOURS ({hours} h) must cover twice FACTMILL_WEBHOOK_TOLERANCE_SECONDS "
+            f"({tolerance}) plus FACTMILL_LARGE_BODY_SECONDS ({reading:g}) and "
+            f"{ANSWER_LOOKUP_ALLOWANCE_SECONDS} s of waiting: a signed delivery sent again after its stored "
             "answer was forgotten would be stored twice"
         )
 

@@ -27,10 +27,14 @@ def test_job_retention_is_off_unless_set_and_covers_the_replay_window() -> None:
 
 def test_stored_delivery_answers_outlive_the_signature_window() -> None:
     """A signed delivery sent again while its signature is still good must find its stored answer."""
-    # A timestamp is taken that far either way: a signature holds for twice the tolerance at most.
-    assert Settings(webhook_tolerance_seconds=1800, idempotency_key_hours=1).webhook_tolerance_seconds == 1800
-    with pytest.raises(ValueError, match=r"FACTMILL_WEBHOOK_TOLERANCE_SECONDS \(1801\) is more than half"):
-        Settings(webhook_tolerance_seconds=1801, idempotency_key_hours=1)
+    # A timestamp is taken that far either way: a signature holds for twice the tolerance at most, and a
+    # copy judged at its arrival looks its answer up once its body is read (120 s) and it waited its turn
+    # (300 s): 2 x 1590 + 120 + 300 is the hour.
+    assert Settings(webhook_tolerance_seconds=1590, idempotency_key_hours=1).webhook_tolerance_seconds == 1590
+    with pytest.raises(ValueError, match=r"must cover twice FACTMILL_WEBHOOK_TOLERANCE_SECONDS \(1591\)"):
+        Settings(webhook_tolerance_seconds=1591, idempotency_key_hours=1)
+    with pytest.raises(ValueError, match=r"plus FACTMILL_LARGE_BODY_SECONDS \(1000\)"):
+        Settings(webhook_tolerance_seconds=1200, large_body_seconds=1000, idempotency_key_hours=1)
 
 
 def test_a_refused_environment_names_each_variable_and_not_its_value(
