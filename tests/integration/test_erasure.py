@@ -1351,3 +1351,66 @@ def test_an_erasure_while_a_delivery_lists_the_page_unchanged_still_forgets_its_
         kept = session.scalars(select(WebhookDelivery.response)).all()
     assert len(kept) == 1 and SLUG not in json.dumps(kept), kept
     assert erased_name("default", SLUG) in json.dumps(kept)
+
+
+def test_a_delivery_takes_its_pages_before_what_a_change_locks_so_an_erasure_cannot_deadlock_it(
+    factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch [Q, P]: Q changed to a type with nothing to extract (its facts dropped: their entity's
+    checkpoint locked), P unchanged (held, FOR SHARE). An erasure of P takes P, then the checkpoint of
+    each entity P's facts name. Upserting Q's change before reaching P, the delivery held the entity and
+    waited on P: a deadlock, the delivery ended by Postgres (a 500 to the sender). Every page is now
+    taken before any change's locks: the delivery waits for the erasure, then is refused as older."""
+    import threading
+    from datetime import UTC, datetime
+
+    from tests.rows import fact_row
+    from worker.api.routes.pages import store_pages
+    from worker.extraction import erase
+    from worker.extraction.pages import StaleDeliveryError, upsert_page
+
+    other = "conversations/imessage/aaron"  # before P in the delivery's order
+    sent_at = datetime(2026, 1, 1, tzinfo=UTC)
+    pages = {
+        slug: PageIn(slug=slug, type="conversation", title=slug, compiled_truth=BODY)
+        for slug in (SLUG, other)
+    }
+    with factory.begin() as session:
+        for page in pages.values():
+            upsert_page(session, page, sent_at)
+        session.execute(
+            Fact.__table__.insert(),
+            [
+                fact_row(0) | {"source_markdown_slug": slug, "entity_slug": "people/alice"}
+                for slug in (SLUG, other)
+            ],
+        )
+    holding, go = threading.Event(), threading.Event()
+    forget = erase.forget_page_decisions
+
+    def held_forget(*args: Any, **kwargs: Any) -> None:
+        holding.set()  # the erasure holds P, not yet the entity's checkpoint
+        assert go.wait(30)
+        forget(*args, **kwargs)
+
+    monkeypatch.setattr(erase, "forget_page_decisions", held_forget)
+    batch = [pages[other].model_copy(update={"type": "note"}), pages[SLUG]]  # Q changed, P unchanged
+    delivery_waits = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
+    )
+    with ThreadPoolExecutor(2) as pool:
+        erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
+        assert holding.wait(30)
+        delivering = pool.submit(store_pages, factory, batch, None, "digest", sent_at)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not delivering.done():
+            with factory() as probe:
+                if probe.scalar(delivery_waits):
+                    break
+            time.sleep(0.01)
+        go.set()
+        assert erasing.result(timeout=60) is not None
+        with pytest.raises(StaleDeliveryError, match="older than the page's erasure"):
+            delivering.result(timeout=60)
+    assert counted(factory, Page, Page.slug == SLUG) == 0

@@ -301,6 +301,14 @@ def store_page(session: Session, page: PageIn, delivered_at: datetime | None = N
     """
     if not upsert_page(session, page, delivered_at).changed:
         return None
+    return page_changed(session, page)
+
+
+def page_changed(session: Session, page: PageIn) -> JobRequest:
+    """``store_page``'s step after the upsert, for a page whose content changed: what it no longer says
+    dropped, its extraction job requested. A delivery of several pages upserts them all (in order)
+    before it takes this step for any: this step locks entity checkpoints, which an erasure takes after
+    its page, and a page upserted after another page's step deadlocked with an erasure of it."""
     if has_derived(session, page.source_id, page.slug) and not is_extractable(
         page.type, page_body(page.compiled_truth, page.timeline), extracted_types(session)
     ):
@@ -314,6 +322,7 @@ __all__ = [
     "StaleDeliveryError",
     "UpsertResult",
     "content_hash",
+    "page_changed",
     "store_page",
     "upsert_page",
 ]

@@ -33,7 +33,7 @@ from worker.api.inputs import StorableStr, page_address
 from worker.core.slugs import stored_form
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.extraction.erase import erase_page, no_page_to_erase
-from worker.extraction.pages import PageIn, StaleDeliveryError, store_page
+from worker.extraction.pages import PageIn, StaleDeliveryError, page_changed, upsert_page
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -156,11 +156,13 @@ def store_pages(
     """
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
-        # Lock pages in a fixed order so two overlapping batches cannot deadlock; answer in request order.
+        # Lock pages in a fixed order so two overlapping batches cannot deadlock, every page before
+        # anything a page's change locks (pages.page_changed); answer in request order.
         order = sorted(range(len(pages)), key=lambda i: (pages[i].source_id, pages[i].slug))
+        changed = [i for i in order if upsert_page(session, pages[i], delivered_at).changed]
         results: list[outbox.JobRequest | None] = [None] * len(pages)
-        for index in order:
-            results[index] = store_page(session, pages[index], delivered_at)
+        for index in changed:
+            results[index] = page_changed(session, pages[index])
         response = {
             "jobs": [
                 {"job_id": r.job_id, "source_id": p.source_id, "slug": p.slug, "created": r.created}
