@@ -48,6 +48,7 @@ def test_a_multiprocess_folder_prometheus_client_never_saw_still_counts(
         ("redis://a:6379/2;redis://b:6380/0", "redis://a:6379/2"),  # kombu's failover list: its first
         ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),  # was "unix:/run/...", refused
         ("redis+socket:///tmp/r.sock?db=1", "unix:///tmp/r.sock?db=1"),
+        ("rediss://h:6380/0?ssl_cert_reqs=CERT_REQUIRED#primary", "rediss://h:6380/0?ssl_cert_reqs=required"),
         ("rediss://a:6379?ssl_cert_reqs=CERT_NONE; redis://b", "rediss://a:6379?ssl_cert_reqs=none"),
     ],
 )

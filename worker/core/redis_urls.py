@@ -17,7 +17,7 @@ def redis_py_url(url: str) -> str:
 
     A kombu failover list (``redis://a:6379;redis://b:6379``) is its first server: redis-py read the
     whole list as one URL and failed ("Port could not be cast"), every search a 500."""
-    url = url.split(";", 1)[0].strip()
+    url = url.split(";", 1)[0].strip().partition("#")[0]  # redis-py reads no fragment
     if url.startswith("redis+socket://"):
         url = "unix://" + url.removeprefix("redis+socket://")
     # The query is rewritten by hand: urlunsplit drops an empty host, and "unix:///run/redis.sock?db=2"

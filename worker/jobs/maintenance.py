@@ -43,8 +43,9 @@ LEDGER_BATCH = 10_000
 # cascades (job_id and llm_call_id set NULL in the rows naming what it deletes) wait on whoever holds
 # those rows: a page's erasure locks its audit rows and then its jobs, the reverse order, and the two
 # deadlocked (Postgres ended one, the erasure's DELETE a 500 when it was the one). Under Postgres's
-# deadlock_timeout (1 s), so the sweep always gives way first; background work never makes a user's
-# transaction wait longer than this.
+# deadlock_timeout (1 s), so the sweep usually gives way first (when it began waiting well after the
+# erasure did, Postgres ends the erasure, which is made again: worker.extraction.erase); background
+# work does not make a user's transaction wait much longer than this.
 RETENTION_LOCK_TIMEOUT_MS = 200
 
 
