@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from models import ExtractionAudit
 from worker.extraction.rows import FACT_COLUMNS
 
 
@@ -20,3 +23,10 @@ def fact_row(row_num: int, text: str = "Alice works at Acme") -> dict[str, objec
         "row_num": row_num,
         "is_audit": False,
     }
+
+
+def audit_row(page_slug: str = "p", **columns: Any) -> ExtractionAudit:
+    """An ``extraction_audit`` row of ``page_slug`` in source ``default``: segment 0, outcome ok, unless
+    ``columns`` say otherwise (a job_id, an llm_call_id)."""
+    defaults: dict[str, Any] = {"segment_index": 0, "segment_start": "s", "segment_end": "e", "outcome": "ok"}
+    return ExtractionAudit(source_id="default", page_slug=page_slug, **(defaults | columns))

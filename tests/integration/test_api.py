@@ -1242,20 +1242,16 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
     engine.dispose()
 
 
-def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_figures(
-    database_url: str, factory: sessionmaker[Session]
-) -> None:
-    """The remembered key was taken only after the key check had failed: against a database that drops
-    packets each scrape waited its connect timeout (10 s) there, then the collectors' own, past
-    Prometheus's scrape timeout, and factmill_store_up 0 never reached it."""
+def silent_database(database_url: str) -> tuple[Any, list[bool], list[int]]:
+    """An engine on the test database whose connects fail as a silent server's time out once ``down[0]``
+    is set: (engine, down, attempts), each failed connect appended to ``attempts``."""
     import psycopg
     from sqlalchemy import event
     from sqlalchemy.pool import NullPool
 
-    from tests.auth import bearer, new_key
-
     engine = create_engine(database_url, poolclass=NullPool)
-    down, attempts = [False], []
+    down: list[bool] = [False]
+    attempts: list[int] = []
 
     @event.listens_for(engine, "do_connect")
     def refuse(*_: Any) -> None:
@@ -1263,6 +1259,18 @@ def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_fi
             attempts.append(1)
             raise psycopg.OperationalError("connection timed out (the test's outage)")
 
+    return engine, down, attempts
+
+
+def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_figures(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """The remembered key was taken only after the key check had failed: against a database that drops
+    packets each scrape waited its connect timeout (10 s) there, then the collectors' own, past
+    Prometheus's scrape timeout, and factmill_store_up 0 never reached it."""
+    from tests.auth import bearer, new_key
+
+    engine, down, attempts = silent_database(database_url)
     gated = sessionmaker(engine)
     scraper = bearer(new_key(factory, ["metrics"]))
     with TestClient(create_app(make_runtime(database_url, gated), sender=Recorder(gated))) as client:
@@ -1281,23 +1289,11 @@ def test_a_key_no_scrape_checked_is_refused_during_an_outage_without_a_lookup(
     """Only a remembered key skipped the lookup: anyone sending made-up keys held the scrape's two
     threads, each for the connect timeout of a database that drops packets, and the real scrape timed
     out behind them (factmill_store_up 0 never reached Prometheus)."""
-    import psycopg
-    from sqlalchemy import event
-    from sqlalchemy.pool import NullPool
-
     from tests.auth import bearer, new_key
 
     made_up = {"Authorization": "Bearer fm_made_up_key"}
     scraper = bearer(new_key(factory, ["metrics"]))
-    engine = create_engine(database_url, poolclass=NullPool)
-    down, attempts = [False], []
-
-    @event.listens_for(engine, "do_connect")
-    def refuse(*_: Any) -> None:
-        if down[0]:
-            attempts.append(1)
-            raise psycopg.OperationalError("connection timed out (the test's outage)")
-
+    engine, down, attempts = silent_database(database_url)
     gated = sessionmaker(engine)
     app = create_app(make_runtime(database_url, gated), sender=Recorder(gated))
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -31,6 +31,7 @@ from models import (
 )
 from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime, page, post
+from tests.rows import audit_row, fact_row
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
@@ -1276,17 +1277,7 @@ def test_an_erasure_that_deadlocks_with_a_job_s_expiry_is_made_again(factory: se
     store(factory)
     with factory.begin() as session:
         job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
-        session.add(
-            ExtractionAudit(
-                job_id=job,
-                source_id="default",
-                page_slug=SLUG,
-                segment_index=0,
-                segment_start="s",
-                segment_end="e",
-                outcome="ok",
-            )
-        )
+        session.add(audit_row(SLUG, job_id=job))
     erasure_waits = text(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
         " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND query ILIKE '%jobs%'"
@@ -1364,7 +1355,6 @@ def test_a_delivery_takes_its_pages_before_what_a_change_locks_so_an_erasure_can
     import threading
     from datetime import UTC, datetime
 
-    from tests.rows import fact_row
     from worker.api.routes.pages import store_pages
     from worker.extraction import erase
     from worker.extraction.pages import StaleDeliveryError, upsert_page

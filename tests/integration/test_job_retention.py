@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
 from tests.integration.test_api import make_runtime
 from tests.maintenance import maintained
+from tests.rows import audit_row
 from worker.jobs.maintenance import maintain
 from worker.jobs.outbox import EXTRACTION, request_job
 
@@ -58,17 +59,7 @@ def test_finished_jobs_past_retention_go_oldest_first_and_what_named_them_stays(
     backfilled = finished_job(tx_factory, "backfilled", age_days=400)
     provenance = finished_job(tx_factory, "provenance", age_days=400)
     with tx_factory.begin() as session:
-        session.add(
-            ExtractionAudit(
-                job_id=oldest,
-                source_id="default",
-                page_slug="oldest",
-                segment_index=0,
-                segment_start="s",
-                segment_end="e",
-                outcome="ok",
-            )
-        )
+        session.add(audit_row("oldest", job_id=oldest))
         session.add(LLMCall(job_id=oldest, provider="simulator", model="m", purpose="extract", outcome="ok"))
         session.add(Backfill(source_id="default", job_id=backfilled))
         session.add(
@@ -159,17 +150,7 @@ def test_a_retention_sweep_gives_way_to_an_erasure_holding_the_rows_its_cascade_
     monkeypatch.setattr(maintenance, "RETENTION_LOCK_TIMEOUT_MS", 800)
     job = finished_job(factory, "erased", age_days=40)
     with factory.begin() as session:
-        session.add(
-            ExtractionAudit(
-                job_id=job,
-                source_id="default",
-                page_slug="erased",
-                segment_index=0,
-                segment_start="s",
-                segment_end="e",
-                outcome="ok",
-            )
-        )
+        session.add(audit_row("erased", job_id=job))
     runtime = make_runtime(database_url, factory, job_retention_days=30)
     waiting = text(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"

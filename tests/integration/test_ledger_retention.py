@@ -24,6 +24,7 @@ from models import (
 )
 from tests.integration.test_api import make_runtime
 from tests.maintenance import maintained
+from tests.rows import audit_row
 from worker.accounting import Ledger, LLMCallRecord
 from worker.config_store import ConfigReader
 from worker.llm.types import Usage
@@ -49,15 +50,7 @@ def call(factory: sessionmaker[Session], age_days: float) -> int:
 
 def audit(factory: sessionmaker[Session], call_id: int | None, age_days: float) -> int:
     with factory.begin() as session:
-        row = ExtractionAudit(
-            source_id="default",
-            page_slug="p",
-            segment_index=0,
-            segment_start="s",
-            segment_end="e",
-            outcome="ok",
-            llm_call_id=call_id,
-        )
+        row = audit_row(llm_call_id=call_id)
         session.add(row)
         session.flush()
         session.execute(
