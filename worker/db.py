@@ -10,19 +10,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.exc import InvalidatePoolError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random
 
 from worker.core.errors import InvalidSettingsError, MigrationsMissingError
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def resource_root() -> Path:
@@ -128,6 +130,24 @@ def lock_timed_out(exc: BaseException) -> bool:
 def deadlocked(exc: BaseException) -> bool:
     """Postgres ended the transaction to break a deadlock with another: trying again is the answer."""
     return getattr(getattr(exc, "orig", None), "sqlstate", None) == DEADLOCK_DETECTED
+
+
+# How many times a transaction Postgres ended to break a deadlock is made: the other side has usually
+# committed by the second try (a short random wait lets it).
+DEADLOCK_TRIES = 3
+
+
+def made_again_on_deadlock(work: Callable[..., _T], *args: Any) -> _T:
+    """``work(*args)``, made again (up to DEADLOCK_TRIES times in all) when Postgres ended its transaction
+    to break a deadlock. ``work`` must own its transaction and touch nothing outside it before the
+    commit (nothing sent, nothing counted): what a try did was all rolled back."""
+    retrying = Retrying(
+        retry=retry_if_exception(deadlocked),
+        stop=stop_after_attempt(DEADLOCK_TRIES),
+        wait=wait_random(0.05, 0.25),
+        reraise=True,
+    )
+    return retrying(work, *args)
 
 
 # SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many

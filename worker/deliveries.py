@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.tables import WEBHOOK_DELIVERIES
 from worker.core.signing import IDEMPOTENCY_HEADER
+from worker.db import made_again_on_deadlock
 
 T = TypeVar("T")
 
@@ -96,7 +97,21 @@ def deliver_once(
     """Run ``write`` (which returns the answer and anything else the caller needs) in one transaction
     and keep its answer under ``key``. Returns (answer, what write returned), or (the stored answer,
     None) when ``key`` was delivered before; DeliveryKeyReusedError when it was delivered with a
-    different body."""
+    different body.
+
+    A transaction Postgres ended to break a deadlock is made again (worker.db.made_again_on_deadlock): it
+    was all rolled back, and nothing is sent before the commit, so ``write`` must touch nothing but the
+    session. Two batches emptying pages whose facts name the same entities in crossed orders, or a
+    delivery meeting a retention sweep's cascade, deadlocked: a 500 to a sender who did nothing wrong."""
+    return made_again_on_deadlock(_deliver_once, factory, key, body_hash, write)
+
+
+def _deliver_once(
+    factory: sessionmaker[Session],
+    key: str | None,
+    body_hash: str,
+    write: Callable[[Session], tuple[Answer, T]],
+) -> tuple[Answer, T | None]:
     try:
         with factory.begin() as session:
             if key is not None:

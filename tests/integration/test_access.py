@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ApiKey, Erasure, Page
@@ -605,3 +605,38 @@ def test_a_delivery_stored_before_a_rule_tightened_gets_its_stored_answer_when_s
     assert again.json() == appended
     refused = api.post(path, content=messages, headers=signed(messages, path, idempotency_key="m-2"))
     assert refused.status_code == 422 and "unknown field(s) content" in refused.text
+
+
+def test_a_delivery_postgres_ends_to_break_a_deadlock_is_made_again(factory: sessionmaker[Session]) -> None:
+    """Two deliveries locking the same rows in crossed orders (two batches emptying pages whose facts
+    name the same entities): Postgres ended one, a 500 to a sender who did nothing wrong. It was all
+    rolled back and nothing is sent before the commit, so it is made again; both are stored."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker.deliveries import deliver_once
+    from worker.extraction.pages import PageIn, upsert_page
+
+    with factory.begin() as session:
+        ids = [upsert_page(session, PageIn(slug=f"p{n}", type="note")).page_id for n in (0, 1)]
+    both_hold_one = threading.Barrier(2, timeout=30)
+    tries: list[str] = []
+
+    def crossed(first: int, then: int, name: str) -> Any:
+        def write(session: Session) -> tuple[dict[str, Any], None]:
+            tries.append(name)
+            lock = select(Page.id).where(Page.id == bindparam("id")).with_for_update()
+            session.execute(lock, {"id": ids[first]})
+            if tries.count(name) == 1:  # the first try of each meets the other holding its first row
+                both_hold_one.wait()
+            session.execute(lock, {"id": ids[then]})
+            return {"delivery": name}, None
+
+        return write
+
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(deliver_once, factory, "k-one", "h1", crossed(0, 1, "one"))
+        two = pool.submit(deliver_once, factory, "k-two", "h2", crossed(1, 0, "two"))
+        answers = [one.result(timeout=60)[0], two.result(timeout=60)[0]]
+    assert answers == [{"delivery": "one"}, {"delivery": "two"}]
+    assert len(tries) == 3  # one of the two was made again

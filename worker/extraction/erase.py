@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 
 from sqlalchemy import bindparam, delete, func, literal_column, or_, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random
 
 from models import Backfill, Erasure, ExtractionAudit, Fact, OpCheckpoint, Page, forget_page_in_deliveries
 from models.tables import FACTS, LLM_CALLS, OP_CHECKPOINTS
@@ -26,7 +25,7 @@ from worker.consolidation.erasure import (
 from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
-from worker.db import deadlocked
+from worker.db import made_again_on_deadlock
 from worker.extraction.options import narrow_page_types
 from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
@@ -258,7 +257,6 @@ def forget_page_name(
 # sweep's DELETE of an old job takes the job, then (its ON DELETE SET NULL) the rows naming it. When the
 # two meet the other way round from the one the sweep gives way in (worker.jobs.maintenance), Postgres
 # ends the erasure: all of it rolled back, so it is simply made again (it was a 500 to the admin).
-_ERASE_TRIES = 3
 
 
 def erase_page(
@@ -267,14 +265,8 @@ def erase_page(
     """Erase the page and everything drawn from it in ONE transaction, leaving one content-free row in
     ``erasures``; None (nothing written) when there is no such page. The caller sends
     ``report.pending`` after this returns (the commit is done). A transaction Postgres ended to break a
-    deadlock is made again, up to _ERASE_TRIES times."""
-    retrying = Retrying(
-        retry=retry_if_exception(deadlocked),
-        stop=stop_after_attempt(_ERASE_TRIES),
-        wait=wait_random(0.05, 0.25),
-        reraise=True,
-    )
-    return retrying(_erase_page_once, factory, source_id, slug, requested_by)
+    deadlock is made again (worker.db.made_again_on_deadlock)."""
+    return made_again_on_deadlock(_erase_page_once, factory, source_id, slug, requested_by)
 
 
 def _erase_page_once(
