@@ -1685,3 +1685,20 @@ def test_a_batch_gone_with_nothing_pending_is_not_reported_as_a_refused_cancel(f
     assert run_pass(anthropic_rt, job_id).status == "paused"
     note = job_row(factory, job_id).last_error or ""
     assert "1 gone at the provider" in note and "did not cancel" not in note, note
+
+
+def test_a_plan_holds_its_pages_in_the_order_a_delivery_locks_them_whatever_the_collation(
+    session: Session,
+) -> None:
+    """A delivery locks its pages in Python's order of (source_id, slug); the plan held them in the
+    database's collation, en_US on the official Postgres images, where "Bob" sorts after "alice" (and
+    Python's before it): each held one of two pages and waited on the other. Here the column is given
+    that collation (in the test's transaction, rolled back)."""
+    from worker.extraction.backfill_store import HOLD_PAGES
+    from worker.extraction.pages import PageIn, upsert_page
+
+    session.execute(text('ALTER TABLE pages ALTER COLUMN slug TYPE text COLLATE "en-US-x-icu"'))
+    slugs = ["alice", "Bob", "ab", "a-c", "Zed", "zed"]
+    ids = {upsert_page(session, PageIn(slug=slug, type="note")).page_id: slug for slug in slugs}
+    held = [ids[page_id] for page_id in session.scalars(HOLD_PAGES, {"ids": list(ids)})]
+    assert held == sorted(slugs), held

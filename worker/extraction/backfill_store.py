@@ -30,6 +30,18 @@ SEND_FAILED = "send failed"  # provider_status of a batch whose last send failed
 NO_SEGMENT = Segment((), (), "", "")
 
 
+# The planned pages that still exist, held (FOR SHARE) in the order a webhook's delivery locks its pages:
+# Python's sort of (source_id, slug), code point by code point, which is the "C" collation's byte order
+# in UTF-8. In the database's own collation (en_US on the official Postgres images) "Bob" sorts after
+# "alice" and Python's before it: a delivery and a plan each held one of two pages and waited on the other.
+HOLD_PAGES = (
+    select(PAGES.c.id)
+    .where(PAGES.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    .order_by(PAGES.c.source_id.collate("C"), PAGES.c.slug.collate("C"))
+    .with_for_update(read=True)
+)
+
+
 class RequestAlreadyRecordedError(RuntimeError):
     """A batch request's result was recorded already: the transaction recording it again rolls back."""
 
@@ -225,14 +237,7 @@ class BackfillStore:
             # Only pages that still exist, held (FOR SHARE) until the plan commits: a page erased while
             # the plan was read kept its slug in the requests stored after its erasure had renamed them.
             planned_ids = sorted({r.page_id for b in batches for r in b.requests})
-            present = set(
-                session.scalars(
-                    select(PAGES.c.id)
-                    .where(PAGES.c.id == any_(bindparam("ids", planned_ids, type_=ARRAY(BigInteger))))
-                    .order_by(PAGES.c.source_id, PAGES.c.slug)  # as a webhook's pages lock theirs
-                    .with_for_update(read=True)
-                )
-            )
+            present = set(session.scalars(HOLD_PAGES, {"ids": planned_ids}))
             for planned in batches:
                 kept = [r for r in planned.requests if r.page_id not in taken and r.page_id in present]
                 if not kept:
