@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select, text, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import Session
 
 from models import Job
 from tests.clock import now
@@ -873,3 +874,19 @@ def test_a_provider_missing_its_key_fails_the_job_at_once_saying_what_to_set(fac
         )
     finally:
         rt.close()
+
+
+def test_pending_jobs_are_locked_in_the_order_their_subjects_are_inserted_whatever_the_collation(
+    session: Session,
+) -> None:
+    """Subjects are inserted in Python's sort (code point by code point) and the pending ones were locked
+    in the database's collation, en_US on the official Postgres images, where "Bob" sorts after
+    "alice": two requests for overlapping subjects could each wait on the other. Here the column is
+    given that collation (in the test's transaction, rolled back)."""
+    from worker.jobs.outbox import _PENDING_OF
+
+    session.execute(text('ALTER TABLE jobs ALTER COLUMN subject TYPE text COLLATE "en-US-x-icu"'))
+    subjects = ["default|alice", "default|Bob", "default|ab", "default|a-c", "default|Zed", "default|zed"]
+    request_jobs(session, EXTRACTION, subjects)
+    locked = [row.subject for row in session.execute(_PENDING_OF, {"kind": EXTRACTION, "subjects": subjects})]
+    assert locked == sorted(subjects), locked

@@ -121,7 +121,10 @@ _PENDING_OF = (
         JOBS.c.subject == any_(bindparam("subjects", type_=ARRAY(Text))),
         JOBS.c.status.in_(PENDING),
     )
-    .order_by(JOBS.c.subject)
+    # The "C" collation's order is the order the subjects were inserted in (Python's sort, code point by
+    # code point); the database's own (en_US on the official images) put "Bob" after "alice", and two
+    # requests for overlapping subjects, one inserting and one locking, could each wait on the other.
+    .order_by(JOBS.c.subject.collate("C"))
     .with_for_update()
 )
 
