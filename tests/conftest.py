@@ -175,6 +175,31 @@ def _no_vector_store(reason: str) -> None:
     pytest.skip(reason)
 
 
+# Collations in which "Bob" sorts after "alice", unlike "C" (ICU's, glibc's en_US): the order the
+# official Postgres images' databases have, which lock-order tests give a column to prove they do not
+# depend on it.
+UNLIKE_C = ("en-US-x-icu", "und-x-icu", "en_US.utf8", "en_US.UTF-8", "en_US")
+
+
+@pytest.fixture
+def collation_unlike_c(session: Session) -> str:
+    """A collation of the test server unlike "C"; skipped on a laptop whose server has none (the summary
+    says so), a failure in CI."""
+    found = set(
+        session.scalars(
+            text("SELECT collname FROM pg_collation WHERE collname = ANY(:names)"), {"names": list(UNLIKE_C)}
+        )
+    )
+    for name in UNLIKE_C:
+        if name in found:
+            return name
+    reason = "the test server has no collation unlike C (no ICU, no en_US locale)"
+    if os.environ.get("CI"):
+        pytest.fail(f"in CI: {reason}", pytrace=False)
+    BACKENDS["collation"] = f"collation-order tests SKIPPED: {reason}"
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def vector_database_url(database_url: str) -> Iterator[str]:
     """A database with the pgvector store: the test database when its server has pgvector, else one on
@@ -327,7 +352,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     postgres = _backend("postgres", "not used")
     redis = _backend("redis", "not used")
     line = f"backends: postgres={postgres}, redis={redis}"
-    pgvector = _backend("pgvector", "")
-    if pgvector:
-        line += f"; {pgvector}"
+    for note in (_backend("pgvector", ""), _backend("collation", "")):
+        if note:
+            line += f"; {note}"
     terminalreporter.write_line(line)

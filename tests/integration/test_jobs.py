@@ -877,7 +877,7 @@ def test_a_provider_missing_its_key_fails_the_job_at_once_saying_what_to_set(fac
 
 
 def test_pending_jobs_are_locked_in_the_order_their_subjects_are_inserted_whatever_the_collation(
-    session: Session,
+    session: Session, collation_unlike_c: str
 ) -> None:
     """Subjects are inserted in Python's sort (code point by code point) and the pending ones were locked
     in the database's collation, en_US on the official Postgres images, where "Bob" sorts after
@@ -885,7 +885,7 @@ def test_pending_jobs_are_locked_in_the_order_their_subjects_are_inserted_whatev
     given that collation (in the test's transaction, rolled back)."""
     from worker.jobs.outbox import _PENDING_OF
 
-    session.execute(text('ALTER TABLE jobs ALTER COLUMN subject TYPE text COLLATE "en-US-x-icu"'))
+    session.execute(text(f'ALTER TABLE jobs ALTER COLUMN subject TYPE text COLLATE "{collation_unlike_c}"'))
     subjects = ["default|alice", "default|Bob", "default|ab", "default|a-c", "default|Zed", "default|zed"]
     request_jobs(session, EXTRACTION, subjects)
     locked = [row.subject for row in session.execute(_PENDING_OF, {"kind": EXTRACTION, "subjects": subjects})]
