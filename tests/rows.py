@@ -28,5 +28,11 @@ def fact_row(row_num: int, text: str = "Alice works at Acme") -> dict[str, objec
 def audit_row(page_slug: str = "p", **columns: Any) -> ExtractionAudit:
     """An ``extraction_audit`` row of ``page_slug`` in source ``default``: segment 0, outcome ok, unless
     ``columns`` say otherwise (a job_id, an llm_call_id)."""
-    defaults: dict[str, Any] = {"segment_index": 0, "segment_start": "s", "segment_end": "e", "outcome": "ok"}
-    return ExtractionAudit(source_id="default", page_slug=page_slug, **(defaults | columns))
+    defaults: dict[str, Any] = {
+        "source_id": "default",
+        "segment_index": 0,
+        "segment_start": "s",
+        "segment_end": "e",
+        "outcome": "ok",
+    }
+    return ExtractionAudit(page_slug=page_slug, **(defaults | columns))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session, sessionmaker
 
 from worker.extraction.ingest import ingest_paths
 
@@ -158,3 +162,44 @@ def test_a_newer_delivery_of_the_stored_content_wins_over_an_older_change_commit
     assert result.changed
     with factory() as session:
         assert session.scalars(select(Page.compiled_truth).where(Page.slug == "race/a")).one() == "one"
+
+
+def test_an_ingest_postgres_ends_to_break_a_deadlock_stores_its_page_all_the_same(
+    tmp_path: Path, factory: sessionmaker[Session]
+) -> None:
+    """A file turning a page into one with nothing to extract drops its facts: the page, then their
+    entity's checkpoint, locked. A delivery emptying pages of the same entity takes them the other way
+    round; when the ingest was the one Postgres ended, the error stopped the whole run mid-folder."""
+    from models import Fact, Page
+    from tests.rows import fact_row
+    from worker.consolidation.store import lock_checkpoint
+    from worker.extraction.pages import PageIn, upsert_page
+
+    with factory.begin() as session:
+        page_id = upsert_page(
+            session, PageIn(slug="notes/p", type="conversation", compiled_truth="x")
+        ).page_id
+        session.execute(
+            Fact.__table__.insert(),
+            [fact_row(0) | {"source_markdown_slug": "notes/p", "entity_slug": "people/alice"}],
+        )
+    (tmp_path / "p.md").write_text("---\nslug: notes/p\ntype: note\n---\nno longer a conversation\n")
+    ingest_waits = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
+    )
+    with factory() as other, ThreadPoolExecutor(1) as pool:
+        lock_checkpoint(other, "default", "people/alice")  # the other side holds the entity first
+        ingesting = pool.submit(ingest_paths, factory, [tmp_path])
+        deadline, seen = time.monotonic() + 20, False
+        while not seen and not ingesting.done() and time.monotonic() < deadline:
+            with factory() as probe:
+                seen = bool(probe.scalar(ingest_waits))
+            time.sleep(0.01)
+        assert seen, "the ingest never waited on the entity's checkpoint"
+        other.execute(select(Page.id).where(Page.id == page_id).with_for_update())  # then the page
+        other.commit()
+        report = ingesting.result(timeout=60)
+    assert report.errors == [] and report.ingested == ["notes/p"], report
+    with factory() as session:
+        assert session.scalar(select(Page.type).where(Page.id == page_id)) == "note"

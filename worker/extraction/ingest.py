@@ -17,8 +17,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
+from worker.db import made_again_on_deadlock
 from worker.extraction.pages import MAX_FRONT_MATTER_DEPTH, PageIn, StaleDeliveryError, store_page
-from worker.jobs.outbox import EXTRACTION
+from worker.jobs.outbox import EXTRACTION, JobRequest
 
 logger = logging.getLogger(__name__)
 
@@ -331,9 +332,9 @@ def _ingest_file(
     try:
         # Dated by the database's clock (which dates erasures; an operator's laptop's may be off):
         # undated, it was undone by a sender's retry of an older delivery (signed before this ingest,
-        # it still passed the page's newest-delivery check).
-        with factory.begin() as session:
-            job = store_page(session, page, session.scalar(select(func.now())))
+        # it still passed the page's newest-delivery check). A deadlock with a delivery emptying pages
+        # of the same entities is made again, as the delivery is (it stopped the run mid-folder).
+        job = made_again_on_deadlock(_store_dated, factory, page)
     except StaleDeliveryError as exc:  # erased while it waited, or stored by a delivery dated later
         at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
         said = (
@@ -351,3 +352,9 @@ def _ingest_file(
         report.jobs.append((job.job_id, EXTRACTION))
         if job.created:
             report.created.append((job.job_id, EXTRACTION))
+
+
+def _store_dated(factory: sessionmaker[Session], page: PageIn) -> JobRequest | None:
+    """``store_page`` in a transaction of its own, dated by the database's clock."""
+    with factory.begin() as session:
+        return store_page(session, page, session.scalar(select(func.now())))
