@@ -31,6 +31,7 @@ from models import (
 )
 from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime, page, post
+from tests.locks import waits_on_a_lock
 from tests.rows import audit_row, fact_row
 from worker import db as worker_db
 from worker.api.app import create_app
@@ -1279,19 +1280,10 @@ def test_an_erasure_that_deadlocks_with_a_job_s_expiry_is_made_again(factory: se
     with factory.begin() as session:
         job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
         session.add(audit_row(SLUG, job_id=job))
-    erasure_waits = text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND query ILIKE '%jobs%'"
-    )
     with factory() as sweep, ThreadPoolExecutor(1) as pool:
         sweep.execute(select(Job.id).where(Job.id == job).with_for_update())  # the sweep's hold on the job
         erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
-        deadline, seen = time.monotonic() + 20, False
-        while not seen and not erasing.done() and time.monotonic() < deadline:
-            with factory() as probe:
-                seen = bool(probe.scalar(erasure_waits))
-            time.sleep(0.01)
-        assert seen, "the erasure never waited on the job the sweep holds"
+        assert waits_on_a_lock(factory, erasing, "%jobs%"), "the erasure never waited on the sweep's job"
         sweep.execute(delete(Job).where(Job.id == job))  # its cascade needs the audit rows the erasure holds
         sweep.commit()
         report = erasing.result(timeout=60)
@@ -1322,20 +1314,11 @@ def test_an_erasure_while_a_delivery_lists_the_page_unchanged_still_forgets_its_
         assert go.wait(30)
         return {"jobs": [], "unchanged": [{"source_id": "default", "slug": SLUG}]}, None
 
-    erasure_waits = text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
-    )
     with ThreadPoolExecutor(2) as pool:
         delivering = pool.submit(deliver_once, factory, "delivery-1", "body-digest", write)
         assert upserted.wait(30)
         erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
-        deadline = time.monotonic() + 10  # until the erasure is done (unheld) or waits on the page
-        while not erasing.done() and time.monotonic() < deadline:
-            with factory() as probe:
-                if probe.scalar(erasure_waits):
-                    break
-            time.sleep(0.01)
+        waits_on_a_lock(factory, erasing, timeout=10)  # until the erasure is done (unheld) or waits on P
         go.set()
         delivering.result(timeout=30)
         assert erasing.result(timeout=30) is not None
@@ -1389,20 +1372,11 @@ def test_a_delivery_takes_its_pages_before_what_a_change_locks_so_an_erasure_can
     # pass with the deadlock back (deliveries.deliver_once makes a deadlocked delivery again).
     monkeypatch.setattr(worker_db, "DEADLOCK_TRIES", 1)
     batch = [pages[other].model_copy(update={"type": "note"}), pages[SLUG]]  # Q changed, P unchanged
-    delivery_waits = text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
-    )
     with ThreadPoolExecutor(2) as pool:
         erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
         assert holding.wait(30)
         delivering = pool.submit(store_pages, factory, batch, None, "digest", sent_at)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not delivering.done():
-            with factory() as probe:
-                if probe.scalar(delivery_waits):
-                    break
-            time.sleep(0.01)
+        waits_on_a_lock(factory, delivering)  # until the delivery waits on P (or is done)
         go.set()
         assert erasing.result(timeout=60) is not None
         with pytest.raises(StaleDeliveryError, match="older than the page's erasure"):

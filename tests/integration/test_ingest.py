@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from tests.locks import waits_on_a_lock
 from worker.extraction.ingest import ingest_paths
 
 pytestmark = pytest.mark.integration
@@ -184,19 +184,10 @@ def test_an_ingest_postgres_ends_to_break_a_deadlock_stores_its_page_all_the_sam
             [fact_row(0) | {"source_markdown_slug": "notes/p", "entity_slug": "people/alice"}],
         )
     (tmp_path / "p.md").write_text("---\nslug: notes/p\ntype: note\n---\nno longer a conversation\n")
-    ingest_waits = text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
-    )
     with factory() as other, ThreadPoolExecutor(1) as pool:
         lock_checkpoint(other, "default", "people/alice")  # the other side holds the entity first
         ingesting = pool.submit(ingest_paths, factory, [tmp_path])
-        deadline, seen = time.monotonic() + 20, False
-        while not seen and not ingesting.done() and time.monotonic() < deadline:
-            with factory() as probe:
-                seen = bool(probe.scalar(ingest_waits))
-            time.sleep(0.01)
-        assert seen, "the ingest never waited on the entity's checkpoint"
+        assert waits_on_a_lock(factory, ingesting), "the ingest never waited on the entity's checkpoint"
         other.execute(select(Page.id).where(Page.id == page_id).with_for_update())  # then the page
         other.commit()
         report = ingesting.result(timeout=60)

@@ -3,17 +3,17 @@ time; what named them stays, and a job a backfill or a threshold version names s
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
 from tests.integration.test_api import make_runtime
+from tests.locks import waits_on_a_lock
 from tests.maintenance import maintained
 from tests.rows import audit_row
 from worker.jobs.maintenance import maintain
@@ -152,20 +152,10 @@ def test_a_retention_sweep_gives_way_to_an_erasure_holding_the_rows_its_cascade_
     with factory.begin() as session:
         session.add(audit_row("erased", job_id=job))
     runtime = make_runtime(database_url, factory, job_retention_days=30)
-    waiting = text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND query LIKE 'DELETE FROM jobs%'"
-    )
     with factory() as erasure, ThreadPoolExecutor(1) as pool:
         erasure.execute(delete(ExtractionAudit).where(ExtractionAudit.page_slug == "erased"))
         sweeping = pool.submit(maintain, runtime)
-        seen = False
-        deadline = time.monotonic() + 10
-        while not seen and not sweeping.done() and time.monotonic() < deadline:
-            with factory() as probe:
-                seen = bool(probe.scalar(waiting))
-            time.sleep(0.005)
-        assert seen, "the sweep's DELETE never waited on the erasure's rows"
+        assert waits_on_a_lock(factory, sweeping, "DELETE FROM jobs%"), "the sweep never waited on the rows"
         # The erasure's next step, its jobs: it waited on the sweep's lock, and one of the two was ended.
         erasure.execute(update(Job).where(Job.id == job).values(subject="default|forgotten"))
         erasure.commit()
