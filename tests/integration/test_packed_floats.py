@@ -8,7 +8,7 @@ import random
 from decimal import Decimal
 
 import pytest
-from sqlalchemy import insert, select, text
+from sqlalchemy import bindparam, insert, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Fact, LLMCall
@@ -116,3 +116,28 @@ def test_pages_facts_to_embed_reads_the_pages_asked_for_and_only_facts_without_o
     found = store.pages_facts_to_embed([("default", "q"), ("default", "p"), ("default", "missing")])
     assert [row.id for row in found] == [ids[0], ids[1]]  # id order; q's second fact has a vector
     assert store.pages_facts_to_embed([]) == []
+
+
+def test_a_fill_postgres_ends_to_break_a_deadlock_is_made_again(factory: sessionmaker[Session]) -> None:
+    """The fill locks its facts in the join's order; a consolidation commit or an erasure holding one
+    of them and then wanting another it holds deadlocked with it, and the fill was ended: `factmill
+    embed` aborted, a follow-up's vectors were lost. It is made again (the vectors are in hand)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.locks import waits_on_a_lock
+
+    store = SearchStore(factory, Ledger(lambda key: None))
+    first, second = facts(factory, 2)
+    lock = select(Fact.id).where(Fact.id == bindparam("id")).with_for_update()
+    with factory() as other, ThreadPoolExecutor(1) as pool:
+        other.execute(lock, {"id": second})  # the other side holds the second fact
+        filling = pool.submit(store.fill_embeddings, [first, second], [[1.0], [2.0]], model="m")
+        assert waits_on_a_lock(factory, filling, "%UPDATE facts%"), "the fill never waited on the fact"
+        other.execute(lock, {"id": first})  # then wants the first, which the fill holds
+        other.commit()
+        assert filling.result(timeout=60) == 2
+    with factory() as session:
+        stored = dict(
+            session.execute(select(Fact.id, Fact.embedding).where(Fact.id.in_([first, second]))).all()
+        )
+    assert stored == {first: [1.0], second: [2.0]}

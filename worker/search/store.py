@@ -24,7 +24,7 @@ from worker.accounting import Ledger, LLMCallRecord
 from worker.consolidation.history import Lifecycle
 from worker.core.embeddings import vector_literal, vectors_problem, version_tuple
 from worker.core.fusion import Hit
-from worker.db import statement_timed_out
+from worker.db import made_again_on_deadlock, statement_timed_out
 from worker.search.errors import UNAVAILABLE_NO_EXTENSION, UNAVAILABLE_NOT_SET_UP, SearchError
 from worker.search.lexical import filter_sql, lexical_search
 from worker.search.values import HNSW_EF_SEARCH, Deadline, SearchFilters, VectorSearchStatus
@@ -229,12 +229,20 @@ class SearchStore:
             "model": model,
             "replace": replace,
         }
-        with self._factory.begin() as session:
-            if call is not None:
-                self._ledger.record(session, call)
-            # One statement for the whole batch (a round trip per fact made embedding dominate a worker's
-            # time). Only fill a gap: a concurrent writer's embedding is as good as ours.
-            return len(session.execute(_FILL_EMBEDDINGS, params).all())
+
+        def fill() -> int:
+            with self._factory.begin() as session:
+                if call is not None:
+                    self._ledger.record(session, call)
+                # One statement for the whole batch (a round trip per fact made embedding dominate a
+                # worker's time). Only fill a gap: a concurrent writer's embedding is as good as ours.
+                return len(session.execute(_FILL_EMBEDDINGS, params).all())
+
+        # Its facts are locked in the join's order, not an entity's: against a consolidation commit or an
+        # erasure taking some of them the other way round, Postgres could end it (`factmill embed`
+        # aborted, a follow-up's vectors were lost). Made again: the vectors are in hand, nothing is asked
+        # of the model twice.
+        return made_again_on_deadlock(fill)
 
     def record_llm_call(self, call: LLMCallRecord) -> None:
         """Account for a search-time LLM call in llm_calls, costed by the ledger (`llm.prices` applies)."""
