@@ -1242,9 +1242,10 @@ def test_the_metrics_scrape_reports_a_database_outage_to_the_key_it_checked_befo
     engine.dispose()
 
 
-def silent_database(database_url: str) -> tuple[Any, list[bool], list[int]]:
+def silent_database(database_url: str, timeout: float = 0.0) -> tuple[Any, list[bool], list[int]]:
     """An engine on the test database whose connects fail as a silent server's time out once ``down[0]``
-    is set: (engine, down, attempts), each failed connect appended to ``attempts``."""
+    is set, each after ``timeout`` seconds: (engine, down, attempts), each failed connect appended to
+    ``attempts``."""
     import psycopg
     from sqlalchemy import event
     from sqlalchemy.pool import NullPool
@@ -1257,6 +1258,7 @@ def silent_database(database_url: str) -> tuple[Any, list[bool], list[int]]:
     def refuse(*_: Any) -> None:
         if down[0]:
             attempts.append(1)
+            time.sleep(timeout)
             raise psycopg.OperationalError("connection timed out (the test's outage)")
 
     return engine, down, attempts
@@ -1315,6 +1317,31 @@ def test_a_key_no_scrape_checked_is_refused_during_an_outage_without_a_lookup(
         assert admin.status_code == 200 and "factmill_store_up 0.0" in admin.text
         assert client.get("/metrics", headers={"Authorization": "Bearer not-a-key"}).status_code == 401
         assert len(attempts) == seen
+    engine.dispose()
+
+
+def test_made_up_keys_queued_before_an_outage_was_seen_do_not_each_wait_out_a_connect(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """The refusal was asked on the event loop only: keys that arrived together, before the first lookup
+    failed and the outage was seen, were all queued on the scrape's two threads and each waited its
+    connect timeout there, the real scrape behind them. They are asked again on the thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.auth import bearer, new_key
+
+    scraper = bearer(new_key(factory, ["metrics"]))
+    engine, down, attempts = silent_database(database_url, timeout=1.0)
+    gated = sessionmaker(engine)
+    app = create_app(make_runtime(database_url, gated), sender=Recorder(gated))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        down[0] = True
+        made_up = [{"Authorization": f"Bearer fm_made_up_{n}"} for n in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda headers: client.get("/metrics", headers=headers), made_up))
+        assert {a.status_code for a in answers} == {503}
+        assert len(attempts) <= 2, attempts  # the first on each thread; the rest refused on it
     engine.dispose()
 
 

@@ -87,7 +87,9 @@ def _resolved(
     remembered = None
     if through_outage:
         remembered = ctx.remembered_key(hash_key(credentials.credentials), OUTAGE_GRACE_SECONDS)
-        if remembered is not None and outage_seen(ctx.factory, gone=True):
+        if remembered is None:
+            _refuse_unlookable(ctx, credentials.credentials)  # again on its thread: queued, it waited
+        elif outage_seen(ctx.factory, gone=True):
             # Not asked again while the database is away (gone: not merely out of connections, when it
             # is up and would say the key was revoked): a database that drops packets took the connect
             # timeout (10 s, or a pooled connection's 60) per scrape before the collectors' own reads,
@@ -245,23 +247,28 @@ async def on_scrape_threads(work: Callable[[], T]) -> T:
 async def _metrics_reader(ctx: Context, credentials: Credentials) -> Principal:
     if credentials is None:  # the 401, on the event loop: no lookup to make, no thread to queue for
         return _metrics_key(ctx, None)
-    key = credentials.credentials
-    looked_up = may_be_a_key(key) and not is_admin_token(key, ctx.settings.admin_token)
+    if ctx.remembered_key(hash_key(credentials.credentials), OUTAGE_GRACE_SECONDS) is None:
+        _refuse_unlookable(ctx, credentials.credentials)
+    return await on_scrape_threads(lambda: _metrics_key(ctx, credentials))
+
+
+def _refuse_unlookable(ctx: ApiContext, key: str) -> None:
+    """503 for a key no scrape checked lately (the caller knows) while the database is seen away: it
+    cannot be checked, and each lookup held one of the scrape's two threads for the connect timeout.
+    Anyone could send such keys, and the scrape with the real key timed out behind them
+    (factmill_store_up 0 unseen). Asked on the event loop and again on the thread, where a request
+    queued before the outage was seen would otherwise still wait its timeout. The admin token and what
+    has no key's form are told without the database."""
     if (
-        looked_up
-        and ctx.remembered_key(hash_key(key), OUTAGE_GRACE_SECONDS) is None
+        may_be_a_key(key)
+        and not is_admin_token(key, ctx.settings.admin_token)
         and outage_seen(ctx.factory, gone=True)
     ):
-        # A key no scrape checked lately, while the database is away: it cannot be checked, and each
-        # lookup held one of the scrape's two threads for the connect timeout. Anyone could send such
-        # keys, and the scrape with the real key timed out behind them (factmill_store_up 0 unseen).
-        # The admin token and what has no key's form are told without the database.
         raise ApiError(
             503,
             "the database is unavailable; try again shortly",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
         )
-    return await on_scrape_threads(lambda: _metrics_key(ctx, credentials))
 
 
 MetricsReader = Annotated[Principal, Depends(_metrics_reader)]
