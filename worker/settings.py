@@ -35,7 +35,7 @@ CENTURY_DAYS = 36_525
 
 
 class InsecureSecretsError(RefusedSettingsError):
-    """Production settings with a placeholder, short or shared secret."""
+    """A placeholder secret outside development; in production, a short or shared one too."""
 
 
 # The schemes each server URL takes (the broker: any transport Celery knows, as long as it names one).

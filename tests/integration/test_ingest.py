@@ -168,8 +168,10 @@ def test_an_ingest_postgres_ends_to_break_a_deadlock_stores_its_page_all_the_sam
     tmp_path: Path, factory: sessionmaker[Session]
 ) -> None:
     """A file turning a page into one with nothing to extract drops its facts: the page, then their
-    entity's checkpoint, locked. A delivery emptying pages of the same entity takes them the other way
-    round; when the ingest was the one Postgres ended, the error stopped the whole run mid-folder."""
+    entities' checkpoints (sorted), locked. Another transaction holding one of those checkpoints and
+    then wanting the page (here by hand; a delivery emptying pages of the same entities takes their
+    checkpoints page by page, a crossed order) deadlocked with it; when the ingest was the one Postgres
+    ended, the error stopped the whole run mid-folder."""
     from models import Fact, Page
     from tests.rows import fact_row
     from worker.consolidation.store import lock_checkpoint

@@ -52,7 +52,7 @@ def test_a_multiprocess_folder_prometheus_client_never_saw_still_counts(
         ("rediss://a:6379?ssl_cert_reqs=CERT_NONE; redis://b", "rediss://a:6379?ssl_cert_reqs=none"),
     ],
 )
-def test_the_broker_probe_reads_celerys_spelling_of_the_tls_check(url: str, read: str) -> None:
+def test_redis_py_url_reads_kombus_and_celerys_spellings(url: str, read: str) -> None:
     """redis-py refused CERT_REQUIRED (Celery's documented spelling) at every ping: /readyz said
     "degraded" and factmill_broker_up stayed 0 against a broker Celery used fine."""
     import redis

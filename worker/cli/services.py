@@ -41,8 +41,8 @@ def checked_loglevel(loglevel: str) -> str:
 def refuse_insecure_secrets(
     settings: Settings, *, calls_models: bool = True, runs_jobs: bool = False
 ) -> None:
-    """Settings a service refuses (a weak secret in production, a worker's provider missing its key):
-    one clear line and exit 2, never a traceback."""
+    """Settings a service refuses (a placeholder secret outside development, a weak one in production,
+    a worker's provider missing its key): one clear line and exit 2, never a traceback."""
     try:
         settings.check_service_settings(calls_models=calls_models, runs_jobs=runs_jobs)
     except RefusedSettingsError as exc:
