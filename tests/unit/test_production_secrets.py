@@ -224,3 +224,21 @@ def test_a_send_in_production_without_a_broker_url_is_refused_not_sent_to_a_redi
         broker_url(production(broker_url=None, data_dir=str(tmp_path / "var")))
     assert not (tmp_path / "var").exists()  # no embedded server started
     assert broker_url(production()) == "redis://redis.internal:6379/0"
+
+
+def test_every_production_send_without_a_broker_url_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused while Celery read its settings, the first send was; Celery then dropped them, and a second
+    send of the process went to its default broker (amqp://guest@localhost; here a port that refuses)."""
+    from worker.jobs import sending
+    from worker.jobs.celery_app import create_app
+
+    settings = production(broker_url=None, data_dir=str(tmp_path / "var"))
+    monkeypatch.setattr(sending, "app", create_app(settings))
+    monkeypatch.setattr(sending, "get_settings", lambda: settings, raising=False)
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")  # Celery's own default, read after
+    for _ in range(2):
+        with pytest.raises(RefusedSettingsError, match="FACTMILL_BROKER_URL is not set"):
+            sending.celery_sender("tasks.extraction.extract_page", 1, "extraction")
+    assert not (tmp_path / "var").exists()

@@ -18,6 +18,7 @@ from models.tables import JOBS
 from worker.jobs.celery_app import app
 from worker.jobs.registry import get_kind
 from worker.runtime import tracing
+from worker.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,10 @@ Sender = Callable[[str, int, str], None]  # (task name, job id, queue)
 
 
 def celery_sender(task_name: str, job_id: int, queue: str) -> None:
+    # In production without FACTMILL_BROKER_URL, refused before Celery reads its settings: refused while
+    # it read them (celery_app.broker_url), Celery dropped them, and a second send of the process went
+    # to its own default broker, amqp://guest@localhost.
+    get_settings().require_servers("broker_url")
     app.send_task(task_name, args=[job_id], queue=queue)
 
 
