@@ -16,12 +16,12 @@ _WAITING = text(
 
 
 def waits_on_a_lock(
-    factory: sessionmaker[Session], running: Future[Any], like: str = "%", timeout: float = 20
+    factory: sessionmaker[Session], running: Future[Any] | None = None, like: str = "%", timeout: float = 20
 ) -> bool:
     """Whether a backend of the test database waits on a lock (its statement ILIKE ``like``) before
-    ``running`` ends or ``timeout`` seconds pass; polled every 10 ms."""
+    ``running`` (when given) ends or ``timeout`` seconds pass; polled every 10 ms."""
     deadline = time.monotonic() + timeout
-    while not running.done() and time.monotonic() < deadline:
+    while (running is None or not running.done()) and time.monotonic() < deadline:
         with factory() as probe:
             if probe.scalar(_WAITING, {"like": like}):
                 return True

@@ -1348,21 +1348,12 @@ def test_made_up_keys_queued_before_an_outage_was_seen_do_not_each_wait_out_a_co
 def test_a_scrape_tries_a_database_it_cannot_reach_once(database_url: str) -> None:
     """Each of the five collectors waited out its own connect timeout: against a silent server a scrape
     took minutes, past Prometheus's timeout, so factmill_store_up 0 never reached it."""
-    import psycopg
     from prometheus_client import CollectorRegistry, generate_latest
-    from sqlalchemy import event
-    from sqlalchemy.pool import NullPool
 
     from worker.api import metrics
 
-    engine = create_engine(database_url, poolclass=NullPool)
-    attempts: list[int] = []
-
-    @event.listens_for(engine, "do_connect")
-    def refuse(*_: Any) -> None:
-        attempts.append(1)
-        raise psycopg.OperationalError("connection timed out (the test's outage)")
-
+    engine, down, attempts = silent_database(database_url)
+    down[0] = True
     gated = sessionmaker(engine)
     registry = CollectorRegistry(auto_describe=False)
     for collector in (

@@ -17,6 +17,7 @@ from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LL
 from tests.integration.test_extraction import fmt, put_page
 from tests.integration.test_provider_replies import completion
 from tests.llm_wrappers import FailsFirst
+from tests.locks import waits_on_a_lock
 from worker.accounting import Ledger
 from worker.config_store import CONSOLIDATION_ENABLED, ConfigReader, set_config
 from worker.consolidation import consolidate_pages_entities, request_consolidation
@@ -935,22 +936,6 @@ def test_a_run_here_interrupted_gives_its_job_back_and_a_paused_one_starts_over(
     assert (done.status, done.job_id) == ("succeeded", job.id) and done.counters["llm_calls"] > 0
 
 
-def lock_waited_on(factory: sessionmaker[Session], seconds: float = 10.0) -> bool:
-    """Whether a session of this database comes to wait on a lock within ``seconds``."""
-    import threading
-
-    with factory() as watch:
-        for _ in range(int(seconds / 0.05)):
-            query = text(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            )
-            if watch.scalar(query):
-                return True
-            threading.Event().wait(0.05)
-    return False
-
-
 def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrote(factory, llm) -> None:
     """Alice's facts are on two pages, so erasing one renames no key and held no checkpoint: a
     consolidation commit in flight inserted a reason quoting a fact of the erased page unseen by the
@@ -985,7 +970,7 @@ def test_an_erasure_waits_for_a_commit_in_flight_and_forgets_the_reasons_it_wrot
         commit.flush()
         erasing = threading.Thread(target=erase_page, args=(factory, "default", JAN_PAGE, "test"))
         erasing.start()
-        assert lock_waited_on(factory), "the erasure never waited for the commit in flight"
+        assert waits_on_a_lock(factory), "the erasure never waited for the commit in flight"
     erasing.join(timeout=30)
     with factory() as session:
         [row] = session.scalars(
@@ -1748,7 +1733,7 @@ def test_an_operators_undo_waits_for_a_consolidation_commit_of_its_entity(factor
         lock_checkpoint(commit, "default", ALICE)
         undoing = threading.Thread(target=undo)
         undoing.start()
-        assert lock_waited_on(factory) and not done, "the undo never waited for the round in flight"
+        assert waits_on_a_lock(factory) and not done, "the undo never waited for the round in flight"
     undoing.join(timeout=30)
     assert done and done[0] > 0
 

@@ -266,12 +266,7 @@ def test_an_erasure_leaves_no_provider_message_that_may_quote_what_it_erased(
                 )
             )  # fmt: skip
         else:
-            session.add(
-                ExtractionAudit(
-                    source_id="default", page_slug=SLUG, segment_index=0, segment_start="a", segment_end="b",
-                    outcome="provider_error", llm_call_id=jobless.id,
-                )
-            )  # fmt: skip
+            session.add(audit_row(SLUG, outcome="provider_error", llm_call_id=jobless.id))
         jobless_id = jobless.id
     if erased == "transcript":
         assert erase_transcript(enabled, "support-chat", "test") is not None
