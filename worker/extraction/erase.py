@@ -253,19 +253,18 @@ def forget_page_name(
     forget_call_errors(session, EXTRACTION, erased_subject(source_id, slug))
 
 
-# An erasure takes the page's dependent rows (facts, audit rows, calls) before its jobs; a retention
-# sweep's DELETE of an old job takes the job, then (its ON DELETE SET NULL) the rows naming it. When the
-# two meet the other way round from the one the sweep gives way in (worker.jobs.maintenance), Postgres
-# ends the erasure: all of it rolled back, so it is simply made again (it was a 500 to the admin).
-
-
 def erase_page(
     factory: sessionmaker[Session], source_id: str, slug: str, requested_by: str
 ) -> ErasureReport | None:
     """Erase the page and everything drawn from it in ONE transaction, leaving one content-free row in
     ``erasures``; None (nothing written) when there is no such page. The caller sends
-    ``report.pending`` after this returns (the commit is done). A transaction Postgres ended to break a
-    deadlock is made again (worker.db.made_again_on_deadlock)."""
+    ``report.pending`` after this returns (the commit is done).
+
+    A transaction Postgres ended to break a deadlock is made again (worker.db.made_again_on_deadlock):
+    an erasure takes the page's dependent rows (facts, audit rows, calls) before its jobs, and a
+    retention sweep's DELETE of an old job takes the job, then (its ON DELETE SET NULL) the rows naming
+    it; when they met the other way round from the one the sweep gives way in (worker.jobs.maintenance),
+    the erasure was a 500 to the admin."""
     return made_again_on_deadlock(_erase_page_once, factory, source_id, slug, requested_by)
 
 
