@@ -5,6 +5,7 @@ re-extracted page re-consolidated, and the job kind under the kill switch."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -1775,3 +1776,28 @@ def test_the_cli_run_without_a_source_consolidates_every_source(factory, databas
             )
         )
     assert left == 0
+
+
+def test_a_round_that_deadlocks_with_a_vector_fill_is_written_again_and_asked_once(factory, llm) -> None:
+    """A vector fill updates facts in its join's order; a round marks the new fact, then closes the older
+    one. Crossed, Postgres ended the round (it waited first): the job spent an attempt, and its retry
+    paid the model again for every answer of the round. The round's write is made again instead."""
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    extract(factory, llm, JAN_PAGE)
+    consolidate(factory, llm)
+    put_page(factory, MAR_PAGE, MAR_BODY)
+    extract(factory, llm, MAR_PAGE)
+    facts = alice(factory)
+    old, new = facts["Alice Example lives in Lisbon now."][0], facts["Alice Example lives in Porto now."][0]
+    same = {"confidence": Fact.confidence}
+    with factory() as fill, ThreadPoolExecutor(1) as pool:
+        fill.execute(update(Fact).where(Fact.id == old.id).values(**same))  # the fill holds the older fact
+        running = pool.submit(consolidate, factory, llm)
+        assert waits_on_a_lock(factory, running, "%UPDATE facts%"), "the round never waited on the fill"
+        fill.execute(update(Fact).where(Fact.id == new.id).values(**same))  # ... which then waits on the new
+        fill.commit()
+        second = running.result(timeout=60)
+    assert second.llm_calls == 1 and calls(factory) == 1, "the round's answer was paid for once"
+    facts = alice(factory)
+    old, new = facts["Alice Example lives in Lisbon now."][0], facts["Alice Example lives in Porto now."][0]
+    assert (old.status, old.superseded_by, new.status) == ("superseded", new.id, "current")

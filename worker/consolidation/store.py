@@ -51,7 +51,7 @@ from worker.core.consolidation import (
     said_at,
 )
 from worker.core.consolidation_plan import Resolved, Row
-from worker.db import statement_timed_out
+from worker.db import made_again_on_deadlock, statement_timed_out
 from worker.jobs.outbox import CONSOLIDATION, PENDING, page_subject_sql
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,11 @@ class ConsolidationStore:
 
     def repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
         """Facts marked duplicate or superseded whose link went (the other fact was re-extracted or
-        erased) become current and unconsolidated again, each with an audit row; returns how many."""
+        erased) become current and unconsolidated again, each with an audit row; returns how many.
+        Made again when Postgres ends it to break a deadlock (it updates many facts in one statement)."""
+        return made_again_on_deadlock(self._repair_orphans, source_id, entity_key, job_id)
+
+    def _repair_orphans(self, source_id: str, entity_key: str, job_id: int | None) -> int:
         with self._factory.begin() as session:
             # An operator's undo, an erasure: one at a time. A checkpoint made only for this (an entity an
             # erasure just took away) goes again: it would keep the erased name.
@@ -208,7 +212,19 @@ class ConsolidationStore:
         was not: False for it and nothing of it written), its effect (duplicate link, intervals
         closed) and its audit rows; the checkpoint advanced by the decisions written. A decision naming
         a fact an erasure or a re-extraction removed since it was planned is not written (None): its
-        link would fail the foreign key, and with it the other decisions of the transaction."""
+        link would fail the foreign key, and with it the other decisions of the transaction.
+
+        Made again when Postgres ends it to break a deadlock (a vector fill updates the facts in its own
+        order): the answers it writes were paid for, and a failed job asked for them again."""
+        return made_again_on_deadlock(self._commit_decisions, source_id, entity_key, job_id, decisions)
+
+    def _commit_decisions(
+        self,
+        source_id: str,
+        entity_key: str,
+        job_id: int | None,
+        decisions: Sequence[tuple[Resolved, Mapping[int, int] | None]],
+    ) -> list[bool | None]:
         done: list[bool | None] = []
         with self._factory.begin() as session:
             created = lock_checkpoint(session, source_id, entity_key)
