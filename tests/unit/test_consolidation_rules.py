@@ -35,6 +35,31 @@ def test_normalization_ignores_case_punctuation_spacing_and_curly_quotes() -> No
     assert normalize_fact_text("Alice works at Acme") != normalize_fact_text("Alice works at Globex")
 
 
+@pytest.mark.parametrize(
+    ("new", "old"),
+    [
+        ("Net income was -$2M", "Net income was $2M"),  # a loss is not a profit
+        ("Temperature is -5\u00b0C", "Temperature is 5\u00b0C"),
+        ("Budget is $5", "Budget is 5%"),
+        ("Latency is < 5 ms", "Latency is > 5 ms"),
+        ("!!!", "???"),  # nothing but punctuation: kept as it is, never the empty text
+    ],
+)
+def test_a_figure_s_signs_keep_two_facts_apart(new: str, old: str) -> None:
+    """Punctuation was all dropped, signs with it: "-$2M" normalized to "$2M"'s text, so the new value was
+    an exact duplicate of the old one (never asked about), and the old stayed current. Near-identical
+    vectors need the same figures, signs included."""
+    assert normalize_fact_text(new) != normalize_fact_text(old)
+    assert triage_pair(fact(2, new), fact(1, old)).triage != "exact"
+    assert triage_pair(fact(2, new, vec=[1.0, 0.0]), fact(1, old, vec=[1.0, 0.0])).triage not in (
+        "exact",
+        "near",
+    )
+    assert normalize_fact_text("A well-known date: 2026-05-01.") == normalize_fact_text(
+        "a well known date 2026 05 01"
+    )
+
+
 def test_word_overlap_and_cosine() -> None:
     assert word_overlap("Alice works at Acme", "Alice works at Globex") == pytest.approx(2 / 4)
     assert word_overlap("", "Alice") == 0.0

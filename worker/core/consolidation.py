@@ -33,7 +33,8 @@ SIMILARITY_STEP = 0.01
 # Below this (and below CANDIDATE_OVERLAP) a pair is unrelated without asking anyone.
 CANDIDATE_COSINE = 0.55
 CANDIDATE_OVERLAP = 0.25
-_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# A figure in normalized text: its digits, or a sign it kept (normalize_fact_text).
+_FIGURE = re.compile(r"\d+|[^\w\s']")
 # How many old facts each new fact is compared against (the nearest ones), to bound the prompt.
 MAX_CANDIDATES = 5
 EXACT_DUPLICATE_REASON = "rule: exact duplicate"
@@ -79,11 +80,25 @@ _STOP = frozenset(
 )
 
 
+# A minus before a figure ("-$2M", "-5°C"): a sign, not punctuation (a hyphen inside a word stays one).
+_MINUS = re.compile(r"(?<![\w])-(?=[\d\W])")
+# Percent, per mille and degree signs: with currency (Sc) and mathematical (Sm) symbols, they say what a
+# figure is, so they are kept as words of their own.
+_FIGURE_SIGNS = frozenset("%\u2030\u00b0")
+
+
+def _kept_or_space(match: re.Match[str]) -> str:
+    kept = [ch for ch in match[0] if ch in _FIGURE_SIGNS or unicodedata.category(ch) in ("Sc", "Sm")]
+    return f" {' '.join(kept)} " if kept else " "
+
+
 def normalize_fact_text(text: str) -> str:
     """The text two facts must share to be exact duplicates: NFKC, case-folded, punctuation and
-    whitespace collapsed, a trailing period gone."""
+    whitespace collapsed, a trailing period gone. The signs of a figure stay ("net income was -$2M" is
+    not "$2M", "5%" is not "$5"), and a text of punctuation only is kept as it is ("!!!" is not "???")."""
     folded = unicodedata.normalize("NFKC", text).translate(_APOSTROPHES).casefold()
-    return " ".join(_NON_WORD.sub(" ", folded).split())
+    collapsed = " ".join(_NON_WORD.sub(_kept_or_space, _MINUS.sub("\u2212", folded)).split())
+    return collapsed or " ".join(folded.split())
 
 
 def _fold(normalized: str) -> str:
@@ -168,8 +183,9 @@ class FactView:
 
     @cached_property
     def numbers(self) -> tuple[str, ...]:
-        """The numbers the fact states, in order ("4.2", "31"): see ``pair_verdict``."""
-        return tuple(_NUMBER.findall(self.text))
+        """The figures the fact states, in order, with their signs ("−", "$", "4", "2", "%"): see
+        ``pair_verdict``."""
+        return tuple(_FIGURE.findall(self.normalized))
 
     @cached_property
     def norm(self) -> float | None:
