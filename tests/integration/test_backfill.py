@@ -34,13 +34,12 @@ from models.backfill import BACKFILL_STATUSES
 from tests.auth import send_key
 from tests.cli import invoke_cli
 from tests.integration.test_api import ADMIN_HEADERS, Recorder, make_runtime
-from tests.integration.test_batch import page_body
+from tests.integration.test_batch import owed_gauge, page_body
 from tests.integration.test_extraction import put_page
 from tests.integration.test_service import unembedded
 from tests.service import wait_for
 from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
-from worker.api.metrics import BackfillCollector
 from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, split_into_segments
@@ -1411,11 +1410,6 @@ def test_beats_poll_deletes_a_collected_batchs_copy_whose_delete_failed(factory,
     assert owed_gauge(factory) == 0
     with factory() as session:
         assert session.scalar(select(func.count()).select_from(ProviderCopy)) == 0
-
-
-def owed_gauge(factory: sessionmaker[Session]) -> float:
-    (gauge,) = [m for m in BackfillCollector(factory).collect() if m.name == "factmill_provider_copies_owed"]
-    return gauge.samples[0].value
 
 
 def test_a_batch_whose_send_began_is_looked_up_by_its_key_never_sent_blindly(factory, rt, sim):

@@ -21,10 +21,12 @@ from typer.testing import CliRunner
 from models import ExtractionAudit, Fact, LLMCall, Page, ProviderCopy
 from tests.integration.test_extraction import put_page
 from worker.accounting import Price, cost_usd
+from worker.api.metrics import BackfillCollector
 from worker.config_store import set_config
 from worker.extraction import (
     TERMINAL_AUDIT_SOURCE,
     BatchExtractionCounters,
+    ExtractionDisabledError,
     ExtractOptions,
     run_batch_extraction,
     run_extract_conversation_facts,
@@ -599,6 +601,8 @@ def test_a_copy_the_provider_no_longer_has_is_settled(store, clean_sim):
     copies = ProviderCopies(store)
     copies.owe(client.provider, "msgbatch_gone", "HTTP 500")
     assert discard_batch(client, "msgbatch_gone", copies) is True  # a 404 on delete is success
+    assert owed(store) == [], "a copy deleted is settled"
+    copies.owe(client.provider, "msgbatch_gone", "HTTP 500")  # the sweep's status read: a 404 too
     swept = delete_owed(copies, client, retry_after=timedelta(0))
     assert swept.deleted == 1 and owed(store) == []
 
@@ -769,3 +773,98 @@ def test_an_online_run_stopped_by_sigterm_stops_as_ctrl_c_does(committed_store, 
             slow, database_url, ["--json"], lambda: slow.stats()["in_flight"] >= 1
         )
     assert returncode == 128 + signal.SIGTERM, stderr
+
+
+def test_a_page_with_a_skipped_segment_is_processed_not_incomplete(store, clean_sim):
+    """A segment refused at its last allowed failure is skipped and the page goes on to its end; the
+    batch run counted only the segments with facts, so the page was "incomplete" and the run said the
+    next one would extract segments it then found nothing new in."""
+    with store.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    body = "\n".join(
+        fmt(
+            "Alice Example",
+            day,
+            "9:00 AM",
+            f"I moved to Oslo in 20{day}." + (" [[sim:refusal]]" if day == 11 else ""),
+        )
+        + "\n"
+        + fmt("Bob Demo", day, "9:01 AM", "Noted, I will remember that.")
+        for day in (10, 11, 12)
+    )
+    put_page(store, "conversations/skips", body, source_id="skips")
+    counters = run_batch(store, openai_batch(clean_sim), source="skips")
+    assert (counters.segments_skipped, counters.pages_incomplete, counters.pages_processed) == (1, 0, 1)
+    (report,) = counters.pages
+    assert report.status == "processed", report.reason
+    again = run_batch(store, openai_batch(clean_sim), source="skips")
+    assert again.batch_id is None and again.pages_processed == 0, "nothing was left for a next run"
+
+
+def test_a_batch_that_ends_as_its_cancel_is_refused_is_collected(store, clean_sim):
+    """Past the run's timeout the batch is cancelled; one that ended meanwhile refuses the cancel (400).
+    That error left the run: its paid results were never read, and the next run paid for them again."""
+    clean_sim.configure(batch_delay_seconds=1.0, batch_cancel_fails=True)
+    counters = run_batch_extraction(
+        store,
+        openai_batch(clean_sim),
+        ExtractOptions(source_id="batch"),
+        poll_seconds=0.05,
+        timeout_seconds=0.3,
+    )
+    assert counters.batch_status == "completed" and counters.pages_processed == len(PAGES)
+    assert owed(store) == [], "collected, its copies deleted: nothing owed"
+
+
+def test_the_kill_switch_stops_a_batch_run_waiting_for_its_batch(store, clean_sim):
+    """Switched off while a batch runs (a model writing bad facts), the run waited on and committed
+    every page's facts when the batch ended; the online run stops before its next call. The batch is
+    cancelled, its delete owed, and nothing is committed."""
+    clean_sim.configure(batch_delay_seconds=30.0)
+    polls = 0
+
+    def switched_off(_: float) -> None:
+        nonlocal polls
+        polls += 1
+        if polls == 2:
+            with store.begin() as session:
+                set_config(session, "facts.extraction_enabled", "false")
+
+    with pytest.raises(ExtractionDisabledError):
+        run_batch_extraction(
+            store,
+            openai_batch(clean_sim),
+            ExtractOptions(source_id="batch"),
+            poll_seconds=0.01,
+            sleep=switched_off,
+        )
+    ((_, batch_id, _, _),) = owed(store)
+    assert openai_batch(clean_sim).status(batch_id).status in ("cancelling", "cancelled")
+    assert facts_of(store, "batch") == []
+
+
+def test_a_sent_batch_is_on_record_while_its_run_waits_and_settled_once_collected(store, clean_sim):
+    """The batch's id lived only in the run's memory until it stopped: a run killed outright (SIGKILL,
+    the OOM killer) in a wait of up to a day left the batch and the pages' text at the provider, with
+    no row for the sweep. It is on record from its send, not due while its run may still collect it."""
+    clean_sim.configure(batch_delay_seconds=0.3)
+    seen: list[Any] = []
+
+    def look(_: float) -> None:
+        if not seen:
+            due = ProviderCopies(store).due("simulator", retry_after=timedelta(0))
+            seen.append((owed(store), due, owed_gauge(store)))
+        time.sleep(POLL)
+
+    counters = run_batch_extraction(
+        store, openai_batch(clean_sim), ExtractOptions(source_id="batch"), sleep=look
+    )
+    ((rows, due, gauge),) = seen
+    assert [(who, batch_id) for who, batch_id, _, _ in rows] == [("simulator", counters.batch_id)]
+    assert due == [] and gauge == 0, "a batch its run may still collect is neither deleted nor owed yet"
+    assert counters.provider_copy_deleted and owed(store) == [], "collected and deleted: settled"
+
+
+def owed_gauge(factory: sessionmaker[Session]) -> float:
+    (gauge,) = [m for m in BackfillCollector(factory).collect() if m.name == "factmill_provider_copies_owed"]
+    return gauge.samples[0].value

@@ -334,6 +334,10 @@ class ConsolidationCollector(ScrapeTimeCollector[tuple[dict[str, int], dict[str,
         return [decisions, statuses]
 
 
+# A copy its run still holds (ProviderCopies.hold: it collects and deletes it) is not owed yet.
+_OWED = select(func.count()).select_from(ProviderCopy).where(ProviderCopy.tried_at <= func.now())
+
+
 class BackfillCollector(ScrapeTimeCollector[dict[str, list[tuple[str, float]]]]):
     """Backfills (batch_extraction jobs) at scrape time.
 
@@ -356,7 +360,7 @@ class BackfillCollector(ScrapeTimeCollector[dict[str, list[tuple[str, float]]]])
             ],
             "batches": _by_status(session, BackfillBatch.status),
             "cost": [("", micro_usd / 1_000_000)],
-            "owed": [("", float(session.scalar(select(func.count()).select_from(ProviderCopy)) or 0))],
+            "owed": [("", float(session.scalar(_OWED) or 0))],
         }
 
     def metrics(self, rows: dict[str, list[tuple[str, float]]]) -> list[Metric]:

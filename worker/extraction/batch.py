@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -60,6 +61,16 @@ MAX_HELD_PAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_POLL_SECONDS = 30.0
 # The providers' completion window is 24 h; past it (plus a little) the batch is cancelled.
 DEFAULT_TIMEOUT_SECONDS = 24 * 3600 + 600
+# How long a run may take to read and commit an ended batch's results: its copy's delete is owed from
+# its send, due only past the run's timeout, its cancel's grace and this (ProviderCopies.hold).
+COLLECT_ALLOWANCE_SECONDS = 3600.0
+
+
+def cancel_grace(poll_seconds: float) -> float:
+    """How long a batch cancelled at the run's timeout is polled for, to end with what it finished."""
+    return max(60.0, 10 * poll_seconds)
+
+
 DISCARDED_NOTE = "discarded: an earlier segment of the page did not complete (batch result)"
 
 
@@ -241,6 +252,9 @@ class BatchExtraction:
         while True:
             if self.run.guard is not None:
                 self.run.guard()
+            # Switched off in a wait of hours (a model writing bad facts): the online run stops before
+            # its next call; this one cancelled nothing and committed every page when the batch ended.
+            self.run.check_switch()
             try:
                 last = client.status(batch_id)
             except LLMError as exc:
@@ -260,9 +274,12 @@ class BatchExtraction:
                 if cancelled:
                     return last
                 logger.warning("batch %s did not end within %.0fs; cancelling it", batch_id, timeout_seconds)
-                client.cancel(batch_id)
+                try:
+                    client.cancel(batch_id)
+                except LLMError as exc:  # it ended since the last poll (a 400): the next poll tells
+                    logger.warning("batch %s: the cancel was refused (%s); polling it", batch_id, exc)
                 cancelled = True
-                deadline = time.monotonic() + max(60.0, 10 * poll_seconds)
+                deadline = time.monotonic() + cancel_grace(poll_seconds)
             sleep(poll_seconds)
 
     def result_of(self, item: BatchItem, client: BatchLLMClient) -> SegmentResult:
@@ -287,10 +304,11 @@ class BatchExtraction:
             report = self.run.committer.commit_page(plan, one_at_a_time(results()))
         except CheckpointConflictError as exc:
             report = PageReport(plan.slug, "failed", str(exc), outcome="checkpoint_conflict")
-        if report.status == "processed" and report.segments < len(plan.segments):
+        settled = report.segments + report.skipped  # a skipped segment is settled: the page went past it
+        if report.status == "processed" and settled < len(plan.segments):
             report.status = "incomplete"
             report.reason = (
-                f"segments {report.segments + 1}-{len(plan.segments)} have no result in {batch_label}; "
+                f"segments {settled + 1}-{len(plan.segments)} have no result in {batch_label}; "
                 "the next run extracts them"
             )
         elif report.status == "incomplete":
@@ -391,6 +409,8 @@ def batch_extraction(
         assert counters.batch_id is not None
         status: BatchStatus | None = None
         try:
+            held = timeout_seconds + cancel_grace(poll_seconds) + COLLECT_ALLOWANCE_SECONDS
+            store.provider_copies.hold(client.provider, counters.batch_id, timedelta(seconds=held))
             status = batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep)
             batch.collect(sent, status)
         except BaseException as exc:  # Ctrl-C in a wait of hours, a cancel or a download that failed

@@ -56,6 +56,20 @@ class ProviderCopies:
                 statement.on_conflict_do_update(index_elements=["provider", "batch_id"], set_=changes)
             )
 
+    def hold(self, provider: str, batch_id: str, until: timedelta) -> None:
+        """Record the copy of a batch just sent, its delete not due for ``until``: the run that sent it
+        collects it, deletes it and settles this row by then. A run killed before (SIGKILL, the OOM
+        killer, a host restart) left the batch and its files (the pages' text) at the provider, and
+        nothing knew its id."""
+        row = {
+            "provider": provider,
+            "batch_id": batch_id,
+            "last_error": "sent; held for the run collecting it",
+            "tried_at": func.now() + until,
+        }
+        with self._factory.begin() as session:
+            session.execute(insert(ProviderCopy).values(row).on_conflict_do_nothing())
+
     def due(
         self, provider: str, *, retry_after: timedelta = RETRY_AFTER, limit: int = SWEEP_LIMIT
     ) -> list[str]:
@@ -123,6 +137,7 @@ def discard_batch(client: BatchLLMClient, batch_id: str, copies: ProviderCopies)
             "batch %s: deleting its files at the provider failed (%s); retried later", batch_id, exc
         )
         return False
+    copies.settle(client.provider, batch_id)  # held while its run collected it (ProviderCopies.hold)
     return True
 
 
