@@ -19,7 +19,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random
 
-from worker.core.errors import InvalidSettingsError, MigrationsMissingError
+from worker.core.errors import (
+    DATABASE_GONE_SQLSTATES,
+    InvalidSettingsError,
+    MigrationsMissingError,
+    server_state_failed,
+)
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
 from worker.settings import Settings, get_settings
 
@@ -92,10 +97,6 @@ def url_problem(url: str) -> str | None:
 PING_AFTER_IDLE_SECONDS = 1.0
 
 
-# SQLSTATEs of a server going away: connection exceptions (class 08), admin/crash shutdown, starting up.
-DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
-
-
 class MigrationRefusedError(RuntimeError):
     """A migration that will not run on the data it found, saying what to do (alembic/versions)."""
 
@@ -150,13 +151,6 @@ def made_again_on_deadlock(work: Callable[..., _T], *args: Any) -> _T:
     return retrying(work, *args)
 
 
-# SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
-# connections (53300). The server's state, not the work's: a disk full for two minutes failed every job
-# in flight for good (each retry spent an attempt, five used in about 75 s). Not 53400, a configured
-# limit (temp_file_limit) the statement itself passes, the same way every time.
-SERVER_OUT_OF_RESOURCES = frozenset({"53000", "53100", "53200", "53300"})
-
-
 def database_unavailable(exc: BaseException) -> bool:
     """The database cannot serve now, through no fault of the work asked of it: it is unreachable or
     restarting, out of disk, memory or connections, or every pooled connection stayed busy past the
@@ -165,8 +159,8 @@ def database_unavailable(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, OperationalError):
         return False
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
-    return database_went_away(exc) or sqlstate in SERVER_OUT_OF_RESOURCES
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return server_state_failed(sqlstate, invalidated=bool(getattr(exc, "connection_invalidated", False)))
 
 
 @lru_cache(maxsize=8)

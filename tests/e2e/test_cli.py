@@ -643,3 +643,61 @@ def _read_available(fd: int) -> bytes:
         return os.read(fd, 65536) if ready else b""
     except OSError:  # EIO: the other side is closed and drained
         return b""
+
+
+def test_a_database_that_fails_during_a_command_is_one_line_not_a_traceback(cli, factory):
+    """Connected, then the server shut down or ran out of disk mid-command (57P01, 53100): only a
+    connection that never opened was told in one line; this was a full traceback with the SQL."""
+    with factory.begin() as session:
+        session.execute(
+            text(
+                "CREATE FUNCTION pg_temp_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " RAISE EXCEPTION 'could not extend file: No space left on device' USING ERRCODE = '53100';"
+                " END $$"
+            )
+        )
+    try:
+        with factory.begin() as session:
+            session.execute(
+                text(
+                    "CREATE TRIGGER disk_full BEFORE INSERT OR UPDATE ON config"
+                    " FOR EACH ROW EXECUTE FUNCTION pg_temp_disk_full()"
+                )
+            )
+        ran = cli("config", "set", "facts.extraction_enabled", "false", check=False)
+    finally:
+        with factory.begin() as session:
+            session.execute(text("DROP TRIGGER IF EXISTS disk_full ON config"))
+            session.execute(text("DROP FUNCTION IF EXISTS pg_temp_disk_full()"))
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert "the database failed during the command" in ran.stderr and "SQLSTATE 53100" in ran.stderr
+    assert "Traceback" not in ran.stderr and "INSERT" not in ran.stderr
+
+
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback_after_the_commit(cli, cli_process):
+    """`keys revoke` in a Latin-1 terminal revoked the key, then died printing "…" (a traceback, exit
+    1: a script read that the revoke failed); JSON holding a name Latin-1 cannot write died too."""
+    cli("keys", "create", "事实-reader", "--scope", "read")
+    latin1 = {**cli_process.env, "PYTHONIOENCODING": "latin-1"}
+    listed = factmill(["keys", "list", "--json"], latin1, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    [row] = json.loads(listed.stdout)
+    assert row["name"] == "事实-reader"
+    revoked = factmill(["keys", "revoke", str(row["id"])], latin1, timeout=120)
+    assert revoked.returncode == 0 and "Traceback" not in revoked.stderr, revoked.stderr
+    assert "revoked" in revoked.stdout and "\\u2026" in revoked.stdout
+
+
+def test_a_prefork_worker_forks_one_child_per_core_by_default_not_one_per_llm_call(cli, monkeypatch):
+    """-c is child processes under prefork; its default was FACTMILL_LLM_CONCURRENCY (64 processes, each
+    with its own pools and LLM pipe), and --concurrency let 4,096 be forked past --processes' cap."""
+    from worker.cli import services
+
+    asked: list[list[str]] = []
+    monkeypatch.setattr(services, "celery_exit_code", lambda argv: asked.append(argv) or 0)
+    cli("worker", "--pool", "prefork", "--processes", "1")
+    cli("worker", "--pool", "threads", "--processes", "1")
+    prefork, threads = (argv[argv.index("-c") + 1] for argv in asked)
+    assert (prefork, threads) == (str(services.default_processes()), "64")
+    many = cli("worker", "--pool", "prefork", "--processes", "1", "--concurrency", "1000", check=False)
+    assert many.returncode == 2 and "at most 64 processes" in many.stderr and len(asked) == 2

@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.exc import OperationalError
 
-from worker.core.errors import connection_failure
+from worker.core.errors import connection_failure, database_outage
 
 
 def test_a_connection_that_never_opened_is_told_in_one_line_and_nothing_else_is() -> None:
@@ -24,3 +24,11 @@ def test_a_connection_that_never_opened_is_told_in_one_line_and_nothing_else_is(
 def psycopg_error_with_sqlstate() -> Exception:
     """A server-side error (it has a SQLSTATE): the server was reached."""
     return psycopg.errors.lookup("57014")("canceling statement due to statement timeout")
+
+
+def test_a_server_that_failed_once_connected_is_an_outage_and_a_statement_s_own_error_is_not() -> None:
+    shutdown = OperationalError("SELECT 1", {}, psycopg.errors.lookup("57P01")("terminating connection"))
+    assert database_outage(shutdown) == "OperationalError: AdminShutdown (SQLSTATE 57P01)"
+    assert database_outage(OperationalError("SELECT 1", {}, psycopg_error_with_sqlstate())) is None
+    never_opened = OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused"))
+    assert database_outage(never_opened) is None and connection_failure(never_opened) is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import io
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ from worker.core.errors import (
     MigrationsMissingError,
     RefusedSettingsError,
     connection_failure,
+    database_outage,
 )
 
 
@@ -267,6 +269,12 @@ def _root() -> None:
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        # A terminal or pipe that is not UTF-8 (LC_ALL=de_DE.ISO-8859-1): a character it cannot take
+        # ("…", "→", a page's name) is written escaped. Strict, it was a traceback, after the command
+        # had committed (`keys revoke` revoked the key, then said it failed).
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # the services' rule for exceptions logged as arguments
         handler.addFilter(LoggableArguments())
@@ -296,9 +304,16 @@ def main() -> None:
         raise SystemExit(1) from None
     except Exception as exc:  # the database cannot be reached: one line, exit 1, whatever the command
         reason = connection_failure(exc)
-        if reason is None:
+        if reason is not None:
+            _error(f"cannot reach the database: {reason} (is it running? FACTMILL_DATABASE_URL names it)")
+            raise SystemExit(1) from None
+        outage = database_outage(exc)  # it went away (or filled up) once the command had begun
+        if outage is None:
             raise
-        _error(f"cannot reach the database: {reason} (is it running? FACTMILL_DATABASE_URL names it)")
+        _error(
+            f"the database failed during the command: {outage}; "
+            "what it committed stays: check, then run it again"
+        )
         raise SystemExit(1) from None
 
 

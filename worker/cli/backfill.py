@@ -49,7 +49,13 @@ backfill_app = typer.Typer(
 def backfill(
     ctx: typer.Context,
     source: Annotated[str, source_option(help="The source whose pages to extract.")] = "default",
-    since: Annotated[str | None, typer.Option(help="Only segments after this ISO-8601 time.")] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="Pass over, for good, the messages up to this ISO-8601 time: the checkpoint moves past them "
+            "(only extract --force extracts them again)."
+        ),
+    ] = None,
     slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
     max_segments: Annotated[
         int | None, typer.Option(min=1, max=MAX_BACKFILL_SEGMENTS, help="At most this many requests.")

@@ -148,7 +148,9 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
     """Write ``data`` as indented JSON on stdout, untouched by Rich (no wrapping, no colour). JSON escapes
     C0 controls itself; without ``ensure_ascii`` the other characters a terminal acts on are written as
     ``\\uXXXX`` escapes too (still the same JSON)."""
-    text = json.dumps(data, indent=2, ensure_ascii=ensure_ascii)
+    # A stdout that is not UTF-8 (a Latin-1 terminal or pipe) gets ASCII JSON: the same data, escaped.
+    utf8 = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "") == "utf8"
+    text = json.dumps(data, indent=2, ensure_ascii=ensure_ascii or not utf8)
     sys.stdout.write(_UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
 
 

@@ -156,7 +156,13 @@ def extract(
         bool, typer.Option(help="Count pages and segments; write nothing, call no LLM.")
     ] = False,
     force: Annotated[bool, typer.Option(help="Re-extract and replace the pages' facts.")] = False,
-    since: Annotated[str | None, typer.Option(help="Only messages strictly after this ISO time.")] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="Only messages strictly after this ISO time; the ones before are passed over for good: "
+            "the checkpoint moves past them (only --force extracts them again)."
+        ),
+    ] = None,
     override_disabled: Annotated[
         bool, typer.Option(help="Run even if facts.extraction_enabled is off.")
     ] = False,

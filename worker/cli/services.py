@@ -167,7 +167,8 @@ def worker(
         typer.Option(
             min=1,
             max=MAX_JOBS_IN_FLIGHT,
-            help="Jobs in flight per process (threads); default FACTMILL_LLM_CONCURRENCY.",
+            help="Jobs in flight per process (threads); default FACTMILL_LLM_CONCURRENCY. With --pool "
+            f"prefork: child processes, default one per core, at most {MAX_WORKER_PROCESSES}.",
         ),
     ] = None,
     processes: Annotated[
@@ -180,7 +181,12 @@ def worker(
     ] = None,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls), prefork or solo.")] = "threads",
     loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info",
-    hostname: Annotated[str | None, typer.Option(help="Celery node name (default celery@<host>).")] = None,
+    hostname: Annotated[
+        str | None,
+        typer.Option(
+            help="Celery node name (default celery@<host>; with several processes factmill-N@<host>)."
+        ),
+    ] = None,
 ) -> None:
     """Run Celery workers for the given queues: one process per core unless --processes says otherwise.
 
@@ -199,7 +205,14 @@ def worker(
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
     # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
     checked_factory(settings, wait=True)
-    jobs = concurrency or settings.llm_concurrency
+    if pool == "prefork":  # -c counts child processes, each with its own pools and LLM pipe (64 forked)
+        if concurrency is not None and concurrency > MAX_WORKER_PROCESSES:
+            raise fail(
+                f"--concurrency with --pool prefork is at most {MAX_WORKER_PROCESSES} processes", code=2
+            )
+        jobs = concurrency or default_processes()
+    else:
+        jobs = concurrency or settings.llm_concurrency
     # prefork forks processes of its own (one job each); the threads pool needs them from here.
     count = processes or (default_processes() if pool == "threads" else 1)
     if count > 1:

@@ -150,6 +150,42 @@ def connection_failure(exc: BaseException) -> str | None:
     return first.removeprefix("connection failed: ")[:300]
 
 
+# SQLSTATEs of a server going away: connection exceptions (class 08), admin/crash shutdown, starting up.
+DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
+# SQLSTATE class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
+# connections (53300). The server's state, not the work's: a disk full for two minutes failed every job
+# in flight for good (each retry spent an attempt, five used in about 75 s). Not 53400, a configured
+# limit (temp_file_limit) the statement itself passes, the same way every time.
+SERVER_OUT_OF_RESOURCES = frozenset({"53000", "53100", "53200", "53300"})
+
+
+def server_state_failed(sqlstate: str | None, *, invalidated: bool = False) -> bool:
+    """Whether a database error with this SQLSTATE says the server went away, restarted or ran out of
+    resources (not the statement's own failure); a connection broken under it (``invalidated``) too.
+    No SQLSTATE at all means the server never answered."""
+    if invalidated or sqlstate is None:
+        return True
+    return (
+        sqlstate.startswith("08")
+        or sqlstate in DATABASE_GONE_SQLSTATES
+        or sqlstate in SERVER_OUT_OF_RESOURCES
+    )
+
+
+def database_outage(exc: BaseException) -> str | None:
+    """``error_summary`` of a database error the server's state caused once connected (it was shut
+    down or restarted, the connection broke, the disk or memory ran out): a command met it mid-way.
+    None for any other error, and for a connection that never opened (``connection_failure``)."""
+    orig = getattr(exc, "orig", None)
+    if orig is None or not hasattr(exc, "statement") or type(exc).__name__ != "OperationalError":
+        return None
+    sqlstate = getattr(orig, "sqlstate", None)
+    invalidated = bool(getattr(exc, "connection_invalidated", False))
+    if sqlstate is None and not invalidated:
+        return None
+    return error_summary(exc) if server_state_failed(sqlstate, invalidated=invalidated) else None
+
+
 def describe_invalid(exc: Any, fields: Container[str]) -> str:
     """One line naming each variable a pydantic ValidationError (``exc``) of the Settings refused
     (FACTMILL_JOB_MAX_ATTEMPTS for a field among ``fields``, else the alias it came from) and
