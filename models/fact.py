@@ -59,6 +59,8 @@ SEARCH_VECTOR_SQL = (
 # place of a status would hide the match from a generic plan). Keep in step with
 # alembic/versions/0014_orphaned_links_index.py.
 UNCONSOLIDATED_SQL = "consolidated_at IS NULL AND NOT is_audit"
+# Keep in step with alembic/versions/0042_unembedded_facts_index.py.
+UNEMBEDDED_SQL = "embedding IS NULL AND NOT is_audit"
 ORPHANED_LINK_SQL = (
     f"(status = '{SUPERSEDED}' AND superseded_by IS NULL) OR "
     f"(status = '{DUPLICATE}' AND duplicate_of IS NULL)"
@@ -91,6 +93,8 @@ class Fact(Base):
         Index("ix_facts_search_vector", "search_vector", postgresql_using="gin"),  # Search
         # The sweep's catch-up of consolidation requests that were lost (worker.consolidation).
         Index("ix_facts_unconsolidated", "created_at", postgresql_where=text(UNCONSOLIDATED_SQL)),
+        # The sweep's catch-up of vectors a follow-up left out (worker.extraction.job).
+        Index("ix_facts_unembedded", "created_at", postgresql_where=text(UNEMBEDDED_SQL)),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -1801,3 +1801,42 @@ def test_a_round_that_deadlocks_with_a_vector_fill_is_written_again_and_asked_on
     facts = alice(factory)
     old, new = facts["Alice Example lives in Lisbon now."][0], facts["Alice Example lives in Porto now."][0]
     assert (old.status, old.superseded_by, new.status) == ("superseded", new.id, "current")
+
+
+def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(
+    tx_factory, llm, database_url, simulator
+):
+    """The day's budget spent (or the embedding model down), an extraction's embedding follow-up left
+    its facts without vectors and nothing tried again: vector search never found them until an operator
+    ran `factmill embed`. The sweep embeds them once the budget has room, within a day."""
+    from datetime import timedelta
+
+    from tests.integration.test_api import make_runtime
+    from tests.maintenance import maintained
+
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)  # its follow-up never embedded them
+
+    def unembedded() -> int:
+        with tx_factory() as session:
+            return session.scalar(select(func.count()).where(Fact.embedding.is_(None), ~Fact.is_audit)) or 0
+
+    def aged(delta: timedelta) -> None:
+        with tx_factory.begin() as session:
+            session.execute(Fact.__table__.update().values(created_at=func.now() - delta))
+
+    stored = unembedded()
+    assert stored > 0
+    rt = make_runtime(database_url, tx_factory, simulator_url=simulator.base_url, embed_after_extraction=True)
+    assert maintained(rt).steps["vectors_caught_up"] == 0 and unembedded() == stored  # its follow-up's time
+    aged(timedelta(minutes=10))
+    with tx_factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "0")
+    assert maintained(rt).steps["vectors_caught_up"] == 0 and unembedded() == stored  # no budget: it waits
+    with tx_factory.begin() as session:
+        set_config(session, "llm.budget_daily_usd", "100")
+    assert maintained(rt).steps["vectors_caught_up"] == stored and unembedded() == 0
+    with tx_factory.begin() as session:
+        session.execute(Fact.__table__.update().values(embedding=None))
+    aged(timedelta(days=2))
+    assert maintained(rt).steps["vectors_caught_up"] == 0  # past the day: `factmill embed`

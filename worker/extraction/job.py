@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from typing import cast
 
@@ -12,10 +13,13 @@ from worker.extraction.options import CheckpointConflictError, ExtractionCounter
 from worker.extraction.service import extract_conversation_facts
 from worker.extraction.store import ExtractionStore
 from worker.jobs.lifecycle import JobContext, WorkResult
+from worker.jobs.maintenance import sweep_step
 from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.runtime import Runtime
-from worker.search import embed_pages_facts
+from worker.search import embed_late_facts, embed_pages_facts
+
+logger = logging.getLogger(__name__)
 
 EMBED_FOLLOW_UP = "embed-new-facts"
 
@@ -23,7 +27,7 @@ EMBED_FOLLOW_UP = "embed-new-facts"
 def embed_in_background(rt: Runtime) -> FactsCommitted:
     """Once a page's facts commit, embed them on the process's follow-up threads (several pages per
     embedding call), so vector search finds them a moment later while the job goes on: it never
-    waits on the embedding model. Never fails the job (`factmill embed` fills in whatever this misses)."""
+    waits on the embedding model. Never fails the job (``vectors_caught_up`` embeds what this misses)."""
     batch_size, concurrency = rt.settings.search_embed_batch_size, rt.settings.search_embed_concurrency
 
     def embed(pages: list[Hashable]) -> None:
@@ -43,6 +47,35 @@ def embed_in_background(rt: Runtime) -> FactsCommitted:
         rt.follow_ups.submit(EMBED_FOLLOW_UP, (source_id, slug), embed)
 
     return committed
+
+
+# Facts stored this long ago still without a vector (their follow-up embeds them within seconds) are
+# embedded by the sweep: the day's budget was spent, the embedding model was down, the worker died. Older
+# than a day they wait for `factmill embed`; a sweep reads at most VECTORS_CATCH_UP_SCAN of them.
+VECTORS_CATCH_UP_GRACE_SECONDS = 120.0
+VECTORS_CATCH_UP_WINDOW_SECONDS = 86_400.0
+VECTORS_CATCH_UP_SCAN = 1_000
+
+
+@sweep_step("vectors_caught_up")
+def vectors_caught_up(rt: Runtime) -> int:
+    """Each sweep: the vectors an embedding follow-up left out (only `factmill embed` filled them in, and
+    until then vector search never found those facts). Nothing while the budget is spent."""
+    if not rt.settings.embed_after_extraction or not rt.budget.has_room():
+        return 0
+    embedded = embed_late_facts(
+        rt.factory,
+        rt.llm,
+        grace_seconds=VECTORS_CATCH_UP_GRACE_SECONDS,
+        window_seconds=VECTORS_CATCH_UP_WINDOW_SECONDS,
+        scan=VECTORS_CATCH_UP_SCAN,
+        batch_size=rt.settings.search_embed_batch_size,
+        ledger=rt.ledger,
+        concurrency=rt.settings.search_embed_concurrency,
+    )
+    if embedded:
+        logger.info("embedded %s fact(s) an embedding follow-up had left without a vector", embedded)
+    return embedded
 
 
 def embedding_follows(rt: Runtime, counters: ExtractionCounters) -> bool:

@@ -17,6 +17,7 @@ from worker.search.calls import EMBEDDING_PURPOSE
 from worker.search.entrypoints import (
     count_facts_to_embed,
     embed_facts,
+    embed_late_facts,
     embed_new_facts,
     embed_pages_facts,
     enable_vector_search,
@@ -78,6 +79,7 @@ __all__ = [
     "best_chunk",
     "count_facts_to_embed",
     "embed_facts",
+    "embed_late_facts",
     "embed_new_facts",
     "embed_pages_facts",
     "enable_vector_search",

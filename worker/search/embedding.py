@@ -136,7 +136,7 @@ def _could_not_embed(pages: Sequence[tuple[str, str]], exc: Exception) -> None:
     # How many pages, not which (a slug can name a person: logs name none), and the error by its status
     # and code, never the provider's words (loggable).
     logger.warning(
-        "could not embed the facts of %s page(s) (%s); `factmill embed` will fill them in",
+        "could not embed the facts of %s page(s) (%s); the maintenance sweep tries them again",
         len(pages),
         loggable(exc),
     )

@@ -67,6 +67,12 @@ _RESULT_NEIGHBOURS = (
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
+_LATE_PAGES = text(
+    "SELECT DISTINCT source_id, source_markdown_slug FROM (SELECT source_id, source_markdown_slug FROM facts"
+    " WHERE embedding IS NULL AND NOT is_audit AND created_at < now() - make_interval(secs => :grace)"
+    " AND created_at > now() - make_interval(secs => :window) ORDER BY created_at LIMIT :scan) AS late"
+    " ORDER BY 1, 2"
+)
 # Every fact again, but those the current model already made (known after the first call: a --reembed
 # run stopped part way starts over at the first fact, then skips what it did).
 _TO_REEMBED = (
@@ -202,6 +208,14 @@ class SearchStore:
         params = {"sources": [source for source, _ in pages], "slugs": [slug for _, slug in pages]}
         with read_only(self._factory) as session:
             return list(session.execute(_PAGES_TO_EMBED, params).all())
+
+    def late_pages(self, *, grace_seconds: float, window_seconds: float, scan: int) -> list[tuple[str, str]]:
+        """(source id, slug) of the pages of the facts stored between ``window_seconds`` and
+        ``grace_seconds`` ago still without an embedding, the oldest ``scan`` of them
+        (ix_facts_unembedded): what an embedding follow-up left out."""
+        params = {"grace": grace_seconds, "window": window_seconds, "scan": scan}
+        with read_only(self._factory) as session:
+            return [(row[0], row[1]) for row in session.execute(_LATE_PAGES, params)]
 
     def fill_embeddings(
         self,
