@@ -1804,7 +1804,7 @@ def test_a_round_that_deadlocks_with_a_vector_fill_is_written_again_and_asked_on
 
 
 def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(
-    tx_factory, llm, database_url, simulator
+    tx_factory, llm, database_url, simulator, caplog
 ):
     """The day's budget spent (or the embedding model down), an extraction's embedding follow-up left
     its facts without vectors and nothing tried again: vector search never found them until an operator
@@ -1840,3 +1840,8 @@ def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(
         session.execute(Fact.__table__.update().values(embedding=None))
     aged(timedelta(days=2))
     assert maintained(rt).steps["vectors_caught_up"] == 0  # past the day: `factmill embed`
+    aged(timedelta(minutes=10))
+    anthropic = make_runtime(database_url, tx_factory, llm="anthropic", anthropic_api_key="sk-ant-test")
+    caplog.clear()
+    assert maintained(anthropic).steps["vectors_caught_up"] == 0 and unembedded() == stored  # no embeddings
+    assert "could not embed" not in caplog.text, "a day of facts read each sweep, to fail"

@@ -16,6 +16,7 @@ from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.maintenance import sweep_step
 from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
+from worker.llm.gateway import can_embed
 from worker.runtime import Runtime
 from worker.search import embed_late_facts, embed_pages_facts
 
@@ -61,17 +62,18 @@ VECTORS_CATCH_UP_SCAN = 1_000
 def vectors_caught_up(rt: Runtime) -> int:
     """Each sweep: the vectors an embedding follow-up left out (only `factmill embed` filled them in, and
     until then vector search never found those facts). Nothing while the budget is spent."""
-    if not rt.settings.embed_after_extraction or not rt.budget.has_room():
-        return 0
+    settings = rt.settings
+    if not (settings.embed_after_extraction and can_embed(settings)) or not rt.budget.has_room():
+        return 0  # (a deployment with no embeddings model read a day of facts each sweep, to fail)
     embedded = embed_late_facts(
         rt.factory,
         rt.llm,
         grace_seconds=VECTORS_CATCH_UP_GRACE_SECONDS,
         window_seconds=VECTORS_CATCH_UP_WINDOW_SECONDS,
         scan=VECTORS_CATCH_UP_SCAN,
-        batch_size=rt.settings.search_embed_batch_size,
+        batch_size=settings.search_embed_batch_size,
         ledger=rt.ledger,
-        concurrency=rt.settings.search_embed_concurrency,
+        concurrency=settings.search_embed_concurrency,
     )
     if embedded:
         logger.info("embedded %s fact(s) an embedding follow-up had left without a vector", embedded)
