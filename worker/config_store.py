@@ -169,6 +169,10 @@ class ConfigReader:
     def get(self, key: str, *, fresh: bool = False) -> str | None:
         return self._cache.load(key) if fresh else self._cache.get(key)
 
+    def fresh(self, key: str) -> str | None:
+        """``key`` read now, past the cache (and kept in it)."""
+        return self._cache.load(key)
+
     def _read(self, key: str) -> str | None:
         with read_only(self._factory) as session:
             return get_config(session, key)

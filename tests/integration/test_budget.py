@@ -606,3 +606,21 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
     assert sent == [dead.id]  # ... its re-sends done
     with tx_factory() as session:
         assert session.get(Job, dead.id).status == "queued"
+
+
+@pytest.mark.parametrize("key", ["llm.budget_daily_usd", "llm.budget_job_usd"])
+def test_a_raised_budget_is_read_past_the_cache_before_a_call_is_refused(tx_factory, key):
+    """`config set` on a budget wakes the jobs paused for it; a worker whose config cache still held the
+    old limit (2 s) paused each again at once, until the next sweep. The limit is read again, past the
+    cache, before a call is refused."""
+    with tx_factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, "default|conversations/raised").job_id
+    set_(tx_factory, key, "0")
+    config = ConfigReader(tx_factory, ttl=3600)
+    budget = Budget(tx_factory, config.get, ttl=0, fresh_config=config.fresh)
+    assert not budget.has_room(job_id)  # the cache now holds 0
+    set_(tx_factory, key, "100")
+    assert config.get(key) == "0", "the cache still holds the old limit"
+    assert budget.has_room(job_id), "refused by a limit raised a moment ago"
+    set_(tx_factory, key, "0")
+    assert not Budget(tx_factory, config.fresh, ttl=0).has_room(job_id)

@@ -85,10 +85,15 @@ class Budget:
         clock: Callable[[], float] = time.monotonic,
         *,
         search: bool = False,
+        fresh_config: Callable[[str], str | None] | None = None,
     ) -> None:
         """``search``: the readers' budget (search purposes against SEARCH_DAILY_BUDGET_KEY); else the
-        work budget (every other purpose against the day and job budgets)."""
+        work budget (every other purpose against the day and job budgets). ``fresh_config`` reads a
+        key past ``get_config``'s cache: a spent budget's limit is read again through it before a call
+        is refused (raised, it woke the paused jobs, which a cache still holding the old limit paused
+        again until the next sweep)."""
         self._factory, self._get = factory, get_config
+        self._fresh_get = fresh_config
         self._search = search
         self._daily_key = SEARCH_DAILY_BUDGET_KEY if search else DAILY_BUDGET_KEY
         self._day: TtlCache[None, Decimal] = TtlCache(self._spent_since_midnight, ttl, clock)
@@ -120,13 +125,17 @@ class Budget:
             spent = self.spent_today()
             if daily * NEAR_LIMIT <= spent < daily:
                 spent = self._day.load(None)  # close to it: the cached total may be a second behind
-            if spent >= daily:
+            if spent >= daily and self._fresh_get is not None:
+                daily = self._limit(self._daily_key, self._fresh_get)
+            if daily is not None and spent >= daily:
                 scope = "search day" if self._search else "day"
                 raise BudgetExhaustedError(scope, daily, spent, key=self._daily_key)
         per_job = self._limit(JOB_BUDGET_KEY)
         if per_job is not None and job_id is not None:
             spent = self.spent_by_job(job_id)
-            if spent >= per_job:
+            if spent >= per_job and self._fresh_get is not None:
+                per_job = self._limit(JOB_BUDGET_KEY, self._fresh_get)
+            if per_job is not None and spent >= per_job:
                 raise BudgetExhaustedError("job", per_job, spent, key=JOB_BUDGET_KEY)
 
     def room(self, job_id: int | None = None) -> tuple[Decimal | None, Decimal | None]:
@@ -167,11 +176,12 @@ class Budget:
             return False
         return True
 
-    def _limit(self, key: str) -> Decimal | None:
-        """The budget ``key`` sets. A stored value it refuses (written before the rules, or by hand) was
-        read as no limit, unsaid: a huge one stands for MAX_BUDGET_USD, any other for 0 (spent), said in
-        the log, as the check's refusal says which key to fix."""
-        value = self._get(key)
+    def _limit(self, key: str, get: Callable[[str], str | None] | None = None) -> Decimal | None:
+        """The budget ``key`` sets (read through ``get``, else the cached reader). A stored value it
+        refuses (written before the rules, or by hand) was read as no limit, unsaid: a huge one stands for
+        MAX_BUDGET_USD, any other for 0 (spent), said in the log, as the check's refusal says which key
+        to fix."""
+        value = (get or self._get)(key)
         try:
             return parse_usd(value)
         except ValueError:

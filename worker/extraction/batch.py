@@ -477,7 +477,7 @@ def run_batch_extraction(
         client,
         options,
         config,
-        budget or Budget(factory, config.get),
+        budget or Budget(factory, config.get, fresh_config=config.fresh),
         poll_seconds=poll_seconds,
         timeout_seconds=timeout_seconds,
         progress=progress,

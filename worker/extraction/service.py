@@ -405,7 +405,7 @@ def run_extract_conversation_facts(
     options = options or ExtractOptions()
     config = config or ConfigReader(factory, ttl=2.0)
     store = ExtractionStore(factory, ledger or Ledger(config.get))
-    budget = budget or Budget(factory, config.get)
+    budget = budget or Budget(factory, config.get, fresh_config=config.fresh)
     return extract_conversation_facts(
         store, llm, options, config, budget, progress=progress, guard=guard, pipe=pipe
     )

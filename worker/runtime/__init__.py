@@ -62,14 +62,16 @@ class Runtime:
     def budget(self) -> Budget:
         """The one budget for this process: every client and runner shares its cache."""
         if self._budget is None:
-            self._budget = Budget(self.factory, self.config.get)
+            self._budget = Budget(self.factory, self.config.get, fresh_config=self.config.fresh)
         return self._budget
 
     @property
     def search_budget(self) -> Budget:
         """The readers' budget (llm.budget_search_daily_usd), apart from the work budget."""
         if self._search_budget is None:
-            self._search_budget = Budget(self.factory, self.config.get, search=True)
+            self._search_budget = Budget(
+                self.factory, self.config.get, search=True, fresh_config=self.config.fresh
+            )
         return self._search_budget
 
     @property
