@@ -2171,3 +2171,36 @@ def test_a_superseded_run_is_no_miss_that_holds_the_next_compaction_back(
     with tx_factory() as session:
         missed = recent_miss(session, "superseded", 300)
         assert missed is not None and missed.status == "failed"
+
+
+def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summarize_again(
+    database_url: str, tx_factory: sessionmaker[Session], simulator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`factmill compact` (a forced job): its rejected row committed, then its worker died before the job
+    was finished. The run that took the job over was still forced: it skipped the wait after a miss and
+    paid the summarizer again for the same head, a second rejected row for one request."""
+    from worker.compaction import job as compaction_job
+    from worker.compaction.queries import request_compaction
+
+    append(tx_factory, "forced", session_messages(25), settings=SETTINGS)
+    with tx_factory.begin() as session:
+        job_id = request_compaction(session, "forced", force=True).job_id
+    simulator.configure(lossy_summary=True)
+    rt = runtime(database_url, tx_factory, llm_for(simulator))
+    real_compact = compaction_job.compact
+
+    def dies_after_the_row(*args: Any, **kwargs: Any) -> Any:
+        real_compact(*args, **kwargs)
+        raise SystemExit("SIGKILL")  # the worker is gone: the job is never finished
+
+    monkeypatch.setattr(compaction_job, "compact", dies_after_the_row)
+    with pytest.raises(SystemExit):
+        run_job(rt, job_id, jobs.COMPACTION)
+    monkeypatch.undo()
+    [row] = compactions(tx_factory, "forced")
+    paid = len(llm_calls(tx_factory))
+    assert row.status == "rejected" and paid == 2
+    with tx_factory.begin() as session:  # its heartbeat goes stale: the redelivered message takes it over
+        session.execute(update(Job).values(heartbeat_at=func.now() - timedelta(minutes=10)))
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"  # waiting: the miss is recent
+    assert len(compactions(tx_factory, "forced")) == 1 and len(llm_calls(tx_factory)) == paid

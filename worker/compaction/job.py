@@ -10,6 +10,7 @@ from models.reads import read_only
 from worker.calibration import ThresholdCache
 from worker.compaction.queries import (
     CONTINUATION,
+    ONE_RUN_OPTIONS,
     TranscriptNotFoundError,
     compaction_wait,
     transcript_settings,
@@ -99,8 +100,6 @@ KIND = register(
         switch=COMPACTION_ENABLED,
         work=compact_job,
         errors=(ErrorRule(TranscriptNotFoundError, "fail"),),
-        # A forced run skips the wait after a miss: kept for reruns, an agent appending over the
-        # threshold paid two calls a run for as long as the gate rejected.
-        one_run_options=("force", CONTINUATION),
+        one_run_options=ONE_RUN_OPTIONS,
     )
 )

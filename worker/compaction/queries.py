@@ -309,6 +309,9 @@ def retrigger_wait(missed: Compaction, retrigger_seconds: float) -> str:
 # summarizer), so the wait after an accepted summary that left the context over its threshold does not
 # hold it. Asked of the running job's next run only (a one-run option of the compaction kind).
 CONTINUATION = "continuation"
+# A compaction run's own options, not its rerun's: a forced run skips the wait after a miss (kept for
+# reruns, an agent appending over the threshold paid two calls a run for as long as the gate rejected).
+ONE_RUN_OPTIONS = ("force", CONTINUATION)
 
 
 def request_compaction(

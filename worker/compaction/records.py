@@ -20,12 +20,14 @@ from models import Compaction
 from models.tables import COMPACTIONS, LLM_CALLS
 from worker.accounting import forget_errors_of
 from worker.compaction.queries import (
+    ONE_RUN_OPTIONS,
     SUPERSEDED,
     applied_summary,
     get_transcript,
     request_compaction,
     transcript_created_at,
 )
+from worker.jobs.leases import spend_one_run_options
 from worker.jobs.outbox import JobRequestContendedError
 
 
@@ -107,6 +109,10 @@ def save_compaction(
     tokens_after = record.tokens_after if status != "failed" else None
     columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
     saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
+    if record.job_id is not None:
+        # The run's verdict is recorded with it: a run that takes the job over (its worker lost before
+        # the job was finished) summarized the same head again, forced, and paid for it twice.
+        spend_one_run_options(session, record.job_id, ONE_RUN_OPTIONS)
     if status == "accepted" and continue_forced is not None:
         try:  # a request that fails loses its continuation (an append asks again), not the summary
             with session.begin_nested():

@@ -67,6 +67,13 @@ def options_for_its_next_run(**values: Any) -> Any:
     return case((JOBS.c.status == "running", later), else_=JOBS.c.options.op("||", return_type=JSONB)(asked))
 
 
+def spend_one_run_options(session: Session, job_id: int, one_run_options: tuple[str, ...]) -> None:
+    """In the caller's transaction, drop the run's one-run options from the job (what was asked of its
+    next run stays in next_run): for a run whose result is committed before the job is finished, so a
+    run that takes the job over (its worker lost in between) does not do the same work again."""
+    session.execute(update(JOBS).where(JOBS.c.id == job_id).values(options=_rerun_options(one_run_options)))
+
+
 def _rerun_options(one_run_options: tuple[str, ...]) -> Any:
     """A rerun's options: the run's, less its one-run options (what was asked of the rerun meanwhile
     waits in next_run for its claim)."""
