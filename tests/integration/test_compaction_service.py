@@ -2204,3 +2204,23 @@ def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summariz
         session.execute(update(Job).values(heartbeat_at=func.now() - timedelta(minutes=10)))
     assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"  # waiting: the miss is recent
     assert len(compactions(tx_factory, "forced")) == 1 and len(llm_calls(tx_factory)) == paid
+
+
+def test_an_append_while_the_rest_of_a_head_waits_names_that_job_not_a_setting_to_lower(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A head over the summarizer's input is summarized a part at a time, each part asking for the next.
+    An append meanwhile read the part (accepted, the context still over) as a summary that could not
+    fit: no job named, and the advice to lower keep_recent_tokens, though the cause was the input cap
+    and the next part was already on its way."""
+    request = append(tx_factory, "capped", session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    [row] = compactions(tx_factory, "capped")
+    assert row.status == "accepted" and row.tokens_after is not None and row.tokens_after > 4000
+    later = append(tx_factory, "capped", [{"role": "user", "text": "Any news?"}], retrigger_seconds=300)
+    assert later.trigger.job is not None and later.trigger.job.job_id == job_id, later.trigger.note
+    assert later.trigger.note is None

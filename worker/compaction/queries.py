@@ -31,8 +31,8 @@ from worker.core.transcripts import (
     stored_message,
     tool_calls_json,
 )
-from worker.jobs.leases import options_for_its_next_run
-from worker.jobs.outbox import COMPACTION, JobRequest, request_job
+from worker.jobs.leases import NEXT_RUN, options_for_its_next_run
+from worker.jobs.outbox import COMPACTION, PENDING, JobRequest, request_job
 
 
 class TranscriptNotFoundError(LookupError):
@@ -379,6 +379,16 @@ def compaction_wait(
     return retrigger_wait(missed, retrigger_seconds), misfit
 
 
+# The transcript's pending compaction job that continues a head summarized in part (asked of it, or of
+# its next run while it runs).
+_PENDING_CONTINUATION = (
+    select(Job.id)
+    .where(Job.kind == COMPACTION, Job.subject == bindparam("subject"), Job.status.in_(PENDING))
+    .where(Job.options.contains({CONTINUATION: True}) | Job.options[NEXT_RUN].contains({CONTINUATION: True}))
+    .limit(1)
+)
+
+
 def check_trigger(
     session: Session, transcript_id: str, settings: TranscriptSettings, retrigger_seconds: float
 ) -> TriggerCheck:
@@ -387,6 +397,11 @@ def check_trigger(
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
+    continuing = session.scalar(_PENDING_CONTINUATION, {"subject": transcript_id})
+    if continuing is not None:
+        # The rest of a head summarized a part at a time (over the summarizer's input) is on its way:
+        # the wait read the part, accepted with the context still over, as a summary that cannot fit.
+        return TriggerCheck(tokens, settings.trigger_tokens, JobRequest(continuing, created=False))
     waiting, misfit = compaction_wait(session, transcript_id, settings, retrigger_seconds)
     if waiting is not None:
         return TriggerCheck(
