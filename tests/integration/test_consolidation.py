@@ -622,7 +622,9 @@ def test_the_sweep_requests_the_consolidation_a_dead_worker_never_requested(
 
     put_page(tx_factory, JAN_PAGE, JAN_BODY)
     extract(tx_factory, llm, JAN_PAGE)  # no request made: as if its worker died before the follow-up
-    rt = make_runtime(database_url, tx_factory)
+    # Its facts have no vectors: the vectors catch-up would hand them to follow-up threads (another thread
+    # on this test's one connection).
+    rt = make_runtime(database_url, tx_factory, embed_after_extraction=False)
 
     def jobs() -> list[tuple[str, str]]:
         with tx_factory() as session:
@@ -1803,45 +1805,48 @@ def test_a_round_that_deadlocks_with_a_vector_fill_is_written_again_and_asked_on
     assert (old.status, old.superseded_by, new.status) == ("superseded", new.id, "current")
 
 
-def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(
-    tx_factory, llm, database_url, simulator, caplog
-):
+def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(factory, llm, database_url, simulator):
     """The day's budget spent (or the embedding model down), an extraction's embedding follow-up left
     its facts without vectors and nothing tried again: vector search never found them until an operator
-    ran `factmill embed`. The sweep embeds them once the budget has room, within a day."""
+    ran `factmill embed`. The sweep hands their pages to the follow-up again once the budget has room,
+    within a day; the follow-up's threads make the calls (the sweep never waits on the model)."""
     from datetime import timedelta
 
     from tests.integration.test_api import make_runtime
     from tests.maintenance import maintained
+    from tests.service import wait_for
 
-    put_page(tx_factory, JAN_PAGE, JAN_BODY)
-    extract(tx_factory, llm, JAN_PAGE)  # its follow-up never embedded them
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    extract(factory, llm, JAN_PAGE)  # its follow-up never embedded them
 
     def unembedded() -> int:
-        with tx_factory() as session:
+        with factory() as session:
             return session.scalar(select(func.count()).where(Fact.embedding.is_(None), ~Fact.is_audit)) or 0
 
     def aged(delta: timedelta) -> None:
-        with tx_factory.begin() as session:
+        with factory.begin() as session:
             session.execute(Fact.__table__.update().values(created_at=func.now() - delta))
 
     stored = unembedded()
     assert stored > 0
-    rt = make_runtime(database_url, tx_factory, simulator_url=simulator.base_url, embed_after_extraction=True)
-    assert maintained(rt).steps["vectors_caught_up"] == 0 and unembedded() == stored  # its follow-up's time
-    aged(timedelta(minutes=10))
-    with tx_factory.begin() as session:
-        set_config(session, "llm.budget_daily_usd", "0")
-    assert maintained(rt).steps["vectors_caught_up"] == 0 and unembedded() == stored  # no budget: it waits
-    with tx_factory.begin() as session:
-        set_config(session, "llm.budget_daily_usd", "100")
-    assert maintained(rt).steps["vectors_caught_up"] == stored and unembedded() == 0
-    with tx_factory.begin() as session:
-        session.execute(Fact.__table__.update().values(embedding=None))
-    aged(timedelta(days=2))
-    assert maintained(rt).steps["vectors_caught_up"] == 0  # past the day: `factmill embed`
-    aged(timedelta(minutes=10))
-    anthropic = make_runtime(database_url, tx_factory, llm="anthropic", anthropic_api_key="sk-ant-test")
-    caplog.clear()
-    assert maintained(anthropic).steps["vectors_caught_up"] == 0 and unembedded() == stored  # no embeddings
-    assert "could not embed" not in caplog.text, "a day of facts read each sweep, to fail"
+    rt = make_runtime(database_url, factory, simulator_url=simulator.base_url, embed_after_extraction=True)
+    anthropic = make_runtime(database_url, factory, llm="anthropic", anthropic_api_key="sk-ant-test")
+    try:
+        assert maintained(rt).steps["vectors_caught_up"] == 0  # its own follow-up's time
+        aged(timedelta(minutes=10))
+        with factory.begin() as session:
+            set_config(session, "llm.budget_daily_usd", "0")
+        assert maintained(rt).steps["vectors_caught_up"] == 0  # no budget: it waits
+        with factory.begin() as session:
+            set_config(session, "llm.budget_daily_usd", "100")
+        assert maintained(anthropic).steps["vectors_caught_up"] == 0  # no embeddings model: nothing to try
+        assert unembedded() == stored
+        assert maintained(rt).steps["vectors_caught_up"] == 1  # the page, to the follow-up
+        wait_for(lambda: unembedded() == 0, 30, "the follow-up's vectors")
+        with factory.begin() as session:
+            session.execute(Fact.__table__.update().values(embedding=None))
+        aged(timedelta(days=2))
+        assert maintained(rt).steps["vectors_caught_up"] == 0  # past the day: `factmill embed`
+    finally:
+        rt.close()
+        anthropic.close()

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event, func, insert, select, text
+from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -1190,6 +1190,45 @@ def test_facts_erased_under_their_embedding_go_to_no_provider(
 
     assert embed_pages_facts(vector_factory, ErasedDuringTheFirstCall(), [("default", "eve-diary-0")], 2) == 0
     assert len(sent) == 1, sent  # the first call was under way; no batch after it
+
+
+def test_facts_another_embedder_filled_meanwhile_are_not_paid_for_again(
+    vector_factory: sessionmaker[Session], simulator: Any
+) -> None:
+    """Two embedders on one page (the sweep's hand-off beside a slow follow-up in another process):
+    each batch was checked only for facts still there, and a batch the other had filled was paid for
+    again, its vectors dropped."""
+    seed(vector_factory)  # eve-diary-0 holds ten facts
+    inner = sim_client(simulator)
+    sent: list[list[str]] = []
+
+    class OtherEmbedderDuringTheFirstCall:
+        provider, model = inner.provider, inner.model
+
+        def chat(self, request: Any) -> Any:
+            return inner.chat(request)
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+            answer = inner.embed(texts, purpose=purpose)
+            if not sent:
+                vector = list(answer.vectors[0])
+                with vector_factory.begin() as session:  # the other embedder stores every other vector
+                    ids = session.scalars(
+                        select(Fact.id).where(Fact.source_markdown_slug == "eve-diary-0", ~Fact.is_audit)
+                    ).all()
+                    session.execute(
+                        update(Fact)
+                        .where(Fact.id.in_(ids[2:]))
+                        .values(embedding=vector, embedding_model="other")
+                    )
+            sent.append(list(texts))
+            return answer
+
+    assert (
+        embed_pages_facts(vector_factory, OtherEmbedderDuringTheFirstCall(), [("default", "eve-diary-0")], 2)
+        == 2
+    )
+    assert len(sent) == 1, sent  # the rest were filled meanwhile: no call for them
 
 
 def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(

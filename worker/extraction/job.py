@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import cast
 
 from worker.config_store import EXTRACTION_ENABLED
@@ -18,7 +18,7 @@ from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_sub
 from worker.jobs.registry import ErrorRule, JobKind, register
 from worker.llm.gateway import can_embed
 from worker.runtime import Runtime
-from worker.search import embed_late_facts, embed_pages_facts
+from worker.search import embed_pages_facts, pages_with_late_facts
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,17 @@ def embed_in_background(rt: Runtime) -> FactsCommitted:
     """Once a page's facts commit, embed them on the process's follow-up threads (several pages per
     embedding call), so vector search finds them a moment later while the job goes on: it never
     waits on the embedding model. Never fails the job (``vectors_caught_up`` embeds what this misses)."""
+    embed = _embedding(rt)
+
+    def committed(source_id: str, slug: str, inserted: int) -> None:
+        rt.follow_ups.submit(EMBED_FOLLOW_UP, (source_id, slug), embed)
+
+    return committed
+
+
+def _embedding(rt: Runtime) -> Callable[[list[Hashable]], None]:
+    """The follow-up's work on a run of pages: their facts without a vector embedded, then (once the
+    vectors exist: the candidates use them) one consolidation request for all of them."""
     batch_size, concurrency = rt.settings.search_embed_batch_size, rt.settings.search_embed_concurrency
 
     def embed(pages: list[Hashable]) -> None:
@@ -41,18 +52,15 @@ def embed_in_background(rt: Runtime) -> FactsCommitted:
             concurrency=concurrency,
         )
         if rt.settings.consolidate_after_extraction:
-            # Once their vectors exist (the candidates use them): one request for all these pages.
             consolidate_pages_entities(rt.factory, cast(list[tuple[str, str]], pages))
 
-    def committed(source_id: str, slug: str, inserted: int) -> None:
-        rt.follow_ups.submit(EMBED_FOLLOW_UP, (source_id, slug), embed)
-
-    return committed
+    return embed
 
 
-# Facts stored this long ago still without a vector (their follow-up embeds them within seconds) are
-# embedded by the sweep: the day's budget was spent, the embedding model was down, the worker died. Older
-# than a day they wait for `factmill embed`; a sweep reads at most VECTORS_CATCH_UP_SCAN of them.
+# Facts stored this long ago still without a vector (their follow-up embeds them within seconds) go to
+# the follow-up again from the sweep: the day's budget was spent, the embedding model was down, the
+# worker died. Older than a day they wait for `factmill embed`; a sweep reads at most
+# VECTORS_CATCH_UP_SCAN of them.
 VECTORS_CATCH_UP_GRACE_SECONDS = 120.0
 VECTORS_CATCH_UP_WINDOW_SECONDS = 86_400.0
 VECTORS_CATCH_UP_SCAN = 1_000
@@ -60,24 +68,28 @@ VECTORS_CATCH_UP_SCAN = 1_000
 
 @sweep_step("vectors_caught_up")
 def vectors_caught_up(rt: Runtime) -> int:
-    """Each sweep: the vectors an embedding follow-up left out (only `factmill embed` filled them in, and
-    until then vector search never found those facts). Nothing while the budget is spent."""
+    """Each sweep: the pages whose facts an embedding follow-up left without a vector go to this
+    process's follow-up (only `factmill embed` filled them in, and until then vector search never found
+    those facts); how many pages. Nothing while the budget is spent. The follow-up's threads make the
+    calls: the sweep never waits on the embedding model (a model down held the maintenance worker for
+    the gateway's whole retry), and a page it already has is not queued twice."""
     settings = rt.settings
     if not (settings.embed_after_extraction and can_embed(settings)) or not rt.budget.has_room():
         return 0  # (a deployment with no embeddings model read a day of facts each sweep, to fail)
-    embedded = embed_late_facts(
+    pages = pages_with_late_facts(
         rt.factory,
-        rt.llm,
         grace_seconds=VECTORS_CATCH_UP_GRACE_SECONDS,
         window_seconds=VECTORS_CATCH_UP_WINDOW_SECONDS,
         scan=VECTORS_CATCH_UP_SCAN,
-        batch_size=settings.search_embed_batch_size,
-        ledger=rt.ledger,
-        concurrency=settings.search_embed_concurrency,
     )
-    if embedded:
-        logger.info("embedded %s fact(s) an embedding follow-up had left without a vector", embedded)
-    return embedded
+    embed = _embedding(rt)
+    for page in pages:
+        rt.follow_ups.submit(EMBED_FOLLOW_UP, page, embed)
+    if pages:
+        logger.info(
+            "%s page(s) had facts an embedding follow-up left without a vector: embedding them", len(pages)
+        )
+    return len(pages)
 
 
 def embedding_follows(rt: Runtime, counters: ExtractionCounters) -> bool:

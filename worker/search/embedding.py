@@ -112,7 +112,7 @@ def embed_pages_facts(
                 # checked a moment before) may still carry its text to the provider. The first batch
                 # was read a moment ago: a page of one batch (most pages) pays no second read.
                 if batch is not batches[0]:
-                    there = store.existing(row.id for row in batch)
+                    there = store.still_unembedded(row.id for row in batch)
                     batch = [row for row in batch if row.id in there]
                 if batch:
                     _embed_rows(store, llm, batch, report, False)

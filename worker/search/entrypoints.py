@@ -168,23 +168,14 @@ def embed_pages_facts(
     )
 
 
-def embed_late_facts(
-    factory: sessionmaker[Session],
-    llm: LLMClient,
-    *,
-    grace_seconds: float,
-    window_seconds: float,
-    scan: int,
-    batch_size: int = 64,
-    ledger: Ledger | None = None,
-    concurrency: int = 1,
-) -> int:
-    """Embed the facts of the pages whose facts stored between ``window_seconds`` and ``grace_seconds``
-    ago still have no embedding (at most ``scan`` such facts read); never raises, as
-    ``embed_pages_facts``. Returns how many facts were embedded."""
-    store = open_store(factory, ledger)
-    pages = store.late_pages(grace_seconds=grace_seconds, window_seconds=window_seconds, scan=scan)
-    return embedding.embed_pages_facts(store, llm, pages, batch_size, concurrency=concurrency) if pages else 0
+def pages_with_late_facts(
+    factory: sessionmaker[Session], *, grace_seconds: float, window_seconds: float, scan: int
+) -> list[tuple[str, str]]:
+    """(source id, slug) of the pages whose facts stored between ``window_seconds`` and
+    ``grace_seconds`` ago still have no embedding (the oldest ``scan`` such facts read)."""
+    return open_store(factory).late_pages(
+        grace_seconds=grace_seconds, window_seconds=window_seconds, scan=scan
+    )
 
 
 def enable_vector_search(factory: sessionmaker[Session]) -> VectorSearchStatus:

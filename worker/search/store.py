@@ -17,7 +17,6 @@ from sqlalchemy import Row, RowMapping, bindparam, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.fact import existing_fact_ids
 from models.packed import PackedFloats
 from models.reads import read_only
 from worker.accounting import Ledger, LLMCallRecord
@@ -67,6 +66,7 @@ _RESULT_NEIGHBOURS = (
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
 )
+_STILL_UNEMBEDDED = text("SELECT id FROM facts WHERE id = ANY(CAST(:ids AS bigint[])) AND embedding IS NULL")
 _LATE_PAGES = text(
     "SELECT DISTINCT source_id, source_markdown_slug FROM (SELECT source_id, source_markdown_slug FROM facts"
     " WHERE embedding IS NULL AND NOT is_audit AND created_at < now() - make_interval(secs => :grace)"
@@ -196,10 +196,16 @@ class SearchStore:
         with read_only(self._factory) as session:
             return int(session.scalar(text(f"SELECT count(*) FROM facts WHERE NOT is_audit{missing}")) or 0)
 
-    def existing(self, fact_ids: Iterable[int]) -> set[int]:
-        """Which of ``fact_ids`` still exist (an erasure removes a page's facts under its embedding)."""
+    def still_unembedded(self, fact_ids: Iterable[int]) -> set[int]:
+        """Which of ``fact_ids`` still exist without an embedding: an erasure removes a page's facts
+        under its embedding, and another embedder (the sweep's hand-off beside a slow follow-up in
+        another process) may have filled them since they were read (its vectors kept, a second call
+        for them was paid for nothing)."""
+        wanted = sorted(set(fact_ids))
+        if not wanted:
+            return set()
         with read_only(self._factory) as session:
-            return existing_fact_ids(session, fact_ids)
+            return {row[0] for row in session.execute(_STILL_UNEMBEDDED, {"ids": wanted})}
 
     def pages_facts_to_embed(self, pages: Sequence[tuple[str, str]]) -> list[FactToEmbed]:
         """The facts with no embedding of these (source id, slug) pages, in id order (one query)."""
