@@ -58,6 +58,9 @@ def test_a_figure_s_signs_keep_two_facts_apart(new: str, old: str) -> None:
     assert normalize_fact_text("A well-known date: 2026-05-01.") == normalize_fact_text(
         "a well known date 2026 05 01"
     )
+    # A dash between words is punctuation, not a sign (each such pair cost a model call).
+    assert normalize_fact_text("Alice - CTO at Acme") == normalize_fact_text("Alice: CTO at Acme")
+    assert normalize_fact_text("Alice -- CTO") == normalize_fact_text("alice, cto")
 
 
 def test_word_overlap_and_cosine() -> None:

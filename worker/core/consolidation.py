@@ -80,11 +80,14 @@ _STOP = frozenset(
 )
 
 
-# A minus before a figure ("-$2M", "-5°C"): a sign, not punctuation (a hyphen inside a word stays one).
-_MINUS = re.compile(r"(?<![\w])-(?=[\d\W])")
+# A minus before a figure ("-$2M", "-5°C"): a sign, not punctuation. Not a hyphen inside a word or a
+# date, nor a dash between words ("Alice - CTO").
+_MINUS = re.compile(r"(?<![\w-])-(?=\d|[^\w\s-])")
 # Percent, per mille and degree signs: with currency (Sc) and mathematical (Sm) symbols, they say what a
 # figure is, so they are kept as words of their own.
 _FIGURE_SIGNS = frozenset("%\u2030\u00b0")
+_ASCII_KEPT = frozenset("$%+<=>|~")  # the ASCII ones (most facts hold none: one regex pass then)
+_SYMBOL_RUN = re.compile(r"[^\w\s']+")
 
 
 def _kept_or_space(match: re.Match[str]) -> str:
@@ -97,7 +100,12 @@ def normalize_fact_text(text: str) -> str:
     whitespace collapsed, a trailing period gone. The signs of a figure stay ("net income was -$2M" is
     not "$2M", "5%" is not "$5"), and a text of punctuation only is kept as it is ("!!!" is not "???")."""
     folded = unicodedata.normalize("NFKC", text).translate(_APOSTROPHES).casefold()
-    collapsed = " ".join(_NON_WORD.sub(_kept_or_space, _MINUS.sub("\u2212", folded)).split())
+    if "-" in folded:
+        folded = _MINUS.sub("\u2212", folded)
+    if folded.isascii() and _ASCII_KEPT.isdisjoint(folded):
+        collapsed = " ".join(_NON_WORD.sub(" ", folded).split())
+    else:
+        collapsed = " ".join(_SYMBOL_RUN.sub(_kept_or_space, folded).split())
     return collapsed or " ".join(folded.split())
 
 
