@@ -32,3 +32,7 @@ def test_a_server_that_failed_once_connected_is_an_outage_and_a_statement_s_own_
     assert database_outage(OperationalError("SELECT 1", {}, psycopg_error_with_sqlstate())) is None
     never_opened = OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused"))
     assert database_outage(never_opened) is None and connection_failure(never_opened) is not None
+    broke = OperationalError("SELECT 1", {}, psycopg.OperationalError("server closed the connection"))
+    broke.connection_invalidated = True  # open, then broken mid-command: part of it may have committed
+    assert connection_failure(broke) is None
+    assert database_outage(broke) == "OperationalError: OperationalError: server closed the connection"

@@ -144,6 +144,8 @@ def connection_failure(exc: BaseException) -> str | None:
     orig = getattr(exc, "orig", None)
     if orig is None or not hasattr(exc, "statement") or getattr(orig, "sqlstate", None):
         return None
+    if getattr(exc, "connection_invalidated", False):  # it was open, and broke: ``database_outage``
+        return None
     if type(exc).__name__ != "OperationalError":
         return None
     first = (str(orig).strip().splitlines() or [""])[0]
