@@ -22,7 +22,7 @@ from models import ExtractionAudit, Fact, LLMCall, Page, ProviderCopy
 from tests.integration.test_extraction import put_page
 from worker.accounting import Price, cost_usd
 from worker.api.metrics import BackfillCollector
-from worker.config_store import set_config
+from worker.config_store import ConfigReader, set_config
 from worker.extraction import (
     TERMINAL_AUDIT_SOURCE,
     BatchExtractionCounters,
@@ -761,6 +761,17 @@ def test_cli_backfill_copies_lists_and_deletes_the_owed_copies(
     assert elsewhere.exit_code == 0 and "1 still owed" in elsewhere.stdout
     assert "belong to another provider than the configured one (simulator)" in elsewhere.stderr
 
+    # A batch an `extract --batch` run sent and still collects: on record, not owed, not deleted.
+    ProviderCopies(committed_store).settle("anthropic", "msgbatch_elsewhere")
+    ProviderCopies(committed_store).hold("simulator", "sim-batch_collecting", timedelta(hours=25))
+    report = json.loads(cli("--json").stdout)
+    assert (report["owed"], report["held"]) == (0, 1) and report["copies"][0][
+        "batch_id"
+    ] == "sim-batch_collecting"
+    assert "0 batch copies owed a delete; 1 held by the `extract --batch` run" in cli().stderr
+    kept = cli("--delete")
+    assert kept.exit_code == 0 and "0 still owed" in kept.stdout and "another provider" not in kept.stderr
+
 
 def test_an_online_run_stopped_by_sigterm_stops_as_ctrl_c_does(committed_store, database_url):
     """Online, SIGTERM (a `timeout`, a CI cancel) killed the run at once: the clean-up that records the
@@ -868,3 +879,33 @@ def test_a_sent_batch_is_on_record_while_its_run_waits_and_settled_once_collecte
 def owed_gauge(factory: sessionmaker[Session]) -> float:
     (gauge,) = [m for m in BackfillCollector(factory).collect() if m.name == "factmill_provider_copies_owed"]
     return gauge.samples[0].value
+
+
+def test_a_database_restarting_during_the_wait_does_not_throw_the_batch_away(store, clean_sim):
+    """The kill switch is read at each poll: a database restarting in a wait of hours (the switch
+    unreadable for a moment) ended the run, cancelled the batch and threw its work away."""
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    clean_sim.configure(batch_delay_seconds=0.3)
+    reads = 0
+
+    class Restarting(ConfigReader):
+        def enabled(self, key: str) -> bool:
+            nonlocal reads
+            reads += 1
+            if reads == 2:  # the first poll's read: the server is restarting
+                shutdown = psycopg.errors.lookup("57P01")(
+                    "terminating connection due to administrator command"
+                )
+                raise OperationalError("SELECT value FROM config", {}, shutdown)
+            return super().enabled(key)
+
+    counters = run_batch_extraction(
+        store,
+        openai_batch(clean_sim),
+        ExtractOptions(source_id="batch"),
+        config=Restarting(store, ttl=0),
+        poll_seconds=0.02,
+    )
+    assert reads > 2 and counters.batch_status == "completed" and counters.pages_processed == len(PAGES)

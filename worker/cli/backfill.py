@@ -168,11 +168,11 @@ def backfill_copies(
     if delete:
         _delete_copies(factory, as_json)
         return
-    total, owed = ProviderCopies(factory).listing(limit)
+    total, held, owed = ProviderCopies(factory).listing(limit)
     if as_json:
-        print_json({"owed": total, "copies": [fields(copy, copy._fields) for copy in owed]})
+        print_json({"owed": total, "held": held, "copies": [fields(copy, copy._fields) for copy in owed]})
         return
-    if not total:
+    if not total + held:
         out.print("no provider batch copy is owed a delete")
         return
     table = folding_table("provider", "batch", "attempts", "owed since", "last tried", "last error")
@@ -182,10 +182,16 @@ def backfill_copies(
             copy.last_error or "",
         )  # fmt: skip
     out.print(table)
-    shown = f" ({len(owed)} shown)" if len(owed) < total else ""
+    shown = f" ({len(owed)} shown)" if len(owed) < total + held else ""
+    holding = (
+        f"; {held} held by the `extract --batch` run that sent it, due once it is collected or at "
+        "'last tried' (a run killed outright)"
+        if held
+        else ""
+    )
     err.print(
-        f"{total} batch {'copy' if total == 1 else 'copies'} owed a delete{shown}; "
-        "`factmill backfill copies --delete` deletes the ended ones now, with the configured provider",
+        f"{total} batch {'copy' if total == 1 else 'copies'} owed a delete{shown}{holding}; "
+        "`factmill backfill copies --delete` deletes the ended ones owed now, with the configured provider",
         highlight=False,
     )
 
@@ -196,7 +202,7 @@ def _delete_copies(factory: sessionmaker[Session], as_json: bool) -> None:
         swept = sweep_provider_copies(factory, settings, retry_after=timedelta(0))
     except LLMConfigurationError as exc:
         raise fail(f"cannot reach the provider to delete the copies: {exc}", code=2) from exc
-    left, _ = ProviderCopies(factory).listing(1)
+    left, _, _ = ProviderCopies(factory).listing(1)  # (not those a run still holds)
     report = {"deleted": swept.deleted, "not_ended": swept.waiting, "failed": swept.failed, "owed": left}
     if as_json:
         print_json(report)

@@ -24,11 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
 from worker.core.conversation import SEGMENT_TEXT_CHAR_LIMIT, Segment, render_segment_for_extraction
+from worker.core.errors import error_summary
+from worker.db import database_unavailable
 from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import (
     CheckpointConflictError,
@@ -61,9 +64,7 @@ MAX_HELD_PAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_POLL_SECONDS = 30.0
 # The providers' completion window is 24 h; past it (plus a little) the batch is cancelled.
 DEFAULT_TIMEOUT_SECONDS = 24 * 3600 + 600
-# How long a run may take to read and commit an ended batch's results: its copy's delete is owed from
-# its send, due only past the run's timeout, its cancel's grace and this (ProviderCopies.hold).
-COLLECT_ALLOWANCE_SECONDS = 3600.0
+COLLECT_ALLOWANCE_SECONDS = 3600.0  # to read and commit an ended batch's results (ProviderCopies.hold)
 
 
 def cancel_grace(poll_seconds: float) -> float:
@@ -252,9 +253,7 @@ class BatchExtraction:
         while True:
             if self.run.guard is not None:
                 self.run.guard()
-            # Switched off in a wait of hours (a model writing bad facts): the online run stops before
-            # its next call; this one cancelled nothing and committed every page when the batch ended.
-            self.run.check_switch()
+            self._check_switch(batch_id)
             try:
                 last = client.status(batch_id)
             except LLMError as exc:
@@ -281,6 +280,18 @@ class BatchExtraction:
                 cancelled = True
                 deadline = time.monotonic() + cancel_grace(poll_seconds)
             sleep(poll_seconds)
+
+    def _check_switch(self, batch_id: str) -> None:
+        """Switched off in a wait of hours (a model writing bad facts), the run stops; the switch
+        unreadable a moment (the database restarting) throws no batch away: the next poll reads it."""
+        try:
+            self.run.check_switch()
+        except OperationalError as exc:
+            if not database_unavailable(exc):
+                raise
+            logger.warning(
+                "batch %s: the kill switch could not be read (%s); polling on", batch_id, error_summary(exc)
+            )
 
     def result_of(self, item: BatchItem, client: BatchLLMClient) -> SegmentResult:
         return batch_segment_result(item, client, self.run.max_facts, self.run.options.max_output_tokens)

@@ -91,8 +91,9 @@ class ProviderCopies:
                 touched.where(ProviderCopy.provider == provider, ProviderCopy.batch_id == batch_id)
             )
 
-    def listing(self, limit: int) -> tuple[int, Sequence[Row[*tuple[Any, ...]]]]:
-        """How many copies are owed, and the ``limit`` longest owed, as the CLI shows them."""
+    def listing(self, limit: int) -> tuple[int, int, Sequence[Row[*tuple[Any, ...]]]]:
+        """How many copies are owed, how many more a run still holds (``hold``: not due before its
+        ``tried_at``), and the ``limit`` longest on record, as the CLI shows them."""
         columns = (
             ProviderCopy.provider,
             ProviderCopy.batch_id,
@@ -101,10 +102,12 @@ class ProviderCopies:
             ProviderCopy.created_at,
             ProviderCopy.tried_at,
         )
+        held = ProviderCopy.tried_at > func.now()
+        counted = select(func.count().filter(~held), func.count().filter(held)).select_from(ProviderCopy)
         with read_only(self._factory) as session:
-            total = session.scalar(select(func.count()).select_from(ProviderCopy)) or 0
+            owed, holding = session.execute(counted).one()
             rows = session.execute(select(*columns).order_by(ProviderCopy.id).limit(limit))
-            return total, rows.all()
+            return owed, holding, rows.all()
 
     def settle(self, provider: str, batch_id: str) -> None:
         gone = delete(ProviderCopy).where(
