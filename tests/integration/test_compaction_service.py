@@ -2224,3 +2224,17 @@ def test_an_append_while_the_rest_of_a_head_waits_names_that_job_not_a_setting_t
     later = append(tx_factory, "capped", [{"role": "user", "text": "Any news?"}], retrigger_seconds=300)
     assert later.trigger.job is not None and later.trigger.job.job_id == job_id, later.trigger.note
     assert later.trigger.note is None
+    # Paused for its own budget, the continuation is renewed by new content as any pending job is (else
+    # it held the transcript's one pending slot for good).
+    with tx_factory.begin() as session:
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(status="paused", pause_reason="budget", budget_since=func.now() - timedelta(minutes=10))
+        )
+    append(tx_factory, "capped", [{"role": "user", "text": "And now?"}], retrigger_seconds=300)
+    with tx_factory() as session:
+        renewed = session.scalar(
+            select(Job.budget_since > func.now() - timedelta(minutes=1)).where(Job.id == job_id)
+        )
+    assert renewed, "new content did not start the paused continuation's budget over"

@@ -397,12 +397,13 @@ def check_trigger(
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
-    continuing = session.scalar(_PENDING_CONTINUATION, {"subject": transcript_id})
-    if continuing is not None:
-        # The rest of a head summarized a part at a time (over the summarizer's input) is on its way:
-        # the wait read the part, accepted with the context still over, as a summary that cannot fit.
-        return TriggerCheck(tokens, settings.trigger_tokens, JobRequest(continuing, created=False))
-    waiting, misfit = compaction_wait(session, transcript_id, settings, retrigger_seconds)
+    # The rest of a head summarized a part at a time (over the summarizer's input) on its way: no wait
+    # (it read the part, accepted with the context still over, as a summary that cannot fit), and the
+    # request still marks or renews that job as it would any pending one.
+    continuing = session.scalar(_PENDING_CONTINUATION, {"subject": transcript_id}) is not None
+    waiting, misfit = (
+        (None, None) if continuing else compaction_wait(session, transcript_id, settings, retrigger_seconds)
+    )
     if waiting is not None:
         return TriggerCheck(
             tokens, settings.trigger_tokens, None, waiting + (f"; {misfit}" if misfit else "")
