@@ -15,7 +15,7 @@ from models import ExtractionAudit, Fact, Job, LLMCall
 from tests.cli import invoke_cli
 from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
 from worker.accounting import Budget, parse_prices, parse_usd
-from worker.accounting.budget import MAX_BUDGET_USD
+from worker.accounting.budget import MAX_BUDGET_USD, RECHECK_SECONDS
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.jobs import outbox
@@ -617,10 +617,18 @@ def test_a_raised_budget_is_read_past_the_cache_before_a_call_is_refused(tx_fact
         job_id = request_job(session, EXTRACTION, "default|conversations/raised").job_id
     set_(tx_factory, key, "0")
     config = ConfigReader(tx_factory, ttl=3600)
-    budget = Budget(tx_factory, config.get, ttl=0, fresh_config=config.fresh)
-    assert not budget.has_room(job_id)  # the cache now holds 0
+    fresh_reads, now = [], [0.0]
+
+    def fresh(name: str) -> str | None:
+        fresh_reads.append(name)
+        return config.fresh(name)
+
+    budget = Budget(tx_factory, config.get, ttl=0, fresh_config=fresh, clock=lambda: now[0])
+    assert not any(budget.has_room(job_id) for _ in range(100))  # the cache now holds 0
+    assert len(fresh_reads) == 1, "a spent budget read its limit past the cache at every check"
     set_(tx_factory, key, "100")
     assert config.get(key) == "0", "the cache still holds the old limit"
+    now[0] += RECHECK_SECONDS
     assert budget.has_room(job_id), "refused by a limit raised a moment ago"
     set_(tx_factory, key, "0")
     assert not Budget(tx_factory, config.fresh, ttl=0).has_room(job_id)

@@ -65,12 +65,15 @@ COUNTS_FOR_JOB_BUDGET = counts_for_job_budget()
 
 # The share of a day budget past which its spend is read fresh at every check.
 NEAR_LIMIT = Decimal("0.9")
+# How long a spent budget's limit, read past the config cache before a call is refused, is trusted.
+RECHECK_SECONDS = 0.25
 
 
 class Budget:
     """Checks spend (from llm_calls) against the live budgets before each call.
 
-    The day total is cached for ``ttl`` seconds, so a check costs one query per ttl; within
+    The day total is cached for ``ttl`` seconds, so a check costs one query per ttl (a refused one, a
+    read of its limit per RECHECK_SECONDS too); within
     NEAR_LIMIT of the limit it is read fresh at each check (cached, the calls a second's worth of
     checks let through all went past a spent budget). Concurrent calls may overshoot a budget by the
     calls in flight and the paid results not yet committed. One per process: every client and runner
@@ -93,7 +96,10 @@ class Budget:
         is refused (raised, it woke the paused jobs, which a cache still holding the old limit paused
         again until the next sweep)."""
         self._factory, self._get = factory, get_config
-        self._fresh_get = fresh_config
+        # Shared by the threads for a moment: a day spent (a search budget set to 0 on purpose) made
+        # every refused check read the config table past the cache, two per search.
+        recheck = TtlCache(fresh_config, RECHECK_SECONDS, clock) if fresh_config is not None else None
+        self._fresh_get = recheck.get if recheck is not None else None
         self._search = search
         self._daily_key = SEARCH_DAILY_BUDGET_KEY if search else DAILY_BUDGET_KEY
         self._day: TtlCache[None, Decimal] = TtlCache(self._spent_since_midnight, ttl, clock)
