@@ -1214,7 +1214,9 @@ def test_facts_another_embedder_filled_meanwhile_are_not_paid_for_again(
                 vector = list(answer.vectors[0])
                 with vector_factory.begin() as session:  # the other embedder stores every other vector
                     ids = session.scalars(
-                        select(Fact.id).where(Fact.source_markdown_slug == "eve-diary-0", ~Fact.is_audit)
+                        select(Fact.id)
+                        .where(Fact.source_markdown_slug == "eve-diary-0", ~Fact.is_audit)
+                        .order_by(Fact.id)
                     ).all()
                     session.execute(
                         update(Fact)

@@ -61,6 +61,7 @@ def test_a_figure_s_signs_keep_two_facts_apart(new: str, old: str) -> None:
     # A dash between words is punctuation, not a sign (each such pair cost a model call).
     assert normalize_fact_text("Alice - CTO at Acme") == normalize_fact_text("Alice: CTO at Acme")
     assert normalize_fact_text("Alice -- CTO") == normalize_fact_text("alice, cto")
+    assert normalize_fact_text("Net income was - $2M") != normalize_fact_text("Net income was $2M")
 
 
 def test_word_overlap_and_cosine() -> None:

@@ -80,9 +80,9 @@ _STOP = frozenset(
 )
 
 
-# A minus before a figure ("-$2M", "-5°C"): a sign, not punctuation. Not a hyphen inside a word or a
+# A minus before a figure ("-$2M", "- 5°C"): a sign, not punctuation. Not a hyphen inside a word or a
 # date, nor a dash between words ("Alice - CTO").
-_MINUS = re.compile(r"(?<![\w-])-(?=\d|[^\w\s-])")
+_MINUS = re.compile(r"(?<![\w-])-(?=\s?(?:\d|[^\w\s-]))")
 # Percent, per mille and degree signs: with currency (Sc) and mathematical (Sm) symbols, they say what a
 # figure is, so they are kept as words of their own.
 _FIGURE_SIGNS = frozenset("%\u2030\u00b0")
