@@ -1696,3 +1696,27 @@ def test_a_plan_holds_its_pages_in_the_order_a_delivery_locks_them_whatever_the_
     ids = {upsert_page(session, PageIn(slug=slug, type="note")).page_id: slug for slug in slugs}
     held = [ids[page_id] for page_id in session.scalars(HOLD_PAGES, {"ids": list(ids)})]
     assert held == sorted(slugs), held
+
+
+def test_the_kill_switch_stops_a_pass_sending_its_batches(factory, rt, sim, monkeypatch):
+    """The switch was read before a pass and before each page it collected, never before a send: turned
+    off while a pass sent a large selection (uploads of up to 95 MB, one after another), every batch
+    left was still sent, run and billed, and the pages' text went to the provider."""
+    seed_pages(factory, "bf", 6)  # three batches of two pages
+    sim.configure(batch_delay_seconds=3600)
+    _, job_id = start(factory, "bf")
+    real_submit = OpenAIBatchClient.submit
+
+    def switched_off_after(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = real_submit(self, *args, **kwargs)
+        with factory.begin() as session:  # the operator, as the first batch goes
+            set_config(session, "facts.extraction_enabled", "false")
+        return sent
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", switched_off_after)
+    assert run_pass(rt, job_id).status == "paused"
+    assert job_row(factory, job_id).pause_reason == "kill_switch"
+    assert sim.stats()["batches"]["created"] == 1, "batches were sent after the switch went off"
+    with factory() as session:
+        statuses = sorted(session.scalars(select(BackfillBatch.status)).all())
+    assert statuses.count("planned") == 2, statuses  # sent once the switch is on again

@@ -7,10 +7,9 @@ Each pass of the job (its first run, then one per beat poll while provider batch
    provider's id. A batch found ``submitting`` (its sender died) is looked up at the provider by its key
    (which begins every custom id) and is sent again only when the provider has no such batch;
 3. polls the sent batches and commits an ended batch's results page by page, in segment order, through
-   the online run's per-segment transaction (facts + audit + llm_calls + checkpoint compare-and-set),
-   which here also marks the request recorded: a result is paid and committed once, whoever dies when;
-   then the provider's copy (the pages' text and the results) is deleted, before the batch is marked
-   collected, so a pass that dies in between deletes it again (a 404 is fine) and downloads nothing;
+   the online run's per-segment transaction, which here also marks the request recorded (a result is
+   paid and committed once, whoever dies when); then the provider's copy is deleted, before the batch
+   is marked collected, so a pass that dies in between deletes it again (a 404 is fine);
 4. waits (paused, reason "batch") while batches run; beat wakes it every ``backfill_poll_seconds``.
 
 A result commits only onto the segment it was asked for (same end message, same messages' digest) when
@@ -203,6 +202,7 @@ class BackfillPass:
         estimate = estimated_batch_cost(client.model, requests.values(), self.deps.ledger.prices())
         if not self.within_budget(batch, estimate):
             return False
+        self.run.check_switch()  # switched off during a pass: the job pauses and this batch waits, unsent
         self.deps.guard()
         # Committed before the provider hears of it; counted against the budgets until collected. Not
         # when another run recorded its send meanwhile (it is sent: this run has nothing to do).
