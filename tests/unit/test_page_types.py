@@ -29,3 +29,10 @@ def test_a_value_naming_no_known_type_is_refused(value: str, said: str) -> None:
     with pytest.raises(ValueError, match=r"extraction\.page_types must name some of conversation") as refused:
         check_page_types(value)
     assert said in str(refused.value) and "Unset it" in str(refused.value)
+
+
+@pytest.mark.parametrize("stored", ["chats", "slack;email", "conversations"])
+def test_a_stored_value_naming_no_type_narrows_nothing(stored: str) -> None:
+    """Written past check_page_types (by hand, by an older release), such a value read as no type:
+    every job found nothing to extract, and every changed page's facts were dropped."""
+    assert narrow_page_types(stored) == CONVERSATION_PAGE_TYPES

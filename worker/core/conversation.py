@@ -38,11 +38,14 @@ __all__ = [
 
 
 def narrow_page_types(narrowed: str | None) -> tuple[str, ...]:
-    """CONVERSATION_PAGE_TYPES, narrowed by a comma-separated `extraction.page_types` value if any."""
+    """CONVERSATION_PAGE_TYPES, narrowed by a comma-separated `extraction.page_types` value if any. A
+    stored value naming none of them (written past ``check_page_types``: by hand, or by a release before
+    it) narrows nothing: read as no type, every job found nothing to extract and every changed page's
+    facts were dropped as a type extraction does not read."""
     if not narrowed or not narrowed.strip():
         return CONVERSATION_PAGE_TYPES
     wanted = {t.strip().lower() for t in narrowed.split(",") if t.strip()}
-    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted)
+    return tuple(t for t in CONVERSATION_PAGE_TYPES if t in wanted) or CONVERSATION_PAGE_TYPES
 
 
 def check_page_types(value: str) -> None:
