@@ -1582,3 +1582,20 @@ def test_front_matter_nesting_has_one_limit_whichever_way_the_page_comes_in(clie
     deeper = post(client, page("fm/deeper", frontmatter=nested(MAX_FRONT_MATTER_DEPTH + 8)))
     assert deeper.status_code == 422, deeper.text
     assert f"front matter nests deeper than {MAX_FRONT_MATTER_DEPTH} levels" in deeper.text
+
+
+def test_a_page_listing_pages_past_a_slug_stored_before_the_length_bound(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A slug longer than new ones may be (stored before the bound, or around the API) gave a cursor
+    the listing's own route refused (a 422): every page after it was out of reach."""
+    from models import Page
+
+    with tx_factory.begin() as session:
+        for slug in ("a" * 700, "b-after"):
+            session.add(Page(source_id="default", slug=slug, type="conversation", content_hash="x"))
+    first = client.get("/v1/pages", params={"limit": 1})
+    assert first.status_code == 200, first.text
+    rest = client.get("/v1/pages", params={"limit": 1, "after": first.json()["next_after"]})
+    assert rest.status_code == 200, rest.text
+    assert [p["slug"] for p in rest.json()["pages"]] == ["b-after"]

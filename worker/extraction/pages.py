@@ -41,7 +41,7 @@ from worker.jobs.outbox import EXTRACTION, JobRequest, page_subject, request_job
 MAX_PAGE_KEY_BYTES = 2_400
 
 
-MAX_SLUG_LENGTH = 500  # characters, once normalized; GET /v1/pages' next_after cursor is sized by it
+MAX_SLUG_LENGTH = 500  # characters, once normalized
 # A slug as sent, before it is normalized (NFC): a decomposed (NFD) spelling of one at the cap is longer
 # (a Hangul syllable is three code points, some Greek letters four), and macOS names files in NFD.
 MAX_SLUG_INPUT_LENGTH = 4 * MAX_SLUG_LENGTH
