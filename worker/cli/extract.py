@@ -149,6 +149,12 @@ def _run_extraction(
         raise fail(f"the batch could not be submitted or read: {exc}", code=5) from exc
 
 
+SINCE_HELP = (
+    "Only messages strictly after this ISO time; the ones before are passed over for good: the "
+    "checkpoint moves past them (only --force extracts them again)."
+)
+
+
 def extract(
     slug: Annotated[str | None, typer.Option(help="Only this page.")] = None,
     source_id: Annotated[str, source_option(help="Source to extract.")] = "default",
@@ -156,13 +162,7 @@ def extract(
         bool, typer.Option(help="Count pages and segments; write nothing, call no LLM.")
     ] = False,
     force: Annotated[bool, typer.Option(help="Re-extract and replace the pages' facts.")] = False,
-    since: Annotated[
-        str | None,
-        typer.Option(
-            help="Only messages strictly after this ISO time; the ones before are passed over for good: "
-            "the checkpoint moves past them (only --force extracts them again)."
-        ),
-    ] = None,
+    since: Annotated[str | None, typer.Option(help=SINCE_HELP)] = None,
     override_disabled: Annotated[
         bool, typer.Option(help="Run even if facts.extraction_enabled is off.")
     ] = False,

@@ -1,8 +1,7 @@
 """Transcript reads and writes inside the caller's transaction: every function takes a Session, never commits.
 
 The API and the CLI call these inside their own transaction (an append shares it with its webhook
-delivery row, and its compaction job is sent after the commit); TranscriptStore wraps them in
-transactions of its own for the compaction service.
+delivery row; its compaction job is sent after the commit); TranscriptStore wraps them for the service.
 """
 
 from __future__ import annotations
@@ -306,11 +305,9 @@ def retrigger_wait(missed: Compaction, retrigger_seconds: float) -> str:
 
 
 # A job option: this run continues an accepted summary of part of the head (it did not fit the
-# summarizer), so the wait after an accepted summary that left the context over its threshold does not
-# hold it. Asked of the running job's next run only (a one-run option of the compaction kind).
+# summarizer): the wait after a summary that left the context over its threshold does not hold it.
 CONTINUATION = "continuation"
-# A compaction run's own options, not its rerun's: a forced run skips the wait after a miss (kept for
-# reruns, an agent appending over the threshold paid two calls a run for as long as the gate rejected).
+# A run's own options, not its rerun's (a forced rerun skipped the wait after each miss: two calls a run).
 ONE_RUN_OPTIONS = ("force", CONTINUATION)
 
 
@@ -379,13 +376,12 @@ def compaction_wait(
     return retrigger_wait(missed, retrigger_seconds), misfit
 
 
-# The transcript's pending compaction job that continues a head summarized in part (asked of it, or of
-# its next run while it runs).
-_PENDING_CONTINUATION = (
-    select(Job.id)
-    .where(Job.kind == COMPACTION, Job.subject == bindparam("subject"), Job.status.in_(PENDING))
-    .where(Job.options.contains({CONTINUATION: True}) | Job.options[NEXT_RUN].contains({CONTINUATION: True}))
-    .limit(1)
+# The transcript's pending job continuing a head summarized in part (asked of it, or of its next run).
+_PENDING_CONTINUATION = select(Job.id).where(
+    Job.kind == COMPACTION,
+    Job.subject == bindparam("subject"),
+    Job.status.in_(PENDING),
+    Job.options.contains({CONTINUATION: True}) | Job.options[NEXT_RUN].contains({CONTINUATION: True}),
 )
 
 
@@ -397,9 +393,8 @@ def check_trigger(
     check = TriggerCheck(tokens, settings.trigger_tokens)
     if not should_compact(tokens, settings.context_window, settings.reserve_tokens):
         return check
-    # The rest of a head summarized a part at a time (over the summarizer's input) on its way: no wait
-    # (it read the part, accepted with the context still over, as a summary that cannot fit), and the
-    # request still marks or renews that job as it would any pending one.
+    # The rest of a head summarized in parts on its way: no wait (it read the part, accepted with the
+    # context still over, as a summary that cannot fit); the request still marks or renews that job.
     continuing = session.scalar(_PENDING_CONTINUATION, {"subject": transcript_id}) is not None
     waiting, misfit = (
         (None, None) if continuing else compaction_wait(session, transcript_id, settings, retrigger_seconds)
