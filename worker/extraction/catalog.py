@@ -11,17 +11,15 @@ from sqlalchemy import ColumnElement, func, literal, select, true, tuple_
 from sqlalchemy.orm import Session
 
 from models.tables import FACTS, JOBS, PAGES
-from worker.core.labels import MAX_SOURCE_ID_LENGTH
 from worker.core.slugs import stored_form
-from worker.extraction.pages import MAX_PAGE_KEY_BYTES
 from worker.jobs.outbox import EXTRACTION, page_subject_sql, split_page_subject
 
 MAX_LISTED_PAGES = 1000
-# A page cursor (next_after): a source id, '|', a slug as stored. Not MAX_SLUG_LENGTH, what a new slug
-# may take: a longer one stored before that bound (or around the API) made every listing stop at its
-# page, the next_after it handed out refused by its own route. A key never holds more characters than
-# the bytes the table's key index takes.
-MAX_PAGE_CURSOR_LENGTH = MAX_SOURCE_ID_LENGTH + 1 + MAX_PAGE_KEY_BYTES
+# A page cursor (next_after): a source id, '|', a slug as stored. A bound on the request's size only:
+# sized by what a new slug may take, a longer one stored before that bound (or around the API; Postgres
+# compresses a long key before its index's size check) made every listing stop at its page, the
+# next_after it handed out refused by its own route.
+MAX_PAGE_CURSOR_LENGTH = 16_384
 
 
 class PageSummary(BaseModel):
