@@ -36,3 +36,14 @@ def test_a_stored_value_naming_no_type_narrows_nothing(stored: str) -> None:
     """Written past check_page_types (by hand, by an older release), such a value read as no type:
     every job found nothing to extract, and every changed page's facts were dropped."""
     assert narrow_page_types(stored) == CONVERSATION_PAGE_TYPES
+
+
+def test_a_stored_value_the_rules_refuse_is_said_once_with_what_it_is_read_as(caplog) -> None:
+    from worker.extraction.options import stored_page_types
+
+    with caplog.at_level("WARNING"):
+        assert stored_page_types("slack;email") == CONVERSATION_PAGE_TYPES
+        assert stored_page_types("slack;email") == CONVERSATION_PAGE_TYPES
+        assert stored_page_types("slack, email") == ("slack", "email")  # the rules take it: nothing said
+    (said,) = [r.getMessage() for r in caplog.records if "extraction.page_types" in r.getMessage()]
+    assert "read as " + ",".join(CONVERSATION_PAGE_TYPES) in said

@@ -26,7 +26,7 @@ from worker.core.checkpoint import page_key
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.core.erasure import erased_digest, erased_label, nothing_to_erase
 from worker.db import made_again_on_deadlock
-from worker.extraction.options import narrow_page_types
+from worker.extraction.options import stored_page_types
 from worker.jobs.outbox import EXTRACTION, cancel_jobs, page_subject
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def page_body(compiled_truth: str, timeline: str) -> str:
 
 def extracted_types(session: Session) -> tuple[str, ...]:
     """The page types extraction reads now (config `extraction.page_types`), read in this transaction."""
-    return narrow_page_types(get_config(session, EXTRACTION_PAGE_TYPES))
+    return stored_page_types(get_config(session, EXTRACTION_PAGE_TYPES))
 
 
 def is_extractable(page_type: str, body: str, types: Sequence[str]) -> bool:

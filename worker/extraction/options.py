@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -15,10 +16,12 @@ from worker.config_store import (
     ConfigReader,
     stored_count,
 )
-from worker.core.conversation import instant_micros, narrow_page_types
+from worker.core.conversation import check_page_types, instant_micros, narrow_page_types
 from worker.core.facts import DEFAULT_MAX_FACTS, MAX_FACTS_LIMIT
 from worker.extraction.segments import SegmentResult
 from worker.jobs.registry import KillSwitchOffError
+
+logger = logging.getLogger(__name__)
 
 OP_NAME = "extract-conversation-facts"
 PER_SEGMENT_SOURCE_PREFIX = "cli:extract-conversation-facts"
@@ -185,7 +188,27 @@ def validate_since(since_iso: str | None, force: bool = False) -> None:
 
 def page_types(config: ConfigReader) -> tuple[str, ...]:
     """The conversation page types to extract, narrowed by `extraction.page_types` when it is set."""
-    return narrow_page_types(config.get(EXTRACTION_PAGE_TYPES))
+    return stored_page_types(config.get(EXTRACTION_PAGE_TYPES))
+
+
+_SAID_REFUSED: set[str] = set()
+
+
+def stored_page_types(value: str | None) -> tuple[str, ...]:
+    """``narrow_page_types`` of a stored `extraction.page_types`; one the rules refuse (written past them:
+    by hand, by an older release) is said in the log once, with what it is read as."""
+    types = narrow_page_types(value)
+    if value is not None and value.strip() and value not in _SAID_REFUSED:
+        try:
+            check_page_types(value)
+        except ValueError as exc:
+            _SAID_REFUSED.add(value)
+            logger.warning(
+                "config extraction.page_types is refused by its rules (%s); read as %s until it is set again",
+                exc,
+                ",".join(types),
+            )
+    return types
 
 
 def resolve_max_facts(options: ExtractOptions, config: ConfigReader) -> int:
