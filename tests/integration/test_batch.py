@@ -894,7 +894,7 @@ def test_a_database_restarting_during_the_wait_does_not_throw_the_batch_away(sto
         def enabled(self, key: str) -> bool:
             nonlocal reads
             reads += 1
-            if reads == 2:  # the first poll's read: the server is restarting
+            if reads == 3:  # the first poll's read (after the run's and the send's): the server restarts
                 shutdown = psycopg.errors.lookup("57P01")(
                     "terminating connection due to administrator command"
                 )
@@ -909,3 +909,22 @@ def test_a_database_restarting_during_the_wait_does_not_throw_the_batch_away(sto
         poll_seconds=0.02,
     )
     assert reads > 2 and counters.batch_status == "completed" and counters.pages_processed == len(PAGES)
+
+
+def test_the_kill_switch_turned_off_while_pages_are_planned_sends_no_batch(store, clean_sim, monkeypatch):
+    """Read before planning only: switched off while the pages were planned (minutes for a large
+    selection), the batch still went out with the pages' text, to be cancelled at the first poll."""
+    from worker.extraction.batch import BatchExtraction
+
+    real_plans = BatchExtraction.plans
+
+    def switched_off_meanwhile(self: Any) -> Any:
+        planned = real_plans(self)
+        with store.begin() as session:
+            set_config(session, "facts.extraction_enabled", "false")
+        return planned
+
+    monkeypatch.setattr(BatchExtraction, "plans", switched_off_meanwhile)
+    with pytest.raises(ExtractionDisabledError):
+        run_batch(store, openai_batch(clean_sim))
+    assert clean_sim.stats()["batches"]["created"] == 0 and owed(store) == []

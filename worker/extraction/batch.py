@@ -350,6 +350,7 @@ class BatchExtraction:
             for plan in plans:
                 self.finish(PageReport(plan.slug, "failed", str(exc), outcome="budget_exhausted"))
             return None
+        self.run.check_switch()  # switched off while the pages were planned (minutes): nothing goes out
         if self.run.guard is not None:
             self.run.guard()
         self.batch.batch_id = client.submit(list(requests.items()))
