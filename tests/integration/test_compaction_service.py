@@ -807,13 +807,28 @@ def test_a_head_over_the_summarizers_input_is_compacted_oldest_part_first(
     assert stats.context_tokens <= 4000 < stats.history_tokens
 
 
+def dies_after_its_row(rt: Runtime, job_id: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the compaction job, its worker gone (SIGKILL) once the compaction row is written: nothing
+    after it runs (the job is never finished)."""
+    from worker.compaction import job as compaction_job
+
+    real_compact = compaction_job.compact
+
+    def dies_after_the_row(*args: Any, **kwargs: Any) -> Any:
+        real_compact(*args, **kwargs)
+        raise SystemExit("SIGKILL")
+
+    monkeypatch.setattr(compaction_job, "compact", dies_after_the_row)
+    with pytest.raises(SystemExit):
+        run_job(rt, job_id, jobs.COMPACTION)
+
+
 def test_an_accepted_part_of_the_head_requests_the_rest_in_its_own_transaction(
     database_url: str, tx_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The next part was requested after the accepted row committed: a worker that died in between
     left the rest to the retrigger wait and an append (its redelivered run found an accepted summary
     that left the context over its threshold, and waited)."""
-    from worker.compaction import job as compaction_job
 
     request = append(tx_factory, "parts", session_messages(60), settings=SETTINGS)
     assert request.trigger.job is not None
@@ -822,15 +837,7 @@ def test_an_accepted_part_of_the_head_requests_the_rest_in_its_own_transaction(
     rt = runtime(
         database_url, tx_factory, ScriptedLLM(*[f"## Goal\n{GOAL}"] * 2), compaction_max_input_tokens=1000
     )
-    real_compact = compaction_job.compact
-
-    def dies_after_the_row(*args: Any, **kwargs: Any) -> Any:
-        real_compact(*args, **kwargs)
-        raise SystemExit("SIGKILL")  # the worker is gone: nothing after the compaction runs
-
-    monkeypatch.setattr(compaction_job, "compact", dies_after_the_row)
-    with pytest.raises(SystemExit):
-        run_job(rt, job_id, jobs.COMPACTION)
+    dies_after_its_row(rt, job_id, monkeypatch)
     [row] = compactions(tx_factory, "parts")
     with tx_factory() as session:
         job = session.get(Job, job_id)
@@ -2179,7 +2186,6 @@ def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summariz
     """`factmill compact` (a forced job): its rejected row committed, then its worker died before the job
     was finished. The run that took the job over was still forced: it skipped the wait after a miss and
     paid the summarizer again for the same head, a second rejected row for one request."""
-    from worker.compaction import job as compaction_job
     from worker.compaction.queries import request_compaction
 
     append(tx_factory, "forced", session_messages(25), settings=SETTINGS)
@@ -2187,15 +2193,7 @@ def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summariz
         job_id = request_compaction(session, "forced", force=True).job_id
     simulator.configure(lossy_summary=True)
     rt = runtime(database_url, tx_factory, llm_for(simulator))
-    real_compact = compaction_job.compact
-
-    def dies_after_the_row(*args: Any, **kwargs: Any) -> Any:
-        real_compact(*args, **kwargs)
-        raise SystemExit("SIGKILL")  # the worker is gone: the job is never finished
-
-    monkeypatch.setattr(compaction_job, "compact", dies_after_the_row)
-    with pytest.raises(SystemExit):
-        run_job(rt, job_id, jobs.COMPACTION)
+    dies_after_its_row(rt, job_id, monkeypatch)
     monkeypatch.undo()
     [row] = compactions(tx_factory, "forced")
     paid = len(llm_calls(tx_factory))

@@ -1166,30 +1166,40 @@ def test_a_provider_without_embeddings_or_settings_leaves_plain_search_lexical(
     assert failures == 0 and after - before == 1, "one expansion call (Anthropic's chat), no failure rows"
 
 
+class DuringTheFirstEmbedding:
+    """The simulator's client, whose first embedding call runs ``meanwhile(answer)`` before it returns
+    (what another process does while it is under way); each call's texts are kept in ``sent``."""
+
+    def __init__(self, inner: Any, meanwhile: Any) -> None:
+        self.inner, self.meanwhile = inner, meanwhile
+        self.provider, self.model = inner.provider, inner.model
+        self.sent: list[list[str]] = []
+
+    def chat(self, request: Any) -> Any:
+        return self.inner.chat(request)
+
+    def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+        answer = self.inner.embed(texts, purpose=purpose)
+        if not self.sent:
+            self.meanwhile(answer)
+        self.sent.append(list(texts))
+        return answer
+
+
 def test_facts_erased_under_their_embedding_go_to_no_provider(
     vector_factory: sessionmaker[Session], simulator: Any
 ) -> None:
     """A large page's backlog is read once and sent batch after batch: its page erased meanwhile, the
     rest of its facts' text still went to the embedding provider after the erasure returned."""
     seed(vector_factory)  # eve-diary-0 holds ten facts
-    inner = sim_client(simulator)
-    sent: list[list[str]] = []
 
-    class ErasedDuringTheFirstCall:
-        provider, model = inner.provider, inner.model
+    def erased(_: Any) -> None:
+        with vector_factory.begin() as session:  # the page's erasure, as far as its facts go
+            session.execute(text("DELETE FROM facts WHERE source_markdown_slug = 'eve-diary-0'"))
 
-        def chat(self, request: Any) -> Any:
-            return inner.chat(request)
-
-        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
-            if not sent:
-                with vector_factory.begin() as session:  # the page's erasure, as far as its facts go
-                    session.execute(text("DELETE FROM facts WHERE source_markdown_slug = 'eve-diary-0'"))
-            sent.append(list(texts))
-            return inner.embed(texts, purpose=purpose)
-
-    assert embed_pages_facts(vector_factory, ErasedDuringTheFirstCall(), [("default", "eve-diary-0")], 2) == 0
-    assert len(sent) == 1, sent  # the first call was under way; no batch after it
+    llm = DuringTheFirstEmbedding(sim_client(simulator), erased)
+    assert embed_pages_facts(vector_factory, llm, [("default", "eve-diary-0")], 2) == 0
+    assert len(llm.sent) == 1, llm.sent  # the first call was under way; no batch after it
 
 
 def test_facts_another_embedder_filled_meanwhile_are_not_paid_for_again(
@@ -1199,38 +1209,22 @@ def test_facts_another_embedder_filled_meanwhile_are_not_paid_for_again(
     each batch was checked only for facts still there, and a batch the other had filled was paid for
     again, its vectors dropped."""
     seed(vector_factory)  # eve-diary-0 holds ten facts
-    inner = sim_client(simulator)
-    sent: list[list[str]] = []
 
-    class OtherEmbedderDuringTheFirstCall:
-        provider, model = inner.provider, inner.model
+    def filled_by_another(answer: Any) -> None:
+        with vector_factory.begin() as session:  # the other embedder stores all but the first two
+            ids = session.scalars(
+                select(Fact.id)
+                .where(Fact.source_markdown_slug == "eve-diary-0", ~Fact.is_audit)
+                .order_by(Fact.id)
+            ).all()
+            vector = list(answer.vectors[0])
+            session.execute(
+                update(Fact).where(Fact.id.in_(ids[2:])).values(embedding=vector, embedding_model="other")
+            )
 
-        def chat(self, request: Any) -> Any:
-            return inner.chat(request)
-
-        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
-            answer = inner.embed(texts, purpose=purpose)
-            if not sent:
-                vector = list(answer.vectors[0])
-                with vector_factory.begin() as session:  # the other embedder stores every other vector
-                    ids = session.scalars(
-                        select(Fact.id)
-                        .where(Fact.source_markdown_slug == "eve-diary-0", ~Fact.is_audit)
-                        .order_by(Fact.id)
-                    ).all()
-                    session.execute(
-                        update(Fact)
-                        .where(Fact.id.in_(ids[2:]))
-                        .values(embedding=vector, embedding_model="other")
-                    )
-            sent.append(list(texts))
-            return answer
-
-    assert (
-        embed_pages_facts(vector_factory, OtherEmbedderDuringTheFirstCall(), [("default", "eve-diary-0")], 2)
-        == 2
-    )
-    assert len(sent) == 1, sent  # the rest were filled meanwhile: no call for them
+    llm = DuringTheFirstEmbedding(sim_client(simulator), filled_by_another)
+    assert embed_pages_facts(vector_factory, llm, [("default", "eve-diary-0")], 2) == 2
+    assert len(llm.sent) == 1, llm.sent  # the rest were filled meanwhile: no call for them
 
 
 def test_a_page_whose_facts_fill_several_calls_embeds_them_several_at_a_time(

@@ -103,6 +103,10 @@ def _view(row: Any, model: str | None) -> FactView:
     return FactView(row.id, row.fact, row.kind, row.valid_from, vector or None, row.id, said)
 
 
+# Decisions committed together, each with the llm_calls rows its pairs' answers came from, by pair number.
+DecisionRun = Sequence[tuple[Resolved, Mapping[int, int] | None]]
+
+
 class ConsolidationStore:
     """Owns its transactions: every method opens its own session (``factory.begin()`` for writes)."""
 
@@ -204,7 +208,7 @@ class ConsolidationStore:
         source_id: str,
         entity_key: str,
         job_id: int | None,
-        decisions: Sequence[tuple[Resolved, Mapping[int, int] | None]],
+        decisions: DecisionRun,
     ) -> list[bool | None]:
         """One transaction for a run of decisions (each with the llm_calls rows its pairs' answers came
         from, by pair number): the
@@ -216,15 +220,12 @@ class ConsolidationStore:
 
         Made again when Postgres ends it to break a deadlock (a vector fill updates the facts in its own
         order): the answers it writes were paid for, and a failed job asked for them again."""
-        return made_again_on_deadlock(self._commit_decisions, source_id, entity_key, job_id, decisions)
+        return made_again_on_deadlock(self._commit_decisions_once, source_id, entity_key, job_id, decisions)
 
-    def _commit_decisions(
-        self,
-        source_id: str,
-        entity_key: str,
-        job_id: int | None,
-        decisions: Sequence[tuple[Resolved, Mapping[int, int] | None]],
+    def _commit_decisions_once(
+        self, source_id: str, entity_key: str, job_id: int | None, decisions: DecisionRun
     ) -> list[bool | None]:
+        """One try of ``commit_decisions``: everything it does is in its transaction."""
         done: list[bool | None] = []
         with self._factory.begin() as session:
             created = lock_checkpoint(session, source_id, entity_key)
