@@ -782,6 +782,18 @@ def test_the_catch_up_read_can_use_its_partial_index(session: Session) -> None:
     assert "ix_facts_unconsolidated" in plan, plan
 
 
+def test_the_vectors_catch_up_read_can_use_its_partial_index(session: Session) -> None:
+    from worker.search.store import _LATE_PAGES
+
+    session.execute(text("SET LOCAL enable_seqscan = off"))
+    plan = "\n".join(
+        session.execute(
+            text(f"EXPLAIN {_LATE_PAGES.text}"), {"grace": 120.0, "window": 86400.0, "scan": 1000}
+        ).scalars()
+    )
+    assert "ix_facts_unembedded" in plan, plan
+
+
 @pytest.mark.parametrize(
     ("entity_slug", "page_slug"),
     [("people/alice", "conversations/a"), (None, "conversations/a"), ("", "conversations/b|c")],
