@@ -167,7 +167,7 @@ class ConfigReader:
         self._cache: TtlCache[str, str | None] = TtlCache(self._read, ttl, clock)
 
     def get(self, key: str, *, fresh: bool = False) -> str | None:
-        return self._cache.load(key) if fresh else self._cache.get(key)
+        return self.fresh(key) if fresh else self._cache.get(key)
 
     def fresh(self, key: str) -> str | None:
         """``key`` read now, past the cache (and kept in it)."""

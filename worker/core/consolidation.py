@@ -86,12 +86,19 @@ _MINUS = re.compile(r"(?<![\w-])-(?=\s?(?:\d|[^\w\s-]))")
 # Percent, per mille and degree signs: with currency (Sc) and mathematical (Sm) symbols, they say what a
 # figure is, so they are kept as words of their own.
 _FIGURE_SIGNS = frozenset("%\u2030\u00b0")
-_ASCII_KEPT = frozenset("$%+<=>|~")  # the ASCII ones (most facts hold none: one regex pass then)
 _SYMBOL_RUN = re.compile(r"[^\w\s']+")
 
 
+def _kept(ch: str) -> bool:
+    return ch in _FIGURE_SIGNS or unicodedata.category(ch) in ("Sc", "Sm")
+
+
+# The ASCII ones ("$%+<=>|~"): most facts hold none, and then take one regex pass.
+_ASCII_KEPT = frozenset(ch for ch in map(chr, range(128)) if _kept(ch))
+
+
 def _kept_or_space(match: re.Match[str]) -> str:
-    kept = [ch for ch in match[0] if ch in _FIGURE_SIGNS or unicodedata.category(ch) in ("Sc", "Sm")]
+    kept = [ch for ch in match[0] if _kept(ch)]
     return f" {' '.join(kept)} " if kept else " "
 
 
