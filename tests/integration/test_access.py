@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, create_engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from models import ApiKey, Erasure, Page
 from tests.auth import bearer, new_key
@@ -640,3 +641,32 @@ def test_a_delivery_postgres_ends_to_break_a_deadlock_is_made_again(factory: ses
         answers = [one.result(timeout=60)[0], two.result(timeout=60)[0]]
     assert answers == [{"delivery": "one"}, {"delivery": "two"}]
     assert len(tries) == 3  # one of the two was made again
+
+
+def test_a_read_only_database_still_serves_keyed_reads_and_answers_writes_503(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """A database that answers reads but refuses writes (a standby after a failover, a managed server
+    gone read-only on a full disk, default_transaction_read_only for maintenance): the key check's
+    once-a-minute last_used_at write made every keyed request a 500, reads included."""
+    key = new_key(factory, ["read", "ingest"])
+    with factory.begin() as session:
+        session.execute(update(ApiKey).values(last_used_at=func.now() - timedelta(minutes=5)))
+    engine = create_engine(
+        database_url, connect_args={"options": "-c default_transaction_read_only=on"}, poolclass=NullPool
+    )
+    read_only = sessionmaker(engine, expire_on_commit=False)
+    try:
+        with TestClient(create_app(make_runtime(database_url, read_only), sender=Recorder(read_only))) as api:
+            assert api.get("/v1/jobs", headers=bearer(key)).status_code == 200
+            refused = api.post(
+                "/v1/pages",
+                content=page_body("read-only"),
+                headers=bearer(key) | {"Content-Type": "application/json"},
+            )
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["Retry-After"]
+    finally:
+        engine.dispose()
+    with factory() as session:  # the refused write left nothing behind
+        assert session.scalar(select(func.count()).select_from(Page)) == 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import psycopg
 import pytest
 from sqlalchemy import create_engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InternalError, OperationalError
 
 from worker.core.errors import connection_failure, database_outage
+from worker.db import database_unavailable
 
 
 def test_a_connection_that_never_opened_is_told_in_one_line_and_nothing_else_is() -> None:
@@ -36,3 +37,13 @@ def test_a_server_that_failed_once_connected_is_an_outage_and_a_statement_s_own_
     broke.connection_invalidated = True  # open, then broken mid-command: part of it may have committed
     assert connection_failure(broke) is None
     assert database_outage(broke) == "OperationalError: OperationalError: server closed the connection"
+
+
+def test_a_server_that_refuses_writes_is_an_outage_and_other_internal_errors_are_not() -> None:
+    read_only = InternalError(
+        "UPDATE x", {}, psycopg.errors.lookup("25006")("cannot execute UPDATE in a read-only transaction")
+    )
+    assert database_outage(read_only) == "InternalError: ReadOnlySqlTransaction (SQLSTATE 25006)"
+    assert database_unavailable(read_only)  # the API says 503, a job is requeued
+    other = InternalError("SELECT 1", {}, psycopg.errors.lookup("XX000")("internal error"))
+    assert database_outage(other) is None and not database_unavailable(other)

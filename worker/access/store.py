@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import API_SCOPES, ApiKey
 from worker.core.labels import check_source_id
+
+logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "fm_"
 SCOPES = API_SCOPES
@@ -141,17 +145,34 @@ def revoke_key(session: Session, key_id: int) -> ApiKey:
 
 
 def _touch(session: Session, key_id: int, last_used: datetime | None, now: datetime) -> None:
+    """Note the key's use, at most once a minute, as bookkeeping: a database that answers reads but
+    refuses writes (a standby after a failover, read-only for maintenance, a full disk) made every keyed
+    request fail here, reads and the metrics scrape included. The write is kept apart in a savepoint and
+    its failure logged; the key's answer stands."""
     if last_used is not None and now - last_used < LAST_USED_RESOLUTION:
         return
-    # The condition is repeated in SQL so concurrent requests write the row once, not once each.
-    session.execute(
-        update(ApiKey)
-        .where(
-            ApiKey.id == key_id,
-            or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_RESOLUTION),
+    try:
+        with session.begin_nested():
+            # The condition is repeated in SQL so concurrent requests write the row once, not once each.
+            session.execute(
+                update(ApiKey)
+                .where(
+                    ApiKey.id == key_id,
+                    or_(
+                        ApiKey.last_used_at.is_(None),
+                        ApiKey.last_used_at < func.now() - LAST_USED_RESOLUTION,
+                    ),
+                )
+                .values(last_used_at=func.now())
+            )
+    except DBAPIError as exc:
+        if exc.connection_invalidated:  # the connection itself is gone: nothing else can be read on it
+            raise
+        logger.warning(
+            "key %s: last use not recorded (%s)",
+            key_id,
+            getattr(exc.orig, "sqlstate", None) or type(exc).__name__,
         )
-        .values(last_used_at=func.now())
-    )
 
 
 class AccessRefusedError(PermissionError):

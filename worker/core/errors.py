@@ -159,6 +159,10 @@ DATABASE_GONE_SQLSTATES = ("57P01", "57P02", "57P03")
 # in flight for good (each retry spent an attempt, five used in about 75 s). Not 53400, a configured
 # limit (temp_file_limit) the statement itself passes, the same way every time.
 SERVER_OUT_OF_RESOURCES = frozenset({"53000", "53100", "53200", "53300"})
+# read_only_sql_transaction: the server takes reads and refuses writes (a standby the URL reached after
+# a failover, default_transaction_read_only set for maintenance, a managed server gone read-only on a
+# full disk). The server's state too; the drivers raise it as an InternalError, not an OperationalError.
+SERVER_REFUSES_WRITES = "25006"
 
 
 def server_state_failed(sqlstate: str | None, *, invalidated: bool = False) -> bool:
@@ -179,9 +183,13 @@ def database_outage(exc: BaseException) -> str | None:
     down or restarted, the connection broke, the disk or memory ran out): a command met it mid-way.
     None for any other error, and for a connection that never opened (``connection_failure``)."""
     orig = getattr(exc, "orig", None)
-    if orig is None or not hasattr(exc, "statement") or type(exc).__name__ != "OperationalError":
+    if orig is None or not hasattr(exc, "statement"):
         return None
     sqlstate = getattr(orig, "sqlstate", None)
+    if type(exc).__name__ == "InternalError" and sqlstate == SERVER_REFUSES_WRITES:
+        return error_summary(exc)
+    if type(exc).__name__ != "OperationalError":
+        return None
     invalidated = bool(getattr(exc, "connection_invalidated", False))
     if sqlstate is None and not invalidated:
         return None
