@@ -975,6 +975,19 @@ def test_a_quoted_phrase_steers_the_snippet_by_its_words(
     assert "review cycle" in shown, result.snippet
 
 
+def test_a_plain_querys_quoted_phrase_steers_the_snippet_by_its_words(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """The same for a plain query (the default): split on spaces as written, '"performance' and
+    'review"' matched no line, and the intent alone chose another fact's line."""
+    seed(plain_factory)
+    review = "The performance review cycle starts in June"
+    outcome = search(plain_factory, llm, '"performance review"', intent="web page load times", expand=False)
+    result = next(r for r in outcome.results if r.fact == review)
+    shown = result.snippet.splitlines()[1 + (result.snippet_line - 1 - _start(result.snippet))]
+    assert "review cycle" in shown, result.snippet
+
+
 def test_intent_changes_which_snippet_is_shown(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

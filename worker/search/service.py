@@ -178,7 +178,9 @@ def _plain_lists(
         raise SearchError("the query is empty; give some words to search for")
     probe, complete = store.lexical(plain, filters, candidates)
     probe_line = SearchLine("lex", plain, "query", USER_LINE_WEIGHT, hits=len(probe))
-    gathered = _Gathered([(probe_line, probe)], plain, intent)  # qmd's rule: the query's words as sent
+    # qmd's rule is the query's words as sent; a quoted phrase's marks and a -word are the search's
+    # syntax, not words (as for a lex: line): '"performance' matched no line.
+    gathered = _Gathered([(probe_line, probe)], snippet_words(plain) or plain, intent)
     top = probe[0].score if probe else 0.0
     second = probe[1].score if len(probe) > 1 else 0.0
     # A result that lacks some of the query's words is never "already clear".
