@@ -32,6 +32,9 @@ class Page(Base):
     content_hash: Mapped[str]
     # The signed timestamp of the delivery that stored this content: an older delivery is refused.
     delivered_at: Mapped[datetime | None]
+    # The file `factmill ingest` stored this page from (its real path; None for the API's pages): a
+    # later ingest of another file that makes the same slug is refused while this one is still there.
+    origin: Mapped[str | None]
     created_at: Mapped[datetime] = utcnow_column()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False

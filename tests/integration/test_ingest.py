@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from models import Page
 from tests.locks import waits_on_a_lock
 from worker.extraction.ingest import ingest_paths
 
@@ -57,6 +58,36 @@ def test_two_files_of_one_page_are_refused_not_one_silently_replacing_the_other(
     walked = ingest_paths(tx_factory, [tmp_path / "a"], "walked")
     assert walked.ingested == ["chat"] and len(walked.errors) == 1
     assert "give one a 'slug:'" in walked.errors[0][1]
+
+
+def test_a_page_from_another_file_that_is_still_there_is_not_replaced_by_a_later_run(
+    tx_factory, tmp_path: Path
+) -> None:
+    """`ingest exports/2024-06`, then `ingest exports/2024-07`, both holding general.md: the second run
+    stored over June's page (and its job replaced June's facts), saying "ingested 1 page"."""
+    june, july = tmp_path / "2024-06", tmp_path / "2024-07"
+    for folder, speaker in ((june, "Ann"), (july, "Bo")):
+        folder.mkdir()
+        (folder / "general.md").write_text(
+            f"---\ntype: conversation\n---\n[2024-01-01 10:00] {speaker}: hi\n"
+        )
+    assert ingest_paths(tx_factory, [june]).ingested == ["general"]
+    refused = ingest_paths(tx_factory, [july])
+    assert refused.ingested == [] and len(refused.errors) == 1
+    assert str(june / "general.md") in refused.errors[0][1] and "--replace" in refused.errors[0][1]
+    assert "Ann" in stored_body(tx_factory, "general")
+    (june / "general.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: bye\n")
+    assert ingest_paths(tx_factory, [june]).ingested == ["general"]  # its own file, edited: stored
+    assert ingest_paths(tx_factory, [july], replace=True).ingested == ["general"]
+    assert "Bo" in stored_body(tx_factory, "general")
+    assert ingest_paths(tx_factory, [june]).errors  # now July's page, and July's file is still there
+    (july / "general.md").unlink()  # moved away (or another machine): the page's file is gone
+    assert ingest_paths(tx_factory, [june]).ingested == ["general"]
+
+
+def stored_body(factory: sessionmaker[Session], slug: str) -> str:
+    with factory() as session:
+        return session.scalars(select(Page.compiled_truth).where(Page.slug == slug)).one()
 
 
 def test_a_symlinked_folder_is_walked_once_and_a_link_to_a_parent_is_no_loop(

@@ -38,16 +38,25 @@ def ingest(
     enqueue: Annotated[
         bool, typer.Option(help="Hand the extraction jobs to the broker now (else the sweeper sends them).")
     ] = True,
+    replace: Annotated[
+        bool,
+        typer.Option(
+            "--replace",
+            help="Store a file over a page another file (still there) stored under the same slug.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
 ) -> None:
     """Store page files (front matter: slug, type, title); queue an extraction job per changed page.
 
-    A file that cannot be stored is reported and skipped, the rest stored; the exit code is then 1."""
+    A page's slug is its 'slug:', else its path below the folder named (a file named alone: its name).
+    A page another file stored is not replaced while that file is there (--replace does). A file that
+    cannot be stored is reported and skipped, the rest stored; the exit code is then 1."""
     factory = checked_factory()
     files = sum(1 for _ in iter_page_files(paths))
     with counting_bar("page files", files, enabled=not as_json) as advance:
         send = (lambda created: send_jobs(factory, created)) if enqueue else None
-        report = ingest_paths(factory, paths, source_id, on_file=advance, send=send)
+        report = ingest_paths(factory, paths, source_id, on_file=advance, send=send, replace=replace)
     sent = report.enqueued
     if as_json:
         print_json(

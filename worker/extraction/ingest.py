@@ -13,9 +13,10 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from models import Page
 from worker.core.conversation import MAX_PAGE_BODY_BYTES
 from worker.db import made_again_on_deadlock
 from worker.extraction.pages import MAX_FRONT_MATTER_DEPTH, PageIn, StaleDeliveryError, store_page
@@ -267,12 +268,14 @@ def ingest_paths(
     source_id: str = "default",
     on_file: Callable[[Path], None] | None = None,
     send: Callable[[list[tuple[int, str]]], int] | None = None,
+    replace: bool = False,
 ) -> IngestReport:
     """Store every readable page and its extraction job (one transaction per page, the webhook's outbox
     path); a bad file is reported and the rest still go in. ``send`` (worker.jobs.sending.enqueue) hands
     each created job to the broker as its page commits: sent all at the end of a long ingest, every job
     went twice, as the sweeper had sent those waiting unsent meanwhile. Without it the sweeper sends
-    them. ``on_file`` hears of each file once it is done with (stored, unchanged or refused)."""
+    them. ``on_file`` hears of each file once it is done with (stored, unchanged or refused). A page
+    another file stored, that file still there, is refused unless ``replace`` (``_OtherFileError``)."""
     report = IngestReport()
     taken: dict[tuple[str, str], Path] = {}  # each page of this run: the file it came from
     files: dict[str, str] = {}  # each file of this run (its real path): the slug it was stored under
@@ -282,7 +285,7 @@ def ingest_paths(
 
     for path, root in iter_page_files(paths, on_error=unreadable):
         created = len(report.created)
-        _ingest_file(factory, path, root, source_id, report, taken, files)
+        _ingest_file(factory, path, root, (source_id, replace), report, taken, files)
         if send is not None and len(report.created) > created:
             asked = report.created[created:]
             sent = send(asked)
@@ -298,11 +301,12 @@ def _ingest_file(
     factory: sessionmaker[Session],
     path: Path,
     root: Path | None,
-    source_id: str,
+    asked: tuple[str, bool],
     report: IngestReport,
     taken: dict[tuple[str, str], Path],
     files: dict[str, str],
 ) -> None:
+    source_id, replace = asked
     try:
         page = load_page_file(path, root, source_id)
     except FileNotFoundError:
@@ -325,7 +329,8 @@ def _ingest_file(
         return
     # One file reached twice (`ingest notes notes/2024`): its slugs differ (relative to each root), and
     # both pages were stored and extracted, every fact twice.
-    again = files.setdefault(os.path.realpath(path), page.slug)
+    origin = shown_path(os.path.realpath(path))
+    again = files.setdefault(origin, page.slug)
     if again != page.slug:
         report.errors.append((shown_path(path), f"the same file as page {again!r}, ingested once"))
         return
@@ -334,7 +339,17 @@ def _ingest_file(
         # undated, it was undone by a sender's retry of an older delivery (signed before this ingest,
         # it still passed the page's newest-delivery check). A deadlock with a delivery emptying pages
         # of the same entities is made again, as the delivery is (it stopped the run mid-folder).
-        job = made_again_on_deadlock(_store_dated, factory, page)
+        job = made_again_on_deadlock(_store_dated, factory, page, origin, replace)
+    except _OtherFileError as exc:
+        report.errors.append(
+            (
+                shown_path(path),
+                f"page {page.slug!r} was stored from {exc.origin}, another file that is still there; not "
+                "replaced: give this one a 'slug:' in its front matter, ingest the folder above both (their "
+                "slugs then name their folders), or pass --replace to store it over that page",
+            )
+        )
+        return
     except StaleDeliveryError as exc:  # erased while it waited, or stored by a delivery dated later
         at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
         said = (
@@ -354,7 +369,27 @@ def _ingest_file(
             report.created.append((job.job_id, EXTRACTION))
 
 
-def _store_dated(factory: sessionmaker[Session], page: PageIn) -> JobRequest | None:
-    """``store_page`` in a transaction of its own, dated by the database's clock."""
+class _OtherFileError(Exception):
+    """The page was stored from another file, which is still there."""
+
+    def __init__(self, origin: str) -> None:
+        super().__init__(origin)
+        self.origin = origin
+
+
+def _store_dated(
+    factory: sessionmaker[Session], page: PageIn, origin: str, replace: bool
+) -> JobRequest | None:
+    """``store_page`` in a transaction of its own, dated by the database's clock, and the page's file
+    noted. A slug is a path below the folder named, so two folders' general.md are one page: a page
+    another file stored is not replaced while that file is there (it moved, or this is another machine:
+    replaced, as an edit of it would be)."""
+    where = (Page.source_id == page.source_id, Page.slug == page.slug)
     with factory.begin() as session:
-        return store_page(session, page, session.scalar(select(func.now())))
+        stored = session.scalar(select(Page.origin).where(*where))
+        if stored is not None and stored != origin and not replace and os.path.isfile(stored):
+            raise _OtherFileError(stored)
+        job = store_page(session, page, session.scalar(select(func.now())))
+        if stored != origin:
+            session.execute(update(Page).where(*where).values(origin=origin))
+        return job
