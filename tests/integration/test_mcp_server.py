@@ -76,3 +76,35 @@ def test_a_keys_searches_running_at_once_are_capped_as_the_apis_are(
         tools.search_facts("lex: alice")
     tools.running.leave(reader.rate_key)
     assert tools.search_facts("lex: alice")["results"] == []
+
+
+def test_stdio_a_slow_key_check_leaves_the_event_loop_free(
+    database_url: str, tx_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over stdio the key is read from the database on every request: read on the event loop, a slow
+    database froze the server (no pings answered, no cancellation read, every other call queued)."""
+    import threading
+
+    from worker.mcp import server as mcp_server
+
+    loop_ran = threading.Event()
+    lookup = mcp_server.authenticate_key
+
+    def slow_lookup(*args: Any) -> Any:
+        # Another task of the loop must run while this waits: on the loop itself it never could.
+        assert loop_ran.wait(timeout=10), "the key check held the event loop"
+        return lookup(*args)
+
+    monkeypatch.setattr(mcp_server, "authenticate_key", slow_lookup)
+    server = stdio_server(make_runtime(database_url, tx_factory), "fm_unknown_key")
+
+    async def meanwhile() -> None:
+        await anyio.sleep(0.05)
+        loop_ran.set()
+
+    async def both() -> list[Any]:
+        async with anyio.create_task_group() as group:
+            group.start_soon(meanwhile)
+            return await server.list_tools()
+
+    assert anyio.run(both) == []  # an unknown key sees no tool

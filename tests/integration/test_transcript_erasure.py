@@ -283,6 +283,44 @@ def test_the_mcp_server_dates_a_call_when_it_arrives(
         runtime.close()
 
 
+def test_an_mcp_append_over_http_is_dated_when_its_request_arrived(
+    database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP the key is checked (a thread of the shared pool, a database read) and the body read
+    before the tool runs: dated when the tool ran, an append whose request arrived before an erasure
+    that committed meanwhile began the transcript again with its words. The API dates by the request's
+    head; so does the MCP app now."""
+    from tests.auth import new_key
+    from worker.compaction.erase import erase_transcript
+    from worker.mcp import server as mcp_server
+
+    runtime = make_runtime(database_url, factory)
+    app = mcp_server.http_app(mcp_server.http_server(runtime), runtime, "127.0.0.1")
+    headers = {
+        "Authorization": f"Bearer {new_key(factory, ['ingest'])}",
+        "Accept": "application/json, text/event-stream",
+    }
+    words = {"transcript_id": TRANSCRIPT, "messages": [{"role": "user", "text": "my card number is 4111"}]}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    call["params"] = {"name": "append_transcript_messages", "arguments": words}
+    try:
+        with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+            assert client.post("/mcp", json=call, headers=headers).status_code == 200
+            assert counted(factory, TranscriptMessageRow) == 1
+            check = mcp_server.principal_for
+
+            def erased_during_the_check(*args: Any) -> Any:
+                assert erase_transcript(factory, TRANSCRIPT, "test") is not None
+                return check(*args)
+
+            monkeypatch.setattr(mcp_server, "principal_for", erased_during_the_check)
+            answer = client.post("/mcp", json=call, headers=headers)
+            assert answer.status_code == 200 and "older than the transcript" in answer.text, answer.text
+        assert counted(factory, TranscriptMessageRow) == 0 and counted(factory, Transcript) == 0
+    finally:
+        runtime.close()
+
+
 def test_a_keyed_mcp_append_that_waited_on_its_key_is_dated_when_it_arrived(
     database_url: str, factory: sessionmaker[Session]
 ) -> None:

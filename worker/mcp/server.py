@@ -116,6 +116,7 @@ class FactmillMCP(MCPServer[Any]):
         log_level: LogLevel = "WARNING",
         auth: AuthSettings | None = None,
         token_verifier: KeyVerifier | None = None,
+        principal_reads_the_database: bool = False,
     ) -> None:
         super().__init__(
             name="factmill",
@@ -128,6 +129,7 @@ class FactmillMCP(MCPServer[Any]):
         # slug or transcript id; Factmill's logs carry no caller text, so only its warnings are kept.
         logging.getLogger("mcp.server.mcpserver.server").setLevel(logging.WARNING)
         self._principal = principal
+        self._reads_the_database = principal_reads_the_database
         self._access: dict[str, Access] = {}
         for fn, access, read_only in FactmillTools(runtime, self.caller).tools():
             hints = ToolAnnotations(read_only_hint=read_only, destructive_hint=False, open_world_hint=False)
@@ -170,16 +172,26 @@ class FactmillMCP(MCPServer[Any]):
             logger.error("MCP: the key check failed: %s", type(exc).__name__)
             raise ToolError(f"the key check failed on the server ({type(exc).__name__})") from None
 
+    async def _principal_now(self) -> Principal | None:
+        """``_checked_principal``, on a thread when it reads the database (stdio): on the event loop, a
+        slow database froze the whole server (no pings answered, no cancellations read, every other
+        call queued behind it) for as long as the read took."""
+        if self._reads_the_database:
+            return await anyio.to_thread.run_sync(self._checked_principal)
+        return self._checked_principal()
+
     async def list_tools(self) -> list[MCPTool]:
-        principal = self._checked_principal()
+        principal = await self._principal_now()
         return [tool for tool in await super().list_tools() if self._refused(principal, tool.name) is None]
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult | InputRequiredResult:
-        arrived = ARRIVED.set(time.monotonic())  # first: the key's check and a thread's wait come after
+        # First: the key's check and a thread's wait come after. Over HTTP the request's arrival is noted
+        # already (ArrivalNoted), before the bearer check and the body's read.
+        arrived = ARRIVED.set(time.monotonic()) if ARRIVED.get() is None else None
         try:
-            refused = self._refused(self._checked_principal(), name)
+            refused = self._refused(await self._principal_now(), name)
             if refused is not None:
                 raise ToolError(f"{name} refused: {refused}")
             unknown = self._unknown_arguments(name, arguments)
@@ -192,13 +204,14 @@ class FactmillMCP(MCPServer[Any]):
             logger.error("MCP tool %s failed: %s", name, cause)
             raise ToolError(f"{name} failed on the server ({cause}); try again later") from None
         finally:
-            ARRIVED.reset(arrived)
+            if arrived is not None:
+                ARRIVED.reset(arrived)
 
 
 def stdio_server(runtime: Runtime, key: str) -> FactmillMCP:
     """The server for one process's key (stdio). The key is checked on every request, as the API
     checks it, so revoking it takes effect at once."""
-    return FactmillMCP(runtime, lambda: authenticate_key(runtime, key))
+    return FactmillMCP(runtime, lambda: authenticate_key(runtime, key), principal_reads_the_database=True)
 
 
 def http_server(runtime: Runtime) -> FactmillMCP:
@@ -235,7 +248,28 @@ def http_app(server: FactmillMCP, runtime: Runtime, host: str) -> Any:
     # Inside the app's own ServerErrorMiddleware (which answers 500 before anything outside it could
     # answer), around the SDK's bearer check.
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
-    return ForeignAppBodyCap(app, cap=runtime.settings.max_body_bytes)
+    return ArrivalNoted(ForeignAppBodyCap(app, cap=runtime.settings.max_body_bytes))
+
+
+class ArrivalNoted:
+    """Notes when an HTTP request arrived (ARRIVED), before the SDK's bearer check (a thread of the
+    shared pool and a database read) and the body's read: noted when the tool ran, an append whose
+    request arrived before an erasure that committed meanwhile began the transcript again with its
+    words. The server's task for a request is started inside it (stateless_http: one a request; a
+    session's task, started by its first request, would carry that request's note), so the call sees it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrived = ARRIVED.set(time.monotonic())
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ARRIVED.reset(arrived)
 
 
 def run_http(runtime: Runtime, host: str, port: int) -> None:
