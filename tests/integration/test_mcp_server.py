@@ -108,3 +108,28 @@ def test_stdio_a_slow_key_check_leaves_the_event_loop_free(
             return await server.list_tools()
 
     assert anyio.run(both) == []  # an unknown key sees no tool
+
+
+def test_a_text_argument_that_reads_as_json_is_kept_as_text(database_url: str, factory: Any) -> None:
+    """The SDK parses a string argument as JSON wherever the declared type is not exactly str, so an
+    optional text argument of "null" became no argument: an append keyed "null" was stored unkeyed (a
+    retry appended it twice) and a search of the source named "null" searched every source."""
+    from tests.auth import new_key
+
+    runtime = make_runtime(database_url, factory)
+    server = stdio_server(runtime, new_key(factory, ["ingest", "read"]))
+    append = {
+        "transcript_id": "t-null",
+        "messages": [{"role": "user", "text": "hello"}],
+        "idempotency_key": "null",
+    }
+    try:
+        first = anyio.run(server.call_tool, "append_transcript_messages", append)
+        again = anyio.run(server.call_tool, "append_transcript_messages", append)  # a retry: replayed
+        assert again.structured_content == first.structured_content | {"replayed": True}
+        listed = anyio.run(server.call_tool, "list_transcript_messages", {"transcript_id": "t-null"})
+        assert len(listed.structured_content["messages"]) == 1
+        searched = anyio.run(server.call_tool, "search_facts", {"query": "lex: x", "intent": '["a", "b"]'})
+        assert not searched.is_error  # a text that reads as a JSON list is text too
+    finally:
+        runtime.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+import types
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -21,6 +23,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from mcp.types import Tool as MCPTool
 from pydantic import AnyHttpUrl
@@ -105,6 +108,29 @@ def request_principal() -> Principal | None:
     return _from_claims(get_access_token())
 
 
+class TextKeptAsText(FuncMetadata):
+    """The SDK's argument handling, less its JSON reading of text: it parses a string argument as JSON
+    wherever the declared type is not exactly str, so an optional text argument of "null" became no
+    argument (an append keyed "null" was stored unkeyed, a search of the source "null" searched every
+    source) and one that reads as a JSON list was refused. An argument that takes text is kept as sent."""
+
+    def pre_parse_json(self, data: dict[str, Any]) -> dict[str, Any]:
+        fields = self.arg_model.model_fields
+        text = {key for key in data if key in fields and _takes_text(fields[key].annotation)}
+        parsed = super().pre_parse_json({key: value for key, value in data.items() if key not in text})
+        return {key: data[key] if key in text else parsed[key] for key in data}
+
+
+def _takes_text(annotation: Any) -> bool:
+    """Whether a declared type accepts text: str, an Annotated str, or a union holding one."""
+    if annotation is str:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _takes_text(args[0])
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(map(_takes_text, args))
+
+
 class FactmillMCP(MCPServer[Any]):
     """MCPServer whose tool list and tool calls follow the caller's scopes and sources."""
 
@@ -135,6 +161,9 @@ class FactmillMCP(MCPServer[Any]):
             hints = ToolAnnotations(read_only_hint=read_only, destructive_hint=False, open_world_hint=False)
             self.add_tool(fn, annotations=hints, structured_output=True)
             self._access[fn.__name__] = access
+            tool = self._tool_manager.get_tool(fn.__name__)
+            assert tool is not None
+            tool.fn_metadata = TextKeptAsText.model_validate(tool.fn_metadata, from_attributes=True)
 
     def _unknown_arguments(self, name: str, arguments: dict[str, Any]) -> list[str]:
         """The arguments ``name`` does not take (the SDK dropped them silently: a misspelled filter
