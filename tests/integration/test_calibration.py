@@ -504,6 +504,20 @@ def test_import_keeps_good_rows_and_reports_bad_ones_by_line(
     assert count(tx_factory, CalibrationObservation) == 3
 
 
+def test_a_file_saved_again_with_a_bom_and_crlf_lines_is_the_same_file(
+    tx_factory: sessionmaker[Session], tmp_path: Path, judged: tuple[int, ...]
+) -> None:
+    """A spreadsheet saving the file again (a byte-order mark, CRLF line ends, no last newline) changed
+    its bytes and so every row's key: every row was stored a second time."""
+    path = tmp_path / "labels.csv"
+    path.write_text(CSV, encoding="utf-8")
+    first = import_csv(tx_factory, path, recompute_every=50)
+    path.write_bytes(b"\xef\xbb\xbf" + CSV.rstrip("\n").replace("\n", "\r\n").encode())
+    again = import_csv(tx_factory, path, recompute_every=50)
+    assert again.added == [] and again.duplicates == first.added
+    assert count(tx_factory, CalibrationObservation) == len(first.added)
+
+
 def test_import_reports_its_progress_a_statement_at_a_time(
     tx_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:

@@ -12,7 +12,6 @@ row says why. Gates read the active τ through ``ThresholdCache`` and fall back 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from worker.core.calibration import (
     describe_tau,
     evaluate,
 )
-from worker.core.calibration_csv import decode_csv, parse_observations_csv
+from worker.core.calibration_csv import content_digest, decode_csv, parse_observations_csv
 from worker.core.errors import error_summary
 from worker.core.labels import clean_label
 from worker.core.ttl_cache import TtlCache
@@ -128,9 +127,9 @@ def import_csv(
     """
     with path.open("rb") as file:  # no further than the cap: a path may be huge, or /dev/zero
         data = file.read(MAX_CSV_BYTES + 1)
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    default_origin = _import_origin(origin, path, digest)
     content = decode_csv(data, str(path))
+    digest = content_digest(content)
+    default_origin = _import_origin(origin, path, digest)
     parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
     good = parsed.good
     report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)

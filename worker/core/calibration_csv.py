@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 from dataclasses import dataclass
 
@@ -37,6 +38,14 @@ def decode_csv(data: bytes, source: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CsvFormatError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def content_digest(content: str) -> str:
+    """What names a file's rows (with their lines) when they carry no key: its decoded text, with CRLF
+    line ends and a last newline taken as LF and none. A spreadsheet saving the file again (a byte-order
+    mark, CRLF) changed its bytes, and every row was stored a second time."""
+    normal = content.replace("\r\n", "\n").rstrip("\n")
+    return hashlib.sha256(normal.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _parse_label(cell: str) -> bool:
