@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uniseg.wordbreak import words as uax29_segments
 
-from worker.core.compaction_gate import judge_summary
+from worker.core.compaction_gate import intent_terms, judge_summary
 from worker.core.quality import (
     COVERAGE_THRESHOLD,
     CoverageScore,
@@ -307,17 +307,43 @@ def test_lex_words_chinese_one_token_per_ideograph() -> None:
     assert lex_words("金库的密码，是七七四一。") == list("金库的密码是七七四一")
 
 
-def test_lex_words_japanese_one_token_per_kana() -> None:
-    assert lex_words("東京でコーヒーを飲みます。") == [
-        "東", "京", "で", "コ", "ー", "ヒ", "ー", "を", "飲", "み", "ま", "す",
-    ]  # fmt: skip
-    assert lex_words("ｶﾞｰﾃﾞﾝ") == ["ｶﾞ", "ｰ", "ﾃﾞ", "ﾝ"]  # half-width: voiced marks stay on their kana
-    assert lex_words("が") == ["が"]  # decomposed か + combining dakuten is one kana
+def test_lex_words_katakana_run_is_one_word() -> None:
+    # As the seed's unicode_words: WB13 keeps a katakana run (ー included) together; hiragana and
+    # ideographs are Word_Break Other, so UAX #29 gives each its own segment.
+    assert lex_words("東京でコーヒーを飲みます。") == [*"東京で", "コーヒー", *"を飲みます"]
+    assert lex_words("パスワードを教えて") == ["パスワード", "を", "教", "え", "て"]
+
+
+def test_lex_words_half_width_katakana_keeps_voiced_marks_in_the_word() -> None:
+    # ﾞ (U+FF9E) is Extend, so WB4 glues it to its kana, and the run is one word.
+    assert lex_words("ｶﾞｰﾃﾞﾝ") == ["ｶﾞｰﾃﾞﾝ"]
+    assert lex_words("ｶﾞｰﾃﾞﾝの") == ["ｶﾞｰﾃﾞﾝ", "の"]
 
 
 def test_lex_words_katakana_joined_to_latin_by_underscore() -> None:
-    # UAX #29 joins abc_カタ into one segment (WB13a/b); the kana still come out one by one.
-    assert lex_words("abc_カタ") == ["abc", "カ", "タ"]
+    # WB13a/b join letters, digits and katakana through ExtendNumLet: one word, as in the seed.
+    assert lex_words("abc_カタ") == ["abc_カタ"]
+    assert lex_words("ABC_カタ_9 x") == ["abc_カタ_9", "x"]
+
+
+def test_lex_words_hiragana_and_ideographs_one_word_per_character() -> None:
+    assert lex_words("ひらがなと漢字") == ["ひ", "ら", "が", "な", "と", "漢", "字"]
+    assert lex_words("か\u3099") == ["か\u3099"]  # a combining dakuten stays on its kana (WB4)
+
+
+def test_japanese_summary_that_drops_the_answer_fails_the_gate() -> None:
+    """Kana once came out one token each, so single kana of the query (パ ス ワ ー ド) occurred all over
+    a summary that had dropped the answer: coverage 0.69, and the gate let it stand."""
+    source = (
+        "サーバーのパスワードは「ブルースカイ」です。バックアップはドライブにあります。"
+        "ワードプレスのサーバーはスウェーデンです。"
+    )
+    summary = "バックアップはドライブにあります。ワードプレスのサーバーはスウェーデンです。"
+    terms = intent_terms(None, ["パスワードを教えて"])
+    assert coverage(source, summary, terms) < 0.5
+    assert coverage(source, summary, terms) == 0.0  # no unit holding パスワード survives
+    assert gate_summary(source, summary, terms) is False
+    assert gate_summary(source, source, terms) is True
 
 
 def test_lex_words_korean_keeps_words() -> None:

@@ -6,11 +6,10 @@ import itertools
 import math
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from uniseg.graphemecluster import grapheme_clusters
 from uniseg.wordbreak import WordBreak, word_break, words
 
 __all__ = [
@@ -69,9 +68,10 @@ def lex_words(text: str) -> list[str]:
     """Lower-cased words of ``text`` by Unicode word segmentation (UAX #29), punctuation dropped.
 
     A word is a UAX #29 word segment holding at least one letter or digit (so punctuation, spaces and
-    emoji are dropped, as Rust's ``unicode_words`` does), lower-cased. ``4.2``, ``can't`` and
-    ``run_sql`` stay one word; ``well-known`` is two. Every CJK ideograph and every kana is its own word:
-    UAX #29 already isolates ideographs and hiragana, and katakana runs are split per grapheme cluster.
+    emoji are dropped), lower-cased: the seed's ``s.unicode_words().map(str::to_lowercase)``. ``4.2``,
+    ``can't`` and ``run_sql`` stay one word; ``well-known`` is two. UAX #29 gives every CJK ideograph
+    and every hiragana its own word, keeps a katakana run one word (``コーヒー``, WB13) and joins it to
+    letters and digits through ``_`` (``abc_カタ``, WB13a/b).
     """
     cache: dict[str, list[str]] = {}  # text repeats words heavily; each distinct chunk is segmented once
     tokens: list[str] = []
@@ -158,49 +158,11 @@ def _ascii_words(text: str) -> list[str]:
 
 def _words_from_segments(segments: Iterable[str]) -> list[str]:
     """Turn UAX #29 word segments into lex_words tokens (the rule lex_words documents)."""
-    out: list[str] = []
-    for segment in segments:
-        if not _has_alphanumeric(segment):
-            continue
-        if any(word_break(ch) is WordBreak.KATAKANA for ch in segment):
-            out.extend(_split_kana(segment))
-        else:
-            out.append(segment.lower())
-    return out
+    return [segment.lower() for segment in segments if _has_alphanumeric(segment)]
 
 
 def _has_alphanumeric(segment: str) -> bool:
     return any(ch.isalnum() for ch in segment)
-
-
-def _split_kana(segment: str) -> Iterator[str]:
-    """Split a segment holding katakana into one token per kana, keeping any non-kana run whole.
-
-    UAX #29 keeps katakana runs together (WB13) and joins them to letters and digits through
-    ExtendNumLet (WB13a/b), e.g. ``abc_カタ``; the non-kana run loses the connector that joined it.
-    """
-    run: list[str] = []
-    for cluster in grapheme_clusters(segment):
-        if word_break(cluster[0]) is WordBreak.KATAKANA:
-            if run:
-                yield from _finish_run("".join(run))
-                run = []
-            if _has_alphanumeric(cluster):
-                yield cluster.lower()
-        else:
-            run.append(cluster)
-    if run:
-        yield from _finish_run("".join(run))
-
-
-def _finish_run(run: str) -> Iterator[str]:
-    start, end = 0, len(run)
-    while start < end and word_break(run[start]) is WordBreak.EXTENDNUMLET:
-        start += 1
-    while end > start and word_break(run[end - 1]) is WordBreak.EXTENDNUMLET:
-        end -= 1
-    if _has_alphanumeric(run[start:end]):
-        yield run[start:end].lower()
 
 
 # ---------------------------------------------------------------------------------------------------------
