@@ -1,4 +1,5 @@
-"""Benchmark coverage and linear-time density against the naive greedy density, 1k to 200k tokens."""
+"""Benchmark coverage and linear-time density against the naive greedy density, 1k to 200k tokens, and
+lex_words on Japanese and Chinese text against uniseg over each whole chunk."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import importlib.util
 import math
 import multiprocessing as mp
 import random
+import re
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from uniseg.wordbreak import word_break  # noqa: E402
+from uniseg.wordbreak import words as uax29_segments  # noqa: E402
+
 from worker.core.quality import (  # noqa: E402  (after the path set-up, so the bench runs from a checkout)
+    _GLUES_TO_PREVIOUS,
     SuffixAutomaton,
+    _words_from_segments,
     coverage,
     coverage_from_tokens,
     density,
@@ -347,6 +355,103 @@ def plot(rows: list[Row], cap: float, path: Path) -> None:
     print(f"\nplot written to {path}")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# CJK lexing: text without spaces is one chunk; lex_words peels off the runs of ideographs, hiragana and
+# CJK punctuation (each its own UAX #29 segment) and segments only the text between them with uniseg.
+# ---------------------------------------------------------------------------------------------------------
+
+CJK_CASES = (("Japanese", 370_000), ("Chinese", 100_000))
+KATAKANA_WORDS = ["コーヒー", "サーバー", "パスワード", "データベース", "バックアップ", "ドライブ", "ｶﾞｰﾃﾞﾝ"]
+PARTICLES = ["の", "は", "を", "に", "が", "で", "と", "です", "ます", "した", "して", "ている", "から"]
+
+
+def make_japanese(rng: random.Random, n: int) -> str:
+    """Sentences of kanji compounds, katakana words, hiragana particles, digits and 、。「」, no spaces."""
+    kanji = [chr(rng.randint(0x4E00, 0x9FA0)) for _ in range(1_500)]
+    katakana = KATAKANA_WORDS + [
+        "".join(chr(rng.randint(0x30A1, 0x30F6)) for _ in range(rng.randint(2, 6))) for _ in range(300)
+    ]
+    out: list[str] = []
+    size = 0
+    while size < n:
+        words: list[str] = []
+        for _ in range(rng.randint(3, 9)):
+            r = rng.random()
+            if r < 0.5:
+                word = "".join(rng.choices(kanji, k=rng.randint(1, 3)))
+            elif r < 0.75:
+                word = rng.choice(katakana)
+            elif r < 0.8:
+                word = str(rng.randint(1, 2024))
+            elif r < 0.83:
+                word = "「" + "".join(rng.choices(kanji, k=2)) + "」"
+            else:
+                word = rng.choice(kanji) + rng.choice("くしいっ")
+            words.append(word + rng.choice(PARTICLES) + ("、" if rng.random() < 0.15 else ""))
+        sentence = "".join(words) + rng.choice("。。。！？") + ("\n" if rng.random() < 0.1 else "")
+        out.append(sentence)
+        size += len(sentence)
+    return "".join(out)[:n]
+
+
+def make_chinese(rng: random.Random, n: int) -> str:
+    """Clauses of ideographs with digits and quotes, joined by ，and ended by 。：；！？、, no spaces."""
+    han = [chr(rng.randint(0x4E00, 0x9FA0)) for _ in range(3_000)]
+    out: list[str] = []
+    size = 0
+    while size < n:
+        clauses = []
+        for _ in range(rng.randint(2, 5)):
+            clause = "".join(rng.choices(han, k=rng.randint(4, 14)))
+            clause += str(rng.randint(1, 999)) if rng.random() < 0.1 else ""
+            clauses.append(f"“{clause}”" if rng.random() < 0.05 else clause)
+        sentence = "，".join(clauses) + rng.choice("。。。：；！？、") + ("\n" if rng.random() < 0.08 else "")
+        out.append(sentence)
+        size += len(sentence)
+    return "".join(out)[:n]
+
+
+def uniseg_chunk_lex_words(text: str) -> list[str]:
+    """lex_words before the CJK runs were peeled off: each whitespace-free chunk with non-ASCII characters
+    through uniseg whole (ASCII chunks as lex_words lexes them)."""
+    cache: dict[str, list[str]] = {}
+    tokens: list[str] = []
+    for chunk in re.findall(r"[^ \t\n\r\f\v]+", text):
+        found = cache.get(chunk)
+        if found is None:
+            if chunk.isascii():
+                found = cache[chunk] = lex_words(chunk)
+            elif word_break(chunk[0]) in _GLUES_TO_PREVIOUS:
+                return _words_from_segments(uax29_segments(text))
+            else:
+                found = cache[chunk] = _words_from_segments(uax29_segments(chunk))
+        tokens.extend(found)
+    return tokens
+
+
+def measure_cjk() -> bool:
+    """Print lex_words CPU on Japanese and Chinese next to the baseline run once in the same process;
+    False when the two lexers' words differ."""
+    print("CJK lexing: lex_words against uniseg over each whole chunk (the baseline), same run, CPU ms")
+    print(f"{'text':<9} {'chars':>8} {'words':>8} {'lex_words ms':>13} {'baseline ms':>12} {'ratio':>7}")
+    same = True
+    for name, n in CJK_CASES:
+        rng = random.Random(SEED + n)
+        text = make_japanese(rng, n) if name == "Japanese" else make_chinese(rng, n)
+        tokens = lex_words(text)
+        fast_ms = best_ms(partial(lex_words, text))
+        start = time.process_time()
+        baseline = uniseg_chunk_lex_words(text)  # once: seconds, not milliseconds
+        base_ms = (time.process_time() - start) * 1000.0
+        same = same and baseline == tokens
+        print(
+            f"{name:<9} {len(text):>8,} {len(tokens):>8,} {fast_ms:>13.1f} {base_ms:>12,.0f} "
+            f"{base_ms / fast_ms:>6.0f}x"
+        )
+    print("words: lex_words' tokens (the baseline's are the same, checked); lex_words best of repeats.")
+    return same
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=SIZES[-1], help="largest source size (200000)")
@@ -354,7 +459,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--naive-cap-seconds", type=float, default=25.0, help="stop the naive density after this long (25)"
     )
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--cjk-only", action="store_true", help="only the CJK lexing case (Japanese and Chinese text)"
+    )
     args = parser.parse_args(argv)
+    if args.cjk_only:
+        if measure_cjk():
+            return 0
+        print("\nERROR: lex_words and the uniseg baseline give different words", file=sys.stderr)
+        return 1
     sizes = [n for n in SIZES if n <= args.max_tokens]
     if len(sizes) < 2:
         parser.error(f"--max-tokens must be at least {SIZES[1]}: the growth slope needs two sizes")
@@ -373,8 +486,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print_table(rows, args.naive_cap_seconds)
     print_linearity(rows)
+    print()
+    cjk_same = measure_cjk()
     if any(r.naive_matches is False for r in rows):
         print("\nERROR: the fast and naive densities differ", file=sys.stderr)
+        return 1
+    if not cjk_same:
+        print("\nERROR: lex_words and the uniseg baseline give different words", file=sys.stderr)
         return 1
     if args.plot is not None:
         plot(rows, args.naive_cap_seconds, args.plot)

@@ -10,12 +10,16 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from uniseg.emoji import extended_pictographic
+from uniseg.wordbreak import WordBreak, word_break
 from uniseg.wordbreak import words as uax29_segments
 
 from worker.core.compaction_gate import intent_terms, judge_summary
 from worker.core.quality import (
+    _SOLO_RUN,
     COVERAGE_THRESHOLD,
     CoverageScore,
+    _segments,
     _words_from_segments,
     calibrate_threshold,
     conformal_rank,
@@ -451,6 +455,78 @@ def test_lex_words_ascii_word_classes_equal_uax29(text: str) -> None:
 @given(st.text(max_size=60))
 def test_lex_words_equals_uax29_on_arbitrary_text(text: str) -> None:
     assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+# CJK text, where runs of ideographs, hiragana and CJK punctuation are peeled off and only the text between
+# them goes through uniseg (_SOLO_RUN): what can glue onto a run's last character (WB4: combining dakuten,
+# variation selectors, ZWJ, soft hyphen), what joins across characters (katakana, _, letters, digits,
+# mid-punctuation, regional indicators), and spaces (the chunking, and WB3d with U+3000).
+# Each class is drawn about as often as any other (one_of picks a branch, then a member), so the rare
+# characters that glue (U+3099, ZWJ, a variation selector) follow a run's last character often.
+CJK_ALPHABET = st.one_of(
+    st.sampled_from([*"漢字東京の金", "\U00020b9f", "\u9fff", "\u3400"]),  # Han
+    st.sampled_from([*"ひらがなを", "\u309d"]),  # hiragana
+    st.sampled_from([*"カタナー", "ｶ", "ｱ", "\u309b", "\uff9e"]),  # katakana (full and half width)
+    st.sampled_from(["\u3099", "\u309a"]),  # combining dakuten, handakuten
+    st.sampled_from([chr(c) for c in range(0xFE00, 0xFE10)] + ["\U000e0100"]),  # variation selectors
+    st.sampled_from(["\u200d", "\u00ad", "\u0301"]),  # ZWJ, Format, Extend
+    st.sampled_from([*"aZ7_.':, \"", "\t", "\n"]),  # ASCII: letters, digits, joiners, spaces
+    st.sampled_from([*"、。「」・（）！“”，：；．", "\u3005", "\u3000", "１", "Ａ"]),  # CJK punctuation, 々
+    st.sampled_from(["😀", "\u2764", "🇯", "🇵", "\u05d0"]),  # pictographs, regional indicators, Hebrew
+    st.sampled_from(["7，7", "a：a", "7．7", "１；１", "ｶ_ｶ", '\u05d0"\u05d0']),  # joins across punctuation
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(CJK_ALPHABET, max_size=40).map("".join))
+def test_lex_words_peeling_cjk_runs_equals_uax29(text: str) -> None:
+    assert _segments(text) == list(uax29_segments(text))
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["漢\ufe00字", "か\u3099き", "漢\u200d😀", "字\u00ad字", "。\u0301x", "漢\U000e0100", "ひ\u3099",
+     "東京\u3099カ", "x \u3099漢字", "漢字 \u3000\uff9e日本", "金_カ", "漢'a", "a'漢", "1,漢", "🇯漢🇵",
+     "カー漢ー"],
+)  # fmt: skip
+def test_lex_words_glue_after_a_cjk_run_matches_uax29(text: str) -> None:
+    assert _segments(text) == list(uax29_segments(text))
+    assert lex_words(text) == _words_from_segments(uax29_segments(text))
+
+
+def test_solo_run_characters_are_each_a_segment_of_their_own() -> None:
+    """Every character _SOLO_RUN matches is Word_Break Other, not Extended_Pictographic, and its own
+    lower case: what the peeling relies on (checked against uniseg's data, over all code points)."""
+    matched = [chr(c) for c in range(sys.maxunicode + 1) if _SOLO_RUN.fullmatch(chr(c))]
+    assert len(matched) > 150_000  # the planes 2-3 ideographs are in
+    assert {word_break(c) for c in matched} == {WordBreak.OTHER}
+    assert not [c for c in matched if extended_pictographic(c) or c.lower() != c]
+    assert {"漢", "の", "、", "。", "「", "！", "“"} <= set(matched)
+    assert not {"々", "カ", "ー", "゛", "，", "：", "\u3000", "\u3099"} & set(matched)
+
+
+def test_lex_words_segments_only_the_text_between_cjk_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text without spaces was one chunk through the pure-Python segmenter: 370k characters of Japanese
+    took 10 s of CPU. Only the text between runs of ideographs, hiragana and CJK punctuation is
+    segmented now, each distinct piece once."""
+    from worker.core import quality
+
+    segmented: list[str] = []
+
+    def counted(text: str) -> object:
+        segmented.append(text)
+        return uax29_segments(text)
+
+    monkeypatch.setattr(quality, "words", counted)
+    text = "東京でコーヒーを飲みます。サーバーのパスワードは「ブルースカイ」です。" * 200
+    expected = _words_from_segments(uax29_segments(text))
+    assert lex_words(text) == expected
+    assert sorted(segmented) == ["コーヒー", "サーバー", "パスワード", "ブルースカイ"]
+    # The same through a chunk glued to the space before it (a combining mark after a space).
+    segmented.clear()
+    assert lex_words("x \u3099" + text) == _words_from_segments(uax29_segments("x \u3099" + text))
+    assert max(map(len, segmented)) <= 8, max(map(len, segmented))
 
 
 def test_lex_words_ascii_punctuation_joins_only_between_letters_or_digits() -> None:

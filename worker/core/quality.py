@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -63,6 +64,31 @@ _ASCII_WORD = re.compile(
     r"[A-Za-z0-9_]+(?:(?:(?<=[A-Za-z])[:.'](?=[A-Za-z])|(?<=[0-9])[,;.'](?=[0-9]))[A-Za-z0-9_]+)*"
 )
 
+# Characters UAX #29 makes a word segment of their own: Word_Break Other, not Extended_Pictographic, and
+# lower() leaves them as they are. Text without spaces (Japanese, Chinese) was one chunk through the
+# pure-Python segmenter: 370k characters of Japanese took 10 s. Runs of these characters are peeled off
+# and only the text between them is segmented. That gives the same segments as the whole text: UAX #29
+# breaks before an Other character (no rule joins one to what precedes it: WB3c needs an
+# Extended_Pictographic, WB4 an Extend/Format/ZWJ, the others letters, digits, katakana, spaces or
+# regional indicators) and after it, unless WB4 glues an Extend, Format or ZWJ character on (か + U+3099,
+# 漢 + U+FE00); so a run's last character followed by one of those stays with the text after it. No rule
+# looks across an Other character either (WB6/7/7b/7c/11/12 need letters, digits or mid-punctuation on
+# both sides, WB15/16 count regional indicators back to the first that is not one). tests/unit/
+# test_quality.py checks that every character here is such a one, and the equality on random text.
+_SOLO_RUN = re.compile(
+    "["
+    "\u3001-\u3004\u3006-\u3029"  # CJK symbols and punctuation: 、。〆〇〈〉《》「」『』【】〜 ... (not 々)
+    "\u3041-\u3096\u309d-\u309f"  # hiragana and its iteration marks (not ゛゜: they are Katakana)
+    "\u30fb"  # ・ (ー is Katakana)
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # CJK ideographs: extension A, unified, compatibility
+    "\U00020000-\U0003ffff"  # planes 2 and 3: ideograph extensions B to H
+    "\u201c\u201d"  # “ ”
+    # full-width punctuation that is Other (！（）？ ...; not ，：；． which are mid-punctuation)
+    "\uff01-\uff06\uff08-\uff0b\uff0d\uff0f\uff1c-\uff20\uff3b-\uff3e\uff40\uff5b-\uff65"
+    "]+"
+)
+_WB4_GLUE = frozenset({WordBreak.EXTEND, WordBreak.FORMAT, WordBreak.ZWJ})
+
 
 def lex_words(text: str) -> list[str]:
     """Lower-cased words of ``text`` by Unicode word segmentation (UAX #29), punctuation dropped.
@@ -74,23 +100,63 @@ def lex_words(text: str) -> list[str]:
     letters and digits through ``_`` (``abc_カタ``, WB13a/b).
     """
     cache: dict[str, list[str]] = {}  # text repeats words heavily; each distinct chunk is segmented once
+    pieces: dict[str, list[str]] = {}  # the same for the text between runs of _SOLO_RUN within chunks
     tokens: list[str] = []
     for chunk in _chunks(text):
         found = cache.get(chunk)
         if found is None:
             if not chunk.isascii() and word_break(chunk[0]) in _GLUES_TO_PREVIOUS:
                 return _glued_lex_words(text)
-            found = cache[chunk] = _chunk_words(chunk)
+            found = cache[chunk] = _chunk_words(chunk, pieces)
         tokens.extend(found)
     return tokens
 
 
-def _chunk_words(chunk: str) -> list[str]:
-    """lex_words of one whitespace-free chunk that starts with no glued character."""
+def _chunk_words(chunk: str, pieces: dict[str, list[str]]) -> list[str]:
+    """lex_words of one whitespace-free chunk that starts with no glued character; ``pieces`` caches the
+    words of the text between solo runs (kept apart from the chunk cache: a piece may start with U+3000,
+    which a chunk of the same text after a space would join by WB3d)."""
     if chunk.isascii():
         # ASCII letters are ALetter and digits Numeric, which never break (WB5, WB8, WB9, WB10).
         return [chunk.lower()] if chunk.isalnum() else _ascii_words(chunk.lower())
-    return _words_from_segments(words(chunk))
+    tokens: list[str] = []
+    for between, solo in _solo_split(chunk):
+        if between:
+            found = pieces.get(between)
+            if found is None:
+                found = pieces[between] = _words_from_segments(words(between))
+            tokens.extend(found)
+        tokens.extend(filter(str.isalnum, solo))  # one word each, lower() a no-op (see _SOLO_RUN)
+    return tokens
+
+
+def _segments(text: str) -> list[str]:
+    """The UAX #29 word segments of ``text``, as ``uniseg.wordbreak.words`` gives them."""
+    segments: list[str] = []
+    for between, solo in _solo_split(text):
+        segments.extend(words(between))
+        segments.extend(solo)
+    return segments
+
+
+def _solo_split(text: str) -> Iterator[tuple[str, str]]:
+    """``text`` as (between, solo) pairs in order: text to segment, then a run of characters that are
+    each a word segment of their own (see _SOLO_RUN); the last pair's run is empty."""
+    start = 0
+    for match in _SOLO_RUN.finditer(text):
+        begin, end = match.span()
+        if end < len(text) and _glues_on(text[end]):
+            end -= 1  # WB4 glues that character onto the run's last one: they are segmented together
+        if begin < end:
+            yield text[start:begin], text[begin:end]
+            start = end
+    yield text[start:], ""
+
+
+@functools.cache
+def _glues_on(char: str) -> bool:
+    """Whether WB4 glues ``char`` onto the character before it (cached: called once a solo run)."""
+    return word_break(char) in _WB4_GLUE
 
 
 # A chunk with the ASCII whitespace before it. UAX #29 breaks before that whitespace (see _CHUNK) unless
@@ -110,20 +176,21 @@ def _glued_lex_words(text: str) -> list[str]:
     the run put back at the head of the first segment: segmenting the run again for every chunk made
     "\u3000 " repeated quadratic (1,600 characters took 27 s)."""
     cache: dict[str, list[str]] = {}
+    pieces: dict[str, list[str]] = {}
     tokens: list[str] = []
     run: list[str] = []  # the WSegSpace characters ending the text so far, in pieces (joined when needed)
     for space, chunk in _SPACED_CHUNK.findall(text):
         piece = space + chunk
         if not chunk.isascii() and word_break(chunk[0]) in _GLUES_TO_PREVIOUS:
             joined = bool(run) and space.startswith(" ")
-            segments = list(words(run[-1][-1] + piece if joined else piece))
+            segments = _segments(run[-1][-1] + piece if joined else piece)
             if joined and _has_alphanumeric(segments[0]):  # the run holds none: built only for a token
                 segments[0] = "".join(run) + segments[0][1:]
             tokens.extend(_words_from_segments(segments))
         else:
             found = cache.get(chunk)
             if found is None:  # a chunk of no words is cached as [] and must not be segmented again
-                found = cache[chunk] = _chunk_words(chunk)
+                found = cache[chunk] = _chunk_words(chunk, pieces)
             tokens.extend(found)
         tail = _wsegspace_tail(piece)
         if len(tail) == len(piece):
