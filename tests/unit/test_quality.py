@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -641,6 +642,17 @@ def test_the_rank_reads_alpha_as_the_decimal_it_was_written_as() -> None:
     assert (conformal_rank(9, 0.7), conformal_rank(99, 0.45), conformal_rank(19, 0.1)) == (3, 55, 18)
     bad = [CoverageScore(i / 100, False) for i in range(1, 25)]
     assert calibrate_threshold(bad + [CoverageScore(0.9, True)] * 200, 0.5, 0.44) == 0.14 + EPS
+
+
+def test_calibrate_takes_numpy_floats() -> None:
+    """np.float64 is a float, so it passed the checks, but its repr is 'np.float64(0.1)' (numpy 2),
+    which the rank's Fraction refused: ValueError instead of a threshold."""
+    bad = [CoverageScore(i / 100, False) for i in range(1, 20)]
+    cases = bad + [CoverageScore(0.9, True)] * 200
+    assert calibrate_threshold(cases, 0.9, np.float64(0.1)) == 0.18 + EPS  # as with alpha 0.1
+    assert calibrate_threshold(cases, np.float64(0.9), np.float64(0.1)) == 0.18 + EPS
+    assert calibrate_threshold(cases, 0.5, np.float64(0.44)) == calibrate_threshold(cases, 0.5, 0.44)
+    assert conformal_rank(24, np.float64(0.44)) == conformal_rank(24, 0.44) == 14
 
 
 def test_calibrate_rejects_a_bad_case_exactly_at_the_quantile() -> None:

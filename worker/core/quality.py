@@ -435,8 +435,9 @@ class CoverageScore:
 def conformal_rank(n: int, alpha: float) -> int:
     """ceil((n+1)(1-alpha)), the conformal rule's rank, with alpha read as the decimal it was written as:
     in floating point (n+1)(1-alpha) lands just above a whole number for some (0.44 and n 24: 25 x 0.56
-    = 14.000000000000002), and the rank came out one too high."""
-    return math.ceil((n + 1) * (1 - Fraction(repr(alpha))))
+    = 14.000000000000002), and the rank came out one too high. ``float()`` first: the repr of a float
+    subclass is not a decimal (numpy's float64 is ``np.float64(0.1)``, which Fraction refuses)."""
+    return math.ceil((n + 1) * (1 - Fraction(repr(float(alpha)))))
 
 
 def calibrate_threshold(scores: Iterable[CoverageScore], target_recall: float, alpha: float) -> float:
