@@ -71,8 +71,20 @@ def test_a_value_json_cannot_hold_is_refused_for_that_file(
         ("type: conversation\nsource_id:", "front matter 'source_id' must be text, got nothing"),
         ("type:", "front matter 'type' must be text, got nothing"),
         ("type: 2024-01-01", "front matter 'type' must be text, got datetime.date(2024, 1, 1)"),
+        # YAML 1.1 read these titles as True, 90 and 3.1 (stored, and the model's page label, as such).
+        ("type: conversation\ntitle: On", "front matter 'title' must be text, got True"),
+        ("type: conversation\ntitle: 1:30", "front matter 'title' must be text, got 90"),
+        ("type: conversation\ntitle: 3.10", "front matter 'title' must be text, got 3.1"),
     ],
-    ids=["number slug", "blank source", "blank type", "date type"],
+    ids=[
+        "number slug",
+        "blank source",
+        "blank type",
+        "date type",
+        "yes title",
+        "sexagesimal title",
+        "float title",
+    ],
 )
 def test_a_key_yaml_reads_as_no_text_is_refused(tmp_path: Path, front_matter: str, said: str) -> None:
     """Stored as str() of what YAML made of it: slug "7" for 007, a blank source_id as source "None"
@@ -110,3 +122,11 @@ def test_a_named_pipe_or_a_device_is_refused_without_waiting(tmp_path: Path) -> 
         load_page_file(fifo)
     with pytest.raises(PageFileError, match=r"not a regular file \(a character device\)"):
         load_page_file(Path("/dev/zero"))  # endless: refused before the cap is read
+
+
+def test_an_indented_marker_inside_a_block_does_not_close_the_front_matter(tmp_path: Path) -> None:
+    """A '---' line indented inside a block value closed the front matter there: the value was cut,
+    and the rest of the front matter went into the body without a word."""
+    page = load_page_file(page_file(tmp_path, "notes: |\n  first\n  ---\n  more\ntitle: Weekly"))
+    assert page.frontmatter["notes"] == "first\n---\nmore\n" and page.title == "Weekly"
+    assert page.compiled_truth == "body\n"

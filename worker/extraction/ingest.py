@@ -95,7 +95,9 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     if lines[0].strip() != "---":
         return {}, text
     for index in range(1, len(lines)):
-        if lines[index].strip() in ("---", "..."):
+        # At the line's start only: an indented "---" is text of a block value (it closed the front
+        # matter there, the value cut and the rest of the front matter taken as the body).
+        if lines[index].rstrip() in ("---", "..."):
             raw = "".join(lines[1:index])
             if (size := len(raw.encode("utf-8", "surrogatepass"))) > MAX_FRONT_MATTER_BYTES:
                 raise PageFileError(
@@ -161,10 +163,11 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     meta, body = _split_front_matter(text)
     if "type" not in meta:
         raise PageFileError("front matter has no 'type' (e.g. type: conversation)")
-    for key in ("source_id", "slug", "type"):
+    for key in ("source_id", "slug", "type", "title"):
         # YAML reads "slug: 007" as 7 and a blank value as null: stored as "7" or "None" (a blank
-        # source_id overrode --source, a blank type passed as a page of type "none").
-        if key in meta and not isinstance(meta[key], str):
+        # source_id overrode --source, a blank type passed as a page of type "none"). A title by YAML
+        # 1.1's rules too: "On" is True, "1:30" is 90, "3.10" is 3.1 (a blank title is no title).
+        if key in meta and not isinstance(meta[key], str) and not (key == "title" and meta[key] is None):
             got = "nothing" if meta[key] is None else repr(meta[key])
             raise PageFileError(
                 f"front matter '{key}' must be text, got {got}; quote it (e.g. {key}: \"007\")"
