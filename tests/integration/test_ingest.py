@@ -195,6 +195,36 @@ def test_a_newer_delivery_of_the_stored_content_wins_over_an_older_change_commit
         assert session.scalars(select(Page.compiled_truth).where(Page.slug == "race/a")).one() == "one"
 
 
+def test_an_older_delivery_of_the_content_a_newer_one_stored_meanwhile_is_unchanged_not_stale(
+    factory: sessionmaker[Session],
+) -> None:
+    """Two stores of one new page's same content at once, the later-dated committing first: the
+    earlier one's upsert found the row dated later and raised StaleDeliveryError, and the CLI said a
+    later delivery "stored this page; not replaced" (the webhook answered 409) over identical content."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import event
+
+    from worker.extraction.pages import PageIn, upsert_page
+
+    t1 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
+    same = PageIn(source_id="default", slug="race/same", type="conversation", title="t", compiled_truth="one")
+    with factory.begin() as session:
+        connection = session.connection()
+        raced: list[bool] = []
+
+        def newer_commits_first(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
+            if statement.lstrip().startswith("INSERT INTO pages") and not raced:
+                raced.append(True)
+                with factory.begin() as other:
+                    upsert_page(other, same, t1 + timedelta(seconds=10))
+
+        event.listen(connection, "before_cursor_execute", newer_commits_first)
+        result = upsert_page(session, same, t1)
+        event.remove(connection, "before_cursor_execute", newer_commits_first)
+    assert raced and not result.changed
+
+
 def test_an_ingest_postgres_ends_to_break_a_deadlock_stores_its_page_all_the_same(
     tmp_path: Path, factory: sessionmaker[Session]
 ) -> None:

@@ -284,6 +284,12 @@ def upsert_page(session: Session, page: PageIn, delivered_at: datetime | None = 
     if page_id is None:
         assert delivered_at is not None  # only a dated delivery can fail the WHERE
         stored = connection.execute(_STORED, where).one_or_none()
+        if stored is not None and stored.content_hash == digest:
+            # A later-dated delivery stored this same content meanwhile (both read no page): nothing is
+            # older here, and "a later delivery stored this page; not replaced" (409) was said of it.
+            held = {"page_id": stored.id, "digest": digest}
+            if connection.execute(_HELD_UNCHANGED, held).first() is not None:
+                return UpsertResult(stored.id, changed=False)
         raise StaleDeliveryError(
             page.source_id, page.slug, delivered_at, stored.delivered_at if stored is not None else None
         )
