@@ -105,6 +105,43 @@ def test_a_symlinked_folder_is_walked_once_and_a_link_to_a_parent_is_no_loop(
     assert report.ingested == ["linked/far"] and report.errors == []
 
 
+def test_a_link_to_a_folder_inside_the_root_is_not_walked_in_its_folders_place(
+    tx_factory, tmp_path: Path
+) -> None:
+    """root/latest -> root/2024-06: whichever the directory listing gave first was walked and the other
+    passed over, so the pages were "latest/chat" on one machine and "2024-06/chat" on another, and when
+    latest moved on, June's pages came back under their own slugs, extracted and paid for again."""
+    root = tmp_path / "root"
+    (root / "2024-06").mkdir(parents=True)
+    (root / "2024-06" / "chat.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    for name in ("0-first", "latest", "z-last"):  # listed before and after the folder, whatever the order
+        (root / name).symlink_to(root / "2024-06", target_is_directory=True)
+    report = ingest_paths(tx_factory, [root], "files")
+    assert report.ingested == ["2024-06/chat"] and report.errors == []
+
+
+def test_an_entry_that_cannot_be_looked_at_is_reported_and_the_rest_ingested(
+    tx_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Path.is_file raises on EACCES (a folder listed but not entered): the walk that counts the files
+    ended the run, nothing ingested."""
+    (tmp_path / "a.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    (tmp_path / "b.md").write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Bo: hi\n")
+    is_file = Path.is_file
+
+    def refused(self: Path) -> bool:
+        if self.name == "b.md":
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    report = ingest_paths(tx_factory, [tmp_path], "files")
+    assert report.ingested == ["a"]
+    assert [(Path(p).name, why) for p, why in report.errors] == [
+        ("b.md", "cannot be read (Permission denied)")
+    ]
+
+
 def test_a_walked_named_pipe_or_broken_link_is_reported_not_skipped_in_silence(
     tx_factory, tmp_path: Path
 ) -> None:

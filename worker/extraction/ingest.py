@@ -234,22 +234,42 @@ def _walk(root: Path, on_error: Callable[[Path, str], None] | None) -> list[Path
         if on_error is not None:
             on_error(Path(exc.filename or root), f"cannot read the directory ({exc.strerror or exc})")
 
+    real_root = os.path.realpath(root)
     for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen:
             dirs[:] = []
             continue
         seen.add(real)
+        # A link to a folder inside the root is not followed: that folder is walked under its own name.
+        # Followed, whichever the directory listing gave first won (root/latest -> root/2024-06 made the
+        # pages "latest/..." on one machine and "2024-06/..." on another), and sorted, links to one
+        # folder outside the root are walked in the same order everywhere.
+        dirs[:] = sorted(name for name in dirs if not _links_inside(os.path.join(folder, name), real_root))
         for name in files:
             if not _is_page_file(path := Path(folder, name)):
                 continue
-            if path.is_file():
+            try:
+                regular = path.is_file()
+            except OSError as exc:  # EACCES: a folder that can be listed but not entered
+                if on_error is not None:
+                    on_error(path, f"cannot be read ({exc.strerror or exc})")
+                continue
+            if regular:
                 found.append(path)
             elif on_error is not None and not name.startswith("."):
                 # A named pipe, a socket, a link to nothing: skipped without a word. Not a hidden one: an
                 # editor's lock (Emacs's .#page.md, a link to nowhere) failed the run of a healthy folder.
                 on_error(path, "not a regular file (a named pipe, socket or broken link); not read")
     return sorted(found)
+
+
+def _links_inside(path: str, real_root: str) -> bool:
+    """Whether ``path`` is a symlink to a folder inside ``real_root`` (the root itself included)."""
+    if not os.path.islink(path):
+        return False
+    target = os.path.realpath(path)
+    return target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
 def iter_page_files(
