@@ -988,6 +988,35 @@ def test_a_plain_querys_quoted_phrase_steers_the_snippet_by_its_words(
     assert "review cycle" in shown, result.snippet
 
 
+def test_a_snippets_lines_count_from_the_start_of_its_segment(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+) -> None:
+    """qmd's rule: line numbers count from the start of the body (here the segment's facts). They
+    counted from the window of neighbours read around each result, so one fact had two numbers in two
+    results of one segment, and the header said "2 before" of a fact with nine before it."""
+    context = "conversation segment 2024-05-01T09:00:00Z to 2024-05-01T09:30:00Z"
+    facts = [f"Item {n} of the long chat is about topic{n}" for n in range(12)]
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact),
+            [_row("default", "long", n, fact, "fact", "x", context, None) for n, fact in enumerate(facts)],
+        )
+    # A superseded fact before them is not a line (the search's lifecycle: current facts).
+    with plain_factory.begin() as session:
+        session.execute(
+            update(Fact)
+            .where(Fact.row_num == 0, Fact.source_markdown_slug == "long")
+            .values(status="superseded")
+        )
+    lines = {}
+    for query in ("lex: topic10", "lex: topic11 item"):
+        for result in search(plain_factory, llm, query, expand=False).results:
+            if result.row_num in (10, 11):
+                lines[(query, result.row_num)] = (result.snippet_line, result.snippet.splitlines()[0])
+    assert lines[("lex: topic10", 10)] == (10, "@@ -9,3 @@ (8 before, 0 after)")
+    assert lines[("lex: topic11 item", 11)] == (11, "@@ -10,2 @@ (9 before, 0 after)")
+
+
 def test_intent_changes_which_snippet_is_shown(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

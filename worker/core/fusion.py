@@ -136,8 +136,13 @@ def segment_snippet(
     query: str,
     intent: str | None,
     max_chars: int = SNIPPET_MAX_CHARS,
+    *,
+    first_line: int = 0,
+    of_lines: int | None = None,
 ) -> SnippetResult:
-    """The snippet of a result's segment ((row_num, fact) pairs, one fact a line) around its best line."""
+    """The snippet of a result's segment ((row_num, fact) pairs, one fact a line) around its best line.
+    ``segment`` may be a window of the whole: its first fact is the whole's line ``first_line + 1`` of
+    ``of_lines``, and the snippet's line numbers count from the whole's start (qmd's rule)."""
     # A fact's own line breaks would shift the numbering, so they become spaces.
     lines = [" ".join(fact.split()) for _, fact in segment]
     own = next((i for i, (num, _) in enumerate(segment) if num == own_row), 0)
@@ -156,4 +161,5 @@ def segment_snippet(
     # A long fact before the best one would fill the snippet and push the best one out of it: then the
     # snippet begins at the best line.
     crowded = best > 0 and len(lines[best - 1]) + 1 + len(lines[best]) > max_chars - 3
-    return snippet_around(lines, best, max_chars, before=0 if crowded else 1)
+    before = 0 if crowded else 1
+    return snippet_around(lines, best, max_chars, line_offset=first_line, total_lines=of_lines, before=before)

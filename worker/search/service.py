@@ -56,7 +56,7 @@ from worker.search.errors import (
     refused_by_provider,
 )
 from worker.search.llm_source import LLMSource, resolve_llm
-from worker.search.store import LineQuery, SearchStore
+from worker.search.store import LineQuery, SearchStore, SegmentLines
 from worker.search.values import (
     MAX_INTENT_CHARS,
     MAX_LIMIT,
@@ -300,8 +300,15 @@ def _build_results(
         row = facts.get(entry.fact_id)
         if row is None:
             continue
-        segment = neighbours.get(entry.fact_id) or [(row["row_num"], row["fact"])]
-        snippet = segment_snippet(segment, row["row_num"], snippet_query, intent)
+        lines = neighbours.get(entry.fact_id) or SegmentLines([(row["row_num"], row["fact"])], 0, 1)
+        snippet = segment_snippet(
+            lines.rows,
+            row["row_num"],
+            snippet_query,
+            intent,
+            first_line=lines.first_place,
+            of_lines=lines.total,
+        )
         start, end = segment_range(row["segment"])
         results.append(
             SearchResult(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -29,10 +30,21 @@ from worker.search.lexical import filter_sql, lexical_search
 from worker.search.values import HNSW_EF_SEARCH, Deadline, SearchFilters, VectorSearchStatus
 from worker.search.vector_ddl import VECTOR_STORE_DDL
 
-__all__ = ["FactToEmbed", "LineQuery", "SearchStore", "vector_search_status"]
+__all__ = ["FactToEmbed", "LineQuery", "SearchStore", "SegmentLines", "vector_search_status"]
 
 # Facts either side of a result (same page, same segment) that its snippet may show.
 SNIPPET_NEIGHBOURS = 3
+
+
+@dataclass
+class SegmentLines:
+    """A result's neighbours in its segment ((row_num, fact), in order), the first one's place among the
+    segment's facts (0: the first) and how many facts the segment shows in all."""
+
+    rows: list[tuple[int, str]]
+    first_place: int
+    total: int
+
 
 # A search line as the store runs it: the text of a lex line, or the embedding of a vec/hyde line.
 LineQuery = str | Sequence[float]
@@ -56,12 +68,20 @@ _RESULT_FACTS = (
 # The neighbours a snippet quotes pass the search's own lifecycle clause ({lifecycle}): a superseded
 # or duplicate line (or, as of a time, one not yet or no longer true) was quoted, and could be the
 # line the snippet centred on.
+# Each neighbour's place among the segment's facts the clause lets through, and their count: a snippet's
+# lines count from the start of its segment (qmd's rule), not from the window read (one fact had two
+# line numbers in two results of one segment). A segment's facts are one reply's (at most 10), written
+# together under consecutive row numbers: they are read within SEGMENT_SPAN rows either side (the page's
+# unique key bounds the scan; a page of 4,000 segments has 20,000 facts), and the window kept.
+SEGMENT_SPAN = 100
 _RESULT_NEIGHBOURS = (
-    "SELECT r.id, n.row_num, n.fact FROM facts r JOIN facts n "
+    "SELECT id, row_num, fact, place, total FROM (SELECT r.id, r.row_num AS own, n.row_num, n.fact, "
+    "row_number() OVER (PARTITION BY r.id ORDER BY n.row_num) - 1 AS place, "
+    "count(*) OVER (PARTITION BY r.id) AS total FROM facts r JOIN facts n "
     "ON n.source_id = r.source_id AND n.source_markdown_slug = r.source_markdown_slug "
-    "AND n.context = r.context AND NOT n.is_audit AND {lifecycle} "
-    f"AND n.row_num BETWEEN r.row_num - {SNIPPET_NEIGHBOURS} AND r.row_num + {SNIPPET_NEIGHBOURS} "
-    "WHERE r.id IN :ids ORDER BY r.id, n.row_num"
+    f"AND n.row_num BETWEEN r.row_num - {SEGMENT_SPAN} AND r.row_num + {SEGMENT_SPAN} "
+    "AND n.context = r.context AND NOT n.is_audit AND {lifecycle} WHERE r.id IN :ids) AS segment "
+    f"WHERE row_num BETWEEN own - {SNIPPET_NEIGHBOURS} AND own + {SNIPPET_NEIGHBOURS} ORDER BY id, row_num"
 )
 _TO_EMBED = (
     "SELECT id, fact, entity_slug FROM facts WHERE embedding IS NULL AND NOT is_audit AND {where} ORDER BY id"
@@ -161,9 +181,9 @@ class SearchStore:
 
     def result_rows(
         self, ids: Sequence[int], lifecycle: Lifecycle | None = None
-    ) -> tuple[dict[int, RowMapping], dict[int, list[tuple[int, str]]]]:
+    ) -> tuple[dict[int, RowMapping], dict[int, SegmentLines]]:
         """(each fact's row, named as SearchResult's fields; each fact's segment neighbours by row_num,
-        those ``lifecycle`` lets through: the search's own)."""
+        those ``lifecycle`` lets through: the search's own, with their place in the segment)."""
         lifecycle = lifecycle or Lifecycle()
         clause, params = lifecycle.clause("n")
         neighbours_sql = text(_RESULT_NEIGHBOURS.format(lifecycle=clause or "TRUE")).bindparams(
@@ -176,9 +196,12 @@ class SearchStore:
             facts = {
                 row["fact_id"]: row for row in session.execute(facts_sql, {"ids": ids, **params}).mappings()
             }
-            neighbours: dict[int, list[tuple[int, str]]] = {}
-            for result_id, row_num, fact in session.execute(neighbours_sql, {"ids": ids, **params}):
-                neighbours.setdefault(result_id, []).append((row_num, fact))
+            neighbours: dict[int, SegmentLines] = {}
+            for result_id, row_num, fact, place, total in session.execute(
+                neighbours_sql, {"ids": ids, **params}
+            ):
+                lines = neighbours.setdefault(result_id, SegmentLines([], place, total))
+                lines.rows.append((row_num, fact))
         return facts, neighbours
 
     def facts_to_embed(
