@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, DateTime, UniqueConstraint, func, select
+from sqlalchemy import BigInteger, CheckConstraint, DateTime, Index, UniqueConstraint, func, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
@@ -18,6 +18,8 @@ class Page(Base):
         UniqueConstraint("source_id", "slug"),
         # '|' joins a source and a slug in the keys of jobs, checkpoints and erasures (migration 0037).
         CheckConstraint("strpos(source_id, '|') = 0", name="source_id"),
+        # `factmill ingest`: the page a file was stored as, found before it is stored as another.
+        Index("ix_pages_origin", "source_id", "origin", postgresql_where=text("origin IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

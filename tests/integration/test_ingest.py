@@ -85,6 +85,21 @@ def test_a_page_from_another_file_that_is_still_there_is_not_replaced_by_a_later
     assert ingest_paths(tx_factory, [june]).ingested == ["general"]
 
 
+def test_a_file_stored_under_one_slug_is_not_stored_again_under_another(tx_factory, tmp_path: Path) -> None:
+    """`ingest notes`, then `ingest notes/2024/chat.md` to refresh the one file edited: the second made a
+    page "chat" beside "2024/chat", the conversation extracted (and paid for) twice and found twice."""
+    (tmp_path / "2024").mkdir()
+    chat = tmp_path / "2024" / "chat.md"
+    chat.write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: hi\n")
+    assert ingest_paths(tx_factory, [tmp_path]).ingested == ["2024/chat"]
+    chat.write_text("---\ntype: conversation\n---\n[2024-01-01 10:00] Ann: bye\n")
+    refused = ingest_paths(tx_factory, [chat])
+    assert refused.ingested == [] and len(refused.errors) == 1
+    assert "stored as page '2024/chat'" in refused.errors[0][1], refused.errors
+    assert ingest_paths(tx_factory, [tmp_path]).ingested == ["2024/chat"]  # from the folder: its page
+    assert ingest_paths(tx_factory, [chat], replace=True).ingested == ["chat"]
+
+
 def stored_body(factory: sessionmaker[Session], slug: str) -> str:
     with factory() as session:
         return session.scalars(select(Page.compiled_truth).where(Page.slug == slug)).one()

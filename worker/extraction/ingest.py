@@ -373,6 +373,16 @@ def _ingest_file(
             )
         )
         return
+    except _SameFileError as exc:
+        report.errors.append(
+            (
+                shown_path(path),
+                f"this file is stored as page {exc.slug!r} (its slug relative to the folder it was ingested "
+                f"from); not stored again as {page.slug!r}: ingest that folder, give the file a 'slug:', or "
+                "pass --replace to store it as a page of its own",
+            )
+        )
+        return
     except StaleDeliveryError as exc:  # erased while it waited, or stored by a delivery dated later
         at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
         said = (
@@ -390,6 +400,14 @@ def _ingest_file(
         report.jobs.append((job.job_id, EXTRACTION))
         if job.created:
             report.created.append((job.job_id, EXTRACTION))
+
+
+class _SameFileError(Exception):
+    """This file was stored as another page (another slug), which is still there."""
+
+    def __init__(self, slug: str) -> None:
+        super().__init__(slug)
+        self.slug = slug
 
 
 class _OtherFileError(Exception):
@@ -412,6 +430,14 @@ def _store_dated(
         stored = session.scalar(select(Page.origin).where(*where))
         if stored is not None and stored != origin and not replace and os.path.isfile(stored):
             raise _OtherFileError(stored)
+        if stored != origin and not replace:
+            # This file stored under another slug (`ingest notes`, then `ingest notes/2024/chat.md`):
+            # a second page of one conversation, extracted and paid for twice, found twice.
+            other = session.scalar(
+                select(Page.slug).where(Page.source_id == page.source_id, Page.origin == origin).limit(1)
+            )
+            if other is not None:
+                raise _SameFileError(other)
         job = store_page(session, page, session.scalar(select(func.now())))
         if stored != origin:
             session.execute(update(Page).where(*where).values(origin=origin))
