@@ -98,6 +98,11 @@ def test_a_file_stored_under_one_slug_is_not_stored_again_under_another(tx_facto
     assert "stored as page '2024/chat'" in refused.errors[0][1], refused.errors
     assert ingest_paths(tx_factory, [tmp_path]).ingested == ["2024/chat"]  # from the folder: its page
     assert ingest_paths(tx_factory, [chat], replace=True).ingested == ["chat"]
+    # A file that names its page is the page it names: renamed by its 'slug:', it is stored as that.
+    named = tmp_path / "named.md"
+    for slug in ("alice", "bob"):
+        named.write_text(f"---\ntype: conversation\nslug: {slug}\n---\n[2024-01-01 10:00] Ann: hi\n")
+        assert ingest_paths(tx_factory, [named]).ingested == [slug]
 
 
 def stored_body(factory: sessionmaker[Session], slug: str) -> str:

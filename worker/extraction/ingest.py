@@ -88,6 +88,24 @@ class _FrontMatterLoader(yaml.SafeLoader):
 MAX_FRONT_MATTER_BYTES = 64 * 1024
 
 
+def _load_front_matter(raw: str) -> Any:
+    """The front matter's YAML, its title as written: YAML 1.1 read "title: On" as True, "1:30" as 90
+    and "3.10" as 3.1 (stored so, and the model's page label said so); a title is text."""
+    loader = _FrontMatterLoader(raw)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        data = loader.construct_document(node)
+    finally:
+        loader.dispose()
+    if isinstance(node, yaml.MappingNode) and isinstance(data, dict) and data.get("title") is not None:
+        for key, value in node.value:
+            if key.value == "title" and isinstance(value, yaml.ScalarNode) and value.style is None:
+                data["title"] = value.value  # a plain scalar: its text, whatever YAML typed it as
+    return data or {}
+
+
 def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     if not text.startswith("---"):
         return {}, text
@@ -106,7 +124,7 @@ def _split_front_matter(text: str) -> tuple[dict[str, Any], str]:
                     "keep it to the page's metadata and put the conversation in the body"
                 )
             try:
-                data = yaml.load(raw, Loader=_FrontMatterLoader) or {}
+                data = _load_front_matter(raw)
             except yaml.YAMLError as exc:
                 raise PageFileError(f"front matter is not valid YAML: {exc}") from exc
             except PageFileError:
@@ -163,19 +181,17 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     meta, body = _split_front_matter(text)
     if "type" not in meta:
         raise PageFileError("front matter has no 'type' (e.g. type: conversation)")
-    for key in ("source_id", "slug", "type", "title"):
+    for key in ("source_id", "slug", "type"):
         # YAML reads "slug: 007" as 7 and a blank value as null: stored as "7" or "None" (a blank
-        # source_id overrode --source, a blank type passed as a page of type "none"). A title by YAML
-        # 1.1's rules too: "On" is True, "1:30" is 90, "3.10" is 3.1 (a blank title is no title).
-        if key in meta and not isinstance(meta[key], str) and not (key == "title" and meta[key] is None):
+        # source_id overrode --source, a blank type passed as a page of type "none").
+        if key in meta and not isinstance(meta[key], str):
             got = "nothing" if meta[key] is None else repr(meta[key])
             raise PageFileError(
                 f"front matter '{key}' must be text, got {got}; quote it (e.g. {key}: \"007\")"
             )
     slug = meta.get("slug")
     if slug is None:
-        base = path.relative_to(root) if root and path.is_relative_to(root) else Path(path.name)
-        slug = base.with_suffix("").as_posix()
+        slug = path_slug(path, root)
         if not _utf8(slug):  # a Latin-1 file name: its bytes reach Python as lone surrogates
             raise PageFileError(
                 "the file name is not UTF-8, so no slug can be made of it; give the page a 'slug:' in its "
@@ -203,6 +219,12 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
         )
         raise PageFileError(problems) from exc
     return page
+
+
+def path_slug(path: Path, root: Path | None) -> str:
+    """The slug a page file without a 'slug:' gets: its path below ``root`` (or its name), no suffix."""
+    base = path.relative_to(root) if root and path.is_relative_to(root) else Path(path.name)
+    return base.with_suffix("").as_posix()
 
 
 def _utf8(text: str) -> bool:
@@ -352,8 +374,8 @@ def _ingest_file(
         return
     # One file reached twice (`ingest notes notes/2024`): its slugs differ (relative to each root), and
     # both pages were stored and extracted, every fact twice.
-    origin = shown_path(os.path.realpath(path))
-    again = files.setdefault(origin, page.slug)
+    real = os.path.realpath(path)
+    again = files.setdefault(shown_path(real), page.slug)
     if again != page.slug:
         report.errors.append((shown_path(path), f"the same file as page {again!r}, ingested once"))
         return
@@ -362,14 +384,16 @@ def _ingest_file(
         # undated, it was undone by a sender's retry of an older delivery (signed before this ingest,
         # it still passed the page's newest-delivery check). A deadlock with a delivery emptying pages
         # of the same entities is made again, as the delivery is (it stopped the run mid-folder).
-        job = made_again_on_deadlock(_store_dated, factory, page, origin, replace)
+        # A name that is not UTF-8 cannot be stored (nor found again): such a file goes unnoted.
+        origin = _FileOrigin(real if _utf8(real) else None, page.slug == path_slug(path, root), replace)
+        job = made_again_on_deadlock(_store_dated, factory, page, origin)
     except _OtherFileError as exc:
         report.errors.append(
             (
                 shown_path(path),
                 f"page {page.slug!r} was stored from {exc.origin}, another file that is still there; not "
-                "replaced: give this one a 'slug:' in its front matter, ingest the folder above both (their "
-                "slugs then name their folders), or pass --replace to store it over that page",
+                "replaced: give this one a 'slug:' of its own in its front matter, or pass --replace to "
+                "store it over that page",
             )
         )
         return
@@ -410,6 +434,16 @@ class _SameFileError(Exception):
         self.slug = slug
 
 
+@dataclass(frozen=True)
+class _FileOrigin:
+    """Where a page file came from: its real path (None: not UTF-8), whether its slug is that path's
+    (not a 'slug:' of its own), and whether ``--replace`` was given."""
+
+    path: str | None
+    slug_by_path: bool
+    replace: bool
+
+
 class _OtherFileError(Exception):
     """The page was stored from another file, which is still there."""
 
@@ -418,19 +452,19 @@ class _OtherFileError(Exception):
         self.origin = origin
 
 
-def _store_dated(
-    factory: sessionmaker[Session], page: PageIn, origin: str, replace: bool
-) -> JobRequest | None:
+def _store_dated(factory: sessionmaker[Session], page: PageIn, file: _FileOrigin) -> JobRequest | None:
     """``store_page`` in a transaction of its own, dated by the database's clock, and the page's file
     noted. A slug is a path below the folder named, so two folders' general.md are one page: a page
     another file stored is not replaced while that file is there (it moved, or this is another machine:
     replaced, as an edit of it would be)."""
     where = (Page.source_id == page.source_id, Page.slug == page.slug)
+    origin = file.path
     with factory.begin() as session:
-        stored = session.scalar(select(Page.origin).where(*where))
-        if stored is not None and stored != origin and not replace and os.path.isfile(stored):
+        stored = session.scalar(select(Page.origin).where(*where)) if origin is not None else None
+        checked = origin is not None and stored != origin and not file.replace
+        if checked and stored is not None and os.path.isfile(stored):
             raise _OtherFileError(stored)
-        if stored != origin and not replace:
+        if checked and file.slug_by_path:
             # This file stored under another slug (`ingest notes`, then `ingest notes/2024/chat.md`):
             # a second page of one conversation, extracted and paid for twice, found twice.
             other = session.scalar(
@@ -439,6 +473,6 @@ def _store_dated(
             if other is not None:
                 raise _SameFileError(other)
         job = store_page(session, page, session.scalar(select(func.now())))
-        if stored != origin:
+        if origin is not None and stored != origin:
             session.execute(update(Page).where(*where).values(origin=origin))
         return job
