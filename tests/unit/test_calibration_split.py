@@ -514,3 +514,17 @@ def test_a_stray_quote_names_every_line_it_swallowed() -> None:
     parsed = parse_observations_csv(before_header, default_origin="csv", file_digest="d")
     [(line, observation)] = parsed.good
     assert (line, observation.compaction_id, observation.origin) == (4, 7, "csv")
+
+
+def test_a_files_digest_is_its_bytes_in_the_usual_form_and_its_text_otherwise() -> None:
+    """Rows without a key are known by the file's digest and their line. It was the bytes' digest: a
+    file imported before keeps its digest (else every row was stored again), and a spreadsheet's re-save
+    (a byte-order mark, CRLF, no last newline) has the same one."""
+    import hashlib
+
+    from worker.core.calibration_csv import content_digest, decode_csv
+
+    usual = b"coverage,answer_kept\n0.5,1\n0.2,0\n"
+    assert content_digest(decode_csv(usual, "f")) == hashlib.sha256(usual).hexdigest()[:16]
+    resaved = b"\xef\xbb\xbfcoverage,answer_kept\r\n0.5,1\r\n0.2,0"
+    assert content_digest(decode_csv(resaved, "f")) == content_digest(decode_csv(usual, "f"))

@@ -42,9 +42,11 @@ def decode_csv(data: bytes, source: str) -> str:
 
 def content_digest(content: str) -> str:
     """What names a file's rows (with their lines) when they carry no key: its decoded text, with CRLF
-    line ends and a last newline taken as LF and none. A spreadsheet saving the file again (a byte-order
+    line ends taken as LF and one last newline. A spreadsheet saving the file again (a byte-order
     mark, CRLF) changed its bytes, and every row was stored a second time."""
-    normal = content.replace("\r\n", "\n").rstrip("\n")
+    # With one last newline: a file imported before (keyed by its bytes) is the same file, in the usual
+    # form (UTF-8 without a byte-order mark, LF, a last newline); a key that changed stored it again.
+    normal = content.replace("\r\n", "\n").rstrip("\n") + "\n"
     return hashlib.sha256(normal.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
