@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import date
 
 from worker.core.errors import LLMConfigurationError
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.budgeted import BudgetCheck, BudgetedClient
 from worker.llm.openai_compat import DEFAULT_EMBEDDING_MODEL, OpenAIChatClient
 from worker.llm.ratelimit import RateLimitedClient, build_rate_limiter
+from worker.llm.retirements import retirement_note
 from worker.llm.retry import AttemptListener, RetryingClient, RetryPolicy
 from worker.llm.types import LLMClient
 from worker.settings import Settings
@@ -27,7 +29,7 @@ SIMULATOR_MODEL = "simulator-1"
 SIMULATOR_EMBEDDING_MODEL = "simulator-embedding-1"
 DEFAULT_MODELS = {
     "openai": "gpt-4o-mini",
-    "anthropic": "claude-3-5-haiku-latest",
+    "anthropic": "claude-haiku-4-5",  # claude-3-5-haiku was retired on 2026-02-19 (retirements.py)
     "openai-compatible": "default",
     "simulator": SIMULATOR_MODEL,
 }
@@ -96,6 +98,8 @@ def provider_client(settings: Settings, stack: ExitStack) -> LLMClient:
     refused = settings.llm_unconfigured()
     if refused:
         raise LLMConfigurationError(refused)
+    if provider in ("openai", "anthropic") and (note := retirement_note(model, date.today())):
+        logger.warning("%s", note)
     if provider == "simulator":
         if settings.simulator_url:
             return _simulator_client(settings, model, settings.simulator_url)
