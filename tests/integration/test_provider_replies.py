@@ -275,6 +275,28 @@ def test_a_provider_error_message_is_kept_to_a_thousand_characters(sim):
     assert not caught.value.retryable
 
 
+@pytest.mark.parametrize(
+    ("error", "retryable", "status"),
+    [
+        ({"code": 502, "message": "upstream overloaded"}, True, 502),
+        ({"code": 429, "message": "rate limited upstream"}, True, 429),
+        ({"code": 400, "message": "bad request upstream"}, False, 400),
+        ({"code": "server_error", "message": "the model stopped"}, True, None),
+        ({"code": 402, "message": "insufficient credits"}, False, 402),
+    ],
+)
+def test_an_error_answered_with_a_200_is_classified_as_its_code_says(sim, error, retryable, status):
+    """OpenRouter (and other gateways) answer an error met once the model began with HTTP 200 and
+    {"error": {...}}: it was "not a chat completion (KeyError: 'choices')", permanent, the provider's
+    words lost, an upstream 502 or 429 never tried again."""
+    sim.configure(raw_replies={"chat.completions": {"error": error}}, raw_status=200)
+    with pytest.raises(LLMError) as caught:
+        openai_client(sim).chat(REQUEST)
+    assert caught.value.retryable is retryable and caught.value.status == status
+    assert error["message"] in str(caught.value)
+    assert caught.value.deployment_fault is (status == 402)
+
+
 def test_a_call_answered_by_a_dated_snapshot_is_costed_at_its_models_price(tx_factory, sim):
     """OpenAI answers a call to gpt-4o-mini with model "gpt-4o-mini-2024-07-18" (Anthropic names the
     snapshot behind "-latest" the same way). Costed by that exact name, every real provider call cost 0,

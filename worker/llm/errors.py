@@ -343,19 +343,44 @@ def classify(exc: BaseException) -> Classification:
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         message = _provider_message(exc)
-        blamed = blames_deployment(exc.body, message, status)
-        # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
-        # refill the quota, and each call's tries only added to the outage.
-        retryable = (status in RETRYABLE_STATUS or status >= 500) and not blamed
-        return Classification(
-            retryable,
-            status,
-            retry_after_seconds(_headers(exc)),
-            f"HTTP {status}: {message}",
-            blamed,
-            error_code(exc.body),
+        return _status_classification(
+            status, exc.body, f"HTTP {status}: {message}", retry_after_seconds(_headers(exc))
         )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
+
+
+def _status_classification(
+    status: int | None, body: Any, message: str, retry_after: float | None = None
+) -> Classification:
+    """An error reply's classification by its status (None: an error named without one, which the
+    provider met serving the call: tried again) and body."""
+    blamed = blames_deployment(body, message, status)
+    # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
+    # refill the quota, and each call's tries only added to the outage.
+    retryable = (status is None or status in RETRYABLE_STATUS or status >= 500) and not blamed
+    return Classification(retryable, status, retry_after, message, blamed, error_code(body))
+
+
+def error_in_reply(body: Any, latency_ms: int) -> LLMError | None:
+    """The error a successful (HTTP 200) reply holds instead of its answer, as gateways such as
+    OpenRouter send one met once the model began ({"error": {"code": 502, "message": ...}}); None for
+    any other reply. Read as the shape it lacked, it was permanent and its words lost: an upstream 502
+    or 429 was never tried again."""
+    if not isinstance(body, Mapping) or "choices" in body or not isinstance(body.get("error"), Mapping):
+        return None
+    code = body["error"].get("code")
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
+    message = body_message(body, "an error without a message")
+    shown = f"HTTP {status} (in a 200 reply): {message}" if status else f"an error in a 200 reply: {message}"
+    c = _status_classification(status, body, shown)
+    return LLMError(
+        made_storable(c.message),
+        retryable=c.retryable,
+        status=c.status,
+        latency_ms=latency_ms,
+        deployment_fault=c.deployment_fault,
+        code=c.code,
+    )
 
 
 def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:

@@ -10,7 +10,7 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
-from worker.llm.errors import LLMError, NoEmbeddingsError, to_llm_error
+from worker.llm.errors import LLMError, NoEmbeddingsError, error_in_reply, to_llm_error
 from worker.llm.replies import ReplyShapeError, finite_vector, message_text, optional_text, token_count
 from worker.llm.types import (
     ChatRequest,
@@ -154,6 +154,9 @@ class OpenAIChatClient:
 
     def response_from(self, completion: Any, latency_ms: int) -> ChatResponse:
         """A chat completion's JSON (online, or one line of a batch's output file) in the gateway's terms."""
+        failed = error_in_reply(completion, latency_ms)
+        if failed is not None:
+            raise failed
         try:
             choice = completion["choices"][0]
             message = choice["message"]
