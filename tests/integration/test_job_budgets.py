@@ -368,6 +368,24 @@ def test_a_spent_provider_account_spends_the_worker_loss_budget_not_the_attempts
     assert "exceeded your current quota" in (state.last_error or "")
 
 
+def test_a_provider_that_cannot_be_reached_is_a_worker_loss_not_an_attempt(factory, runtime):
+    """Refused connections, resets, no DNS answer (the gateway's tries spent): a network blip of two
+    minutes failed every job in flight for good on its five attempts."""
+    import httpx2
+
+    from worker.llm.errors import to_llm_error
+
+    rt = runtime(job_max_attempts=3, job_max_worker_losses=3)
+
+    def work(ctx: JobContext) -> WorkResult:
+        raise to_llm_error(httpx2.ConnectError("connection refused"))
+
+    kind, job_id = kind_doing(work), new_job(factory)
+    assert run_job(rt, job_id, kind).status == "retry"
+    state = job(factory, job_id)
+    assert (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
+
+
 def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(factory, runtime):
     from worker.llm.errors import LLMError
 

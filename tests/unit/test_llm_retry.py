@@ -491,6 +491,27 @@ def test_timeouts_and_connection_errors_retry(exc: Exception) -> None:
     assert classify(exc).retryable
 
 
+@pytest.mark.parametrize(
+    ("exc", "away"),
+    [
+        (openai.APIConnectionError(request=HTTP_REQUEST), True),
+        (anthropic.APIConnectionError(request=HTTP_REQUEST), True),
+        (httpx2.ConnectError("refused"), True),
+        (openai.APITimeoutError(request=HTTP_REQUEST), False),
+        (httpx2.ReadTimeout("slow"), False),
+    ],
+)
+def test_an_unreachable_provider_is_an_outage_and_a_timeout_is_the_calls_own(
+    exc: Exception, away: bool
+) -> None:
+    """Connection resets and DNS failures (a network outage) were the job's own failures: a two-minute
+    blip spent every job in flight's five attempts, the harm the 5xx rule (requeued) was made against. A
+    timeout stays the call's own: a request too large to finish fails so on every try."""
+    from worker.llm.errors import provider_cannot_serve
+
+    assert provider_cannot_serve(to_llm_error(exc)) is away
+
+
 def test_anything_else_fails() -> None:
     assert not classify(ValueError("bad")).retryable
     error = to_llm_error(status_error(openai, 429, {"retry-after": "3"}), latency_ms=12)

@@ -100,9 +100,11 @@ class LLMError(Exception):
         usage: Usage | None = None,
         answered_by: tuple[str, str] | None = None,
         code: str | None = None,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
+        self.unreachable = unreachable  # no connection to the provider (refused, reset, no DNS answer)
         self.retryable = retryable
         self.deployment_fault = deployment_fault
         self.status = status
@@ -118,11 +120,14 @@ class LLMError(Exception):
 
 
 def provider_unavailable(exc: BaseException) -> bool:
-    """The provider said it cannot serve now (429, 5xx, 529) and the retry layer's patience ran out: an
-    outage, infrastructure's fault, not the job's. Timeouts (408 too) and unreachable hosts are not: a
-    request too large to finish in time, or a base URL that does not resolve, fails the same way on
-    every try."""
-    return isinstance(exc, LLMError) and exc.retryable and exc.status is not None and exc.status != 408
+    """The provider cannot serve now (429, 5xx, 529, or no connection to it: refused, reset, no DNS
+    answer) and the retry layer's patience ran out: an outage, infrastructure's fault, not the job's.
+    A network blip of two minutes spent every job in flight's five attempts. Timeouts (408 too) are
+    not: a request too large to finish in time fails the same way on every try. (A base URL that does
+    not resolve is unreachable too: its jobs are sent again on the worker-loss budget before failing.)"""
+    if not isinstance(exc, LLMError) or not exc.retryable:
+        return False
+    return exc.unreachable or (exc.status is not None and exc.status != 408)
 
 
 def account_exhausted(exc: BaseException) -> bool:
@@ -176,6 +181,7 @@ class Classification:
     message: str
     deployment_fault: bool = False
     code: str | None = None  # the error body's code or type ("rate_limit_exceeded"), for log lines
+    unreachable: bool = False  # no connection to the provider (LLMError.unreachable)
 
 
 def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
@@ -328,7 +334,13 @@ def classify(exc: BaseException) -> Classification:
     """Sort an SDK or transport exception into retry (429, 408, 5xx, 529, timeouts, connection) or fail."""
     if isinstance(exc, LLMError):
         return Classification(
-            exc.retryable, exc.status, exc.retry_after, str(exc), exc.deployment_fault, exc.code
+            exc.retryable,
+            exc.status,
+            exc.retry_after,
+            str(exc),
+            exc.deployment_fault,
+            exc.code,
+            exc.unreachable,
         )
     timeouts = (*_loaded_errors(SDKS, "APITimeoutError"), *_loaded_errors(HTTP_LIBRARIES, "TimeoutException"))
     if isinstance(exc, timeouts):
@@ -338,7 +350,7 @@ def classify(exc: BaseException) -> Classification:
         *_loaded_errors(HTTP_LIBRARIES, "TransportError"),
     )
     if isinstance(exc, unreachable):
-        return Classification(True, None, None, f"could not reach the provider: {exc}")
+        return Classification(True, None, None, f"could not reach the provider: {exc}", unreachable=True)
     if isinstance(exc, _loaded_errors(SDKS, "APIStatusError")):
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
@@ -395,4 +407,5 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         deployment_fault=c.deployment_fault,
         usage=exc.usage if isinstance(exc, LLMError) else None,
         code=c.code,
+        unreachable=c.unreachable,
     )
