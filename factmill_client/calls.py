@@ -79,6 +79,15 @@ def segment(value: str | int) -> str:
     return quote(text, safe="")
 
 
+def transcript_segment(transcript_id: str) -> str:
+    """A transcript id as a path segment. The server decodes %2F before it routes, so an id holding '/'
+    reached another route ("alice%2Fmessages" read alice's messages) or none (a bare 404 for an append,
+    which creates its transcript): refused here, as the server's rule does (no whitespace, no '/')."""
+    if "/" in transcript_id:
+        raise ValueError(f"transcript id {transcript_id!r}: a transcript id holds no '/'")
+    return segment(transcript_id)
+
+
 def slash_path(value: str) -> str:
     """A name that holds '/' (a slug: conversations/2024/alice), which the route takes as a path: each
     part encoded as ``segment`` does, so a "." or ".." part is not resolved away either
@@ -133,7 +142,7 @@ def append_messages(
         payload["settings"] = dict(settings)
     return Call(
         "POST",
-        f"/v1/transcripts/{segment(transcript_id)}/messages",
+        f"/v1/transcripts/{transcript_segment(transcript_id)}/messages",
         models.AppendOut,
         body=json_body(payload),
         signed=True,
@@ -203,7 +212,10 @@ def delete_page(source_id: str, slug: str) -> Call[models.PageErased]:
 
 def delete_transcript(transcript_id: str) -> Call[models.TranscriptErased]:
     return Call(
-        "DELETE", f"/v1/transcripts/{segment(transcript_id)}", models.TranscriptErased, replayable=False
+        "DELETE",
+        f"/v1/transcripts/{transcript_segment(transcript_id)}",
+        models.TranscriptErased,
+        replayable=False,
     )
 
 
@@ -284,7 +296,7 @@ def get_config(key: str) -> Call[models.ConfigOut]:
 
 
 def get_transcript(transcript_id: str) -> Call[models.TranscriptOut]:
-    return Call("GET", f"/v1/transcripts/{segment(transcript_id)}", models.TranscriptOut)
+    return Call("GET", f"/v1/transcripts/{transcript_segment(transcript_id)}", models.TranscriptOut)
 
 
 def list_transcripts(limit: int) -> Call[models.TranscriptList]:
@@ -292,11 +304,11 @@ def list_transcripts(limit: int) -> Call[models.TranscriptList]:
 
 
 def get_context(transcript_id: str) -> Call[models.ContextOut]:
-    return Call("GET", f"/v1/transcripts/{segment(transcript_id)}/context", models.ContextOut)
+    return Call("GET", f"/v1/transcripts/{transcript_segment(transcript_id)}/context", models.ContextOut)
 
 
 def list_messages(transcript_id: str, after_seq: int | None, limit: int) -> Call[models.MessagesOut]:
-    path = f"/v1/transcripts/{segment(transcript_id)}/messages"
+    path = f"/v1/transcripts/{transcript_segment(transcript_id)}/messages"
     return Call("GET", path, models.MessagesOut, params=_query(after_seq=after_seq, limit=limit))
 
 

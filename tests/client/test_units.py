@@ -147,10 +147,10 @@ def test_a_large_upload_may_wait_its_turn_at_the_server_past_the_read_timeout():
 def test_requests_carry_the_key_and_a_fresh_signature_over_the_path_as_sent():
     ticks = iter([1_700_000_000, 1_700_000_005])
     credentials = Credentials("fm_key", "s3cret", clock=lambda: next(ticks))
-    call = calls.append_messages("chat 1/é", [{"role": "user", "text": "hi"}], None, None)
+    call = calls.append_messages("chat-1·é?#%", [{"role": "user", "text": "hi"}], None, None)
     with httpx.Client(base_url="http://factmill.test") as http:
         first, second = build_request(http, call, credentials), build_request(http, call, credentials)
-    path = "/v1/transcripts/chat%201%2F%C3%A9/messages"
+    path = "/v1/transcripts/chat-1%C2%B7%C3%A9%3F%23%25/messages"
     assert first.url.raw_path.decode() == path
     assert first.headers["Authorization"] == "Bearer fm_key"
     assert first.headers["Idempotency-Key"] == second.headers["Idempotency-Key"] == call.idempotency_key
@@ -365,3 +365,20 @@ def test_an_api_key_no_header_can_carry_is_refused_without_quoting_it(
     assert pools == []
     with Client("http://127.0.0.1:9", api_key="fm_secretkey"):  # a key of visible ASCII is taken
         pass
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: calls.append_messages("team/chat-1", [{"role": "user", "text": "hi"}], None, None),
+        lambda: calls.get_transcript("alice/messages"),
+        lambda: calls.get_context("alice/context"),
+        lambda: calls.list_messages("a/b", None, 10),
+        lambda: calls.delete_transcript("alice/compactions"),
+    ],
+)
+def test_a_transcript_id_holding_a_slash_is_refused_before_it_is_sent(call) -> None:
+    """The server decodes %2F before it routes: "alice%2Fmessages" read alice's messages, "team%2Fchat-1"
+    was a bare 404 for an append that creates its transcript. A transcript id holds no '/'."""
+    with pytest.raises(ValueError, match="no '/'"):
+        call()
