@@ -1209,9 +1209,11 @@ def test_openapi_lists_the_calibration_routes(client: TestClient) -> None:
 
 # Truncation: the CLI opens its own engine from FACTMILL_DATABASE_URL (so every test_cli_* truncates).
 @pytest.fixture
-def cli(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Runs `factmill calibration ...` against the test database; its jobs go to the session's Redis
-    through the real Celery sender (``SessionBroker.queued`` reads them)."""
+def cli(database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Runs `factmill calibration ...` against the test database, truncated first (``factory``: a test
+    that took no factory of its own found the jobs an earlier test committed, "recompute job 1 is
+    already pending"); its jobs go to the session's Redis through the real Celery sender
+    (``SessionBroker.queued`` reads them)."""
     from worker.cli import app
     from worker.settings import get_settings
 
