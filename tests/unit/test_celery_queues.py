@@ -25,3 +25,18 @@ def test_the_periodic_wake_ups_ride_the_maintenance_queue_not_a_work_queue() -> 
     routes = registry.task_routes()
     for name in ("tasks.maintenance.sweep", "tasks.backfill.poll"):
         assert routes[name]["queue"] == registry.MAINTENANCE_QUEUE
+
+
+def test_a_periodic_wake_up_outlives_a_clock_skew_of_minutes() -> None:
+    """Celery dates a message's expiry by beat's clock and the worker reads it by its own: expiring
+    after one interval (30 s for the sweep), a maintenance host 30 s ahead of beat's dropped every sweep
+    as expired, and lost messages, lapsed leases and paused jobs were never seen to again."""
+    from worker.celery_app import celery_config
+
+    schedule = celery_config(Settings(broker_url="redis://x"))["beat_schedule"]
+    for name, entry in schedule.items():
+        assert entry["options"]["expires"] >= PERIODIC_EXPIRY_FLOOR_SECONDS, name
+        assert entry["options"]["expires"] >= 4 * entry["schedule"], name
+
+
+PERIODIC_EXPIRY_FLOOR_SECONDS = 300

@@ -42,6 +42,9 @@ def broker_url(settings: Settings) -> str:
     return embedded_redis_url(settings.data_dir)
 
 
+MIN_WAKE_UP_EXPIRY_SECONDS = 300.0
+
+
 def beat_schedule(settings: Settings) -> dict[str, Any]:
     schedule: dict[str, Any] = {}
     for periodic in registry.PERIODIC:
@@ -49,7 +52,10 @@ def beat_schedule(settings: Settings) -> dict[str, Any]:
         schedule[periodic.name] = {
             "task": periodic.task_name,
             "schedule": every,
-            "options": {"queue": periodic.queue, "expires": every},
+            # Expired by the worker's clock against beat's: a margin of minutes, or a maintenance host
+            # a little ahead of beat's dropped every wake-up (its work waits; a missed one is harmless,
+            # and those that pile up while the worker is away run once it is back, each cheap).
+            "options": {"queue": periodic.queue, "expires": max(4 * every, MIN_WAKE_UP_EXPIRY_SECONDS)},
         }
     return schedule
 
