@@ -302,7 +302,7 @@ def status_error(sdk: Any, status: int, headers: dict[str, str] | None = None) -
 
 
 @pytest.mark.parametrize("sdk", [openai, anthropic])
-@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 529])
+@pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504, 529])
 def test_throttling_and_server_errors_retry(sdk: Any, status: int) -> None:
     c = classify(status_error(sdk, status))
     assert c.retryable and c.status == status
@@ -310,11 +310,20 @@ def test_throttling_and_server_errors_retry(sdk: Any, status: int) -> None:
 
 
 @pytest.mark.parametrize("sdk", [openai, anthropic])
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
 def test_other_client_errors_fail_fast_with_the_providers_message(sdk: Any, status: int) -> None:
     c = classify(status_error(sdk, status))
     assert not c.retryable
     assert c.message == f"HTTP {status}: provider says {status}"
+
+
+@pytest.mark.parametrize("sdk", [openai, anthropic])
+def test_the_providers_x_should_retry_is_obeyed_over_the_status(sdk: Any) -> None:
+    """Both SDKs obey x-should-retry (their own retries are off here): a 400 the provider says to try
+    again failed the segment, and a 500 it says not to was tried five times."""
+    assert classify(status_error(sdk, 400, {"x-should-retry": "true"})).retryable
+    assert not classify(status_error(sdk, 500, {"x-should-retry": "false"})).retryable
+    assert classify(status_error(sdk, 500, {"x-should-retry": "maybe"})).retryable
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
     from worker.llm.retry import AttemptRecord
 
-# Status codes worth another try: throttling, a request timeout, and every server-side failure
+# Status codes worth another try: throttling, a request timeout, a conflict (a lock the provider timed
+# out on: both SDKs try 409 again, but their own retries are off here), and every server-side failure
 # (500, 502, 503, 504, and Anthropic's 529 overloaded).
-RETRYABLE_STATUS = frozenset({408, 429})
+RETRYABLE_STATUS = frozenset({408, 409, 429})
 # Errors that blame the account or the deployment's settings, not the request's content: a spent credit
 # balance (Anthropic answers it with a 400), a parameter the configured model does not take (OpenAI's
 # reasoning models refuse max_tokens), a model or key that is wrong. Another segment gets the same
@@ -355,21 +356,38 @@ def classify(exc: BaseException) -> Classification:
         exc = cast("openai.APIStatusError | anthropic.APIStatusError", exc)
         status = exc.status_code
         message = _provider_message(exc)
+        headers = _headers(exc)
         return _status_classification(
-            status, exc.body, f"HTTP {status}: {message}", retry_after_seconds(_headers(exc))
+            status,
+            exc.body,
+            f"HTTP {status}: {message}",
+            retry_after_seconds(headers),
+            _told_to_retry(headers),
         )
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
 
+def _told_to_retry(headers: Mapping[str, str] | None) -> bool | None:
+    """The provider's own word on trying again (``x-should-retry: true|false``), which both SDKs obey
+    over the status; None when it says nothing."""
+    said = (headers or {}).get("x-should-retry", "").strip().lower()
+    return True if said == "true" else False if said == "false" else None
+
+
 def _status_classification(
-    status: int | None, body: Any, message: str, retry_after: float | None = None
+    status: int | None,
+    body: Any,
+    message: str,
+    retry_after: float | None = None,
+    told_to_retry: bool | None = None,
 ) -> Classification:
     """An error reply's classification by its status (None: an error named without one, which the
-    provider met serving the call: tried again) and body."""
+    provider met serving the call: tried again), the provider's x-should-retry, and body."""
     blamed = blames_deployment(body, message, status)
+    by_status = status is None or status in RETRYABLE_STATUS or status >= 500
     # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
     # refill the quota, and each call's tries only added to the outage.
-    retryable = (status is None or status in RETRYABLE_STATUS or status >= 500) and not blamed
+    retryable = (by_status if told_to_retry is None else told_to_retry) and not blamed
     return Classification(retryable, status, retry_after, message, blamed, error_code(body))
 
 
