@@ -359,6 +359,30 @@ def test_the_providers_x_should_retry_is_obeyed_over_the_status(sdk: Any) -> Non
             True,
         ),
         (anthropic, 402, {"type": "error", "message": "payment required"}, True),
+        # FACTMILL_LLM_MAX_OUTPUT_TOKENS over the model's output limit: every request is refused alike,
+        # and counted against each segment, every segment of the corpus was skipped after three runs.
+        (
+            openai,
+            400,
+            {
+                "message": "max_tokens is too large: 32768. This model supports at most 16384 completion "
+                "tokens, whereas you provided 32768.",
+                "type": "invalid_request_error",
+                "code": None,
+                "param": "max_tokens",
+            },
+            True,
+        ),
+        (
+            anthropic,
+            400,
+            {
+                "type": "invalid_request_error",
+                "message": "max_tokens: 32768 > 8192, which is the maximum allowed number of output tokens "
+                "for claude-haiku-4-5",
+            },
+            True,
+        ),
         # An OpenAI reasoning model given max_tokens.
         (
             openai,

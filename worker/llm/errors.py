@@ -67,7 +67,14 @@ DEPLOYMENT_ERROR_CODES = ACCOUNT_EXHAUSTED_CODES | frozenset(
         "api_key_requester_unconfirmed",
     }
 )
-DEPLOYMENT_ERROR_PHRASES = ("credit balance",)
+# Anthropic's credit balance; and an output cap (FACTMILL_LLM_MAX_OUTPUT_TOKENS) over the model's limit,
+# which every request meets alike (OpenAI names the parameter too: DEPLOYMENT_ERROR_PARAMS).
+DEPLOYMENT_ERROR_PHRASES = (
+    "credit balance",
+    "maximum allowed number of output tokens",
+    "max_tokens is too large",
+)
+DEPLOYMENT_ERROR_PARAMS = frozenset({"max_tokens", "max_completion_tokens"})
 
 
 class LLMError(Exception):
@@ -271,10 +278,14 @@ def error_code(body: Any) -> str | None:
 def blames_deployment(body: Any, message: str, status: int | None = None) -> bool:
     """Whether an error blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's type or
     codes (Anthropic names the account's and the settings' troubles in ``details.error_code`` under a
-    plain invalid_request_error or rate_limit_error), an HTTP 402 (payment required), or, for
-    Anthropic's credit balance, its words."""
+    plain invalid_request_error or rate_limit_error), an HTTP 402 (payment required), a 400 naming the
+    output cap's parameter, or the words of Anthropic's credit balance and of an output cap over the
+    model's limit."""
     codes, types = _error_names(body)
     if status == 402 or any(c in DEPLOYMENT_ERROR_CODES for c in codes):
+        return True
+    inner = body.get("error", body) if isinstance(body, Mapping) else None
+    if status == 400 and isinstance(inner, Mapping) and inner.get("param") in DEPLOYMENT_ERROR_PARAMS:
         return True
     if any(t in DEPLOYMENT_ERROR_TYPES for t in types):
         return True
