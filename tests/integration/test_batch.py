@@ -348,6 +348,7 @@ def test_an_ended_batch_leaves_no_copy_of_the_pages_at_the_provider(store, clean
     """The input file holds the pages' text and the result files the facts drawn from it: once the
     results are committed, both are deleted at the provider (an erased page must not outlive itself
     there). OpenAI keeps the batch object, without its files; Anthropic deletes the batch with its results."""
+    held_before = held_files(clean_sim)
     clean_sim.configure(seed=7, rate_500=0.3)  # some requests fail: an error file besides the output file
     counters = run_batch(store, openai_batch(clean_sim))
     assert counters.batch_status == "completed" and counters.provider_copy_deleted
@@ -370,7 +371,13 @@ def test_an_ended_batch_leaves_no_copy_of_the_pages_at_the_provider(store, clean
         anthropic.Anthropic(base_url=clean_sim.url, api_key="sim", max_retries=0).messages.batches.retrieve(
             counters.batch_id
         )
-    assert clean_sim.stats()["batches"]["held"]["files"] == 0
+    assert held_files(clean_sim) == held_before
+
+
+def held_files(sim: Simulator) -> int:
+    """The files the module's simulator holds: what earlier tests left too (a reset keeps them), so a
+    test compares with what it found (== 0 failed when another test ran first in the same worker)."""
+    return int(sim.stats()["batches"]["held"]["files"])
 
 
 def anthropic_batch(sim: Simulator) -> AnthropicBatchClient:
@@ -578,6 +585,7 @@ def test_a_batch_not_ended_is_deleted_once_it_has(store, clean_sim):
     """A run that gives up on a batch (it never ended) leaves it running at the provider with the
     pages' text; its delete is owed, and the sweep waits for it to end (deleting an OpenAI batch's
     input before its output exists would leave the output behind) and then deletes everything."""
+    held_before = held_files(clean_sim)
     clean_sim.configure(batch_delay_seconds=1.5)
     client = batch_client(clean_sim, "openai")
     request = extraction_request([first_turn("**Ann** (2024-03-10 9:00 AM): I moved to Oslo.")], 10, 256)
@@ -591,7 +599,7 @@ def test_a_batch_not_ended_is_deleted_once_it_has(store, clean_sim):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert delete_owed(copies, client, retry_after=timedelta(0)).deleted == 1 and owed(store) == []
-    assert clean_sim.stats()["batches"]["held"]["files"] == 0
+    assert held_files(clean_sim) == held_before
 
 
 def test_a_copy_the_provider_no_longer_has_is_settled(store, clean_sim):
