@@ -281,20 +281,26 @@ def test_a_provider_error_message_is_kept_to_a_thousand_characters(sim):
         ({"code": 502, "message": "upstream overloaded"}, True, 502),
         ({"code": 429, "message": "rate limited upstream"}, True, 429),
         ({"code": 400, "message": "bad request upstream"}, False, 400),
+        ({"code": "503", "message": "upstream down"}, True, 503),
         ({"code": "server_error", "message": "the model stopped"}, True, None),
+        ({"code": "context_length_exceeded", "message": "too long"}, False, None),
+        ({"message": "no code at all"}, False, None),
         ({"code": 402, "message": "insufficient credits"}, False, 402),
     ],
 )
 def test_an_error_answered_with_a_200_is_classified_as_its_code_says(sim, error, retryable, status):
     """OpenRouter (and other gateways) answer an error met once the model began with HTTP 200 and
     {"error": {...}}: it was "not a chat completion (KeyError: 'choices')", permanent, the provider's
-    words lost, an upstream 502 or 429 never tried again."""
-    sim.configure(raw_replies={"chat.completions": {"error": error}}, raw_status=200)
+    words lost, an upstream 502 or 429 never tried again. Its log line names no words (they may quote
+    the request), and what the reply billed is kept."""
+    body = {"error": error, "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
+    sim.configure(raw_replies={"chat.completions": body}, raw_status=200)
     with pytest.raises(LLMError) as caught:
         openai_client(sim).chat(REQUEST)
     assert caught.value.retryable is retryable and caught.value.status == status
-    assert error["message"] in str(caught.value)
+    assert error["message"] in str(caught.value) and error["message"] not in caught.value.log_text
     assert caught.value.deployment_fault is (status == 402)
+    assert caught.value.usage is not None and caught.value.usage.input_tokens == 7
 
 
 def test_a_call_answered_by_a_dated_snapshot_is_costed_at_its_models_price(tx_factory, sim):

@@ -402,29 +402,53 @@ def _status_classification(
     return Classification(retryable, status, retry_after, message, blamed, error_code(body))
 
 
-def error_in_reply(body: Any, latency_ms: int) -> LLMError | None:
+# An error a 200 reply names by a word, not a number: the provider's trouble, worth another try.
+SERVER_TROUBLE_CODES = frozenset(
+    {"server_error", "internal_error", "internal_server_error", "overloaded", "overloaded_error", "timeout"}
+)
+
+
+class ErrorInReply(LLMError):
+    """An error a successful (HTTP 200) reply held instead of its answer. Its log line names the status
+    or code only: the provider's words (which may quote the request, page text and all) stay in
+    llm_calls and the audit, as an HTTP error's do."""
+
+    @property
+    def log_text(self) -> str:
+        named = f"HTTP {self.status}" if self.status else "an error"
+        return f"{named} in a 200 reply" + (f" ({self.code})" if self.code else "")
+
+
+def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LLMError | None:
     """The error a successful (HTTP 200) reply holds instead of its answer, as gateways such as
     OpenRouter send one met once the model began ({"error": {"code": 502, "message": ...}}); None for
     any other reply. Read as the shape it lacked, it was permanent and its words lost: an upstream 502
-    or 429 was never tried again."""
+    or 429 was never tried again. A code that is a word is tried again only when it names the server's
+    trouble (SERVER_TROUBLE_CODES); ``usage`` is what the reply billed, if it says."""
     if not isinstance(body, Mapping) or "choices" in body or not isinstance(body.get("error"), Mapping):
         return None
     code = body["error"].get("code")
+    if isinstance(code, str) and code.strip().isdigit():
+        code = int(code.strip())
     status = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
     message = body_message(body, "an error without a message")
     shown = f"HTTP {status} (in a 200 reply): {message}" if status else f"an error in a 200 reply: {message}"
     c = _status_classification(status, body, shown)
-    return LLMError(
+    retryable = c.retryable and (status is not None or error_code(body) in SERVER_TROUBLE_CODES)
+    return ErrorInReply(
         made_storable(c.message),
-        retryable=c.retryable,
+        retryable=retryable,
         status=c.status,
         latency_ms=latency_ms,
         deployment_fault=c.deployment_fault,
         code=c.code,
+        usage=usage,
     )
 
 
 def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
+    if isinstance(exc, LLMError):  # classified already (its kind, e.g. ErrorInReply, kept)
+        return exc
     c = classify(exc)
     # The provider's words are stored (llm_calls, the audit, the job): a NUL in them failed that commit.
     return LLMError(

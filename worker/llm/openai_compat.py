@@ -154,7 +154,7 @@ class OpenAIChatClient:
 
     def response_from(self, completion: Any, latency_ms: int) -> ChatResponse:
         """A chat completion's JSON (online, or one line of a batch's output file) in the gateway's terms."""
-        failed = error_in_reply(completion, latency_ms)
+        failed = error_in_reply(completion, latency_ms, _billed(completion))
         if failed is not None:
             raise failed
         try:
