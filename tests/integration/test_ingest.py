@@ -105,6 +105,25 @@ def test_a_file_stored_under_one_slug_is_not_stored_again_under_another(tx_facto
         assert ingest_paths(tx_factory, [named]).ingested == [slug]
 
 
+def test_a_file_under_a_path_that_is_not_utf8_does_not_replace_another_files_page(
+    tx_factory, tmp_path: Path
+) -> None:
+    """Its path cannot be stored, so it goes unnoted; it skipped the check too, and replaced the page
+    another file (still there) had stored, without a word."""
+    import os
+
+    notes, latin = tmp_path / "notes", tmp_path / os.fsdecode(b"caf\xe9")
+    for folder, speaker in ((notes, "Ann"), (latin, "Bo")):
+        folder.mkdir()
+        (folder / "general.md").write_text(
+            f"---\ntype: conversation\n---\n[2024-01-01 10:00] {speaker}: hi\n"
+        )
+    assert ingest_paths(tx_factory, [notes]).ingested == ["general"]
+    refused = ingest_paths(tx_factory, [latin])
+    assert refused.ingested == [] and "another file that is still there" in refused.errors[0][1]
+    assert "Ann" in stored_body(tx_factory, "general")
+
+
 def stored_body(factory: sessionmaker[Session], slug: str) -> str:
     with factory() as session:
         return session.scalars(select(Page.compiled_truth).where(Page.slug == slug)).one()

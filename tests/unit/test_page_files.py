@@ -127,3 +127,21 @@ def test_a_title_is_stored_as_written(tmp_path: Path, title: str) -> None:
     assert load_page_file(page_file(tmp_path, f"title: {title}")).title == title
     assert load_page_file(page_file(tmp_path, "title:")).title == ""
     assert load_page_file(page_file(tmp_path, 'title: "On"')).title == "On"
+
+
+@pytest.mark.parametrize(
+    ("front_matter", "said"),
+    [
+        ("title: [a, b]", "got ['a', 'b']"),
+        ("title: {x: 1}", "got {'x': 1}"),
+        ("title: !!float '1e5'", "got 100000.0"),
+    ],
+)
+def test_a_title_that_is_no_text_is_refused(tmp_path: Path, front_matter: str, said: str) -> None:
+    with pytest.raises(PageFileError, match=re.escape(f"front matter 'title' must be text, {said}")):
+        load_page_file(page_file(tmp_path, front_matter))
+
+
+def test_a_repeated_title_is_its_last_as_yaml_reads_it(tmp_path: Path) -> None:
+    assert load_page_file(page_file(tmp_path, "title: Draft\ntitle: 'Final'")).title == "Final"
+    assert load_page_file(page_file(tmp_path, "title: 'Draft'\ntitle: 3.10")).title == "3.10"

@@ -88,6 +88,9 @@ class _FrontMatterLoader(yaml.SafeLoader):
 MAX_FRONT_MATTER_BYTES = 64 * 1024
 
 
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
 def _load_front_matter(raw: str) -> Any:
     """The front matter's YAML, its title as written: YAML 1.1 read "title: On" as True, "1:30" as 90
     and "3.10" as 3.1 (stored so, and the model's page label said so); a title is text."""
@@ -100,9 +103,10 @@ def _load_front_matter(raw: str) -> Any:
     finally:
         loader.dispose()
     if isinstance(node, yaml.MappingNode) and isinstance(data, dict) and data.get("title") is not None:
-        for key, value in node.value:
-            if key.value == "title" and isinstance(value, yaml.ScalarNode) and value.style is None:
-                data["title"] = value.value  # a plain scalar: its text, whatever YAML typed it as
+        titles = [value for key, value in node.value if key.value == "title"]
+        last = titles[-1] if titles else None  # YAML's value of a repeated key is its last
+        if isinstance(last, yaml.ScalarNode) and last.style is None and last.tag != _STR_TAG:
+            data["title"] = last.value  # a plain scalar: its text, whatever YAML typed it as
     return data or {}
 
 
@@ -181,10 +185,11 @@ def load_page_file(path: Path, root: Path | None = None, source_id: str = "defau
     meta, body = _split_front_matter(text)
     if "type" not in meta:
         raise PageFileError("front matter has no 'type' (e.g. type: conversation)")
-    for key in ("source_id", "slug", "type"):
+    for key in ("source_id", "slug", "type", "title"):
         # YAML reads "slug: 007" as 7 and a blank value as null: stored as "7" or "None" (a blank
-        # source_id overrode --source, a blank type passed as a page of type "none").
-        if key in meta and not isinstance(meta[key], str):
+        # source_id overrode --source, a blank type passed as a page of type "none"). A title is kept as
+        # written (_load_front_matter); a list, a mapping or a tagged value is no title (blank: none).
+        if key in meta and not isinstance(meta[key], str) and not (key == "title" and meta[key] is None):
             got = "nothing" if meta[key] is None else repr(meta[key])
             raise PageFileError(
                 f"front matter '{key}' must be text, got {got}; quote it (e.g. {key}: \"007\")"
@@ -460,11 +465,11 @@ def _store_dated(factory: sessionmaker[Session], page: PageIn, file: _FileOrigin
     where = (Page.source_id == page.source_id, Page.slug == page.slug)
     origin = file.path
     with factory.begin() as session:
-        stored = session.scalar(select(Page.origin).where(*where)) if origin is not None else None
-        checked = origin is not None and stored != origin and not file.replace
+        stored = session.scalar(select(Page.origin).where(*where))
+        checked = stored != origin and not file.replace
         if checked and stored is not None and os.path.isfile(stored):
             raise _OtherFileError(stored)
-        if checked and file.slug_by_path:
+        if checked and origin is not None and file.slug_by_path:
             # This file stored under another slug (`ingest notes`, then `ingest notes/2024/chat.md`):
             # a second page of one conversation, extracted and paid for twice, found twice.
             other = session.scalar(
