@@ -518,6 +518,31 @@ def test_a_file_saved_again_with_a_bom_and_crlf_lines_is_the_same_file(
     assert count(tx_factory, CalibrationObservation) == len(first.added)
 
 
+def test_a_file_imported_before_under_its_bytes_digest_is_the_same_file(
+    tx_factory: sessionmaker[Session],
+    tmp_path: Path,
+    judged: tuple[int, ...],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows without a key were known by the digest of the file's bytes until 2026-12: a spreadsheet's file
+    (a byte-order mark, CRLF) imported then was a new file to the text's digest, every such row stored
+    again."""
+    import hashlib
+
+    from worker.calibration import service
+
+    path = tmp_path / "labels.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + CSV.replace("\n", "\r\n").encode())
+    with monkeypatch.context() as old_release:  # the release before: the bytes' digest
+        old_release.setattr(
+            service, "content_digest", lambda _: hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        )
+        first = import_csv(tx_factory, path, recompute_every=50)
+    again = import_csv(tx_factory, path, recompute_every=50)
+    assert again.added == [] and again.duplicates == first.added
+    assert count(tx_factory, CalibrationObservation) == len(first.added)
+
+
 def test_import_reports_its_progress_a_statement_at_a_time(
     tx_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:

@@ -238,6 +238,11 @@ _INSERT_KEYED = BulkInsert(
 )
 
 
+def dedupe_key_stored(session: Session, key: str) -> bool:
+    """Whether an observation with this dedupe key is stored."""
+    return session.scalar(select(_OBS.id).where(_OBS.dedupe_key == key).limit(1)) is not None
+
+
 def _store_unkeyed(session: Session, chunk: list[tuple[int, ObservationIn]], report: AddReport) -> None:
     ids = session.connection().execute(_INSERT_UNKEYED, [_row(obs) for _, obs in chunk]).scalars().all()
     report.stored.extend(

@@ -12,10 +12,11 @@ row says why. Gates read the active τ through ``ThresholdCache`` and fall back 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -111,6 +112,26 @@ def _import_origin(origin: str | None, path: Path, digest: str) -> str:
     return clean_label(f"csv:{path.name}"[:MAX_ORIGIN_LENGTH], MAX_ORIGIN_LENGTH) or f"csv:{digest}"
 
 
+def _as_imported_before(
+    store: CalibrationStore, good: list[tuple[int, ObservationIn]], digest: str, bytes_digest: str
+) -> list[tuple[int, ObservationIn]]:
+    """``good``, its rows known by their line keyed as an earlier import of this file keyed them: by the
+    file's bytes (before 2026-12; content_digest since). Keyed anew, a file imported before in another
+    form than the usual (a byte-order mark, CRLF, no last newline) stored every such row again."""
+    by_line = [(line, obs) for line, obs in good if obs.idempotency_key == f"csv:{digest}:{line}"]
+    if bytes_digest == digest or not by_line:
+        return good
+    line, first = by_line[0]
+    if not store.knows(replace(first, idempotency_key=f"csv:{bytes_digest}:{line}")):
+        return good
+    return [
+        (line, replace(obs, idempotency_key=f"csv:{bytes_digest}:{line}"))
+        if obs.idempotency_key == f"csv:{digest}:{line}"
+        else (line, obs)
+        for line, obs in good
+    ]
+
+
 def import_csv(
     store: CalibrationStore,
     path: Path,
@@ -131,7 +152,7 @@ def import_csv(
     digest = content_digest(content)
     default_origin = _import_origin(origin, path, digest)
     parsed = parse_observations_csv(content, default_origin=default_origin, file_digest=digest)
-    good = parsed.good
+    good = _as_imported_before(store, parsed.good, digest, hashlib.sha256(data).hexdigest()[:16])
     report = ImportReport(rows=parsed.rows, errors=parsed.errors, comments=parsed.comments)
     if good:
         done = 0

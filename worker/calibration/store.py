@@ -116,6 +116,14 @@ class CalibrationStore:
                 report.recompute = queries.request_recompute_if_due(session, recompute_every)
         return report
 
+    def knows(self, observation: ObservationIn) -> bool:
+        """Whether an observation with ``observation``'s dedupe key is stored."""
+        key = observation.dedupe_key()
+        if key is None:
+            return False
+        with read_only(self._factory) as session:
+            return queries.dedupe_key_stored(session, key)
+
     def request_recompute(self, trigger: str) -> JobRequest:
         """Request a recompute job (or reuse the pending one), committed; send it with ``enqueue``."""
         with self._factory.begin() as session:
