@@ -392,25 +392,8 @@ def _ingest_file(
         # A name that is not UTF-8 cannot be stored (nor found again): such a file goes unnoted.
         origin = _FileOrigin(real if _utf8(real) else None, page.slug == path_slug(path, root), replace)
         job = made_again_on_deadlock(_store_dated, factory, page, origin)
-    except _OtherFileError as exc:
-        report.errors.append(
-            (
-                shown_path(path),
-                f"page {page.slug!r} was stored from {exc.origin}, another file that is still there; not "
-                "replaced: give this one a 'slug:' of its own in its front matter, or pass --replace to "
-                "store it over that page",
-            )
-        )
-        return
-    except _SameFileError as exc:
-        report.errors.append(
-            (
-                shown_path(path),
-                f"this file is stored as page {exc.slug!r} (its slug relative to the folder it was ingested "
-                f"from); not stored again as {page.slug!r}: ingest that folder, give the file a 'slug:', or "
-                "pass --replace to store it as a page of its own",
-            )
-        )
+    except (_OtherFileError, _SameFileError) as exc:
+        report.errors.append((shown_path(path), exc.said(page.slug)))
         return
     except StaleDeliveryError as exc:  # erased while it waited, or stored by a delivery dated later
         at = exc.stored_at.isoformat() if exc.stored_at is not None else "a later time"
@@ -438,6 +421,13 @@ class _SameFileError(Exception):
         super().__init__(slug)
         self.slug = slug
 
+    def said(self, slug: str) -> str:
+        return (
+            f"this file is stored as page {self.slug!r} (its slug relative to the folder it was ingested "
+            f"from); not stored again as {slug!r}: ingest that folder, give the file a 'slug:', or pass "
+            "--replace to store it as a page of its own"
+        )
+
 
 @dataclass(frozen=True)
 class _FileOrigin:
@@ -455,6 +445,13 @@ class _OtherFileError(Exception):
     def __init__(self, origin: str) -> None:
         super().__init__(origin)
         self.origin = origin
+
+    def said(self, slug: str) -> str:
+        return (
+            f"page {slug!r} was stored from {self.origin}, another file that is still there; not replaced: "
+            "give this one a 'slug:' of its own in its front matter, or pass --replace to store it over "
+            "that page"
+        )
 
 
 def _store_dated(factory: sessionmaker[Session], page: PageIn, file: _FileOrigin) -> JobRequest | None:
