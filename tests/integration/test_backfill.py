@@ -631,9 +631,13 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
 
 
-def test_a_page_erased_during_its_batch_keeps_no_provider_message_on_its_discarded_calls(factory, rt, sim):
-    """Its results, recorded as discarded after the erasure, are under the backfill's job with no audit
-    row: no erasure finds them, and a malformed reply's excerpt (the model's words on the page) stayed."""
+@pytest.mark.parametrize("moved_on", ["erased", "edited"])
+def test_a_page_that_moved_on_during_its_batch_keeps_no_provider_message_on_its_discarded_calls(
+    factory, rt, sim, moved_on
+):
+    """Its results, recorded as discarded, are under the backfill's job with no audit row: no erasure
+    finds them (then, or later for a page edited meanwhile), and a malformed reply's excerpt (the
+    model's words on the page) stayed."""
     from worker.accounting import ERASED_CALL_ERROR
     from worker.extraction.erase import erase_page
 
@@ -641,7 +645,11 @@ def test_a_page_erased_during_its_batch_keeps_no_provider_message_on_its_discard
     sim.configure(batch_delay_seconds=3600, rate_malformed=1.0)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"
-    assert erase_page(factory, "bf", slug, "test") is not None
+    if moved_on == "erased":
+        assert erase_page(factory, "bf", slug, "test") is not None
+    else:
+        edited = page_body("Person0 Example", "Company0").replace("signed the offer letter", "turned down")
+        put_page(factory, slug, edited, title="chat: Person0 Example", source_id="bf")
     sim.end_batches()
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"discarded": 4}

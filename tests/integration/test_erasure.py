@@ -1377,3 +1377,30 @@ def test_a_delivery_takes_its_pages_before_what_a_change_locks_so_an_erasure_can
         with pytest.raises(StaleDeliveryError, match="older than the page's erasure"):
             delivering.result(timeout=60)
     assert counted(factory, Page, Page.slug == SLUG) == 0
+
+
+def test_a_refused_commit_of_no_pages_job_keeps_no_provider_message(factory: sessionmaker[Session]) -> None:
+    """`factmill extract` (no job) whose commit was refused (another run moved the checkpoint on, or a
+    delivery changed the page) kept its calls' rows with the provider's words and no audit row: a later
+    erasure of the page found neither, and words that may quote the page outlived it."""
+    from worker.accounting import ERASED_CALL_ERROR, Ledger
+    from worker.core.conversation import Segment
+    from worker.extraction.rows import SegmentPlace
+    from worker.extraction.segments import Attempt
+    from worker.extraction.store import ExtractionStore
+
+    quoted = "HTTP 500: cannot process 'Alice Example is pregnant'"
+    failed = Attempt(outcome="provider_error", response=None, facts=[], error=quoted, provider="p", model="m")
+    store = ExtractionStore(factory, Ledger(lambda key: None))
+    with factory.begin() as session:
+        job = Job(kind=EXTRACTION, subject=f"default|{SLUG}", status="running")
+        session.add(job)
+        session.flush()
+        pages_job = job.id
+    for job_id in (None, pages_job):
+        place = SegmentPlace(job_id, "default", SLUG, 0, Segment((), (), "", ""))
+        store.record_spend([(place, [failed])])
+    with factory() as session:
+        errors = dict(session.execute(select(LLMCall.job_id, LLMCall.error)).all())
+    # Under the page's own job, an erasure finds the call (forget_call_errors): its words are kept.
+    assert errors == {None: ERASED_CALL_ERROR, pages_job: quoted}

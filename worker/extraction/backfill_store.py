@@ -200,15 +200,14 @@ class BackfillSegmentStore(ExtractionStore):
         self, request_id: int, job_id: int | None, page: tuple[int, str, str], attempts: Sequence[Attempt]
     ) -> None:
         """A paid result its page (id, source, slug) could not use: its llm_calls rows and the request's
-        mark, together; without a provider's message when the page was erased (the calls are under the
-        backfill's job, with no audit row: no erasure finds them)."""
-        page_id, source_id, slug = page
+        mark, together; without a provider's message (it may quote the page), the page erased or not:
+        the calls are under the backfill's job, with no audit row, so no later erasure finds them."""
+        _, source_id, slug = page
         place = SegmentPlace(job_id, source_id, slug, -1, NO_SEGMENT)
         with self._factory.begin() as session:
-            erased = page_erased(session, page_id)
             _mark(session, request_id, "discarded")
             self._ledger.record_many(
-                session, call_records(place, attempts, "discarded: the page moved on"), erased=erased
+                session, call_records(place, attempts, "discarded: the page moved on"), erased=True
             )
 
 

@@ -394,8 +394,11 @@ class ExtractionStore:
     ) -> None:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
         only, no audit rows (which describe the page: an erasure has just taken its out). ``erased``:
-        without a provider's message either (it may quote the page, and the erasure has run)."""
+        without a provider's message either (it may quote the page, and the erasure has run). Nor
+        under no job (`factmill extract`): with no audit row and no job of the page's, no later
+        erasure of the page would find them."""
         calls = [record for place, attempts in spent for record in call_records(place, attempts)]
+        erased = erased or any(place.job_id is None for place, _ in spent)
         with self._factory.begin() as session:
             self._paid(session, discarded=True)
             self._ledger.record_many(session, calls, erased=erased)
