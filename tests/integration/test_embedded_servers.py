@@ -268,6 +268,9 @@ def test_db_stop_stops_the_redis_and_says_so_only_when_it_has(data_dir: Path) ->
     assert not pid_alive(pid) and not paths.socket.exists() and not paths.pid_file.exists()
     again = cli(data_dir, "down", FACTMILL_DATABASE_URL="postgresql://127.0.0.1:1/none")
     assert again.returncode == 0 and "embedded Redis: not running" in again.stdout
+    # Run from another folder than the demo's (data_dir is relative by default), "not running" said
+    # nothing of where it looked, while the servers ran on.
+    assert f"in {data_dir.resolve()}" in again.stdout.replace("\n", "")
 
 
 def test_db_stop_exits_non_zero_while_a_server_ignores_it(data_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -111,6 +112,10 @@ def db_stop() -> None:
             "FACTMILL_DATABASE_URL and FACTMILL_BROKER_URL are set; there is no embedded server to stop"
         )
     for outcome in outcomes:
+        if outcome.state == "not running" and not outcome.detail:
+            # Where it looked: the data folder is ./var by default, and `down` run from another folder
+            # than the demo's said "not running" while the servers ran on.
+            outcome = replace(outcome, detail=f"in {settings.data_dir.resolve()}")
         (err if outcome.state == "still running" else out).print(outcome.describe(), highlight=False)
     if any(outcome.state == "still running" for outcome in outcomes):
         raise typer.Exit(1)
