@@ -45,6 +45,17 @@ def test_a_data_folder_the_server_command_cannot_carry_is_refused_by_name(tmp_pa
         embedded_postgres_url(tmp_path / name / "var")
 
 
+def test_a_data_folder_too_long_for_the_servers_socket_is_refused(tmp_path: Path) -> None:
+    """pgserver put the socket of such a folder in a shared runtime folder (/tmp/runtime-<uid>, 0755, or
+    0777 as root), where any local user reached a server that trusts local connections as superuser."""
+    from worker.embedded.postgres import MAX_SOCKET_PATH_BYTES
+
+    deep = tmp_path / ("d" * max(1, MAX_SOCKET_PATH_BYTES - len(str(tmp_path)))) / "var"
+    with pytest.raises(EmbeddedUnavailableError, match="set FACTMILL_DATA_DIR to a shorter folder"):
+        embedded_postgres_url(deep)
+    assert not (deep / "pg" / "PG_VERSION").exists()  # refused before any server was made
+
+
 @pytest.mark.parametrize("name", ["c#", "what?", "100%", "a+b", "with space"])
 def test_a_redis_socket_a_url_cannot_carry_moves_to_a_short_path(tmp_path: Path, name: str) -> None:
     """kombu cuts a socket URL at # or ?, decodes %xx and reads + as a space: Celery retried another

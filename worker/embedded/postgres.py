@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ STATUS_LINE = 7  # postmaster.pid's line 8: starting, ready, stopping or standby
 SOCKET_LINE = 4  # its line 5: the (first) Unix socket folder
 # pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
 # unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
+# The longest Unix socket path (sun_path less its NUL): 107 bytes on Linux, 103 on macOS and the BSDs.
+MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
 SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
 
 
@@ -57,6 +61,16 @@ def embedded_postgres_url(data_dir: Path) -> str:
             f"the embedded Postgres cannot run in {pgdata}: its path holds {' '.join(map(repr, unusable))}, "
             "which its server command line cannot carry; set FACTMILL_DATA_DIR to a folder without them, "
             "or FACTMILL_DATABASE_URL to a Postgres server"
+        )
+    socket_bytes = len(os.fsencode(pgdata / ".s.PGSQL.5432"))
+    if socket_bytes > MAX_SOCKET_PATH_BYTES:
+        # pgserver would put the socket in a shared runtime folder instead (/tmp/runtime-<uid> where there
+        # is no /run/user), readable by every local user, where the server trusts any local connection
+        # as its superuser; and /run/user goes at logout, leaving a server no command could reach.
+        raise EmbeddedUnavailableError(
+            f"the embedded Postgres cannot run in {pgdata}: its socket's path would be {socket_bytes} bytes, "
+            f"over the {MAX_SOCKET_PATH_BYTES} a Unix socket takes here; set FACTMILL_DATA_DIR to a shorter "
+            "folder, or FACTMILL_DATABASE_URL to a Postgres server"
         )
     # Under pgserver's own start lock: a process that starts the server meanwhile writes a pid file
     # this one must not take for the dead one's.
