@@ -233,3 +233,18 @@ def test_a_dead_servers_socket_lock_is_cleared_in_the_socket_folder_its_pid_file
     for folder in (pgdata, sockets):
         assert not (folder / ".s.PGSQL.5432.lock").exists()
         assert not (folder / ".s.PGSQL.5432").exists()
+
+
+@pytest.mark.parametrize("left", ["", "[12, 3", "{}", '["x"]'])
+def test_a_client_list_a_cut_write_left_unreadable_starts_empty(tmp_path: Path, left: str) -> None:
+    """pgserver rewrites .handle_pids.json in place: a write cut short (a full disk, a kill) left it
+    empty, and every start after failed on it ("Expecting value") until someone deleted it by hand."""
+    from worker.embedded.postgres import _mend_client_list
+
+    listed = tmp_path / ".handle_pids.json"
+    listed.write_text(left)
+    _mend_client_list(tmp_path)
+    assert listed.read_text() == "[]"
+    listed.write_text("[12, 34]")  # a readable one is pgserver's: kept
+    _mend_client_list(tmp_path)
+    assert listed.read_text() == "[12, 34]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -76,6 +77,7 @@ def embedded_postgres_url(data_dir: Path) -> str:
     # this one must not take for the dead one's.
     with getattr(getattr(pgserver, "PostgresServer", None), "_lock", contextlib.nullcontext()):
         _forget_a_dead_servers_pid_file(pgdata)
+        _mend_client_list(pgdata)
     try:
         try:
             uri = _server_uri(pgserver, pgdata)
@@ -157,6 +159,26 @@ def _forget_a_dead_servers_pid_file(pgdata: Path) -> None:
             if holder is None or _no_server_of(pgdata, holder):
                 lock.unlink(missing_ok=True)
                 lock.with_suffix("").unlink(missing_ok=True)
+
+
+def _mend_client_list(pgdata: Path) -> None:
+    """Empty pgserver's list of client pids (``.handle_pids.json``) when it is no JSON list: pgserver
+    rewrites it in place at each start and exit, and a write cut short (a full disk, a kill, a power
+    cut) left it empty or partial; every later start then failed on it ("Expecting value") until
+    someone deleted it by hand. Factmill never reads it (``cleanup_mode=None``; ``db stop`` signals)."""
+    path = pgdata / ".handle_pids.json"
+    try:
+        listed = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        listed = None
+    if isinstance(listed, list) and all(isinstance(pid, int) for pid in listed):
+        return
+    logger.warning("pgserver's client list in %s was unreadable; it starts empty", pgdata)
+    spare = path.with_suffix(".json.tmp")
+    spare.write_text("[]")
+    spare.replace(path)
 
 
 def _socket_folder(pid_file: Path) -> list[Path]:
