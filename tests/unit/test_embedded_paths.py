@@ -248,3 +248,15 @@ def test_a_client_list_a_cut_write_left_unreadable_starts_empty(tmp_path: Path, 
     listed.write_text("[12, 34]")  # a readable one is pgserver's: kept
     _mend_client_list(tmp_path)
     assert listed.read_text() == "[12, 34]"
+
+
+def test_an_initdb_that_fails_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A locale the machine lacks (LANG forwarded over ssh) failed initdb: the error said "returned
+    non-zero exit status 1" and named a server log that was never written; the reason was nowhere."""
+    monkeypatch.setenv("LC_ALL", "xx_XX.UTF-8")
+    data_dir = tmp_path / "var"
+    with pytest.raises(EmbeddedUnavailableError) as refused:
+        embedded_postgres_url(data_dir)
+    said = str(refused.value)
+    assert "it said:" in said and "locale" in said, said
+    assert "its server log" not in said  # none was written

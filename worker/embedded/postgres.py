@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,10 @@ logger = logging.getLogger(__name__)
 # pgserver logs the whole server log (which only grows, and keeps rows a constraint refused: slugs, fact
 # text) at ERROR when a start fails or takes over 10 s. Our own error names the file to read instead.
 logging.getLogger("pgserver").setLevel(logging.CRITICAL)
+# And while _FailedCommand listens (its records kept from the root logger): never the last-resort
+# handler's stderr either.
+logging.getLogger("pgserver").addHandler(logging.NullHandler())
+_LISTENING = threading.Lock()  # one listener at a time: each saves and restores the logger's settings
 
 STOP_TIMEOUT_SECONDS = 60.0
 # A server killed mid-write replays its WAL before it takes connections; pgserver's pg_ctl gives a start
@@ -78,20 +84,58 @@ def embedded_postgres_url(data_dir: Path) -> str:
     with getattr(getattr(pgserver, "PostgresServer", None), "_lock", contextlib.nullcontext()):
         _forget_a_dead_servers_pid_file(pgdata)
         _mend_client_list(pgdata)
+    failed = _FailedCommand()
     try:
-        try:
-            uri = _server_uri(pgserver, pgdata)
-        except Exception:
-            if not wait_until_ready(pgdata):  # not a slow recovery: the start failed
-                raise
-            uri = _server_uri(pgserver, pgdata)
+        with failed.listening():
+            try:
+                uri = _server_uri(pgserver, pgdata)
+            except Exception:
+                if not wait_until_ready(pgdata):  # not a slow recovery: the start failed
+                    raise
+                uri = _server_uri(pgserver, pgdata)
     except Exception as exc:
+        said = f"; it said: {failed.said}" if failed.said else ""
+        log = pgdata / "log"
+        where = f" (its server log: {log})" if log.exists() else ""
         raise EmbeddedUnavailableError(
-            f"could not start the embedded Postgres in {pgdata}: {exc} (its server log: {pgdata / 'log'}); "
+            f"could not start the embedded Postgres in {pgdata}: {exc}{said}{where}; "
             "set FACTMILL_DATABASE_URL to a Postgres server instead"
         ) from exc
     wait_until_ready(pgdata)
     return socket_url(uri)
+
+
+class _FailedCommand(logging.Handler):
+    """The last lines a failed Postgres command (initdb, pg_ctl) wrote to stderr, which pgserver logs
+    at ERROR on a logger Factmill silences (it logs the whole server log too): an initdb refused for an
+    unknown locale (LANG forwarded over ssh) was "returned non-zero exit status 1" and a server log
+    that was never written, the reason nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.said = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("Failed postgres command") and len(args) >= 5:
+            lines = [line.strip() for line in str(args[4]).splitlines() if line.strip()]
+            self.said = " / ".join(lines[-3:])[:400]
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[None]:
+        """Hear pgserver's ERROR records, and only this handler: none reaches the log."""
+        pg_logger = logging.getLogger("pgserver")
+        with _LISTENING:
+            level, propagate = pg_logger.level, pg_logger.propagate
+            pg_logger.setLevel(logging.ERROR)
+            pg_logger.propagate = False
+            pg_logger.addHandler(self)
+            try:
+                yield
+            finally:
+                pg_logger.removeHandler(self)
+                pg_logger.setLevel(level)
+                pg_logger.propagate = propagate
 
 
 def _server_uri(pgserver: Any, pgdata: Path) -> str:
