@@ -962,27 +962,23 @@ def test_user_lines_outweigh_expansions(plain_factory: sessionmaker[Session], ll
 # --------------------------------------------------------------------------- intent and snippets
 
 
+@pytest.mark.parametrize(
+    ("query", "intent"),
+    [
+        ('lex: "performance review"\nintent: web page load times', None),
+        ('"performance review"', "web page load times"),
+    ],
+    ids=["lex line", "plain query"],
+)
 def test_a_quoted_phrase_steers_the_snippet_by_its_words(
-    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, query: str, intent: str | None
 ) -> None:
     """Split on spaces as written, '"performance' and 'review"' matched no line (their quote marks):
-    the intent alone chose the snippet, the line the user had not asked for."""
+    the intent alone chose the snippet, the line the user had not asked for; in a lex: line, and in a
+    plain query (the default), which still did after the lex: line's fix."""
     seed(plain_factory)
     review = "The performance review cycle starts in June"
-    outcome = search(plain_factory, llm, 'lex: "performance review"\nintent: web page load times')
-    result = next(r for r in outcome.results if r.fact == review)
-    shown = result.snippet.splitlines()[1 + (result.snippet_line - 1 - _start(result.snippet))]
-    assert "review cycle" in shown, result.snippet
-
-
-def test_a_plain_querys_quoted_phrase_steers_the_snippet_by_its_words(
-    plain_factory: sessionmaker[Session], llm: OpenAIChatClient
-) -> None:
-    """The same for a plain query (the default): split on spaces as written, '"performance' and
-    'review"' matched no line, and the intent alone chose another fact's line."""
-    seed(plain_factory)
-    review = "The performance review cycle starts in June"
-    outcome = search(plain_factory, llm, '"performance review"', intent="web page load times", expand=False)
+    outcome = search(plain_factory, llm, query, intent=intent, expand=False)
     result = next(r for r in outcome.results if r.fact == review)
     shown = result.snippet.splitlines()[1 + (result.snippet_line - 1 - _start(result.snippet))]
     assert "review cycle" in shown, result.snippet
