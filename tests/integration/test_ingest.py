@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -240,7 +241,7 @@ def test_a_newer_delivery_of_the_stored_content_wins_over_an_older_change_commit
     content, stamped D3's time on C2: the page kept the older content, and C1 was lost."""
     from datetime import UTC, datetime, timedelta
 
-    from sqlalchemy import event, select
+    from sqlalchemy import select
 
     from models import Page
     from worker.extraction.pages import PageIn, upsert_page
@@ -251,24 +252,42 @@ def test_a_newer_delivery_of_the_stored_content_wins_over_an_older_change_commit
     with factory.begin() as session:
         upsert_page(session, c1, t1)
 
-    with factory.begin() as session:
-        connection = session.connection()
-
-        raced: list[bool] = []
-
-        def d2_commits_first(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
-            if statement.lstrip().startswith("UPDATE pages SET delivered_at") and not raced:
-                raced.append(True)
-                with factory.begin() as other:
-                    upsert_page(other, c2, t1 + timedelta(seconds=10))
-
-        event.listen(connection, "before_cursor_execute", d2_commits_first)
-        result = upsert_page(session, c1, t1 + timedelta(seconds=20))
-        event.remove(connection, "before_cursor_execute", d2_commits_first)
-    assert raced
+    # D2 commits just before D3 dates the row.
+    result = upserted_with_another_first(
+        factory,
+        (c1, t1 + timedelta(seconds=20)),
+        (c2, t1 + timedelta(seconds=10)),
+        "UPDATE pages SET delivered_at",
+    )
     assert result.changed
     with factory() as session:
         assert session.scalars(select(Page.compiled_truth).where(Page.slug == "race/a")).one() == "one"
+
+
+def upserted_with_another_first(
+    factory: sessionmaker[Session], this: tuple[Any, Any], other: tuple[Any, Any], before: str
+) -> Any:
+    """``upsert_page`` of ``this`` (page, delivered at), another delivery (``other``) committing just
+    before this one's first statement that starts with ``before``."""
+    from sqlalchemy import event
+
+    from worker.extraction.pages import upsert_page
+
+    raced: list[bool] = []
+    with factory.begin() as session:
+        connection = session.connection()
+
+        def other_commits_first(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
+            if statement.lstrip().startswith(before) and not raced:
+                raced.append(True)
+                with factory.begin() as second:
+                    upsert_page(second, *other)
+
+        event.listen(connection, "before_cursor_execute", other_commits_first)
+        result = upsert_page(session, *this)
+        event.remove(connection, "before_cursor_execute", other_commits_first)
+    assert raced
+    return result
 
 
 def test_an_older_delivery_of_the_content_a_newer_one_stored_meanwhile_is_unchanged_not_stale(
@@ -279,26 +298,14 @@ def test_an_older_delivery_of_the_content_a_newer_one_stored_meanwhile_is_unchan
     later delivery "stored this page; not replaced" (the webhook answered 409) over identical content."""
     from datetime import UTC, datetime, timedelta
 
-    from sqlalchemy import event
-
-    from worker.extraction.pages import PageIn, upsert_page
+    from worker.extraction.pages import PageIn
 
     t1 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
     same = PageIn(source_id="default", slug="race/same", type="conversation", title="t", compiled_truth="one")
-    with factory.begin() as session:
-        connection = session.connection()
-        raced: list[bool] = []
-
-        def newer_commits_first(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
-            if statement.lstrip().startswith("INSERT INTO pages") and not raced:
-                raced.append(True)
-                with factory.begin() as other:
-                    upsert_page(other, same, t1 + timedelta(seconds=10))
-
-        event.listen(connection, "before_cursor_execute", newer_commits_first)
-        result = upsert_page(session, same, t1)
-        event.remove(connection, "before_cursor_execute", newer_commits_first)
-    assert raced and not result.changed
+    result = upserted_with_another_first(
+        factory, (same, t1), (same, t1 + timedelta(seconds=10)), "INSERT INTO pages"
+    )
+    assert not result.changed
 
 
 def test_an_ingest_postgres_ends_to_break_a_deadlock_stores_its_page_all_the_same(
