@@ -324,6 +324,11 @@ def test_the_providers_x_should_retry_is_obeyed_over_the_status(sdk: Any) -> Non
     assert classify(status_error(sdk, 400, {"x-should-retry": "true"})).retryable
     assert not classify(status_error(sdk, 500, {"x-should-retry": "false"})).retryable
     assert classify(status_error(sdk, 500, {"x-should-retry": "maybe"})).retryable
+    # Whose fault it is stays the status's: a 400 tried again is the request's, a 503 not tried an outage.
+    from worker.llm.errors import provider_cannot_serve
+
+    assert not provider_cannot_serve(to_llm_error(status_error(sdk, 400, {"x-should-retry": "true"})))
+    assert provider_cannot_serve(to_llm_error(status_error(sdk, 503, {"x-should-retry": "false"})))
 
 
 @pytest.mark.parametrize(
@@ -382,6 +387,18 @@ def test_the_providers_x_should_retry_is_obeyed_over_the_status(sdk: Any) -> Non
                 "for claude-haiku-4-5",
             },
             True,
+        ),
+        # vLLM's answer to a request too long for the context names max_tokens too: the request's own.
+        (
+            openai,
+            400,
+            {
+                "message": "'max_tokens' or 'max_completion_tokens' is too large: 1024. This model's maximum "
+                "context length is 8192 tokens and your request has 7500 input tokens",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+            },
+            False,
         ),
         # An OpenAI reasoning model given max_tokens.
         (
@@ -1130,6 +1147,53 @@ def test_a_deadline_that_refuses_a_try_inside_the_client_is_no_try() -> None:
     with pytest.raises(CallDeadlineError) as stopped:
         retrying.chat(REQUEST)
     assert stopped.value.attempts == () and heard == []
+
+
+def test_a_truncated_segment_whose_raised_cap_is_refused_is_given_up() -> None:
+    """FACTMILL_LLM_MAX_OUTPUT_TOKENS over half the model's output limit: a truncated reply's retry asked
+    for more than the limit, a 400 that blames the settings (not the segment), so the segment was never
+    given up: the page failed at it on every run, paying for its first call again."""
+    from anthropic._models import construct_type_unchecked
+    from anthropic.types import Message
+
+    from worker.extraction.segments import extract_segment
+    from worker.llm.anthropic_provider import AnthropicChatClient
+
+    chat = AnthropicChatClient(model="claude-haiku-4-5", base_url="http://127.0.0.1:9")
+    raw = {
+        **ANTHROPIC_MESSAGE,
+        "stop_reason": "max_tokens",
+        "usage": {"input_tokens": 900, "output_tokens": 4096},
+        "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],
+    }
+    capped = chat.response_from(construct_type_unchecked(value=raw, type_=Message), REQUEST, 5)
+    refused = to_llm_error(
+        anthropic.BadRequestError(
+            "Error code: 400",
+            response=httpx2.Response(400, request=HTTP_REQUEST),
+            body={
+                "type": "error",
+                "error": {
+                    "type": "invalid_request_error",
+                    "message": "max_tokens: 8192 > 4096, which is the maximum allowed number of output "
+                    "tokens",
+                },
+            },
+        )
+    )
+    assert refused.deployment_fault
+
+    class TruncatedThenRefused:
+        provider, model = "anthropic", "claude-haiku-4-5"
+
+        def chat(self, request: ChatRequest) -> ChatResponse:
+            if request.max_tokens > 4096:
+                raise refused
+            return capped
+
+    result = extract_segment(TruncatedThenRefused(), "**A** (2024-01-01 9:00 AM): hi", 10, 4096)  # type: ignore[arg-type]
+    assert [a.outcome for a in result.attempts] == ["truncated_output", "provider_error"]
+    assert result.permanent
 
 
 def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_cap() -> None:

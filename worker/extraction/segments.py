@@ -35,6 +35,7 @@ class Attempt:
     batch: bool = False  # answered through a provider's batch API: billed at the batch discount
     rejected: bool = False  # a provider error that rejects the request itself (REJECTED_REQUEST_STATUSES)
     provider_away: bool = False  # llm.errors.provider_cannot_serve: none of the segment's doing
+    deployment_fault: bool = False  # the provider blamed the account or the settings (LLMError's)
     usage: Usage | None = None  # billed for a reply that failed (LLMError.usage); a response has its own
 
     @classmethod
@@ -145,6 +146,7 @@ def _ask(
                 exc.latency_ms,
                 rejected=rejected_request(exc),
                 provider_away=provider_cannot_serve(exc),
+                deployment_fault=exc.deployment_fault,
                 usage=exc.usage,
             )
         )
@@ -209,7 +211,13 @@ def _extract(
     while True:
         response = _ask(llm, extraction_request(turns, max_facts, cap), attempts, before_call)
         if response is None:
-            return SegmentResult(attempts, permanent=bool(attempts) and attempts[-1].rejected)
+            last = attempts[-1] if attempts else None
+            # The raised cap refused for the settings (over the model's output limit), which the first
+            # call's cap was not: the truncated reply stands, given up as a second truncation would be.
+            # Not given up, the page failed at this segment on every run, paying for its first call again.
+            cap_refused = retried_truncation and last is not None and last.deployment_fault
+            permanent = last is not None and (last.rejected or (cap_refused and not last.provider_away))
+            return SegmentResult(attempts, permanent=permanent)
         attempt = classify_reply(response, max_facts, cap)
         attempts.append(attempt)
         if attempt.outcome == "truncated_output":

@@ -133,9 +133,14 @@ def provider_unavailable(exc: BaseException) -> bool:
     A network blip of two minutes spent every job in flight's five attempts. Timeouts (408 too) are
     not: a request too large to finish in time fails the same way on every try. (A base URL that does
     not resolve is unreachable too: its jobs are sent again on the worker-loss budget before failing.)"""
-    if not isinstance(exc, LLMError) or not exc.retryable:
+    if not isinstance(exc, LLMError) or exc.deployment_fault:
         return False
-    return exc.unreachable or (exc.status is not None and exc.status != 408)
+    # By the status, not ``retryable``: a provider's x-should-retry says whether to try again now, not
+    # whose fault it is (a 400 it asked to be tried again is still the request's; a 503 it asked not to
+    # be, still an outage).
+    status = exc.status
+    served_badly = status is not None and status != 408 and (status in RETRYABLE_STATUS or status >= 500)
+    return exc.unreachable or served_badly
 
 
 def account_exhausted(exc: BaseException) -> bool:
@@ -284,13 +289,17 @@ def blames_deployment(body: Any, message: str, status: int | None = None) -> boo
     codes, types = _error_names(body)
     if status == 402 or any(c in DEPLOYMENT_ERROR_CODES for c in codes):
         return True
+    lowered = message.lower()
+    # Not a request too long for the model's context (vLLM names max_tokens then): that one is the
+    # request's, as a segment longer than the others is.
+    of_the_context = "context" in lowered
     inner = body.get("error", body) if isinstance(body, Mapping) else None
-    if status == 400 and isinstance(inner, Mapping) and inner.get("param") in DEPLOYMENT_ERROR_PARAMS:
+    names_the_cap = isinstance(inner, Mapping) and inner.get("param") in DEPLOYMENT_ERROR_PARAMS
+    if status == 400 and names_the_cap and not of_the_context:
         return True
     if any(t in DEPLOYMENT_ERROR_TYPES for t in types):
         return True
-    lowered = message.lower()
-    return any(phrase in lowered for phrase in DEPLOYMENT_ERROR_PHRASES)
+    return not of_the_context and any(phrase in lowered for phrase in DEPLOYMENT_ERROR_PHRASES)
 
 
 def _provider_message(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
@@ -428,7 +437,7 @@ def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LL
     if not isinstance(body, Mapping) or "choices" in body or not isinstance(body.get("error"), Mapping):
         return None
     code = body["error"].get("code")
-    if isinstance(code, str) and code.strip().isdigit():
+    if isinstance(code, str) and code.strip().isascii() and code.strip().isdigit():
         code = int(code.strip())
     status = code if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599 else None
     message = body_message(body, "an error without a message")
