@@ -49,8 +49,10 @@ STATUS_LINE = 7  # postmaster.pid's line 8: starting, ready, stopping or standby
 SOCKET_LINE = 4  # its line 5: the (first) Unix socket folder
 # pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
 # unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
-# The longest Unix socket path (sun_path less its NUL): 107 bytes on Linux, 103 on macOS and the BSDs.
-MAX_SOCKET_PATH_BYTES = 107 if sys.platform.startswith("linux") else 103
+# The longest Unix socket path on Linux (sun_path less its NUL). Only there does pgserver's fallback
+# folder for a longer one risk being shared (/tmp/runtime-<uid>); macOS's is private to the user.
+MAX_SOCKET_PATH_BYTES = 107
+SOCKET_MOVES_TO_A_SHARED_FOLDER = sys.platform.startswith("linux")
 SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
 
 
@@ -70,14 +72,23 @@ def embedded_postgres_url(data_dir: Path) -> str:
             "or FACTMILL_DATABASE_URL to a Postgres server"
         )
     socket_bytes = len(os.fsencode(pgdata / ".s.PGSQL.5432"))
-    if socket_bytes > MAX_SOCKET_PATH_BYTES:
-        # pgserver would put the socket in a shared runtime folder instead (/tmp/runtime-<uid> where there
-        # is no /run/user), readable by every local user, where the server trusts any local connection
-        # as its superuser; and /run/user goes at logout, leaving a server no command could reach.
+    if SOCKET_MOVES_TO_A_SHARED_FOLDER and socket_bytes > MAX_SOCKET_PATH_BYTES:
+        # pgserver would put the socket in its runtime folder instead: /tmp/runtime-<uid> where there is
+        # no /run/user (containers, su, cron), readable by every local user, where the server trusts
+        # any local connection as its superuser; and /run/user goes at logout, leaving a server no
+        # command could reach.
+        running = postmaster_status(pgdata) is not None
         raise EmbeddedUnavailableError(
             f"the embedded Postgres cannot run in {pgdata}: its socket's path would be {socket_bytes} bytes, "
-            f"over the {MAX_SOCKET_PATH_BYTES} a Unix socket takes here; set FACTMILL_DATA_DIR to a shorter "
-            "folder, or FACTMILL_DATABASE_URL to a Postgres server"
+            f"over the {MAX_SOCKET_PATH_BYTES} a Unix socket takes; "
+            + (
+                "its server runs now with its socket in a shared folder: stop it (factmill db stop), then "
+                "move the data folder to a shorter path (its data goes with it) and point FACTMILL_DATA_DIR "
+                "there"
+                if running
+                else "set FACTMILL_DATA_DIR to a shorter folder (move this one there to keep its data)"
+            )
+            + ", or FACTMILL_DATABASE_URL to a Postgres server"
         )
     # Under pgserver's own start lock: a process that starts the server meanwhile writes a pid file
     # this one must not take for the dead one's.
