@@ -102,8 +102,8 @@ PERIODIC: tuple[Periodic, ...] = (
         "calibration-recompute", "tasks.calibration.schedule", "calibration", "calibration_schedule_seconds"
     ),
     # The poll that wakes backfills waiting on provider batches: on the maintenance queue (the jobs it
-    # wakes run on extraction). On extraction it expired behind any backlog longer than its interval
-    # (beat's messages expire when the next is due), and no batch was collected until the backlog drained.
+    # wakes run on extraction). On extraction it expired behind any backlog longer than its expiry
+    # (celery_app.beat_schedule), and no batch was collected until the backlog drained.
     Periodic("backfill-poll", "tasks.backfill.poll", MAINTENANCE_QUEUE, "backfill_poll_seconds"),
 )
 
