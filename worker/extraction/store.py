@@ -393,10 +393,8 @@ class ExtractionStore:
         self, spent: Sequence[tuple[SegmentPlace, Sequence[Attempt]]], *, erased: bool = False
     ) -> None:
         """Paid attempts whose page may be gone (erased or changed under the run): their llm_calls rows
-        only, no audit rows (which describe the page: an erasure has just taken its out). ``erased``:
-        without a provider's message either (it may quote the page, and the erasure has run). Nor
-        under no job (`factmill extract`): with no audit row and no job of the page's, no later
-        erasure of the page would find them."""
+        only, no audit rows (they describe the page). Without a provider's message (it may quote the
+        page) when ``erased``, or under no job (`factmill extract`: no later erasure would find them)."""
         calls = [record for place, attempts in spent for record in call_records(place, attempts)]
         erased = erased or any(place.job_id is None for place, _ in spent)
         with self._factory.begin() as session:
