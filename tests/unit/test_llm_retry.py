@@ -1149,24 +1149,32 @@ def test_a_deadline_that_refuses_a_try_inside_the_client_is_no_try() -> None:
     assert stopped.value.attempts == () and heard == []
 
 
+def anthropic_cut_reply(model: str, stop_reason: str, usage: dict[str, int]) -> ChatResponse:
+    """An Anthropic reply cut off mid-JSON (its stop reason ``stop_reason``), in the gateway's terms."""
+    from anthropic._models import construct_type_unchecked
+    from anthropic.types import Message
+
+    from worker.llm.anthropic_provider import AnthropicChatClient
+
+    chat = AnthropicChatClient(model=model, base_url="http://127.0.0.1:9")
+    raw = {
+        **ANTHROPIC_MESSAGE,
+        "stop_reason": stop_reason,
+        "usage": usage,
+        "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],
+    }
+    return chat.response_from(construct_type_unchecked(value=raw, type_=Message), REQUEST, 5)
+
+
 def test_a_truncated_segment_whose_raised_cap_is_refused_is_given_up() -> None:
     """FACTMILL_LLM_MAX_OUTPUT_TOKENS over half the model's output limit: a truncated reply's retry asked
     for more than the limit, a 400 that blames the settings (not the segment), so the segment was never
     given up: the page failed at it on every run, paying for its first call again."""
-    from anthropic._models import construct_type_unchecked
-    from anthropic.types import Message
-
     from worker.extraction.segments import extract_segment
-    from worker.llm.anthropic_provider import AnthropicChatClient
 
-    chat = AnthropicChatClient(model="claude-haiku-4-5", base_url="http://127.0.0.1:9")
-    raw = {
-        **ANTHROPIC_MESSAGE,
-        "stop_reason": "max_tokens",
-        "usage": {"input_tokens": 900, "output_tokens": 4096},
-        "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],
-    }
-    capped = chat.response_from(construct_type_unchecked(value=raw, type_=Message), REQUEST, 5)
+    capped = anthropic_cut_reply(
+        "claude-haiku-4-5", "max_tokens", {"input_tokens": 900, "output_tokens": 4096}
+    )
     refused = to_llm_error(
         anthropic.BadRequestError(
             "Error code: 400",
@@ -1199,24 +1207,12 @@ def test_a_truncated_segment_whose_raised_cap_is_refused_is_given_up() -> None:
 def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_cap() -> None:
     """Anthropic's model_context_window_exceeded was read as a reply over its cap: the segment was asked
     again with twice the cap, which stopped at the same window (a paid call lost per segment)."""
-    from anthropic._models import construct_type_unchecked
-    from anthropic.types import Message
-
     from worker.extraction.segments import extract_segment
-    from worker.llm.anthropic_provider import AnthropicChatClient
 
-    chat = AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
-    raw = {
-        **ANTHROPIC_MESSAGE,
-        "stop_reason": "model_context_window_exceeded",
-        "usage": {"input_tokens": 199_000, "output_tokens": 1000},
-        "content": [{"type": "text", "text": '{"facts": [{"fact": "cut'}],
-    }
-    cut = chat.response_from(construct_type_unchecked(value=raw, type_=Message), REQUEST, 5)
+    usage = {"input_tokens": 199_000, "output_tokens": 1000}
+    cut = anthropic_cut_reply("claude-sonnet-4-5", "model_context_window_exceeded", usage)
     assert cut.finish == "truncated" and cut.window_full
-    capped = chat.response_from(
-        construct_type_unchecked(value=raw | {"stop_reason": "max_tokens"}, type_=Message), REQUEST, 5
-    )
+    capped = anthropic_cut_reply("claude-sonnet-4-5", "max_tokens", usage)
     assert capped.finish == "truncated" and not capped.window_full
 
     class Replying:
@@ -1238,10 +1234,13 @@ def test_a_reply_cut_off_by_the_context_window_is_not_asked_again_with_a_larger_
     assert over_cap.caps == [1024, 2048]
     # A batch's (a backfill's) repeats on every pass at the same cap: permanent, as a refusal is.
     from worker.extraction.batch import batch_segment_result
+    from worker.llm.anthropic_provider import AnthropicChatClient
     from worker.llm.batch_api import BatchItem
     from worker.llm.batches import AnthropicBatchClient
 
-    batches = AnthropicBatchClient(chat)
+    batches = AnthropicBatchClient(
+        AnthropicChatClient(model="claude-sonnet-4-5", base_url="http://127.0.0.1:9")
+    )
     assert batch_segment_result(BatchItem(cut), batches, 10, 1024).permanent
     assert not batch_segment_result(BatchItem(capped), batches, 10, 1024).permanent
 
