@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, make_url
-from sqlalchemy.exc import InternalError, InvalidatePoolError, OperationalError
+from sqlalchemy.exc import InvalidatePoolError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
@@ -21,9 +21,9 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 
 from worker.core.errors import (
     DATABASE_GONE_SQLSTATES,
-    SERVER_REFUSES_WRITES,
     InvalidSettingsError,
     MigrationsMissingError,
+    refused_as_read_only,
     server_state_failed,
 )
 from worker.embedded import embedded_postgres_url, to_sqlalchemy_url
@@ -158,11 +158,11 @@ def database_unavailable(exc: BaseException) -> bool:
     pool's timeout. The answer is to try again shortly: the API says 503 with Retry-After."""
     if isinstance(exc, PoolTimeoutError):
         return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    if isinstance(exc, InternalError):  # a write the server refuses while it is read-only
-        return sqlstate == SERVER_REFUSES_WRITES
+    if refused_as_read_only(exc):
+        return True
     if not isinstance(exc, OperationalError):
         return False
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
     return server_state_failed(sqlstate, invalidated=bool(getattr(exc, "connection_invalidated", False)))
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from worker.core.model_names import undated_model
 from worker.llm.ratelimit import estimate_request_tokens
 from worker.llm.types import ChatRequest, Usage
 
@@ -58,11 +58,6 @@ PRICE_FIELDS = ("input", "output", "cache_read", "cache_write")
 BATCH_DISCOUNT = Decimal("0.5")
 
 
-# A snapshot's date at the end of a model's name: OpenAI answers "gpt-4o-mini" with
-# "gpt-4o-mini-2024-07-18", Anthropic "claude-3-5-haiku-latest" with "claude-3-5-haiku-20241022".
-_SNAPSHOT = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
-
-
 def price_of(model: str, prices: dict[str, Price] | None = None) -> Price | None:
     """The price of ``model`` as a provider's reply names it: its own entry (an override may price one
     snapshot), else its undated name's, else that name's "-latest" alias; None when none is known.
@@ -72,7 +67,7 @@ def price_of(model: str, prices: dict[str, Price] | None = None) -> Price | None
     price = table.get(model)
     if price is not None:
         return price
-    undated = _SNAPSHOT.sub("", model)
+    undated = undated_model(model)
     if undated == model:
         return None
     return table.get(undated) or table.get(f"{undated}-latest")

@@ -165,6 +165,13 @@ SERVER_OUT_OF_RESOURCES = frozenset({"53000", "53100", "53200", "53300"})
 SERVER_REFUSES_WRITES = "25006"
 
 
+def refused_as_read_only(exc: BaseException) -> bool:
+    """Whether a database error is a write the server refused because it takes reads only (recognised
+    by its shape, as ``error_summary`` does: this module needs no database library)."""
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return type(exc).__name__ == "InternalError" and sqlstate == SERVER_REFUSES_WRITES
+
+
 def server_state_failed(sqlstate: str | None, *, invalidated: bool = False) -> bool:
     """Whether a database error with this SQLSTATE says the server went away, restarted or ran out of
     resources (not the statement's own failure); a connection broken under it (``invalidated``) too.
@@ -185,9 +192,9 @@ def database_outage(exc: BaseException) -> str | None:
     orig = getattr(exc, "orig", None)
     if orig is None or not hasattr(exc, "statement"):
         return None
-    sqlstate = getattr(orig, "sqlstate", None)
-    if type(exc).__name__ == "InternalError" and sqlstate == SERVER_REFUSES_WRITES:
+    if refused_as_read_only(exc):
         return error_summary(exc)
+    sqlstate = getattr(orig, "sqlstate", None)
     if type(exc).__name__ != "OperationalError":
         return None
     invalidated = bool(getattr(exc, "connection_invalidated", False))

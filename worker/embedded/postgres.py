@@ -47,12 +47,12 @@ STOP_TIMEOUT_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 300.0
 STATUS_LINE = 7  # postmaster.pid's line 8: starting, ready, stopping or standby
 SOCKET_LINE = 4  # its line 5: the (first) Unix socket folder
-# pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
-# unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
 # The longest Unix socket path on Linux (sun_path less its NUL). Only there does pgserver's fallback
 # folder for a longer one risk being shared (/tmp/runtime-<uid>); macOS's is private to the user.
 MAX_SOCKET_PATH_BYTES = 107
 SOCKET_MOVES_TO_A_SHARED_FOLDER = sys.platform.startswith("linux")
+# pgserver starts the server through pg_ctl, which runs it through a shell with the socket folder
+# unquoted: a folder path with any of these failed with "invalid argument" and a page of server log.
 SHELL_UNSAFE = frozenset(" \t\n&;|<>()$`\\\"'*?[]")
 
 

@@ -335,7 +335,7 @@ def ingest_paths(
 
     for path, root in iter_page_files(paths, on_error=unreadable):
         created = len(report.created)
-        _ingest_file(factory, path, root, (source_id, replace), report, taken, files)
+        _ingest_file(factory, path, root, source_id, report, taken, files, replace=replace)
         if send is not None and len(report.created) > created:
             asked = report.created[created:]
             sent = send(asked)
@@ -351,12 +351,13 @@ def _ingest_file(
     factory: sessionmaker[Session],
     path: Path,
     root: Path | None,
-    asked: tuple[str, bool],
+    source_id: str,
     report: IngestReport,
     taken: dict[tuple[str, str], Path],
     files: dict[str, str],
+    *,
+    replace: bool,
 ) -> None:
-    source_id, replace = asked
     try:
         page = load_page_file(path, root, source_id)
     except FileNotFoundError:

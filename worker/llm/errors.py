@@ -139,8 +139,7 @@ def provider_unavailable(exc: BaseException) -> bool:
     # whose fault it is (a 400 it asked to be tried again is still the request's; a 503 it asked not to
     # be, still an outage).
     status = exc.status
-    served_badly = status is not None and status != 408 and (status in RETRYABLE_STATUS or status >= 500)
-    return exc.unreachable or served_badly
+    return exc.unreachable or (status is not None and status != 408 and _worth_another_try(status))
 
 
 def account_exhausted(exc: BaseException) -> bool:
@@ -387,6 +386,11 @@ def classify(exc: BaseException) -> Classification:
     return Classification(False, None, None, f"{type(exc).__name__}: {exc}")
 
 
+def _worth_another_try(status: int) -> bool:
+    """Whether a status says the provider could not serve now (RETRYABLE_STATUS or any 5xx)."""
+    return status in RETRYABLE_STATUS or status >= 500
+
+
 def _told_to_retry(headers: Mapping[str, str] | None) -> bool | None:
     """The provider's own word on trying again (``x-should-retry: true|false``), which both SDKs obey
     over the status; None when it says nothing."""
@@ -404,7 +408,7 @@ def _status_classification(
     """An error reply's classification by its status (None: an error named without one, which the
     provider met serving the call: tried again), the provider's x-should-retry, and body."""
     blamed = blames_deployment(body, message, status)
-    by_status = status is None or status in RETRYABLE_STATUS or status >= 500
+    by_status = status is None or _worth_another_try(status)
     # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
     # refill the quota, and each call's tries only added to the outage.
     retryable = (by_status if told_to_retry is None else told_to_retry) and not blamed
@@ -443,7 +447,7 @@ def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LL
     message = body_message(body, "an error without a message")
     shown = f"HTTP {status} (in a 200 reply): {message}" if status else f"an error in a 200 reply: {message}"
     c = _status_classification(status, body, shown)
-    retryable = c.retryable and (status is not None or error_code(body) in SERVER_TROUBLE_CODES)
+    retryable = c.retryable and (status is not None or c.code in SERVER_TROUBLE_CODES)
     return ErrorInReply(
         made_storable(c.message),
         retryable=retryable,
@@ -467,7 +471,6 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         retry_after=c.retry_after,
         latency_ms=latency_ms,
         deployment_fault=c.deployment_fault,
-        usage=exc.usage if isinstance(exc, LLMError) else None,
         code=c.code,
         unreachable=c.unreachable,
     )

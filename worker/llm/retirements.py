@@ -3,8 +3,9 @@ every call with an error, so a deployment is told at start rather than by its jo
 
 from __future__ import annotations
 
-import re
 from datetime import date
+
+from worker.core.model_names import undated_model
 
 # From the providers' deprecation pages (docs.claude.com/en/docs/about-claude/model-deprecations,
 # developers.openai.com/api/docs/deprecations), by undated name. Claude 3.5 Haiku, Factmill's Anthropic
@@ -20,13 +21,12 @@ SHUTDOWN_DATES: dict[str, date] = {
     "gpt-4.1-mini": date(2027, 1, 14),
 }
 WARN_DAYS_BEFORE = 60  # Anthropic's least notice; OpenAI gives at least three months
-_DATED = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8}|latest)$")  # a snapshot's date, or the -latest alias
 
 
 def retirement_note(model: str, today: date) -> str | None:
     """What to tell an operator of ``model`` (a snapshot or alias of a listed one) on ``today``: that it
     shut down, or soon will; None for a model with no announced date far off."""
-    shutdown = SHUTDOWN_DATES.get(_DATED.sub("", model))
+    shutdown = SHUTDOWN_DATES.get(undated_model(model).removesuffix("-latest"))
     if shutdown is None or (shutdown - today).days > WARN_DAYS_BEFORE:
         return None
     if shutdown <= today:

@@ -65,15 +65,15 @@ _RESULT_FACTS = (
     "status, valid_to, superseded_by, duplicate_of "
     "FROM facts WHERE id IN :ids AND NOT is_audit AND {lifecycle}"
 )
+# A segment's facts are one reply's (at most 10), written together under consecutive row numbers: a
+# result's are read within SEGMENT_SPAN rows either side (the page's unique key bounds the scan; a page
+# of 4,000 segments has 20,000 facts).
+SEGMENT_SPAN = 100
 # The neighbours a snippet quotes pass the search's own lifecycle clause ({lifecycle}): a superseded
 # or duplicate line (or, as of a time, one not yet or no longer true) was quoted, and could be the
-# line the snippet centred on.
-# Each neighbour's place among the segment's facts the clause lets through, and their count: a snippet's
-# lines count from the start of its segment (qmd's rule), not from the window read (one fact had two
-# line numbers in two results of one segment). A segment's facts are one reply's (at most 10), written
-# together under consecutive row numbers: they are read within SEGMENT_SPAN rows either side (the page's
-# unique key bounds the scan; a page of 4,000 segments has 20,000 facts), and the window kept.
-SEGMENT_SPAN = 100
+# line the snippet centred on. With each its place among the segment's facts the clause lets through,
+# and their count: a snippet's lines count from the start of its segment (qmd's rule), not from the
+# window read (one fact had two line numbers in two results of one segment).
 _RESULT_NEIGHBOURS = (
     "SELECT id, row_num, fact, place, total FROM (SELECT r.id, r.row_num AS own, n.row_num, n.fact, "
     "row_number() OVER (PARTITION BY r.id ORDER BY n.row_num) - 1 AS place, "
