@@ -82,6 +82,10 @@ class Job(Base):
     budget_since: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=True
     )
+    # When the LLM provider stopped serving the job (an outage, the account's money spent): the clock
+    # FACTMILL_JOB_PROVIDER_OUTAGE_PATIENCE_SECONDS runs against (worker.jobs.lifecycle.wait_out_outage).
+    # Empty while the provider serves it; an outage spends neither budget.
+    provider_outage_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )

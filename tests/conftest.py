@@ -23,8 +23,10 @@ from sqlalchemy.orm import Session, sessionmaker
 import models
 from tests.service import SessionBroker, fresh_database, session_broker
 from worker import db
+from worker.config_store import ConfigReader
 from worker.embedded import to_sqlalchemy_url
 from worker.embedded.base import quiet_runtime_dir
+from worker.runtime import Runtime
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -244,6 +246,25 @@ def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
     the hand-off" checks), or assert sequence values."""
     _truncate(database_url)
     yield sessionmaker(db.get_engine(database_url), expire_on_commit=False)
+
+
+@pytest.fixture
+def runtime(factory: sessionmaker[Session], database_url: str) -> Iterator[Any]:
+    """Makes Runtimes over ``factory`` with these settings (config read fresh each time), closed after."""
+    made: list[Runtime] = []
+
+    def make(**settings: object) -> Runtime:
+        rt = Runtime(
+            settings=Settings(database_url=database_url, **settings),  # type: ignore[arg-type]
+            factory=factory,
+            config=ConfigReader(factory, ttl=0),
+        )
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in made:
+        rt.close()
 
 
 @contextlib.contextmanager

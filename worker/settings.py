@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     # Runs cut short by infrastructure (SIGKILL, OOM, a stale lease, the database going away): larger,
     # so faults rarely fail a page, yet a page that kills every worker it touches ends failed.
     job_max_worker_losses: int = Field(default=20, ge=1)
+    # How long the LLM provider may serve a job nothing (an outage, the account's money spent) before
+    # the job fails: an outage spends neither budget (worker.jobs.outages). A day by default.
+    job_provider_outage_patience_seconds: float = Field(default=86_400.0, ge=60, le=YEAR_SECONDS)
     job_heartbeat_seconds: float = Field(default=10.0, gt=0, le=YEAR_SECONDS)
     # A worker LISTENs on one connection of its own for its jobs' leases revoked (an erasure), so they
     # stop before their next LLM call; off behind a transaction-mode pooler, where LISTEN cannot work

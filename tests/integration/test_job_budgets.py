@@ -4,7 +4,7 @@ held on every path: the claim, the sweeper, the lifecycle's retries, pauses and 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
 
@@ -14,15 +14,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from tests.clock import now
-from worker.config_store import ConfigReader, set_config
+from worker.config_store import set_config
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import claim, finish
 from worker.jobs.lifecycle import JobContext, WorkResult, run_job
 from worker.jobs.outbox import EXTRACTION, request_job, resume_paused, retry_job, sweep
 from worker.jobs.registry import Backoff, JobKind, KillSwitchOffError
 from worker.llm.errors import BudgetExhaustedError
-from worker.runtime import Runtime
-from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -152,24 +150,6 @@ def test_a_manual_retry_starts_both_budgets_over(tx_factory):
 # ---------------------------------------------------------------------------
 # The lifecycle (run_job) with work functions that fail in each way; real Postgres, real threads.
 # ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def runtime(factory, database_url) -> Iterator[Callable[..., Runtime]]:  # type: ignore[no-untyped-def]
-    made: list[Runtime] = []
-
-    def make(**settings: object) -> Runtime:
-        rt = Runtime(
-            settings=Settings(database_url=database_url, **settings),  # type: ignore[arg-type]
-            factory=factory,
-            config=ConfigReader(factory, ttl=0),
-        )
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in made:
-        rt.close()
 
 
 def kind_doing(work: Callable[[JobContext], WorkResult]) -> JobKind:
@@ -305,122 +285,3 @@ def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory
     assert broker.queued("extraction") - before == Counter({("tasks.extraction.extract_page", job_id): 1})
     assert (state.status, state.attempts, state.rerun_requested) == ("queued", 0, False)
     assert (state.last_error or "").startswith("RuntimeError at ")
-
-
-def test_a_provider_outage_spends_the_worker_loss_budget_not_the_attempts(factory, runtime, sim) -> None:
-    """A page whose calls fail with retryable errors past the retry layer's wait was an attempt of its
-    own: five of them, backoffs of seconds apart, and every job in flight failed within ten minutes of
-    an outage. It is infrastructure, as the database going away is. A request the provider rejects
-    (the page's own fault) still spends an attempt."""
-    from tests.integration.test_extraction import put_page
-    from worker.jobs.outbox import page_subject
-
-    rt = runtime(
-        llm="simulator",
-        simulator_url=sim.base_url,
-        llm_max_attempts=2,
-        llm_backoff_base_seconds=0.01,
-        job_max_attempts=1,
-    )
-    put_page(factory, "chats/outage")
-    with factory.begin() as session:
-        job_id = request_job(session, EXTRACTION, page_subject("default", "chats/outage")).job_id
-    sim.configure(rate_500=1.0)
-    first = run_job(rt, job_id, EXTRACTION)
-    state = job(factory, job_id)
-    assert first.status == "retry" and (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
-    assert "provider_error" in (state.last_error or "")
-    sim.configure(
-        rate_500=0.0, raw_replies={"chat.completions": {"error": {"message": "no"}}}, raw_status=400
-    )
-    with factory.begin() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
-    second = run_job(rt, job_id, EXTRACTION)
-    state = job(factory, job_id)
-    assert second.status == "failed" and (state.attempts, state.worker_losses) == (1, 1), state.last_error
-
-
-def test_a_spent_provider_account_spends_the_worker_loss_budget_not_the_attempts(
-    factory, runtime, sim
-) -> None:
-    """OpenAI's 429 insufficient_quota (and Anthropic's credit balance) blame the account, not the
-    request, and are not retried by the gateway: each page failed as an attempt of its own, and every job
-    in flight failed within a minute, none coming back after the top-up."""
-    from tests.integration.test_extraction import put_page
-    from worker.jobs.outbox import page_subject
-
-    rt = runtime(llm="simulator", simulator_url=sim.base_url, llm_max_attempts=2, job_max_attempts=1)
-    put_page(factory, "chats/quota")
-    with factory.begin() as session:
-        job_id = request_job(session, EXTRACTION, page_subject("default", "chats/quota")).job_id
-    quota = {
-        "message": "You exceeded your current quota",
-        "type": "insufficient_quota",
-        "code": "insufficient_quota",
-    }
-    sim.configure(raw_replies={"chat.completions": {"error": quota}}, raw_status=429)
-    try:
-        first = run_job(rt, job_id, EXTRACTION)
-    finally:
-        sim.configure(raw_replies={}, raw_status=200)
-    state = job(factory, job_id)
-    assert first.status == "retry" and (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
-    assert "exceeded your current quota" in (state.last_error or "")
-
-
-def test_a_provider_that_cannot_be_reached_is_a_worker_loss_not_an_attempt(factory, runtime):
-    """Refused connections, resets, no DNS answer (the gateway's tries spent): a network blip of two
-    minutes failed every job in flight for good on its five attempts."""
-    import httpx2
-
-    from worker.llm.errors import to_llm_error
-
-    rt = runtime(job_max_attempts=3, job_max_worker_losses=3)
-
-    def work(ctx: JobContext) -> WorkResult:
-        raise to_llm_error(httpx2.ConnectError("connection refused"))
-
-    kind, job_id = kind_doing(work), new_job(factory)
-    assert run_job(rt, job_id, kind).status == "retry"
-    state = job(factory, job_id)
-    assert (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
-
-
-def test_any_kind_s_provider_outage_is_a_worker_loss_and_a_rejection_an_attempt(factory, runtime):
-    from worker.llm.errors import LLMError
-
-    rt = runtime(job_max_attempts=3, job_max_worker_losses=3)
-    raised: list[LLMError] = [LLMError("HTTP 503: overloaded", retryable=True, status=503)]
-
-    def work(ctx: JobContext) -> WorkResult:
-        raise raised[0]
-
-    kind, job_id = kind_doing(work), new_job(factory)
-    assert run_job(rt, job_id, kind).status == "retry"
-    state = job(factory, job_id)
-    assert (state.status, state.attempts, state.worker_losses) == ("queued", 0, 1)
-    # A key refused, or a timeout (a request too large to finish in time fails alike every try): the
-    # job's own, on its attempts.
-    for error in (
-        LLMError("HTTP 401: invalid key", retryable=False, status=401, deployment_fault=True),
-        LLMError("the provider timed out", retryable=True),
-    ):
-        raised[0] = error
-        with factory.begin() as session:
-            session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
-        run_job(rt, job_id, kind)
-    state = job(factory, job_id)
-    assert (state.attempts, state.worker_losses) == (2, 1)
-    # Any kind's call refused for the account's money: a worker loss, as an outage.
-    raised[0] = LLMError(
-        "HTTP 400: Your credit balance is too low to access the Anthropic API",
-        retryable=False,
-        status=400,
-        deployment_fault=True,
-        code="invalid_request_error",
-    )
-    with factory.begin() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=now()))
-    assert run_job(rt, job_id, kind).status == "retry"
-    state = job(factory, job_id)
-    assert (state.attempts, state.worker_losses) == (2, 2)

@@ -23,6 +23,7 @@ JOB_FIELDS = (
     "status",
     "attempts",
     "worker_losses",
+    "provider_outage_since",
     "last_error",
     "counters",
     "created_at",

@@ -136,12 +136,11 @@ def extract_page(ctx: JobContext) -> WorkResult:
     if counters.pages_failed:
         failed = [p for p in counters.pages if p.status == "failed"]
         reason = "; ".join(p.reason for p in failed)
-        # A provider outage or a spent account (llm.errors.provider_cannot_serve) is infrastructure, as
-        # the database going away is (worker.jobs.lifecycle's rule for an LLMError raised): re-sent on
-        # the larger worker-loss budget (20 runs, jittered backoffs up to 5 minutes: about 45 minutes),
-        # where its five attempts failed every job in flight within minutes of an outage.
+        # A provider outage or a spent account (llm.errors.provider_cannot_serve) is nobody's fault (as
+        # worker.jobs.lifecycle's rule for an LLMError raised): the job waits it out on its outage clock
+        # (worker.jobs.outages), where its five attempts failed every job in flight within minutes.
         away = all(p.provider_away for p in failed)
-        return WorkResult("requeue" if away else "retry", counters=counters_dict, note=reason)
+        return WorkResult("outage" if away else "retry", counters=counters_dict, note=reason)
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its
         # source's orphaned links. On every successful run, not only when facts went in: a run that

@@ -36,6 +36,7 @@ from worker.core import progress
 from worker.core.errors import error_summary
 from worker.jobs import revocations
 from worker.jobs.budgets import JobBudgets
+from worker.jobs.outages import ClockChange
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,13 @@ def fail_if_spent(
         restarted = session.execute(
             update(JOBS)
             .where(JOBS.c.id == job_id, JOBS.c.rerun_requested)
-            .values(rerun_requested=False, attempts=0, worker_losses=0, budget_since=func.now())
+            .values(
+                rerun_requested=False,
+                attempts=0,
+                worker_losses=0,
+                provider_outage_since=None,
+                budget_since=func.now(),
+            )
             .returning(JOBS.c.id)
         ).scalar_one_or_none()
     if restarted is not None:
@@ -370,6 +377,17 @@ _FINISH = (
             else_=JOBS.c.worker_losses + bindparam("loss_spent"),
         ),
         finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
+        # The outage clock (worker.jobs.outages): started or kept by a run the provider could not serve,
+        # emptied when the job finishes; any other run leaves it (the clock's read sees what was served).
+        provider_outage_since=case(
+            (bindparam("outage", type_=Text) == "restart", func.now()),
+            (
+                bindparam("outage", type_=Text) == "keep",
+                func.coalesce(JOBS.c.provider_outage_since, func.now()),
+            ),
+            (bindparam("finished", type_=Boolean), None),
+            else_=JOBS.c.provider_outage_since,
+        ),
         # The database's clock, as the sweeper compares it with its own now(): a worker's clock behind
         # by more than the backoff made the retry look overdue at once (sent again, its backoff skipped).
         # Without a requeue time, a time still ahead (an operator's run took the job during its
@@ -404,12 +422,14 @@ def finish(
     worker_lost: bool = False,
     budgets_renewed: bool = False,
     one_run_options: tuple[str, ...] = (),
+    outage: ClockChange | None = None,
 ) -> Finished | None:
     """Record the end of a run (succeeded, failed, paused, or queued again for a retry).
 
     ``attempt``: the run reached a verdict of its own (it counts against max_attempts);
     ``worker_lost``: infrastructure cut it short (it counts against max_worker_losses); a pause is
-    neither. ``budgets_renewed``: a run that paused after making progress starts both counters over
+    neither, and neither is an outage (``outage``: the provider could not serve the run; how its clock
+    moves). ``budgets_renewed``: a run that paused after making progress starts both counters over
     (a job that lives through many runs, as a backfill's does, spent its five attempts over days).
 
     ``requeue_in``: seconds from the database's now() before the sweeper may send it again.
@@ -433,6 +453,7 @@ def finish(
         "finished": status in FINISHED,
         "budgets_renewed": budgets_renewed,
         "requeue_in": requeue_in,
+        "outage": outage,
     }
     with factory.begin() as session:
         job = session.execute(_FINISH, params).one_or_none()
@@ -457,6 +478,7 @@ def finish(
                     finished_at=None,
                     attempts=0,
                     worker_losses=0,
+                    provider_outage_since=None,
                     budget_since=func.now(),
                     options=_rerun_options(one_run_options),
                 )

@@ -29,6 +29,7 @@ from worker.jobs.leases import (
     finish,
     new_lease_token,
 )
+from worker.jobs.outages import read_outage_clock, spent_note, waiting_note
 from worker.jobs.outbox import BUDGET, KILL_SWITCH
 from worker.jobs.registry import (
     Backoff,
@@ -46,7 +47,7 @@ from worker.runtime.logs import log_context
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["succeeded", "failed", "retry", "requeue", "paused", "lost", "released"]
+Status = Literal["succeeded", "failed", "retry", "requeue", "outage", "paused", "lost", "released"]
 RELEASED_NOTE = "released by a stopping worker; re-sent to the next one"
 INTERRUPTED_NOTE = "its run was interrupted; released and re-sent to a worker"
 
@@ -74,9 +75,10 @@ COMMON_ERRORS: tuple[ErrorRule, ...] = (
     ErrorRule(SQLAlchemyError, "requeue", when=database_unavailable),
     ErrorRule(OperationalError, "retry"),
     # The LLM provider unavailable past the retry layer's patience (429, 5xx), or refusing for the
-    # account's money (every job fails alike until someone pays): infrastructure too. As the job's own
-    # failure, an outage of minutes (or a spent quota, within a minute) failed every job in flight.
-    ErrorRule(LLMError, "requeue", when=provider_cannot_serve),
+    # account's money (every job fails alike until someone pays): the job waits it out on its outage
+    # clock (worker.jobs.outages). As the job's own failure, an outage of minutes (or a spent quota,
+    # within a minute) failed every job in flight; as a worker loss, one of three quarters of an hour.
+    ErrorRule(LLMError, "outage", when=provider_cannot_serve),
     # Any other provider error (a 401, a model that does not exist): retried, noted in the provider's
     # words (what to fix is there; sorted with the unknown errors, the note named its class only).
     ErrorRule(LLMError, "retry"),
@@ -152,9 +154,9 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
     if rule.action == "pause":
         note = paused_reason(kind.switch) if rule.pause_reason == KILL_SWITCH else str(exc)
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
-    if rule.action in ("retry", "requeue"):
+    if rule.action in ("retry", "requeue", "outage"):
         logger.warning("job of kind %s raised %s; %s", kind.name, type(exc).__name__, rule.action)
-        return WorkResult("retry" if rule.action == "retry" else "requeue", note=error_summary(exc))
+        return WorkResult(rule.action, note=error_summary(exc))
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))
     if rule.action == "release":
@@ -316,6 +318,10 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
         return JobOutcome("lost", detail=result.detail)
     if result.status == "released":
         return release(rt, lease, result)
+    if result.status == "outage":
+        return wait_out_outage(
+            rt, lease, result.note or "the provider cannot serve", backoff, result.counters
+        )
     if result.status in ("retry", "requeue"):
         return retry_or_fail(
             rt,
@@ -394,6 +400,40 @@ def retry_or_fail(
     if spent or delay is None:
         return JobOutcome("failed", detail=reason)
     return JobOutcome("retry", retry_in=delay, detail=reason)
+
+
+def wait_out_outage(
+    rt: Runtime, lease: Lease, reason: str, backoff: Backoff, counters: dict[str, Any] | None = None
+) -> JobOutcome:
+    """The provider could not serve the run: queue the job again after a wait as long as the outage so
+    far (up to the backoff's ceiling), spending neither budget, or fail it once the provider has served
+    it nothing for the patience (worker.jobs.outages). Before the clock, a provider outage spent worker
+    losses: one of three quarters of an hour failed every job in flight, and its requeues counted as
+    crash loops."""
+    job_id, token = lease.job.id, lease.token
+    patience = rt.settings.job_provider_outage_patience_seconds
+    clock = read_outage_clock(rt.factory, job_id)
+    spent = clock.spent(patience)
+    delay = None if spent else clock.backoff(backoff.base_seconds, backoff.max_seconds)
+    note = spent_note(clock, reason) if spent else waiting_note(clock, patience, reason)
+    done = finish(
+        rt.factory,
+        job_id,
+        token,
+        "failed" if spent else "queued",
+        counters=counters,
+        last_error=made_storable(note)[:MAX_NOTE_CHARS],
+        requeue_in=delay,
+        outage=None if spent else clock.change,
+        one_run_options=_one_run_options(lease),
+    )
+    if done is None:  # taken over meanwhile: the new holder's run decides
+        return JobOutcome("lost", detail="the lease was taken over; the retry is the new holder's")
+    _send_rerun(rt, done)
+    if delay is None:
+        logger.warning("job %s failed: the provider served it nothing for %.0f s", job_id, clock.elapsed)
+        return JobOutcome("failed", detail=note)
+    return JobOutcome("retry", retry_in=delay, detail=note)
 
 
 def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:

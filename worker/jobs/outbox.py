@@ -290,6 +290,7 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         # reset them, so none of them can run a job past either cap).
         job.attempts = 0
         job.worker_losses = 0
+        job.provider_outage_since = None  # and the outage clock (worker.jobs.outages)
         job.budget_since = func.now()  # and its own LLM budget (a job paused for it would pause again)
         # Due at once: a backoff's end still ahead (the job failed or was cancelled while waiting it out)
         # would hold the operator's retry until then.

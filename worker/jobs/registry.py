@@ -23,12 +23,13 @@ KIND_MODULES: dict[str, str] = {
 }
 
 # retry: the job's own failure (spends an attempt); requeue: infrastructure cut the run short (spends a
-# worker loss); pause: waits for a switch or the LLM budget (spends nothing); lost: another worker took
-# the lease over (it counted the loss); release: the worker is stopping, so the job goes back to the
-# queue at once for another worker (spends nothing); fail: no retry.
+# worker loss); outage: the LLM provider cannot serve (spends neither; the job waits the outage out on
+# its clock, worker.jobs.outages); pause: waits for a switch or the LLM budget (spends nothing); lost:
+# another worker took the lease over (it counted the loss); release: the worker is stopping, so the job
+# goes back to the queue at once for another worker (spends nothing); fail: no retry.
 KILL_SWITCH = "kill_switch"  # pause reasons every kind has: its switch is off; a budget has no room
 BUDGET = "budget"
-Action = Literal["retry", "requeue", "pause", "fail", "lost", "release"]
+Action = Literal["retry", "requeue", "outage", "pause", "fail", "lost", "release"]
 
 
 class UnknownJobKindError(ValueError):

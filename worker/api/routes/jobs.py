@@ -54,6 +54,9 @@ class JobOut(BaseModel):
     status: str
     attempts: int  # runs that reached a verdict of their own (capped by FACTMILL_JOB_MAX_ATTEMPTS)
     worker_losses: int  # runs their worker never finished (capped by FACTMILL_JOB_MAX_WORKER_LOSSES)
+    # Since when the LLM provider has served the job nothing (an outage; empty while it serves it): the
+    # job fails FACTMILL_JOB_PROVIDER_OUTAGE_PATIENCE_SECONDS after it (worker.jobs.outages).
+    provider_outage_since: datetime | None = None
     options: dict[str, Any]
     counters: dict[str, Any]
     last_error: str | None
