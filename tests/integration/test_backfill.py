@@ -1728,3 +1728,44 @@ def test_the_kill_switch_stops_a_pass_sending_its_batches(factory, rt, sim, monk
     with factory() as session:
         statuses = sorted(session.scalars(select(BackfillBatch.status)).all())
     assert statuses.count("planned") == 2, statuses  # sent once the switch is on again
+
+
+@pytest.mark.parametrize("fault", ["no batch API", "key refused"])
+def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
+    factory, database_url, rt, sim, monkeypatch, fault
+):
+    """A worker switched to a provider with no batch API (online extraction moved to vLLM), or a key
+    rotated under a backfill: the job failed (at once, or after its five attempts), and with it nothing
+    polled its batches again: their paid results were never collected, their copies of the pages never
+    deleted nor owed, and their estimate counted in flight for good. It waits on them now, saying why."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)  # the batch runs until the test ends it
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    if fault == "no batch API":
+        elsewhere = Settings(database_url=database_url, llm="openai-compatible", llm_base_url=sim.base_url)
+        faulty = Runtime(settings=elsewhere, factory=factory, config=ConfigReader(factory, ttl=0))
+    else:
+        faulty = rt
+
+        def refused(self: Any, batch_id: str) -> Any:
+            raise LLMError("HTTP 401: invalid api key", retryable=False, status=401, deployment_fault=True)
+
+        monkeypatch.setattr(OpenAIBatchClient, "status", refused)
+    try:
+        for _ in range(6):  # past the five attempts a job has
+            assert run_pass(faulty, job_id).status == "paused"
+    finally:
+        if faulty is not rt:
+            faulty.close()
+    job = job_row(factory, job_id)
+    assert (job.status, job.pause_reason, job.attempts) == ("paused", "batch", 0)
+    expected = "no batch API" if fault == "no batch API" else "invalid api key"
+    assert "1 batch(es) of backfill" in (job.last_error or "") and expected in (job.last_error or ""), (
+        job.last_error
+    )
+    # Mended: the next pass collects what the provider held.
+    monkeypatch.undo()
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 8}

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
+from worker.core.errors import error_summary
 from worker.extraction.backfill import BackfillDeps, BackfillPass, run_backfill_pass
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import (
@@ -22,7 +23,7 @@ from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
-from worker.llm.errors import LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -61,6 +62,37 @@ def pass_deps(ctx: JobContext, client: BatchLLMClient, committed: FactsCommitted
 
 
 def backfill_pass(ctx: JobContext) -> WorkResult:
+    """One pass of the backfill. While the provider holds batches of it, an error that would end the
+    job (a worker's settings that leave it no batch API, a key the provider refuses, an outage past its
+    patience) makes it wait on them instead: failed, nothing polled it again, and the batches' paid
+    results were never collected, their copies (page text) never deleted nor owed, and their estimate
+    counted in flight for good. The beat's poll asks again until the fault is mended."""
+    try:
+        return _one_pass(ctx)
+    except (LLMConfigurationError, LLMError) as exc:
+        if isinstance(exc, BudgetExhaustedError):  # a pause of its own, woken when the budget has room
+            raise
+        backfill_id = int(ctx.option("backfill"))
+        held = BackfillStore(ctx.rt.factory).batches(backfill_id, ("submitting", "submitted"))
+        if not held:
+            raise
+        logger.warning(
+            "backfill %s: %s with %d batch(es) at the provider; waiting on them", backfill_id,
+            type(exc).__name__, len(held),
+        )  # fmt: skip
+        return WorkResult(
+            "paused",
+            note=(
+                f"{len(held)} batch(es) of backfill {backfill_id} are at the provider, and this worker "
+                f"cannot ask about them: {error_summary(exc)}; asked again every "
+                f"{ctx.rt.settings.backfill_poll_seconds:g}s until that is mended"
+            ),
+            pause_reason=WAITING_FOR_BATCHES,
+            detail="waiting for provider batches it cannot ask about",
+        )
+
+
+def _one_pass(ctx: JobContext) -> WorkResult:
     rt, settings = ctx.rt, ctx.rt.settings
     backfill_id = int(ctx.option("backfill"))
     unavailable = batch_unavailable(settings)
