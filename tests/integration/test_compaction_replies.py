@@ -64,6 +64,13 @@ def context_messages(factory: sessionmaker[Session], transcript_id: str) -> list
         ("\ufeff## Goal\nShip it.", True),  # a byte-order mark
         ("## Goal of the session\n", False),
         ("One.\nTwo.\nThree.\n## Goal\nShip it.", False),  # past the first three lines
+        # A reasoning model's thoughts ahead of it (an OpenAI-compatible server's reply text).
+        (
+            "<think>\nThe user wants a summary.\nGoal first.\nThen progress.\n</think>\n\n## Goal\nShip it.",
+            True,
+        ),
+        ("<THINKING>a\nb\nc\nd</THINKING>## Goal\nShip it.", True),
+        ("<think>never closed\na\nb\n## Goal\nShip it.", False),
     ],
 )
 def test_a_summary_opens_with_its_goal_heading(text: str, expected: bool) -> None:
@@ -166,6 +173,7 @@ def test_a_compaction_job_superseded_by_another_compaction_succeeds(
 def test_a_code_fence_or_a_preamble_around_a_summary_is_not_stored() -> None:
     assert summary_of("```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
     assert summary_of("\ufeff## Goal\nShip it.") == "## Goal\nShip it."
+    assert summary_of("<think>\nfirst the goal\n</think>\n## Goal\nShip it.") == "## Goal\nShip it."
     assert summary_of("Here is the summary:\n\n## Goal\nShip it.") == "## Goal\nShip it."
     assert summary_of("Here is the summary:\n```markdown\n## Goal\nShip it.\n```") == "## Goal\nShip it."
     # A section the model put before the Goal is the summary's own: kept, with the rest.
@@ -280,3 +288,44 @@ def test_calls_recorded_for_an_erased_page_keep_a_refusals_length_not_a_provider
         ids = Ledger(lambda key: None).record_many(session, [refusal, failed], erased=True)
     with tx_factory() as session:
         assert [session.get(LLMCall, i).error for i in ids] == [kept_error(refusal), ERASED_CALL_ERROR]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "said", ["", "Let me first work out what the user is after. The transcript opens with"]
+)
+def test_a_reply_cut_off_before_any_summary_fails_naming_the_cap(
+    database_url: str, tx_factory: sessionmaker[Session], sim: Any, said: str
+) -> None:
+    """A reasoning model that thought past the output cap (nothing written), or a preamble that ran past
+    it: stored as "an empty reply" or asked again at the same cap as "not a summary", the calls' rows
+    never said truncated_output, and nothing named the setting to raise."""
+    from worker.llm.openai_compat import OpenAIChatClient
+
+    cut = {
+        "id": "chatcmpl-cut",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "simulator-1",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": said}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 900, "completion_tokens": 4096, "total_tokens": 4996},
+    }
+    request = append(tx_factory, "cut", session_messages(25), settings=SETTINGS)
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    sim.configure(raw_replies={"chat.completions": cut})
+    try:
+        outcome = run_job(runtime(database_url, tx_factory, llm), request.trigger.job.job_id, jobs.COMPACTION)
+    finally:
+        sim.configure(raw_replies={})
+    assert outcome.status == "failed"
+    [row] = compactions(tx_factory, "cut")
+    assert row.status == "failed" and row.summary is None
+    assert row.error == (
+        "the summarizer's reply was cut off at its output cap (4096 tokens) before any summary; raise "
+        "FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS; the history was left as it was"
+    )
+    assert [call.outcome for call in llm_calls(tx_factory)] == ["truncated_output"], "not asked again"
+    assert response_outcome("truncated", said) == "truncated_output"
+    assert response_outcome("truncated", "## Goal\nship it") == "truncated_output"  # a summary begun: judged
+    assert response_outcome("end", said) == ("empty_output" if not said else "malformed_output")

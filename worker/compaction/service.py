@@ -33,6 +33,7 @@ from worker.core.compaction_gate import (
     ResponseOutcome,
     intent_terms,
     judge_summary,
+    opens_as_summary,
     response_outcome,
     retry_terms,
     summary_of,
@@ -327,6 +328,16 @@ class CompactionRun:
                 error=f"the summarizer refused ({len(said)} characters of reply, kept in the attempt log)",
             )
         summary = summary_of(response.text)
+        if result == "truncated_output" and not opens_as_summary(response.text):
+            self.log.append({**entry, "outcome": result, "reply_chars": len(response.text)})
+            return self._finish(
+                "failed",
+                error=(
+                    f"the summarizer's reply was cut off at its output cap ({self.max_output_tokens} tokens) "
+                    "before any summary; raise FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS; "
+                    "the history was left as it was"
+                ),
+            )
         if not summary:
             self.log.append({**entry, "outcome": "empty_output"})
             return self._finish(

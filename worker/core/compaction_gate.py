@@ -38,6 +38,10 @@ _GOAL_HEADING: Final = re.compile(
 )
 SUMMARY_LEAD_LINES: Final = 3
 _FENCE_OPEN: Final = re.compile(r"```[\w.+-]*[ \t]*")
+# A reasoning model's thoughts some OpenAI-compatible servers (vLLM, Ollama, llama.cpp with DeepSeek-R1
+# or Qwen3) put in the reply's text ahead of the answer: never the summary. Left in, no real one let the
+# heading fall among the first lines, so every compaction on such a server failed as "not a summary".
+_THOUGHTS: Final = re.compile(r"\A\s*<(think|thinking)>.*?</\1>", re.DOTALL | re.IGNORECASE)
 
 
 def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
@@ -138,8 +142,9 @@ def retry_terms(gate: GateResult, query_terms: Sequence[str]) -> list[str]:
 
 
 def _unfenced(reply: str) -> str:
-    """The reply without a byte-order mark and without a code fence around the whole of it."""
-    text = reply.lstrip("\ufeff").strip()
+    """The reply without a byte-order mark, a reasoning model's thoughts ahead of it, and a code fence
+    around the whole of it."""
+    text = _THOUGHTS.sub("", reply.lstrip("\ufeff"), count=1).strip()
     first, _, rest = text.partition("\n")
     if _FENCE_OPEN.fullmatch(first.strip()):
         text = rest.rstrip()
@@ -195,6 +200,11 @@ def response_outcome(finish: str, text: str) -> ResponseOutcome:
     """How a summarizer reply ended, as its llm_calls row records it."""
     if finish == "refusal":
         return "refusal"
+    if finish == "truncated" and not opens_as_summary(text):
+        # Cut off before any summary (a reasoning model thinking past the cap, a long preamble): the cap
+        # is at fault, not the model, so the row says so (it read "empty" or "not a summary", asked again
+        # at the same cap, and nothing named the setting to raise).
+        return "truncated_output"
     if not text.strip():
         return "empty_output"
     if not opens_as_summary(text):
