@@ -285,3 +285,23 @@ def test_a_run_that_fails_while_new_content_arrived_is_sent_again_for_it(factory
     assert broker.queued("extraction") - before == Counter({("tasks.extraction.extract_page", job_id): 1})
     assert (state.status, state.attempts, state.rerun_requested) == ("queued", 0, False)
     assert (state.last_error or "").startswith("RuntimeError at ")
+
+
+@pytest.mark.parametrize("verdict", ["succeeded", "failed", "paused"])
+def test_a_run_whose_lease_was_taken_over_before_its_end_was_written_reports_it_lost(
+    factory, runtime, verdict
+) -> None:
+    """The sweeper took a stale lease over between the run's last check and its end: nothing was
+    written, yet the task reported the run's verdict (Flower showed "succeeded" for a job queued
+    again), and a failure's note was dropped without a word."""
+    rt = runtime()
+
+    def work(ctx: JobContext) -> WorkResult:
+        set_job(factory, ctx.job.id, worker="another-worker:abc")  # taken over meanwhile
+        return WorkResult(verdict, note="the run's verdict")  # type: ignore[arg-type]
+
+    kind, job_id = kind_doing(work), new_job(factory)
+    outcome = run_job(rt, job_id, kind)
+    assert outcome.status == "lost" and verdict in outcome.detail
+    state = job(factory, job_id)
+    assert (state.status, state.worker, state.last_error) == ("running", "another-worker:abc", None)

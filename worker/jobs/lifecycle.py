@@ -344,6 +344,12 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
         budgets_renewed=status == "paused" and result.progressed,
         one_run_options=_one_run_options(lease),
     )
+    if done is None:
+        # The lease was taken over between the run's last check and this write: nothing was written,
+        # and the new holder's run decides (reported as this run's verdict, Flower showed a job
+        # "succeeded" that was queued again, and a failure's note was dropped without a word).
+        logger.warning("job %s: its lease was taken over before its %s run was recorded", job_id, status)
+        return JobOutcome("lost", detail=f"the lease was taken over; this run's {status} was not recorded")
     _send_rerun(rt, done)
     return JobOutcome(status, detail=result.detail)
 
