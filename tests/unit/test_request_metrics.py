@@ -98,3 +98,38 @@ def test_a_multiprocess_folder_the_operator_names_is_made_and_cleared_of_earlier
         assert sorted(p.name for p in missing.iterdir()) == ["README"]
         assert Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) == missing
     assert missing.is_dir()  # the operator's: kept
+
+
+def test_a_request_cancelled_before_its_answer_is_counted_as_499_not_500(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn cancels the requests still open when a stopping server's graceful timeout ends: each was
+    counted (and logged) as a 500, so every rollout's slow requests showed as server errors."""
+    import asyncio
+    import logging
+
+    from prometheus_client import Counter, Histogram
+
+    from worker.api.request_metrics import RequestMetricsMiddleware
+
+    async def cancelled_app(scope: object, receive: object, send: object) -> None:
+        raise asyncio.CancelledError
+
+    registry = CollectorRegistry()
+    requests = Counter("t_requests", "requests", ["method", "route", "status"], registry=registry)
+    latency = Histogram("t_latency", "latency", ["method", "route"], registry=registry)
+    middleware = RequestMetricsMiddleware(cancelled_app, requests, latency)  # type: ignore[arg-type]
+    scope = {"type": "http", "method": "GET", "path": "/slow", "client": ("10.0.0.1", 1)}
+
+    async def nothing() -> dict[str, object]:
+        return {}
+
+    async def ignore(message: object) -> None:
+        return None
+
+    caplog.set_level(logging.INFO, logger="worker.api.access")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(middleware(scope, nothing, ignore))  # type: ignore[arg-type]
+    scraped = generate_latest(registry).decode()
+    assert 't_requests_total{method="GET",route="unmatched",status="499"} 1.0' in scraped
+    assert 'status="500"' not in scraped and " 499 " in caplog.text

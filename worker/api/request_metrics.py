@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from worker.guards import route_template, unexpected_status
 
 logger = logging.getLogger(__name__)
 
+CANCELLED_STATUS = 499  # a request cancelled before its answer (not an HTTP status a client sees)
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
@@ -52,6 +54,13 @@ class RequestMetricsMiddleware:
             # Not answered yet: the request-id middleware outside answers it (a database outage as 503).
             if not started:
                 status = unexpected_status(exc)
+            raise
+        except asyncio.CancelledError:
+            # Cancelled before an answer (the server stopping past its graceful timeout, the client
+            # gone): nothing failed, so not a 500 (every rollout's slow requests showed as errors).
+            # 499, the status proxies log for a request that ended unanswered.
+            if not started:
+                status = CANCELLED_STATUS
             raise
         finally:
             elapsed = time.perf_counter() - began
