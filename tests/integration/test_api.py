@@ -1065,6 +1065,48 @@ def test_paused_jobs_are_counted_by_why(client: TestClient, tx_factory: sessionm
     assert 'factmill_jobs_paused{kind="compaction",reason="kill_switch"} 1.0' in text  # no reason: a switch
 
 
+def test_jobs_waiting_with_no_worker_on_them_show_how_long(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """A queue nobody takes from (workers down) or a sweeper that stopped (beat down) left jobs queued or
+    running for good with no alert: the backlog rule needs a thousand growing, and nothing watched a
+    running job's heartbeat."""
+    from datetime import timedelta
+
+    from models import Job
+    from tests.clock import now
+
+    with tx_factory.begin() as session:
+        session.add_all(
+            [
+                Job(
+                    kind="extraction", subject="a", status="queued", created_at=now() - timedelta(minutes=20)
+                ),
+                Job(
+                    kind="extraction", subject="b", status="queued", enqueued_at=now() - timedelta(minutes=5)
+                ),
+                # Waiting out a backoff (or an outage): not due, not counted.
+                Job(kind="compaction", subject="c", status="queued", enqueued_at=now() + timedelta(hours=1)),
+                Job(
+                    kind="consolidation",
+                    subject="d",
+                    status="running",
+                    heartbeat_at=now() - timedelta(minutes=10),
+                ),
+            ]
+        )
+    metrics = client.get("/metrics", headers=ADMIN_HEADERS).text
+
+    def value(name: str, kind: str) -> float:
+        [line] = [line for line in metrics.splitlines() if line.startswith(f'{name}{{kind="{kind}"}}')]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert 1190 <= value("factmill_job_oldest_due_seconds", "extraction") <= 1300
+    assert value("factmill_job_oldest_due_seconds", "compaction") == 0.0
+    assert 590 <= value("factmill_job_oldest_heartbeat_seconds", "consolidation") <= 700
+    assert value("factmill_job_oldest_heartbeat_seconds", "extraction") == 0.0
+
+
 def answers_while_every_request_thread_is_busy(client: TestClient, path: str, **kw: Any) -> Any:
     """GET ``path`` while every request thread (FACTMILL_API_THREADS) is held; the answer, or None when
     it waited for one."""

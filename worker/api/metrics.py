@@ -36,6 +36,7 @@ from models import (
     RowCount,
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES, ProviderCopy
+from worker.api.job_waits import JobWaits
 from worker.api.request_metrics import install_request_metrics
 from worker.api.scrape_reads import MissingReadsCollector, ScrapeTimeCollector
 from worker.config_store import KILL_SWITCHES, is_enabled
@@ -122,6 +123,7 @@ class _StoreRows:
                 .group_by(Job.kind, Job.pause_reason)
             )
         }
+        self.waits = JobWaits.read(session)
         self.llm_rows = session.execute(_LLM_TOTALS).all()
         self.latency_buckets: dict[str, list[int]] = {}
         for purpose, _, n in session.execute(_LATENCY_BUCKETS):
@@ -219,6 +221,7 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
             switches,
             jobs_gauge,
             _paused_jobs(rows.paused, kinds),
+            *rows.waits.metrics(kinds),
             attempts,
             losses,
             ended,
