@@ -364,12 +364,12 @@ class ServiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
-    def terminate(self, timeout: float) -> int | None:
-        """SIGTERM the process group and wait for it to exit by itself: its exit code, or None if it
-        was still running after ``timeout`` (left running: ``stop`` or ``kill`` it)."""
+    def terminate(self, timeout: float, sig: int = signal.SIGTERM) -> int | None:
+        """SIGTERM (or ``sig``) the process group and wait for it to exit by itself: its exit code, or
+        None if it was still running after ``timeout`` (left running: ``stop`` or ``kill`` it)."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.killpg(self.proc.pid, sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

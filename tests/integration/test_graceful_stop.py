@@ -81,14 +81,19 @@ def lease(factory: sessionmaker[Session], job_id: int) -> tuple[str, str | None]
 
 
 def stop_holder_mid_page(
-    factory: sessionmaker[Session], job_id: int, holder: ServiceProcess, other: ServiceProcess
+    factory: sessionmaker[Session],
+    job_id: int,
+    holder: ServiceProcess,
+    other: ServiceProcess,
+    sig: int = signal.SIGTERM,
 ) -> float:
-    """SIGTERM the worker holding the job mid-page; the seconds until the other worker claimed it."""
+    """SIGTERM (or ``sig``) the worker holding the job mid-page; the seconds until the other worker
+    claimed it."""
     wait_for(lambda: len(fact_rows(factory)) > 5, 60, "some segments to commit")
     status, held_by = lease(factory, job_id)
     assert status == "running" and held_by is not None, "SIGTERM should land mid-page"
     sigterm_at = time.monotonic()
-    stopper = threading.Thread(target=holder.terminate, args=(EXIT_TIMEOUT * 4,), daemon=True)
+    stopper = threading.Thread(target=holder.terminate, args=(EXIT_TIMEOUT * 4, sig), daemon=True)
     stopper.start()
     wait_for(
         lambda: lease(factory, job_id)[1] not in (None, held_by),
@@ -104,9 +109,13 @@ def stop_holder_mid_page(
     return gap
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT], ids=["SIGTERM", "SIGQUIT"])
 def test_sigterm_releases_the_running_job_to_another_worker_at_once(
-    factory, env, sender, server_url, simulator
+    factory, env, sender, server_url, simulator, sig
 ):
+    """SIGQUIT too: Celery's cold shutdown asked the threads pool to kill its jobs, which it cannot, so
+    it raised before the stop Factmill listens for was sent: no job was handed back, no grace period
+    armed, and the worker waited for its jobs however long (they stayed running until the sweeper)."""
     # ~100 calls at 300 ms, 4 in flight: several seconds of work, so SIGTERM lands mid-page. Until the
     # second worker is up (slow on a loaded machine) the calls take 2 s, so the page cannot finish first.
     simulator.configure(latency_ms=2000)
@@ -118,14 +127,14 @@ def test_sigterm_releases_the_running_job_to_another_worker_at_once(
         other = start_worker(env, concurrency=1, name=f"other-{uuid.uuid4().hex[:4]}@%h")
         with running(other):
             simulator.configure(latency_ms=300)
-            gap = stop_holder_mid_page(factory, job_id, holder, other)
+            gap = stop_holder_mid_page(factory, job_id, holder, other, sig)
             wait_for(
                 lambda: statuses(factory).get("succeeded", 0) == 1,
                 120,
                 "the job to succeed on the other worker",
                 diagnostics=lambda: f"{statuses(factory)}\n{other.tail()}",
             )
-    print(f"\nSIGTERM -> other worker's claim (threads pool): {gap:.2f}s")
+    print(f"\n{signal.Signals(sig).name} -> other worker's claim (threads pool): {gap:.2f}s")
     with factory() as session:
         job = session.get(Job, job_id)
         assert job is not None
@@ -343,6 +352,14 @@ def test_a_closed_terminal_stops_the_children_too() -> None:
     SIGTERM (Celery restarts on a SIGHUP)."""
     with two_children(HANGING_UP_PARENT) as parent:
         parent.send_signal(signal.SIGHUP)
+        out, _ = parent.communicate(timeout=30)
+        assert out.split() == ["term", "term"] and parent.returncode == 0
+
+
+def test_a_quit_reaches_the_children_as_sigterm() -> None:
+    """Passed on as SIGQUIT, each child began Celery's cold shutdown, which the threads pool cannot do."""
+    with two_children(HANGING_UP_PARENT) as parent:
+        parent.send_signal(signal.SIGQUIT)
         out, _ = parent.communicate(timeout=30)
         assert out.split() == ["term", "term"] and parent.returncode == 0
 

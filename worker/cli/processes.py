@@ -2,7 +2,8 @@
 
 One Python process uses one core at a time (the GIL), so a worker that should use the machine runs one
 process per core, each with its own LLM pipe and job threads. The parent only forwards SIGTERM,
-SIGINT, SIGQUIT and SIGHUP (as SIGTERM; each child then stops gracefully: see worker.jobs.shutdown)
+SIGINT, SIGQUIT and SIGHUP (the last two as SIGTERM; each child then stops gracefully: see
+worker.jobs.shutdown)
 and waits; it exits with the first non-zero exit code of its children. When one child exits by itself
 the others are stopped too, so a supervisor (systemd, Docker, Kubernetes) restarts the whole worker. A
 child still running ``STOP_MARGIN_SECONDS`` past its own grace period (it should have exited by then,
@@ -77,7 +78,7 @@ def run_children(
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping, kill_at
-        stopping = signal.SIGTERM if signum == signal.SIGHUP else signum
+        stopping = signal.SIGTERM if signum in (signal.SIGHUP, signal.SIGQUIT) else signum
         if kill_at is None:
             kill_at = time.monotonic() + grace_seconds + STOP_MARGIN_SECONDS
         for child in children:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -75,8 +76,21 @@ def on_worker_shutdown(**_: Any) -> None:
 
 
 def on_worker_shutting_down(**_: Any) -> None:
-    """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, SIGQUIT in the main process)."""
+    """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, and SIGQUIT: see below)."""
     request_stop(get_settings().grace_seconds)
+
+
+def quit_as_term(**_: Any) -> None:
+    """Celery's ``worker_ready``, its own signal handlers installed: SIGQUIT stops the worker as SIGTERM
+    does. Celery's SIGQUIT (a cold shutdown) first asks the pool to kill the running tasks, which the
+    threads pool (the workers' default) cannot do: it raised before ``worker_shutting_down`` was sent,
+    so no job was handed back, no grace period was armed, and the worker waited for its jobs however
+    long they took (the jobs stayed running until the sweeper). Here a job is handed back at its next
+    check, and the grace period bounds the stop, the same on every pool."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: the main thread's
+        logger.warning("worker_ready came on another thread; SIGQUIT keeps Celery's cold shutdown")
+        return
+    signal.signal(signal.SIGQUIT, signal.getsignal(signal.SIGTERM))
 
 
 __all__ = [
@@ -85,6 +99,7 @@ __all__ = [
     "grace_left",
     "on_worker_shutdown",
     "on_worker_shutting_down",
+    "quit_as_term",
     "request_stop",
     "stopping",
 ]
