@@ -30,7 +30,8 @@ from worker.compaction import context_view
 from worker.core.compaction_gate import opens_as_summary, response_outcome, summary_of
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
-from worker.llm.types import ChatRequest
+from worker.llm.errors import LLMError
+from worker.llm.types import ChatRequest, ChatResponse, Usage
 
 REFUSAL_IN_PROSE = "I'm sorry, but I can't help with that request."
 
@@ -214,6 +215,37 @@ def test_a_summary_below_tau_then_replies_that_are_not_summaries_is_rejected_as_
     ]
     # Both asks after the first name what it missed.
     assert [bool(a["missed_terms_named"]) for a in row.attempt_log] == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("retry", "outcome"),
+    [
+        ("   \n", "empty_output"),
+        (LLMError("the provider's reply is not text", retryable=False), "provider_error"),
+        (ChatResponse("", "refusal", Usage(10, 3), "scripted", "scripted-1", 4, refusal="no"), "refusal"),
+    ],
+)
+def test_a_summary_below_tau_then_a_retry_that_fails_is_rejected_as_judged(
+    database_url: str, tx_factory: sessionmaker[Session], retry: Any, outcome: str
+) -> None:
+    """The retry naming the missed terms came back empty, refused or failed: the run was stored as
+    failed with no coverage (the first summary's judgement lost to calibration) and the job failed, where
+    two replies that are not summaries reject it as judged."""
+    request = append(tx_factory, "below", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes
+    llm = ScriptedLLM("## Goal\nnope", retry)
+    run = run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    assert run.status == "succeeded"
+    [row] = compactions(tx_factory, "below")
+    assert (row.status, row.summary) == ("rejected", "## Goal\nnope")
+    assert row.coverage is not None and row.coverage < 1.0 and row.missed_terms
+    assert (
+        row.error is not None
+        and row.error.endswith("; the summary was not applied")
+        and "the retry failed (" in row.error
+    )
+    assert [a["outcome"] for a in row.attempt_log] == ["below_threshold", outcome]
 
 
 def test_a_reply_that_is_not_a_summary_does_not_take_the_retry_naming_the_missed_terms(

@@ -256,6 +256,18 @@ class CompactionRun:
             ),
         )
 
+    def _failed(self, why: str, below: _Below | None) -> CompactionOutcome:
+        """A call that ended the run (refused, empty, cut off, failed): the summary judged below τ before
+        it, if any, is rejected as it was judged (stored as failed, its coverage was lost to calibration
+        and the job failed over a retry's hiccup); else the compaction failed."""
+        if below is not None:
+            error = (
+                f"coverage {below.gate.coverage:.3f} was below τ={self.gate_on.tau:.4g}, and the retry "
+                f"failed ({why}); the summary was not applied"
+            )
+            return self._finish("rejected", summary=below.summary, gate=below.gate, error=error)
+        return self._finish("failed", error=f"{why}; the history was left as it was")
+
     def _check(self) -> None:
         """What stops the run: the kill switch, then the job's guard (lease, worker stopping, budgets).
         Asked before each summarizer call and between the gateway's tries of one."""
@@ -312,7 +324,7 @@ class CompactionRun:
                 # the retrigger wait: a minute's wrong key failed every compaction in flight.
                 raise
             self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
-            return self._finish("failed", error=f"the summarizer call failed: {exc}")
+            return self._failed(f"the summarizer call failed: {exc}", below)
         except BaseException as exc:  # stopped between the gateway's tries (switch, lease, SIGTERM)
             self._record_tries(tries_before_stop(exc))
             raise
@@ -323,26 +335,20 @@ class CompactionRun:
             # to the log and the job's note, and a refusal's "reason" is often the summary begun.
             said = response.refusal or response.text.strip()
             self.log.append({**entry, "outcome": result, "refusal": said[:SUMMARY_CHAR_LIMIT]})
-            return self._finish(
-                "failed",
-                error=f"the summarizer refused ({len(said)} characters of reply, kept in the attempt log)",
+            return self._failed(
+                f"the summarizer refused ({len(said)} characters of reply, kept in the attempt log)", below
             )
         summary = summary_of(response.text)
         if result == "truncated_output" and not opens_as_summary(response.text):
             self.log.append({**entry, "outcome": result, "reply_chars": len(response.text)})
-            return self._finish(
-                "failed",
-                error=(
-                    f"the summarizer's reply was cut off at its output cap ({self.max_output_tokens} tokens) "
-                    "before any summary; raise FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS; "
-                    "the history was left as it was"
-                ),
+            return self._failed(
+                f"the summarizer's reply was cut off at its output cap ({self.max_output_tokens} tokens) "
+                "before any summary; raise FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS",
+                below,
             )
         if not summary:
             self.log.append({**entry, "outcome": "empty_output"})
-            return self._finish(
-                "failed", error="the summarizer returned an empty reply; the history was left as it was"
-            )
+            return self._failed("the summarizer returned an empty reply", below)
         if result == "malformed_output":
             # Not a summary (prose, an obeyed instruction): its words stay in the attempt log, as a
             # refusal's do; the next attempt asks again as this one did.
