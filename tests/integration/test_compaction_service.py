@@ -1551,6 +1551,33 @@ def test_a_page_of_messages_stops_at_its_byte_budget(client: TestClient, tx_fact
     assert [row.seq for row in rows] == [0] and more
 
 
+def test_a_page_of_compactions_stops_at_its_byte_budget(
+    client: TestClient, tx_factory: sessionmaker[Session]
+):
+    """Up to 1,000 compactions a page, each with a summary and an attempt log of up to three 16,384-
+    character texts: tens of millions of characters built as objects in the API for one request. A page
+    now stops at 8 MiB of them (at least one row) and names the id to go on before."""
+    from models import Compaction
+    from worker.compaction import list_compactions
+
+    assert post_messages(client, "many", {"messages": [{"role": "user", "text": "hi"}]}).status_code < 300
+    with tx_factory.begin() as session:
+        for n in range(3):  # larger than any a run writes: the budget is what is under test
+            big = str(n) * (3 * 1024 * 1024)
+            session.add(
+                Compaction(transcript_id="many", status="failed", cut_seq=0, tokens_before=1, summary=big)
+            )
+    first = client.get("/v1/transcripts/many/compactions", params={"limit": 1000}).json()
+    ids = [c["id"] for c in first["compactions"]]
+    assert len(ids) == 2 and ids == sorted(ids, reverse=True) and first["next_before_id"] == ids[-1]
+    rest = client.get("/v1/transcripts/many/compactions", params={"before_id": ids[-1]}).json()
+    assert len(rest["compactions"]) == 1 and rest["compactions"][0]["id"] < ids[-1]
+    assert rest["next_before_id"] is None
+    with tx_factory() as session:  # one row over the budget still comes, alone
+        rows, more = list_compactions(session, "many", max_bytes=1024)
+    assert [row.id for row in rows] == ids[:1] and more
+
+
 def test_a_context_view_past_its_byte_budget_is_refused_not_loaded(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:

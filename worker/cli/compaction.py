@@ -221,9 +221,8 @@ def transcripts_show(
             stats = transcript_stats(session, transcript_id)
         except TranscriptNotFoundError as exc:
             raise fail(str(exc)) from exc
-        compactions = [
-            fields(row, COMPACTION_FIELDS) for row in list_compactions(session, transcript_id, limit=limit)
-        ]
+        rows, _ = list_compactions(session, transcript_id, limit=limit)
+        compactions = [fields(row, COMPACTION_FIELDS) for row in rows]
     if as_json:
         print_json({**stats.as_dict(), "compactions": compactions})
         return

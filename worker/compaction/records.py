@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -122,17 +122,41 @@ def save_compaction(
     return SavedCompaction(int(saved.scalar_one()), status, error, tokens_after)
 
 
+# A page of compactions stops at this many bytes of summaries and attempt logs (at least one row): each
+# row may carry a 16,384-character summary and two replies of as much in its log, so a page of 1,000
+# built about 48 million characters as objects in the API for one request.
+MAX_COMPACTIONS_PAGE_BYTES = 8 * 1024 * 1024
+_ROW_BYTES = func.coalesce(func.octet_length(Compaction.summary), 0) + func.pg_column_size(
+    Compaction.attempt_log
+)
+
+
 def list_compactions(
-    session: Session, transcript_id: str, *, limit: int = 50, before_id: int | None = None
-) -> list[Compaction]:
-    """Compactions of a transcript, newest first (accepted, rejected and failed alike)."""
+    session: Session,
+    transcript_id: str,
+    *,
+    limit: int = 50,
+    before_id: int | None = None,
+    max_bytes: int = MAX_COMPACTIONS_PAGE_BYTES,
+) -> tuple[list[Compaction], bool]:
+    """Compactions of a transcript, newest first (accepted, rejected and failed alike): up to ``limit``
+    and ``max_bytes``; and whether more follow (older: ask with ``before_id``, the last one's id)."""
     get_transcript(session, transcript_id)
-    query = (
-        select(Compaction)
-        .where(Compaction.transcript_id == transcript_id)
-        .order_by(Compaction.id.desc())
-        .limit(limit)
-    )
+    mine = Compaction.transcript_id == transcript_id
     if before_id is not None:
-        query = query.where(Compaction.id < before_id)
-    return list(session.scalars(query))
+        mine = mine & (Compaction.id < before_id)
+    sizes = session.execute(
+        select(Compaction.id, _ROW_BYTES).where(mine).order_by(Compaction.id.desc()).limit(limit + 1)
+    ).all()
+    taken = total = 0
+    for _, size in sizes[:limit]:
+        if taken and total + size > max_bytes:
+            break
+        taken, total = taken + 1, total + size
+    if not taken:
+        return [], False
+    oldest = sizes[taken - 1][0]
+    rows = session.scalars(
+        select(Compaction).where(mine, Compaction.id >= oldest).order_by(Compaction.id.desc())
+    )
+    return list(rows), len(sizes) > taken

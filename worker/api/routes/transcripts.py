@@ -25,7 +25,6 @@ from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from models import Compaction
 from models.reads import one_snapshot, read_only
 from worker.api.auth import Admin, Ingest, TranscriptIngester, TranscriptReader
 from worker.api.deps import (
@@ -402,9 +401,10 @@ def get_compactions(
     """Accepted, rejected and failed alike. To label one for calibration, send its `id` as
     `compaction_id` and its `coverage` to `POST /v1/feedback` with whether the answer survived."""
     with _transcript_session(ctx) as session:
-        rows: list[Compaction] = list_compactions(session, transcript_id, limit=limit, before_id=before_id)
+        rows, more = list_compactions(session, transcript_id, limit=limit, before_id=before_id)
         compactions = [CompactionOut.model_validate(row) for row in rows]
-    return CompactionsOut(transcript_id=transcript_id, compactions=compactions)
+    next_before = compactions[-1].id if more else None
+    return CompactionsOut(transcript_id=transcript_id, compactions=compactions, next_before_id=next_before)
 
 
 @compaction_router.delete(

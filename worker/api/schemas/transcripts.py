@@ -227,3 +227,6 @@ class CompactionOut(BaseModel):
 class CompactionsOut(BaseModel):
     transcript_id: str
     compactions: list[CompactionOut]
+    # Older ones follow (the page stopped at its limit or at 8 MiB of summaries and logs): ask again with
+    # before_id set to this.
+    next_before_id: int | None = None
