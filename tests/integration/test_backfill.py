@@ -744,6 +744,9 @@ def test_a_request_s_bytes_stay_under_their_bound_on_both_wires(sim):
     overhead = request_overhead_bytes(10, 1024)
     long_text = 'naïve café 東京 "quoted"\n\x01\x1b' * 400  # past the rendering's cut, escapes and all
     bodies = [page_body("Ann Example", "Acme"), page_body("Zoë Ångström", long_text)]
+    # Thirty speakers whose bold "names" run 5,000 characters each: the header (kept whole) held them
+    # all, 57 times the bound the batch was cut by.
+    bodies.append("\n".join(f"**{'Å' * 5000}\x01{n}** (2024-06-01 9:{n:02d} AM): hi" for n in range(30)))
     for body in bodies:
         for segment in split_into_segments(parse_conversation_messages(body)):
             request = segment_request("chat: someone", segment, 10, 1024)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from worker.core.conversation import (
     DEFAULT_SEGMENT_GAP_MINUTES,
     DEFAULT_SEGMENT_MAX_MESSAGES,
+    HEADER_NAME_CHARS,
     MAX_PAGE_BODY_BYTES,
     MIN_SEGMENT_MESSAGES,
     SEGMENT_TEXT_CHAR_LIMIT,
@@ -688,6 +689,19 @@ def test_truncation_cuts_inside_a_single_huge_message() -> None:
     text = render_segment_for_extraction("p", seg)
     assert len(text) == SEGMENT_TEXT_CHAR_LIMIT + len(TRUNCATION_MARKER)
     assert text.endswith("w" + TRUNCATION_MARKER)
+
+
+def test_speakers_names_in_the_header_are_cut_so_a_segment_stays_near_its_limit() -> None:
+    """Names are not bounded by the parse: thirty bold "names" of 100 KB rendered a 3 MB header with no
+    message line in it, sent on every try."""
+    body = "\n".join(f"**{str(n) * 100_000}** (2024-06-01 9:{n:02d} AM): hi" for n in range(10, 40))
+    (seg,) = split_into_segments(parse_conversation_messages(body))
+    text = render_segment_for_extraction("chat", seg)
+    header = text.split("\n---\n")[0]
+    assert len(header) < 30 * (HEADER_NAME_CHARS + 2) + 200
+    assert f"{'10' * 99}1…, " in header and header.count("…") == 30
+    (short,) = split_into_segments([at(0), at(1)])
+    assert "Conversation between Alice Example from " in render_segment_for_extraction("chat", short)
 
 
 def test_header_longer_than_the_limit_is_kept_whole() -> None:

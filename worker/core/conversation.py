@@ -16,6 +16,10 @@ MIN_SEGMENT_MESSAGES: Final = 2
 SEGMENT_TEXT_CHAR_LIMIT: Final = 6500
 MAX_PAGE_BODY_BYTES: Final = 25 * 1024 * 1024
 TRUNCATION_MARKER: Final = "\n…(truncated)"
+# A speaker's name in the header is cut here (with "…"): names are not bounded by the parse, and a
+# page of 30 bold "names" of 100 KB each rendered a 3 MB header with no message in it (the header is
+# kept whole), sent on every try and past any batch's size estimate. No real name comes near.
+HEADER_NAME_CHARS: Final = 200
 # The page types whose body is a conversation (what extraction reads); `extraction.page_types` narrows them.
 CONVERSATION_PAGE_TYPES: Final = ("conversation", "meeting", "slack", "email", "imessage")
 
@@ -305,6 +309,10 @@ def split_into_segments(
 # --- rendering -----------------------------------------------------------------------
 
 
+def _header_name(name: str) -> str:
+    return name if len(name) <= HEADER_NAME_CHARS else name[: HEADER_NAME_CHARS - 1] + "…"
+
+
 def _join_names(names: Sequence[str]) -> str:
     if len(names) <= 1:
         return "".join(names)
@@ -317,10 +325,11 @@ def render_segment_for_extraction(page_label: str, segment: Segment) -> str:
     Past SEGMENT_TEXT_CHAR_LIMIT characters the message lines are cut (at a line break
     when one fits) and TRUNCATION_MARKER is appended. The header is always kept whole,
     so only a header that is itself over the limit makes the result longer than
-    SEGMENT_TEXT_CHAR_LIMIT + len(TRUNCATION_MARKER).
+    SEGMENT_TEXT_CHAR_LIMIT + len(TRUNCATION_MARKER); its speakers' names are cut at
+    HEADER_NAME_CHARS each, so that is a long page label's doing.
     """
     if segment.participants:
-        between = f"Conversation between {_join_names(segment.participants)}"
+        between = f"Conversation between {_join_names([_header_name(n) for n in segment.participants])}"
     else:
         between = "Conversation"
     header = f"Page: {page_label}\n{between} from {segment.start_iso} to {segment.end_iso}\n---\n"

@@ -29,7 +29,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
-from worker.core.conversation import SEGMENT_TEXT_CHAR_LIMIT, Segment, render_segment_for_extraction
+from worker.core.conversation import (
+    HEADER_NAME_CHARS,
+    SEGMENT_TEXT_CHAR_LIMIT,
+    Segment,
+    render_segment_for_extraction,
+)
 from worker.core.errors import error_summary
 from worker.db import database_unavailable
 from worker.extraction.committer import SegmentResults, one_at_a_time
@@ -109,8 +114,10 @@ def segment_bytes(segment: Segment, label: str = "") -> int:
     doubled for JSON's escapes (a newline or a quote is two bytes), and 4 more for each control
     character (written \\u00XX: six bytes)."""
     text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
-    controls = sum(len(_CONTROL.findall(m.text)) for m in segment.messages)
-    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + len(label.encode())) * 2 + 4 * controls + 512
+    # The header's names (each cut at HEADER_NAME_CHARS characters), kept whole beside the cut lines.
+    names = sum(min(len(n.encode()), HEADER_NAME_CHARS * 4) + 5 for n in segment.participants)
+    controls = sum(len(_CONTROL.findall(m.text)) + len(_CONTROL.findall(m.speaker)) for m in segment.messages)
+    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + names + len(label.encode())) * 2 + 4 * controls + 512
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
