@@ -42,7 +42,7 @@ from worker.accounting import cost_usd, parse_prices
 from worker.api.app import create_app
 from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
-from worker.core.conversation import parse_conversation_messages, split_into_segments
+from worker.core.conversation import parse_conversation_messages, segment_bytes, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.backfill import BackfillPass
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
@@ -53,7 +53,7 @@ from worker.extraction.backfill_request import (
     request_backfill,
 )
 from worker.extraction.backfill_store import BackfillStore
-from worker.extraction.batch import request_overhead_bytes, segment_bytes, segment_request
+from worker.extraction.batch import request_overhead_bytes, segment_request
 from worker.extraction.options import CheckpointConflictError
 from worker.extraction.pages import PageIn, store_page
 from worker.extraction.provider_copies import RETRY_AFTER, sweep_provider_copies
@@ -1121,10 +1121,12 @@ def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collect
             )
 
     resend_due()
-    # Nothing left in flight: the send's failure is the job's error (a retry with backoff; a send
-    # that keeps failing ends the job once its attempts are spent).
+    # Nothing left in flight: a refused send is the job's error (a retry with backoff; a send that
+    # keeps failing ends the job once its attempts are spent); an outage is waited out on the job's
+    # outage clock, spending no attempt.
     assert run_pass(rt, job_id).status == "retry" and len(sends) == 3
-    assert job_row(factory, job_id).attempts == 1
+    job = job_row(factory, job_id)
+    assert (job.attempts, job.provider_outage_since is not None) == ((0, True) if retryable else (1, False))
     monkeypatch.undo()
     resend_due()
     sim.configure(batch_delay_seconds=0.05)

@@ -7,14 +7,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import update
 
-from models import Job, LLMCall
+from models import LLMCall
 from tests.clock import now
 from tests.integration.test_job_budgets import job, kind_doing, new_job, set_job
 from worker.jobs.lifecycle import JobContext, WorkResult, run_job
 from worker.jobs.outbox import EXTRACTION, request_job, retry_job
-from worker.jobs.registry import Backoff
+from worker.jobs.registry import Backoff, KillSwitchOffError
+from worker.jobs.shutdown import WorkerStoppingError
 from worker.llm.errors import LLMError
 
 pytestmark = pytest.mark.integration
@@ -106,36 +106,71 @@ def test_a_provider_outage_spends_neither_budget_and_the_job_fails_only_past_the
     assert (state.attempts, state.worker_losses, state.provider_outage_since) == (1, 0, None)
 
 
-def test_the_outage_clock_starts_over_once_the_provider_has_answered_the_job(factory, runtime) -> None:
-    """A flapping provider, or a long page making progress between incidents: an answer since the
-    clock started (any reply, a malformed one too) means the provider serves the job, so the outage
-    counts from now. A failed call is no answer."""
-    rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
-    kind = raising(OVERLOADED)
-    answered, unanswered = new_job(factory, "default|a"), new_job(factory, "default|b")
-    long_ago = now() - timedelta(hours=2)
+def answered(factory, job_id: int, outcome: str = "ok", at: datetime | None = None) -> None:  # type: ignore[no-untyped-def]
+    """An llm_calls row of the job: a call the provider answered (or, ``provider_error``, did not)."""
+    values = {"created_at": at} if at is not None else {}
     with factory.begin() as session:
-        for job_id, outcome in ((answered, "malformed_output"), (unanswered, "provider_error")):
-            session.execute(update(Job).where(Job.id == job_id).values(provider_outage_since=long_ago))
-            session.add(
-                LLMCall(
-                    job_id=job_id,
-                    provider="simulator",
-                    model="simulator-1",
-                    purpose="extraction",
-                    outcome=outcome,
-                    created_at=long_ago + timedelta(minutes=30),
-                )
+        session.add(
+            LLMCall(
+                job_id=job_id,
+                provider="simulator",
+                model="simulator-1",
+                purpose="extraction",
+                outcome=outcome,
+                **values,
             )
-    outcome = run_job(rt, answered, kind)
-    state = job(factory, answered)
-    assert outcome.status == "retry" and state.status == "queued"
-    assert state.provider_outage_since is not None and state.provider_outage_since > now() - timedelta(
-        minutes=5
+        )
+
+
+def test_a_run_the_provider_answered_in_part_with_nothing_gone_forward_spends_an_attempt(
+    factory, runtime
+) -> None:
+    """A segment the provider fails with a 500 every time ("the model produced invalid content"), its
+    later segments answered in the same run and thrown away: taken for an outage, the page waited out
+    the whole patience, paying on every run for the calls in flight. It is the job's own failure."""
+    rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
+    job_id = new_job(factory)
+
+    def work(ctx: JobContext) -> WorkResult:
+        answered(factory, ctx.job.id, "malformed_output")  # an answer, even one of no use
+        raise OVERLOADED
+
+    set_job(factory, job_id, provider_outage_since=now() - timedelta(minutes=10))
+    outcome = run_job(rt, job_id, kind_doing(work))
+    state = job(factory, job_id)
+    assert outcome.status == "retry" and (state.attempts, state.worker_losses) == (1, 0)
+    assert state.provider_outage_since is None
+    assert (state.last_error or "").startswith(
+        "the provider answered this run's other calls but not this one"
     )
-    assert outcome.retry_in is not None and outcome.retry_in <= 5.0, "a clock started anew waits the base"
-    assert run_job(rt, unanswered, kind).status == "failed"
-    assert job(factory, unanswered).status == "failed"
+
+
+def test_an_outage_that_began_mid_run_after_progress_waits_on_the_clock(factory, runtime) -> None:
+    """A page that committed segments before the provider went away: the outage's, not the page's."""
+    rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
+    job_id = new_job(factory)
+
+    def work(ctx: JobContext) -> WorkResult:
+        answered(factory, ctx.job.id)
+        return WorkResult("outage", note="HTTP 503: overloaded", progressed=True)
+
+    assert run_job(rt, job_id, kind_doing(work)).status == "retry"
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (0, 0) and state.provider_outage_since is not None
+
+
+def test_an_answer_from_before_the_run_does_not_stop_the_clock(factory, runtime) -> None:
+    rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
+    job_id = new_job(factory)
+    long_ago = now() - timedelta(hours=2)
+    set_job(factory, job_id, provider_outage_since=long_ago)
+    answered(factory, job_id, at=long_ago + timedelta(minutes=30))
+    answered(factory, job_id, "provider_error")  # this run's own failed call: no answer
+    assert run_job(rt, job_id, raising(OVERLOADED)).status == "failed"
+    state = job(factory, job_id)
+    assert state.status == "failed" and (state.last_error or "").startswith(
+        "the LLM provider served this job nothing"
+    )
 
 
 def test_the_wait_grows_with_the_outage_up_to_the_backoff_s_ceiling(factory, runtime) -> None:
@@ -154,24 +189,33 @@ def test_the_wait_grows_with_the_outage_up_to_the_backoff_s_ceiling(factory, run
     assert outcome.retry_in is not None and 150.0 <= outcome.retry_in <= 300.0, outcome.retry_in
 
 
-def test_a_run_that_ends_otherwise_keeps_the_clock_and_one_that_finishes_empties_it(factory, runtime) -> None:
+@pytest.mark.parametrize(
+    ("ending", "kept"),
+    [
+        (RuntimeError("a bug"), False),  # the job's own failure: a run the provider had nothing to do with
+        (WorkResult("succeeded"), False),
+        (KillSwitchOffError("switched off mid-run"), False),  # a pause: time paused is no outage time
+        (WorkerStoppingError("stopping"), True),  # handed back by a stopping worker: no verdict
+    ],
+    ids=["own failure", "succeeded", "paused", "released"],
+)
+def test_a_run_that_ends_otherwise_empties_the_clock_unless_it_reached_no_verdict(
+    factory, runtime, ending, kept
+) -> None:
+    """A pause left the clock running: an operator who switched extraction off for a day's incident saw
+    every job fail at its first 429 after turning it on, the provider having "served it nothing for 26 h"."""
     rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
-    results = iter([RuntimeError("a bug"), WorkResult("succeeded")])
 
     def work(ctx: JobContext) -> WorkResult:
-        result = next(results)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        if isinstance(ending, Exception):
+            raise ending
+        return ending  # type: ignore[no-any-return]
 
-    kind, job_id = kind_doing(work), new_job(factory)
+    job_id = new_job(factory)
     started = now() - timedelta(minutes=10)
     set_job(factory, job_id, provider_outage_since=started)
-    assert run_job(rt, job_id, kind).status == "retry"
-    assert since(factory, job_id) == started, "the job's own failure is no answer from the provider"
-    due(factory, job_id)
-    assert run_job(rt, job_id, kind).status == "succeeded"
-    assert since(factory, job_id) is None
+    run_job(rt, job_id, kind_doing(work))
+    assert since(factory, job_id) == (started if kept else None)
 
 
 def test_a_spent_provider_account_waits_on_the_outage_clock(factory, runtime, sim) -> None:

@@ -352,3 +352,18 @@ def render_segment_for_extraction(page_label: str, segment: Segment) -> str:
     if budget < len(body) and body[budget] != "\n" and (last_break := kept.rfind("\n")) > 0:
         kept = kept[:last_break]
     return header + kept + TRUNCATION_MARKER
+
+
+def segment_bytes(segment: Segment, label: str = "") -> int:
+    """An upper bound on a segment's bytes in a batched request: its rendering (the page's label in its
+    header, then its lines, cut at SEGMENT_TEXT_CHAR_LIMIT characters of 4 bytes at most), in UTF-8,
+    doubled for JSON's escapes (a newline or a quote is two bytes), and 4 more for each control
+    character (written \\u00XX: six bytes)."""
+    text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
+    # The header's names (each cut at HEADER_NAME_CHARS characters), kept whole beside the cut lines.
+    names = sum(min(len(n.encode()), HEADER_NAME_CHARS * 4) + 5 for n in segment.participants)
+    controls = sum(len(_CONTROL.findall(m.text)) + len(_CONTROL.findall(m.speaker)) for m in segment.messages)
+    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + names + len(label.encode())) * 2 + 4 * controls + 512
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")

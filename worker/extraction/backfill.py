@@ -60,7 +60,7 @@ from worker.extraction.provider_copies import ProviderCopies, discard_batch, for
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
 from worker.llm.batch_api import UNDETERMINED, BatchItem, BatchLLMClient, BatchStatus
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve
 from worker.llm.types import ChatRequest
 
 logger = logging.getLogger(__name__)
@@ -438,10 +438,10 @@ class BackfillPass:
             b for b in self.store.batches(backfill.id, ("submitting", "submitted")) if b.id != failed_batch
         ]
         if stopped is not None and not flying:
-            # Nothing left to collect: the job waits for budget, or retries the send with backoff (and
-            # fails once its attempts are spent). While paid batches are out it waits on them instead
-            # (a failed job strands them: nothing polls it), sending again every RESEND_AFTER_SECONDS.
-            raise stopped if isinstance(stopped, BudgetExhaustedError) else BatchSendFailedError(str(stopped))
+            # Nothing in flight (else it waits on them): a budget's pause, an outage, or the send retried.
+            if isinstance(stopped, BudgetExhaustedError) or provider_cannot_serve(stopped):
+                raise stopped
+            raise BatchSendFailedError(str(stopped))
         if open_batches:
             return PassResult(False, open_batches, "running", troubled=self.troubled)
         status = "cancelled" if self.cancelling() else "done"

@@ -23,7 +23,7 @@ from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
-from worker.llm.errors import BudgetExhaustedError, LLMError
+from worker.llm.errors import LLMError, provider_cannot_serve
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -64,16 +64,19 @@ def pass_deps(ctx: JobContext, client: BatchLLMClient, committed: FactsCommitted
 def backfill_pass(ctx: JobContext) -> WorkResult:
     """One pass of the backfill. While the provider holds batches of it, an error that would end the
     job (a worker's settings that leave it no batch API, a key the provider refuses, an outage past its
-    patience) makes it wait on them instead: failed, nothing polled it again, and the batches' paid
+    patience: a fault of the deployment's or the provider's, not the backfill's) makes it wait on them
+    instead: failed, nothing polled it again, and the batches' paid
     results were never collected, their copies (page text) never deleted nor owed, and their estimate
     counted in flight for good. The beat's poll asks again until the fault is mended."""
     try:
         return _one_pass(ctx)
     except (LLMConfigurationError, LLMError) as exc:
-        if isinstance(exc, BudgetExhaustedError):  # a pause of its own, woken when the budget has room
-            raise
+        if isinstance(exc, LLMError) and not (exc.deployment_fault or provider_cannot_serve(exc)):
+            raise  # the job's own error (a budget's pause, a request refused): the common rules'
+
         backfill_id = int(ctx.option("backfill"))
-        held = BackfillStore(ctx.rt.factory).batches(backfill_id, ("submitting", "submitted"))
+        sent = BackfillStore(ctx.rt.factory).batches(backfill_id, ("submitting", "submitted"))
+        held = [batch for batch in sent if batch.since_failed_send is None]  # (a failed send: resent)
         if not held:
             raise
         logger.warning(
@@ -83,8 +86,8 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
         return WorkResult(
             "paused",
             note=(
-                f"{len(held)} batch(es) of backfill {backfill_id} are at the provider, and this worker "
-                f"cannot ask about them: {error_summary(exc)}; asked again every "
+                f"{len(held)} batch(es) of backfill {backfill_id} are at the provider, which this worker "
+                f"cannot reach with its settings or key now: {error_summary(exc)}; tried again every "
                 f"{ctx.rt.settings.backfill_poll_seconds:g}s until that is mended"
             ),
             pause_reason=WAITING_FOR_BATCHES,

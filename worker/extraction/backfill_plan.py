@@ -9,9 +9,10 @@ from dataclasses import dataclass, replace
 
 from worker.core import progress
 from worker.core.checkpoint import segment_hash
+from worker.core.conversation import segment_bytes
 from worker.extraction.backfill_request import BackfillSelection
 from worker.extraction.backfill_store import BackfillStore, PlannedBatch, PlannedRequest
-from worker.extraction.batch import request_overhead_bytes, segment_bytes
+from worker.extraction.batch import request_overhead_bytes
 from worker.extraction.planner import PagePlan
 from worker.extraction.service import ExtractionRun
 from worker.llm.batch_api import BatchLLMClient

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Budget, Ledger
 from worker.config_store import ConfigReader
-from worker.core.conversation import (
-    HEADER_NAME_CHARS,
-    SEGMENT_TEXT_CHAR_LIMIT,
-    Segment,
-    render_segment_for_extraction,
-)
+from worker.core.conversation import Segment, render_segment_for_extraction, segment_bytes
 from worker.core.errors import error_summary
 from worker.db import database_unavailable
 from worker.extraction.committer import SegmentResults, one_at_a_time
@@ -106,21 +100,6 @@ def request_overhead_bytes(max_facts: int, cap: int) -> int:
     request = extraction_request([first_turn("")], max_facts, cap)
     schema = json.dumps(request.json_schema or {}, ensure_ascii=False)
     return len(request.system.encode()) * 11 // 10 + len(schema.encode()) * 11 // 10 + 1024
-
-
-def segment_bytes(segment: Segment, label: str = "") -> int:
-    """An upper bound on a segment's bytes in a batched request: its rendering (the page's label in its
-    header, then its lines, cut at SEGMENT_TEXT_CHAR_LIMIT characters of 4 bytes at most), in UTF-8,
-    doubled for JSON's escapes (a newline or a quote is two bytes), and 4 more for each control
-    character (written \\u00XX: six bytes)."""
-    text = sum(len(m.text.encode()) + len(m.speaker.encode()) + 40 for m in segment.messages)
-    # The header's names (each cut at HEADER_NAME_CHARS characters), kept whole beside the cut lines.
-    names = sum(min(len(n.encode()), HEADER_NAME_CHARS * 4) + 5 for n in segment.participants)
-    controls = sum(len(_CONTROL.findall(m.text)) + len(_CONTROL.findall(m.speaker)) for m in segment.messages)
-    return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + names + len(label.encode())) * 2 + 4 * controls + 512
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _leading_fit(costs: list[int], requests: int, size: int) -> int:

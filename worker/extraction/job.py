@@ -140,7 +140,12 @@ def extract_page(ctx: JobContext) -> WorkResult:
         # worker.jobs.lifecycle's rule for an LLMError raised): the job waits it out on its outage clock
         # (worker.jobs.outages), where its five attempts failed every job in flight within minutes.
         away = all(p.provider_away for p in failed)
-        return WorkResult("outage" if away else "retry", counters=counters_dict, note=reason)
+        return WorkResult(
+            "outage" if away else "retry",
+            counters=counters_dict,
+            note=reason,
+            progressed=counters.segments_processed > 0,  # (an outage that began mid-run, not the page's)
+        )
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its
         # source's orphaned links. On every successful run, not only when facts went in: a run that

@@ -81,7 +81,7 @@ class PageReport:
     outcome: str | None = None  # for a failed page: the outcome of the segment that failed
     skipped: int = 0  # poison segments the page went past (their facts are missing)
     # The failed segment's provider was away (retryable errors past the retry layer's wait): not the
-    # page's fault, so the job is re-sent on the worker-loss budget, not its attempts.
+    # page's fault, so the job waits the outage out (worker.jobs.outages), spending no attempt.
     provider_away: bool = False
 
 

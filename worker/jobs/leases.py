@@ -237,6 +237,7 @@ def fail_if_spent(
             worker=None,
             heartbeat_at=None,
             pause_reason=None,
+            provider_outage_since=None,
             finished_at=func.now(),
             last_error=reason,
         )
@@ -377,16 +378,15 @@ _FINISH = (
             else_=JOBS.c.worker_losses + bindparam("loss_spent"),
         ),
         finished_at=case((bindparam("finished", type_=Boolean), func.now()), else_=JOBS.c.finished_at),
-        # The outage clock (worker.jobs.outages): started or kept by a run the provider could not serve,
-        # emptied when the job finishes; any other run leaves it (the clock's read sees what was served).
+        # The outage clock (worker.jobs.outages): kept (started if need be) by a run the provider could
+        # not serve, left by one that reached no verdict, emptied by any other end (served, paused).
         provider_outage_since=case(
-            (bindparam("outage", type_=Text) == "restart", func.now()),
             (
                 bindparam("outage", type_=Text) == "keep",
                 func.coalesce(JOBS.c.provider_outage_since, func.now()),
             ),
-            (bindparam("finished", type_=Boolean), None),
-            else_=JOBS.c.provider_outage_since,
+            (bindparam("outage", type_=Text) == "leave", JOBS.c.provider_outage_since),
+            else_=None,
         ),
         # The database's clock, as the sweeper compares it with its own now(): a worker's clock behind
         # by more than the backoff made the retry look overdue at once (sent again, its backoff skipped).

@@ -109,7 +109,8 @@ class WorkResult:
     pause_reason: str | None = None
     detail: str = ""
     # A pause after progress (a backfill pass that sent or collected its batches): the next run starts
-    # with fresh attempt and worker-loss budgets, so errors days apart do not add up to a failure.
+    # with fresh attempt and worker-loss budgets, so errors days apart do not add up to a failure. An
+    # outage after progress (segments committed): the outage began mid-run, not the job's own failure.
     progressed: bool = False
 
 
@@ -319,9 +320,8 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
     if result.status == "released":
         return release(rt, lease, result)
     if result.status == "outage":
-        return wait_out_outage(
-            rt, lease, result.note or "the provider cannot serve", backoff, result.counters
-        )
+        note = result.note or "the provider cannot serve"
+        return wait_out_outage(rt, lease, note, backoff, result.counters, progressed=result.progressed)
     if result.status in ("retry", "requeue"):
         return retry_or_fail(
             rt,
@@ -397,6 +397,7 @@ def retry_or_fail(
         attempt=not worker_lost,
         worker_lost=worker_lost,
         one_run_options=_one_run_options(lease),
+        outage="leave" if worker_lost else None,  # a database outage tells nothing of the provider
     )
     if done is None:
         # Another worker holds the job now: a retry message of ours would claim it before the backoff
@@ -409,16 +410,28 @@ def retry_or_fail(
 
 
 def wait_out_outage(
-    rt: Runtime, lease: Lease, reason: str, backoff: Backoff, counters: dict[str, Any] | None = None
+    rt: Runtime,
+    lease: Lease,
+    reason: str,
+    backoff: Backoff,
+    counters: dict[str, Any] | None = None,
+    *,
+    progressed: bool = False,
 ) -> JobOutcome:
     """The provider could not serve the run: queue the job again after a wait as long as the outage so
     far (up to the backoff's ceiling), spending neither budget, or fail it once the provider has served
     it nothing for the patience (worker.jobs.outages). Before the clock, a provider outage spent worker
     losses: one of three quarters of an hour failed every job in flight, and its requeues counted as
-    crash loops."""
+    crash loops. A run in which the provider answered other calls of the job and yet nothing went
+    forward (``progressed``: a page committed segments) is no outage: the job's own failure (a segment
+    the provider fails every time), on its attempts; taken for one, such a page waited out the whole
+    patience, paying on every run for its later segments' calls, whose answers were thrown away."""
     job_id, token = lease.job.id, lease.token
     patience = rt.settings.job_provider_outage_patience_seconds
-    clock = read_outage_clock(rt.factory, job_id)
+    clock = read_outage_clock(rt.factory, job_id, lease.job.heartbeat_at)  # (set by the claim)
+    if clock.answered and not progressed:
+        why = f"the provider answered this run's other calls but not this one: {reason}"
+        return retry_or_fail(rt, lease, why, backoff, counters)
     spent = clock.spent(patience)
     delay = None if spent else clock.backoff(backoff.base_seconds, backoff.max_seconds)
     note = spent_note(clock, reason) if spent else waiting_note(clock, patience, reason)
@@ -430,7 +443,7 @@ def wait_out_outage(
         counters=counters,
         last_error=made_storable(note)[:MAX_NOTE_CHARS],
         requeue_in=delay,
-        outage=None if spent else clock.change,
+        outage=None if spent else "keep",
         one_run_options=_one_run_options(lease),
     )
     if done is None:  # taken over meanwhile: the new holder's run decides
@@ -447,7 +460,10 @@ def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:
     message after that commit, so another worker claims it at once. Neither budget is spent: the run
     reached no verdict, and a lease given back is not a lost worker (the next claim sees "queued")."""
     job_id, token = lease.job.id, lease.token
-    if finish(rt.factory, job_id, token, "queued", counters=result.counters, last_error=result.note) is None:
+    released = finish(
+        rt.factory, job_id, token, "queued", counters=result.counters, last_error=result.note, outage="leave"
+    )
+    if released is None:
         return JobOutcome("lost", detail="the lease was no longer this run's; nothing re-sent")
     enqueue(rt.factory, [(job_id, lease.job.kind)])
     logger.info("job %s released by its stopping worker and re-sent", job_id)

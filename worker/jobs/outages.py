@@ -4,23 +4,29 @@ A provider outage (429/5xx past the retry layer, unreachable, the account's mone
 fault and the same for every job: it spends neither of a job's budgets (worker.jobs.budgets). The job
 waits it out, its backoffs growing with the outage, and fails only once the provider has served it
 nothing for FACTMILL_JOB_PROVIDER_OUTAGE_PATIENCE_SECONDS. The clock starts at the job's first run the
-provider could not serve, and starts over once the provider has answered any call of the job since
-(a flapping provider, a long page making progress between incidents)."""
+provider could not serve, and is emptied by any run that ends otherwise (served, paused, finished).
+
+A run in which the provider answered some of the job's calls, yet failed one past the retry layer (a
+segment it answers with a 500 every time, a request over a per-minute token limit), is no outage: it
+is the job's own failure, on its attempts. Taken for an outage, such a page waited a day, paying on
+every run for the other segments' calls in flight, whose answers were then thrown away."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, false, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models.tables import JOBS, LLM_CALLS
 
-# What ``finish`` does with the clock: start it now, or keep the one running (None: a run that was no
-# outage; a job that finished leaves it empty).
-ClockChange = Literal["restart", "keep"]
+# What ``finish`` does with the clock: "keep" (an outage run: started now if it was not running) or
+# "leave" (a run that reached no verdict: handed back by a stopping worker, cut short by the database);
+# None, any other end, empties it.
+ClockChange = Literal["keep", "leave"]
 
 # Outcomes of an llm_calls row that are no answer from the provider (every other one is: a reply that
 # was malformed, cut off or refused was still served).
@@ -29,47 +35,47 @@ NOT_SERVED = ("provider_error", "budget_exhausted")
 
 @dataclass(frozen=True)
 class OutageClock:
-    """The job's outage so far: ``restarts`` when it starts now (no clock yet, or the provider answered
-    the job since it started); else ``elapsed`` seconds since it did, by the database's clock."""
+    """The job's outage so far: ``elapsed`` seconds since its clock started (0: it starts now), and
+    whether the provider ``answered`` any call of this run (then the run was no outage)."""
 
-    restarts: bool
+    running: bool
     elapsed: float
-
-    @property
-    def change(self) -> ClockChange:
-        return "restart" if self.restarts else "keep"
+    answered: bool = False
 
     def spent(self, patience_seconds: float) -> bool:
-        return not self.restarts and self.elapsed >= patience_seconds
+        return self.running and self.elapsed >= patience_seconds
 
     def backoff(self, base_seconds: float, max_seconds: float, rng: random.Random | None = None) -> float:
         """The wait before the next run: about as long as the outage has lasted (so the tries grow
         sparse as an outage drags on, as an exponential backoff's do, with no counter to keep), from
         the base to the ceiling, jittered."""
-        ceiling = min(max_seconds, max(base_seconds, 0.0 if self.restarts else self.elapsed))
+        ceiling = min(max_seconds, max(base_seconds, self.elapsed if self.running else 0.0))
         return (rng or random).uniform(ceiling / 2, ceiling)
 
 
-def read_outage_clock(factory: sessionmaker[Session], job_id: int) -> OutageClock:
+def read_outage_clock(factory: sessionmaker[Session], job_id: int, run_began: datetime | None) -> OutageClock:
+    """The job's clock, and whether the provider answered a call the job made since ``run_began`` (its
+    claim, by the database's clock: the claimed row's first heartbeat)."""
     since = JOBS.c.provider_outage_since
-    served = exists().where(
+    answered = exists().where(
         LLM_CALLS.c.job_id == JOBS.c.id,
-        LLM_CALLS.c.created_at > since,
+        LLM_CALLS.c.created_at >= run_began,
         LLM_CALLS.c.outcome.not_in(NOT_SERVED),
     )
     query = select(
-        since.is_(None) | served,
+        since.is_not(None),
         func.coalesce(func.extract("epoch", func.now() - since), 0.0),
+        answered if run_began is not None else false(),
     ).where(JOBS.c.id == job_id)
     with factory.begin() as session:
         row = session.execute(query).one_or_none()
     if row is None:  # the job is gone (erased): ``finish`` writes nothing either
-        return OutageClock(True, 0.0)
-    return OutageClock(bool(row[0]), float(row[1]))
+        return OutageClock(False, 0.0)
+    return OutageClock(bool(row[0]), float(row[1]), bool(row[2]))
 
 
 def waiting_note(clock: OutageClock, patience_seconds: float, reason: str) -> str:
-    waited = "" if clock.restarts else f" for {_span(clock.elapsed)}"
+    waited = f" for {_span(clock.elapsed)}" if clock.running else ""
     return (
         f"the LLM provider cannot serve this job{waited}; it waits (failed after "
         f"{_span(patience_seconds)} with no answer): {reason}"

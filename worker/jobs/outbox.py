@@ -261,6 +261,7 @@ def cancel_jobs(session: Session, kind: str, subject: str, reason: str) -> int:
             worker=None,
             heartbeat_at=None,
             pause_reason=None,
+            provider_outage_since=None,
             rerun_requested=False,
             finished_at=func.now(),
         )

@@ -132,7 +132,7 @@ def provider_unavailable(exc: BaseException) -> bool:
     answer) and the retry layer's patience ran out: an outage, infrastructure's fault, not the job's.
     A network blip of two minutes spent every job in flight's five attempts. Timeouts (408 too) are
     not: a request too large to finish in time fails the same way on every try. (A base URL that does
-    not resolve is unreachable too: its jobs are sent again on the worker-loss budget before failing.)"""
+    not resolve is unreachable too: its jobs wait on their outage clock before failing.)"""
     if not isinstance(exc, LLMError) or exc.deployment_fault:
         return False
     # By the status, not ``retryable``: a provider's x-should-retry says whether to try again now, not
@@ -156,7 +156,7 @@ def account_exhausted(exc: BaseException) -> bool:
 def provider_cannot_serve(exc: BaseException) -> bool:
     """The provider cannot serve now through no request's doing: an outage past the retry layer's
     patience (provider_unavailable), or the account's money spent (account_exhausted). The one test the
-    job kinds use to send the job again on the worker-loss budget, not fail it on its own."""
+    job kinds use to let the job wait the outage out (worker.jobs.outages), not fail it on its own."""
     return provider_unavailable(exc) or account_exhausted(exc)
 
 
