@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from starlette.requests import ClientDisconnect
+from starlette.routing import compile_path
 
 from worker.bodycap import ASGIApp, Receive, Scope, Send, send_json
 from worker.db import database_unavailable
@@ -38,8 +39,30 @@ def _incoming_request_id(scope: Scope) -> str:
 
 
 def route_template(scope: Scope) -> str:
-    """The matched route's template (never the raw path, which may hold page slugs), else "unmatched"."""
-    return getattr(scope.get("route"), "path", None) or "unmatched"
+    """The matched route's template (never the raw path, which may hold page slugs), else "unmatched".
+    A request answered before the router ran (a body over the cap by its Content-Length: 413, 400) is
+    matched against the app's documented paths: counted as "unmatched", the webhook's 413s could not be
+    told from a scanner's 404s."""
+    template = getattr(scope.get("route"), "path", None)
+    if template:
+        return str(template)
+    path = scope.get("path", "")
+    for pattern, documented in _documented_paths(scope.get("app")):
+        if pattern.fullmatch(path):
+            return documented
+    return "unmatched"
+
+
+def _documented_paths(app: Any) -> list[tuple[re.Pattern[str], str]]:
+    """The paths of the app's OpenAPI document as patterns (once per app); none for an app without one."""
+    state = getattr(app, "state", None)
+    if state is None or not callable(getattr(app, "openapi", None)):
+        return []
+    known: list[tuple[re.Pattern[str], str]] | None = getattr(state, "factmill_documented_paths", None)
+    if known is None:
+        known = [(compile_path(p)[0], p) for p in app.openapi().get("paths", {})]
+        state.factmill_documented_paths = known
+    return known
 
 
 def log_unexpected(method: str, route: str, request_id: str, exc: BaseException) -> None:

@@ -1633,6 +1633,7 @@ def test_reads_page_and_404(client: TestClient, tx_factory: sessionmaker[Session
     assert client.get("/v1/transcripts/read/compactions").json() == {
         "transcript_id": "read",
         "compactions": [],
+        "next_before_id": None,
     }
     compact_transcript(tx_factory, llm_for(simulator), "read", threshold=lambda: FALLBACK)
     listed = client.get("/v1/transcripts/read/compactions").json()["compactions"]

@@ -344,6 +344,39 @@ def test_a_client_that_hangs_up_mid_body_is_no_error(
     assert access and " 499 " in access[-1], access
 
 
+def test_a_body_refused_by_its_declared_length_is_counted_under_its_route(
+    database_url: str, factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answered before the router ran, a webhook's 413s (and a malformed length's 400s) were counted and
+    logged as route "unmatched", not to be told from a scanner's 404s."""
+    import asyncio
+
+    app = create_app(make_runtime(database_url, factory), sender=Recorder(factory))
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            for length in (b"999999999999", b"12x"):
+                await app(signed_post_scope("/v1/pages", length), receive, send)
+            await app(signed_post_scope("/v1/nowhere", b"999999999999"), receive, send)
+
+    with caplog.at_level(logging.INFO, logger="worker.api.access"):
+        asyncio.run(run())
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413, 400, 413]
+    access = [r.getMessage() for r in caplog.records if r.name == "worker.api.access"]
+    assert [line.split()[2:4] for line in access] == [
+        ["/v1/pages", "413"],
+        ["/v1/pages", "400"],
+        ["unmatched", "413"],
+    ]
+
+
 def test_a_large_body_that_does_not_arrive_in_time_is_answered_408_and_frees_its_place(
     database_url: str, factory: sessionmaker[Session]
 ) -> None:
