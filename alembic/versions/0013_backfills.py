@@ -102,6 +102,20 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # A batch sent (or being sent) is at the provider with the pages' text: dropped, nothing would collect
+    # its paid results or owe its delete. Locked first: a batch a live worker sends meanwhile would go
+    # unsaid (as 0028's downgrade refuses while provider copies are owed).
+    op.execute("LOCK TABLE backfill_batches IN EXCLUSIVE MODE")
+    held = (
+        op.get_bind()
+        .execute(sa.text("SELECT count(*) FROM backfill_batches WHERE status IN ('submitting', 'submitted')"))
+        .scalar_one()
+    )
+    if held:
+        raise RuntimeError(
+            f"{held} provider batch(es) of backfills are still at the provider: let the backfills collect "
+            "them (or cancel them with `factmill backfill cancel`), then downgrade"
+        )
     op.drop_index("ix_backfill_requests_batch_id_status", table_name="backfill_requests")
     op.drop_table("backfill_requests")
     op.drop_index(op.f("ix_backfill_batches_backfill_id"), table_name="backfill_batches")

@@ -625,6 +625,24 @@ def test_a_downgrade_that_would_forget_what_is_owed_refuses(server_url: str) -> 
             command.downgrade(db.alembic_config(url), "0025")
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM llm_calls"))
+            # Past 0013 a batch still at the provider was dropped with its table: never collected, its
+            # copy of the pages never deleted nor owed.
+            backfill = conn.execute(
+                text("INSERT INTO backfills (source_id) VALUES ('s') RETURNING id")
+            ).scalar_one()
+            conn.execute(
+                text(
+                    "INSERT INTO backfill_batches (backfill_id, key, provider, model, status) "
+                    "VALUES (:b, 'k', 'openai', 'm', 'submitted')"
+                ),
+                {"b": backfill},
+            )
+        with pytest.raises(
+            RuntimeError, match=r"1 provider batch\(es\) of backfills are still at the provider"
+        ):
+            command.downgrade(db.alembic_config(url), "0012")
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM backfills"))
         command.downgrade(db.alembic_config(url), "0009")
         with engine.begin() as conn:
             conn.execute(
