@@ -1774,3 +1774,42 @@ def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
     sim.end_batches()
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 8}
+
+
+def test_a_batch_failed_over_the_queued_token_limit_is_sent_again_one_at_a_time(factory, rt, sim):
+    """OpenAI takes the create, then fails the whole batch when the organisation's queued tokens would
+    pass its limit (none of its requests run): collected as failed, its requests were counted expired
+    and the backfill ended "done" with those pages never extracted."""
+    seed_pages(factory, "bf", 4)  # two batches
+    sim.configure(batch_fail="token_limit_exceeded")
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # both sent
+    time.sleep(0.2)  # both end, failed
+    assert run_pass(rt, job_id).status == "paused"  # both planned again, each waiting out its resend
+
+    def batches() -> list[tuple[str, str]]:
+        with factory() as session:
+            rows = session.scalars(
+                select(BackfillBatch)
+                .where(BackfillBatch.backfill_id == backfill_id)
+                .order_by(BackfillBatch.id)
+            ).all()
+        return [(row.status, row.provider_status or "") for row in rows]
+
+    assert [status for status, _ in batches()] == ["planned", "planned"]
+    assert all("queued-token limit" in said and "token_limit_exceeded" in said for _, said in batches())
+    assert request_statuses(factory, backfill_id) == {"pending": 16}
+    assert BackfillStore(factory).in_flight_estimate() == 0
+    sim.configure(batch_fail=None, batch_delay_seconds=3600)
+    with factory.begin() as session:  # their resend is due
+        session.execute(
+            update(BackfillBatch).values(
+                submit_started_at=func.now() - timedelta(seconds=RESEND_AFTER_SECONDS + 1)
+            )
+        )
+    assert run_pass(rt, job_id).status == "paused"
+    assert [status for status, _ in batches()] == ["submitted", "planned"], "one at a time while limited"
+    sim.end_batches()
+    sim.configure(batch_delay_seconds=0.05)
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 16}

@@ -34,6 +34,7 @@ from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core.facts import DEFAULT_MAX_FACTS
+from worker.extraction.backfill_limits import failed_over_queued_limit, send_again_later, waits_for_room
 from worker.extraction.backfill_matching import group_by_page, matching_run
 from worker.extraction.backfill_plan import BackfillPlanner, BatchBounds
 from worker.extraction.backfill_request import (
@@ -237,9 +238,8 @@ class BackfillPass:
         return True
 
     def second_copy(self, batch: BatchRow, provider_id: str) -> None:
-        """Another run recorded this batch's send while this one sent it (this run's lease lapsed during
-        a long upload): the copy sent here is a second one. It is cancelled, and its delete owed (the poll
-        deletes it once it ends); overwritten, the first copy was never polled nor collected."""
+        """Another run recorded this batch's send while this one sent it (its lease lapsed in a long
+        upload): this copy is cancelled, its delete owed (overwritten, the first was never collected)."""
         logger.warning(
             "backfill %s: batch %s was sent by another run meanwhile; cancelling this run's copy %s",
             self.backfill.id, batch.key, provider_id,
@@ -254,10 +254,9 @@ class BackfillPass:
 
     def within_budget(self, batch: BatchRow, estimate: Decimal) -> bool:
         """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is
-        collected, hours later, so a pass that sent ten batches checked $0 spent ten times and overspent
-        by all of them. Now what is left of the day's and this job's budgets must also cover the batches
-        in flight (their estimates): while it does not, the batch waits for them to be collected (False).
-        With none in flight it goes: it may overshoot by itself, as calls in flight may."""
+        collected, hours later (a pass that sent ten checked $0 spent ten times), so what is left of the
+        day's and this job's budgets must also cover the batches in flight (their estimates): else it
+        waits for them (False). With none in flight it goes (it may overshoot, as calls in flight may)."""
         day_left, job_left = self.deps.budget.room(self.deps.job_id)
         # Not this batch's own estimate: one found "submitting" that the provider never got is sent again.
         in_flight = self.store.in_flight_estimate(but=batch.id)
@@ -319,13 +318,14 @@ class BackfillPass:
             return
         if not status.ended:
             self.store.set_batch(batch.id, provider_status=status.status)
-            return
-        self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
+        elif failed_over_queued_limit(status):  # none of it ran: sent again later (backfill_limits)
+            send_again_later(self, batch, status.said())
+        else:
+            self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
 
     def status_of(self, batch: BatchRow) -> BatchStatus | None:
-        """A sent batch's status at the provider; None when it holds the batch no more (collected as
-        gone) or a passing fault hid it (asked again next pass: polling or cancelling, one batch's
-        429 ended the whole pass)."""
+        """A sent batch's status at the provider; None when it holds the batch no more (collected as gone)
+        or a passing fault hid it (asked again next pass: one batch's 429 ended the whole pass)."""
         assert batch.provider_batch_id is not None
         try:
             return self.deps.client.status(batch.provider_batch_id)
@@ -457,7 +457,7 @@ class BackfillPass:
                 self.cancel(batch)
                 continue
             try:
-                if not self.send(batch):
+                if waits_for_room(self, batch) or not self.send(batch):  # (the batches after it wait too)
                     return None, None
             except BudgetExhaustedError as exc:
                 return exc, None

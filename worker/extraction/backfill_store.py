@@ -16,9 +16,7 @@ from models import Backfill, BackfillBatch, BackfillRequest, Job, LLMCall
 from models.reads import read_only
 from models.tables import PAGES
 from worker.accounting import Ledger
-from worker.core.conversation import (
-    Segment,
-)
+from worker.core.conversation import Segment
 from worker.extraction.page_version import page_erased
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
@@ -84,6 +82,7 @@ class BatchRow:
     since_failed_send: float | None = None
     provider: str = ""  # where it was (or is to be) sent
     submit_started_at: datetime | None = None  # when its (last) send began
+    provider_status: str | None = None  # the provider's last word on it (or why its send failed)
 
 
 @dataclass(frozen=True)
@@ -287,6 +286,7 @@ class BackfillStore:
                     failed_ago,
                     BackfillBatch.provider,
                     BackfillBatch.submit_started_at,
+                    BackfillBatch.provider_status,
                 )
                 .where(BackfillBatch.backfill_id == backfill_id, BackfillBatch.status.in_(statuses))
                 .order_by(BackfillBatch.id)
@@ -300,15 +300,15 @@ class BackfillStore:
                 None if row[4] is None else float(row[4]),
                 row.provider,
                 row.submit_started_at,
+                row.provider_status,
             )
             for row in rows
         ]
 
     def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
-        """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may
-        still cost. Not a batch whose send kept failing when its backfill's job then failed: nothing will
-        send it again, and counted for good (left "submitting"), it held every other backfill's batches
-        waiting under a day budget."""
+        """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may still
+        cost. Not one whose send kept failing when its job then failed: nothing sends it again (counted
+        for good, it held every other backfill's batches under a day budget)."""
         # A sent batch stays counted (the provider runs it and bills it, collected or not).
         stranded = and_(
             BackfillBatch.status == "submitting",
