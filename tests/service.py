@@ -364,12 +364,16 @@ class ServiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
-    def terminate(self, timeout: float, sig: int = signal.SIGTERM) -> int | None:
-        """SIGTERM (or ``sig``) the process group and wait for it to exit by itself: its exit code, or
-        None if it was still running after ``timeout`` (left running: ``stop`` or ``kill`` it)."""
+    def terminate(self, timeout: float, sig: int = signal.SIGTERM, group: bool = True) -> int | None:
+        """SIGTERM (or ``sig``) the process group (``group``, else the process alone) and wait for it to
+        exit by itself: its exit code, or None if it was still running after ``timeout`` (left running:
+        ``stop`` or ``kill`` it)."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        os.killpg(self.proc.pid, sig)
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -388,6 +392,7 @@ def start_worker(
     concurrency: int = 8,
     name: str | None = None,
     timeout: float = 60.0,
+    pool: str = "threads",
 ) -> ServiceProcess:
     node = name or f"w{uuid.uuid4().hex[:6]}@%h"
     return ServiceProcess(
@@ -400,7 +405,7 @@ def start_worker(
             "--processes",
             "1",
             "--pool",
-            "threads",
+            pool,
             "--loglevel",
             "info",
             "--hostname",

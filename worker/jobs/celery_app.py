@@ -13,6 +13,7 @@ from celery.signals import (
     after_setup_logger,
     beat_init,
     worker_init,
+    worker_process_init,
     worker_ready,
     worker_shutdown,
     worker_shutting_down,
@@ -21,7 +22,12 @@ from kombu import Exchange, Queue
 
 from worker.embedded import embedded_redis_url
 from worker.jobs import registry
-from worker.jobs.shutdown import on_worker_shutdown, on_worker_shutting_down, quit_as_term
+from worker.jobs.shutdown import (
+    listen_for_stop_in_child,
+    on_worker_ready,
+    on_worker_shutdown,
+    on_worker_shutting_down,
+)
 from worker.runtime import Runtime, get_runtime, tracing
 from worker.runtime.logs import QUIET_LOGGERS
 from worker.settings import Settings, get_settings
@@ -155,5 +161,6 @@ worker_init.connect(lambda **_: start_tracing(get_settings(), "factmill-worker")
 beat_init.connect(lambda **_: start_tracing(get_settings(), "factmill-beat"), weak=False)
 # SIGTERM: running jobs hand their leases back at the next segment boundary (worker.jobs.shutdown).
 worker_shutting_down.connect(on_worker_shutting_down, weak=False)
-worker_ready.connect(quit_as_term, weak=False)  # SIGQUIT as SIGTERM (see quit_as_term)
+worker_ready.connect(on_worker_ready, weak=False)  # SIGQUIT as SIGTERM (see quit_as_term)
+worker_process_init.connect(listen_for_stop_in_child, weak=False)  # prefork children hear the stop too
 worker_shutdown.connect(on_worker_shutdown, weak=False)

@@ -9,6 +9,7 @@ worker loss) covers what it held.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -75,9 +76,42 @@ def on_worker_shutdown(**_: Any) -> None:
         _exits_at = None
 
 
+# The prefork pool's children learn of the stop by this signal: Celery sends ``worker_shutting_down`` in
+# the main process only, and a child's copy of the flag (forked before) never changed, so its job was
+# cut off at the grace period's exit instead of released. (SIGUSR1 is billiard's soft time limit.)
+CHILD_STOP_SIGNAL = signal.SIGUSR2
+_pool: Any = None  # the worker's pool (Celery's ``worker_ready`` names its consumer)
+
+
 def on_worker_shutting_down(**_: Any) -> None:
-    """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, and SIGQUIT: see below)."""
+    """Celery's ``worker_shutting_down`` signal (SIGTERM, SIGINT, and SIGQUIT: see below), in the main
+    process: the flag and the deadline here, and the prefork pool's children told (none on threads)."""
     request_stop(get_settings().grace_seconds)
+    for pid in _child_pids():
+        with contextlib.suppress(OSError):  # (one that exited meanwhile)
+            os.kill(pid, CHILD_STOP_SIGNAL)
+
+
+def _child_pids() -> list[int]:
+    """The prefork pool's processes (its ``info``; the threads and solo pools have none)."""
+    try:
+        processes = (_pool.info or {}).get("processes", ()) if _pool is not None else ()
+    except Exception:  # (a pool not started, or gone): nothing to tell
+        return []
+    return [pid for pid in processes if isinstance(pid, int) and pid != os.getpid()]
+
+
+def listen_for_stop_in_child(**_: Any) -> None:
+    """Celery's ``worker_process_init``, in each prefork child: its parent's stop reaches it."""
+    grace = get_settings().grace_seconds
+    signal.signal(CHILD_STOP_SIGNAL, lambda _signum, _frame: request_stop(grace))
+
+
+def on_worker_ready(sender: Any = None, **_: Any) -> None:
+    """Celery's ``worker_ready`` (its consumer the sender): the pool remembered, SIGQUIT taken as SIGTERM."""
+    global _pool
+    _pool = getattr(sender, "pool", None)
+    quit_as_term()
 
 
 def quit_as_term(**_: Any) -> None:
@@ -97,6 +131,8 @@ __all__ = [
     "WorkerStoppingError",
     "check_stopping",
     "grace_left",
+    "listen_for_stop_in_child",
+    "on_worker_ready",
     "on_worker_shutdown",
     "on_worker_shutting_down",
     "quit_as_term",
