@@ -1735,7 +1735,7 @@ def test_the_kill_switch_stops_a_pass_sending_its_batches(factory, rt, sim, monk
     assert statuses.count("planned") == 2, statuses  # sent once the switch is on again
 
 
-@pytest.mark.parametrize("fault", ["no batch API", "key refused"])
+@pytest.mark.parametrize("fault", ["no batch API", "key refused", "download times out"])
 def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
     factory, database_url, rt, sim, monkeypatch, fault
 ):
@@ -1750,13 +1750,21 @@ def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
     if fault == "no batch API":
         elsewhere = Settings(database_url=database_url, llm="openai-compatible", llm_base_url=sim.base_url)
         faulty = Runtime(settings=elsewhere, factory=factory, config=ConfigReader(factory, ttl=0))
-    else:
+    elif fault == "key refused":
         faulty = rt
 
         def refused(self: Any, batch_id: str) -> Any:
             raise LLMError("HTTP 401: invalid api key", retryable=False, status=401, deployment_fault=True)
 
         monkeypatch.setattr(OpenAIBatchClient, "status", refused)
+    else:  # the batch ended, and fetching its results times out every time (retryable, no status)
+        faulty = rt
+        sim.end_batches()
+
+        def timed_out(self: Any, batch_id: str, requests: Any) -> Any:
+            raise LLMError("the provider timed out", retryable=True)
+
+        monkeypatch.setattr(OpenAIBatchClient, "results", timed_out)
     try:
         for _ in range(6):  # past the five attempts a job has
             assert run_pass(faulty, job_id).status == "paused"
@@ -1765,7 +1773,7 @@ def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
             faulty.close()
     job = job_row(factory, job_id)
     assert (job.status, job.pause_reason, job.attempts) == ("paused", "batch", 0)
-    expected = "no batch API" if fault == "no batch API" else "invalid api key"
+    expected = {"no batch API": "no batch API", "key refused": "invalid api key"}.get(fault, "timed out")
     assert "1 batch(es) of backfill" in (job.last_error or "") and expected in (job.last_error or ""), (
         job.last_error
     )

@@ -1797,6 +1797,27 @@ def cli(database_url: str, simulator: Any, monkeypatch: pytest.MonkeyPatch) -> I
         get_settings.cache_clear()
 
 
+def test_cli_transcripts_show_says_how_to_go_on_past_its_page(
+    cli: Any, factory: sessionmaker[Session]
+) -> None:
+    """The page's end was dropped: `--limit 1000` could show 40 rows with nothing saying more followed."""
+    from models import Compaction
+
+    append(factory, "paged", session_messages(2), settings=SETTINGS)
+    with factory.begin() as session:
+        for _ in range(3):
+            session.add(Compaction(transcript_id="paged", status="failed", cut_seq=0, tokens_before=1))
+    with factory() as session:
+        ids = sorted(
+            session.scalars(select(Compaction.id).where(Compaction.transcript_id == "paged")), reverse=True
+        )
+    first = cli("transcripts", "show", "paged", "--limit", "2")
+    assert first.exit_code == 0, first.output
+    assert f"older compactions follow: `factmill transcripts show paged --before-id {ids[1]}`" in first.output
+    rest = json.loads(cli("transcripts", "show", "paged", "--before-id", str(ids[1]), "--json").stdout)
+    assert [c["id"] for c in rest["compactions"]] == ids[2:] and rest["next_before_id"] is None
+
+
 def test_cli_compact_queues_or_runs_now_and_transcripts_show(
     cli: Any,
     factory: sessionmaker[Session],

@@ -133,7 +133,7 @@ def test_a_run_the_provider_answered_in_part_with_nothing_gone_forward_spends_an
 
     def work(ctx: JobContext) -> WorkResult:
         answered(factory, ctx.job.id, "malformed_output")  # an answer, even one of no use
-        raise OVERLOADED
+        return WorkResult("outage", note="HTTP 500: the model produced invalid content", progressed=False)
 
     set_job(factory, job_id, provider_outage_since=now() - timedelta(minutes=10))
     outcome = run_job(rt, job_id, kind_doing(work))
@@ -143,6 +143,24 @@ def test_a_run_the_provider_answered_in_part_with_nothing_gone_forward_spends_an
     assert (state.last_error or "").startswith(
         "the provider answered this run's other calls but not this one"
     )
+
+
+def test_an_outage_raised_by_a_kind_that_cannot_say_whether_it_went_forward_waits_on_the_clock(
+    factory, runtime
+) -> None:
+    """A consolidation whose rounds committed before the provider went away (or a backfill pass that
+    collected a batch and then failed a send) raises: its answered calls were taken for "nothing went
+    forward", and every job in flight lost an attempt each time an outage began."""
+    rt = runtime(job_provider_outage_patience_seconds=PATIENCE)
+    job_id = new_job(factory)
+
+    def work(ctx: JobContext) -> WorkResult:
+        answered(factory, ctx.job.id)
+        raise OVERLOADED
+
+    assert run_job(rt, job_id, kind_doing(work)).status == "retry"
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (0, 0) and state.provider_outage_since is not None
 
 
 def test_an_outage_that_began_mid_run_after_progress_waits_on_the_clock(factory, runtime) -> None:
@@ -294,3 +312,21 @@ def test_any_kind_s_provider_outage_waits_and_a_rejection_spends_an_attempt(fact
     assert run_job(rt, job_id, kind).status == "retry"
     state = job(factory, job_id)
     assert (state.attempts, state.worker_losses) == (2, 0) and state.provider_outage_since is not None
+
+
+@pytest.mark.parametrize(("losses", "kept"), [(1, False), (3, True)], ids=["losses spent", "losses left"])
+def test_a_run_the_database_cut_short_leaves_the_clock_unless_it_fails_the_job(
+    factory, runtime, losses, kept
+):
+    """A database outage tells nothing of the provider's: the clock is left; but the run that spends the
+    last worker loss fails the job, and a failed job showed an outage clock still running."""
+    rt = runtime(job_provider_outage_patience_seconds=PATIENCE, job_max_worker_losses=losses)
+
+    def work(ctx: JobContext) -> WorkResult:
+        return WorkResult("requeue", note="the database is unavailable")
+
+    job_id = new_job(factory)
+    started = now() - timedelta(minutes=10)
+    set_job(factory, job_id, provider_outage_since=started)
+    assert run_job(rt, job_id, kind_doing(work)).status == ("retry" if kept else "failed")
+    assert since(factory, job_id) == (started if kept else None)

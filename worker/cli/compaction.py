@@ -213,18 +213,23 @@ def _token_table(stats: TranscriptStats) -> Table:
 def transcripts_show(
     transcript_id: str,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="Compactions to list.")] = 10,
+    before_id: Annotated[
+        int | None, typer.Option(min=1, help="Only compactions with a smaller id (the next page).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Tokens before and after compaction, the settings, and the newest compactions."""
+    """Tokens before and after compaction, the settings, and the newest compactions (a page stops at
+    its limit or 8 MiB of summaries and attempt logs; it says how to go on)."""
     with one_snapshot(checked_factory()) as session:  # its figures agree though an agent appends
         try:
             stats = transcript_stats(session, transcript_id)
         except TranscriptNotFoundError as exc:
             raise fail(str(exc)) from exc
-        rows, _ = list_compactions(session, transcript_id, limit=limit)
+        rows, more = list_compactions(session, transcript_id, limit=limit, before_id=before_id)
         compactions = [fields(row, COMPACTION_FIELDS) for row in rows]
+    next_before = rows[-1].id if more else None
     if as_json:
-        print_json({**stats.as_dict(), "compactions": compactions})
+        print_json({**stats.as_dict(), "compactions": compactions, "next_before_id": next_before})
         return
     out.print(_token_table(stats))
     s = stats.settings
@@ -259,6 +264,10 @@ def transcripts_show(
     out.print(table)
     for note in notes:
         out.print(note)
+    if next_before is not None:
+        out.print(
+            f"older compactions follow: `factmill transcripts show {transcript_id} --before-id {next_before}`"
+        )
 
 
 @transcripts_app.command("list")

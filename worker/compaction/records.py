@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, cast, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -126,8 +126,11 @@ def save_compaction(
 # row may carry a 16,384-character summary and two replies of as much in its log, so a page of 1,000
 # built about 48 million characters as objects in the API for one request.
 MAX_COMPACTIONS_PAGE_BYTES = 8 * 1024 * 1024
-_ROW_BYTES = func.coalesce(func.octet_length(Compaction.summary), 0) + func.pg_column_size(
-    Compaction.attempt_log
+_ROW_BYTES = (  # as the answer holds them: uncompressed (pg_column_size counts the stored, compressed form)
+    func.coalesce(func.octet_length(Compaction.summary), 0)
+    + func.octet_length(cast(Compaction.attempt_log, Text))
+    + func.octet_length(cast(Compaction.missed_terms, Text))
+    + func.coalesce(func.octet_length(Compaction.error), 0)
 )
 
 

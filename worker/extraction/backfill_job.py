@@ -23,7 +23,7 @@ from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
-from worker.llm.errors import LLMError, provider_cannot_serve
+from worker.llm.errors import BudgetExhaustedError, LLMError
 from worker.llm.gateway import LLMConfigurationError
 from worker.runtime import Runtime
 
@@ -64,19 +64,20 @@ def pass_deps(ctx: JobContext, client: BatchLLMClient, committed: FactsCommitted
 def backfill_pass(ctx: JobContext) -> WorkResult:
     """One pass of the backfill. While the provider holds batches of it, an error that would end the
     job (a worker's settings that leave it no batch API, a key the provider refuses, an outage past its
-    patience: a fault of the deployment's or the provider's, not the backfill's) makes it wait on them
-    instead: failed, nothing polled it again, and the batches' paid
-    results were never collected, their copies (page text) never deleted nor owed, and their estimate
-    counted in flight for good. The beat's poll asks again until the fault is mended."""
+    patience, a download that times out) makes it wait on them instead, its note saying why: failed,
+    nothing polled it again, and the batches' paid results were never collected, their copies (page
+    text) never deleted nor owed, and their estimate counted in flight for good. The beat's poll asks
+    again until the fault is mended."""
     try:
         return _one_pass(ctx)
     except (LLMConfigurationError, LLMError) as exc:
-        if isinstance(exc, LLMError) and not (exc.deployment_fault or provider_cannot_serve(exc)):
-            raise  # the job's own error (a budget's pause, a request refused): the common rules'
+        if isinstance(exc, BudgetExhaustedError):  # a pause of its own, woken when the budget has room
+            raise
 
         backfill_id = int(ctx.option("backfill"))
         sent = BackfillStore(ctx.rt.factory).batches(backfill_id, ("submitting", "submitted"))
-        held = [batch for batch in sent if batch.since_failed_send is None]  # (a failed send: resent)
+        # (Not a batch whose send failed and no provider took: it is sent again by the pass.)
+        held = [b for b in sent if b.provider_batch_id is not None or b.since_failed_send is None]
         if not held:
             raise
         logger.warning(
@@ -86,8 +87,8 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
         return WorkResult(
             "paused",
             note=(
-                f"{len(held)} batch(es) of backfill {backfill_id} are at the provider, which this worker "
-                f"cannot reach with its settings or key now: {error_summary(exc)}; tried again every "
+                f"{len(held)} batch(es) of backfill {backfill_id} are at the provider, and asking about "
+                f"or collecting them failed: {error_summary(exc)}; tried again every "
                 f"{ctx.rt.settings.backfill_poll_seconds:g}s until that is mended"
             ),
             pause_reason=WAITING_FOR_BATCHES,

@@ -23,6 +23,7 @@ from worker.extraction.segments import Attempt
 from worker.extraction.store import ExtractionStore, PageVersion
 
 OPEN_BATCHES = ("planned", "submitting", "submitted")
+_SENT_NOW = {"submitted_at": func.now(), "provider_status": None}  # (a failed send's word goes: sent now)
 SEND_FAILED = "send failed"  # provider_status of a batch whose last send failed (then its error class)
 # A result with no segment to describe it (its page moved on) is recorded against this stand-in.
 NO_SEGMENT = Segment((), (), "", "")
@@ -427,7 +428,7 @@ class BackfillStore:
             session.execute(
                 update(BackfillBatch)
                 .where(BackfillBatch.id == batch_id)
-                .values(status="submitted", provider_batch_id=provider_batch_id, submitted_at=func.now())
+                .values(status="submitted", provider_batch_id=provider_batch_id, **_SENT_NOW)
             )
             return True
 

@@ -144,7 +144,8 @@ def extract_page(ctx: JobContext) -> WorkResult:
             "outage" if away else "retry",
             counters=counters_dict,
             note=reason,
-            progressed=counters.segments_processed > 0,  # (an outage that began mid-run, not the page's)
+            # (An outage that began mid-run, not the page's. A page re-extracted whole commits at its end.)
+            progressed=counters.segments_processed + counters.segments_skipped > 0,
         )
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its

@@ -109,9 +109,10 @@ class WorkResult:
     pause_reason: str | None = None
     detail: str = ""
     # A pause after progress (a backfill pass that sent or collected its batches): the next run starts
-    # with fresh attempt and worker-loss budgets, so errors days apart do not add up to a failure. An
-    # outage after progress (segments committed): the outage began mid-run, not the job's own failure.
-    progressed: bool = False
+    # with fresh attempt and worker-loss budgets, so errors days apart do not add up to a failure. For
+    # an outage, whether the run went forward (segments committed or skipped: the outage began mid-run)
+    # or not (None: the kind cannot say, as for an error raised): see wait_out_outage.
+    progressed: bool | None = False
 
 
 @dataclass
@@ -157,7 +158,7 @@ def result_for_error(kind: JobKind, exc: Exception) -> WorkResult:
         return WorkResult("paused", note=note, pause_reason=rule.pause_reason)
     if rule.action in ("retry", "requeue", "outage"):
         logger.warning("job of kind %s raised %s; %s", kind.name, type(exc).__name__, rule.action)
-        return WorkResult(rule.action, note=error_summary(exc))
+        return WorkResult(rule.action, note=error_summary(exc), progressed=None)
     if rule.action == "lost":
         return WorkResult("lost", detail=str(exc))
     if rule.action == "release":
@@ -341,7 +342,7 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
         last_error=result.note,
         pause_reason=result.pause_reason if status == "paused" else None,
         attempt=status != "paused",
-        budgets_renewed=status == "paused" and result.progressed,
+        budgets_renewed=status == "paused" and bool(result.progressed),
         one_run_options=_one_run_options(lease),
     )
     if done is None:
@@ -397,7 +398,7 @@ def retry_or_fail(
         attempt=not worker_lost,
         worker_lost=worker_lost,
         one_run_options=_one_run_options(lease),
-        outage="leave" if worker_lost else None,  # a database outage tells nothing of the provider
+        outage="leave" if worker_lost and not spent else None,  # (a database outage: not the provider's)
     )
     if done is None:
         # Another worker holds the job now: a retry message of ours would claim it before the backoff
@@ -416,20 +417,22 @@ def wait_out_outage(
     backoff: Backoff,
     counters: dict[str, Any] | None = None,
     *,
-    progressed: bool = False,
+    progressed: bool | None = None,
 ) -> JobOutcome:
     """The provider could not serve the run: queue the job again after a wait as long as the outage so
     far (up to the backoff's ceiling), spending neither budget, or fail it once the provider has served
     it nothing for the patience (worker.jobs.outages). Before the clock, a provider outage spent worker
     losses: one of three quarters of an hour failed every job in flight, and its requeues counted as
-    crash loops. A run in which the provider answered other calls of the job and yet nothing went
-    forward (``progressed``: a page committed segments) is no outage: the job's own failure (a segment
-    the provider fails every time), on its attempts; taken for one, such a page waited out the whole
-    patience, paying on every run for its later segments' calls, whose answers were thrown away."""
+    crash loops. A run that says nothing went forward (``progressed`` False: no segment committed or
+    skipped) though the provider answered other calls of it is no outage: the job's own failure (a
+    segment the provider fails every time), on its attempts; taken for one, such a page waited out the
+    whole patience, paying on every run for its later segments' calls, whose answers were thrown away.
+    (None: the kind cannot say, as for an error raised: a consolidation's committed rounds, a backfill
+    pass's collected batches; the outage's, then.)"""
     job_id, token = lease.job.id, lease.token
     patience = rt.settings.job_provider_outage_patience_seconds
     clock = read_outage_clock(rt.factory, job_id, lease.job.heartbeat_at)  # (set by the claim)
-    if clock.answered and not progressed:
+    if clock.answered and progressed is False:
         why = f"the provider answered this run's other calls but not this one: {reason}"
         return retry_or_fail(rt, lease, why, backoff, counters)
     spent = clock.spent(patience)
