@@ -96,6 +96,7 @@ class JobOut(Model):
     status: str
     attempts: int
     worker_losses: int
+    provider_outage_since: datetime | None = None  # the LLM provider has served it nothing since then
     options: dict[str, Any]
     counters: dict[str, Any]
     last_error: str | None

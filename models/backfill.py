@@ -70,6 +70,9 @@ class BackfillBatch(Base):
     # What it may cost (prompt characters / 4 and the output caps, at the batch price), set when it is
     # sent: counted against the budgets while it is in flight, as its spend is known only once collected.
     estimated_cost_usd: Mapped[Decimal | None] = mapped_column(Numeric(18, 6))
+    # How often the provider failed it whole for its queued-token limit (it is then sent again, alone;
+    # past worker.extraction.backfill_limits.MAX_LIMIT_FAILURES it is collected as failed).
+    limit_failures: Mapped[int] = count_column()
 
 
 class BackfillRequest(Base):

@@ -1821,3 +1821,55 @@ def test_a_batch_failed_over_the_queued_token_limit_is_sent_again_one_at_a_time(
     sim.configure(batch_delay_seconds=0.05)
     assert drive(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"done": 16}
+
+
+def resend_due(factory: sessionmaker[Session]) -> None:
+    """Every batch whose send failed may be sent again now (RESEND_AFTER_SECONDS passed)."""
+    with factory.begin() as session:
+        session.execute(
+            update(BackfillBatch).values(
+                submit_started_at=func.now() - timedelta(seconds=RESEND_AFTER_SECONDS + 1)
+            )
+        )
+
+
+def test_a_batch_over_the_queued_token_limit_by_itself_is_collected_as_failed_after_its_tries(
+    factory, rt, sim, caplog
+):
+    """Sent again every ten minutes for good, each time uploading the pages' text, with nothing saying
+    why: after MAX_LIMIT_FAILURES it is collected as failed (its requests expired), saying what to do."""
+    from worker.extraction.backfill_limits import MAX_LIMIT_FAILURES
+
+    seed_pages(factory, "bf", 1)  # one batch
+    sim.configure(batch_fail="token_limit_exceeded")
+    backfill_id, job_id = start(factory, "bf")
+    sends = 0
+    for _ in range(MAX_LIMIT_FAILURES):
+        assert run_pass(rt, job_id).status == "paused"  # sent (again)
+        sends += 1
+        time.sleep(0.2)  # it ends, failed
+        outcome = run_pass(rt, job_id)
+        resend_due(factory)
+    assert sends == MAX_LIMIT_FAILURES and outcome.status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"expired": 4}
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+    assert (batch.status, batch.limit_failures) == ("collected", MAX_LIMIT_FAILURES - 1)
+    assert "over the provider's queued-token limit by itself" in caplog.text
+
+
+def test_results_the_provider_keeps_no_more_leave_their_requests_missing(factory, rt, sim, monkeypatch):
+    """A 404 on the results (Anthropic's after 29 days, an OpenAI output file expired or deleted): the
+    job waited on the batch for good, and a cancel could not end it (it collects first)."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    sim.end_batches()
+
+    def gone(self: Any, batch_id: str, requests: Any) -> Any:
+        raise LLMError("HTTP 404: No such File object", retryable=False, status=404)
+
+    monkeypatch.setattr(OpenAIBatchClient, "results", gone)
+    assert run_pass(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"expired": 8}

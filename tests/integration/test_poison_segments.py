@@ -306,6 +306,36 @@ def test_a_forced_re_extraction_skips_too_and_swaps_in_the_other_segments(tx_fac
     assert sorted((c, f) for _, c, f in facts(tx_factory)) == sorted((c, f) for _, c, f in whole)
 
 
+def test_a_forced_run_that_fails_after_a_held_skip_counts_no_skip(tx_factory, sim, llm):
+    """A page re-extracted whole holds its skips for the swap; a later segment's failure swaps nothing
+    in, yet the run counted the skip: a job reported progress that never committed (and so waited out
+    an outage's whole patience on a segment the provider fails every time)."""
+    import json
+
+    from worker.llm.errors import LLMError
+
+    class LastFails:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            if "order 17" in json.dumps(request.messages):
+                raise LLMError("HTTP 500: the model produced invalid content", retryable=True, status=500)
+            return llm.chat(request)
+
+        def embed(self, texts: list[str], *, purpose: str = "embedding") -> Any:
+            return llm.embed(texts, purpose=purpose)
+
+    with tx_factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(tx_factory, page_body())
+    sim.configure(text_faults=False)
+    run(tx_factory, llm)
+    sim.configure(text_faults=True)
+    forced = run(tx_factory, LastFails(), force=True)
+    assert (forced.pages_failed, forced.segments_processed, forced.segments_skipped) == (1, 0, 0)
+    assert not audits(tx_factory, "skipped") and not checkpoint(tx_factory).skipped
+
+
 def test_only_extraction_jobs_take_skipped(tx_factory):
     from worker.jobs import queries
     from worker.jobs.budgets import JobBudgets

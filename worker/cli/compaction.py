@@ -218,8 +218,9 @@ def transcripts_show(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Tokens before and after compaction, the settings, and the newest compactions (a page stops at
-    its limit or 8 MiB of summaries and attempt logs; it says how to go on)."""
+    """Tokens before and after compaction, the settings, and the newest compactions.
+
+    A page stops at its limit or at 8 MiB of summaries and attempt logs, and says how to go on."""
     with one_snapshot(checked_factory()) as session:  # its figures agree though an agent appends
         try:
             stats = transcript_stats(session, transcript_id)

@@ -34,7 +34,7 @@ from worker.accounting import Budget, Ledger
 from worker.accounting.prices import estimated_batch_cost
 from worker.config_store import ConfigReader
 from worker.core.facts import DEFAULT_MAX_FACTS
-from worker.extraction.backfill_limits import failed_over_queued_limit, send_again_later, waits_for_room
+from worker.extraction import backfill_limits as limits
 from worker.extraction.backfill_matching import group_by_page, matching_run
 from worker.extraction.backfill_plan import BackfillPlanner, BatchBounds
 from worker.extraction.backfill_request import (
@@ -318,9 +318,7 @@ class BackfillPass:
             return
         if not status.ended:
             self.store.set_batch(batch.id, provider_status=status.status)
-        elif failed_over_queued_limit(status):  # none of it ran: sent again later (backfill_limits)
-            send_again_later(self, batch, status.said())
-        else:
+        elif not limits.planned_again(self, batch, status):  # (the queued-token limit: sent again later)
             self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
 
     def status_of(self, batch: BatchRow) -> BatchStatus | None:
@@ -349,7 +347,8 @@ class BackfillPass:
         items: dict[str, BatchItem] = {}
         if pending and fetch:  # none left: a pass that died after committing them (the copy may be gone)
             generic = extraction_request([first_turn("")], self.run.max_facts, self.deps.max_output_tokens)
-            items = self.deps.client.results(batch.provider_batch_id, {r.custom_id: generic for r in pending})
+            asked = {r.custom_id: generic for r in pending}
+            items = limits.results_kept(self.deps.client, batch.provider_batch_id, asked)
         # Anthropic says "ended" of a cancelled batch too: the backfill's own request says it was cancelled.
         cancelled = provider_status in ("cancelled", "canceling") or self.cancelling()
         missing = "cancelled" if cancelled else "expired"
@@ -457,7 +456,7 @@ class BackfillPass:
                 self.cancel(batch)
                 continue
             try:
-                if waits_for_room(self, batch) or not self.send(batch):  # (the batches after it wait too)
+                if limits.waits_for_room(self) or not self.send(batch):  # (the batches after it wait too)
                     return None, None
             except BudgetExhaustedError as exc:
                 return exc, None

@@ -1,53 +1,122 @@
-"""A provider's queued-token limit: a batch it failed for going past it is sent again later, and while
-one waits so, a backfill sends one batch at a time.
+"""A provider's queued-token limit: a batch it failed for going past it is sent again later, alone, and
+while one waits so, a backfill sends nothing beside another batch in flight.
 
 OpenAI takes a batch's create, then fails the whole batch ("token_limit_exceeded", none of its requests
 run) when the organisation's queued tokens would pass its limit; a default batch of 95 MB can pass a low
 tier's limit alone. Collected as failed, its requests counted expired and the backfill ended "done"
-with those pages never extracted; a new backfill sent everything at once again, and failed alike."""
+with those pages never extracted; a new backfill sent everything at once again, and failed alike. A
+batch that fails so MAX_LIMIT_FAILURES times, the last ones sent alone, is over the limit by itself: it
+is collected as failed then, saying to cut smaller batches (sent again for good, it uploaded the pages'
+text every ten minutes)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func
+from sqlalchemy import func, select, update
 
+from models import BackfillBatch
 from worker.extraction.backfill_store import SEND_FAILED, BatchRow
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
-from worker.llm.batch_api import BatchStatus
+from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
+from worker.llm.errors import LLMError
+from worker.llm.types import ChatRequest
 
 if TYPE_CHECKING:  # (the pass calls these: a module of its own keeps it readable)
     from worker.extraction.backfill import BackfillPass
 
+logger = logging.getLogger(__name__)
+
 QUEUED_LIMIT_CODES = ("token_limit_exceeded",)
 OVER_QUEUED_LIMIT = "over the provider's queued-token limit"
+MAX_LIMIT_FAILURES = 3
 
 
 def failed_over_queued_limit(status: BatchStatus) -> bool:
     return status.status == "failed" and any(code in (status.error or "") for code in QUEUED_LIMIT_CODES)
 
 
-def send_again_later(run: BackfillPass, batch: BatchRow, said: str) -> None:
+def planned_again(run: BackfillPass, batch: BatchRow, status: BatchStatus) -> bool:
+    """Whether an ended batch is taken care of here (failed over the limit: planned again, or moved on
+    by another run meanwhile); False: the caller collects it."""
+    return failed_over_queued_limit(status) and send_again_later(run, batch, status.said())
+
+
+def send_again_later(run: BackfillPass, batch: BatchRow, said: str) -> bool:
     """The failed batch's files deleted (the pages' text), and the batch planned again with its requests
-    (none ran): sent again once a failed send's wait is over (RESEND_AFTER_SECONDS), by the pass."""
+    (none ran), to be sent once a failed send's wait is over (RESEND_AFTER_SECONDS). False, nothing
+    changed, when it failed so MAX_LIMIT_FAILURES times: the caller collects it as failed. (True,
+    nothing changed, when another run moved it on meanwhile.)"""
     assert batch.provider_batch_id is not None
-    discard_batch(run.deps.client, batch.provider_batch_id, ProviderCopies(run.deps.factory))
-    run.store.set_batch(
-        batch.id,
-        status="planned",
-        provider_batch_id=None,
-        estimated_cost_usd=None,
-        provider_status=f"{SEND_FAILED} ({OVER_QUEUED_LIMIT}: {said})"[:500],
-        submit_started_at=func.now(),  # the resend waits from now
+    this_copy = (
+        BackfillBatch.id == batch.id,
+        BackfillBatch.provider_batch_id == batch.provider_batch_id,  # not a copy another run sent since
+        BackfillBatch.status == "submitted",
     )
+    with run.deps.factory.begin() as session:
+        failures = session.execute(
+            update(BackfillBatch)
+            .where(*this_copy, BackfillBatch.limit_failures < MAX_LIMIT_FAILURES - 1)
+            .values(
+                status="planned",
+                provider_batch_id=None,
+                estimated_cost_usd=None,
+                provider_status=f"{SEND_FAILED} ({OVER_QUEUED_LIMIT}: {said})"[:500],
+                submit_started_at=func.now(),  # the resend waits from now
+                limit_failures=BackfillBatch.limit_failures + 1,
+            )
+            .returning(BackfillBatch.limit_failures)
+        ).scalar_one_or_none()
+        still_this = failures is None and session.scalar(select(func.count()).where(*this_copy))
+    if failures is None and not still_this:
+        return True  # moved on by another run: nothing here to collect or send
+    if failures is None:
+        logger.warning(
+            "backfill %s: batch %s is over the provider's queued-token limit by itself (%d times); its "
+            "requests are counted expired: cut smaller batches (FACTMILL_BACKFILL_BATCH_MAX_BYTES)",
+            run.backfill.id, batch.key, MAX_LIMIT_FAILURES,
+        )  # fmt: skip
+        return False
+    discard_batch(run.deps.client, batch.provider_batch_id, ProviderCopies(run.deps.factory))
+    logger.warning(
+        "backfill %s: batch %s failed over the provider's queued-token limit; sent again alone later",
+        run.backfill.id, batch.key,
+    )  # fmt: skip
+    return True
 
 
-def waits_for_room(run: BackfillPass, batch: BatchRow) -> bool:
-    """Whether ``batch`` (failed over the limit before) waits for the backfill's batches in flight to
-    end: sent beside them, it would pass the limit again."""
-    if OVER_QUEUED_LIMIT not in (batch.provider_status or ""):
+def results_kept(
+    client: BatchLLMClient, batch_id: str, requests: Mapping[str, ChatRequest]
+) -> dict[str, BatchItem]:
+    """An ended batch's results, or none when the provider keeps them no more (a 404: Anthropic's after
+    29 days, an OpenAI output file expired or deleted): its pending requests are then missing. Raised,
+    the backfill waited on the batch for good, and a cancel could not end it (it collects first)."""
+    try:
+        return client.results(batch_id, requests)
+    except LLMError as exc:
+        if exc.status != 404:
+            raise
+        logger.warning("batch %s: the provider keeps its results no more; its requests are missing", batch_id)
+        return {}
+
+
+def waits_for_room(run: BackfillPass) -> bool:
+    """Whether the backfill's sends wait for its batches in flight to end: while a batch of it failed
+    over the limit waits to go again, nothing is sent beside another (it would pass the limit again)."""
+    planned = run.store.batches(run.backfill.id, ("planned",))
+    if not any(OVER_QUEUED_LIMIT in (b.provider_status or "") for b in planned):
         return False
     return bool(run.store.batches(run.backfill.id, ("submitted",)))
 
 
-__all__ = ["OVER_QUEUED_LIMIT", "failed_over_queued_limit", "send_again_later", "waits_for_room"]
+__all__ = [
+    "MAX_LIMIT_FAILURES",
+    "OVER_QUEUED_LIMIT",
+    "failed_over_queued_limit",
+    "planned_again",
+    "results_kept",
+    "send_again_later",
+    "waits_for_room",
+]

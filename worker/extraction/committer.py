@@ -398,6 +398,7 @@ class SegmentCommitter:
                 planned=plan.checkpoint,
             )
         self.counters.segments_processed += report.segments
+        self.counters.segments_skipped += len(skips)  # moved past now, with the swap
         self.counters.facts_extracted += total
         self.facts_committed(plan.slug, inserted, replaced=True)
         self.counters.facts_inserted += inserted
@@ -421,7 +422,8 @@ class SegmentCommitter:
             if skip is not None:  # its skipped row goes in with the swap that moves past it
                 held.skips.append((place, result.attempts, skip))
                 held.skipped.append(skipped_record(plan.messages, segment, plan.ends[index]))
-                self.count_skip(report, plan.slug)
+                report.skipped += 1  # (the run's count once the swap commits: it may not)
+                self.progress.segment_finished(plan.slug, "skipped")
                 continue
             self.progress.segment_finished(plan.slug, result.outcome)
             if not result.ok:
