@@ -27,6 +27,7 @@ from worker.compaction.queries import (
     request_compaction,
     transcript_created_at,
 )
+from worker.core.paging import taken_within
 from worker.jobs.leases import spend_one_run_options
 from worker.jobs.outbox import JobRequestContendedError
 
@@ -151,11 +152,7 @@ def list_compactions(
     sizes = session.execute(
         select(Compaction.id, _ROW_BYTES).where(mine).order_by(Compaction.id.desc()).limit(limit + 1)
     ).all()
-    taken = total = 0
-    for _, size in sizes[:limit]:
-        if taken and total + size > max_bytes:
-            break
-        taken, total = taken + 1, total + size
+    taken = taken_within([size for _, size in sizes[:limit]], max_bytes)
     if not taken:
         return [], False
     oldest = sizes[taken - 1][0]

@@ -13,6 +13,7 @@ from models import Compaction, Job, Transcript, TranscriptMessageRow
 from models.tables import TRANSCRIPT_MESSAGES
 from worker.compaction.queries import STORED_BYTES, context_now, get_transcript, load_timeline
 from worker.core.compaction import estimate_tokens
+from worker.core.paging import taken_within
 from worker.core.timeline import ContextView, view_of
 from worker.core.transcripts import TranscriptSettings
 from worker.jobs.outbox import COMPACTION, PENDING
@@ -52,11 +53,7 @@ def list_messages(
     sizes = session.execute(
         select(TRANSCRIPT_MESSAGES.c.seq, STORED_BYTES).where(mine).order_by("seq").limit(limit + 1)
     ).all()
-    taken = total = 0
-    for _, size in sizes[:limit]:
-        if taken and total + size > max_bytes:
-            break
-        taken, total = taken + 1, total + size
+    taken = taken_within([size for _, size in sizes[:limit]], max_bytes)
     if not taken:
         return [], False
     last = sizes[taken - 1][0]
