@@ -385,6 +385,7 @@ _FINISH = (
                 bindparam("outage", type_=Text) == "keep",
                 func.coalesce(JOBS.c.provider_outage_since, func.now()),
             ),
+            (bindparam("outage", type_=Text) == "restart", func.now()),
             (bindparam("outage", type_=Text) == "leave", JOBS.c.provider_outage_since),
             else_=None,
         ),

@@ -435,6 +435,8 @@ def wait_out_outage(
     if clock.answered and progressed is False:
         why = f"the provider answered this run's other calls but not this one: {reason}"
         return retry_or_fail(rt, lease, why, backoff, counters)
+    if progressed:  # served until it went away mid-run: the outage begins now
+        clock = replace(clock, running=False, elapsed=0.0)
     spent = clock.spent(patience)
     delay = None if spent else clock.backoff(backoff.base_seconds, backoff.max_seconds)
     note = spent_note(clock, reason) if spent else waiting_note(clock, patience, reason)
@@ -446,7 +448,7 @@ def wait_out_outage(
         counters=counters,
         last_error=made_storable(note)[:MAX_NOTE_CHARS],
         requeue_in=delay,
-        outage=None if spent else "keep",
+        outage=None if spent else "restart" if progressed else "keep",
         one_run_options=_one_run_options(lease),
     )
     if done is None:  # taken over meanwhile: the new holder's run decides

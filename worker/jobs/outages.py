@@ -23,10 +23,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.tables import JOBS, LLM_CALLS
 
-# What ``finish`` does with the clock: "keep" (an outage run: started now if it was not running) or
-# "leave" (a run that reached no verdict: handed back by a stopping worker, cut short by the database);
+# What ``finish`` does with the clock: "keep" (an outage run: started now if it was not running),
+# "restart" (an outage that began after the run went forward: from now) or "leave" (a run that reached
+# no verdict: handed back by a stopping worker, cut short by the database);
 # None, any other end, empties it.
-ClockChange = Literal["keep", "leave"]
+ClockChange = Literal["keep", "restart", "leave"]
 
 # Outcomes of an llm_calls row that are no answer from the provider (every other one is: a reply that
 # was malformed, cut off or refused was still served).
