@@ -1873,3 +1873,44 @@ def test_results_the_provider_keeps_no_more_leave_their_requests_missing(factory
     monkeypatch.setattr(OpenAIBatchClient, "results", gone)
     assert run_pass(rt, job_id).status == "succeeded"
     assert request_statuses(factory, backfill_id) == {"expired": 8}
+
+
+def test_a_batch_resent_after_the_queued_token_limit_goes_alone(factory, rt, sim, monkeypatch):
+    """Once resent, a limited batch lost its mark, and a batch that had waited for budget went out beside
+    it: over the limit again, the first was given up as 'over the limit by itself' though it fit alone."""
+    seed_pages(factory, "bf", 4)  # two batches
+    real_within = BackfillPass.within_budget
+    backfill_id, job_id = start(factory, "bf")
+    sim.configure(batch_fail="token_limit_exceeded")
+
+    def first_only(self: BackfillPass, batch: Any, estimate: Any) -> bool:
+        return bool(batch.id == min_id(factory, backfill_id))
+
+    monkeypatch.setattr(BackfillPass, "within_budget", first_only)
+    assert run_pass(rt, job_id).status == "paused"  # the first sent; the second waits (budget)
+    time.sleep(0.2)
+    assert run_pass(rt, job_id).status == "paused"  # the first failed over the limit: planned again
+    monkeypatch.setattr(BackfillPass, "within_budget", real_within)
+    sim.configure(batch_fail=None, batch_delay_seconds=3600)
+    resend_due(factory)
+    assert run_pass(rt, job_id).status == "paused"
+    with factory() as session:
+        statuses = list(
+            session.scalars(
+                select(BackfillBatch.status)
+                .where(BackfillBatch.backfill_id == backfill_id)
+                .order_by(BackfillBatch.id)
+            )
+        )
+    assert statuses == ["submitted", "planned"], "the resent batch goes alone"
+    sim.end_batches()
+    sim.configure(batch_delay_seconds=0.05)
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 16}
+
+
+def min_id(factory: sessionmaker[Session], backfill_id: int) -> int:
+    with factory() as session:
+        return int(
+            session.scalar(select(func.min(BackfillBatch.id)).where(BackfillBatch.backfill_id == backfill_id))
+        )

@@ -15,9 +15,10 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select, update
+from sqlalchemy import exists, func, or_, select, update
 
 from models import BackfillBatch
+from models.reads import read_only
 from worker.extraction.backfill_store import SEND_FAILED, BatchRow
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
@@ -104,11 +105,19 @@ def results_kept(
 
 def waits_for_room(run: BackfillPass) -> bool:
     """Whether the backfill's sends wait for its batches in flight to end: while a batch of it failed
-    over the limit waits to go again, nothing is sent beside another (it would pass the limit again)."""
-    planned = run.store.batches(run.backfill.id, ("planned",))
-    if not any(OVER_QUEUED_LIMIT in (b.provider_status or "") for b in planned):
-        return False
-    return bool(run.store.batches(run.backfill.id, ("submitted",)))
+    over the limit waits to go again, or is out again to see whether it fits alone, nothing is sent
+    beside another (it would pass the limit again, and the batch be given up though it fits alone)."""
+    mine = BackfillBatch.backfill_id == run.backfill.id
+    limited = exists().where(
+        mine,
+        or_(
+            (BackfillBatch.status == "planned") & BackfillBatch.provider_status.contains(OVER_QUEUED_LIMIT),
+            (BackfillBatch.status == "submitted") & (BackfillBatch.limit_failures > 0),
+        ),
+    )
+    in_flight = exists().where(mine, BackfillBatch.status == "submitted")
+    with read_only(run.deps.factory) as session:
+        return bool(session.scalar(select(limited & in_flight)))
 
 
 __all__ = [

@@ -78,8 +78,10 @@ def on_worker_shutdown(**_: Any) -> None:
 
 # The prefork pool's children learn of the stop by this signal: Celery sends ``worker_shutting_down`` in
 # the main process only, and a child's copy of the flag (forked before) never changed, so its job was
-# cut off at the grace period's exit instead of released. (SIGUSR1 is billiard's soft time limit.)
-CHILD_STOP_SIGNAL = signal.SIGUSR2
+# cut off at the grace period's exit instead of released. SIGURG: ignored by default (a child forked
+# after a loss, its handler not yet installed, is not killed by it), and none of billiard's: with its
+# signal protection on it resets SIGUSR1/SIGUSR2 in children to an exit (a job cut off, not released).
+CHILD_STOP_SIGNAL = signal.SIGURG
 _pool: Any = None  # the worker's pool (Celery's ``worker_ready`` names its consumer)
 
 
