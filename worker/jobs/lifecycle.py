@@ -379,7 +379,6 @@ def retry_or_fail(
     """Queue the job again after a backoff, or fail it once the budget this run spent is gone: an
     attempt for the job's own failure, a worker loss when infrastructure cut it short. ``enqueued_at``
     in the future keeps the sweeper from re-sending it before it is due."""
-    job_id, token = lease.job.id, lease.token
     budgets = JobBudgets.from_settings(rt.settings)
     attempts = lease.job.attempts + (0 if worker_lost else 1)
     losses = lease.job.worker_losses + (1 if worker_lost else 0)
@@ -387,27 +386,47 @@ def retry_or_fail(
     delay = None if spent else backoff.delay(losses if worker_lost else attempts)
     if spent:
         reason = f"{worker_lost_reason(losses)}; last: {reason}" if worker_lost else reason
-    done = finish(
-        rt.factory,
-        job_id,
-        token,
-        "failed" if spent else "queued",
-        counters=counters,
-        last_error=reason,
-        requeue_in=delay,
+    return _queue_again_or_fail(
+        rt,
+        lease,
+        delay,
+        reason,
+        counters,
         attempt=not worker_lost,
         worker_lost=worker_lost,
-        one_run_options=_one_run_options(lease),
         outage="leave" if worker_lost and not spent else None,  # (a database outage: not the provider's)
+    )
+
+
+def _queue_again_or_fail(
+    rt: Runtime,
+    lease: Lease,
+    delay: float | None,
+    note: str,
+    counters: dict[str, Any] | None,
+    **spent: Any,
+) -> JobOutcome:
+    """Queued again ``delay`` seconds from now, or (None) failed, noting ``note``; ``spent``: what the run
+    spent and did to the outage clock (``finish``'s attempt, worker_lost, outage)."""
+    done = finish(
+        rt.factory,
+        lease.job.id,
+        lease.token,
+        "failed" if delay is None else "queued",
+        counters=counters,
+        last_error=made_storable(note)[:MAX_NOTE_CHARS],
+        requeue_in=delay,
+        one_run_options=_one_run_options(lease),
+        **spent,
     )
     if done is None:
         # Another worker holds the job now: a retry message of ours would claim it before the backoff
         # that worker's run set (or run a job cancelled meanwhile).
         return JobOutcome("lost", detail="the lease was taken over; the retry is the new holder's")
     _send_rerun(rt, done)
-    if spent or delay is None:
-        return JobOutcome("failed", detail=reason)
-    return JobOutcome("retry", retry_in=delay, detail=reason)
+    if delay is None:
+        return JobOutcome("failed", detail=note)
+    return JobOutcome("retry", retry_in=delay, detail=note)
 
 
 def wait_out_outage(
@@ -429,7 +448,7 @@ def wait_out_outage(
     whole patience, paying on every run for its later segments' calls, whose answers were thrown away.
     (None: the kind cannot say, as for an error raised: a consolidation's committed rounds, a backfill
     pass's collected batches; the outage's, then.)"""
-    job_id, token = lease.job.id, lease.token
+    job_id = lease.job.id
     patience = rt.settings.job_provider_outage_patience_seconds
     clock = read_outage_clock(rt.factory, job_id, lease.job.heartbeat_at)  # (set by the claim)
     if clock.answered and progressed is False:
@@ -439,25 +458,13 @@ def wait_out_outage(
         clock = replace(clock, running=False, elapsed=0.0)
     spent = clock.spent(patience)
     delay = None if spent else clock.backoff(backoff.base_seconds, backoff.max_seconds)
+    if spent:
+        logger.warning("job %s: the provider served it nothing for %.0f s; failing it", job_id, clock.elapsed)
     note = spent_note(clock, reason) if spent else waiting_note(clock, patience, reason)
-    done = finish(
-        rt.factory,
-        job_id,
-        token,
-        "failed" if spent else "queued",
-        counters=counters,
-        last_error=made_storable(note)[:MAX_NOTE_CHARS],
-        requeue_in=delay,
-        outage=None if spent else "restart" if progressed else "keep",
-        one_run_options=_one_run_options(lease),
+    change = None if spent else "restart" if progressed else "keep"
+    return _queue_again_or_fail(
+        rt, lease, delay, made_storable(note)[:MAX_NOTE_CHARS], counters, outage=change
     )
-    if done is None:  # taken over meanwhile: the new holder's run decides
-        return JobOutcome("lost", detail="the lease was taken over; the retry is the new holder's")
-    _send_rerun(rt, done)
-    if delay is None:
-        logger.warning("job %s failed: the provider served it nothing for %.0f s", job_id, clock.elapsed)
-        return JobOutcome("failed", detail=note)
-    return JobOutcome("retry", retry_in=delay, detail=note)
 
 
 def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:
