@@ -1127,6 +1127,11 @@ def test_a_send_the_provider_refuses_still_lets_the_batches_in_flight_be_collect
     assert run_pass(rt, job_id).status == "retry" and len(sends) == 3
     job = job_row(factory, job_id)
     assert (job.attempts, job.provider_outage_since is not None) == ((0, True) if retryable else (1, False))
+    if retryable:  # a pass within the resend's wait goes nowhere: the outage clock runs on
+        with factory.begin() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=func.now()))
+        assert run_pass(rt, job_id).status == "paused"
+        assert job_row(factory, job_id).provider_outage_since == job.provider_outage_since
     monkeypatch.undo()
     resend_due()
     sim.configure(batch_delay_seconds=0.05)
@@ -1914,3 +1919,28 @@ def min_id(factory: sessionmaker[Session], backfill_id: int) -> int:
         return int(
             session.scalar(select(func.min(BackfillBatch.id)).where(BackfillBatch.backfill_id == backfill_id))
         )
+
+
+def test_a_batch_resent_after_the_queued_token_limit_waits_for_other_backfills_too(factory, rt, sim):
+    """The limit is the organisation's: another backfill's batch sent beside the resend failed it again,
+    and it was given up as over the limit by itself though it fit alone."""
+    seed_pages(factory, "a", 2)
+    seed_pages(factory, "b", 2)
+    sim.configure(batch_fail="token_limit_exceeded")
+    first, first_job = start(factory, "a")
+    assert run_pass(rt, first_job).status == "paused"
+    time.sleep(0.2)
+    assert run_pass(rt, first_job).status == "paused"  # failed over the limit: planned again
+    sim.configure(batch_fail=None, batch_delay_seconds=3600)
+    second, second_job = start(factory, "b")
+    assert run_pass(rt, second_job).status == "paused"  # nothing limited is out: it goes
+    resend_due(factory)
+    assert run_pass(rt, first_job).status == "paused"
+    with factory() as session:
+        statuses = dict(session.execute(select(BackfillBatch.backfill_id, BackfillBatch.status)).all())
+    assert statuses == {first: "planned", second: "submitted"}, "it waits for the other backfill's batch"
+    sim.end_batches()
+    sim.configure(batch_delay_seconds=0.05)
+    assert drive(rt, second_job).status == "succeeded"
+    assert drive(rt, first_job).status == "succeeded"
+    assert request_statuses(factory, first) == {"done": 8}

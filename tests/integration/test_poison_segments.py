@@ -333,6 +333,7 @@ def test_a_forced_run_that_fails_after_a_held_skip_counts_no_skip(tx_factory, si
     sim.configure(text_faults=True)
     forced = run(tx_factory, LastFails(), force=True)
     assert (forced.pages_failed, forced.segments_processed, forced.segments_skipped) == (1, 0, 0)
+    assert forced.pages[0].skipped == 0, "no `--skipped` to offer: nothing was skipped"
     assert not audits(tx_factory, "skipped") and not checkpoint(tx_factory).skipped
 
 

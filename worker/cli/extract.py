@@ -83,7 +83,7 @@ def print_counters(counters: ExtractionCounters, seconds: float | None = None) -
             report.status == "skipped" and report.reason and "nothing new" not in report.reason
         ):
             err.print(styled((report.status, "yellow"), f" {report.slug}: {report.reason}"))
-        if report.skipped and report.status == "processed":  # (a page re-extracted whole: only if swapped in)
+        if report.skipped:
             err.print(
                 styled(
                     ("skipped segments", "yellow"),

@@ -104,10 +104,13 @@ def results_kept(
 
 
 def waits_for_room(run: BackfillPass) -> bool:
-    """Whether the backfill's sends wait for its batches in flight to end: while a batch of it failed
-    over the limit waits to go again, or is out again to see whether it fits alone, nothing is sent
-    beside another (it would pass the limit again, and the batch be given up though it fits alone)."""
-    mine = BackfillBatch.backfill_id == run.backfill.id
+    """Whether the backfill's sends wait for the batches in flight at its provider to end: while a batch
+    (of any backfill) failed over the limit waits to go again, or is out again to see whether it fits
+    alone, nothing is sent beside another (it would pass the limit again, and the batch be given up
+    though it fits alone)."""
+    # The limit is the organisation's: every backfill's batches at this provider (another backfill's
+    # sends beside a limited resend failed it again, and it was given up though it fit alone).
+    mine = BackfillBatch.provider == run.deps.client.provider
     limited = exists().where(
         mine,
         or_(

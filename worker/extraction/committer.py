@@ -369,13 +369,14 @@ class SegmentCommitter:
                 self.keep_after_failure(plan.slug, batch, handed)
                 raise
             if failed is not None:
+                failed.skipped = 0  # its held skips go in only with a swap: none (no `--skipped` to offer)
                 return failed
         segment_facts, skips, skipped = held.segment_facts, held.skips, held.skipped
         missing = len(plan.segments) - report.segments - report.skipped
         if missing:
             # The results ran out (a batch that expired): swapping now would drop the page's later facts.
             self.store.release_held()
-            report.status = "incomplete"
+            report.status, report.skipped = "incomplete", 0
             report.reason = f"{missing} segment(s) had no result; the earlier facts were kept"
             return report
         end = plan.ends[-1]

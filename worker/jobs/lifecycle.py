@@ -344,6 +344,7 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
         attempt=status != "paused",
         budgets_renewed=status == "paused" and bool(result.progressed),
         one_run_options=_one_run_options(lease),
+        outage="leave" if _waits_without_progress(result) else None,
     )
     if done is None:
         # The lease was taken over between the run's last check and this write: nothing was written,
@@ -353,6 +354,14 @@ def settle(rt: Runtime, lease: Lease, result: WorkResult, backoff: Backoff) -> J
         return JobOutcome("lost", detail=f"the lease was taken over; this run's {status} was not recorded")
     _send_rerun(rt, done)
     return JobOutcome(status, detail=result.detail)
+
+
+def _waits_without_progress(result: WorkResult) -> bool:
+    """A pause of the kind's own (a backfill waiting out a failed send's resend) after a run that went
+    nowhere: it leaves the outage clock as it was. Emptied, a backfill whose sends an outage kept
+    failing started its clock anew at every resend, and never failed however long the outage."""
+    own = result.pause_reason not in (KILL_SWITCH, BUDGET)
+    return result.status == "paused" and own and result.progressed is False
 
 
 def _one_run_options(lease: Lease) -> tuple[str, ...]:
