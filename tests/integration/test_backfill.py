@@ -45,7 +45,7 @@ from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, segment_bytes, split_into_segments
 from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
 from worker.extraction.backfill import BackfillPass
-from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills
+from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills, resume_waiting
 from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
     RESEND_AFTER_SECONDS,
@@ -145,7 +145,10 @@ def drive(rt: Runtime, job_id: int, passes: int = 400) -> JobOutcome:
     """Run passes as beat would wake them, until the job stops waiting on its batches."""
     for _ in range(passes):
         outcome = run_pass(rt, job_id)
-        if outcome.status != "paused" or job_row(rt.factory, job_id).pause_reason != "batch":
+        if outcome.status != "paused" or job_row(rt.factory, job_id).pause_reason not in (
+            "batch",
+            "batch_fault",
+        ):
             return outcome
         time.sleep(0.05)  # the simulator's batches end after batch_delay_seconds
     raise AssertionError(f"backfill job {job_id} still waiting after {passes} passes")
@@ -1777,7 +1780,10 @@ def test_a_fault_that_would_end_the_job_waits_while_batches_are_at_the_provider(
         if faulty is not rt:
             faulty.close()
     job = job_row(factory, job_id)
-    assert (job.status, job.pause_reason, job.attempts) == ("paused", "batch", 0)
+    # Told apart from a normal wait (an alert watches it), and woken by beat's poll all the same.
+    assert (job.status, job.pause_reason, job.attempts) == ("paused", "batch_fault", 0)
+    with factory.begin() as session:
+        assert (job_id, BATCH_EXTRACTION) in resume_waiting(session)
     expected = {"no batch API": "no batch API", "key refused": "invalid api key"}.get(fault, "timed out")
     assert "1 batch(es) of backfill" in (job.last_error or "") and expected in (job.last_error or ""), (
         job.last_error

@@ -12,7 +12,7 @@ from typing_extensions import TypedDict  # pydantic reads it on Python 3.11 (the
 
 from models import Backfill, BackfillBatch, Job
 from models.backfill import REQUEST_STATUSES
-from worker.extraction.backfill_request import BATCH_EXTRACTION, WAITING_FOR_BATCHES
+from worker.extraction.backfill_request import BATCH_EXTRACTION, BATCH_FAULT, WAITING_FOR_BATCHES
 from worker.extraction.backfill_store import job_status, request_counts, spend
 from worker.extraction.provider_copies import sweep_provider_copies
 from worker.jobs.outbox import BUDGET, resume_paused, retry_job
@@ -49,9 +49,14 @@ def cancel_backfill(session: Session, backfill_id: int) -> list[tuple[int, str]]
 
 
 def resume_waiting(session: Session, job_id: int | None = None) -> list[tuple[int, str]]:
-    """Queue again the backfill jobs paused while their batches run (all, or one); to enqueue after."""
+    """Queue again the backfill jobs paused while their batches run, or while asking about them fails
+    (all, or one); to enqueue after."""
     job_ids = None if job_id is None else [job_id]
-    return resume_paused(session, [BATCH_EXTRACTION], WAITING_FOR_BATCHES, job_ids, wait=job_id is not None)
+    return [
+        job
+        for reason in (WAITING_FOR_BATCHES, BATCH_FAULT)
+        for job in resume_paused(session, [BATCH_EXTRACTION], reason, job_ids, wait=job_id is not None)
+    ]
 
 
 def poll_backfills(factory: sessionmaker[Session], settings: Settings) -> int:

@@ -12,6 +12,7 @@ from worker.extraction.backfill import BackfillDeps, BackfillPass, run_backfill_
 from worker.extraction.backfill_admin import backfill_report
 from worker.extraction.backfill_request import (
     BATCH_EXTRACTION,
+    BATCH_FAULT,
     WAITING_FOR_BATCHES,
     BackfillNotFoundError,
     BatchSendFailedError,
@@ -91,7 +92,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
                 f"or collecting them failed: {error_summary(exc)}; tried again every "
                 f"{ctx.rt.settings.backfill_poll_seconds:g}s until that is mended"
             ),
-            pause_reason=WAITING_FOR_BATCHES,
+            pause_reason=BATCH_FAULT,
             detail="waiting for provider batches it cannot ask about",
         )
 
@@ -202,7 +203,7 @@ KIND = register(
             ErrorRule(BackfillNotFoundError, "fail"),
             ErrorRule(BatchSendFailedError, "retry"),  # the job's own: its attempts, not losses
         ),
-        pause_reasons=(WAITING_FOR_BATCHES,),
+        pause_reasons=(WAITING_FOR_BATCHES, BATCH_FAULT),
         while_switched_off=cancel_while_switched_off,
     )
 )

@@ -16,6 +16,9 @@ from worker.jobs.outbox import request_job
 
 BATCH_EXTRACTION = "batch_extraction"
 WAITING_FOR_BATCHES = "batch"  # the pause reason of a job whose provider batches are still running
+# The pause reason of one whose batches are at the provider while asking about or collecting them fails
+# (its settings, its key, an outage): it waits on them as "batch" does, and an alert can tell it apart.
+BATCH_FAULT = "batch_fault"
 
 
 @dataclass(frozen=True)
