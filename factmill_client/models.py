@@ -97,6 +97,7 @@ class JobOut(Model):
     attempts: int
     worker_losses: int
     provider_outage_since: datetime | None = None  # the LLM provider has served it nothing since then
+    pause_reason: str | None = None  # a paused job's: kill_switch, budget, batch, batch_fault
     options: dict[str, Any]
     counters: dict[str, Any]
     last_error: str | None

@@ -1950,3 +1950,50 @@ def test_a_batch_resent_after_the_queued_token_limit_waits_for_other_backfills_t
     assert drive(rt, second_job).status == "succeeded"
     assert drive(rt, first_job).status == "succeeded"
     assert request_statuses(factory, first) == {"done": 8}
+
+
+def test_a_pass_that_sent_a_batch_while_another_s_send_failed_empties_the_outage_clock(
+    factory, rt, sim, monkeypatch
+):
+    """Troubled (a send failed) is not "went nowhere": a pass that sent or collected batches beside it
+    left the clock from an earlier outage running, and the job later failed as "served nothing for 24 h"."""
+    seed_pages(factory, "bf", 4)  # two batches
+    real_submit = OpenAIBatchClient.submit
+    sends: list[str | None] = []
+
+    def second_unavailable(self: Any, requests: Any, key: str | None = None) -> str:
+        sends.append(key)
+        if len(sends) > 1:
+            raise LLMError("HTTP 503: unavailable", retryable=True, status=503)
+        return real_submit(self, requests, key=key)
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", second_unavailable)
+    sim.configure(batch_delay_seconds=3600)
+    _, job_id = start(factory, "bf")
+    with factory.begin() as session:  # an earlier outage's clock
+        session.execute(update(Job).where(Job.id == job_id).values(provider_outage_since=func.now()))
+    assert run_pass(rt, job_id).status == "paused" and len(sends) == 2  # one sent, one failed
+    assert job_row(factory, job_id).provider_outage_since is None
+
+
+def test_a_limited_resend_does_not_wait_on_a_backfill_that_collects_nothing(factory, rt, sim):
+    """A batch of a backfill whose job failed (nothing polls it) counted as in flight: every backfill's
+    sends at the provider waited on it for good."""
+    seed_pages(factory, "c", 2)
+    seed_pages(factory, "a", 2)
+    sim.configure(batch_delay_seconds=3600)
+    dead, dead_job = start(factory, "c")
+    assert run_pass(rt, dead_job).status == "paused"  # its batch is at the provider
+    with factory.begin() as session:
+        session.execute(update(Job).where(Job.id == dead_job).values(status="failed"))
+    sim.configure(batch_fail="token_limit_exceeded", batch_delay_seconds=0.05)
+    live, live_job = start(factory, "a")
+    assert run_pass(rt, live_job).status == "paused"
+    time.sleep(0.2)
+    assert run_pass(rt, live_job).status == "paused"  # failed over the limit: planned again
+    sim.configure(batch_fail=None, batch_delay_seconds=3600)
+    resend_due(factory)
+    assert run_pass(rt, live_job).status == "paused"
+    with factory() as session:
+        statuses = dict(session.execute(select(BackfillBatch.backfill_id, BackfillBatch.status)).all())
+    assert statuses == {dead: "submitted", live: "submitted"}, "the resend went"

@@ -17,6 +17,7 @@ from tests.unit.test_grafana_dashboard import (
     REPO,
     _exprs,
     _rule_exprs,
+    metric_names,
 )
 from worker.config_store import KILL_SWITCHES
 from worker.jobs.registry import kind_names, pause_reasons
@@ -122,6 +123,36 @@ def test_every_matched_label_is_the_metric_s_and_every_value_one_it_can_take(nam
                 )
 
 
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+
+
+@pytest.mark.parametrize(("name", "expr"), ALL_EXPRS, ids=[n for n, _ in ALL_EXPRS])
+def test_every_label_grouped_or_joined_on_is_one_of_the_metrics_read(name: str, expr: str) -> None:
+    """``max by (knd)`` summed every series into one, and ``{{ $labels.kind }}`` read empty."""
+    labels = declared_labels()
+    read = {series for series in metric_names(expr) if series in labels}
+    available = set().union(*(labels[series] for series in read)) if read else set()
+    for clause in _GROUPING.findall(expr):
+        for label in (word.strip() for word in clause.split(",") if word.strip()):
+            assert label in available, f"{name}: {label!r} is a label of none of {sorted(read)}"
+
+
+def _rules() -> list[dict[str, object]]:
+    import yaml
+
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus-rules.yaml").read_text())
+    return [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=[str(r["alert"]) for r in _rules()])
+def test_every_label_an_alert_s_text_names_survives_its_aggregation(rule: dict[str, object]) -> None:
+    expr = str(rule["expr"])
+    kept = {w.strip() for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr) for w in clause.split(",")}
+    for text in dict(rule.get("annotations") or {}).values():  # type: ignore[call-overload]
+        for label in re.findall(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)", str(text)):
+            assert label in kept, f"{rule['alert']}: $labels.{label} is not kept by the expression's by (...)"
+
+
 def test_the_label_check_sees_a_typo() -> None:
     """The check itself: a misspelt value and a label the metric lacks are caught."""
     with pytest.raises(AssertionError, match="is not one of"):
@@ -131,4 +162,12 @@ def test_the_label_check_sees_a_typo() -> None:
     with pytest.raises(AssertionError, match="has no label"):
         test_every_matched_label_is_the_metric_s_and_every_value_one_it_can_take(
             "typo", 'max(factmill_jobs_paused{queue="x"})'
+        )
+    with pytest.raises(AssertionError, match="is a label of none of"):
+        test_every_label_grouped_or_joined_on_is_one_of_the_metrics_read(
+            "typo", "max by (knd) (factmill_jobs)"
+        )
+    with pytest.raises(AssertionError, match="is not kept"):
+        test_every_label_an_alert_s_text_names_survives_its_aggregation(
+            {"alert": "A", "expr": "max(factmill_jobs) > 0", "annotations": {"summary": "{{ $labels.kind }}"}}
         )

@@ -134,7 +134,8 @@ def _paused_jobs(paused: dict[tuple[str, str], int], kinds: list[str]) -> GaugeM
     gauge = GaugeMetricFamily(
         "factmill_jobs_paused",
         "Paused jobs by kind and reason: kill_switch (resumed when it is on), budget (when a budget has "
-        "room), batch (a backfill waiting for its provider batches: normal, for up to 24 h)",
+        "room), batch (a backfill waiting for its provider batches: normal, for up to 24 h), batch_fault "
+        "(a backfill whose batches it cannot ask about or collect: its note says why)",
         labels=["kind", "reason"],
     )
     reasons = sorted(set(pause_reasons()) | {reason for _, reason in paused})

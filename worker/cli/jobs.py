@@ -24,6 +24,7 @@ JOB_FIELDS = (
     "attempts",
     "worker_losses",
     "provider_outage_since",
+    "pause_reason",
     "last_error",
     "counters",
     "created_at",

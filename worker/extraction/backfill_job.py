@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from models.backfill import BATCH_STATUSES
 from worker.config_store import EXTRACTION_ENABLED
 from worker.consolidation import consolidate_pages_entities
 from worker.core.errors import error_summary
@@ -94,6 +95,7 @@ def backfill_pass(ctx: JobContext) -> WorkResult:
             ),
             pause_reason=BATCH_FAULT,
             detail="waiting for provider batches it cannot ask about",
+            progressed=None,  # (not an outage's wait: the outage clock is not kept through it)
         )
 
 
@@ -104,6 +106,7 @@ def _one_pass(ctx: JobContext) -> WorkResult:
     if unavailable is not None:  # this worker's settings, which may differ from the API's that took it
         raise LLMConfigurationError(unavailable)
     committed, to_consolidate = follow_ups(rt)
+    before = _batch_marks(rt, backfill_id)
     with open_batch_client(settings) as client:
         deps = pass_deps(ctx, client, committed)
         try:
@@ -134,9 +137,20 @@ def _one_pass(ctx: JobContext) -> WorkResult:
         pause_reason=WAITING_FOR_BATCHES,
         detail="waiting for provider batches",
         # The pass ran through: errors of earlier passes are behind it (not when a send failed or waits
-        # to be tried again: a send that keeps failing ends the job once nothing is in flight).
-        progressed=not result.troubled,
+        # to be tried again: a send that keeps failing ends the job once nothing is in flight). Troubled,
+        # whether a batch moved on (sent, collected: None) or nothing did (False: the outage clock runs on).
+        progressed=True
+        if not result.troubled
+        else None
+        if _batch_marks(rt, backfill_id) != before
+        else False,
     )
+
+
+def _batch_marks(rt: Runtime, backfill_id: int) -> list[tuple[int, str, str | None]]:
+    """Where each of the backfill's batches stands: a pass that changed none went nowhere."""
+    rows = BackfillStore(rt.factory).batches(backfill_id, BATCH_STATUSES)
+    return [(row.id, row.status, row.provider_batch_id) for row in rows]
 
 
 def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int, int]:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, func, or_, select, update
 
-from models import BackfillBatch
+from models import Backfill, BackfillBatch, Job
 from models.reads import read_only
+from worker.extraction.backfill_request import BATCH_FAULT
 from worker.extraction.backfill_store import SEND_FAILED, BatchRow
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
@@ -108,17 +109,27 @@ def waits_for_room(run: BackfillPass) -> bool:
     (of any backfill) failed over the limit waits to go again, or is out again to see whether it fits
     alone, nothing is sent beside another (it would pass the limit again, and the batch be given up
     though it fits alone)."""
-    # The limit is the organisation's: every backfill's batches at this provider (another backfill's
-    # sends beside a limited resend failed it again, and it was given up though it fit alone).
-    mine = BackfillBatch.provider == run.deps.client.provider
+    # The limit is the organisation's: every live backfill's batches at this provider (another backfill's
+    # sends beside a limited resend failed it again, and it was given up though it fit alone). Live: one
+    # whose job failed, or waits on batches it cannot reach, collects nothing, and counted, it held every
+    # backfill's sends at the provider for good.
+    live = exists().where(
+        Backfill.id == BackfillBatch.backfill_id,
+        Job.id == Backfill.job_id,
+        Job.status.in_(("queued", "running"))
+        | ((Job.status == "paused") & (Job.pause_reason != BATCH_FAULT)),
+    )
+    counted = (BackfillBatch.provider == run.deps.client.provider) & (
+        (BackfillBatch.backfill_id == run.backfill.id) | live
+    )
     limited = exists().where(
-        mine,
+        counted,
         or_(
             (BackfillBatch.status == "planned") & BackfillBatch.provider_status.contains(OVER_QUEUED_LIMIT),
             (BackfillBatch.status == "submitted") & (BackfillBatch.limit_failures > 0),
         ),
     )
-    in_flight = exists().where(mine, BackfillBatch.status == "submitted")
+    in_flight = exists().where(counted, BackfillBatch.status == "submitted")
     with read_only(run.deps.factory) as session:
         return bool(session.scalar(select(limited & in_flight)))
 

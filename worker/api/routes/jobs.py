@@ -57,6 +57,7 @@ class JobOut(BaseModel):
     # Since when the LLM provider has served the job nothing (an outage; empty while it serves it): the
     # job fails FACTMILL_JOB_PROVIDER_OUTAGE_PATIENCE_SECONDS after it (worker.jobs.outages).
     provider_outage_since: datetime | None = None
+    pause_reason: str | None = None  # a paused job's: kill_switch, budget, batch, batch_fault
     options: dict[str, Any]
     counters: dict[str, Any]
     last_error: str | None
