@@ -651,6 +651,11 @@ def test_jobs_list_filter_get_and_404(client: TestClient, tx_factory: sessionmak
     set_job(tx_factory, ids[1], attempts=2, worker_losses=3)
     assert [(j["attempts"], j["worker_losses"]) for j in client.get("/v1/jobs").json()["jobs"]][1] == (2, 3)
     assert (client.get(f"/v1/jobs/{ids[1]}").json()["worker_losses"]) == 3
+    # Why a paused job waits, and since when the LLM provider has served one nothing.
+    assert (one.json()["pause_reason"], one.json()["provider_outage_since"]) == (None, None)
+    set_job(tx_factory, ids[1], status="paused", pause_reason="batch_fault", provider_outage_since=func.now())
+    shown = client.get(f"/v1/jobs/{ids[1]}").json()
+    assert shown["pause_reason"] == "batch_fault" and shown["provider_outage_since"] is not None
     missing = client.get("/v1/jobs/999999")
     assert missing.status_code == 404 and missing.json() == {"detail": "no job 999999"}
 

@@ -1976,9 +1976,12 @@ def test_a_pass_that_sent_a_batch_while_another_s_send_failed_empties_the_outage
     assert job_row(factory, job_id).provider_outage_since is None
 
 
-def test_a_limited_resend_does_not_wait_on_a_backfill_that_collects_nothing(factory, rt, sim):
-    """A batch of a backfill whose job failed (nothing polls it) counted as in flight: every backfill's
-    sends at the provider waited on it for good."""
+def test_a_limited_resend_waits_on_another_backfill_s_batch_only_within_the_provider_s_window(
+    factory, rt, sim
+):
+    """Another backfill's batch counts while the provider may still hold its queued tokens; one whose
+    job failed (nothing polls it) or cannot reach its batches counted for good, and every backfill's
+    sends at the provider waited on it."""
     seed_pages(factory, "c", 2)
     seed_pages(factory, "a", 2)
     sim.configure(batch_delay_seconds=3600)
@@ -1992,8 +1995,20 @@ def test_a_limited_resend_does_not_wait_on_a_backfill_that_collects_nothing(fact
     time.sleep(0.2)
     assert run_pass(rt, live_job).status == "paused"  # failed over the limit: planned again
     sim.configure(batch_fail=None, batch_delay_seconds=3600)
+
+    def statuses() -> dict[int, str]:
+        with factory() as session:
+            return dict(session.execute(select(BackfillBatch.backfill_id, BackfillBatch.status)).all())
+
     resend_due(factory)
     assert run_pass(rt, live_job).status == "paused"
-    with factory() as session:
-        statuses = dict(session.execute(select(BackfillBatch.backfill_id, BackfillBatch.status)).all())
-    assert statuses == {dead: "submitted", live: "submitted"}, "the resend went"
+    assert statuses() == {dead: "submitted", live: "planned"}, "within its window the other batch counts"
+    with factory.begin() as session:  # a day and more later: the provider has ended it
+        session.execute(
+            update(BackfillBatch)
+            .where(BackfillBatch.backfill_id == dead)
+            .values(submitted_at=func.now() - timedelta(hours=26))
+        )
+    resend_due(factory)
+    assert run_pass(rt, live_job).status == "paused"
+    assert statuses() == {dead: "submitted", live: "submitted"}, "the resend went"

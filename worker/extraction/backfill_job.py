@@ -147,10 +147,11 @@ def _one_pass(ctx: JobContext) -> WorkResult:
     )
 
 
-def _batch_marks(rt: Runtime, backfill_id: int) -> list[tuple[int, str, str | None]]:
-    """Where each of the backfill's batches stands: a pass that changed none went nowhere."""
+def _batch_marks(rt: Runtime, backfill_id: int) -> list[tuple[int, str | None, bool]]:
+    """Where each of the backfill's batches stands: sent (the provider's id) and ended. A pass that moved
+    none went nowhere (a send that failed moves none: it leaves the batch "submitting")."""
     rows = BackfillStore(rt.factory).batches(backfill_id, BATCH_STATUSES)
-    return [(row.id, row.status, row.provider_batch_id) for row in rows]
+    return [(row.id, row.provider_batch_id, row.status in ("collected", "cancelled")) for row in rows]
 
 
 def cancel_open_batches(deps: BackfillDeps, backfill_id: int) -> tuple[int, int, int]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, func, or_, select, update
 
-from models import Backfill, BackfillBatch, Job
+from models import BackfillBatch
 from models.reads import read_only
-from worker.extraction.backfill_request import BATCH_FAULT
 from worker.extraction.backfill_store import SEND_FAILED, BatchRow
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 QUEUED_LIMIT_CODES = ("token_limit_exceeded",)
 OVER_QUEUED_LIMIT = "over the provider's queued-token limit"
 MAX_LIMIT_FAILURES = 3
+PROVIDER_WINDOW_HOURS = 25  # a batch's completion window (24 h), and an hour's margin
 
 
 def failed_over_queued_limit(status: BatchStatus) -> bool:
@@ -109,18 +110,16 @@ def waits_for_room(run: BackfillPass) -> bool:
     (of any backfill) failed over the limit waits to go again, or is out again to see whether it fits
     alone, nothing is sent beside another (it would pass the limit again, and the batch be given up
     though it fits alone)."""
-    # The limit is the organisation's: every live backfill's batches at this provider (another backfill's
-    # sends beside a limited resend failed it again, and it was given up though it fit alone). Live: one
-    # whose job failed, or waits on batches it cannot reach, collects nothing, and counted, it held every
-    # backfill's sends at the provider for good.
-    live = exists().where(
-        Backfill.id == BackfillBatch.backfill_id,
-        Job.id == Backfill.job_id,
-        Job.status.in_(("queued", "running"))
-        | ((Job.status == "paused") & (Job.pause_reason != BATCH_FAULT)),
-    )
+    # The limit is the organisation's: every backfill's batches at this provider count (another
+    # backfill's sends beside a limited resend failed it again, and it was given up though it fit
+    # alone); another's only for a day from its send, the provider's completion window (one whose job
+    # failed, or cannot reach its batches, collects nothing: counted for good, it held every backfill's
+    # sends at the provider; its batch's queued tokens are freed when the provider ends it).
+    recent = func.coalesce(
+        BackfillBatch.submitted_at, BackfillBatch.submit_started_at
+    ) > func.now() - timedelta(hours=PROVIDER_WINDOW_HOURS)
     counted = (BackfillBatch.provider == run.deps.client.provider) & (
-        (BackfillBatch.backfill_id == run.backfill.id) | live
+        (BackfillBatch.backfill_id == run.backfill.id) | recent
     )
     limited = exists().where(
         counted,
