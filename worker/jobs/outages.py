@@ -4,12 +4,15 @@ A provider outage (429/5xx past the retry layer, unreachable, the account's mone
 fault and the same for every job: it spends neither of a job's budgets (worker.jobs.budgets). The job
 waits it out, its backoffs growing with the outage, and fails only once the provider has served it
 nothing for FACTMILL_JOB_PROVIDER_OUTAGE_PATIENCE_SECONDS. The clock starts at the job's first run the
-provider could not serve, and is emptied by any run that ends otherwise (served, paused, finished).
+provider could not serve, starts anew after a run that went forward before the provider went away, and
+is emptied by any run that ends otherwise (served, paused for a switch or a budget, finished); a run
+that reached no verdict, or a kind's own pause after a run that went nowhere, leaves it.
 
-A run in which the provider answered some of the job's calls, yet failed one past the retry layer (a
-segment it answers with a 500 every time, a request over a per-minute token limit), is no outage: it
-is the job's own failure, on its attempts. Taken for an outage, such a page waited a day, paying on
-every run for the other segments' calls in flight, whose answers were then thrown away."""
+An extraction run (the kind that can tell) in which the provider answered some of the page's calls,
+yet no segment went forward (one it answers with a 500 every time, a request over a per-minute token
+limit), is no outage: it is the job's own failure, on its attempts. Taken for an outage, such a page
+waited a day, paying on every run for the other segments' calls in flight, whose answers were then
+thrown away (worker.jobs.lifecycle.wait_out_outage)."""
 
 from __future__ import annotations
 
