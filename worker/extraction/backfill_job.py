@@ -127,6 +127,12 @@ def _one_pass(ctx: JobContext) -> WorkResult:
         return WorkResult(
             "succeeded", counters=counters, note=f"backfill {backfill_id} {result.status}{others}"
         )
+    # The pass ran through: errors of earlier passes are behind it (not when a send failed or waits to be
+    # tried again: a send that keeps failing ends the job once nothing is in flight). Troubled, whether
+    # a batch moved on (sent, collected: None) or nothing did (False: the outage clock runs on).
+    progressed: bool | None = True
+    if result.troubled:
+        progressed = None if _batch_marks(rt, backfill_id) != before else False
     return WorkResult(
         "paused",
         counters=counters,
@@ -136,14 +142,7 @@ def _one_pass(ctx: JobContext) -> WorkResult:
         ),
         pause_reason=WAITING_FOR_BATCHES,
         detail="waiting for provider batches",
-        # The pass ran through: errors of earlier passes are behind it (not when a send failed or waits
-        # to be tried again: a send that keeps failing ends the job once nothing is in flight). Troubled,
-        # whether a batch moved on (sent, collected: None) or nothing did (False: the outage clock runs on).
-        progressed=True
-        if not result.troubled
-        else None
-        if _batch_marks(rt, backfill_id) != before
-        else False,
+        progressed=progressed,
     )
 
 

@@ -471,9 +471,7 @@ def wait_out_outage(
         logger.warning("job %s: the provider served it nothing for %.0f s; failing it", job_id, clock.elapsed)
     note = spent_note(clock, reason) if spent else waiting_note(clock, patience, reason)
     change = None if spent else "restart" if progressed else "keep"
-    return _queue_again_or_fail(
-        rt, lease, delay, made_storable(note)[:MAX_NOTE_CHARS], counters, outage=change
-    )
+    return _queue_again_or_fail(rt, lease, delay, note, counters, outage=change)
 
 
 def release(rt: Runtime, lease: Lease, result: WorkResult) -> JobOutcome:

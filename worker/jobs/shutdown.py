@@ -116,7 +116,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     quit_as_term()
 
 
-def quit_as_term(**_: Any) -> None:
+def quit_as_term() -> None:
     """Celery's ``worker_ready``, its own signal handlers installed: SIGQUIT stops the worker as SIGTERM
     does. Celery's SIGQUIT (a cold shutdown) first asks the pool to kill the running tasks, which the
     threads pool (the workers' default) cannot do: it raised before ``worker_shutting_down`` was sent,
