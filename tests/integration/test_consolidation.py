@@ -327,6 +327,58 @@ def test_moving_a_canonicals_start_back_ends_what_it_closed_there_too(tx_factory
     assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, feb)
 
 
+@pytest.mark.parametrize("goes", ["erased", "edited away", "unmerged"])
+def test_an_earlier_saying_that_goes_gives_its_canonical_its_own_start_back(tx_factory, llm, goes) -> None:
+    """As above, February's Porto moved March's start back to February and ended Lisbon there. Then
+    February's saying goes (its page erased, or edited and re-extracted without it, or the duplicate
+    unmerged): March's Porto starts in March again and Lisbon ends there again. Before, both kept
+    February's time, and as of February 15 Porto answered with no saying left to support it."""
+    from worker.consolidation.history import Lifecycle
+    from worker.consolidation.operators import unmerge
+    from worker.extraction.erase import erase_page
+
+    feb_slug, feb_body = lives("2026-02-01", "Porto")
+    arrive(tx_factory, llm, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY), (feb_slug, feb_body))
+    march, february = alice(tx_factory)["Alice Example lives in Porto now."]
+    assert march.valid_from == datetime(2026, 2, 1, 9, 0, tzinfo=UTC)  # the premise
+    if goes == "erased":
+        erase_page(tx_factory, "default", feb_slug, "test")
+    elif goes == "edited away":
+        put_page(tx_factory, feb_slug, one_line_page("2026-02-01", "I had tea today."))
+        extract(tx_factory, llm, feb_slug)
+    else:
+        with tx_factory.begin() as session:
+            assert unmerge(session, february.id, "test") == march.id
+    facts = alice(tx_factory)
+    lisbon = facts["Alice Example lives in Lisbon now."][0]
+    march = next(f for f in facts["Alice Example lives in Porto now."] if f.id == march.id)
+    assert (march.status, march.valid_from, march.valid_to) == ("current", MAR_START, None)
+    assert (lisbon.status, lisbon.superseded_by, lisbon.valid_to) == ("superseded", march.id, MAR_START)
+    with tx_factory() as session:
+        clause, params = Lifecycle(as_of=datetime(2026, 2, 15, tzinfo=UTC)).clause("f")
+        answered = session.scalars(
+            text(f"SELECT f.id FROM facts f WHERE f.entity_slug = :e AND NOT f.is_audit AND {clause}"),
+            {**params, "e": ALICE},
+        ).all()
+    assert lisbon.id in answered
+    assert march.id not in answered  # (an unmerged February answers for itself: a fact of its own now)
+
+
+def test_a_canonical_restarts_at_the_earliest_saying_still_merged_into_it(tx_factory, llm) -> None:
+    """Porto said on February 1 and on February 20, both duplicates of March's: the first erased,
+    March's starts on February 20 (the saying left), and Lisbon ends there."""
+    from worker.extraction.erase import erase_page
+
+    first, second = lives("2026-02-01", "Porto"), lives("2026-02-20", "Porto")
+    arrive(tx_factory, llm, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY), second, first)
+    erase_page(tx_factory, "default", first[0], "test")
+    facts = alice(tx_factory)
+    march = facts["Alice Example lives in Porto now."][0]
+    lisbon = facts["Alice Example lives in Lisbon now."][0]
+    feb20 = datetime(2026, 2, 20, 9, 0, tzinfo=UTC)
+    assert (march.valid_from, lisbon.superseded_by, lisbon.valid_to) == (feb20, march.id, feb20)
+
+
 def test_a_saying_from_before_what_its_canonical_closed_is_a_fact_of_its_own(tx_factory, llm) -> None:
     """Lisbon (Jan) was closed by Porto (Mar); then Porto said in December arrived, a duplicate of
     March's by rule. March's Porto moved its start back to December and ended Lisbon there, at

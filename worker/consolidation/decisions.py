@@ -8,12 +8,20 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
-from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, Supersession, began, close_interval
+from worker.core.consolidation import (
+    CURRENT,
+    DUPLICATE,
+    SUPERSEDED,
+    Supersession,
+    began,
+    close_interval,
+    segment_start,
+)
 from worker.core.consolidation_plan import EARLIER_SAYING_REASON, RESTATED_REASON, Resolved, Row
 
 SLOTTED_REASON = (
@@ -127,6 +135,41 @@ def _start_canonical_by(session: Session, canonical: int, since: datetime) -> No
     )
 
 
+def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
+    """In the caller's transaction, before duplicates leave (deleted with their page, re-extracted,
+    unmerged): a canonical one of them had started earlier (``_start_canonical_by``) starts again at the
+    earliest of its own saying and the sayings still merged into it, and what it had closed ends there
+    again. Left moved, a page gone (even erased) kept answering as-of reads through another fact's
+    start, and kept the facts that canonical closed cut short."""
+    leaves = Fact.id.in_(leaving)
+    canonicals = session.execute(
+        select(Fact.id, Fact.valid_from, Fact.context)
+        .where(Fact.id.in_(select(Fact.duplicate_of).where(leaves, Fact.status == DUPLICATE)), ~leaves)
+        .order_by(Fact.id)
+    ).all()
+    for canonical in canonicals:
+        own = segment_start(canonical.context)
+        if own is None or canonical.valid_from is None or canonical.valid_from >= own:
+            continue  # never moved (a start from anywhere but its segment is not known to be its own)
+        sayings = session.execute(
+            select(Fact.valid_from, Fact.context, Fact.created_at).where(
+                Fact.duplicate_of == canonical.id, Fact.status == DUPLICATE, ~leaves
+            )
+        ).all()
+        start = min([own, *(began(d.valid_from, d.context, d.created_at) for d in sayings)])
+        if start <= canonical.valid_from:
+            continue
+        session.execute(update(Fact).where(Fact.id == canonical.id).values(valid_from=start))
+        # Closed itself before that: an empty interval, as close_interval makes one (an open one is not).
+        closed_before = Fact.id == canonical.id, Fact.valid_to < start
+        session.execute(update(Fact).where(*closed_before).values(valid_to=start))
+        session.execute(
+            update(Fact)
+            .where(Fact.superseded_by == canonical.id, Fact.status == SUPERSEDED, Fact.valid_to < start)
+            .values(valid_to=func.greatest(start, func.coalesce(Fact.valid_from, start)))
+        )
+
+
 def _slot_into_chain(
     session: Session, new_id: int, start: datetime | None, newer_id: int
 ) -> list[tuple[int, Row]]:
@@ -230,4 +273,4 @@ def insert_rows(
     )
 
 
-__all__ = ["SLOTTED_REASON", "insert_rows", "write_decision"]
+__all__ = ["SLOTTED_REASON", "insert_rows", "restart_canonicals", "write_decision"]

@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
+from worker.consolidation.decisions import restart_canonicals
 from worker.consolidation.store import lock_checkpoint
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
 from worker.core.facts import entity_slug
@@ -170,6 +171,7 @@ def unmerge(session: Session, fact_id: int, by: str) -> int:
     if fact.status != DUPLICATE:
         raise UndoError(f"fact {fact_id} is {fact.status}, not a duplicate: only duplicates are unmerged")
     other = fact.duplicate_of
+    restart_canonicals(session, select(Fact.id).where(Fact.id == fact_id))
     session.execute(update(Fact).where(Fact.id == fact_id).values(status=CURRENT, duplicate_of=None))
     _record(session, fact, other, "unmerge", by)
     return other or 0

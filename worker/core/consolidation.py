@@ -319,16 +319,21 @@ def since_key(fact: FactView) -> float:
 _SEGMENT_CONTEXT = re.compile(r"^conversation segment (?P<start>\S+) to ")
 
 
-def said_at(context: str, created_at: datetime) -> datetime:
-    """When a fact was said: its segment's start (extraction writes it into the context), else when
-    the row was stored."""
+def segment_start(context: str) -> datetime | None:
+    """The start of the segment a fact was said in (extraction writes it into the context), if named."""
     match = _SEGMENT_CONTEXT.match(context or "")
     if match:
         try:
             return datetime.fromisoformat(match["start"].replace("Z", "+00:00"))
         except ValueError:
             pass
-    return created_at
+    return None
+
+
+def said_at(context: str, created_at: datetime) -> datetime:
+    """When a fact was said: its segment's start, else when the row was stored."""
+    start = segment_start(context)
+    return created_at if start is None else start
 
 
 def began(valid_from: datetime | None, context: str, created_at: datetime) -> datetime:
