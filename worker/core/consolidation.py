@@ -79,6 +79,11 @@ _STOP = frozenset(
     )
 )
 
+# What two facts an embedding calls near-identical may differ by and still be one statement: articles,
+# prepositions, quoting. Not the copulas ("Alice is at Acme" is not "Alice was at Acme"), and never a
+# word outside this list: "not", "no longer", another city, the same words in another order.
+_FILLER = _STOP - {"is", "are", "was", "were", "be", "been"}
+
 
 # A minus before a figure ("-$2M", "- 5°C"): a sign, not punctuation. Not a hyphen inside a word or a
 # date, nor a dash between words ("Alice - CTO").
@@ -203,6 +208,12 @@ class FactView:
         return tuple(_FIGURE.findall(self.normalized))
 
     @cached_property
+    def wording(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Its words in order less the fillers, and its figures: what a near-identical embedding must
+        share to make a duplicate (``pair_verdict``)."""
+        return tuple(w for w in _WORD.findall(_fold(self.normalized)) if w not in _FILLER), self.numbers
+
+    @cached_property
     def norm(self) -> float | None:
         return _norm(self.embedding) if self.embedding else None
 
@@ -225,20 +236,22 @@ def triage_pair(new: FactView, old: FactView, ignore: frozenset[str] = frozenset
     vector = cosine(new.embedding, old.embedding, new.norm, old.norm)
     if new.kind != old.kind:
         return PairTriage(old, "unrelated", vector if vector is not None else overlap)
-    same_numbers = new.numbers == old.numbers
-    return PairTriage(old, *pair_verdict(new.normalized == old.normalized, overlap, vector, same_numbers))
+    same_wording = new.wording == old.wording
+    return PairTriage(old, *pair_verdict(new.normalized == old.normalized, overlap, vector, same_wording))
 
 
 def pair_verdict(
-    same_text: bool, overlap: float, vector: float | None, same_numbers: bool = True
+    same_text: bool, overlap: float, vector: float | None, same_wording: bool = True
 ) -> tuple[Triage, float]:
     """The rule of a same-kind pair: (its triage, its similarity: the cosine when both facts have
-    vectors, else the word overlap). A near-identical embedding is a duplicate only when both facts
-    state the same numbers: embeddings barely tell "revenue was $4.2M" from "$4.8M", or "Alice is 31"
-    from "32", and as a duplicate the new value answered nothing while the old one stayed current."""
+    vectors, else the word overlap). A near-identical embedding is a duplicate only when both facts say
+    the same words in the same order, fillers aside, and state the same figures (``FactView.wording``):
+    embeddings barely tell "revenue was $4.2M" from "$4.8M", "will attend" from "will not attend", or
+    "email rather than phone" from "phone rather than email", and as a duplicate the new statement
+    answered nothing while the old one stayed current. Anything else the model decides."""
     if same_text:
         return "exact", 1.0
-    if vector is not None and vector >= DUPLICATE_COSINE and same_numbers:
+    if vector is not None and vector >= DUPLICATE_COSINE and same_wording:
         return "near", vector
     similarity = vector if vector is not None else overlap
     if overlap >= CANDIDATE_OVERLAP or (vector is not None and vector >= CANDIDATE_COSINE):

@@ -95,7 +95,7 @@ class _KindPool:
             if old.id == new.id:
                 continue
             triage, similarity = pair_verdict(
-                old.normalized == text, set_overlap(words, old_words), vector, old.numbers == new.numbers
+                old.normalized == text, set_overlap(words, old_words), vector, old.wording == new.wording
             )
             if triage != "unrelated":
                 found.append(PairTriage(old, triage, similarity))
