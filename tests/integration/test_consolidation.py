@@ -291,6 +291,34 @@ def test_a_fact_said_between_two_of_a_chain_ends_the_earlier_one(tx_factory, llm
     assert (slotted.decision, slotted.decided_by) == ("updates", "rule")
 
 
+def test_a_run_decided_by_rule_alone_still_heeds_its_guard_each_round(tx_factory, llm, monkeypatch) -> None:
+    """January's page is decided by rule alone (no pair is asked). The guard (the kill switch, a stopping
+    worker) was checked only before a question, so such a run went on round after round to the end;
+    now it is checked before each round, and what the rounds before committed stays."""
+    import worker.consolidation.service as service
+
+    monkeypatch.setattr(service, "MAX_FACTS_PER_ROUND", 1)
+    put_page(tx_factory, JAN_PAGE, JAN_BODY)
+    extract(tx_factory, llm, JAN_PAGE)
+
+    class SwitchedOff(Exception):
+        pass
+
+    rounds: list[int] = []
+
+    def guard() -> None:
+        rounds.append(1)
+        if len(rounds) > 2:
+            raise SwitchedOff
+
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(SwitchedOff):
+        consolidate_entity(store, llm, EntityRun("default", ALICE, guard=guard))
+    facts = [f for fs in alice(tx_factory).values() for f in fs]
+    assert len(facts) > 2
+    assert sum(f.consolidated_at is not None for f in facts) == 2  # two rounds of one fact each
+
+
 def test_a_duplicate_said_before_its_canonical_moves_the_canonicals_start(tx_factory, llm) -> None:
     """Lisbon (March 1) was consolidated; then a page from January saying the same arrived: a duplicate
     of March's fact by rule. As of February neither answered (a duplicate never does, and March's

@@ -140,6 +140,9 @@ def consolidate_entity(
         awaiting -= closed
         if not pending:
             break
+        # Each round with work left: a run decided by rule alone never asks (the guard's other place),
+        # and held the kill switch and a stopping worker off until the entity was done.
+        run.guard()
         decided = {fact.id for fact in batch}
         considered |= decided
         again = _consolidate_round(store, llm, run, batch, pool, counters, final=reconsidered)
