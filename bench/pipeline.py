@@ -91,7 +91,8 @@ def planned_segments(body: str) -> int:
 
 
 class InFlightSampler(threading.Thread):
-    """Polls the simulator's in-flight count every ``period`` seconds until stopped."""
+    """Polls the simulator's in-flight count of chat calls (the pipe's; the facts' background embedding
+    calls are left out) every ``period`` seconds until stopped."""
 
     def __init__(self, stats_url: str, period: float = 0.1) -> None:
         super().__init__(daemon=True)
@@ -103,7 +104,8 @@ class InFlightSampler(threading.Thread):
         with httpx.Client(timeout=2) as client:
             while not self._stop_event.is_set():
                 with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-                    self.samples.append(int(client.get(self.stats_url).json()["in_flight"]))
+                    by_route = client.get(self.stats_url).json()["in_flight_by_route"]
+                    self.samples.append(sum(n for route, n in by_route.items() if route != "embeddings"))
                 self._stop_event.wait(self.period)
 
     def finish(self) -> list[int]:
@@ -116,7 +118,8 @@ def describe_in_flight(samples: list[int], in_flight: int) -> str:
     if not samples:
         return "in flight: no samples"
     return (
-        f"in flight at the simulator, sampled every 0.1 s ({len(samples)} samples): min {min(samples)}, "
+        f"chat calls in flight at the simulator over the drain, sampled every 0.1 s ({len(samples)} "
+        f"samples): min {min(samples)}, "
         f"median {statistics.median(samples):g}, max {max(samples)}, mean {statistics.fmean(samples):.1f} "
         f"(configured {in_flight}; mean / configured {statistics.fmean(samples) / in_flight:.2f})"
     )
@@ -571,8 +574,11 @@ def time_drain(
             if since and since[0] is not None
             else time.perf_counter()
         )
-        # The drain's CPU, read as it ends: the embedding tail and the pauses below are counted apart.
+        # The drain's CPU and the pipe's occupancy, read as it ends: the embedding tail and the pauses
+        # below are counted apart (sampled through the tail, the occupancy counted up to 120 s of an
+        # empty pipe, and its median and mean read a quarter of the pipe busy).
         cpu_drained, others_drained = workers_cpu(), others_cpu_now()
+        samples = sampler.finish()
         vectors_lag = None
         while not args.no_embed and time.perf_counter() - finished < 120:
             missing = conn.execute(
@@ -584,7 +590,6 @@ def time_drain(
             time.sleep(0.05)
         tail_end = time.perf_counter() if not args.no_embed else finished
         cpu_tailed, others_tailed = workers_cpu(), others_cpu_now()
-        samples = sampler.finish()
         others_cpu = {label: cpu_since(others_before[label], others_drained[label]) for label in others}
         tail_others_cpu = {label: cpu_since(others_drained[label], others_tailed[label]) for label in others}
         time.sleep(1.5)  # backends flush their statistics at most once a second

@@ -532,6 +532,32 @@ def test_64_concurrent_requests_at_100ms_overlap(sim: Simulator) -> None:
     assert stats["max_in_flight"] > 1
 
 
+def test_in_flight_is_counted_by_route(sim: Simulator, oai: openai.OpenAI) -> None:
+    """The pipeline benchmark samples the chat calls in flight: the facts' background embedding calls,
+    counted with them, read as the pipe's occupancy (above its width)."""
+    import threading
+
+    sim.configure(latency_ms=600)
+    calls = [
+        threading.Thread(
+            target=lambda: oai.chat.completions.create(
+                model="simulator-1",
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+            )
+        ),
+        threading.Thread(target=lambda: oai.embeddings.create(model="simulator-embedding-1", input=["tea"])),
+    ]
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 10
+    while sim.stats()["in_flight"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim.stats()["in_flight_by_route"] == {"chat.completions": 1, "embeddings": 1}
+    for call in calls:
+        call.join()
+    assert sim.stats()["in_flight_by_route"] == {}
+
+
 def test_an_ended_openai_batch_keeps_its_answers_in_its_files_only(
     sim: Simulator, oai: openai.OpenAI
 ) -> None:

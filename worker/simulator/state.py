@@ -42,6 +42,8 @@ class SimulatorState:
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self.max_in_flight = 0
+        # By route: a benchmark of the extraction pipe counts chat calls, not its background embeddings.
+        self.in_flight_by_route: Counter[str] = Counter()
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
     def reset(self) -> None:
@@ -83,14 +85,16 @@ class SimulatorState:
         with self._lock:
             return list(self._recent)
 
-    def begin(self) -> None:
+    def begin(self, route: str) -> None:
         with self._lock:
             self.in_flight += 1
+            self.in_flight_by_route[route] += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def end(self) -> None:
+    def end(self, route: str) -> None:
         with self._lock:
             self.in_flight -= 1
+            self.in_flight_by_route[route] -= 1
 
     def draw(self, forced: Fault | None) -> Draw:
         """One seeded draw per request, even when a header forces the fault, so sequences stay aligned."""
@@ -164,6 +168,7 @@ class SimulatorState:
                     "held": self.store.held(),  # what callers have not deleted (a reset keeps it)
                 },
                 "in_flight": self.in_flight,
+                "in_flight_by_route": {route: n for route, n in self.in_flight_by_route.items() if n},
                 "max_in_flight": self.max_in_flight,
                 "cached_prefixes": len(self._prefixes),
                 "config": self.config.model_dump(),

@@ -148,7 +148,7 @@ async def _hang(request: Request, seconds: float) -> bool:
 async def serve_online(request: Request, route: str, wire: WireFormat, answer: Answer) -> Response:
     """An online route: read the body and the fault header, then answer, counted as in flight meanwhile."""
     state = state_of(request)
-    state.begin()
+    state.begin(route)
     try:
         try:
             body = await read_json(request)
@@ -162,7 +162,7 @@ async def serve_online(request: Request, route: str, wire: WireFormat, answer: A
             return JSONResponse(raw, state.config.raw_status)
         return await answer(state, route, body, forced, lambda seconds: _hang(request, seconds))
     finally:
-        state.end()
+        state.end(route)
 
 
 # An endpoint's two own steps around the shared pipeline: validate a body (raising BadRequest), and reply.
