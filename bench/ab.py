@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,4 +108,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # As Ctrl-C: a SIGTERM or SIGHUP (a `timeout`, a closed terminal) still removes the worktree.
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.default_int_handler)
     main()

@@ -31,7 +31,7 @@ from sqlalchemy.orm import sessionmaker  # noqa: E402
 from bench.pipeline import BROKER, forget_broker_keys  # noqa: E402
 from tests.integration.backfill_crash import run_crash_scenario  # noqa: E402
 from tests.integration.test_backfill import SEGMENTS_PER_PAGE, seed_pages  # noqa: E402
-from tests.service import fresh_database, service_env  # noqa: E402
+from tests.service import fresh_database, service_env, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.simulator import Simulator, SimulatorConfig  # noqa: E402
 
@@ -92,4 +92,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     sys.exit(main())

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from models.bulk import BulkInsert  # noqa: E402
 from models.tables import LLM_CALLS  # noqa: E402
-from tests.service import at_least, fresh_database  # noqa: E402
+from tests.service import at_least, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import SEARCH_PURPOSES, Budget, Ledger, LLMCallRecord  # noqa: E402
 from worker.accounting.ledger import _COLUMNS  # noqa: E402
@@ -180,4 +180,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pipeline import BROKER, SECRET, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
-from tests.service import free_port, fresh_database  # noqa: E402
+from tests.service import free_port, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import PRICES, cost_usd  # noqa: E402
 from worker.core.facts import MAX_FACTS_LIMIT, SEGMENT_CLOSE, SEGMENT_OPEN  # noqa: E402
@@ -247,4 +247,5 @@ def compare(args: argparse.Namespace, logs: Path) -> None:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

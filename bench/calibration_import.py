@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import migrated_database  # noqa: E402
+from tests.service import migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.calibration import import_csv  # noqa: E402
 from worker.core.calibration_csv import parse_observations_csv  # noqa: E402
 
@@ -67,4 +67,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

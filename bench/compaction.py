@@ -50,7 +50,7 @@ from compaction_core import best_of, build_transcript, copy_floor, ms  # noqa: E
 from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
 from models.reads import one_snapshot  # noqa: E402
-from tests.service import at_least, free_port, fresh_database  # noqa: E402
+from tests.service import at_least, free_port, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.compaction import (  # noqa: E402
     append_messages,
@@ -363,4 +363,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

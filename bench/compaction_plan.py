@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.reads import one_snapshot  # noqa: E402
-from tests.service import at_least, migrated_database  # noqa: E402
+from tests.service import at_least, migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.compaction import load_timeline, stored_plan  # noqa: E402
 from worker.core.timeline import CompactionPlan, plan_compaction  # noqa: E402
 
@@ -126,4 +126,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

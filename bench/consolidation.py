@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from pipeline import BROKER, SERVER, forget_broker_keys, run_logs, spawn, stop, wait_http  # noqa: E402
 
-from tests.service import free_port, fresh_database  # noqa: E402
+from tests.service import free_port, fresh_database, stop_cleanly_on_termination  # noqa: E402
 
 ATTRIBUTES: dict[str, tuple[str, list[str], list[str]]] = {
     "city": (
@@ -406,4 +406,5 @@ def report(  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models import Fact  # noqa: E402
-from tests.service import fill_table, migrated_database, rolled_back_ms  # noqa: E402
+from tests.service import fill_table, migrated_database, rolled_back_ms, stop_cleanly_on_termination  # noqa: E402
 from worker.accounting import Ledger  # noqa: E402
 from worker.config_store import ConfigReader  # noqa: E402
 from worker.consolidation.service import MAX_FACTS_PER_ROUND  # noqa: E402
@@ -132,4 +132,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

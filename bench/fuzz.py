@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.integration.test_api import Recorder, make_runtime  # noqa: E402
 from tests.integration.test_fuzz_api import fuzz_operation, operations  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.api.app import create_app  # noqa: E402
 
@@ -65,4 +65,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     sys.exit(main())

@@ -27,7 +27,7 @@ from sqlalchemy.orm import sessionmaker
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import drop_index, fill_table, migrated_database  # noqa: E402
+from tests.service import drop_index, fill_table, migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.jobs.queries import list_jobs  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -80,4 +80,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

@@ -28,7 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.job import expire_jobs  # noqa: E402
-from tests.service import drop_index, fill_table, migrated_database, rolled_back_runs  # noqa: E402
+from tests.service import (  # noqa: E402
+    drop_index,
+    fill_table,
+    migrated_database,
+    rolled_back_runs,
+    stop_cleanly_on_termination,
+)
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 KEPT = timedelta(days=30)
@@ -83,4 +89,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

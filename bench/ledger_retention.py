@@ -40,6 +40,7 @@ from tests.service import (  # noqa: E402
     migrated_database,
     rolled_back_ms,
     rolled_back_runs,
+    stop_cleanly_on_termination,
 )
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -143,4 +144,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

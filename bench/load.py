@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import bench.pipeline as pipe  # noqa: E402
-from tests.service import free_port, fresh_database  # noqa: E402
+from tests.service import free_port, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 
@@ -345,4 +345,5 @@ def report(args: argparse.Namespace, result: dict[str, object], target: Route, s
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     sys.exit(main())

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.budget import pct, timed  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import Ledger, LLMCallRecord  # noqa: E402
 from worker.api.metrics import (  # noqa: E402
@@ -298,4 +298,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

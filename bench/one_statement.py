@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.reads import one_statement  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.jobs.sending import _MARK_ENQUEUED  # noqa: E402
 from worker.settings import Settings  # noqa: E402
@@ -87,4 +87,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

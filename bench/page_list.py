@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import PAGES  # noqa: E402
-from tests.service import at_least, migrated_database  # noqa: E402
+from tests.service import at_least, migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.extraction.catalog import list_pages  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -107,4 +107,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

@@ -52,7 +52,7 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import at_least, free_port, fresh_database  # noqa: E402
+from tests.service import at_least, free_port, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.core.signing import signed_json_headers  # noqa: E402
 from worker.extraction import extract_segment  # noqa: E402
@@ -617,4 +617,5 @@ def time_drain(
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     main()

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models.tables import CALIBRATION_OBSERVATIONS  # noqa: E402
-from tests.service import fill_table, migrated_database  # noqa: E402
+from tests.service import fill_table, migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.calibration.queries import observations_since_last_version  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -62,4 +62,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

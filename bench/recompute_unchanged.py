@@ -24,7 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.service import fill_table, migrated_database, rolled_back_ms  # noqa: E402
+from tests.service import fill_table, migrated_database, rolled_back_ms, stop_cleanly_on_termination  # noqa: E402
 from worker.calibration import recompute  # noqa: E402
 from worker.calibration.queries import load_observations  # noqa: E402
 
@@ -72,4 +72,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

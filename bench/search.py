@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import search_vector as sv  # noqa: E402
 
 import worker.search.service as service  # noqa: E402
-from tests.service import fresh_database  # noqa: E402
+from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 from worker.search import MAX_QUERY_CHARS, MAX_SEARCH_LINES, search, vector_search_status  # noqa: E402
@@ -343,4 +343,5 @@ def run(url: str, args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

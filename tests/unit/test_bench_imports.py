@@ -83,3 +83,18 @@ def test_benchmarks_refuse_a_size_their_figures_cannot_come_from() -> None:
     for path, (code, err) in codes.items():
         assert code == 2, (path, code, err[-500:])
         assert "must be at least" in err or "is below" in err, (path, err[-500:])
+
+
+def test_every_benchmark_that_holds_services_or_a_database_cleans_up_on_sigterm() -> None:
+    """A benchmark killed by `timeout` or a closed terminal (SIGTERM, SIGHUP) never ran its ``finally``
+    blocks: the simulator, API and workers it started in sessions of their own kept running, and its
+    database was never dropped. Each such script's main turns those signals into Ctrl-C."""
+    holding = []
+    for path in sorted(BENCH.glob("*.py")):
+        text = path.read_text()
+        if not any(name in text for name in ("fresh_database", "migrated_database", "spawn(", "worktree")):
+            continue
+        holding.append(path.name)
+        main = text.partition('if __name__ == "__main__":')[2]
+        assert "stop_cleanly_on_termination()" in main or "default_int_handler" in main, path.name
+    assert len(holding) > 10, holding  # the check reached the benches it is for
