@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.budget import pct, timed  # noqa: E402
-from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
+from tests.service import at_least, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.accounting import Ledger, LLMCallRecord  # noqa: E402
 from worker.api.metrics import (  # noqa: E402
@@ -274,7 +274,10 @@ def alternate(label: str, on: Callable[[], None], off: Callable[[], None], commi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--rows", type=int, default=1_000_000, help="facts, segment attempts and LLM calls each"
+        "--rows",
+        type=at_least(100, "the fill gives a transcript to each 100 rows and a compaction to each 10"),
+        default=1_000_000,
+        help="facts, segment attempts and LLM calls each",
     )
     parser.add_argument("--scrapes", type=int, default=20)
     parser.add_argument("--commits", type=int, default=600, help="commits of each kind in part 2")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import search_vector as sv  # noqa: E402
 
 import worker.search.service as service  # noqa: E402
-from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
+from tests.service import at_least, fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 from worker.llm.openai_compat import OpenAIChatClient  # noqa: E402
 from worker.search import MAX_QUERY_CHARS, MAX_SEARCH_LINES, search, vector_search_status  # noqa: E402
@@ -136,8 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--facts", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=300)
-    parser.add_argument("--baseline-queries", type=int, default=60)
-    parser.add_argument("--expansion-queries", type=int, default=30)
+    parser.add_argument(
+        "--baseline-queries", type=at_least(1, "the sequential baseline needs one"), default=60
+    )
+    parser.add_argument(
+        "--expansion-queries", type=at_least(1, "0 ran every query (queries[-0:])"), default=30
+    )
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
