@@ -17,7 +17,8 @@ with the whole timeline loaded and planned.
 Part 2 stores N transcripts, each just past its window, starts one real worker process
 (``factmill worker --queues compaction --pool threads --concurrency C``) against the bundled
 simulator at 500 ms latency, sends the N jobs, and times until every job finished. The ideal is the
-calls in flight over the latency: C / 0.5 s.
+calls in flight over the latency: C / 0.5 s; the baseline, measured in the same run first, is 8 more
+transcripts through a worker of one thread (one summary at a time).
 
 Needs the local Postgres (127.0.0.1:5432) and Redis (127.0.0.1:6379); creates and drops its own
 database and uses its own Redis key prefix (its keys deleted at the end). The services' logs go to a
@@ -233,13 +234,12 @@ def part_two(
         queue_run(url, name, logs, transcripts, concurrency, latency_ms)
 
 
-def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: int, latency_ms: int) -> None:
-    from celery import Celery
+# The same-run baseline: this many transcripts through a worker of one thread, one summary at a time.
+SEQUENTIAL_TRANSCRIPTS = 8
 
-    from worker.celery_app import create_app
+
+def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: int, latency_ms: int) -> None:
     from worker.compaction import parse_messages
-    from worker.jobs.outbox import COMPACTION
-    from worker.settings import Settings
 
     procs: list[subprocess.Popen[bytes]] = []
     factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
@@ -262,7 +262,7 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
             "FACTMILL_SIMULATOR_URL": f"http://127.0.0.1:{sim_port}/v1",
         }
         jobs: list[int] = []
-        for index in range(transcripts):
+        for index in range(SEQUENTIAL_TRANSCRIPTS + transcripts):
             with factory.begin() as session:
                 result = append_messages(
                     session,
@@ -272,52 +272,32 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
                 )
                 assert result.trigger.job is not None
                 jobs.append(result.trigger.job.job_id)
-
-        worker_log = logs / "worker.log"
-        worker = spawn(
-            # One process: the worker command starts one per core by default, and the ideal below is
-            # for ``concurrency`` jobs in flight (the CPU figure would also read the supervisor only).
-            ["-m", "worker.cli", "worker", "--queues", "compaction", "--concurrency", str(concurrency),
-             "--processes", "1", "--pool", "threads", "--loglevel", "info"],
-            env,
-            worker_log,
-        )  # fmt: skip
-        procs.append(worker)
-        deadline = time.monotonic() + 60
-        while "ready." not in worker_log.read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"worker did not start:\n{worker_log.read_text()[-2000:]}")
-            time.sleep(0.02)
-        celery: Celery = create_app(Settings(broker_url=BROKER, broker_key_prefix=f"{name}:"))
-        worker_ps = psutil.Process(worker.pid)
-        cpu_before = worker_ps.cpu_times()
-        started = time.perf_counter()
-        for job_id in jobs:
-            celery.send_task("tasks.compaction.compact_transcript", args=[job_id], queue=COMPACTION)
+        sequential, jobs = jobs[:SEQUENTIAL_TRANSCRIPTS], jobs[SEQUENTIAL_TRANSCRIPTS:]
+        base_elapsed, _ = drain(name, env, logs / "worker-sequential.log", sequential, 1, procs)
+        elapsed, worker_cpu = drain(name, env, logs / "worker.log", jobs, concurrency, procs)
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
-            while True:
-                row = conn.execute(
-                    "SELECT count(*) FROM jobs WHERE status IN ('succeeded','failed')"
-                ).fetchone()
-                if row and row[0] >= len(jobs):
-                    break
-                if time.perf_counter() - started > 300:
-                    raise SystemExit("the queue did not drain in 5 minutes")
-                time.sleep(0.02)
-            elapsed = time.perf_counter() - started
             outcomes = dict(
-                conn.execute("SELECT status, count(*) FROM compactions GROUP BY status").fetchall()
+                conn.execute(
+                    "SELECT c.status, count(*) FROM compactions c JOIN jobs j ON j.subject = c.transcript_id "
+                    "WHERE j.id = ANY(%s) GROUP BY c.status",
+                    (jobs,),
+                ).fetchall()
             )
-            calls = conn.execute("SELECT count(*) FROM llm_calls WHERE purpose = 'compaction'").fetchone()
-        cpu_after = worker_ps.cpu_times()
-        celery.close()
-        worker_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+            calls = conn.execute(
+                "SELECT count(*) FROM llm_calls WHERE purpose = 'compaction' AND job_id = ANY(%s)", (jobs,)
+            ).fetchone()
+            base_done = conn.execute(
+                "SELECT count(*) FROM compactions c JOIN jobs j ON j.subject = c.transcript_id "
+                "WHERE j.id = ANY(%s) AND c.status = 'accepted'",
+                (sequential,),
+            ).fetchone()
         n_calls = calls[0] if calls else 0
         # Summaries accepted, not jobs ended: a failed job, or one that made none, is no summary.
         summaries = outcomes.get("accepted", 0)
         if summaries < len(jobs):
             print(f"  WARNING: {summaries} of {len(jobs)} jobs made an accepted summary (see the outcomes)")
         rate = summaries / elapsed
+        base_rate = (base_done[0] if base_done else 0) / base_elapsed
         ideal = concurrency / (latency_ms / 1000)
         print(
             f"## 2. summaries through the queue: {len(jobs)} transcripts (~4,500 tokens each, just past "
@@ -331,6 +311,11 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
             f"ratio {rate / ideal:.2f}"
         )
         print(
+            f"  sequential  {base_rate:8.2f}   (one thread, {len(sequential)} transcripts, measured in this "
+            f"run: {1 / base_rate if base_rate else float('nan'):.2f} s each)   "
+            f"ratio {rate / base_rate if base_rate else float('nan'):.1f}x"
+        )
+        print(
             f"  calls/s     {n_calls / elapsed:8.1f}   ratio to ideal {n_calls / elapsed / ideal:.2f}; "
             f"worker CPU {1000 * worker_cpu / max(len(jobs), 1):.1f} ms per compaction"
         )
@@ -339,6 +324,59 @@ def queue_run(url: str, name: str, logs: Path, transcripts: int, concurrency: in
     finally:
         stop(procs)
         forget_broker_keys(f"{name}:")
+
+
+def drain(
+    name: str,
+    env: dict[str, str],
+    log: Path,
+    jobs: list[int],
+    threads: int,
+    procs: list[subprocess.Popen[bytes]],
+) -> tuple[float, float]:
+    """Start one worker process of ``threads`` threads, send ``jobs``, wait until each ended, stop the
+    worker: (seconds from the first send, the worker's CPU seconds meanwhile)."""
+    from celery import Celery
+
+    from worker.celery_app import create_app
+    from worker.jobs.outbox import COMPACTION
+    from worker.settings import Settings
+
+    worker = spawn(
+        # One process: the worker command starts one per core by default, and the ideal is for
+        # ``threads`` jobs in flight (the CPU figure would also read the supervisor only).
+        ["-m", "worker.cli", "worker", "--queues", "compaction", "--concurrency", str(threads),
+         "--processes", "1", "--pool", "threads", "--loglevel", "info"],
+        env,
+        log,
+    )  # fmt: skip
+    procs.append(worker)
+    deadline = time.monotonic() + 60
+    while "ready." not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"worker did not start:\n{log.read_text()[-2000:]}")
+        time.sleep(0.02)
+    celery: Celery = create_app(Settings(broker_url=BROKER, broker_key_prefix=f"{name}:"))
+    worker_ps = psutil.Process(worker.pid)
+    cpu_before = worker_ps.cpu_times()
+    started = time.perf_counter()
+    for job_id in jobs:
+        celery.send_task("tasks.compaction.compact_transcript", args=[job_id], queue=COMPACTION)
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}", autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT count(*) FROM jobs WHERE id = ANY(%s) AND status IN ('succeeded','failed')", (jobs,)
+            ).fetchone()
+            if row and row[0] >= len(jobs):
+                break
+            if time.perf_counter() - started > 300:
+                raise SystemExit("the queue did not drain in 5 minutes")
+            time.sleep(0.02)
+    elapsed = time.perf_counter() - started
+    cpu_after = worker_ps.cpu_times()
+    celery.close()
+    stop([worker])
+    return elapsed, (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
 
 
 def main() -> None:
