@@ -682,6 +682,20 @@ def test_retry_a_failed_job(
     assert committed_client.post("/v1/jobs/999999/retry", headers=ADMIN_HEADERS).status_code == 404
 
 
+def test_a_retried_paused_job_says_no_pause_reason(
+    committed_client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """The retry reset everything but the reason: "queued" was shown with pause_reason "budget" (and an
+    operator reading the batch_fault alert's advice read a reason the job no longer had)."""
+    job_id = post(committed_client, page("retry/paused")).json()["jobs"][0]["job_id"]
+    set_job(factory, job_id, status="paused", pause_reason="budget")
+    response = committed_client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
+    assert response.status_code == 202, response.text
+    assert (response.json()["status"], response.json()["pause_reason"]) == ("queued", None)
+    with factory() as session:
+        assert session.get(Job, job_id).pause_reason is None  # type: ignore[union-attr]
+
+
 def test_retry_skipped_of_a_job_that_skips_no_segments_is_422(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:

@@ -143,6 +143,26 @@ def test_delete_erases_the_transcript_and_leaves_one_content_free_row(
     assert counted(factory, TranscriptErasure) == 1
 
 
+def test_a_job_of_an_erased_transcript_is_not_retried(
+    client: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """Its retry was accepted (202), and the worker then failed it ("no transcript 'erased:...'"), a
+    failure the failing-jobs alert counted; an extraction job of an erased page was refused already."""
+    appended = post_messages(client, TRANSCRIPT, {"messages": session_messages(25), "settings": SETTINGS})
+    assert appended.status_code == 201, appended.text
+    with factory.begin() as session:
+        job_id = request_compaction(session, TRANSCRIPT, force=True).job_id
+    assert client.delete(f"/v1/transcripts/{TRANSCRIPT}", headers=ADMIN_HEADERS).status_code == 200
+    response = client.post(f"/v1/jobs/{job_id}/retry", headers=ADMIN_HEADERS)
+    assert response.status_code == 409, response.text
+    assert response.json()["detail"].startswith(
+        f"job {job_id}'s transcript is no longer stored (it was erased)"
+    )
+    with factory() as session:
+        job = session.get(Job, job_id)
+        assert job is not None and (job.status, job.last_error) == ("failed", TRANSCRIPT_ERASED)
+
+
 def test_cli_transcripts_erase(database_url: str, factory: sessionmaker[Session]) -> None:
     append(factory, TRANSCRIPT, session_messages(3))
     result = invoke_cli(database_url, "transcripts", "erase", TRANSCRIPT, "--json")

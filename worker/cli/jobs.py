@@ -100,7 +100,7 @@ def jobs_retry(
         queries.JobNotRetryableError,
         queries.JobAlreadyPendingError,
         queries.JobHasNoSegmentsError,
-        queries.JobPageGoneError,
+        queries.JobSubjectGoneError,
     ) as exc:
         raise fail(str(exc), code=2) from exc
     send_jobs(factory, [pair])

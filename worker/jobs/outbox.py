@@ -287,6 +287,7 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
         job.status = "queued"
         job.finished_at = None
         job.last_error = None
+        job.pause_reason = None  # a paused job's: shown beside "queued" until its run finished
         # An operator's retry is a fresh start: both budgets begin again (the automatic paths never
         # reset them, so none of them can run a job past either cap).
         job.attempts = 0

@@ -8,9 +8,9 @@ from sqlalchemy import Select, inspect, literal_column, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from models import Job, page_id_of
+from models import Job, Transcript, page_id_of
 from models.job import PAGE_JOB, PAGE_SOURCE
-from worker.jobs.outbox import EXTRACTION, PENDING, retry_job, split_page_subject
+from worker.jobs.outbox import COMPACTION, EXTRACTION, PENDING, retry_job, split_page_subject
 from worker.jobs.outbox import JobHasNoSegmentsError as JobHasNoSegmentsError  # raised by retry
 from worker.jobs.registry import kind_names
 
@@ -52,15 +52,34 @@ class JobKindUnknownError(JobNotRetryableError):
         self.job_id, self.status = job_id, "unknown kind"
 
 
-class JobPageGoneError(ValueError):
+class JobSubjectGoneError(ValueError):
+    """A job whose subject is no longer stored: there is nothing left for it to do (409)."""
+
+    def __init__(self, job_id: int, message: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class JobPageGoneError(JobSubjectGoneError):
     """An extraction job whose page is no longer stored (erased, or never stored under that name)."""
 
     def __init__(self, job_id: int) -> None:
         super().__init__(
+            job_id,
             f"job {job_id}'s page is no longer stored (it was erased): there is nothing to extract; "
-            "a page delivered again gets a job of its own"
+            "a page delivered again gets a job of its own",
         )
-        self.job_id = job_id
+
+
+class JobTranscriptGoneError(JobSubjectGoneError):
+    """A compaction job whose transcript is no longer stored (erased)."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(
+            job_id,
+            f"job {job_id}'s transcript is no longer stored (it was erased): there is nothing to compact; "
+            "messages appended again start a transcript of their own",
+        )
 
 
 class JobAlreadyPendingError(ValueError):
@@ -116,8 +135,9 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     With ``skipped``, the extraction job re-extracts its page's skipped segments first (in page order).
 
     Raises JobNotFoundError, JobNotRetryableError (queued or running: already on its way; the sweeper
-    re-sends a queued job whose message was lost), JobPageGoneError (an extraction job whose page is
-    gone) or JobAlreadyPendingError. The caller enqueues the job after its commit. Raises
+    re-sends a queued job whose message was lost), JobSubjectGoneError (an extraction job whose page
+    is gone: JobPageGoneError; a compaction job whose transcript is: JobTranscriptGoneError) or
+    JobAlreadyPendingError. The caller enqueues the job after its commit. Raises
     JobHasNoSegmentsError for ``skipped`` on another kind of job.
     """
     try:
@@ -129,6 +149,10 @@ def retry(session: Session, job_id: int, *, skipped: bool = False) -> Job:
                 raise JobNotRetryableError(job_id, job.status)
             if job.kind == EXTRACTION and page_id_of(session, *split_page_subject(job.subject)) is None:
                 raise JobPageGoneError(job_id)
+            if job.kind == COMPACTION and session.get(Transcript, job.subject) is None:
+                # (an erasure fails its jobs as cancelled and renames their subject: accepted, the retry
+                # failed in the worker, counted as a real failure by the failing-jobs alert)
+                raise JobTranscriptGoneError(job_id)
             session.flush()
     except LookupError:
         raise JobNotFoundError(job_id) from None

@@ -153,15 +153,15 @@ def retry(
 
     A queued or running job is left alone and answered with 409: it is already on its way (and
     the sweeper re-sends a queued job whose message was lost), so a retry would only duplicate it.
-    So is an extraction job whose page was erased: there is nothing left to extract. ``skipped`` on a
-    job of another kind is 422 (only extraction jobs skip segments).
+    So is a job whose page or transcript was erased: there is nothing left to extract or compact.
+    ``skipped`` on a job of another kind is 422 (only extraction jobs skip segments).
     """
     try:
         with ctx.factory.begin() as session:
             out = JobOut.of(queries.retry(session, job_id, skipped=skipped), admin)
     except queries.JobNotFoundError as exc:
         raise ApiError(404, str(exc)) from None
-    except (queries.JobNotRetryableError, queries.JobPageGoneError) as exc:
+    except (queries.JobNotRetryableError, queries.JobSubjectGoneError) as exc:
         raise ApiError(409, str(exc)) from None
     except queries.JobHasNoSegmentsError as exc:
         raise ApiError(422, str(exc)) from None
