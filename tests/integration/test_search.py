@@ -503,7 +503,7 @@ def test_a_longer_list_keeps_the_exact_words_ahead_of_longer_ones(
         ten, _ = lexical_search(session, "meet", SearchFilters(), 30)  # a limit of 10's candidates
         sixty, _ = lexical_search(session, "meet", SearchFilters(), 60)  # a limit of 20's
         texts = dict(session.execute(select(Fact.id, Fact.fact)).all())
-    assert all(texts[hit.fact_id] in exact for hit in ten)
+    assert len(ten) == 30 and all(texts[hit.fact_id] in exact for hit in ten)  # (an empty list held it)
     assert [hit.fact_id for hit in sixty[:40]] == [
         hit.fact_id for hit in sixty if texts[hit.fact_id] in exact
     ]

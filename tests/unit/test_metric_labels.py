@@ -146,15 +146,30 @@ def _rules() -> list[dict[str, object]]:
     return [r for g in groups for r in g["rules"] if "alert" in r]
 
 
+# An aggregation operator and the grouping written before its parentheses (``max by (kind) (...)``); the
+# same grouping written after them (``max(...) by (kind)``) reads as none here: write it before.
+_AGGREGATION = re.compile(
+    r"\b(?:sum|min|max|avg|group|stddev|stdvar|count|count_values|bottomk|topk|quantile|limitk|limit_ratio)"
+    r"\s*(?:(by|without)\s*\(([^)]*)\))?\s*\("
+)
+
+
 @pytest.mark.parametrize("rule", _rules(), ids=[str(r["alert"]) for r in _rules()])
 def test_every_label_an_alert_s_text_names_survives_its_aggregation(rule: dict[str, object]) -> None:
+    """Every aggregation the series pass through must keep the label (a ``by`` naming it, or a
+    ``without`` that does not): only some ``by (...)`` naming it was asked, and a bare ``max(...)``
+    or ``sum without (kind)`` let ``{{ $labels.kind }}`` read empty."""
     expr = str(rule["expr"])
-    if not re.search(r"\bby\s*\(", expr):  # no `by`: every label is kept, or a `without` says which go
-        return
-    kept = {w.strip() for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr) for w in clause.split(",")}
+    groupings = [
+        (mode, {w.strip() for w in clause.split(",")}) for mode, clause in _AGGREGATION.findall(expr)
+    ]
     for text in dict(rule.get("annotations") or {}).values():  # type: ignore[call-overload]
         for label in re.findall(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)", str(text)):
-            assert label in kept, f"{rule['alert']}: $labels.{label} is not kept by the expression's by (...)"
+            for mode, clause in groupings:
+                kept = label in clause if mode == "by" else mode == "without" and label not in clause
+                assert kept, (
+                    f"{rule['alert']}: $labels.{label} is not kept by an aggregation of the expression"
+                )
 
 
 def test_the_label_check_sees_a_typo() -> None:
@@ -171,11 +186,20 @@ def test_the_label_check_sees_a_typo() -> None:
         test_every_label_grouped_or_joined_on_is_one_of_the_metrics_read(
             "typo", "max by (knd) (factmill_jobs)"
         )
-    with pytest.raises(AssertionError, match="is not kept"):
+    for dropping in (
+        "max by (status) (factmill_jobs) > 0",
+        'max(factmill_jobs_paused{reason="kill_switch"}) > 0',
+        "sum(max by (kind) (factmill_jobs_paused)) > 0",
+        "sum without (kind) (factmill_jobs_paused) > 0",
+    ):
+        with pytest.raises(AssertionError, match="is not kept"):
+            test_every_label_an_alert_s_text_names_survives_its_aggregation(
+                {"alert": "A", "expr": dropping, "annotations": {"summary": "{{ $labels.kind }}"}}
+            )
+    for keeping in (
+        "max by (kind) (max_over_time(factmill_jobs_paused[15m])) > 0",
+        "sum without (reason) (x) > 0",
+    ):
         test_every_label_an_alert_s_text_names_survives_its_aggregation(
-            {
-                "alert": "A",
-                "expr": "max by (status) (factmill_jobs) > 0",
-                "annotations": {"summary": "{{ $labels.kind }}"},
-            }
+            {"alert": "A", "expr": keeping, "annotations": {"summary": "{{ $labels.kind }}"}}
         )
