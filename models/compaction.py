@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Computed,
     DateTime,
@@ -130,6 +131,9 @@ class Compaction(Base):
         BigInteger, ForeignKey("compactions.id", ondelete="SET NULL")
     )
     summary: Mapped[str | None]
+    # The head was cut to fit the summarizer's input: the rest is compacted next (its context left
+    # over the threshold is a part done, not a summary that cannot fit: no retrigger wait follows it).
+    head_capped: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     # Estimated tokens of the context view before, and (accepted or rejected) with the summary in place.
     tokens_before: Mapped[int]
     tokens_after: Mapped[int | None]

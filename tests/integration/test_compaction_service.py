@@ -2253,6 +2253,29 @@ def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summariz
     assert len(compactions(tx_factory, "forced")) == 1 and len(llm_calls(tx_factory)) == paid
 
 
+def test_a_part_whose_next_run_found_the_turn_in_flight_holds_no_append_back(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The next part's run found the agent's newest message a tool result (its turn in flight, the
+    usual moment in an agent loop) and ended with nothing to compact, writing no row. The accepted
+    part, leaving the context over its threshold, then read as a summary that cannot fit: every append
+    for the retrigger wait asked for no job, told to lower keep_recent_tokens."""
+    request = append(tx_factory, "turn", session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    [part] = compactions(tx_factory, "turn")
+    assert (part.status, part.head_capped) == ("accepted", True)
+    append(tx_factory, "turn", rounds(60, 1)[:2])  # a tool call and its result: the turn goes on
+    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    assert len(compactions(tx_factory, "turn")) == 1  # nothing to compact: the turn was in flight
+    later = append(tx_factory, "turn", [{"role": "assistant", "text": "All healthy."}], retrigger_seconds=300)
+    assert later.trigger.job is not None, later.trigger.note
+    assert "keep_recent_tokens" not in (later.trigger.note or "")
+
+
 def test_an_append_while_the_rest_of_a_head_waits_names_that_job_not_a_setting_to_lower(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:

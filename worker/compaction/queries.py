@@ -286,7 +286,13 @@ def recent_miss(
         return None
     newest, recent = found
     if newest.status == "accepted" and not accepted_too:
-        left_over = accepted_over is not None and (newest.tokens_after or 0) > accepted_over
+        # A part of a head too long for the summarizer leaves the context over by design: the rest is
+        # next (its run may have found the agent's turn in flight and ended with nothing to compact).
+        left_over = (
+            accepted_over is not None
+            and (newest.tokens_after or 0) > accepted_over
+            and not newest.head_capped
+        )
         if not left_over:
             return None
     if not recent:

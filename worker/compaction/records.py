@@ -51,6 +51,7 @@ class CompactionRecord:
     missed_terms: list[str] = field(default_factory=list)
     error: str | None = None
     job_id: int | None = None
+    head_capped: bool = False  # only the part of the head that fit the summarizer's input
 
 
 @dataclass(frozen=True)

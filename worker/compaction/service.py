@@ -439,6 +439,7 @@ class CompactionRun:
                 missed_terms=gate.missed_terms if gate else [],
                 error=error,
                 job_id=self.job_id,
+                head_capped=self.plan.capped,
             ),
             read_from=self.context.created_at,
             continue_forced=self.continuation,
