@@ -259,6 +259,39 @@ def test_an_mcp_append_that_waited_past_the_erasure_cannot_begin_the_transcript_
         runtime.close()
 
 
+def test_a_keyed_mcp_append_stored_before_a_rule_tightened_replays_its_answer(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """The API's appends get their stored answer when a release refuses what an earlier one stored; the
+    MCP tool parsed the messages first and refused them: an agent told its stored append was refused
+    fixed and resent it under a new key, and it was stored twice."""
+    import hashlib
+
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from worker.access import Principal
+    from worker.deliveries import deliver_once, scoped_key
+    from worker.mcp.inputs import MCP_APPEND, MessageIn
+    from worker.mcp.tools import FactmillTools
+
+    runtime = make_runtime(database_url, factory)
+    agent = Principal("agent", frozenset({"ingest", "read"}), None, key_id=9)
+    tools = FactmillTools(runtime, lambda: agent)
+    words = [MessageIn(role="tool", text="exit 0")]  # a result naming no call: refused by today's rules
+    said = json.dumps({"messages": [{"role": "tool", "text": "exit 0"}], "settings": None}, sort_keys=True)
+    stored = {"transcript_id": TRANSCRIPT, "appended": 1, "first_seq": 1, "last_seq": 1}
+    scoped = scoped_key(MCP_APPEND, TRANSCRIPT, "k-1", agent.sender)
+    deliver_once(factory, scoped, hashlib.sha256(said.encode()).hexdigest(), lambda session: (stored, None))
+    try:
+        assert tools.append_transcript_messages(TRANSCRIPT, words, idempotency_key="k-1") == stored | {
+            "replayed": True
+        }
+        with pytest.raises(ToolError, match="tool_call_id"):  # a new append: today's rules
+            tools.append_transcript_messages(TRANSCRIPT, words, idempotency_key="k-2")
+    finally:
+        runtime.close()
+
+
 def test_the_mcp_server_dates_a_call_when_it_arrives(
     database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,8 +36,8 @@ from worker.core.compaction import TranscriptMessage
 from worker.core.jsonvalues import BIGINT_MAX
 from worker.core.labels import clean_label
 from worker.core.signing import MAX_IDEMPOTENCY_KEY_LENGTH
-from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
-from worker.deliveries import deliver_once, scoped_key
+from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH, TranscriptError
+from worker.deliveries import deliver_once, replayed_answer, scoped_key
 from worker.extraction.catalog import (
     MAX_LISTED_PAGES,
     MAX_PAGE_CURSOR_LENGTH,
@@ -415,7 +415,14 @@ class FactmillTools:
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
         digest = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()  # refused when parsed
         with refusals():
-            write = functools.partial(_append, transcript_id, parse_messages(raw), settings, retrigger)
+            try:
+                parsed = parse_messages(raw)
+            except TranscriptError:  # a rule tightened since this append was stored: its retry replays
+                prior = replayed_answer(self.runtime.factory, scoped, digest)
+                if prior is None:
+                    raise
+                return prior | {"replayed": True}
+            write = functools.partial(_append, transcript_id, parsed, settings, retrigger)
             answer, pending = deliver_once(self.runtime.factory, scoped, digest, write)
         if pending is None:
             return answer | {"replayed": True}
