@@ -392,6 +392,45 @@ def test_an_earlier_saying_that_goes_gives_its_canonical_its_own_start_back(tx_f
     assert march.id not in answered  # (an unmerged February answers for itself: a fact of its own now)
 
 
+def test_a_canonical_closed_inside_the_time_it_was_moved_over_is_decided_again(tx_factory, llm) -> None:
+    """Porto (Feb 1) moved March's Porto back to February; then Lyon (Feb 10) arrived and closed it
+    there. February's page erased, March's Porto went back to March as an empty interval and Lisbon's end
+    went to March over Lyon's: as of Feb 20 both Lisbon and Lyon answered, and Lyon stayed current
+    though Porto was said last. Now what it closed ends where it was closed, and it is decided again."""
+    from worker.consolidation.history import Lifecycle
+    from worker.extraction.erase import erase_page
+
+    february = lives("2026-02-01", "Porto")
+    arrive(tx_factory, llm, (JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY), february, lives("2026-02-10", "Lyon"))
+    facts = alice(tx_factory)
+    porto, lyon = facts["Alice Example lives in Porto now."][0], facts["Alice Example lives in Lyon now."][0]
+    feb10 = datetime(2026, 2, 10, 9, 0, tzinfo=UTC)
+    assert (porto.status, porto.superseded_by, porto.valid_to) == ("superseded", lyon.id, feb10)  # premise
+    erase_page(tx_factory, "default", february[0], "test")
+    consolidate(tx_factory, llm)
+
+    def answered(day: datetime) -> list[str]:
+        with tx_factory() as session:
+            clause, params = Lifecycle(as_of=day).clause("f")
+            return list(
+                session.scalars(
+                    text(
+                        f"SELECT f.fact FROM facts f WHERE f.entity_slug = :e AND NOT f.is_audit "
+                        f"AND f.fact LIKE '%lives in%' AND {clause}"
+                    ),
+                    {**params, "e": ALICE},
+                )
+            )
+
+    assert answered(datetime(2026, 2, 5, tzinfo=UTC)) == ["Alice Example lives in Lisbon now."]
+    assert answered(datetime(2026, 2, 20, tzinfo=UTC)) == ["Alice Example lives in Lyon now."]
+    assert answered(datetime(2026, 3, 10, tzinfo=UTC)) == ["Alice Example lives in Porto now."]
+    current = [
+        t for t, rows in alice(tx_factory).items() for r in rows if r.status == "current" and "lives" in t
+    ]
+    assert current == ["Alice Example lives in Porto now."]
+
+
 def test_a_canonical_restarts_at_the_earliest_saying_still_merged_into_it(tx_factory, llm) -> None:
     """Porto said on February 1 and on February 20, both duplicates of March's: the first erased,
     March's starts on February 20 (the saying left), and Lisbon ends there."""

@@ -140,10 +140,15 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
     unmerged): a canonical one of them had started earlier (``_start_canonical_by``) starts again at the
     earliest of its own saying and the sayings still merged into it, and what it had closed ends there
     again. Left moved, a page gone (even erased) kept answering as-of reads through another fact's
-    start, and kept the facts that canonical closed cut short."""
+    start, and kept the facts that canonical closed cut short.
+
+    A canonical closed before that start (by a fact said between the gone saying and its own) was
+    closed on the moved start: what it had closed ends where it was closed, and it is left orphaned
+    (its link cleared), so its entity's next run decides it again by its own date (the erasure and
+    the re-extraction request that run for their sources' orphans)."""
     leaves = Fact.id.in_(leaving)
     canonicals = session.execute(
-        select(Fact.id, Fact.valid_from, Fact.context)
+        select(Fact.id, Fact.valid_from, Fact.valid_to, Fact.status, Fact.context)
         .where(Fact.id.in_(select(Fact.duplicate_of).where(leaves, Fact.status == DUPLICATE)), ~leaves)
         .order_by(Fact.id)
     ).all()
@@ -159,14 +164,16 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
         start = min([own, *(began(d.valid_from, d.context, d.created_at) for d in sayings)])
         if start <= canonical.valid_from:
             continue
-        session.execute(update(Fact).where(Fact.id == canonical.id).values(valid_from=start))
-        # Closed itself before that: an empty interval, as close_interval makes one (an open one is not).
-        closed_before = Fact.id == canonical.id, Fact.valid_to < start
-        session.execute(update(Fact).where(*closed_before).values(valid_to=start))
+        ends = start  # where what it closed ends now
+        values: dict[str, Any] = {"valid_from": start}
+        if canonical.status == SUPERSEDED and canonical.valid_to is not None and canonical.valid_to < start:
+            ends = canonical.valid_to
+            values.update(valid_to=start, superseded_by=None)  # empty until decided again (an orphan)
+        session.execute(update(Fact).where(Fact.id == canonical.id).values(**values))
         session.execute(
             update(Fact)
-            .where(Fact.superseded_by == canonical.id, Fact.status == SUPERSEDED, Fact.valid_to < start)
-            .values(valid_to=func.greatest(start, func.coalesce(Fact.valid_from, start)))
+            .where(Fact.superseded_by == canonical.id, Fact.status == SUPERSEDED, Fact.valid_to < ends)
+            .values(valid_to=func.greatest(ends, func.coalesce(Fact.valid_from, ends)))
         )
 
 
