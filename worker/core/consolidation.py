@@ -79,10 +79,11 @@ _STOP = frozenset(
     )
 )
 
-# What two facts an embedding calls near-identical may differ by and still be one statement: articles,
-# prepositions, quoting. Not the copulas ("Alice is at Acme" is not "Alice was at Acme"), and never a
-# word outside this list: "not", "no longer", another city, the same words in another order.
-_FILLER = _STOP - {"is", "are", "was", "were", "be", "been"}
+# What two facts an embedding calls near-identical may differ by and still be one statement: articles
+# alone. Not a copula ("is at Acme" / "was at Acme"), a preposition ("moved to Berlin from Paris" /
+# "from Berlin to Paris", "works with Bob" / "for Bob"), a conjunction ("tea and coffee" / "or"), nor
+# any other word: "not", "no longer", another city, the same words in another order.
+_FILLER = frozenset({"a", "an", "the"})
 
 
 # A minus before a figure ("-$2M", "- 5°C"): a sign, not punctuation. Not a hyphen inside a word or a
@@ -209,7 +210,7 @@ class FactView:
 
     @cached_property
     def wording(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Its words in order less the fillers, and its figures: what a near-identical embedding must
+        """Its words in order less the articles, and its figures: what a near-identical embedding must
         share to make a duplicate (``pair_verdict``)."""
         return tuple(w for w in _WORD.findall(_fold(self.normalized)) if w not in _FILLER), self.numbers
 
@@ -245,7 +246,7 @@ def pair_verdict(
 ) -> tuple[Triage, float]:
     """The rule of a same-kind pair: (its triage, its similarity: the cosine when both facts have
     vectors, else the word overlap). A near-identical embedding is a duplicate only when both facts say
-    the same words in the same order, fillers aside, and state the same figures (``FactView.wording``):
+    the same words in the same order, articles aside, and state the same figures (``FactView.wording``):
     embeddings barely tell "revenue was $4.2M" from "$4.8M", "will attend" from "will not attend", or
     "email rather than phone" from "phone rather than email", and as a duplicate the new statement
     answered nothing while the old one stayed current. Anything else the model decides."""
