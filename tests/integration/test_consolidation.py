@@ -431,6 +431,82 @@ def test_a_canonical_closed_inside_the_time_it_was_moved_over_is_decided_again(t
     assert current == ["Alice Example lives in Porto now."]
 
 
+def test_an_unmerge_that_leaves_a_canonical_to_decide_again_requests_its_entitys_run(tx_factory, llm) -> None:
+    """The scenario above undone by an operator's unmerge of February's Porto: March's Porto is left to
+    be decided again, and nothing asked for its entity's run (hidden until some other page of the
+    source was extracted)."""
+    from worker.consolidation.operators import unmerge
+    from worker.jobs.outbox import CONSOLIDATION, page_subject
+
+    arrive(
+        tx_factory,
+        llm,
+        (JAN_PAGE, JAN_BODY),
+        (MAR_PAGE, MAR_BODY),
+        lives("2026-02-01", "Porto"),
+        lives("2026-02-10", "Lyon"),
+    )
+    march, february = alice(tx_factory)["Alice Example lives in Porto now."]
+    assert (march.status, february.duplicate_of) == ("superseded", march.id)  # premise: Lyon closed it
+    with tx_factory.begin() as session:
+        unmerge(session, february.id, "test")
+    with tx_factory() as session:
+        pending = session.scalars(
+            select(Job.status).where(Job.kind == CONSOLIDATION, Job.subject == page_subject("default", ALICE))
+        ).all()
+    assert pending == ["queued"]
+    consolidate(tx_factory, llm)
+    porto = {f.id: f for f in alice(tx_factory)["Alice Example lives in Porto now."]}[march.id]
+    # Decided again, by its own date (what it decides is the rules'): no longer an orphan.
+    assert porto.consolidated_at is not None and porto.valid_from == MAR_START
+    assert porto.status == "current" or (porto.superseded_by or porto.duplicate_of) is not None
+
+
+def test_canonicals_one_page_moved_along_one_chain_are_restarted_latest_first(tx_factory, llm) -> None:
+    """One page said Lyon (Jan 25) and, appended later, Porto (Feb 1): each moved a canonical of one
+    chain back (Lyon of Feb 10, Porto of Mar 5, which had closed Lyon; Lyon's end went to Feb 1).
+    Erased, Lyon was restarted first, read as closed before its own start (on an end Porto's own
+    restart was about to move back) and orphaned, ending Lisbon on Feb 1, a date only the erased page
+    said: as of Feb 5 nothing answered where Alice lived."""
+    from worker.consolidation.history import Lifecycle
+    from worker.extraction.erase import erase_page
+
+    said = "conversations/alice-said"
+    lyon_early = one_line_page("2026-01-25", "I live in Lyon now.")
+    arrive(
+        tx_factory,
+        llm,
+        lives("2026-01-01", "Lisbon"),
+        lives("2026-02-10", "Lyon"),
+        (said, lyon_early),
+        lives("2026-03-05", "Porto"),
+        (said, lyon_early + "\n" + one_line_page("2026-02-01", "I live in Porto now.")),
+    )
+    facts = alice(tx_factory)
+    assert [f.status for f in facts["Alice Example lives in Porto now."]] == [
+        "current",
+        "duplicate",
+    ]  # premise
+    erase_page(tx_factory, "default", said, "test")
+    consolidate(tx_factory, llm)
+
+    def answered(day: datetime) -> list[str]:
+        with tx_factory() as session:
+            clause, params = Lifecycle(as_of=day).clause("f")
+            return list(
+                session.scalars(
+                    text(
+                        f"SELECT f.fact FROM facts f WHERE f.entity_slug = :e AND NOT f.is_audit AND {clause}"
+                    ),
+                    {**params, "e": ALICE},
+                )
+            )
+
+    assert answered(datetime(2026, 2, 5, tzinfo=UTC)) == ["Alice Example lives in Lisbon now."]
+    assert answered(datetime(2026, 2, 20, tzinfo=UTC)) == ["Alice Example lives in Lyon now."]
+    assert answered(datetime(2026, 3, 10, tzinfo=UTC)) == ["Alice Example lives in Porto now."]
+
+
 def test_a_canonical_restarts_at_the_earliest_saying_still_merged_into_it(tx_factory, llm) -> None:
     """Porto said on February 1 and on February 20, both duplicates of March's: the first erased,
     March's starts on February 20 (the saying left), and Lisbon ends there."""

@@ -135,7 +135,7 @@ def _start_canonical_by(session: Session, canonical: int, since: datetime) -> No
     )
 
 
-def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
+def restart_canonicals(session: Session, leaving: Select[Any]) -> bool:
     """In the caller's transaction, before duplicates leave (deleted with their page, re-extracted,
     unmerged): a canonical one of them had started earlier (``_start_canonical_by``) starts again at the
     earliest of its own saying and the sayings still merged into it, and what it had closed ends there
@@ -145,13 +145,15 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
     A canonical closed before that start (by a fact said between the gone saying and its own) was
     closed on the moved start: what it had closed ends where it was closed, and it is left orphaned
     (its link cleared), so its entity's next run decides it again by its own date (the erasure and
-    the re-extraction request that run for their sources' orphans)."""
+    the re-extraction request that run for their sources' orphans, an unmerge for its entity).
+    Returns whether one was orphaned."""
     leaves = Fact.id.in_(leaving)
     canonicals = session.execute(
-        select(Fact.id, Fact.valid_from, Fact.valid_to, Fact.status, Fact.context)
+        select(Fact.id, Fact.valid_from, Fact.context)
         .where(Fact.id.in_(select(Fact.duplicate_of).where(leaves, Fact.status == DUPLICATE)), ~leaves)
         .order_by(Fact.id)
     ).all()
+    starts: list[tuple[datetime, int]] = []
     for canonical in canonicals:
         own = segment_start(canonical.context)
         if own is None or canonical.valid_from is None or canonical.valid_from >= own:
@@ -162,19 +164,28 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> None:
             )
         ).all()
         start = min([own, *(began(d.valid_from, d.context, d.created_at) for d in sayings)])
-        if start <= canonical.valid_from:
-            continue
+        if start > canonical.valid_from:
+            starts.append((start, canonical.id))
+    # The latest first, each read as the ones before left it: one page's two sayings can have moved two
+    # canonicals of one chain, and the earlier one's end is the later one's start, moved back with it.
+    orphaned = False
+    for start, canonical_id in sorted(starts, reverse=True):
+        status, valid_to = session.execute(
+            select(Fact.status, Fact.valid_to).where(Fact.id == canonical_id)
+        ).one()
         ends = start  # where what it closed ends now
         values: dict[str, Any] = {"valid_from": start}
-        if canonical.status == SUPERSEDED and canonical.valid_to is not None and canonical.valid_to < start:
-            ends = canonical.valid_to
+        if status == SUPERSEDED and valid_to is not None and valid_to < start:
+            ends = valid_to
             values.update(valid_to=start, superseded_by=None)  # empty until decided again (an orphan)
-        session.execute(update(Fact).where(Fact.id == canonical.id).values(**values))
+            orphaned = True
+        session.execute(update(Fact).where(Fact.id == canonical_id).values(**values))
         session.execute(
             update(Fact)
-            .where(Fact.superseded_by == canonical.id, Fact.status == SUPERSEDED, Fact.valid_to < ends)
+            .where(Fact.superseded_by == canonical_id, Fact.status == SUPERSEDED, Fact.valid_to < ends)
             .values(valid_to=func.greatest(ends, func.coalesce(Fact.valid_from, ends)))
         )
+    return orphaned
 
 
 def _slot_into_chain(

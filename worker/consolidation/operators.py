@@ -16,6 +16,7 @@ from worker.consolidation.decisions import restart_canonicals
 from worker.consolidation.store import lock_checkpoint
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
 from worker.core.facts import entity_slug
+from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
 
 CLOSING = ("updates", "contradicts")
 
@@ -171,7 +172,10 @@ def unmerge(session: Session, fact_id: int, by: str) -> int:
     if fact.status != DUPLICATE:
         raise UndoError(f"fact {fact_id} is {fact.status}, not a duplicate: only duplicates are unmerged")
     other = fact.duplicate_of
-    restart_canonicals(session, select(Fact.id).where(Fact.id == fact_id))
+    if restart_canonicals(session, select(Fact.id).where(Fact.id == fact_id)):
+        # A canonical left to be decided again: its entity's run, sent by the sweeper within seconds.
+        key = entity_key(fact.entity_slug, fact.source_markdown_slug)
+        request_job(session, CONSOLIDATION, page_subject(fact.source_id, key))
     session.execute(update(Fact).where(Fact.id == fact_id).values(status=CURRENT, duplicate_of=None))
     _record(session, fact, other, "unmerge", by)
     return other or 0
