@@ -268,8 +268,8 @@ def test_a_reply_that_is_not_a_summary_does_not_take_the_retry_naming_the_missed
 
 def test_a_superseded_outcome_says_so_in_its_json() -> None:
     """`compact --now --json` printed "failed" and exited 0 for a run another compaction superseded."""
-    from worker.compaction.queries import SUPERSEDED
     from worker.compaction.service import CompactionOutcome
+    from worker.compaction.waits import SUPERSEDED
 
     superseded = CompactionOutcome(
         "failed", "t", detail=f"{SUPERSEDED} compaction 6 was accepted while this one ran"

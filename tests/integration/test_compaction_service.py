@@ -2143,7 +2143,7 @@ def test_a_recent_miss_is_aged_by_the_database_clock_that_dated_it(tx_factory: s
     from sqlalchemy import event as sqlalchemy_event
     from sqlalchemy import text as sql
 
-    from worker.compaction.queries import recent_miss
+    from worker.compaction.waits import recent_miss
 
     append(tx_factory, "aged", session_messages(3), settings=SETTINGS)
     with tx_factory.begin() as session:
@@ -2209,7 +2209,7 @@ def test_a_superseded_run_is_no_miss_that_holds_the_next_compaction_back(
     whole retrigger wait, though the last summary had been accepted. A failure of its own still counts."""
     from sqlalchemy import text as sql
 
-    from worker.compaction.queries import recent_miss
+    from worker.compaction.waits import recent_miss
 
     append(tx_factory, "superseded", session_messages(3), settings=SETTINGS)
     insert = (

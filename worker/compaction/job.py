@@ -12,11 +12,11 @@ from worker.compaction.queries import (
     CONTINUATION,
     ONE_RUN_OPTIONS,
     TranscriptNotFoundError,
-    compaction_wait,
     transcript_settings,
 )
 from worker.compaction.service import compact
 from worker.compaction.store import TranscriptStore
+from worker.compaction.waits import compaction_wait
 from worker.config_store import COMPACTION_ENABLED, COMPACTION_QUALITY_GATE
 from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.outbox import COMPACTION

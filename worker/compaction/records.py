@@ -21,12 +21,12 @@ from models.tables import COMPACTIONS, LLM_CALLS
 from worker.accounting import forget_errors_of
 from worker.compaction.queries import (
     ONE_RUN_OPTIONS,
-    SUPERSEDED,
     applied_summary,
     get_transcript,
     request_compaction,
     transcript_created_at,
 )
+from worker.compaction.waits import SUPERSEDED
 from worker.core.paging import taken_within
 from worker.jobs.leases import spend_one_run_options
 from worker.jobs.outbox import JobRequestContendedError

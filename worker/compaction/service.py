@@ -20,10 +20,10 @@ from typing import Any, Final, Literal, TypedDict, Unpack, cast
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
 from worker.compaction.prompts import LLM_PURPOSE, compaction_cache_key, summarizer_request
-from worker.compaction.queries import SUPERSEDED
 from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.compaction.stored_plan import StoredContext
+from worker.compaction.waits import SUPERSEDED
 from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS, should_compact, without_labels
 from worker.core.compaction_gate import (

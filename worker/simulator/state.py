@@ -45,7 +45,8 @@ class SimulatorState:
         self.in_flight: int = getattr(self, "in_flight", 0)
         self.max_in_flight = self.in_flight
         # By route: a benchmark of the extraction pipe counts chat calls, not its background embeddings.
-        self.in_flight_by_route: Counter[str] = getattr(self, "in_flight_by_route", Counter())
+        if not hasattr(self, "in_flight_by_route"):
+            self.in_flight_by_route: Counter[str] = Counter()
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
     def reset(self) -> None:
