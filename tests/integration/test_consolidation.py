@@ -462,37 +462,48 @@ def test_an_unmerge_that_leaves_a_canonical_to_decide_again_requests_its_entitys
     assert porto.status == "current" or (porto.superseded_by or porto.duplicate_of) is not None
 
 
-def test_canonicals_one_page_moved_along_one_chain_are_restarted_latest_first(tx_factory, llm) -> None:
-    """One page said Lyon (Jan 25) and, appended later, Porto (Feb 1): each moved a canonical of one
-    chain back (Lyon of Feb 10, Porto of Mar 5, which had closed Lyon; Lyon's end went to Feb 1).
-    Erased, Lyon was restarted first, read as closed before its own start (on an end Porto's own
-    restart was about to move back) and orphaned, ending Lisbon on Feb 1, a date only the erased page
-    said: as of Feb 5 nothing answered where Alice lived."""
+@pytest.mark.parametrize(
+    ("days", "answers"),
+    [
+        # (Lyon said early, Lyon, Porto, Porto said early): Porto, the later, closed Lyon.
+        (("01-25", "02-10", "03-05", "02-01"), {"02-05": "Lisbon", "02-20": "Lyon", "03-10": "Porto"}),
+        # Porto, the earlier, closed Lyon (moved before it): the closer gets the earlier new start.
+        (("01-20", "03-01", "02-01", "01-25"), {"01-28": "Lisbon", "02-15": "Porto", "03-10": "Lyon"}),
+    ],
+    ids=["the-later-closed-it", "the-earlier-closed-it"],
+)
+def test_canonicals_one_page_moved_along_one_chain_are_restarted_closer_first(
+    tx_factory, llm, days: tuple[str, str, str, str], answers: dict[str, str]
+) -> None:
+    """One page said Lyon and, appended later, Porto, each early: each moved a canonical of one chain
+    back, and the one that closed the other ended it at its own moved start. Erased, the closed one
+    restarted first was read as closed before its own start (on an end its closer's restart was about
+    to move back) and orphaned, ending Lisbon on a date only the erased page said: for days nothing
+    answered where Alice lived. Restarted by date (the later first), the second shape did the same."""
     from worker.consolidation.history import Lifecycle
     from worker.extraction.erase import erase_page
 
+    lyon_early, lyon, porto, porto_early = (f"2026-{day}" for day in days)
     said = "conversations/alice-said"
-    lyon_early = one_line_page("2026-01-25", "I live in Lyon now.")
+    lyon_said = one_line_page(lyon_early, "I live in Lyon now.")
     arrive(
         tx_factory,
         llm,
         lives("2026-01-01", "Lisbon"),
-        lives("2026-02-10", "Lyon"),
-        (said, lyon_early),
-        lives("2026-03-05", "Porto"),
-        (said, lyon_early + "\n" + one_line_page("2026-02-01", "I live in Porto now.")),
+        lives(lyon, "Lyon"),
+        (said, lyon_said),
+        lives(porto, "Porto"),
+        (said, lyon_said + "\n" + one_line_page(porto_early, "I live in Porto now.")),
     )
     facts = alice(tx_factory)
-    assert [f.status for f in facts["Alice Example lives in Porto now."]] == [
-        "current",
-        "duplicate",
-    ]  # premise
+    premise = [f.status for city in ("Lyon", "Porto") for f in facts[f"Alice Example lives in {city} now."]]
+    assert premise.count("duplicate") == 2, premise  # both early sayings merged
     erase_page(tx_factory, "default", said, "test")
     consolidate(tx_factory, llm)
 
-    def answered(day: datetime) -> list[str]:
+    def answered(day: str) -> list[str]:
         with tx_factory() as session:
-            clause, params = Lifecycle(as_of=day).clause("f")
+            clause, params = Lifecycle(as_of=datetime.fromisoformat(f"2026-{day}T12:00:00+00:00")).clause("f")
             return list(
                 session.scalars(
                     text(
@@ -502,9 +513,8 @@ def test_canonicals_one_page_moved_along_one_chain_are_restarted_latest_first(tx
                 )
             )
 
-    assert answered(datetime(2026, 2, 5, tzinfo=UTC)) == ["Alice Example lives in Lisbon now."]
-    assert answered(datetime(2026, 2, 20, tzinfo=UTC)) == ["Alice Example lives in Lyon now."]
-    assert answered(datetime(2026, 3, 10, tzinfo=UTC)) == ["Alice Example lives in Porto now."]
+    for day, city in answers.items():
+        assert answered(day) == [f"Alice Example lives in {city} now."], day
 
 
 def test_a_canonical_restarts_at_the_earliest_saying_still_merged_into_it(tx_factory, llm) -> None:

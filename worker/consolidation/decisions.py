@@ -166,10 +166,8 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> bool:
         start = min([own, *(began(d.valid_from, d.context, d.created_at) for d in sayings)])
         if start > canonical.valid_from:
             starts.append((start, canonical.id))
-    # The latest first, each read as the ones before left it: one page's two sayings can have moved two
-    # canonicals of one chain, and the earlier one's end is the later one's start, moved back with it.
     orphaned = False
-    for start, canonical_id in sorted(starts, reverse=True):
+    for start, canonical_id in _closers_first(session, starts):
         status, valid_to = session.execute(
             select(Fact.status, Fact.valid_to).where(Fact.id == canonical_id)
         ).one()
@@ -186,6 +184,23 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> bool:
             .values(valid_to=func.greatest(ends, func.coalesce(Fact.valid_from, ends)))
         )
     return orphaned
+
+
+def _closers_first(session: Session, starts: list[tuple[datetime, int]]) -> list[tuple[datetime, int]]:
+    """``starts`` (new start, canonical) ordered so that a canonical comes after the one that closed it,
+    when both move: one page's two sayings can have moved two canonicals of one chain, and the closed
+    one's end is its closer's start, moved back with it; read before its closer's restart, it was taken
+    for a closing before its own start, on a date only the gone saying said. By date instead of by
+    link, a closer restarted to the earlier date came second. (Links form a forest: no cycles.)"""
+    closers = dict(
+        session.execute(select(Fact.id, Fact.superseded_by).where(Fact.id.in_([c for _, c in starts]))).all()
+    )
+    waiting = {canonical: start for start, canonical in starts}
+    ordered: list[tuple[datetime, int]] = []
+    while waiting:
+        ready = sorted(c for c in waiting if closers.get(c) not in waiting) or sorted(waiting)
+        ordered += [(waiting.pop(c), c) for c in ready]
+    return ordered
 
 
 def _slot_into_chain(

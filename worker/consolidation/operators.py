@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from models import ConsolidationDecision, Fact
+from worker.consolidation import BUDGET_RENEW_SECONDS
 from worker.consolidation.decisions import restart_canonicals
 from worker.consolidation.store import lock_checkpoint
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
@@ -175,7 +176,12 @@ def unmerge(session: Session, fact_id: int, by: str) -> int:
     if restart_canonicals(session, select(Fact.id).where(Fact.id == fact_id)):
         # A canonical left to be decided again: its entity's run, sent by the sweeper within seconds.
         key = entity_key(fact.entity_slug, fact.source_markdown_slug)
-        request_job(session, CONSOLIDATION, page_subject(fact.source_id, key))
+        request_job(
+            session,
+            CONSOLIDATION,
+            page_subject(fact.source_id, key),
+            renew_spent_budget_after=BUDGET_RENEW_SECONDS,  # as every request for new work on it is
+        )
     session.execute(update(Fact).where(Fact.id == fact_id).values(status=CURRENT, duplicate_of=None))
     _record(session, fact, other, "unmerge", by)
     return other or 0
