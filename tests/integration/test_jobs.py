@@ -515,6 +515,33 @@ def test_the_missing_messages_are_counted_over_every_overdue_job_not_the_sweeps_
     assert [job_id for _, job_id, _ in recorder.sent] == [sent[0], sent[1]]  # the batch: its oldest two
 
 
+def test_a_backlog_on_one_queue_does_not_hide_another_queues_lost_message(tx_factory, monkeypatch):
+    """The overdue jobs were one batch over every kind, oldest first: a bulk ingest's extraction backlog
+    (every message still on its queue) filled it, and a compaction job whose message was lost (a killed
+    worker's, a Redis restart) was not sent again until the backlog had been worked through."""
+    monkeypatch.setattr(outbox, "SWEEP_BATCH", 2)
+    backlog = [new_job(tx_factory, f"default|b{i}") for i in range(3)]
+    with tx_factory.begin() as session:
+        compacting = request_job(session, "compaction", "agent-1").job_id
+    enqueue(tx_factory, [*((i, EXTRACTION) for i in backlog), (compacting, "compaction")], Recorder())
+    with tx_factory.begin() as session:
+        for rank, job_id in enumerate([*backlog, compacting]):  # the compaction job sent last
+            session.execute(
+                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
+            )
+    recorder = Recorder()
+    sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=30,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=recorder,
+        queue_depth=lambda queue: 3 if queue == "extraction" else 0,  # the backlog is all there
+    )
+    assert [job_id for _, job_id, _ in recorder.sent] == [compacting]
+
+
 def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_does(tx_factory):
     """A row of another kind (a newer version's, mid-deploy; an older one's after a downgrade) was asked
     for its queue and failed every sweep: no lost job was sent again, no dead worker's job taken over."""

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from worker.jobs.registry import get_kind, kind_names
 
+_NEVER = datetime.min.replace(tzinfo=UTC)
 # How many messages wait in a queue on the broker (None: the broker cannot say).
 QueueDepth = Callable[[str], int | None]
 # How many of a queue's overdue jobs have no message on the broker (None: the broker cannot say).
@@ -42,7 +44,8 @@ def only_missing(overdue: list[Overdue], missing_in: MissingMessages | None) -> 
     the backlog to drain."""
     pairs = [(job.job_id, job.kind) for job in overdue if job.sent_at is None]
     by_queue: dict[str, list[Overdue]] = {}
-    for job in overdue:
+    # Oldest send first across the kinds that share a queue (a backfill's jobs are on extraction's).
+    for job in sorted(overdue, key=lambda o: (o.sent_at or _NEVER, o.job_id)):
         if job.sent_at is not None:
             by_queue.setdefault(get_kind(job.kind).queue, []).append(job)
     for queue, waiting_jobs in by_queue.items():
@@ -102,3 +105,24 @@ def missing_messages(
         depth = queue_depth(queue)
         missing[queue] = None if depth is None else max(0, count - max(0, depth - fresh.get(queue, 0)))
     return missing
+
+
+def overdue_jobs(kind: str, requeue_after: float, batch: int) -> Select[Any]:
+    """A kind's queued jobs overdue for a worker: never sent (2 s after their request's commit), or sent
+    longer ago than the requeue wait. Never sent first, then the oldest sends: a dead worker's prefetched
+    messages (its oldest) are off the queue until their visibility timeout, and a job sent again goes to
+    the back. At most ``batch`` a kind (a bulk ingest's backlog: the rest next sweep)."""
+    return (
+        select(Job.id, Job.kind, Job.attempts, Job.worker_losses, Job.enqueued_at)
+        .where(
+            Job.status == "queued",
+            Job.kind == kind,
+            or_(
+                Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
+                Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),
+            ),
+        )
+        .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    )

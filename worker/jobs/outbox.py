@@ -34,7 +34,7 @@ from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.losses import Overdue, QueueDepth, known_kind, missing_messages, only_missing
+from worker.jobs.losses import Overdue, QueueDepth, known_kind, missing_messages, only_missing, overdue_jobs
 from worker.jobs.registry import (
     BUDGET,
     KILL_SWITCH,
@@ -425,29 +425,19 @@ def sweep(
     missing = missing_messages(factory, requeue_after, queue_depth) if queue_depth is not None else None
     with factory.begin() as session:
         stale_pairs = _requeue_stale(session, stale_after, job_budgets, failed)
-        lost = session.execute(
-            select(Job.id, Job.kind, Job.attempts, Job.worker_losses, Job.enqueued_at)
-            .where(
-                Job.status == "queued",
-                or_(
-                    Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
-                    Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),
-                ),
-                known_kind(),
-            )
-            # Never sent first, then the oldest sends: a dead worker's prefetched messages (its oldest)
-            # are off the queue until their visibility timeout, and a job sent again goes to the back.
-            .order_by(Job.enqueued_at.asc().nulls_first(), Job.id)
-            .limit(SWEEP_BATCH)  # a bulk ingest's backlog: the rest next sweep
-            .with_for_update(skip_locked=True)
-        ).all()
+        just_requeued = {i for i, _ in stale_pairs}
         overdue = []
-        for waiting in lost:
-            spent = fail_if_spent(session, waiting.id, waiting.attempts, waiting.worker_losses, job_budgets)
-            if spent is not None:
-                failed.append(waiting.id)
-            elif waiting.id not in {i for i, _ in stale_pairs}:
-                overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
+        # A batch a kind: one batch over every kind, one queue's backlog (a bulk ingest, every message
+        # still on its queue) filled it, and another queue's lost messages waited until it was worked off.
+        for kind in kind_names():
+            for waiting in session.execute(overdue_jobs(kind, requeue_after, SWEEP_BATCH)):
+                spent = fail_if_spent(
+                    session, waiting.id, waiting.attempts, waiting.worker_losses, job_budgets
+                )
+                if spent is not None:
+                    failed.append(waiting.id)
+                elif waiting.id not in just_requeued:
+                    overdue.append(Overdue(waiting.id, waiting.kind, waiting.enqueued_at))
         lost_pairs = only_missing(overdue, None if missing is None else missing.get)
         switched_on = [name for name in kind_names() if enabled(get_kind(name).switch)]
         resumed = resume_paused(session, switched_on) if switched_on else []
