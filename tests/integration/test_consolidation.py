@@ -938,6 +938,44 @@ def test_a_job_leaves_facts_still_waiting_for_their_vectors_and_the_catch_up_see
     assert catch_up_consolidation(tx_factory) == 0  # the job asked for after the grace covers it
 
 
+def test_without_an_embeddings_model_new_facts_skip_the_embedding_follow_up(
+    database_url, factory, llm
+) -> None:
+    """Anthropic with no OpenAI key has no embeddings API, yet every commit sent its page to the
+    embedding follow-up: each run re-read the page's facts to fail, logged a retry no sweep would make,
+    and charged the chat model's rate limit for the refused call. The page's entities are now asked for
+    at the run's end, as without embedding."""
+    from worker.jobs.lifecycle import run_job
+    from worker.jobs.outbox import CONSOLIDATION, EXTRACTION, page_subject, request_job
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    class Submitted:
+        def __init__(self) -> None:
+            self.items: list[Any] = []
+
+        def submit(self, key: Any, item: Any, work: Any) -> None:
+            self.items.append((key, item))
+
+    follow_ups = Submitted()
+    settings = Settings(database_url=database_url, llm="anthropic", anthropic_api_key="k")
+    rt = Runtime(
+        settings=settings,
+        factory=factory,
+        config=ConfigReader(factory, ttl=0),
+        _llm=llm,
+        _follow_ups=follow_ups,  # type: ignore[arg-type]
+    )
+    put_page(factory, JAN_PAGE, JAN_BODY)
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, page_subject("default", JAN_PAGE)).job_id
+    assert run_job(rt, job_id, EXTRACTION).status == "succeeded"
+    assert follow_ups.items == []
+    with factory() as session:
+        asked = session.scalars(select(Job.subject).where(Job.kind == CONSOLIDATION)).all()
+    assert page_subject("default", ALICE) in asked
+
+
 def test_the_catch_up_asks_for_the_orphans_a_lost_follow_up_would_have(tx_factory) -> None:
     """A re-extraction deleted the fact that another had been closed by: the orphan's entity was asked
     for by the page's follow-up only, and a worker that died before it left the orphan hidden from

@@ -25,6 +25,15 @@ logger = logging.getLogger(__name__)
 EMBED_FOLLOW_UP = "embed-new-facts"
 
 
+def embeds_new_facts(rt: Runtime) -> bool:
+    """Whether new facts go to the embedding follow-up: asked (FACTMILL_EMBED_AFTER_EXTRACTION) and a
+    model to embed with. Without one (Anthropic with no OpenAI key, an OpenAI-compatible server with no
+    FACTMILL_EMBEDDING_MODEL), every commit sent its pages there: each run re-read their facts to fail,
+    logged a retry no sweep would make, and charged the chat model's rate limit for the refused call;
+    their consolidation is then requested as without embedding."""
+    return rt.settings.embed_after_extraction and can_embed(rt.settings)
+
+
 def embed_in_background(rt: Runtime) -> FactsCommitted:
     """Once a page's facts commit, embed them on the process's follow-up threads (several pages per
     embedding call), so vector search finds them a moment later while the job goes on: it never
@@ -73,8 +82,7 @@ def vectors_caught_up(rt: Runtime) -> int:
     those facts); how many pages. Nothing while the budget is spent. The follow-up's threads make the
     calls: the sweep never waits on the embedding model (a model down held the maintenance worker for
     the gateway's whole retry), and a page it already has is not queued twice."""
-    settings = rt.settings
-    if not (settings.embed_after_extraction and can_embed(settings)) or not rt.budget.has_room():
+    if not embeds_new_facts(rt) or not rt.budget.has_room():
         return 0  # (a deployment with no embeddings model read a day of facts each sweep, to fail)
     pages = pages_with_late_facts(
         rt.factory,
@@ -94,7 +102,7 @@ def vectors_caught_up(rt: Runtime) -> int:
 
 def embedding_follows(rt: Runtime, counters: ExtractionCounters) -> bool:
     """This run's new facts go to the embedding follow-up, which requests their consolidation."""
-    return bool(counters.facts_inserted) and rt.settings.embed_after_extraction
+    return bool(counters.facts_inserted) and embeds_new_facts(rt)
 
 
 def extract_page(ctx: JobContext) -> WorkResult:
@@ -120,7 +128,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         guard=ctx.guard,
         lease=ctx.lease,
         pipe=rt.llm_pipe,
-        on_facts_committed=embed_in_background(rt) if settings.embed_after_extraction else None,
+        on_facts_committed=embed_in_background(rt) if embeds_new_facts(rt) else None,
     )
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]
