@@ -24,7 +24,7 @@ from worker.jobs.outbox import (
     split_page_subject,
 )
 from worker.jobs.registry import BUDGET, ErrorRule, JobKind, KillSwitchOffError, register
-from worker.llm.gateway import can_embed
+from worker.llm.gateway import embeds_new_facts
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def consolidate_job(ctx: JobContext) -> WorkResult:
     )
     # A worker's run leaves the facts whose vectors their page's follow-up is still making for that
     # follow-up's request (the catch-up's, should it be lost); an operator's decides what is there now.
-    waits = rt.settings.embed_after_extraction and can_embed(rt.settings) and not ctx.operator_run
+    waits = embeds_new_facts(rt.settings) and not ctx.operator_run
     defer = CATCH_UP_GRACE_SECONDS if waits else None
     store = ConsolidationStore(rt.factory, rt.ledger, defer_unembedded_seconds=defer)
     counters = consolidate_entity(store, rt.llm, run)

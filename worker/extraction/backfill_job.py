@@ -20,13 +20,13 @@ from worker.extraction.backfill_request import (
 )
 from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.committer import FactsCommitted
-from worker.extraction.job import embed_in_background, embeds_new_facts
+from worker.extraction.job import embed_in_background
 from worker.extraction.options import CheckpointConflictError
 from worker.jobs.lifecycle import JobContext, WorkResult, paused_reason
 from worker.jobs.registry import KILL_SWITCH, ErrorRule, JobKind, KillSwitchOffError, register
 from worker.llm.batches import BatchLLMClient, batch_unavailable, open_batch_client
 from worker.llm.errors import BudgetExhaustedError, LLMError
-from worker.llm.gateway import LLMConfigurationError
+from worker.llm.gateway import LLMConfigurationError, embeds_new_facts
 from worker.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def follow_ups(rt: Runtime) -> tuple[FactsCommitted | None, list[tuple[str, str]
     consolidated), or, without embedding, its entities consolidated once the pass ends (the pages to
     request are gathered in the list). A backfill's whole-page swap deletes the page's old facts: the
     facts of other pages they had closed are current again only once consolidation repairs them."""
-    if embeds_new_facts(rt):
+    if embeds_new_facts(rt.settings):
         return embed_in_background(rt), []
     pages: list[tuple[str, str]] = []
     if not rt.settings.consolidate_after_extraction:

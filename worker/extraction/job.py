@@ -16,22 +16,13 @@ from worker.jobs.lifecycle import JobContext, WorkResult
 from worker.jobs.maintenance import sweep_step
 from worker.jobs.outbox import BUDGET, EXTRACTION, RETRY_SKIPPED, split_page_subject
 from worker.jobs.registry import ErrorRule, JobKind, register
-from worker.llm.gateway import can_embed
+from worker.llm.gateway import embeds_new_facts
 from worker.runtime import Runtime
 from worker.search import embed_pages_facts, pages_with_late_facts
 
 logger = logging.getLogger(__name__)
 
 EMBED_FOLLOW_UP = "embed-new-facts"
-
-
-def embeds_new_facts(rt: Runtime) -> bool:
-    """Whether new facts go to the embedding follow-up: asked (FACTMILL_EMBED_AFTER_EXTRACTION) and a
-    model to embed with. Without one (Anthropic with no OpenAI key, an OpenAI-compatible server with no
-    FACTMILL_EMBEDDING_MODEL), every commit sent its pages there: each run re-read their facts to fail,
-    logged a retry no sweep would make, and charged the chat model's rate limit for the refused call;
-    their consolidation is then requested as without embedding."""
-    return rt.settings.embed_after_extraction and can_embed(rt.settings)
 
 
 def embed_in_background(rt: Runtime) -> FactsCommitted:
@@ -82,7 +73,7 @@ def vectors_caught_up(rt: Runtime) -> int:
     those facts); how many pages. Nothing while the budget is spent. The follow-up's threads make the
     calls: the sweep never waits on the embedding model (a model down held the maintenance worker for
     the gateway's whole retry), and a page it already has is not queued twice."""
-    if not embeds_new_facts(rt) or not rt.budget.has_room():
+    if not embeds_new_facts(rt.settings) or not rt.budget.has_room():
         return 0  # (a deployment with no embeddings model read a day of facts each sweep, to fail)
     pages = pages_with_late_facts(
         rt.factory,
@@ -102,7 +93,7 @@ def vectors_caught_up(rt: Runtime) -> int:
 
 def embedding_follows(rt: Runtime, counters: ExtractionCounters) -> bool:
     """This run's new facts go to the embedding follow-up, which requests their consolidation."""
-    return bool(counters.facts_inserted) and embeds_new_facts(rt)
+    return bool(counters.facts_inserted) and embeds_new_facts(rt.settings)
 
 
 def extract_page(ctx: JobContext) -> WorkResult:
@@ -128,7 +119,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         guard=ctx.guard,
         lease=ctx.lease,
         pipe=rt.llm_pipe,
-        on_facts_committed=embed_in_background(rt) if embeds_new_facts(rt) else None,
+        on_facts_committed=embed_in_background(rt) if embeds_new_facts(rt.settings) else None,
     )
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]

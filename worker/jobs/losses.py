@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -107,7 +106,7 @@ def missing_messages(
     return missing
 
 
-def overdue_jobs(kind: str, requeue_after: float, batch: int) -> Select[Any]:
+def overdue_jobs(kind: str, requeue_after: float, batch: int) -> Select[int, str, int, int, datetime | None]:
     """A kind's queued jobs overdue for a worker: never sent (2 s after their request's commit), or sent
     longer ago than the requeue wait. Never sent first, then the oldest sends: a dead worker's prefetched
     messages (its oldest) are off the queue until their visibility timeout, and a job sent again goes to

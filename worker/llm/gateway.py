@@ -163,6 +163,15 @@ def can_embed(settings: Settings) -> bool:
     return True
 
 
+def embeds_new_facts(settings: Settings) -> bool:
+    """Whether new facts go to the embedding follow-up: asked (FACTMILL_EMBED_AFTER_EXTRACTION) and a
+    model to embed with. Without one (Anthropic with no OpenAI key, an OpenAI-compatible server with no
+    FACTMILL_EMBEDDING_MODEL), every commit sent its pages there: each run re-read their facts to fail,
+    logged a retry no sweep would make, and charged the chat model's rate limit for the refused call;
+    their consolidation is then requested as without embedding."""
+    return settings.embed_after_extraction and can_embed(settings)
+
+
 @contextmanager
 def open_llm_client(
     settings: Settings, *, budget: BudgetCheck | None = None, on_attempt: AttemptListener | None = None
