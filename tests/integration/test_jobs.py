@@ -542,6 +542,33 @@ def test_a_backlog_on_one_queue_does_not_hide_another_queues_lost_message(tx_fac
     assert [job_id for _, job_id, _ in recorder.sent] == [compacting]
 
 
+def test_a_queue_two_kinds_share_sends_its_oldest_missing_first(tx_factory, monkeypatch):
+    """Read a batch a kind, the extraction queue's missing count (over both its kinds) was sliced from
+    the cut-off extraction batch and then the backfill's: the younger backfill job was sent again while
+    an older extraction job waited for the next sweep."""
+    monkeypatch.setattr(outbox, "SWEEP_BATCH", 2)
+    older = [new_job(tx_factory, f"default|o{i}") for i in range(3)]
+    with tx_factory.begin() as session:
+        backfill = request_job(session, "batch_extraction", "backfill-1").job_id
+    enqueue(tx_factory, [*((i, EXTRACTION) for i in older), (backfill, "batch_extraction")], Recorder())
+    with tx_factory.begin() as session:
+        for rank, job_id in enumerate([*older, backfill]):  # the backfill's job sent last
+            session.execute(
+                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
+            )
+    recorder = Recorder()
+    sweep(
+        tx_factory,
+        stale_after=60,
+        requeue_after=30,
+        enabled=lambda key: True,
+        job_budgets=BUDGETS,
+        sender=recorder,
+        queue_depth=lambda queue: 1,  # three of the queue's four are missing
+    )
+    assert [job_id for _, job_id, _ in recorder.sent] == older[:2]  # the oldest two: the batch
+
+
 def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_does(tx_factory):
     """A row of another kind (a newer version's, mid-deploy; an older one's after a downgrade) was asked
     for its queue and failed every sweep: no lost job was sent again, no dead worker's job taken over."""

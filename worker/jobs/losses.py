@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, Select, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -12,7 +12,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import Job
 from worker.jobs.registry import get_kind, kind_names
 
-_NEVER = datetime.min.replace(tzinfo=UTC)
 # How many messages wait in a queue on the broker (None: the broker cannot say).
 QueueDepth = Callable[[str], int | None]
 # How many of a queue's overdue jobs have no message on the broker (None: the broker cannot say).
@@ -43,8 +42,7 @@ def only_missing(overdue: list[Overdue], missing_in: MissingMessages | None) -> 
     the backlog to drain."""
     pairs = [(job.job_id, job.kind) for job in overdue if job.sent_at is None]
     by_queue: dict[str, list[Overdue]] = {}
-    # Oldest send first across the kinds that share a queue (a backfill's jobs are on extraction's).
-    for job in sorted(overdue, key=lambda o: (o.sent_at or _NEVER, o.job_id)):
+    for job in overdue:
         if job.sent_at is not None:
             by_queue.setdefault(get_kind(job.kind).queue, []).append(job)
     for queue, waiting_jobs in by_queue.items():
@@ -106,16 +104,26 @@ def missing_messages(
     return missing
 
 
-def overdue_jobs(kind: str, requeue_after: float, batch: int) -> Select[int, str, int, int, datetime | None]:
-    """A kind's queued jobs overdue for a worker: never sent (2 s after their request's commit), or sent
-    longer ago than the requeue wait. Never sent first, then the oldest sends: a dead worker's prefetched
-    messages (its oldest) are off the queue until their visibility timeout, and a job sent again goes to
-    the back. At most ``batch`` a kind (a bulk ingest's backlog: the rest next sweep)."""
+def kinds_by_queue() -> dict[str, list[str]]:
+    """The kinds this version runs, by the queue they are sent to (a backfill's jobs are on extraction's)."""
+    queues: dict[str, list[str]] = {}
+    for kind in kind_names():
+        queues.setdefault(get_kind(kind).queue, []).append(kind)
+    return queues
+
+
+def overdue_jobs(
+    kinds: list[str], requeue_after: float, batch: int
+) -> Select[int, str, int, int, datetime | None]:
+    """One queue's queued jobs (of ``kinds``) overdue for a worker: never sent (2 s after their request's
+    commit), or sent longer ago than the requeue wait. Never sent first, then the oldest sends: a dead
+    worker's prefetched messages (its oldest) are off the queue until their visibility timeout, and a
+    job sent again goes to the back. At most ``batch`` (a bulk ingest's backlog: the rest next sweep)."""
     return (
         select(Job.id, Job.kind, Job.attempts, Job.worker_losses, Job.enqueued_at)
         .where(
             Job.status == "queued",
-            Job.kind == kind,
+            Job.kind.in_(kinds),
             or_(
                 Job.enqueued_at.is_(None) & (Job.created_at < func.now() - timedelta(seconds=2)),
                 Job.enqueued_at < func.now() - timedelta(seconds=requeue_after),

@@ -34,7 +34,15 @@ from models.tables import JOBS
 from worker.config_store import KILL_SWITCHES, is_enabled
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.leases import fail_if_spent
-from worker.jobs.losses import Overdue, QueueDepth, known_kind, missing_messages, only_missing, overdue_jobs
+from worker.jobs.losses import (
+    Overdue,
+    QueueDepth,
+    kinds_by_queue,
+    known_kind,
+    missing_messages,
+    only_missing,
+    overdue_jobs,
+)
 from worker.jobs.registry import (
     BUDGET,
     KILL_SWITCH,
@@ -427,10 +435,12 @@ def sweep(
         stale_pairs = _requeue_stale(session, stale_after, job_budgets, failed)
         just_requeued = {i for i, _ in stale_pairs}
         overdue = []
-        # A batch a kind: one batch over every kind, one queue's backlog (a bulk ingest, every message
+        # A batch a queue: one batch over every queue, one queue's backlog (a bulk ingest, every message
         # still on its queue) filled it, and another queue's lost messages waited until it was worked off.
-        for kind in kind_names():
-            for waiting in session.execute(overdue_jobs(kind, requeue_after, SWEEP_BATCH)):
+        # (Not a batch a kind: a queue's missing count is over all its kinds, and sliced from two kinds'
+        # batches it re-sent the younger kind's jobs while the cut-off kind's older ones waited.)
+        for kinds in kinds_by_queue().values():
+            for waiting in session.execute(overdue_jobs(kinds, requeue_after, SWEEP_BATCH)):
                 spent = fail_if_spent(
                     session, waiting.id, waiting.attempts, waiting.worker_losses, job_budgets
                 )
