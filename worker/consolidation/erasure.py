@@ -92,11 +92,16 @@ def page_facts(source_id: str, slug: str) -> Select[Any]:
     )
 
 
-def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -> set[tuple[str, str]]:
+def forget_reasons_about(
+    session: Session, fact_ids: Select[Any], reason: str, *, restart: bool = True
+) -> set[tuple[str, str]]:
     """Before these facts are deleted, in the caller's transaction: the reasons of the decisions about
     them become ``reason`` (the decision and who made it stay). The one place a deletion of facts
     forgets what the model said of them: an erasure, a re-extraction, a page left with nothing to say;
-    and where one of them, a duplicate, had moved its canonical's start back, the start moves again.
+    and, with ``restart``, where one of them, a duplicate, had moved its canonical's start back, the
+    start moves again (``restart_canonicals``). Not for a re-extraction, whose facts come back at once,
+    mostly as they were: restarted before they did, a model of the rules over every chain of up to five
+    sayings found hundreds of shapes left wrong that had been right, against a handful mended.
 
     First the checkpoint of every entity these facts are under is held (in order): a consolidation
     commit in flight for one of them ends before this (its decisions, quoting these facts, are then
@@ -113,7 +118,8 @@ def forget_reasons_about(session: Session, fact_ids: Select[Any], reason: str) -
         if lock_checkpoint(session, source_id, key):
             # Made only to be held (no run has written one): gone again, still held until the end.
             session.execute(DROP_CHECKPOINT, {"source_id": source_id, "key": key})
-    restart_canonicals(session, fact_ids)  # what an earlier saying of theirs moved goes back
+    if restart:
+        restart_canonicals(session, fact_ids)  # what an earlier saying of theirs moved goes back
     # One statement a side: under an OR, Postgres scans the whole table instead of each side's index,
     # and this now runs on every re-extraction, not only on an erasure.
     for side in (ConsolidationDecision.fact_id, ConsolidationDecision.other_fact_id):

@@ -303,9 +303,8 @@ class ExtractionStore:
         locked so a concurrent run cannot interleave; returns how many facts went in. ``planned`` is the
         checkpoint the run was planned from: CheckpointConflictError, nothing changed, when another run
         moved it on since (an append extracted by the page's job: the swap took its facts out and moved
-        the checkpoint back, and nothing extracted them again). ``skips`` are the segments it went past
-        (their attempts are recorded already): their ``skipped`` rows go in here, with the checkpoint
-        that lists them. Attempts ``hold_attempts`` kept go in here too."""
+        the checkpoint back). ``skips`` are the segments it went past (their attempts are recorded
+        already): their ``skipped`` rows go in here, with the checkpoint; and ``hold_attempts``' too."""
         source_id, slug = last.source_id, last.slug
         rows: list[dict[str, Any]] = []
         for place, facts in segment_facts:
@@ -335,7 +334,8 @@ class ExtractionStore:
                 Fact.source_markdown_slug == slug,
                 Fact.source.in_((PER_SEGMENT_SOURCE_PREFIX, TERMINAL_AUDIT_SOURCE)),
             )
-            keys = forget_reasons_about(session, select(Fact.id).where(*replaced), REPLACED_REASON)
+            replacing = select(Fact.id).where(*replaced)  # (restart=False: see forget_reasons_about)
+            keys = forget_reasons_about(session, replacing, REPLACED_REASON, restart=False)
             session.execute(delete(Fact).where(*replaced))
             inserted = 0
             for chunk_start in range(0, len(rows), _SWAP_CHUNK):
