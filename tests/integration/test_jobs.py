@@ -42,6 +42,16 @@ def swept(factory: Any, queue_depth: Any = None) -> tuple[Any, list[int]]:
     return report, [job_id for _, job_id, _ in recorder.sent]
 
 
+def sent_in_order(factory: Any, sends: list[tuple[int, str]]) -> None:
+    """Send these jobs, dated 100 s ago and one second apart in the order given (all overdue)."""
+    enqueue(factory, sends, Recorder())
+    with factory.begin() as session:
+        for rank, (job_id, _) in enumerate(sends):
+            session.execute(
+                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
+            )
+
+
 class Recorder:
     def __init__(self, fail: bool = False) -> None:
         self.sent: list[tuple[str, int, str]] = []
@@ -496,23 +506,9 @@ def test_the_missing_messages_are_counted_over_every_overdue_job_not_the_sweeps_
     a queue of 99,000 for 100,000 overdue jobs counted none missing of the batch."""
     monkeypatch.setattr(outbox, "SWEEP_BATCH", 2)
     sent = [new_job(tx_factory, f"default|c{i}") for i in range(4)]
-    enqueue(tx_factory, [(i, EXTRACTION) for i in sent], Recorder())
-    with tx_factory.begin() as session:
-        for rank, job_id in enumerate(sent):
-            session.execute(
-                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
-            )
-    recorder = Recorder()
-    sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=30,
-        enabled=lambda key: True,
-        job_budgets=BUDGETS,
-        sender=recorder,
-        queue_depth=lambda queue: 2,  # two of the four overdue have no message
-    )
-    assert [job_id for _, job_id, _ in recorder.sent] == [sent[0], sent[1]]  # the batch: its oldest two
+    sent_in_order(tx_factory, [(i, EXTRACTION) for i in sent])
+    _, resent = swept(tx_factory, queue_depth=lambda queue: 2)  # two of the four overdue have no message
+    assert resent == [sent[0], sent[1]]  # the batch: its oldest two
 
 
 def test_a_backlog_on_one_queue_does_not_hide_another_queues_lost_message(tx_factory, monkeypatch):
@@ -523,23 +519,9 @@ def test_a_backlog_on_one_queue_does_not_hide_another_queues_lost_message(tx_fac
     backlog = [new_job(tx_factory, f"default|b{i}") for i in range(3)]
     with tx_factory.begin() as session:
         compacting = request_job(session, "compaction", "agent-1").job_id
-    enqueue(tx_factory, [*((i, EXTRACTION) for i in backlog), (compacting, "compaction")], Recorder())
-    with tx_factory.begin() as session:
-        for rank, job_id in enumerate([*backlog, compacting]):  # the compaction job sent last
-            session.execute(
-                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
-            )
-    recorder = Recorder()
-    sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=30,
-        enabled=lambda key: True,
-        job_budgets=BUDGETS,
-        sender=recorder,
-        queue_depth=lambda queue: 3 if queue == "extraction" else 0,  # the backlog is all there
-    )
-    assert [job_id for _, job_id, _ in recorder.sent] == [compacting]
+    sent_in_order(tx_factory, [*((i, EXTRACTION) for i in backlog), (compacting, "compaction")])  # it last
+    _, resent = swept(tx_factory, queue_depth=lambda queue: 3 if queue == "extraction" else 0)  # all there
+    assert resent == [compacting]
 
 
 def test_a_queue_two_kinds_share_sends_its_oldest_missing_first(tx_factory, monkeypatch):
@@ -550,23 +532,9 @@ def test_a_queue_two_kinds_share_sends_its_oldest_missing_first(tx_factory, monk
     older = [new_job(tx_factory, f"default|o{i}") for i in range(3)]
     with tx_factory.begin() as session:
         backfill = request_job(session, "batch_extraction", "backfill-1").job_id
-    enqueue(tx_factory, [*((i, EXTRACTION) for i in older), (backfill, "batch_extraction")], Recorder())
-    with tx_factory.begin() as session:
-        for rank, job_id in enumerate([*older, backfill]):  # the backfill's job sent last
-            session.execute(
-                update(Job).where(Job.id == job_id).values(enqueued_at=now() - timedelta(seconds=100 - rank))
-            )
-    recorder = Recorder()
-    sweep(
-        tx_factory,
-        stale_after=60,
-        requeue_after=30,
-        enabled=lambda key: True,
-        job_budgets=BUDGETS,
-        sender=recorder,
-        queue_depth=lambda queue: 1,  # three of the queue's four are missing
-    )
-    assert [job_id for _, job_id, _ in recorder.sent] == older[:2]  # the oldest two: the batch
+    sent_in_order(tx_factory, [*((i, EXTRACTION) for i in older), (backfill, "batch_extraction")])  # it last
+    _, resent = swept(tx_factory, queue_depth=lambda queue: 1)  # three of the queue's four are missing
+    assert resent == older[:2]  # the oldest two: the batch
 
 
 def test_a_pending_job_of_a_kind_this_version_does_not_run_is_left_to_one_that_does(tx_factory):
