@@ -136,8 +136,9 @@ def _start_canonical_by(session: Session, canonical: int, since: datetime) -> No
 
 
 def restart_canonicals(session: Session, leaving: Select[Any]) -> bool:
-    """In the caller's transaction, before duplicates leave (deleted with their page, re-extracted,
-    unmerged): a canonical one of them had started earlier (``_start_canonical_by``) starts again at the
+    """In the caller's transaction, before duplicates leave for good (erased with their page, dropped
+    from a page left with nothing to say, unmerged; not re-extracted: see ``forget_reasons_about``): a
+    canonical one of them had started earlier (``_start_canonical_by``) starts again at the
     earliest of its own saying and the sayings still merged into it, and what it had closed ends there
     again. Left moved, a page gone (even erased) kept answering as-of reads through another fact's
     start, and kept the facts that canonical closed cut short.
@@ -145,7 +146,7 @@ def restart_canonicals(session: Session, leaving: Select[Any]) -> bool:
     A canonical closed before that start (by a fact said between the gone saying and its own) was
     closed on the moved start: what it had closed ends where it was closed, and it is left orphaned
     (its link cleared), so its entity's next run decides it again by its own date (the erasure and
-    the re-extraction request that run for their sources' orphans, an unmerge for its entity).
+    the page's extraction job request that run for their sources' orphans, an unmerge for its entity).
     Returns whether one was orphaned."""
     leaves = Fact.id.in_(leaving)
     canonicals = session.execute(

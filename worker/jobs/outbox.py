@@ -310,7 +310,7 @@ def retry_job(session: Session, job_id: int, *, skipped: bool = False) -> Job:
     return job
 
 
-# The most jobs of each sort (stale, overdue, resumed) one sweep locks and looks at; the rest: the next.
+# The most jobs of each sort (stale, overdue of each queue, resumed) one sweep locks; the rest: the next.
 SWEEP_BATCH = 5_000
 
 
