@@ -200,7 +200,12 @@ class FactView:
 
     @cached_property
     def words(self) -> frozenset[str]:
-        return _content_words(self.normalized)
+        return frozenset(w for w in self._tokens if w not in _STOP)
+
+    @cached_property
+    def _tokens(self) -> tuple[str, ...]:
+        """Its words in order (``words`` and ``wording`` read them: one tokenization a fact)."""
+        return tuple(_WORD.findall(_fold(self.normalized)))
 
     @cached_property
     def numbers(self) -> tuple[str, ...]:
@@ -212,7 +217,7 @@ class FactView:
     def wording(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Its words in order less the articles, and its figures: what a near-identical embedding must
         share to make a duplicate (``pair_verdict``)."""
-        return tuple(w for w in _WORD.findall(_fold(self.normalized)) if w not in _FILLER), self.numbers
+        return tuple(w for w in self._tokens if w not in _FILLER), self.numbers
 
     @cached_property
     def norm(self) -> float | None:
