@@ -1126,6 +1126,62 @@ def test_jobs_waiting_with_no_worker_on_them_show_how_long(
     assert value("factmill_job_oldest_heartbeat_seconds", "extraction") == 0.0
 
 
+def test_facts_a_follow_up_has_not_reached_show_how_many_and_how_long(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """Facts left without a vector or a consolidation (a down model, a spent budget, a failed job; the
+    sweeps give up after a day) were missed by vector search or answered beside their duplicates, and no
+    metric said so."""
+    from tests.clock import now
+
+    def fact(row_num: int, age: timedelta, *, vector: bool, consolidated: bool, audit: bool = False) -> Fact:
+        row = fact_row("conversations/lag", row_num, f"Fact {row_num}.", is_audit=audit)
+        row.created_at = now() - age
+        row.embedding = [0.1, 0.2] if vector else None
+        row.consolidated_at = now() if consolidated else None
+        return row
+
+    with tx_factory.begin() as session:
+        session.add_all(
+            [
+                fact(0, timedelta(hours=2), vector=False, consolidated=False),
+                fact(-1, timedelta(hours=3), vector=False, consolidated=False, audit=True),  # never counted
+                fact(1, timedelta(hours=5), vector=True, consolidated=True),
+                fact(2, timedelta(seconds=0), vector=True, consolidated=False),
+            ]
+        )
+    metrics = client.get("/metrics", headers=ADMIN_HEADERS).text
+
+    def value(name: str, step: str) -> float:
+        [line] = [line for line in metrics.splitlines() if line.startswith(f'{name}{{step="{step}"}}')]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("factmill_facts_awaiting", "embedding") == 1.0
+    assert value("factmill_facts_awaiting", "consolidation") == 2.0
+    assert 7190 <= value("factmill_facts_awaiting_oldest_seconds", "embedding") <= 7300
+    assert 7190 <= value("factmill_facts_awaiting_oldest_seconds", "consolidation") <= 7300
+    assert 'factmill_metrics_unread{collector="follow_ups"} 0.0' in metrics
+
+
+def test_only_the_follow_ups_a_deployment_runs_are_watched(tx_factory: sessionmaker[Session]) -> None:
+    """A step the deployment does not run leaves every fact awaiting it: its series would alert for good."""
+    from worker.api.follow_up_metrics import FollowUpCollector, follow_up_steps
+    from worker.settings import Settings
+
+    assert follow_up_steps(Settings(llm="simulator")) == ("embedding", "consolidation")
+    # Anthropic embeds through OpenAI only with an OpenAI key.
+    assert follow_up_steps(Settings(llm="anthropic", anthropic_api_key="k", openai_api_key=None)) == (
+        "consolidation",
+    )
+    assert follow_up_steps(Settings(llm="simulator", embed_after_extraction=False)) == ("consolidation",)
+    assert follow_up_steps(Settings(llm="simulator", consolidate_after_extraction=False)) == ("embedding",)
+    with tx_factory.begin() as session:
+        session.add(fact_row("conversations/lag", 0, "Waits for both."))
+    assert FollowUpCollector(tx_factory, ()).collect() == []
+    [count, _] = FollowUpCollector(tx_factory, ("consolidation",)).collect()
+    assert [sample.labels for sample in count.samples] == [{"step": "consolidation"}]
+
+
 def answers_while_every_request_thread_is_busy(client: TestClient, path: str, **kw: Any) -> Any:
     """GET ``path`` while every request thread (FACTMILL_API_THREADS) is held; the answer, or None when
     it waited for one."""

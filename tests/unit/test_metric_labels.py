@@ -63,6 +63,7 @@ KNOWN_VALUES: dict[str, set[str]] = {
     "reason": set(pause_reasons()),
     "switch": set(KILL_SWITCHES),
     "direction": {"cached", "in", "out"},
+    "step": {"embedding", "consolidation"},
 }
 STATUS_VALUES = {
     "factmill_jobs": set(JOB_STATUSES),
@@ -154,6 +155,11 @@ _AGGREGATION = re.compile(
 )
 
 
+# The right operand of ``and`` / ``unless`` (``... unless on() max(switch) == 0``) only decides which of
+# the left's series stay; their labels are the left's.
+_FILTER_BEFORE = re.compile(r"\b(?:and|unless)\s*(?:(?:on|ignoring)\s*\([^)]*\)\s*)?$")
+
+
 @pytest.mark.parametrize("rule", _rules(), ids=[str(r["alert"]) for r in _rules()])
 def test_every_label_an_alert_s_text_names_survives_its_aggregation(rule: dict[str, object]) -> None:
     """Every aggregation the series pass through must keep the label (a ``by`` naming it, or a
@@ -161,7 +167,9 @@ def test_every_label_an_alert_s_text_names_survives_its_aggregation(rule: dict[s
     or ``sum without (kind)`` let ``{{ $labels.kind }}`` read empty."""
     expr = str(rule["expr"])
     groupings = [
-        (mode, {w.strip() for w in clause.split(",")}) for mode, clause in _AGGREGATION.findall(expr)
+        (match[1] or "", {w.strip() for w in (match[2] or "").split(",")})
+        for match in _AGGREGATION.finditer(expr)
+        if not _FILTER_BEFORE.search(expr[: match.start()])  # a filter: the result keeps the left's labels
     ]
     for text in dict(rule.get("annotations") or {}).values():  # type: ignore[call-overload]
         for label in re.findall(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)", str(text)):
@@ -191,6 +199,8 @@ def test_the_label_check_sees_a_typo() -> None:
         'max(factmill_jobs_paused{reason="kill_switch"}) > 0',
         "sum(max by (kind) (factmill_jobs_paused)) > 0",
         "sum without (kind) (factmill_jobs_paused) > 0",
+        "max by (kind) (x) > 0 or max(y) > 0",  # either side of `or` answers with its own labels
+        "max(x) > 0 unless on() max by (kind) (y) == 0",
     ):
         with pytest.raises(AssertionError, match="is not kept"):
             test_every_label_an_alert_s_text_names_survives_its_aggregation(
@@ -199,6 +209,8 @@ def test_the_label_check_sees_a_typo() -> None:
     for keeping in (
         "max by (kind) (max_over_time(factmill_jobs_paused[15m])) > 0",
         "sum without (reason) (x) > 0",
+        "max by (kind) (x) > 0 unless on() max(y) == 0",  # a filter: the left's labels stay
+        "max by (kind) (x) > 0 and on() max(y) == 0",
     ):
         test_every_label_an_alert_s_text_names_survives_its_aggregation(
             {"alert": "A", "expr": keeping, "annotations": {"summary": "{{ $labels.kind }}"}}

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
+from worker.api.follow_up_metrics import follow_up_steps
 from worker.api.metrics import install_metrics
 from worker.api.openapi import install_openapi
 from worker.api.probes import BrokerCollector, ping_broker
@@ -116,7 +117,12 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
         large_body_seconds=settings.large_body_seconds,
         large_body_min_rate=settings.large_body_min_bytes_per_second,
     )
-    registry = install_metrics(app, runtime.factory, runtime.settings.prometheus_multiproc_dir)
+    registry = install_metrics(
+        app,
+        runtime.factory,
+        runtime.settings.prometheus_multiproc_dir,
+        follow_up_steps(runtime.settings),
+    )
     app.add_middleware(RequestIdMiddleware)  # type: ignore[arg-type]
     context = app.state.factmill = ApiContext(runtime=runtime, sender=sender, registry=registry)
     registry.register(BrokerCollector(lambda: ping_broker(context.broker_url())))  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ time (jobs, facts, segments, LLM calls, compactions, Postgres's connections)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from models import (
     RowCount,
 )
 from models.backfill import BATCH_STATUSES, REQUEST_STATUSES, ProviderCopy
+from worker.api.follow_up_metrics import FollowUpCollector
 from worker.api.job_waits import JobWaits
 from worker.api.request_metrics import install_request_metrics
 from worker.api.scrape_reads import MissingReadsCollector, ScrapeTimeCollector
@@ -444,10 +446,14 @@ def _by_status(session: Session, column: Any) -> list[tuple[str, float]]:
 
 
 def install_metrics(
-    app: FastAPI, factory: sessionmaker[Session], multiprocess_dir: Path | None
+    app: FastAPI,
+    factory: sessionmaker[Session],
+    multiprocess_dir: Path | None,
+    follow_ups: Sequence[str] = (),
 ) -> CollectorRegistry:
     """The app's own registry (so two apps in one process never share series), with the request
-    metrics on ``app`` and the scrape-time collectors over ``factory``."""
+    metrics on ``app`` and the scrape-time collectors over ``factory``; ``follow_ups``: the steps after
+    a commit whose lag is watched (``follow_up_steps``)."""
     registry = CollectorRegistry(auto_describe=False)
     install_request_metrics(app, registry, multiprocess_dir)
     registry.register(StoreCollector(factory))  # type: ignore[arg-type]
@@ -457,6 +463,7 @@ def install_metrics(
         "consolidation": ConsolidationCollector(factory),
         "backfills": BackfillCollector(factory),
         "postgres": PostgresCollector(factory),
+        "follow_ups": FollowUpCollector(factory, follow_ups),
     }
     for collector in others.values():
         registry.register(collector)  # type: ignore[arg-type]
@@ -468,6 +475,7 @@ __all__ = [
     "BackfillCollector",
     "CompactionCollector",
     "ConsolidationCollector",
+    "FollowUpCollector",
     "PostgresCollector",
     "StoreCollector",
     "install_metrics",
