@@ -15,6 +15,7 @@ from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import InvalidSettingsError, RefusedSettingsError, describe_invalid
+from worker.core.redis_urls import REDIS_SCHEMES
 from worker.settings_rules import (
     CROSS_FIELD_RULES,
     no_foreign_variables,
@@ -44,7 +45,7 @@ URL_SCHEMES: dict[str, tuple[str, ...] | None] = {
     "llm_base_url": _HTTP,
     "simulator_url": _HTTP,
     "otel_endpoint": _HTTP,
-    "ratelimit_redis_url": ("redis", "rediss", "unix", "redis+socket"),
+    "ratelimit_redis_url": REDIS_SCHEMES,
     "broker_url": None,
 }
 
@@ -180,6 +181,11 @@ class Settings(BaseSettings):
     task_time_limit_seconds: int = Field(default=3600, gt=0, le=YEAR_SECONDS)
     # Prefix for every broker key, so several deployments (or test runs) can share one Redis.
     broker_key_prefix: str = ""
+    # A Redis broker that drops packets (a failover, a NAT's idle timeout, a partition) rather than
+    # closing the connection: a send gives up after this many seconds, and is tried again on a new
+    # connection (kombu waits for ever by default: an API request or a sweep hung on it, and with it
+    # every job it had to send).
+    broker_socket_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     # Celery's task events, which Flower shows. Off: a worker sends none until Flower (or `celery
     # control enable_events`) turns them on, which Flower does for every worker within seconds of
     # starting, so they cost a worker's CPU (about 10% on one-segment pages: BENCHMARKS.md) only while

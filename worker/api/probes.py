@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models.reads import read_only
 from worker.api.errors import one_line
-from worker.core.redis_urls import redis_py_url
+from worker.core.redis_urls import is_redis_url, redis_py_url
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +27,7 @@ def ping_database(factory: sessionmaker[Session]) -> None:
 
 def ping_broker(url: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
     """Raise unless the broker answers within ``timeout`` seconds."""
-    scheme = url.partition("://")[0].lower()
-    if scheme in ("redis", "rediss", "redis+socket", "unix"):  # redis+socket: the embedded Redis
+    if is_redis_url(url):
         client = redis.Redis.from_url(
             redis_py_url(url), socket_timeout=timeout, socket_connect_timeout=timeout
         )

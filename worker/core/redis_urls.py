@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode
 
+# The URL schemes of a Redis server, as Celery, kombu and redis-py spell them (redis+socket: kombu's unix
+# socket, the embedded broker's).
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+socket")
+
+
+def is_redis_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in REDIS_SCHEMES
+
+
 # Celery and kombu spell ssl_cert_reqs as Python's ssl constants; redis-py takes only its own words.
 _CERT_REQS = {"cert_required": "required", "cert_optional": "optional", "cert_none": "none"}
 
@@ -32,4 +41,4 @@ def redis_py_url(url: str) -> str:
     return f"{base}?{urlencode(pairs)}"
 
 
-__all__ = ["redis_py_url"]
+__all__ = ["REDIS_SCHEMES", "is_redis_url", "redis_py_url"]

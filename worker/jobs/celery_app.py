@@ -20,6 +20,7 @@ from celery.signals import (
 )
 from kombu import Exchange, Queue
 
+from worker.core.redis_urls import is_redis_url
 from worker.embedded import embedded_redis_url
 from worker.jobs import registry
 from worker.jobs.shutdown import (
@@ -82,8 +83,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
     if settings.broker_key_prefix:
         transport["global_keyprefix"] = settings.broker_key_prefix
+    url = broker_url(settings)
+    if is_redis_url(url):  # (AMQP's heartbeats find a dead connection: broker_heartbeat)
+        transport["socket_timeout"] = transport["socket_connect_timeout"] = (
+            settings.broker_socket_timeout_seconds
+        )
     return {
-        "broker_url": broker_url(settings),
+        "broker_url": url,
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",

@@ -25,7 +25,7 @@ from typing import Protocol
 import redis
 
 from worker.core import progress
-from worker.core.redis_urls import redis_py_url
+from worker.core.redis_urls import is_redis_url, redis_py_url
 from worker.llm.between_tries import CallDeadlineError, between_tries, refuse_wait_past_deadline
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, LLMClient
@@ -336,7 +336,7 @@ def ratelimit_redis_url(settings: Settings) -> str | None:
     if settings.ratelimit_redis_url:
         return settings.ratelimit_redis_url
     broker = settings.broker_url
-    if broker and broker.split("://", 1)[0] in ("redis", "rediss", "redis+socket", "unix"):
+    if broker and is_redis_url(broker):
         return broker
     return None
 

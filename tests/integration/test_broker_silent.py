@@ -1,0 +1,58 @@
+"""A Redis broker that takes the connection and never answers (a failover, a NAT that dropped the flow, a
+partition): sends give up instead of hanging the API request or the sweep that made them."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from worker.api.deps import celery_sender_for
+from worker.jobs.celery_app import celery_config
+from worker.jobs.sending import enqueue
+from worker.settings import Settings
+
+# How long the test waits for the send to come back before calling it hung: the send gives up after
+# 4 tries of 0.5 s (Celery's publish retries); without a socket timeout it never does.
+HUNG_AFTER_SECONDS = 60
+
+
+@pytest.fixture
+def silent_broker() -> Iterator[str]:
+    """A port whose kernel completes every connect (its backlog) and nothing ever reads or answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    try:
+        yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    finally:
+        server.close()
+
+
+def test_a_send_to_a_broker_that_never_answers_gives_up_and_the_job_stays_queued(
+    silent_broker: str, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    send = celery_sender_for(Settings(broker_url=silent_broker, broker_socket_timeout_seconds=0.5))
+    sent: list[int] = []
+    sending = threading.Thread(
+        target=lambda: sent.append(enqueue(tx_factory, [(1, "extraction")], send)), daemon=True
+    )
+    with caplog.at_level(logging.WARNING, logger="worker.jobs.sending"):
+        sending.start()
+        sending.join(HUNG_AFTER_SECONDS)
+    assert not sending.is_alive(), "the send hung on a broker that never answers"
+    assert sent == [0]
+    assert "they stay queued and the sweeper will send them" in caplog.text
+
+
+def test_only_a_redis_broker_is_given_socket_timeouts() -> None:
+    """kombu's AMQP transport takes no such options (its heartbeats find a dead connection)."""
+    options = celery_config(Settings(broker_url="redis://x:6379/0", broker_socket_timeout_seconds=3))
+    assert options["broker_transport_options"]["socket_timeout"] == 3
+    assert options["broker_transport_options"]["socket_connect_timeout"] == 3
+    amqp = celery_config(Settings(broker_url="amqp://guest@x//"))["broker_transport_options"]
+    assert "socket_timeout" not in amqp and "socket_connect_timeout" not in amqp
