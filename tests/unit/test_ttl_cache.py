@@ -98,7 +98,7 @@ def test_a_value_is_not_served_while_its_refresh_hangs_and_no_herd_loads_it() ->
     clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
-    clock.now += 5  # a quiet while: the value is old, but its refresh has only just begun
+    clock.now += 3  # the value is stale, but under two ttl, and its refresh has only just begun
     loads.hold()
     refresher, _ = in_threads(1, lambda: cache.get("a"))
     assert loads.started.wait(10)
@@ -118,6 +118,25 @@ def test_a_value_is_not_served_while_its_refresh_hangs_and_no_herd_loads_it() ->
     for thread in (*refresher, *waiting):
         thread.join(10)
     assert len(fresh) == 16 and "a:1" not in fresh and len(loads.calls) == 3
+
+
+def test_a_value_older_than_two_ttl_is_not_served_while_it_is_refreshed() -> None:
+    """A key nobody read for an hour: its value was served, an hour old, to every reader while its
+    refresh ran; a kill switch turned off in that hour let a burst of jobs through."""
+    clock, loads = FakeClock(), Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
+    assert cache.get("a") == "a:1"
+    clock.now += 3600
+    loads.hold()
+    refresher, _ = in_threads(1, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    readers, seen = in_threads(16, lambda: cache.get("a"))
+    threading.Event().wait(0.1)
+    assert seen == [] and len(loads.calls) == 2  # waiting for the refresh, not loading a herd
+    loads.release.set()
+    for thread in (*refresher, *readers):
+        thread.join(10)
+    assert seen == ["a:2"] * 16 and len(loads.calls) == 2
 
 
 def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:

@@ -22,8 +22,9 @@ class TtlCache(Generic[K, V]):
     """Values ``load(key)`` gave, served for ``ttl`` seconds; thread-safe, and one load per key at a time.
 
     A worker reads its switches, budgets and threshold from many threads at once. When a key expires,
-    the first thread to ask loads it; the others take the value it had meanwhile (or, when there is
-    none yet, wait for that load) instead of each running the same query on a connection of its own.
+    the first thread to ask loads it; the others take the value it had meanwhile while that is under two
+    ``ttl`` old (or else wait for that load) instead of each running the same query on a connection of
+    its own: a value served is never older than two ``ttl``.
     A refresh that has run for longer than ``ttl`` is taken for hung: one more load starts, and the
     readers wait for one to end rather than be told the old value for as long as it hangs.
     ``ttl`` 0 keeps nothing: every ``get`` loads. A load that raises raises in the thread that ran
@@ -54,9 +55,14 @@ class TtlCache(Generic[K, V]):
                 if not self._loading.get(key):
                     break
                 if entry is not None:
-                    if self._clock() - min(self._load_began[key]) < self._ttl:
-                        return entry.value  # another thread is refreshing it
-                    if self._loading[key] < 2:
+                    now = self._clock()
+                    if now - min(self._load_began[key]) < self._ttl:
+                        # Another thread is refreshing it: served if under two ttl old. A value read
+                        # an hour before (a quiet key) was served as the truth while its refresh ran: a
+                        # kill switch turned off since let every job of a burst through.
+                        if now - entry.loaded_at < 2 * self._ttl:
+                            return entry.value
+                    elif self._loading[key] < 2:
                         # That refresh hangs (a pool exhausted, a query stuck): the value is not served
                         # on its word for as long as it hangs (a kill switch turned off went unseen);
                         # one more load runs here, and every other reader waits for one to end.
