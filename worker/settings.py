@@ -358,6 +358,18 @@ class Settings(BaseSettings):
             )
         return key or None
 
+    @field_validator("llm_model", "embedding_model")
+    @classmethod
+    def _model_name(cls, value: str | None) -> str | None:
+        """A model named in a secret file or a ConfigMap made --from-file ends in a newline: the services
+        started, then every call named a model the provider does not have (blank: the default)."""
+        if value is None:
+            return None
+        name = value.strip()
+        if not name.isprintable():
+            raise ValueError("a model name holds no line breaks or control characters")
+        return name or None
+
     def webhook_secrets(self) -> list[str]:
         """The secrets a webhook signature may be made with: the current one, then the previous one
         while it is rotated."""

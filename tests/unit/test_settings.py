@@ -146,6 +146,20 @@ def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_ref
     assert Settings(openai_api_key="  ").openai_api_key is None  # blank: no key set
 
 
+def test_a_model_name_from_a_file_loses_its_newline_and_a_blank_one_is_the_default(
+    fresh_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FACTMILL_LLM_MODEL", "gpt-4o-mini\n")
+    monkeypatch.setenv("FACTMILL_EMBEDDING_MODEL", "  text-embedding-3-small\r\n")
+    settings = fresh_settings()
+    assert (settings.llm_model, settings.embedding_model) == ("gpt-4o-mini", "text-embedding-3-small")
+    assert Settings(llm_model="  ").llm_model is None
+    fresh_settings.cache_clear()
+    monkeypatch.setenv("FACTMILL_LLM_MODEL", "gpt-4o\nmini")
+    with pytest.raises(InvalidSettingsError, match=r"FACTMILL_LLM_MODEL.*no line breaks"):
+        fresh_settings()
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "said"),
     [
