@@ -484,6 +484,14 @@ class Settings(BaseSettings):
         )
 
 
+# A setting read from several variables: the first of them (pydantic's name in an error) -> all of them.
+_ALIASES = {
+    str(field.validation_alias.choices[0]): [str(choice) for choice in field.validation_alias.choices]
+    for field in Settings.model_fields.values()
+    if isinstance(field.validation_alias, AliasChoices)
+}
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings (read once; tests build their own Settings instead). A refused value
@@ -491,7 +499,7 @@ def get_settings() -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        raise InvalidSettingsError(describe_invalid(exc, Settings.model_fields)) from None
+        raise InvalidSettingsError(describe_invalid(exc, Settings.model_fields, _ALIASES)) from None
     except UnicodeDecodeError as exc:  # python-dotenv reads .env as UTF-8 (a Windows editor's é)
         raise InvalidSettingsError(
             f".env in {Path.cwd()} is not UTF-8 text (byte {exc.start}): save it as UTF-8"

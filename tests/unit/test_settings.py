@@ -144,6 +144,12 @@ def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_ref
     assert "OPENAI_API_KEY" in str(caught.value) and "no spaces, line breaks" in str(caught.value)
     assert "56789" not in str(caught.value)
     assert Settings(openai_api_key="  ").openai_api_key is None  # blank: no key set
+    fresh_settings.cache_clear()
+    monkeypatch.delenv("OPENAI_API_KEY")
+    monkeypatch.setenv("FACTMILL_OPENAI_API_KEY", "sk-test-01234 56789")
+    with pytest.raises(InvalidSettingsError) as caught:
+        fresh_settings()
+    assert "OPENAI_API_KEY or FACTMILL_OPENAI_API_KEY: an API key holds no spaces" in str(caught.value)
 
 
 def test_a_model_name_from_a_file_loses_its_newline_and_a_blank_one_is_the_default(

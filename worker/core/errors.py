@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Container
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from worker.core.jsonvalues import made_storable  # standard library only: math, re
@@ -203,10 +203,14 @@ def database_outage(exc: BaseException) -> str | None:
     return error_summary(exc) if server_state_failed(sqlstate, invalidated=invalidated) else None
 
 
-def describe_invalid(exc: Any, fields: Container[str]) -> str:
+def describe_invalid(
+    exc: Any, fields: Container[str], aliases: Mapping[str, Sequence[str]] | None = None
+) -> str:
     """One line naming each variable a pydantic ValidationError (``exc``) of the Settings refused
-    (FACTMILL_JOB_MAX_ATTEMPTS for a field among ``fields``, else the alias it came from) and
-    pydantic's reason, without the value (it may be a secret)."""
+    (FACTMILL_JOB_MAX_ATTEMPTS for a field among ``fields``, else the alias it came from, with the
+    others that set it: ``aliases``, first -> all) and pydantic's reason, without the value (it may be
+    a secret). pydantic names the first alias whichever was set: FACTMILL_OPENAI_API_KEY's error
+    named OPENAI_API_KEY alone, a variable the operator never set."""
     problems = []
     for error in exc.errors(include_input=False, include_url=False):
         reason = str(error["msg"]).removeprefix("Value error, ")
@@ -215,6 +219,8 @@ def describe_invalid(exc: Any, fields: Container[str]) -> str:
             problems.append(reason)
             continue
         name = str(loc[0])
-        variable = f"FACTMILL_{name.upper()}" if name in fields else name
+        variable = (
+            f"FACTMILL_{name.upper()}" if name in fields else " or ".join((aliases or {}).get(name, [name]))
+        )
         problems.append(f"{variable}: {reason}")
     return "invalid setting: " + "; ".join(problems)
