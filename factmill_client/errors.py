@@ -142,7 +142,8 @@ def retry_after_seconds(headers: httpx.Headers, now: float | None = None) -> flo
 
 def error_for(response: httpx.Response) -> ApiError:
     """The exception for an error answer; a body that is not the server's JSON (a proxy's page) keeps
-    its first 500 characters as the detail."""
+    its first 500 characters as the detail, and a JSON one without ``detail`` (a gateway's
+    ``{"message": ...}``) its message: the detail read "None"."""
     try:
         body = response.json()
     except ValueError:
@@ -150,6 +151,8 @@ def error_for(response: httpx.Response) -> ApiError:
     if not isinstance(body, dict):
         body = {"detail": response.text[:500] or response.reason_phrase}
     detail = body.get("detail")
+    if detail is None:
+        detail = body.get("message") or body.get("error") or response.text[:500] or response.reason_phrase
     text = detail if isinstance(detail, str) else str(detail)
     status = response.status_code
     cls = BY_STATUS.get(status, ServerError if status >= 500 else ApiError)

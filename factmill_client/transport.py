@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from factmill_client.calls import Call
 from factmill_client.errors import error_for, retry_after_seconds, unexpected_response
-from factmill_client.signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, Secrets, sign
+from factmill_client.signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, Secrets, secrets_of, sign
 
 logger = logging.getLogger("factmill_client")
 
@@ -125,6 +125,10 @@ class Credentials:
                 "api_key holds whitespace, a control character or a non-ASCII character (read from a "
                 "file with its trailing newline?); the key itself is not shown"
             )
+        # An empty secret (an unset variable read as "") sent ingests unsigned, each a 401 "missing
+        # Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest.
+        if self.webhook_secret is not None:
+            secrets_of(self.webhook_secret)
 
     def signing_time(self, first: int | None) -> int:
         """When an attempt is signed: the call's first attempt's time, while a server still takes it.

@@ -96,8 +96,11 @@ def test_the_client_imports_and_works_without_any_server_code(tmp_path: Path):
         PYTHONPATH=str(tmp_path),
     )
     assert out.split() == ["Client", "1"]
-    project = tomllib.loads((REPO / "factmill_client" / "pyproject.toml").read_text())["project"]
+    client_toml = tomllib.loads((REPO / "factmill_client" / "pyproject.toml").read_text())
+    project = client_toml["project"]
     assert sorted(d.split(">")[0] for d in project["dependencies"]) == ["httpx", "pydantic"]
+    # `license = "Apache-2.0"` (an SPDX string) is read by setuptools 77 on; before, the build failed.
+    assert isinstance(project["license"], str) and "setuptools>=77" in client_toml["build-system"]["requires"]
     main = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "factmill_client*" in main["tool"]["setuptools"]["packages"]["find"]["include"]
 
@@ -175,6 +178,11 @@ def test_errors_map_statuses_and_keep_the_problem_detail():
     assert isinstance(proxy, errors.ServerError) and proxy.detail == "<html>bad gateway</html>"
     limited = errors.error_for(httpx.Response(429, json={"detail": "d"}, headers={"Retry-After": "7"}))
     assert isinstance(limited, errors.RateLimited) and limited.retry_after == 7.0
+    # A gateway or WAF in front of the API answers in its own JSON: its message, not "None".
+    waf = errors.error_for(httpx.Response(403, json={"message": "Forbidden by WAF rule 12"}))
+    assert isinstance(waf, errors.PermissionDenied) and waf.detail == "Forbidden by WAF rule 12"
+    assert str(errors.error_for(httpx.Response(400, json={"error": "bad"}))) == "400: bad"
+    assert errors.error_for(httpx.Response(502, json={"other": 1})).detail == '{"other":1}'
 
 
 def test_a_dot_segment_id_is_escaped_so_httpx_keeps_it_on_its_route():
@@ -341,6 +349,18 @@ def test_an_entity_walk_yields_a_fact_the_cursor_met_again_once() -> None:
             return [f.id async for f in client.iter_entity_facts("people/alice", page_size=2)]
 
     assert asyncio.run(walk()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("secret", ["", "  \n", [], ["s3cret", ""]])
+def test_a_webhook_secret_that_signs_nothing_is_refused_when_the_client_is_made(secret: object) -> None:
+    """An empty secret (an unset variable read as "") sent every ingest unsigned, each a 401 "missing
+    Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest."""
+    from factmill_client import Client
+
+    with pytest.raises(ValueError, match="webhook secret"):
+        Client("http://127.0.0.1:9", webhook_secret=secret)  # type: ignore[arg-type]
+    with Client("http://127.0.0.1:9", webhook_secret=" s3cret\n"):  # read from a file: taken, stripped
+        pass
 
 
 @pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
