@@ -768,6 +768,41 @@ def fact_row(slug: str, row_num: int, text: str, *, is_audit: bool = False) -> F
     )  # fmt: skip
 
 
+def test_a_page_s_facts_and_their_total_are_read_in_one_snapshot(
+    database_url: str, factory: sessionmaker[Session]
+) -> None:
+    """A re-extraction committing between the count and the rows: the total disagreed with the facts
+    (`factmill facts list` said "the first 2 of 2" over three)."""
+    from sqlalchemy import event
+
+    slug = "conversations/snapshot"
+    with factory.begin() as session:
+        session.add(Page(source_id="default", slug=slug, type="conversation", content_hash="x"))
+        session.add_all([fact_row(slug, 0, "First."), fact_row(slug, 1, "Second.")])
+    engine = factory.kw["bind"]
+    writer = create_engine(database_url)
+
+    committed: list[bool] = []
+
+    def commit_a_fact_after_the_count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "count(" in statement.lower() and not committed:
+            committed.append(True)
+            with sessionmaker(writer).begin() as other:
+                other.add(fact_row(slug, 2, "Third, committed meanwhile."))
+
+    app = create_app(make_runtime(database_url, factory))
+    with TestClient(app) as api:
+        send_key(api, factory)
+        event.listen(engine, "after_cursor_execute", commit_a_fact_after_the_count)
+        try:
+            body = api.get(f"/v1/pages/default/{slug}/facts").json()
+        finally:
+            if event.contains(engine, "after_cursor_execute", commit_a_fact_after_the_count):
+                event.remove(engine, "after_cursor_execute", commit_a_fact_after_the_count)
+            writer.dispose()
+    assert committed and body["total"] == len(body["facts"]) == 2, body
+
+
 def test_facts_endpoint_excludes_audit_rows(client: TestClient, tx_factory: sessionmaker[Session]) -> None:
     slug = "conversations/imessage/alice"
     assert post(client, page(slug)).status_code == 202
@@ -1716,3 +1751,12 @@ def test_a_page_listing_pages_past_a_slug_stored_before_the_length_bound(
     rest = client.get("/v1/pages", params={"limit": 1, "after": first.json()["next_after"]})
     assert rest.status_code == 200, rest.text
     assert [p["slug"] for p in rest.json()["pages"]] == ["b-after"]
+
+
+@pytest.mark.parametrize("after", ["|x", "|", "no-bar"])
+def test_a_page_cursor_without_a_source_is_refused_as_the_document_says(
+    client: TestClient, after: str
+) -> None:
+    """The document's pattern (^[^|]+\\|) refuses an empty source; the route answered 200 for "|x"."""
+    answer = client.get("/v1/pages", params={"after": after})
+    assert answer.status_code == 422 and "after must be a source|slug" in answer.text

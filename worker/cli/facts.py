@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from models.reads import read_only
+from models.reads import one_snapshot
 from worker.cli import lifecycle
 from worker.cli.console import err, fail, folding_table, out, print_json, source_option
 from worker.cli.sessions import checked_factory
@@ -51,7 +51,7 @@ def facts_list(
     """The facts extracted from one page, in row order (current ones, as GET /v1/pages/.../facts).
 
     The first --limit of them; a note on stderr says when there are more."""
-    with read_only(checked_factory()) as session:
+    with one_snapshot(checked_factory()) as session:  # its total and its rows agree
         found = read_page_facts(
             session, source_id, slug, limit=limit, lifecycle=Lifecycle(include_history=history)
         )

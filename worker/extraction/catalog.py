@@ -50,7 +50,7 @@ def page_cursor(after: str | None) -> tuple[str, str] | None:
     """The (source, slug) a listing's ``next_after`` names; ValueError when it is not one."""
     if after is None:
         return None
-    if "|" not in after:
+    if "|" not in after or after.startswith("|"):  # a source is never empty (the document's pattern)
         raise ValueError(f"after must be a source|slug (a listing's next_after), got {after!r}")
     return split_page_subject(after)
 

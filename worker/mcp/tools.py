@@ -223,7 +223,7 @@ class FactmillTools:
         interval and links). Use it to see all that is known about someone."""
         with refusals():
             sources = readable_sources(self.principal(), source_id)
-        with self.runtime.factory() as session, refusals():
+        with one_snapshot(self.runtime.factory) as session, refusals():
             return read_entity_facts(
                 session,
                 entity,
@@ -286,7 +286,7 @@ class FactmillTools:
         the current ones, or with include_history / as_of its timeline or what was true then."""
         if not self.principal().sees(source_id):
             raise ToolError(f"this key may not read source {source_id!r}")
-        with self.runtime.factory() as session, refusals():
+        with one_snapshot(self.runtime.factory) as session, refusals():
             found = read_page_facts(
                 session,
                 source_id,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 
-from models.reads import read_only
+from models.reads import one_snapshot, read_only
 from worker.access import AccessRefusedError, Principal, readable_sources
 from worker.api.auth import Reader
 from worker.api.deps import Context
@@ -104,7 +104,9 @@ def page_facts(
     twice, or skips one, when the page's facts change between two reads)."""
     source_id, slug = page_address(request, source_id, slug)
     _readable(principal, source_id)  # 403 for a source the key may not read
-    with read_only(ctx.factory) as session:
+    # One snapshot: a re-extraction or an erasure committing between the page's read, the count and the
+    # rows gave a total the facts disagreed with, or an erased page's empty list in place of a 404.
+    with one_snapshot(ctx.factory) as session:
         found = read_page_facts(
             session,
             source_id,
@@ -156,7 +158,7 @@ def entity_facts(
     start may come again (de-duplicate by id), and an undated one given a start may be missed; read from
     the start again for a complete list)."""
     sources = _readable(principal, source_id)
-    with read_only(ctx.factory) as session:
+    with one_snapshot(ctx.factory) as session:
         try:
             return read_entity_facts(
                 session,

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict
 
 from models import Job
-from models.reads import read_only
+from models.reads import one_snapshot, read_only
 from worker.access import Principal
 from worker.accounting.reports import job_spend
 from worker.api.auth import Admin, Reader
@@ -112,7 +112,7 @@ def list_jobs(
     "/v1/jobs/{job_id}", response_model=JobOut, responses=error_responses(404), summary="One job"
 )
 def get_job(ctx: Context, principal: Reader, job_id: JobId) -> JobOut:
-    with read_only(ctx.factory) as session:
+    with one_snapshot(ctx.factory) as session:
         job = session.get(Job, job_id)
         if job is None or not _visible(principal, job):
             raise ApiError(404, f"no job {job_id}")
