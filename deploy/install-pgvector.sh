@@ -9,7 +9,8 @@
 # sets up the vector store.
 set -euo pipefail
 
-PG_CONFIG=${PG_CONFIG:-$(ls -d /usr/lib/postgresql/*/bin/pg_config 2>/dev/null | sort -V | tail -1)}
+# (|| true: with no match, ls failed the assignment under pipefail, and the script died without its message)
+PG_CONFIG=${PG_CONFIG:-$(ls -d /usr/lib/postgresql/*/bin/pg_config 2>/dev/null | sort -V | tail -1 || true)}
 [ -x "$PG_CONFIG" ] || { echo "install-pgvector: no Postgres server installation found" >&2; exit 1; }
 MAJOR=$("$PG_CONFIG" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
 if [ -f "$("$PG_CONFIG" --sharedir)/extension/vector.control" ]; then
