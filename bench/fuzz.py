@@ -23,11 +23,9 @@ from sqlalchemy.orm import sessionmaker
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.integration.test_api import Recorder, make_runtime  # noqa: E402
-from tests.integration.test_fuzz_api import fuzz_operation, operations  # noqa: E402
+from tests.integration.test_fuzz_api import fuzz_operation, make_fuzzed_app, operations  # noqa: E402
 from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
-from worker.api.app import create_app  # noqa: E402
 
 SERVER = os.environ.get("FACTMILL_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
@@ -42,8 +40,7 @@ def main() -> int:
     with fresh_database(SERVER, "fuzz") as url:
         db.upgrade(url)
         factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
-        runtime = make_runtime(url, factory, broker_url="redis://127.0.0.1:6379/14", max_body_bytes=1 << 20)
-        app = create_app(runtime, sender=Recorder(factory))
+        app = make_fuzzed_app(url, "redis://127.0.0.1:6379/14", factory)
         document = app.openapi()
         total: Counter[str] = Counter()
         raised = 0  # operations that raised: a failed check, or an error outside any request

@@ -9,6 +9,7 @@ import unicodedata
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 from urllib.parse import unquote
@@ -22,10 +23,12 @@ from hypothesis.errors import UnsatisfiedAssumption
 from schemathesis import GenerationMode, checks
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.integration.test_api import ADMIN, SECRET, Recorder, make_runtime
+from models import Job, Page
+from tests.integration.test_api import ADMIN, SECRET, Recorder, fact_row, make_runtime
 from worker.api.app import create_app
 from worker.api.deps import IDEMPOTENCY_HEADER
 from worker.core.signing import SIGNATURE_HEADER, sign
+from worker.jobs.outbox import page_subject
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +40,32 @@ def credentials(method: str, path: str, body: bytes, key: str | None = None) -> 
     Idempotency-Key (``key``) and body."""
     signature = sign(body, SECRET, method=method, path=path, idempotency_key=key)
     return {"Authorization": f"Bearer {ADMIN}", SIGNATURE_HEADER: signature}
+
+
+def seed(factory: sessionmaker[Session]) -> None:
+    """Rows for the reads to answer with: pages (more than a listing's first page of generated limits),
+    dated and undated facts about one entity, jobs. On an empty database every listing answered [] and
+    every read 404, so their response schemas and cursors went unchecked."""
+    with factory.begin() as session:
+        for n in range(3):
+            slug = f"conversations/fuzz-{n}"
+            session.add(Page(source_id="default", slug=slug, type="conversation", content_hash=str(n)))
+            for row in range(4):
+                fact = fact_row(slug, row, f"Alice example said thing {row} of page {n}.")
+                fact.entity_slug = "people/alice-example"
+                fact.valid_from = datetime(2024, 1 + row, 1 + n, tzinfo=UTC) if row % 2 else None
+                session.add(fact)
+            session.add(Job(kind="extraction", subject=page_subject("default", slug), status="succeeded"))
+
+
+def make_fuzzed_app(database_url: str, broker_url: str, factory: sessionmaker[Session]) -> Any:
+    """The in-process API over a seeded database. No search rate limit: 60 a minute (the default) left
+    most generated searches a 429, which the document allows, and never run."""
+    seed(factory)
+    runtime = make_runtime(
+        database_url, factory, broker_url=broker_url, max_body_bytes=1024 * 1024, search_rate_per_minute=0
+    )
+    return create_app(runtime, sender=Recorder(factory))
 
 
 def body_bytes(case: Any) -> bytes | None:
@@ -219,8 +248,7 @@ def test_every_operation_conforms_and_never_answers_5xx(
     database_url: str, broker_url: str, factory: sessionmaker[Session], authenticated: bool, shard: int
 ) -> None:
     # A real broker, so /readyz answers 200 (its 503 is a server error by design when Redis is down).
-    runtime = make_runtime(database_url, factory, broker_url=broker_url, max_body_bytes=1024 * 1024)
-    app = create_app(runtime, sender=Recorder(factory))
+    app = make_fuzzed_app(database_url, broker_url, factory)
     every = operations(app)
     assert len(every) >= SHARDS * 4, "the API's operations are fewer than expected: is the document empty?"
     failures: list[str] = []
