@@ -156,7 +156,13 @@ search_router = APIRouter(tags=["search"])
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": SearchErrorOut, "description": "A bad query document or filter; detail says what to fix."},
-    501: {"model": SearchErrorOut, "description": "vec:/hyde: lines on a server without pgvector."},
+    501: {
+        "model": SearchErrorOut,
+        "description": "vec:/hyde: lines where vector search is unavailable: no pgvector, no embeddings "
+        "API (Anthropic without an OpenAI key, an OpenAI-compatible server without "
+        "FACTMILL_EMBEDDING_MODEL), incomplete LLM settings, or the provider refusing the deployment's "
+        "key or model; no Retry-After (a plain query answers lexically instead).",
+    },
     429: {
         "model": SearchErrorOut,
         "description": "This key's searches per minute are used; see Retry-After.",
