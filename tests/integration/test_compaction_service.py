@@ -572,6 +572,23 @@ def test_the_previous_summary_is_folded_into_the_next(
     assert view.compaction_id == rows[1].id and sum(v.message.is_compaction for v in view.messages) == 1
     assert [v.seq for v in view.messages[1:]] == list(range(second.cut_seq, stats.messages))
     assert stats.history_tokens > stats.context_tokens == view.tokens
+    # The running totals an append keeps (the context's size is read from them) are the messages' own.
+    append(tx_factory, "fold", [{"role": "user", "text": "And one more thing."}])
+    with tx_factory() as session:
+        counted = session.execute(
+            select(func.count(), func.sum(TranscriptMessageRow.tokens)).where(
+                TranscriptMessageRow.transcript_id == "fold"
+            )
+        ).one()
+        kept = session.execute(
+            select(func.sum(TranscriptMessageRow.tokens)).where(
+                TranscriptMessageRow.transcript_id == "fold", TranscriptMessageRow.seq >= second.cut_seq
+            )
+        ).scalar_one()
+        after = transcript_stats(session, "fold")
+        view = context_view(session, "fold")
+    assert (after.messages, after.history_tokens) == tuple(counted)
+    assert after.context_tokens == view.tokens > kept and after.context_tokens - kept < 2_000  # + the summary
 
 
 @pytest.mark.parametrize(

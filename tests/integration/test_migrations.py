@@ -388,6 +388,36 @@ def test_0041_counts_cancellations_apart_and_its_downgrade_adds_none_to_the_fail
         engine.dispose()
 
 
+def test_0047_fills_the_running_totals_of_the_transcripts_already_there(server_url: str) -> None:
+    from alembic import command
+
+    with fresh_database(server_url, "totals") as url:
+        command.upgrade(db.alembic_config(url), "0046")
+        engine = create_engine(url, poolclass=pool.NullPool)
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO transcripts (id) VALUES ('t'), ('empty')"))
+            conn.execute(
+                text(
+                    "INSERT INTO transcript_messages (transcript_id, seq, role, text, tokens) "
+                    "SELECT 't', g, 'user', 'x', 10 + g FROM generate_series(0, 9) g"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO compactions (transcript_id, status, cut_seq, summary, tokens_before, "
+                    "tokens_after) VALUES ('t', 'accepted', 4, 's', 145, 90)"
+                )
+            )
+        db.upgrade(url)
+        with engine.connect() as conn:
+            totals = conn.execute(
+                text("SELECT id, message_count, message_tokens FROM transcripts ORDER BY id")
+            )
+            assert totals.all() == [("empty", 0, 0), ("t", 10, 145)]
+            assert conn.execute(text("SELECT tokens_cut FROM compactions")).scalar_one() == 10 + 11 + 12 + 13
+        engine.dispose()
+
+
 def test_0033_keeps_the_feedback_keys_kept_before_as_digests_a_replay_still_finds(server_url: str) -> None:
     from worker.core.calibration import ObservationIn
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from models import Compaction, Job, Transcript, TranscriptMessageRow
@@ -98,25 +98,18 @@ class TranscriptStats:
 
 
 def recent_transcripts(session: Session, limit: int) -> list[dict[str, Any]]:
-    """Transcripts, most recently changed first, with their message and token counts. The newest
-    ``limit`` are chosen first and only their messages counted (not every transcript's)."""
-    newest = (
-        select(Transcript.id, Transcript.context_window, Transcript.updated_at)
-        .order_by(Transcript.updated_at.desc(), Transcript.id)
-        .limit(limit)
-        .subquery()
-    )
+    """Transcripts, most recently changed first, with their message and token counts (their running
+    totals: no message is read)."""
     query = (
         select(
-            newest.c.id,
-            newest.c.context_window,
-            func.count(TranscriptMessageRow.id),
-            func.coalesce(func.sum(TranscriptMessageRow.tokens), 0),
-            newest.c.updated_at,
+            Transcript.id,
+            Transcript.context_window,
+            Transcript.message_count,
+            Transcript.message_tokens,
+            Transcript.updated_at,
         )
-        .outerjoin(TranscriptMessageRow, TranscriptMessageRow.transcript_id == newest.c.id)
-        .group_by(newest.c.id, newest.c.context_window, newest.c.updated_at)
-        .order_by(newest.c.updated_at.desc(), newest.c.id)
+        .order_by(Transcript.updated_at.desc(), Transcript.id)
+        .limit(limit)
     )
     return [
         {
@@ -132,11 +125,7 @@ def recent_transcripts(session: Session, limit: int) -> list[dict[str, Any]]:
 
 def transcript_stats(session: Session, transcript_id: str) -> TranscriptStats:
     transcript = get_transcript(session, transcript_id)
-    count, history = session.execute(
-        select(func.count(), func.coalesce(func.sum(TranscriptMessageRow.tokens), 0)).where(
-            TranscriptMessageRow.transcript_id == transcript_id
-        )
-    ).one()
+    count, history = transcript.message_count, transcript.message_tokens
     summary, tokens = context_now(session, transcript_id)
     pending = session.scalar(
         select(Job.id).where(Job.kind == COMPACTION, Job.subject == transcript_id, Job.status.in_(PENDING))
