@@ -8,7 +8,6 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -18,6 +17,10 @@ from worker.core.errors import InvalidSettingsError, RefusedSettingsError, descr
 from worker.core.redis_urls import REDIS_SCHEMES
 from worker.settings_rules import (
     CROSS_FIELD_RULES,
+    alias_choices,
+    checked_url,
+    clean_api_key,
+    clean_model_name,
     no_foreign_variables,
     unknown_variables,
     variable_names,
@@ -306,32 +309,8 @@ class Settings(BaseSettings):
     @field_validator("llm_base_url", "simulator_url", "otel_endpoint", "ratelimit_redis_url", "broker_url")
     @classmethod
     def _url_scheme(cls, value: str | None, info: ValidationInfo) -> str | None:
-        """A server URL names its scheme: "localhost:6379" or "localhost:8000/v1" started cleanly and
-        failed at first use (every search a 500, every LLM call a retried "connection error"). The
-        value is never quoted (it may carry credentials)."""
-        if value is None or not value.strip():
-            return None
-        value = value.strip()
-        scheme, sep, _ = value.partition("://")
-        wanted = URL_SCHEMES.get(info.field_name or "")
-        if not sep or (wanted is not None and scheme.lower() not in wanted):
-            if wanted is None:
-                raise ValueError(
-                    "must be a URL naming its transport, e.g. redis://host:6379/0 or amqp://host//"
-                )
-            raise ValueError(f"must be a URL beginning with {' or '.join(f'{s}://' for s in wanted)}")
-        # A port that is no number ("host:6379:0", a "${PORT}" left unexpanded, 70000) passed here and
-        # failed at first use: every search a 500 (the rate limiter's client), the workers at connect.
-        # Kombu's failover form joins URLs with ';'.
-        for part in value.split(";"):
-            try:
-                urlsplit(part.strip()).port  # noqa: B018 (read for its check)
-            except ValueError:
-                raise ValueError(
-                    "names a port that is not a number from 0 to 65535 (or holds an unescaped '/', '?', "
-                    "'#', '[' or ']' in its password: percent-encode it)"
-                ) from None
-        return value
+        """A server URL names its scheme (``checked_url``)."""
+        return checked_url(value, URL_SCHEMES.get(info.field_name or ""))
 
     @field_validator("database_url", "test_database_url")
     @classmethod
@@ -347,28 +326,12 @@ class Settings(BaseSettings):
     @field_validator("openai_api_key", "anthropic_api_key")
     @classmethod
     def _api_key(cls, value: str | None) -> str | None:
-        """A key read from a secret file ends in a newline: sent in a header, every call failed as a
-        retried "connection error" (the HTTP layer refuses the header, quoting the whole key)."""
-        if value is None:
-            return None
-        key = value.strip()
-        if any(char.isspace() or not char.isprintable() for char in key):
-            raise ValueError(
-                "an API key holds no spaces, line breaks or control characters; check the secret"
-            )
-        return key or None
+        return clean_api_key(value)
 
     @field_validator("llm_model", "embedding_model")
     @classmethod
     def _model_name(cls, value: str | None) -> str | None:
-        """A model named in a secret file or a ConfigMap made --from-file ends in a newline: the services
-        started, then every call named a model the provider does not have (blank: the default)."""
-        if value is None:
-            return None
-        name = value.strip()
-        if not name.isprintable():
-            raise ValueError("a model name holds no line breaks or control characters")
-        return name or None
+        return clean_model_name(value)
 
     def webhook_secrets(self) -> list[str]:
         """The secrets a webhook signature may be made with: the current one, then the previous one
@@ -484,12 +447,7 @@ class Settings(BaseSettings):
         )
 
 
-# A setting read from several variables: the first of them (pydantic's name in an error) -> all of them.
-_ALIASES = {
-    str(field.validation_alias.choices[0]): [str(choice) for choice in field.validation_alias.choices]
-    for field in Settings.model_fields.values()
-    if isinstance(field.validation_alias, AliasChoices)
-}
+_ALIASES = alias_choices(Settings.model_fields)
 
 
 @lru_cache(maxsize=1)

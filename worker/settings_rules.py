@@ -1,10 +1,11 @@
-"""The settings' rules across fields and over the environment (given them: worker.settings alone reads it)."""
+"""The settings' rules: how each value is cleaned, and the rules across fields and over the environment."""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
@@ -143,3 +144,61 @@ def unknown_variables(environ: Mapping[str, str], known: Iterable[str]) -> list[
         hint = f" (did you mean {near[0]}?)" if near else ""
         lines.append(f"{name} is not a Factmill setting and is ignored{hint}")
     return lines
+
+
+def checked_url(value: str | None, wanted: tuple[str, ...] | None) -> str | None:
+    """A server URL that names its scheme (one of ``wanted``; None: any) and a port that is a number;
+    None when blank. "localhost:6379" or "localhost:8000/v1" started cleanly and failed at first use
+    (every search a 500, every LLM call a retried "connection error"). The value is never quoted in an
+    error (it may carry credentials)."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    scheme, sep, _ = value.partition("://")
+    if not sep or (wanted is not None and scheme.lower() not in wanted):
+        if wanted is None:
+            raise ValueError("must be a URL naming its transport, e.g. redis://host:6379/0 or amqp://host//")
+        raise ValueError(f"must be a URL beginning with {' or '.join(f'{s}://' for s in wanted)}")
+    # A port that is no number ("host:6379:0", a "${PORT}" left unexpanded, 70000) passed here and
+    # failed at first use: every search a 500 (the rate limiter's client), the workers at connect.
+    # Kombu's failover form joins URLs with ';'.
+    for part in value.split(";"):
+        try:
+            urlsplit(part.strip()).port  # noqa: B018 (read for its check)
+        except ValueError:
+            raise ValueError(
+                "names a port that is not a number from 0 to 65535 (or holds an unescaped '/', '?', "
+                "'#', '[' or ']' in its password: percent-encode it)"
+            ) from None
+    return value
+
+
+def clean_api_key(value: str | None) -> str | None:
+    """A key read from a secret file ends in a newline: sent in a header, every call failed as a
+    retried "connection error" (the HTTP layer refuses the header, quoting the whole key)."""
+    if value is None:
+        return None
+    key = value.strip()
+    if any(char.isspace() or not char.isprintable() for char in key):
+        raise ValueError("an API key holds no spaces, line breaks or control characters; check the secret")
+    return key or None
+
+
+def clean_model_name(value: str | None) -> str | None:
+    """A model named in a secret file or a ConfigMap made --from-file ends in a newline: the services
+    started, then every call named a model the provider does not have (blank: the default)."""
+    if value is None:
+        return None
+    name = value.strip()
+    if not name.isprintable():
+        raise ValueError("a model name holds no line breaks or control characters")
+    return name or None
+
+
+def alias_choices(fields: Mapping[str, FieldInfo]) -> dict[str, list[str]]:
+    """A setting read from several variables: the first of them (pydantic's name in an error) -> all."""
+    return {
+        str(field.validation_alias.choices[0]): [str(choice) for choice in field.validation_alias.choices]
+        for field in fields.values()
+        if isinstance(field.validation_alias, AliasChoices)
+    }
