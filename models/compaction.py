@@ -52,9 +52,10 @@ class Transcript(Base):
     tool_result_limit: Mapped[int] = mapped_column(server_default="2000")
     # Steers the summarizer; quoted below its headings as data (summarizer_system_prompt).
     instructions: Mapped[str | None]
-    # Running totals of its messages, kept by each append (messages are only ever added, and erased
-    # with the transcript): the context's size is read from them, not summed over every message at
-    # each append (an append to a transcript of a million messages took 240 ms).
+    # Running totals of its messages, kept by a trigger on transcript_messages (migration 0047; messages
+    # are only ever added, and erased with the transcript): the context's size is read from them, not
+    # summed over every message at each append (an append to a transcript of a million messages took
+    # 240 ms).
     message_count: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     message_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     created_at: Mapped[datetime] = utcnow_column()
@@ -142,8 +143,8 @@ class Compaction(Base):
     # Estimated tokens of the context view before, and (accepted or rejected) with the summary in place.
     tokens_before: Mapped[int]
     tokens_after: Mapped[int | None]
-    # Estimated tokens of the messages before cut_seq (what the summary stands in for): the context's
-    # messages are the transcript's message_tokens less these.
+    # Estimated tokens of the messages before cut_seq (what the summary stands in for), measured by a
+    # trigger as an accepted row is inserted: the context's messages are message_tokens less these.
     tokens_cut: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     # The last attempt's quality signals and the threshold it was gated on (version None: fallback τ).
     coverage: Mapped[float | None]

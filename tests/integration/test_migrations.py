@@ -409,12 +409,30 @@ def test_0047_fills_the_running_totals_of_the_transcripts_already_there(server_u
                 )
             )
         db.upgrade(url)
+        totals = text("SELECT id, message_count, message_tokens FROM transcripts ORDER BY id")
+        cuts = text("SELECT status, tokens_cut FROM compactions ORDER BY id")
         with engine.connect() as conn:
-            totals = conn.execute(
-                text("SELECT id, message_count, message_tokens FROM transcripts ORDER BY id")
+            assert conn.execute(totals).all() == [("empty", 0, 0), ("t", 10, 145)]
+            assert conn.execute(cuts).all() == [("accepted", 10 + 11 + 12 + 13)]
+        # Kept by triggers: a writer that knows nothing of the columns (the release before, still
+        # serving during a rolling upgrade) keeps them too.
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO transcript_messages (transcript_id, seq, role, text, tokens) VALUES "
+                    "('t', 10, 'user', 'x', 100), ('t', 11, 'user', 'x', 1), ('empty', 0, 'user', 'x', 7)"
+                )
             )
-            assert totals.all() == [("empty", 0, 0), ("t", 10, 145)]
-            assert conn.execute(text("SELECT tokens_cut FROM compactions")).scalar_one() == 10 + 11 + 12 + 13
+            conn.execute(
+                text(
+                    "INSERT INTO compactions (transcript_id, status, cut_seq, summary, tokens_before, "
+                    "tokens_after) VALUES ('t', 'accepted', 11, 's', 246, 90), "
+                    "('t', 'rejected', 11, 's', 246, 90)"
+                )
+            )
+        with engine.connect() as conn:
+            assert conn.execute(totals).all() == [("empty", 1, 7), ("t", 12, 246)]
+            assert conn.execute(cuts).all() == [("accepted", 46), ("accepted", 245), ("rejected", 0)]
         engine.dispose()
 
 

@@ -185,8 +185,9 @@ def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None
 
 
 # The context view holds the applied summary and the messages from its cut on: their tokens (the
-# transcript's running total less what the summary stands in for), in one statement with the summary,
-# reading no message (a sum over them took 240 ms an append at a million messages).
+# transcript's running total less what the summary stands in for, both kept by triggers: migration
+# 0047), in one statement with the summary, reading no message (a sum over them took 240 ms an append at
+# a million messages).
 _MESSAGE_TOKENS = select(TRANSCRIPTS.c.message_tokens).where(TRANSCRIPTS.c.id == bindparam("id"))
 _TOKENS_CUT = select(COMPACTIONS.c.tokens_cut).where(COMPACTIONS.c.id == _APPLIED.c.id)
 _CONTEXT = select(
@@ -338,27 +339,6 @@ class AppendResult:
 
 
 _INSERT_MESSAGES = insert(TRANSCRIPT_MESSAGES)
-# The transcript's running totals, under the row lock the append holds: messages are only ever added.
-_ADD_TO_TOTALS = (
-    update(TRANSCRIPTS)
-    .where(TRANSCRIPTS.c.id == bindparam("transcript"))
-    .values(
-        message_count=TRANSCRIPTS.c.message_count + bindparam("count"),
-        message_tokens=TRANSCRIPTS.c.message_tokens + bindparam("tokens"),
-    )
-)
-
-
-def tokens_before(session: Session, transcript_id: str, cut_seq: int) -> int:
-    """Estimated tokens of the transcript's messages before ``cut_seq`` (a compaction's tokens_cut)."""
-    return int(
-        session.connection().execute(_TOKENS_BEFORE, {"id": transcript_id, "cut": cut_seq}).scalar_one()
-    )
-
-
-_TOKENS_BEFORE = select(func.coalesce(func.sum(TRANSCRIPT_MESSAGES.c.tokens), 0)).where(
-    TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq < bindparam("cut")
-)
 
 
 def append_messages(
@@ -384,7 +364,6 @@ def append_messages(
         current = _change_settings(session, transcript_id, changes)
     next_seq, unit = _stored_tool_unit(session, transcript_id)
     linked = link_tool_results(messages, unit)
-    tokens = [estimate_tokens(message) for message in linked]
     rows = [
         {
             "transcript_id": transcript_id,
@@ -394,16 +373,11 @@ def append_messages(
             "tool_calls": tool_calls_json(message.tool_calls),
             "tool_call_id": message.tool_call_id,
             "tool_name": message.tool_name,
-            "tokens": tokens[offset],
+            "tokens": estimate_tokens(message),
         }
         for offset, message in enumerate(linked)
     ]
-    connection = session.connection()
-    connection.execute(_INSERT_MESSAGES, rows)
-    connection.execute(
-        _ADD_TO_TOTALS,
-        {"transcript": transcript_id, "count": len(rows), "tokens": sum(tokens)},
-    )
+    session.connection().execute(_INSERT_MESSAGES, rows)  # (a trigger adds them to the running totals)
     trigger = check_trigger(session, transcript_id, current, retrigger_seconds)
     return AppendResult(transcript_id, next_seq, next_seq + len(rows) - 1, trigger)
 

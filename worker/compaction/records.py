@@ -24,7 +24,6 @@ from worker.compaction.queries import (
     applied_summary,
     get_transcript,
     request_compaction,
-    tokens_before,
     transcript_created_at,
 )
 from worker.compaction.waits import SUPERSEDED
@@ -110,15 +109,8 @@ def save_compaction(
                 "summary (of an older timeline) was not applied"
             )
     tokens_after = record.tokens_after if status != "failed" else None
-    columns = asdict(record) | {
-        "status": status,
-        "error": error,
-        "tokens_after": tokens_after,
-        # Only an accepted row is applied; the others' heads are never subtracted from the context.
-        "tokens_cut": tokens_before(session, record.transcript_id, record.cut_seq)
-        if status == "accepted"
-        else 0,
-    }
+    # (An accepted row's tokens_cut is measured by a trigger: migration 0047.)
+    columns = asdict(record) | {"status": status, "error": error, "tokens_after": tokens_after}
     saved = session.connection().execute(_INSERT_COMPACTION, columns | {"attempts": len(record.attempt_log)})
     if record.job_id is not None:
         # The run's verdict is recorded with it: a run that takes the job over (its worker lost before
