@@ -139,6 +139,30 @@ def test_a_value_older_than_two_ttl_is_not_served_while_it_is_refreshed() -> Non
     assert seen == ["a:2"] * 16 and len(loads.calls) == 2
 
 
+def test_readers_waiting_on_an_old_value_start_the_one_more_load_when_its_refresh_hangs() -> None:
+    """They waited for the refresh without a time limit: hung, it held them all for as long as it hung,
+    and the one more load a hung refresh gets began only if another reader came."""
+    import time
+
+    loads = Loads()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=0.2)  # the real clock: the wait is the readers' own
+    assert cache.get("a") == "a:1"
+    time.sleep(0.5)  # older than two ttl: not served while refreshed
+    loads.hold()
+    refresher, _ = in_threads(1, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    readers, seen = in_threads(4, lambda: cache.get("a"))
+    for _ in range(500):
+        if len(loads.calls) == 3:
+            break
+        time.sleep(0.01)
+    assert len(loads.calls) == 3 and seen == []  # one more load, begun by a reader already waiting
+    loads.release.set()
+    for thread in (*refresher, *readers):
+        thread.join(10)
+    assert len(seen) == 4 and "a:1" not in seen and len(loads.calls) == 3
+
+
 def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:
     loads = Loads()
     loads.hold()
