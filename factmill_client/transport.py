@@ -125,9 +125,10 @@ class Credentials:
                 "api_key holds whitespace, a control character or a non-ASCII character (read from a "
                 "file with its trailing newline?); the key itself is not shown"
             )
-        # An empty secret (an unset variable read as "") sent ingests unsigned, each a 401 "missing
-        # Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest.
-        if self.webhook_secret is not None:
+        # With no key, an empty secret (an unset variable read as "") sent ingests unsigned, each a 401
+        # "missing Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest.
+        # (With a key, "" signs nothing, as documented: the key's ingest scope authenticates.)
+        if self.webhook_secret is not None and (self.api_key is None or self.webhook_secret != ""):
             secrets_of(self.webhook_secret)
 
     def signing_time(self, first: int | None) -> int:

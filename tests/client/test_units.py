@@ -361,6 +361,8 @@ def test_a_webhook_secret_that_signs_nothing_is_refused_when_the_client_is_made(
         Client("http://127.0.0.1:9", webhook_secret=secret)  # type: ignore[arg-type]
     with Client("http://127.0.0.1:9", webhook_secret=" s3cret\n"):  # read from a file: taken, stripped
         pass
+    with Client("http://127.0.0.1:9", api_key="fm_key", webhook_secret=""):  # the key authenticates
+        pass
 
 
 @pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
