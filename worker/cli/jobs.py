@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from models import JOB_STATUSES, Job
+from models.reads import one_snapshot
 from worker.accounting.reports import job_spend
 from worker.cli.console import fail, fields, folding_table, id_argument, out, print_json
 from worker.cli.sessions import checked_factory
@@ -70,7 +71,7 @@ def jobs_list(
 @jobs_app.command("show")
 def jobs_show(job_id: Annotated[int, id_argument("The job id (`factmill jobs list` shows them).")]) -> None:
     """One job with its counters, last error, and LLM spend (tokens, cached tokens, USD)."""
-    with checked_factory()() as session:
+    with one_snapshot(checked_factory()) as session:  # the job and its spend agree
         job = session.get(Job, job_id)
         if job is None:
             raise fail(f"no job {job_id}")
