@@ -67,7 +67,8 @@ class FollowUpCollector(ScrapeTimeCollector[dict[str, tuple[float, int]]]):
         )
         oldest = GaugeMetricFamily(
             "factmill_facts_awaiting_oldest_seconds",
-            "Age of the oldest fact a follow-up has not reached yet, by step; 0 with none. The sweeps catch "
+            "Age (since it was stored) of the oldest fact a follow-up has not reached yet, by step; 0 with "
+            "none. The sweeps catch "
             "up what a follow-up left after minutes and give up after a day: `factmill embed`, "
             "`factmill facts consolidate`",
             labels=["step"],
