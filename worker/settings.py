@@ -130,6 +130,9 @@ class Settings(BaseSettings):
 
     # Extraction.
     extraction_max_facts: int = Field(default=10, ge=1, le=25)
+    # Body bytes of the pages a worker process holds parsed at once (about 4.5 times as much memory):
+    # the other pages wait their turn (worker.runtime.page_memory). 0: no limit.
+    extraction_page_bytes_held: int = Field(default=128 * 1024 * 1024, ge=0)
     # Workers read the config table (kill switches, tunables) through a cache refreshed this often: a
     # value is at most this old, or twice this while a refresh is running (the readers take the value
     # held meanwhile instead of each querying). At most an hour: past that a switch is as good as unread.

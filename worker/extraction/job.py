@@ -120,6 +120,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
         lease=ctx.lease,
         pipe=rt.llm_pipe,
         on_facts_committed=embed_in_background(rt) if embeds_new_facts(rt.settings) else None,
+        memory=rt.page_memory,
     )
     counters_dict = counters.as_dict()
     waiting = [p for p in counters.pages if p.outcome == "budget_exhausted"]

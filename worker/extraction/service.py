@@ -6,7 +6,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,6 +40,7 @@ from worker.extraction.store import ExtractionStore, PageRef
 from worker.jobs.shutdown import WorkerStoppingError, grace_left
 from worker.llm.pipe import Feed, LLMPipe, Outcome, WaitOverError
 from worker.llm.types import LLMClient
+from worker.runtime.page_memory import PageMemory
 
 # How long an interrupted page still waits for its calls in flight, to record what they cost.
 INTERRUPTED_WAIT_SECONDS = 30.0
@@ -331,18 +332,20 @@ def extract_conversation_facts(
     lease: Callable[[], None] | None = None,
     pipe: LLMPipe | None = None,
     on_facts_committed: FactsCommitted | None = None,
+    memory: PageMemory | None = None,
 ) -> ExtractionCounters:
     """The run over a store: see ``run_extract_conversation_facts``. ``lease`` (a job's) is checked
-    before each commit; ``guard`` before each call."""
+    before each commit; ``guard`` before each call, and while its page waits for ``memory`` (the
+    process's: a job's page is read only when it fits)."""
     run = ExtractionRun(
         store, options, config, budget, progress=progress, guard=guard, on_facts_committed=on_facts_committed
     )
     run.committer.lease = lease
-    return extract_pages(run, llm, pipe)
+    return extract_pages(run, llm, pipe, memory)
 
 
 def extract_pages(
-    run: ExtractionRun, llm: LLMClient | None, pipe: LLMPipe | None = None
+    run: ExtractionRun, llm: LLMClient | None, pipe: LLMPipe | None = None, memory: PageMemory | None = None
 ) -> ExtractionCounters:
     """Extract the run's pages one after another (a dry run only counts their pages and segments)."""
     validate_since(run.options.since_iso, run.options.force)
@@ -357,7 +360,8 @@ def extract_pages(
         online = OnlineExtraction(run, llm, chosen, window)
         for ref in run.list_pages():
             try:
-                _extract_page(run, online, ref)
+                with memory.holding(ref.size, run.guard) if memory is not None else nullcontext():
+                    _extract_page(run, online, ref)
             except CheckpointConflictError as exc:
                 # A run outside a job (the CLI) reports a page another run changed under it, its skipped
                 # segments' retry too, and goes on to the next (it raised out of the run: the pages after

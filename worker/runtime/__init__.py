@@ -18,6 +18,7 @@ from worker.llm.gateway import describe, open_llm_client
 from worker.llm.pipe import FollowUps, LLMPipe
 from worker.llm.types import LLMClient
 from worker.runtime import tracing
+from worker.runtime.page_memory import PageMemory
 from worker.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Runtime:
     _search_budget: Budget | None = None
     _search_llm: LLMClient | None = None
     _llm_pipe: LLMPipe | None = None
+    _page_memory: PageMemory | None = None
     _follow_ups: FollowUps | None = None
     _limits_settings: Settings | None = None
     _llm_stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -105,6 +107,15 @@ class Runtime:
                 if self._llm_pipe is None:
                     self._llm_pipe = LLMPipe(self.settings.llm_concurrency)
         return self._llm_pipe
+
+    @property
+    def page_memory(self) -> PageMemory:
+        """The page text this process's jobs hold parsed at once (FACTMILL_EXTRACTION_PAGE_BYTES_HELD)."""
+        if self._page_memory is None:
+            with self._lock:
+                if self._page_memory is None:
+                    self._page_memory = PageMemory(self.settings.extraction_page_bytes_held)
+        return self._page_memory
 
     @property
     def follow_ups(self) -> FollowUps:
