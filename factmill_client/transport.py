@@ -127,8 +127,9 @@ class Credentials:
             )
         # With no key, an empty secret (an unset variable read as "") sent ingests unsigned, each a 401
         # "missing Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest.
-        # (With a key, "" signs nothing, as documented: the key's ingest scope authenticates.)
-        if self.webhook_secret is not None and (self.api_key is None or self.webhook_secret != ""):
+        # (With a key, a blank secret signs nothing, as documented: the key's ingest scope authenticates.)
+        blank = isinstance(self.webhook_secret, str) and not self.webhook_secret.strip()
+        if self.webhook_secret is not None and not (self.api_key and blank):
             secrets_of(self.webhook_secret)
 
     def signing_time(self, first: int | None) -> int:

@@ -361,8 +361,13 @@ def test_a_webhook_secret_that_signs_nothing_is_refused_when_the_client_is_made(
         Client("http://127.0.0.1:9", webhook_secret=secret)  # type: ignore[arg-type]
     with Client("http://127.0.0.1:9", webhook_secret=" s3cret\n"):  # read from a file: taken, stripped
         pass
-    with Client("http://127.0.0.1:9", api_key="fm_key", webhook_secret=""):  # the key authenticates
-        pass
+    for blank in ("", "\n"):  # beside a key, a blank secret signs nothing: the key authenticates
+        with Client("http://127.0.0.1:9", api_key="fm_key", webhook_secret=blank):
+            pass
+    with pytest.raises(
+        ValueError, match="webhook secret"
+    ):  # an empty key is no key: nothing would authenticate
+        Client("http://127.0.0.1:9", api_key="", webhook_secret=secret)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("key", ["fm_secretkey\n", " fm_secretkey", "fm_secret key", "fm_sécret"])
