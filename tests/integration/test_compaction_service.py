@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -546,6 +546,22 @@ def test_a_long_transcript_id_is_summarized_through_openai_s_cache_key_limit(
     append(tx_factory, tid, session_messages(25), settings=SETTINGS)
     outcome = compact_transcript(tx_factory, llm_for(simulator), tid, threshold=lambda: FALLBACK)
     assert outcome.status == "accepted", outcome
+
+
+def test_an_append_updates_its_transcript_s_totals_once(tx_factory: sessionmaker[Session]) -> None:
+    """An executemany ran one INSERT a message, and the running totals' statement trigger updated the
+    transcript's row once each: a version of the row per message (pg_stat_xact_user_tables counts this
+    transaction's updates: tx_factory's connection holds one transaction)."""
+    updates = text("SELECT n_tup_upd FROM pg_stat_xact_user_tables WHERE relname = 'transcripts'")
+    append(tx_factory, "once", session_messages(1))
+    with tx_factory() as session:
+        before = session.scalar(updates)
+    append(tx_factory, "once", session_messages(20))
+    with tx_factory() as session:
+        after = session.scalar(updates)
+        stats = transcript_stats(session, "once")
+    assert after - before == 2  # the append's touch of the row, and the trigger's one update
+    assert stats.messages == message_count(tx_factory, "once") > 40
 
 
 def test_the_previous_summary_is_folded_into_the_next(

@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import Job, Transcript
+from models.bulk import BulkInsert
 from models.tables import COMPACTIONS, TRANSCRIPT_MESSAGES, TRANSCRIPTS
 from worker.compaction.waits import compaction_wait
 from worker.core.compaction import TranscriptMessage, estimate_tokens, should_compact
@@ -338,7 +339,12 @@ class AppendResult:
         return [(job.job_id, COMPACTION)] if job is not None and job.created else []
 
 
-_INSERT_MESSAGES = insert(TRANSCRIPT_MESSAGES)
+# One statement however many messages (models.bulk): an executemany ran one INSERT a message, and the
+# running totals' statement trigger (migration 0047) updated the transcript's row once each.
+_INSERT_MESSAGES = BulkInsert(
+    TRANSCRIPT_MESSAGES,
+    ("transcript_id", "seq", "role", "text", "tool_calls", "tool_call_id", "tool_name", "tokens"),
+)
 
 
 def append_messages(
@@ -377,7 +383,7 @@ def append_messages(
         }
         for offset, message in enumerate(linked)
     ]
-    session.connection().execute(_INSERT_MESSAGES, rows)  # (a trigger adds them to the running totals)
+    _INSERT_MESSAGES.execute(session, rows)  # (a trigger adds them to the running totals)
     trigger = check_trigger(session, transcript_id, current, retrigger_seconds)
     return AppendResult(transcript_id, next_seq, next_seq + len(rows) - 1, trigger)
 
