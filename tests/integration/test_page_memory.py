@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job
 from tests.integration.test_extraction import SAMPLE_BODY, SLUG, put_page
-from worker.config_store import ConfigReader
+from worker.config_store import EXTRACTION_ENABLED, ConfigReader, set_config
 from worker.jobs import shutdown
 from worker.jobs.lifecycle import JobOutcome, run_job
 from worker.jobs.outbox import EXTRACTION, page_subject, request_job
@@ -66,6 +66,22 @@ def test_a_job_s_page_waits_for_room_in_the_process_s_page_memory(
     thread.join(60)
     assert [o.status for o in outcomes] == ["succeeded"] and simulator.recent_requests()
     assert rt.page_memory.held == 0
+
+
+def test_a_job_waiting_for_page_memory_pauses_when_the_kill_switch_goes_off(
+    factory: sessionmaker[Session], database_url: str, simulator: Any
+) -> None:
+    rt = runtime(factory, database_url, simulator)
+    simulator.reset()
+    with rt.page_memory.holding(1):
+        job_id, thread, outcomes = start_job(rt, factory)
+        wait_for_a_waiter(rt)
+        with factory.begin() as session:
+            set_config(session, EXTRACTION_ENABLED, "false")
+        thread.join(60)
+    assert [o.status for o in outcomes] == ["paused"] and simulator.recent_requests() == []
+    with factory() as session:
+        assert session.scalar(select(Job.pause_reason).where(Job.id == job_id)) == "kill_switch"
 
 
 def test_a_job_waiting_for_page_memory_is_released_when_its_worker_stops(

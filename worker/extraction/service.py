@@ -84,6 +84,13 @@ class ExtractionRun:
     def check_switch(self) -> None:
         ensure_enabled(self.options, self.config)
 
+    def waiting_check(self) -> None:
+        """While a page waits its turn: the switch (turned off, the job pauses rather than wait, then
+        read its page to pause at its first call) and the job's guard (its lease, a stopping worker)."""
+        self.check_switch()
+        if self.guard is not None:
+            self.guard()
+
     def list_pages(self) -> list[PageRef]:
         """The run's pages, counted and reported to the progress listener."""
         pages = self.planner.pages()
@@ -360,7 +367,7 @@ def extract_pages(
         online = OnlineExtraction(run, llm, chosen, window)
         for ref in run.list_pages():
             try:
-                with memory.holding(ref.size, run.guard) if memory is not None else nullcontext():
+                with memory.holding(ref.size, run.waiting_check) if memory is not None else nullcontext():
                     _extract_page(run, online, ref)
             except CheckpointConflictError as exc:
                 # A run outside a job (the CLI) reports a page another run changed under it, its skipped
