@@ -163,6 +163,29 @@ def test_readers_waiting_on_an_old_value_start_the_one_more_load_when_its_refres
     assert len(seen) == 4 and "a:1" not in seen and len(loads.calls) == 3
 
 
+def test_readers_of_a_first_value_start_the_one_more_load_when_it_hangs() -> None:
+    """No value yet (a first read, or after invalidate): they waited for a hung first load for as long
+    as it hung, and no second load began."""
+    import time
+
+    loads = Loads()
+    loads.hold()
+    cache: TtlCache[str, str] = TtlCache(loads, ttl=0.2)
+    first, _ = in_threads(1, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    readers, seen = in_threads(4, lambda: cache.get("a"))
+    for _ in range(500):
+        if len(loads.calls) == 2:
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(loads.calls) == 2 and seen == []  # one more load, no herd
+    loads.release.set()
+    for thread in (*first, *readers):
+        thread.join(10)
+    assert len(seen) == 4 and len(loads.calls) == 2
+
+
 def test_threads_asking_for_a_first_value_wait_for_the_one_load() -> None:
     loads = Loads()
     loads.hold()

@@ -54,23 +54,22 @@ class TtlCache(Generic[K, V]):
                     return entry.value
                 if not self._loading.get(key):
                     break
-                wake_after = None
-                if entry is not None:
-                    now = self._clock()
-                    refreshing = now - min(self._load_began[key])
-                    if refreshing < self._ttl:
-                        # Another thread is refreshing it: served if under two ttl old. A value read
-                        # an hour before (a quiet key) was served as the truth while its refresh ran: a
-                        # kill switch turned off since let every job of a burst through.
-                        if now - entry.loaded_at < 2 * self._ttl:
-                            return entry.value
-                        wake_after = self._ttl - refreshing  # when that refresh counts as hung
-                    elif self._loading[key] < 2:
-                        # That refresh hangs (a pool exhausted, a query stuck): the value is not served
-                        # on its word for as long as it hangs (a kill switch turned off went unseen);
-                        # one more load runs here, and every other reader waits for one to end.
-                        break
-                self._loaded.wait(wake_after)
+                now = self._clock()
+                loading_for = now - min(self._load_began[key])
+                if loading_for < self._ttl:
+                    # Another thread is loading it: an old value is served if under two ttl old. A
+                    # value read an hour before (a quiet key) was served as the truth while its
+                    # refresh ran: a kill switch turned off since let every job of a burst through.
+                    if entry is not None and now - entry.loaded_at < 2 * self._ttl:
+                        return entry.value
+                    self._loaded.wait(self._ttl - loading_for)  # then that load counts as hung
+                    continue
+                if self._loading[key] < 2:
+                    # That load hangs (a pool exhausted, a query stuck): no value is served on its word
+                    # for as long as it hangs (a kill switch turned off went unseen), and no reader
+                    # waits on it; one more load runs here, and every other reader waits for one to end.
+                    break
+                self._loaded.wait()
             began = self._start(key)
         return self._run_load(key, began)
 
