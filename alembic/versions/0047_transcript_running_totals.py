@@ -10,6 +10,9 @@ agent turn, under the transcript's row lock. Messages are only ever added (and e
 transcript), so running totals kept as messages are inserted stay exact; an accepted compaction keeps
 the tokens of the messages its summary stands in for. Triggers keep both (every writer, the old release's
 too); existing rows are filled from their messages here (a constant default first: no table rewrite).
+The fill sums every stored message once while the new columns' and triggers' locks hold appends and
+compaction saves off: about a quarter of a second per million messages (the scan bench/transcript_append.py
+timed before this migration), so run it when a pause of that length is acceptable.
 """
 
 from __future__ import annotations
