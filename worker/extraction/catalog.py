@@ -96,7 +96,7 @@ def list_pages(
         )
         .outerjoin(last_job, true())
         .order_by(PAGES.c.source_id, PAGES.c.slug)
-        .limit(limit)
+        .limit(limit + 1)  # one past: a cursor only when there is more (a full last page led to an empty one)
     )
     if source_ids is not None:
         query = query.where(PAGES.c.source_id.in_(list(source_ids)))
@@ -106,9 +106,10 @@ def list_pages(
         source_id, slug = after
         position = tuple_(PAGES.c.source_id, PAGES.c.slug)
         query = query.where(position > tuple_(literal(source_id), literal(slug)))
-    pages = [PageSummary.model_validate(row._mapping) for row in session.execute(query)]
-    full = len(pages) == limit
-    return PageList(pages=pages, next_after=f"{pages[-1].source_id}|{pages[-1].slug}" if full else None)
+    rows = session.execute(query).all()
+    pages = [PageSummary.model_validate(row._mapping) for row in rows[:limit]]
+    more = len(rows) > limit
+    return PageList(pages=pages, next_after=f"{pages[-1].source_id}|{pages[-1].slug}" if more else None)
 
 
 __all__ = [
