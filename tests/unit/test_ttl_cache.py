@@ -43,6 +43,15 @@ def in_threads(count: int, work: Callable[[], str]) -> tuple[list[threading.Thre
     return threads, results
 
 
+def wait_for_calls(loads: Loads, count: int) -> None:
+    """Until ``count`` loads began (or 10 s passed), then a moment more: no further one begins."""
+    for _ in range(1000):
+        if len(loads.calls) >= count:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.1)
+
+
 def test_a_value_is_served_for_ttl_seconds_then_loaded_again() -> None:
     clock, loads = FakeClock(), Loads()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
@@ -108,11 +117,7 @@ def test_a_value_is_not_served_while_its_refresh_hangs_and_no_herd_loads_it() ->
     assert old == ["a:1"] * 16 and len(loads.calls) == 2  # served at once, no herd
     clock.now += 3  # the refresh has run past a ttl: hung
     waiting, fresh = in_threads(16, lambda: cache.get("a"))
-    for _ in range(1000):
-        if len(loads.calls) == 3:
-            break
-        threading.Event().wait(0.01)
-    threading.Event().wait(0.1)
+    wait_for_calls(loads, 3)
     assert len(loads.calls) == 3 and fresh == []  # one more load; the others wait for one
     loads.release.set()
     for thread in (*refresher, *waiting):
@@ -152,10 +157,7 @@ def test_readers_waiting_on_an_old_value_start_the_one_more_load_when_its_refres
     refresher, _ = in_threads(1, lambda: cache.get("a"))
     assert loads.started.wait(10)
     readers, seen = in_threads(4, lambda: cache.get("a"))
-    for _ in range(500):
-        if len(loads.calls) == 3:
-            break
-        time.sleep(0.01)
+    wait_for_calls(loads, 3)
     assert len(loads.calls) == 3 and seen == []  # one more load, begun by a reader already waiting
     loads.release.set()
     for thread in (*refresher, *readers):
@@ -166,7 +168,6 @@ def test_readers_waiting_on_an_old_value_start_the_one_more_load_when_its_refres
 def test_readers_of_a_first_value_start_the_one_more_load_when_it_hangs() -> None:
     """No value yet (a first read, or after invalidate): they waited for a hung first load for as long
     as it hung, and no second load began."""
-    import time
 
     loads = Loads()
     loads.hold()
@@ -174,11 +175,7 @@ def test_readers_of_a_first_value_start_the_one_more_load_when_it_hangs() -> Non
     first, _ = in_threads(1, lambda: cache.get("a"))
     assert loads.started.wait(10)
     readers, seen = in_threads(4, lambda: cache.get("a"))
-    for _ in range(500):
-        if len(loads.calls) == 2:
-            break
-        time.sleep(0.01)
-    time.sleep(0.1)
+    wait_for_calls(loads, 2)
     assert len(loads.calls) == 2 and seen == []  # one more load, no herd
     loads.release.set()
     for thread in (*first, *readers):
