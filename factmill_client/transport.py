@@ -129,7 +129,10 @@ class Credentials:
         # "missing Factmill-Signature header"; a blank one raised a bare ValueError on the first ingest.
         # (With a key, a blank secret signs nothing, as documented: the key's ingest scope authenticates.)
         blank = isinstance(self.webhook_secret, str) and not self.webhook_secret.strip()
-        if self.webhook_secret is not None and not (self.api_key and blank):
+        if self.api_key and blank:
+            # (Frozen.) Kept, "\n" was truthy: every signed call raised a bare ValueError as it was signed.
+            object.__setattr__(self, "webhook_secret", None)
+        elif self.webhook_secret is not None:
             secrets_of(self.webhook_secret)
 
     def signing_time(self, first: int | None) -> int:

@@ -361,9 +361,20 @@ def test_a_webhook_secret_that_signs_nothing_is_refused_when_the_client_is_made(
         Client("http://127.0.0.1:9", webhook_secret=secret)  # type: ignore[arg-type]
     with Client("http://127.0.0.1:9", webhook_secret=" s3cret\n"):  # read from a file: taken, stripped
         pass
-    for blank in ("", "\n"):  # beside a key, a blank secret signs nothing: the key authenticates
-        with Client("http://127.0.0.1:9", api_key="fm_key", webhook_secret=blank):
-            pass
+
+    def sent(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(404, json={"detail": "no such transcript"})  # the request is what is checked
+
+    for blank in ("", "\n", "  \t"):  # beside a key, a blank secret signs nothing: the key authenticates
+        seen: list[httpx.Request] = []
+        transport = httpx.MockTransport(sent)
+        client = Client("http://factmill.test", api_key="fm_key", webhook_secret=blank, transport=transport)
+        with client, pytest.raises(errors.NotFound):  # a signed call: sent (not a ValueError), unsigned
+            client.append_messages("t", [{"role": "user", "text": "hi"}])
+        [request] = seen
+        assert request.headers["Authorization"] == "Bearer fm_key"
+        assert signing.SIGNATURE_HEADER not in request.headers
     with pytest.raises(
         ValueError, match="webhook secret"
     ):  # an empty key is no key: nothing would authenticate
