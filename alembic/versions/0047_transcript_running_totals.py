@@ -10,9 +10,11 @@ agent turn, under the transcript's row lock. Messages are only ever added (and e
 transcript), so running totals kept as messages are inserted stay exact; an accepted compaction keeps
 the tokens of the messages its summary stands in for. Triggers keep both (every writer, the old release's
 too); existing rows are filled from their messages here (a constant default first: no table rewrite).
-The fill sums every stored message once while the new columns' and triggers' locks hold appends and
-compaction saves off: about a quarter of a second per million messages (the scan bench/transcript_append.py
-timed before this migration), so run it when a pause of that length is acceptable.
+The fill reads every stored message twice (the totals, then one ordered pass over the compacted
+transcripts' messages for the cuts) while the new columns' locks hold every read and write of
+transcripts and compactions off, and the trigger's holds appends off: about a quarter of a second per
+million messages a pass (the scan bench/transcript_append.py timed before this migration), so run it
+when a pause of that length is acceptable.
 """
 
 from __future__ import annotations
@@ -81,9 +83,20 @@ def upgrade() -> None:
         "FROM (SELECT transcript_id, count(*) AS n, sum(tokens) AS tokens FROM transcript_messages "
         "GROUP BY transcript_id) m WHERE m.transcript_id = t.id"
     )
+    # One ordered pass over the messages of compacted transcripts (a sum of each head per compaction grew
+    # with their lengths times their number); a cut past the last message stands for all of them.
     op.execute(
-        "UPDATE compactions c SET tokens_cut = COALESCE((SELECT sum(m.tokens) FROM transcript_messages m "
-        "WHERE m.transcript_id = c.transcript_id AND m.seq < c.cut_seq), 0) WHERE c.status = 'accepted'"
+        "WITH running AS (SELECT transcript_id, seq, "
+        "sum(tokens) OVER (PARTITION BY transcript_id ORDER BY seq) - tokens AS before "
+        "FROM transcript_messages WHERE transcript_id IN "
+        "(SELECT transcript_id FROM compactions WHERE status = 'accepted')) "
+        "UPDATE compactions c SET tokens_cut = r.before FROM running r "
+        "WHERE c.status = 'accepted' AND r.transcript_id = c.transcript_id AND r.seq = c.cut_seq"
+    )
+    op.execute(
+        "UPDATE compactions c SET tokens_cut = t.message_tokens FROM transcripts t "
+        "WHERE c.status = 'accepted' AND t.id = c.transcript_id AND NOT EXISTS "
+        "(SELECT 1 FROM transcript_messages m WHERE m.transcript_id = c.transcript_id AND m.seq = c.cut_seq)"
     )
 
 

@@ -405,7 +405,8 @@ def test_0047_fills_the_running_totals_of_the_transcripts_already_there(server_u
             conn.execute(
                 text(
                     "INSERT INTO compactions (transcript_id, status, cut_seq, summary, tokens_before, "
-                    "tokens_after) VALUES ('t', 'accepted', 4, 's', 145, 90)"
+                    "tokens_after) VALUES ('t', 'accepted', 4, 's', 145, 90), "
+                    "('t', 'rejected', 6, 's', 1, 1), ('t', 'accepted', 10, 's', 145, 90)"
                 )
             )
         db.upgrade(url)
@@ -413,7 +414,12 @@ def test_0047_fills_the_running_totals_of_the_transcripts_already_there(server_u
         cuts = text("SELECT status, tokens_cut FROM compactions ORDER BY id")
         with engine.connect() as conn:
             assert conn.execute(totals).all() == [("empty", 0, 0), ("t", 10, 145)]
-            assert conn.execute(cuts).all() == [("accepted", 10 + 11 + 12 + 13)]
+            # (a cut past the last message stands for all of them; a rejected row is never applied)
+            assert conn.execute(cuts).all() == [
+                ("accepted", 10 + 11 + 12 + 13),
+                ("rejected", 0),
+                ("accepted", 145),
+            ]
         # Kept by triggers: a writer that knows nothing of the columns (the release before, still
         # serving during a rolling upgrade) keeps them too.
         with engine.begin() as conn:
@@ -432,7 +438,13 @@ def test_0047_fills_the_running_totals_of_the_transcripts_already_there(server_u
             )
         with engine.connect() as conn:
             assert conn.execute(totals).all() == [("empty", 1, 7), ("t", 12, 246)]
-            assert conn.execute(cuts).all() == [("accepted", 46), ("accepted", 245), ("rejected", 0)]
+            assert conn.execute(cuts).all() == [
+                ("accepted", 46),
+                ("rejected", 0),
+                ("accepted", 145),
+                ("accepted", 245),
+                ("rejected", 0),
+            ]
         engine.dispose()
 
 
