@@ -25,8 +25,9 @@ class TtlCache(Generic[K, V]):
     the first thread to ask loads it; the others take the value it had meanwhile while that is under two
     ``ttl`` old (or else wait for that load) instead of each running the same query on a connection of
     its own: a value served is never older than two ``ttl``.
-    A refresh that has run for longer than ``ttl`` is taken for hung: one more load starts, and the
-    readers wait for one to end rather than be told the old value for as long as it hangs.
+    A load (a refresh, or a first one) that has run for longer than ``ttl`` is taken for hung: one more
+    load starts, and the readers wait for one to end rather than be told the old value, or wait on it,
+    for as long as it hangs.
     ``ttl`` 0 keeps nothing: every ``get`` loads. A load that raises raises in the thread that ran
     it; threads waiting for a first value then try again themselves.
     """

@@ -85,8 +85,8 @@ class ExtractionRun:
         ensure_enabled(self.options, self.config)
 
     def waiting_check(self) -> None:
-        """While a page waits its turn: the switch (turned off, the job pauses rather than wait, then
-        read its page to pause at its first call) and the job's guard (its lease, a stopping worker)."""
+        """While a page waits its turn: the kill switch (turned off, the job pauses now; it waited, then
+        read its page only to pause at its first call) and the job's guard (its lease, a stopping worker)."""
         self.check_switch()
         if self.guard is not None:
             self.guard()

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-# A waiting page checks its job (lost lease, stopping worker) this often.
+# A waiting page checks its job (the kill switch, a lost lease, a stopping worker) this often.
 CHECK_EVERY_SECONDS = 1.0
 
 
