@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -53,9 +54,18 @@ def test_every_deployed_command_is_a_real_factmill_command(command):
     if command[0] == "worker":
         queues = command[command.index("--queues") + 1].split(",")
         assert set(queues) <= set(QUEUES)
-        help_text = result.output
-        for flag in command[1::2]:
-            assert flag in help_text, f"{flag} is not an option of `factmill worker`"
+    # Every command's flags, not the worker's alone: a renamed `serve` or `db upgrade` option passed here.
+    name = " ".join(command[: 2 if command[0] == "db" else 1])
+    for flag in (token.split("=", 1)[0] for token in command if token.startswith("--")):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.output), (
+            f"{flag} is not an option of `factmill {name}`"
+        )
+
+
+def test_the_flag_check_sees_an_option_a_command_does_not_have():
+    for command in (["serve", "--bogus", "1"], ["db", "upgrade", "--waiting"], ["flower", "--hosts", "x"]):
+        with pytest.raises(AssertionError, match="is not an option of"):
+            test_every_deployed_command_is_a_real_factmill_command(command)
 
 
 def _k8s_docs() -> list[dict]:
