@@ -48,7 +48,8 @@ def test_a_page_waits_while_those_held_fill_the_budget_and_goes_in_order() -> No
     assert memory.held == 0 and memory.waiting == 0
 
 
-def test_a_page_larger_than_the_budget_waits_for_all_of_it() -> None:
+def test_a_page_larger_than_the_budget_waits_for_all_of_it(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="worker.runtime.page_memory")
     memory, order, release = PageMemory(100), [], threading.Event()
     with memory.holding(1):
         huge = hold_in_thread(memory, 25 * 1024 * 1024, order, release)
@@ -59,6 +60,10 @@ def test_a_page_larger_than_the_budget_waits_for_all_of_it() -> None:
     release.set()
     huge.join(10)
     assert memory.held == 0
+    # A waiting job looks like any running one: the log says why it waits, and for how long it did.
+    waits = [r.getMessage() for r in caplog.records]
+    assert len(waits) == 2 and "waits for page memory" in waits[0] and "0 page(s) ahead" in waits[0]
+    assert waits[1].startswith("a page waited")
 
 
 def test_a_wait_its_check_ends_gives_its_turn_to_the_next() -> None:

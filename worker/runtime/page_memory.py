@@ -3,11 +3,16 @@ while the pages already held fill the process's memory."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
 # A waiting page checks its job (the kill switch, a lost lease, a stopping worker) this often.
 CHECK_EVERY_SECONDS = 1.0
 
@@ -57,7 +62,7 @@ class PageMemory:
                 self._changed.notify_all()
 
     def _wait_for(self, need: int, check: Callable[[], None] | None) -> None:
-        turn = object()
+        turn, began, said = object(), time.monotonic(), False
         with self._changed:
             self._turns.append(turn)
         try:
@@ -67,7 +72,19 @@ class PageMemory:
                         self._turns.popleft()
                         self._held += need
                         self._changed.notify_all()  # the next in line may fit too
+                        if said:
+                            logger.info("a page waited %.1f s for page memory", time.monotonic() - began)
                         return
+                    if not said:  # (a waiting job looks like any running one: the log says why it waits)
+                        logger.info(
+                            "a page of %.1f MiB waits for page memory: %.1f of %.1f MiB held, %s page(s) "
+                            "ahead of it (FACTMILL_EXTRACTION_PAGE_BYTES_HELD)",
+                            need / MIB,
+                            self._held / MIB,
+                            self.capacity / MIB,
+                            len(self._turns) - 1,
+                        )
+                        said = True
                     self._changed.wait(CHECK_EVERY_SECONDS)
                 if check is not None:
                     check()  # (outside the lock: it may read the database)
