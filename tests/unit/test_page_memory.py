@@ -51,19 +51,23 @@ def test_a_page_waits_while_those_held_fill_the_budget_and_goes_in_order() -> No
 def test_a_page_larger_than_the_budget_waits_for_all_of_it(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="worker.runtime.page_memory")
     memory, order, release = PageMemory(100), [], threading.Event()
+    waits = lambda: [r.getMessage() for r in caplog.records]  # noqa: E731
     with memory.holding(1):
-        huge = hold_in_thread(memory, 25 * 1024 * 1024, order, release)
-        wait_until(lambda: memory.waiting == 1)
+        with memory.holding(1):
+            huge = hold_in_thread(memory, 25 * 1024 * 1024, order, release)
+            wait_until(lambda: memory.waiting == 1)
+            assert order == [] and waits() == []  # not said on a first look: it may be let in at once
+        # Woken (2 bytes became 1), it looks again and still waits: now the log says why (a waiting job
+        # looks like any running one).
+        wait_until(lambda: len(waits()) == 1)
+        assert "waits for page memory" in waits()[0] and "0 page(s) ahead" in waits()[0]
         assert order == []
     wait_until(lambda: order == [25 * 1024 * 1024])
     assert memory.held == 100  # the whole budget, not more
     release.set()
     huge.join(10)
     assert memory.held == 0
-    # A waiting job looks like any running one: the log says why it waits, and for how long it did.
-    waits = [r.getMessage() for r in caplog.records]
-    assert len(waits) == 2 and "waits for page memory" in waits[0] and "0 page(s) ahead" in waits[0]
-    assert waits[1].startswith("a page waited")
+    assert len(waits()) == 2 and waits()[1].startswith("a page waited")
 
 
 def test_a_wait_its_check_ends_gives_its_turn_to_the_next() -> None:

@@ -62,30 +62,32 @@ class PageMemory:
                 self._changed.notify_all()
 
     def _wait_for(self, need: int, check: Callable[[], None] | None) -> None:
-        turn, began, said = object(), time.monotonic(), False
+        turn, began, waits, said = object(), time.monotonic(), 0, False
         with self._changed:
             self._turns.append(turn)
         try:
             while True:
+                state = None
                 with self._changed:
                     if self._turns[0] is turn and self._held + need <= self.capacity:
                         self._turns.popleft()
                         self._held += need
                         self._changed.notify_all()  # the next in line may fit too
-                        if said:
-                            logger.info("a page waited %.1f s for page memory", time.monotonic() - began)
-                        return
-                    if not said:  # (a waiting job looks like any running one: the log says why it waits)
-                        logger.info(
-                            "a page of %.1f MiB waits for page memory: %.1f of %.1f MiB held, %s page(s) "
-                            "ahead of it (FACTMILL_EXTRACTION_PAGE_BYTES_HELD)",
-                            need / MIB,
-                            self._held / MIB,
-                            self.capacity / MIB,
-                            len(self._turns) - 1,
-                        )
-                        said = True
+                        break
+                    # Said once it has truly waited (a burst's pages pass each other's first looks).
+                    if waits and not said:
+                        state, said = (self._held, self._turns.index(turn)), True
                     self._changed.wait(CHECK_EVERY_SECONDS)
+                    waits += 1
+                if state is not None:  # (a waiting job looks like any running one: the log says why)
+                    logger.info(
+                        "a page of %.1f MiB waits for page memory: %.1f of %.1f MiB held, %s page(s) "
+                        "ahead of it (FACTMILL_EXTRACTION_PAGE_BYTES_HELD)",
+                        need / MIB,
+                        state[0] / MIB,
+                        self.capacity / MIB,
+                        state[1],
+                    )
                 if check is not None:
                     check()  # (outside the lock: it may read the database)
         except BaseException:
@@ -94,6 +96,8 @@ class PageMemory:
                     self._turns.remove(turn)
                 self._changed.notify_all()
             raise
+        if said:
+            logger.info("a page waited %.1f s for page memory", time.monotonic() - began)
 
 
 __all__ = ["CHECK_EVERY_SECONDS", "PageMemory"]
