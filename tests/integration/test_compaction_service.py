@@ -2286,6 +2286,19 @@ def test_a_forced_run_taken_over_after_its_verdict_is_recorded_does_not_summariz
     assert len(compactions(tx_factory, "forced")) == 1 and len(llm_calls(tx_factory)) == paid
 
 
+def an_accepted_first_part(
+    database_url: str, tx_factory: sessionmaker[Session], transcript_id: str
+) -> tuple[int, Runtime]:
+    """A transcript whose head is over the summarizer's input (1,000 tokens), and its first part's
+    compaction run, accepted: (the job, which asks for the rest, and the runtime that ran it)."""
+    request = append(tx_factory, transcript_id, session_messages(60), settings=SETTINGS)
+    assert request.trigger.job is not None
+    activate_threshold(tx_factory, 0.0)
+    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
+    assert run_job(rt, request.trigger.job.job_id, jobs.COMPACTION).status == "succeeded"
+    return request.trigger.job.job_id, rt
+
+
 def test_a_part_whose_next_run_found_the_turn_in_flight_holds_no_append_back(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
@@ -2293,12 +2306,7 @@ def test_a_part_whose_next_run_found_the_turn_in_flight_holds_no_append_back(
     usual moment in an agent loop) and ended with nothing to compact, writing no row. The accepted
     part, leaving the context over its threshold, then read as a summary that cannot fit: every append
     for the retrigger wait asked for no job, told to lower keep_recent_tokens."""
-    request = append(tx_factory, "turn", session_messages(60), settings=SETTINGS)
-    assert request.trigger.job is not None
-    job_id = request.trigger.job.job_id
-    activate_threshold(tx_factory, 0.0)
-    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
-    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    job_id, rt = an_accepted_first_part(database_url, tx_factory, "turn")
     [part] = compactions(tx_factory, "turn")
     assert (part.status, part.head_capped) == ("accepted", True)
     append(tx_factory, "turn", rounds(60, 1)[:2])  # a tool call and its result: the turn goes on
@@ -2316,12 +2324,7 @@ def test_an_append_while_the_rest_of_a_head_waits_names_that_job_not_a_setting_t
     An append meanwhile read the part (accepted, the context still over) as a summary that could not
     fit: no job named, and the advice to lower keep_recent_tokens, though the cause was the input cap
     and the next part was already on its way."""
-    request = append(tx_factory, "capped", session_messages(60), settings=SETTINGS)
-    assert request.trigger.job is not None
-    job_id = request.trigger.job.job_id
-    activate_threshold(tx_factory, 0.0)
-    rt = runtime(database_url, tx_factory, ScriptedLLM(f"## Goal\n{GOAL}"), compaction_max_input_tokens=1000)
-    assert run_job(rt, job_id, jobs.COMPACTION).status == "succeeded"
+    job_id, _ = an_accepted_first_part(database_url, tx_factory, "capped")
     [row] = compactions(tx_factory, "capped")
     assert row.status == "accepted" and row.tokens_after is not None and row.tokens_after > 4000
     later = append(tx_factory, "capped", [{"role": "user", "text": "Any news?"}], retrigger_seconds=300)

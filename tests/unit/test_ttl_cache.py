@@ -43,6 +43,14 @@ def in_threads(count: int, work: Callable[[], str]) -> tuple[list[threading.Thre
     return threads, results
 
 
+def refresh_held(cache: TtlCache[str, str], loads: Loads) -> list[threading.Thread]:
+    """A thread whose load of "a" is held (until ``loads.release``) once it has begun."""
+    loads.hold()
+    thread, _ = in_threads(1, lambda: cache.get("a"))
+    assert loads.started.wait(10)
+    return thread
+
+
 def wait_for_calls(loads: Loads, count: int) -> None:
     """Until ``count`` loads began (or 10 s passed), then a moment more: no further one begins."""
     for _ in range(1000):
@@ -108,9 +116,7 @@ def test_a_value_is_not_served_while_its_refresh_hangs_and_no_herd_loads_it() ->
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
     clock.now += 3  # the value is stale, but under two ttl, and its refresh has only just begun
-    loads.hold()
-    refresher, _ = in_threads(1, lambda: cache.get("a"))
-    assert loads.started.wait(10)
+    refresher = refresh_held(cache, loads)
     readers, old = in_threads(16, lambda: cache.get("a"))
     for thread in readers:
         thread.join(10)
@@ -132,9 +138,7 @@ def test_a_value_older_than_two_ttl_is_not_served_while_it_is_refreshed() -> Non
     cache: TtlCache[str, str] = TtlCache(loads, ttl=2.0, clock=clock)
     assert cache.get("a") == "a:1"
     clock.now += 3600
-    loads.hold()
-    refresher, _ = in_threads(1, lambda: cache.get("a"))
-    assert loads.started.wait(10)
+    refresher = refresh_held(cache, loads)
     readers, seen = in_threads(16, lambda: cache.get("a"))
     threading.Event().wait(0.1)
     assert seen == [] and len(loads.calls) == 2  # waiting for the refresh, not loading a herd
@@ -153,9 +157,7 @@ def test_readers_waiting_on_an_old_value_start_the_one_more_load_when_its_refres
     cache: TtlCache[str, str] = TtlCache(loads, ttl=0.2)  # the real clock: the wait is the readers' own
     assert cache.get("a") == "a:1"
     time.sleep(0.5)  # older than two ttl: not served while refreshed
-    loads.hold()
-    refresher, _ = in_threads(1, lambda: cache.get("a"))
-    assert loads.started.wait(10)
+    refresher = refresh_held(cache, loads)
     readers, seen = in_threads(4, lambda: cache.get("a"))
     wait_for_calls(loads, 3)
     assert len(loads.calls) == 3 and seen == []  # one more load, begun by a reader already waiting
@@ -170,10 +172,8 @@ def test_readers_of_a_first_value_start_the_one_more_load_when_it_hangs() -> Non
     as it hung, and no second load began."""
 
     loads = Loads()
-    loads.hold()
     cache: TtlCache[str, str] = TtlCache(loads, ttl=0.2)
-    first, _ = in_threads(1, lambda: cache.get("a"))
-    assert loads.started.wait(10)
+    first = refresh_held(cache, loads)  # the first load, held
     readers, seen = in_threads(4, lambda: cache.get("a"))
     wait_for_calls(loads, 2)
     assert len(loads.calls) == 2 and seen == []  # one more load, no herd
