@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -17,10 +16,10 @@ import psycopg
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 import models
+from tests.locks import truncate_all
 from tests.service import SessionBroker, fresh_database, session_broker
 from worker import db
 from worker.config_store import ConfigReader
@@ -149,21 +148,6 @@ ANY_ROW = text(
 )
 
 
-def _truncate(url: str) -> None:
-    """Empty every table. A worker process the test started may still be writing (an embedding
-    follow-up after its job ended): its row locks and the TRUNCATE's table locks can deadlock, and
-    Postgres then ends one of the two, here the TRUNCATE (a setup error in a full run): tried again."""
-    for attempt in range(5):
-        try:
-            with db.get_engine(url).begin() as conn:
-                conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
-            return
-        except OperationalError as exc:
-            if attempt == 4 or not isinstance(exc.orig, psycopg.errors.DeadlockDetected):
-                raise
-            time.sleep(0.2)
-
-
 def has_vector_store(url: str) -> bool:
     with db.get_engine(url).connect() as conn:
         return bool(conn.execute(text("SELECT to_regclass('search.fact_embeddings') IS NOT NULL")).scalar())
@@ -244,7 +228,7 @@ def factory(database_url: str) -> Iterator[sessionmaker[Session]]:
     a URL (the CLI), use the factory from several threads at once (segment_concurrency > 1, racing
     writers), need a second connection to see a commit (row locks, advisory locks, "committed before
     the hand-off" checks), or assert sequence values."""
-    _truncate(database_url)
+    truncate_all(database_url, TABLES)
     yield sessionmaker(db.get_engine(database_url), expire_on_commit=False)
 
 
@@ -279,7 +263,7 @@ def rolled_back(url: str) -> Iterator[sessionmaker[Session]]:
     with engine.connect() as conn:
         leftovers = conn.scalar(select(ANY_ROW))
     if leftovers:  # an earlier truncating test (or its worker process) committed rows
-        _truncate(url)
+        truncate_all(url, TABLES)
     connection = engine.connect()
     outer = connection.begin()
     try:

@@ -210,8 +210,24 @@ def create_pooled_engine(
         connect_args=connect_args(url, settings.db_connect_timeout_seconds),
     )
     _ping_idle_connections(engine, ping_after_idle)
+    _name_connections(engine)
     _ENGINES.add(engine)
     return engine
+
+
+def _name_connections(engine: Engine) -> None:
+    """Each connection tells the server which process opened it (``application_name`` ``factmill/<pid>``,
+    read at connect time, so a forked child names itself): pg_stat_activity then says which API,
+    worker or CLI process holds a transaction or a lock. A name the URL gives is the URL's."""
+    if engine.dialect.name != "postgresql" or "application_name" in engine.url.query:
+        return
+
+    @event.listens_for(engine, "do_connect")
+    def named(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        cparams.setdefault("application_name", f"{APPLICATION_NAME_PREFIX}{os.getpid()}")
+
+
+APPLICATION_NAME_PREFIX = "factmill/"
 
 
 # Every engine this process made, so a forked child (Celery's prefork pool) can drop the connections it
