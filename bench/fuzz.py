@@ -23,7 +23,12 @@ from sqlalchemy.orm import sessionmaker
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.integration.test_fuzz_api import fuzz_operation, make_fuzzed_app, operations  # noqa: E402
+from tests.integration.test_fuzz_api import (  # noqa: E402
+    credentials,
+    fuzz_operation,
+    make_fuzzed_app,
+    operations,
+)
 from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 
@@ -46,16 +51,15 @@ def main() -> int:
         raised = 0  # operations that raised: a failed check, or an error outside any request
         print(f"{'operation':55} {'mode':13} {'cases':>6} {'5xx':>4}  first failure")
         for operation in operations(app):
-            for authenticated in (True, False):
+            for mode, caller in (("authenticated", credentials), ("anonymous", None)):
                 tally: Counter[str] = Counter()
                 try:
-                    fuzz_operation(operation, authenticated, document, config, tally)
+                    fuzz_operation(operation, caller, document, config, tally)
                     failure = "-"
                 except (Exception, BaseExceptionGroup) as exc:  # schemathesis raises a FailureGroup
                     failure = str(exc).splitlines()[0][:200]
                     raised += 1
                 total.update(tally)
-                mode = "authenticated" if authenticated else "anonymous"
                 print(f"{operation.label:55} {mode:13} {tally['cases']:6} {tally['5xx']:4}  {failure}")
         print(f"total: {total['cases']} cases, {total['5xx']} 5xx, {total['failures']} failed checks")
     return 1 if total["5xx"] or total["failures"] or raised else 0

@@ -1,5 +1,6 @@
-"""Schemathesis against the real API and Postgres (the ASGI app in-process): every operation, with and
-without credentials, gives no 5xx and answers what the OpenAPI document says (status codes, schemas)."""
+"""Schemathesis against the real API and Postgres (the ASGI app in-process): every operation, with the
+admin's credentials, a key limited to another source and none, gives no 5xx and answers what the OpenAPI
+document says (status codes, schemas); the limited key reads and changes nothing outside its source."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 from schemathesis import GenerationMode, checks
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Job, Page
+from tests.auth import bearer, new_key
 from tests.integration.test_api import ADMIN, SECRET, Recorder, fact_row, make_runtime
 from worker.api.app import create_app
 from worker.api.deps import IDEMPOTENCY_HEADER
@@ -170,7 +173,11 @@ def _parameter_ok(case: Any, *, where: str, name: str, valid: Callable[[Any], bo
     return not isinstance(value, str) or valid(value)
 
 
-def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool], counts: Counter[str]) -> Any:
+# Who sends a case: its credential headers from (method, path, body, Idempotency-Key); None: no one's.
+Caller = Callable[[str, str, bytes, str | None], dict[str, str]]
+
+
+def call(case: Any, caller: Caller | None, conforms: Callable[[Any], bool], counts: Counter[str]) -> Any:
     """Send one case, count a 5xx answer in ``counts``, then run the checks (which raise on a failure)."""
     positive = case.meta is not None and case.meta.generation.mode == GenerationMode.POSITIVE
     excluded = UNSTATABLE.get((case.method.upper(), case.operation.path), [])
@@ -188,7 +195,7 @@ def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool], counts
             case.body["idempotency_key"] = key
     body = body_bytes(case)
     sent_key = (case.headers or {}).get(IDEMPOTENCY_HEADER)
-    headers = credentials(case.method, case.formatted_path, body or b"", sent_key) if authenticated else {}
+    headers = caller(case.method, case.formatted_path, body or b"", sent_key) if caller else {}
     sent: dict[str, Any] = {}
     if body is not None:
         headers["Content-Type"] = "application/json"
@@ -203,13 +210,15 @@ def call(case: Any, authenticated: bool, conforms: Callable[[Any], bool], counts
 
 def fuzz_operation(
     operation: Any,
-    authenticated: bool,
+    caller: Caller | None,
     document: dict[str, Any],
     config: settings = FUZZ_SETTINGS,
     tally: Counter[str] | None = None,
+    answered: Callable[[Any, Any], None] | None = None,
 ) -> None:
     """Run ``config.max_examples`` generated cases against one operation; raises on the first failure.
-    ``tally`` (bench/fuzz.py) counts the cases sent, the 5xx answers and the failed checks."""
+    ``tally`` (bench/fuzz.py) counts the cases sent, the 5xx answers and the failed checks; ``answered``
+    sees each case and its response after the checks."""
     conforms = conformance(document, operation)
     counts: Counter[str] = Counter() if tally is None else tally
 
@@ -217,7 +226,9 @@ def fuzz_operation(
     @config
     def run(case: Any) -> None:
         try:
-            call(case, authenticated, conforms, counts)
+            response = call(case, caller, conforms, counts)
+            if answered is not None:
+                answered(case, response)
         except UnsatisfiedAssumption:  # dropped before sending (see ``conformance``)
             raise
         except (Exception, BaseExceptionGroup):  # validate_response raises a FailureGroup
@@ -247,6 +258,7 @@ SHARDS = 4
 def test_every_operation_conforms_and_never_answers_5xx(
     database_url: str, broker_url: str, factory: sessionmaker[Session], authenticated: bool, shard: int
 ) -> None:
+    caller = credentials if authenticated else None
     # A real broker, so /readyz answers 200 (its 503 is a server error by design when Redis is down).
     app = make_fuzzed_app(database_url, broker_url, factory)
     every = operations(app)
@@ -255,10 +267,70 @@ def test_every_operation_conforms_and_never_answers_5xx(
     for operation in every[shard::SHARDS]:
         # Every operation's first failure collected, then all reported (a FailureGroup is no Exception).
         try:
-            fuzz_operation(operation, authenticated, app.openapi())
+            fuzz_operation(operation, caller, app.openapi())
         except (Exception, BaseExceptionGroup) as exc:
             failures.append(f"{operation.label}: {str(exc)[:3000]}")
     assert not failures, "\n\n".join(failures)
+
+
+# A key for reading and ingesting one source, "work", fuzzed against the "default" source's seeded rows.
+LIMITED_SOURCE = "work"
+SEEDED_MARKS = ("fuzz-", "Alice example said")  # in every seeded page's slug, every seeded fact's text
+
+
+def outside_the_source(factory: sessionmaker[Session]) -> dict[str, Any]:
+    """What a key limited to LIMITED_SOURCE may neither change nor add to: every other source's pages,
+    facts and jobs, and the data no source partitions (transcripts, feedback, config, keys, backfills)."""
+    counted = {
+        "pages": "SELECT count(*), string_agg(slug || content_hash, ',' ORDER BY slug) FROM pages"
+        " WHERE source_id <> :source",
+        "facts": "SELECT count(*), string_agg(fact, ',' ORDER BY id) FROM facts WHERE source_id <> :source",
+        "jobs": "SELECT count(*), string_agg(status || subject, ',' ORDER BY id) FROM jobs"
+        " WHERE subject NOT LIKE :source || '|%'",
+        **{table: f"SELECT count(*), max(1) FROM {table}" for table in UNPARTITIONED},
+    }
+    with factory() as session:
+        return {
+            name: tuple(session.execute(text(sql), {"source": LIMITED_SOURCE}).one())
+            for name, sql in counted.items()
+        }
+
+
+UNPARTITIONED = (
+    "transcripts",
+    "transcript_messages",
+    "calibration_observations",
+    "config",
+    "api_keys",
+    "backfills",
+)
+
+
+@pytest.mark.parametrize("shard", range(SHARDS), ids=lambda shard: f"{shard + 1}of{SHARDS}")
+def test_a_key_limited_to_one_source_reads_and_changes_nothing_outside_it(
+    database_url: str, broker_url: str, factory: sessionmaker[Session], shard: int
+) -> None:
+    app = make_fuzzed_app(database_url, broker_url, factory)
+    key = new_key(factory, ["read", "ingest"], [LIMITED_SOURCE])
+    before = outside_the_source(factory)
+    leaked: list[str] = []
+
+    def seen(case: Any, response: Any) -> None:
+        if response.status_code < 300 and any(mark in response.text for mark in SEEDED_MARKS):
+            leaked.append(f"{case.method} {case.formatted_path} {case.query}: {response.text[:300]}")
+
+    failures: list[str] = []
+    for operation in operations(app)[shard::SHARDS]:
+        try:
+            fuzz_operation(operation, lambda *_: bearer(key), app.openapi(), LIMITED_SETTINGS, answered=seen)
+        except (Exception, BaseExceptionGroup) as exc:
+            failures.append(f"{operation.label}: {str(exc)[:3000]}")
+    assert not failures, "\n\n".join(failures)
+    assert not leaked, "\n".join(leaked)
+    assert outside_the_source(factory) == before
+
+
+LIMITED_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(1, EXAMPLES_PER_OPERATION // 2))
 
 
 # The seeded rows' own addresses: generated path parameters essentially never name them, so the reads
