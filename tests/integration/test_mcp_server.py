@@ -13,7 +13,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.integration.test_api import make_runtime
+from tests.integration.test_api import ADMIN, make_runtime
 from worker.mcp.server import http_app, http_server, stdio_server
 
 pytestmark = pytest.mark.integration
@@ -43,6 +43,21 @@ def test_stdio_a_database_outage_at_the_key_check_is_a_plain_tool_error(
     assert str(refused.value) == "the database is unavailable; try again shortly"
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "OperationalError" in logged and "127.0.0.1" not in logged and "Traceback" not in caplog.text
+
+
+def test_an_outage_a_tool_meets_after_the_key_check_is_the_same_plain_tool_error(
+    database_url: str, gone: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The admin token is checked without the database, so the tool itself met the outage: the client
+    read "failed on the server (OperationalError)" and the log an ERROR, where a key's check said "try
+    again shortly"."""
+    server = stdio_server(make_runtime(database_url, gone), ADMIN)
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(ToolError) as refused:
+            anyio.run(server.call_tool, "list_entity_facts", {"entity": "people/alice"})
+    assert str(refused.value) == "the database is unavailable; try again shortly"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "127.0.0.1" not in caplog.text and "Traceback" not in caplog.text
 
 
 def test_http_a_database_outage_at_the_key_check_is_a_503_with_retry_after(

@@ -230,6 +230,11 @@ class FactmillMCP(MCPServer[Any]):
         except UnexpectedToolError as exc:
             # One line, the exception's class only: its text or traceback could carry stored text.
             cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "error"
+            if exc.__cause__ is not None and database_unavailable(exc.__cause__):
+                # As at the key check: a key that needs no lookup (the admin token, a key checked just
+                # before the outage) met it in the tool, and got "failed on the server" and an ERROR.
+                logger.warning("MCP tool %s: the database is unavailable (%s)", name, cause)
+                raise ToolError(UNAVAILABLE) from None
             logger.error("MCP tool %s failed: %s", name, cause)
             raise ToolError(f"{name} failed on the server ({cause}); try again later") from None
         finally:
