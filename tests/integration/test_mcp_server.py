@@ -52,9 +52,8 @@ def test_an_outage_a_tool_meets_after_the_key_check_is_the_same_plain_tool_error
     read "failed on the server (OperationalError)" and the log an ERROR, where a key's check said "try
     again shortly"."""
     server = stdio_server(make_runtime(database_url, gone), ADMIN)
-    with caplog.at_level(logging.INFO):
-        with pytest.raises(ToolError) as refused:
-            anyio.run(server.call_tool, "list_entity_facts", {"entity": "people/alice"})
+    with caplog.at_level(logging.INFO), pytest.raises(ToolError) as refused:
+        anyio.run(server.call_tool, "list_entity_facts", {"entity": "people/alice"})
     assert str(refused.value) == "the database is unavailable; try again shortly"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert "127.0.0.1" not in caplog.text and "Traceback" not in caplog.text
