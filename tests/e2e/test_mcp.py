@@ -28,6 +28,7 @@ from tests.auth import new_key
 from tests.service import REPO, free_port
 from worker.access import revoke_key
 from worker.compaction import append_messages, parse_messages
+from worker.extraction.facts import ENTITY_CURSOR_PATTERN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -133,6 +134,9 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
             ("search_facts", {"query": "lex: a", "entity": "-" * 1001}),
             ("list_page_facts", {"slug": "s" * 2001}),
             ("list_page_facts", {"slug": "s", "source_id": "s" * 1000}),
+            ("search_facts", {"query": "lex: a", "source_id": "s" * 50_000}),
+            ("list_entity_facts", {"entity": "alice", "source_id": "s" * 50_000}),
+            ("list_pages", {"source_id": "s" * 50_000}),
         )
     ]
     misspelled = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source": "work"})
@@ -192,6 +196,11 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
     # A page's facts: 10,000 were tens of MB, sent twice by the SDK; no agent's context holds that.
     page_limit = seen["schemas"]["list_page_facts"]["properties"]["limit"]
     assert (page_limit["maximum"], page_limit["default"]) == (1000, 200)
+    # Every rule an argument is refused by is in the schema a client reads (not only in the refusal).
+    for tool in ("search_facts", "list_entity_facts", "list_pages"):
+        [source, _] = seen["schemas"][tool]["properties"]["source_id"]["anyOf"]
+        assert (source["minLength"], source["maxLength"]) == (1, 200), tool
+    assert seen["schemas"]["list_entity_facts"]["properties"]["after"]["pattern"] == ENTITY_CURSOR_PATTERN
     refused = _error_text(seen["append"])
     assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
 

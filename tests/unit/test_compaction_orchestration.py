@@ -25,6 +25,7 @@ from worker.core.compaction_gate import (
     judge_summary,
     missed_query_terms,
 )
+from worker.core.labels import check_source_id
 from worker.core.quality import lex_words
 from worker.core.timeline import (
     AppliedSummary,
@@ -227,6 +228,32 @@ def test_a_setting_name_that_is_no_text_is_refused_in_words_that_can_be_sent(nam
         clean_settings({name: 1})
     assert str(refused.value).encode("utf-8")  # raw, a lone surrogate could not be encoded (MCP's reply)
     assert "\x00" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"x" * 1_000_000: 1},
+        {"\ud800" * 1_000_000: 1},
+        {"reserve_tokens": "9" * 1_000_000},
+        {"reserve_tokens": list(range(100_000))},
+        {"instructions": [1] * 100_000},
+    ],
+    ids=["name", "surrogate-name", "text-value", "list-value", "list-instructions"],
+)
+def test_a_huge_value_is_quoted_clipped_not_whole(bad: dict[str, object]) -> None:
+    """Quoted whole, a megabyte sent came back as a megabyte of error (the API's 422, MCP's reply)."""
+    with pytest.raises(TranscriptError) as refused:
+        clean_settings(bad)
+    said = str(refused.value)
+    assert len(said) < 300 and "..." in said, said[:300]
+    assert said.encode("utf-8")
+
+
+def test_a_huge_source_id_is_quoted_clipped() -> None:
+    with pytest.raises(ValueError, match="is not a source id") as refused:
+        check_source_id("a|" * 500_000)
+    assert len(str(refused.value)) < 300
 
 
 def test_trigger_tokens_follow_should_compact() -> None:

@@ -10,6 +10,8 @@ rule accepts (Python 3.11's ``unicodedata`` is Unicode 14; a regex engine may kn
 
 from __future__ import annotations
 
+import reprlib
+
 # What str.strip() removes (str.isspace), spelled out: ECMA's \s is a different set.
 _SPACES = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _STRIPPED = rf"[{_SPACES}]"
@@ -40,6 +42,17 @@ def is_word_label(value: str) -> bool:
     return value.isprintable() and not any(ch.isspace() or ch == "/" for ch in value)
 
 
+_QUOTED = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_QUOTED.maxstring = _QUOTED.maxother = 80
+_QUOTED.maxlist = _QUOTED.maxdict = 6
+
+
+def quoted(value: object) -> str:
+    """``repr(value)`` clipped (long text to 80 characters, long lists to 6 items) for an error that
+    quotes what a client sent: quoted whole, a 1 MB value came back as a 1 MB error."""
+    return _QUOTED.repr(value)
+
+
 MAX_SOURCE_ID_LENGTH = 200
 
 
@@ -54,7 +67,7 @@ def check_source_id(value: str) -> str:
     filter, a backfill, a key's sources)."""
     if not value or len(value) > MAX_SOURCE_ID_LENGTH or not is_source_id(value):
         raise ValueError(
-            f"{value!r} is not a source id (1 to {MAX_SOURCE_ID_LENGTH} characters, no '|', "
+            f"{quoted(value)} is not a source id (1 to {MAX_SOURCE_ID_LENGTH} characters, no '|', "
             "no surrounding whitespace)"
         )
     return value

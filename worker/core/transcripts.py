@@ -16,7 +16,7 @@ from worker.core.compaction import (
     TranscriptMessage,
 )
 from worker.core.jsonvalues import json_integer, not_json, text_problem
-from worker.core.labels import is_word_label
+from worker.core.labels import is_word_label, quoted
 
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
 MAX_MESSAGES_PER_REQUEST: Final = 10_000
@@ -225,7 +225,7 @@ def _count_setting(name: str, value: object, *, minimum: int) -> int:
     value = json_integer(value)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_TOKEN_SETTING:
         raise TranscriptError(
-            f"settings.{name} must be an integer from {minimum} to {MAX_TOKEN_SETTING}, got {value!r}"
+            f"settings.{name} must be an integer from {minimum} to {MAX_TOKEN_SETTING}, got {quoted(value)}"
         )
     return value
 
@@ -236,7 +236,13 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         # A name that is no text (a lone surrogate: the MCP tool's settings are a parsed dict, unchecked)
         # is shown escaped: raw, the refusal could not be encoded, and the MCP reply carrying it failed.
-        shown = ", ".join(name if text_problem(name) is None else ascii(name) for name in unknown)
+        # A long one is clipped: whole, a 1 MB name came back as a 1 MB error.
+        shown = ", ".join(
+            name
+            if text_problem(name) is None and len(name) <= 80
+            else quoted(name).encode("ascii", "backslashreplace").decode()
+            for name in unknown
+        )
         raise TranscriptError(f"unknown setting(s) {shown}; use {', '.join(SETTING_NAMES)}")
     cleaned: dict[str, Any] = {}
     for name, value in changes.items():
@@ -245,7 +251,7 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
             cleaned[name] = None if value is None else _count_setting(name, value, minimum=1)
         elif name == "instructions":
             if value is not None and not isinstance(value, str):
-                raise TranscriptError(f"settings.instructions must be text or null, got {value!r}")
+                raise TranscriptError(f"settings.instructions must be text or null, got {quoted(value)}")
             if value is not None and (problem := text_problem(value)):  # the MCP tool's dict is unchecked
                 raise TranscriptError(f"settings.instructions {problem}")
             if value is not None and len(value) > MAX_INSTRUCTIONS_LENGTH:

@@ -27,19 +27,30 @@ from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, check_source_id
 from worker.core.transcripts import MAX_TOOL_CALL_ID_LENGTH, MAX_TOOL_NAME_LENGTH
 from worker.deliveries import DeliveryKeyReusedError
-from worker.extraction.facts import EntityNameError, FactCursorError
+from worker.extraction.facts import ENTITY_CURSOR_PATTERN, EntityNameError, FactCursorError
 from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 from worker.llm.errors import BudgetExhaustedError
 from worker.search import BUDGET_SPENT, EmbeddingFailedError, SearchError
 
 Text = Annotated[str, After(storable_text)]
+EntityCursor = Annotated[
+    Text | None,
+    Field(
+        max_length=40,
+        pattern=ENTITY_CURSOR_PATTERN,
+        json_schema_extra={"pattern": ENTITY_CURSOR_PATTERN},  # pydantic leaves a union's pattern out
+        description="next_after of the previous answer.",
+    ),
+]
 # Bounded before the storable check (a bound on Text is checked after it: the whole input scanned, and
 # "at most N items after validation" said of text).
 EntityName = Annotated[str, Field(min_length=1, max_length=MAX_ENTITY_NAME_CHARS), After(storable_text)]
 # The slug as sent (the stored cap is checked once it is normalized).
 PageSlug = Annotated[str, Field(min_length=1, max_length=MAX_SLUG_INPUT_LENGTH), After(storable_text)]
 SourceId = Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH), After(storable_text)]
-SourceIdFilter = Annotated[str, After(storable_text), After(check_source_id)]  # a 422 in the API
+SourceIdFilter = Annotated[  # a 422 in the API
+    str, Field(min_length=1, max_length=MAX_SOURCE_ID_LENGTH), After(storable_text), After(check_source_id)
+]
 # JSON's integers, as the API's bodies take them: true is not a limit (1.0 is an integer in JSON). The
 # bounds go before the validator, so that the tool's schema states them as minimum/maximum.
 JSON_INTEGER = BeforeValidator(json_integer)
@@ -159,6 +170,7 @@ __all__ = [
     "SCORED_COVERAGE",
     "Access",
     "AsOf",
+    "EntityCursor",
     "EntityName",
     "IncludeHistory",
     "KindName",

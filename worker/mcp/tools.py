@@ -46,7 +46,6 @@ from worker.extraction.catalog import (
     page_cursor,
 )
 from worker.extraction.facts import (
-    ENTITY_CURSOR_PATTERN,
     EntityFactsPage,
     PageFactsPage,
     read_entity_facts,
@@ -62,6 +61,7 @@ from worker.mcp.inputs import (
     SCORED_COVERAGE,
     Access,
     AsOf,
+    EntityCursor,
     EntityName,
     IncludeHistory,
     KindName,
@@ -211,12 +211,7 @@ class FactmillTools:
         offset: Offset = 0,
         include_history: IncludeHistory = False,
         as_of: AsOf = None,
-        after: Annotated[
-            Text | None,
-            Field(
-                max_length=40, pattern=ENTITY_CURSOR_PATTERN, description="next_after of the previous answer."
-            ),
-        ] = None,
+        after: EntityCursor = None,
     ) -> EntityFactsPage:
         """The current facts about one entity (a person, team or thing, by its slug), newest first,
         with the page each came from; with include_history, its whole timeline (each fact's status,
