@@ -44,7 +44,13 @@ class BackfillIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source_id: SourceIdField = "default"
-    since: Annotated[datetime | None, Field(description="Only segments after this ISO-8601 time")] = None
+    since: Annotated[
+        datetime | None,
+        Field(
+            description="Pass over, for good, the messages up to this ISO-8601 time: each page's checkpoint "
+            "moves past them (only `factmill extract --force` takes them again)"
+        ),
+    ] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=MAX_SLUG_INPUT_LENGTH)] = None
     max_segments: (
         Annotated[int, Strict(), Field(ge=1, le=MAX_BACKFILL_SEGMENTS), BeforeValidator(json_integer)] | None
