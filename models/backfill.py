@@ -6,8 +6,21 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, Numeric, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    ColumnElement,
+    ForeignKey,
+    Index,
+    Numeric,
+    Text,
+    UniqueConstraint,
+    case,
+    cast,
+)
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, count_column, utcnow_column
@@ -73,6 +86,21 @@ class BackfillBatch(Base):
     # How often the provider failed it whole for its queued-token limit (it is then sent again, alone;
     # past worker.extraction.backfill_limits.MAX_LIMIT_FAILURES it is collected as failed).
     limit_failures: Mapped[int] = count_column()
+
+    @hybrid_property
+    def send_key(self) -> str:
+        """The key its present copy is sent and looked up under: its key, then with the copy's number
+        (``.2``, ``.3``) once the provider failed a copy for its queued-token limit, which OpenAI keeps
+        listed under the key it was sent with: looked up by the key alone, a resend whose sender died
+        was taken for that failed copy (counted as failing again, never sent). Request custom ids keep
+        the key alone."""
+        return f"{self.key}.{self.limit_failures + 1}" if self.limit_failures else self.key
+
+    @send_key.inplace.expression
+    @classmethod
+    def _send_key(cls) -> ColumnElement[str]:
+        copy = cls.key + "." + cast(cls.limit_failures + 1, Text)
+        return case((cls.limit_failures > 0, copy), else_=cls.key)
 
 
 class BackfillRequest(Base):

@@ -1869,6 +1869,36 @@ def test_a_batch_over_the_queued_token_limit_by_itself_is_collected_as_failed_af
     assert "over the provider's queued-token limit by itself" in caplog.text
 
 
+def test_a_resend_whose_create_was_lost_is_not_taken_for_the_copy_that_failed_over_the_limit(
+    factory, rt, sim, monkeypatch
+):
+    """OpenAI keeps the failed copy listed under the key it was sent with: looked up by that key, a
+    resend whose create's answer was lost was taken for it, counted as failing over the limit again,
+    and on its last try its pages were given up (requests expired) without being sent."""
+    seed_pages(factory, "bf", 1)  # one batch
+    sim.configure(batch_fail="token_limit_exceeded")
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"  # sent
+    time.sleep(0.2)  # it ends, failed
+    assert run_pass(rt, job_id).status == "paused"  # planned again
+    sim.configure(batch_fail=None, batch_delay_seconds=0.05)
+    resend_due(factory)
+
+    def lost(self: Any, requests: Any, key: str | None = None) -> str:
+        raise LLMError("the provider timed out", retryable=True)  # the create's outcome unknown
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", lost)
+    run_pass(rt, job_id)  # left "submitting": looked up by its key before any resend
+    monkeypatch.undo()
+    resend_due(factory)
+    run_pass(rt, job_id)
+    with factory() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+    assert batch.limit_failures == 1 and batch.status in ("submitted", "collected"), batch.provider_status
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 4}
+
+
 def test_results_the_provider_keeps_no_more_leave_their_requests_missing(factory, rt, sim, monkeypatch):
     """A 404 on the results (Anthropic's after 29 days, an OpenAI output file expired or deleted): the
     job waited on the batch for good, and a cancel could not end it (it collects first)."""

@@ -76,7 +76,7 @@ class PlannedBatch:
 @dataclass(frozen=True)
 class BatchRow:
     id: int
-    key: str
+    key: str  # its send key (BackfillBatch.send_key): what the provider knows its present copy by
     status: str
     provider_batch_id: str | None
     # Seconds since its send last failed (SEND_FAILED in provider_status); None: no send failed.
@@ -281,7 +281,7 @@ class BackfillStore:
             rows = session.execute(
                 select(
                     BackfillBatch.id,
-                    BackfillBatch.key,
+                    BackfillBatch.send_key.label("key"),
                     BackfillBatch.status,
                     BackfillBatch.provider_batch_id,
                     failed_ago,

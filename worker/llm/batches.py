@@ -323,7 +323,8 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
                 # results were never read), and it must not stop every lookup (and cancel) for good.
                 logger.info("batch %s: its results cannot be read (%s); not the one sought", batch.id, exc)
                 continue
-            if first is not None and str(first.get("custom_id")).startswith(f"{key}-"):
+            # Custom ids begin with the batch's key without a copy's number (models.BackfillBatch.send_key).
+            if first is not None and str(first.get("custom_id")).startswith(f"{key.partition('.')[0]}-"):
                 return str(batch.id)
         return UNDETERMINED if running else None
 
