@@ -1003,15 +1003,47 @@ def test_a_second_copy_sent_by_a_run_whose_lease_lapsed_is_cancelled_and_owed(fa
     assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
-def upload_then_time_out(orphans: list[str]) -> Any:
-    """A batch create that uploads the requests and then times out (the upload's id kept in ``orphans``)."""
+class SenderKilled(Exception):
+    """What the run sees of a worker killed mid-send: nothing (no failed send is recorded)."""
+
+
+def upload_then_time_out(orphans: list[str], killed: bool = False) -> Any:
+    """A batch create that uploads the requests and then times out (the upload's id kept in ``orphans``);
+    ``killed``: the sender dies after the upload instead, before any create."""
 
     def submit(self: Any, requests: Any, key: str | None = None) -> str:
+        if killed:
+            time.sleep(1.1)  # an upload takes its time: made in a later second than the send's start
         upload = self._sdk.files.create(file=(f"factmill-extraction-{key}.jsonl", b"{}\n"), purpose="batch")
         orphans.append(upload.id)
+        if killed:
+            raise SenderKilled
         raise LLMError("the create timed out", retryable=True)
 
     return submit
+
+
+def test_the_upload_of_a_sender_killed_before_its_create_is_deleted_before_the_batch_is_sent_again(
+    factory, rt, sim, monkeypatch
+):
+    """Only uploads made before the send began were deleted: the killed sender's own upload (the pages'
+    text) came after, and stayed at the provider for good, named nowhere."""
+    seed_pages(factory, "bf", 2)
+    orphans: list[str] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(OpenAIBatchClient, "submit", upload_then_time_out(orphans, killed=True))
+        backfill_id, job_id = start(factory, "bf")
+        run_pass(rt, job_id)
+    with factory() as session:
+        status = select(BackfillBatch.status).where(BackfillBatch.backfill_id == backfill_id)
+        assert session.scalar(status) == "submitting"  # no failed send recorded: looked up first
+    assert sim.state.store.find_file(orphans[0]) is not None
+    sim.configure(batch_delay_seconds=3600)
+    assert run_pass(rt, job_id).status == "paused", "looked up, not found: sent again"
+    assert sim.state.store.find_file(orphans[0]) is None
+    sim.end_batches()
+    assert drive(rt, job_id).status == "succeeded"
+    assert request_statuses(factory, backfill_id) == {"done": 8}
 
 
 @pytest.mark.parametrize("delete_fails", [False, True])

@@ -191,7 +191,7 @@ class BackfillPass:
         if batch.status == "submitting" or batch.since_failed_send is not None:
             # No batch holds it: what an earlier send uploaded (its create failed, or timed out) is the
             # pages' text, named nowhere; it goes before the batch is sent again.
-            forget_uploads(self.deps.client, batch.key, batch.submit_started_at)
+            forget_uploads(self.deps.client, batch.key)
         requests = self.requests_to_send(batch)
         if not requests:
             # (Unless another run sent it meanwhile: then it is polled as sent.)
@@ -289,7 +289,7 @@ class BackfillPass:
             if batch.status == "submitting" or batch.since_failed_send is not None:
                 # What an earlier send uploaded (the pages' text), which no batch holds and no send will
                 # now: left at the provider for good before.
-                forget_uploads(self.deps.client, batch.key, batch.submit_started_at)
+                forget_uploads(self.deps.client, batch.key)
             # Not one another run recorded a send of meanwhile: that one is cancelled at the provider
             # by the pass (next), as every sent batch is.
             self.store.set_batch(batch.id, unsent_only=True, status="cancelled")

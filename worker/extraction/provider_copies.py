@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Row, delete, func, select, update
@@ -117,11 +117,15 @@ class ProviderCopies:
             session.execute(gone)
 
 
-def forget_uploads(client: BatchLLMClient, key: str, since: datetime | None) -> None:
-    """The uploads an earlier send of batch ``key`` left (its create failed or timed out) deleted; a
-    provider that fails it does not hold the send back (the next resend tries again)."""
+def forget_uploads(client: BatchLLMClient, key: str) -> None:
+    """The uploads earlier sends of batch ``key`` left (their create failed, timed out or never ran)
+    deleted, once its lookup found no batch holding the key; a provider that fails it does not hold
+    the send back (the next resend tries again). Every upload named by the key goes: bounded by the
+    send's start, a sender killed between its upload and its create left that upload (made after the
+    start) at the provider for good, named nowhere. (A key is one copy's: models.BackfillBatch.send_key;
+    one run of the backfill's job sends at a time.)"""
     try:
-        forgotten = client.forget_uploads(key, since)
+        forgotten = client.forget_uploads(key)
     except LLMError as exc:
         logger.warning("batch %s: deleting an earlier send's upload failed (%s)", key, exc)
         return

@@ -75,11 +75,10 @@ class BatchLLMClient(Protocol):
         when it holds none, UNDETERMINED when it cannot tell yet."""
         ...
 
-    def forget_uploads(self, key: str, before: datetime | None) -> int:
-        """Delete the input uploads of ``key`` made before ``before`` (the current send's start: an
-        upload of a send still going on is not touched) that no batch holds: a create that failed or
-        timed out left them, the pages' text named nowhere; how many. Asked when ``find`` found no
-        batch, before the batch is sent again."""
+    def forget_uploads(self, key: str) -> int:
+        """Delete the input uploads named by ``key``: a create that failed, timed out or never ran (its
+        sender killed) left them, the pages' text named nowhere; how many. Asked when ``find`` found
+        no batch holding ``key``, before the batch is sent again (or cancelled)."""
         ...
 
     def status(self, batch_id: str) -> BatchStatus: ...

@@ -186,17 +186,12 @@ class OpenAIBatchClient(_ProviderBatches[OpenAIChatClient]):
                 return str(batch.id)
         return None
 
-    def forget_uploads(self, key: str, before: datetime | None) -> int:
+    def forget_uploads(self, key: str) -> int:
         name = _upload_name(key)
         listed = _call(
             "list files", lambda: list(islice(self._sdk.files.list(purpose="batch"), FIND_LIMIT)), self.policy
         )
-        until = None if before is None else before.timestamp()
-        orphans = [
-            upload.id
-            for upload in listed
-            if upload.filename == name and (until is None or upload.created_at < until)
-        ]
+        orphans = [upload.id for upload in listed if upload.filename == name]
         for file_id in orphans:
             _delete("file delete", functools.partial(self._sdk.files.delete, file_id), self.policy)
         return len(orphans)
@@ -328,7 +323,7 @@ class AnthropicBatchClient(_ProviderBatches[AnthropicChatClient]):
                 return str(batch.id)
         return UNDETERMINED if running else None
 
-    def forget_uploads(self, key: str, before: datetime | None) -> int:
+    def forget_uploads(self, key: str) -> int:
         return 0  # Message Batches take their requests inline: nothing is uploaded apart
 
     def status(self, batch_id: str) -> BatchStatus:
