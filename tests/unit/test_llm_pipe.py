@@ -359,11 +359,11 @@ def test_an_interrupt_while_a_stopped_page_waits_for_its_calls_records_what_they
     )
     real_close = Feed.close
 
-    def interrupted(self: Feed, timeout: float | None = None) -> list:  # type: ignore[type-arg]
+    def interrupted(self: Feed, timeout: float | None = None, patience: Any = None) -> list:  # type: ignore[type-arg]
         if timeout is None:  # the first wait: the user presses Ctrl-C, the calls end soon after
             threading.Timer(0.2, release.set).start()
             raise KeyboardInterrupt
-        return real_close(self, timeout)
+        return real_close(self, timeout, patience)
 
     monkeypatch.setattr(Feed, "close", interrupted)
     pipe = LLMPipe(5)
@@ -752,3 +752,74 @@ def test_a_stop_that_begins_while_the_page_waits_is_noticed_before_a_short_grace
         with pytest.raises(WorkerStoppingError):
             next(batches)
         assert sorted(recorded) == [1, 2]
+
+
+def stop_after(seconds: float, grace: float) -> Callable[[], float | None]:
+    """``grace_left`` of a worker whose stop begins ``seconds`` from now, with ``grace`` seconds of grace."""
+    import time
+
+    begins = time.monotonic() + seconds
+    return lambda: None if time.monotonic() < begins else begins + grace - time.monotonic()
+
+
+def test_a_retry_of_skipped_segments_waits_for_its_call_only_while_a_stops_grace_lasts(monkeypatch) -> None:
+    """`--skipped`'s call waited with no patience: through the grace period, so the exit came first, the
+    job unreleased (a worker loss) and the attempts it had paid for unrecorded."""
+    from types import SimpleNamespace
+
+    from worker.extraction import service
+    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    grace = STOP_RECORD_SECONDS + 0.5
+    monkeypatch.setattr(service, "grace_left", stop_after(0.3, grace))
+    slow = threading.Event()
+    pipe = LLMPipe(1)
+    try:
+        extraction = OnlineExtraction(SimpleNamespace(), llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+        extraction.call = lambda label, segment: slow.wait(WAIT) and "late"  # type: ignore[method-assign]
+        threading.Timer(0.3 + grace + 3.0, slow.set).start()  # well past the exit
+        with pytest.raises(WorkerStoppingError):
+            extraction.piped_call("page", 7)  # type: ignore[arg-type]
+        assert not slow.is_set(), "released within the grace, not once the call ended"
+    finally:
+        slow.set()
+        pipe.close()
+
+
+def test_a_failed_pages_wait_for_its_calls_in_flight_ends_with_a_stop_that_begins_during_it(
+    monkeypatch,
+) -> None:
+    """A page that failed waits for its calls in flight (paid for: recorded); the wait read the grace
+    once, before the stop began, and so ran past the exit, the run's verdict never settled."""
+    from types import SimpleNamespace
+
+    from worker.extraction import service
+    from worker.extraction.service import STOP_RECORD_SECONDS, OnlineExtraction
+
+    grace = STOP_RECORD_SECONDS + 0.5
+    monkeypatch.setattr(service, "grace_left", stop_after(0.5, grace))
+    run = SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(record_discarded=lambda *args, **kwargs: None),
+    )
+    slow = threading.Event()
+    pipe = LLMPipe(2)
+    try:
+        extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
+
+        def call(label: str, segment: int, abandoned: object = None) -> str:
+            if segment == 0:
+                raise RuntimeError("segment 0 failed")
+            assert slow.wait(WAIT)  # still out when the page fails
+            return "late"
+
+        extraction.call = call  # type: ignore[method-assign]
+        plan = SimpleNamespace(label="page", segments=[0, 1], slug="p")
+        threading.Timer(0.5 + grace + 3.0, slow.set).start()  # well past the exit
+        with pytest.raises(RuntimeError, match="segment 0 failed"):
+            next(extraction.ordered_results(plan))  # type: ignore[arg-type]
+        assert not slow.is_set(), "its wait ended with the grace, not with the call"
+    finally:
+        slow.set()
+        pipe.close()

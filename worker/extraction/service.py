@@ -147,9 +147,14 @@ class OnlineExtraction:
         limit the setting matched)."""
         feed: Feed[SegmentResult] = self.pipe.open(1, lambda _: self.call(label, segment), window=1)
         try:
-            taken = feed.take()
+            # As a page's wait: a stopping worker waits only while its grace lasts (waited through it,
+            # the exit left the job unreleased, a worker loss, its paid attempts unrecorded).
+            taken = feed.take(patience=_stop_patience)
+        except WaitOverError:
+            feed.close(timeout=0)  # the call still out: its attempts are the next run's to make again
+            raise WorkerStoppingError() from None
         except BaseException as stopped:  # (SIGTERM in the CLI): the call in flight finishes, paid for
-            paid = [result for result in map(_paid_result, feed.close()) if result is not None]
+            paid = [r for r in map(_paid_result, feed.close(patience=_stop_patience)) if r is not None]
             if paid:  # the caller records its attempts, then raises on
                 raise SegmentAbortedError(paid[0].attempts, stopped) from stopped
             raise
@@ -222,9 +227,7 @@ class OnlineExtraction:
                     # The worker is stopping and the page's next result is still out (a long retry): the
                     # results ready behind it are recorded now, before the grace period's exit loses
                     # them; the job is released, and its next run asks for them again.
-                    raise WorkerStoppingError(
-                        "the worker is stopping; the job is released to another worker"
-                    ) from None
+                    raise WorkerStoppingError() from None
                 for position, outcome in enumerate(taken):
                     if outcome.error is not None:
                         # It, if it had paid attempts, and those taken with it and finished after it:
@@ -257,7 +260,7 @@ class OnlineExtraction:
                     INTERRUPTED_WAIT_SECONDS,
                 )
             try:
-                left = feed.close(timeout=_stop_patience())  # stopping: only while the grace lasts
+                left = feed.close(patience=_stop_patience)  # stopping: only while the grace lasts
             except BaseException:
                 # Interrupted while the calls in flight finished (Ctrl-C, or the SIGTERM the CLI turns
                 # into SystemExit, at a CLI that looked stuck): they are paid for. A while more for them,

@@ -26,8 +26,14 @@ _deadline: threading.Timer | None = None
 _exits_at: float | None = None  # time.monotonic() at which the grace period ends
 
 
+RELEASED = "the worker is stopping; the job is released to another worker"
+
+
 class WorkerStoppingError(RuntimeError):
     """The worker is shutting down: stop at this segment boundary and release the job (costs nothing)."""
+
+    def __init__(self, message: str = RELEASED) -> None:
+        super().__init__(message)
 
 
 def stopping() -> bool:
@@ -41,7 +47,7 @@ def grace_left() -> float | None:
 
 def check_stopping() -> None:
     if _stopping.is_set():
-        raise WorkerStoppingError("the worker is stopping; the job is released to another worker")
+        raise WorkerStoppingError
 
 
 def _grace_over(grace_seconds: float) -> None:

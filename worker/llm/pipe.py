@@ -135,18 +135,25 @@ class Feed(Generic[T]):
                 self._handed += 1
             return taken
 
-    def close(self, timeout: float | None = None) -> list[Outcome[T]]:
-        """Start nothing more, wait for the calls in flight (``timeout``: at most that long), and return
-        every result not handed over (they were paid for: the page records them)."""
+    def close(
+        self, timeout: float | None = None, patience: Callable[[], float | None] | None = None
+    ) -> list[Outcome[T]]:
+        """Start nothing more, wait for the calls in flight (``timeout``: at most that long; ``patience``:
+        as long as it says, read again every second, as ``take`` reads it), and return every result not
+        handed over (they were paid for: the page records them)."""
         with self._pipe.lock:
             self.closed = True
             self._pipe.drop(self)
             deadline = None if timeout is None else time.monotonic() + timeout
             while self.in_flight:
                 left_seconds = None if deadline is None else deadline - time.monotonic()
+                if patience is not None and (patient := patience()) is not None:
+                    # A stop that began during the wait: read it then, not once before (waited past the
+                    # grace period, the process exited with the page's verdict unsettled).
+                    left_seconds = patient if left_seconds is None else min(left_seconds, patient)
                 if left_seconds is not None and left_seconds <= 0:
                     break
-                self._ready.wait(left_seconds)
+                self._ready.wait(left_seconds if patience is None else min(1.0, left_seconds or 1.0))
             left = [self._done[i] for i in sorted(self._done)]
             self._done.clear()
             return left
