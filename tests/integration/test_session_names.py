@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 
 from tests.conftest import TABLES
 from tests.locks import TruncateBlocked, truncate_all
@@ -22,7 +22,8 @@ def test_each_connection_is_named_after_the_process_that_opened_it(database_url:
 
 
 def test_a_name_the_url_gives_is_kept(database_url: str) -> None:
-    engine = db.create_pooled_engine(f"{database_url}?application_name=reporting", settings=Settings())
+    named = make_url(database_url).update_query_dict({"application_name": "reporting"})  # (a host= kept)
+    engine = db.create_pooled_engine(named.render_as_string(hide_password=False), settings=Settings())
     try:
         with engine.connect() as conn:
             assert conn.scalar(text("SELECT current_setting('application_name')")) == "reporting"

@@ -20,6 +20,7 @@ from worker.cli.console import (
     source_option,
     when,
 )
+from worker.cli.extract import SINCE_HELP
 from worker.cli.sessions import checked_factory
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, list_backfills
 from worker.extraction.backfill_request import (
@@ -49,13 +50,7 @@ backfill_app = typer.Typer(
 def backfill(
     ctx: typer.Context,
     source: Annotated[str, source_option(help="The source whose pages to extract.")] = "default",
-    since: Annotated[
-        str | None,
-        typer.Option(
-            help="Pass over, for good, the messages up to this ISO-8601 time: the checkpoint moves past them "
-            "(only extract --force extracts them again)."
-        ),
-    ] = None,
+    since: Annotated[str | None, typer.Option(help=SINCE_HELP)] = None,
     slug_prefix: Annotated[str | None, typer.Option(help="Only pages whose slug starts with this.")] = None,
     max_segments: Annotated[
         int | None, typer.Option(min=1, max=MAX_BACKFILL_SEGMENTS, help="At most this many requests.")

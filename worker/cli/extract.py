@@ -150,8 +150,9 @@ def _run_extraction(
 
 
 SINCE_HELP = (
-    "Only messages strictly after this ISO time; the ones before are passed over for good: the "
-    "checkpoint moves past them (only --force extracts them again)."
+    "Only messages strictly after this ISO time; the ones before are passed over for good: the checkpoint "
+    "of each page extracted moves past them (only extract --force extracts them again); a page with nothing "
+    "to extract after it is left as it was."
 )
 
 

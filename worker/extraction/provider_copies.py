@@ -122,8 +122,11 @@ def forget_uploads(client: BatchLLMClient, key: str) -> None:
     deleted, once its lookup found no batch holding the key; a provider that fails it does not hold
     the send back (the next resend tries again). Every upload named by the key goes: bounded by the
     send's start, a sender killed between its upload and its create left that upload (made after the
-    start) at the provider for good, named nowhere. (A key is one copy's: models.BackfillBatch.send_key;
-    one run of the backfill's job sends at a time.)"""
+    start) at the provider for good, named nowhere. (A key is one copy's: models.BackfillBatch.send_key.)
+    The price, accepted: a sender whose lease lapsed but which lives on (its heartbeat stalled a
+    minute) and whose create is accepted in the seconds between this lookup and this delete loses its
+    input file; that batch then fails, and its requests are counted expired (the next run extracts
+    them), where the bound left every killed sender's upload, the pages' text, at the provider."""
     try:
         forgotten = client.forget_uploads(key)
     except LLMError as exc:

@@ -47,8 +47,9 @@ class BackfillIn(BaseModel):
     since: Annotated[
         datetime | None,
         Field(
-            description="Pass over, for good, the messages up to this ISO-8601 time: each page's checkpoint "
-            "moves past them (only `factmill extract --force` takes them again)"
+            description="Pass over, for good, the messages up to this ISO-8601 time: the checkpoint of each "
+            "page extracted moves past them (only `factmill extract --force` takes them again); a page with "
+            "nothing to extract after it is left as it was"
         ),
     ] = None
     slug_prefix: Annotated[StorableStr | None, Field(max_length=MAX_SLUG_INPUT_LENGTH)] = None
