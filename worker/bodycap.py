@@ -99,11 +99,13 @@ def _declared_length(scope: Scope) -> int:
 # When the request's head reached the server (epoch seconds), before it waited for a large-body place:
 # a webhook signature's age is measured to this moment (worker.api.deps), not to when its route ran.
 ARRIVED_AT_SCOPE_KEY = "factmill.arrived_at"
+ARRIVED_MONOTONIC_SCOPE_KEY = "factmill.arrived_monotonic"  # the same moment, time.monotonic()
 
 
-def arrived_at(scope: Scope) -> float | None:
-    """When the request reached the body cap (None for one that did not pass through it)."""
-    value = scope.get(ARRIVED_AT_SCOPE_KEY)
+def arrived_at(scope: Scope, key: str = ARRIVED_AT_SCOPE_KEY) -> float | None:
+    """When the request reached the body cap, by time.time() (``key``: ARRIVED_MONOTONIC_SCOPE_KEY, by
+    time.monotonic()); None for one that did not pass through it."""
+    value = scope.get(key)
     return value if isinstance(value, float) else None
 
 
@@ -155,6 +157,7 @@ class BodyCapMiddleware:
             await self.app(scope, receive, send)
             return
         scope.setdefault(ARRIVED_AT_SCOPE_KEY, time.time())
+        scope.setdefault(ARRIVED_MONOTONIC_SCOPE_KEY, time.monotonic())
         if await _refused_by_declared_length(scope, send, self.cap):
             return
         if self._large_gate is not None and _large(scope):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, func, insert, select
@@ -142,3 +144,18 @@ __all__ = [
     "replayed_answer",
     "scoped_key",
 ]
+
+
+def arrival_by_database_clock(session: Session, arrived: float | None) -> datetime:
+    """When a delivery arrived (``arrived``: its time.monotonic(); None: now) by the database's clock,
+    which dates erasures: the clock now less the time waited since. Dated by the API host's clock, a
+    keyed append that arrived before an erasure and waited on its lock was dated after it, with the host
+    ahead, and began the transcript again. clock_timestamp(), not now(): the transaction may have
+    begun on a key's lock, whose wait is in the delivery's already (counted twice, one sent just after
+    an erasure was dated before it)."""
+    connection = session.connection()  # first: a pooled connection's wait is in the delivery's too
+    waited = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
+    interval = func.make_interval(0, 0, 0, 0, 0, 0, waited)
+    at = connection.execute(select(func.clock_timestamp() - interval)).scalar()
+    assert at is not None
+    return at

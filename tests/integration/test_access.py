@@ -561,18 +561,31 @@ def test_the_openapi_document_shows_the_security_scheme(api: TestClient) -> None
     assert "security" not in document["paths"]["/healthz"]["get"]
 
 
-def test_a_keyed_delivery_is_dated_when_it_reached_the_server_not_when_its_body_was_read() -> None:
+def test_a_keyed_delivery_is_dated_when_it_reached_the_server_by_the_databases_clock(tx_factory: Any) -> None:
     """Dated after its body was read (a wait for a large-body place, a slow upload), a keyed append sent
-    before its transcript's erasure was taken for one sent after it, and began it again."""
-    from datetime import UTC, datetime
+    before its transcript's erasure was taken for one sent after it, and began it again; dated by the API
+    host's clock, which erasures are not, the same with a host clock ahead of the database's."""
+    from datetime import timedelta
+
+    from sqlalchemy import func, select
 
     from worker.api.auth import Ingest
 
-    arrived = time.time() - 90
-    keyed = Ingest(principal=None, signature=None, method="POST", path="/v1/pages", arrived_at=arrived)
-    assert keyed.delivered_at(None, b"{}") == datetime.fromtimestamp(arrived, UTC)  # type: ignore[arg-type]
+    host_ahead = time.time() + 3600  # the API host's clock an hour ahead of the database's
+    keyed = Ingest(
+        principal=None,
+        signature=None,
+        method="POST",
+        path="/v1/pages",
+        arrived_at=host_ahead - 90,
+        arrived_monotonic=time.monotonic() - 90,
+    )
     unknown = Ingest(principal=None, signature=None, method="POST", path="/v1/pages")
-    assert abs(unknown.delivered_at(None, b"{}").timestamp() - time.time()) < 60  # type: ignore[arg-type]
+    with tx_factory() as session:
+        database_now = session.scalar(select(func.clock_timestamp()))
+        dated = keyed.delivered_at(None, b"{}")(session)  # type: ignore[arg-type]
+        assert abs(dated - (database_now - timedelta(seconds=90))) < timedelta(seconds=5), dated
+        assert abs(unknown.delivered_at(None, b"{}")(session) - database_now) < timedelta(seconds=5)  # type: ignore[arg-type]
 
 
 def test_a_delivery_stored_before_a_rule_tightened_gets_its_stored_answer_when_sent_again(

@@ -1374,7 +1374,7 @@ def test_a_delivery_takes_its_pages_before_what_a_change_locks_so_an_erasure_can
     with ThreadPoolExecutor(2) as pool:
         erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
         assert holding.wait(30)
-        delivering = pool.submit(store_pages, factory, batch, None, "digest", sent_at)
+        delivering = pool.submit(store_pages, factory, batch, None, "digest", lambda _: sent_at)
         waits_on_a_lock(factory, delivering)  # until the delivery waits on P (or is done)
         go.set()
         assert erasing.result(timeout=60) is not None

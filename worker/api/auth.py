@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,13 +20,14 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from worker.access import Principal, is_admin_token, may_be_a_key, principal_for, refusal
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import CHALLENGE, ApiError
 from worker.api.scrape_reads import note_outage, outage_seen
-from worker.bodycap import arrived_at
+from worker.bodycap import ARRIVED_MONOTONIC_SCOPE_KEY, arrived_at
 from worker.core.moments import SAME_SECOND_HINT
 from worker.core.signing import (
     EXPECTED_FORMAT,
@@ -35,7 +35,7 @@ from worker.core.signing import (
     SIGNATURE_HEADER,
 )
 from worker.db import database_went_away
-from worker.deliveries import WEBHOOK_SENDER
+from worker.deliveries import WEBHOOK_SENDER, arrival_by_database_clock
 from worker.guards import UNAVAILABLE_RETRY_AFTER_SECONDS
 
 _bearer = HTTPBearer(
@@ -157,6 +157,7 @@ class Ingest:
     path: str
     idempotency_key: str | None = None  # the header as sent (surrounding spaces stripped)
     arrived_at: float | None = None  # when the request reached the server (the signature's age is to it)
+    arrived_monotonic: float | None = None  # the same moment by time.monotonic() (a keyed one's date)
 
     def verify(self, ctx: ApiContext, body: bytes) -> int | None:
         """The signed timestamp when a signature was sent (401 unless it signs this method, path,
@@ -167,14 +168,16 @@ class Ingest:
             ctx, body, self.signature, self.method, self.path, self.idempotency_key, self.arrived_at
         )
 
-    def delivered_at(self, ctx: ApiContext, body: bytes) -> datetime:
-        """``verify``, then when the delivery was made: its signed time, or a keyed one's arrival (when
-        it reached the server, before any wait for a large-body place or its upload: dated after its
-        body was read, one sent before an erasure was taken for one sent after it)."""
+    def delivered_at(self, ctx: ApiContext, body: bytes) -> Callable[[Session], datetime]:
+        """``verify``, then how the delivery's transaction dates it: by its signed time, or a keyed one
+        by its arrival (when it reached the server, before any wait for a large-body place or its upload:
+        dated after its body was read, one sent before an erasure was taken for one sent after it) on
+        the database's clock, which dates erasures (worker.deliveries.arrival_by_database_clock)."""
         signed_at = self.verify(ctx, body)
         if signed_at is not None:
-            return datetime.fromtimestamp(signed_at, UTC)
-        return datetime.fromtimestamp(self.arrived_at if self.arrived_at is not None else time.time(), UTC)
+            signed = datetime.fromtimestamp(signed_at, UTC)
+            return lambda _session: signed
+        return functools.partial(arrival_by_database_clock, arrived=self.arrived_monotonic)
 
     def erased_in_its_second(self, in_its_second: bool) -> tuple[str, dict[str, str] | None]:
         """What a 409 for a delivery older than an erasure adds, and its headers: for a signed one the
@@ -221,7 +224,8 @@ def require_ingest(*, all_sources: str | None = None) -> Callable[..., Ingest]:
         arrived = arrived_at(request.scope)
         if signature is not None:
             check_signature_header(ctx, signature, request.method, path, key, arrived)
-        return Ingest(principal, signature, request.method, path, key, arrived)
+        since = arrived_at(request.scope, ARRIVED_MONOTONIC_SCOPE_KEY)
+        return Ingest(principal, signature, request.method, path, key, arrived, since)
 
     return dependency
 

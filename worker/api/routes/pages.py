@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -145,21 +146,22 @@ def store_pages(
     pages: list[PageIn],
     key: str | None,
     body_hash: str,
-    delivered_at: datetime | None = None,
+    delivered_at: Callable[[Session], datetime] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[int, str]], bool]:
     """Upsert the pages and request their jobs in ONE transaction.
 
     Returns (response, jobs to enqueue after the commit, replayed). A repeated delivery with the
     same Idempotency-Key returns the stored response and changes nothing. A page stored by a newer
-    delivery than ``delivered_at``, or erased after it, raises StaleDeliveryError and nothing of the
-    request is kept.
+    delivery than the date ``delivered_at`` gives this one in its transaction, or erased after it,
+    raises StaleDeliveryError and nothing of the request is kept.
     """
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
         # Lock pages in a fixed order so two overlapping batches cannot deadlock, every page before
         # anything a page's change locks (pages.page_changed); answer in request order.
         order = sorted(range(len(pages)), key=lambda i: (pages[i].source_id, pages[i].slug))
-        changed = [i for i in order if upsert_page(session, pages[i], delivered_at).changed]
+        at = None if delivered_at is None else delivered_at(session)
+        changed = [i for i in order if upsert_page(session, pages[i], at).changed]
         results: list[outbox.JobRequest | None] = [None] * len(pages)
         for index in changed:
             results[index] = page_changed(session, pages[index])

@@ -143,7 +143,7 @@ def accept_messages(
     ctx: ApiContext, transcript_id: str, body: bytes, ingest: Ingest, key: str | None
 ) -> JSONResponse:
     """Verify, parse, store, commit, then enqueue a due compaction (blocking: runs on a worker thread)."""
-    delivered_at = ingest.delivered_at(ctx, body)
+    dated = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     # Deliveries share one table with the page webhooks: the key is scoped by route and transcript.
     delivery_key = scoped_key("POST /v1/transcripts/{id}/messages", transcript_id, key, ingest.sender)
@@ -159,6 +159,7 @@ def accept_messages(
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
         # Before (the 409 says why, not a 422 about the erased state) and after (an erasure committed
         # while the write waited on the row it deleted).
+        delivered_at = dated(session)
         refuse_if_erased_since(session, transcript_id, delivered_at)
         result = append_messages(
             session,
@@ -231,11 +232,12 @@ def accept_settings(
     """A repeat with the same Idempotency-Key (which signatures sign; one is needed once v2 is off) gets
     the stored answer and changes nothing: a captured change of settings sent again within the
     signature's window undid the changes made after it."""
-    delivered_at = ingest.delivered_at(ctx, body)
+    dated = ingest.delivered_at(ctx, body)
     key = check_idempotency_key(key)
     data = load_json_object(body)
 
     def write(session: Session) -> tuple[Answer, list[tuple[int, str]]]:
+        delivered_at = dated(session)
         refuse_if_erased_since(session, transcript_id, delivered_at)  # before and after, as for appends
         _, trigger = update_settings(
             session, transcript_id, data, retrigger_seconds=ctx.settings.compaction_retrigger_seconds
