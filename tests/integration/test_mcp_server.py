@@ -147,3 +147,25 @@ def test_a_text_argument_that_reads_as_json_is_kept_as_text(database_url: str, f
         assert not searched.is_error  # a text that reads as a JSON list is text too
     finally:
         runtime.close()
+
+
+def test_stdio_an_append_over_the_body_cap_is_refused_and_stores_nothing(
+    database_url: str, factory: Any
+) -> None:
+    """Over HTTP the body cap (FACTMILL_MAX_BODY_BYTES) refuses a large append; over stdio nothing did,
+    and one message of hundreds of MB was stored, read whole later by each page of the transcript's
+    messages and by the compaction worker."""
+    from sqlalchemy import func, select
+
+    from models import TranscriptMessageRow
+    from tests.auth import new_key
+
+    runtime = make_runtime(database_url, factory, max_body_bytes=65_536)
+    server = stdio_server(runtime, new_key(factory, ["ingest"]))
+    big = {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "x" * 70_000}]}
+    with pytest.raises(ToolError, match="over the 65536-byte limit"):
+        anyio.run(server.call_tool, "append_transcript_messages", big)
+    small = {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "x" * 60_000}]}
+    anyio.run(server.call_tool, "append_transcript_messages", small)
+    with factory() as session:
+        assert session.scalar(select(func.count()).select_from(TranscriptMessageRow)) == 1  # the small one

@@ -163,6 +163,16 @@ def checked_transcript_id(transcript_id: str) -> str:
         raise ToolError(f"transcript_id: {exc}") from None
 
 
+def within_body_cap(what: str, encoded: bytes, cap: int) -> None:
+    """ToolError when ``encoded`` (a write's arguments as JSON) is over FACTMILL_MAX_BODY_BYTES, the API's
+    body cap: over HTTP the body cap refuses it, but over stdio nothing did, and one 300 MB message was
+    stored, to be read whole by every page of the transcript's messages and by the compaction worker."""
+    if len(encoded) > cap:
+        raise ToolError(
+            f"{what} is {len(encoded):,} bytes as JSON, over the {cap}-byte limit; send it in parts"
+        )
+
+
 __all__ = [
     "JSON_INTEGER",
     "MCP_APPEND",
@@ -183,4 +193,5 @@ __all__ = [
     "ToolCallIn",
     "checked_transcript_id",
     "refusals",
+    "within_body_cap",
 ]

@@ -75,6 +75,7 @@ from worker.mcp.inputs import (
     ToolCallIn,
     checked_transcript_id,
     refusals,
+    within_body_cap,
 )
 from worker.runtime import Runtime
 from worker.search import (
@@ -408,7 +409,9 @@ class FactmillTools:
         # raw body's digest, this one the arguments').
         scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
-        digest = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()  # refused when parsed
+        encoded = said.encode("utf-8", "surrogatepass")  # (a lone surrogate is refused when parsed)
+        within_body_cap("this append", encoded, self.runtime.settings.max_body_bytes)
+        digest = hashlib.sha256(encoded).hexdigest()
         with refusals():
             try:
                 parsed = parse_messages(raw)
