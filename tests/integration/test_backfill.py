@@ -276,12 +276,32 @@ def test_a_second_backfill_leaves_the_pages_a_first_still_extracts_to_it(factory
     assert request_statuses(factory, first) == {"done": 8}
 
 
+def test_a_backfill_planned_after_anothers_cancel_was_asked_takes_the_pages_it_never_sent(
+    factory, rt, sim, monkeypatch
+):
+    """The pages of a backfill whose cancel was asked but not yet run counted as in flight: one planned
+    then left them to it, the cancel never sent them, and both ended with those pages unextracted."""
+    seed_pages(factory, "bf", 2)
+    with monkeypatch.context() as patched:
+        patched.setattr(BackfillPass, "within_budget", lambda self, batch, estimate: False)
+        first, first_job = start(factory, "bf")
+        run_pass(rt, first_job)  # planned, nothing sent
+    assert request_statuses(factory, first) == {"pending": 8} and sim.stats()["batches"]["created"] == 0
+    with factory.begin() as session:
+        cancel_backfill(session, first)
+    second, second_job = start(factory, "bf")
+    assert drive(rt, second_job).status == "succeeded"
+    assert request_statuses(factory, second) == {"done": 8}
+    assert drive(rt, first_job).status == "succeeded"
+    assert backfill_report(factory, first)["status"] == "cancelled"
+
+
 def test_a_plan_stored_after_another_s_drops_the_pages_that_one_took(factory, rt, sim):
     """Each read the pages in flight before its planning, which can run for minutes: two planned at
     once both saw none, and both stored every page. The store checks again (one plan at a time, under
     an advisory lock; here the two stores run one after the other)."""
+    from worker.extraction.backfill_rows import PlannedBatch, PlannedRequest
     from worker.extraction.backfill_store import BackfillStore as Store
-    from worker.extraction.backfill_store import PlannedBatch, PlannedRequest
 
     [slug] = seed_pages(factory, "bf", 1)
     with factory() as session:

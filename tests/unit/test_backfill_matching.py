@@ -5,7 +5,7 @@ from __future__ import annotations
 from worker.core.checkpoint import PrefixHasher, segment_ends, segment_hash, with_leading_orphan
 from worker.core.conversation import parse_conversation_messages, split_into_segments
 from worker.extraction.backfill_matching import matching_run
-from worker.extraction.backfill_store import RequestRow
+from worker.extraction.backfill_rows import RequestRow
 from worker.extraction.planner import PagePlan
 
 

@@ -45,13 +45,8 @@ from worker.extraction.backfill_request import (
     BackfillSelection,
     BatchSendFailedError,
 )
-from worker.extraction.backfill_store import (
-    SEND_FAILED,
-    BackfillSegmentStore,
-    BackfillStore,
-    BatchRow,
-    RequestRow,
-)
+from worker.extraction.backfill_rows import BatchRow, RequestRow
+from worker.extraction.backfill_store import SEND_FAILED, BackfillSegmentStore, BackfillStore
 from worker.extraction.batch import MAX_BATCH_BYTES, MAX_BATCH_REQUESTS, batch_segment_result, segment_request
 from worker.extraction.committer import FactsCommitted, SegmentResults, one_at_a_time
 from worker.extraction.options import CheckpointConflictError, ExtractOptions

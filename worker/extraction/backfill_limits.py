@@ -20,7 +20,8 @@ from sqlalchemy import exists, func, or_, select, update
 
 from models import BackfillBatch
 from models.reads import read_only
-from worker.extraction.backfill_store import SEND_FAILED, BatchRow
+from worker.extraction.backfill_rows import BatchRow
+from worker.extraction.backfill_store import SEND_FAILED
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
 from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
 from worker.llm.errors import LLMError

@@ -12,7 +12,7 @@ from worker.core.conversation import (
     instant_micros,
     segment_of,
 )
-from worker.extraction.backfill_store import RequestRow
+from worker.extraction.backfill_rows import RequestRow
 from worker.extraction.planner import PagePlan
 
 

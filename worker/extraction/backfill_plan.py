@@ -11,7 +11,8 @@ from worker.core import progress
 from worker.core.checkpoint import segment_hash
 from worker.core.conversation import segment_bytes
 from worker.extraction.backfill_request import BackfillSelection
-from worker.extraction.backfill_store import BackfillStore, PlannedBatch, PlannedRequest
+from worker.extraction.backfill_rows import PlannedBatch, PlannedRequest
+from worker.extraction.backfill_store import BackfillStore
 from worker.extraction.batch import request_overhead_bytes
 from worker.extraction.planner import PagePlan
 from worker.extraction.service import ExtractionRun

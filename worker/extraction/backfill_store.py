@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -17,6 +17,7 @@ from models.reads import read_only
 from models.tables import PAGES
 from worker.accounting import Ledger
 from worker.core.conversation import Segment
+from worker.extraction.backfill_rows import BatchRow, PlannedBatch, RequestRow
 from worker.extraction.page_version import page_erased
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
@@ -54,47 +55,6 @@ class _Held:
     permanent: bool
     marking: tuple[int, str] | None
     page: PageVersion | None
-
-
-@dataclass(frozen=True)
-class PlannedRequest:
-    custom_id: str
-    page_id: int
-    slug: str
-    end_message: int
-    segment_hash: str
-
-
-@dataclass(frozen=True)
-class PlannedBatch:
-    key: str
-    provider: str
-    model: str
-    requests: Sequence[PlannedRequest]
-
-
-@dataclass(frozen=True)
-class BatchRow:
-    id: int
-    key: str  # its send key (BackfillBatch.send_key): what the provider knows its present copy by
-    status: str
-    provider_batch_id: str | None
-    # Seconds since its send last failed (SEND_FAILED in provider_status); None: no send failed.
-    since_failed_send: float | None = None
-    provider: str = ""  # where it was (or is to be) sent
-    submit_started_at: datetime | None = None  # when its (last) send began
-    provider_status: str | None = None  # the provider's last word on it (or why its send failed)
-
-
-@dataclass(frozen=True)
-class RequestRow:
-    id: int
-    custom_id: str
-    page_id: int
-    slug: str
-    end_message: int
-    segment_hash: str
-    status: str
 
 
 # A plan's requests go in this many a statement (each a multi-row INSERT the driver pages).
@@ -332,7 +292,10 @@ class BackfillStore:
     ) -> set[int]:
         """The pages another unfinished backfill (not ``but``) still has pending requests for (with
         ``sent_only``, in batches whose send began); not one whose job failed or is gone (nothing runs
-        it: its pages would be held from every later one)."""
+        it: its pages would be held from every later one), nor the unsent batches of one whose cancel
+        was asked (they never go: a backfill planned before that cancel's pass left their pages, and
+        both ended with them unextracted)."""
+        sent = BackfillBatch.status.in_(("submitting", "submitted"))
         query = (
             select(BackfillRequest.page_id)
             .join(BackfillBatch, BackfillBatch.id == BackfillRequest.batch_id)
@@ -342,14 +305,13 @@ class BackfillStore:
                 BackfillBatch.backfill_id != but,
                 Backfill.status.not_in(("done", "cancelled")),
                 Backfill.id.not_in(_JOBLESS_BACKFILLS),
+                or_(Backfill.cancel_requested.is_(False), sent),
             )
             .distinct()
         )
         if sent_only:
-            query = query.where(BackfillBatch.status.in_(("submitting", "submitted")))
-        if session is not None:
-            return set(session.scalars(query))
-        with read_only(self._factory) as reading:
+            query = query.where(sent)
+        with nullcontext(session) if session is not None else read_only(self._factory) as reading:
             return set(reading.scalars(query))
 
     def pending_requests(self, batch_id: int) -> list[RequestRow]:
