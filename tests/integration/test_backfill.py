@@ -1129,6 +1129,14 @@ def test_the_batches_of_a_backfill_whose_job_failed_are_not_counted_in_flight(fa
     with factory.begin() as session:  # a batch the provider got runs and is billed: still counted
         session.execute(update(BackfillBatch).values(status="submitted", provider_batch_id="sim-batch_sent"))
     assert BackfillStore(factory).in_flight_estimate() > 0
+    # Past the provider's window it ended and was billed on its day; nothing collects it: counted for
+    # good, it held every other backfill under every later day's budget.
+    with factory.begin() as session:
+        session.execute(update(BackfillBatch).values(submitted_at=func.now() - timedelta(hours=26)))
+    assert BackfillStore(factory).in_flight_estimate() == 0
+    with factory.begin() as session:  # while a job runs the backfill, it collects it: counted till then
+        session.execute(update(Job).where(Job.id == job_id).values(status="queued"))
+    assert BackfillStore(factory).in_flight_estimate() > 0
 
 
 @pytest.mark.parametrize("retryable", [False, True])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, func, or_, select, update
@@ -23,7 +22,7 @@ from models.reads import read_only
 from worker.extraction.backfill_rows import BatchRow
 from worker.extraction.backfill_store import SEND_FAILED
 from worker.extraction.provider_copies import ProviderCopies, discard_batch
-from worker.llm.batch_api import BatchItem, BatchLLMClient, BatchStatus
+from worker.llm.batch_api import PROVIDER_WINDOW, BatchItem, BatchLLMClient, BatchStatus
 from worker.llm.errors import LLMError
 from worker.llm.types import ChatRequest
 
@@ -35,7 +34,6 @@ logger = logging.getLogger(__name__)
 QUEUED_LIMIT_CODES = ("token_limit_exceeded",)
 OVER_QUEUED_LIMIT = "over the provider's queued-token limit"
 MAX_LIMIT_FAILURES = 3
-PROVIDER_WINDOW_HOURS = 25  # a batch's completion window (24 h), and an hour's margin
 
 
 def failed_over_queued_limit(status: BatchStatus) -> bool:
@@ -116,9 +114,10 @@ def waits_for_room(run: BackfillPass) -> bool:
     # alone); another's only for a day from its send, the provider's completion window (one whose job
     # failed, or cannot reach its batches, collects nothing: counted for good, it held every backfill's
     # sends at the provider; its batch's queued tokens are freed when the provider ends it).
-    recent = func.coalesce(
-        BackfillBatch.submitted_at, BackfillBatch.submit_started_at
-    ) > func.now() - timedelta(hours=PROVIDER_WINDOW_HOURS)
+    recent = (
+        func.coalesce(BackfillBatch.submitted_at, BackfillBatch.submit_started_at)
+        > func.now() - PROVIDER_WINDOW
+    )
     counted = (BackfillBatch.provider == run.deps.client.provider) & (
         (BackfillBatch.backfill_id == run.backfill.id) | recent
     )

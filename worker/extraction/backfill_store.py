@@ -22,6 +22,7 @@ from worker.extraction.page_version import page_erased
 from worker.extraction.rows import SegmentPlace, call_records
 from worker.extraction.segments import Attempt
 from worker.extraction.store import ExtractionStore, PageVersion
+from worker.llm.batch_api import PROVIDER_WINDOW
 
 OPEN_BATCHES = ("planned", "submitting", "submitted")
 _SENT_NOW = {"submitted_at": func.now(), "provider_status": None}  # (a failed send's word goes: sent now)
@@ -268,14 +269,19 @@ class BackfillStore:
 
     def in_flight_estimate(self, backfill_id: int | None = None, *, but: int | None = None) -> Decimal:
         """What the batches sent and not yet collected (of one backfill, or of all; ``but`` one) may still
-        cost. Not one whose send kept failing when its job then failed: nothing sends it again (counted
-        for good, it held every other backfill's batches under a day budget)."""
-        # A sent batch stays counted (the provider runs it and bills it, collected or not).
-        stranded = and_(
-            BackfillBatch.status == "submitting",
-            BackfillBatch.provider_batch_id.is_(None),
-            func.coalesce(BackfillBatch.provider_status, "").startswith(SEND_FAILED),
-            BackfillBatch.backfill_id.in_(_JOBLESS_BACKFILLS),
+        cost. Of a backfill whose job failed (or is gone), nothing collects them: not one whose send kept
+        failing (nothing sends it again), nor one sent past the provider's window (it ended and was
+        billed that day); counted for good, they held every other backfill's batches under every later
+        day's budget."""
+        # A sent batch stays counted while the provider may run it and bill it, collected or not.
+        sent_at = func.coalesce(BackfillBatch.submitted_at, BackfillBatch.submit_started_at)
+        stranded = BackfillBatch.backfill_id.in_(_JOBLESS_BACKFILLS) & or_(
+            and_(
+                BackfillBatch.status == "submitting",
+                BackfillBatch.provider_batch_id.is_(None),
+                func.coalesce(BackfillBatch.provider_status, "").startswith(SEND_FAILED),
+            ),
+            sent_at < func.now() - PROVIDER_WINDOW,
         )
         query = select(func.coalesce(func.sum(BackfillBatch.estimated_cost_usd), 0)).where(
             BackfillBatch.status.in_(("submitting", "submitted")),

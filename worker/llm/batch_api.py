@@ -56,6 +56,9 @@ FIND_LIMIT = 1000
 # time on) is not the one sought: clocks differ, and a create that timed out may have been made minutes
 # away from it. (Batches the same backfill sent within the margin still count: undecided until they end.)
 FIND_MARGIN = timedelta(minutes=30)
+# A batch's completion window at the providers (24 h), and an hour's margin: past it, the provider has
+# ended the batch (done or expired) and billed what ran.
+PROVIDER_WINDOW = timedelta(hours=25)
 
 
 class BatchLLMClient(Protocol):
