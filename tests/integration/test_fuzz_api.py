@@ -330,7 +330,7 @@ def test_a_key_limited_to_one_source_reads_and_changes_nothing_outside_it(
     assert outside_the_source(factory) == before
 
 
-LIMITED_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(1, EXAMPLES_PER_OPERATION // 2))
+LIMITED_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(1, EXAMPLES_PER_OPERATION // 4))
 
 
 # The seeded rows' own addresses: generated path parameters essentially never name them, so the reads
