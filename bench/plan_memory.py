@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from sqlalchemy.orm import Session  # noqa: E402
 
 from models import BackfillRequest  # noqa: E402
-from worker.extraction.backfill_store import PlannedRequest  # noqa: E402
+from worker.extraction.backfill_rows import PlannedRequest  # noqa: E402
 
 KEY = "fm1a2b3c4db12n0"
 
