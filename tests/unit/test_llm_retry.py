@@ -541,6 +541,12 @@ def test_timeouts_and_connection_errors_retry(exc: Exception) -> None:
     assert classify(exc).retryable
 
 
+def wrapped(exc: Exception, cause: Exception) -> Exception:
+    """``exc`` raised from ``cause``, as the SDKs raise their timeout error from the HTTP library's."""
+    exc.__cause__ = cause
+    return exc
+
+
 @pytest.mark.parametrize(
     ("exc", "away"),
     [
@@ -549,6 +555,12 @@ def test_timeouts_and_connection_errors_retry(exc: Exception) -> None:
         (httpx2.ConnectError("refused"), True),
         (openai.APITimeoutError(request=HTTP_REQUEST), False),
         (httpx2.ReadTimeout("slow"), False),
+        # A host that drops connections: the connect times out, no request reached it (each job spent
+        # its attempts, a compaction failed at once, where a refused connect waited out the outage).
+        (httpx2.ConnectTimeout("dropped"), True),
+        (wrapped(openai.APITimeoutError(request=HTTP_REQUEST), httpx2.ConnectTimeout("dropped")), True),
+        (wrapped(anthropic.APITimeoutError(request=HTTP_REQUEST), httpx2.ConnectTimeout("dropped")), True),
+        (wrapped(openai.APITimeoutError(request=HTTP_REQUEST), httpx2.ReadTimeout("slow")), False),
     ],
 )
 def test_an_unreachable_provider_is_an_outage_and_a_timeout_is_the_calls_own(

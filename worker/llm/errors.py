@@ -131,8 +131,9 @@ def provider_unavailable(exc: BaseException) -> bool:
     """The provider cannot serve now (429, 5xx, 529, or no connection to it: refused, reset, no DNS
     answer) and the retry layer's patience ran out: an outage, infrastructure's fault, not the job's.
     A network blip of two minutes spent every job in flight's five attempts. Timeouts (408 too) are
-    not: a request too large to finish in time fails the same way on every try. (A base URL that does
-    not resolve is unreachable too: its jobs wait on their outage clock before failing.)"""
+    not: a request too large to finish in time fails the same way on every try; but a connect that timed
+    out is unreachable (no request reached the provider). (A base URL that does not resolve is
+    unreachable too: its jobs wait on their outage clock before failing.)"""
     if not isinstance(exc, LLMError) or exc.deployment_fault:
         return False
     # By the status, not ``retryable``: a provider's x-should-retry says whether to try again now, not
@@ -362,6 +363,11 @@ def classify(exc: BaseException) -> Classification:
             exc.code,
             exc.unreachable,
         )
+    # A connect that timed out (a host that drops connections: a dropped route, a firewall) reached no
+    # provider, as a refused one did not: an outage, not the call's own timeout. The SDKs wrap it.
+    never_connected = _loaded_errors(HTTP_LIBRARIES, "ConnectTimeout")
+    if isinstance(exc, never_connected) or isinstance(exc.__cause__, never_connected):
+        return Classification(True, None, None, f"could not reach the provider: {exc}", unreachable=True)
     timeouts = (*_loaded_errors(SDKS, "APITimeoutError"), *_loaded_errors(HTTP_LIBRARIES, "TimeoutException"))
     if isinstance(exc, timeouts):
         return Classification(True, None, None, f"the provider timed out: {exc}")
