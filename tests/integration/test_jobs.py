@@ -281,6 +281,16 @@ def test_claims_are_exclusive_until_the_heartbeat_goes_stale(tx_factory):
     assert finish(tx_factory, job_id, "w1", "failed") is None and job(tx_factory, job_id).status == "running"
 
 
+def test_a_claimed_paused_job_shows_no_pause_reason(tx_factory):
+    """A paused job's reason (budget, kill_switch) stayed beside "running" once a message claimed it."""
+    job_id = new_job(tx_factory)
+    claim(tx_factory, job_id, "w1", stale_after=60, budgets=BUDGETS)
+    finish(tx_factory, job_id, "w1", "paused", last_error="the day's budget is spent", pause_reason="budget")
+    assert job(tx_factory, job_id).pause_reason == "budget"
+    taken = claim(tx_factory, job_id, "w2", stale_after=60, budgets=BUDGETS)
+    assert taken is not None and (taken.status, taken.pause_reason) == ("running", None)
+
+
 def test_the_sweeper_requeues_dead_workers_jobs_and_resumes_switched_on_pauses(tx_factory):
     dead = new_job(tx_factory, "default|dead")
     claim(tx_factory, dead, "w1", stale_after=60, budgets=BUDGETS)
@@ -751,6 +761,31 @@ def test_a_message_whose_job_cannot_be_claimed_for_the_database_is_sent_again_la
         assert run_job(rt, 1, EXTRACTION).status == "unclaimed"
     finally:
         nowhere.dispose()
+
+
+def test_a_claimed_job_whose_switch_cannot_be_read_is_requeued_not_left_running(factory, database_url):
+    """The kill switch is read after the claim commits: a database gone then (the switch's cached value
+    expired) raised out of the run, the message was acked and the job left running under a lease no one
+    beat, until the sweeper counted it a worker loss."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.config_store import ConfigReader
+    from worker.jobs.lifecycle import run_job
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    job_id = new_job(factory)
+    nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+    away = ConfigReader(sessionmaker(nowhere), ttl=0)  # the switch's read meets the outage
+    rt = Runtime(settings=Settings(database_url=database_url), factory=factory, config=away)
+    try:
+        outcome = run_job(rt, job_id, EXTRACTION)
+    finally:
+        nowhere.dispose()
+    assert outcome.status in ("retry", "requeue"), outcome
+    found = job(factory, job_id)
+    assert (found.status, found.worker, found.attempts) == ("queued", None, 0)
 
 
 def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(factory):

@@ -136,6 +136,7 @@ _CLAIM = (
         heartbeat_at=func.now(),
         started_at=func.coalesce(JOBS.c.started_at, func.now()),
         last_error=None,
+        pause_reason=None,  # a paused job's (budget, kill_switch): shown beside "running" with no note
         options=_CLAIMED_OPTIONS,
     )
     .returning(*JOBS.c)
