@@ -167,5 +167,10 @@ def test_stdio_an_append_over_the_body_cap_is_refused_and_stores_nothing(
         anyio.run(server.call_tool, "append_transcript_messages", big)
     small = {"transcript_id": "agent-1", "messages": [{"role": "user", "text": "x" * 60_000}]}
     anyio.run(server.call_tool, "append_transcript_messages", small)
+    # Measured as a client sends it (compact JSON, as the API's body is): with Python's ", " separators a
+    # call's 25,000 arguments were 75 KB, refused, where the API took their 50 KB.
+    call = {"id": "c1", "name": "lookup", "arguments": {"xs": [1] * 25_000}}
+    spaced = {"transcript_id": "agent-1", "messages": [{"role": "assistant", "tool_calls": [call]}]}
+    anyio.run(server.call_tool, "append_transcript_messages", spaced)
     with factory() as session:
-        assert session.scalar(select(func.count()).select_from(TranscriptMessageRow)) == 1  # the small one
+        assert session.scalar(select(func.count()).select_from(TranscriptMessageRow)) == 2  # not the big one

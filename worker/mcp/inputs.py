@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from worker.extraction.facts import ENTITY_CURSOR_PATTERN, EntityNameError, Fact
 from worker.extraction.pages import MAX_SLUG_INPUT_LENGTH
 from worker.llm.errors import BudgetExhaustedError
 from worker.search import BUDGET_SPENT, EmbeddingFailedError, SearchError
+from worker.settings import Settings
 
 Text = Annotated[str, After(storable_text)]
 EntityCursor = Annotated[
@@ -163,14 +165,17 @@ def checked_transcript_id(transcript_id: str) -> str:
         raise ToolError(f"transcript_id: {exc}") from None
 
 
-def within_body_cap(what: str, encoded: bytes, cap: int) -> None:
-    """ToolError when ``encoded`` (a write's arguments as JSON) is over FACTMILL_MAX_BODY_BYTES, the API's
-    body cap: over HTTP the body cap refuses it, but over stdio nothing did, and one 300 MB message was
-    stored, to be read whole by every page of the transcript's messages and by the compaction worker."""
-    if len(encoded) > cap:
-        raise ToolError(
-            f"{what} is {len(encoded):,} bytes as JSON, over the {cap}-byte limit; send it in parts"
-        )
+def within_body_cap(what: str, arguments: dict[str, Any], settings: Settings) -> None:
+    """ToolError when ``arguments`` (a write's), as compact JSON without what is unset, are over
+    FACTMILL_MAX_BODY_BYTES, the API's body cap: over HTTP the body cap refuses the request, but over
+    stdio nothing did, and one 300 MB message was stored, to be read whole by every page of the
+    transcript's messages and by the compaction worker. (Measured as a client sends it: with Python's
+    spaced separators an append the API takes was refused here.)"""
+    sent = {name: value for name, value in arguments.items() if value is not None}
+    size = len(json.dumps(sent, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    cap = settings.max_body_bytes
+    if size > cap:
+        raise ToolError(f"{what} is {size:,} bytes as JSON, over the {cap}-byte limit; send it in parts")
 
 
 __all__ = [

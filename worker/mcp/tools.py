@@ -409,9 +409,8 @@ class FactmillTools:
         # raw body's digest, this one the arguments').
         scoped = scoped_key(MCP_APPEND, transcript_id, key, self.principal().sender)
         said = json.dumps({"messages": raw, "settings": settings}, sort_keys=True, ensure_ascii=False)
-        encoded = said.encode("utf-8", "surrogatepass")  # (a lone surrogate is refused when parsed)
-        within_body_cap("this append", encoded, self.runtime.settings.max_body_bytes)
-        digest = hashlib.sha256(encoded).hexdigest()
+        within_body_cap("this append", {"messages": raw, "settings": settings}, self.runtime.settings)
+        digest = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()  # refused when parsed
         with refusals():
             try:
                 parsed = parse_messages(raw)
