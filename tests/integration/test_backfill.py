@@ -296,6 +296,27 @@ def test_a_backfill_planned_after_anothers_cancel_was_asked_takes_the_pages_it_n
     assert backfill_report(factory, first)["status"] == "cancelled"
 
 
+def test_a_cancel_asked_while_a_send_is_prepared_sends_nothing(factory, rt, sim, monkeypatch):
+    """The pass read the cancel, then rebuilt the batch's requests (up to 50,000 from their pages) and
+    began the send without reading it again: a backfill planned after the cancel took the same pages
+    (both paid), or left them to this one, which then cancelled them unextracted."""
+    seed_pages(factory, "bf", 2)
+    backfill_id, job_id = start(factory, "bf")
+    rebuild = BackfillPass.requests_to_send
+
+    def cancelled_meanwhile(self: BackfillPass, batch: Any) -> Any:
+        requests = rebuild(self, batch)
+        with factory.begin() as session:
+            cancel_backfill(session, backfill_id)
+        return requests
+
+    monkeypatch.setattr(BackfillPass, "requests_to_send", cancelled_meanwhile)
+    assert drive(rt, job_id).status == "succeeded"
+    assert sim.stats()["batches"]["created"] == 0
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert request_statuses(factory, backfill_id) == {"cancelled": 8}
+
+
 def test_a_plan_stored_after_another_s_drops_the_pages_that_one_took(factory, rt, sim):
     """Each read the pages in flight before its planning, which can run for minutes: two planned at
     once both saw none, and both stored every page. The store checks again (one plan at a time, under

@@ -201,7 +201,8 @@ class BackfillPass:
         self.run.check_switch()  # switched off during a pass: the job pauses and this batch waits, unsent
         self.deps.guard()
         # Committed before the provider hears of it; counted against the budgets until collected. Not
-        # when another run recorded its send meanwhile (it is sent: this run has nothing to do).
+        # when another run recorded its send meanwhile (it is sent: this run has nothing to do), nor once
+        # a cancel was asked (the pass's next look at it cancels the batch).
         began = self.store.set_batch(
             batch.id,
             unsent_only=True,

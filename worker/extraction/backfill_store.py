@@ -403,7 +403,10 @@ class BackfillStore:
     def set_batch(self, batch_id: int, *, unsent_only: bool = False, **values: Any) -> bool:
         """Move a batch on (submit_started_at, provider_batch_id, status...) and commit at once; with
         ``unsent_only``, only while no run has recorded its send and it is not cancelled or finished.
-        Whether it was moved."""
+        Whether it was moved. A send begins ("submitting") only while no cancel of its backfill was asked,
+        read under the backfill row FOR SHARE, which a cancel locks FOR UPDATE: a cancel asked during the
+        pass's work before the send (its requests rebuilt) let the batch go, while a backfill planned
+        after the cancel took its pages too (both paid), or left them to it (then cancelled unextracted)."""
         timestamps = {
             "submitting": "submit_started_at",
             "submitted": "submitted_at",
@@ -416,6 +419,13 @@ class BackfillStore:
         if unsent_only:
             which += [BackfillBatch.provider_batch_id.is_(None), BackfillBatch.status.in_(UNSENT)]
         with self._factory.begin() as session:
+            if values.get("status") == "submitting" and session.scalar(
+                select(Backfill.cancel_requested)
+                .join(BackfillBatch, BackfillBatch.backfill_id == Backfill.id)
+                .where(BackfillBatch.id == batch_id)
+                .with_for_update(read=True, of=Backfill)
+            ):
+                return False
             moved = session.execute(
                 update(BackfillBatch).where(*which).values(**values).returning(BackfillBatch.id)
             ).first()
