@@ -625,3 +625,18 @@ def test_a_page_stored_under_a_source_id_no_longer_accepted_can_still_be_erased(
     assert_422(refused, "printable text")
     erased = api.delete(f"/v1/pages/{quote(source, safe='')}/notes/a", headers=ADMIN_HEADERS)
     assert erased.status_code == 200, erased.text
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/pages", {"pages": []}),
+        ("/v1/transcripts/t1/messages", {"messages": [{"role": "user", "text": "hi"}]}),
+    ],
+)
+def test_many_unexpected_fields_are_refused_in_a_short_answer(api: TestClient, path: str, extra: Any) -> None:
+    """Every unexpected name was listed: 50,000 of them (or one of a megabyte) came back as a megabyte."""
+    for fields in ({f"k{n}": 1 for n in range(50_000)}, {"x" * 500_000: 1}):
+        answer = signed(api, path, json.dumps(extra | fields).encode())
+        assert_422(answer, "unexpected field(s)")
+        assert len(answer.text) < 1000, answer.text[:300]

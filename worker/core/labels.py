@@ -11,6 +11,7 @@ rule accepts (Python 3.11's ``unicodedata`` is Unicode 14; a regex engine may kn
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Sequence
 
 # What str.strip() removes (str.isspace), spelled out: ECMA's \s is a different set.
 _SPACES = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -51,6 +52,21 @@ def quoted(value: object) -> str:
     """``repr(value)`` clipped (long text to 80 characters, long lists to 6 items) for an error that
     quotes what a client sent: quoted whole, a 1 MB value came back as a 1 MB error."""
     return _QUOTED.repr(value)
+
+
+def listed_names(names: Sequence[str], shown: int = 6) -> str:
+    """Names a client sent (unknown fields, settings), for a refusal: the first ``shown``, each as it is
+    when short printable text, else quoted, clipped and escaped (a lone surrogate, raw, made the refusal
+    impossible to encode), then how many more. Listed whole, 100,000 names (or one of a megabyte) came
+    back as a megabyte of error."""
+
+    def shown_as(name: str) -> str:
+        if len(name) <= 80 and name.isprintable():
+            return name
+        return quoted(name).encode("ascii", "backslashreplace").decode()
+
+    listed = ", ".join(map(shown_as, names[:shown]))
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 MAX_SOURCE_ID_LENGTH = 200

@@ -16,7 +16,7 @@ from worker.core.compaction import (
     TranscriptMessage,
 )
 from worker.core.jsonvalues import json_integer, not_json, text_problem
-from worker.core.labels import is_word_label, quoted
+from worker.core.labels import is_word_label, listed_names, quoted
 
 MAX_TRANSCRIPT_ID_LENGTH: Final = 200
 MAX_MESSAGES_PER_REQUEST: Final = 10_000
@@ -26,7 +26,6 @@ MAX_TOOL_CALL_ID_LENGTH: Final = 200
 MAX_TOOL_NAME_LENGTH: Final = 200
 MAX_INSTRUCTIONS_LENGTH: Final = 8_000
 MAX_TOKEN_SETTING: Final = 100_000_000
-SHOWN_NAMES: Final = 6  # unknown setting names a refusal lists
 SETTING_NAMES: Final = (
     "context_window",
     "reserve_tokens",
@@ -235,17 +234,8 @@ def clean_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a partial settings update; returns the columns to set. Unknown names are an error."""
     unknown = sorted(set(changes) - set(SETTING_NAMES))
     if unknown:
-        # A name that is no text (a lone surrogate: the MCP tool's settings are a parsed dict, unchecked)
-        # is shown escaped: raw, the refusal could not be encoded, and the MCP reply carrying it failed.
-        # A long one is clipped, and many are the first few: whole, a 1 MB name (or 100,000 short ones)
-        # came back as a 1 MB error.
-        shown = ", ".join(
-            name
-            if text_problem(name) is None and len(name) <= 80
-            else quoted(name).encode("ascii", "backslashreplace").decode()
-            for name in unknown[:SHOWN_NAMES]
-        ) + (f" and {len(unknown) - SHOWN_NAMES} more" if len(unknown) > SHOWN_NAMES else "")
-        raise TranscriptError(f"unknown setting(s) {shown}; use {', '.join(SETTING_NAMES)}")
+        # (The MCP tool's settings are a parsed dict, unchecked: a name may be no text at all.)
+        raise TranscriptError(f"unknown setting(s) {listed_names(unknown)}; use {', '.join(SETTING_NAMES)}")
     cleaned: dict[str, Any] = {}
     for name, value in changes.items():
         if name == "context_window":

@@ -31,6 +31,7 @@ from worker.api.deps import (
 )
 from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.api.inputs import StorableStr, page_address
+from worker.core.labels import listed_names
 from worker.core.slugs import stored_form
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.extraction.erase import erase_page, no_page_to_erase
@@ -96,7 +97,7 @@ def _page_items(data: Any) -> tuple[list[Any], bool]:
     elif isinstance(data, dict) and "pages" in data:
         others = sorted(set(data) - {"pages"})
         if others:
-            raise ApiError(422, f"unexpected field(s) next to 'pages': {', '.join(others)}")
+            raise ApiError(422, f"unexpected field(s) next to 'pages': {listed_names(others)}")
         items = data["pages"]
         if not isinstance(items, list):
             raise ApiError(422, "pages: must be a list of page objects")

@@ -76,7 +76,7 @@ from worker.compaction.erase import (
 )
 from worker.compaction.views import measured_coverage
 from worker.core.compaction import TranscriptMessage
-from worker.core.labels import WORD_LABEL_PATTERN
+from worker.core.labels import WORD_LABEL_PATTERN, listed_names
 from worker.core.transcripts import MAX_TRANSCRIPT_ID_LENGTH
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.jobs import outbox
@@ -125,7 +125,8 @@ def _parse_append(data: dict[str, Any]) -> tuple[list[TranscriptMessage], dict[s
     """The messages and the settings of an append body (422 naming what is wrong)."""
     unknown = sorted(set(data) - {"messages", "settings"})
     if unknown:
-        raise ApiError(422, f"unexpected field(s) {', '.join(unknown)}; send messages and optional settings")
+        fields = listed_names(unknown)
+        raise ApiError(422, f"unexpected field(s) {fields}; send messages and optional settings")
     if "messages" not in data:
         raise ApiError(422, 'messages: required; send {"messages": [{"role": ..., "text": ...}]}')
     settings = data.get("settings")
