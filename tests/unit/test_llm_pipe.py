@@ -415,7 +415,7 @@ def test_a_retry_of_skipped_segments_takes_a_slot_of_the_pipe() -> None:
     try:
         busy = pipe.open(1, lambda _: counted("other page", wait=True), window=1)
         extraction = OnlineExtraction(SimpleNamespace(), llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
-        extraction.call = lambda label, segment: counted(f"retried {segment}", wait=False)  # type: ignore[method-assign]
+        extraction.call = lambda label, segment, abandoned: counted(f"retried {segment}", wait=False)  # type: ignore[method-assign]
         answers: list[str] = []
         retry = threading.Thread(target=lambda: answers.append(extraction.piped_call("page", 7)))  # type: ignore[arg-type]
         retry.start()
@@ -777,11 +777,21 @@ def test_a_retry_of_skipped_segments_waits_for_its_call_only_while_a_stops_grace
     pipe = LLMPipe(1)
     try:
         extraction = OnlineExtraction(SimpleNamespace(), llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
-        extraction.call = lambda label, segment: slow.wait(WAIT) and "late"  # type: ignore[method-assign]
+        told: list[bool] = []
+
+        def call(label: str, segment: int, abandoned: Callable[[], bool]) -> str:
+            slow.wait(WAIT)
+            told.append(abandoned())  # what it asks before another attempt
+            return "late"
+
+        extraction.call = call  # type: ignore[method-assign]
         threading.Timer(0.3 + grace + 3.0, slow.set).start()  # well past the exit
         with pytest.raises(WorkerStoppingError):
             extraction.piped_call("page", 7)  # type: ignore[arg-type]
         assert not slow.is_set(), "released within the grace, not once the call ended"
+        slow.set()
+        pipe.close()  # the call ends: it was told its job let it go (it starts no other paid attempt)
+        assert told == [True]
     finally:
         slow.set()
         pipe.close()

@@ -145,18 +145,25 @@ class OnlineExtraction:
         """``call`` in one of the pipe's slots: a retry of skipped segments ran on the job's own thread,
         past the process's FACTMILL_LLM_CONCURRENCY (64 job threads could add 64 calls to a provider
         limit the setting matched)."""
-        feed: Feed[SegmentResult] = self.pipe.open(1, lambda _: self.call(label, segment), window=1)
+        abandoned = threading.Event()  # set, the call starts no other attempt (a retry, a repair turn)
+        feed: Feed[SegmentResult] = self.pipe.open(
+            1, lambda _: self.call(label, segment, abandoned.is_set), window=1
+        )
         try:
             # As a page's wait: a stopping worker waits only while its grace lasts (waited through it,
             # the exit left the job unreleased, a worker loss, its paid attempts unrecorded).
             taken = feed.take(patience=_stop_patience)
-        except WaitOverError:
-            feed.close(timeout=0)  # the call still out: its attempts are the next run's to make again
-            raise WorkerStoppingError() from None
         except BaseException as stopped:  # (SIGTERM in the CLI): the call in flight finishes, paid for
-            paid = [r for r in map(_paid_result, feed.close(patience=_stop_patience)) if r is not None]
+            abandoned.set()
+            if isinstance(stopped, WaitOverError):  # what ended meanwhile is recorded; the rest is left
+                stopped, left = WorkerStoppingError(), feed.close(timeout=0)
+            else:
+                left = feed.close(patience=_stop_patience)
+            paid = [result for result in map(_paid_result, left) if result is not None]
             if paid:  # the caller records its attempts, then raises on
                 raise SegmentAbortedError(paid[0].attempts, stopped) from stopped
+            if isinstance(stopped, WorkerStoppingError):
+                raise stopped from None  # (the wait that ran out)
             raise
         feed.close()
         [outcome] = taken
