@@ -640,3 +640,24 @@ def test_many_unexpected_fields_are_refused_in_a_short_answer(api: TestClient, p
         answer = signed(api, path, json.dumps(extra | fields).encode())
         assert_422(answer, "unexpected field(s)")
         assert len(answer.text) < 1000, answer.text[:300]
+
+
+HUGE_FIELDS = [{f"k{n}": 1 for n in range(50_000)}, {"x" * 500_000: 1}]
+
+
+@pytest.mark.parametrize("fields", HUGE_FIELDS, ids=["many", "long"])
+def test_unknown_fields_inside_a_message_a_tool_call_or_a_page_are_refused_in_a_short_answer(
+    api: TestClient, fields: dict[str, int]
+) -> None:
+    """The top level's were listed short; a message's, a tool call's and a page object's were not (the
+    422 carried them twice: about 1.6 MB)."""
+    call = {"id": "c1", "name": "lookup", "arguments": {}}
+    bodies = [
+        ("/v1/transcripts/t1/messages", {"messages": [{"role": "user", "text": "hi"} | fields]}),
+        ("/v1/transcripts/t1/messages", {"messages": [{"role": "assistant", "tool_calls": [call | fields]}]}),
+        ("/v1/pages", {"pages": [{"source_id": "default", "slug": "p", "compiled_truth": "x"} | fields]}),
+    ]
+    for path, body in bodies:
+        answer = signed(api, path, json.dumps(body).encode())
+        assert answer.status_code == 422, answer.text[:300]
+        assert len(answer.text) < 10_000, (path, answer.text[:300])  # bounded, whatever was sent

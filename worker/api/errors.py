@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.bodycap import BodyReadTimeoutError, BodyTooLargeError, too_large_detail, too_slow_detail
+from worker.core.labels import quoted
 from worker.deliveries import DeliveryKeyReusedError
 from worker.guards import request_id_of, route_template, unexpected_answer
 
@@ -46,7 +47,9 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 def location(loc: tuple[Any, ...] | list[Any]) -> str:
-    return ".".join(str(part) for part in loc) or "body"
+    """Pydantic's location as ``a.b.0``; a part longer than a name is quoted clipped (an unexpected key of
+    a megabyte came back whole, twice)."""
+    return ".".join(part if len(part) <= 80 else quoted(part) for part in map(str, loc)) or "body"
 
 
 def problems_of(errors: Iterable[Mapping[str, Any]], prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:

@@ -71,7 +71,7 @@ def _tool_call(index: int, position: int, raw: object) -> ToolCall:
     unknown = sorted(set(raw) - {"id", "name", "arguments", "type"})
     if unknown:
         raise MessageError(
-            index, f"{where} has unknown field(s) {', '.join(unknown)}; use id, name, arguments"
+            index, f"{where} has unknown field(s) {listed_names(unknown)}; use id, name, arguments"
         )
     call_id, name, arguments = raw.get("id"), raw.get("name"), raw.get("arguments", "{}")
     if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_TOOL_CALL_ID_LENGTH:
@@ -110,7 +110,7 @@ def parse_message(index: int, raw: Mapping[str, Any]) -> TranscriptMessage:
     if unknown:
         hint = " (a message's words go in text)" if "content" in unknown else ""
         raise MessageError(
-            index, f"unknown field(s) {', '.join(unknown)}; use {', '.join(MESSAGE_FIELDS)}{hint}"
+            index, f"unknown field(s) {listed_names(unknown)}; use {', '.join(MESSAGE_FIELDS)}{hint}"
         )
     role = raw.get("role")
     if role is not None and not isinstance(role, str):  # a list or an object is unhashable: no set test
