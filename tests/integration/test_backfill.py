@@ -311,7 +311,7 @@ def test_a_cancel_asked_while_a_send_is_prepared_sends_nothing(factory, rt, sim,
         return requests
 
     monkeypatch.setattr(BackfillPass, "requests_to_send", cancelled_meanwhile)
-    assert drive(rt, job_id).status == "succeeded"
+    assert run_pass(rt, job_id).status == "succeeded", "cancelled in this pass, not at a later poll"
     assert sim.stats()["batches"]["created"] == 0
     assert backfill_report(factory, backfill_id)["status"] == "cancelled"
     assert request_statuses(factory, backfill_id) == {"cancelled": 8}

@@ -212,6 +212,8 @@ class BackfillPass:
             model=client.model,
         )
         if not began:
+            if self.cancelling():  # cancelled now, not at the next poll (the job paused "waiting")
+                self.cancel(batch)
             return True
         try:
             provider_id = client.submit(list(requests.items()), key=batch.key)

@@ -288,8 +288,8 @@ def _work(rt: Runtime, lease: Lease, spec: JobKind, operator: OperatorRun | None
     override_switch = operator is not None and operator.override_switch
     try:
         switched_off = not override_switch and not rt.config.enabled(spec.switch)
-    except Exception as exc:  # (the database away past the cache): sorted as the work's errors are;
-        return result_for_error(spec, exc)  # raised, the message was acked and the lease left to go stale
+    except Exception as exc:  # (a pool timeout, a blip): sorted as the work's errors are; raised, the
+        return result_for_error(spec, exc)  # message was acked and the lease left to go stale
     if switched_off and spec.while_switched_off is None:
         return WorkResult("paused", note=paused_reason(spec.switch), pause_reason=KILL_SWITCH)
     work = spec.while_switched_off if switched_off and spec.while_switched_off else spec.work
