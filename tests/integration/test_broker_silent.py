@@ -9,10 +9,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from models import Job
 from worker.api.deps import celery_sender_for
 from worker.jobs.celery_app import celery_config
+from worker.jobs.outbox import EXTRACTION, request_job
 from worker.jobs.sending import enqueue
 from worker.settings import Settings
 
@@ -37,9 +40,11 @@ def test_a_send_to_a_broker_that_never_answers_gives_up_and_the_job_stays_queued
     silent_broker: str, tx_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
 ) -> None:
     send = celery_sender_for(Settings(broker_url=silent_broker, broker_socket_timeout_seconds=0.5))
+    with tx_factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, "default|p").job_id
     sent: list[int] = []
     sending = threading.Thread(
-        target=lambda: sent.append(enqueue(tx_factory, [(1, "extraction")], send)), daemon=True
+        target=lambda: sent.append(enqueue(tx_factory, [(job_id, EXTRACTION)], send)), daemon=True
     )
     with caplog.at_level(logging.WARNING, logger="worker.jobs.sending"):
         sending.start()
@@ -47,6 +52,8 @@ def test_a_send_to_a_broker_that_never_answers_gives_up_and_the_job_stays_queued
     assert not sending.is_alive(), "the send hung on a broker that never answers"
     assert sent == [0]
     assert "they stay queued and the sweeper will send them" in caplog.text
+    with tx_factory() as session:  # not marked sent: the sweeper's to send
+        assert session.scalar(select(Job.enqueued_at).where(Job.id == job_id)) is None
 
 
 def test_only_a_redis_broker_is_given_socket_timeouts() -> None:

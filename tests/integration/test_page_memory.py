@@ -78,7 +78,8 @@ def test_a_job_waiting_for_page_memory_pauses_when_the_kill_switch_goes_off(
         wait_for_a_waiter(rt)
         with factory.begin() as session:
             set_config(session, EXTRACTION_ENABLED, "false")
-        thread.join(60)
+        thread.join(15)  # (the wait reads the switch every second)
+        assert not thread.is_alive(), "the wait never read the switch"  # (still holding the memory)
     assert [o.status for o in outcomes] == ["paused"] and simulator.recent_requests() == []
     with factory() as session:
         assert session.scalar(select(Job.pause_reason).where(Job.id == job_id)) == "kill_switch"
@@ -93,7 +94,8 @@ def test_a_job_waiting_for_page_memory_is_released_when_its_worker_stops(
             job_id, thread, outcomes = start_job(rt, factory)
             wait_for_a_waiter(rt)
             shutdown._stopping.set()
-            thread.join(60)
+            thread.join(15)
+            assert not thread.is_alive(), "the wait never saw the worker stop"  # (still holding the memory)
         assert [o.status for o in outcomes] == ["released"] and rt.page_memory.waiting == 0
         with factory() as session:
             assert session.scalar(select(Job.status).where(Job.id == job_id)) == "queued"
