@@ -202,7 +202,7 @@ class BackfillPass:
         self.deps.guard()
         # Committed before the provider hears of it; counted against the budgets until collected. Not
         # when another run recorded its send meanwhile (it is sent: this run has nothing to do), nor once
-        # a cancel was asked (the pass's next look at it cancels the batch).
+        # a cancel was asked (then the batch is cancelled here).
         began = self.store.set_batch(
             batch.id,
             unsent_only=True,

@@ -364,7 +364,7 @@ def classify(exc: BaseException) -> Classification:
             exc.unreachable,
         )
     # A connect that timed out (a host that drops connections: a dropped route, a firewall) reached no
-    # provider, as a refused one did not: an outage, not the call's own timeout. The SDKs wrap it.
+    # provider, as a refused one reaches none: an outage, not the call's own timeout. The SDKs wrap it.
     never_connected = _loaded_errors(HTTP_LIBRARIES, "ConnectTimeout")
     if isinstance(exc, never_connected) or isinstance(exc.__cause__, never_connected):
         return Classification(True, None, None, f"could not reach the provider: {exc}", unreachable=True)
