@@ -23,12 +23,7 @@ from sqlalchemy.orm import sessionmaker
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.integration.test_fuzz_api import (  # noqa: E402
-    credentials,
-    fuzz_operation,
-    make_fuzzed_app,
-    operations,
-)
+from tests.integration import test_fuzz_api as fuzzing  # noqa: E402
 from tests.service import fresh_database, stop_cleanly_on_termination  # noqa: E402
 from worker import db  # noqa: E402
 
@@ -45,16 +40,16 @@ def main() -> int:
     with fresh_database(SERVER, "fuzz") as url:
         db.upgrade(url)
         factory = sessionmaker(db.get_engine(url), expire_on_commit=False)
-        app = make_fuzzed_app(url, "redis://127.0.0.1:6379/14", factory)
+        app = fuzzing.make_fuzzed_app(url, "redis://127.0.0.1:6379/14", factory)
         document = app.openapi()
         total: Counter[str] = Counter()
         raised = 0  # operations that raised: a failed check, or an error outside any request
         print(f"{'operation':55} {'mode':13} {'cases':>6} {'5xx':>4}  first failure")
-        for operation in operations(app):
-            for mode, caller in (("authenticated", credentials), ("anonymous", None)):
+        for operation in fuzzing.operations(app):
+            for mode, caller in (("authenticated", fuzzing.credentials), ("anonymous", None)):
                 tally: Counter[str] = Counter()
                 try:
-                    fuzz_operation(operation, caller, document, config, tally)
+                    fuzzing.fuzz_operation(operation, caller, document, config, tally)
                     failure = "-"
                 except (Exception, BaseExceptionGroup) as exc:  # schemathesis raises a FailureGroup
                     failure = str(exc).splitlines()[0][:200]
