@@ -788,6 +788,37 @@ def test_a_claimed_job_whose_switch_cannot_be_read_is_requeued_not_left_running(
     assert (found.status, found.worker, found.attempts) == ("queued", None, 0)
 
 
+def test_a_run_whose_end_cannot_be_written_sends_its_message_again_once_its_lease_is_stale(
+    factory, database_url, monkeypatch
+):
+    """The database went away after the claim: the write of the run's end raised out of the task, the
+    message was acked and the job waited on the sweeper. Now the message comes back once the lease is
+    stale, for the claim to take it over."""
+    from sqlalchemy import create_engine
+
+    from worker.config_store import ConfigReader
+    from worker.jobs import lifecycle
+    from worker.runtime import Runtime
+    from worker.settings import Settings
+
+    job_id = new_job(factory)
+    nowhere = create_engine("postgresql+psycopg://127.0.0.1:9/none", connect_args={"connect_timeout": 1})
+
+    def settle_away(*args: Any, **kwargs: Any) -> Any:
+        with nowhere.connect():  # the real error of a database gone
+            raise AssertionError("unreachable")
+
+    monkeypatch.setattr(lifecycle, "settle", settle_away)
+    settings = Settings(database_url=database_url, job_stale_after_seconds=30)
+    rt = Runtime(settings=settings, factory=factory, config=ConfigReader(factory, ttl=0))
+    try:
+        outcome = lifecycle.run_job(rt, job_id, EXTRACTION)
+    finally:
+        nowhere.dispose()
+    assert outcome.status == "unclaimed" and outcome.retry_in is not None and 35 <= outcome.retry_in <= 45
+    assert "the database is unavailable" in outcome.detail
+
+
 def test_a_healthy_run_keeps_its_lease_at_the_smallest_stale_after_allowed(factory):
     """stale_after may be two beats; stopping a full beat before it left one beat, and a check between a
     beat's wait and its write (every beat getting through) stopped a healthy run."""

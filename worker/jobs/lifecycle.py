@@ -232,6 +232,11 @@ def _stored_traceparent(rt: Runtime, job_id: int) -> str | None:
         return None
 
 
+def _database_away(after: float) -> JobOutcome:
+    wait = after + random.uniform(*DATABASE_AWAY_RETRY_SECONDS)
+    return JobOutcome("unclaimed", retry_in=wait, detail=f"the database is unavailable; sent in {wait:.0f} s")
+
+
 def _run_job(
     rt: Runtime, job_id: int, spec: JobKind, backoff: Backoff | None, operator: OperatorRun | None
 ) -> JobOutcome:
@@ -254,10 +259,7 @@ def _run_job(
             raise
         # Raised on, the message was acked (acks_on_failure): in a restart of Postgres every thread took
         # message after message and dropped each, the jobs left to the sweeper minutes later.
-        wait = random.uniform(*DATABASE_AWAY_RETRY_SECONDS)
-        return JobOutcome(
-            "unclaimed", retry_in=wait, detail=f"the database is unavailable; sent again in {wait:.0f} s"
-        )
+        return _database_away(0.0)
     if isinstance(job, NotDue):  # a second message for a job waiting out its backoff: held till it ends
         return JobOutcome(
             "not_due",
@@ -270,7 +272,13 @@ def _run_job(
         return JobOutcome("failed", detail=job.last_error or "")
     lease = Lease(job, token, claimed_at)
     if operator is None:
-        return settle(rt, lease, _work(rt, lease, spec, None), backoff or spec.backoff)
+        try:
+            return settle(rt, lease, _work(rt, lease, spec, None), backoff or spec.backoff)
+        except SQLAlchemyError as exc:
+            if not database_unavailable(exc):
+                raise
+            # Its end unwritten: sent again once its lease is stale (raised, the message was acked).
+            return _database_away(rt.settings.job_stale_after_seconds)
     try:
         return settle(rt, lease, _work(rt, lease, spec, operator), backoff or spec.backoff)
     except (KeyboardInterrupt, SystemExit):  # from the claim to the settle: the lease goes back
