@@ -368,6 +368,8 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
     assert "API on" not in empty.stderr  # nothing was started
     folder = cli("calibration", "import", str(tmp_path), check=False)
     assert folder.returncode == 2 and "is a directory; give a CSV file" in folder.stderr, folder.stderr
+    piped = cli("calibration", "import", "/dev/null", check=False)  # there, but no file: was "no such file"
+    assert piped.returncode == 2 and "is not a regular file" in piped.stderr, piped.stderr
     # An id past Postgres's bigint was the database's "bigint out of range" traceback.
     too_big = str(2**63)
     for command in (
@@ -379,6 +381,7 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
         ["backfill", "show", too_big],
         ["backfill", "cancel", too_big],
         ["calibration", "add", "--coverage", "0.5", "--kept", "--compaction-id", too_big],
+        ["transcripts", "show", "t1", "--before-id", too_big],
     ):
         said = usage_error(url, *command)
         assert "Invalid value for" in said and "9223372036854775807" in said, command

@@ -1109,6 +1109,10 @@ def test_the_cli_run_honours_the_kill_switch_and_says_why_it_stopped(
     assert stopped.exit_code == 1 and "budget is exhausted" in stopped.output, stopped.output
     assert isinstance(stopped.exception, SystemExit)  # one line, no traceback
     configure(factory, "llm.budget_daily_usd", "100")
+    # A typo (or the wrong source) ran a job on nothing and said "1 entity, 0 fact(s)", exit 0.
+    typo = run("--override-disabled", entity="people/alcie-example")
+    assert typo.exit_code == 1 and "no facts about 'people/alcie-example'" in typo.output, typo.output
+    assert calls(factory) == 0
     # Named as `facts history` takes it: taken as typed, it consolidated nothing and said so, exit 0.
     done = run("--override-disabled", entity="People/Alice Example")
     assert done.exit_code == 0, done.output

@@ -143,9 +143,11 @@ def import_file(
     answer_kept accepts true/false, 1/0, yes/no or kept/lost. Importing the same file again adds nothing.
     """
     if not file.is_file():
-        raise fail(
-            f"{file} is a directory; give a CSV file" if file.is_dir() else f"no such file: {file}", code=2
-        )
+        if file.is_dir():
+            raise fail(f"{file} is a directory; give a CSV file", code=2)
+        if file.exists():  # (/dev/stdin, a process substitution's /dev/fd/63)
+            raise fail(f"{file} is not a regular file (a pipe or a device); save it to a file first", code=2)
+        raise fail(f"no such file: {file}", code=2)
     factory = checked_factory()
     try:
         with counting_bar("observations stored", None, enabled=not as_json) as move:

@@ -27,6 +27,7 @@ from worker.compaction import (
 )
 from worker.compaction.erase import erase_transcript, no_transcript_to_erase
 from worker.config_store import COMPACTION_ENABLED, ConfigReader
+from worker.core.jsonvalues import BIGINT_MAX
 from worker.jobs.outbox import COMPACTION
 from worker.jobs.sending import enqueue
 from worker.llm.errors import BudgetExhaustedError, LLMError, account_exhausted
@@ -214,7 +215,8 @@ def transcripts_show(
     transcript_id: str,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="Compactions to list.")] = 10,
     before_id: Annotated[
-        int | None, typer.Option(min=1, help="Only compactions with a smaller id (the next page).")
+        int | None,
+        typer.Option(min=1, max=BIGINT_MAX, help="Only compactions with a smaller id (the next page)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:

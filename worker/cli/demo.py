@@ -33,7 +33,7 @@ from worker.cli.console import out as stdout_console
 from worker.cli.db import SchemaUpgradeError, upgrade_schema
 from worker.cli.processes import stop_with_parent, stopped_by_signals
 from worker.config_store import KILL_SWITCHES
-from worker.extraction.ingest import PageFileError, iter_page_files, load_page_file
+from worker.extraction.ingest import PAGE_SUFFIXES, PageFileError, iter_page_files, load_page_file
 from worker.llm.gateway import describe
 from worker.settings import Settings, get_settings
 
@@ -171,9 +171,8 @@ def run_demo(
     # and a wait for it, and then said to be "unchanged since the last demo".
     pages = load_examples(examples, err)
     if not pages:
-        raise DemoError(
-            f"no page files to post in {examples} (Markdown or YAML, each with a type: and a body)"
-        )
+        kinds = ", ".join(PAGE_SUFFIXES)
+        raise DemoError(f"no page files to post in {examples} ({kinds}, with a type: and a body)")
     database_url = db.database_url(settings)
     try:
         upgrade_schema(settings, database_url, quiet=True)

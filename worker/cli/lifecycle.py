@@ -161,6 +161,10 @@ def consolidate_command(
         with factory() as session:
             if entity:
                 keys = [(source_id or "default", typed_entity_key(entity))]
+                if not count_entity_facts(session, entity, [keys[0][0]]):  # a typo ran a job on nothing
+                    meant = entities_named(session, entity)
+                    hint = f"; did you mean {' or '.join(meant)}?" if meant else ""
+                    raise fail(f"no facts about {entity!r} in source {keys[0][0]!r}{hint}", code=1)
             else:
                 keys = unconsolidated_entity_keys(session, source_id)
         with counting_bar("entities", len(keys)) as advance:  # each may take many LLM calls

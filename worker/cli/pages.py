@@ -93,7 +93,8 @@ def pages_list(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Stored pages by source and slug: type, title, current facts, last extraction job."""
+    """Stored pages by source and slug: type, current facts, last extraction job, last update (--json adds
+    the title)."""
     try:
         cursor = page_cursor(after)
     except ValueError as exc:
