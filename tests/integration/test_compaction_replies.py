@@ -31,7 +31,7 @@ from worker.core.compaction_gate import opens_as_summary, response_outcome, summ
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import LLMError
-from worker.llm.types import ChatRequest, ChatResponse, Usage
+from worker.llm.types import CONTEXT_WINDOW_FULL, ChatRequest, ChatResponse, Usage
 
 REFUSAL_IN_PROSE = "I'm sorry, but I can't help with that request."
 
@@ -117,6 +117,36 @@ def test_a_reply_that_is_not_a_summary_then_a_summary_applies_the_summary(
     assert [a["outcome"] for a in row.attempt_log] == ["malformed_output", "passed"]
     assert row.attempt_log[1]["missed_terms_named"] == []  # asked again as the first time
     assert [call.outcome for call in llm_calls(tx_factory)] == ["malformed_output", "ok"]
+
+
+def test_a_reply_of_thoughts_alone_is_asked_again(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """A reasoning model's reply with only its <think> block was "an empty reply": the run failed at once,
+    the llm_calls row said malformed_output, and the second request a non-summary gets was never made."""
+    request = append(tx_factory, "thoughts", head_without_the_question(first=GOAL), settings=SETTINGS)
+    llm = ScriptedLLM("<think>\nthe goal first, then progress\n</think>", f"## Goal\n{GOAL}")
+    run_job(runtime(database_url, tx_factory, llm), request.trigger.job.job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "thoughts")
+    assert row.status == "accepted" and [a["outcome"] for a in row.attempt_log] == [
+        "malformed_output",
+        "passed",
+    ]
+
+
+def test_a_reply_cut_off_by_the_context_window_says_to_lower_the_input_not_raise_the_output(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """It said to raise FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS, which makes the overflow worse."""
+    request = append(tx_factory, "full", head_without_the_question(first=GOAL), settings=SETTINGS)
+    cut = ChatResponse(
+        "I will summar", "truncated", Usage(100, 3), "scripted", "scripted-1", 5, None, CONTEXT_WINDOW_FULL
+    )
+    run_job(runtime(database_url, tx_factory, ScriptedLLM(cut)), request.trigger.job.job_id, jobs.COMPACTION)
+    [row] = compactions(tx_factory, "full")
+    assert row.status == "failed" and "lower FACTMILL_COMPACTION_MAX_INPUT_TOKENS" in (row.error or ""), (
+        row.error
+    )
 
 
 def test_a_summary_the_gate_could_not_judge_stores_no_coverage_and_takes_no_label(

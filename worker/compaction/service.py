@@ -341,11 +341,20 @@ class CompactionRun:
         summary = summary_of(response.text)
         if result == "truncated_output" and not opens_as_summary(response.text):
             self.log.append({**entry, "outcome": result, "reply_chars": len(response.text)})
+            if response.window_full:  # the model's context was full: a larger output cap makes it worse
+                return self._failed(
+                    "the summarizer's reply was cut off where the model's context window filled, before "
+                    "any summary; lower FACTMILL_COMPACTION_MAX_INPUT_TOKENS",
+                    below,
+                )
             return self._failed(
                 f"the summarizer's reply was cut off at its output cap ({self.max_output_tokens} tokens) "
                 "before any summary; raise FACTMILL_COMPACTION_MAX_OUTPUT_TOKENS",
                 below,
             )
+        if not summary and result == "malformed_output":  # only a reasoning model's thoughts: asked again
+            self.log.append({**entry, "outcome": result, "reply_chars": len(response.text)})
+            return None
         if not summary:
             self.log.append({**entry, "outcome": "empty_output"})
             return self._failed("the summarizer returned an empty reply", below)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS
-from worker.core.intent import extract_intent_terms
+from worker.core.intent import INTENT_STOP_WORDS, extract_intent_terms
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
 
 # The instructions contribute the intent terms of at most this many characters.
@@ -45,14 +45,17 @@ _THOUGHTS: Final = re.compile(r"\A\s*<(think|thinking)>.*?</\1>", re.DOTALL | re
 
 
 def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[str]:
-    """Query terms of a transcript's intent: extract_intent_terms over the instructions (capped at
+    """Query words of a transcript's intent: extract_intent_terms over the instructions (capped at
     INTENT_TEXT_LIMIT characters) and those of the latest user messages that are questions (under
-    QUESTION_CHAR_LIMIT characters), first occurrence order, no repeats."""
+    QUESTION_CHAR_LIMIT characters), lexed as the gate lexes (lex_words), first occurrence order, no
+    repeats. A term's words pass the intent rule again: "up-to-date" or "and/or" gave the gate "to",
+    "and", "or" (and "e-mail" an "e"), which no good summary keeps in every pair, so it failed them."""
     questions = [text for text in user_texts if len(text) < QUESTION_CHAR_LIMIT]
-    terms: list[str] = []
+    words: list[str] = []
     for text in ((instructions or "")[:INTENT_TEXT_LIMIT], *questions):
-        terms.extend(extract_intent_terms(text))
-    return list(dict.fromkeys(terms))
+        for term in extract_intent_terms(text):
+            words.extend(w for w in lex_words(term) if len(w) > 1 and w not in INTENT_STOP_WORDS)
+    return list(dict.fromkeys(words))
 
 
 @dataclass(frozen=True)
