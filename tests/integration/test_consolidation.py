@@ -2107,3 +2107,22 @@ def test_the_sweep_embeds_the_facts_a_follow_up_left_without_a_vector(factory, l
     finally:
         rt.close()
         anthropic.close()
+
+
+def test_a_unit_named_on_the_command_line_has_facts_by_its_own_rule(tx_factory) -> None:
+    """`facts consolidate --entity` refuses a unit with no facts (a typo ran a job on nothing); counted by
+    the entity rule, page:SLUG (a page's facts without an entity, which its help offers) never had any."""
+    from tests.integration.test_api import fact_row
+    from worker.consolidation.operators import unit_has_facts
+
+    with tx_factory.begin() as session:
+        loose = fact_row("notes/foo", 0, "The launch moved to May.")
+        named = fact_row("notes/foo", 1, "Alice leads it.")
+        named.entity_slug = ALICE
+        session.add_all([loose, named])
+    with tx_factory() as session:
+        assert unit_has_facts(session, "default", "page:notes/foo")
+        assert unit_has_facts(session, "default", ALICE)
+        assert not unit_has_facts(session, "default", "page:notes/bar")
+        assert not unit_has_facts(session, "work", ALICE)  # another source's
+        assert not unit_has_facts(session, "default", "people/alcie-example")

@@ -410,6 +410,10 @@ def test_a_hyphenated_or_slashed_term_gives_the_gate_no_stop_word_or_single_lett
     """ "up-to-date" reached the gate as "up", "to", "date": every pair of head words holding "to" was
     one the summary had to keep, and a good summary lost half its coverage (0.5 against 1.0 here)."""
     assert intent_terms(None, ["is the cache up-to-date and/or in the e-mail?"]) == ["cache", "date", "mail"]
+    # One character is a word outside ASCII letters: an ideograph (the gate stopped judging Chinese
+    # questions), a version's digit.
+    assert intent_terms(None, ["密码是什么？"]) == ["密", "码", "是", "什", "么"]
+    assert intent_terms(None, ["does gpt-4 work?"]) == ["gpt", "4", "work"]
     head = "The cache was refreshed at noon and is current. The e-mail went to the team."
     summary = "## Goal\nThe cache was refreshed at noon and is current."
     asked = judge_summary(lex_words(head), summary, intent_terms(None, ["is the cache up-to-date?"]), 0.6)

@@ -27,6 +27,7 @@ from worker.consolidation.operators import (
     entities_named,
     entity_timeline,
     restore,
+    unit_has_facts,
     unmerge,
 )
 from worker.consolidation.service import ConsolidationCounters
@@ -161,7 +162,7 @@ def consolidate_command(
         with factory() as session:
             if entity:
                 keys = [(source_id or "default", typed_entity_key(entity))]
-                if not count_entity_facts(session, entity, [keys[0][0]]):  # a typo ran a job on nothing
+                if not unit_has_facts(session, *keys[0]):  # a typo ran a job on nothing
                     meant = entities_named(session, entity)
                     hint = f"; did you mean {' or '.join(meant)}?" if meant else ""
                     raise fail(f"no facts about {entity!r} in source {keys[0][0]!r}{hint}", code=1)

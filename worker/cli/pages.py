@@ -93,8 +93,7 @@ def pages_list(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Stored pages by source and slug: type, current facts, last extraction job, last update (--json adds
-    the title)."""
+    """Stored pages by source and slug: type, current facts, last job, last update (--json: the title)."""
     try:
         cursor = page_cursor(after)
     except ValueError as exc:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from models import ConsolidationDecision, Fact
 from worker.consolidation import BUDGET_RENEW_SECONDS
 from worker.consolidation.decisions import restart_canonicals
-from worker.consolidation.store import lock_checkpoint
+from worker.consolidation.store import lock_checkpoint, unit_facts
 from worker.core.consolidation import CURRENT, DUPLICATE, SUPERSEDED, entity_key
 from worker.core.facts import entity_slug
 from worker.jobs.outbox import CONSOLIDATION, page_subject, request_job
@@ -210,3 +210,9 @@ def count_entity_facts(session: Session, entity: str, source_ids: list[str] | No
     if source_ids is not None:
         where.append(Fact.source_id.in_(source_ids))
     return session.scalar(select(func.count()).select_from(Fact).where(*where)) or 0
+
+
+def unit_has_facts(session: Session, source_id: str, key: str) -> bool:
+    """Whether the consolidation unit ``key`` (an entity, or page:SLUG) has a fact in ``source_id``."""
+    facts = select(Fact.id).where(Fact.source_id == source_id, ~Fact.is_audit, unit_facts(key))
+    return bool(session.scalar(select(facts.exists())))

@@ -137,10 +137,10 @@ class ConsolidationStore:
         nothing is when nothing is pending. The pending facts are listed without their text and
         vectors first: each round read every pending fact whole (a backfill's 200,000 on one entity,
         vectors included) to decide 500 of them. Streamed, each vector kept as an array of doubles."""
-        mine = _ENTITY_FACTS.where(Fact.source_id == source_id, _entity(entity_key))
+        mine = _ENTITY_FACTS.where(Fact.source_id == source_id, unit_facts(entity_key))
         # A server-side cursor needs a transaction (not read_only's autocommit); closing rolls it back.
         with self._factory() as session:
-            listing = _PENDING_LIST.where(Fact.source_id == source_id, _entity(entity_key))
+            listing = _PENDING_LIST.where(Fact.source_id == source_id, unit_facts(entity_key))
             if self._defer_unembedded is None:
                 listed = session.execute(listing).all()
             else:
@@ -182,7 +182,7 @@ class ConsolidationStore:
             created = lock_checkpoint(session, source_id, entity_key)
             ids = session.scalars(
                 update(Fact)
-                .where(Fact.source_id == source_id, _entity(entity_key), _orphaned())
+                .where(Fact.source_id == source_id, unit_facts(entity_key), _orphaned())
                 .values(status=CURRENT, valid_to=None, consolidated_at=None)
                 .returning(Fact.id)
             ).all()
@@ -256,7 +256,8 @@ class ConsolidationStore:
         return done
 
 
-def _entity(entity_key: str) -> Any:
+def unit_facts(entity_key: str) -> Any:
+    """The facts of a consolidation unit: an entity's, or (page:SLUG) a page's without one."""
     slug, page = entity_key_filter(entity_key)
     if page is not None:
         return and_(Fact.entity_slug.is_(None), Fact.source_markdown_slug == page)

@@ -49,13 +49,19 @@ def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[st
     INTENT_TEXT_LIMIT characters) and those of the latest user messages that are questions (under
     QUESTION_CHAR_LIMIT characters), lexed as the gate lexes (lex_words), first occurrence order, no
     repeats. A term's words pass the intent rule again: "up-to-date" or "and/or" gave the gate "to",
-    "and", "or" (and "e-mail" an "e"), which no good summary keeps in every pair, so it failed them."""
+    "and", "or" (and "e-mail" an "e"), which no good summary keeps in every pair, so it failed them. One
+    character is a word only outside ASCII letters: a CJK ideograph is one (lex_words splits them), and
+    a version's digit ("gpt-4")."""
     questions = [text for text in user_texts if len(text) < QUESTION_CHAR_LIMIT]
     words: list[str] = []
     for text in ((instructions or "")[:INTENT_TEXT_LIMIT], *questions):
         for term in extract_intent_terms(text):
-            words.extend(w for w in lex_words(term) if len(w) > 1 and w not in INTENT_STOP_WORDS)
+            words.extend(w for w in lex_words(term) if _query_word(w))
     return list(dict.fromkeys(words))
+
+
+def _query_word(word: str) -> bool:
+    return word not in INTENT_STOP_WORDS and (len(word) > 1 or not (word.isascii() and word.isalpha()))
 
 
 @dataclass(frozen=True)
