@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,6 +13,18 @@ import pytest
 from worker.llm.pipe import FollowUps, LLMPipe
 
 WAIT = 10.0  # a deadlock guard for the events, not a timing assertion
+
+
+def page_run(recorded: list[int] | None = None) -> Any:
+    """A stand-in for the run OnlineExtraction pages for: it counts nothing, and notes in ``recorded`` the
+    index of each result whose spend is recorded as discarded."""
+    noted: list[int] = [] if recorded is None else recorded
+    return SimpleNamespace(
+        counters=SimpleNamespace(add_calls=lambda result: None),
+        committer=SimpleNamespace(
+            record_discarded=lambda slug, index, segment, result, note: noted.append(index)
+        ),
+    )
 
 
 class Gate:
@@ -351,12 +364,7 @@ def test_an_interrupt_while_a_stopped_page_waits_for_its_calls_records_what_they
     paid = Attempt("malformed_output", None, [], "not json", "stub", "stub-1")
     release = threading.Event()
     recorded: list[int] = []
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(
-            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
-        ),
-    )
+    run = page_run(recorded)
     real_close = Feed.close
 
     def interrupted(self: Feed, timeout: float | None = None, patience: Any = None) -> list:  # type: ignore[type-arg]
@@ -496,10 +504,7 @@ def test_an_interrupt_that_waits_for_calls_in_flight_says_so(monkeypatch, caplog
 
     release = threading.Event()
     in_flight = threading.Barrier(3)  # the two calls and the page's thread
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(record_discarded=lambda *args: None),
-    )
+    run = page_run()
 
     def pressed(self: Feed, limit: int | None = None, patience: Any = None) -> list:  # type: ignore[type-arg]
         in_flight.wait(10)
@@ -540,10 +545,7 @@ def test_an_interrupt_while_committing_still_says_what_it_waits_for(monkeypatch,
 
     release = threading.Event()
     in_flight = threading.Barrier(2)  # the second call and the committer
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(record_discarded=lambda *args: None),
-    )
+    run = page_run()
     pipe = LLMPipe(5)
     try:
         extraction = OnlineExtraction(run, llm=None, pipe=pipe, window=None)  # type: ignore[arg-type]
@@ -674,12 +676,7 @@ def page_behind_a_slow_call(
 
     monkeypatch.setattr(service, "grace_left", grace_left)
     recorded: list[int] = []
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(
-            record_discarded=lambda slug, index, segment, result, note: recorded.append(index)
-        ),
-    )
+    run = page_run(recorded)
     slow = threading.Event()
     pipe = LLMPipe(4)
     try:
@@ -809,10 +806,7 @@ def test_a_failed_pages_wait_for_its_calls_in_flight_ends_with_a_stop_that_begin
 
     grace = STOP_RECORD_SECONDS + 0.5
     monkeypatch.setattr(service, "grace_left", stop_after(0.5, grace))
-    run = SimpleNamespace(
-        counters=SimpleNamespace(add_calls=lambda result: None),
-        committer=SimpleNamespace(record_discarded=lambda *args, **kwargs: None),
-    )
+    run = page_run()
     slow = threading.Event()
     pipe = LLMPipe(2)
     try:
