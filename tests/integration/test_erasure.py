@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,7 @@ from worker import db as worker_db
 from worker.api.app import create_app
 from worker.config_store import ConfigReader, set_config
 from worker.extraction import ExtractOptions, run_extract_conversation_facts
+from worker.extraction import store as extraction_store
 from worker.extraction.erase import (
     PAGE_ERASED,
     erase_page,
@@ -750,6 +752,42 @@ def test_a_page_appended_mid_run_is_read_again_once_not_at_every_later_commit(
         event.remove(engine, "before_cursor_execute", count)
     assert result.segments_processed == 6 and checkpoints(enabled) == 1
     assert len(reads) == 1  # before: 6, one per commit after the append
+
+
+def test_a_commit_after_a_large_append_holds_no_parse_of_the_whole_page(
+    enabled: sessionmaker[Session], llm: OpenAIChatClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit that found the page appended to parsed its whole new body to check the messages it
+    drew from (about 4.5 times the body, outside the page memory the run holds): it reads them as a
+    stream now, as far as the run planned, and holds the body alone."""
+    hours = [
+        f"**Alice Example** (2024-03-15 {h}:00 AM): Part {h} begins.\n"
+        f"**Bob Demo** (2024-03-15 {h}:01 AM): Part {h} goes on."
+        for h in range(1, 4)
+    ]
+    body = "\n".join(hours)
+    store(enabled, body)
+    later = "\n".join(
+        f"**Bob Demo** (2024-03-15 {11 + m // 60_000}:{m // 1000 % 60:02d} PM): a later word {m}."
+        for m in range(0, 60_000, 3)
+    )
+    grown = body + "\n" + later  # about 0.9 MB
+    racing = Interrupting(llm, lambda: store(enabled, grown))
+    peaks: list[int] = []
+    checked = extraction_store.check_page
+
+    def measured(*args: Any, **kwargs: Any) -> None:
+        tracemalloc.start()
+        try:
+            checked(*args, **kwargs)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(extraction_store, "check_page", measured)
+    result = run_extract_conversation_facts(enabled, racing, ExtractOptions(slug=SLUG, segment_concurrency=1))
+    assert result.segments_processed == 3 and len(peaks) == 3
+    assert max(peaks) < 2 * len(grown), (max(peaks), len(grown))  # before: 8.5 times
 
 
 @pytest.mark.parametrize("listen", [True, False], ids=["listening", "FACTMILL_JOB_REVOCATION_LISTEN=false"])

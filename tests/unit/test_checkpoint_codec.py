@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from worker.core.checkpoint import CheckpointState, PrefixHasher, messages_hash, resume_point
+from worker.core.checkpoint import CheckpointState, PrefixHasher, messages_hash, prefix_digests, resume_point
 from worker.core.conversation import Message
 from worker.extraction import (
     PER_SEGMENT_SOURCE_PREFIX,
@@ -87,6 +87,19 @@ def test_prefix_hasher_digests_match_a_fresh_hash_going_forward_and_back():
     hasher = PrefixHasher(MESSAGES)
     assert hasher.digest(3) == messages_hash(MESSAGES[:3])
     assert hasher.digest(1) == messages_hash(MESSAGES[:1])
+
+
+def test_prefix_digests_read_the_messages_once_and_no_further_than_the_largest_count():
+    def stream():
+        yield from MESSAGES[:2]
+        raise AssertionError("read past the largest count")
+
+    assert prefix_digests(stream(), (2, 1, 0)) == {
+        0: messages_hash([]),
+        1: messages_hash(MESSAGES[:1]),
+        2: messages_hash(MESSAGES[:2]),
+    }
+    assert prefix_digests(iter(MESSAGES), (len(MESSAGES) + 1, 1)) == {1: messages_hash(MESSAGES[:1])}
 
 
 def test_a_last_message_left_alone_joins_the_first_segment_of_a_resumed_run() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from worker.core.conversation import (
@@ -137,12 +138,28 @@ class PrefixHasher:
             self._digest, self._done = hashlib.sha256(), 0
         update = self._digest.update
         for message in self._messages[self._done : count]:
-            for part in (message.speaker, message.timestamp, message.text):
-                update(part.encode("utf-8", "surrogatepass"))
-                update(b"\x1f")
-            update(b"\x1e")
+            _hash_message(update, message)
         self._done = count
         return self._digest.copy().hexdigest()
+
+
+def _hash_message(update: Callable[[bytes], object], message: Message) -> None:
+    for part in (message.speaker, message.timestamp, message.text):
+        update(part.encode("utf-8", "surrogatepass"))
+        update(b"\x1f")
+    update(b"\x1e")
+
+
+def prefix_digests(messages: Iterable[Message], counts: Collection[int]) -> dict[int, str]:
+    """``PrefixHasher.digest`` at each of ``counts``, reading ``messages`` only as far as the largest and
+    holding none of them (a count past the last message has no digest)."""
+    wanted, digest = set(counts), hashlib.sha256()
+    digests = {0: digest.hexdigest()} if 0 in wanted else {}
+    for done, message in enumerate(islice(messages, max(wanted, default=0)), start=1):
+        _hash_message(digest.update, message)
+        if done in wanted:
+            digests[done] = digest.copy().hexdigest()
+    return digests
 
 
 def messages_hash(messages: Sequence[Message]) -> str:
