@@ -484,6 +484,22 @@ def test_a_line_past_its_unit_cap_is_no_complete_answer(plain_factory: sessionma
         assert hits and not complete
 
 
+def test_a_number_written_alone_is_searched_for(plain_factory: sessionmaker[Session]) -> None:
+    """ "room 7" searched for "room" alone (one-character words were dropped): room 3 came back first,
+    and as a complete answer, strong enough to skip a plain query's expansion."""
+    from worker.search.lexical import lexical_search
+
+    facts = ["Alice booked room 3 for the review", "Bob booked room 7 for the offsite"]
+    with plain_factory.begin() as session:
+        session.execute(
+            insert(Fact),
+            [_row("default", "rooms", i, fact, "event", "team", "", None) for i, fact in enumerate(facts)],
+        )
+    with plain_factory() as session:
+        hits, complete = lexical_search(session, "room 7", SearchFilters(), 10)
+        assert complete and [session.get(Fact, hit.fact_id).fact for hit in hits] == [facts[1]]  # type: ignore[union-attr]
+
+
 def test_a_longer_list_keeps_the_exact_words_ahead_of_longer_ones(
     plain_factory: sessionmaker[Session],
 ) -> None:

@@ -67,6 +67,12 @@ def test_stop_words_beside_a_phrase_drop_out() -> None:
     assert parse_lex_query("where is -Priya").terms == ("where", "is")  # nothing else to search
 
 
+def test_a_digit_or_an_ideograph_is_a_query_word_and_a_lone_ascii_letter_is_not() -> None:
+    assert parse_lex_query("room 7").terms == ("room", "7")
+    assert parse_lex_query("Alice 猫").terms == ("Alice", "猫")
+    assert parse_lex_query("vitamin d").terms == ("vitamin",)
+
+
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:
     assert lex_units([LexItem("w", "!!")], [""]) == ([], [])
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS
-from worker.core.intent import INTENT_STOP_WORDS, extract_intent_terms
+from worker.core.intent import extract_intent_terms, is_query_word
 from worker.core.quality import coverage_from_tokens, density_from_tokens, lex_words
 
 # The instructions contribute the intent terms of at most this many characters.
@@ -56,12 +56,8 @@ def intent_terms(instructions: str | None, user_texts: Iterable[str]) -> list[st
     words: list[str] = []
     for text in ((instructions or "")[:INTENT_TEXT_LIMIT], *questions):
         for term in extract_intent_terms(text):
-            words.extend(w for w in lex_words(term) if _query_word(w))
+            words.extend(w for w in lex_words(term) if is_query_word(w))
     return list(dict.fromkeys(words))
-
-
-def _query_word(word: str) -> bool:
-    return word not in INTENT_STOP_WORDS and (len(word) > 1 or not (word.isascii() and word.isalpha()))
 
 
 @dataclass(frozen=True)

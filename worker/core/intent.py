@@ -27,6 +27,7 @@ __all__ = [
     "extract_intent_terms",
     "extract_snippet",
     "has_strong_signal",
+    "is_query_word",
     "parse_structured_query",
     "score_chunk",
     "search_type",
@@ -65,6 +66,14 @@ INTENT_STOP_WORDS: frozenset[str] = frozenset(
 )  # fmt: skip
 
 SearchType = Literal["lex", "vec", "hyde"]
+
+
+def is_query_word(word: str) -> bool:
+    """Whether a lower-cased word (its edge punctuation gone) is worth matching in a query: not a stop
+    word, and of two or more characters unless it is no ASCII letter. A lone ideograph is a word
+    (Chinese writes many with one), and so is a digit ("room 7", "gpt 4"): dropped, a search answered
+    any room and called the answer complete; the gate lost the version a question named."""
+    return word not in INTENT_STOP_WORDS and (len(word) > 1 or not (word.isascii() and word.isalpha()))
 
 
 # --------------------------------------------------------------------------- intent terms

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from worker.core.intent import INTENT_STOP_WORDS, SearchType, plain_query_text, search_type
+from worker.core.intent import SearchType, is_query_word, plain_query_text, search_type
 
 __all__ = [
     "BM25_B",
@@ -71,8 +71,8 @@ class LexQuery:
 
 
 def parse_lex_query(query: str) -> LexQuery:
-    """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-character
-    words drop out of the plain words (unless nothing else is left)."""
+    """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-letter words
+    drop out of the plain words (unless nothing else is left; see ``is_query_word``)."""
     written: list[tuple[str, str]] = []
     for match in _LEX_TOKEN.finditer(query):
         negated, phrase, word = match.group(1), match.group(2), match.group(3)
@@ -98,8 +98,7 @@ def parse_lex_query(query: str) -> LexQuery:
 
 
 def _content_word(word: str) -> bool:
-    bare = _bare(word)
-    return len(bare) > 1 and bare not in INTENT_STOP_WORDS
+    return is_query_word(_bare(word))
 
 
 def snippet_words(query: str) -> str:
