@@ -21,6 +21,7 @@ from worker.extraction import ExtractOptions, run_extract_conversation_facts
 from worker.llm.anthropic_provider import AnthropicChatClient
 from worker.llm.errors import LLMError
 from worker.llm.openai_compat import OpenAIChatClient
+from worker.llm.retry import RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest
 from worker.simulator import Simulator
 
@@ -179,6 +180,37 @@ def test_a_reply_of_the_wrong_shape_is_still_billed_for_what_it_counted(
         outcome == "provider_error" and tokens == 10 and cost > 0 for outcome, tokens, cost in calls
     ), calls
     assert counters.input_tokens == 10 * len(calls), "the run's totals count them as llm_calls does"
+
+
+def test_each_retried_error_in_a_200_reply_is_billed_for_what_it_counted(
+    tx_factory: sessionmaker[Session], sim
+):
+    """A gateway's 200 naming an upstream 502 (OpenRouter's shape), with the usage it billed: the tries
+    the gateway retried were recorded with no usage (0 tokens, no cost), only the last one with it."""
+    with tx_factory.begin() as session:
+        set_config(session, "facts.extraction_enabled", "true")
+        set_config(session, "llm.prices", '{"odd-1": {"input": 10, "output": 20}}')
+    put_page(tx_factory)
+    failed = {
+        "error": {"code": 502, "message": "upstream said no"},
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    }
+    sim.configure(raw_replies={"chat.completions": failed})
+    waits: list[float] = []
+
+    def answered_from_the_third_try(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 2:
+            sim.configure(raw_replies={"chat.completions": completion()})
+
+    client = RetryingClient(
+        openai_client(sim), RetryPolicy(max_attempts=5), sleep=answered_from_the_third_try
+    )
+    assert run_extract_conversation_facts(tx_factory, client, ExtractOptions()).facts_inserted > 0
+    with tx_factory() as session:
+        calls = session.execute(select(LLMCall.outcome, LLMCall.input_tokens, LLMCall.cost_usd)).all()
+    failed = [(tokens, cost) for outcome, tokens, cost in calls if outcome == "provider_error"]
+    assert len(failed) == 2 and all(tokens == 10 and cost > 0 for tokens, cost in failed), calls
 
 
 def test_a_billed_failure_counts_tokens_as_a_good_reply_does() -> None:

@@ -458,6 +458,41 @@ def test_errors_that_blame_the_account_or_settings_never_count_against_a_segment
         assert not llm_error.retryable
 
 
+@pytest.mark.parametrize(
+    ("message", "too_large"),
+    [
+        (
+            "Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, "
+            "Requested 96000. The input or output tokens must be reduced in order to run successfully.",
+            True,
+        ),
+        (
+            "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, "
+            "Used 29000, Requested 2000. Please try again in 2s.",
+            False,
+        ),
+    ],
+)
+def test_a_request_over_the_whole_per_minute_limit_is_the_requests_fault_not_an_outage(
+    message: str, too_large: bool
+) -> None:
+    """OpenAI's 429 for one request larger than the per-minute token limit was throttling: five tries,
+    then the job waited out the outage patience (a day), sending it again each run. A plain 429 is
+    still throttling."""
+    from worker.extraction.segments import rejected_request
+    from worker.llm.errors import provider_unavailable
+
+    body = {"error": {"message": message, "type": "tokens", "code": "rate_limit_exceeded"}}
+    exc = openai.APIStatusError(
+        "Error code: 429", response=httpx2.Response(429, request=HTTP_REQUEST), body=body
+    )
+    error = to_llm_error(exc)
+    assert error.status == 429 and not error.deployment_fault
+    assert (error.retryable, provider_unavailable(error)) == (not too_large, not too_large)
+    assert rejected_request(error) is too_large
+    assert classify(error).too_large is too_large  # an LLMError keeps its classification
+
+
 def _anthropic_error(kind: str, code: str | None = None) -> dict[str, Any]:
     return {"type": kind, "message": "said"} | ({"details": {"error_code": code}} if code else {})
 

@@ -87,7 +87,9 @@ def _retried_failures(records: Sequence[AttemptRecord]) -> list[Attempt]:
     """The gateway's failed tries (429, 5xx, timeouts it retried) as attempts: each cost a request and is
     recorded in llm_calls and extraction_audit like any other."""
     return [
-        Attempt("provider_error", None, [], str(r.error), r.provider, r.model, r.latency_ms)
+        Attempt(
+            "provider_error", None, [], str(r.error), r.provider, r.model, r.latency_ms, usage=r.error.usage
+        )
         for r in records
         if r.error is not None
     ]
@@ -176,7 +178,8 @@ def _given_up(attempts: list[Attempt]) -> SegmentResult:
 
 
 def rejected_request(exc: LLMError) -> bool:
-    return not exc.retryable and exc.status in REJECTED_REQUEST_STATUSES and not exc.deployment_fault
+    rejected = exc.status in REJECTED_REQUEST_STATUSES or exc.too_large
+    return not exc.retryable and rejected and not exc.deployment_fault
 
 
 def extract_segment(

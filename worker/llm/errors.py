@@ -109,10 +109,14 @@ class LLMError(Exception):
         answered_by: tuple[str, str] | None = None,
         code: str | None = None,
         unreachable: bool = False,
+        too_large: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.unreachable = unreachable  # no connection to the provider (refused, reset, no DNS answer)
+        # The request alone is over a per-minute limit (OpenAI's 429 "Request too large ... on tokens per
+        # min"): no wait serves it, so it is the request's fault, as a 413 is.
+        self.too_large = too_large
         self.retryable = retryable
         self.deployment_fault = deployment_fault
         self.status = status
@@ -134,7 +138,7 @@ def provider_unavailable(exc: BaseException) -> bool:
     not: a request too large to finish in time fails the same way on every try; but a connect that timed
     out is unreachable (no request reached the provider). (A base URL that does not resolve is
     unreachable too: its jobs wait on their outage clock before failing.)"""
-    if not isinstance(exc, LLMError) or exc.deployment_fault:
+    if not isinstance(exc, LLMError) or exc.deployment_fault or exc.too_large:
         return False
     # By the status, not ``retryable``: a provider's x-should-retry says whether to try again now, not
     # whose fault it is (a 400 it asked to be tried again is still the request's; a 503 it asked not to
@@ -195,6 +199,7 @@ class Classification:
     deployment_fault: bool = False
     code: str | None = None  # the error body's code or type ("rate_limit_exceeded"), for log lines
     unreachable: bool = False  # no connection to the provider (LLMError.unreachable)
+    too_large: bool = False  # (LLMError.too_large)
 
 
 def retry_after_seconds(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
@@ -362,6 +367,7 @@ def classify(exc: BaseException) -> Classification:
             exc.deployment_fault,
             exc.code,
             exc.unreachable,
+            exc.too_large,
         )
     # A connect that timed out (a host that drops connections: a dropped route, a firewall) reached no
     # provider, as a refused one reaches none: an outage, not the call's own timeout. The SDKs wrap it.
@@ -415,10 +421,15 @@ def _status_classification(
     provider met serving the call: tried again), the provider's x-should-retry, and body."""
     blamed = blames_deployment(body, message, status)
     by_status = status is None or _worth_another_try(status)
+    # A 429 for a request larger than the whole per-minute limit is no throttling either: it waited out
+    # five tries, then its job the outage patience (a day), sending it again each time.
+    too_large = status == 429 and "request too large" in message.lower()
     # A 429 that blames the account (OpenAI's insufficient_quota) is no throttling: waiting does not
     # refill the quota, and each call's tries only added to the outage.
-    retryable = (by_status if told_to_retry is None else told_to_retry) and not blamed
-    return Classification(retryable, status, retry_after, message, blamed, error_code(body))
+    retryable = (by_status if told_to_retry is None else told_to_retry) and not blamed and not too_large
+    return Classification(
+        retryable, status, retry_after, message, blamed, error_code(body), too_large=too_large
+    )
 
 
 # An error a 200 reply names by a word, not a number: the provider's trouble, worth another try.
@@ -462,6 +473,7 @@ def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LL
         deployment_fault=c.deployment_fault,
         code=c.code,
         usage=usage,
+        too_large=c.too_large,
     )
 
 
@@ -479,4 +491,5 @@ def to_llm_error(exc: BaseException, latency_ms: int = 0) -> LLMError:
         deployment_fault=c.deployment_fault,
         code=c.code,
         unreachable=c.unreachable,
+        too_large=c.too_large,
     )
