@@ -132,6 +132,23 @@ def test_the_sdks_request_logs_stay_off_at_debug() -> None:
     assert loggers["openai"]["level"] == loggers["anthropic"]["level"] == "WARNING"
 
 
+def test_an_sdk_that_lowers_its_own_log_level_after_the_set_up_still_writes_no_request() -> None:
+    """ANTHROPIC_LOG=debug (the SDK's own switch) set its loggers to DEBUG when the SDK was imported, at
+    the first client, after the set-up: each request's options, the prompt whole, were written."""
+    from worker.runtime.logs import ContextFilter
+
+    def record(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(
+            name, level, __file__, 1, "Request options: %s", ("Alice's diagnosis",), None
+        )
+
+    keeps = ContextFilter().filter
+    assert not keeps(record("anthropic._base_client", logging.DEBUG))
+    assert not keeps(record("httpx2", logging.INFO))
+    assert keeps(record("anthropic._base_client", logging.WARNING))
+    assert keeps(record("worker.llm.retry", logging.DEBUG))
+
+
 def test_an_exception_logged_as_an_argument_says_its_status_and_code_not_the_providers_words() -> None:
     """A provider's error message went into WARNING lines word for word, and a gateway may quote the
     request in it: a page's text. Its status and code say what went wrong; the words stay in llm_calls."""

@@ -50,6 +50,11 @@ class ContextFilter(logging.Filter):
     ``loggable`` says: a provider's words may quote a page, a database error's DETAIL a row."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # Held here too, not only by QUIET_LOGGERS' levels: an SDK imported after the set-up (each is
+        # imported at its first client) sets its loggers' levels from its own variable (ANTHROPIC_LOG=
+        # debug), and every prompt was written whole.
+        if record.levelno < logging.WARNING and record.name.partition(".")[0] in QUIET_LOGGERS:
+            return False
         loggable_record(record)
         fields = _FIELDS.get()
         if fields:
