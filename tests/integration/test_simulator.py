@@ -590,3 +590,39 @@ def test_an_ended_openai_batch_keeps_its_answers_in_its_files_only(
     assert sorted(json.loads(line)["custom_id"] for line in output.splitlines()) == ["r0", "r1", "r2"]
     assert sim.stats()["batches"]["held"]["answers"] == 0
     assert oai.batches.retrieve(batch.id).request_counts.completed == 3  # the counts outlive the answers
+
+
+def test_a_simulator_started_in_a_process_leaves_its_logging_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvicorn applied its own logging config to the whole process when an API or a worker started the
+    simulator in it: its loggers stopped reaching the process's handler (no JSON, no scrubbing)."""
+    import logging
+
+    for name in ("uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "propagate", True)
+    sim = Simulator(SimulatorConfig())
+    sim.start()
+    try:
+        for name in ("uvicorn", "uvicorn.error"):
+            logger = logging.getLogger(name)
+            assert (logger.handlers, logger.propagate) == ([], True), name
+    finally:
+        sim.stop()
+
+
+@pytest.mark.parametrize(("args", "hang"), [((), 75.0), (("--hang-seconds", "2.5"), 2.5)])
+def test_the_simulator_command_holds_a_timeout_fault_past_the_clients_timeout(
+    monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], hang: float
+) -> None:
+    """`factmill simulator --error-rate 0.1` held its timeouts 30 s, under the gateway's 60: every one
+    was answered before the client gave up, yet counted a timeout in the simulator's stats."""
+    from tests.cli import invoke_cli
+
+    served: list[SimulatorConfig] = []
+    monkeypatch.setattr("worker.simulator.serve", lambda config, **_: served.append(config))
+    result = invoke_cli("postgresql://unused/none", "simulator", "--error-rate", "0.1", *args)
+    assert result.exit_code == 0, result.output
+    assert [config.hang_seconds for config in served] == [hang]

@@ -8,6 +8,11 @@ import typer
 
 from worker.cli.console import err, port_option
 
+# The timeout fault's hold: past the gateway's default timeout (60 s), so a run with --error-rate meets
+# timeouts its client sees (30 s, the config's default, answered before the client gave up, and the
+# simulator's stats counted a timeout no client had).
+HANG_SECONDS = 75.0
+
 
 def simulator(
     port: Annotated[int, port_option(help="Port to listen on.")] = 8089,
@@ -16,14 +21,27 @@ def simulator(
     jitter_ms: Annotated[int, typer.Option(min=0)] = 0,
     error_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="Spread over every fault class.")] = 0.0,
     seed: Annotated[int, typer.Option()] = 0,
+    hang_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="How long the timeout fault holds a request before it answers: past the client's "
+            "timeout (FACTMILL_LLM_TIMEOUT_SECONDS, 60 by default) to be one.",
+        ),
+    ] = HANG_SECONDS,
 ) -> None:
     """Run the LLM simulator (OpenAI and Anthropic wire formats; not a real model)."""
     # Imported here, not at the top: the simulator is a test double that the production commands
     # (serve, worker, extract...) must never load.
-    from worker.simulator import SimulatorConfig, serve
+    from worker.simulator import serve
+    from worker.simulator.config import config_from_cli
 
-    config = SimulatorConfig.with_error_rate(
-        error_rate, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed
+    config = config_from_cli(
+        latency_ms=latency_ms,
+        jitter_ms=jitter_ms,
+        error_rate=error_rate,
+        seed=seed,
+        hang_seconds=hang_seconds,
     )
     err.print(f"LLM simulator (not a real model) on http://{host}:{port}/v1")
     serve(config, host=host, port=port)

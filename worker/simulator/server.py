@@ -231,9 +231,12 @@ class Simulator:
             sock.close()
             raise
         self._port = sock.getsockname()[1]
+        # Inside another process (an API's, a worker's): its logging is that process's. uvicorn's own
+        # config, applied here, replaced it for the whole process (unfiltered, non-JSON lines).
         config = uvicorn.Config(
             self.app,
-            log_level="warning",
+            log_config=None,
+            log_level=None,
             access_log=False,
             lifespan="off",
             backlog=2048,
