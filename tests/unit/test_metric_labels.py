@@ -180,6 +180,14 @@ def test_every_label_an_alert_s_text_names_survives_its_aggregation(rule: dict[s
                 )
 
 
+def test_the_alerts_that_say_the_others_are_blind_fire_only_when_no_replica_sees() -> None:
+    """The other alerts take max over the API's replicas, so one replica that reads (and builds) the
+    figures keeps them seeing; with max these fired when one replica of two lost its connection."""
+    exprs = {rule["alert"]: str(rule["expr"]) for rule in _rules()}
+    assert exprs["FactmillMetricsUnbuilt"].startswith("min(factmill_metrics_unbuilt)")
+    assert exprs["FactmillMetricsUnread"].startswith("min by (collector) (factmill_metrics_unread)")
+
+
 def test_the_label_check_sees_a_typo() -> None:
     """The check itself: a misspelt value and a label the metric lacks are caught."""
     with pytest.raises(AssertionError, match="is not one of"):
