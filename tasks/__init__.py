@@ -3,12 +3,13 @@ only rebuilds the job id and hands it to the one lifecycle (worker.jobs.lifecycl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from worker.jobs.celery_app import app
 from worker.jobs.lifecycle import run_job
 from worker.jobs.registry import get_kind
-from worker.runtime import tracing
+from worker.runtime import Runtime, tracing
 from worker.runtime.logs import log_context
 
 
@@ -26,3 +27,19 @@ def job_task(kind_name: str) -> Any:
         return outcome.status
 
     return run
+
+
+def beat_task(name: str) -> Callable[[Callable[[Runtime], int]], Any]:
+    """The Celery task beat sends by ``name``, running the decorated work on the process's resources,
+    its log lines bound to the task's id as a job task's are (a sweep's and a poll's had none)."""
+
+    def register(work: Callable[[Runtime], int]) -> Any:
+        @app.task(name=name, bind=True, ignore_result=True)
+        def run(self: Any) -> int:
+            with log_context(task_id=str(self.request.id)):
+                return work(self.resources)
+
+        run.__doc__ = work.__doc__
+        return run
+
+    return register

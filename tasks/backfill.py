@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from tasks import job_task
+from tasks import beat_task, job_task
 from worker.extraction.backfill_admin import poll_backfills
 from worker.extraction.backfill_request import BATCH_EXTRACTION
-from worker.jobs.celery_app import app
+from worker.runtime import Runtime
 
 run_backfill = job_task(BATCH_EXTRACTION)
 
 
-@app.task(name="tasks.backfill.poll", bind=True, ignore_result=True)
-def poll(self: Any) -> int:
+@beat_task("tasks.backfill.poll")
+def poll(resources: Runtime) -> int:
     """Run by beat: every backfill job waiting on provider batches runs one pass (polls, collects), and
     the batch copies owed a delete at the provider are deleted where due."""
-    return poll_backfills(self.resources.factory, self.resources.settings)
+    return poll_backfills(resources.factory, resources.settings)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from tasks import job_task
+from tasks import beat_task, job_task
 from worker.calibration import request_recompute
-from worker.jobs.celery_app import app
 from worker.jobs.outbox import CALIBRATION
+from worker.runtime import Runtime
 
 recompute = job_task(CALIBRATION)
 
 
-@app.task(name="tasks.calibration.schedule", bind=True, ignore_result=True)
-def schedule(self: Any) -> int:
+@beat_task("tasks.calibration.schedule")
+def schedule(resources: Runtime) -> int:
     """Run by beat: request a recompute job (one pending at a time) and send it after the commit."""
-    return request_recompute(self.resources.factory, trigger="schedule").job_id
+    return request_recompute(resources.factory, trigger="schedule").job_id

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from worker.jobs.celery_app import app
+from tasks import beat_task
 from worker.jobs.maintenance import sweep_task
+from worker.runtime import Runtime
 
 
-@app.task(name="tasks.maintenance.sweep", bind=True, ignore_result=True)
-def sweep(self: Any) -> int:
-    return sweep_task(self.resources)
+@beat_task("tasks.maintenance.sweep")
+def sweep(resources: Runtime) -> int:
+    """Run by beat: the sweep of stalled and lost jobs (worker.jobs.maintenance)."""
+    return sweep_task(resources)

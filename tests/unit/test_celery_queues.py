@@ -40,3 +40,17 @@ def test_a_periodic_wake_up_outlives_a_clock_skew_of_minutes() -> None:
 
 
 PERIODIC_EXPIRY_FLOOR_SECONDS = 300
+
+
+def test_a_periodic_tasks_log_lines_carry_its_task_id(monkeypatch) -> None:
+    """A job task's lines were bound to its task id; the sweep's, the poll's and the schedule's were
+    not. Run by ``apply`` (in this process, no queue): only the binding around the work is checked."""
+    import tasks.maintenance
+    from worker.runtime.logs import bound_fields
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(tasks.maintenance, "sweep_task", lambda resources: seen.append(bound_fields()) or 0)
+    task = tasks.maintenance.sweep._get_current_object()
+    monkeypatch.setattr(type(task), "resources", None)  # (no runtime: the work above needs none)
+    task.apply(task_id="beat-7")
+    assert seen == [{"task_id": "beat-7"}]
