@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, update
+from sqlalchemy import create_engine, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from factmill_client.signing import signable_key
@@ -1521,6 +1521,24 @@ def test_a_scrape_tries_a_database_it_cannot_reach_once(database_url: str) -> No
     assert b"factmill_store_up 0.0" in generate_latest(registry)  # the next scrape, soon after
     assert len(attempts) == 1
     engine.dispose()
+
+
+def test_a_store_read_past_its_timeout_is_no_store_down(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A statement of the store's collector past its timeout (a migration's lock queued behind a long
+    transaction) answered factmill_store_up 0: FactmillStoreDown (critical) while Postgres answered."""
+    from worker.api import metrics, scrape_reads
+
+    def slow(session: Session) -> None:
+        session.execute(text("SELECT pg_sleep(2)"))
+
+    monkeypatch.setattr(scrape_reads, "METRICS_STATEMENT_TIMEOUT", "50ms")
+    monkeypatch.setattr(metrics, "_StoreRows", slow)
+    scraped = client.get("/metrics", headers=ADMIN_HEADERS).text
+    assert "factmill_store_up 1.0" in scraped
+    assert 'factmill_metrics_unread{collector="store"} 1.0' in scraped
+    assert 'factmill_metrics_unread{collector="postgres"} 0.0' in scraped
 
 
 def test_an_exhausted_connection_pool_is_a_503_with_retry_after(database_url: str) -> None:

@@ -156,6 +156,12 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
     def unreadable(self) -> list[Metric]:
         return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=0)]
 
+    def unanswered(self) -> list[Metric]:
+        """Reached, so the store is up: a statement past its timeout (a migration's lock held behind a long
+        transaction) said "the API cannot read Postgres" (FactmillStoreDown, critical) while the other
+        collectors read. factmill_metrics_unread{collector="store"} says it."""
+        return [GaugeMetricFamily("factmill_store_up", STORE_UP_HELP, value=1)]
+
     def unbuildable(self) -> list[Metric]:
         """Read, so the store is up (FactmillStoreDown would lie); the families that could not be built
         are absent, and factmill_metrics_unbuilt says so (FactmillMetricsUnbuilt), or their own alerts
@@ -456,9 +462,9 @@ def install_metrics(
     a commit whose lag is watched (``follow_up_steps``)."""
     registry = CollectorRegistry(auto_describe=False)
     install_request_metrics(app, registry, multiprocess_dir)
-    registry.register(StoreCollector(factory))  # type: ignore[arg-type]
-    # The store's own failures are said by factmill_store_up and factmill_metrics_unbuilt.
+    # The store's own failures are said by factmill_store_up and factmill_metrics_unbuilt too.
     others: dict[str, ScrapeTimeCollector[Any]] = {
+        "store": StoreCollector(factory),
         "compactions": CompactionCollector(factory),
         "consolidation": ConsolidationCollector(factory),
         "backfills": BackfillCollector(factory),

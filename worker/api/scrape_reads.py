@@ -85,8 +85,9 @@ class ScrapeTimeCollector(Generic[R]):
                 rows = self.read(session)
         except Exception as exc:
             logger.warning("metrics: could not read %s: %s", self.reads, one_line(exc))
-            if database_unavailable(exc):  # not a query's own failure (a timeout, a deadlock)
-                note_outage(self.factory, gone=isinstance(exc, OperationalError) and database_went_away(exc))
+            if not database_unavailable(exc):  # a query's own failure (a timeout, a deadlock): it answered
+                return self.unanswered(), True
+            note_outage(self.factory, gone=isinstance(exc, OperationalError) and database_went_away(exc))
             return self.unreadable(), True
         try:
             return self.metrics(rows), False
@@ -101,7 +102,12 @@ class ScrapeTimeCollector(Generic[R]):
         raise NotImplementedError
 
     def unreadable(self) -> list[Metric]:
+        """What a scrape answers when the store could not be reached."""
         return []
+
+    def unanswered(self) -> list[Metric]:
+        """What a scrape answers when the store was reached but a read failed (a statement timeout)."""
+        return self.unreadable()
 
     def unbuildable(self) -> list[Metric]:
         """What a scrape answers when the figures were read but could not be built: the whole scrape
