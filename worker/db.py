@@ -108,7 +108,11 @@ def database_went_away(exc: BaseException) -> bool:
     OperationalError (``database_unavailable`` checks that)."""
     if getattr(exc, "connection_invalidated", False):
         return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return went_away_by_sqlstate(getattr(getattr(exc, "orig", None), "sqlstate", None))
+
+
+def went_away_by_sqlstate(sqlstate: str | None) -> bool:
+    """``database_went_away`` by a driver error's SQLSTATE alone."""
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in DATABASE_GONE_SQLSTATES
 
 

@@ -13,11 +13,12 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, text, update
+from sqlalchemy import create_engine, func, make_url, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from factmill_client.signing import signable_key
@@ -1435,6 +1436,50 @@ def test_a_scrape_during_an_outage_asks_the_database_once_for_its_key_and_its_fi
             assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
     assert len(attempts) == 1
     engine.dispose()
+
+
+def test_scrapes_a_minute_apart_through_an_outage_each_ask_with_a_quick_connect(
+    database_url: str, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outage was forgotten 15 s after it was seen: at Prometheus's 1-minute default every scrape
+    waited out the full connect timeout again (the key check's, 10 s), timed out, and FactmillStoreDown
+    could not fire. Within OUTAGE_MEMORY_SECONDS a scrape asks with a short connect first."""
+    from tests.auth import bearer, new_key
+    from worker.api import scrape_reads
+
+    engine, down, attempts = silent_database(database_url)
+    gated = sessionmaker(engine)
+    probes: list[bool] = []
+
+    def probe(_factory: Any) -> bool | None:
+        probes.append(down[0])
+        return True if down[0] else None
+
+    monkeypatch.setattr(scrape_reads, "store_away", probe)
+    clock = [1000.0]  # the outage memory's clock, moved a minute between scrapes
+    monkeypatch.setattr(scrape_reads, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    scraper = bearer(new_key(factory, ["metrics"]))
+    with TestClient(create_app(make_runtime(database_url, gated), sender=Recorder(gated))) as client:
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        down[0] = True
+        assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+        for _ in range(3):
+            clock[0] += 60
+            assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+        assert len(attempts) == 1 and probes == [True] * 3  # one quick connect a scrape, none slow
+        down[0] = False
+        clock[0] += 60
+        assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
+        assert probes[-1] is False
+    engine.dispose()
+
+
+def test_the_quick_connect_tells_a_database_that_answers_from_one_gone(database_url: str) -> None:
+    from worker.api.scrape_reads import store_away
+
+    assert store_away(sessionmaker(create_engine(database_url))) is None
+    closed_port = make_url(database_url).set(host="127.0.0.1", port=1)
+    assert store_away(sessionmaker(create_engine(closed_port))) is True
 
 
 @pytest.mark.parametrize("remembered_first", [True, False], ids=["seen-by-the-scrape", "seen-by-the-key"])

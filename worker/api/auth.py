@@ -26,7 +26,7 @@ from worker.access import Principal, is_admin_token, may_be_a_key, principal_for
 from worker.access.store import hash_key
 from worker.api.deps import ApiContext, Context, check_signature_header, verify_signature
 from worker.api.errors import CHALLENGE, ApiError
-from worker.api.scrape_reads import note_outage, outage_seen
+from worker.api.scrape_reads import note_outage, outage_persists, outage_seen
 from worker.bodycap import ARRIVED_MONOTONIC_SCOPE_KEY, arrived_at
 from worker.core.moments import SAME_SECOND_HINT
 from worker.core.signing import (
@@ -89,7 +89,7 @@ def _resolved(
         remembered = ctx.remembered_key(hash_key(credentials.credentials), OUTAGE_GRACE_SECONDS)
         if remembered is None:
             _refuse_unlookable(ctx, credentials.credentials)  # again on its thread: queued, it waited
-        elif outage_seen(ctx.factory, gone=True):
+        elif outage_persists(ctx.factory, gone=True):
             # Not asked again while the database is away (gone: not merely out of connections, when it
             # is up and would say the key was revoked): a database that drops packets took the connect
             # timeout (10 s, or a pooled connection's 60) per scrape before the collectors' own reads,

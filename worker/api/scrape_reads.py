@@ -8,6 +8,7 @@ import time
 import weakref
 from typing import Any, Generic, TypeVar
 
+import psycopg
 from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -16,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models.reads import one_snapshot
 from worker.api.errors import one_line
 from worker.core.errors import loggable
-from worker.db import database_unavailable, database_went_away
+from worker.db import database_unavailable, database_went_away, went_away_by_sqlstate
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,12 @@ METRICS_STATEMENT_TIMEOUT = "5s"
 # answer "unreadable" at once: each waited out its own connect timeout, six in a row, and a scrape took
 # minutes, far past Prometheus's own timeout, so factmill_store_up 0 never reached it.
 OUTAGE_SECONDS = 15.0
+# Past OUTAGE_SECONDS, and until this long after the store was last seen away, a scrape asks first with
+# a connect of PROBE_CONNECT_SECONDS: at Prometheus's 1-minute default each scrape found the outage
+# forgotten, waited out the full connect timeout (10 s) in its key check or first read, and timed out,
+# so factmill_store_up 0 was never stored (FactmillStoreDown could not fire).
+OUTAGE_MEMORY_SECONDS = 600.0
+PROBE_CONNECT_SECONDS = 2
 # factory -> when a collector last failed to reach the store through it (weak: a factory's id is reused)
 _outages: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.WeakKeyDictionary()
 _gone: weakref.WeakKeyDictionary[sessionmaker[Session], float] = weakref.WeakKeyDictionary()  # went away
@@ -38,6 +45,35 @@ def outage_seen(factory: sessionmaker[Session], *, gone: bool = False) -> bool:
     and would say a key was revoked)."""
     seen = (_gone if gone else _outages).get(factory)
     return seen is not None and time.monotonic() - seen < OUTAGE_SECONDS
+
+
+def outage_persists(factory: sessionmaker[Session], *, gone: bool = False) -> bool:
+    """``outage_seen``, or an outage seen within OUTAGE_MEMORY_SECONDS that a quick connect finds still
+    there (noted again: the rest of the scrape answers at once); a store that answers it is forgotten
+    as away."""
+    if outage_seen(factory, gone=gone):
+        return True
+    seen = (_gone if gone else _outages).get(factory)
+    if seen is None or time.monotonic() - seen >= OUTAGE_MEMORY_SECONDS:
+        return False
+    away = store_away(factory)
+    if away is None:
+        _outages.pop(factory, None)
+        _gone.pop(factory, None)
+        return False
+    note_outage(factory, gone=away)
+    return away or not gone  # (up but refusing, out of connections, say: no outage to a key check)
+
+
+def store_away(factory: sessionmaker[Session]) -> bool | None:
+    """None when a new connection to the factory's database opens within PROBE_CONNECT_SECONDS; else
+    whether the database is gone (``database_went_away``) rather than up and refusing."""
+    url = factory.kw["bind"].engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        psycopg.connect(url, connect_timeout=PROBE_CONNECT_SECONDS).close()
+    except psycopg.Error as exc:
+        return went_away_by_sqlstate(exc.sqlstate)
+    return None
 
 
 def note_outage(factory: sessionmaker[Session], *, gone: bool) -> None:
@@ -75,7 +111,7 @@ class ScrapeTimeCollector(Generic[R]):
 
     def _collected(self) -> tuple[list[Metric], bool]:
         """(what the scrape answers, whether the figures could not be read or built)."""
-        if outage_seen(self.factory):
+        if outage_persists(self.factory):
             return self.unreadable(), True
         try:
             # One snapshot: the call totals and the latency buckets (jobs and paused jobs) are read by
@@ -143,5 +179,6 @@ __all__ = [
     "MissingReadsCollector",
     "ScrapeTimeCollector",
     "note_outage",
+    "outage_persists",
     "outage_seen",
 ]
