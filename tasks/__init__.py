@@ -34,12 +34,13 @@ def beat_task(name: str) -> Callable[[Callable[[Runtime], int]], Any]:
     its log lines bound to the task's id as a job task's are (a sweep's and a poll's had none)."""
 
     def register(work: Callable[[Runtime], int]) -> Any:
-        @app.task(name=name, bind=True, ignore_result=True)
         def run(self: Any) -> int:
             with log_context(task_id=str(self.request.id)):
                 return work(self.resources)
 
+        # Before the task is made: set on the task (a promise until the app is finalized), it made the
+        # app read its configuration at import, starting the embedded broker.
         run.__doc__ = work.__doc__
-        return run
+        return app.task(name=name, bind=True, ignore_result=True)(run)
 
     return register

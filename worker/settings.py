@@ -326,7 +326,10 @@ class Settings(BaseSettings):
     def _home_expanded(cls, value: Path) -> Path:
         # No shell expands it where a .env file, a systemd Environment= line or compose sets it: "~/fm"
         # was a folder named "~" under whatever folder the command ran in, one per folder.
-        return value.expanduser()
+        try:
+            return value.expanduser()
+        except RuntimeError:  # "~name/..." of no user this machine knows
+            raise ValueError(f"{str(value)!r} names the home folder of no user here") from None
 
     @field_validator("webhook_previous_secret")
     @classmethod

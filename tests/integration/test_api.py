@@ -1578,6 +1578,9 @@ def test_a_store_read_past_its_timeout_is_no_store_down(
     def slow(session: Session) -> None:
         session.execute(text("SELECT pg_sleep(2)"))
 
+    healthy = client.get("/metrics", headers=ADMIN_HEADERS).text
+    assert "factmill_metrics_unbuilt 0.0" in healthy  # (said 0 too: the alert takes min over replicas)
+    assert 'factmill_metrics_unread{collector="store"} 0.0' in healthy
     monkeypatch.setattr(scrape_reads, "METRICS_STATEMENT_TIMEOUT", "50ms")
     monkeypatch.setattr(metrics, "_StoreRows", slow)
     scraped = client.get("/metrics", headers=ADMIN_HEADERS).text

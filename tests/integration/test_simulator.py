@@ -593,24 +593,30 @@ def test_an_ended_openai_batch_keeps_its_answers_in_its_files_only(
 
 
 def test_a_simulator_started_in_a_process_leaves_its_logging_as_it_was(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """uvicorn applied its own logging config to the whole process when an API or a worker started the
-    simulator in it: its loggers stopped reaching the process's handler (no JSON, no scrubbing)."""
+    simulator in it: its loggers stopped reaching the process's handler (no JSON, no scrubbing). Its
+    start-up lines stay out of that log (they read as a second server of the process's own)."""
     import logging
 
     for name in ("uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
         monkeypatch.setattr(logger, "handlers", [])
         monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
     sim = Simulator(SimulatorConfig())
-    sim.start()
-    try:
-        for name in ("uvicorn", "uvicorn.error"):
-            logger = logging.getLogger(name)
-            assert (logger.handlers, logger.propagate) == ([], True), name
-    finally:
-        sim.stop()
+    with caplog.at_level(logging.INFO):
+        sim.start()
+        try:
+            for name in ("uvicorn", "uvicorn.error"):
+                logger = logging.getLogger(name)
+                assert (logger.handlers, logger.propagate) == ([], True), name
+            logging.getLogger("uvicorn.error").info("the process's own server line")
+        finally:
+            sim.stop()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("uvicorn")]
+    assert said == ["the process's own server line"], said
 
 
 @pytest.mark.parametrize(("args", "hang"), [((), 75.0), (("--hang-seconds", "2.5"), 2.5)])
@@ -620,9 +626,14 @@ def test_the_simulator_command_holds_a_timeout_fault_past_the_clients_timeout(
     """`factmill simulator --error-rate 0.1` held its timeouts 30 s, under the gateway's 60: every one
     was answered before the client gave up, yet counted a timeout in the simulator's stats."""
     from tests.cli import invoke_cli
+    from worker.simulator import server
+    from worker.simulator.config import COMMAND_HANG_SECONDS
 
     served: list[SimulatorConfig] = []
     monkeypatch.setattr("worker.simulator.serve", lambda config, **_: served.append(config))
     result = invoke_cli("postgresql://unused/none", "simulator", "--error-rate", "0.1", *args)
     assert result.exit_code == 0, result.output
-    assert [config.hang_seconds for config in served] == [hang]
+    monkeypatch.setattr(server, "serve", lambda config, *_: served.append(config))
+    server.main(["--error-rate", "0.1", *args])  # python -m worker.simulator: the same
+    assert [config.hang_seconds for config in served] == [hang, hang]
+    assert COMMAND_HANG_SECONDS == 75.0 and "Default 75." in invoke_cli("", "simulator", "--help").output

@@ -71,6 +71,9 @@ def test_a_digit_or_an_ideograph_is_a_query_word_and_a_lone_ascii_letter_is_not(
     assert parse_lex_query("room 7").terms == ("room", "7")
     assert parse_lex_query("Alice 猫").terms == ("Alice", "猫")
     assert parse_lex_query("vitamin d").terms == ("vitamin",)
+    # Punctuation alone is no word (bare, it is empty): a stop-word question still searches its words.
+    assert parse_lex_query("Alice & Bob").terms == ("Alice", "Bob")
+    assert parse_lex_query("who is he ?").terms == ("who", "is", "he", "?")
 
 
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:

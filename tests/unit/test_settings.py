@@ -291,6 +291,8 @@ def test_a_data_folder_under_home_is_the_home_folders(monkeypatch: pytest.Monkey
     "~" under the folder a command ran in (one per folder), and the demo's "remove ~/fm/" another."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert Settings(data_dir="~/fm-data").data_dir == tmp_path / "fm-data"
+    with pytest.raises(ValueError, match="names the home folder of no user here"):  # not a traceback
+        Settings(data_dir="~no-such-user-here/fm-data")
 
 
 @pytest.mark.parametrize(

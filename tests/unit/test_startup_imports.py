@@ -40,6 +40,17 @@ def test_the_cli_the_api_and_the_task_modules_load_no_sdk_and_no_mcp_server() ->
     assert _loaded_after("import worker.cli, worker.api.app, tasks, worker.runtime") == []
 
 
+def test_importing_the_task_modules_leaves_the_celery_app_unconfigured() -> None:
+    """Configuring it reads the settings and may start the embedded broker: the tasks beat sends made
+    every import of their modules (the API's, with tracing on) do that."""
+    code = (
+        "import tasks.maintenance, tasks.backfill, tasks.calibration, tasks.extraction\n"
+        "from worker.jobs.celery_app import app\n"
+        "print(app.configured)"
+    )
+    assert _python(code).strip().splitlines()[-1] == "False"
+
+
 def test_a_client_loads_only_its_own_sdk() -> None:
     code = (
         "from worker.llm.openai_compat import OpenAIChatClient\n"

@@ -225,8 +225,12 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
         )
         for key in KILL_SWITCHES:
             switches.add_metric([key], 1 if is_enabled(rows.switches.get(key)) else 0)
+        # 0 here, so the alert can take min over the API's replicas: one that builds them keeps the others
+        # seeing (a healthy replica exported no series, and min over the broken one's alone fired).
+        built = GaugeMetricFamily("factmill_metrics_unbuilt", UNBUILT_HELP, value=0)
         return [
             up,
+            built,
             switches,
             jobs_gauge,
             _paused_jobs(rows.paused, kinds),

@@ -8,11 +8,6 @@ import typer
 
 from worker.cli.console import err, port_option
 
-# The timeout fault's hold: past the gateway's default timeout (60 s), so a run with --error-rate meets
-# timeouts its client sees (30 s, the config's default, answered before the client gave up, and the
-# simulator's stats counted a timeout no client had).
-HANG_SECONDS = 75.0
-
 
 def simulator(
     port: Annotated[int, port_option(help="Port to listen on.")] = 8089,
@@ -22,13 +17,14 @@ def simulator(
     error_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="Spread over every fault class.")] = 0.0,
     seed: Annotated[int, typer.Option()] = 0,
     hang_seconds: Annotated[
-        float,
+        float | None,
         typer.Option(
             min=0.0,
             help="How long the timeout fault holds a request before it answers: past the client's "
-            "timeout (FACTMILL_LLM_TIMEOUT_SECONDS, 60 by default) to be one.",
+            "timeout (FACTMILL_LLM_TIMEOUT_SECONDS, 60 by default) to be one. Default 75.",
+            show_default=False,
         ),
-    ] = HANG_SECONDS,
+    ] = None,
 ) -> None:
     """Run the LLM simulator (OpenAI and Anthropic wire formats; not a real model)."""
     # Imported here, not at the top: the simulator is a test double that the production commands

@@ -69,11 +69,13 @@ SearchType = Literal["lex", "vec", "hyde"]
 
 
 def is_query_word(word: str) -> bool:
-    """Whether a lower-cased word (its edge punctuation gone) is worth matching in a query: not a stop
-    word, and of two or more characters unless it is no ASCII letter. A lone ideograph is a word
-    (Chinese writes many with one), and so is a digit ("room 7", "gpt 4"): dropped, a search answered
-    any room and called the answer complete; the gate lost the version a question named."""
-    return word not in INTENT_STOP_WORDS and (len(word) > 1 or not (word.isascii() and word.isalpha()))
+    """Whether a lower-cased word (its edge punctuation gone) is worth matching in a query: not empty,
+    not a stop word, and of two or more characters unless it is no ASCII letter. A lone ideograph is a
+    word (Chinese writes many with one), and so is a digit: dropped, "room 7" searched any room and
+    called the answer complete, and the gate lost the "4" of a question's "gpt-4"."""
+    if not word or word in INTENT_STOP_WORDS:
+        return False
+    return len(word) > 1 or not (word.isascii() and word.isalpha())
 
 
 # --------------------------------------------------------------------------- intent terms

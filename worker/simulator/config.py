@@ -217,11 +217,19 @@ def config_from_cli(
     seed: int = 0,
     hang_seconds: float | None = None,
 ) -> SimulatorConfig:
-    """The config behind `factmill simulator`: error_rate is spread evenly over every fault class."""
-    extra: dict[str, Any] = {} if hang_seconds is None else {"hang_seconds": hang_seconds}
+    """The config behind `factmill simulator` and `python -m worker.simulator`: error_rate is spread
+    evenly over every fault class; the timeout fault holds a request ``hang_seconds`` (None:
+    COMMAND_HANG_SECONDS)."""
+    hang = COMMAND_HANG_SECONDS if hang_seconds is None else hang_seconds
     return SimulatorConfig.with_error_rate(
-        error_rate, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed, **extra
+        error_rate, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed, hang_seconds=hang
     )
+
+
+# The timeout fault's hold when the simulator runs alone: past the gateway's default timeout (60 s), so
+# a run with --error-rate meets timeouts its client sees (the config's 30 s answered each before the
+# client gave up, and the simulator's stats counted a timeout no client had).
+COMMAND_HANG_SECONDS = 75.0
 
 
 @dataclass(frozen=True)

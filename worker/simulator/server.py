@@ -167,6 +167,15 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+THREAD_PREFIX = "llm-simulator:"
+
+
+def _not_a_simulators_notice(record: logging.LogRecord) -> bool:
+    """uvicorn's INFO lines (started, running on, shutting down) from a simulator's thread: in an API's
+    or a worker's log they read as a second server of that process's own."""
+    return record.levelno >= logging.WARNING or not (record.threadName or "").startswith(THREAD_PREFIX)
+
+
 class Simulator:
     """The simulator on a background thread, for tests, the demo and benchmarks.
 
@@ -233,6 +242,9 @@ class Simulator:
         self._port = sock.getsockname()[1]
         # Inside another process (an API's, a worker's): its logging is that process's. uvicorn's own
         # config, applied here, replaced it for the whole process (unfiltered, non-JSON lines).
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if _not_a_simulators_notice not in uvicorn_log.filters:
+            uvicorn_log.addFilter(_not_a_simulators_notice)
         config = uvicorn.Config(
             self.app,
             log_config=None,
@@ -245,7 +257,7 @@ class Simulator:
         )
         server = uvicorn.Server(config)
         thread = threading.Thread(
-            target=server.run, kwargs={"sockets": [sock]}, name=f"llm-simulator:{self._port}", daemon=True
+            target=server.run, kwargs={"sockets": [sock]}, name=f"{THREAD_PREFIX}{self._port}", daemon=True
         )
         self._server, self._thread, self._socket = server, thread, sock
         thread.start()
