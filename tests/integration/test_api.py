@@ -1160,6 +1160,9 @@ def test_jobs_waiting_with_no_worker_on_them_show_how_long(
     assert value("factmill_job_oldest_due_seconds", "compaction") == 0.0
     assert 590 <= value("factmill_job_oldest_heartbeat_seconds", "consolidation") <= 700
     assert value("factmill_job_oldest_heartbeat_seconds", "extraction") == 0.0
+    # What a pool can take (KEDA and the backlog alert): a job waiting out an outage is queued, not due.
+    assert (value("factmill_jobs_due", "extraction"), value("factmill_jobs_due", "compaction")) == (2.0, 0.0)
+    assert 'factmill_jobs{kind="compaction",status="queued"} 1.0' in metrics
 
 
 def test_facts_a_follow_up_has_not_reached_show_how_many_and_how_long(

@@ -15,7 +15,7 @@ from models import Job
 _SECONDS_SINCE = func.extract("epoch", func.now() - func.min(func.coalesce(Job.enqueued_at, Job.created_at)))
 # Queued and due (a retry's backoff or an outage's wait ahead is not waiting), by kind: ix_jobs_status_kind.
 _OLDEST_DUE = (
-    select(Job.kind, _SECONDS_SINCE)
+    select(Job.kind, _SECONDS_SINCE, func.count())
     .where(Job.status == "queued", or_(Job.enqueued_at.is_(None), Job.enqueued_at <= func.now()))
     .group_by(Job.kind)
 )
@@ -30,12 +30,14 @@ _OLDEST_BEAT = (
 class JobWaits:
     due: dict[str, float]  # kind -> seconds the longest-waiting due queued job has waited since it was sent
     beat: dict[str, float]  # kind -> seconds since the oldest heartbeat of a running job
+    due_count: dict[str, int]  # kind -> queued jobs due now
 
     @classmethod
     def read(cls, session: Session) -> JobWaits:
-        due = {kind: max(0.0, float(s)) for kind, s in session.execute(_OLDEST_DUE)}
+        rows = session.execute(_OLDEST_DUE).all()
+        due = {kind: max(0.0, float(s)) for kind, s, _ in rows}
         beat = {kind: max(0.0, float(s)) for kind, s in session.execute(_OLDEST_BEAT)}
-        return cls(due, beat)
+        return cls(due, beat, {kind: int(n) for kind, _, n in rows})
 
     def metrics(self, kinds: Iterable[str]) -> list[GaugeMetricFamily]:
         waiting = GaugeMetricFamily(
@@ -52,10 +54,17 @@ class JobWaits:
             "past it, the sweeper is not running (beat or the maintenance worker down)",
             labels=["kind"],
         )
+        due = GaugeMetricFamily(
+            "factmill_jobs_due",
+            "Per kind, the queued jobs due now: not those waiting out a retry's backoff or a provider outage "
+            "(factmill_jobs counts them as queued). What a worker pool can take: scale and alert on it",
+            labels=["kind"],
+        )
         for kind in sorted(set(kinds) | set(self.due) | set(self.beat)):  # zeros: no series vanishes
             waiting.add_metric([kind], self.due.get(kind, 0.0))
             silent.add_metric([kind], self.beat.get(kind, 0.0))
-        return [waiting, silent]
+            due.add_metric([kind], self.due_count.get(kind, 0))
+        return [waiting, silent, due]
 
 
 __all__ = ["JobWaits"]
