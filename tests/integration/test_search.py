@@ -1458,6 +1458,37 @@ def test_vector_lists_walk_enough_of_the_hnsw_graph(
         assert session.scalar(text("SELECT current_setting('hnsw.ef_search')")) == "1000"
 
 
+@pytest.mark.parametrize("version", ["0.7.4", "0.8.0"])
+def test_a_filtered_vector_list_fills_up_on_every_pgvector(
+    vector_factory: sessionmaker[Session], version: str
+) -> None:
+    """Before pgvector 0.8 (the embedded pgserver ships 0.6.2) the index yields its ef_search nearest and
+    no more: a source holding a few percent of the facts, all farther than the others, got none."""
+    from worker.search.store import _vector_search
+
+    def unit(*weights: float) -> list[float]:
+        vector = [*weights, *[0.0] * (256 - len(weights))]
+        norm = sum(w * w for w in vector) ** 0.5
+        return [w / norm for w in vector]
+
+    near = [_row("crowd", "crowd", i, f"Crowd fact {i}", "fact", "crowd", "", None) for i in range(1200)]
+    far = [_row("crowd", "few", i, f"Few fact {i}", "belief", "few", "", None) for i in range(12)]
+    for i, row in enumerate(near):
+        row["embedding"] = unit(1.0, 0.001 * i)
+    for i, row in enumerate(far):
+        row["embedding"] = unit(1.0, 0.0, 5.0 + i)
+    with vector_factory.begin() as session:
+        session.execute(insert(Fact), near + far)
+    with vector_factory() as session:
+        # The plan a large store gets where the planner takes the filter for a loose one: walk the HNSW
+        # index and filter what it yields (here, a thousand rows are sooner read whole and sorted, which
+        # is exact: no sort leaves it the index alone).
+        session.execute(text("SET LOCAL enable_sort = off"))
+        hits = _vector_search(session, unit(1.0), SearchFilters(kind="belief"), 10, version)
+        assert len(hits) == 10, hits
+        assert session.scalar(text("SELECT current_setting('enable_indexscan')")) == "on"
+
+
 def test_fusion_rewards_agreement(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:
     seed(vector_factory)
     embed_facts(vector_factory, llm)

@@ -359,21 +359,28 @@ def _nearest(
     # still fills its list (pgvector >= 0.8 keeps scanning on its own with iterative scans).
     ef_search = min(1000, max(HNSW_EF_SEARCH, limit * 4))
     session.execute(text("SELECT set_config('hnsw.ef_search', :ef, true)"), {"ef": str(ef_search)})
-    if version_tuple(extension_version) >= (0, 8):
+    iterative = version_tuple(extension_version) >= (0, 8)
+    if iterative:
         session.execute(text("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"))
     params |= {"qv": vector_literal(vector), "limit": limit, "model": model}
     where += " AND (f.embedding_model IS NULL OR CAST(:model AS text) IS NULL OR f.embedding_model = :model)"
     # ORDER BY the distance alone: the HNSW index can only yield that order, and any second sort key
     # (a tie-break on f.id) makes the planner scan and sort every vector instead (bench/search.py).
     # Ties are broken below, after the fetch.
-    rows = session.execute(
-        text(
-            "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
-            "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
-            f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
-        ),
-        params,
-    ).all()
+    nearest = text(
+        "SELECT f.id, e.embedding <=> CAST(:qv AS vector) AS distance "
+        "FROM search.fact_embeddings e JOIN facts f ON f.id = e.fact_id "
+        f"WHERE {where} ORDER BY e.embedding <=> CAST(:qv AS vector) LIMIT :limit"
+    )
+    rows = session.execute(nearest, params).all()
+    if len(rows) < limit and not iterative:
+        # Before pgvector 0.8 the index yields its ef_search nearest and no more: a filter keeping a few
+        # percent of the facts (one source of many) found few of them, or none. Asked again without the
+        # index (the filters' own indexes, then a sort): exact, over the facts the filters keep.
+        prior = session.scalar(text("SELECT current_setting('enable_indexscan')"))
+        session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
+        rows = session.execute(nearest, params).all()
+        session.execute(text("SELECT set_config('enable_indexscan', :was, true)"), {"was": prior})
     # Orthogonal or opposite vectors share nothing with the query: not a hit, however near in rank.
     hits = [Hit(row[0], min(1.0, 1.0 - float(row[1]))) for row in rows if float(row[1]) < 1.0]
     # relaxed_order may return neighbours slightly out of order.
