@@ -691,6 +691,18 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback_after_the_comm
     assert "revoked" in revoked.stdout and "\\u2026" in revoked.stdout
 
 
+def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(monkeypatch):
+    """One per core, each at 64 job threads (about 40 connections apiece), passed the embedded server's
+    100 connections on a laptop of four cores: "too many clients", taken for an outage, stalled every job."""
+    from worker.cli import processes
+
+    monkeypatch.setattr(processes, "default_processes", lambda: 4)
+    assert processes.worker_processes(None, "threads", embedded_database=True) == 1
+    assert processes.worker_processes(None, "threads", embedded_database=False) == 4
+    assert processes.worker_processes(3, "threads", embedded_database=True) == 3
+    assert processes.worker_processes(None, "prefork", embedded_database=False) == 1  # it forks its own
+
+
 def test_a_prefork_worker_forks_one_child_per_core_by_default_not_one_per_llm_call(cli, monkeypatch):
     """-c is child processes under prefork; its default was FACTMILL_LLM_CONCURRENCY (64 processes, each
     with its own pools and LLM pipe), and --concurrency let 4,096 be forked past --processes' cap."""

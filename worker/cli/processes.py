@@ -52,6 +52,15 @@ def default_processes() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def worker_processes(asked: int | None, pool: str, *, embedded_database: bool) -> int:
+    """How many worker processes `factmill worker` runs: as asked; else one per core for the threads
+    pool (prefork forks its own), but one on the embedded Postgres, whose 100 connections a process per
+    core at 64 job threads each (about 40 connections apiece) would pass on a laptop of four cores."""
+    if asked:
+        return asked
+    return default_processes() if pool == "threads" and not embedded_database else 1
+
+
 def child_hostname(hostname: str | None, number: int) -> str:
     """Celery node names must differ: ``name@host`` becomes ``name-N@host``."""
     name, _, host = (hostname or "factmill@%h").partition("@")

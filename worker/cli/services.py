@@ -17,7 +17,7 @@ import uvicorn
 
 from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
-from worker.cli.processes import child_hostname, default_processes, run_children
+from worker.cli.processes import child_hostname, default_processes, run_children, worker_processes
 from worker.cli.sessions import checked_factory, refuse_unset_servers
 from worker.jobs.registry import queues as known_queues
 from worker.llm.types import longest_try_seconds
@@ -176,7 +176,8 @@ def worker(
         typer.Option(
             min=1,
             max=MAX_WORKER_PROCESSES,
-            help="Worker processes, each with its own LLM pipe; default one per core.",
+            help="Worker processes, each with its own LLM pipe; default one per core (one on the embedded "
+            "Postgres).",
         ),
     ] = None,
     pool: Annotated[str, typer.Option(help="threads (I/O-bound LLM calls), prefork or solo.")] = "threads",
@@ -214,7 +215,7 @@ def worker(
     else:
         jobs = concurrency or settings.llm_concurrency
     # prefork forks processes of its own (one job each); the threads pool needs them from here.
-    count = processes or (default_processes() if pool == "threads" else 1)
+    count = worker_processes(processes, pool, embedded_database=not settings.database_url)
     if count > 1:
         child = ["worker", "--queues", queues, "--concurrency", str(jobs), "--processes", "1"]
         child += ["--pool", pool, "--loglevel", loglevel]
