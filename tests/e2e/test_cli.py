@@ -691,6 +691,25 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback_after_the_comm
     assert "revoked" in revoked.stdout and "\\u2026" in revoked.stdout
 
 
+def test_services_on_a_database_server_with_the_embedded_broker_say_where_their_jobs_go(
+    cli, database_url, monkeypatch
+):
+    """Each folder a service (or `ingest`) ran from started an embedded Redis of its own, unsaid: jobs
+    queued there waited for the sweeper to take them for lost, or for good where beat ran elsewhere."""
+    from tests.cli import run_main
+    from worker.cli import services
+
+    monkeypatch.setattr(services, "celery_exit_code", lambda argv: 0)
+    said = cli("beat").stderr
+    assert "FACTMILL_BROKER_URL is not" not in said  # both set: nothing to say
+    unbrokered = {k: v for k, v in cli.env.items() if k != "FACTMILL_BROKER_URL"}
+    for command in (["beat"], ["worker", "--processes", "1"]):
+        said = run_main(command, unbrokered).stderr
+        assert "FACTMILL_BROKER_URL is not: jobs go through the embedded Redis under" in " ".join(
+            said.split()
+        )
+
+
 def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(monkeypatch):
     """One per core, each at 64 job threads (about 40 connections apiece), passed the embedded server's
     100 connections on a laptop of four cores: "too many clients", taken for an outage, stalled every job."""

@@ -9,7 +9,7 @@ import typer
 
 from worker.cli.console import fail, port_option
 from worker.cli.services import refuse_published_secrets
-from worker.cli.sessions import checked_factory
+from worker.cli.sessions import checked_factory, embedded_broker_note
 from worker.runtime import build_runtime
 from worker.settings import RefusedSettingsError, get_settings
 
@@ -59,22 +59,12 @@ def mcp_command(
         settings.check_service_settings()
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
-    if (
-        http is None
-        and settings.database_url
-        and not settings.broker_url
-        and not settings.data_dir.is_absolute()
-    ):
+    note = embedded_broker_note(settings)
+    if http is None and note is not None and not settings.data_dir.is_absolute():
         # An agent starts the stdio server from a folder of its own: jobs went to an embedded Redis under
         # it, which no worker reads (run only when the sweeper took them for lost), and each machine
         # counted its own search limits.
-        raise fail(
-            "FACTMILL_DATABASE_URL is set but FACTMILL_BROKER_URL is not: the MCP server's jobs would go to "
-            "an embedded Redis under this folder, which no worker reads; set FACTMILL_BROKER_URL to the "
-            "workers' broker (or FACTMILL_DATA_DIR to the workers' data folder, an absolute path, to share "
-            "its embedded Redis)",
-            code=2,
-        )
+        raise fail(note, code=2)
     if http is not None:
         refuse_published_secrets(settings, host)
     key = None if http is not None else _stdio_key(key_env, settings.mcp_api_key)

@@ -24,12 +24,13 @@ from worker.cli.console import (
     styled,
     when,
 )
-from worker.cli.sessions import checked_factory
+from worker.cli.sessions import checked_factory, say_where_jobs_go
 from worker.core.slugs import stored_form
 from worker.extraction.catalog import MAX_LISTED_PAGES, list_pages, page_cursor
 from worker.extraction.erase import erase_page, no_page_to_erase
 from worker.extraction.ingest import ingest_paths, iter_page_files
 from worker.jobs.sending import enqueue as send_jobs
+from worker.settings import get_settings
 
 
 def ingest(
@@ -53,6 +54,8 @@ def ingest(
     A page another file stored is not replaced while that file is there (--replace does). A file that
     cannot be stored is reported and skipped, the rest stored; the exit code is then 1."""
     factory = checked_factory()
+    if enqueue:
+        say_where_jobs_go(get_settings())
     files = sum(1 for _ in iter_page_files(paths))
     with counting_bar("page files", files, enabled=not as_json) as advance:
         send = (lambda created: send_jobs(factory, created)) if enqueue else None

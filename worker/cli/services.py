@@ -18,7 +18,7 @@ import uvicorn
 from worker.celery_app import app as celery
 from worker.cli.console import err, fail, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children, worker_processes
-from worker.cli.sessions import checked_factory, refuse_unset_servers
+from worker.cli.sessions import checked_factory, refuse_unset_servers, say_where_jobs_go
 from worker.jobs.registry import queues as known_queues
 from worker.llm.types import longest_try_seconds
 from worker.runtime.logs import configure_logging, logging_config
@@ -116,6 +116,7 @@ def serve(
     refuse_published_secrets(settings, host)
     refuse_missing_tracing(settings)
     checked_factory(settings, wait=True)  # fail early, with a clear message, if the schema is missing
+    say_where_jobs_go(settings)
     with request_counts_shared(settings, workers):
         uvicorn.run(
             "worker.api.app:create_app",
@@ -206,6 +207,7 @@ def worker(
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
     # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
     checked_factory(settings, wait=True)
+    say_where_jobs_go(settings)
     if pool == "prefork":  # -c counts child processes, each with its own pools and LLM pipe (64 forked)
         if concurrency is not None and concurrency > MAX_WORKER_PROCESSES:
             raise fail(
@@ -276,6 +278,7 @@ def beat(loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info") ->
     checked_factory(
         settings, wait=True
     )  # its sweeps read and write the jobs as the migrations last left them
+    say_where_jobs_go(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(settings, loglevel)
     raise typer.Exit(

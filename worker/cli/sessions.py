@@ -64,3 +64,24 @@ def refuse_unset_servers(settings: Settings, *names: str) -> None:
         settings.require_servers(*names)
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
+
+
+def embedded_broker_note(settings: Settings) -> str | None:
+    """What to say where the database is a server's but the broker is the embedded Redis of this data
+    folder: only the processes run with the same folder read its jobs (a command run from another
+    folder queued them where no worker looked: run only when the sweeper took them for lost)."""
+    if not settings.database_url or settings.broker_url:
+        return None
+    return (
+        "FACTMILL_DATABASE_URL is set but FACTMILL_BROKER_URL is not: jobs go through the embedded Redis "
+        f"under {settings.data_dir.resolve()}, which only processes run with that data folder read; set "
+        "FACTMILL_BROKER_URL to the workers' broker (or FACTMILL_DATA_DIR to the workers' data folder, an "
+        "absolute path)"
+    )
+
+
+def say_where_jobs_go(settings: Settings) -> None:
+    """``embedded_broker_note`` on stderr, where there is one."""
+    note = embedded_broker_note(settings)
+    if note is not None:
+        err.print(f"note: {note}", highlight=False)
