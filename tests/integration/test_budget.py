@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, event, func, select, update
 from sqlalchemy.exc import OperationalError
 
 from models import ExtractionAudit, Fact, Job, LLMCall
@@ -575,7 +575,7 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
 
     sent: list[int] = []
 
-    def swept(budget_room_for):  # type: ignore[no-untyped-def]
+    def swept(budget_room_for, budget_has_room=None):  # type: ignore[no-untyped-def]
         return sweep(
             tx_factory,
             stale_after=60,
@@ -583,9 +583,24 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
             enabled=lambda key: True,
             job_budgets=JobBudgets(max_attempts=3, max_worker_losses=3),
             budget_room_for=budget_room_for,
+            budget_has_room=budget_has_room,
             sender=lambda task, job_id, queue: sent.append(job_id),
         )
 
+    # The day's budget spent: no waiter is read at all (each sweep read every id first).
+    reads: list[str] = []
+    engine = tx_factory.kw["bind"].engine
+
+    def count(_conn, _cursor, statement, *_):  # type: ignore[no-untyped-def]
+        if "pause_reason" in statement and statement.lstrip().startswith("SELECT"):
+            reads.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        assert swept(room_for, budget_has_room=lambda: False).resumed_paused == []
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert (asked, reads) == ([], [])  # (the dead worker's job was re-sent all the same)
     report = swept(room_for)
     assert max(len(page) for page in asked) <= 2
     assert sorted(report.resumed_paused) == [waiters[3].id, waiters[4].id]

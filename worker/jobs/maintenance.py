@@ -138,6 +138,7 @@ def maintain(
             enabled=rt.config.enabled,
             job_budgets=JobBudgets.from_settings(settings),
             budget_room_for=rt.budget.jobs_with_room,
+            budget_has_room=rt.budget.has_room,
             queue_depth=broker_queue_depth,
         ),
         SweepReport([], [], []),

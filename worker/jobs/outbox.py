@@ -356,18 +356,21 @@ def resume_budget_waiters(
 ) -> list[tuple[int, str]]:
     """Queue the jobs of these kinds paused for budget that the budgets now have room for: asked per
     job, so one whose own budget is spent is not woken on every sweep only to pause again."""
-    waiting = session.scalars(
-        select(Job.id)
-        .where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET)
-        .order_by(Job.id)
-    ).all()
     ready: list[int] = []
-    # Their spend asked a batch at a time, until a batch's worth has room (a spent day pauses hundreds
-    # of thousands; with no room left in the day, ``room_for`` answers at once, asking nothing).
-    for start in range(0, len(waiting), SWEEP_BATCH):
-        ready += room_for(waiting[start : start + SWEEP_BATCH])
-        if len(ready) >= SWEEP_BATCH:
+    after = 0
+    # Read and asked a batch at a time, until a batch's worth has room: a spent day pauses hundreds of
+    # thousands, and every id was read on each sweep before the first was asked about.
+    while len(ready) < SWEEP_BATCH:
+        waiting = session.scalars(
+            select(Job.id)
+            .where(Job.status == "paused", Job.kind.in_(kinds), Job.pause_reason == BUDGET, Job.id > after)
+            .order_by(Job.id)
+            .limit(SWEEP_BATCH)
+        ).all()
+        if not waiting:
             break
+        ready += room_for(waiting)
+        after = waiting[-1]
     return resume_paused(session, kinds, reason=BUDGET, job_ids=ready[:SWEEP_BATCH]) if ready else []
 
 
@@ -420,6 +423,7 @@ def sweep(
     enabled: Callable[[str], bool],
     job_budgets: JobBudgets,
     budget_room_for: Callable[[Sequence[int]], list[int]] | None = None,
+    budget_has_room: Callable[[], bool] | None = None,
     sender: Sender | None = None,
     queue_depth: QueueDepth | None = None,
 ) -> SweepReport:
@@ -453,7 +457,8 @@ def sweep(
         resumed = resume_paused(session, switched_on) if switched_on else []
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
     unread: SQLAlchemyError | None = None
-    if budget_room_for is not None and switched_on:
+    # Asked first: with the day's budget spent, no waiter is read (hundreds of thousands, every sweep).
+    if budget_room_for is not None and switched_on and (budget_has_room is None or budget_has_room()):
         # After the re-sends, in a transaction of its own: the budgets' read (a sum over llm_calls for
         # every waiter) held the rows the sweep had locked, and its failure rolled the re-sends back.
         try:
