@@ -42,6 +42,8 @@ class Transcript(Base):
         CheckConstraint("reserve_tokens >= 0", name="reserve_tokens"),
         CheckConstraint("keep_recent_tokens >= 0", name="keep_recent_tokens"),
         CheckConstraint("tool_result_limit >= 0", name="tool_result_limit"),
+        # The list's order, most recently changed first (worker.compaction.views: migration 0048).
+        Index("ix_transcripts_updated_at", text("updated_at DESC"), "id"),
     )
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)

@@ -28,7 +28,8 @@ class Job(Base):
     __table_args__ = (
         CheckConstraint(f"status IN ({', '.join(repr(s) for s in JOB_STATUSES)})", name="status"),
         Index("ix_jobs_status_kind", "status", "kind"),
-        Index("ix_jobs_subject", "kind", "subject"),
+        # A subject's jobs newest first (a page's latest extraction job, per listed page: migration 0048).
+        Index("ix_jobs_subject_id", "kind", "subject", "id"),
         # At most one pending job per subject: a second delivery for a page that already has one
         # marks that job for a rerun instead of queueing a duplicate.
         Index(

@@ -714,3 +714,31 @@ def test_a_downgrade_that_would_forget_what_is_owed_refuses(server_url: str) -> 
         with pytest.raises(RuntimeError, match="1 page checkpoint"):
             command.downgrade(db.alembic_config(url), "0008")
         engine.dispose()
+
+
+def test_the_transcript_list_and_a_listed_pages_latest_job_are_read_in_an_indexs_order(session) -> None:
+    """Each read every row of its table (or of its subject) and sorted them: the transcripts for every
+    GET /v1/transcripts, a page's every extraction job for each page listed (migration 0048)."""
+    from sqlalchemy import event
+
+    from worker.compaction.views import recent_transcripts
+    from worker.extraction.catalog import list_pages
+
+    session.execute(text("SET LOCAL enable_seqscan = off"))  # empty tables: make an index the choice
+    plans: list[str] = []
+
+    def explain(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if "FROM transcripts" in statement or "FROM pages" in statement:
+            cursor.execute("EXPLAIN " + statement, parameters)
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+        return statement, parameters
+
+    event.listen(session.get_bind(), "before_cursor_execute", explain, retval=True)
+    try:
+        recent_transcripts(session, 10)
+        list_pages(session, limit=10)
+    finally:
+        event.remove(session.get_bind(), "before_cursor_execute", explain)
+    transcripts, pages = plans
+    assert "ix_transcripts_updated_at" in transcripts and "Sort" not in transcripts, transcripts
+    assert "Index Scan Backward using ix_jobs_subject_id" in pages and "Sort" not in pages, pages
