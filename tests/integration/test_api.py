@@ -828,6 +828,22 @@ def test_facts_endpoint_excludes_audit_rows(client: TestClient, tx_factory: sess
     assert [f["row_num"] for f in paged["facts"]] == [1] and paged["total"] == 2
 
 
+def test_an_offset_past_ten_thousand_is_refused_with_the_cursor_named(client: TestClient) -> None:
+    """Each read takes its first offset + limit rows: ?offset=1000000000 read and sorted an entity's
+    every fact (twice) on one reader's request. The MCP tools take the same bound."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from worker.mcp.inputs import Offset
+
+    for path in ("/v1/entities/people/alice/facts", "/v1/pages/default/conversations/x/facts"):
+        assert client.get(path, params={"offset": 10_000}).status_code in (200, 404)
+        refused = client.get(path, params={"offset": 10_001})
+        assert refused.status_code == 422 and "10000" in refused.text, refused.text
+    with pytest.raises(ValidationError):
+        TypeAdapter(Offset).validate_python(10_001)
+    assert "page by the list's cursor" in client.get("/openapi.json").text
+
+
 def test_facts_are_paged_by_cursor_and_facts_that_change_between_reads_are_neither_repeated_nor_skipped(
     client: TestClient, tx_factory: sessionmaker[Session]
 ) -> None:

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from worker.api.errors import ApiError
-from worker.core.facts import MAX_ENTITY_NAME_CHARS, entity_slug, no_entity_slug
+from worker.core.facts import MAX_ENTITY_NAME_CHARS, MAX_LIST_OFFSET, entity_slug, no_entity_slug
 from worker.core.jsonvalues import BIGINT_MAX, INT4_MAX, json_integer, storable_text, text_problem
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, SOURCE_ID_PATTERN, check_source_id
 
@@ -228,7 +228,14 @@ JsonBigIntId = Annotated[int, Strict(), Field(ge=1, le=BIGINT_MAX), BeforeValida
 
 BigIntIdPath = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 BigIntIdQuery = Annotated[int | None, Query(ge=1, le=BIGINT_MAX)]
-OffsetQuery = Annotated[int, Query(ge=0, le=BIGINT_MAX)]
+OffsetQuery = Annotated[
+    int,
+    Query(
+        ge=0,
+        le=MAX_LIST_OFFSET,
+        description=f"Skip this many (at most {MAX_LIST_OFFSET:,}: past it, page by the list's cursor).",
+    ),
+]
 
 
 __all__ = [

@@ -27,6 +27,10 @@ MAX_ENTITY_SLUG_CHARS = 200
 # the spaces and punctuation a name drops. Unbounded, a reader's megabytes were walked a character at a
 # time (0.3 s a MB) and quoted back whole.
 MAX_ENTITY_NAME_CHARS = 1_000
+# How far a list of facts may be skipped by offset (the API's and the MCP tools'): each read takes its
+# first offset + limit rows, and ?offset=1000000000 read and sorted an entity's every fact, each time.
+# Past it, page by the list's cursor.
+MAX_LIST_OFFSET = 10_000
 # A fact is a sentence or two; a reply's longer text is clipped. Past about 0.8 MB a fact's search
 # vector exceeded Postgres's 1 MB tsvector limit and failed its segment's commit on every retry.
 MAX_FACT_CHARS = 2_000

@@ -22,7 +22,7 @@ from worker.compaction import (
     check_transcript_id,
 )
 from worker.compaction.erase import ErasedSinceSignedError
-from worker.core.facts import MAX_ENTITY_NAME_CHARS, FactKind
+from worker.core.facts import MAX_ENTITY_NAME_CHARS, MAX_LIST_OFFSET, FactKind
 from worker.core.intent import QueryParseError
 from worker.core.jsonvalues import json_integer, storable_text
 from worker.core.labels import MAX_SOURCE_ID_LENGTH, check_source_id
@@ -57,7 +57,11 @@ SourceIdFilter = Annotated[  # a 422 in the API
 # bounds go before the validator, so that the tool's schema states them as minimum/maximum.
 JSON_INTEGER = BeforeValidator(json_integer)
 Offset = Annotated[
-    int, Strict(), Field(ge=0, le=2**62), JSON_INTEGER, Field(description="Skip this many (paging).")
+    int,
+    Strict(),
+    Field(ge=0, le=MAX_LIST_OFFSET),
+    JSON_INTEGER,
+    Field(description=f"Skip this many (at most {MAX_LIST_OFFSET:,}: past it, page by the cursor)."),
 ]
 # A cursor over an int4 position (a page's row_num, a transcript's seq): -1 is before the first.
 SeqCursor = Annotated[int | None, Strict(), Field(ge=-1, le=2**31 - 1), JSON_INTEGER]
