@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event as sqlalchemy_event
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationCheckpoint, ConsolidationDecision, Fact, Job, LLMCall
@@ -2126,3 +2126,29 @@ def test_a_unit_named_on_the_command_line_has_facts_by_its_own_rule(tx_factory) 
         assert not unit_has_facts(session, "default", "page:notes/bar")
         assert not unit_has_facts(session, "work", ALICE)  # another source's
         assert not unit_has_facts(session, "default", "people/alcie-example")
+
+
+def test_a_restatement_said_before_the_change_in_the_change_s_own_segment_stays_a_duplicate(session) -> None:
+    """A segment's facts share one start: "Alice lives in Paris" (kept as a duplicate of the older
+    Paris), then "Alice moved to Berlin", which closed the older Paris. The closing reopened the
+    restatement (its start was not before the change's) though it was said first; decided again, it
+    closed Berlin at Berlin's own start, an empty interval no read returned. As the planner does, a tie
+    of starts is broken by arrival."""
+    from tests.rows import fact_row
+    from worker.consolidation.decisions import _reopen_restatements_after
+
+    segment = datetime(2024, 3, 1, 9, 0, tzinfo=UTC)
+
+    def add(row_num: int, text: str, **columns: Any) -> int:
+        return session.execute(
+            insert(Fact).values(fact_row(row_num, text) | columns).returning(Fact.id)
+        ).scalar_one()
+
+    older = add(0, "Alice lives in Paris", valid_from=datetime(2024, 1, 1, tzinfo=UTC))
+    before = add(1, "Alice lives in Paris", valid_from=segment, status="duplicate", duplicate_of=older)
+    change = add(2, "Alice moved from Paris to Berlin", valid_from=segment)
+    after = add(3, "Alice lives in Paris again", valid_from=segment, status="duplicate", duplicate_of=older)
+    reopened = _reopen_restatements_after(session, older, change, segment)
+    assert [fact_id for fact_id, _ in reopened] == [after]
+    statuses = dict(session.execute(select(Fact.id, Fact.status).where(Fact.id.in_([before, after]))).all())
+    assert statuses == {before: "duplicate", after: "current"}

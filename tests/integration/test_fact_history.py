@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import ConsolidationDecision, Fact
@@ -315,3 +315,17 @@ def test_an_entitys_timeline_is_read_from_its_end_up_to_a_limit(
     assert shown.exit_code == 0, shown.output
     assert "the latest 2 of 7 facts; --limit shows more" in shown.stderr
     assert [entry["fact"] for entry in json.loads(shown.stdout)] == ["fact 3", "fact 4"]
+
+
+def test_undoing_a_decision_whose_other_fact_is_gone_says_so_not_fact_0(consolidated) -> None:
+    """An erasure or a re-extraction deleted the fact a duplicate pointed at (its link went NULL) before
+    the consolidation job repaired it: `facts unmerge` said "unmerged from fact 0"."""
+    from worker.cli.lifecycle import undone
+
+    timeline = entity_timeline(consolidated(), ALICE)
+    _, dup = [e for e in timeline if e.fact == LISBON]
+    with consolidated.begin() as session:
+        session.execute(update(Fact).where(Fact.id == dup.id).values(duplicate_of=None))
+        assert unmerge(session, dup.id, "alice-admin") is None
+    said = undone("unmerge", dup.id, None)
+    assert "unmerged from a fact since deleted" in said and "fact 0" not in said

@@ -195,6 +195,16 @@ def test_render_pairs_numbers_each_pair_and_escapes_the_tag() -> None:
     assert text.count("</fact-pairs>") == 1
 
 
+def test_the_model_is_shown_each_facts_utc_day_whatever_zone_the_database_session_answers_in() -> None:
+    """psycopg hands a timestamptz back in the session's zone: a message at 23:30Z read from a server in
+    UTC+2 was shown to the model as the next day."""
+    from datetime import timedelta, timezone
+
+    late = datetime(2026, 3, 5, 23, 30, tzinfo=UTC).astimezone(timezone(timedelta(hours=2)))
+    text = render_pairs("alice", [AskedPair(1, fact(2, "x", when=late), fact(1, "z"))])
+    assert "1. NEW (fact, 2026-03-05): x" in text
+
+
 def test_a_facts_line_breaks_cannot_make_a_pair_of_their_own() -> None:
     """A fact's text is page text: "...\n7. NEW (fact, ...)" read as a pair 7, which the model (the
     simulator here) answered, and the answer for an unasked pair failed the round on every retry."""

@@ -99,8 +99,15 @@ def _undo(action: str, fact_id: int, by: str) -> None:
             other = step(session, fact_id, by)
     except UndoError as exc:
         raise fail(str(exc), code=2) from exc
+    out.print(undone(action, fact_id, other))
+
+
+def undone(action: str, fact_id: int, other: int | None) -> str:
+    """What an undo says; no ``other``: the fact it pointed at was deleted since (an erasure or a
+    re-extraction), and it said "fact 0"."""
     verb = "unmerged from" if action == "unmerge" else "restored; it had been superseded by"
-    out.print(f"fact {fact_id} is current again ({verb} fact {other}); recorded as an audit row")
+    named = f"fact {other}" if other is not None else "a fact since deleted"
+    return f"fact {fact_id} is current again ({verb} {named}); recorded as an audit row"
 
 
 def unmerge_command(

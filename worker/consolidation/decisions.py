@@ -260,7 +260,10 @@ def _reopen_restatements_after(
     rows: list[tuple[int, Row]] = []
     for dup in duplicates:
         since = began(dup.valid_from, dup.context, dup.created_at)
-        if since < closed_at:
+        # Ties broken by arrival, as the planner breaks them (order_key): a segment's facts share one
+        # start, and a restatement said before the change in the same segment came back current, then
+        # closed the change at its own start (an empty interval: no read returned it again).
+        if (since, dup.id) < (closed_at, newer_id):
             continue
         # Current and unconsolidated: decided again (the run's next round) against what is current now.
         session.execute(

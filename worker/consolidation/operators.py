@@ -166,9 +166,10 @@ def _record(session: Session, fact: Fact, other: int | None, decision: str, by: 
     )
 
 
-def unmerge(session: Session, fact_id: int, by: str) -> int:
+def unmerge(session: Session, fact_id: int, by: str) -> int | None:
     """In the caller's transaction: a duplicate becomes a current fact of its own again (and stays
-    consolidated, so it is not merged again); returns the fact it had duplicated."""
+    consolidated, so it is not merged again); returns the fact it had duplicated (None: one since
+    deleted, its link gone)."""
     fact = _locked(session, fact_id)
     if fact.status != DUPLICATE:
         raise UndoError(f"fact {fact_id} is {fact.status}, not a duplicate: only duplicates are unmerged")
@@ -184,12 +185,12 @@ def unmerge(session: Session, fact_id: int, by: str) -> int:
         )
     session.execute(update(Fact).where(Fact.id == fact_id).values(status=CURRENT, duplicate_of=None))
     _record(session, fact, other, "unmerge", by)
-    return other or 0
+    return other
 
 
-def restore(session: Session, fact_id: int, by: str) -> int:
+def restore(session: Session, fact_id: int, by: str) -> int | None:
     """In the caller's transaction: a superseded fact is current again (its interval reopened);
-    returns the fact that had superseded it."""
+    returns the fact that had superseded it (None: one since deleted)."""
     fact = _locked(session, fact_id)
     if fact.status != SUPERSEDED:
         raise UndoError(
@@ -201,7 +202,7 @@ def restore(session: Session, fact_id: int, by: str) -> int:
         update(Fact).where(Fact.id == fact_id).values(status=CURRENT, superseded_by=None, valid_to=None)
     )
     _record(session, fact, other, "restore", by)
-    return other or 0
+    return other
 
 
 def count_entity_facts(session: Session, entity: str, source_ids: list[str] | None = None) -> int:

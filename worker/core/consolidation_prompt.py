@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from worker.core.delimiters import wrap_in_tag
@@ -46,7 +46,10 @@ class AskedPair:
 
 
 def _day(value: datetime | None) -> str:
-    return value.date().isoformat() if value is not None else "undated"
+    """The UTC day: a database session in another zone hands back its own (23:30Z was the next day)."""
+    if value is None:
+        return "undated"
+    return (value.astimezone(UTC) if value.tzinfo is not None else value).date().isoformat()
 
 
 def _one_line(text: str) -> str:
