@@ -43,12 +43,13 @@ SEGMENT_OUTCOMES = (
 
 
 # Search: what full-text search reads (fact text weighted A, entity B, segment context C), accents of
-# the fact and entity folded by the SQL function search_fold (the context is the segment's ASCII time
-# range); a generated column so ranking never re-parses rows. Keep in step with
-# alembic/versions/0021_search_folds_accents.py, which creates search_fold (the drift test compares).
+# the fact and entity folded and spaced by the SQL function search_words (search_fold's accents, a space
+# around each CJK character; the context is the segment's ASCII time range); a generated column so
+# ranking never re-parses rows. Keep in step with alembic/versions/0049_search_words_unspaced_scripts.py,
+# which creates search_words (the drift test compares).
 SEARCH_VECTOR_SQL = (
-    "setweight(to_tsvector('simple'::regconfig, search_fold(fact)), 'A') || "
-    "setweight(to_tsvector('simple'::regconfig, search_fold(COALESCE(entity_slug, ''))), 'B') || "
+    "setweight(to_tsvector('simple'::regconfig, search_words(fact)), 'A') || "
+    "setweight(to_tsvector('simple'::regconfig, search_words(COALESCE(entity_slug, ''))), 'B') || "
     "setweight(to_tsvector('simple'::regconfig, context), 'C')"
 )
 

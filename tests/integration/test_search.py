@@ -372,6 +372,63 @@ def test_python_folds_accents_as_sql_does(plain_factory: sessionmaker[Session]) 
         agree()
 
 
+UNSPACED = [
+    ("zh", "Li Lei said he lives in Tokyo now: 李雷住在东京。", "people/李雷"),
+    ("ja", "田中さんは大阪の会社で働いています", "people/田中"),
+    ("ko", "민수는 서울에 살아요", "people/민수"),
+    ("zh2", "王芳在北京工作", "people/王芳"),
+]
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("lex: 东京", {"Li Lei said he lives in Tokyo now: 李雷住在东京。"}),
+        ("东京", {"Li Lei said he lives in Tokyo now: 李雷住在东京。"}),  # a plain query
+        ("lex: 李雷", {"Li Lei said he lives in Tokyo now: 李雷住在东京。"}),
+        ("lex: 大阪", {"田中さんは大阪の会社で働いています"}),
+        ("lex: 서울", {"민수는 서울에 살아요"}),  # the particle 에 attached
+        ("lex: 北京 -王芳", set()),
+        ("lex: 京东", set()),  # the same characters in another order are another word
+    ],
+)
+def test_a_word_of_chinese_japanese_or_korean_is_found_inside_its_sentence(
+    plain_factory: sessionmaker[Session], llm: OpenAIChatClient, query: str, expected: set[str]
+) -> None:
+    """Postgres reads a run of ideographs, kana or Hangul as one word: 李雷住在东京 was one lexeme, and
+    "东京" found nothing (migration 0049's search_words spaces each character; a query word holding one
+    is the phrase of its characters)."""
+    rows = [_row("default", page, 0, fact, "fact", entity, "", None) for page, fact, entity in UNSPACED]
+    with plain_factory.begin() as session:
+        session.execute(insert(Fact), rows)
+    assert set(facts_of(search(plain_factory, llm, query))) == expected
+
+
+def test_python_and_sql_space_the_same_scripts(plain_factory: sessionmaker[Session]) -> None:
+    """The query's phrase rule (Python) and the index's spacing (SQL search_words) name the same
+    characters: the first and last of each range, and those just outside it."""
+    from worker.core.folding import UNSPACED_SCRIPT_RANGES, has_unspaced_script
+
+    with plain_factory() as session:
+        for low, high in UNSPACED_SCRIPT_RANGES:
+            for char in (chr(ord(low) - 1), low, high, chr(ord(high) + 1)):
+                spaced = session.scalar(text("SELECT search_words(:v)"), {"v": f"a{char}b"}) != f"a{char}b"
+                assert spaced == has_unspaced_script(char), hex(ord(char))
+
+        # search_words writes search_fold's expression out (inlined, it costs no second call): the same
+        # folding, and a space around each CJK character besides.
+        @settings(max_examples=200, deadline=None, database=None)
+        @given(FOLDABLE)
+        def folds_as_search_fold(value: str) -> None:
+            words, folded = session.execute(
+                text("SELECT search_words(:v), search_fold(:v)"), {"v": value}
+            ).one()
+            assert words == (folded if not has_unspaced_script(value) else words)
+            assert words.replace(" ", "") == folded.replace(" ", "")
+
+        folds_as_search_fold()
+
+
 def test_a_time_naming_no_zone_is_utc_whatever_the_sessions_zone(
     plain_factory: sessionmaker[Session], llm: OpenAIChatClient
 ) -> None:

@@ -21,4 +21,25 @@ def fold_accents(text: str) -> str:
     return unicodedata.normalize("NFC", stripped).translate(_LETTERS)
 
 
-__all__ = ["fold_accents"]
+# Scripts written without spaces between words: kana, the CJK ideographs (with extension A and the
+# compatibility block) and Hangul syllables. Postgres's parser reads such a run as one word, so a
+# sentence was one lexeme and a word inside it could not be found; the index and the queries
+# (SQL ``search_words``, migration 0049) put a space around each of these characters, and a query word
+# holding one is searched as the phrase of its characters. Keep in step with that migration (a test
+# holds the two equal).
+UNSPACED_SCRIPT_RANGES = (
+    ("\u3040", "\u30ff"),  # Hiragana, Katakana
+    ("\u3400", "\u4dbf"),  # CJK Unified Ideographs Extension A
+    ("\u4e00", "\u9fff"),  # CJK Unified Ideographs
+    ("\uac00", "\ud7af"),  # Hangul Syllables
+    ("\uf900", "\ufaff"),  # CJK Compatibility Ideographs
+)
+_UNSPACED = re.compile("[" + "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES) + "]")
+
+
+def has_unspaced_script(text: str) -> bool:
+    """Whether ``text`` holds a character of a script written without spaces (UNSPACED_SCRIPT_RANGES)."""
+    return not text.isascii() and _UNSPACED.search(text) is not None
+
+
+__all__ = ["UNSPACED_SCRIPT_RANGES", "fold_accents", "has_unspaced_script"]

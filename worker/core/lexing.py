@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from worker.core.folding import has_unspaced_script
 from worker.core.intent import SearchType, is_query_word, plain_query_text, search_type
 
 __all__ = [
@@ -81,6 +82,9 @@ def parse_lex_query(query: str) -> LexQuery:
                 written.append(("x" if negated else "p", phrase.strip()))
         elif word.startswith("-") and len(word) > 1:
             written.append(("x", word[1:]))
+        elif has_unspaced_script(word):
+            # "东京" inside "李雷住在东京。": found as the phrase of its characters (worker.core.folding).
+            written.append(("p", word))
         elif word.upper() != "AND":
             written.append(("w", word))
     phrases = [text for kind, text in written if kind == "p"]

@@ -43,8 +43,8 @@ SMALL_TABLE_ROWS = 10_000
 LEX_STATEMENT_TIMEOUT = "5s"
 _PARSE_ITEMS = text(
     "SELECT u.i, CASE WHEN u.k = 'w' "
-    "THEN array_to_string(tsvector_to_array(to_tsvector('simple', search_fold(u.t))), chr(31)) "
-    "ELSE phraseto_tsquery('simple', search_fold(u.t))::text END "
+    "THEN array_to_string(tsvector_to_array(to_tsvector('simple', search_words(u.t))), chr(31)) "
+    "ELSE phraseto_tsquery('simple', search_words(u.t))::text END "
     "FROM unnest(CAST(:kinds AS text[]), CAST(:texts AS text[])) WITH ORDINALITY AS u(k, t, i) "
     "ORDER BY u.i"
 )
