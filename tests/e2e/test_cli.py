@@ -692,7 +692,7 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback_after_the_comm
 
 
 def test_services_on_a_database_server_with_the_embedded_broker_say_where_their_jobs_go(
-    cli, database_url, monkeypatch
+    cli, database_url, monkeypatch, tmp_path
 ):
     """Each folder a service (or `ingest`) ran from started an embedded Redis of its own, unsaid: jobs
     queued there waited for the sweeper to take them for lost, or for good where beat ran elsewhere."""
@@ -708,6 +708,14 @@ def test_services_on_a_database_server_with_the_embedded_broker_say_where_their_
         assert "FACTMILL_BROKER_URL is not: jobs go through the embedded Redis under" in " ".join(
             said.split()
         )
+    # Said by a worker's parent only (each of its processes said it again), and not where the data folder
+    # is absolute: shared on purpose, as README says to.
+    assert (
+        "FACTMILL_BROKER_URL is not"
+        not in run_main(["worker", "--processes", "1", "--child"], unbrokered).stderr
+    )
+    shared = unbrokered | {"FACTMILL_DATA_DIR": str(tmp_path)}
+    assert "FACTMILL_BROKER_URL is not" not in run_main(["beat"], shared).stderr
 
 
 def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(monkeypatch):

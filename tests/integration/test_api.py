@@ -1486,6 +1486,13 @@ def test_scrapes_a_minute_apart_through_an_outage_each_ask_with_a_quick_connect(
             clock[0] += 60
             assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
         assert len(attempts) == 1 and probes == [True] * 3  # one quick connect a scrape, none slow
+        # Up but refusing a new connection (out of connections): the pool's own may still read, so the
+        # reads go ahead (they said "store down" for as long as it lasted, the connections alert blind).
+        monkeypatch.setattr(scrape_reads, "store_away", lambda _factory: False)
+        clock[0] += 60
+        assert "factmill_store_up 0.0" in client.get("/metrics", headers=scraper).text
+        assert len(attempts) == 2  # this scrape's first read tried its pool; the rest skipped
+        monkeypatch.setattr(scrape_reads, "store_away", probe)
         down[0] = False
         clock[0] += 60
         assert "factmill_store_up 1.0" in client.get("/metrics", headers=scraper).text
@@ -1497,6 +1504,10 @@ def test_the_quick_connect_tells_a_database_that_answers_from_one_gone(database_
     from worker.api.scrape_reads import store_away
 
     assert store_away(sessionmaker(create_engine(database_url))) is None
+    # Connected as the engine connects: a URL written back out lost the space of a password or an option
+    # (libpq refused it with no SQLSTATE, read as gone, and every scrape after it said the store was down).
+    spaced = make_url(database_url).set(password="p x", query={"options": "-c statement_timeout=5s"})
+    assert store_away(sessionmaker(create_engine(spaced))) is None
     closed_port = make_url(database_url).set(host="127.0.0.1", port=1)
     assert store_away(sessionmaker(create_engine(closed_port))) is True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -553,7 +554,9 @@ def test_more_pending_subjects_than_a_query_has_parameters_are_requested_again(t
         assert session.scalar(renewed) == 23_333  # every paused one's budget started over
 
 
-def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(tx_factory, monkeypatch):
+def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(
+    tx_factory, monkeypatch, caplog
+):
     """Every sweep asked the spend of every job paused for budget (a spent day pauses hundreds of thousands)
     in one query, inside the transaction that held the stale rows it had locked; and a
     budget read that failed rolled the re-sends of dead workers' jobs back."""
@@ -621,6 +624,20 @@ def test_the_budget_waiters_spend_is_asked_a_batch_at_a_time_after_the_resends(t
     assert sent == [dead.id]  # ... its re-sends done
     with tx_factory() as session:
         assert session.get(Job, dead.id).status == "queued"
+
+    def unreadable_day() -> bool:
+        raise OperationalError("SELECT sum(cost_usd) ...", {}, Exception("connection lost"))
+
+    with tx_factory.begin() as session:  # the day's own read failing: the same
+        session.execute(
+            update(Job)
+            .where(Job.id == dead.id)
+            .values(status="running", heartbeat_at=func.now() - timedelta(hours=1), worker_losses=0)
+        )
+    sent.clear()
+    with caplog.at_level(logging.INFO, logger="worker.jobs.outbox"), pytest.raises(OperationalError):
+        swept(room_for, budget_has_room=unreadable_day)
+    assert sent == [dead.id] and any("sweep re-sent 1 job" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("key", ["llm.budget_daily_usd", "llm.budget_job_usd"])

@@ -1541,9 +1541,26 @@ def test_a_filtered_vector_list_fills_up_on_every_pgvector(
         # index and filter what it yields (here, a thousand rows are sooner read whole and sorted, which
         # is exact: no sort leaves it the index alone).
         session.execute(text("SET LOCAL enable_sort = off"))
+        timeout = session.scalar(text("SELECT current_setting('statement_timeout')"))
         hits = _vector_search(session, unit(1.0), SearchFilters(kind="belief"), 10, version)
         assert len(hits) == 10, hits
         assert session.scalar(text("SELECT current_setting('enable_indexscan')")) == "on"
+        assert session.scalar(text("SELECT current_setting('statement_timeout')")) == timeout
+
+
+def test_an_exact_vector_read_past_its_time_gives_up_and_leaves_the_search_as_it_was(
+    plain_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a large store the exact read scans every vector its filters keep: it has half the search's
+    time left (or its own limit), and one that runs out keeps the index's rows; the transaction, and the
+    lines after it, go on (a timeout aborted the search's transaction, and every line failed)."""
+    from worker.search import store
+
+    monkeypatch.setattr(store, "EXACT_STATEMENT_TIMEOUT_MS", 50)
+    with plain_factory() as session:
+        assert store._exactly(session, text("SELECT pg_sleep(1)"), {}, None) == []
+        assert session.scalar(text("SELECT current_setting('enable_indexscan')")) == "on"
+        assert session.scalar(text("SELECT 1")) == 1  # the transaction still serves
 
 
 def test_fusion_rewards_agreement(vector_factory: sessionmaker[Session], llm: OpenAIChatClient) -> None:

@@ -479,6 +479,9 @@ def test_figures_read_but_not_built_fail_no_scrape_and_say_the_store_is_up(
     families = {m.name: [s.value for s in m.samples] for m in collector.collect()}
     # Read: the store is up (an alert that it is down would lie), and the unbuilt figures are said.
     assert families == {"factmill_store_up": [1], "factmill_metrics_unbuilt": [1]}
+    # Said once: not counted unread too (FactmillMetricsUnread fired beside FactmillMetricsUnbuilt).
+    [unread] = MissingReadsCollector({"store": collector}).collect()
+    assert [s.value for s in unread.samples] == [0]
 
 
 def test_a_collector_whose_figures_could_not_be_read_is_said(

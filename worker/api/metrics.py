@@ -150,6 +150,8 @@ def _paused_jobs(paused: dict[tuple[str, str], int], kinds: list[str]) -> GaugeM
 class StoreCollector(ScrapeTimeCollector[_StoreRows]):
     """Jobs by status and kind, facts, segment attempts by outcome, LLM calls, tokens, spend, latency."""
 
+    says_unbuilt = True
+
     def read(self, session: Session) -> _StoreRows:
         return _StoreRows(session)
 

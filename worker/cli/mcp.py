@@ -60,7 +60,7 @@ def mcp_command(
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
     note = embedded_broker_note(settings)
-    if http is None and note is not None and not settings.data_dir.is_absolute():
+    if http is None and note is not None:
         # An agent starts the stdio server from a folder of its own: jobs went to an embedded Redis under
         # it, which no worker reads (run only when the sweeper took them for lost), and each machine
         # counted its own search limits.

@@ -189,6 +189,9 @@ def worker(
             help="Celery node name (default celery@<host>; with several processes factmill-N@<host>)."
         ),
     ] = None,
+    child: Annotated[
+        bool, typer.Option(hidden=True, help="One of a worker's processes (it says no notes).")
+    ] = False,
 ) -> None:
     """Run Celery workers for the given queues: one process per core unless --processes says otherwise.
 
@@ -207,7 +210,8 @@ def worker(
     # Not before the schema is at head: a job run against a half-migrated database fails on a missing
     # column and spends its attempts. Kubernetes restarts the pod until the migrate Job has finished.
     checked_factory(settings, wait=True)
-    say_where_jobs_go(settings)
+    if not child:  # (said once, by the parent, not by each of its processes)
+        say_where_jobs_go(settings)
     if pool == "prefork":  # -c counts child processes, each with its own pools and LLM pipe (64 forked)
         if concurrency is not None and concurrency > MAX_WORKER_PROCESSES:
             raise fail(
@@ -219,9 +223,9 @@ def worker(
     # prefork forks processes of its own (one job each); the threads pool needs them from here.
     count = worker_processes(processes, pool, embedded_database=not settings.database_url)
     if count > 1:
-        child = ["worker", "--queues", queues, "--concurrency", str(jobs), "--processes", "1"]
-        child += ["--pool", pool, "--loglevel", loglevel]
-        argvs = [[*child, "--hostname", child_hostname(hostname, n)] for n in range(count)]
+        argv = ["worker", "--queues", queues, "--concurrency", str(jobs), "--processes", "1", "--child"]
+        argv += ["--pool", pool, "--loglevel", loglevel]
+        argvs = [[*argv, "--hostname", child_hostname(hostname, n)] for n in range(count)]
         raise typer.Exit(run_children(argvs, settings.grace_seconds))
     configure_logging(settings, loglevel)
     argv = ["worker", "-Q", queues, "-c", str(jobs), "-P", pool, "-l", loglevel]

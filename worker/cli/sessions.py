@@ -70,11 +70,11 @@ def embedded_broker_note(settings: Settings) -> str | None:
     """What to say where the database is a server's but the broker is the embedded Redis of this data
     folder: only the processes run with the same folder read its jobs (a command run from another
     folder queued them where no worker looked: run only when the sweeper took them for lost)."""
-    if not settings.database_url or settings.broker_url:
-        return None
+    if not settings.database_url or settings.broker_url or settings.data_dir.is_absolute():
+        return None  # (an absolute data folder: shared on purpose, as README says to)
     return (
         "FACTMILL_DATABASE_URL is set but FACTMILL_BROKER_URL is not: jobs go through the embedded Redis "
-        f"under {settings.data_dir.resolve()}, which only processes run with that data folder read; set "
+        f"under {settings.data_dir.resolve()}, which only processes run from this folder read; set "
         "FACTMILL_BROKER_URL to the workers' broker (or FACTMILL_DATA_DIR to the workers' data folder, an "
         "absolute path)"
     )

@@ -457,15 +457,15 @@ def sweep(
         resumed = resume_paused(session, switched_on) if switched_on else []
     enqueue(factory, [*stale_pairs, *lost_pairs, *resumed], sender)
     unread: SQLAlchemyError | None = None
-    # Asked first: with the day's budget spent, no waiter is read (hundreds of thousands, every sweep).
-    if budget_room_for is not None and switched_on and (budget_has_room is None or budget_has_room()):
+    if budget_room_for is not None and switched_on:
         # After the re-sends, in a transaction of its own: the budgets' read (a sum over llm_calls for
         # every waiter) held the rows the sweep had locked, and its failure rolled the re-sends back.
-        try:
-            with factory.begin() as session:
-                woken = resume_budget_waiters(session, switched_on, budget_room_for)
-            enqueue(factory, woken, sender)
-            resumed += woken
+        try:  # (the day's budget asked first: spent, no waiter is read, hundreds of thousands)
+            if budget_has_room is None or budget_has_room():
+                with factory.begin() as session:
+                    woken = resume_budget_waiters(session, switched_on, budget_room_for)
+                enqueue(factory, woken, sender)
+                resumed += woken
         except SQLAlchemyError as exc:
             unread = exc
     report = SweepReport(

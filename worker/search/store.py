@@ -341,6 +341,32 @@ def _vector_search(
         raise
 
 
+# The exact read's own limit where the search has none (the CLI, a test): over a large store it is a
+# scan and a sort of every vector the filters keep.
+EXACT_STATEMENT_TIMEOUT_MS = 5_000
+
+
+def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: Deadline | None) -> list[Any]:
+    """``nearest`` without the index (the filters' own indexes, then a sort): exact over the facts the
+    filters keep. In a savepoint, with half the search's time left (or EXACT_STATEMENT_TIMEOUT_MS): one
+    that runs out answers [] and leaves the transaction, and the rest of the search, as they were."""
+    if deadline is not None:
+        deadline.check()
+    budget = EXACT_STATEMENT_TIMEOUT_MS if deadline is None else max(1, deadline.remaining_ms() // 2)
+    savepoint = session.begin_nested()
+    try:
+        session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{budget}ms"})
+        session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
+        rows = list(session.execute(nearest, params).all())
+    except DBAPIError as exc:
+        savepoint.rollback()
+        if not statement_timed_out(exc):
+            raise
+        return []
+    savepoint.rollback()  # a read: rolled back, its two settings go with it
+    return rows
+
+
 def _nearest(
     session: Session,
     vector: Sequence[float],
@@ -375,12 +401,8 @@ def _nearest(
     rows = session.execute(nearest, params).all()
     if len(rows) < limit and not iterative:
         # Before pgvector 0.8 the index yields its ef_search nearest and no more: a filter keeping a few
-        # percent of the facts (one source of many) found few of them, or none. Asked again without the
-        # index (the filters' own indexes, then a sort): exact, over the facts the filters keep.
-        prior = session.scalar(text("SELECT current_setting('enable_indexscan')"))
-        session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
-        rows = session.execute(nearest, params).all()
-        session.execute(text("SELECT set_config('enable_indexscan', :was, true)"), {"was": prior})
+        # percent of the facts (one source of many) found few of them, or none.
+        rows = _exactly(session, nearest, params, deadline) or rows
     # Orthogonal or opposite vectors share nothing with the query: not a hit, however near in rank.
     hits = [Hit(row[0], min(1.0, 1.0 - float(row[1]))) for row in rows if float(row[1]) < 1.0]
     # relaxed_order may return neighbours slightly out of order.
