@@ -716,6 +716,12 @@ def test_services_on_a_database_server_with_the_embedded_broker_say_where_their_
     )
     shared = unbrokered | {"FACTMILL_DATA_DIR": str(tmp_path)}
     assert "FACTMILL_BROKER_URL is not" not in run_main(["beat"], shared).stderr
+    children: list[list[str]] = []
+    monkeypatch.setattr(services, "run_children", lambda argvs, grace: children.extend(argvs) or 0)
+    for pool in ("threads", "prefork"):
+        said = run_main(["worker", "--processes", "2", "--pool", pool], unbrokered).stderr
+        assert said.count("FACTMILL_BROKER_URL is not") == 1, said  # by the parent
+    assert len(children) == 4 and all("--child" in argv for argv in children), children
 
 
 def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(monkeypatch):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import struct
 import typing
+import unicodedata
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -377,6 +378,8 @@ UNSPACED = [
     ("ja", "田中さんは大阪の会社で働いています", "people/田中"),
     ("ko", "민수는 서울에 살아요", "people/민수"),
     ("zh2", "王芳在北京工作", "people/王芳"),
+    ("zh3", "韩梅梅买了苹果手机 (iPhone)", "people/韩梅梅"),
+    ("ko2", unicodedata.normalize("NFD", "영희는 부산에 살아요"), "people/영희"),  # decomposed Hangul
 ]
 
 
@@ -390,6 +393,15 @@ UNSPACED = [
         ("lex: 서울", {"민수는 서울에 살아요"}),  # the particle 에 attached
         ("lex: 北京 -王芳", set()),
         ("lex: 京东", set()),  # the same characters in another order are another word
+        # A word mixing scripts and punctuation: its pieces, in any order (one phrase of all of it found
+        # nothing); punctuation alone is nothing (「」 became required words).
+        ("lex: iPhone,苹果", {"韩梅梅买了苹果手机 (iPhone)"}),
+        ("lex: 「大阪」", {"田中さんは大阪の会社で働いています"}),
+        # A question typed without spaces: the facts holding most of its pairs of characters.
+        ("李雷住在哪里", {"Li Lei said he lives in Tokyo now: 李雷住在东京。"}),
+        # Decomposed Hangul (as macOS writes file names) meets composed, either way round.
+        ("lex: 부산", {unicodedata.normalize("NFD", "영희는 부산에 살아요")}),
+        ("lex: " + unicodedata.normalize("NFD", "서울"), {"민수는 서울에 살아요"}),
     ],
 )
 def test_a_word_of_chinese_japanese_or_korean_is_found_inside_its_sentence(
@@ -1542,8 +1554,20 @@ def test_a_filtered_vector_list_fills_up_on_every_pgvector(
         # is exact: no sort leaves it the index alone).
         session.execute(text("SET LOCAL enable_sort = off"))
         timeout = session.scalar(text("SELECT current_setting('statement_timeout')"))
-        hits = _vector_search(session, unit(1.0), SearchFilters(kind="belief"), 10, version)
-        assert len(hits) == 10, hits
+        # Released, never rolled back: a rollback, even to a savepoint, makes psycopg forget every
+        # statement it prepared on the connection.
+        rolled_back: list[object] = []
+
+        def heard(*args: object) -> None:
+            rolled_back.append(args)
+
+        engine = vector_factory.kw["bind"]
+        event.listen(engine, "rollback_savepoint", heard)
+        try:
+            hits = _vector_search(session, unit(1.0), SearchFilters(kind="belief"), 10, version)
+        finally:
+            event.remove(engine, "rollback_savepoint", heard)
+        assert len(hits) == 10 and rolled_back == [], (hits, rolled_back)
         assert session.scalar(text("SELECT current_setting('enable_indexscan')")) == "on"
         assert session.scalar(text("SELECT current_setting('statement_timeout')")) == timeout
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import pytest
 
@@ -75,6 +76,19 @@ def test_a_digit_or_an_ideograph_is_a_query_word_and_a_lone_ascii_letter_is_not(
     # Punctuation alone is no word (bare, it is empty): a stop-word question still searches its words.
     assert parse_lex_query("Alice & Bob").terms == ("Alice", "Bob")
     assert parse_lex_query("who is he ?").terms == ("who", "is", "he", "?")
+
+
+def test_a_word_of_an_unspaced_script_is_searched_by_its_pairs_of_characters_and_its_other_pieces() -> None:
+    def units(query: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        parsed = parse_lex_query(query)
+        return parsed.terms, parsed.phrases
+
+    assert units("东京") == ((), ("东京",))
+    assert units("东京大学") == ((), ("东京", "京大", "大学"))
+    assert units("猫") == ((), ("猫",))
+    assert units("iPhone,苹果") == (("iPhone,",), ("苹果",))
+    assert units("「東京」、大阪") == ((), ("東京", "大阪"))  # punctuation alone is nothing
+    assert units(unicodedata.normalize("NFD", "서울")) == ((), ("서울",))  # composed first
 
 
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:

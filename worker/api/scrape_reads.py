@@ -175,7 +175,8 @@ class MissingReadsCollector:
     def collect(self) -> list[Metric]:
         gauge = GaugeMetricFamily(
             "factmill_metrics_unread",
-            "1 if this scrape could not read or build a collector's figures from Postgres (see the log)",
+            "1 if this scrape could not read or build a collector's figures from Postgres (see the log); "
+            "the store's figures read but not built are said by factmill_metrics_unbuilt instead",
             labels=["collector"],
         )
         for name, collector in self.collectors.items():

@@ -34,12 +34,13 @@ UNSPACED_SCRIPT_RANGES = (
     ("\uac00", "\ud7af"),  # Hangul Syllables
     ("\uf900", "\ufaff"),  # CJK Compatibility Ideographs
 )
-_UNSPACED = re.compile("[" + "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES) + "]")
+UNSPACED_RUN = re.compile("[" + "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES) + "]+")
 
 
 def has_unspaced_script(text: str) -> bool:
-    """Whether ``text`` holds a character of a script written without spaces (UNSPACED_SCRIPT_RANGES)."""
-    return not text.isascii() and _UNSPACED.search(text) is not None
+    """Whether ``text`` holds a character of a script written without spaces (UNSPACED_SCRIPT_RANGES).
+    Asked of folded text (``fold_accents``): decomposed Hangul is composed into syllables only there."""
+    return not text.isascii() and UNSPACED_RUN.search(text) is not None
 
 
-__all__ = ["UNSPACED_SCRIPT_RANGES", "fold_accents", "has_unspaced_script"]
+__all__ = ["UNSPACED_RUN", "UNSPACED_SCRIPT_RANGES", "fold_accents", "has_unspaced_script"]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from worker.core.folding import has_unspaced_script
+from worker.core.folding import UNSPACED_RUN, fold_accents, has_unspaced_script
 from worker.core.intent import SearchType, is_query_word, plain_query_text, search_type
 
 __all__ = [
@@ -82,9 +82,8 @@ def parse_lex_query(query: str) -> LexQuery:
                 written.append(("x" if negated else "p", phrase.strip()))
         elif word.startswith("-") and len(word) > 1:
             written.append(("x", word[1:]))
-        elif has_unspaced_script(word):
-            # "东京" inside "李雷住在东京。": found as the phrase of its characters (worker.core.folding).
-            written.append(("p", word))
+        elif has_unspaced_script(folded := fold_accents(word)):
+            written += _unspaced_units(folded)
         elif word.upper() != "AND":
             written.append(("w", word))
     phrases = [text for kind, text in written if kind == "p"]
@@ -99,6 +98,27 @@ def parse_lex_query(query: str) -> LexQuery:
         tuple(t for kind, t in written if kind == "x"),
         tuple(content),
     )
+
+
+def _unspaced_units(word: str) -> list[tuple[str, str]]:
+    """A word holding characters of a script written without spaces (worker.core.folding), as the
+    units it is searched by: each run of them as its overlapping pairs of characters, each a phrase
+    ("东京大学": 东京, 京大, 大学; one character alone is itself), so "东京" is found inside "李雷住在东京。",
+    and a question typed without spaces finds the facts holding most of its pairs (the rarest-first
+    fallback drops the pairs no fact holds). What lies between the runs is a word where it holds a
+    letter or a digit ("iPhone,苹果": iphone, 苹果); punctuation alone ("「", "、") is nothing."""
+    units: list[tuple[str, str]] = []
+    start = 0
+    for run in UNSPACED_RUN.finditer(word):
+        between, chars = word[start : run.start()], run.group()
+        if any(c.isalnum() for c in between):
+            units.append(("w", between))
+        pairs = [chars[i : i + 2] for i in range(len(chars) - 1)] or [chars]
+        units += [("p", pair) for pair in pairs]
+        start = run.end()
+    if any(c.isalnum() for c in word[start:]):
+        units.append(("w", word[start:]))
+    return units
 
 
 def _content_word(word: str) -> bool:

@@ -353,17 +353,26 @@ def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: D
     if deadline is not None:
         deadline.check()
     budget = EXACT_STATEMENT_TIMEOUT_MS if deadline is None else max(1, deadline.remaining_ms() // 2)
+    prior = session.execute(
+        text("SELECT current_setting('statement_timeout'), current_setting('enable_indexscan')")
+    ).one()
     savepoint = session.begin_nested()
     try:
         session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{budget}ms"})
         session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
         rows = list(session.execute(nearest, params).all())
     except DBAPIError as exc:
-        savepoint.rollback()
+        savepoint.rollback()  # (its settings go with it)
         if not statement_timed_out(exc):
             raise
         return []
-    savepoint.rollback()  # a read: rolled back, its two settings go with it
+    # Put back and released, not rolled back: a rollback (even to a savepoint) makes psycopg forget the
+    # connection's prepared statements, and every later statement was planned again.
+    session.execute(
+        text("SELECT set_config('statement_timeout', :t, true), set_config('enable_indexscan', :i, true)"),
+        {"t": prior[0], "i": prior[1]},
+    )
+    savepoint.commit()
     return rows
 
 
