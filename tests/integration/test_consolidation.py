@@ -2152,3 +2152,84 @@ def test_a_restatement_said_before_the_change_in_the_change_s_own_segment_stays_
     assert [fact_id for fact_id, _ in reopened] == [after]
     statuses = dict(session.execute(select(Fact.id, Fact.status).where(Fact.id.in_([before, after]))).all())
     assert statuses == {before: "duplicate", after: "current"}
+
+
+def test_a_stop_inside_a_split_question_writes_the_answers_its_first_half_paid_for(
+    tx_factory, llm, simulator
+) -> None:
+    """A question whose answer was cut off at its cap is asked again in halves; a stop (the budget, the
+    switch, a SIGTERM, an unusable reply) before the second half threw the first half's answers away,
+    and the next run paid for them again."""
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")  # 20 pairs, one question
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
+    with tx_factory.begin() as session:  # decide again, first through a reply cut off at its cap
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    cut = OpenAIChatClient(
+        model="simulator-1",
+        base_url=simulator.base_url,
+        provider="simulator",
+        default_headers={"x-simulator-fault": "truncated"},
+    )
+    asked: list[int] = []
+
+    class CutThenAnswered:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(request.messages[0][1].count(" OLD ("))
+            return (cut if len(asked) == 1 else llm).chat(request)
+
+    def stopping_after_two_questions() -> None:
+        if len(asked) >= 2:
+            raise WorkerStoppingError("the worker is stopping")
+
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(WorkerStoppingError):
+        consolidate_entity(
+            store, CutThenAnswered(), EntityRun("default", ALICE, guard=stopping_after_two_questions)
+        )
+    assert asked == [20, 10]
+    decided = [t for t, rows in alice(tx_factory).items() for r in rows if r.consolidated_at is not None]
+    assert len(decided) > 1, decided  # before: the first fact alone (the rules decide it, no pair asked)
+    asked.clear()
+    consolidate_entity(store, llm_counting(llm, asked), EntityRun("default", ALICE))
+    assert 0 < sum(asked) < 20, asked  # only the pairs not answered before
+
+
+def llm_counting(llm: Any, asked: list[int]) -> Any:
+    """``llm``, each question's pair count appended to ``asked``."""
+
+    class Counting:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(request.messages[0][1].count(" OLD ("))
+            return llm.chat(request)
+
+    return Counting()
+
+
+def test_a_consolidation_reply_that_cannot_be_read_is_recorded_as_malformed(tx_factory, sim) -> None:
+    """Its llm_calls row said ok (the job retried on the unusable reply): `factmill costs`, the metrics and
+    the spend by outcome showed a retry loop as calls that worked. Extraction and compaction say
+    malformed_output for a reply they cannot use."""
+    from worker.consolidation.service import ConsolidationReplyError
+
+    llm = OpenAIChatClient(model="simulator-1", base_url=sim.base_url, provider="simulator")
+    for slug, body in ((JAN_PAGE, JAN_BODY), (MAR_PAGE, MAR_BODY)):
+        put_page(tx_factory, slug, body)
+        extract(tx_factory, llm, slug)
+    sim.configure(
+        raw_replies={"chat.completions": completion(content="I think they agree.", model="simulator-1")}
+    )
+    with pytest.raises(ConsolidationReplyError, match="malformed"):
+        consolidate(tx_factory, llm)
+    with tx_factory() as session:
+        [(outcome, error)] = session.execute(
+            select(LLMCall.outcome, LLMCall.error).where(LLMCall.purpose == "consolidation")
+        ).all()
+    assert outcome == "malformed_output" and "the consolidation answer was malformed" in (error or "")

@@ -3,7 +3,6 @@ ambiguous pairs, and commit each new fact's decision (with its audit rows) exact
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,10 +23,12 @@ from worker.core.consolidation_plan import (
 from worker.core.consolidation_prompt import (
     CONSOLIDATION_PURPOSE,
     CONSOLIDATION_SYSTEM_PROMPT,
+    SHARED_REFUSAL_PAIRS,
     AskedPair,
     MalformedDecisionsError,
     PairDecision,
     decisions_json_schema,
+    explained_by_few_facts,
     parse_decisions,
     render_pairs,
 )
@@ -263,9 +264,12 @@ def _ask_model(
         # again, and a model that skips a pair twice would skip it on every retry too).
         counters.pairs_asked += len(chunk)  # once: a pair asked again is still one pair
         for _asked_twice in range(2):
-            decided = _decide_pairs(store, llm, run, chunk, counters)
-            answers.update(decided.answers)
-            call_ids.update(decided.asked_in)  # a pair still unanswered: its last ask
+            decided = _Decided()  # filled as each question of a split one returns
+            try:
+                _decide_pairs(store, llm, run, chunk, counters, decided)
+            finally:  # a stop keeps the answers paid for (not its refusals: a shared one is no verdict)
+                answers.update(decided.answers)
+                call_ids.update(decided.asked_in)  # a pair still unanswered: its last ask
             refused |= decided.refused
             chunk = [
                 p
@@ -289,30 +293,6 @@ class _Decided:
     answers: dict[int, PairDecision] = field(default_factory=dict)
     asked_in: dict[int, int] = field(default_factory=dict)
     refused: set[int] = field(default_factory=set)
-
-    def add(self, other: _Decided) -> None:
-        self.answers.update(other.answers)
-        self.asked_in.update(other.asked_in)
-        self.refused |= other.refused
-
-
-# A run in which the model refused this many pairs on their own, answered none, and no two facts are in
-# every one of them refuses what they share (the entity, its subject), not a fact's text: the job
-# retries as before. Halved to the last pair, each question of 40 such pairs cost 79 calls, and every
-# pair was written as unrelated. (Two facts: a page's two filtered sayings at the head of a round, each in
-# its five pairs, are no shared refusal.)
-SHARED_REFUSAL_PAIRS = 8
-EXPLAINING_FACTS = 2
-
-
-def _explained_by_few_facts(pairs: Sequence[tuple[int, int]], most: int = EXPLAINING_FACTS) -> bool:
-    """Whether at most ``most`` facts are, between them, in every one of ``pairs`` (fact ids)."""
-    facts = sorted({fact for pair in pairs for fact in pair})
-    return any(
-        all(not chosen.isdisjoint(pair) for pair in pairs)
-        for size in range(1, most + 1)
-        for chosen in map(set, itertools.combinations(facts, size))
-    )
 
 
 # A question asked: the pairs it held (those whose facts are still there), the request, the reply and its
@@ -342,7 +322,7 @@ def _ask(
         return None
     request = consolidation_request(run.entity_key, kept, at_least)
     try:
-        response, call_id = _call(store, llm, run, request, {f.id for p in kept for f in (p.new, p.old)})
+        response, call_id = _call(store, llm, run, request, kept)
     except _FactsGoneError:  # its tries so far are recorded: asked again without the facts that went
         return _ask(store, llm, run, kept, counters, at_least)
     counters.llm_calls += 1
@@ -356,11 +336,13 @@ def _decide_pairs(
     run: EntityRun,
     pairs: Sequence[AskedPair],
     counters: ConsolidationCounters,
+    into: _Decided,
     at_least: int = 0,
-) -> _Decided:
-    """The decisions for ``pairs`` (a pair whose facts are gone is not asked)."""
+) -> None:
+    """The decisions for ``pairs`` into ``into`` (a pair whose facts are gone is not asked)."""
     question = _ask(store, llm, run, pairs, counters, at_least)
-    return _Decided() if question is None else _answered(store, llm, run, counters, question)
+    if question is not None:
+        _answered(store, llm, run, counters, question, into)
 
 
 def _answered(
@@ -369,27 +351,29 @@ def _answered(
     run: EntityRun,
     counters: ConsolidationCounters,
     question: _Question,
-) -> _Decided:
+    into: _Decided,
+) -> None:
     """What a question's reply says. An answer cut off at its token cap (a model's long reasons) is asked
     again in halves, each under at least that cap: asked again whole, it was cut at the same place on
     every retry of the job, each paid for. One pair's cut-off answer is an unusable answer (the job
     retries). A refusal is split (``_refused``)."""
     pairs, request, response, call_id = question
     if response.finish == "truncated" and len(pairs) > 1:
-        decided = _Decided()
         for half in _halves(pairs):
-            decided.add(_decide_pairs(store, llm, run, half, counters, request.max_tokens))
-        return decided
+            _decide_pairs(store, llm, run, half, counters, into, request.max_tokens)
+        return
     if response.finish == "refusal":
-        return _refused(store, llm, run, counters, question)
+        _refused(store, llm, run, counters, question, into)
+        return
     if response.finish != "end":
         raise ConsolidationReplyError(f"the consolidation answer ended early ({response.finish})")
-    try:
-        answers = parse_decisions(response.text, [p.number for p in pairs])
-    except MalformedDecisionsError as exc:
-        raise ConsolidationReplyError(f"the consolidation answer was malformed: {exc}") from None
+    malformed = malformed_reply(response, pairs)
+    if malformed is not None:
+        raise ConsolidationReplyError(malformed)
+    answers = parse_decisions(response.text, [p.number for p in pairs])
     counters.pairs_answered += len(answers)
-    return _Decided(answers, {p.number: call_id for p in pairs})
+    into.answers.update(answers)
+    into.asked_in.update({p.number: call_id for p in pairs})
 
 
 def _refused(
@@ -398,7 +382,8 @@ def _refused(
     run: EntityRun,
     counters: ConsolidationCounters,
     question: _Question,
-) -> _Decided:
+    into: _Decided,
+) -> None:
     """A refused question. One fact's text (a content filter) is refused in every question that holds
     it: asked again whole, the job's every retry was refused and the entity was never consolidated
     again. So it is halved, and a refused half halved again, down to the pairs refused alone, kept as
@@ -411,17 +396,17 @@ def _refused(
         if (
             counters.pairs_refused >= SHARED_REFUSAL_PAIRS
             and not counters.pairs_answered
-            and not _explained_by_few_facts(counters.refused_pairs)
+            and not explained_by_few_facts(counters.refused_pairs)
         ):
             raise ConsolidationReplyError(
                 f"the model refused {counters.pairs_refused} pairs on their own and answered none: it "
                 "refuses what they share (the entity, its subject), not one fact"
             )
-        return _Decided(asked_in={pairs[0].number: call_id}, refused={pairs[0].number})
-    decided = _Decided()
+        into.asked_in[pairs[0].number] = call_id
+        into.refused.add(pairs[0].number)
+        return
     for half in _halves(pairs):
-        decided.add(_decide_pairs(store, llm, run, half, counters, request.max_tokens))
-    return decided
+        _decide_pairs(store, llm, run, half, counters, into, request.max_tokens)
 
 
 class _FactsGoneError(Exception):
@@ -438,13 +423,14 @@ def _facts_gone(store: ConsolidationStore, fact_ids: set[int]) -> bool:
 
 
 def _call(
-    store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest, fact_ids: set[int]
+    store: ConsolidationStore, llm: LLMClient, run: EntityRun, request: ChatRequest, asked: list[AskedPair]
 ) -> tuple[ChatResponse, int]:
     """One call, recorded in llm_calls whatever its end (a budget refusal makes no call and no row).
     Between the gateway's tries (a retry's backoff, a rate limit's wait: minutes in an outage) its facts
     are looked up again: an erasure that returned meanwhile had its page's text sent on the next try."""
     run.before_call()
     started = time.perf_counter()
+    fact_ids = {fact.id for pair in asked for fact in (pair.new, pair.old)}
 
     def between_tries() -> None:
         run.between_tries()  # the switch, the lease, the budget
@@ -484,6 +470,7 @@ def _call(
         raise
     record_tries(tried)
     outcome = {"end": "ok", "truncated": "truncated_output"}.get(response.finish, response.finish)
+    error = malformed_reply(response, asked) if outcome == "ok" else None
     call_id = store.record_call(
         LLMCallRecord(
             purpose=CONSOLIDATION_PURPOSE,
@@ -491,8 +478,18 @@ def _call(
             model=response.model,
             usage=response.usage,
             latency_ms=response.latency_ms,
-            outcome=outcome,
+            outcome="malformed_output" if error else outcome,  # (recorded ok, as extraction's are not)
             job_id=run.job_id,
+            error=error,
         )
     )
     return response, call_id
+
+
+def malformed_reply(response: ChatResponse, pairs: Sequence[AskedPair]) -> str | None:
+    """Why a finished reply cannot be used (ConsolidationReplyError's words), or None."""
+    try:
+        parse_decisions(response.text, [p.number for p in pairs])
+    except MalformedDecisionsError as exc:
+        return f"the consolidation answer was malformed: {exc}"
+    return None
