@@ -637,3 +637,7 @@ def test_the_simulator_command_holds_a_timeout_fault_past_the_clients_timeout(
     server.main(["--error-rate", "0.1", *args])  # python -m worker.simulator: the same
     assert [config.hang_seconds for config in served] == [hang, hang]
     assert COMMAND_HANG_SECONDS == 75.0 and "Default 75." in invoke_cli("", "simulator", "--help").output
+    # Beyond this host, anyone reaching it reads the prompts it was sent (page text): said.
+    open_to_all = invoke_cli("postgresql://unused/none", "simulator", "--host", "0.0.0.0").output
+    assert "answers anyone who reaches it" in " ".join(open_to_all.split())
+    assert "answers anyone" not in invoke_cli("postgresql://unused/none", "simulator").output

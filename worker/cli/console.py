@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import sys
@@ -136,6 +137,16 @@ def counting_bar(
                 progress.update(task, completed=completed, total=total)
 
         yield move
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on ``host`` is reached from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every address)
+        return False
 
 
 def fail(message: str, code: int = 1, *, highlight: bool | None = None) -> typer.Exit:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import tempfile
@@ -16,7 +15,7 @@ import typer
 import uvicorn
 
 from worker.celery_app import app as celery
-from worker.cli.console import err, fail, port_option, styled
+from worker.cli.console import err, fail, is_loopback, port_option, styled
 from worker.cli.processes import child_hostname, default_processes, run_children, worker_processes
 from worker.cli.sessions import checked_factory, refuse_unset_servers, say_where_jobs_go
 from worker.jobs.registry import queues as known_queues
@@ -373,12 +372,3 @@ def refuse_published_secrets(settings: Settings, host: str) -> None:
             code=2,
             highlight=False,
         )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name, or "" (every address)
-        return False

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.console import err, port_option
+from worker.cli.console import err, is_loopback, port_option, styled
 
 
 def simulator(
@@ -40,4 +40,11 @@ def simulator(
         hang_seconds=hang_seconds,
     )
     err.print(f"LLM simulator (not a real model) on http://{host}:{port}/v1")
+    if not is_loopback(host):  # no key is asked of anyone: it is a test double
+        message = (
+            f"the simulator on {host or 'every address'} answers anyone who reaches it: the prompts it was "
+            "sent (page text) are readable at /_simulator/requests, and its faults can be set by anyone; "
+            "listen on 127.0.0.1 unless the network is yours"
+        )
+        err.print(styled(("warning:", "yellow"), f" {message}"), highlight=False)
     serve(config, host=host, port=port)
