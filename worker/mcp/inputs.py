@@ -76,7 +76,10 @@ MCP_APPEND = "mcp append_transcript_messages"  # the route label its idempotency
 KindName = FactKind
 AsOf = Annotated[
     datetime | None,
-    Field(description="Only facts that were true at this ISO 8601 time (what was true then)."),
+    Field(
+        description="Only facts that were true at this ISO 8601 time (what was true then: a duplicate is "
+        "never one, and include_history is not read beside it)."
+    ),
 ]
 IncludeHistory = Annotated[
     StrictBool,

@@ -57,7 +57,10 @@ INCLUDE_HISTORY_DESCRIPTION = (
     "Also return superseded and duplicate facts (each with its status, interval and links); by "
     "default only current facts are returned."
 )
-AS_OF_DESCRIPTION = "Only facts that were true at this ISO 8601 time (what was true then)."
+AS_OF_DESCRIPTION = (
+    "Only facts that were true at this ISO 8601 time (what was true then: a duplicate is never one, and "
+    "include_history is not read beside it)."
+)
 
 
 ENTITY_DESCRIPTION = (
