@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
-
 from alembic import op
+from worker.index_builds import rebuild_search_vector
 
 revision: str = "0021"
 down_revision: str | None = "0020"
@@ -54,23 +52,11 @@ AS_WRITTEN = (
 )
 
 
-def _rebuild(expression: str) -> None:
-    op.drop_index("ix_facts_search_vector", table_name="facts", postgresql_using="gin")
-    op.drop_column("facts", "search_vector")
-    op.add_column(
-        "facts",
-        sa.Column(
-            "search_vector", postgresql.TSVECTOR(), sa.Computed(expression, persisted=True), nullable=True
-        ),
-    )
-    op.create_index("ix_facts_search_vector", "facts", ["search_vector"], postgresql_using="gin")
-
-
 def upgrade() -> None:
     op.execute(SEARCH_FOLD)
-    _rebuild(FOLDED)
+    rebuild_search_vector(op, FOLDED)
 
 
 def downgrade() -> None:
-    _rebuild(AS_WRITTEN)
+    rebuild_search_vector(op, AS_WRITTEN)
     op.execute("DROP FUNCTION search_fold(text)")

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
-
 from alembic import op
+from worker.index_builds import rebuild_search_vector
 
 revision: str = "0049"
 down_revision: str | None = "0048"
@@ -64,21 +62,9 @@ FOLDED = (  # 0021's
 )
 
 
-def _rebuild(expression: str) -> None:
-    op.drop_index("ix_facts_search_vector", table_name="facts", postgresql_using="gin")
-    op.drop_column("facts", "search_vector")
-    op.add_column(
-        "facts",
-        sa.Column(
-            "search_vector", postgresql.TSVECTOR(), sa.Computed(expression, persisted=True), nullable=True
-        ),
-    )
-    op.create_index("ix_facts_search_vector", "facts", ["search_vector"], postgresql_using="gin")
-
-
 def upgrade() -> None:
     op.execute(SEARCH_WORDS)
-    _rebuild(SPACED)
+    rebuild_search_vector(op, SPACED)
     # The new column has no statistics, and a rewrite does not count as changed rows for autovacuum's
     # ANALYZE: every word's frequency was the planner's default guess, and the rarest-first fallback
     # and the ranking's idf could not tell a rare name from a common word.
@@ -86,6 +72,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    _rebuild(FOLDED)
+    rebuild_search_vector(op, FOLDED)
     op.execute("ANALYZE facts")
     op.execute("DROP FUNCTION search_words(text)")
