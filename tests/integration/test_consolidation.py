@@ -2233,3 +2233,44 @@ def test_a_consolidation_reply_that_cannot_be_read_is_recorded_as_malformed(tx_f
             select(LLMCall.outcome, LLMCall.error).where(LLMCall.purpose == "consolidation")
         ).all()
     assert outcome == "malformed_output" and "the consolidation answer was malformed" in (error or "")
+
+
+def test_a_stop_inside_a_refused_question_writes_the_pairs_refused_alone_and_the_answers(
+    tx_factory, llm, simulator
+) -> None:
+    """One fact's text refused (a content filter): its questions are halved down to its pairs, refused
+    alone and kept as unrelated. A stop before the split ended threw those refusals away (only the
+    answers were kept), the facts before it could not be written, and the next run paid again."""
+    from worker.jobs.shutdown import WorkerStoppingError
+
+    cities = ("Lisbon", "Porto", "Faro", "Braga", "Evora", "Sintra", "Aveiro")
+    arrive(tx_factory, llm, *[lives(f"2026-0{n}-05", city) for n, city in enumerate(cities, 1)], each=False)
+    with tx_factory.begin() as session:  # decide again, Lisbon's text refused wherever it is asked
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(status="current", superseded_by=None, duplicate_of=None,
+                                            valid_to=None, consolidated_at=None))  # fmt: skip
+    refusing = refusing_client(simulator)
+    asked: list[int] = []
+
+    class FilteringLisbon:
+        provider, model = llm.provider, llm.model
+
+        def chat(self, request: Any) -> Any:
+            asked.append(request.messages[0][1].count(" OLD ("))
+            return (refusing if "Lisbon" in request.messages[0][1] else llm).chat(request)
+
+    def stopping() -> None:
+        if len(asked) >= STOP_AFTER:
+            raise WorkerStoppingError("the worker is stopping")
+
+    store = ConsolidationStore(tx_factory, Ledger(ConfigReader(tx_factory, ttl=0).get))
+    with pytest.raises(WorkerStoppingError):
+        consolidate_entity(store, FilteringLisbon(), EntityRun("default", ALICE, guard=stopping))
+    assert asked == [20, 10, 5, 2, 1, 1]  # halved down to Porto's pair with Lisbon, refused alone
+    decided = [t for t, rows in alice(tx_factory).items() for r in rows if r.consolidated_at is not None]
+    # Porto's one pair refused alone: kept as unrelated, so Porto is written (before: Lisbon alone,
+    # which the rules decide with no pair asked).
+    assert decided == ["Alice Example lives in Lisbon now.", "Alice Example lives in Porto now."]
+
+
+STOP_AFTER = 6  # the questions asked before the worker stops

@@ -35,6 +35,7 @@ from worker.core.lexing import (
     plain_text,
     rarest_first,
     restrict_weights,
+    snippet_words,
 )
 
 
@@ -86,9 +87,18 @@ def test_a_word_of_an_unspaced_script_is_searched_by_its_pairs_of_characters_and
     assert units("东京") == ((), ("东京",))
     assert units("东京大学") == ((), ("东京", "京大", "大学"))
     assert units("猫") == ((), ("猫",))
-    assert units("iPhone,苹果") == (("iPhone,",), ("苹果",))
+    assert units("iPhone,苹果") == (("iPhone",), ("苹果",))
     assert units("「東京」、大阪") == ((), ("東京", "大阪"))  # punctuation alone is nothing
     assert units(unicodedata.normalize("NFD", "서울")) == ((), ("서울",))  # composed first
+    # Letters and digits inside a stretch keep their place: 5月3日 is not 3月5日, B站 not any 站.
+    assert units("5月3日") == ((), ("5月", "月3", "3日"))
+    assert units("B站") == ((), ("B站",))
+    # A long question typed without spaces keeps its first pairs in place and the rest after the line's
+    # other words: a name after it was crowded out of the units searched.
+    question = "请告诉我关于东京大学的所有信息以及它的历史和排名情况还有学费是多少"
+    items = lex_items(parse_lex_query(question + " Priya"))
+    assert LexItem("w", "Priya") in items[:MAX_LEX_UNITS]
+    assert snippet_words("李雷住在哪里 iPhone,苹果") == "李雷 雷住 住在 在哪 哪里 iPhone 苹果"
 
 
 def test_lex_units_skip_what_postgres_found_nothing_in() -> None:

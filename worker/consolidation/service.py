@@ -49,8 +49,11 @@ SCHEMA_NAME = "consolidation_decisions"
 
 
 class ConsolidationReplyError(RuntimeError):
-    """The model's answer could not be used (malformed, cut off alone, refused for what every question
-    shares): the job retries."""
+    """The model's answer could not be used (malformed, cut off alone, refused): the job retries."""
+
+
+class SharedRefusalError(ConsolidationReplyError):
+    """The model refuses what every question shares: its refusals of single pairs are no verdicts."""
 
 
 @dataclass
@@ -267,10 +270,13 @@ def _ask_model(
             decided = _Decided()  # filled as each question of a split one returns
             try:
                 _decide_pairs(store, llm, run, chunk, counters, decided)
-            finally:  # a stop keeps the answers paid for (not its refusals: a shared one is no verdict)
+            except SharedRefusalError:
+                decided.refused.clear()  # (no verdicts: the round is written without them)
+                raise
+            finally:  # a stop keeps what it paid for
                 answers.update(decided.answers)
                 call_ids.update(decided.asked_in)  # a pair still unanswered: its last ask
-            refused |= decided.refused
+                refused |= decided.refused
             chunk = [
                 p
                 for p in chunk
@@ -295,8 +301,7 @@ class _Decided:
     refused: set[int] = field(default_factory=set)
 
 
-# A question asked: the pairs it held (those whose facts are still there), the request, the reply and its
-# llm_calls row.
+# A question asked: the pairs it held (whose facts are still there), the request, its reply, its llm_calls id.
 _Question = tuple[list[AskedPair], ChatRequest, ChatResponse, int]
 
 
@@ -398,7 +403,7 @@ def _refused(
             and not counters.pairs_answered
             and not explained_by_few_facts(counters.refused_pairs)
         ):
-            raise ConsolidationReplyError(
+            raise SharedRefusalError(
                 f"the model refused {counters.pairs_refused} pairs on their own and answered none: it "
                 "refuses what they share (the entity, its subject), not one fact"
             )

@@ -34,7 +34,11 @@ UNSPACED_SCRIPT_RANGES = (
     ("\uac00", "\ud7af"),  # Hangul Syllables
     ("\uf900", "\ufaff"),  # CJK Compatibility Ideographs
 )
-UNSPACED_RUN = re.compile("[" + "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES) + "]+")
+_RANGES = "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES)
+UNSPACED_RUN = re.compile(f"[{_RANGES}]+")
+# A word's pieces as a search reads them: one character of those scripts, or a run of other letters and
+# digits (punctuation between pieces separates them).
+UNSPACED_PIECE = re.compile(f"[{_RANGES}]|[^\\W{_RANGES}]+")
 
 
 def has_unspaced_script(text: str) -> bool:
@@ -43,4 +47,4 @@ def has_unspaced_script(text: str) -> bool:
     return not text.isascii() and UNSPACED_RUN.search(text) is not None
 
 
-__all__ = ["UNSPACED_RUN", "UNSPACED_SCRIPT_RANGES", "fold_accents", "has_unspaced_script"]
+__all__ = ["UNSPACED_PIECE", "UNSPACED_RUN", "UNSPACED_SCRIPT_RANGES", "fold_accents", "has_unspaced_script"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from worker.core.folding import UNSPACED_RUN, fold_accents, has_unspaced_script
+from worker.core.folding import UNSPACED_PIECE, UNSPACED_RUN, fold_accents, has_unspaced_script
 from worker.core.intent import SearchType, is_query_word, plain_query_text, search_type
 
 __all__ = [
@@ -75,6 +76,7 @@ def parse_lex_query(query: str) -> LexQuery:
     """Split a lex line into words, "quoted phrases" and -exclusions; stop words and one-letter words
     drop out of the plain words (unless nothing else is left; see ``is_query_word``)."""
     written: list[tuple[str, str]] = []
+    later: list[tuple[str, str]] = []
     for match in _LEX_TOKEN.finditer(query):
         negated, phrase, word = match.group(1), match.group(2), match.group(3)
         if phrase is not None:
@@ -83,9 +85,12 @@ def parse_lex_query(query: str) -> LexQuery:
         elif word.startswith("-") and len(word) > 1:
             written.append(("x", word[1:]))
         elif has_unspaced_script(folded := fold_accents(word)):
-            written += _unspaced_units(folded)
+            in_place, deferred = _unspaced_units(folded)
+            written += in_place
+            later += deferred
         elif word.upper() != "AND":
             written.append(("w", word))
+    written += later
     phrases = [text for kind, text in written if kind == "p"]
     content = [(kind, t) for kind, t in written if kind != "w" or _content_word(t)]
     # A query made only of stop words still searches for them; beside a phrase they are dropped (`where
@@ -100,25 +105,42 @@ def parse_lex_query(query: str) -> LexQuery:
     )
 
 
-def _unspaced_units(word: str) -> list[tuple[str, str]]:
-    """A word holding characters of a script written without spaces (worker.core.folding), as the
-    units it is searched by: each run of them as its overlapping pairs of characters, each a phrase
-    ("东京大学": 东京, 京大, 大学; one character alone is itself), so "东京" is found inside "李雷住在东京。",
-    and a question typed without spaces finds the facts holding most of its pairs (the rarest-first
-    fallback drops the pairs no fact holds). What lies between the runs is a word where it holds a
-    letter or a digit ("iPhone,苹果": iphone, 苹果); punctuation alone ("「", "、") is nothing."""
-    units: list[tuple[str, str]] = []
-    start = 0
-    for run in UNSPACED_RUN.finditer(word):
-        between, chars = word[start : run.start()], run.group()
-        if any(c.isalnum() for c in between):
-            units.append(("w", between))
-        pairs = [chars[i : i + 2] for i in range(len(chars) - 1)] or [chars]
-        units += [("p", pair) for pair in pairs]
-        start = run.end()
-    if any(c.isalnum() for c in word[start:]):
-        units.append(("w", word[start:]))
-    return units
+# Pairs of a stretch searched in the order written; its later ones go after the rest of the line's
+# units, which a long question typed without spaces crowded out of MAX_LEX_UNITS (a name after it).
+PAIRS_IN_PLACE = 8
+
+
+def _stretches(word: str) -> list[list[str]]:
+    """A word's stretches between punctuation, each as its pieces (UNSPACED_PIECE): "5月3日" is one
+    stretch [5, 月, 3, 日]; "iPhone,苹果" two, [iPhone] and [苹, 果]; "「", "、" none."""
+    stretches: list[list[str]] = []
+    end = -1
+    for piece in UNSPACED_PIECE.finditer(word):
+        if piece.start() != end:
+            stretches.append([])
+        stretches[-1].append(piece.group())
+        end = piece.end()
+    return stretches
+
+
+def _unspaced_units(word: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """A word holding characters of a script written without spaces (worker.core.folding), as the units
+    it is searched by, (in place, after the rest): a stretch of it holding such characters as the
+    overlapping pairs of its pieces, each a phrase ("东京大学": 东京, 京大, 大学; "5月3日": 5月, 月3, 3日, so
+    it is not 3月5日; "B站" whole; one piece alone is itself), so "东京" is found inside "李雷住在东京。" and
+    a question typed without spaces finds the facts holding most of its pairs (the rarest-first
+    fallback drops the pairs no fact holds); a stretch without any is a word ("iPhone,苹果": iphone,
+    苹果)."""
+    in_place: list[tuple[str, str]] = []
+    later: list[tuple[str, str]] = []
+    for pieces in _stretches(word):
+        if not any(UNSPACED_RUN.fullmatch(piece) for piece in pieces):
+            in_place.append(("w", "".join(pieces)))
+            continue
+        pairs = [("p", a + b) for a, b in itertools.pairwise(pieces)] or [("p", pieces[0])]
+        in_place += pairs[:PAIRS_IN_PLACE]
+        later += pairs[PAIRS_IN_PLACE:]
+    return in_place, later
 
 
 def _content_word(word: str) -> bool:
@@ -137,8 +159,13 @@ def snippet_words(query: str) -> str:
                 words.append(phrase.strip())
         elif not (word.startswith("-") and len(word) > 1) and word != "AND" and word.strip('"'):
             # Stop words too: qmd's snippet terms are every word of the query. A quote left open is
-            # read by the search as no quote at all.
-            words.append(word.strip('"'))
+            # read by the search as no quote at all. A word of an unspaced script: the units the search
+            # reads it by ("iPhone,苹果" is on no line; "苹果" is, and a question's pairs on the best).
+            bare = word.strip('"')
+            if has_unspaced_script(folded := fold_accents(bare)):
+                words += [text for units in _unspaced_units(folded) for _, text in units]
+            else:
+                words.append(bare)
     return " ".join(words)
 
 

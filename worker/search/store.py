@@ -344,6 +344,7 @@ def _vector_search(
 # The exact read's own limit where the search has none (the CLI, a test): over a large store it is a
 # scan and a sort of every vector the filters keep.
 EXACT_STATEMENT_TIMEOUT_MS = 5_000
+_RESTORE = text("SELECT set_config('statement_timeout', :t, true), set_config('enable_indexscan', :i, true)")
 
 
 def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: Deadline | None) -> list[Any]:
@@ -357,21 +358,19 @@ def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: D
         text("SELECT current_setting('statement_timeout'), current_setting('enable_indexscan')")
     ).one()
     savepoint = session.begin_nested()
+    rows: list[Any] = []
     try:
         session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{budget}ms"})
         session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
         rows = list(session.execute(nearest, params).all())
+        # Put back and released, not rolled back: a rollback (even to a savepoint) makes psycopg forget
+        # the connection's prepared statements, and every later statement was planned again.
+        session.execute(_RESTORE, {"t": prior[0], "i": prior[1]})
     except DBAPIError as exc:
-        savepoint.rollback()  # (its settings go with it)
+        savepoint.rollback()  # (its settings go with it; the rows read before a failed restore are kept)
         if not statement_timed_out(exc):
             raise
-        return []
-    # Put back and released, not rolled back: a rollback (even to a savepoint) makes psycopg forget the
-    # connection's prepared statements, and every later statement was planned again.
-    session.execute(
-        text("SELECT set_config('statement_timeout', :t, true), set_config('enable_indexscan', :i, true)"),
-        {"t": prior[0], "i": prior[1]},
-    )
+        return rows
     savepoint.commit()
     return rows
 
