@@ -2271,6 +2271,17 @@ def test_a_stop_inside_a_refused_question_writes_the_pairs_refused_alone_and_the
     # Porto's one pair refused alone: kept as unrelated, so Porto is written (before: Lisbon alone,
     # which the rules decide with no pair asked).
     assert decided == ["Alice Example lives in Lisbon now.", "Alice Example lives in Porto now."]
+    # With none answered, a refusal may be of what every question shares (the entity: found only at the
+    # eighth, SharedRefusalError): a stop before that keeps none, and writes no pair as unrelated.
+    with tx_factory.begin() as session:
+        session.execute(text("DELETE FROM consolidation_decisions"))
+        session.execute(update(Fact).values(consolidated_at=None))
+    asked.clear()
+    with pytest.raises(WorkerStoppingError):
+        consolidate_entity(store, llm_counting(refusing, asked), EntityRun("default", ALICE, guard=stopping))
+    with tx_factory() as session:
+        model = ConsolidationDecision.decided_by == "model"
+        assert not session.scalar(select(func.count()).select_from(ConsolidationDecision).where(model))
 
 
 STOP_AFTER = 6  # the questions asked before the worker stops

@@ -379,6 +379,7 @@ UNSPACED = [
     ("ko", "민수는 서울에 살아요", "people/민수"),
     ("zh2", "王芳在北京工作", "people/王芳"),
     ("zh3", "韩梅梅买了苹果手机 (iPhone)", "people/韩梅梅"),
+    ("zh4", "这块屏幕是3.5寸的", "people/屏幕"),
     ("ko2", unicodedata.normalize("NFD", "영희는 부산에 살아요"), "people/영희"),  # decomposed Hangul
 ]
 
@@ -397,6 +398,7 @@ UNSPACED = [
         # nothing); punctuation alone is nothing (「」 became required words).
         ("lex: iPhone,苹果", {"韩梅梅买了苹果手机 (iPhone)"}),
         ("lex: 「大阪」", {"田中さんは大阪の会社で働いています"}),
+        ("lex: 3.5寸", {"这块屏幕是3.5寸的"}),  # a decimal is one token to Postgres: kept whole
         # A question typed without spaces: the facts holding most of its pairs of characters.
         ("李雷住在哪里", {"Li Lei said he lives in Tokyo now: 李雷住在东京。"}),
         # Decomposed Hangul (as macOS writes file names) meets composed, either way round.

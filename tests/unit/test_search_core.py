@@ -93,11 +93,18 @@ def test_a_word_of_an_unspaced_script_is_searched_by_its_pairs_of_characters_and
     # Letters and digits inside a stretch keep their place: 5月3日 is not 3月5日, B站 not any 站.
     assert units("5月3日") == ((), ("5月", "月3", "3日"))
     assert units("B站") == ((), ("B站",))
+    # Punctuation Postgres's parser keeps inside a token stays in the piece; the underscore separates.
+    assert units("3.5寸") == ((), ("3.5寸",))
+    assert units("東京_大阪") == ((), ("東京", "大阪"))
     # A long question typed without spaces keeps its first pairs in place and the rest after the line's
     # other words: a name after it was crowded out of the units searched.
     question = "请告诉我关于东京大学的所有信息以及它的历史和排名情况还有学费是多少"
     items = lex_items(parse_lex_query(question + " Priya"))
     assert LexItem("w", "Priya") in items[:MAX_LEX_UNITS]
+    punctuated = (
+        "東京大学の歴史について、詳しく教えてください。入学試験の難しさ、学費、キャンパスの場所も Priya"
+    )
+    assert LexItem("w", "Priya") in lex_items(parse_lex_query(punctuated))[:MAX_LEX_UNITS]  # over the word
     assert snippet_words("李雷住在哪里 iPhone,苹果") == "李雷 雷住 住在 在哪 哪里 iPhone 苹果"
 
 

@@ -112,7 +112,12 @@ def search_command(
         bool, typer.Option("--include-history", help="Also superseded and duplicate facts.")
     ] = False,
     as_of: Annotated[
-        datetime | None, typer.Option(parser=iso_moment, help="Only facts true at this time (ISO date/time).")
+        datetime | None,
+        typer.Option(
+            parser=iso_moment,
+            help="Only facts true at this time (ISO date/time); a duplicate never is, and --include-history "
+            "is not read beside it.",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full result as JSON.")] = False,
 ) -> None:

@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 # Pairs per call: an entity with more ambiguous pairs than this (a large backfill) takes more calls.
 MAX_PAIRS_PER_CALL = 40
 OUTPUT_TOKENS_PER_PAIR = 60
-# Decisions per transaction: each is written exactly once either way (its fact's marker), and a run
-# cut short resumes after the last committed chunk; one commit per decision made the queue lag.
+# Decisions per transaction: each written exactly once either way (its fact's marker); a run cut short
+# resumes after the last committed chunk; one commit per decision made the queue lag.
 DECISIONS_PER_COMMIT = 50
 SCHEMA_NAME = "consolidation_decisions"
 
@@ -120,9 +120,8 @@ class EntityRun:
 
 
 # An entity's pending facts are decided in rounds of at most this many (the earliest said first), each
-# round committed before the next is asked: a run of thousands asked every pair before committing one
-# decision, and a time limit, a budget pause or one unusable answer threw all of it away (and paid for it
-# again on every retry). A round's reopened restatements are decided again in a later round, once.
+# committed before the next is asked (a run of thousands committed nothing until every pair was asked, and a
+# stop threw it all away, paid for again); a round's reopened restatements are decided in a later one, once.
 MAX_FACTS_PER_ROUND = 500  # at most ~63 calls at risk; each round lists the pending facts again
 MAX_ROUNDS = 10_000  # a guard: every round commits its facts' decisions, so pending runs out well before
 
@@ -270,8 +269,9 @@ def _ask_model(
             decided = _Decided()  # filled as each question of a split one returns
             try:
                 _decide_pairs(store, llm, run, chunk, counters, decided)
-            except SharedRefusalError:
-                decided.refused.clear()  # (no verdicts: the round is written without them)
+            except BaseException as exc:  # with none answered, a refusal may be the shared kind: no verdict
+                if isinstance(exc, SharedRefusalError) or not counters.pairs_answered:
+                    decided.refused.clear()
                 raise
             finally:  # a stop keeps what it paid for
                 answers.update(decided.answers)

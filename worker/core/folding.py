@@ -37,8 +37,10 @@ UNSPACED_SCRIPT_RANGES = (
 _RANGES = "".join(f"{low}-{high}" for low, high in UNSPACED_SCRIPT_RANGES)
 UNSPACED_RUN = re.compile(f"[{_RANGES}]+")
 # A word's pieces as a search reads them: one character of those scripts, or a run of other letters and
-# digits (punctuation between pieces separates them).
-UNSPACED_PIECE = re.compile(f"[{_RANGES}]|[^\\W{_RANGES}]+")
+# digits, with the punctuation Postgres's parser keeps inside a token between them ("3.5", "2024-05-03",
+# "e-mail", "example.com"); other punctuation, and the underscore, separates pieces.
+_OTHER = f"[^\\W_{_RANGES}]+"
+UNSPACED_PIECE = re.compile(f"[{_RANGES}]|{_OTHER}(?:[.\\-/@:,']{_OTHER})*")
 
 
 def has_unspaced_script(text: str) -> bool:

@@ -138,8 +138,9 @@ def _unspaced_units(word: str) -> tuple[list[tuple[str, str]], list[tuple[str, s
             in_place.append(("w", "".join(pieces)))
             continue
         pairs = [("p", a + b) for a, b in itertools.pairwise(pieces)] or [("p", pieces[0])]
-        in_place += pairs[:PAIRS_IN_PLACE]
-        later += pairs[PAIRS_IN_PLACE:]
+        room = max(0, PAIRS_IN_PLACE - sum(kind == "p" for kind, _ in in_place))  # (over the whole word)
+        in_place += pairs[:room]
+        later += pairs[room:]
     return in_place, later
 
 
