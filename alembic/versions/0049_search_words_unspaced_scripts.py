@@ -9,7 +9,7 @@ was indexed as the single lexeme 李雷住在东京, so "东京" (or "李雷") f
 and equalled it whole, and a Korean word with a particle attached ("서울에") never matched "서울".
 ``search_words(text)`` is ``search_fold`` with a space put around each character of those scripts (the
 ranges of worker.core.folding.UNSPACED_SCRIPT_RANGES, which a test holds equal to this one): each is a
-lexeme of its own, and a query word holding one is searched as the phrase of its characters
+lexeme of its own, and a query word holding one is searched by the overlapping pairs of its characters
 (worker.core.lexing), so "东京" matches 东 followed by 京 anywhere. ASCII text is returned as it is.
 
 Rebuilding the column rewrites ``facts`` and its GIN index under an ACCESS EXCLUSIVE lock, as 0021 did:

@@ -411,7 +411,7 @@ def test_a_word_of_chinese_japanese_or_korean_is_found_inside_its_sentence(
 ) -> None:
     """Postgres reads a run of ideographs, kana or Hangul as one word: 李雷住在东京 was one lexeme, and
     "东京" found nothing (migration 0049's search_words spaces each character; a query word holding one
-    is the phrase of its characters)."""
+    is searched by the overlapping pairs of its characters)."""
     rows = [_row("default", page, 0, fact, "fact", entity, "", None) for page, fact, entity in UNSPACED]
     with plain_factory.begin() as session:
         session.execute(insert(Fact), rows)

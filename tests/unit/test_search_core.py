@@ -71,7 +71,7 @@ def test_stop_words_beside_a_phrase_drop_out() -> None:
 
 def test_a_digit_or_an_ideograph_is_a_query_word_and_a_lone_ascii_letter_is_not() -> None:
     assert parse_lex_query("room 7").terms == ("room", "7")
-    # (An ideograph is searched as a phrase of its characters: worker.core.folding.)
+    # (An ideograph is searched as a phrase: worker.core.lexing's pairs of pieces.)
     assert (parse_lex_query("Alice 猫").terms, parse_lex_query("Alice 猫").phrases) == (("Alice",), ("猫",))
     assert parse_lex_query("vitamin d").terms == ("vitamin",)
     # Punctuation alone is no word (bare, it is empty): a stop-word question still searches its words.

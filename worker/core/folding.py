@@ -25,8 +25,8 @@ def fold_accents(text: str) -> str:
 # compatibility block) and Hangul syllables. Postgres's parser reads such a run as one word, so a
 # sentence was one lexeme and a word inside it could not be found; the index and the queries
 # (SQL ``search_words``, migration 0049) put a space around each of these characters, and a query word
-# holding one is searched as the phrase of its characters. Keep in step with that migration (a test
-# holds the two equal).
+# holding one is searched by the overlapping pairs of its pieces (worker.core.lexing). Keep in step with
+# that migration (a test holds the two equal).
 UNSPACED_SCRIPT_RANGES = (
     ("\u3040", "\u30ff"),  # Hiragana, Katakana
     ("\u3400", "\u4dbf"),  # CJK Unified Ideographs Extension A
