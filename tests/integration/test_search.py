@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.engine import make_url
@@ -433,11 +433,14 @@ def test_python_and_sql_space_the_same_scripts(plain_factory: sessionmaker[Sessi
         # folding, and a space around each CJK character besides.
         @settings(max_examples=200, deadline=None, database=None)
         @given(FOLDABLE)
+        # A compatibility-supplement ideograph folds into the unified block: spaced once folded (asked of
+        # the raw text, this rule failed when hypothesis drew one).
+        @example("\U0002f81a")
         def folds_as_search_fold(value: str) -> None:
             words, folded = session.execute(
                 text("SELECT search_words(:v), search_fold(:v)"), {"v": value}
             ).one()
-            assert words == (folded if not has_unspaced_script(value) else words)
+            assert words == (folded if not has_unspaced_script(fold_accents(value)) else words)
             assert words.replace(" ", "") == folded.replace(" ", "")
 
         folds_as_search_fold()

@@ -344,13 +344,14 @@ def _vector_search(
 # The exact read's own limit where the search has none (the CLI, a test): over a large store it is a
 # scan and a sort of every vector the filters keep.
 EXACT_STATEMENT_TIMEOUT_MS = 5_000
-_RESTORE = text("SELECT set_config('statement_timeout', :t, true), set_config('enable_indexscan', :i, true)")
+# The two settings the exact read changes, set (and put back) in one statement.
+_SETTINGS = text("SELECT set_config('statement_timeout', :t, true), set_config('enable_indexscan', :i, true)")
 
 
 def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: Deadline | None) -> list[Any]:
     """``nearest`` without the index (the filters' own indexes, then a sort): exact over the facts the
     filters keep. In a savepoint, with half the search's time left (or EXACT_STATEMENT_TIMEOUT_MS): one
-    that runs out answers [] and leaves the transaction, and the rest of the search, as they were."""
+    that runs out answers nothing and leaves the transaction, and the rest of the search, as they were."""
     if deadline is not None:
         deadline.check()
     budget = EXACT_STATEMENT_TIMEOUT_MS if deadline is None else max(1, deadline.remaining_ms() // 2)
@@ -360,12 +361,11 @@ def _exactly(session: Session, nearest: Any, params: dict[str, Any], deadline: D
     savepoint = session.begin_nested()
     rows: list[Any] = []
     try:
-        session.execute(text("SELECT set_config('statement_timeout', :t, true)"), {"t": f"{budget}ms"})
-        session.execute(text("SELECT set_config('enable_indexscan', 'off', true)"))
+        session.execute(_SETTINGS, {"t": f"{budget}ms", "i": "off"})
         rows = list(session.execute(nearest, params).all())
         # Put back and released, not rolled back: a rollback (even to a savepoint) makes psycopg forget
         # the connection's prepared statements, and every later statement was planned again.
-        session.execute(_RESTORE, {"t": prior[0], "i": prior[1]})
+        session.execute(_SETTINGS, {"t": prior[0], "i": prior[1]})
     except DBAPIError as exc:
         savepoint.rollback()  # (its settings go with it; the rows read before a failed restore are kept)
         if not statement_timed_out(exc):
