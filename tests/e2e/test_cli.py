@@ -724,12 +724,25 @@ def test_services_on_a_database_server_with_the_embedded_broker_say_where_their_
     assert len(children) == 4 and all("--child" in argv for argv in children), children
 
 
-def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(monkeypatch):
+def test_a_worker_on_the_embedded_postgres_runs_one_process_unless_told(cli, monkeypatch):
     """One per core, each at 64 job threads (about 40 connections apiece), passed the embedded server's
     100 connections on a laptop of four cores: "too many clients", taken for an outage, stalled every job."""
-    from worker.cli import processes
+    from tests.cli import run_main
+    from worker.cli import processes, services
 
     monkeypatch.setattr(processes, "default_processes", lambda: 4)
+    # The command itself: no database URL is the embedded server (not started here: the schema check is
+    # the next test's), one process; with a server's URL, one per core.
+    monkeypatch.setattr(services, "checked_factory", lambda settings, wait: None)
+    ran: list[list[str]] = []
+    children: list[list[str]] = []
+    monkeypatch.setattr(services, "celery_exit_code", lambda argv: ran.append(argv) or 0)
+    monkeypatch.setattr(services, "run_children", lambda argvs, grace: children.extend(argvs) or 0)
+    embedded = {key: value for key, value in cli.env.items() if key != "FACTMILL_DATABASE_URL"}
+    assert run_main(["worker"], embedded).returncode == 0
+    assert (len(ran), children) == (1, [])
+    assert run_main(["worker"], cli.env).returncode == 0
+    assert (len(ran), len(children)) == (1, 4)
     assert processes.worker_processes(None, "threads", embedded_database=True) == 1
     assert processes.worker_processes(None, "threads", embedded_database=False) == 4
     assert processes.worker_processes(3, "threads", embedded_database=True) == 3

@@ -28,6 +28,7 @@ from tests.auth import new_key
 from tests.service import REPO, free_port
 from worker.access import revoke_key
 from worker.compaction import append_messages, parse_messages
+from worker.core.facts import MAX_LIST_OFFSET
 from worker.extraction.facts import ENTITY_CURSOR_PATTERN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -201,6 +202,10 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
         [source, _] = seen["schemas"][tool]["properties"]["source_id"]["anyOf"]
         assert (source["minLength"], source["maxLength"]) == (1, 200), tool
     assert seen["schemas"]["list_entity_facts"]["properties"]["after"]["pattern"] == ENTITY_CURSOR_PATTERN
+    # An offset of a billion read and sorted every fact of the entity to answer nothing.
+    for tool in ("list_entity_facts", "list_page_facts"):
+        offset = seen["schemas"][tool]["properties"]["offset"]
+        assert (offset["minimum"], offset["maximum"]) == (0, MAX_LIST_OFFSET), tool
     refused = _error_text(seen["append"])
     assert "append_transcript_messages refused" in refused and "'ingest' scope" in refused
 
