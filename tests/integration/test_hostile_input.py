@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.integration.test_api import ADMIN_HEADERS, CONVERSATION, SECRET, Recorder, make_runtime, page
@@ -661,3 +661,46 @@ def test_unknown_fields_inside_a_message_a_tool_call_or_a_page_are_refused_in_a_
         answer = signed(api, path, json.dumps(body).encode())
         assert answer.status_code == 422, answer.text[:300]
         assert len(answer.text) < 10_000, (path, answer.text[:300])  # bounded, whatever was sent
+
+
+def test_a_query_parameter_the_route_does_not_take_or_sends_twice_is_refused(api: TestClient) -> None:
+    """FastAPI ignored a query parameter a route does not declare and kept the last of a repeated one:
+    ``retry?skiped=true`` retried without the skipped segments (a 202), ``?sourceid=a`` searched every
+    source, ``?asof=`` gave today's facts."""
+    refused = {
+        "/v1/jobs/1/retry?skiped=true": ("skiped", "takes skipped"),
+        "/v1/search?q=ferry&sourceid=team": ("sourceid", "source_id"),
+        "/v1/entities/alice/facts?asof=2024-01-01": ("asof", "as_of"),
+        "/v1/config?verbose=1": ("verbose", "takes none"),
+    }
+    for path, (named, takes) in refused.items():
+        method = "POST" if path.startswith("/v1/jobs") else "GET"
+        answer = api.request(method, path, headers=ADMIN_HEADERS)
+        assert_422(answer, f"unknown query parameter(s) {named}")
+        assert takes in answer.text, answer.text
+    twice = api.get("/v1/pages?source_id=a&source_id=b", headers=ADMIN_HEADERS)
+    assert_422(twice, "query parameter(s) source_id sent more than once")
+    many = api.get("/v1/pages?" + "&".join(f"k{n}=1" for n in range(5_000)), headers=ADMIN_HEADERS)
+    assert_422(many, "and 4994 more")
+    assert len(many.text) < 1000
+    # What a route takes, once each, is served.
+    assert api.get("/v1/pages?source_id=a&limit=5", headers=ADMIN_HEADERS).status_code == 200
+    assert api.get("/v1/entities/alice/facts?as_of=2024-01-01", headers=ADMIN_HEADERS).status_code == 200
+
+
+def test_a_url_that_is_not_utf8_once_decoded_is_refused_not_merged(
+    api: TestClient, factory: sessionmaker[Session]
+) -> None:
+    """The server decodes a percent-escape that is not UTF-8 into U+FFFD: caf%E9 and caf%E8 (Latin-1)
+    named one transcript, "caf\ufffd", and two conversations were merged and compacted together."""
+    body = json.dumps({"messages": [{"role": "user", "text": "hello"}]}).encode()
+    for path in ("/v1/transcripts/caf%E9/messages", "/v1/transcripts/caf%E8/messages"):
+        answer = signed(api, path, body)
+        assert answer.status_code == 400, answer.text
+        assert "the path is not UTF-8 once its percent-escapes are decoded" in answer.text
+    query = api.get("/v1/pages?source_id=caf%E9", headers=ADMIN_HEADERS)
+    assert query.status_code == 400 and "the query string is not UTF-8" in query.text, query.text
+    with factory() as session:
+        assert session.scalar(text("SELECT count(*) FROM transcripts")) == 0
+    # Escaped UTF-8 is text like any other.
+    assert signed(api, "/v1/transcripts/caf%C3%A9/messages", body).status_code == 201

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from worker.api.deps import ApiContext, celery_sender_for
 from worker.api.errors import add_error_handlers
@@ -29,6 +29,7 @@ from worker.api.routes.jobs import jobs_router
 from worker.api.routes.pages import pages_router
 from worker.api.routes.search import search_router
 from worker.api.routes.transcripts import compaction_router
+from worker.api.url_checks import check_request_url
 from worker.bodycap import BodyCapMiddleware
 from worker.core.signing import EXPECTED_FORMAT, SIGNATURE_HEADER
 from worker.guards import RequestIdMiddleware
@@ -103,10 +104,12 @@ def create_app(runtime: Runtime | None = None, sender: Sender | None = None) -> 
             f"`{SIGNATURE_HEADER}: {EXPECTED_FORMAT}` "
             'under FACTMILL_WEBHOOK_SECRET. Errors are JSON `{"detail": ...}`. Text anywhere (bodies, '
             "paths, queries) must not hold NUL characters or lone surrogates, and JSON numbers must be "
-            "finite: each is refused with 422 naming the field."
+            "finite: each is refused with 422 naming the field. So is a query parameter the route does not "
+            "take, or one sent twice; a path or query that is not UTF-8 once decoded is refused with 400."
         ),
         openapi_tags=TAGS,
         lifespan=_thread_limit(runtime.settings.api_threads),
+        dependencies=[Depends(check_request_url)],
     )
     # Innermost first: the body cap, then the metrics, then the request id around everything.
     settings = runtime.settings
