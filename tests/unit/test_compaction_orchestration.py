@@ -513,3 +513,28 @@ def test_a_capped_head_is_read_only_as_far_as_the_summarizers_input() -> None:
     )
     assert taken == plan.cut + 2 < 30  # the first message the cap leaves out, and the one after it
     assert plan.kept_tokens == 123_456 - sum(estimate_tokens(m) for m in messages[: plan.cut])
+
+
+def test_a_short_head_before_one_long_message_runs_past_it_clipped() -> None:
+    """A short opening line, then a pasted file over the summarizer's input: the head was the opening
+    line alone, its summary saved nothing, the run was rejected and every later one planned the same
+    cut (a paid call every retrigger, the context never shrinking)."""
+    messages = [
+        user("Please review the attached log."),
+        user("x" * 400_000),
+        assistant("a" * 400),
+        user("b" * 400),
+        assistant("c" * 400),
+    ]
+    plan = plan_compaction(
+        messages, [0, 1, 2, 3, 4], keep_recent_tokens=150, tool_result_limit=2000, max_head_tokens=1000
+    )
+    assert (plan.cut, plan.cut_seq, plan.capped) == (2, 2, True)
+    assert plan.head == messages[:2] and len(plan.serialized) <= 4000 + 40
+    assert plan.tokens_after("s" * 2000) < plan.tokens_before  # a summary saves the pasted file
+    # A head that is most of the input stays whole (the long message waits for the next compaction).
+    roomy = [user("o" * 2400), *messages[1:]]
+    kept = plan_compaction(
+        roomy, [0, 1, 2, 3, 4], keep_recent_tokens=150, tool_result_limit=2000, max_head_tokens=1000
+    )
+    assert (kept.cut, kept.capped) == (1, True) and kept.serialized == serialize_transcript(roomy[:1], 2000)

@@ -189,6 +189,10 @@ def plan_cut(history: TokenHistory, keep_recent_tokens: int, *, starts_with_summ
     return cut
 
 
+# The least of the summarizer's input a capped head keeps whole before it is clipped instead (see plan_head).
+MIN_HEAD_SHARE = 0.5
+
+
 def plan_head(
     timeline: Iterable[tuple[TranscriptMessage, int | None]],
     cut: int,
@@ -205,12 +209,13 @@ def plan_head(
     stops there. When even the first such place is over (the oldest messages alone: a pasted file, a
     long previous summary), the head is the messages before it, clipped to fit (``clip_text``): left
     whole, the transcript could never be compacted, and every append past its threshold ran another
-    job that found the same. Each message is serialized once (the head is their paragraphs joined by
-    a blank line)."""
+    job that found the same. So is it when the head that fits is under MIN_HEAD_SHARE of the input
+    (a short opening line, then a pasted file): the head runs past the long message, clipped. Each
+    message is serialized once (the head is their paragraphs joined by a blank line)."""
     max_chars = None if max_head_tokens is None else max_head_tokens * CHARACTERS_PER_TOKEN
     read: list[tuple[TranscriptMessage, int | None]] = []
-    first = best = None
-    length = -2  # no separator before the first paragraph
+    first = best = stop = None
+    length = best_length = -2  # no separator before the first paragraph
     for index, (message, seq) in enumerate(timeline):
         if index == cut:
             break
@@ -219,13 +224,21 @@ def plan_head(
             fits = length <= max_chars  # the head before this message
             if message.role != "tool" and not (index == 1 and read[0][0].is_compaction):
                 first = index if first is None else first
-                best = index if fits else best
-            if not fits and first is not None:
-                break
+                if not fits:
+                    stop = index  # the first place a cut may land past the summarizer's input
+                    break
+                best, best_length = index, length
         length += len(serialize_transcript([message], tool_result_limit)) + 2
     capped = max_chars is not None and length > max_chars
     if capped:
-        cut = best if best is not None else first if first is not None else cut
+        assert max_chars is not None
+        # A head under MIN_HEAD_SHARE of the input before one long message (a pasted file) saved
+        # nothing once summarized: the run was rejected and the next planned the same cut, paying a
+        # call each time. The head runs on to the next place past the long message instead, clipped.
+        if best is not None and best_length >= max_chars * MIN_HEAD_SHARE:
+            cut = best
+        elif stop is not None:
+            cut = stop
         cut_seq = cut_seq if cut == len(read) else _seq(read[cut][1])
     head = [message for message, _ in read[:cut]]
     serialized = serialize_transcript(head, tool_result_limit)
