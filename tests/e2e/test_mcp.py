@@ -324,7 +324,7 @@ def test_stdio_ingest_key_appends_transcript_messages_and_records_feedback(env, 
     # A name that is no text is refused in words the reply can carry (raw, the session ended).
     assert "unknown setting(s) '\\ud800'" in surrogate_name, surrogate_name
     huge = _error_text(seen["huge"])
-    assert "its context view is 34,603," in huge and "past the 4,194,304" in huge and "/messages" in huge
+    assert "its context view is 34,606," in huge and "past the 4,194,304" in huge and "/messages" in huge
     assert "list_transcript_messages" in huge
     # Its 11 MiB messages a page each (a page holds 4 MiB, or its one message past it).
     assert [[m["seq"] for m in page["messages"]] for page in seen["paged"]] == [[0], [1], [2]]

@@ -39,6 +39,7 @@ from worker.compaction import (
     request_compaction,
     transcript_stats,
 )
+from worker.compaction.queries import VIEW_ITEM_BYTES
 from worker.config_store import COMPACTION_ENABLED, COMPACTION_QUALITY_GATE, ConfigReader, set_config
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT, summarizer_system_prompt
 from worker.core.signing import sign, signed_json_headers
@@ -1624,12 +1625,34 @@ def test_a_context_view_past_its_byte_budget_is_refused_not_loaded(
     refused = client.get("/v1/transcripts/huge/context")
     assert refused.status_code == 409, refused.text
     detail = refused.json()["detail"]
-    assert "34,603," in detail and "past the 33,554,432" in detail and "/messages" in detail
+    assert "34,609," in detail and "past the 33,554,432" in detail and "/messages" in detail
     assert client.get("/v1/transcripts/huge/messages").json()["next_after_seq"] == 0  # one a page
     with tx_factory() as session:
         assert len(context_view(session, "huge", max_bytes=34 << 20).messages) == 6
         with pytest.raises(ContextTooLargeError):
             context_view(session, "huge", max_bytes=33 << 20)
+
+
+def test_many_tiny_messages_or_tool_calls_count_at_what_they_cost_to_read(
+    client: TestClient, tx_factory: sessionmaker[Session]
+) -> None:
+    """The cap summed stored bytes alone: a one-character message stores 3, so 11 million of them passed
+    32 MiB (200,000 took 361 MB to read), and a tool call with no result (given a placeholder) stored
+    about 40. Each counts VIEW_ITEM_BYTES beside its text."""
+    tiny = {"messages": [{"role": "user", "text": "y"} for _ in range(600)]}
+    assert post_messages(client, "tiny", tiny).status_code == 201
+    calls = [{"id": f"c{n}", "name": "t", "arguments": "{}"} for n in range(600)]
+    answer = post_messages(
+        client, "calls", {"messages": [{"role": "assistant", "text": "", "tool_calls": calls}]}
+    )
+    assert answer.status_code == 201, answer.text
+    with tx_factory() as session:
+        for transcript in ("tiny", "calls"):
+            with pytest.raises(ContextTooLargeError, match="counted at 1,024 bytes"):
+                context_view(session, transcript, max_bytes=600 * VIEW_ITEM_BYTES)
+        # (their text and JSON besides: 3 bytes a message, about 46 a call)
+        assert len(context_view(session, "tiny", max_bytes=603 * VIEW_ITEM_BYTES).messages) == 600
+        assert len(context_view(session, "calls", max_bytes=640 * VIEW_ITEM_BYTES).messages) == 601
 
 
 def test_tool_call_arguments_count_at_their_size_not_their_compressed_size(

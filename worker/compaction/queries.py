@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, literal, select, true, update
+from sqlalchemy import Row, bindparam, case, func, literal, select, true, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -147,9 +147,21 @@ _TIMELINE_MESSAGES = (
 # measured). pg_column_size of the tool calls was their compressed size: a hundredth of it for
 # arguments of one repeated character, and the caps let gigabytes through.
 STORED_BYTES = TRANSCRIPT_MESSAGES.c.stored_bytes
-_VIEW_BYTES = select(func.coalesce(func.sum(STORED_BYTES), 0)).where(
-    TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"), TRANSCRIPT_MESSAGES.c.seq >= bindparam("start")
+_IN_VIEW = (
+    TRANSCRIPT_MESSAGES.c.transcript_id == bindparam("id"),
+    TRANSCRIPT_MESSAGES.c.seq >= bindparam("start"),
 )
+# What a message, and a tool call, costs a read beside its stored bytes: its objects and its JSON (about
+# 1.8 KB a one-character message, measured). Counted by bytes alone, 11 million one-character messages
+# (or tool calls, each given a placeholder result) passed the 32 MiB cap: 200,000 took 361 MB to read.
+VIEW_ITEM_BYTES = 1024
+_VIEW_SIZE = select(func.coalesce(func.sum(STORED_BYTES), 0), func.count()).where(*_IN_VIEW)
+_CALLS = TRANSCRIPT_MESSAGES.c.tool_calls
+_VIEW_CALLS = select(
+    func.coalesce(
+        func.sum(case((func.jsonb_typeof(_CALLS) == "array", func.jsonb_array_length(_CALLS)), else_=0)), 0
+    )
+).where(*_IN_VIEW)
 
 
 class ContextTooLargeError(Exception):
@@ -157,8 +169,9 @@ class ContextTooLargeError(Exception):
 
     def __init__(self, transcript_id: str, size: int, limit: int) -> None:
         super().__init__(
-            f"transcript {transcript_id!r}: its context view is {size:,} bytes, past the {limit:,} one read "
-            "returns; no accepted summary has cut it down (give the transcript a context_window, check "
+            f"transcript {transcript_id!r}: its context view is {size:,} bytes (each message and tool call "
+            f"counted at {VIEW_ITEM_BYTES:,} bytes beside its text), past the {limit:,} one read returns; "
+            "no accepted summary has cut it down (give the transcript a context_window, check "
             "that compaction.enabled is on and see its compactions), or read the history in pages "
             "(GET /v1/transcripts/{id}/messages, or the MCP tool list_transcript_messages)"
         )
@@ -167,14 +180,19 @@ class ContextTooLargeError(Exception):
 
 def load_timeline(session: Session, transcript_id: str, *, max_bytes: int | None = None) -> Timeline:
     """The applied summary and the messages after its cut. With ``max_bytes``, raises
-    ContextTooLargeError when they store more than that (measured before any message is loaded)."""
+    ContextTooLargeError when they store more than that, each message and tool call counted at
+    VIEW_ITEM_BYTES besides (measured before any message is loaded)."""
     row = settings_row(session, transcript_id)
     settings = TranscriptSettings.of(row)
     summary = applied_summary(session, transcript_id)
     start = summary.cut_seq if summary is not None else 0
     if max_bytes is not None:
-        size = session.connection().execute(_VIEW_BYTES, {"id": transcript_id, "start": start}).scalar_one()
+        where = {"id": transcript_id, "start": start}
+        stored, messages = session.connection().execute(_VIEW_SIZE, where).one()
+        size = stored + VIEW_ITEM_BYTES * messages
         size += len(summary.summary.encode()) if summary is not None else 0
+        if size <= max_bytes:  # (reads the tool calls: at most max_bytes of them, once that holds)
+            size += VIEW_ITEM_BYTES * session.connection().execute(_VIEW_CALLS, where).scalar_one()
         if size > max_bytes:
             raise ContextTooLargeError(transcript_id, size, max_bytes)
     rows = session.connection().execute(_TIMELINE_MESSAGES, {"id": transcript_id, "start": start}).all()
