@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -45,7 +46,7 @@ from worker.core.compaction import SUMMARY_CHAR_LIMIT, UNANSWERED_TOOL_CALL_TEXT
 from worker.core.signing import sign, signed_json_headers
 from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
-from worker.llm.errors import LLMError, provider_cannot_serve, provider_unavailable
+from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.llm.retry import RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
@@ -2006,6 +2007,32 @@ def test_a_provider_outage_queues_the_compaction_again_and_stores_no_failed_comp
     with tx_factory() as session:
         job = session.get(Job, job_id)
         assert job is not None and job.status == "queued"
+
+
+@pytest.mark.parametrize("stop", ["outage", "budget"])
+def test_a_retry_stopped_by_an_outage_or_a_spent_budget_keeps_the_summary_judged_below(
+    database_url: str, tx_factory: sessionmaker[Session], stop: str
+) -> None:
+    """The first summary was paid for and judged below τ; the retry met an outage (or the budget, spent
+    by that first call): raised, no compaction row was written, its coverage never reached calibration,
+    and the job's rerun paid for the first attempt again (with room for one call a renewal, for good)."""
+    request = append(tx_factory, "stopped", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes
+    second: LLMError = (
+        LLMError("HTTP 503: overloaded", retryable=True, status=503)
+        if stop == "outage"
+        else BudgetExhaustedError("day", Decimal("1"), Decimal("1"), key="llm.budget_daily_usd")
+    )
+    llm = ScriptedLLM("## Goal\nnope", second)
+    outcome = run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    assert outcome.status == "succeeded", outcome
+    [row] = compactions(tx_factory, "stopped")
+    assert row.status == "rejected" and row.coverage is not None and row.summary == "## Goal\nnope"
+    assert "the retry failed" in (row.error or "") and ("503" in row.error or "budget" in row.error)
+    assert len(llm.requests) == 2
+    expected = ["ok", "provider_error"] if stop == "outage" else ["ok"]  # no call made for a spent budget
+    assert [call.outcome for call in llm_calls(tx_factory)] == expected
 
 
 def test_a_key_or_model_the_provider_refuses_retries_the_job_and_stores_no_failed_compaction(

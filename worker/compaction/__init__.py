@@ -12,6 +12,7 @@ only adds a row, and the context view reads it.
 from __future__ import annotations
 
 from worker.compaction.entry import compact_transcript
+from worker.compaction.outcome import CompactionOutcome
 from worker.compaction.queries import (
     ContextTooLargeError,
     TranscriptNotFoundError,
@@ -21,7 +22,7 @@ from worker.compaction.queries import (
     update_settings,
 )
 from worker.compaction.records import list_compactions
-from worker.compaction.service import PAUSED_REASON, CompactionDisabledError, CompactionOutcome
+from worker.compaction.service import PAUSED_REASON, CompactionDisabledError
 from worker.compaction.views import (
     MAX_CONTEXT_VIEW_BYTES,
     TranscriptStats,

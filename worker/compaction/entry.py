@@ -9,7 +9,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from worker.accounting import Ledger
 from worker.calibration import ActiveThreshold
-from worker.compaction.service import CompactionOutcome, CompactOptions, compact
+from worker.compaction.outcome import CompactionOutcome
+from worker.compaction.service import CompactOptions, compact
 from worker.compaction.store import TranscriptStore
 from worker.config_store import COMPACTION_QUALITY_GATE, ConfigReader
 from worker.llm.types import LLMClient

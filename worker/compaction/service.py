@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal, TypedDict, Unpack, cast
+from dataclasses import dataclass, field
+from typing import Any, Final, TypedDict, Unpack, cast
 
 from worker.accounting import LLMCallRecord
 from worker.calibration import ActiveThreshold
+from worker.compaction.outcome import CompactionOutcome, CompactionStatus
 from worker.compaction.prompts import LLM_PURPOSE, compaction_cache_key, summarizer_request
 from worker.compaction.records import CompactionRecord
 from worker.compaction.store import TranscriptStore
 from worker.compaction.stored_plan import StoredContext
-from worker.compaction.waits import SUPERSEDED
 from worker.config_store import COMPACTION_ENABLED
 from worker.core.compaction import SUMMARY_CHAR_LIMIT, SUMMARY_HEADINGS, should_compact, without_labels
 from worker.core.compaction_gate import (
@@ -54,60 +54,9 @@ PAUSED_REASON = paused_reason(COMPACTION_ENABLED)
 DEFAULT_MAX_OUTPUT_TOKENS: Final = 4096
 DEFAULT_INTENT_MESSAGES: Final = 3
 
-CompactionStatus = Literal["accepted", "rejected", "failed", "not_needed", "nothing_to_compact"]
-
 
 class CompactionDisabledError(KillSwitchOffError):
     """The compaction kill switch was turned off; the run stops before its next LLM call."""
-
-
-@dataclass
-class CompactionOutcome:
-    """What one compaction run did; ``compaction_id`` is what POST /v1/feedback labels."""
-
-    status: CompactionStatus
-    transcript_id: str
-    detail: str = ""
-    compaction_id: int | None = None
-    cut_seq: int | None = None
-    tokens_before: int | None = None
-    tokens_after: int | None = None
-    coverage: float | None = None
-    density: float | None = None
-    threshold_tau: float | None = None
-    threshold_version: int | None = None
-    attempts: int = 0
-    missed_terms: list[str] = field(default_factory=list)
-    head_capped: bool = False  # the head was cut to fit the summarizer's input: more remains to compact
-
-    @property
-    def tokens_saved(self) -> int:
-        if self.status != "accepted" or self.tokens_before is None or self.tokens_after is None:
-            return 0
-        return self.tokens_before - self.tokens_after
-
-    @property
-    def superseded(self) -> bool:
-        """Not applied because another compaction, accepted while this one ran, replaced the timeline it
-        summarized: nothing failed (a job so ended succeeds; `compact --now` exits 0)."""
-        return self.status == "failed" and self.detail.startswith(SUPERSEDED)
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["tokens_saved"] = self.tokens_saved
-        data["superseded"] = self.superseded  # `compact --now --json`: "failed", yet nothing to do
-        return data
-
-    def job_counters(self) -> dict[str, Any]:
-        """What the job's row keeps: the figures, not the transcript's id (a client's label, which can
-        name a person) nor its words (the missed terms, a failure's detail); the compaction row keeps
-        those, and goes with the transcript when it is erased."""
-        data = {k: v for k, v in self.as_dict().items() if k not in _NOT_IN_JOB_ROWS}
-        data["missed_terms"] = len(self.missed_terms)
-        return data
-
-
-_NOT_IN_JOB_ROWS = frozenset({"transcript_id", "detail", "missed_terms", "superseded"})
 
 
 class CompactOptions(TypedDict, total=False):
@@ -268,6 +217,17 @@ class CompactionRun:
             return self._finish("rejected", summary=below.summary, gate=below.gate, error=error)
         return self._finish("failed", error=f"{why}; the history was left as it was")
 
+    def _unless_below(
+        self, exc: LLMError, why: str, entry: dict[str, Any], below: _Below | None
+    ) -> CompactionOutcome:
+        """``exc`` raised, for the lifecycle's table to pause or queue the job again; but after a paid
+        summary judged below τ, that one is rejected as judged (raised, its coverage never reached
+        calibration, and the rerun paid for it again: every budget renewal, with room for one call)."""
+        if below is None:
+            raise exc
+        self.log.append(entry)
+        return self._failed(why, below)
+
     def _check(self) -> None:
         """What stops the run: the kill switch, then the job's guard (lease, worker stopping, budgets).
         Asked before each summarizer call and between the gateway's tries of one."""
@@ -311,19 +271,20 @@ class CompactionRun:
             # No call was made by this try: the job waits for budget (paused), as extraction's do. The
             # failed tries before it (a budget asked again between them) are recorded.
             self._record_tries(getattr(exc, "attempts", ()))
-            raise
+            return self._unless_below(exc, str(exc), {**entry, "outcome": exc.outcome}, below)
         except LLMError as exc:
             self._record_tries(getattr(exc, "attempts", ())[:-1])  # the gateway's tries before the last
             failed = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id)
             call_id = self.store.record_llm_call(failed)
+            logged = {**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)}
             if provider_cannot_serve(exc) or exc.deployment_fault:
                 # An outage (429/5xx past the retry layer), the account's money spent, or the provider
                 # blaming the settings (a 401 key, a model it does not have), not this request: the
                 # lifecycle's table decides (queued again, or retried in the provider's words), as for
                 # extraction. Stored as a failed compaction, it ended the job and held off the next for
                 # the retrigger wait: a minute's wrong key failed every compaction in flight.
-                raise
-            self.log.append({**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)})
+                return self._unless_below(exc, f"the summarizer call failed: {exc}", logged, below)
+            self.log.append(logged)
             return self._failed(f"the summarizer call failed: {exc}", below)
         except BaseException as exc:  # stopped between the gateway's tries (switch, lease, SIGTERM)
             self._record_tries(tries_before_stop(exc))
