@@ -602,6 +602,30 @@ def test_import_with_a_bom_and_crlf(tx_factory: sessionmaker[Session], tmp_path:
 # ---------------------------------------------------------------------------
 
 
+def test_a_compaction_labelled_by_several_judges_counts_once(tx_factory: sessionmaker[Session]) -> None:
+    """Each label was a case of its own: copies of one compaction fell in both halves, and five
+    compactions labelled by four judges passed the 20-observation minimum and activated a version."""
+    measured = {201: 0.80, 202: 0.81, 203: 0.82, 204: 0.30, 205: 0.35}
+    with tx_factory.begin() as session:
+        session.add(Transcript(id="panel"))
+        session.flush()
+        session.add_all(
+            Compaction(
+                id=id_, transcript_id="panel", status="rejected", cut_seq=0, tokens_before=0, coverage=c
+            )
+            for id_, c in measured.items()
+        )
+    judges = [
+        ObservationIn(coverage, coverage > 0.5, f"judge-{judge}", compaction_id=id_)
+        for judge in range(4)
+        for id_, coverage in measured.items()
+    ]
+    assert len(add(tx_factory, judges).added) == 20
+    result = recompute(tx_factory, **PARAMS)
+    assert result.outcome != "activated" and current(tx_factory) == FALLBACK
+    assert "too few observations: 5 (3 kept, 2 lost)" in result.reason, result.reason
+
+
 def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: sessionmaker[Session]) -> None:
     report = add(tx_factory, separated())
     result = recompute(tx_factory, trigger="manual", **PARAMS)
@@ -614,7 +638,9 @@ def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: ses
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
     assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
-    assert row.split_method == "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases"
+    assert row.split_method == (
+        "stratified-sha256-alternate-v1; one case per compaction; activates on >= 5 accepted held-out"
+    )
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 
@@ -671,6 +697,10 @@ def test_data_that_cannot_support_a_threshold_is_recorded_not_activated(
     assert not row.active and row.tau is None and row.n == len(items)
 
 
+# The statement that loads every observation (worker.calibration.queries.load_observations).
+LOAD_OBSERVATIONS = "coverage, answer_kept, compaction_id FROM calibration_observations"
+
+
 def test_nothing_new_is_found_out_without_loading_the_observations(tx_factory: sessionmaker[Session]) -> None:
     """The hourly schedule's recompute read every observation ever stored into Python, then found it
     had nothing new: now Postgres counts them first, and only a recompute with something new loads."""
@@ -685,11 +715,11 @@ def test_nothing_new_is_found_out_without_loading_the_observations(tx_factory: s
     event.listen(engine, "before_cursor_execute", seen)
     try:
         assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
-        loaded = [s for s in statements if "coverage, answer_kept FROM calibration_observations" in s]
+        loaded = [s for s in statements if LOAD_OBSERVATIONS in s]
         assert not loaded, loaded
         add(tx_factory, separated()[:3])
         assert recompute(tx_factory, **PARAMS).outcome in ("activated", "kept")
-        assert [s for s in statements if "coverage, answer_kept FROM calibration_observations" in s]
+        assert [s for s in statements if LOAD_OBSERVATIONS in s]
     finally:
         event.remove(engine, "before_cursor_execute", seen)
 

@@ -18,6 +18,7 @@ from worker.calibration import (
     ObservationIn,
     describe_tau,
     evaluate,
+    one_case_per_compaction,
     parse_observations_csv,
     split_observations,
 )
@@ -528,3 +529,35 @@ def test_a_files_digest_is_its_bytes_in_the_usual_form_and_its_text_otherwise() 
     assert content_digest(decode_csv(usual, "f")) == hashlib.sha256(usual).hexdigest()[:16]
     resaved = b"\xef\xbb\xbfcoverage,answer_kept\r\n0.5,1\r\n0.2,0"
     assert content_digest(decode_csv(resaved, "f")) == content_digest(decode_csv(usual, "f"))
+
+
+def test_the_labels_of_one_compaction_are_one_case() -> None:
+    """Five compactions (three kept at 0.80-0.82, two lost at 0.30/0.35) labelled four times each were 20
+    observations: the version activated on "6 of 6 accepted", three compactions, some of them the very
+    cases that set τ. As five cases they are too few."""
+    values = [(0.80, True), (0.81, True), (0.82, True), (0.30, False), (0.35, False)]
+    labels = [
+        Observation(1 + round_ * 5 + c, coverage, kept, compaction_id=100 + c)
+        for round_ in range(4)
+        for c, (coverage, kept) in enumerate(values)
+    ]
+    result = evaluate(labels, alpha=0.1, target_recall=0.9, min_observations=20)
+    assert (result.activate, result.n, result.n_bad) == (False, 5, 2), result.reason
+    assert "too few observations: 5" in result.reason
+
+
+def test_a_compaction_any_label_says_lost_is_a_lost_case_at_its_newest_coverage() -> None:
+    same = [
+        Observation(4, 0.7, True, compaction_id=9),
+        Observation(2, 0.6, True, compaction_id=9),
+        Observation(7, 0.65, False, compaction_id=9),
+        Observation(3, 0.2, False),
+        Observation(5, 0.2, False),  # (labels of no compaction: a case each)
+        Observation(6, 0.9, True, compaction_id=11),
+    ]
+    assert sorted(one_case_per_compaction(same), key=lambda o: o.id) == [
+        Observation(2, 0.65, False, compaction_id=9),
+        Observation(3, 0.2, False),
+        Observation(5, 0.2, False),
+        Observation(6, 0.9, True, compaction_id=11),
+    ]

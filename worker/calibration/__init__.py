@@ -49,6 +49,7 @@ from worker.core.calibration import (
     UnknownCompactionError,
     describe_tau,
     evaluate,
+    one_case_per_compaction,
     split_observations,
 )
 from worker.core.calibration_csv import CsvFormatError, parse_observations_csv
@@ -90,6 +91,7 @@ __all__ = [
     "load_observations",
     "observation_stats",
     "observations_since_last_version",
+    "one_case_per_compaction",
     "parse_observations_csv",
     "recompute",
     "recompute_job",

@@ -30,7 +30,7 @@ MIN_HELD_OUT_ACCEPTED = 5
 # How a version is computed, as each stores it (its split_method): the split and the activation rule. A
 # release that changes either names it anew here, and the next scheduled recompute writes a version
 # under it (else "unchanged" kept one made under the old rules active until new feedback came).
-METHOD = f"{SPLIT_METHOD}; activates on >= {MIN_HELD_OUT_ACCEPTED} accepted held-out cases"
+METHOD = f"{SPLIT_METHOD}; one case per compaction; activates on >= {MIN_HELD_OUT_ACCEPTED} accepted held-out"
 # Below it the conformal rank needs over a million lost-answer cases (and near 1e-16, 1 - alpha is 1.0).
 MIN_ALPHA = 1e-6
 RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
@@ -169,9 +169,35 @@ class Observation:
     id: int
     coverage: float
     answer_kept: bool
+    compaction_id: int | None = None
 
     def score(self) -> CoverageScore:
         return CoverageScore(self.coverage, self.answer_kept)
+
+
+def one_case_per_compaction(observations: Iterable[Observation]) -> list[Observation]:
+    """The cases a version is computed from: the labels of one compaction (a person's, an eval's, each
+    judge of a panel) are one case, lost if any of them says the answer was lost, at the newest one's
+    coverage, named by the first one's id. Counted apart, the copies of one compaction fell in both
+    halves (the held-out check judged τ on the case that set it) and filled the minimums: five
+    compactions labelled four times each passed 20 observations and 5 accepted held-out cases.
+    Observations of no compaction are a case each."""
+    cases: list[Observation] = []
+    labels: dict[int, list[Observation]] = {}
+    for observation in observations:
+        if observation.compaction_id is None:
+            cases.append(observation)
+        else:
+            labels.setdefault(observation.compaction_id, []).append(observation)
+    for same in labels.values():
+        if len(same) == 1:
+            cases.append(same[0])
+            continue
+        first = min(same, key=lambda o: o.id)
+        newest = max(same, key=lambda o: o.id)
+        kept = all(o.answer_kept for o in same)
+        cases.append(Observation(first.id, newest.coverage, kept, first.compaction_id))
+    return cases
 
 
 def _split_rank(salt: str, observation_id: int) -> bytes:
@@ -299,6 +325,7 @@ def evaluate(
     salt: str = SPLIT_SALT,
 ) -> Evaluation:
     """Compute a candidate τ on the calibration half and decide whether the held-out half supports it.
+    The counts are of cases: a compaction labelled more than once is one (``one_case_per_compaction``).
 
     No τ is computed (tau None, not activated) when the data cannot support one: fewer than
     ``min_observations``; no case that lost the answer (τ would be 0, accepting coverages nobody ever
@@ -310,6 +337,7 @@ def evaluate(
     short of full coverage, and no τ in [0, 1] rejects a lost case at full coverage.
     """
     check_parameters(alpha, target_recall, min_observations)
+    observations = one_case_per_compaction(observations)
     n = len(observations)
     n_bad = sum(not o.answer_kept for o in observations)
     refusal = _refusal(n, n_bad, min_observations)
