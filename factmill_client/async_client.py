@@ -29,6 +29,7 @@ from factmill_client.transport import (
     http_timeout,
     note_retry,
     parse,
+    routes_only_in_httpx_logs,
 )
 
 T = TypeVar("T", bound=BaseModel)
@@ -59,6 +60,7 @@ class AsyncClient:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
+        routes_only_in_httpx_logs(self._http.base_url)
         self.retry = retry or RetryPolicy()
 
     async def __aenter__(self) -> AsyncClient:

@@ -27,6 +27,7 @@ from factmill_client.transport import (
     http_timeout,
     note_retry,
     parse,
+    routes_only_in_httpx_logs,
 )
 
 T = TypeVar("T", bound=BaseModel)
@@ -67,6 +68,7 @@ class Client:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
+        routes_only_in_httpx_logs(self._http.base_url)
         self.retry = retry or RetryPolicy()
 
     def __enter__(self) -> Client:

@@ -73,10 +73,14 @@ class RetryPolicy:
     statuses: frozenset[int] = field(default=frozenset({408, 429, 500, 502, 503, 504}))
 
     def pause(self, attempt: int, retry_after: float | None = None) -> float:
-        if retry_after is not None:
-            return retry_after
         ceiling = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
-        return ceiling * random.uniform(0.5, 1.0)  # jitter: many clients do not retry in step
+        backoff = ceiling * random.uniform(0.5, 1.0)  # jitter: many clients do not retry in step
+        if retry_after is None:
+            return backoff
+        # "Not before" it, with a little jitter on top (every client a server told "5" came back together
+        # at +5 s), and never less than the backoff (a Retry-After of 0, or a date past, sent every
+        # attempt within milliseconds).
+        return max(retry_after + self.backoff * random.random(), backoff)
 
     def after_error(self, call: Call[Any], exc: httpx.TransportError, attempt: int) -> float | None:
         """Seconds to wait before resending after a connection error; None to give up."""
@@ -184,6 +188,35 @@ def route_of(path: str) -> str:
     which can name a person, and the server keeps them out of its own logs too."""
     parts = path.split("/")
     return "/".join(parts[:3]) + "/…" if len(parts) > 3 else path
+
+
+# The base URLs of this process's clients. httpx logs every request's URL whole at INFO (the level the
+# retry lines need), ids, slugs and entity names with it: its lines for these are cut to the route group.
+_BASES: set[httpx.URL] = set()
+
+
+def _route_only(url: httpx.URL) -> httpx.URL | str:
+    for base in _BASES:
+        if (url.scheme, url.netloc) == (base.scheme, base.netloc) and url.path.startswith(base.path):
+            prefix = base.path.rstrip("/")
+            return f"{url.scheme}://{url.netloc.decode('ascii')}{prefix}{route_of(url.path[len(prefix) :])}"
+    return url
+
+
+class _RoutesOnlyInHttpxLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(arg, httpx.URL) for arg in record.args):
+            record.args = tuple(_route_only(a) if isinstance(a, httpx.URL) else a for a in record.args)
+        return True
+
+
+_HTTPX_FILTER = _RoutesOnlyInHttpxLogs()
+
+
+def routes_only_in_httpx_logs(base_url: httpx.URL) -> None:
+    """httpx's log lines for requests under ``base_url`` name only the route group (``route_of``)."""
+    _BASES.add(base_url)
+    logging.getLogger("httpx").addFilter(_HTTPX_FILTER)  # (once: a filter already there is not added)
 
 
 def give_up_message(call: Call[Any], exc: Exception, attempt: int) -> str:

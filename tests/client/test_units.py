@@ -119,7 +119,14 @@ def test_retry_rules():
     assert policy.after_response(ingest, answer(503), 3) is None  # attempts used up
     assert policy.after_response(ingest, answer(409), 1) is None
     assert policy.after_response(retry, answer(500), 1) is None
-    assert policy.after_response(retry, answer(429, **{"Retry-After": "2"}), 1) == 2.0
+    # Not before Retry-After, a little jitter on top (clients a server told "2" came back together).
+    waits = {policy.after_response(retry, answer(429, **{"Retry-After": "2"}), 1) for _ in range(20)}
+    assert all(2.0 <= (wait or 0) <= 3.0 for wait in waits) and len(waits) > 1, waits
+    # Never less than the backoff: a Retry-After of 0 (or a date past) resent at once, every attempt.
+    assert all(
+        1.0 <= (policy.after_response(ingest, answer(503, **{"Retry-After": "0"}), 2) or 0) <= 3.0
+        for _ in range(20)
+    )
     assert policy.after_response(ingest, answer(503, **{"Retry-After": "3600"}), 1) is None  # too long
     assert policy.after_error(retry, httpx.ConnectError("refused", request=request), 1) is not None
     assert policy.after_error(retry, httpx.ReadTimeout("slow", request=request), 1) is None
@@ -420,3 +427,25 @@ def test_a_transcript_id_holding_a_slash_is_refused_before_it_is_sent(call) -> N
     was a bare 404 for an append that creates its transcript. A transcript id holds no '/'."""
     with pytest.raises(ValueError, match="no '/'"):
         call()
+
+
+def test_httpx_log_lines_for_a_client_name_only_the_route_group(caplog: pytest.LogCaptureFixture):
+    """httpx logs every request's URL whole at INFO, the level the retry lines need: beside the client's
+    own "/v1/pages/…" stood the page's slug, the entity, the cursor (README: ids can name a person)."""
+    from factmill_client import Client
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(404, json={"detail": "no page"}))
+    client = Client("http://h:8000/api", transport=transport)
+    with caplog.at_level("INFO", logger="httpx"), pytest.raises(errors.NotFound):
+        client.page_facts("default", "conversations/alice-smith")
+    with caplog.at_level("INFO", logger="httpx"):
+        httpx.Client(transport=transport).get("http://elsewhere/v1/pages/default/bob-jones?limit=5")
+    lines = [record.getMessage() for record in caplog.records if record.name == "httpx"]
+    assert len(lines) == 2, lines
+    assert (
+        "GET http://h:8000/api/v1/pages/… " in lines[0]
+        and "alice" not in lines[0]
+        and "limit" not in lines[0]
+    )
+    assert "http://elsewhere/v1/pages/default/bob-jones?limit=5" in lines[1]  # not a Factmill client's
+    client.close()
