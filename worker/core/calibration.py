@@ -182,21 +182,28 @@ def one_case_per_compaction(observations: Iterable[Observation]) -> list[Observa
     halves (the held-out check judged τ on the case that set it) and filled the minimums: five
     compactions labelled four times each passed 20 observations and 5 accepted held-out cases.
     Observations of no compaction are a case each."""
+    observations = list(observations)
+    named = [o.compaction_id for o in observations if o.compaction_id is not None]
+    if len(set(named)) == len(named):  # no compaction labelled twice (the usual case: 0.1 s a million)
+        return observations
     cases: list[Observation] = []
-    labels: dict[int, list[Observation]] = {}
-    for observation in observations:
-        if observation.compaction_id is None:
-            cases.append(observation)
+    # compaction -> its case so far: (first, newest, kept by all); one pass, no list per compaction
+    labelled: dict[int, tuple[Observation, Observation, bool]] = {}
+    for o in observations:
+        if o.compaction_id is None:
+            cases.append(o)
+        elif (seen := labelled.get(o.compaction_id)) is None:
+            labelled[o.compaction_id] = (o, o, o.answer_kept)
         else:
-            labels.setdefault(observation.compaction_id, []).append(observation)
-    for same in labels.values():
-        if len(same) == 1:
-            cases.append(same[0])
-            continue
-        first = min(same, key=lambda o: o.id)
-        newest = max(same, key=lambda o: o.id)
-        kept = all(o.answer_kept for o in same)
-        cases.append(Observation(first.id, newest.coverage, kept, first.compaction_id))
+            first, newest, kept = seen
+            first = o if o.id < first.id else first
+            newest = o if o.id > newest.id else newest
+            labelled[o.compaction_id] = (first, newest, kept and o.answer_kept)
+    for first, newest, kept in labelled.values():
+        if first is newest:
+            cases.append(first)
+        else:
+            cases.append(Observation(first.id, newest.coverage, kept, first.compaction_id))
     return cases
 
 
