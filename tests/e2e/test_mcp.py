@@ -141,6 +141,8 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         )
     ]
     misspelled = await session.call_tool("search_facts", {"query": "lex: Lisbon", "source": "work"})
+    many_unknown = await session.call_tool("list_pages", {f"k{n}": 1 for n in range(4_000)})
+    annotations = {tool.name: tool.annotations for tool in (await session.list_tools()).tools}
     then = {"as_of": "2000-01-01T00:00:00Z"}
     entity_then = _payload(await session.call_tool("list_entity_facts", {"entity": "alice"} | then))
     page_then = _payload(
@@ -163,6 +165,8 @@ async def _search_and_list(session: ClientSession) -> dict[str, Any]:
         "unnamed": unnamed,
         "huge": huge,
         "misspelled": misspelled,
+        "many_unknown": many_unknown,
+        "annotations": annotations,
         "entity_then": entity_then,
         "page_then": page_then,
         "listed": listed,
@@ -190,7 +194,13 @@ def test_stdio_read_key_lists_and_gets_facts_but_no_write_tools(env, factory):
         said = _error_text(refused)
         assert "at most" in said and len(said) < 1000, said
     # A misspelled filter was dropped (every source searched); as_of was dropped (today's facts).
-    assert "search_facts takes no argument 'source'" in _error_text(seen["misspelled"])
+    assert "search_facts takes no argument(s) source" in _error_text(seen["misspelled"])
+    many = _error_text(seen["many_unknown"])  # listed short (thousands of names came back whole)
+    assert "list_pages takes no argument(s) k0, k1" in many and "and 3994 more" in many and len(many) < 1000
+    # A search may call the model (paid, the readers' shared budget): hosts approve closed-world reads.
+    hints = seen["annotations"]
+    assert hints["search_facts"].open_world_hint and hints["search_facts"].read_only_hint
+    assert not hints["list_pages"].open_world_hint and hints["list_pages"].read_only_hint
     assert seen["entity_then"]["total"] == 0 and seen["page_then"]["facts"] == []  # nothing known in 2000
     limit = seen["schemas"]["list_entity_facts"]["properties"]["limit"]
     assert (limit["type"], limit["minimum"], limit["maximum"]) == ("integer", 1, 1000)  # bounds a client sees

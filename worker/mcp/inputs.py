@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
 from pydantic import AfterValidator as After
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool
 
@@ -94,6 +95,13 @@ class Access:
 
     scope: str
     all_sources: str | None = None
+
+
+# What a tool does, as a client reads it (its annotations): MCP hosts approve read-only tools at once.
+READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, open_world_hint=False)
+# A search's plain and vec:/hyde: lines call the model: paid, on the readers' shared day budget.
+READS_AND_CALLS_MODEL = ToolAnnotations(read_only_hint=True, destructive_hint=False, open_world_hint=True)
+WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_world_hint=False)
 
 
 class ToolCallIn(BaseModel):

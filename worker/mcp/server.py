@@ -24,12 +24,13 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
-from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
+from mcp.types import CallToolResult, InputRequiredResult
 from mcp.types import Tool as MCPTool
 from pydantic import AnyHttpUrl
 
 from worker.access import Principal, principal_for, refusal
 from worker.bodycap import ForeignAppBodyCap
+from worker.core.labels import listed_names
 from worker.db import database_unavailable
 from worker.guards import RequestIdMiddleware
 from worker.mcp.arrival import ARRIVED
@@ -157,8 +158,7 @@ class FactmillMCP(MCPServer[Any]):
         self._principal = principal
         self._reads_the_database = principal_reads_the_database
         self._access: dict[str, Access] = {}
-        for fn, access, read_only in FactmillTools(runtime, self.caller).tools():
-            hints = ToolAnnotations(read_only_hint=read_only, destructive_hint=False, open_world_hint=False)
+        for fn, access, hints in FactmillTools(runtime, self.caller).tools():
             self.add_tool(fn, annotations=hints, structured_output=True)
             self._access[fn.__name__] = access
             tool = self._tool_manager.get_tool(fn.__name__)
@@ -225,7 +225,8 @@ class FactmillMCP(MCPServer[Any]):
                 raise ToolError(f"{name} refused: {refused}")
             unknown = self._unknown_arguments(name, arguments)
             if unknown:
-                raise ToolError(f"{name} takes no argument {', '.join(map(repr, unknown))}")
+                # Listed short: 100,000 names, or one of a megabyte, came back whole (over stdio, no cap).
+                raise ToolError(f"{name} takes no argument(s) {listed_names(unknown)}")
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
             # One line, the exception's class only: its text or traceback could carry stored text.

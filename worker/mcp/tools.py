@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
 from pydantic import Field, Strict, StrictBool
 from sqlalchemy.orm import Session
 
@@ -58,7 +59,10 @@ from worker.mcp.inputs import (
     JSON_INTEGER,
     MCP_APPEND,
     MCP_CONTEXT_MAX_BYTES,
+    READS,
+    READS_AND_CALLS_MODEL,
     SCORED_COVERAGE,
+    WRITES,
     Access,
     AsOf,
     EntityCursor,
@@ -78,12 +82,7 @@ from worker.mcp.inputs import (
     within_body_cap,
 )
 from worker.runtime import Runtime
-from worker.search import (
-    MAX_INTENT_CHARS,
-    MAX_LIMIT,
-    MAX_QUERY_CHARS,
-    search_as,
-)
+from worker.search import MAX_INTENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS, search_as
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +168,9 @@ class FactmillTools:
         include_history: IncludeHistory = False,
     ) -> dict[str, Any]:
         """Search the stored facts and get the best matches, each with its text, kind, entity, page,
-        confidence, status (current, superseded, duplicate), validity interval and a snippet. Only
-        current facts unless as_of or include_history. Start here to answer a question about
-        people, plans or events."""
+        confidence, status (current, superseded, duplicate), validity interval and a snippet (only
+        current ones unless as_of or include_history). Plain words and vec:/hyde: lines call the model
+        (paid); lex: lines do not. Start here to answer a question about people, plans or events."""
         principal = self.principal()
         with self.running.held(principal.rate_key, self._too_many_running):
             verdict = self.limiter.hit(principal.rate_key)
@@ -480,17 +479,17 @@ class FactmillTools:
             "recompute_job_id": report.recompute.job_id if report.recompute is not None else None,
         }
 
-    def tools(self) -> list[tuple[Callable[..., Any], Access, bool]]:
-        """(function, access, read-only) for every tool, in the order they are listed."""
+    def tools(self) -> list[tuple[Callable[..., Any], Access, ToolAnnotations]]:
+        """(function, access, what it does) for every tool, in the order they are listed."""
         return [
-            (self.search_facts, Access("read"), True),
-            (self.list_entity_facts, Access("read"), True),
-            (self.list_pages, Access("read"), True),
-            (self.list_page_facts, Access("read"), True),
-            (self.get_transcript_context, Access("read", "transcripts"), True),
-            (self.list_transcript_messages, Access("read", "transcripts"), True),
-            (self.append_transcript_messages, Access("ingest", "transcripts"), False),
-            (self.record_summary_feedback, Access("ingest", "calibration feedback"), False),
+            (self.search_facts, Access("read"), READS_AND_CALLS_MODEL),
+            (self.list_entity_facts, Access("read"), READS),
+            (self.list_pages, Access("read"), READS),
+            (self.list_page_facts, Access("read"), READS),
+            (self.get_transcript_context, Access("read", "transcripts"), READS),
+            (self.list_transcript_messages, Access("read", "transcripts"), READS),
+            (self.append_transcript_messages, Access("ingest", "transcripts"), WRITES),
+            (self.record_summary_feedback, Access("ingest", "calibration feedback"), WRITES),
         ]
 
 
