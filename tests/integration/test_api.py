@@ -576,6 +576,17 @@ def test_more_than_1000_pages_is_422(client: TestClient, tx_factory: sessionmake
 def test_bad_idempotency_key_is_422(client: TestClient) -> None:
     response = post(client, page("key/a"), key="x" * 300)
     assert response.status_code == 422 and "Idempotency-Key" in response.json()["detail"]
+    # A header is bytes, read as latin-1: "注文-1" arrived holding C1 controls and was refused as not
+    # printable; "é" was stored as "Ã©". Printable ASCII, said as such.
+    body = json.dumps({"pages": [page("key/b")]}).encode()
+    for key in ("order-€", "order-é", "注文-1"):
+        headers = {**ADMIN_HEADERS, "Content-Type": "application/json", "Idempotency-Key": key.encode()}
+        refused = client.post("/v1/pages", content=body, headers=headers)
+        assert refused.status_code == 422, (key, refused.text)
+        assert "printable ASCII characters" in refused.json()["detail"], refused.text
+    pattern = client.get("/openapi.json").json()["paths"]["/v1/pages"]["post"]["parameters"]
+    [header] = [p for p in pattern if p["name"] == "Idempotency-Key"]
+    assert json.dumps(r"^ *[!-~](?:[ -~]*[!-~])? *$") in json.dumps(header), header  # the document says so
 
 
 # ---------------------------------------------------------------------------
@@ -955,6 +966,9 @@ def test_config_get_and_put(client: TestClient) -> None:
         == 200
     )
     assert client.get("/v1/config/extraction.max_facts", headers=ADMIN_HEADERS).json()["value"] == "7"
+    # 5.0 is the integer 5 in JSON, as everywhere in the API (stored as "5.0", it was refused: not a count).
+    whole = client.put("/v1/config/extraction.max_facts", json={"value": 5.0}, headers=ADMIN_HEADERS)
+    assert whole.status_code == 200 and whole.json()["value"] == "5", whole.text
     missing = client.get("/v1/config/no.such.key", headers=ADMIN_HEADERS)
     assert missing.status_code == 404 and "unknown config key 'no.such.key'" in missing.json()["detail"]
     unset = client.get("/v1/config/llm.prices", headers=ADMIN_HEADERS)  # known, never set

@@ -704,3 +704,23 @@ def test_a_url_that_is_not_utf8_once_decoded_is_refused_not_merged(
         assert session.scalar(text("SELECT count(*) FROM transcripts")) == 0
     # Escaped UTF-8 is text like any other.
     assert signed(api, "/v1/transcripts/caf%C3%A9/messages", body).status_code == 201
+
+
+def test_a_compressed_body_is_refused_as_such(api: TestClient) -> None:
+    """Content-Encoding was never read: a gzipped delivery passed its signature (made over the compressed
+    bytes) and was refused as "body is not UTF-8 text (invalid start byte at byte 1)"."""
+    import gzip
+
+    body = gzip.compress(json.dumps({"pages": [page("zipped")]}).encode())
+    signature = sign(body, SECRET, method="POST", path="/v1/pages")
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "Factmill-Signature": signature,
+    }
+    answer = api.post("/v1/pages", content=body, headers=headers)
+    assert answer.status_code == 415, answer.text
+    assert "Content-Encoding 'gzip' is not supported; send the body uncompressed" in answer.json()["detail"]
+    document = api.get("/openapi.json").json()
+    assert "415" in document["paths"]["/v1/pages"]["post"]["responses"]
+    assert "415" not in document["paths"]["/v1/pages"]["get"]["responses"]  # no body to read

@@ -19,7 +19,7 @@ from worker.access.ratelimit import InFlightPerKey, PerKeyLimiter
 from worker.api.errors import CHALLENGE, ApiError, problems_of, summarize
 from worker.api.inputs import strict_json_loads
 from worker.bodycap import too_large_detail
-from worker.core.labels import LABEL_PATTERN, clean_label
+from worker.core.labels import clean_label
 from worker.core.signing import (
     IDEMPOTENCY_HEADER,
     MAX_IDEMPOTENCY_KEY_LENGTH,
@@ -127,13 +127,17 @@ def celery_sender_for(settings: Settings) -> sending.Sender:
 # ---------------------------------------------------------------------------
 
 
+# clean_label's rule in ASCII: visible characters at either end, printable ones between, spaces around.
+ASCII_LABEL_PATTERN = r"^ *[!-~](?:[ -~]*[!-~])? *$"
+
+
 def idempotency_header(description: str, limit: int = MAX_IDEMPOTENCY_KEY_LENGTH) -> Any:
-    """The Idempotency-Key header parameter as the document states it (the rule of ``clean_label``)."""
+    """The Idempotency-Key header parameter as the document states it (``check_idempotency_key``)."""
     return Header(
         alias=IDEMPOTENCY_HEADER,
         description=description,
         max_length=limit,
-        json_schema_extra={"pattern": LABEL_PATTERN},
+        json_schema_extra={"pattern": ASCII_LABEL_PATTERN},
     )
 
 
@@ -165,7 +169,14 @@ async def _read_capped(request: Request, cap: int) -> bytes:
 
 async def read_body(request: Request, cap: int) -> bytes:
     """The body, refused with 413 past ``cap``: at once when the declared length says so, else as soon as
-    the stream passes it (the declared length may be absent, chunked, or wrong)."""
+    the stream passes it (the declared length may be absent, chunked, or wrong); 415 when it is
+    compressed (a Content-Encoding other than identity)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        # Not decoded here: the body was read as it came, and gzip failed as "not UTF-8 (byte 1)".
+        raise ApiError(
+            415, f"Content-Encoding {encoding[:40]!r} is not supported; send the body uncompressed"
+        )
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -242,9 +253,13 @@ def check_idempotency_key(key: str | None) -> str | None:
     if key is None:
         return None
     cleaned = clean_label(key, MAX_IDEMPOTENCY_KEY_LENGTH)
-    if cleaned is None:
+    # ASCII: a header is bytes, read here as latin-1 ("注文-1" arrived as mojibake holding C1 controls,
+    # refused for a reason it did not have; "é" was stored as "Ã©"), as the signing client requires.
+    if cleaned is None or not cleaned.isascii():
         raise ApiError(
-            422, f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters"
+            422,
+            f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters "
+            "(a header value is bytes: other text is read differently by each side)",
         )
     return cleaned
 

@@ -37,6 +37,7 @@ COMMON_ERRORS = {
     "503": "The database is unavailable (unreachable, restarting or out of connections); try again "
     "after Retry-After seconds",
 }
+UNSUPPORTED_ENCODING = "The body is compressed (a Content-Encoding other than identity): send it uncompressed"
 AUTH_ERRORS = {"401": "No valid credential", "403": "The credential lacks the scope or source"}
 
 
@@ -70,6 +71,8 @@ def fix_openapi(document: dict[str, Any]) -> dict[str, Any]:
             responses = operation.setdefault("responses", {})
             for code, description in COMMON_ERRORS.items():
                 responses.setdefault(code, _error_response(description, ERROR))
+            if "requestBody" in operation:  # (read_body: a compressed body is not decoded)
+                responses.setdefault("415", _error_response(UNSUPPORTED_ENCODING, ERROR))
             if operation.get("security"):  # the route needs a credential: say what refusing it looks like
                 for code, description in AUTH_ERRORS.items():
                     responses.setdefault(code, _error_response(description, ERROR))

@@ -28,6 +28,7 @@ from worker.config_store import (
     set_config,
     unset_config,
 )
+from worker.core.jsonvalues import json_integer
 from worker.jobs import outbox
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class ConfigSet(BaseModel):
         if isinstance(raw, bool):
             return str(raw).lower()
         if isinstance(raw, str | int | float):
-            return str(raw)
+            return str(json_integer(raw))  # 5.0 is 5, as everywhere in the API (it was "5.0": not a count)
         if isinstance(raw, dict):
             return json.dumps(raw, ensure_ascii=False, separators=(",", ":"))
         raise ValueError(
