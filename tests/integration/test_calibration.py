@@ -624,6 +624,9 @@ def test_a_compaction_labelled_by_several_judges_counts_once(tx_factory: session
     result = recompute(tx_factory, **PARAMS)
     assert result.outcome != "activated" and current(tx_factory) == FALLBACK
     assert "too few observations: 5 (3 kept, 2 lost)" in result.reason, result.reason
+    # Counted as Postgres counts them (cases, not rows): nothing new, nothing written (counted as rows,
+    # every hourly recompute loaded every observation and wrote a version).
+    assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
 
 
 def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: sessionmaker[Session]) -> None:
@@ -638,9 +641,7 @@ def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: ses
     assert (row.n, row.n_bad, row.held_out_n, row.held_out_rate) == (60, 30, 30, 1.0)
     assert (row.alpha, row.target_recall, row.min_observations) == (0.1, 0.9, 20)
     assert row.max_observation_id == max(s.id for s in report.added)  # ids go on across tests
-    assert row.split_method == (
-        "stratified-sha256-alternate-v1; one case per compaction; activates on >= 5 accepted held-out"
-    )
+    assert row.split_method == "stratified-sha256-alternate-v1; activates on >= 5 accepted held-out cases"
     assert row.trigger == "manual" and "meets the target" in row.reason
     assert "no version is active" not in row.reason
 

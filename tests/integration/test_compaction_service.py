@@ -2035,6 +2035,25 @@ def test_a_retry_stopped_by_an_outage_or_a_spent_budget_keeps_the_summary_judged
     assert [call.outcome for call in llm_calls(tx_factory)] == expected
 
 
+def test_a_retry_the_jobs_budget_stops_keeps_the_summary_judged_below(
+    database_url: str, tx_factory: sessionmaker[Session]
+) -> None:
+    """The first call spent the job's budget: the job's guard, asked before the retry, raised outside
+    the handling that keeps the summary judged below τ (no row, the rerun paid for it again)."""
+    request = append(tx_factory, "job-budget", session_messages(25), settings=SETTINGS)
+    job_id = request.trigger.job.job_id
+    activate_threshold(tx_factory, 1.0)  # nothing short of a copy passes
+    with tx_factory.begin() as session:  # the first call (100 in, 20 out) costs $0.12
+        set_config(session, "llm.prices", json.dumps({"scripted-1": {"input": 1000, "output": 1000}}))
+        set_config(session, "llm.budget_job_usd", "0.05")
+    llm = ScriptedLLM("## Goal\nnope", "## Goal\nnever asked")
+    outcome = run_job(runtime(database_url, tx_factory, llm), job_id, jobs.COMPACTION)
+    assert outcome.status == "succeeded", outcome
+    [row] = compactions(tx_factory, "job-budget")
+    assert row.status == "rejected" and row.summary == "## Goal\nnope" and "budget" in (row.error or "")
+    assert len(llm.requests) == 1
+
+
 def test_a_key_or_model_the_provider_refuses_retries_the_job_and_stores_no_failed_compaction(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:

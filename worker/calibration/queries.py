@@ -412,12 +412,17 @@ def _queue_for(session: Session, lock: dict[str, int]) -> None:
 
 
 def observations_extent(session: Session, bound: int | None) -> tuple[int | None, int]:
-    """(the newest observation's id, how many there are) up to ``bound``: what a version is computed
-    from, counted by Postgres without loading one observation into Python."""
+    """(the newest observation's id, how many cases there are) up to ``bound``: what a version is
+    computed from, counted by Postgres without loading one observation into Python. Cases as a version
+    counts them (worker.core.calibration.one_case_per_compaction): each compaction once, whatever its
+    labels (counted as rows, a compaction labelled twice made every hourly recompute a new version)."""
     if bound is None:
         return None, 0
+    named = CalibrationObservation.compaction_id
     count = session.scalar(
-        select(func.count()).select_from(CalibrationObservation).where(CalibrationObservation.id <= bound)
+        select(func.count().filter(named.is_(None)) + func.count(named.distinct())).where(
+            CalibrationObservation.id <= bound
+        )
     )
     return bound, int(count or 0)
 

@@ -254,7 +254,6 @@ class CompactionRun:
         """One summarizer call: the outcome when this attempt ends the run, else the summary judged below
         τ (what the next attempt is told it missed), or None for a reply that is not a summary. ``last``:
         no judged attempt comes after this one."""
-        self._check()
         missed = below.missed if below is not None else []
         request = summarizer_request(
             self.plan.serialized,
@@ -265,6 +264,7 @@ class CompactionRun:
         )
         entry: dict[str, Any] = {"attempt": attempt, "missed_terms_named": list(missed)}
         try:
+            self._check()  # (in the try: a job's budget, spent by the attempt before, is its guard's)
             with checked_between_tries(self._check):
                 response = self._chat(request)
         except BudgetExhaustedError as exc:

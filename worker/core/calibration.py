@@ -30,7 +30,9 @@ MIN_HELD_OUT_ACCEPTED = 5
 # How a version is computed, as each stores it (its split_method): the split and the activation rule. A
 # release that changes either names it anew here, and the next scheduled recompute writes a version
 # under it (else "unchanged" kept one made under the old rules active until new feedback came).
-METHOD = f"{SPLIT_METHOD}; one case per compaction; activates on >= {MIN_HELD_OUT_ACCEPTED} accepted held-out"
+# (Not renamed for one case per compaction: it computes the same version wherever no compaction is
+# labelled twice, and where one is, the counts of cases differ from the version's and it is recomputed.)
+METHOD = f"{SPLIT_METHOD}; activates on >= {MIN_HELD_OUT_ACCEPTED} accepted held-out cases"
 # Below it the conformal rank needs over a million lost-answer cases (and near 1e-16, 1 - alpha is 1.0).
 MIN_ALPHA = 1e-6
 RECORDED_FIELDS = ("coverage", "answer_kept", "origin", "compaction_id")  # an observation's stored claim
