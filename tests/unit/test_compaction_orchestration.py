@@ -538,3 +538,43 @@ def test_a_short_head_before_one_long_message_runs_past_it_clipped() -> None:
         roomy, [0, 1, 2, 3, 4], keep_recent_tokens=150, tool_result_limit=2000, max_head_tokens=1000
     )
     assert (kept.cut, kept.capped) == (1, True) and kept.serialized == serialize_transcript(roomy[:1], 2000)
+
+
+def test_a_short_head_is_kept_whole_when_a_later_head_can_hold_the_long_message_beside_a_summary() -> None:
+    """Run past whenever the head was short, a paste that the next compaction could take whole (beside
+    the summary of the head before it) lost its end to the clip, unsummarized."""
+    messages = [user("h" * 18_000), user("p" * 23_000), assistant("a" * 400), user("b" * 400), assistant("c")]
+    plan = plan_compaction(
+        messages, [0, 1, 2, 3, 4], keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=10_000
+    )
+    assert (plan.cut, plan.capped) == (1, True) and "omitted" not in plan.serialized
+
+
+def test_the_previous_summary_is_not_the_heads_own_length() -> None:
+    """A previous summary past half the input, then one short line and a paste: the share counted the
+    summary, the head (summary and line) was kept, its new summary saved nothing, and so on each run."""
+    summary = AppliedSummary(7, 10, "s" * 6_000)
+    messages = [summary.marker(), user("one short line"), user("x" * 20_000), assistant("a" * 400), user("b")]
+    plan = plan_compaction(
+        messages, [None, 10, 11, 12, 13], keep_recent_tokens=100, tool_result_limit=2000, max_head_tokens=2000
+    )
+    assert (plan.cut, plan.cut_seq, plan.capped) == (3, 12, True)
+    assert plan.tokens_after("s" * 6_000) < plan.tokens_before
+
+
+def test_a_head_kept_whole_reads_no_further_into_a_tool_run() -> None:
+    """Reading on to where a long tool run ends (to run past it) read every result even where the head
+    was kept: 53 messages and 5 MB from the stored rows, past the bound of the summarizer's input."""
+    calls = [(f"c{n}", "sh") for n in range(50)]
+    messages = [user("u" * 5_000), assistant("", *calls), *(result(f"c{n}", "r" * 1_900) for n in range(50))]
+    messages += [assistant("done"), user("next")]
+    consumed = 0
+
+    def timeline() -> Iterator[tuple[TranscriptMessage, int | None]]:
+        nonlocal consumed
+        for seq, message in enumerate(messages):
+            consumed += 1
+            yield message, seq
+
+    plan = plan_head(timeline(), 53, 53, tokens_before=30_000, tool_result_limit=2000, max_head_tokens=1_500)
+    assert (plan.cut, plan.capped) == (1, True) and consumed < 10, consumed

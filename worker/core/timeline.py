@@ -10,6 +10,7 @@ from typing import Any
 from worker.core.compaction import (
     CHARACTERS_PER_TOKEN,
     NOT_ENOUGH_HISTORY,
+    SUMMARY_CHAR_LIMIT,
     MessageHistory,
     TokenHistory,
     TranscriptMessage,
@@ -189,8 +190,11 @@ def plan_cut(history: TokenHistory, keep_recent_tokens: int, *, starts_with_summ
     return cut
 
 
-# The least of the summarizer's input a capped head keeps whole before it is clipped instead (see plan_head).
+# A capped head whose own messages (the previous summary aside) are under this share of the summarizer's
+# input, before a unit that no later head could hold whole beside a summary, runs past that unit, clipped
+# (see plan_head). And how far past the input a walk reads a tool run to find where it ends.
 MIN_HEAD_SHARE = 0.5
+MAX_RUN_PAST_READ = 4
 
 
 def plan_head(
@@ -209,13 +213,22 @@ def plan_head(
     stops there. When even the first such place is over (the oldest messages alone: a pasted file, a
     long previous summary), the head is the messages before it, clipped to fit (``clip_text``): left
     whole, the transcript could never be compacted, and every append past its threshold ran another
-    job that found the same. So is it when the head that fits is under MIN_HEAD_SHARE of the input
-    (a short opening line, then a pasted file): the head runs past the long message, clipped. Each
-    message is serialized once (the head is their paragraphs joined by a blank line)."""
+    job that found the same. So is it when the head that fits holds under MIN_HEAD_SHARE of the input
+    of its own and what follows it could never be held whole beside a summary (a short opening line,
+    then a pasted file): summarized, that short head saved nothing, the run was rejected, and the next
+    planned the same cut. Each message is serialized once (the head is their paragraphs joined by a
+    blank line)."""
     max_chars = None if max_head_tokens is None else max_head_tokens * CHARACTERS_PER_TOKEN
     read: list[tuple[TranscriptMessage, int | None]] = []
-    first = best = stop = None
+    first = best = None
+    place: int | None = cut  # past the input: where a cut may land after ``best`` (None: in a tool run)
     length = best_length = -2  # no separator before the first paragraph
+    marker = 0  # the previous summary's paragraph and separator: not the head's own
+
+    def short(head_length: int) -> bool:
+        assert max_chars is not None
+        return head_length - marker < max_chars * MIN_HEAD_SHARE
+
     for index, (message, seq) in enumerate(timeline):
         if index == cut:
             break
@@ -225,20 +238,29 @@ def plan_head(
             if message.role != "tool" and not (index == 1 and read[0][0].is_compaction):
                 first = index if first is None else first
                 if not fits:
-                    stop = index  # the first place a cut may land past the summarizer's input
+                    place = index
                     break
                 best, best_length = index, length
+            elif (
+                not fits
+                and best is not None
+                and (not short(best_length) or length > MAX_RUN_PAST_READ * max_chars)
+            ):
+                place = None  # the head at best is kept: the rest of the tool run is not read
+                break
         length += len(serialize_transcript([message], tool_result_limit)) + 2
+        if index == 0 and message.is_compaction:
+            marker = length + 2
     capped = max_chars is not None and length > max_chars
     if capped:
         assert max_chars is not None
-        # A head under MIN_HEAD_SHARE of the input before one long message (a pasted file) saved
-        # nothing once summarized: the run was rejected and the next planned the same cut, paying a
-        # call each time. The head runs on to the next place past the long message instead, clipped.
-        if best is not None and best_length >= max_chars * MIN_HEAD_SHARE:
+        span = length - best_length - 2  # from best to the place past the input
+        if best is None:
+            cut = place if place is not None else cut
+        elif place is not None and short(best_length) and span + SUMMARY_CHAR_LIMIT > max_chars:
+            cut = place
+        else:
             cut = best
-        elif stop is not None:
-            cut = stop
         cut_seq = cut_seq if cut == len(read) else _seq(read[cut][1])
     head = [message for message, _ in read[:cut]]
     serialized = serialize_transcript(head, tool_result_limit)
