@@ -60,7 +60,7 @@ class AsyncClient:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        routes_only_in_httpx_logs(self._http.base_url)
+        self._end_routes_only = routes_only_in_httpx_logs(self._http.base_url)
         self.retry = retry or RetryPolicy()
 
     async def __aenter__(self) -> AsyncClient:
@@ -73,6 +73,7 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        self._end_routes_only()
 
     async def send(self, call: calls.Call[T]) -> T:
         """Send ``call`` (retrying as ``self.retry`` says) and answer its model."""

@@ -68,7 +68,7 @@ class Client:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        routes_only_in_httpx_logs(self._http.base_url)
+        self._end_routes_only = routes_only_in_httpx_logs(self._http.base_url)
         self.retry = retry or RetryPolicy()
 
     def __enter__(self) -> Client:
@@ -81,6 +81,7 @@ class Client:
 
     def close(self) -> None:
         self._http.close()
+        self._end_routes_only()
 
     def send(self, call: calls.Call[T]) -> T:
         """Send ``call`` (retrying as ``self.retry`` says) and answer its model."""

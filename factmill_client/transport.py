@@ -15,6 +15,7 @@ import logging
 import math
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,11 +193,15 @@ def route_of(path: str) -> str:
 
 # The base URLs of this process's clients. httpx logs every request's URL whole at INFO (the level the
 # retry lines need), ids, slugs and entity names with it: its lines for these are cut to the route group.
-_BASES: set[httpx.URL] = set()
+# (A count a base: clients of one base made and closed; under a lock, as clients are made on any thread.)
+_BASES: dict[httpx.URL, int] = {}
+_BASES_LOCK = threading.Lock()
 
 
 def _route_only(url: httpx.URL) -> httpx.URL | str:
-    for base in _BASES:
+    with _BASES_LOCK:
+        bases = tuple(_BASES)
+    for base in bases:
         if (url.scheme, url.netloc) == (base.scheme, base.netloc) and url.path.startswith(base.path):
             prefix = base.path.rstrip("/")
             return f"{url.scheme}://{url.netloc.decode('ascii')}{prefix}{route_of(url.path[len(prefix) :])}"
@@ -213,10 +218,24 @@ class _RoutesOnlyInHttpxLogs(logging.Filter):
 _HTTPX_FILTER = _RoutesOnlyInHttpxLogs()
 
 
-def routes_only_in_httpx_logs(base_url: httpx.URL) -> None:
-    """httpx's log lines for requests under ``base_url`` name only the route group (``route_of``)."""
-    _BASES.add(base_url)
+def routes_only_in_httpx_logs(base_url: httpx.URL) -> Callable[[], None]:
+    """httpx's log lines for requests under ``base_url`` name only the route group (``route_of``), until
+    the call this returns is made (by the client's close; again, it does nothing)."""
+    with _BASES_LOCK:
+        _BASES[base_url] = _BASES.get(base_url, 0) + 1
     logging.getLogger("httpx").addFilter(_HTTPX_FILTER)  # (once: a filter already there is not added)
+    ended = False
+
+    def end() -> None:
+        nonlocal ended
+        with _BASES_LOCK:
+            if not ended:
+                ended = True
+                left = _BASES.pop(base_url, 1) - 1
+                if left:
+                    _BASES[base_url] = left
+
+    return end
 
 
 def give_up_message(call: Call[Any], exc: Exception, attempt: int) -> str:

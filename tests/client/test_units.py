@@ -434,12 +434,12 @@ def test_httpx_log_lines_for_a_client_name_only_the_route_group(caplog: pytest.L
     own "/v1/pages/…" stood the page's slug, the entity, the cursor (README: ids can name a person)."""
     from factmill_client import Client
 
-    transport = httpx.MockTransport(lambda request: httpx.Response(404, json={"detail": "no page"}))
-    client = Client("http://h:8000/api", transport=transport)
+    transport_ = httpx.MockTransport(lambda request: httpx.Response(404, json={"detail": "no page"}))
+    client = Client("http://h:8000/api", transport=transport_)
     with caplog.at_level("INFO", logger="httpx"), pytest.raises(errors.NotFound):
         client.page_facts("default", "conversations/alice-smith")
     with caplog.at_level("INFO", logger="httpx"):
-        httpx.Client(transport=transport).get("http://elsewhere/v1/pages/default/bob-jones?limit=5")
+        httpx.Client(transport=transport_).get("http://elsewhere/v1/pages/default/bob-jones?limit=5")
     lines = [record.getMessage() for record in caplog.records if record.name == "httpx"]
     assert len(lines) == 2, lines
     assert (
@@ -448,4 +448,12 @@ def test_httpx_log_lines_for_a_client_name_only_the_route_group(caplog: pytest.L
         and "limit" not in lines[0]
     )
     assert "http://elsewhere/v1/pages/default/bob-jones?limit=5" in lines[1]  # not a Factmill client's
+    # Kept while a client of that base is open, forgotten once the last one closes (the set only grew).
+    from factmill_client import transport
+
+    other = Client("http://h:8000/api", transport=transport_)
     client.close()
+    client.close()  # (twice: counted once)
+    assert httpx.URL("http://h:8000/api/") in transport._BASES
+    other.close()
+    assert httpx.URL("http://h:8000/api/") not in transport._BASES
