@@ -762,3 +762,20 @@ def test_a_prefork_worker_forks_one_child_per_core_by_default_not_one_per_llm_ca
     assert (prefork, threads) == (str(services.default_processes()), "64")
     many = cli("worker", "--pool", "prefork", "--processes", "1", "--concurrency", "1000", check=False)
     assert many.returncode == 2 and "at most 64 processes" in many.stderr and len(asked) == 2
+
+
+def test_serve_in_production_says_the_older_signatures_are_on_unless_chosen(capsys):
+    """v2 and v3 are on by default (senders that predate v4), and nothing said so in production: a
+    captured v3 delivery verifies for another transcript id, an unkeyed v2 one may be stored twice."""
+    from worker.cli.services import warn_of_unchosen_legacy_signatures
+    from worker.settings import Settings
+
+    warn_of_unchosen_legacy_signatures(Settings(environment="production"))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "FACTMILL_ACCEPT_V2_SIGNATURES and FACTMILL_ACCEPT_V3_SIGNATURES accept the older" in said, said
+    for chosen in (
+        Settings(environment="production", accept_v2_signatures=True, accept_v3_signatures=False),
+        Settings(environment="test"),
+    ):
+        warn_of_unchosen_legacy_signatures(chosen)
+        assert capsys.readouterr().err == ""

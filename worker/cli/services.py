@@ -116,6 +116,7 @@ def serve(
     refuse_missing_tracing(settings)
     checked_factory(settings, wait=True)  # fail early, with a clear message, if the schema is missing
     say_where_jobs_go(settings)
+    warn_of_unchosen_legacy_signatures(settings)
     with request_counts_shared(settings, workers):
         uvicorn.run(
             "worker.api.app:create_app",
@@ -352,6 +353,26 @@ def refuse_open_flower(settings: Settings, host: str) -> None:
     )
     if settings.environment == "production":
         raise fail(message, code=2, highlight=False)
+    err.print(styled(("warning:", "yellow"), f" {message}"), highlight=False)
+
+
+LEGACY_SIGNATURES = ("accept_v2_signatures", "accept_v3_signatures")
+
+
+def warn_of_unchosen_legacy_signatures(settings: Settings) -> None:
+    """In production, the v2 and v3 signatures left on by default, said once at start: a captured v3
+    delivery verifies for another transcript id, and a v2 one sent without an Idempotency-Key may be
+    stored twice within the tolerance. On for senders that predate v4 (a default turned off would refuse
+    their deliveries after an upgrade), so chosen, either way, it is not said."""
+    unchosen = [n for n in LEGACY_SIGNATURES if getattr(settings, n) and n not in settings.model_fields_set]
+    if settings.environment != "production" or not unchosen:
+        return
+    names = " and ".join(f"FACTMILL_{name.upper()}" for name in unchosen)
+    message = (
+        f"{names} accept the older signatures by default: set false once every sender signs v4 "
+        "(factmill_client does; a captured v3 or unkeyed v2 delivery can be re-aimed or stored twice), "
+        "or true to keep them"
+    )
     err.print(styled(("warning:", "yellow"), f" {message}"), highlight=False)
 
 
