@@ -63,3 +63,35 @@ def test_only_a_redis_broker_is_given_socket_timeouts() -> None:
     assert options["broker_transport_options"]["socket_connect_timeout"] == 3
     amqp = celery_config(Settings(broker_url="amqp://guest@x//"))["broker_transport_options"]
     assert "socket_timeout" not in amqp and "socket_connect_timeout" not in amqp
+
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def _rabbitmq_answers() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _rabbitmq_answers(), reason="no RabbitMQ on 127.0.0.1:5672 (CI has one)")
+def test_the_sweeps_depth_of_a_queue_celery_made_on_rabbitmq_is_known() -> None:
+    """Declared with py-amqp's defaults (not durable, auto-delete), a queue Celery had made durable was
+    refused by RabbitMQ (406): the depth was never known, and every sweep sent every overdue job again."""
+    from worker.jobs.celery_app import create_app
+    from worker.jobs.sending import broker_queue_depth
+
+    celery = create_app(Settings(broker_url=RABBITMQ))
+    queue = "extraction"
+    with celery.connection_for_write() as connection:
+        declared = celery.amqp.queues[queue](connection.default_channel)
+        declared.declare()  # as a worker declares it
+        declared.purge()
+        try:
+            celery.send_task("tasks.extraction.extract_page", args=[0], queue=queue)
+            celery.send_task("tasks.extraction.extract_page", args=[0], queue=queue)
+            assert broker_queue_depth(queue, celery) == 2
+        finally:
+            declared.purge()  # no message for a later test's worker

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from celery import Celery
 from sqlalchemy import BigInteger, any_, bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import SQLAlchemyError
@@ -34,13 +35,19 @@ def celery_sender(task_name: str, job_id: int, queue: str) -> None:
     app.send_task(task_name, args=[job_id], queue=queue)
 
 
-def broker_queue_depth(queue: str) -> int | None:
+def broker_queue_depth(queue: str, celery: Celery = app) -> int | None:
     """Messages waiting in ``queue`` on the broker, or None when it cannot say (it is down). Declaring
     the queue (not passively: Redis keeps no record of a queue only sent to) creates nothing a worker
-    would not; an empty or flushed queue answers 0."""
+    would not; an empty or flushed queue answers 0. Declared as Celery declares it (its kombu Queue:
+    durable): with py-amqp's defaults (not durable, auto-delete) RabbitMQ refused the declaration of a
+    queue Celery had made (406), the depth was never known, and every sweep sent every overdue job again."""
     try:
-        with app.connection_for_read() as connection:
-            return int(connection.default_channel.queue_declare(queue=queue).message_count)
+        with celery.connection_for_read() as connection:
+            channel = connection.default_channel
+            declared = celery.amqp.queues.get(queue)
+            if declared is not None:
+                return int(declared(channel).queue_declare().message_count)
+            return int(channel.queue_declare(queue=queue).message_count)
     except Exception:
         return None
 
