@@ -578,3 +578,17 @@ def test_a_head_kept_whole_reads_no_further_into_a_tool_run() -> None:
 
     plan = plan_head(timeline(), 53, 53, tokens_before=30_000, tool_result_limit=2000, max_head_tokens=1_500)
     assert (plan.cut, plan.capped) == (1, True) and consumed < 10, consumed
+
+
+def test_a_short_head_before_a_tool_run_no_head_could_hold_runs_past_it() -> None:
+    """A bound on how far into a tool run the walk read gave up on a run over four inputs and kept the
+    short head: its summary grew the context, rejected, and the next trigger planned the same cut."""
+    calls = [(f"c{n}", "sh") for n in range(30)]
+    messages = [user("hi"), assistant("", *calls), *(result(f"c{n}", "r" * 1_900) for n in range(30))]
+    messages += [assistant("done"), user("next")]
+    seqs: list[int | None] = list(range(len(messages)))
+    plan = plan_compaction(
+        messages, seqs, keep_recent_tokens=5, tool_result_limit=2000, max_head_tokens=1_500
+    )
+    assert (plan.cut, plan.capped) == (32, True)
+    assert plan.tokens_after("s" * 200) < plan.tokens_before

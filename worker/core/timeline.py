@@ -192,9 +192,8 @@ def plan_cut(history: TokenHistory, keep_recent_tokens: int, *, starts_with_summ
 
 # A capped head whose own messages (the previous summary aside) are under this share of the summarizer's
 # input, before a unit that no later head could hold whole beside a summary, runs past that unit, clipped
-# (see plan_head). And how far past the input a walk reads a tool run to find where it ends.
+# (see plan_head).
 MIN_HEAD_SHARE = 0.5
-MAX_RUN_PAST_READ = 4
 
 
 def plan_head(
@@ -220,7 +219,7 @@ def plan_head(
     blank line)."""
     max_chars = None if max_head_tokens is None else max_head_tokens * CHARACTERS_PER_TOKEN
     read: list[tuple[TranscriptMessage, int | None]] = []
-    first = best = None
+    best: int | None = None
     place: int | None = cut  # past the input: where a cut may land after ``best`` (None: in a tool run)
     length = best_length = -2  # no separator before the first paragraph
     marker = 0  # the previous summary's paragraph and separator: not the head's own
@@ -236,16 +235,11 @@ def plan_head(
         if index and max_chars is not None:
             fits = length <= max_chars  # the head before this message
             if message.role != "tool" and not (index == 1 and read[0][0].is_compaction):
-                first = index if first is None else first
                 if not fits:
                     place = index
                     break
                 best, best_length = index, length
-            elif (
-                not fits
-                and best is not None
-                and (not short(best_length) or length > MAX_RUN_PAST_READ * max_chars)
-            ):
+            elif not fits and best is not None and not short(best_length):
                 place = None  # the head at best is kept: the rest of the tool run is not read
                 break
         length += len(serialize_transcript([message], tool_result_limit)) + 2
