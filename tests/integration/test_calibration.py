@@ -30,6 +30,7 @@ from tests.service import SessionBroker, running, service_env, start_worker, wai
 from worker.api.app import create_app
 from worker.calibration import (
     FALLBACK,
+    METHOD,
     PAUSED_REASON,
     SUBJECT,
     ActiveThreshold,
@@ -627,6 +628,22 @@ def test_a_compaction_labelled_by_several_judges_counts_once(tx_factory: session
     # Counted as Postgres counts them (cases, not rows): nothing new, nothing written (counted as rows,
     # every hourly recompute loaded every observation and wrote a version).
     assert recompute(tx_factory, **PARAMS).outcome == "unchanged"
+    # A version an earlier release activated on those 20 labels as 20 cases is retired (kept active, the
+    # gates went on with a τ five cases stand behind, until new feedback earned another).
+    with tx_factory.begin() as session:
+        session.add(
+            CalibrationThreshold(
+                tau=0.35, alpha=0.1, target_recall=0.9, min_observations=20, n=20, n_bad=8,
+                max_observation_id=max(o.id for o in session.query(CalibrationObservation)),
+                split_method=METHOD, active=True, reason="counted apart", trigger="manual",
+            )
+        )  # fmt: skip
+    assert current(tx_factory).tau == 0.35
+    again = recompute(tx_factory, **PARAMS)
+    assert "counted the labels of one compaction as several cases and is retired" in again.reason, (
+        again.reason
+    )
+    assert current(tx_factory) == FALLBACK
 
 
 def test_recompute_activates_a_threshold_earned_on_held_out_data(tx_factory: sessionmaker[Session]) -> None:

@@ -241,6 +241,9 @@ def _succession(
         why = "accepts only full coverage"
     elif versions.method_of(current.version) != METHOD:
         why = "was made under other rules"
+    elif versions.counted_labels_apart(current.version):
+        # (Erasing a compaction only makes more cases of its labels: never retired for that.)
+        why = "counted the labels of one compaction as several cases"
     else:
         return describe_succession(activate, current), current
     versions.retire_active()

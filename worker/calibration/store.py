@@ -54,6 +54,14 @@ class VersionWriter:
         row = self._session.get(CalibrationThreshold, version)
         return None if row is None else row.split_method
 
+    def counted_labels_apart(self, version: int) -> bool:
+        """Whether ``version`` counted more cases than its observations make, one a compaction: made by a
+        release that counted each label of a compaction as a case of its own."""
+        row = self._session.get(CalibrationThreshold, version)
+        if row is None or row.max_observation_id is None:
+            return False
+        return row.n > queries.observations_extent(self._session, row.max_observation_id)[1]
+
     def retire_active(self) -> None:
         """No version is active after this (gates take the shipped fallback τ)."""
         queries.deactivate_versions(self._session)
