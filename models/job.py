@@ -95,20 +95,33 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None]
 
 
-# Oldest first, by ctid, SKIP LOCKED: as models.webhook.forget_deliveries. A job a backfill or a
-# threshold version points at stays: the backfill reads its status from it, and the version names it
-# as its provenance. Every other row pointing at a job (extraction audit rows, llm_calls, compactions,
+# Oldest first, SKIP LOCKED: as models.webhook.forget_deliveries. A job a backfill or a threshold
+# version points at stays: the backfill reads its status from it, and the version names it as its
+# provenance. Every other row pointing at a job (extraction audit rows, llm_calls, compactions,
 # consolidation decisions) keeps its place with job_id NULL (ON DELETE SET NULL).
-_EXPIRE = text(
-    "DELETE FROM jobs WHERE ctid = ANY(ARRAY("
-    f" SELECT j.ctid FROM jobs j WHERE j.{FINISHED} AND j.finished_at < now() - :kept"
+_EXPIRING = text(
+    f"SELECT j.id FROM jobs j WHERE j.{FINISHED} AND j.finished_at < now() - :kept"
     " AND NOT EXISTS (SELECT FROM backfills b WHERE b.job_id = j.id)"
     " AND NOT EXISTS (SELECT FROM calibration_thresholds t WHERE t.job_id = j.id)"
-    " ORDER BY j.finished_at LIMIT :limit FOR UPDATE OF j SKIP LOCKED))"
+    " ORDER BY j.finished_at LIMIT :limit FOR UPDATE OF j SKIP LOCKED"
 )
+# A call's job is how an erasure finds the provider's words on it (a message may quote the request: page
+# text, a transcript): under no job, no erasure could, and they outlived what they were about. They go
+# with the job (a refusal's already keep only their length).
+EXPIRED_JOB_CALL_ERROR = "the provider's message went with the call's job (FACTMILL_JOB_RETENTION_DAYS)"
+_FORGET_CALL_ERRORS = text(
+    "UPDATE llm_calls SET error = :gone"
+    " WHERE job_id = ANY(:ids) AND error IS NOT NULL AND outcome <> 'refusal'"
+)
+_DELETE = text("DELETE FROM jobs WHERE id = ANY(:ids)")
 
 
 def expire_jobs(session: Session, kept: timedelta, limit: int) -> int:
     """Delete up to ``limit`` jobs that finished (succeeded or failed) longer than ``kept`` ago, oldest
-    first, in the caller's transaction; returns how many went."""
-    return session.execute(_EXPIRE, {"kept": kept, "limit": limit}).rowcount  # type: ignore[attr-defined]
+    first, in the caller's transaction, with the provider's words on their calls; returns how many
+    went."""
+    ids = list(session.execute(_EXPIRING, {"kept": kept, "limit": limit}).scalars())
+    if not ids:
+        return 0
+    session.execute(_FORGET_CALL_ERRORS, {"ids": ids, "gone": EXPIRED_JOB_CALL_ERROR})
+    return session.execute(_DELETE, {"ids": ids}).rowcount  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import Backfill, CalibrationThreshold, ExtractionAudit, Job, LLMCall, expire_jobs
+from models.job import EXPIRED_JOB_CALL_ERROR
 from tests.integration.test_api import make_runtime
 from tests.locks import waits_on_a_lock
 from tests.maintenance import maintained
@@ -61,6 +62,16 @@ def test_finished_jobs_past_retention_go_oldest_first_and_what_named_them_stays(
     with tx_factory.begin() as session:
         session.add(audit_row("oldest", job_id=oldest))
         session.add(LLMCall(job_id=oldest, provider="simulator", model="m", purpose="extract", outcome="ok"))
+        # A failed call's provider message may quote the page: an erasure finds it by the job, so it goes
+        # with the job (left under no job, no erasure could reach it). A refusal keeps only its length.
+        for outcome, error in (
+            ("provider_error", "HTTP 400: 'Alice signed the offer' is invalid"),
+            ("refusal", "the model refused (40 characters of reply, kept with ...)"),
+        ):
+            session.add(LLMCall(job_id=oldest, provider="simulator", model="m", purpose="extract",
+                                outcome=outcome, error=error))  # fmt: skip
+        session.add(LLMCall(job_id=recent, provider="simulator", model="m", purpose="extract",
+                            outcome="provider_error", error="HTTP 400: kept"))  # fmt: skip
         session.add(Backfill(source_id="default", job_id=backfilled))
         session.add(
             CalibrationThreshold(
@@ -83,9 +94,18 @@ def test_finished_jobs_past_retention_go_oldest_first_and_what_named_them_stays(
         assert expire_jobs(session, KEPT, 2) == 0
     assert jobs_left(tx_factory) == {recent, queued, paused, backfilled, provenance}
     assert failed not in jobs_left(tx_factory)
-    with tx_factory() as session:  # the audit row and the call stay, no longer naming the job
+    with tx_factory() as session:  # the audit row and the calls stay, no longer naming the job
         assert session.scalars(select(ExtractionAudit.job_id)).all() == [None]
-        assert session.scalars(select(LLMCall.job_id)).all() == [None]
+        calls = session.execute(select(LLMCall.job_id, LLMCall.outcome, LLMCall.error)).all()
+    assert sorted(calls, key=str) == sorted(
+        [
+            (None, "ok", None),
+            (None, "provider_error", EXPIRED_JOB_CALL_ERROR),
+            (None, "refusal", "the model refused (40 characters of reply, kept with ...)"),
+            (recent, "provider_error", "HTTP 400: kept"),
+        ],
+        key=str,
+    )
 
 
 def test_the_sweep_deletes_jobs_only_when_a_retention_is_set(
