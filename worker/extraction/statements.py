@@ -9,7 +9,7 @@ VALUES and SET clauses): they are prefixed ``b_`` (a key), ``new_`` (the value w
 
 from __future__ import annotations
 
-from sqlalchemy import bindparam, cast, func, select, update
+from sqlalchemy import bindparam, case, cast, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -72,7 +72,22 @@ CHECKPOINT_MOVE = (
         OP_CHECKPOINTS.c.next_row_num == bindparam("was_next_row_num"),
         OP_CHECKPOINTS.c.skipped == cast(bindparam("was_skipped", type_=JSONB), JSONB),
     )
-    .values(**NEW_CHECKPOINT, updated_at=func.now())
+    .values(
+        **NEW_CHECKPOINT
+        | {
+            # A commit that covers nothing new (a skipped segment re-extracted, `jobs retry --skipped`)
+            # keeps the entry of the furthest segment: it named the retried segment's older end.
+            "completed_key": case(
+                (
+                    (OP_CHECKPOINTS.c.messages_done == bindparam("new_messages_done"))
+                    & (OP_CHECKPOINTS.c.prefix_hash == bindparam("new_prefix_hash")),
+                    OP_CHECKPOINTS.c.completed_key,
+                ),
+                else_=bindparam("new_completed_key"),
+            )
+        },
+        updated_at=func.now(),
+    )
 )
 PAGE_VERSION = (
     select(PAGES.c.content_hash, PAGES.c.type)
