@@ -2054,6 +2054,23 @@ def test_a_retry_the_jobs_budget_stops_keeps_the_summary_judged_below(
     assert len(llm.requests) == 1
 
 
+def test_a_call_under_no_job_keeps_no_provider_words_an_erasure_could_not_reach(
+    tx_factory: sessionmaker[Session],
+) -> None:
+    """`compact --now` runs under no job: an outage's call (raised before any attempt log names it) kept
+    the provider's message, which may quote the transcript, after the transcript's erasure."""
+    from worker.compaction.erase import erase_transcript
+
+    append(tx_factory, "now", session_messages(25), settings=SETTINGS)
+    quoting = LLMError("HTTP 503: overloaded while reading 'Ship the Q3 deck'", retryable=True, status=503)
+    with pytest.raises(LLMError):
+        compact_transcript(tx_factory, ScriptedLLM(quoting), "now", threshold=lambda: FALLBACK)
+    erase_transcript(tx_factory, "now", "test")
+    [call] = llm_calls(tx_factory)
+    assert call.job_id is None and call.outcome == "provider_error"
+    assert "Q3 deck" not in (call.error or "") and "503" in (call.error or ""), call.error
+
+
 def test_a_key_or_model_the_provider_refuses_retries_the_job_and_stores_no_failed_compaction(
     database_url: str, tx_factory: sessionmaker[Session]
 ) -> None:
