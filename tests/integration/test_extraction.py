@@ -38,6 +38,7 @@ from worker.extraction.erase import erase_page
 from worker.extraction.facts import read_entity_facts
 from worker.extraction.options import CheckpointConflictError
 from worker.extraction.pages import MAX_PAGE_KEY_BYTES, page_key_bytes
+from worker.extraction.rows import HELD_NOTE
 from worker.llm.openai_compat import OpenAIChatClient
 from worker.search import SearchError, SearchFilters
 
@@ -749,10 +750,19 @@ def test_since_and_force_together_are_refused(pages, llm):
 def test_force_yields_the_same_facts_without_duplicates(pages, llm):
     run(pages, llm)
     first = [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)]
+    with pages() as session:
+        before = session.scalar(select(func.max(ExtractionAudit.id)))
     result = run(pages, llm, force=True)
     assert result.facts_inserted == len(first)
     assert [(f.row_num, f.fact, f.kind, f.context) for f in page_facts(pages)] == first
     assert terminal_rows(pages) == 1
+    # A re-extraction's rows are written as each segment is held, before the swap that may not come: as
+    # "ok, N facts" alone they looked committed when a later segment failed. They say they were held.
+    with pages() as session:
+        held = session.execute(
+            select(ExtractionAudit.outcome, ExtractionAudit.error).where(ExtractionAudit.id > before)
+        ).all()
+    assert held and all(row == ("ok", HELD_NOTE) for row in held), held
 
 
 def test_a_forced_run_overtaken_by_the_page_s_job_replaces_nothing(pages, llm):

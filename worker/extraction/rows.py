@@ -132,6 +132,16 @@ def skip_row(place: SegmentPlace, attempts: Sequence[Attempt], reason: str) -> d
     }
 
 
+# What the rows of a segment held for a whole-page swap say: recorded before the swap, which may not come
+# (as "ok, N facts" alone, they looked committed when a later segment failed and the page kept its facts).
+HELD_NOTE = "held for the page's swap: its facts went in only if every segment of the page succeeded"
+
+
+def held_note(attempts: Sequence[Attempt]) -> str | None:
+    """HELD_NOTE for a segment the model answered (a failed one's rows say why it failed)."""
+    return HELD_NOTE if attempts and attempts[-1].outcome == "ok" else None
+
+
 def errors_of(attempts: Sequence[Attempt], note: str | None) -> list[str | None]:
     """Each attempt's error as its audit row and llm_calls row store it (a provider's words may hold a
     NUL, which no text column takes)."""

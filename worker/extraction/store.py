@@ -48,6 +48,7 @@ from worker.extraction.rows import (
     call_records,
     errors_of,
     fact_rows,
+    held_note,
     skip_row,
 )
 from worker.extraction.segments import Attempt
@@ -175,11 +176,10 @@ class ExtractionStore:
         now, in their own transaction: a run that dies before the swap has paid for them all the same.
         A store whose results can be read again (a backfill's, from the provider's batch) keeps them to
         record with the swap instead, so a death in between leaves them to be collected again."""
-        self.record_attempts(place, attempts, permanent=permanent, page=page)
+        self.record_attempts(place, attempts, held_note(attempts), permanent=permanent, page=page)
 
     def release_held(self) -> None:
-        """The swap will not happen (a segment failed, or the results ran out): record what
-        ``hold_attempts`` kept. Nothing is kept here."""
+        """The swap will not happen (a segment failed, results ran out): record what was held (none here)."""
 
     def _write_held(self, session: Session) -> None:
         """Write what ``hold_attempts`` kept, in the swap's transaction. Nothing is kept here."""
