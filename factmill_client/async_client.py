@@ -315,5 +315,38 @@ class AsyncClient:
     ) -> AsyncIterator[models.StoredMessageOut]:
         return self.iterate(calls.messages_paging(transcript_id, page_size))
 
+    async def set_transcript_settings(
+        self, transcript_id: str, settings: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> models.TranscriptOut:
+        """Create a transcript or change its settings (signed): only the settings sent change."""
+        return await self.send(calls.set_transcript_settings(transcript_id, settings, idempotency_key))
+
+    async def list_compactions(
+        self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
+    ) -> models.CompactionsOut:
+        """Its compactions, newest first: an ``id`` and its ``coverage`` are what record_feedback takes."""
+        return await self.send(calls.list_compactions(transcript_id, limit, before_id))
+
+    # ------------------------------------------------------------------ calibration
+
+    async def record_feedback(
+        self,
+        coverage: float,
+        answer_kept: bool,
+        *,
+        origin: str,
+        compaction_id: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> models.FeedbackOut:
+        """Label a compaction for calibration (signed): whether the answer survived its summary, with the
+        coverage it scored. Stored once per key: a repeat answers ``duplicate`` true."""
+        return await self.send(
+            calls.record_feedback(coverage, answer_kept, origin, compaction_id, idempotency_key)
+        )
+
+    async def get_calibration(self, *, limit: int = 50) -> models.CalibrationOut:
+        """The threshold the quality gate uses now, the observations, and ``limit`` versions of history."""
+        return await self.send(calls.get_calibration(limit))
+
 
 __all__ = ["AsyncClient"]

@@ -150,6 +150,41 @@ def append_messages(
     )
 
 
+def set_transcript_settings(
+    transcript_id: str, settings: Mapping[str, Any], idempotency_key: str | None
+) -> Call[models.TranscriptOut]:
+    # Signed, and a repeat with its key is answered as the first (nothing changes twice).
+    return Call(
+        "PUT",
+        f"/v1/transcripts/{transcript_segment(transcript_id)}",
+        models.TranscriptOut,
+        body=json_body(dict(settings)),
+        signed=True,
+        idempotency_key=delivery_key(idempotency_key),
+    )
+
+
+def record_feedback(
+    coverage: float,
+    answer_kept: bool,
+    origin: str,
+    compaction_id: int | None,
+    idempotency_key: str | None,
+) -> Call[models.FeedbackOut]:
+    # Signed; stored once per key (a repeat answers 200 with duplicate true), so it may be sent again.
+    payload: dict[str, Any] = {"coverage": coverage, "answer_kept": answer_kept, "origin": origin}
+    if compaction_id is not None:
+        payload["compaction_id"] = compaction_id
+    return Call(
+        "POST",
+        "/v1/feedback",
+        models.FeedbackOut,
+        body=json_body(payload),
+        signed=True,
+        idempotency_key=delivery_key(idempotency_key),
+    )
+
+
 def retry_job(job_id: int, skipped: bool) -> Call[models.JobOut]:
     # Not deduplicated by the server: a repeat of a retry that did go through is answered 409 (the job
     # is already queued), so only a request that surely never arrived is sent again.
@@ -305,6 +340,15 @@ def list_transcripts(limit: int) -> Call[models.TranscriptList]:
 
 def get_context(transcript_id: str) -> Call[models.ContextOut]:
     return Call("GET", f"/v1/transcripts/{transcript_segment(transcript_id)}/context", models.ContextOut)
+
+
+def list_compactions(transcript_id: str, limit: int, before_id: int | None) -> Call[models.CompactionsOut]:
+    path = f"/v1/transcripts/{transcript_segment(transcript_id)}/compactions"
+    return Call("GET", path, models.CompactionsOut, params=_query(limit=limit, before_id=before_id))
+
+
+def get_calibration(limit: int) -> Call[models.CalibrationOut]:
+    return Call("GET", "/v1/calibration", models.CalibrationOut, params=_query(limit=limit))
 
 
 def list_messages(transcript_id: str, after_seq: int | None, limit: int) -> Call[models.MessagesOut]:

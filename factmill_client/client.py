@@ -362,5 +362,36 @@ class Client:
         """The transcript's full history in order, page by page."""
         return self.iterate(calls.messages_paging(transcript_id, page_size))
 
+    def set_transcript_settings(
+        self, transcript_id: str, settings: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> models.TranscriptOut:
+        """Create a transcript or change its settings (signed): only the settings sent change."""
+        return self.send(calls.set_transcript_settings(transcript_id, settings, idempotency_key))
+
+    def list_compactions(
+        self, transcript_id: str, *, limit: int = 50, before_id: int | None = None
+    ) -> models.CompactionsOut:
+        """Its compactions, newest first: an ``id`` and its ``coverage`` are what record_feedback takes."""
+        return self.send(calls.list_compactions(transcript_id, limit, before_id))
+
+    # ------------------------------------------------------------------ calibration
+
+    def record_feedback(
+        self,
+        coverage: float,
+        answer_kept: bool,
+        *,
+        origin: str,
+        compaction_id: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> models.FeedbackOut:
+        """Label a compaction for calibration (signed): whether the answer survived its summary, with the
+        coverage it scored. Stored once per key: a repeat answers ``duplicate`` true."""
+        return self.send(calls.record_feedback(coverage, answer_kept, origin, compaction_id, idempotency_key))
+
+    def get_calibration(self, *, limit: int = 50) -> models.CalibrationOut:
+        """The threshold the quality gate uses now, the observations, and ``limit`` versions of history."""
+        return self.send(calls.get_calibration(limit))
+
 
 __all__ = ["Client"]

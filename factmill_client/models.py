@@ -373,6 +373,87 @@ class MessagesOut(Model):
     next_after_seq: int | None
 
 
+class CompactionOut(Model):
+    id: int  # the compaction_id record_feedback takes
+    transcript_id: str
+    status: str  # accepted | rejected | failed
+    cut_seq: int
+    previous_id: int | None
+    summary: str | None
+    tokens_before: int
+    tokens_after: int | None
+    coverage: float | None  # what a label of it carries (record_feedback's coverage)
+    density: float | None
+    threshold_tau: float | None
+    threshold_version: int | None
+    attempts: int
+    missed_terms: list[str]
+    attempt_log: list[dict[str, Any]]
+    error: str | None
+    job_id: int | None
+    created_at: datetime
+
+
+class CompactionsOut(Model):
+    transcript_id: str
+    compactions: list[CompactionOut]  # newest first
+    next_before_id: int | None = None  # older ones follow: ask again with before_id set to this
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+class FeedbackOut(Model):
+    id: int
+    duplicate: bool  # this key (or this exact judgement of the compaction) was stored before
+    coverage: float
+    answer_kept: bool
+    origin: str
+    compaction_id: int | None
+    recompute_job_id: int | None  # set when this observation made a recompute due
+
+
+class ThresholdOut(Model):
+    version: int
+    tau: float | None  # None: no threshold was computed (see reason)
+    active: bool
+    reason: str
+    alpha: float
+    target_recall: float
+    min_observations: int
+    n: int
+    n_bad: int
+    calibration_n: int
+    calibration_n_bad: int
+    held_out_n: int
+    held_out_n_bad: int
+    held_out_accepted: int
+    held_out_rate: float | None
+    split_method: str
+    max_observation_id: int | None
+    trigger: str
+    job_id: int | None
+    computed_at: datetime
+    activated_at: datetime | None
+
+
+class ObservationsOut(Model):
+    n: int
+    kept: int
+    lost: int
+    since_last_version: int
+    last_at: datetime | None
+
+
+class CalibrationOut(Model):
+    tau: float  # what gates use now
+    version: int | None  # the active version; None: none is, and tau is the fallback
+    fallback: bool
+    active: ThresholdOut | None
+    observations: ObservationsOut
+    history: list[ThresholdOut]  # newest first
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -335,6 +335,39 @@ def test_a_transcript_named_dot_dot_is_reached_through_its_own_routes(service: S
             client.get_transcript(".")
 
 
+def test_transcript_settings_compactions_feedback_and_calibration(service: Service, factory):
+    """The client had no call for them: a user labelling a compaction (README's flow) signed and keyed
+    POST /v1/feedback by hand, and could not list the compactions to label."""
+    from models import Compaction
+
+    key = new_key(factory, ["read", "ingest"])
+    with Client(service.base_url, api_key=key) as client:
+        settings = client.set_transcript_settings(
+            "labelled", {"context_window": 9000, "reserve_tokens": 1000}
+        )
+        assert (settings.settings.context_window, settings.settings.reserve_tokens) == (9000, 1000)
+        again = client.set_transcript_settings("labelled", {"instructions": "keep the numbers"})
+        assert again.settings.context_window == 9000 and again.settings.instructions == "keep the numbers"
+        with factory.begin() as session:  # a compaction the gate judged (the worker's to make, normally)
+            row = Compaction(
+                transcript_id="labelled", status="rejected", cut_seq=0, tokens_before=10, coverage=0.7
+            )
+            session.add(row)
+            session.flush()
+            compaction_id = row.id
+        [listed] = client.list_compactions("labelled").compactions
+        assert (listed.id, listed.coverage) == (compaction_id, 0.7)
+        before = client.get_calibration().observations.n
+        label = {"origin": "eval:client", "compaction_id": compaction_id, "idempotency_key": "label-1"}
+        first = client.record_feedback(listed.coverage, True, **label)
+        repeat = client.record_feedback(listed.coverage, True, **label)
+        assert (first.duplicate, repeat.duplicate, repeat.id) == (False, True, first.id)
+        calibration = client.get_calibration(limit=5)
+        assert calibration.observations.n == before + 1 and calibration.tau > 0
+        with pytest.raises(Conflict):  # a coverage other than the one the compaction scored
+            client.record_feedback(0.2, False, origin="eval:client", compaction_id=compaction_id)
+
+
 def test_async_client_appends_a_transcript_and_pages_through_it(service: Service, factory):
     key = new_key(factory, ["read", "ingest"])
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "text": f"message {i}"} for i in range(5)]

@@ -47,6 +47,10 @@ MAKERS: list[tuple[Any, tuple[Any, ...]]] = [
     (calls.cancel_backfill, (1,)),
     (calls.get_context, ("t",)),
     (calls.list_messages, ("t", 1, 1)),
+    (calls.set_transcript_settings, ("t", {"context_window": 9000}, None)),
+    (calls.list_compactions, ("t", 5, 2)),
+    (calls.record_feedback, (0.5, True, "eval", 3, None)),
+    (calls.get_calibration, (5,)),
 ]
 CALLS: list[calls.Call[Any]] = [maker(*args) for maker, args in MAKERS]
 
