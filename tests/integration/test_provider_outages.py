@@ -337,3 +337,51 @@ def test_a_run_the_database_cut_short_leaves_the_clock_unless_it_fails_the_job(
     set_job(factory, job_id, provider_outage_since=started)
     assert run_job(rt, job_id, kind_doing(work)).status == ("retry" if kept else "failed")
     assert since(factory, job_id) == (started if kept else None)
+
+
+class AnswersThenDown:
+    """``llm``, answering its first ``answers`` chats, then a 503 past the retry layer (an outage)."""
+
+    def __init__(self, llm, answers: int) -> None:  # type: ignore[no-untyped-def]
+        self.llm, self.provider, self.model, self.left = llm, llm.provider, llm.model, answers
+
+    def chat(self, request):  # type: ignore[no-untyped-def]
+        self.left -= 1
+        if self.left < 0:
+            raise LLMError("HTTP 503: overloaded", retryable=True, status=503)
+        return self.llm.chat(request)
+
+    def embed(self, texts, *, purpose="embedding"):  # type: ignore[no-untyped-def]
+        return self.llm.embed(texts, purpose=purpose)
+
+
+def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_clock(
+    factory, runtime, sim
+) -> None:
+    """An edited page is re-extracted whole and commits at its end: its answered segments, held for the
+    swap, were not counted as going forward, so an outage that began mid-run was taken for the job's
+    own failure and spent an attempt (five outages, five attempts, each paying for the page again)."""
+    from tests.integration.test_extraction import SAMPLE_BODY, put_page
+    from worker.jobs.outbox import page_subject
+
+    rt = runtime(
+        llm="simulator",
+        simulator_url=sim.base_url,
+        llm_max_attempts=1,
+        llm_concurrency=1,
+        consolidate_after_extraction=False,
+        embed_after_extraction=False,
+        job_provider_outage_patience_seconds=PATIENCE,
+    )
+    subject = page_subject("default", "chats/whole")
+    put_page(factory, "chats/whole")
+    with factory.begin() as session:
+        first = request_job(session, EXTRACTION, subject).job_id
+    assert run_job(rt, first, EXTRACTION).status == "succeeded"
+    put_page(factory, "chats/whole", body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, subject).job_id
+    rt._llm = AnswersThenDown(rt.llm, answers=1)  # the first segment answered, the second not
+    assert run_job(rt, job_id, EXTRACTION).status == "retry"
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (0, 0) and state.provider_outage_since is not None

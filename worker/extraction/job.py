@@ -144,8 +144,10 @@ def extract_page(ctx: JobContext) -> WorkResult:
             "outage" if away else "retry",
             counters=counters_dict,
             note=reason,
-            # (An outage that began mid-run, not the page's. A page re-extracted whole commits at its end.)
-            progressed=counters.segments_processed + counters.segments_skipped > 0,
+            # (An outage that began mid-run, not the page's. A page re-extracted whole commits at its end:
+            # the segments it held for the swap went forward too, or an outage mid-run spent an attempt.)
+            progressed=counters.segments_processed + counters.segments_skipped > 0
+            or any(p.segments for p in failed),
         )
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its
