@@ -773,6 +773,9 @@ def test_serve_in_production_says_the_older_signatures_are_on_unless_chosen(caps
     warn_of_unchosen_legacy_signatures(Settings(environment="production"))
     said = " ".join(capsys.readouterr().err.split())
     assert "FACTMILL_ACCEPT_V2_SIGNATURES and FACTMILL_ACCEPT_V3_SIGNATURES accept the older" in said, said
+    warn_of_unchosen_legacy_signatures(Settings(environment="production", accept_v2_signatures=False))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "FACTMILL_ACCEPT_V3_SIGNATURES accepts the older" in said and "V2" not in said, said
     for chosen in (
         Settings(environment="production", accept_v2_signatures=True, accept_v3_signatures=False),
         Settings(environment="test"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -76,22 +77,26 @@ def _rabbitmq_answers() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _rabbitmq_answers(), reason="no RabbitMQ on 127.0.0.1:5672 (CI has one)")
+@pytest.mark.skipif(not _rabbitmq_answers(), reason="no RabbitMQ answers on 127.0.0.1:5672")
 def test_the_sweeps_depth_of_a_queue_celery_made_on_rabbitmq_is_known() -> None:
     """Declared with py-amqp's defaults (not durable, auto-delete), a queue Celery had made durable was
-    refused by RabbitMQ (406): the depth was never known, and every sweep sent every overdue job again."""
+    refused by RabbitMQ (406): the depth was never known, and every sweep sent every overdue job again.
+    (A queue of the test's own, declared as Celery declares its queues: the broker may be shared.)"""
+    from kombu import Exchange, Queue
+
     from worker.jobs.celery_app import create_app
     from worker.jobs.sending import broker_queue_depth
 
     celery = create_app(Settings(broker_url=RABBITMQ))
-    queue = "extraction"
+    name = f"factmill-test-depth-{uuid.uuid4().hex}"
+    celery.amqp.queues.add(Queue(name, Exchange(name, type="direct"), routing_key=name))
     with celery.connection_for_write() as connection:
-        declared = celery.amqp.queues[queue](connection.default_channel)
-        declared.declare()  # as a worker declares it
-        declared.purge()
+        declared = celery.amqp.queues[name](connection.default_channel)
+        declared.declare()  # as a worker declares it: durable
         try:
-            celery.send_task("tasks.extraction.extract_page", args=[0], queue=queue)
-            celery.send_task("tasks.extraction.extract_page", args=[0], queue=queue)
-            assert broker_queue_depth(queue, celery) == 2
+            celery.send_task("tasks.extraction.extract_page", args=[0], queue=name)
+            celery.send_task("tasks.extraction.extract_page", args=[0], queue=name)
+            assert broker_queue_depth(name, celery) == 2
         finally:
-            declared.purge()  # no message for a later test's worker
+            declared.delete()
+            declared.exchange.delete()

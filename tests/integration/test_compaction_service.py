@@ -48,7 +48,7 @@ from worker.jobs import outbox as jobs
 from worker.jobs.lifecycle import run_job
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve, provider_unavailable
 from worker.llm.openai_compat import OpenAIChatClient
-from worker.llm.retry import RetryingClient, RetryPolicy
+from worker.llm.retry import AttemptRecord, RetryingClient, RetryPolicy
 from worker.llm.types import ChatRequest, ChatResponse, EmbeddingResponse, Usage
 from worker.runtime import Runtime
 from worker.settings import Settings
@@ -2063,12 +2063,15 @@ def test_a_call_under_no_job_keeps_no_provider_words_an_erasure_could_not_reach(
 
     append(tx_factory, "now", session_messages(25), settings=SETTINGS)
     quoting = LLMError("HTTP 503: overloaded while reading 'Ship the Q3 deck'", retryable=True, status=503)
+    earlier = LLMError("HTTP 500: failed on 'Ship the Q3 deck'", retryable=True, status=500)
+    # The gateway's earlier try of the same call: a row of its own, which no attempt log names either.
+    quoting.attempts = (AttemptRecord(1, earlier, 7), AttemptRecord(2, quoting, 9))
     with pytest.raises(LLMError):
         compact_transcript(tx_factory, ScriptedLLM(quoting), "now", threshold=lambda: FALLBACK)
     erase_transcript(tx_factory, "now", "test")
-    [call] = llm_calls(tx_factory)
-    assert call.job_id is None and call.outcome == "provider_error"
-    assert "Q3 deck" not in (call.error or "") and "503" in (call.error or ""), call.error
+    calls = llm_calls(tx_factory)
+    assert [(c.job_id, c.outcome) for c in calls] == [(None, "provider_error")] * 2
+    assert all("Q3 deck" not in (c.error or "") and "HTTP 5" in (c.error or "") for c in calls), calls
 
 
 def test_a_key_or_model_the_provider_refuses_retries_the_job_and_stores_no_failed_compaction(

@@ -369,7 +369,8 @@ def warn_of_unchosen_legacy_signatures(settings: Settings) -> None:
         return
     names = " and ".join(f"FACTMILL_{name.upper()}" for name in unchosen)
     message = (
-        f"{names} accept the older signatures by default: set false once every sender signs v4 "
+        f"{names} {'accepts' if len(unchosen) == 1 else 'accept'} the older signatures by default: set false "
+        "once every sender signs v4 "
         "(factmill_client does; a captured v3 or unkeyed v2 delivery can be re-aimed or stored twice), "
         "or true to keep them"
     )
