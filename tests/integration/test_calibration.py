@@ -1419,6 +1419,25 @@ def test_cli_recompute_now_honours_the_kill_switch(cli: Any, factory: sessionmak
     assert cli("recompute", "--override-disabled").exit_code == 2  # only with --now
 
 
+def test_cli_retire_puts_the_gates_back_on_the_fallback_until_a_recompute_earns_a_version(
+    cli: Any, factory: sessionmaker[Session]
+) -> None:
+    """No way out of a τ an operator distrusts: calibration.enabled=false pauses recomputes only (the
+    gates kept the version), and the only other lever, compaction.quality_gate, stops gating at all."""
+    add(factory, separated())
+    assert cli("recompute", "--now").exit_code == 0
+    earned = current(factory)
+    assert earned.version is not None
+    retired = cli("retire")
+    assert retired.exit_code == 0 and f"version {earned.version} (τ = " in retired.output, retired.output
+    assert current(factory) == FALLBACK
+    # Nothing new: the next recompute writes nothing and activates nothing; --force evaluates again.
+    assert cli("recompute", "--now").exit_code == 0 and current(factory) == FALLBACK
+    again = cli("retire", "--json")
+    assert json.loads(again.stdout) == {"retired_version": None, "retired_tau": None}
+    assert cli("recompute", "--now", "--force").exit_code == 0 and current(factory).version is not None
+
+
 def advisory_waiter(factory: sessionmaker[Session]) -> bool:
     """Whether a session of this test's database waits for an advisory lock (pg_locks is the
     cluster's: another test process's waiter counted)."""

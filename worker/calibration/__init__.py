@@ -14,6 +14,7 @@ from worker.calibration.entrypoints import (
     import_csv,
     recompute,
     request_recompute,
+    retire_active_version,
 )
 from worker.calibration.job import KIND, PAUSED_REASON, recompute_job
 from worker.calibration.queries import (
@@ -97,6 +98,7 @@ __all__ = [
     "recompute_job",
     "request_recompute",
     "request_recompute_if_due",
+    "retire_active_version",
     "split_observations",
     "store_observations",
     "threshold_history",

@@ -33,6 +33,7 @@ add_observation = _on_store(service.add_observation)
 request_recompute = _on_store(service.request_recompute)
 import_csv = _on_store(service.import_csv)
 recompute = _on_store(service.recompute)
+retire_active_version = _on_store(service.retire_active)
 
 
 class ThresholdCache(service.ThresholdCache):

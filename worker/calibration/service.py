@@ -251,6 +251,19 @@ def _succession(
     return f"{retired} and is retired" + describe_succession(False, FALLBACK), FALLBACK
 
 
+def retire_active(store: CalibrationStore) -> ActiveThreshold:
+    """Retire the active version, if any (serialized with recomputes): the gates take the fallback τ
+    until a recompute earns a new version (one with nothing new is "unchanged" and activates nothing;
+    `--force` evaluates again). The operator's way out of a τ they distrust: the kill switch pauses
+    recomputes only, and the gates kept the version. Returns the version that was active."""
+    with store.recomputing() as versions:
+        current = versions.active()
+        if current.version is not None:
+            versions.retire_active()
+            logger.warning("calibration version %s (τ=%s) retired by hand", current.version, current.tau)
+    return current
+
+
 def recompute(
     store: CalibrationStore,
     *,

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from models import CalibrationThreshold
 from models.reads import one_snapshot
 from worker.calibration import (
+    FALLBACK,
     ActiveThreshold,
     CsvFormatError,
     ObservationError,
@@ -24,6 +25,7 @@ from worker.calibration import (
     observation_stats,
     recompute,
     request_recompute,
+    retire_active_version,
     threshold_history,
 )
 from worker.cli.console import counting_bar, err, fail, fields, folding_table, out, print_json, styled, when
@@ -364,6 +366,29 @@ def recompute_command(
     out.print(headline)
     out.print(f"  {result.reason}", highlight=False)
     out.print(f"gates use τ = {describe_tau(result.active.tau)}" + _version_note(result.active))
+
+
+@calibration_app.command("retire")
+def retire_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Retire the active threshold version: the quality gate takes the fallback τ until a recompute
+    earns a new one (workers see it within FACTMILL_THRESHOLD_CACHE_SECONDS)."""
+    retired = retire_active_version(checked_factory())
+    if as_json:
+        _print_json(
+            {"retired_version": retired.version, "retired_tau": retired.tau if retired.version else None}
+        )
+        return
+    if retired.version is None:
+        out.print(f"no version is active; gates use the fallback τ = {describe_tau(FALLBACK.tau)}")
+        return
+    out.print(f"version {retired.version} (τ = {_tau(retired.tau)}) retired")
+    out.print(
+        f"gates use the fallback τ = {describe_tau(FALLBACK.tau)} until a recompute earns a new version "
+        "(`factmill calibration recompute --now --force` evaluates again)",
+        highlight=False,
+    )
 
 
 def _version_note(active: ActiveThreshold) -> str:
