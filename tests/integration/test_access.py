@@ -386,6 +386,33 @@ def test_an_older_page_delivery_cannot_overwrite_a_newer_one(
     assert api.post("/v1/pages", content=later, headers=signed(later, timestamp=now + 1)).status_code == 202
 
 
+def test_a_signed_delivery_covers_its_second_beside_a_keyed_one_dated_to_the_microsecond(
+    factory: sessionmaker[Session],
+) -> None:
+    """A signed delivery is dated to its signature's second, a keyed one (or `factmill ingest`) to the
+    microsecond: content signed later in the second a keyed delivery was stored in was refused as
+    older (409, which a webhook sender takes as final: the newer content was lost)."""
+    from datetime import UTC, datetime
+
+    from worker.extraction.pages import PageIn, StaleDeliveryError, upsert_page
+
+    second = datetime(2026, 12, 7, 10, 0, 0, tzinfo=UTC)
+
+    def deliver(text: str, at: datetime) -> bool:
+        page = PageIn(source_id="default", slug="order/second", type="conversation", compiled_truth=text)
+        with factory.begin() as session:
+            return upsert_page(session, page, at).changed
+
+    assert deliver("keyed", second + timedelta(milliseconds=300))
+    with pytest.raises(StaleDeliveryError):  # a keyed one that arrived earlier is still older
+        deliver("keyed, arrived earlier", second + timedelta(milliseconds=100))
+    assert deliver("signed later in that second", second)  # t=10:00:00, signed at 10:00:00.8
+    with pytest.raises(StaleDeliveryError):  # a signature of the second before is older
+        deliver("signed before", second - timedelta(seconds=1))
+    with factory() as session:
+        assert session.scalars(select(Page.compiled_truth)).one() == "signed later in that second"
+
+
 def test_an_operators_ingest_is_dated_so_a_senders_older_retry_cannot_undo_it(
     api: TestClient, factory: sessionmaker[Session], tmp_path: Path
 ) -> None:

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sqlalchemy import bindparam, func, or_, select, update
+from sqlalchemy import and_, bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -211,6 +211,13 @@ _UPSERT = _INSERT.on_conflict_do_update(
         _INSERT.excluded.delivered_at.is_(None),
         PAGES.c.delivered_at.is_(None),
         PAGES.c.delivered_at <= _INSERT.excluded.delivered_at,
+        # A signed delivery is dated to its signature's second: it covers that second. Beside a keyed
+        # one dated to the microsecond (an API key's arrival, `factmill ingest`'s now()), newer content
+        # signed later in the same second was refused as "older" (409, and a sender took it as final).
+        and_(
+            _INSERT.excluded.delivered_at == func.date_trunc("second", _INSERT.excluded.delivered_at),
+            func.date_trunc("second", PAGES.c.delivered_at) <= _INSERT.excluded.delivered_at,
+        ),
     ),
 ).returning(PAGES.c.id)
 
