@@ -724,3 +724,24 @@ def test_a_compressed_body_is_refused_as_such(api: TestClient) -> None:
     document = api.get("/openapi.json").json()
     assert "415" in document["paths"]["/v1/pages"]["post"]["responses"]
     assert "415" not in document["paths"]["/v1/pages"]["get"]["responses"]  # no body to read
+
+
+def test_a_job_request_that_kept_meeting_a_finishing_job_is_a_503_to_send_again(
+    api: TestClient, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page whose pending job finished on every round of the request (never in practice) answered 500:
+    a bug, to a sender that might not send again. Nothing was stored, and the same request succeeds."""
+    from worker.api.routes import pages as routes
+    from worker.jobs.outbox import JobRequestContendedError
+
+    def contended(*_: Any) -> Any:
+        raise JobRequestContendedError("could not request an extraction job for 'default|contended'")
+
+    monkeypatch.setattr(routes, "page_changed", contended)
+    body = json.dumps({"pages": [page("contended")]}).encode()
+    answer = signed(api, "/v1/pages", body)
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
+    assert "nothing was stored, send it again" in answer.json()["detail"]
+    assert "contended" not in answer.text
+    with factory() as session:
+        assert session.scalar(text("SELECT count(*) FROM pages")) == 0

@@ -16,6 +16,7 @@ from worker.bodycap import BodyReadTimeoutError, BodyTooLargeError, too_large_de
 from worker.core.labels import quoted
 from worker.deliveries import DeliveryKeyReusedError
 from worker.guards import request_id_of, route_template, unexpected_answer
+from worker.jobs.outbox import JobRequestContendedError
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,15 @@ async def _body_too_slow(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, 408, headers={"Connection": "close"})
 
 
+async def _job_contended(_: Request, exc: Exception) -> JSONResponse:
+    # A subject's pending job finished on every round of the request (never in practice): nothing was
+    # stored (the transaction rolled back), and the same request succeeds a moment later. A 500 said a
+    # bug, and a sender might not have sent it again.
+    assert isinstance(exc, JobRequestContendedError)
+    detail = "a pending job of what this request changes kept finishing; nothing was stored, send it again"
+    return JSONResponse({"detail": detail}, 503, headers={"Retry-After": "1"})
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # RequestIdMiddleware answers unexpected errors first; this is the fallback outside it.
     request_id = request_id_of(request.scope)
@@ -130,6 +140,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BodyTooLargeError, _body_too_large)
     app.add_exception_handler(BodyReadTimeoutError, _body_too_slow)
     app.add_exception_handler(DeliveryKeyReusedError, _key_reused)
+    app.add_exception_handler(JobRequestContendedError, _job_contended)
     app.add_exception_handler(Exception, _unexpected_error)
 
 
