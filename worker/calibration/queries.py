@@ -80,10 +80,11 @@ def pending_recompute(request: JobRequest | None) -> list[tuple[int, str]]:
 
 
 def _conflict_message(obs: ObservationIn, row: Row[Any]) -> str:
+    # The stored observation by its id only: its values and its origin (a label that may name a person)
+    # went back to whoever reused the key, and every holder of the webhook secret is one sender.
     return (
         f"idempotency_key {obs.idempotency_key!r} was already used for a different observation "
-        f"(id {row.id}: coverage {row.coverage}, answer_kept {str(row.answer_kept).lower()}, "
-        f"origin {row.origin!r}); send a new key for a new observation"
+        f"(id {row.id}); send a new key for a new observation"
     )
 
 
