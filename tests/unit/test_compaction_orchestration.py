@@ -177,6 +177,9 @@ def test_tool_results_must_answer_the_assistant_turn_right_before_them() -> None
         link_tool_results([result("c1")], None)
     with pytest.raises(MessageError, match=r"messages\[2\]: tool call 'c1' was already answered"):
         link_tool_results([assistant("", ("c1", "sh")), result("c1"), result("c1")], None)
+    # A result naming another tool than its call's: stored, the history named a tool never called.
+    with pytest.raises(MessageError, match=r"messages\[1\]: tool result of call 'c1' names tool 'rm'"):
+        link_tool_results([assistant("", ("c1", "sh")), result("c1", name="rm")], None)
 
 
 def test_tool_results_may_answer_a_call_stored_by_an_earlier_append() -> None:

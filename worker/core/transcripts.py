@@ -207,6 +207,15 @@ def link_tool_results(
             )
         if call_id in unit.answered:
             raise MessageError(index, f"tool call {call_id!r} was already answered; send one result per call")
+        called = unit.calls[call_id]
+        if message.tool_name is not None and message.tool_name != called:
+            # Stored, the history and the context view named a tool that was never called (and a
+            # provider that pairs a result with its call by name refused the view).
+            raise MessageError(
+                index,
+                f"tool result of call {call_id!r} names tool {quoted(message.tool_name)} but the call was "
+                f"to {quoted(called)}; send the call's tool name, or none",
+            )
         unit.answered.add(call_id)
         if message.tool_name is None:
             message = TranscriptMessage(
